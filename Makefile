@@ -1,0 +1,31 @@
+# Two set-up commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused), install
+# torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines), then the
+# package with its test extra.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-gpu bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/hf-sparse-cp train
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-gpu: install
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

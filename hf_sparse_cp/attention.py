@@ -1,0 +1,133 @@
+"""The `sparse_cp` attention function, as transformers calls it.
+
+transformers passes q, k, v as [B, H, S, D] with key/value heads not expanded, plus keyword
+arguments that describe packing (`position_ids`, `cu_seq_lens_k`) and the layer (`sliding_window`,
+`softcap`, ...). This module turns those into `TokenMeta`, estimates the layout for the layer and
+runs exact attention restricted to it. It never sees or builds a [S, S] mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import torch
+
+from .config import SparseAttentionConfig
+from .layout import SparseLayout
+from .ops import block_sparse_attention
+from .pattern import estimate_layout
+from .stats import record_kept_fraction
+from .tokens import (
+    TokenMeta,
+    apply_padding_mask,
+    segments_from_cu_seqlens,
+    segments_from_position_ids,
+)
+
+CONFIG_ATTRIBUTE = "sparse_attention"
+
+
+@functools.lru_cache(maxsize=32)
+def _config_from_json(text: str) -> SparseAttentionConfig:
+    return SparseAttentionConfig.from_dict(json.loads(text))
+
+
+def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
+    """The sparse config stored on the module's model config (see `hf_sparse_cp.configure`), or the default."""
+    raw = getattr(getattr(module, "config", None), CONFIG_ATTRIBUTE, None)
+    if raw is None:
+        return _config_from_json("{}")
+    return _config_from_json(json.dumps(raw, sort_keys=True))
+
+
+def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
+    model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    if dropout and dropout > 0:
+        raise ValueError(
+            f"sparse_cp does not implement attention dropout (got dropout={dropout} for model type "
+            f"'{model_type}'); set `model.config.attention_dropout = 0.0` before training."
+        )
+    if softcap is not None:
+        raise ValueError(
+            f"sparse_cp does not implement attention logit soft-capping (softcap={softcap}, model type "
+            f"'{model_type}'); load this model with attn_implementation='eager' or 'sdpa'."
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            f"sparse_cp does not implement learned attention sinks (s_aux, model type '{model_type}'); load this "
+            "model with attn_implementation='eager'."
+        )
+    if not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"sparse_cp only computes causal self-attention, but this layer of model type '{model_type}' is "
+            "bidirectional; use attn_implementation='sdpa' for it."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"sparse_cp received a {attention_mask.dim()}D attention mask; it takes the 2D padding mask that its "
+            "registered mask function produces. Call hf_sparse_cp.patch() before building the model, and do not pass "
+            "custom 4D masks."
+        )
+
+
+def token_meta_from_kwargs(
+    batch: int, seq_len: int, device: torch.device, attention_mask: torch.Tensor | None, kwargs: dict
+) -> TokenMeta:
+    """Documents and padding of the batch from what transformers passes to attention."""
+    cu = kwargs.get("cu_seq_lens_k")
+    position_ids = kwargs.get("position_ids")
+    if cu is not None:
+        segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
+    elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
+        segment = segments_from_position_ids(position_ids.to(device).expand(batch, seq_len))
+    else:
+        segment = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    if attention_mask is not None:
+        segment = apply_padding_mask(segment, attention_mask[:, -seq_len:].to(device))
+    return TokenMeta.from_segments(segment)
+
+
+def _all_key_blocks(batch: int, q_len: int, k_len: int, block_size: int, device) -> SparseLayout:
+    """Every query block lists every key block (visibility comes from the token metadata)."""
+    nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)
+    blk = torch.arange(nkb, dtype=torch.int32, device=device).expand(batch, 1, nqb, nkb)
+    cnt = torch.full((batch, 1, nqb), nkb, dtype=torch.int32, device=device)
+    empty = torch.empty(batch, 1, nqb, 0, dtype=torch.int32, device=device)
+    return SparseLayout(blk, cnt, empty, torch.zeros_like(cnt), block_size)
+
+
+def sparse_cp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention backend registered as `sparse_cp`: returns ([B, S, H, D], None)."""
+    _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
+    cfg = model_config_for(module).for_layer(getattr(module, "layer_idx", None))
+    b, _, q_len, d = query.shape
+    k_len = key.shape[2]
+    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    if q_len == k_len:
+        meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
+        q_meta = k_meta = meta
+        with torch.no_grad():
+            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window)
+        record_kept_fraction(module, layout.kept_fraction())
+    else:
+        # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
+        k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
+        q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
+        layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
+    out, _ = block_sparse_attention(
+        query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window
+    )
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,196 @@
+"""Typed configuration of the sparse attention pattern.
+
+`SparseAttentionConfig` is a plain dataclass: every field carries help text, so
+`HfArgumentParser` turns it into command-line flags, and `from_file` / `to_dict` round-trip it
+through YAML or JSON. Invalid values raise a `ValueError` that says how to fix them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PATTERNS = ("vertical_slash", "dense")
+BUDGET_MODES = ("topk", "topp")
+
+
+@dataclass
+class SparseAttentionConfig:
+    """How the `sparse_cp` attention backend chooses which keys each query attends to.
+
+    With `pattern="vertical_slash"` (MTraining), every attention call estimates, per query head,
+    the key columns (verticals) and diagonals (slashes) that carry the attention mass of the last
+    `last_q` queries, and computes exact attention restricted to those blocks and columns.
+    """
+
+    pattern: Literal["vertical_slash", "dense"] = field(
+        default="vertical_slash",
+        metadata={"help": "Attention pattern: 'vertical_slash' (dynamic sparse, estimated per head at every call) "
+                  "or 'dense' (exact causal attention through the same block engine)."},
+    )
+    budget_mode: Literal["topk", "topp"] = field(
+        default="topk",
+        metadata={"help": "How many verticals / slashes a head keeps: 'topk' keeps a fixed number, 'topp' keeps "
+                  "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap."},
+    )
+    vertical_topk: int = field(
+        default=1024, metadata={"help": "Key columns kept per head in 'topk' mode (sink tokens come on top)."}
+    )
+    slash_topk: int = field(
+        default=2048, metadata={"help": "Diagonals kept per head in 'topk' mode (the local window comes on top)."}
+    )
+    vertical_topp: float = field(
+        default=0.9, metadata={"help": "Cumulative score mass of key columns kept per head in 'topp' mode."}
+    )
+    slash_topp: float = field(
+        default=0.9, metadata={"help": "Cumulative score mass of diagonals kept per head in 'topp' mode."}
+    )
+    vertical_cap: int = field(default=4096, metadata={"help": "Most key columns a head keeps in 'topp' mode."})
+    slash_cap: int = field(default=4096, metadata={"help": "Most diagonals a head keeps in 'topp' mode."})
+    sink_tokens: int = field(
+        default=64, metadata={"help": "First tokens of every document always attended to (attention sinks)."}
+    )
+    local_window: int = field(
+        default=128, metadata={"help": "Diagonals next to the main one always kept (local attention), >= 1."}
+    )
+    last_q: int = field(
+        default=64, metadata={"help": "Number of final queries of each document used to estimate the pattern."}
+    )
+    block_size: int = field(
+        default=128, metadata={"help": "Query/key block size of the layout and of the kernels (power of two)."}
+    )
+    min_seq_len: int = field(
+        default=8192,
+        metadata={"help": "Documents shorter than this many tokens use dense (causal) attention; longer ones are "
+                  "sparse."},
+    )
+    dense_first_layers: int = field(
+        default=0, metadata={"help": "Keep the first N decoder layers dense (a common accuracy safeguard)."}
+    )
+    layer_overrides: dict | str | None = field(
+        default=None,
+        metadata={"help": "Per-layer field overrides as a mapping (or its JSON text) from a layer index or an "
+                  "inclusive range 'a-b' to fields, e.g. '{\"0-1\": {\"pattern\": \"dense\"}, \"27\": "
+                  "{\"slash_topk\": 4096}}'."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_overrides, str):
+            try:
+                self.layer_overrides = json.loads(self.layer_overrides) if self.layer_overrides.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"layer_overrides is not valid JSON ({e}); pass e.g. '{{\"0-1\": {{\"pattern\": \"dense\"}}}}'"
+                ) from None
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"pattern={self.pattern!r} is unknown; use one of {PATTERNS}.")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget_mode={self.budget_mode!r} is unknown; use one of {BUDGET_MODES}.")
+        bs = self.block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"block_size={bs} must be a power of two >= 16; use 64 or 128.")
+        for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
+        for name in ("vertical_cap", "slash_cap", "last_q"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.local_window < 1:
+            raise ValueError(
+                f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
+                "'diagonal only' or the default 128."
+            )
+        for name in ("vertical_topp", "slash_topp"):
+            p = getattr(self, name)
+            if not 0.0 < p <= 1.0:
+                raise ValueError(f"{name}={p} must be in (0, 1]; 0.9 or 0.95 are usual.")
+        if self.layer_overrides is not None:
+            self._parsed_overrides()
+
+    def _parsed_overrides(self) -> list[tuple[int, int, dict[str, Any]]]:
+        """Overrides as (first_layer, last_layer, fields), validated."""
+        if not isinstance(self.layer_overrides, dict):
+            raise ValueError(f"layer_overrides must be a mapping, got {type(self.layer_overrides).__name__}.")
+        names = {f.name for f in dataclasses.fields(self)} - {"layer_overrides", "dense_first_layers"}
+        parsed = []
+        for key, fields_ in self.layer_overrides.items():
+            try:
+                lo, _, hi = str(key).partition("-")
+                first, last = int(lo), int(hi or lo)
+            except ValueError:
+                raise ValueError(
+                    f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. '0-3')."
+                ) from None
+            if not isinstance(fields_, dict):
+                raise ValueError(f"layer_overrides[{key!r}] must be a mapping of fields, got {fields_!r}.")
+            unknown = set(fields_) - names
+            if unknown:
+                raise ValueError(
+                    f"layer_overrides[{key!r}] has unknown fields {sorted(unknown)}; allowed: {sorted(names)}."
+                )
+            parsed.append((first, last, fields_))
+        return parsed
+
+    def for_layer(self, layer_idx: int | None) -> SparseAttentionConfig:
+        """The config one decoder layer uses, with `dense_first_layers` and `layer_overrides` applied."""
+        if layer_idx is None or (not self.dense_first_layers and not self.layer_overrides):
+            return self
+        changes: dict[str, Any] = {}
+        if layer_idx < self.dense_first_layers:
+            changes["pattern"] = "dense"
+        if self.layer_overrides:
+            for first, last, fields_ in self._parsed_overrides():
+                if first <= layer_idx <= last:
+                    changes.update(fields_)
+        if not changes:
+            return self
+        return dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SparseAttentionConfig:
+        """Build from a mapping; unknown keys are an error that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown sparse attention config keys {sorted(unknown)}; known keys: {sorted(known)}.")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SparseAttentionConfig:
+        """Load from a .yaml/.yml or .json file (a top-level `sparse_attention:` section is accepted)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"Sparse attention config file {str(path)!r} does not exist.")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"Config file {str(path)!r} must end in .yaml, .yml or .json.")
+        if isinstance(data, dict) and isinstance(data.get("sparse_attention"), dict):
+            data = data["sparse_attention"]
+        if not isinstance(data, dict):
+            raise ValueError(f"Config file {str(path)!r} must hold a mapping of fields.")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write as YAML or JSON, chosen by the file suffix."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")

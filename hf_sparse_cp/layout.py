@@ -1,0 +1,165 @@
+"""`SparseLayout`: the contract between pattern estimation, the attention kernels and the ring.
+
+A layout says, for every (batch row, head, query block), which keys are computed:
+
+* whole key *blocks* of `block_size` tokens (slashes become blocks along their diagonals, dense
+  regions become runs of blocks), and
+* extra vertical key *columns*, single token indices gathered one by one.
+
+Indices refer to the key tensor the kernel receives (blocks of `block_size` tokens, tokens by
+position). Which pairs inside a listed block are visible (causal order, same document, sliding
+window) is decided per token from `TokenMeta`, so a layout never has to encode the diagonal.
+
+Storage (all int32, padded with -1 past the count):
+
+    block_idx [B, Hl, NQB, max_blocks]  ascending key block indices
+    block_cnt [B, Hl, NQB]
+    col_idx   [B, Hl, NQB, max_cols]    ascending key token indices, none inside a listed block
+    col_cnt   [B, Hl, NQB]
+
+`Hl` is either the number of query heads or 1 (one layout shared by all heads, e.g. dense).
+Query head h of a GQA model reads key/value head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SparseLayout:
+    block_idx: torch.Tensor
+    block_cnt: torch.Tensor
+    col_idx: torch.Tensor
+    col_cnt: torch.Tensor
+    block_size: int
+
+    @property
+    def batch(self) -> int:
+        return self.block_idx.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.block_idx.shape[1]
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.block_idx.shape[2]
+
+    def head_index(self, num_q_heads: int) -> torch.Tensor:
+        """Layout head used by each query head (all zeros for a shared layout)."""
+        if self.heads == 1:
+            return torch.zeros(num_q_heads, dtype=torch.long)
+        return torch.arange(num_q_heads)
+
+    def validate(self, num_q_heads: int, q_len: int, k_len: int, strict: bool = False) -> None:
+        """Raise ValueError when the layout cannot drive attention over these sizes.
+
+        The cheap checks (shapes, dtypes, counts) always run; `strict` also checks the index
+        contents (range, order, columns disjoint from blocks), which reads the whole layout.
+        """
+        bs = self.block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"layout block_size={bs} must be a power of two >= 16.")
+        nqb, nkb = -(-q_len // bs), -(-k_len // bs)
+        for name in ("block_idx", "block_cnt", "col_idx", "col_cnt"):
+            t = getattr(self, name)
+            if t.dtype != torch.int32:
+                raise ValueError(f"layout.{name} must be int32, got {t.dtype}.")
+        b, h, n = self.block_cnt.shape
+        if self.block_idx.shape[:3] != (b, h, n) or self.col_idx.shape[:3] != (b, h, n) or self.col_cnt.shape != (
+            b,
+            h,
+            n,
+        ):
+            raise ValueError(
+                "layout tensors disagree on [batch, heads, query blocks]: "
+                f"block_idx {tuple(self.block_idx.shape)}, block_cnt {tuple(self.block_cnt.shape)}, "
+                f"col_idx {tuple(self.col_idx.shape)}, col_cnt {tuple(self.col_cnt.shape)}."
+            )
+        if n != nqb:
+            raise ValueError(f"layout has {n} query blocks but {q_len} queries need {nqb} blocks of {bs}.")
+        if h not in (1, num_q_heads):
+            raise ValueError(f"layout has {h} heads; expected 1 (shared) or {num_q_heads} (one per query head).")
+        if bool((self.block_cnt < 0).any() or (self.block_cnt > self.block_idx.shape[3]).any()):
+            raise ValueError("layout.block_cnt is outside [0, block_idx.shape[-1]].")
+        if bool((self.col_cnt < 0).any() or (self.col_cnt > self.col_idx.shape[3]).any()):
+            raise ValueError("layout.col_cnt is outside [0, col_idx.shape[-1]].")
+        if not strict:
+            return
+        blk_valid = _valid_mask(self.block_idx, self.block_cnt)
+        col_valid = _valid_mask(self.col_idx, self.col_cnt)
+        blk, col = self.block_idx.long(), self.col_idx.long()
+        if bool(((blk < 0) | (blk >= nkb))[blk_valid].any()):
+            raise ValueError(f"layout.block_idx holds key blocks outside [0, {nkb}).")
+        if bool(((col < 0) | (col >= k_len))[col_valid].any()):
+            raise ValueError(f"layout.col_idx holds key tokens outside [0, {k_len}).")
+        if not _strictly_ascending(blk, blk_valid) or not _strictly_ascending(col, col_valid):
+            raise ValueError("layout indices must be strictly ascending within each query block.")
+        # a column inside a listed block of the same query block would be counted twice
+        col_blk = torch.where(col_valid, col // bs, torch.full_like(col, -2))
+        hit = (col_blk.unsqueeze(-1) == torch.where(blk_valid, blk, -3).unsqueeze(-2)).any(-1)
+        if bool(hit.any()):
+            raise ValueError("layout.col_idx lists a key token that lies inside a listed block of the same query block.")
+
+    def num_computed_blocks(self) -> torch.Tensor:
+        """Computed work per (batch, head) in block units: listed blocks plus columns / block_size."""
+        return self.block_cnt.sum(-1).double() + self.col_cnt.sum(-1).double() / self.block_size
+
+    def kept_fraction(self) -> torch.Tensor:
+        """Computed blocks over the blocks of the causal lower triangle, averaged over batch and heads.
+
+        A 0-d float64 tensor on the layout's device (reading it with float() synchronizes).
+        """
+        n = self.num_q_blocks
+        return self.num_computed_blocks().mean() / (n * (n + 1) / 2)
+
+    def to_mask(self, num_q_heads: int, q_len: int, k_len: int) -> torch.Tensor:
+        """Dense boolean [B, Hq, q_len, k_len] mask of the listed keys (for tests and baselines)."""
+        bs = self.block_size
+        b, _, nqb = self.block_cnt.shape
+        nkb = -(-k_len // bs)
+        dev = self.block_idx.device
+        blk_valid = _valid_mask(self.block_idx, self.block_cnt)
+        blocks = torch.zeros(b, self.heads, nqb, nkb + 1, dtype=torch.bool, device=dev)
+        blocks.scatter_(-1, torch.where(blk_valid, self.block_idx.long(), nkb), True)
+        tok = blocks[..., :nkb].repeat_interleave(bs, dim=-1)[..., :k_len]
+        col_valid = _valid_mask(self.col_idx, self.col_cnt)
+        cols = torch.zeros(b, self.heads, nqb, k_len + 1, dtype=torch.bool, device=dev)
+        cols.scatter_(-1, torch.where(col_valid, self.col_idx.long(), k_len), True)
+        tok = tok | cols[..., :k_len]
+        mask = tok.repeat_interleave(bs, dim=2)[:, :, :q_len]
+        return mask[:, self.head_index(num_q_heads).to(dev)]
+
+
+def _valid_mask(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    return torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
+
+
+def _strictly_ascending(idx: torch.Tensor, valid: torch.Tensor) -> bool:
+    if idx.shape[-1] < 2:
+        return True
+    both = valid[..., 1:] & valid[..., :-1]
+    return bool((idx[..., 1:] > idx[..., :-1])[both].all())
+
+
+def compact_sorted(candidates: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row's valid candidates ascending, drop duplicates, pad with -1.
+
+    candidates, valid: [..., N]. Returns (int32 [..., M], int32 counts [...]) with M the largest count.
+    """
+    big = torch.iinfo(torch.int64).max
+    x = torch.where(valid, candidates.long(), big)
+    x, _ = torch.sort(x, dim=-1)
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.where(dup, big, x)
+    x, _ = torch.sort(x, dim=-1)
+    keep = x != big
+    cnt = keep.sum(-1)
+    width = int(cnt.max()) if cnt.numel() else 0
+    x = x[..., :width]
+    out = torch.where(keep[..., :width], x, -1).to(torch.int32)
+    return out, cnt.to(torch.int32)

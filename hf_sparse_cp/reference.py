@@ -1,0 +1,190 @@
+"""Exact attention restricted to a `SparseLayout`, in plain PyTorch (the kernels' fp32 reference).
+
+Work proceeds in chunks of query blocks: each chunk gathers only the keys its layout lists, so
+memory grows with the computed work, never with S^2. Backward recomputes the probabilities per
+chunk (flash-attention style) from the saved output and log-sum-exp, and scatters dK/dV into the
+key/value heads directly, so GQA needs no replicated K/V. Arithmetic is fp32 whatever the input
+dtype (fp64 for fp64 inputs); outputs come back in the input dtype, the log-sum-exp in fp32 (fp64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import SparseLayout
+from .tokens import PAD_SEGMENT, TokenMeta
+
+# Elements of the [B, H, chunk, block, keys] score tensor processed at once.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+class _Problem:
+    """Shapes, padded tensors and per-chunk key gathering shared by forward and backward."""
+
+    def __init__(self, q, k, v, layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):
+        b, hq, sq, d = q.shape
+        hk, sk = k.shape[1], k.shape[2]
+        self.b, self.hq, self.hk, self.sq, self.sk, self.d = b, hq, hk, sq, sk, d
+        self.group = hq // hk
+        self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bs = self.bs = layout.block_size
+        self.nqb = layout.num_q_blocks
+        self.sq_pad, self.sk_pad = self.nqb * bs, -(-sk // bs) * bs
+        self.layout = layout
+        self.window = window
+        self.q_meta = q_meta.pad_to(self.sq_pad)
+        self.k_meta = k_meta.pad_to(self.sk_pad)
+        self.lh = layout.head_index(hq).to(q.device)
+        self.kv_head = torch.arange(hq, device=q.device) // self.group
+        n_keys = layout.block_idx.shape[-1] * bs + layout.col_idx.shape[-1]
+        self.n_keys = n_keys
+        self.chunk = max(1, min(self.nqb, _CHUNK_ELEMENTS // max(1, b * hq * bs * max(n_keys, 1))))
+
+    def chunks(self):
+        for c0 in range(0, self.nqb, self.chunk):
+            yield c0, min(self.nqb, c0 + self.chunk)
+
+    def pad_q(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, Sq, ...] -> [B, H, NQB, bs, ...] in the compute dtype."""
+        x = x.to(self.dtype)
+        if self.sq_pad != self.sq:
+            x = torch.nn.functional.pad(x, (0,) * (2 * (x.dim() - 3)) + (0, self.sq_pad - self.sq))
+        return x.reshape(self.b, x.shape[1], self.nqb, self.bs, *x.shape[3:])
+
+    def keys(self, c0: int, c1: int):
+        """Key token indices [B, Hq, C, N] and the visibility mask [B, Hq, C, bs, N] of a chunk."""
+        lay = self.layout
+        bs = self.bs
+        blk = lay.block_idx[:, :, c0:c1].long()[:, self.lh]
+        bcnt = lay.block_cnt[:, :, c0:c1].long()[:, self.lh]
+        col = lay.col_idx[:, :, c0:c1].long()[:, self.lh]
+        ccnt = lay.col_cnt[:, :, c0:c1].long()[:, self.lh]
+        dev = blk.device
+        blk_ok = torch.arange(blk.shape[-1], device=dev) < bcnt.unsqueeze(-1)
+        tok = (blk.clamp_min(0).unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(-2)
+        tok_ok = blk_ok.repeat_interleave(bs, dim=-1)
+        col_ok = torch.arange(col.shape[-1], device=dev) < ccnt.unsqueeze(-1)
+        idx = torch.cat([tok, col.clamp_min(0)], -1)
+        ok = torch.cat([tok_ok, col_ok], -1)
+
+        b_ar = torch.arange(self.b, device=dev)[:, None]
+        k_index = self.k_meta.index[b_ar, idx.flatten(1)].view(idx.shape)
+        k_seg = self.k_meta.segment[b_ar, idx.flatten(1)].view(idx.shape)
+        q_index = self.q_meta.index[:, c0 * bs : c1 * bs].view(self.b, 1, c1 - c0, bs, 1)
+        q_seg = self.q_meta.segment[:, c0 * bs : c1 * bs].view(self.b, 1, c1 - c0, bs, 1)
+        k_index, k_seg = k_index.unsqueeze(-2), k_seg.unsqueeze(-2)
+        vis = ok.unsqueeze(-2) & (k_index <= q_index) & (k_seg == q_seg) & (q_seg != PAD_SEGMENT)
+        if self.window is not None:
+            vis &= q_index - k_index < self.window
+        return idx, vis
+
+    def gather(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Rows of a [B, Hk, Sk, D] tensor at key indices [B, Hq, C, N] -> [B, Hq, C, N, D], compute dtype."""
+        flat = self.flat_index(idx).flatten()
+        return x.reshape(-1, x.shape[-1]).index_select(0, flat).view(*idx.shape, x.shape[-1]).to(self.dtype)
+
+    def flat_index(self, idx: torch.Tensor) -> torch.Tensor:
+        b_off = torch.arange(self.b, device=idx.device).view(-1, 1, 1, 1) * (self.hk * self.sk)
+        h_off = self.kv_head.view(1, -1, 1, 1) * self.sk
+        return b_off + h_off + idx.clamp_max(self.sk - 1)
+
+
+def _probs(scores: torch.Tensor, vis: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.where(vis & torch.isfinite(lse).unsqueeze(-1), p, 0.0)
+
+
+def _forward(q, k, v, prob: _Problem, scale: float):
+    out = torch.empty(prob.b, prob.hq, prob.nqb, prob.bs, prob.d, dtype=prob.dtype, device=q.device)
+    lse = torch.empty(prob.b, prob.hq, prob.nqb, prob.bs, dtype=prob.dtype, device=q.device)
+    qp = prob.pad_q(q)
+    for c0, c1 in prob.chunks():
+        idx, vis = prob.keys(c0, c1)
+        kc, vc = prob.gather(k, idx), prob.gather(v, idx)
+        s = torch.einsum("bhcqd,bhcnd->bhcqn", qp[:, :, c0:c1], kc) * scale
+        s = s.masked_fill(~vis, float("-inf"))
+        l = torch.logsumexp(s, dim=-1)
+        p = _probs(s, vis, l)
+        out[:, :, c0:c1] = torch.einsum("bhcqn,bhcnd->bhcqd", p, vc)
+        lse[:, :, c0:c1] = l
+    out = out.flatten(2, 3)[:, :, : prob.sq]
+    return out, lse.flatten(2, 3)[:, :, : prob.sq]
+
+
+def _backward(q, k, v, out, lse, dout, dlse, prob: _Problem, scale: float):
+    qp, op, dop, lp = prob.pad_q(q), prob.pad_q(out), prob.pad_q(dout), prob.pad_q(lse)
+    delta = (op * dop).sum(-1)
+    if dlse is not None:
+        delta = delta - prob.pad_q(dlse)
+    dq = torch.zeros_like(qp)
+    dk = torch.zeros(prob.b * prob.hk * prob.sk, prob.d, dtype=prob.dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    for c0, c1 in prob.chunks():
+        idx, vis = prob.keys(c0, c1)
+        kc, vc = prob.gather(k, idx), prob.gather(v, idx)
+        qc = qp[:, :, c0:c1]
+        s = torch.einsum("bhcqd,bhcnd->bhcqn", qc, kc) * scale
+        p = _probs(s, vis, lp[:, :, c0:c1])
+        dp = torch.einsum("bhcqd,bhcnd->bhcqn", dop[:, :, c0:c1], vc)
+        ds = p * (dp - delta[:, :, c0:c1].unsqueeze(-1)) * scale
+        dq[:, :, c0:c1] = torch.einsum("bhcqn,bhcnd->bhcqd", ds, kc)
+        flat = prob.flat_index(idx).flatten()
+        dk.index_add_(0, flat, torch.einsum("bhcqn,bhcqd->bhcnd", ds, qc).reshape(-1, prob.d))
+        dv.index_add_(0, flat, torch.einsum("bhcqn,bhcqd->bhcnd", p, dop[:, :, c0:c1]).reshape(-1, prob.d))
+    dq = dq.flatten(2, 3)[:, :, : prob.sq]
+    shape = (prob.b, prob.hk, prob.sk, prob.d)
+    return dq, dk.view(shape), dv.view(shape)
+
+
+class _SparseAttentionReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window):
+        prob = _Problem(q, k, v, layout, q_meta, k_meta, window)
+        out, lse = _forward(q, k, v, prob, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prob, ctx.scale = prob, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.prob, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float | None = None,
+    q_meta: TokenMeta | None = None,
+    k_meta: TokenMeta | None = None,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over the keys `layout` lists, restricted to visible pairs.
+
+    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (no replication needed).
+    q_meta / k_meta: global order and documents of the tokens (default: one causal document,
+    queries and keys at the same positions). sliding_window: keys more than `sliding_window - 1`
+    tokens before the query are invisible (transformers' convention).
+
+    Returns (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] fp32, fp64 for fp64 inputs). Queries that see no key get
+    out = 0 and lse = -inf. Differentiable in q, k, v and through lse.
+    """
+    b, hq, sq, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] like q's batch; got k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
+    layout.validate(hq, sq, k.shape[2])
+    if q_meta is None:
+        q_meta = TokenMeta.contiguous(b, sq, q.device)
+    if k_meta is None:
+        k_meta = q_meta if k.shape[2] == sq else TokenMeta.contiguous(b, k.shape[2], q.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return _SparseAttentionReference.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window)

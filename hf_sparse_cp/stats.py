@@ -1,0 +1,30 @@
+"""Per-layer sparsity statistics, kept on the attention modules themselves (no global state).
+
+The attention function adds the kept fraction of every call to its module; a logging callback
+reads and resets them at each log step. Values stay on the device until read, so recording
+costs no synchronization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ATTR = "_hf_sparse_cp_kept"
+
+
+def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor) -> None:
+    total, count = getattr(module, _ATTR, (None, 0))
+    value = value.detach().double()
+    module.__dict__[_ATTR] = (value if total is None else total + value, count + 1)
+
+
+def pop_kept_fractions(model: torch.nn.Module) -> dict[int, float]:
+    """Mean kept fraction per layer index since the last call; resets the running sums."""
+    per_layer: dict[int, list[float]] = {}
+    for module in model.modules():
+        total, count = module.__dict__.pop(_ATTR, (None, 0))
+        if total is None or not count:
+            continue
+        layer = getattr(module, "layer_idx", None)
+        per_layer.setdefault(-1 if layer is None else int(layer), []).append(float(total) / count)
+    return {layer: sum(v) / len(v) for layer, v in sorted(per_layer.items())}

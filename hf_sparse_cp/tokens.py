@@ -1,0 +1,104 @@
+"""Per-token metadata that decides which (query, key) pairs may interact.
+
+A pair is visible when the key is not after the query in the global sequence (causal), both
+tokens belong to the same document, and the token is not padding. Sequence parallel shards
+carry their tokens' global indices, so the same rule holds on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_SEGMENT = -1
+
+
+@dataclass(frozen=True)
+class TokenMeta:
+    """Global order and document of each token of a [B, S] batch.
+
+    index:   int64 [B, S], the token's position in the full (unsharded) packed sequence.
+    segment: int32 [B, S], the document the token belongs to; `PAD_SEGMENT` (-1) marks padding.
+    """
+
+    index: torch.Tensor
+    segment: torch.Tensor
+
+    @classmethod
+    def contiguous(cls, batch: int, seq_len: int, device: torch.device | str | None = None) -> TokenMeta:
+        """One document per row, no padding."""
+        index = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        return cls(index, torch.zeros(batch, seq_len, dtype=torch.int32, device=device))
+
+    @classmethod
+    def from_segments(cls, segment: torch.Tensor) -> TokenMeta:
+        index = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
+        return cls(index, segment.to(torch.int32))
+
+    @property
+    def is_single_document(self) -> bool:
+        """True when every row is one unpadded document (the common long-context case)."""
+        return bool((self.segment == self.segment[:, :1]).all() and (self.segment[:, :1] >= 0).all())
+
+    def pad_to(self, length: int) -> TokenMeta:
+        """Extend to `length` tokens with padding that no query can see and that sees nothing."""
+        extra = length - self.index.shape[-1]
+        if extra <= 0:
+            return self
+        big = torch.iinfo(torch.int64).max // 2
+        b = self.index.shape[0]
+        index = torch.cat([self.index, torch.full((b, extra), big, dtype=self.index.dtype, device=self.index.device)], 1)
+        seg = torch.cat(
+            [self.segment, torch.full((b, extra), PAD_SEGMENT, dtype=self.segment.dtype, device=self.segment.device)],
+            1,
+        )
+        return TokenMeta(index, seg)
+
+
+def segments_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids from position_ids that restart for every packed document ([B, S] -> int32 [B, S])."""
+    new_doc = torch.ones_like(position_ids, dtype=torch.bool)
+    new_doc[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return new_doc.cumsum(dim=1).to(torch.int32) - 1
+
+
+def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """Document ids from cumulative sequence lengths (DataCollatorWithFlattening's `cu_seq_lens_k`).
+
+    The flattened batch is one row of `seq_len` tokens; tokens past the last boundary are padding.
+    """
+    if batch != 1:
+        raise ValueError(
+            f"cu_seq_lens describe one flattened row, but the batch has {batch} rows; use "
+            "DataCollatorWithFlattening, which packs the batch into a single row."
+        )
+    cu = cu_seqlens.to(torch.int64)
+    if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seq_len:
+        raise ValueError(f"cu_seq_lens must rise from 0 to at most the sequence length {seq_len}; got {cu.tolist()}.")
+    pos = torch.arange(seq_len, device=cu.device)
+    seg = torch.searchsorted(cu[1:], pos, right=True).to(torch.int32)
+    seg[pos >= cu[-1]] = PAD_SEGMENT
+    return seg.unsqueeze(0)
+
+
+def apply_padding_mask(segment: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mark the tokens where a 2D attention mask is 0 as padding."""
+    if attention_mask.shape != segment.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(segment.shape)} ([batch, seq])."
+        )
+    return torch.where(attention_mask.bool(), segment, torch.full_like(segment, PAD_SEGMENT))
+
+
+def document_starts(meta: TokenMeta) -> torch.Tensor:
+    """For every token, the global index of the first token of its document (int64 [B, S]).
+
+    Assumes the tokens of a row are in global order with documents contiguous, as in a packed
+    sequence or a contiguous shard of one.
+    """
+    seg = meta.segment
+    new_doc = torch.ones_like(seg, dtype=torch.bool)
+    new_doc[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    start = torch.where(new_doc, meta.index, torch.zeros_like(meta.index))
+    return torch.cummax(start, dim=1).values
