@@ -1,16 +1,56 @@
-"""Block-sparse attention over a `SparseLayout`: one entry point, the best implementation available.
+"""Block-sparse attention over a `SparseLayout`: primitives, autograd, and the public function.
 
-CUDA tensors run the Triton kernels of `hf_sparse_cp.kernels`; everything else runs the
-PyTorch reference. Both return (out in q's dtype, lse fp32) and are differentiable.
+Layers, bottom up:
+* forward/backward primitives (`sparse_attention_forward`, `sparse_attention_backward`) that pick
+  the implementation by device: the Triton kernels of `hf_sparse_cp.kernels` on CUDA, the PyTorch
+  reference (`hf_sparse_cp.reference`) elsewhere. Ring attention calls these per ring step.
+* `_BlockSparseAttention`, an autograd Function that saves tensors and calls the primitives;
+* `block_sparse_attention`, the documented public function with shape checks.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layout import SparseLayout
-from .reference import sparse_attention_reference
+from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
+
+
+def sparse_attention_forward(q, k, v, layout, *, scale, q_meta, k_meta, sliding_window=None):
+    """(out, lse) in the compute dtype (fp32; fp64 for fp64 inputs) for the keys the layout lists."""
+    return reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+
+
+def sparse_attention_backward(q, k, v, out, lse, dout, layout, *, scale, q_meta, k_meta, sliding_window=None, dlse=None):
+    """(dq, dk, dv) in the compute dtype; `out`/`lse` are the final ones (see `reference_backward`)."""
+    return reference_backward(
+        q, k, v, out, lse, dout, layout,
+        scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window, dlse=dlse,
+    )
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window):
+        out, lse = sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                            sliding_window=window)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, q_meta, k_meta, scale, window)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, q_meta, k_meta, scale, window = ctx.args
+        dq, dk, dv = sparse_attention_backward(
+            q, k, v, out, lse, dout, layout,
+            scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=window, dlse=dlse,
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def block_sparse_attention(
@@ -24,7 +64,25 @@ def block_sparse_attention(
     k_meta: TokenMeta | None = None,
     sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over the keys `layout` lists (see `sparse_attention_reference` for the contract)."""
-    return sparse_attention_reference(
-        q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window
-    )
+    """Exact attention over the keys `layout` lists, restricted to visible pairs.
+
+    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (no replication needed).
+    q_meta / k_meta: global order and documents of the tokens (default: one causal document,
+    queries and keys at the same positions). sliding_window: keys `sliding_window` or more tokens
+    before the query are invisible (transformers' convention).
+
+    Returns (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Queries that
+    see no key get out = 0 and lse = -inf. Differentiable in q, k, v and through lse.
+    """
+    b, hq, sq, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] like q's batch; got k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
+    layout.validate(hq, sq, k.shape[2])
+    if q_meta is None:
+        q_meta = TokenMeta.contiguous(b, sq, q.device)
+    if k_meta is None:
+        k_meta = q_meta if k.shape[2] == sq else TokenMeta.contiguous(b, k.shape[2], q.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window)

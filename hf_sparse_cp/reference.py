@@ -9,7 +9,6 @@ dtype (fp64 for fp64 inputs); outputs come back in the input dtype, the log-sum-
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -138,53 +137,41 @@ def _backward(q, k, v, out, lse, dout, dlse, prob: _Problem, scale: float):
     return dq, dk.view(shape), dv.view(shape)
 
 
-class _SparseAttentionReference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window):
-        prob = _Problem(q, k, v, layout, q_meta, k_meta, window)
-        out, lse = _forward(q, k, v, prob, scale)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.prob, ctx.scale = prob, scale
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.prob, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
-
-
-def sparse_attention_reference(
+def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     layout: SparseLayout,
     *,
-    scale: float | None = None,
-    q_meta: TokenMeta | None = None,
-    k_meta: TokenMeta | None = None,
+    scale: float,
+    q_meta: TokenMeta,
+    k_meta: TokenMeta,
     sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over the keys `layout` lists, restricted to visible pairs.
+    """Forward primitive: (out, lse), both in the compute dtype (fp32, or fp64 for fp64 inputs)."""
+    return _forward(q, k, v, _Problem(q, k, v, layout, q_meta, k_meta, sliding_window), scale)
 
-    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (no replication needed).
-    q_meta / k_meta: global order and documents of the tokens (default: one causal document,
-    queries and keys at the same positions). sliding_window: keys more than `sliding_window - 1`
-    tokens before the query are invisible (transformers' convention).
 
-    Returns (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] fp32, fp64 for fp64 inputs). Queries that see no key get
-    out = 0 and lse = -inf. Differentiable in q, k, v and through lse.
+def reference_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float,
+    q_meta: TokenMeta,
+    k_meta: TokenMeta,
+    sliding_window: int | None = None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward primitive: (dq, dk, dv) in the compute dtype.
+
+    `out` and `lse` are the *final* attention output and log-sum-exp of these queries, which may
+    cover more keys than this layout (ring attention): probabilities are exp(s - lse), so each
+    key set contributes its exact share of the gradient. `dlse` is the gradient reaching lse.
     """
-    b, hq, sq, d = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] like q's batch; got k {tuple(k.shape)}, v {tuple(v.shape)}.")
-    if hq % k.shape[1]:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
-    layout.validate(hq, sq, k.shape[2])
-    if q_meta is None:
-        q_meta = TokenMeta.contiguous(b, sq, q.device)
-    if k_meta is None:
-        k_meta = q_meta if k.shape[2] == sq else TokenMeta.contiguous(b, k.shape[2], q.device)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return _SparseAttentionReference.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window)
+    prob = _Problem(q, k, v, layout, q_meta, k_meta, sliding_window)
+    return _backward(q, k, v, out, lse, dout, dlse, prob, scale)
