@@ -43,12 +43,16 @@ def patch(fused_loss: bool = True) -> None:
     if _active is not None:
         return
     patches = PatchSet()
-    _register(patches, AttentionInterface, sparse_cp_attention_forward)
-    _register(patches, AttentionMaskInterface, flash_attention_mask)
-    if fused_loss:
-        from .loss import patch_causal_lm_loss
+    try:
+        _register(patches, AttentionInterface, sparse_cp_attention_forward)
+        _register(patches, AttentionMaskInterface, flash_attention_mask)
+        if fused_loss:
+            from .loss import patch_causal_lm_loss
 
-        patch_causal_lm_loss(patches)
+            patch_causal_lm_loss(patches)
+    except BaseException:
+        patches.undo()  # leave transformers as it was
+        raise
     _active = patches
 
 

@@ -1,0 +1,50 @@
+"""Glue between the plugin and a stock Trainer script."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from .arguments import SparseCPArguments
+from .callbacks import SparsityLoggingCallback
+from .config import SparseAttentionConfig
+from .model import configure
+from .registration import patch
+
+logger = logging.getLogger(__name__)
+
+
+def enable_sparse_attention(
+    model: torch.nn.Module,
+    sparse_args: SparseCPArguments,
+    attention_config: SparseAttentionConfig | None = None,
+    training_args: TrainingArguments | None = None,
+    max_length: int | None = None,
+) -> SparseAttentionConfig:
+    """Register the backend, switch `model` to it with `attention_config`, and turn gradient
+    checkpointing on for long sequences. Returns the config in use."""
+    config = sparse_args.attention_config(attention_config)
+    patch(fused_loss=sparse_args.fused_loss)
+    configure(model, config)
+    threshold = sparse_args.gradient_checkpointing_min_length
+    if (
+        training_args is not None
+        and max_length is not None
+        and threshold
+        and max_length >= threshold
+        and not training_args.gradient_checkpointing
+    ):
+        logger.info("Sequence length %d >= %d: turning gradient checkpointing on.", max_length, threshold)
+        training_args.gradient_checkpointing = True
+    return config
+
+
+def attach_to_trainer(trainer: Trainer, sparse_args: SparseCPArguments) -> Trainer:
+    """Add the plugin's callbacks to `trainer` (sparsity logging first, before the reporters)."""
+    if sparse_args.log_sparsity and not any(
+        isinstance(cb, SparsityLoggingCallback) for cb in trainer.callback_handler.callbacks
+    ):
+        trainer.callback_handler.callbacks.insert(0, SparsityLoggingCallback())
+    return trainer

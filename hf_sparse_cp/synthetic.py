@@ -1,0 +1,107 @@
+"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import SparseLayout, compact_sorted
+from .pattern import build_layout
+from .tokens import TokenMeta
+
+
+def random_layout(
+    batch: int,
+    heads: int,
+    q_len: int,
+    k_len: int,
+    block_size: int,
+    block_density: float,
+    col_density: float = 0.0,
+    *,
+    causal: bool = True,
+    generator: torch.Generator | None = None,
+) -> SparseLayout:
+    """Arbitrary per-query-block key blocks and columns (no structure), each kept with the given density.
+
+    With `causal`, only key blocks up to the query block's own index are drawn, the diagonal block
+    is always listed, and columns lie before the query block.
+    """
+    nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)
+    qb = torch.arange(nqb).view(1, 1, -1, 1)
+    kb = torch.arange(nkb).view(1, 1, 1, -1)
+    keep = torch.rand(batch, heads, nqb, nkb, generator=generator) < block_density
+    if causal:
+        keep = (keep & (kb <= qb)) | (kb == qb)
+    block_idx, block_cnt = compact_sorted(kb.expand_as(keep), keep)
+    tok = torch.arange(k_len).view(1, 1, 1, -1)
+    cols = torch.rand(batch, heads, nqb, k_len, generator=generator) < col_density
+    in_listed_block = torch.gather(keep, 3, (tok // block_size).expand_as(cols))
+    cols &= ~in_listed_block
+    if causal:
+        cols &= tok < qb * block_size
+    col_idx, col_cnt = compact_sorted(tok.expand_as(cols), cols)
+    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, block_size)
+
+
+def random_vertical_slash_layout(
+    batch: int,
+    heads: int,
+    seq_len: int,
+    block_size: int,
+    num_diagonals: int,
+    num_verticals: int,
+    meta: TokenMeta | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> SparseLayout:
+    """A vertical-slash layout with random diagonals (the main one always) and random columns per head."""
+    nb = -(-seq_len // block_size)
+    diagonals = torch.zeros(batch, heads, nb, dtype=torch.bool)
+    for d in torch.rand(batch, heads, nb, generator=generator).argsort(-1)[..., : max(0, num_diagonals - 1)].unbind(-1):
+        diagonals.scatter_(-1, d.unsqueeze(-1), True)
+    diagonals[..., 0] = True
+    verticals = torch.zeros(batch, heads, seq_len, dtype=torch.bool)
+    picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
+    verticals.scatter_(-1, picks, True)
+    meta = TokenMeta.contiguous(batch, seq_len) if meta is None else meta
+    return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
+
+
+def planted_qk(
+    num_q_heads: int,
+    num_kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    verticals: list[list[int]],
+    offsets: list[list[int]],
+    *,
+    logit: float = 8.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, Hq, S, D], k [1, Hkv, S, D] whose attention concentrates on planted columns and diagonals.
+
+    Query head h attends strongly to key columns `verticals[h]` (a shared "sink" direction in the
+    keys) and to offsets `offsets[h]` (q and k carry matching random codes, k shifted by the offset).
+    Heads of one GQA group share their key head, so their plants must be compatible: the key side
+    is the union of the group's plants, each query head reads only its own. A planted pair's
+    scaled score (q.k / sqrt(D)) is about `logit`; unrelated pairs score about 0.
+    """
+    g = num_q_heads // num_kv_heads
+    amp = (logit * head_dim**0.5) ** 0.5
+    d_half = head_dim // 2
+    noise = 0.1
+    q = noise * torch.randn(1, num_q_heads, seq_len, head_dim, generator=generator)
+    k = noise * torch.randn(1, num_kv_heads, seq_len, head_dim, generator=generator)
+    for h in range(num_q_heads):
+        kv = h // g
+        if verticals[h]:
+            direction = torch.randn(d_half, generator=generator)
+            direction /= direction.norm()
+            q[0, h, :, :d_half] += amp * direction
+            k[0, kv, verticals[h], :d_half] += amp * direction
+        for off in offsets[h]:
+            codes = torch.randn(seq_len, head_dim - d_half, generator=generator)
+            codes /= codes.norm(dim=-1, keepdim=True)
+            q[0, h, :, d_half:] += amp * codes
+            k[0, kv, : seq_len - off, d_half:] += amp * codes[off:]
+    return q, k

@@ -1,0 +1,36 @@
+"""Naive dense oracles for tests: full [S, S] score matrices in fp64 (small sizes only)."""
+
+import torch
+
+from hf_sparse_cp.tokens import TokenMeta
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def visible(q_meta: TokenMeta, k_meta: TokenMeta, window=None) -> torch.Tensor:
+    """[B, 1, Sq, Sk] visibility from token metadata."""
+    qi, ki = q_meta.index[:, :, None], k_meta.index[:, None, :]
+    qs, ks = q_meta.segment[:, :, None], k_meta.segment[:, None, :]
+    vis = (ki <= qi) & (qs == ks) & (qs >= 0)
+    if window is not None:
+        vis &= qi - ki < window
+    return vis[:, None]
+
+
+def dense_attention(q, k, v, mask, scale=None):
+    """fp64 (out, lse) of attention under a boolean [B, 1|H, Sq, Sk] mask; GQA by repetition."""
+    g = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(mask, torch.exp(s - lse[..., None].clamp_min(-1e300)), 0.0)
+    return torch.einsum("bhqk,bhkd->bhqd", p, v), lse
+
+
+def rel_rms(a, b, where=None):
+    a, b = a.detach().double(), b.detach().double()
+    if where is not None:
+        a, b = a[where], b[where]
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))

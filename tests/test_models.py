@@ -1,0 +1,143 @@
+"""Tiny random models of every supported family: `sparse_cp` against `sdpa`."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.tiny_models import SUPPORTED_MODEL_TYPES, tiny_config
+
+from oracle import TOLERANCE, rel_rms
+
+S = 150
+DENSE = SparseAttentionConfig(pattern="dense", block_size=32)
+
+
+@pytest.fixture(autouse=True)
+def _patched():
+    hf_sparse_cp.patch(fused_loss=False)
+    yield
+    hf_sparse_cp.unpatch()
+
+
+def _pair(model_type, dtype=torch.float32, config=DENSE, **overrides):
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="sdpa", dtype=dtype)
+    ours = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    hf_sparse_cp.configure(ours, config)
+    assert ref.config._attn_implementation == "sdpa" and ours.config._attn_implementation == "sparse_cp"
+    return ref, ours
+
+
+def _loss_and_grads(model, **inputs):
+    model.zero_grad()
+    out = model(**inputs)
+    loss = out.logits.float().logsumexp(-1).mean()  # touches every logit
+    loss.backward()
+    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_dense_pattern_matches_sdpa(model_type, dtype):
+    ref, ours = _pair(model_type, dtype)
+    ids = torch.randint(3, 259, (2, S), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = _loss_and_grads(ref, input_ids=ids)
+    logits, grads = _loss_and_grads(ours, input_ids=ids)
+    tol = TOLERANCE[dtype]
+    assert rel_rms(logits, ref_logits) <= tol
+    for name, g in grads.items():
+        assert rel_rms(g, ref_grads[name]) <= 4 * tol, name
+
+
+def test_short_sequences_stay_dense_under_the_sparse_pattern():
+    ref, ours = _pair("qwen2", config=SparseAttentionConfig(block_size=32, min_seq_len=S + 1, slash_topk=4))
+    ids = torch.randint(3, 259, (1, S))
+    assert rel_rms(ours(ids).logits, ref(ids).logits) <= TOLERANCE[torch.float32]
+
+
+def test_sparse_pattern_changes_attention_and_records_kept_fraction():
+    cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16,
+                                sink_tokens=2)
+    ref, ours = _pair("llama", config=cfg)
+    ids = torch.randint(3, 259, (1, 256))
+    assert rel_rms(ours(ids).logits, ref(ids).logits) > 1e-3
+    kept = hf_sparse_cp.stats.pop_kept_fractions(ours)
+    assert sorted(kept) == [0, 1] and all(0 < v < 0.6 for v in kept.values())
+    assert hf_sparse_cp.stats.pop_kept_fractions(ours) == {}
+
+
+def _docs(lengths, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_packed_documents_by_position_ids(model_type):
+    ref, ours = _pair(model_type)
+    docs = _docs([40, 71, 39])
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    packed = ours(input_ids=ids, position_ids=pos).logits[0]
+    alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    assert rel_rms(packed, alone) <= TOLERANCE[torch.float32]
+
+
+def test_packed_documents_by_flattening_collator():
+    ref, ours = _pair("qwen3")
+    docs = _docs([33, 90, 27])
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
+    assert "cu_seq_lens_k" in batch
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    packed = ours(**inputs).logits[0]
+    alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    assert rel_rms(packed, alone) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_is_honoured(side):
+    ref, ours = _pair("mistral")
+    ids = torch.randint(3, 259, (2, S))
+    mask = torch.ones(2, S, dtype=torch.long)
+    pad = slice(0, 20) if side == "left" else slice(S - 20, S)
+    mask[1, pad] = 0
+    real = mask.bool()
+    a, b = ours(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits
+    assert rel_rms(a[real], b[real]) <= TOLERANCE[torch.float32]
+    assert torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3"])
+def test_sliding_window_models(model_type):
+    extra = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True} if model_type == "qwen3" else {}
+    ref, ours = _pair(model_type, sliding_window=24, **extra)
+    ids = torch.randint(3, 259, (1, S))
+    assert rel_rms(ours(ids).logits, ref(ids).logits) <= TOLERANCE[torch.float32]
+    no_window, _ = _pair(model_type)  # control: same weights without the window differ
+    assert rel_rms(ours(ids).logits, no_window(ids).logits) > 1e-3
+
+
+def test_greedy_generation_matches_sdpa():
+    ref, ours = _pair("qwen2")
+    prompt = torch.randint(3, 259, (1, 40))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, **kw), ref.generate(prompt, **kw))
+
+
+def test_unsupported_features_are_refused_with_the_fix():
+    _, ours = _pair("llama", attention_dropout=0.1)
+    ours.train()
+    with pytest.raises(ValueError, match="attention_dropout = 0.0"):
+        ours(torch.randint(3, 259, (1, 32)))
+    layer = ours.model.layers[0].self_attn
+    x = torch.randn(1, 4, 32, 32)
+    kv = torch.randn(1, 2, 32, 32)
+    fn = hf_sparse_cp.attention.sparse_cp_attention_forward
+    with pytest.raises(ValueError, match="soft-capping.*'llama'"):
+        fn(layer, x, kv, kv, None, softcap=30.0)
+    with pytest.raises(ValueError, match="learned attention sinks"):
+        fn(layer, x, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="4D attention mask"):
+        fn(layer, x, kv, kv, torch.ones(1, 1, 32, 32, dtype=torch.bool))

@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_sparse_cp
+from hf_sparse_cp.tiny_models import tiny_config
+
+
+def test_import_patches_nothing():
+    code = (
+        "import hf_sparse_cp; from transformers import AttentionInterface;"
+        "from transformers.masking_utils import AttentionMaskInterface;"
+        "assert 'sparse_cp' not in AttentionInterface() and 'sparse_cp' not in AttentionMaskInterface();"
+        "assert not hf_sparse_cp.is_patched()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_patch_unpatch_round_trip():
+    assert "sparse_cp" not in AttentionInterface()
+    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch(fused_loss=False)  # idempotent
+    assert AttentionInterface()["sparse_cp"] is hf_sparse_cp.attention.sparse_cp_attention_forward
+    assert "sparse_cp" in AttentionMaskInterface()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+    model(torch.randint(3, 259, (1, 20)))
+    hf_sparse_cp.unpatch()
+    assert "sparse_cp" not in AttentionInterface() and "sparse_cp" not in AttentionMaskInterface()
+    assert not hf_sparse_cp.is_patched()
+    with pytest.raises((KeyError, ValueError)):
+        AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+    hf_sparse_cp.unpatch()  # a no-op when not patched
+
+
+def test_unpatch_restores_a_previous_registration():
+    def other(*args, **kwargs):
+        raise AssertionError("not called")
+
+    AttentionInterface.register("sparse_cp", other)
+    try:
+        hf_sparse_cp.patch(fused_loss=False)
+        assert AttentionInterface()["sparse_cp"] is not other
+        hf_sparse_cp.unpatch()
+        assert AttentionInterface()["sparse_cp"] is other
+    finally:
+        AttentionInterface._global_mapping.pop("sparse_cp", None)
+
+
+def test_configure_stores_config_on_the_model():
+    hf_sparse_cp.patch(fused_loss=False)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))
+    cfg = hf_sparse_cp.SparseAttentionConfig(slash_topk=3)
+    hf_sparse_cp.configure(model, cfg)
+    assert model.config._attn_implementation == "sparse_cp"
+    assert model.config.sparse_attention["slash_topk"] == 3
+    layer = model.model.layers[1].self_attn
+    assert hf_sparse_cp.attention.model_config_for(layer) == cfg
