@@ -1,0 +1,395 @@
+"""End-to-end training step: stock `sdpa`, `sdpa` + liger-kernel, and `sparse_cp`, S doubling until OOM.
+
+One training step is forward, backward and AdamW on one sequence of S tokens (B = 1) of a
+Qwen2.5-0.5B- or 1.5B-shaped model (random init, bf16 weights, gradient checkpointing, loss from
+`model(input_ids, labels=...)`). Every (model, variant, S) runs in a fresh subprocess, so an
+out-of-memory error cannot leave fragments behind for the next; a variant stops doubling at its
+first failure. Reported: median step time of the timed steps after warm-up, tokens/s, peak memory
+(`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the
+mean kept fraction of attention blocks it actually ran. Prints a table and writes JSON (device,
+versions, date, settings, results) to benchmarks/results/.
+
+    python benchmarks/bench_e2e.py                                   # GPU: 0.5B and 1.5B, S = 8K .. 512K
+    python benchmarks/bench_e2e.py --models 1.5b --variants sparse_cp --min_seq 65536 --slash_topk 1024
+    python benchmarks/bench_e2e.py --tiny                            # CPU smoke run: tiny model, S = 1K .. 4K
+
+Flags of `SparseAttentionConfig` (--vertical_topk, --slash_topk, --block_size, ...) set the pattern
+of the `sparse_cp` variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+VARIANTS = ("sdpa", "sdpa+liger", "sparse_cp")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Qwen2.5 shapes (Qwen2Config fields). Both sizes tie the input embedding and the LM head, as the
+# released Qwen2.5-0.5B and 1.5B do.
+MODEL_SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True),
+}
+
+# Pattern of the `sparse_cp` variant under --tiny (fields left at their defaults on the command line),
+# scaled so that 1K-4K token sequences are sparse rather than below `min_seq_len`.
+TINY_SPARSE = dict(block_size=64, min_seq_len=512, vertical_topk=64, slash_topk=64, sink_tokens=16,
+                   local_window=64, last_q=32)
+
+
+@dataclass
+class BenchArguments:
+    models: list[str] | None = field(
+        default=None,
+        metadata={"help": f"Model shapes, from {sorted(MODEL_SHAPES)}; default 0.5b 1.5b (tiny with --tiny)."},
+    )
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={"help": f"From {VARIANTS}."})
+    min_seq: int | None = field(
+        default=None, metadata={"help": "First sequence length; default 8192 (1024 with --tiny)."}
+    )
+    max_seq: int | None = field(
+        default=None, metadata={"help": "Longest sequence length tried, S doubling; default 524288 (4096 with --tiny)."}
+    )
+    warmup_steps: int = field(default=1, metadata={"help": "Untimed steps first (AdamW state, allocator warm-up)."})
+    timed_steps: int = field(default=3, metadata={"help": "Timed steps; the median is reported."})
+    tiny: bool = field(
+        default=False,
+        metadata={"help": "CPU-sized smoke run: the tiny model, short sequences and a tiny sparse pattern (each "
+                  "unless given explicitly)."},
+    )
+    device: str = field(default="auto", metadata={"help": "'cuda', 'cpu' or 'auto' (cuda when available)."})
+    timeout_s: int = field(default=3600, metadata={"help": "Wall-clock limit of one (model, variant, S) run."})
+    seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
+    output: str | None = field(
+        default=None, metadata={"help": "JSON path; default benchmarks/results/e2e_<device>_<date>.json."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.models is None:
+            self.models = ["tiny"] if self.tiny else ["0.5b", "1.5b"]
+        if self.min_seq is None:
+            self.min_seq = 1024 if self.tiny else 8192
+        if self.max_seq is None:
+            self.max_seq = 4096 if self.tiny else 524288
+        unknown = set(self.models) - set(MODEL_SHAPES)
+        if unknown:
+            raise ValueError(f"Unknown models {sorted(unknown)}; use {sorted(MODEL_SHAPES)}.")
+        unknown = set(self.variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"Unknown variants {sorted(unknown)}; use {VARIANTS}.")
+        if not 1 <= self.min_seq <= self.max_seq:
+            raise ValueError(f"Need 1 <= min_seq <= max_seq; got {self.min_seq}, {self.max_seq}.")
+        if self.warmup_steps < 0 or self.timed_steps < 1:
+            raise ValueError("warmup_steps must be >= 0 and timed_steps >= 1.")
+
+    def seq_lens(self) -> list[int]:
+        lens, s = [], self.min_seq
+        while s <= self.max_seq:
+            lens.append(s)
+            s *= 2
+        return lens
+
+
+# ------------------------------------------------------------------------------ one run (subprocess)
+
+
+def skip_reason(variant: str, device_type: str) -> str | None:
+    """Why `variant` cannot run on this machine, or None."""
+    if variant != "sdpa+liger":
+        return None
+    if device_type != "cuda":
+        return "liger-kernel's Triton kernels need a CUDA GPU"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed; pip install 'hf-sparse-cp[liger]'"
+    return None
+
+
+def environment(device) -> dict:
+    import torch
+    import transformers
+
+    def version(module: str) -> str | None:
+        try:
+            return __import__(module).__version__
+        except ImportError:
+            return None
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        cpuinfo = Path("/proc/cpuinfo")
+        if cpuinfo.exists():
+            models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("model name")]
+            name = models[0] if models else name
+        name = f"CPU {name} ({os.cpu_count()} cores)"
+    return {
+        "device": name,
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": version("triton"),
+        "liger_kernel": version("liger_kernel"),
+        "python": platform.python_version(),
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+
+
+def build_model(model_name: str, seq_len: int, attn_implementation: str, device, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        **MODEL_SHAPES[model_name],
+        max_position_embeddings=max(32768, seq_len),
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def _peak_gib(device) -> dict:
+    import torch
+
+    if device.type == "cuda":
+        return {"peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+                "memory_metric": "torch.cuda.max_memory_allocated"}
+    return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "memory_metric": "process peak RSS"}
+
+
+def run_one(spec: dict) -> dict:
+    """Build the model of `spec`, run warm-up and timed training steps, return the measurements."""
+    import torch
+
+    device = torch.device(spec["device"])
+    variant, seq_len = spec["variant"], spec["seq_len"]
+    result = {"model": spec["model"], "variant": variant, "seq_len": seq_len, "env": environment(device)}
+
+    reason = skip_reason(variant, device.type)
+    if reason is not None:
+        return {**result, "status": "skipped", "reason": reason}
+    if variant == "sdpa+liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+        apply_liger_kernel_to_qwen2()
+    if variant == "sparse_cp":
+        import hf_sparse_cp
+        from hf_sparse_cp.loss import resolve_backend
+
+        hf_sparse_cp.patch()
+        result["loss_backend"] = resolve_backend(device)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        model = build_model(spec["model"], seq_len, "sparse_cp" if variant == "sparse_cp" else "sdpa", device,
+                            spec["seed"])
+        if variant == "sparse_cp":
+            from hf_sparse_cp import SparseAttentionConfig, configure
+            from hf_sparse_cp.stats import pop_kept_fractions
+
+            configure(model, SparseAttentionConfig.from_dict(spec["sparse"]))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        generator = torch.Generator().manual_seed(spec["seed"])
+        input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator).to(device)
+
+        times, losses = [], []
+        for step in range(spec["warmup_steps"] + spec["timed_steps"]):
+            if step == spec["warmup_steps"] and variant == "sparse_cp":
+                pop_kept_fractions(model)  # keep only the timed steps' statistics
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):  # CPU allocator
+            raise
+        return {**result, "status": "oom", "reason": str(e).splitlines()[0], **_peak_gib(device)}
+
+    timed = times[spec["warmup_steps"]:]
+    step_s = statistics.median(timed)
+    result.update(status="ok", step_s=step_s, tokens_per_s=seq_len / step_s, step_times_s=timed, losses=losses,
+                  **_peak_gib(device))
+    if variant == "sparse_cp":
+        per_layer = pop_kept_fractions(model)
+        result["kept_fraction"] = sum(per_layer.values()) / len(per_layer) if per_layer else None
+        result["kept_fraction_per_layer"] = per_layer
+    return result
+
+
+def worker_main(spec_json: str, result_path: str) -> None:
+    spec = json.loads(spec_json)
+    try:
+        result = run_one(spec)
+    except Exception as e:  # reported as data: one failed configuration must not end the sweep
+        result = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"], "status": "error",
+                  "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
+    Path(result_path).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------- sweep (parent)
+
+
+def run_in_subprocess(spec: dict, timeout_s: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), str(result_path)]
+        base = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"]}
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {**base, "status": "timeout", "reason": f"exceeded {timeout_s} s"}
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        # No result file: the process died (a SIGKILL is usually the kernel's out-of-memory killer).
+        status = "oom" if proc.returncode == -9 else "error"
+        return {**base, "status": status, "reason": f"worker exited with {proc.returncode}: {proc.stderr[-2000:]}"}
+
+
+def memory_check(results: list[dict]) -> list[dict]:
+    """On a GPU, sparse_cp's peak memory vs the liger-kernel run at the same (model, S); an OOM fails."""
+    liger = {(r["model"], r["seq_len"]): r for r in results
+             if r["variant"] == "sdpa+liger" and r["status"] == "ok"
+             and r.get("memory_metric") == "torch.cuda.max_memory_allocated"}
+    checks = []
+    for r in results:
+        ref = liger.get((r["model"], r["seq_len"]))
+        if r["variant"] != "sparse_cp" or ref is None or r["status"] not in ("ok", "oom"):
+            continue
+        ok = r["status"] == "ok"
+        checks.append({"model": r["model"], "seq_len": r["seq_len"], "sparse_cp_status": r["status"],
+                       "sparse_cp_gib": r.get("peak_gib") if ok else None, "liger_gib": ref["peak_gib"],
+                       "pass": ok and r["peak_gib"] <= ref["peak_gib"]})
+    return checks
+
+
+def format_table(results: list[dict]) -> str:
+    header = (f"{'model':<6} {'variant':<11} {'S':>7} {'status':<8} {'step s':>8} {'tokens/s':>9} {'peak GiB':>9} "
+              f"{'kept':>6}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        kept = r.get("kept_fraction")
+        if r["status"] == "ok":
+            cells = (f"{r['step_s']:8.3f}", f"{r['tokens_per_s']:9.0f}", f"{r['peak_gib']:9.2f}",
+                     f"{kept:6.3f}" if kept is not None else f"{'':6}")
+        else:
+            cells = (f"{'':8}", f"{'':9}", f"{r['peak_gib']:9.2f}" if "peak_gib" in r else f"{'':9}", f"{'':6}")
+        row = f"{r['model']:<6} {r['variant']:<11} {r['seq_len'] // 1024:>6}K {r['status']:<8} "
+        lines.append(row + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()[:40] or "device"
+
+
+def parse_args(argv):
+    from transformers import HfArgumentParser
+
+    from hf_sparse_cp import SparseAttentionConfig
+
+    parser = HfArgumentParser((BenchArguments, SparseAttentionConfig))
+    args, sparse = parser.parse_args_into_dataclasses(argv)
+    if args.tiny:
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+        sparse = dataclasses.replace(sparse, **{k: v for k, v in TINY_SPARSE.items() if k not in given})
+    return args, sparse
+
+
+def main(argv: list[str]) -> dict:
+    args, sparse = parse_args(argv)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # does not create a CUDA context here
+    results = []
+    for model in args.models:
+        for variant in args.variants:
+            for seq_len in args.seq_lens():
+                spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
+                        "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "seed": args.seed,
+                        "sparse": sparse.to_dict()}
+                reason = skip_reason(variant, device)
+                if reason is not None:  # known without starting a process
+                    r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
+                else:
+                    r = run_in_subprocess(spec, args.timeout_s)
+                results.append(r)
+                if r["status"] == "ok":
+                    summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"
+                else:
+                    summary = r.get("reason", "")
+                print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
+                if r["status"] != "ok":
+                    break  # a longer sequence cannot succeed where this one did not
+
+    env = next((r["env"] for r in results if "env" in r), {"device": device})
+    for r in results:
+        r.pop("env", None)
+    report = {
+        "benchmark": "bench_e2e",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **env,
+        "settings": {**{k: v for k, v in dataclasses.asdict(args).items() if k != "output"},
+                     "batch_size": 1, "dtype": "bfloat16", "optimizer": "AdamW", "gradient_checkpointing": True,
+                     "model_shapes": {m: MODEL_SHAPES[m] for m in args.models}},
+        "sparse_attention": sparse.to_dict(),
+        "results": results,
+        "memory_check": memory_check(results),
+    }
+    print()
+    print(f"{env['device']}, torch {env.get('torch')}, transformers {env.get('transformers')}")
+    print(format_table(results))
+    for check in report["memory_check"]:
+        if not check["pass"]:
+            used = "ran out of memory" if check["sparse_cp_gib"] is None else f"{check['sparse_cp_gib']:.2f} GiB"
+            print(f"WARNING: sparse_cp used more memory than liger-kernel for {check['model']} at "
+                  f"S={check['seq_len']}: {used} vs {check['liger_gib']:.2f} GiB")
+    out = Path(args.output) if args.output else (
+        RESULTS_DIR / f"e2e_{_slug(env['device'])}_{datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1:])

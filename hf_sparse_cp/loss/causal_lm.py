@@ -1,0 +1,145 @@
+"""Causal-LM `forward` that trains without materializing [B, S, vocab] logits, patched in reversibly.
+
+The stock forward of the supported `*ForCausalLM` classes computes `lm_head` over every position
+and then an fp32 cross-entropy: at 64K tokens and a 151936-token vocabulary that alone is tens of
+GiB. The replacement runs the base model, then `linear_cross_entropy` straight from the final
+hidden states (liger-kernel on CUDA when installed, chunked PyTorch otherwise) and returns
+`logits=None`, like liger-kernel does. It takes this path only when it can reproduce the stock loss:
+training mode, labels or `shift_labels` given, the default `ForCausalLM` loss, a plain linear
+`lm_head` with a local weight, no logit soft-capping. Every other call goes to the original forward,
+unchanged. One difference: stock computes a loss only when `labels` is given, the lean path also from
+`shift_labels` alone (as liger-kernel does), which is how context parallelism passes them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.loss.loss_utils import LOSS_MAPPING
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
+
+from ..patching import PatchSet
+from .dispatch import linear_cross_entropy
+
+# Classes whose forward is `model -> lm_head(hidden[:, logits_to_keep]) -> ForCausalLMLoss`.
+SUPPORTED_CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+def _is_distributed_tensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _takes_lean_path(model, labels, kwargs) -> bool:
+    lm_head = model.lm_head
+    return (
+        model.training
+        and (labels is not None or kwargs.get("shift_labels") is not None)
+        and model.loss_function is LOSS_MAPPING["ForCausalLM"]
+        and getattr(model.config, "final_logit_softcapping", None) is None
+        # A PEFT-wrapped head (LoRA, modules_to_save) is not an nn.Linear: its weight alone is not the head.
+        and isinstance(lm_head, torch.nn.Linear)
+        # A sharded weight (FSDP2 outside its unsharded forward) must go through the module's hooks.
+        and not _is_distributed_tensor(lm_head.weight)
+    )
+
+
+@can_return_tuple
+def _forward_with_lean_loss(
+    model,
+    *,
+    input_ids,
+    attention_mask,
+    position_ids,
+    past_key_values,
+    inputs_embeds,
+    labels,
+    use_cache,
+    logits_to_keep,
+    **kwargs,
+) -> CausalLMOutputWithPast:
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
+    if shift_labels is None:
+        # Position i predicts token i + 1; the last position has no target.
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if shift_labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"The labels cover {tuple(shift_labels.shape)} positions but the kept hidden states are "
+            f"{tuple(hidden.shape[:-1])} (logits_to_keep={logits_to_keep!r}); pass labels for exactly the kept "
+            "positions."
+        )
+    loss = linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        model.lm_head.weight,
+        shift_labels.reshape(-1),
+        bias=model.lm_head.bias,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+    )
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+def lean_causal_lm_forward(original):
+    """`forward` for a `*ForCausalLM` class: the memory-lean loss when training, else `original`."""
+
+    @functools.wraps(original)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        args = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+        )
+        if _takes_lean_path(self, labels, kwargs):
+            return _forward_with_lean_loss(self, **args, **kwargs)
+        return original(self, **args, **kwargs)
+
+    return forward
+
+
+def patch_causal_lm_loss(patches: PatchSet) -> None:
+    """Replace `forward` of the supported causal-LM classes by `lean_causal_lm_forward`, recorded in `patches`."""
+    for name in SUPPORTED_CAUSAL_LM_CLASSES:
+        cls = getattr(transformers, name)
+        patches.set_attr(cls, "forward", lean_causal_lm_forward(cls.__dict__["forward"]))

@@ -1,0 +1,148 @@
+"""Cross-entropy of a linear layer's output, computed chunk by chunk so the [N, V] logits never exist.
+
+Layers, bottom up:
+* `_chunk_step`: loss sum of one token chunk and the gradient of the normalized loss w.r.t. its
+  logits, both in fp32;
+* `_ChunkedLinearCrossEntropy`: an autograd Function that runs the chunks in forward, accumulates
+  the input, weight and bias gradients there (the loss is a scalar, so they are known up to the
+  incoming scalar gradient) and only rescales them in backward;
+* `chunked_linear_cross_entropy`: the documented public function with shape checks.
+
+Peak extra memory is one chunk of logits (fp32, plus a low-precision copy for bf16/fp16
+inputs) and an fp32 accumulator of the weight gradient, never O(N x V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Bytes of one chunk's fp32 logits when `chunk_size` is not given: 256 MiB keeps the loss's
+# transient memory far below a decoder layer's activations at long context, and the chunk
+# (441 tokens for a 151936-token vocabulary) still fills a GPU's matrix units.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk so that one chunk of fp32 logits takes about `DEFAULT_CHUNK_BYTES`."""
+    return max(1, min(num_tokens, DEFAULT_CHUNK_BYTES // (4 * vocab_size)))
+
+
+def _chunk_step(hidden, weight, bias, targets, valid, inv_norm, with_grad):
+    """(loss sum, d(normalized loss)/d(logits) or None) of one chunk; the gradient is fp32 [c, V]."""
+    logits = F.linear(hidden, weight, bias).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, targets[:, None]).squeeze(1)
+    loss_sum = torch.where(valid, lse - target_logit, 0.0).sum()
+    if not with_grad:
+        return loss_sum, None
+    # (softmax - onehot(target)) * valid / normalizer, built in place over the logits buffer.
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, targets[:, None], grad.new_full((grad.shape[0], 1), -1.0))
+    grad.mul_((valid.to(grad.dtype) * inv_norm)[:, None])
+    return loss_sum, grad
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, normalizer, ignore_index, chunk_size, with_grad):
+        need_h, need_w, need_b = (with_grad and n for n in ctx.needs_input_grad[:3])
+        valid = labels != ignore_index
+        targets = torch.where(valid, labels, 0)  # ignored rows gather a dummy logit and are masked out
+        norm = normalizer.to(device=hidden.device, dtype=torch.float32)
+        inv_norm = 1.0 / norm
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # The weight and bias gradients sum over all chunks: accumulate them in fp32.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = hidden[rows]
+            part, grad = _chunk_step(h, weight, bias, targets[rows], valid[rows], inv_norm, need_h or need_w or need_b)
+            loss_sum += part
+            if grad is None:
+                continue
+            if grad_b is not None:
+                grad_b += grad.sum(0)
+            grad = grad.to(hidden.dtype)  # same rounding as autograd through `logits.float()`
+            if grad_h is not None:
+                torch.mm(grad, weight, out=grad_h[rows])
+            if grad_w is not None:
+                if grad.dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), h)
+                else:
+                    grad_w += grad.t() @ h
+        # Hold the summed weight/bias gradients in the parameter dtype until backward.
+        ctx.save_for_backward(
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+        )
+        return loss_sum / norm
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = ctx.saved_tensors
+        # One host read per step (as in liger-kernel): scaling by exactly 1, the usual case, is skipped,
+        # and any other factor is applied as a Python scalar so bf16 gradients are scaled in fp32.
+        factor = float(grad_loss)
+        if factor != 1.0:
+            grads = tuple(None if g is None else g * factor for g in grads)
+        return (*grads, None, None, None, None, None)
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T + bias` against `labels`, without materializing the logits.
+
+    hidden: [N, H]; weight: [V, H]; bias: [V] or None; labels: [N] integer targets (already shifted
+    for causal LM), `ignore_index` marks tokens without a target. Returns the fp32 loss sum divided
+    by `num_items_in_batch` when given (transformers' gradient-accumulation-aware normalizer), else
+    the mean over non-ignored tokens: the value of transformers' `ForCausalLMLoss` on the same
+    logits. Gradients w.r.t. hidden, weight and bias are exact; they are computed during forward, one
+    chunk of `chunk_size` tokens at a time (default: `default_chunk_size`), with fp32 logsumexp and
+    fp32 accumulation of the weight gradient. Under autocast, inputs are cast to the autocast dtype.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V, H] with the same H; got hidden {tuple(hidden.shape)}, weight "
+            f"{tuple(weight.shape)}. Flatten batch and sequence dimensions first (hidden.reshape(-1, H))."
+        )
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"labels must be [N] = [{hidden.shape[0]}] (one target per hidden row); got {tuple(labels.shape)}."
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}]; got {tuple(bias.shape)}.")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer class indices; got dtype {labels.dtype}.")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0])
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1 (or None for the default).")
+
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    labels = labels.to(hidden.device)
+    if num_items_in_batch is None:
+        normalizer = (labels != ignore_index).sum()
+    else:
+        normalizer = torch.as_tensor(num_items_in_batch)
+    with_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(
+            hidden, weight, bias, labels, normalizer, ignore_index, chunk_size, with_grad
+        )

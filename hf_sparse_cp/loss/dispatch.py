@@ -1,0 +1,84 @@
+"""Which linear + cross-entropy implementation runs: liger-kernel's fused one on CUDA, else ours.
+
+liger-kernel is an optional extra (`pip install "hf-sparse-cp[liger]"`): its availability is
+checked once, on first use, and it is imported only then. The environment variable
+`HF_SPARSE_CP_LOSS_BACKEND` (`auto`, `torch`, `liger`) overrides the choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from .chunked import chunked_linear_cross_entropy
+
+BACKEND_ENV = "HF_SPARSE_CP_LOSS_BACKEND"
+BACKENDS = ("auto", "torch", "liger")
+
+
+@functools.cache
+def is_liger_kernel_available() -> bool:
+    """True when liger-kernel's fused linear cross-entropy can be imported (checked once)."""
+    try:
+        importlib.import_module("liger_kernel.transformers.functional")
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """'liger' or 'torch' for tensors on `device`; `backend` (default: $HF_SPARSE_CP_LOSS_BACKEND or 'auto')."""
+    backend = backend or os.environ.get(BACKEND_ENV) or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"Loss backend {backend!r} is unknown (from the argument or ${BACKEND_ENV}); use one of {BACKENDS}."
+        )
+    if backend == "auto":
+        return "liger" if device.type == "cuda" and is_liger_kernel_available() else "torch"
+    if backend == "liger":
+        if device.type != "cuda":
+            raise ValueError(f"The liger loss backend needs CUDA tensors, got device {device}; use backend 'torch'.")
+        if not is_liger_kernel_available():
+            raise ValueError(
+                "The liger loss backend needs liger-kernel: pip install 'hf-sparse-cp[liger]', or use backend 'torch'."
+            )
+    return backend
+
+
+def _liger_linear_cross_entropy(hidden, weight, labels, *, bias, num_items_in_batch, ignore_index):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = liger_fused_linear_cross_entropy(
+        hidden.contiguous(), weight, labels.to(hidden.device), bias=bias, ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Memory-lean cross-entropy of `hidden @ weight.T + bias` against shifted `labels`.
+
+    Same contract as `chunked_linear_cross_entropy` (hidden [N, H], weight [V, H], labels [N]; sum
+    over non-ignored tokens divided by `num_items_in_batch`, else their mean). Runs liger-kernel's
+    fused kernel for CUDA tensors when it is installed, the chunked PyTorch implementation otherwise.
+    """
+    if resolve_backend(hidden.device, backend) == "liger":
+        return _liger_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index
+        )
+    return chunked_linear_cross_entropy(
+        hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index
+    )

@@ -1,0 +1,85 @@
+"""Smoke test of benchmarks/bench_e2e.py: the --tiny preset runs on CPU and writes a complete JSON report."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module while the file executes
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_tiny_run_writes_a_complete_report(tmp_path, bench):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--max_seq", "2048", "--timed_steps", "1", "--device", "cpu",
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens/s" in proc.stdout  # the table was printed
+
+    report = json.loads(out.read_text())
+    for key in ("device", "torch", "transformers", "triton", "date"):
+        assert report[key], key
+    assert report["device_type"] == "cpu"
+    rows = {(r["variant"], r["seq_len"]): r for r in report["results"]}
+    assert set(rows) == {("sdpa", 1024), ("sdpa", 2048), ("sdpa+liger", 1024), ("sparse_cp", 1024), ("sparse_cp", 2048)}
+    assert rows["sdpa+liger", 1024]["status"] == "skipped" and "CUDA" in rows["sdpa+liger", 1024]["reason"]
+
+    vocab = report["settings"]["model_shapes"]["tiny"]["vocab_size"]
+    for (variant, seq_len), r in rows.items():
+        if variant == "sdpa+liger":
+            continue
+        assert r["status"] == "ok", r.get("reason")
+        assert r["step_s"] > 0 and r["peak_gib"] > 0
+        assert math.isclose(r["tokens_per_s"], seq_len / r["step_s"])
+        assert len(r["losses"]) == 2  # one warm-up and one timed step
+        assert abs(r["losses"][0] - math.log(vocab)) < 0.5  # a real loss over a random-init model
+    for seq_len in (1024, 2048):
+        sparse = rows["sparse_cp", seq_len]
+        assert 0 < sparse["kept_fraction"] <= 1 and sparse["loss_backend"] == "torch"
+        # Same init and tokens: before any update the two variants see the same model.
+        assert abs(sparse["losses"][0] - rows["sdpa", seq_len]["losses"][0]) < 0.05
+    assert rows["sparse_cp", 2048]["kept_fraction"] < 1  # the tiny pattern is really sparse
+
+
+def test_tiny_preset_and_explicit_flags(bench):
+    args, sparse = bench.parse_args(["--tiny"])
+    assert args.models == ["tiny"] and args.seq_lens() == [1024, 2048, 4096]
+    assert sparse.block_size == bench.TINY_SPARSE["block_size"]
+    args, sparse = bench.parse_args(["--tiny", "--block_size", "32", "--min_seq", "2048"])
+    assert sparse.block_size == 32 and args.seq_lens() == [2048, 4096]
+    args, _ = bench.parse_args(["--min_seq", "8192", "--max_seq", "65536"])
+    assert args.models == ["0.5b", "1.5b"] and args.seq_lens() == [8192, 16384, 32768, 65536]
+    with pytest.raises(ValueError, match="Unknown variants"):
+        bench.parse_args(["--variants", "flash"])
+
+
+def test_memory_check_compares_sparse_cp_with_liger(bench):
+    def row(variant, seq_len, peak, status="ok"):
+        return {"model": "0.5b", "variant": variant, "seq_len": seq_len, "status": status, "peak_gib": peak,
+                "memory_metric": "torch.cuda.max_memory_allocated"}
+
+    results = [row("sdpa+liger", 8192, 6.0), row("sparse_cp", 8192, 5.5), row("sdpa+liger", 16384, 8.0),
+               row("sparse_cp", 16384, 9.0), row("sparse_cp", 32768, 12.0), row("sdpa+liger", 32768, 1.0, "oom"),
+               row("sdpa+liger", 65536, 20.0), row("sparse_cp", 65536, 30.0, "oom")]
+    checks = {c["seq_len"]: c["pass"] for c in bench.memory_check(results)}
+    assert checks == {8192: True, 16384: False, 65536: False}
