@@ -21,11 +21,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: install
 	$(VENV)/bin/hf-sparse-cp train
 
+# PYTHONSAFEPATH keeps the repository root off sys.path: its `kernels/` folder is only ever
+# `hf_sparse_cp.kernels`, never the Hub's top-level `kernels` package that transformers probes for.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	PYTHONSAFEPATH=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 test-gpu: install
-	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+	PYTHONSAFEPATH=1 $(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,187 @@
+"""Typed configuration of SMET (stable dynamic sparse training and sparse fine-tuning with Adam).
+
+`SMETConfig` is a plain dataclass: every field carries help text (so `HfArgumentParser` can turn it
+into flags, see `hf_sparse_cp.smet.trainer.SMETArguments`), `from_file` / `save` round-trip it
+through YAML or JSON, and invalid values raise a `ValueError` that says how to fix them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+MODES = ("sparse_weights", "sparse_update")
+REGROWTH = ("random", "gradient")
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class SMETConfig:
+    """What SMET makes sparse, how the active set moves, and which cold-start cures are on.
+
+    Every row of a sparse weight matrix (an output neuron) keeps the same number of active blocks of
+    `block_size` consecutive input columns (constant fan-in). Pruning and regrowth happen row by row,
+    which keeps the topology identical however the rows are sharded (FSDP2 shards rows).
+    """
+
+    mode: Literal["sparse_weights", "sparse_update"] = field(
+        default="sparse_weights",
+        metadata={"help": "'sparse_weights': train from scratch with masked weights (inactive weights are exactly "
+                  "zero); 'sparse_update': fine-tune a pretrained model, all weights keep their values and only "
+                  "a rotating active set of blocks is updated."},
+    )
+    density: float = field(
+        default=0.25,
+        metadata={"help": "Fraction of blocks of every sparse matrix row that is active, in (0, 1]."},
+    )
+    block_size: int = field(
+        default=16,
+        metadata={"help": "Consecutive input columns that are activated and pruned together; must divide the "
+                  "input size of every sparse matrix. Larger blocks cut the index overhead."},
+    )
+    update_interval: int = field(
+        default=100, metadata={"help": "Optimizer steps between topology updates (prune + regrow)."}
+    )
+    prune_rate: float = field(
+        default=0.2, metadata={"help": "Fraction of the active blocks replaced at the first topology update."}
+    )
+    prune_rate_final: float = field(
+        default=0.005,
+        metadata={"help": "Prune rate reached at the end of the cosine decay (see prune_decay_steps)."},
+    )
+    prune_decay_steps: int | None = field(
+        default=None,
+        metadata={"help": "Steps of the cosine decay from prune_rate to prune_rate_final; default: the Trainer's "
+                  "max_steps (no decay when SMET is used without a Trainer and this is unset)."},
+    )
+    regrowth: Literal["random", "gradient"] | None = field(
+        default=None,
+        metadata={"help": "How blocks are regrown: 'random' (SET) or 'gradient' (largest gradient magnitude, "
+                  "RigL). Default: 'random' for sparse_weights, 'gradient' for sparse_update."},
+    )
+    target_modules: list[str] = field(
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+        metadata={"help": "Names (last component) of the linear modules whose weights are sparse; everything "
+                  "else (embeddings, lm_head, norms, biases) stays dense."},
+    )
+    local_bias_correction: bool = field(
+        default=True,
+        metadata={"help": "Count Adam steps per block and reset the count on regrowth, so bias correction is "
+                  "local to the block (off: regrown blocks share the global step, the naive behaviour)."},
+    )
+    regrow_warmup_steps: int = field(
+        default=100,
+        metadata={"help": "Ramp the step size of regrown blocks linearly from 1/N to 1 over N steps (0 = off)."},
+    )
+    density_lr_scaling: bool = field(
+        default=True,
+        metadata={"help": "Multiply the learning rate of sparse matrices by density**(-lr_density_exponent)."},
+    )
+    lr_density_exponent: float = field(
+        default=0.5,
+        metadata={"help": "Exponent of the density-aware learning-rate scaling. SMET's per-density learning rates "
+                  "fit 1.0 (lr ~ 1/density); 0.5 is gentler for a base learning rate already tuned high."},
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "Seed of the random choices (initial active set in sparse_update, random regrowth, tie "
+                  "breaks); they are hashed from (seed, parameter, step, block), so no RNG state is kept."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
+        else:
+            self.target_modules = list(self.target_modules)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is unknown; use one of {MODES}.")
+        if self.regrowth is not None and self.regrowth not in REGROWTH:
+            raise ValueError(f"regrowth={self.regrowth!r} is unknown; use one of {REGROWTH} (or leave it unset).")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density={self.density} must be in (0, 1]; e.g. 0.5, 0.25 or 0.1.")
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1; 16 or 32 are usual.")
+        if self.update_interval < 2:
+            raise ValueError(
+                f"update_interval={self.update_interval} must be >= 2 so regrown blocks train before the next "
+                "update; the paper uses 100."
+            )
+        for name in ("prune_rate", "prune_rate_final"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{name}={rate} must be in [0, 1]; SMET uses 0.2 decaying to 0.005.")
+        if self.prune_decay_steps is not None and self.prune_decay_steps < 1:
+            raise ValueError(f"prune_decay_steps={self.prune_decay_steps} must be >= 1 (or unset).")
+        if self.regrow_warmup_steps < 0:
+            raise ValueError(f"regrow_warmup_steps={self.regrow_warmup_steps} must be >= 0 (0 turns it off).")
+        if self.lr_density_exponent < 0:
+            raise ValueError(f"lr_density_exponent={self.lr_density_exponent} must be >= 0 (0 disables scaling).")
+        if not self.target_modules:
+            raise ValueError(f"target_modules is empty; e.g. {list(DEFAULT_TARGET_MODULES)}.")
+
+    @property
+    def regrowth_rule(self) -> str:
+        """The regrowth rule in use ('random' or 'gradient'), with the mode's default filled in."""
+        if self.regrowth is not None:
+            return self.regrowth
+        return "random" if self.mode == "sparse_weights" else "gradient"
+
+    @property
+    def lr_scale(self) -> float:
+        """Learning-rate multiplier of the sparse matrices."""
+        return self.density ** -self.lr_density_exponent if self.density_lr_scaling else 1.0
+
+    def naive(self) -> SMETConfig:
+        """The same topology schedule with every cold-start cure off (plain dynamic sparse Adam)."""
+        return dataclasses.replace(
+            self, local_bias_correction=False, regrow_warmup_steps=0, density_lr_scaling=False
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SMETConfig:
+        """Build from a mapping; unknown keys are an error that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown SMET config keys {sorted(unknown)}; known keys: {sorted(known)}.")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SMETConfig:
+        """Load from a .yaml/.yml or .json file (a top-level `smet:` section is accepted)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"SMET config file {str(path)!r} does not exist.")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"Config file {str(path)!r} must end in .yaml, .yml or .json.")
+        if isinstance(data, dict) and isinstance(data.get("smet"), dict):
+            data = data["smet"]
+        if not isinstance(data, dict):
+            raise ValueError(f"Config file {str(path)!r} must hold a mapping of SMET fields.")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write as YAML or JSON, chosen by the file suffix."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -1,0 +1,125 @@
+"""Turn a stock optimizer class (AdamW, Adam) and a model into a SMET optimizer."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import SMETConfig
+from .optimizer import SMETAdam
+from .sharding import local
+
+# Stock classes SMET can stand in for, with the weight decay each applies (decoupled or L2).
+SUPPORTED_OPTIMIZERS: dict[type[torch.optim.Optimizer], bool] = {torch.optim.AdamW: True, torch.optim.Adam: False}
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+# Implementation switches of the stock classes that do not change the maths: accepted and ignored.
+_IGNORED = ("fused", "foreach", "capturable", "differentiable")
+
+
+def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups of `model`: the weights of `config.target_modules` linears (sparse, `smet=True`),
+    then the other trainable parameters, with weight decay for those of 2+ dims (not biases, norms)."""
+    targets = set(config.target_modules)
+    sparse: dict[int, tuple[str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if module_name.rsplit(".", 1)[-1] in targets and isinstance(weight, nn.Parameter) and weight.requires_grad:
+            sparse[id(weight)] = (f"{module_name}.weight", weight)
+    if not sparse:
+        examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"No module of the model matches target_modules={config.target_modules}; linear modules here are named "
+            f"{examples[:12]}."
+        )
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in sparse:
+            continue
+        (decay if param.dim() >= 2 else no_decay).append((name, param))
+    groups = [
+        _group(list(sparse.values()), smet=True, weight_decay=weight_decay),
+        _group(decay, smet=False, weight_decay=weight_decay),
+        _group(no_decay, smet=False, weight_decay=0.0),
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _group(named: list[tuple[str, torch.Tensor]], smet: bool, weight_decay: float) -> dict[str, Any]:
+    return {
+        "params": [p for _, p in named],
+        "param_names": [n for n, _ in named],
+        "smet": smet,
+        "weight_decay": weight_decay,
+    }
+
+
+def create_smet_optimizer(
+    model: nn.Module,
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    config: SMETConfig | None = None,
+    *,
+    attach: bool = True,
+    **optimizer_kwargs: Any,
+) -> SMETAdam:
+    """A SMET optimizer for `model` that behaves like `optimizer_cls(**optimizer_kwargs)` on the dense
+    parameters and trains the `config.target_modules` weights block-sparsely.
+
+    `optimizer_kwargs` are the stock class's (`lr`, `betas`, `eps`, `weight_decay`; `fused`/`foreach`
+    are accepted and ignored); unset ones take the stock class's defaults. With `attach=True` the
+    masks are created and applied right away (call it on the model as it will be trained, e.g. after
+    `fully_shard`); the Trainer integration passes `attach=False` and attaches once accelerate has
+    swapped in the sharded parameters.
+    """
+    if optimizer_cls not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"SMET supports {[c.__name__ for c in SUPPORTED_OPTIMIZERS]}, got {getattr(optimizer_cls, '__name__', optimizer_cls)}; "
+            "use --optim adamw_torch (or adamw_torch_fused) with the Trainer."
+        )
+    config = config if config is not None else SMETConfig()
+    kwargs = dict(optimizer_kwargs)
+    decoupled = kwargs.pop("decoupled_weight_decay", SUPPORTED_OPTIMIZERS[optimizer_cls])
+    for name in ("amsgrad", "maximize"):
+        if kwargs.pop(name, False):
+            raise ValueError(f"SMET does not implement {name}=True; drop it from the optimizer arguments.")
+    for name in _IGNORED:
+        kwargs.pop(name, None)
+    unknown = set(kwargs) - set(_HYPERPARAMETERS)
+    if unknown:
+        raise ValueError(f"Unknown optimizer arguments {sorted(unknown)}; SMET takes {list(_HYPERPARAMETERS)}.")
+    defaults = inspect.signature(optimizer_cls.__init__).parameters
+    hyper = {name: kwargs.get(name, defaults[name].default) for name in _HYPERPARAMETERS}
+    groups = smet_param_groups(model, config, float(hyper.pop("weight_decay")))
+    optimizer = SMETAdam(
+        groups,
+        lr=float(hyper["lr"]),
+        betas=tuple(hyper["betas"]),
+        eps=float(hyper["eps"]),
+        config=config,
+        decoupled_weight_decay=decoupled,
+    )
+    return optimizer.attach() if attach else optimizer
+
+
+class SMETOptimizerFactory:
+    """Optimizer factory in the form `Trainer(optimizer_cls_and_kwargs=(SMETOptimizerFactory, kwargs))`
+    expects: instantiated without arguments, then called with the model and the kwargs."""
+
+    def __call__(self, model: nn.Module, **kwargs: Any) -> SMETAdam:
+        return create_smet_optimizer(model, attach=False, **kwargs)
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> int:
+    """Bytes of optimizer state held on this process (local shards), over `params` (default: all),
+    index and step-counter metadata included."""
+    wanted = None if params is None else {id(p) for p in params}
+    total = 0
+    for param, state in optimizer.state.items():
+        if wanted is not None and id(param) not in wanted:
+            continue
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += local(value).numel() * value.element_size()
+    return total

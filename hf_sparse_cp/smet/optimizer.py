@@ -1,0 +1,434 @@
+"""`SMETAdam`: Adam/AdamW with compact state for block-sparse matrices and a cure for cold starts.
+
+Parameter groups flagged `smet=True` hold 2-D weights that are block-sparse row by row (see
+`masks.py`); the other groups are plain dense Adam/AdamW. For a sparse weight the optimizer keeps,
+per local row, the index of its `k` active blocks, their Adam moments `[rows, k, block_size]` and a
+step counter per block. Every `update_interval` steps it prunes and regrows blocks (`topology.py`).
+
+Regrown blocks would otherwise start "cold": zero moments under a global step t make the first
+update (1 - b1) / sqrt(1 - b2) ~ 3.16 times a normal one. SMET resets a per-block step counter on
+regrowth (local bias correction), ramps the regrown blocks' step size up over
+`regrow_warmup_steps`, and scales the sparse matrices' learning rate with the density.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .config import SMETConfig
+from .masks import BlockLayout, active_mask, block_l1, expand_index
+from .sharding import like_param, local, local_rows_of
+from .topology import initial_blocks, prune_rate, prune_slots, regrow
+
+logger = logging.getLogger(__name__)
+
+DENSE_STATE = ("exp_avg", "exp_avg_sq")
+
+
+class SMETAdam(torch.optim.Optimizer):
+    """Adam (`decoupled_weight_decay=False`) or AdamW with SMET block-sparse groups.
+
+    Build it with `hf_sparse_cp.smet.create_smet_optimizer`, which finds the sparse matrices of a
+    model. Call `attach()` before the first forward (the factory and the Trainer callback do): it
+    chooses the first active blocks, zeroes inactive weights (`sparse_weights` mode) and installs
+    the hooks that zero the gradients of inactive blocks as soon as they are accumulated, so
+    gradient clipping sees the sparse gradient.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        config: SMETConfig | None = None,
+        decoupled_weight_decay: bool = True,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"lr={lr} must be >= 0.")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas={betas} must both be in [0, 1), e.g. (0.9, 0.999).")
+        if eps <= 0:
+            raise ValueError(f"eps={eps} must be > 0, e.g. 1e-8.")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0.")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, smet=False)
+        super().__init__(params, defaults)
+        self.config = config if config is not None else SMETConfig()
+        self.decoupled_weight_decay = decoupled_weight_decay
+        # Steps of the prune-rate cosine decay; the Trainer callback fills it in from max_steps.
+        self.schedule_horizon = self.config.prune_decay_steps
+        self.last_replaced_fraction = 0.0
+        self._layouts: dict[int, tuple[torch.Tensor, BlockLayout]] = {}
+        self._hooks: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._grad_scores: dict[int, torch.Tensor] = {}
+
+    # ---- set-up ----
+
+    def _named_params(self) -> Iterator[tuple[int, dict[str, Any], torch.Tensor, str]]:
+        """(key, group, param, name) over all parameters; `key` is the position in the groups."""
+        key = 0
+        for group in self.param_groups:
+            names = group.get("param_names") or [None] * len(group["params"])
+            for param, name in zip(group["params"], names):
+                yield key, group, param, name or f"parameter {key}"
+                key += 1
+
+    def _layout(self, param: torch.Tensor, name: str = "parameter") -> BlockLayout:
+        cached = self._layouts.get(id(param))
+        if cached is None or cached[0] is not param:
+            cached = (param, BlockLayout.of(param, self.config.density, self.config.block_size, name))
+            self._layouts[id(param)] = cached
+        return cached[1]
+
+    def _is_attached(self) -> bool:
+        for _, group, param, _ in self._named_params():
+            if not self.state.get(param):
+                return False
+            if group["smet"] and param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
+                return False
+        return True
+
+    @torch.no_grad()
+    def attach(self) -> SMETAdam:
+        """Create masks and compact states for the current parameters (keeping loaded ones), zero the
+        inactive weights in `sparse_weights` mode, and hook gradient masking. Idempotent.
+
+        Call it again if the parameters in `param_groups` are replaced (accelerate swaps them for
+        FSDP2 shards after the optimizer is built; the Trainer callback attaches after that)."""
+        current = set()
+        for key, group, param, name in self._named_params():
+            current.add(id(param))
+            state = self.state[param]
+            if not group["smet"]:
+                if not state:
+                    state.update(self._new_dense_state(param))
+                continue
+            layout = self._layout(param, name)
+            if not state:
+                state.update(self._new_sparse_state(param, layout, key))
+            if self.config.mode == "sparse_weights":
+                weights = layout.blocks(local(param))
+                weights.masked_fill_(~active_mask(state["block_index"], layout.blocks_per_row).unsqueeze(-1), 0)
+            if param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
+                self._hooks[id(param)] = (param, param.register_post_accumulate_grad_hook(_grad_hook(self)))
+        for pid in [pid for pid in self._hooks if pid not in current]:
+            self._hooks.pop(pid)[1].remove()
+        stale = [p for p in self.state if id(p) not in current]
+        for param in stale:
+            del self.state[param]
+        return self
+
+    def detach(self) -> None:
+        """Remove the gradient-masking hooks (the optimizer state stays)."""
+        for _, handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+    def _new_dense_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = {"step": torch.tensor(0.0)}
+        for name in DENSE_STATE:
+            state[name] = torch.zeros_like(local(param), memory_format=torch.contiguous_format)
+        return state
+
+    def _new_sparse_state(self, param: torch.Tensor, layout: BlockLayout, key: int) -> dict[str, torch.Tensor]:
+        weights = layout.blocks(local(param))
+        magnitude = block_l1(weights) if self.config.mode == "sparse_weights" else None
+        index = initial_blocks(layout.global_block_ids(weights.device), layout.k, self.config.seed, key, magnitude)
+        shape = (layout.rows, layout.k, layout.block_size)
+        state = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros(shape, dtype=param.dtype, device=weights.device),
+            "exp_avg_sq": torch.zeros(shape, dtype=param.dtype, device=weights.device),
+            "block_index": index.to(layout.index_dtype),
+            "block_step": torch.zeros(shape[:2], dtype=torch.int32, device=weights.device),
+        }
+        if self.config.mode == "sparse_update":
+            state["update_magnitude"] = torch.zeros(shape[:2], dtype=torch.float32, device=weights.device)
+        return state
+
+    # ---- gradient masking (runs in backward, before any clipping) ----
+
+    def _regrowth_scores_needed(self, step: int, layout: BlockLayout) -> bool:
+        """Whether the topology update after optimizer step `step` regrows by gradient."""
+        return (
+            self.config.regrowth_rule == "gradient"
+            and step % self.config.update_interval == 0
+            and layout.k < layout.blocks_per_row
+        )
+
+    @torch.no_grad()
+    def mask_gradient(self, param: torch.Tensor) -> None:
+        """Zero the gradient of `param`'s inactive blocks; before a topology update that regrows by
+        gradient, first add the blocks' gradient L1 norms to the regrowth scores (summed over
+        micro-batches when gradients are accumulated outside FSDP)."""
+        state = self.state.get(param)
+        if not state or "block_index" not in state or param.grad is None:
+            return
+        layout = self._layout(param)
+        grad = layout.blocks(local(param.grad))
+        if self._regrowth_scores_needed(int(state["step"].item()) + 1, layout):
+            score = block_l1(grad)
+            previous = self._grad_scores.get(id(param))
+            self._grad_scores[id(param)] = score if previous is None else previous + score
+        grad.masked_fill_(~active_mask(state["block_index"], layout.blocks_per_row).unsqueeze(-1), 0)
+
+    # ---- the update ----
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._is_attached():
+            logger.info("SMET optimizer attached at its first step; call attach() before the first forward.")
+            self.attach()
+        replaced = active = 0
+        for key, group, param, _ in self._named_params():
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            state["step"] += 1
+            if not group["smet"]:
+                self._dense_step(param, group, state)
+                continue
+            layout = self._layout(param)
+            step = int(state["step"].item())
+            score = self._grad_scores.pop(id(param), None)
+            if score is None and self._regrowth_scores_needed(step, layout):
+                # No hook saw this gradient (attach() came after the backward): it is still unmasked.
+                score = block_l1(layout.blocks(local(param.grad)))
+            self._sparse_step(param, group, state, layout)
+            if step % self.config.update_interval == 0 and layout.k < layout.blocks_per_row:
+                replaced += self._update_topology(param, key, state, layout, step, score)
+                active += layout.rows * layout.k
+        if active:
+            self.last_replaced_fraction = replaced / active
+        return loss
+
+    def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        weights, grad = local(param), local(param.grad)
+        if decay and not self.decoupled_weight_decay:
+            grad = grad.add(weights, alpha=decay)
+        if decay and self.decoupled_weight_decay:
+            weights.mul_(1 - lr * decay)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = state["step"].item()
+        bias_correction1 = 1 - beta1**step
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+        weights.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+    def _sparse_step(
+        self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor], layout: BlockLayout
+    ) -> None:
+        cfg = self.config
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr = lr * cfg.lr_scale
+        weights = layout.blocks(local(param))
+        where = expand_index(state["block_index"], layout.block_size)
+        compute = torch.promote_types(param.dtype, torch.float32)
+        old = weights.gather(1, where).to(compute)
+        grad = layout.blocks(local(param.grad)).gather(1, where).to(compute)
+        if decay and not self.decoupled_weight_decay:
+            grad = grad.add(old, alpha=decay)
+
+        block_step = state["block_step"]
+        block_step.add_(1)
+        step = state["step"].item()
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad.to(exp_avg.dtype), 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad.to(exp_avg_sq.dtype), grad.to(exp_avg_sq.dtype), value=1 - beta2)
+
+        local_step = block_step.to(compute).unsqueeze(-1)
+        if cfg.local_bias_correction:
+            bias_correction1 = 1 - torch.pow(beta1, local_step)
+            bias_correction2 = 1 - torch.pow(beta2, local_step)
+        else:
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+        update = (exp_avg.to(compute) / bias_correction1) / (
+            (exp_avg_sq.to(compute) / bias_correction2).sqrt_().add_(eps)
+        )
+        step_size: torch.Tensor | float = lr
+        if cfg.regrow_warmup_steps:
+            # Blocks active since the start share the global step; regrown ones lag behind it.
+            regrown = (block_step < step).unsqueeze(-1)
+            ramp = (local_step / cfg.regrow_warmup_steps).clamp_(max=1.0)
+            step_size = lr * torch.where(regrown, ramp, torch.ones_like(ramp))
+        new = old * (1 - step_size * decay) if decay and self.decoupled_weight_decay else old
+        new = new - step_size * update
+        if "update_magnitude" in state:
+            state["update_magnitude"].add_(block_l1(new - old))
+        weights.scatter_(1, where, new.to(weights.dtype))
+
+    @torch.no_grad()
+    def _update_topology(
+        self,
+        param: torch.Tensor,
+        key: int,
+        state: dict[str, torch.Tensor],
+        layout: BlockLayout,
+        step: int,
+        gradient_score: torch.Tensor | None,
+    ) -> int:
+        """Prune and regrow the blocks of one sparse weight; returns the number of replaced blocks."""
+        cfg = self.config
+        rate = prune_rate(cfg, step, self.schedule_horizon)
+        if rate <= 0 or layout.rows == 0:
+            return 0
+        index = state["block_index"]
+        weights = layout.blocks(local(param))
+        where = expand_index(index, layout.block_size)
+        if cfg.mode == "sparse_weights":
+            scores = block_l1(weights.gather(1, where))
+        else:
+            scores = state["update_magnitude"]
+        device = weights.device
+        pruned = prune_slots(scores, rate, layout.global_row_ids(device), cfg.seed, key, step)
+        if cfg.mode == "sparse_weights":
+            weights.scatter_(1, where, weights.gather(1, where).masked_fill_(pruned.unsqueeze(-1), 0))
+        if cfg.regrowth_rule == "random":
+            gradient_score = None
+        elif gradient_score is None:
+            raise RuntimeError("Gradient regrowth needs the gradient of this step; none was recorded.")
+        index.copy_(
+            regrow(index, pruned, layout.blocks_per_row, layout.global_block_ids(device), cfg.seed, key, step,
+                   gradient_score)
+        )
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name].masked_fill_(pruned.unsqueeze(-1), 0)
+        state["block_step"].masked_fill_(pruned, 0)
+        if "update_magnitude" in state:
+            state["update_magnitude"].masked_fill_(pruned, 0)
+        return int(pruned.sum())
+
+    # ---- checkpointing ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """Like `torch.optim.Optimizer.state_dict`, with SMET's masks, compact moments and block step
+        counters per parameter. For FSDP2 parameters every state tensor is a DTensor sharded by rows like
+        its parameter, so `torch.distributed.checkpoint` saves each row once and can reshard."""
+        positions: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [positions.setdefault(id(p), len(positions)) for p in group["params"]]
+            groups.append(packed)
+        state = {}
+        for _, _, param, _ in self._named_params():
+            saved = self.state.get(param)
+            if saved:
+                state[positions[id(param)]] = {name: _export(param, value) for name, value in saved.items()}
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict()` (also one whose tensors are DTensors, full tensors of a sharded
+        parameter, or keyed by parameter names as `torch.distributed.checkpoint.state_dict` gives)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "The saved optimizer has a different parameter grouping "
+                f"({[len(s['params']) for s in saved_groups]} vs "
+                f"{[len(g['params']) for g in self.param_groups]} parameters per group); build the optimizer "
+                "the same way (same model, same target_modules) before loading."
+            )
+        by_saved_id = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            by_saved_id.update(zip(saved["params"], group["params"]))
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        new_state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
+        sparse = {id(p) for _, g, p, _ in self._named_params() if g["smet"]}
+        for saved_id, saved in state_dict["state"].items():
+            param = by_saved_id[saved_id]
+            new_state[param] = self._import_state(param, saved, id(param) in sparse)
+        self.state = new_state
+
+    def _import_state(self, param: torch.Tensor, saved: dict[str, Any], sparse: bool) -> dict[str, torch.Tensor]:
+        shard = local(param)
+        if sparse:
+            layout = self._layout(param)
+            block_shape = (layout.rows, layout.k, layout.block_size)
+            expected = {
+                "exp_avg": (block_shape, param.dtype),
+                "exp_avg_sq": (block_shape, param.dtype),
+                "block_index": (block_shape[:2], layout.index_dtype),
+                "block_step": (block_shape[:2], torch.int32),
+            }
+            if self.config.mode == "sparse_update":
+                expected["update_magnitude"] = (block_shape[:2], torch.float32)
+        else:
+            expected = {name: (tuple(shard.shape), param.dtype) for name in DENSE_STATE}
+        missing = set(expected) - set(saved)
+        if missing:
+            raise ValueError(
+                f"Saved optimizer state lacks {sorted(missing)} for a {'sparse' if sparse else 'dense'} parameter; "
+                "it was saved with another optimizer or SMET mode."
+            )
+        state = {"step": torch.as_tensor(float(saved["step"]), dtype=torch.float32)}
+        for name, (shape, dtype) in expected.items():
+            value = local_rows_of(param, saved[name])
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(
+                    f"Saved SMET state {name!r} has local shape {tuple(value.shape)}, expected {tuple(shape)}: the "
+                    "checkpoint was written with another density or block_size; resume with the same SMET config."
+                )
+            state[name] = value.to(device=shard.device, dtype=dtype)
+        if sparse and state["block_index"].numel():
+            index = state["block_index"]
+            if int(index.min()) < 0 or int(index.max()) >= layout.blocks_per_row:
+                raise ValueError("Saved SMET block index is out of range for this parameter; wrong checkpoint?")
+        return state
+
+    # ---- reporting ----
+
+    @property
+    def topology_updates(self) -> int:
+        """Topology updates done so far (counted from the step, so also right after a resume)."""
+        steps = [int(self.state[p]["step"]) for _, g, p, _ in self._named_params() if g["smet"] and self.state.get(p)]
+        return max(steps, default=0) // self.config.update_interval
+
+    def density(self) -> float:
+        """Active fraction of the local sparse weights (1.0 when there are none)."""
+        active = total = 0
+        for _, group, param, _ in self._named_params():
+            if group["smet"]:
+                layout = self._layout(param)
+                active += layout.rows * layout.k * layout.block_size
+                total += local(param).numel()
+        return active / total if total else 1.0
+
+
+def _export(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if value.dim() == 0:
+        return value
+    if value.dtype == torch.int16:
+        # Collectives (gloo, NCCL) have no int16: checkpoints carry the block index as int32.
+        value = value.to(torch.int32)
+    return like_param(param, value)
+
+
+def _grad_hook(optimizer: SMETAdam):
+    ref = weakref.ref(optimizer)
+
+    def hook(param: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt.mask_gradient(param)
+
+    return hook

@@ -1,0 +1,85 @@
+"""SMETConfig validation, `--smet_*` flags and config files."""
+
+from pathlib import Path
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.arguments import SparseCPArguments
+from hf_sparse_cp.smet import SMETArguments, SMETConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        ({"mode": "lottery"}, "use one of"),
+        ({"density": 0.0}, "must be in (0, 1]"),
+        ({"density": 1.5}, "must be in (0, 1]"),
+        ({"block_size": 0}, "16 or 32 are usual"),
+        ({"update_interval": 1}, "regrown blocks train before the next update"),
+        ({"prune_rate": 1.2}, "must be in [0, 1]"),
+        ({"regrowth": "magnitude"}, "use one of"),
+        ({"regrow_warmup_steps": -1}, "0 turns it off"),
+        ({"prune_decay_steps": 0}, "must be >= 1"),
+        ({"target_modules": []}, "target_modules is empty"),
+    ],
+)
+def test_bad_values_name_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SMETConfig(**kwargs)
+
+
+def test_defaults_and_derived_values():
+    cfg = SMETConfig()
+    assert cfg.mode == "sparse_weights" and cfg.regrowth_rule == "random"
+    assert SMETConfig(mode="sparse_update").regrowth_rule == "gradient"
+    assert cfg.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert SMETConfig(density=0.25, lr_density_exponent=1.0).lr_scale == pytest.approx(4.0)
+    naive = SMETConfig(density=0.25).naive()
+    assert not naive.local_bias_correction and naive.regrow_warmup_steps == 0 and naive.lr_scale == 1.0
+    assert SMETConfig(target_modules="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
+
+
+def test_flags_parse_next_to_the_trainer_and_plugin_arguments(tmp_path):
+    # Imported after the plugin: from the repo root, transformers finds the top-level kernels/ folder as
+    # the `kernels` package and imports it, which imports the plugin (a cycle if transformers comes first).
+    from transformers import TrainingArguments
+
+    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionConfig, SMETArguments))
+    _, _, _, smet = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--smet", "--smet_mode", "sparse_update", "--smet_density", "0.05",
+        "--smet_target_modules", "q_proj", "v_proj", "--no_smet_local_bias_correction", "--smet_regrowth", "random",
+        "--block_size", "64",  # the attention pattern's block size is a different flag
+    ])
+    cfg = smet.to_config()
+    assert smet.smet and cfg.mode == "sparse_update" and cfg.density == 0.05 and cfg.block_size == 16
+    assert cfg.target_modules == ["q_proj", "v_proj"] and not cfg.local_bias_correction
+    assert cfg.regrowth == "random"
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_with_flag_overrides(tmp_path, suffix):
+    path = tmp_path / f"smet{suffix}"
+    SMETConfig(density=0.1, update_interval=50, block_size=32).save(path)
+    assert SMETConfig.from_file(path) == SMETConfig(density=0.1, update_interval=50, block_size=32)
+    args = HfArgumentParser(SMETArguments).parse_args_into_dataclasses(
+        args=["--smet", "--smet_config", str(path), "--smet_update_interval", "25"]
+    )[0]
+    cfg = args.to_config()
+    assert (cfg.density, cfg.update_interval, cfg.block_size) == (0.1, 25, 32)
+
+
+def test_config_file_errors_list_the_known_keys(tmp_path):
+    path = tmp_path / "smet.yaml"
+    path.write_text("smet:\n  densty: 0.1\n")
+    with pytest.raises(ValueError, match="known keys"):
+        SMETConfig.from_file(path)
+    with pytest.raises(FileNotFoundError):
+        SMETConfig.from_file(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("recipe, mode", [("smet_pretrain.yaml", "sparse_weights"), ("smet_finetune.yaml", "sparse_update")])
+def test_recipes_load(recipe, mode):
+    cfg = SMETConfig.from_file(Path(__file__).resolve().parents[1] / "recipes" / "train" / recipe)
+    assert cfg.mode == mode and cfg.regrowth_rule == ("random" if mode == "sparse_weights" else "gradient")
