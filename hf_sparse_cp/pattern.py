@@ -10,6 +10,11 @@ diagonals they cross; kept columns outside those blocks become token columns.
 Documents shorter than `min_seq_len` stay dense (every causal block of the document); so does
 every layer with a sliding window (already local) and every layer whose pattern is "dense".
 GQA: the queries of a group are scored against their shared key head, never a replicated one.
+
+Scoring is split into pieces that also serve a sequence split over ranks
+(`hf_sparse_cp.distributed.estimation`): `row_softmax_stats` gives the partial softmax normaliser
+of query rows over some keys, `accumulate_vertical_slash` adds the mass those keys receive, and
+`layout_from_scores` turns reduced scores into the layout. Scores are fp32 (fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -34,36 +39,99 @@ def documents(segment_row: torch.Tensor) -> list[tuple[int, int]]:
     return [(s, e) for s, e, i in zip(starts, ends, ids.tolist()) if i != PAD_SEGMENT]
 
 
+def score_dtype(x: torch.Tensor) -> torch.dtype:
+    """Estimation arithmetic: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def last_query_rows(start: int, end: int, last_q: int, device=None) -> torch.Tensor:
+    """Positions of the (at most) `last_q` final queries of the document [start, end) that score it."""
+    return torch.arange(max(start, end - last_q), end, device=device)
+
+
+def _score_tiles(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float):
+    """Masked, scaled scores tile by tile: yields (query heads slice, scores [heads, R, L]).
+
+    q_rows: [Hq, R, D], k_keys: [Hkv, L, D] in the estimation dtype; visible: bool [R, L]. Query
+    heads of a GQA group are scored against their shared key head; tiles bound the memory.
+    """
+    hq, r, d = q_rows.shape
+    hk = k_keys.shape[0]
+    g = hq // hk
+    qe = q_rows.view(hk, g, r, d)
+    g_chunk = max(1, min(g, _SCORE_ELEMENTS // max(1, r * k_keys.shape[1])))
+    for h in range(hk):
+        for g0 in range(0, g, g_chunk):
+            g1 = min(g, g0 + g_chunk)
+            sc = torch.einsum("grd,ld->grl", qe[h, g0:g1], k_keys[h]) * scale
+            yield slice(h * g + g0, h * g + g1), sc.masked_fill(~visible, float("-inf"))
+
+
+def row_softmax_stats(
+    q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, the max score over these keys and the sum of exp(score - max) ([Hq, R] each).
+
+    Partial statistics of a sharded key set combine across ranks as M = max(m), Z = sum(z exp(m - M)).
+    Rows that see none of these keys give (-inf, 0).
+    """
+    hq, r = q_rows.shape[:2]
+    row_max = torch.full((hq, r), float("-inf"), dtype=q_rows.dtype, device=q_rows.device)
+    row_sum = torch.zeros(hq, r, dtype=q_rows.dtype, device=q_rows.device)
+    for heads, sc in _score_tiles(q_rows, k_keys, visible, scale):
+        m = sc.amax(-1)
+        safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        row_max[heads] = m
+        row_sum[heads] = torch.exp(sc - safe.unsqueeze(-1)).sum(-1)
+    return row_max, row_sum
+
+
+def accumulate_vertical_slash(
+    q_rows: torch.Tensor,
+    k_keys: torch.Tensor,
+    row_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    scale: float,
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Add the attention mass of query rows at positions `row_pos` on keys at `key_pos`:
+    vertical[h, key] += mass the key receives, slash[h, row - key] += mass on that offset.
+
+    Keys after a row are invisible. Probabilities are a softmax over these keys, or, with
+    `normalizer` = (row max, row sum of exp(score - max)) of the row's *whole* key set (keys split
+    over ranks), exp(score - max) / sum.
+    """
+    visible = key_pos.unsqueeze(0) <= row_pos.unsqueeze(1)  # [R, L]
+    offset = (row_pos.unsqueeze(1) - key_pos.unsqueeze(0)).clamp_min(0)
+    for heads, sc in _score_tiles(q_rows, k_keys, visible, scale):
+        if normalizer is None:
+            a = torch.softmax(sc, dim=-1)
+        else:
+            a = torch.exp(sc - normalizer[0][heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
+        vertical[heads].index_add_(1, key_pos, a.sum(1))
+        slash[heads].scatter_add_(1, offset.flatten().expand(a.shape[0], -1), a.flatten(1))
+
+
 def score_vertical_slash(
     q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], last_q: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores of one batch row.
 
     q: [Hq, S, D], k: [Hkv, S, D]; docs: (start, end) of the documents to score.
-    Returns (vertical [Hq, S], slash [Hq, S]) in fp32: vertical[h, j] is the attention mass key j
-    receives from its document's last `last_q` queries; slash[h, o] the mass on offset o = q - k.
+    Returns (vertical [Hq, S], slash [Hq, S]) in fp32 (fp64 for fp64 inputs): vertical[h, j] is the
+    attention mass key j receives from its document's last `last_q` queries; slash[h, o] the mass
+    on offset o = q - k.
     """
-    hq, s, d = q.shape
-    hk = k.shape[0]
-    g = hq // hk
-    vertical = torch.zeros(hq, s, dtype=torch.float32, device=q.device)
-    slash = torch.zeros(hq, s, dtype=torch.float32, device=q.device)
+    hq, s, _ = q.shape
+    dtype = score_dtype(q)
+    vertical = torch.zeros(hq, s, dtype=dtype, device=q.device)
+    slash = torch.zeros(hq, s, dtype=dtype, device=q.device)
     for start, end in docs:
-        rows = torch.arange(max(start, end - last_q), end, device=q.device)
+        rows = last_query_rows(start, end, last_q, q.device)
         keys = torch.arange(start, end, device=q.device)
-        visible = keys.unsqueeze(0) <= rows.unsqueeze(1)  # [R, L]
-        offset = (rows.unsqueeze(1) - keys.unsqueeze(0)).clamp_min(0)
-        qe = q[:, rows].float().view(hk, g, rows.numel(), d)
-        ke = k[:, start:end].float()
-        g_chunk = max(1, min(g, _SCORE_ELEMENTS // max(1, rows.numel() * keys.numel())))
-        for h in range(hk):
-            for g0 in range(0, g, g_chunk):
-                g1 = min(g, g0 + g_chunk)
-                sc = torch.einsum("grd,ld->grl", qe[h, g0:g1], ke[h]) * scale
-                a = torch.softmax(sc.masked_fill(~visible, float("-inf")), dim=-1)
-                heads = slice(h * g + g0, h * g + g1)
-                vertical[heads, start:end] += a.sum(1)
-                slash[heads].scatter_add_(1, offset.flatten().expand(g1 - g0, -1), a.flatten(1))
+        accumulate_vertical_slash(q[:, rows].to(dtype), k[:, start:end].to(dtype), rows, keys, scale, vertical, slash)
     return vertical, slash
 
 
@@ -210,6 +278,42 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
 
 
+def long_documents(meta: TokenMeta, cfg: SparseAttentionConfig) -> list[list[tuple[int, int]]]:
+    """Per batch row, the documents long enough (>= min_seq_len) for a sparse pattern."""
+    return [
+        [(st, en) for st, en in documents(meta.segment[row]) if en - st >= max(cfg.min_seq_len, 1)]
+        for row in range(meta.segment.shape[0])
+    ]
+
+
+def layout_from_scores(
+    meta: TokenMeta,
+    cfg: SparseAttentionConfig,
+    docs: list[list[tuple[int, int]]],
+    scores: list[tuple[torch.Tensor, torch.Tensor] | None],
+) -> SparseLayout:
+    """The layout once every sparse row has its (vertical, slash) scores ([H, S] each; None for rows
+    without long documents): long documents get their selected verticals and slashes, every other
+    token its dense causal document prefix."""
+    b, s = meta.segment.shape
+    dev = meta.segment.device
+    if not any(docs):
+        return dense_layout(meta, cfg.block_size)
+    heads = next(sc[0].shape[0] for sc in scores if sc is not None)
+    dense_tokens = meta.segment != PAD_SEGMENT
+    diagonals = torch.zeros(b, heads, -(-s // cfg.block_size), dtype=torch.bool, device=dev)
+    verticals = torch.zeros(b, heads, s, dtype=torch.bool, device=dev)
+    for row, row_docs in enumerate(docs):
+        if not row_docs:
+            continue
+        for st, en in row_docs:
+            dense_tokens[row, st:en] = False
+        keep_v, keep_s = select_vertical_slash(scores[row][0], scores[row][1], row_docs, cfg)
+        diagonals[row] = offsets_to_block_diagonals(keep_s, cfg.block_size)
+        verticals[row] = keep_v
+    return build_layout(meta, cfg.block_size, diagonals=diagonals, verticals=verticals, dense_tokens=dense_tokens)
+
+
 def estimate_layout(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -224,26 +328,12 @@ def estimate_layout(
     q: [B, Hq, S, D], k: [B, Hkv, S, D] (after RoPE), meta: the tokens' documents (default: one
     document per row). Deterministic: the same inputs give the same layout on every rank.
     """
-    b, hq, s, d = q.shape
+    b, _, s, d = q.shape
     meta = TokenMeta.contiguous(b, s, q.device) if meta is None else meta
     if cfg.pattern == "dense" or sliding_window is not None:
         return dense_layout(meta, cfg.block_size, sliding_window)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dense_tokens = meta.segment != PAD_SEGMENT
-    diagonals = torch.zeros(b, hq, -(-s // cfg.block_size), dtype=torch.bool, device=q.device)
-    verticals = torch.zeros(b, hq, s, dtype=torch.bool, device=q.device)
-    any_sparse = False
-    for row in range(b):
-        docs = [(st, en) for st, en in documents(meta.segment[row]) if en - st >= max(cfg.min_seq_len, 1)]
-        if not docs:
-            continue
-        any_sparse = True
-        for st, en in docs:
-            dense_tokens[row, st:en] = False
-        v_score, s_score = score_vertical_slash(q[row], k[row], docs, cfg.last_q, scale)
-        keep_v, keep_s = select_vertical_slash(v_score, s_score, docs, cfg)
-        diagonals[row] = offsets_to_block_diagonals(keep_s, cfg.block_size)
-        verticals[row] = keep_v
-    if not any_sparse:
-        return dense_layout(meta, cfg.block_size)
-    return build_layout(meta, cfg.block_size, diagonals=diagonals, verticals=verticals, dense_tokens=dense_tokens)
+    docs = long_documents(meta, cfg)
+    scores = [score_vertical_slash(q[row], k[row], row_docs, cfg.last_q, scale) if row_docs else None
+              for row, row_docs in enumerate(docs)]
+    return layout_from_scores(meta, cfg, docs, scores)

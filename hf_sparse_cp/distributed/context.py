@@ -1,0 +1,163 @@
+"""What a model forward under context parallelism carries, and the entry points around it.
+
+Input preparation (once per batch, on every CP rank, with the same batch):
+`prepare_context_parallel_inputs(inputs, parallel, block_size=...)` returns this rank's model
+inputs (sharded input_ids, shift_labels, global position_ids) plus a `CPShard` under the key
+`cp_shard`. transformers passes unknown keyword arguments of `model(**inputs)` down to the
+attention function, so the `sparse_cp` backend receives the `CPShard` with q/k/v of its shard and
+calls `context_parallel_attention`, which estimates the global layout and runs the ring.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import SparseAttentionConfig
+from ..layout import SparseLayout
+from ..tokens import TokenMeta
+from .estimation import estimate_layout_cp
+from .parallel import ParallelLayout
+from .ring_attention import RingStats, ring_sparse_attention
+from .sharding import ShardPlan, sequence_meta, shard_inputs
+
+CP_SHARD_KWARG = "cp_shard"
+
+
+@dataclass(frozen=True, eq=False)
+class CPShard:
+    """One rank's view of a batch split over its CP group.
+
+    parallel: the parallel layout (groups, ring topology); plan: how the sequence was split;
+    meta: documents and global order of the *whole* batch [B, plan.padded_len] (padding marked),
+    identical on every rank, from which any rank's shard metadata follows.
+    """
+
+    parallel: ParallelLayout
+    plan: ShardPlan
+    meta: TokenMeta
+
+    @property
+    def rank(self) -> int:
+        return self.parallel.cp_rank
+
+    @functools.cached_property
+    def local_meta(self) -> TokenMeta:
+        """This rank's tokens: global index and document of each ([B, plan.local_len])."""
+        return self.plan.shard_meta(self.meta, self.rank)
+
+
+def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelLayout) -> None:
+    """Raise ValueError unless every rank of the CP group holds the same batch (two tiny all-reduces)."""
+    if parallel.cp_size == 1:
+        return
+    x = inputs.get("input_ids")
+    x = inputs["inputs_embeds"] if x is None else x
+    weights = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=torch.float64)
+    flat = x.double().reshape(*x.shape[:2], -1).sum(-1)
+    fingerprint = torch.stack([torch.tensor(float(x.numel()), device=x.device, dtype=torch.float64),
+                               (flat * weights).sum()])
+    lo, hi = fingerprint.clone(), fingerprint.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=parallel.cp_group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=parallel.cp_group)
+    if not torch.equal(lo, hi):
+        raise ValueError(
+            "the ranks of a context-parallel group received different batches; every CP rank must get the same "
+            "batch (accelerate's ParallelismConfig does this; with --cp_size, shard the dataset over the "
+            "data-parallel ranks only: num_replicas=dp_size, rank=dp_rank)."
+        )
+
+
+def prepare_context_parallel_inputs(
+    inputs: Mapping[str, Any],
+    parallel: ParallelLayout,
+    *,
+    block_size: int,
+    sharding: str | None = None,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+    verify_same_batch: bool = True,
+) -> dict[str, Any]:
+    """This rank's model inputs for a batch that every rank of the CP group received.
+
+    Shards input_ids (or inputs_embeds), the labels shifted before sharding (`shift_labels`, plus the
+    sharded `labels` so stock forwards compute a loss) and the global position_ids; the attention
+    mask and flattened-packing keys (cu_seq_lens_*) go into the `CPShard` added under `cp_shard`.
+    `block_size` must be the attention layout's block size (`SparseAttentionConfig.block_size`).
+    The sequence is padded to whole blocks per rank, never truncated.
+    """
+    if verify_same_batch:
+        check_same_batch(inputs, parallel)
+    ref = inputs.get("input_ids")
+    ref = inputs.get("inputs_embeds") if ref is None else ref
+    if ref is None:
+        raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
+    plan = ShardPlan(sharding or parallel.sharding, parallel.cp_size, block_size, ref.shape[1])
+    meta = sequence_meta(inputs)
+    out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
+    out[CP_SHARD_KWARG] = CPShard(parallel, plan, meta.pad_to(plan.padded_len))
+    return out
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    shard: CPShard,
+    cfg: SparseAttentionConfig,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    stats: RingStats | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, SparseLayout]:
+    """Sparse attention of a sharded sequence, for an attention backend under CP.
+
+    query [B, Hq, S_local, D], key / value [B, Hkv, S_local, D] (after RoPE; this rank's shard).
+    Estimates the layer's global layout from all ranks' shards (`estimate_layout_cp`, collective),
+    then runs `ring_sparse_attention`. Returns (out [B, Hq, S_local, D], lse, the global layout).
+    """
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"under context parallelism queries and keys must be the same shard (got {query.shape[2]} queries, "
+            f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
+        )
+    with torch.no_grad():
+        layout = estimate_layout_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
+    out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale, sliding_window=sliding_window,
+                                     stats=stats)
+    return out, lse, layout
+
+
+def check_model_supports_context_parallel(model: torch.nn.Module, backend: str = "sparse_cp") -> None:
+    """Raise ValueError when sparse context parallelism cannot shard `model`'s attention."""
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None:
+        raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; sparse context parallelism shards causal decoders only.")
+    sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
+    if sub:
+        raise ValueError(
+            f"{name} has non-text towers ({', '.join(sub)}) whose attention is not sharded; sparse context "
+            "parallelism supports text-only causal language models."
+        )
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != backend:
+        raise ValueError(
+            f"{name} uses attn_implementation={impl!r}; under context parallelism every attention layer must go "
+            f"through '{backend}', which runs the ring (call hf_sparse_cp.patch() and hf_sparse_cp.configure(model))."
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{name} soft-caps attention logits, which the sparse kernels do not implement.")
+    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise ValueError(
+            f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); the ring computes causal "
+            "self-attention only."
+        )

@@ -1,0 +1,121 @@
+"""Vertical-slash pattern estimation of a sequence split over a context-parallel group.
+
+The pattern of a long document comes from its last `last_q` queries scoring all of its keys
+(`hf_sparse_cp.pattern`). Under CP those queries and keys are spread over the ranks, so:
+
+1. every rank contributes the scoring queries it holds to one all-reduce (each row is held by
+   exactly one rank), after which every rank has all of them;
+2. each rank scores its own keys and the softmax normaliser of every query row is combined across
+   ranks (all-reduce of the row max, then of the rescaled sums of exp);
+3. each rank adds the normalised mass of its keys into vertical / slash tensors [H, S] of the whole
+   sequence, which one all-reduce sums;
+4. every rank selects and builds the layout from the same reduced scores, so all ranks derive the
+   same layout, equal to `estimate_layout` on the whole sequence (up to the summation order of the
+   scores, i.e. identical unless two candidates tie to the last bit).
+
+Four collectives per call, whatever the number of documents; the scores' all-reduce moves
+2 x B x H x S values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..config import SparseAttentionConfig
+from ..layout import SparseLayout
+from ..pattern import (
+    accumulate_vertical_slash,
+    dense_layout,
+    last_query_rows,
+    layout_from_scores,
+    long_documents,
+    row_softmax_stats,
+    score_dtype,
+)
+
+if TYPE_CHECKING:
+    from .context import CPShard
+
+
+def _all_reduce(x: torch.Tensor, op, shard: CPShard) -> None:
+    if shard.parallel.cp_size > 1:
+        dist.all_reduce(x, op=op, group=shard.parallel.cp_group)
+
+
+def estimate_layout_cp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cfg: SparseAttentionConfig,
+    shard: CPShard,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> SparseLayout:
+    """The global layout (over the padded sequence) from this rank's shard of q and k.
+
+    q: [B, Hq, S_local, D], k: [B, Hkv, S_local, D] after RoPE, in shard order. Collective: every
+    rank of the CP group calls it with its own shard; all get the same layout.
+    """
+    plan, meta = shard.plan, shard.meta
+    if cfg.block_size != plan.block_size:
+        raise ValueError(
+            f"this layer's block_size ({cfg.block_size}) differs from the block size the sequence was sharded with "
+            f"({plan.block_size}); under context parallelism every layer must use the same block_size."
+        )
+    if cfg.pattern == "dense" or sliding_window is not None:
+        return dense_layout(meta, cfg.block_size, sliding_window)
+    docs = long_documents(meta, cfg)
+    if not any(docs):
+        return dense_layout(meta, cfg.block_size)
+    b, hq, s_local, d = q.shape
+    dev = q.device
+    dtype = score_dtype(q)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    tok = plan.token_index(shard.rank).to(dev)
+    local_of = torch.full((plan.padded_len,), -1, dtype=torch.long, device=dev)
+    local_of[tok] = torch.arange(s_local, device=dev)
+
+    # Scoring rows of every long document: (batch row, global positions, slice in the packed buffer).
+    entries, total = [], 0
+    for row, row_docs in enumerate(docs):
+        for start, end in row_docs:
+            rows = last_query_rows(start, end, cfg.last_q, dev)
+            entries.append((row, start, end, rows, slice(total, total + rows.numel())))
+            total += rows.numel()
+
+    q_rows = torch.zeros(hq, total, d, dtype=dtype, device=dev)
+    for row, _, _, rows, span in entries:
+        lp = local_of[rows]
+        mine = (lp >= 0).nonzero().flatten()
+        q_rows[:, span.start + mine] = q[row][:, lp[mine]].to(dtype)
+    _all_reduce(q_rows, dist.ReduceOp.SUM, shard)
+
+    keys = []
+    row_max = torch.full((hq, total), float("-inf"), dtype=dtype, device=dev)
+    row_sum = torch.zeros(hq, total, dtype=dtype, device=dev)
+    for row, start, end, rows, span in entries:
+        lk = ((tok >= start) & (tok < end)).nonzero().flatten()
+        keys.append(lk)
+        if lk.numel():
+            visible = tok[lk].unsqueeze(0) <= rows.unsqueeze(1)
+            row_max[:, span], row_sum[:, span] = row_softmax_stats(
+                q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), visible, scale
+            )
+    top = row_max.clone()
+    _all_reduce(top, dist.ReduceOp.MAX, shard)
+    row_sum = torch.where(torch.isfinite(row_max), row_sum * torch.exp(row_max - top), torch.zeros_like(row_sum))
+    _all_reduce(row_sum, dist.ReduceOp.SUM, shard)
+
+    scores = torch.zeros(b, 2, hq, plan.padded_len, dtype=dtype, device=dev)
+    for (row, _, _, rows, span), lk in zip(entries, keys):
+        if lk.numel():
+            accumulate_vertical_slash(
+                q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), rows, tok[lk], scale,
+                scores[row, 0], scores[row, 1], normalizer=(top[:, span], row_sum[:, span]),
+            )
+    _all_reduce(scores, dist.ReduceOp.SUM, shard)
+    return layout_from_scores(meta, cfg, docs, [(scores[r, 0], scores[r, 1]) if docs[r] else None for r in range(b)])

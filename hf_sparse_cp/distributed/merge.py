@@ -1,0 +1,37 @@
+"""Merging partial attention results computed over disjoint key sets.
+
+Each ring step gives, for the local queries, the attention output over the keys it saw and the
+log-sum-exp (LSE) of their scores. Two parts combine exactly as
+
+    lse = log(exp(lse_a) + exp(lse_b)),  out = (exp(lse_a) out_a + exp(lse_b) out_b) / exp(lse)
+
+evaluated relative to max(lse_a, lse_b) so that nothing overflows; a part that saw no key
+(lse = -inf, out = 0) leaves the other unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_attention(
+    out: torch.Tensor, lse: torch.Tensor, out_part: torch.Tensor, lse_part: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine (out [..., S, D], lse [..., S]) with another part over disjoint keys.
+
+    Computes in fp32 at least (fp64 stays fp64) and returns tensors in that dtype.
+    """
+    dtype = torch.promote_types(torch.promote_types(out.dtype, out_part.dtype), torch.float32)
+    out, out_part = out.to(dtype), out_part.to(dtype)
+    lse, lse_part = lse.to(dtype), lse_part.to(dtype)
+    top = torch.maximum(lse, lse_part)
+    seen = torch.isfinite(top)
+    # Where neither part saw a key, subtract 0 instead of -inf (keeps -inf - -inf out of the way).
+    ref = torch.where(seen, top, torch.zeros_like(top))
+    w_a = torch.exp(lse - ref)
+    w_b = torch.exp(lse_part - ref)
+    total = w_a + w_b
+    merged_lse = torch.where(seen, ref + torch.log(total), top)
+    inv = torch.where(seen, 1.0 / total, torch.zeros_like(total))
+    merged_out = (out * (w_a * inv).unsqueeze(-1)) + (out_part * (w_b * inv).unsqueeze(-1))
+    return merged_out, merged_lse

@@ -1,0 +1,255 @@
+"""The parallel layout: context-parallel (CP) and data-parallel (DP) sizes, groups and node grouping.
+
+Ranks are arranged like accelerate's device mesh (dp_replicate, dp_shard, cp): CP is the innermost
+dimension, so a CP group is `cp_size` consecutive ranks and the ranks of one node are contiguous.
+Every CP rank receives the same batch and keeps its shard of the sequence; FSDP2 shards the model
+over dp_shard x cp, and the loss is reduced over every rank (see `hf_sparse_cp.distributed.loss`).
+
+On GPUs the sizes and the CP group come from accelerate's `ParallelismConfig(cp_size=...)`
+(`ParallelLayout.from_accelerator`). On CPU (gloo), where accelerate refuses a parallelism
+config, the plugin's own `--cp_size` builds the same layout (`ParallelLayout.from_config`), so one
+script runs on a laptop and on a cluster.
+
+The hierarchical ring splits a CP group into `num_nodes` x `node_size` ranks: an inner ring within
+a node and an outer ring across nodes, each with its own process group so that their transfers can
+be in flight together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingTopology
+from .sharding import SHARDINGS
+
+logger = logging.getLogger(__name__)
+
+RINGS = ("flat", "hierarchical")
+
+
+@dataclass
+class ContextParallelConfig:
+    """How the sequence is split over ranks and how K/V travel between them."""
+
+    cp_size: int = field(
+        default=1,
+        metadata={"help": "Context-parallel degree: ranks that share one sequence (data-parallel degree = world size "
+                  "/ cp_size). With accelerate's ParallelismConfig(cp_size=...) on GPUs, its cp_size is used."},
+    )
+    cp_sharding: Literal["striped", "zigzag", "contiguous"] = field(
+        default="striped",
+        metadata={"help": "How the sequence is split: 'striped' (block round robin, balances sparse attention), "
+                  "'zigzag' (head-tail chunks, balances dense causal attention) or 'contiguous'."},
+    )
+    cp_ring: Literal["flat", "hierarchical"] = field(
+        default="flat",
+        metadata={"help": "'flat': one ring over the CP group; 'hierarchical': an inner ring within each node and "
+                  "an outer ring across nodes whose transfers hide behind the inner ring's compute."},
+    )
+    cp_node_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks per node for the hierarchical ring (default: LOCAL_WORLD_SIZE, set by torchrun and "
+                  "accelerate launch)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
+        if self.cp_sharding not in SHARDINGS:
+            raise ValueError(f"cp_sharding={self.cp_sharding!r} is unknown; use one of {SHARDINGS}.")
+        if self.cp_ring not in RINGS:
+            raise ValueError(f"cp_ring={self.cp_ring!r} is unknown; use one of {RINGS}.")
+        if self.cp_node_size is not None and self.cp_node_size < 1:
+            raise ValueError(f"cp_node_size={self.cp_node_size} must be >= 1, or unset to use LOCAL_WORLD_SIZE.")
+
+
+def check_sizes(world_size: int, cp_size: int) -> None:
+    """Raise a ValueError that says how to fix it when `cp_size` does not divide `world_size`."""
+    if cp_size < 1 or world_size % cp_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        multiple = max(1, -(-world_size // max(cp_size, 1))) * max(cp_size, 1)
+        raise ValueError(
+            f"cp_size={cp_size} does not divide the world size {world_size} (the number of processes): the ranks "
+            f"must split into data-parallel groups of cp_size. Use a cp_size in {divisors}, or launch a multiple "
+            f"of {cp_size} processes (e.g. --num_processes {multiple})."
+        )
+
+
+def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(num_nodes, node_size) of the ring inside one CP group; (1, cp_size) for a flat ring."""
+    if config.cp_ring == "flat" or cp_size == 1:
+        return 1, cp_size
+    per_node = config.cp_node_size
+    if per_node is None and env.get("LOCAL_WORLD_SIZE"):
+        per_node = int(env["LOCAL_WORLD_SIZE"])
+    if per_node is None:
+        raise ValueError(
+            "cp_ring='hierarchical' needs the number of ranks per node: launch with torchrun or accelerate launch "
+            "(they set LOCAL_WORLD_SIZE) or pass --cp_node_size."
+        )
+    if per_node >= cp_size:
+        if per_node % cp_size:
+            raise ValueError(
+                f"a node holds {per_node} ranks, which is not a multiple of cp_size={cp_size}: some CP groups would "
+                "straddle two nodes unevenly. Use a cp_size that divides the ranks per node or is a multiple of it."
+            )
+        logger.info("The CP group (%d ranks) fits in one node of %d ranks: the hierarchical ring is flat.", cp_size,
+                    per_node)
+        return 1, cp_size
+    if cp_size % per_node:
+        raise ValueError(
+            f"cp_size={cp_size} is not a multiple of the {per_node} ranks per node: the hierarchical ring needs whole "
+            "nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
+        )
+    return cp_size // per_node, per_node
+
+
+class ParallelLayout:
+    """Sizes, process groups and ring topology of context x data parallelism for this rank.
+
+    Attributes: world_size, rank, cp_size, dp_size, cp_rank (position in the CP group), dp_rank,
+    cp_ranks (global ranks of this CP group), cp_group, topology (`RingTopology`: nodes x ranks
+    per node), inner_group / outer_group (the two rings; the inner one is the CP group when flat),
+    sharding (the configured sequence split).
+    """
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        rank: int,
+        cp_ranks: tuple[int, ...],
+        cp_group,
+        topology: RingTopology,
+        inner_group,
+        outer_group,
+        sharding: str,
+    ) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.cp_ranks = cp_ranks
+        self.cp_size = len(cp_ranks)
+        self.dp_size = world_size // self.cp_size
+        self.cp_rank = cp_ranks.index(rank)
+        self.dp_rank = rank // self.cp_size
+        self.cp_group = cp_group
+        self.topology = topology
+        self.inner_group = inner_group
+        self.outer_group = outer_group
+        self.sharding = sharding
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (
+            f"ParallelLayout(world={self.world_size}, cp={self.cp_size} x dp={self.dp_size}, rank={self.rank} "
+            f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), ring={t.num_nodes} node(s) x {t.node_size}, "
+            f"sharding={self.sharding})"
+        )
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.topology.num_nodes > 1 and self.topology.node_size > 1
+
+    def global_rank(self, position: int) -> int:
+        """Global rank of the CP group member at ring `position`."""
+        return self.cp_ranks[position]
+
+    @classmethod
+    def single(cls, sharding: str = "striped") -> ParallelLayout:
+        """One process, no communication (CP size 1)."""
+        return cls(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
+                   inner_group=None, outer_group=None, sharding=sharding)
+
+    @classmethod
+    def from_config(cls, config: ContextParallelConfig, *, env: Mapping[str, str] = os.environ) -> ParallelLayout:
+        """Build from the plugin's own flags over the default process group (gloo on CPU, or any backend).
+
+        Call on every rank after `torch.distributed.init_process_group`: it creates the CP groups
+        (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            if config.cp_size != 1:
+                raise ValueError(
+                    f"cp_size={config.cp_size} needs torch.distributed: launch with torchrun or accelerate launch "
+                    "(or call torch.distributed.init_process_group) before building the parallel layout."
+                )
+            return cls.single(config.cp_sharding)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        check_sizes(world, config.cp_size)
+        w = config.cp_size
+        groups = [list(range(d * w, (d + 1) * w)) for d in range(world // w)]
+        return cls._build(world, rank, groups, config, env, cp_group=None)
+
+    @classmethod
+    def from_accelerator(cls, accelerator, config: ContextParallelConfig | None = None, *,
+                         env: Mapping[str, str] = os.environ) -> ParallelLayout:
+        """Build from an `accelerate.Accelerator`: its `ParallelismConfig` (cp_size, device mesh, CP
+        group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs)."""
+        config = ContextParallelConfig() if config is None else config
+        pc = getattr(accelerator, "parallelism_config", None)
+        if pc is None or pc.cp_size == 1:
+            return cls.from_config(config, env=env)
+        if config.cp_size not in (1, pc.cp_size):
+            raise ValueError(
+                f"--cp_size={config.cp_size} disagrees with accelerate's ParallelismConfig(cp_size={pc.cp_size}); "
+                "set one of them (the accelerate config on GPUs)."
+            )
+        if pc.tp_size > 1 or getattr(pc, "sp_size", 1) > 1:
+            raise ValueError(
+                f"sparse context parallelism does not compose with tensor or sequence parallelism (tp_size="
+                f"{pc.tp_size}, sp_size={getattr(pc, 'sp_size', 1)}); set them to 1."
+            )
+        mesh = accelerator.torch_device_mesh
+        names = list(mesh.mesh_dim_names)
+        ranks = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, pc.cp_size)
+        groups = [[int(r) for r in row] for row in ranks]
+        return cls._build(dist.get_world_size(), dist.get_rank(), groups, config, env,
+                          cp_group=mesh["cp"].get_group())
+
+    @classmethod
+    def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config: ContextParallelConfig,
+               env: Mapping[str, str], cp_group) -> ParallelLayout:
+        w = len(cp_groups[0])
+        num_nodes, node_size = ring_shape(w, config, env)
+        if num_nodes > 1 and any(g != list(range(g[0], g[0] + w)) for g in cp_groups):
+            raise ValueError("the hierarchical ring needs each CP group to be consecutive ranks (CP innermost in the "
+                             "device mesh); use cp_ring='flat'.")
+        topology = RingTopology(num_nodes, node_size)
+        mine = next(g for g in cp_groups if rank in g)
+        # Every rank takes part in creating every group, in the same order.
+        if cp_group is None and w > 1:
+            for g in cp_groups:
+                created = dist.new_group(g)
+                if rank in g:
+                    cp_group = created
+        inner, outer = cp_group, None
+        if num_nodes > 1:
+            for g in cp_groups:
+                for node in range(num_nodes):
+                    created = dist.new_group(g[node * node_size : (node + 1) * node_size])
+                    if rank in g and topology.node(g.index(rank)) == node:
+                        inner = created
+                for local in range(node_size):
+                    created = dist.new_group(g[local::node_size])
+                    if rank in g and topology.local(g.index(rank)) == local:
+                        outer = created
+        layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
+                     inner_group=inner, outer_group=outer, sharding=config.cp_sharding)
+        for group in {id(g): g for g in (cp_group, inner, outer) if g is not None}.values():
+            _warm_up(group)
+        logger.info("%s", layout)
+        return layout
+
+
+def _warm_up(group) -> None:
+    """One collective on a new group: NCCL creates communicators lazily, and the first
+    batch_isend_irecv of a group must involve all of its ranks, which a skipped transfer would break."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    dist.all_reduce(torch.zeros(1, device=device), group=group)

@@ -1,0 +1,326 @@
+"""From one global layout to what every rank of a CP group computes, receives and sends.
+
+The global `SparseLayout` (NQB = padded_len / block_size query blocks, the same on every rank)
+lists, per query block, key blocks and key columns of the whole sequence. Sharding gives every
+block an owner.
+
+Key *blocks* travel the ring (see `RingTopology`): the K/V of source shard s reach the rank at
+step (outer, inner) along a tree rooted at s, the outer ring carrying them node to node, each
+node's inner ring rank to rank. `TransferSets` (the same on every rank) records per source, per
+step, which of the source's blocks the holder *reads* (its queries list them), *holds* (reads, or
+forwards to someone downstream who reads them: blocks nobody downstream reads are never sent),
+and which blocks its dK/dV *accumulator* covers in the backward pass, where partial dK/dV travel
+the ring with the K/V and the last reader sends the sum home.
+
+Key *columns* (verticals) do not travel the ring: shipping a column's whole block to every
+reader would cost a block per column, and all sink columns live on one shard, which would load
+one ring step of every rank. The K/V rows of all listed columns are all-gathered once into a
+compact "bar" buffer and attended in one extra local step; their dK/dV are all-reduced and each
+owner keeps its rows (MTraining's bar buffer).
+
+`RingPlan` is one rank's part: per ring step, the layout of its query blocks against the blocks it
+holds (indices re-numbered into the received buffer) and the key metadata of that buffer; the bar
+step; and per communication slot the transfers to post. A step whose layout lists nothing is
+skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import SparseLayout, compact_sorted
+from ..tokens import TokenMeta
+from .comm import RingTopology
+from .sharding import ShardPlan
+
+
+def check_layout(layout: SparseLayout, shard: ShardPlan) -> None:
+    """Raise ValueError unless `layout` is a global layout over `shard`'s padded sequence."""
+    if layout.block_size != shard.block_size:
+        raise ValueError(
+            f"the layout's block_size ({layout.block_size}) differs from the shard plan's ({shard.block_size}); under "
+            "context parallelism every layer must use the block size the sequence was sharded with."
+        )
+    if layout.num_q_blocks != shard.num_blocks:
+        raise ValueError(
+            f"the layout has {layout.num_q_blocks} query blocks but the padded sequence has {shard.num_blocks}: build "
+            "the global layout over the padded sequence (TokenMeta.pad_to(plan.padded_len))."
+        )
+
+
+def _valid(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    return torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
+
+
+def read_matrix(layout: SparseLayout, shard: ShardPlan) -> torch.Tensor:
+    """bool [cp_size, num_blocks] on the CPU: rank r's queries list global key block kb (columns excluded)."""
+    check_layout(layout, shard)
+    dev = layout.block_idx.device
+    w, nb = shard.cp_size, shard.num_blocks
+    qowner = shard.block_owner.to(dev).view(1, 1, -1, 1)
+    reads = torch.zeros(w * nb, dtype=torch.bool, device=dev)
+    flat = qowner * nb + layout.block_idx.long().clamp_min(0)
+    reads[flat[_valid(layout.block_idx, layout.block_cnt).expand_as(flat)]] = True
+    return reads.view(w, nb).cpu()
+
+
+def pair_work(layout: SparseLayout, shard: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Computed work in block units, summed over batch rows and heads, on the CPU:
+    (float64 [W, W]: listed key blocks of source s for rank r's queries,
+     float64 [W]: listed key columns / block_size for rank r's queries, the bar step)."""
+    check_layout(layout, shard)
+    dev = layout.block_idx.device
+    w, bs = shard.cp_size, shard.block_size
+    owner = shard.block_owner.to(dev)
+    qowner = owner.view(1, 1, -1, 1)
+    blocks = torch.zeros(w * w, dtype=torch.float64, device=dev)
+    valid = _valid(layout.block_idx, layout.block_cnt)
+    flat = (qowner * w + owner[layout.block_idx.long().clamp_min(0)])[valid]
+    blocks.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float64, device=dev))
+    cols = torch.zeros(w, dtype=torch.float64, device=dev)
+    per_qblock = layout.col_cnt.double().sum((0, 1)) / bs  # [NQB]
+    cols.index_add_(0, owner, per_qblock)
+    return blocks.view(w, w).cpu(), cols.cpu()
+
+
+def column_tokens(layout: SparseLayout) -> torch.Tensor:
+    """Global key tokens listed as columns anywhere in the layout (int64, ascending, unique, CPU)."""
+    valid = _valid(layout.col_idx, layout.col_cnt)
+    return torch.unique(layout.col_idx[valid].long()).cpu()
+
+
+def _suffix_any(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """out[..., j, ...] = x[..., j:, ...].any(dim)."""
+    return x.flip(dim).to(torch.uint8).cummax(dim).values.flip(dim).bool()
+
+
+def _prefix_any(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.to(torch.uint8).cummax(dim).values.bool()
+
+
+class TransferSets:
+    """Per source shard s, step (outer o, inner i) and source-local block: what the holder
+    `topology.holder(s, o, i)` reads, holds and accumulates. Identical on every rank.
+
+    read       bool [W, N, L, nkb]: blocks the holder's queries list.
+    held       bool [W, N, L, nkb]: blocks it receives (reads or forwards); all at the source itself.
+    acc        bool [W, N, L, nkb]: blocks of the dK/dV accumulator it sends on (backward): at inner
+               position i >= 1 the reads of positions 1..i of its node; at a node entry (i = 0,
+               o >= 1) the reads of nodes 1..o (the source's own node reports home through its inner ring).
+    last_inner int [W, N]: last inner position >= 1 that reads (0: none), where the inner accumulator turns home.
+    last_outer int [W]: last node step >= 1 that reads (0: none), where the outer accumulator turns home.
+    """
+
+    def __init__(self, layout: SparseLayout, shard: ShardPlan, topology: RingTopology) -> None:
+        if topology.size != shard.cp_size:
+            raise ValueError(f"the ring has {topology.size} ranks but the sequence is split over {shard.cp_size}.")
+        self.topology, self.shard = topology, shard
+        w, n, l = shard.cp_size, topology.num_nodes, topology.node_size
+        reads = read_matrix(layout, shard)
+        by_source = reads[:, shard.all_blocks]  # [reader, source, nkb]
+        read = by_source[topology.holders(), torch.arange(w).view(-1, 1, 1)]  # [W, N, L, nkb]
+        node_read = read.any(2)  # [W, N, nkb]
+        held = _suffix_any(read, 2)
+        held[:, :, 0] = _suffix_any(node_read, 1)
+        held[:, 0, 0] = True
+        inner_reads = read.clone()
+        inner_reads[:, :, 0] = False
+        acc = _prefix_any(inner_reads, 2)
+        outer_reads = node_read.clone()
+        outer_reads[:, 0] = False
+        acc[:, :, 0] = _prefix_any(outer_reads, 1)
+        acc[:, 0, 0] = False
+        self.read, self.held, self.acc = read, held, acc
+        self.last_inner = (read.any(-1) * torch.arange(l)).amax(-1)  # position 0 contributes 0
+        self.last_outer = (node_read.any(-1) * torch.arange(n)).amax(-1)
+
+    def blocks(self, which: str, source: int, outer: int, inner: int) -> torch.Tensor:
+        """Source-local block indices (int64, ascending) of set `which` ('read', 'held', 'acc')."""
+        return getattr(self, which)[source, outer, inner].nonzero().flatten()
+
+
+@dataclass
+class Op:
+    """One transfer of a rank: K/V ('kv') or an accumulated dK/dV ('dkv') of `source`'s `blocks`."""
+
+    send: bool
+    kind: str
+    source: int
+    peer: int  # ring position
+    blocks: torch.Tensor
+
+
+@dataclass
+class RingStep:
+    """What one rank computes at step (outer, inner): its queries against `source`'s held blocks."""
+
+    outer: int
+    inner: int
+    source: int
+    held: torch.Tensor  # source-local blocks in the buffer, ascending
+    read: torch.Tensor  # source-local blocks the queries list
+    layout: SparseLayout | None  # indices into the buffer; None: nothing to compute
+    k_meta: TokenMeta
+
+
+def slot_ops(sets: TransferSets, position: int, *, backward: bool) -> dict[tuple, list[Op]]:
+    """Transfers of `position`, per slot: ('outer', o) posted before outer step o's inner ring and
+    awaited after it; ('inner', o, i) posted before step (o, i) and awaited after it. Slot
+    ('outer', N) and ('inner', o, L) carry only the last hop of dK/dV accumulators.
+
+    Sources are visited in ascending order with a fixed order of kinds, so both ends of every
+    transfer list them in the same relative order.
+    """
+    topo = sets.topology
+    n, l = topo.num_nodes, topo.node_size
+    ops: dict[tuple, list[Op]] = {}
+
+    def add(slot, send, kind, s, peer, which, o, i):
+        blocks = sets.blocks(which, s, o, i)
+        if blocks.numel():
+            ops.setdefault(slot, []).append(Op(send, kind, s, peer, blocks))
+
+    for s in range(topo.size):
+        o, i = topo.chain_position(position, s)
+
+        def pos(outer: int, inner: int, s: int = s) -> int:
+            return topo.holder(s, outer, inner)
+
+        # K/V: inner hop (o, i-1) -> (o, i) in slot (o, i-1); outer hop between node entries in slot o-1.
+        if i >= 1:
+            add(("inner", o, i - 1), False, "kv", s, pos(o, i - 1), "held", o, i)
+        if i + 1 < l:
+            add(("inner", o, i), True, "kv", s, pos(o, i + 1), "held", o, i + 1)
+        if i == 0 and o >= 1:
+            add(("outer", o - 1), False, "kv", s, pos(o - 1, 0), "held", o, 0)
+        if i == 0 and o + 1 < n:
+            add(("outer", o), True, "kv", s, pos(o + 1, 0), "held", o + 1, 0)
+        if not backward:
+            continue
+        # dK/dV inside a node: position i passes its sum to i+1 in slot (o, i+1); the last reader e
+        # sends it to the node's entry in slot (o, e+1).
+        e = int(sets.last_inner[s, o])
+        if 1 <= i < e:
+            add(("inner", o, i + 1), True, "dkv", s, pos(o, i + 1), "acc", o, i)
+        if 2 <= i <= e:
+            add(("inner", o, i), False, "dkv", s, pos(o, i - 1), "acc", o, i - 1)
+        if i == e >= 1:
+            add(("inner", o, e + 1), True, "dkv", s, pos(o, 0), "acc", o, e)
+        if i == 0 and e >= 1:
+            add(("inner", o, e + 1), False, "dkv", s, pos(o, e), "acc", o, e)
+        # dK/dV across nodes: node entry o passes its sum to entry o+1 in slot o+1; the last
+        # reading node E sends it home in slot E+1.
+        big_e = int(sets.last_outer[s])
+        if i == 0 and 1 <= o < big_e:
+            add(("outer", o + 1), True, "dkv", s, pos(o + 1, 0), "acc", o, 0)
+        if i == 0 and 2 <= o <= big_e:
+            add(("outer", o), False, "dkv", s, pos(o - 1, 0), "acc", o - 1, 0)
+        if i == 0 and o == big_e >= 1:
+            add(("outer", big_e + 1), True, "dkv", s, s, "acc", big_e, 0)
+        if s == position and big_e >= 1:
+            add(("outer", big_e + 1), False, "dkv", s, pos(big_e, 0), "acc", big_e, 0)
+    return ops
+
+
+def _restrict(layout: SparseLayout, rows: torch.Tensor, shard: ShardPlan, source: int,
+              buffer_pos: torch.Tensor) -> SparseLayout:
+    """Query blocks `rows` of the global layout against `source`'s key blocks, indexed into the
+    buffer (`buffer_pos[local block]` = its block position in the buffer); no columns."""
+    dev = layout.block_idx.device
+    owner = shard.block_owner.to(dev)
+    local = shard.block_local_index.to(dev)
+    blk = layout.block_idx[:, :, rows].long()
+    kb = blk.clamp_min(0)
+    keep = _valid(blk, layout.block_cnt[:, :, rows]) & (owner[kb] == source)
+    block_idx, block_cnt = compact_sorted(buffer_pos.to(dev)[local[kb]], keep)
+    empty = torch.empty(*block_cnt.shape, 0, dtype=torch.int32, device=dev)
+    return SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), shard.block_size)
+
+
+@dataclass
+class BarStep:
+    """The columns of the layout, attended in one local step over an all-gathered compact buffer.
+
+    tokens: global key tokens of the buffer (ascending); owned[r]: positions in `tokens` owned by
+    rank r, rows[r]: their row in r's shard; layout: this rank's query blocks against the buffer
+    (columns only); k_meta: metadata of the buffer's tokens.
+    """
+
+    tokens: torch.Tensor
+    owned: list[torch.Tensor]
+    rows: list[torch.Tensor]
+    layout: SparseLayout
+    k_meta: TokenMeta
+
+    @property
+    def max_owned(self) -> int:
+        return max(o.numel() for o in self.owned)
+
+
+def _bar_step(layout: SparseLayout, rows: torch.Tensor, shard: ShardPlan, meta: TokenMeta) -> BarStep | None:
+    tokens = column_tokens(layout)
+    if not tokens.numel():
+        return None
+    dev = layout.block_idx.device
+    bs = shard.block_size
+    owner = shard.block_owner[tokens // bs]
+    local_row = shard.block_local_index[tokens // bs] * bs + tokens % bs
+    owned = [(owner == r).nonzero().flatten() for r in range(shard.cp_size)]
+    col = layout.col_idx[:, :, rows].long()
+    valid = _valid(col, layout.col_cnt[:, :, rows])
+    # Columns ascend, and so do their positions in the ascending token list.
+    pos = torch.searchsorted(tokens.to(dev), col.clamp_min(0))
+    col_idx = torch.where(valid, pos, -1).to(torch.int32)
+    col_cnt = layout.col_cnt[:, :, rows]
+    width = int(col_cnt.max()) if col_cnt.numel() else 0
+    blk = torch.empty(*col_cnt.shape, 0, dtype=torch.int32, device=dev)
+    bar_layout = SparseLayout(blk, torch.zeros_like(col_cnt), col_idx[..., :width].contiguous(), col_cnt, bs)
+    tok = tokens.to(dev)
+    return BarStep(tokens, owned, [local_row[o] for o in owned], bar_layout,
+                   TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
+
+
+class RingPlan:
+    """One rank's ring schedule for one global layout (see the module docstring).
+
+    layout: the global layout (identical on every rank); shard: the sequence split; meta: the
+    whole padded sequence's `TokenMeta` [B, padded_len]; position: this rank's ring position.
+    `bar` is None when the layout lists no column (then no rank gathers bars); `bar_work` says
+    whether this rank's queries list any column.
+    """
+
+    def __init__(self, layout: SparseLayout, shard: ShardPlan, meta: TokenMeta, topology: RingTopology,
+                 position: int) -> None:
+        self.topology, self.shard, self.position = topology, shard, position
+        self.sets = TransferSets(layout, shard, topology)
+        meta = meta.pad_to(shard.padded_len)
+        dev = layout.block_idx.device
+        bs = shard.block_size
+        rows = shard.blocks_of(position).to(dev)
+        self.q_meta = shard.shard_meta(meta, position)
+        self.steps: list[RingStep] = []
+        for o in range(topology.num_nodes):
+            for i in range(topology.node_size):
+                s = topology.source(position, o, i)
+                held = self.sets.blocks("held", s, o, i)
+                read = self.sets.blocks("read", s, o, i)
+                buffer_pos = torch.full((shard.local_blocks,), -1, dtype=torch.long)
+                buffer_pos[held] = torch.arange(held.numel())
+                step_layout = _restrict(layout, rows, shard, s, buffer_pos) if read.numel() else None
+                tok = ((shard.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
+                k_meta = TokenMeta(meta.index[:, tok], meta.segment[:, tok])
+                self.steps.append(RingStep(o, i, s, held, read, step_layout, k_meta))
+        self.bar = _bar_step(layout, rows, shard, meta)
+        self.bar_work = self.bar is not None and bool((self.bar.layout.col_cnt > 0).any())
+        self.forward_ops = slot_ops(self.sets, position, backward=False)
+        self.backward_ops = slot_ops(self.sets, position, backward=True)
+
+    def step(self, outer: int, inner: int) -> RingStep:
+        return self.steps[outer * self.topology.node_size + inner]
+
+    def acc_blocks(self, source: int) -> torch.Tensor:
+        """Blocks of this rank's dK/dV accumulator for `source` (empty at the source itself)."""
+        o, i = self.topology.chain_position(self.position, source)
+        return self.sets.blocks("acc", source, o, i)

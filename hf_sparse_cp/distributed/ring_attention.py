@@ -1,0 +1,323 @@
+"""Balanced sparse ring attention: exact attention over a global layout, the sequence split over a CP group.
+
+Every rank keeps its queries; K/V (key/value heads only, never replicated for GQA) travel the
+(hierarchical) ring of `RingTopology`. At each step a rank computes its queries against the K/V
+blocks it holds with `sparse_attention_forward` and the step's layout (from `RingPlan`), and
+merges the partial (out, lse) in fp32 (`merge_attention`). Transfers for the next step are posted
+before the current step computes and awaited after it (double buffering); the outer ring's
+transfer is posted before the whole inner ring of a node and awaited after it. Steps with nothing
+to compute are skipped, and K/V blocks that no rank downstream reads are never sent. The K/V rows
+of the layout's key columns are all-gathered once (overlapped with the ring) and attended in one
+more local step.
+
+Backward re-circulates K/V the same way, calls `sparse_attention_backward` per step with the final
+out/lse, and sends partial dK/dV (accumulated in fp32, fp64 for fp64 inputs) around a second ring
+back to the rank that owns the keys; the columns' dK/dV are all-reduced (overlapped with the ring)
+and each owner keeps its rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..layout import SparseLayout
+from ..ops import sparse_attention_backward, sparse_attention_forward
+from .comm import P2PComm, Pending, Transfer
+from .merge import merge_attention
+from .plan import RingPlan, check_layout
+
+if TYPE_CHECKING:
+    from .context import CPShard
+
+
+@dataclass
+class RingStats:
+    """What one rank did in ring attention calls (accumulated over calls): steps computed and bytes sent."""
+
+    forward_steps: int = 0
+    backward_steps: int = 0
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+
+
+class _BlockBuffer:
+    """Rows of some blocks of one source shard: data [2, B, H, len(blocks) * bs, D] (K and V, or
+    dK and dV), `blocks` the source-local block indices held, ascending."""
+
+    def __init__(self, data: torch.Tensor, blocks: torch.Tensor, block_size: int) -> None:
+        self.data, self.blocks, self.bs = data, blocks, block_size
+
+    def rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        pos = torch.searchsorted(self.blocks, blocks)
+        return (pos.unsqueeze(1) * self.bs + torch.arange(self.bs)).flatten().to(self.data.device)
+
+    def take(self, blocks: torch.Tensor) -> torch.Tensor:
+        if blocks.numel() == self.blocks.numel():
+            return self.data
+        return self.data.index_select(3, self.rows(blocks))
+
+    def add_(self, blocks: torch.Tensor, data: torch.Tensor) -> None:
+        self.data.index_add_(3, self.rows(blocks), data)
+
+
+class _Ring:
+    """A rank's plan plus the communicators of its inner and outer rings."""
+
+    def __init__(self, plan: RingPlan, shard: CPShard) -> None:
+        self.plan = plan
+        self.parallel = shard.parallel
+        self.inner = P2PComm(shard.parallel.inner_group)
+        self.outer = P2PComm(shard.parallel.outer_group)
+        self.collective_bytes = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent + self.outer.bytes_sent + self.collective_bytes
+
+    def gather_bars(self, k: torch.Tensor, v: torch.Tensor):
+        """Start the all-gather of the column K/V rows; returns a function giving [2, B, Hkv, n_cols, D]."""
+        bar, me, w = self.plan.bar, self.plan.position, self.parallel.cp_size
+        rows = bar.rows[me].to(k.device)
+        mine = torch.zeros(2, *k.shape[:2], bar.max_owned, k.shape[3], dtype=k.dtype, device=k.device)
+        mine[:, :, :, : rows.numel()] = torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
+        chunks = [mine] if w == 1 else [torch.empty_like(mine) for _ in range(w)]
+        work = None
+        if w > 1:
+            work = dist.all_gather(chunks, mine, group=self.parallel.cp_group, async_op=True)
+            self.collective_bytes += (w - 1) * mine.numel() * mine.element_size()
+
+        def result() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            full = torch.empty(*mine.shape[:3], bar.tokens.numel(), mine.shape[4], dtype=k.dtype, device=k.device)
+            for owned, chunk in zip(bar.owned, chunks):
+                full[:, :, :, owned.to(k.device)] = chunk[:, :, :, : owned.numel()]
+            return full
+
+        return result
+
+    def reduce_bar_grads(self, grad: torch.Tensor):
+        """Start summing every rank's column dK/dV; returns a function giving this rank's rows of the sum."""
+        bar, me, w = self.plan.bar, self.plan.position, self.parallel.cp_size
+        work = None
+        if w > 1:
+            work = dist.all_reduce(grad, group=self.parallel.cp_group, async_op=True)
+            self.collective_bytes += 2 * (w - 1) * grad.numel() * grad.element_size() // w
+
+        def result() -> tuple[torch.Tensor, torch.Tensor]:
+            if work is not None:
+                work.wait()
+            return bar.rows[me].to(grad.device), grad[:, :, :, bar.owned[me].to(grad.device)]
+
+        return result
+
+    def post(self, slot: tuple, ops: dict, kv: dict, acc_of, shape: tuple, kv_dtype, acc_dtype, device,
+             arrivals: list) -> Pending:
+        """Post the transfers of `slot`; receives are appended to `arrivals` as (op, tensor)."""
+        bs = self.plan.shard.block_size
+        transfers = []
+        for op in ops.get(slot, ()):
+            if op.send:
+                tensor = kv[op.source].take(op.blocks) if op.kind == "kv" else acc_of(op.source).take(op.blocks)
+                tensor = tensor.contiguous()
+            else:
+                dtype = kv_dtype if op.kind == "kv" else acc_dtype
+                tensor = torch.empty(*shape[:3], op.blocks.numel() * bs, shape[4], dtype=dtype, device=device)
+                arrivals.append((op, tensor))
+            transfers.append(Transfer(self.parallel.global_rank(op.peer), tensor, op.send))
+        comm = self.outer if slot[0] == "outer" else self.inner
+        return comm.post(transfers)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _run(ring: _Ring, k, v, ops: dict, step_fn, acc_of=None, acc_dtype=None):
+    """Drive the slots: outer step o posts its outer transfers, runs the inner ring (compute per
+    step, inner transfers around it), then waits for the outer transfers. Received K/V become the
+    buffers of later steps; received dK/dV are added to the accumulators (`acc_of`)."""
+    plan = ring.plan
+    topo, bs = plan.topology, plan.shard.block_size
+    me = plan.position
+    kv = {me: _BlockBuffer(torch.stack([k, v]), torch.arange(plan.shard.local_blocks), bs)}
+    shape = kv[me].data.shape
+
+    def land(slot, arrivals):
+        for op, tensor in arrivals:
+            if op.kind == "kv":
+                kv[op.source] = _BlockBuffer(tensor, op.blocks, bs)
+            else:
+                acc_of(op.source).add_(op.blocks, tensor)
+        for op in ops.get(slot, ()):
+            if op.send and op.kind == "dkv":
+                acc_of(op.source, release=True)
+
+    for o in range(topo.num_nodes + 1):
+        outer_arrivals: list = []
+        outer = ring.post(("outer", o), ops, kv, acc_of, shape, k.dtype, acc_dtype, k.device, outer_arrivals)
+        if o < topo.num_nodes:
+            for i in range(topo.node_size + 1):
+                arrivals: list = []
+                inner = ring.post(("inner", o, i), ops, kv, acc_of, shape, k.dtype, acc_dtype, k.device, arrivals)
+                if i < topo.node_size:
+                    step = plan.step(o, i)
+                    if step.layout is not None:
+                        step_fn(step, kv[step.source])
+                inner.wait()
+                land(("inner", o, i), arrivals)
+                if 1 <= i < topo.node_size:
+                    kv.pop(plan.step(o, i).source, None)
+        outer.wait()
+        land(("outer", o), outer_arrivals)
+        if 1 <= o < topo.num_nodes:
+            kv.pop(plan.step(o, 0).source, None)
+
+
+def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None):
+    plan = ring.plan
+    dtype = _compute_dtype(q)
+    b, hq, s, d = q.shape
+    state = {"out": torch.zeros(b, hq, s, d, dtype=dtype, device=q.device),
+             "lse": torch.full((b, hq, s), float("-inf"), dtype=dtype, device=q.device),
+             "steps": 0}
+
+    def attend(k_, v_, layout, k_meta):
+        out, lse = sparse_attention_forward(q, k_, v_, layout, scale=scale, q_meta=plan.q_meta, k_meta=k_meta,
+                                            sliding_window=window)
+        state["out"], state["lse"] = merge_attention(state["out"], state["lse"], out, lse)
+        state["steps"] += 1
+
+    bars = ring.gather_bars(k, v) if plan.bar is not None else None
+    _run(ring, k, v, plan.forward_ops, lambda step, buf: attend(buf.data[0], buf.data[1], step.layout,
+                                                                    step.k_meta))
+    bar_kv = bars() if bars is not None else None
+    if plan.bar_work:
+        attend(bar_kv[0], bar_kv[1], plan.bar.layout, plan.bar.k_meta)
+    return state["out"], state["lse"], state["steps"], bar_kv
+
+
+def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: float, window: int | None):
+    plan = ring.plan
+    dtype = _compute_dtype(q)
+    bs = plan.shard.block_size
+    me = plan.position
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    home = _BlockBuffer(torch.zeros((2, *k.shape), dtype=dtype, device=k.device),
+                        torch.arange(plan.shard.local_blocks), bs)
+    accs: dict[int, _BlockBuffer] = {}
+    steps = [0]
+
+    def attend_grad(k_, v_, layout, k_meta):
+        dq_s, dk_s, dv_s = sparse_attention_backward(
+            q, k_, v_, out, lse, dout, layout, scale=scale, q_meta=plan.q_meta, k_meta=k_meta,
+            sliding_window=window, dlse=dlse,
+        )
+        dq.add_(dq_s)
+        steps[0] += 1
+        return torch.stack([dk_s, dv_s])
+
+    def acc_of(source: int, release: bool = False) -> _BlockBuffer:
+        """The dK/dV accumulator for `source`'s keys (`release`: drop it once sent on)."""
+        if source == me:
+            return home
+        if release:
+            return accs.pop(source)
+        if source not in accs:
+            blocks = plan.acc_blocks(source)
+            accs[source] = _BlockBuffer(
+                torch.zeros(2, *k.shape[:2], blocks.numel() * bs, k.shape[3], dtype=dtype, device=k.device), blocks, bs
+            )
+        return accs[source]
+
+    def step_fn(step, buf: _BlockBuffer):
+        part = _BlockBuffer(attend_grad(buf.data[0], buf.data[1], step.layout, step.k_meta), step.held, bs)
+        acc_of(step.source).add_(step.read, part.take(step.read))
+
+    bar_grads = None
+    if plan.bar is not None:
+        grad = torch.zeros(2, *k.shape[:2], plan.bar.tokens.numel(), k.shape[3], dtype=dtype, device=k.device)
+        if plan.bar_work:
+            grad = attend_grad(bar_kv[0], bar_kv[1], plan.bar.layout, plan.bar.k_meta)
+        bar_grads = ring.reduce_bar_grads(grad)
+    _run(ring, k, v, plan.backward_ops, step_fn, acc_of, dtype)
+    if bar_grads is not None:
+        rows, mine = bar_grads()
+        home.data.index_add_(3, rows, mine)
+    return dq, home.data[0], home.data[1], steps[0]
+
+
+class _RingSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, scale, window, stats):
+        sent = ring.bytes_sent
+        out, lse, steps, bar_kv = _ring_forward(ring, q, k, v, scale, window)
+        out = out.to(q.dtype)
+        if stats is not None:
+            stats.forward_steps += steps
+            stats.forward_bytes += ring.bytes_sent - sent
+        ctx.save_for_backward(q, k, v, out, lse, bar_kv)
+        ctx.args = (ring, scale, window, stats)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, bar_kv = ctx.saved_tensors
+        ring, scale, window, stats = ctx.args
+        sent = ring.bytes_sent
+        dq, dk, dv, steps = _ring_backward(ring, q, k, v, out, lse, dout.contiguous(), dlse, bar_kv, scale, window)
+        if stats is not None:
+            stats.backward_steps += steps
+            stats.backward_bytes += ring.bytes_sent - sent
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SparseLayout,
+    shard: CPShard,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    stats: RingStats | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of this rank's queries over the keys `layout` lists, keys spread over the CP group.
+
+    q: [B, Hq, S_local, D], k/v: [B, Hkv, S_local, D], this rank's shard (`shard.plan.local_len`
+    tokens, in shard order) with Hq a multiple of Hkv. layout: the *global* layout over the padded
+    sequence, identical on every rank of the CP group (e.g. from `estimate_layout_cp`); visibility
+    (causal order, documents, sliding window) comes from the global `TokenMeta` in `shard`.
+    Every rank of the CP group must call this together.
+
+    Returns (out [B, Hq, S_local, D] in q's dtype, lse [B, Hq, S_local] in fp32, fp64 for fp64
+    inputs), equal to single-process attention over the whole sequence sliced to this rank's
+    tokens. Differentiable in q, k, v and through lse. `stats`, if given, accumulates this rank's
+    computed steps and bytes sent.
+    """
+    b, hq, s, d = q.shape
+    plan = shard.plan
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B, Hkv, {s}, {d}] like q's shard; got k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}.")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
+    if s != plan.local_len:
+        raise ValueError(f"this rank's shard has {plan.local_len} tokens but q has {s}: pass the tensors of the "
+                         "sharded inputs (see prepare_context_parallel_inputs).")
+    if shard.meta.index.shape[0] != b:
+        raise ValueError(f"the shard's TokenMeta has {shard.meta.index.shape[0]} rows but q has {b}.")
+    check_layout(layout, plan)
+    layout.validate(hq, plan.padded_len, plan.padded_len)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    topology = shard.parallel.topology
+    ring_plan = RingPlan(layout, plan, shard.meta, topology, shard.parallel.cp_rank)
+    ring = _Ring(ring_plan, shard)
+    return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats)
+

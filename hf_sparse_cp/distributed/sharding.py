@@ -1,0 +1,204 @@
+"""How one packed sequence is split over the ranks of a context-parallel group.
+
+The sequence is padded to whole blocks (`block_size` tokens, the layout's block) so that every
+rank holds the same number of whole blocks, then split by one of three layouts:
+
+* ``contiguous``: rank r holds the r-th run of blocks (cheap to reason about, causal work grows
+  with r);
+* ``zigzag`` (head-tail): the blocks form 2 x CP chunks; rank r holds chunks r and 2CP-1-r, which
+  balances dense causal work;
+* ``striped``: block b goes to rank b mod CP (MTraining), which balances vertical-slash work over
+  ranks *and* ring steps; the default for sparse attention.
+
+Every rank's blocks are kept in ascending global order, so a layout's ascending key blocks stay
+ascending after re-indexing into a shard. Sharding happens once, at data time: every CP rank gets
+the same batch and keeps its shard of the inputs, the labels shifted *before* sharding, and the
+global position_ids (RoPE sees true positions). Padding is masked (document -1), never truncated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..tokens import TokenMeta
+
+SHARDINGS = ("contiguous", "zigzag", "striped")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Split of `seq_len` tokens over `cp_size` ranks in blocks of `block_size` tokens."""
+
+    sharding: str
+    cp_size: int
+    block_size: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}.")
+        bs = self.block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"block_size={bs} must be a power of two >= 16 (the attention layout's block).")
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size={self.cp_size} must be >= 1.")
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be >= 1.")
+
+    @property
+    def granularity(self) -> int:
+        """Tokens the padded length is a multiple of: whole blocks per rank (two chunks per rank for zigzag)."""
+        return self.block_size * self.cp_size * (2 if self.sharding == "zigzag" else 1)
+
+    @property
+    def padded_len(self) -> int:
+        return -(-self.seq_len // self.granularity) * self.granularity
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.cp_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.padded_len // self.block_size
+
+    @property
+    def local_blocks(self) -> int:
+        return self.num_blocks // self.cp_size
+
+    @functools.cached_property
+    def all_blocks(self) -> torch.Tensor:
+        """int64 [cp_size, local_blocks]: global block indices of every rank's shard, ascending."""
+        w, n = self.cp_size, self.local_blocks
+        ranks = torch.arange(w).unsqueeze(1)
+        if self.sharding == "contiguous":
+            return ranks * n + torch.arange(n)
+        if self.sharding == "striped":
+            return torch.arange(n) * w + ranks
+        half = n // 2
+        head = ranks * half + torch.arange(half)
+        tail = (2 * w - 1 - ranks) * half + torch.arange(half)
+        return torch.cat([head, tail], 1)
+
+    def blocks_of(self, rank: int) -> torch.Tensor:
+        """Global block indices held by `rank` (int64, ascending)."""
+        return self.all_blocks[rank]
+
+    @functools.cached_property
+    def block_owner(self) -> torch.Tensor:
+        """int64 [num_blocks]: the rank holding each global block."""
+        owner = torch.empty(self.num_blocks, dtype=torch.long)
+        owner[self.all_blocks.flatten()] = torch.arange(self.cp_size).repeat_interleave(self.local_blocks)
+        return owner
+
+    @functools.cached_property
+    def block_local_index(self) -> torch.Tensor:
+        """int64 [num_blocks]: each global block's index inside its owner's shard."""
+        local = torch.empty(self.num_blocks, dtype=torch.long)
+        local[self.all_blocks.flatten()] = torch.arange(self.local_blocks).repeat(self.cp_size)
+        return local
+
+    def token_index(self, rank: int) -> torch.Tensor:
+        """Global positions of `rank`'s tokens in the padded sequence (int64 [local_len], ascending)."""
+        bs = self.block_size
+        return (self.blocks_of(rank).unsqueeze(1) * bs + torch.arange(bs)).flatten()
+
+    def shard(self, x: torch.Tensor, rank: int, *, dim: int = 1, pad_value: Any = 0) -> torch.Tensor:
+        """`rank`'s shard of a tensor whose `dim` is the (unpadded or padded) sequence."""
+        n = x.shape[dim]
+        if n not in (self.seq_len, self.padded_len):
+            raise ValueError(
+                f"dimension {dim} of a tensor of shape {tuple(x.shape)} has {n} positions; this plan shards "
+                f"sequences of {self.seq_len} tokens (padded to {self.padded_len})."
+            )
+        if n < self.padded_len:
+            pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, self.padded_len - n]
+            x = F.pad(x, pad, value=pad_value)
+        return x.index_select(dim, self.token_index(rank).to(x.device))
+
+    def unshard(self, shards: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
+        """Reassemble the padded sequence from every rank's shard (in rank order)."""
+        if len(shards) != self.cp_size:
+            raise ValueError(f"unshard needs {self.cp_size} shards (one per rank), got {len(shards)}.")
+        shape = list(shards[0].shape)
+        shape[dim] = self.padded_len
+        full = shards[0].new_empty(shape)
+        for rank, piece in enumerate(shards):
+            full.index_copy_(dim, self.token_index(rank).to(piece.device), piece)
+        return full
+
+    def shard_meta(self, meta: TokenMeta, rank: int) -> TokenMeta:
+        """`rank`'s shard of the metadata of the whole sequence (padding appended as needed)."""
+        meta = meta.pad_to(self.padded_len)
+        idx = self.token_index(rank).to(meta.index.device)
+        return TokenMeta(meta.index[:, idx], meta.segment[:, idx])
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Targets per position (position i predicts token i + 1, the last position nothing); shift
+    before sharding, so a shard's last token keeps its target on the next rank's first token."""
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
+    """Documents and padding of a full (unsharded) batch, as the attention backend derives them:
+    from `cu_seq_lens_k` (flattened packing, one row), restarting `position_ids`, and the 2D
+    `attention_mask`."""
+    from ..attention import token_meta_from_kwargs
+
+    ids = inputs.get("input_ids")
+    if ids is None:
+        ids = inputs.get("inputs_embeds")
+    if ids is None:
+        raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`) to know the sequence length.")
+    b, s = ids.shape[:2]
+    return token_meta_from_kwargs(b, s, ids.device, inputs.get("attention_mask"), dict(inputs))
+
+
+# Keys describing the whole sequence that are folded into the TokenMeta instead of being sharded.
+_CONSUMED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def shard_inputs(
+    inputs: Mapping[str, Any], plan: ShardPlan, rank: int, *, pad_token_id: int = 0, ignore_index: int = -100
+) -> dict[str, Any]:
+    """`rank`'s model inputs for one batch (every CP rank passes the same batch).
+
+    input_ids / inputs_embeds are sharded (padding with `pad_token_id` / zeros); `labels` are
+    shifted first and returned as `shift_labels` (padding ignored), with `labels` kept as the
+    sharded unshifted labels only so that stock forwards still compute a loss; position_ids are the
+    global ones (an arange when absent). The attention mask and flattened-packing keys describe
+    the whole sequence: they go into the shard's `TokenMeta` (see `sequence_meta`), not the model.
+    Other entries pass through unchanged.
+    """
+    ids = inputs.get("input_ids")
+    ref = ids if ids is not None else inputs.get("inputs_embeds")
+    if ref is None:
+        raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
+    b, s = ref.shape[:2]
+    if s != plan.seq_len:
+        raise ValueError(f"the batch has {s} tokens per row but the shard plan was made for {plan.seq_len}.")
+    out = {k: v for k, v in inputs.items() if k not in _CONSUMED_KEYS}
+    if ids is not None:
+        out["input_ids"] = plan.shard(ids, rank, pad_value=pad_token_id)
+    if inputs.get("inputs_embeds") is not None:
+        out["inputs_embeds"] = plan.shard(inputs["inputs_embeds"], rank, pad_value=0.0)
+    labels = inputs.get("labels")
+    shifted = inputs.get("shift_labels")
+    if shifted is None and labels is not None:
+        shifted = shift_labels(labels, ignore_index)
+    if shifted is not None:
+        out["shift_labels"] = plan.shard(shifted, rank, pad_value=ignore_index)
+    if labels is not None:
+        out["labels"] = plan.shard(labels, rank, pad_value=ignore_index)
+    position_ids = inputs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(s, device=ref.device).expand(b, s)
+    out["position_ids"] = plan.shard(position_ids.expand(b, s), rank, pad_value=0)
+    return out

@@ -1,0 +1,54 @@
+"""Run a function in a few local gloo processes (tests and CPU experiments of the distributed code)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: float, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(workdir, f"result{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` in `world_size` spawned processes joined in a gloo group
+    (rendezvous through a temporary file, no port); returns every rank's return value in rank order.
+
+    `fn` must be importable by the children (a module-level function). A rank that raises makes
+    this raise; processes still running after `timeout_s` are killed and a TimeoutError raised.
+    """
+    with tempfile.TemporaryDirectory() as workdir:
+        ctx = mp.start_processes(_worker, args=(fn, world_size, workdir, timeout_s, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish in {timeout_s:.0f} s on "
+                                   f"{world_size} processes.")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,289 @@
+"""Single-process pieces of context parallelism: LSE merge, sharding, input preparation, layout
+validation, the ring plan's transfer matching, and the model check."""
+
+import pytest
+import torch
+
+from hf_sparse_cp.distributed import (
+    ContextParallelConfig,
+    ParallelLayout,
+    RingTopology,
+    ShardPlan,
+    check_model_supports_context_parallel,
+    check_sizes,
+    merge_attention,
+    prepare_context_parallel_inputs,
+    shard_inputs,
+    shift_labels,
+)
+from hf_sparse_cp.distributed.parallel import ring_shape
+from hf_sparse_cp.distributed.plan import RingPlan, TransferSets, slot_ops
+from hf_sparse_cp.pattern import dense_layout
+from hf_sparse_cp.synthetic import random_vertical_slash_layout
+from hf_sparse_cp.tokens import TokenMeta
+
+from oracle import TOLERANCE, rel_rms
+
+SHARDINGS = ("contiguous", "zigzag", "striped")
+
+
+# --- LSE merge -------------------------------------------------------------------------------
+
+
+def _attention_parts(scores, v, parts):
+    """Exact (out, lse) over each part of the keys, and over all of them."""
+    results = []
+    for idx in parts:
+        s = scores[..., idx]
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+        results.append((p @ v[idx], lse))
+    full_lse = torch.logsumexp(scores, -1)
+    return results, (torch.softmax(scores, -1) @ v, full_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("magnitude", [1.0, 300.0], ids=["normal", "huge_logits"])
+def test_merge_equals_attention_over_all_keys(dtype, magnitude):
+    g = torch.Generator().manual_seed(0)
+    scores = (torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * magnitude).to(dtype)
+    v = torch.randn(40, 8, generator=g, dtype=torch.float64).to(dtype)
+    parts = torch.randperm(40, generator=g).split([7, 20, 13])
+    results, (ref_out, ref_lse) = _attention_parts(scores, v, parts)
+    out, lse = results[0]
+    for part in results[1:]:
+        out, lse = merge_attention(out, lse, *part)
+    assert out.dtype == dtype and lse.dtype == dtype
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_rms(out, ref_out) <= TOLERANCE[dtype]
+    assert rel_rms(lse, ref_lse) <= TOLERANCE[dtype]
+
+
+def test_merge_with_parts_that_saw_no_key():
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(2, 6, 4, generator=g)
+    lse = torch.randn(2, 6, generator=g)
+    lse[0, :3] = float("-inf")
+    out[0, :3] = 0.0
+    empty_out, empty_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    for a, b in (((out, lse), (empty_out, empty_lse)), ((empty_out, empty_lse), (out, lse))):
+        m_out, m_lse = merge_attention(*a, *b)
+        assert torch.equal(m_out, out) and torch.equal(m_lse, lse)
+    assert not torch.isnan(m_out).any()
+
+
+def test_merge_computes_in_fp32_for_half_inputs():
+    g = torch.Generator().manual_seed(2)
+    out, lse = torch.randn(4, 3, generator=g).bfloat16(), torch.randn(4, generator=g)
+    m_out, m_lse = merge_attention(out, lse, out, lse)
+    assert m_out.dtype == torch.float32 and m_lse.dtype == torch.float32
+    assert torch.allclose(m_lse, lse + torch.log(torch.tensor(2.0)))
+
+
+# --- sharding --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shards_partition_the_padded_sequence_in_whole_ascending_blocks(sharding, world):
+    plan = ShardPlan(sharding, world, 16, 203)
+    assert plan.padded_len >= 203 and plan.padded_len % plan.granularity == 0
+    assert plan.padded_len - 203 < plan.granularity  # padded, never truncated, never more than needed
+    blocks = torch.cat([plan.blocks_of(r) for r in range(world)])
+    assert torch.equal(blocks.sort().values, torch.arange(plan.num_blocks))
+    for r in range(world):
+        mine = plan.blocks_of(r)
+        assert bool((mine[1:] > mine[:-1]).all())
+        assert torch.equal(plan.block_owner[mine], torch.full_like(mine, r))
+        assert torch.equal(plan.block_local_index[mine], torch.arange(mine.numel()))
+    x = torch.randn(2, 3, 203, 5)
+    shards = [plan.shard(x, r, dim=2, pad_value=7.0) for r in range(world)]
+    full = plan.unshard(shards, dim=2)
+    assert torch.equal(full[:, :, :203], x) and bool((full[:, :, 203:] == 7.0).all())
+
+
+def test_layouts_assign_the_documented_blocks():
+    striped = ShardPlan("striped", 4, 16, 512)
+    assert torch.equal(striped.blocks_of(1), torch.tensor([1, 5, 9, 13, 17, 21, 25, 29]))
+    zigzag = ShardPlan("zigzag", 4, 16, 512)
+    assert torch.equal(zigzag.blocks_of(1), torch.tensor([4, 5, 6, 7, 24, 25, 26, 27]))  # chunks 1 and 6 of 8
+    contiguous = ShardPlan("contiguous", 4, 16, 512)
+    assert torch.equal(contiguous.blocks_of(3), torch.arange(24, 32))
+
+
+def test_sharded_inputs_keep_shifted_labels_and_global_positions():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 100, (1, 203), generator=g)
+    labels = ids.clone()
+    labels[0, :10] = -100
+    plan = ShardPlan("striped", 3, 16, 203)
+    par = ParallelLayout.single()
+    local = prepare_context_parallel_inputs(
+        {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}, par, block_size=16
+    )
+    assert "attention_mask" not in local and local["cp_shard"].plan.padded_len == 208
+    shards = [shard_inputs({"input_ids": ids, "labels": labels}, plan, r, pad_token_id=0) for r in range(3)]
+    shifted = plan.unshard([s["shift_labels"] for s in shards])
+    assert torch.equal(shifted[:, :203], shift_labels(labels))  # shifted before sharding: no target lost
+    assert bool((shifted[:, 202:] == -100).all())
+    assert torch.equal(plan.unshard([s["input_ids"] for s in shards])[:, :203], ids)
+    positions = plan.unshard([s["position_ids"] for s in shards])
+    assert torch.equal(positions[:, :203], torch.arange(203).unsqueeze(0))
+    for r, s in enumerate(shards):  # a rank's position_ids are the global positions of its tokens
+        real = plan.token_index(r) < 203
+        assert torch.equal(s["position_ids"][0, real], plan.token_index(r)[real])
+
+
+def test_packed_documents_and_padding_reach_the_token_meta():
+    ids = torch.randint(5, 100, (1, 60))
+    position_ids = torch.cat([torch.arange(25), torch.arange(35)]).unsqueeze(0)
+    local = prepare_context_parallel_inputs({"input_ids": ids, "position_ids": position_ids}, ParallelLayout.single(),
+                                            block_size=16)
+    meta = local["cp_shard"].meta
+    assert meta.segment.shape == (1, 64)
+    assert torch.equal(meta.segment[0, :60], torch.cat([torch.zeros(25), torch.ones(35)]).int())
+    assert bool((meta.segment[0, 60:] == -1).all())
+    assert torch.equal(local["position_ids"][0, :60], position_ids[0])  # RoPE keeps per-document positions
+
+
+def test_flattened_packing_with_several_rows_is_refused():
+    cu = torch.tensor([0, 30, 60], dtype=torch.int32)
+    with pytest.raises(ValueError, match="DataCollatorWithFlattening"):
+        prepare_context_parallel_inputs({"input_ids": torch.ones(2, 60, dtype=torch.long), "cu_seq_lens_k": cu},
+                                        ParallelLayout.single(), block_size=16)
+
+
+# --- configuration and sizes -----------------------------------------------------------------
+
+
+def test_sizes_that_do_not_divide_say_how_to_fix_them():
+    check_sizes(8, 4)
+    with pytest.raises(ValueError, match=r"cp_size=3 does not divide the world size 4.*\[1, 2, 4\].*--num_processes 6"):
+        check_sizes(4, 3)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="cp_sharding"):
+        ContextParallelConfig(cp_sharding="random")
+    with pytest.raises(ValueError, match="cp_size"):
+        ContextParallelConfig(cp_size=0)
+    with pytest.raises(ValueError, match="torch.distributed"):
+        ParallelLayout.from_config(ContextParallelConfig(cp_size=2))  # no process group in this test
+
+
+def test_hfargumentparser_builds_the_config_from_flags():
+    from transformers import HfArgumentParser
+
+    (config,) = HfArgumentParser(ContextParallelConfig).parse_args_into_dataclasses(
+        ["--cp_size", "4", "--cp_ring", "hierarchical", "--cp_node_size", "2"]
+    )
+    assert (config.cp_size, config.cp_ring, config.cp_node_size, config.cp_sharding) == (4, "hierarchical", 2, "striped")
+
+
+def test_ring_shape_from_launcher_or_flag():
+    hier = ContextParallelConfig(cp_size=8, cp_ring="hierarchical")
+    assert ring_shape(8, hier, {"LOCAL_WORLD_SIZE": "4"}) == (2, 4)
+    assert ring_shape(8, hier, {"LOCAL_WORLD_SIZE": "8"}) == (1, 8)  # one node: flat
+    assert ring_shape(8, ContextParallelConfig(cp_size=8, cp_ring="hierarchical", cp_node_size=2), {}) == (4, 2)
+    assert ring_shape(8, ContextParallelConfig(cp_size=8), {"LOCAL_WORLD_SIZE": "4"}) == (1, 8)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        ring_shape(8, hier, {})
+    with pytest.raises(ValueError, match="multiple of the 3 ranks per node"):
+        ring_shape(8, hier, {"LOCAL_WORLD_SIZE": "3"})
+    with pytest.raises(ValueError, match="straddle"):
+        ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "6"})
+
+
+# --- the ring plan ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes,per_node", [(1, 4), (2, 2), (4, 1), (2, 3)], ids=["flat4", "2x2", "4x1", "2x3"])
+def test_every_rank_visits_every_source_once(nodes, per_node):
+    topo = RingTopology(nodes, per_node)
+    for p in range(topo.size):
+        sources = [topo.source(p, o, i) for o in range(nodes) for i in range(per_node)]
+        assert sorted(sources) == list(range(topo.size))
+        for o in range(nodes):
+            for i in range(per_node):
+                s = topo.source(p, o, i)
+                assert topo.chain_position(p, s) == (o, i) and topo.holder(s, o, i) == p
+
+
+def _layouts(plan, seed):
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.zeros(2, plan.seq_len, dtype=torch.int32)
+    seg[0, 70:] = 1
+    seg[1, 150:] = 1
+    seg[1, 180:] = -1
+    meta = TokenMeta.from_segments(seg).pad_to(plan.padded_len)
+    return meta, {
+        "dense": dense_layout(meta, plan.block_size),
+        "window": dense_layout(meta, plan.block_size, sliding_window=40),
+        "sparse": random_vertical_slash_layout(2, 4, plan.padded_len, plan.block_size, 3, 6, meta, generator=g),
+    }
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("nodes,per_node", [(1, 3), (2, 2), (2, 3), (4, 1)], ids=["flat3", "2x2", "2x3", "4x1"])
+def test_every_send_has_a_matching_receive(sharding, nodes, per_node):
+    """Both ends of every transfer post it in the same slot, in the same order, with the same blocks."""
+    topo = RingTopology(nodes, per_node)
+    plan = ShardPlan(sharding, topo.size, 16, 200)
+    _, layouts = _layouts(plan, seed=nodes * 10 + per_node)
+    for name, layout in layouts.items():
+        sets = TransferSets(layout, plan, topo)
+        for backward in (False, True):
+            ops = [slot_ops(sets, p, backward=backward) for p in range(topo.size)]
+            for p in range(topo.size):
+                for slot, mine in ops[p].items():
+                    for peer in range(topo.size):
+                        sent = [(o.kind, o.source, o.blocks.tolist()) for o in mine if o.send and o.peer == peer]
+                        got = [(o.kind, o.source, o.blocks.tolist())
+                               for o in ops[peer].get(slot, []) if not o.send and o.peer == p]
+                        assert sent == got, (name, backward, slot, p, peer)
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_held_blocks_cover_every_read_and_only_what_downstream_reads(sharding):
+    topo = RingTopology(2, 2)
+    plan = ShardPlan(sharding, 4, 16, 200)
+    meta, layouts = _layouts(plan, seed=4)
+    for name, layout in layouts.items():
+        sets = TransferSets(layout, plan, topo)
+        assert not bool((sets.read & ~sets.held).any()), name
+        for p in range(4):
+            ring_plan = RingPlan(layout, plan, meta, topo, p)
+            for step in ring_plan.steps:
+                assert (step.layout is None) == (step.read.numel() == 0)
+                if step.layout is not None:
+                    step.layout.validate(4 if name == "sparse" else 1, plan.local_len, step.held.numel() * 16,
+                                         strict=True)
+    if sharding == "contiguous":
+        sets = TransferSets(layouts["dense"], plan, RingTopology(1, 4))
+        for s in range(4):
+            for i in range(1, 4):
+                if (s + i) % 4 < s:  # causal: K/V never travel to earlier ranks
+                    assert not bool(sets.held[s, 0, i].any())
+        # documents: rank 3's tokens (192..255) start after rank 0's (0..63) documents end, so rank 0's
+        # K/V stop at rank 2
+        assert bool(sets.held[0, 0, 2].any()) and not bool(sets.held[0, 0, 3].any())
+
+
+# --- model check -----------------------------------------------------------------------------
+
+
+def test_models_the_ring_cannot_shard_are_refused():
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        check_model_supports_context_parallel(model)
+    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.configure(model)
+    check_model_supports_context_parallel(model)
+    model.model.layers[1].self_attn.is_causal = False
+    with pytest.raises(ValueError, match="bidirectional"):
+        check_model_supports_context_parallel(model)
