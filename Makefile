@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu bench clean
+.PHONY: install demo test test-gpu bench bench-gpu clean
 
 install: $(VENV)/.installed
 
@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/hf-sparse-cp train
+	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2
 
 # PYTHONSAFEPATH keeps the repository root off sys.path: its `kernels/` folder is only ever
 # `hf_sparse_cp.kernels`, never the Hub's top-level `kernels` package that transformers probes for.
@@ -28,6 +28,15 @@ test: install
 
 test-gpu: install
 	PYTHONSAFEPATH=1 $(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+# Benchmarks write JSON to benchmarks/results/; `bench` runs anywhere, `bench-gpu` needs CUDA.
+bench: install
+	PYTHONSAFEPATH=1 $(PY) benchmarks/cp_balance.py
+	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_smet.py
+
+bench-gpu: install
+	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_attention.py
+	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_e2e.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

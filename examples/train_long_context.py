@@ -7,14 +7,22 @@ with dynamic vertical-slash sparse attention. Every flag of `TrainingArguments`,
 
     python examples/train_long_context.py --seq_len 8192 --max_steps 20 --slash_topk 512
     python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config cfg.yaml
+
+Context parallelism: launch N processes and give the CP degree (accelerate's ParallelismConfig sets
+it on GPUs), e.g. on CPU `hf-sparse-cp train --nproc 2 --cp_size 2`, or
+`accelerate launch --config_file recipes/accelerate/cpu_2proc_cp2.yaml -m hf_sparse_cp.examples.train_long_context --cp_size 2`.
+SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.smet.SMETArguments`).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -27,8 +35,10 @@ from transformers import (
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.arguments import SparseCPArguments
+from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.integration import attach_to_trainer, enable_sparse_attention
 from hf_sparse_cp.passkey import passkey_dataset
+from hf_sparse_cp.smet import SMETArguments, install_smet
 from hf_sparse_cp.tiny_models import tiny_config
 from hf_sparse_cp.tokenizer import byte_tokenizer
 
@@ -42,6 +52,14 @@ class ScriptArguments:
     tiny_num_layers: int = field(default=2, metadata={"help": "Decoder layers of the tiny default model."})
     seq_len: int = field(default=4096, metadata={"help": "Tokens per training sequence."})
     num_samples: int = field(default=32, metadata={"help": "Synthetic passkey sequences to generate."})
+    save_final_model: bool = field(
+        default=False,
+        metadata={"help": "Save the trained model and tokenizer to output_dir at the end (the next stage of a "
+                  "context-length curriculum starts from it)."},
+    )
+    summary_file: str | None = field(
+        default=None, metadata={"help": "Write the run summary (loss per logged step, kept fraction) as JSON here."}
+    )
 
 
 # The embedded default job; flags given by the user come later on the command line and win.
@@ -64,10 +82,36 @@ DEFAULT_ARGS = [
 ]
 
 
+def recipe_flags(path: str) -> list[str]:
+    """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/)."""
+    text = Path(path).read_text()
+    values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a mapping of flag names to values, e.g. `seq_len: 32768`.")
+    flags: list[str] = []
+    for name, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        flags += [f"--{name}", *map(str, items)]
+    return flags
+
+
+def parse_args(argv: list[str]) -> tuple:
+    """(script, training, sparse, pattern, cp, smet) arguments: the embedded defaults, then a recipe
+    file if the first argument is one, then the remaining flags (later ones win)."""
+    parser = HfArgumentParser(
+        (ScriptArguments, TrainingArguments, SparseCPArguments, SparseAttentionConfig, ContextParallelConfig,
+         SMETArguments)
+    )
+    argv = list(argv)
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+        argv = recipe_flags(argv[0]) + argv[1:]
+    # Without a GPU, train on CPU processes (gloo): accelerate only goes distributed on CPU when told.
+    defaults = DEFAULT_ARGS + ([] if torch.cuda.is_available() else ["--use_cpu"])
+    return parser.parse_args_into_dataclasses(args=defaults + argv)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ScriptArguments, TrainingArguments, SparseCPArguments, SparseAttentionConfig))
-    argv = sys.argv[1:] if argv is None else argv
-    script, training, sparse, pattern = parser.parse_args_into_dataclasses(args=DEFAULT_ARGS + list(argv))
+    script, training, sparse, pattern, cp, smet = parse_args(sys.argv[1:] if argv is None else argv)
     set_seed(training.seed)
 
     if script.model_name_or_path:
@@ -90,8 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_collator=default_data_collator,
         processing_class=tokenizer,
     )
-    attach_to_trainer(trainer, sparse)
-    result = trainer.train()
+    parallel = attach_to_trainer(trainer, sparse, cp)
+    if smet.smet:
+        install_smet(trainer, smet.to_config())
+    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    if script.save_final_model:
+        trainer.save_model()
 
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     kept = [log["sparse/kept_fraction"] for log in trainer.state.log_history if "sparse/kept_fraction" in log]
@@ -100,10 +148,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "final_loss": losses[-1] if losses else float("nan"),
         "train_loss": result.training_loss,
         "mean_kept_fraction": sum(kept) / len(kept) if kept else 1.0,
+        "losses": losses,
+        "world_size": parallel.world_size,
+        "cp_size": parallel.cp_size,
     }
     if trainer.is_world_process_zero():
+        if script.summary_file:
+            Path(script.summary_file).write_text(json.dumps(summary, indent=2))
         print(
-            f"done: {trainer.state.global_step} steps at {script.seq_len} tokens | loss "
+            f"done: {trainer.state.global_step} steps at {script.seq_len} tokens on {parallel.world_size} "
+            f"process(es), CP={parallel.cp_size} | loss "
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f}"
         )

@@ -4,6 +4,10 @@ transformers passes q, k, v as [B, H, S, D] with key/value heads not expanded, p
 arguments that describe packing (`position_ids`, `cu_seq_lens_k`) and the layer (`sliding_window`,
 `softcap`, ...). This module turns those into `TokenMeta`, estimates the layout for the layer and
 runs exact attention restricted to it. It never sees or builds a [S, S] mask.
+
+Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
+`hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
+and the layer runs the balanced sparse ring over the CP group instead.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import torch
 
 from .config import SparseAttentionConfig
+from .distributed.context import CP_SHARD_KWARG, context_parallel_attention
 from .layout import SparseLayout
 from .ops import block_sparse_attention
 from .pattern import estimate_layout
@@ -116,6 +121,12 @@ def sparse_cp_attention_forward(
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    shard = kwargs.get(CP_SHARD_KWARG)
+    if shard is not None:
+        out, _, layout = context_parallel_attention(query, key, value, shard, cfg, scale=scale,
+                                                    sliding_window=sliding_window)
+        record_kept_fraction(module, layout.kept_fraction())
+        return out.transpose(1, 2).contiguous(), None
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta

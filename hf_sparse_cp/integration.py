@@ -10,8 +10,10 @@ from transformers import Trainer, TrainingArguments
 from .arguments import SparseCPArguments
 from .callbacks import SparsityLoggingCallback
 from .config import SparseAttentionConfig
+from .distributed import ContextParallelConfig, ParallelLayout
 from .model import configure
 from .registration import patch
+from .trainer_cp import enable_trainer_context_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,14 @@ def enable_sparse_attention(
     return config
 
 
-def attach_to_trainer(trainer: Trainer, sparse_args: SparseCPArguments) -> Trainer:
-    """Add the plugin's callbacks to `trainer` (sparsity logging first, before the reporters)."""
+def attach_to_trainer(
+    trainer: Trainer, sparse_args: SparseCPArguments, cp_config: ContextParallelConfig | None = None
+) -> ParallelLayout:
+    """Add the plugin's callbacks to `trainer` (sparsity logging first, before the reporters) and,
+    when a CP size above 1 is set (accelerate's ParallelismConfig or `cp_config`), switch it to
+    sparse context parallelism. Returns the parallel layout in use."""
     if sparse_args.log_sparsity and not any(
         isinstance(cb, SparsityLoggingCallback) for cb in trainer.callback_handler.callbacks
     ):
         trainer.callback_handler.callbacks.insert(0, SparsityLoggingCallback())
-    return trainer
+    return enable_trainer_context_parallel(trainer, cp_config)

@@ -15,17 +15,48 @@ import math
 import torch
 
 from .layout import SparseLayout
+from .merge import merge_attention
 from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
 
 
-def sparse_attention_forward(q, k, v, layout, *, scale, q_meta, k_meta, sliding_window=None):
-    """(out, lse) in the compute dtype (fp32; fp64 for fp64 inputs) for the keys the layout lists."""
-    return reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """CUDA tensors in fp16/bf16/fp32 go to the Triton kernels (imported lazily, so CPU-only use never
+    imports triton); everything else (CPU, fp64) to the PyTorch reference."""
+    if not q.is_cuda:
+        return False
+    from .kernels.ops import supports
+
+    return supports(q, k, v)
+
+
+def sparse_attention_forward(q, k, v, layout, *, scale, q_meta, k_meta, sliding_window=None, out=None, lse=None):
+    """(out, lse) in the compute dtype (fp32; fp64 for fp64 inputs) for the keys the layout lists.
+
+    With `out` and `lse` (a running result over other keys, in the compute dtype), this part is
+    merged into them and the merged pair returned: the kernels merge in place in the same pass
+    (a ring step costs no extra pass), the reference merges through the log-sum-exp afterwards.
+    """
+    if (out is None) != (lse is None):
+        raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
+    if _use_kernels(q, k, v):
+        from .kernels.ops import sparse_attention_forward as kernel_forward
+
+        return kernel_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                              sliding_window=sliding_window, out=out, lse=lse)
+    part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+    return part if out is None else merge_attention(out, lse, *part)
 
 
 def sparse_attention_backward(q, k, v, out, lse, dout, layout, *, scale, q_meta, k_meta, sliding_window=None, dlse=None):
     """(dq, dk, dv) in the compute dtype; `out`/`lse` are the final ones (see `reference_backward`)."""
+    if _use_kernels(q, k, v):
+        from .kernels.ops import sparse_attention_backward as kernel_backward
+
+        return kernel_backward(
+            q, k, v, out, lse, dout, layout,
+            scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window, dlse=dlse,
+        )
     return reference_backward(
         q, k, v, out, lse, dout, layout,
         scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window, dlse=dlse,

@@ -183,7 +183,7 @@ def _estimation_case(sharding: str, par: ParallelLayout, rank: int) -> dict:
 
 def _model_step(par: ParallelLayout, rank: int) -> dict:
     """A causal-LM forward/backward under CP (x DP): loss and gradients equal the single-process step."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
@@ -192,12 +192,6 @@ def _model_step(par: ParallelLayout, rank: int) -> dict:
     cfg = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=8, slash_topk=8, sink_tokens=2,
                                 local_window=4, last_q=16)
 
-    def ring_backend(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
-        out, _, _ = context_parallel_attention(query, key, value, kwargs["cp_shard"], cfg, scale=scaling,
-                                               sliding_window=sliding_window)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("cp_ring_test", ring_backend)
     hf_sparse_cp.patch(fused_loss=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
@@ -210,7 +204,6 @@ def _model_step(par: ParallelLayout, rank: int) -> dict:
     ref = model(input_ids=ids, labels=labels)
     ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
 
-    model.set_attn_implementation("cp_ring_test")
     row = slice(par.dp_rank, par.dp_rank + 1)
     inputs = prepare_context_parallel_inputs({"input_ids": ids[row], "labels": labels[row]}, par, block_size=BS)
     num_items = global_num_items(inputs["shift_labels"])

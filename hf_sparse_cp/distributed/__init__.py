@@ -20,7 +20,7 @@ from .context import (
 )
 from .estimation import estimate_layout_cp
 from .loss import global_mean_loss, global_num_items, rank_loss
-from .merge import merge_attention
+from ..merge import merge_attention
 from .parallel import ContextParallelConfig, ParallelLayout, check_sizes
 from .ring_attention import RingStats, ring_sparse_attention
 from .sharding import SHARDINGS, ShardPlan, shard_inputs, shift_labels

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from ..layout import SparseLayout
 from ..ops import sparse_attention_backward, sparse_attention_forward
 from .comm import P2PComm, Pending, Transfer
-from .merge import merge_attention
 from .plan import RingPlan, check_layout
 
 if TYPE_CHECKING:
@@ -188,9 +187,10 @@ def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None):
              "steps": 0}
 
     def attend(k_, v_, layout, k_meta):
-        out, lse = sparse_attention_forward(q, k_, v_, layout, scale=scale, q_meta=plan.q_meta, k_meta=k_meta,
-                                            sliding_window=window)
-        state["out"], state["lse"] = merge_attention(state["out"], state["lse"], out, lse)
+        state["out"], state["lse"] = sparse_attention_forward(
+            q, k_, v_, layout, scale=scale, q_meta=plan.q_meta, k_meta=k_meta, sliding_window=window,
+            out=state["out"], lse=state["lse"],
+        )
         state["steps"] += 1
 
     bars = ring.gather_bars(k, v) if plan.bar is not None else None

@@ -1,0 +1,138 @@
+"""Sparse context parallelism through the stock Trainer: the example script under torchrun (gloo).
+
+Runs are launched the way a user launches them (`hf-sparse-cp train --nproc N --cp_size C`, which
+starts torchrun) and compared with the single-process run on the same data: losses per step must
+agree to fp32 rounding, since the CP layout estimation and the ring are exact.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hf_sparse_cp
+from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.tiny_models import tiny_config
+from hf_sparse_cp.trainer_cp import (
+    disable_trainer_context_parallel,
+    enable_trainer_context_parallel,
+)
+
+# A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
+JOB = ["--seq_len", "512", "--max_steps", "4", "--num_samples", "8", "--min_seq_len", "256", "--block_size", "64",
+       "--vertical_topk", "16", "--slash_topk", "32", "--local_window", "32", "--sink_tokens", "4", "--last_q", "32"]
+
+
+def _train(tmp_path, name: str, nproc: int, *flags: str) -> dict:
+    summary = tmp_path / f"{name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", str(nproc), *JOB, *flags,
+           "--output_dir", str(tmp_path / name), "--summary_file", str(summary)]
+    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(summary.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The CP=1 run, one process, batch 1 and batch 2."""
+    tmp = tmp_path_factory.mktemp("cp1")
+    return {bs: _train(tmp, f"bs{bs}", 1, "--per_device_train_batch_size", str(bs)) for bs in (1, 2)}
+
+
+def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True) -> None:
+    assert len(run["losses"]) == len(ref["losses"]) == 4
+    for got, want in zip(run["losses"], ref["losses"]):
+        assert abs(got - want) <= 2e-3 * abs(want), (run["losses"], ref["losses"])
+    assert run["losses"][-1] < run["losses"][0]
+    if same_rows:  # (with DP, the logged kept fraction is the first DP group's rows only)
+        assert abs(run["mean_kept_fraction"] - ref["mean_kept_fraction"]) < 1e-6
+    assert run["mean_kept_fraction"] < 0.95  # the sparse path ran
+
+
+@pytest.mark.slow
+def test_trainer_with_cp2_matches_cp1(tmp_path, reference):
+    run = _train(tmp_path, "cp2", 2, "--cp_size", "2")
+    assert (run["world_size"], run["cp_size"]) == (2, 2)
+    _assert_same_losses(run, reference[1])
+
+
+@pytest.mark.slow
+def test_trainer_with_dp2_x_cp2_matches_one_process_with_batch_2(tmp_path, reference):
+    """Four processes: two CP groups of two, each group fed its own sample (DP over groups only)."""
+    run = _train(tmp_path, "dp2cp2", 4, "--cp_size", "2", "--cp_sharding", "zigzag")
+    assert (run["world_size"], run["cp_size"]) == (4, 2)
+    _assert_same_losses(run, reference[2], same_rows=False)
+
+
+def _trainer(tmp_path, attn: str) -> Trainer:
+    hf_sparse_cp.patch(fused_loss=False)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    if attn == "sparse_cp":
+        hf_sparse_cp.configure(model)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    return Trainer(model=model, args=args)
+
+
+def test_cp_size_1_patches_nothing(tmp_path):
+    trainer = _trainer(tmp_path, "sparse_cp")
+    before = trainer._prepare_context_parallel_inputs
+    parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
+    assert parallel.cp_size == 1 and trainer._prepare_context_parallel_inputs == before
+
+
+def test_cp_without_a_process_group_says_how_to_launch(tmp_path):
+    trainer = _trainer(tmp_path, "sparse_cp")
+    with pytest.raises(ValueError, match="torchrun or accelerate launch"):
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+    disable_trainer_context_parallel(trainer)  # nothing enabled: a no-op
+
+
+def _patch_round_trip(rank: int, world: int) -> dict:
+    """In a 2-process gloo group: what the patch changes on a Trainer, and that disabling restores it."""
+    import tempfile
+
+    from hf_sparse_cp.distributed import CPShard
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        names = ("_prepare_context_parallel_inputs", "_get_num_items_in_batch")
+        before = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
+        parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+        ids = torch.arange(300).remainder(97).add(3).view(1, 300)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        ctx, inputs = trainer._prepare_context_parallel_inputs(trainer.model, dict(batch))
+        with ctx():
+            pass
+        items = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
+        patched = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
+        with pytest.raises(ValueError, match="already enabled"):
+            enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+        disable_trainer_context_parallel(trainer)
+        after = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
+        return {
+            "cp": (parallel.cp_size, parallel.cp_rank),
+            "shard": isinstance(inputs.get("cp_shard"), CPShard),
+            "lens": (inputs["input_ids"].shape[1], inputs["cp_shard"].plan.local_len, inputs["cp_shard"].plan.padded_len),
+            "items": float(items),
+            "changed": [a != b for a, b in zip(before, patched)],
+            "restored": [a == b for a, b in zip(before, after)],
+        }
+
+
+@pytest.mark.slow
+def test_enable_patches_the_trainer_instance_and_disable_restores_it():
+    from hf_sparse_cp.distributed.spawn import run_gloo
+
+    results = run_gloo(_patch_round_trip, 2, timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["cp"] == (2, rank) and r["shard"]
+        local, planned, padded = r["lens"]
+        assert local == planned == padded // 2 and padded >= 300 and padded % 128 == 0  # whole blocks, nothing cut
+        assert r["items"] == 299 / 2  # 299 shifted targets, counted once per CP group of 2
+        assert all(r["changed"]) and all(r["restored"])
