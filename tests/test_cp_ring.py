@@ -181,8 +181,14 @@ def _estimation_case(sharding: str, par: ParallelLayout, rank: int) -> dict:
     return errs
 
 
-def _model_step(par: ParallelLayout, rank: int) -> dict:
-    """A causal-LM forward/backward under CP (x DP): loss and gradients equal the single-process step."""
+def _model_step(par: ParallelLayout, rank: int, fsdp2: bool = False) -> dict:
+    """A causal-LM forward/backward under CP (x DP): loss and gradients equal the single-process step.
+
+    With `fsdp2`, the model is sharded with FSDP2 over all ranks (dp_shard x cp, as accelerate
+    does under a ParallelismConfig with CP) and its gradients come reduced by FSDP itself.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
@@ -204,18 +210,27 @@ def _model_step(par: ParallelLayout, rank: int) -> dict:
     ref = model(input_ids=ids, labels=labels)
     ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
 
+    if fsdp2:
+        mesh = init_device_mesh("cpu", (par.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     row = slice(par.dp_rank, par.dp_rank + 1)
     inputs = prepare_context_parallel_inputs({"input_ids": ids[row], "labels": labels[row]}, par, block_size=BS)
     num_items = global_num_items(inputs["shift_labels"])
     loss_sum = model(**inputs, num_items_in_batch=1).loss  # the sum of this rank's token losses
     loss = rank_loss(loss_sum, num_items, par.world_size)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
     errs = {"loss": abs(float(global_mean_loss(loss_sum, num_items)) - float(ref.loss)) / float(ref.loss)}
     worst = 0.0
-    for grad, ref_grad in zip(grads, ref_grads):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        worst = max(worst, rel_rms(grad / par.world_size, ref_grad))  # what DDP / FSDP averaging gives
+    if fsdp2:
+        loss.backward()  # FSDP2 reduce-scatters the gradients, averaged over all ranks
+        for param, ref_grad in zip(model.parameters(), ref_grads):
+            worst = max(worst, rel_rms(param.grad.full_tensor(), ref_grad))
+    else:
+        for grad, ref_grad in zip(torch.autograd.grad(loss, list(model.parameters())), ref_grads):
+            grad = grad.clone()
+            dist.all_reduce(grad)
+            worst = max(worst, rel_rms(grad / par.world_size, ref_grad))  # what DDP averaging gives
     errs["grads"] = worst
     return errs
 
@@ -274,9 +289,12 @@ def _worker(rank: int, world: int) -> dict:
         for case in HIER_CASES:
             results[("hier", case.id)] = _ring_case(case, hier, rank)
         results["model"] = _model_step(ParallelLayout.from_config(ContextParallelConfig(cp_size=2)), rank)
+        results["model_fsdp2"] = _model_step(ParallelLayout.from_config(ContextParallelConfig(cp_size=2)), rank,
+                                             fsdp2=True)
         results["accelerate"] = _from_accelerate_mesh(rank, world)
     else:
         results["model"] = _model_step(flat, rank)
+        results["model_fsdp2"] = _model_step(flat, rank, fsdp2=True)
     return results
 
 
@@ -351,12 +369,13 @@ def test_empty_steps_are_skipped_and_unread_kv_is_not_sent(spawned, world):
 
 
 @WORLDS
-def test_model_loss_and_gradients_match_without_cp(spawned, world):
+def test_model_loss_and_gradients_match_without_cp_under_ddp_and_fsdp2(spawned, world):
     # The model runs in fp64, but transformers' causal-LM loss casts the logits to fp32, so the loss
     # and the gradient scale carry fp32 rounding (a wrong token count would be off by percents).
-    for errs in (r["model"] for r in spawned(world)):
-        assert errs["loss"] <= 1e-6, errs
-        assert errs["grads"] <= 1e-6, errs
+    for r in spawned(world):
+        for errs in (r["model"], r["model_fsdp2"]):
+            assert errs["loss"] <= 1e-6, errs
+            assert errs["grads"] <= 1e-6, errs
 
 
 def test_layout_from_accelerate_device_mesh(spawned):
