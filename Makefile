@@ -31,7 +31,7 @@ test-gpu: install
 
 # Benchmarks write JSON to benchmarks/results/; `bench` runs anywhere, `bench-gpu` needs CUDA.
 bench: install
-	PYTHONSAFEPATH=1 $(PY) benchmarks/cp_balance.py
+	PYTHONSAFEPATH=1 $(PY) benchmarks/cp_balance.py --node-size 8 --json benchmarks/results/cp_balance.json
 	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_smet.py
 
 bench-gpu: install
