@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -35,6 +34,7 @@ from transformers import (
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.arguments import SparseCPArguments
+from hf_sparse_cp.config_files import read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.integration import attach_to_trainer, enable_sparse_attention
 from hf_sparse_cp.passkey import passkey_dataset
@@ -84,12 +84,8 @@ DEFAULT_ARGS = [
 
 def recipe_flags(path: str) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/)."""
-    text = Path(path).read_text()
-    values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a mapping of flag names to values, e.g. `seq_len: 32768`.")
     flags: list[str] = []
-    for name, value in values.items():
+    for name, value in read_mapping(path, "flag names to values, e.g. `seq_len: 32768`").items():
         items = value if isinstance(value, list) else [value]
         flags += [f"--{name}", *map(str, items)]
     return flags

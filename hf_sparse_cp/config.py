@@ -10,21 +10,25 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
+
+from .config_files import FileConfig
 
 PATTERNS = ("vertical_slash", "dense")
 BUDGET_MODES = ("topk", "topp")
 
 
 @dataclass
-class SparseAttentionConfig:
+class SparseAttentionConfig(FileConfig):
     """How the `sparse_cp` attention backend chooses which keys each query attends to.
 
     With `pattern="vertical_slash"` (MTraining), every attention call estimates, per query head,
     the key columns (verticals) and diagonals (slashes) that carry the attention mass of the last
     `last_q` queries, and computes exact attention restricted to those blocks and columns.
     """
+
+    FILE_SECTION: ClassVar[str] = "sparse_attention"
+    KIND: ClassVar[str] = "sparse attention"
 
     pattern: Literal["vertical_slash", "dense"] = field(
         default="vertical_slash",
@@ -151,46 +155,3 @@ class SparseAttentionConfig:
         if not changes:
             return self
         return dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SparseAttentionConfig:
-        """Build from a mapping; unknown keys are an error that lists the known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"Unknown sparse attention config keys {sorted(unknown)}; known keys: {sorted(known)}.")
-        return cls(**data)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> SparseAttentionConfig:
-        """Load from a .yaml/.yml or .json file (a top-level `sparse_attention:` section is accepted)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"Sparse attention config file {str(path)!r} does not exist.")
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"Config file {str(path)!r} must end in .yaml, .yml or .json.")
-        if isinstance(data, dict) and isinstance(data.get("sparse_attention"), dict):
-            data = data["sparse_attention"]
-        if not isinstance(data, dict):
-            raise ValueError(f"Config file {str(path)!r} must hold a mapping of fields.")
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        """Write as YAML or JSON, chosen by the file suffix."""
-        path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        else:
-            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")

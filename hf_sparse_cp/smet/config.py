@@ -8,10 +8,10 @@ through YAML or JSON, and invalid values raise a `ValueError` that says how to f
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
+
+from ..config_files import FileConfig
 
 MODES = ("sparse_weights", "sparse_update")
 REGROWTH = ("random", "gradient")
@@ -19,13 +19,16 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 
 
 @dataclass
-class SMETConfig:
+class SMETConfig(FileConfig):
     """What SMET makes sparse, how the active set moves, and which cold-start cures are on.
 
     Every row of a sparse weight matrix (an output neuron) keeps the same number of active blocks of
     `block_size` consecutive input columns (constant fan-in). Pruning and regrowth happen row by row,
     which keeps the topology identical however the rows are sharded (FSDP2 shards rows).
     """
+
+    FILE_SECTION: ClassVar[str] = "smet"
+    KIND: ClassVar[str] = "SMET"
 
     mode: Literal["sparse_weights", "sparse_update"] = field(
         default="sparse_weights",
@@ -142,46 +145,3 @@ class SMETConfig:
         return dataclasses.replace(
             self, local_bias_correction=False, regrow_warmup_steps=0, density_lr_scaling=False
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SMETConfig:
-        """Build from a mapping; unknown keys are an error that lists the known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"Unknown SMET config keys {sorted(unknown)}; known keys: {sorted(known)}.")
-        return cls(**data)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> SMETConfig:
-        """Load from a .yaml/.yml or .json file (a top-level `smet:` section is accepted)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"SMET config file {str(path)!r} does not exist.")
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"Config file {str(path)!r} must end in .yaml, .yml or .json.")
-        if isinstance(data, dict) and isinstance(data.get("smet"), dict):
-            data = data["smet"]
-        if not isinstance(data, dict):
-            raise ValueError(f"Config file {str(path)!r} must hold a mapping of SMET fields.")
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        """Write as YAML or JSON, chosen by the file suffix."""
-        path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        else:
-            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
