@@ -36,11 +36,19 @@ def enable_sparse_attention(
         and max_length is not None
         and threshold
         and max_length >= threshold
-        and not training_args.gradient_checkpointing
+        and not checkpointing_enabled(training_args)
     ):
         logger.info("Sequence length %d >= %d: turning gradient checkpointing on.", max_length, threshold)
-        training_args.gradient_checkpointing = True
+        # transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if hasattr(training_args, name):
+                setattr(training_args, name, True)
     return config
+
+
+def checkpointing_enabled(training_args: TrainingArguments) -> bool:
+    """Whether the Trainer will checkpoint activations (under either name of the flag)."""
+    return bool(getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing)
 
 
 def attach_to_trainer(

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from hf_sparse_cp.examples.train_long_context import parse_args, recipe_flags
+from hf_sparse_cp.integration import checkpointing_enabled
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ACCELERATE = sorted((RECIPES / "accelerate").glob("*.yaml"))
@@ -34,7 +35,7 @@ def test_training_recipes_parse_into_a_sparse_cp_run(path):
     assert sparse.sparse_attention and not smet.smet
     assert script.model_name_or_path and script.save_final_model
     assert script.seq_len % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
-    assert training.bf16 and training.gradient_checkpointing
+    assert training.bf16 and checkpointing_enabled(training)
     assert load_config_from_file(str(RECIPES / "accelerate" / "fsdp2_cp8_1node.yaml")).num_processes % cp.cp_size == 0
 
 

@@ -6,7 +6,7 @@ import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.arguments import SparseCPArguments
 from hf_sparse_cp.callbacks import SparsityLoggingCallback
-from hf_sparse_cp.integration import attach_to_trainer, enable_sparse_attention
+from hf_sparse_cp.integration import attach_to_trainer, checkpointing_enabled, enable_sparse_attention
 from hf_sparse_cp.passkey import passkey_dataset
 from hf_sparse_cp.tiny_models import tiny_config
 from hf_sparse_cp.tokenizer import byte_tokenizer
@@ -58,7 +58,8 @@ def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
     short, long = _args(tmp_path), _args(tmp_path)
     enable_sparse_attention(model, sparse, None, short, max_length=2048)
     enable_sparse_attention(model, sparse, None, long, max_length=4096)
-    assert not short.gradient_checkpointing and long.gradient_checkpointing
+    assert not checkpointing_enabled(short) and checkpointing_enabled(long)
+    assert long.gradient_checkpointing and getattr(long, "activation_checkpointing", True)
 
 
 @pytest.mark.slow
