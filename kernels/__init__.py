@@ -1,1 +1,12 @@
-"""Triton block-sparse flash-attention kernels (installed as `hf_sparse_cp.kernels`)."""
+"""Triton block-sparse flash-attention kernels (installed as `hf_sparse_cp.kernels`).
+
+Layers: `block_sparse_fwd` / `block_sparse_bwd` hold the `@triton.jit` kernels and their
+launchers (`tiles` the shared device helpers, `configs` the tile shapes, `indexing` the block
+summaries and the backward's index structures); `ops` registers them as `torch.library` custom
+ops and offers the forward/backward primitives that `hf_sparse_cp.ops` dispatches CUDA tensors
+to; `interpreter` runs them on CPU tensors through Triton's interpreter (tests, debugging).
+"""
+
+from .ops import SUPPORTED_DTYPES, sparse_attention_backward, sparse_attention_forward, supports
+
+__all__ = ["SUPPORTED_DTYPES", "sparse_attention_backward", "sparse_attention_forward", "supports"]

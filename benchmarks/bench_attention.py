@@ -1,0 +1,480 @@
+"""Attention kernel benchmark: our Triton block-sparse kernels against FlexAttention and dense SDPA.
+
+One sequence (B = 1) of S tokens, Qwen2.5-3B head geometry (16 query heads, 2 key/value heads,
+head_dim 128), bf16, causal, one document. For every S (32K, 64K, 128K, 256K by default):
+
+* sparse layouts: random vertical-slash layouts at ~5%, 10% and 20% kept blocks (random block
+  diagonals, the main one always, plus `num_verticals` random key columns per head), and layouts
+  estimated by `hf_sparse_cp.pattern.estimate_layout` from q/k with planted structure (columns
+  and diagonals that carry the attention mass, as in real heads);
+* on each sparse layout: `ours` (`hf_sparse_cp.ops.block_sparse_attention`, the path training
+  takes: Triton kernels, autograd, output cast) and `flex` (FlexAttention, torch.compile'd, on
+  exactly the same key blocks through a `BlockMask`: blocks strictly below the diagonal as full
+  blocks, diagonal blocks with a causal mask_mod, see `flex_block_mask`). FlexAttention cannot gather single key
+  columns, so the layout's vertical columns are left out for it: ours computes that extra work
+  (its share is the `cols` column of the table) and is still counted against Flex;
+* dense causal: `ours` on the dense layout, `flex` with a causal BlockMask, SDPA with the cuDNN
+  and the flash backends (K/V expanded to 16 heads beforehand, outside the timing: their GQA
+  support differs between backends), and flash-attn's own `flash_attn_func` when installed.
+
+Times are CUDA-event medians of `--repeats` runs after `--warmup` runs, for the forward and for
+forward + backward (gradients of q, k, v from a random output gradient). Effective TFLOP/s count
+only the computed work: 4 * D * (computed query-key pairs) per head for the forward (full tiles
+for listed blocks, one query block's rows per listed column; S(S+1)/2 pairs for dense causal
+SDPA/flash), and 3.5x that for forward + backward. Prints a table and writes JSON (GPU, versions,
+settings, results) to benchmarks/results/.
+
+    python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py --seq_lens 131072 --densities 0.05 --repeats 20
+
+This is a GPU benchmark: without CUDA it refuses to run. The layout helpers (`density_layout`,
+`estimated_layout`, `flex_block_mask`, `computed_pairs`) run anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import platform
+import statistics
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from hf_sparse_cp.config import SparseAttentionConfig
+from hf_sparse_cp.layout import SparseLayout, compact_sorted
+from hf_sparse_cp.pattern import build_layout, dense_layout, estimate_layout
+from hf_sparse_cp.synthetic import planted_qk
+from hf_sparse_cp.tokens import TokenMeta
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VARIANTS = ("ours", "flex", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+
+
+@dataclass
+class BenchAttentionArguments:
+    seq_lens: list[int] = field(
+        default_factory=lambda: [32768, 65536, 131072, 262144],
+        metadata={"help": "Sequence lengths; one that runs out of memory is reported and skipped."},
+    )
+    densities: list[float] = field(
+        default_factory=lambda: [0.05, 0.10, 0.20],
+        metadata={"help": "Target kept-block fractions of the random vertical-slash layouts."},
+    )
+    num_verticals: int = field(default=1000, metadata={"help": "Random key columns per head in those layouts."})
+    estimated_budgets: list[str] = field(
+        default_factory=lambda: ["1000:64", "1000:256"],
+        metadata={"help": "Estimated layouts as 'vertical_topk:slash_topk' budgets (empty: none)."},
+    )
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={"help": f"From {VARIANTS}."})
+    dense: bool = field(default=True, metadata={"help": "Also time the dense causal case."})
+    num_q_heads: int = field(default=16, metadata={"help": "Query heads (Qwen2.5-3B: 16)."})
+    num_kv_heads: int = field(default=2, metadata={"help": "Key/value heads (Qwen2.5-3B: 2)."})
+    head_dim: int = field(default=128, metadata={"help": "Head dimension (Qwen2.5-3B: 128)."})
+    block_size: int = field(default=128, metadata={"help": "Layout block size."})
+    warmup: int = field(default=3, metadata={"help": "Untimed runs before timing (compilation, autotuning)."})
+    repeats: int = field(default=10, metadata={"help": "Timed runs; the median is reported."})
+    check: bool = field(
+        default=True,
+        metadata={"help": "At the first S, compare ours with Flex on the layout without its columns (rel. RMS)."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the layouts and inputs."})
+    output: str | None = field(default=None, metadata={"help": "JSON path; default benchmarks/results/."})
+
+    def __post_init__(self) -> None:
+        unknown = set(self.variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown variants {sorted(unknown)}; use {VARIANTS}.")
+        if any(not 0 < d <= 1 for d in self.densities):
+            raise ValueError(f"densities must be in (0, 1]; got {self.densities}.")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads.")
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError("warmup must be >= 0 and repeats >= 1.")
+        parse_budgets(self.estimated_budgets)
+
+
+def parse_budgets(budgets: list[str]) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(x) for x in b.split(":")) for b in budgets if b]
+    except ValueError:
+        raise ValueError(f"estimated_budgets must look like '1000:64'; got {budgets}.") from None
+
+
+# ---------------------------------------------------------------------------------------- layouts
+
+
+@functools.lru_cache(maxsize=4)
+def _random_draws(seq_len: int, heads: int, block_size: int, num_verticals: int, seed: int):
+    """A random order of the off-main block diagonals and a random set of key columns, per head."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-seq_len // block_size)
+    order = torch.rand(1, heads, nb - 1, generator=g).argsort(-1) + 1
+    verticals = torch.zeros(1, heads, seq_len, dtype=torch.bool)
+    verticals.scatter_(-1, torch.rand(1, heads, seq_len, generator=g).argsort(-1)[..., :num_verticals], True)
+    return order, verticals
+
+
+def vertical_slash_layout(
+    seq_len: int, heads: int, block_size: int, num_diagonals: int, num_verticals: int, seed: int, device
+) -> SparseLayout:
+    """Per head: the main block diagonal plus the first `num_diagonals - 1` of a fixed random order of the
+    others (so the kept set only grows with `num_diagonals`), and `num_verticals` random key columns."""
+    order, verticals = _random_draws(seq_len, heads, block_size, num_verticals, seed)
+    diagonals = torch.zeros(1, heads, order.shape[-1] + 1, dtype=torch.bool)
+    diagonals[..., 0] = True
+    diagonals.scatter_(-1, order[..., : max(0, num_diagonals - 1)], True)
+    meta = TokenMeta.contiguous(1, seq_len, device)
+    return build_layout(meta, block_size, diagonals=diagonals.to(device), verticals=verticals.to(device))
+
+
+def density_layout(
+    seq_len: int, heads: int, block_size: int, density: float, num_verticals: int, seed: int, device
+) -> SparseLayout:
+    """The random vertical-slash layout whose kept fraction is closest to `density` (bisection on the
+    number of diagonals; columns count as 1/block_size of a block each)."""
+    nb = -(-seq_len // block_size)
+    lo, hi = 1, nb
+    while lo < hi:
+        mid = (lo + hi) // 2
+        kept = float(vertical_slash_layout(seq_len, heads, block_size, mid, num_verticals, seed, device).kept_fraction())
+        if kept < density:
+            lo = mid + 1
+        else:
+            hi = mid
+    candidates = [n for n in (lo - 1, lo) if n >= 1]
+    layouts = [vertical_slash_layout(seq_len, heads, block_size, n, num_verticals, seed, device) for n in candidates]
+    return min(layouts, key=lambda lay: abs(float(lay.kept_fraction()) - density))
+
+
+def planted_inputs(seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seed: int):
+    """q, k with planted columns and diagonals (a few per head, shared within a GQA group's key side)."""
+    g = torch.Generator().manual_seed(seed)
+    per_head_cols, per_head_offsets = 16, 8
+    verticals = [sorted(torch.randperm(seq_len, generator=g)[:per_head_cols].tolist()) for _ in range(num_q_heads)]
+    offsets = [sorted(torch.randint(1, seq_len // 2, (per_head_offsets,), generator=g).tolist())
+               for _ in range(num_q_heads)]
+    return planted_qk(num_q_heads, num_kv_heads, seq_len, head_dim, verticals, offsets, generator=g)
+
+
+def estimated_layout(q: torch.Tensor, k: torch.Tensor, vertical_topk: int, slash_topk: int, block_size: int):
+    """The layout `estimate_layout` picks for q, k under a top-k budget (MTraining's defaults otherwise)."""
+    cfg = SparseAttentionConfig(vertical_topk=vertical_topk, slash_topk=slash_topk, block_size=block_size,
+                                min_seq_len=1)
+    with torch.no_grad():
+        return estimate_layout(q, k, cfg)
+
+
+def columns_removed(layout: SparseLayout) -> SparseLayout:
+    empty = layout.col_idx[..., :0]
+    return SparseLayout(layout.block_idx, layout.block_cnt, empty, torch.zeros_like(layout.col_cnt),
+                        layout.block_size)
+
+
+def flex_block_mask(layout: SparseLayout, num_q_heads: int, seq_len: int):
+    """A causal FlexAttention BlockMask with exactly the layout's key blocks (its columns are dropped):
+    blocks below the diagonal are full blocks (no mask_mod evaluated), diagonal blocks partial.
+
+    The mask_mod also looks the block up, so that it states the same function as the block lists
+    (FlexAttention's semantics is the mask_mod; the compiled kernel only skips unlisted blocks, the
+    eager path evaluates the mask_mod everywhere). On the partial (diagonal) blocks, the only ones
+    where the compiled kernel evaluates it, the lookup is always true.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs = layout.block_size
+    nkb = -(-seq_len // bs)
+    blk = layout.block_idx.long()
+    valid = torch.arange(blk.shape[-1], device=blk.device) < layout.block_cnt.unsqueeze(-1)
+    qb = torch.arange(layout.num_q_blocks, device=blk.device).view(1, 1, -1, 1)
+    heads = (layout.batch, num_q_heads, layout.num_q_blocks)
+
+    def listed(keep):
+        idx, cnt = compact_sorted(blk, keep)
+        idx = torch.nn.functional.pad(idx.clamp_min(0), (0, nkb - idx.shape[-1]))
+        return cnt.expand(*heads).contiguous(), idx.expand(*heads, nkb).contiguous()
+
+    partial_cnt, partial_idx = listed(valid & (blk == qb))
+    full_cnt, full_idx = listed(valid & (blk < qb))
+    dense = torch.zeros(*layout.block_cnt.shape, nkb + 1, dtype=torch.bool, device=blk.device)
+    dense = dense.scatter_(-1, torch.where(valid, blk, nkb), True)[..., :nkb].expand(*heads, nkb)
+
+    def in_layout(b, h, q_idx, kv_idx):
+        return dense[b, h, q_idx // bs, kv_idx // bs] & (q_idx >= kv_idx)
+
+    return BlockMask.from_kv_blocks(partial_cnt, partial_idx, full_cnt, full_idx, BLOCK_SIZE=bs, mask_mod=in_layout,
+                                    seq_lengths=(seq_len, seq_len))
+
+
+def computed_pairs(layout: SparseLayout, num_q_heads: int, include_columns: bool = True) -> float:
+    """Query-key pairs the kernels compute, summed over batch and query heads (listed blocks as full
+    block_size^2 tiles, each column against its query block's rows)."""
+    bs = layout.block_size
+    per_head = layout.block_cnt.sum(-1).double() * bs * bs
+    if include_columns:
+        per_head = per_head + layout.col_cnt.sum(-1).double() * bs
+    return float(per_head.sum()) * (num_q_heads if layout.heads == 1 else 1)
+
+
+# ---------------------------------------------------------------------------------------- timing
+
+
+def time_ms(fn, warmup: int, repeats: int) -> float:
+    """Median CUDA-event time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def fwd_and_bwd(attend, tensors, dout, warmup: int, repeats: int) -> tuple[float, float]:
+    """(forward ms, forward+backward ms) of attend(*tensors) -> out."""
+
+    def forward():
+        with torch.no_grad():
+            attend(*tensors)
+
+    def forward_backward():
+        for t in tensors:
+            t.grad = None
+        attend(*tensors).backward(dout)
+
+    return time_ms(forward, warmup, repeats), time_ms(forward_backward, warmup, repeats)
+
+
+def environment() -> dict:
+    import triton
+    import transformers
+
+    try:
+        import flash_attn
+
+        flash_version = flash_attn.__version__
+    except ImportError:
+        flash_version = None
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "flash_attn": flash_version,
+        "python": platform.python_version(),
+    }
+
+
+# ---------------------------------------------------------------------------------------- runners
+
+
+def _ours(layout: SparseLayout):
+    from hf_sparse_cp.ops import block_sparse_attention
+
+    return lambda q, k, v: block_sparse_attention(q, k, v, layout)[0]
+
+
+def _flex(block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend)
+
+    def attend(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return attend
+
+
+def _flash_attn():
+    from flash_attn import flash_attn_func
+
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=True)
+
+
+class Bench:
+    def __init__(self, args: BenchAttentionArguments):
+        self.args = args
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+
+    def inputs(self, seq_len: int, q=None, k=None):
+        a = self.args
+        g = torch.Generator(device="cuda").manual_seed(a.seed)
+        make = lambda h: torch.randn(1, h, seq_len, a.head_dim, generator=g, device="cuda")  # noqa: E731
+        q = make(a.num_q_heads) if q is None else q.cuda()
+        k = make(a.num_kv_heads) if k is None else k.cuda()
+        v = make(a.num_kv_heads)
+        dout = make(a.num_q_heads).bfloat16()
+        return [x.bfloat16().requires_grad_() for x in (q, k, v)], dout
+
+    def record(self, seq_len: int, layout_name: str, variant: str, pairs: float, density, col_share, fn):
+        a = self.args
+        row = {"seq_len": seq_len, "layout": layout_name, "variant": variant, "density": density,
+               "column_share": col_share, "pairs": pairs}
+        try:
+            fwd, fwd_bwd = fn()
+            flops = 4.0 * a.head_dim * pairs
+            row.update(status="ok", fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, fwd_tflops=flops / fwd / 1e9,
+                       fwd_bwd_tflops=3.5 * flops / fwd_bwd / 1e9)
+        except torch.OutOfMemoryError as e:
+            row.update(status="oom", reason=str(e).splitlines()[0])
+        except Exception as e:  # reported as data: one failing variant must not end the sweep
+            row.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
+        torch.cuda.empty_cache()
+        self.rows.append(row)
+        shown = (f"fwd {row['fwd_ms']:.2f} ms, fwd+bwd {row['fwd_bwd_ms']:.2f} ms" if row["status"] == "ok"
+                 else row.get("reason", ""))
+        print(f"[S={seq_len} {layout_name} {variant}] {row['status']}: {shown}", flush=True)
+
+    def sparse_case(self, seq_len: int, name: str, layout: SparseLayout, tensors, dout):
+        a = self.args
+        density = float(layout.kept_fraction())
+        pairs = computed_pairs(layout, a.num_q_heads)
+        col_share = 1.0 - computed_pairs(layout, a.num_q_heads, include_columns=False) / pairs
+        if "ours" in a.variants:
+            self.record(seq_len, name, "ours", pairs, density, col_share,
+                        lambda: fwd_and_bwd(_ours(layout), tensors, dout, a.warmup, a.repeats))
+        if "flex" in a.variants:
+            mask = flex_block_mask(layout, a.num_q_heads, seq_len)
+            flex_pairs = computed_pairs(layout, a.num_q_heads, include_columns=False)
+            self.record(seq_len, name, "flex", flex_pairs, density, 0.0,
+                        lambda: fwd_and_bwd(_flex(mask), tensors, dout, a.warmup, a.repeats))
+
+    def check(self, seq_len: int, name: str, layout: SparseLayout, tensors):
+        """ours vs Flex on the same blocks (columns removed): both must compute the same function."""
+        blocks = columns_removed(layout)
+        with torch.no_grad():
+            ours = _ours(blocks)(*tensors).float()
+            flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors).float()
+        err = float((ours - flex).pow(2).mean().sqrt() / flex.pow(2).mean().sqrt())
+        self.checks.append({"seq_len": seq_len, "layout": name, "rel_rms_ours_vs_flex": err})
+        print(f"[S={seq_len} {name}] check: rel. RMS ours vs flex = {err:.2e}", flush=True)
+
+    def dense_case(self, seq_len: int, tensors, dout):
+        a = self.args
+        layout = dense_layout(TokenMeta.contiguous(1, seq_len, "cuda"), a.block_size)
+        pairs = computed_pairs(layout, a.num_q_heads)
+        causal_pairs = a.num_q_heads * seq_len * (seq_len + 1) / 2
+        if "ours" in a.variants:
+            self.record(seq_len, "dense", "ours", pairs, 1.0, 0.0,
+                        lambda: fwd_and_bwd(_ours(layout), tensors, dout, a.warmup, a.repeats))
+        if "flex" in a.variants:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, device="cuda",
+                                     BLOCK_SIZE=a.block_size)
+            self.record(seq_len, "dense", "flex", pairs, 1.0, 0.0,
+                        lambda: fwd_and_bwd(_flex(mask), tensors, dout, a.warmup, a.repeats))
+        group = a.num_q_heads // a.num_kv_heads
+        dense_variants = [v for v in ("sdpa_cudnn", "sdpa_flash", "flash_attn") if v in a.variants]
+        if not dense_variants:
+            return
+        q, k, v = (t.detach() for t in tensors)
+        expanded = [q.clone().requires_grad_()] + [t.repeat_interleave(group, 1).requires_grad_() for t in (k, v)]
+        for variant in dense_variants:
+            if variant == "flash_attn":
+                try:
+                    attend = _flash_attn()
+                except ImportError:
+                    continue
+                layout_bshd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+                self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0,
+                            lambda: fwd_and_bwd(attend, layout_bshd, dout.transpose(1, 2).contiguous(),
+                                                a.warmup, a.repeats))
+                continue
+            backend = "CUDNN_ATTENTION" if variant == "sdpa_cudnn" else "FLASH_ATTENTION"
+            self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0,
+                        lambda: fwd_and_bwd(_sdpa(backend), expanded, dout, a.warmup, a.repeats))
+
+    def run(self):
+        a = self.args
+        for i, seq_len in enumerate(a.seq_lens):
+            tensors, dout = self.inputs(seq_len)
+            cases = [(f"vs@{d:.0%}", density_layout(seq_len, a.num_q_heads, a.block_size, d, a.num_verticals,
+                                                     a.seed, "cuda"), tensors, dout) for d in a.densities]
+            if parse_budgets(a.estimated_budgets):
+                q_pl, k_pl = planted_inputs(seq_len, a.num_q_heads, a.num_kv_heads, a.head_dim, a.seed)
+                planted, planted_dout = self.inputs(seq_len, q_pl, k_pl)
+                for vt, st in parse_budgets(a.estimated_budgets):
+                    lay = estimated_layout(planted[0].detach(), planted[1].detach(), vt, st, a.block_size)
+                    cases.append((f"est v{vt}/s{st}", lay, planted, planted_dout))
+            for name, layout, inputs, grad in cases:
+                if a.check and i == 0:
+                    self.check(seq_len, name, layout, inputs)
+                self.sparse_case(seq_len, name, layout, inputs, grad)
+            if a.dense:
+                self.dense_case(seq_len, tensors, dout)
+            del tensors, dout, cases
+            torch.cuda.empty_cache()
+
+
+def format_table(rows: list[dict]) -> str:
+    flex = {(r["seq_len"], r["layout"]): r for r in rows if r["variant"] == "flex" and r["status"] == "ok"}
+    cudnn = {r["seq_len"]: r for r in rows if r["variant"] == "sdpa_cudnn" and r["status"] == "ok"}
+    header = (f"{'S':>5} {'layout':<14} {'variant':<11} {'kept':>6} {'cols':>5} {'fwd ms':>8} {'f+b ms':>8} "
+              f"{'TF/s f':>7} {'TF/s f+b':>8} {'x flex':>7} {'x cudnn':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        head = (f"{r['seq_len'] // 1024:>4}K {r['layout']:<14} {r['variant']:<11} {r['density']:6.3f} "
+                f"{r['column_share']:5.2f} ")
+        if r["status"] != "ok":
+            lines.append(head + r["status"])
+            continue
+        ref_flex, ref_cudnn = flex.get((r["seq_len"], r["layout"])), cudnn.get(r["seq_len"])
+        vs_flex = f"{ref_flex['fwd_bwd_ms'] / r['fwd_bwd_ms']:7.2f}" if ref_flex and r["variant"] == "ours" else " " * 7
+        vs_cudnn = f"{ref_cudnn['fwd_bwd_ms'] / r['fwd_bwd_ms']:8.2f}" if ref_cudnn else " " * 8
+        lines.append(head + f"{r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} {r['fwd_tflops']:7.0f} "
+                     f"{r['fwd_bwd_tflops']:8.0f} {vs_flex} {vs_cudnn}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(BenchAttentionArguments).parse_args_into_dataclasses(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py is a GPU benchmark and found no CUDA device; nothing was measured.")
+    bench = Bench(args)
+    bench.run()
+    env = environment()
+    report = {
+        "benchmark": "bench_attention",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **env,
+        "settings": {**dataclasses.asdict(args), "batch_size": 1, "dtype": "bfloat16", "causal": True,
+                     "flops": "fwd = 4 * head_dim * computed pairs; fwd+bwd = 3.5 * fwd"},
+        "results": bench.rows,
+        "checks": bench.checks,
+    }
+    print()
+    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, cuda {env['cuda']}")
+    print(format_table(bench.rows))
+    slug = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()[:40]
+    out = Path(args.output) if args.output else RESULTS_DIR / f"attention_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,400 @@
+"""Block-sparse flash-attention backward: the Triton kernels and their launcher.
+
+Given the *final* (out, lse) of the queries (which may cover more keys than this layout, as in a
+ring step) and the gradients reaching out and lse, probabilities are recomputed tile by tile as
+p = exp(s - lse) and, with delta = rowsum(dout * out) - dlse,
+
+    dv = p^T dout,    ds = p * (dout v^T - delta),    dq = scale * ds k,    dk = scale * ds^T q.
+
+Work is split the FlashAttention-2 way, into two kernels that each own their output rows:
+
+* `_dq_kernel` (query-major, one program per query tile, like the forward) computes dq from the
+  listed key blocks and from the vertical columns; it also computes the columns' dk/dv, since a
+  column's partner queries are only known from the query side.
+* `_dkdv_kernel` (key-major, one program per key tile of one key/value head) computes dk/dv of
+  the listed key blocks: it walks the transposed layout (`indexing.key_block_csr`) over every
+  query head of its GQA group, accumulating one dk/dv in fp32 registers, so K/V are never
+  replicated and no two programs write the same row.
+
+Why not one kernel with atomics (FlashAttention-3 style: key-major with fp32 atomic dq): in Triton
+that costs an fp32 atomic per dq element per tile pair (128 x D red.global operations per 128 x
+128 tile), which on an H100 competes with the tensor cores for L2 bandwidth, and it would make
+every result non-deterministic. Recomputing q k^T and dout v^T in the dq kernel costs 2 extra
+matrix products per tile (7 instead of 5) but keeps every block gradient deterministic.
+
+Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
+default. `deterministic=True` instead stores each query tile's column gradients in a partial
+buffer (query tiles taken in chunks to bound its memory) and sums them per key row in a fixed
+order (`_column_sum_kernel`): bitwise reproducible, at the price of the partial traffic. Block
+gradients and dq are deterministic in both modes. Accumulation is fp32 throughout; dq, dk, dv
+are returned in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_sparse_fwd import dot_precision, placeholder_if_empty
+from .configs import dkdv_tiles, dq_tiles
+from .indexing import block_summary, column_targets, key_block_csr
+from .tiles import LOG2E, load_meta, load_summary, needs_mask, query_segments, visible
+
+# Partial-buffer memory of the deterministic column gradients (dk and dv together).
+DETERMINISTIC_PARTIAL_BYTES = 256 << 20
+
+# How the dq kernel treats the columns' dk/dv.
+_NO_COLUMNS, _ATOMIC, _PARTIAL = 0, 1, 2
+
+
+@triton.jit
+def _preprocess_kernel(
+    Out, DOut, Lse, DLse, Delta, Lse2,
+    stride_ob, stride_oh, stride_os,
+    stride_db, stride_dh, stride_ds,
+    num_q_heads, q_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta = rowsum(dout * out) - dlse, and lse in base-2 units with -inf turned into +inf
+    (so that exp2(s - lse2) is 0, never NaN, for queries that saw no key)."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = (b * num_q_heads + h) * q_len + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row, mask=m_ok, other=0.0).to(tl.float32)
+    lse = tl.load(Lse + row, mask=m_ok, other=float("-inf")).to(tl.float32)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    tl.store(Delta + row, delta, mask=m_ok)
+    tl.store(Lse2 + row, lse2, mask=m_ok)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
+    BlockIdx, BlockCnt, ColIdx, ColCnt,
+    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_db, stride_dh, stride_ds,
+    num_q_heads, num_kv_heads, group, layout_heads, q_len, k_len, num_q_blocks, num_k_blocks, max_blocks, max_cols,
+    tile_offset, qk_scale, scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    n_tiles = tl.num_programs(1)
+    tile = tile_offset + n_tiles - 1 - tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = pid_bh % num_q_heads
+    kvh = (h // group).to(tl.int64)
+    lh = tl.where(layout_heads > 1, h, 0)
+    qb = tile * BLOCK_M // LAYOUT_BLOCK
+    lay = (b * layout_heads + lh) * num_q_blocks + qb
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    h64 = h.to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DOut + b * stride_db + h64 * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask, other=0.0)
+    row = (b * num_q_heads + h) * q_len + offs_m
+    lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+    q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
+    q_seg = query_segments(q_seg)
+    q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
+
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    k_index = KIndex + b * k_len
+    k_segment = KSegment + b * k_len
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
+    n_blocks = tl.load(BlockCnt + lay)
+    for i in range(0, n_blocks * SUB):
+        kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
+        offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
+        k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
+        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+            k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    n_cols = tl.load(ColCnt + lay)
+    for c0 in range(0, n_cols, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < n_cols
+        col = tl.load(ColIdx + lay * max_cols + offs_c, mask=c_ok, other=0)
+        kv_mask = c_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
+        p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if COLUMN_GRADS != 0:
+            dv_c = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dk_c = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
+            if COLUMN_GRADS == 1:
+                dst = ((b * num_kv_heads + kvh) * k_len + col.to(tl.int64))[:, None] * HEAD_DIM + offs_d[None, :]
+                tl.atomic_add(ColDK + dst, dk_c, mask=kv_mask, sem="relaxed")
+                tl.atomic_add(ColDV + dst, dv_c, mask=kv_mask, sem="relaxed")
+            else:
+                part = ((pid_bh.to(tl.int64) * n_tiles + (tile - tile_offset)) * max_cols + offs_c)
+                dst = part[:, None] * HEAD_DIM + offs_d[None, :]
+                tl.store(ColDK + dst, dk_c, mask=kv_mask)
+                tl.store(ColDV + dst, dv_c, mask=kv_mask)
+
+    dq_ptr = DQ + (b * num_q_heads + h64) * q_len * HEAD_DIM + rows * HEAD_DIM + offs_d[None, :]
+    tl.store(dq_ptr, dq * scale, mask=q_mask)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DOut, Lse2, Delta, DK, DV,
+    RowPtr, Entries,
+    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_db, stride_dh, stride_ds,
+    num_q_heads, num_kv_heads, group, shared_layout, q_len, k_len, num_q_blocks, num_k_blocks,
+    qk_scale, scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_bk = tl.program_id(0)
+    b = (pid_bk // num_kv_heads).to(tl.int64)
+    kvh = pid_bk % num_kv_heads
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < k_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    kv_rows = offs_n.to(tl.int64)[:, None]
+    k = tl.load(K + b * stride_kb + kvh.to(tl.int64) * stride_kh + kv_rows * stride_ks + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + kvh.to(tl.int64) * stride_vh + kv_rows * stride_vs + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    k_idx, k_seg = load_meta(KIndex + b * k_len, KSegment + b * k_len, offs_n, n_ok)
+    kb = tl.program_id(1) * BLOCK_N // LAYOUT_BLOCK
+    k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
+
+    # a shared layout's entries stand for every head of the group: `rep` heads per entry
+    rep = tl.where(shared_layout, group, 1)
+    seg = (b * tl.where(shared_layout, 1, num_kv_heads) + tl.where(shared_layout, 0, kvh)) * num_k_blocks
+    seg += kb
+    lo = tl.load(RowPtr + seg)
+    hi = tl.load(RowPtr + seg + 1)
+
+    SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_M
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    q_index = QIndex + b * q_len
+    q_segment = QSegment + b * q_len
+    per_entry = rep * SUB
+    for i in range(lo * per_entry, hi * per_entry):
+        entry = tl.load(Entries + i // per_entry)
+        r = i % per_entry
+        h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
+        qb = entry % num_q_blocks
+        offs_m = qb * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        rows = offs_m.to(tl.int64)[:, None]
+        q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask,
+                     other=0.0)
+        row = (b * num_q_heads + h) * q_len + offs_m
+        lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
+        delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+        q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
+        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+            q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)
+            q_seg = query_segments(q_seg)
+            vis = visible(q_idx[None, :], q_seg[None, :], k_idx[:, None], k_seg[:, None], window, HAS_WINDOW)
+            p_t = tl.where(vis, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+
+    dst = (b * num_kv_heads + kvh) * k_len * HEAD_DIM + kv_rows * HEAD_DIM + offs_d[None, :]
+    dk = dk * scale
+    if ACCUMULATE:
+        dk += tl.load(DK + dst, mask=kv_mask, other=0.0)
+        dv += tl.load(DV + dst, mask=kv_mask, other=0.0)
+    tl.store(DK + dst, dk, mask=kv_mask)
+    tl.store(DV + dst, dv, mask=kv_mask)
+
+
+@triton.jit
+def _column_sum_kernel(
+    PartDK, PartDV, Order, SortedRow, SegEnd, DK, DV, invalid,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Deterministic column gradients: the first position of each key row's run sums the run's
+    partials in sorted order and adds the sum to that row."""
+    pos = tl.program_id(0)
+    key = tl.load(SortedRow + pos)
+    prev = tl.load(SortedRow + pos - 1, mask=pos > 0, other=-1)
+    if (key != prev) & (key != invalid):
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        acc_k = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc_v = tl.zeros([BLOCK_D], dtype=tl.float32)
+        end = tl.load(SegEnd + pos)
+        for e in range(pos, end):
+            src = tl.load(Order + e) * HEAD_DIM + offs_d
+            acc_k += tl.load(PartDK + src, mask=d_ok, other=0.0)
+            acc_v += tl.load(PartDV + src, mask=d_ok, other=0.0)
+        dst = key * HEAD_DIM + offs_d
+        tl.store(DK + dst, tl.load(DK + dst, mask=d_ok) + acc_k, mask=d_ok)
+        tl.store(DV + dst, tl.load(DV + dst, mask=d_ok) + acc_v, mask=d_ok)
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    block_idx: torch.Tensor,
+    block_cnt: torch.Tensor,
+    col_idx: torch.Tensor,
+    col_cnt: torch.Tensor,
+    q_index: torch.Tensor,
+    q_segment: torch.Tensor,
+    k_index: torch.Tensor,
+    k_segment: torch.Tensor,
+    *,
+    scale: float,
+    block_size: int,
+    window: int | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels; returns fp32 (dq, dk, dv) shaped like q, k, v (contiguous).
+
+    q/k/v/out/dout: unit stride along D; lse (and dlse) contiguous [B, Hq, Sq]; layout and token
+    metadata as for `block_sparse_fwd.forward`.
+    """
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    dev = q.device
+    on_gpu = q.is_cuda
+    dq = torch.empty(b, hq, sq, d, dtype=torch.float32, device=dev)
+    has_cols = col_idx.shape[-1] > 0
+    alloc = torch.zeros if has_cols else torch.empty
+    dk = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
+    dv = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
+    if b == 0 or sq == 0 or sk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    block_d = triton.next_power_of_2(max(d, 16))
+    precision = dot_precision(q.dtype)
+    qk_scale = scale * LOG2E.value
+    hl, nqb, max_blocks, max_cols = block_idx.shape[1], block_idx.shape[2], block_idx.shape[3], col_idx.shape[3]
+    block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
+    strides = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+    )
+
+    nkb = triton.cdiv(sk, block_size)
+    q_summary = block_summary(q_index, q_segment, block_size)
+    k_summary = block_summary(k_index, k_segment, block_size)
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=dev)
+    lse2 = torch.empty_like(delta)
+    pre_m = 64 if on_gpu else 32
+    _preprocess_kernel[(b * hq, triton.cdiv(sq, pre_m))](
+        out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        hq, sq,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+    )
+
+    tiles = dq_tiles(block_size, d, on_gpu)
+    n_tiles = triton.cdiv(sq, tiles.block_m)
+
+    def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
+        _dq_kernel[(b * hq, count)](
+            q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
+            block_idx_p, block_cnt, col_idx_p, col_cnt,
+            q_index, q_segment, k_index, k_segment, q_summary, k_summary,
+            *strides,
+            hq, hk, hq // hk, hl, sq, sk, nqb, nkb, max_blocks, max_cols,
+            first_tile, qk_scale, scale, window or 0,
+            HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
+            HAS_WINDOW=window is not None, COLUMN_GRADS=mode, PRECISION=precision,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+
+    if not has_cols:
+        launch_dq(0, n_tiles, _NO_COLUMNS, dk, dv)
+    elif not deterministic:
+        launch_dq(0, n_tiles, _ATOMIC, dk, dv)
+    else:
+        per_tile = b * hq * max_cols * d * 4 * 2
+        chunk = max(1, min(n_tiles, DETERMINISTIC_PARTIAL_BYTES // per_tile))
+        part_dk = torch.empty(b * hq * chunk * max_cols * d, dtype=torch.float32, device=dev)
+        part_dv = torch.empty_like(part_dk)
+        for t0 in range(0, n_tiles, chunk):
+            count = min(chunk, n_tiles - t0)
+            launch_dq(t0, count, _PARTIAL, part_dk, part_dv)
+            tile_blocks = torch.arange(t0, t0 + count, device=dev) * tiles.block_m // block_size
+            sorted_row, order, seg_end, invalid = column_targets(col_idx, col_cnt, tile_blocks, hq, hk, sk)
+            _column_sum_kernel[(sorted_row.numel(),)](
+                part_dk, part_dv, order, sorted_row, seg_end, dk, dv, invalid,
+                HEAD_DIM=d, BLOCK_D=block_d,
+            )
+
+    kv_tiles = dkdv_tiles(block_size, d, on_gpu)
+    row_ptr, entries = key_block_csr(block_idx, block_cnt, hq, hk, nkb)
+    _dkdv_kernel[(b * hk, triton.cdiv(sk, kv_tiles.block_n))](
+        q, k, v, dout, lse2, delta, dk, dv,
+        row_ptr, placeholder_if_empty(entries),
+        q_index, q_segment, k_index, k_segment, q_summary, k_summary,
+        *strides,
+        hq, hk, hq // hk, hl == 1, sq, sk, nqb, nkb,
+        qk_scale, scale, window or 0,
+        HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
+        BLOCK_M=kv_tiles.block_m, BLOCK_N=kv_tiles.block_n,
+        HAS_WINDOW=window is not None, ACCUMULATE=has_cols, PRECISION=precision,
+        num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages,
+    )
+    return dq, dk, dv

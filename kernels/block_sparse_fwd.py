@@ -1,0 +1,196 @@
+"""Block-sparse flash-attention forward: the Triton kernel and its launcher.
+
+One program computes one tile of `block_m` query rows of one (batch row, query head): it streams
+the key blocks its layout row lists (in `block_n`-row steps) and then the vertical key columns
+(gathered by index, `block_c` at a time), keeping an online softmax in fp32 registers. Query
+heads of a GQA group read their shared key/value head directly (no replication). Programs of
+the same query tile and consecutive heads run next to each other, so a group's K/V tiles are
+served from L2; query tiles run last-first, which puts the longest causal rows first.
+
+The kernel can start from an existing (out, lse) pair instead of from nothing ("merge" mode):
+the previous result enters the online softmax as one more term (running max = its lse, running
+sum = 1, accumulator = its output), so a ring step merges into the running result in the same
+pass that computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import forward_tiles
+from .indexing import block_summary
+from .tiles import LN2, LOG2E, load_meta, load_summary, needs_mask, query_segments, visible
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores `s` [M, N] with values `v` [N, D] into (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen nothing keeps m = -inf; subtracting 0 instead keeps exp2 free of NaN
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, Out, Lse,
+    BlockIdx, BlockCnt, ColIdx, ColCnt,
+    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    num_q_heads, group, layout_heads, q_len, k_len, num_q_blocks, num_k_blocks, max_blocks, max_cols,
+    qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = pid_bh % num_q_heads
+    kvh = (h // group).to(tl.int64)
+    lh = tl.where(layout_heads > 1, h, 0)
+    qb = tile * BLOCK_M // LAYOUT_BLOCK
+    lay = (b * layout_heads + lh) * num_q_blocks + qb
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = Q + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
+    q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
+    q_seg = query_segments(q_seg)
+    q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
+
+    # output pointers are rebuilt at the end: a [BLOCK_M, BLOCK_D] pointer tensor kept live across the
+    # loops would cost two registers per element
+    o_base = Out + b * stride_ob + h.to(tl.int64) * stride_oh
+    lse_base = Lse + (b * num_q_heads + h) * q_len
+    if MERGE:
+        lse_prev = tl.load(lse_base + offs_m, mask=m_ok, other=float("-inf"))
+        seen = lse_prev > float("-inf")
+        m_i = tl.where(seen, lse_prev * LOG2E, float("-inf"))
+        l_i = tl.where(seen, 1.0, 0.0)
+        o_prev = tl.load(o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :],
+                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.where(seen[:, None], o_prev.to(tl.float32), 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    k_index = KIndex + b * k_len
+    k_segment = KSegment + b * k_len
+
+    # listed key blocks, `SUB` steps of BLOCK_N rows each
+    SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
+    n_blocks = tl.load(BlockCnt + lay)
+    for i in range(0, n_blocks * SUB):
+        kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
+        offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
+        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+            k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+
+    # vertical columns, gathered by token index
+    n_cols = tl.load(ColCnt + lay)
+    for c0 in range(0, n_cols, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < n_cols
+        col = tl.load(ColIdx + lay * max_cols + offs_c, mask=c_ok, other=0)
+        kv_mask = c_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    o_ptr = o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(lse_base + offs_m, lse, mask=m_ok)
+
+
+def placeholder_if_empty(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take a real pointer even for a layout without columns or blocks (its counts are all 0)."""
+    return t if t.numel() else torch.full((1,), -1, dtype=t.dtype, device=t.device)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (the reference's precision), not tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    block_cnt: torch.Tensor,
+    col_idx: torch.Tensor,
+    col_cnt: torch.Tensor,
+    q_index: torch.Tensor,
+    q_segment: torch.Tensor,
+    k_index: torch.Tensor,
+    k_segment: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    block_size: int,
+    window: int | None,
+    merge: bool,
+) -> None:
+    """Launch the forward kernel, writing (or, with `merge`, merging into) `out` and `lse` in place.
+
+    q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] with unit stride along D; layout tensors contiguous int32
+    [B, Hl, NQB, ...]; q_index/q_segment [B, Sq] and k_index/k_segment [B, Sk] contiguous; out
+    [B, Hq, Sq, D] (unit stride along D; fp32 when merging), lse contiguous fp32 [B, Hq, Sq].
+    """
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if sq == 0 or b == 0:
+        return
+    tiles = forward_tiles(block_size, d, q.is_cuda)
+    grid = (b * hq, triton.cdiv(sq, tiles.block_m))
+    _forward_kernel[grid](
+        q, k, v, out, lse,
+        placeholder_if_empty(block_idx), block_cnt, placeholder_if_empty(col_idx), col_cnt,
+        q_index, q_segment, k_index, k_segment,
+        block_summary(q_index, q_segment, block_size), block_summary(k_index, k_segment, block_size),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hk, block_idx.shape[1], sq, sk, block_idx.shape[2], triton.cdiv(sk, block_size),
+        block_idx.shape[3], col_idx.shape[3],
+        scale * LOG2E.value, window or 0,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)), LAYOUT_BLOCK=block_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
+        HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )

@@ -1,0 +1,59 @@
+"""Running the kernels on CPU tensors through Triton's interpreter (tests and debugging).
+
+`@triton.jit` decides at decoration time whether a function is compiled or interpreted, by
+reading TRITON_INTERPRET (through `triton.knobs` in Triton 3.4 and later, 3.6 and 3.9
+included). Triton's own library functions (`tl.max`, `tl.sum`, ...) are `@triton.jit` functions
+too, decorated when `triton` is first imported, and an interpreted kernel cannot call a compiled
+one. So the variable must be set before the process imports triton at all; setting it inside a
+running test session would come too late (or, set early, turn every Triton kernel of the
+session into Python). `interpreter_pool()` therefore starts a separate worker process with the
+variable set from its start: functions sent to it run the kernels under the interpreter, and
+the calling process is left untouched.
+
+Limits of the interpreter: fp32 and fp16 work; bf16 matrix products do not (numpy has no bf16,
+and Triton's interpreter multiplies the raw bits), so bf16 is checked on a GPU only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+from collections.abc import Iterator
+
+_ENV_LOCK = threading.Lock()
+
+
+def kernels_are_interpreted() -> bool:
+    """Whether this process's kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.jit import JITFunction
+
+    from .block_sparse_fwd import _forward_kernel
+
+    return not isinstance(_forward_kernel, JITFunction)
+
+
+@contextlib.contextmanager
+def interpreter_pool() -> Iterator[multiprocessing.pool.Pool]:
+    """A one-worker process pool in which every Triton kernel runs in the interpreter.
+
+    Use `pool.apply(fn, args, kwargs)` with picklable functions (e.g.
+    `hf_sparse_cp.kernels.sparse_attention_forward`) and CPU tensors; results come back pickled.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    with _ENV_LOCK:
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            pool = ctx.Pool(1)  # the worker starts here and copies the environment
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+    try:
+        yield pool
+    finally:
+        pool.terminate()
+        pool.join()

@@ -1,0 +1,221 @@
+"""The Triton kernels as `torch.library` custom ops, and the primitives built on them.
+
+Custom ops (composable with torch.compile; each has a fake implementation for tracing):
+
+* `hf_sparse_cp::block_sparse_attn_fwd`: (out fp32, lse fp32) of a layout;
+* `hf_sparse_cp::block_sparse_attn_fwd_merge_`: the same, merged in place into an existing
+  (out, lse) (ring attention: one pass per step, no separate merge);
+* `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32.
+
+They run the compiled kernels on CUDA tensors; CPU tensors are accepted only where Triton
+interprets the kernels (`interpreter.interpreter_pool`: slow, for tests and debugging), and
+`hf_sparse_cp.ops` sends CPU work to the PyTorch reference instead. `sparse_attention_forward` / `sparse_attention_backward` take the same
+arguments as `hf_sparse_cp.reference.reference_forward` / `reference_backward` (plus the merge
+buffers and the deterministic switch) and unpack `SparseLayout` / `TokenMeta` for the ops.
+"""
+
+from typing import Optional
+
+import torch
+
+from hf_sparse_cp.layout import SparseLayout
+from hf_sparse_cp.tokens import TokenMeta
+
+from . import block_sparse_bwd, block_sparse_fwd
+from .interpreter import kernels_are_interpreted
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128  # see configs.py
+
+
+def _launchers(device: torch.device):
+    if device.type != "cuda" and not kernels_are_interpreted():
+        raise ValueError(
+            f"the Triton kernels run on CUDA tensors (got {device.type}); on CPU use hf_sparse_cp.reference, or "
+            "run the kernels in Triton's interpreter (hf_sparse_cp.kernels.interpreter.interpreter_pool)."
+        )
+    return block_sparse_fwd, block_sparse_bwd
+
+
+@torch.library.custom_op("hf_sparse_cp::block_sparse_attn_fwd", mutates_args=())
+def block_sparse_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
+    q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
+    scale: float, block_size: int, window: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _launchers(q.device)[0].forward(
+        q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse,
+        scale=scale, block_size=block_size, window=window, merge=False,
+    )
+    return out, lse
+
+
+@block_sparse_attn_fwd.register_fake
+def _(q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, scale, block_size,
+      window):
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_sparse_cp::block_sparse_attn_fwd_merge_", mutates_args=("out", "lse"))
+def block_sparse_attn_fwd_merge_(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
+    q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+    scale: float, block_size: int, window: Optional[int],
+) -> None:
+    _launchers(q.device)[0].forward(
+        q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse,
+        scale=scale, block_size=block_size, window=window, merge=True,
+    )
+
+
+@block_sparse_attn_fwd_merge_.register_fake
+def _(q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse, scale,
+      block_size, window):
+    return None
+
+
+@torch.library.custom_op("hf_sparse_cp::block_sparse_attn_bwd", mutates_args=())
+def block_sparse_attn_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
+    block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
+    q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
+    scale: float, block_size: int, window: Optional[int], deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launchers(q.device)[1].backward(
+        q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index,
+        k_segment, scale=scale, block_size=block_size, window=window, deterministic=deterministic,
+    )
+
+
+@block_sparse_attn_bwd.register_fake
+def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment,
+      scale, block_size, window, deterministic):
+    f32 = torch.float32
+    return (q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32))
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the compiled kernels take these inputs (CUDA, fp16/bf16/fp32, one dtype, D <= 128)."""
+    return (
+        q.is_cuda
+        and q.dtype in SUPPORTED_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+    )
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, q_meta, k_meta) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
+        raise ValueError(f"k/v {tuple(k.shape)} do not fit q {tuple(q.shape)}: same batch and head_dim, and query "
+                         "heads a multiple of key/value heads.")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"the Triton kernels take one dtype among {SUPPORTED_DTYPES} for q, k, v; got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype} (cast them, or use hf_sparse_cp.reference for fp64).")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} exceeds the kernels' maximum {MAX_HEAD_DIM}.")
+    nqb = -(-sq // layout.block_size)
+    if layout.batch != b or layout.heads not in (1, hq) or layout.num_q_blocks != nqb:
+        raise ValueError(f"layout [B={layout.batch}, H={layout.heads}, NQB={layout.num_q_blocks}] does not fit q "
+                         f"{tuple(q.shape)} with block_size {layout.block_size} (needs B={b}, H in (1, {hq}), "
+                         f"NQB={nqb}).")
+    if q_meta.index.shape != (b, sq) or k_meta.index.shape != (b, k.shape[2]):
+        raise ValueError(f"q_meta/k_meta must be [B, Sq] = {(b, sq)} and [B, Sk] = {(b, k.shape[2])}; got "
+                         f"{tuple(q_meta.index.shape)}, {tuple(k_meta.index.shape)}.")
+
+
+def _layout_and_meta(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[torch.Tensor, ...]:
+    return (
+        layout.block_idx.contiguous(), layout.block_cnt.contiguous(),
+        layout.col_idx.contiguous(), layout.col_cnt.contiguous(),
+        q_meta.index.contiguous(), q_meta.segment.contiguous(),
+        k_meta.index.contiguous(), k_meta.segment.contiguous(),
+    )
+
+
+def sparse_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float,
+    q_meta: TokenMeta,
+    k_meta: TokenMeta,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse), both fp32, over the keys `layout` lists (see `reference_forward`).
+
+    With `out` and `lse` given (fp32 [B, Hq, Sq, D] and contiguous fp32 [B, Hq, Sq], e.g. the
+    running result of a ring), this step's attention is merged into them in place (the exact
+    log-sum-exp combination) and they are returned.
+    """
+    _check(q, k, v, layout, q_meta, k_meta)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    args = _layout_and_meta(layout, q_meta, k_meta)
+    if out is None and lse is None:
+        return torch.ops.hf_sparse_cp.block_sparse_attn_fwd(q, k, v, *args, scale, layout.block_size, sliding_window)
+    if out is None or lse is None:
+        raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
+    if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"merge buffer `out` must be fp32 {tuple(q.shape)} with unit stride along D; got "
+                         f"{out.dtype} {tuple(out.shape)}.")
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"merge buffer `lse` must be a contiguous fp32 {tuple(q.shape[:3])}; got {lse.dtype} "
+                         f"{tuple(lse.shape)}.")
+    torch.ops.hf_sparse_cp.block_sparse_attn_fwd_merge_(
+        q, k, v, *args, out, lse, scale, layout.block_size, sliding_window
+    )
+    return out, lse
+
+
+def sparse_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float,
+    q_meta: TokenMeta,
+    k_meta: TokenMeta,
+    sliding_window: int | None = None,
+    dlse: torch.Tensor | None = None,
+    deterministic: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in fp32 from the final (out, lse) of the queries (see `reference_backward`).
+
+    deterministic: bitwise reproducible column gradients (slower); None follows
+    `torch.are_deterministic_algorithms_enabled()`. Block gradients and dq are always deterministic.
+    """
+    _check(q, k, v, layout, q_meta, k_meta)
+    if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError(f"out/dout must be {tuple(q.shape)} and lse {tuple(q.shape[:3])}; got {tuple(out.shape)}, "
+                         f"{tuple(dout.shape)}, {tuple(lse.shape)}.")
+    if dlse is not None and dlse.shape != lse.shape:
+        raise ValueError(f"dlse must be shaped like lse {tuple(lse.shape)}; got {tuple(dlse.shape)}.")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    q, k, v, out, dout = (_unit_stride(x) for x in (q, k, v, out, dout))
+    return torch.ops.hf_sparse_cp.block_sparse_attn_bwd(
+        q, k, v, out, lse.contiguous(), dout, None if dlse is None else dlse.contiguous(),
+        *_layout_and_meta(layout, q_meta, k_meta), scale, layout.block_size, sliding_window, bool(deterministic),
+    )

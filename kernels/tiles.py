@@ -1,0 +1,69 @@
+"""Triton device helpers shared by the forward and backward kernels: token metadata and visibility.
+
+Visibility of a (query, key) pair is decided per token from `TokenMeta` (see
+`hf_sparse_cp.tokens`): the key is not after the query in the global order, both tokens are in
+the same document, the query is not padding, and (with a sliding window) the key is fewer than
+`window` tokens back. Building that mask costs a few integer operations per score, so every
+tile first asks whether *all* its pairs are visible (one segment, keys entirely at or before the
+earliest query), from per-block summaries precomputed on the host side (`indexing.block_summary`):
+such tiles, the large majority away from the diagonal and from document edges, skip the mask
+(`needs_mask`).
+
+Global indices are narrowed to int32 once per vector (not per pair): indices past 2**31 - 1 are
+clamped, which only ever affects padding (its segment already hides it).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Scores are kept in base-2 units (x * log2(e)) so the softmax uses exp2, the fast hardware path.
+# Kernels may only read module globals that are constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+INT32_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def load_meta(index_ptr, segment_ptr, offs, ok):
+    """Global index (int32) and segment of the tokens at `offs`; out-of-range tokens are padding (-1)."""
+    idx = tl.load(index_ptr + offs, mask=ok, other=0)
+    idx = tl.minimum(idx, INT32_MAX).to(tl.int32)
+    seg = tl.load(segment_ptr + offs, mask=ok, other=-1).to(tl.int32)
+    return idx, seg
+
+
+@triton.jit
+def query_segments(seg):
+    """Query segments with padding moved to -2, so that no query matches a padding key (-1)."""
+    return tl.where(seg < 0, -2, seg)
+
+
+@triton.jit
+def visible(q_idx, q_seg, k_idx, k_seg, window, HAS_WINDOW: tl.constexpr):
+    """Visibility of broadcastable query/key operands (query segments from `query_segments`)."""
+    vis = (k_idx <= q_idx) & (k_seg == q_seg)
+    if HAS_WINDOW:
+        vis = vis & (q_idx - k_idx < window)
+    return vis
+
+
+@triton.jit
+def load_summary(summary_ptr):
+    """(min index, max index, min segment, max segment) of one block (see `indexing.block_summary`)."""
+    return tl.load(summary_ptr), tl.load(summary_ptr + 1), tl.load(summary_ptr + 2), tl.load(summary_ptr + 3)
+
+
+@triton.jit
+def needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW: tl.constexpr):
+    """False when every (query, key) pair of a tile is visible, judged from the block summaries of
+    its query and key blocks (a tile inside a fully visible block pair is fully visible).
+
+    Padding (segment -1) in either block makes the tile take the mask.
+    """
+    partial = (q_seg_lo != q_seg_hi) | (k_seg_lo != k_seg_hi) | (k_seg_lo != q_seg_lo) | (q_seg_lo < 0)
+    partial = partial | (k_hi > q_lo)
+    if HAS_WINDOW:
+        partial = partial | (q_hi - k_lo >= window)
+    return partial

@@ -1,0 +1,86 @@
+"""The CPU-testable parts of benchmarks/bench_attention.py: its layouts, the FlexAttention block mask
+built from them, and the work it counts; the benchmark itself refuses to run without a GPU."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_sparse_cp.pattern import dense_layout
+from hf_sparse_cp.reference import reference_forward
+from hf_sparse_cp.tokens import TokenMeta
+
+from oracle import TOLERANCE, rel_rms
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module while the file executes
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def _listed_blocks(layout, nkb):
+    valid = torch.arange(layout.block_idx.shape[-1]) < layout.block_cnt.unsqueeze(-1)
+    dense = torch.zeros(*layout.block_cnt.shape, nkb + 1, dtype=torch.bool)
+    return dense.scatter_(-1, torch.where(valid, layout.block_idx.long(), nkb), True)[..., :nkb]
+
+
+@pytest.mark.parametrize("density", [0.05, 0.10, 0.20], ids=["5pct", "10pct", "20pct"])
+def test_density_layouts_hit_their_target(bench, density):
+    layout = bench.density_layout(8192, 4, 64, density, 64, seed=0, device="cpu")
+    layout.validate(4, 8192, 8192, strict=True)
+    assert abs(float(layout.kept_fraction()) - density) < 0.01
+    assert int(layout.col_cnt.sum()) > 0  # the vertical columns are there too
+
+
+def test_flex_block_mask_lists_exactly_the_layout_blocks(bench):
+    s, bs = 2048, 64
+    layout = bench.density_layout(s, 4, bs, 0.2, 32, seed=1, device="cpu")
+    mask = bench.flex_block_mask(layout, 4, s)
+    assert torch.equal(mask.to_dense().bool(), _listed_blocks(layout, s // bs))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_on_the_block_mask_equals_the_reference_without_columns(bench):
+    """Same function for both: FlexAttention (eager, CPU) on the mask vs our reference on the layout
+    with its columns removed."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    s, bs = 512, 64
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, s, 32, generator=g) for h in (4, 2, 2))
+    layout = bench.columns_removed(bench.density_layout(s, 4, bs, 0.3, 16, seed=3, device="cpu"))
+    meta = TokenMeta.contiguous(1, s)
+    ref, _ = reference_forward(q, k, v, layout, scale=32**-0.5, q_meta=meta, k_meta=meta)
+    out = flex_attention(q, k, v, block_mask=bench.flex_block_mask(layout, 4, s), enable_gqa=True)
+    assert rel_rms(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_computed_pairs_of_a_dense_layout(bench):
+    s, bs, h = 1000, 64, 3
+    layout = dense_layout(TokenMeta.contiguous(1, s), bs)
+    nb = -(-s // bs)
+    assert bench.computed_pairs(layout, h) == h * nb * (nb + 1) / 2 * bs * bs
+
+
+def test_estimated_layout_keeps_planted_structure(bench):
+    q, k = bench.planted_inputs(4096, 4, 2, 64, seed=4)
+    layout = bench.estimated_layout(q, k, 64, 16, 64)
+    assert 0.0 < float(layout.kept_fraction()) < 0.5
+    assert int(layout.col_cnt.sum()) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_benchmark_refuses_without_gpu(bench):
+    with pytest.raises(SystemExit, match="GPU benchmark"):
+        bench.main(["--seq_lens", "1024"])

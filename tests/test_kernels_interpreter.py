@@ -1,0 +1,280 @@
+"""The Triton kernels, run by Triton's interpreter on CPU, against the fp64 PyTorch reference.
+
+The kernels execute in a worker process started with TRITON_INTERPRET=1 (see
+`hf_sparse_cp.kernels.interpreter`); this process only builds inputs and compares. Sizes are
+small (S ~ 100-260, blocks of 16/32, D 16-64) but cover sub-tiling, partial blocks, GQA ratios
+1/2/8, shared and per-head layouts, columns, packed documents with padding, sliding windows,
+queries that see nothing, merging into an existing result, and the deterministic mode.
+fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests marked gpu).
+"""
+
+import pytest
+import torch
+
+from hf_sparse_cp.kernels import block_sparse_bwd, ops as kops
+from hf_sparse_cp.kernels.interpreter import interpreter_pool
+from hf_sparse_cp.layout import SparseLayout, compact_sorted
+from hf_sparse_cp.pattern import dense_layout
+from hf_sparse_cp.reference import reference_backward, reference_forward
+from hf_sparse_cp.synthetic import random_layout, random_vertical_slash_layout
+from hf_sparse_cp.tokens import TokenMeta
+
+from oracle import TOLERANCE, rel_rms
+
+
+@pytest.fixture(scope="module")
+def interp():
+    with interpreter_pool() as pool:
+        yield pool
+
+
+# ---- run in the interpreter worker ---------------------------------------------------------------
+
+def _kernel_fwd_bwd(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, deterministic=False):
+    out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                             sliding_window=window)
+    grads = kops.sparse_attention_backward(q, k, v, out.to(q.dtype), lse, dout, layout, scale=scale, q_meta=q_meta,
+                                           k_meta=k_meta, sliding_window=window, dlse=dlse,
+                                           deterministic=deterministic)
+    return (out, lse, *grads)
+
+
+def _deterministic_backward(partial_bytes, args, kwargs):
+    saved = block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES
+    block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = partial_bytes  # force several query-tile chunks
+    try:
+        return kops.sparse_attention_backward(*args, deterministic=True, **kwargs)
+    finally:
+        block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = saved
+
+
+def _opcheck_ops():
+    b, hq, hk, s, d, bs = 1, 2, 1, 40, 16, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hk, hk))
+    layout = random_layout(b, hq, s, s, bs, 0.6, 0.2, generator=g)
+    meta = TokenMeta.contiguous(b, s)
+    lay_meta = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, meta.index.contiguous(),
+                meta.segment, meta.index.contiguous(), meta.segment)
+    hf = torch.ops.hf_sparse_cp
+    torch.library.opcheck(hf.block_sparse_attn_fwd.default, (q, k, v, *lay_meta, 0.25, bs, None))
+    out, lse = hf.block_sparse_attn_fwd(q, k, v, *lay_meta, 0.25, bs, None)
+    torch.library.opcheck(hf.block_sparse_attn_fwd_merge_.default,
+                          (q, k, v, *lay_meta, out.clone(), lse.clone(), 0.25, bs, 24))
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    for dl in (None, dlse):
+        torch.library.opcheck(hf.block_sparse_attn_bwd.default,
+                              (q, k, v, out, lse, dout, dl, *lay_meta, 0.25, bs, None, False))
+
+
+# ---- helpers in this process ---------------------------------------------------------------------
+
+def _inputs(b, hq, hk, sq, sk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, sk, d, generator=g).to(dtype)
+    dout = torch.randn(b, hq, sq, d, generator=g).to(dtype)
+    dlse = torch.randn(b, hq, sq, generator=g)
+    return q, k, v, dout, dlse
+
+
+def _random_docs(b, s, seed, pad=0, cuts=3):
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.zeros(b, s, dtype=torch.int32)
+    for row in range(b):
+        for c in sorted(torch.randperm(s - 1, generator=g)[:cuts].add(1).tolist()):
+            seg[row, c:] += 1
+        if pad:
+            seg[row, s - pad:] = -1
+    return TokenMeta.from_segments(seg)
+
+
+def _key_range(layout, lo, hi):
+    """The part of a layout inside keys [lo, hi) (lo a multiple of the block size), re-indexed to them."""
+    bs = layout.block_size
+    kb = layout.block_idx.long()
+    keep = (torch.arange(kb.shape[-1]) < layout.block_cnt.unsqueeze(-1)) & (kb >= lo // bs) & (kb < hi // bs)
+    block_idx, block_cnt = compact_sorted(kb - lo // bs, keep)
+    col = layout.col_idx.long()
+    keep = (torch.arange(col.shape[-1]) < layout.col_cnt.unsqueeze(-1)) & (col >= lo) & (col < hi)
+    col_idx, col_cnt = compact_sorted(col - lo, keep)
+    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
+
+
+def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None):
+    """Kernel forward and backward equal the fp64 reference; returns the kernel results."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    res = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse))
+    out, lse, dq, dk, dv = res
+    f64 = [x.double() for x in (q, k, v)]
+    ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                         sliding_window=window)
+    tol = TOLERANCE[q.dtype]
+    seen = torch.isfinite(ref_lse)
+    assert out.dtype == lse.dtype == torch.float32
+    assert rel_rms(out, ref_out) <= tol
+    assert torch.equal(torch.isfinite(lse), seen) and bool((lse[~seen] == float("-inf")).all())
+    assert rel_rms(lse, ref_lse, seen) <= tol
+    assert bool((out[~seen] == 0).all())
+    # the backward takes the kernel's own (rounded) output, as autograd hands it over
+    ref_grads = reference_backward(*f64, out.to(q.dtype).double(), lse.double(), dout.double(), layout, scale=scale,
+                                   q_meta=q_meta, k_meta=k_meta, sliding_window=window, dlse=dlse.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+        assert got.dtype == torch.float32 and got.shape == ref.shape, name
+        assert bool(torch.isfinite(got).all()), name
+        assert rel_rms(got, ref) <= 2 * tol, name
+    return res
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "hq,hk,s,bs,d,dtype",
+    [
+        (2, 2, 111, 16, 16, torch.float32),
+        (4, 2, 257, 32, 32, torch.float16),
+        (8, 1, 130, 16, 16, torch.float32),
+        (4, 2, 200, 32, 64, torch.float32),
+    ],
+    ids=["mha-S111-bs16-d16-fp32", "gqa2-S257-bs32-d32-fp16", "gqa8-S130-bs16-d16-fp32", "gqa2-S200-bs32-d64-fp32"],
+)
+def test_random_layouts_match_reference(interp, hq, hk, s, bs, d, dtype):
+    q, k, v, dout, dlse = _inputs(1, hq, hk, s, s, d, dtype, seed=s + hq)
+    layout = random_layout(1, hq, s, s, bs, 0.35, 0.08, generator=torch.Generator().manual_seed(s))
+    meta = TokenMeta.contiguous(1, s)
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+
+
+def test_vertical_slash_layout_matches_reference(interp):
+    s, bs = 192, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=11)
+    layout = random_vertical_slash_layout(1, 4, s, bs, 2, 12, generator=torch.Generator().manual_seed(12))
+    assert int(layout.col_cnt.sum()) > 0
+    meta = TokenMeta.contiguous(1, s)
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+
+
+def test_packed_documents_padding_and_shared_layout(interp):
+    """Batch of 2 rows with 4 documents each and 7 padding tokens; one layout for all heads."""
+    q, k, v, dout, dlse = _inputs(2, 4, 2, 150, 150, 32, torch.float32, seed=3)
+    meta = _random_docs(2, 150, seed=4, pad=7)
+    layout = random_layout(2, 1, 150, 150, 32, 0.5, 0.1, generator=torch.Generator().manual_seed(5))
+    out, lse, *_ = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+    assert bool((lse[:, :, -7:] == float("-inf")).all())  # padding queries see nothing
+
+
+def test_sliding_window_and_head_dim_48(interp):
+    q, k, v, dout, dlse = _inputs(1, 2, 2, 200, 200, 48, torch.float32, seed=6)
+    meta = TokenMeta.contiguous(1, 200)
+    layout = dense_layout(meta, 32, sliding_window=40)
+    assert layout.col_idx.shape[-1] == 0  # also covers a layout without columns
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=40)
+
+
+def test_queries_that_see_nothing_get_zero_and_no_nan(interp):
+    """Query blocks with an empty layout row, and documents whose listed keys all lie in other documents."""
+    s, bs = 96, 16
+    q, k, v, dout, dlse = _inputs(1, 2, 1, s, s, 16, torch.float32, seed=7)
+    seg = torch.zeros(1, s, dtype=torch.int32)
+    seg[:, 40:] = 1
+    meta = TokenMeta.from_segments(seg)
+    nqb = s // bs
+    blk = torch.zeros(1, 2, nqb, 1, dtype=torch.int32)  # every query block lists key block 0 only
+    cnt = torch.ones(1, 2, nqb, dtype=torch.int32)
+    cnt[:, 1, 2] = 0  # head 1, query block 2 lists nothing
+    empty = torch.empty(1, 2, nqb, 0, dtype=torch.int32)
+    layout = SparseLayout(blk, cnt, empty, torch.zeros_like(cnt), bs)
+    out, lse, dq, dk, dv = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+    blind = lse == float("-inf")
+    assert int(blind.sum()) >= s  # the whole second document of both heads
+    assert bool((dq[blind] == 0).all())
+
+
+def test_merge_into_existing_result(interp):
+    """Two key halves, the second merged into the first's (out, lse) in place, equal the whole; the
+    backward per half with the final (out, lse) sums to the whole: what a ring step does."""
+    s, bs = 128, 16
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=8)
+    meta = _random_docs(1, s, seed=9, pad=5, cuts=1)
+    full = random_layout(1, 4, s, s, bs, 0.6, 0.1, generator=torch.Generator().manual_seed(10))
+    halves = [(lo, hi, _key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
+              for lo, hi in ((0, 64), (64, 128))]
+    assert all(int(lay.col_cnt.sum()) > 0 for _, _, lay, _ in halves)
+    scale = 0.3
+    args = lambda lo, hi, lay, km: (q, k[:, :, lo:hi], v[:, :, lo:hi], lay)  # noqa: E731
+    (lo0, hi0, lay0, km0), (lo1, hi1, lay1, km1) = halves
+    out, lse = interp.apply(kops.sparse_attention_forward, args(lo0, hi0, lay0, km0),
+                            dict(scale=scale, q_meta=meta, k_meta=km0))
+    out, lse = interp.apply(kops.sparse_attention_forward, args(lo1, hi1, lay1, km1),
+                            dict(scale=scale, q_meta=meta, k_meta=km1, out=out, lse=lse))
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), full, scale=scale, q_meta=meta,
+                                         k_meta=meta)
+    seen = torch.isfinite(ref_lse)
+    assert not bool(seen.all())  # padding rows stay empty through the merge
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert rel_rms(out, ref_out) <= TOLERANCE[torch.float32]
+    assert rel_rms(lse, ref_lse, seen) <= TOLERANCE[torch.float32]
+    assert bool((out[~seen] == 0).all())
+
+    ref_dq, ref_dk, ref_dv = reference_backward(q.double(), k.double(), v.double(), out.double(), lse.double(),
+                                                dout.double(), full, scale=scale, q_meta=meta, k_meta=meta,
+                                                dlse=dlse.double())
+    dq_sum = torch.zeros_like(ref_dq)
+    for lo, hi, lay, km in halves:
+        dq, dk, dv = interp.apply(kops.sparse_attention_backward, (*args(lo, hi, lay, km)[:3], out, lse, dout, lay),
+                                  dict(scale=scale, q_meta=meta, k_meta=km, dlse=dlse))
+        dq_sum += dq.double()
+        assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * TOLERANCE[torch.float32]
+        assert rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * TOLERANCE[torch.float32]
+    assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[torch.float32]
+
+
+def test_deterministic_mode_matches_reference(interp):
+    """Column gradients through per-tile partials summed per key row in a fixed order, in one chunk of
+    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests)."""
+    s, bs = 160, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=13)
+    meta = TokenMeta.contiguous(1, s)
+    layout = random_layout(1, 4, s, s, bs, 0.3, 0.2, generator=torch.Generator().manual_seed(14))
+    scale = 0.25
+    out, lse = reference_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta)
+    args = (q, k, v, out, lse, dout, layout)
+    kwargs = dict(scale=scale, q_meta=meta, k_meta=meta, dlse=dlse)
+    ref = reference_backward(*(x.double() for x in args[:6]), layout, scale=scale, q_meta=meta, k_meta=meta,
+                             dlse=dlse.double())
+    tile_bytes = 4 * layout.col_idx.shape[-1] * 16 * 4 * 2  # one query tile's partials (5 tiles in all)
+    for budget in (2 * tile_bytes, 1 << 30):
+        grads = interp.apply(_deterministic_backward, (budget, args, kwargs))
+        for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
+            assert rel_rms(a, r) <= 2 * TOLERANCE[torch.float32], (name, budget)
+
+
+def test_custom_ops_pass_opcheck(interp):
+    """Schemas, fake implementations, mutation declarations and autograd/AOT dispatch of the three ops."""
+    interp.apply(_opcheck_ops)
+
+
+def test_compiled_kernels_refuse_cpu_tensors():
+    """In a normal process the kernels are compiled for CUDA: CPU tensors get a clear error, not a crash."""
+    q = torch.randn(1, 1, 32, 16)
+    meta = TokenMeta.contiguous(1, 32)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        kops.sparse_attention_forward(q, q, q, dense_layout(meta, 16), scale=0.25, q_meta=meta, k_meta=meta)
+
+
+def test_primitives_refuse_bad_inputs():
+    q = torch.randn(1, 2, 32, 16)
+    meta = TokenMeta.contiguous(1, 32)
+    lay = dense_layout(meta, 16)
+    with pytest.raises(ValueError, match="one dtype"):
+        kops.sparse_attention_forward(q, q.half(), q.half(), lay, scale=1.0, q_meta=meta, k_meta=meta)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        kops.sparse_attention_forward(q, q[:, :1].expand(1, 3, 32, 16), q[:, :1].expand(1, 3, 32, 16), lay,
+                                      scale=1.0, q_meta=meta, k_meta=meta)
+    with pytest.raises(ValueError, match="NQB"):
+        kops.sparse_attention_forward(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), scale=1.0,
+                                      q_meta=meta, k_meta=meta)
+    with pytest.raises(ValueError, match="merge buffer"):
+        kops.sparse_attention_forward(q, q, q, lay, scale=1.0, q_meta=meta, k_meta=meta, out=q.half(),
+                                      lse=torch.zeros(1, 2, 32))
