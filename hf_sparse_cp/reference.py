@@ -9,7 +9,6 @@ dtype (fp64 for fp64 inputs); outputs come back in the input dtype, the log-sum-
 
 from __future__ import annotations
 
-
 import torch
 
 from .layout import SparseLayout

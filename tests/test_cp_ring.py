@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.distributed import (
@@ -32,8 +33,6 @@ from hf_sparse_cp.ops import block_sparse_attention
 from hf_sparse_cp.pattern import dense_layout, estimate_layout
 from hf_sparse_cp.synthetic import random_vertical_slash_layout
 from hf_sparse_cp.tokens import PAD_SEGMENT, TokenMeta
-
-from oracle import TOLERANCE, rel_rms
 
 pytestmark = pytest.mark.slow  # multi-process (about 30 s for the three world sizes on 2 cores)
 

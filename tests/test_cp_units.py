@@ -3,6 +3,7 @@ validation, the ring plan's transfer matching, and the model check."""
 
 import pytest
 import torch
+from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,
@@ -21,8 +22,6 @@ from hf_sparse_cp.distributed.plan import RingPlan, TransferSets, slot_ops
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.synthetic import random_vertical_slash_layout
 from hf_sparse_cp.tokens import TokenMeta
-
-from oracle import TOLERANCE, rel_rms
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
 

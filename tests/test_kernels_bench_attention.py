@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_forward
 from hf_sparse_cp.tokens import TokenMeta
-
-from oracle import TOLERANCE, rel_rms
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
 

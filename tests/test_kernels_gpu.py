@@ -7,23 +7,22 @@ deterministic mode, the dispatch of `hf_sparse_cp.ops` and torch.compile.
 
 import pytest
 import torch
+from hf_sparse_cp.kernels import ops as kops
+from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp import ops as public_ops
-from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_backward, reference_forward
 from hf_sparse_cp.synthetic import random_layout, random_vertical_slash_layout
 from hf_sparse_cp.tokens import TokenMeta
 
-from oracle import TOLERANCE, rel_rms
-
 pytestmark = pytest.mark.gpu
 
 
 def _inputs(b, hq, hk, s, d, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda h, dt=dtype: torch.randn(b, h, s, d, generator=g, device="cuda").to(dt)  # noqa: E731
+    make = lambda h, dt=dtype: torch.randn(b, h, s, d, generator=g, device="cuda").to(dt)
     return make(hq), make(hk), make(hk), make(hq), torch.randn(b, hq, s, generator=g, device="cuda")
 
 

@@ -10,16 +10,16 @@ fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests mar
 
 import pytest
 import torch
-
-from hf_sparse_cp.kernels import block_sparse_bwd, ops as kops
+from hf_sparse_cp.kernels import block_sparse_bwd
+from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels.interpreter import interpreter_pool
+from oracle import TOLERANCE, rel_rms
+
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_backward, reference_forward
 from hf_sparse_cp.synthetic import random_layout, random_vertical_slash_layout
 from hf_sparse_cp.tokens import TokenMeta
-
-from oracle import TOLERANCE, rel_rms
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_merge_into_existing_result(interp):
               for lo, hi in ((0, 64), (64, 128))]
     assert all(int(lay.col_cnt.sum()) > 0 for _, _, lay, _ in halves)
     scale = 0.3
-    args = lambda lo, hi, lay, km: (q, k[:, :, lo:hi], v[:, :, lo:hi], lay)  # noqa: E731
+    args = lambda lo, hi, lay, km: (q, k[:, :, lo:hi], v[:, :, lo:hi], lay)
     (lo0, hi0, lay0, km0), (lo1, hi1, lay1, km1) = halves
     out, lse = interp.apply(kops.sparse_attention_forward, args(lo0, hi0, lay0, km0),
                             dict(scale=scale, q_meta=meta, k_meta=km0))

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from oracle import TOLERANCE, rel_rms
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.tiny_models import SUPPORTED_MODEL_TYPES, tiny_config
-
-from oracle import TOLERANCE, rel_rms
 
 S = 150
 DENSE = SparseAttentionConfig(pattern="dense", block_size=32)

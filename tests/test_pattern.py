@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from oracle import visible
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.pattern import (
@@ -14,8 +15,6 @@ from hf_sparse_cp.pattern import (
 )
 from hf_sparse_cp.synthetic import planted_qk
 from hf_sparse_cp.tokens import TokenMeta
-
-from oracle import visible
 
 S, D = 1024, 64
 VERTICALS = [[5, 300], [77], [500, 600], [], [40, 41], [900], [], [128]]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from oracle import TOLERANCE, dense_attention, rel_rms, visible
 
 from hf_sparse_cp import ops, reference
 from hf_sparse_cp.ops import block_sparse_attention
@@ -9,12 +10,10 @@ from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.synthetic import random_layout
 from hf_sparse_cp.tokens import TokenMeta
 
-from oracle import TOLERANCE, dense_attention, rel_rms, visible
-
 
 def _inputs(b, hq, hk, s, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    make = lambda h: torch.randn(b, h, s, d, generator=g).to(dtype).requires_grad_()  # noqa: E731
+    make = lambda h: torch.randn(b, h, s, d, generator=g).to(dtype).requires_grad_()
     return make(hq), make(hk), make(hk)
 
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_smet_common import single_thread  # noqa: F401 (fixture)
+from test_smet_common import single_thread
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_smet.py"
 

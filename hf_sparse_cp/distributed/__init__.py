@@ -9,6 +9,7 @@ Entry points:
 * `global_num_items`, `rank_loss`, `global_mean_loss`: token-count-correct loss across CP x DP.
 """
 
+from ..merge import merge_attention
 from .comm import RingTopology
 from .context import (
     CP_SHARD_KWARG,
@@ -20,7 +21,6 @@ from .context import (
 )
 from .estimation import estimate_layout_cp
 from .loss import global_mean_loss, global_num_items, rank_loss
-from ..merge import merge_attention
 from .parallel import ContextParallelConfig, ParallelLayout, check_sizes
 from .ring_attention import RingStats, ring_sparse_attention
 from .sharding import SHARDINGS, ShardPlan, shard_inputs, shift_labels
