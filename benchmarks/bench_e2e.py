@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -32,7 +30,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 VARIANTS = ("sdpa", "sdpa+liger", "sparse_cp")
@@ -122,39 +120,6 @@ def skip_reason(variant: str, device_type: str) -> str | None:
     return None
 
 
-def environment(device) -> dict:
-    import torch
-    import transformers
-
-    def version(module: str) -> str | None:
-        try:
-            return __import__(module).__version__
-        except ImportError:
-            return None
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        cpuinfo = Path("/proc/cpuinfo")
-        if cpuinfo.exists():
-            models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                      if line.startswith("model name")]
-            name = models[0] if models else name
-        name = f"CPU {name} ({os.cpu_count()} cores)"
-    return {
-        "device": name,
-        "device_type": device.type,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "triton": version("triton"),
-        "liger_kernel": version("liger_kernel"),
-        "python": platform.python_version(),
-        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-    }
-
-
 def build_model(model_name: str, seq_len: int, attn_implementation: str, device, seed: int):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -187,6 +152,8 @@ def _peak_gib(device) -> dict:
 def run_one(spec: dict) -> dict:
     """Build the model of `spec`, run warm-up and timed training steps, return the measurements."""
     import torch
+
+    from hf_sparse_cp.benchmarking import environment
 
     device = torch.device(spec["device"])
     variant, seq_len = spec["variant"], spec["seq_len"]
@@ -363,7 +330,7 @@ def main(argv: list[str]) -> dict:
         r.pop("env", None)
     report = {
         "benchmark": "bench_e2e",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **env,
         "settings": {**{k: v for k, v in dataclasses.asdict(args).items() if k != "output"},
                      "batch_size": 1, "dtype": "bfloat16", "optimizer": "AdamW", "gradient_checkpointing": True,

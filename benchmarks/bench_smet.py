@@ -17,8 +17,6 @@ matrices and 80 per row of down_proj, so every density above is hit exactly.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +24,8 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+
+from hf_sparse_cp.benchmarking import environment
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -62,32 +62,6 @@ class BenchSMETArguments:
             raise ValueError(f"dtype={self.dtype!r}; use float32 or bfloat16.")
         if self.timed_steps < 1 or self.warmup_steps < 0:
             raise ValueError("timed_steps must be >= 1 and warmup_steps >= 0.")
-
-
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    import hf_sparse_cp
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        cpuinfo = Path("/proc/cpuinfo")
-        if cpuinfo.exists():
-            models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                      if line.startswith("model name")]
-            name = models[0] if models else name
-        name = f"CPU {name} ({os.cpu_count()} cores)"
-    return {
-        "device": name,
-        "device_type": device.type,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "hf_sparse_cp": hf_sparse_cp.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def build_model(args: BenchSMETArguments, device: torch.device) -> torch.nn.Module:

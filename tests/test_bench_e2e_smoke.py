@@ -1,28 +1,21 @@
 """Smoke test of benchmarks/bench_e2e.py: the --tiny preset runs on CPU and writes a complete JSON report."""
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from benchmark_loader import BENCHMARKS, load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+SCRIPT = BENCHMARKS / "bench_e2e.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module while the file executes
-    try:
-        spec.loader.exec_module(module)
+    with load_benchmark("bench_e2e") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_tiny_run_writes_a_complete_report(tmp_path, bench):

@@ -1,31 +1,22 @@
 """The CPU-testable parts of benchmarks/bench_attention.py: its layouts, the FlexAttention block mask
 built from them, and the work it counts; the benchmark itself refuses to run without a GPU."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_loader import load_benchmark
 from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_forward
 from hf_sparse_cp.tokens import TokenMeta
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module while the file executes
-    try:
-        spec.loader.exec_module(module)
+    with load_benchmark("bench_attention") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def _listed_blocks(layout, nkb):
@@ -83,3 +74,17 @@ def test_estimated_layout_keeps_planted_structure(bench):
 def test_benchmark_refuses_without_gpu(bench):
     with pytest.raises(SystemExit, match="GPU benchmark"):
         bench.main(["--seq_lens", "1024"])
+
+
+def test_table_reports_speedups_and_the_estimation_share(bench):
+    """The table's ratios come from the rows: ours vs flex on the same layout, vs cuDNN dense, and
+    estimation time as a percentage of our forward+backward on the estimated layout."""
+    common = {"seq_len": 131072, "density": 0.05, "column_share": 0.1, "pairs": 1.0, "status": "ok",
+              "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0, "estimation_ms": None}
+    rows = [
+        {**common, "layout": "est v1/s2", "variant": "ours", "fwd_ms": 1.0, "fwd_bwd_ms": 4.0, "estimation_ms": 0.2},
+        {**common, "layout": "est v1/s2", "variant": "flex", "fwd_ms": 2.0, "fwd_bwd_ms": 8.0},
+        {**common, "layout": "dense", "variant": "sdpa_cudnn", "fwd_ms": 15.0, "fwd_bwd_ms": 60.0},
+    ]
+    ours = bench.format_table(rows).splitlines()[2].split()
+    assert ours[-3:] == ["2.00", "15.00", "5.0"]  # x flex, x cudnn, est %

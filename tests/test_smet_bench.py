@@ -1,26 +1,16 @@
 """Smoke test of benchmarks/bench_smet.py with tiny sizes on CPU."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from test_smet_common import single_thread
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_smet.py"
+from benchmark_loader import load_benchmark
+from test_smet_common import single_thread  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_smet", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module while the file executes
-    try:
-        spec.loader.exec_module(module)
+    with load_benchmark("bench_smet") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.usefixtures("single_thread")
