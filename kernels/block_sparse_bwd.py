@@ -39,7 +39,7 @@ import triton.language as tl
 from .block_sparse_fwd import dot_precision, placeholder_if_empty
 from .configs import dkdv_tiles, dq_tiles
 from .indexing import block_summary, column_targets, key_block_csr
-from .tiles import LOG2E, load_meta, load_summary, needs_mask, query_segments, visible
+from .tiles import LOG2E, load_meta, load_summary, needs_mask, query_segments, query_tile, visible
 
 # Partial-buffer memory of the deterministic column gradients (dk and dv together).
 DETERMINISTIC_PARTIAL_BYTES = 256 << 20
@@ -96,23 +96,14 @@ def _dq_kernel(
     pid_bh = tl.program_id(0)
     n_tiles = tl.num_programs(1)
     tile = tile_offset + n_tiles - 1 - tl.program_id(1)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = pid_bh % num_q_heads
-    kvh = (h // group).to(tl.int64)
-    lh = tl.where(layout_heads > 1, h, 0)
-    qb = tile * BLOCK_M // LAYOUT_BLOCK
-    lay = (b * layout_heads + lh) * num_q_blocks + qb
-
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < q_len
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    b, h64, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
+        pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
+    )
     q_mask = m_ok[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    h64 = h.to(tl.int64)
     q = tl.load(Q + b * stride_qb + h64 * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DOut + b * stride_db + h64 * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask, other=0.0)
-    row = (b * num_q_heads + h) * q_len + offs_m
+    row = (b * num_q_heads + h64) * q_len + offs_m
     lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
@@ -127,7 +118,7 @@ def _dq_kernel(
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     n_blocks = tl.load(BlockCnt + lay)
-    for i in range(0, n_blocks * SUB):
+    for i in range(n_blocks * SUB):
         kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
         offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len

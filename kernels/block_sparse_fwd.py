@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .configs import forward_tiles
 from .indexing import block_summary
-from .tiles import LN2, LOG2E, load_meta, load_summary, needs_mask, query_segments, visible
+from .tiles import LN2, LOG2E, load_meta, load_summary, needs_mask, query_segments, query_tile, visible
 
 
 @triton.jit
@@ -54,18 +54,10 @@ def _forward_kernel(
 ):
     pid_bh = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = pid_bh % num_q_heads
-    kvh = (h // group).to(tl.int64)
-    lh = tl.where(layout_heads > 1, h, 0)
-    qb = tile * BLOCK_M // LAYOUT_BLOCK
-    lay = (b * layout_heads + lh) * num_q_blocks + qb
-
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < q_len
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q_rows = Q + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
+    b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
+        pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
+    )
+    q_rows = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
     q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
     q_seg = query_segments(q_seg)
@@ -73,7 +65,7 @@ def _forward_kernel(
 
     # output pointers are rebuilt at the end: a [BLOCK_M, BLOCK_D] pointer tensor kept live across the
     # loops would cost two registers per element
-    o_base = Out + b * stride_ob + h.to(tl.int64) * stride_oh
+    o_base = Out + b * stride_ob + h * stride_oh
     lse_base = Lse + (b * num_q_heads + h) * q_len
     if MERGE:
         lse_prev = tl.load(lse_base + offs_m, mask=m_ok, other=float("-inf"))
@@ -96,7 +88,7 @@ def _forward_kernel(
     # listed key blocks, `SUB` steps of BLOCK_N rows each
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     n_blocks = tl.load(BlockCnt + lay)
-    for i in range(0, n_blocks * SUB):
+    for i in range(n_blocks * SUB):
         kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
         offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len

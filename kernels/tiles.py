@@ -67,3 +67,20 @@ def needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, w
     if HAS_WINDOW:
         partial = partial | (q_hi - k_lo >= window)
     return partial
+
+
+@triton.jit
+def query_tile(pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len,
+               BLOCK_M: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where a query-major program works: batch row b and query head h (int64 for addressing),
+    the shared key/value head, the query block and its layout row, and the tile's rows and
+    head-dim lanes with their bounds masks."""
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = pid_bh % num_q_heads
+    kvh = (h // group).to(tl.int64)
+    lh = tl.where(layout_heads > 1, h, 0)
+    qb = tile * BLOCK_M // LAYOUT_BLOCK
+    lay = (b * layout_heads + lh) * num_q_blocks + qb
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    return b, h.to(tl.int64), kvh, qb, lay, offs_m, offs_m < q_len, offs_d, offs_d < HEAD_DIM
