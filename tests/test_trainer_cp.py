@@ -125,6 +125,41 @@ def _patch_round_trip(rank: int, world: int) -> dict:
         }
 
 
+def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
+    """With accelerate owning the CP layout (a ParallelismConfig with cp_size, as on GPUs): the
+    layout comes from its device mesh, its SDPA model hooks are bypassed, and its dataloader
+    sharding and token counting (already CP-aware) are left alone."""
+    import tempfile
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        state = trainer.accelerator.state
+        pc = ParallelismConfig(cp_size=2)
+        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        acc = trainer.accelerator
+        before = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
+        parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
+        model = torch.nn.Linear(2, 2)
+        bypassed = acc._prepare_cp(model) == (model,) and not any(
+            h for h in model._forward_pre_hooks.values())
+        during = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
+        disable_trainer_context_parallel(trainer)
+        after = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
+        return {"cp": (parallel.cp_size, parallel.cp_rank, parallel.cp_ranks), "bypassed": bypassed,
+                "changed": [a != b for a, b in zip(before, during)], "restored": [a == b for a, b in zip(before, after)]}
+
+
+@pytest.mark.slow
+def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change():
+    from hf_sparse_cp.distributed.spawn import run_gloo
+
+    for rank, r in enumerate(run_gloo(_patch_under_accelerate_cp, 2, timeout_s=300)):
+        assert r["cp"] == (2, rank, (0, 1)) and r["bypassed"]
+        assert r["changed"] == [True, False, False] and all(r["restored"])
+
+
 @pytest.mark.slow
 def test_enable_patches_the_trainer_instance_and_disable_restores_it():
     from hf_sparse_cp.distributed.spawn import run_gloo
