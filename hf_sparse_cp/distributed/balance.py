@@ -69,7 +69,7 @@ def ring_cost(
     sets = TransferSets(layout, shard, topology)
     row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
     block = row * shard.block_size
-    tokens = column_tokens(layout)
+    tokens = column_tokens(layout, shard.padded_len)
     fwd = torch.zeros(w, dtype=torch.int64)
     bwd = torch.zeros(w, dtype=torch.int64)
     if tokens.numel() and w > 1:
