@@ -200,8 +200,8 @@ def _dkdv_kernel(
     k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
 
     # a shared layout's entries stand for every head of the group: `rep` heads per entry
-    rep = tl.where(shared_layout, group, 1)
-    seg = (b * tl.where(shared_layout, 1, num_kv_heads) + tl.where(shared_layout, 0, kvh)) * num_k_blocks
+    rep = tl.where(shared_layout != 0, group, 1)
+    seg = (b * tl.where(shared_layout != 0, 1, num_kv_heads) + tl.where(shared_layout != 0, 0, kvh)) * num_k_blocks
     seg += kb
     lo = tl.load(RowPtr + seg)
     hi = tl.load(RowPtr + seg + 1)
