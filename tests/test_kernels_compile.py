@@ -8,10 +8,9 @@ import inspect
 
 import pytest
 import triton
+from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
 
 H100_SHARED_BYTES = 227 * 1024
 FLOAT_ARGS = {"qk_scale", "scale"}
