@@ -25,6 +25,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DataCollatorWithFlattening,
     HfArgumentParser,
     Trainer,
     TrainingArguments,
@@ -52,6 +53,12 @@ class ScriptArguments:
     tiny_num_layers: int = field(default=2, metadata={"help": "Decoder layers of the tiny default model."})
     seq_len: int = field(default=4096, metadata={"help": "Tokens per training sequence."})
     num_samples: int = field(default=32, metadata={"help": "Synthetic passkey sequences to generate."})
+    pack_documents: int = field(
+        default=1,
+        metadata={"help": "Documents per training sequence: above 1, that many passkey documents of seq_len / N "
+                  "tokens are packed into each sequence by DataCollatorWithFlattening (position_ids restart per "
+                  "document, attention never crosses documents); a device batch is then one packed sequence."},
+    )
     save_final_model: bool = field(
         default=False,
         metadata={"help": "Save the trained model and tokenizer to output_dir at the end (the next stage of a "
@@ -122,12 +129,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if sparse.sparse_attention:
         enable_sparse_attention(model, sparse, pattern, training, max_length=script.seq_len)
 
-    train_data = passkey_dataset(tokenizer, script.num_samples, script.seq_len, seed=training.seed)
+    if script.pack_documents > 1:
+        doc_len = script.seq_len // script.pack_documents
+        train_data = passkey_dataset(tokenizer, script.num_samples * script.pack_documents, doc_len, seed=training.seed)
+        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        training.per_device_train_batch_size = script.pack_documents  # flattened into one sequence per batch
+    else:
+        train_data = passkey_dataset(tokenizer, script.num_samples, script.seq_len, seed=training.seed)
+        collator = default_data_collator
     trainer = Trainer(
         model=model,
         args=training,
         train_dataset=train_data,
-        data_collator=default_data_collator,
+        data_collator=collator,
         processing_class=tokenizer,
     )
     parallel = attach_to_trainer(trainer, sparse, cp)

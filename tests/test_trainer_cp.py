@@ -70,6 +70,16 @@ def test_trainer_with_dp2_x_cp2_matches_one_process_with_batch_2(tmp_path, refer
     _assert_same_losses(run, reference[2], same_rows=False)
 
 
+@pytest.mark.slow
+def test_packed_documents_with_cp2_match_cp1(tmp_path):
+    """DataCollatorWithFlattening packs two documents per sequence (cu_seq_lens, restarting
+    position_ids); the CP shards carry the document boundaries and no attention crosses them."""
+    packed = ("--pack_documents", "2")
+    ref = _train(tmp_path, "packed_cp1", 1, *packed)
+    run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *packed)
+    _assert_same_losses(run, ref)
+
+
 def _trainer(tmp_path, attn: str) -> Trainer:
     hf_sparse_cp.patch(fused_loss=False)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
