@@ -80,6 +80,19 @@ def test_packed_documents_with_cp2_match_cp1(tmp_path):
     _assert_same_losses(run, ref)
 
 
+@pytest.mark.slow
+def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
+    """The Trainer's own FSDP2 (accelerate plugin, fsdp_version 2, sharded over dp_shard x cp = 2
+    ranks) with sparse CP 2 and the SMET optimizer on its local shards: the single-process run's
+    losses and kept fractions."""
+    smet = ("--smet", "--smet_density", "0.5")
+    fsdp = ("--fsdp", "full_shard auto_wrap",
+            "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+    ref = _train(tmp_path, "smet_cp1", 1, *smet)
+    run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp)
+    _assert_same_losses(run, ref)
+
+
 def _trainer(tmp_path, attn: str) -> Trainer:
     hf_sparse_cp.patch(fused_loss=False)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
