@@ -21,7 +21,18 @@ import triton.language as tl
 
 from .configs import forward_tiles
 from .indexing import block_summary
-from .tiles import LN2, LOG2E, load_meta, load_summary, needs_mask, query_segments, query_tile, visible
+from .tiles import (
+    LN2,
+    LOG2E,
+    load_block_step,
+    load_column_step,
+    load_meta,
+    load_summary,
+    needs_mask,
+    query_segments,
+    query_tile,
+    visible,
+)
 
 
 @triton.jit
@@ -89,12 +100,8 @@ def _forward_kernel(
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     n_blocks = tl.load(BlockCnt + lay)
     for i in range(n_blocks * SUB):
-        kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
-        offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < k_len
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
+                                                 k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
         if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
@@ -106,12 +113,8 @@ def _forward_kernel(
     # vertical columns, gathered by token index
     n_cols = tl.load(ColCnt + lay)
     for c0 in range(0, n_cols, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < n_cols
-        col = tl.load(ColIdx + lay * max_cols + offs_c, mask=c_ok, other=0)
-        kv_mask = c_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
+                                                 stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
         k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)

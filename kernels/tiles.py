@@ -84,3 +84,31 @@ def query_tile(pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_l
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     return b, h.to(tl.int64), kvh, qb, lay, offs_m, offs_m < q_len, offs_d, offs_d < HEAD_DIM
+
+
+@triton.jit
+def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, offs_d, d_ok,
+                    SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step `i` over the key blocks that layout row `lay` lists (`SUB` steps of BLOCK_N keys per
+    block): the key block, its keys' offsets and bounds, and their K and V tiles."""
+    kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
+    offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < k_len
+    mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
+    return kb, offs_n, n_ok, k, v
+
+
+@triton.jit
+def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs, offs_d, d_ok,
+                     BLOCK_C: tl.constexpr):
+    """The `BLOCK_C` vertical columns of layout row `lay` from slot `c0` on: their slots and
+    bounds, key tokens, the K/V bounds mask, and the gathered K and V rows."""
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < n_cols
+    col = tl.load(ColIdx + lay * max_cols + offs_c, mask=c_ok, other=0)
+    mask = c_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
+    return offs_c, c_ok, col, mask, k, v
