@@ -37,6 +37,19 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def fit(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[float]:
+    """One clipped optimizer step per batch of token ids (causal-LM loss); the loss of each step."""
+    losses = []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def markov_tokens(num: int, length: int = 32, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     """`[num, length]` token ids from a fixed random first-order Markov chain (3 successors per token,
     probabilities 0.6 / 0.3 / 0.1): learnable structure with a known entropy floor of 0.90 nats."""

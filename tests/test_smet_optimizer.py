@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_smet_common import markov_tokens, single_thread, tiny_llama
+from test_smet_common import fit, markov_tokens, single_thread, tiny_llama
 from torch import nn
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer, state_nbytes
@@ -189,24 +189,13 @@ def test_state_dict_round_trip_resumes_exactly(mode):
                         regrow_warmup_steps=4, prune_decay_steps=20)
     batches = [markov_tokens(4, 16, seed=s) for s in range(12)]
 
-    def train(model, opt, steps):
-        losses = []
-        for tokens in steps:
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
     model = tiny_llama()
     opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3)
-    uninterrupted = train(model, opt, batches)
+    uninterrupted = fit(model, opt, batches)
 
     first = tiny_llama()
     opt1 = create_smet_optimizer(first, torch.optim.AdamW, config, lr=5e-3)
-    head = train(first, opt1, batches[:7])
+    head = fit(first, opt1, batches[:7])
     buffer = io.BytesIO()
     torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
     buffer.seek(0)
@@ -217,7 +206,7 @@ def test_state_dict_round_trip_resumes_exactly(mode):
     opt2 = create_smet_optimizer(resumed, torch.optim.AdamW, config, lr=5e-3, attach=False)
     opt2.load_state_dict(saved["optimizer"])
     opt2.attach()
-    tail = train(resumed, opt2, batches[7:])
+    tail = fit(resumed, opt2, batches[7:])
     assert head + tail == uninterrupted
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)

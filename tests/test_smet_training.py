@@ -8,7 +8,7 @@ rate decays from 0.2 (cosine) over the 300 steps, with SET (random) regrowth, th
 
 import pytest
 import torch
-from test_smet_common import markov_tokens, single_thread, tiny_llama
+from test_smet_common import fit, markov_tokens, single_thread, tiny_llama
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 
@@ -28,15 +28,7 @@ def _train(kind: str) -> list[float]:
     else:
         config = CONFIG if kind == "smet" else CONFIG.naive()
         opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=LR, weight_decay=0.0)
-    losses = [float("nan")]
-    for _ in range(STEPS):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [float("nan"), *fit(model, opt, [tokens] * STEPS)]
 
 
 def _jumps(losses: list[float]) -> dict[int, tuple[float, float]]:
