@@ -17,6 +17,7 @@ SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.smet.SMETAr
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ from hf_sparse_cp.passkey import passkey_dataset
 from hf_sparse_cp.smet import SMETArguments, install_smet
 from hf_sparse_cp.tiny_models import tiny_config
 from hf_sparse_cp.tokenizer import byte_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,7 +136,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         doc_len = script.seq_len // script.pack_documents
         train_data = passkey_dataset(tokenizer, script.num_samples * script.pack_documents, doc_len, seed=training.seed)
         collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-        training.per_device_train_batch_size = script.pack_documents  # flattened into one sequence per batch
+        if training.per_device_train_batch_size != script.pack_documents:
+            logger.warning("--pack_documents %d: each device batch is %d documents flattened into one sequence "
+                           "(per_device_train_batch_size set to %d).", script.pack_documents,
+                           script.pack_documents, script.pack_documents)
+        training.per_device_train_batch_size = script.pack_documents
     else:
         train_data = passkey_dataset(tokenizer, script.num_samples, script.seq_len, seed=training.seed)
         collator = default_data_collator
