@@ -4,7 +4,9 @@ Layers: `block_sparse_fwd` / `block_sparse_bwd` hold the `@triton.jit` kernels a
 launchers (`tiles` the shared device helpers, `configs` the tile shapes, `indexing` the block
 summaries and the backward's index structures); `ops` registers them as `torch.library` custom
 ops and offers the forward/backward primitives that `hf_sparse_cp.ops` dispatches CUDA tensors
-to; `interpreter` runs them on CPU tensors through Triton's interpreter (tests, debugging).
+to; `vertical_slash` scores the vertical-slash pattern of a document (what
+`hf_sparse_cp.pattern` runs on CUDA), with its fp32 reference; `interpreter` runs the kernels on
+CPU tensors through Triton's interpreter (tests, debugging).
 """
 
 from .ops import SUPPORTED_DTYPES, sparse_attention_backward, sparse_attention_forward, supports

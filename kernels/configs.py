@@ -55,3 +55,29 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     if not on_gpu:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
     return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
+
+
+@dataclass(frozen=True)
+class ScoringTiles:
+    """Tiles of the vertical-slash scoring kernels (`vertical_slash`).
+
+    block: query rows and keys of one skewed probability tile (scores kernel; square for the skew).
+    block_m, block_n: query rows and key steps of the row-statistics kernel.
+    keys_per_split: keys one row-statistics program covers (splits spread long documents over the GPU).
+    """
+
+    block: int
+    block_m: int
+    block_n: int
+    keys_per_split: int
+    num_warps: int
+    stats_stages: int
+
+
+def scoring_tiles(on_gpu: bool) -> ScoringTiles:
+    # 64-row tiles hold MTraining's default 64 scoring queries in one tile and keep the skewed
+    # [64, 64] tile (gathered through shared memory) small; both kernels' products stay on wgmma
+    # (checked by compiling for sm_90). Under the interpreter tiles are tiny so tests cover every loop.
+    if not on_gpu:
+        return ScoringTiles(16, 16, 16, 48, 1, 1)
+    return ScoringTiles(64, 64, 128, 4096, 4, 3)

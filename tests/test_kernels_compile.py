@@ -8,14 +8,15 @@ import inspect
 
 import pytest
 import triton
-from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
+from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs, vertical_slash
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 H100_SHARED_BYTES = 227 * 1024
 FLOAT_ARGS = {"qk_scale", "scale"}
 INT64_POINTERS = {"QIndex", "KIndex"}
-FP32_POINTERS = {"Out", "Lse", "Lse2", "Delta", "DQ", "DK", "DV", "ColDK", "ColDV", "PartDK", "PartDV"}
+FP32_POINTERS = {"Out", "Lse", "Lse2", "Delta", "DQ", "DK", "DV", "ColDK", "ColDV", "PartDK", "PartDV", "RowMax",
+                 "RowSum", "Vertical", "Chunks"}
 INT32_POINTERS = {"BlockIdx", "BlockCnt", "ColIdx", "ColCnt", "QSegment", "KSegment", "QSummary", "KSummary",
                   "RowPtr", "Entries"}
 
@@ -48,6 +49,10 @@ def _compile(kernel, tiles: configs.Tiles, constexprs: dict, dtype: str):
                           options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
 
 
+def _on_tensor_cores(build) -> bool:
+    return "wgmma" in build.asm["ptx"]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_kernels_compile_for_sm90_within_shared_memory(head_dim, dtype):
@@ -66,4 +71,21 @@ def test_kernels_compile_for_sm90_within_shared_memory(head_dim, dtype):
     ]
     for build in builds:
         assert "cubin" in build.asm
+        assert build.metadata.shared <= H100_SHARED_BYTES
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_scoring_kernels_compile_for_sm90(head_dim):
+    """The estimation kernels (`tl.gather` skew included) build for Hopper with the launcher's tiles,
+    their products on wgmma."""
+    t = configs.scoring_tiles(on_gpu=True)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, PRECISION="tf32")
+    builds = [
+        _compile(vertical_slash._row_stats_kernel, configs.Tiles(t.block_m, t.block_n, 0, t.num_warps, t.stats_stages),
+                 dict(common, BLOCK_M=t.block_m, BLOCK_N=t.block_n), "bf16"),
+        _compile(vertical_slash._scores_kernel, configs.Tiles(t.block, t.block, 0, t.num_warps, 1),
+                 dict(common, BLOCK=t.block), "bf16"),
+    ]
+    for build in builds:
+        assert "cubin" in build.asm and _on_tensor_cores(build)
         assert build.metadata.shared <= H100_SHARED_BYTES
