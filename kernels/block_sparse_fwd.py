@@ -10,7 +10,8 @@ served from L2; query tiles run last-first, which puts the longest causal rows f
 The kernel can start from an existing (out, lse) pair instead of from nothing ("merge" mode):
 the previous result enters the online softmax as one more term (running max = its lse, running
 sum = 1, accumulator = its output), so a ring step merges into the running result in the same
-pass that computes it.
+pass that computes it. A tile whose layout row lists nothing returns at once in that mode, leaving
+the running result untouched (no load, no store, no rounding).
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def _forward_kernel(
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
+    n_blocks = tl.load(BlockCnt + lay)
+    n_cols = tl.load(ColCnt + lay)
+    if MERGE:
+        if n_blocks + n_cols == 0:
+            return  # nothing to add (a ring step without work here): the running result stays as it is, bit for bit
     q_rows = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
     q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
@@ -98,7 +104,6 @@ def _forward_kernel(
 
     # listed key blocks, `SUB` steps of BLOCK_N rows each
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
-    n_blocks = tl.load(BlockCnt + lay)
     for i in range(n_blocks * SUB):
         kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
                                                  k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
@@ -111,7 +116,6 @@ def _forward_kernel(
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     # vertical columns, gathered by token index
-    n_cols = tl.load(ColCnt + lay)
     for c0 in range(0, n_cols, BLOCK_C):
         _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
                                                  stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)

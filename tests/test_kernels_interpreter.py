@@ -278,3 +278,44 @@ def test_primitives_refuse_bad_inputs():
     with pytest.raises(ValueError, match="merge buffer"):
         kops.sparse_attention_forward(q, q, q, lay, scale=1.0, q_meta=meta, k_meta=meta, out=q.half(),
                                       lse=torch.zeros(1, 2, 32))
+
+
+def test_keys_not_a_block_multiple_and_fewer_than_the_queries(interp):
+    """A ring step's shapes: 77 queries after 100 keys (neither a multiple of the block size), a layout
+    over the keys without the causal structure, two documents crossing the query/key boundary."""
+    sq, sk, bs = 77, 100, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, sq, sk, 16, torch.float32, seed=15)
+    seg = torch.zeros(1, sq + sk, dtype=torch.int32)
+    seg[:, 60:] = 1
+    index = torch.arange(sq + sk).unsqueeze(0)
+    k_meta = TokenMeta(index[:, :sk], seg[:, :sk])
+    q_meta = TokenMeta(index[:, sk:], seg[:, sk:])
+    layout = random_layout(1, 4, sq, sk, bs, 0.6, 0.1, causal=False, generator=torch.Generator().manual_seed(16))
+    assert int(layout.col_cnt.sum()) > 0 and int((layout.block_idx == sk // bs).sum()) > 0  # the partial key block
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta)
+
+
+def _empty_layout_run(q, k, v, dout, layout, meta, out, lse):
+    fresh = kops.sparse_attention_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta)
+    grads = kops.sparse_attention_backward(q, k, v, fresh[0], fresh[1], dout, layout, scale=0.5, q_meta=meta,
+                                           k_meta=meta)
+    merged = kops.sparse_attention_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta, out=out, lse=lse)
+    return fresh, grads, merged
+
+
+def test_empty_layout(interp):
+    """No block and no column anywhere (zero-width index tensors): nothing is seen, gradients are zero, and
+    merging the empty part leaves an existing result exactly as it was."""
+    s, bs = 70, 16
+    q, k, v, dout, _ = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=17)
+    meta = TokenMeta.contiguous(1, s)
+    nqb = -(-s // bs)
+    empty = torch.empty(1, 4, nqb, 0, dtype=torch.int32)
+    layout = SparseLayout(empty, torch.zeros(1, 4, nqb, dtype=torch.int32), empty, torch.zeros(1, 4, nqb,
+                          dtype=torch.int32), bs)
+    out, lse = reference_forward(q, k, v, dense_layout(meta, bs), scale=0.5, q_meta=meta, k_meta=meta)
+    (f_out, f_lse), grads, (m_out, m_lse) = interp.apply(_empty_layout_run,
+                                                         (q, k, v, dout, layout, meta, out.clone(), lse.clone()))
+    assert bool((f_out == 0).all()) and bool((f_lse == float("-inf")).all())
+    assert all(bool((g == 0).all()) for g in grads)
+    assert torch.equal(m_out, out) and torch.equal(m_lse, lse)
