@@ -1,37 +1,62 @@
 """The compiled Triton kernels on a GPU, at realistic sizes, against the fp64 PyTorch reference.
 
-bf16 and fp16, head_dim 64 and 128, 3K-8K tokens, GQA, per-head vertical-slash layouts with
-columns, packed documents whose rows are mostly masked, merging into an existing result, the
-deterministic mode, the dispatch of `hf_sparse_cp.ops` and torch.compile.
+Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd lengths included),
+per-head vertical-slash layouts with columns, sliding windows, packed documents whose rows are
+mostly masked, merging into an existing result (and the backward of each part), bitwise
+reproducibility, the dispatch of `hf_sparse_cp.ops`, torch.compile of the custom ops, and the
+`sparse_cp` model backend on CUDA (against sdpa, and against its own reference path).
+Estimation: the scoring kernels against their reference, reproducible to the bit, and the layout
+`estimate_layout` builds on CUDA equal to the one it builds on CPU.
+
+Tensors are created on `DEVICE` with lengths from `SIZES`: test_kernels_gpu_dryrun.py runs these
+bodies on CPU at small sizes with the kernels replaced by the reference, to catch mistakes in the
+test code itself before a GPU run.
 """
 
 import pytest
 import torch
 from hf_sparse_cp.kernels import ops as kops
+from hf_sparse_cp.kernels import vertical_slash as vs
 from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp import ops as public_ops
+from hf_sparse_cp import pattern
+from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_backward, reference_forward
-from hf_sparse_cp.synthetic import random_layout, random_vertical_slash_layout
+from hf_sparse_cp.synthetic import planted_qk, random_layout, random_vertical_slash_layout
 from hf_sparse_cp.tokens import TokenMeta
 
 pytestmark = pytest.mark.gpu
 
+DEVICE = "cuda"
+SIZES = {"short": 4096, "mid": 8192, "odd": 8191, "long": 16384, "longest": 32768, "model": 4096}
+BLOCK = 128
+
 
 def _inputs(b, hq, hk, s, d, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda h, dt=dtype: torch.randn(b, h, s, d, generator=g, device="cuda").to(dt)
-    return make(hq), make(hk), make(hk), make(hq), torch.randn(b, hq, s, generator=g, device="cuda")
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    make = lambda h: torch.randn(b, h, s, d, generator=g, device=DEVICE).to(dtype)
+    return make(hq), make(hk), make(hk), make(hq), torch.randn(b, hq, s, generator=g, device=DEVICE)
 
 
-def _to_cuda(layout):
-    return SparseLayout(*(t.cuda() for t in (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt)),
+def _to_device(layout):
+    return SparseLayout(*(t.to(DEVICE) for t in (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt)),
                         layout.block_size)
 
 
+def _layout(kind, b, heads, s, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "vertical_slash":  # ~10% of the block diagonals and ~1% of the tokens as columns, per head
+        nb = -(-s // BLOCK)
+        return _to_device(random_vertical_slash_layout(b, heads, s, BLOCK, max(2, nb // 10), max(8, s // 100),
+                                                       generator=g))
+    return _to_device(random_layout(b, heads, s, s, BLOCK, 0.1, 0.002, generator=g))
+
+
 def _check(q, k, v, dout, dlse, layout, meta, window=None):
+    """Kernel forward and backward equal the fp64 reference; returns the kernel results."""
     scale = q.shape[-1] ** -0.5
     out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta,
                                              sliding_window=window)
@@ -55,65 +80,104 @@ def _check(q, k, v, dout, dlse, layout, meta, window=None):
     return out, lse, grads
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_vertical_slash_d128_gqa8(dtype):
-    s = 4096
-    q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, dtype, seed=0)
-    layout = _to_cuda(random_vertical_slash_layout(1, 16, s, 128, 4, 200, generator=torch.Generator().manual_seed(1)))
+# ---- attention kernels ---------------------------------------------------------------------------
+
+CASES = {
+    "gqa8-16K-d128-bf16-vs": (16, 2, "long", 128, torch.bfloat16, "vertical_slash"),
+    "gqa8-16K-d128-fp16-vs": (16, 2, "long", 128, torch.float16, "vertical_slash"),
+    "gqa8-32K-d128-bf16-vs": (16, 2, "longest", 128, torch.bfloat16, "vertical_slash"),
+    "gqa2-8191-d64-bf16-random": (8, 4, "odd", 64, torch.bfloat16, "random"),
+    "mha-8191-d64-fp16-vs": (8, 8, "odd", 64, torch.float16, "vertical_slash"),
+    "mha-8K-d128-bf16-random": (4, 4, "mid", 128, torch.bfloat16, "random"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_the_reference(case):
+    hq, hk, size, d, dtype, kind = CASES[case]
+    s = SIZES[size]
+    q, k, v, dout, dlse = _inputs(1, hq, hk, s, d, dtype, seed=len(case))
+    layout = _layout(kind, 1, hq, s, seed=hq + hk)
     assert int(layout.col_cnt.sum()) > 0
-    _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, "cuda"))
+    _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, DEVICE))
 
 
-def test_odd_length_d64_window_bf16():
-    s = 3001
+def test_sliding_window_batch_of_two_d64_bf16():
+    s = SIZES["odd"]
     q, k, v, dout, dlse = _inputs(2, 4, 2, s, 64, torch.bfloat16, seed=2)
-    meta = TokenMeta.contiguous(2, s, "cuda")
-    _check(q, k, v, dout, dlse, dense_layout(meta, 64, sliding_window=700), meta, window=700)
-    layout = _to_cuda(random_layout(2, 4, s, s, 64, 0.2, 0.01, generator=torch.Generator().manual_seed(3)))
-    _check(q, k, v, dout, dlse, layout, meta)
+    meta = TokenMeta.contiguous(2, s, DEVICE)
+    _check(q, k, v, dout, dlse, dense_layout(meta, 64, sliding_window=s // 12), meta, window=s // 12)
 
 
-def test_long_rows_of_masked_keys_give_no_nan():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_long_rows_of_masked_keys_give_no_nan(dtype):
     """Many short packed documents and a padded tail under a layout that lists every causal block:
     almost every listed tile is invisible, whole rows of tiles are masked, padding sees nothing."""
-    s, bs = 8192, 128
-    q, k, v, dout, dlse = _inputs(1, 8, 2, s, 128, torch.bfloat16, seed=4)
-    seg = torch.div(torch.arange(s, device="cuda"), 61, rounding_mode="floor").to(torch.int32).unsqueeze(0)
+    s = SIZES["mid"]
+    q, k, v, dout, dlse = _inputs(1, 8, 2, s, 128, dtype, seed=4)
+    seg = torch.div(torch.arange(s, device=DEVICE), 61, rounding_mode="floor").to(torch.int32).unsqueeze(0)
     seg[:, -300:] = -1
     meta = TokenMeta.from_segments(seg)
-    nb = s // bs
-    blk = torch.arange(nb, dtype=torch.int32, device="cuda").expand(1, 1, nb, nb)
-    valid = blk <= torch.arange(nb, device="cuda").view(1, 1, -1, 1)
+    nb = s // BLOCK
+    blk = torch.arange(nb, dtype=torch.int32, device=DEVICE).expand(1, 1, nb, nb)
+    valid = blk <= torch.arange(nb, device=DEVICE).view(1, 1, -1, 1)
     block_idx, block_cnt = compact_sorted(blk, valid)
-    empty = torch.empty(1, 1, nb, 0, dtype=torch.int32, device="cuda")
-    layout = SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), bs)
-    out, lse, _ = _check(q, k, v, dout, dlse, layout, meta)
+    empty = torch.empty(1, 1, nb, 0, dtype=torch.int32, device=DEVICE)
+    layout = SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), BLOCK)
+    _, lse, _ = _check(q, k, v, dout, dlse, layout, meta)
     assert bool((lse[:, :, -300:] == float("-inf")).all())
 
 
-def test_merge_into_existing_result():
-    s, bs = 4096, 128
+def _key_range(layout, lo, hi):
+    """The part of a layout inside keys [lo, hi) (lo a multiple of the block size), re-indexed to them."""
+    bs = layout.block_size
+    kb = layout.block_idx.long()
+    keep = (torch.arange(kb.shape[-1], device=kb.device) < layout.block_cnt.unsqueeze(-1)) & (kb >= lo // bs)
+    block_idx, block_cnt = compact_sorted(kb - lo // bs, keep & (kb < hi // bs))
+    col = layout.col_idx.long()
+    keep = (torch.arange(col.shape[-1], device=col.device) < layout.col_cnt.unsqueeze(-1)) & (col >= lo) & (col < hi)
+    col_idx, col_cnt = compact_sorted(col - lo, keep)
+    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
+
+
+def test_merge_into_existing_result_and_backward_per_part():
+    """Two key halves of a per-head layout with columns, the second merged in place into the first's
+    (out, lse), equal the whole; each half's backward from the final (out, lse) is its share of the
+    whole gradient (what a ring step does)."""
+    s = SIZES["short"]
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=5)
-    meta = TokenMeta.contiguous(1, s, "cuda")
-    full = dense_layout(meta, bs)
+    meta = TokenMeta.contiguous(1, s, DEVICE)
+    full = _layout("vertical_slash", 1, 16, s, seed=5)
     half = s // 2
+    parts = [(lo, hi, _key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
+             for lo, hi in ((0, half), (half, s))]
     out, lse = None, None
-    for lo, hi in ((0, half), (half, s)):
-        km = TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi])
-        lay = _to_cuda(random_layout(1, 1, s, hi - lo, bs, 1.0, causal=False))
+    for lo, hi, lay, km in parts:
         out, lse = kops.sparse_attention_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale=0.1, q_meta=meta,
                                                  k_meta=km, out=out, lse=lse)
-    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), full, scale=0.1, q_meta=meta, k_meta=meta)
-    assert rel_rms(out, ref_out) <= TOLERANCE[torch.bfloat16]
-    assert rel_rms(lse, ref_lse) <= TOLERANCE[torch.bfloat16]
+    f64 = [x.double() for x in (q, k, v)]
+    ref_out, ref_lse = reference_forward(*f64, full, scale=0.1, q_meta=meta, k_meta=meta)
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_rms(out, ref_out) <= tol and rel_rms(lse, ref_lse) <= tol
+    ref_dq, ref_dk, ref_dv = reference_backward(*f64, out.double(), lse.double(), dout.double(), full, scale=0.1,
+                                                q_meta=meta, k_meta=meta, dlse=dlse.double())
+    dq_sum = torch.zeros_like(ref_dq)
+    for lo, hi, lay, km in parts:
+        dq, dk, dv = kops.sparse_attention_backward(q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, lay, scale=0.1,
+                                                    q_meta=meta, k_meta=km, dlse=dlse)
+        dq_sum += dq.double()
+        assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * tol and rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * tol
+    assert rel_rms(dq_sum, ref_dq) <= 2 * tol
 
 
 def test_deterministic_mode_is_bitwise_reproducible():
-    s = 4096
+    s = SIZES["long"]
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=6)
-    meta = TokenMeta.contiguous(1, s, "cuda")
-    layout = _to_cuda(random_vertical_slash_layout(1, 16, s, 128, 3, 500, generator=torch.Generator().manual_seed(7)))
+    meta = TokenMeta.contiguous(1, s, DEVICE)
+    layout = _layout("vertical_slash", 1, 16, s, seed=7)
     out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
+    out2, lse2 = kops.sparse_attention_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)  # the forward has no atomics
     args = (q, k, v, out.to(q.dtype), lse, dout, layout)
     kw = dict(scale=0.1, q_meta=meta, k_meta=meta, dlse=dlse)
     first = kops.sparse_attention_backward(*args, deterministic=True, **kw)
@@ -128,11 +192,12 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("CUDA bf16 inputs must not reach the PyTorch reference")
 
-    s = 2048
+    s = SIZES["short"]
     q, k, v, dout, _ = _inputs(1, 8, 2, s, 128, torch.bfloat16, seed=8)
-    layout = _to_cuda(random_layout(1, 8, s, s, 128, 0.3, 0.02, generator=torch.Generator().manual_seed(9)))
-    ref_out, _ = reference_forward(q.double(), k.double(), v.double(), layout, scale=128**-0.5,
-                                   q_meta=TokenMeta.contiguous(1, s, "cuda"), k_meta=TokenMeta.contiguous(1, s, "cuda"))
+    layout = _layout("random", 1, 8, s, seed=9)
+    meta = TokenMeta.contiguous(1, s, DEVICE)
+    ref_out, _ = reference_forward(q.double(), k.double(), v.double(), layout, scale=128**-0.5, q_meta=meta,
+                                   k_meta=meta)
     monkeypatch.setattr(public_ops, "reference_forward", refuse)
     monkeypatch.setattr(public_ops, "reference_backward", refuse)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -144,56 +209,147 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
 
 
 def test_torch_compile_traces_the_custom_ops():
-    s = 2048
-    q, k, v, _, _ = _inputs(1, 8, 2, s, 64, torch.bfloat16, seed=10)
-    meta = TokenMeta.contiguous(1, s, "cuda")
-    layout = _to_cuda(random_layout(1, 8, s, s, 128, 0.3, 0.02, generator=torch.Generator().manual_seed(11)))
+    """Forward, merge-in-place and backward ops under torch.compile(fullgraph=True) give the eager bits."""
+    s = SIZES["short"] // 2
+    q, k, v, dout, dlse = _inputs(1, 8, 2, s, 64, torch.bfloat16, seed=10)
+    meta = TokenMeta.contiguous(1, s, DEVICE)
+    layout = _layout("random", 1, 8, s, seed=11)
+    kw = dict(scale=0.125, q_meta=meta, k_meta=meta)
 
     def attend(q, k, v):
-        return kops.sparse_attention_forward(q, k, v, layout, scale=0.125, q_meta=meta, k_meta=meta)
+        out, lse = kops.sparse_attention_forward(q, k, v, layout, **kw)
+        return kops.sparse_attention_forward(q, k, v, layout, out=out.clone(), lse=lse.clone(), **kw)
+
+    def grads(q, k, v, out, lse, dout, dlse):
+        return kops.sparse_attention_backward(q, k, v, out, lse, dout, layout, dlse=dlse, deterministic=True, **kw)
 
     eager = attend(q, k, v)
     compiled = torch.compile(attend, fullgraph=True)(q, k, v)
     for a, b_ in zip(eager, compiled):
         assert torch.equal(a, b_)
+    args = (q, k, v, eager[0].to(q.dtype), eager[1], dout, dlse)
+    for a, b_ in zip(grads(*args), torch.compile(grads, fullgraph=True)(*args)):
+        assert torch.equal(a, b_)
 
 
-@pytest.mark.parametrize("pattern", ["dense", "vertical_slash"])
-def test_model_under_sparse_cp_uses_the_kernels_and_matches_the_reference_path(monkeypatch, pattern):
-    """A tiny fp32 Llama on CUDA: the sparse_cp backend through the kernels gives the logits and
-    gradients of the same backend through the PyTorch reference. fp32 (exact products in the
-    kernels) keeps every layer's estimated layout identical in both runs; bf16 is checked above."""
+# ---- the sparse_cp backend on CUDA ----------------------------------------------------------------
+
+def _tiny_model(attn_implementation="sdpa", dtype=torch.float32, vocab_size=512):
     from transformers import AutoModelForCausalLM
 
-    import hf_sparse_cp
     from hf_sparse_cp.tiny_models import tiny_config
 
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=vocab_size)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype).to(DEVICE)
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.float(), [p.grad.float() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("pattern_name", ["dense", "vertical_slash"])
+def test_model_under_sparse_cp_uses_the_kernels_and_matches_the_reference_path(monkeypatch, pattern_name):
+    """A tiny fp32 Llama: the sparse_cp backend through the kernels gives the logits and gradients of the
+    same backend through the PyTorch reference. fp32 (exact products in the kernels) keeps every layer's
+    estimated layout identical in both runs; bf16 is checked against sdpa below."""
+    import hf_sparse_cp
+
+    s = SIZES["model"]
     hf_sparse_cp.patch(fused_loss=False)
     try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=512)).cuda()
-        hf_sparse_cp.configure(model, hf_sparse_cp.SparseAttentionConfig(
-            pattern=pattern, block_size=64, min_seq_len=1024, vertical_topk=64, slash_topk=128, local_window=64,
-            sink_tokens=16))
-        ids = torch.randint(0, 512, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-
-        def run():
-            model.zero_grad(set_to_none=True)
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            return out.logits.float(), [p.grad.float() for p in model.parameters()]
-
+        model = _tiny_model()
+        hf_sparse_cp.configure(model, SparseAttentionConfig(
+            pattern=pattern_name, block_size=64, min_seq_len=s // 4, vertical_topk=64, slash_topk=128,
+            local_window=64, sink_tokens=16))
+        ids = torch.randint(0, 512, (1, s), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
         calls = []
         kernel_forward = kops.sparse_attention_forward
         monkeypatch.setattr(kops, "sparse_attention_forward",
                             lambda *a, **kw: calls.append(1) or kernel_forward(*a, **kw))
-        logits, grads = run()
-        assert calls, "the sparse_cp backend did not reach the Triton kernels on CUDA"
+        logits, grads = _logits_and_grads(model, ids)
+        assert calls, "the sparse_cp backend did not reach the Triton kernels"
         monkeypatch.setattr(public_ops, "_use_kernels", lambda *a: False)
-        ref_logits, ref_grads = run()
+        ref_logits, ref_grads = _logits_and_grads(model, ids)
     finally:
         hf_sparse_cp.unpatch()
     tol = TOLERANCE[torch.float32]
     assert rel_rms(logits, ref_logits) <= tol
     for got, ref in zip(grads, ref_grads):
         assert rel_rms(got, ref) <= 4 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_model_under_sparse_cp_matches_sdpa(dtype):
+    """Dense pattern: sparse_cp through the kernels against sdpa on CUDA. Both runs at `dtype` are compared
+    with an fp32 sdpa run: sparse_cp's error is at most twice sdpa's own (plus fp32 rounding), for the
+    loss, the logits and every gradient."""
+    import hf_sparse_cp
+
+    s = SIZES["model"]
+    ids = torch.randint(0, 512, (1, s), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
+    hf_sparse_cp.patch(fused_loss=False)
+    try:
+        runs = {}
+        for name, impl, dt in (("truth", "sdpa", torch.float32), ("sdpa", "sdpa", dtype), ("ours", "sdpa", dtype)):
+            model = _tiny_model(impl, dt)
+            if name == "ours":
+                hf_sparse_cp.configure(model, SparseAttentionConfig(pattern="dense", block_size=64))
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            runs[name] = (out.loss.detach().float(), out.logits.detach().float(),
+                          [p.grad.float() for p in model.parameters()])
+    finally:
+        hf_sparse_cp.unpatch()
+    (t_loss, t_logits, t_grads), (s_loss, s_logits, s_grads), (o_loss, o_logits, o_grads) = (
+        runs["truth"], runs["sdpa"], runs["ours"])
+    floor = TOLERANCE[torch.float32]
+    assert abs(float(o_loss - t_loss)) <= 2 * abs(float(s_loss - t_loss)) + floor * abs(float(t_loss))
+    assert rel_rms(o_logits, t_logits) <= 2 * rel_rms(s_logits, t_logits) + floor
+    for ours, sdpa, truth in zip(o_grads, s_grads, t_grads):
+        assert rel_rms(ours, truth) <= 2 * rel_rms(sdpa, truth) + 4 * floor
+
+
+# ---- estimation ------------------------------------------------------------------------------------
+
+def test_scoring_kernel_matches_the_reference_and_is_reproducible():
+    """Qwen2.5-3B geometry (16 query heads, 2 key heads, d=128), bf16, 64 scoring queries over 32K keys."""
+    s = SIZES["longest"]
+    g = torch.Generator(device=DEVICE).manual_seed(12)
+    q_rows = (2 * torch.randn(16, 64, 128, generator=g, device=DEVICE)).bfloat16()
+    k = torch.randn(2, s, 128, generator=g, device=DEVICE).bfloat16()
+    vertical, slash = vs.vertical_slash_scores(q_rows, k, 128**-0.5)
+    again = vs.vertical_slash_scores(q_rows, k, 128**-0.5)
+    assert torch.equal(vertical, again[0]) and torch.equal(slash, again[1])
+    ref_v, ref_s = vs.reference_vertical_slash(q_rows.double(), k.double(), 128**-0.5)
+    assert rel_rms(vertical, ref_v) <= 1e-4 and rel_rms(slash, ref_s) <= 1e-4
+
+
+def test_estimated_layout_on_cuda_equals_the_cpu_one():
+    """Planted columns and diagonals in the long document of a 32K-token row, budgets equal to the plants:
+    the layout built on CUDA (scoring kernels, vectorized construction) is the one built on CPU (PyTorch
+    scoring), and it holds every plant."""
+    s, hq, hk = SIZES["longest"], 4, 4  # one key head per query head: plants of a GQA group would blur each other
+    start = s // 8  # a short document [0, start), then the long one
+    g = torch.Generator().manual_seed(13)
+    verticals = [sorted((start + torch.randperm(s - start, generator=g)[:2]).tolist()) for _ in range(hq)]
+    offsets = [torch.randint(1, s // 2, (1,), generator=g).tolist() for _ in range(hq)]
+    q, k = planted_qk(hq, hk, s, 128, verticals, offsets, generator=g)
+    seg = torch.zeros(1, s, dtype=torch.int32)
+    seg[:, start:] = 1
+    cfg = SparseAttentionConfig(vertical_topk=2, slash_topk=1, min_seq_len=s // 4)
+    cpu = pattern.estimate_layout(q, k, cfg, TokenMeta.from_segments(seg))
+    dev = pattern.estimate_layout(q.to(DEVICE), k.to(DEVICE), cfg, TokenMeta.from_segments(seg.to(DEVICE)))
+    for name in ("block_idx", "block_cnt", "col_idx", "col_cnt"):
+        assert torch.equal(getattr(dev, name).cpu(), getattr(cpu, name)), name
+    bs = cfg.block_size
+    for h in range(hq):  # the last query block lists every plant (as a column or inside a listed block)
+        listed = set(cpu.col_idx[0, h, -1, : cpu.col_cnt[0, h, -1]].tolist())
+        blocks = set(cpu.block_idx[0, h, -1, : cpu.block_cnt[0, h, -1]].tolist())
+        for col in verticals[h]:
+            assert col in listed or col // bs in blocks, (h, col)
+        assert (s - 1 - offsets[h][0]) // bs in blocks, h

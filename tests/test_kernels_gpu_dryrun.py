@@ -1,0 +1,69 @@
+"""The bodies of the GPU tests (test_kernels_gpu.py) on CPU, at small sizes, with the Triton kernels
+replaced by the PyTorch reference (attention) and by `reference_vertical_slash` (scoring).
+
+This says nothing about the kernels (the interpreter tests check those): it runs the GPU tests' own
+code (inputs, layouts, calls, tolerances, model set-up) so that a GPU session does not find them
+broken. The torch.compile test is left out (compiling the reference says nothing about it).
+"""
+
+import pytest
+import test_kernels_gpu as gpu
+import torch
+from hf_sparse_cp.kernels import ops as kops
+from hf_sparse_cp.kernels import vertical_slash as vs
+
+from hf_sparse_cp import ops as public_ops
+from hf_sparse_cp.merge import merge_attention
+from hf_sparse_cp.reference import reference_backward, reference_forward
+
+SMALL_SIZES = {"short": 512, "mid": 512, "odd": 511, "long": 768, "longest": 1024, "model": 512}
+
+
+def _forward(q, k, v, layout, *, scale, q_meta, k_meta, sliding_window=None, out=None, lse=None):
+    part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+    return part if out is None else merge_attention(out, lse, *part)
+
+
+def _backward(q, k, v, out, lse, dout, layout, *, scale, q_meta, k_meta, sliding_window=None, dlse=None,
+              deterministic=None):
+    return reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                              sliding_window=sliding_window, dlse=dlse)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "SIZES", SMALL_SIZES)
+    monkeypatch.setattr(kops, "sparse_attention_forward", _forward)
+    monkeypatch.setattr(kops, "sparse_attention_backward", _backward)
+    monkeypatch.setattr(vs, "vertical_slash_scores", vs.reference_vertical_slash)
+    monkeypatch.setattr(public_ops, "_use_kernels", lambda q, k, v: True)  # CPU tensors take the stand-in kernels
+
+
+@pytest.mark.parametrize("case", list(gpu.CASES))
+def test_kernel_case_bodies(on_cpu, case):
+    gpu.test_kernels_match_the_reference(case)
+
+
+def test_attention_bodies(on_cpu, monkeypatch):
+    gpu.test_sliding_window_batch_of_two_d64_bf16()
+    for dtype in (torch.bfloat16, torch.float16):
+        gpu.test_long_rows_of_masked_keys_give_no_nan(dtype)
+    gpu.test_merge_into_existing_result_and_backward_per_part()
+    gpu.test_deterministic_mode_is_bitwise_reproducible()
+    gpu.test_public_function_dispatches_to_the_kernels(monkeypatch)
+
+
+def test_estimation_bodies(on_cpu):
+    gpu.test_scoring_kernel_matches_the_reference_and_is_reproducible()
+    gpu.test_estimated_layout_on_cuda_equals_the_cpu_one()
+
+
+@pytest.mark.parametrize("pattern_name", ["dense", "vertical_slash"])
+def test_model_against_reference_path_body(on_cpu, monkeypatch, pattern_name):
+    gpu.test_model_under_sparse_cp_uses_the_kernels_and_matches_the_reference_path(monkeypatch, pattern_name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_model_against_sdpa_body(on_cpu, dtype):
+    gpu.test_model_under_sparse_cp_matches_sdpa(dtype)
