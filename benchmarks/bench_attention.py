@@ -21,14 +21,24 @@ Times are CUDA-event medians of `--repeats` runs after `--warmup` runs, for the 
 forward + backward (gradients of q, k, v from a random output gradient). Effective TFLOP/s count
 only the computed work: 4 * D * (computed query-key pairs) per head for the forward (full tiles
 for listed blocks, one query block's rows per listed column; S(S+1)/2 pairs for dense causal
-SDPA/flash), and 3.5x that for forward + backward. Prints a table and writes JSON (GPU, versions,
-settings, results) to benchmarks/results/.
+SDPA/flash), and 3.5x that for forward + backward.
+
+Estimation: for every estimated layout, the time of one attention call's pattern estimation and
+layout construction, as `hf_sparse_cp.attention` runs it (`estimate_layout` with the tokens'
+metadata), in total and by stage (reading the documents, scoring, selection + layout build), and
+as a share of our forward + backward on that layout (the issue's target: under 10% at 128K).
+
+Prints a table, the estimation section and the issue's targets (measured value and pass/fail:
+at 128K, fwd+bwd >= 1.7x FlexAttention and >= 15x cuDNN dense at ~5% kept blocks, >= 1.3x
+FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%), and writes
+JSON (GPU, versions, settings, results, estimation, targets) to benchmarks/results/.
 
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --seq_lens 131072 --densities 0.05 --repeats 20
 
 This is a GPU benchmark: without CUDA it refuses to run. The layout helpers (`density_layout`,
-`estimated_layout`, `flex_block_mask`, `computed_pairs`) run anywhere.
+`estimated_layout`, `flex_block_mask`, `computed_pairs`), `time_estimation` and the report
+helpers (`format_table`, `estimation_report`, `issue_targets`) run anywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import functools
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,7 +58,14 @@ import torch
 from hf_sparse_cp.benchmarking import environment
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
-from hf_sparse_cp.pattern import build_layout, dense_layout, estimate_layout
+from hf_sparse_cp.pattern import (
+    build_layout,
+    dense_layout,
+    estimate_layout,
+    layout_from_scores,
+    long_documents,
+    score_vertical_slash,
+)
 from hf_sparse_cp.synthetic import planted_qk
 from hf_sparse_cp.tokens import TokenMeta
 
@@ -161,12 +179,25 @@ def planted_inputs(seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: 
     return planted_qk(num_q_heads, num_kv_heads, seq_len, head_dim, verticals, offsets, generator=g)
 
 
+def estimation_config(vertical_topk: int, slash_topk: int, block_size: int) -> SparseAttentionConfig:
+    """A top-k budget, MTraining's defaults otherwise, sparse at every length."""
+    return SparseAttentionConfig(vertical_topk=vertical_topk, slash_topk=slash_topk, block_size=block_size,
+                                 min_seq_len=1)
+
+
 def estimated_layout(q: torch.Tensor, k: torch.Tensor, vertical_topk: int, slash_topk: int, block_size: int):
     """The layout `estimate_layout` picks for q, k under a top-k budget (MTraining's defaults otherwise)."""
-    cfg = SparseAttentionConfig(vertical_topk=vertical_topk, slash_topk=slash_topk, block_size=block_size,
-                                min_seq_len=1)
+    meta = TokenMeta.contiguous(q.shape[0], q.shape[2], q.device)
     with torch.no_grad():
-        return estimate_layout(q, k, cfg)
+        return estimate_layout(q, k, estimation_config(vertical_topk, slash_topk, block_size), meta)
+
+
+def density_name(density: float) -> str:
+    return f"vs@{density:.0%}"
+
+
+def estimated_name(vertical_topk: int, slash_topk: int) -> str:
+    return f"est v{vertical_topk}/s{slash_topk}"
 
 
 def columns_removed(layout: SparseLayout) -> SparseLayout:
@@ -223,10 +254,17 @@ def computed_pairs(layout: SparseLayout, num_q_heads: int, include_columns: bool
 # ---------------------------------------------------------------------------------------- timing
 
 
-def time_ms(fn, warmup: int, repeats: int) -> float:
-    """Median CUDA-event time of fn() in milliseconds."""
+def time_ms(fn, warmup: int, repeats: int, device: str = "cuda") -> float:
+    """Median time of fn() in milliseconds: CUDA events on "cuda", the wall clock elsewhere."""
     for _ in range(warmup):
         fn()
+    if device != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -239,7 +277,31 @@ def time_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def fwd_and_bwd(attend, tensors, dout, warmup: int, repeats: int) -> tuple[float, float]:
+def time_estimation(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig, meta: TokenMeta, warmup: int,
+                    repeats: int) -> dict:
+    """Milliseconds of one attention call's pattern estimation + layout construction, as
+    `hf_sparse_cp.attention` runs it (`estimate_layout` with the tokens' metadata): `total_ms`, and
+    by stage `documents_ms` (reading the documents), `scoring_ms` (vertical/slash scores) and
+    `layout_ms` (selection and layout build). Runs on any device (wall clock off CUDA)."""
+    scale = q.shape[-1] ** -0.5
+    docs = long_documents(meta, cfg)
+
+    def scoring():
+        return [score_vertical_slash(q[row], k[row], row_docs, cfg.last_q, scale) if row_docs else None
+                for row, row_docs in enumerate(docs)]
+
+    scores = scoring()
+    stages = {
+        "total_ms": lambda: estimate_layout(q, k, cfg, meta, scale=scale),
+        "documents_ms": lambda: long_documents(meta, cfg),
+        "scoring_ms": scoring,
+        "layout_ms": lambda: layout_from_scores(meta, cfg, docs, scores),
+    }
+    with torch.no_grad():
+        return {name: time_ms(fn, warmup, repeats, q.device.type) for name, fn in stages.items()}
+
+
+def fwd_and_bwd(attend, tensors, dout, warmup: int, repeats: int, device: str = "cuda") -> tuple[float, float]:
     """(forward ms, forward+backward ms) of attend(*tensors) -> out."""
 
     def forward():
@@ -251,7 +313,7 @@ def fwd_and_bwd(attend, tensors, dout, warmup: int, repeats: int) -> tuple[float
             t.grad = None
         attend(*tensors).backward(dout)
 
-    return time_ms(forward, warmup, repeats), time_ms(forward_backward, warmup, repeats)
+    return time_ms(forward, warmup, repeats, device), time_ms(forward_backward, warmup, repeats, device)
 
 
 # ---------------------------------------------------------------------------------------- runners
@@ -289,19 +351,29 @@ def _flash_attn():
 
 
 class Bench:
-    def __init__(self, args: BenchAttentionArguments):
+    """The sweep. `device` is "cuda" for measurements; the orchestration also runs on "cpu" (tests)."""
+
+    def __init__(self, args: BenchAttentionArguments, device: str = "cuda"):
         self.args = args
+        self.device = device
         self.rows: list[dict] = []
         self.checks: list[dict] = []
-        # per (S, estimated layout): time of estimation + layout construction for one attention call
-        self.estimation_ms: dict[tuple[int, str], float] = {}
+        # per (S, estimated layout): estimation + layout construction of one attention call (time_estimation)
+        self.estimation: list[dict] = []
+
+    def fwd_and_bwd(self, attend, tensors, dout) -> tuple[float, float]:
+        return fwd_and_bwd(attend, tensors, dout, self.args.warmup, self.args.repeats, self.device)
+
+    def release_memory(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
     def inputs(self, seq_len: int, q=None, k=None):
         a = self.args
-        g = torch.Generator(device="cuda").manual_seed(a.seed)
-        make = lambda h: torch.randn(1, h, seq_len, a.head_dim, generator=g, device="cuda")
-        q = make(a.num_q_heads) if q is None else q.cuda()
-        k = make(a.num_kv_heads) if k is None else k.cuda()
+        g = torch.Generator(device=self.device).manual_seed(a.seed)
+        make = lambda h: torch.randn(1, h, seq_len, a.head_dim, generator=g, device=self.device)
+        q = make(a.num_q_heads) if q is None else q.to(self.device)
+        k = make(a.num_kv_heads) if k is None else k.to(self.device)
         v = make(a.num_kv_heads)
         dout = make(a.num_q_heads).bfloat16()
         return [x.bfloat16().requires_grad_() for x in (q, k, v)], dout
@@ -320,7 +392,7 @@ class Bench:
             row.update(status="oom", reason=str(e).splitlines()[0])
         except Exception as e:  # reported as data: one failing variant must not end the sweep
             row.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
-        torch.cuda.empty_cache()
+        self.release_memory()
         self.rows.append(row)
         shown = (f"fwd {row['fwd_ms']:.2f} ms, fwd+bwd {row['fwd_bwd_ms']:.2f} ms" if row["status"] == "ok"
                  else row.get("reason", ""))
@@ -334,12 +406,12 @@ class Bench:
         col_share = 1.0 - computed_pairs(layout, a.num_q_heads, include_columns=False) / pairs
         if "ours" in a.variants:
             self.record(seq_len, name, "ours", pairs, density, col_share,
-                        lambda: fwd_and_bwd(_ours(layout), tensors, dout, a.warmup, a.repeats), estimation_ms)
+                        lambda: self.fwd_and_bwd(_ours(layout), tensors, dout), estimation_ms)
         if "flex" in a.variants:
             mask = flex_block_mask(layout, a.num_q_heads, seq_len)
             flex_pairs = computed_pairs(layout, a.num_q_heads, include_columns=False)
             self.record(seq_len, name, "flex", flex_pairs, density, 0.0,
-                        lambda: fwd_and_bwd(_flex(mask), tensors, dout, a.warmup, a.repeats))
+                        lambda: self.fwd_and_bwd(_flex(mask), tensors, dout))
 
     def check(self, seq_len: int, name: str, layout: SparseLayout, tensors):
         """ours vs Flex on the same blocks (columns removed): both must compute the same function."""
@@ -353,19 +425,19 @@ class Bench:
 
     def dense_case(self, seq_len: int, tensors, dout):
         a = self.args
-        layout = dense_layout(TokenMeta.contiguous(1, seq_len, "cuda"), a.block_size)
+        layout = dense_layout(TokenMeta.contiguous(1, seq_len, self.device), a.block_size)
         pairs = computed_pairs(layout, a.num_q_heads)
         causal_pairs = a.num_q_heads * seq_len * (seq_len + 1) / 2
         if "ours" in a.variants:
             self.record(seq_len, "dense", "ours", pairs, 1.0, 0.0,
-                        lambda: fwd_and_bwd(_ours(layout), tensors, dout, a.warmup, a.repeats))
+                        lambda: self.fwd_and_bwd(_ours(layout), tensors, dout))
         if "flex" in a.variants:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, device="cuda",
+            mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, device=self.device,
                                      BLOCK_SIZE=a.block_size)
             self.record(seq_len, "dense", "flex", pairs, 1.0, 0.0,
-                        lambda: fwd_and_bwd(_flex(mask), tensors, dout, a.warmup, a.repeats))
+                        lambda: self.fwd_and_bwd(_flex(mask), tensors, dout))
         group = a.num_q_heads // a.num_kv_heads
         dense_variants = [v for v in ("sdpa_cudnn", "sdpa_flash", "flash_attn") if v in a.variants]
         if not dense_variants:
@@ -380,38 +452,42 @@ class Bench:
                     continue
                 layout_bshd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
                 self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0,
-                            lambda: fwd_and_bwd(attend, layout_bshd, dout.transpose(1, 2).contiguous(),
-                                                a.warmup, a.repeats))
+                            lambda: self.fwd_and_bwd(attend, layout_bshd, dout.transpose(1, 2).contiguous()))
                 continue
             backend = "CUDNN_ATTENTION" if variant == "sdpa_cudnn" else "FLASH_ATTENTION"
             self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0,
-                        lambda: fwd_and_bwd(_sdpa(backend), expanded, dout, a.warmup, a.repeats))
+                        lambda: self.fwd_and_bwd(_sdpa(backend), expanded, dout))
 
     def run(self):
         a = self.args
         for i, seq_len in enumerate(a.seq_lens):
             tensors, dout = self.inputs(seq_len)
-            cases = [(f"vs@{d:.0%}", density_layout(seq_len, a.num_q_heads, a.block_size, d, a.num_verticals,
-                                                     a.seed, "cuda"), tensors, dout) for d in a.densities]
+            cases = [(density_name(d), density_layout(seq_len, a.num_q_heads, a.block_size, d, a.num_verticals,
+                                                       a.seed, self.device), tensors, dout) for d in a.densities]
+            est_ms = {}
             if parse_budgets(a.estimated_budgets):
                 q_pl, k_pl = planted_inputs(seq_len, a.num_q_heads, a.num_kv_heads, a.head_dim, a.seed)
                 planted, planted_dout = self.inputs(seq_len, q_pl, k_pl)
+                q_est, k_est = planted[0].detach(), planted[1].detach()
+                meta = TokenMeta.contiguous(1, seq_len, self.device)
                 for vt, st in parse_budgets(a.estimated_budgets):
-                    q_est, k_est = planted[0].detach(), planted[1].detach()
-                    lay = estimated_layout(q_est, k_est, vt, st, a.block_size)
-                    name = f"est v{vt}/s{st}"
-                    cases.append((name, lay, planted, planted_dout))
-                    self.estimation_ms[(seq_len, name)] = time_ms(
-                        lambda: estimated_layout(q_est, k_est, vt, st, a.block_size), a.warmup, a.repeats
-                    )
+                    name = estimated_name(vt, st)
+                    cases.append((name, estimated_layout(q_est, k_est, vt, st, a.block_size), planted, planted_dout))
+                    timing = time_estimation(q_est, k_est, estimation_config(vt, st, a.block_size), meta, a.warmup,
+                                             a.repeats)
+                    self.estimation.append({"seq_len": seq_len, "layout": name, **timing})
+                    est_ms[name] = timing["total_ms"]
+                    print(f"[S={seq_len} {name}] estimation {timing['total_ms']:.2f} ms (documents "
+                          f"{timing['documents_ms']:.2f}, scoring {timing['scoring_ms']:.2f}, layout "
+                          f"{timing['layout_ms']:.2f})", flush=True)
             for name, layout, inputs, grad in cases:
                 if a.check and i == 0:
                     self.check(seq_len, name, layout, inputs)
-                self.sparse_case(seq_len, name, layout, inputs, grad, self.estimation_ms.get((seq_len, name)))
+                self.sparse_case(seq_len, name, layout, inputs, grad, est_ms.get(name))
             if a.dense:
                 self.dense_case(seq_len, tensors, dout)
             del tensors, dout, cases
-            torch.cuda.empty_cache()
+            self.release_memory()
 
 
 def format_table(rows: list[dict]) -> str:
@@ -437,6 +513,74 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ok_rows(rows: list[dict]) -> dict[tuple[int, str, str], dict]:
+    return {(r["seq_len"], r["layout"], r["variant"]): r for r in rows if r["status"] == "ok"}
+
+
+def estimation_report(rows: list[dict], estimation: list[dict]) -> list[dict]:
+    """Each estimation timing with our forward(+backward) time on the same layout and the shares it takes."""
+    ours = _ok_rows(rows)
+    report = []
+    for e in estimation:
+        r = ours.get((e["seq_len"], e["layout"], "ours"))
+        report.append({
+            **e,
+            "kept_fraction": r["density"] if r else None,
+            "ours_fwd_ms": r["fwd_ms"] if r else None,
+            "ours_fwd_bwd_ms": r["fwd_bwd_ms"] if r else None,
+            "share_of_fwd_bwd": e["total_ms"] / r["fwd_bwd_ms"] if r else None,
+            "share_of_fwd": e["total_ms"] / r["fwd_ms"] if r else None,
+        })
+    return report
+
+
+def format_estimation(report: list[dict]) -> str:
+    header = (f"{'S':>5} {'layout':<14} {'kept':>6} {'est ms':>7} {'docs':>6} {'score':>6} {'layout':>7} "
+              f"{'ours f+b':>9} {'% f+b':>6}")
+    lines = [header, "-" * len(header)]
+    for e in report:
+        kept = f"{e['kept_fraction']:6.3f}" if e["kept_fraction"] is not None else " " * 6
+        attn = (f"{e['ours_fwd_bwd_ms']:9.2f} {100 * e['share_of_fwd_bwd']:6.1f}" if e["ours_fwd_bwd_ms"] is not None
+                else f"{'':9} {'':6}")
+        lines.append(f"{e['seq_len'] // 1024:>4}K {e['layout']:<14} {kept} {e['total_ms']:7.2f} "
+                     f"{e['documents_ms']:6.2f} {e['scoring_ms']:6.2f} {e['layout_ms']:7.2f} {attn}")
+    return "\n".join(lines)
+
+
+def issue_targets(rows: list[dict], estimation: list[dict], seq_len: int = 131072) -> list[dict]:
+    """The issue's performance targets at `seq_len`, each with the measured value (None when the run
+    did not measure it) and whether it passes. Ratios are fwd+bwd times (baseline / ours)."""
+    ok = _ok_rows(rows)
+
+    def ratio(layout: str, baseline: tuple[str, str]) -> float | None:
+        ours, ref = ok.get((seq_len, layout, "ours")), ok.get((seq_len, *baseline))
+        return ref["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and ref else None
+
+    shares = [e["share_of_fwd_bwd"] for e in estimation_report(rows, estimation)
+              if e["seq_len"] == seq_len and e["share_of_fwd_bwd"] is not None]
+    five, ten = density_name(0.05), density_name(0.10)
+    targets = [
+        (f"{five}: fwd+bwd speed-up over FlexAttention, same blocks", ratio(five, (five, "flex")), ">=", 1.7),
+        (f"{five}: fwd+bwd speed-up over dense SDPA cuDNN", ratio(five, ("dense", "sdpa_cudnn")), ">=", 15.0),
+        (f"{ten}: fwd+bwd speed-up over FlexAttention, same blocks", ratio(ten, (ten, "flex")), ">=", 1.3),
+        ("dense: fwd+bwd speed relative to FlexAttention dense", ratio("dense", ("dense", "flex")), ">=", 1 / 1.25),
+        ("estimation + layout build, share of our fwd+bwd (worst estimated layout)", max(shares, default=None), "<",
+         0.10),
+    ]
+    return [{"seq_len": seq_len, "target": name, "required": f"{op} {bound:.3g}", "measured": value,
+             "pass": None if value is None else (value >= bound if op == ">=" else value < bound)}
+            for name, value, op, bound in targets]
+
+
+def format_targets(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
+        value = "" if t["measured"] is None else f"{t['measured']:.3f} "
+        lines.append(f"{t['seq_len'] // 1024}K {t['target']}: {value}(required {t['required']}) {verdict}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> dict:
     from transformers import HfArgumentParser
 
@@ -454,10 +598,17 @@ def main(argv: list[str]) -> dict:
                      "flops": "fwd = 4 * head_dim * computed pairs; fwd+bwd = 3.5 * fwd"},
         "results": bench.rows,
         "checks": bench.checks,
+        "estimation": estimation_report(bench.rows, bench.estimation),
+        "targets": issue_targets(bench.rows, bench.estimation),
     }
     print()
     print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, cuda {env['cuda']}")
     print(format_table(bench.rows))
+    if report["estimation"]:
+        print()
+        print(format_estimation(report["estimation"]))
+    print()
+    print(format_targets(report["targets"]))
     slug = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()[:40]
     out = Path(args.output) if args.output else RESULTS_DIR / f"attention_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

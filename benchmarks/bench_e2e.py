@@ -6,15 +6,23 @@ Qwen2.5-0.5B- or 1.5B-shaped model (random init, bf16 weights, gradient checkpoi
 out-of-memory error cannot leave fragments behind for the next; a variant stops doubling at its
 first failure. Reported: median step time of the timed steps after warm-up, tokens/s, peak memory
 (`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the
-mean kept fraction of attention blocks it actually ran. Prints a table and writes JSON (device,
-versions, date, settings, results) to benchmarks/results/.
+mean kept fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel
+and over `sdpa` at the same S. Prints a table and the issue's end-to-end targets (0.5B trains at
+512K; at 128K and 256K sparse_cp >= 3x and >= 5x the tokens/s of sdpa + liger, at no more memory)
+and writes JSON (device, versions, date, settings, results, speed-ups, targets) to
+benchmarks/results/.
+
+The `sparse_cp` pattern budget: by default (`--kept_fraction 0.05`) vertical_topk and slash_topk are
+derived per S so that about 5% of the causal blocks are kept when the picks land at random places,
+as they do in a random-init model (`budget_for_kept_fraction`); the kept fraction actually run is
+reported next to it. `--kept_fraction 0` keeps the budgets of the command line.
 
     python benchmarks/bench_e2e.py                                   # GPU: 0.5B and 1.5B, S = 8K .. 512K
     python benchmarks/bench_e2e.py --models 1.5b --variants sparse_cp --min_seq 65536 --slash_topk 1024
     python benchmarks/bench_e2e.py --tiny                            # CPU smoke run: tiny model, S = 1K .. 4K
 
 Flags of `SparseAttentionConfig` (--vertical_topk, --slash_topk, --block_size, ...) set the pattern
-of the `sparse_cp` variant.
+of the `sparse_cp` variant (the two budgets only with --kept_fraction 0).
 """
 
 from __future__ import annotations
@@ -75,6 +83,15 @@ class BenchArguments:
     )
     device: str = field(default="auto", metadata={"help": "'cuda', 'cpu' or 'auto' (cuda when available)."})
     timeout_s: int = field(default=3600, metadata={"help": "Wall-clock limit of one (model, variant, S) run."})
+    kept_fraction: float | None = field(
+        default=None,
+        metadata={"help": "Pattern budget of sparse_cp as a target fraction of kept causal blocks: vertical_topk "
+                  "and slash_topk are derived per S (random-placement estimate; the kept fraction actually run is "
+                  "reported). 0 keeps the budgets given by --vertical_topk/--slash_topk. Default 0.05 (0 with --tiny)."},
+    )
+    vertical_share: float = field(
+        default=0.2, metadata={"help": "Share of the --kept_fraction budget spent on vertical key columns."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
     output: str | None = field(
         default=None, metadata={"help": "JSON path; default benchmarks/results/e2e_<device>_<date>.json."}
@@ -87,6 +104,11 @@ class BenchArguments:
             self.min_seq = 1024 if self.tiny else 8192
         if self.max_seq is None:
             self.max_seq = 4096 if self.tiny else 524288
+        if self.kept_fraction is None:
+            self.kept_fraction = 0.0 if self.tiny else 0.05
+        if not 0.0 <= self.kept_fraction <= 1.0 or not 0.0 <= self.vertical_share <= 1.0:
+            raise ValueError(f"kept_fraction ({self.kept_fraction}) and vertical_share ({self.vertical_share}) must "
+                             "be in [0, 1]; e.g. --kept_fraction 0.05.")
         unknown = set(self.models) - set(MODEL_SHAPES)
         if unknown:
             raise ValueError(f"Unknown models {sorted(unknown)}; use {sorted(MODEL_SHAPES)}.")
@@ -104,6 +126,37 @@ class BenchArguments:
             lens.append(s)
             s *= 2
         return lens
+
+
+# ----------------------------------------------------------------------------------- pattern budget
+
+
+def budget_for_kept_fraction(seq_len: int, kept_fraction: float, vertical_share: float, block_size: int,
+                             local_window: int, sink_tokens: int) -> dict:
+    """vertical_topk and slash_topk expected to keep about `kept_fraction` of the causal blocks of one
+    `seq_len`-token document when the picks land at random places (a random-init model).
+
+    With NB = S / block_size query blocks (NB^2 / 2 causal blocks): a kept offset crosses two block
+    diagonals (floor and ceil of offset / block_size) of NB / 2 blocks on average, i.e. 2 / NB of the
+    causal blocks; the local window adds its ceil((local_window - 1) / block_size) + 1 diagonals of
+    ~NB blocks each; a column costs 1 / block_size of a block in the query blocks after it, i.e.
+    1 / S of the causal blocks (sinks included). `vertical_share` of the budget goes to columns.
+    """
+    nb = -(-seq_len // block_size)
+    window_diagonals = -(-(local_window - 1) // block_size) + 1
+    vertical_topk = max(0, round(vertical_share * kept_fraction * seq_len) - sink_tokens)
+    slash_topk = max(0, round((1 - vertical_share) * kept_fraction * nb / 2 - window_diagonals))
+    return {"target_kept_fraction": kept_fraction, "vertical_topk": vertical_topk, "slash_topk": slash_topk}
+
+
+def sparse_settings(sparse, args: BenchArguments, seq_len: int) -> tuple[dict, dict | None]:
+    """The `sparse_cp` config of one run (as a dict) and the budget derived for it (None: as given)."""
+    if not args.kept_fraction:
+        return sparse.to_dict(), None
+    budget = budget_for_kept_fraction(seq_len, args.kept_fraction, args.vertical_share, sparse.block_size,
+                                      sparse.local_window, sparse.sink_tokens)
+    return {**sparse.to_dict(), "budget_mode": "topk", "vertical_topk": budget["vertical_topk"],
+            "slash_topk": budget["slash_topk"]}, budget
 
 
 # ------------------------------------------------------------------------------ one run (subprocess)
@@ -264,19 +317,68 @@ def memory_check(results: list[dict]) -> list[dict]:
     return checks
 
 
+def speedups(results: list[dict]) -> list[dict]:
+    """sparse_cp's tokens/s over sdpa + liger-kernel and over sdpa at the same (model, S), where both ran."""
+    ok = {(r["model"], r["variant"], r["seq_len"]): r for r in results if r["status"] == "ok"}
+    out = []
+    for (model, variant, seq_len), r in ok.items():
+        if variant != "sparse_cp":
+            continue
+        entry = {"model": model, "seq_len": seq_len, "kept_fraction": r.get("kept_fraction"),
+                 "tokens_per_s": r["tokens_per_s"]}
+        for name, ref in (("vs_liger", "sdpa+liger"), ("vs_sdpa", "sdpa")):
+            base = ok.get((model, ref, seq_len))
+            entry[name] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        out.append(entry)
+    return out
+
+
+def issue_targets(results: list[dict], model: str = "0.5b") -> list[dict]:
+    """The issue's end-to-end targets for `model`, each with the measured value (None: not measured)."""
+    ratio = {e["seq_len"]: e["vs_liger"] for e in speedups(results) if e["model"] == model}
+    memory = {c["seq_len"]: c for c in memory_check(results) if c["model"] == model}
+    trains = [r for r in results if r["model"] == model and r["variant"] == "sparse_cp" and r["seq_len"] == 524288]
+    targets = [{"target": f"{model} sparse_cp trains at 512K", "required": "status ok",
+                "measured": trains[0]["status"] if trains else None,
+                "pass": trains[0]["status"] == "ok" if trains else None}]
+    for seq_len, bound in ((131072, 3.0), (262144, 5.0)):
+        value = ratio.get(seq_len)
+        targets.append({"target": f"{model} {seq_len // 1024}K: sparse_cp tokens/s over sdpa + liger",
+                        "required": f">= {bound:g}", "measured": value,
+                        "pass": None if value is None else value >= bound})
+        check = memory.get(seq_len)
+        targets.append({"target": f"{model} {seq_len // 1024}K: sparse_cp peak memory <= sdpa + liger",
+                        "required": "<= liger GiB", "measured": check["sparse_cp_gib"] if check else None,
+                        "pass": check["pass"] if check else None})
+    return targets
+
+
+def format_targets(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
+        value = t["measured"]
+        shown = "" if value is None else (f"{value:.2f} " if isinstance(value, float) else f"{value} ")
+        lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")
+    return "\n".join(lines)
+
+
 def format_table(results: list[dict]) -> str:
+    ratio = {(e["model"], e["seq_len"]): e for e in speedups(results)}
     header = (f"{'model':<6} {'variant':<11} {'S':>7} {'status':<8} {'step s':>8} {'tokens/s':>9} {'peak GiB':>9} "
-              f"{'kept':>6}")
+              f"{'kept':>6} {'x liger':>7} {'x sdpa':>7}")
     lines = [header, "-" * len(header)]
     for r in results:
         kept = r.get("kept_fraction")
         if r["status"] == "ok":
+            e = ratio.get((r["model"], r["seq_len"])) if r["variant"] == "sparse_cp" else None
+            x = [f"{e[k]:7.2f}" if e and e[k] is not None else f"{'':7}" for k in ("vs_liger", "vs_sdpa")]
             cells = (f"{r['step_s']:8.3f}", f"{r['tokens_per_s']:9.0f}", f"{r['peak_gib']:9.2f}",
-                     f"{kept:6.3f}" if kept is not None else f"{'':6}")
+                     f"{kept:6.3f}" if kept is not None else f"{'':6}", *x)
         else:
             cells = (f"{'':8}", f"{'':9}", f"{r['peak_gib']:9.2f}" if "peak_gib" in r else f"{'':9}", f"{'':6}")
         row = f"{r['model']:<6} {r['variant']:<11} {r['seq_len'] // 1024:>6}K {r['status']:<8} "
-        lines.append(row + " ".join(cells))
+        lines.append((row + " ".join(cells)).rstrip())
     return "\n".join(lines)
 
 
@@ -308,17 +410,22 @@ def main(argv: list[str]) -> dict:
     for model in args.models:
         for variant in args.variants:
             for seq_len in args.seq_lens():
+                settings, budget = sparse_settings(sparse, args, seq_len)
                 spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
                         "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "seed": args.seed,
-                        "sparse": sparse.to_dict()}
+                        "sparse": settings}
                 reason = skip_reason(variant, device)
                 if reason is not None:  # known without starting a process
                     r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
                 else:
                     r = run_in_subprocess(spec, args.timeout_s)
+                if variant == "sparse_cp":
+                    r["sparse_budget"] = budget or {key: settings[key] for key in ("vertical_topk", "slash_topk")}
                 results.append(r)
                 if r["status"] == "ok":
                     summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"
+                    if r.get("kept_fraction") is not None:
+                        summary += f", kept {r['kept_fraction']:.3f} of the causal blocks"
                 else:
                     summary = r.get("reason", "")
                 print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
@@ -338,10 +445,14 @@ def main(argv: list[str]) -> dict:
         "sparse_attention": sparse.to_dict(),
         "results": results,
         "memory_check": memory_check(results),
+        "speedups": speedups(results),
+        "targets": issue_targets(results),
     }
     print()
     print(f"{env['device']}, torch {env.get('torch')}, transformers {env.get('transformers')}")
     print(format_table(results))
+    print()
+    print(format_targets(report["targets"]))
     for check in report["memory_check"]:
         if not check["pass"]:
             used = "ran out of memory" if check["sparse_cp_gib"] is None else f"{check['sparse_cp_gib']:.2f} GiB"

@@ -76,3 +76,45 @@ def test_memory_check_compares_sparse_cp_with_liger(bench):
                row("sdpa+liger", 65536, 20.0), row("sparse_cp", 65536, 30.0, "oom")]
     checks = {c["seq_len"]: c["pass"] for c in bench.memory_check(results)}
     assert checks == {8192: True, 16384: False, 65536: False}
+
+
+def test_kept_fraction_budget_lands_near_its_target(bench):
+    """The derived top-k budgets keep about the requested share of causal blocks on random q/k (the picks
+    of a random-init model land at random places), and the settings carry them per S."""
+    import torch
+
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.pattern import estimate_layout
+
+    args, sparse = bench.parse_args(["--kept_fraction", "0.1", "--block_size", "64", "--min_seq_len", "1024"])
+    assert bench.parse_args([])[0].kept_fraction == 0.05 and bench.parse_args(["--tiny"])[0].kept_fraction == 0
+    settings, budget = bench.sparse_settings(sparse, args, 16384)
+    assert budget["target_kept_fraction"] == 0.1 and settings["vertical_topk"] == budget["vertical_topk"] > 0
+    assert settings["slash_topk"] == budget["slash_topk"] > 0 and settings["budget_mode"] == "topk"
+    assert bench.sparse_settings(sparse, args, 65536)[1]["vertical_topk"] > budget["vertical_topk"]  # grows with S
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 16384, 32, generator=g), torch.randn(1, 1, 16384, 32, generator=g)
+    kept = float(estimate_layout(q, k, SparseAttentionConfig.from_dict(settings)).kept_fraction())
+    assert 0.07 <= kept <= 0.13
+
+    args, sparse = bench.parse_args(["--kept_fraction", "0", "--vertical_topk", "77"])
+    settings, budget = bench.sparse_settings(sparse, args, 16384)
+    assert budget is None and settings["vertical_topk"] == 77
+
+
+def test_speedups_and_targets_come_from_the_rows(bench):
+    def row(variant, seq_len, tokens_per_s, peak, status="ok", kept=None):
+        return {"model": "0.5b", "variant": variant, "seq_len": seq_len, "status": status,
+                "tokens_per_s": tokens_per_s, "step_s": seq_len / tokens_per_s, "peak_gib": peak,
+                "memory_metric": "torch.cuda.max_memory_allocated", "kept_fraction": kept}
+
+    results = [row("sdpa+liger", 131072, 15000.0, 14.5), row("sparse_cp", 131072, 48000.0, 12.0, kept=0.05),
+               row("sdpa+liger", 262144, 7600.0, 25.9), row("sparse_cp", 262144, 30000.0, 26.5, kept=0.05),
+               row("sparse_cp", 524288, 20000.0, 40.0, kept=0.05)]
+    ratios = {e["seq_len"]: e for e in bench.speedups(results)}
+    assert ratios[131072]["vs_liger"] == pytest.approx(3.2) and ratios[131072]["vs_sdpa"] is None
+    assert ratios[524288]["vs_liger"] is None
+    targets = bench.issue_targets(results)
+    assert [t["pass"] for t in targets] == [True, True, True, False, False]
+    assert "3.20" in bench.format_table(results)
+    assert bench.format_targets(targets).count("MISS") == 2

@@ -1,6 +1,6 @@
 """The CPU-testable parts of benchmarks/bench_attention.py: its layouts, the FlexAttention block mask
-built from them, and the work it counts; the benchmark itself refuses to run without a GPU."""
-
+built from them, the work it counts, the estimation timing and the report (table, estimation shares,
+the issue's targets); the benchmark itself refuses to run without a GPU."""
 
 import pytest
 import torch
@@ -10,7 +10,6 @@ from oracle import TOLERANCE, rel_rms
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_forward
 from hf_sparse_cp.tokens import TokenMeta
-
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +87,71 @@ def test_table_reports_speedups_and_the_estimation_share(bench):
     ]
     ours = bench.format_table(rows).splitlines()[2].split()
     assert ours[-3:] == ["2.00", "15.00", "5.0"]  # x flex, x cudnn, est %
+
+
+def test_time_estimation_runs_on_cpu_and_times_every_stage(bench):
+    q, k = bench.planted_inputs(2048, 4, 2, 64, seed=5)
+    cfg = bench.estimation_config(32, 8, 64)
+    timing = bench.time_estimation(q, k, cfg, TokenMeta.contiguous(1, 2048), warmup=1, repeats=2)
+    assert set(timing) == {"total_ms", "documents_ms", "scoring_ms", "layout_ms"}
+    assert all(v > 0 for v in timing.values())
+    assert timing["scoring_ms"] < timing["total_ms"] and timing["layout_ms"] < timing["total_ms"]
+
+
+def _rows(seq_len=131072):
+    def row(layout, variant, fwd_bwd, density=0.05):
+        return {"seq_len": seq_len, "layout": layout, "variant": variant, "density": density, "column_share": 0.1,
+                "pairs": 1.0, "status": "ok", "fwd_ms": fwd_bwd / 4, "fwd_bwd_ms": fwd_bwd, "fwd_tflops": 1.0,
+                "fwd_bwd_tflops": 1.0, "estimation_ms": None}
+
+    return [
+        row("vs@5%", "ours", 30.0), row("vs@5%", "flex", 54.0),
+        row("vs@10%", "ours", 60.0, 0.1), row("vs@10%", "flex", 75.0, 0.1),
+        row("est v1000/s64", "ours", 20.0, 0.04), row("est v1000/s64", "flex", 50.0, 0.04),
+        row("dense", "ours", 700.0, 1.0), row("dense", "flex", 650.0, 1.0), row("dense", "sdpa_cudnn", 465.0, 1.0),
+    ]
+
+
+def test_estimation_report_and_the_issue_targets(bench):
+    rows = _rows()
+    estimation = [{"seq_len": 131072, "layout": "est v1000/s64", "total_ms": 1.5, "documents_ms": 0.1,
+                   "scoring_ms": 0.6, "layout_ms": 0.8}]
+    (report,) = bench.estimation_report(rows, estimation)
+    assert report["share_of_fwd_bwd"] == pytest.approx(1.5 / 20.0) and report["kept_fraction"] == 0.04
+    assert report["share_of_fwd"] == pytest.approx(1.5 / 5.0)
+    assert "7.5" in bench.format_estimation([report])
+
+    targets = bench.issue_targets(rows, estimation)
+    flex5, cudnn5, flex10, dense, est = targets
+    assert "vs@5%" in flex5["target"] and "Flex" in flex5["target"] and "cuDNN" in cudnn5["target"]
+    assert flex5["measured"] == pytest.approx(54 / 30) and flex5["pass"] is True
+    assert cudnn5["measured"] == pytest.approx(465 / 30) and cudnn5["pass"] is True
+    assert "vs@10%" in flex10["target"] and flex10["measured"] == pytest.approx(1.25) and flex10["pass"] is False
+    assert dense["measured"] == pytest.approx(650 / 700) and dense["pass"] is True
+    assert est["measured"] == pytest.approx(0.075) and est["pass"] is True
+    text = bench.format_targets(targets)
+    assert text.count("PASS") == 4 and text.count("MISS") == 1
+
+
+def test_targets_not_measured_are_reported_as_such(bench):
+    """A run without 128K (or without a baseline) says so instead of passing or failing."""
+    targets = bench.issue_targets(_rows(seq_len=32768), [])
+    assert all(t["measured"] is None and t["pass"] is None for t in targets)
+    assert bench.format_targets(targets).count("not measured") == len(targets)
+
+
+def test_sweep_orchestration_runs_on_cpu(bench):
+    """`Bench.run` end to end with our variant only (the PyTorch reference on CPU) at one small S: every
+    row measured, the estimated layout timed and joined to our time on it."""
+    args = bench.BenchAttentionArguments(seq_lens=[512], densities=[0.2], num_verticals=8, estimated_budgets=["16:4"],
+                                         variants=["ours"], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=64,
+                                         warmup=0, repeats=1, check=False)
+    sweep = bench.Bench(args, device="cpu")
+    sweep.run()
+    assert [(r["layout"], r["status"]) for r in sweep.rows] == [("vs@20%", "ok"), ("est v16/s4", "ok"),
+                                                                ("dense", "ok")]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0 for r in sweep.rows)
+    (est,) = bench.estimation_report(sweep.rows, sweep.estimation)
+    assert est["layout"] == "est v16/s4" and est["share_of_fwd_bwd"] > 0
+    assert sweep.rows[1]["estimation_ms"] == est["total_ms"]
+    assert "est v16/s4" in bench.format_table(sweep.rows)
