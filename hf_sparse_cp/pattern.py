@@ -342,11 +342,12 @@ def _build_layout(meta, block_size, diagonals, verticals, dense_tokens, sliding_
         n_diag = (i_hi - kept_at_most((qb - dense_lo).clamp(-1, nqb - 1))).clamp_min(0)
     block_cnt = (n_diag + n_dense).to(torch.int32)  # [B, heads_b, NQB]
 
-    # Columns of (head, query block): kept columns before the query block, visible from it, outside
+    # Columns of (head, query block): kept columns up to the end of the query block, visible from it, outside
     # its listed blocks. The mask is built in head chunks and compacted once its width is known.
     col_masks, col_widths, heads, v_list = [], [], heads_b, None
     any_vertical = torch.zeros((), dtype=torch.bool, device=dev)
     if verticals is not None:
+        verticals = verticals & (meta.segment != PAD_SEGMENT).unsqueeze(1)  # nobody sees a padding key
         any_vertical = verticals.any()
         nv = int(verticals.sum(-1).max()) if max_verticals is None else max_verticals
         v_list = _compact(torch.arange(s, device=dev), verticals, min(nv, s))
@@ -402,9 +403,9 @@ def _column_mask(v_row, diagonals, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sl
         diag = _one_or_range(diagonals[row], h0, h1).unsqueeze(1).expand(n, nqb, -1)
         diag_hit = diag.gather(-1, (qbx - cb).clamp(0, nqb - 1).expand(n, nqb, -1))
         covered = covered | ((cb >= lo.view(1, nqb, 1)) & diag_hit)
-    ok = (v >= 0) & (v < qbx * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
+    ok = (v >= 0) & (v < (qbx + 1) * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
     if sliding_window is not None:
-        ok &= v > qbx * bs + bs - 1 - sliding_window
+        ok &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
     return ok.expand(n, nqb, -1)
 
 

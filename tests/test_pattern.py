@@ -141,3 +141,60 @@ def test_build_layout_with_sliding_window_lists_only_window_blocks():
     vis = visible(meta, meta, window=50)[0, 0]
     assert bool((mask | ~vis).all())  # every visible pair is listed
     assert int(layout.block_cnt.max()) <= 3  # a 50-token window reaches at most 2 blocks back
+
+
+def _random_build_inputs(trial: int, g: torch.Generator):
+    """Rows of 1-3 packed documents (a padded tail in some), per-head kept block diagonals, kept columns
+    shared or per head, dense tokens, and a sliding window in some trials."""
+    b, s, bs, heads = 2, int(torch.randint(40, 300, (1,), generator=g)), (16, 32)[trial % 2], 3
+    seg = torch.zeros(b, s, dtype=torch.int32)
+    for row in range(b):
+        for i, cut in enumerate(sorted(torch.randint(1, s, (trial % 3,), generator=g).tolist())):
+            seg[row, cut:] = i + 1
+        if trial % 4 == 0:
+            seg[row, s - s // 5 :] = -1
+    nb = -(-s // bs)
+    return dict(
+        meta=TokenMeta.from_segments(seg),
+        block_size=bs,
+        diagonals=torch.rand(b, heads, nb, generator=g) < 0.3,
+        verticals=torch.rand(b, heads if trial % 2 else 1, s, generator=g) < 0.05,
+        dense_tokens=torch.rand(b, s, generator=g) < 0.2,
+        sliding_window=int(torch.randint(10, 80, (1,), generator=g)) if trial % 5 == 0 else None,
+    )
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_build_layout_lists_what_is_selected_and_nothing_useless(trial):
+    """Against the definition on random inputs: every visible pair that a dense query, a kept block
+    diagonal or a kept column selects is listed; every listed block holds a visible pair; every listed
+    column is seen by some query of its block; columns never repeat a listed block."""
+    kw = _random_build_inputs(trial, torch.Generator().manual_seed(trial))
+    meta, bs, window = kw["meta"], kw["block_size"], kw["sliding_window"]
+    layout = build_layout(**kw)
+    b, s = meta.segment.shape
+    heads = max(kw["diagonals"].shape[1], kw["verticals"].shape[1])
+    layout.validate(heads, s, s, strict=True)
+    mask = layout.to_mask(heads, s, s)
+    vis = visible(meta, meta, window=window).expand(b, heads, s, s)
+    pos = torch.arange(s)
+    block_diag = (pos.view(-1, 1) // bs - pos.view(1, -1) // bs).clamp_min(0)
+    selected = (kw["dense_tokens"].view(b, 1, s, 1) | kw["diagonals"][:, :, block_diag]
+                | kw["verticals"].unsqueeze(2)) & vis
+    assert bool((mask | ~selected).all()), "a selected visible pair is not listed"
+
+    nb = -(-s // bs)
+    pad = nb * bs - s
+
+    def per_block(x):  # [B, H, S, S] -> [B, H, NQB, NKB]: any pair of the block
+        x = torch.nn.functional.pad(x, (0, pad, 0, pad))
+        return x.view(b, heads, nb, bs, nb, bs).any(5).any(3)
+
+    blocks = torch.zeros(b, heads, nb, nb + 1, dtype=torch.bool)
+    valid = torch.arange(layout.block_idx.shape[-1]) < layout.block_cnt.unsqueeze(-1)
+    blocks.scatter_(-1, torch.where(valid, layout.block_idx.long(), nb).expand(b, heads, nb, -1), True)
+    assert not bool((blocks[..., :nb] & ~per_block(vis)).any()), "a listed block holds no visible pair"
+    seen_by_block = torch.nn.functional.pad(vis, (0, 0, 0, pad)).view(b, heads, nb, bs, s).any(3)
+    col_valid = torch.arange(layout.col_idx.shape[-1]) < layout.col_cnt.unsqueeze(-1)
+    col = layout.col_idx.long().clamp_min(0).expand(b, heads, nb, -1)
+    assert bool(seen_by_block.gather(-1, col)[col_valid.expand_as(col)].all()), "a listed column is seen by nobody"
