@@ -5,6 +5,9 @@ arguments that describe packing (`position_ids`, `cu_seq_lens_k`) and the layer 
 `softcap`, ...). This module turns those into `TokenMeta`, estimates the layout for the layer and
 runs exact attention restricted to it. It never sees or builds a [S, S] mask.
 
+Calls that run dense (dense or sliding-window layers, batches without a long document) go to
+flash-attn where it is installed (`hf_sparse_cp.flash_dense`).
+
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
 `hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
 and the layer runs the balanced sparse ring over the CP group instead.
@@ -20,9 +23,10 @@ import torch
 
 from .config import SparseAttentionConfig
 from .distributed.context import CP_SHARD_KWARG, context_parallel_attention
+from .flash_dense import flash_dense_attention, use_flash_attn
 from .layout import SparseLayout
 from .ops import block_sparse_attention
-from .pattern import estimate_layout
+from .pattern import dense_kept_fraction, estimate_layout, pattern_documents
 from .stats import record_kept_fraction
 from .tokens import (
     TokenMeta,
@@ -130,8 +134,12 @@ def sparse_cp_attention_forward(
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta
+        docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
+        if not any(docs) and use_flash_attn(query, key):  # a dense call, and flash-attn is installed
+            record_kept_fraction(module, dense_kept_fraction(meta, cfg.block_size, sliding_window))
+            return flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window), None
         with torch.no_grad():
-            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window)
+            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
         record_kept_fraction(module, layout.kept_fraction())
     else:
         # Decoding with a KV cache: the queries are the last q_len positions; attend densely.

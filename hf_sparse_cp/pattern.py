@@ -280,6 +280,25 @@ def _one_or_range(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
     return x if x.shape[0] == 1 else x[h0:h1]
 
 
+def _first_visible_keys(meta: TokenMeta, block_size: int, sliding_window: int | None):
+    """Per query block of [B, S] tokens: (valid queries bool [B, NQB, bs], their document starts
+    [B, NQB, bs], the first key token any of them sees [B, NQB], the first key block that holds a
+    visible key [B, NQB]; qb + 1 for a block of padding only)."""
+    bs = block_size
+    b, s = meta.segment.shape
+    nqb = -(-s // bs)
+    s_pad = nqb * bs
+    qb = torch.arange(nqb, device=meta.segment.device)
+    valid_q = (meta.pad_to(s_pad).segment != PAD_SEGMENT).view(b, nqb, bs)
+    start = torch.nn.functional.pad(document_starts(meta), (0, s_pad - s), value=_BIG).view(b, nqb, bs)
+    lo_tok = torch.where(valid_q, start, _BIG).amin(-1)
+    lo = torch.where(lo_tok < _BIG, lo_tok // bs, qb + 1)
+    if sliding_window is not None:
+        win_lo = torch.div(qb * bs - sliding_window - bs + 1, bs, rounding_mode="floor") + 1
+        lo = torch.maximum(lo, win_lo.clamp_min(0))
+    return valid_q, start, lo_tok, lo
+
+
 def build_layout(
     meta: TokenMeta,
     block_size: int,
@@ -310,13 +329,7 @@ def _build_layout(meta, block_size, diagonals, verticals, dense_tokens, sliding_
     qb = torch.arange(nqb, device=dev)
 
     # per query block: the first visible key token, the first listable key block, the first dense one
-    valid_q = (meta.pad_to(s_pad).segment != PAD_SEGMENT).view(b, nqb, bs)
-    start = torch.nn.functional.pad(document_starts(meta), (0, s_pad - s), value=_BIG).view(b, nqb, bs)
-    lo_tok = torch.where(valid_q, start, _BIG).amin(-1)  # [B, NQB]
-    lo = torch.where(lo_tok < _BIG, lo_tok // bs, qb + 1)
-    if sliding_window is not None:
-        win_lo = torch.div(qb * bs - sliding_window - bs + 1, bs, rounding_mode="floor") + 1
-        lo = torch.maximum(lo, win_lo.clamp_min(0))
+    valid_q, start, lo_tok, lo = _first_visible_keys(meta, bs, sliding_window)
     if dense_tokens is None:
         dense_lo = torch.full_like(lo, _BIG)
     else:
@@ -414,6 +427,15 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
 
 
+def dense_kept_fraction(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+    """`dense_layout(meta, block_size, sliding_window).kept_fraction()` without building the layout
+    (for dense layers that run another kernel); a 0-d float64 tensor, no host synchronization."""
+    _, _, _, lo = _first_visible_keys(meta, block_size, sliding_window)
+    nqb = lo.shape[-1]
+    listed = (torch.arange(nqb, device=lo.device) - lo + 1).clamp_min(0)
+    return listed.double().sum(-1).mean() / (nqb * (nqb + 1) / 2)
+
+
 def layout_from_scores(
     meta: TokenMeta,
     cfg: SparseAttentionConfig,
@@ -446,6 +468,19 @@ def layout_from_scores(
                          dense_tokens, None, max_verticals=bound)
 
 
+def pattern_documents(
+    cfg: SparseAttentionConfig, meta: TokenMeta | None, batch: int, seq_len: int, sliding_window: int | None = None
+) -> list[list[tuple[int, int]]]:
+    """Per batch row, the documents that get a sparse pattern in this call: none for a dense or
+    sliding-window layer, else those of at least `min_seq_len` tokens (meta None: one document per
+    row, known without reading the device). A call without any runs dense."""
+    if cfg.pattern == "dense" or sliding_window is not None:
+        return [[] for _ in range(batch)]
+    if meta is None:
+        return [[(0, seq_len)] if seq_len >= max(cfg.min_seq_len, 1) else [] for _ in range(batch)]
+    return long_documents(meta, cfg)
+
+
 def estimate_layout(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -454,21 +489,19 @@ def estimate_layout(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    docs: list[list[tuple[int, int]]] | None = None,
 ) -> SparseLayout:
     """The layout for one attention call: vertical-slash for long documents, dense for the rest.
 
     q: [B, Hq, S, D], k: [B, Hkv, S, D] (after RoPE), meta: the tokens' documents (default: one
-    document per row). Deterministic: the same inputs give the same layout on every rank.
+    document per row); docs: `pattern_documents` of this call when the caller has it already.
+    Deterministic: the same inputs give the same layout on every rank.
     """
     b, _, s, d = q.shape
-    if cfg.pattern == "dense" or sliding_window is not None:
-        return dense_layout(TokenMeta.contiguous(b, s, q.device) if meta is None else meta, cfg.block_size,
-                            sliding_window)
-    if meta is None:  # one document per row: known without reading the device
-        docs = [[(0, s)] if s >= max(cfg.min_seq_len, 1) else [] for _ in range(b)]
-        meta = TokenMeta.contiguous(b, s, q.device)
-    else:
-        docs = long_documents(meta, cfg)
+    docs = pattern_documents(cfg, meta, b, s, sliding_window) if docs is None else docs
+    meta = TokenMeta.contiguous(b, s, q.device) if meta is None else meta
+    if not any(docs):
+        return dense_layout(meta, cfg.block_size, sliding_window)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     scores = [score_vertical_slash(q[row], k[row], row_docs, cfg.last_q, scale) if row_docs else None
               for row, row_docs in enumerate(docs)]

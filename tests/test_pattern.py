@@ -7,6 +7,7 @@ from oracle import visible
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.pattern import (
     build_layout,
+    dense_kept_fraction,
     dense_layout,
     estimate_layout,
     offsets_to_block_diagonals,
@@ -198,3 +199,11 @@ def test_build_layout_lists_what_is_selected_and_nothing_useless(trial):
     col_valid = torch.arange(layout.col_idx.shape[-1]) < layout.col_cnt.unsqueeze(-1)
     col = layout.col_idx.long().clamp_min(0).expand(b, heads, nb, -1)
     assert bool(seen_by_block.gather(-1, col)[col_valid.expand_as(col)].all()), "a listed column is seen by nobody"
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_dense_kept_fraction_is_that_of_the_dense_layout(trial):
+    kw = _random_build_inputs(trial, torch.Generator().manual_seed(100 + trial))
+    meta, bs, window = kw["meta"], kw["block_size"], kw["sliding_window"]
+    expected = dense_layout(meta, bs, window).kept_fraction()
+    assert float(dense_kept_fraction(meta, bs, window)) == pytest.approx(float(expected), rel=1e-12)
