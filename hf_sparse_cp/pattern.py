@@ -66,11 +66,6 @@ def _document_table(segment: torch.Tensor) -> list[list[tuple[int, int]]]:
     return rows
 
 
-def documents(segment_row: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each non-padding document of one row of segment ids."""
-    return _document_table(segment_row.unsqueeze(0))[0]
-
-
 def long_documents(meta: TokenMeta, cfg: SparseAttentionConfig) -> list[list[tuple[int, int]]]:
     """Per batch row, the documents long enough (>= min_seq_len) for a sparse pattern."""
     shortest = max(cfg.min_seq_len, 1)
@@ -227,14 +222,21 @@ def _selection_bound(cfg: SparseAttentionConfig, num_docs: int) -> int:
 
 
 def select_vertical_slash(
-    vertical: torch.Tensor, slash: torch.Tensor, docs: list[tuple[int, int]], cfg: SparseAttentionConfig
+    vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, int]]], cfg: SparseAttentionConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept key columns and kept diagonal offsets ([H, S] bool each) of one batch row."""
+    """Kept key columns and kept diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per
+    row, its scored documents. The budget's picks plus every document's sink columns and the local
+    window's diagonals; nothing for a row without documents."""
     keep_v = _select(vertical, cfg.budget_mode, cfg.vertical_topk, cfg.vertical_topp, cfg.vertical_cap)
     keep_s = _select(slash, cfg.budget_mode, cfg.slash_topk, cfg.slash_topp, cfg.slash_cap)
-    for start, end in docs:
-        keep_v[..., start : min(end, start + cfg.sink_tokens)] = True
-    keep_s[..., : cfg.local_window] = True
+    for row, row_docs in enumerate(docs):
+        if not row_docs:
+            keep_v[row] = False
+            keep_s[row] = False
+            continue
+        keep_s[row, :, : cfg.local_window] = True
+        for start, end in row_docs:
+            keep_v[row, :, start : min(end, start + cfg.sink_tokens)] = True
     return keep_v, keep_s
 
 
@@ -451,17 +453,10 @@ def layout_from_scores(
     zeros = torch.zeros_like(next(sc[0] for sc in scores if sc is not None))
     vertical = torch.stack([zeros if sc is None else sc[0] for sc in scores])  # [B, H, S]
     slash = torch.stack([zeros if sc is None else sc[1] for sc in scores])
-    keep_v = _select(vertical, cfg.budget_mode, cfg.vertical_topk, cfg.vertical_topp, cfg.vertical_cap)
-    keep_s = _select(slash, cfg.budget_mode, cfg.slash_topk, cfg.slash_topp, cfg.slash_cap)
+    keep_v, keep_s = select_vertical_slash(vertical, slash, docs, cfg)
     dense_tokens = meta.segment != PAD_SEGMENT
     for row, row_docs in enumerate(docs):
-        if not row_docs:
-            keep_v[row] = False
-            keep_s[row] = False
-            continue
-        keep_s[row, :, : cfg.local_window] = True
         for st, en in row_docs:
-            keep_v[row, :, st : min(en, st + cfg.sink_tokens)] = True
             dense_tokens[row, st:en] = False
     bound = max(_selection_bound(cfg, len(row_docs)) for row_docs in docs)
     return _build_layout(meta, cfg.block_size, offsets_to_block_diagonals(keep_s, cfg.block_size), keep_v,

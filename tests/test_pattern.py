@@ -37,7 +37,7 @@ def _cfg(**kw):
 def test_planted_columns_and_diagonals_are_selected(planted):
     q, k = planted
     v_score, s_score = score_vertical_slash(q[0], k[0], [(0, S)], 64, D**-0.5)
-    keep_v, keep_s = select_vertical_slash(v_score, s_score, [(0, S)], _cfg())
+    keep_v, keep_s = (x[0] for x in select_vertical_slash(v_score[None], s_score[None], [[(0, S)]], _cfg()))
     for h in range(8):
         assert set(VERTICALS[h]) <= set(keep_v[h].nonzero().flatten().tolist()), h
         assert set(OFFSETS[h]) <= set(keep_s[h].nonzero().flatten().tolist()), h
@@ -54,7 +54,7 @@ def test_top_p_keeps_the_mass_within_the_cap(planted):
     q, k = planted
     v_score, s_score = score_vertical_slash(q[0], k[0], [(0, S)], 64, D**-0.5)
     cfg = _cfg(budget_mode="topp", vertical_topp=0.5, slash_topp=0.5, vertical_cap=3, slash_cap=50)
-    keep_v, keep_s = select_vertical_slash(v_score, s_score, [(0, S)], cfg)
+    keep_v, keep_s = (x[0] for x in select_vertical_slash(v_score[None], s_score[None], [[(0, S)]], cfg))
     assert int(keep_v.sum(-1).max()) <= 3
     for h in range(8):
         kept_mass = v_score[h][keep_v[h]].sum() / v_score[h].sum()
