@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .tokens import PAD_SEGMENT, TokenMeta
+from .tokens import PAD_SEGMENT, TokenMeta, run_starts
 
 DENSE_BACKEND_ENV = "HF_SPARSE_CP_DENSE_BACKEND"
 DENSE_BACKENDS = ("auto", "kernels", "flash_attn")
@@ -78,11 +78,9 @@ def varlen_documents(meta: TokenMeta) -> tuple[torch.Tensor | None, torch.Tensor
     """
     seg = meta.segment
     b, s = seg.shape
-    new_doc = torch.ones_like(seg, dtype=torch.bool)
-    new_doc[:, 1:] = seg[:, 1:] != seg[:, :-1]
     valid = (seg != PAD_SEGMENT).flatten()
     keep = valid.nonzero().squeeze(1)
-    bounds = [*new_doc.flatten()[keep].nonzero().squeeze(1).tolist(), keep.numel()]
+    bounds = [*run_starts(seg).flatten()[keep].nonzero().squeeze(1).tolist(), keep.numel()]
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=seg.device)
     longest = max((hi - lo for lo, hi in zip(bounds, bounds[1:])), default=0)
     return (None if keep.numel() == b * s else keep), cu_seqlens, longest

@@ -91,14 +91,19 @@ def apply_padding_mask(segment: torch.Tensor, attention_mask: torch.Tensor) -> t
     return torch.where(attention_mask.bool(), segment, torch.full_like(segment, PAD_SEGMENT))
 
 
+def run_starts(segment: torch.Tensor) -> torch.Tensor:
+    """bool [B, S]: the tokens that begin a run of one segment id in their row (documents and padding
+    runs alike; every row's first token)."""
+    first = torch.ones_like(segment, dtype=torch.bool)
+    first[:, 1:] = segment[:, 1:] != segment[:, :-1]
+    return first
+
+
 def document_starts(meta: TokenMeta) -> torch.Tensor:
     """For every token, the global index of the first token of its document (int64 [B, S]).
 
     Assumes the tokens of a row are in global order with documents contiguous, as in a packed
     sequence or a contiguous shard of one.
     """
-    seg = meta.segment
-    new_doc = torch.ones_like(seg, dtype=torch.bool)
-    new_doc[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    start = torch.where(new_doc, meta.index, torch.zeros_like(meta.index))
+    start = torch.where(run_starts(meta.segment), meta.index, torch.zeros_like(meta.index))
     return torch.cummax(start, dim=1).values
