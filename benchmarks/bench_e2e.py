@@ -353,16 +353,6 @@ def issue_targets(results: list[dict], model: str = "0.5b") -> list[dict]:
     return targets
 
 
-def format_targets(targets: list[dict]) -> str:
-    lines = []
-    for t in targets:
-        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
-        value = t["measured"]
-        shown = "" if value is None else (f"{value:.2f} " if isinstance(value, float) else f"{value} ")
-        lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")
-    return "\n".join(lines)
-
-
 def format_table(results: list[dict]) -> str:
     ratio = {(e["model"], e["seq_len"]): e for e in speedups(results)}
     header = (f"{'model':<6} {'variant':<11} {'S':>7} {'status':<8} {'step s':>8} {'tokens/s':>9} {'peak GiB':>9} "
@@ -400,6 +390,8 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> dict:
+    from hf_sparse_cp.benchmarking import format_targets
+
     args, sparse = parse_args(argv)
     device = args.device
     if device == "auto":

@@ -1,4 +1,4 @@
-"""What every benchmark report records about the machine it ran on."""
+"""What every benchmark report records about the machine it ran on, and how it prints its targets."""
 
 from __future__ import annotations
 
@@ -49,3 +49,15 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
+
+
+def format_targets(targets: list[dict]) -> str:
+    """One line per target of a report ({target, required, measured, pass}): the measured value and
+    PASS, MISS or "not measured" (pass None: the run did not measure it)."""
+    lines = []
+    for t in targets:
+        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
+        value = t["measured"]
+        shown = "" if value is None else (f"{value:.3f} " if isinstance(value, float) else f"{value} ")
+        lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")
+    return "\n".join(lines)

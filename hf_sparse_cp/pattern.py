@@ -33,7 +33,7 @@ import torch
 
 from .config import SparseAttentionConfig
 from .layout import SparseLayout
-from .tokens import PAD_SEGMENT, TokenMeta, document_starts
+from .tokens import PAD_SEGMENT, TokenMeta, document_starts, run_starts
 
 # Elements of one [heads, rows, keys] score tile of the PyTorch scoring path.
 _SCORE_ELEMENTS = 1 << 24
@@ -52,9 +52,7 @@ def _document_table(segment: torch.Tensor) -> list[list[tuple[int, int]]]:
     b, s = segment.shape
     if s == 0:
         return [[] for _ in range(b)]
-    first = torch.ones_like(segment, dtype=torch.bool)
-    first[:, 1:] = segment[:, 1:] != segment[:, :-1]
-    flat = first.flatten().nonzero().flatten()
+    flat = run_starts(segment).flatten().nonzero().flatten()
     rows = [[] for _ in range(b)]
     starts, ids = torch.stack([flat, segment.flatten()[flat].to(flat.dtype)]).tolist()
     for i, (pos, doc) in enumerate(zip(starts, ids)):
@@ -192,6 +190,15 @@ def score_vertical_slash(
         accumulate_vertical_slash(q[:, end - r : end].to(dtype), k[:, start:end].to(dtype), rows, keys, scale,
                                   vertical, slash)
     return vertical, slash
+
+
+def score_rows(
+    q: torch.Tensor, k: torch.Tensor, docs: list[list[tuple[int, int]]], last_q: int, scale: float
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """`score_vertical_slash` of every batch row of q [B, Hq, S, D], k [B, Hkv, S, D] with documents
+    to score (None for the others), as `layout_from_scores` takes them."""
+    return [score_vertical_slash(q[row], k[row], row_docs, last_q, scale) if row_docs else None
+            for row, row_docs in enumerate(docs)]
 
 
 # ------------------------------------------------------------------------------------------ selection
@@ -498,6 +505,4 @@ def estimate_layout(
     if not any(docs):
         return dense_layout(meta, cfg.block_size, sliding_window)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = [score_vertical_slash(q[row], k[row], row_docs, cfg.last_q, scale) if row_docs else None
-              for row, row_docs in enumerate(docs)]
-    return layout_from_scores(meta, cfg, docs, scores)
+    return layout_from_scores(meta, cfg, docs, score_rows(q, k, docs, cfg.last_q, scale))

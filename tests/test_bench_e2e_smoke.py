@@ -9,6 +9,8 @@ import sys
 import pytest
 from benchmark_loader import BENCHMARKS, load_benchmark
 
+from hf_sparse_cp.benchmarking import format_targets
+
 SCRIPT = BENCHMARKS / "bench_e2e.py"
 
 
@@ -117,4 +119,4 @@ def test_speedups_and_targets_come_from_the_rows(bench):
     targets = bench.issue_targets(results)
     assert [t["pass"] for t in targets] == [True, True, True, False, False]
     assert "3.20" in bench.format_table(results)
-    assert bench.format_targets(targets).count("MISS") == 2
+    assert format_targets(targets).count("MISS") == 2
