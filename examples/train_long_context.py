@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f}"
         )
+    # Tear the process groups down here, not at interpreter exit, where gloo's threads may be
+    # destroyed while still joinable (seen as an abort after a finished run on torch 2.11).
+    trainer.accelerator.end_training()
     return summary
 
 

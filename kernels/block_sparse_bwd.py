@@ -383,7 +383,7 @@ def backward(
         row_ptr, placeholder_if_empty(entries),
         q_index, q_segment, k_index, k_segment, q_summary, k_summary,
         *strides,
-        hq, hk, hq // hk, hl == 1, sq, sk, nqb, nkb,
+        hq, hk, hq // hk, int(hl == 1), sq, sk, nqb, nkb,
         qk_scale, scale, window or 0,
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=kv_tiles.block_m, BLOCK_N=kv_tiles.block_n,

@@ -11,7 +11,9 @@ variable set from its start: functions sent to it run the kernels under the inte
 the calling process is left untouched.
 
 Limits of the interpreter: fp32 and fp16 work; bf16 matrix products do not (numpy has no bf16,
-and Triton's interpreter multiplies the raw bits), so bf16 is checked on a GPU only.
+and Triton's interpreter multiplies the raw bits), so bf16 is checked on a GPU only. Triton 3.6
+and older cannot interpret loops bounded by a loaded value under numpy 2.4 and newer
+(triton-lang/triton#9171); `interpreter_pool()` refuses that pair up front, naming the fix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ import threading
 from collections.abc import Iterator
 
 _ENV_LOCK = threading.Lock()
+
+
+def interpreter_blocker(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run these kernels with these versions, or None if it can.
+
+    Before Triton 3.7 the interpreter turns a loaded scalar into a Python int with `int()` on a
+    one-element array, which numpy refuses from 2.4 on; every kernel loop bounded by a layout count
+    would fail deep inside the interpreter.
+    """
+    from packaging.version import Version
+
+    if Version(triton_version).release < (3, 7) and Version(numpy_version).release >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run these kernels with numpy {numpy_version} "
+                "(triton-lang/triton#9171): install triton>=3.7, or numpy<2.4, for CPU kernel runs.")
+    return None
 
 
 def kernels_are_interpreted() -> bool:
@@ -41,6 +58,12 @@ def interpreter_pool() -> Iterator[multiprocessing.pool.Pool]:
     Use `pool.apply(fn, args, kwargs)` with picklable functions (e.g.
     `hf_sparse_cp.kernels.sparse_attention_forward`) and CPU tensors; results come back pickled.
     """
+    import numpy
+    import triton
+
+    blocker = interpreter_blocker(triton.__version__, numpy.__version__)
+    if blocker:
+        raise RuntimeError(blocker)
     ctx = multiprocessing.get_context("spawn")
     with _ENV_LOCK:
         previous = os.environ.get("TRITON_INTERPRET")

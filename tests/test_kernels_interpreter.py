@@ -12,7 +12,7 @@ import pytest
 import torch
 from hf_sparse_cp.kernels import block_sparse_bwd
 from hf_sparse_cp.kernels import ops as kops
-from hf_sparse_cp.kernels.interpreter import interpreter_pool
+from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
 from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
@@ -261,6 +261,14 @@ def test_compiled_kernels_refuse_cpu_tensors():
     meta = TokenMeta.contiguous(1, 32)
     with pytest.raises(ValueError, match="CUDA tensors"):
         kops.sparse_attention_forward(q, q, q, dense_layout(meta, 16), scale=0.25, q_meta=meta, k_meta=meta)
+
+
+def test_interpreter_refuses_the_triton_numpy_pair_it_cannot_run():
+    """Triton 3.6's interpreter fails on our count-bounded loops under numpy 2.4+ (triton#9171)."""
+    assert "triton>=3.7" in interpreter_blocker("3.6.0", "2.5.2")
+    assert interpreter_blocker("3.6.0", "2.3.5") is None
+    assert interpreter_blocker("3.9.0", "2.5.2") is None
+    assert interpreter_blocker("3.7.0+git1a2b", "2.4.0rc1") is None
 
 
 def test_primitives_refuse_bad_inputs():
