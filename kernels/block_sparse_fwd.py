@@ -8,9 +8,9 @@ the same query tile and consecutive heads run next to each other, so a group's K
 served from L2; query tiles run last-first, which puts the longest causal rows first.
 
 The kernel can start from an existing (out, lse) pair instead of from nothing ("merge" mode):
-the previous result enters the online softmax as one more term (running max = its lse, running
-sum = 1, accumulator = its output), so a ring step merges into the running result in the same
-pass that computes it. A tile whose layout row lists nothing returns at once in that mode, leaving
+the previous result is folded in after the loops as one more online-softmax term (max = its
+lse, sum = 1, accumulator = its output), so a ring step merges into the running result in the
+same pass that computes it; reading it only after the loops keeps its registers free during them. A tile whose layout row lists nothing returns at once in that mode, leaving
 the running result untouched (no load, no store, no rounding).
 """
 
@@ -80,22 +80,9 @@ def _forward_kernel(
     q_seg = query_segments(q_seg)
     q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
 
-    # output pointers are rebuilt at the end: a [BLOCK_M, BLOCK_D] pointer tensor kept live across the
-    # loops would cost two registers per element
-    o_base = Out + b * stride_ob + h * stride_oh
-    lse_base = Lse + (b * num_q_heads + h) * q_len
-    if MERGE:
-        lse_prev = tl.load(lse_base + offs_m, mask=m_ok, other=float("-inf"))
-        seen = lse_prev > float("-inf")
-        m_i = tl.where(seen, lse_prev * LOG2E, float("-inf"))
-        l_i = tl.where(seen, 1.0, 0.0)
-        o_prev = tl.load(o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :],
-                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.where(seen[:, None], o_prev.to(tl.float32), 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -125,13 +112,28 @@ def _forward_kernel(
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
+    # Output pointers are built only here, after the loops: a [BLOCK_M, BLOCK_D] pointer tensor live
+    # across them would cost two registers per element (the merge reads the previous result here too).
+    o_ptr = Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
+    lse_ptr = Lse + (b * num_q_heads + h) * q_len + offs_m
+    o_mask = m_ok[:, None] & d_ok[None, :]
+    if MERGE:
+        # the previous result is one more softmax term: running max lse_prev (base 2), sum 1, output o_prev
+        m_prev = tl.load(lse_ptr, mask=m_ok, other=float("-inf")) * LOG2E
+        m_new = tl.maximum(m_i, m_prev)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        w_prev = tl.exp2(m_prev - m_use)
+        o_prev = tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + o_prev * w_prev[:, None]
+        l_i = l_i * alpha + w_prev
+        m_i = m_new
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    o_ptr = o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
-    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(lse_base + offs_m, lse, mask=m_ok)
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptr, lse, mask=m_ok)
 
 
 def placeholder_if_empty(t: torch.Tensor) -> torch.Tensor:
