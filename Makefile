@@ -33,6 +33,7 @@ test-gpu: install
 bench: install
 	PYTHONSAFEPATH=1 $(PY) benchmarks/cp_balance.py --node-size 8 --json benchmarks/results/cp_balance.json
 	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_smet.py
+	PYTHONSAFEPATH=1 $(PY) benchmarks/kernel_resources.py
 
 bench-gpu: install
 	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_attention.py

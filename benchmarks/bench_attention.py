@@ -45,17 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from hf_sparse_cp.benchmarking import environment, format_targets
+from hf_sparse_cp.benchmarking import environment, format_targets, time_ms, write_report
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.pattern import (
@@ -252,29 +249,6 @@ def computed_pairs(layout: SparseLayout, num_q_heads: int, include_columns: bool
 
 
 # ---------------------------------------------------------------------------------------- timing
-
-
-def time_ms(fn, warmup: int, repeats: int, device: str = "cuda") -> float:
-    """Median time of fn() in milliseconds: CUDA events on "cuda", the wall clock elsewhere."""
-    for _ in range(warmup):
-        fn()
-    if device != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_estimation(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig, meta: TokenMeta, warmup: int,
@@ -597,11 +571,7 @@ def main(argv: list[str]) -> dict:
         print(format_estimation(report["estimation"]))
     print()
     print(format_targets(report["targets"]))
-    slug = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()[:40]
-    out = Path(args.output) if args.output else RESULTS_DIR / f"attention_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, RESULTS_DIR, "attention", args.output)
     return report
 
 

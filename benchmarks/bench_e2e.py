@@ -372,10 +372,6 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()[:40] or "device"
-
-
 def parse_args(argv):
     from transformers import HfArgumentParser
 
@@ -390,7 +386,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> dict:
-    from hf_sparse_cp.benchmarking import format_targets
+    from hf_sparse_cp.benchmarking import format_targets, write_report
 
     args, sparse = parse_args(argv)
     device = args.device
@@ -450,11 +446,7 @@ def main(argv: list[str]) -> dict:
             used = "ran out of memory" if check["sparse_cp_gib"] is None else f"{check['sparse_cp_gib']:.2f} GiB"
             print(f"WARNING: sparse_cp used more memory than liger-kernel for {check['model']} at "
                   f"S={check['seq_len']}: {used} vs {check['liger_gib']:.2f} GiB")
-    out = Path(args.output) if args.output else (
-        RESULTS_DIR / f"e2e_{_slug(env['device'])}_{datetime.now():%Y%m%d-%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, RESULTS_DIR, "e2e", args.output)
     return report
 
 

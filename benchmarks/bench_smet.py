@@ -16,7 +16,6 @@ matrices and 80 per row of down_proj, so every density above is hit exactly.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_cp.benchmarking import environment
+from hf_sparse_cp.benchmarking import environment, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -181,11 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
           "matrices, index = block index + per-block step counters")
     print(format_table(rows))
     report = {**env, "date": datetime.now().isoformat(timespec="seconds"), "settings": asdict(args), "rows": rows}
-    slug = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()
-    out = Path(args.output) if args.output else RESULTS_DIR / f"smet_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, RESULTS_DIR, "smet", args.output)
     return report
 
 

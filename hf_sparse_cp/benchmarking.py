@@ -1,10 +1,16 @@
-"""What every benchmark report records about the machine it ran on, and how it prints its targets."""
+"""What every benchmark shares: the machine and versions its report records, timing, how it
+prints its targets and where it writes its JSON."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -61,3 +67,36 @@ def format_targets(targets: list[dict]) -> str:
         shown = "" if value is None else (f"{value:.3f} " if isinstance(value, float) else f"{value} ")
         lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")
     return "\n".join(lines)
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int, device: str = "cuda") -> float:
+    """Median time of fn() in milliseconds: CUDA events on "cuda", the wall clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    if device != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def write_report(report: dict, results_dir: Path, kind: str, output: str | None = None) -> Path:
+    """Write a benchmark's JSON to `output`, or to results_dir/<kind>_<device>_<time>.json; returns the path."""
+    slug = "".join(c if c.isalnum() else "-" for c in report["device"]).strip("-").lower()[:40] or "device"
+    out = Path(output) if output else results_dir / f"{kind}_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out

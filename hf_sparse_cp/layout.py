@@ -104,6 +104,11 @@ class SparseLayout:
         if bool(hit.any()):
             raise ValueError("layout.col_idx lists a key token that lies inside a listed block of the same query block.")
 
+    def to(self, device: torch.device | str) -> SparseLayout:
+        """This layout with its index tensors on `device`."""
+        return SparseLayout(self.block_idx.to(device), self.block_cnt.to(device), self.col_idx.to(device),
+                            self.col_cnt.to(device), self.block_size)
+
     def num_computed_blocks(self) -> torch.Tensor:
         """Computed work per (batch, head) in block units: listed blocks plus columns / block_size."""
         return self.block_cnt.sum(-1).double() + self.col_cnt.sum(-1).double() / self.block_size

@@ -6,7 +6,8 @@ summaries and the backward's index structures); `ops` registers them as `torch.l
 ops and offers the forward/backward primitives that `hf_sparse_cp.ops` dispatches CUDA tensors
 to; `vertical_slash` scores the vertical-slash pattern of a document (what
 `hf_sparse_cp.pattern` runs on CUDA), with its fp32 reference; `interpreter` runs the kernels on
-CPU tensors through Triton's interpreter (tests, debugging).
+CPU tensors through Triton's interpreter (tests, debugging); `sm90` builds them for Hopper without
+a GPU and reads the registers, spills and shared memory each build uses.
 """
 
 from .ops import SUPPORTED_DTYPES, sparse_attention_backward, sparse_attention_forward, supports

@@ -2,14 +2,15 @@
 
 Autotuning is left out on purpose: the forward can merge into its output in place, so a tuner's
 repeated trial launches would corrupt it, and per-shape tuning would stall the first training
-steps. The CUDA choices were made without a GPU, from compiling the kernels for sm_90 (Triton's
-ahead-of-time `triton.compile` with a `GPUTarget("cuda", 90, 32)`, pointer and stride arguments
-marked 16-divisible as the launcher's specialization does) and reading the resource usage: every
-choice keeps all matrix products on wgmma (HGMMA in the SASS, no HMMA fallback, which is why
-column tiles are 64 rows: transposed column products need M >= 64), K/V loads pipelined with
-cp.async, no register spills (bf16, head_dim 64 and 128; the 128x128 forward tile spills at
-head_dim 128, 4 warps spill everywhere) and shared memory under 227 KB. Timing them against
-alternatives on an H100 is the next step (benchmarks/bench_attention.py). Under Triton's
+steps. The CUDA choices were made without a GPU, from sm_90 builds (`sm90`; the table is
+`benchmarks/kernel_resources.py`, with Triton 3.6 and 3.9 results in benchmarks/results/): every
+choice keeps all matrix products on wgmma (no mma.sync fallback, which is why column tiles are 64
+rows: transposed column products need M >= 64) and shared memory under 227 KB. Every kernel uses
+the 255 registers a thread may have at 8 warps; what the compiler spills stays under ~130 bytes per
+thread except the dq kernel with column gradients at head_dim 128 (~650 bytes: dq, q, dout and the
+columns' dk/dv live at once). 4 warps spill more in every attention kernel, and 128-row tiles at 4 warps do not
+build with Triton 3.6. None of this has been timed yet: `benchmarks/tune_tiles.py` times the
+candidates on a GPU through `tiles_override`, and its winners belong here. Under Triton's
 interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
 
 Head dims above 128 spill heavily with any wgmma-sized tile (and the dq kernel overflows shared
@@ -18,7 +19,9 @@ memory at 256), so the kernels stop at 128 (`ops.MAX_HEAD_DIM`); larger heads us
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,36 @@ class Tiles:
     num_stages: int
 
 
+# Tiles set by `tiles_override` (tuning runs), by kernel name.
+_overrides: dict[str, Tiles] = {}
+KERNELS = ("forward", "dq", "dkdv")
+
+
+@contextlib.contextmanager
+def tiles_override(**tiles: Tiles) -> Iterator[None]:
+    """Launch the named kernels ("forward", "dq", "dkdv") with these tiles inside the block, on any
+    device (`benchmarks/tune_tiles.py` times candidates this way); block_m/block_n are capped at
+    the layout block size. Tile sizes must be powers of two."""
+    unknown = set(tiles) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; use {KERNELS}.")
+    previous = dict(_overrides)
+    _overrides.update(tiles)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(previous)
+
+
+def _overridden(kernel: str, block_size: int) -> Tiles | None:
+    t = _overrides.get(kernel)
+    return t and replace(t, block_m=min(t.block_m, block_size), block_n=min(t.block_n, block_size))
+
+
 def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
+    if t := _overridden("forward", block_size):
+        return t
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
     if head_dim <= 64:
@@ -46,15 +78,23 @@ def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
 
 
 def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
+    if t := _overridden("dq", block_size):
+        return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
 
 
 def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
+    if t := _overridden("dkdv", block_size):
+        return t
     if not on_gpu:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
-    return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
+    if head_dim <= 64:
+        return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
+    # 128 keys per program hold 128 fp32 registers of dk/dv accumulators per thread at head_dim 128
+    # and spilled over 2 KB per thread; 64 keys with 32-row query steps stay near 100 bytes.
+    return Tiles(min(block_size, 32), min(block_size, 64), 64, 8, 3)
 
 
 @dataclass(frozen=True)

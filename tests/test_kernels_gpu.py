@@ -41,18 +41,14 @@ def _inputs(b, hq, hk, s, d, dtype, seed):
     return make(hq), make(hk), make(hk), make(hq), torch.randn(b, hq, s, generator=g, device=DEVICE)
 
 
-def _to_device(layout):
-    return SparseLayout(*(t.to(DEVICE) for t in (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt)),
-                        layout.block_size)
-
-
 def _layout(kind, b, heads, s, seed):
     g = torch.Generator().manual_seed(seed)
     if kind == "vertical_slash":  # ~10% of the block diagonals and ~1% of the tokens as columns, per head
         nb = -(-s // BLOCK)
-        return _to_device(random_vertical_slash_layout(b, heads, s, BLOCK, max(2, nb // 10), max(8, s // 100),
-                                                       generator=g))
-    return _to_device(random_layout(b, heads, s, s, BLOCK, 0.1, 0.002, generator=g))
+        layout = random_vertical_slash_layout(b, heads, s, BLOCK, max(2, nb // 10), max(8, s // 100), generator=g)
+    else:
+        layout = random_layout(b, heads, s, s, BLOCK, 0.1, 0.002, generator=g)
+    return layout.to(DEVICE)
 
 
 def _check(q, k, v, dout, dlse, layout, meta, window=None):

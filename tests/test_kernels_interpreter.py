@@ -10,7 +10,7 @@ fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests mar
 
 import pytest
 import torch
-from hf_sparse_cp.kernels import block_sparse_bwd
+from hf_sparse_cp.kernels import block_sparse_bwd, configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
 from oracle import TOLERANCE, rel_rms
@@ -30,12 +30,13 @@ def interp():
 
 # ---- run in the interpreter worker ---------------------------------------------------------------
 
-def _kernel_fwd_bwd(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, deterministic=False):
-    out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                             sliding_window=window)
-    grads = kops.sparse_attention_backward(q, k, v, out.to(q.dtype), lse, dout, layout, scale=scale, q_meta=q_meta,
-                                           k_meta=k_meta, sliding_window=window, dlse=dlse,
-                                           deterministic=deterministic)
+def _kernel_fwd_bwd(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, deterministic=False, tiles=None):
+    with configs.tiles_override(**(tiles or {})):
+        out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                                 sliding_window=window)
+        grads = kops.sparse_attention_backward(q, k, v, out.to(q.dtype), lse, dout, layout, scale=scale,
+                                               q_meta=q_meta, k_meta=k_meta, sliding_window=window, dlse=dlse,
+                                               deterministic=deterministic)
     return (out, lse, *grads)
 
 
@@ -102,10 +103,13 @@ def _key_range(layout, lo, hi):
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
-def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None):
-    """Kernel forward and backward equal the fp64 reference; returns the kernel results."""
+def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None,
+                             tiles=None):
+    """Kernel forward and backward (with `tiles` overriding the launchers' tiles) equal the fp64
+    reference; returns the kernel results."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    res = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse))
+    res = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse),
+                       {"tiles": tiles})
     out, lse, dq, dk, dv = res
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
@@ -153,6 +157,20 @@ def test_vertical_slash_layout_matches_reference(interp):
     assert int(layout.col_cnt.sum()) > 0
     meta = TokenMeta.contiguous(1, s)
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+
+
+def test_other_tiles_compute_the_same_function(interp):
+    """Tiles chosen by tuning (configs.tiles_override) change only the work split: query tiles of half
+    a block in the forward and dq, whole-block query steps and half-block key tiles in dk/dv, wider
+    column steps; packed documents and padding so that masked and unmasked tiles both occur."""
+    s, bs = 160, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=21)
+    meta = _random_docs(1, s, seed=23, pad=5)
+    layout = random_vertical_slash_layout(1, 4, s, bs, 3, 10, meta, generator=torch.Generator().manual_seed(22))
+    assert int(layout.col_cnt.sum()) > 0
+    tiles = {"forward": configs.Tiles(16, 32, 32, 1, 1), "dq": configs.Tiles(16, 32, 32, 1, 1),
+             "dkdv": configs.Tiles(32, 16, 16, 1, 1)}
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=tiles)
 
 
 def test_packed_documents_padding_and_shared_layout(interp):

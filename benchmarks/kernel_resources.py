@@ -1,0 +1,60 @@
+"""What the kernels use on Hopper with the launchers' tiles, read from sm_90 builds made without a GPU.
+
+For head_dim 64 and 128 (bf16, layout block 128), every kernel variant a GPU run launches is
+compiled for sm_90 with the installed Triton (`hf_sparse_cp.kernels.sm90`): registers and stack
+bytes per thread (a stack frame holds spilled registers), shared memory per program, and the
+count of wgmma / mma.sync instructions in its PTX. Prints a table and writes JSON to
+benchmarks/results/. Runs on any machine; nothing here is a GPU timing.
+
+    python benchmarks/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from hf_sparse_cp.kernels import sm90
+
+from hf_sparse_cp.benchmarking import environment, write_report
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def measure(head_dims=(64, 128), dtype: str = "bf16") -> list[dict]:
+    rows = []
+    for head_dim in head_dims:
+        for name, (tiles, build) in sm90.launcher_builds(head_dim, dtype).items():
+            rows.append({"kernel": name, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
+                         **dataclasses.asdict(sm90.usage(build))})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'kernel':<18} {'d':>4} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'regs':>5} "
+              f"{'stack B':>7} {'shared KB':>9} {'wgmma':>6} {'mma':>4}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        t = r["tiles"]
+        lines.append(f"{r['kernel']:<18} {r['head_dim']:>4} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} "
+                     f"{t['num_warps']:>5} {t['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>7} "
+                     f"{r['shared_bytes'] / 1024:9.1f} {r['wgmma']:>6} {r['mma_sync']:>4}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    rows = measure()
+    env = environment(torch.device("cpu"))
+    report = {"benchmark": "kernel_resources", "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
+              "target": "sm_90 (ahead-of-time build, no GPU)", "rows": rows}
+    print(f"sm_90 builds with triton {env['triton']} (no GPU; registers and stack per thread)")
+    print(format_table(rows))
+    write_report(report, RESULTS_DIR, f"kernel-resources_triton-{env['triton']}", argv[0] if argv else None)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

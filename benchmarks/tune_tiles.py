@@ -1,0 +1,197 @@
+"""Tile tuning of the block-sparse attention kernels on a GPU: times candidate tiles per kernel.
+
+The launchers take their tiles from `hf_sparse_cp.kernels.configs` (no autotuning at run time,
+see there). This script measures which tiles to put there: for one sequence (bench_attention's
+geometry: B = 1, 16 query heads, 2 key/value heads, head_dim 128, bf16, block 128) on a random
+vertical-slash layout with about `--density` kept blocks, it launches every candidate `Tiles` of
+one kernel through `configs.tiles_override`, the other kernels keeping their current tiles:
+
+* forward: the time of the forward op;
+* dq, dkdv: the time of the whole backward op (the other backward kernel fixed, so differences
+  between candidates are this kernel's).
+
+Each candidate's result is compared with the current tiles' (relative RMS of out, or of dq, dk,
+dv): tiles that compute something else are reported as "wrong" and never picked. Candidates that
+fail to build (e.g. shared memory) are reported with their error. Prints one table per kernel,
+fastest first, with the speed-up over the current tiles, and writes JSON to benchmarks/results/.
+
+    python benchmarks/tune_tiles.py
+    python benchmarks/tune_tiles.py --kernels dkdv --seq_len 131072 --density 0.1
+
+This is a GPU benchmark: without CUDA it refuses to run. The candidate grids, the ranking and
+the table (`candidates`, `rank`, `format_table`) run anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from hf_sparse_cp.kernels import configs
+from hf_sparse_cp.kernels import ops as kops
+from hf_sparse_cp.kernels.configs import Tiles
+
+from hf_sparse_cp.benchmarking import environment, time_ms, write_report
+from hf_sparse_cp.synthetic import random_vertical_slash_layout
+from hf_sparse_cp.tokens import TokenMeta
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Largest relative RMS difference from the current tiles' result that still counts as the same
+# function: only the fp32 accumulation order changes with the tiles.
+SAME_RESULT_RTOL = 1e-3
+
+
+@dataclass
+class TuneTilesArguments:
+    seq_len: int = field(default=65536, metadata={"help": "Tokens of the one sequence."})
+    density: float = field(default=0.05, metadata={"help": "Approximate kept-block fraction of the random layout."})
+    num_verticals: int = field(default=1000, metadata={"help": "Random key columns per head."})
+    kernels: list[str] = field(default_factory=lambda: list(configs.KERNELS),
+                               metadata={"help": f"Kernels to tune, from {configs.KERNELS}."})
+    num_q_heads: int = field(default=16, metadata={"help": "Query heads."})
+    num_kv_heads: int = field(default=2, metadata={"help": "Key/value heads."})
+    head_dim: int = field(default=128, metadata={"help": "Head dimension."})
+    block_size: int = field(default=128, metadata={"help": "Layout block size."})
+    warmup: int = field(default=2, metadata={"help": "Untimed runs per candidate (the first compiles it)."})
+    repeats: int = field(default=10, metadata={"help": "Timed runs per candidate; the median is reported."})
+    seed: int = field(default=0, metadata={"help": "Seed of the layout and inputs."})
+    output: str | None = field(default=None, metadata={"help": "JSON path; default benchmarks/results/."})
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kernels) - set(configs.KERNELS)
+        if unknown:
+            raise ValueError(f"unknown kernels {sorted(unknown)}; use {configs.KERNELS}.")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density must be in (0, 1]; got {self.density}.")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads.")
+
+
+def candidates(kernel: str, block_size: int) -> list[Tiles]:
+    """The tiles tried for `kernel`: wgmma-sized products (64 rows on the M side of every product),
+    4 or 8 warps, 2 to 4 pipeline stages; tile sizes that exceed the layout block are dropped."""
+    if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
+        grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (2, 3, 4))
+    else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
+        grid = itertools.product((64, 128), (32, 64, 128), (64,), (4, 8), (2, 3, 4))
+    return [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
+
+
+def current_tiles(kernel: str, block_size: int, head_dim: int) -> Tiles:
+    pick = {"forward": configs.forward_tiles, "dq": configs.dq_tiles, "dkdv": configs.dkdv_tiles}[kernel]
+    return pick(block_size, head_dim, on_gpu=True)
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """One kernel's rows, fastest correct candidate first, then the wrong and failed ones."""
+    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["ms"])
+    return ok + [r for r in rows if r["status"] != "ok"]
+
+
+def format_table(kernel: str, rows: list[dict]) -> str:
+    header = f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'ms':>9} {'x current':>9}  note"
+    lines = [header, "-" * len(header)]
+    base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
+    for r in rank(rows):
+        t = r["tiles"]
+        cells = f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} {t['num_stages']:>6}"
+        if r["status"] == "ok":
+            speedup = f"{base / r['ms']:9.2f}" if base else " " * 9
+            note = "current" if r["current"] else ""
+            lines.append(f"{cells} {r['ms']:9.3f} {speedup}  {note}".rstrip())
+        else:
+            lines.append(f"{cells} {'':9} {'':9}  {r['status']}: {r.get('reason', '')}"[:160])
+    return "\n".join(lines)
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+class Tuner:
+    def __init__(self, args: TuneTilesArguments):
+        self.args = args
+        a = args
+        g = torch.Generator().manual_seed(a.seed)
+        nb = -(-a.seq_len // a.block_size)
+        # a random diagonal holds about nb/2 of the nb(nb+1)/2 causal blocks: density * nb of them
+        diagonals = max(1, round(a.density * nb))
+        self.meta = TokenMeta.contiguous(1, a.seq_len, "cuda")
+        self.layout = random_vertical_slash_layout(1, a.num_q_heads, a.seq_len, a.block_size, diagonals,
+                                                   a.num_verticals, generator=g).to("cuda")
+        gd = torch.Generator(device="cuda").manual_seed(a.seed)
+        make = lambda h: torch.randn(1, h, a.seq_len, a.head_dim, generator=gd, device="cuda", dtype=torch.bfloat16)
+        self.q, self.k, self.v = make(a.num_q_heads), make(a.num_kv_heads), make(a.num_kv_heads)
+        self.dout = make(a.num_q_heads)
+        self.scale = a.head_dim**-0.5
+        self.rows: list[dict] = []
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return kops.sparse_attention_forward(self.q, self.k, self.v, self.layout, scale=self.scale,
+                                             q_meta=self.meta, k_meta=self.meta)
+
+    def backward(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return kops.sparse_attention_backward(self.q, self.k, self.v, out, lse, self.dout, self.layout,
+                                              scale=self.scale, q_meta=self.meta, k_meta=self.meta)
+
+    def run_kernel(self, kernel: str) -> list[dict]:
+        a = self.args
+        out, lse = self.forward()
+        out = out.to(self.q.dtype)
+        step = (lambda: self.forward()[0]) if kernel == "forward" else (lambda: torch.cat(
+            [g.flatten() for g in self.backward(out, lse)]))
+        reference = step()
+        now = current_tiles(kernel, a.block_size, a.head_dim)
+        rows = []
+        for tiles in candidates(kernel, a.block_size):
+            row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
+            try:
+                with configs.tiles_override(**{kernel: tiles}):
+                    err = _rel_rms(step(), reference)
+                    if err > SAME_RESULT_RTOL:
+                        row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
+                    else:
+                        row.update(status="ok", rel_rms=err, ms=time_ms(step, a.warmup, a.repeats))
+            except Exception as e:  # a candidate that does not build is data, not the end of the run
+                row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            torch.cuda.empty_cache()
+            shown = f"{row['ms']:.3f} ms" if row["status"] == "ok" else row["reason"]
+            print(f"[{kernel} {tiles}] {row['status']}: {shown}", flush=True)
+            rows.append(row)
+        self.rows += rows
+        return rows
+
+
+def main(argv: list[str]) -> dict:
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(TuneTilesArguments).parse_args_into_dataclasses(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_tiles.py is a GPU benchmark and found no CUDA device; nothing was measured.")
+    tuner = Tuner(args)
+    tables = [format_table(kernel, tuner.run_kernel(kernel)) for kernel in args.kernels]
+    env = environment(torch.device("cuda"))
+    report = {
+        "benchmark": "tune_tiles",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **env,
+        "settings": {**dataclasses.asdict(args), "kept_fraction": float(tuner.layout.kept_fraction())},
+        "results": tuner.rows,
+        "best": {k: rank([r for r in tuner.rows if r["kernel"] == k])[0] for k in args.kernels},
+    }
+    print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}; S={args.seq_len}, kept fraction "
+          f"{report['settings']['kept_fraction']:.3f}")
+    for table in tables:
+        print()
+        print(table)
+    write_report(report, RESULTS_DIR, "tiles", args.output)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

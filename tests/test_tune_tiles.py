@@ -1,0 +1,83 @@
+"""Tile overrides (`kernels.configs.tiles_override`) and the CPU-testable parts of
+benchmarks/tune_tiles.py: its candidate grids, ranking and table; the tuning itself needs a GPU."""
+
+import dataclasses
+
+import pytest
+import torch
+from benchmark_loader import load_benchmark
+
+from hf_sparse_cp.kernels import configs
+from hf_sparse_cp.kernels.configs import Tiles
+
+
+@pytest.fixture(scope="module")
+def tune():
+    with load_benchmark("tune_tiles") as module:
+        yield module
+
+
+def test_override_applies_inside_the_block_only_and_nests():
+    default, forward = configs.dq_tiles(128, 128, on_gpu=True), configs.forward_tiles(128, 128, on_gpu=True)
+    with configs.tiles_override(dq=Tiles(64, 256, 64, 4, 2)):
+        assert configs.dq_tiles(128, 128, on_gpu=True) == Tiles(64, 128, 64, 4, 2)  # capped at the block size
+        assert configs.dq_tiles(32, 64, on_gpu=False) == Tiles(32, 32, 64, 4, 2)  # any device
+        assert configs.forward_tiles(128, 128, on_gpu=True) == forward  # other kernels keep theirs
+        with configs.tiles_override(forward=Tiles(64, 32, 64, 4, 2)):
+            assert configs.forward_tiles(128, 128, on_gpu=True) == Tiles(64, 32, 64, 4, 2)
+            assert configs.dq_tiles(128, 128, on_gpu=True) == Tiles(64, 128, 64, 4, 2)
+        assert configs.forward_tiles(128, 128, on_gpu=True) == forward
+    assert configs.dq_tiles(128, 128, on_gpu=True) == default
+
+
+def test_override_is_undone_when_the_block_raises():
+    default = configs.dkdv_tiles(128, 128, on_gpu=True)
+    with pytest.raises(RuntimeError), configs.tiles_override(dkdv=Tiles(16, 64, 64, 4, 2)):
+        raise RuntimeError
+    assert configs.dkdv_tiles(128, 128, on_gpu=True) == default
+
+
+def test_override_refuses_unknown_kernels():
+    with pytest.raises(ValueError, match="unknown kernels"), configs.tiles_override(fwd=Tiles(64, 64, 64, 4, 2)):
+        pass
+
+
+@pytest.mark.parametrize("kernel", configs.KERNELS)
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, block_size):
+    cands = tune.candidates(kernel, block_size)
+    assert len(set(cands)) == len(cands) > 10
+    for t in cands:
+        for size in (t.block_m, t.block_n, t.block_c):
+            assert size & (size - 1) == 0
+        assert t.block_m <= block_size and t.block_n <= block_size
+        assert t.num_warps in (4, 8)
+    for head_dim in (64, 128):
+        assert tune.current_tiles(kernel, block_size, head_dim) in cands
+
+
+def _row(kernel, tiles, status, ms=None, current=False, reason=""):
+    row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": current, "status": status}
+    return {**row, "ms": ms} if status == "ok" else {**row, "reason": reason}
+
+
+def test_rank_puts_the_fastest_correct_tiles_first_and_failures_last(tune):
+    rows = [
+        _row("dq", Tiles(128, 64, 64, 8, 3), "ok", 2.0, current=True),
+        _row("dq", Tiles(64, 32, 64, 4, 2), "wrong", reason="rel. RMS 1e-1"),
+        _row("dq", Tiles(64, 64, 64, 8, 3), "ok", 1.5),
+        _row("dq", Tiles(128, 128, 64, 8, 4), "error", reason="OutOfResources: shared memory"),
+    ]
+    ranked = tune.rank(rows)
+    assert [r["status"] for r in ranked] == ["ok", "ok", "wrong", "error"]
+    assert ranked[0]["ms"] == 1.5
+    table = tune.format_table("dq", rows)
+    lines = table.splitlines()
+    assert "1.33" in lines[2] and "1.00" in lines[3] and "current" in lines[3]
+    assert "shared memory" in table and "wrong" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_tuning_refuses_without_gpu(tune):
+    with pytest.raises(SystemExit, match="GPU benchmark"):
+        tune.main(["--seq_len", "1024"])
