@@ -7,11 +7,12 @@ heads of a GQA group read their shared key/value head directly (no replication).
 the same query tile and consecutive heads run next to each other, so a group's K/V tiles are
 served from L2; query tiles run last-first, which puts the longest causal rows first.
 
-The kernel can start from an existing (out, lse) pair instead of from nothing ("merge" mode):
-the previous result is folded in after the loops as one more online-softmax term (max = its
-lse, sum = 1, accumulator = its output), so a ring step merges into the running result in the
-same pass that computes it; reading it only after the loops keeps its registers free during them. A tile whose layout row lists nothing returns at once in that mode, leaving
-the running result untouched (no load, no store, no rounding).
+The kernel can start from an existing (out, lse) pair instead of from nothing ("merge" mode): the
+previous result is folded in after the loops as one more online-softmax term (max = its lse, sum =
+1, accumulator = its output), so a ring step merges into the running result in the same pass that
+computes it; reading it only after the loops keeps its registers free during them. A tile whose
+layout row lists nothing returns at once in that mode, leaving the running result untouched (no
+load, no store, no rounding).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Tile sizes, warps and pipeline depth of the kernels, chosen per launch (no autotuning).
 
 Autotuning is left out on purpose: the forward can merge into its output in place, so a tuner's
-repeated trial launches would corrupt it, and per-shape tuning would stall the first training
-steps. The CUDA choices were made without a GPU, from sm_90 builds (`sm90`; the table is
+repeated trial launches would corrupt it, and per-shape tuning would stall the first training steps.
+The CUDA choices were made without a GPU, from sm_90 builds (`sm90`; the table is
 `benchmarks/kernel_resources.py`, with Triton 3.6 and 3.9 results in benchmarks/results/): every
 choice keeps all matrix products on wgmma (no mma.sync fallback, which is why column tiles are 64
-rows: transposed column products need M >= 64) and shared memory under 227 KB. Every kernel uses
-the 255 registers a thread may have at 8 warps; what the compiler spills stays under ~130 bytes per
+rows: transposed column products need M >= 64) and shared memory under 227 KB. Each attention kernel uses the
+255 registers a thread may have at 8 warps; what the compiler spills stays under ~130 bytes per
 thread except the dq kernel with column gradients at head_dim 128 (~650 bytes: dq, q, dout and the
-columns' dk/dv live at once). 4 warps spill more in every attention kernel, and 128-row tiles at 4 warps do not
-build with Triton 3.6. None of this has been timed yet: `benchmarks/tune_tiles.py` times the
-candidates on a GPU through `tiles_override`, and its winners belong here. Under Triton's
+columns' dk/dv live at once). 4 warps spill more in every attention kernel, and 128-row tiles at 4
+warps do not build with Triton 3.6. None of this has been timed yet: `benchmarks/tune_tiles.py`
+times the candidates on a GPU through `tiles_override`, and its winners belong here. Under Triton's
 interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
 
 Head dims above 128 spill heavily with any wgmma-sized tile (and the dq kernel overflows shared
