@@ -82,9 +82,9 @@ def candidates(kernel: str, block_size: int) -> list[Tiles]:
     return [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
 
 
-def current_tiles(kernel: str, block_size: int, head_dim: int) -> Tiles:
+def current_tiles(kernel: str, block_size: int, head_dim: int, on_gpu: bool = True) -> Tiles:
     pick = {"forward": configs.forward_tiles, "dq": configs.dq_tiles, "dkdv": configs.dkdv_tiles}[kernel]
-    return pick(block_size, head_dim, on_gpu=True)
+    return pick(block_size, head_dim, on_gpu)
 
 
 def rank(rows: list[dict]) -> list[dict]:
@@ -114,18 +114,23 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Tuner:
-    def __init__(self, args: TuneTilesArguments):
+    """The timing runs. `device` is "cuda" for measurements; on "cpu" (tests) the kernels need
+    Triton's interpreter and times are wall-clock."""
+
+    def __init__(self, args: TuneTilesArguments, device: str = "cuda"):
         self.args = args
+        self.device = device
         a = args
         g = torch.Generator().manual_seed(a.seed)
         nb = -(-a.seq_len // a.block_size)
         # a random diagonal holds about nb/2 of the nb(nb+1)/2 causal blocks: density * nb of them
         diagonals = max(1, round(a.density * nb))
-        self.meta = TokenMeta.contiguous(1, a.seq_len, "cuda")
+        self.meta = TokenMeta.contiguous(1, a.seq_len, device)
         self.layout = random_vertical_slash_layout(1, a.num_q_heads, a.seq_len, a.block_size, diagonals,
-                                                   a.num_verticals, generator=g).to("cuda")
-        gd = torch.Generator(device="cuda").manual_seed(a.seed)
-        make = lambda h: torch.randn(1, h, a.seq_len, a.head_dim, generator=gd, device="cuda", dtype=torch.bfloat16)
+                                                   a.num_verticals, generator=g).to(device)
+        gd = torch.Generator(device=device).manual_seed(a.seed)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter has no bf16 products
+        make = lambda h: torch.randn(1, h, a.seq_len, a.head_dim, generator=gd, device=device).to(dtype)
         self.q, self.k, self.v = make(a.num_q_heads), make(a.num_kv_heads), make(a.num_kv_heads)
         self.dout = make(a.num_q_heads)
         self.scale = a.head_dim**-0.5
@@ -139,27 +144,30 @@ class Tuner:
         return kops.sparse_attention_backward(self.q, self.k, self.v, out, lse, self.dout, self.layout,
                                               scale=self.scale, q_meta=self.meta, k_meta=self.meta)
 
-    def run_kernel(self, kernel: str) -> list[dict]:
+    def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None) -> list[dict]:
+        """Time `tiles_list` (default: `candidates`) for `kernel`; returns and keeps the rows."""
         a = self.args
         out, lse = self.forward()
         out = out.to(self.q.dtype)
-        step = (lambda: self.forward()[0]) if kernel == "forward" else (lambda: torch.cat(
-            [g.flatten() for g in self.backward(out, lse)]))
-        reference = step()
-        now = current_tiles(kernel, a.block_size, a.head_dim)
+        step = self.forward if kernel == "forward" else (lambda: self.backward(out, lse))
+        # what the step computes, as one vector (out, or dq, dk, dv), compared outside the timing
+        result = lambda: torch.cat([t.flatten() for t in step()[: 1 if kernel == "forward" else 3]])
+        reference = result()
+        now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        for tiles in candidates(kernel, a.block_size):
+        for tiles in tiles_list or candidates(kernel, a.block_size):
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
             try:
                 with configs.tiles_override(**{kernel: tiles}):
-                    err = _rel_rms(step(), reference)
+                    err = _rel_rms(result(), reference)
                     if err > SAME_RESULT_RTOL:
                         row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
                     else:
-                        row.update(status="ok", rel_rms=err, ms=time_ms(step, a.warmup, a.repeats))
+                        row.update(status="ok", rel_rms=err, ms=time_ms(step, a.warmup, a.repeats, self.device))
             except Exception as e:  # a candidate that does not build is data, not the end of the run
                 row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
-            torch.cuda.empty_cache()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
             shown = f"{row['ms']:.3f} ms" if row["status"] == "ok" else row["reason"]
             print(f"[{kernel} {tiles}] {row['status']}: {shown}", flush=True)
             rows.append(row)

@@ -2,11 +2,11 @@
 benchmarks/tune_tiles.py: its candidate grids, ranking and table; the tuning itself needs a GPU."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
 from benchmark_loader import load_benchmark
-
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels.configs import Tiles
 
@@ -81,3 +81,33 @@ def test_rank_puts_the_fastest_correct_tiles_first_and_failures_last(tune):
 def test_tuning_refuses_without_gpu(tune):
     with pytest.raises(SystemExit, match="GPU benchmark"):
         tune.main(["--seq_len", "1024"])
+
+
+def _tune_on_cpu(module_path: str):
+    """In the interpreter worker: the tuner's runs at toy size, each kernel with the current tiles
+    and one other candidate."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_tiles", module_path)
+    tune = importlib.util.module_from_spec(spec)
+    sys.modules["tune_tiles"] = tune
+    spec.loader.exec_module(tune)
+    args = tune.TuneTilesArguments(seq_len=160, density=0.3, num_verticals=12, num_q_heads=4, num_kv_heads=2,
+                                   head_dim=16, block_size=32, warmup=0, repeats=1)
+    tuner = tune.Tuner(args, device="cpu")
+    others = {"forward": Tiles(16, 32, 32, 1, 1), "dq": Tiles(16, 32, 32, 1, 1), "dkdv": Tiles(32, 16, 16, 1, 1)}
+    return [row for kernel, other in others.items()
+            for row in tuner.run_kernel(kernel, [tune.current_tiles(kernel, 32, 16, on_gpu=False), other])]
+
+
+def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune):
+    from hf_sparse_cp.kernels.interpreter import interpreter_pool
+
+    with interpreter_pool() as pool:
+        rows = pool.apply(_tune_on_cpu, (tune.__file__,))
+    assert [r["kernel"] for r in rows] == ["forward", "forward", "dq", "dq", "dkdv", "dkdv"]
+    assert [r["current"] for r in rows] == [True, False] * 3
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ms"] > 0 and r["rel_rms"] <= tune.SAME_RESULT_RTOL
+    assert "current" in tune.format_table("dq", rows[2:4])
