@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_cp.benchmarking import environment, format_targets, time_ms, write_report
+from hf_sparse_cp.benchmarking import environment, format_targets, rel_rms, time_ms, write_report
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.pattern import (
@@ -387,9 +387,9 @@ class Bench:
         """ours vs Flex on the same blocks (columns removed): both must compute the same function."""
         blocks = columns_removed(layout)
         with torch.no_grad():
-            ours = _ours(blocks)(*tensors).float()
-            flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors).float()
-        err = float((ours - flex).pow(2).mean().sqrt() / flex.pow(2).mean().sqrt())
+            ours = _ours(blocks)(*tensors)
+            flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors)
+        err = rel_rms(ours, flex)
         self.checks.append({"seq_len": seq_len, "layout": name, "rel_rms_ours_vs_flex": err})
         print(f"[S={seq_len} {name}] check: rel. RMS ours vs flex = {err:.2e}", flush=True)
 

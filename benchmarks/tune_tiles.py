@@ -36,7 +36,7 @@ from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels.configs import Tiles
 
-from hf_sparse_cp.benchmarking import environment, time_ms, write_report
+from hf_sparse_cp.benchmarking import environment, rel_rms, time_ms, write_report
 from hf_sparse_cp.synthetic import random_vertical_slash_layout
 from hf_sparse_cp.tokens import TokenMeta
 
@@ -109,10 +109,6 @@ def format_table(kernel: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt().clamp_min(1e-30))
-
-
 class Tuner:
     """The timing runs. `device` is "cuda" for measurements; on "cpu" (tests) the kernels need
     Triton's interpreter and times are wall-clock."""
@@ -159,7 +155,7 @@ class Tuner:
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
             try:
                 with configs.tiles_override(**{kernel: tiles}):
-                    err = _rel_rms(result(), reference)
+                    err = rel_rms(result(), reference)
                     if err > SAME_RESULT_RTOL:
                         row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
                     else:

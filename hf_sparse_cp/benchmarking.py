@@ -69,6 +69,12 @@ def format_targets(targets: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS difference of `a` from the reference `b`, in fp32."""
+    a, b = a.float(), b.float()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
 def time_ms(fn: Callable[[], object], warmup: int, repeats: int, device: str = "cuda") -> float:
     """Median time of fn() in milliseconds: CUDA events on "cuda", the wall clock elsewhere."""
     for _ in range(warmup):

@@ -6,8 +6,8 @@ machine: shared memory against the H100's 227 KB, matrix products on wgmma (the 
 core path; `mma.sync` would be the older, slower one), and the registers and stack frame that
 ptxas gave each thread, read from the cubin with Triton's bundled `cuobjdump`. Registers cap at
 255 per thread; a stack frame beyond a few bytes holds spilled registers, local-memory traffic in
-the inner loops. Signatures mark pointer and stride arguments 16-divisible, as the launchers'
-specialization does on a GPU.
+the inner loops. Signatures carry no divisibility hints (a GPU launch marks 16-divisible pointers
+and strides, which may vectorize loads further), so the figures are those of the plainest build.
 """
 
 from __future__ import annotations
