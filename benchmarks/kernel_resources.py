@@ -11,6 +11,7 @@ benchmarks/results/. Runs on any machine; nothing here is a GPU timing.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from datetime import UTC, datetime
@@ -35,24 +36,34 @@ def measure(head_dims=(64, 128), dtype: str = "bf16") -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     header = (f"{'kernel':<18} {'d':>4} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'regs':>5} "
-              f"{'stack B':>7} {'shared KB':>9} {'wgmma':>6} {'mma':>4}")
+              f"{'stack B':>7} {'shared KB':>9} {'wgmma':>6} {'mma':>4}  note")
     lines = [header, "-" * len(header)]
     for r in rows:
         t = r["tiles"]
         lines.append(f"{r['kernel']:<18} {r['head_dim']:>4} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} "
                      f"{t['num_warps']:>5} {t['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>7} "
-                     f"{r['shared_bytes'] / 1024:9.1f} {r['wgmma']:>6} {r['mma_sync']:>4}")
+                     f"{r['shared_bytes'] / 1024:9.1f} {r['wgmma']:>6} {r['mma_sync']:>4}  "
+                     f"{'separate column pass' if t.get('separate_columns') else ''}".rstrip())
     return "\n".join(lines)
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--head_dims", type=int, nargs="+", default=[64, 128], help="Head dims to build for.")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="Input dtype of the builds.")
+    p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/.")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> dict:
-    rows = measure()
+    args = parse_args(argv)
+    rows = measure(args.head_dims, args.dtype)
     env = environment(torch.device("cpu"))
     report = {"benchmark": "kernel_resources", "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
               "target": "sm_90 (ahead-of-time build, no GPU)", "rows": rows}
     print(f"sm_90 builds with triton {env['triton']} (no GPU; registers and stack per thread)")
     print(format_table(rows))
-    write_report(report, RESULTS_DIR, f"kernel-resources_triton-{env['triton']}", argv[0] if argv else None)
+    write_report(report, RESULTS_DIR, f"kernel-resources_triton-{env['triton']}", args.output)
     return report
 
 

@@ -10,6 +10,9 @@ one kernel through `configs.tiles_override`, the other kernels keeping their cur
 * dq, dkdv: the time of the whole backward op (the other backward kernel fixed, so differences
   between candidates are this kernel's).
 
+dq candidates come in pairs: the columns' dk/dv inside the dq loop, or in a separate pass
+(`Tiles.separate_columns`, column "sep").
+
 Each candidate's result is compared with the current tiles' (relative RMS of out, or of dq, dk,
 dv): tiles that compute something else are reported as "wrong" and never picked. Candidates that
 fail to build (e.g. shared memory) are reported with their error. Prints one table per kernel,
@@ -74,11 +77,13 @@ class TuneTilesArguments:
 
 def candidates(kernel: str, block_size: int) -> list[Tiles]:
     """The tiles tried for `kernel`: wgmma-sized products (64 rows on the M side of every product),
-    4 or 8 warps, 2 to 4 pipeline stages; tile sizes that exceed the layout block are dropped."""
+    4 or 8 warps, 2 to 4 pipeline stages, and for dq the columns' dk/dv inside the dq loop or in a
+    separate pass; tile sizes that exceed the layout block are dropped."""
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
-        grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (2, 3, 4))
+        grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (2, 3, 4), (False,))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
-        grid = itertools.product((64, 128), (32, 64, 128), (64,), (4, 8), (2, 3, 4))
+        separate = (False, True) if kernel == "dq" else (False,)
+        grid = itertools.product((64, 128), (32, 64, 128), (64,), (4, 8), (2, 3, 4), separate)
     return [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
 
 
@@ -94,12 +99,14 @@ def rank(rows: list[dict]) -> list[dict]:
 
 
 def format_table(kernel: str, rows: list[dict]) -> str:
-    header = f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'ms':>9} {'x current':>9}  note"
+    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'ms':>9} "
+              f"{'x current':>9}  note")
     lines = [header, "-" * len(header)]
     base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
     for r in rank(rows):
         t = r["tiles"]
-        cells = f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} {t['num_stages']:>6}"
+        cells = (f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} "
+                 f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3}")
         if r["status"] == "ok":
             speedup = f"{base / r['ms']:9.2f}" if base else " " * 9
             note = "current" if r["current"] else ""

@@ -22,6 +22,11 @@ that costs an fp32 atomic per dq element per tile pair (128 x D red.global opera
 every result non-deterministic. Recomputing q k^T and dout v^T in the dq kernel costs 2 extra
 matrix products per tile (7 instead of 5) but keeps every block gradient deterministic.
 
+With `Tiles.separate_columns` (the head_dim 128 choice) the dq kernel computes the columns' dk/dv
+in a second pass over the columns after dq is stored: p and ds are recomputed (2 more products
+per column step), but the dq accumulator is no longer live beside the column gradient tiles,
+which spilled ~650 bytes per thread when they shared the loop.
+
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
 default. `deterministic=True` instead stores each query tile's column gradients in a partial
 buffer (query tiles taken in chunks to bound its memory) and sums them per key row in a fixed
@@ -89,6 +94,43 @@ def _preprocess_kernel(
 
 
 @triton.jit
+def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
+                 stride_vs, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
+                 BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """One step over a query tile's vertical columns: the columns' slots, tokens, K/V bounds mask and
+    K tile, and the (masked) probabilities p and score gradients ds."""
+    offs_c, c_ok, col, kv_mask, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
+                                                        stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
+    k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+    vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
+    p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return offs_c, col, kv_mask, k, p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len, pid_bh,
+                      tile, n_tiles, max_cols, scale, HEAD_DIM: tl.constexpr, COLUMN_GRADS: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """One column step's dk/dv: added atomically to the key rows (`_ATOMIC`), or stored in this query
+    tile's partial rows (`_PARTIAL`, `tile` counted from the launch's first tile)."""
+    if COLUMN_GRADS == 1:
+        dst_rows = (b * num_kv_heads + kvh) * k_len + col.to(tl.int64)
+    else:
+        dst_rows = (pid_bh.to(tl.int64) * n_tiles + tile) * max_cols + offs_c
+    dst = dst_rows[:, None] * HEAD_DIM + offs_d[None, :]
+    dv_c = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    dk_c = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
+    if COLUMN_GRADS == 1:
+        tl.atomic_add(ColDK + dst, dk_c, mask=kv_mask, sem="relaxed")
+        tl.atomic_add(ColDV + dst, dv_c, mask=kv_mask, sem="relaxed")
+    else:
+        tl.store(ColDK + dst, dk_c, mask=kv_mask)
+        tl.store(ColDV + dst, dv_c, mask=kv_mask)
+
+
+@triton.jit
 def _dq_kernel(
     Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
     BlockIdx, BlockCnt, ColIdx, ColCnt,
@@ -101,7 +143,7 @@ def _dq_kernel(
     tile_offset, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     n_tiles = tl.num_programs(1)
@@ -143,30 +185,29 @@ def _dq_kernel(
 
     n_cols = tl.load(ColCnt + lay)
     for c0 in range(0, n_cols, BLOCK_C):
-        offs_c, c_ok, col, kv_mask, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
-                                                            stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
-        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
-        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
-        p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
+        offs_c, col, kv_mask, k, p, ds = _column_step(
+            q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs,
+            k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
-            dv_c = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dk_c = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
-            if COLUMN_GRADS == 1:
-                dst = ((b * num_kv_heads + kvh) * k_len + col.to(tl.int64))[:, None] * HEAD_DIM + offs_d[None, :]
-                tl.atomic_add(ColDK + dst, dk_c, mask=kv_mask, sem="relaxed")
-                tl.atomic_add(ColDV + dst, dv_c, mask=kv_mask, sem="relaxed")
-            else:
-                part = ((pid_bh.to(tl.int64) * n_tiles + (tile - tile_offset)) * max_cols + offs_c)
-                dst = part[:, None] * HEAD_DIM + offs_d[None, :]
-                tl.store(ColDK + dst, dk_c, mask=kv_mask)
-                tl.store(ColDV + dst, dv_c, mask=kv_mask)
+            if not SEPARATE_COLUMNS:
+                _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
+                                  pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
+                                  PRECISION)
 
     dq_ptr = DQ + (b * num_q_heads + h64) * q_len * HEAD_DIM + rows * HEAD_DIM + offs_d[None, :]
     tl.store(dq_ptr, dq * scale, mask=q_mask)
+
+    if COLUMN_GRADS != 0:
+        if SEPARATE_COLUMNS:
+            # a second pass over the columns once dq is stored and its accumulator is dead
+            for c0 in range(0, n_cols, BLOCK_C):
+                offs_c, col, kv_mask, k, p, ds = _column_step(
+                    q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
+                    stride_vs, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+                _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
+                                  pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
+                                  PRECISION)
 
 
 @triton.jit
@@ -353,7 +394,8 @@ def backward(
             first_tile, qk_scale, scale, window or 0,
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
-            HAS_WINDOW=window is not None, COLUMN_GRADS=mode, PRECISION=precision,
+            HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
+            PRECISION=precision,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
 

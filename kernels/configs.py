@@ -7,8 +7,8 @@ The CUDA choices were made without a GPU, from sm_90 builds (`sm90`; the table i
 choice keeps all matrix products on wgmma (no mma.sync fallback, which is why column tiles are 64
 rows: transposed column products need M >= 64) and shared memory under 227 KB. Each attention kernel uses the
 255 registers a thread may have at 8 warps; what the compiler spills stays under ~130 bytes per
-thread except the dq kernel with column gradients at head_dim 128 (~650 bytes: dq, q, dout and the
-columns' dk/dv live at once). 4 warps spill more in every attention kernel, and 128-row tiles at 4
+thread (the dq kernel at head_dim 128 gets there by taking the columns' dk/dv in a separate pass,
+`Tiles.separate_columns`). 4 warps spill more in every attention kernel, and 128-row tiles at 4
 warps do not build with Triton 3.6. None of this has been timed yet: `benchmarks/tune_tiles.py`
 times the candidates on a GPU through `tiles_override`, and its winners belong here. Under Triton's
 interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
@@ -31,6 +31,10 @@ class Tiles:
     block_m: query rows of a program (forward, dq) or of one inner step (dk/dv).
     block_n: key rows of one inner step (forward, dq) or of a program (dk/dv).
     block_c: gathered key columns of one inner step.
+    separate_columns: dq only: the vertical columns' dk/dv come from a second pass over the columns
+        after dq is stored, instead of inside the dq loop. The pass recomputes two of the five
+        products per column step, but the dq accumulator is no longer live beside the columns'
+        dk/dv tiles.
     """
 
     block_m: int
@@ -38,6 +42,7 @@ class Tiles:
     block_c: int
     num_warps: int
     num_stages: int
+    separate_columns: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
@@ -82,7 +87,9 @@ def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
-    return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
+    # At head_dim 128 the columns' dk/dv inside the dq loop spilled ~650 bytes per thread (the dq
+    # accumulator, q, dout and both column tiles live at once); their own pass spills ~100.
+    return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3, separate_columns=head_dim > 64)
 
 
 def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:

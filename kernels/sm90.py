@@ -97,7 +97,8 @@ def launcher_builds(head_dim: int, dtype: str = "bf16", block_size: int = 128) -
     dq = dq_tiles(block_size, head_dim, on_gpu=True)
     kv = dkdv_tiles(block_size, head_dim, on_gpu=True)
     fwd_c = dict(common, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_C=fwd.block_c)
-    dq_c = dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_C=dq.block_c)
+    dq_c = dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_C=dq.block_c,
+                SEPARATE_COLUMNS=dq.separate_columns)
     s = scoring_tiles(on_gpu=True)
     stats = Tiles(s.block_m, s.block_n, 0, s.num_warps, s.stats_stages)
     scores = Tiles(s.block, s.block, 0, s.num_warps, 1)

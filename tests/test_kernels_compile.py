@@ -7,9 +7,10 @@ tensor-core path or spills heavily with its tiles, before any GPU run (see `kern
 import pytest
 from hf_sparse_cp.kernels import sm90
 
-# Stack bytes per thread that the launchers' tiles stay under (spilled registers). For scale: dk/dv
-# with 128-key tiles at head_dim 128 spilled over 2 KB per thread with Triton 3.6 and 3.9.
-MAX_STACK_BYTES = 1024
+# Stack bytes per thread that the launchers' tiles stay under (spilled registers; the largest is the
+# dq kernel's column pass at head_dim 128, ~220 with Triton 3.6). For scale: dk/dv with 128-key tiles
+# at head_dim 128 spilled over 2 KB with Triton 3.6 and 3.9, the columns' dk/dv inside the dq loop ~650.
+MAX_STACK_BYTES = 512
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

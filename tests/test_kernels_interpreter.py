@@ -40,11 +40,12 @@ def _kernel_fwd_bwd(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, 
     return (out, lse, *grads)
 
 
-def _deterministic_backward(partial_bytes, args, kwargs):
+def _deterministic_backward(partial_bytes, args, kwargs, dq_tiles):
     saved = block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES
     block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = partial_bytes  # force several query-tile chunks
     try:
-        return kops.sparse_attention_backward(*args, deterministic=True, **kwargs)
+        with configs.tiles_override(dq=dq_tiles):
+            return kops.sparse_attention_backward(*args, deterministic=True, **kwargs)
     finally:
         block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = saved
 
@@ -162,13 +163,14 @@ def test_vertical_slash_layout_matches_reference(interp):
 def test_other_tiles_compute_the_same_function(interp):
     """Tiles chosen by tuning (configs.tiles_override) change only the work split: query tiles of half
     a block in the forward and dq, whole-block query steps and half-block key tiles in dk/dv, wider
-    column steps; packed documents and padding so that masked and unmasked tiles both occur."""
+    column steps, the columns' dk/dv in their own pass; packed documents and padding so that masked
+    and unmasked tiles both occur."""
     s, bs = 160, 32
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=21)
     meta = _random_docs(1, s, seed=23, pad=5)
     layout = random_vertical_slash_layout(1, 4, s, bs, 3, 10, meta, generator=torch.Generator().manual_seed(22))
     assert int(layout.col_cnt.sum()) > 0
-    tiles = {"forward": configs.Tiles(16, 32, 32, 1, 1), "dq": configs.Tiles(16, 32, 32, 1, 1),
+    tiles = {"forward": configs.Tiles(16, 32, 32, 1, 1), "dq": configs.Tiles(16, 32, 32, 1, 1, separate_columns=True),
              "dkdv": configs.Tiles(32, 16, 16, 1, 1)}
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=tiles)
 
@@ -248,7 +250,8 @@ def test_merge_into_existing_result(interp):
     assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[torch.float32]
 
 
-def test_deterministic_mode_matches_reference(interp):
+@pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
+def test_deterministic_mode_matches_reference(interp, separate_columns):
     """Column gradients through per-tile partials summed per key row in a fixed order, in one chunk of
     query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests)."""
     s, bs = 160, 32
@@ -263,7 +266,8 @@ def test_deterministic_mode_matches_reference(interp):
                              dlse=dlse.double())
     tile_bytes = 4 * layout.col_idx.shape[-1] * 16 * 4 * 2  # one query tile's partials (5 tiles in all)
     for budget in (2 * tile_bytes, 1 << 30):
-        grads = interp.apply(_deterministic_backward, (budget, args, kwargs))
+        dq_tiles = configs.Tiles(32, 16, 16, 1, 1, separate_columns=separate_columns)
+        grads = interp.apply(_deterministic_backward, (budget, args, kwargs, dq_tiles))
         for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
             assert rel_rms(a, r) <= 2 * TOLERANCE[torch.float32], (name, budget)
 

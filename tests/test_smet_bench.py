@@ -4,7 +4,6 @@ import json
 
 import pytest
 from benchmark_loader import load_benchmark
-from test_smet_common import single_thread  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -70,11 +69,3 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-
-@pytest.fixture
-def single_thread():
-    """Tiny models run faster on one intra-op thread, and far faster when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

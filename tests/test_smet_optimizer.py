@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_smet_common import fit, markov_tokens, single_thread, tiny_llama
+from test_smet_common import fit, markov_tokens, tiny_llama
 from torch import nn
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer, state_nbytes

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_smet_common import markov_tokens, single_thread, tiny_llama
+from test_smet_common import markov_tokens, tiny_llama
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
 
 from hf_sparse_cp.smet import SMETAdam, SMETArguments, SMETCallback, install_smet

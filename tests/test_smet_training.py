@@ -8,7 +8,7 @@ rate decays from 0.2 (cosine) over the 300 steps, with SET (random) regrowth, th
 
 import pytest
 import torch
-from test_smet_common import fit, markov_tokens, single_thread, tiny_llama
+from test_smet_common import fit, markov_tokens, tiny_llama
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 

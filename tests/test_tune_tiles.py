@@ -54,6 +54,8 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
         assert t.num_warps in (4, 8)
     for head_dim in (64, 128):
         assert tune.current_tiles(kernel, block_size, head_dim) in cands
+    separate = {t.separate_columns for t in cands}
+    assert separate == ({False, True} if kernel == "dq" else {False})
 
 
 def _row(kernel, tiles, status, ms=None, current=False, reason=""):
@@ -95,7 +97,8 @@ def _tune_on_cpu(module_path: str):
     args = tune.TuneTilesArguments(seq_len=160, density=0.3, num_verticals=12, num_q_heads=4, num_kv_heads=2,
                                    head_dim=16, block_size=32, warmup=0, repeats=1)
     tuner = tune.Tuner(args, device="cpu")
-    others = {"forward": Tiles(16, 32, 32, 1, 1), "dq": Tiles(16, 32, 32, 1, 1), "dkdv": Tiles(32, 16, 16, 1, 1)}
+    others = {"forward": Tiles(16, 32, 32, 1, 1), "dq": Tiles(16, 32, 32, 1, 1, separate_columns=True),
+              "dkdv": Tiles(32, 16, 16, 1, 1)}
     return [row for kernel, other in others.items()
             for row in tuner.run_kernel(kernel, [tune.current_tiles(kernel, 32, 16, on_gpu=False), other])]
 
