@@ -28,7 +28,12 @@ layout construction, as `hf_sparse_cp.attention` runs it (`estimate_layout` with
 metadata), in total and by stage (reading the documents, scoring, selection + layout build), and
 as a share of our forward + backward on that layout (the issue's target: under 10% at 128K).
 
-Prints a table, the estimation section and the issue's targets (measured value and pass/fail:
+Profile: at `--profile_seq_lens` (128K by default) every case's forward + backward step is also run
+once under torch.profiler and its GPU time split by kernel (our forward, dq, dk/dv, preprocessing
+and layout kernels; Flex's compiled kernels; cuDNN's), so that a missed target comes with where
+the time went.
+
+Prints a table, the estimation section, the kernel profiles and the issue's targets (measured value and pass/fail:
 at 128K, fwd+bwd >= 1.7x FlexAttention and >= 15x cuDNN dense at ~5% kept blocks, >= 1.3x
 FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%), and writes
 JSON (GPU, versions, settings, results, estimation, targets) to benchmarks/results/.
@@ -52,7 +57,15 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_cp.benchmarking import environment, format_targets, rel_rms, time_ms, write_report
+from hf_sparse_cp.benchmarking import (
+    environment,
+    format_profile,
+    format_targets,
+    kernel_profile,
+    rel_rms,
+    time_ms,
+    write_report,
+)
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.pattern import (
@@ -96,6 +109,12 @@ class BenchAttentionArguments:
     check: bool = field(
         default=True,
         metadata={"help": "At the first S, compare ours with Flex on the layout without its columns (rel. RMS)."},
+    )
+    profile_seq_lens: list[int] = field(
+        default_factory=lambda: [131072],
+        metadata={"help": "Sequence lengths at which every case's forward + backward step is also profiled by "
+                          "kernel (GPU time per kernel, printed and in the JSON: the profile behind a missed "
+                          "target). Empty: none."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the layouts and inputs."})
     output: str | None = field(default=None, metadata={"help": "JSON path; default benchmarks/results/."})
@@ -271,8 +290,8 @@ def time_estimation(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
         return {name: time_ms(fn, warmup, repeats, q.device.type) for name, fn in stages.items()}
 
 
-def fwd_and_bwd(attend, tensors, dout, warmup: int, repeats: int, device: str = "cuda") -> tuple[float, float]:
-    """(forward ms, forward+backward ms) of attend(*tensors) -> out."""
+def steps(attend, tensors, dout):
+    """The two timed steps of attend(*tensors) -> out: (forward without autograd, forward + backward)."""
 
     def forward():
         with torch.no_grad():
@@ -283,7 +302,7 @@ def fwd_and_bwd(attend, tensors, dout, warmup: int, repeats: int, device: str = 
             t.grad = None
         attend(*tensors).backward(dout)
 
-    return time_ms(forward, warmup, repeats, device), time_ms(forward_backward, warmup, repeats, device)
+    return forward, forward_backward
 
 
 # ---------------------------------------------------------------------------------------- runners
@@ -331,9 +350,6 @@ class Bench:
         # per (S, estimated layout): estimation + layout construction of one attention call (time_estimation)
         self.estimation: list[dict] = []
 
-    def fwd_and_bwd(self, attend, tensors, dout) -> tuple[float, float]:
-        return fwd_and_bwd(attend, tensors, dout, self.args.warmup, self.args.repeats, self.device)
-
     def release_memory(self) -> None:
         if self.device == "cuda":
             torch.cuda.empty_cache()
@@ -348,16 +364,22 @@ class Bench:
         dout = make(a.num_q_heads).bfloat16()
         return [x.bfloat16().requires_grad_() for x in (q, k, v)], dout
 
-    def record(self, seq_len: int, layout_name: str, variant: str, pairs: float, density, col_share, fn,
-               estimation_ms: float | None = None):
+    def record(self, seq_len: int, layout_name: str, variant: str, pairs: float, density, col_share,
+               make_attend, tensors, dout, estimation_ms: float | None = None):
+        """Time `make_attend()` on the inputs (forward, forward + backward) and, at the profiled S,
+        profile one forward + backward step by kernel; one row, whatever happens."""
         a = self.args
         row = {"seq_len": seq_len, "layout": layout_name, "variant": variant, "density": density,
                "column_share": col_share, "pairs": pairs, "estimation_ms": estimation_ms}
         try:
-            fwd, fwd_bwd = fn()
+            forward, forward_backward = steps(make_attend(), tensors, dout)
+            fwd = time_ms(forward, a.warmup, a.repeats, self.device)
+            fwd_bwd = time_ms(forward_backward, a.warmup, a.repeats, self.device)
             flops = 4.0 * a.head_dim * pairs
             row.update(status="ok", fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, fwd_tflops=flops / fwd / 1e9,
                        fwd_bwd_tflops=3.5 * flops / fwd_bwd / 1e9)
+            if seq_len in a.profile_seq_lens:
+                row["kernels"] = kernel_profile(forward_backward, self.device)
         except torch.OutOfMemoryError as e:
             row.update(status="oom", reason=str(e).splitlines()[0])
         except Exception as e:  # reported as data: one failing variant must not end the sweep
@@ -375,13 +397,12 @@ class Bench:
         pairs = computed_pairs(layout, a.num_q_heads)
         col_share = 1.0 - computed_pairs(layout, a.num_q_heads, include_columns=False) / pairs
         if "ours" in a.variants:
-            self.record(seq_len, name, "ours", pairs, density, col_share,
-                        lambda: self.fwd_and_bwd(_ours(layout), tensors, dout), estimation_ms)
+            self.record(seq_len, name, "ours", pairs, density, col_share, lambda: _ours(layout), tensors, dout,
+                        estimation_ms)
         if "flex" in a.variants:
             mask = flex_block_mask(layout, a.num_q_heads, seq_len)
             flex_pairs = computed_pairs(layout, a.num_q_heads, include_columns=False)
-            self.record(seq_len, name, "flex", flex_pairs, density, 0.0,
-                        lambda: self.fwd_and_bwd(_flex(mask), tensors, dout))
+            self.record(seq_len, name, "flex", flex_pairs, density, 0.0, lambda: _flex(mask), tensors, dout)
 
     def check(self, seq_len: int, name: str, layout: SparseLayout, tensors):
         """ours vs Flex on the same blocks (columns removed): both must compute the same function."""
@@ -399,15 +420,13 @@ class Bench:
         pairs = computed_pairs(layout, a.num_q_heads)
         causal_pairs = a.num_q_heads * seq_len * (seq_len + 1) / 2
         if "ours" in a.variants:
-            self.record(seq_len, "dense", "ours", pairs, 1.0, 0.0,
-                        lambda: self.fwd_and_bwd(_ours(layout), tensors, dout))
+            self.record(seq_len, "dense", "ours", pairs, 1.0, 0.0, lambda: _ours(layout), tensors, dout)
         if "flex" in a.variants:
             from torch.nn.attention.flex_attention import create_block_mask
 
             mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, device=self.device,
                                      BLOCK_SIZE=a.block_size)
-            self.record(seq_len, "dense", "flex", pairs, 1.0, 0.0,
-                        lambda: self.fwd_and_bwd(_flex(mask), tensors, dout))
+            self.record(seq_len, "dense", "flex", pairs, 1.0, 0.0, lambda: _flex(mask), tensors, dout)
         group = a.num_q_heads // a.num_kv_heads
         dense_variants = [v for v in ("sdpa_cudnn", "sdpa_flash", "flash_attn") if v in a.variants]
         if not dense_variants:
@@ -421,12 +440,12 @@ class Bench:
                 except ImportError:
                     continue
                 layout_bshd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-                self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0,
-                            lambda: self.fwd_and_bwd(attend, layout_bshd, dout.transpose(1, 2).contiguous()))
+                self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, lambda: attend, layout_bshd,
+                            dout.transpose(1, 2).contiguous())
                 continue
             backend = "CUDNN_ATTENTION" if variant == "sdpa_cudnn" else "FLASH_ATTENTION"
-            self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0,
-                        lambda: self.fwd_and_bwd(_sdpa(backend), expanded, dout))
+            self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, functools.partial(_sdpa, backend), expanded,
+                        dout)
 
     def run(self):
         a = self.args
@@ -569,6 +588,11 @@ def main(argv: list[str]) -> dict:
     if report["estimation"]:
         print()
         print(format_estimation(report["estimation"]))
+    for r in bench.rows:
+        if r.get("kernels"):
+            print()
+            print(format_profile(f"S={r['seq_len']} {r['layout']} {r['variant']}: one fwd+bwd step by kernel "
+                                 f"(timed median {r['fwd_bwd_ms']:.2f} ms)", r["kernels"]))
     print()
     print(format_targets(report["targets"]))
     write_report(report, RESULTS_DIR, "attention", args.output)

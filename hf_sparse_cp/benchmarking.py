@@ -98,6 +98,54 @@ def time_ms(fn: Callable[[], object], warmup: int, repeats: int, device: str = "
     return statistics.median(times)
 
 
+def kernel_profile(fn: Callable[[], object], device: str = "cuda", top: int = 8) -> list[dict]:
+    """Where one steady-state fn() call spends its time, by kernel (torch.profiler): a list of
+    {name, ms, calls, share}, largest first, the `top` kernels and then one "(N other kernels)" row.
+    On "cuda" each GPU kernel's device time; elsewhere each operator's own CPU time. fn() runs once
+    untimed first, so compilation and autotuning stay out of the profile."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if cuda and e.device_type == DeviceType.CUDA:
+            us = e.device_time_total
+        elif not cuda and e.device_type == DeviceType.CPU:
+            us = e.self_cpu_time_total
+        else:
+            continue
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += 1
+    whole = sum(ms for ms, _ in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    rows = [{"name": name, "ms": ms, "calls": calls, "share": ms / whole} for name, (ms, calls) in ranked[:top]]
+    rest = ranked[top:]
+    if rest:
+        ms = sum(v[0] for _, v in rest)
+        rows.append({"name": f"({len(rest)} other kernels)", "ms": ms, "calls": sum(v[1] for _, v in rest),
+                     "share": ms / whole})
+    return rows
+
+
+def format_profile(title: str, kernels: list[dict], width: int = 72) -> str:
+    """A `kernel_profile` as text: a title line, then one line per kernel (ms, calls, share)."""
+    lines = [title]
+    for k in kernels:
+        name = k["name"] if len(k["name"]) <= width else k["name"][: width - 3] + "..."
+        lines.append(f"  {name:<{width}} {k['ms']:9.3f} ms {k['calls']:>5}x {100 * k['share']:5.1f}%")
+    return "\n".join(lines)
+
+
 def write_report(report: dict, results_dir: Path, kind: str, output: str | None = None) -> Path:
     """Write a benchmark's JSON to `output`, or to results_dir/<kind>_<device>_<time>.json; returns the path."""
     slug = "".join(c if c.isalnum() else "-" for c in report["device"]).strip("-").lower()[:40] or "device"

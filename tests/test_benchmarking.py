@@ -1,0 +1,46 @@
+"""The helpers every benchmark shares (`hf_sparse_cp.benchmarking`), on CPU: the kernel profile
+behind a benchmark's figures, its text form, and where reports are written."""
+
+import json
+
+import pytest
+import torch
+
+from hf_sparse_cp.benchmarking import format_profile, kernel_profile, write_report
+
+
+def _step():
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    return lambda: (a @ a).relu().sum().backward()
+
+
+def test_kernel_profile_ranks_the_operators_and_folds_the_rest():
+    step = _step()
+    full = kernel_profile(step, "cpu", top=100)
+    assert not any(k["name"].endswith("other kernels)") for k in full)
+    times = [k["ms"] for k in full]
+    assert times == sorted(times, reverse=True) and min(times) > 0
+    assert full[0]["name"] == "aten::mm" and full[0]["calls"] >= 3  # one forward, two backward products
+    assert sum(k["share"] for k in full) == pytest.approx(1.0)
+
+    top = kernel_profile(step, "cpu", top=2)
+    assert len(top) == 3 and top[-1]["name"].endswith("other kernels)")
+    assert sum(k["share"] for k in top) == pytest.approx(1.0)
+
+
+def test_format_profile_one_line_per_kernel():
+    kernels = [{"name": "_dq_kernel", "ms": 3.5, "calls": 1, "share": 0.7},
+               {"name": "x" * 200, "ms": 1.5, "calls": 2, "share": 0.3}]
+    text = format_profile("S=128K vs@5% ours", kernels, width=40)
+    lines = text.splitlines()
+    assert lines[0] == "S=128K vs@5% ours" and len(lines) == 3
+    assert "_dq_kernel" in lines[1] and "3.500 ms" in lines[1] and "70.0%" in lines[1]
+    assert "x" * 37 + "..." in lines[2] and "x" * 41 not in lines[2]
+
+
+def test_write_report_names_the_file_after_kind_and_device(tmp_path):
+    out = write_report({"device": "NVIDIA H100 80GB HBM3", "x": 1}, tmp_path, "attention")
+    assert out.parent == tmp_path and out.name.startswith("attention_nvidia-h100-80gb-hbm3_")
+    assert json.loads(out.read_text())["x"] == 1
+    explicit = write_report({"device": "cpu"}, tmp_path, "attention", str(tmp_path / "sub" / "r.json"))
+    assert explicit == tmp_path / "sub" / "r.json" and explicit.exists()
