@@ -7,7 +7,8 @@ out-of-memory error cannot leave fragments behind for the next; a variant stops 
 first failure. Reported: median step time of the timed steps after warm-up, tokens/s, peak memory
 (`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the
 mean kept fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel
-and over `sdpa` at the same S. Prints a table and the issue's end-to-end targets (0.5B trains at
+and over `sdpa` at the same S. At `--profile_seq_lens` (128K by default) one more step runs under
+torch.profiler: GPU time per kernel, where a missed target's time went. Prints a table and the issue's end-to-end targets (0.5B trains at
 512K; at 128K and 256K sparse_cp >= 3x and >= 5x the tokens/s of sdpa + liger, at no more memory)
 and writes JSON (device, versions, date, settings, results, speed-ups, targets) to
 benchmarks/results/.
@@ -91,6 +92,11 @@ class BenchArguments:
     )
     vertical_share: float = field(
         default=0.2, metadata={"help": "Share of the --kept_fraction budget spent on vertical key columns."}
+    )
+    profile_seq_lens: list[int] = field(
+        default_factory=lambda: [131072],
+        metadata={"help": "Sequence lengths at which one more training step is profiled by kernel (GPU time per "
+                  "kernel, printed and in the JSON: where a step's time goes). Empty: none."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
     output: str | None = field(
@@ -206,7 +212,7 @@ def run_one(spec: dict) -> dict:
     """Build the model of `spec`, run warm-up and timed training steps, return the measurements."""
     import torch
 
-    from hf_sparse_cp.benchmarking import environment
+    from hf_sparse_cp.benchmarking import environment, kernel_profile
 
     device = torch.device(spec["device"])
     variant, seq_len = spec["variant"], spec["seq_len"]
@@ -240,6 +246,13 @@ def run_one(spec: dict) -> dict:
         generator = torch.Generator().manual_seed(spec["seed"])
         input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator).to(device)
 
+        def train_step() -> float:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+
         times, losses = [], []
         for step in range(spec["warmup_steps"] + spec["timed_steps"]):
             if step == spec["warmup_steps"] and variant == "sparse_cp":
@@ -247,14 +260,13 @@ def run_one(spec: dict) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            losses.append(train_step())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+        kept = pop_kept_fractions(model) if variant == "sparse_cp" else None
+        if seq_len in spec["profile_seq_lens"]:
+            result["kernels"] = kernel_profile(train_step, device.type, top=12, warmup=0)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):  # CPU allocator
             raise
@@ -265,9 +277,8 @@ def run_one(spec: dict) -> dict:
     result.update(status="ok", step_s=step_s, tokens_per_s=seq_len / step_s, step_times_s=timed, losses=losses,
                   **_peak_gib(device))
     if variant == "sparse_cp":
-        per_layer = pop_kept_fractions(model)
-        result["kept_fraction"] = sum(per_layer.values()) / len(per_layer) if per_layer else None
-        result["kept_fraction_per_layer"] = per_layer
+        result["kept_fraction"] = sum(kept.values()) / len(kept) if kept else None
+        result["kept_fraction_per_layer"] = kept
     return result
 
 
@@ -386,7 +397,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> dict:
-    from hf_sparse_cp.benchmarking import format_targets, write_report
+    from hf_sparse_cp.benchmarking import format_profile, format_targets, write_report
 
     args, sparse = parse_args(argv)
     device = args.device
@@ -401,7 +412,7 @@ def main(argv: list[str]) -> dict:
                 settings, budget = sparse_settings(sparse, args, seq_len)
                 spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
                         "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "seed": args.seed,
-                        "sparse": settings}
+                        "sparse": settings, "profile_seq_lens": args.profile_seq_lens}
                 reason = skip_reason(variant, device)
                 if reason is not None:  # known without starting a process
                     r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
@@ -439,6 +450,11 @@ def main(argv: list[str]) -> dict:
     print()
     print(f"{env['device']}, torch {env.get('torch')}, transformers {env.get('transformers')}")
     print(format_table(results))
+    for r in results:
+        if r.get("kernels"):
+            print()
+            print(format_profile(f"{r['model']} {r['variant']} S={r['seq_len']}: one training step by kernel "
+                                 f"(timed median {r['step_s']:.3f} s)", r["kernels"]))
     print()
     print(format_targets(report["targets"]))
     for check in report["memory_check"]:

@@ -98,16 +98,17 @@ def time_ms(fn: Callable[[], object], warmup: int, repeats: int, device: str = "
     return statistics.median(times)
 
 
-def kernel_profile(fn: Callable[[], object], device: str = "cuda", top: int = 8) -> list[dict]:
+def kernel_profile(fn: Callable[[], object], device: str = "cuda", top: int = 8, warmup: int = 1) -> list[dict]:
     """Where one steady-state fn() call spends its time, by kernel (torch.profiler): a list of
     {name, ms, calls, share}, largest first, the `top` kernels and then one "(N other kernels)" row.
-    On "cuda" each GPU kernel's device time; elsewhere each operator's own CPU time. fn() runs once
-    untimed first, so compilation and autotuning stay out of the profile."""
+    On "cuda" each GPU kernel's device time; elsewhere each operator's own CPU time. fn() runs
+    `warmup` times unprofiled first, so compilation and autotuning stay out of the profile."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
-    fn()
+    for _ in range(warmup):
+        fn()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
