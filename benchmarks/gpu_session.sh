@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Lent-GPU work by stage, on a machine whose python3 already has torch, Triton, transformers and
+# accelerate (the device image) and no network. Arguments after the stage go to the stage's script and
+# override its defaults here; each stage is meant to fit one 10-minute call (split with them if not):
+#
+#   bash benchmarks/gpu_session.sh tests                        # the gpu-marked tests
+#   bash benchmarks/gpu_session.sh tune --kernels forward dq    # tune_tiles (default: every kernel)
+#   bash benchmarks/gpu_session.sh attention                    # bench_attention at 32K (Flex check) and 128K
+#   bash benchmarks/gpu_session.sh e2e --variants sdpa+liger    # bench_e2e, Qwen2.5-0.5B shape, S >= 128K
+#
+# Wheels of packages the image lacks (liger-kernel for bench_e2e's baseline) are read from .whl/ when
+# present. Logs and JSON go to $OUT (the device tool's folder) or, without it, benchmarks/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage="${1:-}"
+case "$stage" in
+    tests|tune|attention|e2e) shift ;;
+    *) echo "usage: gpu_session.sh tests|tune|attention|e2e [arguments for that stage]" >&2; exit 2 ;;
+esac
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+
+case "$stage" in
+    tests)
+        python3 -m pytest -q -m gpu "$@" tests 2>&1 | tee "$out/gpu-tests.log" ;;
+    tune)
+        python3 benchmarks/tune_tiles.py --output "$out/tiles.json" "$@" 2>&1 | tee "$out/tune.log" ;;
+    attention)
+        python3 benchmarks/bench_attention.py --seq_lens 32768 131072 --output "$out/attention.json" "$@" 2>&1 \
+            | tee "$out/attention.log" ;;
+    e2e)
+        python3 benchmarks/bench_e2e.py --models 0.5b --min_seq 131072 --output "$out/e2e.json" "$@" 2>&1 \
+            | tee "$out/e2e.log" ;;
+esac
