@@ -26,7 +26,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device',
+                                     'torch', torch.__version__, 'triton', triton.__version__)"
 
 case "$stage" in
     tests)
