@@ -22,13 +22,12 @@ fastest first, with the speed-up over the current tiles, and writes JSON to benc
     python benchmarks/tune_tiles.py --kernels dkdv --seq_len 131072 --density 0.1
 
 This is a GPU benchmark: without CUDA it refuses to run. The candidate grids, the ranking and
-the table (`candidates`, `rank`, `format_table`) run anywhere.
+the table (`rank`, `format_table`) run anywhere. The candidates are `configs.tile_candidates`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -73,18 +72,6 @@ class TuneTilesArguments:
             raise ValueError(f"density must be in (0, 1]; got {self.density}.")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads.")
-
-
-def candidates(kernel: str, block_size: int) -> list[Tiles]:
-    """The tiles tried for `kernel`: wgmma-sized products (64 rows on the M side of every product),
-    4 or 8 warps, 2 to 4 pipeline stages, and for dq the columns' dk/dv inside the dq loop or in a
-    separate pass; tile sizes that exceed the layout block are dropped."""
-    if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
-        grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (2, 3, 4), (False,))
-    else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
-        separate = (False, True) if kernel == "dq" else (False,)
-        grid = itertools.product((64, 128), (32, 64, 128), (64,), (4, 8), (2, 3, 4), separate)
-    return [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
 
 
 def current_tiles(kernel: str, block_size: int, head_dim: int, on_gpu: bool = True) -> Tiles:
@@ -148,7 +135,7 @@ class Tuner:
                                               scale=self.scale, q_meta=self.meta, k_meta=self.meta)
 
     def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None) -> list[dict]:
-        """Time `tiles_list` (default: `candidates`) for `kernel`; returns and keeps the rows."""
+        """Time `tiles_list` (default: `configs.tile_candidates`) for `kernel`; returns and keeps the rows."""
         a = self.args
         out, lse = self.forward()
         out = out.to(self.q.dtype)
@@ -158,7 +145,7 @@ class Tuner:
         reference = result()
         now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        for tiles in tiles_list or candidates(kernel, a.block_size):
+        for tiles in tiles_list or configs.tile_candidates(kernel, a.block_size):
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
             try:
                 with configs.tiles_override(**{kernel: tiles}):

@@ -20,6 +20,7 @@ memory at 256), so the kernels stop at 128 (`ops.MAX_HEAD_DIM`); larger heads us
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -70,6 +71,24 @@ def tiles_override(**tiles: Tiles) -> Iterator[None]:
 def _overridden(kernel: str, block_size: int) -> Tiles | None:
     t = _overrides.get(kernel)
     return t and replace(t, block_m=min(t.block_m, block_size), block_n=min(t.block_n, block_size))
+
+
+def tile_candidates(kernel: str, block_size: int, warps: tuple[int, ...] = (8,)) -> list[Tiles]:
+    """The tiles worth timing for `kernel` ("forward", "dq", "dkdv"): wgmma-sized products (64 rows
+    on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
+    or in a separate pass; sizes above the layout block are dropped. 8 warps only by default: in the
+    sm_90 builds at head_dim 128 with Triton 3.6 (benchmarks/results/kernel-candidates_*), each of the
+    69 candidates that built at 4 warps spilled more than at 8 (median stack 656 B vs 8 B forward,
+    2.6 KB vs 0.5 KB dq, 4.8 KB vs 1.8 KB dk/dv), and the 128 x 64 forward and dq tiles did not
+    build at 4 warps."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; use {KERNELS}.")
+    separate = (False, True) if kernel == "dq" else (False,)
+    if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
+        grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate)
+    else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
+        grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate)
+    return [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
 
 
 def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:

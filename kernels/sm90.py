@@ -89,29 +89,45 @@ def usage(build) -> Usage:
                  ptx.count("mma.sync"))
 
 
+def _variant(name: str, tiles: Tiles, head_dim: int, block_size: int):
+    """(kernel, constexprs) of one named kernel variant built with `tiles`."""
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, LAYOUT_BLOCK=block_size, HAS_WINDOW=False, PRECISION="tf32")
+    rows = dict(common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    scoring = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, PRECISION="tf32")
+    dq = dict(rows, BLOCK_C=tiles.block_c, SEPARATE_COLUMNS=tiles.separate_columns)
+    variants = {
+        "forward": (block_sparse_fwd._forward_kernel, dict(rows, BLOCK_C=tiles.block_c, MERGE=False)),
+        "forward_merge": (block_sparse_fwd._forward_kernel, dict(rows, BLOCK_C=tiles.block_c, MERGE=True)),
+        "dq": (block_sparse_bwd._dq_kernel, dict(dq, COLUMN_GRADS=0)),
+        "dq_column_grads": (block_sparse_bwd._dq_kernel, dict(dq, COLUMN_GRADS=1)),
+        "dkdv": (block_sparse_bwd._dkdv_kernel, dict(rows, ACCUMULATE=True)),
+        "scoring_row_stats": (vertical_slash._row_stats_kernel,
+                              dict(scoring, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)),
+        "scoring_scores": (vertical_slash._scores_kernel, dict(scoring, BLOCK=tiles.block_m)),
+    }
+    return variants[name]
+
+
+def build(name: str, tiles: Tiles, head_dim: int, dtype: str = "bf16", block_size: int = 128):
+    """Build the named kernel variant ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv",
+    "scoring_row_stats", "scoring_scores") for sm_90 with `tiles`."""
+    kernel, constexprs = _variant(name, tiles, head_dim, block_size)
+    return compile_for_sm90(kernel, tiles, constexprs, dtype)
+
+
 def launcher_builds(head_dim: int, dtype: str = "bf16", block_size: int = 128) -> dict[str, tuple[Tiles, object]]:
     """Every kernel variant a GPU run launches at this head_dim, built with the launchers' tiles:
     name -> (tiles, build)."""
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, LAYOUT_BLOCK=block_size, HAS_WINDOW=False, PRECISION="tf32")
     fwd = forward_tiles(block_size, head_dim, on_gpu=True)
     dq = dq_tiles(block_size, head_dim, on_gpu=True)
-    kv = dkdv_tiles(block_size, head_dim, on_gpu=True)
-    fwd_c = dict(common, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_C=fwd.block_c)
-    dq_c = dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_C=dq.block_c,
-                SEPARATE_COLUMNS=dq.separate_columns)
     s = scoring_tiles(on_gpu=True)
-    stats = Tiles(s.block_m, s.block_n, 0, s.num_warps, s.stats_stages)
-    scores = Tiles(s.block, s.block, 0, s.num_warps, 1)
-    scoring = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, PRECISION="tf32")
-    variants = {
-        "forward": (block_sparse_fwd._forward_kernel, fwd, dict(fwd_c, MERGE=False)),
-        "forward_merge": (block_sparse_fwd._forward_kernel, fwd, dict(fwd_c, MERGE=True)),
-        "dq": (block_sparse_bwd._dq_kernel, dq, dict(dq_c, COLUMN_GRADS=0)),
-        "dq_column_grads": (block_sparse_bwd._dq_kernel, dq, dict(dq_c, COLUMN_GRADS=1)),
-        "dkdv": (block_sparse_bwd._dkdv_kernel, kv, dict(common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
-                                                         ACCUMULATE=True)),
-        "scoring_row_stats": (vertical_slash._row_stats_kernel, stats,
-                              dict(scoring, BLOCK_M=s.block_m, BLOCK_N=s.block_n)),
-        "scoring_scores": (vertical_slash._scores_kernel, scores, dict(scoring, BLOCK=s.block)),
+    tiles = {
+        "forward": fwd,
+        "forward_merge": fwd,
+        "dq": dq,
+        "dq_column_grads": dq,
+        "dkdv": dkdv_tiles(block_size, head_dim, on_gpu=True),
+        "scoring_row_stats": Tiles(s.block_m, s.block_n, 0, s.num_warps, s.stats_stages),
+        "scoring_scores": Tiles(s.block, s.block, 0, s.num_warps, 1),
     }
-    return {name: (tiles, compile_for_sm90(kernel, tiles, cx, dtype)) for name, (kernel, tiles, cx) in variants.items()}
+    return {name: (t, build(name, t, head_dim, dtype, block_size)) for name, t in tiles.items()}

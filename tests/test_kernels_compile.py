@@ -24,3 +24,25 @@ def test_kernels_compile_for_sm90_within_limits(head_dim, dtype):
         assert use.shared_bytes <= sm90.H100_SHARED_BYTES, (name, tiles, use)
         assert use.wgmma > 0 and use.mma_sync == 0, (name, tiles, use)
         assert use.stack_bytes <= MAX_STACK_BYTES, (name, tiles, use)
+
+
+def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
+    """kernel_resources --candidates: one row per candidate tile, usage where it builds, the
+    compiler's error where it does not (a 48-row tile is no power of two)."""
+    from benchmark_loader import load_benchmark
+
+    from hf_sparse_cp.kernels.configs import Tiles
+
+    def candidates(kernel, block_size, warps):
+        assert warps == (4, 8)
+        return [Tiles(64, 64, 64, 8, 2)] + ([Tiles(48, 64, 64, 8, 2)] if kernel == "forward" else [])
+
+    with load_benchmark("kernel_resources") as kr:
+        monkeypatch.setattr(kr.configs, "tile_candidates", candidates)
+        rows = kr.measure_candidates(head_dims=(64,))
+        table = kr.format_table(rows)
+    assert [r["kernel"] for r in rows] == ["forward", "forward", "dq_column_grads", "dkdv"]
+    built = [r for r in rows if "error" not in r]
+    assert len(built) == 3 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
+    assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"]
+    assert len(table.splitlines()) == 2 + len(rows)
