@@ -33,10 +33,10 @@ once under torch.profiler and its GPU time split by kernel (our forward, dq, dk/
 and layout kernels; Flex's compiled kernels; cuDNN's), so that a missed target comes with where
 the time went.
 
-Prints a table, the estimation section, the kernel profiles and the issue's targets (measured value and pass/fail:
-at 128K, fwd+bwd >= 1.7x FlexAttention and >= 15x cuDNN dense at ~5% kept blocks, >= 1.3x
-FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%), and writes
-JSON (GPU, versions, settings, results, estimation, targets) to benchmarks/results/.
+Prints a table, the estimation section, the kernel profiles and the issue's targets (measured value
+and pass/fail: at 128K, fwd+bwd >= 1.7x FlexAttention and >= 15x cuDNN dense at ~5% kept blocks,
+>= 1.3x FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%), and
+writes JSON (GPU, versions, settings, results, estimation, targets) to benchmarks/results/.
 
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --seq_lens 131072 --densities 0.05 --repeats 20

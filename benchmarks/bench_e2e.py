@@ -8,10 +8,10 @@ first failure. Reported: median step time of the timed steps after warm-up, toke
 (`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the
 mean kept fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel
 and over `sdpa` at the same S. At `--profile_seq_lens` (128K by default) one more step runs under
-torch.profiler: GPU time per kernel, where a missed target's time went. Prints a table and the issue's end-to-end targets (0.5B trains at
-512K; at 128K and 256K sparse_cp >= 3x and >= 5x the tokens/s of sdpa + liger, at no more memory)
-and writes JSON (device, versions, date, settings, results, speed-ups, targets) to
-benchmarks/results/.
+torch.profiler: GPU time per kernel, where a missed target's time went. Prints a table and the
+issue's end-to-end targets (0.5B trains at 512K; at 128K and 256K sparse_cp >= 3x and >= 5x the
+tokens/s of sdpa + liger, at no more memory) and writes JSON (device, versions, date, settings,
+results, speed-ups, targets) to benchmarks/results/.
 
 The `sparse_cp` pattern budget: by default (`--kept_fraction 0.05`) vertical_topk and slash_topk are
 derived per S so that about 5% of the causal blocks are kept when the picks land at random places,
