@@ -49,7 +49,7 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
     rows = []
     for head_dim in head_dims:
         for kernel, variant in CANDIDATE_VARIANTS.items():
-            for tiles in configs.tile_candidates(kernel, block_size, warps=(4, 8)):
+            for tiles in configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8)):
                 row = {"kernel": variant, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles)}
                 try:
                     row.update(dataclasses.asdict(sm90.usage(sm90.build(variant, tiles, head_dim, dtype,

@@ -145,7 +145,7 @@ class Tuner:
         reference = result()
         now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        for tiles in tiles_list or configs.tile_candidates(kernel, a.block_size):
+        for tiles in tiles_list or configs.tile_candidates(kernel, a.block_size, a.head_dim):
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
             try:
                 with configs.tiles_override(**{kernel: tiles}):

@@ -73,16 +73,21 @@ def _overridden(kernel: str, block_size: int) -> Tiles | None:
     return t and replace(t, block_m=min(t.block_m, block_size), block_n=min(t.block_n, block_size))
 
 
-def tile_candidates(kernel: str, block_size: int, warps: tuple[int, ...] = (8,)) -> list[Tiles]:
+def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[int, ...] | None = None) -> list[Tiles]:
     """The tiles worth timing for `kernel` ("forward", "dq", "dkdv"): wgmma-sized products (64 rows
     on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
-    or in a separate pass; sizes above the layout block are dropped. 8 warps only by default: in the
-    sm_90 builds at head_dim 128 with Triton 3.6 (benchmarks/results/kernel-candidates_*), each of the
-    69 candidates that built at 4 warps spilled more than at 8 (median stack 656 B vs 8 B forward,
-    2.6 KB vs 0.5 KB dq, 4.8 KB vs 1.8 KB dk/dv), and the 128 x 64 forward and dq tiles did not
-    build at 4 warps."""
+    or in a separate pass; sizes above the layout block are dropped.
+
+    Warps (unless given): 8 only above head_dim 64. In the sm_90 builds with Triton 3.6
+    (benchmarks/results/kernel-candidates_*), each of the 69 candidates that built at 4 warps at
+    head_dim 128 spilled more than at 8 (median stack 656 B vs 8 B forward, 2.6 KB vs 0.5 KB dq,
+    4.8 KB vs 1.8 KB dk/dv), and the 128 x 64 forward and dq tiles did not build at 4 warps. At head_dim
+    64 some 4-warp tiles build without spilling (forward 64 x 32 and 64 x 64, dk/dv 16 x 64), so both
+    are timed there."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; use {KERNELS}.")
+    if warps is None:
+        warps = (8,) if head_dim > 64 else (4, 8)
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
         grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate)

@@ -5,7 +5,9 @@ tensor-core path or spills heavily with its tiles, before any GPU run (see `kern
 """
 
 import pytest
+from benchmark_loader import load_benchmark
 from hf_sparse_cp.kernels import sm90
+from hf_sparse_cp.kernels.configs import Tiles
 
 # Stack bytes per thread that the launchers' tiles stay under (spilled registers; the largest is the
 # dq kernel's column pass at head_dim 128, ~220 with Triton 3.6). For scale: dk/dv with 128-key tiles
@@ -29,11 +31,7 @@ def test_kernels_compile_for_sm90_within_limits(head_dim, dtype):
 def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
     """kernel_resources --candidates: one row per candidate tile, usage where it builds, the
     compiler's error where it does not (a 48-row tile is no power of two)."""
-    from benchmark_loader import load_benchmark
-
-    from hf_sparse_cp.kernels.configs import Tiles
-
-    def candidates(kernel, block_size, warps):
+    def candidates(kernel, block_size, head_dim, warps):
         assert warps == (4, 8)
         return [Tiles(64, 64, 64, 8, 2)] + ([Tiles(48, 64, 64, 8, 2)] if kernel == "forward" else [])
 
