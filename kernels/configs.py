@@ -8,8 +8,9 @@ choice keeps all matrix products on wgmma (no mma.sync fallback, which is why co
 rows: transposed column products need M >= 64) and shared memory under 227 KB. Each attention kernel uses the
 255 registers a thread may have at 8 warps; what the compiler spills stays under ~130 bytes per
 thread (the dq kernel at head_dim 128 gets there by taking the columns' dk/dv in a separate pass,
-`Tiles.separate_columns`). 4 warps spill more in every attention kernel, and 128-row tiles at 4
-warps do not build with Triton 3.6. None of this has been timed yet: `benchmarks/tune_tiles.py`
+`Tiles.separate_columns`). At head_dim 128, 4 warps spill more in every attention kernel, and
+128 x 64 tiles at 4 warps do not build with Triton 3.6 (`tile_candidates`). None of this has been
+timed yet: `benchmarks/tune_tiles.py`
 times the candidates on a GPU through `tiles_override`, and its winners belong here. Under Triton's
 interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
 
