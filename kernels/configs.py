@@ -5,14 +5,15 @@ repeated trial launches would corrupt it, and per-shape tuning would stall the f
 The CUDA choices were made without a GPU, from sm_90 builds (`sm90`; the table is
 `benchmarks/kernel_resources.py`, with Triton 3.6 and 3.9 results in benchmarks/results/): every
 choice keeps all matrix products on wgmma (no mma.sync fallback, which is why column tiles are 64
-rows: transposed column products need M >= 64) and shared memory under 227 KB. Each attention kernel uses the
-255 registers a thread may have at 8 warps; what the compiler spills stays under ~130 bytes per
-thread (the dq kernel at head_dim 128 gets there by taking the columns' dk/dv in a separate pass,
-`Tiles.separate_columns`). At head_dim 128, 4 warps spill more in every attention kernel, and
-128 x 64 tiles at 4 warps do not build with Triton 3.6 (`tile_candidates`). None of this has been
-timed yet: `benchmarks/tune_tiles.py`
-times the candidates on a GPU through `tiles_override`, and its winners belong here. Under Triton's
-interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
+rows: transposed column products need M >= 64) and shared memory under 227 KB. Each attention
+kernel uses the 255 registers a thread may have at 8 warps; what the compiler spills stays under
+~230 bytes per thread, the most in the dq kernel's column pass at head_dim 128 (the columns' dk/dv
+have their own pass there, `Tiles.separate_columns`: inside the dq loop they spilled ~650). At
+head_dim 128, 4 warps spill more in every attention kernel, and 128 x 64 tiles at 4 warps do not
+build with Triton 3.6 (`tile_candidates`). None of this has been timed yet:
+`benchmarks/tune_tiles.py` times the candidates on a GPU through `tiles_override`, and its winners
+belong here. Under Triton's interpreter (CPU tensors) tiles are small so that the tests cover the
+sub-tiling loops.
 
 Head dims above 128 spill heavily with any wgmma-sized tile (and the dq kernel overflows shared
 memory at 256), so the kernels stop at 128 (`ops.MAX_HEAD_DIM`); larger heads use the reference.
