@@ -16,7 +16,6 @@ SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.smet.SMETAr
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import sys
@@ -38,7 +37,7 @@ from transformers import (
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.arguments import SparseCPArguments
 from hf_sparse_cp.config_files import read_mapping
-from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.distributed import ContextParallelConfig, quiesce_process_groups
 from hf_sparse_cp.integration import attach_to_trainer, enable_sparse_attention
 from hf_sparse_cp.passkey import passkey_dataset
 from hf_sparse_cp.smet import SMETArguments, install_smet
@@ -179,17 +178,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f}"
         )
-    # Tear the process groups down here, not at interpreter exit, where gloo's threads may be
-    # destroyed while still joinable (seen as an abort after a finished run on torch 2.11).
+    # Tear the process groups down here, once gloo's workers are idle, not at interpreter exit.
+    quiesce_process_groups()
     trainer.accelerator.end_training()
     return summary
 
 
 if __name__ == "__main__":
     main()
-    # Objects of the finished run in reference cycles (the trainer's) may still hold process-group
-    # work and tensors: collect them while the interpreter is whole. A finished multi-process run
-    # aborted at exit now and then ("terminate called without an active exception", 1 of ~30 runs
-    # here with torch 2.11; the mechanism of pytorch/pytorch#179291). It never reproduced in
-    # isolation, so this is a mitigation, not a proven fix.
-    gc.collect()

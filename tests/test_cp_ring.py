@@ -8,6 +8,7 @@ step (dp 2 x cp 2) and the layout built from accelerate's device mesh.
 
 from __future__ import annotations
 
+import time
 import types
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from hf_sparse_cp.distributed import (
     ShardPlan,
     context_parallel_attention,
     estimate_layout_cp,
+    quiesce_process_groups,
     ring_sparse_attention,
 )
 from hf_sparse_cp.distributed.comm import P2PComm, Transfer
@@ -272,6 +274,15 @@ def _ring_shift(par: ParallelLayout, rank: int) -> dict:
     return {"seen": seen, "bytes": comm.bytes_sent}
 
 
+def _quiesce(rank: int, world: int) -> float:
+    """Seconds this rank spends in quiesce_process_groups while the last rank comes 0.5 s late."""
+    if rank == world - 1:
+        time.sleep(0.5)
+    start = time.perf_counter()
+    quiesce_process_groups(settle_s=0.0)
+    return time.perf_counter() - start
+
+
 def _worker(rank: int, world: int) -> dict:
     flat = ParallelLayout.from_config(ContextParallelConfig(cp_size=world))
     results = {"comm": _ring_shift(flat, rank)}
@@ -294,6 +305,7 @@ def _worker(rank: int, world: int) -> dict:
     else:
         results["model"] = _model_step(flat, rank)
         results["model_fsdp2"] = _model_step(flat, rank, fsdp2=True)
+    results["quiesce_s"] = _quiesce(rank, world)
     return results
 
 
@@ -322,6 +334,13 @@ def _assert_close(per_rank: list[dict], dtype: torch.dtype = torch.float64) -> N
 
 
 WORLDS = pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"W{w}")
+
+
+@WORLDS
+def test_quiesce_waits_for_every_rank(spawned, world):
+    """The teardown step's barrier: the ranks on time wait for the late one (0.5 s), which does not wait."""
+    waits = [r["quiesce_s"] for r in spawned(world)]
+    assert min(waits[:-1]) >= 0.4 and waits[-1] < 0.4, waits
 
 
 @WORLDS

@@ -1,10 +1,11 @@
 """The compiled Triton kernels on a GPU, at realistic sizes, against the fp64 PyTorch reference.
 
 Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd lengths included),
-per-head vertical-slash layouts with columns, sliding windows, packed documents whose rows are
-mostly masked, merging into an existing result (and the backward of each part), bitwise
-reproducibility, the dispatch of `hf_sparse_cp.ops`, torch.compile of the custom ops, and the
-`sparse_cp` model backend on CUDA (against sdpa, and against its own reference path).
+per-head vertical-slash layouts with columns (their gradients in the dq loop and in their own
+pass), sliding windows, packed documents whose rows are mostly masked, merging into an existing
+result (and the backward of each part), bitwise reproducibility, the dispatch of
+`hf_sparse_cp.ops`, torch.compile of the custom ops, and the `sparse_cp` model backend on CUDA
+(against sdpa, and against its own reference path).
 Estimation: the scoring kernels against their reference, reproducible to the bit, and the layout
 `estimate_layout` builds on CUDA equal to the one it builds on CPU.
 
@@ -15,6 +16,7 @@ test code itself before a GPU run.
 
 import pytest
 import torch
+from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels import vertical_slash as vs
 from oracle import TOLERANCE, rel_rms
@@ -96,6 +98,18 @@ def test_kernels_match_the_reference(case):
     layout = _layout(kind, 1, hq, s, seed=hq + hk)
     assert int(layout.col_cnt.sum()) > 0
     _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, DEVICE))
+
+
+@pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
+def test_both_forms_of_the_column_gradients_match_the_reference(separate_columns):
+    """The dq kernel with the columns' dk/dv inside its loop and in their own pass (tuning may pick
+    either), head_dim 128, bf16, per-head columns."""
+    s = SIZES["long"]
+    q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=9)
+    layout = _layout("vertical_slash", 1, 16, s, seed=10)
+    assert int(layout.col_cnt.sum()) > 0
+    with configs.tiles_override(dq=configs.Tiles(128, 64, 64, 8, 3, separate_columns=separate_columns)):
+        _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, DEVICE))
 
 
 def test_sliding_window_batch_of_two_d64_bf16():

@@ -45,6 +45,11 @@ def test_kernel_case_bodies(on_cpu, case):
     gpu.test_kernels_match_the_reference(case)
 
 
+def test_column_gradient_form_bodies(on_cpu):
+    for separate_columns in (False, True):
+        gpu.test_both_forms_of_the_column_gradients_match_the_reference(separate_columns)
+
+
 def test_attention_bodies(on_cpu, monkeypatch):
     gpu.test_sliding_window_batch_of_two_d64_bf16()
     for dtype in (torch.bfloat16, torch.float16):

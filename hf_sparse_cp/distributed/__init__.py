@@ -21,7 +21,7 @@ from .context import (
 )
 from .estimation import estimate_layout_cp
 from .loss import global_mean_loss, global_num_items, rank_loss
-from .parallel import ContextParallelConfig, ParallelLayout, check_sizes
+from .parallel import ContextParallelConfig, ParallelLayout, check_sizes, quiesce_process_groups
 from .ring_attention import RingStats, ring_sparse_attention
 from .sharding import SHARDINGS, ShardPlan, shard_inputs, shift_labels
 
@@ -38,6 +38,7 @@ __all__ = [
     "check_same_batch",
     "check_sizes",
     "context_parallel_attention",
+    "quiesce_process_groups",
     "estimate_layout_cp",
     "global_mean_loss",
     "global_num_items",

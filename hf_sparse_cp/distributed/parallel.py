@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -253,3 +254,19 @@ def _warm_up(group) -> None:
     batch_isend_irecv of a group must involve all of its ranks, which a skipped transfer would break."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def quiesce_process_groups(settle_s: float = 0.1) -> None:
+    """Call once a distributed run's last collective is done, before its process groups are torn
+    down (`destroy_process_group`, garbage collection, interpreter exit). No-op without one.
+
+    A gloo worker thread that releases a finished collective's tensors takes the GIL while holding
+    its group's lock. A group destroyed at that moment by a thread holding the GIL deadlocks with it
+    (both seen in gdb: `~ProcessGroupGloo` waiting for the lock, the worker in `take_gil`), and at
+    interpreter exit the worker is killed instead ("terminate called without an active exception").
+    A barrier completes every rank's earlier collectives; sleeping `settle_s` without the GIL lets
+    the workers finish releasing them.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        time.sleep(settle_s)

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .parallel import quiesce_process_groups
+
 
 def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: float, args: tuple) -> None:
     torch.set_num_threads(1)
@@ -25,6 +27,7 @@ def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: f
         result = fn(rank, world_size, *args)
         with open(os.path.join(workdir, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        quiesce_process_groups()
     finally:
         dist.destroy_process_group()
 
