@@ -68,13 +68,13 @@ def format_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         t = r["tiles"]
+        cells = (f"{r['kernel']:<18} {r['head_dim']:>4} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} "
+                 f"{t['num_warps']:>5} {t['num_stages']:>6}")
         if "error" in r:
-            lines.append(f"{r['kernel']:<18} {r['head_dim']:>4} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} "
-                         f"{t['num_warps']:>5} {t['num_stages']:>6}  {r['error']}"[:160])
+            lines.append(f"{cells}  {r['error']}"[:160])
             continue
-        lines.append(f"{r['kernel']:<18} {r['head_dim']:>4} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} "
-                     f"{t['num_warps']:>5} {t['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>7} "
-                     f"{r['shared_bytes'] / 1024:9.1f} {r['wgmma']:>6} {r['mma_sync']:>4}  "
+        lines.append(f"{cells} {r['registers']:>5} {r['stack_bytes']:>7} {r['shared_bytes'] / 1024:9.1f} "
+                     f"{r['wgmma']:>6} {r['mma_sync']:>4}  "
                      f"{'separate column pass' if t.get('separate_columns') else ''}".rstrip())
     return "\n".join(lines)
 
