@@ -54,35 +54,41 @@ class SparseLayout:
             return torch.zeros(num_q_heads, dtype=torch.long)
         return torch.arange(num_q_heads)
 
-    def validate(self, num_q_heads: int, q_len: int, k_len: int, strict: bool = False) -> None:
-        """Raise ValueError when the layout cannot drive attention over these sizes.
-
-        The cheap checks (shapes, dtypes, counts) always run; `strict` also checks the index
-        contents (range, order, columns disjoint from blocks), which reads the whole layout.
-        """
+    def check_fits(self, num_q_heads: int, q_len: int, batch: int | None = None) -> None:
+        """Raise ValueError unless the layout's shapes fit these queries: block size, dtypes, tensors
+        agreeing on [batch, heads, query blocks]. Reads no tensor contents (no device sync), so
+        it is cheap enough for every kernel call."""
         bs = self.block_size
         if bs < 16 or bs & (bs - 1):
             raise ValueError(f"layout block_size={bs} must be a power of two >= 16.")
-        nqb, nkb = -(-q_len // bs), -(-k_len // bs)
         for name in ("block_idx", "block_cnt", "col_idx", "col_cnt"):
             t = getattr(self, name)
             if t.dtype != torch.int32:
                 raise ValueError(f"layout.{name} must be int32, got {t.dtype}.")
         b, h, n = self.block_cnt.shape
-        if self.block_idx.shape[:3] != (b, h, n) or self.col_idx.shape[:3] != (b, h, n) or self.col_cnt.shape != (
-            b,
-            h,
-            n,
-        ):
+        if not self.block_idx.shape[:3] == self.col_idx.shape[:3] == self.col_cnt.shape == (b, h, n):
             raise ValueError(
                 "layout tensors disagree on [batch, heads, query blocks]: "
                 f"block_idx {tuple(self.block_idx.shape)}, block_cnt {tuple(self.block_cnt.shape)}, "
                 f"col_idx {tuple(self.col_idx.shape)}, col_cnt {tuple(self.col_cnt.shape)}."
             )
+        if batch is not None and b != batch:
+            raise ValueError(f"layout has batch {b} but the inputs have batch {batch}.")
+        nqb = -(-q_len // bs)
         if n != nqb:
             raise ValueError(f"layout has {n} query blocks but {q_len} queries need {nqb} blocks of {bs}.")
         if h not in (1, num_q_heads):
             raise ValueError(f"layout has {h} heads; expected 1 (shared) or {num_q_heads} (one per query head).")
+
+    def validate(self, num_q_heads: int, q_len: int, k_len: int, strict: bool = False) -> None:
+        """Raise ValueError when the layout cannot drive attention over these sizes.
+
+        The cheap checks (`check_fits`, counts) always run; `strict` also checks the index
+        contents (range, order, columns disjoint from blocks), which reads the whole layout.
+        """
+        self.check_fits(num_q_heads, q_len)
+        bs = self.block_size
+        nkb = -(-k_len // bs)
         if bool((self.block_cnt < 0).any() or (self.block_cnt > self.block_idx.shape[3]).any()):
             raise ValueError("layout.block_cnt is outside [0, block_idx.shape[-1]].")
         if bool((self.col_cnt < 0).any() or (self.col_cnt > self.col_idx.shape[3]).any()):

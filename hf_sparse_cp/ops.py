@@ -11,23 +11,29 @@ Layers, bottom up:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from .layout import SparseLayout
 from .merge import merge_attention
 from .reference import reference_backward, reference_forward
+from .shapes import check_attention_inputs, check_tensors
 from .tokens import TokenMeta
 
 
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """CUDA tensors in fp16/bf16/fp32 go to the Triton kernels (imported lazily, so CPU-only use never
-    imports triton); everything else (CPU, fp64) to the PyTorch reference."""
+    """CUDA tensors the compiled kernels take go to them (imported lazily, so CPU-only use never
+    imports triton); everything else to the PyTorch reference, with a warning on CUDA, where the
+    reference is a slow surprise (fp64, head_dim above the kernels' maximum)."""
     if not q.is_cuda:
         return False
-    from .kernels.ops import supports
+    from .kernels.ops import unsupported
 
-    return supports(q, k, v)
+    reason = unsupported(q)
+    if reason is not None:
+        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {reason}.", stacklevel=3)
+    return reason is None
 
 
 def sparse_attention_forward(q, k, v, layout, *, scale, q_meta, k_meta, sliding_window=None, out=None, lse=None):
@@ -105,15 +111,13 @@ def block_sparse_attention(
     Returns (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Queries that
     see no key get out = 0 and lse = -inf. Differentiable in q, k, v and through lse.
     """
+    check_tensors(q, k, v)
     b, hq, sq, d = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] like q's batch; got k {tuple(k.shape)}, v {tuple(v.shape)}.")
-    if hq % k.shape[1]:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
-    layout.validate(hq, sq, k.shape[2])
     if q_meta is None:
         q_meta = TokenMeta.contiguous(b, sq, q.device)
     if k_meta is None:
         k_meta = q_meta if k.shape[2] == sq else TokenMeta.contiguous(b, k.shape[2], q.device)
+    check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+    layout.validate(hq, sq, k.shape[2])
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .layout import SparseLayout
+from .shapes import check_attention_inputs
 from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of the [B, H, chunk, block, keys] score tensor processed at once.
@@ -22,6 +23,7 @@ class _Problem:
     """Shapes, padded tensors and per-chunk key gathering shared by forward and backward."""
 
     def __init__(self, q, k, v, layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):
+        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         b, hq, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
         self.b, self.hq, self.hk, self.sq, self.sk, self.d = b, hq, hk, sq, sk, d

@@ -55,6 +55,10 @@ class TokenMeta:
         )
         return TokenMeta(index, seg)
 
+    def to(self, device: torch.device | str) -> TokenMeta:
+        """This metadata with its tensors on `device`."""
+        return TokenMeta(self.index.to(device), self.segment.to(device))
+
 
 def segments_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """Document ids from position_ids that restart for every packed document ([B, S] -> int32 [B, S])."""

@@ -10,6 +10,6 @@ CPU tensors through Triton's interpreter (tests, debugging); `sm90` builds them 
 a GPU and reads the registers, spills and shared memory each build uses.
 """
 
-from .ops import SUPPORTED_DTYPES, sparse_attention_backward, sparse_attention_forward, supports
+from .ops import SUPPORTED_DTYPES, sparse_attention_backward, sparse_attention_forward, unsupported
 
-__all__ = ["SUPPORTED_DTYPES", "sparse_attention_backward", "sparse_attention_forward", "supports"]
+__all__ = ["SUPPORTED_DTYPES", "sparse_attention_backward", "sparse_attention_forward", "unsupported"]

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from hf_sparse_cp.layout import SparseLayout
+from hf_sparse_cp.shapes import check_attention_inputs
 from hf_sparse_cp.tokens import TokenMeta
 
 from . import block_sparse_bwd, block_sparse_fwd
@@ -100,15 +101,15 @@ def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_i
     return (q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32))
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the compiled kernels take these inputs (CUDA, fp16/bf16/fp32, one dtype, D <= 128)."""
-    return (
-        q.is_cuda
-        and q.dtype in SUPPORTED_DTYPES
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
-        and q.shape[-1] <= MAX_HEAD_DIM
-    )
+def unsupported(q: torch.Tensor) -> str | None:
+    """Why the compiled kernels cannot take these queries (and k, v of the same dtype), or None."""
+    if not q.is_cuda:
+        return f"{q.device.type} tensors (the kernels are compiled for CUDA)"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} (the kernels take {', '.join(str(t) for t in SUPPORTED_DTYPES)})"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} (the kernels stop at {MAX_HEAD_DIM})"
+    return None
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -116,26 +117,12 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, q_meta, k_meta) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}.")
-    b, hq, sq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
-        raise ValueError(f"k/v {tuple(k.shape)} do not fit q {tuple(q.shape)}: same batch and head_dim, and query "
-                         "heads a multiple of key/value heads.")
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"the Triton kernels take one dtype among {SUPPORTED_DTYPES} for q, k, v; got {q.dtype}, "
-                         f"{k.dtype}, {v.dtype} (cast them, or use hf_sparse_cp.reference for fp64).")
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {d} exceeds the kernels' maximum {MAX_HEAD_DIM}.")
-    nqb = -(-sq // layout.block_size)
-    if layout.batch != b or layout.heads not in (1, hq) or layout.num_q_blocks != nqb:
-        raise ValueError(f"layout [B={layout.batch}, H={layout.heads}, NQB={layout.num_q_blocks}] does not fit q "
-                         f"{tuple(q.shape)} with block_size {layout.block_size} (needs B={b}, H in (1, {hq}), "
-                         f"NQB={nqb}).")
-    if q_meta.index.shape != (b, sq) or k_meta.index.shape != (b, k.shape[2]):
-        raise ValueError(f"q_meta/k_meta must be [B, Sq] = {(b, sq)} and [B, Sk] = {(b, k.shape[2])}; got "
-                         f"{tuple(q_meta.index.shape)}, {tuple(k_meta.index.shape)}.")
+    check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton kernels take q, k, v in one of {SUPPORTED_DTYPES}; got {q.dtype} (cast them, or "
+                         "use hf_sparse_cp.reference for fp64).")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {q.shape[-1]} exceeds the kernels' maximum {MAX_HEAD_DIM}.")
 
 
 def _layout_and_meta(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[torch.Tensor, ...]:

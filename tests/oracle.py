@@ -2,6 +2,7 @@
 
 import torch
 
+from hf_sparse_cp.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.tokens import TokenMeta
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -34,3 +35,16 @@ def rel_rms(a, b, where=None):
     if where is not None:
         a, b = a[where], b[where]
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def key_range(layout: SparseLayout, lo: int, hi: int) -> SparseLayout:
+    """The part of a layout inside keys [lo, hi) (lo a multiple of the block size; hi need not be,
+    its partial last block is kept), re-indexed to those keys: what one ring step computes."""
+    bs = layout.block_size
+    kb = layout.block_idx.long()
+    listed = torch.arange(kb.shape[-1], device=kb.device) < layout.block_cnt.unsqueeze(-1)
+    block_idx, block_cnt = compact_sorted(kb - lo // bs, listed & (kb >= lo // bs) & (kb < -(-hi // bs)))
+    col = layout.col_idx.long()
+    listed = torch.arange(col.shape[-1], device=col.device) < layout.col_cnt.unsqueeze(-1)
+    col_idx, col_cnt = compact_sorted(col - lo, listed & (col >= lo) & (col < hi))
+    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)

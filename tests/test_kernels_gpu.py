@@ -2,10 +2,11 @@
 
 Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd lengths included),
 per-head vertical-slash layouts with columns (their gradients in the dq loop and in their own
-pass), sliding windows, packed documents whose rows are mostly masked, merging into an existing
-result (and the backward of each part), bitwise reproducibility, the dispatch of
-`hf_sparse_cp.ops`, torch.compile of the custom ops, and the `sparse_cp` model backend on CUDA
-(against sdpa, and against its own reference path).
+pass), sliding windows, packed documents with padding (some with rows mostly masked, through
+blocks and through columns), merging into an existing result (and the backward of each part),
+bitwise reproducibility, the dispatch of `hf_sparse_cp.ops` (and its warned fallback to the
+reference), torch.compile of the custom ops, and the `sparse_cp` model backend on CUDA (against
+sdpa, and against its own reference path).
 Estimation: the scoring kernels against their reference, reproducible to the bit, and the layout
 `estimate_layout` builds on CUDA equal to the one it builds on CPU.
 
@@ -19,7 +20,7 @@ import torch
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels import vertical_slash as vs
-from oracle import TOLERANCE, rel_rms
+from oracle import TOLERANCE, key_range, rel_rms
 
 from hf_sparse_cp import ops as public_ops
 from hf_sparse_cp import pattern
@@ -43,11 +44,23 @@ def _inputs(b, hq, hk, s, d, dtype, seed):
     return make(hq), make(hk), make(hk), make(hq), torch.randn(b, hq, s, generator=g, device=DEVICE)
 
 
-def _layout(kind, b, heads, s, seed):
+def _docs(s, seed, num_docs=8, pad=37):
+    """One row of `num_docs` packed documents of random lengths and a padded tail, on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.zeros(1, s, dtype=torch.int32)
+    for cut in torch.randperm(s - pad - 1, generator=g)[: num_docs - 1].add(1).tolist():
+        seg[:, cut:] += 1
+    seg[:, s - pad :] = -1
+    return TokenMeta.from_segments(seg)
+
+
+def _layout(kind, b, heads, s, seed, meta=None):
+    """A random layout on DEVICE; vertical-slash diagonals stay inside the documents of `meta` (CPU)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "vertical_slash":  # ~10% of the block diagonals and ~1% of the tokens as columns, per head
         nb = -(-s // BLOCK)
-        layout = random_vertical_slash_layout(b, heads, s, BLOCK, max(2, nb // 10), max(8, s // 100), generator=g)
+        layout = random_vertical_slash_layout(b, heads, s, BLOCK, max(2, nb // 10), max(8, s // 100), meta,
+                                              generator=g)
     else:
         layout = random_layout(b, heads, s, s, BLOCK, 0.1, 0.002, generator=g)
     return layout.to(DEVICE)
@@ -80,24 +93,27 @@ def _check(q, k, v, dout, dlse, layout, meta, window=None):
 
 # ---- attention kernels ---------------------------------------------------------------------------
 
-CASES = {
-    "gqa8-16K-d128-bf16-vs": (16, 2, "long", 128, torch.bfloat16, "vertical_slash"),
-    "gqa8-16K-d128-fp16-vs": (16, 2, "long", 128, torch.float16, "vertical_slash"),
-    "gqa8-32K-d128-bf16-vs": (16, 2, "longest", 128, torch.bfloat16, "vertical_slash"),
-    "gqa2-8191-d64-bf16-random": (8, 4, "odd", 64, torch.bfloat16, "random"),
-    "mha-8191-d64-fp16-vs": (8, 8, "odd", 64, torch.float16, "vertical_slash"),
-    "mha-8K-d128-bf16-random": (4, 4, "mid", 128, torch.bfloat16, "random"),
+CASES = {  # query heads, key/value heads, size, head_dim, dtype, layout, packed documents
+    "gqa8-16K-d128-bf16-vs": (16, 2, "long", 128, torch.bfloat16, "vertical_slash", False),
+    "gqa8-16K-d128-fp16-vs": (16, 2, "long", 128, torch.float16, "vertical_slash", False),
+    "gqa8-32K-d128-bf16-vs": (16, 2, "longest", 128, torch.bfloat16, "vertical_slash", False),
+    "gqa8-8191-d128-fp16-vs-docs": (16, 2, "odd", 128, torch.float16, "vertical_slash", True),
+    "gqa8-8191-d64-bf16-vs-docs": (16, 2, "odd", 64, torch.bfloat16, "vertical_slash", True),
+    "gqa2-8191-d64-bf16-random": (8, 4, "odd", 64, torch.bfloat16, "random", False),
+    "mha-8191-d64-fp16-vs": (8, 8, "odd", 64, torch.float16, "vertical_slash", False),
+    "mha-8K-d128-bf16-random-docs": (4, 4, "mid", 128, torch.bfloat16, "random", True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_match_the_reference(case):
-    hq, hk, size, d, dtype, kind = CASES[case]
+    hq, hk, size, d, dtype, kind, docs = CASES[case]
     s = SIZES[size]
     q, k, v, dout, dlse = _inputs(1, hq, hk, s, d, dtype, seed=len(case))
-    layout = _layout(kind, 1, hq, s, seed=hq + hk)
+    meta = _docs(s, seed=hq + d) if docs else TokenMeta.contiguous(1, s)
+    layout = _layout(kind, 1, hq, s, seed=hq + hk, meta=meta)
     assert int(layout.col_cnt.sum()) > 0
-    _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, DEVICE))
+    _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
 
 
 @pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
@@ -119,47 +135,43 @@ def test_sliding_window_batch_of_two_d64_bf16():
     _check(q, k, v, dout, dlse, dense_layout(meta, 64, sliding_window=s // 12), meta, window=s // 12)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_long_rows_of_masked_keys_give_no_nan(dtype):
-    """Many short packed documents and a padded tail under a layout that lists every causal block:
-    almost every listed tile is invisible, whole rows of tiles are masked, padding sees nothing."""
-    s = SIZES["mid"]
-    q, k, v, dout, dlse = _inputs(1, 8, 2, s, 128, dtype, seed=4)
-    seg = torch.div(torch.arange(s, device=DEVICE), 61, rounding_mode="floor").to(torch.int32).unsqueeze(0)
-    seg[:, -300:] = -1
-    meta = TokenMeta.from_segments(seg)
+def _every_causal_block(s):
     nb = s // BLOCK
     blk = torch.arange(nb, dtype=torch.int32, device=DEVICE).expand(1, 1, nb, nb)
     valid = blk <= torch.arange(nb, device=DEVICE).view(1, 1, -1, 1)
     block_idx, block_cnt = compact_sorted(blk, valid)
     empty = torch.empty(1, 1, nb, 0, dtype=torch.int32, device=DEVICE)
-    layout = SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), BLOCK)
-    _, lse, _ = _check(q, k, v, dout, dlse, layout, meta)
+    return SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), BLOCK)
+
+
+@pytest.mark.parametrize("layout_kind", ["every_causal_block", "vertical_slash"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_long_rows_of_masked_keys_give_no_nan(dtype, layout_kind):
+    """Many short packed documents and a padded tail under a layout that lists every causal block, or
+    per-head diagonals and columns drawn without regard to the documents: almost every listed tile
+    and column is invisible, whole rows of tiles are masked, padding sees nothing."""
+    s = SIZES["mid"]
+    q, k, v, dout, dlse = _inputs(1, 8, 2, s, 128, dtype, seed=4)
+    seg = torch.div(torch.arange(s), 61, rounding_mode="floor").to(torch.int32).unsqueeze(0)
+    seg[:, -300:] = -1
+    meta = TokenMeta.from_segments(seg)
+    layout = _every_causal_block(s) if layout_kind == "every_causal_block" else _layout(layout_kind, 1, 8, s, seed=4)
+    _, lse, _ = _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
     assert bool((lse[:, :, -300:] == float("-inf")).all())
-
-
-def _key_range(layout, lo, hi):
-    """The part of a layout inside keys [lo, hi) (lo a multiple of the block size), re-indexed to them."""
-    bs = layout.block_size
-    kb = layout.block_idx.long()
-    keep = (torch.arange(kb.shape[-1], device=kb.device) < layout.block_cnt.unsqueeze(-1)) & (kb >= lo // bs)
-    block_idx, block_cnt = compact_sorted(kb - lo // bs, keep & (kb < hi // bs))
-    col = layout.col_idx.long()
-    keep = (torch.arange(col.shape[-1], device=col.device) < layout.col_cnt.unsqueeze(-1)) & (col >= lo) & (col < hi)
-    col_idx, col_cnt = compact_sorted(col - lo, keep)
-    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
 def test_merge_into_existing_result_and_backward_per_part():
     """Two key halves of a per-head layout with columns, the second merged in place into the first's
     (out, lse), equal the whole; each half's backward from the final (out, lse) is its share of the
-    whole gradient (what a ring step does)."""
-    s = SIZES["short"]
+    whole gradient (what a ring step does). Packed documents with padding, an odd length (the second
+    half ends in a partial block)."""
+    s = SIZES["odd"]
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=5)
-    meta = TokenMeta.contiguous(1, s, DEVICE)
-    full = _layout("vertical_slash", 1, 16, s, seed=5)
-    half = s // 2
-    parts = [(lo, hi, _key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
+    cpu_meta = _docs(s, seed=5)
+    full = _layout("vertical_slash", 1, 16, s, seed=5, meta=cpu_meta)
+    meta = cpu_meta.to(DEVICE)
+    half = s // 2 // BLOCK * BLOCK
+    parts = [(lo, hi, key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
              for lo, hi in ((0, half), (half, s))]
     out, lse = None, None
     for lo, hi, lay, km in parts:
@@ -168,7 +180,9 @@ def test_merge_into_existing_result_and_backward_per_part():
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(*f64, full, scale=0.1, q_meta=meta, k_meta=meta)
     tol = TOLERANCE[torch.bfloat16]
-    assert rel_rms(out, ref_out) <= tol and rel_rms(lse, ref_lse) <= tol
+    seen = torch.isfinite(ref_lse)
+    assert not bool(seen.all()) and torch.equal(torch.isfinite(lse), seen)  # padding stays empty through the merge
+    assert rel_rms(out, ref_out) <= tol and rel_rms(lse, ref_lse, seen) <= tol
     ref_dq, ref_dk, ref_dv = reference_backward(*f64, out.double(), lse.double(), dout.double(), full, scale=0.1,
                                                 q_meta=meta, k_meta=meta, dlse=dlse.double())
     dq_sum = torch.zeros_like(ref_dq)
@@ -216,6 +230,19 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
     assert rel_rms(out, ref_out) <= TOLERANCE[torch.bfloat16]
     (out.float() * dout.float()).sum().backward()
     assert all(t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype,d,reason", [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 256, "head_dim 256")],
+                         ids=["fp64", "d256"])
+def test_inputs_the_kernels_cannot_take_use_the_reference_and_say_so(dtype, d, reason):
+    s = SIZES["short"] // 4
+    q, k, v, _, _ = _inputs(1, 4, 2, s, d, dtype, seed=12)
+    layout = _layout("random", 1, 4, s, seed=12)
+    meta = TokenMeta.contiguous(1, s, DEVICE)
+    with pytest.warns(UserWarning, match=f"PyTorch reference \\(slow\\) for {reason}"):
+        out, _ = public_ops.block_sparse_attention(q, k, v, layout)
+    ref_out, _ = reference_forward(q, k, v, layout, scale=d**-0.5, q_meta=meta, k_meta=meta)
+    assert torch.equal(out, ref_out.to(dtype))
 
 
 def test_torch_compile_traces_the_custom_ops():

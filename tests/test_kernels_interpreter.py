@@ -2,7 +2,7 @@
 
 The kernels execute in a worker process started with TRITON_INTERPRET=1 (see
 `hf_sparse_cp.kernels.interpreter`); this process only builds inputs and compares. Sizes are
-small (S ~ 100-260, blocks of 16/32, D 16-64) but cover sub-tiling, partial blocks, GQA ratios
+small (S ~ 100-260, blocks of 16/32, D 16-128) but cover sub-tiling, partial blocks, GQA ratios
 1/2/8, shared and per-head layouts, columns, packed documents with padding, sliding windows,
 queries that see nothing, merging into an existing result, and the deterministic mode.
 fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests marked gpu).
@@ -13,9 +13,9 @@ import torch
 from hf_sparse_cp.kernels import block_sparse_bwd, configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
-from oracle import TOLERANCE, rel_rms
+from oracle import TOLERANCE, key_range, rel_rms
 
-from hf_sparse_cp.layout import SparseLayout, compact_sorted
+from hf_sparse_cp.layout import SparseLayout
 from hf_sparse_cp.pattern import dense_layout
 from hf_sparse_cp.reference import reference_backward, reference_forward
 from hf_sparse_cp.synthetic import random_layout, random_vertical_slash_layout
@@ -48,6 +48,30 @@ def _deterministic_backward(partial_bytes, args, kwargs, dq_tiles):
             return kops.sparse_attention_backward(*args, deterministic=True, **kwargs)
     finally:
         block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = saved
+
+
+def _deterministic_flags_through_the_public_function(q, k, v, layout):
+    """The `deterministic` argument the backward launcher receives from `block_sparse_attention` with
+    torch's deterministic-algorithms switch off, then on (the public path as on CUDA)."""
+    from hf_sparse_cp import ops as public_ops
+
+    seen, launch, use_kernels = [], block_sparse_bwd.backward, public_ops._use_kernels
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return launch(*args, **kwargs)
+
+    block_sparse_bwd.backward, public_ops._use_kernels = spy, lambda *a: True
+    try:
+        for mode in (False, True):
+            torch.use_deterministic_algorithms(mode)
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, _ = public_ops.block_sparse_attention(*x, layout)
+            out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        block_sparse_bwd.backward, public_ops._use_kernels = launch, use_kernels
+    return seen
 
 
 def _opcheck_ops():
@@ -90,18 +114,6 @@ def _random_docs(b, s, seed, pad=0, cuts=3):
         if pad:
             seg[row, s - pad:] = -1
     return TokenMeta.from_segments(seg)
-
-
-def _key_range(layout, lo, hi):
-    """The part of a layout inside keys [lo, hi) (lo a multiple of the block size), re-indexed to them."""
-    bs = layout.block_size
-    kb = layout.block_idx.long()
-    keep = (torch.arange(kb.shape[-1]) < layout.block_cnt.unsqueeze(-1)) & (kb >= lo // bs) & (kb < hi // bs)
-    block_idx, block_cnt = compact_sorted(kb - lo // bs, keep)
-    col = layout.col_idx.long()
-    keep = (torch.arange(col.shape[-1]) < layout.col_cnt.unsqueeze(-1)) & (col >= lo) & (col < hi)
-    col_idx, col_cnt = compact_sorted(col - lo, keep)
-    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
 def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None,
@@ -175,6 +187,17 @@ def test_other_tiles_compute_the_same_function(interp):
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=tiles)
 
 
+def test_fp16_head_dim_128_gqa8_packed_documents(interp):
+    """The model-sized head (d 128) in fp16 with 8 query heads per key/value head, per-head vertical-slash
+    layouts with columns, packed documents with padding, a length that is not a block multiple."""
+    s, bs = 133, 32
+    q, k, v, dout, dlse = _inputs(1, 8, 1, s, s, 128, torch.float16, seed=31)
+    meta = _random_docs(1, s, seed=32, pad=6)
+    layout = random_vertical_slash_layout(1, 8, s, bs, 2, 10, meta, generator=torch.Generator().manual_seed(33))
+    assert int(layout.col_cnt.sum()) > 0
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+
+
 def test_packed_documents_padding_and_shared_layout(interp):
     """Batch of 2 rows with 4 documents each and 7 padding tokens; one layout for all heads."""
     q, k, v, dout, dlse = _inputs(2, 4, 2, 150, 150, 32, torch.float32, seed=3)
@@ -211,15 +234,21 @@ def test_queries_that_see_nothing_get_zero_and_no_nan(interp):
     assert bool((dq[blind] == 0).all())
 
 
-def test_merge_into_existing_result(interp):
+@pytest.mark.parametrize(
+    "hq,hk,s,d,dtype",
+    [(4, 2, 128, 16, torch.float32), (8, 1, 125, 64, torch.float16)],
+    ids=["gqa2-S128-d16-fp32", "gqa8-S125-d64-fp16"],
+)
+def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
     """Two key halves, the second merged into the first's (out, lse) in place, equal the whole; the
-    backward per half with the final (out, lse) sums to the whole: what a ring step does."""
-    s, bs = 128, 16
-    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=8)
+    backward per half with the final (out, lse) sums to the whole: what a ring step does. Packed
+    documents and padding, so some rows see nothing in one half or in both."""
+    bs = 16
+    q, k, v, dout, dlse = _inputs(1, hq, hk, s, s, d, dtype, seed=8)
     meta = _random_docs(1, s, seed=9, pad=5, cuts=1)
-    full = random_layout(1, 4, s, s, bs, 0.6, 0.1, generator=torch.Generator().manual_seed(10))
-    halves = [(lo, hi, _key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
-              for lo, hi in ((0, 64), (64, 128))]
+    full = random_layout(1, hq, s, s, bs, 0.6, 0.1, generator=torch.Generator().manual_seed(10))
+    halves = [(lo, hi, key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
+              for lo, hi in ((0, 64), (64, s))]
     assert all(int(lay.col_cnt.sum()) > 0 for _, _, lay, _ in halves)
     scale = 0.3
     args = lambda lo, hi, lay, km: (q, k[:, :, lo:hi], v[:, :, lo:hi], lay)
@@ -233,8 +262,8 @@ def test_merge_into_existing_result(interp):
     seen = torch.isfinite(ref_lse)
     assert not bool(seen.all())  # padding rows stay empty through the merge
     assert torch.equal(torch.isfinite(lse), seen)
-    assert rel_rms(out, ref_out) <= TOLERANCE[torch.float32]
-    assert rel_rms(lse, ref_lse, seen) <= TOLERANCE[torch.float32]
+    assert rel_rms(out, ref_out) <= TOLERANCE[dtype]
+    assert rel_rms(lse, ref_lse, seen) <= TOLERANCE[dtype]
     assert bool((out[~seen] == 0).all())
 
     ref_dq, ref_dk, ref_dv = reference_backward(q.double(), k.double(), v.double(), out.double(), lse.double(),
@@ -245,9 +274,9 @@ def test_merge_into_existing_result(interp):
         dq, dk, dv = interp.apply(kops.sparse_attention_backward, (*args(lo, hi, lay, km)[:3], out, lse, dout, lay),
                                   dict(scale=scale, q_meta=meta, k_meta=km, dlse=dlse))
         dq_sum += dq.double()
-        assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * TOLERANCE[torch.float32]
-        assert rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * TOLERANCE[torch.float32]
-    assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[torch.float32]
+        assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * TOLERANCE[dtype]
+        assert rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * TOLERANCE[dtype]
+    assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
@@ -270,6 +299,12 @@ def test_deterministic_mode_matches_reference(interp, separate_columns):
         grads = interp.apply(_deterministic_backward, (budget, args, kwargs, dq_tiles))
         for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
             assert rel_rms(a, r) <= 2 * TOLERANCE[torch.float32], (name, budget)
+
+
+def test_deterministic_switch_reaches_the_kernel_through_the_public_function(interp):
+    q, k, v, _, _ = _inputs(1, 2, 1, 64, 64, 16, torch.float32, seed=17)
+    layout = random_layout(1, 2, 64, 64, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(18))
+    assert interp.apply(_deterministic_flags_through_the_public_function, (q, k, v, layout)) == [False, True]
 
 
 def test_custom_ops_pass_opcheck(interp):
@@ -297,12 +332,12 @@ def test_primitives_refuse_bad_inputs():
     q = torch.randn(1, 2, 32, 16)
     meta = TokenMeta.contiguous(1, 32)
     lay = dense_layout(meta, 16)
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="one floating dtype"):
         kops.sparse_attention_forward(q, q.half(), q.half(), lay, scale=1.0, q_meta=meta, k_meta=meta)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         kops.sparse_attention_forward(q, q[:, :1].expand(1, 3, 32, 16), q[:, :1].expand(1, 3, 32, 16), lay,
                                       scale=1.0, q_meta=meta, k_meta=meta)
-    with pytest.raises(ValueError, match="NQB"):
+    with pytest.raises(ValueError, match="query blocks"):
         kops.sparse_attention_forward(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), scale=1.0,
                                       q_meta=meta, k_meta=meta)
     with pytest.raises(ValueError, match="merge buffer"):

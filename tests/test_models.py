@@ -51,6 +51,25 @@ def test_dense_pattern_matches_sdpa(model_type, dtype):
         assert rel_rms(g, ref_grads[name]) <= 4 * tol, name
 
 
+def test_cpu_tensors_take_the_reference_never_the_kernels(monkeypatch):
+    """On CPU the backend computes with the PyTorch reference: the Triton kernels (compiled for CUDA)
+    are never called, forward or backward."""
+    from hf_sparse_cp.kernels import ops as kops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("CPU tensors reached the Triton kernels")
+
+    monkeypatch.setattr(kops, "sparse_attention_forward", refuse)
+    monkeypatch.setattr(kops, "sparse_attention_backward", refuse)
+    assert "cpu tensors" in kops.unsupported(torch.zeros(1, 1, 1, 8))
+    cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16)
+    ref, ours = _pair("qwen2", config=cfg)
+    ids = torch.randint(3, 259, (1, 128))
+    logits, grads = _loss_and_grads(ours, input_ids=ids)
+    assert bool(torch.isfinite(logits).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    assert sorted(hf_sparse_cp.stats.pop_kept_fractions(ours)) == [0, 1]  # the sparse path did run
+
+
 def test_short_sequences_stay_dense_under_the_sparse_pattern():
     ref, ours = _pair("qwen2", config=SparseAttentionConfig(block_size=32, min_seq_len=S + 1, slash_topk=4))
     ids = torch.randint(3, 259, (1, S))

@@ -100,14 +100,36 @@ def test_reference_memory_grows_with_kept_work():
         assert prob.chunk * bs * prob.n_keys <= reference._CHUNK_ELEMENTS
 
 
-def test_bad_shapes_are_refused():
-    q, k, v = _inputs(1, 3, 2, 64, 16, torch.float32, seed=0)
-    layout = random_layout(1, 3, 64, 64, 16, 0.5)
-    with pytest.raises(ValueError, match="multiple of key/value heads"):
-        block_sparse_attention(q, k, v, layout)
-    q, k, v = _inputs(1, 2, 2, 64, 16, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="query blocks"):
-        block_sparse_attention(q, k, v, random_layout(1, 2, 128, 128, 16, 0.5))
+def _bad_inputs():
+    """(name, q, k, v, layout, q_meta, expected error) per kind of mistake, around one valid call."""
+    q, k, v = (t.detach() for t in _inputs(1, 2, 2, 64, 16, torch.float32, seed=0))
+    layout, meta = random_layout(1, 2, 64, 64, 16, 0.5), TokenMeta.contiguous(1, 64)
+    short = TokenMeta.contiguous(1, 32)
+    on_meta_device = TokenMeta(meta.index.to("meta"), meta.segment.to("meta"))
+    return [
+        ("heads", q[:, :1].expand(1, 3, 64, 16), k, v, random_layout(1, 3, 64, 64, 16, 0.5), meta,
+         "multiple of key/value heads"),
+        ("layout-length", q, k, v, random_layout(1, 2, 128, 128, 16, 0.5), meta, "query blocks"),
+        ("layout-batch", q, k, v, random_layout(2, 2, 64, 64, 16, 0.5), meta, "batch 2"),
+        ("3-D q", q[0], k, v, layout, meta, "4-D"),
+        ("q_meta-length", q, k, v, layout, TokenMeta(short.index, meta.segment), "q_meta must hold"),
+        ("mixed-dtypes", q, k.half(), v.half(), layout, meta, "one floating dtype"),
+        ("integer", q.long(), k.long(), v.long(), layout, meta, "one floating dtype"),
+        ("k-v-shapes", q, k, v[:, :, :32], layout, meta, "k and v must be"),
+        ("meta-device", q, k, v, layout, on_meta_device, "on q's device"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_inputs())), ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs_are_refused_with_the_fix(case):
+    """The public function and the reference primitive refuse each mistake before computing anything."""
+    _, q, k, v, layout, q_meta, message = _bad_inputs()[case]
+    with pytest.raises(ValueError, match=message):
+        block_sparse_attention(q, k, v, layout, q_meta=q_meta)
+    if q.dim() == 4 and k.shape == v.shape:
+        k_meta = TokenMeta.contiguous(1, k.shape[2])
+        with pytest.raises(ValueError, match=message):
+            reference.reference_forward(q, k, v, layout, scale=0.25, q_meta=q_meta, k_meta=k_meta)
 
 
 def test_primitives_compose_over_key_splits():
