@@ -33,10 +33,17 @@ once under torch.profiler and its GPU time split by kernel (our forward, dq, dk/
 and layout kernels; Flex's compiled kernels; cuDNN's), so that a missed target comes with where
 the time went.
 
+Check: at the first S, ours and compiled Flex on each layout without its columns must agree within
+bf16 rounding (`CHECK_RTOL`); the JSON says pass, FAIL or error per layout. Flex is only ever timed
+compiled (`_flex`): past dynamo's recompile limit it would silently run its unfused eager path.
+
 Prints a table, the estimation section, the kernel profiles and the issue's targets (measured value
 and pass/fail: at 128K, fwd+bwd >= 1.7x FlexAttention and >= 15x cuDNN dense at ~5% kept blocks,
 >= 1.3x FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%), and
-writes JSON (GPU, versions, settings, results, estimation, targets) to benchmarks/results/.
+writes JSON (GPU, versions, settings, results, checks, estimation, targets) to benchmarks/results/.
+The JSON is rewritten after every S ("complete": false until the end), and an S whose set-up fails
+(out of memory at 256K, say) is listed under "skipped", so a late failure or a timeout loses no
+earlier result.
 
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --seq_lens 131072 --densities 0.05 --repeats 20
@@ -51,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -81,6 +89,11 @@ from hf_sparse_cp.tokens import TokenMeta
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VARIANTS = ("ours", "flex", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+# Largest relative RMS difference between ours and Flex on the same blocks: both round their bf16
+# output once after fp32 accumulation, so they differ by a few bf16 ulps (2^-8 relative), no more.
+CHECK_RTOL = 2e-2
+# Compiled Flex graphs allowed per process (see `_flex`): 2 per sequence length.
+FLEX_RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -222,19 +235,24 @@ def columns_removed(layout: SparseLayout) -> SparseLayout:
                         layout.block_size)
 
 
-def flex_block_mask(layout: SparseLayout, num_q_heads: int, seq_len: int):
-    """A causal FlexAttention BlockMask with exactly the layout's key blocks (its columns are dropped):
-    blocks below the diagonal are full blocks (no mask_mod evaluated), diagonal blocks partial.
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
-    The mask_mod also looks the block up, so that it states the same function as the block lists
-    (FlexAttention's semantics is the mask_mod; the compiled kernel only skips unlisted blocks, the
-    eager path evaluates the mask_mod everywhere). On the partial (diagonal) blocks, the only ones
-    where the compiled kernel evaluates it, the lookup is always true.
+
+def flex_block_mask(layout: SparseLayout, num_q_heads: int, seq_len: int):
+    """A FlexAttention BlockMask with exactly the layout's key blocks (its columns are dropped): blocks
+    below the diagonal as full blocks (no mask_mod evaluated), diagonal blocks as partial blocks with
+    the causal mask_mod.
+
+    This is the function compiled Flex computes, the only Flex `_flex` runs: its kernels visit the
+    listed blocks alone and evaluate the mask_mod on the partial ones. (Flex's eager path evaluates
+    the mask_mod over all pairs instead.) One module-level mask_mod for every layout and the dense
+    case keeps one compiled graph per S, and the dense causal mask is built without materializing the
+    S x S mask that `create_block_mask` makes (64 GiB at 256K).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    bs = layout.block_size
-    nkb = -(-seq_len // bs)
+    nkb = -(-seq_len // layout.block_size)
     blk = layout.block_idx.long()
     valid = torch.arange(blk.shape[-1], device=blk.device) < layout.block_cnt.unsqueeze(-1)
     qb = torch.arange(layout.num_q_blocks, device=blk.device).view(1, 1, -1, 1)
@@ -247,14 +265,8 @@ def flex_block_mask(layout: SparseLayout, num_q_heads: int, seq_len: int):
 
     partial_cnt, partial_idx = listed(valid & (blk == qb))
     full_cnt, full_idx = listed(valid & (blk < qb))
-    dense = torch.zeros(*layout.block_cnt.shape, nkb + 1, dtype=torch.bool, device=blk.device)
-    dense = dense.scatter_(-1, torch.where(valid, blk, nkb), True)[..., :nkb].expand(*heads, nkb)
-
-    def in_layout(b, h, q_idx, kv_idx):
-        return dense[b, h, q_idx // bs, kv_idx // bs] & (q_idx >= kv_idx)
-
-    return BlockMask.from_kv_blocks(partial_cnt, partial_idx, full_cnt, full_idx, BLOCK_SIZE=bs, mask_mod=in_layout,
-                                    seq_lengths=(seq_len, seq_len))
+    return BlockMask.from_kv_blocks(partial_cnt, partial_idx, full_cnt, full_idx, BLOCK_SIZE=layout.block_size,
+                                    mask_mod=causal_mask_mod, seq_lengths=(seq_len, seq_len))
 
 
 def computed_pairs(layout: SparseLayout, num_q_heads: int, include_columns: bool = True) -> float:
@@ -315,10 +327,22 @@ def _ours(layout: SparseLayout):
 
 
 def _flex(block_mask):
+    """Compiled FlexAttention on `block_mask`, never Flex's unfused eager path.
+
+    Every S compiles Flex anew (dynamic=False), with and without autograd: 2 graphs per S (all masks
+    of one S share shapes and mask_mod, see `flex_block_mask`). Past dynamo's recompile limit (8 by
+    default) Flex would silently run its eager path, which materializes the whole score matrix. The
+    limit is raised to FLEX_RECOMPILE_LIMIT, and hitting it raises (an error row) instead.
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    def attend(q, k, v):
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    return attend
 
 
 def _sdpa(backend):
@@ -349,6 +373,7 @@ class Bench:
         self.checks: list[dict] = []
         # per (S, estimated layout): estimation + layout construction of one attention call (time_estimation)
         self.estimation: list[dict] = []
+        self.skipped: list[dict] = []  # sequence lengths whose set-up failed
 
     def release_memory(self) -> None:
         if self.device == "cuda":
@@ -405,14 +430,23 @@ class Bench:
             self.record(seq_len, name, "flex", flex_pairs, density, 0.0, lambda: _flex(mask), tensors, dout)
 
     def check(self, seq_len: int, name: str, layout: SparseLayout, tensors):
-        """ours vs Flex on the same blocks (columns removed): both must compute the same function."""
-        blocks = columns_removed(layout)
-        with torch.no_grad():
-            ours = _ours(blocks)(*tensors)
-            flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors)
-        err = rel_rms(ours, flex)
-        self.checks.append({"seq_len": seq_len, "layout": name, "rel_rms_ours_vs_flex": err})
-        print(f"[S={seq_len} {name}] check: rel. RMS ours vs flex = {err:.2e}", flush=True)
+        """ours vs Flex on the same blocks (columns removed): both must compute the same function, up to
+        bf16 rounding (`CHECK_RTOL`); a mismatch or an error is reported, and the timings still run."""
+        entry = {"seq_len": seq_len, "layout": name, "rel_rms_ours_vs_flex": None, "rtol": CHECK_RTOL}
+        try:
+            blocks = columns_removed(layout)
+            with torch.no_grad():
+                ours = _ours(blocks)(*tensors)
+                flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors)
+            err = rel_rms(ours, flex)
+            entry.update(rel_rms_ours_vs_flex=err, status="pass" if err <= CHECK_RTOL else "FAIL")
+            shown = f"rel. RMS ours vs flex = {err:.2e} (<= {CHECK_RTOL:g}: {entry['status']})"
+        except Exception as e:  # reported as data, like a failing variant
+            entry.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
+            shown = f"error: {entry['reason']}"
+        self.release_memory()
+        self.checks.append(entry)
+        print(f"[S={seq_len} {name}] check: {shown}", flush=True)
 
     def dense_case(self, seq_len: int, tensors, dout):
         a = self.args
@@ -422,10 +456,7 @@ class Bench:
         if "ours" in a.variants:
             self.record(seq_len, "dense", "ours", pairs, 1.0, 0.0, lambda: _ours(layout), tensors, dout)
         if "flex" in a.variants:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, device=self.device,
-                                     BLOCK_SIZE=a.block_size)
+            mask = flex_block_mask(layout, a.num_q_heads, seq_len)
             self.record(seq_len, "dense", "flex", pairs, 1.0, 0.0, lambda: _flex(mask), tensors, dout)
         group = a.num_q_heads // a.num_kv_heads
         dense_variants = [v for v in ("sdpa_cudnn", "sdpa_flash", "flash_attn") if v in a.variants]
@@ -447,36 +478,49 @@ class Bench:
             self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, functools.partial(_sdpa, backend), expanded,
                         dout)
 
-    def run(self):
-        a = self.args
-        for i, seq_len in enumerate(a.seq_lens):
-            tensors, dout = self.inputs(seq_len)
-            cases = [(density_name(d), density_layout(seq_len, a.num_q_heads, a.block_size, d, a.num_verticals,
-                                                       a.seed, self.device), tensors, dout) for d in a.densities]
-            est_ms = {}
-            if parse_budgets(a.estimated_budgets):
-                q_pl, k_pl = planted_inputs(seq_len, a.num_q_heads, a.num_kv_heads, a.head_dim, a.seed)
-                planted, planted_dout = self.inputs(seq_len, q_pl, k_pl)
-                q_est, k_est = planted[0].detach(), planted[1].detach()
-                meta = TokenMeta.contiguous(1, seq_len, self.device)
-                for vt, st in parse_budgets(a.estimated_budgets):
-                    name = estimated_name(vt, st)
-                    cases.append((name, estimated_layout(q_est, k_est, vt, st, a.block_size), planted, planted_dout))
-                    timing = time_estimation(q_est, k_est, estimation_config(vt, st, a.block_size), meta, a.warmup,
-                                             a.repeats)
-                    self.estimation.append({"seq_len": seq_len, "layout": name, **timing})
-                    est_ms[name] = timing["total_ms"]
-                    print(f"[S={seq_len} {name}] estimation {timing['total_ms']:.2f} ms (documents "
-                          f"{timing['documents_ms']:.2f}, scoring {timing['scoring_ms']:.2f}, layout "
-                          f"{timing['layout_ms']:.2f})", flush=True)
-            for name, layout, inputs, grad in cases:
-                if a.check and i == 0:
-                    self.check(seq_len, name, layout, inputs)
-                self.sparse_case(seq_len, name, layout, inputs, grad, est_ms.get(name))
-            if a.dense:
-                self.dense_case(seq_len, tensors, dout)
-            del tensors, dout, cases
+    def run(self, after_each_seq_len: Callable[[], None] | None = None):
+        """The whole sweep. A sequence length whose set-up fails (inputs, layouts, estimation: out of
+        memory at 256K, say) is recorded in `skipped` and the next one runs; `after_each_seq_len` is
+        called after every S (main writes the JSON there, so a later failure loses nothing)."""
+        for i, seq_len in enumerate(self.args.seq_lens):
+            try:
+                self.run_seq_len(seq_len, check=self.args.check and i == 0)
+            except Exception as e:
+                status = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
+                reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+                self.skipped.append({"seq_len": seq_len, "status": status, "reason": reason})
+                print(f"[S={seq_len}] skipped, {status} while setting up: {reason}", flush=True)
             self.release_memory()
+            if after_each_seq_len is not None:
+                after_each_seq_len()
+
+    def run_seq_len(self, seq_len: int, check: bool):
+        a = self.args
+        tensors, dout = self.inputs(seq_len)
+        cases = [(density_name(d), density_layout(seq_len, a.num_q_heads, a.block_size, d, a.num_verticals,
+                                                   a.seed, self.device), tensors, dout) for d in a.densities]
+        est_ms = {}
+        if parse_budgets(a.estimated_budgets):
+            q_pl, k_pl = planted_inputs(seq_len, a.num_q_heads, a.num_kv_heads, a.head_dim, a.seed)
+            planted, planted_dout = self.inputs(seq_len, q_pl, k_pl)
+            q_est, k_est = planted[0].detach(), planted[1].detach()
+            meta = TokenMeta.contiguous(1, seq_len, self.device)
+            for vt, st in parse_budgets(a.estimated_budgets):
+                name = estimated_name(vt, st)
+                cases.append((name, estimated_layout(q_est, k_est, vt, st, a.block_size), planted, planted_dout))
+                timing = time_estimation(q_est, k_est, estimation_config(vt, st, a.block_size), meta, a.warmup,
+                                         a.repeats)
+                self.estimation.append({"seq_len": seq_len, "layout": name, **timing})
+                est_ms[name] = timing["total_ms"]
+                print(f"[S={seq_len} {name}] estimation {timing['total_ms']:.2f} ms (documents "
+                      f"{timing['documents_ms']:.2f}, scoring {timing['scoring_ms']:.2f}, layout "
+                      f"{timing['layout_ms']:.2f})", flush=True)
+        for name, layout, inputs, grad in cases:
+            if check:
+                self.check(seq_len, name, layout, inputs)
+            self.sparse_case(seq_len, name, layout, inputs, grad, est_ms.get(name))
+        if a.dense:
+            self.dense_case(seq_len, tensors, dout)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -562,6 +606,47 @@ def issue_targets(rows: list[dict], estimation: list[dict], seq_len: int = 13107
             for name, value, op, bound in targets]
 
 
+def build_report(bench: Bench, env: dict, complete: bool) -> dict:
+    a = bench.args
+    return {
+        "benchmark": "bench_attention",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "complete": complete,
+        **env,
+        "settings": {**dataclasses.asdict(a), "batch_size": 1, "dtype": "bfloat16", "causal": True,
+                     "flops": "fwd = 4 * head_dim * computed pairs; fwd+bwd = 3.5 * fwd"},
+        "results": bench.rows,
+        "skipped": bench.skipped,
+        "checks": bench.checks,
+        "estimation": estimation_report(bench.rows, bench.estimation),
+        "targets": issue_targets(bench.rows, bench.estimation),
+    }
+
+
+def print_report(report: dict) -> None:
+    print()
+    print(f"{report['device']}, torch {report['torch']}, triton {report['triton']}, cuda {report['cuda']}")
+    print(format_table(report["results"]))
+    for s in report["skipped"]:
+        print(f"S={s['seq_len']}: skipped ({s['status']} while setting up: {s['reason']})")
+    for c in report["checks"]:
+        if c["status"] == "error":
+            print(f"CHECK error: S={c['seq_len']} {c['layout']}: {c['reason']}")
+        elif c["status"] == "FAIL":
+            print(f"CHECK FAIL: S={c['seq_len']} {c['layout']}: ours vs flex rel. RMS {c['rel_rms_ours_vs_flex']:.2e} "
+                  f"> {c['rtol']:g}")
+    if report["estimation"]:
+        print()
+        print(format_estimation(report["estimation"]))
+    for r in report["results"]:
+        if r.get("kernels"):
+            print()
+            print(format_profile(f"S={r['seq_len']} {r['layout']} {r['variant']}: one fwd+bwd step by kernel "
+                                 f"(timed median {r['fwd_bwd_ms']:.2f} ms)", r["kernels"]))
+    print()
+    print(format_targets(report["targets"]))
+
+
 def main(argv: list[str]) -> dict:
     from transformers import HfArgumentParser
 
@@ -569,33 +654,17 @@ def main(argv: list[str]) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py is a GPU benchmark and found no CUDA device; nothing was measured.")
     bench = Bench(args)
-    bench.run()
     env = environment(torch.device("cuda"))
-    report = {
-        "benchmark": "bench_attention",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        **env,
-        "settings": {**dataclasses.asdict(args), "batch_size": 1, "dtype": "bfloat16", "causal": True,
-                     "flops": "fwd = 4 * head_dim * computed pairs; fwd+bwd = 3.5 * fwd"},
-        "results": bench.rows,
-        "checks": bench.checks,
-        "estimation": estimation_report(bench.rows, bench.estimation),
-        "targets": issue_targets(bench.rows, bench.estimation),
-    }
-    print()
-    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, cuda {env['cuda']}")
-    print(format_table(bench.rows))
-    if report["estimation"]:
-        print()
-        print(format_estimation(report["estimation"]))
-    for r in bench.rows:
-        if r.get("kernels"):
-            print()
-            print(format_profile(f"S={r['seq_len']} {r['layout']} {r['variant']}: one fwd+bwd step by kernel "
-                                 f"(timed median {r['fwd_bwd_ms']:.2f} ms)", r["kernels"]))
-    print()
-    print(format_targets(report["targets"]))
-    write_report(report, RESULTS_DIR, "attention", args.output)
+    path = args.output
+
+    def save(complete: bool = False) -> None:  # the same file, rewritten after every S
+        nonlocal path
+        path = str(write_report(build_report(bench, env, complete), RESULTS_DIR, "attention", path))
+
+    bench.run(after_each_seq_len=save)
+    report = build_report(bench, env, complete=True)
+    print_report(report)
+    save(complete=True)
     return report
 
 

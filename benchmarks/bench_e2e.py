@@ -406,6 +406,14 @@ def main(argv: list[str]) -> dict:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"  # does not create a CUDA context here
     results = []
+    path = args.output
+
+    def save(complete: bool) -> dict:  # the same file, rewritten after every run
+        nonlocal path
+        report = build_report(args, sparse, results, device, complete)
+        path = str(write_report(report, RESULTS_DIR, "e2e", path))
+        return report
+
     for model in args.models:
         for variant in args.variants:
             for seq_len in args.seq_lens():
@@ -428,27 +436,13 @@ def main(argv: list[str]) -> dict:
                 else:
                     summary = r.get("reason", "")
                 print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
+                save(complete=False)
                 if r["status"] != "ok":
                     break  # a longer sequence cannot succeed where this one did not
 
-    env = next((r["env"] for r in results if "env" in r), {"device": device})
-    for r in results:
-        r.pop("env", None)
-    report = {
-        "benchmark": "bench_e2e",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        **env,
-        "settings": {**{k: v for k, v in dataclasses.asdict(args).items() if k != "output"},
-                     "batch_size": 1, "dtype": "bfloat16", "optimizer": "AdamW", "gradient_checkpointing": True,
-                     "model_shapes": {m: MODEL_SHAPES[m] for m in args.models}},
-        "sparse_attention": sparse.to_dict(),
-        "results": results,
-        "memory_check": memory_check(results),
-        "speedups": speedups(results),
-        "targets": issue_targets(results),
-    }
+    report = build_report(args, sparse, results, device, complete=True)
     print()
-    print(f"{env['device']}, torch {env.get('torch')}, transformers {env.get('transformers')}")
+    print(f"{report['device']}, torch {report.get('torch')}, transformers {report.get('transformers')}")
     print(format_table(results))
     for r in results:
         if r.get("kernels"):
@@ -462,8 +456,28 @@ def main(argv: list[str]) -> dict:
             used = "ran out of memory" if check["sparse_cp_gib"] is None else f"{check['sparse_cp_gib']:.2f} GiB"
             print(f"WARNING: sparse_cp used more memory than liger-kernel for {check['model']} at "
                   f"S={check['seq_len']}: {used} vs {check['liger_gib']:.2f} GiB")
-    write_report(report, RESULTS_DIR, "e2e", args.output)
+    save(complete=True)
     return report
+
+
+def build_report(args: BenchArguments, sparse, results: list[dict], device: str, complete: bool) -> dict:
+    """The JSON of a run so far: environment (from the first worker that reported it), settings,
+    results and what follows from them; `complete` is false while runs remain."""
+    env = next((r["env"] for r in results if "env" in r), {"device": device})
+    return {
+        "benchmark": "bench_e2e",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "complete": complete,
+        **env,
+        "settings": {**{k: v for k, v in dataclasses.asdict(args).items() if k != "output"},
+                     "batch_size": 1, "dtype": "bfloat16", "optimizer": "AdamW", "gradient_checkpointing": True,
+                     "model_shapes": {m: MODEL_SHAPES[m] for m in args.models}},
+        "sparse_attention": sparse.to_dict(),
+        "results": [{k: v for k, v in r.items() if k != "env"} for r in results],
+        "memory_check": memory_check(results),
+        "speedups": speedups(results),
+        "targets": issue_targets(results),
+    }
 
 
 if __name__ == "__main__":

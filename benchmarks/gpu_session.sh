@@ -5,12 +5,16 @@
 #
 #   bash benchmarks/gpu_session.sh tests                        # the gpu-marked tests
 #   bash benchmarks/gpu_session.sh tune --kernels forward dq    # tune_tiles (default: every kernel)
-#   bash benchmarks/gpu_session.sh attention                    # bench_attention at 32K (Flex check) and 128K
+#   bash benchmarks/gpu_session.sh attention                    # bench_attention at 128K (the targets, the
+#                                                               #   Flex check), then 32K; then, in a second
+#   bash benchmarks/gpu_session.sh attention --seq_lens 65536 262144   # call, the other lengths
 #   bash benchmarks/gpu_session.sh e2e --variants sdpa+liger --max_seq 262144   # bench_e2e, Qwen2.5-0.5B,
 #   bash benchmarks/gpu_session.sh e2e --variants sparse_cp                     #   S from 128K
 #
-# (A dense 0.5B step at 256K takes about half a minute on an H100 by the issue's own 7.6K tokens/s, so
-# the dense baselines stop at 256K; every e2e run is capped at 5 minutes so that a call returns its JSON.)
+# bench_attention rewrites its JSON after every S, so a call cut off by its time limit keeps the
+# lengths it finished. (A dense 0.5B step at 256K takes about half a minute on an H100 by the issue's
+# own 7.6K tokens/s, so the dense baselines stop at 256K; every e2e run is capped at 5 minutes so that
+# a call returns its JSON.)
 #
 # Wheels of packages the image lacks (liger-kernel for bench_e2e's baseline) are read from .whl/ when
 # present. Logs and JSON go to $OUT (the device tool's folder) or, without it, benchmarks/results/.
@@ -39,7 +43,7 @@ case "$stage" in
     tune)
         python3 benchmarks/tune_tiles.py --output "$out/tiles.json" "$@" 2>&1 | tee "$out/tune.log" ;;
     attention)
-        python3 benchmarks/bench_attention.py --seq_lens 32768 131072 --output "$out/attention.json" "$@" 2>&1 \
+        python3 benchmarks/bench_attention.py --seq_lens 131072 32768 --output "$out/attention.json" "$@" 2>&1 \
             | tee "$out/attention.log" ;;
     e2e)
         python3 benchmarks/bench_e2e.py --models 0.5b --min_seq 131072 --timeout_s 300 --output "$out/e2e.json" "$@" 2>&1 \

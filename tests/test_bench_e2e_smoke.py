@@ -32,6 +32,7 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
     assert "tokens/s" in proc.stdout  # the table was printed
 
     report = json.loads(out.read_text())
+    assert report["complete"] is True and not any("env" in r for r in report["results"])
     for key in ("device", "torch", "transformers", "triton", "date"):
         assert report[key], key
     assert report["device_type"] == "cpu"
@@ -59,6 +60,27 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
     profile = rows["sparse_cp", 2048]["kernels"]
     assert len(profile) == 13 and profile[0]["ms"] >= profile[1]["ms"] > 0  # 12 kernels and the rest
     assert "one training step by kernel" in proc.stdout
+
+
+def test_the_report_is_written_after_every_run(tmp_path, bench, monkeypatch):
+    """A sweep cut off after its first run (the device's time limit, say) leaves that run's JSON."""
+    out = tmp_path / "e2e.json"
+    calls = []
+
+    def run_in_subprocess(spec, timeout_s):
+        if calls:
+            raise KeyboardInterrupt  # stands in for the sweep being killed
+        calls.append(spec)
+        return {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"], "status": "ok",
+                "step_s": 0.5, "tokens_per_s": spec["seq_len"] / 0.5, "peak_gib": 1.0, "kept_fraction": 0.1,
+                "env": {"device": "test device", "torch": "x"}}
+
+    monkeypatch.setattr(bench, "run_in_subprocess", run_in_subprocess)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--tiny", "--variants", "sparse_cp", "--device", "cpu", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["device"] == "test device"
+    assert [(r["variant"], r["seq_len"], r["status"]) for r in report["results"]] == [("sparse_cp", 1024, "ok")]
 
 
 def test_tiny_preset_and_explicit_flags(bench):

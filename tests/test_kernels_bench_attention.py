@@ -39,19 +39,19 @@ def test_flex_block_mask_lists_exactly_the_layout_blocks(bench):
     assert torch.equal(mask.to_dense().bool(), _listed_blocks(layout, s // bs))
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_on_the_block_mask_equals_the_reference_without_columns(bench):
-    """Same function for both: FlexAttention (eager, CPU) on the mask vs our reference on the layout
-    with its columns removed."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+@pytest.mark.parametrize("kind", ["vs@30%", "dense"])
+def test_compiled_flex_on_the_block_mask_equals_the_reference_without_columns(bench, kind):
+    """Same function for both: compiled FlexAttention (as `_flex` runs it, here on CPU) on the block
+    mask vs our reference on the layout with its columns removed."""
     s, bs = 512, 64
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, h, s, 32, generator=g) for h in (4, 2, 2))
-    layout = bench.columns_removed(bench.density_layout(s, 4, bs, 0.3, 16, seed=3, device="cpu"))
     meta = TokenMeta.contiguous(1, s)
+    layout = (dense_layout(meta, bs) if kind == "dense"
+              else bench.columns_removed(bench.density_layout(s, 4, bs, 0.3, 16, seed=3, device="cpu")))
     ref, _ = reference_forward(q, k, v, layout, scale=32**-0.5, q_meta=meta, k_meta=meta)
-    out = flex_attention(q, k, v, block_mask=bench.flex_block_mask(layout, 4, s), enable_gqa=True)
+    with torch.no_grad():
+        out = bench._flex(bench.flex_block_mask(layout, 4, s))(q, k, v)
     assert rel_rms(out, ref) <= TOLERANCE[torch.float32]
 
 
@@ -139,13 +139,18 @@ def test_targets_not_measured_are_reported_as_such(bench):
     assert bench.format_targets(targets).count("not measured") == len(targets)
 
 
+def _small_args(bench, **overrides):
+    """A sweep small enough for CPU: our variant only (the PyTorch reference there), one S of 512."""
+    base = dict(seq_lens=[512], densities=[0.2], num_verticals=8, estimated_budgets=["16:4"], variants=["ours"],
+                num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=64, warmup=0, repeats=1, check=False,
+                profile_seq_lens=[512])
+    return bench.BenchAttentionArguments(**{**base, **overrides})
+
+
 def test_sweep_orchestration_runs_on_cpu(bench):
     """`Bench.run` end to end with our variant only (the PyTorch reference on CPU) at one small S: every
     row measured, the estimated layout timed and joined to our time on it."""
-    args = bench.BenchAttentionArguments(seq_lens=[512], densities=[0.2], num_verticals=8, estimated_budgets=["16:4"],
-                                         variants=["ours"], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=64,
-                                         warmup=0, repeats=1, check=False, profile_seq_lens=[512])
-    sweep = bench.Bench(args, device="cpu")
+    sweep = bench.Bench(_small_args(bench), device="cpu")
     sweep.run()
     assert [(r["layout"], r["status"]) for r in sweep.rows] == [("vs@20%", "ok"), ("est v16/s4", "ok"),
                                                                 ("dense", "ok")]
@@ -158,3 +163,64 @@ def test_sweep_orchestration_runs_on_cpu(bench):
     assert est["layout"] == "est v16/s4" and est["share_of_fwd_bwd"] > 0
     assert sweep.rows[1]["estimation_ms"] == est["total_ms"]
     assert "est v16/s4" in bench.format_table(sweep.rows)
+
+
+def test_a_sequence_length_that_fails_to_set_up_is_skipped_and_the_rest_saved(bench, monkeypatch, capsys):
+    """Out of memory while building the first S's layouts: that S is reported as skipped, the next S
+    runs, and the report is handed over after each S (main rewrites the JSON there)."""
+    real = bench.density_layout
+
+    def density_layout(seq_len, *args, **kwargs):
+        if seq_len == 1024:
+            raise torch.OutOfMemoryError("out of memory building the layout")
+        return real(seq_len, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "density_layout", density_layout)
+    sweep = bench.Bench(_small_args(bench, seq_lens=[1024, 512], estimated_budgets=[], profile_seq_lens=[],
+                                    dense=False), device="cpu")
+    rows_when_saved = []
+    sweep.run(after_each_seq_len=lambda: rows_when_saved.append(len(sweep.rows)))
+    assert rows_when_saved == [0, 1]
+    assert [(s["seq_len"], s["status"]) for s in sweep.skipped] == [(1024, "oom")]
+    assert [(r["seq_len"], r["status"]) for r in sweep.rows] == [(512, "ok")]
+    report = bench.build_report(sweep, bench.environment(torch.device("cpu")), complete=False)
+    assert report["complete"] is False and report["skipped"] == sweep.skipped
+    bench.print_report(report)
+    assert "S=1024: skipped (oom while setting up: OutOfMemoryError: out of memory" in capsys.readouterr().out
+
+
+def test_the_flex_check_passes_the_same_function_and_flags_another(bench, monkeypatch, capsys):
+    """ours vs compiled Flex on the same blocks (on CPU): pass; Flex's output off by 10%: FAIL; Flex
+    raising: error. The report prints the two that did not pass."""
+    compiled = bench._flex
+    sweep = bench.Bench(_small_args(bench), device="cpu")
+    layout = bench.density_layout(512, 4, 64, 0.3, 16, seed=3, device="cpu")
+    tensors = [t.detach() for t in sweep.inputs(512)[0]]  # Flex on CPU refuses inputs that require grad
+    for flex in (compiled, lambda mask: (lambda q, k, v: 1.1 * compiled(mask)(q, k, v)), lambda mask: 1 / 0):
+        monkeypatch.setattr(bench, "_flex", flex)
+        sweep.check(512, "vs@30%", layout, tensors)
+    assert [c["status"] for c in sweep.checks] == ["pass", "FAIL", "error"]
+    assert sweep.checks[0]["rel_rms_ours_vs_flex"] <= bench.CHECK_RTOL < sweep.checks[1]["rel_rms_ours_vs_flex"]
+    capsys.readouterr()
+    bench.print_report(bench.build_report(sweep, bench.environment(torch.device("cpu")), complete=True))
+    out = capsys.readouterr().out
+    assert "CHECK FAIL: S=512 vs@30%" in out and "CHECK error: S=512 vs@30%: ZeroDivisionError" in out
+
+
+def test_flex_past_its_recompile_limit_is_an_error_not_the_eager_path(bench, monkeypatch):
+    """Each S compiles Flex anew; past the recompile limit dynamo would run Flex's unfused eager path
+    (the whole score matrix) and the benchmark would time that. With the limit set to 1 here, the
+    first S compiles and checks, and the second is an error, not an eager run."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(bench, "FLEX_RECOMPILE_LIMIT", 1)
+    sweep = bench.Bench(_small_args(bench, variants=["flex"]), device="cpu")
+    for s in (256, 384):
+        layout = bench.density_layout(s, 4, 64, 0.3, 16, seed=3, device="cpu")
+        tensors = [t.detach() for t in sweep.inputs(s)[0]]  # Flex on CPU refuses inputs that require grad
+        sweep.check(s, "vs@30%", layout, tensors)
+    torch._dynamo.reset()
+    first, second = sweep.checks
+    assert first["status"] == "pass"
+    assert second["status"] == "error" and "recompile" in second["reason"].lower()
