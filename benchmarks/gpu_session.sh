@@ -11,8 +11,8 @@
 #   bash benchmarks/gpu_session.sh e2e --variants sdpa+liger --max_seq 262144   # bench_e2e, Qwen2.5-0.5B,
 #   bash benchmarks/gpu_session.sh e2e --variants sparse_cp                     #   S from 128K
 #
-# bench_attention rewrites its JSON after every S, so a call cut off by its time limit keeps the
-# lengths it finished. (A dense 0.5B step at 256K takes about half a minute on an H100 by the issue's
+# The scripts rewrite their JSON as they go (bench_attention after every S, bench_e2e after every run,
+# tune_tiles after every candidate), so a call cut off by its time limit keeps what it measured. (A dense 0.5B step at 256K takes about half a minute on an H100 by the issue's
 # own 7.6K tokens/s, so the dense baselines stop at 256K; every e2e run is capped at 5 minutes so that
 # a call returns its JSON.)
 #

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -134,8 +135,10 @@ class Tuner:
         return kops.sparse_attention_backward(self.q, self.k, self.v, out, lse, self.dout, self.layout,
                                               scale=self.scale, q_meta=self.meta, k_meta=self.meta)
 
-    def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None) -> list[dict]:
-        """Time `tiles_list` (default: `configs.tile_candidates`) for `kernel`; returns and keeps the rows."""
+    def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None,
+                   after_each: Callable[[], None] | None = None) -> list[dict]:
+        """Time `tiles_list` (default: `configs.tile_candidates`) for `kernel`; returns and keeps the rows.
+        `after_each` is called after every candidate (main rewrites the JSON there)."""
         a = self.args
         out, lse = self.forward()
         out = out.to(self.q.dtype)
@@ -145,7 +148,8 @@ class Tuner:
         reference = result()
         now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        for tiles in tiles_list or configs.tile_candidates(kernel, a.block_size, a.head_dim):
+        candidates = tiles_list or configs.tile_candidates(kernel, a.block_size, a.head_dim)
+        for i, tiles in enumerate(candidates, 1):
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
             try:
                 with configs.tiles_override(**{kernel: tiles}):
@@ -159,10 +163,27 @@ class Tuner:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
             shown = f"{row['ms']:.3f} ms" if row["status"] == "ok" else row["reason"]
-            print(f"[{kernel} {tiles}] {row['status']}: {shown}", flush=True)
+            print(f"[{kernel} {i}/{len(candidates)} {tiles}] {row['status']}: {shown}", flush=True)
             rows.append(row)
-        self.rows += rows
+            self.rows.append(row)
+            if after_each is not None:
+                after_each()
         return rows
+
+
+def build_report(tuner: Tuner, env: dict, complete: bool) -> dict:
+    """The JSON of the run so far; `complete` is false while candidates remain."""
+    a = tuner.args
+    tuned = [k for k in a.kernels if any(r["kernel"] == k for r in tuner.rows)]
+    return {
+        "benchmark": "tune_tiles",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "complete": complete,
+        **env,
+        "settings": {**dataclasses.asdict(a), "kept_fraction": float(tuner.layout.kept_fraction())},
+        "results": tuner.rows,
+        "best": {k: rank([r for r in tuner.rows if r["kernel"] == k])[0] for k in tuned},
+    }
 
 
 def main(argv: list[str]) -> dict:
@@ -172,22 +193,21 @@ def main(argv: list[str]) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("tune_tiles.py is a GPU benchmark and found no CUDA device; nothing was measured.")
     tuner = Tuner(args)
-    tables = [format_table(kernel, tuner.run_kernel(kernel)) for kernel in args.kernels]
     env = environment(torch.device("cuda"))
-    report = {
-        "benchmark": "tune_tiles",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        **env,
-        "settings": {**dataclasses.asdict(args), "kept_fraction": float(tuner.layout.kept_fraction())},
-        "results": tuner.rows,
-        "best": {k: rank([r for r in tuner.rows if r["kernel"] == k])[0] for k in args.kernels},
-    }
+    path = args.output
+
+    def save(complete: bool = False) -> None:  # the same file, rewritten after every candidate
+        nonlocal path
+        path = str(write_report(build_report(tuner, env, complete), RESULTS_DIR, "tiles", path))
+
+    tables = [format_table(kernel, tuner.run_kernel(kernel, after_each=save)) for kernel in args.kernels]
+    report = build_report(tuner, env, complete=True)
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}; S={args.seq_len}, kept fraction "
           f"{report['settings']['kept_fraction']:.3f}")
     for table in tables:
         print()
         print(table)
-    write_report(report, RESULTS_DIR, "tiles", args.output)
+    save(complete=True)
     return report
 
 

@@ -107,15 +107,20 @@ def _tune_on_cpu(module_path: str):
     tuner = tune.Tuner(args, device="cpu")
     others = {"forward": Tiles(16, 32, 32, 1, 1), "dq": Tiles(16, 32, 32, 1, 1, separate_columns=True),
               "dkdv": Tiles(32, 16, 16, 1, 1)}
-    return [row for kernel, other in others.items()
-            for row in tuner.run_kernel(kernel, [tune.current_tiles(kernel, 32, 16, on_gpu=False), other])]
+    saved = []  # what main would write after each candidate: (results so far, kernels with a best)
+    save = lambda: saved.append((len(tuner.rows), sorted(tune.build_report(tuner, {}, complete=False)["best"])))
+    rows = [row for kernel, other in others.items()
+            for row in tuner.run_kernel(kernel, [tune.current_tiles(kernel, 32, 16, on_gpu=False), other], save)]
+    return rows, saved
 
 
 def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune):
     from hf_sparse_cp.kernels.interpreter import interpreter_pool
 
     with interpreter_pool() as pool:
-        rows = pool.apply(_tune_on_cpu, (tune.__file__,))
+        rows, saved = pool.apply(_tune_on_cpu, (tune.__file__,))
+    assert [n for n, _ in saved] == [1, 2, 3, 4, 5, 6]  # a report after every candidate
+    assert saved[1][1] == ["forward"] and saved[-1][1] == ["dkdv", "dq", "forward"]
     assert [r["kernel"] for r in rows] == ["forward", "forward", "dq", "dq", "dkdv", "dkdv"]
     assert [r["current"] for r in rows] == [True, False] * 3
     for r in rows:
