@@ -66,13 +66,14 @@ from pathlib import Path
 import torch
 
 from hf_sparse_cp.benchmarking import (
+    ReportFile,
     environment,
     format_profile,
     format_targets,
     kernel_profile,
+    parse_gpu_benchmark_args,
     rel_rms,
     time_ms,
-    write_report,
 )
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.layout import SparseLayout, compact_sorted
@@ -648,23 +649,14 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(BenchAttentionArguments).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_attention.py is a GPU benchmark and found no CUDA device; nothing was measured.")
+    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py")
     bench = Bench(args)
     env = environment(torch.device("cuda"))
-    path = args.output
-
-    def save(complete: bool = False) -> None:  # the same file, rewritten after every S
-        nonlocal path
-        path = str(write_report(build_report(bench, env, complete), RESULTS_DIR, "attention", path))
-
-    bench.run(after_each_seq_len=save)
+    out = ReportFile(RESULTS_DIR, "attention", args.output)
+    bench.run(after_each_seq_len=lambda: out.write(build_report(bench, env, complete=False)))
     report = build_report(bench, env, complete=True)
     print_report(report)
-    save(complete=True)
+    out.write(report)
     return report
 
 

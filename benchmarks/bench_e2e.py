@@ -397,7 +397,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> dict:
-    from hf_sparse_cp.benchmarking import format_profile, format_targets, write_report
+    from hf_sparse_cp.benchmarking import ReportFile, format_profile, format_targets
 
     args, sparse = parse_args(argv)
     device = args.device
@@ -406,13 +406,7 @@ def main(argv: list[str]) -> dict:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"  # does not create a CUDA context here
     results = []
-    path = args.output
-
-    def save(complete: bool) -> dict:  # the same file, rewritten after every run
-        nonlocal path
-        report = build_report(args, sparse, results, device, complete)
-        path = str(write_report(report, RESULTS_DIR, "e2e", path))
-        return report
+    out = ReportFile(RESULTS_DIR, "e2e", args.output)
 
     for model in args.models:
         for variant in args.variants:
@@ -436,7 +430,7 @@ def main(argv: list[str]) -> dict:
                 else:
                     summary = r.get("reason", "")
                 print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
-                save(complete=False)
+                out.write(build_report(args, sparse, results, device, complete=False))
                 if r["status"] != "ok":
                     break  # a longer sequence cannot succeed where this one did not
 
@@ -456,7 +450,7 @@ def main(argv: list[str]) -> dict:
             used = "ran out of memory" if check["sparse_cp_gib"] is None else f"{check['sparse_cp_gib']:.2f} GiB"
             print(f"WARNING: sparse_cp used more memory than liger-kernel for {check['model']} at "
                   f"S={check['seq_len']}: {used} vs {check['liger_gib']:.2f} GiB")
-    save(complete=True)
+    out.write(report)
     return report
 
 

@@ -39,7 +39,7 @@ from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels.configs import Tiles
 
-from hf_sparse_cp.benchmarking import environment, rel_rms, time_ms, write_report
+from hf_sparse_cp.benchmarking import ReportFile, environment, parse_gpu_benchmark_args, rel_rms, time_ms
 from hf_sparse_cp.synthetic import random_vertical_slash_layout
 from hf_sparse_cp.tokens import TokenMeta
 
@@ -187,19 +187,11 @@ def build_report(tuner: Tuner, env: dict, complete: bool) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(TuneTilesArguments).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tune_tiles.py is a GPU benchmark and found no CUDA device; nothing was measured.")
+    args = parse_gpu_benchmark_args(TuneTilesArguments, argv, "tune_tiles.py")
     tuner = Tuner(args)
     env = environment(torch.device("cuda"))
-    path = args.output
-
-    def save(complete: bool = False) -> None:  # the same file, rewritten after every candidate
-        nonlocal path
-        path = str(write_report(build_report(tuner, env, complete), RESULTS_DIR, "tiles", path))
-
+    out = ReportFile(RESULTS_DIR, "tiles", args.output)
+    save = lambda: out.write(build_report(tuner, env, complete=False))
     tables = [format_table(kernel, tuner.run_kernel(kernel, after_each=save)) for kernel in args.kernels]
     report = build_report(tuner, env, complete=True)
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}; S={args.seq_len}, kept fraction "
@@ -207,7 +199,7 @@ def main(argv: list[str]) -> dict:
     for table in tables:
         print()
         print(table)
-    save(complete=True)
+    out.write(report)
     return report
 
 

@@ -155,3 +155,27 @@ def write_report(report: dict, results_dir: Path, kind: str, output: str | None 
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return out
+
+
+def parse_gpu_benchmark_args(arguments_cls, argv: list[str], script: str):
+    """`argv` parsed into the dataclass `arguments_cls`; exits, saying nothing was measured, when this
+    machine has no CUDA device (the GPU benchmarks refuse to time anything else)."""
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(arguments_cls).parse_args_into_dataclasses(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} is a GPU benchmark and found no CUDA device; nothing was measured.")
+    return args
+
+
+class ReportFile:
+    """A benchmark's JSON file, rewritten as results come in: the first `write` names it (as
+    `write_report` does, unless `output` is given), later writes overwrite that same file."""
+
+    def __init__(self, results_dir: Path, kind: str, output: str | None = None):
+        self.results_dir, self.kind, self.path = results_dir, kind, output
+
+    def write(self, report: dict) -> Path:
+        path = write_report(report, self.results_dir, self.kind, self.path)
+        self.path = str(path)
+        return path
