@@ -68,7 +68,7 @@ import torch
 from hf_sparse_cp.benchmarking import (
     ReportFile,
     environment,
-    format_profile,
+    format_profiles,
     format_targets,
     kernel_profile,
     parse_gpu_benchmark_args,
@@ -639,11 +639,8 @@ def print_report(report: dict) -> None:
     if report["estimation"]:
         print()
         print(format_estimation(report["estimation"]))
-    for r in report["results"]:
-        if r.get("kernels"):
-            print()
-            print(format_profile(f"S={r['seq_len']} {r['layout']} {r['variant']}: one fwd+bwd step by kernel "
-                                 f"(timed median {r['fwd_bwd_ms']:.2f} ms)", r["kernels"]))
+    print(format_profiles(report["results"], lambda r: f"S={r['seq_len']} {r['layout']} {r['variant']}: one fwd+bwd "
+                          f"step by kernel (timed median {r['fwd_bwd_ms']:.2f} ms)"), end="")
     print()
     print(format_targets(report["targets"]))
 

@@ -397,7 +397,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> dict:
-    from hf_sparse_cp.benchmarking import ReportFile, format_profile, format_targets
+    from hf_sparse_cp.benchmarking import ReportFile, format_profiles, format_targets
 
     args, sparse = parse_args(argv)
     device = args.device
@@ -438,11 +438,8 @@ def main(argv: list[str]) -> dict:
     print()
     print(f"{report['device']}, torch {report.get('torch')}, transformers {report.get('transformers')}")
     print(format_table(results))
-    for r in results:
-        if r.get("kernels"):
-            print()
-            print(format_profile(f"{r['model']} {r['variant']} S={r['seq_len']}: one training step by kernel "
-                                 f"(timed median {r['step_s']:.3f} s)", r["kernels"]))
+    print(format_profiles(results, lambda r: f"{r['model']} {r['variant']} S={r['seq_len']}: one training step by "
+                          f"kernel (timed median {r['step_s']:.3f} s)"), end="")
     print()
     print(format_targets(report["targets"]))
     for check in report["memory_check"]:

@@ -147,6 +147,12 @@ def format_profile(title: str, kernels: list[dict], width: int = 72) -> str:
     return "\n".join(lines)
 
 
+def format_profiles(rows: list[dict], title: Callable[[dict], str]) -> str:
+    """The kernel profile of every row that has one (`row["kernels"]`), titled `title(row)`, each
+    after a blank line; empty when no row was profiled."""
+    return "".join(f"\n{format_profile(title(r), r['kernels'])}\n" for r in rows if r.get("kernels"))
+
+
 def write_report(report: dict, results_dir: Path, kind: str, output: str | None = None) -> Path:
     """Write a benchmark's JSON to `output`, or to results_dir/<kind>_<device>_<time>.json; returns the path."""
     slug = "".join(c if c.isalnum() else "-" for c in report["device"]).strip("-").lower()[:40] or "device"

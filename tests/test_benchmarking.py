@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_sparse_cp.benchmarking import ReportFile, format_profile, kernel_profile, write_report
+from hf_sparse_cp.benchmarking import ReportFile, format_profile, format_profiles, kernel_profile, write_report
 
 
 def _step():
@@ -37,6 +37,14 @@ def test_format_profile_one_line_per_kernel():
     assert lines[0] == "S=128K vs@5% ours" and len(lines) == 3
     assert "_dq_kernel" in lines[1] and "3.500 ms" in lines[1] and "70.0%" in lines[1]
     assert "x" * 37 + "..." in lines[2] and "x" * 41 not in lines[2]
+
+
+def test_format_profiles_titles_each_profiled_row_after_a_blank_line():
+    kernels = [{"name": "_dq_kernel", "ms": 3.5, "calls": 1, "share": 1.0}]
+    rows = [{"name": "a", "kernels": kernels}, {"name": "b"}, {"name": "c", "kernels": kernels}]
+    text = format_profiles(rows, lambda r: f"row {r['name']}")
+    assert text == f"\n{format_profile('row a', kernels)}\n\n{format_profile('row c', kernels)}\n"
+    assert format_profiles([{"name": "b"}], lambda r: "") == ""
 
 
 def test_write_report_names_the_file_after_kind_and_device(tmp_path):
