@@ -1,43 +1,44 @@
 # Two set-up commands on a fresh machine: `make demo` and `make test`.
 # Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused), install
 # torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines), then the
-# package with its test extra.
+# package with its demo and test extras.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu bench bench-gpu clean
+.PHONY: install demo lint test test-gpu bench bench-gpu clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[demo,test]"
 	touch $@
 
 demo: install
 	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2
 
-# PYTHONSAFEPATH keeps the repository root off sys.path: its `kernels/` folder is only ever
-# `hf_sparse_cp.kernels`, never the Hub's top-level `kernels` package that transformers probes for.
-test: install
-	PYTHONSAFEPATH=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 test-gpu: install
-	PYTHONSAFEPATH=1 $(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
 # Benchmarks write JSON to benchmarks/results/; `bench` runs anywhere, `bench-gpu` needs CUDA.
 bench: install
-	PYTHONSAFEPATH=1 $(PY) benchmarks/cp_balance.py --node-size 8 --json benchmarks/results/cp_balance.json
-	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_smet.py
-	PYTHONSAFEPATH=1 $(PY) benchmarks/kernel_resources.py
+	$(PY) benchmarks/cp_balance.py --node-size 8 --json benchmarks/results/cp_balance.json
+	$(PY) benchmarks/bench_smet.py
+	$(PY) benchmarks/kernel_resources.py
 
 bench-gpu: install
-	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_attention.py
-	PYTHONSAFEPATH=1 $(PY) benchmarks/bench_e2e.py
+	$(PY) benchmarks/bench_attention.py
+	$(PY) benchmarks/bench_e2e.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

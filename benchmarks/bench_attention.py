@@ -5,7 +5,7 @@ head_dim 128), bf16, causal, one document. For every S (32K, 64K, 128K, 256K by 
 
 * sparse layouts: random vertical-slash layouts at ~5%, 10% and 20% kept blocks (random block
   diagonals, the main one always, plus `num_verticals` random key columns per head), and layouts
-  estimated by `hf_sparse_cp.pattern.estimate_layout` from q/k with planted structure (columns
+  estimated by `hf_sparse_cp.attention.estimate_layout` from q/k with planted structure (columns
   and diagonals that carry the attention mass, as in real heads);
 * on each sparse layout: `ours` (`hf_sparse_cp.ops.block_sparse_attention`, the path training
   takes: Triton kernels, autograd, output cast) and `flex` (FlexAttention, torch.compile'd, on
@@ -65,9 +65,14 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_cp.benchmarking import (
+from hf_sparse_cp.attention.build import build_layout, dense_layout
+from hf_sparse_cp.attention.estimate import estimate_layout, layout_from_scores, long_documents, score_rows
+from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.config import SparseAttentionConfig
+from hf_sparse_cp.env import environment
+from hf_sparse_cp.testing.benchmarking import (
     ReportFile,
-    environment,
     format_profiles,
     format_targets,
     kernel_profile,
@@ -75,18 +80,7 @@ from hf_sparse_cp.benchmarking import (
     rel_rms,
     time_ms,
 )
-from hf_sparse_cp.config import SparseAttentionConfig
-from hf_sparse_cp.layout import SparseLayout, compact_sorted
-from hf_sparse_cp.pattern import (
-    build_layout,
-    dense_layout,
-    estimate_layout,
-    layout_from_scores,
-    long_documents,
-    score_rows,
-)
-from hf_sparse_cp.synthetic import planted_qk
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.testing.layouts import planted_qk
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VARIANTS = ("ours", "flex", "sdpa_cudnn", "sdpa_flash", "flash_attn")
@@ -189,7 +183,8 @@ def density_layout(
     lo, hi = 1, nb
     while lo < hi:
         mid = (lo + hi) // 2
-        kept = float(vertical_slash_layout(seq_len, heads, block_size, mid, num_verticals, seed, device).kept_fraction())
+        layout = vertical_slash_layout(seq_len, heads, block_size, mid, num_verticals, seed, device)
+        kept = float(layout.kept_fraction())
         if kept < density:
             lo = mid + 1
         else:
@@ -322,7 +317,7 @@ def steps(attend, tensors, dout):
 
 
 def _ours(layout: SparseLayout):
-    from hf_sparse_cp.ops import block_sparse_attention
+    from hf_sparse_cp.attention.ops import block_sparse_attention
 
     return lambda q, k, v: block_sparse_attention(q, k, v, layout)[0]
 
@@ -472,8 +467,8 @@ class Bench:
                 except ImportError:
                     continue
                 layout_bshd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-                self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, lambda: attend, layout_bshd,
-                            dout.transpose(1, 2).contiguous())
+                self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, lambda attend=attend: attend,
+                            layout_bshd, dout.transpose(1, 2).contiguous())
                 continue
             backend = "CUDNN_ATTENTION" if variant == "sdpa_cudnn" else "FLASH_ATTENTION"
             self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, functools.partial(_sdpa, backend), expanded,
@@ -598,9 +593,10 @@ def issue_targets(rows: list[dict], estimation: list[dict], seq_len: int = 13107
         (f"{at} {five}: fwd+bwd speed-up over FlexAttention, same blocks", ratio(five, (five, "flex")), ">=", 1.7),
         (f"{at} {five}: fwd+bwd speed-up over dense SDPA cuDNN", ratio(five, ("dense", "sdpa_cudnn")), ">=", 15.0),
         (f"{at} {ten}: fwd+bwd speed-up over FlexAttention, same blocks", ratio(ten, (ten, "flex")), ">=", 1.3),
-        (f"{at} dense: fwd+bwd speed relative to FlexAttention dense", ratio("dense", ("dense", "flex")), ">=", 1 / 1.25),
-        (f"{at} estimation + layout build, share of our fwd+bwd (worst estimated layout)", max(shares, default=None), "<",
-         0.10),
+        (f"{at} dense: fwd+bwd speed relative to FlexAttention dense", ratio("dense", ("dense", "flex")), ">=",
+         1 / 1.25),
+        (f"{at} estimation + layout build, share of our fwd+bwd (worst estimated layout)",
+         max(shares, default=None), "<", 0.10),
     ]
     return [{"seq_len": seq_len, "target": name, "required": f"{op} {bound:.3g}", "measured": value,
              "pass": None if value is None else (value >= bound if op == ">=" else value < bound)}

@@ -88,7 +88,8 @@ class BenchArguments:
         default=None,
         metadata={"help": "Pattern budget of sparse_cp as a target fraction of kept causal blocks: vertical_topk "
                   "and slash_topk are derived per S (random-placement estimate; the kept fraction actually run is "
-                  "reported). 0 keeps the budgets given by --vertical_topk/--slash_topk. Default 0.05 (0 with --tiny)."},
+                  "reported). 0 keeps the budgets given by --vertical_topk/--slash_topk. Default 0.05 (0 with "
+                  "--tiny)."},
     )
     vertical_share: float = field(
         default=0.2, metadata={"help": "Share of the --kept_fraction budget spent on vertical key columns."}
@@ -212,7 +213,8 @@ def run_one(spec: dict) -> dict:
     """Build the model of `spec`, run warm-up and timed training steps, return the measurements."""
     import torch
 
-    from hf_sparse_cp.benchmarking import environment, kernel_profile
+    from hf_sparse_cp.env import environment
+    from hf_sparse_cp.testing.benchmarking import kernel_profile
 
     device = torch.device(spec["device"])
     variant, seq_len = spec["variant"], spec["seq_len"]
@@ -230,6 +232,7 @@ def run_one(spec: dict) -> dict:
         from hf_sparse_cp.loss import resolve_backend
 
         hf_sparse_cp.patch()
+        hf_sparse_cp.enable_lean_loss()
         result["loss_backend"] = resolve_backend(device)
 
     if device.type == "cuda":
@@ -239,7 +242,7 @@ def run_one(spec: dict) -> dict:
                             spec["seed"])
         if variant == "sparse_cp":
             from hf_sparse_cp import SparseAttentionConfig, configure
-            from hf_sparse_cp.stats import pop_kept_fractions
+            from hf_sparse_cp.integration.stats import pop_kept_fractions
 
             configure(model, SparseAttentionConfig.from_dict(spec["sparse"]))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -397,7 +400,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> dict:
-    from hf_sparse_cp.benchmarking import ReportFile, format_profiles, format_targets
+    from hf_sparse_cp.testing.benchmarking import ReportFile, format_profiles, format_targets
 
     args, sparse = parse_args(argv)
     device = args.device

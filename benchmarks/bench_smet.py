@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_cp.benchmarking import environment, write_report
+from hf_sparse_cp.env import environment
+from hf_sparse_cp.testing.benchmarking import write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -66,7 +67,7 @@ class BenchSMETArguments:
 def build_model(args: BenchSMETArguments, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.tiny_models import tiny_config
+    from hf_sparse_cp.testing.models import tiny_config
 
     config = tiny_config(
         "llama",

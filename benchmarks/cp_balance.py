@@ -9,7 +9,7 @@ Layouts (say which when quoting numbers):
 * vertical-slash: random vertical-slash layouts, per head the sink columns and the main block
   diagonal forced (MTraining's forced parts) and `--diagonals` block diagonals (uniformly among
   the nearest `--spread` fraction) and `--verticals` columns drawn uniformly
-  (`balance.random_vertical_slash`); not estimated from a model;
+  (`hf_sparse_cp.testing.layouts.random_vertical_slash_layout`); not estimated from a model;
 * dense: the causal layout (every block at or below the diagonal), i.e. a dense ring.
 
 Columns: kept = computed blocks / causal blocks; rank = max/mean over ranks of a rank's total
@@ -30,11 +30,12 @@ import sys
 
 import torch
 
-from hf_sparse_cp.distributed.balance import random_vertical_slash, ring_cost
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.distributed.balance import ring_cost
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.sharding import SHARDINGS, ShardPlan
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 GIB = float(1 << 30)
 
@@ -65,10 +66,10 @@ def _layouts(args, seq: int, padded: int):
     causal = TokenMeta.contiguous(1, seq).pad_to(padded)
     nb = padded // args.block_size
     gen = torch.Generator().manual_seed(args.seed)
-    sparse = random_vertical_slash(seq, args.block_size, args.heads, num_diagonals=max(1, round(args.diagonals * nb)),
-                                   num_verticals=args.verticals, sink_tokens=args.sink,
-                                   diagonal_spread=args.spread, padded_len=padded,
-                                   generator=gen)
+    sparse = random_vertical_slash_layout(1, args.heads, seq, args.block_size,
+                                          num_diagonals=max(1, round(args.diagonals * nb)),
+                                          num_verticals=args.verticals, sink_tokens=args.sink,
+                                          diagonal_spread=args.spread, padded_len=padded, generator=gen)
     yield "vertical-slash", sparse
     if not args.no_dense:
         yield "dense", dense_layout(causal, args.block_size)

@@ -23,9 +23,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from hf_sparse_cp.kernels import configs, sm90
 
-from hf_sparse_cp.benchmarking import environment, write_report
+from hf_sparse_cp.env import environment
+from hf_sparse_cp.kernels import configs, sm90
+from hf_sparse_cp.testing.benchmarking import write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

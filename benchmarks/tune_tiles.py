@@ -35,13 +35,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from hf_sparse_cp.kernels import configs
-from hf_sparse_cp.kernels import ops as kops
-from hf_sparse_cp.kernels.configs import Tiles
 
-from hf_sparse_cp.benchmarking import ReportFile, environment, parse_gpu_benchmark_args, rel_rms, time_ms
-from hf_sparse_cp.synthetic import random_vertical_slash_layout
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.attention.ops import attention_backward, attention_forward
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.env import environment
+from hf_sparse_cp.kernels import configs
+from hf_sparse_cp.kernels.configs import Tiles
+from hf_sparse_cp.testing.benchmarking import ReportFile, parse_gpu_benchmark_args, rel_rms, time_ms
+from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Largest relative RMS difference from the current tiles' result that still counts as the same
@@ -117,8 +118,9 @@ class Tuner:
         # a random diagonal holds about nb/2 of the nb(nb+1)/2 causal blocks: density * nb of them
         diagonals = max(1, round(a.density * nb))
         self.meta = TokenMeta.contiguous(1, a.seq_len, device)
-        self.layout = random_vertical_slash_layout(1, a.num_q_heads, a.seq_len, a.block_size, diagonals,
-                                                   a.num_verticals, generator=g).to(device)
+        self.layout = random_vertical_slash_layout(1, a.num_q_heads, a.seq_len, a.block_size,
+                                                   num_diagonals=diagonals - 1, num_verticals=a.num_verticals,
+                                                   generator=g).to(device)
         gd = torch.Generator(device=device).manual_seed(a.seed)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter has no bf16 products
         make = lambda h: torch.randn(1, h, a.seq_len, a.head_dim, generator=gd, device=device).to(dtype)
@@ -128,12 +130,12 @@ class Tuner:
         self.rows: list[dict] = []
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return kops.sparse_attention_forward(self.q, self.k, self.v, self.layout, scale=self.scale,
-                                             q_meta=self.meta, k_meta=self.meta)
+        return attention_forward(self.q, self.k, self.v, self.layout, scale=self.scale, q_meta=self.meta,
+                                 k_meta=self.meta, implementation="triton")
 
     def backward(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return kops.sparse_attention_backward(self.q, self.k, self.v, out, lse, self.dout, self.layout,
-                                              scale=self.scale, q_meta=self.meta, k_meta=self.meta)
+        return attention_backward(self.q, self.k, self.v, out, lse, self.dout, self.layout, scale=self.scale,
+                                  q_meta=self.meta, k_meta=self.meta, implementation="triton")
 
     def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None,
                    after_each: Callable[[], None] | None = None) -> list[dict]:

@@ -1,1 +1,2 @@
-"""Example training scripts (installed as `hf_sparse_cp.examples` so the CLI can run them)."""
+"""Example training scripts and their demo data (passkey retrieval, a byte tokenizer built in code),
+installed as `hf_sparse_cp.examples` so the CLI can run them."""

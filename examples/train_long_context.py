@@ -10,8 +10,11 @@ with dynamic vertical-slash sparse attention. Every flag of `TrainingArguments`,
 
 Context parallelism: launch N processes and give the CP degree (accelerate's ParallelismConfig sets
 it on GPUs), e.g. on CPU `hf-sparse-cp train --nproc 2 --cp_size 2`, or
-`accelerate launch --config_file recipes/accelerate/cpu_2proc_cp2.yaml -m hf_sparse_cp.examples.train_long_context --cp_size 2`.
-SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.smet.SMETArguments`).
+
+    accelerate launch --config_file recipes/accelerate/cpu_2proc_cp2.yaml \
+        -m hf_sparse_cp.examples.train_long_context --cp_size 2
+
+SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.integration.SMETArguments`).
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ from transformers import (
 )
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.arguments import SparseCPArguments
-from hf_sparse_cp.config_files import read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig, quiesce_process_groups
-from hf_sparse_cp.integration import attach_to_trainer, enable_sparse_attention
-from hf_sparse_cp.passkey import passkey_dataset
-from hf_sparse_cp.smet import SMETArguments, install_smet
-from hf_sparse_cp.tiny_models import tiny_config
-from hf_sparse_cp.tokenizer import byte_tokenizer
+from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.files import read_mapping
+from hf_sparse_cp.integration import (
+    SMETArguments,
+    SparseCPArguments,
+    attach_to_trainer,
+    enable_sparse_attention,
+    install_smet,
+)
+from hf_sparse_cp.testing.models import tiny_config
 
 logger = logging.getLogger(__name__)
 

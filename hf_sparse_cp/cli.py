@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 
@@ -12,24 +11,10 @@ EXAMPLE_MODULE = "hf_sparse_cp.examples.train_long_context"
 
 
 def _env() -> int:
-    import torch
-    import transformers
+    from hf_sparse_cp.env import PACKAGES, environment
 
-    import hf_sparse_cp
-
-    rows = {
-        "hf-sparse-cp": hf_sparse_cp.__version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "not available",
-    }
-    for name in ("accelerate", "peft", "datasets", "triton", "liger_kernel", "flash_attn"):
-        try:
-            module = __import__(name)
-            rows[name] = getattr(module, "__version__", "installed")
-        except ImportError:
-            rows[name] = "not installed"
+    rows = {name: ("not installed" if name in PACKAGES else "-") if value is None else value
+            for name, value in environment().items()}
     width = max(map(len, rows))
     for key, value in rows.items():
         print(f"{key:<{width}}  {value}")
@@ -53,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return _env()
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: give at least 1 process.")
+    from hf_sparse_cp.backends import is_available
+
+    if not is_available("datasets"):
+        parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
         return subprocess.run([*launcher, "-m", EXAMPLE_MODULE, *rest], check=False).returncode

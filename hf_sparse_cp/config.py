@@ -1,4 +1,4 @@
-"""Typed configuration of the sparse attention pattern.
+"""Typed configuration of the sparse attention pattern, and the names the plugin is known by.
 
 `SparseAttentionConfig` is a plain dataclass: every field carries help text, so
 `HfArgumentParser` turns it into command-line flags, and `from_file` / `to_dict` round-trip it
@@ -12,10 +12,20 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .config_files import FileConfig
+from .files import FileConfig
+
+# `attn_implementation` name of the backend, and the model-config attribute that stores its settings.
+BACKEND_NAME = "sparse_cp"
+MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 
 PATTERNS = ("vertical_slash", "dense")
 BUDGET_MODES = ("topk", "topp")
+
+
+def check_block_size(block_size: int, name: str = "block_size") -> None:
+    """Raise ValueError unless `block_size` is a power of two >= 16 (what the layout and kernels take)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"{name}={block_size} must be a power of two >= 16; use 64 or 128.")
 
 
 @dataclass
@@ -96,9 +106,7 @@ class SparseAttentionConfig(FileConfig):
             raise ValueError(f"pattern={self.pattern!r} is unknown; use one of {PATTERNS}.")
         if self.budget_mode not in BUDGET_MODES:
             raise ValueError(f"budget_mode={self.budget_mode!r} is unknown; use one of {BUDGET_MODES}.")
-        bs = self.block_size
-        if bs < 16 or bs & (bs - 1):
-            raise ValueError(f"block_size={bs} must be a power of two >= 16; use 64 or 128.")
+        check_block_size(self.block_size)
         for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")

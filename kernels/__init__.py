@@ -1,15 +1,30 @@
-"""Triton block-sparse flash-attention kernels (installed as `hf_sparse_cp.kernels`).
+"""Triton block-sparse flash-attention kernels, installed as `hf_sparse_cp.kernels` (see README.md here).
 
-Layers: `block_sparse_fwd` / `block_sparse_bwd` hold the `@triton.jit` kernels and their
-launchers (`tiles` the shared device helpers, `configs` the tile shapes, `indexing` the block
-summaries and the backward's index structures); `ops` registers them as `torch.library` custom
-ops and offers the forward/backward primitives that `hf_sparse_cp.ops` dispatches CUDA tensors
-to; `vertical_slash` scores the vertical-slash pattern of a document (what
-`hf_sparse_cp.pattern` runs on CUDA), with its fp32 reference; `interpreter` runs the kernels on
-CPU tensors through Triton's interpreter (tests, debugging); `sm90` builds them for Hopper without
-a GPU and reads the registers, spills and shared memory each build uses.
+A leaf: the modules take raw tensors and import nothing from the rest of hf_sparse_cp. This file
+imports none of them either, so that importing the package costs nothing.
+
+Run from the repository root, Python puts the root on `sys.path`, where this folder also looks like
+a top-level package named `kernels`: the name of the Hugging Face Hub's kernels package, which
+transformers probes for at import time. Imported under that name, this module steps aside: it
+loads the Hub's package when it is installed, and otherwise leaves an empty stand-in without
+`__file__` or `__version__`, which transformers (like Python for an empty namespace package)
+takes as "not installed".
 """
 
-from .ops import SUPPORTED_DTYPES, sparse_attention_backward, sparse_attention_forward, unsupported
+if __name__ != "hf_sparse_cp.kernels":
+    import importlib
+    import os
+    import sys
 
-__all__ = ["SUPPORTED_DTYPES", "sparse_attention_backward", "sparse_attention_forward", "unsupported"]
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = sys.path[:]
+    sys.path[:] = [p for p in _path if os.path.abspath(p or os.curdir) != _root]
+    del sys.modules[__name__]
+    try:
+        sys.modules[__name__] = importlib.import_module(__name__)
+    except ModuleNotFoundError:
+        sys.modules[__name__] = sys.modules.get(__name__) or type(sys)(__name__)
+        sys.modules[__name__].__file__ = None
+        sys.modules[__name__].__path__ = []
+    finally:
+        sys.path[:] = _path

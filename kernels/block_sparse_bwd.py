@@ -24,8 +24,8 @@ matrix products per tile (7 instead of 5) but keeps every block gradient determi
 
 With `Tiles.separate_columns` (the head_dim 128 choice) the dq kernel computes the columns' dk/dv
 in a second pass over the columns after dq is stored: p and ds are recomputed (2 more products
-per column step), but the dq accumulator is no longer live beside the column gradient tiles,
-which spilled ~650 bytes per thread when they shared the loop.
+per column step), but the dq accumulator is no longer live beside the column gradient tiles
+(sharing the loop spills, benchmarks/results/README.md).
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
 default. `deterministic=True` instead stores each query tile's column gradients in a partial

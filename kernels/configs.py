@@ -2,21 +2,13 @@
 
 Autotuning is left out on purpose: the forward can merge into its output in place, so a tuner's
 repeated trial launches would corrupt it, and per-shape tuning would stall the first training steps.
-The CUDA choices were made without a GPU, from sm_90 builds (`sm90`; the table is
-`benchmarks/kernel_resources.py`, with Triton 3.6 and 3.9 results in benchmarks/results/): every
-choice keeps all matrix products on wgmma (no mma.sync fallback, which is why column tiles are 64
-rows: transposed column products need M >= 64) and shared memory under 227 KB. Each attention
-kernel uses the 255 registers a thread may have at 8 warps; what the compiler spills stays under
-~230 bytes per thread, the most in the dq kernel's column pass at head_dim 128 (the columns' dk/dv
-have their own pass there, `Tiles.separate_columns`: inside the dq loop they spilled ~650). At
-head_dim 128, 4 warps spill more in every attention kernel, and 128 x 64 tiles at 4 warps do not
-build with Triton 3.6 (`tile_candidates`). None of this has been timed yet:
-`benchmarks/tune_tiles.py` times the candidates on a GPU through `tiles_override`, and its winners
-belong here. Under Triton's interpreter (CPU tensors) tiles are small so that the tests cover the
-sub-tiling loops.
-
-Head dims above 128 spill heavily with any wgmma-sized tile (and the dq kernel overflows shared
-memory at 256), so the kernels stop at 128 (`ops.MAX_HEAD_DIM`); larger heads use the reference.
+The CUDA choices were made without a GPU, from sm_90 builds (`sm90`, `benchmarks/kernel_resources.py`):
+every choice keeps all matrix products on wgmma (column tiles are 64 rows: transposed column
+products need M >= 64), shared memory under 227 KB and spills small; the builds behind each choice
+are in `benchmarks/results/README.md`. None of this has been timed yet: `benchmarks/tune_tiles.py`
+times the candidates on a GPU through `tiles_override`, and its winners belong here. Under
+Triton's interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
+The kernels stop at head_dim 128 (`ops.MAX_HEAD_DIM`); larger heads use the reference.
 """
 
 from __future__ import annotations
@@ -80,12 +72,8 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass; sizes above the layout block are dropped.
 
-    Warps (unless given): 8 only above head_dim 64. In the sm_90 builds with Triton 3.6
-    (benchmarks/results/kernel-candidates_*), each of the 69 candidates that built at 4 warps at
-    head_dim 128 spilled more than at 8 (median stack 656 B vs 8 B forward, 2.6 KB vs 0.5 KB dq,
-    4.8 KB vs 1.8 KB dk/dv), and the 128 x 64 forward and dq tiles did not build at 4 warps. At head_dim
-    64 some 4-warp tiles build without spilling (forward 64 x 32 and 64 x 64, dk/dv 16 x 64), so both
-    are timed there."""
+    Warps (unless given): 8 only above head_dim 64, where every 4-warp build spilled more (see
+    benchmarks/results/README.md); 4 and 8 at head_dim 64 and below."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; use {KERNELS}.")
     if warps is None:
@@ -113,8 +101,8 @@ def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
-    # At head_dim 128 the columns' dk/dv inside the dq loop spilled ~650 bytes per thread (the dq
-    # accumulator, q, dout and both column tiles live at once); their own pass spills ~100.
+    # At head_dim 128 the columns' dk/dv get their own pass: inside the dq loop the dq accumulator,
+    # q, dout and both column tiles are live at once and spill.
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3, separate_columns=head_dim > 64)
 
 
@@ -125,8 +113,8 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
     if head_dim <= 64:
         return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
-    # 128 keys per program hold 128 fp32 registers of dk/dv accumulators per thread at head_dim 128
-    # and spilled over 2 KB per thread; 64 keys with 32-row query steps stay near 100 bytes.
+    # 128 keys per program would hold 128 fp32 registers of dk/dv accumulators per thread at head_dim
+    # 128: 64 keys with 32-row query steps.
     return Tiles(min(block_size, 32), min(block_size, 64), 64, 8, 3)
 
 

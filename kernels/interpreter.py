@@ -56,7 +56,7 @@ def interpreter_pool() -> Iterator[multiprocessing.pool.Pool]:
     """A one-worker process pool in which every Triton kernel runs in the interpreter.
 
     Use `pool.apply(fn, args, kwargs)` with picklable functions (e.g.
-    `hf_sparse_cp.kernels.sparse_attention_forward`) and CPU tensors; results come back pickled.
+    `hf_sparse_cp.kernels.ops.triton_forward`) and CPU tensors; results come back pickled.
     """
     import numpy
     import triton

@@ -1,4 +1,4 @@
-"""The Triton kernels as `torch.library` custom ops, and the primitives built on them.
+"""The Triton kernels as `torch.library` custom ops, and the raw-tensor functions built on them.
 
 Custom ops (composable with torch.compile; each has a fake implementation for tracing):
 
@@ -7,20 +7,19 @@ Custom ops (composable with torch.compile; each has a fake implementation for tr
   (out, lse) (ring attention: one pass per step, no separate merge);
 * `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32.
 
-They run the compiled kernels on CUDA tensors; CPU tensors are accepted only where Triton
-interprets the kernels (`interpreter.interpreter_pool`: slow, for tests and debugging), and
-`hf_sparse_cp.ops` sends CPU work to the PyTorch reference instead. `sparse_attention_forward` / `sparse_attention_backward` take the same
-arguments as `hf_sparse_cp.reference.reference_forward` / `reference_backward` (plus the merge
-buffers and the deterministic switch) and unpack `SparseLayout` / `TokenMeta` for the ops.
+`triton_forward` / `triton_backward` pick the op, make strides kernel-friendly and check what only
+the kernels require (dtype, head_dim, merge buffers, device). They take raw tensors: the layout's
+index tensors and the tokens' global index and document, as `hf_sparse_cp.attention.ops` unpacks
+them from `SparseLayout` / `TokenMeta` after checking the input contract. This package imports
+nothing from the rest of hf_sparse_cp.
+
+The ops run the compiled kernels on CUDA tensors; CPU tensors are accepted only where Triton
+interprets the kernels (`interpreter.interpreter_pool`: slow, for tests and debugging).
 """
 
 from typing import Optional
 
 import torch
-
-from hf_sparse_cp.layout import SparseLayout
-from hf_sparse_cp.shapes import check_attention_inputs
-from hf_sparse_cp.tokens import TokenMeta
 
 from . import block_sparse_bwd, block_sparse_fwd
 from .interpreter import kernels_are_interpreted
@@ -32,7 +31,7 @@ MAX_HEAD_DIM = 128  # see configs.py
 def _launchers(device: torch.device):
     if device.type != "cuda" and not kernels_are_interpreted():
         raise ValueError(
-            f"the Triton kernels run on CUDA tensors (got {device.type}); on CPU use hf_sparse_cp.reference, or "
+            f"the Triton kernels run on CUDA tensors (got {device.type}); on CPU use implementation='reference', or "
             "run the kernels in Triton's interpreter (hf_sparse_cp.kernels.interpreter.interpreter_pool)."
         )
     return block_sparse_fwd, block_sparse_bwd
@@ -116,48 +115,47 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, q_meta, k_meta) -> None:
-    check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+def _check(q: torch.Tensor) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Triton kernels take q, k, v in one of {SUPPORTED_DTYPES}; got {q.dtype} (cast them, or "
-                         "use hf_sparse_cp.reference for fp64).")
+                         "use implementation='reference' for fp64).")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {q.shape[-1]} exceeds the kernels' maximum {MAX_HEAD_DIM}.")
 
 
-def _layout_and_meta(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[torch.Tensor, ...]:
-    return (
-        layout.block_idx.contiguous(), layout.block_cnt.contiguous(),
-        layout.col_idx.contiguous(), layout.col_cnt.contiguous(),
-        q_meta.index.contiguous(), q_meta.segment.contiguous(),
-        k_meta.index.contiguous(), k_meta.segment.contiguous(),
-    )
-
-
-def sparse_attention_forward(
+def triton_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: SparseLayout,
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    q_tokens: tuple[torch.Tensor, torch.Tensor],
+    k_tokens: tuple[torch.Tensor, torch.Tensor],
     *,
     scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
+    block_size: int,
+    window: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse), both fp32, over the keys `layout` lists (see `reference_forward`).
+    """Block-sparse attention forward on the Triton kernels.
 
-    With `out` and `lse` given (fp32 [B, Hq, Sq, D] and contiguous fp32 [B, Hq, Sq], e.g. the
-    running result of a ring), this step's attention is merged into them in place (the exact
-    log-sum-exp combination) and they are returned.
+    Args:
+        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D], Hq a multiple of Hkv, one dtype of `SUPPORTED_DTYPES`.
+        layout: (block_idx [B, Hl, NQB, nb], block_cnt [B, Hl, NQB], col_idx [B, Hl, NQB, nc],
+            col_cnt [B, Hl, NQB]), int32, the tensors of a `SparseLayout`.
+        q_tokens, k_tokens: (global index int64 [B, S], document int32 [B, S]) of the queries / keys.
+        scale: softmax scale; block_size: the layout's block; window: sliding window or None.
+        out, lse: a running result to merge into in place (fp32 [B, Hq, Sq, D] with unit stride
+            along D, contiguous fp32 [B, Hq, Sq]), or None for a fresh result.
+
+    Returns:
+        (out, lse) in fp32; the merge buffers themselves when given.
     """
-    _check(q, k, v, layout, q_meta, k_meta)
+    _check(q)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    args = _layout_and_meta(layout, q_meta, k_meta)
+    args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
     if out is None and lse is None:
-        return torch.ops.hf_sparse_cp.block_sparse_attn_fwd(q, k, v, *args, scale, layout.block_size, sliding_window)
+        return torch.ops.hf_sparse_cp.block_sparse_attn_fwd(q, k, v, *args, scale, block_size, window)
     if out is None or lse is None:
         raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
     if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1:
@@ -166,34 +164,41 @@ def sparse_attention_forward(
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"merge buffer `lse` must be a contiguous fp32 {tuple(q.shape[:3])}; got {lse.dtype} "
                          f"{tuple(lse.shape)}.")
-    torch.ops.hf_sparse_cp.block_sparse_attn_fwd_merge_(
-        q, k, v, *args, out, lse, scale, layout.block_size, sliding_window
-    )
+    torch.ops.hf_sparse_cp.block_sparse_attn_fwd_merge_(q, k, v, *args, out, lse, scale, block_size, window)
     return out, lse
 
 
-def sparse_attention_backward(
+def triton_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
-    layout: SparseLayout,
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    q_tokens: tuple[torch.Tensor, torch.Tensor],
+    k_tokens: tuple[torch.Tensor, torch.Tensor],
     *,
     scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
+    block_size: int,
+    window: int | None = None,
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in fp32 from the final (out, lse) of the queries (see `reference_backward`).
+    """Block-sparse attention backward on the Triton kernels.
 
-    deterministic: bitwise reproducible column gradients (slower); None follows
-    `torch.are_deterministic_algorithms_enabled()`. Block gradients and dq are always deterministic.
+    Args:
+        q, k, v, layout, q_tokens, k_tokens, scale, block_size, window: as for `triton_forward`.
+        out, lse: the *final* output [B, Hq, Sq, D] and log-sum-exp [B, Hq, Sq] of the queries (they
+            may cover more keys than this layout: a ring step). dout: the gradient of out.
+        dlse: the gradient reaching lse, or None.
+        deterministic: bitwise reproducible column gradients (slower); None follows
+            `torch.are_deterministic_algorithms_enabled()`. Block gradients and dq always are.
+
+    Returns:
+        (dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]) in fp32.
     """
-    _check(q, k, v, layout, q_meta, k_meta)
+    _check(q)
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(f"out/dout must be {tuple(q.shape)} and lse {tuple(q.shape[:3])}; got {tuple(out.shape)}, "
                          f"{tuple(dout.shape)}, {tuple(lse.shape)}.")
@@ -202,7 +207,8 @@ def sparse_attention_backward(
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     q, k, v, out, dout = (_unit_stride(x) for x in (q, k, v, out, dout))
+    args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
     return torch.ops.hf_sparse_cp.block_sparse_attn_bwd(
-        q, k, v, out, lse.contiguous(), dout, None if dlse is None else dlse.contiguous(),
-        *_layout_and_meta(layout, q_meta, k_meta), scale, layout.block_size, sliding_window, bool(deterministic),
+        q, k, v, out, lse.contiguous(), dout, None if dlse is None else dlse.contiguous(), *args,
+        scale, block_size, window, bool(deterministic),
     )

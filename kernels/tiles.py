@@ -1,7 +1,7 @@
 """Triton device helpers shared by the forward and backward kernels: token metadata and visibility.
 
 Visibility of a (query, key) pair is decided per token from `TokenMeta` (see
-`hf_sparse_cp.tokens`): the key is not after the query in the global order, both tokens are in
+`hf_sparse_cp.attention.tokens`): the key is not after the query in the global order, both tokens are in
 the same document, the query is not padding, and (with a sliding window) the key is fewer than
 `window` tokens back. Building that mask costs a few integer operations per score, so every
 tile first asks whether *all* its pairs are visible (one segment, keys entirely at or before the

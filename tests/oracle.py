@@ -1,9 +1,16 @@
-"""Naive dense oracles for tests: full [S, S] score matrices in fp64 (small sizes only)."""
+"""Naive dense oracles for tests: full [S, S] score matrices in fp64 (small sizes only); tolerances;
+and the Triton kernels called through the dispatching primitives (contract checks, layout unpacking)."""
+
+import functools
 
 import torch
 
-from hf_sparse_cp.layout import SparseLayout, compact_sorted
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
+from hf_sparse_cp.attention.ops import attention_backward, attention_forward
+from hf_sparse_cp.attention.tokens import TokenMeta
+
+kernel_forward = functools.partial(attention_forward, implementation="triton")
+kernel_backward = functools.partial(attention_backward, implementation="triton")
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from benchmark_loader import BENCHMARKS, load_benchmark
 
-from hf_sparse_cp.benchmarking import format_targets
+from hf_sparse_cp.testing.benchmarking import format_targets
+
+from benchmark_loader import BENCHMARKS, load_benchmark
 
 SCRIPT = BENCHMARKS / "bench_e2e.py"
 
@@ -113,7 +114,7 @@ def test_kept_fraction_budget_lands_near_its_target(bench):
     import torch
 
     from hf_sparse_cp import SparseAttentionConfig
-    from hf_sparse_cp.pattern import estimate_layout
+    from hf_sparse_cp.attention.estimate import estimate_layout
 
     args, sparse = bench.parse_args(["--kept_fraction", "0.1", "--block_size", "64", "--min_seq_len", "1024"])
     assert bench.parse_args([])[0].kept_fraction == 0.05 and bench.parse_args(["--tiny"])[0].kept_fraction == 0

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_sparse_cp.benchmarking import ReportFile, format_profile, format_profiles, kernel_profile, write_report
+from hf_sparse_cp.testing.benchmarking import ReportFile, format_profile, format_profiles, kernel_profile, write_report
 
 
 def _step():

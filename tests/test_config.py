@@ -4,7 +4,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.arguments import SparseCPArguments
+from hf_sparse_cp.integration.arguments import SparseCPArguments
 
 
 def test_defaults_are_mtraining_like():

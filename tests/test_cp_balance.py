@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import ShardPlan
-from hf_sparse_cp.distributed.balance import random_vertical_slash, ring_cost
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.distributed.balance import ring_cost
+from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_balance.py"
 
@@ -55,8 +56,8 @@ def test_dense_ring_reference_points(rows, cp):
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag", "striped"])
 def test_work_accounts_for_every_computed_block(sharding):
     plan = ShardPlan(sharding, 4, 32, 4096)
-    layout = random_vertical_slash(4096, 32, 2, num_diagonals=5, num_verticals=40,
-                                   generator=torch.Generator().manual_seed(0))
+    layout = random_vertical_slash_layout(1, 2, 4096, 32, num_diagonals=5, num_verticals=40, sink_tokens=32,
+                                          generator=torch.Generator().manual_seed(0))
     cost = ring_cost(layout, plan, kv_heads=1, head_dim=8)
     assert float(cost.work.sum()) == pytest.approx(float(layout.num_computed_blocks().sum()))
     dense = ring_cost(dense_layout(TokenMeta.contiguous(1, 4096), 32), plan, kv_heads=1, head_dim=8)

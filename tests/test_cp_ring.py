@@ -15,13 +15,15 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import TOLERANCE, rel_rms
 
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention import dense_layout, estimate_layout
+from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,
     CPShard,
-    ParallelLayout,
+    ParallelDims,
     RingStats,
     ShardPlan,
     context_parallel_attention,
@@ -30,11 +32,10 @@ from hf_sparse_cp.distributed import (
     ring_sparse_attention,
 )
 from hf_sparse_cp.distributed.comm import P2PComm, Transfer
-from hf_sparse_cp.distributed.spawn import run_gloo
-from hf_sparse_cp.ops import block_sparse_attention
-from hf_sparse_cp.pattern import dense_layout, estimate_layout
-from hf_sparse_cp.synthetic import random_vertical_slash_layout
-from hf_sparse_cp.tokens import PAD_SEGMENT, TokenMeta
+from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.testing.spawn import run_gloo
+
+from oracle import TOLERANCE, rel_rms
 
 pytestmark = pytest.mark.slow  # multi-process (about 30 s for the three world sizes on 2 cores)
 
@@ -105,7 +106,7 @@ def _attend_and_grad(fn, q, k, v, dout, dlse):
     return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
-def _ring_case(case: Case, par: ParallelLayout, rank: int, stats: RingStats | None = None) -> dict:
+def _ring_case(case: Case, par: ParallelDims, rank: int, stats: RingStats | None = None) -> dict:
     g = torch.Generator().manual_seed(case.seq * 7 + len(case.id))
     hq, hk = case.heads
     batch = 2 if case.packed else 1
@@ -114,7 +115,8 @@ def _ring_case(case: Case, par: ParallelLayout, rank: int, stats: RingStats | No
     meta = _documents(batch, case.seq, case.packed, g).pad_to(p)
     window = WINDOW if case.pattern == "window" else None
     if case.pattern == "sparse":
-        layout = random_vertical_slash_layout(batch, hq, p, BS, 4, 6, meta, generator=g)
+        layout = random_vertical_slash_layout(batch, hq, p, BS, num_diagonals=3, num_verticals=6, meta=meta,
+                                              generator=g)
         length = p  # the single-process reference runs on the padded sequence (random values in the padding)
     else:
         layout = dense_layout(meta, BS, sliding_window=window)
@@ -145,7 +147,7 @@ def _ring_case(case: Case, par: ParallelLayout, rank: int, stats: RingStats | No
     return _errors(rank, plan, local, full, real)
 
 
-def _estimation_case(sharding: str, par: ParallelLayout, rank: int) -> dict:
+def _estimation_case(sharding: str, par: ParallelDims, rank: int) -> dict:
     """Estimated layout under CP == single-process layout, the same on every rank; attention matches."""
     g = torch.Generator().manual_seed(11)
     seq = 290
@@ -182,7 +184,7 @@ def _estimation_case(sharding: str, par: ParallelLayout, rank: int) -> dict:
     return errs
 
 
-def _model_step(par: ParallelLayout, rank: int, fsdp2: bool = False) -> dict:
+def _model_step(par: ParallelDims, rank: int, fsdp2: bool = False) -> dict:
     """A causal-LM forward/backward under CP (x DP): loss and gradients equal the single-process step.
 
     With `fsdp2`, the model is sharded with FSDP2 over all ranks (dp_shard x cp, as accelerate
@@ -194,12 +196,12 @@ def _model_step(par: ParallelLayout, rank: int, fsdp2: bool = False) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
-    from hf_sparse_cp.tiny_models import tiny_config
+    from hf_sparse_cp.testing.models import tiny_config
 
     cfg = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=8, slash_topk=8, sink_tokens=2,
                                 local_window=4, last_q=16)
 
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
     hf_sparse_cp.configure(model, cfg)
@@ -240,25 +242,25 @@ def _errors_raised(world: int) -> dict:
     """Misconfigurations raise actionable errors on every rank (before any collective)."""
     msgs = {}
     try:
-        ParallelLayout.from_config(ContextParallelConfig(cp_size=3 if world != 3 else 2))
+        ParallelDims.from_config(ContextParallelConfig(cp_size=3 if world != 3 else 2))
     except ValueError as e:
         msgs["cp_not_dividing"] = str(e)
     return msgs
 
 
 def _from_accelerate_mesh(rank: int, world: int) -> dict:
-    """ParallelLayout from accelerate's ParallelismConfig device mesh (dp_shard 2 x cp 2), ring on its CP group."""
+    """ParallelDims from accelerate's ParallelismConfig device mesh (dp_shard 2 x cp 2), ring on its CP group."""
     from accelerate.parallelism_config import ParallelismConfig
 
     pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
     fake = types.SimpleNamespace(parallelism_config=pc, torch_device_mesh=pc.build_device_mesh("cpu"))
-    par = ParallelLayout.from_accelerator(fake)
+    par = ParallelDims.from_accelerator(fake)
     errs = _ring_case(Case("striped", "sparse", 250, packed=True), par, par.cp_rank)
     errs["cp_ranks_ok"] = float(par.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and par.dp_size == 2)
     return errs
 
 
-def _ring_shift(par: ParallelLayout, rank: int) -> dict:
+def _ring_shift(par: ParallelDims, rank: int) -> dict:
     """P2PComm alone: a tensor passed around the ring, each step's transfer posted, then awaited."""
     comm = P2PComm(par.cp_group)
     w = par.cp_size
@@ -284,7 +286,7 @@ def _quiesce(rank: int, world: int) -> float:
 
 
 def _worker(rank: int, world: int) -> dict:
-    flat = ParallelLayout.from_config(ContextParallelConfig(cp_size=world))
+    flat = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     results = {"comm": _ring_shift(flat, rank)}
     for case in FLAT_CASES:
         stats = RingStats()
@@ -294,12 +296,12 @@ def _worker(rank: int, world: int) -> dict:
         results[("estimation", sharding)] = _estimation_case(sharding, flat, rank)
     results["errors"] = _errors_raised(world)
     if world == 4:
-        hier = ParallelLayout.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2))
+        hier = ParallelDims.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2))
         results["hierarchical"] = hier.hierarchical
         for case in HIER_CASES:
             results[("hier", case.id)] = _ring_case(case, hier, rank)
-        results["model"] = _model_step(ParallelLayout.from_config(ContextParallelConfig(cp_size=2)), rank)
-        results["model_fsdp2"] = _model_step(ParallelLayout.from_config(ContextParallelConfig(cp_size=2)), rank,
+        results["model"] = _model_step(ParallelDims.from_config(ContextParallelConfig(cp_size=2)), rank)
+        results["model_fsdp2"] = _model_step(ParallelDims.from_config(ContextParallelConfig(cp_size=2)), rank,
                                              fsdp2=True)
         results["accelerate"] = _from_accelerate_mesh(rank, world)
     else:

@@ -3,25 +3,26 @@ validation, the ring plan's transfer matching, and the model check."""
 
 import pytest
 import torch
-from oracle import TOLERANCE, rel_rms
 
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.merge import merge_attention
+from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,
-    ParallelLayout,
+    ParallelDims,
     RingTopology,
     ShardPlan,
-    check_model_supports_context_parallel,
     check_sizes,
-    merge_attention,
     prepare_context_parallel_inputs,
     shard_inputs,
     shift_labels,
 )
-from hf_sparse_cp.distributed.parallel import ring_shape
+from hf_sparse_cp.distributed.mesh import ring_shape
 from hf_sparse_cp.distributed.plan import RingPlan, TransferSets, slot_ops
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.synthetic import random_vertical_slash_layout
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.integration.models import check_model_supports_context_parallel
+from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+
+from oracle import TOLERANCE, rel_rms
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
 
@@ -116,7 +117,7 @@ def test_sharded_inputs_keep_shifted_labels_and_global_positions():
     labels = ids.clone()
     labels[0, :10] = -100
     plan = ShardPlan("striped", 3, 16, 203)
-    par = ParallelLayout.single()
+    par = ParallelDims.single()
     local = prepare_context_parallel_inputs(
         {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}, par, block_size=16
     )
@@ -136,7 +137,7 @@ def test_sharded_inputs_keep_shifted_labels_and_global_positions():
 def test_packed_documents_and_padding_reach_the_token_meta():
     ids = torch.randint(5, 100, (1, 60))
     position_ids = torch.cat([torch.arange(25), torch.arange(35)]).unsqueeze(0)
-    local = prepare_context_parallel_inputs({"input_ids": ids, "position_ids": position_ids}, ParallelLayout.single(),
+    local = prepare_context_parallel_inputs({"input_ids": ids, "position_ids": position_ids}, ParallelDims.single(),
                                             block_size=16)
     meta = local["cp_shard"].meta
     assert meta.segment.shape == (1, 64)
@@ -149,7 +150,7 @@ def test_flattened_packing_with_several_rows_is_refused():
     cu = torch.tensor([0, 30, 60], dtype=torch.int32)
     with pytest.raises(ValueError, match="DataCollatorWithFlattening"):
         prepare_context_parallel_inputs({"input_ids": torch.ones(2, 60, dtype=torch.long), "cu_seq_lens_k": cu},
-                                        ParallelLayout.single(), block_size=16)
+                                        ParallelDims.single(), block_size=16)
 
 
 # --- configuration and sizes -----------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="cp_size"):
         ContextParallelConfig(cp_size=0)
     with pytest.raises(ValueError, match="torch.distributed"):
-        ParallelLayout.from_config(ContextParallelConfig(cp_size=2))  # no process group in this test
+        ParallelDims.from_config(ContextParallelConfig(cp_size=2))  # no process group in this test
 
 
 def test_hfargumentparser_builds_the_config_from_flags():
@@ -176,7 +177,8 @@ def test_hfargumentparser_builds_the_config_from_flags():
     (config,) = HfArgumentParser(ContextParallelConfig).parse_args_into_dataclasses(
         ["--cp_size", "4", "--cp_ring", "hierarchical", "--cp_node_size", "2"]
     )
-    assert (config.cp_size, config.cp_ring, config.cp_node_size, config.cp_sharding) == (4, "hierarchical", 2, "striped")
+    assert (config.cp_size, config.cp_ring, config.cp_node_size, config.cp_sharding) == (
+        4, "hierarchical", 2, "striped")
 
 
 def test_ring_shape_from_launcher_or_flag():
@@ -218,7 +220,8 @@ def _layouts(plan, seed):
     return meta, {
         "dense": dense_layout(meta, plan.block_size),
         "window": dense_layout(meta, plan.block_size, sliding_window=40),
-        "sparse": random_vertical_slash_layout(2, 4, plan.padded_len, plan.block_size, 3, 6, meta, generator=g),
+        "sparse": random_vertical_slash_layout(2, 4, plan.padded_len, plan.block_size, num_diagonals=2,
+                                               num_verticals=6, meta=meta, generator=g),
     }
 
 
@@ -275,12 +278,12 @@ def test_models_the_ring_cannot_shard_are_refused():
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
-    from hf_sparse_cp.tiny_models import tiny_config
+    from hf_sparse_cp.testing.models import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sdpa")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         check_model_supports_context_parallel(model)
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     hf_sparse_cp.configure(model)
     check_model_supports_context_parallel(model)
     model.model.layers[1].self_attn.is_causal = False

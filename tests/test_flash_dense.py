@@ -1,4 +1,4 @@
-"""The flash-attn path of dense calls (`hf_sparse_cp.flash_dense`).
+"""The flash-attn path of dense calls (`hf_sparse_cp.attention.flash_dense`).
 
 flash-attn needs CUDA, so on CPU its `flash_attn_varlen_func` is replaced by a stand-in written
 from flash-attn's documented contract (sequences by `cu_seqlens`, query head h reads key head
@@ -13,16 +13,19 @@ import types
 
 import pytest
 import torch
-from oracle import TOLERANCE, rel_rms
 from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
-from hf_sparse_cp import SparseAttentionConfig, flash_dense
-from hf_sparse_cp.ops import block_sparse_attention
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.stats import pop_kept_fractions
-from hf_sparse_cp.tiny_models import tiny_config
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention import flash_dense
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.backends import is_available
+from hf_sparse_cp.integration.stats import pop_kept_fractions
+from hf_sparse_cp.testing.models import tiny_config
+
+from oracle import TOLERANCE, rel_rms
 
 
 def _varlen_stand_in(calls):
@@ -59,9 +62,9 @@ def flash_calls(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", module)
     monkeypatch.setattr(flash_dense, "flash_attn_takes", lambda q, k: True)
     monkeypatch.delenv(flash_dense.DENSE_BACKEND_ENV, raising=False)
-    flash_dense.is_flash_attn_available.cache_clear()
+    is_available.cache_clear()
     yield calls
-    flash_dense.is_flash_attn_available.cache_clear()
+    is_available.cache_clear()
 
 
 def _packed_meta():
@@ -108,7 +111,7 @@ def test_backend_choice(flash_calls, monkeypatch):
     with pytest.raises(ValueError, match="one of"):
         flash_dense.use_flash_attn(q, q)
     monkeypatch.undo()  # the real checks from here: CPU tensors are refused, flash-attn may be missing
-    flash_dense.is_flash_attn_available.cache_clear()
+    is_available.cache_clear()
     assert not flash_dense.use_flash_attn(q, q)
     if not flash_dense.is_flash_attn_available():
         with pytest.raises(ValueError, match=r"hf-sparse-cp\[flash\]"):
@@ -134,7 +137,7 @@ def test_model_dense_calls_take_flash_attn_and_change_nothing(flash_calls, monke
     """Packed documents of 40 and 120 tokens: layer 1 (dense) takes flash-attn with the two documents;
     layers 0 and 2 are sparse for the long document and stay on our attention. Logits, gradients and
     kept fractions equal those of the run without flash-attn."""
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     try:
         ids = torch.randint(3, 259, (1, 160), generator=torch.Generator().manual_seed(1))
         pos = torch.cat([torch.arange(40), torch.arange(120)]).unsqueeze(0)

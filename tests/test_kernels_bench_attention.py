@@ -4,12 +4,13 @@ the issue's targets); the benchmark itself refuses to run without a GPU."""
 
 import pytest
 import torch
+
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.reference import reference_forward
+from hf_sparse_cp.attention.tokens import TokenMeta
+
 from benchmark_loader import load_benchmark
 from oracle import TOLERANCE, rel_rms
-
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.reference import reference_forward
-from hf_sparse_cp.tokens import TokenMeta
 
 
 @pytest.fixture(scope="module")

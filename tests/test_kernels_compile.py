@@ -5,9 +5,11 @@ tensor-core path or spills heavily with its tiles, before any GPU run (see `kern
 """
 
 import pytest
-from benchmark_loader import load_benchmark
+
 from hf_sparse_cp.kernels import sm90
 from hf_sparse_cp.kernels.configs import Tiles
+
+from benchmark_loader import load_benchmark
 
 # Stack bytes per thread that the launchers' tiles stay under (spilled registers; the largest is the
 # dq kernel's column pass at head_dim 128, ~220 with Triton 3.6). For scale: dk/dv with 128-key tiles

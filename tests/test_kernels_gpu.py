@@ -4,7 +4,7 @@ Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd len
 per-head vertical-slash layouts with columns (their gradients in the dq loop and in their own
 pass), sliding windows, packed documents with padding (some with rows mostly masked, through
 blocks and through columns), merging into an existing result (and the backward of each part),
-bitwise reproducibility, the dispatch of `hf_sparse_cp.ops` (and its warned fallback to the
+bitwise reproducibility, the dispatch of `hf_sparse_cp.attention.ops` (and its warned fallback to the
 reference), torch.compile of the custom ops, and the `sparse_cp` model backend on CUDA (against
 sdpa, and against its own reference path).
 Estimation: the scoring kernels against their reference, reproducible to the bit, and the layout
@@ -17,19 +17,20 @@ test code itself before a GPU run.
 
 import pytest
 import torch
+
+from hf_sparse_cp.attention import estimate as pattern
+from hf_sparse_cp.attention import ops as public_ops
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
+from hf_sparse_cp.attention.reference import reference_backward, reference_forward
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels import vertical_slash as vs
-from oracle import TOLERANCE, key_range, rel_rms
+from hf_sparse_cp.testing.layouts import planted_qk, random_layout, random_vertical_slash_layout
 
-from hf_sparse_cp import ops as public_ops
-from hf_sparse_cp import pattern
-from hf_sparse_cp.config import SparseAttentionConfig
-from hf_sparse_cp.layout import SparseLayout, compact_sorted
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.reference import reference_backward, reference_forward
-from hf_sparse_cp.synthetic import planted_qk, random_layout, random_vertical_slash_layout
-from hf_sparse_cp.tokens import TokenMeta
+from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -59,8 +60,8 @@ def _layout(kind, b, heads, s, seed, meta=None):
     g = torch.Generator().manual_seed(seed)
     if kind == "vertical_slash":  # ~10% of the block diagonals and ~1% of the tokens as columns, per head
         nb = -(-s // BLOCK)
-        layout = random_vertical_slash_layout(b, heads, s, BLOCK, max(2, nb // 10), max(8, s // 100), meta,
-                                              generator=g)
+        layout = random_vertical_slash_layout(b, heads, s, BLOCK, num_diagonals=max(2, nb // 10) - 1,
+                                              num_verticals=max(8, s // 100), meta=meta, generator=g)
     else:
         layout = random_layout(b, heads, s, s, BLOCK, 0.1, 0.002, generator=g)
     return layout.to(DEVICE)
@@ -69,7 +70,7 @@ def _layout(kind, b, heads, s, seed, meta=None):
 def _check(q, k, v, dout, dlse, layout, meta, window=None):
     """Kernel forward and backward equal the fp64 reference; returns the kernel results."""
     scale = q.shape[-1] ** -0.5
-    out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta,
+    out, lse = kernel_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta,
                                              sliding_window=window)
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=meta, k_meta=meta, sliding_window=window)
@@ -81,7 +82,7 @@ def _check(q, k, v, dout, dlse, layout, meta, window=None):
     assert rel_rms(lse, ref_lse, seen) <= tol
     assert bool((out[~seen] == 0).all())
     out_q = out.to(q.dtype)
-    grads = kops.sparse_attention_backward(q, k, v, out_q, lse, dout, layout, scale=scale, q_meta=meta, k_meta=meta,
+    grads = kernel_backward(q, k, v, out_q, lse, dout, layout, scale=scale, q_meta=meta, k_meta=meta,
                                            sliding_window=window, dlse=dlse)
     ref_grads = reference_backward(*f64, out_q.double(), lse.double(), dout.double(), layout, scale=scale,
                                    q_meta=meta, k_meta=meta, sliding_window=window, dlse=dlse.double())
@@ -175,7 +176,7 @@ def test_merge_into_existing_result_and_backward_per_part():
              for lo, hi in ((0, half), (half, s))]
     out, lse = None, None
     for lo, hi, lay, km in parts:
-        out, lse = kops.sparse_attention_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale=0.1, q_meta=meta,
+        out, lse = kernel_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale=0.1, q_meta=meta,
                                                  k_meta=km, out=out, lse=lse)
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(*f64, full, scale=0.1, q_meta=meta, k_meta=meta)
@@ -187,7 +188,7 @@ def test_merge_into_existing_result_and_backward_per_part():
                                                 q_meta=meta, k_meta=meta, dlse=dlse.double())
     dq_sum = torch.zeros_like(ref_dq)
     for lo, hi, lay, km in parts:
-        dq, dk, dv = kops.sparse_attention_backward(q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, lay, scale=0.1,
+        dq, dk, dv = kernel_backward(q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, lay, scale=0.1,
                                                     q_meta=meta, k_meta=km, dlse=dlse)
         dq_sum += dq.double()
         assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * tol and rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * tol
@@ -199,14 +200,14 @@ def test_deterministic_mode_is_bitwise_reproducible():
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=6)
     meta = TokenMeta.contiguous(1, s, DEVICE)
     layout = _layout("vertical_slash", 1, 16, s, seed=7)
-    out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
-    out2, lse2 = kops.sparse_attention_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
+    out, lse = kernel_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
+    out2, lse2 = kernel_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)  # the forward has no atomics
     args = (q, k, v, out.to(q.dtype), lse, dout, layout)
     kw = dict(scale=0.1, q_meta=meta, k_meta=meta, dlse=dlse)
-    first = kops.sparse_attention_backward(*args, deterministic=True, **kw)
-    again = kops.sparse_attention_backward(*args, deterministic=True, **kw)
-    atomic = kops.sparse_attention_backward(*args, deterministic=False, **kw)
+    first = kernel_backward(*args, deterministic=True, **kw)
+    again = kernel_backward(*args, deterministic=True, **kw)
+    atomic = kernel_backward(*args, deterministic=False, **kw)
     for name, a, b_, c in zip(("dq", "dk", "dv"), first, again, atomic):
         assert torch.equal(a, b_), name
         assert rel_rms(c, a) <= 1e-5, name
@@ -232,7 +233,8 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
     assert all(t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
 
 
-@pytest.mark.parametrize("dtype,d,reason", [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 256, "head_dim 256")],
+@pytest.mark.parametrize("dtype,d,reason",
+                         [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 256, "head_dim 256")],
                          ids=["fp64", "d256"])
 def test_inputs_the_kernels_cannot_take_use_the_reference_and_say_so(dtype, d, reason):
     s = SIZES["short"] // 4
@@ -254,11 +256,11 @@ def test_torch_compile_traces_the_custom_ops():
     kw = dict(scale=0.125, q_meta=meta, k_meta=meta)
 
     def attend(q, k, v):
-        out, lse = kops.sparse_attention_forward(q, k, v, layout, **kw)
-        return kops.sparse_attention_forward(q, k, v, layout, out=out.clone(), lse=lse.clone(), **kw)
+        out, lse = kernel_forward(q, k, v, layout, **kw)
+        return kernel_forward(q, k, v, layout, out=out.clone(), lse=lse.clone(), **kw)
 
     def grads(q, k, v, out, lse, dout, dlse):
-        return kops.sparse_attention_backward(q, k, v, out, lse, dout, layout, dlse=dlse, deterministic=True, **kw)
+        return kernel_backward(q, k, v, out, lse, dout, layout, dlse=dlse, deterministic=True, **kw)
 
     eager = attend(q, k, v)
     compiled = torch.compile(attend, fullgraph=True)(q, k, v)
@@ -274,7 +276,7 @@ def test_torch_compile_traces_the_custom_ops():
 def _tiny_model(attn_implementation="sdpa", dtype=torch.float32, vocab_size=512):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.tiny_models import tiny_config
+    from hf_sparse_cp.testing.models import tiny_config
 
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=vocab_size)
@@ -296,7 +298,7 @@ def test_model_under_sparse_cp_uses_the_kernels_and_matches_the_reference_path(m
     import hf_sparse_cp
 
     s = SIZES["model"]
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     try:
         model = _tiny_model()
         hf_sparse_cp.configure(model, SparseAttentionConfig(
@@ -304,12 +306,11 @@ def test_model_under_sparse_cp_uses_the_kernels_and_matches_the_reference_path(m
             local_window=64, sink_tokens=16))
         ids = torch.randint(0, 512, (1, s), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
         calls = []
-        kernel_forward = kops.sparse_attention_forward
-        monkeypatch.setattr(kops, "sparse_attention_forward",
-                            lambda *a, **kw: calls.append(1) or kernel_forward(*a, **kw))
+        triton_forward = kops.triton_forward
+        monkeypatch.setattr(kops, "triton_forward", lambda *a, **kw: calls.append(1) or triton_forward(*a, **kw))
         logits, grads = _logits_and_grads(model, ids)
         assert calls, "the sparse_cp backend did not reach the Triton kernels"
-        monkeypatch.setattr(public_ops, "_use_kernels", lambda *a: False)
+        monkeypatch.setattr(public_ops, "_use_triton", lambda q, implementation: False)
         ref_logits, ref_grads = _logits_and_grads(model, ids)
     finally:
         hf_sparse_cp.unpatch()
@@ -328,7 +329,7 @@ def test_model_under_sparse_cp_matches_sdpa(dtype):
 
     s = SIZES["model"]
     ids = torch.randint(0, 512, (1, s), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     try:
         runs = {}
         for name, impl, dt in (("truth", "sdpa", torch.float32), ("sdpa", "sdpa", dtype), ("ours", "sdpa", dtype)):

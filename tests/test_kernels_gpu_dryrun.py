@@ -8,37 +8,43 @@ fallback-warning test (it needs inputs that the dispatch, patched here, would se
 """
 
 import pytest
-import test_kernels_gpu as gpu
 import torch
+
+from hf_sparse_cp.attention import ops as public_ops
+from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.attention.merge import merge_attention
+from hf_sparse_cp.attention.reference import reference_backward, reference_forward
+from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels import vertical_slash as vs
 
-from hf_sparse_cp import ops as public_ops
-from hf_sparse_cp.merge import merge_attention
-from hf_sparse_cp.reference import reference_backward, reference_forward
+import test_kernels_gpu as gpu
 
 SMALL_SIZES = {"short": 512, "mid": 512, "odd": 511, "long": 768, "longest": 1024, "model": 512}
 
 
-def _forward(q, k, v, layout, *, scale, q_meta, k_meta, sliding_window=None, out=None, lse=None):
-    part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+def _forward(q, k, v, layout, q_tokens, k_tokens, *, scale, block_size, window=None, out=None, lse=None):
+    part = reference_forward(q, k, v, SparseLayout(*layout, block_size), scale=scale, q_meta=TokenMeta(*q_tokens),
+                             k_meta=TokenMeta(*k_tokens), sliding_window=window)
     return part if out is None else merge_attention(out, lse, *part)
 
 
-def _backward(q, k, v, out, lse, dout, layout, *, scale, q_meta, k_meta, sliding_window=None, dlse=None,
+def _backward(q, k, v, out, lse, dout, layout, q_tokens, k_tokens, *, scale, block_size, window=None, dlse=None,
               deterministic=None):
-    return reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                              sliding_window=sliding_window, dlse=dlse)
+    return reference_backward(q, k, v, out, lse, dout, SparseLayout(*layout, block_size), scale=scale,
+                              q_meta=TokenMeta(*q_tokens), k_meta=TokenMeta(*k_tokens), sliding_window=window,
+                              dlse=dlse)
 
 
 @pytest.fixture
 def on_cpu(monkeypatch):
     monkeypatch.setattr(gpu, "DEVICE", "cpu")
     monkeypatch.setattr(gpu, "SIZES", SMALL_SIZES)
-    monkeypatch.setattr(kops, "sparse_attention_forward", _forward)
-    monkeypatch.setattr(kops, "sparse_attention_backward", _backward)
+    monkeypatch.setattr(kops, "triton_forward", _forward)
+    monkeypatch.setattr(kops, "triton_backward", _backward)
     monkeypatch.setattr(vs, "vertical_slash_scores", vs.reference_vertical_slash)
-    monkeypatch.setattr(public_ops, "_use_kernels", lambda q, k, v: True)  # CPU tensors take the stand-in kernels
+    # CPU tensors take the stand-in kernels
+    monkeypatch.setattr(public_ops, "_use_triton", lambda q, implementation: implementation != "reference")
 
 
 @pytest.mark.parametrize("case", list(gpu.CASES))

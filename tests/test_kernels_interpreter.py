@@ -10,16 +10,16 @@ fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests mar
 
 import pytest
 import torch
-from hf_sparse_cp.kernels import block_sparse_bwd, configs
-from hf_sparse_cp.kernels import ops as kops
-from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
-from oracle import TOLERANCE, key_range, rel_rms
 
-from hf_sparse_cp.layout import SparseLayout
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.reference import reference_backward, reference_forward
-from hf_sparse_cp.synthetic import random_layout, random_vertical_slash_layout
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.attention.reference import reference_backward, reference_forward
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.kernels import block_sparse_bwd, configs
+from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
+from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
+
+from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,9 @@ def interp():
 
 def _kernel_fwd_bwd(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, deterministic=False, tiles=None):
     with configs.tiles_override(**(tiles or {})):
-        out, lse = kops.sparse_attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+        out, lse = kernel_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                                  sliding_window=window)
-        grads = kops.sparse_attention_backward(q, k, v, out.to(q.dtype), lse, dout, layout, scale=scale,
+        grads = kernel_backward(q, k, v, out.to(q.dtype), lse, dout, layout, scale=scale,
                                                q_meta=q_meta, k_meta=k_meta, sliding_window=window, dlse=dlse,
                                                deterministic=deterministic)
     return (out, lse, *grads)
@@ -45,7 +45,7 @@ def _deterministic_backward(partial_bytes, args, kwargs, dq_tiles):
     block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = partial_bytes  # force several query-tile chunks
     try:
         with configs.tiles_override(dq=dq_tiles):
-            return kops.sparse_attention_backward(*args, deterministic=True, **kwargs)
+            return kernel_backward(*args, deterministic=True, **kwargs)
     finally:
         block_sparse_bwd.DETERMINISTIC_PARTIAL_BYTES = saved
 
@@ -53,24 +53,24 @@ def _deterministic_backward(partial_bytes, args, kwargs, dq_tiles):
 def _deterministic_flags_through_the_public_function(q, k, v, layout):
     """The `deterministic` argument the backward launcher receives from `block_sparse_attention` with
     torch's deterministic-algorithms switch off, then on (the public path as on CUDA)."""
-    from hf_sparse_cp import ops as public_ops
+    from hf_sparse_cp.attention.ops import block_sparse_attention
 
-    seen, launch, use_kernels = [], block_sparse_bwd.backward, public_ops._use_kernels
+    seen, launch = [], block_sparse_bwd.backward
 
     def spy(*args, **kwargs):
         seen.append(kwargs["deterministic"])
         return launch(*args, **kwargs)
 
-    block_sparse_bwd.backward, public_ops._use_kernels = spy, lambda *a: True
+    block_sparse_bwd.backward = spy
     try:
         for mode in (False, True):
             torch.use_deterministic_algorithms(mode)
             x = [t.clone().requires_grad_() for t in (q, k, v)]
-            out, _ = public_ops.block_sparse_attention(*x, layout)
+            out, _ = block_sparse_attention(*x, layout, implementation="triton")
             out.sum().backward()
     finally:
         torch.use_deterministic_algorithms(False)
-        block_sparse_bwd.backward, public_ops._use_kernels = launch, use_kernels
+        block_sparse_bwd.backward = launch
     return seen
 
 
@@ -166,7 +166,8 @@ def test_random_layouts_match_reference(interp, hq, hk, s, bs, d, dtype):
 def test_vertical_slash_layout_matches_reference(interp):
     s, bs = 192, 32
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=11)
-    layout = random_vertical_slash_layout(1, 4, s, bs, 2, 12, generator=torch.Generator().manual_seed(12))
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=1, num_verticals=12,
+                                          generator=torch.Generator().manual_seed(12))
     assert int(layout.col_cnt.sum()) > 0
     meta = TokenMeta.contiguous(1, s)
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
@@ -180,7 +181,8 @@ def test_other_tiles_compute_the_same_function(interp):
     s, bs = 160, 32
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=21)
     meta = _random_docs(1, s, seed=23, pad=5)
-    layout = random_vertical_slash_layout(1, 4, s, bs, 3, 10, meta, generator=torch.Generator().manual_seed(22))
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=10, meta=meta,
+                                          generator=torch.Generator().manual_seed(22))
     assert int(layout.col_cnt.sum()) > 0
     tiles = {"forward": configs.Tiles(16, 32, 32, 1, 1), "dq": configs.Tiles(16, 32, 32, 1, 1, separate_columns=True),
              "dkdv": configs.Tiles(32, 16, 16, 1, 1)}
@@ -193,7 +195,8 @@ def test_fp16_head_dim_128_gqa8_packed_documents(interp):
     s, bs = 133, 32
     q, k, v, dout, dlse = _inputs(1, 8, 1, s, s, 128, torch.float16, seed=31)
     meta = _random_docs(1, s, seed=32, pad=6)
-    layout = random_vertical_slash_layout(1, 8, s, bs, 2, 10, meta, generator=torch.Generator().manual_seed(33))
+    layout = random_vertical_slash_layout(1, 8, s, bs, num_diagonals=1, num_verticals=10, meta=meta,
+                                          generator=torch.Generator().manual_seed(33))
     assert int(layout.col_cnt.sum()) > 0
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
 
@@ -253,9 +256,9 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
     scale = 0.3
     args = lambda lo, hi, lay, km: (q, k[:, :, lo:hi], v[:, :, lo:hi], lay)
     (lo0, hi0, lay0, km0), (lo1, hi1, lay1, km1) = halves
-    out, lse = interp.apply(kops.sparse_attention_forward, args(lo0, hi0, lay0, km0),
+    out, lse = interp.apply(kernel_forward, args(lo0, hi0, lay0, km0),
                             dict(scale=scale, q_meta=meta, k_meta=km0))
-    out, lse = interp.apply(kops.sparse_attention_forward, args(lo1, hi1, lay1, km1),
+    out, lse = interp.apply(kernel_forward, args(lo1, hi1, lay1, km1),
                             dict(scale=scale, q_meta=meta, k_meta=km1, out=out, lse=lse))
     ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), full, scale=scale, q_meta=meta,
                                          k_meta=meta)
@@ -271,7 +274,7 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
                                                 dlse=dlse.double())
     dq_sum = torch.zeros_like(ref_dq)
     for lo, hi, lay, km in halves:
-        dq, dk, dv = interp.apply(kops.sparse_attention_backward, (*args(lo, hi, lay, km)[:3], out, lse, dout, lay),
+        dq, dk, dv = interp.apply(kernel_backward, (*args(lo, hi, lay, km)[:3], out, lse, dout, lay),
                                   dict(scale=scale, q_meta=meta, k_meta=km, dlse=dlse))
         dq_sum += dq.double()
         assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * TOLERANCE[dtype]
@@ -317,7 +320,7 @@ def test_compiled_kernels_refuse_cpu_tensors():
     q = torch.randn(1, 1, 32, 16)
     meta = TokenMeta.contiguous(1, 32)
     with pytest.raises(ValueError, match="CUDA tensors"):
-        kops.sparse_attention_forward(q, q, q, dense_layout(meta, 16), scale=0.25, q_meta=meta, k_meta=meta)
+        kernel_forward(q, q, q, dense_layout(meta, 16), scale=0.25, q_meta=meta, k_meta=meta)
 
 
 def test_interpreter_refuses_the_triton_numpy_pair_it_cannot_run():
@@ -333,15 +336,15 @@ def test_primitives_refuse_bad_inputs():
     meta = TokenMeta.contiguous(1, 32)
     lay = dense_layout(meta, 16)
     with pytest.raises(ValueError, match="one floating dtype"):
-        kops.sparse_attention_forward(q, q.half(), q.half(), lay, scale=1.0, q_meta=meta, k_meta=meta)
+        kernel_forward(q, q.half(), q.half(), lay, scale=1.0, q_meta=meta, k_meta=meta)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        kops.sparse_attention_forward(q, q[:, :1].expand(1, 3, 32, 16), q[:, :1].expand(1, 3, 32, 16), lay,
+        kernel_forward(q, q[:, :1].expand(1, 3, 32, 16), q[:, :1].expand(1, 3, 32, 16), lay,
                                       scale=1.0, q_meta=meta, k_meta=meta)
     with pytest.raises(ValueError, match="query blocks"):
-        kops.sparse_attention_forward(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), scale=1.0,
+        kernel_forward(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), scale=1.0,
                                       q_meta=meta, k_meta=meta)
     with pytest.raises(ValueError, match="merge buffer"):
-        kops.sparse_attention_forward(q, q, q, lay, scale=1.0, q_meta=meta, k_meta=meta, out=q.half(),
+        kernel_forward(q, q, q, lay, scale=1.0, q_meta=meta, k_meta=meta, out=q.half(),
                                       lse=torch.zeros(1, 2, 32))
 
 
@@ -361,10 +364,10 @@ def test_keys_not_a_block_multiple_and_fewer_than_the_queries(interp):
 
 
 def _empty_layout_run(q, k, v, dout, layout, meta, out, lse):
-    fresh = kops.sparse_attention_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta)
-    grads = kops.sparse_attention_backward(q, k, v, fresh[0], fresh[1], dout, layout, scale=0.5, q_meta=meta,
+    fresh = kernel_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta)
+    grads = kernel_backward(q, k, v, fresh[0], fresh[1], dout, layout, scale=0.5, q_meta=meta,
                                            k_meta=meta)
-    merged = kops.sparse_attention_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta, out=out, lse=lse)
+    merged = kernel_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta, out=out, lse=lse)
     return fresh, grads, merged
 
 

@@ -1,5 +1,5 @@
 """The vertical-slash scoring kernels, run by Triton's interpreter on CPU, against the fp64 reference,
-and the estimation path that uses them on CUDA (`hf_sparse_cp.pattern` with the kernels) against the
+and the estimation path that uses them on CUDA (`hf_sparse_cp.attention.estimate` with the kernels) against the
 PyTorch path that runs elsewhere.
 
 Sizes are small (tiles of 16 under the interpreter) but cover several row tiles with a partial last
@@ -9,13 +9,15 @@ a power of two, and fp16 inputs.
 
 import pytest
 import torch
+
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention import estimate as pattern
+from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import vertical_slash as vs
 from hf_sparse_cp.kernels.interpreter import interpreter_pool
-from oracle import TOLERANCE, rel_rms
+from hf_sparse_cp.testing.layouts import planted_qk
 
-from hf_sparse_cp import SparseAttentionConfig, pattern
-from hf_sparse_cp.synthetic import planted_qk
-from hf_sparse_cp.tokens import TokenMeta
+from oracle import TOLERANCE, rel_rms
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def _scores_twice(q_rows, k, scale):
 
 
 def _with_kernels(fn, *args):
-    """Call a `hf_sparse_cp.pattern` function with its CUDA dispatch pointed at the (interpreted) kernels."""
+    """Call a `hf_sparse_cp.attention.estimate` function with its CUDA dispatch pointed at the (interpreted) kernels."""
     dispatch = pattern._scoring_kernel
     pattern._scoring_kernel = lambda q, k: vs.vertical_slash_scores
     try:

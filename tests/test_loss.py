@@ -12,17 +12,16 @@ from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_sparse_cp
+from hf_sparse_cp.integration import lean_loss as lean_loss_module
+from hf_sparse_cp.integration.lean_loss import SUPPORTED_CAUSAL_LM_CLASSES, disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.loss import (
     BACKEND_ENV,
-    SUPPORTED_CAUSAL_LM_CLASSES,
     chunked_linear_cross_entropy,
     dispatch,
     linear_cross_entropy,
-    patch_causal_lm_loss,
     resolve_backend,
 )
-from hf_sparse_cp.patching import PatchSet
-from hf_sparse_cp.tiny_models import SUPPORTED_MODEL_TYPES, tiny_config
+from hf_sparse_cp.testing.models import SUPPORTED_MODEL_TYPES, tiny_config
 
 VOCAB = 97
 HIDDEN = 24
@@ -285,10 +284,9 @@ def _loss_and_grads(model, **inputs):
 
 @pytest.fixture
 def lean_loss():
-    patches = PatchSet()
-    patch_causal_lm_loss(patches)
+    enable_lean_loss()
     yield
-    patches.undo()
+    disable_lean_loss()
 
 
 def _batch(seq=37, seed=1):
@@ -311,12 +309,11 @@ def test_patched_model_matches_stock(model_type):
     model = _tiny_model(model_type)
     ids, labels = _batch()
     ref = _loss_and_grads(model, input_ids=ids, labels=labels)
-    patches = PatchSet()
-    patch_causal_lm_loss(patches)
+    enable_lean_loss()
     try:
         out, grads = _loss_and_grads(model, input_ids=ids, labels=labels)
     finally:
-        patches.undo()
+        disable_lean_loss()
     assert out.logits is None and ref[0].logits is not None
     _assert_same(out, grads, *ref)
 
@@ -350,15 +347,14 @@ def test_patched_honours_num_items_shift_labels_and_logits_to_keep():
          dict(labels=middle, logits_to_keep=torch.arange(4, 20))),
     ]
     refs = [_loss_and_grads(model, input_ids=ids, **stock) for stock, _ in cases]
-    patches = PatchSet()
-    patch_causal_lm_loss(patches)
+    enable_lean_loss()
     try:
         for (_, lean), ref in zip(cases, refs):
             _assert_same(*_loss_and_grads(model, input_ids=ids, **lean), *ref)
         with pytest.raises(ValueError, match="logits_to_keep"):
             model(input_ids=ids, labels=labels, logits_to_keep=5)
     finally:
-        patches.undo()
+        disable_lean_loss()
 
 
 def test_patched_passes_attention_kwargs_to_the_base_model(lean_loss, monkeypatch):
@@ -418,20 +414,34 @@ def test_wrapped_lm_head_goes_through_the_stock_forward(lean_loss):
     torch.testing.assert_close(out.loss, ForCausalLMLoss(out.logits, labels, model.config.vocab_size))
 
 
-def test_patch_and_unpatch_swap_the_class_forward():
+def test_lean_loss_is_its_own_opt_in_and_undoes_only_what_it_patched():
+    """patch() registers the backend only; enable_lean_loss() swaps the class forwards and
+    disable_lean_loss() restores them, except a forward another library installed after us."""
     classes = [getattr(transformers, name) for name in SUPPORTED_CAUSAL_LM_CLASSES]
     originals = [cls.__dict__["forward"] for cls in classes]
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     assert all(cls.__dict__["forward"] is f for cls, f in zip(classes, originals))
     hf_sparse_cp.unpatch()
-    hf_sparse_cp.patch()
+    enable_lean_loss()
+    enable_lean_loss()  # idempotent
     try:
         for cls, original in zip(classes, originals):
             assert cls.__dict__["forward"] is not original
             assert cls.forward.__wrapped__ is original
+        hf_sparse_cp.unpatch()  # the backend's undo leaves the lean loss alone
+        assert all(cls.__dict__["forward"] is not f for cls, f in zip(classes, originals))
+
+        def theirs(self, *args, **kwargs):
+            raise AssertionError("not called")
+
+        classes[0].forward = theirs  # another library (e.g. Liger) patches after us
     finally:
-        hf_sparse_cp.unpatch()
-    assert all(cls.__dict__["forward"] is f for cls, f in zip(classes, originals))
+        disable_lean_loss()
+    try:
+        assert classes[0].__dict__["forward"] is theirs
+        assert all(cls.__dict__["forward"] is f for cls, f in zip(classes[1:], originals[1:]))
+    finally:
+        classes[0].forward = originals[0]
 
 
 def test_trainer_with_gradient_accumulation_matches_stock(tmp_path, monkeypatch):
@@ -458,21 +468,18 @@ def test_trainer_with_gradient_accumulation_matches_stock(tmp_path, monkeypatch)
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
     ref_losses, ref_params = train(tmp_path / "stock")
-    from hf_sparse_cp.loss import causal_lm
-
     calls = []
 
     def counting(*args, **kwargs):
         calls.append(kwargs["num_items_in_batch"])
         return linear_cross_entropy(*args, **kwargs)
 
-    monkeypatch.setattr(causal_lm, "linear_cross_entropy", counting)
-    patches = PatchSet()
-    patch_causal_lm_loss(patches)
+    monkeypatch.setattr(lean_loss_module, "linear_cross_entropy", counting)
+    enable_lean_loss()
     try:
         losses, params = train(tmp_path / "lean")
     finally:
-        patches.undo()
+        disable_lean_loss()
     assert len(losses) == 2 and len(calls) == 4  # 2 optimizer steps x 2 micro-batches, all on the lean path
     assert all(n is not None for n in calls)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

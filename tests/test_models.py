@@ -2,12 +2,15 @@
 
 import pytest
 import torch
-from oracle import TOLERANCE, rel_rms
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.tiny_models import SUPPORTED_MODEL_TYPES, tiny_config
+from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
+from hf_sparse_cp.integration.stats import pop_kept_fractions
+from hf_sparse_cp.testing.models import SUPPORTED_MODEL_TYPES, tiny_config
+
+from oracle import TOLERANCE, rel_rms
 
 S = 150
 DENSE = SparseAttentionConfig(pattern="dense", block_size=32)
@@ -15,14 +18,15 @@ DENSE = SparseAttentionConfig(pattern="dense", block_size=32)
 
 @pytest.fixture(autouse=True)
 def _patched():
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     yield
     hf_sparse_cp.unpatch()
 
 
 def _pair(model_type, dtype=torch.float32, config=DENSE, **overrides):
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="sdpa", dtype=dtype)
+    ref = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="sdpa",
+                                           dtype=dtype)
     ours = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
     ours.load_state_dict(ref.state_dict())
     hf_sparse_cp.configure(ours, config)
@@ -59,15 +63,15 @@ def test_cpu_tensors_take_the_reference_never_the_kernels(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("CPU tensors reached the Triton kernels")
 
-    monkeypatch.setattr(kops, "sparse_attention_forward", refuse)
-    monkeypatch.setattr(kops, "sparse_attention_backward", refuse)
+    monkeypatch.setattr(kops, "triton_forward", refuse)
+    monkeypatch.setattr(kops, "triton_backward", refuse)
     assert "cpu tensors" in kops.unsupported(torch.zeros(1, 1, 1, 8))
     cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16)
     ref, ours = _pair("qwen2", config=cfg)
     ids = torch.randint(3, 259, (1, 128))
     logits, grads = _loss_and_grads(ours, input_ids=ids)
     assert bool(torch.isfinite(logits).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
-    assert sorted(hf_sparse_cp.stats.pop_kept_fractions(ours)) == [0, 1]  # the sparse path did run
+    assert sorted(pop_kept_fractions(ours)) == [0, 1]  # the sparse path did run
 
 
 def test_short_sequences_stay_dense_under_the_sparse_pattern():
@@ -82,9 +86,9 @@ def test_sparse_pattern_changes_attention_and_records_kept_fraction():
     ref, ours = _pair("llama", config=cfg)
     ids = torch.randint(3, 259, (1, 256))
     assert rel_rms(ours(ids).logits, ref(ids).logits) > 1e-3
-    kept = hf_sparse_cp.stats.pop_kept_fractions(ours)
+    kept = pop_kept_fractions(ours)
     assert sorted(kept) == [0, 1] and all(0 < v < 0.6 for v in kept.values())
-    assert hf_sparse_cp.stats.pop_kept_fractions(ours) == {}
+    assert pop_kept_fractions(ours) == {}
 
 
 def _docs(lengths, seed=2):
@@ -129,7 +133,9 @@ def test_padding_mask_is_honoured(side):
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen3"])
 def test_sliding_window_models(model_type):
-    extra = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True} if model_type == "qwen3" else {}
+    extra = {}
+    if model_type == "qwen3":
+        extra = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True}
     ref, ours = _pair(model_type, sliding_window=24, **extra)
     ids = torch.randint(3, 259, (1, S))
     assert rel_rms(ours(ids).logits, ref(ids).logits) <= TOLERANCE[torch.float32]
@@ -152,7 +158,7 @@ def test_unsupported_features_are_refused_with_the_fix():
     layer = ours.model.layers[0].self_attn
     x = torch.randn(1, 4, 32, 32)
     kv = torch.randn(1, 2, 32, 32)
-    fn = hf_sparse_cp.attention.sparse_cp_attention_forward
+    fn = sparse_cp_attention_forward
     with pytest.raises(ValueError, match="soft-capping.*'llama'"):
         fn(layer, x, kv, kv, None, softcap=30.0)
     with pytest.raises(ValueError, match="learned attention sinks"):

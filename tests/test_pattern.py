@@ -2,20 +2,14 @@
 
 import pytest
 import torch
-from oracle import visible
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.pattern import (
-    build_layout,
-    dense_kept_fraction,
-    dense_layout,
-    estimate_layout,
-    offsets_to_block_diagonals,
-    score_vertical_slash,
-    select_vertical_slash,
-)
-from hf_sparse_cp.synthetic import planted_qk
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.attention.build import build_layout, dense_kept_fraction, dense_layout, offsets_to_block_diagonals
+from hf_sparse_cp.attention.estimate import estimate_layout, score_vertical_slash, select_vertical_slash
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.testing.layouts import planted_qk
+
+from oracle import visible
 
 S, D = 1024, 64
 VERTICALS = [[5, 300], [77], [500, 600], [], [40, 41], [900], [], [128]]

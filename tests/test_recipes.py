@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from hf_sparse_cp.examples.train_long_context import parse_args, recipe_flags
 
+from hf_sparse_cp.examples.train_long_context import parse_args, recipe_flags
 from hf_sparse_cp.integration import checkpointing_enabled
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

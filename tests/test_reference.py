@@ -2,13 +2,14 @@
 
 import pytest
 import torch
-from oracle import TOLERANCE, dense_attention, rel_rms, visible
 
-from hf_sparse_cp import ops, reference
-from hf_sparse_cp.ops import block_sparse_attention
-from hf_sparse_cp.pattern import dense_layout
-from hf_sparse_cp.synthetic import random_layout
-from hf_sparse_cp.tokens import TokenMeta
+from hf_sparse_cp.attention import ops, reference
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.testing.layouts import random_layout
+
+from oracle import TOLERANCE, dense_attention, rel_rms, visible
 
 
 def _inputs(b, hq, hk, s, d, dtype, seed):
@@ -138,22 +139,22 @@ def test_primitives_compose_over_key_splits():
     q, k, v = _inputs(1, 4, 2, 96, 16, torch.float64, seed=10)
     meta = TokenMeta.contiguous(1, 96)
     full = dense_layout(meta, 16)
-    out, lse = ops.sparse_attention_forward(q, k, v, full, scale=0.25, q_meta=meta, k_meta=meta)
+    out, lse = ops.attention_forward(q, k, v, full, scale=0.25, q_meta=meta, k_meta=meta)
     halves = []
     for lo, hi in ((0, 48), (48, 96)):
         k_meta = TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi])
         lay = random_layout(1, 1, 96, 48, 16, 1.0, causal=False)
-        halves.append((lo, hi, k_meta, lay, ops.sparse_attention_forward(
+        halves.append((lo, hi, k_meta, lay, ops.attention_forward(
             q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale=0.25, q_meta=meta, k_meta=k_meta)))
     (_, _, _, _, (o1, l1)), (_, _, _, _, (o2, l2)) = halves
     merged_lse = torch.logaddexp(l1, l2)
     merged = o1 * torch.exp(l1 - merged_lse)[..., None] + o2 * torch.exp(l2 - merged_lse)[..., None]
     assert torch.allclose(merged, out, atol=1e-12) and torch.allclose(merged_lse, lse, atol=1e-12)
     dout = torch.randn_like(out)
-    dq, dk, dv = ops.sparse_attention_backward(q, k, v, out, lse, dout, full, scale=0.25, q_meta=meta, k_meta=meta)
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, full, scale=0.25, q_meta=meta, k_meta=meta)
     dq_sum = torch.zeros_like(dq)
     for lo, hi, k_meta, lay, _ in halves:
-        dqh, dkh, dvh = ops.sparse_attention_backward(
+        dqh, dkh, dvh = ops.attention_backward(
             q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, lay, scale=0.25, q_meta=meta, k_meta=k_meta)
         dq_sum += dqh
         assert torch.allclose(dkh, dk[:, :, lo:hi], atol=1e-12) and torch.allclose(dvh, dv[:, :, lo:hi], atol=1e-12)

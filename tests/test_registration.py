@@ -7,7 +7,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse_cp
-from hf_sparse_cp.tiny_models import tiny_config
+from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration.backend import model_config_for, sparse_cp_attention_forward
+from hf_sparse_cp.testing.models import tiny_config
 
 
 def test_import_patches_nothing():
@@ -22,9 +24,9 @@ def test_import_patches_nothing():
 
 def test_patch_unpatch_round_trip():
     assert "sparse_cp" not in AttentionInterface()
-    hf_sparse_cp.patch(fused_loss=False)
-    hf_sparse_cp.patch(fused_loss=False)  # idempotent
-    assert AttentionInterface()["sparse_cp"] is hf_sparse_cp.attention.sparse_cp_attention_forward
+    hf_sparse_cp.patch()
+    hf_sparse_cp.patch()  # idempotent
+    assert AttentionInterface()["sparse_cp"] is sparse_cp_attention_forward
     assert "sparse_cp" in AttentionMaskInterface()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
     model(torch.randint(3, 259, (1, 20)))
@@ -42,20 +44,20 @@ def test_unpatch_restores_a_previous_registration():
 
     AttentionInterface.register("sparse_cp", other)
     try:
-        hf_sparse_cp.patch(fused_loss=False)
+        hf_sparse_cp.patch()
         assert AttentionInterface()["sparse_cp"] is not other
         hf_sparse_cp.unpatch()
         assert AttentionInterface()["sparse_cp"] is other
     finally:
-        AttentionInterface._global_mapping.pop("sparse_cp", None)
+        compat.unregister(AttentionInterface, "sparse_cp")
 
 
 def test_configure_stores_config_on_the_model():
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))
     cfg = hf_sparse_cp.SparseAttentionConfig(slash_topk=3)
     hf_sparse_cp.configure(model, cfg)
     assert model.config._attn_implementation == "sparse_cp"
     assert model.config.sparse_attention["slash_topk"] == 3
     layer = model.model.layers[1].self_attn
-    assert hf_sparse_cp.attention.model_config_for(layer) == cfg
+    assert model_config_for(layer) == cfg

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from benchmark_loader import load_benchmark
 
 

@@ -7,7 +7,7 @@ import socket
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.tiny_models import tiny_config
+from hf_sparse_cp.testing.models import tiny_config
 
 VOCAB = 64
 

@@ -6,8 +6,9 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.arguments import SparseCPArguments
-from hf_sparse_cp.smet import SMETArguments, SMETConfig
+from hf_sparse_cp.integration import SMETArguments
+from hf_sparse_cp.integration.arguments import SparseCPArguments
+from hf_sparse_cp.smet import SMETConfig
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,8 @@ def test_config_file_errors_list_the_known_keys(tmp_path):
         SMETConfig.from_file(tmp_path / "missing.yaml")
 
 
-@pytest.mark.parametrize("recipe, mode", [("smet_pretrain.yaml", "sparse_weights"), ("smet_finetune.yaml", "sparse_update")])
+@pytest.mark.parametrize("recipe, mode",
+                         [("smet_pretrain.yaml", "sparse_weights"), ("smet_finetune.yaml", "sparse_update")])
 def test_recipes_load(recipe, mode):
     cfg = SMETConfig.from_file(Path(__file__).resolve().parents[1] / "recipes" / "train" / recipe)
     assert cfg.mode == mode and cfg.regrowth_rule == ("random" if mode == "sparse_weights" else "gradient")

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_smet_common import free_port, lm_loss, markov_tokens, tiny_llama
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
+
+from test_smet_common import free_port, lm_loss, markov_tokens, tiny_llama
 
 WORLD = 2
 STEPS, SAVE_AT = 10, 5

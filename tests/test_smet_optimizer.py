@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from test_smet_common import fit, markov_tokens, tiny_llama
 from torch import nn
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer, state_nbytes
 from hf_sparse_cp.smet.masks import active_mask
+
+from test_smet_common import fit, markov_tokens, tiny_llama
 
 BETAS = (0.9, 0.999)
 
@@ -107,7 +108,7 @@ def test_sparse_weights_keep_inactive_weights_zero_and_mask_gradients_before_cli
     tokens = markov_tokens(8, 32)
     sparse = [p for g in opt.param_groups if g["smet"] for p in g["params"]]
     assert len(sparse) == 14  # q, k, v, o, gate, up, down in 2 layers; embeddings and lm_head dense
-    for step in range(1, 8):
+    for _ in range(1, 8):
         model(input_ids=tokens, labels=tokens).loss.backward()
         for p in sparse:
             state = opt.state[p]

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
-from test_smet_common import markov_tokens, tiny_llama
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
 
-from hf_sparse_cp.smet import SMETAdam, SMETArguments, SMETCallback, install_smet
+from hf_sparse_cp.integration import SMETArguments, SMETCallback, install_smet, uninstall_smet
+from hf_sparse_cp.integration.callbacks import unwrap_smet
+from hf_sparse_cp.smet import SMETAdam
 from hf_sparse_cp.smet.masks import active_mask
-from hf_sparse_cp.smet.trainer import unwrap_smet
+
+from test_smet_common import markov_tokens, tiny_llama
 
 FLAGS = [
     "--smet", "--smet_density", "0.5", "--smet_block_size", "8", "--smet_update_interval", "4",
@@ -49,7 +51,7 @@ def _losses(trainer):
 
 def test_trainer_trains_with_smet_from_flags_and_logs_it(tmp_path):
     trainer, flags = _trainer(tmp_path)
-    install_smet(trainer, flags.to_config())  # a second install adds no second callback
+    install_smet(trainer, flags.to_config())  # a second install replaces the first: one callback
     assert sum(isinstance(cb, SMETCallback) for cb in trainer.callback_handler.callbacks) == 1
     trainer.train()
     smet = unwrap_smet(trainer.optimizer)
@@ -65,6 +67,15 @@ def test_trainer_trains_with_smet_from_flags_and_logs_it(tmp_path):
             state = smet.state[param]
             inactive = ~active_mask(state["block_index"], param.shape[1] // 8)
             assert param.detach().view(param.shape[0], -1, 8)[inactive].abs().max() == 0
+
+
+def test_uninstall_restores_the_trainer(tmp_path):
+    trainer, _ = _trainer(tmp_path)
+    assert trainer.optimizer_cls_and_kwargs is not None
+    uninstall_smet(trainer)
+    assert trainer.optimizer_cls_and_kwargs is None
+    assert not any(isinstance(cb, SMETCallback) for cb in trainer.callback_handler.callbacks)
+    uninstall_smet(trainer)  # a no-op once uninstalled
 
 
 @pytest.mark.slow

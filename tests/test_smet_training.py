@@ -8,9 +8,10 @@ rate decays from 0.2 (cosine) over the 300 steps, with SET (random) regrowth, th
 
 import pytest
 import torch
-from test_smet_common import fit, markov_tokens, tiny_llama
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
+
+from test_smet_common import fit, markov_tokens, tiny_llama
 
 STEPS, INTERVAL, LR = 300, 20, 1e-2
 WINDOW = 10  # steps after an update in which a spike is looked for

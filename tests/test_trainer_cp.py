@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.tiny_models import tiny_config
-from hf_sparse_cp.trainer_cp import (
+from hf_sparse_cp.integration.context_parallel import (
     disable_trainer_context_parallel,
     enable_trainer_context_parallel,
 )
+from hf_sparse_cp.testing.models import tiny_config
 
 # A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
 JOB = ["--seq_len", "512", "--max_steps", "4", "--num_samples", "8", "--min_seq_len", "256", "--block_size", "64",
@@ -94,7 +94,7 @@ def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
 
 
 def _trainer(tmp_path, attn: str) -> Trainer:
-    hf_sparse_cp.patch(fused_loss=False)
+    hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     if attn == "sparse_cp":
         hf_sparse_cp.configure(model)
@@ -141,7 +141,8 @@ def _patch_round_trip(rank: int, world: int) -> dict:
         return {
             "cp": (parallel.cp_size, parallel.cp_rank),
             "shard": isinstance(inputs.get("cp_shard"), CPShard),
-            "lens": (inputs["input_ids"].shape[1], inputs["cp_shard"].plan.local_len, inputs["cp_shard"].plan.padded_len),
+            "lens": (inputs["input_ids"].shape[1], inputs["cp_shard"].plan.local_len,
+                     inputs["cp_shard"].plan.padded_len),
             "items": float(items),
             "changed": [a != b for a, b in zip(before, patched)],
             "restored": [a == b for a, b in zip(before, after)],
@@ -171,12 +172,13 @@ def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
         disable_trainer_context_parallel(trainer)
         after = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
         return {"cp": (parallel.cp_size, parallel.cp_rank, parallel.cp_ranks), "bypassed": bypassed,
-                "changed": [a != b for a, b in zip(before, during)], "restored": [a == b for a, b in zip(before, after)]}
+                "changed": [a != b for a, b in zip(before, during)],
+                "restored": [a == b for a, b in zip(before, after)]}
 
 
 @pytest.mark.slow
 def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change():
-    from hf_sparse_cp.distributed.spawn import run_gloo
+    from hf_sparse_cp.testing.spawn import run_gloo
 
     for rank, r in enumerate(run_gloo(_patch_under_accelerate_cp, 2, timeout_s=300)):
         assert r["cp"] == (2, rank, (0, 1)) and r["bypassed"]
@@ -185,7 +187,7 @@ def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change()
 
 @pytest.mark.slow
 def test_enable_patches_the_trainer_instance_and_disable_restores_it():
-    from hf_sparse_cp.distributed.spawn import run_gloo
+    from hf_sparse_cp.testing.spawn import run_gloo
 
     results = run_gloo(_patch_round_trip, 2, timeout_s=300)
     for rank, r in enumerate(results):

@@ -6,9 +6,11 @@ import sys
 
 import pytest
 import torch
-from benchmark_loader import load_benchmark
+
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels.configs import Tiles
+
+from benchmark_loader import load_benchmark
 
 
 @pytest.fixture(scope="module")

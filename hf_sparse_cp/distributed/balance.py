@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import SparseLayout
-from ..pattern import build_layout
-from ..tokens import TokenMeta
+from ..attention.layout import SparseLayout
 from .comm import RingTopology
 from .plan import TransferSets, column_tokens, pair_work, slot_ops
 from .sharding import ShardPlan
@@ -49,7 +47,7 @@ class RingCost:
 
 def ring_cost(
     layout: SparseLayout,
-    shard: ShardPlan,
+    plan: ShardPlan,
     topology: RingTopology | None = None,
     *,
     kv_heads: int,
@@ -57,23 +55,23 @@ def ring_cost(
     kv_bytes: int = 2,
     acc_bytes: int = 4,
 ) -> RingCost:
-    """Cost of ring attention over `layout` (global, over the padded sequence) split by `shard`.
+    """Cost of ring attention over `layout` (global, over the padded sequence) split by `plan`.
 
     kv_bytes: bytes per K/V element (2 for bf16); acc_bytes: per dK/dV accumulator element (fp32).
     """
-    topology = RingTopology(1, shard.cp_size) if topology is None else topology
-    w, n, l = shard.cp_size, topology.num_nodes, topology.node_size
-    blocks, cols = pair_work(layout, shard)
+    topology = RingTopology(1, plan.cp_size) if topology is None else topology
+    w, n, l = plan.cp_size, topology.num_nodes, topology.node_size
+    blocks, cols = pair_work(layout, plan)
     sources = torch.tensor([[topology.source(r, o, i) for o in range(n) for i in range(l)] for r in range(w)])
     work = torch.cat([blocks.gather(1, sources), cols.unsqueeze(1)], 1)
-    sets = TransferSets(layout, shard, topology)
+    sets = TransferSets(layout, plan, topology)
     row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
-    block = row * shard.block_size
-    tokens = column_tokens(layout, shard.padded_len)
+    block = row * plan.block_size
+    tokens = column_tokens(layout, plan.padded_len)
     fwd = torch.zeros(w, dtype=torch.int64)
     bwd = torch.zeros(w, dtype=torch.int64)
     if tokens.numel() and w > 1:
-        max_owned = int(torch.bincount(shard.block_owner[tokens // shard.block_size], minlength=w).max())
+        max_owned = int(torch.bincount(plan.block_owner[tokens // plan.block_size], minlength=w).max())
         fwd += (w - 1) * max_owned * row * kv_bytes
         bwd += 2 * (w - 1) * tokens.numel() * row * acc_bytes // w
     outer = 0
@@ -86,38 +84,5 @@ def ring_cost(
                         total[r] += nbytes
                         if not backward and slot[0] == "outer":
                             outer += nbytes
-    full = (w - 1) * shard.local_blocks * block * kv_bytes
+    full = (w - 1) * plan.local_blocks * block * kv_bytes
     return RingCost(work, fwd, bwd, outer, full)
-
-
-def random_vertical_slash(
-    seq_len: int,
-    block_size: int,
-    heads: int,
-    *,
-    num_diagonals: int,
-    num_verticals: int,
-    local_diagonals: int = 1,
-    sink_tokens: int = 32,
-    diagonal_spread: float = 1.0,
-    padded_len: int | None = None,
-    generator: torch.Generator | None = None,
-) -> SparseLayout:
-    """A vertical-slash layout per head with MTraining's forced parts and random rest, one document
-    of `seq_len` tokens (then padding up to `padded_len`): the first `local_diagonals` block
-    diagonals and `sink_tokens` columns always, plus `num_diagonals` block diagonals drawn
-    uniformly among the nearest `diagonal_spread` fraction of them and `num_verticals` columns
-    drawn uniformly."""
-    padded_len = seq_len if padded_len is None else padded_len
-    nb = -(-padded_len // block_size)
-    reach = max(1, min(nb, round(diagonal_spread * nb)))
-    diagonals = torch.zeros(1, heads, nb, dtype=torch.bool)
-    diagonals[..., :local_diagonals] = True
-    picks = torch.rand(1, heads, reach, generator=generator).argsort(-1)[..., :num_diagonals]
-    diagonals.scatter_(-1, picks, True)
-    verticals = torch.zeros(1, heads, padded_len, dtype=torch.bool)
-    verticals[..., :sink_tokens] = True
-    picks = torch.rand(1, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
-    verticals.scatter_(-1, picks, True)
-    meta = TokenMeta.contiguous(1, seq_len).pad_to(padded_len)
-    return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)

@@ -49,7 +49,8 @@ class RingTopology:
 
     def chain_position(self, p: int, source: int) -> tuple[int, int]:
         """The step (outer, inner) at which position `p` computes with `source`'s K/V."""
-        return (self.node(p) - self.node(source)) % self.num_nodes, (self.local(p) - self.local(source)) % self.node_size
+        outer = (self.node(p) - self.node(source)) % self.num_nodes
+        return outer, (self.local(p) - self.local(source)) % self.node_size
 
     def source(self, p: int, outer: int, inner: int) -> int:
         """Whose K/V position `p` computes with at step (outer, inner)."""

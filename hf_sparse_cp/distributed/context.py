@@ -1,11 +1,11 @@
-"""What a model forward under context parallelism carries, and the entry points around it.
+"""What a model forward under context parallelism carries, and how a batch becomes it.
 
 Input preparation (once per batch, on every CP rank, with the same batch):
 `prepare_context_parallel_inputs(inputs, parallel, block_size=...)` returns this rank's model
 inputs (sharded input_ids, shift_labels, global position_ids) plus a `CPShard` under the key
 `cp_shard`. transformers passes unknown keyword arguments of `model(**inputs)` down to the
 attention function, so the `sparse_cp` backend receives the `CPShard` with q/k/v of its shard and
-calls `context_parallel_attention`, which estimates the global layout and runs the ring.
+calls `ring_attention.context_parallel_attention`, which estimates the global layout and runs the ring.
 """
 
 from __future__ import annotations
@@ -18,12 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import SparseAttentionConfig
-from ..layout import SparseLayout
-from ..tokens import TokenMeta
-from .estimation import estimate_layout_cp
-from .parallel import ParallelLayout
-from .ring_attention import RingStats, ring_sparse_attention
+from ..attention.tokens import TokenMeta
+from .mesh import ParallelDims
 from .sharding import ShardPlan, sequence_meta, shard_inputs
 
 CP_SHARD_KWARG = "cp_shard"
@@ -38,7 +34,7 @@ class CPShard:
     identical on every rank, from which any rank's shard metadata follows.
     """
 
-    parallel: ParallelLayout
+    parallel: ParallelDims
     plan: ShardPlan
     meta: TokenMeta
 
@@ -52,7 +48,7 @@ class CPShard:
         return self.plan.shard_meta(self.meta, self.rank)
 
 
-def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelLayout) -> None:
+def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
     """Raise ValueError unless every rank of the CP group holds the same batch (two tiny all-reduces)."""
     if parallel.cp_size == 1:
         return
@@ -75,7 +71,7 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelLayout) -> Non
 
 def prepare_context_parallel_inputs(
     inputs: Mapping[str, Any],
-    parallel: ParallelLayout,
+    parallel: ParallelDims,
     *,
     block_size: int,
     sharding: str | None = None,
@@ -102,62 +98,3 @@ def prepare_context_parallel_inputs(
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     out[CP_SHARD_KWARG] = CPShard(parallel, plan, meta.pad_to(plan.padded_len))
     return out
-
-
-def context_parallel_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    shard: CPShard,
-    cfg: SparseAttentionConfig,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    stats: RingStats | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, SparseLayout]:
-    """Sparse attention of a sharded sequence, for an attention backend under CP.
-
-    query [B, Hq, S_local, D], key / value [B, Hkv, S_local, D] (after RoPE; this rank's shard).
-    Estimates the layer's global layout from all ranks' shards (`estimate_layout_cp`, collective),
-    then runs `ring_sparse_attention`. Returns (out [B, Hq, S_local, D], lse, the global layout).
-    """
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"under context parallelism queries and keys must be the same shard (got {query.shape[2]} queries, "
-            f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
-        )
-    with torch.no_grad():
-        layout = estimate_layout_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
-    out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale, sliding_window=sliding_window,
-                                     stats=stats)
-    return out, lse, layout
-
-
-def check_model_supports_context_parallel(model: torch.nn.Module, backend: str = "sparse_cp") -> None:
-    """Raise ValueError when sparse context parallelism cannot shard `model`'s attention."""
-    config = getattr(model, "config", None)
-    name = type(model).__name__
-    if config is None:
-        raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; sparse context parallelism shards causal decoders only.")
-    sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
-    if sub:
-        raise ValueError(
-            f"{name} has non-text towers ({', '.join(sub)}) whose attention is not sharded; sparse context "
-            "parallelism supports text-only causal language models."
-        )
-    impl = getattr(config, "_attn_implementation", None)
-    if impl != backend:
-        raise ValueError(
-            f"{name} uses attn_implementation={impl!r}; under context parallelism every attention layer must go "
-            f"through '{backend}', which runs the ring (call hf_sparse_cp.patch() and hf_sparse_cp.configure(model))."
-        )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{name} soft-caps attention logits, which the sparse kernels do not implement.")
-    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
-    if bidirectional:
-        raise ValueError(
-            f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); the ring computes causal "
-            "self-attention only."
-        )

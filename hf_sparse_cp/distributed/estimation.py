@@ -1,7 +1,7 @@
 """Vertical-slash pattern estimation of a sequence split over a context-parallel group.
 
 The pattern of a long document comes from its last `last_q` queries scoring all of its keys
-(`hf_sparse_cp.pattern`). Under CP those queries and keys are spread over the ranks, so:
+(`hf_sparse_cp.attention.estimate`). Under CP those queries and keys are spread over the ranks, so:
 
 1. every rank contributes the scoring queries it holds to one all-reduce (each row is held by
    exactly one rank), after which every rank has all of them;
@@ -20,25 +20,22 @@ Four collectives per call, whatever the number of documents; the scores' all-red
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..config import SparseAttentionConfig
-from ..layout import SparseLayout
-from ..pattern import (
+from ..attention.build import dense_layout
+from ..attention.estimate import (
     accumulate_vertical_slash,
-    dense_layout,
     last_query_rows,
     layout_from_scores,
     long_documents,
     row_softmax_stats,
-    score_dtype,
 )
-
-if TYPE_CHECKING:
-    from .context import CPShard
+from ..attention.layout import SparseLayout
+from ..attention.precision import compute_dtype
+from ..config import SparseAttentionConfig
+from .context import CPShard
 
 
 def _all_reduce(x: torch.Tensor, op, shard: CPShard) -> None:
@@ -73,7 +70,7 @@ def estimate_layout_cp(
         return dense_layout(meta, cfg.block_size)
     b, hq, s_local, d = q.shape
     dev = q.device
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     tok = plan.token_index(shard.rank).to(dev)
     local_of = torch.full((plan.padded_len,), -1, dtype=torch.long, device=dev)

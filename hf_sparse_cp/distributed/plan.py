@@ -30,53 +30,49 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import SparseLayout, compact_sorted
-from ..tokens import TokenMeta
+from ..attention.layout import SparseLayout, compact_sorted, valid_slots
+from ..attention.tokens import TokenMeta
 from .comm import RingTopology
 from .sharding import ShardPlan
 
 
-def check_layout(layout: SparseLayout, shard: ShardPlan) -> None:
-    """Raise ValueError unless `layout` is a global layout over `shard`'s padded sequence."""
-    if layout.block_size != shard.block_size:
+def check_global_layout(layout: SparseLayout, plan: ShardPlan) -> None:
+    """Raise ValueError unless `layout` is a global layout over `plan`'s padded sequence."""
+    if layout.block_size != plan.block_size:
         raise ValueError(
-            f"the layout's block_size ({layout.block_size}) differs from the shard plan's ({shard.block_size}); under "
+            f"the layout's block_size ({layout.block_size}) differs from the shard plan's ({plan.block_size}); under "
             "context parallelism every layer must use the block size the sequence was sharded with."
         )
-    if layout.num_q_blocks != shard.num_blocks:
+    if layout.num_q_blocks != plan.num_blocks:
         raise ValueError(
-            f"the layout has {layout.num_q_blocks} query blocks but the padded sequence has {shard.num_blocks}: build "
+            f"the layout has {layout.num_q_blocks} query blocks but the padded sequence has {plan.num_blocks}: build "
             "the global layout over the padded sequence (TokenMeta.pad_to(plan.padded_len))."
         )
 
 
-def _valid(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
-    return torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
-
-
-def read_matrix(layout: SparseLayout, shard: ShardPlan) -> torch.Tensor:
+def read_matrix(layout: SparseLayout, plan: ShardPlan) -> torch.Tensor:
     """bool [cp_size, num_blocks] on the CPU: rank r's queries list global key block kb (columns excluded)."""
-    check_layout(layout, shard)
+    check_global_layout(layout, plan)
     dev = layout.block_idx.device
-    w, nb = shard.cp_size, shard.num_blocks
-    qowner = shard.block_owner.to(dev).view(1, 1, -1, 1)
+    w, nb = plan.cp_size, plan.num_blocks
+    qowner = plan.block_owner.to(dev).view(1, 1, -1, 1)
     reads = torch.zeros(w * nb, dtype=torch.bool, device=dev)
     flat = qowner * nb + layout.block_idx.long().clamp_min(0)
-    reads[flat[_valid(layout.block_idx, layout.block_cnt).expand_as(flat)]] = True
+    reads[flat[layout.valid_blocks().expand_as(flat)]] = True
     return reads.view(w, nb).cpu()
 
 
-def pair_work(layout: SparseLayout, shard: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_work(layout: SparseLayout, plan: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Computed work in block units, summed over batch rows and heads, on the CPU:
     (float64 [W, W]: listed key blocks of source s for rank r's queries,
      float64 [W]: listed key columns / block_size for rank r's queries, the bar step)."""
-    check_layout(layout, shard)
+    check_global_layout(layout, plan)
     dev = layout.block_idx.device
-    w, bs = shard.cp_size, shard.block_size
-    owner = shard.block_owner.to(dev)
+    w, bs = plan.cp_size, plan.block_size
+    owner = plan.block_owner.to(dev)
     qowner = owner.view(1, 1, -1, 1)
     blocks = torch.zeros(w * w, dtype=torch.float64, device=dev)
-    valid = _valid(layout.block_idx, layout.block_cnt)
+    valid = layout.valid_blocks()
     flat = (qowner * w + owner[layout.block_idx.long().clamp_min(0)])[valid]
     blocks.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float64, device=dev))
     cols = torch.zeros(w, dtype=torch.float64, device=dev)
@@ -89,7 +85,7 @@ def column_tokens(layout: SparseLayout, num_tokens: int) -> torch.Tensor:
     """Global key tokens (< num_tokens) listed as columns anywhere in the layout (int64, ascending,
     unique, CPU). Marks a flag per token instead of sorting the listed columns: linear in the
     layout's size (tens of millions of entries at 128K tokens)."""
-    valid = _valid(layout.col_idx, layout.col_cnt)
+    valid = layout.valid_cols()
     listed = torch.zeros(num_tokens + 1, dtype=torch.bool, device=layout.col_idx.device)
     listed[torch.where(valid, layout.col_idx, num_tokens).flatten()] = True  # unused slots mark the spare flag
     return listed[:num_tokens].nonzero().flatten().cpu()
@@ -117,13 +113,13 @@ class TransferSets:
     last_outer int [W]: last node step >= 1 that reads (0: none), where the outer accumulator turns home.
     """
 
-    def __init__(self, layout: SparseLayout, shard: ShardPlan, topology: RingTopology) -> None:
-        if topology.size != shard.cp_size:
-            raise ValueError(f"the ring has {topology.size} ranks but the sequence is split over {shard.cp_size}.")
-        self.topology, self.shard = topology, shard
-        w, n, l = shard.cp_size, topology.num_nodes, topology.node_size
-        reads = read_matrix(layout, shard)
-        by_source = reads[:, shard.all_blocks]  # [reader, source, nkb]
+    def __init__(self, layout: SparseLayout, plan: ShardPlan, topology: RingTopology) -> None:
+        if topology.size != plan.cp_size:
+            raise ValueError(f"the ring has {topology.size} ranks but the sequence is split over {plan.cp_size}.")
+        self.topology, self.plan = topology, plan
+        w, n, l = plan.cp_size, topology.num_nodes, topology.node_size
+        reads = read_matrix(layout, plan)
+        by_source = reads[:, plan.all_blocks]  # [reader, source, nkb]
         read = by_source[topology.holders(), torch.arange(w).view(-1, 1, 1)]  # [W, N, L, nkb]
         node_read = read.any(2)  # [W, N, nkb]
         held = _suffix_any(read, 2)
@@ -228,19 +224,18 @@ def slot_ops(sets: TransferSets, position: int, *, backward: bool) -> dict[tuple
     return ops
 
 
-def _restrict(layout: SparseLayout, rows: torch.Tensor, shard: ShardPlan, source: int,
+def _restrict(layout: SparseLayout, rows: torch.Tensor, plan: ShardPlan, source: int,
               buffer_pos: torch.Tensor) -> SparseLayout:
     """Query blocks `rows` of the global layout against `source`'s key blocks, indexed into the
     buffer (`buffer_pos[local block]` = its block position in the buffer); no columns."""
     dev = layout.block_idx.device
-    owner = shard.block_owner.to(dev)
-    local = shard.block_local_index.to(dev)
+    owner = plan.block_owner.to(dev)
+    local = plan.block_local_index.to(dev)
     blk = layout.block_idx[:, :, rows].long()
     kb = blk.clamp_min(0)
-    keep = _valid(blk, layout.block_cnt[:, :, rows]) & (owner[kb] == source)
+    keep = valid_slots(blk, layout.block_cnt[:, :, rows]) & (owner[kb] == source)
     block_idx, block_cnt = compact_sorted(buffer_pos.to(dev)[local[kb]], keep)
-    empty = torch.empty(*block_cnt.shape, 0, dtype=torch.int32, device=dev)
-    return SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), shard.block_size)
+    return SparseLayout.from_blocks(block_idx, block_cnt, plan.block_size)
 
 
 @dataclass
@@ -263,24 +258,23 @@ class BarStep:
         return max(o.numel() for o in self.owned)
 
 
-def _bar_step(layout: SparseLayout, rows: torch.Tensor, shard: ShardPlan, meta: TokenMeta) -> BarStep | None:
-    tokens = column_tokens(layout, shard.padded_len)
+def _bar_step(layout: SparseLayout, rows: torch.Tensor, plan: ShardPlan, meta: TokenMeta) -> BarStep | None:
+    tokens = column_tokens(layout, plan.padded_len)
     if not tokens.numel():
         return None
     dev = layout.block_idx.device
-    bs = shard.block_size
-    owner = shard.block_owner[tokens // bs]
-    local_row = shard.block_local_index[tokens // bs] * bs + tokens % bs
-    owned = [(owner == r).nonzero().flatten() for r in range(shard.cp_size)]
+    bs = plan.block_size
+    owner = plan.block_owner[tokens // bs]
+    local_row = plan.block_local_index[tokens // bs] * bs + tokens % bs
+    owned = [(owner == r).nonzero().flatten() for r in range(plan.cp_size)]
     col = layout.col_idx[:, :, rows].long()
-    valid = _valid(col, layout.col_cnt[:, :, rows])
+    valid = valid_slots(col, layout.col_cnt[:, :, rows])
     # Columns ascend, and so do their positions in the ascending token list.
     pos = torch.searchsorted(tokens.to(dev), col.clamp_min(0))
     col_idx = torch.where(valid, pos, -1).to(torch.int32)
     col_cnt = layout.col_cnt[:, :, rows]
     width = int(col_cnt.max()) if col_cnt.numel() else 0
-    blk = torch.empty(*col_cnt.shape, 0, dtype=torch.int32, device=dev)
-    bar_layout = SparseLayout(blk, torch.zeros_like(col_cnt), col_idx[..., :width].contiguous(), col_cnt, bs)
+    bar_layout = SparseLayout.from_columns(col_idx[..., :width].contiguous(), col_cnt, bs)
     tok = tokens.to(dev)
     return BarStep(tokens, owned, [local_row[o] for o in owned], bar_layout,
                    TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
@@ -289,34 +283,34 @@ def _bar_step(layout: SparseLayout, rows: torch.Tensor, shard: ShardPlan, meta: 
 class RingPlan:
     """One rank's ring schedule for one global layout (see the module docstring).
 
-    layout: the global layout (identical on every rank); shard: the sequence split; meta: the
+    layout: the global layout (identical on every rank); plan: the sequence split; meta: the
     whole padded sequence's `TokenMeta` [B, padded_len]; position: this rank's ring position.
     `bar` is None when the layout lists no column (then no rank gathers bars); `bar_work` says
     whether this rank's queries list any column.
     """
 
-    def __init__(self, layout: SparseLayout, shard: ShardPlan, meta: TokenMeta, topology: RingTopology,
+    def __init__(self, layout: SparseLayout, plan: ShardPlan, meta: TokenMeta, topology: RingTopology,
                  position: int) -> None:
-        self.topology, self.shard, self.position = topology, shard, position
-        self.sets = TransferSets(layout, shard, topology)
-        meta = meta.pad_to(shard.padded_len)
+        self.topology, self.plan, self.position = topology, plan, position
+        self.sets = TransferSets(layout, plan, topology)
+        meta = meta.pad_to(plan.padded_len)
         dev = layout.block_idx.device
-        bs = shard.block_size
-        rows = shard.blocks_of(position).to(dev)
-        self.q_meta = shard.shard_meta(meta, position)
+        bs = plan.block_size
+        rows = plan.blocks_of(position).to(dev)
+        self.q_meta = plan.shard_meta(meta, position)
         self.steps: list[RingStep] = []
         for o in range(topology.num_nodes):
             for i in range(topology.node_size):
                 s = topology.source(position, o, i)
                 held = self.sets.blocks("held", s, o, i)
                 read = self.sets.blocks("read", s, o, i)
-                buffer_pos = torch.full((shard.local_blocks,), -1, dtype=torch.long)
+                buffer_pos = torch.full((plan.local_blocks,), -1, dtype=torch.long)
                 buffer_pos[held] = torch.arange(held.numel())
-                step_layout = _restrict(layout, rows, shard, s, buffer_pos) if read.numel() else None
-                tok = ((shard.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
+                step_layout = _restrict(layout, rows, plan, s, buffer_pos) if read.numel() else None
+                tok = ((plan.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
                 k_meta = TokenMeta(meta.index[:, tok], meta.segment[:, tok])
                 self.steps.append(RingStep(o, i, s, held, read, step_layout, k_meta))
-        self.bar = _bar_step(layout, rows, shard, meta)
+        self.bar = _bar_step(layout, rows, plan, meta)
         self.bar_work = self.bar is not None and bool((self.bar.layout.col_cnt > 0).any())
         self.forward_ops = slot_ops(self.sets, position, backward=False)
         self.backward_ops = slot_ops(self.sets, position, backward=True)

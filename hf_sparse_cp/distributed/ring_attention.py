@@ -1,8 +1,11 @@
 """Balanced sparse ring attention: exact attention over a global layout, the sequence split over a CP group.
 
+`context_parallel_attention` is what the attention backend calls under CP: it estimates the
+layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`.
+
 Every rank keeps its queries; K/V (key/value heads only, never replicated for GQA) travel the
 (hierarchical) ring of `RingTopology`. At each step a rank computes its queries against the K/V
-blocks it holds with `sparse_attention_forward` and the step's layout (from `RingPlan`), and
+blocks it holds with `attention_forward` and the step's layout (from `RingPlan`), and
 merges the partial (out, lse) in fp32 (`merge_attention`). Transfers for the next step are posted
 before the current step computes and awaited after it (double buffering); the outer ring's
 transfer is posted before the whole inner ring of a node and awaited after it. Steps with nothing
@@ -10,7 +13,7 @@ to compute are skipped, and K/V blocks that no rank downstream reads are never s
 of the layout's key columns are all-gathered once (overlapped with the ring) and attended in one
 more local step.
 
-Backward re-circulates K/V the same way, calls `sparse_attention_backward` per step with the final
+Backward re-circulates K/V the same way, calls `attention_backward` per step with the final
 out/lse, and sends partial dK/dV (accumulated in fp32, fp64 for fp64 inputs) around a second ring
 back to the rank that owns the keys; the columns' dK/dV are all-reduced (overlapped with the ring)
 and each owner keeps its rows.
@@ -20,18 +23,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..layout import SparseLayout
-from ..ops import sparse_attention_backward, sparse_attention_forward
+from ..attention.layout import SparseLayout, check_tensors
+from ..attention.ops import attention_backward, attention_forward
+from ..attention.precision import compute_dtype
+from ..config import SparseAttentionConfig
 from .comm import P2PComm, Pending, Transfer
-from .plan import RingPlan, check_layout
-
-if TYPE_CHECKING:
-    from .context import CPShard
+from .context import CPShard
+from .estimation import estimate_layout_cp
+from .plan import RingPlan, check_global_layout
 
 
 @dataclass
@@ -67,8 +70,8 @@ class _BlockBuffer:
 class _Ring:
     """A rank's plan plus the communicators of its inner and outer rings."""
 
-    def __init__(self, plan: RingPlan, shard: CPShard) -> None:
-        self.plan = plan
+    def __init__(self, ring_plan: RingPlan, shard: CPShard) -> None:
+        self.ring_plan = ring_plan
         self.parallel = shard.parallel
         self.inner = P2PComm(shard.parallel.inner_group)
         self.outer = P2PComm(shard.parallel.outer_group)
@@ -80,7 +83,7 @@ class _Ring:
 
     def gather_bars(self, k: torch.Tensor, v: torch.Tensor):
         """Start the all-gather of the column K/V rows; returns a function giving [2, B, Hkv, n_cols, D]."""
-        bar, me, w = self.plan.bar, self.plan.position, self.parallel.cp_size
+        bar, me, w = self.ring_plan.bar, self.ring_plan.position, self.parallel.cp_size
         rows = bar.rows[me].to(k.device)
         mine = torch.zeros(2, *k.shape[:2], bar.max_owned, k.shape[3], dtype=k.dtype, device=k.device)
         mine[:, :, :, : rows.numel()] = torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
@@ -102,7 +105,7 @@ class _Ring:
 
     def reduce_bar_grads(self, grad: torch.Tensor):
         """Start summing every rank's column dK/dV; returns a function giving this rank's rows of the sum."""
-        bar, me, w = self.plan.bar, self.plan.position, self.parallel.cp_size
+        bar, me, w = self.ring_plan.bar, self.ring_plan.position, self.parallel.cp_size
         work = None
         if w > 1:
             work = dist.all_reduce(grad, group=self.parallel.cp_group, async_op=True)
@@ -118,7 +121,7 @@ class _Ring:
     def post(self, slot: tuple, ops: dict, kv: dict, acc_of, shape: tuple, kv_dtype, acc_dtype, device,
              arrivals: list) -> Pending:
         """Post the transfers of `slot`; receives are appended to `arrivals` as (op, tensor)."""
-        bs = self.plan.shard.block_size
+        bs = self.ring_plan.plan.block_size
         transfers = []
         for op in ops.get(slot, ()):
             if op.send:
@@ -133,18 +136,14 @@ class _Ring:
         return comm.post(transfers)
 
 
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _run(ring: _Ring, k, v, ops: dict, step_fn, acc_of=None, acc_dtype=None):
     """Drive the slots: outer step o posts its outer transfers, runs the inner ring (compute per
     step, inner transfers around it), then waits for the outer transfers. Received K/V become the
     buffers of later steps; received dK/dV are added to the accumulators (`acc_of`)."""
-    plan = ring.plan
-    topo, bs = plan.topology, plan.shard.block_size
-    me = plan.position
-    kv = {me: _BlockBuffer(torch.stack([k, v]), torch.arange(plan.shard.local_blocks), bs)}
+    ring_plan = ring.ring_plan
+    topo, bs = ring_plan.topology, ring_plan.plan.block_size
+    me = ring_plan.position
+    kv = {me: _BlockBuffer(torch.stack([k, v]), torch.arange(ring_plan.plan.local_blocks), bs)}
     shape = kv[me].data.shape
 
     def land(slot, arrivals):
@@ -165,57 +164,57 @@ def _run(ring: _Ring, k, v, ops: dict, step_fn, acc_of=None, acc_dtype=None):
                 arrivals: list = []
                 inner = ring.post(("inner", o, i), ops, kv, acc_of, shape, k.dtype, acc_dtype, k.device, arrivals)
                 if i < topo.node_size:
-                    step = plan.step(o, i)
+                    step = ring_plan.step(o, i)
                     if step.layout is not None:
                         step_fn(step, kv[step.source])
                 inner.wait()
                 land(("inner", o, i), arrivals)
                 if 1 <= i < topo.node_size:
-                    kv.pop(plan.step(o, i).source, None)
+                    kv.pop(ring_plan.step(o, i).source, None)
         outer.wait()
         land(("outer", o), outer_arrivals)
         if 1 <= o < topo.num_nodes:
-            kv.pop(plan.step(o, 0).source, None)
+            kv.pop(ring_plan.step(o, 0).source, None)
 
 
 def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None):
-    plan = ring.plan
-    dtype = _compute_dtype(q)
+    ring_plan = ring.ring_plan
+    dtype = compute_dtype(q.dtype)
     b, hq, s, d = q.shape
     state = {"out": torch.zeros(b, hq, s, d, dtype=dtype, device=q.device),
              "lse": torch.full((b, hq, s), float("-inf"), dtype=dtype, device=q.device),
              "steps": 0}
 
     def attend(k_, v_, layout, k_meta):
-        state["out"], state["lse"] = sparse_attention_forward(
-            q, k_, v_, layout, scale=scale, q_meta=plan.q_meta, k_meta=k_meta, sliding_window=window,
+        state["out"], state["lse"] = attention_forward(
+            q, k_, v_, layout, scale=scale, q_meta=ring_plan.q_meta, k_meta=k_meta, sliding_window=window,
             out=state["out"], lse=state["lse"],
         )
         state["steps"] += 1
 
-    bars = ring.gather_bars(k, v) if plan.bar is not None else None
-    _run(ring, k, v, plan.forward_ops, lambda step, buf: attend(buf.data[0], buf.data[1], step.layout,
+    bars = ring.gather_bars(k, v) if ring_plan.bar is not None else None
+    _run(ring, k, v, ring_plan.forward_ops, lambda step, buf: attend(buf.data[0], buf.data[1], step.layout,
                                                                     step.k_meta))
     bar_kv = bars() if bars is not None else None
-    if plan.bar_work:
-        attend(bar_kv[0], bar_kv[1], plan.bar.layout, plan.bar.k_meta)
+    if ring_plan.bar_work:
+        attend(bar_kv[0], bar_kv[1], ring_plan.bar.layout, ring_plan.bar.k_meta)
     return state["out"], state["lse"], state["steps"], bar_kv
 
 
 def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: float, window: int | None):
-    plan = ring.plan
-    dtype = _compute_dtype(q)
-    bs = plan.shard.block_size
-    me = plan.position
+    ring_plan = ring.ring_plan
+    dtype = compute_dtype(q.dtype)
+    bs = ring_plan.plan.block_size
+    me = ring_plan.position
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     home = _BlockBuffer(torch.zeros((2, *k.shape), dtype=dtype, device=k.device),
-                        torch.arange(plan.shard.local_blocks), bs)
+                        torch.arange(ring_plan.plan.local_blocks), bs)
     accs: dict[int, _BlockBuffer] = {}
     steps = [0]
 
     def attend_grad(k_, v_, layout, k_meta):
-        dq_s, dk_s, dv_s = sparse_attention_backward(
-            q, k_, v_, out, lse, dout, layout, scale=scale, q_meta=plan.q_meta, k_meta=k_meta,
+        dq_s, dk_s, dv_s = attention_backward(
+            q, k_, v_, out, lse, dout, layout, scale=scale, q_meta=ring_plan.q_meta, k_meta=k_meta,
             sliding_window=window, dlse=dlse,
         )
         dq.add_(dq_s)
@@ -229,7 +228,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
         if release:
             return accs.pop(source)
         if source not in accs:
-            blocks = plan.acc_blocks(source)
+            blocks = ring_plan.acc_blocks(source)
             accs[source] = _BlockBuffer(
                 torch.zeros(2, *k.shape[:2], blocks.numel() * bs, k.shape[3], dtype=dtype, device=k.device), blocks, bs
             )
@@ -240,12 +239,12 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
         acc_of(step.source).add_(step.read, part.take(step.read))
 
     bar_grads = None
-    if plan.bar is not None:
-        grad = torch.zeros(2, *k.shape[:2], plan.bar.tokens.numel(), k.shape[3], dtype=dtype, device=k.device)
-        if plan.bar_work:
-            grad = attend_grad(bar_kv[0], bar_kv[1], plan.bar.layout, plan.bar.k_meta)
+    if ring_plan.bar is not None:
+        grad = torch.zeros(2, *k.shape[:2], ring_plan.bar.tokens.numel(), k.shape[3], dtype=dtype, device=k.device)
+        if ring_plan.bar_work:
+            grad = attend_grad(bar_kv[0], bar_kv[1], ring_plan.bar.layout, ring_plan.bar.k_meta)
         bar_grads = ring.reduce_bar_grads(grad)
-    _run(ring, k, v, plan.backward_ops, step_fn, acc_of, dtype)
+    _run(ring, k, v, ring_plan.backward_ops, step_fn, acc_of, dtype)
     if bar_grads is not None:
         rows, mine = bar_grads()
         home.data.index_add_(3, rows, mine)
@@ -287,37 +286,78 @@ def ring_sparse_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     stats: RingStats | None = None,
+    check_layout: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's queries over the keys `layout` lists, keys spread over the CP group.
 
-    q: [B, Hq, S_local, D], k/v: [B, Hkv, S_local, D], this rank's shard (`shard.plan.local_len`
-    tokens, in shard order) with Hq a multiple of Hkv. layout: the *global* layout over the padded
-    sequence, identical on every rank of the CP group (e.g. from `estimate_layout_cp`); visibility
-    (causal order, documents, sliding window) comes from the global `TokenMeta` in `shard`.
-    Every rank of the CP group must call this together.
+    Collective: every rank of the CP group calls it together, with its own shard.
 
-    Returns (out [B, Hq, S_local, D] in q's dtype, lse [B, Hq, S_local] in fp32, fp64 for fp64
-    inputs), equal to single-process attention over the whole sequence sliced to this rank's
-    tokens. Differentiable in q, k, v and through lse. `stats`, if given, accumulates this rank's
-    computed steps and bytes sent.
+    Args:
+        q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local, D]: this rank's shard (`shard.plan.local_len`
+            tokens, in shard order), Hq a multiple of Hkv.
+        layout: the *global* layout over the padded sequence, identical on every rank of the CP
+            group (e.g. from `estimate_layout_cp`); visibility (causal order, documents, sliding
+            window) comes from the global `TokenMeta` in `shard`.
+        shard: this rank's `CPShard` (from `prepare_context_parallel_inputs`).
+        scale: softmax scale (default 1 / sqrt(D)); sliding_window: as in `block_sparse_attention`.
+        stats: if given, accumulates this rank's computed steps and bytes sent.
+        check_layout: also check the layout's counts (one device synchronization);
+            `context_parallel_attention`, whose layouts are correct by construction, turns it off.
+
+    Returns:
+        (out [B, Hq, S_local, D] in q's dtype, lse [B, Hq, S_local] in the compute dtype), equal to
+        single-process attention over the whole sequence sliced to this rank's tokens.
+        Differentiable in q, k, v and through lse.
     """
+    check_tensors(q, k, v)
     b, hq, s, d = q.shape
     plan = shard.plan
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, Hkv, {s}, {d}] like q's shard; got k {tuple(k.shape)}, v "
-                         f"{tuple(v.shape)}.")
-    if hq % k.shape[1]:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
+    if k.shape[2] != s:
+        raise ValueError(f"k and v must hold the same shard as q ({s} tokens); got {k.shape[2]}.")
     if s != plan.local_len:
         raise ValueError(f"this rank's shard has {plan.local_len} tokens but q has {s}: pass the tensors of the "
                          "sharded inputs (see prepare_context_parallel_inputs).")
     if shard.meta.index.shape[0] != b:
         raise ValueError(f"the shard's TokenMeta has {shard.meta.index.shape[0]} rows but q has {b}.")
-    check_layout(layout, plan)
-    layout.validate(hq, plan.padded_len, plan.padded_len)
+    check_global_layout(layout, plan)
+    layout.check_fits(hq, plan.padded_len, batch=b)
+    if check_layout:
+        layout.validate(hq, plan.padded_len, plan.padded_len)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    topology = shard.parallel.topology
-    ring_plan = RingPlan(layout, plan, shard.meta, topology, shard.parallel.cp_rank)
+    ring_plan = RingPlan(layout, plan, shard.meta, shard.parallel.topology, shard.parallel.cp_rank)
     ring = _Ring(ring_plan, shard)
     return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats)
 
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    shard: CPShard,
+    cfg: SparseAttentionConfig,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    stats: RingStats | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, SparseLayout]:
+    """Sparse attention of a sharded sequence: what an attention backend calls under CP. Collective.
+
+    Args:
+        query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D], after RoPE, this rank's shard.
+        shard: this rank's `CPShard`; cfg: the layer's pattern config.
+        scale, sliding_window, stats: as in `ring_sparse_attention`.
+
+    Returns:
+        (out [B, Hq, S_local, D], lse [B, Hq, S_local], the global layout), after estimating the
+        layer's global layout from all ranks' shards (`estimate_layout_cp`) and running the ring.
+    """
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"under context parallelism queries and keys must be the same shard (got {query.shape[2]} queries, "
+            f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
+        )
+    with torch.no_grad():
+        layout = estimate_layout_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
+    out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale, sliding_window=sliding_window,
+                                     stats=stats, check_layout=False)
+    return out, lse, layout

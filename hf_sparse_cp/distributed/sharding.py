@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..tokens import TokenMeta
+from ..attention.tokens import TokenMeta, token_meta_from_kwargs
+from ..config import check_block_size
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
 
@@ -43,9 +44,7 @@ class ShardPlan:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}.")
-        bs = self.block_size
-        if bs < 16 or bs & (bs - 1):
-            raise ValueError(f"block_size={bs} must be a power of two >= 16 (the attention layout's block).")
+        check_block_size(self.block_size)
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1.")
         if self.seq_len < 1:
@@ -150,8 +149,6 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
     """Documents and padding of a full (unsharded) batch, as the attention backend derives them:
     from `cu_seq_lens_k` (flattened packing, one row), restarting `position_ids`, and the 2D
     `attention_mask`."""
-    from ..attention import token_meta_from_kwargs
-
     ids = inputs.get("input_ids")
     if ids is None:
         ids = inputs.get("inputs_embeds")

@@ -7,35 +7,23 @@ checked once, on first use, and it is imported only then. The environment variab
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-
 import torch
 
+from ..backends import choose_backend, is_available
 from .chunked import chunked_linear_cross_entropy
 
 BACKEND_ENV = "HF_SPARSE_CP_LOSS_BACKEND"
 BACKENDS = ("auto", "torch", "liger")
 
 
-@functools.cache
 def is_liger_kernel_available() -> bool:
     """True when liger-kernel's fused linear cross-entropy can be imported (checked once)."""
-    try:
-        importlib.import_module("liger_kernel.transformers.functional")
-    except ImportError:
-        return False
-    return True
+    return is_available("liger_kernel.transformers.functional")
 
 
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     """'liger' or 'torch' for tensors on `device`; `backend` (default: $HF_SPARSE_CP_LOSS_BACKEND or 'auto')."""
-    backend = backend or os.environ.get(BACKEND_ENV) or "auto"
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"Loss backend {backend!r} is unknown (from the argument or ${BACKEND_ENV}); use one of {BACKENDS}."
-        )
+    backend = choose_backend("Loss", BACKEND_ENV, BACKENDS, backend)
     if backend == "auto":
         return "liger" if device.type == "cuda" and is_liger_kernel_available() else "torch"
     if backend == "liger":

@@ -3,23 +3,26 @@
     from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
     optimizer = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=0.1), lr=1e-3)
 
-With a Trainer: `install_smet(trainer, config)` (flags: `SMETArguments`).
+* `config.py`: `SMETConfig`;
+* `masks.py`: `BlockGrid` (how a weight is cut into blocks), masks and the hashed random numbers;
+* `topology.py`: which blocks start active, are pruned and are regrown;
+* `optimizer.py`: `SMETAdam`, the compact optimizer state and the cold-start cure of regrown blocks;
+* `factory.py`: `create_smet_optimizer` from a stock optimizer class and a model;
+* `dtensor.py`: local-shard views of FSDP2 DTensor parameters and states.
+
+With a Trainer: `hf_sparse_cp.integration.install_smet(trainer, config)` (flags:
+`hf_sparse_cp.integration.SMETArguments`).
 """
 
 from .config import SMETConfig
 from .factory import SMETOptimizerFactory, create_smet_optimizer, smet_param_groups, state_nbytes
 from .optimizer import SMETAdam
-from .trainer import SMETArguments, SMETCallback, install_smet, smet_optimizer_cls_and_kwargs
 
 __all__ = [
     "SMETAdam",
-    "SMETArguments",
-    "SMETCallback",
     "SMETConfig",
     "SMETOptimizerFactory",
     "create_smet_optimizer",
-    "install_smet",
-    "smet_optimizer_cls_and_kwargs",
     "smet_param_groups",
     "state_nbytes",
 ]

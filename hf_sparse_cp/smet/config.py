@@ -1,7 +1,7 @@
 """Typed configuration of SMET (stable dynamic sparse training and sparse fine-tuning with Adam).
 
 `SMETConfig` is a plain dataclass: every field carries help text (so `HfArgumentParser` can turn it
-into flags, see `hf_sparse_cp.smet.trainer.SMETArguments`), `from_file` / `save` round-trip it
+into flags, see `hf_sparse_cp.integration.arguments.SMETArguments`), `from_file` / `save` round-trip it
 through YAML or JSON, and invalid values raise a `ValueError` that says how to fix them.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..config_files import FileConfig
+from ..files import FileConfig
 
 MODES = ("sparse_weights", "sparse_update")
 REGROWTH = ("random", "gradient")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .config import SMETConfig
+from .dtensor import local
 from .optimizer import SMETAdam
-from .sharding import local
 
 # Stock classes SMET can stand in for, with the weight decay each applies (decoupled or L2).
 SUPPORTED_OPTIMIZERS: dict[type[torch.optim.Optimizer], bool] = {torch.optim.AdamW: True, torch.optim.Adam: False}
@@ -75,8 +75,9 @@ def create_smet_optimizer(
     """
     if optimizer_cls not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
-            f"SMET supports {[c.__name__ for c in SUPPORTED_OPTIMIZERS]}, got {getattr(optimizer_cls, '__name__', optimizer_cls)}; "
-            "use --optim adamw_torch (or adamw_torch_fused) with the Trainer."
+            f"SMET supports {[c.__name__ for c in SUPPORTED_OPTIMIZERS]}, got "
+            f"{getattr(optimizer_cls, '__name__', optimizer_cls)}; use --optim adamw_torch (or adamw_torch_fused) "
+            "with the Trainer."
         )
     config = config if config is not None else SMETConfig()
     kwargs = dict(optimizer_kwargs)

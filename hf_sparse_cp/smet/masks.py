@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sharding import local, row_offset
+from .dtensor import local, row_offset
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so a 32-bit value times one of them fits in int64 without overflow.
@@ -20,7 +20,7 @@ _MIX2 = 0x2C1B3C6D
 
 
 @dataclass(frozen=True)
-class BlockLayout:
+class BlockGrid:
     """How the local shard of one sparse weight is cut into blocks."""
 
     rows: int  # local rows
@@ -31,7 +31,7 @@ class BlockLayout:
     global_rows: int
 
     @classmethod
-    def of(cls, param: torch.Tensor, density: float, block_size: int, name: str = "parameter") -> BlockLayout:
+    def of(cls, param: torch.Tensor, density: float, block_size: int, name: str = "parameter") -> BlockGrid:
         if param.dim() != 2:
             raise ValueError(
                 f"{name} has shape {tuple(param.shape)}; SMET makes only 2-D (linear) weights sparse. Remove its "

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from .config import SMETConfig
-from .masks import BlockLayout, active_mask, block_l1, expand_index
-from .sharding import like_param, local, local_rows_of
+from .dtensor import like_param, local, local_rows_of
+from .masks import BlockGrid, active_mask, block_l1, expand_index
 from .topology import initial_blocks, prune_rate, prune_slots, regrow
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class SMETAdam(torch.optim.Optimizer):
         # Steps of the prune-rate cosine decay; the Trainer callback fills it in from max_steps.
         self.schedule_horizon = self.config.prune_decay_steps
         self.last_replaced_fraction = 0.0
-        self._layouts: dict[int, tuple[torch.Tensor, BlockLayout]] = {}
+        self._grids: dict[int, tuple[torch.Tensor, BlockGrid]] = {}
         self._hooks: dict[int, tuple[torch.Tensor, Any]] = {}
         self._grad_scores: dict[int, torch.Tensor] = {}
 
@@ -83,11 +83,11 @@ class SMETAdam(torch.optim.Optimizer):
                 yield key, group, param, name or f"parameter {key}"
                 key += 1
 
-    def _layout(self, param: torch.Tensor, name: str = "parameter") -> BlockLayout:
-        cached = self._layouts.get(id(param))
+    def _grid(self, param: torch.Tensor, name: str = "parameter") -> BlockGrid:
+        cached = self._grids.get(id(param))
         if cached is None or cached[0] is not param:
-            cached = (param, BlockLayout.of(param, self.config.density, self.config.block_size, name))
-            self._layouts[id(param)] = cached
+            cached = (param, BlockGrid.of(param, self.config.density, self.config.block_size, name))
+            self._grids[id(param)] = cached
         return cached[1]
 
     def _is_attached(self) -> bool:
@@ -113,12 +113,12 @@ class SMETAdam(torch.optim.Optimizer):
                 if not state:
                     state.update(self._new_dense_state(param))
                 continue
-            layout = self._layout(param, name)
+            grid = self._grid(param, name)
             if not state:
-                state.update(self._new_sparse_state(param, layout, key))
+                state.update(self._new_sparse_state(param, grid, key))
             if self.config.mode == "sparse_weights":
-                weights = layout.blocks(local(param))
-                weights.masked_fill_(~active_mask(state["block_index"], layout.blocks_per_row).unsqueeze(-1), 0)
+                weights = grid.blocks(local(param))
+                weights.masked_fill_(~active_mask(state["block_index"], grid.blocks_per_row).unsqueeze(-1), 0)
             if param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
                 self._hooks[id(param)] = (param, param.register_post_accumulate_grad_hook(_grad_hook(self)))
         for pid in [pid for pid in self._hooks if pid not in current]:
@@ -140,16 +140,16 @@ class SMETAdam(torch.optim.Optimizer):
             state[name] = torch.zeros_like(local(param), memory_format=torch.contiguous_format)
         return state
 
-    def _new_sparse_state(self, param: torch.Tensor, layout: BlockLayout, key: int) -> dict[str, torch.Tensor]:
-        weights = layout.blocks(local(param))
+    def _new_sparse_state(self, param: torch.Tensor, grid: BlockGrid, key: int) -> dict[str, torch.Tensor]:
+        weights = grid.blocks(local(param))
         magnitude = block_l1(weights) if self.config.mode == "sparse_weights" else None
-        index = initial_blocks(layout.global_block_ids(weights.device), layout.k, self.config.seed, key, magnitude)
-        shape = (layout.rows, layout.k, layout.block_size)
+        index = initial_blocks(grid.global_block_ids(weights.device), grid.k, self.config.seed, key, magnitude)
+        shape = (grid.rows, grid.k, grid.block_size)
         state = {
             "step": torch.tensor(0.0),
             "exp_avg": torch.zeros(shape, dtype=param.dtype, device=weights.device),
             "exp_avg_sq": torch.zeros(shape, dtype=param.dtype, device=weights.device),
-            "block_index": index.to(layout.index_dtype),
+            "block_index": index.to(grid.index_dtype),
             "block_step": torch.zeros(shape[:2], dtype=torch.int32, device=weights.device),
         }
         if self.config.mode == "sparse_update":
@@ -158,12 +158,12 @@ class SMETAdam(torch.optim.Optimizer):
 
     # ---- gradient masking (runs in backward, before any clipping) ----
 
-    def _regrowth_scores_needed(self, step: int, layout: BlockLayout) -> bool:
+    def _regrowth_scores_needed(self, step: int, grid: BlockGrid) -> bool:
         """Whether the topology update after optimizer step `step` regrows by gradient."""
         return (
             self.config.regrowth_rule == "gradient"
             and step % self.config.update_interval == 0
-            and layout.k < layout.blocks_per_row
+            and grid.k < grid.blocks_per_row
         )
 
     @torch.no_grad()
@@ -174,13 +174,13 @@ class SMETAdam(torch.optim.Optimizer):
         state = self.state.get(param)
         if not state or "block_index" not in state or param.grad is None:
             return
-        layout = self._layout(param)
-        grad = layout.blocks(local(param.grad))
-        if self._regrowth_scores_needed(int(state["step"].item()) + 1, layout):
+        grid = self._grid(param)
+        grad = grid.blocks(local(param.grad))
+        if self._regrowth_scores_needed(int(state["step"].item()) + 1, grid):
             score = block_l1(grad)
             previous = self._grad_scores.get(id(param))
             self._grad_scores[id(param)] = score if previous is None else previous + score
-        grad.masked_fill_(~active_mask(state["block_index"], layout.blocks_per_row).unsqueeze(-1), 0)
+        grad.masked_fill_(~active_mask(state["block_index"], grid.blocks_per_row).unsqueeze(-1), 0)
 
     # ---- the update ----
 
@@ -202,16 +202,16 @@ class SMETAdam(torch.optim.Optimizer):
             if not group["smet"]:
                 self._dense_step(param, group, state)
                 continue
-            layout = self._layout(param)
+            grid = self._grid(param)
             step = int(state["step"].item())
             score = self._grad_scores.pop(id(param), None)
-            if score is None and self._regrowth_scores_needed(step, layout):
+            if score is None and self._regrowth_scores_needed(step, grid):
                 # No hook saw this gradient (attach() came after the backward): it is still unmasked.
-                score = block_l1(layout.blocks(local(param.grad)))
-            self._sparse_step(param, group, state, layout)
-            if step % self.config.update_interval == 0 and layout.k < layout.blocks_per_row:
-                replaced += self._update_topology(param, key, state, layout, step, score)
-                active += layout.rows * layout.k
+                score = block_l1(grid.blocks(local(param.grad)))
+            self._sparse_step(param, group, state, grid)
+            if step % self.config.update_interval == 0 and grid.k < grid.blocks_per_row:
+                replaced += self._update_topology(param, key, state, grid, step, score)
+                active += grid.rows * grid.k
         if active:
             self.last_replaced_fraction = replaced / active
         return loss
@@ -232,16 +232,16 @@ class SMETAdam(torch.optim.Optimizer):
         weights.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
     def _sparse_step(
-        self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor], layout: BlockLayout
+        self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor], grid: BlockGrid
     ) -> None:
         cfg = self.config
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         lr = lr * cfg.lr_scale
-        weights = layout.blocks(local(param))
-        where = expand_index(state["block_index"], layout.block_size)
+        weights = grid.blocks(local(param))
+        where = expand_index(state["block_index"], grid.block_size)
         compute = torch.promote_types(param.dtype, torch.float32)
         old = weights.gather(1, where).to(compute)
-        grad = layout.blocks(local(param.grad)).gather(1, where).to(compute)
+        grad = grid.blocks(local(param.grad)).gather(1, where).to(compute)
         if decay and not self.decoupled_weight_decay:
             grad = grad.add(old, alpha=decay)
 
@@ -280,24 +280,24 @@ class SMETAdam(torch.optim.Optimizer):
         param: torch.Tensor,
         key: int,
         state: dict[str, torch.Tensor],
-        layout: BlockLayout,
+        grid: BlockGrid,
         step: int,
         gradient_score: torch.Tensor | None,
     ) -> int:
         """Prune and regrow the blocks of one sparse weight; returns the number of replaced blocks."""
         cfg = self.config
         rate = prune_rate(cfg, step, self.schedule_horizon)
-        if rate <= 0 or layout.rows == 0:
+        if rate <= 0 or grid.rows == 0:
             return 0
         index = state["block_index"]
-        weights = layout.blocks(local(param))
-        where = expand_index(index, layout.block_size)
+        weights = grid.blocks(local(param))
+        where = expand_index(index, grid.block_size)
         if cfg.mode == "sparse_weights":
             scores = block_l1(weights.gather(1, where))
         else:
             scores = state["update_magnitude"]
         device = weights.device
-        pruned = prune_slots(scores, rate, layout.global_row_ids(device), cfg.seed, key, step)
+        pruned = prune_slots(scores, rate, grid.global_row_ids(device), cfg.seed, key, step)
         if cfg.mode == "sparse_weights":
             weights.scatter_(1, where, weights.gather(1, where).masked_fill_(pruned.unsqueeze(-1), 0))
         if cfg.regrowth_rule == "random":
@@ -305,7 +305,7 @@ class SMETAdam(torch.optim.Optimizer):
         elif gradient_score is None:
             raise RuntimeError("Gradient regrowth needs the gradient of this step; none was recorded.")
         index.copy_(
-            regrow(index, pruned, layout.blocks_per_row, layout.global_block_ids(device), cfg.seed, key, step,
+            regrow(index, pruned, grid.blocks_per_row, grid.global_block_ids(device), cfg.seed, key, step,
                    gradient_score)
         )
         for name in ("exp_avg", "exp_avg_sq"):
@@ -362,12 +362,12 @@ class SMETAdam(torch.optim.Optimizer):
     def _import_state(self, param: torch.Tensor, saved: dict[str, Any], sparse: bool) -> dict[str, torch.Tensor]:
         shard = local(param)
         if sparse:
-            layout = self._layout(param)
-            block_shape = (layout.rows, layout.k, layout.block_size)
+            grid = self._grid(param)
+            block_shape = (grid.rows, grid.k, grid.block_size)
             expected = {
                 "exp_avg": (block_shape, param.dtype),
                 "exp_avg_sq": (block_shape, param.dtype),
-                "block_index": (block_shape[:2], layout.index_dtype),
+                "block_index": (block_shape[:2], grid.index_dtype),
                 "block_step": (block_shape[:2], torch.int32),
             }
             if self.config.mode == "sparse_update":
@@ -391,7 +391,7 @@ class SMETAdam(torch.optim.Optimizer):
             state[name] = value.to(device=shard.device, dtype=dtype)
         if sparse and state["block_index"].numel():
             index = state["block_index"]
-            if int(index.min()) < 0 or int(index.max()) >= layout.blocks_per_row:
+            if int(index.min()) < 0 or int(index.max()) >= grid.blocks_per_row:
                 raise ValueError("Saved SMET block index is out of range for this parameter; wrong checkpoint?")
         return state
 
@@ -408,8 +408,8 @@ class SMETAdam(torch.optim.Optimizer):
         active = total = 0
         for _, group, param, _ in self._named_params():
             if group["smet"]:
-                layout = self._layout(param)
-                active += layout.rows * layout.k * layout.block_size
+                grid = self._grid(param)
+                active += grid.rows * grid.k * grid.block_size
                 total += local(param).numel()
         return active / total if total else 1.0
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .precision import compute_dtype
+
 
 def merge_attention(
     out: torch.Tensor, lse: torch.Tensor, out_part: torch.Tensor, lse_part: torch.Tensor
@@ -21,7 +23,7 @@ def merge_attention(
 
     Computes in fp32 at least (fp64 stays fp64) and returns tensors in that dtype.
     """
-    dtype = torch.promote_types(torch.promote_types(out.dtype, out_part.dtype), torch.float32)
+    dtype = compute_dtype(out.dtype, out_part.dtype)
     out, out_part = out.to(dtype), out_part.to(dtype)
     lse, lse_part = lse.to(dtype), lse_part.to(dtype)
     top = torch.maximum(lse, lse_part)

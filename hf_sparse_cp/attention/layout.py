@@ -19,6 +19,10 @@ Storage (all int32, padded with -1 past the count):
 
 `Hl` is either the number of query heads or 1 (one layout shared by all heads, e.g. dense).
 Query head h of a GQA model reads key/value head h // (Hq // Hkv).
+
+The input contract of block-sparse attention (`check_tensors`, `check_attention_inputs`) lives
+here too: shapes, dtypes and devices of q, k, v, the layout and the token metadata, checked
+without reading device memory.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..config import check_block_size
+from .tokens import TokenMeta
+
+
+def valid_slots(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    """bool [..., N]: which of the N slots of an index tensor [..., N] with counts [...] are in use."""
+    return torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,26 @@ class SparseLayout:
     def num_q_blocks(self) -> int:
         return self.block_idx.shape[2]
 
+    @classmethod
+    def from_blocks(cls, block_idx: torch.Tensor, block_cnt: torch.Tensor, block_size: int) -> SparseLayout:
+        """A layout that lists key blocks only (no columns)."""
+        empty = torch.empty(*block_cnt.shape, 0, dtype=torch.int32, device=block_cnt.device)
+        return cls(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), block_size)
+
+    @classmethod
+    def from_columns(cls, col_idx: torch.Tensor, col_cnt: torch.Tensor, block_size: int) -> SparseLayout:
+        """A layout that lists key columns only (no blocks)."""
+        empty = torch.empty(*col_cnt.shape, 0, dtype=torch.int32, device=col_cnt.device)
+        return cls(empty, torch.zeros_like(col_cnt), col_idx, col_cnt, block_size)
+
+    def valid_blocks(self) -> torch.Tensor:
+        """bool [B, H, NQB, max_blocks]: the slots of `block_idx` in use."""
+        return valid_slots(self.block_idx, self.block_cnt)
+
+    def valid_cols(self) -> torch.Tensor:
+        """bool [B, H, NQB, max_cols]: the slots of `col_idx` in use."""
+        return valid_slots(self.col_idx, self.col_cnt)
+
     def head_index(self, num_q_heads: int) -> torch.Tensor:
         """Layout head used by each query head (all zeros for a shared layout)."""
         if self.heads == 1:
@@ -59,8 +91,7 @@ class SparseLayout:
         agreeing on [batch, heads, query blocks]. Reads no tensor contents (no device sync), so
         it is cheap enough for every kernel call."""
         bs = self.block_size
-        if bs < 16 or bs & (bs - 1):
-            raise ValueError(f"layout block_size={bs} must be a power of two >= 16.")
+        check_block_size(bs, "layout block_size")
         for name in ("block_idx", "block_cnt", "col_idx", "col_cnt"):
             t = getattr(self, name)
             if t.dtype != torch.int32:
@@ -95,8 +126,7 @@ class SparseLayout:
             raise ValueError("layout.col_cnt is outside [0, col_idx.shape[-1]].")
         if not strict:
             return
-        blk_valid = _valid_mask(self.block_idx, self.block_cnt)
-        col_valid = _valid_mask(self.col_idx, self.col_cnt)
+        blk_valid, col_valid = self.valid_blocks(), self.valid_cols()
         blk, col = self.block_idx.long(), self.col_idx.long()
         if bool(((blk < 0) | (blk >= nkb))[blk_valid].any()):
             raise ValueError(f"layout.block_idx holds key blocks outside [0, {nkb}).")
@@ -108,7 +138,8 @@ class SparseLayout:
         col_blk = torch.where(col_valid, col // bs, torch.full_like(col, -2))
         hit = (col_blk.unsqueeze(-1) == torch.where(blk_valid, blk, -3).unsqueeze(-2)).any(-1)
         if bool(hit.any()):
-            raise ValueError("layout.col_idx lists a key token that lies inside a listed block of the same query block.")
+            raise ValueError("layout.col_idx lists a key token that lies inside a listed block of the same query "
+                             "block.")
 
     def to(self, device: torch.device | str) -> SparseLayout:
         """This layout with its index tensors on `device`."""
@@ -133,11 +164,11 @@ class SparseLayout:
         b, _, nqb = self.block_cnt.shape
         nkb = -(-k_len // bs)
         dev = self.block_idx.device
-        blk_valid = _valid_mask(self.block_idx, self.block_cnt)
+        blk_valid = self.valid_blocks()
         blocks = torch.zeros(b, self.heads, nqb, nkb + 1, dtype=torch.bool, device=dev)
         blocks.scatter_(-1, torch.where(blk_valid, self.block_idx.long(), nkb), True)
         tok = blocks[..., :nkb].repeat_interleave(bs, dim=-1)[..., :k_len]
-        col_valid = _valid_mask(self.col_idx, self.col_cnt)
+        col_valid = self.valid_cols()
         cols = torch.zeros(b, self.heads, nqb, k_len + 1, dtype=torch.bool, device=dev)
         cols.scatter_(-1, torch.where(col_valid, self.col_idx.long(), k_len), True)
         tok = tok | cols[..., :k_len]
@@ -145,8 +176,41 @@ class SparseLayout:
         return mask[:, self.head_index(num_q_heads).to(dev)]
 
 
-def _valid_mask(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
-    return torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
+def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
+    floating dtype on one device, with Hq a multiple of Hkv."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} (transformers' layout: transpose [B, S, H, D] "
+                         "with .transpose(1, 2)).")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] with q's batch {b}; got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}.")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
+    if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast k and v "
+                         "with .to(q.dtype)).")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}.")
+
+
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta
+) -> None:
+    """`check_tensors`, and the layout and the token metadata fit them (same shapes, same device)."""
+    check_tensors(q, k, v)
+    b, hq, sq, _ = q.shape
+    layout.check_fits(hq, sq, batch=b)
+    for name, meta, length in (("q_meta", q_meta, sq), ("k_meta", k_meta, k.shape[2])):
+        if meta.index.shape != (b, length) or meta.segment.shape != (b, length):
+            raise ValueError(f"{name} must hold index and segment of shape [B, S] = {(b, length)}; got "
+                             f"{tuple(meta.index.shape)} and {tuple(meta.segment.shape)}.")
+    stray = {name: t.device for name, t in (("layout", layout.block_idx), ("q_meta", q_meta.index),
+                                            ("k_meta", k_meta.index)) if t.device != q.device}
+    if stray:
+        raise ValueError(f"{', '.join(stray)} must be on q's device {q.device}; got {stray} (move them with .to()).")
 
 
 def _strictly_ascending(idx: torch.Tensor, valid: torch.Tensor) -> bool:

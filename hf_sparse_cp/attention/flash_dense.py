@@ -8,17 +8,14 @@ without it (or on CPU, or for fp32 inputs) the kernels run. Context-parallel cal
 ring. `HF_SPARSE_CP_DENSE_BACKEND` (`auto`, `kernels`, `flash_attn`) overrides the choice.
 
 Documents are the contiguous runs of one segment id in a row, padding left out (the convention of
-`hf_sparse_cp.tokens.document_starts`); flash-attn sees them as its variable-length sequences.
+`hf_sparse_cp.attention.tokens.document_starts`); flash-attn sees them as its variable-length sequences.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-
 import torch
 
+from ..backends import choose_backend, is_available
 from .tokens import PAD_SEGMENT, TokenMeta, run_starts
 
 DENSE_BACKEND_ENV = "HF_SPARSE_CP_DENSE_BACKEND"
@@ -27,14 +24,9 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 
 
-@functools.cache
 def is_flash_attn_available() -> bool:
     """True when flash-attn's varlen function can be imported (checked once)."""
-    try:
-        module = importlib.import_module("flash_attn")
-    except ImportError:
-        return False
-    return hasattr(module, "flash_attn_varlen_func")
+    return is_available("flash_attn", "flash_attn_varlen_func")
 
 
 def flash_attn_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -47,12 +39,7 @@ def use_flash_attn(q: torch.Tensor, k: torch.Tensor, backend: str | None = None)
     """Whether a dense call on q, k runs flash-attn; `backend` (default: $HF_SPARSE_CP_DENSE_BACKEND
     or 'auto'): 'auto' uses it where installed and able, 'kernels' never, 'flash_attn' always (an
     error where it cannot)."""
-    backend = backend or os.environ.get(DENSE_BACKEND_ENV) or "auto"
-    if backend not in DENSE_BACKENDS:
-        raise ValueError(
-            f"Dense attention backend {backend!r} is unknown (from the argument or ${DENSE_BACKEND_ENV}); use one of "
-            f"{DENSE_BACKENDS}."
-        )
+    backend = choose_backend("Dense attention", DENSE_BACKEND_ENV, DENSE_BACKENDS, backend)
     if backend == "kernels":
         return False
     if backend == "auto":

@@ -3,6 +3,9 @@
 A pair is visible when the key is not after the query in the global sequence (causal), both
 tokens belong to the same document, and the token is not padding. Sequence parallel shards
 carry their tokens' global indices, so the same rule holds on every rank.
+
+`token_meta_from_kwargs` derives the metadata of a batch from what transformers passes to an
+attention function (packing by `cu_seq_lens_k` or restarting `position_ids`, the 2D padding mask).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class TokenMeta:
             return self
         big = torch.iinfo(torch.int64).max // 2
         b = self.index.shape[0]
-        index = torch.cat([self.index, torch.full((b, extra), big, dtype=self.index.dtype, device=self.index.device)], 1)
+        index = torch.cat(
+            [self.index, torch.full((b, extra), big, dtype=self.index.dtype, device=self.index.device)], 1
+        )
         seg = torch.cat(
             [self.segment, torch.full((b, extra), PAD_SEGMENT, dtype=self.segment.dtype, device=self.segment.device)],
             1,
@@ -111,3 +116,30 @@ def document_starts(meta: TokenMeta) -> torch.Tensor:
     """
     start = torch.where(run_starts(meta.segment), meta.index, torch.zeros_like(meta.index))
     return torch.cummax(start, dim=1).values
+
+
+def token_meta_from_kwargs(
+    batch: int, seq_len: int, device: torch.device, attention_mask: torch.Tensor | None, kwargs: dict
+) -> TokenMeta:
+    """Documents and padding of a [batch, seq_len] batch from what transformers passes to attention.
+
+    Args:
+        batch, seq_len: the batch's shape; device: where the metadata is built.
+        attention_mask: the 2D padding mask [B, >= seq_len] (its last seq_len columns are used) or None.
+        kwargs: the attention call's keyword arguments; `cu_seq_lens_k` (flattened packing, one row)
+            or `position_ids` restarting per document mark the documents.
+
+    Returns:
+        `TokenMeta` [batch, seq_len] with local indices (0..seq_len-1) and padding marked.
+    """
+    cu = kwargs.get("cu_seq_lens_k")
+    position_ids = kwargs.get("position_ids")
+    if cu is not None:
+        segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
+    elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
+        segment = segments_from_position_ids(position_ids.to(device).expand(batch, seq_len))
+    else:
+        segment = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    if attention_mask is not None:
+        segment = apply_padding_mask(segment, attention_mask[:, -seq_len:].to(device))
+    return TokenMeta.from_segments(segment)

@@ -1,4 +1,4 @@
-"""Vertical-slash pattern estimation (MTraining) and layout construction.
+"""Vertical-slash pattern estimation (MTraining): which key columns and diagonals each head keeps.
 
 At every attention call, the last `last_q` queries of each long document score every earlier
 key of their document: a key column's *vertical* score is the attention mass it receives, a
@@ -18,11 +18,9 @@ split into pieces that serve a sequence split over ranks (`hf_sparse_cp.distribu
 `accumulate_vertical_slash` adds the mass those keys receive, and `layout_from_scores` turns
 reduced scores into the layout. Scores are fp32 (fp64 for fp64 inputs).
 
-Layout construction is vectorized on the layout's device: per query block, the listed key blocks
-come from counts of kept block diagonals (no sort, no [NQB, NKB] matrix) and the columns from an
-order-keeping compaction of the kept key columns. Host synchronizations per call: one to read the
-documents of the batch (none when the caller passes no token metadata: one document per row) and
-one to size the layout's padded widths.
+The kept sets become a `SparseLayout` in `build.py`. Host synchronizations per call: one to read
+the documents of the batch (none when the caller passes no token metadata: one document per row)
+and one to size the layout's padded widths.
 """
 
 from __future__ import annotations
@@ -31,16 +29,14 @@ import math
 
 import torch
 
-from .config import SparseAttentionConfig
+from ..config import SparseAttentionConfig
+from .build import build_layout, dense_layout, offsets_to_block_diagonals
 from .layout import SparseLayout
-from .tokens import PAD_SEGMENT, TokenMeta, document_starts, run_starts
+from .precision import compute_dtype
+from .tokens import PAD_SEGMENT, TokenMeta, run_starts
 
 # Elements of one [heads, rows, keys] score tile of the PyTorch scoring path.
 _SCORE_ELEMENTS = 1 << 24
-# Elements of one [heads, query blocks, candidates] tile of layout construction (bounds its temporaries).
-_LAYOUT_ELEMENTS = 1 << 24
-# "No such block / token" in the integer arithmetic of layout construction.
-_BIG = torch.iinfo(torch.int64).max // 4
 
 
 # ------------------------------------------------------------------------------------------ documents
@@ -71,11 +67,6 @@ def long_documents(meta: TokenMeta, cfg: SparseAttentionConfig) -> list[list[tup
 
 
 # -------------------------------------------------------------------------------------------- scoring
-
-
-def score_dtype(x: torch.Tensor) -> torch.dtype:
-    """Estimation arithmetic: fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def last_query_rows(start: int, end: int, last_q: int, device=None) -> torch.Tensor:
@@ -158,7 +149,7 @@ def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
     """The Triton scoring launcher when it takes these tensors (CUDA), else None (PyTorch path)."""
     if not q.is_cuda:
         return None
-    from .kernels import vertical_slash
+    from ..kernels import vertical_slash
 
     return vertical_slash.vertical_slash_scores if vertical_slash.supports(q, k) else None
 
@@ -174,7 +165,7 @@ def score_vertical_slash(
     on offset o = q - k, summed over the documents.
     """
     hq, s, _ = q.shape
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q.dtype)
     vertical = torch.zeros(hq, s, dtype=dtype, device=q.device)
     slash = torch.zeros(hq, s, dtype=dtype, device=q.device)
     kernel = _scoring_kernel(q, k)
@@ -247,204 +238,6 @@ def select_vertical_slash(
     return keep_v, keep_s
 
 
-def offsets_to_block_diagonals(keep_offsets: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block diagonals d = qb - kb crossed by the kept token diagonals ([..., S] -> [..., ceil(S/bs)]).
-
-    Tokens q, k with q - k = o lie in blocks whose block distance is floor(o/bs) or ceil(o/bs):
-    block diagonal d is crossed by an offset in [d*bs, (d+1)*bs) (floor) or in ((d-1)*bs, d*bs] (ceil).
-    """
-    s = keep_offsets.shape[-1]
-    nb = -(-s // block_size)
-    pad = nb * block_size - s
-    keep = keep_offsets.bool()
-    floor_hit = torch.nn.functional.pad(keep, (0, pad)).unflatten(-1, (nb, block_size)).any(-1)
-    after = torch.nn.functional.pad(keep[..., 1:], (0, pad + 1))  # after[o] = keep[o + 1]
-    ceil_hit = after.unflatten(-1, (nb, block_size)).any(-1)[..., :-1]  # block d - 1 of `after` serves d
-    return floor_hit | torch.nn.functional.pad(ceil_hit, (1, 0))
-
-
-# ---------------------------------------------------------------------------------------------- layout
-
-
-def _compact(values: torch.Tensor, keep: torch.Tensor, width: int) -> torch.Tensor:
-    """The kept values of each row in their order, in `width` int32 slots padded with -1.
-
-    values broadcasts to keep's shape [..., N]; every row keeps at most `width` entries.
-    """
-    slot = torch.where(keep, keep.cumsum(-1, dtype=torch.int32) - 1, width).long()
-    out = torch.full((*keep.shape[:-1], width + 1), -1, dtype=torch.int32, device=keep.device)
-    out.scatter_(-1, slot, values.to(torch.int32).expand(keep.shape))  # dropped entries all land in the spare slot
-    return out[..., :width]
-
-
-def _head_chunks(heads: int, per_head: int):
-    """Head ranges whose [heads, per_head] temporaries stay within _LAYOUT_ELEMENTS."""
-    step = max(1, min(heads, _LAYOUT_ELEMENTS // max(1, per_head)))
-    for h0 in range(0, heads, step):
-        yield h0, min(heads, h0 + step)
-
-
-def _one_or_range(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    """Heads h0:h1 of a [H, ...] tensor, or its single shared head."""
-    return x if x.shape[0] == 1 else x[h0:h1]
-
-
-def _first_visible_keys(meta: TokenMeta, block_size: int, sliding_window: int | None):
-    """Per query block of [B, S] tokens: (valid queries bool [B, NQB, bs], their document starts
-    [B, NQB, bs], the first key token any of them sees [B, NQB], the first key block that holds a
-    visible key [B, NQB]; qb + 1 for a block of padding only)."""
-    bs = block_size
-    b, s = meta.segment.shape
-    nqb = -(-s // bs)
-    s_pad = nqb * bs
-    qb = torch.arange(nqb, device=meta.segment.device)
-    valid_q = (meta.pad_to(s_pad).segment != PAD_SEGMENT).view(b, nqb, bs)
-    start = torch.nn.functional.pad(document_starts(meta), (0, s_pad - s), value=_BIG).view(b, nqb, bs)
-    lo_tok = torch.where(valid_q, start, _BIG).amin(-1)
-    lo = torch.where(lo_tok < _BIG, lo_tok // bs, qb + 1)
-    if sliding_window is not None:
-        win_lo = torch.div(qb * bs - sliding_window - bs + 1, bs, rounding_mode="floor") + 1
-        lo = torch.maximum(lo, win_lo.clamp_min(0))
-    return valid_q, start, lo_tok, lo
-
-
-def build_layout(
-    meta: TokenMeta,
-    block_size: int,
-    *,
-    diagonals: torch.Tensor | None = None,
-    verticals: torch.Tensor | None = None,
-    dense_tokens: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-) -> SparseLayout:
-    """Layout of one full (unsharded) sequence per row.
-
-    meta: tokens in global order. diagonals: bool [B, H, NB], block diagonals kept per head.
-    verticals: bool [B, H, S], key columns kept per head. dense_tokens: bool [B, S], queries whose
-    whole causal document prefix is kept. Blocks that hold no visible pair (other documents,
-    outside the sliding window, padding-only) are never listed.
-    """
-    return _build_layout(meta, block_size, diagonals, verticals, dense_tokens, sliding_window, max_verticals=None)
-
-
-def _build_layout(meta, block_size, diagonals, verticals, dense_tokens, sliding_window, max_verticals):
-    """`build_layout`; `max_verticals`, a bound on the kept columns of any (row, head) known to the
-    caller, spares the host synchronization that would measure it."""
-    bs = block_size
-    b, s = meta.segment.shape
-    dev = meta.segment.device
-    nqb = -(-s // bs)
-    s_pad = nqb * bs
-    qb = torch.arange(nqb, device=dev)
-
-    # per query block: the first visible key token, the first listable key block, the first dense one
-    valid_q, start, lo_tok, lo = _first_visible_keys(meta, bs, sliding_window)
-    if dense_tokens is None:
-        dense_lo = torch.full_like(lo, _BIG)
-    else:
-        dt = torch.nn.functional.pad(dense_tokens, (0, s_pad - s)).view(b, nqb, bs) & valid_q
-        dense_lo = torch.where(dt, start // bs, _BIG).amin(-1)
-    dense_lo = torch.maximum(dense_lo, lo)
-
-    # Listed key blocks of (head, query block): {qb - d : d kept, lo <= qb - d < dense_lo} (ascending,
-    # i.e. kept diagonals d in (qb - dense_lo, qb - lo] taken in descending order), then the dense
-    # range [dense_lo, qb]. The diagonals are a slice of the head's sorted kept list, found by counting.
-    n_dense = (qb - dense_lo + 1).clamp_min(0).unsqueeze(1)  # [B, 1, NQB]
-    if diagonals is None:
-        heads_b, d_list, i_hi, n_diag = 1, None, None, torch.zeros_like(n_dense)
-    else:
-        heads_b = diagonals.shape[1]
-        kept_upto = torch.nn.functional.pad(diagonals.cumsum(-1), (1, 0))  # [B, H, NB + 1]: #kept d < x
-        d_list = _compact(torch.arange(nqb, device=dev), diagonals, nqb).long()
-
-        def kept_at_most(x):  # [B, heads_b, NQB]: kept diagonals d <= x, per query block
-            return kept_upto.gather(-1, (x + 1).unsqueeze(1).expand(b, heads_b, nqb))
-
-        i_hi = kept_at_most(qb - lo)
-        n_diag = (i_hi - kept_at_most((qb - dense_lo).clamp(-1, nqb - 1))).clamp_min(0)
-    block_cnt = (n_diag + n_dense).to(torch.int32)  # [B, heads_b, NQB]
-
-    # Columns of (head, query block): kept columns up to the end of the query block, visible from it, outside
-    # its listed blocks. The mask is built in head chunks and compacted once its width is known.
-    col_masks, col_widths, heads, v_list = [], [], heads_b, None
-    any_vertical = torch.zeros((), dtype=torch.bool, device=dev)
-    if verticals is not None:
-        verticals = verticals & (meta.segment != PAD_SEGMENT).unsqueeze(1)  # nobody sees a padding key
-        any_vertical = verticals.any()
-        nv = int(verticals.sum(-1).max()) if max_verticals is None else max_verticals
-        v_list = _compact(torch.arange(s, device=dev), verticals, min(nv, s))
-        heads = max(heads_b, verticals.shape[1])
-        for row in range(b):
-            for h0, h1 in _head_chunks(heads, nqb * v_list.shape[-1]):
-                mask = _column_mask(v_list[row], diagonals, row, h0, h1, qb, lo[row], lo_tok[row], dense_lo[row],
-                                    bs, sliding_window)
-                col_masks.append(mask)
-                col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
-    sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
-                         *(w.to(torch.int32) for w in col_widths), any_vertical.to(torch.int32)]).tolist()
-    block_width, col_width, has_columns = sizes[0], max(sizes[1:-1], default=0), bool(sizes[-1])
-
-    slot = torch.arange(block_width, device=dev)
-    block_idx = torch.empty(b, heads_b, nqb, block_width, dtype=torch.int32, device=dev)
-    for row in range(b):
-        for h0, h1 in _head_chunks(heads_b, nqb * block_width):
-            dense_kb = dense_lo[row].view(1, nqb, 1) + slot - n_diag[row, h0:h1].unsqueeze(-1)
-            kb = torch.where(slot < block_cnt[row, h0:h1].unsqueeze(-1), dense_kb, -1)
-            if d_list is not None:
-                rank = (i_hi[row, h0:h1].unsqueeze(-1) - 1 - slot).clamp(0, nqb - 1)
-                d = d_list[row, h0:h1].unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank)
-                kb = torch.where(slot < n_diag[row, h0:h1].unsqueeze(-1), qb.view(1, nqb, 1) - d, kb)
-            block_idx[row, h0:h1] = kb
-    if not has_columns:
-        empty = torch.empty(b, heads_b, nqb, 0, dtype=torch.int32, device=dev)
-        return SparseLayout(block_idx, block_cnt, empty, torch.zeros_like(block_cnt), bs)
-
-    col_idx = torch.empty(b, heads, nqb, col_width, dtype=torch.int32, device=dev)
-    col_cnt = torch.empty(b, heads, nqb, dtype=torch.int32, device=dev)
-    masks = iter(col_masks)
-    for row in range(b):
-        for h0, h1 in _head_chunks(heads, nqb * v_list.shape[-1]):
-            mask = next(masks)
-            col_idx[row, h0:h1] = _compact(_one_or_range(v_list[row], h0, h1).unsqueeze(1), mask, col_width)
-            col_cnt[row, h0:h1] = mask.sum(-1, dtype=torch.int32)
-    if heads_b != heads:
-        block_idx = block_idx.expand(b, heads, nqb, -1).contiguous()
-        block_cnt = block_cnt.expand(b, heads, nqb).contiguous()
-    return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
-
-
-def _column_mask(v_row, diagonals, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sliding_window) -> torch.Tensor:
-    """bool [h1 - h0, NQB, NV]: which kept columns (v_row [Hv, NV], ascending, -1 padded) each query
-    block of heads h0:h1 lists as token columns."""
-    nqb, n = qb.shape[0], h1 - h0
-    v = _one_or_range(v_row, h0, h1).long().unsqueeze(1)  # [n or 1, 1, NV]
-    qbx = qb.view(1, nqb, 1)
-    cb = v // bs
-    covered = (cb >= lo.view(1, nqb, 1)) & (cb >= dense_lo.view(1, nqb, 1))  # inside the dense range
-    if diagonals is not None:
-        diag = _one_or_range(diagonals[row], h0, h1).unsqueeze(1).expand(n, nqb, -1)
-        diag_hit = diag.gather(-1, (qbx - cb).clamp(0, nqb - 1).expand(n, nqb, -1))
-        covered = covered | ((cb >= lo.view(1, nqb, 1)) & diag_hit)
-    ok = (v >= 0) & (v < (qbx + 1) * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
-    if sliding_window is not None:
-        ok &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
-    return ok.expand(n, nqb, -1)
-
-
-def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> SparseLayout:
-    """Every block that holds a visible pair, shared by all heads (exact dense attention)."""
-    return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
-
-
-def dense_kept_fraction(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
-    """`dense_layout(meta, block_size, sliding_window).kept_fraction()` without building the layout
-    (for dense layers that run another kernel); a 0-d float64 tensor, no host synchronization."""
-    _, _, _, lo = _first_visible_keys(meta, block_size, sliding_window)
-    nqb = lo.shape[-1]
-    listed = (torch.arange(nqb, device=lo.device) - lo + 1).clamp_min(0)
-    return listed.double().sum(-1).mean() / (nqb * (nqb + 1) / 2)
-
-
 def layout_from_scores(
     meta: TokenMeta,
     cfg: SparseAttentionConfig,
@@ -466,8 +259,8 @@ def layout_from_scores(
         for st, en in row_docs:
             dense_tokens[row, st:en] = False
     bound = max(_selection_bound(cfg, len(row_docs)) for row_docs in docs)
-    return _build_layout(meta, cfg.block_size, offsets_to_block_diagonals(keep_s, cfg.block_size), keep_v,
-                         dense_tokens, None, max_verticals=bound)
+    return build_layout(meta, cfg.block_size, diagonals=offsets_to_block_diagonals(keep_s, cfg.block_size),
+                        verticals=keep_v, dense_tokens=dense_tokens, max_verticals=bound)
 
 
 def pattern_documents(

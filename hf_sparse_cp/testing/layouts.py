@@ -1,12 +1,13 @@
-"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks."""
+"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks (the one home of
+random layout generators)."""
 
 from __future__ import annotations
 
 import torch
 
-from .layout import SparseLayout, compact_sorted
-from .pattern import build_layout
-from .tokens import TokenMeta
+from ..attention.build import build_layout
+from ..attention.layout import SparseLayout, compact_sorted
+from ..attention.tokens import TokenMeta
 
 
 def random_layout(
@@ -48,22 +49,37 @@ def random_vertical_slash_layout(
     heads: int,
     seq_len: int,
     block_size: int,
+    *,
     num_diagonals: int,
     num_verticals: int,
+    local_diagonals: int = 1,
+    sink_tokens: int = 0,
+    diagonal_spread: float = 1.0,
     meta: TokenMeta | None = None,
-    *,
+    padded_len: int | None = None,
     generator: torch.Generator | None = None,
 ) -> SparseLayout:
-    """A vertical-slash layout with random diagonals (the main one always) and random columns per head."""
-    nb = -(-seq_len // block_size)
+    """A vertical-slash layout per (row, head) with MTraining's forced parts and a random rest.
+
+    Always kept: the first `local_diagonals` block diagonals and the first `sink_tokens` key
+    columns. Drawn on top: `num_diagonals` block diagonals among the nearest `diagonal_spread`
+    fraction of them, and `num_verticals` key columns among the `seq_len` real tokens.
+
+    meta: the tokens' documents (default: one document per row, padded to `padded_len` tokens,
+    which default to `seq_len`); the layout covers `meta`'s length.
+    """
+    meta = TokenMeta.contiguous(batch, seq_len).pad_to(padded_len or seq_len) if meta is None else meta
+    total = meta.index.shape[-1]
+    nb = -(-total // block_size)
+    reach = max(1, min(nb, round(diagonal_spread * nb)))
     diagonals = torch.zeros(batch, heads, nb, dtype=torch.bool)
-    for d in torch.rand(batch, heads, nb, generator=generator).argsort(-1)[..., : max(0, num_diagonals - 1)].unbind(-1):
-        diagonals.scatter_(-1, d.unsqueeze(-1), True)
-    diagonals[..., 0] = True
-    verticals = torch.zeros(batch, heads, seq_len, dtype=torch.bool)
+    diagonals[..., :local_diagonals] = True
+    picks = torch.rand(batch, heads, reach, generator=generator).argsort(-1)[..., :num_diagonals]
+    diagonals.scatter_(-1, picks, True)
+    verticals = torch.zeros(batch, heads, total, dtype=torch.bool)
+    verticals[..., :sink_tokens] = True
     picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
     verticals.scatter_(-1, picks, True)
-    meta = TokenMeta.contiguous(batch, seq_len) if meta is None else meta
     return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
 
 

@@ -3,52 +3,53 @@
 transformers passes q, k, v as [B, H, S, D] with key/value heads not expanded, plus keyword
 arguments that describe packing (`position_ids`, `cu_seq_lens_k`) and the layer (`sliding_window`,
 `softcap`, ...). This module turns those into `TokenMeta`, estimates the layout for the layer and
-runs exact attention restricted to it. It never sees or builds a [S, S] mask.
+runs exact attention restricted to it (`hf_sparse_cp.attention`). It never sees or builds a [S, S]
+mask.
 
 Calls that run dense (dense or sliding-window layers, batches without a long document) go to
-flash-attn where it is installed (`hf_sparse_cp.flash_dense`).
+flash-attn where it is installed (`hf_sparse_cp.attention.flash_dense`).
 
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
 `hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
-and the layer runs the balanced sparse ring over the CP group instead.
+and the layer runs the balanced sparse ring over the CP group instead
+(`hf_sparse_cp.distributed.context_parallel_attention`).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 
 import torch
 
-from .config import SparseAttentionConfig
-from .distributed.context import CP_SHARD_KWARG, context_parallel_attention
-from .flash_dense import flash_dense_attention, use_flash_attn
-from .layout import SparseLayout
-from .ops import block_sparse_attention
-from .pattern import dense_kept_fraction, estimate_layout, pattern_documents
+from ..attention.build import dense_kept_fraction
+from ..attention.estimate import estimate_layout, pattern_documents
+from ..attention.flash_dense import flash_dense_attention, use_flash_attn
+from ..attention.layout import SparseLayout
+from ..attention.ops import block_sparse_attention
+from ..attention.tokens import TokenMeta, token_meta_from_kwargs
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..distributed.context import CP_SHARD_KWARG
+from ..distributed.ring_attention import context_parallel_attention
 from .stats import record_kept_fraction
-from .tokens import (
-    TokenMeta,
-    apply_padding_mask,
-    segments_from_cu_seqlens,
-    segments_from_position_ids,
-)
 
-CONFIG_ATTRIBUTE = "sparse_attention"
-
-
-@functools.lru_cache(maxsize=32)
-def _config_from_json(text: str) -> SparseAttentionConfig:
-    return SparseAttentionConfig.from_dict(json.loads(text))
+_LAYER_CONFIG = "_hf_sparse_cp_layer_config"
 
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
     """The sparse config stored on the module's model config (see `hf_sparse_cp.configure`), or the default."""
-    raw = getattr(getattr(module, "config", None), CONFIG_ATTRIBUTE, None)
-    if raw is None:
-        return _config_from_json("{}")
-    return _config_from_json(json.dumps(raw, sort_keys=True))
+    raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
+    return SparseAttentionConfig() if raw is None else SparseAttentionConfig.from_dict(raw)
+
+
+def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
+    """The config of this attention layer (`for_layer` of its model's config), parsed once and kept on
+    the module for as long as the model config holds the same settings object."""
+    raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
+    cached = module.__dict__.get(_LAYER_CONFIG)
+    if cached is None or cached[0] is not raw:
+        cached = (raw, model_config_for(module).for_layer(getattr(module, "layer_idx", None)))
+        module.__dict__[_LAYER_CONFIG] = cached
+    return cached[1]
 
 
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
@@ -81,30 +82,12 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
         )
 
 
-def token_meta_from_kwargs(
-    batch: int, seq_len: int, device: torch.device, attention_mask: torch.Tensor | None, kwargs: dict
-) -> TokenMeta:
-    """Documents and padding of the batch from what transformers passes to attention."""
-    cu = kwargs.get("cu_seq_lens_k")
-    position_ids = kwargs.get("position_ids")
-    if cu is not None:
-        segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
-    elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
-        segment = segments_from_position_ids(position_ids.to(device).expand(batch, seq_len))
-    else:
-        segment = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
-    if attention_mask is not None:
-        segment = apply_padding_mask(segment, attention_mask[:, -seq_len:].to(device))
-    return TokenMeta.from_segments(segment)
-
-
 def _all_key_blocks(batch: int, q_len: int, k_len: int, block_size: int, device) -> SparseLayout:
     """Every query block lists every key block (visibility comes from the token metadata)."""
     nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)
     blk = torch.arange(nkb, dtype=torch.int32, device=device).expand(batch, 1, nqb, nkb)
     cnt = torch.full((batch, 1, nqb), nkb, dtype=torch.int32, device=device)
-    empty = torch.empty(batch, 1, nqb, 0, dtype=torch.int32, device=device)
-    return SparseLayout(blk, cnt, empty, torch.zeros_like(cnt), block_size)
+    return SparseLayout.from_blocks(blk, cnt, block_size)
 
 
 def sparse_cp_attention_forward(
@@ -119,9 +102,21 @@ def sparse_cp_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention backend registered as `sparse_cp`: returns ([B, S, H, D], None)."""
+    """Attention backend registered as `sparse_cp` (transformers' attention-function interface).
+
+    Args:
+        module: the attention layer (its `config` holds the sparse settings, `layer_idx` its index).
+        query: [B, Hq, S, D]; key, value: [B, Hkv, Sk, D] (after RoPE; this rank's shard under CP).
+        attention_mask: the 2D padding mask from the registered mask function, or None.
+        dropout, softcap: must be 0 / None (refused otherwise). scaling: softmax scale.
+        sliding_window: the layer's window, or None. kwargs: `position_ids`, `cu_seq_lens_k` (packing),
+            `cp_shard` (context parallelism).
+
+    Returns:
+        (attention output [B, S, Hq, D], None).
+    """
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
-    cfg = model_config_for(module).for_layer(getattr(module, "layer_idx", None))
+    cfg = layer_config(module)
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
@@ -146,7 +141,6 @@ def sparse_cp_attention_forward(
         k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
         q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
         layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
-    out, _ = block_sparse_attention(
-        query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window
-    )
+    out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                    sliding_window=sliding_window, check_layout=False)
     return out.transpose(1, 2).contiguous(), None

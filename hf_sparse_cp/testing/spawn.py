@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .parallel import quiesce_process_groups
+from ..distributed.mesh import quiesce_process_groups
 
 
 def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: float, args: tuple) -> None:

@@ -1,4 +1,5 @@
-"""The parallel layout: context-parallel (CP) and data-parallel (DP) sizes, groups and node grouping.
+"""The parallel dimensions (`ParallelDims`): context-parallel (CP) and data-parallel (DP) sizes,
+groups and node grouping.
 
 Ranks are arranged like accelerate's device mesh (dp_replicate, dp_shard, cp): CP is the innermost
 dimension, so a CP group is `cp_size` consecutive ranks and the ranks of one node are contiguous.
@@ -6,8 +7,8 @@ Every CP rank receives the same batch and keeps its shard of the sequence; FSDP2
 over dp_shard x cp, and the loss is reduced over every rank (see `hf_sparse_cp.distributed.loss`).
 
 On GPUs the sizes and the CP group come from accelerate's `ParallelismConfig(cp_size=...)`
-(`ParallelLayout.from_accelerator`). On CPU (gloo), where accelerate refuses a parallelism
-config, the plugin's own `--cp_size` builds the same layout (`ParallelLayout.from_config`), so one
+(`ParallelDims.from_accelerator`). On CPU (gloo), where accelerate refuses a parallelism
+config, the plugin's own `--cp_size` builds the same dimensions (`ParallelDims.from_config`), so one
 script runs on a laptop and on a cluster.
 
 The hierarchical ring splits a CP group into `num_nodes` x `node_size` ranks: an inner ring within
@@ -112,7 +113,7 @@ def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, st
     return cp_size // per_node, per_node
 
 
-class ParallelLayout:
+class ParallelDims:
     """Sizes, process groups and ring topology of context x data parallelism for this rank.
 
     Attributes: world_size, rank, cp_size, dp_size, cp_rank (position in the CP group), dp_rank,
@@ -149,7 +150,7 @@ class ParallelLayout:
     def __repr__(self) -> str:
         t = self.topology
         return (
-            f"ParallelLayout(world={self.world_size}, cp={self.cp_size} x dp={self.dp_size}, rank={self.rank} "
+            f"ParallelDims(world={self.world_size}, cp={self.cp_size} x dp={self.dp_size}, rank={self.rank} "
             f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), ring={t.num_nodes} node(s) x {t.node_size}, "
             f"sharding={self.sharding})"
         )
@@ -163,13 +164,13 @@ class ParallelLayout:
         return self.cp_ranks[position]
 
     @classmethod
-    def single(cls, sharding: str = "striped") -> ParallelLayout:
+    def single(cls, sharding: str = "striped") -> ParallelDims:
         """One process, no communication (CP size 1)."""
         return cls(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
                    inner_group=None, outer_group=None, sharding=sharding)
 
     @classmethod
-    def from_config(cls, config: ContextParallelConfig, *, env: Mapping[str, str] = os.environ) -> ParallelLayout:
+    def from_config(cls, config: ContextParallelConfig, *, env: Mapping[str, str] = os.environ) -> ParallelDims:
         """Build from the plugin's own flags over the default process group (gloo on CPU, or any backend).
 
         Call on every rank after `torch.distributed.init_process_group`: it creates the CP groups
@@ -190,7 +191,7 @@ class ParallelLayout:
 
     @classmethod
     def from_accelerator(cls, accelerator, config: ContextParallelConfig | None = None, *,
-                         env: Mapping[str, str] = os.environ) -> ParallelLayout:
+                         env: Mapping[str, str] = os.environ) -> ParallelDims:
         """Build from an `accelerate.Accelerator`: its `ParallelismConfig` (cp_size, device mesh, CP
         group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs)."""
         config = ContextParallelConfig() if config is None else config
@@ -216,7 +217,7 @@ class ParallelLayout:
 
     @classmethod
     def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config: ContextParallelConfig,
-               env: Mapping[str, str], cp_group) -> ParallelLayout:
+               env: Mapping[str, str], cp_group) -> ParallelDims:
         w = len(cp_groups[0])
         num_nodes, node_size = ring_shape(w, config, env)
         if num_nodes > 1 and any(g != list(range(g[0], g[0] + w)) for g in cp_groups):
@@ -261,11 +262,10 @@ def quiesce_process_groups(settle_s: float = 0.1) -> None:
     down (`destroy_process_group`, garbage collection, interpreter exit). No-op without one.
 
     A gloo worker thread that releases a finished collective's tensors takes the GIL while holding
-    its group's lock. A group destroyed at that moment by a thread holding the GIL deadlocks with it
-    (both seen in gdb: `~ProcessGroupGloo` waiting for the lock, the worker in `take_gil`), and at
-    interpreter exit the worker is killed instead ("terminate called without an active exception").
-    A barrier completes every rank's earlier collectives; sleeping `settle_s` without the GIL lets
-    the workers finish releasing them.
+    its group's lock, so a group destroyed at that moment by a thread holding the GIL deadlocks with
+    it, and at interpreter exit the worker is killed instead (the evidence is in
+    benchmarks/results/README.md). A barrier completes every rank's earlier collectives; sleeping
+    `settle_s` without the GIL lets the workers finish releasing them.
     """
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

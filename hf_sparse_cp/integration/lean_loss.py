@@ -1,4 +1,4 @@
-"""Causal-LM `forward` that trains without materializing [B, S, vocab] logits, patched in reversibly.
+"""Causal-LM `forward` that trains without materializing [B, S, vocab] logits: `enable_lean_loss()`.
 
 The stock forward of the supported `*ForCausalLM` classes computes `lm_head` over every position
 and then an fp32 cross-entropy: at 64K tokens and a 151936-token vocabulary that alone is tens of
@@ -9,6 +9,10 @@ training mode, labels or `shift_labels` given, the default `ForCausalLM` loss, a
 `lm_head` with a local weight, no logit soft-capping. Every other call goes to the original forward,
 unchanged. One difference: stock computes a loss only when `labels` is given, the lean path also from
 `shift_labels` alone (as liger-kernel does), which is how context parallelism passes them.
+
+The replacement is a named opt-in, separate from registering the attention backend:
+`enable_lean_loss()` patches the classes' `forward` (recorded), `disable_lean_loss()` restores
+each one that is still ours (a forward another library installed after us stays).
 """
 
 from __future__ import annotations
@@ -18,12 +22,11 @@ import functools
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.loss.loss_utils import LOSS_MAPPING
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils.generic import can_return_tuple
 
-from ..patching import PatchSet
-from .dispatch import linear_cross_entropy
+from ..loss import linear_cross_entropy
+from . import compat
+from .patching import PatchSet
 
 # Classes whose forward is `model -> lm_head(hidden[:, logits_to_keep]) -> ForCausalLMLoss`.
 SUPPORTED_CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -42,7 +45,7 @@ def _takes_lean_path(model, labels, kwargs) -> bool:
     return (
         model.training
         and (labels is not None or kwargs.get("shift_labels") is not None)
-        and model.loss_function is LOSS_MAPPING["ForCausalLM"]
+        and model.loss_function is compat.stock_causal_lm_loss()
         and getattr(model.config, "final_logit_softcapping", None) is None
         # A PEFT-wrapped head (LoRA, modules_to_save) is not an nn.Linear: its weight alone is not the head.
         and isinstance(lm_head, torch.nn.Linear)
@@ -51,7 +54,7 @@ def _takes_lean_path(model, labels, kwargs) -> bool:
     )
 
 
-@can_return_tuple
+@compat.can_return_tuple
 def _forward_with_lean_loss(
     model,
     *,
@@ -138,8 +141,29 @@ def lean_causal_lm_forward(original):
     return forward
 
 
-def patch_causal_lm_loss(patches: PatchSet) -> None:
-    """Replace `forward` of the supported causal-LM classes by `lean_causal_lm_forward`, recorded in `patches`."""
+_active: PatchSet | None = None
+
+
+def enable_lean_loss() -> None:
+    """Replace `forward` of the supported causal-LM classes (`SUPPORTED_CAUSAL_LM_CLASSES`) by the
+    memory-lean one. Idempotent; `disable_lean_loss()` undoes it."""
+    global _active
+    if _active is not None:
+        return
+    patches = PatchSet()
     for name in SUPPORTED_CAUSAL_LM_CLASSES:
         cls = getattr(transformers, name)
         patches.set_attr(cls, "forward", lean_causal_lm_forward(cls.__dict__["forward"]))
+    _active = patches
+
+
+def disable_lean_loss() -> None:
+    """Restore the forwards `enable_lean_loss()` replaced (those still ours); a no-op when not enabled."""
+    global _active
+    if _active is not None:
+        _active.undo()
+        _active = None
+
+
+def is_lean_loss_enabled() -> bool:
+    return _active is not None

@@ -1,12 +1,9 @@
-"""What every benchmark shares: the machine and versions its report records, timing, how it
-prints its targets and where it writes its JSON."""
+"""What every benchmark shares: timing, kernel profiles, how it prints its targets and where it
+writes its JSON (the machine and versions it records come from `hf_sparse_cp.env.environment`)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -14,47 +11,6 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-
-
-def _version(module: str) -> str | None:
-    try:
-        return importlib.import_module(module).__version__
-    except ImportError:
-        return None
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU model with its core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("model name")]
-        name = models[0] if models else name
-    return f"CPU {name} ({os.cpu_count()} cores)"
-
-
-def environment(device: torch.device) -> dict:
-    """Device, library versions and allocator settings, for the JSON a benchmark writes."""
-    import hf_sparse_cp
-
-    return {
-        "device": device_name(device),
-        "device_type": device.type,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "accelerate": _version("accelerate"),
-        "liger_kernel": _version("liger_kernel"),
-        "flash_attn": _version("flash_attn"),
-        "hf_sparse_cp": hf_sparse_cp.__version__,
-        "python": platform.python_version(),
-        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-    }
 
 
 def format_targets(targets: list[dict]) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import SparseLayout
-from .shapes import check_attention_inputs
+from .layout import SparseLayout, check_attention_inputs, valid_slots
+from .precision import compute_dtype
 from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of the [B, H, chunk, block, keys] score tensor processed at once.
@@ -28,7 +28,7 @@ class _Problem:
         hk, sk = k.shape[1], k.shape[2]
         self.b, self.hq, self.hk, self.sq, self.sk, self.d = b, hq, hk, sq, sk, d
         self.group = hq // hk
-        self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.dtype = compute_dtype(q.dtype)
         bs = self.bs = layout.block_size
         self.nqb = layout.num_q_blocks
         self.sq_pad, self.sk_pad = self.nqb * bs, -(-sk // bs) * bs
@@ -62,10 +62,10 @@ class _Problem:
         col = lay.col_idx[:, :, c0:c1].long()[:, self.lh]
         ccnt = lay.col_cnt[:, :, c0:c1].long()[:, self.lh]
         dev = blk.device
-        blk_ok = torch.arange(blk.shape[-1], device=dev) < bcnt.unsqueeze(-1)
+        blk_ok = valid_slots(blk, bcnt)
         tok = (blk.clamp_min(0).unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(-2)
         tok_ok = blk_ok.repeat_interleave(bs, dim=-1)
-        col_ok = torch.arange(col.shape[-1], device=dev) < ccnt.unsqueeze(-1)
+        col_ok = valid_slots(col, ccnt)
         idx = torch.cat([tok, col.clamp_min(0)], -1)
         ok = torch.cat([tok_ok, col_ok], -1)
 

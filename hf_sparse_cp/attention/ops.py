@@ -1,0 +1,197 @@
+"""Block-sparse attention over a `SparseLayout`: the dispatching primitives, autograd, the public op.
+
+Layers, bottom up:
+* `attention_forward` / `attention_backward`: one forward / backward over the keys a layout lists,
+  by the Triton kernels (`hf_sparse_cp.kernels.ops`, CUDA) or the PyTorch reference
+  (`reference.py`, everything else). Here the `SparseLayout` / `TokenMeta` objects are unpacked
+  into the raw tensors the kernels take, after the input contract is checked. Ring attention calls
+  these once per ring step.
+* `_BlockSparseAttention`: the autograd Function; it saves tensors and calls the primitives.
+* `block_sparse_attention`: the documented public op.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from .layout import SparseLayout, check_attention_inputs, check_tensors
+from .merge import merge_attention
+from .reference import reference_backward, reference_forward
+from .tokens import TokenMeta
+
+IMPLEMENTATIONS = ("auto", "triton", "reference")
+
+
+def _use_triton(q: torch.Tensor, implementation: str) -> bool:
+    """Whether the Triton kernels compute: 'triton' always (CUDA, or CPU inside Triton's interpreter),
+    'reference' never, 'auto' for CUDA tensors the kernels take (imported lazily, so CPU-only use
+    never imports triton). 'auto' warns when CUDA tensors fall back to the slow reference (fp64,
+    head_dim above the kernels' maximum)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
+    if implementation != "auto":
+        return implementation == "triton"
+    if not q.is_cuda:
+        return False
+    from ..kernels.ops import unsupported
+
+    reason = unsupported(q)
+    if reason is not None:
+        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {reason}.", stacklevel=3)
+    return reason is None
+
+
+def _raw(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[tuple, tuple, tuple]:
+    """The index tensors of the layout and the (global index, document) tensors of queries and keys."""
+    return ((layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt),
+            (q_meta.index, q_meta.segment), (k_meta.index, k_meta.segment))
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float,
+    q_meta: TokenMeta,
+    k_meta: TokenMeta,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    implementation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over the keys `layout` lists (no autograd).
+
+    Args:
+        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D], Hq a multiple of Hkv, one floating dtype.
+        layout: which keys each query block reads (indices into k's sequence).
+        scale: softmax scale. q_meta / k_meta: global order and documents of queries / keys.
+        sliding_window: keys `sliding_window` or more tokens before a query are invisible.
+        out, lse: a running result over other keys, in the compute dtype, to merge this part into
+            (the kernels merge in place, in the same pass; the reference through the log-sum-exp).
+        implementation: 'auto' (kernels for CUDA tensors they take, reference otherwise), 'triton'
+            or 'reference'.
+
+    Returns:
+        (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs).
+        Queries that see no key get out = 0 and lse = -inf.
+    """
+    if (out is None) != (lse is None):
+        raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
+    if _use_triton(q, implementation):
+        from ..kernels.ops import triton_forward
+
+        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+        return triton_forward(q, k, v, *_raw(layout, q_meta, k_meta), scale=scale, block_size=layout.block_size,
+                              window=sliding_window, out=out, lse=lse)
+    part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+    return part if out is None else merge_attention(out, lse, *part)
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float,
+    q_meta: TokenMeta,
+    k_meta: TokenMeta,
+    sliding_window: int | None = None,
+    dlse: torch.Tensor | None = None,
+    deterministic: bool | None = None,
+    implementation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One backward over the keys `layout` lists (no autograd).
+
+    Args:
+        q, k, v, layout, scale, q_meta, k_meta, sliding_window, implementation: as for `attention_forward`.
+        out, lse: the *final* output and log-sum-exp of the queries, which may cover more keys than
+            this layout (ring attention): each key set contributes its exact share of the gradient.
+        dout: gradient of out [B, Hq, Sq, D]; dlse: gradient reaching lse [B, Hq, Sq], or None.
+        deterministic: kernels only: bitwise reproducible column gradients; None follows
+            `torch.are_deterministic_algorithms_enabled()`.
+
+    Returns:
+        (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype.
+    """
+    if _use_triton(q, implementation):
+        from ..kernels.ops import triton_backward
+
+        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+        return triton_backward(q, k, v, out, lse, dout, *_raw(layout, q_meta, k_meta), scale=scale,
+                               block_size=layout.block_size, window=sliding_window, dlse=dlse,
+                               deterministic=deterministic)
+    return reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                              sliding_window=sliding_window, dlse=dlse)
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window, implementation):
+        out, lse = attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                     sliding_window=window, implementation=implementation)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, q_meta, k_meta, scale, window, implementation)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, q_meta, k_meta, scale, window, implementation = ctx.args
+        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                        sliding_window=window, dlse=dlse, implementation=implementation)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SparseLayout,
+    *,
+    scale: float | None = None,
+    q_meta: TokenMeta | None = None,
+    k_meta: TokenMeta | None = None,
+    sliding_window: int | None = None,
+    check_layout: bool = True,
+    implementation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over the keys `layout` lists, restricted to visible pairs. Differentiable.
+
+    Args:
+        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (no replication needed).
+        layout: per query block, the key blocks and key columns to compute (`estimate_layout`,
+            `build_layout`, `dense_layout`).
+        scale: softmax scale (default 1 / sqrt(D)).
+        q_meta / k_meta: global order and documents of the tokens (default: one causal document,
+            queries and keys at the same positions).
+        sliding_window: keys `sliding_window` or more tokens before the query are invisible
+            (transformers' convention).
+        check_layout: also check the layout's counts (reads them: one device synchronization); the
+            attention backend, whose layouts are correct by construction, turns it off.
+        implementation: 'auto' (Triton kernels for CUDA tensors they take, the PyTorch reference
+            otherwise), 'triton' or 'reference'.
+
+    Returns:
+        (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Queries that see
+        no key get out = 0 and lse = -inf. Gradients flow to q, k, v, also through lse.
+    """
+    check_tensors(q, k, v)
+    b, hq, sq, d = q.shape
+    if q_meta is None:
+        q_meta = TokenMeta.contiguous(b, sq, q.device)
+    if k_meta is None:
+        k_meta = q_meta if k.shape[2] == sq else TokenMeta.contiguous(b, k.shape[2], q.device)
+    if check_layout:
+        layout.validate(hq, sq, k.shape[2])
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, implementation)

@@ -1,0 +1,33 @@
+"""Optional dependencies and the choice between implementations, in one place.
+
+Optional packages (flash-attn, liger-kernel) are probed once, on first use, and imported only
+then. Where the plugin can run one of several implementations, an environment variable may force
+one (`choose_backend`): an explicit argument wins, then the variable, then "auto".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+
+@functools.cache
+def is_available(module: str, attribute: str | None = None) -> bool:
+    """True when `module` imports (and has `attribute`, if given); checked once per process."""
+    try:
+        imported = importlib.import_module(module)
+    except ImportError:
+        return False
+    return attribute is None or hasattr(imported, attribute)
+
+
+def choose_backend(what: str, env_var: str, choices: tuple[str, ...], given: str | None = None) -> str:
+    """The backend to use for `what`: `given`, else `$env_var`, else "auto" (which must be the first
+    of `choices`); an unknown name is a ValueError that lists the choices."""
+    backend = given or os.environ.get(env_var) or choices[0]
+    if backend not in choices:
+        raise ValueError(
+            f"{what} backend {backend!r} is unknown (from the argument or ${env_var}); use one of {choices}."
+        )
+    return backend

@@ -1,0 +1,98 @@
+"""Reversible changes, recorded in one place so the matching disable call undoes exactly them.
+
+Every change the plugin makes to transformers, a model, a Trainer, its callbacks or the user's
+`TrainingArguments` goes through a `PatchSet`. Undoing restores a value only while it is still
+the one the plugin set: if another library replaced it after us (Liger patching a forward, a
+user registering another attention function), theirs stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_MISSING = object()
+
+
+def _current(owner: Any, name: str) -> Any:
+    """What `owner.name` is now: a class's own member (not an inherited one), an instance's attribute."""
+    return owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+
+
+def _stored_on(owner: Any, name: str) -> bool:
+    """Whether assigning `owner.name` stores the value on `owner` itself, so that restoring means putting
+    the previous value back (or deleting ours, revealing the class member, when there was none)."""
+    if isinstance(owner, type):
+        return True
+    member = getattr(type(owner), name, None)
+    return not hasattr(member, "__set__")  # a property or other data descriptor stores elsewhere
+
+
+class PatchSet:
+    """A stack of undo actions; `undo()` runs them in reverse order."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+        """Set `owner.name = value`, remembering the previous value (or its absence); undoing
+        restores it only while `owner.name` is still `value`."""
+        stored = _stored_on(owner, name)
+        previous = owner.__dict__.get(name, _MISSING) if stored else _current(owner, name)
+
+        def restore() -> None:
+            if _current(owner, name) is not value:
+                return  # replaced after us: leave theirs
+            if previous is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+        setattr(owner, name, value)
+        self._undo.append(restore)
+
+    def insert(self, items: list, index: int, item: Any) -> None:
+        """`items.insert(index, item)`; undoing removes that item (wherever it is by then)."""
+        items.insert(index, item)
+
+        def remove() -> None:
+            for i, x in enumerate(items):
+                if x is item:
+                    del items[i]
+                    return
+
+        self._undo.append(remove)
+
+    def on_undo(self, action: Callable[[], None]) -> None:
+        self._undo.append(action)
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def attached_patches(owner: Any, feature: str) -> PatchSet | None:
+    """The `PatchSet` of `feature` recorded on `owner` by `record_on`, or None."""
+    return owner.__dict__.get(f"_hf_sparse_cp_{feature}")
+
+
+def record_on(owner: Any, feature: str) -> PatchSet:
+    """A new `PatchSet` kept on `owner` under `feature`, which removes itself from `owner` when undone.
+    Raises ValueError when `feature` is already recorded there (undo it first)."""
+    key = f"_hf_sparse_cp_{feature}"
+    if key in owner.__dict__:
+        raise ValueError(f"{feature.replace('_', ' ')} is already enabled on this {type(owner).__name__}; "
+                         "disable it first to change it.")
+    patches = PatchSet()
+    owner.__dict__[key] = patches
+    patches.on_undo(lambda: owner.__dict__.pop(key, None))
+    return patches
+
+
+def undo_recorded(owner: Any, feature: str) -> bool:
+    """Undo the `PatchSet` of `feature` recorded on `owner`; False when there is none."""
+    patches = attached_patches(owner, feature)
+    if patches is None:
+        return False
+    patches.undo()
+    return True

@@ -1,0 +1,8 @@
+"""Helpers for tests and benchmarks, never imported by the training path.
+
+* `layouts.py`: random layouts (the one generator of random vertical-slash layouts) and q/k with
+  planted vertical-slash structure;
+* `models.py`: tiny random-init model configs of the supported families;
+* `spawn.py`: `run_gloo`, a function run in a few local gloo processes;
+* `benchmarking.py`: timing, profiles and the JSON reports of the benchmarks.
+"""

@@ -1,0 +1,39 @@
+"""The private transformers / accelerate members the plugin touches (`integration/compat.py`): all
+present with the parameters we rely on, and a clear error naming the member when one changes."""
+
+import pytest
+from accelerate import Accelerator
+from transformers import Trainer
+
+from hf_sparse_cp.integration import compat
+
+
+def test_every_private_member_is_as_the_plugin_uses_it():
+    problems = compat.check_private_members({"accelerate.Accelerator": Accelerator(cpu=True)})
+    assert not problems, "\n".join(problems)
+
+
+def test_a_missing_member_is_named_with_the_versions(monkeypatch):
+    monkeypatch.delattr(Trainer, compat.TRAINER_NUM_ITEMS)
+    problems = compat.check_private_members()
+    assert len(problems) == 1
+    assert "transformers.Trainer._get_num_items_in_batch no longer exists" in problems[0]
+    assert "written for 5.0 to 5.23" in problems[0]
+    with pytest.raises(RuntimeError, match="_get_num_items_in_batch no longer exists.*tested range"):
+        compat.require("transformers.Trainer._get_num_items_in_batch")
+
+
+def test_a_changed_signature_is_named(monkeypatch):
+    monkeypatch.setattr(Trainer, compat.TRAINER_CP_INPUTS, lambda self, model, inputs, extra: (None, inputs))
+    (problem,) = compat.check_private_members()
+    assert "_prepare_context_parallel_inputs takes (self, model, inputs, extra), not (self, model, inputs)" in problem
+
+
+def test_instance_members_are_checked_on_an_instance():
+    class NoLoaders:
+        pass
+
+    (problem,) = compat.check_private_members({"accelerate.Accelerator": NoLoaders()})
+    assert "accelerate.Accelerator._dataloaders no longer exists" in problem
+    with pytest.raises(RuntimeError, match="_dataloaders"):
+        compat.track_data_loader(NoLoaders(), object())
