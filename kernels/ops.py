@@ -100,10 +100,8 @@ def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_i
     return (q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32))
 
 
-def unsupported(q: torch.Tensor) -> str | None:
-    """Why the compiled kernels cannot take these queries (and k, v of the same dtype), or None."""
-    if not q.is_cuda:
-        return f"{q.device.type} tensors (the kernels are compiled for CUDA)"
+def _outside_limits(q: torch.Tensor) -> str | None:
+    """Why the kernels cannot compute these queries (and k, v of the same dtype) on any device, or None."""
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} (the kernels take {', '.join(str(t) for t in SUPPORTED_DTYPES)})"
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -111,16 +109,22 @@ def unsupported(q: torch.Tensor) -> str | None:
     return None
 
 
+def unsupported(q: torch.Tensor) -> str | None:
+    """Why the compiled kernels cannot take these queries (and k, v of the same dtype), or None."""
+    if not q.is_cuda:
+        return f"{q.device.type} tensors (the kernels are compiled for CUDA)"
+    return _outside_limits(q)
+
+
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check(q: torch.Tensor) -> None:
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"the Triton kernels take q, k, v in one of {SUPPORTED_DTYPES}; got {q.dtype} (cast them, or "
-                         "use implementation='reference' for fp64).")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {q.shape[-1]} exceeds the kernels' maximum {MAX_HEAD_DIM}.")
+    reason = _outside_limits(q)
+    if reason is not None:
+        raise ValueError(f"the Triton kernels cannot take {reason}; use implementation='reference' (fp64, larger "
+                         "heads) or cast q, k, v.")
 
 
 def triton_forward(

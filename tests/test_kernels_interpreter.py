@@ -343,6 +343,8 @@ def test_primitives_refuse_bad_inputs():
     with pytest.raises(ValueError, match="query blocks"):
         kernel_forward(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), scale=1.0,
                                       q_meta=meta, k_meta=meta)
+    with pytest.raises(ValueError, match="cannot take dtype torch.float64"):
+        kernel_forward(q.double(), q.double(), q.double(), lay, scale=1.0, q_meta=meta, k_meta=meta)
     with pytest.raises(ValueError, match="merge buffer"):
         kernel_forward(q, q, q, lay, scale=1.0, q_meta=meta, k_meta=meta, out=q.half(),
                                       lse=torch.zeros(1, 2, 32))

@@ -207,7 +207,16 @@ def _column_mask(v_row, diagonals, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sl
 
 
 def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> SparseLayout:
-    """Every block that holds a visible pair, shared by all heads (exact dense attention)."""
+    """The exact dense layout of a batch.
+
+    Args:
+        meta: the tokens [B, S] (documents, padding); block_size: the layout's block;
+        sliding_window: keys `sliding_window` or more tokens before a query are invisible.
+
+    Returns:
+        A `SparseLayout` [B, 1, NQB, ...] shared by all heads that lists every block holding a
+        visible pair (causal, same document, inside the window), and no columns.
+    """
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
 
 

@@ -288,9 +288,17 @@ def estimate_layout(
 ) -> SparseLayout:
     """The layout for one attention call: vertical-slash for long documents, dense for the rest.
 
-    q: [B, Hq, S, D], k: [B, Hkv, S, D] (after RoPE), meta: the tokens' documents (default: one
-    document per row); docs: `pattern_documents` of this call when the caller has it already.
-    Deterministic: the same inputs give the same layout on every rank.
+    Args:
+        q: [B, Hq, S, D]; k: [B, Hkv, S, D] (after RoPE), Hq a multiple of Hkv.
+        cfg: the layer's pattern settings (`SparseAttentionConfig.for_layer`).
+        meta: the tokens' documents and padding (default: one document per row).
+        scale: softmax scale of the scores (default 1 / sqrt(D)).
+        sliding_window: the layer's window; such layers are dense (already local).
+        docs: `pattern_documents` of this call when the caller has it already.
+
+    Returns:
+        The `SparseLayout` [B, Hq, NQB, ...] (one shared head when every document is dense).
+        Deterministic: the same inputs give the same layout on every rank.
     """
     b, _, s, d = q.shape
     docs = pattern_documents(cfg, meta, b, s, sliding_window) if docs is None else docs

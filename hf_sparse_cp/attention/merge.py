@@ -19,9 +19,15 @@ from .precision import compute_dtype
 def merge_attention(
     out: torch.Tensor, lse: torch.Tensor, out_part: torch.Tensor, lse_part: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine (out [..., S, D], lse [..., S]) with another part over disjoint keys.
+    """Combine two partial attention results over disjoint key sets.
 
-    Computes in fp32 at least (fp64 stays fp64) and returns tensors in that dtype.
+    Args:
+        out, lse: one part, [..., S, D] and [..., S]; out_part, lse_part: the other part.
+            A part whose queries saw no key (lse = -inf, out = 0) leaves the other unchanged.
+
+    Returns:
+        (out [..., S, D], lse [..., S]) of the union of the key sets, in the compute dtype (fp32 at
+        least; fp64 when either part is fp64).
     """
     dtype = compute_dtype(out.dtype, out_part.dtype)
     out, out_part = out.to(dtype), out_part.to(dtype)

@@ -149,7 +149,17 @@ def reference_forward(
     k_meta: TokenMeta,
     sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward primitive: (out, lse), both in the compute dtype (fp32, or fp64 for fp64 inputs)."""
+    """Exact attention over the keys `layout` lists, in PyTorch: the fp32 (fp64) reference of the kernels.
+
+    Args:
+        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D]; layout: the keys of each query block.
+        scale: softmax scale; q_meta / k_meta: global order and documents of queries / keys;
+        sliding_window: keys `sliding_window` or more tokens before a query are invisible.
+
+    Returns:
+        (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs);
+        queries that see no key get out = 0 and lse = -inf.
+    """
     return _forward(q, k, v, _Problem(q, k, v, layout, q_meta, k_meta, sliding_window), scale)
 
 
@@ -168,11 +178,17 @@ def reference_backward(
     sliding_window: int | None = None,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward primitive: (dq, dk, dv) in the compute dtype.
+    """The gradients of `reference_forward`, recomputing probabilities per chunk of query blocks.
 
-    `out` and `lse` are the *final* attention output and log-sum-exp of these queries, which may
-    cover more keys than this layout (ring attention): probabilities are exp(s - lse), so each
-    key set contributes its exact share of the gradient. `dlse` is the gradient reaching lse.
+    Args:
+        q, k, v, layout, scale, q_meta, k_meta, sliding_window: as for `reference_forward`.
+        out, lse: the *final* attention output and log-sum-exp of these queries, which may cover
+            more keys than this layout (ring attention): probabilities are exp(s - lse), so each
+            key set contributes its exact share of the gradient.
+        dout: gradient of out [B, Hq, Sq, D]; dlse: the gradient reaching lse [B, Hq, Sq], or None.
+
+    Returns:
+        (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype.
     """
     prob = _Problem(q, k, v, layout, q_meta, k_meta, sliding_window)
     return _backward(q, k, v, out, lse, dout, dlse, prob, scale)

@@ -39,11 +39,6 @@ class TokenMeta:
         index = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
         return cls(index, segment.to(torch.int32))
 
-    @property
-    def is_single_document(self) -> bool:
-        """True when every row is one unpadded document (the common long-context case)."""
-        return bool((self.segment == self.segment[:, :1]).all() and (self.segment[:, :1] >= 0).all())
-
     def pad_to(self, length: int) -> TokenMeta:
         """Extend to `length` tokens with padding that no query can see and that sees nothing."""
         extra = length - self.index.shape[-1]

@@ -10,7 +10,6 @@ calls `ring_attention.context_parallel_attention`, which estimates the global la
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +40,6 @@ class CPShard:
     @property
     def rank(self) -> int:
         return self.parallel.cp_rank
-
-    @functools.cached_property
-    def local_meta(self) -> TokenMeta:
-        """This rank's tokens: global index and document of each ([B, plan.local_len])."""
-        return self.plan.shard_meta(self.meta, self.rank)
 
 
 def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
@@ -81,11 +75,20 @@ def prepare_context_parallel_inputs(
 ) -> dict[str, Any]:
     """This rank's model inputs for a batch that every rank of the CP group received.
 
-    Shards input_ids (or inputs_embeds), the labels shifted before sharding (`shift_labels`, plus the
-    sharded `labels` so stock forwards compute a loss) and the global position_ids; the attention
-    mask and flattened-packing keys (cu_seq_lens_*) go into the `CPShard` added under `cp_shard`.
-    `block_size` must be the attention layout's block size (`SparseAttentionConfig.block_size`).
-    The sequence is padded to whole blocks per rank, never truncated.
+    Args:
+        inputs: the full batch (input_ids or inputs_embeds [B, S, ...], labels, position_ids,
+            attention_mask, cu_seq_lens_* of flattened packing), the same on every CP rank.
+        parallel: the parallel dimensions (CP group, rank, sharding).
+        block_size: the attention layout's block size (`SparseAttentionConfig.block_size`).
+        sharding: 'striped', 'zigzag' or 'contiguous' (default: `parallel.sharding`).
+        pad_token_id, ignore_index: what fills the padding of ids and targets.
+        verify_same_batch: check (two tiny all-reduces) that every CP rank holds the same batch.
+
+    Returns:
+        The model inputs of this rank: input_ids (or inputs_embeds), `shift_labels` (labels shifted
+        before sharding) and sharded `labels` (so stock forwards compute a loss), global
+        position_ids, each [B, plan.local_len]; the attention mask and packing keys go into the
+        `CPShard` under `cp_shard`. The sequence is padded to whole blocks per rank, never truncated.
     """
     if verify_same_batch:
         check_same_batch(inputs, parallel)

@@ -52,10 +52,17 @@ def estimate_layout_cp(
     scale: float | None = None,
     sliding_window: int | None = None,
 ) -> SparseLayout:
-    """The global layout (over the padded sequence) from this rank's shard of q and k.
+    """The global layout of a sharded sequence. Collective: every rank of the CP group calls it with
+    its own shard.
 
-    q: [B, Hq, S_local, D], k: [B, Hkv, S_local, D] after RoPE, in shard order. Collective: every
-    rank of the CP group calls it with its own shard; all get the same layout.
+    Args:
+        q: [B, Hq, S_local, D]; k: [B, Hkv, S_local, D]: this rank's shard, after RoPE, in shard order.
+        cfg: the layer's pattern settings; shard: this rank's `CPShard`.
+        scale, sliding_window: as in `estimate_layout`.
+
+    Returns:
+        The layout over the padded sequence [B, Hq, plan.num_blocks, ...], the same on every rank and
+        equal to `estimate_layout` on the whole sequence (up to the summation order of the scores).
     """
     plan, meta = shard.plan, shard.meta
     if cfg.block_size != plan.block_size:

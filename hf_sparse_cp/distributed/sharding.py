@@ -167,12 +167,17 @@ def shard_inputs(
 ) -> dict[str, Any]:
     """`rank`'s model inputs for one batch (every CP rank passes the same batch).
 
-    input_ids / inputs_embeds are sharded (padding with `pad_token_id` / zeros); `labels` are
-    shifted first and returned as `shift_labels` (padding ignored), with `labels` kept as the
-    sharded unshifted labels only so that stock forwards still compute a loss; position_ids are the
-    global ones (an arange when absent). The attention mask and flattened-packing keys describe
-    the whole sequence: they go into the shard's `TokenMeta` (see `sequence_meta`), not the model.
-    Other entries pass through unchanged.
+    Args:
+        inputs: the full batch; plan: how the sequence splits; rank: the CP rank whose shard to take.
+        pad_token_id, ignore_index: what fills the padding of ids and targets.
+
+    Returns:
+        input_ids / inputs_embeds sharded (padding with `pad_token_id` / zeros); `labels` shifted
+        first and returned as `shift_labels` (padding ignored), with `labels` kept as the sharded
+        unshifted labels only so that stock forwards still compute a loss; the global position_ids
+        (an arange when absent). The attention mask and flattened-packing keys describe the whole
+        sequence: they go into the shard's `TokenMeta` (see `sequence_meta`), not the model. Other
+        entries pass through unchanged.
     """
     ids = inputs.get("input_ids")
     ref = ids if ids is not None else inputs.get("inputs_embeds")

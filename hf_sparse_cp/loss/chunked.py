@@ -104,13 +104,19 @@ def chunked_linear_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T + bias` against `labels`, without materializing the logits.
 
-    hidden: [N, H]; weight: [V, H]; bias: [V] or None; labels: [N] integer targets (already shifted
-    for causal LM), `ignore_index` marks tokens without a target. Returns the fp32 loss sum divided
-    by `num_items_in_batch` when given (transformers' gradient-accumulation-aware normalizer), else
-    the mean over non-ignored tokens: the value of transformers' `ForCausalLMLoss` on the same
-    logits. Gradients w.r.t. hidden, weight and bias are exact; they are computed during forward, one
-    chunk of `chunk_size` tokens at a time (default: `default_chunk_size`), with fp32 logsumexp and
-    fp32 accumulation of the weight gradient. Under autocast, inputs are cast to the autocast dtype.
+    Args:
+        hidden: [N, H]; weight: [V, H]; bias: [V] or None.
+        labels: [N] integer targets (already shifted for causal LM); `ignore_index` marks tokens
+            without a target.
+        num_items_in_batch: transformers' gradient-accumulation-aware normalizer, or None.
+        chunk_size: tokens per chunk (default: `default_chunk_size`).
+
+    Returns:
+        The fp32 loss sum divided by `num_items_in_batch` when given, else the mean over
+        non-ignored tokens: the value of transformers' `ForCausalLMLoss` on the same logits.
+        Gradients w.r.t. hidden, weight and bias are exact; they are computed during forward, one
+        chunk at a time, with fp32 logsumexp and fp32 accumulation of the weight gradient. Under
+        autocast, inputs are cast to the autocast dtype.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -59,9 +59,14 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Memory-lean cross-entropy of `hidden @ weight.T + bias` against shifted `labels`.
 
-    Same contract as `chunked_linear_cross_entropy` (hidden [N, H], weight [V, H], labels [N]; sum
-    over non-ignored tokens divided by `num_items_in_batch`, else their mean). Runs liger-kernel's
-    fused kernel for CUDA tensors when it is installed, the chunked PyTorch implementation otherwise.
+    Args:
+        hidden, weight, labels, bias, num_items_in_batch, ignore_index: as for
+            `chunked_linear_cross_entropy` (hidden [N, H], weight [V, H], labels [N]).
+        backend: 'auto' (liger-kernel's fused kernel for CUDA tensors when installed, the chunked
+            PyTorch implementation otherwise), 'liger' or 'torch'; default $HF_SPARSE_CP_LOSS_BACKEND.
+
+    Returns:
+        The loss sum over non-ignored tokens divided by `num_items_in_batch`, else their mean.
     """
     if resolve_backend(hidden.device, backend) == "liger":
         return _liger_linear_cross_entropy(

@@ -67,11 +67,17 @@ def create_smet_optimizer(
     """A SMET optimizer for `model` that behaves like `optimizer_cls(**optimizer_kwargs)` on the dense
     parameters and trains the `config.target_modules` weights block-sparsely.
 
-    `optimizer_kwargs` are the stock class's (`lr`, `betas`, `eps`, `weight_decay`; `fused`/`foreach`
-    are accepted and ignored); unset ones take the stock class's defaults. With `attach=True` the
-    masks are created and applied right away (call it on the model as it will be trained, e.g. after
-    `fully_shard`); the Trainer integration passes `attach=False` and attaches once accelerate has
-    swapped in the sharded parameters.
+    Args:
+        model: the model as it will be trained (e.g. after `fully_shard`).
+        optimizer_cls: the stock class SMET stands in for (`torch.optim.AdamW` or `torch.optim.Adam`).
+        config: the SMET settings (default: `SMETConfig()`).
+        attach: create and apply the masks right away; the Trainer integration passes False and
+            attaches once accelerate has swapped in the sharded parameters.
+        optimizer_kwargs: the stock class's (`lr`, `betas`, `eps`, `weight_decay`; `fused` /
+            `foreach` are accepted and ignored); unset ones take the stock class's defaults.
+
+    Returns:
+        A `SMETAdam` (a `torch.optim.Optimizer`), so schedulers and checkpointing keep working.
     """
     if optimizer_cls not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
