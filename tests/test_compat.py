@@ -14,13 +14,13 @@ def test_every_private_member_is_as_the_plugin_uses_it():
 
 
 def test_a_missing_member_is_named_with_the_versions(monkeypatch):
-    monkeypatch.delattr(Trainer, compat.TRAINER_NUM_ITEMS)
+    monkeypatch.delattr(Trainer, compat.TRAINER_TRACK_TOKENS)
     problems = compat.check_private_members()
     assert len(problems) == 1
-    assert "transformers.Trainer._get_num_items_in_batch no longer exists" in problems[0]
+    assert "transformers.Trainer._track_num_input_tokens no longer exists" in problems[0]
     assert "written for 5.0 to 5.23" in problems[0]
-    with pytest.raises(RuntimeError, match="_get_num_items_in_batch no longer exists.*tested range"):
-        compat.require("transformers.Trainer._get_num_items_in_batch")
+    with pytest.raises(RuntimeError, match="_track_num_input_tokens no longer exists.*tested range"):
+        compat.require("transformers.Trainer._track_num_input_tokens")
 
 
 def test_a_changed_signature_is_named(monkeypatch):

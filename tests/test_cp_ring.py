@@ -285,6 +285,33 @@ def _quiesce(rank: int, world: int) -> float:
     return time.perf_counter() - start
 
 
+def _kept_fraction_case(world: int) -> dict:
+    """The kept fraction a model's layers log, under CP (every sharding) minus in one process, on a
+    sequence that every split pads differently."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.distributed import prepare_context_parallel_inputs
+    from hf_sparse_cp.integration.stats import pop_kept_fractions
+    from hf_sparse_cp.testing.models import tiny_config
+
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
+    hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=8, slash_topk=8,
+                                                        sink_tokens=2, local_window=4, last_q=16))
+    ids = torch.randint(3, 64, (1, 135), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(input_ids=ids)
+        ref = pop_kept_fractions(model)
+        gaps = {}
+        for sharding in SHARDINGS:
+            par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_sharding=sharding))
+            model(**prepare_context_parallel_inputs({"input_ids": ids}, par, block_size=BS))
+            gaps[sharding] = max(abs(v - ref[layer]) for layer, v in pop_kept_fractions(model).items())
+    return {"gaps": gaps, "sparse": min(ref.values()) < 0.9}
+
+
 def _worker(rank: int, world: int) -> dict:
     flat = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     results = {"comm": _ring_shift(flat, rank)}
@@ -295,6 +322,7 @@ def _worker(rank: int, world: int) -> dict:
     for sharding in ESTIMATION_CASES:
         results[("estimation", sharding)] = _estimation_case(sharding, flat, rank)
     results["errors"] = _errors_raised(world)
+    results["kept_fraction"] = _kept_fraction_case(world)
     if world == 4:
         hier = ParallelDims.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2))
         results["hierarchical"] = hier.hierarchical
@@ -402,6 +430,13 @@ def test_layout_from_accelerate_device_mesh(spawned):
     results = [r["accelerate"] for r in spawned(4)]
     assert all(r["cp_ranks_ok"] == 1.0 for r in results)
     _assert_close(results)
+
+
+@WORLDS
+def test_logged_kept_fraction_equals_one_process_under_every_sharding(spawned, world):
+    for r in spawned(world):
+        assert r["kept_fraction"]["sparse"]
+        assert all(gap < 1e-12 for gap in r["kept_fraction"]["gaps"].values()), r["kept_fraction"]
 
 
 @WORLDS

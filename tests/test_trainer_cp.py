@@ -122,9 +122,12 @@ def _patch_round_trip(rank: int, world: int) -> dict:
 
     from hf_sparse_cp.distributed import CPShard
 
+    # what torchrun sets: the Trainer and accelerate then see the 2-process group run_gloo made
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(tmp, "sparse_cp")
-        names = ("_prepare_context_parallel_inputs", "_get_num_items_in_batch")
+        assert trainer.accelerator.num_processes == world
+        names = ("_prepare_context_parallel_inputs", "get_cp_size", "floating_point_ops", "_track_num_input_tokens")
         before = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
         parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
         ids = torch.arange(300).remainder(97).add(3).view(1, 300)
@@ -133,6 +136,10 @@ def _patch_round_trip(rank: int, world: int) -> dict:
         with ctx():
             pass
         items = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
+        trainer.args.include_num_input_tokens_seen = "all"
+        trainer._track_num_input_tokens(batch)  # every rank of the CP group holds the same 300 tokens
+        counts = {"tokens": trainer.state.num_input_tokens_seen, "flops": trainer.floating_point_ops(batch),
+                  "batch": trainer.get_total_train_batch_size(trainer.args)}
         patched = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
         with pytest.raises(ValueError, match="already enabled"):
             enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
@@ -144,6 +151,9 @@ def _patch_round_trip(rank: int, world: int) -> dict:
             "lens": (inputs["input_ids"].shape[1], inputs["cp_shard"].plan.local_len,
                      inputs["cp_shard"].plan.padded_len),
             "items": float(items),
+            "counts": counts,
+            "stock_flops": Trainer.floating_point_ops(trainer, batch),
+            "per_device": trainer.args.per_device_train_batch_size,
             "changed": [a != b for a, b in zip(before, patched)],
             "restored": [a == b for a, b in zip(before, after)],
         }
@@ -194,5 +204,7 @@ def test_enable_patches_the_trainer_instance_and_disable_restores_it():
         assert r["cp"] == (2, rank) and r["shard"]
         local, planned, padded = r["lens"]
         assert local == planned == padded // 2 and padded >= 300 and padded % 128 == 0  # whole blocks, nothing cut
-        assert r["items"] == 299 / 2  # 299 shifted targets, counted once per CP group of 2
+        assert r["items"] == 299  # 299 shifted targets, gathered from both ranks and counted once per CP group
+        # the Trainer's accounting counts the group's batch once: tokens, flops, samples per step
+        assert r["counts"] == {"tokens": 300, "flops": r["stock_flops"] / 2, "batch": r["per_device"]}  # DP 1
         assert all(r["changed"]) and all(r["restored"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import SparseLayout
+from .layout import SparseLayout, causal_blocks
 from .tokens import PAD_SEGMENT, TokenMeta, document_starts
 
 # Elements of one [heads, query blocks, candidates] tile of layout construction (bounds its temporaries).
@@ -221,9 +221,9 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
 
 
 def dense_kept_fraction(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
-    """`dense_layout(meta, block_size, sliding_window).kept_fraction()` without building the layout
-    (for dense layers that run another kernel); a 0-d float64 tensor, no host synchronization."""
+    """`dense_layout(meta, block_size, sliding_window).kept_fraction(meta)` without building the
+    layout (for dense layers that run another kernel); a 0-d float64 tensor, no host synchronization."""
     _, _, _, lo = _first_visible_keys(meta, block_size, sliding_window)
     nqb = lo.shape[-1]
-    listed = (torch.arange(nqb, device=lo.device) - lo + 1).clamp_min(0)
-    return listed.double().sum(-1).mean() / (nqb * (nqb + 1) / 2)
+    listed = (torch.arange(nqb, device=lo.device) - lo + 1).clamp_min(0).double().sum(-1)
+    return (listed / causal_blocks(meta, block_size)).mean()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import check_block_size
-from .tokens import TokenMeta
+from .tokens import PAD_SEGMENT, TokenMeta
 
 
 def valid_slots(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
@@ -150,13 +150,19 @@ class SparseLayout:
         """Computed work per (batch, head) in block units: listed blocks plus columns / block_size."""
         return self.block_cnt.sum(-1).double() + self.col_cnt.sum(-1).double() / self.block_size
 
-    def kept_fraction(self) -> torch.Tensor:
+    def kept_fraction(self, meta: TokenMeta | None = None) -> torch.Tensor:
         """Computed blocks over the blocks of the causal lower triangle, averaged over batch and heads.
 
-        A 0-d float64 tensor on the layout's device (reading it with float() synchronizes).
+        With `meta` (the tokens the layout was built for), each row's triangle ends at its last real
+        token, so padding (right padding, or the blocks a context-parallel split adds) does not
+        count: a sequence gets the same value in one process and under any CP split. Without it,
+        every query block counts. A 0-d float64 tensor on the layout's device (reading it with
+        float() synchronizes).
         """
-        n = self.num_q_blocks
-        return self.num_computed_blocks().mean() / (n * (n + 1) / 2)
+        if meta is None:
+            n = self.num_q_blocks
+            return self.num_computed_blocks().mean() / (n * (n + 1) / 2)
+        return (self.num_computed_blocks().mean(1) / causal_blocks(meta, self.block_size)).mean()
 
     def to_mask(self, num_q_heads: int, q_len: int, k_len: int) -> torch.Tensor:
         """Dense boolean [B, Hq, q_len, k_len] mask of the listed keys (for tests and baselines)."""
@@ -174,6 +180,15 @@ class SparseLayout:
         tok = tok | cols[..., :k_len]
         mask = tok.repeat_interleave(bs, dim=2)[:, :, :q_len]
         return mask[:, self.head_index(num_q_heads).to(dev)]
+
+
+def causal_blocks(meta: TokenMeta, block_size: int) -> torch.Tensor:
+    """float64 [B]: blocks of the causal lower triangle of each row up to its last real (non-padding)
+    token (at least one, so that a row of padding only divides by 1)."""
+    real = meta.segment != PAD_SEGMENT
+    last = torch.where(real, torch.arange(1, real.shape[-1] + 1, device=real.device), 0).amax(-1)
+    n = torch.div(last + block_size - 1, block_size, rounding_mode="floor").double()
+    return (n * (n + 1) / 2).clamp_min(1)
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from .layout import SparseLayout, check_attention_inputs, check_tensors
 from .merge import merge_attention
+from .precision import autocast_inputs
 from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
 
@@ -147,8 +148,10 @@ class _BlockSparseAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         layout, q_meta, k_meta, scale, window, implementation = ctx.args
-        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                        sliding_window=window, dlse=dlse, implementation=implementation)
+        with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
+            dq, dk, dv = attention_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta,
+                                            k_meta=k_meta, sliding_window=window, dlse=dlse,
+                                            implementation=implementation)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
@@ -178,6 +181,8 @@ def block_sparse_attention(
             (transformers' convention).
         check_layout: also check the layout's counts (reads them: one device synchronization); the
             attention backend, whose layouts are correct by construction, turns it off.
+        Under autocast, q, k, v are cast to the autocast dtype (as SDPA takes them) and the
+        computation itself runs with autocast off, in the compute dtype.
         implementation: 'auto' (Triton kernels for CUDA tensors they take, the PyTorch reference
             otherwise), 'triton' or 'reference'.
 
@@ -185,6 +190,7 @@ def block_sparse_attention(
         (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Queries that see
         no key get out = 0 and lse = -inf. Gradients flow to q, k, v, also through lse.
     """
+    q, k, v = autocast_inputs(q, k, v)
     check_tensors(q, k, v)
     b, hq, sq, d = q.shape
     if q_meta is None:
@@ -194,4 +200,5 @@ def block_sparse_attention(
     if check_layout:
         layout.validate(hq, sq, k.shape[2])
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, implementation)
+    with torch.autocast(q.device.type, enabled=False):
+        return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, implementation)

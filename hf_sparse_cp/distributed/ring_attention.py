@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..attention.layout import SparseLayout, check_tensors
 from ..attention.ops import attention_backward, attention_forward
-from ..attention.precision import compute_dtype
+from ..attention.precision import autocast_inputs, compute_dtype
 from ..config import SparseAttentionConfig
 from .comm import P2PComm, Pending, Transfer
 from .context import CPShard
@@ -269,7 +269,9 @@ class _RingSparseAttention(torch.autograd.Function):
         q, k, v, out, lse, bar_kv = ctx.saved_tensors
         ring, scale, window, stats = ctx.args
         sent = ring.bytes_sent
-        dq, dk, dv, steps = _ring_backward(ring, q, k, v, out, lse, dout.contiguous(), dlse, bar_kv, scale, window)
+        with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
+            dq, dk, dv, steps = _ring_backward(ring, q, k, v, out, lse, dout.contiguous(), dlse, bar_kv, scale,
+                                               window)
         if stats is not None:
             stats.backward_steps += steps
             stats.backward_bytes += ring.bytes_sent - sent
@@ -303,12 +305,14 @@ def ring_sparse_attention(
         stats: if given, accumulates this rank's computed steps and bytes sent.
         check_layout: also check the layout's counts (one device synchronization);
             `context_parallel_attention`, whose layouts are correct by construction, turns it off.
+        Under autocast, q, k, v are cast to the autocast dtype and the ring runs with autocast off.
 
     Returns:
         (out [B, Hq, S_local, D] in q's dtype, lse [B, Hq, S_local] in the compute dtype), equal to
         single-process attention over the whole sequence sliced to this rank's tokens.
         Differentiable in q, k, v and through lse.
     """
+    q, k, v = autocast_inputs(q, k, v)
     check_tensors(q, k, v)
     b, hq, s, d = q.shape
     plan = shard.plan
@@ -326,7 +330,8 @@ def ring_sparse_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     ring_plan = RingPlan(layout, plan, shard.meta, shard.parallel.topology, shard.parallel.cp_rank)
     ring = _Ring(ring_plan, shard)
-    return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats)
+    with torch.autocast(q.device.type, enabled=False):
+        return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats)
 
 
 def context_parallel_attention(

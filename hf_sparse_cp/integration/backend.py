@@ -17,7 +17,10 @@ and the layer runs the balanced sparse ring over the CP group instead
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
@@ -26,6 +29,7 @@ from ..attention.estimate import estimate_layout, pattern_documents
 from ..attention.flash_dense import flash_dense_attention, use_flash_attn
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
+from ..attention.precision import autocast_inputs
 from ..attention.tokens import TokenMeta, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.context import CP_SHARD_KWARG
@@ -33,6 +37,49 @@ from ..distributed.ring_attention import context_parallel_attention
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
+_GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
+
+# True while a model forward under context parallelism runs (see `guard_context_parallel`).
+_CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=False)
+
+
+class ShardProbe:
+    """Stands in for the CP shard in a probe forward (`models.check_model_supports_context_parallel`):
+    the backend records every attention call (module, whether this probe arrived) and returns zeros."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.nn.Module, bool]] = []
+
+
+_PROBE: ContextVar[ShardProbe | None] = ContextVar("hf_sparse_cp_probe", default=None)
+
+
+@contextlib.contextmanager
+def probing(probe: ShardProbe) -> Iterator[None]:
+    """Attention calls inside the block go to `probe` instead of computing."""
+    token = _PROBE.set(probe)
+    try:
+        yield
+    finally:
+        _PROBE.reset(token)
+
+
+def guard_context_parallel(model: torch.nn.Module) -> list:
+    """Make an attention call that arrives without the CP shard an error while a forward of `model`
+    with the shard runs: such a call would attend within this rank's shard only. Returns the hook
+    handles (remove them to undo)."""
+
+    def enter(module, args, kwargs):
+        if kwargs.get(CP_SHARD_KWARG) is not None:
+            module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(True))
+
+    def leave(module, args, kwargs, output):
+        tokens = module.__dict__.get(_GUARD_TOKENS)
+        if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
+            _CP_FORWARD.reset(tokens.pop())
+
+    return [model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
@@ -115,27 +162,47 @@ def sparse_cp_attention_forward(
     Returns:
         (attention output [B, S, Hq, D], None).
     """
+    shard = kwargs.get(CP_SHARD_KWARG)
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.calls.append((module, shard is probe))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+    if shard is None and _CP_FORWARD.get():
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without the "
+            "context-parallel shard while the model runs under context parallelism: its decoder layer does not pass "
+            "the attention keyword arguments on, so it would attend within this rank's shard only. Train this model "
+            "without context parallelism."
+        )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
-    cfg = layer_config(module)
+    query, key, value = autocast_inputs(query, key, value)
+    with torch.autocast(query.device.type, enabled=False):
+        out = _attend(module, query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
+                      kwargs)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs) -> torch.Tensor:
+    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`)."""
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
-    shard = kwargs.get(CP_SHARD_KWARG)
     if shard is not None:
         out, _, layout = context_parallel_attention(query, key, value, shard, cfg, scale=scale,
                                                     sliding_window=sliding_window)
-        record_kept_fraction(module, layout.kept_fraction())
-        return out.transpose(1, 2).contiguous(), None
+        record_kept_fraction(module, layout.kept_fraction(shard.meta))
+        return out
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta
         docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
         if not any(docs) and use_flash_attn(query, key):  # a dense call, and flash-attn is installed
             record_kept_fraction(module, dense_kept_fraction(meta, cfg.block_size, sliding_window))
-            return flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window), None
+            out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
+            return out.transpose(1, 2)
         with torch.no_grad():
             layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-        record_kept_fraction(module, layout.kept_fraction())
+        record_kept_fraction(module, layout.kept_fraction(meta))
     else:
         # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
         k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
@@ -143,4 +210,4 @@ def sparse_cp_attention_forward(
         layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                     sliding_window=sliding_window, check_layout=False)
-    return out.transpose(1, 2).contiguous(), None
+    return out

@@ -21,7 +21,7 @@ TESTED_VERSIONS = {"transformers": ("5.0", "5.23"), "accelerate": ("1.10", "1.15
 
 # Names of the private methods the plugin replaces on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
-TRAINER_NUM_ITEMS = "_get_num_items_in_batch"
+TRAINER_TRACK_TOKENS = "_track_num_input_tokens"
 ACCELERATOR_PREPARE_CP = "_prepare_cp"
 
 
@@ -44,8 +44,8 @@ class PrivateMember:
 PRIVATE_MEMBERS = (
     PrivateMember("transformers.Trainer", TRAINER_CP_INPUTS, ("self", "model", "inputs"),
                   "replaced per trainer: the Trainer's CP input preparation accepts SDPA only"),
-    PrivateMember("transformers.Trainer", TRAINER_NUM_ITEMS, ("self", "batch_samples", "device"),
-                  "wrapped per trainer: each CP group's tokens are counted once when accelerate does not own CP"),
+    PrivateMember("transformers.Trainer", TRAINER_TRACK_TOKENS, ("self", "inputs"),
+                  "wrapped per trainer: under CP every rank of a group counts the same batch"),
     PrivateMember("accelerate.Accelerator", ACCELERATOR_PREPARE_CP, ("self", "*args"),
                   "replaced per accelerator: its CP model hooks drop the attention mask for SDPA"),
     PrivateMember("accelerate.Accelerator", "_dataloaders", None,
@@ -118,7 +118,7 @@ def check_private_members(instances: dict[str, Any] | None = None) -> list[str]:
 
 def require(qualified: str, instance: Any = None) -> None:
     """Raise RuntimeError, naming the member, the versions and the fix, unless the private member
-    `qualified` (e.g. "transformers.Trainer._get_num_items_in_batch") is usable."""
+    `qualified` (e.g. "transformers.Trainer._track_num_input_tokens") is usable."""
     member = _BY_NAME[qualified]
     why = problem(member, instance)
     if why is not None:

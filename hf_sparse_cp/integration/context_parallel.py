@@ -6,8 +6,9 @@ its SDPA mask hooks on the model) accepts SDPA only and splits buffers contiguou
 every batch is sharded once, at data time, with shifted labels and global position_ids, and
 carries the `CPShard` that the `sparse_cp` backend runs the ring with. Where accelerate does not
 own the CP mesh (CPU / gloo runs with `--cp_size`), the patch also makes the dataloader shard
-over data-parallel ranks only (every rank of a CP group gets the same batch) and counts the
-loss's tokens once per CP group.
+over data-parallel ranks only (every rank of a CP group gets the same batch). Either way the
+Trainer's token count, flops, batch size and the loss's token count count each CP group's batch
+once, and an attention call that arrives without the shard during a CP forward is an error.
 `disable_trainer_context_parallel` undoes all of it.
 """
 
@@ -22,7 +23,7 @@ from transformers import Trainer
 
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
 from . import compat
-from .backend import model_config_for
+from .backend import guard_context_parallel, model_config_for
 from .models import check_model_supports_context_parallel
 from .patching import record_on, undo_recorded
 
@@ -73,6 +74,26 @@ def _dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     return prepare
 
 
+def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: int, owns_cp: bool) -> None:
+    """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
+    flop and batch-size accounting count that batch once per group, as without CP."""
+    if not owns_cp:
+        # transformers reads the CP degree from accelerate's ParallelismConfig only; with it, the
+        # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
+        patches.set_attr(trainer, "get_cp_size", lambda: cp_size)
+    flops = trainer.floating_point_ops
+    patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size)
+    compat.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
+    track = getattr(trainer, compat.TRAINER_TRACK_TOKENS)
+
+    def track_once(inputs):
+        before = trainer.state.num_input_tokens_seen
+        track(inputs)  # gathers every rank's count: each CP group's batch cp_size times
+        trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size
+
+    patches.set_attr(trainer, compat.TRAINER_TRACK_TOKENS, track_once)
+
+
 def enable_trainer_context_parallel(
     trainer: Trainer, cp_config: ContextParallelConfig | None = None
 ) -> ParallelDims:
@@ -104,21 +125,16 @@ def enable_trainer_context_parallel(
         )
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
-    if _accelerate_owns_cp(trainer):
+    for handle in guard_context_parallel(model):
+        patches.on_undo(handle.remove)
+    owns_cp = _accelerate_owns_cp(trainer)
+    _count_once_per_cp_group(trainer, patches, parallel.cp_size, owns_cp)
+    if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead
         compat.require(f"accelerate.Accelerator.{compat.ACCELERATOR_PREPARE_CP}")
         patches.set_attr(trainer.accelerator, compat.ACCELERATOR_PREPARE_CP, lambda *args: args)
     else:
-        compat.require(f"transformers.Trainer.{compat.TRAINER_NUM_ITEMS}")
-        count_items = getattr(trainer, compat.TRAINER_NUM_ITEMS)
-
-        def num_items_once_per_cp_group(batch_samples, device):
-            # every rank of a CP group counted the same full batch: count it once
-            n = count_items(batch_samples, device)
-            return None if n is None else n / parallel.cp_size
-
-        patches.set_attr(trainer, compat.TRAINER_NUM_ITEMS, num_items_once_per_cp_group)
         patches.set_attr(trainer.accelerator, "prepare_data_loader", _dp_data_loader(trainer, parallel))
     logger.info("Sparse context parallelism on: %s", parallel)
     return parallel

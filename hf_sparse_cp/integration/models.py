@@ -1,15 +1,108 @@
-"""Which transformers models sparse context parallelism can shard, checked before training starts."""
+"""Which transformers models sparse context parallelism computes exactly, checked before training starts.
+
+Under CP every rank holds a shard of the sequence; only the `sparse_cp` attention sees the whole of
+it (through the ring). A model is exact under CP when nothing else mixes tokens and nothing depends
+on the length a rank sees:
+
+* every attention call receives the CP shard: decoder layers that do not pass the attention
+  keyword arguments on (StableLM, Nemotron) would attend within the local shard only. A probe
+  forward of the model's architecture (on the meta device: no memory, no compute) checks that the
+  shard reaches every attention call, and names the layers it does not reach;
+* RoPE whose frequencies depend on the sequence length (`dynamic`, `longrope`): each rank would
+  pick them from its own shard's positions;
+* layers that mix tokens outside attention (convolutions, recurrent or state-space layers,
+  linear attention): they would see only their shard.
+
+`TESTED_MODEL_TYPES` is the registry of architectures whose CP result equals the single-process
+one (tests/test_cp_models.py checks each entry under CP 2). Other architectures are refused
+unless the caller opts in (`allow_untested=True`), and then still pass every check above.
+"""
 
 from __future__ import annotations
+
+import copy
+import logging
 
 import torch
 
 from ..config import BACKEND_NAME
+from ..distributed.context import CP_SHARD_KWARG
 from . import compat
+from .backend import ShardProbe, probing
+
+logger = logging.getLogger(__name__)
+
+# model_type -> a CausalLM class of the family, tested exact under CP 2 on a tiny config.
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma3_text", "glm4",
+                      "helium", "smollm3", "cohere2")
+# RoPE types whose frequencies depend on the positions of the call (the longest one seen).
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# Parts of module class names of token mixers other than attention.
+TOKEN_MIXER_NAMES = ("Conv", "Mamba", "SSM", "Recurrent", "RWKV", "GatedDeltaNet", "LinearAttention", "Mixer")
 
 
-def check_model_supports_context_parallel(model: torch.nn.Module, backend: str = BACKEND_NAME) -> None:
-    """Raise ValueError when sparse context parallelism cannot shard `model`'s attention."""
+def _rope_types(config) -> set[str]:
+    """Every rope_type the config uses (rope_parameters may be per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_layer = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    return {p.get("rope_type") or p.get("type") or "default" for p in per_layer}
+
+
+def _token_mixers(model: torch.nn.Module) -> list[str]:
+    """Layer types and modules of `model` that mix tokens outside attention."""
+    found = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
+             if t not in ATTENTION_LAYER_TYPES]
+    for name, module in model.named_modules():
+        if not name:
+            continue  # the model itself (MambaForCausalLM is named after its mixer)
+        cls = type(module).__name__
+        if isinstance(module, torch.nn.modules.conv._ConvNd) or any(part in cls for part in TOKEN_MIXER_NAMES):
+            found.append(f"{cls} ({name})")
+    return found
+
+
+def _probe(target: torch.nn.Module, device: torch.device | str) -> list[tuple[str, bool]]:
+    """(decoder layer class, whether the marker arrived) for every attention call of one forward of
+    `target` with a probe in place of the CP shard."""
+    probe = ShardProbe()
+    with probing(probe), torch.no_grad():
+        target(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), **{CP_SHARD_KWARG: probe})
+    modules = dict(target.named_modules())
+    parents = {id(m): type(modules[n.rpartition(".")[0]]).__name__ for n, m in modules.items() if n}
+    return [(parents[id(module)], reached) for module, reached in probe.calls]
+
+
+def _shard_reach(model: torch.nn.Module) -> list[tuple[str, bool]]:
+    """`_probe` of the model's architecture built on the meta device (no memory, no compute), or of
+    the model itself where the architecture does not build or run there."""
+    try:
+        with torch.device("meta"):
+            shadow = type(model)(copy.deepcopy(model.config))
+        return _probe(shadow, "meta")
+    except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
+        logger.info("Probing %s itself: its architecture does not run on the meta device (%s).", type(model).__name__,
+                    e)
+    try:
+        return _probe(model, next(model.parameters()).device)
+    except Exception as e:
+        raise ValueError(f"could not check that every attention layer of {type(model).__name__} receives the "
+                         f"context-parallel shard: its probe forward failed ({e}).") from e
+
+
+def check_model_supports_context_parallel(
+    model: torch.nn.Module, backend: str = BACKEND_NAME, *, allow_untested: bool = False
+) -> None:
+    """Raise ValueError, naming the cause and the fix, unless sparse context parallelism computes
+    `model` exactly (see the module docstring). Call it before training (the Trainer integration
+    does); it runs one probe forward of the architecture on the meta device.
+
+    Args:
+        model: a transformers causal LM that uses the `sparse_cp` backend.
+        backend: the attention implementation every layer must use.
+        allow_untested: accept an architecture outside `TESTED_MODEL_TYPES` that passes every check.
+    """
     config = getattr(model, "config", None)
     name = type(model).__name__
     if config is None:
@@ -36,3 +129,36 @@ def check_model_supports_context_parallel(model: torch.nn.Module, backend: str =
             f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); the ring computes causal "
             "self-attention only."
         )
+    rope = sorted(_rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
+    if rope:
+        raise ValueError(
+            f"{name} uses RoPE type {rope[0]!r}, whose frequencies depend on the longest position of each call: "
+            "under context parallelism every rank would choose them from its own shard. Train with a static "
+            "RoPE type ('default', 'linear', 'yarn', 'llama3') or without context parallelism."
+        )
+    mixers = _token_mixers(model)
+    if mixers:
+        raise ValueError(
+            f"{name} mixes tokens outside attention ({', '.join(mixers[:3])}{', ...' if len(mixers) > 3 else ''}): "
+            "under context parallelism such layers would see only this rank's shard. Train it without context "
+            "parallelism."
+        )
+    calls = _shard_reach(model)
+    missed = sorted({layer for layer, reached in calls if not reached})
+    if missed or not calls:
+        where = ", ".join(missed) if missed else "any attention layer"
+        raise ValueError(
+            f"{name}: the context-parallel shard does not reach {where}: its decoder layer calls attention without "
+            "passing the attention keyword arguments on, so each rank would attend within its own shard only. "
+            "Train this model without context parallelism."
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TESTED_MODEL_TYPES:
+        if not allow_untested:
+            raise ValueError(
+                f"{name} (model type {model_type!r}) passes the checks above, but its result under context "
+                f"parallelism has not been tested against one process; tested: {', '.join(TESTED_MODEL_TYPES)}. "
+                "Opt in with allow_untested=True (--cp_allow_untested_model) to train it anyway."
+            )
+        logger.warning("Model type %r is not among the architectures tested under context parallelism; it passed "
+                       "the checks for shard reach, RoPE and token mixing.", model_type)

@@ -20,15 +20,17 @@ from ..distributed import ContextParallelConfig, ParallelDims
 from . import compat
 from .arguments import SparseCPArguments
 from .callbacks import SparsityLoggingCallback
+from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
 from .lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
-from .patching import record_on, undo_recorded
+from .patching import attached_patches, record_on, undo_recorded
 from .registration import is_patched, patch, unpatch
 
 logger = logging.getLogger(__name__)
 
 _SPARSE_ATTENTION = "sparse_attention"
 _SPARSITY_LOGGING = "sparsity_logging"
+_CHECKPOINTS = "checkpoints"
 # transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
 _CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
@@ -109,15 +111,22 @@ def attach_to_trainer(
             `ParallelismConfig`) the trainer switches to sparse context parallelism.
 
     Returns:
-        The `ParallelDims` in use.
+        The `ParallelDims` in use. Checkpoints the trainer saves are marked complete only once
+        every rank has saved, and `train(resume_from_checkpoint=...)` refuses an incomplete,
+        damaged or mismatched one (`checkpoints.py`).
     """
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         record_on(trainer, _SPARSITY_LOGGING).insert(callbacks, 0, SparsityLoggingCallback())
-    return enable_trainer_context_parallel(trainer, cp_config)
+    parallel = enable_trainer_context_parallel(trainer, cp_config)
+    if attached_patches(trainer, _CHECKPOINTS) is None:
+        protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS))
+    return parallel
 
 
 def detach_from_trainer(trainer: Trainer) -> None:
-    """Undo `attach_to_trainer`: remove the logging callback and context parallelism (no-op when not attached)."""
+    """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism
+    (no-op when not attached)."""
     disable_trainer_context_parallel(trainer)
+    undo_recorded(trainer, _CHECKPOINTS)
     undo_recorded(trainer, _SPARSITY_LOGGING)

@@ -1,0 +1,127 @@
+"""Checkpoints that say whether they are complete, and resumes that refuse what does not fit.
+
+The Trainer writes a checkpoint file by file, on every rank, and `resume_from_checkpoint=True`
+takes the newest folder: a run that dies while saving leaves a folder that looks like a checkpoint.
+`protect_checkpoints` adds a marker, `hf_sparse_cp_checkpoint.json`, to every checkpoint of a run:
+
+* written as "in progress" before the Trainer starts saving (the step at which it will save);
+* rewritten as complete, with every file's size and the run's settings (CP degree, data-parallel
+  degree, SMET's density, block size and mode), once every rank has finished saving.
+
+`train(resume_from_checkpoint=...)` then checks the checkpoint before anything is loaded: a marker
+still in progress, a missing or resized file, or settings that differ from this run's are an error
+that names the cause. A checkpoint without a marker (written without the plugin) is loaded as the
+Trainer would, with a warning that nothing could be checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..distributed import ParallelDims
+from ..smet.factory import SMETOptimizerFactory
+from .patching import PatchSet
+
+logger = logging.getLogger(__name__)
+
+MARKER = "hf_sparse_cp_checkpoint.json"
+
+
+def run_settings(trainer: Trainer, parallel: ParallelDims) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it."""
+    smet = None
+    factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
+    if factory is SMETOptimizerFactory:
+        config = kwargs["config"]
+        smet = {"mode": config.mode, "density": config.density, "block_size": config.block_size}
+    return {"cp_size": parallel.cp_size, "data_parallel_size": parallel.dp_size, "smet": smet}
+
+
+def _write(path: Path, content: dict) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(content, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class CheckpointMarkerCallback(TrainerCallback):
+    """Marks each checkpoint in progress before it is saved and complete once every rank saved it.
+    Must come after transformers' flow callback, which decides at each step end whether to save."""
+
+    def __init__(self, trainer: Trainer, parallel: ParallelDims) -> None:
+        self.trainer, self.parallel = trainer, parallel
+
+    def _folder(self, args, state) -> Path:
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save and state.is_world_process_zero:
+            folder = self._folder(args, state)
+            folder.mkdir(parents=True, exist_ok=True)
+            _write(folder / MARKER, {"complete": False, "step": state.global_step})
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
+        if state.is_world_process_zero:
+            folder = self._folder(args, state)
+            files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                     if p.is_file() and p.name != MARKER}
+            _write(folder / MARKER, {"complete": True, "step": state.global_step,
+                                     "settings": run_settings(self.trainer, self.parallel), "files": files})
+
+
+def check_checkpoint(folder: str | Path, settings: dict[str, Any]) -> None:
+    """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
+    `settings`; warn when it has no marker (nothing can be checked)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
+    marker = folder / MARKER
+    if not marker.is_file():
+        logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
+                       "that it is complete and fits this run.", folder, MARKER)
+        return
+    content = json.loads(marker.read_text())
+    if not content.get("complete"):
+        raise ValueError(f"Checkpoint {str(folder)!r} is incomplete: the run ended while it was being saved. Resume "
+                         "from an earlier checkpoint (or delete this one to let resume_from_checkpoint=True pick the "
+                         "one before it).")
+    for name, size in content["files"].items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            found = "missing" if not path.is_file() else f"{path.stat().st_size} bytes, saved with {size}"
+            raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
+                             "checkpoint.")
+    saved = content["settings"]
+    for key, value in settings.items():
+        if saved.get(key) != value:
+            raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
+                             f"{key}={value!r}: resume with the settings it was saved with (a different "
+                             "parallel layout or SMET topology cannot continue it exactly).")
+
+
+def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet) -> None:
+    """Mark the checkpoints `trainer` saves and check a checkpoint before `train()` resumes from it;
+    both recorded in `patches`."""
+    patches.insert(trainer.callback_handler.callbacks, len(trainer.callback_handler.callbacks),
+                   CheckpointMarkerCallback(trainer, parallel))
+    train = trainer.train
+
+    @functools.wraps(train)
+    def checked_train(resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
+            folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
+        if folder:
+            check_checkpoint(folder, run_settings(trainer, parallel))
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    patches.set_attr(trainer, "train", checked_train)

@@ -1,0 +1,146 @@
+"""Checkpoints of a plugin run say whether they are complete; a resume checks the checkpoint before
+loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings) is
+refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+import hf_sparse_cp
+from hf_sparse_cp.integration import SparseCPArguments, attach_to_trainer, detach_from_trainer
+from hf_sparse_cp.integration.checkpoints import MARKER, CheckpointMarkerCallback
+from hf_sparse_cp.testing.models import tiny_config
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.arange(64).add(i).remainder(250).add(3)
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(out, **kw) -> Trainer:
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    args = TrainingArguments(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, save_strategy="steps",
+                             save_steps=2, logging_steps=1, report_to="none", use_cpu=True, seed=0, **kw)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=default_data_collator)
+    attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
+    return trainer
+
+
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    trainer = _trainer(out)
+    trainer.train()
+    return out, _losses(trainer)
+
+
+def test_checkpoints_are_marked_complete_with_their_files(saved):
+    out, _ = saved
+    for step in (2, 4):
+        marker = json.loads((out / f"checkpoint-{step}" / MARKER).read_text())
+        assert marker["complete"] and marker["step"] == step
+        assert marker["settings"] == {"cp_size": 1, "data_parallel_size": 1, "smet": None}
+        assert "trainer_state.json" in marker["files"] and "optimizer.pt" in marker["files"]
+
+
+def test_an_intact_checkpoint_resumes_exactly(saved, tmp_path):
+    out, losses = saved
+    resumed = _trainer(tmp_path)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert _losses(resumed) == losses
+
+
+@pytest.mark.parametrize("damage, cause", [
+    ("in_progress", "is incomplete: the run ended while it was being saved"),
+    ("truncated", "is damaged: model.safetensors is"),
+    ("missing", "is damaged: optimizer.pt is missing"),
+    ("other_cp", "was saved with cp_size=2, but this run has cp_size=1"),
+])
+def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp_path, damage, cause):
+    out, _ = saved
+    folder = tmp_path / "checkpoint-2"
+    subprocess.run(["cp", "-r", str(out / "checkpoint-2"), str(folder)], check=True)
+    marker = json.loads((folder / MARKER).read_text())
+    if damage == "in_progress":
+        (folder / MARKER).write_text(json.dumps({"complete": False, "step": 2}))
+    elif damage == "truncated":
+        with open(folder / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+    elif damage == "missing":
+        os.remove(folder / "optimizer.pt")
+    else:
+        marker["settings"]["cp_size"] = 2
+        (folder / MARKER).write_text(json.dumps(marker))
+    trainer = _trainer(tmp_path / "resume")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=cause):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
+
+
+def test_the_newest_checkpoint_is_checked_when_resume_is_true(saved, tmp_path):
+    out, _ = saved
+    subprocess.run(["cp", "-r", str(out), str(tmp_path / "run")], check=True)
+    (tmp_path / "run" / "checkpoint-4" / MARKER).write_text(json.dumps({"complete": False, "step": 4}))
+    trainer = _trainer(tmp_path / "run")
+    with pytest.raises(ValueError, match="checkpoint-4' is incomplete"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_detach_removes_the_protection(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert any(isinstance(cb, CheckpointMarkerCallback) for cb in trainer.callback_handler.callbacks)
+    assert "train" in trainer.__dict__
+    detach_from_trainer(trainer)
+    assert not any(isinstance(cb, CheckpointMarkerCallback) for cb in trainer.callback_handler.callbacks)
+    assert "train" not in trainer.__dict__
+
+
+# ---- the CLI under CP 2 with SMET ---------------------------------------------------------------
+
+JOB = ["--seq_len", "256", "--num_samples", "8", "--min_seq_len", "128", "--block_size", "32", "--vertical_topk", "8",
+       "--slash_topk", "8", "--local_window", "32", "--sink_tokens", "4", "--last_q", "16", "--smet",
+       "--smet_density", "0.5", "--smet_update_interval", "2", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _cli(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", str(nproc), *JOB, *flags,
+           "--output_dir", str(out), "--summary_file", str(out / "summary.json")]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
+    full = _cli(tmp_path / "full", 2, "--cp_size", "2", "--max_steps", "4")
+    assert full.returncode == 0, full.stderr[-3000:]
+    checkpoint = str(tmp_path / "full" / "checkpoint-2")
+    resumed = _cli(tmp_path / "resumed", 2, "--cp_size", "2", "--max_steps", "4",
+                   "--resume_from_checkpoint", checkpoint)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
+    got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
+    assert len(got) == len(want) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-6, (got, want)
+    one = _cli(tmp_path / "one", 1, "--max_steps", "4", "--resume_from_checkpoint", checkpoint)
+    assert one.returncode != 0 and "saved with cp_size=2, but this run has cp_size=1" in one.stderr
+    density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
+                   "--resume_from_checkpoint", checkpoint)
+    assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
