@@ -165,3 +165,16 @@ def test_unsupported_features_are_refused_with_the_fix():
         fn(layer, x, kv, kv, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="4D attention mask"):
         fn(layer, x, kv, kv, torch.ones(1, 1, 32, 32, dtype=torch.bool))
+
+
+def test_under_autocast_mixed_input_dtypes_compute_like_sdpa():
+    """Under bf16 autocast RoPE leaves q and k in fp32 and v in bf16 (what the Trainer's --bf16 gives): the
+    backend takes them in the autocast dtype, as SDPA does, and trains."""
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, 259, (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits = ref(input_ids=ids).logits
+        out = ours(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert rel_rms(out.logits, ref_logits) <= 2 * TOLERANCE[torch.bfloat16]
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in ours.parameters())
