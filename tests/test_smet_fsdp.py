@@ -7,6 +7,7 @@ sharded and full state dicts. Everything runs in float64 so sharded and single-p
 rounding and choose the same blocks.
 """
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -167,6 +168,20 @@ def _worker(rank, port, out_dir):
             assert all(not isinstance(v, DTensor) for v in full_index.values())
             results[name] = dict(head=head, tail=tail, resumed=resumed, final=final, resumed_final=resumed_final,
                                  local_rows=local_rows, full_index=full_index)
+
+        # A full checkpoint of another density is refused by name. Saved with one active block per row
+        # (4-block attention rows at density 0.25), its states would broadcast into the two slots of
+        # density 0.5 without an error from torch (every row's two slots holding the same block).
+        sparser = SMETConfig(density=0.25, block_size=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model, opt = _sharded_model_and_optimizer(sparser, {}, seed=0)
+        full = _fsdp_plugin("FULL_STATE_DICT")
+        save_fsdp_optimizer(full, accelerator, opt, model, os.path.join(out_dir, "sparser"))
+        denser = create_smet_optimizer(model, torch.optim.AdamW, dataclasses.replace(sparser, density=0.5), lr=LR,
+                                       attach=False)
+        try:
+            load_fsdp_optimizer(full, accelerator, denser, model, os.path.join(out_dir, "sparser"))
+        except ValueError as error:
+            results["other_density"] = str(error)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
     finally:
@@ -198,3 +213,4 @@ def test_fsdp2_matches_one_process_and_resumes_from_sharded_checkpoints(tmp_path
         assert got["resumed"] == got["tail"], name
         for param, value in got["final"].items():
             assert torch.equal(got["resumed_final"][param], value), f"{name} {param}"
+    assert "density=0.25 (this run: 0.5)" in results.get("other_density", "loaded without an error")

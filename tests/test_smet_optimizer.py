@@ -213,11 +213,29 @@ def test_state_dict_round_trip_resumes_exactly(mode):
         assert torch.equal(a, b)
 
 
-def test_loading_a_checkpoint_of_another_density_names_the_fix():
-    model = tiny_llama()
-    saved = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=0.5, block_size=8)).state_dict()
+@pytest.mark.parametrize("change, named", [
+    (dict(density=0.25), r"density=0\.5 \(this run: 0\.25\)"),
+    # 4 of 8 blocks per row either way (round(3.6) = 4): the state would fit, the setting still differs
+    (dict(density=0.45), r"density=0\.5 \(this run: 0\.45\)"),
+    (dict(block_size=16), r"block_size=8 \(this run: 16\)"),
+    (dict(mode="sparse_update"), r"mode='sparse_weights' \(this run: 'sparse_update'\)"),
+])
+def test_loading_a_checkpoint_of_other_smet_settings_names_them(change, named):
+    config = SMETConfig(density=0.5, block_size=8)
+    saved = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, config).state_dict()
+    assert [g.get("smet_density") for g in saved["param_groups"]] == [0.5, None, None]
+    other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, dataclasses.replace(config, **change))
+    with pytest.raises(ValueError, match=named):
+        other.load_state_dict(saved)
+
+
+def test_a_checkpoint_without_recorded_settings_is_still_checked_by_shape():
+    saved = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8)).state_dict()
+    for group in saved["param_groups"]:
+        for key in [k for k in group if k.startswith("smet_")]:
+            del group[key]
     other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.25, block_size=8))
-    with pytest.raises(ValueError, match="same SMET config"):
+    with pytest.raises(ValueError, match="another density or block_size"):
         other.load_state_dict(saved)
 
 

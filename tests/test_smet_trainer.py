@@ -30,13 +30,13 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def _trainer(out_dir, max_steps=12, seed=0):
+def _trainer(out_dir, max_steps=12, seed=0, save_steps=6, flags=FLAGS):
     parser = HfArgumentParser((TrainingArguments, SMETArguments))
     training, smet = parser.parse_args_into_dataclasses(args=[
         "--output_dir", str(out_dir), "--max_steps", str(max_steps), "--per_device_train_batch_size", "4",
         "--learning_rate", "5e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "2", "--logging_steps", "1",
-        "--save_steps", "6", "--report_to", "none", "--use_cpu", "--seed", "0", "--max_grad_norm", "1.0",
-        *FLAGS,
+        "--save_steps", str(save_steps), "--report_to", "none", "--use_cpu", "--seed", "0", "--max_grad_norm", "1.0",
+        *flags,
     ])
     assert smet.smet
     trainer = Trainer(model=tiny_llama(seed=seed), args=training, train_dataset=TokenRows(markov_tokens(48, 32)),
@@ -88,3 +88,15 @@ def test_trainer_resume_continues_as_if_uninterrupted(tmp_path):
     assert len(_losses(full)) == 12 and _losses(resumed) == _losses(full)
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_resuming_with_other_smet_settings_is_refused_by_name(tmp_path):
+    first, _ = _trainer(tmp_path / "first", max_steps=1, save_steps=1)
+    first.train()
+    for change, named in [
+        (["--smet_density", "0.25"], r"density=0\.5 \(this run: 0\.25\)"),
+        (["--smet_block_size", "16"], r"block_size=8 \(this run: 16\)"),
+    ]:
+        other, _ = _trainer(tmp_path / "other", max_steps=2, flags=FLAGS + change)
+        with pytest.raises(ValueError, match=named):
+            other.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-1"))

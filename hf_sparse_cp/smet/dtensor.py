@@ -1,8 +1,10 @@
 """Local-shard view of parameters that may be FSDP2 DTensors.
 
-SMET works on the local shard of every parameter and never communicates: these helpers give the
-local tensor, the global index of its first row, and wrap local optimizer state back into a DTensor
-laid out like the parameter (so `torch.distributed.checkpoint` saves and reshards it by rows).
+SMET works on the local shard of every parameter: these helpers give the local tensor, the global
+index of its first row, and wrap local optimizer state back into a DTensor laid out like the
+parameter (so `torch.distributed.checkpoint` saves and reshards it by rows). FSDP2 hands SMET's hooks
+the reduced gradient shard, so sharded rows need no communication; the only collective SMET runs is
+for replicated (DDP) parameters, in `optimizer.py`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ Regrown blocks would otherwise start "cold": zero moments under a global step t 
 update (1 - b1) / sqrt(1 - b2) ~ 3.16 times a normal one. SMET resets a per-block step counter on
 regrowth (local bias correction), ramps the regrown blocks' step size up over
 `regrow_warmup_steps`, and scales the sparse matrices' learning rate with the density.
+
+Every rank holding a copy of a sparse row must take the same topology decisions, or the copies drift
+apart. Pruning reads weights or update magnitudes, which are equal on every rank; gradient regrowth
+reads gradients, which hooks see before DDP averages them, so those scores are summed over the ranks
+at topology-update steps (`_regrowth_scores`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .config import SMETConfig
 from .dtensor import like_param, local, local_rows_of
@@ -30,6 +37,9 @@ from .topology import initial_blocks, prune_rate, prune_slots, regrow
 logger = logging.getLogger(__name__)
 
 DENSE_STATE = ("exp_avg", "exp_avg_sq")
+# The SMETConfig fields that fix the shape and meaning of the sparse state: `state_dict` records them
+# in its SMET parameter groups as `smet_<field>`, and loading refuses a checkpoint where they differ.
+STATE_FIELDS = ("mode", "density", "block_size")
 
 
 class SMETAdam(torch.optim.Optimizer):
@@ -170,7 +180,7 @@ class SMETAdam(torch.optim.Optimizer):
     def mask_gradient(self, param: torch.Tensor) -> None:
         """Zero the gradient of `param`'s inactive blocks; before a topology update that regrows by
         gradient, first add the blocks' gradient L1 norms to the regrowth scores (summed over
-        micro-batches when gradients are accumulated outside FSDP)."""
+        micro-batches when gradients are accumulated outside FSDP, and over ranks by `step`)."""
         state = self.state.get(param)
         if not state or "block_index" not in state or param.grad is None:
             return
@@ -193,6 +203,7 @@ class SMETAdam(torch.optim.Optimizer):
         if not self._is_attached():
             logger.info("SMET optimizer attached at its first step; call attach() before the first forward.")
             self.attach()
+        scores = self._regrowth_scores()
         replaced = active = 0
         for key, group, param, _ in self._named_params():
             if param.grad is None:
@@ -204,17 +215,42 @@ class SMETAdam(torch.optim.Optimizer):
                 continue
             grid = self._grid(param)
             step = int(state["step"].item())
-            score = self._grad_scores.pop(id(param), None)
-            if score is None and self._regrowth_scores_needed(step, grid):
-                # No hook saw this gradient (attach() came after the backward): it is still unmasked.
-                score = block_l1(grid.blocks(local(param.grad)))
             self._sparse_step(param, group, state, grid)
             if step % self.config.update_interval == 0 and grid.k < grid.blocks_per_row:
-                replaced += self._update_topology(param, key, state, grid, step, score)
+                replaced += self._update_topology(param, key, state, grid, step, scores.get(id(param)))
                 active += grid.rows * grid.k
         if active:
             self.last_replaced_fraction = replaced / active
         return loss
+
+    def _regrowth_scores(self) -> dict[int, torch.Tensor]:
+        """The gradient regrowth scores of the sparse weights whose topology is updated at this step
+        (keyed by `id(param)`), equal on every rank that holds the same rows.
+
+        The hooks score the gradient as it is accumulated on this rank. DDP (and so the Trainer's
+        context parallelism on CPU, which is DDP over the CP ranks) averages gradients after those
+        hooks have run, so every rank scores its own micro-batches or sequence shard: the scores of
+        plain parameters, replicated on every rank, are summed over all ranks here (one all-reduce per
+        matrix, at topology-update steps only). FSDP2 runs the hooks on the reduce-scattered (under
+        HSDP also all-reduced) gradient shard, so a DTensor parameter's scores already agree between
+        the ranks holding its rows and need no communication.
+        """
+        scores, replicated = {}, []
+        for _, group, param, _ in self._named_params():
+            if not group["smet"] or param.grad is None:
+                continue
+            grid = self._grid(param)
+            score = self._grad_scores.pop(id(param), None)
+            if not self._regrowth_scores_needed(int(self.state[param]["step"].item()) + 1, grid):
+                continue
+            if score is None:
+                # No hook saw this gradient (attach() came after the backward): it is still unmasked.
+                score = block_l1(grid.blocks(local(param.grad)))
+            scores[id(param)] = score
+            if not isinstance(param, DTensor):
+                replicated.append(score)
+        _sum_over_ranks(replicated)
+        return scores
 
     def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -325,6 +361,8 @@ class SMETAdam(torch.optim.Optimizer):
         groups = []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
+            if group["smet"]:
+                packed.update(self._settings())
             packed["params"] = [positions.setdefault(id(p), len(positions)) for p in group["params"]]
             groups.append(packed)
         state = {}
@@ -348,16 +386,38 @@ class SMETAdam(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in self.param_groups]} parameters per group); build the optimizer "
                 "the same way (same model, same target_modules) before loading."
             )
+        settings = self._settings()
+        for saved, group in zip(saved_groups, self.param_groups):
+            if group["smet"]:
+                self._check_settings(saved, settings)
         by_saved_id = {}
         for saved, group in zip(saved_groups, self.param_groups):
             by_saved_id.update(zip(saved["params"], group["params"]))
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in settings})
         new_state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
         sparse = {id(p) for _, g, p, _ in self._named_params() if g["smet"]}
         for saved_id, saved in state_dict["state"].items():
             param = by_saved_id[saved_id]
             new_state[param] = self._import_state(param, saved, id(param) in sparse)
         self.state = new_state
+
+    def _settings(self) -> dict[str, Any]:
+        return {f"smet_{name}": getattr(self.config, name) for name in STATE_FIELDS}
+
+    def _check_settings(self, saved_group: dict[str, Any], settings: dict[str, Any]) -> None:
+        """Refuse a saved SMET group whose recorded mode, density or block size differ from ours: its
+        masks and compact moments would not fit (or, broadcast into our shapes, silently be wrong)."""
+        differ = [
+            f"{key.removeprefix('smet_')}={saved_group[key]!r} (this run: {value!r})"
+            for key, value in settings.items()
+            if key in saved_group and saved_group[key] != value
+        ]
+        if differ:
+            raise ValueError(
+                f"The checkpoint's SMET optimizer state was saved with {', '.join(differ)}; resume with the same "
+                "SMET settings (e.g. the same --smet_density and --smet_block_size), or start a new run from the "
+                "saved model without its optimizer state."
+            )
 
     def _import_state(self, param: torch.Tensor, saved: dict[str, Any], sparse: bool) -> dict[str, torch.Tensor]:
         shard = local(param)
@@ -421,6 +481,15 @@ def _export(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # Collectives (gloo, NCCL) have no int16: checkpoints carry the block index as int32.
         value = value.to(torch.int32)
     return like_param(param, value)
+
+
+def _sum_over_ranks(tensors: list[torch.Tensor]) -> None:
+    """Sum every tensor in place over all ranks of the default process group (a no-op in one process);
+    the collectives run concurrently, in the same order on every rank."""
+    if not tensors or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for work in [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]:
+        work.wait()
 
 
 def _grad_hook(optimizer: SMETAdam):
