@@ -38,6 +38,21 @@ from .tiles import (
 
 
 @triton.jit
+def _scores(q, k, qk_scale, PRECISION: tl.constexpr):
+    """Base-2 scores [M, N] of a query tile against a key tile; an infinite score becomes NaN.
+
+    Only non-finite q or k give an infinite score, and masking uses -inf: a row whose visible
+    scores were all -inf would end with l = 0 and come out as a row that saw nothing (out = 0),
+    hiding the divergence. As NaN it reaches l and the output (a masked key's score is still
+    replaced by -inf afterwards). s * 0 is +-0 for finite s (leaving the scaled score exact) and NaN
+    for +-inf: one fused multiply-add per score, where a compare and select would take two
+    (IEEE arithmetic, which Triton keeps: no fast-math folding of x * 0).
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    return tl.fma(s, 0.0, s * qk_scale)
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores `s` [M, N] with values `v` [N, D] into (m, l, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -95,7 +110,7 @@ def _forward_kernel(
     for i in range(n_blocks * SUB):
         kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
                                                  k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = _scores(q, k, qk_scale, PRECISION)
         k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
         if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
             k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
@@ -108,7 +123,7 @@ def _forward_kernel(
         _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
                                                  stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
         k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = _scores(q, k, qk_scale, PRECISION)
         vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)

@@ -4,7 +4,7 @@ The kernels execute in a worker process started with TRITON_INTERPRET=1 (see
 `hf_sparse_cp.kernels.interpreter`); this process only builds inputs and compares. Sizes are
 small (S ~ 100-260, blocks of 16/32, D 16-128) but cover sub-tiling, partial blocks, GQA ratios
 1/2/8, shared and per-head layouts, columns, packed documents with padding, sliding windows,
-queries that see nothing, merging into an existing result, and the deterministic mode.
+queries that see nothing, non-finite inputs, merging into an existing result, and the deterministic mode.
 fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests marked gpu).
 """
 
@@ -19,7 +19,7 @@ from hf_sparse_cp.kernels import block_sparse_bwd, configs
 from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
 
-from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms
+from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms, visible
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +235,46 @@ def test_queries_that_see_nothing_get_zero_and_no_nan(interp):
     blind = lse == float("-inf")
     assert int(blind.sum()) >= s  # the whole second document of both heads
     assert bool((dq[blind] == 0).all())
+
+
+def test_non_finite_inputs_give_nan_rows_not_zeros(interp):
+    """NaN or Inf in q or k makes exactly the rows that read them NaN, in the forward and the backward; an
+    Inf key component gives -inf scores to the queries of the opposite sign, which must not pass for
+    masked keys (a row whose visible scores are all -inf would come out as a row that saw nothing).
+    Queries that see no key (padding, an empty layout row) stay at out = 0, lse = -inf."""
+    s, bs, hq, hk = 80, 16, 4, 2
+    q, k, v, dout, dlse = _inputs(1, hq, hk, s, s, 16, torch.float32, seed=41)
+    seg = torch.zeros(1, s, dtype=torch.int32)
+    seg[:, 30:] = 1
+    seg[:, 74:] = -1
+    meta = TokenMeta.from_segments(seg)
+    layout = random_layout(1, hq, s, s, bs, 0.6, 0.1, generator=torch.Generator().manual_seed(42))
+    layout.block_cnt[:, 1, 3] = 0  # head 1, queries 48-63 list nothing
+    layout.col_cnt[:, 1, 3] = 0
+    sees = (layout.to_mask(hq, s, s) & visible(meta, meta))[0]  # [Hq, S, S]
+    q[0, 0, 40, 3] = float("nan")
+    q[0, 1, 50, :] = float("nan")  # in the empty layout row
+    q[0, 2, 77, 0] = float("inf")  # padding
+    k[0, 0, 0, 5] = float("inf")  # the first key of document 0: its only key for query 0
+    k[0, 1, 33, :] = float("nan")
+    affected = torch.cat([sees[:2, :, 0], sees[2:, :, 33]])  # key/value head 0 serves query heads 0 and 1
+    affected[0, 40] = True
+    blind = ~sees.any(-1)
+    assert bool(affected[0, 0]) and bool(blind[1, 48:64].all()) and bool(blind[:, 74:].all())
+
+    out, lse, dq, dk, dv = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, meta, meta, 0.25, None, dout, dlse))
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta,
+                                         k_meta=meta)
+    for got in (out, ref_out):
+        assert torch.equal(got[0].isnan().any(-1), affected) and bool(got[0][affected].isnan().all())
+    assert torch.equal(lse[0].isnan(), affected) and torch.equal(ref_lse[0].isnan(), affected)
+    assert bool((out[0][blind] == 0).all()) and bool((lse[0][blind] == float("-inf")).all())
+    rest = ~affected & ~blind
+    assert rel_rms(out[0][rest], ref_out[0][rest]) <= TOLERANCE[torch.float32]
+    assert rel_rms(lse[0][rest], ref_lse[0][rest]) <= TOLERANCE[torch.float32]
+    assert bool(dq[0][affected].isnan().all())  # NaN lse gives NaN probabilities, not zero gradients
+    assert not bool(dk[0, 0, 0].isfinite().any()) and not bool(dv[0, 0, 0].isfinite().any())
+    assert not bool(dk[0, 1, 33].isfinite().any()) and not bool(dv[0, 1, 33].isfinite().any())
 
 
 @pytest.mark.parametrize(

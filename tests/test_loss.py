@@ -215,25 +215,61 @@ def test_backend_resolution(monkeypatch):
         resolve_backend(cuda, "liger")
 
 
-def test_liger_call_normalizes_like_transformers(monkeypatch):
-    """The liger branch passes sum/mean and divides by num_items_in_batch (liger itself replaced by plain torch)."""
+class _LigerLikeLoss(torch.autograd.Function):
+    """What liger-kernel's fused loss does, in plain torch: the gradients of the reduced loss are computed
+    in forward and only multiplied by the incoming gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, reduction):
+        with torch.enable_grad():
+            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+            loss = F.cross_entropy(F.linear(h, w).float(), target, ignore_index=ignore_index, reduction=reduction)
+            ctx.save_for_backward(*torch.autograd.grad(loss, (h, w)))
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+
+
+@pytest.fixture
+def liger_like(monkeypatch):
+    """The liger branch of `linear_cross_entropy` on CPU, with liger itself replaced by `_LigerLikeLoss`;
+    yields the reductions it was called with."""
     calls = []
 
     def fake_liger(input, weight, target, bias=None, ignore_index=-100, reduction="mean"):
+        assert bias is None
         calls.append(reduction)
-        return F.cross_entropy(F.linear(input, weight, bias).float(), target, ignore_index=ignore_index,
-                               reduction=reduction)
+        return _LigerLikeLoss.apply(input, weight, target, ignore_index, reduction)
 
     fake = types.ModuleType("liger_kernel.transformers.functional")
     fake.liger_fused_linear_cross_entropy = fake_liger
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", fake)
     monkeypatch.setattr(dispatch, "resolve_backend", lambda device, backend=None: "liger")
+    return calls
+
+
+def _dispatched(hidden, weight, labels, **kwargs):
+    """Loss and (hidden, weight) grads through `linear_cross_entropy` (whichever backend it resolves)."""
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(h.reshape(-1, HIDDEN), w, _shift(labels).reshape(-1), **kwargs)
+    loss.backward()
+    return loss.detach(), [h.grad, w.grad]
+
+
+def test_liger_call_normalizes_like_transformers(liger_like):
+    """The liger branch asks for the loss sum and divides it by num_items_in_batch, or by the number of
+    targets (the mean), like the chunked loss."""
     hidden, weight, _, labels = _problem(torch.float32)
-    flat = (hidden.reshape(-1, HIDDEN), weight, _shift(labels).reshape(-1))
-    for num_items in (None, 40):
-        loss = linear_cross_entropy(*flat, num_items_in_batch=num_items)
-        torch.testing.assert_close(loss, _stock(hidden, weight, None, labels, num_items_in_batch=num_items)[0])
-    assert calls == ["mean", "sum"]
+    for num_items in (None, 40, torch.tensor(40.0)):
+        loss, grads = _dispatched(hidden, weight, labels, num_items_in_batch=num_items)
+        ref_loss, ref_grads = _stock(hidden, weight, None, labels, num_items_in_batch=num_items)
+        torch.testing.assert_close(loss, ref_loss)
+        for g, r in zip(grads, ref_grads):
+            assert _rel_err(g, r) < 1e-5
+    assert liger_like == ["sum"] * 3
 
 
 @pytest.mark.gpu
@@ -485,3 +521,122 @@ def test_trainer_with_gradient_accumulation_matches_stock(tmp_path, monkeypatch)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     for name in ref_params:
         assert _rel_err(params[name], ref_params[name]) < 1e-3, name
+
+
+# ------------------------------------------------------------------------ batches without targets (#14)
+
+# A batch whose labels are all ignored (prompt-only samples), normalized by its own count (the mean), or
+# by num_items_in_batch = 0: an int, an integer tensor, or the float tensor the Trainer passes (its count
+# divided by the number of ranks sharing the batch), also the global count under context parallelism.
+NO_TARGET_NORMALIZERS = {"mean": None, "int": 0, "tensor": torch.tensor(0), "float_tensor": torch.tensor(0.0)}
+
+
+def _without_targets(dtype=torch.float32, bias=False):
+    hidden, weight, b, labels = _problem(dtype, bias=bias)
+    return hidden, weight, b, torch.full_like(labels, -100)
+
+
+def _assert_all_zero(grads):
+    for g in grads:
+        assert g is not None and bool(g.isfinite().all()) and not bool(g.any())
+
+
+def test_stock_loss_without_targets_is_nan_with_a_zero_gradient():
+    """What the lean loss follows: transformers' ForCausalLMLoss gives 0 / 0 = NaN as the value and a zero
+    gradient, with every normalizer."""
+    hidden, weight, _, labels = _without_targets()
+    for num_items in NO_TARGET_NORMALIZERS.values():
+        loss, grads = _stock(hidden, weight, None, labels, num_items_in_batch=num_items)
+        assert bool(loss.isnan())
+        _assert_all_zero(grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_items", list(NO_TARGET_NORMALIZERS), ids=[f"norm_{k}" for k in NO_TARGET_NORMALIZERS])
+def test_chunked_loss_without_targets_has_a_zero_gradient(num_items, dtype):
+    hidden, weight, b, labels = _without_targets(dtype, bias=True)
+    normalizer = NO_TARGET_NORMALIZERS[num_items]
+    loss, grads = _chunked(hidden, weight, b, labels, num_items_in_batch=normalizer, chunk_size=16)
+    ref_loss, _ = _stock(hidden, weight, b, labels, num_items_in_batch=normalizer)
+    torch.testing.assert_close(loss, ref_loss, equal_nan=True)  # NaN, as stock
+    _assert_all_zero(grads)
+
+
+@pytest.mark.parametrize("backend", ["torch", "liger"])
+def test_linear_cross_entropy_without_targets_has_a_zero_gradient(backend, request):
+    """Every backend shares the normalization: liger (CUDA-only, replaced by a liger-like loss) would
+    otherwise get 1 / 0 as the incoming gradient and multiply its zero gradients into NaN."""
+    if backend == "liger":
+        request.getfixturevalue("liger_like")
+    hidden, weight, _, labels = _without_targets()
+    for num_items in NO_TARGET_NORMALIZERS.values():
+        loss, grads = _dispatched(hidden, weight, labels, num_items_in_batch=num_items)
+        assert bool(loss.isnan())
+        _assert_all_zero(grads)
+
+
+@pytest.mark.parametrize("num_items", [None, torch.tensor(0.0)], ids=["mean", "num_items_0"])
+def test_lean_forward_without_targets_has_a_zero_gradient(lean_loss, num_items):
+    model = _tiny_model("llama")
+    ids, labels = _batch()
+    labels.fill_(-100)
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+    out, grads = _loss_and_grads(model, input_ids=ids, labels=labels, **extra)
+    assert out.logits is None and bool(out.loss.isnan())
+    assert grads.keys() == {name for name, _ in model.named_parameters()}
+    _assert_all_zero(grads.values())
+
+
+def test_trainer_step_without_targets_leaves_the_weights_as_they_were(tmp_path):
+    """A Trainer step whose batch has no target (num_items_in_batch = 0.0) gets a zero gradient: AdamW's
+    first update is then 0 (no weight decay) and the weights stay finite; the next step trains. With the
+    lean loss as with stock."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(4):
+        ids = torch.randint(3, 259, (24,), generator=g)
+        rows.append({"input_ids": ids, "labels": torch.full_like(ids, -100) if i < 2 else ids.clone()})
+
+    class Probe(TrainerCallback):
+        """Gradients before each optimizer step, weights after it."""
+
+        def __init__(self):
+            self.grads, self.weights = [], []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
+        def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    def train(out_dir):
+        model = _tiny_model("qwen2")
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = TrainingArguments(
+            output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+            weight_decay=0.0, train_sampling_strategy="sequential", report_to="none", save_strategy="no",
+            use_cpu=True, logging_steps=1, seed=0,
+        )
+        probe = Probe()
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[probe])
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return start, probe, losses
+
+    _, ref_probe, ref_losses = train(tmp_path / "stock")
+    enable_lean_loss()
+    try:
+        start, probe, losses = train(tmp_path / "lean")
+    finally:
+        disable_lean_loss()
+    assert len(probe.grads) == len(probe.weights) == 2
+    _assert_all_zero(probe.grads[0].values())  # the batch without targets
+    for name, weight in probe.weights[0].items():
+        assert torch.equal(weight, start[name]), name
+    assert any(bool(g.any()) for g in probe.grads[1].values())  # the next batch trains
+    assert all(bool(w.isfinite().all()) for w in probe.weights[1].values())
+    assert losses[1] > 0 and losses[1] == pytest.approx(ref_losses[1], rel=1e-5)
+    for name, weight in probe.weights[1].items():  # Adam's update magnifies rounding in near-zero gradients
+        assert _rel_err(weight, ref_probe.weights[1][name]) < 1e-3, name

@@ -6,7 +6,8 @@ log-sum-exp (LSE) of their scores. Two parts combine exactly as
     lse = log(exp(lse_a) + exp(lse_b)),  out = (exp(lse_a) out_a + exp(lse_b) out_b) / exp(lse)
 
 evaluated relative to max(lse_a, lse_b) so that nothing overflows; a part that saw no key
-(lse = -inf, out = 0) leaves the other unchanged.
+(lse = -inf, out = 0) leaves the other unchanged. A NaN lse (non-finite inputs) is not "no key":
+it makes the merged out and lse NaN.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def merge_attention(
 
     Args:
         out, lse: one part, [..., S, D] and [..., S]; out_part, lse_part: the other part.
-            A part whose queries saw no key (lse = -inf, out = 0) leaves the other unchanged.
+            A part whose queries saw no key (lse = -inf, out = 0) leaves the other unchanged; a
+            NaN lse in either part gives NaN out and lse for that query.
 
     Returns:
         (out [..., S, D], lse [..., S]) of the union of the key sets, in the compute dtype (fp32 at
@@ -32,14 +34,16 @@ def merge_attention(
     dtype = compute_dtype(out.dtype, out_part.dtype)
     out, out_part = out.to(dtype), out_part.to(dtype)
     lse, lse_part = lse.to(dtype), lse_part.to(dtype)
-    top = torch.maximum(lse, lse_part)
-    seen = torch.isfinite(top)
+    top = torch.maximum(lse, lse_part)  # NaN if either is NaN
+    # Only -inf means that neither part saw a key. A NaN or +inf lse comes from non-finite inputs and
+    # must stay non-finite: it flows through the arithmetic below (as NaN), never into the zero branch.
+    empty = top == float("-inf")
     # Where neither part saw a key, subtract 0 instead of -inf (keeps -inf - -inf out of the way).
-    ref = torch.where(seen, top, torch.zeros_like(top))
+    ref = torch.where(empty, torch.zeros_like(top), top)
     w_a = torch.exp(lse - ref)
     w_b = torch.exp(lse_part - ref)
     total = w_a + w_b
-    merged_lse = torch.where(seen, ref + torch.log(total), top)
-    inv = torch.where(seen, 1.0 / total, torch.zeros_like(total))
+    merged_lse = torch.where(empty, top, ref + torch.log(total))
+    inv = torch.where(empty, torch.zeros_like(total), 1.0 / total)
     merged_out = (out * (w_a * inv).unsqueeze(-1)) + (out_part * (w_b * inv).unsqueeze(-1))
     return merged_out, merged_lse

@@ -79,7 +79,8 @@ def attention_forward(
 
     Returns:
         (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs).
-        Queries that see no key get out = 0 and lse = -inf.
+        Queries that see no key get out = 0 and lse = -inf; a query with a non-finite score on a key
+        it sees (NaN/Inf in q or in that key) gets NaN out and lse.
     """
     if (out is None) != (lse is None):
         raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
@@ -188,7 +189,8 @@ def block_sparse_attention(
 
     Returns:
         (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Queries that see
-        no key get out = 0 and lse = -inf. Gradients flow to q, k, v, also through lse.
+        no key get out = 0 and lse = -inf; a query with a non-finite score on a key it sees (NaN/Inf in
+        q or in that key) gets NaN out and lse, never zeros. Gradients flow to q, k, v, also through lse.
     """
     q, k, v = autocast_inputs(q, k, v)
     check_tensors(q, k, v)

@@ -91,9 +91,18 @@ class _Problem:
         return b_off + h_off + idx.clamp_max(self.sk - 1)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled scores [B, H, C, bs, N]; an infinite score is made NaN. Only non-finite inputs give
+    one, and -inf would otherwise pass for an invisible key: a query whose visible keys all
+    scored -inf would get out = 0 as if it saw nothing, hiding the divergence."""
+    s = torch.einsum("bhcqd,bhcnd->bhcqn", q, k) * scale
+    return s.masked_fill_(s.isinf(), float("nan"))
+
+
 def _probs(scores: torch.Tensor, vis: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    p = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.where(vis & torch.isfinite(lse).unsqueeze(-1), p, 0.0)
+    # Only invisible pairs are zeroed: a query that sees no key has no visible pair (lse = -inf),
+    # and a NaN lse (non-finite inputs) must give NaN probabilities, not zeros.
+    return torch.where(vis, torch.exp(scores - lse.unsqueeze(-1)), 0.0)
 
 
 def _forward(q, k, v, prob: _Problem, scale: float):
@@ -103,8 +112,7 @@ def _forward(q, k, v, prob: _Problem, scale: float):
     for c0, c1 in prob.chunks():
         idx, vis = prob.keys(c0, c1)
         kc, vc = prob.gather(k, idx), prob.gather(v, idx)
-        s = torch.einsum("bhcqd,bhcnd->bhcqn", qp[:, :, c0:c1], kc) * scale
-        s = s.masked_fill(~vis, float("-inf"))
+        s = _scores(qp[:, :, c0:c1], kc, scale).masked_fill(~vis, float("-inf"))
         l = torch.logsumexp(s, dim=-1)
         p = _probs(s, vis, l)
         out[:, :, c0:c1] = torch.einsum("bhcqn,bhcnd->bhcqd", p, vc)
@@ -125,8 +133,7 @@ def _backward(q, k, v, out, lse, dout, dlse, prob: _Problem, scale: float):
         idx, vis = prob.keys(c0, c1)
         kc, vc = prob.gather(k, idx), prob.gather(v, idx)
         qc = qp[:, :, c0:c1]
-        s = torch.einsum("bhcqd,bhcnd->bhcqn", qc, kc) * scale
-        p = _probs(s, vis, lp[:, :, c0:c1])
+        p = _probs(_scores(qc, kc, scale), vis, lp[:, :, c0:c1])
         dp = torch.einsum("bhcqd,bhcnd->bhcqn", dop[:, :, c0:c1], vc)
         ds = p * (dp - delta[:, :, c0:c1].unsqueeze(-1)) * scale
         dq[:, :, c0:c1] = torch.einsum("bhcqn,bhcnd->bhcqd", ds, kc)
@@ -158,7 +165,8 @@ def reference_forward(
 
     Returns:
         (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs);
-        queries that see no key get out = 0 and lse = -inf.
+        queries that see no key get out = 0 and lse = -inf. A query with a non-finite score for a
+        key it sees (NaN or Inf in q or that key) gets NaN out and lse, never zeros.
     """
     return _forward(q, k, v, _Problem(q, k, v, layout, q_meta, k_meta, sliding_window), scale)
 

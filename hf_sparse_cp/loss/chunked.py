@@ -8,6 +8,9 @@ Layers, bottom up:
   incoming scalar gradient) and only rescales them in backward;
 * `chunked_linear_cross_entropy`: the documented public function with shape checks.
 
+`loss_normalizer`, `gradient_scale` and `normalize` are the divisor handling every backend shares
+(`dispatch.py`): a batch without targets gets a zero gradient, never 0 * (1 / 0) = NaN.
+
 Peak extra memory is one chunk of logits (fp32, plus a low-precision copy for bf16/fp16
 inputs) and an fp32 accumulator of the weight gradient, never O(N x V).
 """
@@ -26,6 +29,49 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
     """Tokens per chunk so that one chunk of fp32 logits takes about `DEFAULT_CHUNK_BYTES`."""
     return max(1, min(num_tokens, DEFAULT_CHUNK_BYTES // (4 * vocab_size)))
+
+
+def loss_normalizer(
+    labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | float | None, ignore_index: int
+) -> torch.Tensor:
+    """The divisor of the loss sum: `num_items_in_batch` when given (transformers' count over the
+    accumulated micro-batches; the global count under context parallelism), else the number of targets."""
+    if num_items_in_batch is None:
+        return (labels != ignore_index).sum()
+    return torch.as_tensor(num_items_in_batch)
+
+
+def gradient_scale(normalizer: torch.Tensor) -> torch.Tensor:
+    """fp32 1 / normalizer, the factor of the loss gradient; 0 for a normalizer of 0.
+
+    A step without targets (every label ignored, e.g. prompt-only samples) has a normalizer of 0.
+    Its loss sum is 0 and so is the gradient of every token: transformers' stock loss gives a zero
+    gradient there, while 0 * (1 / 0) is NaN, which the optimizer would write into every weight.
+    """
+    norm = normalizer.float()
+    return torch.where(norm == 0, 0.0, 1.0 / norm)
+
+
+class _Normalize(torch.autograd.Function):
+    """loss_sum / normalizer (0 / 0 = NaN without targets, as transformers' loss gives), with the
+    gradient scaled by `gradient_scale` (zero without targets)."""
+
+    @staticmethod
+    def forward(ctx, loss_sum, normalizer):
+        norm = normalizer.to(device=loss_sum.device, dtype=torch.float32)
+        ctx.save_for_backward(gradient_scale(norm))
+        return loss_sum / norm
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (scale,) = ctx.saved_tensors
+        return grad_loss * scale, None
+
+
+def normalize(loss_sum: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """The loss from a differentiable loss sum and its `loss_normalizer`: value loss_sum / normalizer,
+    gradient finite (zero) when the normalizer is 0."""
+    return _Normalize.apply(loss_sum, normalizer)
 
 
 def _chunk_step(hidden, weight, bias, targets, valid, inv_norm, with_grad):
@@ -50,7 +96,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         valid = labels != ignore_index
         targets = torch.where(valid, labels, 0)  # ignored rows gather a dummy logit and are masked out
         norm = normalizer.to(device=hidden.device, dtype=torch.float32)
-        inv_norm = 1.0 / norm
+        inv_norm = gradient_scale(norm)
         grad_h = torch.empty_like(hidden) if need_h else None
         # The weight and bias gradients sum over all chunks: accumulate them in fp32.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -79,7 +125,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
         )
-        return loss_sum / norm
+        return loss_sum / norm  # NaN without targets, like transformers' loss; the gradients above are 0
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -113,10 +159,11 @@ def chunked_linear_cross_entropy(
 
     Returns:
         The fp32 loss sum divided by `num_items_in_batch` when given, else the mean over
-        non-ignored tokens: the value of transformers' `ForCausalLMLoss` on the same logits.
-        Gradients w.r.t. hidden, weight and bias are exact; they are computed during forward, one
-        chunk at a time, with fp32 logsumexp and fp32 accumulation of the weight gradient. Under
-        autocast, inputs are cast to the autocast dtype.
+        non-ignored tokens: the value of transformers' `ForCausalLMLoss` on the same logits
+        (NaN = 0 / 0 for a batch without targets and a normalizer of 0, as there).
+        Gradients w.r.t. hidden, weight and bias are exact (zero, not NaN, without targets); they are
+        computed during forward, one chunk at a time, with fp32 logsumexp and fp32 accumulation of the
+        weight gradient. Under autocast, inputs are cast to the autocast dtype.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -141,10 +188,7 @@ def chunked_linear_cross_entropy(
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     labels = labels.to(hidden.device)
-    if num_items_in_batch is None:
-        normalizer = (labels != ignore_index).sum()
-    else:
-        normalizer = torch.as_tensor(num_items_in_batch)
+    normalizer = loss_normalizer(labels, num_items_in_batch, ignore_index)
     with_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )

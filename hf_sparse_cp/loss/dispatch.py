@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import choose_backend, is_available
-from .chunked import chunked_linear_cross_entropy
+from .chunked import chunked_linear_cross_entropy, loss_normalizer, normalize
 
 BACKEND_ENV = "HF_SPARSE_CP_LOSS_BACKEND"
 BACKENDS = ("auto", "torch", "liger")
@@ -39,12 +39,14 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
 def _liger_linear_cross_entropy(hidden, weight, labels, *, bias, num_items_in_batch, ignore_index):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = liger_fused_linear_cross_entropy(
-        hidden.contiguous(), weight, labels.to(hidden.device), bias=bias, ignore_index=ignore_index,
-        reduction=reduction,
+    labels = labels.to(hidden.device)
+    loss_sum = liger_fused_linear_cross_entropy(
+        hidden.contiguous(), weight, labels, bias=bias, ignore_index=ignore_index, reduction="sum"
     )
-    return loss if num_items_in_batch is None else loss / num_items_in_batch
+    # liger computes its gradients in forward and multiplies them by the incoming one: dividing by a
+    # normalizer of 0 would hand it 1 / 0 and turn its zero gradients into NaN. The chunked loss's
+    # divisor handling (mean or num_items_in_batch, zero gradient without targets) applies instead.
+    return normalize(loss_sum, loss_normalizer(labels, num_items_in_batch, ignore_index))
 
 
 def linear_cross_entropy(
@@ -66,7 +68,8 @@ def linear_cross_entropy(
             PyTorch implementation otherwise), 'liger' or 'torch'; default $HF_SPARSE_CP_LOSS_BACKEND.
 
     Returns:
-        The loss sum over non-ignored tokens divided by `num_items_in_batch`, else their mean.
+        The loss sum over non-ignored tokens divided by `num_items_in_batch`, else their mean. A batch
+        without targets gets a zero gradient with every backend.
     """
     if resolve_backend(hidden.device, backend) == "liger":
         return _liger_linear_cross_entropy(
