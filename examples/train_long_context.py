@@ -8,6 +8,9 @@ with dynamic vertical-slash sparse attention. Every flag of `TrainingArguments`,
     python examples/train_long_context.py --seq_len 8192 --max_steps 20 --slash_topk 512
     python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config cfg.yaml
 
+The demo writes no checkpoints unless asked: `--save_steps N` (or any other `--save_*` flag of
+`TrainingArguments`) checkpoints into `--output_dir` as in any Trainer script.
+
 Context parallelism: launch N processes and give the CP degree (accelerate's ParallelismConfig sets
 it on GPUs), e.g. on CPU `hf-sparse-cp train --nproc 2 --cp_size 2`, or
 
@@ -78,6 +81,30 @@ class ScriptArguments:
         default=None, metadata={"help": "Write the run summary (loss per logged step, kept fraction) as JSON here."}
     )
 
+    def __post_init__(self) -> None:
+        # A causal LM learns from a sequence of at least 2 tokens (the first predicts the second). Refused
+        # rather than passed on: the data slices the last seq_len tokens of each text, so 0 or a negative
+        # length would silently train on other lengths.
+        if self.seq_len < 2:
+            raise ValueError(f"--seq_len {self.seq_len}: a training sequence needs at least 2 tokens; e.g. "
+                             "--seq_len 4096.")
+        if self.pack_documents < 1:
+            raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
+        if self.seq_len // self.pack_documents < 2:
+            raise ValueError(
+                f"--pack_documents {self.pack_documents} leaves documents of {self.seq_len // self.pack_documents} "
+                f"tokens in a --seq_len {self.seq_len} sequence; a document needs at least 2 tokens: pack at most "
+                f"{self.seq_len // 2} documents, or raise --seq_len."
+            )
+        if self.seq_len % self.pack_documents:
+            divisors = ", ".join(str(n) for n in (2, 4, 8, 16) if self.seq_len % n == 0)
+            raise ValueError(
+                f"--pack_documents {self.pack_documents} does not divide --seq_len {self.seq_len}: every sequence "
+                f"packs documents of seq_len / pack_documents tokens, so the sequences would come out shorter. "
+                f"Use a divisor of {self.seq_len}{f' (e.g. {divisors})' if divisors else ''}, or a --seq_len that "
+                f"is a multiple of {self.pack_documents}."
+            )
+
 
 # The embedded default job; flags given by the user come later on the command line and win.
 DEFAULT_ARGS = [
@@ -87,7 +114,6 @@ DEFAULT_ARGS = [
     "--learning_rate", "2e-3",
     "--lr_scheduler_type", "constant",
     "--logging_steps", "1",
-    "--save_strategy", "no",
     "--report_to", "none",
     "--sparse_attention",
     "--block_size", "64",
@@ -99,12 +125,25 @@ DEFAULT_ARGS = [
 ]
 
 
+# The demo writes no checkpoints unless asked to: any checkpointing flag of TrainingArguments (--save_steps,
+# --save_strategy, --save_total_limit, ...), given by the user or a recipe, brings back the Trainer's own
+# checkpointing, as in any Trainer script (`--save_steps 50` saves every 50 steps and at the end).
+NO_CHECKPOINTS = ["--save_strategy", "no"]
+
+
+def asks_for_checkpoints(argv: list[str]) -> bool:
+    """Whether `argv` holds a `--save_*` flag of TrainingArguments (either spelling, `--flag=value` too)."""
+    names = {arg.split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    return any(name.startswith("__save") and name != "__save_final_model" for name in names)
+
+
 def recipe_flags(path: str) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/)."""
     flags: list[str] = []
     for name, value in read_mapping(path, "flag names to values, e.g. `seq_len: 32768`").items():
         items = value if isinstance(value, list) else [value]
-        flags += [f"--{name}", *map(str, items)]
+        # (a mapping, e.g. layer_overrides, as the JSON text its flag takes, not Python's repr)
+        flags += [f"--{name}", *(json.dumps(item) if isinstance(item, dict) else str(item) for item in items)]
     return flags
 
 
@@ -118,9 +157,13 @@ def parse_args(argv: list[str]) -> tuple:
     argv = list(argv)
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         argv = recipe_flags(argv[0]) + argv[1:]
+    defaults = DEFAULT_ARGS + ([] if asks_for_checkpoints(argv) else NO_CHECKPOINTS)
     # Without a GPU, train on CPU processes (gloo): accelerate only goes distributed on CPU when told.
-    defaults = DEFAULT_ARGS + ([] if torch.cuda.is_available() else ["--use_cpu"])
-    return parser.parse_args_into_dataclasses(args=defaults + argv)
+    defaults += [] if torch.cuda.is_available() else ["--use_cpu"]
+    try:
+        return parser.parse_args_into_dataclasses(args=defaults + argv)
+    except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -179,11 +222,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero():
         if script.summary_file:
             Path(script.summary_file).write_text(json.dumps(summary, indent=2))
+        saved = (f"checkpoints in {training.output_dir}" if training.save_strategy != "no"
+                 else "no checkpoints (the demo's default; --save_steps N saves every N steps)")
         print(
             f"done: {trainer.state.global_step} steps at {script.seq_len} tokens on {parallel.world_size} "
             f"process(es), CP={parallel.cp_size} | loss "
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
-            f"{summary['mean_kept_fraction']:.3f}"
+            f"{summary['mean_kept_fraction']:.3f} | {saved}"
         )
     # Tear the process groups down here, once gloo's workers are idle, not at interpreter exit.
     quiesce_process_groups()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
 EXAMPLE_MODULE = "hf_sparse_cp.examples.train_long_context"
+# What torchrun itself stops its workers on (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def _env() -> int:
@@ -21,6 +24,47 @@ def _env() -> int:
     return 0
 
 
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run `command` (torchrun) as a child and end with it: SIGINT, SIGTERM, SIGHUP or SIGQUIT sent to this
+    process (Ctrl-C, `kill`, a scheduler) is passed on to the child's process group, and this returns
+    only once the child is gone, with 128 + the signal number; otherwise with the child's exit status.
+
+    torchrun, on the first such signal, passes it to its workers and waits for them (SIGKILL after 30 s).
+    It runs in its own session so that a terminal's Ctrl-C reaches it once, through us: a second signal
+    would interrupt its shutdown and orphan the workers, so only the first one is passed on.
+    """
+    received: list[int] = []
+    child: subprocess.Popen | None = None
+    forwarded = False
+
+    def forward_first() -> None:
+        nonlocal forwarded
+        if child is not None and received and not forwarded:
+            forwarded = True
+            try:
+                os.killpg(child.pid, received[0])
+            except ProcessLookupError:  # already gone
+                pass
+
+    def on_signal(signum: int, _frame) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            os.write(2, f"hf-sparse-cp: got {signal.Signals(signum).name}, stopping the run...\n".encode())
+        forward_first()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
+    try:
+        child = subprocess.Popen(command, start_new_session=True)
+        forward_first()  # a signal that came while the child was starting
+        returncode = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        return 128 + received[0]
+    return 128 - returncode if returncode < 0 else returncode  # (killed by a signal: the shell's convention)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="hf-sparse-cp", description=__doc__)
@@ -31,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     train.add_argument("--nproc", type=int, default=1,
-                       help="Local processes to launch (torchrun; gloo on CPU), e.g. --nproc 2 --cp_size 2.")
+                       help="Local processes to launch (torchrun; gloo on CPU), e.g. --nproc 2 --cp_size 2. Ctrl-C "
+                       "or `kill` of this command stops torchrun and its workers too.")
     sub.add_parser("env", help="Print the versions and devices the plugin sees.")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
@@ -44,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-        return subprocess.run([*launcher, "-m", EXAMPLE_MODULE, *rest], check=False).returncode
+        return run_forwarding_signals([*launcher, "-m", EXAMPLE_MODULE, *rest])
     from hf_sparse_cp.examples.train_long_context import main as train_main
 
     train_main(rest)

@@ -12,14 +12,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .files import FileConfig
+from .files import FileConfig, check_field_types
 
 # `attn_implementation` name of the backend, and the model-config attribute that stores its settings.
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
-
-PATTERNS = ("vertical_slash", "dense")
-BUDGET_MODES = ("topk", "topp")
 
 
 def check_block_size(block_size: int, name: str = "block_size") -> None:
@@ -99,13 +96,10 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(
                     f"layer_overrides is not valid JSON ({e}); pass e.g. '{{\"0-1\": {{\"pattern\": \"dense\"}}}}'"
                 ) from None
+        check_field_types(self)  # (pattern and budget_mode too: their Literal lists the allowed values)
         self._validate()
 
     def _validate(self) -> None:
-        if self.pattern not in PATTERNS:
-            raise ValueError(f"pattern={self.pattern!r} is unknown; use one of {PATTERNS}.")
-        if self.budget_mode not in BUDGET_MODES:
-            raise ValueError(f"budget_mode={self.budget_mode!r} is unknown; use one of {BUDGET_MODES}.")
         check_block_size(self.block_size)
         for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len"):
             if getattr(self, name) < 0:
@@ -127,8 +121,6 @@ class SparseAttentionConfig(FileConfig):
 
     def _parsed_overrides(self) -> list[tuple[int, int, dict[str, Any]]]:
         """Overrides as (first_layer, last_layer, fields), validated."""
-        if not isinstance(self.layer_overrides, dict):
-            raise ValueError(f"layer_overrides must be a mapping, got {type(self.layer_overrides).__name__}.")
         names = {f.name for f in dataclasses.fields(self)} - {"layer_overrides", "dense_first_layers"}
         parsed = []
         for key, fields_ in self.layer_overrides.items():
@@ -139,6 +131,11 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(
                     f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. '0-3')."
                 ) from None
+            if first > last:
+                raise ValueError(
+                    f"layer_overrides key {key!r} is a reversed range and would match no layer; write the first "
+                    f"layer first: '{last}-{first}'."
+                )
             if not isinstance(fields_, dict):
                 raise ValueError(f"layer_overrides[{key!r}] must be a mapping of fields, got {fields_!r}.")
             unknown = set(fields_) - names
@@ -146,6 +143,10 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(
                     f"layer_overrides[{key!r}] has unknown fields {sorted(unknown)}; allowed: {sorted(names)}."
                 )
+            try:  # the layer's whole config, so that a bad value is refused now, not at that layer's first call
+                dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **fields_)
+            except ValueError as e:
+                raise ValueError(f"layer_overrides[{key!r}]: {e}") from None
             parsed.append((first, last, fields_))
         return parsed
 

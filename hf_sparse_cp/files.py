@@ -1,12 +1,16 @@
-"""YAML/JSON files behind the plugin's config dataclasses (and the example's recipes)."""
+"""YAML/JSON files behind the plugin's config dataclasses (and the example's recipes), and the type
+check those dataclasses run on their fields."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import types
+import typing
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -22,14 +26,87 @@ def read_mapping(path: str | Path, what: str = "fields") -> dict[str, Any]:
         raise FileNotFoundError(f"Config file {str(path)!r} does not exist.")
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"Config file {str(path)!r} must end in .yaml, .yml or .json.")
-    text = path.read_text()
     try:
-        data = json.loads(text) if path.suffix == ".json" else (yaml.safe_load(text) or {})
+        with path.open() as stream:  # (a stream, so that YAML's error marks name the file and line)
+            data = json.load(stream) if path.suffix == ".json" else (yaml.safe_load(stream) or {})
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"Config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"Config file {str(path)!r} must hold a mapping of {what}.")
     return data
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotations of dataclass `cls` (cached: a config is built for every layer)."""
+    return typing.get_type_hints(cls)
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether `value` has the type `annotation` describes: the annotations of the config dataclasses
+    (bool, int, float, str, Literal[...], unions with None, list[X], dict); an int is a float."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        # (by type too: True == 1, but True is not the literal 1)
+        return any(type(value) is type(arg) and value == arg for arg in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(item, args[0]) for item in value)
+    return isinstance(value, origin or annotation)
+
+
+def _describe(annotation: Any) -> str:
+    """What `_matches` accepts, in words."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])} values"
+    words = {type(None): "unset (None, null in YAML/JSON)", bool: "true or false", int: "a whole number",
+             float: "a number", str: "text", dict: "a mapping"}
+    return words.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def check_field_types(config: Any) -> None:
+    """Raise a ValueError naming the field, its value and what to write instead for the first field of
+    the dataclass instance `config` whose value does not have the type of its annotation.
+
+    Config dataclasses call this in `__post_init__`, before their value checks, so that a value of the
+    wrong type (from a YAML/JSON file, or passed directly) is refused by name instead of failing later
+    in a comparison, or being used as something else. `HfArgumentParser` already converts command-line
+    text to the annotated types, so flags always pass.
+    """
+    types_ = _field_types(type(config))
+    for f in dataclasses.fields(config):
+        value, annotation = getattr(config, f.name), types_[f.name]
+        if _matches(value, annotation):
+            continue
+        fix = f"use {_describe(annotation)}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if typing.get_origin(annotation) is not Literal and default not in (None, dataclasses.MISSING):
+            fix += f", e.g. {f.name}={default!r} (the default)"
+        if isinstance(value, str) and _is_number(value) and _matches(0, annotation):
+            fix += ("; this is a number written as text: write it without quotes"
+                    + (" (YAML reads an exponent without a dot and a sign, like 1e-3, as text: write 0.001 or "
+                       "1.0e-3)" if "e" in value.lower() else ""))
+        raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not valid: {fix}.")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class FileConfig:

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 from transformers import HfArgumentParser
@@ -13,22 +14,39 @@ def test_defaults_are_mtraining_like():
 
 
 @pytest.mark.parametrize(
-    "kwargs, fix",
+    "kwargs, fix",  # fix: a regular expression
     [
         ({"pattern": "bigbird"}, "use one of"),
         ({"block_size": 100}, "power of two"),
         ({"local_window": 0}, "every query needs its own diagonal"),
-        ({"vertical_topp": 1.5}, "must be in (0, 1]"),
+        ({"vertical_topp": 1.5}, r"must be in \(0, 1\]"),
         ({"last_q": 0}, "must be >= 1"),
         ({"budget_mode": "greedy"}, "use one of"),
         ({"layer_overrides": {"x-y": {"pattern": "dense"}}}, "not a layer index"),
         ({"layer_overrides": {"0": {"colour": 1}}}, "unknown fields"),
         ({"layer_overrides": "{not json"}, "not valid JSON"),
+        ({"layer_overrides": {"1-0": {"pattern": "dense"}}}, "reversed range.*'0-1'"),
+        ({"layer_overrides": {"2": {"block_size": 100}}}, r"layer_overrides\['2'\]: block_size=100 must be a power"),
+        ({"layer_overrides": {"2": {"slash_topk": "x"}}}, r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
+        # wrong types: refused by name with what to write, not a TypeError from a comparison
+        ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number, e.g. "
+                                   r"vertical_topk=1024"),
+        ({"block_size": 64.5}, r"block_size=64.5 \(float\) is not valid: use a whole number"),
+        ({"block_size": 64.0}, r"block_size=64.0 \(float\) is not valid"),
+        ({"slash_topk": True}, r"slash_topk=True \(bool\) is not valid"),
+        ({"vertical_topp": "0.9"}, r"vertical_topp='0.9' \(str\).*write it without quotes"),
+        ({"pattern": 1}, r"pattern=1 \(int\) is not valid: use one of 'vertical_slash', 'dense'"),
+        ({"layer_overrides": [0]}, r"layer_overrides=\[0\] \(list\) is not valid: use a mapping"),
     ],
 )
 def test_bad_values_name_the_fix(kwargs, fix):
-    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=fix):
         SparseAttentionConfig(**kwargs)
+
+
+def test_an_int_is_a_float():
+    cfg = SparseAttentionConfig(vertical_topp=1, slash_topp=0.5)  # an int is a fine float
+    assert cfg.vertical_topp == 1 and cfg.slash_topp == 0.5
 
 
 def test_per_layer_overrides():
@@ -57,6 +75,26 @@ def test_file_errors(tmp_path):
     section = tmp_path / "section.yaml"
     section.write_text("sparse_attention:\n  slash_topk: 5\n")
     assert SparseAttentionConfig.from_file(section).slash_topk == 5
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("topk.yaml", "vertical_topk: abc\n", r"'topk.yaml': vertical_topk='abc' \(str\) is not valid: use a whole"),
+        ("block.yaml", "sparse_attention:\n  block_size: 64.5\n", r"'block.yaml': block_size=64.5 \(float\)"),
+        ("exp.yaml", "vertical_topp: 1e-1\n", r"'exp.yaml': vertical_topp='1e-1'.*write 0.001 or 1.0e-3"),
+        ("topk.json", '{"vertical_topk": "abc"}', r"'topk.json': vertical_topk='abc' \(str\)"),
+        ("range.json", '{"layer_overrides": {"3-1": {"pattern": "dense"}}}', r"'range.json': .*'3-1' is a reversed"),
+        # syntax errors: the file, and for YAML the line and column
+        ("syntax.yaml", "vertical_topk: [1\n", r"'syntax.yaml' is not valid YAML: .*\s+in \"syntax.yaml\", line 1"),
+        ("syntax.json", '{"vertical_topk": 1,}', r"'syntax.json' is not valid JSON: .*line 1 column 21"),
+    ],
+)
+def test_file_errors_name_the_file_and_the_field(tmp_path, monkeypatch, name, text, match):
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        SparseAttentionConfig.from_file(name)
 
 
 def test_hf_argument_parser_flags(tmp_path):

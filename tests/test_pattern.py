@@ -199,5 +199,15 @@ def test_build_layout_lists_what_is_selected_and_nothing_useless(trial):
 def test_dense_kept_fraction_is_that_of_the_dense_layout(trial):
     kw = _random_build_inputs(trial, torch.Generator().manual_seed(100 + trial))
     meta, bs, window = kw["meta"], kw["block_size"], kw["sliding_window"]
-    expected = dense_layout(meta, bs, window).kept_fraction()
+    expected = dense_layout(meta, bs, window).kept_fraction(meta)
     assert float(dense_kept_fraction(meta, bs, window)) == pytest.approx(float(expected), rel=1e-12)
+
+
+def test_kept_fraction_counts_real_tokens_only():
+    """Padding appended to a row (right padding, or the blocks a CP split adds) lists no block and
+    does not count in the triangle: the kept fraction of the padded row is the unpadded one's."""
+    meta = TokenMeta.contiguous(2, 135)
+    padded = meta.pad_to(192)
+    layout, layout_padded = dense_layout(meta, 16), dense_layout(padded, 16)
+    assert float(layout.kept_fraction(meta)) == 1.0 == float(layout_padded.kept_fraction(padded))
+    assert float(layout_padded.kept_fraction()) < 1.0  # without the metadata every query block counts

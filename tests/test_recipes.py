@@ -37,6 +37,7 @@ def test_training_recipes_parse_into_a_sparse_cp_run(path):
     assert script.model_name_or_path and script.save_final_model
     assert script.seq_len % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
     assert training.bf16 and checkpointing_enabled(training)
+    assert training.save_strategy == "steps" and training.save_steps < training.max_steps  # the recipe's saving
     assert load_config_from_file(str(RECIPES / "accelerate" / "fsdp2_cp8_1node.yaml")).num_processes % cp.cp_size == 0
 
 
@@ -45,6 +46,13 @@ def test_curriculum_stages_chain_and_grow():
     assert [s[0].seq_len for s in stages] == [32768, 131072, 524288]
     for prev, nxt in pairwise(stages):
         assert nxt[0].model_name_or_path == prev[1].output_dir
+
+
+def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
+    recipe = tmp_path / "overrides.yaml"
+    recipe.write_text('seq_len: 512\nlayer_overrides:\n  "0-1": {pattern: dense}\n')
+    pattern = parse_args([str(recipe)])[3]
+    assert pattern.layer_overrides == {"0-1": {"pattern": "dense"}} and pattern.for_layer(1).pattern == "dense"
 
 
 def test_flags_after_the_recipe_win_and_bad_recipes_are_refused(tmp_path):

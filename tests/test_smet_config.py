@@ -1,5 +1,6 @@
 """SMETConfig validation, `--smet_*` flags and config files."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,17 @@ from hf_sparse_cp.smet import SMETConfig
         ({"regrow_warmup_steps": -1}, "0 turns it off"),
         ({"prune_decay_steps": 0}, "must be >= 1"),
         ({"target_modules": []}, "target_modules is empty"),
+        # wrong types: refused by name with what to write, not a TypeError from a comparison
+        ({"density": "high"}, "density='high' (str) is not valid: use a number, e.g. density=0.25"),
+        ({"block_size": 16.0}, "block_size=16.0 (float) is not valid: use a whole number"),
+        ({"local_bias_correction": "yes"}, "local_bias_correction='yes' (str) is not valid: use true or false"),
+        ({"target_modules": ["q_proj", 1]}, "target_modules=['q_proj', 1] (list) is not valid: use a list of text"),
+        ({"prune_decay_steps": "5"}, "prune_decay_steps='5' (str) is not valid: use a whole number or unset"),
+        ({"regrowth": 1}, "regrowth=1 (int) is not valid: use one of 'random', 'gradient' or unset"),
     ],
 )
 def test_bad_values_name_the_fix(kwargs, fix):
-    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(fix)):
         SMETConfig(**kwargs)
 
 
@@ -69,6 +77,25 @@ def test_config_file_with_flag_overrides(tmp_path, suffix):
     )[0]
     cfg = args.to_config()
     assert (cfg.density, cfg.update_interval, cfg.block_size) == (0.1, 25, 32)
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--smet_config", "smet.yaml"], "--smet_config smet.yaml given without --smet would be ignored: add --smet"),
+    (["--smet_density", "0.1", "--smet_seed", "3"], "--smet_density, --smet_seed given without --smet would be "
+                                                    "ignored: add --smet"),
+])
+def test_smet_settings_without_smet_are_refused(flags, refused):
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        HfArgumentParser(SMETArguments).parse_args_into_dataclasses(args=flags)
+    assert HfArgumentParser(SMETArguments).parse_args_into_dataclasses(args=["--smet", *flags])[0].smet
+    assert not HfArgumentParser(SMETArguments).parse_args_into_dataclasses(args=[])[0].smet  # defaults: fine
+
+
+def test_config_file_with_the_wrong_type_names_the_file_and_the_field(tmp_path):
+    path = tmp_path / "smet.yaml"
+    path.write_text("smet:\n  density: high\n")
+    with pytest.raises(ValueError, match=r"smet.yaml': density='high' \(str\) is not valid: use a number"):
+        SMETConfig.from_file(path)
 
 
 def test_config_file_errors_list_the_known_keys(tmp_path):

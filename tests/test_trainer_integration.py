@@ -71,6 +71,37 @@ def test_demo_runs_and_the_loss_decreases(tmp_path):
     assert 0 < summary["mean_kept_fraction"] < 0.9
 
 
+@pytest.mark.parametrize(
+    "flags, strategy, steps",
+    [
+        ([], "no", None),  # the demo's default: no checkpoints
+        (["--save_steps", "3"], "steps", 3),  # any --save_* flag: the Trainer's own checkpointing, as in any script
+        (["--save-steps=3"], "steps", 3),
+        (["--save_total_limit", "1"], "steps", 500),
+        (["--save_strategy", "epoch"], "epoch", None),
+        (["--save_final_model"], "no", None),  # the script's own flag (the model at the end) is not one of them
+    ],
+)
+def test_checkpointing_flags_work_as_in_a_trainer_script(flags, strategy, steps):
+    from hf_sparse_cp.examples.train_long_context import parse_args
+
+    training = parse_args(flags)[1]
+    assert training.save_strategy == strategy
+    assert steps is None or training.save_steps == steps
+
+
+def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
+    from hf_sparse_cp.examples.train_long_context import main
+
+    job = ["--seq_len", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
+    main([*job, "--output_dir", str(tmp_path / "saved"), "--save_steps", "1"])
+    assert sorted(p.name for p in (tmp_path / "saved").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out
+    main([*job, "--output_dir", str(tmp_path / "demo")])
+    assert not list((tmp_path / "demo").glob("checkpoint-*"))
+    assert "no checkpoints (the demo's default; --save_steps N saves every N steps)" in capsys.readouterr().out
+
+
 def test_cli_env(capsys):
     from hf_sparse_cp.cli import main
 

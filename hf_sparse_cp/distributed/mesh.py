@@ -28,12 +28,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from ..files import check_field_types
 from .comm import RingTopology
-from .sharding import SHARDINGS
 
 logger = logging.getLogger(__name__)
-
-RINGS = ("flat", "hierarchical")
 
 
 @dataclass
@@ -60,14 +58,17 @@ class ContextParallelConfig:
         metadata={"help": "Ranks per node for the hierarchical ring (default: LOCAL_WORLD_SIZE, set by torchrun and "
                   "accelerate launch)."},
     )
+    cp_allow_untested_model: bool = field(
+        default=False,
+        metadata={"help": "Train an architecture outside the registry of models tested exact under context "
+                  "parallelism (hf_sparse_cp.integration.models.TESTED_MODEL_TYPES) if it passes the checks "
+                  "for shard reach, length-dependent RoPE and token mixing outside attention."},
+    )
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # (cp_sharding and cp_ring too: their Literal lists the allowed values)
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
-        if self.cp_sharding not in SHARDINGS:
-            raise ValueError(f"cp_sharding={self.cp_sharding!r} is unknown; use one of {SHARDINGS}.")
-        if self.cp_ring not in RINGS:
-            raise ValueError(f"cp_ring={self.cp_ring!r} is unknown; use one of {RINGS}.")
         if self.cp_node_size is not None and self.cp_node_size < 1:
             raise ValueError(f"cp_node_size={self.cp_node_size} must be >= 1, or unset to use LOCAL_WORLD_SIZE.")
 

@@ -86,7 +86,27 @@ class SMETArguments(SMETFlags):
                   "override it."},
     )
 
+    def __post_init__(self) -> None:
+        # Without --smet the Trainer keeps its own optimizer: SMET settings would be ignored without a word.
+        if self.smet:
+            return
+        if self.smet_config is not None:
+            raise ValueError(
+                f"--smet_config {self.smet_config} given without --smet would be ignored: add --smet to train with "
+                "SMET, or drop --smet_config."
+            )
+        default = SMETConfig()
+        changed = [name for name, value in self._flags().items() if value != getattr(default, name)]
+        if changed:
+            raise ValueError(
+                f"{', '.join('--' + FLAG_PREFIX + name for name in changed)} given without --smet would be ignored: "
+                "add --smet to train with SMET, or drop them."
+            )
+
+    def _flags(self) -> dict[str, Any]:
+        """The `--smet_<field>` values by SMETConfig field name."""
+        return {f.name: getattr(self, FLAG_PREFIX + f.name) for f in dataclasses.fields(SMETConfig)}
+
     def to_config(self) -> SMETConfig:
         """The SMET config: the `--smet_config` file if given, with non-default flags on top."""
-        flags = {f.name: getattr(self, FLAG_PREFIX + f.name) for f in dataclasses.fields(SMETConfig)}
-        return SMETConfig.from_file_and_flags(self.smet_config, flags)
+        return SMETConfig.from_file_and_flags(self.smet_config, self._flags())

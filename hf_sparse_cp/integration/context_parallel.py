@@ -113,7 +113,8 @@ def enable_trainer_context_parallel(
     if parallel.cp_size == 1:
         return parallel
     model = trainer.model
-    check_model_supports_context_parallel(model)
+    allow_untested = cp_config is not None and cp_config.cp_allow_untested_model
+    check_model_supports_context_parallel(model, allow_untested=allow_untested)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     block_size = model_config_for(model).block_size
     pad_token_id = _pad_token_id(trainer, model)

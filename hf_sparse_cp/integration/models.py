@@ -158,7 +158,7 @@ def check_model_supports_context_parallel(
             raise ValueError(
                 f"{name} (model type {model_type!r}) passes the checks above, but its result under context "
                 f"parallelism has not been tested against one process; tested: {', '.join(TESTED_MODEL_TYPES)}. "
-                "Opt in with allow_untested=True (--cp_allow_untested_model) to train it anyway."
+                "Opt in with allow_untested=True (--cp_allow_untested_model with the Trainer) to train it anyway."
             )
         logger.warning("Model type %r is not among the architectures tested under context parallelism; it passed "
                        "the checks for shard reach, RoPE and token mixing.", model_type)

@@ -11,10 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..files import FileConfig
+from ..files import FileConfig, check_field_types
 
-MODES = ("sparse_weights", "sparse_update")
-REGROWTH = ("random", "gradient")
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -97,15 +95,12 @@ class SMETConfig(FileConfig):
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, str):
             self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
-        else:
+        elif isinstance(self.target_modules, (list, tuple)):
             self.target_modules = list(self.target_modules)
+        check_field_types(self)  # (mode and regrowth too: their Literal lists the allowed values)
         self._validate()
 
     def _validate(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown; use one of {MODES}.")
-        if self.regrowth is not None and self.regrowth not in REGROWTH:
-            raise ValueError(f"regrowth={self.regrowth!r} is unknown; use one of {REGROWTH} (or leave it unset).")
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density={self.density} must be in (0, 1]; e.g. 0.5, 0.25 or 0.1.")
         if self.block_size < 1:
