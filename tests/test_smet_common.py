@@ -12,6 +12,19 @@ from hf_sparse_cp.testing.models import tiny_config
 VOCAB = 64
 
 
+class TokenRows(torch.utils.data.Dataset):
+    """Rows of a token tensor as causal-LM samples (labels = inputs) for the Trainer."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
     """Llama with hidden 64, 2 layers, untied embeddings, random init from `seed`."""
     fields = dict(

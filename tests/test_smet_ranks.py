@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.spawn import run_gloo
 
-from test_smet_common import markov_tokens, tiny_llama
+from test_smet_common import TokenRows, markov_tokens, tiny_llama
 
 WORLD = 2
 MODES = ("sparse_weights", "sparse_update")
@@ -28,17 +28,6 @@ CONFIG = dict(density=0.5, block_size=8, update_interval=2, prune_rate=0.5, prun
 RESUME_STEPS, SAVE_AT = 6, 3
 
 pytestmark = pytest.mark.slow
-
-
-class TokenRows(torch.utils.data.Dataset):
-    def __init__(self, tokens: torch.Tensor):
-        self.tokens = tokens
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
 class Record(TrainerCallback):

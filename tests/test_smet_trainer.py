@@ -9,7 +9,7 @@ from hf_sparse_cp.integration.callbacks import unwrap_smet
 from hf_sparse_cp.smet import SMETAdam
 from hf_sparse_cp.smet.masks import active_mask
 
-from test_smet_common import markov_tokens, tiny_llama
+from test_smet_common import TokenRows, markov_tokens, tiny_llama
 
 FLAGS = [
     "--smet", "--smet_density", "0.5", "--smet_block_size", "8", "--smet_update_interval", "4",
@@ -17,17 +17,6 @@ FLAGS = [
 ]
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-class TokenRows(torch.utils.data.Dataset):
-    def __init__(self, tokens: torch.Tensor):
-        self.tokens = tokens
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
 def _trainer(out_dir, max_steps=12, seed=0, save_steps=6, flags=FLAGS):
