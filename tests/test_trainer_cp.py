@@ -208,3 +208,47 @@ def test_enable_patches_the_trainer_instance_and_disable_restores_it():
         # the Trainer's accounting counts the group's batch once: tokens, flops, samples per step
         assert r["counts"] == {"tokens": 300, "flops": r["stock_flops"] / 2, "batch": r["per_device"]}  # DP 1
         assert all(r["changed"]) and all(r["restored"])
+
+
+def _step_without_targets_under_cp2(rank: int, world: int) -> dict:
+    """Two Trainer steps under CP 2 with the lean loss, the first batch without any target: the weights
+    after it are the initial ones, the second step trains, nothing becomes non-finite."""
+    import tempfile
+
+    from transformers import TrainerCallback, default_data_collator
+
+    from hf_sparse_cp.integration import SparseCPArguments, attach_to_trainer, enable_lean_loss
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    enable_lean_loss()
+    ids = torch.arange(2 * 300).remainder(97).add(3).view(2, 300)
+    rows = [{"input_ids": ids[0], "labels": torch.full((300,), -100)}, {"input_ids": ids[1], "labels": ids[1]}]
+    weights = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            weights.append([p.detach().clone() for p in model.parameters()])
+
+    torch.manual_seed(0)  # one initialization on both ranks (DDP would otherwise copy rank 0's into rank 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        trainer.args.max_steps, trainer.args.per_device_train_batch_size, trainer.args.learning_rate = 2, 1, 1e-2
+        trainer.args.weight_decay, trainer.args.train_sampling_strategy = 0.0, "sequential"
+        trainer.train_dataset, trainer.data_collator = rows, default_data_collator
+        trainer._train_batch_size = 1
+        initial = [p.detach().clone() for p in trainer.model.parameters()]
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=2))
+        trainer.add_callback(Snapshot())
+        trainer.train()
+    finite = all(bool(torch.isfinite(w).all()) for step in weights for w in step)
+    unchanged = all(torch.equal(a, b) for a, b in zip(initial, weights[0]))
+    trained = any(not torch.equal(a, b) for a, b in zip(weights[0], weights[1]))
+    return {"finite": finite, "unchanged": unchanged, "trained": trained}
+
+
+@pytest.mark.slow
+def test_a_batch_without_targets_leaves_the_weights_unchanged_under_cp2():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for r in run_gloo(_step_without_targets_under_cp2, 2, timeout_s=300):
+        assert r == {"finite": True, "unchanged": True, "trained": True}
