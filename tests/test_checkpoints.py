@@ -31,8 +31,9 @@ def _trainer(out, **kw) -> Trainer:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     hf_sparse_cp.configure(model)
-    args = TrainingArguments(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, save_strategy="steps",
-                             save_steps=2, logging_steps=1, report_to="none", use_cpu=True, seed=0, **kw)
+    kw = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **kw}
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, logging_steps=1, report_to="none",
+                             use_cpu=True, seed=0, **kw)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=default_data_collator)
     attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
     return trainer
@@ -144,3 +145,24 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
                    "--resume_from_checkpoint", checkpoint)
     assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_a_save_that_fails_midway_leaves_a_checkpoint_marked_incomplete(tmp_path, strategy):
+    """The marker says "in progress" before the Trainer writes a file (at the step or epoch end where it
+    decides to save), so a save that dies halfway is refused on resume, not loaded."""
+    # (an epoch is 8 steps of the 16 rows)
+    trainer = _trainer(tmp_path / "run", **({"save_strategy": "epoch", "max_steps": 8} if strategy == "epoch" else {}))
+
+    def dies_midway(model, trial):
+        folder = tmp_path / "run" / f"checkpoint-{trainer.state.global_step}"
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("the disk filled up")
+
+    trainer._save_checkpoint = dies_midway
+    with pytest.raises(RuntimeError, match="disk filled up"):
+        trainer.train()
+    (folder,) = (tmp_path / "run").glob("checkpoint-*")
+    assert not json.loads((folder / MARKER).read_text())["complete"]
+    with pytest.raises(ValueError, match="is incomplete"):
+        _trainer(tmp_path / "resume").train(resume_from_checkpoint=str(folder))

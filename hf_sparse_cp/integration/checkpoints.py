@@ -54,7 +54,8 @@ def _write(path: Path, content: dict) -> None:
 
 class CheckpointMarkerCallback(TrainerCallback):
     """Marks each checkpoint in progress before it is saved and complete once every rank saved it.
-    Must come after transformers' flow callback, which decides at each step end whether to save."""
+    Must come after transformers' flow callback, which decides at each step or epoch end whether to
+    save (a save decided after an evaluation, `save_strategy="best"`, gets only the final marker)."""
 
     def __init__(self, trainer: Trainer, parallel: ParallelDims) -> None:
         self.trainer, self.parallel = trainer, parallel
@@ -67,6 +68,8 @@ class CheckpointMarkerCallback(TrainerCallback):
             folder = self._folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             _write(folder / MARKER, {"complete": False, "step": state.global_step})
+
+    on_epoch_end = on_step_end  # where the flow callback decides an epoch-end save
 
     def on_save(self, args, state, control, **kwargs):
         self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
