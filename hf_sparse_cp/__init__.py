@@ -21,6 +21,8 @@ from .lazy import lazy_attributes
 _LAZY = {
     "SMETArguments": "integration.arguments",
     "SparseCPArguments": "integration.arguments",
+    "SparseTrainer": "integration.sparse_trainer",
+    "SparseTrainingArguments": "integration.sparse_trainer",
     "attach_to_trainer": "integration.trainer",
     "detach_from_trainer": "integration.trainer",
     "disable_lean_loss": "integration.lean_loss",
@@ -28,6 +30,7 @@ _LAZY = {
     "enable_lean_loss": "integration.lean_loss",
     "enable_sparse_attention": "integration.trainer",
     "install_smet": "integration.smet",
+    "is_lean_loss_enabled": "integration.lean_loss",
     "uninstall_smet": "integration.smet",
 }
 __getattr__ = lazy_attributes(__name__, _LAZY)

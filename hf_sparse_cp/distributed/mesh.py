@@ -73,6 +73,18 @@ class ContextParallelConfig:
             raise ValueError(f"cp_node_size={self.cp_node_size} must be >= 1, or unset to use LOCAL_WORLD_SIZE.")
 
 
+def _launch_hint(env: Mapping[str, str]) -> str:
+    """How to start the processes, for a run that finds itself alone."""
+    if "ACCELERATE_MIXED_PRECISION" in env and "WORLD_SIZE" not in env:
+        # accelerate's simple launcher (a MULTI_CPU config without --mpirun_hostfile) starts one process
+        return ("`accelerate launch` started a single process. A MULTI_CPU config starts its processes with MPI only "
+                "(--mpirun_hostfile); for N processes on this machine use a MULTI_GPU config (accelerate then starts "
+                "them with torchrun, and without CUDA the script trains on CPU over gloo: see "
+                "recipes/accelerate/cpu_2proc_cp2.yaml), or `hf-sparse-cp train --nproc N`.")
+    return ("launch it with torchrun, accelerate launch or `hf-sparse-cp train --nproc N` (or call "
+            "torch.distributed.init_process_group before building the parallel dimensions).")
+
+
 def check_sizes(world_size: int, cp_size: int) -> None:
     """Raise a ValueError that says how to fix it when `cp_size` does not divide `world_size`."""
     if cp_size < 1 or world_size % cp_size:
@@ -179,10 +191,8 @@ class ParallelDims:
         """
         if not (dist.is_available() and dist.is_initialized()):
             if config.cp_size != 1:
-                raise ValueError(
-                    f"cp_size={config.cp_size} needs torch.distributed: launch with torchrun or accelerate launch "
-                    "(or call torch.distributed.init_process_group) before building the parallel layout."
-                )
+                raise ValueError(f"cp_size={config.cp_size} needs several processes joined by torch.distributed, but "
+                                 f"this one runs alone: {_launch_hint(env)}")
             return cls.single(config.cp_sharding)
         world, rank = dist.get_world_size(), dist.get_rank()
         check_sizes(world, config.cp_size)

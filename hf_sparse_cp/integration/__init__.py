@@ -5,7 +5,8 @@ unpatch, the lean-loss forward, Trainer glue, callbacks, command-line arguments,
 * `backend.py`: `sparse_cp_attention_forward`, the function transformers calls per layer;
 * `registration.py`: `patch`, `unpatch`, `configure`;
 * `lean_loss.py`: `enable_lean_loss` / `disable_lean_loss` (causal-LM loss without full logits);
-* `trainer.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls;
+* `sparse_trainer.py`: `SparseTrainingArguments` and `SparseTrainer`, the one switch for a Trainer script;
+* `trainer.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
 * `smet.py`: `install_smet` / `uninstall_smet`;
 * `arguments.py`, `callbacks.py`, `stats.py`, `models.py`, `patching.py`, `compat.py`.
@@ -31,6 +32,8 @@ _WHERE = {
     "is_patched": "registration",
     "patch": "registration",
     "unpatch": "registration",
+    "SparseTrainer": "sparse_trainer",
+    "SparseTrainingArguments": "sparse_trainer",
     "install_smet": "smet",
     "uninstall_smet": "smet",
     "attach_to_trainer": "trainer",

@@ -11,8 +11,10 @@ matching disable call restores exactly that.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
@@ -85,7 +87,8 @@ def enable_sparse_attention(
         and max_length >= threshold
         and not checkpointing_enabled(training_args)
     ):
-        logger.info("Sequence length %d >= %d: turning gradient checkpointing on.", max_length, threshold)
+        logger.warning("Sequence length %d >= --gradient_checkpointing_min_length %d: turning gradient "
+                       "checkpointing on.", max_length, threshold)
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
                 patches.set_attr(training_args, name, True)
@@ -98,8 +101,58 @@ def disable_sparse_attention(model: torch.nn.Module) -> None:
     undo_recorded(model, _SPARSE_ATTENTION)
 
 
+def check_launch(trainer: Trainer) -> None:
+    """Raise ValueError, naming the fix, when the processes launched and the Trainer's view of them
+    disagree: e.g. torchrun on CPU without `--use_cpu` starts N processes that accelerate then runs
+    as N independent single-process jobs, each training its own model with no gradient sync."""
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    launched = max(launched, int(os.environ.get("WORLD_SIZE", "1")))
+    running = trainer.accelerator.num_processes
+    if launched != running:
+        raise ValueError(
+            f"{launched} processes were launched but the Trainer sees {running}: each would train its own model "
+            "without gradient sync. Without a GPU, pass --use_cpu (use_cpu=True in TrainingArguments): accelerate "
+            "joins CPU processes only when told."
+        )
+
+
+def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
+    """One line on how the model's layers attend: sparse or dense, and why."""
+    config = model.config
+    cfg = SparseAttentionConfig.from_dict(getattr(config, MODEL_CONFIG_ATTRIBUTE) or {})
+    layer_types = getattr(config, "layer_types", None) or ()
+    n = config.num_hidden_layers
+    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
+    sparse = [i for i in range(n) if i not in dense and i not in sliding]
+    parts = [f"{len(sparse)} of {n} layers vertical-slash (block {cfg.block_size})"]
+    if dense:
+        parts.append(f"layers {_ranges(dense)} dense (pattern)")
+    if sliding:
+        parts.append(f"layers {_ranges(sliding)} sliding-window (dense within the window)")
+    line = "sparse_cp: " + "; ".join(parts)
+    if sparse and max_length is not None and max_length < cfg.min_seq_len:
+        line += (f". At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
+                 "dense (lower --min_seq_len to train sparse at this length)")
+    return line
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs, start = [], layers[0]
+    for a, b in zip(layers, [*layers[1:], None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a > start else str(a))
+            start = b
+    return ", ".join(runs)
+
+
 def attach_to_trainer(
-    trainer: Trainer, sparse_args: SparseCPArguments, cp_config: ContextParallelConfig | None = None
+    trainer: Trainer,
+    sparse_args: SparseCPArguments,
+    cp_config: ContextParallelConfig | None = None,
+    *,
+    max_length: int | None = None,
 ) -> ParallelDims:
     """Add the plugin to a built Trainer; `detach_from_trainer(trainer)` undoes it.
 
@@ -109,18 +162,25 @@ def attach_to_trainer(
             reporters, so TensorBoard / W&B see its keys).
         cp_config: the plugin's CP flags; with a CP size above 1 (here or in accelerate's
             `ParallelismConfig`) the trainer switches to sparse context parallelism.
+        max_length: the training sequence length, when known: the start-up line then says whether
+            any document reaches `min_seq_len`.
 
     Returns:
         The `ParallelDims` in use. Checkpoints the trainer saves are marked complete only once
         every rank has saved, and `train(resume_from_checkpoint=...)` refuses an incomplete,
         damaged or mismatched one (`checkpoints.py`).
     """
+    check_launch(trainer)
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         record_on(trainer, _SPARSITY_LOGGING).insert(callbacks, 0, SparsityLoggingCallback())
     parallel = enable_trainer_context_parallel(trainer, cp_config)
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS))
+    if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
+        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length),
+                       f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
+                       f"{'hierarchical' if parallel.hierarchical else 'flat'} ring" if parallel.cp_size > 1 else "off")
     return parallel
 
 

@@ -1,0 +1,160 @@
+"""One switch for a stock Trainer script: `SparseTrainingArguments` and `SparseTrainer`.
+
+A script written for `TrainingArguments` and `Trainer` changes the two class names:
+
+    parser = HfArgumentParser(SparseTrainingArguments)       # every Trainer flag, plus the plugin's
+    (args,) = parser.parse_args_into_dataclasses()
+    trainer = SparseTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+
+`SparseTrainingArguments` carries the plugin's settings as fields with help text (the sparse
+attention switches, the pattern, context parallelism and SMET: the same flags as the example
+script, `--vertical_topk 1024`, `--cp_size 2`, `--smet`), so `HfArgumentParser`, YAML recipes and
+`accelerate launch` work as for any `TrainingArguments`. `SparseTrainer` does what the functional
+API (`enable_sparse_attention`, `attach_to_trainer`, `install_smet`) does by hand: it registers and
+configures the backend, opts into the lean loss, turns gradient checkpointing on at long lengths,
+sets up context parallelism and SMET, adds the logging callbacks, checks the launch, says at start
+which layers run sparse, and tears the process groups down cleanly at exit after training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import typing
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from ..config import SparseAttentionConfig
+from ..distributed import ContextParallelConfig, quiesce_process_groups
+from ..smet import SMETConfig
+from .arguments import SMETArguments, SparseCPArguments
+from .smet import install_smet
+from .trainer import attach_to_trainer, enable_sparse_attention
+
+# The dataclasses whose fields SparseTrainingArguments carries, flags unchanged.
+_PARTS = (SparseCPArguments, SparseAttentionConfig, ContextParallelConfig, SMETArguments)
+# One switch: the class itself asks for sparse attention, so its flag defaults to on here.
+_DEFAULTS = {"sparse_attention": True}
+_MAX_LENGTH = dataclasses.field(default=None, metadata={
+    "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
+            "--gradient_checkpointing_min_length and decides which documents reach --min_seq_len; default: the "
+            "length of the training set's first sample."})
+
+
+def _copied_fields(cls: type) -> list[tuple[str, Any, dataclasses.Field]]:
+    """(name, type, field) of every field of dataclass `cls`, with its default (or `_DEFAULTS`') and help."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            copy = dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+        else:
+            copy = dataclasses.field(default=_DEFAULTS.get(f.name, f.default), metadata=f.metadata)
+        out.append((f.name, hints[f.name], copy))
+    return out
+
+
+def _part(args, cls: type):
+    """`cls` built from the fields of `args` that it declares."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+class _PluginSettings:
+    """The methods of `SparseTrainingArguments` (its fields are generated from `_PARTS`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for part in _PARTS:  # each part validates its own fields, naming them
+            _part(self, part)
+        self.sparse_attention_config()
+
+    def plugin_arguments(self) -> SparseCPArguments:
+        return _part(self, SparseCPArguments)
+
+    def sparse_attention_config(self) -> SparseAttentionConfig:
+        """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
+        return self.plugin_arguments().attention_config(_part(self, SparseAttentionConfig))
+
+    def context_parallel_config(self) -> ContextParallelConfig:
+        return _part(self, ContextParallelConfig)
+
+    def smet_optimizer_config(self) -> SMETConfig | None:
+        """The SMET settings when `--smet` is on, else None."""
+        flags = _part(self, SMETArguments)
+        return flags.to_config() if flags.smet else None
+
+
+def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    fields = [("max_length", int | None, _MAX_LENGTH)]
+    for part in _PARTS:
+        fields += _copied_fields(part)
+    clash = {name for name, _, _ in fields} & {f.name for f in dataclasses.fields(TrainingArguments)}
+    if clash:
+        raise TypeError(f"plugin flags {sorted(clash)} collide with TrainingArguments fields; rename them.")
+    return fields
+
+
+SparseTrainingArguments = dataclasses.make_dataclass(
+    "SparseTrainingArguments", _fields(), bases=(_PluginSettings, TrainingArguments),
+    namespace={"__doc__": "`TrainingArguments` plus the plugin's flags: `--sparse_attention` (on by default), "
+               "`--sparse_config`, the pattern (`--vertical_topk`, `--block_size`, ...), context parallelism "
+               "(`--cp_size`, ...), SMET (`--smet`, `--smet_density`, ...) and `--max_length`.",
+               "__module__": __name__},
+)
+
+
+def _first_length(dataset) -> int | None:
+    """The token count of the first sample of a map-style dataset with `input_ids`, or None."""
+    try:
+        return len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+class SparseTrainer(Trainer):
+    """A `Trainer` that trains with the plugin as `SparseTrainingArguments` say.
+
+    Args:
+        model: a transformers causal LM (not `model_init`: the backend is configured on the model).
+        args: the `SparseTrainingArguments`.
+        *rest, **kwargs: as for `Trainer` (train_dataset, data_collator, processing_class, callbacks, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None, *rest, **kwargs):
+        if not isinstance(args, SparseTrainingArguments):
+            raise TypeError(f"SparseTrainer takes SparseTrainingArguments (got {type(args).__name__}): parse the "
+                            "command line with HfArgumentParser(SparseTrainingArguments).")
+        if model is None:
+            raise ValueError("SparseTrainer needs the model itself (model_init is not supported): the sparse backend "
+                             "is configured on it before training.")
+        self.max_length = args.max_length or _first_length(kwargs.get("train_dataset"))
+        if args.sparse_attention:
+            enable_sparse_attention(model, args.plugin_arguments(), args.sparse_attention_config(), args,
+                                    self.max_length)
+        super().__init__(model, args, *rest, **kwargs)
+        self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
+                                          max_length=self.max_length)
+        smet = args.smet_optimizer_config()
+        if smet is not None:
+            install_smet(self, smet)
+
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        _tear_down_at_exit()  # only after a finished run: every rank then reaches the exit barrier
+        return result
+
+
+@functools.cache
+def _tear_down_at_exit() -> None:
+    """At interpreter exit, end the process groups while the interpreter is whole (once per process)."""
+
+    def tear_down() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            quiesce_process_groups()
+            torch.distributed.destroy_process_group()
+
+    atexit.register(tear_down)
