@@ -77,9 +77,10 @@ def _probe(target: torch.nn.Module, device: torch.device | str) -> list[tuple[st
 def _shard_reach(model: torch.nn.Module) -> list[tuple[str, bool]]:
     """`_probe` of the model's architecture built on the meta device (no memory, no compute), or of
     the model itself where the architecture does not build or run there."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's architecture
     try:
         with torch.device("meta"):
-            shadow = type(model)(copy.deepcopy(model.config))
+            shadow = type(base)(copy.deepcopy(base.config))
         return _probe(shadow, "meta")
     except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
         logger.info("Probing %s itself: its architecture does not run on the meta device (%s).", type(model).__name__,

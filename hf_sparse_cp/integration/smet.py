@@ -9,7 +9,7 @@ from typing import Any
 from transformers import Trainer, TrainingArguments
 
 from ..smet import SMETConfig
-from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory
+from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory, smet_param_groups
 from .callbacks import SMETCallback
 from .patching import record_on, undo_recorded
 
@@ -41,12 +41,15 @@ def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
 
     Returns:
         The trainer, with `optimizer_cls_and_kwargs` set and `SMETCallback` first among its callbacks.
-        Installing again replaces the previous installation.
+        Installing again replaces the previous installation. A model SMET cannot train (no trainable
+        weight in `config.target_modules`, e.g. a LoRA model, whose base weights are frozen; or targets
+        that reach a PEFT adapter's weights) is refused here, not when `train()` builds the optimizer.
     """
     if trainer.optimizer is not None:
         raise ValueError(
             "The Trainer already has an optimizer; build it without `optimizers=` and let install_smet create SMET."
         )
+    smet_param_groups(trainer.model, config, weight_decay=0.0)
     undo_recorded(trainer, _FEATURE)
     patches = record_on(trainer, _FEATURE)
     patches.set_attr(trainer, "optimizer_cls_and_kwargs", smet_optimizer_cls_and_kwargs(trainer.args, config))

@@ -19,17 +19,56 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 _IGNORED = ("fused", "foreach", "capturable", "differentiable")
 
 
+def _adapter_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of the PEFT adapter weights in `model`: peft's tuner layers and wrappers list their
+    adapter containers in `adapter_layer_names` (LoRA: `lora_A`, `lora_B`, ...; `modules_to_save`)."""
+    return tuple(
+        f"{name}.{container}."
+        for name, module in model.named_modules()
+        for container in getattr(module, "adapter_layer_names", None) or ()
+    )
+
+
 def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float) -> list[dict[str, Any]]:
-    """Parameter groups of `model`: the weights of `config.target_modules` linears (sparse, `smet=True`),
-    then the other trainable parameters, with weight decay for those of 2+ dims (not biases, norms)."""
+    """Parameter groups of `model`: the trainable weights of `config.target_modules` linears (sparse,
+    `smet=True`), then the other trainable parameters, with weight decay for those of 2+ dims (not
+    biases, norms). A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is
+    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model)."""
     targets = set(config.target_modules)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adapters = _adapter_prefixes(model)
     sparse: dict[int, tuple[str, torch.Tensor]] = {}
+    frozen: dict[str, None] = {}  # parameter names in model order, each once
+    adapter: dict[str, str] = {}  # parameter name -> the target name that reached it
     for module_name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if module_name.rsplit(".", 1)[-1] in targets and isinstance(weight, nn.Parameter) and weight.requires_grad:
-            sparse[id(weight)] = (f"{module_name}.weight", weight)
+        target = module_name.rsplit(".", 1)[-1]
+        weight = getattr(module, "weight", None)  # (a PEFT layer's is its base layer's)
+        if target not in targets or not isinstance(weight, nn.Parameter):
+            continue
+        name = names[id(weight)]
+        if name.startswith(adapters):
+            adapter[name] = target
+        elif weight.requires_grad:
+            sparse[id(weight)] = (name, weight)
+        else:
+            frozen[name] = None
+    if adapter:
+        raise ValueError(
+            f"target_modules={config.target_modules} reaches PEFT adapter weights ({next(iter(adapter))}, "
+            f"{len(adapter)} in all): SMET makes the model's own weights sparse, never an adapter's. Remove "
+            f"{sorted(set(adapter.values()))} from target_modules."
+        )
+    if not sparse and frozen:
+        raise ValueError(
+            f"target_modules={config.target_modules} matches only frozen weights ({next(iter(frozen))}, "
+            f"{len(frozen)} in all), so SMET has nothing to train: it sparsifies the target_modules' weights, "
+            "which LoRA (peft's get_peft_model) freezes. Train either with SMET (full fine-tuning with sparse "
+            "updates, without get_peft_model) or with LoRA (without --smet / install_smet), or unfreeze the "
+            "weights SMET should train (requires_grad_(True))."
+        )
     if not sparse:
-        examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                           if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)})
         raise ValueError(
             f"No module of the model matches target_modules={config.target_modules}; linear modules here are named "
             f"{examples[:12]}."
