@@ -1,12 +1,19 @@
 """Long-context fine-tuning with the stock `Trainer` and the sparse_cp attention backend.
 
-Run with no arguments for the embedded default: a tiny Qwen2-shaped model (random init), a byte
+Run with no arguments for the embedded demo job: a tiny Qwen2-shaped model (random init), a byte
 tokenizer built in code, and synthetic passkey-retrieval data at 4K tokens, trained for a few steps
-with dynamic vertical-slash sparse attention. Every flag of `TrainingArguments`,
-`SparseCPArguments` and `SparseAttentionConfig` can be given to override the defaults, e.g.
+with dynamic vertical-slash sparse attention and a toy pattern sized for it. Every flag of
+`TrainingArguments`, `SparseCPArguments` and `SparseAttentionConfig` can be given to override the
+defaults, and a recipe file (`flag: value` pairs, see recipes/train/) can come first, e.g.
 
     python examples/train_long_context.py --seq_len 8192 --max_steps 20 --slash_topk 512
+    python examples/train_long_context.py recipes/train/qwen2.5-3b_32k.yaml --max_steps 10
     python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config cfg.yaml
+
+The demo job's settings (`DEMO_DEFAULTS`) are the defaults only without a recipe and without
+`--model_name_or_path`; a recipe or a pretrained model gets the library defaults for every flag it
+does not set. `--help` shows the defaults of the command line it is given. Flags given on the
+command line or in the recipe beat `--sparse_config` / `--smet_config` files, whatever their value.
 
 The demo writes no checkpoints unless asked: `--save_steps N` (or any other `--save_*` flag of
 `TrainingArguments`) checkpoints into `--output_dir` as in any Trainer script.
@@ -27,31 +34,28 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorWithFlattening,
     HfArgumentParser,
-    Trainer,
+    PreTrainedTokenizerBase,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
 
-from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.distributed import ContextParallelConfig, quiesce_process_groups
+from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.files import read_mapping
-from hf_sparse_cp.integration import (
-    SMETArguments,
-    SparseCPArguments,
-    attach_to_trainer,
-    enable_sparse_attention,
-    install_smet,
-)
+from hf_sparse_cp.integration import SMETArguments, SparseCPArguments
+from hf_sparse_cp.integration.arguments import explicit_fields
 from hf_sparse_cp.testing.models import tiny_config
 
 logger = logging.getLogger(__name__)
@@ -106,35 +110,53 @@ class ScriptArguments:
             )
 
 
-# The embedded default job; flags given by the user come later on the command line and win.
-DEFAULT_ARGS = [
-    "--output_dir", "outputs/train_long_context",
-    "--max_steps", "6",
-    "--per_device_train_batch_size", "1",
-    "--learning_rate", "2e-3",
-    "--lr_scheduler_type", "constant",
-    "--logging_steps", "1",
-    "--report_to", "none",
-    "--sparse_attention",
-    "--block_size", "64",
-    "--min_seq_len", "1024",
-    "--vertical_topk", "64",
-    "--slash_topk", "128",
-    "--local_window", "64",
-    "--sink_tokens", "16",
-]
+# The embedded demo job: a few steps of the tiny model at 4K tokens, with a sparse pattern sized for it. These are
+# the parser's defaults only when neither a recipe nor --model_name_or_path is given (so `--help` shows them then):
+# a recipe or a pretrained model gets the library defaults for every flag it does not set, not these toy values.
+DEMO_DEFAULTS = {
+    "output_dir": "outputs/train_long_context",
+    "max_steps": 6,
+    "per_device_train_batch_size": 1,
+    "learning_rate": 2e-3,
+    "lr_scheduler_type": "constant",
+    "logging_steps": 1,
+    "report_to": "none",
+    "block_size": 64,
+    "min_seq_len": 1024,
+    "vertical_topk": 64,
+    "slash_topk": 128,
+    "local_window": 64,
+    "sink_tokens": 16,
+}
 
 
 # The demo writes no checkpoints unless asked to: any checkpointing flag of TrainingArguments (--save_steps,
-# --save_strategy, --save_total_limit, ...), given by the user or a recipe, brings back the Trainer's own
-# checkpointing, as in any Trainer script (`--save_steps 50` saves every 50 steps and at the end).
-NO_CHECKPOINTS = ["--save_strategy", "no"]
+# --save_strategy, --save_total_limit, ...) brings back the Trainer's own checkpointing, as in any Trainer script
+# (`--save_steps 50` saves every 50 steps and at the end).
+NO_CHECKPOINTS = {"save_strategy": "no"}
+
+DESCRIPTION = (
+    "Long-context fine-tuning with the stock Trainer and the sparse_cp attention backend. A recipe file (YAML/JSON "
+    "of flag: value pairs) may come first; flags after it win, and flags given on the command line or in the recipe "
+    "beat --sparse_config / --smet_config files. The defaults shown are those of the command line given: without a "
+    "recipe or --model_name_or_path, the embedded demo job's (a tiny model at 4K tokens, a toy sparse pattern); with "
+    "either, the library defaults (e.g. `... recipe.yaml --help`)."
+)
 
 
-def asks_for_checkpoints(argv: list[str]) -> bool:
-    """Whether `argv` holds a `--save_*` flag of TrainingArguments (either spelling, `--flag=value` too)."""
-    names = {arg.split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
-    return any(name.startswith("__save") and name != "__save_final_model" for name in names)
+class ParsedArgs(NamedTuple):
+    script: ScriptArguments
+    training: SparseTrainingArguments  # every Trainer and plugin flag; the fields below are views of it
+    sparse: SparseCPArguments
+    pattern: SparseAttentionConfig
+    cp: ContextParallelConfig
+    smet: SMETArguments
+    explicit: set[str]  # the fields the command line or the recipe set (see `explicit_fields`)
+
+
+def asks_for_checkpoints(explicit: set[str]) -> bool:
+    """Whether the fields given explicitly hold a `save_*` flag of TrainingArguments."""
+    return any(name.startswith("save_") and name != "save_final_model" for name in explicit)
 
 
 def recipe_flags(path: str) -> list[str]:
@@ -147,27 +169,43 @@ def recipe_flags(path: str) -> list[str]:
     return flags
 
 
-def parse_args(argv: list[str]) -> tuple:
-    """(script, training, sparse, pattern, cp, smet) arguments: the embedded defaults, then a recipe
-    file if the first argument is one, then the remaining flags (later ones win)."""
-    parser = HfArgumentParser(
-        (ScriptArguments, TrainingArguments, SparseCPArguments, SparseAttentionConfig, ContextParallelConfig,
-         SMETArguments)
-    )
+def parse_args(argv: list[str]) -> ParsedArgs:
+    """(script, training, sparse, pattern, cp, smet, explicit): a recipe file if the first argument is
+    one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
+    and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
+    parser = HfArgumentParser((ScriptArguments, SparseTrainingArguments), description=DESCRIPTION)
     argv = list(argv)
-    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+    recipe = bool(argv) and argv[0].endswith((".yaml", ".yml", ".json"))
+    if recipe:
         argv = recipe_flags(argv[0]) + argv[1:]
-    defaults = DEFAULT_ARGS + ([] if asks_for_checkpoints(argv) else NO_CHECKPOINTS)
-    # Without a GPU, train on CPU processes (gloo): accelerate only goes distributed on CPU when told.
-    defaults += [] if torch.cuda.is_available() else ["--use_cpu"]
+    explicit = explicit_fields(parser, argv)
+    # Every run of the example uses the backend it shows (`--sparse_attention false` turns it off), and without a GPU
+    # trains on CPU processes (gloo): accelerate only goes distributed on CPU when told.
+    defaults = {"sparse_attention": True} | ({} if torch.cuda.is_available() else {"use_cpu": True})
+    if not recipe and "model_name_or_path" not in explicit:
+        defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
+    parser.set_defaults(**defaults)
     try:
-        return parser.parse_args_into_dataclasses(args=defaults + argv)
+        script, training = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    training.explicit_flags = explicit
+    return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
+                      training.context_parallel_config(), training.smet_arguments(), explicit)
+
+
+def passkey_train_data(
+    script: ScriptArguments, training: TrainingArguments, tokenizer: PreTrainedTokenizerBase
+) -> Dataset:
+    """The run's passkey documents (`pack_documents` per sequence). One process per node builds them (a
+    progress bar, a cache file); the others wait, then load that file instead of building them again."""
+    with training.main_process_first(desc="passkey data"):
+        return passkey_dataset(tokenizer, script.num_samples * script.pack_documents,
+                               script.seq_len // script.pack_documents, seed=training.seed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    script, training, sparse, pattern, cp, smet = parse_args(sys.argv[1:] if argv is None else argv)
+    script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
     set_seed(training.seed)
 
     if script.model_name_or_path:
@@ -179,12 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             script.tiny_model_type, vocab_size=len(tokenizer), num_hidden_layers=script.tiny_num_layers
         )
         model = AutoModelForCausalLM.from_config(config)
-    if sparse.sparse_attention:
-        enable_sparse_attention(model, sparse, pattern, training, max_length=script.seq_len)
 
+    train_data = passkey_train_data(script, training, tokenizer)
     if script.pack_documents > 1:
-        doc_len = script.seq_len // script.pack_documents
-        train_data = passkey_dataset(tokenizer, script.num_samples * script.pack_documents, doc_len, seed=training.seed)
         collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
         if training.per_device_train_batch_size != script.pack_documents:
             logger.warning("--pack_documents %d: each device batch is %d documents flattened into one sequence "
@@ -192,18 +227,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                            script.pack_documents, script.pack_documents)
         training.per_device_train_batch_size = script.pack_documents
     else:
-        train_data = passkey_dataset(tokenizer, script.num_samples, script.seq_len, seed=training.seed)
         collator = default_data_collator
-    trainer = Trainer(
+    training.max_length = training.max_length or script.seq_len
+    # The one switch: SparseTrainer sets up sparse attention, CP and SMET from the flags in `training`.
+    trainer = SparseTrainer(
         model=model,
         args=training,
         train_dataset=train_data,
         data_collator=collator,
         processing_class=tokenizer,
     )
-    parallel = attach_to_trainer(trainer, sparse, cp)
-    if smet.smet:
-        install_smet(trainer, smet.to_config())
+    parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:
         trainer.save_model()
@@ -219,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "world_size": parallel.world_size,
         "cp_size": parallel.cp_size,
     }
+    trainer.save_state()  # trainer_state.json in output_dir: what `hf-sparse-cp plot` reads
+    trainer.create_model_card()  # README.md (+ the kept-fraction plot) in output_dir, on the main process
     if trainer.is_world_process_zero():
         if script.summary_file:
             Path(script.summary_file).write_text(json.dumps(summary, indent=2))
@@ -230,9 +266,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"
         )
-    # Tear the process groups down here, once gloo's workers are idle, not at interpreter exit.
-    quiesce_process_groups()
-    trainer.accelerator.end_training()
     return summary
 
 

@@ -1,4 +1,5 @@
-"""`hf-sparse-cp` command line: `train` runs the long-context example, `env` reports the setup."""
+"""`hf-sparse-cp` command line: `train` runs the long-context example, `plot` draws a run's sparsity, `env`
+reports the setup."""
 
 from __future__ import annotations
 
@@ -21,6 +22,54 @@ def _env() -> int:
     width = max(map(len, rows))
     for key, value in rows.items():
         print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    """'0,3,5' -> [0, 3, 5] (an argparse type)."""
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,3") from None
+
+
+def _add_plot_parser(sub) -> argparse.ArgumentParser:
+    plot = sub.add_parser(
+        "plot",
+        help="Draw a run's sparsity as PNGs: the kept fraction per layer over training (from trainer_state.json) "
+        "and the block layouts of chosen layers/heads for one input. Needs pip install 'hf-sparse-cp[plot]'.",
+    )
+    plot.add_argument("run_dir", help="The run's output or checkpoint directory (its trainer_state.json, or that of "
+                      "its last checkpoint).")
+    plot.add_argument("--out_dir", help="Where the PNGs go (default: RUN_DIR, beside the model card).")
+    plot.add_argument("--only", choices=("kept_fraction", "layouts"), help="Draw one of the two pictures.")
+    plot.add_argument("--model", help="Model for the layouts, a directory or hub id (default: the one saved in "
+                      "RUN_DIR or its last checkpoint).")
+    plot.add_argument("--text_file", help="Draw the layouts for this text (default: a synthetic passkey sample).")
+    plot.add_argument("--seq_len", type=int, help="Tokens of the input (default: the whole text; for the passkey "
+                      "sample 4096, or the pattern's min_seq_len if longer).")
+    plot.add_argument("--layers", type=_int_list, help="Layers to draw, e.g. 0,5,11 (default: up to 4, evenly "
+                      "spaced).")
+    plot.add_argument("--heads", type=_int_list, help="Query heads to draw, e.g. 0,7 (default: up to 4, evenly "
+                      "spaced).")
+    plot.add_argument("--sparse_config", help="Draw the layouts of this YAML/JSON SparseAttentionConfig instead of "
+                      "the model's own.")
+    return plot
+
+
+def _plot(args, parser: argparse.ArgumentParser) -> int:
+    from hf_sparse_cp.plots import plot_run
+
+    if args.seq_len is not None and args.seq_len < 2:
+        parser.error(f"--seq_len {args.seq_len}: give at least 2 tokens.")
+    try:
+        figures = plot_run(args.run_dir, args.out_dir, only=args.only, model=args.model, text_file=args.text_file,
+                           seq_len=args.seq_len, layers=args.layers, heads=args.heads,
+                           sparse_config=args.sparse_config)
+    except (ImportError, OSError, ValueError) as e:  # each names its fix
+        parser.error(str(e))
+    for path in figures:
+        print(f"wrote {path}")
     return 0
 
 
@@ -77,10 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nproc", type=int, default=1,
                        help="Local processes to launch (torchrun; gloo on CPU), e.g. --nproc 2 --cp_size 2. Ctrl-C "
                        "or `kill` of this command stops torchrun and its workers too.")
+    plot = _add_plot_parser(sub)
     sub.add_parser("env", help="Print the versions and devices the plugin sees.")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
         return _env()
+    if args.command == "plot":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _plot(args, plot)
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: give at least 1 process.")
     from hf_sparse_cp.backends import is_available

@@ -9,6 +9,7 @@ import json
 import logging
 import types
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -143,17 +144,29 @@ class FileConfig:
             raise ValueError(f"Config file {str(path)!r}: {e}") from None
 
     @classmethod
-    def from_file_and_flags(cls, path: str | Path | None, flags: dict[str, Any]):
-        """The config in `path` (the defaults when None) with the `flags` (field -> value, e.g. parsed
-        from the command line) that differ from the defaults on top: explicit flags win over the file."""
+    def from_file_and_flags(cls, path: str | Path | None, flags: dict[str, Any],
+                            explicit: Collection[str] | None = None):
+        """The config in `path` (the defaults when None) with command-line `flags` (field -> value) on top.
+
+        `explicit`: the names of the fields the user gave explicitly (on the command line or in a recipe),
+        when the caller knows them (`hf_sparse_cp.integration.arguments.explicit_fields` finds them for an
+        `HfArgumentParser`). Those flags beat the file whatever their value, a default value included, and
+        the other flags leave the file's values alone; names that are not fields of `flags` are ignored, so
+        one set can serve every config of a parser. Without it (None), the flags that differ from the
+        defaults beat the file: a flag set to its default value cannot be told from one not given.
+        Without a file, the flags are the config.
+        """
         default = cls()
-        changed = {name: value for name, value in flags.items() if value != getattr(default, name)}
         if path is None:
-            return dataclasses.replace(default, **changed)
+            return dataclasses.replace(default, **flags)
+        if explicit is None:
+            given = {name: value for name, value in flags.items() if value != getattr(default, name)}
+        else:
+            given = {name: value for name, value in flags.items() if name in explicit}
         config = cls.from_file(path)
-        if changed:
-            logger.info("Command-line %s flags override %s: %s", cls.KIND, path, changed)
-        return dataclasses.replace(config, **changed)
+        if given:
+            logger.info("Command-line %s flags override %s: %s", cls.KIND, path, given)
+        return dataclasses.replace(config, **given)
 
     def save(self, path: str | Path) -> None:
         """Write as YAML or JSON, chosen by the file suffix."""

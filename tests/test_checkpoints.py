@@ -136,6 +136,12 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     resumed = _cli(tmp_path / "resumed", 2, "--cp_size", "2", "--max_steps", "4",
                    "--resume_from_checkpoint", checkpoint)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # `hf-sparse-cp train` ends with the model card: how the run trained, counting distinct sequences
+    card = (tmp_path / "full" / "README.md").read_text()
+    for stated in ("| sequence length | 256 tokens |", "CP 2 x DP 1", "SMET (sparse_weights, density 0.5",
+                   "total_train_batch_size: 1 (distinct sequences", "vertical-slash (MTraining)", "- hf-sparse-cp"):
+        assert stated in card, stated
+    assert (tmp_path / "full" / "sparse_kept_fraction.png").is_file()
     want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
     got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
     assert len(got) == len(want) == 4

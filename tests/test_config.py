@@ -5,7 +5,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration.arguments import SparseCPArguments
+from hf_sparse_cp.integration.arguments import SparseCPArguments, explicit_fields
 
 
 def test_defaults_are_mtraining_like():
@@ -112,3 +112,31 @@ def test_file_config_with_flag_overrides(tmp_path):
     args = SparseCPArguments(sparse_config=str(path))
     merged = args.attention_config(SparseAttentionConfig(slash_topk=5))
     assert merged.vertical_topk == 99 and merged.slash_topk == 5
+
+
+def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    SparseAttentionConfig(vertical_topk=512, slash_topk=77, sink_tokens=8).save(path)
+    args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
+    flags = SparseAttentionConfig(vertical_topk=1024, slash_topk=5, sink_tokens=16)  # 1024 is the default
+    merged = args.attention_config(flags, explicit={"vertical_topk", "slash_topk", "output_dir"})
+    # given flags win, the default value 1024 included; sink_tokens (parsed, not given) keeps the file's value;
+    # names of other configs' fields (output_dir) are ignored
+    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens) == (1024, 5, 8)
+    assert args.attention_config(flags, explicit=set()) == SparseAttentionConfig.from_file(path)
+    # without `explicit`: the flags that differ from the defaults (a default value cannot be told from none)
+    legacy = args.attention_config(flags)
+    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens) == (512, 5, 16)
+    # without a file the flags are the config, given or not
+    assert SparseCPArguments(sparse_attention=True).attention_config(flags, explicit=set()) is flags
+    assert SparseAttentionConfig.from_file_and_flags(None, {"sink_tokens": 16}, explicit=set()).sink_tokens == 16
+
+
+def test_explicit_fields_finds_every_spelling_and_default_values():
+    from transformers import TrainingArguments
+
+    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionConfig))
+    given = explicit_fields(parser, ["--vertical-topk=1024", "--no_fused_loss", "--slash_topk", "2048",
+                                     "--report_to", "none", "--sink_tok", "64", "--help", "--not_a_flag", "1"])
+    assert given == {"vertical_topk", "fused_loss", "slash_topk", "report_to", "sink_tokens"}
+    assert explicit_fields(parser, []) == set()

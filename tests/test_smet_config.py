@@ -112,3 +112,20 @@ def test_config_file_errors_list_the_known_keys(tmp_path):
 def test_recipes_load(recipe, mode):
     cfg = SMETConfig.from_file(Path(__file__).resolve().parents[1] / "recipes" / "train" / recipe)
     assert cfg.mode == mode and cfg.regrowth_rule == ("random" if mode == "sparse_weights" else "gradient")
+
+
+def test_smet_flags_given_beat_the_file_whatever_their_value(tmp_path):
+    from hf_sparse_cp.integration.arguments import explicit_fields
+
+    path = tmp_path / "smet.yaml"
+    SMETConfig(density=0.1, update_interval=50, block_size=32).save(path)
+    parser = HfArgumentParser(SMETArguments)
+    argv = ["--smet", "--smet_config", str(path), "--smet_update_interval", "100", "--smet_density", "0.2"]
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    explicit = explicit_fields(parser, argv)
+    assert explicit == {"smet", "smet_config", "smet_update_interval", "smet_density"}
+    cfg = args.to_config(explicit)
+    # 100 is the default update_interval: given on the command line, it still beats the file's 50
+    assert (cfg.update_interval, cfg.density, cfg.block_size) == (100, 0.2, 32)
+    legacy = args.to_config()  # without `explicit`: only flags that differ from the defaults
+    assert (legacy.update_interval, legacy.density, legacy.block_size) == (50, 0.2, 32)

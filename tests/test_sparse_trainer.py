@@ -133,3 +133,13 @@ def test_a_cpu_run_launched_without_use_cpu_is_refused(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     assert "2 processes were launched but the Trainer sees 1" in run.stderr and "--use_cpu" in run.stderr
+
+
+def test_a_lone_process_asked_for_cp_says_how_to_launch():
+    """accelerate launch with a MULTI_CPU config (no MPI hostfile) starts one process: the error names that."""
+    from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims
+
+    with pytest.raises(ValueError, match="accelerate launch` started a single process. A MULTI_CPU config"):
+        ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={"ACCELERATE_MIXED_PRECISION": "no"})
+    with pytest.raises(ValueError, match="runs alone: launch it with torchrun"):
+        ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={})

@@ -19,11 +19,11 @@ def _args(tmp_path, **kw):
     return TrainingArguments(**base)
 
 
-def test_byte_tokenizer_round_trips_and_passkey_data_is_well_formed():
+def test_byte_tokenizer_round_trips_and_passkey_data_is_well_formed(tmp_path):
     tok = byte_tokenizer()
     text = "pass key 12345, ünïcode!"
     assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == 259
-    ds = passkey_dataset(tok, 3, 512, seed=1)
+    ds = passkey_dataset(tok, 3, 512, seed=1, cache_dir=tmp_path)
     for row in ds:
         assert len(row["input_ids"]) == 512 and row["labels"] == row["input_ids"]
         answer = tok.decode(row["input_ids"][row["answer_start"] :]).rstrip(".")
@@ -37,7 +37,7 @@ def test_sparsity_is_logged_before_the_reporters(tmp_path):
     sparse = SparseCPArguments(sparse_attention=True, fused_loss=False)
     pattern = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8, slash_topk=8, local_window=32)
     enable_sparse_attention(model, sparse, pattern, training, max_length=512)
-    trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 4, 512),
+    trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 4, 512, cache_dir=tmp_path),
                       data_collator=default_data_collator)
     attach_to_trainer(trainer, sparse)
     attach_to_trainer(trainer, sparse)  # once only

@@ -9,7 +9,9 @@ unpatch, the lean-loss forward, Trainer glue, callbacks, command-line arguments,
 * `trainer.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
 * `smet.py`: `install_smet` / `uninstall_smet`;
-* `arguments.py`, `callbacks.py`, `stats.py`, `models.py`, `patching.py`, `compat.py`.
+* `model_card.py`: the card that says how a model was trained; `kept_fraction.py`: the logged kept
+  fraction read back and drawn;
+* `arguments.py`, `callbacks.py`, `stats.py`, `models.py`, `checkpoints.py`, `patching.py`, `compat.py`.
 
 The names below load their module on first access.
 """
@@ -19,6 +21,7 @@ from ..lazy import lazy_attributes
 _WHERE = {
     "SMETArguments": "arguments",
     "SparseCPArguments": "arguments",
+    "explicit_fields": "arguments",
     "sparse_cp_attention_forward": "backend",
     "SMETCallback": "callbacks",
     "SparsityLoggingCallback": "callbacks",
@@ -35,6 +38,7 @@ _WHERE = {
     "SparseTrainer": "sparse_trainer",
     "SparseTrainingArguments": "sparse_trainer",
     "install_smet": "smet",
+    "write_sparse_model_card": "model_card",
     "uninstall_smet": "smet",
     "attach_to_trainer": "trainer",
     "checkpointing_enabled": "trainer",

@@ -1,10 +1,13 @@
 """Command-line arguments of the plugin, for `HfArgumentParser` next to `TrainingArguments`:
-`SparseCPArguments` (sparse attention switches) and `SMETArguments` (the SMET optimizer)."""
+`SparseCPArguments` (sparse attention switches), `SMETArguments` (the SMET optimizer), and
+`explicit_fields` (which flags a command line gives, so that they beat a config file)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +26,7 @@ class SparseCPArguments:
     sparse_config: str | None = field(
         default=None,
         metadata={"help": "YAML/JSON file with the SparseAttentionConfig; pattern flags given on the command line "
-                  "that differ from their defaults override it."},
+                  "override it."},
     )
     fused_loss: bool = field(
         default=True,
@@ -40,33 +43,43 @@ class SparseCPArguments:
         metadata={"help": "Log the per-layer kept fraction of attention blocks into the Trainer's logs."},
     )
 
-    def attention_config(self, from_flags: SparseAttentionConfig | None = None) -> SparseAttentionConfig:
-        """The pattern config: the `--sparse_config` file if given, with flags that differ from the
-        defaults on top (`from_flags`: the config parsed from the command line)."""
+    def attention_config(
+        self, from_flags: SparseAttentionConfig | None = None, explicit: Collection[str] | None = None
+    ) -> SparseAttentionConfig:
+        """The pattern config: `from_flags` (the config parsed from the command line) without a
+        `--sparse_config` file; with one, the file with flags on top: those named in `explicit` (the
+        fields given on the command line, see `explicit_fields`) whatever their value, or without
+        `explicit`, those that differ from the defaults (see `FileConfig.from_file_and_flags`)."""
         if self.sparse_config is None and from_flags is not None:
             return from_flags
         flags = {} if from_flags is None else dataclasses.asdict(from_flags)
-        return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags)
+        return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags, explicit)
 
 
 FLAG_PREFIX = "smet_"
 
 
-def _prefixed_fields(cls: type, prefix: str) -> list[tuple[str, Any, dataclasses.Field]]:
-    """The fields of dataclass `cls` renamed `prefix + name`, with their types, defaults and help."""
+def copied_fields(
+    cls: type, prefix: str = "", defaults: dict[str, Any] | None = None
+) -> list[tuple[str, Any, dataclasses.Field]]:
+    """The fields of dataclass `cls` as `make_dataclass` takes them, renamed `prefix + name`, with their
+    types, defaults (or those in `defaults`, by new name) and help, so that generated argument classes
+    keep one source for each flag."""
     hints = typing.get_type_hints(cls)
+    defaults = defaults or {}
     out = []
     for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
+        name = prefix + f.name
+        if f.default_factory is not dataclasses.MISSING and name not in defaults:
             new = field(default_factory=f.default_factory, metadata=f.metadata)
         else:
-            new = field(default=f.default, metadata=f.metadata)
-        out.append((prefix + f.name, hints[f.name], new))
+            new = field(default=defaults.get(name, f.default), metadata=f.metadata)
+        out.append((name, hints[f.name], new))
     return out
 
 
 # Every SMETConfig field as a `--smet_<field>` flag, generated so help texts and defaults live once.
-SMETFlags = dataclasses.make_dataclass("SMETFlags", _prefixed_fields(SMETConfig, FLAG_PREFIX))
+SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX))
 SMETFlags.__module__ = __name__
 
 
@@ -82,8 +95,8 @@ class SMETArguments(SMETFlags):
     )
     smet_config: str | None = field(
         default=None,
-        metadata={"help": "YAML/JSON file with the SMETConfig; --smet_* flags that differ from their defaults "
-                  "override it."},
+        metadata={"help": "YAML/JSON file with the SMETConfig; --smet_* flags given on the command line override "
+                  "it."},
     )
 
     def __post_init__(self) -> None:
@@ -107,6 +120,31 @@ class SMETArguments(SMETFlags):
         """The `--smet_<field>` values by SMETConfig field name."""
         return {f.name: getattr(self, FLAG_PREFIX + f.name) for f in dataclasses.fields(SMETConfig)}
 
-    def to_config(self) -> SMETConfig:
-        """The SMET config: the `--smet_config` file if given, with non-default flags on top."""
-        return SMETConfig.from_file_and_flags(self.smet_config, self._flags())
+    def to_config(self, explicit: Collection[str] | None = None) -> SMETConfig:
+        """The SMET config: the `--smet_*` flags without a `--smet_config` file; with one, the file with
+        flags on top: those named in `explicit` (argument names given on the command line, e.g.
+        `smet_density`, see `explicit_fields`) whatever their value, or without `explicit`, those that
+        differ from the defaults (see `FileConfig.from_file_and_flags`)."""
+        fields = None if explicit is None else {name.removeprefix(FLAG_PREFIX) for name in explicit
+                                                if name.startswith(FLAG_PREFIX)}
+        return SMETConfig.from_file_and_flags(self.smet_config, self._flags(), fields)
+
+
+# Marks the arguments a command line does not set (argparse leaves a namespace's existing values alone).
+_NOT_GIVEN = object()
+
+
+def explicit_fields(parser: argparse.ArgumentParser, args: Sequence[str]) -> set[str]:
+    """The arguments `args` sets explicitly, by destination (for an `HfArgumentParser`, the dataclass
+    field names, e.g. `vertical_topk`, `smet_density`): any spelling argparse takes counts
+    (`--vertical-topk=1024`, `--no_fused_loss`, an unambiguous prefix), and so does a value equal to
+    the default. Pass the set as `explicit` to `SparseCPArguments.attention_config` and
+    `SMETArguments.to_config` so that every flag given beats the config file.
+
+    `args` must parse (this parses them, twice); `-h`/`--help` are skipped, unknown arguments ignored.
+    """
+    args = [arg for arg in args if arg not in ("-h", "--help")]
+    names = vars(parser.parse_known_args(args)[0])
+    unset = argparse.Namespace(**dict.fromkeys(names, _NOT_GIVEN))
+    given = vars(parser.parse_known_args(args, namespace=unset)[0])
+    return {name for name, value in given.items() if value is not _NOT_GIVEN}

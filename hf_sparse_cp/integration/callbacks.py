@@ -7,7 +7,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..smet import SMETAdam
-from .stats import pop_kept_fractions
+from .stats import LOG_KEY, layer_log_key, pop_kept_fractions
 
 
 def _add_to_log(state, logs: dict, extra: dict) -> None:
@@ -31,8 +31,8 @@ class SparsityLoggingCallback(TrainerCallback):
         per_layer = pop_kept_fractions(model)
         if not per_layer:
             return
-        extra = {f"sparse/kept_fraction/layer_{layer:02d}": round(v, 5) for layer, v in per_layer.items()}
-        extra["sparse/kept_fraction"] = round(sum(per_layer.values()) / len(per_layer), 5)
+        extra = {layer_log_key(layer): round(v, 5) for layer, v in per_layer.items()}
+        extra[LOG_KEY] = round(sum(per_layer.values()) / len(per_layer), 5)
         _add_to_log(state, logs, extra)
 
 

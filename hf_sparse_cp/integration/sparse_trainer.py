@@ -14,7 +14,8 @@ script, `--vertical_topk 1024`, `--cp_size 2`, `--smet`), so `HfArgumentParser`,
 API (`enable_sparse_attention`, `attach_to_trainer`, `install_smet`) does by hand: it registers and
 configures the backend, opts into the lean loss, turns gradient checkpointing on at long lengths,
 sets up context parallelism and SMET, adds the logging callbacks, checks the launch, says at start
-which layers run sparse, and tears the process groups down cleanly at exit after training.
+which layers run sparse, writes a model card that says how the model was trained, and tears the
+process groups down cleanly at exit after training.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import typing
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -31,7 +32,8 @@ from transformers import Trainer, TrainingArguments
 from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
 from ..smet import SMETConfig
-from .arguments import SMETArguments, SparseCPArguments
+from .arguments import SMETArguments, SparseCPArguments, copied_fields
+from .model_card import write_sparse_model_card
 from .smet import install_smet
 from .trainer import attach_to_trainer, enable_sparse_attention
 
@@ -39,23 +41,13 @@ from .trainer import attach_to_trainer, enable_sparse_attention
 _PARTS = (SparseCPArguments, SparseAttentionConfig, ContextParallelConfig, SMETArguments)
 # One switch: the class itself asks for sparse attention, so its flag defaults to on here.
 _DEFAULTS = {"sparse_attention": True}
+# Not a flag (init=False): the fields the command line or a recipe gave, set by the script that parsed them
+# (`arguments.explicit_fields`); they beat --sparse_config / --smet_config whatever their value.
+_EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=False)
 _MAX_LENGTH = dataclasses.field(default=None, metadata={
     "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
             "--gradient_checkpointing_min_length and decides which documents reach --min_seq_len; default: the "
             "length of the training set's first sample."})
-
-
-def _copied_fields(cls: type) -> list[tuple[str, Any, dataclasses.Field]]:
-    """(name, type, field) of every field of dataclass `cls`, with its default (or `_DEFAULTS`') and help."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
-            copy = dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
-        else:
-            copy = dataclasses.field(default=_DEFAULTS.get(f.name, f.default), metadata=f.metadata)
-        out.append((f.name, hints[f.name], copy))
-    return out
 
 
 def _part(args, cls: type):
@@ -75,23 +67,30 @@ class _PluginSettings:
     def plugin_arguments(self) -> SparseCPArguments:
         return _part(self, SparseCPArguments)
 
+    def pattern_flags(self) -> SparseAttentionConfig:
+        """The pattern flags as given, before `--sparse_config` is read."""
+        return _part(self, SparseAttentionConfig)
+
     def sparse_attention_config(self) -> SparseAttentionConfig:
         """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
-        return self.plugin_arguments().attention_config(_part(self, SparseAttentionConfig))
+        return self.plugin_arguments().attention_config(self.pattern_flags(), self.explicit_flags)
 
     def context_parallel_config(self) -> ContextParallelConfig:
         return _part(self, ContextParallelConfig)
 
+    def smet_arguments(self) -> SMETArguments:
+        return _part(self, SMETArguments)
+
     def smet_optimizer_config(self) -> SMETConfig | None:
         """The SMET settings when `--smet` is on, else None."""
-        flags = _part(self, SMETArguments)
-        return flags.to_config() if flags.smet else None
+        flags = self.smet_arguments()
+        return flags.to_config(self.explicit_flags) if flags.smet else None
 
 
 def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    fields = [("max_length", int | None, _MAX_LENGTH)]
+    fields = [("max_length", int | None, _MAX_LENGTH), ("explicit_flags", Collection[str] | None, _EXPLICIT)]
     for part in _PARTS:
-        fields += _copied_fields(part)
+        fields += copied_fields(part, defaults=_DEFAULTS)
     clash = {name for name, _, _ in fields} & {f.name for f in dataclasses.fields(TrainingArguments)}
     if clash:
         raise TypeError(f"plugin flags {sorted(clash)} collide with TrainingArguments fields; rename them.")
@@ -133,8 +132,8 @@ class SparseTrainer(Trainer):
                              "is configured on it before training.")
         self.max_length = args.max_length or _first_length(kwargs.get("train_dataset"))
         if args.sparse_attention:
-            enable_sparse_attention(model, args.plugin_arguments(), args.sparse_attention_config(), args,
-                                    self.max_length)
+            enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
+                                    explicit=args.explicit_flags)
         super().__init__(model, args, *rest, **kwargs)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length)
@@ -146,6 +145,12 @@ class SparseTrainer(Trainer):
         result = super().train(*args, **kwargs)
         _tear_down_at_exit()  # only after a finished run: every rank then reaches the exit barrier
         return result
+
+    def create_model_card(self, **kwargs):
+        """The stock card, amended: sequence length, pattern, kept fraction per layer (and its plot), CP,
+        SMET, tokens/s, the batch size of distinct sequences (`model_card.write_sparse_model_card`)."""
+        return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
+                                       create_card=super().create_model_card, **kwargs)
 
 
 @functools.cache

@@ -7,9 +7,19 @@ costs no synchronization.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 _ATTR = "_hf_sparse_cp_kept"
+# The Trainer log keys of the kept fraction: the mean over layers, and each layer's.
+LOG_KEY = "sparse/kept_fraction"
+LAYER_LOG_KEY = re.compile(rf"^{LOG_KEY}/layer_(-?\d+)$")
+
+
+def layer_log_key(layer: int) -> str:
+    """The log key of one layer's kept fraction (matches `LAYER_LOG_KEY`)."""
+    return f"{LOG_KEY}/layer_{layer:02d}"
 
 
 def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor) -> None:

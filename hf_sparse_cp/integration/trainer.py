@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ def enable_sparse_attention(
     attention_config: SparseAttentionConfig | None = None,
     training_args: TrainingArguments | None = None,
     max_length: int | None = None,
+    explicit: Collection[str] | None = None,
 ) -> SparseAttentionConfig:
     """Train `model` with the `sparse_cp` backend; `disable_sparse_attention(model)` undoes it.
 
@@ -59,13 +61,15 @@ def enable_sparse_attention(
             defaults override `--sparse_config`.
         training_args, max_length: when both are given and `max_length` reaches
             `gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`.
+        explicit: the pattern fields given explicitly (`arguments.explicit_fields`): they beat
+            `--sparse_config` whatever their value (without it, flags that differ from the defaults do).
 
     Returns:
         The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `fused_loss`,
         the lean loss (`enable_lean_loss()`) if they are not yet; calling it again replaces the
         previous settings.
     """
-    config = sparse_args.attention_config(attention_config)
+    config = sparse_args.attention_config(attention_config, explicit)
     undo_recorded(model, _SPARSE_ATTENTION)
     patches = record_on(model, _SPARSE_ATTENTION)
     if not is_patched():

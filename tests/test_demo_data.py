@@ -1,0 +1,87 @@
+"""The demo's passkey data: built with `Dataset.map` into a cache file, the same data as the loop it replaced,
+built once per node in a distributed run."""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from hf_sparse_cp.examples import passkey
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing.spawn import run_gloo
+
+
+def _digest(dataset) -> str:
+    return hashlib.sha256(json.dumps(dataset.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _counting_compose(monkeypatch) -> list:
+    """Count the texts the map function builds (`_compose` is called once per example it maps)."""
+    calls = []
+    compose = passkey._compose
+
+    def counted(*args):
+        calls.append(args)
+        return compose(*args)
+
+    monkeypatch.setattr(passkey, "_compose", counted)
+    return calls
+
+
+# sha256 prefixes of the rows the loop-based passkey_dataset (before Dataset.map) produced with the byte tokenizer
+@pytest.mark.parametrize("num_samples, seq_len, seed, digest", [
+    (3, 512, 1, "6bee22ea2d0cae3f"),
+    (5, 2048, 0, "a50c08faa1f3bae2"),
+    (8, 256, 42, "70e432d1a0adc13c"),
+])
+def test_same_data_as_the_loop_for_the_same_seed(tmp_path, num_samples, seq_len, seed, digest):
+    data = passkey.passkey_dataset(byte_tokenizer(), num_samples, seq_len, seed=seed, cache_dir=tmp_path)
+    assert _digest(data) == digest
+    assert {name: str(feature) for name, feature in data.features.items()} == {
+        "input_ids": "List(Value('int32'))", "labels": "List(Value('int64'))", "answer_start": "Value('int64')"}
+
+
+def test_a_second_call_loads_the_cache_and_other_inputs_build_anew(tmp_path, monkeypatch):
+    calls = _counting_compose(monkeypatch)
+    tok = byte_tokenizer()
+    first = passkey.passkey_dataset(tok, 4, 256, seed=3, cache_dir=tmp_path)
+    assert len(calls) == 4 and len(first.cache_files) == 1
+    again = passkey.passkey_dataset(byte_tokenizer(), 4, 256, seed=3, cache_dir=tmp_path)  # a new, equal tokenizer
+    assert len(calls) == 4  # not built again
+    assert again.cache_files == first.cache_files and _digest(again) == _digest(first)
+    for other in ({"seed": 4}, {"num_samples": 5}, {"seq_len": 300}):  # every input names its own file
+        args = {"num_samples": 4, "seq_len": 256, "seed": 3} | other
+        data = passkey.passkey_dataset(tok, cache_dir=tmp_path, **args)
+        assert data.cache_files != first.cache_files and len(data) == args["num_samples"]
+    assert len(calls) == 4 + 4 + 5 + 4
+
+
+def _build_in_two_processes(rank: int, world: int, cache_dir: str) -> tuple[int, str]:
+    """The example's data step on one rank of a 2-process run: (texts this rank built, data digest)."""
+    import tempfile
+
+    from datasets import config as datasets_config
+    from transformers import TrainingArguments
+
+    from hf_sparse_cp.examples.train_long_context import ScriptArguments, passkey_train_data
+
+    # what torchrun sets: TrainingArguments then sees the 2-process group run_gloo made
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    datasets_config.HF_DATASETS_CACHE = cache_dir  # (the example builds into the datasets cache)
+    built = []
+    compose = passkey._compose
+    passkey._compose = lambda *args: built.append(args) or compose(*args)
+    with tempfile.TemporaryDirectory() as tmp:
+        training = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none")
+        assert training.world_size == world
+        data = passkey_train_data(ScriptArguments(seq_len=256, num_samples=3, pack_documents=2), training,
+                                  byte_tokenizer())
+    return len(built), _digest(data)
+
+
+@pytest.mark.slow
+def test_a_two_process_run_builds_the_data_once(tmp_path):
+    (built0, digest0), (built1, digest1) = run_gloo(_build_in_two_processes, 2, str(tmp_path), timeout_s=300)
+    assert (built0, built1) == (6, 0)  # rank 0 builds 3 x 2 packed documents, rank 1 loads its cache file
+    assert digest0 == digest1
