@@ -46,7 +46,11 @@ def kept_fraction_series(log_history: list[dict[str, Any]]) -> dict[int, tuple[l
 
 def mean_kept_fraction_per_layer(log_history: list[dict[str, Any]]) -> dict[int, float]:
     """layer index -> the mean of its logged kept fractions (each log weighs the same)."""
-    return {layer: sum(values) / len(values) for layer, (_, values) in kept_fraction_series(log_history).items()}
+    return _mean_per_layer(kept_fraction_series(log_history))
+
+
+def _mean_per_layer(series: dict[int, tuple[list[int], list[float]]]) -> dict[int, float]:
+    return {layer: sum(values) / len(values) for layer, (_, values) in series.items()}
 
 
 def find_trainer_state(run_dir: str | Path) -> Path:
@@ -139,7 +143,7 @@ def kept_fraction_figure(log_history: list[dict[str, Any]], title: str | None = 
     over_steps.legend(handles, labels, fontsize="small", ncols=1 + len(handles) // 7, loc="best",
                       title="layer colors: as on the right" if many else None, title_fontsize="small")
 
-    means = mean_kept_fraction_per_layer(log_history)
+    means = _mean_per_layer(series)
     overall = sum(means.values()) / len(means)
     per_layer.bar([str(layer) for layer in means], list(means.values()), color=[colors[layer] for layer in means])
     per_layer.axhline(overall, color="black", linestyle="--", linewidth=1.5, label=f"mean {overall:.3f}")
