@@ -17,7 +17,7 @@ import torch
 from ..attention.layout import SparseLayout
 from .comm import RingTopology
 from .plan import TransferSets, column_tokens, pair_work, slot_ops
-from .sharding import ShardPlan
+from .sharding import BlockSplit
 
 
 @dataclass
@@ -47,7 +47,7 @@ class RingCost:
 
 def ring_cost(
     layout: SparseLayout,
-    plan: ShardPlan,
+    plan: BlockSplit,
     topology: RingTopology | None = None,
     *,
     kv_heads: int,
@@ -84,5 +84,6 @@ def ring_cost(
                         total[r] += nbytes
                         if not backward and slot[0] == "outer":
                             outer += nbytes
-    full = (w - 1) * plan.local_blocks * block * kv_bytes
+    # a dense ring: at step t rank r forwards the shard of rank r - t, i.e. every shard but that of rank r + 1
+    full = max(plan.num_blocks - plan.blocks_of((r + 1) % w).numel() for r in range(w)) * block * kv_bytes
     return RingCost(work, fwd, bwd, outer, full)

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..attention.tokens import TokenMeta
+from ..config import SparseAttentionConfig
 from .mesh import ParallelDims
-from .sharding import ShardPlan, sequence_meta, shard_inputs
+from .planner import plan_row
+from .sharding import BlockSplit, ShardPlan, sequence_meta, shard_inputs
 
 CP_SHARD_KWARG = "cp_shard"
 
@@ -28,13 +30,14 @@ CP_SHARD_KWARG = "cp_shard"
 class CPShard:
     """One rank's view of a batch split over its CP group.
 
-    parallel: the parallel layout (groups, ring topology); plan: how the sequence was split;
+    parallel: the parallel layout (groups, ring topology); plan: how the sequence was split
+    (a `ShardPlan`, or a `DocumentPlan` that re-orders the documents of a packed row);
     meta: documents and global order of the *whole* batch [B, plan.padded_len] (padding marked),
     identical on every rank, from which any rank's shard metadata follows.
     """
 
     parallel: ParallelDims
-    plan: ShardPlan
+    plan: BlockSplit
     meta: TokenMeta
 
     @property
@@ -72,6 +75,7 @@ def prepare_context_parallel_inputs(
     pad_token_id: int = 0,
     ignore_index: int = -100,
     verify_same_batch: bool = True,
+    sparse_config: SparseAttentionConfig | None = None,
 ) -> dict[str, Any]:
     """This rank's model inputs for a batch that every rank of the CP group received.
 
@@ -80,9 +84,12 @@ def prepare_context_parallel_inputs(
             attention_mask, cu_seq_lens_* of flattened packing), the same on every CP rank.
         parallel: the parallel dimensions (CP group, rank, sharding).
         block_size: the attention layout's block size (`SparseAttentionConfig.block_size`).
-        sharding: 'striped', 'zigzag' or 'contiguous' (default: `parallel.sharding`).
+        sharding: 'striped', 'zigzag', 'contiguous' or 'document' (default: `parallel.sharding`);
+            'document' plans the split from the batch's documents (`planner.plan_row`).
         pad_token_id, ignore_index: what fills the padding of ids and targets.
         verify_same_batch: check (two tiny all-reduces) that every CP rank holds the same batch.
+        sparse_config: the model's pattern settings, which tell the 'document' planner which documents
+            are sparse (default: `SparseAttentionConfig(block_size=block_size)`).
 
     Returns:
         The model inputs of this rank: input_ids (or inputs_embeds), `shift_labels` (labels shifted
@@ -96,8 +103,18 @@ def prepare_context_parallel_inputs(
     ref = inputs.get("inputs_embeds") if ref is None else ref
     if ref is None:
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
-    plan = ShardPlan(sharding or parallel.sharding, parallel.cp_size, block_size, ref.shape[1])
+    sharding = sharding or parallel.sharding
     meta = sequence_meta(inputs)
+    if sharding == "document":
+        if sparse_config is None:
+            sparse_config = SparseAttentionConfig(block_size=block_size)
+        elif sparse_config.block_size != block_size:
+            raise ValueError(
+                f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}."
+            )
+        plan = plan_row(meta.to("cpu"), sparse_config, parallel.cp_size)
+    else:
+        plan = ShardPlan(sharding, parallel.cp_size, block_size, ref.shape[1])
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
-    out[CP_SHARD_KWARG] = CPShard(parallel, plan, meta.pad_to(plan.padded_len))
+    out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta))
     return out

@@ -43,10 +43,12 @@ class ContextParallelConfig:
         metadata={"help": "Context-parallel degree: ranks that share one sequence (data-parallel degree = world size "
                   "/ cp_size). With accelerate's ParallelismConfig(cp_size=...) on GPUs, its cp_size is used."},
     )
-    cp_sharding: Literal["striped", "zigzag", "contiguous"] = field(
+    cp_sharding: Literal["striped", "zigzag", "contiguous", "document"] = field(
         default="striped",
         metadata={"help": "How the sequence is split: 'striped' (block round robin, balances sparse attention), "
-                  "'zigzag' (head-tail chunks, balances dense causal attention) or 'contiguous'."},
+                  "'zigzag' (head-tail chunks, balances dense causal attention), 'contiguous', or 'document' "
+                  "(packed rows: short documents whole on one rank, their K/V never sent; long ones split; "
+                  "planned per batch to balance attention, linear work and traffic)."},
     )
     cp_ring: Literal["flat", "hierarchical"] = field(
         default="flat",

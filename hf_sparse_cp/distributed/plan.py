@@ -33,10 +33,10 @@ import torch
 from ..attention.layout import SparseLayout, compact_sorted, valid_slots
 from ..attention.tokens import TokenMeta
 from .comm import RingTopology
-from .sharding import ShardPlan
+from .sharding import BlockSplit
 
 
-def check_global_layout(layout: SparseLayout, plan: ShardPlan) -> None:
+def check_global_layout(layout: SparseLayout, plan: BlockSplit) -> None:
     """Raise ValueError unless `layout` is a global layout over `plan`'s padded sequence."""
     if layout.block_size != plan.block_size:
         raise ValueError(
@@ -50,7 +50,7 @@ def check_global_layout(layout: SparseLayout, plan: ShardPlan) -> None:
         )
 
 
-def read_matrix(layout: SparseLayout, plan: ShardPlan) -> torch.Tensor:
+def read_matrix(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
     """bool [cp_size, num_blocks] on the CPU: rank r's queries list global key block kb (columns excluded)."""
     check_global_layout(layout, plan)
     dev = layout.block_idx.device
@@ -62,7 +62,7 @@ def read_matrix(layout: SparseLayout, plan: ShardPlan) -> torch.Tensor:
     return reads.view(w, nb).cpu()
 
 
-def pair_work(layout: SparseLayout, plan: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_work(layout: SparseLayout, plan: BlockSplit) -> tuple[torch.Tensor, torch.Tensor]:
     """Computed work in block units, summed over batch rows and heads, on the CPU:
     (float64 [W, W]: listed key blocks of source s for rank r's queries,
      float64 [W]: listed key columns / block_size for rank r's queries, the bar step)."""
@@ -113,18 +113,19 @@ class TransferSets:
     last_outer int [W]: last node step >= 1 that reads (0: none), where the outer accumulator turns home.
     """
 
-    def __init__(self, layout: SparseLayout, plan: ShardPlan, topology: RingTopology) -> None:
+    def __init__(self, layout: SparseLayout, plan: BlockSplit, topology: RingTopology) -> None:
         if topology.size != plan.cp_size:
             raise ValueError(f"the ring has {topology.size} ranks but the sequence is split over {plan.cp_size}.")
         self.topology, self.plan = topology, plan
         w, n, l = plan.cp_size, topology.num_nodes, topology.node_size
-        reads = read_matrix(layout, plan)
-        by_source = reads[:, plan.all_blocks]  # [reader, source, nkb]
+        reads = torch.nn.functional.pad(read_matrix(layout, plan), (0, 1))  # the last column: no block, never read
+        by_source = reads[:, plan.padded_rank_blocks]  # [reader, source, nkb]
         read = by_source[topology.holders(), torch.arange(w).view(-1, 1, 1)]  # [W, N, L, nkb]
         node_read = read.any(2)  # [W, N, nkb]
         held = _suffix_any(read, 2)
         held[:, :, 0] = _suffix_any(node_read, 1)
         held[:, 0, 0] = True
+        held &= (plan.padded_rank_blocks < plan.num_blocks).view(w, 1, 1, -1)  # a short shard's filler slots
         inner_reads = read.clone()
         inner_reads[:, :, 0] = False
         acc = _prefix_any(inner_reads, 2)
@@ -224,7 +225,7 @@ def slot_ops(sets: TransferSets, position: int, *, backward: bool) -> dict[tuple
     return ops
 
 
-def _restrict(layout: SparseLayout, rows: torch.Tensor, plan: ShardPlan, source: int,
+def _restrict(layout: SparseLayout, rows: torch.Tensor, plan: BlockSplit, source: int,
               buffer_pos: torch.Tensor) -> SparseLayout:
     """Query blocks `rows` of the global layout against `source`'s key blocks, indexed into the
     buffer (`buffer_pos[local block]` = its block position in the buffer); no columns."""
@@ -258,7 +259,7 @@ class BarStep:
         return max(o.numel() for o in self.owned)
 
 
-def _bar_step(layout: SparseLayout, rows: torch.Tensor, plan: ShardPlan, meta: TokenMeta) -> BarStep | None:
+def _bar_step(layout: SparseLayout, rows: torch.Tensor, plan: BlockSplit, meta: TokenMeta) -> BarStep | None:
     tokens = column_tokens(layout, plan.padded_len)
     if not tokens.numel():
         return None
@@ -289,7 +290,7 @@ class RingPlan:
     whether this rank's queries list any column.
     """
 
-    def __init__(self, layout: SparseLayout, plan: ShardPlan, meta: TokenMeta, topology: RingTopology,
+    def __init__(self, layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, topology: RingTopology,
                  position: int) -> None:
         self.topology, self.plan, self.position = topology, plan, position
         self.sets = TransferSets(layout, plan, topology)
@@ -304,7 +305,7 @@ class RingPlan:
                 s = topology.source(position, o, i)
                 held = self.sets.blocks("held", s, o, i)
                 read = self.sets.blocks("read", s, o, i)
-                buffer_pos = torch.full((plan.local_blocks,), -1, dtype=torch.long)
+                buffer_pos = torch.full((plan.max_local_blocks,), -1, dtype=torch.long)
                 buffer_pos[held] = torch.arange(held.numel())
                 step_layout = _restrict(layout, rows, plan, s, buffer_pos) if read.numel() else None
                 tok = ((plan.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)

@@ -143,7 +143,7 @@ def _run(ring: _Ring, k, v, ops: dict, step_fn, acc_of=None, acc_dtype=None):
     ring_plan = ring.ring_plan
     topo, bs = ring_plan.topology, ring_plan.plan.block_size
     me = ring_plan.position
-    kv = {me: _BlockBuffer(torch.stack([k, v]), torch.arange(ring_plan.plan.local_blocks), bs)}
+    kv = {me: _BlockBuffer(torch.stack([k, v]), torch.arange(ring_plan.plan.blocks_of(me).numel()), bs)}
     shape = kv[me].data.shape
 
     def land(slot, arrivals):
@@ -208,7 +208,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
     me = ring_plan.position
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     home = _BlockBuffer(torch.zeros((2, *k.shape), dtype=dtype, device=k.device),
-                        torch.arange(ring_plan.plan.local_blocks), bs)
+                        torch.arange(ring_plan.plan.blocks_of(me).numel()), bs)
     accs: dict[int, _BlockBuffer] = {}
     steps = [0]
 
@@ -318,8 +318,9 @@ def ring_sparse_attention(
     plan = shard.plan
     if k.shape[2] != s:
         raise ValueError(f"k and v must hold the same shard as q ({s} tokens); got {k.shape[2]}.")
-    if s != plan.local_len:
-        raise ValueError(f"this rank's shard has {plan.local_len} tokens but q has {s}: pass the tensors of the "
+    local_len = plan.local_len_of(shard.rank)
+    if s != local_len:
+        raise ValueError(f"this rank's shard has {local_len} tokens but q has {s}: pass the tensors of the "
                          "sharded inputs (see prepare_context_parallel_inputs).")
     if shard.meta.index.shape[0] != b:
         raise ValueError(f"the shard's TokenMeta has {shard.meta.index.shape[0]} rows but q has {b}.")

@@ -26,15 +26,144 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention.tokens import TokenMeta, token_meta_from_kwargs
+from ..attention.tokens import PAD_SEGMENT, TokenMeta, token_meta_from_kwargs
 from ..config import check_block_size
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
 
 
+class BlockSplit:
+    """What every split of a sequence over a CP group shares: whole blocks per rank, in a global order.
+
+    A split puts the sequence's tokens, possibly re-ordered and with padding between them, into a
+    global order of `num_blocks` blocks of `block_size` tokens and gives every block to one rank.
+    Subclasses set `cp_size`, `block_size`, `seq_len` and define `rank_blocks` (per rank, its global
+    blocks, int64 ascending; ranks may hold different numbers of blocks) and `source` (int64
+    [padded_len]: the original position of the token at each global position, -1 for padding).
+    """
+
+    cp_size: int
+    block_size: int
+    seq_len: int
+    rank_blocks: tuple[torch.Tensor, ...]
+    source: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(int(b.numel()) for b in self.rank_blocks)
+
+    @property
+    def padded_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_of(self, rank: int) -> torch.Tensor:
+        """Global block indices held by `rank` (int64, ascending)."""
+        return self.rank_blocks[rank]
+
+    def local_len_of(self, rank: int) -> int:
+        """Tokens (padding included) of `rank`'s shard."""
+        return int(self.rank_blocks[rank].numel()) * self.block_size
+
+    @functools.cached_property
+    def max_local_blocks(self) -> int:
+        return max(int(b.numel()) for b in self.rank_blocks)
+
+    @functools.cached_property
+    def padded_rank_blocks(self) -> torch.Tensor:
+        """int64 [cp_size, max_local_blocks]: every rank's blocks, short ranks filled with `num_blocks`
+        (a block index past the sequence, which nobody reads)."""
+        out = torch.full((self.cp_size, self.max_local_blocks), self.num_blocks, dtype=torch.long)
+        for rank, blocks in enumerate(self.rank_blocks):
+            out[rank, : blocks.numel()] = blocks
+        return out
+
+    @functools.cached_property
+    def block_owner(self) -> torch.Tensor:
+        """int64 [num_blocks]: the rank holding each global block."""
+        owner = torch.empty(self.num_blocks, dtype=torch.long)
+        for rank, blocks in enumerate(self.rank_blocks):
+            owner[blocks] = rank
+        return owner
+
+    @functools.cached_property
+    def block_local_index(self) -> torch.Tensor:
+        """int64 [num_blocks]: each global block's index inside its owner's shard."""
+        local = torch.empty(self.num_blocks, dtype=torch.long)
+        for blocks in self.rank_blocks:
+            local[blocks] = torch.arange(blocks.numel())
+        return local
+
+    def token_index(self, rank: int) -> torch.Tensor:
+        """Global positions of `rank`'s tokens (int64 [local_len_of(rank)], ascending)."""
+        bs = self.block_size
+        return (self.blocks_of(rank).unsqueeze(1) * bs + torch.arange(bs)).flatten()
+
+    def source_index(self, rank: int) -> torch.Tensor:
+        """Original positions of `rank`'s tokens (int64 [local_len_of(rank)]); `seq_len` marks padding."""
+        src = self.source[self.token_index(rank)]
+        return torch.where(src >= 0, src, self.seq_len)
+
+    def shard(self, x: torch.Tensor, rank: int, *, dim: int = 1, pad_value: Any = 0) -> torch.Tensor:
+        """`rank`'s shard of a tensor whose `dim` is the original sequence (or, for a split that keeps
+        the original order, the padded one)."""
+        n = x.shape[dim]
+        if n == self.padded_len and self.keeps_order:
+            return x.index_select(dim, self.token_index(rank).to(x.device))
+        if n != self.seq_len:
+            raise ValueError(
+                f"dimension {dim} of a tensor of shape {tuple(x.shape)} has {n} positions; this plan shards "
+                f"sequences of {self.seq_len} tokens."
+            )
+        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, 1]
+        return F.pad(x, pad, value=pad_value).index_select(dim, self.source_index(rank).to(x.device))
+
+    def unshard(self, shards: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
+        """The padded sequence in global order, from every rank's shard (in rank order)."""
+        if len(shards) != self.cp_size:
+            raise ValueError(f"unshard needs {self.cp_size} shards (one per rank), got {len(shards)}.")
+        shape = list(shards[0].shape)
+        shape[dim] = self.padded_len
+        full = shards[0].new_empty(shape)
+        for rank, piece in enumerate(shards):
+            full.index_copy_(dim, self.token_index(rank).to(piece.device), piece)
+        return full
+
+    def to_original(self, x: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
+        """A tensor over the global order (`padded_len` along `dim`) back in the original order (`seq_len`)."""
+        where = torch.empty(self.seq_len, dtype=torch.long)
+        real = self.source >= 0
+        where[self.source[real]] = real.nonzero().flatten()
+        return x.index_select(dim, where.to(x.device))
+
+    @functools.cached_property
+    def keeps_order(self) -> bool:
+        """Whether the global order is the original one (padding only at the end)."""
+        real = self.source[: self.seq_len]
+        return bool(torch.equal(real, torch.arange(self.seq_len)))
+
+    def global_meta(self, meta: TokenMeta) -> TokenMeta:
+        """The metadata [B, padded_len] of the whole sequence in global order, from the original [B, seq_len]."""
+        if self.keeps_order:
+            return meta.pad_to(self.padded_len)
+        b = meta.segment.shape[0]
+        src = self.source.to(meta.segment.device)
+        seg = torch.cat([meta.segment, torch.full((b, 1), PAD_SEGMENT, dtype=meta.segment.dtype,
+                                                  device=meta.segment.device)], 1)
+        segment = seg[:, torch.where(src >= 0, src, self.seq_len)]
+        # padding sits between documents here: it keeps an ascending index (segment -1 already hides it)
+        index = torch.arange(self.padded_len, device=src.device).expand(b, -1)
+        return TokenMeta(index, segment)
+
+    def shard_meta(self, meta: TokenMeta, rank: int) -> TokenMeta:
+        """`rank`'s shard of the metadata of the whole sequence in global order (padding appended as needed)."""
+        meta = meta.pad_to(self.padded_len)
+        idx = self.token_index(rank).to(meta.index.device)
+        return TokenMeta(meta.index[:, idx], meta.segment[:, idx])
+
+
 @dataclass(frozen=True)
-class ShardPlan:
-    """Split of `seq_len` tokens over `cp_size` ranks in blocks of `block_size` tokens."""
+class ShardPlan(BlockSplit):
+    """Split of `seq_len` tokens, in their order, over `cp_size` ranks in blocks of `block_size` tokens."""
 
     sharding: str
     cp_size: int
@@ -43,7 +172,9 @@ class ShardPlan:
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
-            raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}.")
+            hint = (" ('document' sharding is planned per batch from its documents: see "
+                    "hf_sparse_cp.distributed.planner)" if self.sharding == "document" else "")
+            raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}{hint}.")
         check_block_size(self.block_size)
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1.")
@@ -72,6 +203,15 @@ class ShardPlan:
         return self.num_blocks // self.cp_size
 
     @functools.cached_property
+    def source(self) -> torch.Tensor:
+        pos = torch.arange(self.padded_len)
+        return torch.where(pos < self.seq_len, pos, -1)
+
+    @functools.cached_property
+    def rank_blocks(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.all_blocks)
+
+    @functools.cached_property
     def all_blocks(self) -> torch.Tensor:
         """int64 [cp_size, local_blocks]: global block indices of every rank's shard, ascending."""
         w, n = self.cp_size, self.local_blocks
@@ -85,58 +225,9 @@ class ShardPlan:
         tail = (2 * w - 1 - ranks) * half + torch.arange(half)
         return torch.cat([head, tail], 1)
 
-    def blocks_of(self, rank: int) -> torch.Tensor:
-        """Global block indices held by `rank` (int64, ascending)."""
-        return self.all_blocks[rank]
-
-    @functools.cached_property
-    def block_owner(self) -> torch.Tensor:
-        """int64 [num_blocks]: the rank holding each global block."""
-        owner = torch.empty(self.num_blocks, dtype=torch.long)
-        owner[self.all_blocks.flatten()] = torch.arange(self.cp_size).repeat_interleave(self.local_blocks)
-        return owner
-
-    @functools.cached_property
-    def block_local_index(self) -> torch.Tensor:
-        """int64 [num_blocks]: each global block's index inside its owner's shard."""
-        local = torch.empty(self.num_blocks, dtype=torch.long)
-        local[self.all_blocks.flatten()] = torch.arange(self.local_blocks).repeat(self.cp_size)
-        return local
-
-    def token_index(self, rank: int) -> torch.Tensor:
-        """Global positions of `rank`'s tokens in the padded sequence (int64 [local_len], ascending)."""
-        bs = self.block_size
-        return (self.blocks_of(rank).unsqueeze(1) * bs + torch.arange(bs)).flatten()
-
-    def shard(self, x: torch.Tensor, rank: int, *, dim: int = 1, pad_value: Any = 0) -> torch.Tensor:
-        """`rank`'s shard of a tensor whose `dim` is the (unpadded or padded) sequence."""
-        n = x.shape[dim]
-        if n not in (self.seq_len, self.padded_len):
-            raise ValueError(
-                f"dimension {dim} of a tensor of shape {tuple(x.shape)} has {n} positions; this plan shards "
-                f"sequences of {self.seq_len} tokens (padded to {self.padded_len})."
-            )
-        if n < self.padded_len:
-            pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, self.padded_len - n]
-            x = F.pad(x, pad, value=pad_value)
-        return x.index_select(dim, self.token_index(rank).to(x.device))
-
-    def unshard(self, shards: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
-        """Reassemble the padded sequence from every rank's shard (in rank order)."""
-        if len(shards) != self.cp_size:
-            raise ValueError(f"unshard needs {self.cp_size} shards (one per rank), got {len(shards)}.")
-        shape = list(shards[0].shape)
-        shape[dim] = self.padded_len
-        full = shards[0].new_empty(shape)
-        for rank, piece in enumerate(shards):
-            full.index_copy_(dim, self.token_index(rank).to(piece.device), piece)
-        return full
-
-    def shard_meta(self, meta: TokenMeta, rank: int) -> TokenMeta:
-        """`rank`'s shard of the metadata of the whole sequence (padding appended as needed)."""
-        meta = meta.pad_to(self.padded_len)
-        idx = self.token_index(rank).to(meta.index.device)
-        return TokenMeta(meta.index[:, idx], meta.segment[:, idx])
+    @property
+    def keeps_order(self) -> bool:
+        return True
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -163,7 +254,7 @@ _CONSUMED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_lengt
 
 
 def shard_inputs(
-    inputs: Mapping[str, Any], plan: ShardPlan, rank: int, *, pad_token_id: int = 0, ignore_index: int = -100
+    inputs: Mapping[str, Any], plan: BlockSplit, rank: int, *, pad_token_id: int = 0, ignore_index: int = -100
 ) -> dict[str, Any]:
     """`rank`'s model inputs for one batch (every CP rank passes the same batch).
 

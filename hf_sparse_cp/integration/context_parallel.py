@@ -116,13 +116,14 @@ def enable_trainer_context_parallel(
     allow_untested = cp_config is not None and cp_config.cp_allow_untested_model
     check_model_supports_context_parallel(model, allow_untested=allow_untested)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
-    block_size = model_config_for(model).block_size
+    sparse_config = model_config_for(model)
     pad_token_id = _pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
 
     def prepare_inputs(_model, inputs: dict[str, Any]):
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=block_size, pad_token_id=pad_token_id
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            sparse_config=sparse_config,
         )
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)

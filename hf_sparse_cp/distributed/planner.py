@@ -1,0 +1,321 @@
+"""Document-aware sharding of a packed row (FlashCP): whole short documents, split long ones.
+
+A packed row holds documents that never attend to each other. Block sharding (striped, zigzag,
+contiguous) cuts every document across ranks, so the K/V of a short document travel the ring
+although only its own queries read them. The planner instead:
+
+* places a document whole on one rank (Whole-Doc) when it fits: its K/V never leave the rank;
+* splits the documents too costly for one rank over all ranks (Per-Doc): striped blocks for a
+  document with a sparse pattern (every rank and ring step gets an equal share of its
+  vertical-slash work), head-tail chunks (2 x CP chunks, rank r takes r and 2CP-1-r; WLB-LLM) for a
+  dense causal one;
+* balances per rank the estimated attention work (causal block pairs, or the kept blocks of a
+  sparse document) plus the linear work of its tokens plus the K/V it receives, sweeping how many
+  of the costliest documents to split and keeping the cheapest plan.
+
+It runs on the CPU per batch and is a pure function of the document lengths, so every rank of a
+CP group derives the same plan without communicating. The plan re-orders the row: split
+documents first, then every rank's whole documents, each document contiguous and in order, a
+document with a sparse pattern starting on a block boundary (its pattern then does not depend on
+what else was packed), padding only between documents and never trained on. Attention results do
+not depend on the order of documents: every token keeps its document, its position in it
+(position_ids, so RoPE) and its target (labels are shifted before sharding).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..attention.tokens import PAD_SEGMENT, TokenMeta, run_starts
+from ..config import SparseAttentionConfig, check_block_size
+from .sharding import BlockSplit
+
+PAD, DENSE, SPARSE = "pad", "dense", "sparse"
+# Relative gain in the slowest rank's work that one more split document must bring.
+_MIN_GAIN = 0.005
+
+
+@dataclass(frozen=True)
+class PlannerCosts:
+    """Weights of the planner's cost model, in block pairs (one block of queries against one block of keys)."""
+
+    linear_per_token: float = field(
+        default=2.0,
+        metadata={"help": "Work of the linear layers (projections, MLP) per token, in attention block pairs: "
+                  "about 2 for a 0.5B model at block 64, more for wider models and smaller blocks."},
+    )
+    comm_per_token: float = field(
+        default=0.25,
+        metadata={"help": "Cost of receiving one token's K/V, in attention block pairs (what the ring fails to "
+                  "hide behind compute)."},
+    )
+    max_token_ratio: float = field(
+        default=1.25,
+        metadata={"help": "Most tokens a rank may hold, as a multiple of the mean (activation memory)."},
+    )
+    extra_splits: int = field(
+        default=4, metadata={"help": "Documents beyond the ones that must be split to also try splitting."}
+    )
+
+
+def attention_work(length: int, kind: str, block_size: int, kept_per_row: int | None = None) -> float:
+    """Estimated attention work of one document in block pairs: its causal block pairs, each query
+    block row capped at `kept_per_row` key blocks for a sparse document; 0 for padding."""
+    nb = -(-length // block_size)
+    if kind == PAD:
+        return 0.0
+    k = nb if kind != SPARSE or kept_per_row is None else min(nb, kept_per_row)
+    return k * (k + 1) / 2 + (nb - k) * k
+
+
+def _row_work(nb: int, kind: str, kept_per_row: int | None) -> torch.Tensor:
+    """`attention_work` per query block row (float64 [nb])."""
+    rows = torch.arange(1, nb + 1, dtype=torch.float64)
+    if kind == PAD:
+        return torch.zeros(nb, dtype=torch.float64)
+    return rows.clamp_max(kept_per_row) if kind == SPARSE and kept_per_row is not None else rows
+
+
+def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
+    """An upper estimate of the key blocks a query block row of a sparse document lists: the local
+    window, each kept diagonal crossing two block diagonals, and the columns (budget and sinks)."""
+    slash = cfg.slash_topk if cfg.budget_mode == "topk" else cfg.slash_cap
+    vertical = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
+    bs = cfg.block_size
+    return 1 + -(-cfg.local_window // bs) + 2 * slash + -(-(vertical + cfg.sink_tokens) // bs)
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentPlan(BlockSplit):
+    """A packed row split by documents over `cp_size` ranks (see the module docstring).
+
+    lengths, kinds: every run of the row (documents and padding, in row order) and its kind
+    ('sparse', 'dense', 'pad'); split: the runs split over all ranks; work: per rank the estimated
+    work the planner balanced (attention + linear + K/V received, block pairs). `segments(rank)`
+    lists a rank's (run, start, end) pieces.
+    """
+
+    cp_size: int
+    block_size: int
+    seq_len: int
+    lengths: tuple[int, ...]
+    kinds: tuple[str, ...]
+    split: tuple[int, ...]
+    pieces: tuple[tuple[int, int], ...]
+    owners: torch.Tensor
+    work: tuple[float, ...]
+
+    sharding = "document"
+
+    @functools.cached_property
+    def rank_blocks(self) -> tuple[torch.Tensor, ...]:
+        return tuple((self.owners == r).nonzero().flatten() for r in range(self.cp_size))
+
+    @functools.cached_property
+    def source(self) -> torch.Tensor:
+        # `pieces` lists (original start or -1 for padding, tokens) in global order
+        # (numpy: torch.repeat_interleave is ~30x slower on the CPU at a million tokens)
+        start, count = np.array(self.pieces, dtype=np.int64).reshape(-1, 2).T
+        shift = np.where(start >= 0, start - (np.cumsum(count) - count), -(1 << 62))  # original - global position
+        pos = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(shift, count)
+        return torch.from_numpy(np.where(pos >= 0, pos, -1))
+
+    def segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """`rank`'s pieces of the row as (run, start, end), token offsets inside the run, in shard order."""
+        src = self.source[self.token_index(rank)]
+        src = src[src >= 0]
+        if not src.numel():
+            return []
+        starts = torch.tensor([0, *self.lengths], dtype=torch.long).cumsum(0)
+        run = torch.searchsorted(starts, src, right=True) - 1
+        cut = torch.ones(src.numel(), dtype=torch.bool)
+        cut[1:] = (run[1:] != run[:-1]) | (src[1:] != src[:-1] + 1)
+        first = cut.nonzero().flatten()
+        last = torch.cat([first[1:], torch.tensor([src.numel()])]) - 1
+        r = run[first]
+        return list(zip(r.tolist(), (src[first] - starts[r]).tolist(), (src[last] - starts[r] + 1).tolist()))
+
+
+def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> torch.Tensor:
+    """Owner rank of each block of a split document: striped (continuing a rotation over ranks),
+    or head-tail for a dense causal one."""
+    j = torch.arange(nb)
+    if kind == SPARSE or nb < 2 * w:
+        return (j + rotation) % w
+    chunk = torch.div(j * 2 * w, nb, rounding_mode="floor")  # 2w chunks of near-equal size
+    return torch.where(chunk < w, chunk, 2 * w - 1 - chunk)
+
+
+class _Candidate:
+    """Loads of one sweep point: `split` documents split, the others placed greedily."""
+
+    def __init__(self, split: list[int], placed: dict[int, int], load: list[float], owners: dict[int, torch.Tensor]):
+        self.split, self.placed, self.load, self.owners = split, placed, load, owners
+
+    @property
+    def cost(self) -> float:
+        return max(self.load)
+
+
+def _evaluate(order: list[int], n_split: int, lengths, kinds, work, kept_per_row, w: int, bs: int,
+              costs: PlannerCosts, token_cap: float) -> _Candidate:
+    split = sorted(order[:n_split])
+    load = [0.0] * w
+    tokens = [0.0] * w
+    owners: dict[int, torch.Tensor] = {}
+    rotation = 0
+    for i in split:
+        nb = -(-lengths[i] // bs)
+        owner = _split_blocks(nb, kinds[i], w, rotation)
+        rotation = (rotation + nb) % w
+        owners[i] = owner
+        per_rank = torch.zeros(w, dtype=torch.float64).index_add_(0, owner, _row_work(nb, kinds[i], kept_per_row))
+        held = torch.bincount(owner, minlength=w).double() * bs
+        received = (lengths[i] - held).clamp_min(0) if kinds[i] != PAD else torch.zeros(w, dtype=torch.float64)
+        shares = per_rank + costs.linear_per_token * held + costs.comm_per_token * received
+        for r, x in enumerate(shares.tolist()):
+            load[r] += x
+        for r, x in enumerate(held.tolist()):
+            tokens[r] += x
+    heap = [(load[r], r) for r in range(w)]
+    heapq.heapify(heap)
+    placed: dict[int, int] = {}
+    for i in order[n_split:]:
+        skipped = []
+        while True:  # the least loaded rank with room for the document's tokens (else the least loaded)
+            lo, r = heapq.heappop(heap)
+            if tokens[r] + lengths[i] <= token_cap or not heap:
+                break
+            skipped.append((lo, r))
+        if tokens[r] + lengths[i] > token_cap and skipped:
+            skipped.append((lo, r))
+            lo, r = min(skipped, key=lambda t: (tokens[t[1]], t[1]))
+            skipped.remove((lo, r))
+        for item in skipped:
+            heapq.heappush(heap, item)
+        placed[i] = r
+        load[r] += work[i]
+        tokens[r] += lengths[i]
+        heapq.heappush(heap, (load[r], r))
+    return _Candidate(split, placed, load, owners)
+
+
+def plan_documents(
+    lengths: list[int],
+    kinds: list[str],
+    cp_size: int,
+    block_size: int,
+    *,
+    kept_per_row: int | None = None,
+    costs: PlannerCosts | None = None,
+) -> DocumentPlan:
+    """The document-aware split of one packed row (deterministic: the same on every rank).
+
+    Args:
+        lengths: token counts of the row's runs in order (documents and padding runs).
+        kinds: per run, 'sparse' (a vertical-slash pattern), 'dense' (causal) or 'pad' (no attention).
+        cp_size, block_size: ranks of the CP group and the attention layout's block.
+        kept_per_row: key blocks a query block row of a sparse document lists (`kept_blocks_per_row`).
+        costs: the cost model's weights.
+    """
+    check_block_size(block_size)
+    if cp_size < 1:
+        raise ValueError(f"cp_size={cp_size} must be >= 1.")
+    if len(lengths) != len(kinds) or not lengths:
+        raise ValueError("plan_documents needs one kind per run and at least one run.")
+    if any(n < 1 for n in lengths) or any(k not in (PAD, DENSE, SPARSE) for k in kinds):
+        raise ValueError(f"runs must have >= 1 token and a kind in {(PAD, DENSE, SPARSE)}.")
+    costs = PlannerCosts() if costs is None else costs
+    w, bs = cp_size, block_size
+    work = [attention_work(n, k, bs, kept_per_row) + costs.linear_per_token * n for n, k in zip(lengths, kinds)]
+    total_tokens = sum(lengths)
+    token_cap = costs.max_token_ratio * total_tokens / w + bs
+    mean = sum(work) / w
+    order = sorted(range(len(lengths)), key=lambda i: (-work[i], i))
+    must = sum(1 for i in order if (work[i] > mean or lengths[i] > token_cap) and kinds[i] != PAD)
+    splittable = sum(1 for i in order if kinds[i] != PAD and lengths[i] > bs)
+    best = None
+    for n_split in range(must, min(must + costs.extra_splits, splittable) + 1):
+        if any(kinds[i] == PAD for i in order[:n_split]):
+            break
+        cand = _evaluate(order, n_split, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
+        if best is not None and cand.cost >= best.cost * (1 - _MIN_GAIN):  # a split costs traffic: it must pay
+            break
+        best = cand
+    if best is None:
+        best = _evaluate(order, 0, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
+    return _materialize(best, lengths, kinds, w, bs)
+
+
+def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentPlan:
+    """Global order, block owners and segments of a candidate."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    pieces: list[tuple[int, int]] = []  # (original start or -1 for padding, tokens), in global order
+    owners: list[torch.Tensor] = []
+
+    def pad_to_block(used: int) -> int:
+        extra = -used % bs
+        if extra:
+            pieces.append((-1, extra))
+        return used + extra
+
+    for i in cand.split:
+        pieces.append((starts[i], lengths[i]))
+        pad_to_block(lengths[i])
+        owners.append(cand.owners[i])
+    by_rank: list[list[int]] = [[] for _ in range(w)]
+    for i, rank in sorted(cand.placed.items(), key=lambda t: (kinds[t[0]] != SPARSE, t[0])):
+        by_rank[rank].append(i)  # sparse documents first (block aligned), then in row order
+    for r in range(w):
+        used = 0
+        for i in by_rank[r]:
+            if kinds[i] == SPARSE:
+                used = pad_to_block(used)
+            pieces.append((starts[i], lengths[i]))
+            used += lengths[i]
+        used = pad_to_block(used)
+        owners.append(torch.full((used // bs,), r, dtype=torch.long))
+    return DocumentPlan(w, bs, sum(lengths), tuple(lengths), tuple(kinds), tuple(cand.split), tuple(pieces),
+                        torch.cat(owners), tuple(cand.load))
+
+
+def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], list[str]]:
+    """The runs of a batch's rows (documents and padding, the same in every row) and their kinds."""
+    seg = meta.segment
+    if seg.shape[0] > 1 and not bool((seg == seg[:1]).all()):
+        raise ValueError(
+            "document sharding plans one packed row, but the rows of this batch have different documents: pack "
+            "each batch into one row (DataCollatorWithFlattening, or --pack_documents) or use "
+            "--cp_sharding striped."
+        )
+    starts = run_starts(seg[:1])[0].nonzero().flatten().tolist() + [seg.shape[1]]
+    ids = seg[0, starts[:-1]].tolist()
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    sparse_ok = cfg.pattern != "dense"
+    kinds = [PAD if d == PAD_SEGMENT else SPARSE if sparse_ok and n >= max(cfg.min_seq_len, 1) else DENSE
+             for d, n in zip(ids, lengths)]
+    return lengths, kinds
+
+
+def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None
+             ) -> DocumentPlan:
+    """`plan_documents` for the documents of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
+    lengths, kinds = row_runs(meta, cfg)
+    kept = kept_blocks_per_row(cfg) if cfg.pattern != "dense" else None
+    return plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs)
+
+
+def balance_ratio(plan: DocumentPlan) -> float:
+    """max / mean of the planner's estimated per-rank work."""
+    return max(plan.work) / (sum(plan.work) / len(plan.work)) if any(plan.work) else 1.0
+
+
+__all__ = ["DocumentPlan", "PlannerCosts", "attention_work", "balance_ratio", "kept_blocks_per_row", "plan_documents",
+           "plan_row", "row_runs"]
