@@ -80,11 +80,34 @@ def _first_visible_keys(meta: TokenMeta, block_size: int, sliding_window: int | 
     return valid_q, start, lo_tok, lo
 
 
+def diagonal_set_of_blocks(meta: TokenMeta, block_size: int, docs: list[list[tuple[int, int]]],
+                           spans: list[list[int]]) -> torch.Tensor:
+    """int64 [B, NQB]: where each query block's set of kept block diagonals begins along the sets'
+    axis (`build_layout`'s `diagonal_start`), -1 for none.
+
+    docs[row]: the (start, end) of the documents with a set; spans[row]: where each one's set
+    begins. A query block takes the set of the document of its first valid query: a document that
+    starts later inside the block sees only the block itself there (block diagonal 0, always kept).
+    """
+    bs = block_size
+    b, s = meta.segment.shape
+    nqb = -(-s // bs)
+    valid = torch.nn.functional.pad(meta.segment != PAD_SEGMENT, (0, nqb * bs - s)).view(b, nqb, bs)
+    first = torch.arange(nqb, device=valid.device) * bs + valid.int().argmax(-1)
+    first = torch.where(valid.any(-1), first, -1)
+    out = torch.full((b, nqb), -1, dtype=torch.long, device=valid.device)
+    for row, (row_docs, row_spans) in enumerate(zip(docs, spans)):
+        for (start, end), base in zip(row_docs, row_spans):
+            out[row] = torch.where((first[row] >= start) & (first[row] < end), base, out[row])
+    return out
+
+
 def build_layout(
     meta: TokenMeta,
     block_size: int,
     *,
     diagonals: torch.Tensor | None = None,
+    diagonal_start: torch.Tensor | None = None,
     verticals: torch.Tensor | None = None,
     dense_tokens: torch.Tensor | None = None,
     sliding_window: int | None = None,
@@ -95,7 +118,11 @@ def build_layout(
     Args:
         meta: the tokens [B, S] in global order (documents, padding).
         block_size: the layout's block (power of two >= 16).
-        diagonals: bool [B, H, NB], block diagonals kept per head (NB = ceil(S / block_size)).
+        diagonals: bool [B, H, NB], block diagonals kept per head (NB = ceil(S / block_size)); or, with
+            `diagonal_start`, bool [B, H, T]: several sets of kept block diagonals side by side (one per
+            document: entry `diagonal_start[b, qb] + d` says whether query block qb keeps diagonal d).
+        diagonal_start: int64 [B, NQB], where the set of each query block begins along the last axis of
+            `diagonals` (-1: the block keeps no diagonal); default: one set per row (every block at 0).
         verticals: bool [B, H, S], key columns kept per head.
         dense_tokens: bool [B, S], queries whose whole causal document prefix is kept.
         sliding_window: keys `sliding_window` or more tokens before a query are invisible.
@@ -127,14 +154,24 @@ def build_layout(
     # range [dense_lo, qb]. The diagonals are a slice of the head's sorted kept list, found by counting.
     n_dense = (qb - dense_lo + 1).clamp_min(0).unsqueeze(1)  # [B, 1, NQB]
     if diagonals is None:
-        heads_b, d_list, i_hi, n_diag = 1, None, None, torch.zeros_like(n_dense)
+        heads_b, d_list, i_hi, n_diag, set_base = 1, None, None, torch.zeros_like(n_dense), None
     else:
-        heads_b = diagonals.shape[1]
-        kept_upto = torch.nn.functional.pad(diagonals.cumsum(-1), (1, 0))  # [B, H, NB + 1]: #kept d < x
-        d_list = _compact(torch.arange(nqb, device=dev), diagonals, nqb).long()
+        heads_b, t = diagonals.shape[1], diagonals.shape[-1]
+        if diagonal_start is None:
+            diagonal_start = torch.zeros(b, nqb, dtype=torch.long, device=dev)
+            d_value = torch.arange(t, device=dev)
+        else:  # the diagonal d each entry stands for: its distance from the start of its set
+            d_value = torch.arange(t, device=dev) - torch.zeros(b, t + 1, dtype=torch.long, device=dev).scatter_(
+                1, diagonal_start.clamp_min(0), diagonal_start.clamp_min(0)).cummax(-1).values[:, :t].unsqueeze(1)
+        has_set = (diagonal_start >= 0).unsqueeze(1)  # [B, 1, NQB]
+        start = diagonal_start.clamp_min(0).unsqueeze(1).expand(b, heads_b, nqb)
+        kept_upto = torch.nn.functional.pad(diagonals.cumsum(-1), (1, 0))  # [B, H, T + 1]: #kept entries < x
+        set_base = kept_upto.gather(-1, start)  # kept entries before each block's set
+        d_list = _compact(d_value, diagonals, t).long()
 
-        def kept_at_most(x):  # [B, heads_b, NQB]: kept diagonals d <= x, per query block
-            return kept_upto.gather(-1, (x + 1).unsqueeze(1).expand(b, heads_b, nqb))
+        def kept_at_most(x):  # [B, heads_b, NQB]: kept diagonals d <= x in each query block's set
+            at = (start + (x + 1).unsqueeze(1)).clamp(0, t)
+            return torch.where(has_set, kept_upto.gather(-1, at) - set_base, 0)
 
         i_hi = kept_at_most(qb - lo)
         n_diag = (i_hi - kept_at_most((qb - dense_lo).clamp(-1, nqb - 1))).clamp_min(0)
@@ -152,8 +189,8 @@ def build_layout(
         heads = max(heads_b, verticals.shape[1])
         for row in range(b):
             for h0, h1 in _head_chunks(heads, nqb * v_list.shape[-1]):
-                mask = _column_mask(v_list[row], diagonals, row, h0, h1, qb, lo[row], lo_tok[row], dense_lo[row],
-                                    bs, sliding_window)
+                mask = _column_mask(v_list[row], diagonals, diagonal_start, row, h0, h1, qb, lo[row], lo_tok[row],
+                                    dense_lo[row], bs, sliding_window)
                 col_masks.append(mask)
                 col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
     sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
@@ -167,8 +204,8 @@ def build_layout(
             dense_kb = dense_lo[row].view(1, nqb, 1) + slot - n_diag[row, h0:h1].unsqueeze(-1)
             kb = torch.where(slot < block_cnt[row, h0:h1].unsqueeze(-1), dense_kb, -1)
             if d_list is not None:
-                rank = (i_hi[row, h0:h1].unsqueeze(-1) - 1 - slot).clamp(0, nqb - 1)
-                d = d_list[row, h0:h1].unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank)
+                rank = set_base[row, h0:h1].unsqueeze(-1) + i_hi[row, h0:h1].unsqueeze(-1) - 1 - slot
+                d = d_list[row, h0:h1].unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank.clamp(0, t - 1))
                 kb = torch.where(slot < n_diag[row, h0:h1].unsqueeze(-1), qb.view(1, nqb, 1) - d, kb)
             block_idx[row, h0:h1] = kb
     if not has_columns:
@@ -188,7 +225,8 @@ def build_layout(
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
-def _column_mask(v_row, diagonals, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sliding_window) -> torch.Tensor:
+def _column_mask(v_row, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sliding_window
+                 ) -> torch.Tensor:
     """bool [h1 - h0, NQB, NV]: which kept columns (v_row [Hv, NV], ascending, -1 padded) each query
     block of heads h0:h1 lists as token columns."""
     nqb, n = qb.shape[0], h1 - h0
@@ -197,9 +235,11 @@ def _column_mask(v_row, diagonals, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sl
     cb = v // bs
     covered = (cb >= lo.view(1, nqb, 1)) & (cb >= dense_lo.view(1, nqb, 1))  # inside the dense range
     if diagonals is not None:
+        t = diagonals.shape[-1]
+        start = diagonal_start[row].view(1, nqb, 1)
         diag = _one_or_range(diagonals[row], h0, h1).unsqueeze(1).expand(n, nqb, -1)
-        diag_hit = diag.gather(-1, (qbx - cb).clamp(0, nqb - 1).expand(n, nqb, -1))
-        covered = covered | ((cb >= lo.view(1, nqb, 1)) & diag_hit)
+        diag_hit = diag.gather(-1, (start.clamp_min(0) + (qbx - cb).clamp_min(0)).clamp_max(t - 1).expand(n, nqb, -1))
+        covered = covered | ((cb >= lo.view(1, nqb, 1)) & diag_hit & (start >= 0))
     ok = (v >= 0) & (v < (qbx + 1) * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
     if sliding_window is not None:
         ok &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)

@@ -30,7 +30,7 @@ import math
 import torch
 
 from ..config import SparseAttentionConfig
-from .build import build_layout, dense_layout, offsets_to_block_diagonals
+from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_to_block_diagonals
 from .layout import SparseLayout
 from .precision import compute_dtype
 from .tokens import PAD_SEGMENT, TokenMeta, run_starts
@@ -126,9 +126,11 @@ def accumulate_vertical_slash(
     vertical: torch.Tensor,
     slash: torch.Tensor,
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slash_base: int = 0,
 ) -> None:
     """Add the attention mass of query rows at positions `row_pos` on keys at `key_pos`:
-    vertical[h, key] += mass the key receives, slash[h, row - key] += mass on that offset.
+    vertical[h, key] += mass the key receives, slash[h, slash_base + row - key] += mass on that
+    offset (`slash_base`: the document's start, so that every document has its own offsets).
 
     Keys after a row are invisible. Probabilities are a softmax over these keys, or, with
     `normalizer` = (row max, row sum of exp(score - max)) of the row's *whole* key set (keys split
@@ -141,7 +143,7 @@ def accumulate_vertical_slash(
     for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
         a = torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
         vertical[heads].index_add_(1, key_pos[keys], a.sum(1))
-        offset = (row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)).clamp_min(0)
+        offset = (row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)).clamp_min(0) + slash_base
         slash[heads].scatter_add_(1, offset.flatten().expand(a.shape[0], -1), a.flatten(1))
 
 
@@ -161,8 +163,8 @@ def score_vertical_slash(
 
     q: [Hq, S, D], k: [Hkv, S, D]; docs: (start, end) of the documents to score.
     Returns (vertical [Hq, S], slash [Hq, S]) in fp32 (fp64 for fp64 inputs): vertical[h, j] is the
-    attention mass key j receives from its document's last `last_q` queries; slash[h, o] the mass
-    on offset o = q - k, summed over the documents.
+    attention mass key j receives from its document's last `last_q` queries; slash[h, start + o] the
+    mass on offset o = q - k inside the document that begins at `start` (each document its own).
     """
     hq, s, _ = q.shape
     dtype = compute_dtype(q.dtype)
@@ -174,12 +176,12 @@ def score_vertical_slash(
         if kernel is not None:
             v_doc, s_doc = kernel(q[:, end - r : end], k[:, start:end], scale)
             vertical[:, start:end] += v_doc
-            slash[:, : end - start] += s_doc
+            slash[:, start:end] += s_doc
             continue
         rows = last_query_rows(start, end, last_q, q.device)
         keys = torch.arange(start, end, device=q.device)
         accumulate_vertical_slash(q[:, end - r : end].to(dtype), k[:, start:end].to(dtype), rows, keys, scale,
-                                  vertical, slash)
+                                  vertical, slash, slash_base=start)
     return vertical, slash
 
 
@@ -214,28 +216,55 @@ def _select(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int) -
 
 
 def _selection_bound(cfg: SparseAttentionConfig, num_docs: int) -> int:
-    """Most key columns one head of a row keeps: its budget plus the sinks of its documents."""
+    """Most key columns one head of a row keeps: every document's budget plus its sinks."""
     budget = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
-    return budget + cfg.sink_tokens * num_docs
+    return (budget + cfg.sink_tokens) * num_docs
 
 
 def select_vertical_slash(
     vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, int]]], cfg: SparseAttentionConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept key columns and kept diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per
-    row, its scored documents. The budget's picks plus every document's sink columns and the local
-    window's diagonals; nothing for a row without documents."""
-    keep_v = _select(vertical, cfg.budget_mode, cfg.vertical_topk, cfg.vertical_topp, cfg.vertical_cap)
-    keep_s = _select(slash, cfg.budget_mode, cfg.slash_topk, cfg.slash_topp, cfg.slash_cap)
+    row, its scored documents. Every document is selected on its own, with its own budget: its
+    columns among its keys, its offsets o at [start + o] (as `score_vertical_slash` lays them out),
+    plus its sink columns and the local window's offsets; nothing outside the documents."""
+    keep_v = torch.zeros_like(vertical, dtype=torch.bool)
+    keep_s = torch.zeros_like(slash, dtype=torch.bool)
     for row, row_docs in enumerate(docs):
-        if not row_docs:
-            keep_v[row] = False
-            keep_s[row] = False
-            continue
-        keep_s[row, :, : cfg.local_window] = True
         for start, end in row_docs:
+            doc = slice(start, end)
+            keep_v[row, :, doc] = _select(vertical[row, :, doc], cfg.budget_mode, cfg.vertical_topk,
+                                          cfg.vertical_topp, cfg.vertical_cap)
+            keep_s[row, :, doc] = _select(slash[row, :, doc], cfg.budget_mode, cfg.slash_topk, cfg.slash_topp,
+                                          cfg.slash_cap)
             keep_v[row, :, start : min(end, start + cfg.sink_tokens)] = True
+            keep_s[row, :, start : min(end, start + cfg.local_window)] = True
     return keep_v, keep_s
+
+
+def document_diagonals(keep_s: torch.Tensor, meta: TokenMeta, docs: list[list[tuple[int, int]]], block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept block diagonals per document, side by side, and where each query block's set begins
+    (`build_layout`'s `diagonals` and `diagonal_start`), from kept offsets laid out as
+    `select_vertical_slash` returns them. A document's set spans the blocks it touches."""
+    bs = block_size
+    sets, spans = [[] for _ in docs], [[] for _ in docs]
+    width = 0
+    for row, row_docs in enumerate(docs):
+        used = 0
+        for start, end in row_docs:
+            nb = (end - 1) // bs - start // bs + 1
+            offsets = torch.nn.functional.pad(keep_s[row, :, start:end], (0, nb * bs - (end - start)))
+            sets[row].append(offsets_to_block_diagonals(offsets, bs))
+            spans[row].append(used)
+            used += nb
+        width = max(width, used)
+    b, h = keep_s.shape[:2]
+    diagonals = torch.zeros(b, h, max(width, 1), dtype=torch.bool, device=keep_s.device)
+    for row, row_sets in enumerate(sets):
+        if row_sets:
+            diagonals[row, :, : sum(x.shape[-1] for x in row_sets)] = torch.cat(row_sets, -1)
+    return diagonals, diagonal_set_of_blocks(meta, bs, docs, spans)
 
 
 def layout_from_scores(
@@ -259,8 +288,9 @@ def layout_from_scores(
         for st, en in row_docs:
             dense_tokens[row, st:en] = False
     bound = max(_selection_bound(cfg, len(row_docs)) for row_docs in docs)
-    return build_layout(meta, cfg.block_size, diagonals=offsets_to_block_diagonals(keep_s, cfg.block_size),
-                        verticals=keep_v, dense_tokens=dense_tokens, max_verticals=bound)
+    diagonals, diagonal_start = document_diagonals(keep_s, meta, docs, cfg.block_size)
+    return build_layout(meta, cfg.block_size, diagonals=diagonals, diagonal_start=diagonal_start, verticals=keep_v,
+                        dense_tokens=dense_tokens, max_verticals=bound)
 
 
 def pattern_documents(

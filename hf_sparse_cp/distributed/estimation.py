@@ -115,11 +115,11 @@ def estimate_layout_cp(
     _all_reduce(row_sum, dist.ReduceOp.SUM, shard)
 
     scores = torch.zeros(b, 2, hq, plan.padded_len, dtype=dtype, device=dev)
-    for (row, _, _, rows, span), lk in zip(entries, keys):
+    for (row, start, _, rows, span), lk in zip(entries, keys):
         if lk.numel():
             accumulate_vertical_slash(
                 q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), rows, tok[lk], scale,
-                scores[row, 0], scores[row, 1], normalizer=(top[:, span], row_sum[:, span]),
+                scores[row, 0], scores[row, 1], normalizer=(top[:, span], row_sum[:, span]), slash_base=start,
             )
     _all_reduce(scores, dist.ReduceOp.SUM, shard)
     return layout_from_scores(meta, cfg, docs, [(scores[r, 0], scores[r, 1]) if docs[r] else None for r in range(b)])
