@@ -67,7 +67,7 @@ def ring_cost(
     sets = TransferSets(layout, plan, topology)
     row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
     block = row * plan.block_size
-    tokens = column_tokens(layout, plan.padded_len)
+    tokens = column_tokens(layout, plan)
     fwd = torch.zeros(w, dtype=torch.int64)
     bwd = torch.zeros(w, dtype=torch.int64)
     if tokens.numel() and w > 1:

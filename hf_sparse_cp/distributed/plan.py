@@ -14,9 +14,11 @@ the ring with the K/V and the last reader sends the sum home.
 
 Key *columns* (verticals) do not travel the ring: shipping a column's whole block to every
 reader would cost a block per column, and all sink columns live on one shard, which would load
-one ring step of every rank. The K/V rows of all listed columns are all-gathered once into a
-compact "bar" buffer and attended in one extra local step; their dK/dV are all-reduced and each
-owner keeps its rows (MTraining's bar buffer).
+one ring step of every rank. The K/V rows of the columns that ranks other than their holder
+list are all-gathered once into a compact "bar" buffer, to which every rank adds the rows of the
+columns only it lists (those never travel: the whole documents of a document-aware split keep all
+their K/V home), and attended in one extra step; the dK/dV of the gathered rows are all-reduced
+and each holder keeps its rows (MTraining's bar buffer).
 
 `RingPlan` is one rank's part: per ring step, the layout of its query blocks against the blocks it
 holds (indices re-numbered into the received buffer) and the key metadata of that buffer; the bar
@@ -81,13 +83,16 @@ def pair_work(layout: SparseLayout, plan: BlockSplit) -> tuple[torch.Tensor, tor
     return blocks.view(w, w).cpu(), cols.cpu()
 
 
-def column_tokens(layout: SparseLayout, num_tokens: int) -> torch.Tensor:
-    """Global key tokens (< num_tokens) listed as columns anywhere in the layout (int64, ascending,
-    unique, CPU). Marks a flag per token instead of sorting the listed columns: linear in the
-    layout's size (tens of millions of entries at 128K tokens)."""
-    valid = layout.valid_cols()
+def column_tokens(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
+    """Global key tokens listed as columns by a rank that does not hold them: the bar buffer's
+    tokens (int64, ascending, unique, CPU). Marks a flag per token instead of sorting the listed
+    columns: linear in the layout's size (tens of millions of entries at 128K tokens)."""
+    num_tokens = plan.padded_len
+    owner = plan.block_owner.to(layout.col_idx.device)
+    key_owner = owner[layout.col_idx.long().clamp_min(0) // plan.block_size]
+    shared = layout.valid_cols() & (key_owner != owner.view(1, 1, -1, 1))  # listed by a query block of another rank
     listed = torch.zeros(num_tokens + 1, dtype=torch.bool, device=layout.col_idx.device)
-    listed[torch.where(valid, layout.col_idx, num_tokens).flatten()] = True  # unused slots mark the spare flag
+    listed[torch.where(shared, layout.col_idx, num_tokens).flatten()] = True  # unused slots mark the spare flag
     return listed[:num_tokens].nonzero().flatten().cpu()
 
 
@@ -241,16 +246,23 @@ def _restrict(layout: SparseLayout, rows: torch.Tensor, plan: BlockSplit, source
 
 @dataclass
 class BarStep:
-    """The columns of the layout, attended in one local step over an all-gathered compact buffer.
+    """The columns this rank's queries list, attended in one step over a compact buffer.
 
-    tokens: global key tokens of the buffer (ascending); owned[r]: positions in `tokens` owned by
-    rank r, rows[r]: their row in r's shard; layout: this rank's query blocks against the buffer
-    (columns only); k_meta: metadata of the buffer's tokens.
+    shared: the global key tokens some rank lists without holding them (ascending, identical on
+    every rank), all-gathered: owned[r] are the positions in `shared` held by rank r, rows[r] their
+    rows in r's shard. tokens: this rank's buffer (ascending): the shared tokens and the columns
+    only this rank lists among its own, at positions shared_pos and own_pos (own_rows: their rows
+    in this rank's shard). layout: this rank's query blocks against the buffer (columns only);
+    k_meta: metadata of the buffer's tokens.
     """
 
-    tokens: torch.Tensor
+    shared: torch.Tensor
     owned: list[torch.Tensor]
     rows: list[torch.Tensor]
+    tokens: torch.Tensor
+    shared_pos: torch.Tensor
+    own_pos: torch.Tensor
+    own_rows: torch.Tensor
     layout: SparseLayout
     k_meta: TokenMeta
 
@@ -259,26 +271,33 @@ class BarStep:
         return max(o.numel() for o in self.owned)
 
 
-def _bar_step(layout: SparseLayout, rows: torch.Tensor, plan: BlockSplit, meta: TokenMeta) -> BarStep | None:
-    tokens = column_tokens(layout, plan.padded_len)
-    if not tokens.numel():
-        return None
+def _bar_step(layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, position: int) -> BarStep | None:
     dev = layout.block_idx.device
     bs = plan.block_size
-    owner = plan.block_owner[tokens // bs]
-    local_row = plan.block_local_index[tokens // bs] * bs + tokens % bs
+    shared = column_tokens(layout, plan)
+    rows = plan.blocks_of(position).to(dev)
+    col = layout.col_idx[:, :, rows].long().clamp_min(0)
+    valid = valid_slots(layout.col_idx[:, :, rows], layout.col_cnt[:, :, rows])
+    if not shared.numel() and not bool(valid.any()):
+        return None
+    listed = torch.zeros(plan.padded_len + 1, dtype=torch.bool, device=dev)
+    listed[torch.where(valid, col, plan.padded_len).flatten()] = True
+    listed[shared.to(dev)] = True
+    tokens = listed[:-1].nonzero().flatten().cpu()  # the buffer: shared tokens and this rank's own columns
+    owner = plan.block_owner[shared // bs]
+    local_row = plan.block_local_index[shared // bs] * bs + shared % bs
     owned = [(owner == r).nonzero().flatten() for r in range(plan.cp_size)]
-    col = layout.col_idx[:, :, rows].long()
-    valid = valid_slots(col, layout.col_cnt[:, :, rows])
+    shared_pos = torch.searchsorted(tokens, shared)
+    is_shared = torch.zeros(tokens.numel(), dtype=torch.bool)
+    is_shared[shared_pos] = True
+    own_pos = (~is_shared).nonzero().flatten()
+    own = tokens[own_pos]
+    own_rows = plan.block_local_index[own // bs] * bs + own % bs
     # Columns ascend, and so do their positions in the ascending token list.
-    pos = torch.searchsorted(tokens.to(dev), col.clamp_min(0))
-    col_idx = torch.where(valid, pos, -1).to(torch.int32)
-    col_cnt = layout.col_cnt[:, :, rows]
-    width = int(col_cnt.max()) if col_cnt.numel() else 0
-    bar_layout = SparseLayout.from_columns(col_idx[..., :width].contiguous(), col_cnt, bs)
+    col_idx, col_cnt = compact_sorted(torch.searchsorted(tokens.to(dev), col), valid)
     tok = tokens.to(dev)
-    return BarStep(tokens, owned, [local_row[o] for o in owned], bar_layout,
-                   TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
+    return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows,
+                   SparseLayout.from_columns(col_idx, col_cnt, bs), TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
 
 
 class RingPlan:
@@ -311,7 +330,7 @@ class RingPlan:
                 tok = ((plan.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
                 k_meta = TokenMeta(meta.index[:, tok], meta.segment[:, tok])
                 self.steps.append(RingStep(o, i, s, held, read, step_layout, k_meta))
-        self.bar = _bar_step(layout, rows, plan, meta)
+        self.bar = _bar_step(layout, plan, meta, position)
         self.bar_work = self.bar is not None and bool((self.bar.layout.col_cnt > 0).any())
         self.forward_ops = slot_ops(self.sets, position, backward=False)
         self.backward_ops = slot_ops(self.sets, position, backward=True)

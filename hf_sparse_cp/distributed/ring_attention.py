@@ -82,39 +82,47 @@ class _Ring:
         return self.inner.bytes_sent + self.outer.bytes_sent + self.collective_bytes
 
     def gather_bars(self, k: torch.Tensor, v: torch.Tensor):
-        """Start the all-gather of the column K/V rows; returns a function giving [2, B, Hkv, n_cols, D]."""
+        """Start the all-gather of the shared column K/V rows; returns a function giving this rank's
+        bar buffer [2, B, Hkv, n_cols, D] (the gathered rows and its own columns)."""
         bar, me, w = self.ring_plan.bar, self.ring_plan.position, self.parallel.cp_size
-        rows = bar.rows[me].to(k.device)
-        mine = torch.zeros(2, *k.shape[:2], bar.max_owned, k.shape[3], dtype=k.dtype, device=k.device)
+        dev = k.device
+        rows = bar.rows[me].to(dev)
+        mine = torch.zeros(2, *k.shape[:2], bar.max_owned, k.shape[3], dtype=k.dtype, device=dev)
         mine[:, :, :, : rows.numel()] = torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
         chunks = [mine] if w == 1 else [torch.empty_like(mine) for _ in range(w)]
         work = None
-        if w > 1:
+        if w > 1 and bar.shared.numel():
             work = dist.all_gather(chunks, mine, group=self.parallel.cp_group, async_op=True)
             self.collective_bytes += (w - 1) * mine.numel() * mine.element_size()
 
         def result() -> torch.Tensor:
+            full = torch.empty(*mine.shape[:3], bar.tokens.numel(), mine.shape[4], dtype=k.dtype, device=dev)
+            own = bar.own_rows.to(dev)
+            full[:, :, :, bar.own_pos.to(dev)] = torch.stack([k.index_select(2, own), v.index_select(2, own)])
             if work is not None:
                 work.wait()
-            full = torch.empty(*mine.shape[:3], bar.tokens.numel(), mine.shape[4], dtype=k.dtype, device=k.device)
             for owned, chunk in zip(bar.owned, chunks):
-                full[:, :, :, owned.to(k.device)] = chunk[:, :, :, : owned.numel()]
+                full[:, :, :, bar.shared_pos[owned].to(dev)] = chunk[:, :, :, : owned.numel()]
             return full
 
         return result
 
     def reduce_bar_grads(self, grad: torch.Tensor):
-        """Start summing every rank's column dK/dV; returns a function giving this rank's rows of the sum."""
+        """Start summing every rank's dK/dV of the shared columns (grad: over this rank's bar buffer);
+        returns a function giving (rows of this rank's shard, their dK/dV)."""
         bar, me, w = self.ring_plan.bar, self.ring_plan.position, self.parallel.cp_size
+        dev = grad.device
+        shared = grad[:, :, :, bar.shared_pos.to(dev)]
         work = None
-        if w > 1:
-            work = dist.all_reduce(grad, group=self.parallel.cp_group, async_op=True)
-            self.collective_bytes += 2 * (w - 1) * grad.numel() * grad.element_size() // w
+        if w > 1 and bar.shared.numel():
+            work = dist.all_reduce(shared, group=self.parallel.cp_group, async_op=True)
+            self.collective_bytes += 2 * (w - 1) * shared.numel() * shared.element_size() // w
 
         def result() -> tuple[torch.Tensor, torch.Tensor]:
             if work is not None:
                 work.wait()
-            return bar.rows[me].to(grad.device), grad[:, :, :, bar.owned[me].to(grad.device)]
+            rows = torch.cat([bar.rows[me], bar.own_rows]).to(dev)
+            return rows, torch.cat([shared[:, :, :, bar.owned[me].to(dev)], grad[:, :, :, bar.own_pos.to(dev)]], 3)
 
         return result
 
