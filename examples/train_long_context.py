@@ -56,6 +56,7 @@ from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.files import read_mapping
 from hf_sparse_cp.integration import SMETArguments, SparseCPArguments
 from hf_sparse_cp.integration.arguments import explicit_fields
+from hf_sparse_cp.integration.packing import BlockAlignedFlattening
 from hf_sparse_cp.testing.models import tiny_config
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,12 @@ class ScriptArguments:
         metadata={"help": "Documents per training sequence: above 1, that many passkey documents of seq_len / N "
                   "tokens are packed into each sequence by DataCollatorWithFlattening (position_ids restart per "
                   "document, attention never crosses documents); a device batch is then one packed sequence."},
+    )
+    align_documents: bool = field(
+        default=False,
+        metadata={"help": "With --pack_documents: pad after every document to a multiple of --block_size "
+                  "(hf_sparse_cp.integration.packing.BlockAlignedFlattening; the padding is masked and never "
+                  "trained on), so that each document's sparse result is bit-identical whatever it is packed with."},
     )
     save_final_model: bool = field(
         default=False,
@@ -220,7 +227,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     train_data = passkey_train_data(script, training, tokenizer)
     if script.pack_documents > 1:
-        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        if script.align_documents:
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            collator = BlockAlignedFlattening(training.block_size, return_flash_attn_kwargs=True, pad_token_id=pad_id)
+        else:
+            collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
         if training.per_device_train_batch_size != script.pack_documents:
             logger.warning("--pack_documents %d: each device batch is %d documents flattened into one sequence "
                            "(per_device_train_batch_size set to %d).", script.pack_documents,

@@ -171,6 +171,21 @@ def test_the_kept_token_pattern_of_a_document_does_not_depend_on_the_pack(prefix
     assert torch.equal(alone[0], packed[0]) and torch.equal(alone[1], packed[1])
 
 
+def test_block_aligned_packing_starts_every_document_on_a_block_boundary():
+    from hf_sparse_cp.integration.packing import BlockAlignedFlattening
+
+    collator = BlockAlignedFlattening(16, return_flash_attn_kwargs=True, pad_token_id=0)
+    docs = [list(range(1, 21)), list(range(5, 37)), [7, 8, 9]]
+    batch = collator([{"input_ids": d} for d in docs])
+    starts = batch["cu_seq_lens_k"].tolist()
+    assert starts == [0, 20, 32, 64, 67, 80]  # documents at 0, 32, 64; padding runs between them
+    assert all(batch["position_ids"][0, s].item() == 0 for s in starts[:-1])
+    labels, ids = batch["labels"][0], batch["input_ids"][0]
+    for pad in (slice(20, 32), slice(67, 80)):
+        assert (labels[pad] == -100).all() and (ids[pad] == 0).all()  # never trained on
+    assert labels[33:64].tolist() == docs[1][1:]
+
+
 # ------------------------------------------------------------------------------------------ gloo runs
 
 

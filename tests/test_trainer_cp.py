@@ -70,14 +70,28 @@ def test_trainer_with_dp2_x_cp2_matches_one_process_with_batch_2(tmp_path, refer
     _assert_same_losses(run, reference[2], same_rows=False)
 
 
+PACKED = ("--pack_documents", "2")
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("packed"), "packed_cp1", 1, *PACKED)
+
+
 @pytest.mark.slow
-def test_packed_documents_with_cp2_match_cp1(tmp_path):
+def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
     """DataCollatorWithFlattening packs two documents per sequence (cu_seq_lens, restarting
     position_ids); the CP shards carry the document boundaries and no attention crosses them."""
-    packed = ("--pack_documents", "2")
-    ref = _train(tmp_path, "packed_cp1", 1, *packed)
-    run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *packed)
-    _assert_same_losses(run, ref)
+    run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *PACKED)
+    _assert_same_losses(run, packed_reference)
+
+
+@pytest.mark.slow
+def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packed_reference):
+    """--cp_sharding document: the planner puts each packed document whole on a rank (their K/V never
+    travel); the losses and kept fractions are those of one process."""
+    run = _train(tmp_path, "packed_doc_cp2", 2, "--cp_size", "2", "--cp_sharding", "document", *PACKED)
+    _assert_same_losses(run, packed_reference)
 
 
 @pytest.mark.slow
