@@ -178,20 +178,27 @@ def build_layout(
     block_cnt = (n_diag + n_dense).to(torch.int32)  # [B, heads_b, NQB]
 
     # Columns of (head, query block): kept columns up to the end of the query block, visible from it, outside
-    # its listed blocks. The mask is built in head chunks and compacted once its width is known.
-    col_masks, col_widths, heads, v_list = [], [], heads_b, None
+    # its listed blocks. A query block can only see the kept columns in [its first visible key, its end): a
+    # window of the sorted column list (one document's columns, not the whole row's), found by binary search.
+    # The mask over that window is built in head chunks and compacted once its width is known.
+    col_masks, col_widths, heads = [], [], heads_b
     any_vertical = torch.zeros((), dtype=torch.bool, device=dev)
     if verticals is not None:
         verticals = verticals & (meta.segment != PAD_SEGMENT).unsqueeze(1)  # nobody sees a padding key
         any_vertical = verticals.any()
         nv = int(verticals.sum(-1).max()) if max_verticals is None else max_verticals
-        v_list = _compact(torch.arange(s, device=dev), verticals, min(nv, s))
+        v_list = _compact(torch.arange(s, device=dev), verticals, min(nv, s)).long()  # ascending, then -1
         heads = max(heads_b, verticals.shape[1])
+        v_sorted = torch.where(v_list >= 0, v_list, _BIG)
+        ends = ((qb + 1) * bs).expand(b, v_list.shape[1], nqb).contiguous()
+        first = torch.searchsorted(v_sorted, lo_tok.unsqueeze(1).expand_as(ends).contiguous())
+        span = (torch.searchsorted(v_sorted, ends) - first).clamp_min(0)
+        window = int(span.max()) if span.numel() else 0
         for row in range(b):
-            for h0, h1 in _head_chunks(heads, nqb * v_list.shape[-1]):
-                mask = _column_mask(v_list[row], diagonals, diagonal_start, row, h0, h1, qb, lo[row], lo_tok[row],
-                                    dense_lo[row], bs, sliding_window)
-                col_masks.append(mask)
+            for h0, h1 in _head_chunks(heads, nqb * max(window, 1)):
+                values, mask = _column_mask(v_list[row], first[row], span[row], window, diagonals, diagonal_start, row,
+                                            h0, h1, qb, lo[row], lo_tok[row], dense_lo[row], bs, sliding_window)
+                col_masks.append((values, mask))
                 col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
     sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
                          *(w.to(torch.int32) for w in col_widths), any_vertical.to(torch.int32)]).tolist()
@@ -215,9 +222,9 @@ def build_layout(
     col_cnt = torch.empty(b, heads, nqb, dtype=torch.int32, device=dev)
     masks = iter(col_masks)
     for row in range(b):
-        for h0, h1 in _head_chunks(heads, nqb * v_list.shape[-1]):
-            mask = next(masks)
-            col_idx[row, h0:h1] = _compact(_one_or_range(v_list[row], h0, h1).unsqueeze(1), mask, col_width)
+        for h0, h1 in _head_chunks(heads, nqb * max(window, 1)):
+            values, mask = next(masks)
+            col_idx[row, h0:h1] = _compact(values, mask, col_width)
             col_cnt[row, h0:h1] = mask.sum(-1, dtype=torch.int32)
     if heads_b != heads:
         block_idx = block_idx.expand(b, heads, nqb, -1).contiguous()
@@ -225,12 +232,17 @@ def build_layout(
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
-def _column_mask(v_row, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok, dense_lo, bs, sliding_window
-                 ) -> torch.Tensor:
-    """bool [h1 - h0, NQB, NV]: which kept columns (v_row [Hv, NV], ascending, -1 padded) each query
-    block of heads h0:h1 lists as token columns."""
+def _column_mask(v_row, first, span, window, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok, dense_lo, bs,
+                 sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns [n or 1, NQB, window], bool [h1 - h0, NQB, window]): for each query block of heads
+    h0:h1, the window of kept columns (v_row [Hv, NV], ascending, -1 padded) starting at `first`
+    with `span` entries, and which of them it lists as token columns."""
     nqb, n = qb.shape[0], h1 - h0
-    v = _one_or_range(v_row, h0, h1).long().unsqueeze(1)  # [n or 1, 1, NV]
+    slot = torch.arange(window, device=v_row.device)
+    w0, count = _one_or_range(first, h0, h1).unsqueeze(-1), _one_or_range(span, h0, h1).unsqueeze(-1)
+    vr = _one_or_range(v_row, h0, h1)
+    at = (w0 + slot).clamp_max(max(vr.shape[-1] - 1, 0))
+    v = vr.unsqueeze(1).expand(-1, nqb, -1).gather(-1, at) if vr.shape[-1] else at  # [n or 1, NQB, window]
     qbx = qb.view(1, nqb, 1)
     cb = v // bs
     covered = (cb >= lo.view(1, nqb, 1)) & (cb >= dense_lo.view(1, nqb, 1))  # inside the dense range
@@ -240,10 +252,10 @@ def _column_mask(v_row, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok, 
         diag = _one_or_range(diagonals[row], h0, h1).unsqueeze(1).expand(n, nqb, -1)
         diag_hit = diag.gather(-1, (start.clamp_min(0) + (qbx - cb).clamp_min(0)).clamp_max(t - 1).expand(n, nqb, -1))
         covered = covered | ((cb >= lo.view(1, nqb, 1)) & diag_hit & (start >= 0))
-    ok = (v >= 0) & (v < (qbx + 1) * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
+    ok = (slot < count) & (v >= 0) & (v < (qbx + 1) * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
     if sliding_window is not None:
         ok &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
-    return ok.expand(n, nqb, -1)
+    return v, ok.expand(n, nqb, -1)
 
 
 def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> SparseLayout:

@@ -59,7 +59,7 @@ class PlannerCosts:
         metadata={"help": "Most tokens a rank may hold, as a multiple of the mean (activation memory)."},
     )
     extra_splits: int = field(
-        default=4, metadata={"help": "Documents beyond the ones that must be split to also try splitting."}
+        default=8, metadata={"help": "Documents beyond the ones that must be split to also try splitting."}
     )
 
 
@@ -73,12 +73,12 @@ def attention_work(length: int, kind: str, block_size: int, kept_per_row: int | 
     return k * (k + 1) / 2 + (nb - k) * k
 
 
-def _row_work(nb: int, kind: str, kept_per_row: int | None) -> torch.Tensor:
+def _row_work(nb: int, kind: str, kept_per_row: int | None) -> np.ndarray:
     """`attention_work` per query block row (float64 [nb])."""
-    rows = torch.arange(1, nb + 1, dtype=torch.float64)
+    rows = np.arange(1, nb + 1, dtype=np.float64)
     if kind == PAD:
-        return torch.zeros(nb, dtype=torch.float64)
-    return rows.clamp_max(kept_per_row) if kind == SPARSE and kept_per_row is not None else rows
+        return np.zeros(nb)
+    return np.minimum(rows, kept_per_row) if kind == SPARSE and kept_per_row is not None else rows
 
 
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
@@ -141,20 +141,21 @@ class DocumentPlan(BlockSplit):
         return list(zip(r.tolist(), (src[first] - starts[r]).tolist(), (src[last] - starts[r] + 1).tolist()))
 
 
-def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> torch.Tensor:
+def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> np.ndarray:
     """Owner rank of each block of a split document: striped (continuing a rotation over ranks),
-    or head-tail for a dense causal one."""
-    j = torch.arange(nb)
+    or head-tail for a dense causal one. (numpy: planning runs every step, and numpy's calls on
+    small arrays cost a tenth of torch's.)"""
+    j = np.arange(nb)
     if kind == SPARSE or nb < 2 * w:
         return (j + rotation) % w
-    chunk = torch.div(j * 2 * w, nb, rounding_mode="floor")  # 2w chunks of near-equal size
-    return torch.where(chunk < w, chunk, 2 * w - 1 - chunk)
+    chunk = j * 2 * w // nb  # 2w chunks of near-equal size
+    return np.where(chunk < w, chunk, 2 * w - 1 - chunk)
 
 
 class _Candidate:
     """Loads of one sweep point: `split` documents split, the others placed greedily."""
 
-    def __init__(self, split: list[int], placed: dict[int, int], load: list[float], owners: dict[int, torch.Tensor]):
+    def __init__(self, split: list[int], placed: dict[int, int], load: list[float], owners: dict[int, np.ndarray]):
         self.split, self.placed, self.load, self.owners = split, placed, load, owners
 
     @property
@@ -167,16 +168,16 @@ def _evaluate(order: list[int], n_split: int, lengths, kinds, work, kept_per_row
     split = sorted(order[:n_split])
     load = [0.0] * w
     tokens = [0.0] * w
-    owners: dict[int, torch.Tensor] = {}
+    owners: dict[int, np.ndarray] = {}
     rotation = 0
     for i in split:
         nb = -(-lengths[i] // bs)
         owner = _split_blocks(nb, kinds[i], w, rotation)
         rotation = (rotation + nb) % w
         owners[i] = owner
-        per_rank = torch.zeros(w, dtype=torch.float64).index_add_(0, owner, _row_work(nb, kinds[i], kept_per_row))
-        held = torch.bincount(owner, minlength=w).double() * bs
-        received = (lengths[i] - held).clamp_min(0) if kinds[i] != PAD else torch.zeros(w, dtype=torch.float64)
+        per_rank = np.bincount(owner, weights=_row_work(nb, kinds[i], kept_per_row), minlength=w)
+        held = np.bincount(owner, minlength=w).astype(np.float64) * bs
+        received = np.maximum(lengths[i] - held, 0) if kinds[i] != PAD else np.zeros(w)
         shares = per_rank + costs.linear_per_token * held + costs.comm_per_token * received
         for r, x in enumerate(shares.tolist()):
             load[r] += x
@@ -244,12 +245,25 @@ def plan_documents(
         if any(kinds[i] == PAD for i in order[:n_split]):
             break
         cand = _evaluate(order, n_split, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
-        if best is not None and cand.cost >= best.cost * (1 - _MIN_GAIN):  # a split costs traffic: it must pay
+        if best is None or cand.cost < best.cost * (1 - _MIN_GAIN):  # a split costs traffic: it must pay
+            best = cand
+        if best.cost <= sum(best.load) / w * (1 + _MIN_GAIN):  # as balanced as it gets: more splits only add traffic
             break
-        best = cand
     if best is None:
         best = _evaluate(order, 0, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
     return _materialize(best, lengths, kinds, w, bs)
+
+
+def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, block_size: int) -> DocumentPlan:
+    """The Per-Doc baseline (WLB-LLM): every document split over all ranks in head-tail chunks (in
+    block units; a document of fewer than 2 x CP blocks round robin), padding runs kept whole."""
+    costs = PlannerCosts()
+    work = [attention_work(n, k, block_size) + costs.linear_per_token * n for n, k in zip(lengths, kinds)]
+    docs = [i for i, k in enumerate(kinds) if k != PAD]
+    order = docs + [i for i, k in enumerate(kinds) if k == PAD]
+    dense = [DENSE if k != PAD else PAD for k in kinds]  # head-tail, whatever the pattern
+    cand = _evaluate(order, len(docs), lengths, dense, work, None, cp_size, block_size, costs, float("inf"))
+    return _materialize(cand, lengths, kinds, cp_size, block_size)
 
 
 def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentPlan:
@@ -269,7 +283,7 @@ def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentP
     for i in cand.split:
         pieces.append((starts[i], lengths[i]))
         pad_to_block(lengths[i])
-        owners.append(cand.owners[i])
+        owners.append(torch.from_numpy(cand.owners[i]))
     by_rank: list[list[int]] = [[] for _ in range(w)]
     for i, rank in sorted(cand.placed.items(), key=lambda t: (kinds[t[0]] != SPARSE, t[0])):
         by_rank[rank].append(i)  # sparse documents first (block aligned), then in row order
@@ -318,4 +332,4 @@ def balance_ratio(plan: DocumentPlan) -> float:
 
 
 __all__ = ["DocumentPlan", "PlannerCosts", "attention_work", "balance_ratio", "kept_blocks_per_row", "plan_documents",
-           "plan_row", "row_runs"]
+           "plan_row", "row_runs", "split_every_document"]
