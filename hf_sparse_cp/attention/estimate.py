@@ -2,10 +2,12 @@
 
 At every attention call, the last `last_q` queries of each long document score every earlier
 key of their document: a key column's *vertical* score is the attention mass it receives, a
-diagonal's *slash* score the mass along offset `q - k`. Each query head keeps its best columns
-and diagonals (top-k, or top-p with a cap), plus the document's first `sink_tokens` columns and
-the `local_window` diagonals next to the main one. Diagonals become key blocks along the block
-diagonals they cross; kept columns outside those blocks become token columns.
+diagonal's *slash* score the mass along offset `q - k`. Each query head keeps, in every document
+with its own budget, its best columns and diagonals (top-k, or top-p with a cap), plus the
+document's first `sink_tokens` columns and the `local_window` diagonals next to the main one, so a
+document's kept tokens do not depend on what else is packed with it. Diagonals become key blocks
+along the block diagonals they cross (each document's query blocks its own set); kept columns
+outside those blocks become token columns.
 
 Documents shorter than `min_seq_len` stay dense (every causal block of the document); so does
 every layer with a sliding window (already local) and every layer whose pattern is "dense".

@@ -2,8 +2,9 @@
 
 * `mesh.py`: `ContextParallelConfig`, `ParallelDims` (sizes, groups and ring topology, from
   accelerate or `--cp_size`), `quiesce_process_groups`;
-* `sharding.py`: `ShardPlan` (how one sequence splits over a CP group: striped, zigzag, contiguous)
-  and the sharding of a batch;
+* `sharding.py`: `BlockSplit`, `ShardPlan` (how one sequence splits over a CP group: striped,
+  zigzag, contiguous) and the sharding of a batch;
+* `planner.py`: `DocumentPlan`, the document-aware split of a packed row (Whole-Doc / Per-Doc);
 * `context.py`: `CPShard`, `prepare_context_parallel_inputs` (shard a batch, attach the shard the
   attention backend receives as `cp_shard`);
 * `estimation.py`: `estimate_layout_cp`, the global layout from every rank's shard;

@@ -1,7 +1,10 @@
 """How one packed sequence is split over the ranks of a context-parallel group.
 
-The sequence is padded to whole blocks (`block_size` tokens, the layout's block) so that every
-rank holds the same number of whole blocks, then split by one of three layouts:
+Every split (`BlockSplit`) puts the sequence into a global order of whole blocks (`block_size`
+tokens, the layout's block) and gives each block to one rank; each rank's blocks stay in
+ascending global order, so a layout's ascending key blocks stay ascending after re-indexing into
+a shard. `ShardPlan` keeps the original order, padded so that every rank holds the same number of
+blocks, and splits it by one of three layouts:
 
 * ``contiguous``: rank r holds the r-th run of blocks (cheap to reason about, causal work grows
   with r);
@@ -10,10 +13,12 @@ rank holds the same number of whole blocks, then split by one of three layouts:
 * ``striped``: block b goes to rank b mod CP (MTraining), which balances vertical-slash work over
   ranks *and* ring steps; the default for sparse attention.
 
-Every rank's blocks are kept in ascending global order, so a layout's ascending key blocks stay
-ascending after re-indexing into a shard. Sharding happens once, at data time: every CP rank gets
-the same batch and keeps its shard of the inputs, the labels shifted *before* sharding, and the
-global position_ids (RoPE sees true positions). Padding is masked (document -1), never truncated.
+`planner.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
+gives ranks different numbers of blocks (see `planner`).
+
+Sharding happens once, at data time: every CP rank gets the same batch and keeps its shard of the
+inputs, the labels shifted *before* sharding, and the position_ids (RoPE sees true positions).
+Padding is masked (document -1), never truncated.
 """
 
 from __future__ import annotations
