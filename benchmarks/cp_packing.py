@@ -129,10 +129,11 @@ def _timed(fn, repeats: int = 7):
     return result, min(times) * 1e3
 
 
-def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: int):
-    seq = sum(lengths)
-    yield "striped", ShardPlan("striped", cp, cfg.block_size, seq), 0.0
-    yield "zigzag", ShardPlan("zigzag", cp, cfg.block_size, seq), 0.0
+def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: int, padded: int):
+    """(name, plan, planning ms) of every sharding; the block shardings over one padded length for all
+    CP sizes (so they share one layout)."""
+    yield "striped", ShardPlan("striped", cp, cfg.block_size, padded), 0.0
+    yield "zigzag", ShardPlan("zigzag", cp, cfg.block_size, padded), 0.0
     run_lengths, kinds = row_runs(meta, cfg)  # (from cu_seq_lens in training: not part of the planning)
     plan, ms = _timed(lambda: split_every_document(run_lengths, kinds, cp, cfg.block_size))
     yield "per-doc", plan, ms
@@ -177,15 +178,25 @@ def run(args) -> dict:
         print(f"\n{mix}: {len(lengths)} documents, seed {seeds[mix]}, longest {max(lengths)}, "
               f"sparse (>= {cfg.min_seq_len}) {sum(n >= cfg.min_seq_len for n in lengths)}", flush=True)
         print(HEADER)
+        padded = ShardPlan("zigzag", max(args.cp), cfg.block_size, args.row).padded_len
+        in_order = {}  # the layouts of the row as packed (block shardings), the same for every CP size
+        padded_meta = meta.pad_to(padded)
         for cp in args.cp:
-            for sharding, plan, ms in _plans(lengths, meta, cfg, cp):
-                layout, gmeta = _layout(plan, meta, cfg, scores)
+            for sharding, plan, ms in _plans(lengths, padded_meta, cfg, cp, padded):
+                if sharding in ("striped", "zigzag"):
+                    if not in_order:
+                        in_order["sparse"] = _layout(plan, padded_meta, cfg, torch.nn.functional.pad(
+                            scores, (0, padded - args.row)))
+                    layout, gmeta = in_order["sparse"]
+                else:
+                    layout, gmeta = _layout(plan, meta, cfg, scores)
                 cost = ring_cost(layout, plan, kv_heads=args.kv_heads, head_dim=args.head_dim)
                 rows.append(_row(mix, cp, sharding, plan, cost, ms, costs, float(layout.kept_fraction(gmeta))))
                 print(_format(rows[-1]), flush=True)
                 if sharding == "zigzag":
-                    dense = ring_cost(dense_layout(gmeta, cfg.block_size), plan, kv_heads=args.kv_heads,
-                                      head_dim=args.head_dim)
+                    if "dense" not in in_order:
+                        in_order["dense"] = dense_layout(gmeta, cfg.block_size)
+                    dense = ring_cost(in_order["dense"], plan, kv_heads=args.kv_heads, head_dim=args.head_dim)
                     ring = _row(mix, cp, "dense-ring", plan, dense, 0.0, costs, 1.0)
                     ring["forward_gib"] = dense.full_ring_bytes * cp / GIB
                     ring["backward_gib"] = 2 * ring["forward_gib"]
