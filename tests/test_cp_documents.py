@@ -71,6 +71,13 @@ def test_the_plan_partitions_the_row_and_restores_it(world):
             assert covered[run] == [(0, n)], (run, covered[run])  # Whole-Doc: one piece on one rank
 
 
+def test_a_row_too_short_for_every_rank_still_gives_each_rank_a_block():
+    plan = plan_documents([40], ["dense"], 4, 16)
+    assert [plan.local_len_of(r) for r in range(4)] == [16, 16, 16, 16]
+    x = torch.arange(40).unsqueeze(0)
+    assert plan.to_original(plan.unshard([plan.shard(x, r) for r in range(4)])).equal(x)
+
+
 def test_documents_with_a_sparse_pattern_start_on_a_block_boundary():
     plan = plan_row(_meta(LENGTHS), CFG, 3)
     starts = torch.tensor([0, *LENGTHS]).cumsum(0)

@@ -295,6 +295,10 @@ def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentP
             pieces.append((starts[i], lengths[i]))
             used += lengths[i]
         used = pad_to_block(used)
+        held = sum(int((o == r).sum()) for o in owners[: len(cand.split)])
+        if not used and not held:  # a rank the row cannot feed still gets a (padding) block: no empty shard
+            pieces.append((-1, bs))
+            used = bs
         owners.append(torch.full((used // bs,), r, dtype=torch.long))
     return DocumentPlan(w, bs, sum(lengths), tuple(lengths), tuple(kinds), tuple(cand.split), tuple(pieces),
                         torch.cat(owners), tuple(cand.load))
