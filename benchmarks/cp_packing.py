@@ -18,7 +18,7 @@ Shardings: striped and zigzag (block shardings of the row as it is packed), per-
 every document in 2 x CP head-tail chunks), planner (`--cp_sharding document`), and the dense ring
 (every shard sent W - 1 hops, the baseline traffic).
 
-Columns: rank = max / mean over ranks of attention work (block pairs) plus linear work
+Columns: rank = max / mean over ranks of attention work (token pairs) plus linear work
 (`PlannerCosts.linear_per_token` per token, the planner's own cost model); attn = the same for
 attention alone; step = ring time over ideal (sum over steps of the busiest rank's attention work
 over the mean); fwd GiB = K/V bytes sent by all ranks in the forward pass (bf16, `--kv-heads` x
@@ -143,7 +143,7 @@ def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: 
 
 
 def _row(mix, cp, sharding, plan, cost, ms, costs: PlannerCosts, kept: float) -> dict:
-    attn = cost.work.sum(1)
+    attn = cost.work.sum(1) * plan.block_size**2  # token pairs
     tokens = torch.tensor([float(plan.local_len_of(r)) for r in range(cp)], dtype=torch.float64)
     work = attn + costs.linear_per_token * tokens
     return {

@@ -9,7 +9,7 @@ although only its own queries read them. The planner instead:
   document with a sparse pattern (every rank and ring step gets an equal share of its
   vertical-slash work), head-tail chunks (2 x CP chunks, rank r takes r and 2CP-1-r; WLB-LLM) for a
   dense causal one;
-* balances per rank the estimated attention work (causal block pairs, or the kept blocks of a
+* balances per rank the estimated attention work (causal token pairs, or the kept blocks of a
   sparse document) plus the linear work of its tokens plus the K/V it receives, sweeping how many
   of the costliest documents to split and keeping the cheapest plan.
 
@@ -42,43 +42,49 @@ _MIN_GAIN = 0.005
 
 @dataclass(frozen=True)
 class PlannerCosts:
-    """Weights of the planner's cost model, in block pairs (one block of queries against one block of keys)."""
+    """Weights of the planner's cost model, in attention token pairs (one query against one key:
+    4 x heads x head_dim FLOPs forward), so that they do not depend on the block size."""
 
     linear_per_token: float = field(
-        default=2.0,
-        metadata={"help": "Work of the linear layers (projections, MLP) per token, in attention block pairs: "
-                  "about 2 for a 0.5B model at block 64, more for wider models and smaller blocks."},
+        default=9000.0,
+        metadata={"help": "Work of the linear layers (projections, MLP) per token, in attention token pairs: "
+                  "2 x (weights per layer) / (4 x heads x head_dim), about 9,000 for Qwen2.5-0.5B and 8,700 for "
+                  "Qwen2.5-7B."},
     )
     comm_per_token: float = field(
-        default=0.25,
-        metadata={"help": "Cost of receiving one token's K/V, in attention block pairs (what the ring fails to "
-                  "hide behind compute)."},
+        default=300.0,
+        metadata={"help": "Cost of receiving one token's K/V, in attention token pairs: its bytes over the link's "
+                  "bandwidth, in the time the GPU computes that many pairs (about 300 for Qwen2.5-0.5B over "
+                  "NVLink, a few times more across nodes)."},
     )
     max_token_ratio: float = field(
         default=1.25,
         metadata={"help": "Most tokens a rank may hold, as a multiple of the mean (activation memory)."},
     )
     extra_splits: int = field(
-        default=8, metadata={"help": "Documents beyond the ones that must be split to also try splitting."}
+        default=8,
+        metadata={"help": "Split counts tried one by one beyond the documents that must be split; past them the "
+                  "sweep grows by a quarter per try, up to every document, and stops once the ranks are balanced."},
     )
 
 
 def attention_work(length: int, kind: str, block_size: int, kept_per_row: int | None = None) -> float:
-    """Estimated attention work of one document in block pairs: its causal block pairs, each query
-    block row capped at `kept_per_row` key blocks for a sparse document; 0 for padding."""
+    """Estimated attention work of one document in token pairs: its causal blocks, each query block
+    row capped at `kept_per_row` key blocks for a sparse document, of block_size^2 pairs; 0 for padding."""
     nb = -(-length // block_size)
     if kind == PAD:
         return 0.0
     k = nb if kind != SPARSE or kept_per_row is None else min(nb, kept_per_row)
-    return k * (k + 1) / 2 + (nb - k) * k
+    return (k * (k + 1) / 2 + (nb - k) * k) * block_size**2
 
 
-def _row_work(nb: int, kind: str, kept_per_row: int | None) -> np.ndarray:
-    """`attention_work` per query block row (float64 [nb])."""
+def _row_work(nb: int, kind: str, kept_per_row: int | None, block_size: int) -> np.ndarray:
+    """`attention_work` per query block row (float64 [nb], token pairs)."""
     rows = np.arange(1, nb + 1, dtype=np.float64)
     if kind == PAD:
         return np.zeros(nb)
-    return np.minimum(rows, kept_per_row) if kind == SPARSE and kept_per_row is not None else rows
+    rows = np.minimum(rows, kept_per_row) if kind == SPARSE and kept_per_row is not None else rows
+    return rows * block_size**2
 
 
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
@@ -96,7 +102,7 @@ class DocumentPlan(BlockSplit):
 
     lengths, kinds: every run of the row (documents and padding, in row order) and its kind
     ('sparse', 'dense', 'pad'); split: the runs split over all ranks; work: per rank the estimated
-    work the planner balanced (attention + linear + K/V received, block pairs). `segments(rank)`
+    work the planner balanced (attention + linear + K/V received, token pairs). `segments(rank)`
     lists a rank's (run, start, end) pieces.
     """
 
@@ -175,7 +181,7 @@ def _evaluate(order: list[int], n_split: int, lengths, kinds, work, kept_per_row
         owner = _split_blocks(nb, kinds[i], w, rotation)
         rotation = (rotation + nb) % w
         owners[i] = owner
-        per_rank = np.bincount(owner, weights=_row_work(nb, kinds[i], kept_per_row), minlength=w)
+        per_rank = np.bincount(owner, weights=_row_work(nb, kinds[i], kept_per_row, bs), minlength=w)
         held = np.bincount(owner, minlength=w).astype(np.float64) * bs
         received = np.maximum(lengths[i] - held, 0) if kinds[i] != PAD else np.zeros(w)
         shares = per_rank + costs.linear_per_token * held + costs.comm_per_token * received
@@ -204,6 +210,17 @@ def _evaluate(order: list[int], n_split: int, lengths, kinds, work, kept_per_row
         tokens[r] += lengths[i]
         heapq.heappush(heap, (load[r], r))
     return _Candidate(split, placed, load, owners)
+
+
+def _split_counts(must: int, most: int, step_by_one: int):
+    """The numbers of split documents the sweep tries: one by one for `step_by_one` tries, then
+    growing by a quarter, up to `most`."""
+    n = must
+    while n <= most:
+        yield n
+        n = n + 1 if n < must + step_by_one else max(n + 1, n * 5 // 4)
+    if most > must and (n - 1) < most:
+        yield most
 
 
 def plan_documents(
@@ -241,7 +258,7 @@ def plan_documents(
     must = sum(1 for i in order if (work[i] > mean or lengths[i] > token_cap) and kinds[i] != PAD)
     splittable = sum(1 for i in order if kinds[i] != PAD and lengths[i] > bs)
     best = None
-    for n_split in range(must, min(must + costs.extra_splits, splittable) + 1):
+    for n_split in _split_counts(must, splittable, costs.extra_splits):
         if any(kinds[i] == PAD for i in order[:n_split]):
             break
         cand = _evaluate(order, n_split, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
