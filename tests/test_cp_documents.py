@@ -24,7 +24,7 @@ from hf_sparse_cp.distributed import (
 from hf_sparse_cp.distributed.balance import ring_cost
 from hf_sparse_cp.distributed.planner import PlannerCosts, plan_documents, plan_row
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, rel_rms
 
@@ -304,14 +304,8 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def spawned():
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = run_gloo(_worker, world, timeout_s=600)
-        return cache[world]
-
-    return get
+    """world size -> per-rank results, each world spawned once for the whole module."""
+    return gloo_runs_by_world(_worker)
 
 
 WORLDS = pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"W{w}")

@@ -33,7 +33,7 @@ from hf_sparse_cp.distributed import (
 )
 from hf_sparse_cp.distributed.comm import P2PComm, Transfer
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, rel_rms
 
@@ -342,14 +342,7 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def spawned():
     """world size -> per-rank results, each world spawned once for the whole module."""
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = run_gloo(_worker, world, timeout_s=600)
-        return cache[world]
-
-    return get
+    return gloo_runs_by_world(_worker)
 
 
 def _assert_close(per_rank: list[dict], dtype: torch.dtype = torch.float64) -> None:

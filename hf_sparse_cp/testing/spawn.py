@@ -55,3 +55,16 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> 
             with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def gloo_runs_by_world(fn: Callable, *, timeout_s: float = 600.0) -> Callable[[int], list[Any]]:
+    """A function world size -> `run_gloo(fn, world_size)`, spawning each world size once (a test
+    module's fixture: every test of the module reads the same runs)."""
+    cache: dict[int, list[Any]] = {}
+
+    def get(world_size: int) -> list[Any]:
+        if world_size not in cache:
+            cache[world_size] = run_gloo(fn, world_size, timeout_s=timeout_s)
+        return cache[world_size]
+
+    return get
