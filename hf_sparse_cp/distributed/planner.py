@@ -36,7 +36,7 @@ from ..config import SparseAttentionConfig, check_block_size
 from .sharding import BlockSplit
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
-# Relative gain in the slowest rank's work that one more split document must bring.
+# The sweep stops once the busiest rank is within this fraction of the mean.
 _MIN_GAIN = 0.005
 
 
@@ -56,6 +56,11 @@ class PlannerCosts:
         metadata={"help": "Cost of receiving one token's K/V, in attention token pairs: its bytes over the link's "
                   "bandwidth, in the time the GPU computes that many pairs (about 300 for Qwen2.5-0.5B over "
                   "NVLink, a few times more across nodes)."},
+    )
+    balance_slack: float = field(
+        default=0.02,
+        metadata={"help": "Imbalance accepted to save traffic: the plan with the fewest split documents whose "
+                  "busiest rank is within this fraction of the best plan found."},
     )
     max_token_ratio: float = field(
         default=1.25,
@@ -257,18 +262,17 @@ def plan_documents(
     order = sorted(range(len(lengths)), key=lambda i: (-work[i], i))
     must = sum(1 for i in order if (work[i] > mean or lengths[i] > token_cap) and kinds[i] != PAD)
     splittable = sum(1 for i in order if kinds[i] != PAD and lengths[i] > bs)
-    best = None
+    tried = []  # in order of more split documents, i.e. more traffic
     for n_split in _split_counts(must, splittable, costs.extra_splits):
         if any(kinds[i] == PAD for i in order[:n_split]):
             break
-        cand = _evaluate(order, n_split, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
-        if best is None or cand.cost < best.cost * (1 - _MIN_GAIN):  # a split costs traffic: it must pay
-            best = cand
-        if best.cost <= sum(best.load) / w * (1 + _MIN_GAIN):  # as balanced as it gets: more splits only add traffic
+        tried.append(_evaluate(order, n_split, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap))
+        if tried[-1].cost <= sum(tried[-1].load) / w * (1 + _MIN_GAIN):  # balanced: more splits only add traffic
             break
-    if best is None:
-        best = _evaluate(order, 0, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap)
-    return _materialize(best, lengths, kinds, w, bs)
+    if not tried:
+        tried.append(_evaluate(order, 0, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap))
+    lowest = min(c.cost for c in tried)
+    return _materialize(next(c for c in tried if c.cost <= lowest * (1 + costs.balance_slack)), lengths, kinds, w, bs)
 
 
 def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, block_size: int) -> DocumentPlan:
