@@ -8,12 +8,14 @@ layout B is the intersection of the two maps (`plan_transfers`): for every rank 
 A sends it which box. Replicated source boxes are sent by the receiving rank itself when it holds a
 copy, else by one holder chosen round robin so that no holder sends everything.
 
-`move_tensor` runs one tensor's plan: every rank posts its non-blocking sends and receives in the
-plan's order (the same list on every rank) and then waits, so no rank blocks before all of its
-transfers are in flight and no cycle of waits can form. `move_state` moves a whole state dict one
-tensor at a time, taking each source out of the dict before moving it and allocating the
-destination just before receiving, so that the memory held beyond the state itself stays near one
-tensor's shard; `MemoryMeter` counts what the mover allocates and releases.
+`move_state` moves a state dict bucket by bucket (consecutive tensors up to a byte budget, the same
+buckets on every rank): a shard whose box does not change stays as it is (no copy); the rest of a
+bucket's destinations are allocated just before receiving; all pieces one rank sends another in a
+bucket travel as one message per dtype. Every rank posts its non-blocking sends and receives in one
+fixed order (by peer, then dtype) and only then waits, so no rank blocks before all of its
+transfers are in flight and no cycle of waits can form. Each source leaves the dict before its
+bucket moves and is released after it, so the memory held beyond the state stays near one bucket;
+`MemoryMeter` counts what the move allocates and releases.
 """
 
 from __future__ import annotations
@@ -160,69 +162,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def move_tensor(
-    local: torch.Tensor | None,
-    plan: Sequence[Transfer],
-    source_box: Box | None,
-    target_box: Box | None,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    meter: MemoryMeter | None = None,
-) -> torch.Tensor | None:
-    """Run one tensor's plan on this rank; call on every rank of the default group with the same `plan`.
-
-    Args:
-        local: this rank's source shard (holding `source_box`), or None when it holds none.
-        plan: `plan_transfers` of the tensor.
-        source_box, target_box: what this rank holds before and after (None: nothing).
-        dtype, device: of the destination shard.
-        meter: counts the destination and any staging copy.
-
-    Returns:
-        This rank's destination shard [target_box.shape], or None without a target box.
-    """
-    meter = meter if meter is not None else MemoryMeter()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out = None if target_box is None else torch.empty(target_box.shape, dtype=dtype, device=device)
-    if out is not None:
-        meter.add(_nbytes(out))
-    ops, staged = [], []  # staged: (buffer, where it lands or None, bytes the meter counted for it)
-    for t in plan:
-        if t.src == rank and t.dst == rank:
-            out[t.box.within(target_box)].copy_(local[t.box.within(source_box)])
-        elif t.src == rank:
-            piece = local[t.box.within(source_box)]
-            extra = 0
-            if not piece.is_contiguous():  # gloo and NCCL send contiguous memory
-                piece = piece.contiguous()
-                extra = _nbytes(piece)
-                meter.add(extra)
-            ops.append(dist.isend(piece, t.dst))
-            staged.append((piece, None, extra))
-        elif t.dst == rank:
-            view = out[t.box.within(target_box)]
-            buffer, extra = view, 0
-            if not view.is_contiguous():
-                buffer = torch.empty(view.shape, dtype=dtype, device=device)
-                extra = _nbytes(buffer)
-                meter.add(extra)
-            ops.append(dist.irecv(buffer, t.src))
-            staged.append((buffer, view, extra))
-    for op in ops:
-        op.wait()
-    for buffer, view, extra in staged:
-        if view is not None and extra:
-            view.copy_(buffer)
-        meter.release(extra)
-    return out
-
-
 @dataclass(frozen=True)
 class TargetLayout:
     """Where a tensor goes: the mesh's global ranks (`DeviceMesh.mesh`) and placements, and the mesh
     itself on the ranks that belong to it (to wrap the result as a DTensor); mesh None: a plain
-    tensor, whole on every rank of `mesh_ranks`."""
+    tensor on the ranks of `mesh_ranks`."""
 
     mesh_ranks: torch.Tensor
     placements: tuple
@@ -232,21 +176,89 @@ class TargetLayout:
         return shard_boxes(shape, self.mesh_ranks, self.placements)
 
 
+@dataclass
+class _Move:
+    """One tensor of a bucket on this rank: its plan, what it holds before and after, the result."""
+
+    name: str
+    plan: list[Transfer]
+    layout: TargetLayout
+    local: torch.Tensor | None
+    source_box: Box | None
+    target_box: Box | None
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    out: torch.Tensor | None = None
+
+
+def _move_bucket(moves: list[_Move], rank: int, meter: MemoryMeter) -> None:
+    """Run the plans of a bucket: local pieces copied, one message per (peer, dtype) each way."""
+    sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    receives: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for m in moves:
+        if m.target_box is None:
+            continue
+        mine = [t for t in m.plan if t.dst == rank]
+        if len(mine) == 1 and mine[0].src == rank and m.source_box == m.target_box:
+            m.out = m.local  # the shard does not change: it stays where it is
+            continue
+        m.out = torch.empty(m.target_box.shape, dtype=m.dtype, device=m.local.device if m.local is not None else "cpu")
+        meter.add(_nbytes(m.out))
+    for m in moves:
+        for t in m.plan:
+            if t.src == rank and t.dst == rank:
+                if m.out is not m.local:
+                    m.out[t.box.within(m.target_box)].copy_(m.local[t.box.within(m.source_box)])
+            elif t.src == rank:
+                sends.setdefault((t.dst, m.dtype), []).append(m.local[t.box.within(m.source_box)])
+            elif t.dst == rank:
+                receives.setdefault((t.src, m.dtype), []).append(m.out[t.box.within(m.target_box)])
+    ops, staged = [], []
+    for (peer, dtype), pieces in sorted(receives.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if len(pieces) == 1 and pieces[0].is_contiguous():  # straight into its place
+            ops.append(dist.irecv(pieces[0], peer))
+            continue
+        buffer = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device)
+        meter.add(_nbytes(buffer))
+        ops.append(dist.irecv(buffer, peer))
+        staged.append((buffer, pieces))
+    for (peer, _), pieces in sorted(sends.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if len(pieces) == 1 and pieces[0].is_contiguous():
+            ops.append(dist.isend(pieces[0], peer))
+            continue
+        buffer = torch.cat([p.reshape(-1) for p in pieces])  # contiguous, as gloo and NCCL send
+        meter.add(_nbytes(buffer))
+        ops.append(dist.isend(buffer, peer))
+        staged.append((buffer, ()))
+    for op in ops:
+        op.wait()
+    for buffer, pieces in staged:
+        offset = 0
+        for piece in pieces:
+            piece.copy_(buffer[offset : offset + piece.numel()].view(piece.shape))
+            offset += piece.numel()
+        meter.release(_nbytes(buffer))
+
+
 def move_state(
     state: MutableMapping[str, torch.Tensor],
     target: Callable[[str, torch.Tensor], TargetLayout],
     *,
     meter: MemoryMeter | None = None,
+    budget_bytes: int = 64 << 20,
 ) -> dict[str, torch.Tensor]:
-    """Move every tensor of `state` to its target layout, one tensor at a time; call on every rank of
-    the default group with the same keys in the same order.
+    """Move every tensor of `state` to its target layout; call on every rank of the default group with
+    the same keys in the same order.
 
     Args:
-        state: {name: DTensor, or a plain tensor every rank holds whole}. Emptied as it goes: each
-            source leaves the dict before it is moved, so its memory is released once moved (when
-            nothing else holds it).
+        state: {name: DTensor, or a plain tensor every rank of the default group holds whole}. Emptied
+            as it goes: each bucket's sources leave the dict before it moves, so their memory is
+            released once moved (when nothing else holds them).
         target: (name, source tensor) -> its `TargetLayout`.
-        meter: counts destinations and staging copies added and sources released.
+        meter: counts destinations and message buffers added, sources released.
+        budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
+            world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
 
     Returns:
         {name: the moved tensor} on the ranks of each target: a DTensor on `layout.mesh`, or a plain
@@ -254,24 +266,28 @@ def move_state(
     """
     meter = meter if meter is not None else MemoryMeter()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    moved = {}
-    for name in list(state):
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    moved, bucket, bucket_bytes = {}, [], 0
+    names = list(state)
+    for i, name in enumerate(names):
         tensor = state.pop(name)
         layout = target(name, tensor)
-        source = dtensor_boxes(tensor)
-        goal = layout.boxes(tensor.shape)
+        source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        out = move_tensor(local if rank in source else None, plan_transfers(tensor.shape, source, goal),
-                          source.get(rank), goal.get(rank), dtype=tensor.dtype, device=local.device, meter=meter)
-        released = _nbytes(local)
-        shape, stride = tensor.shape, tensor.stride()
+        bucket.append(_Move(name, plan_transfers(tensor.shape, source, goal), layout,
+                            local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
+                            tensor.stride(), tensor.dtype))
+        bucket_bytes += _nbytes(tensor) // world  # a DTensor's nbytes are its global size
         del tensor, local
-        meter.release(released)
-        if out is None:
+        if bucket_bytes < budget_bytes and i + 1 < len(names):
             continue
-        if layout.mesh is None:
-            moved[name] = out
-        else:
-            moved[name] = DTensor.from_local(out, layout.mesh, layout.placements, run_check=False, shape=shape,
-                                             stride=stride)
+        _move_bucket(bucket, rank, meter)
+        for m in bucket:
+            if m.local is not None and m.out is not m.local:
+                meter.release(_nbytes(m.local))
+            if m.out is None:
+                continue
+            moved[m.name] = m.out if m.layout.mesh is None else DTensor.from_local(
+                m.out, m.layout.mesh, m.layout.placements, run_check=False, shape=m.shape, stride=m.stride)
+        bucket, bucket_bytes = [], 0
     return moved
