@@ -10,16 +10,18 @@ copy, else by one holder chosen round robin so that no holder sends everything.
 
 `move_state` moves a state dict bucket by bucket (consecutive tensors up to a byte budget, the same
 buckets on every rank): a shard whose box does not change stays as it is (no copy); the rest of a
-bucket's destinations are allocated just before receiving; all pieces one rank sends another in a
-bucket travel as one message per dtype. Every rank posts its non-blocking sends and receives in one
-fixed order (by peer, then dtype) and only then waits, so no rank blocks before all of its
-transfers are in flight and no cycle of waits can form. Each source leaves the dict before its
+bucket's destinations are allocated just before receiving, and pieces travel straight from the
+source shard into their place (dim-0 boxes are contiguous; others go through a staging copy). Every
+rank posts all of a bucket's non-blocking receives and sends in one fixed order (tensor, then plan),
+tagged by tensor, and only then waits, so no rank blocks before all of its transfers are in flight
+and no cycle of waits can form. Each source leaves the dict before its
 bucket moves and is released after it, so the memory held beyond the state stays near one bucket;
 `MemoryMeter` counts what the move allocates and releases.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -79,16 +81,24 @@ def shard_boxes(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: Sequ
         if type(p) not in (Shard, Replicate):
             raise ValueError(f"placement {p} cannot be resharded: only Shard(dim) and Replicate() are laid out in "
                              "one coordinate space (reduce a Partial first, e.g. with DTensor.redistribute).")
+    return _shard_boxes(tuple(int(s) for s in shape), tuple(mesh_ranks.reshape(-1).tolist()),
+                        tuple(mesh_ranks.shape), tuple(placements))
+
+
+@functools.lru_cache(maxsize=4096)  # a model repeats a few shapes on a few meshes
+def _shard_boxes(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...],
+                 placements: tuple) -> dict[int, Box]:
     boxes = {}
-    for coord in torch.cartesian_prod(*(torch.arange(n) for n in mesh_ranks.shape)).reshape(-1, mesh_ranks.dim()):
-        start, stop = [0] * len(shape), [int(s) for s in shape]
+    for flat, rank in enumerate(ranks):
+        coord = [flat // math.prod(mesh_shape[d + 1:]) % mesh_shape[d] for d in range(len(mesh_shape))]
+        start, stop = [0] * len(shape), list(shape)
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard):
-                d, n, i = p.dim, mesh_ranks.shape[mesh_dim], int(coord[mesh_dim])
+                d, n, i = p.dim, mesh_shape[mesh_dim], coord[mesh_dim]
                 size = stop[d] - start[d]
                 chunk = -(-size // n)
                 start[d], stop[d] = start[d] + min(i * chunk, size), start[d] + min((i + 1) * chunk, size)
-        boxes[int(mesh_ranks[tuple(coord.tolist())])] = Box(tuple(start), tuple(stop))
+        boxes[rank] = Box(tuple(start), tuple(stop))
     return boxes
 
 
@@ -120,18 +130,24 @@ def plan_transfers(shape: Sequence[int], source: Mapping[int, Box], target: Mapp
     Returns:
         The transfers, ordered by (src, dst): every element each target rank holds arrives exactly once.
     """
-    total = math.prod(int(s) for s in shape)
+    return list(_plan(tuple(int(s) for s in shape), tuple(sorted(source.items())), tuple(sorted(target.items()))))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(shape: tuple[int, ...], source: tuple[tuple[int, Box], ...],
+          target: tuple[tuple[int, Box], ...]) -> tuple[Transfer, ...]:
+    total = math.prod(shape)
     holders: dict[Box, list[int]] = {}
-    for rank, box in sorted(source.items()):
+    for rank, box in source:
         if box.numel:
             holders.setdefault(box, []).append(rank)
     distinct = sorted(holders, key=lambda b: b.start)
     overlap = any(a.intersect(b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
     if overlap or sum(b.numel for b in distinct) != total:
-        raise ValueError(f"the source layout does not tile the tensor of shape {tuple(shape)} (its boxes overlap or "
+        raise ValueError(f"the source layout does not tile the tensor of shape {shape} (its boxes overlap or "
                          "leave elements out): describe it with shard_boxes / dtensor_boxes.")
     transfers = []
-    for dst, want in sorted(target.items()):
+    for dst, want in target:
         for box in distinct:
             part = box.intersect(want)
             if part is None:
@@ -139,7 +155,7 @@ def plan_transfers(shape: Sequence[int], source: Mapping[int, Box], target: Mapp
             ranks = holders[box]
             src = dst if dst in ranks else ranks[dst % len(ranks)]
             transfers.append(Transfer(src, dst, part))
-    return sorted(transfers, key=lambda t: (t.src, t.dst))
+    return tuple(sorted(transfers, key=lambda t: (t.src, t.dst)))
 
 
 @dataclass
@@ -193,9 +209,7 @@ class _Move:
 
 
 def _move_bucket(moves: list[_Move], rank: int, meter: MemoryMeter) -> None:
-    """Run the plans of a bucket: local pieces copied, one message per (peer, dtype) each way."""
-    sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-    receives: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    """Run the plans of a bucket: local pieces copied, every message of the bucket in flight at once."""
     for m in moves:
         if m.target_box is None:
             continue
@@ -205,39 +219,35 @@ def _move_bucket(moves: list[_Move], rank: int, meter: MemoryMeter) -> None:
             continue
         m.out = torch.empty(m.target_box.shape, dtype=m.dtype, device=m.local.device if m.local is not None else "cpu")
         meter.add(_nbytes(m.out))
-    for m in moves:
+    # Receives first, then sends, each in (tensor, plan) order and tagged with the tensor's place in the
+    # bucket: both ends of a pair see their messages in the same order.
+    ops, staged = [], []
+    for tag, m in enumerate(moves):
         for t in m.plan:
-            if t.src == rank and t.dst == rank:
+            if t.dst == rank and t.src != rank:
+                view = m.out[t.box.within(m.target_box)]
+                buffer = view if view.is_contiguous() else torch.empty(view.shape, dtype=m.dtype, device=view.device)
+                if buffer is not view:
+                    meter.add(_nbytes(buffer))
+                    staged.append((buffer, view))
+                ops.append(dist.irecv(buffer, t.src, tag=tag))
+            elif t.dst == rank:
                 if m.out is not m.local:
                     m.out[t.box.within(m.target_box)].copy_(m.local[t.box.within(m.source_box)])
-            elif t.src == rank:
-                sends.setdefault((t.dst, m.dtype), []).append(m.local[t.box.within(m.source_box)])
-            elif t.dst == rank:
-                receives.setdefault((t.src, m.dtype), []).append(m.out[t.box.within(m.target_box)])
-    ops, staged = [], []
-    for (peer, dtype), pieces in sorted(receives.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        if len(pieces) == 1 and pieces[0].is_contiguous():  # straight into its place
-            ops.append(dist.irecv(pieces[0], peer))
-            continue
-        buffer = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device)
-        meter.add(_nbytes(buffer))
-        ops.append(dist.irecv(buffer, peer))
-        staged.append((buffer, pieces))
-    for (peer, _), pieces in sorted(sends.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        if len(pieces) == 1 and pieces[0].is_contiguous():
-            ops.append(dist.isend(pieces[0], peer))
-            continue
-        buffer = torch.cat([p.reshape(-1) for p in pieces])  # contiguous, as gloo and NCCL send
-        meter.add(_nbytes(buffer))
-        ops.append(dist.isend(buffer, peer))
-        staged.append((buffer, ()))
+    for tag, m in enumerate(moves):
+        for t in m.plan:
+            if t.src == rank and t.dst != rank:
+                piece = m.local[t.box.within(m.source_box)]
+                if not piece.is_contiguous():  # gloo and NCCL send contiguous memory
+                    piece = piece.contiguous()
+                    meter.add(_nbytes(piece))
+                    staged.append((piece, None))
+                ops.append(dist.isend(piece, t.dst, tag=tag))
     for op in ops:
         op.wait()
-    for buffer, pieces in staged:
-        offset = 0
-        for piece in pieces:
-            piece.copy_(buffer[offset : offset + piece.numel()].view(piece.shape))
-            offset += piece.numel()
+    for buffer, view in staged:
+        if view is not None:
+            view.copy_(buffer)
         meter.release(_nbytes(buffer))
 
 
@@ -256,7 +266,7 @@ def move_state(
             as it goes: each bucket's sources leave the dict before it moves, so their memory is
             released once moved (when nothing else holds them).
         target: (name, source tensor) -> its `TargetLayout`.
-        meter: counts destinations and message buffers added, sources released.
+        meter: counts destinations and staging copies added, sources released.
         budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
             world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
 
