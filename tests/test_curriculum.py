@@ -1,7 +1,8 @@
 """Online CP switching (`hf_sparse_cp.integration.curriculum`): the schedule and its validation, the
 run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 -> CP 4 x
 DP 1 in one Trainer run, compared with the same stages run as three jobs chained through checkpoints
-(AdamW and SMET), and a resume from a checkpoint saved in the middle stage."""
+(DDP; AdamW and SMET), and a resume from a checkpoint saved in the middle stage; then FSDP2 over the 4
+ranks (functional API) through the same CP switches against one process."""
 
 import os
 
@@ -136,17 +137,13 @@ def _args(out: str, smet: bool, **kw):
         save_strategy="no", block_size=PATTERN.block_size, min_seq_len=PATTERN.min_seq_len,
         vertical_topk=PATTERN.vertical_topk, slash_topk=PATTERN.slash_topk, local_window=PATTERN.local_window,
         sink_tokens=PATTERN.sink_tokens, last_q=PATTERN.last_q, log_sparsity=False, seed=0)
-    if smet:  # (under DDP)
+    if smet:
         fields.update(smet=True, smet_density=0.5, smet_update_interval=2)
-    else:  # FSDP2 over all 4 ranks (dp_shard x cp): its shards stay where they are through every switch
-        fields.update(fsdp="full_shard auto_wrap",
-                      fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     return SparseTrainingArguments(**{**fields, **kw})
 
 
 def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     """Train a fresh tiny Llama; the loss of every step (rank 0's log) and the final weights."""
-    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM, TrainerCallback, default_data_collator
 
     from hf_sparse_cp.integration.sparse_trainer import SparseTrainer
@@ -175,10 +172,7 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
                             callbacks=[Record()])
     model.register_forward_pre_hook(seen, with_kwargs=True)
     trainer.train(resume_from_checkpoint=resume)
-    weights = {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
-               for k, v in trainer.model.state_dict().items()}
-    sharded = all(isinstance(p, DTensor) for p in trainer.model.parameters())
-    return losses, weights, forwards, sharded
+    return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, forwards
 
 
 def _stage_data(samples, first, count, seq_len):
@@ -200,7 +194,7 @@ def _curriculum_vs_chain(rank: int, world: int, out: str) -> dict:
             count = (stop - start) * world // cp
             extra = dict(vertical_topk=32) if stage == 2 else {}
             args = _args(os.path.join(out, f"{name}-chain"), smet, cp_size=cp, ignore_data_skip=True, **extra)
-            losses, weights, _, _ = _train(args, _stage_data(samples, first, count, seq_len), checkpoint,
+            losses, weights, _ = _train(args, _stage_data(samples, first, count, seq_len), checkpoint,
                                         stop_at=stop if stop < MAX_STEPS else None)
             chain.update(losses)
             checkpoint, first = os.path.join(out, f"{name}-chain", f"checkpoint-{stop}"), first + count
@@ -225,16 +219,86 @@ def _assert_same(got: tuple, want: tuple, steps) -> None:
         torch.testing.assert_close(got_weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.slow
-def test_one_run_through_three_cp_stages_equals_three_chained_jobs(tmp_path):
+def _fsdp2_through_cp_switches(rank: int, world: int) -> dict:
+    """FSDP2 over all ranks (the flattened dp_shard x cp mesh) with AdamW, through CP 1 -> 2 -> 4 at
+    128 -> 256 -> 512 tokens (one step each), in float64, beside a one-process copy fed each step's
+    global batch: the losses, the final weights, and where every local shard lives."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.distributed import (
+        ContextParallelConfig,
+        global_mean_loss,
+        global_num_items,
+        prepare_context_parallel_inputs,
+        rank_loss,
+    )
+    from hf_sparse_cp.testing.models import tiny_config
+
+    if not hf_sparse_cp.is_patched():
+        hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).double()
+    hf_sparse_cp.configure(model, PATTERN)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (model, reference))
+    dims = {c: ParallelDims.from_config(ContextParallelConfig(cp_size=c)) for c in (1, 2, 4)}  # built up front
+    where = [(p.to_local().data_ptr(), tuple(p.to_local().shape)) for p in model.parameters()]
+    samples, position, losses = torch.stack([s["input_ids"] for s in _samples()]), 0, []
+    vocab = model.config.vocab_size
+    for cp, seq_len in ((1, 128), (2, 256), (4, 512)):
+        par = dims[cp]
+        batch = samples[position : position + par.dp_size, :seq_len]  # the step's global batch, one per DP rank
+        position += par.dp_size
+        mine = batch[par.dp_rank : par.dp_rank + 1]
+        inputs = prepare_context_parallel_inputs({"input_ids": mine, "labels": mine}, par,
+                                                 block_size=PATTERN.block_size)
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                       cp_shard=inputs[CP_SHARD_KWARG]).logits
+        loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), inputs["shift_labels"].reshape(-1),
+                                                     reduction="sum")
+        num = global_num_items(inputs["shift_labels"])
+        rank_loss(loss_sum, num, world).backward()  # FSDP2 averages over all ranks: the global token mean
+        opt.step()
+        opt.zero_grad()
+        ref_logits = reference(input_ids=batch).logits[:, :-1]
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((global_mean_loss(loss_sum, num).item(), ref_loss.item()))
+    stayed = where == [(p.to_local().data_ptr(), tuple(p.to_local().shape)) for p in model.parameters()]
+    weights = max(float((p.detach().full_tensor() - q.detach()).abs().max())
+                  for p, q in zip(model.parameters(), reference.parameters()))
+    return {"losses": losses, "weights": weights, "stayed": stayed}
+
+
+def _in_four_processes(rank: int, world: int, out: str) -> dict:
+    return {"trainer": _curriculum_vs_chain(rank, world, out), "fsdp2": _fsdp2_through_cp_switches(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    results = run_gloo(_curriculum_vs_chain, 4, str(tmp_path), timeout_s=600)[0]
+    return run_gloo(_in_four_processes, 4, str(tmp_path_factory.mktemp("curriculum")), timeout_s=600)
+
+
+@pytest.mark.slow
+def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processes):
+    results = four_processes[0]["trainer"]
     # each step ran in its stage: 128-token shards of 128, 256 and 512 tokens, CP 1, 2, 4, the last stage's top-k
     stages = [(128, 1, 16)] * 2 + [(128, 2, 16)] * 2 + [(128, 4, 32)] * 2
     assert results["adamw"]["run"][2] == results["smet"]["run"][2] == stages
     assert results["resumed"][2] == stages[3:]
-    assert results["adamw"]["run"][3] and not results["smet"]["run"][3]  # FSDP2 shards, DDP replicas
     for name in ("adamw", "smet"):
         _assert_same(results[name]["run"], results[name]["chain"], range(1, MAX_STEPS + 1))
         losses = results[name]["run"][0]
@@ -242,3 +306,12 @@ def test_one_run_through_three_cp_stages_equals_three_chained_jobs(tmp_path):
     # resumed at step 3 (stage CP 2 x DP 2): steps 4-6 and the final weights as without the interruption
     _assert_same(results["resumed"], ({s: results["adamw"]["run"][0][s] for s in (4, 5, 6)},
                                       results["adamw"]["run"][1]), range(4, MAX_STEPS + 1))
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_process(four_processes):
+    for r in four_processes:
+        assert r["fsdp2"]["stayed"]  # every local shard: the same storage and shape after three CP degrees
+        for got, want in r["fsdp2"]["losses"]:
+            assert abs(got - want) <= 1e-9 * abs(want)
+        assert r["fsdp2"]["weights"] < 1e-9
