@@ -194,9 +194,14 @@ def attach_to_trainer(
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
     if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
-        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length),
-                       f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
-                       f"{'hierarchical' if parallel.hierarchical else 'flat'} ring" if parallel.cp_size > 1 else "off")
+        if cp_schedule is not None:
+            how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
+        elif parallel.cp_size > 1:
+            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
+                   f"{'hierarchical' if parallel.hierarchical else 'flat'} ring")
+        else:
+            how = "off"
+        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)
     return parallel
 
 
