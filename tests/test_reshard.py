@@ -1,6 +1,7 @@
 """The slice-intersection plan (`hf_sparse_cp.distributed.reshard`): the planning logic on its own
 (no processes: transfers applied to in-memory shards), then 4 gloo processes moving an FSDP2 model
-and its AdamW state between device meshes, compared with the gathered tensors before the move."""
+and its AdamW state, and SMET's state, between device meshes, compared with the gathered tensors
+before the move."""
 
 import pytest
 import torch
@@ -137,6 +138,44 @@ def _local_bytes(tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _move_smet_state(rank: int, world: int) -> bool:
+    """SMET's state (integer block indices, compact moments, per-block steps; DTensors by rows from
+    `state_dict`) after three steps under FSDP2, moved to HSDP 2 x 2 in buckets: gathered, unchanged."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
+    from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
+
+    from test_smet_common import lm_loss, markov_tokens, tiny_llama
+
+    model = tiny_llama(dtype=torch.float64, vocab_size=65, intermediate_size=99)  # uneven shards
+    opt = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=0.5, block_size=1, update_interval=2),
+                                lr=1e-2, attach=False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = dict(model.named_parameters())
+    for group in opt.param_groups:
+        group["params"] = [params[name] for name in group["param_names"]]
+    opt.attach()
+    for seed in range(3):  # a topology update at step 2
+        lm_loss(model, markov_tokens(8, 16, seed=seed, vocab=65)[rank::world]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {f"{pid}/{key}": value for pid, entries in opt.state_dict()["state"].items()
+             for key, value in entries.items() if isinstance(value, DTensor)}
+    dtypes = {v.dtype for v in state.values()}
+    before = {k: v.full_tensor() for k, v in state.items()}
+    grid = torch.arange(world).view(2, world // 2)
+    hsdp = DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))
+    moved = move_state(state, lambda *_: TargetLayout(grid, (Replicate(), Shard(0)), hsdp))
+    same = moved.keys() == before.keys() and all(torch.equal(moved[k].full_tensor(), v) for k, v in before.items())
+    return same and torch.float64 in dtypes and any(not d.is_floating_point for d in dtypes)
+
+
 def _move_between_meshes(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -186,13 +225,14 @@ def _move_between_meshes(rank: int, world: int) -> dict:
         opt_b.state[p] = {key: hsdp_state[f"{pname}/{key}"].clone() for key in ("step", "exp_avg", "exp_avg_sq")}
     _step(model, opt, rank, 5)
     _step(model_b, opt_b, rank, 5)
+    results["smet"] = _move_smet_state(rank, world)
     results["trained_on"] = max(float((p.detach().full_tensor() - q.detach().full_tensor()).abs().max())
                                 for p, q in zip(model.parameters(), model_b.parameters()))
     return results
 
 
 @pytest.mark.slow
-def test_fsdp2_model_and_adamw_state_move_exactly_between_meshes():
+def test_fsdp2_model_adamw_and_smet_state_move_exactly_between_meshes():
     from hf_sparse_cp.testing.spawn import run_gloo
 
     results = run_gloo(_move_between_meshes, 4, timeout_s=300)
@@ -203,6 +243,7 @@ def test_fsdp2_model_and_adamw_state_move_exactly_between_meshes():
         nested = res["dp2-x-cp2-nested"]
         assert nested["peak"] <= max(nested["net"], 0) + nested["largest"], (rank, nested)
         assert res["trained_on"] < 1e-12
+        assert res["smet"]
     # the same world in other boxes: what one rank gains another loses, nothing is held twice overall
     assert sum(res["dp2-x-cp2-nested"]["net"] for res in results) == 0
     # rank 0's boxes are the same in both layouts (ceil(ceil(n / 2) / 2) = ceil(n / 4) rows from 0): kept in place
