@@ -34,6 +34,7 @@ test-gpu: install
 bench: install
 	$(PY) benchmarks/cp_balance.py --node-size 8 --json benchmarks/results/cp_balance.json
 	$(PY) benchmarks/bench_smet.py
+	$(PY) benchmarks/bench_switch.py
 	$(PY) benchmarks/kernel_resources.py
 
 bench-gpu: install

@@ -11,7 +11,8 @@
 * `plan.py`: `RingPlan`, from the global layout to what each rank computes, sends and receives;
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers;
 * `ring_attention.py`: `ring_sparse_attention`, `context_parallel_attention`;
-* `balance.py`: work and bytes of a ring plan (benchmarks); `loss.py`: token-count-correct loss.
+* `balance.py`: work and bytes of a ring plan (benchmarks); `loss.py`: token-count-correct loss;
+* `reshard.py`: `move_state`, sharded state moved between layouts by slice intersection (no checkpoint).
 """
 
 from .comm import RingTopology

@@ -8,6 +8,7 @@ unpatch, the lean-loss forward, Trainer glue, callbacks, command-line arguments,
 * `sparse_trainer.py`: `SparseTrainingArguments` and `SparseTrainer`, the one switch for a Trainer script;
 * `trainer.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
+* `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`);
 * `smet.py`: `install_smet` / `uninstall_smet`;
 * `model_card.py`: the card that says how a model was trained; `kept_fraction.py`: the logged kept
   fraction read back and drawn;
@@ -25,6 +26,10 @@ _WHERE = {
     "sparse_cp_attention_forward": "backend",
     "SMETCallback": "callbacks",
     "SparsityLoggingCallback": "callbacks",
+    "CurriculumArguments": "curriculum",
+    "disable_curriculum": "curriculum",
+    "enable_curriculum": "curriculum",
+    "parse_schedule": "curriculum",
     "disable_trainer_context_parallel": "context_parallel",
     "enable_trainer_context_parallel": "context_parallel",
     "disable_lean_loss": "lean_loss",

@@ -35,13 +35,16 @@ logger = logging.getLogger(__name__)
 MARKER = "hf_sparse_cp_checkpoint.json"
 
 
-def run_settings(trainer: Trainer, parallel: ParallelDims) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it."""
+def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the CP and DP degrees, or under a
+    context-length curriculum its schedule and world size (the step then says the stage)."""
     smet = None
     factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
     if factory is SMETOptimizerFactory:
         config = kwargs["config"]
         smet = {"mode": config.mode, "density": config.density, "block_size": config.block_size}
+    if cp_schedule is not None:
+        return {"cp_schedule": cp_schedule, "world_size": parallel.world_size, "smet": smet}
     return {"cp_size": parallel.cp_size, "data_parallel_size": parallel.dp_size, "smet": smet}
 
 
@@ -57,8 +60,8 @@ class CheckpointMarkerCallback(TrainerCallback):
     Must come after transformers' flow callback, which decides at each step or epoch end whether to
     save (a save decided after an evaluation, `save_strategy="best"`, gets only the final marker)."""
 
-    def __init__(self, trainer: Trainer, parallel: ParallelDims) -> None:
-        self.trainer, self.parallel = trainer, parallel
+    def __init__(self, trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> None:
+        self.trainer, self.parallel, self.cp_schedule = trainer, parallel, cp_schedule
 
     def _folder(self, args, state) -> Path:
         return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -78,7 +81,8 @@ class CheckpointMarkerCallback(TrainerCallback):
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                      if p.is_file() and p.name != MARKER}
             _write(folder / MARKER, {"complete": True, "step": state.global_step,
-                                     "settings": run_settings(self.trainer, self.parallel), "files": files})
+                                     "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
+                                     "files": files})
 
 
 def check_checkpoint(folder: str | Path, settings: dict[str, Any]) -> None:
@@ -111,11 +115,13 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any]) -> None:
                              "parallel layout or SMET topology cannot continue it exactly).")
 
 
-def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet) -> None:
+def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
+                        cp_schedule: str | None = None) -> None:
     """Mark the checkpoints `trainer` saves and check a checkpoint before `train()` resumes from it;
-    both recorded in `patches`."""
+    both recorded in `patches`. With `cp_schedule` (a curriculum's canonical text) the settings
+    checked are the schedule and the world size instead of the CP and DP degrees."""
     patches.insert(trainer.callback_handler.callbacks, len(trainer.callback_handler.callbacks),
-                   CheckpointMarkerCallback(trainer, parallel))
+                   CheckpointMarkerCallback(trainer, parallel, cp_schedule))
     train = trainer.train
 
     @functools.wraps(train)
@@ -124,7 +130,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
         if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
             folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
         if folder:
-            check_checkpoint(folder, run_settings(trainer, parallel))
+            check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule))
         return train(resume_from_checkpoint, *args, **kwargs)
 
     patches.set_attr(trainer, "train", checked_train)

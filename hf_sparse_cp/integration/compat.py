@@ -23,6 +23,7 @@ TESTED_VERSIONS = {"transformers": ("5.0", "5.23"), "accelerate": ("1.10", "1.15
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
 TRAINER_TRACK_TOKENS = "_track_num_input_tokens"
 ACCELERATOR_PREPARE_CP = "_prepare_cp"
+TRAINER_COLLATOR_WITHOUT_UNUSED = "_get_collator_with_removed_columns"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ PRIVATE_MEMBERS = (
                   "replaced per trainer: the Trainer's CP input preparation accepts SDPA only"),
     PrivateMember("transformers.Trainer", TRAINER_TRACK_TOKENS, ("self", "inputs"),
                   "wrapped per trainer: under CP every rank of a group counts the same batch"),
+    PrivateMember("transformers.Trainer", TRAINER_COLLATOR_WITHOUT_UNUSED, ("self", "data_collator", "description"),
+                  "a cp_schedule's data loader drops the columns the model does not take, as the Trainer's does"),
     PrivateMember("accelerate.Accelerator", ACCELERATOR_PREPARE_CP, ("self", "*args"),
                   "replaced per accelerator: its CP model hooks drop the attention mask for SDPA"),
     PrivateMember("accelerate.Accelerator", "_dataloaders", None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,22 +75,23 @@ def _dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     return prepare
 
 
-def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: int, owns_cp: bool) -> None:
+def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
-    flop and batch-size accounting count that batch once per group, as without CP."""
+    flop and batch-size accounting count that batch once per group, as without CP. `cp_size()` is the
+    CP degree of the step in progress (constant, or a curriculum's stage)."""
     if not owns_cp:
         # transformers reads the CP degree from accelerate's ParallelismConfig only; with it, the
         # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
-        patches.set_attr(trainer, "get_cp_size", lambda: cp_size)
+        patches.set_attr(trainer, "get_cp_size", cp_size)
     flops = trainer.floating_point_ops
-    patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size)
+    patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size())
     compat.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
     track = getattr(trainer, compat.TRAINER_TRACK_TOKENS)
 
     def track_once(inputs):
         before = trainer.state.num_input_tokens_seen
         track(inputs)  # gathers every rank's count: each CP group's batch cp_size times
-        trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size
+        trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size()
 
     patches.set_attr(trainer, compat.TRAINER_TRACK_TOKENS, track_once)
 
@@ -130,7 +132,7 @@ def enable_trainer_context_parallel(
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
-    _count_once_per_cp_group(trainer, patches, parallel.cp_size, owns_cp)
+    _count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead

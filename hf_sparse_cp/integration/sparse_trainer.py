@@ -33,12 +33,13 @@ from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
 from ..smet import SMETConfig
 from .arguments import SMETArguments, SparseCPArguments, copied_fields
+from .curriculum import CurriculumArguments, parse_schedule
 from .model_card import write_sparse_model_card
 from .smet import install_smet
 from .trainer import attach_to_trainer, enable_sparse_attention
 
 # The dataclasses whose fields SparseTrainingArguments carries, flags unchanged.
-_PARTS = (SparseCPArguments, SparseAttentionConfig, ContextParallelConfig, SMETArguments)
+_PARTS = (SparseCPArguments, SparseAttentionConfig, ContextParallelConfig, CurriculumArguments, SMETArguments)
 # One switch: the class itself asks for sparse attention, so its flag defaults to on here.
 _DEFAULTS = {"sparse_attention": True}
 # Not a flag (init=False): the fields the command line or a recipe gave, set by the script that parsed them
@@ -101,7 +102,8 @@ SparseTrainingArguments = dataclasses.make_dataclass(
     "SparseTrainingArguments", _fields(), bases=(_PluginSettings, TrainingArguments),
     namespace={"__doc__": "`TrainingArguments` plus the plugin's flags: `--sparse_attention` (on by default), "
                "`--sparse_config`, the pattern (`--vertical_topk`, `--block_size`, ...), context parallelism "
-               "(`--cp_size`, ...), SMET (`--smet`, `--smet_density`, ...) and `--max_length`.",
+               "(`--cp_size`, ...), a context-length curriculum (`--cp_schedule`), SMET (`--smet`, "
+               "`--smet_density`, ...) and `--max_length`.",
                "__module__": __name__},
 )
 
@@ -130,13 +132,15 @@ class SparseTrainer(Trainer):
         if model is None:
             raise ValueError("SparseTrainer needs the model itself (model_init is not supported): the sparse backend "
                              "is configured on it before training.")
-        self.max_length = args.max_length or _first_length(kwargs.get("train_dataset"))
+        longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
+            args.cp_schedule) else None
+        self.max_length = args.max_length or longest_stage or _first_length(kwargs.get("train_dataset"))
         if args.sparse_attention:
             enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
                                     explicit=args.explicit_flags)
         super().__init__(model, args, *rest, **kwargs)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
-                                          max_length=self.max_length)
+                                          max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()
         if smet is not None:
             install_smet(self, smet)

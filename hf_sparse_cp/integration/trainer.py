@@ -25,6 +25,7 @@ from .arguments import SparseCPArguments
 from .callbacks import SparsityLoggingCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
+from .curriculum import disable_curriculum, enable_curriculum, parse_schedule, schedule_for
 from .lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from .patching import attached_patches, record_on, undo_recorded
 from .registration import is_patched, patch, unpatch
@@ -157,6 +158,7 @@ def attach_to_trainer(
     cp_config: ContextParallelConfig | None = None,
     *,
     max_length: int | None = None,
+    cp_schedule: str | None = None,
 ) -> ParallelDims:
     """Add the plugin to a built Trainer; `detach_from_trainer(trainer)` undoes it.
 
@@ -168,29 +170,45 @@ def attach_to_trainer(
             `ParallelismConfig`) the trainer switches to sparse context parallelism.
         max_length: the training sequence length, when known: the start-up line then says whether
             any document reaches `min_seq_len`.
+        cp_schedule: a context-length curriculum (`curriculum.parse_schedule`): the stages' CP degrees
+            replace `cp_config.cp_size`, switched online at step boundaries (`curriculum.py`).
 
     Returns:
-        The `ParallelDims` in use. Checkpoints the trainer saves are marked complete only once
-        every rank has saved, and `train(resume_from_checkpoint=...)` refuses an incomplete,
-        damaged or mismatched one (`checkpoints.py`).
+        The `ParallelDims` in use (with a schedule, the first stage's). Checkpoints the trainer saves
+        are marked complete only once every rank has saved, and `train(resume_from_checkpoint=...)`
+        refuses an incomplete, damaged or mismatched one (`checkpoints.py`).
     """
     check_launch(trainer)
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         record_on(trainer, _SPARSITY_LOGGING).insert(callbacks, 0, SparsityLoggingCallback())
-    parallel = enable_trainer_context_parallel(trainer, cp_config)
+    if cp_schedule is None:
+        parallel = enable_trainer_context_parallel(trainer, cp_config)
+    else:
+        if cp_config is not None and cp_config.cp_size != 1:
+            raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
+        schedule = schedule_for(trainer, parse_schedule(cp_schedule))
+        curriculum = enable_curriculum(trainer, schedule, cp_config)
+        parallel = curriculum.dims[schedule.stages[0].cp_size]
+        cp_schedule = schedule.text
     if attached_patches(trainer, _CHECKPOINTS) is None:
-        protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS))
+        protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
     if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
-        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length),
-                       f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
-                       f"{'hierarchical' if parallel.hierarchical else 'flat'} ring" if parallel.cp_size > 1 else "off")
+        if cp_schedule is not None:
+            how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
+        elif parallel.cp_size > 1:
+            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
+                   f"{'hierarchical' if parallel.hierarchical else 'flat'} ring")
+        else:
+            how = "off"
+        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)
     return parallel
 
 
 def detach_from_trainer(trainer: Trainer) -> None:
     """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism
     (no-op when not attached)."""
+    disable_curriculum(trainer)
     disable_trainer_context_parallel(trainer)
     undo_recorded(trainer, _CHECKPOINTS)
     undo_recorded(trainer, _SPARSITY_LOGGING)

@@ -1,0 +1,303 @@
+"""Move sharded training state between two shard layouts without a checkpoint (slice intersection).
+
+Every state tensor (a weight, an Adam moment, a SMET per-row state) lives in one logical coordinate
+space: its global shape, as if no dimension were parallel. A layout maps each rank to the box of
+that space it holds (`Box`; `shard_boxes` derives it from a device mesh and DTensor placements, e.g.
+FSDP2's `Shard(0)` over dp_shard x cp, or HSDP's `(Replicate(), Shard(0))`). Moving from layout A to
+layout B is the intersection of the two maps (`plan_transfers`): for every rank of B, which rank of
+A sends it which box. Replicated source boxes are sent by the receiving rank itself when it holds a
+copy, else by one holder chosen round robin so that no holder sends everything.
+
+`move_state` moves a state dict bucket by bucket (consecutive tensors up to a byte budget, the same
+buckets on every rank): a shard whose box does not change stays as it is (no copy); the rest of a
+bucket's destinations are allocated just before receiving, and pieces travel straight from the
+source shard into their place (dim-0 boxes are contiguous; others go through a staging copy). Every
+rank posts all of a bucket's non-blocking receives and sends in one fixed order (tensor, then plan),
+tagged by tensor, and only then waits, so no rank blocks before all of its transfers are in flight
+and no cycle of waits can form. Each source leaves the dict before its
+bucket moves and is released after it, so the memory held beyond the state stays near one bucket;
+`MemoryMeter` counts what the move allocates and releases.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of a tensor's global index space: `start[d] <= index[d] < stop[d]` on every dimension d."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        return cls(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common box, or None when they share no element."""
+        start = tuple(max(a, b) for a, b in zip(self.start, other.start))
+        stop = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
+        return Box(start, stop) if all(a < b for a, b in zip(start, stop)) else None
+
+    def within(self, outer: Box) -> tuple[slice, ...]:
+        """Index of this box inside a tensor that holds `outer` (which contains it)."""
+        return tuple(slice(a - o, b - o) for a, b, o in zip(self.start, self.stop, outer.start))
+
+
+def shard_boxes(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: Sequence) -> dict[int, Box]:
+    """The box each rank of a device mesh holds of a tensor of global `shape`, as DTensor lays it out.
+
+    Args:
+        shape: the global shape.
+        mesh_ranks: the mesh's global ranks, one tensor dimension per mesh dimension
+            (`DeviceMesh.mesh`).
+        placements: one per mesh dimension, `Shard(d)` or `Replicate()`. Shards follow `torch.chunk`
+            (ceil-sized, the last ones shorter or empty); several `Shard` of one tensor dimension
+            split it again, in mesh-dimension order.
+
+    Returns:
+        {global rank: Box}; a rank whose shard is empty gets a box with a zero extent.
+    """
+    if mesh_ranks.dim() != len(placements):
+        raise ValueError(f"{len(placements)} placements for a {mesh_ranks.dim()}-dimensional mesh.")
+    for p in placements:
+        if type(p) not in (Shard, Replicate):
+            raise ValueError(f"placement {p} cannot be resharded: only Shard(dim) and Replicate() are laid out in "
+                             "one coordinate space (reduce a Partial first, e.g. with DTensor.redistribute).")
+    return _shard_boxes(tuple(int(s) for s in shape), tuple(mesh_ranks.reshape(-1).tolist()),
+                        tuple(mesh_ranks.shape), tuple(placements))
+
+
+@functools.lru_cache(maxsize=4096)  # a model repeats a few shapes on a few meshes
+def _shard_boxes(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...],
+                 placements: tuple) -> dict[int, Box]:
+    boxes = {}
+    for flat, rank in enumerate(ranks):
+        coord = [flat // math.prod(mesh_shape[d + 1:]) % mesh_shape[d] for d in range(len(mesh_shape))]
+        start, stop = [0] * len(shape), list(shape)
+        for mesh_dim, p in enumerate(placements):
+            if isinstance(p, Shard):
+                d, n, i = p.dim, mesh_shape[mesh_dim], coord[mesh_dim]
+                size = stop[d] - start[d]
+                chunk = -(-size // n)
+                start[d], stop[d] = start[d] + min(i * chunk, size), start[d] + min((i + 1) * chunk, size)
+        boxes[rank] = Box(tuple(start), tuple(stop))
+    return boxes
+
+
+def dtensor_boxes(tensor: torch.Tensor) -> dict[int, Box]:
+    """`shard_boxes` of a DTensor; a plain tensor is held whole by every rank of the default group."""
+    if isinstance(tensor, DTensor):
+        return shard_boxes(tensor.shape, tensor.device_mesh.mesh, tensor.placements)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return dict.fromkeys(range(world), Box.whole(tensor.shape))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Rank `src` gives rank `dst` the elements of `box` (global coordinates); src == dst is a local copy."""
+
+    src: int
+    dst: int
+    box: Box
+
+
+def plan_transfers(shape: Sequence[int], source: Mapping[int, Box], target: Mapping[int, Box]) -> list[Transfer]:
+    """The slice-intersection plan from layout `source` to layout `target` of a tensor of `shape`.
+
+    Args:
+        shape: the global shape.
+        source, target: {global rank: Box held}. The source's distinct boxes must tile the tensor (every
+            element held, copies only of whole boxes); the target may leave ranks out (they receive nothing).
+
+    Returns:
+        The transfers, ordered by (src, dst): every element each target rank holds arrives exactly once.
+    """
+    return list(_plan(tuple(int(s) for s in shape), tuple(sorted(source.items())), tuple(sorted(target.items()))))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(shape: tuple[int, ...], source: tuple[tuple[int, Box], ...],
+          target: tuple[tuple[int, Box], ...]) -> tuple[Transfer, ...]:
+    total = math.prod(shape)
+    holders: dict[Box, list[int]] = {}
+    for rank, box in source:
+        if box.numel:
+            holders.setdefault(box, []).append(rank)
+    distinct = sorted(holders, key=lambda b: b.start)
+    overlap = any(a.intersect(b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
+    if overlap or sum(b.numel for b in distinct) != total:
+        raise ValueError(f"the source layout does not tile the tensor of shape {shape} (its boxes overlap or "
+                         "leave elements out): describe it with shard_boxes / dtensor_boxes.")
+    transfers = []
+    for dst, want in target:
+        for box in distinct:
+            part = box.intersect(want)
+            if part is None:
+                continue
+            ranks = holders[box]
+            src = dst if dst in ranks else ranks[dst % len(ranks)]
+            transfers.append(Transfer(src, dst, part))
+    return tuple(sorted(transfers, key=lambda t: (t.src, t.dst)))
+
+
+@dataclass
+class MemoryMeter:
+    """Bytes a move holds beyond the state it started with: what it allocates (destinations, staging
+    copies) minus the sources it has released. `peak` is the largest value seen."""
+
+    current: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """Where a tensor goes: the mesh's global ranks (`DeviceMesh.mesh`) and placements, and the mesh
+    itself on the ranks that belong to it (to wrap the result as a DTensor); mesh None: a plain
+    tensor on the ranks of `mesh_ranks`."""
+
+    mesh_ranks: torch.Tensor
+    placements: tuple
+    mesh: object | None = None
+
+    def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
+        return shard_boxes(shape, self.mesh_ranks, self.placements)
+
+
+@dataclass
+class _Move:
+    """One tensor of a bucket on this rank: its plan, what it holds before and after, the result."""
+
+    name: str
+    plan: list[Transfer]
+    layout: TargetLayout
+    local: torch.Tensor | None
+    source_box: Box | None
+    target_box: Box | None
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    out: torch.Tensor | None = None
+
+
+def _move_bucket(moves: list[_Move], rank: int, meter: MemoryMeter) -> None:
+    """Run the plans of a bucket: local pieces copied, every message of the bucket in flight at once."""
+    for m in moves:
+        if m.target_box is None:
+            continue
+        mine = [t for t in m.plan if t.dst == rank]
+        if len(mine) == 1 and mine[0].src == rank and m.source_box == m.target_box:
+            m.out = m.local  # the shard does not change: it stays where it is
+            continue
+        m.out = torch.empty(m.target_box.shape, dtype=m.dtype, device=m.local.device if m.local is not None else "cpu")
+        meter.add(_nbytes(m.out))
+    # Receives first, then sends, each in (tensor, plan) order and tagged with the tensor's place in the
+    # bucket: both ends of a pair see their messages in the same order.
+    ops, staged = [], []
+    for tag, m in enumerate(moves):
+        for t in m.plan:
+            if t.dst == rank and t.src != rank:
+                view = m.out[t.box.within(m.target_box)]
+                buffer = view if view.is_contiguous() else torch.empty(view.shape, dtype=m.dtype, device=view.device)
+                if buffer is not view:
+                    meter.add(_nbytes(buffer))
+                    staged.append((buffer, view))
+                ops.append(dist.irecv(buffer, t.src, tag=tag))
+            elif t.dst == rank:
+                if m.out is not m.local:
+                    m.out[t.box.within(m.target_box)].copy_(m.local[t.box.within(m.source_box)])
+    for tag, m in enumerate(moves):
+        for t in m.plan:
+            if t.src == rank and t.dst != rank:
+                piece = m.local[t.box.within(m.source_box)]
+                if not piece.is_contiguous():  # gloo and NCCL send contiguous memory
+                    piece = piece.contiguous()
+                    meter.add(_nbytes(piece))
+                    staged.append((piece, None))
+                ops.append(dist.isend(piece, t.dst, tag=tag))
+    for op in ops:
+        op.wait()
+    for buffer, view in staged:
+        if view is not None:
+            view.copy_(buffer)
+        meter.release(_nbytes(buffer))
+
+
+def move_state(
+    state: MutableMapping[str, torch.Tensor],
+    target: Callable[[str, torch.Tensor], TargetLayout],
+    *,
+    meter: MemoryMeter | None = None,
+    budget_bytes: int = 64 << 20,
+) -> dict[str, torch.Tensor]:
+    """Move every tensor of `state` to its target layout; call on every rank of the default group with
+    the same keys in the same order.
+
+    Args:
+        state: {name: DTensor, or a plain tensor every rank of the default group holds whole}. Emptied
+            as it goes: each bucket's sources leave the dict before it moves, so their memory is
+            released once moved (when nothing else holds them).
+        target: (name, source tensor) -> its `TargetLayout`.
+        meter: counts destinations and staging copies added, sources released.
+        budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
+            world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
+
+    Returns:
+        {name: the moved tensor} on the ranks of each target: a DTensor on `layout.mesh`, or a plain
+        tensor when the target has no mesh. A rank outside a target's mesh gets no entry for it.
+    """
+    meter = meter if meter is not None else MemoryMeter()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    moved, bucket, bucket_bytes = {}, [], 0
+    names = list(state)
+    for i, name in enumerate(names):
+        tensor = state.pop(name)
+        layout = target(name, tensor)
+        source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        bucket.append(_Move(name, plan_transfers(tensor.shape, source, goal), layout,
+                            local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
+                            tensor.stride(), tensor.dtype))
+        bucket_bytes += _nbytes(tensor) // world  # a DTensor's nbytes are its global size
+        del tensor, local
+        if bucket_bytes < budget_bytes and i + 1 < len(names):
+            continue
+        _move_bucket(bucket, rank, meter)
+        for m in bucket:
+            if m.local is not None and m.out is not m.local:
+                meter.release(_nbytes(m.local))
+            if m.out is None:
+                continue
+            moved[m.name] = m.out if m.layout.mesh is None else DTensor.from_local(
+                m.out, m.layout.mesh, m.layout.placements, run_check=False, shape=m.shape, stride=m.stride)
+        bucket, bucket_bytes = [], 0
+    return moved
