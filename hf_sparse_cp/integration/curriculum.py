@@ -352,8 +352,10 @@ def enable_curriculum(
         parallel = curriculum.parallel()
         if parallel.cp_size == 1:
             return contextlib.nullcontext, inputs
+        sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=model_config_for(model).block_size, pad_token_id=pad_token_id)
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            sparse_config=sparse_config)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
