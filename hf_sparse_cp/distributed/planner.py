@@ -174,26 +174,41 @@ class _Candidate:
         return max(self.load)
 
 
-def _evaluate(order: list[int], n_split: int, lengths, kinds, work, kept_per_row, w: int, bs: int,
-              costs: PlannerCosts, token_cap: float) -> _Candidate:
+class _SplitShares:
+    """Per document, once: the owner of each block if it is split, and the work and tokens that
+    gives every rank. The stripe of a document starts where the blocks of the documents before it
+    in the row would leave it, so that a document's split does not depend on which others split."""
+
+    def __init__(self, lengths, kinds, kept_per_row, w: int, bs: int, costs: PlannerCosts) -> None:
+        self.lengths, self.kinds, self.kept, self.w, self.bs, self.costs = lengths, kinds, kept_per_row, w, bs, costs
+        blocks = [-(-n // bs) for n in lengths]
+        self.rotation = np.cumsum([0, *blocks[:-1]]) % w
+        self.cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(owner per block, work per rank, tokens per rank) of document i split."""
+        if i not in self.cache:
+            w, bs, n, kind = self.w, self.bs, self.lengths[i], self.kinds[i]
+            nb = -(-n // bs)
+            owner = _split_blocks(nb, kind, w, int(self.rotation[i]))
+            held = np.bincount(owner, minlength=w).astype(np.float64) * bs
+            received = np.maximum(n - held, 0) if kind != PAD else np.zeros(w)
+            work = (np.bincount(owner, weights=_row_work(nb, kind, self.kept, bs), minlength=w)
+                    + self.costs.linear_per_token * held + self.costs.comm_per_token * received)
+            self.cache[i] = owner, work, held
+        return self.cache[i]
+
+
+def _evaluate(order: list[int], n_split: int, lengths, work, shares: _SplitShares, w: int,
+              token_cap: float) -> _Candidate:
     split = sorted(order[:n_split])
-    load = [0.0] * w
-    tokens = [0.0] * w
+    load_v, tokens_v = np.zeros(w), np.zeros(w)
     owners: dict[int, np.ndarray] = {}
-    rotation = 0
     for i in split:
-        nb = -(-lengths[i] // bs)
-        owner = _split_blocks(nb, kinds[i], w, rotation)
-        rotation = (rotation + nb) % w
-        owners[i] = owner
-        per_rank = np.bincount(owner, weights=_row_work(nb, kinds[i], kept_per_row, bs), minlength=w)
-        held = np.bincount(owner, minlength=w).astype(np.float64) * bs
-        received = np.maximum(lengths[i] - held, 0) if kinds[i] != PAD else np.zeros(w)
-        shares = per_rank + costs.linear_per_token * held + costs.comm_per_token * received
-        for r, x in enumerate(shares.tolist()):
-            load[r] += x
-        for r, x in enumerate(held.tolist()):
-            tokens[r] += x
+        owners[i], doc_work, held = shares(i)
+        load_v += doc_work
+        tokens_v += held
+    load, tokens = load_v.tolist(), tokens_v.tolist()
     heap = [(load[r], r) for r in range(w)]
     heapq.heapify(heap)
     placed: dict[int, int] = {}
@@ -262,15 +277,16 @@ def plan_documents(
     order = sorted(range(len(lengths)), key=lambda i: (-work[i], i))
     must = sum(1 for i in order if (work[i] > mean or lengths[i] > token_cap) and kinds[i] != PAD)
     splittable = sum(1 for i in order if kinds[i] != PAD and lengths[i] > bs)
+    shares = _SplitShares(lengths, kinds, kept_per_row, w, bs, costs)
     tried = []  # in order of more split documents, i.e. more traffic
     for n_split in _split_counts(must, splittable, costs.extra_splits):
         if any(kinds[i] == PAD for i in order[:n_split]):
             break
-        tried.append(_evaluate(order, n_split, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap))
+        tried.append(_evaluate(order, n_split, lengths, work, shares, w, token_cap))
         if tried[-1].cost <= sum(tried[-1].load) / w * (1 + _MIN_GAIN):  # balanced: more splits only add traffic
             break
     if not tried:
-        tried.append(_evaluate(order, 0, lengths, kinds, work, kept_per_row, w, bs, costs, token_cap))
+        tried.append(_evaluate(order, 0, lengths, work, shares, w, token_cap))
     lowest = min(c.cost for c in tried)
     return _materialize(next(c for c in tried if c.cost <= lowest * (1 + costs.balance_slack)), lengths, kinds, w, bs)
 
@@ -283,7 +299,8 @@ def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, blo
     docs = [i for i, k in enumerate(kinds) if k != PAD]
     order = docs + [i for i, k in enumerate(kinds) if k == PAD]
     dense = [DENSE if k != PAD else PAD for k in kinds]  # head-tail, whatever the pattern
-    cand = _evaluate(order, len(docs), lengths, dense, work, None, cp_size, block_size, costs, float("inf"))
+    shares = _SplitShares(lengths, dense, None, cp_size, block_size, costs)
+    cand = _evaluate(order, len(docs), lengths, work, shares, cp_size, float("inf"))
     return _materialize(cand, lengths, kinds, cp_size, block_size)
 
 
@@ -305,6 +322,9 @@ def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentP
         pieces.append((starts[i], lengths[i]))
         pad_to_block(lengths[i])
         owners.append(torch.from_numpy(cand.owners[i]))
+    split_blocks = np.zeros(w, dtype=np.int64)
+    for i in cand.split:
+        split_blocks += np.bincount(cand.owners[i], minlength=w)
     by_rank: list[list[int]] = [[] for _ in range(w)]
     for i, rank in sorted(cand.placed.items(), key=lambda t: (kinds[t[0]] != SPARSE, t[0])):
         by_rank[rank].append(i)  # sparse documents first (block aligned), then in row order
@@ -316,8 +336,7 @@ def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentP
             pieces.append((starts[i], lengths[i]))
             used += lengths[i]
         used = pad_to_block(used)
-        held = sum(int((o == r).sum()) for o in owners[: len(cand.split)])
-        if not used and not held:  # a rank the row cannot feed still gets a (padding) block: no empty shard
+        if not used and not split_blocks[r]:  # a rank the row cannot feed still gets a (padding) block: no empty shard
             pieces.append((-1, bs))
             used = bs
         owners.append(torch.full((used // bs,), r, dtype=torch.long))
