@@ -66,23 +66,41 @@ def ring_cost(
     work = torch.cat([blocks.gather(1, sources), cols.unsqueeze(1)], 1)
     sets = TransferSets(layout, plan, topology)
     row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
-    block = row * plan.block_size
     tokens = column_tokens(layout, plan.padded_len)
     fwd = torch.zeros(w, dtype=torch.int64)
     bwd = torch.zeros(w, dtype=torch.int64)
     if tokens.numel() and w > 1:
-        max_owned = int(torch.bincount(plan.block_owner[tokens // plan.block_size], minlength=w).max())
-        fwd += (w - 1) * max_owned * row * kv_bytes
+        fwd += (w - 1) * bar_gather_rows(tokens, plan) * row * kv_bytes
         bwd += 2 * (w - 1) * tokens.numel() * row * acc_bytes // w
     outer = 0
     for r in range(w):
         for backward, total in ((False, fwd), (True, bwd)):
-            for slot, ops in slot_ops(sets, r, backward=backward).items():
-                for op in ops:
-                    if op.send:
-                        nbytes = op.blocks.numel() * block * (kv_bytes if op.kind == "kv" else acc_bytes)
-                        total[r] += nbytes
-                        if not backward and slot[0] == "outer":
-                            outer += nbytes
-    full = (w - 1) * plan.local_blocks * block * kv_bytes
+            for slot, sends in slot_sends(sets, r, row * plan.block_size, backward=backward, kv_bytes=kv_bytes,
+                                          acc_bytes=acc_bytes).items():
+                for _, nbytes in sends:
+                    total[r] += nbytes
+                    if not backward and slot[0] == "outer":
+                        outer += nbytes
+    full = (w - 1) * plan.local_blocks * row * plan.block_size * kv_bytes
     return RingCost(work, fwd, bwd, outer, full)
+
+
+def bar_gather_rows(tokens: torch.Tensor, plan: ShardPlan) -> int:
+    """Rows every rank contributes to the columns' all-gather: the most column tokens one rank owns
+    (`tokens` from `column_tokens`; the ring's `BarStep.max_owned`)."""
+    return int(torch.bincount(plan.block_owner[tokens // plan.block_size], minlength=plan.cp_size).max())
+
+
+def slot_sends(sets: TransferSets, position: int, block_bytes: int, *, backward: bool, kv_bytes: int = 2,
+               acc_bytes: int = 4) -> dict[tuple, list[tuple[int, int]]]:
+    """The sends `position` posts per slot of `plan.slot_ops`, as (peer position, bytes).
+
+    block_bytes: K and V elements of one block (batch x kv_heads x head_dim x 2 x block_size);
+    K/V travel at `kv_bytes` per element, dK/dV accumulators at `acc_bytes`."""
+    sends: dict[tuple, list[tuple[int, int]]] = {}
+    for slot, ops in slot_ops(sets, position, backward=backward).items():
+        for op in ops:
+            if op.send:
+                per = kv_bytes if op.kind == "kv" else acc_bytes
+                sends.setdefault(slot, []).append((op.peer, op.blocks.numel() * block_bytes * per))
+    return sends
