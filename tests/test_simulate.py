@@ -169,3 +169,30 @@ def test_predicted_step_is_consistent():
     assert r["tokens_per_s"] == pytest.approx(s / r["step_s"])
     with pytest.raises(ValueError, match="block_size=128"):
         predict_step(CONFIGURATIONS["striped sparse"]({"sparse": _sparse()}, 4, BS, 8), model, hw, cluster)
+
+
+def test_simulate_cluster_script(tmp_path):
+    """The benchmark writes its rows, their sources and a plot (tiny sizes)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_cluster.py"
+    spec = importlib.util.spec_from_file_location("simulate_cluster", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        out = tmp_path / "sim.json"
+        report = module.main(["--seq", "32768", "--cp", "8", "16", "--no-mtraining", "--layout-heads", "1",
+                              "--json", str(out)])
+    finally:
+        sys.modules.pop(spec.name, None)
+    assert out.exists() and out.with_suffix(".png").stat().st_size > 0
+    rows = report["rows"]
+    assert {r["config"] for r in rows} == set(CONFIGURATIONS)
+    assert all(r["speedup_vs_dense_ring"] == 1.0 for r in rows if r["config"] == "dense ring")
+    assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows)
+    assert "anchors.md" in report["calibration"]["sources"]["sparse attention"]
+    assert report["cluster"]["inter"]["source"]

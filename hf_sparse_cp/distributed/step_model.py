@@ -19,7 +19,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .simulate import Cluster, KernelCosts, Link, RingSetup, all_reduce_time, plan_traffic, plan_work, simulate_ring
+from .simulate import (
+    Cluster,
+    KernelCosts,
+    Link,
+    PlanTraffic,
+    PlanWork,
+    RingSetup,
+    all_reduce_time,
+    plan_traffic,
+    plan_work,
+    simulate_ring,
+)
 
 ANCHORS = "/work/shared/research/anchors.md"
 
@@ -216,20 +227,26 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     return score + sum(all_reduce_time(n, w, link) for n in reduces) + hw.index_build_s
 
 
+def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraffic]:
+    """The ring's work and transfers for `model`'s K/V heads (bf16 K/V, fp32 dK/dV)."""
+    return (plan_work(setup.layout, setup.plan, setup.topology),
+            plan_traffic(setup.layout, setup.plan, setup.topology, kv_heads=model.kv_heads, head_dim=model.head_dim))
+
+
 def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
-                 last_q: int = 64) -> dict:
+                 last_q: int = 64, counts: tuple[PlanWork, PlanTraffic] | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence split by `setup`.
 
     Returns a dict: step_s, tokens_per_s, per-layer seconds (layer_s, linear_s, estimation_s,
     attention forward / backward), comm_share (share of the step that free communication would
     save), comm_bound (the ring's transfers alone outlast its compute), the ring's per-step
-    compute and transfer seconds of the forward pass, and the kept fraction of the layout."""
+    compute and transfer seconds of the forward pass, and the kept fraction of the layout.
+    counts: `ring_counts(setup, model)` when already computed (they depend on the plan, not on
+    the hardware)."""
     if setup.plan.block_size != hw.block_size:
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
                          f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
-    work = plan_work(setup.layout, setup.plan, setup.topology)
-    traffic = plan_traffic(setup.layout, setup.plan, setup.topology, kv_heads=model.kv_heads,
-                           head_dim=model.head_dim)
+    work, traffic = ring_counts(setup, model) if counts is None else counts
     w, tokens = setup.plan.cp_size, setup.plan.padded_len
     per_layer_flops, head_flops = model.linear_flops(recompute=recompute)
     linear = per_layer_flops * tokens / w / hw.linear_flops_per_s
