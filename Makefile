@@ -35,6 +35,8 @@ bench: install
 	$(PY) benchmarks/cp_balance.py --node-size 8 --json benchmarks/results/cp_balance.json
 	$(PY) benchmarks/bench_smet.py
 	$(PY) benchmarks/kernel_resources.py
+	$(PY) benchmarks/simulate_cluster.py
+	$(PY) benchmarks/validate_simulator_cpu.py
 
 bench-gpu: install
 	$(PY) benchmarks/bench_attention.py

@@ -1,21 +1,29 @@
 """Validate the cluster simulator on this CPU: predicted vs measured ring attention over 2 and 4 gloo processes.
 
-Calibration (on this CPU, in as many concurrent processes as the run it predicts, so that they
-share the cores as the ring's processes do):
-* kernel costs: `attention_forward` (merging into a running out/lse, as the ring does) and
+Calibration (on this CPU, in as many concurrent processes as the run it predicts):
+* kernel costs in CPU seconds (thread time, which other jobs on this shared machine do not
+  inflate): `attention_forward` (merging into a running out/lse, as the ring does) and
   `attention_backward` timed on random layouts of several shapes and densities
   (`random_layout`, independent of the validated layouts), least squares of
   call + row x rows + block x blocks + slot x padded (`KernelCosts`);
 * the link: every process sends to the next and receives from the previous with batched
   isend/irecv (the ring's pattern) at sizes 16 KiB - 4 MiB; least squares of latency + bytes / bandwidth;
-* the plan: `RingPlan` construction, which `ring_sparse_attention` does on every call, timed apart.
+* the plan: `RingPlan` construction, which `ring_sparse_attention` does on every call, timed apart;
+* the share of a core each process gets while the ring runs: CPU time over wall time of a fixed
+  matmul loop timed by every rank just before and after each measured call. Compute costs are
+  divided by it.
 
-Measurement: `ring_sparse_attention` forward + backward on each configuration (median over
-repeats of the slowest rank). Prediction: `plan_work` / `plan_traffic` of the same layout,
-`simulate_ring` forward and backward with the calibrated costs, transfers not overlapping compute
-(gloo's transfers run on the same two cores as the compute), plus the plan's construction.
+Measurement: `ring_sparse_attention` forward + backward on each configuration, wall time and the
+calling thread's CPU time (the slowest rank). Calibration and measurement alternate in rounds
+(this machine's 2 cores are shared with other jobs, so its speed drifts); each round's measurement
+is predicted from that round's calibration, and the medians over rounds are compared.
 
-    python benchmarks/validate_simulator_cpu.py            # ~2-4 minutes on 2 cores
+Prediction: `plan_work` / `plan_traffic` of the same layout, `simulate_ring` forward and backward
+with the calibrated costs, transfers not overlapping compute (gloo's transfers run on the same two
+cores as the compute), plus the plan's construction; and, load-free, the CPU seconds of the
+rank's compute (its kernels and the plan) against the calling thread's CPU time.
+
+    python benchmarks/validate_simulator_cpu.py            # ~10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import CPShard, ParallelDims, RingTopology, ShardPlan, ring_sparse_attention
+from hf_sparse_cp.distributed.balance import plan_traffic
 from hf_sparse_cp.distributed.mesh import ContextParallelConfig
 from hf_sparse_cp.distributed.plan import RingPlan
-from hf_sparse_cp.distributed.simulate import Cluster, KernelCosts, Link, plan_traffic, plan_work, simulate_ring
+from hf_sparse_cp.distributed.simulate import Cluster, KernelCosts, Link, plan_work, simulate_ring
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import run_gloo
@@ -54,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4, help="rounds of calibration + measurement")
+    p.add_argument("--repeats", type=int, default=2, help="timed repeats per round")
     p.add_argument("--json", default=str(RESULTS / "simulator-validation_cpu.json"))
     return p.parse_args(argv)
 
@@ -67,14 +77,23 @@ def _layout(kind: str, seq: int) -> object:
                                         sink_tokens=16, generator=torch.Generator().manual_seed(0))
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
+
+
+def _core_share() -> float:
+    """The share of a core this process gets right now: CPU time over wall time of a fixed matmul loop."""
+    a = torch.randn(192, 192)
+    w0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(60):
+        a = torch.tanh(a @ a)
+    return min(1.0, (time.thread_time() - c0) / (time.perf_counter() - w0))
 
 
 def _features(layout) -> list[float]:
@@ -110,10 +129,11 @@ def _calibrate(repeats: int) -> list[dict]:
             km = TokenMeta.contiguous(1, sq)
             out = torch.zeros(1, HQ, sq, D)
             lse = torch.full((1, HQ, sq), float("-inf"))
-            fwd = _median_time(partial(_forward, q, k, v, layout, qm, km, out, lse), repeats)
+            fwd = _median_time(partial(_forward, q, k, v, layout, qm, km, out, lse), repeats, time.thread_time)
             o, lse_ = attention_forward(q, k, v, layout, scale=0.125, q_meta=qm, k_meta=km)
             dout = torch.randn(1, HQ, sq, D, generator=g)
-            bwd = _median_time(partial(_backward, q, k, v, o, lse_, dout, layout, qm, km), repeats)
+            bwd = _median_time(partial(_backward, q, k, v, o, lse_, dout, layout, qm, km), repeats,
+                               time.thread_time)
             samples.append({"features": _features(layout), "fwd_s": fwd, "bwd_s": bwd})
     return samples
 
@@ -157,28 +177,39 @@ def _measure(rank: int, world: int, seq: int, repeats: int) -> dict:
         layout = _layout(kind, seq)
         shard = CPShard(par, plan, meta)
         step = partial(_ring_step, *(plan.shard(x, rank, dim=2) for x in (q, k, v, dout)), layout, shard)
-        times = []
+        times, cpu, shares = [], [], []
         step()
         for _ in range(repeats):
             dist.barrier()
-            t0 = time.perf_counter()
+            share = _core_share()
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
             step()
             times.append(time.perf_counter() - t0)
-        plan_s = _median_time(partial(RingPlan, layout, plan, meta, par.topology, par.cp_rank), repeats)
-        res[name] = {"times": times, "plan_s": plan_s}
+            cpu.append(time.thread_time() - c0)
+            shares.append((share + _core_share()) / 2)  # before and after the call
+        plan_s = _median_time(partial(RingPlan, layout, plan, meta, par.topology, par.cp_rank), repeats,
+                              time.thread_time)
+        res[name] = {"times": times, "cpu_times": cpu, "core_share": shares, "plan_s": plan_s}
     return res
 
 
-def _worker(rank: int, world: int, seq: int, repeats: int) -> dict:
-    probe = _probe(rank, world, repeats * 2)
-    calib = _calibrate(repeats)
-    measured = _measure(rank, world, seq, repeats)
-    return {"probe": probe, "calibration": calib, "measured": measured}
+def _worker(rank: int, world: int, seq: int, rounds: int, repeats: int) -> list[dict]:
+    """Rounds of (probe, calibration, measurement) close in time, so that each prediction uses
+    costs measured under the same load of this shared machine as the run it predicts."""
+    out = []
+    for _ in range(rounds):
+        probe = _probe(rank, world, 2 * repeats)
+        calib = _calibrate(repeats)
+        out.append({"probe": probe, "calibration": calib, "measured": _measure(rank, world, seq, repeats)})
+    return out
 
 
 def _lstsq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Least squares with non-negative coefficients (features with a negative one are dropped and refitted)."""
+    """Least squares of the relative error (calls of every size count alike) with non-negative
+    coefficients (features with a negative one are dropped and refitted)."""
     keep = list(range(x.shape[1]))
+    x, y = x / y.unsqueeze(1), torch.ones_like(y)
     while True:
         coef = torch.linalg.lstsq(x[:, keep], y.unsqueeze(1)).solution.flatten()
         if (coef >= 0).all():
@@ -206,7 +237,9 @@ def _fit(per_rank: list[dict]) -> tuple[KernelCosts, KernelCosts, Link, dict]:
     return costs[0], costs[1], link, quality
 
 
-def predict(seq: int, world: int, fwd: KernelCosts, bwd: KernelCosts, link: Link) -> dict:
+def predict(seq: int, world: int, fwd: KernelCosts, bwd: KernelCosts, link: Link, share: float) -> dict:
+    """Ring seconds of every configuration; compute costs (CPU seconds) divided by the core share."""
+    fwd, bwd = (KernelCosts(c.call / share, c.row / share, c.block / share, c.slot / share) for c in (fwd, bwd))
     out = {}
     cluster = Cluster("cpu-gloo", world, link, link, overlap=False)
     for name, sharding, shape, kind in CONFIGS:
@@ -219,7 +252,8 @@ def predict(seq: int, world: int, fwd: KernelCosts, bwd: KernelCosts, link: Link
         traffic = plan_traffic(layout, plan, topo, kv_heads=HKV, head_dim=D, kv_bytes=4, acc_bytes=4)
         f = simulate_ring(fwd.time(work, HQ), traffic, topo, cluster, backward=False).time
         b = simulate_ring(bwd.time(work, HQ), traffic, topo, cluster, backward=True).time
-        out[name] = {"ring_s": f + b, "forward_s": f, "backward_s": b}
+        compute = fwd.time(work, HQ).sum(1) + bwd.time(work, HQ).sum(1)
+        out[name] = {"ring_s": f + b, "forward_s": f, "backward_s": b, "compute_cpu_s": float(compute.max()) * share}
     return out
 
 
@@ -229,25 +263,41 @@ def main(argv=None) -> dict:
               "created": datetime.now(UTC).isoformat(timespec="seconds"), "machine": environment(),
               "args": vars(args), "shapes": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS,
                                              "dtype": "float32"}, "runs": []}
-    print(f"{'W':>2} {'configuration':<28}{'measured s':>11} {'plan s':>8} {'predicted s':>12} {'error':>7}")
+    print(f"{'W':>2} {'configuration':<28}{'measured s':>11} {'predicted s':>12} {'error':>7} {'CPU s':>9} "
+          f"{'pred CPU':>9} {'error':>7}  (wall time, then the calling thread's CPU time; medians over rounds)")
     for world in args.world:
-        per_rank = run_gloo(_worker, world, args.seq, args.repeats, timeout_s=1800)
-        fwd, bwd, link, quality = _fit(per_rank)
-        pred = predict(args.seq, world, fwd, bwd, link)
-        run = {"world": world, "kernel_fwd": vars(fwd), "kernel_bwd": vars(bwd),
-               "link": {"bandwidth_bytes_per_s": link.bandwidth, "latency_s": link.latency},
-               "fit_median_relative_error": quality, "configs": []}
-        for name, p in pred.items():
-            times = [max(r["measured"][name]["times"][i] for r in per_rank) for i in range(args.repeats)]
-            measured = statistics.median(times)
-            plan_s = max(r["measured"][name]["plan_s"] for r in per_rank)
-            predicted = p["ring_s"] + plan_s
-            row = {"config": name, "measured_s": measured, "measured_all_s": times, "plan_build_s": plan_s,
-                   "predicted_ring_s": p["ring_s"], "predicted_forward_s": p["forward_s"],
-                   "predicted_backward_s": p["backward_s"], "predicted_s": predicted,
-                   "error": predicted / measured - 1.0}
+        per_rank = run_gloo(_worker, world, args.seq, args.rounds, args.repeats, timeout_s=3000)
+        run = {"world": world, "rounds": [], "configs": []}
+        for i in range(args.rounds):
+            fwd, bwd, link, quality = _fit([r[i] for r in per_rank])
+            measured = {}
+            for name in per_rank[0][i]["measured"]:
+                runs = [r[i]["measured"][name] for r in per_rank]
+                times = [max(m["times"][j] for m in runs) for j in range(args.repeats)]
+                share = statistics.median(x for m in runs for x in m["core_share"])
+                plan_s = max(m["plan_s"] for m in runs) / share
+                p = predict(args.seq, world, fwd, bwd, link, share)[name]
+                cpu = [max(m["cpu_times"][j] for m in runs) for j in range(args.repeats)]
+                measured[name] = {"measured_s": statistics.median(times), "measured_all_s": times,
+                                  "core_share": share, "plan_build_s": plan_s, "predicted_ring_s": p["ring_s"],
+                                  "predicted_s": p["ring_s"] + plan_s, "measured_cpu_s": statistics.median(cpu),
+                                  "predicted_compute_cpu_s": p["compute_cpu_s"] + plan_s * share}
+            run["rounds"].append({"kernel_fwd": vars(fwd), "kernel_bwd": vars(bwd),
+                                  "link": {"bandwidth_bytes_per_s": link.bandwidth, "latency_s": link.latency},
+                                  "fit_median_relative_error": quality, "configs": measured})
+        for name in run["rounds"][0]["configs"]:
+            per_round = [r["configs"][name] for r in run["rounds"]]
+            measured = statistics.median(c["measured_s"] for c in per_round)
+            predicted = statistics.median(c["predicted_s"] for c in per_round)
+            cpu_m = statistics.median(c["measured_cpu_s"] for c in per_round)
+            cpu_p = statistics.median(c["predicted_compute_cpu_s"] for c in per_round)
+            row = {"config": name, "measured_s": measured, "predicted_s": predicted, "error": predicted / measured - 1,
+                   "round_errors": [c["predicted_s"] / c["measured_s"] - 1 for c in per_round],
+                   "measured_cpu_s": cpu_m, "predicted_compute_cpu_s": cpu_p, "cpu_error": cpu_p / cpu_m - 1}
             run["configs"].append(row)
-            print(f"{world:>2} {name:<28}{measured:>11.3f} {plan_s:>8.3f} {predicted:>12.3f} {row['error']:>+7.1%}")
+            print(f"{world:>2} {name:<28}{measured:>11.3f} {predicted:>12.3f} {row['error']:>+7.1%} "
+                  f"{cpu_m:>9.3f} {cpu_p:>9.3f} {row['cpu_error']:>+7.1%}  rounds: "
+                  + " ".join(f"{e:+.0%}" for e in row["round_errors"]))
         report["runs"].append(run)
     errors = [abs(c["error"]) for r in report["runs"] for c in r["configs"]]
     report["max_abs_error"] = max(errors)

@@ -7,7 +7,7 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import RingTopology, ShardPlan
-from hf_sparse_cp.distributed.balance import ring_cost
+from hf_sparse_cp.distributed.balance import plan_traffic, ring_cost
 from hf_sparse_cp.distributed.plan import RingPlan
 from hf_sparse_cp.distributed.simulate import (
     CONFIGURATIONS,
@@ -15,7 +15,6 @@ from hf_sparse_cp.distributed.simulate import (
     KernelCosts,
     Link,
     all_gather_time,
-    plan_traffic,
     plan_work,
     simulate_ring,
 )

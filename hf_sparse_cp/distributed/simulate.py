@@ -2,7 +2,7 @@
 
 What a rank computes at each ring step and what it sends in each communication slot come from the
 same objects `ring_sparse_attention` runs: `TransferSets` and `slot_ops` (through
-`balance.slot_sends`) for the transfers, the owner of every listed key block for the work
+`balance.plan_traffic`) for the transfers, the owner of every listed key block for the work
 (equal, step by step, to the layouts `RingPlan` builds; tests/test_simulate.py checks both).
 
 Time: a step's compute is a linear cost model of its work (`KernelCosts`: per call, per query
@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..attention.layout import SparseLayout
-from .balance import bar_gather_rows, slot_sends
+from .balance import PlanTraffic
 from .comm import RingTopology
-from .plan import TransferSets, check_global_layout, column_tokens
+from .plan import check_global_layout
 from .sharding import ShardPlan
 
 
@@ -125,41 +125,6 @@ def plan_work(layout: SparseLayout, plan: ShardPlan, topology: RingTopology) -> 
     sources = torch.tensor([[topology.source(r, o, i) for o in range(n) for i in range(l)] + [w] for r in range(w)])
     blocks, rows, padded = (x.gather(1, sources) for x in (blocks, rows, padded))
     return PlanWork(blocks, rows, padded, (blocks > 0).double(), h)
-
-
-@dataclass
-class PlanTraffic:
-    """What every rank sends: per position, per slot, (peer position, bytes) in forward and backward;
-    the columns' collectives: all-gather chunk per rank (forward) and all-reduce size (backward)."""
-
-    forward: list[dict[tuple, list[tuple[int, int]]]]
-    backward: list[dict[tuple, list[tuple[int, int]]]]
-    bar_gather_bytes: int
-    bar_reduce_bytes: int
-
-    def total(self, backward: bool) -> torch.Tensor:
-        """int64 [W]: bytes each rank sends in one pass, collectives counted as ring algorithms send them."""
-        sends = self.backward if backward else self.forward
-        w = len(sends)
-        out = torch.tensor([sum(n for slot in s.values() for _, n in slot) for s in sends], dtype=torch.int64)
-        if w > 1:
-            out += 2 * (w - 1) * self.bar_reduce_bytes // w if backward else (w - 1) * self.bar_gather_bytes
-        return out
-
-
-def plan_traffic(layout: SparseLayout, plan: ShardPlan, topology: RingTopology, *, kv_heads: int, head_dim: int,
-                 kv_bytes: int = 2, acc_bytes: int = 4) -> PlanTraffic:
-    """The ring's transfers for `layout` (bf16 K/V and fp32 dK/dV by default)."""
-    sets = TransferSets(layout, plan, topology)
-    row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
-    block = row * plan.block_size
-    fwd = [slot_sends(sets, p, block, backward=False, kv_bytes=kv_bytes, acc_bytes=acc_bytes)
-           for p in range(plan.cp_size)]
-    bwd = [slot_sends(sets, p, block, backward=True, kv_bytes=kv_bytes, acc_bytes=acc_bytes)
-           for p in range(plan.cp_size)]
-    tokens = column_tokens(layout, plan.padded_len)
-    gather = bar_gather_rows(tokens, plan) * row * kv_bytes if tokens.numel() else 0
-    return PlanTraffic(fwd, bwd, gather, tokens.numel() * row * acc_bytes)
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .simulate import (
-    Cluster,
-    KernelCosts,
-    Link,
-    PlanTraffic,
-    PlanWork,
-    RingSetup,
-    all_reduce_time,
-    plan_traffic,
-    plan_work,
-    simulate_ring,
-)
+from .balance import PlanTraffic, plan_traffic
+from .simulate import Cluster, KernelCosts, Link, PlanWork, RingSetup, all_reduce_time, plan_work, simulate_ring
 
 ANCHORS = "/work/shared/research/anchors.md"
 
