@@ -116,12 +116,14 @@ def _backward(q, k, v, out, lse, dout, layout, q_meta, k_meta):
 
 def _calibrate(repeats: int) -> list[dict]:
     """Kernel timings on random layouts of the sizes of ring steps (1K and 2K local queries and
-    keys), 3% to 100% of the blocks, and one of columns only."""
+    keys): 3% to 100% of the blocks, causal (rows of every width up to the widest) or not, and one
+    of columns only."""
     g = torch.Generator().manual_seed(1)
     samples = []
     for sq in (1024, 2048):
-        for density, cols in ((0.03, 0.0), (0.1, 0.0), (0.3, 0.0), (1.0, 0.0), (0.0, 0.02)):
-            layout = random_layout(1, HQ, sq, sq, BS, density, cols, causal=False, generator=g)
+        for density, cols, causal in ((0.03, 0.0, False), (0.1, 0.0, False), (0.3, 0.0, False), (1.0, 0.0, False),
+                                      (0.0, 0.02, False), (0.3, 0.0, True), (1.0, 0.0, True)):
+            layout = random_layout(1, HQ, sq, sq, BS, density, cols, causal=causal, generator=g)
             q = torch.randn(1, HQ, sq, D, generator=g)
             k, v = (torch.randn(1, HKV, sq, D, generator=g) for _ in range(2))
             # queries after every key: all listed keys are visible
@@ -283,6 +285,7 @@ def main(argv=None) -> dict:
                                   "predicted_s": p["ring_s"] + plan_s, "measured_cpu_s": statistics.median(cpu),
                                   "predicted_compute_cpu_s": p["compute_cpu_s"] + plan_s * share}
             run["rounds"].append({"kernel_fwd": vars(fwd), "kernel_bwd": vars(bwd),
+                                  "calibration_samples": [r[i]["calibration"] for r in per_rank],
                                   "link": {"bandwidth_bytes_per_s": link.bandwidth, "latency_s": link.latency},
                                   "fit_median_relative_error": quality, "configs": measured})
         for name in run["rounds"][0]["configs"]:
