@@ -36,6 +36,8 @@ bench: install
 	$(PY) benchmarks/bench_smet.py
 	$(PY) benchmarks/bench_switch.py
 	$(PY) benchmarks/kernel_resources.py
+	$(PY) benchmarks/simulate_cluster.py
+	$(PY) benchmarks/validate_simulator_cpu.py
 
 bench-gpu: install
 	$(PY) benchmarks/bench_attention.py

@@ -64,26 +64,67 @@ def ring_cost(
     blocks, cols = pair_work(layout, plan)
     sources = torch.tensor([[topology.source(r, o, i) for o in range(n) for i in range(l)] for r in range(w)])
     work = torch.cat([blocks.gather(1, sources), cols.unsqueeze(1)], 1)
+    traffic = plan_traffic(layout, plan, topology, kv_heads=kv_heads, head_dim=head_dim, kv_bytes=kv_bytes,
+                           acc_bytes=acc_bytes)
+    outer = sum(n for sends in traffic.forward for slot, ops in sends.items() if slot[0] == "outer" for _, n in ops)
+    # a dense ring: at step t rank r forwards the shard of rank r - t, i.e. every shard but that of rank r + 1
+    full = max(plan.num_blocks - plan.blocks_of((r + 1) % w).numel() for r in range(w)) * traffic.block_bytes * kv_bytes
+    return RingCost(work, traffic.total(backward=False), traffic.total(backward=True), outer, full)
+
+
+@dataclass
+class PlanTraffic:
+    """What every rank sends: per position, per slot, (peer position, bytes) in forward and backward
+    (`slot_ops`' slots); the columns' collectives: all-gather chunk per rank (forward) and
+    all-reduce size (backward); block_bytes: K and V elements of one block."""
+
+    forward: list[dict[tuple, list[tuple[int, int]]]]
+    backward: list[dict[tuple, list[tuple[int, int]]]]
+    bar_gather_bytes: int
+    bar_reduce_bytes: int
+    block_bytes: int
+
+    def total(self, backward: bool) -> torch.Tensor:
+        """int64 [W]: bytes each rank sends in one pass, collectives counted as ring algorithms send them."""
+        sends = self.backward if backward else self.forward
+        w = len(sends)
+        out = torch.tensor([sum(n for slot in s.values() for _, n in slot) for s in sends], dtype=torch.int64)
+        if w > 1:
+            out += 2 * (w - 1) * self.bar_reduce_bytes // w if backward else (w - 1) * self.bar_gather_bytes
+        return out
+
+
+def plan_traffic(layout: SparseLayout, plan: BlockSplit, topology: RingTopology, *, kv_heads: int, head_dim: int,
+                 kv_bytes: int = 2, acc_bytes: int = 4) -> PlanTraffic:
+    """The ring's transfers for `layout`: K/V at `kv_bytes` per element (bf16), dK/dV at `acc_bytes` (fp32)."""
     sets = TransferSets(layout, plan, topology)
     row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
     block = row * plan.block_size
-    tokens = column_tokens(layout, plan)
-    fwd = torch.zeros(w, dtype=torch.int64)
-    bwd = torch.zeros(w, dtype=torch.int64)
-    if tokens.numel() and w > 1:
-        max_owned = int(torch.bincount(plan.block_owner[tokens // plan.block_size], minlength=w).max())
-        fwd += (w - 1) * max_owned * row * kv_bytes
-        bwd += 2 * (w - 1) * tokens.numel() * row * acc_bytes // w
-    outer = 0
-    for r in range(w):
-        for backward, total in ((False, fwd), (True, bwd)):
-            for slot, ops in slot_ops(sets, r, backward=backward).items():
-                for op in ops:
-                    if op.send:
-                        nbytes = op.blocks.numel() * block * (kv_bytes if op.kind == "kv" else acc_bytes)
-                        total[r] += nbytes
-                        if not backward and slot[0] == "outer":
-                            outer += nbytes
-    # a dense ring: at step t rank r forwards the shard of rank r - t, i.e. every shard but that of rank r + 1
-    full = max(plan.num_blocks - plan.blocks_of((r + 1) % w).numel() for r in range(w)) * block * kv_bytes
-    return RingCost(work, fwd, bwd, outer, full)
+    fwd = [slot_sends(sets, p, block, backward=False, kv_bytes=kv_bytes, acc_bytes=acc_bytes)
+           for p in range(plan.cp_size)]
+    bwd = [slot_sends(sets, p, block, backward=True, kv_bytes=kv_bytes, acc_bytes=acc_bytes)
+           for p in range(plan.cp_size)]
+    tokens = column_tokens(layout, plan)  # the columns some rank lists without holding them
+    gather = bar_gather_rows(tokens, plan) * row * kv_bytes if tokens.numel() else 0
+    return PlanTraffic(fwd, bwd, gather, tokens.numel() * row * acc_bytes, block)
+
+
+def bar_gather_rows(tokens: torch.Tensor, plan: BlockSplit) -> int:
+    """Rows every rank contributes to the columns' all-gather: the most column tokens one rank owns
+    (`tokens` from `column_tokens`; the ring's `BarStep.max_owned`)."""
+    return int(torch.bincount(plan.block_owner[tokens // plan.block_size], minlength=plan.cp_size).max())
+
+
+def slot_sends(sets: TransferSets, position: int, block_bytes: int, *, backward: bool, kv_bytes: int = 2,
+               acc_bytes: int = 4) -> dict[tuple, list[tuple[int, int]]]:
+    """The sends `position` posts per slot of `plan.slot_ops`, as (peer position, bytes).
+
+    block_bytes: K and V elements of one block (batch x kv_heads x head_dim x 2 x block_size);
+    K/V travel at `kv_bytes` per element, dK/dV accumulators at `acc_bytes`."""
+    sends: dict[tuple, list[tuple[int, int]]] = {}
+    for slot, ops in slot_ops(sets, position, backward=backward).items():
+        for op in ops:
+            if op.send:
+                per = kv_bytes if op.kind == "kv" else acc_bytes
+                sends.setdefault(slot, []).append((op.peer, op.blocks.numel() * block_bytes * per))
+    return sends
