@@ -42,10 +42,14 @@ import triton
 import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, placeholder_if_empty
-from .configs import dkdv_tiles, dq_tiles
+from .configs import compiled, dkdv_tiles, dq_tiles
 from .indexing import block_summary, column_targets, key_block_csr
 from .tiles import (
     LOG2E,
+    columns_out_of_range,
+    key_block_entry,
+    key_block_steps,
+    layout_count,
     load_block_step,
     load_column_step,
     load_meta,
@@ -95,12 +99,12 @@ def _preprocess_kernel(
 
 @triton.jit
 def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                 stride_vs, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
+                 stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
                  BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    """One step over a query tile's vertical columns: the columns' slots, tokens, K/V bounds mask and
-    K tile, and the (masked) probabilities p and score gradients ds."""
+    """One step over a query tile's vertical columns: the columns' slots, tokens, K/V mask (slots in
+    use with a token in range) and K tile, and the (masked) probabilities p and score gradients ds."""
     offs_c, c_ok, col, kv_mask, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
-                                                        stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
+                                                        stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
     k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
     vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
@@ -169,10 +173,15 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
-    n_blocks = tl.load(BlockCnt + lay)
+    n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
+    n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
+    # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
     for i in range(n_blocks * SUB):
-        kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
-                                                 k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
+        kb, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                         LAYOUT_BLOCK, BLOCK_N)
+        bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
         if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
@@ -183,11 +192,10 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    n_cols = tl.load(ColCnt + lay)
     for c0 in range(0, n_cols, BLOCK_C):
         offs_c, col, kv_mask, k, p, ds = _column_step(
             q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs,
-            k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+            k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
             if not SEPARATE_COLUMNS:
@@ -196,7 +204,7 @@ def _dq_kernel(
                                   PRECISION)
 
     dq_ptr = DQ + (b * num_q_heads + h64) * q_len * HEAD_DIM + rows * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptr, dq * scale, mask=q_mask)
+    tl.store(dq_ptr, dq * (scale + tl.where(bad, float("nan"), 0.0)), mask=q_mask)
 
     if COLUMN_GRADS != 0:
         if SEPARATE_COLUMNS:
@@ -204,7 +212,8 @@ def _dq_kernel(
             for c0 in range(0, n_cols, BLOCK_C):
                 offs_c, col, kv_mask, k, p, ds = _column_step(
                     q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                    stride_vs, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+                    stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
+                    PRECISION)
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
@@ -246,8 +255,6 @@ def _dkdv_kernel(
     rep = tl.where(shared_layout != 0, group, 1)
     seg = (b * tl.where(shared_layout != 0, 1, num_kv_heads) + tl.where(shared_layout != 0, 0, kvh)) * num_k_blocks
     seg += kb
-    lo = tl.load(RowPtr + seg)
-    hi = tl.load(RowPtr + seg + 1)
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_M
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -255,9 +262,9 @@ def _dkdv_kernel(
     q_index = QIndex + b * q_len
     q_segment = QSegment + b * q_len
     per_entry = rep * SUB
-    for i in range(lo * per_entry, hi * per_entry):
-        entry = tl.load(Entries + i // per_entry)
-        r = i % per_entry
+    lo, n_steps = key_block_steps(RowPtr, seg, per_entry)
+    for i in range(n_steps):
+        entry, r = key_block_entry(Entries, lo, i, per_entry)
         h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
         qb = entry % num_q_blocks
         offs_m = qb * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -346,7 +353,7 @@ def backward(
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     dev = q.device
-    on_gpu = q.is_cuda
+    on_gpu = compiled(dev)
     dq = torch.empty(b, hq, sq, d, dtype=torch.float32, device=dev)
     has_cols = col_idx.shape[-1] > 0
     alloc = torch.zeros if has_cols else torch.empty

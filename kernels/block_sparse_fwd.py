@@ -21,11 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import forward_tiles
+from .configs import compiled, forward_tiles
 from .indexing import block_summary
 from .tiles import (
     LN2,
     LOG2E,
+    columns_out_of_range,
+    layout_count,
     load_block_step,
     load_column_step,
     load_meta,
@@ -85,10 +87,12 @@ def _forward_kernel(
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
-    n_blocks = tl.load(BlockCnt + lay)
-    n_cols = tl.load(ColCnt + lay)
+    n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
+    n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
+    # an invalid layout row (a count outside its slots, an index out of range): its queries come out NaN
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
     if MERGE:
-        if n_blocks + n_cols == 0:
+        if (n_blocks + n_cols == 0) & ~bad:
             return  # nothing to add (a ring step without work here): the running result stays as it is, bit for bit
     q_rows = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
     q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -108,8 +112,10 @@ def _forward_kernel(
     # listed key blocks, `SUB` steps of BLOCK_N rows each
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     for i in range(n_blocks * SUB):
-        kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
-                                                 k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
+        kb, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                         LAYOUT_BLOCK, BLOCK_N)
+        bad = bad | kb_bad
         s = _scores(q, k, qk_scale, PRECISION)
         k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
         if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
@@ -121,7 +127,7 @@ def _forward_kernel(
     # vertical columns, gathered by token index
     for c0 in range(0, n_cols, BLOCK_C):
         _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
-                                                 stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
+                                                 stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
         k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
         s = _scores(q, k, qk_scale, PRECISION)
         vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
@@ -144,6 +150,7 @@ def _forward_kernel(
         acc = acc * alpha[:, None] + o_prev * w_prev[:, None]
         l_i = l_i * alpha + w_prev
         m_i = m_new
+    l_i += tl.where(bad, float("nan"), 0.0)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -192,7 +199,7 @@ def forward(
     hk, sk = k.shape[1], k.shape[2]
     if sq == 0 or b == 0:
         return
-    tiles = forward_tiles(block_size, d, q.is_cuda)
+    tiles = forward_tiles(block_size, d, compiled(q.device))
     grid = (b * hq, triton.cdiv(sq, tiles.block_m))
     _forward_kernel[grid](
         q, k, v, out, lse,

@@ -41,10 +41,13 @@ def key_block_csr(
     """Per (batch, key-head group, key block) the (query head in group, query block) pairs that list it.
 
     block_idx [B, Hl, NQB, MB], block_cnt [B, Hl, NQB] (Hl = query heads, or 1 for a shared layout).
-    Returns (row_ptr int32 [B * Hs * NKB + 1], entries int32 [B * Hl * NQB * MB]) with Hs = Hkv for
+    Returns (row_ptr int64 [B * Hs * NKB + 1], entries int32 [B * Hl * NQB * MB]) with Hs = Hkv for
     per-head layouts and 1 for a shared one; segment (b, g, kb) holds entries[row_ptr[s]:row_ptr[s+1]],
     each `head_in_group * NQB + query_block` (head_in_group = 0 for a shared layout, whose entries
-    stand for every head of the group), ascending.
+    stand for every head of the group), ascending. Row pointers are int64: the entries of a dense
+    layout pass 2**31 at 1M tokens with a batch of 2 and 32 heads. A block index outside [0, NKB) is
+    left out (the query-major kernels flag it), so no segment gets another head's or batch row's
+    block.
     """
     b, hl, nqb, mb = block_idx.shape
     dev = block_idx.device
@@ -54,14 +57,13 @@ def key_block_csr(
     lh = torch.arange(hl, device=dev).view(1, hl, 1, 1)
     bb = torch.arange(b, device=dev).view(b, 1, 1, 1)
     qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1)
-    valid = torch.arange(mb, device=dev) < block_cnt.unsqueeze(-1)
+    valid = (torch.arange(mb, device=dev) < block_cnt.unsqueeze(-1)) & (block_idx >= 0) & (block_idx < num_k_blocks)
     seg = (bb * seg_heads + lh // group) * num_k_blocks + block_idx
-    key = torch.where(valid, seg, n_seg).to(torch.int32).flatten()
+    key = torch.where(valid, seg, n_seg).flatten()
     entry = ((lh % group) * nqb + qb).to(torch.int32).expand(b, hl, nqb, mb).flatten()
     sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(n_seg + 1, device=dev, dtype=torch.int32)
-    row_ptr = torch.searchsorted(sorted_key, bounds).to(torch.int32)
-    return row_ptr, entry[order]
+    bounds = torch.arange(n_seg + 1, device=dev)
+    return torch.searchsorted(sorted_key, bounds), entry[order]
 
 
 def column_targets(
@@ -78,14 +80,15 @@ def column_targets(
     t (of query block `tile_blocks[t]`) sends to its column `slot`. Returns (sorted_row int64: the
     flat key row b * Hkv * Sk + kv_head * Sk + token, or `invalid` for unused slots; order int64:
     the partial row of each sorted position; seg_end int32: one past the last position with the
-    same key row; invalid).
+    same key row; invalid). Slots holding a token outside [0, k_len) count as unused (no write
+    outside the gradient rows; the dq kernel flags them).
     """
     b, hl, _, mc = col_idx.shape
     dev = col_idx.device
     heads = torch.arange(num_q_heads, device=dev) if hl > 1 else torch.zeros(num_q_heads, dtype=torch.long, device=dev)
     cols = col_idx[:, heads][:, :, tile_blocks].long()  # [B, Hq, T, MC]
     cnt = col_cnt[:, heads][:, :, tile_blocks]
-    valid = torch.arange(mc, device=dev) < cnt.unsqueeze(-1)
+    valid = (torch.arange(mc, device=dev) < cnt.unsqueeze(-1)) & (cols >= 0) & (cols < k_len)
     kv_head = torch.arange(num_q_heads, device=dev) // (num_q_heads // num_kv_heads)
     base = (torch.arange(b, device=dev).view(b, 1, 1, 1) * num_kv_heads + kv_head.view(1, -1, 1, 1)) * k_len
     invalid = b * num_kv_heads * k_len
