@@ -22,10 +22,15 @@ that costs an fp32 atomic per dq element per tile pair (128 x D red.global opera
 every result non-deterministic. Recomputing q k^T and dout v^T in the dq kernel costs 2 extra
 matrix products per tile (7 instead of 5) but keeps every block gradient deterministic.
 
-With `Tiles.separate_columns` (the head_dim 128 choice) the dq kernel computes the columns' dk/dv
+With `Tiles.separate_columns` (a tuning candidate; the launchers keep the columns in the dq loop,
+which builds without spilling with the launch's hints) the dq kernel computes the columns' dk/dv
 in a second pass over the columns after dq is stored: p and ds are recomputed (2 more products
-per column step), but the dq accumulator is no longer live beside the column gradient tiles
-(sharing the loop spills, benchmarks/results/README.md).
+per column step), but the dq accumulator is no longer live beside the column gradient tiles.
+
+Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
+(`indexing.split_full_blocks`; in the transposed CSR, each key block's full entries first): full
+steps run no mask and load no token metadata. A layout entry out of range is never read through
+(block 0 stands in, column gathers and atomics are masked) and turns its row's dq into NaN.
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
 default. `deterministic=True` instead stores each query tile's column gradients in a partial
@@ -43,7 +48,7 @@ import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, placeholder_if_empty
 from .configs import compiled, dkdv_tiles, dq_tiles
-from .indexing import block_summary, column_targets, key_block_csr
+from .indexing import block_summary, column_targets, key_block_csr, split_full_blocks
 from .tiles import (
     LOG2E,
     columns_out_of_range,
@@ -53,8 +58,6 @@ from .tiles import (
     load_block_step,
     load_column_step,
     load_meta,
-    load_summary,
-    needs_mask,
     query_segments,
     query_tile,
     visible,
@@ -137,8 +140,8 @@ def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, 
 @triton.jit
 def _dq_kernel(
     Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
-    BlockIdx, BlockCnt, ColIdx, ColCnt,
-    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -164,7 +167,6 @@ def _dq_kernel(
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
     q_seg = query_segments(q_seg)
-    q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -177,14 +179,16 @@ def _dq_kernel(
     n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
     # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
     bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    # full key blocks first (no mask, no token metadata), then partial ones (`indexing.split_full_blocks`);
+    # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
+    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        kb, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
-                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
-                                                         LAYOUT_BLOCK, BLOCK_N)
+        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                        LAYOUT_BLOCK, BLOCK_N)
         bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
-        k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
-        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+        if i >= n_full:
             k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
             vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
             p = tl.where(vis, p, 0.0)
@@ -223,7 +227,7 @@ def _dq_kernel(
 def _dkdv_kernel(
     Q, K, V, DOut, Lse2, Delta, DK, DV,
     RowPtr, Entries,
-    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -249,7 +253,6 @@ def _dkdv_kernel(
                 mask=kv_mask, other=0.0)
     k_idx, k_seg = load_meta(KIndex + b * k_len, KSegment + b * k_len, offs_n, n_ok)
     kb = tl.program_id(1) * BLOCK_N // LAYOUT_BLOCK
-    k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
 
     # a shared layout's entries stand for every head of the group: `rep` heads per entry
     rep = tl.where(shared_layout != 0, group, 1)
@@ -262,12 +265,15 @@ def _dkdv_kernel(
     q_index = QIndex + b * q_len
     q_segment = QSegment + b * q_len
     per_entry = rep * SUB
-    lo, n_steps = key_block_steps(RowPtr, seg, per_entry)
-    for i in range(n_steps):
+    # the segment's full block pairs first (no mask, no token metadata), then its partial ones; one loop
+    # with a branch on the step (two loops spilled 88 bytes per thread at head_dim 128 and lost their
+    # multi-stage pipelining)
+    lo, n_full = key_block_steps(RowPtr, 2 * seg, per_entry)
+    _, n_partial = key_block_steps(RowPtr, 2 * seg + 1, per_entry)
+    for i in range(n_full + n_partial):
         entry, r = key_block_entry(Entries, lo, i, per_entry)
         h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
-        qb = entry % num_q_blocks
-        offs_m = qb * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = (entry % num_q_blocks) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         q_mask = m_ok[:, None] & d_ok[None, :]
         rows = offs_m.to(tl.int64)[:, None]
@@ -277,16 +283,14 @@ def _dkdv_kernel(
         row = (b * num_q_heads + h) * q_len + offs_m
         lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
         delta = tl.load(Delta + row, mask=m_ok, other=0.0)
-        q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
-        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+        if i >= n_full:
             q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)
-            q_seg = query_segments(q_seg)
-            vis = visible(q_idx[None, :], q_seg[None, :], k_idx[:, None], k_seg[:, None], window, HAS_WINDOW)
+            vis = visible(q_idx[None, :], query_segments(q_seg)[None, :], k_idx[:, None], k_seg[:, None], window,
+                          HAS_WINDOW)
             p_t = tl.where(vis, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
 
     dst = (b * num_kv_heads + kvh) * k_len * HEAD_DIM + kv_rows * HEAD_DIM + offs_d[None, :]
@@ -366,7 +370,6 @@ def backward(
     precision = dot_precision(q.dtype)
     qk_scale = scale * LOG2E.value
     hl, nqb, max_blocks, max_cols = block_idx.shape[1], block_idx.shape[2], block_idx.shape[3], col_idx.shape[3]
-    block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -377,6 +380,8 @@ def backward(
     nkb = triton.cdiv(sk, block_size)
     q_summary = block_summary(q_index, q_segment, block_size)
     k_summary = block_summary(k_index, k_segment, block_size)
+    block_idx, full_cnt, partial = split_full_blocks(block_idx, block_cnt, q_summary, k_summary, window)
+    block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
     pre_m = 64 if on_gpu else 32
@@ -394,8 +399,8 @@ def backward(
     def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
         _dq_kernel[(b * hq, count)](
             q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
-            block_idx_p, block_cnt, col_idx_p, col_cnt,
-            q_index, q_segment, k_index, k_segment, q_summary, k_summary,
+            block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt,
+            q_index, q_segment, k_index, k_segment,
             *strides,
             hq, hk, hq // hk, hl, sq, sk, nqb, nkb, max_blocks, max_cols,
             first_tile, qk_scale, scale, window or 0,
@@ -426,11 +431,11 @@ def backward(
             )
 
     kv_tiles = dkdv_tiles(block_size, d, on_gpu)
-    row_ptr, entries = key_block_csr(block_idx, block_cnt, hq, hk, nkb)
+    row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb)
     _dkdv_kernel[(b * hk, triton.cdiv(sk, kv_tiles.block_n))](
         q, k, v, dout, lse2, delta, dk, dv,
         row_ptr, placeholder_if_empty(entries),
-        q_index, q_segment, k_index, k_segment, q_summary, k_summary,
+        q_index, q_segment, k_index, k_segment,
         *strides,
         hq, hk, hq // hk, int(hl == 1), sq, sk, nqb, nkb,
         qk_scale, scale, window or 0,

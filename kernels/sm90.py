@@ -16,7 +16,7 @@ From a build `usage` reads: shared memory (against the H100's 227 KB), the regis
 frame ptxas gave each thread (cubin, Triton's bundled `cuobjdump`; registers cap at 255, a stack
 frame beyond a few bytes holds spilled registers), the wgmma instruction shapes in the PTX (a
 Hopper tensor-core product; `m64n16` would run a quarter-wide tile, `mma.sync` the older path),
-and the divisibility hints the build saw.
+the divisibility hints the build saw, and how deep its loops keep loads in flight.
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ def launcher_builds(head_dim: int, dtype: str = "bf16", block_size: int = 128) -
 class Usage:
     """What one build uses per thread (registers, stack bytes) and per program (shared bytes); its
     wgmma instructions by shape ("m64n64k16": count) and mma.sync count; how many kernel arguments
-    carry the 16-divisibility hint, and 16-byte global loads (ld.global.v4 / 16-byte cp.async)."""
+    carry the 16-divisibility hint, and 16-byte global loads (ld.global.v4 / 16-byte cp.async);
+    copies_in_flight: the most asynchronous copies any loop leaves in flight when it waits (0: every
+    loop waits for all its loads each step, so loads run at most one step ahead)."""
 
     registers: int
     stack_bytes: int
@@ -196,6 +198,7 @@ class Usage:
     wgmma_shapes: dict = field(default_factory=dict)
     hinted_args: int = 0
     wide_loads: int = 0
+    copies_in_flight: int = 0
 
     def narrowest_wgmma_n(self) -> int:
         """The smallest N of the build's wgmma shapes (0 without wgmma)."""
@@ -203,7 +206,7 @@ class Usage:
 
 
 def usage(build) -> Usage:
-    """Resources of a build, from its cubin (cuobjdump), PTX and TTIR."""
+    """Resources of a build, from its cubin (cuobjdump), PTX, TTIR and TTGIR."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
@@ -215,5 +218,7 @@ def usage(build) -> Usage:
     signature = re.search(r"tt\.func public @.*", build.asm["ttir"]).group(0)  # the kernel's argument list
     shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
     wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global[^;]*, 0x10\b", ptx))
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^{\n]*\{num = (\d+)", build.asm["ttgir"])]
     return Usage(reg("REG"), reg("STACK"), build.metadata.shared, ptx.count("wgmma.mma_async"),
-                 ptx.count("mma.sync"), dict(sorted(shapes.items())), signature.count("tt.divisibility = 16"), wide)
+                 ptx.count("mma.sync"), dict(sorted(shapes.items())), signature.count("tt.divisibility = 16"), wide,
+                 max(waits, default=0))

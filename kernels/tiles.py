@@ -3,11 +3,11 @@
 Visibility of a (query, key) pair is decided per token from `TokenMeta` (see
 `hf_sparse_cp.attention.tokens`): the key is not after the query in the global order, both tokens are in
 the same document, the query is not padding, and (with a sliding window) the key is fewer than
-`window` tokens back. Building that mask costs a few integer operations per score, so every
-tile first asks whether *all* its pairs are visible (one segment, keys entirely at or before the
-earliest query), from per-block summaries precomputed on the host side (`indexing.block_summary`):
-such tiles, the large majority away from the diagonal and from document edges, skip the mask
-(`needs_mask`).
+`window` tokens back. Building that mask costs token metadata loads and a few integer operations
+per score, so the launchers sort each layout row's key blocks into full ones (all pairs visible,
+decided from per-block summaries: `indexing.split_full_blocks`) and partial ones, and the kernels
+run the full ones in a loop without any mask: the large majority, away from the diagonal and from
+document edges.
 
 Global indices are narrowed to int32 once per vector (not per pair): indices past 2**31 - 1 are
 clamped, which only ever affects padding (its segment already hides it).
@@ -47,26 +47,6 @@ def visible(q_idx, q_seg, k_idx, k_seg, window, HAS_WINDOW: tl.constexpr):
     if HAS_WINDOW:
         vis = vis & (q_idx - k_idx < window)
     return vis
-
-
-@triton.jit
-def load_summary(summary_ptr):
-    """(min index, max index, min segment, max segment) of one block (see `indexing.block_summary`)."""
-    return tl.load(summary_ptr), tl.load(summary_ptr + 1), tl.load(summary_ptr + 2), tl.load(summary_ptr + 3)
-
-
-@triton.jit
-def needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW: tl.constexpr):
-    """False when every (query, key) pair of a tile is visible, judged from the block summaries of
-    its query and key blocks (a tile inside a fully visible block pair is fully visible).
-
-    Padding (segment -1) in either block makes the tile take the mask.
-    """
-    partial = (q_seg_lo != q_seg_hi) | (k_seg_lo != k_seg_hi) | (k_seg_lo != q_seg_lo) | (q_seg_lo < 0)
-    partial = partial | (k_hi > q_lo)
-    if HAS_WINDOW:
-        partial = partial | (q_hi - k_lo >= window)
-    return partial
 
 
 @triton.jit

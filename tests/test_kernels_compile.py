@@ -1,7 +1,8 @@
 """The kernels compile for Hopper (sm_90) as real launches build them, without a GPU.
 
 CI catches a kernel that no longer builds, outgrows an H100's shared memory, leaves the wgmma
-tensor-core path, issues quarter-width (n16) wgmma, or spills with the launchers' tiles, before
+tensor-core path, issues quarter-width (n16) wgmma, spills, or loses the multi-stage pipelining of
+its key-block loop with the launchers' tiles, before
 any GPU run. The builds take the arguments of real launches (`kernels.sm90`), so each carries the
 divisibility hints the JIT gives a launch.
 """
@@ -15,9 +16,10 @@ from hf_sparse_cp.kernels.configs import Tiles
 from benchmark_loader import load_benchmark
 
 # Stack bytes per thread the launchers' builds may hold: none with Triton 3.9; Triton 3.6 (the GPU
-# image's) keeps 8 bytes in the dk/dv kernel at head_dim 128 (two registers, no loop traffic worth a
-# tile change). Before the hinted builds, 128-key dk/dv tiles were recorded at over 2 KB.
-MAX_STACK_BYTES = 8
+# image's) keeps 16 bytes in the dk/dv kernel at head_dim 128 (four registers; with 2 stages it spills
+# nothing but no longer keeps loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles
+# were recorded at over 2 KB.
+MAX_STACK_BYTES = 16
 
 
 def _hints_of_a_launch(args: tuple) -> int:
@@ -41,6 +43,8 @@ def test_launched_builds_are_hinted_spill_free_and_on_full_wgmma(head_dim, dtype
         assert use.wgmma > 0 and use.mma_sync == 0, (name, tiles, use)
         assert use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, (name, tiles, use)
         assert use.stack_bytes <= MAX_STACK_BYTES, (name, tiles, use)
+        if name in sm90.TUNED_KERNEL:  # the key-block loop keeps loads more than one step ahead
+            assert use.copies_in_flight > 0, (name, tiles, use)
 
 
 def test_quarter_width_wgmma_is_caught():

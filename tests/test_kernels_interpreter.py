@@ -18,7 +18,7 @@ from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import block_sparse_bwd, configs
-from hf_sparse_cp.kernels.indexing import key_block_csr
+from hf_sparse_cp.kernels.indexing import block_summary, key_block_csr, split_full_blocks
 from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
@@ -78,6 +78,15 @@ def _deterministic_flags_through_the_public_function(q, k, v, layout):
     return seen
 
 
+def _public_function_fwd_bwd(q, k, v, layout):
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    from hf_sparse_cp.attention.ops import block_sparse_attention
+
+    out, lse = block_sparse_attention(*x, layout, implementation="triton")
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), out.transpose(1, 2).is_contiguous(), lse.detach(), [t.grad for t in x]
+
+
 def _opcheck_ops():
     b, hq, hk, s, d, bs = 1, 2, 1, 40, 16, 16
     g = torch.Generator().manual_seed(0)
@@ -87,8 +96,10 @@ def _opcheck_ops():
     lay_meta = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, meta.index.contiguous(),
                 meta.segment, meta.index.contiguous(), meta.segment)
     hf = torch.ops.hf_sparse_cp
-    torch.library.opcheck(hf.block_sparse_attn_fwd.default, (q, k, v, *lay_meta, 0.25, bs, None))
-    out, lse = hf.block_sparse_attn_fwd(q, k, v, *lay_meta, 0.25, bs, None)
+    for in_dtype in (False, True):
+        torch.library.opcheck(hf.block_sparse_attn_fwd.default, (q.half(), k.half(), v.half(), *lay_meta, 0.25, bs,
+                                                                 None, in_dtype))
+    out, lse = hf.block_sparse_attn_fwd(q, k, v, *lay_meta, 0.25, bs, None, False)
     torch.library.opcheck(hf.block_sparse_attn_fwd_merge_.default,
                           (q, k, v, *lay_meta, out.clone(), lse.clone(), 0.25, bs, 24))
     dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
@@ -544,19 +555,49 @@ def _dense_shared_entries_before_last_key_block(batch, num_blocks):
     return batch * num_blocks * (num_blocks + 1) // 2 - 1
 
 
-def test_key_block_csr_of_a_dense_shared_layout():
-    """The CSR the dk/dv kernel walks: int64 row pointers, the count the 1M-token test below uses, and
-    key blocks out of range left out."""
+def test_full_and_partial_blocks_and_the_key_block_csr_of_a_dense_shared_layout():
+    """The launchers' split of each row's blocks into full ones (no mask) and partial ones, and the CSR
+    the dk/dv kernel walks: int64 row pointers, each key block's full entries before its partial ones,
+    the count the 1M-token test below uses, and key blocks out of range left out."""
     meta = TokenMeta.contiguous(2, 8 * 16)
     lay = dense_layout(meta, 16)
-    row_ptr, entries = key_block_csr(lay.block_idx, lay.block_cnt, 8, 2, 8)
-    assert row_ptr.dtype == torch.int64 and entries.dtype == torch.int32
-    assert int(row_ptr[-2]) == _dense_shared_entries_before_last_key_block(2, 8) and int(row_ptr[-1]) == 72
-    assert entries[row_ptr[7]:row_ptr[8]].tolist() == [7]  # the last key block: listed by the last query block
-    blk = lay.block_idx.clone()
-    blk[0, 0, 3, 0], blk[1, 0, 5, 1] = 8, -1  # out of range: dropped, not filed under another segment
-    row_ptr2, _ = key_block_csr(blk, lay.block_cnt, 8, 2, 8)
-    assert int(row_ptr2[-1]) == 70 and int(row_ptr2[8]) == int(row_ptr[8]) - 1
+    summary = block_summary(meta.index, meta.segment, 16)
+    blk, full_cnt, partial = split_full_blocks(lay.block_idx, lay.block_cnt, summary, summary, None)
+    assert torch.equal(full_cnt, lay.block_cnt - 1)  # all but the diagonal block
+    assert torch.equal(blk, lay.block_idx) and int(partial.sum()) == 16
+    row_ptr, entries = key_block_csr(blk, lay.block_cnt, partial, 8, 2, 8)
+    assert row_ptr.dtype == torch.int64 and entries.dtype == torch.int32 and row_ptr.numel() == 2 * 16 + 1
+    assert entries[row_ptr[0]:row_ptr[1]].tolist() == list(range(1, 8))  # key block 0: full below the diagonal
+    assert entries[row_ptr[1]:row_ptr[2]].tolist() == [0]
+    last = 2 * 15  # the last key block of the last batch row: listed by the last query block only, partially
+    assert int(row_ptr[last]) == int(row_ptr[last + 1]) == _dense_shared_entries_before_last_key_block(2, 8)
+    assert entries[row_ptr[last + 1]:row_ptr[last + 2]].tolist() == [7] and int(row_ptr[-1]) == 72
+    bad = blk.clone()
+    bad[0, 0, 3, 0], bad[1, 0, 5, 1] = 8, -1  # out of range: dropped, not filed under another segment
+    _, _, bad_partial = split_full_blocks(bad, lay.block_cnt, summary, summary, None)
+    assert bool(bad_partial[0, 0, 3].any()) and int(bad_partial.sum()) == 18
+    row_ptr2, _ = key_block_csr(bad, lay.block_cnt, bad_partial, 8, 2, 8)
+    assert int(row_ptr2[-1]) == 70
+
+
+def test_window_and_documents_make_blocks_partial():
+    """A block pair is full only inside one document, below the diagonal and inside the window."""
+    seg = torch.zeros(1, 64, dtype=torch.int32)
+    seg[:, 40:] = 1
+    meta = TokenMeta.from_segments(seg)
+    summary = block_summary(meta.index, meta.segment, 16)
+    blocks = torch.tensor([[[[0, -1, -1], [0, 1, -1], [0, 1, 2], [0, 2, 3]]]], dtype=torch.int32)
+    cnt = torch.tensor([[[1, 2, 3, 3]]], dtype=torch.int32)
+    blk, full_cnt, _ = split_full_blocks(blocks, cnt, summary, summary, None)
+    # query block 2 holds the document cut (tokens 32-47): all its pairs partial; query block 3 (document
+    # 1) sees key blocks 0 and 2 partially (other document / the cut) and its diagonal partially
+    assert full_cnt.tolist() == [[[0, 1, 0, 0]]]
+    assert blk[0, 0, 1].tolist() == [0, 1, -1]
+    _, full_win, _ = split_full_blocks(blocks, cnt, summary, summary, 20)
+    assert full_win.tolist() == [[[0, 0, 0, 0]]]  # query block 1 reaches 31 - 0 >= 20 tokens back in block 0
+    keys_first = torch.tensor([[[[-1, -1, -1], [1, 0, -1], [1, 0, 2], [3, 0, 2]]]], dtype=torch.int32)
+    blk, full_cnt, partial = split_full_blocks(keys_first, cnt, summary, summary, None)
+    assert blk[0, 0, 1].tolist() == [0, 1, -1] and partial[0, 0, 1].tolist() == [False, True, False]
 
 
 @pytest.mark.parametrize("tokens,group,batch", [(1 << 20, 16, 1), (3 << 19, 8, 1), (1 << 20, 8, 2), (1 << 20, 16, 2)])
@@ -575,3 +616,18 @@ def test_dkdv_walk_is_exact_past_2_31_steps(interp, tokens, group, batch):
     got_entry, got_sub = interp.apply(_walk_segment, (row_ptr, entries, per_entry))
     assert got_entry.tolist() == [tokens // bs - 1] * per_entry
     assert got_sub.tolist() == list(range(per_entry))
+
+
+def test_public_function_returns_the_input_dtype_in_transformers_layout(interp):
+    """The kernels write the public function's output in q's dtype, in [B, S, H, D] memory (what the
+    attention backend returns to transformers without a cast or a transpose copy), and it equals the
+    reference; gradients come back in the input dtype."""
+    q, k, v, _, _ = _inputs(1, 4, 2, 48, 48, 32, torch.float16, seed=71)
+    layout = random_layout(1, 4, 48, 48, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(72))
+    out, transformers_layout, lse, grads = interp.apply(_public_function_fwd_bwd, (q, k, v, layout))
+    assert out.dtype == torch.float16 and transformers_layout and lse.dtype == torch.float32
+    meta = TokenMeta.contiguous(1, 48)
+    ref_out, _ = reference_forward(q.double(), k.double(), v.double(), layout, scale=32 ** -0.5, q_meta=meta,
+                                   k_meta=meta)
+    assert rel_rms(out, ref_out) <= TOLERANCE[torch.float16]
+    assert all(g.dtype == torch.float16 and bool(g.isfinite().all()) for g in grads)
