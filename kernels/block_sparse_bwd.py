@@ -37,7 +37,9 @@ default. `deterministic=True` instead stores each query tile's column gradients 
 buffer (query tiles taken in chunks to bound its memory) and sums them per key row in a fixed
 order (`_column_sum_kernel`): bitwise reproducible, at the price of the partial traffic. Block
 gradients and dq are deterministic in both modes. Accumulation is fp32 throughout; dq, dk, dv
-are returned in fp32.
+are returned in fp32 (a ring sums them over its steps) or in the inputs' dtype, in transformers'
+[B, S, H, D] memory (dq written so by its kernel; dk/dv, summed in fp32 across two kernels, copied
+once).
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ def _dq_kernel(
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds,
+    stride_gb, stride_gh, stride_gs,
     num_q_heads, num_kv_heads, group, layout_heads, q_len, k_len, num_q_blocks, num_k_blocks, max_blocks, max_cols,
     tile_offset, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
@@ -207,8 +210,9 @@ def _dq_kernel(
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
 
-    dq_ptr = DQ + (b * num_q_heads + h64) * q_len * HEAD_DIM + rows * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptr, dq * (scale + tl.where(bad, float("nan"), 0.0)), mask=q_mask)
+    dq_ptr = DQ + b * stride_gb + h64 * stride_gh + rows * stride_gs + offs_d[None, :]
+    dq = dq * (scale + tl.where(bad, float("nan"), 0.0))
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
     if COLUMN_GRADS != 0:
         if SEPARATE_COLUMNS:
@@ -348,8 +352,11 @@ def backward(
     block_size: int,
     window: int | None,
     deterministic: bool,
+    grads_in_input_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels; returns fp32 (dq, dk, dv) shaped like q, k, v (contiguous).
+    """Launch the backward kernels; returns (dq, dk, dv) shaped like q, k, v: fp32 and contiguous, or
+    with `grads_in_input_dtype` in the inputs' dtype in [B, S, H, D] memory ([B, H, S, D] views),
+    as transformers' projections take them back.
 
     q/k/v/out/dout: unit stride along D; lse (and dlse) contiguous [B, Hq, Sq]; layout and token
     metadata as for `block_sparse_fwd.forward`.
@@ -358,12 +365,17 @@ def backward(
     hk, sk = k.shape[1], k.shape[2]
     dev = q.device
     on_gpu = compiled(dev)
-    dq = torch.empty(b, hq, sq, d, dtype=torch.float32, device=dev)
+    # dq straight in its final form; dk/dv summed in fp32 (the columns' share first, atomically or in
+    # partial sums, then the dk/dv kernel's) and, for the input dtype, copied once (Hkv heads: a GQA
+    # group's fraction of dq's size; writing them from the dk/dv kernel spilled 144-232 bytes per
+    # thread at head_dim 128)
+    dq = _gradient(q, grads_in_input_dtype)
     has_cols = col_idx.shape[-1] > 0
     alloc = torch.zeros if has_cols else torch.empty
     dk = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
     dv = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
     if b == 0 or sq == 0 or sk == 0:
+        dk, dv = (_gradient(x, grads_in_input_dtype) for x in (k, v))
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     block_d = triton.next_power_of_2(max(d, 16))
@@ -401,7 +413,7 @@ def backward(
             q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
             block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt,
             q_index, q_segment, k_index, k_segment,
-            *strides,
+            *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hk, hq // hk, hl, sq, sk, nqb, nkb, max_blocks, max_cols,
             first_tile, qk_scale, scale, window or 0,
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
@@ -444,4 +456,14 @@ def backward(
         HAS_WINDOW=window is not None, ACCUMULATE=has_cols, PRECISION=precision,
         num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages,
     )
+    if grads_in_input_dtype:
+        dk, dv = (_gradient(x, True).copy_(g) for x, g in ((k, dk), (v, dv)))
     return dq, dk, dv
+
+
+def _gradient(x: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
+    """The gradient buffer of x [B, H, S, D]: fp32 contiguous, or x's dtype in [B, S, H, D] memory."""
+    b, h, s, d = x.shape
+    if in_input_dtype:
+        return torch.empty(b, s, h, d, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(b, h, s, d, dtype=torch.float32, device=x.device)

@@ -6,7 +6,8 @@ Custom ops (composable with torch.compile; each has a fake implementation for tr
   input dtype laid out as transformers' [B, S, H, D] (a [B, H, S, D] view of it);
 * `hf_sparse_cp::block_sparse_attn_fwd_merge_`: the same, merged in place into an existing
   (out, lse) (ring attention: one pass per step, no separate merge);
-* `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32.
+* `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32, or in the input dtype laid out as
+  [B, S, H, D] ([B, H, S, D] views).
 
 `triton_forward` / `triton_backward` pick the op, make strides kernel-friendly and check what only
 the kernels require (dtype, head_dim, merge buffers, device). They take raw tensors: the layout's
@@ -95,19 +96,19 @@ def block_sparse_attn_bwd(
     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
     block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
-    scale: float, block_size: int, window: Optional[int], deterministic: bool,
+    scale: float, block_size: int, window: Optional[int], deterministic: bool, grads_in_input_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launchers(q.device)[1].backward(
         q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index,
         k_segment, scale=scale, block_size=block_size, window=window, deterministic=deterministic,
+        grads_in_input_dtype=grads_in_input_dtype,
     )
 
 
 @block_sparse_attn_bwd.register_fake
 def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment,
-      scale, block_size, window, deterministic):
-    f32 = torch.float32
-    return (q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32))
+      scale, block_size, window, deterministic, grads_in_input_dtype):
+    return tuple(_fresh_out(x, grads_in_input_dtype) for x in (q, k, v))
 
 
 def _outside_limits(q: torch.Tensor) -> str | None:
@@ -202,6 +203,7 @@ def triton_backward(
     window: int | None = None,
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
+    grads_in_input_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-sparse attention backward on the Triton kernels.
 
@@ -212,9 +214,11 @@ def triton_backward(
         dlse: the gradient reaching lse, or None.
         deterministic: bitwise reproducible column gradients (slower); None follows
             `torch.are_deterministic_algorithms_enabled()`. Block gradients and dq always are.
+        grads_in_input_dtype: return the gradients in the inputs' dtype, in [B, S, H, D] memory
+            ([B, H, S, D] views), instead of fp32 (which a ring sums over its steps).
 
     Returns:
-        (dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]) in fp32.
+        (dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]), fp32 unless `grads_in_input_dtype`.
     """
     _check(q)
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
@@ -228,5 +232,5 @@ def triton_backward(
     args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
     return torch.ops.hf_sparse_cp.block_sparse_attn_bwd(
         q, k, v, out, lse.contiguous(), dout, None if dlse is None else dlse.contiguous(), *args,
-        scale, block_size, window, bool(deterministic),
+        scale, block_size, window, bool(deterministic), grads_in_input_dtype,
     )

@@ -109,7 +109,8 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
     block_idx, cnt = torch.empty(b, hq, nqb, launch.max_blocks, **i32), torch.empty(b, hq, nqb, **i32)
     col_idx, no_cols = torch.empty(b, hq, nqb, launch.max_cols, **i32), torch.empty(b, hq, nqb, 0, **i32)
     tokens = (torch.empty(b, s, dtype=torch.int64, device=meta), torch.empty(b, s, **i32))
-    out = torch.empty(b, hq, s, d, dtype=torch.float32, device=meta)
+    out = heads_last(hq)  # a training step's fresh output: the input dtype in [B, S, H, D] memory
+    merged = torch.empty(b, hq, s, d, dtype=torch.float32, device=meta)  # a ring's running result
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=meta)
     common = dict(scale=d ** -0.5, block_size=bs, window=None)
 
@@ -120,9 +121,9 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
         return calls
 
     fwd = lambda merge: record(block_sparse_fwd.forward, q, k, v, block_idx, cnt, col_idx, cnt, *tokens, *tokens,
-                               out, lse, merge=merge, **common)
-    bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out.to(q.dtype), lse, dout, None, block_idx, cnt,
-                              cols, cnt, *tokens, *tokens, deterministic=False, **common)
+                               merged if merge else out, lse, merge=merge, **common)
+    bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cols, cnt,
+                              *tokens, *tokens, deterministic=False, grads_in_input_dtype=True, **common)
     _, dq, _ = bwd(no_cols)
     _, dq_cols, dkdv = bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)

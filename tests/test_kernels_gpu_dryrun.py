@@ -36,10 +36,11 @@ def _forward(q, k, v, layout, q_tokens, k_tokens, *, scale, block_size, window=N
 
 
 def _backward(q, k, v, out, lse, dout, layout, q_tokens, k_tokens, *, scale, block_size, window=None, dlse=None,
-              deterministic=None):
-    return reference_backward(q, k, v, out, lse, dout, SparseLayout(*layout, block_size), scale=scale,
-                              q_meta=TokenMeta(*q_tokens), k_meta=TokenMeta(*k_tokens), sliding_window=window,
-                              dlse=dlse)
+              deterministic=None, grads_in_input_dtype=False):
+    grads = reference_backward(q, k, v, out, lse, dout, SparseLayout(*layout, block_size), scale=scale,
+                               q_meta=TokenMeta(*q_tokens), k_meta=TokenMeta(*k_tokens), sliding_window=window,
+                               dlse=dlse)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
 
 
 @pytest.fixture

@@ -115,6 +115,7 @@ def attention_backward(
     sliding_window: int | None = None,
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
+    grads_in_input_dtype: bool = False,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One backward over the keys `layout` lists (no autograd).
@@ -126,9 +127,11 @@ def attention_backward(
         dout: gradient of out [B, Hq, Sq, D]; dlse: gradient reaching lse [B, Hq, Sq], or None.
         deterministic: kernels only: bitwise reproducible column gradients; None follows
             `torch.are_deterministic_algorithms_enabled()`.
+        grads_in_input_dtype: return the gradients in the inputs' dtype (the kernels write them so,
+            in transformers' [B, S, H, D] memory) instead of the compute dtype.
 
     Returns:
-        (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype.
+        (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype, or the inputs' dtype.
     """
     if _use_triton(q, implementation):
         from ..kernels.ops import triton_backward
@@ -136,9 +139,10 @@ def attention_backward(
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         return triton_backward(q, k, v, out, lse, dout, *_raw(layout, q_meta, k_meta), scale=scale,
                                block_size=layout.block_size, window=sliding_window, dlse=dlse,
-                               deterministic=deterministic)
-    return reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                              sliding_window=sliding_window, dlse=dlse)
+                               deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype)
+    grads = reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                               sliding_window=sliding_window, dlse=dlse)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
 
 
 class _BlockSparseAttention(torch.autograd.Function):
@@ -157,8 +161,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
             dq, dk, dv = attention_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta,
                                             k_meta=k_meta, sliding_window=window, dlse=dlse,
-                                            implementation=implementation)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+                                            grads_in_input_dtype=True, implementation=implementation)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def block_sparse_attention(
