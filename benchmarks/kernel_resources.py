@@ -1,10 +1,13 @@
-"""What the kernels use on Hopper with the launchers' tiles, read from sm_90 builds made without a GPU.
+"""What the kernels use on Hopper, read from sm_90 builds made without a GPU, with the arguments of
+real launches (divisibility hints included; `hf_sparse_cp.kernels.sm90`).
 
-For head_dim 64 and 128 (bf16, layout block 128), every kernel variant a GPU run launches is
-compiled for sm_90 with the installed Triton (`hf_sparse_cp.kernels.sm90`): registers and stack
-bytes per thread (a stack frame holds spilled registers), shared memory per program, and the
-count of wgmma / mma.sync instructions in its PTX. Prints a table and writes JSON to
-benchmarks/results/. Runs on any machine; nothing here is a GPU timing.
+For head_dim 64 and 128 (bf16, layout block 128, 16 query / 2 key-value heads at 128K tokens),
+every kernel variant a GPU run launches is compiled for sm_90 with the installed Triton, with the
+launchers' tiles and, beside them, with the tiles they launched before the hinted builds
+(`PREVIOUS_TILES`): registers and stack bytes per thread (a stack frame holds spilled registers),
+shared memory per program, wgmma instructions by shape, mma.sync count, hinted arguments and
+16-byte loads. Prints a side-by-side table and writes JSON to benchmarks/results/. Runs on any
+machine; nothing here is a GPU timing.
 
 `--candidates` builds instead every tile candidate of the tuned kernels (`configs.tile_candidates`
 at 4 and 8 warps; dq with column gradients, its heaviest variant), the evidence behind which
@@ -26,17 +29,37 @@ import torch
 
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.kernels import configs, sm90
+from hf_sparse_cp.kernels.configs import Tiles
 from hf_sparse_cp.testing.benchmarking import write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+# The tiles the launchers used before builds carried the launches' divisibility hints (issue #18),
+# by head_dim and tuned kernel, kept to show what the hinted builds changed.
+PREVIOUS_TILES = {
+    64: {"forward": Tiles(128, 128, 64, 8, 3), "dq": Tiles(128, 64, 64, 8, 3), "dkdv": Tiles(64, 128, 0, 8, 3)},
+    128: {"forward": Tiles(128, 64, 64, 8, 3), "dq": Tiles(128, 64, 64, 8, 3, separate_columns=True),
+          "dkdv": Tiles(32, 64, 0, 8, 3)},
+}
+
+
+def _row(name: str, head_dim: int, dtype: str, tiles: Tiles, build) -> dict:
+    return {"kernel": name, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
+            **dataclasses.asdict(sm90.usage(build))}
+
 
 def measure(head_dims=(64, 128), dtype: str = "bf16") -> list[dict]:
+    """One row per launched variant with the launchers' tiles; for the tuned kernels a "previous"
+    entry holds the same variant built with `PREVIOUS_TILES` (absent where the tiles are unchanged)."""
     rows = []
     for head_dim in head_dims:
+        launch = sm90.launch_for(head_dim, dtype)
         for name, (tiles, build) in sm90.launcher_builds(head_dim, dtype).items():
-            rows.append({"kernel": name, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
-                         **dataclasses.asdict(sm90.usage(build))})
+            row = _row(name, head_dim, dtype, tiles, build)
+            before = PREVIOUS_TILES.get(head_dim, {}).get(sm90.TUNED_KERNEL.get(name))
+            if before is not None and before != tiles:
+                row["previous"] = _row(name, head_dim, dtype, *sm90.build(name, before, launch))
+            rows.append(row)
     return rows
 
 
@@ -49,12 +72,12 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
     its error."""
     rows = []
     for head_dim in head_dims:
+        launch = sm90.launch_for(head_dim, dtype, block_size)
         for kernel, variant in CANDIDATE_VARIANTS.items():
             for tiles in configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8)):
                 row = {"kernel": variant, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles)}
                 try:
-                    row.update(dataclasses.asdict(sm90.usage(sm90.build(variant, tiles, head_dim, dtype,
-                                                                        block_size))))
+                    row.update(dataclasses.asdict(sm90.usage(sm90.build(variant, tiles, launch)[1])))
                 except Exception as e:  # a tile shape the compiler rejects is a finding, not the end of the sweep
                     row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
                 print(f"[{variant} d={head_dim} {tiles}] {row.get('error') or row['stack_bytes']} stack B",
@@ -63,20 +86,30 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
     return rows
 
 
+def _cells(r: dict | None) -> str:
+    """Tiles and usage of one build: 'm x n /c warps stages regs stack shared wgmma-shapes'."""
+    if r is None:
+        return f"{'(unchanged)':<52}"
+    t = r["tiles"]
+    tiles = f"{t['block_m']}x{t['block_n']}/{t['block_c']}{'s' if t.get('separate_columns') else ''}"
+    if "error" in r:
+        return f"{tiles:<12} {r['error']}"[:52].ljust(52)
+    shapes = " ".join(f"{s.split('k')[0]}:{n}" for s, n in r["wgmma_shapes"].items())
+    return (f"{tiles:<12} {t['num_warps']}w{t['num_stages']}s {r['registers']:>4} {r['stack_bytes']:>5} "
+            f"{r['shared_bytes'] / 1024:6.1f} {shapes}").ljust(52)[:70]
+
+
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'kernel':<18} {'d':>4} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'regs':>5} "
-              f"{'stack B':>7} {'shared KB':>9} {'wgmma':>6} {'mma':>4}  note")
+    """One line per build: kernel, head_dim, then tiles (m x n / column step, 's' for a separate
+    column pass), warps and stages, registers, stack bytes, shared KB and wgmma shapes; with
+    `previous` entries, the tiles launched before beside the current ones."""
+    side = any("previous" in r for r in rows)
+    cols = "tiles        warps regs stack shared wgmma m64nN:count"
+    header = f"{'kernel':<18} {'d':>4}  " + (f"{'previous: ' + cols:<52}  current: {cols}" if side else cols)
     lines = [header, "-" * len(header)]
     for r in rows:
-        t = r["tiles"]
-        cells = (f"{r['kernel']:<18} {r['head_dim']:>4} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} "
-                 f"{t['num_warps']:>5} {t['num_stages']:>6}")
-        if "error" in r:
-            lines.append(f"{cells}  {r['error']}"[:160])
-            continue
-        lines.append(f"{cells} {r['registers']:>5} {r['stack_bytes']:>7} {r['shared_bytes'] / 1024:9.1f} "
-                     f"{r['wgmma']:>6} {r['mma_sync']:>4}  "
-                     f"{'separate column pass' if t.get('separate_columns') else ''}".rstrip())
+        prefix = f"{r['kernel']:<18} {r['head_dim']:>4}  "
+        lines.append(prefix + (f"{_cells(r.get('previous'))}  {_cells(r)}" if side else _cells(r)).rstrip())
     return "\n".join(lines)
 
 
@@ -96,8 +129,11 @@ def main(argv: list[str]) -> dict:
     env = environment(torch.device("cpu"))
     kind = "kernel-candidates" if args.candidates else "kernel-resources"
     report = {"benchmark": kind.replace("-", "_"), "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
-              "target": "sm_90 (ahead-of-time build, no GPU)", "rows": rows}
-    print(f"sm_90 builds with triton {env['triton']} (no GPU; registers and stack per thread)")
+              "target": "sm_90 (ahead-of-time build, no GPU)",
+              "launch": {k: v for k, v in dataclasses.asdict(sm90.Launch()).items() if k not in ("head_dim", "dtype")},
+              "hinted": "arguments specialized as the JIT does at a launch (tt.divisibility=16, ints equal to 1)",
+              "rows": rows}
+    print(f"sm_90 builds with triton {env['triton']} (no GPU; registers and stack per thread, shared KB per program)")
     print(format_table(rows))
     write_report(report, RESULTS_DIR, f"{kind}_triton-{env['triton']}", args.output)
     return report

@@ -22,17 +22,24 @@ that costs an fp32 atomic per dq element per tile pair (128 x D red.global opera
 every result non-deterministic. Recomputing q k^T and dout v^T in the dq kernel costs 2 extra
 matrix products per tile (7 instead of 5) but keeps every block gradient deterministic.
 
-With `Tiles.separate_columns` (the head_dim 128 choice) the dq kernel computes the columns' dk/dv
+With `Tiles.separate_columns` (a tuning candidate; the launchers keep the columns in the dq loop,
+which builds without spilling with the launch's hints) the dq kernel computes the columns' dk/dv
 in a second pass over the columns after dq is stored: p and ds are recomputed (2 more products
-per column step), but the dq accumulator is no longer live beside the column gradient tiles
-(sharing the loop spills, benchmarks/results/README.md).
+per column step), but the dq accumulator is no longer live beside the column gradient tiles.
+
+Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
+(`indexing.split_full_blocks`; in the transposed CSR, each key block's full entries first): full
+steps run no mask and load no token metadata. A layout entry out of range is never read through
+(block 0 stands in, column gathers and atomics are masked) and turns its row's dq into NaN.
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
 default. `deterministic=True` instead stores each query tile's column gradients in a partial
 buffer (query tiles taken in chunks to bound its memory) and sums them per key row in a fixed
 order (`_column_sum_kernel`): bitwise reproducible, at the price of the partial traffic. Block
 gradients and dq are deterministic in both modes. Accumulation is fp32 throughout; dq, dk, dv
-are returned in fp32.
+are returned in fp32 (a ring sums them over its steps) or in the inputs' dtype, in transformers'
+[B, S, H, D] memory (dq written so by its kernel; dk/dv, summed in fp32 across two kernels, copied
+once).
 """
 
 from __future__ import annotations
@@ -42,15 +49,17 @@ import triton
 import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, placeholder_if_empty
-from .configs import dkdv_tiles, dq_tiles
-from .indexing import block_summary, column_targets, key_block_csr
+from .configs import compiled, dkdv_tiles, dq_tiles
+from .indexing import block_summary, column_targets, key_block_csr, split_full_blocks
 from .tiles import (
     LOG2E,
+    columns_out_of_range,
+    key_block_entry,
+    key_block_steps,
+    layout_count,
     load_block_step,
     load_column_step,
     load_meta,
-    load_summary,
-    needs_mask,
     query_segments,
     query_tile,
     visible,
@@ -95,12 +104,12 @@ def _preprocess_kernel(
 
 @triton.jit
 def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                 stride_vs, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
+                 stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
                  BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    """One step over a query tile's vertical columns: the columns' slots, tokens, K/V bounds mask and
-    K tile, and the (masked) probabilities p and score gradients ds."""
+    """One step over a query tile's vertical columns: the columns' slots, tokens, K/V mask (slots in
+    use with a token in range) and K tile, and the (masked) probabilities p and score gradients ds."""
     offs_c, c_ok, col, kv_mask, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
-                                                        stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
+                                                        stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
     k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
     vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
@@ -133,12 +142,13 @@ def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, 
 @triton.jit
 def _dq_kernel(
     Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
-    BlockIdx, BlockCnt, ColIdx, ColCnt,
-    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds,
+    stride_gb, stride_gh, stride_gs,
     num_q_heads, num_kv_heads, group, layout_heads, q_len, k_len, num_q_blocks, num_k_blocks, max_blocks, max_cols,
     tile_offset, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
@@ -160,7 +170,6 @@ def _dq_kernel(
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
     q_seg = query_segments(q_seg)
-    q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -169,13 +178,20 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
-    n_blocks = tl.load(BlockCnt + lay)
+    n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
+    n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
+    # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    # full key blocks first (no mask, no token metadata), then partial ones (`indexing.split_full_blocks`);
+    # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
+    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
-                                                 k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
+        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                        LAYOUT_BLOCK, BLOCK_N)
+        bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
-        k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
-        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+        if i >= n_full:
             k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
             vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
             p = tl.where(vis, p, 0.0)
@@ -183,11 +199,10 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    n_cols = tl.load(ColCnt + lay)
     for c0 in range(0, n_cols, BLOCK_C):
         offs_c, col, kv_mask, k, p, ds = _column_step(
             q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs,
-            k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+            k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
             if not SEPARATE_COLUMNS:
@@ -195,8 +210,9 @@ def _dq_kernel(
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
 
-    dq_ptr = DQ + (b * num_q_heads + h64) * q_len * HEAD_DIM + rows * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptr, dq * scale, mask=q_mask)
+    dq_ptr = DQ + b * stride_gb + h64 * stride_gh + rows * stride_gs + offs_d[None, :]
+    dq = dq * (scale + tl.where(bad, float("nan"), 0.0))
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
     if COLUMN_GRADS != 0:
         if SEPARATE_COLUMNS:
@@ -204,7 +220,8 @@ def _dq_kernel(
             for c0 in range(0, n_cols, BLOCK_C):
                 offs_c, col, kv_mask, k, p, ds = _column_step(
                     q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                    stride_vs, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+                    stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
+                    PRECISION)
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
@@ -214,7 +231,7 @@ def _dq_kernel(
 def _dkdv_kernel(
     Q, K, V, DOut, Lse2, Delta, DK, DV,
     RowPtr, Entries,
-    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -240,14 +257,11 @@ def _dkdv_kernel(
                 mask=kv_mask, other=0.0)
     k_idx, k_seg = load_meta(KIndex + b * k_len, KSegment + b * k_len, offs_n, n_ok)
     kb = tl.program_id(1) * BLOCK_N // LAYOUT_BLOCK
-    k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
 
     # a shared layout's entries stand for every head of the group: `rep` heads per entry
     rep = tl.where(shared_layout != 0, group, 1)
     seg = (b * tl.where(shared_layout != 0, 1, num_kv_heads) + tl.where(shared_layout != 0, 0, kvh)) * num_k_blocks
     seg += kb
-    lo = tl.load(RowPtr + seg)
-    hi = tl.load(RowPtr + seg + 1)
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_M
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -255,12 +269,15 @@ def _dkdv_kernel(
     q_index = QIndex + b * q_len
     q_segment = QSegment + b * q_len
     per_entry = rep * SUB
-    for i in range(lo * per_entry, hi * per_entry):
-        entry = tl.load(Entries + i // per_entry)
-        r = i % per_entry
+    # the segment's full block pairs first (no mask, no token metadata), then its partial ones; one loop
+    # with a branch on the step (two loops spilled 88 bytes per thread at head_dim 128 and lost their
+    # multi-stage pipelining)
+    lo, n_full = key_block_steps(RowPtr, 2 * seg, per_entry)
+    _, n_partial = key_block_steps(RowPtr, 2 * seg + 1, per_entry)
+    for i in range(n_full + n_partial):
+        entry, r = key_block_entry(Entries, lo, i, per_entry)
         h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
-        qb = entry % num_q_blocks
-        offs_m = qb * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = (entry % num_q_blocks) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         q_mask = m_ok[:, None] & d_ok[None, :]
         rows = offs_m.to(tl.int64)[:, None]
@@ -270,16 +287,14 @@ def _dkdv_kernel(
         row = (b * num_q_heads + h) * q_len + offs_m
         lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
         delta = tl.load(Delta + row, mask=m_ok, other=0.0)
-        q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
-        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+        if i >= n_full:
             q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)
-            q_seg = query_segments(q_seg)
-            vis = visible(q_idx[None, :], q_seg[None, :], k_idx[:, None], k_seg[:, None], window, HAS_WINDOW)
+            vis = visible(q_idx[None, :], query_segments(q_seg)[None, :], k_idx[:, None], k_seg[:, None], window,
+                          HAS_WINDOW)
             p_t = tl.where(vis, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
 
     dst = (b * num_kv_heads + kvh) * k_len * HEAD_DIM + kv_rows * HEAD_DIM + offs_d[None, :]
@@ -337,8 +352,11 @@ def backward(
     block_size: int,
     window: int | None,
     deterministic: bool,
+    grads_in_input_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels; returns fp32 (dq, dk, dv) shaped like q, k, v (contiguous).
+    """Launch the backward kernels; returns (dq, dk, dv) shaped like q, k, v: fp32 and contiguous, or
+    with `grads_in_input_dtype` in the inputs' dtype in [B, S, H, D] memory ([B, H, S, D] views),
+    as transformers' projections take them back.
 
     q/k/v/out/dout: unit stride along D; lse (and dlse) contiguous [B, Hq, Sq]; layout and token
     metadata as for `block_sparse_fwd.forward`.
@@ -346,20 +364,24 @@ def backward(
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     dev = q.device
-    on_gpu = q.is_cuda
-    dq = torch.empty(b, hq, sq, d, dtype=torch.float32, device=dev)
+    on_gpu = compiled(dev)
+    # dq straight in its final form; dk/dv summed in fp32 (the columns' share first, atomically or in
+    # partial sums, then the dk/dv kernel's) and, for the input dtype, copied once (Hkv heads: a GQA
+    # group's fraction of dq's size; writing them from the dk/dv kernel spilled 144-232 bytes per
+    # thread at head_dim 128)
+    dq = _gradient(q, grads_in_input_dtype)
     has_cols = col_idx.shape[-1] > 0
     alloc = torch.zeros if has_cols else torch.empty
     dk = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
     dv = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
     if b == 0 or sq == 0 or sk == 0:
+        dk, dv = (_gradient(x, grads_in_input_dtype) for x in (k, v))
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     block_d = triton.next_power_of_2(max(d, 16))
     precision = dot_precision(q.dtype)
     qk_scale = scale * LOG2E.value
     hl, nqb, max_blocks, max_cols = block_idx.shape[1], block_idx.shape[2], block_idx.shape[3], col_idx.shape[3]
-    block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -370,6 +392,8 @@ def backward(
     nkb = triton.cdiv(sk, block_size)
     q_summary = block_summary(q_index, q_segment, block_size)
     k_summary = block_summary(k_index, k_segment, block_size)
+    block_idx, full_cnt, partial = split_full_blocks(block_idx, block_cnt, q_summary, k_summary, window)
+    block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
     pre_m = 64 if on_gpu else 32
@@ -387,9 +411,9 @@ def backward(
     def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
         _dq_kernel[(b * hq, count)](
             q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
-            block_idx_p, block_cnt, col_idx_p, col_cnt,
-            q_index, q_segment, k_index, k_segment, q_summary, k_summary,
-            *strides,
+            block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt,
+            q_index, q_segment, k_index, k_segment,
+            *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hk, hq // hk, hl, sq, sk, nqb, nkb, max_blocks, max_cols,
             first_tile, qk_scale, scale, window or 0,
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
@@ -419,11 +443,11 @@ def backward(
             )
 
     kv_tiles = dkdv_tiles(block_size, d, on_gpu)
-    row_ptr, entries = key_block_csr(block_idx, block_cnt, hq, hk, nkb)
+    row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb)
     _dkdv_kernel[(b * hk, triton.cdiv(sk, kv_tiles.block_n))](
         q, k, v, dout, lse2, delta, dk, dv,
         row_ptr, placeholder_if_empty(entries),
-        q_index, q_segment, k_index, k_segment, q_summary, k_summary,
+        q_index, q_segment, k_index, k_segment,
         *strides,
         hq, hk, hq // hk, int(hl == 1), sq, sk, nqb, nkb,
         qk_scale, scale, window or 0,
@@ -432,4 +456,14 @@ def backward(
         HAS_WINDOW=window is not None, ACCUMULATE=has_cols, PRECISION=precision,
         num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages,
     )
+    if grads_in_input_dtype:
+        dk, dv = (_gradient(x, True).copy_(g) for x, g in ((k, dk), (v, dv)))
     return dq, dk, dv
+
+
+def _gradient(x: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
+    """The gradient buffer of x [B, H, S, D]: fp32 contiguous, or x's dtype in [B, S, H, D] memory."""
+    b, h, s, d = x.shape
+    if in_input_dtype:
+        return torch.empty(b, s, h, d, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(b, h, s, d, dtype=torch.float32, device=x.device)

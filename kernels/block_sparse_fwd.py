@@ -13,6 +13,13 @@ previous result is folded in after the loops as one more online-softmax term (ma
 computes it; reading it only after the loops keeps its registers free during them. A tile whose
 layout row lists nothing returns at once in that mode, leaving the running result untouched (no
 load, no store, no rounding).
+
+A layout row's full key blocks (every pair visible) run before its partial ones
+(`indexing.split_full_blocks`, on the device at launch): full steps run no mask and load no token
+metadata. A layout entry out of range (a block past the keys or negative, a column outside the
+keys, a count outside the row's slots) is never read through: block 0 stands in and column
+gathers are masked, and the row's queries come out NaN (out and lse), a loud result without a
+host synchronization.
 """
 
 from __future__ import annotations
@@ -21,16 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import forward_tiles
-from .indexing import block_summary
+from .configs import compiled, forward_tiles
+from .indexing import block_summary, split_full_blocks
 from .tiles import (
     LN2,
     LOG2E,
+    columns_out_of_range,
+    layout_count,
     load_block_step,
     load_column_step,
     load_meta,
-    load_summary,
-    needs_mask,
     query_segments,
     query_tile,
     visible,
@@ -68,8 +75,8 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _forward_kernel(
     Q, K, V, Out, Lse,
-    BlockIdx, BlockCnt, ColIdx, ColCnt,
-    QIndex, QSegment, KIndex, KSegment, QSummary, KSummary,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -85,16 +92,17 @@ def _forward_kernel(
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
-    n_blocks = tl.load(BlockCnt + lay)
-    n_cols = tl.load(ColCnt + lay)
+    n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
+    n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
+    # an invalid layout row (a count outside its slots, an index out of range): its queries come out NaN
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
     if MERGE:
-        if n_blocks + n_cols == 0:
+        if (n_blocks + n_cols == 0) & ~bad:
             return  # nothing to add (a ring step without work here): the running result stays as it is, bit for bit
     q_rows = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
     q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
     q_seg = query_segments(q_seg)
-    q_lo, q_hi, q_seg_lo, q_seg_hi = load_summary(QSummary + (b * num_q_blocks + qb) * 4)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -105,14 +113,19 @@ def _forward_kernel(
     k_index = KIndex + b * k_len
     k_segment = KSegment + b * k_len
 
-    # listed key blocks, `SUB` steps of BLOCK_N rows each
+    # listed key blocks, `SUB` steps of BLOCK_N rows each: first the full ones (every pair visible),
+    # then the partial ones (`indexing.split_full_blocks` ordered them so); full steps run no mask and
+    # load no token metadata. One loop with a branch on the step: two loops (full, partial) lost their
+    # multi-stage pipelining on sm_90 (Triton 3.9, benchmarks/results/README.md).
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
+    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        kb, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
-                                                 k_len, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N)
+        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                        LAYOUT_BLOCK, BLOCK_N)
+        bad = bad | kb_bad
         s = _scores(q, k, qk_scale, PRECISION)
-        k_lo, k_hi, k_seg_lo, k_seg_hi = load_summary(KSummary + (b * num_k_blocks + kb) * 4)
-        if needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW):
+        if i >= n_full:
             k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
             vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
             s = tl.where(vis, s, float("-inf"))
@@ -121,7 +134,7 @@ def _forward_kernel(
     # vertical columns, gathered by token index
     for c0 in range(0, n_cols, BLOCK_C):
         _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
-                                                 stride_ks, stride_vs, offs_d, d_ok, BLOCK_C)
+                                                 stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
         k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
         s = _scores(q, k, qk_scale, PRECISION)
         vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
@@ -144,6 +157,7 @@ def _forward_kernel(
         acc = acc * alpha[:, None] + o_prev * w_prev[:, None]
         l_i = l_i * alpha + w_prev
         m_i = m_new
+    l_i += tl.where(bad, float("nan"), 0.0)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -192,13 +206,14 @@ def forward(
     hk, sk = k.shape[1], k.shape[2]
     if sq == 0 or b == 0:
         return
-    tiles = forward_tiles(block_size, d, q.is_cuda)
+    tiles = forward_tiles(block_size, d, compiled(q.device))
     grid = (b * hq, triton.cdiv(sq, tiles.block_m))
+    block_idx, full_cnt, _ = split_full_blocks(block_idx, block_cnt, block_summary(q_index, q_segment, block_size),
+                                               block_summary(k_index, k_segment, block_size), window)
     _forward_kernel[grid](
         q, k, v, out, lse,
-        placeholder_if_empty(block_idx), block_cnt, placeholder_if_empty(col_idx), col_cnt,
+        placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt,
         q_index, q_segment, k_index, k_segment,
-        block_summary(q_index, q_segment, block_size), block_summary(k_index, k_segment, block_size),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

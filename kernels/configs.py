@@ -2,10 +2,11 @@
 
 Autotuning is left out on purpose: the forward can merge into its output in place, so a tuner's
 repeated trial launches would corrupt it, and per-shape tuning would stall the first training steps.
-The CUDA choices were made without a GPU, from sm_90 builds (`sm90`, `benchmarks/kernel_resources.py`):
-every choice keeps all matrix products on wgmma (column tiles are 64 rows: transposed column
-products need M >= 64), shared memory under 227 KB and spills small; the builds behind each choice
-are in `benchmarks/results/README.md`. None of this has been timed yet: `benchmarks/tune_tiles.py`
+The CUDA choices were made without a GPU, from sm_90 builds with the arguments of real launches,
+divisibility hints included (`sm90`, `benchmarks/kernel_resources.py`): every choice keeps all
+matrix products on wgmma at least 32 wide (no m64n16; column tiles are 64 rows: transposed column
+products need M >= 64), shared memory under 227 KB and no spilled register; the builds behind each
+choice are in `benchmarks/results/README.md`. None of this has been timed yet: `benchmarks/tune_tiles.py`
 times the candidates on a GPU through `tiles_override`, and its winners belong here. Under
 Triton's interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
 The kernels stop at head_dim 128 (`ops.MAX_HEAD_DIM`); larger heads use the reference.
@@ -80,10 +81,39 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
         warps = (8,) if head_dim > 64 else (4, 8)
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
-        grid = itertools.product((16, 32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate)
+        grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate)
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
         grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate)
-    return [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
+    tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
+    return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
+
+
+# Narrowest wgmma N worth launching: an m64n16 product runs a quarter of a full-width tile per
+# instruction (seen at head_dim 128 in the 64-key x 32-row dk/dv tile, benchmarks/results/README.md).
+MIN_WGMMA_N = 32
+
+
+def narrowest_wgmma_n(kernel: str, tiles: Tiles, head_dim: int) -> int:
+    """The N of the narrowest wgmma a launch with `tiles` issues, as Triton lays products out on
+    sm_90: each warpgroup (4 warps) takes 64-row slices of a product's M side, and warpgroups left
+    over split its N side. Products as (M, N): forward and dq (query rows, key step / head_dim /
+    column step), dq's column gradients (column step, head_dim); dk/dv (keys, query-row step /
+    head_dim)."""
+    if kernel == "dkdv":
+        products = [(tiles.block_n, tiles.block_m), (tiles.block_n, head_dim)]
+    else:
+        products = [(tiles.block_m, tiles.block_n), (tiles.block_m, head_dim), (tiles.block_m, tiles.block_c)]
+        if kernel == "dq":
+            products.append((tiles.block_c, head_dim))
+    warpgroups = max(1, tiles.num_warps // 4)
+    return min(n // max(1, warpgroups // max(1, m // 64)) for m, n in products)
+
+
+def compiled(device) -> bool:
+    """Whether launches on `device` run compiled kernels (CUDA; meta tensors, which `sm90` launches to
+    record a real launch's arguments) rather than Triton's interpreter (CPU tensors), which gets small
+    tiles."""
+    return device.type != "cpu"
 
 
 def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
@@ -101,9 +131,9 @@ def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
-    # At head_dim 128 the columns' dk/dv get their own pass: inside the dq loop the dq accumulator,
-    # q, dout and both column tiles are live at once and spill.
-    return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3, separate_columns=head_dim > 64)
+    # The columns' dk/dv stay in the dq loop: with the launch's divisibility hints that builds without
+    # spilling at head_dim 128 too (a separate pass recomputes two products per column step).
+    return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
 
 
 def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
@@ -111,11 +141,10 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
         return t
     if not on_gpu:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
-    if head_dim <= 64:
-        return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
-    # 128 keys per program would hold 128 fp32 registers of dk/dv accumulators per thread at head_dim
-    # 128: 64 keys with 32-row query steps.
-    return Tiles(min(block_size, 32), min(block_size, 64), 64, 8, 3)
+    # 128 keys per program in 64-row query steps (FlexAttention's backward class): every product is
+    # m64n64 or wider; at head_dim 128 the hinted build holds its dk/dv accumulators in 250 registers
+    # without spilling (64 keys x 32 rows issued m64n16 for half its products).
+    return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
 
 
 @dataclass(frozen=True)

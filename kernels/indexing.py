@@ -1,7 +1,10 @@
 """Index structures of the kernels, built on the device with torch (no host synchronization).
 
-* `block_summary`: per block of tokens, the range of global indices and of segments, from which a
-  kernel decides with four scalar loads (no in-kernel reductions) that a whole tile is visible.
+* `block_summary`: per block of tokens, the range of global indices and of segments, from which
+  `split_full_blocks` decides that every pair of a (query block, key block) is visible.
+* `split_full_blocks`: each layout row's key blocks reordered into full ones (every pair visible)
+  first and partial ones after, with the count of full ones, so that the kernels' full-block loop
+  carries no mask and no metadata loads.
 * `key_block_csr`: the layout transposed, for the dK/dV kernel that owns one key block and visits
   every (query head, query block) that lists it. A CSR (row pointers + entries) from one stable
   sort of the listed (query block, key block) pairs: memory and time grow with the listed blocks,
@@ -21,7 +24,7 @@ def block_summary(index: torch.Tensor, segment: torch.Tensor, block_size: int) -
     """int32 [B, ceil(S / block_size), 4]: (min index, max index, min segment, max segment) per block.
 
     Indices are clamped to int32 like the kernels' own; the missing tokens of a partial last block
-    count as padding (segment -1), which makes every tile of that block take the mask.
+    count as padding (segment -1), which makes every block pair with that block partial.
     """
     b, s = index.shape
     n = -(-s // block_size)
@@ -35,16 +38,68 @@ def block_summary(index: torch.Tensor, segment: torch.Tensor, block_size: int) -
     return torch.stack([idx.amin(-1), idx.amax(-1), seg.amin(-1), seg.amax(-1)], -1).contiguous()
 
 
-def key_block_csr(
-    block_idx: torch.Tensor, block_cnt: torch.Tensor, num_q_heads: int, num_kv_heads: int, num_k_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (batch, key-head group, key block) the (query head in group, query block) pairs that list it.
+def split_full_blocks(
+    block_idx: torch.Tensor,
+    block_cnt: torch.Tensor,
+    q_summary: torch.Tensor,
+    k_summary: torch.Tensor,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each layout row's listed key blocks, full ones first (every (query, key) pair of the block pair
+    visible: one document without padding, keys at or before the earliest query, inside the window),
+    partial ones after, each part in the layout's order.
 
-    block_idx [B, Hl, NQB, MB], block_cnt [B, Hl, NQB] (Hl = query heads, or 1 for a shared layout).
-    Returns (row_ptr int32 [B * Hs * NKB + 1], entries int32 [B * Hl * NQB * MB]) with Hs = Hkv for
-    per-head layouts and 1 for a shared one; segment (b, g, kb) holds entries[row_ptr[s]:row_ptr[s+1]],
-    each `head_in_group * NQB + query_block` (head_in_group = 0 for a shared layout, whose entries
-    stand for every head of the group), ascending.
+    block_idx [B, Hl, NQB, MB], block_cnt [B, Hl, NQB]; summaries from `block_summary` of the
+    queries [B, NQB, 4] and keys [B, NKB, 4]. Returns (block_idx reordered, int32 contiguous;
+    full_cnt int32 [B, Hl, NQB]; partial bool [B, Hl, NQB, MB] of the reordered slots in use). A
+    block index out of range counts as partial (the masked loop flags it). No host synchronization.
+    """
+    b, hl, nqb, mb = block_idx.shape
+    nkb = k_summary.shape[1]
+    in_use = torch.arange(mb, device=block_idx.device) < block_cnt.unsqueeze(-1)
+    in_range = (block_idx >= 0) & (block_idx < nkb)
+    kb = torch.where(in_range, block_idx, 0).long().flatten(1)  # [B, Hl * NQB * MB]
+    k_summary = k_summary if nkb else k_summary.new_zeros(b, 1, 4)  # no keys: every index is out of range
+    k = torch.gather(k_summary.long(), 1, kb.unsqueeze(-1).expand(-1, -1, 4)).view(b, hl, nqb, mb, 4)
+    q = q_summary.long().view(b, 1, nqb, 1, 4)
+    q_lo, q_hi, q_seg_lo, q_seg_hi = q.unbind(-1)
+    k_lo, k_hi, k_seg_lo, k_seg_hi = k.unbind(-1)
+    partial = (q_seg_lo != q_seg_hi) | (k_seg_lo != k_seg_hi) | (k_seg_lo != q_seg_lo) | (q_seg_lo < 0)
+    partial = partial | (k_hi > q_lo) | ~in_range
+    if window is not None:
+        partial = partial | (q_hi - k_lo >= window)
+    full = in_use & ~partial
+    part = in_use & partial
+    full_cnt = full.sum(-1, dtype=torch.int32)
+    # a permutation of the slots: full ones, then partial ones, then the unused ones
+    pos = torch.where(full, full.cumsum(-1) - 1,
+                      torch.where(part, full_cnt.unsqueeze(-1) + part.cumsum(-1) - 1,
+                                  in_use.sum(-1, keepdim=True) + (~in_use).cumsum(-1) - 1))
+    order = torch.empty_like(pos).scatter_(-1, pos, torch.arange(mb, device=pos.device).expand_as(pos))
+    return block_idx.gather(-1, order).contiguous(), full_cnt, part.gather(-1, order)
+
+
+def key_block_csr(
+    block_idx: torch.Tensor,
+    block_cnt: torch.Tensor,
+    partial: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    num_k_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, key-head group, key block) the (query head in group, query block) pairs that list
+    it, those of full block pairs first.
+
+    block_idx [B, Hl, NQB, MB], block_cnt [B, Hl, NQB] (Hl = query heads, or 1 for a shared layout),
+    partial [B, Hl, NQB, MB] (from `split_full_blocks`). Returns (row_ptr int64 [2 * B * Hs * NKB +
+    1], entries int32 [B * Hl * NQB * MB]) with Hs = Hkv for per-head layouts and 1 for a shared one;
+    segment s = (b, g, kb) holds its full entries in entries[row_ptr[2s]:row_ptr[2s+1]] and its
+    partial ones in entries[row_ptr[2s+1]:row_ptr[2s+2]], each `head_in_group * NQB + query_block`
+    (head_in_group = 0 for a shared layout, whose entries stand for every head of the group),
+    ascending. Row pointers are int64: the entries of a dense
+    layout pass 2**31 at 1M tokens with a batch of 2 and 32 heads. A block index outside [0, NKB) is
+    left out (the query-major kernels flag it), so no segment gets another head's or batch row's
+    block.
     """
     b, hl, nqb, mb = block_idx.shape
     dev = block_idx.device
@@ -54,14 +109,13 @@ def key_block_csr(
     lh = torch.arange(hl, device=dev).view(1, hl, 1, 1)
     bb = torch.arange(b, device=dev).view(b, 1, 1, 1)
     qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1)
-    valid = torch.arange(mb, device=dev) < block_cnt.unsqueeze(-1)
+    valid = (torch.arange(mb, device=dev) < block_cnt.unsqueeze(-1)) & (block_idx >= 0) & (block_idx < num_k_blocks)
     seg = (bb * seg_heads + lh // group) * num_k_blocks + block_idx
-    key = torch.where(valid, seg, n_seg).to(torch.int32).flatten()
+    key = torch.where(valid, 2 * seg + partial, 2 * n_seg).flatten()
     entry = ((lh % group) * nqb + qb).to(torch.int32).expand(b, hl, nqb, mb).flatten()
     sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(n_seg + 1, device=dev, dtype=torch.int32)
-    row_ptr = torch.searchsorted(sorted_key, bounds).to(torch.int32)
-    return row_ptr, entry[order]
+    bounds = torch.arange(2 * n_seg + 1, device=dev)
+    return torch.searchsorted(sorted_key, bounds), entry[order]
 
 
 def column_targets(
@@ -78,14 +132,15 @@ def column_targets(
     t (of query block `tile_blocks[t]`) sends to its column `slot`. Returns (sorted_row int64: the
     flat key row b * Hkv * Sk + kv_head * Sk + token, or `invalid` for unused slots; order int64:
     the partial row of each sorted position; seg_end int32: one past the last position with the
-    same key row; invalid).
+    same key row; invalid). Slots holding a token outside [0, k_len) count as unused (no write
+    outside the gradient rows; the dq kernel flags them).
     """
     b, hl, _, mc = col_idx.shape
     dev = col_idx.device
     heads = torch.arange(num_q_heads, device=dev) if hl > 1 else torch.zeros(num_q_heads, dtype=torch.long, device=dev)
     cols = col_idx[:, heads][:, :, tile_blocks].long()  # [B, Hq, T, MC]
     cnt = col_cnt[:, heads][:, :, tile_blocks]
-    valid = torch.arange(mc, device=dev) < cnt.unsqueeze(-1)
+    valid = (torch.arange(mc, device=dev) < cnt.unsqueeze(-1)) & (cols >= 0) & (cols < k_len)
     kv_head = torch.arange(num_q_heads, device=dev) // (num_q_heads // num_kv_heads)
     base = (torch.arange(b, device=dev).view(b, 1, 1, 1) * num_kv_heads + kv_head.view(1, -1, 1, 1)) * k_len
     invalid = b * num_kv_heads * k_len

@@ -2,10 +2,12 @@
 
 Custom ops (composable with torch.compile; each has a fake implementation for tracing):
 
-* `hf_sparse_cp::block_sparse_attn_fwd`: (out fp32, lse fp32) of a layout;
+* `hf_sparse_cp::block_sparse_attn_fwd`: (out, lse fp32) of a layout; out in fp32, or in the
+  input dtype laid out as transformers' [B, S, H, D] (a [B, H, S, D] view of it);
 * `hf_sparse_cp::block_sparse_attn_fwd_merge_`: the same, merged in place into an existing
   (out, lse) (ring attention: one pass per step, no separate merge);
-* `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32.
+* `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32, or in the input dtype laid out as
+  [B, S, H, D] ([B, H, S, D] views).
 
 `triton_forward` / `triton_backward` pick the op, make strides kernel-friendly and check what only
 the kernels require (dtype, head_dim, merge buffers, device). They take raw tensors: the layout's
@@ -42,9 +44,9 @@ def block_sparse_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
-    scale: float, block_size: int, window: Optional[int],
+    scale: float, block_size: int, window: Optional[int], out_in_input_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = _fresh_out(q, out_in_input_dtype)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _launchers(q.device)[0].forward(
         q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse,
@@ -55,8 +57,17 @@ def block_sparse_attn_fwd(
 
 @block_sparse_attn_fwd.register_fake
 def _(q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, scale, block_size,
-      window):
-    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+      window, out_in_input_dtype):
+    return _fresh_out(q, out_in_input_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fresh_out(q: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
+    """An output for queries q [B, H, S, D]: fp32 [B, H, S, D], or q's dtype in [B, S, H, D] memory (what
+    transformers' attention functions return, so no cast or transpose copy follows)."""
+    b, h, s, d = q.shape
+    if in_input_dtype:
+        return torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty(b, h, s, d, dtype=torch.float32, device=q.device)
 
 
 @torch.library.custom_op("hf_sparse_cp::block_sparse_attn_fwd_merge_", mutates_args=("out", "lse"))
@@ -85,19 +96,19 @@ def block_sparse_attn_bwd(
     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
     block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
-    scale: float, block_size: int, window: Optional[int], deterministic: bool,
+    scale: float, block_size: int, window: Optional[int], deterministic: bool, grads_in_input_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launchers(q.device)[1].backward(
         q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index,
         k_segment, scale=scale, block_size=block_size, window=window, deterministic=deterministic,
+        grads_in_input_dtype=grads_in_input_dtype,
     )
 
 
 @block_sparse_attn_bwd.register_fake
 def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment,
-      scale, block_size, window, deterministic):
-    f32 = torch.float32
-    return (q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32))
+      scale, block_size, window, deterministic, grads_in_input_dtype):
+    return tuple(_fresh_out(x, grads_in_input_dtype) for x in (q, k, v))
 
 
 def _outside_limits(q: torch.Tensor) -> str | None:
@@ -140,6 +151,7 @@ def triton_forward(
     window: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    out_in_input_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention forward on the Triton kernels.
 
@@ -151,15 +163,18 @@ def triton_forward(
         scale: softmax scale; block_size: the layout's block; window: sliding window or None.
         out, lse: a running result to merge into in place (fp32 [B, Hq, Sq, D] with unit stride
             along D, contiguous fp32 [B, Hq, Sq]), or None for a fresh result.
+        out_in_input_dtype: a fresh out is written in q's dtype, in [B, S, Hq, D] memory (returned
+            as its [B, Hq, S, D] view), instead of fp32 (which a ring merges into).
 
     Returns:
-        (out, lse) in fp32; the merge buffers themselves when given.
+        (out, lse fp32); the merge buffers themselves when given.
     """
     _check(q)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
     if out is None and lse is None:
-        return torch.ops.hf_sparse_cp.block_sparse_attn_fwd(q, k, v, *args, scale, block_size, window)
+        return torch.ops.hf_sparse_cp.block_sparse_attn_fwd(q, k, v, *args, scale, block_size, window,
+                                                             out_in_input_dtype)
     if out is None or lse is None:
         raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
     if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1:
@@ -188,6 +203,7 @@ def triton_backward(
     window: int | None = None,
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
+    grads_in_input_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-sparse attention backward on the Triton kernels.
 
@@ -198,9 +214,11 @@ def triton_backward(
         dlse: the gradient reaching lse, or None.
         deterministic: bitwise reproducible column gradients (slower); None follows
             `torch.are_deterministic_algorithms_enabled()`. Block gradients and dq always are.
+        grads_in_input_dtype: return the gradients in the inputs' dtype, in [B, S, H, D] memory
+            ([B, H, S, D] views), instead of fp32 (which a ring sums over its steps).
 
     Returns:
-        (dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]) in fp32.
+        (dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]), fp32 unless `grads_in_input_dtype`.
     """
     _check(q)
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
@@ -214,5 +232,5 @@ def triton_backward(
     args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
     return torch.ops.hf_sparse_cp.block_sparse_attn_bwd(
         q, k, v, out, lse.contiguous(), dout, None if dlse is None else dlse.contiguous(), *args,
-        scale, block_size, window, bool(deterministic),
+        scale, block_size, window, bool(deterministic), grads_in_input_dtype,
     )

@@ -3,11 +3,11 @@
 Visibility of a (query, key) pair is decided per token from `TokenMeta` (see
 `hf_sparse_cp.attention.tokens`): the key is not after the query in the global order, both tokens are in
 the same document, the query is not padding, and (with a sliding window) the key is fewer than
-`window` tokens back. Building that mask costs a few integer operations per score, so every
-tile first asks whether *all* its pairs are visible (one segment, keys entirely at or before the
-earliest query), from per-block summaries precomputed on the host side (`indexing.block_summary`):
-such tiles, the large majority away from the diagonal and from document edges, skip the mask
-(`needs_mask`).
+`window` tokens back. Building that mask costs token metadata loads and a few integer operations
+per score, so the launchers sort each layout row's key blocks into full ones (all pairs visible,
+decided from per-block summaries: `indexing.split_full_blocks`) and partial ones, and the kernels
+run the full ones in a loop without any mask: the large majority, away from the diagonal and from
+document edges.
 
 Global indices are narrowed to int32 once per vector (not per pair): indices past 2**31 - 1 are
 clamped, which only ever affects padding (its segment already hides it).
@@ -50,26 +50,6 @@ def visible(q_idx, q_seg, k_idx, k_seg, window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def load_summary(summary_ptr):
-    """(min index, max index, min segment, max segment) of one block (see `indexing.block_summary`)."""
-    return tl.load(summary_ptr), tl.load(summary_ptr + 1), tl.load(summary_ptr + 2), tl.load(summary_ptr + 3)
-
-
-@triton.jit
-def needs_mask(q_lo, q_hi, q_seg_lo, q_seg_hi, k_lo, k_hi, k_seg_lo, k_seg_hi, window, HAS_WINDOW: tl.constexpr):
-    """False when every (query, key) pair of a tile is visible, judged from the block summaries of
-    its query and key blocks (a tile inside a fully visible block pair is fully visible).
-
-    Padding (segment -1) in either block makes the tile take the mask.
-    """
-    partial = (q_seg_lo != q_seg_hi) | (k_seg_lo != k_seg_hi) | (k_seg_lo != q_seg_lo) | (q_seg_lo < 0)
-    partial = partial | (k_hi > q_lo)
-    if HAS_WINDOW:
-        partial = partial | (q_hi - k_lo >= window)
-    return partial
-
-
-@triton.jit
 def query_tile(pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len,
                BLOCK_M: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Where a query-major program works: batch row b and query head h (int64 for addressing),
@@ -87,28 +67,73 @@ def query_tile(pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_l
 
 
 @triton.jit
-def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, offs_d, d_ok,
-                    SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+def layout_count(CountPtr, lay, width):
+    """The count of layout row `lay` clamped to [0, width], and whether it lay outside (an invalid
+    layout, which the kernels turn into NaN rows instead of reading past the row)."""
+    n = tl.load(CountPtr + lay)
+    return tl.minimum(tl.maximum(n, 0), width), (n < 0) | (n > width)
+
+
+@triton.jit
+def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, num_k_blocks, offs_d,
+                    d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Step `i` over the key blocks that layout row `lay` lists (`SUB` steps of BLOCK_N keys per
-    block): the key block, its keys' offsets and bounds, and their K and V tiles."""
+    block): the key block, whether its index was out of range, its keys' offsets and bounds, and
+    their K and V tiles. An index outside [0, num_k_blocks) is read as block 0 (every address stays
+    inside the tensors) and flagged: the caller turns its rows into NaN."""
     kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
+    kb_bad = (kb < 0) | (kb >= num_k_blocks)
+    kb = tl.where(kb_bad, 0, kb)
     offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
-    return kb, offs_n, n_ok, k, v
+    return kb, kb_bad, offs_n, n_ok, k, v
 
 
 @triton.jit
-def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs, offs_d, d_ok,
+def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs, k_len, offs_d, d_ok,
                      BLOCK_C: tl.constexpr):
-    """The `BLOCK_C` vertical columns of layout row `lay` from slot `c0` on: their slots and
-    bounds, key tokens, the K/V bounds mask, and the gathered K and V rows."""
+    """The `BLOCK_C` vertical columns of layout row `lay` from slot `c0` on: their slots, which are
+    in use with a token inside [0, k_len) (nothing is read or written for a token out of range;
+    `columns_out_of_range` flags it), the key tokens, the K/V mask, the gathered K and V rows."""
     offs_c = c0 + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < n_cols
-    col = tl.load(ColIdx + lay * max_cols + offs_c, mask=c_ok, other=0)
+    in_use = offs_c < n_cols
+    col = tl.load(ColIdx + lay * max_cols + offs_c, mask=in_use, other=0)
+    in_range = (col >= 0) & (col < k_len)
+    c_ok = in_use & in_range
     mask = c_ok[:, None] & d_ok[None, :]
     k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
     return offs_c, c_ok, col, mask, k, v
+
+
+@triton.jit
+def columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C: tl.constexpr):
+    """Whether layout row `lay` lists a column outside [0, k_len): one pass over its column slots
+    before the column loop, which keeps the check out of that loop's registers."""
+    bad = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for c0 in range(0, n_cols, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        in_use = offs_c < n_cols
+        col = tl.load(ColIdx + lay * max_cols + offs_c, mask=in_use, other=0)
+        bad |= (in_use & ((col < 0) | (col >= k_len))).to(tl.int32)
+    return tl.max(bad, 0) != 0
+
+
+@triton.jit
+def key_block_steps(RowPtr, seg, per_entry):
+    """The first entry (int64) of segment `seg` of the key-block CSR and its number of steps of
+    `per_entry` each. Only the count within one segment is int32 (at most heads x query blocks x
+    sub-steps); an absolute step number `row_ptr * per_entry` passes 2**31 for a dense shared
+    layout at 1M tokens with GQA 16."""
+    lo = tl.load(RowPtr + seg)
+    hi = tl.load(RowPtr + seg + 1)
+    return lo, ((hi - lo) * per_entry).to(tl.int32)
+
+
+@triton.jit
+def key_block_entry(Entries, lo, i, per_entry):
+    """Step `i` of a segment starting at entry `lo`: its entry and its sub-step within the entry."""
+    return tl.load(Entries + lo + i // per_entry), i % per_entry

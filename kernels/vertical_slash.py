@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_fwd import dot_precision
-from .configs import scoring_tiles
+from .configs import compiled, scoring_tiles
 from .tiles import LOG2E
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,7 +149,7 @@ def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -
     q_rows = q_rows if q_rows.stride(-1) == 1 else q_rows.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     dev = q_rows.device
-    tiles = scoring_tiles(q_rows.is_cuda)
+    tiles = scoring_tiles(compiled(dev))
     block, per_split = tiles.block, tiles.keys_per_split
     block_d = triton.next_power_of_2(max(d, 16))
     qk_scale = scale * LOG2E.value

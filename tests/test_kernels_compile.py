@@ -1,33 +1,59 @@
-"""The kernels compile for Hopper (sm_90) with the tile shapes the launchers pick, without a GPU.
+"""The kernels compile for Hopper (sm_90) as real launches build them, without a GPU.
 
 CI catches a kernel that no longer builds, outgrows an H100's shared memory, leaves the wgmma
-tensor-core path or spills heavily with its tiles, before any GPU run (see `kernels.sm90`).
+tensor-core path, issues quarter-width (n16) wgmma, spills, or loses the multi-stage pipelining of
+its key-block loop with the launchers' tiles, before
+any GPU run. The builds take the arguments of real launches (`kernels.sm90`), so each carries the
+divisibility hints the JIT gives a launch.
 """
 
 import pytest
+import torch
 
-from hf_sparse_cp.kernels import sm90
+from hf_sparse_cp.kernels import configs, sm90
 from hf_sparse_cp.kernels.configs import Tiles
 
 from benchmark_loader import load_benchmark
 
-# Stack bytes per thread that the launchers' tiles stay under (spilled registers; the largest is the
-# dq kernel's column pass at head_dim 128, ~220 with Triton 3.6). For scale: dk/dv with 128-key tiles
-# at head_dim 128 spilled over 2 KB with Triton 3.6 and 3.9, the columns' dk/dv inside the dq loop ~650.
-MAX_STACK_BYTES = 512
+# Stack bytes per thread the launchers' builds may hold: none with Triton 3.9; Triton 3.6 (the GPU
+# image's) keeps 16 bytes in the dk/dv kernel at head_dim 128 (four registers; with 2 stages it spills
+# nothing but no longer keeps loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles
+# were recorded at over 2 KB.
+MAX_STACK_BYTES = 16
+
+
+def _hints_of_a_launch(args: tuple) -> int:
+    """Arguments a launch marks 16-divisible: every tensor (torch allocations are 256-byte aligned) and
+    every integer divisible by 16 (an integer equal to 1 becomes a constant instead)."""
+    return sum(isinstance(a, torch.Tensor) or (isinstance(a, int) and a % 16 == 0) for a in args)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_kernels_compile_for_sm90_within_limits(head_dim, dtype):
+def test_launched_builds_are_hinted_spill_free_and_on_full_wgmma(head_dim, dtype):
+    launches = sm90.recorded_launches(sm90.launch_for(head_dim, dtype))
     builds = sm90.launcher_builds(head_dim, dtype)
-    assert {"forward", "forward_merge", "dq", "dq_column_grads", "dkdv"} <= set(builds)
+    assert set(builds) == set(sm90.VARIANTS) == set(launches)
     for name, (tiles, build) in builds.items():
         use = sm90.usage(build)
         assert "cubin" in build.asm, name
+        assert use.hinted_args == _hints_of_a_launch(launches[name][1]) > 0, (name, use)
+        assert use.wide_loads > 0, (name, use)  # 16-byte loads, which the hints make possible
         assert use.shared_bytes <= sm90.H100_SHARED_BYTES, (name, tiles, use)
         assert use.wgmma > 0 and use.mma_sync == 0, (name, tiles, use)
+        assert use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, (name, tiles, use)
         assert use.stack_bytes <= MAX_STACK_BYTES, (name, tiles, use)
+        if name in sm90.TUNED_KERNEL:  # the key-block loop keeps loads more than one step ahead
+            assert use.copies_in_flight > 0, (name, tiles, use)
+
+
+def test_quarter_width_wgmma_is_caught():
+    """The dk/dv tile launched before the hinted builds (64 keys x 32 query rows at head_dim 128)
+    issues m64n16 wgmma: the build shows it, the tile model predicts it, and the candidates leave it out."""
+    old = Tiles(32, 64, 64, 8, 3)
+    _, build = sm90.build("dkdv", old, sm90.launch_for(128))
+    assert sm90.usage(build).narrowest_wgmma_n() == 16 == configs.narrowest_wgmma_n("dkdv", old, 128)
+    assert old not in configs.tile_candidates("dkdv", 128, 128)
 
 
 def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):

@@ -23,17 +23,24 @@ import test_kernels_gpu as gpu
 SMALL_SIZES = {"short": 512, "mid": 512, "odd": 511, "long": 768, "longest": 1024, "model": 512}
 
 
-def _forward(q, k, v, layout, q_tokens, k_tokens, *, scale, block_size, window=None, out=None, lse=None):
+def _forward(q, k, v, layout, q_tokens, k_tokens, *, scale, block_size, window=None, out=None, lse=None,
+             out_in_input_dtype=False):
     part = reference_forward(q, k, v, SparseLayout(*layout, block_size), scale=scale, q_meta=TokenMeta(*q_tokens),
                              k_meta=TokenMeta(*k_tokens), sliding_window=window)
-    return part if out is None else merge_attention(out, lse, *part)
+    if out is not None:
+        return merge_attention(out, lse, *part)
+    if not out_in_input_dtype:
+        return part
+    b, h, s, d = q.shape  # the kernels' fresh output: q's dtype in [B, S, H, D] memory
+    return torch.empty(b, s, h, d, dtype=q.dtype).transpose(1, 2).copy_(part[0]), part[1]
 
 
 def _backward(q, k, v, out, lse, dout, layout, q_tokens, k_tokens, *, scale, block_size, window=None, dlse=None,
-              deterministic=None):
-    return reference_backward(q, k, v, out, lse, dout, SparseLayout(*layout, block_size), scale=scale,
-                              q_meta=TokenMeta(*q_tokens), k_meta=TokenMeta(*k_tokens), sliding_window=window,
-                              dlse=dlse)
+              deterministic=None, grads_in_input_dtype=False):
+    grads = reference_backward(q, k, v, out, lse, dout, SparseLayout(*layout, block_size), scale=scale,
+                               q_meta=TokenMeta(*q_tokens), k_meta=TokenMeta(*k_tokens), sliding_window=window,
+                               dlse=dlse)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
 
 
 @pytest.fixture

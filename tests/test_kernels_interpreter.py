@@ -10,13 +10,18 @@ fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests mar
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import block_sparse_bwd, configs
+from hf_sparse_cp.kernels.indexing import block_summary, key_block_csr, split_full_blocks
 from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
+from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
 
 from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms, visible
@@ -74,6 +79,21 @@ def _deterministic_flags_through_the_public_function(q, k, v, layout):
     return seen
 
 
+def _public_function_fwd_bwd(q, k, v, layout):
+    """As transformers calls it: q, k, v are [B, H, S, D] views of [B, S, H, D] projections; returns the
+    output, whether it and the gradients reaching those views lie in [B, S, H, D] memory, lse and the
+    gradients."""
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    views = [t.transpose(1, 2) for t in leaves]
+    in_layout = []
+    for t in views:
+        t.register_hook(lambda g: in_layout.append(g.transpose(1, 2).is_contiguous()))
+    out, lse = block_sparse_attention(*views, layout, implementation="triton")
+    in_layout.append(out.transpose(1, 2).is_contiguous())
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), in_layout, lse.detach(), [t.grad.transpose(1, 2) for t in leaves]
+
+
 def _opcheck_ops():
     b, hq, hk, s, d, bs = 1, 2, 1, 40, 16, 16
     g = torch.Generator().manual_seed(0)
@@ -83,14 +103,19 @@ def _opcheck_ops():
     lay_meta = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, meta.index.contiguous(),
                 meta.segment, meta.index.contiguous(), meta.segment)
     hf = torch.ops.hf_sparse_cp
-    torch.library.opcheck(hf.block_sparse_attn_fwd.default, (q, k, v, *lay_meta, 0.25, bs, None))
-    out, lse = hf.block_sparse_attn_fwd(q, k, v, *lay_meta, 0.25, bs, None)
+    for in_dtype in (False, True):
+        torch.library.opcheck(hf.block_sparse_attn_fwd.default, (q.half(), k.half(), v.half(), *lay_meta, 0.25, bs,
+                                                                 None, in_dtype))
+    out, lse = hf.block_sparse_attn_fwd(q, k, v, *lay_meta, 0.25, bs, None, False)
     torch.library.opcheck(hf.block_sparse_attn_fwd_merge_.default,
                           (q, k, v, *lay_meta, out.clone(), lse.clone(), 0.25, bs, 24))
     dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
     for dl in (None, dlse):
         torch.library.opcheck(hf.block_sparse_attn_bwd.default,
-                              (q, k, v, out, lse, dout, dl, *lay_meta, 0.25, bs, None, False))
+                              (q, k, v, out, lse, dout, dl, *lay_meta, 0.25, bs, None, False, False))
+    half = [t.half() for t in (q, k, v, out)]
+    torch.library.opcheck(hf.block_sparse_attn_bwd.default,
+                          (*half, lse, dout.half(), dlse, *lay_meta, 0.25, bs, None, False, True))
 
 
 # ---- helpers in this process ---------------------------------------------------------------------
@@ -429,3 +454,191 @@ def test_empty_layout(interp):
     assert bool((f_out == 0).all()) and bool((f_lse == float("-inf")).all())
     assert all(bool((g == 0).all()) for g in grads)
     assert torch.equal(m_out, out) and torch.equal(m_lse, lse)
+
+
+# ---- adversarial layouts, invalid layouts, 1M-token index arithmetic -----------------------------
+
+def _layout_from_lists(blocks, cols, block_size):
+    """A per-head layout [1, H, NQB, ...] from per (head, query block) lists of key blocks and columns,
+    kept as given (order, duplicates)."""
+    width = lambda rows: max((len(x) for row in rows for x in row), default=0)
+    def pack(rows):
+        idx = torch.full((1, len(rows), len(rows[0]), width(rows)), -1, dtype=torch.int32)
+        cnt = torch.zeros(1, len(rows), len(rows[0]), dtype=torch.int32)
+        for h, row in enumerate(rows):
+            for qb, x in enumerate(row):
+                idx[0, h, qb, :len(x)] = torch.tensor(x, dtype=torch.int32)
+                cnt[0, h, qb] = len(x)
+        return idx, cnt
+    return SparseLayout(*pack(blocks), *pack(cols), block_size)
+
+
+@pytest.mark.parametrize("s", [1, 2, 15, 17, 33])
+def test_adversarial_layouts_match_reference(interp, s):
+    """Lengths of 1, 2, 15, 17 and block + 1 tokens (block 16) with a duplicated key block, a column
+    inside a listed block and (from two query blocks on) an empty row: the kernels compute what the
+    reference computes on the layout as listed (a duplicate counts twice in both)."""
+    bs, nqb = 16, -(-s // 16)
+    q, k, v, dout, dlse = _inputs(1, 2, 1, s, s, 16, torch.float32, seed=50 + s)
+    blocks = [[[qb] for qb in range(nqb)] for _ in range(2)]
+    cols = [[[] for _ in range(nqb)] for _ in range(2)]
+    blocks[0][0] = [0, 0]  # duplicate
+    cols[1][nqb - 1] = [min(s - 1, (nqb - 1) * bs + 1)]  # inside the listed diagonal block
+    if nqb > 1:
+        blocks[0][nqb - 1] = [0] + blocks[0][nqb - 1]
+        cols[0][nqb - 1] = [1]
+        blocks[1][1], cols[1][1] = [], []  # empty row
+    layout = _layout_from_lists(blocks, cols, bs)
+    meta = TokenMeta.contiguous(1, s)
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
+
+
+def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(interp):
+    """Key blocks past the keys or negative, columns past the keys or negative, a block count above
+    the slots and a negative column count (no host check runs on the kernels' path): the query rows
+    of those layout rows come out NaN (forward and dq), every other row, and dk/dv, are what the
+    reference computes on the layout without the invalid entries; nothing outside the tensors is
+    read or written (dk/dv rows are exact)."""
+    s, bs, nkb = 64, 16, 4
+    q, k, v, dout, dlse = _inputs(1, 2, 1, s, s, 16, torch.float32, seed=61)
+    base = random_layout(1, 2, s, s, bs, 0.5, 0.15, generator=torch.Generator().manual_seed(62))
+    pad = lambda t: torch.nn.functional.pad(t, (0, 1), value=-1)
+    blk, bcnt, col, ccnt = pad(base.block_idx), base.block_cnt.clone(), pad(base.col_idx), base.col_cnt.clone()
+    for h, qb, value in ((0, 1, nkb), (0, 2, -3)):
+        blk[0, h, qb, bcnt[0, h, qb]] = value
+        bcnt[0, h, qb] += 1
+    for h, qb, value in ((1, 2, s + 3), (1, 3, -1)):
+        col[0, h, qb, ccnt[0, h, qb]] = value
+        ccnt[0, h, qb] += 1
+    bcnt[0, 1, 0] = blk.shape[-1] + 1
+    ccnt[0, 0, 3] = -2
+    bad = [(0, 1), (0, 2), (1, 2), (1, 3), (1, 0), (0, 3)]
+    invalid = SparseLayout(blk, bcnt, col, ccnt, bs)
+    clean_ccnt = base.col_cnt.clone()
+    clean_ccnt[0, 0, 3] = 0
+    clean = SparseLayout(base.block_idx, base.block_cnt, base.col_idx, clean_ccnt, bs)
+    meta = TokenMeta.contiguous(1, s)
+    scale = 0.25
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), clean, scale=scale, q_meta=meta,
+                                         k_meta=meta)
+    out, lse = interp.apply(kernel_forward, (q, k, v, invalid), dict(scale=scale, q_meta=meta, k_meta=meta))
+    rows = torch.zeros(2, s, dtype=torch.bool)
+    for h, qb in bad:
+        rows[h, qb * bs:(qb + 1) * bs] = True
+    assert bool(out[0][rows].isnan().all()) and bool(lse[0][rows].isnan().all())
+    assert not bool(out[0][~rows].isnan().any())
+    assert rel_rms(out[0][~rows], ref_out[0][~rows]) <= TOLERANCE[torch.float32]
+    f_out, f_lse = ref_out.float(), ref_lse.float()
+    dq, dk, dv = interp.apply(kernel_backward, (q, k, v, f_out, f_lse, dout, invalid),
+                              dict(scale=scale, q_meta=meta, k_meta=meta, dlse=dlse))
+    ref_dq, ref_dk, ref_dv = reference_backward(q.double(), k.double(), v.double(), f_out.double(), f_lse.double(),
+                                                dout.double(), clean, scale=scale, q_meta=meta, k_meta=meta,
+                                                dlse=dlse.double())
+    assert bool(dq[0][rows].isnan().all()) and not bool(dq[0][~rows].isnan().any())
+    assert rel_rms(dq[0][~rows], ref_dq[0][~rows]) <= 2 * TOLERANCE[torch.float32]
+    for got, ref in ((dk, ref_dk), (dv, ref_dv)):
+        assert rel_rms(got, ref) <= 2 * TOLERANCE[torch.float32]
+
+
+@triton.jit
+def _key_block_steps_probe(RowPtr, Entries, OutEntry, OutSub, per_entry):
+    """The dk/dv kernel's walk over CSR segment 0, its entries and sub-steps written out. `Entries`
+    holds the segment's own entries: the walk reads them at `lo` past `Entries - lo`."""
+    lo, n_steps = key_block_steps(RowPtr, 0, per_entry)
+    for i in range(n_steps):
+        entry, r = key_block_entry(Entries - lo, lo, i, per_entry)
+        tl.store(OutEntry + i, entry)
+        tl.store(OutSub + i, r)
+
+
+def _walk_segment(row_ptr, entries, per_entry):
+    n = int(row_ptr[1] - row_ptr[0]) * per_entry
+    out_entry = torch.full((n,), -1, dtype=torch.int32)
+    out_sub = torch.full((n,), -1, dtype=torch.int32)
+    _key_block_steps_probe[(1,)](row_ptr, entries, out_entry, out_sub, per_entry)
+    return out_entry, out_sub
+
+
+def _dense_shared_entries_before_last_key_block(batch, num_blocks):
+    """Entries of a dense causal shared layout's key-block CSR before the last key block of the last
+    batch row: every row lists num_blocks * (num_blocks + 1) / 2 blocks, the last key block once."""
+    return batch * num_blocks * (num_blocks + 1) // 2 - 1
+
+
+def test_full_and_partial_blocks_and_the_key_block_csr_of_a_dense_shared_layout():
+    """The launchers' split of each row's blocks into full ones (no mask) and partial ones, and the CSR
+    the dk/dv kernel walks: int64 row pointers, each key block's full entries before its partial ones,
+    the count the 1M-token test below uses, and key blocks out of range left out."""
+    meta = TokenMeta.contiguous(2, 8 * 16)
+    lay = dense_layout(meta, 16)
+    summary = block_summary(meta.index, meta.segment, 16)
+    blk, full_cnt, partial = split_full_blocks(lay.block_idx, lay.block_cnt, summary, summary, None)
+    assert torch.equal(full_cnt, lay.block_cnt - 1)  # all but the diagonal block
+    assert torch.equal(blk, lay.block_idx) and int(partial.sum()) == 16
+    row_ptr, entries = key_block_csr(blk, lay.block_cnt, partial, 8, 2, 8)
+    assert row_ptr.dtype == torch.int64 and entries.dtype == torch.int32 and row_ptr.numel() == 2 * 16 + 1
+    assert entries[row_ptr[0]:row_ptr[1]].tolist() == list(range(1, 8))  # key block 0: full below the diagonal
+    assert entries[row_ptr[1]:row_ptr[2]].tolist() == [0]
+    last = 2 * 15  # the last key block of the last batch row: listed by the last query block only, partially
+    assert int(row_ptr[last]) == int(row_ptr[last + 1]) == _dense_shared_entries_before_last_key_block(2, 8)
+    assert entries[row_ptr[last + 1]:row_ptr[last + 2]].tolist() == [7] and int(row_ptr[-1]) == 72
+    bad = blk.clone()
+    bad[0, 0, 3, 0], bad[1, 0, 5, 1] = 8, -1  # out of range: dropped, not filed under another segment
+    _, _, bad_partial = split_full_blocks(bad, lay.block_cnt, summary, summary, None)
+    assert bool(bad_partial[0, 0, 3].any()) and int(bad_partial.sum()) == 18
+    row_ptr2, _ = key_block_csr(bad, lay.block_cnt, bad_partial, 8, 2, 8)
+    assert int(row_ptr2[-1]) == 70
+
+
+def test_window_and_documents_make_blocks_partial():
+    """A block pair is full only inside one document, below the diagonal and inside the window."""
+    seg = torch.zeros(1, 64, dtype=torch.int32)
+    seg[:, 40:] = 1
+    meta = TokenMeta.from_segments(seg)
+    summary = block_summary(meta.index, meta.segment, 16)
+    blocks = torch.tensor([[[[0, -1, -1], [0, 1, -1], [0, 1, 2], [0, 2, 3]]]], dtype=torch.int32)
+    cnt = torch.tensor([[[1, 2, 3, 3]]], dtype=torch.int32)
+    blk, full_cnt, _ = split_full_blocks(blocks, cnt, summary, summary, None)
+    # query block 2 holds the document cut (tokens 32-47): all its pairs partial; query block 3 (document
+    # 1) sees key blocks 0 and 2 partially (other document / the cut) and its diagonal partially
+    assert full_cnt.tolist() == [[[0, 1, 0, 0]]]
+    assert blk[0, 0, 1].tolist() == [0, 1, -1]
+    _, full_win, _ = split_full_blocks(blocks, cnt, summary, summary, 20)
+    assert full_win.tolist() == [[[0, 0, 0, 0]]]  # query block 1 reaches 31 - 0 >= 20 tokens back in block 0
+    keys_first = torch.tensor([[[[-1, -1, -1], [1, 0, -1], [1, 0, 2], [3, 0, 2]]]], dtype=torch.int32)
+    blk, full_cnt, partial = split_full_blocks(keys_first, cnt, summary, summary, None)
+    assert blk[0, 0, 1].tolist() == [0, 1, -1] and partial[0, 0, 1].tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("tokens,group,batch", [(1 << 20, 16, 1), (3 << 19, 8, 1), (1 << 20, 8, 2), (1 << 20, 16, 2)])
+def test_dkdv_walk_is_exact_past_2_31_steps(interp, tokens, group, batch):
+    """At 1M-1.5M tokens (dense shared layout, block 128, the launchers' dk/dv tiles) the last key
+    block's CSR segment starts past 2**31 / steps_per_entry: the walk over it, run by Triton's
+    interpreter on the real index helpers with the real row pointers (only its entries allocated),
+    visits exactly that segment's entries and sub-steps."""
+    bs = 128
+    tiles = configs.dkdv_tiles(bs, 128, on_gpu=True)
+    per_entry = group * bs // tiles.block_m  # a shared layout's entry stands for the group's heads
+    lo = _dense_shared_entries_before_last_key_block(batch, tokens // bs)
+    assert lo * group * (bs // 32) >= 1 << 31  # the int32 step counter of the 32-row steps launched before
+    row_ptr = torch.tensor([lo, lo + 1], dtype=torch.int64)
+    entries = torch.tensor([tokens // bs - 1], dtype=torch.int32)
+    got_entry, got_sub = interp.apply(_walk_segment, (row_ptr, entries, per_entry))
+    assert got_entry.tolist() == [tokens // bs - 1] * per_entry
+    assert got_sub.tolist() == list(range(per_entry))
+
+
+def test_public_function_returns_the_input_dtype_in_transformers_layout(interp):
+    """The kernels write the public function's output and the gradients of q, k, v in the input dtype,
+    in [B, S, H, D] memory (what the attention backend hands transformers, and takes back, without a
+    cast or a transpose copy), and they equal the fp64 reference's."""
+    q, k, v, _, _ = _inputs(1, 4, 2, 48, 48, 32, torch.float16, seed=71)
+    layout = random_layout(1, 4, 48, 48, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(72))
+    out, transformers_layout, lse, grads = interp.apply(_public_function_fwd_bwd, (q, k, v, layout))
+    assert out.dtype == torch.float16 and all(transformers_layout) and lse.dtype == torch.float32
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = block_sparse_attention(*ref, layout, implementation="reference")
+    (ref_out * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
+    assert rel_rms(out, ref_out) <= TOLERANCE[torch.float16]
+    for got, r in zip(grads, ref):
+        assert got.dtype == torch.float16 and rel_rms(got, r.grad) <= 2 * TOLERANCE[torch.float16]

@@ -49,7 +49,7 @@ def test_override_refuses_unknown_kernels():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, block_size, head_dim):
     cands = configs.tile_candidates(kernel, block_size, head_dim)
-    assert len(set(cands)) == len(cands) >= 6
+    assert len(set(cands)) == len(cands) >= 3
     for t in cands:
         for size in (t.block_m, t.block_n, t.block_c):
             assert size & (size - 1) == 0

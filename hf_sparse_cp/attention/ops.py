@@ -63,6 +63,7 @@ def attention_forward(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    out_in_input_dtype: bool = False,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over the keys `layout` lists (no autograd).
@@ -74,11 +75,14 @@ def attention_forward(
         sliding_window: keys `sliding_window` or more tokens before a query are invisible.
         out, lse: a running result over other keys, in the compute dtype, to merge this part into
             (the kernels merge in place, in the same pass; the reference through the log-sum-exp).
+        out_in_input_dtype: return a fresh out in q's dtype (the kernels write it so, in transformers'
+            [B, S, H, D] memory, returned as its [B, Hq, S, D] view) instead of the compute dtype.
         implementation: 'auto' (kernels for CUDA tensors they take, reference otherwise), 'triton'
             or 'reference'.
 
     Returns:
-        (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs).
+        (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs), out in
+        q's dtype with `out_in_input_dtype`.
         Queries that see no key get out = 0 and lse = -inf; a query with a non-finite score on a key
         it sees (NaN/Inf in q or in that key) gets NaN out and lse.
     """
@@ -89,9 +93,11 @@ def attention_forward(
 
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         return triton_forward(q, k, v, *_raw(layout, q_meta, k_meta), scale=scale, block_size=layout.block_size,
-                              window=sliding_window, out=out, lse=lse)
+                              window=sliding_window, out=out, lse=lse, out_in_input_dtype=out_in_input_dtype)
     part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
-    return part if out is None else merge_attention(out, lse, *part)
+    if out is not None:
+        return merge_attention(out, lse, *part)
+    return (part[0].to(q.dtype), part[1]) if out_in_input_dtype else part
 
 
 def attention_backward(
@@ -109,6 +115,7 @@ def attention_backward(
     sliding_window: int | None = None,
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
+    grads_in_input_dtype: bool = False,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One backward over the keys `layout` lists (no autograd).
@@ -120,9 +127,11 @@ def attention_backward(
         dout: gradient of out [B, Hq, Sq, D]; dlse: gradient reaching lse [B, Hq, Sq], or None.
         deterministic: kernels only: bitwise reproducible column gradients; None follows
             `torch.are_deterministic_algorithms_enabled()`.
+        grads_in_input_dtype: return the gradients in the inputs' dtype (the kernels write them so,
+            in transformers' [B, S, H, D] memory) instead of the compute dtype.
 
     Returns:
-        (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype.
+        (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype, or the inputs' dtype.
     """
     if _use_triton(q, implementation):
         from ..kernels.ops import triton_backward
@@ -130,17 +139,17 @@ def attention_backward(
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         return triton_backward(q, k, v, out, lse, dout, *_raw(layout, q_meta, k_meta), scale=scale,
                                block_size=layout.block_size, window=sliding_window, dlse=dlse,
-                               deterministic=deterministic)
-    return reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                              sliding_window=sliding_window, dlse=dlse)
+                               deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype)
+    grads = reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                               sliding_window=sliding_window, dlse=dlse)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
 
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window, implementation):
         out, lse = attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                     sliding_window=window, implementation=implementation)
-        out = out.to(q.dtype)
+                                     sliding_window=window, out_in_input_dtype=True, implementation=implementation)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, q_meta, k_meta, scale, window, implementation)
         return out, lse
@@ -152,8 +161,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
             dq, dk, dv = attention_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta,
                                             k_meta=k_meta, sliding_window=window, dlse=dlse,
-                                            implementation=implementation)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+                                            grads_in_input_dtype=True, implementation=implementation)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def block_sparse_attention(
@@ -188,7 +197,8 @@ def block_sparse_attention(
             otherwise), 'triton' or 'reference'.
 
     Returns:
-        (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Queries that see
+        (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype); from the kernels, out
+        lies in transformers' [B, S, H, D] memory (`out.transpose(1, 2)` is contiguous). Queries that see
         no key get out = 0 and lse = -inf; a query with a non-finite score on a key it sees (NaN/Inf in
         q or in that key) gets NaN out and lse, never zeros. Gradients flow to q, k, v, also through lse.
     """
