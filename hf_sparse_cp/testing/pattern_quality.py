@@ -70,10 +70,10 @@ def capture_attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor) ->
     return [store[i] for i in sorted(store)], loss
 
 
-def _kept(layout: SparseLayout, head: int, p: torch.Tensor, qb0: int, sampled: torch.Tensor):
+def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Tensor, qb0: int, sampled: torch.Tensor):
     """Of dense probabilities p [R, r1] of whole query blocks qb0.. of one head (keys 0:r1, r1 = the
-    chunk's end): the mass on the keys `layout` lists per query [R], and the kept probabilities of the
-    `sampled` rows [n, r1] (the others zeroed)."""
+    chunk's end; per_block [NQB, bs, r1 / bs] their sums per key block): the mass on the keys `layout`
+    lists per query [R], and the kept probabilities of the `sampled` rows [n, r1] (the others zeroed)."""
     bs = layout.block_size
     lh = head if layout.heads > 1 else 0
     nqb, r1 = p.shape[0] // bs, p.shape[1]
@@ -83,7 +83,6 @@ def _kept(layout: SparseLayout, head: int, p: torch.Tensor, qb0: int, sampled: t
     blk_ok = torch.arange(blk.shape[-1]) < bcnt.unsqueeze(-1)
     col_ok = torch.arange(col.shape[-1]) < ccnt.unsqueeze(-1)
     pq = p.view(nqb, bs, r1)
-    per_block = pq.view(nqb, bs, -1, bs).sum(-1)  # [NQB, bs, key blocks]
     mass = (per_block.gather(-1, blk.clamp_min(0).unsqueeze(1).expand(-1, bs, -1)) * blk_ok.unsqueeze(1)).sum(-1)
     mass += (pq.gather(-1, col.clamp_min(0).unsqueeze(1).expand(-1, bs, -1)) * col_ok.unsqueeze(1)).sum(-1)
     # kept-key mask of the sampled rows only: listed blocks as tokens, then the listed columns
@@ -145,6 +144,7 @@ def layer_quality(
     err_num = {name: torch.zeros(hq, s) for name in configs}
     err_den = torch.zeros(hq, s)
     r_est = s - min(max(cfg.last_q for cfg in configs.values()), s)
+    block_sizes = {cfg.block_size for cfg in configs.values()}
     for h in range(hq):
         kh, vh = k[0, h // group].float(), v[0, h // group].float()
         for r0 in range(0, s, rows_per_chunk):
@@ -156,8 +156,10 @@ def layer_quality(
             sampled = (rows % error_stride == 0) | (rows >= r_est)
             out_d = p[sampled] @ vh[:r1]
             err_den[h, rows[sampled]] = out_d.pow(2).sum(-1)
+            per_block = {bs: p.view(-1, bs, r1 // bs, bs).sum(-1) for bs in block_sizes}
             for name, layout in layouts.items():
-                mass, kept = _kept(layout, h, p, r0 // layout.block_size, sampled)
+                bs = layout.block_size
+                mass, kept = _kept(layout, h, p, per_block[bs], r0 // bs, sampled)
                 recall[name][h, r0:r1] = mass
                 out_k = (kept @ vh[:r1]) / mass[sampled].unsqueeze(-1)
                 err_num[name][h, rows[sampled]] = (out_k - out_d).pow(2).sum(-1)
