@@ -94,7 +94,7 @@ def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Ten
 
 def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Tensor) -> dict[str, float]:
     """Mean, 10th percentile and minimum of the recall of a group of (head, query) pairs, and the
-    relative RMS output error over its sampled queries."""
+    relative RMS output error over them."""
     flat = recall.flatten().double()
     return {"recall_mean": float(flat.mean()), "recall_p10": float(torch.quantile(flat, 0.1)),
             "recall_min": float(flat.min()), "output_rel_err": float((err_num.sum() / err_den.sum()).sqrt())}
