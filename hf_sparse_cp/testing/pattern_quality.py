@@ -1,0 +1,192 @@
+"""How much of a model's dense attention a sparse pattern keeps, measured on its real q, k, v.
+
+`capture_attention_inputs` runs one dense forward and records every layer's q, k, v (after RoPE),
+as transformers hands them to an attention backend. `layer_quality` then estimates the layout a
+`SparseAttentionConfig` chooses for that layer and compares the attention restricted to it with
+dense attention, per query:
+
+* mass recall: the share of the dense softmax mass on the kept keys, 1 when nothing is dropped;
+* output error: |out_kept - out_dense| / |out_dense| (relative RMS over the queries of a group);
+* kept fraction: computed blocks over the causal blocks (`SparseLayout.kept_fraction`).
+
+Queries are reported in two groups: the last `last_q` (those that estimate the pattern, so they
+see it at its best) and all earlier ones (which get a pattern chosen by later queries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from ..attention.estimate import estimate_layout, layout_from_scores, pattern_documents, score_rows
+from ..attention.layout import SparseLayout
+from ..attention.tokens import TokenMeta
+from ..config import SparseAttentionConfig
+from ..integration import compat
+
+CAPTURE_BACKEND = "hf_sparse_cp_capture"
+
+
+@contextlib.contextmanager
+def _capturing(model: torch.nn.Module, store: dict[int, tuple]) -> Iterator[None]:
+    """Run `model` on a dense SDPA backend that records (q, k, v, scale) per layer in `store`."""
+
+    def capture(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if attention_mask is not None:
+            raise ValueError("capturing attention inputs takes unpadded rows only (attention_mask must be None).")
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+        store[module.layer_idx] = (query.detach(), key.detach(), value.detach(), scale)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    previous = model.config._attn_implementation
+    AttentionInterface.register(CAPTURE_BACKEND, capture)
+    AttentionMaskInterface.register(CAPTURE_BACKEND, flash_attention_mask)
+    try:
+        model.set_attn_implementation(CAPTURE_BACKEND)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        compat.unregister(AttentionInterface, CAPTURE_BACKEND)
+        compat.unregister(AttentionMaskInterface, CAPTURE_BACKEND)
+
+
+@torch.no_grad()
+def capture_attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[list[tuple], torch.Tensor]:
+    """Every layer's attention inputs in one dense forward of `input_ids` [1, S].
+
+    Returns:
+        (per layer (q [1, Hq, S, D], k, v [1, Hkv, S, D], scale), the forward's loss on the text).
+    """
+    store: dict[int, tuple] = {}
+    with _capturing(model, store):
+        loss = model(input_ids, labels=input_ids).loss
+    return [store[i] for i in sorted(store)], loss
+
+
+def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Tensor, qb0: int):
+    """Of dense probabilities p [R, r1] of whole query blocks qb0.. of one head (keys 0:r1, r1 = the
+    chunk's end; per_block [NQB, bs, r1 / bs] their sums per key block): the mass on the keys `layout`
+    lists per query [R], and the probabilities of those keys [R, r1] (the others zeroed)."""
+    bs = layout.block_size
+    lh = head if layout.heads > 1 else 0
+    nqb, r1 = p.shape[0] // bs, p.shape[1]
+    sl = slice(qb0, qb0 + nqb)
+    blk, bcnt = layout.block_idx[0, lh, sl].long(), layout.block_cnt[0, lh, sl]
+    col, ccnt = layout.col_idx[0, lh, sl].long(), layout.col_cnt[0, lh, sl]
+    blk_ok = torch.arange(blk.shape[-1]) < bcnt.unsqueeze(-1)
+    col_ok = torch.arange(col.shape[-1]) < ccnt.unsqueeze(-1)
+    pq = p.view(nqb, bs, r1)
+    mass = (per_block.gather(-1, blk.clamp_min(0).unsqueeze(1).expand(-1, bs, -1)) * blk_ok.unsqueeze(1)).sum(-1)
+    mass += (pq.gather(-1, col.clamp_min(0).unsqueeze(1).expand(-1, bs, -1)) * col_ok.unsqueeze(1)).sum(-1)
+    nkb = r1 // bs  # the listed key blocks as tokens, then the listed columns
+    blocks = torch.zeros(nqb, nkb + 1, dtype=torch.bool).scatter_(-1, torch.where(blk_ok, blk, nkb), True)
+    cols = torch.zeros(nqb, r1 + 1, dtype=torch.bool).scatter_(-1, torch.where(col_ok, col, r1), True)
+    mask = blocks[:, :nkb].repeat_interleave(bs, dim=-1) | cols[:, :r1]
+    return mass.flatten(), (pq * mask.unsqueeze(1)).view_as(p)
+
+
+def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Tensor) -> dict[str, float]:
+    """Mean, 10th percentile and minimum of the recall of a group of (head, query) pairs, and the
+    relative RMS output error over them."""
+    flat = recall.flatten().double()
+    return {"recall_mean": float(flat.mean()), "recall_p10": float(torch.quantile(flat, 0.1)),
+            "recall_min": float(flat.min()), "output_rel_err": float((err_num.sum() / err_den.sum()).sqrt())}
+
+
+def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta: TokenMeta) -> dict[str, SparseLayout]:
+    """Each config's layout, as `estimate_layout` builds it; the vertical-slash scores, which depend
+    only on `last_q`, are computed once for all configs that share it."""
+    scores: dict[int, list] = {}
+    out = {}
+    for name, cfg in configs.items():
+        docs = pattern_documents(cfg, meta, 1, q.shape[2])
+        if not any(docs):
+            out[name] = estimate_layout(q, k, cfg, meta, scale=scale, docs=docs)
+            continue
+        if cfg.last_q not in scores:
+            scores[cfg.last_q] = score_rows(q, k, docs, cfg.last_q, scale)
+        out[name] = layout_from_scores(meta, cfg, docs, scores[cfg.last_q])
+    return out
+
+
+@torch.no_grad()
+def layer_quality(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    configs: dict[str, SparseAttentionConfig],
+    *,
+    rows_per_chunk: int = 128,
+    query_chunks: int | None = None,
+) -> dict[str, dict]:
+    """What the layout each config picks for this layer keeps of the layer's dense attention.
+
+    Dense probabilities are computed by chunks of `rows_per_chunk` query rows per head (a [rows, S]
+    fp32 tile at a time, never [S, S]), and every config's kept keys are read from them.
+
+    Args:
+        q: [1, Hq, S, D]; k, v: [1, Hkv, S, D] (after RoPE); scale: softmax scale.
+        configs: name -> the layer's pattern (`for_layer` applied; `min_seq_len` decides, as in
+            training, whether the sequence is sparse). Their block sizes must divide rows_per_chunk and S.
+        query_chunks: measure only this many chunks of rows, evenly spaced from the first to the
+            last (which holds the estimation queries); None: every query.
+
+    Returns:
+        name -> {"kept_fraction", "estimation": stats, "earlier": stats or None, "all": stats}; stats
+        hold recall_mean, recall_p10, recall_min over the measured (head, query) pairs and
+        output_rel_err, the relative RMS output error over them.
+    """
+    _, hq, s, _ = q.shape
+    group = hq // k.shape[1]
+    for name, cfg in configs.items():
+        if rows_per_chunk % cfg.block_size or s % rows_per_chunk:
+            raise ValueError(f"S={s} must be a multiple of rows_per_chunk={rows_per_chunk}, and that of {name}'s "
+                             f"block_size {cfg.block_size}.")
+    meta = TokenMeta.contiguous(1, s, q.device)
+    layouts = _layouts(q, k, scale, configs, meta)
+    n_chunks = s // rows_per_chunk
+    chunks = range(n_chunks) if query_chunks is None else sorted(
+        {round(i * (n_chunks - 1) / max(1, query_chunks - 1)) for i in range(query_chunks)})
+    measured = torch.zeros(s, dtype=torch.bool)
+    recall = {name: torch.zeros(hq, s) for name in configs}
+    err_num = {name: torch.zeros(hq, s) for name in configs}
+    err_den = torch.zeros(hq, s)
+    block_sizes = {cfg.block_size for cfg in configs.values()}
+    for c in chunks:
+        r0, r1 = c * rows_per_chunk, (c + 1) * rows_per_chunk
+        measured[r0:r1] = True
+        causal = torch.arange(r1) > torch.arange(r0, r1).unsqueeze(1)
+        for h in range(hq):
+            kh, vh = k[0, h // group, :r1].float(), v[0, h // group, :r1].float()
+            p = torch.softmax(((q[0, h, r0:r1].float() @ kh.T) * scale).masked_fill_(causal, float("-inf")), dim=-1)
+            out_d = p @ vh
+            err_den[h, r0:r1] = out_d.pow(2).sum(-1)
+            per_block = {bs: p.view(-1, bs, r1 // bs, bs).sum(-1) for bs in block_sizes}
+            for name, layout in layouts.items():
+                bs = layout.block_size
+                mass, kept = _kept(layout, h, p, per_block[bs], r0 // bs)
+                recall[name][h, r0:r1] = mass
+                err_num[name][h, r0:r1] = ((kept @ vh) / mass.unsqueeze(-1) - out_d).pow(2).sum(-1)
+    result = {}
+    for name, cfg in configs.items():
+        est = torch.arange(s) >= s - min(cfg.last_q, s)
+        groups = {"estimation": measured & est, "earlier": measured & ~est, "all": measured}
+        result[name] = {"kept_fraction": float(layouts[name].kept_fraction(meta))}
+        for group, rows in groups.items():
+            result[name][group] = (_group_stats(recall[name][:, rows], err_num[name][:, rows], err_den[:, rows])
+                                   if rows.any() else None)
+    return result
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
+    """exp of the model's mean next-token loss on `input_ids` [1, S]."""
+    return math.exp(float(model(input_ids, labels=input_ids).loss))
