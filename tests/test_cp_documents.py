@@ -113,6 +113,13 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped():
     assert planned.forward_bytes.sum() * 1.5 <= striped.forward_bytes.sum()
 
 
+def test_the_split_sweep_reaches_every_document():
+    from hf_sparse_cp.distributed.planner import _split_counts
+
+    assert list(_split_counts(3, 45, 8)) == [3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16, 20, 25, 31, 38, 45]
+    assert list(_split_counts(0, 0, 8)) == [0] and list(_split_counts(5, 3, 8)) == []
+
+
 def test_rows_with_different_documents_are_refused():
     seg = torch.zeros(2, 40, dtype=torch.int32)
     seg[1, 20:] = 1

@@ -11,7 +11,8 @@ although only its own queries read them. The planner instead:
   dense causal one;
 * balances per rank the estimated attention work (causal token pairs, or the kept blocks of a
   sparse document) plus the linear work of its tokens plus the K/V it receives, sweeping how many
-  of the costliest documents to split and keeping the cheapest plan.
+  of the costliest documents to split and keeping the plan with the fewest splits whose busiest
+  rank is within `PlannerCosts.balance_slack` of the best one tried.
 
 It runs on the CPU per batch and is a pure function of the document lengths, so every rank of a
 CP group derives the same plan without communicating. The plan re-orders the row: split
@@ -236,10 +237,10 @@ def _split_counts(must: int, most: int, step_by_one: int):
     """The numbers of split documents the sweep tries: one by one for `step_by_one` tries, then
     growing by a quarter, up to `most`."""
     n = must
-    while n <= most:
+    while n < most:
         yield n
         n = n + 1 if n < must + step_by_one else max(n + 1, n * 5 // 4)
-    if most > must and (n - 1) < most:
+    if most >= must:
         yield most
 
 
