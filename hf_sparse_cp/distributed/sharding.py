@@ -103,10 +103,12 @@ class BlockSplit:
         bs = self.block_size
         return (self.blocks_of(rank).unsqueeze(1) * bs + torch.arange(bs)).flatten()
 
-    def source_index(self, rank: int) -> torch.Tensor:
-        """Original positions of `rank`'s tokens (int64 [local_len_of(rank)]); `seq_len` marks padding."""
-        src = self.source[self.token_index(rank)]
-        return torch.where(src >= 0, src, self.seq_len)
+    def _from_original(self, x: torch.Tensor, positions: torch.Tensor, dim: int, pad_value: Any) -> torch.Tensor:
+        """The entries of `x` (original order along `dim`) at global `positions`, `pad_value` where padding."""
+        src = self.source[positions]
+        src = torch.where(src >= 0, src, self.seq_len).to(x.device)  # seq_len: the padding slot appended below
+        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, 1]
+        return F.pad(x, pad, value=pad_value).index_select(dim, src)
 
     def shard(self, x: torch.Tensor, rank: int, *, dim: int = 1, pad_value: Any = 0) -> torch.Tensor:
         """`rank`'s shard of a tensor whose `dim` is the original sequence (or, for a split that keeps
@@ -119,8 +121,7 @@ class BlockSplit:
                 f"dimension {dim} of a tensor of shape {tuple(x.shape)} has {n} positions; this plan shards "
                 f"sequences of {self.seq_len} tokens."
             )
-        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, 1]
-        return F.pad(x, pad, value=pad_value).index_select(dim, self.source_index(rank).to(x.device))
+        return self._from_original(x, self.token_index(rank), dim, pad_value)
 
     def unshard(self, shards: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
         """The padded sequence in global order, from every rank's shard (in rank order)."""
@@ -150,13 +151,9 @@ class BlockSplit:
         """The metadata [B, padded_len] of the whole sequence in global order, from the original [B, seq_len]."""
         if self.keeps_order:
             return meta.pad_to(self.padded_len)
-        b = meta.segment.shape[0]
-        src = self.source.to(meta.segment.device)
-        seg = torch.cat([meta.segment, torch.full((b, 1), PAD_SEGMENT, dtype=meta.segment.dtype,
-                                                  device=meta.segment.device)], 1)
-        segment = seg[:, torch.where(src >= 0, src, self.seq_len)]
+        segment = self._from_original(meta.segment, torch.arange(self.padded_len), 1, PAD_SEGMENT)
         # padding sits between documents here: it keeps an ascending index (segment -1 already hides it)
-        index = torch.arange(self.padded_len, device=src.device).expand(b, -1)
+        index = torch.arange(self.padded_len, device=segment.device).expand(segment.shape[0], -1)
         return TokenMeta(index, segment)
 
     def shard_meta(self, meta: TokenMeta, rank: int) -> TokenMeta:
