@@ -293,11 +293,14 @@ def _bar_step(layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, position:
     own_pos = (~is_shared).nonzero().flatten()
     own = tokens[own_pos]
     own_rows = plan.block_local_index[own // bs] * bs + own % bs
-    # Columns ascend, and so do their positions in the ascending token list.
-    col_idx, col_cnt = compact_sorted(torch.searchsorted(tokens.to(dev), col), valid)
+    # Columns ascend, and so do their positions in the ascending token list (every listed column is in it).
+    col_idx = torch.where(valid, torch.searchsorted(tokens.to(dev), col), -1).to(torch.int32)
+    col_cnt = layout.col_cnt[:, :, rows]
+    width = int(col_cnt.max()) if col_cnt.numel() else 0
+    bar_layout = SparseLayout.from_columns(col_idx[..., :width].contiguous(), col_cnt, bs)
     tok = tokens.to(dev)
-    return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows,
-                   SparseLayout.from_columns(col_idx, col_cnt, bs), TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
+    return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows, bar_layout,
+                   TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
 
 
 class RingPlan:
