@@ -21,8 +21,9 @@ split into pieces that serve a sequence split over ranks (`hf_sparse_cp.distribu
 reduced scores into the layout. Scores are fp32 (fp64 for fp64 inputs).
 
 The kept sets become a `SparseLayout` in `build.py`. Host synchronizations per call: one to read
-the documents of the batch (none when the caller passes no token metadata: one document per row)
-and one to size the layout's padded widths.
+the documents of the batch (none when the caller passes no token metadata: one document per row),
+one to size the window of kept columns a query block can see, and one to size the layout's padded
+widths.
 """
 
 from __future__ import annotations
