@@ -141,26 +141,16 @@ def _local_bytes(tensor) -> int:
 def _move_smet_state(rank: int, world: int) -> bool:
     """SMET's state (integer block indices, compact moments, per-block steps; DTensors by rows from
     `state_dict`) after three steps under FSDP2, moved to HSDP 2 x 2 in buckets: gathered, unchanged."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
-    from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
+    from hf_sparse_cp.smet import SMETConfig
 
-    from test_smet_common import lm_loss, markov_tokens, tiny_llama
+    from test_smet_common import fsdp2_smet, lm_loss, markov_tokens, tiny_llama
 
     model = tiny_llama(dtype=torch.float64, vocab_size=65, intermediate_size=99)  # uneven shards
-    opt = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=0.5, block_size=1, update_interval=2),
-                                lr=1e-2, attach=False)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    params = dict(model.named_parameters())
-    for group in opt.param_groups:
-        group["params"] = [params[name] for name in group["param_names"]]
-    opt.attach()
+    opt = fsdp2_smet(model, SMETConfig(density=0.5, block_size=1, update_interval=2), world, lr=1e-2)
     for seed in range(3):  # a topology update at step 2
         lm_loss(model, markov_tokens(8, 16, seed=seed, vocab=65)[rank::world]).backward()
         opt.step()

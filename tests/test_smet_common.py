@@ -82,3 +82,24 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
+
+def fsdp2_smet(model: torch.nn.Module, config, world: int, *, lr: float, attach: bool = True):
+    """SMET AdamW built like the Trainer under FSDP2: optimizer first, then shard every layer and the
+    model over `world` ranks and swap the parameters in, then attach (the Trainer callback attaches
+    at train begin, after a checkpoint is loaded). Returns the optimizer; `model` is sharded in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_sparse_cp.smet import create_smet_optimizer
+
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=lr, attach=False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = dict(model.named_parameters())
+    for group in opt.param_groups:
+        group["params"] = [params[name] for name in group["param_names"]]
+    if attach:
+        opt.attach()
+    return opt

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
 
-from test_smet_common import free_port, lm_loss, markov_tokens, tiny_llama
+from test_smet_common import free_port, fsdp2_smet, lm_loss, markov_tokens, tiny_llama
 
 WORLD = 2
 STEPS, SAVE_AT = 10, 5
@@ -61,23 +61,8 @@ def _single_process(config: SMETConfig, model_kw: dict):
 
 
 def _sharded_model_and_optimizer(config, model_kw, seed, attach=True):
-    """Build like the Trainer under FSDP2: optimizer first, then shard and swap the parameters, then
-    attach (the Trainer callback attaches at train begin, after a checkpoint is loaded)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     model = tiny_llama(seed=seed, dtype=torch.float64, **model_kw)
-    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=LR, attach=False)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    params = dict(model.named_parameters())
-    for group in opt.param_groups:
-        group["params"] = [params[name] for name in group["param_names"]]
-    if attach:
-        opt.attach()
-    return model, opt
+    return model, fsdp2_smet(model, config, WORLD, lr=LR, attach=attach)
 
 
 def _train(model, opt, batches, rank):
