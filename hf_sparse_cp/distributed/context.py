@@ -110,7 +110,8 @@ def prepare_context_parallel_inputs(
             sparse_config = SparseAttentionConfig(block_size=block_size)
         elif sparse_config.block_size != block_size:
             raise ValueError(
-                f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}."
+                f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
+                "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
             )
         plan = plan_row(meta.to("cpu"), sparse_config, parallel.cp_size)
     else:
