@@ -20,8 +20,10 @@ every document in 2 x CP head-tail chunks), planner (`--cp_sharding document`), 
 
 Columns: rank = max / mean over ranks of attention work (token pairs) plus linear work
 (`PlannerCosts.linear_per_token` per token, the planner's own cost model); attn = the same for
-attention alone; step = ring time over ideal (sum over steps of the busiest rank's attention work
-over the mean); fwd GiB = K/V bytes sent by all ranks in the forward pass (bf16, `--kv-heads` x
+attention alone; step = ring time over ideal if every ring step were a barrier (sum over steps of
+the busiest rank's attention work, over the mean: an upper bound); pipe = ring time over ideal as
+the ring waits (`balance.pipelined_time`: a rank waits only for its neighbours, transfers free);
+fwd GiB = K/V bytes sent by all ranks in the forward pass (bf16, `--kv-heads` x
 `--head-dim`); plan ms = the sharding's planning time from the document lengths (best of 7: on a shared machine
 other processes only add time).
 
@@ -149,7 +151,8 @@ def _row(mix, cp, sharding, plan, cost, ms, costs: PlannerCosts, kept: float) ->
     return {
         "mix": mix, "cp": cp, "sharding": sharding, "kept": kept,
         "rank_imbalance": float(work.max() / work.mean()), "attention_imbalance": float(attn.max() / attn.mean()),
-        "step_imbalance": cost.step_imbalance, "forward_gib": float(cost.forward_bytes.sum()) / GIB,
+        "step_imbalance": cost.step_imbalance, "pipelined_imbalance": cost.pipelined_imbalance,
+        "forward_gib": float(cost.forward_bytes.sum()) / GIB,
         "backward_gib": float(cost.backward_bytes.sum()) / GIB, "plan_ms": ms, "padded_len": plan.padded_len,
         "work_per_rank": work.tolist(),
     }
@@ -210,13 +213,14 @@ def run(args) -> dict:
                         "load_average": os.getloadavg()}}
 
 
-HEADER = (f"{'mix':<10}{'CP':>3} {'sharding':<11}{'kept':>6} {'rank':>6} {'attn':>6} {'step':>6} {'fwd GiB':>9} "
-          f"{'bwd GiB':>9} {'plan ms':>8}")
+HEADER = (f"{'mix':<10}{'CP':>3} {'sharding':<11}{'kept':>6} {'rank':>6} {'attn':>6} {'step':>6} {'pipe':>6} "
+          f"{'fwd GiB':>9} {'bwd GiB':>9} {'plan ms':>8}")
 
 
 def _format(r: dict) -> str:
     return (f"{r['mix']:<10}{r['cp']:>3} {r['sharding']:<11}{r['kept']:>6.3f} {r['rank_imbalance']:>6.3f} "
-            f"{r['attention_imbalance']:>6.3f} {r['step_imbalance']:>6.3f} {r['forward_gib']:>9.3f} "
+            f"{r['attention_imbalance']:>6.3f} {r['step_imbalance']:>6.3f} {r['pipelined_imbalance']:>6.3f} "
+            f"{r['forward_gib']:>9.3f} "
             f"{r['backward_gib']:>9.3f} {r['plan_ms']:>8.2f}")
 
 

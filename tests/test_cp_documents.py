@@ -21,7 +21,8 @@ from hf_sparse_cp.distributed import (
     context_parallel_attention,
     ring_sparse_attention,
 )
-from hf_sparse_cp.distributed.balance import ring_cost
+from hf_sparse_cp.distributed.balance import pipelined_time, ring_cost
+from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.planner import PlannerCosts, plan_documents, plan_row
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
@@ -87,14 +88,42 @@ def test_documents_with_a_sparse_pattern_start_on_a_block_boundary():
             assert where % BS == 0, (run, where)
 
 
-def test_a_document_longer_than_a_shard_is_split_over_every_rank():
+def test_a_document_longer_than_a_shard_is_cut_over_consecutive_ranks_in_order():
+    """Its pieces lie on consecutive ranks in ring order, in document order, so every key block is
+    read only on its own rank and the ranks after it: no block goes back round the ring."""
     plan = plan_row(_meta(LENGTHS), CFG, 4)
-    assert LENGTHS.index(130) in plan.split
-    owners = {r for r in range(4) for run, _, _ in plan.segments(r) if run == LENGTHS.index(130)}
-    assert owners == {0, 1, 2, 3}
+    doc = LENGTHS.index(130)
+    assert doc in plan.split
+    pieces = sorted((start, r) for r in range(4) for run, start, _ in plan.segments(r) if run == doc)
+    ranks = [r for _, r in pieces]
+    assert len(set(ranks)) == len(ranks) >= 2
+    assert all((b - a) % 4 == 1 for a, b in zip(ranks, ranks[1:])), ranks
 
 
-def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped():
+def test_a_document_with_most_of_the_work_is_striped_over_every_rank():
+    costs = PlannerCosts()
+    plan = plan_documents([1000, 20, 30], ["sparse", "dense", "dense"], 4, 16, kept_per_row=8, costs=costs)
+    blocks = -(-1000 // 16)
+    owners = plan.block_owner[:blocks]
+    assert owners.tolist() == [(j + owners[0].item()) % 4 for j in range(blocks)]  # striped, every rank
+
+
+def test_pipelined_ring_time_on_known_cases():
+    """Equal work: no wait; a rank waits for both ring neighbours to have started the step before."""
+    w = 4
+    assert pipelined_time(torch.ones(w, w + 1), RingTopology(1, w)) == w + 1
+    work = torch.zeros(w, w + 1)
+    work[:, 0] = 1.0
+    work[2, 0] = 5.0  # rank 1 sends to rank 2 at step 1 only once rank 2 started it (time 5)
+    work[1, 3] = 1.0
+    assert pipelined_time(work, RingTopology(1, w)) == 6.0
+    work = torch.zeros(4, 4 + 1)
+    work[0, 0] = 3.0
+    assert pipelined_time(work, RingTopology(2, 2)) == 3.0
+
+
+@pytest.mark.parametrize("cp", [8, 16])
+def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
     """Attention (the token pairs of the blocks the ring computes) plus linear work per rank within 10% of the mean,
     and at least 1.5x less K/V sent than striped."""
     g = torch.Generator().manual_seed(0)
@@ -102,12 +131,12 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped():
     while sum(lengths) < 1 << 15:
         lengths.append(int(torch.exp(torch.randn((), generator=g) * 1.5 + 6.2).clamp(16, 8192)))
     costs = PlannerCosts()
-    plan = plan_documents(lengths, ["dense"] * len(lengths), 8, 64, costs=costs)
+    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, 64, costs=costs)
     planned = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), 64), plan, kv_heads=1, head_dim=8)
-    tokens = torch.tensor([float(plan.local_len_of(r)) for r in range(8)])
+    tokens = torch.tensor([float(plan.local_len_of(r)) for r in range(cp)])
     work = planned.work.sum(1) * 64**2 + costs.linear_per_token * tokens
     assert float(work.max() / work.mean()) <= 1.10
-    striped_plan = ShardPlan("striped", 8, 64, sum(lengths))
+    striped_plan = ShardPlan("striped", cp, 64, sum(lengths))
     striped = ring_cost(dense_layout(striped_plan.global_meta(_meta(lengths)), 64), striped_plan, kv_heads=1,
                         head_dim=8)
     assert planned.forward_bytes.sum() * 1.5 <= striped.forward_bytes.sum()

@@ -24,13 +24,14 @@ from .sharding import BlockSplit
 class RingCost:
     """work [W, ring steps + 1] per rank and step (the last is the column step); bytes [W] sent per
     rank; outer_bytes: forward bytes crossing nodes (hierarchical ring); full_ring_bytes: forward
-    bytes per rank of a dense ring that sends every shard W - 1 hops."""
+    bytes per rank of a dense ring that sends every shard W - 1 hops; topology: the ring's."""
 
     work: torch.Tensor
     forward_bytes: torch.Tensor
     backward_bytes: torch.Tensor
     outer_bytes: int
     full_ring_bytes: int
+    topology: RingTopology
 
     @property
     def rank_imbalance(self) -> float:
@@ -40,9 +41,40 @@ class RingCost:
 
     @property
     def step_imbalance(self) -> float:
-        """Ring time over ideal time: sum over steps of the slowest rank's work, over the mean work
-        (steps are synchronous, so a step lasts as long as its busiest rank)."""
+        """Ring time over ideal time if every step were a barrier: sum over steps of the slowest
+        rank's work, over the mean work (an upper bound; see `pipelined_imbalance`)."""
         return float(self.work.max(0).values.sum() / self.work.mean(0).sum())
+
+    @property
+    def pipelined_imbalance(self) -> float:
+        """Ring time over ideal time as the ring runs: no barrier between steps, transfers free."""
+        return pipelined_time(self.work, self.topology) / float(self.work.sum(1).mean())
+
+
+def pipelined_time(work: torch.Tensor, topology: RingTopology) -> float:
+    """Time of the ring's steps in work units (work [W, steps + 1], the last the column step), with
+    transfers taking no time but every wait the ring has: a step's K/V are sent by the upstream
+    neighbour when it starts the step before (so a rank starts step t after its upstream neighbour
+    started t - 1), and a send completes once the downstream neighbour has posted its receive, at
+    the start of that same step (so also after its downstream neighbour started t - 1). Between
+    nodes the same holds for the outer ring at each node step. The columns' all-gather was posted
+    before the ring, so a rank's column step follows its own last step."""
+    n, l, w = topology.num_nodes, topology.node_size, topology.size
+    ranks = torch.arange(w)
+    node, local = ranks // l, ranks % l
+    inner = [node * l + (local - 1) % l, node * l + (local + 1) % l]
+    outer = [((node - 1) % n) * l + local, ((node + 1) % n) * l + local]
+    work = work.to(torch.float64)
+    start = torch.zeros(w, dtype=torch.float64)
+    node_start = start.clone()
+    for t in range(1, n * l):
+        finish = start + work[:, t - 1]
+        if t % l:
+            start = torch.maximum(finish, torch.maximum(start[inner[0]], start[inner[1]]))
+        else:  # a node step: its transfers were posted when the previous node step began
+            start = torch.maximum(finish, torch.maximum(node_start[outer[0]], node_start[outer[1]]))
+            node_start = start.clone()
+    return float((start + work[:, n * l - 1] + work[:, -1]).max())
 
 
 def ring_cost(
@@ -69,7 +101,7 @@ def ring_cost(
     outer = sum(n for sends in traffic.forward for slot, ops in sends.items() if slot[0] == "outer" for _, n in ops)
     # a dense ring: at step t rank r forwards the shard of rank r - t, i.e. every shard but that of rank r + 1
     full = max(plan.num_blocks - plan.blocks_of((r + 1) % w).numel() for r in range(w)) * traffic.block_bytes * kv_bytes
-    return RingCost(work, traffic.total(backward=False), traffic.total(backward=True), outer, full)
+    return RingCost(work, traffic.total(backward=False), traffic.total(backward=True), outer, full, topology)
 
 
 @dataclass

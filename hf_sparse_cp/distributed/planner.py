@@ -5,14 +5,17 @@ contiguous) cuts every document across ranks, so the K/V of a short document tra
 although only its own queries read them. The planner instead:
 
 * places a document whole on one rank (Whole-Doc) when it fits: its K/V never leave the rank;
-* splits the documents too costly for one rank over all ranks (Per-Doc): striped blocks for a
-  document with a sparse pattern (every rank and ring step gets an equal share of its
-  vertical-slash work), head-tail chunks (2 x CP chunks, rank r takes r and 2CP-1-r; WLB-LLM) for a
-  dense causal one;
+* cuts the documents too costly for one rank into contiguous pieces on consecutive ranks, in ring
+  order and document order: a key block is read only on its own rank and the ranks after it, so
+  its K/V travel at most as many hops as the document spans ranks, never round the ring;
+* splits a document holding most of the row's work over every rank (Per-Doc): striped blocks if it
+  has a sparse pattern (every rank and ring step gets an equal share of its vertical-slash work),
+  head-tail chunks (2 x CP chunks, rank r takes r and 2CP-1-r; WLB-LLM) if it is dense causal;
 * balances per rank the estimated attention work (causal token pairs, or the kept blocks of a
-  sparse document) plus the linear work of its tokens plus the K/V it receives, sweeping how many
-  of the costliest documents to split and keeping the plan with the fewest splits whose busiest
-  rank is within `PlannerCosts.balance_slack` of the best one tried.
+  sparse document) plus the linear work of its tokens plus the K/V it receives, within a token
+  cap (activation memory): whole documents first, then the cut brings every rank to one level.
+  It sweeps how many documents to cut and to split over the ring, and keeps the plan with the
+  fewest whose busiest rank is within `PlannerCosts.balance_slack` of the best one tried.
 
 It runs on the CPU per batch and is a pure function of the document lengths, so every rank of a
 CP group derives the same plan without communicating. The plan re-orders the row: split
@@ -37,8 +40,6 @@ from ..config import SparseAttentionConfig, check_block_size
 from .sharding import BlockSplit
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
-# The sweep stops once the busiest rank is within this fraction of the mean.
-_MIN_GAIN = 0.005
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class PlannerCosts:
     )
     balance_slack: float = field(
         default=0.02,
-        metadata={"help": "Imbalance accepted to save traffic: the plan with the fewest split documents whose "
-                  "busiest rank is within this fraction of the best plan found."},
+        metadata={"help": "Imbalance accepted to save traffic: a cut between ranks within this fraction of a "
+                  "rank's work of a document's edge moves to the edge, keeping the document whole."},
     )
     max_token_ratio: float = field(
         default=1.25,
@@ -69,8 +70,14 @@ class PlannerCosts:
     )
     extra_splits: int = field(
         default=8,
-        metadata={"help": "Split counts tried one by one beyond the documents that must be split; past them the "
+        metadata={"help": "Numbers of documents cut tried one by one beyond those that must be cut; past them the "
                   "sweep grows by a quarter per try, up to every document, and stops once the ranks are balanced."},
+    )
+    ring_share: float = field(
+        default=0.5,
+        metadata={"help": "A document with at least this share of the row's work is split over the whole ring "
+                  "(striped, or head-tail if dense), so that every ring step gets an equal share of it; smaller "
+                  "ones are split, if at all, over a few consecutive ranks."},
     )
 
 
@@ -154,9 +161,9 @@ class DocumentPlan(BlockSplit):
 
 
 def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> np.ndarray:
-    """Owner rank of each block of a split document: striped (continuing a rotation over ranks),
-    or head-tail for a dense causal one. (numpy: planning runs every step, and numpy's calls on
-    small arrays cost a tenth of torch's.)"""
+    """Owner rank of each block of a document split over the whole ring: striped (continuing a
+    rotation over ranks), or head-tail for a dense causal one. (numpy: planning runs every step, and
+    numpy's calls on small arrays cost a tenth of torch's.)"""
     j = np.arange(nb)
     if kind == SPARSE or nb < 2 * w:
         return (j + rotation) % w
@@ -164,77 +171,117 @@ def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> np.ndarray:
     return np.where(chunk < w, chunk, 2 * w - 1 - chunk)
 
 
-class _Candidate:
-    """Loads of one sweep point: `split` documents split, the others placed greedily."""
+@dataclass
+class _Placement:
+    """Documents placed whole (`placed`: rank) or split (`split`: owner rank per block), and the
+    estimated work and tokens per rank."""
 
-    def __init__(self, split: list[int], placed: dict[int, int], load: list[float], owners: dict[int, np.ndarray]):
-        self.split, self.placed, self.load, self.owners = split, placed, load, owners
+    load: np.ndarray
+    tokens: np.ndarray
+    placed: dict[int, int] = field(default_factory=dict)
+    split: dict[int, np.ndarray] = field(default_factory=dict)
 
-    @property
-    def cost(self) -> float:
-        return max(self.load)
-
-
-class _SplitShares:
-    """Per document, once: the owner of each block if it is split, and the work and tokens that
-    gives every rank. The stripe of a document starts where the blocks of the documents before it
-    in the row would leave it, so that a document's split does not depend on which others split."""
-
-    def __init__(self, lengths, kinds, kept_per_row, w: int, bs: int, costs: PlannerCosts) -> None:
-        self.lengths, self.kinds, self.kept, self.w, self.bs, self.costs = lengths, kinds, kept_per_row, w, bs, costs
-        blocks = [-(-n // bs) for n in lengths]
-        self.rotation = np.cumsum([0, *blocks[:-1]]) % w
-        self.cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def __call__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(owner per block, work per rank, tokens per rank) of document i split."""
-        if i not in self.cache:
-            w, bs, n, kind = self.w, self.bs, self.lengths[i], self.kinds[i]
-            nb = -(-n // bs)
-            owner = _split_blocks(nb, kind, w, int(self.rotation[i]))
-            held = np.bincount(owner, minlength=w).astype(np.float64) * bs
-            received = np.maximum(n - held, 0) if kind != PAD else np.zeros(w)
-            work = (np.bincount(owner, weights=_row_work(nb, kind, self.kept, bs), minlength=w)
-                    + self.costs.linear_per_token * held + self.costs.comm_per_token * received)
-            self.cache[i] = owner, work, held
-        return self.cache[i]
+    def spread_over_ring(self, i: int, n: int, kind: str, kept_per_row: int | None, rotation: int, bs: int,
+                         costs: PlannerCosts) -> None:
+        """Split document i over every rank (`_split_blocks`); each rank receives all its other tokens."""
+        owner = _split_blocks(-(-n // bs), kind, len(self.load), rotation)
+        work, tokens = _block_costs(np.array([n]), [kind], kept_per_row, bs, costs)
+        held = np.bincount(owner, weights=tokens, minlength=len(self.load))
+        self.load += np.bincount(owner, weights=work, minlength=len(self.load)) + costs.comm_per_token * (n - held)
+        self.tokens += held
+        self.split[i] = owner
 
 
-def _evaluate(order: list[int], n_split: int, lengths, work, shares: _SplitShares, w: int,
-              token_cap: float) -> _Candidate:
-    split = sorted(order[:n_split])
-    load_v, tokens_v = np.zeros(w), np.zeros(w)
-    owners: dict[int, np.ndarray] = {}
-    for i in split:
-        owners[i], doc_work, held = shares(i)
-        load_v += doc_work
-        tokens_v += held
-    load, tokens = load_v.tolist(), tokens_v.tolist()
-    heap = [(load[r], r) for r in range(w)]
+def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None, bs: int, costs: PlannerCosts
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(attention + linear work, tokens) of every block of the documents `lengths`, in order."""
+    nb = -(-lengths // bs)
+    first = np.repeat(np.cumsum(nb) - nb, nb)
+    row = np.arange(int(nb.sum())) - first
+    cap = np.array([kept_per_row if k == SPARSE and kept_per_row else np.iinfo(np.int64).max for k in kinds])
+    tokens = np.full(row.size, float(bs))
+    tokens[np.cumsum(nb) - 1] = lengths - (nb - 1) * bs
+    attention = np.minimum(row + 1, np.repeat(cap, nb)) * float(bs * bs)
+    attention[np.repeat(np.array([k == PAD for k in kinds]), nb)] = 0.0
+    return attention + costs.linear_per_token * tokens, tokens
+
+
+def _cut(at: _Placement, docs: list[int], lengths, kinds, kept_per_row, bs: int, costs: PlannerCosts,
+         token_cap: float) -> None:
+    """Lay `docs` out in order and cut the sequence into one contiguous range of blocks per rank, in
+    ring order, each bringing its rank to the level of the others (the work left over the ranks
+    left), within `token_cap` tokens. A cut that falls within `balance_slack` of a document's edge
+    moves to it, so that the document stays whole; a document cut anyway is split over consecutive
+    ranks, every piece read only by its own rank and the ranks after it (K/V travel at most one hop
+    per rank it spans, never round the ring)."""
+    w = len(at.load)
+    n = np.array([lengths[i] for i in docs], dtype=np.int64)
+    nb = -(-n // bs)
+    work, tokens = _block_costs(n, [kinds[i] for i in docs], kept_per_row, bs, costs)
+    total = np.concatenate([[0.0], np.cumsum(work)])
+    held = np.concatenate([[0.0], np.cumsum(tokens)])
+    doc_first = np.concatenate([[0], np.cumsum(nb)])  # block range of each document
+    doc_of = np.repeat(np.arange(len(docs)), nb)
+    owner = np.empty(int(nb.sum()), dtype=np.int64)
+    start = 0
+    for r in range(w):
+        d = doc_of[start] if start < owner.size else -1
+        received = (start - doc_first[d]) * bs if d >= 0 else 0  # the document's tokens before this piece
+        comm = costs.comm_per_token * received
+        if r == w - 1:
+            end = owner.size
+        else:
+            level = (total[-1] - total[start] + at.load[r:].sum() + comm) / (w - r)
+            want = total[start] + max(level - at.load[r] - comm, 0.0)
+            end = min(int(np.searchsorted(total, want)), owner.size)  # total[end] >= want, or the last
+            if end > start and want - total[end - 1] < total[end] - want:
+                end -= 1
+            most = int(np.searchsorted(held, held[start] + token_cap - at.tokens[r], side="right")) - 1
+            end = max(min(end, most), start)
+            if 0 < end < owner.size and doc_first[doc_of[end]] != end:  # inside a document: its edge if close
+                d = doc_of[end]
+                edges = [e for e in (doc_first[d], doc_first[d + 1]) if start <= e <= max(most, start)]
+                near = min(edges, key=lambda e: abs(total[e] - want), default=None)
+                if near is not None and abs(total[near] - want) <= costs.balance_slack * level:
+                    end = int(near)
+        owner[start:end] = r
+        at.load[r] += total[end] - total[start] + comm
+        at.tokens[r] += held[end] - held[start]
+        start = end
+    for j, i in enumerate(docs):
+        ranks = owner[doc_first[j]: doc_first[j + 1]]
+        if ranks[0] == ranks[-1]:
+            at.placed[i] = int(ranks[0])
+        else:
+            at.split[i] = ranks
+
+
+def _fill(at: _Placement, docs: list[int], lengths, work, token_cap: float) -> None:
+    """Place `docs` (costliest first) whole, each on the least loaded rank with room for its tokens
+    (else the one with the fewest tokens)."""
+    heap = [(float(load), r) for r, load in enumerate(at.load)]
     heapq.heapify(heap)
-    placed: dict[int, int] = {}
-    for i in order[n_split:]:
+    for i in docs:
         skipped = []
-        while True:  # the least loaded rank with room for the document's tokens (else the least loaded)
+        while True:
             lo, r = heapq.heappop(heap)
-            if tokens[r] + lengths[i] <= token_cap or not heap:
+            if at.tokens[r] + lengths[i] <= token_cap or not heap:
                 break
             skipped.append((lo, r))
-        if tokens[r] + lengths[i] > token_cap and skipped:
+        if at.tokens[r] + lengths[i] > token_cap and skipped:
             skipped.append((lo, r))
-            lo, r = min(skipped, key=lambda t: (tokens[t[1]], t[1]))
+            lo, r = min(skipped, key=lambda t: (at.tokens[t[1]], t[1]))
             skipped.remove((lo, r))
         for item in skipped:
             heapq.heappush(heap, item)
-        placed[i] = r
-        load[r] += work[i]
-        tokens[r] += lengths[i]
-        heapq.heappush(heap, (load[r], r))
-    return _Candidate(split, placed, load, owners)
+        at.placed[i] = r
+        at.load[r] += work[i]
+        at.tokens[r] += lengths[i]
+        heapq.heappush(heap, (float(at.load[r]), r))
 
 
 def _split_counts(must: int, most: int, step_by_one: int):
-    """The numbers of split documents the sweep tries: one by one for `step_by_one` tries, then
+    """The numbers of documents cut that the sweep tries: one by one for `step_by_one` tries, then
     growing by a quarter, up to `most`."""
     n = must
     while n < most:
@@ -255,6 +302,12 @@ def plan_documents(
 ) -> DocumentPlan:
     """The document-aware split of one packed row (deterministic: the same on every rank).
 
+    A document holding at least `ring_share` of the row's work is split over the whole ring. Of the
+    others, the n costliest are laid out and cut into one contiguous range per rank (`_cut`), and the
+    rest placed whole (`_fill`); n is swept from the documents that must be cut (more work than a
+    rank's share, or more tokens than it may hold), and the plan with the smallest n whose busiest
+    rank is within `balance_slack` of the best one tried wins.
+
     Args:
         lengths: token counts of the row's runs in order (documents and padding runs).
         kinds: per run, 'sparse' (a vertical-slash pattern), 'dense' (causal) or 'pad' (no attention).
@@ -272,41 +325,60 @@ def plan_documents(
     costs = PlannerCosts() if costs is None else costs
     w, bs = cp_size, block_size
     work = [attention_work(n, k, bs, kept_per_row) + costs.linear_per_token * n for n, k in zip(lengths, kinds)]
-    total_tokens = sum(lengths)
-    token_cap = costs.max_token_ratio * total_tokens / w + bs
+    token_cap = costs.max_token_ratio * sum(lengths) / w + bs
     mean = sum(work) / w
-    order = sorted(range(len(lengths)), key=lambda i: (-work[i], i))
-    must = sum(1 for i in order if (work[i] > mean or lengths[i] > token_cap) and kinds[i] != PAD)
-    splittable = sum(1 for i in order if kinds[i] != PAD and lengths[i] > bs)
-    shares = _SplitShares(lengths, kinds, kept_per_row, w, bs, costs)
-    tried = []  # in order of more split documents, i.e. more traffic
-    for n_split in _split_counts(must, splittable, costs.extra_splits):
-        if any(kinds[i] == PAD for i in order[:n_split]):
-            break
-        tried.append(_evaluate(order, n_split, lengths, work, shares, w, token_cap))
-        if tried[-1].cost <= sum(tried[-1].load) / w * (1 + _MIN_GAIN):  # balanced: more splits only add traffic
-            break
+    rotation = np.cumsum([0, *(-(-n // bs) for n in lengths[:-1])]) % w
+    order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
+    must = [work[i] > mean or lengths[i] > token_cap for i in order]
+    ring_work = costs.ring_share * sum(work)
+    whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and lengths[i] > bs)
+
+    def placement(m: int, n: int) -> _Placement:
+        at = _Placement(np.zeros(w), np.zeros(w))
+        for i in order[:m]:
+            at.spread_over_ring(i, lengths[i], kinds[i], kept_per_row, int(rotation[i]), bs, costs)
+        _fill(at, order[m + n:], lengths, work, token_cap)
+        if n:  # after the whole documents: the cut brings every rank to one level
+            _cut(at, order[m: m + n], lengths, kinds, kept_per_row, bs, costs, token_cap)
+        return at
+
+    def balanced(at: _Placement, slack: float) -> bool:
+        return at.load.max() <= at.load.mean() * (1 + slack)
+
+    tried = []  # in order of more traffic: more documents over the whole ring, then more cut
+    for m in range(whole_ring, max(whole_ring, sum(must)) + 1):
+        before = min((at.load.max() for at in tried), default=np.inf)
+        cuttable = sum(1 for i in order[m:] if lengths[i] > bs)
+        for n in _split_counts(sum(must[m:]), cuttable, costs.extra_splits):
+            tried.append(placement(m, n))
+            if balanced(tried[-1], costs.balance_slack):  # more cuts would only add traffic
+                break
+        best = min(at.load.max() for at in tried)
+        if balanced(min(tried, key=lambda at: at.load.max()), costs.balance_slack) or best >= before:
+            break  # balanced, or one more document over the ring did not help
     if not tried:
-        tried.append(_evaluate(order, 0, lengths, work, shares, w, token_cap))
-    lowest = min(c.cost for c in tried)
-    return _materialize(next(c for c in tried if c.cost <= lowest * (1 + costs.balance_slack)), lengths, kinds, w, bs)
+        tried.append(placement(whole_ring, 0))
+    lowest = min(at.load.max() for at in tried)
+    at = next(at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack))
+    _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
+    return _materialize(at, lengths, kinds, w, bs)
 
 
 def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, block_size: int) -> DocumentPlan:
     """The Per-Doc baseline (WLB-LLM): every document split over all ranks in head-tail chunks (in
     block units; a document of fewer than 2 x CP blocks round robin), padding runs kept whole."""
     costs = PlannerCosts()
-    work = [attention_work(n, k, block_size) + costs.linear_per_token * n for n, k in zip(lengths, kinds)]
-    docs = [i for i, k in enumerate(kinds) if k != PAD]
-    order = docs + [i for i, k in enumerate(kinds) if k == PAD]
-    dense = [DENSE if k != PAD else PAD for k in kinds]  # head-tail, whatever the pattern
-    shares = _SplitShares(lengths, dense, None, cp_size, block_size, costs)
-    cand = _evaluate(order, len(docs), lengths, work, shares, cp_size, float("inf"))
-    return _materialize(cand, lengths, kinds, cp_size, block_size)
+    at = _Placement(np.zeros(cp_size), np.zeros(cp_size))
+    rotation = np.cumsum([0, *(-(-n // block_size) for n in lengths[:-1])]) % cp_size
+    for i, kind in enumerate(kinds):
+        if kind != PAD:  # head-tail, whatever the pattern
+            at.spread_over_ring(i, lengths[i], DENSE, None, int(rotation[i]), block_size, costs)
+    _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
+    return _materialize(at, lengths, kinds, cp_size, block_size)
 
 
-def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentPlan:
-    """Global order, block owners and segments of a candidate."""
+def _materialize(at: _Placement, lengths, kinds, w: int, bs: int) -> DocumentPlan:
+    """Global order, block owners and segments of a placement."""
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
@@ -319,15 +391,16 @@ def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentP
             pieces.append((-1, extra))
         return used + extra
 
-    for i in cand.split:
+    split = sorted(at.split)
+    for i in split:
         pieces.append((starts[i], lengths[i]))
         pad_to_block(lengths[i])
-        owners.append(torch.from_numpy(cand.owners[i]))
+        owners.append(torch.from_numpy(at.split[i]))
     split_blocks = np.zeros(w, dtype=np.int64)
-    for i in cand.split:
-        split_blocks += np.bincount(cand.owners[i], minlength=w)
+    for i in split:
+        split_blocks += np.bincount(at.split[i], minlength=w)
     by_rank: list[list[int]] = [[] for _ in range(w)]
-    for i, rank in sorted(cand.placed.items(), key=lambda t: (kinds[t[0]] != SPARSE, t[0])):
+    for i, rank in sorted(at.placed.items(), key=lambda t: (kinds[t[0]] != SPARSE, t[0])):
         by_rank[rank].append(i)  # sparse documents first (block aligned), then in row order
     for r in range(w):
         used = 0
@@ -341,8 +414,8 @@ def _materialize(cand: _Candidate, lengths, kinds, w: int, bs: int) -> DocumentP
             pieces.append((-1, bs))
             used = bs
         owners.append(torch.full((used // bs,), r, dtype=torch.long))
-    return DocumentPlan(w, bs, sum(lengths), tuple(lengths), tuple(kinds), tuple(cand.split), tuple(pieces),
-                        torch.cat(owners), tuple(cand.load))
+    return DocumentPlan(w, bs, sum(lengths), tuple(lengths), tuple(kinds), tuple(split), tuple(pieces),
+                        torch.cat(owners), tuple(at.load.tolist()))
 
 
 def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], list[str]]:
