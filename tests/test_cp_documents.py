@@ -387,3 +387,28 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
 def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):
     for errs in spawned(4):
         assert errs["hier"]["out"] <= TOL and errs["hier"]["dk"] <= 2 * TOL, errs["hier"]
+
+
+def test_planner_costs_come_from_the_cp_flags(monkeypatch):
+    """--cp_planner_* reach the planner through ParallelDims; an explicit argument wins; negative costs are refused."""
+    import hf_sparse_cp.distributed.context as context
+    from hf_sparse_cp.distributed import prepare_context_parallel_inputs
+
+    flags = ContextParallelConfig(cp_sharding="document", cp_planner_linear_per_token=5000.0,
+                                  cp_planner_comm_per_token=1200.0)
+    seen = []
+    real = context.plan_row
+    monkeypatch.setattr(context, "plan_row",
+                        lambda meta, cfg, cp, costs: seen.append(costs) or real(meta, cfg, cp, costs))
+    parallel = ParallelDims(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
+                            inner_group=None, outer_group=None, sharding="document",
+                            planner_costs=flags.planner_costs())
+    batch = {"input_ids": torch.arange(1, 41).unsqueeze(0),
+             "position_ids": torch.tensor([list(range(30)) + list(range(10))])}
+    prepare_context_parallel_inputs(batch, parallel, block_size=BS, sparse_config=CFG, verify_same_batch=False)
+    mine = PlannerCosts(comm_per_token=1.0)
+    prepare_context_parallel_inputs(batch, parallel, block_size=BS, sparse_config=CFG, verify_same_batch=False,
+                                    planner_costs=mine)
+    assert (seen[0].linear_per_token, seen[0].comm_per_token) == (5000.0, 1200.0) and seen[1] is mine
+    with pytest.raises(ValueError, match="cp_planner_comm_per_token"):
+        ContextParallelConfig(cp_planner_comm_per_token=-1.0)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from .mesh import ParallelDims
-from .planner import plan_row
+from .planner import PlannerCosts, plan_row
 from .sharding import BlockSplit, ShardPlan, sequence_meta, shard_inputs
 
 CP_SHARD_KWARG = "cp_shard"
@@ -76,6 +76,7 @@ def prepare_context_parallel_inputs(
     ignore_index: int = -100,
     verify_same_batch: bool = True,
     sparse_config: SparseAttentionConfig | None = None,
+    planner_costs: PlannerCosts | None = None,
 ) -> dict[str, Any]:
     """This rank's model inputs for a batch that every rank of the CP group received.
 
@@ -90,6 +91,8 @@ def prepare_context_parallel_inputs(
         verify_same_batch: check (two tiny all-reduces) that every CP rank holds the same batch.
         sparse_config: the model's pattern settings, which tell the 'document' planner which documents
             are sparse (default: `SparseAttentionConfig(block_size=block_size)`).
+        planner_costs: the 'document' planner's weights (default: `parallel.planner_costs`, from
+            the --cp_planner_* flags).
 
     Returns:
         The model inputs of this rank: input_ids (or inputs_embeds), `shift_labels` (labels shifted
@@ -113,7 +116,7 @@ def prepare_context_parallel_inputs(
                 f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
                 "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
             )
-        plan = plan_row(meta.to("cpu"), sparse_config, parallel.cp_size)
+        plan = plan_row(meta.to("cpu"), sparse_config, parallel.cp_size, planner_costs or parallel.planner_costs)
     else:
         plan = ShardPlan(sharding, parallel.cp_size, block_size, ref.shape[1])
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..files import check_field_types
 from .comm import RingTopology
+from .planner import PlannerCosts
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,16 @@ class ContextParallelConfig:
         metadata={"help": "Ranks per node for the hierarchical ring (default: LOCAL_WORLD_SIZE, set by torchrun and "
                   "accelerate launch)."},
     )
+    cp_planner_linear_per_token: float = field(
+        default=PlannerCosts.linear_per_token,
+        metadata={"help": "For --cp_sharding document: work of the linear layers per token, in attention token pairs "
+                  "(2 x weights per layer / (4 x heads x head_dim); about 9,000 for Qwen2.5-0.5B)."},
+    )
+    cp_planner_comm_per_token: float = field(
+        default=PlannerCosts.comm_per_token,
+        metadata={"help": "For --cp_sharding document: cost of receiving one token's K/V, in attention token pairs "
+                  "(about 300 for Qwen2.5-0.5B over NVLink; a few times more across nodes)."},
+    )
     cp_allow_untested_model: bool = field(
         default=False,
         metadata={"help": "Train an architecture outside the registry of models tested exact under context "
@@ -73,6 +84,14 @@ class ContextParallelConfig:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
         if self.cp_node_size is not None and self.cp_node_size < 1:
             raise ValueError(f"cp_node_size={self.cp_node_size} must be >= 1, or unset to use LOCAL_WORLD_SIZE.")
+        for name in ("cp_planner_linear_per_token", "cp_planner_comm_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (a cost in attention token pairs).")
+
+    def planner_costs(self) -> PlannerCosts:
+        """The document planner's cost model with these flags' weights."""
+        return PlannerCosts(linear_per_token=self.cp_planner_linear_per_token,
+                            comm_per_token=self.cp_planner_comm_per_token)
 
 
 def _launch_hint(env: Mapping[str, str]) -> str:
@@ -134,7 +153,7 @@ class ParallelDims:
     Attributes: world_size, rank, cp_size, dp_size, cp_rank (position in the CP group), dp_rank,
     cp_ranks (global ranks of this CP group), cp_group, topology (`RingTopology`: nodes x ranks
     per node), inner_group / outer_group (the two rings; the inner one is the CP group when flat),
-    sharding (the configured sequence split).
+    sharding (the configured sequence split), planner_costs (the document planner's weights).
     """
 
     def __init__(
@@ -148,6 +167,7 @@ class ParallelDims:
         inner_group,
         outer_group,
         sharding: str,
+        planner_costs: PlannerCosts | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -161,6 +181,7 @@ class ParallelDims:
         self.inner_group = inner_group
         self.outer_group = outer_group
         self.sharding = sharding
+        self.planner_costs = PlannerCosts() if planner_costs is None else planner_costs
 
     def __repr__(self) -> str:
         t = self.topology
@@ -256,7 +277,8 @@ class ParallelDims:
                     if rank in g and topology.local(g.index(rank)) == local:
                         outer = created
         layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
-                     inner_group=inner, outer_group=outer, sharding=config.cp_sharding)
+                     inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
+                     planner_costs=config.planner_costs())
         for group in {id(g): g for g in (cp_group, inner, outer) if g is not None}.values():
             _warm_up(group)
         logger.info("%s", layout)
