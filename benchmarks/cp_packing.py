@@ -92,12 +92,13 @@ def mix_lengths(mix: str, row: int, seed: int) -> list[int]:
     return [n for n in lengths if n > 0]
 
 
-def _meta(lengths: list[int]) -> TokenMeta:
+def row_meta(lengths: list[int]) -> TokenMeta:
+    """The `TokenMeta` [1, S] of one row packing documents of these lengths."""
     seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     return TokenMeta.from_segments(seg.unsqueeze(0))
 
 
-def _layout(plan, meta: TokenMeta, cfg: SparseAttentionConfig, scores: torch.Tensor):
+def packed_layout(plan, meta: TokenMeta, cfg: SparseAttentionConfig, scores: torch.Tensor):
     """The per-document pattern in the plan's global order, from scores [2, S] of the original order."""
     gmeta = plan.global_meta(meta)
     docs = long_documents(gmeta, cfg)
@@ -108,7 +109,7 @@ def _layout(plan, meta: TokenMeta, cfg: SparseAttentionConfig, scores: torch.Ten
     return layout_from_scores(gmeta, cfg, docs, [(placed[0:1], placed[1:2])]), gmeta
 
 
-def _scores(lengths: list[int], seed: int) -> torch.Tensor:
+def document_scores(lengths: list[int], seed: int) -> torch.Tensor:
     """Random vertical and slash scores [2, S], fixed per document (token-level pattern independent of
     where the document sits)."""
     out = []
@@ -161,7 +162,7 @@ def planner_time_1000_documents(row: int, cp: int, cfg: SparseAttentionConfig, s
     raw = np.exp(rng.normal(0.0, 1.0, 1000))
     lengths = np.maximum(1, np.floor(raw / raw.sum() * row)).astype(int).tolist()
     lengths[-1] += row - sum(lengths)
-    run_lengths, kinds = row_runs(_meta(lengths), cfg)
+    run_lengths, kinds = row_runs(row_meta(lengths), cfg)
     kept = kept_blocks_per_row(cfg)
     return _timed(lambda: plan_documents(run_lengths, kinds, cp, cfg.block_size, kept_per_row=kept))[1]
 
@@ -173,8 +174,8 @@ def run(args) -> dict:
     for m, mix in enumerate(args.mixes):
         seeds[mix] = args.seed + m
         lengths = mix_lengths(mix, args.row, seeds[mix])
-        meta = _meta(lengths)
-        scores = _scores(lengths, seeds[mix])
+        meta = row_meta(lengths)
+        scores = document_scores(lengths, seeds[mix])
         print(f"\n{mix}: {len(lengths)} documents, seed {seeds[mix]}, longest {max(lengths)}, "
               f"sparse (>= {cfg.min_seq_len}) {sum(n >= cfg.min_seq_len for n in lengths)}", flush=True)
         print(HEADER)
@@ -185,11 +186,11 @@ def run(args) -> dict:
             for sharding, plan, ms in _plans(lengths, padded_meta, cfg, cp, padded):
                 if sharding in ("striped", "zigzag"):
                     if not in_order:
-                        in_order["sparse"] = _layout(plan, padded_meta, cfg, torch.nn.functional.pad(
+                        in_order["sparse"] = packed_layout(plan, padded_meta, cfg, torch.nn.functional.pad(
                             scores, (0, padded - args.row)))
                     layout, gmeta = in_order["sparse"]
                 else:
-                    layout, gmeta = _layout(plan, meta, cfg, scores)
+                    layout, gmeta = packed_layout(plan, meta, cfg, scores)
                 cost = ring_cost(layout, plan, kv_heads=args.kv_heads, head_dim=args.head_dim)
                 rows.append(_row(mix, cp, sharding, plan, cost, ms, costs, float(layout.kept_fraction(gmeta))))
                 print(_format(rows[-1]), flush=True)

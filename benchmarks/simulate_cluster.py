@@ -2,16 +2,22 @@
 
 For a model shape, a cluster preset, sequence lengths and CP sizes, every configuration of
 `hf_sparse_cp.distributed.simulate.CONFIGURATIONS` (dense ring, zigzag sparse, striped sparse,
-hierarchical striped sparse) is simulated from the ring plan our code executes
-(`predict_step`): per rank and per ring step, compute from the plan's work and transfers from its
-bytes, overlapped as the ring schedules them. Nothing runs on a GPU: these are predictions,
-calibrated on measured H100 figures (anchors.md) and published NCCL bandwidths, each with its
-source in the JSON.
+hierarchical striped sparse, and the document planner, flat and hierarchical) is simulated from
+the ring plan our code executes (`predict_step`): per rank and per ring step, compute from the
+plan's work and transfers from its bytes, overlapped as the ring schedules them. Nothing runs on
+a GPU: these are predictions, calibrated on measured H100 figures (anchors.md) and published NCCL
+bandwidths, each with its source in the JSON.
 
-Layouts: the dense ring uses the causal layout; the sparse configurations a random vertical-slash
-layout (`random_vertical_slash_layout`, `--layout-heads` heads standing for all of the model's
-heads) keeping about `--density` of the causal blocks (MTraining reports 93.7% sparsity), with
-`--verticals` columns (MTraining's budget of 1000) and `--sink` sink tokens. Sparse kernels are
+Layouts, one sequence per row (default): the dense ring uses the causal layout; the sparse
+configurations a random vertical-slash layout (`random_vertical_slash_layout`, `--layout-heads`
+heads standing for all of the model's heads) keeping about `--density` of the causal blocks
+(MTraining reports 93.7% sparsity), with `--verticals` columns (MTraining's budget of 1000) and
+`--sink` sink tokens. On one sequence the planner splits it striped, as striped sparse does.
+
+Packed rows (`--mix long-tail|uniform|one`): each row of S tokens packs documents of
+`benchmarks/cp_packing.py`'s length mixes, with its per-document patterns (the library's
+selection from random scores at the default budgets; documents shorter than `min_seq_len`
+dense), built in every split's own order; the dense ring attends causally within documents. Sparse kernels are
 costed twice: with FlexAttention's measured per-row cost ("flex"), and with its per-block cost
 only ("block-only", a bound for a kernel without per-row overhead).
 
@@ -27,11 +33,14 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+import cp_packing
 import torch
 
+from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.simulate import CONFIGURATIONS
+from hf_sparse_cp.distributed.planner import kept_blocks_per_row, row_runs
+from hf_sparse_cp.distributed.simulate import CONFIGURATIONS, Workload
 from hf_sparse_cp.distributed.step_model import CLUSTERS, HARDWARE, MODELS, predict_step, ring_counts
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
@@ -60,21 +69,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sink", type=int, default=32)
     p.add_argument("--layout-heads", type=int, default=4, help="heads of the synthetic layout (work is scaled to the "
                    "model's heads)")
+    p.add_argument("--mix", default=None, choices=cp_packing.MIXES,
+                   help="pack each row with documents of this length mix (benchmarks/cp_packing.py) instead of one "
+                        "sequence")
     p.add_argument("--no-mtraining", action="store_true", help="skip the prediction for MTraining's setting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None,
-                   help="output file (default: benchmarks/results/simulate-cluster_<model>_<cluster>.json)")
+                   help="output file (default: benchmarks/results/simulate-cluster_<model>_<cluster>[_<mix>].json)")
     p.add_argument("--png", default=None, help="plot file (default next to the JSON)")
     return p.parse_args(argv)
 
 
-def layouts_for(args, seq: int) -> dict:
-    nb = seq // BLOCK
-    sparse = random_vertical_slash_layout(1, args.layout_heads, seq, BLOCK, num_diagonals=round(args.density * nb),
-                                          num_verticals=args.verticals, sink_tokens=args.sink,
-                                          diagonal_spread=args.spread,
-                                          generator=torch.Generator().manual_seed(args.seed))
-    return {"sparse": sparse, "dense": dense_layout(TokenMeta.contiguous(1, seq), BLOCK)}
+def sequence_workload(args, seq: int) -> Workload:
+    """One sequence of `seq` tokens: the causal layout, and a random vertical-slash one (see the module docstring)."""
+    cache = {}
+
+    def layout(kind: str, plan) -> object:
+        if not plan.keeps_order:
+            raise ValueError("one sequence keeps its order under every split of it.")
+        if (kind, plan.padded_len) not in cache:
+            meta = TokenMeta.contiguous(1, seq).pad_to(plan.padded_len)
+            cache[kind, plan.padded_len] = dense_layout(meta, BLOCK) if kind == "dense" else \
+                random_vertical_slash_layout(1, args.layout_heads, seq, BLOCK,
+                                             num_diagonals=round(args.density * seq // BLOCK),
+                                             num_verticals=args.verticals, sink_tokens=args.sink,
+                                             diagonal_spread=args.spread, padded_len=plan.padded_len,
+                                             generator=torch.Generator().manual_seed(args.seed))
+        return cache[kind, plan.padded_len]
+
+    return Workload((seq,), ("sparse",), layout)
+
+
+def packed_workload(mix: str, seq: int, seed: int) -> Workload:
+    """A row of `seq` tokens packing documents of `mix` with cp_packing's per-document patterns."""
+    cfg = SparseAttentionConfig(block_size=BLOCK)
+    lengths = cp_packing.mix_lengths(mix, seq, seed)
+    meta = cp_packing.row_meta(lengths)
+    scores = cp_packing.document_scores(lengths, seed)
+    runs, kinds = row_runs(meta, cfg)
+    cache = {}
+
+    def layout(kind: str, plan) -> object:
+        key = (kind, plan.padded_len) if plan.keeps_order else None  # block shardings share the row's layout
+        if key in cache:
+            return cache[key]
+        out = dense_layout(plan.global_meta(meta), BLOCK) if kind == "dense" else \
+            cp_packing.packed_layout(plan, meta, cfg, scores)[0]
+        if key is not None:
+            cache[key] = out
+        return out
+
+    return Workload(tuple(runs), tuple(kinds), layout, kept_blocks_per_row(cfg))
+
+
+def workload_for(args, seq: int) -> Workload:
+    return sequence_workload(args, seq) if args.mix is None else packed_workload(args.mix, seq, args.seed)
 
 
 def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: list[int], configs: list[str],
@@ -85,18 +134,20 @@ def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: lis
     for seq in seqs:
         if seq % (2 * BLOCK * max(cps)):
             raise SystemExit(f"--seq {seq} must be a multiple of {2 * BLOCK * max(cps)} (whole zigzag chunks).")
-        layouts = layouts_for(args, seq)
+        workload = workload_for(args, seq)
         for cp in cps:
             base = None
             for name in configs:
-                setup = CONFIGURATIONS[name](layouts, cp, BLOCK, cluster.gpus_per_node)
+                setup = CONFIGURATIONS[name](workload, cp, BLOCK, cluster.gpus_per_node)
                 counts = ring_counts(setup, model)
                 for kernel, hw in hardware.items():
                     if not setup.sparse and kernel != "flex":
                         continue
                     r = predict_step(setup, model, hw, cluster, counts=counts)
                     r.update(model=model_name, cluster=cluster_name, seq=seq, cp=cp, config=name,
-                             kernel=kernel if setup.sparse else dense_kernel)
+                             kernel=kernel if setup.sparse else dense_kernel, mix=args.mix or "one sequence",
+                             documents=len(workload.lengths), local_blocks=[int(b.numel()) for b in
+                                                                           setup.plan.rank_blocks])
                     if not setup.sparse:
                         base = r["step_s"]
                     r["speedup_vs_dense_ring"] = base / r["step_s"] if base else None
@@ -162,8 +213,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    print(f"{args.model} on {args.cluster}; sparse layouts keep ~{args.density:.3f} of causal blocks + "
-          f"{args.verticals} verticals + {args.sink} sink tokens ({args.layout_heads} layout heads); PREDICTED")
+    if args.mix is None:
+        print(f"{args.model} on {args.cluster}; sparse layouts keep ~{args.density:.3f} of causal blocks + "
+              f"{args.verticals} verticals + {args.sink} sink tokens ({args.layout_heads} layout heads); PREDICTED")
+    else:
+        print(f"{args.model} on {args.cluster}; rows packed with the {args.mix} mix (seed {args.seed}), "
+              "per-document patterns at the default budgets; PREDICTED")
     print(HEADER)
     rows = simulate(args, args.model, args.cluster, args.seq, args.cp, args.configs, args.dense_kernel)
     hw = HARDWARE[args.cluster](dense_kernel=args.dense_kernel)
@@ -189,9 +244,11 @@ def main(argv=None) -> dict:
         print(HEADER)
         mt = []
         for dense_kernel in ("fa2", "cudnn"):
-            mt += simulate(args, m["model"], m["cluster"], [m["seq"]], [m["cp"]], list(CONFIGURATIONS), dense_kernel)
+            mt += simulate(argparse.Namespace(**{**vars(args), "mix": None}), m["model"], m["cluster"], [m["seq"]],
+                           [m["cp"]], list(CONFIGURATIONS), dense_kernel)
         report["mtraining"] = {**m, "rows": mt}
-    out = Path(args.json) if args.json else RESULTS / f"simulate-cluster_{args.model}_{args.cluster}.json"
+    mix = f"_{args.mix}" if args.mix else ""
+    out = Path(args.json) if args.json else RESULTS / f"simulate-cluster_{args.model}_{args.cluster}{mix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
