@@ -252,7 +252,7 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
-    plot(rows, png, f"{args.model} on {args.cluster}")
+    plot(rows, png, f"{args.model} on {args.cluster}" + (f", rows packed with the {args.mix} mix" if args.mix else ""))
     print(f"wrote {out} and {png}")
     return report
 
