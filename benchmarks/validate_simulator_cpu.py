@@ -10,11 +10,10 @@ Calibration (on this CPU, in as many concurrent processes as the run it predicts
   isend/irecv (the ring's pattern) at sizes 16 KiB - 4 MiB; least squares of latency + bytes / bandwidth;
 * the plan: `RingPlan` construction, which `ring_sparse_attention` does on every call, timed apart;
 * the share of a core each process gets while the ring runs, measured during each measured call
-  from the kernel's scheduler statistics of the calling thread (`/proc/self/task/<tid>/schedstat`):
-  seconds run / (seconds run + seconds waited, runnable, for a core that other jobs held). Each
-  rank's compute costs are divided by its own share. (A first version timed a small matmul loop
-  just before and after each call; the load of this machine changes within a call, and that probe,
-  kept in the JSON as `probe_share`, missed it.)
+  (the load of this machine changes within a call) from the scheduler statistics of the calling
+  thread (`/proc/self/task/<tid>/schedstat`): seconds run / (seconds run + seconds waited,
+  runnable, for a core that other jobs held). Each rank's compute costs are divided by its own
+  share. A small matmul loop timed before and after each call is kept for comparison (`probe_share`).
 
 Measurement: `ring_sparse_attention` forward + backward on each configuration, wall time and the
 calling thread's CPU time (the slowest rank), with its system time and page faults. Calibration and
