@@ -44,7 +44,6 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
-from hf_sparse_cp.attention.estimate import layout_from_scores, long_documents
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.balance import ring_cost
 from hf_sparse_cp.distributed.planner import (
@@ -55,9 +54,9 @@ from hf_sparse_cp.distributed.planner import (
     split_every_document,
 )
 from hf_sparse_cp.distributed.sharding import ShardPlan
+from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 
 GIB = float(1 << 30)
-MIXES = ("long-tail", "uniform", "one")
 SHARDINGS = ("striped", "zigzag", "per-doc", "planner")
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -74,49 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=str(RESULTS / "cp_packing.json"))
     p.add_argument("--plot", default=str(RESULTS / "cp_packing.png"), help="per-rank work plot ('' for none)")
     return p.parse_args(argv)
-
-
-def mix_lengths(mix: str, row: int, seed: int) -> list[int]:
-    """Document lengths filling one row of `row` tokens (the last one cut to fit)."""
-    rng = np.random.default_rng(seed)
-    if mix == "one":
-        return [row]
-    lengths: list[int] = []
-    while sum(lengths) < row:
-        if mix == "long-tail":
-            n = float(np.exp(np.log(8192) + 1.5 * rng.standard_normal()))
-            lengths.append(int(min(max(n, 128), row)))
-        else:
-            lengths.append(int(rng.integers(1, 65536, endpoint=True)))
-    lengths[-1] -= sum(lengths) - row
-    return [n for n in lengths if n > 0]
-
-
-def row_meta(lengths: list[int]) -> TokenMeta:
-    """The `TokenMeta` [1, S] of one row packing documents of these lengths."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
-    return TokenMeta.from_segments(seg.unsqueeze(0))
-
-
-def packed_layout(plan, meta: TokenMeta, cfg: SparseAttentionConfig, scores: torch.Tensor):
-    """The per-document pattern in the plan's global order, from scores [2, S] of the original order."""
-    gmeta = plan.global_meta(meta)
-    docs = long_documents(gmeta, cfg)
-    if not any(docs):
-        return dense_layout(gmeta, cfg.block_size), gmeta
-    src = plan.source
-    placed = torch.where(src >= 0, scores[:, src.clamp_min(0)], torch.zeros(()))  # [2, padded_len]
-    return layout_from_scores(gmeta, cfg, docs, [(placed[0:1], placed[1:2])]), gmeta
-
-
-def document_scores(lengths: list[int], seed: int) -> torch.Tensor:
-    """Random vertical and slash scores [2, S], fixed per document (token-level pattern independent of
-    where the document sits)."""
-    out = []
-    for i, n in enumerate(lengths):
-        g = torch.Generator().manual_seed(seed * 100003 + i)
-        out.append(torch.rand(2, n, generator=g))
-    return torch.cat(out, 1)
 
 
 def _timed(fn, repeats: int = 7):
