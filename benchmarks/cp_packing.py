@@ -46,7 +46,6 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
-from hf_sparse_cp.attention.estimate import layout_from_scores, long_documents
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.balance import ring_cost
 from hf_sparse_cp.distributed.planner import (
@@ -57,9 +56,9 @@ from hf_sparse_cp.distributed.planner import (
     split_every_document,
 )
 from hf_sparse_cp.distributed.sharding import ShardPlan
+from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 
 GIB = float(1 << 30)
-MIXES = ("long-tail", "uniform", "one")
 SHARDINGS = ("striped", "zigzag", "per-doc", "planner")
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -76,48 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=str(RESULTS / "cp_packing.json"))
     p.add_argument("--plot", default=str(RESULTS / "cp_packing.png"), help="per-rank work plot ('' for none)")
     return p.parse_args(argv)
-
-
-def mix_lengths(mix: str, row: int, seed: int) -> list[int]:
-    """Document lengths filling one row of `row` tokens (the last one cut to fit)."""
-    rng = np.random.default_rng(seed)
-    if mix == "one":
-        return [row]
-    lengths: list[int] = []
-    while sum(lengths) < row:
-        if mix == "long-tail":
-            n = float(np.exp(np.log(8192) + 1.5 * rng.standard_normal()))
-            lengths.append(int(min(max(n, 128), row)))
-        else:
-            lengths.append(int(rng.integers(1, 65536, endpoint=True)))
-    lengths[-1] -= sum(lengths) - row
-    return [n for n in lengths if n > 0]
-
-
-def _meta(lengths: list[int]) -> TokenMeta:
-    seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
-    return TokenMeta.from_segments(seg.unsqueeze(0))
-
-
-def _layout(plan, meta: TokenMeta, cfg: SparseAttentionConfig, scores: torch.Tensor):
-    """The per-document pattern in the plan's global order, from scores [2, S] of the original order."""
-    gmeta = plan.global_meta(meta)
-    docs = long_documents(gmeta, cfg)
-    if not any(docs):
-        return dense_layout(gmeta, cfg.block_size), gmeta
-    src = plan.source
-    placed = torch.where(src >= 0, scores[:, src.clamp_min(0)], torch.zeros(()))  # [2, padded_len]
-    return layout_from_scores(gmeta, cfg, docs, [(placed[0:1], placed[1:2])]), gmeta
-
-
-def _scores(lengths: list[int], seed: int) -> torch.Tensor:
-    """Random vertical and slash scores [2, S], fixed per document (token-level pattern independent of
-    where the document sits)."""
-    out = []
-    for i, n in enumerate(lengths):
-        g = torch.Generator().manual_seed(seed * 100003 + i)
-        out.append(torch.rand(2, n, generator=g))
-    return torch.cat(out, 1)
 
 
 def _timed(fn, repeats: int = 7):
@@ -164,7 +121,7 @@ def planner_time_1000_documents(row: int, cp: int, cfg: SparseAttentionConfig, s
     raw = np.exp(rng.normal(0.0, 1.0, 1000))
     lengths = np.maximum(1, np.floor(raw / raw.sum() * row)).astype(int).tolist()
     lengths[-1] += row - sum(lengths)
-    run_lengths, kinds = row_runs(_meta(lengths), cfg)
+    run_lengths, kinds = row_runs(row_meta(lengths), cfg)
     kept = kept_blocks_per_row(cfg)
     return _timed(lambda: plan_documents(run_lengths, kinds, cp, cfg.block_size, kept_per_row=kept))[1]
 
@@ -176,8 +133,8 @@ def run(args) -> dict:
     for m, mix in enumerate(args.mixes):
         seeds[mix] = args.seed + m
         lengths = mix_lengths(mix, args.row, seeds[mix])
-        meta = _meta(lengths)
-        scores = _scores(lengths, seeds[mix])
+        meta = row_meta(lengths)
+        scores = document_scores(lengths, seeds[mix])
         print(f"\n{mix}: {len(lengths)} documents, seed {seeds[mix]}, longest {max(lengths)}, "
               f"sparse (>= {cfg.min_seq_len}) {sum(n >= cfg.min_seq_len for n in lengths)}", flush=True)
         print(HEADER)
@@ -188,11 +145,11 @@ def run(args) -> dict:
             for sharding, plan, ms in _plans(lengths, padded_meta, cfg, cp, padded):
                 if sharding in ("striped", "zigzag"):
                     if not in_order:
-                        in_order["sparse"] = _layout(plan, padded_meta, cfg, torch.nn.functional.pad(
+                        in_order["sparse"] = packed_layout(plan, padded_meta, cfg, torch.nn.functional.pad(
                             scores, (0, padded - args.row)))
                     layout, gmeta = in_order["sparse"]
                 else:
-                    layout, gmeta = _layout(plan, meta, cfg, scores)
+                    layout, gmeta = packed_layout(plan, meta, cfg, scores)
                 cost = ring_cost(layout, plan, kv_heads=args.kv_heads, head_dim=args.head_dim)
                 rows.append(_row(mix, cp, sharding, plan, cost, ms, costs, float(layout.kept_fraction(gmeta))))
                 print(_format(rows[-1]), flush=True)

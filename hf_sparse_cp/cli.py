@@ -1,5 +1,5 @@
-"""`hf-sparse-cp` command line: `train` runs the long-context example, `plot` draws a run's sparsity, `env`
-reports the setup."""
+"""`hf-sparse-cp` command line: `train` runs the long-context example, `plot` draws a run's sparsity,
+`simulate` predicts CP step time on a GPU cluster, `env` reports the setup."""
 
 from __future__ import annotations
 
@@ -127,10 +127,21 @@ def main(argv: list[str] | None = None) -> int:
                        help="Local processes to launch (torchrun; gloo on CPU), e.g. --nproc 2 --cp_size 2. Ctrl-C "
                        "or `kill` of this command stops torchrun and its workers too.")
     plot = _add_plot_parser(sub)
+    sub.add_parser("simulate", add_help=False,
+                   help="Predict training-step time, tokens/s and speedup of context parallelism on a GPU cluster from "
+                   "the ring's own plans (`hf-sparse-cp simulate --help` lists its flags; writes JSON and a plot).")
     sub.add_parser("env", help="Print the versions and devices the plugin sees.")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
         return _env()
+    if args.command == "simulate":
+        from hf_sparse_cp.examples.simulate_cluster import main as simulate
+
+        try:
+            simulate(rest, prog="hf-sparse-cp simulate")
+        except ImportError as e:  # names the extra to install
+            parser.error(str(e))
+        return 0
     if args.command == "plot":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -9,11 +9,13 @@ from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import RingTopology, ShardPlan
 from hf_sparse_cp.distributed.balance import plan_traffic, ring_cost
 from hf_sparse_cp.distributed.plan import RingPlan
+from hf_sparse_cp.distributed.planner import plan_documents
 from hf_sparse_cp.distributed.simulate import (
     CONFIGURATIONS,
     Cluster,
     KernelCosts,
     Link,
+    Workload,
     all_gather_time,
     plan_work,
     simulate_ring,
@@ -23,21 +25,34 @@ from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 S, BS = 2048, 32
 
-RINGS = [("contiguous", (1, 4)), ("zigzag", (1, 4)), ("striped", (1, 4)), ("striped", (2, 2))]
+RINGS = [("contiguous", (1, 4)), ("zigzag", (1, 4)), ("striped", (1, 4)), ("striped", (2, 2)),
+         ("document", (1, 4)), ("document", (2, 2))]
+# a packed row for the document planner: whole documents on some ranks, the long ones split (ragged shards)
+DOCS = [700, 90, 260, 500, 130, 300, 68]
+KINDS = ["sparse", "dense", "dense", "sparse", "dense", "dense", "dense"]
 
 
-def _sparse(seed=0, heads=3):
-    return random_vertical_slash_layout(1, heads, S, BS, num_diagonals=6, num_verticals=40, sink_tokens=8,
+def _sparse(seed=0, heads=3, meta=None):
+    return random_vertical_slash_layout(1, heads, S, BS, num_diagonals=6, num_verticals=40, sink_tokens=8, meta=meta,
                                         generator=torch.Generator().manual_seed(seed))
+
+
+def _split(sharding, w, seed=0):
+    """(plan, global layout, global meta) of a 2048-token row: one sequence, or the packed DOCS for 'document'."""
+    if sharding != "document":
+        return ShardPlan(sharding, w, BS, S), _sparse(seed), TokenMeta.contiguous(1, S)
+    plan = plan_documents(DOCS, KINDS, w, BS, kept_per_row=4)
+    assert len({int(b.numel()) for b in plan.rank_blocks}) > 1 and plan.split  # ragged, some documents split
+    seg = torch.repeat_interleave(torch.arange(len(DOCS), dtype=torch.int32), torch.tensor(DOCS))
+    meta = plan.global_meta(TokenMeta.from_segments(seg.unsqueeze(0)))
+    return plan, _sparse(seed, meta=meta), meta
 
 
 @pytest.mark.parametrize("sharding,shape", RINGS, ids=[f"{s}-{n}x{l}" for s, (n, l) in RINGS])
 def test_work_equals_the_ring_plans_step_layouts(sharding, shape):
-    layout = _sparse()
     topo = RingTopology(*shape)
-    plan = ShardPlan(sharding, topo.size, BS, S)
+    plan, layout, meta = _split(sharding, topo.size)
     work = plan_work(layout, plan, topo)
-    meta = TokenMeta.contiguous(1, S)
     for p in range(topo.size):
         ring_plan = RingPlan(layout, plan, meta, topo, p)
         for t, step in enumerate(ring_plan.steps):
@@ -57,9 +72,8 @@ def test_work_equals_the_ring_plans_step_layouts(sharding, shape):
 
 @pytest.mark.parametrize("sharding,shape", RINGS, ids=[f"{s}-{n}x{l}" for s, (n, l) in RINGS])
 def test_work_and_bytes_equal_what_cp_balance_counts(sharding, shape):
-    layout = _sparse(seed=1)
     topo = RingTopology(*shape)
-    plan = ShardPlan(sharding, topo.size, BS, S)
+    plan, layout, _ = _split(sharding, topo.size, seed=1)
     cost = ring_cost(layout, plan, topo, kv_heads=2, head_dim=16)
     assert torch.equal(plan_work(layout, plan, topo).blocks, cost.work)
     traffic = plan_traffic(layout, plan, topo, kv_heads=2, head_dim=16)
@@ -157,41 +171,66 @@ def test_predicted_step_is_consistent():
     layouts = {"sparse": random_vertical_slash_layout(1, 2, s, 128, num_diagonals=6, num_verticals=64, sink_tokens=32,
                                                       generator=torch.Generator().manual_seed(0)),
                "dense": dense_layout(TokenMeta.contiguous(1, s), 128)}
+    workload = Workload((s,), ("sparse",), lambda kind, plan: layouts[kind])
     model, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
-    out = {(name, cp): predict_step(CONFIGURATIONS[name](layouts, cp, 128, 8), model, hw, cluster)
-           for name in ("dense ring", "striped sparse") for cp in (4, 16)}
+    out = {(name, cp): predict_step(CONFIGURATIONS[name](workload, cp, 128, 8), model, hw, cluster)
+           for name in ("dense ring", "striped sparse", "planner sparse") for cp in (4, 16)}
     for name in ("dense ring", "striped sparse"):
         assert out[(name, 16)]["step_s"] < out[(name, 4)]["step_s"]
     assert out[("striped sparse", 4)]["step_s"] < out[("dense ring", 4)]["step_s"]
     r = out[("striped sparse", 16)]
     assert 0.0 <= r["comm_share"] < 1.0
     assert r["tokens_per_s"] == pytest.approx(s / r["step_s"])
+    # one sequence: the planner splits it striped, and the simulator predicts the same step
+    for cp in (4, 16):
+        assert out[("planner sparse", cp)]["step_s"] == pytest.approx(out[("striped sparse", cp)]["step_s"])
+    small = Workload((S,), ("sparse",), lambda kind, plan: _sparse())
     with pytest.raises(ValueError, match="block_size=128"):
-        predict_step(CONFIGURATIONS["striped sparse"]({"sparse": _sparse()}, 4, BS, 8), model, hw, cluster)
+        predict_step(CONFIGURATIONS["striped sparse"](small, 4, BS, 8), model, hw, cluster)
 
 
-def test_simulate_cluster_script(tmp_path):
-    """The benchmark writes its rows, their sources and a plot (tiny sizes)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+def test_simulate_command(tmp_path, monkeypatch):
+    """`hf-sparse-cp simulate` writes its rows, their sources and a plot into the current directory (tiny sizes)."""
+    import json
+
+    from hf_sparse_cp.cli import main
 
     pytest.importorskip("matplotlib")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_cluster.py"
-    spec = importlib.util.spec_from_file_location("simulate_cluster", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        out = tmp_path / "sim.json"
-        report = module.main(["--seq", "32768", "--cp", "8", "16", "--no-mtraining", "--layout-heads", "1",
-                              "--json", str(out)])
-    finally:
-        sys.modules.pop(spec.name, None)
-    assert out.exists() and out.with_suffix(".png").stat().st_size > 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--seq", "32768", "--cp", "8", "16", "--no-mtraining", "--layout-heads", "1"]) == 0
+    out = tmp_path / "simulate-cluster_qwen2.5-3b_8xH100-IB400.json"
+    assert out.with_suffix(".png").stat().st_size > 0
+    report = json.loads(out.read_text())
     rows = report["rows"]
     assert {r["config"] for r in rows} == set(CONFIGURATIONS)
     assert all(r["speedup_vs_dense_ring"] == 1.0 for r in rows if r["config"] == "dense ring")
     assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows)
     assert "anchors.md" in report["calibration"]["sources"]["sparse attention"]
     assert report["cluster"]["inter"]["source"]
+
+
+def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):
+    """benchmarks/simulate_cluster.py (the same code) on a row packing the long-tail mix: every
+    configuration runs on the same documents, the planner on its ragged split."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from hf_sparse_cp.testing.packing import mix_lengths
+
+    pytest.importorskip("matplotlib")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_cluster.py"
+    spec = importlib.util.spec_from_file_location("simulate_cluster", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    report = module.main(["--seq", "65536", "--cp", "8", "--mix", "long-tail", "--no-mtraining", "--configs",
+                          "dense ring", "striped sparse", "planner sparse", "--json", str(tmp_path / "mix.json")])
+    rows = {(r["config"], r["kernel"]): r for r in report["rows"]}
+    assert set(rows) == {("dense ring", "cudnn"), ("striped sparse", "flex"), ("striped sparse", "block-only"),
+                         ("planner sparse", "flex"), ("planner sparse", "block-only")}
+    documents = len(mix_lengths("long-tail", 65536, 0))
+    assert documents > 1 and all(r["documents"] == documents for r in rows.values())
+    planner, striped = rows[("planner sparse", "flex")], rows[("striped sparse", "flex")]
+    assert len(set(planner["local_blocks"])) > 1 and len(set(striped["local_blocks"])) == 1  # ragged vs even
+    assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows.values())

@@ -17,13 +17,15 @@ max(compute, transfer) plus what cannot hide, and a slow rank holds up its neigh
 columns' all-gather (forward) and all-reduce (backward) are ring collectives overlapped with the
 ring as the code posts them.
 
-A configuration (sharding, ring shape, layout kind) is one entry of `CONFIGURATIONS`: a function
-returning the `RingSetup` to simulate.
+A configuration (split, ring shape, layout kind) is one entry of `CONFIGURATIONS`: a function of a
+`Workload` (a row's documents and its layouts in any split's order) returning the `RingSetup` to
+simulate. The splits are the block shardings and the document planner (`planner.plan_documents`,
+ragged per-rank block counts), flat or hierarchical rings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,7 +34,8 @@ from ..attention.layout import SparseLayout
 from .balance import PlanTraffic
 from .comm import RingTopology
 from .plan import check_global_layout
-from .sharding import ShardPlan
+from .planner import plan_documents
+from .sharding import BlockSplit, ShardPlan
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class PlanWork:
     blocks: listed key blocks (bar step: listed columns / block_size);
     rows:   query-block rows listing at least one of them;
     padded: rows x the widest row of the step (the shape a padded kernel such as the PyTorch
-            reference computes: all of the rank's query blocks, each as wide as the widest);
+            reference computes: all of the rank's query blocks, each as wide as the widest; ranks
+            of an uneven split, such as the document planner's, count their own blocks);
             in block units;
     calls:  1 where the rank runs the step (the ring skips steps whose layout lists nothing).
     """
@@ -101,8 +105,9 @@ class PlanWork:
     heads: int
 
 
-def plan_work(layout: SparseLayout, plan: ShardPlan, topology: RingTopology) -> PlanWork:
-    """Per-rank, per-step work of the ring over the global `layout` split by `plan`."""
+def plan_work(layout: SparseLayout, plan: BlockSplit, topology: RingTopology) -> PlanWork:
+    """Per-rank, per-step work of the ring over the global `layout` split by `plan` (any split:
+    block shardings, or the document planner's ragged one)."""
     check_global_layout(layout, plan)
     w, bs = plan.cp_size, plan.block_size
     b, h, nqb = layout.block_idx.shape[:3]
@@ -117,10 +122,13 @@ def plan_work(layout: SparseLayout, plan: ShardPlan, topology: RingTopology) -> 
     counts = counts.view(b, h, nqb, w).permute(2, 0, 1, 3).reshape(nqb, b * h, w)
     cols = layout.col_cnt.double().cpu().permute(2, 0, 1).reshape(nqb, b * h, 1)
     counts = torch.cat([counts, cols / bs], 2)  # the bar step as source W
-    by_rank = counts[plan.all_blocks]  # [W, local blocks, b*h, W+1]
+    # every rank's query blocks; short ranks padded with block nqb, an empty row appended here
+    counts = torch.cat([counts, counts.new_zeros(1, *counts.shape[1:])])
+    by_rank = counts[plan.padded_rank_blocks]  # [W, most local blocks, b*h, W+1]
     blocks = by_rank.sum((1, 2))
     rows = (by_rank > 0).sum((1, 2)).double()
-    padded = by_rank.amax((1, 2)) * plan.local_blocks * b * h
+    local = torch.tensor([float(plan.blocks_of(r).numel()) for r in range(w)], dtype=torch.float64)
+    padded = by_rank.amax((1, 2)) * local.unsqueeze(1) * b * h
     n, l = topology.num_nodes, topology.node_size
     sources = torch.tensor([[topology.source(r, o, i) for o in range(n) for i in range(l)] + [w] for r in range(w)])
     blocks, rows, padded = (x.gather(1, sources) for x in (blocks, rows, padded))
@@ -231,34 +239,62 @@ class RingSetup:
     """What one configuration runs: the global layout, the split and the ring shape."""
 
     layout: SparseLayout
-    plan: ShardPlan
+    plan: BlockSplit
     topology: RingTopology
     sparse: bool  # whether each layer estimates its layout (dense rings skip the estimation)
 
 
-def _flat(sharding: str, kind: str):
-    def setup(layouts: Mapping[str, SparseLayout], cp_size: int, block_size: int, gpus_per_node: int) -> RingSetup:
-        layout = layouts[kind]
-        plan = ShardPlan(sharding, cp_size, block_size, layout.num_q_blocks * block_size)
-        return RingSetup(layout, plan, RingTopology(1, cp_size), kind == "sparse")
+@dataclass(frozen=True)
+class Workload:
+    """One row to simulate: its runs (documents and padding, in row order) and its layouts.
+
+    lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `planner.row_runs`);
+    layout(kind, plan): the global layout of `kind` ('dense': causal within documents, or
+    'sparse') over `plan`'s padded sequence, in `plan`'s global order;
+    kept_per_row: key blocks a sparse document's query row lists (the planner's cost model).
+    """
+
+    lengths: tuple[int, ...]
+    kinds: tuple[str, ...]
+    layout: Callable[[str, BlockSplit], SparseLayout]
+    kept_per_row: int | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.lengths)
+
+
+def _block_sharding(sharding: str) -> Callable[[Workload, int, int], BlockSplit]:
+    def split(workload: Workload, cp_size: int, block_size: int) -> BlockSplit:
+        return ShardPlan(sharding, cp_size, block_size, workload.seq_len)
+    return split
+
+
+def _planner(workload: Workload, cp_size: int, block_size: int) -> BlockSplit:
+    return plan_documents(list(workload.lengths), list(workload.kinds), cp_size, block_size,
+                          kept_per_row=workload.kept_per_row)
+
+
+def _configuration(split: Callable[[Workload, int, int], BlockSplit], kind: str, *, hierarchical: bool = False):
+    def setup(workload: Workload, cp_size: int, block_size: int, gpus_per_node: int) -> RingSetup:
+        plan = split(workload, cp_size, block_size)
+        topology = RingTopology(1, cp_size)
+        if hierarchical:
+            per_node = min(gpus_per_node, cp_size)
+            if cp_size % per_node:
+                raise ValueError(f"the hierarchical ring needs whole nodes: cp_size={cp_size} is not a multiple of "
+                                 f"{per_node} GPUs per node.")
+            topology = RingTopology(cp_size // per_node, per_node)
+        return RingSetup(workload.layout(kind, plan), plan, topology, kind == "sparse")
     return setup
 
 
-def _hierarchical(layouts: Mapping[str, SparseLayout], cp_size: int, block_size: int,
-                  gpus_per_node: int) -> RingSetup:
-    layout = layouts["sparse"]
-    plan = ShardPlan("striped", cp_size, block_size, layout.num_q_blocks * block_size)
-    per_node = min(gpus_per_node, cp_size)
-    if cp_size % per_node:
-        raise ValueError(f"the hierarchical ring needs whole nodes: cp_size={cp_size} is not a multiple of "
-                         f"{per_node} GPUs per node.")
-    return RingSetup(layout, plan, RingTopology(cp_size // per_node, per_node), True)
-
-
-# name -> f(layouts {'dense': causal layout, 'sparse': vertical-slash layout}, cp_size, block_size, gpus_per_node)
-CONFIGURATIONS: dict[str, Callable[..., RingSetup]] = {
-    "dense ring": _flat("zigzag", "dense"),
-    "zigzag sparse": _flat("zigzag", "sparse"),
-    "striped sparse": _flat("striped", "sparse"),
-    "hierarchical striped sparse": _hierarchical,
+# name -> f(workload, cp_size, block_size, gpus_per_node) -> RingSetup
+CONFIGURATIONS: dict[str, Callable[[Workload, int, int, int], RingSetup]] = {
+    "dense ring": _configuration(_block_sharding("zigzag"), "dense"),
+    "zigzag sparse": _configuration(_block_sharding("zigzag"), "sparse"),
+    "striped sparse": _configuration(_block_sharding("striped"), "sparse"),
+    "hierarchical striped sparse": _configuration(_block_sharding("striped"), "sparse", hierarchical=True),
+    "planner sparse": _configuration(_planner, "sparse"),
+    "hierarchical planner sparse": _configuration(_planner, "sparse", hierarchical=True),
 }

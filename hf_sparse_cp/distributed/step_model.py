@@ -2,8 +2,9 @@
 measurements, cluster presets, and `predict_step`, which adds the layers' other work to the ring
 of `simulate.py`.
 
-Per layer and CP rank: linear layers over the rank's tokens (forward, backward and, with
-gradient checkpointing, a second forward), the layout estimation of sparse configurations
+Per layer and CP rank: linear layers over the rank's tokens (forward, backward and, with gradient
+checkpointing, a second forward; the busiest rank's tokens, for a split that gives ranks different
+numbers of blocks), the layout estimation of sparse configurations
 (scoring of the last `last_q` queries against the rank's keys, four all-reduces, the index
 build), and ring attention forward (twice with gradient checkpointing) and backward. A step is
 the layers plus the LM head, one sequence per CP group. Not modelled: data-parallel / FSDP
@@ -210,7 +211,8 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     if not setup.sparse:
         return 0.0
     w, s = setup.plan.cp_size, setup.plan.padded_len
-    score = 2 * 2 * last_q * (s / w) * model.head_dim * model.heads / hw.attention_flops_per_s
+    keys = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's
+    score = 2 * 2 * last_q * keys * model.head_dim * model.heads / hw.attention_flops_per_s
     link = cluster.group_link(w)
     reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4,
                2 * model.heads * s * 4)
@@ -237,10 +239,10 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
                          f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
     work, traffic = ring_counts(setup, model) if counts is None else counts
-    w, tokens = setup.plan.cp_size, setup.plan.padded_len
+    tokens = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's (uneven splits)
     per_layer_flops, head_flops = model.linear_flops(recompute=recompute)
-    linear = per_layer_flops * tokens / w / hw.linear_flops_per_s
-    head = head_flops * tokens / w / hw.linear_flops_per_s
+    linear = per_layer_flops * tokens / hw.linear_flops_per_s
+    head = head_flops * tokens / hw.linear_flops_per_s
     passes = 2 if recompute else 1
 
     def step(c: Cluster) -> tuple[float, dict, float]:

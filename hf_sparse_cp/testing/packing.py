@@ -1,0 +1,70 @@
+"""Packed rows of documents for benchmarks and the cluster simulator: length mixes, the row's
+`TokenMeta`, and per-document vertical-slash patterns in any split's order.
+
+Mixes (lengths drawn with a fixed seed): long-tail (lognormal, median 8K, sigma 1.5, clipped to
+[128, row]), uniform (1 to 64K tokens), one (a single document filling the row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..attention.build import dense_layout
+from ..attention.estimate import layout_from_scores, long_documents
+from ..attention.tokens import TokenMeta
+from ..config import SparseAttentionConfig
+
+MIXES = ("long-tail", "uniform", "one")
+
+
+def mix_lengths(mix: str, row: int, seed: int) -> list[int]:
+    """Document lengths filling one row of `row` tokens (the last one cut to fit)."""
+    rng = np.random.default_rng(seed)
+    if mix == "one":
+        return [row]
+    lengths: list[int] = []
+    while sum(lengths) < row:
+        if mix == "long-tail":
+            n = float(np.exp(np.log(8192) + 1.5 * rng.standard_normal()))
+            lengths.append(int(min(max(n, 128), row)))
+        else:
+            lengths.append(int(rng.integers(1, 65536, endpoint=True)))
+    lengths[-1] -= sum(lengths) - row
+    return [n for n in lengths if n > 0]
+
+
+def row_meta(lengths: list[int]) -> TokenMeta:
+    """The `TokenMeta` [1, S] of one row packing documents of these lengths."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+    return TokenMeta.from_segments(seg.unsqueeze(0))
+
+
+def packed_layout(plan, meta: TokenMeta, cfg: SparseAttentionConfig, scores: torch.Tensor):
+    """The row's per-document pattern in a split's global order.
+
+    Args:
+        plan: the split (a `BlockSplit`); meta: the row [1, S] in its original order; cfg: the
+            pattern settings (documents shorter than `min_seq_len` stay dense); scores: vertical and
+            slash scores [2, S] in the original order (`document_scores`).
+
+    Returns:
+        (the global layout over `plan.padded_len`, the row's `TokenMeta` in global order).
+    """
+    gmeta = plan.global_meta(meta)
+    docs = long_documents(gmeta, cfg)
+    if not any(docs):
+        return dense_layout(gmeta, cfg.block_size), gmeta
+    src = plan.source
+    placed = torch.where(src >= 0, scores[:, src.clamp_min(0)], torch.zeros(()))  # [2, padded_len]
+    return layout_from_scores(gmeta, cfg, docs, [(placed[0:1], placed[1:2])]), gmeta
+
+
+def document_scores(lengths: list[int], seed: int) -> torch.Tensor:
+    """Random vertical and slash scores [2, S], fixed per document (token-level pattern independent of
+    where the document sits)."""
+    out = []
+    for i, n in enumerate(lengths):
+        g = torch.Generator().manual_seed(seed * 100003 + i)
+        out.append(torch.rand(2, n, generator=g))
+    return torch.cat(out, 1)
