@@ -109,17 +109,21 @@ def test_a_document_with_most_of_the_work_is_striped_over_every_rank():
 
 
 def test_pipelined_ring_time_on_known_cases():
-    """Equal work: no wait; a rank waits for both ring neighbours to have started the step before."""
+    """No barrier between steps: ranks wait only for the ranks they exchange with, one step apart."""
     w = 4
-    assert pipelined_time(torch.ones(w, w + 1), RingTopology(1, w)) == w + 1
+    ring = [{("inner", 0, i): [((p + 1) % w, 1)] for i in range(w - 1)} for p in range(w)]
+    assert pipelined_time(torch.ones(w, w + 1), RingTopology(1, w), ring) == w + 1
     work = torch.zeros(w, w + 1)
     work[:, 0] = 1.0
-    work[2, 0] = 5.0  # rank 1 sends to rank 2 at step 1 only once rank 2 started it (time 5)
+    work[2, 0] = 5.0  # rank 1's send to rank 2 at step 1 completes once rank 2 starts step 1 (time 5)
     work[1, 3] = 1.0
-    assert pipelined_time(work, RingTopology(1, w)) == 6.0
-    work = torch.zeros(4, 4 + 1)
-    work[0, 0] = 3.0
-    assert pipelined_time(work, RingTopology(2, 2)) == 3.0
+    one_send = [{}, {("inner", 0, 1): [(2, 1)]}, {}, {}]
+    assert pipelined_time(work, RingTopology(1, w), one_send) == 6.0
+    assert pipelined_time(work, RingTopology(1, w), [{}] * w) == 5.0  # exchanging nothing: no wait
+    work = torch.zeros(3, 4)
+    work[2, 0], work[1, 2] = 5.0, 1.0
+    outer_send = [{}, {("outer", 1): [(2, 1)]}, {}]  # posted at node step 1, awaited before node step 2
+    assert pipelined_time(work, RingTopology(3, 1), outer_send) == 6.0
 
 
 @pytest.mark.parametrize("cp", [8, 16])

@@ -24,7 +24,8 @@ from .sharding import BlockSplit
 class RingCost:
     """work [W, ring steps + 1] per rank and step (the last is the column step); bytes [W] sent per
     rank; outer_bytes: forward bytes crossing nodes (hierarchical ring); full_ring_bytes: forward
-    bytes per rank of a dense ring that sends every shard W - 1 hops; topology: the ring's."""
+    bytes per rank of a dense ring that sends every shard W - 1 hops; topology: the ring's; sends:
+    the forward transfers each position posts per slot (`PlanTraffic.forward`)."""
 
     work: torch.Tensor
     forward_bytes: torch.Tensor
@@ -32,6 +33,7 @@ class RingCost:
     outer_bytes: int
     full_ring_bytes: int
     topology: RingTopology
+    sends: list[dict[tuple, list[tuple[int, int]]]]
 
     @property
     def rank_imbalance(self) -> float:
@@ -48,33 +50,37 @@ class RingCost:
     @property
     def pipelined_imbalance(self) -> float:
         """Ring time over ideal time as the ring runs: no barrier between steps, transfers free."""
-        return pipelined_time(self.work, self.topology) / float(self.work.sum(1).mean())
+        return pipelined_time(self.work, self.topology, self.sends) / float(self.work.sum(1).mean())
 
 
-def pipelined_time(work: torch.Tensor, topology: RingTopology) -> float:
+def pipelined_time(work: torch.Tensor, topology: RingTopology,
+                   sends: list[dict[tuple, list[tuple[int, int]]]]) -> float:
     """Time of the ring's steps in work units (work [W, steps + 1], the last the column step), with
-    transfers taking no time but every wait the ring has: a step's K/V are sent by the upstream
-    neighbour when it starts the step before (so a rank starts step t after its upstream neighbour
-    started t - 1), and a send completes once the downstream neighbour has posted its receive, at
-    the start of that same step (so also after its downstream neighbour started t - 1). Between
-    nodes the same holds for the outer ring at each node step. The columns' all-gather was posted
+    transfers taking no time but every wait the ring has. `sends` (`PlanTraffic.forward`) lists the
+    transfers each position posts per slot; both ends post a transfer when they start the step
+    of its slot (a node step's outer transfers: when they start its inner ring) and wait for it
+    before the next, so each end starts the next step only after the other has started this one.
+    Ranks that exchange nothing do not wait for each other. The columns' all-gather was posted
     before the ring, so a rank's column step follows its own last step."""
     n, l, w = topology.num_nodes, topology.node_size, topology.size
-    ranks = torch.arange(w)
-    node, local = ranks // l, ranks % l
-    inner = [node * l + (local - 1) % l, node * l + (local + 1) % l]
-    outer = [((node - 1) % n) * l + local, ((node + 1) % n) * l + local]
+    inner: dict[int, set[tuple[int, int]]] = {}  # step t -> (p, q): p starts t + 1 after q started t
+    outer: dict[int, set[tuple[int, int]]] = {}  # node step o -> (p, q): p starts node step o + 1 after q started o
+    for p, slots in enumerate(sends):
+        for slot, peers in slots.items():
+            kind, key = (inner, slot[1] * l + slot[2]) if slot[0] == "inner" else (outer, slot[1])
+            for q, _ in peers:
+                kind.setdefault(key, set()).update({(p, q), (q, p)})
     work = work.to(torch.float64)
-    start = torch.zeros(w, dtype=torch.float64)
-    node_start = start.clone()
+    starts = [torch.zeros(w, dtype=torch.float64)]
     for t in range(1, n * l):
-        finish = start + work[:, t - 1]
-        if t % l:
-            start = torch.maximum(finish, torch.maximum(start[inner[0]], start[inner[1]]))
-        else:  # a node step: its transfers were posted when the previous node step began
-            start = torch.maximum(finish, torch.maximum(node_start[outer[0]], node_start[outer[1]]))
-            node_start = start.clone()
-    return float((start + work[:, n * l - 1] + work[:, -1]).max())
+        start = starts[-1] + work[:, t - 1]
+        for p, q in inner.get(t - 1, ()):
+            start[p] = max(start[p], starts[t - 1][q])
+        if t % l == 0:  # a node step: its outer transfers were posted when the previous one began
+            for p, q in outer.get(t // l - 1, ()):
+                start[p] = max(start[p], starts[t - l][q])
+        starts.append(start)
+    return float((starts[-1] + work[:, n * l - 1] + work[:, -1]).max())
 
 
 def ring_cost(
@@ -101,7 +107,8 @@ def ring_cost(
     outer = sum(n for sends in traffic.forward for slot, ops in sends.items() if slot[0] == "outer" for _, n in ops)
     # a dense ring: at step t rank r forwards the shard of rank r - t, i.e. every shard but that of rank r + 1
     full = max(plan.num_blocks - plan.blocks_of((r + 1) % w).numel() for r in range(w)) * traffic.block_bytes * kv_bytes
-    return RingCost(work, traffic.total(backward=False), traffic.total(backward=True), outer, full, topology)
+    return RingCost(work, traffic.total(backward=False), traffic.total(backward=True), outer, full, topology,
+                    traffic.forward)
 
 
 @dataclass
