@@ -28,6 +28,7 @@ not depend on the order of documents: every token keeps its document, its positi
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 from dataclasses import dataclass, field
@@ -206,48 +207,51 @@ def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None
     return attention + costs.linear_per_token * tokens, tokens
 
 
-def _cut(at: _Placement, docs: list[int], lengths, kinds, kept_per_row, bs: int, costs: PlannerCosts,
-         token_cap: float) -> None:
+def _cut(at: _Placement, docs: list[int], blocks: tuple[list[np.ndarray], list[np.ndarray]], bs: int,
+         costs: PlannerCosts, token_cap: float) -> None:
     """Lay `docs` out in order and cut the sequence into one contiguous range of blocks per rank, in
     ring order, each bringing its rank to the level of the others (the work left over the ranks
     left), within `token_cap` tokens. A cut that falls within `balance_slack` of a document's edge
     moves to it, so that the document stays whole; a document cut anyway is split over consecutive
     ranks, every piece read only by its own rank and the ranks after it (K/V travel at most one hop
-    per rank it spans, never round the ring)."""
+    per rank it spans, never round the ring). `blocks`: (work, tokens) of every document's blocks.
+
+    (Python lists and bisect in the loop over ranks: numpy's per-call cost on scalars dominated.)"""
     w = len(at.load)
-    n = np.array([lengths[i] for i in docs], dtype=np.int64)
-    nb = -(-n // bs)
-    work, tokens = _block_costs(n, [kinds[i] for i in docs], kept_per_row, bs, costs)
-    total = np.concatenate([[0.0], np.cumsum(work)])
-    held = np.concatenate([[0.0], np.cumsum(tokens)])
-    doc_first = np.concatenate([[0], np.cumsum(nb)])  # block range of each document
-    doc_of = np.repeat(np.arange(len(docs)), nb)
-    owner = np.empty(int(nb.sum()), dtype=np.int64)
+    work = np.concatenate([blocks[0][i] for i in docs])
+    nb = [len(blocks[0][i]) for i in docs]
+    total = [0.0, *np.cumsum(work).tolist()]
+    held = [0.0, *np.cumsum(np.concatenate([blocks[1][i] for i in docs])).tolist()]
+    doc_first = [0, *np.cumsum(nb).tolist()]  # block range of each document
+    doc_of = np.repeat(np.arange(len(docs)), nb).tolist()
+    size = len(doc_of)
+    load, tokens = at.load.tolist(), at.tokens.tolist()
+    owner = np.empty(size, dtype=np.int64)
     start = 0
     for r in range(w):
-        d = doc_of[start] if start < owner.size else -1
-        received = (start - doc_first[d]) * bs if d >= 0 else 0  # the document's tokens before this piece
+        received = (start - doc_first[doc_of[start]]) * bs if start < size else 0  # the document's tokens before
         comm = costs.comm_per_token * received
         if r == w - 1:
-            end = owner.size
+            end = size
         else:
-            level = (total[-1] - total[start] + at.load[r:].sum() + comm) / (w - r)
-            want = total[start] + max(level - at.load[r] - comm, 0.0)
-            end = min(int(np.searchsorted(total, want)), owner.size)  # total[end] >= want, or the last
+            level = (total[-1] - total[start] + sum(load[r:]) + comm) / (w - r)
+            want = total[start] + max(level - load[r] - comm, 0.0)
+            end = min(bisect.bisect_left(total, want), size)  # total[end] >= want, or the last
             if end > start and want - total[end - 1] < total[end] - want:
                 end -= 1
-            most = int(np.searchsorted(held, held[start] + token_cap - at.tokens[r], side="right")) - 1
+            most = bisect.bisect_right(held, held[start] + token_cap - tokens[r]) - 1
             end = max(min(end, most), start)
-            if 0 < end < owner.size and doc_first[doc_of[end]] != end:  # inside a document: its edge if close
+            if 0 < end < size and doc_first[doc_of[end]] != end:  # inside a document: its edge if close
                 d = doc_of[end]
                 edges = [e for e in (doc_first[d], doc_first[d + 1]) if start <= e <= max(most, start)]
                 near = min(edges, key=lambda e: abs(total[e] - want), default=None)
                 if near is not None and abs(total[near] - want) <= costs.balance_slack * level:
-                    end = int(near)
+                    end = near
         owner[start:end] = r
-        at.load[r] += total[end] - total[start] + comm
-        at.tokens[r] += held[end] - held[start]
+        load[r] += total[end] - total[start] + comm
+        tokens[r] += held[end] - held[start]
         start = end
+    at.load[:], at.tokens[:] = load, tokens
     for j, i in enumerate(docs):
         ranks = owner[doc_first[j]: doc_first[j + 1]]
         if ranks[0] == ranks[-1]:
@@ -331,6 +335,9 @@ def plan_documents(
     order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
     must = [work[i] > mean or lengths[i] > token_cap for i in order]
     ring_work = costs.ring_share * sum(work)
+    nb = [-(-n // bs) for n in lengths]
+    cut_at = np.cumsum(nb)[:-1]
+    blocks = tuple(np.split(x, cut_at) for x in _block_costs(np.array(lengths), kinds, kept_per_row, bs, costs))
     whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and lengths[i] > bs)
 
     def placement(m: int, n: int) -> _Placement:
@@ -339,7 +346,7 @@ def plan_documents(
             at.spread_over_ring(i, lengths[i], kinds[i], kept_per_row, int(rotation[i]), bs, costs)
         _fill(at, order[m + n:], lengths, work, token_cap)
         if n:  # after the whole documents: the cut brings every rank to one level
-            _cut(at, order[m: m + n], lengths, kinds, kept_per_row, bs, costs, token_cap)
+            _cut(at, order[m: m + n], blocks, bs, costs, token_cap)
         return at
 
     def balanced(at: _Placement, slack: float) -> bool:
