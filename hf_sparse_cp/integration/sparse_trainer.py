@@ -33,6 +33,7 @@ from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
 from ..smet import SMETConfig
 from .arguments import SMETArguments, SparseCPArguments, copied_fields
+from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, parse_schedule
 from .model_card import write_sparse_model_card
 from .smet import install_smet
@@ -144,6 +145,12 @@ class SparseTrainer(Trainer):
         smet = args.smet_optimizer_config()
         if smet is not None:
             install_smet(self, smet)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The stock accelerator, with `--fsdp` running FSDP2 on CPU processes too (`cpu_fsdp.py`)."""
+        super().create_accelerator_and_postprocess()
+        disable_cpu_fsdp2(self)  # a hyperparameter search builds the accelerator again
+        enable_cpu_fsdp2(self)
 
     def train(self, *args, **kwargs):
         result = super().train(*args, **kwargs)
