@@ -16,7 +16,8 @@ rank posts all of a bucket's non-blocking receives and sends in one fixed order 
 tagged by tensor, and only then waits, so no rank blocks before all of its transfers are in flight
 and no cycle of waits can form. Each source leaves the dict before its
 bucket moves and is released after it, so the memory held beyond the state stays near one bucket;
-`MemoryMeter` counts what the move allocates and releases.
+`MemoryMeter` counts what the move allocates and releases. `TensorMove` (one tensor's plan, source and
+destination on this rank) is shared with `sharded_checkpoint`, whose loader fills destinations from files.
 """
 
 from __future__ import annotations
@@ -193,8 +194,9 @@ class TargetLayout:
 
 
 @dataclass
-class _Move:
-    """One tensor of a bucket on this rank: its plan, what it holds before and after, the result."""
+class TensorMove:
+    """One tensor on this rank: its plan, the box it holds before (`source_box`, `local`) and after
+    (`target_box`), and the result `out`; shared by `move_state` and the sharded checkpoint's loader."""
 
     name: str
     plan: list[Transfer]
@@ -207,18 +209,31 @@ class _Move:
     dtype: torch.dtype
     out: torch.Tensor | None = None
 
+    def allocate(self, rank: int, meter: MemoryMeter, device: torch.device | str = "cpu") -> None:
+        """Set `out`: the source shard itself when its box does not change (no copy), else a new tensor
+        of the target box (counted by `meter`); nothing on a rank that receives none of the tensor."""
+        if self.target_box is None:
+            return
+        mine = [t for t in self.plan if t.dst == rank]
+        if len(mine) == 1 and mine[0].src == rank and self.source_box == self.target_box:
+            self.out = self.local
+            return
+        self.out = torch.empty(self.target_box.shape, dtype=self.dtype,
+                               device=self.local.device if self.local is not None else device)
+        meter.add(_nbytes(self.out))
 
-def _move_bucket(moves: list[_Move], rank: int, meter: MemoryMeter) -> None:
+    def result(self) -> torch.Tensor:
+        """`out` as the target wants it: a DTensor on the target's mesh, or the plain tensor."""
+        if self.layout.mesh is None:
+            return self.out
+        return DTensor.from_local(self.out, self.layout.mesh, self.layout.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+
+def _move_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter) -> None:
     """Run the plans of a bucket: local pieces copied, every message of the bucket in flight at once."""
     for m in moves:
-        if m.target_box is None:
-            continue
-        mine = [t for t in m.plan if t.dst == rank]
-        if len(mine) == 1 and mine[0].src == rank and m.source_box == m.target_box:
-            m.out = m.local  # the shard does not change: it stays where it is
-            continue
-        m.out = torch.empty(m.target_box.shape, dtype=m.dtype, device=m.local.device if m.local is not None else "cpu")
-        meter.add(_nbytes(m.out))
+        m.allocate(rank, meter)
     # Receives first, then sends, each in (tensor, plan) order and tagged with the tensor's place in the
     # bucket: both ends of a pair see their messages in the same order.
     ops, staged = [], []
@@ -284,9 +299,9 @@ def move_state(
         layout = target(name, tensor)
         source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        bucket.append(_Move(name, plan_transfers(tensor.shape, source, goal), layout,
-                            local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
-                            tensor.stride(), tensor.dtype))
+        bucket.append(TensorMove(name, plan_transfers(tensor.shape, source, goal), layout,
+                                 local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
+                                 tensor.stride(), tensor.dtype))
         bucket_bytes += _nbytes(tensor) // world  # a DTensor's nbytes are its global size
         del tensor, local
         if bucket_bytes < budget_bytes and i + 1 < len(names):
@@ -295,9 +310,7 @@ def move_state(
         for m in bucket:
             if m.local is not None and m.out is not m.local:
                 meter.release(_nbytes(m.local))
-            if m.out is None:
-                continue
-            moved[m.name] = m.out if m.layout.mesh is None else DTensor.from_local(
-                m.out, m.layout.mesh, m.layout.placements, run_check=False, shape=m.shape, stride=m.stride)
+            if m.out is not None:
+                moved[m.name] = m.result()
         bucket, bucket_bytes = [], 0
     return moved
