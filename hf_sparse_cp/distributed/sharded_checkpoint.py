@@ -148,8 +148,8 @@ def load_sharded_state(
         goal = layout.boxes(saved.shape)
         outside = sorted(r for r in goal if not 0 <= r < world)
         if outside:
-            raise ValueError(f"the target layout of {name!r} names ranks {outside}, but this run has {world} processes: "
-                             "build the target from this run's device mesh.")
+            raise ValueError(f"the target layout of {name!r} names ranks {outside}, but this run has {world} "
+                             "processes: build the target from this run's device mesh.")
         move = TensorMove(name, plan_transfers(saved.shape, saved.boxes, goal), layout, None, None, goal.get(rank),
                           saved.shape, _contiguous_stride(saved.shape), saved.dtype)
         move.allocate(rank, meter)
