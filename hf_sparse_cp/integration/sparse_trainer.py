@@ -13,7 +13,8 @@ script, `--vertical_topk 1024`, `--cp_size 2`, `--smet`), so `HfArgumentParser`,
 `accelerate launch` work as for any `TrainingArguments`. `SparseTrainer` does what the functional
 API (`enable_sparse_attention`, `attach_to_trainer`, `install_smet`) does by hand: it registers and
 configures the backend, opts into the lean loss, turns gradient checkpointing on at long lengths,
-sets up context parallelism and SMET, adds the logging callbacks, checks the launch, says at start
+sets up context parallelism and SMET (and runs `--fsdp` as FSDP2 on CPU processes too, where
+accelerate alone would run DDP), adds the logging callbacks, checks the launch, says at start
 which layers run sparse, writes a model card that says how the model was trained, and tears the
 process groups down cleanly at exit after training.
 """
