@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import Trainer
 
@@ -42,6 +43,9 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     if state.mixed_precision != "no":  # what accelerate's state does with the plugin on a GPU
         plugin.set_mixed_precision(state.mixed_precision)
     patches = record_on(trainer, _FEATURE)
+    # Both states, as accelerate's own set-up does: every later `AcceleratorState()` (e.g. the optimizer
+    # wrapper's) copies the process state's run type over the accelerator state's.
+    patches.set_attr(PartialState(), "distributed_type", DistributedType.FSDP)
     patches.set_attr(state, "distributed_type", DistributedType.FSDP)
     patches.set_attr(state, "fsdp_plugin", plugin)
     patches.set_attr(trainer, "is_fsdp_enabled", True)
