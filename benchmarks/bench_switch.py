@@ -7,6 +7,9 @@ to another layout of the same ranks:
 * `switch`: `hf_sparse_cp.distributed.reshard.move_state`, point to point, one tensor at a time;
   its peak extra memory is what the move holds beyond the state (`MemoryMeter`), compared with one
   rank's shard of the whole state;
+* `link`: the same point-to-point traffic (the bytes the plan has each rank send each other rank) as
+  plain 64 MiB messages with nothing else to do: the floor of any point-to-point mover on this
+  transport (gloo over the loopback interface on CPU);
 * `checkpoint`: a sharded distributed checkpoint (`torch.distributed.checkpoint.save`), the old state
   dropped, the new layout allocated and loaded (`torch.distributed.checkpoint.load` reshards); plus
   `restart`: the measured start of one fresh Python process importing torch, transformers and the
@@ -112,6 +115,32 @@ def _timed(fn, *args, **kwargs):
     return time.perf_counter() - start, out
 
 
+def _link_seconds(name: str, world: int, grid: torch.Tensor, placements) -> float:
+    """The same traffic with nothing else to do: the bytes the plan has each rank send each other rank,
+    as 64 MiB messages from one buffer, every peer's in flight at once; what any point-to-point mover
+    needs at least on this machine's gloo transport."""
+    from hf_sparse_cp.distributed.reshard import plan_transfers, shard_boxes
+
+    rank, chunk = dist.get_rank(), 16 << 20  # floats per message
+    sends, receives = [0] * world, [0] * world
+    for shape in parameter_shapes(name).values():
+        source, goal = shard_boxes(shape, torch.arange(world), (Shard(0),)), shard_boxes(shape, grid, placements)
+        for t in plan_transfers(shape, source, goal):
+            if t.src != t.dst and rank in (t.src, t.dst):
+                (sends if t.src == rank else receives)[t.dst if t.src == rank else t.src] += 3 * t.box.numel
+    out = torch.randn(min(chunk, max(sends)))
+    into = {p: torch.empty(min(chunk, n)) for p, n in enumerate(receives) if n}
+
+    def exchange():
+        for start in range(0, max(max(sends), max(receives)), chunk):
+            ops = [dist.irecv(into[p][: min(chunk, n - start)], p) for p, n in enumerate(receives) if n > start]
+            ops += [dist.isend(out[: min(chunk, n - start)], p) for p, n in enumerate(sends) if n > start]
+            for op in ops:
+                op.wait()
+
+    return _timed(exchange)[0]
+
+
 def _measure(name: str, world: int, repeats: int, workdir: str) -> list[dict]:
     """Switch times and peaks to each target, then the checkpoint baseline to the first one (DCP)."""
     import torch.distributed.checkpoint as dcp
@@ -136,7 +165,8 @@ def _measure(name: str, world: int, repeats: int, workdir: str) -> list[dict]:
             del state, moved
         rows.append({"model": name, "target": target_name,
                      "parameters": sum(math.prod(s) for s in parameter_shapes(name).values()), "shard_bytes": shard,
-                     "switch_s": sorted(seconds)[len(seconds) // 2], "switch_peak_extra_bytes": max(peaks)})
+                     "switch_s": sorted(seconds)[len(seconds) // 2], "switch_peak_extra_bytes": max(peaks),
+                     "link_s": _link_seconds(name, world, grid, placements)})
     grid = init_device_mesh("cpu", (2, world // 2))
     state = _sharded_state(name, flat, source, fill=True)
     folder = os.path.join(workdir, name)
@@ -165,13 +195,14 @@ def _restart_seconds() -> float:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'model':>12} {'target':>19} {'params':>8} {'shard MB':>9} {'switch s':>9} {'peak extra MB':>14} "
-            f"{'save s':>7} {'load s':>7} {'ckpt/switch':>12} {'+restart':>9}")
+    head = (f"{'model':>12} {'target':>19} {'params':>8} {'shard MB':>9} {'switch s':>9} {'link s':>7} "
+            f"{'peak extra MB':>14} {'save s':>7} {'load s':>7} {'ckpt/switch':>12} {'+restart':>9}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['model']:>12} {r['target']:>19} {r['parameters'] / 1e6:>7.1f}M "
                      f"{r['shard_bytes'] / 2**20:>9.1f} "
-                     f"{r['switch_s']:>9.4f} {r['switch_peak_extra_bytes'] / 2**20:>14.2f} {r['save_s']:>7.3f} "
+                     f"{r['switch_s']:>9.4f} {r['link_s']:>7.4f} {r['switch_peak_extra_bytes'] / 2**20:>14.2f} "
+                     f"{r['save_s']:>7.3f} "
                      f"{r['load_s']:>7.3f} {r['speedup']:>11.1f}x {r['speedup_with_restart']:>8.1f}x")
     return "\n".join(lines)
 

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 from datasets import Dataset
+from torch.distributed.fsdp import FSDPModule
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "losses": losses,
         "world_size": parallel.world_size,
         "cp_size": parallel.cp_size,
+        # modules FSDP2 sharded (`fully_shard`): 0 unless the run shards with FSDP2
+        "fsdp2_modules": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
     }
     trainer.save_state()  # trainer_state.json in output_dir: what `hf-sparse-cp plot` reads
     trainer.create_model_card()  # README.md (+ the kept-fraction plot) in output_dir, on the main process

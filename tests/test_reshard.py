@@ -195,8 +195,10 @@ def _move_between_meshes(rank: int, world: int) -> dict:
 
         meter = MemoryMeter()
         state = _state(model, opt)
-        # one tensor at a time (budget 0) to the nested mesh; buckets of several tensors, one message per peer, else
-        moved = move_state(state, target, meter=meter, **(dict(budget_bytes=0) if name == "dp2-x-cp2-nested" else {}))
+        # one tensor at a time (budget 0) to the nested mesh; buckets of several tensors, the small pieces packed
+        # into one message per peer (HSDP), or every piece a message of its own (half the processes)
+        options = {"dp2-x-cp2-nested": dict(budget_bytes=0), "fsdp2-of-4": dict(direct_bytes=0)}.get(name, {})
+        moved = move_state(state, target, meter=meter, **options)
         assert not state  # emptied as it went
         gathered = {k: v.full_tensor() for k, v in moved.items() if hasattr(v, "full_tensor")} if member else {}
         results[name] = {"same": all(torch.equal(gathered[k], before[k]) for k in gathered) and (

@@ -103,8 +103,14 @@ def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
     fsdp = ("--fsdp", "full_shard auto_wrap",
             "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
     ref = _train(tmp_path, "smet_cp1", 1, *smet)
-    run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp)
+    run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp, "--save_steps", "4")
     _assert_same_losses(run, ref)
+    # FSDP2 really sharded the model (accelerate alone would have run DDP on CPU processes): the model
+    # and its two decoder layers at least are `fully_shard` modules; the final checkpoint went through
+    # accelerate's FSDP2 saving (the full state dict gathered from the shards)
+    assert ref["fsdp2_modules"] == 0 and run["fsdp2_modules"] >= 3, run
+    saved = tmp_path / "smet_fsdp2_cp2" / "checkpoint-4"
+    assert (saved / "model.safetensors").is_file() and (saved / "optimizer.bin").is_file()
 
 
 def _trainer(tmp_path, attn: str) -> Trainer:
@@ -171,6 +177,49 @@ def _patch_round_trip(rank: int, world: int) -> dict:
             "changed": [a != b for a, b in zip(before, patched)],
             "restored": [a == b for a, b in zip(before, after)],
         }
+
+
+def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
+    """In a 2-process gloo group: `--fsdp` with FSDP2 on CPU processes, which accelerate alone runs as DDP;
+    `accelerator.prepare` then shards the model with `fully_shard`, and disabling restores DDP."""
+    import tempfile
+
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from hf_sparse_cp.integration.cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    with tempfile.TemporaryDirectory() as tmp:
+        def trainer(version: int | None) -> Trainer:
+            fsdp = {} if version is None else {"fsdp": True, "fsdp_config": {"fsdp_version": version}}
+            args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, **fsdp)
+            return Trainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args)
+
+        plain = enable_cpu_fsdp2(trainer(None))
+        t = trainer(2)
+        before = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled)
+        enabled = enable_cpu_fsdp2(t)
+        model, _ = t.accelerator.prepare(t.model, torch.optim.AdamW(t.model.parameters()))
+        # (after prepare: its optimizer wrapper builds an AcceleratorState, which copies the process state's type)
+        during = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled,
+                  t.accelerator.is_fsdp2)
+        sharded = isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
+        disable_cpu_fsdp2(t)
+        after = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled)
+    cpu, fsdp = DistributedType.MULTI_CPU, DistributedType.FSDP
+    return {"plain": plain, "enabled": enabled, "sharded": sharded, "before": before == (cpu, cpu, False),
+            "after": after == before, "during": during == (fsdp, fsdp, True, True)}
+
+
+@pytest.mark.slow
+def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for r in run_gloo(_cpu_fsdp2_round_trip, 2, timeout_s=300):
+        assert r == {"plain": False, "enabled": True, "sharded": True, "before": True, "after": True, "during": True}
 
 
 def _patch_under_accelerate_cp(rank: int, world: int) -> dict:

@@ -12,7 +12,9 @@
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers;
 * `ring_attention.py`: `ring_sparse_attention`, `context_parallel_attention`;
 * `balance.py`: work and bytes of a ring plan (benchmarks); `loss.py`: token-count-correct loss;
-* `reshard.py`: `move_state`, sharded state moved between layouts by slice intersection (no checkpoint).
+* `reshard.py`: `move_state`, sharded state moved between layouts by slice intersection (no checkpoint);
+* `sharded_checkpoint.py`: `save_sharded_state` / `load_sharded_state`, resuming with another world size
+  through the same plan.
 """
 
 from .comm import RingTopology

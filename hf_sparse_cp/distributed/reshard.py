@@ -10,13 +10,17 @@ copy, else by one holder chosen round robin so that no holder sends everything.
 
 `move_state` moves a state dict bucket by bucket (consecutive tensors up to a byte budget, the same
 buckets on every rank): a shard whose box does not change stays as it is (no copy); the rest of a
-bucket's destinations are allocated just before receiving, and pieces travel straight from the
-source shard into their place (dim-0 boxes are contiguous; others go through a staging copy). Every
-rank posts all of a bucket's non-blocking receives and sends in one fixed order (tensor, then plan),
-tagged by tensor, and only then waits, so no rank blocks before all of its transfers are in flight
-and no cycle of waits can form. Each source leaves the dict before its
-bucket moves and is released after it, so the memory held beyond the state stays near one bucket;
-`MemoryMeter` counts what the move allocates and releases.
+bucket's destinations are allocated just before receiving. Pieces of at least `DIRECT_BYTES` travel
+straight from the source shard into their place (dim-0 boxes are contiguous; others go through a
+staging copy); the smaller pieces a rank sends one peer in a bucket are packed into one message per
+dtype, since a message costs more than copying a small piece twice. Every rank posts all of a
+bucket's non-blocking receives and sends (both ends of a pair cut and order their messages alike,
+from the same plans) and only then waits, so no rank blocks before all of its transfers are in
+flight and no cycle of waits can form. Each source leaves the dict before its bucket moves and is
+released after it, so the memory held beyond the state stays near a few buckets; `MemoryMeter`
+counts what the move allocates and releases. `TensorMove` (one tensor's plan, source and
+destination on this rank) is shared with `sharded_checkpoint`, whose loader fills destinations
+from files.
 """
 
 from __future__ import annotations
@@ -102,10 +106,17 @@ def _shard_boxes(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tup
     return boxes
 
 
-def dtensor_boxes(tensor: torch.Tensor) -> dict[int, Box]:
-    """`shard_boxes` of a DTensor; a plain tensor is held whole by every rank of the default group."""
+def dtensor_boxes(tensor: torch.Tensor, meshes: dict | None = None) -> dict[int, Box]:
+    """`shard_boxes` of a DTensor; a plain tensor is held whole by every rank of the default group.
+    `meshes` keeps each device mesh's rank grid across calls (`DeviceMesh.mesh` rebuilds it each time)."""
     if isinstance(tensor, DTensor):
-        return shard_boxes(tensor.shape, tensor.device_mesh.mesh, tensor.placements)
+        mesh = tensor.device_mesh
+        ranks = meshes.get(mesh) if meshes is not None else None
+        if ranks is None:
+            ranks = mesh.mesh
+            if meshes is not None:
+                meshes[mesh] = ranks
+        return shard_boxes(tensor.shape, ranks, tensor.placements)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return dict.fromkeys(range(world), Box.whole(tensor.shape))
 
@@ -193,8 +204,9 @@ class TargetLayout:
 
 
 @dataclass
-class _Move:
-    """One tensor of a bucket on this rank: its plan, what it holds before and after, the result."""
+class TensorMove:
+    """One tensor on this rank: its plan, the box it holds before (`source_box`, `local`) and after
+    (`target_box`), and the result `out`; shared by `move_state` and the sharded checkpoint's loader."""
 
     name: str
     plan: list[Transfer]
@@ -207,56 +219,117 @@ class _Move:
     dtype: torch.dtype
     out: torch.Tensor | None = None
 
+    def allocate(self, rank: int, meter: MemoryMeter, device: torch.device | str = "cpu") -> None:
+        """Set `out`: the source shard itself when its box does not change (no copy), else a new tensor
+        of the target box (counted by `meter`); nothing on a rank that receives none of the tensor."""
+        if self.target_box is None:
+            return
+        mine = [t for t in self.plan if t.dst == rank]
+        if len(mine) == 1 and mine[0].src == rank and self.source_box == self.target_box:
+            self.out = self.local
+            return
+        self.out = torch.empty(self.target_box.shape, dtype=self.dtype,
+                               device=self.local.device if self.local is not None else device)
+        meter.add(_nbytes(self.out))
 
-def _move_bucket(moves: list[_Move], rank: int, meter: MemoryMeter) -> None:
+    def result(self) -> torch.Tensor:
+        """`out` as the target wants it: a DTensor on the target's mesh, or the plain tensor."""
+        if self.layout.mesh is None:
+            return self.out
+        return DTensor.from_local(self.out, self.layout.mesh, self.layout.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+
+# A piece at least this large travels as its own message, straight from the source shard into its place;
+# smaller ones to the same peer are packed into one message per bucket and dtype (one copy each way).
+DIRECT_BYTES = 64 << 10
+
+
+@dataclass
+class _Message:
+    """One message between this rank and `peer`: its pieces (views of the shards), in plan order."""
+
+    peer: int
+    dtype: torch.dtype
+    pieces: list[torch.Tensor]
+    buffer: torch.Tensor | None = None
+
+
+def _messages(pieces: dict[tuple[int, torch.dtype], list[torch.Tensor]], direct_bytes: int) -> list[_Message]:
+    """Each (peer, dtype) group's pieces as messages: large ones alone, the rest together. Both ends of a
+    pair see the same group in the same order (the same plans), so they cut the same messages."""
+    out = []
+    for (peer, dtype), group in pieces.items():
+        small = [p for p in group if p.numel() * p.element_size() < direct_bytes]
+        out += [_Message(peer, dtype, [p]) for p in group if p.numel() * p.element_size() >= direct_bytes]
+        if small:
+            out.append(_Message(peer, dtype, small))
+    return out
+
+
+def _move_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_bytes: int) -> None:
     """Run the plans of a bucket: local pieces copied, every message of the bucket in flight at once."""
+    incoming: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    outgoing: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for m in moves:
-        if m.target_box is None:
-            continue
-        mine = [t for t in m.plan if t.dst == rank]
-        if len(mine) == 1 and mine[0].src == rank and m.source_box == m.target_box:
-            m.out = m.local  # the shard does not change: it stays where it is
-            continue
-        m.out = torch.empty(m.target_box.shape, dtype=m.dtype, device=m.local.device if m.local is not None else "cpu")
-        meter.add(_nbytes(m.out))
-    # Receives first, then sends, each in (tensor, plan) order and tagged with the tensor's place in the
-    # bucket: both ends of a pair see their messages in the same order.
-    ops, staged = [], []
-    for tag, m in enumerate(moves):
+        m.allocate(rank, meter)
         for t in m.plan:
-            if t.dst == rank and t.src != rank:
-                view = m.out[t.box.within(m.target_box)]
-                buffer = view if view.is_contiguous() else torch.empty(view.shape, dtype=m.dtype, device=view.device)
-                if buffer is not view:
-                    meter.add(_nbytes(buffer))
-                    staged.append((buffer, view))
-                ops.append(dist.irecv(buffer, t.src, tag=tag))
-            elif t.dst == rank:
+            if t.dst == rank and t.src == rank:
                 if m.out is not m.local:
                     m.out[t.box.within(m.target_box)].copy_(m.local[t.box.within(m.source_box)])
-    for tag, m in enumerate(moves):
-        for t in m.plan:
-            if t.src == rank and t.dst != rank:
-                piece = m.local[t.box.within(m.source_box)]
-                if not piece.is_contiguous():  # gloo and NCCL send contiguous memory
-                    piece = piece.contiguous()
-                    meter.add(_nbytes(piece))
-                    staged.append((piece, None))
-                ops.append(dist.isend(piece, t.dst, tag=tag))
+            elif t.dst == rank:
+                incoming.setdefault((t.src, m.dtype), []).append(m.out[t.box.within(m.target_box)])
+            elif t.src == rank:
+                outgoing.setdefault((t.dst, m.dtype), []).append(m.local[t.box.within(m.source_box)])
+    receives, sends = _messages(incoming, direct_bytes), _messages(outgoing, direct_bytes)
+    # Every receive, then every send, all non-blocking, tagged by their place among the pair's messages of
+    # the bucket: no rank waits before all of its transfers are in flight, so no cycle of waits can form.
+    ops, tags = [], {}
+    for msg in receives:
+        view = msg.pieces[0]
+        if len(msg.pieces) == 1 and view.is_contiguous():
+            msg.buffer = view
+        else:  # (gloo and NCCL receive into contiguous memory)
+            msg.buffer = torch.empty(sum(p.numel() for p in msg.pieces), dtype=msg.dtype, device=view.device)
+            meter.add(_nbytes(msg.buffer))
+        tags[msg.peer] = tag = tags.get(msg.peer, -1) + 1
+        ops.append(dist.irecv(msg.buffer, msg.peer, tag=tag))
+    tags = {}
+    for msg in sends:
+        piece = msg.pieces[0]
+        if len(msg.pieces) == 1 and piece.is_contiguous():
+            msg.buffer = piece
+        else:
+            msg.buffer = torch.empty(sum(p.numel() for p in msg.pieces), dtype=msg.dtype, device=piece.device)
+            meter.add(_nbytes(msg.buffer))
+            offset = 0
+            for p in msg.pieces:
+                msg.buffer[offset:offset + p.numel()].view(p.shape).copy_(p)
+                offset += p.numel()
+        tags[msg.peer] = tag = tags.get(msg.peer, -1) + 1
+        ops.append(dist.isend(msg.buffer, msg.peer, tag=tag))
     for op in ops:
         op.wait()
-    for buffer, view in staged:
-        if view is not None:
-            view.copy_(buffer)
-        meter.release(_nbytes(buffer))
+    for msg in receives:
+        if msg.buffer is not msg.pieces[0]:
+            offset = 0
+            for view in msg.pieces:
+                view.copy_(msg.buffer[offset:offset + view.numel()].view(view.shape))
+                offset += view.numel()
+            meter.release(_nbytes(msg.buffer))
+    for msg in sends:
+        if msg.buffer is not msg.pieces[0]:
+            meter.release(_nbytes(msg.buffer))
 
 
+@torch.no_grad()  # (also: DTensor.to_local without an autograd node per tensor)
 def move_state(
     state: MutableMapping[str, torch.Tensor],
     target: Callable[[str, torch.Tensor], TargetLayout],
     *,
     meter: MemoryMeter | None = None,
-    budget_bytes: int = 64 << 20,
+    budget_bytes: int | None = None,
+    direct_bytes: int = DIRECT_BYTES,
 ) -> dict[str, torch.Tensor]:
     """Move every tensor of `state` to its target layout; call on every rank of the default group with
     the same keys in the same order.
@@ -269,6 +342,9 @@ def move_state(
         meter: counts destinations and staging copies added, sources released.
         budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
             world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
+            Default: a quarter of the state per rank, at most 64 MiB, so that a bucket's destinations
+            and packing copies (each at most a bucket) stay within one shard of the state.
+        direct_bytes: pieces of at least this many bytes travel as their own message, unpacked.
 
     Returns:
         {name: the moved tensor} on the ranks of each target: a DTensor on `layout.mesh`, or a plain
@@ -277,27 +353,27 @@ def move_state(
     meter = meter if meter is not None else MemoryMeter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    moved, bucket, bucket_bytes = {}, [], 0
+    moved, bucket, bucket_bytes, meshes = {}, [], 0, {}
+    if budget_bytes is None:
+        budget_bytes = min(64 << 20, sum(_nbytes(t) for t in state.values()) // world // 4)
     names = list(state)
     for i, name in enumerate(names):
         tensor = state.pop(name)
         layout = target(name, tensor)
-        source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
+        source, goal = dtensor_boxes(tensor, meshes), layout.boxes(tensor.shape)
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        bucket.append(_Move(name, plan_transfers(tensor.shape, source, goal), layout,
-                            local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
-                            tensor.stride(), tensor.dtype))
+        bucket.append(TensorMove(name, plan_transfers(tensor.shape, source, goal), layout,
+                                 local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
+                                 tensor.stride(), tensor.dtype))
         bucket_bytes += _nbytes(tensor) // world  # a DTensor's nbytes are its global size
         del tensor, local
         if bucket_bytes < budget_bytes and i + 1 < len(names):
             continue
-        _move_bucket(bucket, rank, meter)
+        _move_bucket(bucket, rank, meter, direct_bytes)
         for m in bucket:
             if m.local is not None and m.out is not m.local:
                 meter.release(_nbytes(m.local))
-            if m.out is None:
-                continue
-            moved[m.name] = m.out if m.layout.mesh is None else DTensor.from_local(
-                m.out, m.layout.mesh, m.layout.placements, run_check=False, shape=m.shape, stride=m.stride)
+            if m.out is not None:
+                moved[m.name] = m.result()
         bucket, bucket_bytes = [], 0
     return moved

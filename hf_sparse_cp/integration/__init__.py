@@ -9,6 +9,7 @@ unpatch, the lean-loss forward, Trainer glue, callbacks, command-line arguments,
 * `trainer.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`);
+* `cpu_fsdp.py`: `enable_cpu_fsdp2` / `disable_cpu_fsdp2` (`--fsdp` as FSDP2 on CPU processes);
 * `smet.py`: `install_smet` / `uninstall_smet`;
 * `model_card.py`: the card that says how a model was trained; `kept_fraction.py`: the logged kept
   fraction read back and drawn;
@@ -26,6 +27,8 @@ _WHERE = {
     "sparse_cp_attention_forward": "backend",
     "SMETCallback": "callbacks",
     "SparsityLoggingCallback": "callbacks",
+    "disable_cpu_fsdp2": "cpu_fsdp",
+    "enable_cpu_fsdp2": "cpu_fsdp",
     "CurriculumArguments": "curriculum",
     "disable_curriculum": "curriculum",
     "enable_curriculum": "curriculum",

@@ -13,7 +13,8 @@ script, `--vertical_topk 1024`, `--cp_size 2`, `--smet`), so `HfArgumentParser`,
 `accelerate launch` work as for any `TrainingArguments`. `SparseTrainer` does what the functional
 API (`enable_sparse_attention`, `attach_to_trainer`, `install_smet`) does by hand: it registers and
 configures the backend, opts into the lean loss, turns gradient checkpointing on at long lengths,
-sets up context parallelism and SMET, adds the logging callbacks, checks the launch, says at start
+sets up context parallelism and SMET (and runs `--fsdp` as FSDP2 on CPU processes too, where
+accelerate alone would run DDP), adds the logging callbacks, checks the launch, says at start
 which layers run sparse, writes a model card that says how the model was trained, and tears the
 process groups down cleanly at exit after training.
 """
@@ -33,6 +34,7 @@ from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
 from ..smet import SMETConfig
 from .arguments import SMETArguments, SparseCPArguments, copied_fields
+from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, parse_schedule
 from .model_card import write_sparse_model_card
 from .smet import install_smet
@@ -144,6 +146,12 @@ class SparseTrainer(Trainer):
         smet = args.smet_optimizer_config()
         if smet is not None:
             install_smet(self, smet)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The stock accelerator, with `--fsdp` running FSDP2 on CPU processes too (`cpu_fsdp.py`)."""
+        super().create_accelerator_and_postprocess()
+        disable_cpu_fsdp2(self)  # a hyperparameter search builds the accelerator again
+        enable_cpu_fsdp2(self)
 
     def train(self, *args, **kwargs):
         result = super().train(*args, **kwargs)
