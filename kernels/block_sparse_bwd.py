@@ -28,8 +28,9 @@ in a second pass over the columns after dq is stored: p and ds are recomputed (2
 per column step), but the dq accumulator is no longer live beside the column gradient tiles.
 
 Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
-(`indexing.split_full_blocks`; in the transposed CSR, each key block's full entries first): full
-steps run no mask and load no token metadata. A layout entry out of range is never read through
+(`indexing.LayoutSplit`; in the transposed CSR, each key block's full entries first), and the dq
+kernel's column steps inside the row's fully visible columns skip the mask too: such steps run no
+mask and load no token metadata. A layout entry out of range is never read through
 (block 0 stands in, column gathers and atomics are masked) and turns its row's dq into NaN.
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
@@ -50,10 +51,12 @@ import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, placeholder_if_empty
 from .configs import compiled, dkdv_tiles, dq_tiles
-from .indexing import block_summary, column_targets, key_block_csr, split_full_blocks
+from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
+    column_step_masked,
     columns_out_of_range,
+    full_columns,
     key_block_entry,
     key_block_steps,
     layout_count,
@@ -103,17 +106,19 @@ def _preprocess_kernel(
 
 
 @triton.jit
-def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                 stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
-                 BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
+                 v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
+                 HAS_WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     """One step over a query tile's vertical columns: the columns' slots, tokens, K/V mask (slots in
-    use with a token in range) and K tile, and the (masked) probabilities p and score gradients ds."""
+    use with a token in range) and K tile, and the probabilities p (masked unless the step lies in
+    the row's fully visible columns [full_lo, full_hi)) and score gradients ds."""
     offs_c, c_ok, col, kv_mask, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
                                                         stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
-    k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
-    vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
-    p = tl.where(vis, p, 0.0)
+    if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
+        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+        p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return offs_c, col, kv_mask, k, p, p * (dp - delta[:, None])
 
@@ -142,7 +147,7 @@ def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, 
 @triton.jit
 def _dq_kernel(
     Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
-    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -199,10 +204,12 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
+    full_lo, full_hi = full_columns(ColFull, lay, n_cols)
     for c0 in range(0, n_cols, BLOCK_C):
         offs_c, col, kv_mask, k, p, ds = _column_step(
-            q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs,
-            k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+            q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base, v_base,
+            stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
+            PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
             if not SEPARATE_COLUMNS:
@@ -219,9 +226,9 @@ def _dq_kernel(
             # a second pass over the columns once dq is stored and its accumulator is dead
             for c0 in range(0, n_cols, BLOCK_C):
                 offs_c, col, kv_mask, k, p, ds = _column_step(
-                    q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                    stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
-                    PRECISION)
+                    q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
+                    v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
+                    HAS_WINDOW, BLOCK_C, PRECISION)
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
@@ -341,8 +348,11 @@ def backward(
     dlse: torch.Tensor | None,
     block_idx: torch.Tensor,
     block_cnt: torch.Tensor,
+    full_cnt: torch.Tensor,
+    partial: torch.Tensor,
     col_idx: torch.Tensor,
     col_cnt: torch.Tensor,
+    col_full: torch.Tensor,
     q_index: torch.Tensor,
     q_segment: torch.Tensor,
     k_index: torch.Tensor,
@@ -359,7 +369,7 @@ def backward(
     as transformers' projections take them back.
 
     q/k/v/out/dout: unit stride along D; lse (and dlse) contiguous [B, Hq, Sq]; layout and token
-    metadata as for `block_sparse_fwd.forward`.
+    metadata as for `block_sparse_fwd.forward`, with the split's `partial` slots (the dk/dv CSR).
     """
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -390,9 +400,6 @@ def backward(
     )
 
     nkb = triton.cdiv(sk, block_size)
-    q_summary = block_summary(q_index, q_segment, block_size)
-    k_summary = block_summary(k_index, k_segment, block_size)
-    block_idx, full_cnt, partial = split_full_blocks(block_idx, block_cnt, q_summary, k_summary, window)
     block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
@@ -411,7 +418,7 @@ def backward(
     def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
         _dq_kernel[(b * hq, count)](
             q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
-            block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt,
+            block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt, col_full,
             q_index, q_segment, k_index, k_segment,
             *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hk, hq // hk, hl, sq, sk, nqb, nkb, max_blocks, max_cols,

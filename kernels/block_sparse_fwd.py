@@ -14,12 +14,12 @@ computes it; reading it only after the loops keeps its registers free during the
 layout row lists nothing returns at once in that mode, leaving the running result untouched (no
 load, no store, no rounding).
 
-A layout row's full key blocks (every pair visible) run before its partial ones
-(`indexing.split_full_blocks`, on the device at launch): full steps run no mask and load no token
-metadata. A layout entry out of range (a block past the keys or negative, a column outside the
-keys, a count outside the row's slots) is never read through: block 0 stands in and column
-gathers are masked, and the row's queries come out NaN (out and lse), a loud result without a
-host synchronization.
+A layout row's full key blocks (every pair visible) run before its partial ones, and column steps
+inside the row's run of fully visible columns skip the mask too (`indexing.LayoutSplit`, computed
+once per layout by the caller): such steps run no mask and load no token metadata. A layout
+entry out of range (a block past the keys or negative, a column outside the keys, a count outside
+the row's slots) is never read through: block 0 stands in and column gathers are masked, and the
+row's queries come out NaN (out and lse), a loud result without a host synchronization.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import triton
 import triton.language as tl
 
 from .configs import compiled, forward_tiles
-from .indexing import block_summary, split_full_blocks
 from .tiles import (
     LN2,
     LOG2E,
+    column_step_masked,
     columns_out_of_range,
+    full_columns,
     layout_count,
     load_block_step,
     load_column_step,
@@ -75,7 +76,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _forward_kernel(
     Q, K, V, Out, Lse,
-    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -131,14 +132,17 @@ def _forward_kernel(
             s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
-    # vertical columns, gathered by token index
+    # vertical columns, gathered by token index; steps inside the row's run of fully visible columns
+    # run no mask and load no token metadata
+    full_lo, full_hi = full_columns(ColFull, lay, n_cols)
     for c0 in range(0, n_cols, BLOCK_C):
         _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
                                                  stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
-        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
         s = _scores(q, k, qk_scale, PRECISION)
-        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
-        s = tl.where(vis, s, float("-inf"))
+        if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
+            k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     # Output pointers are built only here, after the loops: a [BLOCK_M, BLOCK_D] pointer tensor live
@@ -182,8 +186,10 @@ def forward(
     v: torch.Tensor,
     block_idx: torch.Tensor,
     block_cnt: torch.Tensor,
+    full_cnt: torch.Tensor,
     col_idx: torch.Tensor,
     col_cnt: torch.Tensor,
+    col_full: torch.Tensor,
     q_index: torch.Tensor,
     q_segment: torch.Tensor,
     k_index: torch.Tensor,
@@ -199,7 +205,9 @@ def forward(
     """Launch the forward kernel, writing (or, with `merge`, merging into) `out` and `lse` in place.
 
     q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] with unit stride along D; layout tensors contiguous int32
-    [B, Hl, NQB, ...]; q_index/q_segment [B, Sq] and k_index/k_segment [B, Sk] contiguous; out
+    [B, Hl, NQB, ...], the blocks and the fully visible columns as `indexing.split_layout` gives them
+    (block_idx reordered, full_cnt, col_full); q_index/q_segment [B, Sq] and k_index/k_segment [B, Sk]
+    contiguous; out
     [B, Hq, Sq, D] (unit stride along D; fp32 when merging), lse contiguous fp32 [B, Hq, Sq].
     """
     b, hq, sq, d = q.shape
@@ -208,11 +216,9 @@ def forward(
         return
     tiles = forward_tiles(block_size, d, compiled(q.device))
     grid = (b * hq, triton.cdiv(sq, tiles.block_m))
-    block_idx, full_cnt, _ = split_full_blocks(block_idx, block_cnt, block_summary(q_index, q_segment, block_size),
-                                               block_summary(k_index, k_segment, block_size), window)
     _forward_kernel[grid](
         q, k, v, out, lse,
-        placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt,
+        placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt, col_full,
         q_index, q_segment, k_index, k_segment,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),

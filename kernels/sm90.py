@@ -107,7 +107,9 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
     q, k, v, dout = heads_last(hq), heads_last(hk), heads_last(hk), heads_last(hq)
     i32 = dict(dtype=torch.int32, device=meta)
     block_idx, cnt = torch.empty(b, hq, nqb, launch.max_blocks, **i32), torch.empty(b, hq, nqb, **i32)
+    partial = torch.empty(b, hq, nqb, launch.max_blocks, dtype=torch.bool, device=meta)
     col_idx, no_cols = torch.empty(b, hq, nqb, launch.max_cols, **i32), torch.empty(b, hq, nqb, 0, **i32)
+    col_full = torch.empty(b, hq, nqb, 2, **i32)
     tokens = (torch.empty(b, s, dtype=torch.int64, device=meta), torch.empty(b, s, **i32))
     out = heads_last(hq)  # a training step's fresh output: the input dtype in [B, S, H, D] memory
     merged = torch.empty(b, hq, s, d, dtype=torch.float32, device=meta)  # a ring's running result
@@ -120,10 +122,11 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
             fn(*args, **kwargs)
         return calls
 
-    fwd = lambda merge: record(block_sparse_fwd.forward, q, k, v, block_idx, cnt, col_idx, cnt, *tokens, *tokens,
-                               merged if merge else out, lse, merge=merge, **common)
-    bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cols, cnt,
-                              *tokens, *tokens, deterministic=False, grads_in_input_dtype=True, **common)
+    fwd = lambda merge: record(block_sparse_fwd.forward, q, k, v, block_idx, cnt, cnt, col_idx, cnt, col_full,
+                               *tokens, *tokens, merged if merge else out, lse, merge=merge, **common)
+    bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cnt, partial,
+                              cols, cnt, col_full, *tokens, *tokens, deterministic=False, grads_in_input_dtype=True,
+                              **common)
     _, dq, _ = bwd(no_cols)
     _, dq_cols, dkdv = bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)

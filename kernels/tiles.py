@@ -4,10 +4,10 @@ Visibility of a (query, key) pair is decided per token from `TokenMeta` (see
 `hf_sparse_cp.attention.tokens`): the key is not after the query in the global order, both tokens are in
 the same document, the query is not padding, and (with a sliding window) the key is fewer than
 `window` tokens back. Building that mask costs token metadata loads and a few integer operations
-per score, so the launchers sort each layout row's key blocks into full ones (all pairs visible,
-decided from per-block summaries: `indexing.split_full_blocks`) and partial ones, and the kernels
-run the full ones in a loop without any mask: the large majority, away from the diagonal and from
-document edges.
+per score, so each layout row's key blocks come sorted into full ones (all pairs visible, decided
+from per-block summaries: `indexing.split_full_blocks`) and partial ones, with the run of its
+columns that every query of the block sees (`indexing.full_column_range`), and the kernels run
+those steps without any mask: the large majority, away from the diagonal and from document edges.
 
 Global indices are narrowed to int32 once per vector (not per pair): indices past 2**31 - 1 are
 clamped, which only ever affects padding (its segment already hides it).
@@ -107,6 +107,21 @@ def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_k
     k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
     return offs_c, c_ok, col, mask, k, v
+
+
+@triton.jit
+def full_columns(ColFull, lay, n_cols):
+    """The slot range [lo, hi) of layout row `lay`'s fully visible columns (`indexing.full_column_range`),
+    kept inside the row's slots in use."""
+    hi = tl.minimum(tl.load(ColFull + 2 * lay + 1), n_cols)
+    return tl.maximum(tl.load(ColFull + 2 * lay), 0), hi
+
+
+@triton.jit
+def column_step_masked(c0, full_lo, full_hi, BLOCK_C: tl.constexpr):
+    """Whether the column step from slot `c0` needs the visibility mask: unless all its slots lie in
+    the row's run of fully visible columns."""
+    return (c0 < full_lo) | (c0 + BLOCK_C > full_hi)
 
 
 @triton.jit
