@@ -43,8 +43,10 @@ H100_SHARED_BYTES = 227 * 1024
 TARGET = GPUTarget("cuda", 90, 32)
 
 # The kernel variants a training run launches, and the `configs` kernel whose tiles each one takes.
-VARIANTS = ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv", "scoring_row_stats", "scoring_scores")
-TUNED_KERNEL = {"forward": "forward", "forward_merge": "forward", "dq": "dq", "dq_column_grads": "dq", "dkdv": "dkdv"}
+VARIANTS = ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv", "dkdv_no_columns", "scoring_row_stats",
+            "scoring_scores")
+TUNED_KERNEL = {"forward": "forward", "forward_merge": "forward", "dq": "dq", "dq_column_grads": "dq", "dkdv": "dkdv",
+                "dkdv_no_columns": "dkdv"}
 
 
 @dataclass(frozen=True)
@@ -127,12 +129,12 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
     bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cnt, partial,
                               cols, cnt, col_full, *tokens, *tokens, deterministic=False, grads_in_input_dtype=True,
                               **common)
-    _, dq, _ = bwd(no_cols)
+    _, dq, dkdv_no_cols = bwd(no_cols)
     _, dq_cols, dkdv = bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)
     row_stats, scores = record(vertical_slash.vertical_slash_scores, q_rows, k[0], d ** -0.5)
     return {"forward": fwd(False)[0], "forward_merge": fwd(True)[0], "dq": dq, "dq_column_grads": dq_cols,
-            "dkdv": dkdv, "scoring_row_stats": row_stats, "scoring_scores": scores}
+            "dkdv": dkdv, "dkdv_no_columns": dkdv_no_cols, "scoring_row_stats": row_stats, "scoring_scores": scores}
 
 
 def compile_launch(kernel, args: tuple, kwargs: dict):

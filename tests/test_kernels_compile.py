@@ -15,10 +15,12 @@ from hf_sparse_cp.kernels.configs import Tiles
 
 from benchmark_loader import load_benchmark
 
-# Stack bytes per thread the launchers' builds may hold: none with Triton 3.9; Triton 3.6 (the GPU
-# image's) keeps 16 bytes in the dk/dv kernel at head_dim 128 (four registers; with 2 stages it spills
-# nothing but no longer keeps loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles
-# were recorded at over 2 KB.
+# Stack bytes per thread the launchers' builds may hold. Triton 3.9 keeps 8 in the dk/dv kernel at
+# head_dim 128 when it writes the input dtype seeded by the columns' sums (one loop-invariant register
+# reloaded per step; 32-row steps build without it but issue m64n32) and none elsewhere; Triton 3.6 (the
+# GPU image's) kept 16 bytes in that kernel before (four registers; with 2 stages it spilled nothing but
+# no longer kept loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles were recorded at
+# over 2 KB.
 MAX_STACK_BYTES = 16
 
 

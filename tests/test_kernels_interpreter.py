@@ -803,3 +803,52 @@ def test_the_split_kept_on_a_layout_follows_what_it_was_computed_from(monkeypatc
     kernel_split(traced, other, other, None)
     kernel_split(traced, other, other, None)
     assert len(calls) == 8
+
+
+# ---- dk/dv written in the input dtype by the dk/dv kernel (issue #18) ----------------------------
+
+def _backward_and_its_dkdv_outputs(q, k, v, out, lse, dout, layout, meta, deterministic, in_input_dtype):
+    """The primitive backward's gradients, and the tensors the dk/dv kernel was given to write."""
+    kernel, written = block_sparse_bwd._dkdv_kernel, []
+    real_run = kernel.run
+
+    def run(*args, **kwargs):
+        written.append(args[8:10])  # DK, DV
+        return real_run(*args, **kwargs)
+
+    kernel.run = run
+    try:
+        grads = kernel_backward(q, k, v, out, lse, dout, layout, scale=0.25, q_meta=meta, k_meta=meta,
+                                deterministic=deterministic, grads_in_input_dtype=in_input_dtype)
+    finally:
+        del kernel.run
+    (dk_arg, dv_arg), = written
+    return grads, [(g.data_ptr(), g.dtype) == (a.data_ptr(), a.dtype) for g, a in zip(grads[1:], (dk_arg, dv_arg))]
+
+
+@pytest.mark.parametrize("columns,deterministic,in_input_dtype", [
+    (True, False, True), (True, True, True), (False, False, True), (True, False, False)],
+    ids=["columns-atomic-fp16", "columns-deterministic-fp16", "no-columns-fp16", "columns-fp32-for-a-ring"])
+def test_dkdv_kernel_writes_the_returned_gradients(interp, columns, deterministic, in_input_dtype):
+    """The dk/dv kernel writes the returned dk and dv themselves: in the input dtype in [B, S, H, D]
+    memory (no fp32 buffer copied afterwards), seeded with the columns' fp32 sums (atomic or
+    deterministic), or fp32 contiguous (what a ring sums over its steps); equal to the fp64 reference
+    at the dtype's tolerance."""
+    s, bs = 48, 16
+    q, k, v, dout, _ = _inputs(1, 4, 2, s, s, 16, torch.float16, seed=95)
+    meta = TokenMeta.contiguous(1, s)
+    layout = (random_layout(1, 4, s, s, bs, 0.5, 0.2, generator=torch.Generator().manual_seed(96)) if columns
+              else dense_layout(meta, bs))
+    assert (int(layout.col_cnt.sum()) > 0) == columns
+    out, lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta, k_meta=meta)
+    out = out.half()
+    grads, written_by_kernel = interp.apply(_backward_and_its_dkdv_outputs, (q, k, v, out, lse.float(), dout, layout,
+                                                                              meta, deterministic, in_input_dtype))
+    assert written_by_kernel == [True, True]
+    ref = reference_backward(q.double(), k.double(), v.double(), out.double(), lse, dout.double(), layout, scale=0.25,
+                             q_meta=meta, k_meta=meta)
+    dtype = torch.float16 if in_input_dtype else torch.float32
+    for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert got.dtype == dtype and got.shape == r.shape, name
+        assert got.transpose(1, 2).is_contiguous() if in_input_dtype else got.is_contiguous(), name
+        assert rel_rms(got, r) <= 2 * TOLERANCE[torch.float16], name
