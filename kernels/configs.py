@@ -122,7 +122,9 @@ def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
     if head_dim <= 64:
-        return Tiles(min(block_size, 128), min(block_size, 128), 64, 8, 3)
+        # 4 stages: 210 registers and no spill, where 3 stages sit at 253 of the 255 (hinted builds of the
+        # warps/stages sweep, benchmarks/results/README.md); loads four steps ahead, 144 KB of shared memory
+        return Tiles(min(block_size, 128), min(block_size, 128), 64, 8, 4)
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
 
 
