@@ -192,7 +192,7 @@ def _dq_kernel(
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+        kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
                                                         LAYOUT_BLOCK, BLOCK_N)
         bad = bad | kb_bad

@@ -14,6 +14,10 @@ computes it; reading it only after the loops keeps its registers free during the
 layout row lists nothing returns at once in that mode, leaving the running result untouched (no
 load, no store, no rounding).
 
+With `Tiles.kv_descriptors` (off in the launched tiles until timed on a GPU) the key-block loop
+loads its K/V tiles through TMA tensor descriptors (one bulk copy per tile on sm_90) where the
+tensors allow it (`descriptors_fit`); the columns keep their gathers.
+
 A layout row's full key blocks (every pair visible) run before its partial ones, and column steps
 inside the row's run of fully visible columns skip the mask too (`indexing.LayoutSplit`, computed
 once per layout by the caller): such steps run no mask and load no token metadata. A layout
@@ -27,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import compiled, forward_tiles
 from .tiles import (
@@ -37,6 +42,7 @@ from .tiles import (
     full_columns,
     layout_count,
     load_block_step,
+    load_block_step_tma,
     load_column_step,
     load_meta,
     query_segments,
@@ -75,7 +81,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, KDesc, VDesc, Out, Lse,
     BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
@@ -86,7 +92,7 @@ def _forward_kernel(
     qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -121,9 +127,14 @@ def _forward_kernel(
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
-                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
-                                                        LAYOUT_BLOCK, BLOCK_N)
+        if KV_DESCRIPTORS:
+            kb_bad, offs_n, n_ok, k, v = load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc,
+                                                             b.to(tl.int32), kvh.to(tl.int32), k_len, num_k_blocks,
+                                                             SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D)
+        else:
+            kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                         LAYOUT_BLOCK, BLOCK_N)
         bad = bad | kb_bad
         s = _scores(q, k, qk_scale, PRECISION)
         if i >= n_full:
@@ -216,8 +227,12 @@ def forward(
         return
     tiles = forward_tiles(block_size, d, compiled(q.device))
     grid = (b * hq, triton.cdiv(sq, tiles.block_m))
+    block_d = triton.next_power_of_2(max(d, 16))
+    descriptors = tiles.kv_descriptors and descriptors_fit(k, v)
+    k_desc, v_desc = ((TensorDescriptor.from_tensor(x, [1, 1, tiles.block_n, block_d]) for x in (k, v))
+                      if descriptors else (k, v))
     _forward_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, k_desc, v_desc, out, lse,
         placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt, col_full,
         q_index, q_segment, k_index, k_segment,
         q.stride(0), q.stride(1), q.stride(2),
@@ -227,8 +242,15 @@ def forward(
         hq, hq // hk, block_idx.shape[1], sq, sk, block_idx.shape[2], triton.cdiv(sk, block_size),
         block_idx.shape[3], col_idx.shape[3],
         scale * LOG2E.value, window or 0,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)), LAYOUT_BLOCK=block_size,
+        HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
-        HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
+        HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype), KV_DESCRIPTORS=descriptors,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+
+
+def descriptors_fit(*tensors: torch.Tensor) -> bool:
+    """Whether TMA tensor descriptors can address these [B, H, S, D] tensors: a 16-byte aligned base,
+    16-byte multiples as strides but the last (which is 1), no empty dimension."""
+    return all(x.numel() > 0 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+               and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in tensors)

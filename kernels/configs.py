@@ -31,6 +31,10 @@ class Tiles:
         after dq is stored, instead of inside the dq loop. The pass recomputes two of the five
         products per column step, but the dq accumulator is no longer live beside the columns'
         dk/dv tiles.
+    kv_descriptors: forward only: the key-block loop loads its K/V tiles through TMA tensor
+        descriptors (one bulk copy per tile on sm_90; the columns keep their gathers), where the
+        tensors allow it (`block_sparse_fwd.descriptors_fit`), else through pointers. Off in the
+        launched tiles until a GPU has timed it; builds for sm_90 (tests/test_kernels_compile.py).
     """
 
     block_m: int
@@ -39,6 +43,7 @@ class Tiles:
     num_warps: int
     num_stages: int
     separate_columns: bool = False
+    kv_descriptors: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.

@@ -75,21 +75,40 @@ def layout_count(CountPtr, lay, width):
 
 
 @triton.jit
-def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, num_k_blocks, offs_d,
-                    d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+def block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """Step `i` over the key blocks that layout row `lay` lists (`SUB` steps of BLOCK_N keys per
-    block): the key block, whether its index was out of range, its keys' offsets and bounds, and
-    their K and V tiles. An index outside [0, num_k_blocks) is read as block 0 (every address stays
-    inside the tensors) and flagged: the caller turns its rows into NaN."""
+    block): the first key of the step, and whether its block index was out of range. An index
+    outside [0, num_k_blocks) is read as block 0 (every address stays inside the tensors) and
+    flagged: the caller turns its rows into NaN."""
     kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
     kb_bad = (kb < 0) | (kb >= num_k_blocks)
-    kb = tl.where(kb_bad, 0, kb)
-    offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.where(kb_bad, 0, kb) * LAYOUT_BLOCK + (i % SUB) * BLOCK_N, kb_bad
+
+
+@triton.jit
+def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, num_k_blocks, offs_d,
+                    d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`block_step` with its keys' offsets and bounds, and their K and V tiles (masked loads)."""
+    n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
-    return kb, kb_bad, offs_n, n_ok, k, v
+    return kb_bad, offs_n, n_ok, k, v
+
+
+@triton.jit
+def load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc, b, kvh, k_len, num_k_blocks,
+                        SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`load_block_step` through tensor descriptors of K and V ([B, Hkv, Sk, D], blocks [1, 1, BLOCK_N,
+    BLOCK_D]): one TMA copy per tile on sm_90, keys past Sk and lanes past D read as zeros."""
+    n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k = KDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    v = VDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    return kb_bad, offs_n, offs_n < k_len, k, v
 
 
 @triton.jit

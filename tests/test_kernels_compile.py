@@ -7,6 +7,8 @@ any GPU run. The builds take the arguments of real launches (`kernels.sm90`), so
 divisibility hints the JIT gives a launch.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,3 +76,18 @@ def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
     assert len(built) == 3 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
     assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"]
     assert len(table.splitlines()) == 2 + len(rows)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_with_tensor_descriptors_builds_tma_copies(head_dim):
+    """With `Tiles.kv_descriptors` the forward's key-block K/V tiles come through TMA (bulk tensor
+    copies in the PTX) in a build as clean as the launched one: no spill, shared memory under the
+    H100's, full-width wgmma."""
+    launched = configs.forward_tiles(128, head_dim, True)
+    tiles, build = sm90.build("forward", dataclasses.replace(launched, kv_descriptors=True), sm90.launch_for(head_dim))
+    use = sm90.usage(build)
+    assert tiles.kv_descriptors and "cp.async.bulk.tensor" in build.asm["ptx"], use
+    assert use.stack_bytes == 0 and use.shared_bytes <= sm90.H100_SHARED_BYTES, use
+    assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
+    _, pointer_build = sm90.build("forward", launched, sm90.launch_for(head_dim))
+    assert "cp.async.bulk.tensor" not in pointer_build.asm["ptx"]

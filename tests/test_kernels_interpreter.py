@@ -18,7 +18,7 @@ from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.kernels import block_sparse_bwd, configs
+from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
 from hf_sparse_cp.kernels.indexing import (
     block_summary,
     full_column_range,
@@ -852,3 +852,52 @@ def test_dkdv_kernel_writes_the_returned_gradients(interp, columns, deterministi
         assert got.dtype == dtype and got.shape == r.shape, name
         assert got.transpose(1, 2).is_contiguous() if in_input_dtype else got.is_contiguous(), name
         assert rel_rms(got, r) <= 2 * TOLERANCE[torch.float16], name
+
+
+# ---- TMA tensor descriptors for the forward's key blocks (issue #18, behind Tiles.kv_descriptors) --
+
+def _forward_through_descriptors(q, k, v, layout, meta, window):
+    """The forward with K/V tiles loaded through tensor descriptors, and whether the launch took them."""
+    seen, kernel = [], block_sparse_fwd._forward_kernel
+    real_run = kernel.run
+
+    def run(*args, **kwargs):
+        seen.append(kwargs["KV_DESCRIPTORS"])
+        return real_run(*args, **kwargs)
+
+    kernel.run = run
+    try:
+        with configs.tiles_override(forward=configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True)):
+            result = kernel_forward(q, k, v, layout, scale=0.3, q_meta=meta, k_meta=meta, sliding_window=window)
+    finally:
+        del kernel.run
+    return result, seen
+
+
+@pytest.mark.parametrize("d,dtype,window", [(48, torch.float32, None), (16, torch.float16, 40)],
+                         ids=["d48-fp32", "d16-fp16-window"])
+def test_forward_through_tensor_descriptors_matches_reference(interp, d, dtype, window):
+    """Key-block tiles loaded through TMA tensor descriptors (zeros past the keys and past head_dim 48
+    in a 64-lane tile), full and partial blocks, columns by gather, packed documents and padding."""
+    s, bs = 100, 32
+    q, k, v, _, _ = _inputs(1, 4, 2, s, s, d, dtype, seed=97)
+    meta = _random_docs(1, s, seed=98, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
+                                          generator=torch.Generator().manual_seed(99))
+    (out, lse), seen = interp.apply(_forward_through_descriptors, (q, k, v, layout, meta, window))
+    assert seen == [True]
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.3, q_meta=meta,
+                                         k_meta=meta, sliding_window=window)
+    seen_rows = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen_rows)
+    assert rel_rms(out, ref_out) <= TOLERANCE[dtype] and rel_rms(lse, ref_lse, seen_rows) <= TOLERANCE[dtype]
+
+
+def test_tensor_descriptors_only_where_the_tensors_allow_them():
+    """TMA needs a 16-byte aligned base and 16-byte multiples as strides: otherwise the launch keeps
+    its pointer loads."""
+    x = torch.randn(1, 2, 8, 16)
+    assert block_sparse_fwd.descriptors_fit(x, x.half())
+    assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 8, 20).half())  # rows of 40 bytes
+    assert not block_sparse_fwd.descriptors_fit(torch.randn(1 * 2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16))  # base + 4 B
+    assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 0, 16))
