@@ -27,6 +27,9 @@ which builds without spilling with the launch's hints) the dq kernel computes th
 in a second pass over the columns after dq is stored: p and ds are recomputed (2 more products
 per column step), but the dq accumulator is no longer live beside the column gradient tiles.
 
+With `Tiles.kv_descriptors` the dq kernel's key-block loop loads its K/V tiles through TMA tensor
+descriptors, as the forward's does.
+
 Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
 (`indexing.LayoutSplit`; in the transposed CSR, each key block's full entries first), and the dq
 kernel's column steps inside the row's fully visible columns skip the mask too: such steps run no
@@ -49,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_fwd import dot_precision, placeholder_if_empty
+from .block_sparse_fwd import dot_precision, kv_descriptors, placeholder_if_empty
 from .configs import compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
 from .tiles import (
@@ -61,6 +64,7 @@ from .tiles import (
     key_block_steps,
     layout_count,
     load_block_step,
+    load_block_step_tma,
     load_column_step,
     load_meta,
     query_segments,
@@ -147,7 +151,7 @@ def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
+    Q, K, V, KDesc, VDesc, DOut, Lse2, Delta, DQ, ColDK, ColDV,
     BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
@@ -160,6 +164,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
+    KV_DESCRIPTORS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     n_tiles = tl.num_programs(1)
@@ -192,9 +197,14 @@ def _dq_kernel(
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
-                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
-                                                        LAYOUT_BLOCK, BLOCK_N)
+        if KV_DESCRIPTORS:
+            kb_bad, offs_n, n_ok, k, v = load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc,
+                                                             b.to(tl.int32), kvh.to(tl.int32), k_len, num_k_blocks,
+                                                             SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D)
+        else:
+            kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                         LAYOUT_BLOCK, BLOCK_N)
         bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         if i >= n_full:
@@ -421,9 +431,11 @@ def backward(
     tiles = dq_tiles(block_size, d, on_gpu)
     n_tiles = triton.cdiv(sq, tiles.block_m)
 
+    k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
+
     def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
         _dq_kernel[(b * hq, count)](
-            q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
+            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, col_dk, col_dv,
             block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt, col_full,
             q_index, q_segment, k_index, k_segment,
             *strides, dq.stride(0), dq.stride(1), dq.stride(2),
@@ -432,7 +444,7 @@ def backward(
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
-            PRECISION=precision,
+            PRECISION=precision, KV_DESCRIPTORS=k_desc is not k,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
 

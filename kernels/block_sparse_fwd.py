@@ -228,9 +228,7 @@ def forward(
     tiles = forward_tiles(block_size, d, compiled(q.device))
     grid = (b * hq, triton.cdiv(sq, tiles.block_m))
     block_d = triton.next_power_of_2(max(d, 16))
-    descriptors = tiles.kv_descriptors and descriptors_fit(k, v)
-    k_desc, v_desc = ((TensorDescriptor.from_tensor(x, [1, 1, tiles.block_n, block_d]) for x in (k, v))
-                      if descriptors else (k, v))
+    k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
     _forward_kernel[grid](
         q, k, v, k_desc, v_desc, out, lse,
         placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt, col_full,
@@ -244,9 +242,18 @@ def forward(
         scale * LOG2E.value, window or 0,
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
-        HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype), KV_DESCRIPTORS=descriptors,
+        HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
+        KV_DESCRIPTORS=k_desc is not k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> tuple:
+    """TMA tensor descriptors of k and v [B, Hkv, Sk, D] for [1, 1, block_n, block_d] tiles, or k and v
+    themselves where descriptors cannot address them (the kernels then load through pointers)."""
+    if not descriptors_fit(k, v):
+        return k, v
+    return tuple(TensorDescriptor.from_tensor(x, [1, 1, block_n, block_d]) for x in (k, v))
 
 
 def descriptors_fit(*tensors: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ class Tiles:
         after dq is stored, instead of inside the dq loop. The pass recomputes two of the five
         products per column step, but the dq accumulator is no longer live beside the columns'
         dk/dv tiles.
-    kv_descriptors: forward only: the key-block loop loads its K/V tiles through TMA tensor
+    kv_descriptors: forward and dq: the key-block loop loads its K/V tiles through TMA tensor
         descriptors (one bulk copy per tile on sm_90; the columns keep their gathers), where the
         tensors allow it (`block_sparse_fwd.descriptors_fit`), else through pointers. Off in the
         launched tiles until a GPU has timed it; builds for sm_90 (tests/test_kernels_compile.py).

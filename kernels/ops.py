@@ -9,8 +9,11 @@ Custom ops (composable with torch.compile; each has a fake implementation for tr
 * `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32, or in the input dtype laid out as
   [B, S, H, D] ([B, H, S, D] views).
 
-`triton_forward` / `triton_backward` pick the op, make strides kernel-friendly and check what only
-the kernels require (dtype, head_dim, merge buffers, device). They take raw tensors: the layout's
+The ops take the layout in the form the kernels read it (`indexing.LayoutSplit`: blocks full ones
+first with their counts, the run of fully visible columns; the backward also the partial slots).
+`triton_forward` / `triton_backward` pick the op, compute that split unless the caller passes the
+one it keeps, make strides kernel-friendly and check what only the kernels require (dtype,
+head_dim, merge buffers, device). They take raw tensors: the layout's
 index tensors and the tokens' global index and document, as `hf_sparse_cp.attention.ops` unpacks
 them from `SparseLayout` / `TokenMeta` after checking the input contract. This package imports
 nothing from the rest of hf_sparse_cp.

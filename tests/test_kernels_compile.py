@@ -78,16 +78,17 @@ def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
     assert len(table.splitlines()) == 2 + len(rows)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_forward_with_tensor_descriptors_builds_tma_copies(head_dim):
-    """With `Tiles.kv_descriptors` the forward's key-block K/V tiles come through TMA (bulk tensor
-    copies in the PTX) in a build as clean as the launched one: no spill, shared memory under the
-    H100's, full-width wgmma."""
-    launched = configs.forward_tiles(128, head_dim, True)
-    tiles, build = sm90.build("forward", dataclasses.replace(launched, kv_descriptors=True), sm90.launch_for(head_dim))
+@pytest.mark.parametrize("variant,head_dim", [("forward", 64), ("forward", 128), ("dq_column_grads", 128)])
+def test_key_blocks_with_tensor_descriptors_build_tma_copies(variant, head_dim):
+    """With `Tiles.kv_descriptors` the key-block K/V tiles of the forward and dq come through TMA (bulk
+    tensor copies in the PTX) in builds as clean as the launched ones: no spill, shared memory under
+    the H100's, full-width wgmma."""
+    launched = configs.forward_tiles(128, head_dim, True) if variant == "forward" else configs.dq_tiles(
+        128, head_dim, True)
+    tiles, build = sm90.build(variant, dataclasses.replace(launched, kv_descriptors=True), sm90.launch_for(head_dim))
     use = sm90.usage(build)
     assert tiles.kv_descriptors and "cp.async.bulk.tensor" in build.asm["ptx"], use
     assert use.stack_bytes == 0 and use.shared_bytes <= sm90.H100_SHARED_BYTES, use
     assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
-    _, pointer_build = sm90.build("forward", launched, sm90.launch_for(head_dim))
+    _, pointer_build = sm90.build(variant, launched, sm90.launch_for(head_dim))
     assert "cp.async.bulk.tensor" not in pointer_build.asm["ptx"]

@@ -152,12 +152,11 @@ def _random_docs(b, s, seed, pad=0, cuts=3):
 
 
 def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None,
-                             tiles=None):
-    """Kernel forward and backward (with `tiles` overriding the launchers' tiles) equal the fp64
-    reference; returns the kernel results."""
+                             tiles=None, worker=_kernel_fwd_bwd):
+    """Kernel forward and backward (with `tiles` overriding the launchers' tiles; run by `worker`, which
+    takes `_kernel_fwd_bwd`'s arguments) equal the fp64 reference; returns the kernel results."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    res = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse),
-                       {"tiles": tiles})
+    res = interp.apply(worker, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse), {"tiles": tiles})
     out, lse, dq, dk, dv = res
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
@@ -856,41 +855,34 @@ def test_dkdv_kernel_writes_the_returned_gradients(interp, columns, deterministi
 
 # ---- TMA tensor descriptors for the forward's key blocks (issue #18, behind Tiles.kv_descriptors) --
 
-def _forward_through_descriptors(q, k, v, layout, meta, window):
-    """The forward with K/V tiles loaded through tensor descriptors, and whether the launch took them."""
-    seen, kernel = [], block_sparse_fwd._forward_kernel
-    real_run = kernel.run
-
-    def run(*args, **kwargs):
-        seen.append(kwargs["KV_DESCRIPTORS"])
-        return real_run(*args, **kwargs)
-
-    kernel.run = run
+def _kernels_through_descriptors(*args, tiles):
+    """`_kernel_fwd_bwd`, checking that the forward and dq launches loaded key blocks through descriptors."""
+    seen, kernels = [], (block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel)
+    for kernel in kernels:
+        kernel.run = lambda *a, _run=kernel.run, **kw: seen.append(kw["KV_DESCRIPTORS"]) or _run(*a, **kw)
     try:
-        with configs.tiles_override(forward=configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True)):
-            result = kernel_forward(q, k, v, layout, scale=0.3, q_meta=meta, k_meta=meta, sliding_window=window)
+        result = _kernel_fwd_bwd(*args, tiles=tiles)
     finally:
-        del kernel.run
-    return result, seen
+        for kernel in kernels:
+            del kernel.run
+    assert seen == [True, True], seen
+    return result
 
 
 @pytest.mark.parametrize("d,dtype,window", [(48, torch.float32, None), (16, torch.float16, 40)],
                          ids=["d48-fp32", "d16-fp16-window"])
-def test_forward_through_tensor_descriptors_matches_reference(interp, d, dtype, window):
-    """Key-block tiles loaded through TMA tensor descriptors (zeros past the keys and past head_dim 48
-    in a 64-lane tile), full and partial blocks, columns by gather, packed documents and padding."""
+def test_key_blocks_through_tensor_descriptors_match_reference(interp, d, dtype, window):
+    """The forward's and dq's key-block tiles loaded through TMA tensor descriptors (zeros past the keys
+    and past head_dim 48 in a 64-lane tile), full and partial blocks, columns by gather, packed
+    documents and padding: forward and backward equal the reference."""
     s, bs = 100, 32
-    q, k, v, _, _ = _inputs(1, 4, 2, s, s, d, dtype, seed=97)
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, d, dtype, seed=97)
     meta = _random_docs(1, s, seed=98, pad=3)
     layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
                                           generator=torch.Generator().manual_seed(99))
-    (out, lse), seen = interp.apply(_forward_through_descriptors, (q, k, v, layout, meta, window))
-    assert seen == [True]
-    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.3, q_meta=meta,
-                                         k_meta=meta, sliding_window=window)
-    seen_rows = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), seen_rows)
-    assert rel_rms(out, ref_out) <= TOLERANCE[dtype] and rel_rms(lse, ref_lse, seen_rows) <= TOLERANCE[dtype]
+    tma = configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True)
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=window,
+                             tiles={"forward": tma, "dq": tma}, worker=_kernels_through_descriptors)
 
 
 def test_tensor_descriptors_only_where_the_tensors_allow_them():
