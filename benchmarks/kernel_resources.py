@@ -11,10 +11,12 @@ machine; nothing here is a GPU timing.
 
 `--candidates` builds instead every tile candidate of the tuned kernels (`configs.tile_candidates`
 at 4 and 8 warps; dq with column gradients, its heaviest variant), the evidence behind which
-candidates `benchmarks/tune_tiles.py` times.
+candidates `benchmarks/tune_tiles.py` times; `--warps_stages` builds only the launchers' tile shapes
+at 4 and 8 warps and 2 to 4 pipeline stages (a short sweep behind the warps and stages in `configs`).
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --candidates --head_dims 128
+    python benchmarks/kernel_resources.py --warps_stages
 """
 
 from __future__ import annotations
@@ -65,17 +67,32 @@ def measure(head_dims=(64, 128), dtype: str = "bf16") -> list[dict]:
 
 # The variant built for each tuned kernel's candidates.
 CANDIDATE_VARIANTS = {"forward": "forward", "dq": "dq_column_grads", "dkdv": "dkdv"}
+LAUNCHED_TILES = {"forward": configs.forward_tiles, "dq": configs.dq_tiles, "dkdv": configs.dkdv_tiles}
 
 
-def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 128) -> list[dict]:
-    """Every tile candidate of the tuned kernels at 4 and 8 warps; a build that fails is a row with
-    its error."""
+def warps_stages_candidates(kernel: str, block_size: int, head_dim: int) -> list[Tiles]:
+    """The launchers' tile shape of `kernel` at 4 and 8 warps and 2, 3 and 4 pipeline stages."""
+    launched = LAUNCHED_TILES[kernel](block_size, head_dim, True)
+    return [dataclasses.replace(launched, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 128,
+                       warps_stages_only: bool = False) -> list[dict]:
+    """Every tile candidate of the tuned kernels at 4 and 8 warps (or, with `warps_stages_only`, the
+    launchers' tile shapes at 4 and 8 warps and 2-4 stages, each row saying whether it is the one
+    launched); a build that fails is a row with its error."""
     rows = []
     for head_dim in head_dims:
         launch = sm90.launch_for(head_dim, dtype, block_size)
         for kernel, variant in CANDIDATE_VARIANTS.items():
-            for tiles in configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8)):
-                row = {"kernel": variant, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles)}
+            if warps_stages_only:
+                candidates = warps_stages_candidates(kernel, block_size, head_dim)
+            else:
+                candidates = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
+            launched = LAUNCHED_TILES[kernel](block_size, head_dim, True)
+            for tiles in candidates:
+                row = {"kernel": variant, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
+                       "launched": tiles == launched}
                 try:
                     row.update(dataclasses.asdict(sm90.usage(sm90.build(variant, tiles, launch)[1])))
                 except Exception as e:  # a tile shape the compiler rejects is a finding, not the end of the sweep
@@ -91,7 +108,8 @@ def _cells(r: dict | None) -> str:
     if r is None:
         return f"{'(unchanged)':<52}"
     t = r["tiles"]
-    tiles = f"{t['block_m']}x{t['block_n']}/{t['block_c']}{'s' if t.get('separate_columns') else ''}"
+    tiles = (f"{t['block_m']}x{t['block_n']}/{t['block_c']}{'s' if t.get('separate_columns') else ''}"
+             f"{'*' if r.get('launched') else ''}")
     if "error" in r:
         return f"{tiles:<12} {r['error']}"[:52].ljust(52)
     shapes = " ".join(f"{s.split('k')[0]}:{n}" for s, n in r["wgmma_shapes"].items())
@@ -101,8 +119,9 @@ def _cells(r: dict | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """One line per build: kernel, head_dim, then tiles (m x n / column step, 's' for a separate
-    column pass), warps and stages, registers, stack bytes, shared KB and wgmma shapes; with
-    `previous` entries, the tiles launched before beside the current ones."""
+    column pass, '*' for the tiles launched, in a sweep), warps and stages, registers, stack bytes,
+    shared KB and wgmma shapes; with `previous` entries, the tiles launched before beside the current
+    ones."""
     side = any("previous" in r for r in rows)
     cols = "tiles        warps regs stack shared wgmma m64nN:count"
     header = f"{'kernel':<18} {'d':>4}  " + (f"{'previous: ' + cols:<52}  current: {cols}" if side else cols)
@@ -117,6 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--candidates", action="store_true",
                    help="Build every tile candidate of the tuned kernels instead of the launchers' tiles.")
+    p.add_argument("--warps_stages", action="store_true",
+                   help="Build the launchers' tile shapes at 4 and 8 warps and 2-4 pipeline stages.")
     p.add_argument("--head_dims", type=int, nargs="+", default=[64, 128], help="Head dims to build for.")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="Input dtype of the builds.")
     p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/.")
@@ -125,11 +146,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
-    rows = (measure_candidates if args.candidates else measure)(args.head_dims, args.dtype)
+    if args.candidates or args.warps_stages:
+        rows = measure_candidates(args.head_dims, args.dtype, warps_stages_only=args.warps_stages)
+    else:
+        rows = measure(args.head_dims, args.dtype)
     env = environment(torch.device("cpu"))
-    kind = "kernel-candidates" if args.candidates else "kernel-resources"
+    kind = ("kernel-warps-stages" if args.warps_stages else "kernel-candidates" if args.candidates
+            else "kernel-resources")
     report = {"benchmark": kind.replace("-", "_"), "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
-              "target": "sm_90 (ahead-of-time build, no GPU)",
+              "target": "sm_90 (ahead-of-time build, no GPU)", "measured": "cpu build: nothing here ran or was timed",
               "launch": {k: v for k, v in dataclasses.asdict(sm90.Launch()).items() if k not in ("head_dim", "dtype")},
               "hinted": "arguments specialized as the JIT does at a launch (tt.divisibility=16, ints equal to 1)",
               "rows": rows}

@@ -27,9 +27,13 @@ which builds without spilling with the launch's hints) the dq kernel computes th
 in a second pass over the columns after dq is stored: p and ds are recomputed (2 more products
 per column step), but the dq accumulator is no longer live beside the column gradient tiles.
 
+With `Tiles.kv_descriptors` the dq kernel's key-block loop loads its K/V tiles through TMA tensor
+descriptors, as the forward's does.
+
 Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
-(`indexing.split_full_blocks`; in the transposed CSR, each key block's full entries first): full
-steps run no mask and load no token metadata. A layout entry out of range is never read through
+(`indexing.LayoutSplit`; in the transposed CSR, each key block's full entries first), and the dq
+kernel's column steps inside the row's fully visible columns skip the mask too: such steps run no
+mask and load no token metadata. A layout entry out of range is never read through
 (block 0 stands in, column gathers and atomics are masked) and turns its row's dq into NaN.
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
@@ -38,8 +42,8 @@ buffer (query tiles taken in chunks to bound its memory) and sums them per key r
 order (`_column_sum_kernel`): bitwise reproducible, at the price of the partial traffic. Block
 gradients and dq are deterministic in both modes. Accumulation is fp32 throughout; dq, dk, dv
 are returned in fp32 (a ring sums them over its steps) or in the inputs' dtype, in transformers'
-[B, S, H, D] memory (dq written so by its kernel; dk/dv, summed in fp32 across two kernels, copied
-once).
+[B, S, H, D] memory, each written once by its kernel (the columns' fp32 sums seed the dk/dv
+kernel's accumulators).
 """
 
 from __future__ import annotations
@@ -48,16 +52,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_fwd import dot_precision, placeholder_if_empty
+from .block_sparse_fwd import dot_precision, kv_descriptors, placeholder_if_empty
 from .configs import compiled, dkdv_tiles, dq_tiles
-from .indexing import block_summary, column_targets, key_block_csr, split_full_blocks
+from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
+    column_step_masked,
     columns_out_of_range,
+    full_columns,
     key_block_entry,
     key_block_steps,
     layout_count,
     load_block_step,
+    load_block_step_tma,
     load_column_step,
     load_meta,
     query_segments,
@@ -103,34 +110,37 @@ def _preprocess_kernel(
 
 
 @triton.jit
-def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                 stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW: tl.constexpr,
-                 BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
+                 v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
+                 HAS_WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     """One step over a query tile's vertical columns: the columns' slots, tokens, K/V mask (slots in
-    use with a token in range) and K tile, and the (masked) probabilities p and score gradients ds."""
+    use with a token in range) and K tile, and the probabilities p (masked unless the step lies in
+    the row's fully visible columns [full_lo, full_hi)) and score gradients ds."""
     offs_c, c_ok, col, kv_mask, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
                                                         stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
-    k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
-    vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
-    p = tl.where(vis, p, 0.0)
+    if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
+        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+        p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return offs_c, col, kv_mask, k, p, p * (dp - delta[:, None])
 
 
 @triton.jit
 def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len, pid_bh,
-                      tile, n_tiles, max_cols, scale, HEAD_DIM: tl.constexpr, COLUMN_GRADS: tl.constexpr,
+                      tile, n_tiles, max_cols, HEAD_DIM: tl.constexpr, COLUMN_GRADS: tl.constexpr,
                       PRECISION: tl.constexpr):
-    """One column step's dk/dv: added atomically to the key rows (`_ATOMIC`), or stored in this query
-    tile's partial rows (`_PARTIAL`, `tile` counted from the launch's first tile)."""
+    """One column step's dk/dv, dk without the softmax scale (the dk/dv kernel, which these sums seed,
+    applies it once): added atomically to the key rows (`_ATOMIC`), or stored in this query tile's
+    partial rows (`_PARTIAL`, `tile` counted from the launch's first tile)."""
     if COLUMN_GRADS == 1:
         dst_rows = (b * num_kv_heads + kvh) * k_len + col.to(tl.int64)
     else:
         dst_rows = (pid_bh.to(tl.int64) * n_tiles + tile) * max_cols + offs_c
     dst = dst_rows[:, None] * HEAD_DIM + offs_d[None, :]
     dv_c = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-    dk_c = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
+    dk_c = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     if COLUMN_GRADS == 1:
         tl.atomic_add(ColDK + dst, dk_c, mask=kv_mask, sem="relaxed")
         tl.atomic_add(ColDV + dst, dv_c, mask=kv_mask, sem="relaxed")
@@ -141,8 +151,8 @@ def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DOut, Lse2, Delta, DQ, ColDK, ColDV,
-    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    Q, K, V, KDesc, VDesc, DOut, Lse2, Delta, DQ, ColDK, ColDV,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -154,6 +164,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
+    KV_DESCRIPTORS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     n_tiles = tl.num_programs(1)
@@ -186,9 +197,14 @@ def _dq_kernel(
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
-                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
-                                                        LAYOUT_BLOCK, BLOCK_N)
+        if KV_DESCRIPTORS:
+            kb_bad, offs_n, n_ok, k, v = load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc,
+                                                             b.to(tl.int32), kvh.to(tl.int32), k_len, num_k_blocks,
+                                                             SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D)
+        else:
+            kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                         LAYOUT_BLOCK, BLOCK_N)
         bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         if i >= n_full:
@@ -199,15 +215,17 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
+    full_lo, full_hi = full_columns(ColFull, lay, n_cols)
     for c0 in range(0, n_cols, BLOCK_C):
         offs_c, col, kv_mask, k, p, ds = _column_step(
-            q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks, stride_vs,
-            k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C, PRECISION)
+            q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base, v_base,
+            stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
+            PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
             if not SEPARATE_COLUMNS:
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
-                                  pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
+                                  pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
 
     dq_ptr = DQ + b * stride_gb + h64 * stride_gh + rows * stride_gs + offs_d[None, :]
@@ -219,28 +237,29 @@ def _dq_kernel(
             # a second pass over the columns once dq is stored and its accumulator is dead
             for c0 in range(0, n_cols, BLOCK_C):
                 offs_c, col, kv_mask, k, p, ds = _column_step(
-                    q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_ks,
-                    stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
-                    PRECISION)
+                    q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
+                    v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
+                    HAS_WINDOW, BLOCK_C, PRECISION)
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
-                                  pid_bh, tile - tile_offset, n_tiles, max_cols, scale, HEAD_DIM, COLUMN_GRADS,
+                                  pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV,
+    Q, K, V, DOut, Lse2, Delta, ColDK, ColDV, DK, DV,
     RowPtr, Entries,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds,
+    stride_gb, stride_gh, stride_gs,
     num_q_heads, num_kv_heads, group, shared_layout, q_len, k_len, num_q_blocks, num_k_blocks,
     qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     b = (pid_bk // num_kv_heads).to(tl.int64)
@@ -264,8 +283,16 @@ def _dkdv_kernel(
     seg += kb
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_M
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if HAS_COLUMNS:
+        # the columns' share, summed in fp32 by the dq kernel (contiguous [B, Hkv, Sk, D], dk unscaled like
+        # this accumulator), seeds the accumulators: read before the loop rather than beside the output
+        # tiles after it, where the extra fp32 tiles spilled 144-232 bytes per thread at head_dim 128
+        src = ((b * num_kv_heads + kvh) * k_len + kv_rows) * HEAD_DIM + offs_d[None, :]
+        dk = tl.load(ColDK + src, mask=kv_mask, other=0.0)
+        dv = tl.load(ColDV + src, mask=kv_mask, other=0.0)
+    else:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     q_index = QIndex + b * q_len
     q_segment = QSegment + b * q_len
     per_entry = rep * SUB
@@ -297,13 +324,9 @@ def _dkdv_kernel(
         ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
 
-    dst = (b * num_kv_heads + kvh) * k_len * HEAD_DIM + kv_rows * HEAD_DIM + offs_d[None, :]
-    dk = dk * scale
-    if ACCUMULATE:
-        dk += tl.load(DK + dst, mask=kv_mask, other=0.0)
-        dv += tl.load(DV + dst, mask=kv_mask, other=0.0)
-    tl.store(DK + dst, dk, mask=kv_mask)
-    tl.store(DV + dst, dv, mask=kv_mask)
+    dst = b * stride_gb + kvh.to(tl.int64) * stride_gh + kv_rows * stride_gs + offs_d[None, :]
+    tl.store(DV + dst, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + dst, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -341,8 +364,11 @@ def backward(
     dlse: torch.Tensor | None,
     block_idx: torch.Tensor,
     block_cnt: torch.Tensor,
+    full_cnt: torch.Tensor,
+    partial: torch.Tensor,
     col_idx: torch.Tensor,
     col_cnt: torch.Tensor,
+    col_full: torch.Tensor,
     q_index: torch.Tensor,
     q_segment: torch.Tensor,
     k_index: torch.Tensor,
@@ -359,24 +385,24 @@ def backward(
     as transformers' projections take them back.
 
     q/k/v/out/dout: unit stride along D; lse (and dlse) contiguous [B, Hq, Sq]; layout and token
-    metadata as for `block_sparse_fwd.forward`.
+    metadata as for `block_sparse_fwd.forward`, with the split's `partial` slots (the dk/dv CSR).
     """
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     dev = q.device
     on_gpu = compiled(dev)
-    # dq straight in its final form; dk/dv summed in fp32 (the columns' share first, atomically or in
-    # partial sums, then the dk/dv kernel's) and, for the input dtype, copied once (Hkv heads: a GQA
-    # group's fraction of dq's size; writing them from the dk/dv kernel spilled 144-232 bytes per
-    # thread at head_dim 128)
-    dq = _gradient(q, grads_in_input_dtype)
-    has_cols = col_idx.shape[-1] > 0
-    alloc = torch.zeros if has_cols else torch.empty
-    dk = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
-    dv = alloc(b, hk, sk, d, dtype=torch.float32, device=dev)
+    # every gradient straight in its final form, written once by its kernel; the columns' dk/dv are
+    # summed in fp32 first (atomically or in partial sums: `col_dk`, `col_dv`) and seed the dk/dv kernel
+    dq, dk, dv = (_gradient(x, grads_in_input_dtype) for x in (q, k, v))
     if b == 0 or sq == 0 or sk == 0:
-        dk, dv = (_gradient(x, grads_in_input_dtype) for x in (k, v))
         return dq.zero_(), dk.zero_(), dv.zero_()
+    has_cols = col_idx.shape[-1] > 0
+    if not has_cols:
+        col_dk, col_dv = dk, dv  # not read
+    elif grads_in_input_dtype:
+        col_dk, col_dv = (torch.zeros(b, hk, sk, d, dtype=torch.float32, device=dev) for _ in range(2))
+    else:  # fp32 gradients are contiguous [B, Hkv, Sk, D]: the columns' sums start in them
+        col_dk, col_dv = dk.zero_(), dv.zero_()
 
     block_d = triton.next_power_of_2(max(d, 16))
     precision = dot_precision(q.dtype)
@@ -390,9 +416,6 @@ def backward(
     )
 
     nkb = triton.cdiv(sk, block_size)
-    q_summary = block_summary(q_index, q_segment, block_size)
-    k_summary = block_summary(k_index, k_segment, block_size)
-    block_idx, full_cnt, partial = split_full_blocks(block_idx, block_cnt, q_summary, k_summary, window)
     block_idx_p, col_idx_p = placeholder_if_empty(block_idx), placeholder_if_empty(col_idx)
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
@@ -408,10 +431,12 @@ def backward(
     tiles = dq_tiles(block_size, d, on_gpu)
     n_tiles = triton.cdiv(sq, tiles.block_m)
 
+    k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
+
     def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
         _dq_kernel[(b * hq, count)](
-            q, k, v, dout, lse2, delta, dq, col_dk, col_dv,
-            block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt,
+            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, col_dk, col_dv,
+            block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt, col_full,
             q_index, q_segment, k_index, k_segment,
             *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hk, hq // hk, hl, sq, sk, nqb, nkb, max_blocks, max_cols,
@@ -419,14 +444,14 @@ def backward(
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
-            PRECISION=precision,
+            PRECISION=precision, KV_DESCRIPTORS=k_desc is not k,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
 
     if not has_cols:
-        launch_dq(0, n_tiles, _NO_COLUMNS, dk, dv)
+        launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
     elif not deterministic:
-        launch_dq(0, n_tiles, _ATOMIC, dk, dv)
+        launch_dq(0, n_tiles, _ATOMIC, col_dk, col_dv)
     else:
         per_tile = b * hq * max_cols * d * 4 * 2
         chunk = max(1, min(n_tiles, DETERMINISTIC_PARTIAL_BYTES // per_tile))
@@ -438,26 +463,24 @@ def backward(
             tile_blocks = torch.arange(t0, t0 + count, device=dev) * tiles.block_m // block_size
             sorted_row, order, seg_end, invalid = column_targets(col_idx, col_cnt, tile_blocks, hq, hk, sk)
             _column_sum_kernel[(sorted_row.numel(),)](
-                part_dk, part_dv, order, sorted_row, seg_end, dk, dv, invalid,
+                part_dk, part_dv, order, sorted_row, seg_end, col_dk, col_dv, invalid,
                 HEAD_DIM=d, BLOCK_D=block_d,
             )
 
     kv_tiles = dkdv_tiles(block_size, d, on_gpu)
     row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb)
     _dkdv_kernel[(b * hk, triton.cdiv(sk, kv_tiles.block_n))](
-        q, k, v, dout, lse2, delta, dk, dv,
+        q, k, v, dout, lse2, delta, col_dk, col_dv, dk, dv,
         row_ptr, placeholder_if_empty(entries),
         q_index, q_segment, k_index, k_segment,
-        *strides,
+        *strides, dk.stride(0), dk.stride(1), dk.stride(2),
         hq, hk, hq // hk, int(hl == 1), sq, sk, nqb, nkb,
         qk_scale, scale, window or 0,
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=kv_tiles.block_m, BLOCK_N=kv_tiles.block_n,
-        HAS_WINDOW=window is not None, ACCUMULATE=has_cols, PRECISION=precision,
+        HAS_WINDOW=window is not None, HAS_COLUMNS=has_cols, PRECISION=precision,
         num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages,
     )
-    if grads_in_input_dtype:
-        dk, dv = (_gradient(x, True).copy_(g) for x, g in ((k, dk), (v, dv)))
     return dq, dk, dv
 
 

@@ -14,12 +14,16 @@ computes it; reading it only after the loops keeps its registers free during the
 layout row lists nothing returns at once in that mode, leaving the running result untouched (no
 load, no store, no rounding).
 
-A layout row's full key blocks (every pair visible) run before its partial ones
-(`indexing.split_full_blocks`, on the device at launch): full steps run no mask and load no token
-metadata. A layout entry out of range (a block past the keys or negative, a column outside the
-keys, a count outside the row's slots) is never read through: block 0 stands in and column
-gathers are masked, and the row's queries come out NaN (out and lse), a loud result without a
-host synchronization.
+With `Tiles.kv_descriptors` (off in the launched tiles until timed on a GPU) the key-block loop
+loads its K/V tiles through TMA tensor descriptors (one bulk copy per tile on sm_90) where the
+tensors allow it (`descriptors_fit`); the columns keep their gathers.
+
+A layout row's full key blocks (every pair visible) run before its partial ones, and column steps
+inside the row's run of fully visible columns skip the mask too (`indexing.LayoutSplit`, computed
+once per layout by the caller): such steps run no mask and load no token metadata. A layout
+entry out of range (a block past the keys or negative, a column outside the keys, a count outside
+the row's slots) is never read through: block 0 stands in and column gathers are masked, and the
+row's queries come out NaN (out and lse), a loud result without a host synchronization.
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import compiled, forward_tiles
-from .indexing import block_summary, split_full_blocks
 from .tiles import (
     LN2,
     LOG2E,
+    column_step_masked,
     columns_out_of_range,
+    full_columns,
     layout_count,
     load_block_step,
+    load_block_step_tma,
     load_column_step,
     load_meta,
     query_segments,
@@ -74,8 +81,8 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, Out, Lse,
-    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt,
+    Q, K, V, KDesc, VDesc, Out, Lse,
+    BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -85,7 +92,7 @@ def _forward_kernel(
     qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -120,9 +127,14 @@ def _forward_kernel(
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        _, kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
-                                                        stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
-                                                        LAYOUT_BLOCK, BLOCK_N)
+        if KV_DESCRIPTORS:
+            kb_bad, offs_n, n_ok, k, v = load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc,
+                                                             b.to(tl.int32), kvh.to(tl.int32), k_len, num_k_blocks,
+                                                             SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D)
+        else:
+            kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
+                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
+                                                         LAYOUT_BLOCK, BLOCK_N)
         bad = bad | kb_bad
         s = _scores(q, k, qk_scale, PRECISION)
         if i >= n_full:
@@ -131,14 +143,17 @@ def _forward_kernel(
             s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
-    # vertical columns, gathered by token index
+    # vertical columns, gathered by token index; steps inside the row's run of fully visible columns
+    # run no mask and load no token metadata
+    full_lo, full_hi = full_columns(ColFull, lay, n_cols)
     for c0 in range(0, n_cols, BLOCK_C):
         _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
                                                  stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
-        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
         s = _scores(q, k, qk_scale, PRECISION)
-        vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
-        s = tl.where(vis, s, float("-inf"))
+        if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
+            k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     # Output pointers are built only here, after the loops: a [BLOCK_M, BLOCK_D] pointer tensor live
@@ -182,8 +197,10 @@ def forward(
     v: torch.Tensor,
     block_idx: torch.Tensor,
     block_cnt: torch.Tensor,
+    full_cnt: torch.Tensor,
     col_idx: torch.Tensor,
     col_cnt: torch.Tensor,
+    col_full: torch.Tensor,
     q_index: torch.Tensor,
     q_segment: torch.Tensor,
     k_index: torch.Tensor,
@@ -199,7 +216,9 @@ def forward(
     """Launch the forward kernel, writing (or, with `merge`, merging into) `out` and `lse` in place.
 
     q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] with unit stride along D; layout tensors contiguous int32
-    [B, Hl, NQB, ...]; q_index/q_segment [B, Sq] and k_index/k_segment [B, Sk] contiguous; out
+    [B, Hl, NQB, ...], the blocks and the fully visible columns as `indexing.split_layout` gives them
+    (block_idx reordered, full_cnt, col_full); q_index/q_segment [B, Sq] and k_index/k_segment [B, Sk]
+    contiguous; out
     [B, Hq, Sq, D] (unit stride along D; fp32 when merging), lse contiguous fp32 [B, Hq, Sq].
     """
     b, hq, sq, d = q.shape
@@ -208,11 +227,11 @@ def forward(
         return
     tiles = forward_tiles(block_size, d, compiled(q.device))
     grid = (b * hq, triton.cdiv(sq, tiles.block_m))
-    block_idx, full_cnt, _ = split_full_blocks(block_idx, block_cnt, block_summary(q_index, q_segment, block_size),
-                                               block_summary(k_index, k_segment, block_size), window)
+    block_d = triton.next_power_of_2(max(d, 16))
+    k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
     _forward_kernel[grid](
-        q, k, v, out, lse,
-        placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt,
+        q, k, v, k_desc, v_desc, out, lse,
+        placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt, col_full,
         q_index, q_segment, k_index, k_segment,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -221,8 +240,24 @@ def forward(
         hq, hq // hk, block_idx.shape[1], sq, sk, block_idx.shape[2], triton.cdiv(sk, block_size),
         block_idx.shape[3], col_idx.shape[3],
         scale * LOG2E.value, window or 0,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)), LAYOUT_BLOCK=block_size,
+        HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
         HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
+        KV_DESCRIPTORS=k_desc is not k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> tuple:
+    """TMA tensor descriptors of k and v [B, Hkv, Sk, D] for [1, 1, block_n, block_d] tiles, or k and v
+    themselves where descriptors cannot address them (the kernels then load through pointers)."""
+    if not descriptors_fit(k, v):
+        return k, v
+    return tuple(TensorDescriptor.from_tensor(x, [1, 1, block_n, block_d]) for x in (k, v))
+
+
+def descriptors_fit(*tensors: torch.Tensor) -> bool:
+    """Whether TMA tensor descriptors can address these [B, H, S, D] tensors: a 16-byte aligned base,
+    16-byte multiples as strides but the last (which is 1), no empty dimension."""
+    return all(x.numel() > 0 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+               and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in tensors)

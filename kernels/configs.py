@@ -31,6 +31,10 @@ class Tiles:
         after dq is stored, instead of inside the dq loop. The pass recomputes two of the five
         products per column step, but the dq accumulator is no longer live beside the columns'
         dk/dv tiles.
+    kv_descriptors: forward and dq: the key-block loop loads its K/V tiles through TMA tensor
+        descriptors (one bulk copy per tile on sm_90; the columns keep their gathers), where the
+        tensors allow it (`block_sparse_fwd.descriptors_fit`), else through pointers. Off in the
+        launched tiles until a GPU has timed it; builds for sm_90 (tests/test_kernels_compile.py).
     """
 
     block_m: int
@@ -39,6 +43,7 @@ class Tiles:
     num_warps: int
     num_stages: int
     separate_columns: bool = False
+    kv_descriptors: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
@@ -122,7 +127,9 @@ def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
     if head_dim <= 64:
-        return Tiles(min(block_size, 128), min(block_size, 128), 64, 8, 3)
+        # 4 stages: 210 registers and no spill, where 3 stages sit at 253 of the 255 (hinted builds of the
+        # warps/stages sweep, benchmarks/results/README.md); loads four steps ahead, 144 KB of shared memory
+        return Tiles(min(block_size, 128), min(block_size, 128), 64, 8, 4)
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
 
 

@@ -5,6 +5,10 @@
 * `split_full_blocks`: each layout row's key blocks reordered into full ones (every pair visible)
   first and partial ones after, with the count of full ones, so that the kernels' full-block loop
   carries no mask and no metadata loads.
+* `full_column_range`: per layout row, the run of column slots that every query of the block sees,
+  so that the column loops skip the mask and the columns' metadata loads there.
+* `split_layout`: both, as the kernels take them (`LayoutSplit`); `hf_sparse_cp.attention` computes
+  it once per layout and token metadata and keeps it on the layout.
 * `key_block_csr`: the layout transposed, for the dK/dV kernel that owns one key block and visits
   every (query head, query block) that lists it. A CSR (row pointers + entries) from one stable
   sort of the listed (query block, key block) pairs: memory and time grow with the listed blocks,
@@ -15,9 +19,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 INT32_MAX = 2**31 - 1
+# Elements of one head chunk's [B, heads, NQB, slots] temporaries in `full_column_range`.
+_CHUNK_ELEMENTS = 1 << 24
 
 
 def block_summary(index: torch.Tensor, segment: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -77,6 +85,89 @@ def split_full_blocks(
                                   in_use.sum(-1, keepdim=True) + (~in_use).cumsum(-1) - 1))
     order = torch.empty_like(pos).scatter_(-1, pos, torch.arange(mb, device=pos.device).expand_as(pos))
     return block_idx.gather(-1, order).contiguous(), full_cnt, part.gather(-1, order)
+
+
+def full_column_range(
+    col_idx: torch.Tensor,
+    col_cnt: torch.Tensor,
+    q_summary: torch.Tensor,
+    k_index: torch.Tensor,
+    k_segment: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Per layout row, the first run of column slots whose columns every query of the block sees
+    (one document without padding among the queries, the column in it at or before the earliest
+    query, inside the window): int32 [B, Hl, NQB, 2] holding [lo, hi), empty as [0, 0).
+
+    col_idx [B, Hl, NQB, MC], col_cnt [B, Hl, NQB]; q_summary from `block_summary` of the queries
+    [B, NQB, 4]; k_index / k_segment [B, Sk]. Ascending columns give one run: without documents or a
+    window, every column before the block (only those inside the diagonal block stay masked).
+    Slots out of use and columns outside [0, Sk) are never in the run. The slots keep their order
+    (no copy of the column lists). No host synchronization.
+    """
+    b, hl, nqb, mc = col_idx.shape
+    dev = col_idx.device
+    out = torch.zeros(b, hl, nqb, 2, dtype=torch.int32, device=dev)
+    sk = k_index.shape[1]
+    if mc == 0 or sk == 0 or nqb == 0:
+        return out
+    k_idx = k_index.clamp(max=INT32_MAX).to(torch.int32)
+    k_seg = k_segment.to(torch.int32)
+    q_lo, q_hi, q_seg_lo, q_seg_hi = q_summary.view(b, 1, nqb, 1, 4).unbind(-1)
+    one_doc = (q_seg_lo == q_seg_hi) & (q_seg_lo >= 0)
+    slot = torch.arange(mc, device=dev)
+    step = max(1, _CHUNK_ELEMENTS // max(1, b * nqb * mc))
+    for h0 in range(0, hl, step):
+        col = col_idx[:, h0:h0 + step]
+        in_use = (slot < col_cnt[:, h0:h0 + step].unsqueeze(-1)) & (col >= 0) & (col < sk)
+        flat = torch.where(in_use, col, 0).long().flatten(1)
+        c_idx = torch.gather(k_idx, 1, flat).view(col.shape)
+        c_seg = torch.gather(k_seg, 1, flat).view(col.shape)
+        full = in_use & one_doc & (c_seg == q_seg_lo) & (c_idx <= q_lo)
+        if window is not None:
+            full &= q_hi.long() - c_idx.long() < window
+        lo = torch.where(full, slot, mc).amin(-1)
+        hi = torch.where(~full & (slot > lo.unsqueeze(-1)), slot, mc).amin(-1)
+        out[:, h0:h0 + step] = torch.stack([torch.where(lo < mc, lo, 0), torch.where(lo < mc, hi, 0)], -1).to(
+            torch.int32)
+    return out
+
+
+class LayoutSplit(NamedTuple):
+    """A layout in the form the kernels take it: which of each row's listed keys need the visibility
+    mask. From `split_layout`; depends on the layout, the token metadata and the window only.
+
+    block_idx: int32 [B, Hl, NQB, MB], each row's key blocks, full ones first (`split_full_blocks`).
+    full_cnt: int32 [B, Hl, NQB], the row's full blocks.
+    partial: bool [B, Hl, NQB, MB], the reordered slots in use that are partial (the dk/dv CSR).
+    col_full: int32 [B, Hl, NQB, 2], the slot range of fully visible columns (`full_column_range`).
+    """
+
+    block_idx: torch.Tensor
+    full_cnt: torch.Tensor
+    partial: torch.Tensor
+    col_full: torch.Tensor
+
+
+def split_layout(
+    block_idx: torch.Tensor,
+    block_cnt: torch.Tensor,
+    col_idx: torch.Tensor,
+    col_cnt: torch.Tensor,
+    q_index: torch.Tensor,
+    q_segment: torch.Tensor,
+    k_index: torch.Tensor,
+    k_segment: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> LayoutSplit:
+    """The full/partial split of a layout (tensors as `block_sparse_fwd.forward` takes them) for these
+    queries and keys: what the kernels read to leave the mask out where every pair is visible."""
+    q_summary = block_summary(q_index, q_segment, block_size)
+    k_summary = block_summary(k_index, k_segment, block_size)
+    blocks, full_cnt, partial = split_full_blocks(block_idx, block_cnt, q_summary, k_summary, window)
+    return LayoutSplit(blocks, full_cnt, partial,
+                       full_column_range(col_idx, col_cnt, q_summary, k_index, k_segment, window))
 
 
 def key_block_csr(

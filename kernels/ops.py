@@ -9,8 +9,11 @@ Custom ops (composable with torch.compile; each has a fake implementation for tr
 * `hf_sparse_cp::block_sparse_attn_bwd`: (dq, dk, dv) in fp32, or in the input dtype laid out as
   [B, S, H, D] ([B, H, S, D] views).
 
-`triton_forward` / `triton_backward` pick the op, make strides kernel-friendly and check what only
-the kernels require (dtype, head_dim, merge buffers, device). They take raw tensors: the layout's
+The ops take the layout in the form the kernels read it (`indexing.LayoutSplit`: blocks full ones
+first with their counts, the run of fully visible columns; the backward also the partial slots).
+`triton_forward` / `triton_backward` pick the op, compute that split unless the caller passes the
+one it keeps, make strides kernel-friendly and check what only the kernels require (dtype,
+head_dim, merge buffers, device). They take raw tensors: the layout's
 index tensors and the tokens' global index and document, as `hf_sparse_cp.attention.ops` unpacks
 them from `SparseLayout` / `TokenMeta` after checking the input contract. This package imports
 nothing from the rest of hf_sparse_cp.
@@ -24,6 +27,7 @@ from typing import Optional
 import torch
 
 from . import block_sparse_bwd, block_sparse_fwd
+from .indexing import LayoutSplit, split_layout
 from .interpreter import kernels_are_interpreted
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,22 +46,23 @@ def _launchers(device: torch.device):
 @torch.library.custom_op("hf_sparse_cp::block_sparse_attn_fwd", mutates_args=())
 def block_sparse_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
+    block_idx: torch.Tensor, block_cnt: torch.Tensor, full_cnt: torch.Tensor,
+    col_idx: torch.Tensor, col_cnt: torch.Tensor, col_full: torch.Tensor,
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
     scale: float, block_size: int, window: Optional[int], out_in_input_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = _fresh_out(q, out_in_input_dtype)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _launchers(q.device)[0].forward(
-        q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse,
-        scale=scale, block_size=block_size, window=window, merge=False,
+        q, k, v, block_idx, block_cnt, full_cnt, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
+        out, lse, scale=scale, block_size=block_size, window=window, merge=False,
     )
     return out, lse
 
 
 @block_sparse_attn_fwd.register_fake
-def _(q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, scale, block_size,
-      window, out_in_input_dtype):
+def _(q, k, v, block_idx, block_cnt, full_cnt, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
+      scale, block_size, window, out_in_input_dtype):
     return _fresh_out(q, out_in_input_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -73,20 +78,21 @@ def _fresh_out(q: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
 @torch.library.custom_op("hf_sparse_cp::block_sparse_attn_fwd_merge_", mutates_args=("out", "lse"))
 def block_sparse_attn_fwd_merge_(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
+    block_idx: torch.Tensor, block_cnt: torch.Tensor, full_cnt: torch.Tensor,
+    col_idx: torch.Tensor, col_cnt: torch.Tensor, col_full: torch.Tensor,
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
     scale: float, block_size: int, window: Optional[int],
 ) -> None:
     _launchers(q.device)[0].forward(
-        q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse,
-        scale=scale, block_size=block_size, window=window, merge=True,
+        q, k, v, block_idx, block_cnt, full_cnt, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
+        out, lse, scale=scale, block_size=block_size, window=window, merge=True,
     )
 
 
 @block_sparse_attn_fwd_merge_.register_fake
-def _(q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment, out, lse, scale,
-      block_size, window):
+def _(q, k, v, block_idx, block_cnt, full_cnt, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
+      out, lse, scale, block_size, window):
     return None
 
 
@@ -94,20 +100,21 @@ def _(q, k, v, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_ind
 def block_sparse_attn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
-    block_idx: torch.Tensor, block_cnt: torch.Tensor, col_idx: torch.Tensor, col_cnt: torch.Tensor,
+    block_idx: torch.Tensor, block_cnt: torch.Tensor, full_cnt: torch.Tensor, partial: torch.Tensor,
+    col_idx: torch.Tensor, col_cnt: torch.Tensor, col_full: torch.Tensor,
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
     scale: float, block_size: int, window: Optional[int], deterministic: bool, grads_in_input_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launchers(q.device)[1].backward(
-        q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index,
-        k_segment, scale=scale, block_size=block_size, window=window, deterministic=deterministic,
-        grads_in_input_dtype=grads_in_input_dtype,
+        q, k, v, out, lse, dout, dlse, block_idx, block_cnt, full_cnt, partial, col_idx, col_cnt, col_full, q_index,
+        q_segment, k_index, k_segment, scale=scale, block_size=block_size, window=window,
+        deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype,
     )
 
 
 @block_sparse_attn_bwd.register_fake
-def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment,
-      scale, block_size, window, deterministic, grads_in_input_dtype):
+def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, full_cnt, partial, col_idx, col_cnt, col_full, q_index,
+      q_segment, k_index, k_segment, scale, block_size, window, deterministic, grads_in_input_dtype):
     return tuple(_fresh_out(x, grads_in_input_dtype) for x in (q, k, v))
 
 
@@ -152,6 +159,7 @@ def triton_forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_in_input_dtype: bool = False,
+    split: LayoutSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention forward on the Triton kernels.
 
@@ -165,13 +173,16 @@ def triton_forward(
             along D, contiguous fp32 [B, Hq, Sq]), or None for a fresh result.
         out_in_input_dtype: a fresh out is written in q's dtype, in [B, S, Hq, D] memory (returned
             as its [B, Hq, S, D] view), instead of fp32 (which a ring merges into).
+        split: `indexing.split_layout` of this layout, tokens and window (computed here when None);
+            callers that run a layout more than once compute it once.
 
     Returns:
         (out, lse fp32); the merge buffers themselves when given.
     """
     _check(q)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
+    split = _split_of(layout, q_tokens, k_tokens, block_size, window, split)
+    args = _kernel_layout(layout, split) + tuple(t.contiguous() for t in (*q_tokens, *k_tokens))
     if out is None and lse is None:
         return torch.ops.hf_sparse_cp.block_sparse_attn_fwd(q, k, v, *args, scale, block_size, window,
                                                              out_in_input_dtype)
@@ -204,6 +215,7 @@ def triton_backward(
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
     grads_in_input_dtype: bool = False,
+    split: LayoutSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-sparse attention backward on the Triton kernels.
 
@@ -216,6 +228,7 @@ def triton_backward(
             `torch.are_deterministic_algorithms_enabled()`. Block gradients and dq always are.
         grads_in_input_dtype: return the gradients in the inputs' dtype, in [B, S, H, D] memory
             ([B, H, S, D] views), instead of fp32 (which a ring sums over its steps).
+        split: as for `triton_forward`.
 
     Returns:
         (dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]), fp32 unless `grads_in_input_dtype`.
@@ -229,8 +242,31 @@ def triton_backward(
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     q, k, v, out, dout = (_unit_stride(x) for x in (q, k, v, out, dout))
-    args = tuple(t.contiguous() for t in (*layout, *q_tokens, *k_tokens))
+    split = _split_of(layout, q_tokens, k_tokens, block_size, window, split)
+    block_idx, block_cnt, full_cnt, *cols = _kernel_layout(layout, split)
+    args = (block_idx, block_cnt, full_cnt, split.partial.contiguous(), *cols,
+            *(t.contiguous() for t in (*q_tokens, *k_tokens)))
     return torch.ops.hf_sparse_cp.block_sparse_attn_bwd(
         q, k, v, out, lse.contiguous(), dout, None if dlse is None else dlse.contiguous(), *args,
         scale, block_size, window, bool(deterministic), grads_in_input_dtype,
     )
+
+
+def _split_of(layout: tuple, q_tokens: tuple, k_tokens: tuple, block_size: int, window: int | None,
+              split: LayoutSplit | None) -> LayoutSplit:
+    """The given split, checked against the layout's shapes, or the layout's split computed now."""
+    if split is None:
+        return split_layout(*layout, *q_tokens, *k_tokens, block_size, window)
+    block_idx, block_cnt, _, col_cnt = layout
+    expected = (tuple(block_idx.shape), tuple(block_cnt.shape), tuple(block_idx.shape), (*col_cnt.shape, 2))
+    if tuple(tuple(t.shape) for t in split) != expected:
+        raise ValueError(f"the layout split's shapes {[tuple(t.shape) for t in split]} do not fit the layout "
+                         f"{expected}: compute it with indexing.split_layout from this layout.")
+    return split
+
+
+def _kernel_layout(layout: tuple, split: LayoutSplit) -> tuple[torch.Tensor, ...]:
+    """(block_idx full blocks first, block_cnt, full_cnt, col_idx, col_cnt, col_full), contiguous."""
+    _, block_cnt, col_idx, col_cnt = layout
+    return tuple(t.contiguous() for t in (split.block_idx, block_cnt, split.full_cnt, col_idx, col_cnt,
+                                          split.col_full))

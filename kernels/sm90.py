@@ -43,8 +43,10 @@ H100_SHARED_BYTES = 227 * 1024
 TARGET = GPUTarget("cuda", 90, 32)
 
 # The kernel variants a training run launches, and the `configs` kernel whose tiles each one takes.
-VARIANTS = ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv", "scoring_row_stats", "scoring_scores")
-TUNED_KERNEL = {"forward": "forward", "forward_merge": "forward", "dq": "dq", "dq_column_grads": "dq", "dkdv": "dkdv"}
+VARIANTS = ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv", "dkdv_no_columns", "scoring_row_stats",
+            "scoring_scores")
+TUNED_KERNEL = {"forward": "forward", "forward_merge": "forward", "dq": "dq", "dq_column_grads": "dq", "dkdv": "dkdv",
+                "dkdv_no_columns": "dkdv"}
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
     q, k, v, dout = heads_last(hq), heads_last(hk), heads_last(hk), heads_last(hq)
     i32 = dict(dtype=torch.int32, device=meta)
     block_idx, cnt = torch.empty(b, hq, nqb, launch.max_blocks, **i32), torch.empty(b, hq, nqb, **i32)
+    partial = torch.empty(b, hq, nqb, launch.max_blocks, dtype=torch.bool, device=meta)
     col_idx, no_cols = torch.empty(b, hq, nqb, launch.max_cols, **i32), torch.empty(b, hq, nqb, 0, **i32)
+    col_full = torch.empty(b, hq, nqb, 2, **i32)
     tokens = (torch.empty(b, s, dtype=torch.int64, device=meta), torch.empty(b, s, **i32))
     out = heads_last(hq)  # a training step's fresh output: the input dtype in [B, S, H, D] memory
     merged = torch.empty(b, hq, s, d, dtype=torch.float32, device=meta)  # a ring's running result
@@ -120,16 +124,17 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
             fn(*args, **kwargs)
         return calls
 
-    fwd = lambda merge: record(block_sparse_fwd.forward, q, k, v, block_idx, cnt, col_idx, cnt, *tokens, *tokens,
-                               merged if merge else out, lse, merge=merge, **common)
-    bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cols, cnt,
-                              *tokens, *tokens, deterministic=False, grads_in_input_dtype=True, **common)
-    _, dq, _ = bwd(no_cols)
+    fwd = lambda merge: record(block_sparse_fwd.forward, q, k, v, block_idx, cnt, cnt, col_idx, cnt, col_full,
+                               *tokens, *tokens, merged if merge else out, lse, merge=merge, **common)
+    bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cnt, partial,
+                              cols, cnt, col_full, *tokens, *tokens, deterministic=False, grads_in_input_dtype=True,
+                              **common)
+    _, dq, dkdv_no_cols = bwd(no_cols)
     _, dq_cols, dkdv = bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)
     row_stats, scores = record(vertical_slash.vertical_slash_scores, q_rows, k[0], d ** -0.5)
     return {"forward": fwd(False)[0], "forward_merge": fwd(True)[0], "dq": dq, "dq_column_grads": dq_cols,
-            "dkdv": dkdv, "scoring_row_stats": row_stats, "scoring_scores": scores}
+            "dkdv": dkdv, "dkdv_no_columns": dkdv_no_cols, "scoring_row_stats": row_stats, "scoring_scores": scores}
 
 
 def compile_launch(kernel, args: tuple, kwargs: dict):
@@ -158,7 +163,7 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
 def _tiles_of(kwargs: dict) -> Tiles:
     return Tiles(kwargs.get("BLOCK_M", kwargs.get("BLOCK", 0)), kwargs.get("BLOCK_N", kwargs.get("BLOCK", 0)),
                  kwargs.get("BLOCK_C", 0), kwargs["num_warps"], kwargs["num_stages"],
-                 kwargs.get("SEPARATE_COLUMNS", False))
+                 kwargs.get("SEPARATE_COLUMNS", False), kwargs.get("KV_DESCRIPTORS", False))
 
 
 def build(name: str, tiles: Tiles | None = None, launch: Launch | None = None):

@@ -4,10 +4,10 @@ Visibility of a (query, key) pair is decided per token from `TokenMeta` (see
 `hf_sparse_cp.attention.tokens`): the key is not after the query in the global order, both tokens are in
 the same document, the query is not padding, and (with a sliding window) the key is fewer than
 `window` tokens back. Building that mask costs token metadata loads and a few integer operations
-per score, so the launchers sort each layout row's key blocks into full ones (all pairs visible,
-decided from per-block summaries: `indexing.split_full_blocks`) and partial ones, and the kernels
-run the full ones in a loop without any mask: the large majority, away from the diagonal and from
-document edges.
+per score, so each layout row's key blocks come sorted into full ones (all pairs visible, decided
+from per-block summaries: `indexing.split_full_blocks`) and partial ones, with the run of its
+columns that every query of the block sees (`indexing.full_column_range`), and the kernels run
+those steps without any mask: the large majority, away from the diagonal and from document edges.
 
 Global indices are narrowed to int32 once per vector (not per pair): indices past 2**31 - 1 are
 clamped, which only ever affects padding (its segment already hides it).
@@ -75,21 +75,40 @@ def layout_count(CountPtr, lay, width):
 
 
 @triton.jit
-def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, num_k_blocks, offs_d,
-                    d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+def block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """Step `i` over the key blocks that layout row `lay` lists (`SUB` steps of BLOCK_N keys per
-    block): the key block, whether its index was out of range, its keys' offsets and bounds, and
-    their K and V tiles. An index outside [0, num_k_blocks) is read as block 0 (every address stays
-    inside the tensors) and flagged: the caller turns its rows into NaN."""
+    block): the first key of the step, and whether its block index was out of range. An index
+    outside [0, num_k_blocks) is read as block 0 (every address stays inside the tensors) and
+    flagged: the caller turns its rows into NaN."""
     kb = tl.load(BlockIdx + lay * max_blocks + i // SUB)
     kb_bad = (kb < 0) | (kb >= num_k_blocks)
-    kb = tl.where(kb_bad, 0, kb)
-    offs_n = kb * LAYOUT_BLOCK + (i % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.where(kb_bad, 0, kb) * LAYOUT_BLOCK + (i % SUB) * BLOCK_N, kb_bad
+
+
+@triton.jit
+def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, num_k_blocks, offs_d,
+                    d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`block_step` with its keys' offsets and bounds, and their K and V tiles (masked loads)."""
+    n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
-    return kb, kb_bad, offs_n, n_ok, k, v
+    return kb_bad, offs_n, n_ok, k, v
+
+
+@triton.jit
+def load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc, b, kvh, k_len, num_k_blocks,
+                        SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`load_block_step` through tensor descriptors of K and V ([B, Hkv, Sk, D], blocks [1, 1, BLOCK_N,
+    BLOCK_D]): one TMA copy per tile on sm_90, keys past Sk and lanes past D read as zeros."""
+    n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k = KDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    v = VDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    return kb_bad, offs_n, offs_n < k_len, k, v
 
 
 @triton.jit
@@ -107,6 +126,21 @@ def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_k
     k = tl.load(k_base + col.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_base + col.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
     return offs_c, c_ok, col, mask, k, v
+
+
+@triton.jit
+def full_columns(ColFull, lay, n_cols):
+    """The slot range [lo, hi) of layout row `lay`'s fully visible columns (`indexing.full_column_range`),
+    kept inside the row's slots in use."""
+    hi = tl.minimum(tl.load(ColFull + 2 * lay + 1), n_cols)
+    return tl.maximum(tl.load(ColFull + 2 * lay), 0), hi
+
+
+@triton.jit
+def column_step_masked(c0, full_lo, full_hi, BLOCK_C: tl.constexpr):
+    """Whether the column step from slot `c0` needs the visibility mask: unless all its slots lie in
+    the row's run of fully visible columns."""
+    return (c0 < full_lo) | (c0 + BLOCK_C > full_hi)
 
 
 @triton.jit

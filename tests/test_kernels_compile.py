@@ -7,6 +7,8 @@ any GPU run. The builds take the arguments of real launches (`kernels.sm90`), so
 divisibility hints the JIT gives a launch.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,10 +17,12 @@ from hf_sparse_cp.kernels.configs import Tiles
 
 from benchmark_loader import load_benchmark
 
-# Stack bytes per thread the launchers' builds may hold: none with Triton 3.9; Triton 3.6 (the GPU
-# image's) keeps 16 bytes in the dk/dv kernel at head_dim 128 (four registers; with 2 stages it spills
-# nothing but no longer keeps loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles
-# were recorded at over 2 KB.
+# Stack bytes per thread the launchers' builds may hold. Triton 3.9 keeps 8 in the dk/dv kernel at
+# head_dim 128 when it writes the input dtype seeded by the columns' sums (one loop-invariant register
+# reloaded per step; 32-row steps build without it but issue m64n32) and none elsewhere; Triton 3.6 (the
+# GPU image's) kept 16 bytes in that kernel before (four registers; with 2 stages it spilled nothing but
+# no longer kept loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles were recorded at
+# over 2 KB.
 MAX_STACK_BYTES = 16
 
 
@@ -72,3 +76,19 @@ def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
     assert len(built) == 3 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
     assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"]
     assert len(table.splitlines()) == 2 + len(rows)
+
+
+@pytest.mark.parametrize("variant,head_dim", [("forward", 64), ("forward", 128), ("dq_column_grads", 128)])
+def test_key_blocks_with_tensor_descriptors_build_tma_copies(variant, head_dim):
+    """With `Tiles.kv_descriptors` the key-block K/V tiles of the forward and dq come through TMA (bulk
+    tensor copies in the PTX) in builds as clean as the launched ones: no spill, shared memory under
+    the H100's, full-width wgmma."""
+    launched = configs.forward_tiles(128, head_dim, True) if variant == "forward" else configs.dq_tiles(
+        128, head_dim, True)
+    tiles, build = sm90.build(variant, dataclasses.replace(launched, kv_descriptors=True), sm90.launch_for(head_dim))
+    use = sm90.usage(build)
+    assert tiles.kv_descriptors and "cp.async.bulk.tensor" in build.asm["ptx"], use
+    assert use.stack_bytes == 0 and use.shared_bytes <= sm90.H100_SHARED_BYTES, use
+    assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
+    _, pointer_build = sm90.build(variant, launched, sm90.launch_for(head_dim))
+    assert "cp.async.bulk.tensor" not in pointer_build.asm["ptx"]

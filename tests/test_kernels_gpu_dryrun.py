@@ -24,7 +24,7 @@ SMALL_SIZES = {"short": 512, "mid": 512, "odd": 511, "long": 768, "longest": 102
 
 
 def _forward(q, k, v, layout, q_tokens, k_tokens, *, scale, block_size, window=None, out=None, lse=None,
-             out_in_input_dtype=False):
+             out_in_input_dtype=False, split=None):
     part = reference_forward(q, k, v, SparseLayout(*layout, block_size), scale=scale, q_meta=TokenMeta(*q_tokens),
                              k_meta=TokenMeta(*k_tokens), sliding_window=window)
     if out is not None:
@@ -36,7 +36,7 @@ def _forward(q, k, v, layout, q_tokens, k_tokens, *, scale, block_size, window=N
 
 
 def _backward(q, k, v, out, lse, dout, layout, q_tokens, k_tokens, *, scale, block_size, window=None, dlse=None,
-              deterministic=None, grads_in_input_dtype=False):
+              deterministic=None, grads_in_input_dtype=False, split=None):
     grads = reference_backward(q, k, v, out, lse, dout, SparseLayout(*layout, block_size), scale=scale,
                                q_meta=TokenMeta(*q_tokens), k_meta=TokenMeta(*k_tokens), sliding_window=window,
                                dlse=dlse)

@@ -18,8 +18,14 @@ from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.kernels import block_sparse_bwd, configs
-from hf_sparse_cp.kernels.indexing import block_summary, key_block_csr, split_full_blocks
+from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
+from hf_sparse_cp.kernels.indexing import (
+    block_summary,
+    full_column_range,
+    key_block_csr,
+    split_full_blocks,
+    split_layout,
+)
 from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
@@ -100,8 +106,12 @@ def _opcheck_ops():
     q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hk, hk))
     layout = random_layout(b, hq, s, s, bs, 0.6, 0.2, generator=g)
     meta = TokenMeta.contiguous(b, s)
-    lay_meta = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, meta.index.contiguous(),
-                meta.segment, meta.index.contiguous(), meta.segment)
+    tokens = (meta.index.contiguous(), meta.segment, meta.index.contiguous(), meta.segment)
+    split = split_layout(layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, *tokens, bs, None)
+    kernel_layout = (split.block_idx, layout.block_cnt, split.full_cnt, layout.col_idx, layout.col_cnt,
+                     split.col_full)
+    lay_meta = (*kernel_layout, *tokens)
+    bwd_meta = (*kernel_layout[:3], split.partial, *kernel_layout[3:], *tokens)
     hf = torch.ops.hf_sparse_cp
     for in_dtype in (False, True):
         torch.library.opcheck(hf.block_sparse_attn_fwd.default, (q.half(), k.half(), v.half(), *lay_meta, 0.25, bs,
@@ -112,10 +122,10 @@ def _opcheck_ops():
     dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
     for dl in (None, dlse):
         torch.library.opcheck(hf.block_sparse_attn_bwd.default,
-                              (q, k, v, out, lse, dout, dl, *lay_meta, 0.25, bs, None, False, False))
+                              (q, k, v, out, lse, dout, dl, *bwd_meta, 0.25, bs, None, False, False))
     half = [t.half() for t in (q, k, v, out)]
     torch.library.opcheck(hf.block_sparse_attn_bwd.default,
-                          (*half, lse, dout.half(), dlse, *lay_meta, 0.25, bs, None, False, True))
+                          (*half, lse, dout.half(), dlse, *bwd_meta, 0.25, bs, None, False, True))
 
 
 # ---- helpers in this process ---------------------------------------------------------------------
@@ -142,12 +152,11 @@ def _random_docs(b, s, seed, pad=0, cuts=3):
 
 
 def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None,
-                             tiles=None):
-    """Kernel forward and backward (with `tiles` overriding the launchers' tiles) equal the fp64
-    reference; returns the kernel results."""
+                             tiles=None, worker=_kernel_fwd_bwd):
+    """Kernel forward and backward (with `tiles` overriding the launchers' tiles; run by `worker`, which
+    takes `_kernel_fwd_bwd`'s arguments) equal the fp64 reference; returns the kernel results."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    res = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse),
-                       {"tiles": tiles})
+    res = interp.apply(worker, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse), {"tiles": tiles})
     out, lse, dq, dk, dv = res
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
@@ -642,3 +651,245 @@ def test_public_function_returns_the_input_dtype_in_transformers_layout(interp):
     assert rel_rms(out, ref_out) <= TOLERANCE[torch.float16]
     for got, r in zip(grads, ref):
         assert got.dtype == torch.float16 and rel_rms(got, r.grad) <= 2 * TOLERANCE[torch.float16]
+
+
+# ---- columns every query of a block sees: no mask (issue #18) -------------------------------------
+
+def _rows_full_columns(col_lists, meta, bs, window=None):
+    """full_column_range of a one-head layout with these per-query-block column lists."""
+    layout = _layout_from_lists([[[] for _ in col_lists]], [col_lists], bs)
+    summary = block_summary(meta.index, meta.segment, bs)
+    return full_column_range(layout.col_idx, layout.col_cnt, summary, meta.index, meta.segment, window)[0, 0].tolist()
+
+
+def test_full_column_range_is_the_run_every_query_of_the_block_sees():
+    bs = 16
+    meta = TokenMeta.contiguous(1, 80)
+    # block 4 (queries 64-79): columns up to its first query (64) are seen by all its queries, 70 only by some;
+    # block 1 lists one column past its own queries (unused slots, -1, never count); block 0 nothing
+    assert _rows_full_columns([[], [3, 40], [], [0, 1, 2], [5, 9, 63, 64, 70]], meta, bs) == [
+        [0, 0], [0, 1], [0, 0], [0, 3], [0, 4]]
+    # a document starting at 20: block 2 (queries 32-47) sees columns 20+ fully, earlier ones not at all
+    seg = torch.zeros(1, 80, dtype=torch.int32)
+    seg[:, 20:] = 1
+    docs = TokenMeta.from_segments(seg)
+    assert _rows_full_columns([[], [], [3, 20, 25], [], []], docs, bs)[2] == [1, 3]
+    # the block holding the document cut (queries 16-31): no column is seen by all its queries
+    assert _rows_full_columns([[], [3, 10], [], [], []], docs, bs)[1] == [0, 0]
+    # window 40: block 4's last query (79) reaches back to 40: columns 30 and 35 stay masked
+    assert _rows_full_columns([[], [], [], [], [30, 35, 41, 50, 63]], meta, bs, window=40)[4] == [2, 5]
+    # padding among the queries, or a column outside the keys: masked
+    pad = TokenMeta.from_segments(torch.cat([torch.zeros(1, 75), -torch.ones(1, 5)], 1))
+    assert _rows_full_columns([[], [], [], [], [5, 9]], pad, bs)[4] == [0, 0]
+    assert _rows_full_columns([[], [], [], [], [5, 90, 9]], meta, bs)[4] == [0, 1]
+
+
+def _forward_with_split(q, k, v, layout, meta, split):
+    from hf_sparse_cp.kernels.ops import triton_forward
+
+    raw = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt)
+    return triton_forward(q, k, v, raw, (meta.index, meta.segment), (meta.index, meta.segment), scale=0.25,
+                          block_size=layout.block_size, split=split)
+
+
+def test_fully_visible_column_steps_run_without_the_mask(interp):
+    """Rows with 16-column steps of fully visible columns (before the block, one document) and masked
+    ones (inside the diagonal block, across a document cut, the window's edge) equal the reference,
+    forward and backward, for the columns' dk/dv in the dq loop and in their own pass. A split that
+    claims every column of a row fully visible changes that row's result: the mask really is left out."""
+    s, bs = 96, 16
+    q, k, v, dout, dlse = _inputs(1, 2, 1, s, s, 16, torch.float32, seed=81)
+    seg = torch.zeros(1, s, dtype=torch.int32)
+    seg[:, 24:] = 1
+    meta = TokenMeta.from_segments(seg)
+    nqb = s // bs
+    blocks = [[[qb] for qb in range(nqb)] for _ in range(2)]
+    cols = [[[] for _ in range(nqb)] for _ in range(2)]
+    cols[0][5] = list(range(0, 80, 2)) + [82, 85]  # 12 before the cut, 28 seen by all of block 5, two inside it
+    cols[1][4] = list(range(24, 62)) + [66]  # 38 seen by all of block 4, one inside it
+    cols[1][3] = list(range(10, 40))  # before and after the cut
+    layout = _layout_from_lists(blocks, cols, bs)
+    summary = block_summary(meta.index, meta.segment, bs)
+    ranges = full_column_range(layout.col_idx, layout.col_cnt, summary, meta.index, meta.segment, None)[0]
+    assert ranges[0, 5].tolist() == [12, 40] and ranges[1, 4].tolist() == [0, 38] and ranges[1, 3].tolist() == [14, 30]
+    for dq_tiles in (configs.Tiles(16, 16, 16, 1, 1), configs.Tiles(16, 16, 16, 1, 1, separate_columns=True)):
+        _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=None,
+                                 tiles={"dq": dq_tiles})
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=40)
+
+    tokens = (meta.index, meta.segment, meta.index, meta.segment)
+    split = split_layout(layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, *tokens, bs, None)
+    forged = split._replace(col_full=torch.stack([torch.zeros_like(layout.col_cnt), layout.col_cnt], -1))
+    (out, _), (bad, _) = (interp.apply(_forward_with_split, (q, k, v, layout, meta, sp)) for sp in (split, forged))
+    ref, _ = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta, k_meta=meta)
+    assert rel_rms(out, ref) <= TOLERANCE[torch.float32]
+    # only whole steps inside the claimed run go unmasked: the first step of (head 0, block 5) and of (head 1,
+    # block 3) hold columns of the other document; every last step holds unused slots and stays masked
+    changed = (bad - out).abs().amax(-1)[0] > 1e-3  # [H, S]
+    expected = torch.zeros_like(changed)
+    expected[0, 80:], expected[1, 48:64] = True, True
+    assert torch.equal(changed, expected)
+
+
+# ---- the split computed once per layout (issue #18) ----------------------------------------------
+
+def _counting_split_layout(calls):
+    from hf_sparse_cp.kernels import indexing
+
+    real = indexing.split_layout
+    return lambda *args: calls.append(args[-1]) or real(*args)
+
+
+def _split_calls_of_a_training_step(q, k, v, layout):
+    """How often a training step's forward and backward through the public function compute the kernels'
+    split of the layout, and how often two more forwards over the same layout (as ring steps) do."""
+    from hf_sparse_cp.kernels import indexing
+
+    calls, real = [], indexing.split_layout
+    indexing.split_layout = _counting_split_layout(calls)
+    try:
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        meta = TokenMeta.contiguous(1, q.shape[2])
+        out, _ = block_sparse_attention(*x, layout, q_meta=meta, k_meta=meta, implementation="triton")
+        out.sum().backward()
+        step = len(calls)
+        for _ in range(2):
+            kernel_forward(q, k, v, layout, scale=0.25, q_meta=meta, k_meta=meta)
+        return step, len(calls) - step
+    finally:
+        indexing.split_layout = real
+
+
+def test_a_training_step_computes_the_split_once(interp):
+    q, k, v, _, _ = _inputs(1, 2, 1, 48, 48, 16, torch.float32, seed=91)
+    layout = random_layout(1, 2, 48, 48, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(92))
+    assert interp.apply(_split_calls_of_a_training_step, (q, k, v, layout)) == (1, 0)
+
+
+def test_the_split_kept_on_a_layout_follows_what_it_was_computed_from(monkeypatch):
+    """Kept per layout, token tensors and window; computed again after an in-place write to the layout
+    or its tokens, for other tokens or another window, and for a layout built again; nothing kept
+    under torch.compile; no autograd."""
+    from dataclasses import replace
+
+    from hf_sparse_cp.attention.ops import kernel_split
+    from hf_sparse_cp.kernels import indexing
+
+    calls = []
+    monkeypatch.setattr(indexing, "split_layout", _counting_split_layout(calls))
+    meta = TokenMeta.contiguous(1, 64)
+    layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(93))
+    first = kernel_split(layout, meta, meta, None)
+    assert kernel_split(layout, meta, meta, None) is first and calls == [None]
+    assert not any(t.requires_grad for t in first)
+    assert kernel_split(layout, meta, meta, 20) is not first and calls == [None, 20]
+    other = TokenMeta(meta.index.clone(), meta.segment.clone())  # equal values, other tensors
+    again = kernel_split(layout, other, other, None)
+    assert again is not first and kernel_split(layout, other, other, None) is again and len(calls) == 3
+
+    assert int(again.full_cnt[0, 0, 3]) > 0
+    layout.block_cnt[0, 0, 3] = 0  # an in-place write: the kept split no longer holds
+    emptied = kernel_split(layout, other, other, None)
+    assert emptied is not again and int(emptied.full_cnt[0, 0, 3]) == 0 and len(calls) == 4
+    other.segment[0, 40:] = 1  # so do the token tensors
+    cut = kernel_split(layout, other, other, None)
+    assert cut is not emptied and not torch.equal(cut.full_cnt, emptied.full_cnt) and len(calls) == 5
+
+    rebuilt = replace(layout, block_size=16)
+    assert kernel_split(rebuilt, other, other, None) is not cut and len(calls) == 6
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = replace(layout, block_size=16)
+    kernel_split(traced, other, other, None)
+    kernel_split(traced, other, other, None)
+    assert len(calls) == 8
+
+
+# ---- dk/dv written in the input dtype by the dk/dv kernel (issue #18) ----------------------------
+
+def _backward_and_its_dkdv_outputs(q, k, v, out, lse, dout, layout, meta, deterministic, in_input_dtype):
+    """The primitive backward's gradients, and the tensors the dk/dv kernel was given to write."""
+    kernel, written = block_sparse_bwd._dkdv_kernel, []
+    real_run = kernel.run
+
+    def run(*args, **kwargs):
+        written.append(args[8:10])  # DK, DV
+        return real_run(*args, **kwargs)
+
+    kernel.run = run
+    try:
+        grads = kernel_backward(q, k, v, out, lse, dout, layout, scale=0.25, q_meta=meta, k_meta=meta,
+                                deterministic=deterministic, grads_in_input_dtype=in_input_dtype)
+    finally:
+        del kernel.run
+    (dk_arg, dv_arg), = written
+    return grads, [(g.data_ptr(), g.dtype) == (a.data_ptr(), a.dtype) for g, a in zip(grads[1:], (dk_arg, dv_arg))]
+
+
+@pytest.mark.parametrize("columns,deterministic,in_input_dtype", [
+    (True, False, True), (True, True, True), (False, False, True), (True, False, False)],
+    ids=["columns-atomic-fp16", "columns-deterministic-fp16", "no-columns-fp16", "columns-fp32-for-a-ring"])
+def test_dkdv_kernel_writes_the_returned_gradients(interp, columns, deterministic, in_input_dtype):
+    """The dk/dv kernel writes the returned dk and dv themselves: in the input dtype in [B, S, H, D]
+    memory (no fp32 buffer copied afterwards), seeded with the columns' fp32 sums (atomic or
+    deterministic), or fp32 contiguous (what a ring sums over its steps); equal to the fp64 reference
+    at the dtype's tolerance."""
+    s, bs = 48, 16
+    q, k, v, dout, _ = _inputs(1, 4, 2, s, s, 16, torch.float16, seed=95)
+    meta = TokenMeta.contiguous(1, s)
+    layout = (random_layout(1, 4, s, s, bs, 0.5, 0.2, generator=torch.Generator().manual_seed(96)) if columns
+              else dense_layout(meta, bs))
+    assert (int(layout.col_cnt.sum()) > 0) == columns
+    out, lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta, k_meta=meta)
+    out = out.half()
+    grads, written_by_kernel = interp.apply(_backward_and_its_dkdv_outputs, (q, k, v, out, lse.float(), dout, layout,
+                                                                              meta, deterministic, in_input_dtype))
+    assert written_by_kernel == [True, True]
+    ref = reference_backward(q.double(), k.double(), v.double(), out.double(), lse, dout.double(), layout, scale=0.25,
+                             q_meta=meta, k_meta=meta)
+    dtype = torch.float16 if in_input_dtype else torch.float32
+    for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert got.dtype == dtype and got.shape == r.shape, name
+        assert got.transpose(1, 2).is_contiguous() if in_input_dtype else got.is_contiguous(), name
+        assert rel_rms(got, r) <= 2 * TOLERANCE[torch.float16], name
+
+
+# ---- TMA tensor descriptors for the forward's key blocks (issue #18, behind Tiles.kv_descriptors) --
+
+def _kernels_through_descriptors(*args, tiles):
+    """`_kernel_fwd_bwd`, checking that the forward and dq launches loaded key blocks through descriptors."""
+    seen, kernels = [], (block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel)
+    for kernel in kernels:
+        kernel.run = lambda *a, _run=kernel.run, **kw: seen.append(kw["KV_DESCRIPTORS"]) or _run(*a, **kw)
+    try:
+        result = _kernel_fwd_bwd(*args, tiles=tiles)
+    finally:
+        for kernel in kernels:
+            del kernel.run
+    assert seen == [True, True], seen
+    return result
+
+
+@pytest.mark.parametrize("d,dtype,window", [(48, torch.float32, None), (16, torch.float16, 40)],
+                         ids=["d48-fp32", "d16-fp16-window"])
+def test_key_blocks_through_tensor_descriptors_match_reference(interp, d, dtype, window):
+    """The forward's and dq's key-block tiles loaded through TMA tensor descriptors (zeros past the keys
+    and past head_dim 48 in a 64-lane tile), full and partial blocks, columns by gather, packed
+    documents and padding: forward and backward equal the reference."""
+    s, bs = 100, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, d, dtype, seed=97)
+    meta = _random_docs(1, s, seed=98, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
+                                          generator=torch.Generator().manual_seed(99))
+    tma = configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True)
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=window,
+                             tiles={"forward": tma, "dq": tma}, worker=_kernels_through_descriptors)
+
+
+def test_tensor_descriptors_only_where_the_tensors_allow_them():
+    """TMA needs a 16-byte aligned base and 16-byte multiples as strides: otherwise the launch keeps
+    its pointer loads."""
+    x = torch.randn(1, 2, 8, 16)
+    assert block_sparse_fwd.descriptors_fit(x, x.half())
+    assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 8, 20).half())  # rows of 40 bytes
+    assert not block_sparse_fwd.descriptors_fit(torch.randn(1 * 2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16))  # base + 4 B
+    assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 0, 16))

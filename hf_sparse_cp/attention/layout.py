@@ -27,7 +27,9 @@ without reading device memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +49,30 @@ class SparseLayout:
     col_idx: torch.Tensor
     col_cnt: torch.Tensor
     block_size: int
+    # what `derived` keeps: name -> (key, tensors it was computed from, their versions, value)
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, name: str, inputs: tuple[torch.Tensor, ...], key: Hashable, compute: Callable[[], Any]) -> Any:
+        """`compute()`, kept on this layout under `name` and reused while it would give the same result:
+        same `key`, the same `inputs` tensors (by identity) and this layout's own tensors, none of them
+        written in place since. A layout built again is a new object with nothing kept; one entry per
+        name (the latest). Computed without autograd; under torch.compile nothing is kept.
+
+        The kernels' full/partial split (`hf_sparse_cp.attention.ops`) lives here, so that a layer's
+        forward and backward, and every ring step reusing a layout, compute it once.
+        """
+        tensors = (self.block_idx, self.block_cnt, self.col_idx, self.col_cnt, *inputs)
+        # Tensor._version counts in-place writes (autograd's own check of saved tensors relies on it)
+        versions = tuple(t._version for t in tensors)
+        entry = self._derived.get(name)
+        if (entry is not None and entry[0] == key and len(entry[1]) == len(tensors)
+                and all(a is b for a, b in zip(entry[1], tensors)) and entry[2] == versions):
+            return entry[3]
+        with torch.no_grad():
+            value = compute()
+        if not torch.compiler.is_compiling():
+            self._derived[name] = (key, tensors, versions, value)
+        return value
 
     @property
     def batch(self) -> int:

@@ -51,6 +51,18 @@ def _raw(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[tu
             (q_meta.index, q_meta.segment), (k_meta.index, k_meta.segment))
 
 
+def kernel_split(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):
+    """The kernels' full/partial split of `layout` for these tokens (`kernels.indexing.split_layout`),
+    computed once and kept on the layout (`SparseLayout.derived`): a layer's forward and backward and
+    the ring steps that reuse a layout share it."""
+    from ..kernels.indexing import split_layout
+
+    tokens = (q_meta.index, q_meta.segment, k_meta.index, k_meta.segment)
+    return layout.derived("kernel_split", tokens, window,
+                          lambda: split_layout(layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt,
+                                               *tokens, layout.block_size, window))
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,7 +105,8 @@ def attention_forward(
 
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         return triton_forward(q, k, v, *_raw(layout, q_meta, k_meta), scale=scale, block_size=layout.block_size,
-                              window=sliding_window, out=out, lse=lse, out_in_input_dtype=out_in_input_dtype)
+                              window=sliding_window, out=out, lse=lse, out_in_input_dtype=out_in_input_dtype,
+                              split=kernel_split(layout, q_meta, k_meta, sliding_window))
     part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
     if out is not None:
         return merge_attention(out, lse, *part)
@@ -139,7 +152,8 @@ def attention_backward(
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         return triton_backward(q, k, v, out, lse, dout, *_raw(layout, q_meta, k_meta), scale=scale,
                                block_size=layout.block_size, window=sliding_window, dlse=dlse,
-                               deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype)
+                               deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype,
+                               split=kernel_split(layout, q_meta, k_meta, sliding_window))
     grads = reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                sliding_window=sliding_window, dlse=dlse)
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
