@@ -115,7 +115,7 @@ class DocumentPlan(BlockSplit):
     """A packed row split by documents over `cp_size` ranks (see the module docstring).
 
     lengths, kinds: every run of the row (documents and padding, in row order) and its kind
-    ('sparse', 'dense', 'pad'); split: the runs split over all ranks; work: per rank the estimated
+    ('sparse', 'dense', 'pad'); split: the runs split over several ranks; work: per rank the estimated
     work the planner balanced (attention + linear + K/V received, token pairs). `segments(rank)`
     lists a rank's (run, start, end) pieces.
     """
