@@ -64,7 +64,6 @@ from .tiles import (
     key_block_steps,
     layout_count,
     load_block_step,
-    load_block_step_tma,
     load_column_step,
     load_meta,
     query_segments,
@@ -197,14 +196,10 @@ def _dq_kernel(
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
     for i in range(n_blocks * SUB):
-        if KV_DESCRIPTORS:
-            kb_bad, offs_n, n_ok, k, v = load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc,
-                                                             b.to(tl.int32), kvh.to(tl.int32), k_len, num_k_blocks,
-                                                             SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D)
-        else:
-            kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks,
-                                                         stride_vs, k_len, num_k_blocks, offs_d, d_ok, SUB,
-                                                         LAYOUT_BLOCK, BLOCK_N)
+        kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
+                                                     KDesc, VDesc, b.to(tl.int32), kvh.to(tl.int32), k_len,
+                                                     num_k_blocks, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D,
+                                                     KV_DESCRIPTORS)
         bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         if i >= n_full:

@@ -87,28 +87,23 @@ def block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB: tl.constexpr, LA
 
 
 @triton.jit
-def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, k_len, num_k_blocks, offs_d,
-                    d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`block_step` with its keys' offsets and bounds, and their K and V tiles (masked loads)."""
+def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, KDesc, VDesc, b, kvh, k_len,
+                    num_k_blocks, offs_d, d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, KV_DESCRIPTORS: tl.constexpr):
+    """`block_step` with its keys' offsets and bounds, and their K and V tiles: masked pointer loads,
+    or with KV_DESCRIPTORS through tensor descriptors of K and V ([B, Hkv, Sk, D], blocks [1, 1,
+    BLOCK_N, BLOCK_D]; one TMA copy per tile on sm_90, keys past Sk and lanes past D read as zeros)."""
     n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
-    mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
+    if KV_DESCRIPTORS:
+        k = KDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = VDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
     return kb_bad, offs_n, n_ok, k, v
-
-
-@triton.jit
-def load_block_step_tma(BlockIdx, lay, max_blocks, i, KDesc, VDesc, b, kvh, k_len, num_k_blocks,
-                        SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`load_block_step` through tensor descriptors of K and V ([B, Hkv, Sk, D], blocks [1, 1, BLOCK_N,
-    BLOCK_D]): one TMA copy per tile on sm_90, keys past Sk and lanes past D read as zeros."""
-    n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = KDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
-    v = VDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
-    return kb_bad, offs_n, offs_n < k_len, k, v
 
 
 @triton.jit
