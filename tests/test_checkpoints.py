@@ -1,6 +1,7 @@
 """Checkpoints of a plugin run say whether they are complete; a resume checks the checkpoint before
-loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings) is
-refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET)."""
+loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings, other
+global batch) is refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET;
+FSDP2 with SMET saved at 4 processes and resumed at 2, through the sharded state)."""
 
 import json
 import os
@@ -56,7 +57,7 @@ def test_checkpoints_are_marked_complete_with_their_files(saved):
     for step in (2, 4):
         marker = json.loads((out / f"checkpoint-{step}" / MARKER).read_text())
         assert marker["complete"] and marker["step"] == step
-        assert marker["settings"] == {"cp_size": 1, "data_parallel_size": 1, "smet": None}
+        assert marker["settings"] == {"cp_size": 1, "data_parallel_size": 1, "smet": None, "global_batch_size": 2}
         assert "trainer_state.json" in marker["files"] and "optimizer.pt" in marker["files"]
 
 
@@ -72,6 +73,10 @@ def test_an_intact_checkpoint_resumes_exactly(saved, tmp_path):
     ("truncated", "is damaged: model.safetensors is"),
     ("missing", "is damaged: optimizer.pt is missing"),
     ("other_cp", "was saved with cp_size=2, but this run has cp_size=1"),
+    ("other_dp", "data_parallel_size=2, but this run has data_parallel_size=1.*"
+                 "only from a checkpoint saved with FSDP2"),
+    ("other_batch", "global batch of 8 sequences per step, but this run has 2.*"
+                    "Set --per_device_train_batch_size 8 --gradient_accumulation_steps 1"),
 ])
 def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp_path, damage, cause):
     out, _ = saved
@@ -86,7 +91,9 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp
     elif damage == "missing":
         os.remove(folder / "optimizer.pt")
     else:
-        marker["settings"]["cp_size"] = 2
+        key, value = {"other_cp": ("cp_size", 2), "other_dp": ("data_parallel_size", 2),
+                      "other_batch": ("global_batch_size", 8)}[damage]
+        marker["settings"][key] = value
         (folder / MARKER).write_text(json.dumps(marker))
     trainer = _trainer(tmp_path / "resume")
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -151,6 +158,46 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
                    "--resume_from_checkpoint", checkpoint)
     assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
+
+
+FSDP2 = ("--fsdp", "full_shard auto_wrap",
+         "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+
+
+@pytest.mark.slow
+def test_fsdp2_smet_checkpoint_of_4_processes_resumes_on_2_with_the_same_global_batch(tmp_path):
+    """Saved by 4 FSDP2 processes (batch 1 each), resumed by 2 (batch 2 each: the same 4 sequences a step):
+    the sharded state is laid out for 2 processes, the scheduler and step counter continue, and steps 3-4
+    and the final weights are those of the uninterrupted 4-process run."""
+    from safetensors.torch import load_file
+
+    from hf_sparse_cp.distributed.sharded_checkpoint import read_layout
+    from hf_sparse_cp.integration.resharded_resume import SHARDED_STATE
+
+    steps = ("--max_steps", "4", "--num_samples", "16", *FSDP2)
+    full = _cli(tmp_path / "full", 4, *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert read_layout(checkpoint / SHARDED_STATE)[0] == 4
+    resumed = _cli(tmp_path / "resumed", 2, *steps, "--per_device_train_batch_size", "2",
+                   "--resume_from_checkpoint", str(checkpoint))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())
+    got = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert (want["world_size"], got["world_size"]) == (4, 2) and got["fsdp2_modules"] >= 3
+    # Steps 1-2 come from the saved trainer state; 3-4 were trained at 2 processes. The gradient of a step
+    # is the same sum in fp32, reduced in another order (4 ranks of 1 row vs 2 of 2 rows): a few ulps,
+    # which Adam's normalised update passes on at about lr x that relative size. A step of the wrong
+    # learning rate, moment or weight would move the loss by orders of magnitude more.
+    assert got["losses"][:2] == want["losses"][:2]
+    assert got["losses"][2:] == pytest.approx(want["losses"][2:], rel=1e-5)
+    final, ref = (load_file(tmp_path / run / "checkpoint-4" / "model.safetensors") for run in ("resumed", "full"))
+    assert final.keys() == ref.keys()
+    for name, weight in ref.items():
+        # atol: ~8 ulps at the weights' magnitude (~1), 2000x below one step's change (lr 2e-3)
+        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", str(checkpoint))
+    assert refused.returncode != 0 and "Set --per_device_train_batch_size 2" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.parametrize("strategy", ["steps", "epoch"])
