@@ -27,6 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..distributed.reshard import TargetLayout
 from ..distributed.sharded_checkpoint import LAYOUT_FILE, load_sharded_state, save_sharded_state
+from . import compat
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,12 @@ def load_resharded(folder: str | os.PathLike, model: torch.nn.Module, optimizer)
 def resharded_loading(trainer: Trainer, folder: str | os.PathLike) -> Iterator[None]:
     """While it is open, `trainer.train(resume_from_checkpoint=folder)` loads the model and optimizer from
     the checkpoint's sharded state, the scheduler from its own file. Replaces the Trainer's private
-    `_load_from_checkpoint` and `_load_optimizer_and_scheduler` on the instance: transformers offers no
-    public hook for how a resume loads the model and optimizer (callbacks run after both are loaded)."""
+    `_load_from_checkpoint` and `_load_optimizer_and_scheduler` on the instance (`compat.py`):
+    transformers offers no public hook for how a resume loads the model and optimizer (callbacks run
+    after both are loaded)."""
+    for name in (compat.TRAINER_LOAD_MODEL, compat.TRAINER_LOAD_OPTIMIZER):
+        compat.require(f"transformers.Trainer.{name}")
+
     def load_model(resume_from_checkpoint, model=None):
         pass  # the model is loaded with the optimizer, from the same sharded state
 
@@ -131,8 +136,10 @@ def resharded_loading(trainer: Trainer, folder: str | os.PathLike) -> Iterator[N
         load_resharded(checkpoint, trainer.model, trainer.optimizer)
         trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
-    trainer._load_from_checkpoint, trainer._load_optimizer_and_scheduler = load_model, load_state
+    setattr(trainer, compat.TRAINER_LOAD_MODEL, load_model)
+    setattr(trainer, compat.TRAINER_LOAD_OPTIMIZER, load_state)
     try:
         yield
     finally:
-        del trainer._load_from_checkpoint, trainer._load_optimizer_and_scheduler
+        delattr(trainer, compat.TRAINER_LOAD_MODEL)
+        delattr(trainer, compat.TRAINER_LOAD_OPTIMIZER)
