@@ -165,39 +165,41 @@ FSDP2 = ("--fsdp", "full_shard auto_wrap",
 
 
 @pytest.mark.slow
-def test_fsdp2_smet_checkpoint_of_4_processes_resumes_on_2_with_the_same_global_batch(tmp_path):
-    """Saved by 4 FSDP2 processes (batch 1 each), resumed by 2 (batch 2 each: the same 4 sequences a step):
-    the sharded state is laid out for 2 processes, the scheduler and step counter continue, and steps 3-4
-    and the final weights are those of the uninterrupted 4-process run."""
+def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_back_with_the_same_global_batch(tmp_path):
+    """Saved by 4 FSDP2 processes (batch 1 each) at step 2, resumed by 2 (batch 2 each: the same 4 sequences
+    a step), whose step-4 checkpoint 4 processes resume again: each time the sharded state is laid out for
+    the new processes, the scheduler and step counter continue, and the steps after the resume and the
+    final weights are those of the uninterrupted 4-process run."""
     from safetensors.torch import load_file
 
     from hf_sparse_cp.distributed.sharded_checkpoint import read_layout
     from hf_sparse_cp.integration.resharded_resume import SHARDED_STATE
 
-    steps = ("--max_steps", "4", "--num_samples", "16", *FSDP2)
+    steps = ("--max_steps", "6", "--num_samples", "24", *FSDP2)
     full = _cli(tmp_path / "full", 4, *steps)
     assert full.returncode == 0, full.stderr[-3000:]
-    checkpoint = tmp_path / "full" / "checkpoint-2"
-    assert read_layout(checkpoint / SHARDED_STATE)[0] == 4
-    resumed = _cli(tmp_path / "resumed", 2, *steps, "--per_device_train_batch_size", "2",
-                   "--resume_from_checkpoint", str(checkpoint))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
+                "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
+    assert on_2.returncode == 0, on_2.stderr[-3000:]
+    assert read_layout(tmp_path / "on_2" / "checkpoint-4" / SHARDED_STATE)[0] == 2
+    on_4 = _cli(tmp_path / "on_4", 4, *steps, "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
+    assert on_4.returncode == 0, on_4.stderr[-3000:]
     want = json.loads((tmp_path / "full" / "summary.json").read_text())
-    got = json.loads((tmp_path / "resumed" / "summary.json").read_text())
-    assert (want["world_size"], got["world_size"]) == (4, 2) and got["fsdp2_modules"] >= 3
-    # Steps 1-2 come from the saved trainer state; 3-4 were trained at 2 processes. The gradient of a step
-    # is the same sum in fp32, reduced in another order (4 ranks of 1 row vs 2 of 2 rows): a few ulps,
-    # which Adam's normalised update passes on at about lr x that relative size. A step of the wrong
-    # learning rate, moment or weight would move the loss by orders of magnitude more.
-    assert got["losses"][:2] == want["losses"][:2]
-    assert got["losses"][2:] == pytest.approx(want["losses"][2:], rel=1e-5)
-    final, ref = (load_file(tmp_path / run / "checkpoint-4" / "model.safetensors") for run in ("resumed", "full"))
-    assert final.keys() == ref.keys()
-    for name, weight in ref.items():
-        # atol: ~8 ulps at the weights' magnitude (~1), 2000x below one step's change (lr 2e-3)
-        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=name)
-    refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", str(checkpoint))
-    assert refused.returncode != 0 and "Set --per_device_train_batch_size 2" in refused.stderr, refused.stderr[-2000:]
+    for run, world, resumed_at in (("on_2", 2, 2), ("on_4", 4, 4)):
+        got = json.loads((tmp_path / run / "summary.json").read_text())
+        assert got["world_size"] == world and got["fsdp2_modules"] >= 3
+        # The steps before the resume come from the saved trainer state; those after it were trained here. A
+        # step's gradient is the same sum in fp32, reduced in another order (4 ranks of 1 row vs 2 of 2 rows):
+        # a few ulps, which Adam's normalised update passes on at about lr x that relative size. A step of the
+        # wrong learning rate, moment or weight would move the loss by orders of magnitude more.
+        assert len(got["losses"]) == 6 and got["losses"][:2] == want["losses"][:2], run
+        assert got["losses"][resumed_at:] == pytest.approx(want["losses"][resumed_at:], rel=1e-5), run
+        final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in (run, "full"))
+        assert final.keys() == ref.keys()
+        for name, weight in ref.items():
+            # atol: ~8 ulps at the weights' magnitude (~1), 2000x below one step's change (lr 2e-3)
+            torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=f"{run} {name}")
+    # (another global batch is refused before anything loads: test_a_damaged_or_mismatched_checkpoint_is_refused...)
 
 
 @pytest.mark.parametrize("strategy", ["steps", "epoch"])
