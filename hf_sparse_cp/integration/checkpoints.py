@@ -120,10 +120,6 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
             raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
                              "checkpoint.")
     saved = content["settings"]
-    # (a marker written before the global batch was recorded has none to compare)
-    if "global_batch_size" in settings and saved.get("global_batch_size", settings["global_batch_size"]) != settings[
-            "global_batch_size"]:
-        raise ValueError(_other_global_batch(folder, saved["global_batch_size"], settings))
     resharded = False
     for key, value in settings.items():
         if key == "global_batch_size" or saved.get(key) == value:
@@ -138,6 +134,11 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
                          f"{key}={value!r}: resume with the settings it was saved with (a different "
                          f"parallel layout or SMET topology cannot continue it exactly).{hint}")
+    # Last, once the layout fits: the fix it names is then all that is left (a marker written before the
+    # global batch was recorded has none to compare).
+    batch = settings.get("global_batch_size")
+    if batch is not None and saved.get("global_batch_size", batch) != batch:
+        raise ValueError(_other_global_batch(folder, saved["global_batch_size"], settings))
     return resharded
 
 
