@@ -160,6 +160,22 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
 
 
+def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refuses_other_state():
+    from hf_sparse_cp.integration.resharded_resume import training_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = training_state(model, opt)
+    assert sorted(state) == ["model/bias", "model/weight", *(f"optim/{i}/{k}" for i in (0, 1)
+                                                            for k in ("exp_avg", "exp_avg_sq", "step"))]
+    assert torch.equal(state["optim/1/exp_avg"], opt.state[model.bias]["exp_avg"])
+    opt.state[model.bias]["note"] = 1.0  # not a tensor: it could not be laid out for other processes
+    with pytest.raises(TypeError, match="optimizer state 'note' of parameter 1 is a float"):
+        training_state(model, opt)
+
+
 FSDP2 = ("--fsdp", "full_shard auto_wrap",
          "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
 

@@ -54,10 +54,9 @@ def training_state(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]
     state = {f"model/{name}": p.detach() for name, p in model.named_parameters()}
     for index, entries in optimizer.state_dict()["state"].items():
         for key, value in entries.items():
-            if not torch.is_tensor(value):  # (it would be lost on a resharded resume: refuse now, not then)
+            if not torch.is_tensor(value):  # (it would be lost on a resharded resume)
                 raise TypeError(f"optimizer state {key!r} of parameter {index} is a {type(value).__name__}, not a "
-                                "tensor: the sharded state holds tensors only; resume with the world size it was "
-                                "saved with, or use an optimizer whose state is tensors (AdamW, SMET).")
+                                "tensor (the sharded state holds tensors only: AdamW's and SMET's are)")
             state[f"optim/{index}/{key}"] = value
     return state
 
@@ -73,7 +72,13 @@ class ShardedStateCallback(TrainerCallback):
         if not runs_fsdp2(self.trainer):
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / SHARDED_STATE
-        save_sharded_state(training_state(model, optimizer), folder)
+        try:
+            tensors = training_state(model, optimizer)
+        except TypeError as e:  # (the same on every rank: the optimizer's structure is)
+            logger.warning("Checkpoint %s holds no sharded state, so it resumes only with its own DP degree: %s.",
+                           folder.parent, e)
+            return
+        save_sharded_state(tensors, folder)
         if state.is_world_process_zero:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
             torch.save(groups, folder / PARAM_GROUPS)
