@@ -1,6 +1,7 @@
 """Checkpoints of a plugin run say whether they are complete; a resume checks the checkpoint before
-loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings) is
-refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET)."""
+loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings, other
+global batch) is refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET;
+FSDP2 with SMET saved at 4 processes and resumed at 2, through the sharded state)."""
 
 import json
 import os
@@ -56,7 +57,7 @@ def test_checkpoints_are_marked_complete_with_their_files(saved):
     for step in (2, 4):
         marker = json.loads((out / f"checkpoint-{step}" / MARKER).read_text())
         assert marker["complete"] and marker["step"] == step
-        assert marker["settings"] == {"cp_size": 1, "data_parallel_size": 1, "smet": None}
+        assert marker["settings"] == {"cp_size": 1, "data_parallel_size": 1, "smet": None, "global_batch_size": 2}
         assert "trainer_state.json" in marker["files"] and "optimizer.pt" in marker["files"]
 
 
@@ -72,6 +73,10 @@ def test_an_intact_checkpoint_resumes_exactly(saved, tmp_path):
     ("truncated", "is damaged: model.safetensors is"),
     ("missing", "is damaged: optimizer.pt is missing"),
     ("other_cp", "was saved with cp_size=2, but this run has cp_size=1"),
+    ("other_dp", "data_parallel_size=2, but this run has data_parallel_size=1.*"
+                 "only from a checkpoint saved with FSDP2"),
+    ("other_batch", "global batch of 8 sequences per step, but this run has 2.*"
+                    "Set --per_device_train_batch_size 8 --gradient_accumulation_steps 1"),
 ])
 def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp_path, damage, cause):
     out, _ = saved
@@ -86,7 +91,9 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp
     elif damage == "missing":
         os.remove(folder / "optimizer.pt")
     else:
-        marker["settings"]["cp_size"] = 2
+        key, value = {"other_cp": ("cp_size", 2), "other_dp": ("data_parallel_size", 2),
+                      "other_batch": ("global_batch_size", 8)}[damage]
+        marker["settings"][key] = value
         (folder / MARKER).write_text(json.dumps(marker))
     trainer = _trainer(tmp_path / "resume")
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -151,6 +158,64 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
                    "--resume_from_checkpoint", checkpoint)
     assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
+
+
+def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refuses_other_state():
+    from hf_sparse_cp.integration.resharded_resume import training_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = training_state(model, opt)
+    assert sorted(state) == ["model/bias", "model/weight", *(f"optim/{i}/{k}" for i in (0, 1)
+                                                            for k in ("exp_avg", "exp_avg_sq", "step"))]
+    assert torch.equal(state["optim/1/exp_avg"], opt.state[model.bias]["exp_avg"])
+    opt.state[model.bias]["note"] = 1.0  # not a tensor: it could not be laid out for other processes
+    with pytest.raises(TypeError, match="optimizer state 'note' of parameter 1 is a float"):
+        training_state(model, opt)
+
+
+FSDP2 = ("--fsdp", "full_shard auto_wrap",
+         "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+
+
+@pytest.mark.slow
+def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_back_with_the_same_global_batch(tmp_path):
+    """Saved by 4 FSDP2 processes (batch 1 each) at step 2, resumed by 2 (batch 2 each: the same 4 sequences
+    a step), whose step-4 checkpoint 4 processes resume again: each time the sharded state is laid out for
+    the new processes, the scheduler and step counter continue, and the steps after the resume and the
+    final weights are those of the uninterrupted 4-process run."""
+    from safetensors.torch import load_file
+
+    from hf_sparse_cp.distributed.sharded_checkpoint import read_layout
+    from hf_sparse_cp.integration.resharded_resume import SHARDED_STATE
+
+    steps = ("--max_steps", "6", "--num_samples", "24", *FSDP2)
+    full = _cli(tmp_path / "full", 4, *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
+                "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
+    assert on_2.returncode == 0, on_2.stderr[-3000:]
+    assert read_layout(tmp_path / "on_2" / "checkpoint-4" / SHARDED_STATE)[0] == 2
+    on_4 = _cli(tmp_path / "on_4", 4, *steps, "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
+    assert on_4.returncode == 0, on_4.stderr[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())
+    for run, world, resumed_at in (("on_2", 2, 2), ("on_4", 4, 4)):
+        got = json.loads((tmp_path / run / "summary.json").read_text())
+        assert got["world_size"] == world and got["fsdp2_modules"] >= 3
+        # The steps before the resume come from the saved trainer state; those after it were trained here. A
+        # step's gradient is the same sum in fp32, reduced in another order (4 ranks of 1 row vs 2 of 2 rows):
+        # a few ulps, which Adam's normalised update passes on at about lr x that relative size. A step of the
+        # wrong learning rate, moment or weight would move the loss by orders of magnitude more.
+        assert len(got["losses"]) == 6 and got["losses"][:2] == want["losses"][:2], run
+        assert got["losses"][resumed_at:] == pytest.approx(want["losses"][resumed_at:], rel=1e-5), run
+        final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in (run, "full"))
+        assert final.keys() == ref.keys()
+        for name, weight in ref.items():
+            # atol: ~8 ulps at the weights' magnitude (~1), 2000x below one step's change (lr 2e-3)
+            torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=f"{run} {name}")
+    # (another global batch is refused before anything loads: test_a_damaged_or_mismatched_checkpoint_is_refused...)
 
 
 @pytest.mark.parametrize("strategy", ["steps", "epoch"])

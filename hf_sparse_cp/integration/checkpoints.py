@@ -12,6 +12,11 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
 still in progress, a missing or resized file, or settings that differ from this run's are an error
 that names the cause. A checkpoint without a marker (written without the plugin) is loaded as the
 Trainer would, with a warning that nothing could be checked.
+
+One difference is resumed rather than refused: another data-parallel degree, when both runs train with
+FSDP2 (the checkpoint then holds its sharded state, `resharded_resume.py`) and the global batch
+(per-device batch x gradient accumulation x DP degree) is the saved one, so that step k still trains
+on the samples it trained on before.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..distributed import ParallelDims
 from ..smet.factory import SMETOptimizerFactory
 from .patching import PatchSet
+from .resharded_resume import ShardedStateCallback, has_sharded_state, resharded_loading, runs_fsdp2
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +42,8 @@ MARKER = "hf_sparse_cp_checkpoint.json"
 
 
 def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it: the CP and DP degrees, or under a
-    context-length curriculum its schedule and world size (the step then says the stage)."""
+    """What a checkpoint must share with the run that resumes it: the CP and DP degrees and the global
+    batch, or under a context-length curriculum its schedule and world size (the step then says the stage)."""
     smet = None
     factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
     if factory is SMETOptimizerFactory:
@@ -45,7 +51,9 @@ def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | No
         smet = {"mode": config.mode, "density": config.density, "block_size": config.block_size}
     if cp_schedule is not None:
         return {"cp_schedule": cp_schedule, "world_size": parallel.world_size, "smet": smet}
-    return {"cp_size": parallel.cp_size, "data_parallel_size": parallel.dp_size, "smet": smet}
+    args = trainer.args
+    return {"cp_size": parallel.cp_size, "data_parallel_size": parallel.dp_size, "smet": smet,
+            "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * parallel.dp_size}
 
 
 def _write(path: Path, content: dict) -> None:
@@ -85,9 +93,13 @@ class CheckpointMarkerCallback(TrainerCallback):
                                      "files": files})
 
 
-def check_checkpoint(folder: str | Path, settings: dict[str, Any]) -> None:
+def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardable: bool = False) -> bool:
     """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
-    `settings`; warn when it has no marker (nothing can be checked)."""
+    `settings`; warn when it has no marker (nothing can be checked).
+
+    With `reshardable` (this run trains with FSDP2) a checkpoint saved with another data-parallel degree
+    passes when it holds its sharded state and the same global batch; returns True then (load it with
+    `resharded_resume.resharded_loading`), else False."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
@@ -95,7 +107,7 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any]) -> None:
     if not marker.is_file():
         logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
                        "that it is complete and fits this run.", folder, MARKER)
-        return
+        return False
     content = json.loads(marker.read_text())
     if not content.get("complete"):
         raise ValueError(f"Checkpoint {str(folder)!r} is incomplete: the run ended while it was being saved. Resume "
@@ -108,20 +120,50 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any]) -> None:
             raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
                              "checkpoint.")
     saved = content["settings"]
+    resharded = False
     for key, value in settings.items():
-        if saved.get(key) != value:
-            raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
-                             f"{key}={value!r}: resume with the settings it was saved with (a different "
-                             "parallel layout or SMET topology cannot continue it exactly).")
+        if key == "global_batch_size" or saved.get(key) == value:
+            continue
+        if key == "data_parallel_size" and reshardable and has_sharded_state(folder):
+            resharded = True
+            continue
+        hint = ""
+        if key == "data_parallel_size":
+            hint = (" Another DP degree resumes only from a checkpoint saved with FSDP2 (--fsdp with "
+                    "--fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state) into a run with FSDP2.")
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
+                         f"{key}={value!r}: resume with the settings it was saved with (a different "
+                         f"parallel layout or SMET topology cannot continue it exactly).{hint}")
+    # Last, once the layout fits: the fix it names is then all that is left (a marker written before the
+    # global batch was recorded has none to compare).
+    batch = settings.get("global_batch_size")
+    if batch is not None and saved.get("global_batch_size", batch) != batch:
+        raise ValueError(_other_global_batch(folder, saved["global_batch_size"], settings))
+    return resharded
+
+
+def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> str:
+    """The refusal of another global batch, with per-device batch and accumulation flags that match it."""
+    dp, now = settings["data_parallel_size"], settings["global_batch_size"]
+    text = (f"Checkpoint {str(folder)!r} was saved with a global batch of {saved} sequences per step, but this run "
+            f"has {now} (per_device_train_batch_size x gradient_accumulation_steps x DP degree {dp}): step k would "
+            "train on other samples than it did. ")
+    if saved % dp:
+        return text + (f"No per-device batch gives {saved} at DP degree {dp}: launch with a DP degree (processes / "
+                       f"--cp_size) that divides {saved}.")
+    return text + (f"Set --per_device_train_batch_size {saved // dp} --gradient_accumulation_steps 1 (or any "
+                   f"pair whose product is {saved // dp}).")
 
 
 def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
                         cp_schedule: str | None = None) -> None:
-    """Mark the checkpoints `trainer` saves and check a checkpoint before `train()` resumes from it;
-    both recorded in `patches`. With `cp_schedule` (a curriculum's canonical text) the settings
+    """Mark the checkpoints `trainer` saves (with FSDP2, adding their sharded state) and check a checkpoint
+    before `train()` resumes from it, resuming another DP degree through the sharded state; recorded in
+    `patches`. With `cp_schedule` (a curriculum's canonical text) the settings
     checked are the schedule and the world size instead of the CP and DP degrees."""
-    patches.insert(trainer.callback_handler.callbacks, len(trainer.callback_handler.callbacks),
-                   CheckpointMarkerCallback(trainer, parallel, cp_schedule))
+    callbacks = trainer.callback_handler.callbacks
+    patches.insert(callbacks, len(callbacks), ShardedStateCallback(trainer))  # (its files are in the marker's list)
+    patches.insert(callbacks, len(callbacks), CheckpointMarkerCallback(trainer, parallel, cp_schedule))
     train = trainer.train
 
     @functools.wraps(train)
@@ -129,8 +171,10 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
         folder = resume_from_checkpoint
         if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
             folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
-        if folder:
-            check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule))
+        if folder and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
+                                       reshardable=runs_fsdp2(trainer)):
+            with resharded_loading(trainer, folder):
+                return train(resume_from_checkpoint, *args, **kwargs)
         return train(resume_from_checkpoint, *args, **kwargs)
 
     patches.set_attr(trainer, "train", checked_train)

@@ -24,6 +24,8 @@ TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
 TRAINER_TRACK_TOKENS = "_track_num_input_tokens"
 ACCELERATOR_PREPARE_CP = "_prepare_cp"
 TRAINER_COLLATOR_WITHOUT_UNUSED = "_get_collator_with_removed_columns"
+TRAINER_LOAD_MODEL = "_load_from_checkpoint"
+TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ PRIVATE_MEMBERS = (
                   "wrapped per trainer: under CP every rank of a group counts the same batch"),
     PrivateMember("transformers.Trainer", TRAINER_COLLATOR_WITHOUT_UNUSED, ("self", "data_collator", "description"),
                   "a cp_schedule's data loader drops the columns the model does not take, as the Trainer's does"),
+    PrivateMember("transformers.Trainer", TRAINER_LOAD_MODEL, ("self", "resume_from_checkpoint", "model"),
+                  "replaced per trainer while resuming another DP degree: the sharded state loads the model"),
+    PrivateMember("transformers.Trainer", TRAINER_LOAD_OPTIMIZER, ("self", "checkpoint"),
+                  "replaced per trainer while resuming another DP degree: the sharded state loads the optimizer"),
     PrivateMember("accelerate.Accelerator", ACCELERATOR_PREPARE_CP, ("self", "*args"),
                   "replaced per accelerator: its CP model hooks drop the attention mask for SDPA"),
     PrivateMember("accelerate.Accelerator", "_dataloaders", None,

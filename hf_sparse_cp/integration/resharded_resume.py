@@ -1,0 +1,150 @@
+"""A Trainer's FSDP2 checkpoint resumed with another data-parallel degree, through the slice-intersection plan.
+
+The Trainer's own FSDP checkpoint (accelerate's) is tied to the layout it was saved with. With FSDP2,
+`ShardedStateCallback` also writes the model's parameters and the optimizer's state into the checkpoint
+as each rank holds them (`distributed.sharded_checkpoint.save_sharded_state`, in `SHARDED_STATE`), and
+the param groups' hyperparameters (the scheduled learning rate among them). A resume whose DP degree
+differs from the checkpoint's (`checkpoints.check_checkpoint` decides; the CP degree and SMET settings
+must still match) then loads that state with `load_sharded_state` into this run's FSDP2 shards instead
+of accelerate's files (`load_resharded`); the scheduler, trainer state (step counter) and data position
+load as in any resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..distributed.reshard import TargetLayout
+from ..distributed.sharded_checkpoint import LAYOUT_FILE, load_sharded_state, save_sharded_state
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+SHARDED_STATE = "hf_sparse_cp_sharded_state"  # the checkpoint's subfolder
+PARAM_GROUPS = "param_groups.pt"  # in it: the optimizer's param groups without their tensors
+
+
+def runs_fsdp2(trainer: Trainer) -> bool:
+    return bool(trainer.is_fsdp_enabled and getattr(trainer.accelerator, "is_fsdp2", False))
+
+
+def has_sharded_state(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / SHARDED_STATE / LAYOUT_FILE).is_file()
+
+
+def _ordered(optimizer) -> list[torch.nn.Parameter]:
+    """The parameters in the order `state_dict()` numbers them."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def training_state(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """{"model/NAME": parameter, "optim/INDEX/KEY": optimizer state tensor}: DTensors as FSDP2 holds them
+    (a plain tensor, such as AdamW's step, held whole by every rank)."""
+    state = {f"model/{name}": p.detach() for name, p in model.named_parameters()}
+    for index, entries in optimizer.state_dict()["state"].items():
+        for key, value in entries.items():
+            if not torch.is_tensor(value):  # (it would be lost on a resharded resume)
+                raise TypeError(f"optimizer state {key!r} of parameter {index} is a {type(value).__name__}, not a "
+                                "tensor (the sharded state holds tensors only: AdamW's and SMET's are)")
+            state[f"optim/{index}/{key}"] = value
+    return state
+
+
+class ShardedStateCallback(TrainerCallback):
+    """Writes the FSDP2 training state into each checkpoint the trainer saves (before the checkpoint
+    marker's callback, which then lists its files); nothing without FSDP2."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if not runs_fsdp2(self.trainer):
+            return
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / SHARDED_STATE
+        try:
+            tensors = training_state(model, optimizer)
+        except TypeError as e:  # (the same on every rank: the optimizer's structure is)
+            logger.warning("Checkpoint %s holds no sharded state, so it resumes only with its own DP degree: %s.",
+                           folder.parent, e)
+            return
+        save_sharded_state(tensors, folder)
+        if state.is_world_process_zero:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+            torch.save(groups, folder / PARAM_GROUPS)
+
+
+def _targets(model: torch.nn.Module, optimizer, world: int):
+    """(name, global meta tensor) -> where this run holds it: a parameter's and its optimizer state's on
+    the parameter's FSDP2 mesh and placements; 0-dim state (a step counter) whole on every rank."""
+    params, ordered = dict(model.named_parameters()), _ordered(optimizer)
+    everywhere = TargetLayout(torch.arange(world), (Replicate(),))
+
+    def target(name: str, tensor: torch.Tensor) -> TargetLayout:
+        kind, key, *_ = name.split("/")
+        param = params[key] if kind == "model" else ordered[int(key)]
+        if tensor.dim() == 0 or not isinstance(param, DTensor):
+            return everywhere
+        mesh = param.device_mesh
+        return TargetLayout(mesh.mesh, tuple(param.placements), mesh)
+
+    return target
+
+
+def load_resharded(folder: str | os.PathLike, model: torch.nn.Module, optimizer) -> None:
+    """Load the sharded state of checkpoint `folder` (saved by any number of processes) into this run's
+    FSDP2 `model` and `optimizer`; call on every rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loaded = load_sharded_state(Path(folder) / SHARDED_STATE, _targets(model, optimizer, world))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            value = loaded.pop(f"model/{name}")
+            local.copy_(value.to_local() if isinstance(value, DTensor) else value)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in loaded.items():
+        _, index, key = name.split("/")
+        state.setdefault(int(index), {})[key] = value
+    groups = torch.load(Path(folder) / SHARDED_STATE / PARAM_GROUPS, weights_only=True)
+    current = optimizer.state_dict()["param_groups"]
+    if len(groups) != len(current):
+        raise ValueError(f"Checkpoint {str(folder)!r} has {len(groups)} optimizer param groups, this run "
+                         f"{len(current)}: build the optimizer as the run that saved it did.")
+    optimizer.load_state_dict({"state": state, "param_groups": [{**saved, "params": now["params"]}
+                                                                for saved, now in zip(groups, current)]})
+
+
+@contextlib.contextmanager
+def resharded_loading(trainer: Trainer, folder: str | os.PathLike) -> Iterator[None]:
+    """While it is open, `trainer.train(resume_from_checkpoint=folder)` loads the model and optimizer from
+    the checkpoint's sharded state, the scheduler from its own file. Replaces the Trainer's private
+    `_load_from_checkpoint` and `_load_optimizer_and_scheduler` on the instance (`compat.py`):
+    transformers offers no public hook for how a resume loads the model and optimizer (callbacks run
+    after both are loaded)."""
+    for name in (compat.TRAINER_LOAD_MODEL, compat.TRAINER_LOAD_OPTIMIZER):
+        compat.require(f"transformers.Trainer.{name}")
+
+    def load_model(resume_from_checkpoint, model=None):
+        pass  # the model is loaded with the optimizer, from the same sharded state
+
+    def load_state(checkpoint):
+        load_resharded(checkpoint, trainer.model, trainer.optimizer)
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    setattr(trainer, compat.TRAINER_LOAD_MODEL, load_model)
+    setattr(trainer, compat.TRAINER_LOAD_OPTIMIZER, load_state)
+    try:
+        yield
+    finally:
+        delattr(trainer, compat.TRAINER_LOAD_MODEL)
+        delattr(trainer, compat.TRAINER_LOAD_OPTIMIZER)
