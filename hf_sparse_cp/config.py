@@ -70,6 +70,19 @@ class SparseAttentionConfig(FileConfig):
     last_q: int = field(
         default=64, metadata={"help": "Number of final queries of each document used to estimate the pattern."}
     )
+    estimation: Literal["last_queries", "causal_chunks"] = field(
+        default="last_queries",
+        metadata={"help": "Which queries choose a query's pattern: 'last_queries' (MTraining: the document's last "
+                  "last_q queries, so in teacher-forced training a position's keys depend on later tokens) or "
+                  "'causal_chunks' (the document is cut into chunks of estimation_chunk tokens; each chunk's pattern "
+                  "comes from the last last_q queries before it and the first chunk is dense, so no query's pattern "
+                  "depends on a later token)."},
+    )
+    estimation_chunk: int = field(
+        default=1024,
+        metadata={"help": "Tokens per chunk of 'causal_chunks' estimation (a multiple of block_size): smaller chunks "
+                  "follow the text more closely and cost more scoring and layout memory."},
+    )
     block_size: int = field(
         default=128, metadata={"help": "Query/key block size of the layout and of the kernels (power of two)."}
     )
@@ -107,6 +120,14 @@ class SparseAttentionConfig(FileConfig):
         for name in ("vertical_cap", "slash_cap", "last_q"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.estimation == "causal_chunks" and (
+            self.estimation_chunk < self.block_size or self.estimation_chunk % self.block_size
+        ):
+            fix = max(1, self.estimation_chunk // self.block_size) * self.block_size
+            raise ValueError(
+                f"estimation_chunk={self.estimation_chunk} must be a positive multiple of block_size={self.block_size} "
+                f"(chunks of whole query blocks); e.g. {fix}."
+            )
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
