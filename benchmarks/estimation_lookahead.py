@@ -9,7 +9,10 @@ tokenizer): the loss and greedy accuracy of the answer tokens (the key and its f
   `last_q` queries of the whole sequence, which include the question and the answer itself;
 * the same pattern settings estimated from the last `last_q` queries *before the answer* only (the
   prefix a generating model would have), through the library's own scoring and layout pieces
-  (`score_vertical_slash`, `layout_from_scores`) on a benchmark-only backend.
+  (`score_vertical_slash`, `layout_from_scores`) on a benchmark-only backend;
+* `sparse_cp` with `estimation="causal_chunks"` (one row per `estimation_chunk`): every chunk's
+  pattern estimated from the queries before it, the first chunk dense, so no position's keys
+  depend on later tokens: what training can use without the look-ahead.
 
 A gap between the two sparse rows is what the look-ahead gives teacher-forced training and
 evaluation that inference would not have. The script checks first that its prefix backend with the
@@ -60,6 +63,8 @@ class LookaheadArguments:
     local_window: int = field(default=64, metadata={"help": "Local window."})
     last_q: int = field(default=64, metadata={"help": "Estimation queries."})
     block_size: int = field(default=64, metadata={"help": "Layout block size."})
+    estimation_chunks: list[int] = field(default_factory=lambda: [128, 256],
+                                         metadata={"help": "estimation_chunk of the 'causal_chunks' rows."})
     seed: int = field(default=0, metadata={"help": "Seed of the prompts."})
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
 
@@ -142,6 +147,12 @@ def main(argv: list[str] | None = None) -> dict:
             prefix.prefix = start
             model.set_attn_implementation(PREFIX_BACKEND)
             row["sparse_prefix_only"] = answer_loss(model, ids, start)
+            model.set_attn_implementation(hf_sparse_cp.BACKEND_NAME)
+            for chunk in args.estimation_chunks:
+                hf_sparse_cp.configure(model, dataclasses.replace(cfg, estimation="causal_chunks",
+                                                                  estimation_chunk=chunk), select=False)
+                row[f"sparse_causal_chunks_{chunk}"] = answer_loss(model, ids, start)
+            hf_sparse_cp.configure(model, cfg, select=False)
             rows.append(row)
             print(f"prompt {i}: {row} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     finally:
@@ -150,12 +161,14 @@ def main(argv: list[str] | None = None) -> dict:
         compat.unregister(AttentionMaskInterface, PREFIX_BACKEND)
         hf_sparse_cp.unpatch()
     summary = {}
-    print(f"{'variant':<24} {'answer loss':>11} {'accuracy':>8}")
-    for variant in ("dense", "sparse_whole_sequence", "sparse_prefix_only"):
+    print(f"{'variant':<26} {'answer loss':>11} {'accuracy':>8}")
+    variants = ["dense", "sparse_whole_sequence", "sparse_prefix_only",
+                *(f"sparse_causal_chunks_{c}" for c in args.estimation_chunks)]
+    for variant in variants:
         loss = sum(r[variant][0] for r in rows) / len(rows)
         acc = sum(r[variant][1] for r in rows) / len(rows)
         summary[variant] = {"answer_loss": loss, "answer_accuracy": acc}
-        print(f"{variant:<24} {loss:11.4f} {acc:8.3f}")
+        print(f"{variant:<26} {loss:11.4f} {acc:8.3f}")
     report = {**environment("cpu"), "settings": dataclasses.asdict(args), "config": cfg.to_dict(),
               "prompts": len(rows), "rows": rows, "summary": summary}
     write_report(report, RESULTS_DIR, "estimation-lookahead", args.output)

@@ -32,6 +32,10 @@ class SparseAttentionConfig(FileConfig):
     With `pattern="vertical_slash"` (MTraining), every attention call estimates, per query head,
     the key columns (verticals) and diagonals (slashes) that carry the attention mass of the last
     `last_q` queries, and computes exact attention restricted to those blocks and columns.
+
+    The defaults (top-k 512 columns / 1024 diagonals, the first layer dense) come from measurements
+    on a pretrained model (README, "Accuracy on real weights"): at 8K tokens they keep 66% of the
+    causal blocks with 99.4% of the dense attention mass (no layer below 98%).
     """
 
     FILE_SECTION: ClassVar[str] = "sparse_attention"
@@ -48,10 +52,10 @@ class SparseAttentionConfig(FileConfig):
                   "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap."},
     )
     vertical_topk: int = field(
-        default=1024, metadata={"help": "Key columns kept per head in 'topk' mode (sink tokens come on top)."}
+        default=512, metadata={"help": "Key columns kept per head in 'topk' mode (sink tokens come on top)."}
     )
     slash_topk: int = field(
-        default=2048, metadata={"help": "Diagonals kept per head in 'topk' mode (the local window comes on top)."}
+        default=1024, metadata={"help": "Diagonals kept per head in 'topk' mode (the local window comes on top)."}
     )
     vertical_topp: float = field(
         default=0.9, metadata={"help": "Cumulative score mass of key columns kept per head in 'topp' mode."}
@@ -92,7 +96,9 @@ class SparseAttentionConfig(FileConfig):
                   "sparse."},
     )
     dense_first_layers: int = field(
-        default=0, metadata={"help": "Keep the first N decoder layers dense (a common accuracy safeguard)."}
+        default=1,
+        metadata={"help": "Keep the first N decoder layers dense: layer 0's attention is the broadest (on "
+                  "SmolLM2-135M it loses the most mass to a top-k budget), 0 makes every layer sparse."},
     )
     layer_overrides: dict | str | None = field(
         default=None,
