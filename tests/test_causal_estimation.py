@@ -111,6 +111,14 @@ def test_invalid_estimation_settings_are_refused(fields, message):
     assert dataclasses.replace(CFG, estimation="last_queries", estimation_chunk=40).estimation_chunk == 40
 
 
+def test_the_model_card_names_the_estimation():
+    from hf_sparse_cp.integration.model_card import _describe_pattern
+
+    assert "each chunk of 64 tokens from the last 8 queries before it, the first chunk dense" in _describe_pattern(CFG)
+    default = dataclasses.replace(CFG, estimation="last_queries")
+    assert "from the last 8 queries at every call" in _describe_pattern(default)
+
+
 def _cp_case(rank: int, world: int) -> dict:
     """Per sharding: the layout estimated from every rank's shard against one process on the padded
     row, the same on every rank, and the ring's output against one process's."""
