@@ -66,7 +66,13 @@ from pathlib import Path
 import torch
 
 from hf_sparse_cp.attention.build import build_layout, dense_layout
-from hf_sparse_cp.attention.estimate import estimate_layout, layout_from_scores, long_documents, score_rows
+from hf_sparse_cp.attention.estimate import (
+    estimate_layout,
+    estimation_segments,
+    layout_from_scores,
+    long_documents,
+    score_rows,
+)
 from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
@@ -286,12 +292,12 @@ def time_estimation(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
     `layout_ms` (selection and layout build). Runs on any device (wall clock off CUDA)."""
     scale = q.shape[-1] ** -0.5
     docs = long_documents(meta, cfg)
-
-    scores = score_rows(q, k, docs, cfg.last_q, scale)
+    segments = estimation_segments(docs, cfg)
+    scores = score_rows(q, k, segments, cfg.last_q, scale)
     stages = {
         "total_ms": lambda: estimate_layout(q, k, cfg, meta, scale=scale),
         "documents_ms": lambda: long_documents(meta, cfg),
-        "scoring_ms": lambda: score_rows(q, k, docs, cfg.last_q, scale),
+        "scoring_ms": lambda: score_rows(q, k, segments, cfg.last_q, scale),
         "layout_ms": lambda: layout_from_scores(meta, cfg, docs, scores),
     }
     with torch.no_grad():

@@ -9,18 +9,23 @@ tokenizer): the loss and greedy accuracy of the answer tokens (the key and its f
   `last_q` queries of the whole sequence, which include the question and the answer itself;
 * the same pattern settings estimated from the last `last_q` queries *before the answer* only (the
   prefix a generating model would have), through the library's own scoring and layout pieces
-  (`score_vertical_slash`, `layout_from_scores`) on a benchmark-only backend.
+  (`score_vertical_slash`, `layout_from_scores`) on a benchmark-only backend;
+* `sparse_cp` with `estimation="causal_chunks"` (one row per `estimation_chunk`): every chunk's
+  pattern estimated from the queries before it, the first chunk dense, so no position's keys
+  depend on later tokens: what training can use without the look-ahead.
 
 A gap between the two sparse rows is what the look-ahead gives teacher-forced training and
 evaluation that inference would not have. The script checks first that its prefix backend with the
 prefix = the whole sequence reproduces `sparse_cp` exactly.
 
     python benchmarks/estimation_lookahead.py                  # 1024 tokens, 6 prompts
+    python benchmarks/estimation_lookahead.py --samples 4 --reuse old.json  # measure only what old.json lacks
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import sys
@@ -60,8 +65,20 @@ class LookaheadArguments:
     local_window: int = field(default=64, metadata={"help": "Local window."})
     last_q: int = field(default=64, metadata={"help": "Estimation queries."})
     block_size: int = field(default=64, metadata={"help": "Layout block size."})
+    dense_first_layers: int = field(default=0, metadata={"help": "Layers kept dense (0: every layer sparse)."})
+    estimation_chunks: list[int] = field(default_factory=lambda: [128, 256],
+                                         metadata={"help": "estimation_chunk of the 'causal_chunks' rows."})
     seed: int = field(default=0, metadata={"help": "Seed of the prompts."})
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
+    reuse: str | None = field(
+        default=None, metadata={"help": "A report of this script with the same prompts and pattern settings: its "
+                                "measured variants are taken from it, only the others are measured (a slow CPU)."})
+
+    def matches(self, other: dict) -> bool:
+        """Whether a report's settings give the same prompts and pattern (all but the chunks and files)."""
+        skip = {"estimation_chunks", "output", "reuse"}
+        before = {"dense_first_layers": 0}  # reports from before that field ran every layer sparse
+        return all(other.get(k, before.get(k)) == v for k, v in dataclasses.asdict(self).items() if k not in skip)
 
 
 class PrefixEstimation:
@@ -115,34 +132,52 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
     cfg = SparseAttentionConfig(min_seq_len=0, vertical_topk=args.vertical_topk, slash_topk=args.slash_topk,
                                 sink_tokens=args.sink_tokens, local_window=args.local_window, last_q=args.last_q,
-                                block_size=args.block_size)
+                                block_size=args.block_size, dense_first_layers=args.dense_first_layers)
     data = prompts(tokenizer, args)
+    variants = ["dense", "sparse_whole_sequence", "sparse_prefix_only",
+                *(f"sparse_causal_chunks_{c}" for c in args.estimation_chunks)]
+    rows = [{"answer_tokens": ids.shape[1] - start} for ids, start in data]
+    reused = []
+    if args.reuse:
+        old = json.loads(Path(args.reuse).read_text())
+        if not args.matches(old["settings"]) or [r["answer_tokens"] for r in old["rows"]] != [
+                r["answer_tokens"] for r in rows]:
+            raise ValueError(f"{args.reuse} measured other prompts or pattern settings; rerun without --reuse.")
+        reused = [v for v in variants if all(v in r for r in old["rows"])]
+        for row, was in zip(rows, old["rows"]):
+            row.update({v: was[v] for v in reused})
     prefix = PrefixEstimation()
     hf_sparse_cp.patch()
     AttentionInterface.register(PREFIX_BACKEND, prefix)
     AttentionMaskInterface.register(PREFIX_BACKEND, flash_attention_mask)
-    rows = []
     try:
         hf_sparse_cp.configure(model, cfg, select=False)
-        # self-check: estimated from the whole sequence, the prefix backend is sparse_cp
-        ids, start = data[0]
-        prefix.prefix = ids.shape[1]
-        model.set_attn_implementation(PREFIX_BACKEND)
-        whole = answer_loss(model, ids, start)
-        model.set_attn_implementation(hf_sparse_cp.BACKEND_NAME)
-        if not math.isclose(whole[0], answer_loss(model, ids, start)[0], rel_tol=1e-5):
-            raise RuntimeError("the prefix backend does not reproduce sparse_cp with the whole sequence as prefix.")
-        for i, (ids, start) in enumerate(data):
-            t0 = time.perf_counter()
-            row = {"answer_tokens": ids.shape[1] - start}
-            model.set_attn_implementation("sdpa")
-            row["dense"] = answer_loss(model, ids, start)
-            model.set_attn_implementation(hf_sparse_cp.BACKEND_NAME)
-            row["sparse_whole_sequence"] = answer_loss(model, ids, start)
-            prefix.prefix = start
+        if "sparse_prefix_only" not in reused:  # self-check: from the whole sequence, the prefix backend is sparse_cp
+            ids, start = data[0]
+            prefix.prefix = ids.shape[1]
             model.set_attn_implementation(PREFIX_BACKEND)
-            row["sparse_prefix_only"] = answer_loss(model, ids, start)
-            rows.append(row)
+            whole = answer_loss(model, ids, start)
+            model.set_attn_implementation(hf_sparse_cp.BACKEND_NAME)
+            if not math.isclose(whole[0], answer_loss(model, ids, start)[0], rel_tol=1e-5):
+                raise RuntimeError("the prefix backend does not reproduce sparse_cp with the whole sequence as prefix.")
+        for i, ((ids, start), row) in enumerate(zip(data, rows)):
+            t0 = time.perf_counter()
+            for variant in variants:
+                if variant in row:
+                    continue
+                hf_sparse_cp.configure(model, cfg, select=False)
+                if variant == "dense":
+                    model.set_attn_implementation("sdpa")
+                elif variant == "sparse_prefix_only":
+                    prefix.prefix = start
+                    model.set_attn_implementation(PREFIX_BACKEND)
+                else:
+                    model.set_attn_implementation(hf_sparse_cp.BACKEND_NAME)
+                    if variant.startswith("sparse_causal_chunks_"):
+                        chunk = int(variant.rsplit("_", 1)[1])
+                        hf_sparse_cp.configure(model, dataclasses.replace(cfg, estimation="causal_chunks",
+                                                                          estimation_chunk=chunk), select=False)
+                row[variant] = answer_loss(model, ids, start)
             print(f"prompt {i}: {row} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     finally:
         model.set_attn_implementation("sdpa")
@@ -150,14 +185,15 @@ def main(argv: list[str] | None = None) -> dict:
         compat.unregister(AttentionMaskInterface, PREFIX_BACKEND)
         hf_sparse_cp.unpatch()
     summary = {}
-    print(f"{'variant':<24} {'answer loss':>11} {'accuracy':>8}")
-    for variant in ("dense", "sparse_whole_sequence", "sparse_prefix_only"):
+    print(f"{'variant':<26} {'answer loss':>11} {'accuracy':>8}")
+    for variant in variants:
         loss = sum(r[variant][0] for r in rows) / len(rows)
         acc = sum(r[variant][1] for r in rows) / len(rows)
         summary[variant] = {"answer_loss": loss, "answer_accuracy": acc}
-        print(f"{variant:<24} {loss:11.4f} {acc:8.3f}")
+        print(f"{variant:<26} {loss:11.4f} {acc:8.3f}")
     report = {**environment("cpu"), "settings": dataclasses.asdict(args), "config": cfg.to_dict(),
-              "prompts": len(rows), "rows": rows, "summary": summary}
+              "prompts": len(rows), "rows": rows, "summary": summary,
+              "reused": {"from": Path(args.reuse).name, "variants": reused} if args.reuse else None}
     write_report(report, RESULTS_DIR, "estimation-lookahead", args.output)
     return report
 

@@ -39,6 +39,7 @@ class FinetuneGapArguments:
     sink_tokens: int = field(default=16, metadata={"help": "Sink tokens of the sparse run."})
     local_window: int = field(default=64, metadata={"help": "Local window of the sparse run."})
     block_size: int = field(default=64, metadata={"help": "Block size of the sparse run."})
+    dense_first_layers: int = field(default=0, metadata={"help": "Layers kept dense in the sparse run."})
     seed: int = field(default=0, metadata={"help": "Seed of both runs."})
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = list(ids.split(args.seq_len, dim=1))
     cfg = SparseAttentionConfig(min_seq_len=0, vertical_topk=args.vertical_topk, slash_topk=args.slash_topk,
                                 sink_tokens=args.sink_tokens, local_window=args.local_window,
-                                block_size=args.block_size)
+                                block_size=args.block_size, dense_first_layers=args.dense_first_layers)
     dense = train(copy.deepcopy(base), batches, args)
     hf_sparse_cp.patch()
     try:

@@ -135,6 +135,7 @@ DEMO_DEFAULTS = {
     "slash_topk": 128,
     "local_window": 64,
     "sink_tokens": 16,
+    "dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
 }
 
 

@@ -30,7 +30,7 @@ def test_defaults_are_mtraining_like():
         ({"layer_overrides": {"2": {"slash_topk": "x"}}}, r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
         # wrong types: refused by name with what to write, not a TypeError from a comparison
         ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number, e.g. "
-                                   r"vertical_topk=1024"),
+                                   r"vertical_topk=512"),
         ({"block_size": 64.5}, r"block_size=64.5 \(float\) is not valid: use a whole number"),
         ({"block_size": 64.0}, r"block_size=64.0 \(float\) is not valid"),
         ({"slash_topk": True}, r"slash_topk=True \(bool\) is not valid"),
@@ -53,7 +53,7 @@ def test_per_layer_overrides():
     cfg = SparseAttentionConfig(dense_first_layers=2, layer_overrides={"3-4": {"slash_topk": 7}, "9": {"last_q": 8}})
     assert cfg.for_layer(0).pattern == "dense" and cfg.for_layer(1).pattern == "dense"
     assert cfg.for_layer(2) is cfg
-    assert cfg.for_layer(3).slash_topk == 7 and cfg.for_layer(4).slash_topk == 7 and cfg.for_layer(5).slash_topk == 2048
+    assert cfg.for_layer(3).slash_topk == 7 and cfg.for_layer(4).slash_topk == 7 and cfg.for_layer(5).slash_topk == 1024
     assert cfg.for_layer(9).last_q == 8 and cfg.for_layer(9).pattern == "vertical_slash"
 
 
@@ -116,17 +116,17 @@ def test_file_config_with_flag_overrides(tmp_path):
 
 def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
     path = tmp_path / "cfg.yaml"
-    SparseAttentionConfig(vertical_topk=512, slash_topk=77, sink_tokens=8).save(path)
+    SparseAttentionConfig(vertical_topk=256, slash_topk=77, sink_tokens=8).save(path)
     args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
-    flags = SparseAttentionConfig(vertical_topk=1024, slash_topk=5, sink_tokens=16)  # 1024 is the default
+    flags = SparseAttentionConfig(vertical_topk=512, slash_topk=5, sink_tokens=16)  # 512 is the default
     merged = args.attention_config(flags, explicit={"vertical_topk", "slash_topk", "output_dir"})
-    # given flags win, the default value 1024 included; sink_tokens (parsed, not given) keeps the file's value;
+    # given flags win, the default value 512 included; sink_tokens (parsed, not given) keeps the file's value;
     # names of other configs' fields (output_dir) are ignored
-    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens) == (1024, 5, 8)
+    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens) == (512, 5, 8)
     assert args.attention_config(flags, explicit=set()) == SparseAttentionConfig.from_file(path)
     # without `explicit`: the flags that differ from the defaults (a default value cannot be told from none)
     legacy = args.attention_config(flags)
-    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens) == (512, 5, 16)
+    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens) == (256, 5, 16)
     # without a file the flags are the config, given or not
     assert SparseCPArguments(sparse_attention=True).attention_config(flags, explicit=set()) is flags
     assert SparseAttentionConfig.from_file_and_flags(None, {"sink_tokens": 16}, explicit=set()).sink_tokens == 16

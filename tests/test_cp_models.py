@@ -19,7 +19,7 @@ from oracle import rel_rms
 BLOCK = 16
 SEQ = 135  # 9 blocks of 16, which a CP 2 split pads to 10
 PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=6, slash_topk=6, sink_tokens=2,
-                                local_window=8, last_q=16)
+                                local_window=8, last_q=16, dense_first_layers=0)  # the sparse path in every layer
 # Sliding-window families get a window shorter than the sequence and one layer of each kind.
 OVERRIDES = {t: {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
              for t in ("gemma3_text", "cohere2")}

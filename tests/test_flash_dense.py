@@ -127,7 +127,7 @@ def _model_run(input_ids, position_ids, backend, monkeypatch):
     model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=3)).double()
     hf_sparse_cp.configure(model, SparseAttentionConfig(
         block_size=16, min_seq_len=96, vertical_topk=4, slash_topk=4, local_window=16, sink_tokens=4,
-        layer_overrides={"1": {"pattern": "dense"}}))
+        dense_first_layers=0, layer_overrides={"1": {"pattern": "dense"}}))
     out = model(input_ids=input_ids, position_ids=position_ids)
     out.logits.logsumexp(-1).mean().backward()
     return out.logits.detach(), [p.grad for p in model.parameters()], pop_kept_fractions(model)

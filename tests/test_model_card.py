@@ -77,7 +77,8 @@ def test_the_card_describes_the_sparse_training(smet_run):
     # one process: 2 per device x 2 accumulated
     assert "- total_train_batch_size: 4\n" in card and "| total train batch size | 4 distinct sequences" in card
     means = mean_kept_fraction_per_layer(trainer.state.log_history)
-    assert sorted(means) == [0, 1] and all(0 < v < 1 for v in means.values())  # the sparse path ran
+    assert sorted(means) == [0, 1] and means[0] == 1 and 0 < means[1] < 1  # layer 0 dense (the default), 1 sparse
+    assert "first 1 layer(s) dense" in card
     for layer, value in means.items():
         assert f"| {layer} | {value:.3f} |" in card
     assert f"**{sum(means.values()) / 2:.3f}** over all layers" in card
@@ -180,7 +181,8 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(tmp_path):
             "flat ring |") in card
     assert card.count("- optimizer: SMET (") == 1
     means = mean_kept_fraction_per_layer(main["log"])
-    assert all(0 < v < 1 and f"| {layer} | {v:.3f} |" in card for layer, v in means.items())
+    assert means[0] == 1 and 0 < means[1] < 1  # layer 0 dense (the default), 1 sparse
+    assert all(f"| {layer} | {v:.3f} |" in card for layer, v in means.items())
     assert (tmp_path / KEPT_FRACTION_PLOT).is_file()
     # the Trainer's samples per second count each CP group's batch once, so tokens/s does too
     samples_per_s = main["log"][-1]["train_samples_per_second"]

@@ -66,7 +66,8 @@ def test_cpu_tensors_take_the_reference_never_the_kernels(monkeypatch):
     monkeypatch.setattr(kops, "triton_forward", refuse)
     monkeypatch.setattr(kops, "triton_backward", refuse)
     assert "cpu tensors" in kops.unsupported(torch.zeros(1, 1, 1, 8))
-    cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16)
+    cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16,
+                                dense_first_layers=0)
     ref, ours = _pair("qwen2", config=cfg)
     ids = torch.randint(3, 259, (1, 128))
     logits, grads = _loss_and_grads(ours, input_ids=ids)
@@ -82,7 +83,7 @@ def test_short_sequences_stay_dense_under_the_sparse_pattern():
 
 def test_sparse_pattern_changes_attention_and_records_kept_fraction():
     cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16,
-                                sink_tokens=2)
+                                sink_tokens=2, dense_first_layers=0)
     ref, ours = _pair("llama", config=cfg)
     ids = torch.randint(3, 259, (1, 256))
     assert rel_rms(ours(ids).logits, ref(ids).logits) > 1e-3

@@ -29,7 +29,7 @@ from test_smet_common import TokenRows, markov_tokens
 BS, SEQ, VOCAB = 16, 157, 64
 # Sparse from 64 tokens on, so the 157-token rows take the estimated vertical-slash layouts.
 PATTERN = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=8, slash_topk=8, sink_tokens=2,
-                                local_window=4, last_q=16)
+                                local_window=4, last_q=16, dense_first_layers=0)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

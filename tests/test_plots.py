@@ -29,7 +29,7 @@ from hf_sparse_cp.testing.models import tiny_config
 
 SEQ_LEN = 512
 PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=256, vertical_topk=8, slash_topk=16, local_window=32,
-                                sink_tokens=4, last_q=32)
+                                sink_tokens=4, last_q=32, dense_first_layers=0)  # both layers sparse
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -27,7 +27,7 @@ from hf_sparse_cp.smet import SMETConfig
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ACCELERATE = sorted((RECIPES / "accelerate").glob("*.yaml"))
 CURRICULUM = sorted((RECIPES / "train").glob("qwen2.5-3b_*.yaml"))
-STAGE1 = RECIPES / "train" / "qwen2.5-3b_32k.yaml"  # vertical_topk 1024: the default value
+STAGE1 = RECIPES / "train" / "qwen2.5-3b_32k.yaml"  # vertical_topk 1024
 
 
 def test_the_recipes_are_there():
@@ -143,13 +143,13 @@ def test_help_shows_the_defaults_the_command_uses(capsys, monkeypatch, argv):
 
 def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path):
     cfg = tmp_path / "pattern.yaml"
-    SparseAttentionConfig(vertical_topk=512, block_size=64, min_seq_len=1024).save(cfg)
+    SparseAttentionConfig(vertical_topk=256, block_size=64, min_seq_len=1024).save(cfg)
     smet = tmp_path / "smet.yaml"
     SMETConfig(density=0.1, update_interval=50).save(smet)
-    for argv in (["--sparse_config", str(cfg), "--vertical_topk", "1024"],  # 1024: the default value
-                 [str(STAGE1), "--model_name_or_path", "", "--sparse_config", str(cfg)]):  # the recipe's 1024
+    for argv, want in ((["--sparse_config", str(cfg), "--vertical_topk", "512"], 512),  # 512: the default value
+                       ([str(STAGE1), "--model_name_or_path", "", "--sparse_config", str(cfg)], 1024)):  # the recipe's
         parsed = parse_args(argv)
-        assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit).vertical_topk == 1024
+        assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit).vertical_topk == want
     # the demo's toy values are defaults, not flags: the file's settings stand
     parsed = parse_args(["--sparse_config", str(cfg)])
     assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit) == SparseAttentionConfig.from_file(cfg)

@@ -77,6 +77,13 @@ def test_the_flags_carry_every_plugin_setting(tmp_path):
 def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=_rows())
+    # the first layer dense by default
+    assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layers 0 dense (pattern); context parallelism: off"
+            in caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--dense_first_layers", "0"),
+                      train_dataset=_rows())
     assert "sparse_cp: 2 of 2 layers vertical-slash (block 32); context parallelism: off" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):

@@ -109,6 +109,7 @@ def build_layout(
     diagonals: torch.Tensor | None = None,
     diagonal_start: torch.Tensor | None = None,
     verticals: torch.Tensor | None = None,
+    vertical_set: torch.Tensor | None = None,
     dense_tokens: torch.Tensor | None = None,
     sliding_window: int | None = None,
     max_verticals: int | None = None,
@@ -123,7 +124,10 @@ def build_layout(
             document: entry `diagonal_start[b, qb] + d` says whether query block qb keeps diagonal d).
         diagonal_start: int64 [B, NQB], where the set of each query block begins along the last axis of
             `diagonals` (-1: the block keeps no diagonal); default: one set per row (every block at 0).
-        verticals: bool [B, H, S], key columns kept per head.
+        verticals: bool [B, H, S], key columns kept per head; or, with `vertical_set`, bool [B, H, V, S]:
+            V sets of kept key columns (e.g. one per chunk of queries, each estimated from earlier queries).
+        vertical_set: int64 [B, NQB], the set of `verticals` each query block reads (-1: none); default:
+            the one set of [B, H, S] columns for every block.
         dense_tokens: bool [B, S], queries whose whole causal document prefix is kept.
         sliding_window: keys `sliding_window` or more tokens before a query are invisible.
         max_verticals: a bound on the kept columns of any (row, head), when the caller knows one:
@@ -183,21 +187,31 @@ def build_layout(
     # The mask over that window is built in head chunks and compacted once its width is known.
     col_masks, col_widths, heads = [], [], heads_b
     any_vertical = torch.zeros((), dtype=torch.bool, device=dev)
+    # With several sets, set j's column c is entry j * S + c of one ascending list, and a query block searches
+    # its window inside its own set's part of that list.
     if verticals is not None:
-        verticals = verticals & (meta.segment != PAD_SEGMENT).unsqueeze(1)  # nobody sees a padding key
+        if vertical_set is None:
+            verticals, col_base = verticals.unsqueeze(2), torch.zeros(b, nqb, dtype=torch.long, device=dev)
+        else:
+            col_base = vertical_set.clamp_min(0) * s
+        verticals = (verticals & (meta.segment != PAD_SEGMENT)[:, None, None]).flatten(2)  # nobody sees a padding key
         any_vertical = verticals.any()
+        n_all = verticals.shape[-1]
         nv = int(verticals.sum(-1).max()) if max_verticals is None else max_verticals
-        v_list = _compact(torch.arange(s, device=dev), verticals, min(nv, s)).long()  # ascending, then -1
+        v_list = _compact(torch.arange(n_all, device=dev), verticals, min(nv, n_all)).long()  # ascending, then -1
         heads = max(heads_b, verticals.shape[1])
         v_sorted = torch.where(v_list >= 0, v_list, _BIG)
-        ends = ((qb + 1) * bs).expand(b, v_list.shape[1], nqb).contiguous()
-        first = torch.searchsorted(v_sorted, lo_tok.unsqueeze(1).expand_as(ends).contiguous())
+        ends = (col_base + (qb + 1) * bs).unsqueeze(1).expand(b, v_list.shape[1], nqb).contiguous()
+        first = torch.searchsorted(v_sorted, (col_base + lo_tok).unsqueeze(1).expand_as(ends).contiguous())
         span = (torch.searchsorted(v_sorted, ends) - first).clamp_min(0)
+        if vertical_set is not None:
+            span = torch.where((vertical_set >= 0).unsqueeze(1), span, 0)
         window = int(span.max()) if span.numel() else 0
         for row in range(b):
             for h0, h1 in _head_chunks(heads, nqb * max(window, 1)):
-                values, mask = _column_mask(v_list[row], first[row], span[row], window, diagonals, diagonal_start, row,
-                                            h0, h1, qb, lo[row], lo_tok[row], dense_lo[row], bs, sliding_window)
+                values, mask = _column_mask(v_list[row], first[row], span[row], window, col_base[row], diagonals,
+                                            diagonal_start, row, h0, h1, qb, lo[row], lo_tok[row], dense_lo[row], bs,
+                                            sliding_window)
                 col_masks.append((values, mask))
                 col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
     sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
@@ -232,17 +246,19 @@ def build_layout(
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
-def _column_mask(v_row, first, span, window, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok, dense_lo, bs,
-                 sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_mask(v_row, first, span, window, col_base, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok,
+                 dense_lo, bs, sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
     """(columns [n or 1, NQB, window], bool [h1 - h0, NQB, window]): for each query block of heads
     h0:h1, the window of kept columns (v_row [Hv, NV], ascending, -1 padded) starting at `first`
-    with `span` entries, and which of them it lists as token columns."""
+    with `span` entries, less the block's `col_base` (what tells the sets apart in v_row), and which
+    of them it lists as token columns."""
     nqb, n = qb.shape[0], h1 - h0
     slot = torch.arange(window, device=v_row.device)
     w0, count = _one_or_range(first, h0, h1).unsqueeze(-1), _one_or_range(span, h0, h1).unsqueeze(-1)
     vr = _one_or_range(v_row, h0, h1)
     at = (w0 + slot).clamp_max(max(vr.shape[-1] - 1, 0))
     v = vr.unsqueeze(1).expand(-1, nqb, -1).gather(-1, at) if vr.shape[-1] else at  # [n or 1, NQB, window]
+    v = v - col_base.view(1, nqb, 1)
     qbx = qb.view(1, nqb, 1)
     cb = v // bs
     covered = (cb >= lo.view(1, nqb, 1)) & (cb >= dense_lo.view(1, nqb, 1))  # inside the dense range

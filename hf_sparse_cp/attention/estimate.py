@@ -9,6 +9,20 @@ document's kept tokens do not depend on what else is packed with it. Diagonals b
 along the block diagonals they cross (each document's query blocks its own set); kept columns
 outside those blocks become token columns.
 
+With `estimation="causal_chunks"` the pattern of a query never depends on a later token (in
+teacher-forced training the default estimation lets a position's keys depend on the queries after
+it, the question and the answer included). A document is cut into chunks of `estimation_chunk`
+tokens from its start; chunk c >= 1 takes the verticals and slashes chosen, with the same budget, by
+the last `last_q` queries before the chunk over the keys before the chunk, and the first chunk is
+dense (no earlier query exists; its causal triangle is (C/S)^2 of the document's). Each chunk is an
+*estimation segment*: it scores like a document that ends where the chunk begins, and its kept sets
+sit beside the others the way documents' sets do (a query block takes the set of its first valid
+query, so a block across a chunk boundary takes the earlier chunk's, estimated before all its
+queries). Chunks rather than a set per query block: n chunks cost n/2 times the scoring of one
+estimation and n sets of kept columns ([H, n, S] booleans per row), and the pattern a query takes is
+at most `estimation_chunk` tokens older than the query. Uniform chunks rather than growing ones keep
+that staleness the same at every position.
+
 Documents shorter than `min_seq_len` stay dense (every causal block of the document); so does
 every layer with a sliding window (already local) and every layer whose pattern is "dense".
 GQA: the queries of a group are scored against their shared key head, never a replicated one.
@@ -29,6 +43,7 @@ widths.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -69,11 +84,39 @@ def long_documents(meta: TokenMeta, cfg: SparseAttentionConfig) -> list[list[tup
     return [[(st, en) for st, en in row if en - st >= shortest] for row in _document_table(meta.segment)]
 
 
+class EstimationSegment(NamedTuple):
+    """One estimated pattern of a document: the last `last_q` queries before `scored_end` score the
+    document's keys [start, scored_end), and the queries [q_lo, q_hi) take the kept sets, which are
+    set `set` of their batch row (every segment of a row with one index lies in its own document)."""
+
+    start: int
+    scored_end: int
+    q_lo: int
+    q_hi: int
+    set: int
+
+
+def estimation_segments(docs: list[list[tuple[int, int]]], cfg: SparseAttentionConfig
+                        ) -> list[list[EstimationSegment]]:
+    """Per batch row, the estimation segments of its sparse documents: the whole document scored by
+    its last queries ('last_queries', one set), or chunk c >= 1 of `estimation_chunk` tokens scored by
+    the queries before it, as set c - 1 ('causal_chunks'; the first chunk is dense)."""
+    if cfg.estimation == "last_queries":
+        return [[EstimationSegment(st, en, st, en, 0) for st, en in row] for row in docs]
+    c = cfg.estimation_chunk
+    return [[EstimationSegment(st, lo, lo, min(en, lo + c), i) for st, en in row
+             for i, lo in enumerate(range(st + c, en, c))] for row in docs]
+
+
+def _num_sets(segments: list[list[EstimationSegment]]) -> int:
+    return 1 + max((sg.set for row in segments for sg in row), default=0)
+
+
 # -------------------------------------------------------------------------------------------- scoring
 
 
 def last_query_rows(start: int, end: int, last_q: int, device=None) -> torch.Tensor:
-    """Positions of the (at most) `last_q` final queries of the document [start, end) that score it."""
+    """Positions of the (at most) `last_q` final queries of [start, end) that score its keys."""
     return torch.arange(max(start, end - last_q), end, device=device)
 
 
@@ -189,12 +232,21 @@ def score_vertical_slash(
 
 
 def score_rows(
-    q: torch.Tensor, k: torch.Tensor, docs: list[list[tuple[int, int]]], last_q: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, segments: list[list[EstimationSegment]], last_q: int, scale: float
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """`score_vertical_slash` of every batch row of q [B, Hq, S, D], k [B, Hkv, S, D] with documents
-    to score (None for the others), as `layout_from_scores` takes them."""
-    return [score_vertical_slash(q[row], k[row], row_docs, last_q, scale) if row_docs else None
-            for row, row_docs in enumerate(docs)]
+    """Scores of every batch row of q [B, Hq, S, D], k [B, Hkv, S, D] with estimation segments, as
+    `layout_from_scores` takes them: (vertical, slash), each [Hq, V, S], set j of the row's segments
+    at [:, j] as `score_vertical_slash` lays a document out (None for rows without segments)."""
+    n_sets = _num_sets(segments)
+    out = []
+    for row, row_segs in enumerate(segments):
+        if not row_segs:
+            out.append(None)
+            continue
+        per_set = [score_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],
+                                        last_q, scale) for j in range(n_sets)]
+        out.append((torch.stack([v for v, _ in per_set], 1), torch.stack([sl for _, sl in per_set], 1)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ selection
@@ -218,10 +270,10 @@ def _select(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int) -
     return torch.zeros_like(take).scatter_(-1, idx, take)
 
 
-def _selection_bound(cfg: SparseAttentionConfig, num_docs: int) -> int:
-    """Most key columns one head of a row keeps: every document's budget plus its sinks."""
+def _selection_bound(cfg: SparseAttentionConfig, num_segments: int) -> int:
+    """Most key columns one head of a row keeps: every estimation segment's budget plus its sinks."""
     budget = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
-    return (budget + cfg.sink_tokens) * num_docs
+    return (budget + cfg.sink_tokens) * num_segments
 
 
 def select_vertical_slash(
@@ -245,19 +297,21 @@ def select_vertical_slash(
     return keep_v, keep_s
 
 
-def document_diagonals(keep_s: torch.Tensor, meta: TokenMeta, docs: list[list[tuple[int, int]]], block_size: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept block diagonals per document, side by side, and where each query block's set begins
-    (`build_layout`'s `diagonals` and `diagonal_start`), from kept offsets laid out as
-    `select_vertical_slash` returns them. A document's set spans the blocks it touches."""
+def segment_diagonals(keep_s: torch.Tensor, meta: TokenMeta, segments: list[list[EstimationSegment]],
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept block diagonals per estimation segment, side by side, and where each query block's set
+    begins (`build_layout`'s `diagonals` and `diagonal_start`), from kept offsets [B, H, V, S] laid out
+    as `select_vertical_slash` returns each set. A segment's set spans the blocks from its document's
+    start to its last query; the query blocks whose first valid query it holds take it."""
     bs = block_size
-    sets, spans = [[] for _ in docs], [[] for _ in docs]
+    sets, spans = [[] for _ in segments], [[] for _ in segments]
     width = 0
-    for row, row_docs in enumerate(docs):
+    for row, row_segs in enumerate(segments):
         used = 0
-        for start, end in row_docs:
-            nb = (end - 1) // bs - start // bs + 1
-            offsets = torch.nn.functional.pad(keep_s[row, :, start:end], (0, nb * bs - (end - start)))
+        for sg in row_segs:
+            nb = (sg.q_hi - 1) // bs - sg.start // bs + 1
+            offsets = torch.nn.functional.pad(keep_s[row, :, sg.set, sg.start : sg.q_hi],
+                                              (0, nb * bs - (sg.q_hi - sg.start)))
             sets[row].append(offsets_to_block_diagonals(offsets, bs))
             spans[row].append(used)
             used += nb
@@ -267,7 +321,11 @@ def document_diagonals(keep_s: torch.Tensor, meta: TokenMeta, docs: list[list[tu
     for row, row_sets in enumerate(sets):
         if row_sets:
             diagonals[row, :, : sum(x.shape[-1] for x in row_sets)] = torch.cat(row_sets, -1)
-    return diagonals, diagonal_set_of_blocks(meta, bs, docs, spans)
+    return diagonals, diagonal_set_of_blocks(meta, bs, _query_ranges(segments), spans)
+
+
+def _query_ranges(segments: list[list[EstimationSegment]]) -> list[list[tuple[int, int]]]:
+    return [[(sg.q_lo, sg.q_hi) for sg in row] for row in segments]
 
 
 def layout_from_scores(
@@ -276,24 +334,36 @@ def layout_from_scores(
     docs: list[list[tuple[int, int]]],
     scores: list[tuple[torch.Tensor, torch.Tensor] | None],
 ) -> SparseLayout:
-    """The layout once every sparse row has its (vertical, slash) scores ([H, S] each; None for rows
-    without long documents): long documents get their selected verticals and slashes, every other
-    token its dense causal document prefix."""
-    b, s = meta.segment.shape
-    if not any(docs):
+    """The layout once every row with estimation segments (`estimation_segments(docs, cfg)`) has its
+    (vertical, slash) scores ([H, V, S] each, or [H, S] for one set; None for rows without segments):
+    the queries of every segment get its selected verticals and slashes, every other token its dense
+    causal document prefix."""
+    segments = estimation_segments(docs, cfg)
+    if not any(segments):
         return dense_layout(meta, cfg.block_size)
-    zeros = torch.zeros_like(next(sc[0] for sc in scores if sc is not None))
-    vertical = torch.stack([zeros if sc is None else sc[0] for sc in scores])  # [B, H, S]
-    slash = torch.stack([zeros if sc is None else sc[1] for sc in scores])
-    keep_v, keep_s = select_vertical_slash(vertical, slash, docs, cfg)
+    first = next(sc[0] for sc in scores if sc is not None)
+    n_sets = _num_sets(segments)
+    zeros = torch.zeros(*first.shape[:1], n_sets, first.shape[-1], dtype=first.dtype, device=first.device)
+    vertical = torch.stack([zeros if sc is None else sc[0].view_as(zeros) for sc in scores])  # [B, H, V, S]
+    slash = torch.stack([zeros if sc is None else sc[1].view_as(zeros) for sc in scores])
+    keep_v, keep_s = (torch.stack(x, 2) for x in zip(*(
+        select_vertical_slash(vertical[:, :, j], slash[:, :, j],
+                              [[(sg.start, sg.q_hi) for sg in row if sg.set == j] for row in segments], cfg)
+        for j in range(n_sets))))
     dense_tokens = meta.segment != PAD_SEGMENT
-    for row, row_docs in enumerate(docs):
-        for st, en in row_docs:
-            dense_tokens[row, st:en] = False
-    bound = max(_selection_bound(cfg, len(row_docs)) for row_docs in docs)
-    diagonals, diagonal_start = document_diagonals(keep_s, meta, docs, cfg.block_size)
-    return build_layout(meta, cfg.block_size, diagonals=diagonals, diagonal_start=diagonal_start, verticals=keep_v,
-                        dense_tokens=dense_tokens, max_verticals=bound)
+    for row, row_segs in enumerate(segments):
+        for sg in row_segs:
+            dense_tokens[row, sg.q_lo : sg.q_hi] = False
+    bound = max(_selection_bound(cfg, len(row_segs)) for row_segs in segments)
+    diagonals, diagonal_start = segment_diagonals(keep_s, meta, segments, cfg.block_size)
+    if cfg.estimation == "last_queries":  # one set, read by every query block
+        verticals, vertical_set = keep_v[:, :, 0], None
+    else:
+        verticals = keep_v
+        vertical_set = diagonal_set_of_blocks(meta, cfg.block_size, _query_ranges(segments),
+                                              [[sg.set for sg in row] for row in segments])
+    return build_layout(meta, cfg.block_size, diagonals=diagonals, diagonal_start=diagonal_start, verticals=verticals,
+                        vertical_set=vertical_set, dense_tokens=dense_tokens, max_verticals=bound)
 
 
 def pattern_documents(
@@ -339,4 +409,4 @@ def estimate_layout(
     if not any(docs):
         return dense_layout(meta, cfg.block_size, sliding_window)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return layout_from_scores(meta, cfg, docs, score_rows(q, k, docs, cfg.last_q, scale))
+    return layout_from_scores(meta, cfg, docs, score_rows(q, k, estimation_segments(docs, cfg), cfg.last_q, scale))

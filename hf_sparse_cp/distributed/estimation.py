@@ -1,10 +1,12 @@
 """Vertical-slash pattern estimation of a sequence split over a context-parallel group.
 
-The pattern of a long document comes from its last `last_q` queries scoring all of its keys
-(`hf_sparse_cp.attention.estimate`). Under CP those queries and keys are spread over the ranks, so:
+The pattern of a long document comes from its last `last_q` queries scoring all of its keys, or,
+with `estimation="causal_chunks"`, that of each chunk from the last queries before it scoring the
+keys before it (`hf_sparse_cp.attention.estimate`: one estimation segment per document or chunk).
+Under CP those queries and keys are spread over the ranks, so:
 
 1. every rank contributes the scoring queries it holds to one all-reduce (each row is held by
-   exactly one rank), after which every rank has all of them;
+   exactly one rank), after which every rank has all of them (all segments' rows in one buffer);
 2. each rank scores its own keys and the softmax normaliser of every query row is combined across
    ranks (all-reduce of the row max, then of the rescaled sums of exp);
 3. each rank adds the normalised mass of its keys into vertical / slash tensors [H, S] of the whole
@@ -13,8 +15,8 @@ The pattern of a long document comes from its last `last_q` queries scoring all 
    same layout, equal to `estimate_layout` on the whole sequence (up to the summation order of the
    scores, i.e. identical unless two candidates tie to the last bit).
 
-Four collectives per call, whatever the number of documents; the scores' all-reduce moves
-2 x B x H x S values.
+Four collectives per call, whatever the number of documents or chunks; the scores' all-reduce moves
+2 x B x H x V x S values (V: 1, or the most chunks a document has after the first).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ..attention.build import dense_layout
 from ..attention.estimate import (
     accumulate_vertical_slash,
+    estimation_segments,
     last_query_rows,
     layout_from_scores,
     long_documents,
@@ -83,16 +86,19 @@ def estimate_layout_cp(
     local_of = torch.full((plan.padded_len,), -1, dtype=torch.long, device=dev)
     local_of[tok] = torch.arange(s_local, device=dev)
 
-    # Scoring rows of every long document: (batch row, global positions, slice in the packed buffer).
+    # Scoring rows of every estimation segment: (batch row, segment, global positions, slice in the packed buffer).
+    segments = estimation_segments(docs, cfg)
+    if not any(segments):
+        return dense_layout(meta, cfg.block_size)
     entries, total = [], 0
-    for row, row_docs in enumerate(docs):
-        for start, end in row_docs:
-            rows = last_query_rows(start, end, cfg.last_q, dev)
-            entries.append((row, start, end, rows, slice(total, total + rows.numel())))
+    for row, row_segs in enumerate(segments):
+        for sg in row_segs:
+            rows = last_query_rows(sg.start, sg.scored_end, cfg.last_q, dev)
+            entries.append((row, sg, rows, slice(total, total + rows.numel())))
             total += rows.numel()
 
     q_rows = torch.zeros(hq, total, d, dtype=dtype, device=dev)
-    for row, _, _, rows, span in entries:
+    for row, _, rows, span in entries:
         lp = local_of[rows]
         mine = (lp >= 0).nonzero().flatten()
         q_rows[:, span.start + mine] = q[row][:, lp[mine]].to(dtype)
@@ -101,8 +107,8 @@ def estimate_layout_cp(
     keys = []
     row_max = torch.full((hq, total), float("-inf"), dtype=dtype, device=dev)
     row_sum = torch.zeros(hq, total, dtype=dtype, device=dev)
-    for row, start, end, rows, span in entries:
-        lk = ((tok >= start) & (tok < end)).nonzero().flatten()
+    for row, sg, rows, span in entries:
+        lk = ((tok >= sg.start) & (tok < sg.scored_end)).nonzero().flatten()
         keys.append(lk)
         if lk.numel():
             visible = tok[lk].unsqueeze(0) <= rows.unsqueeze(1)
@@ -114,12 +120,15 @@ def estimate_layout_cp(
     row_sum = torch.where(torch.isfinite(row_max), row_sum * torch.exp(row_max - top), torch.zeros_like(row_sum))
     _all_reduce(row_sum, dist.ReduceOp.SUM, shard)
 
-    scores = torch.zeros(b, 2, hq, plan.padded_len, dtype=dtype, device=dev)
-    for (row, start, _, rows, span), lk in zip(entries, keys):
+    n_sets = 1 + max(sg.set for _, sg, _, _ in entries)
+    scores = torch.zeros(b, 2, hq, n_sets, plan.padded_len, dtype=dtype, device=dev)
+    for (row, sg, rows, span), lk in zip(entries, keys):
         if lk.numel():
             accumulate_vertical_slash(
                 q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), rows, tok[lk], scale,
-                scores[row, 0], scores[row, 1], normalizer=(top[:, span], row_sum[:, span]), slash_base=start,
+                scores[row, 0, :, sg.set], scores[row, 1, :, sg.set], normalizer=(top[:, span], row_sum[:, span]),
+                slash_base=sg.start,
             )
     _all_reduce(scores, dist.ReduceOp.SUM, shard)
-    return layout_from_scores(meta, cfg, docs, [(scores[r, 0], scores[r, 1]) if docs[r] else None for r in range(b)])
+    return layout_from_scores(meta, cfg, docs,
+                              [(scores[r, 0], scores[r, 1]) if segments[r] else None for r in range(b)])

@@ -83,9 +83,13 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
         else:
             budget = (f"top-p: {config.vertical_topp} / {config.slash_topp} of the score mass in key columns / "
                       f"diagonals (at most {config.vertical_cap} / {config.slash_cap}) per head")
+        if config.estimation == "causal_chunks":
+            estimated = (f"estimated causally at every call: each chunk of {config.estimation_chunk} tokens from the "
+                         f"last {config.last_q} queries before it, the first chunk dense")
+        else:
+            estimated = f"estimated from the last {config.last_q} queries at every call"
         text = (f"vertical-slash (MTraining), {budget}, plus {config.sink_tokens} sink tokens and a local window of "
-                f"{config.local_window}; estimated from the last {config.last_q} queries at every call; documents "
-                f"under {config.min_seq_len:,} tokens dense")
+                f"{config.local_window}; {estimated}; documents under {config.min_seq_len:,} tokens dense")
     text += f"; blocks of {config.block_size} tokens"
     if config.dense_first_layers:
         text += f"; first {config.dense_first_layers} layer(s) dense"

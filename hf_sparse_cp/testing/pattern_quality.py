@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from ..attention.estimate import estimate_layout, layout_from_scores, pattern_documents, score_rows
+from ..attention.estimate import (
+    estimate_layout,
+    estimation_segments,
+    layout_from_scores,
+    pattern_documents,
+    score_rows,
+)
 from ..attention.layout import SparseLayout
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
@@ -102,17 +108,19 @@ def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Ten
 
 def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta: TokenMeta) -> dict[str, SparseLayout]:
     """Each config's layout, as `estimate_layout` builds it; the vertical-slash scores, which depend
-    only on `last_q`, are computed once for all configs that share it."""
-    scores: dict[int, list] = {}
+    only on the estimation segments and `last_q`, are computed once for all configs that share them."""
+    scores: dict[tuple, list] = {}
     out = {}
     for name, cfg in configs.items():
         docs = pattern_documents(cfg, meta, 1, q.shape[2])
         if not any(docs):
             out[name] = estimate_layout(q, k, cfg, meta, scale=scale, docs=docs)
             continue
-        if cfg.last_q not in scores:
-            scores[cfg.last_q] = score_rows(q, k, docs, cfg.last_q, scale)
-        out[name] = layout_from_scores(meta, cfg, docs, scores[cfg.last_q])
+        segments = estimation_segments(docs, cfg)
+        key = (cfg.last_q, str(segments))
+        if key not in scores:
+            scores[key] = score_rows(q, k, segments, cfg.last_q, scale)
+        out[name] = layout_from_scores(meta, cfg, docs, scores[key])
     return out
 
 
