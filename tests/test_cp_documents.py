@@ -79,6 +79,14 @@ def test_a_row_too_short_for_every_rank_still_gives_each_rank_a_block():
     assert plan.to_original(plan.unshard([plan.shard(x, r) for r in range(4)])).equal(x)
 
 
+def test_documents_too_costly_for_a_rank_but_within_one_block_stay_whole():
+    """Each of these documents outweighs a rank's share, yet none can be cut: the plan places them whole."""
+    plan = plan_documents([10, 10], ["dense", "dense"], 8, 16)
+    assert plan.split == ()
+    x = torch.arange(20).unsqueeze(0)
+    assert plan.to_original(plan.unshard([plan.shard(x, r) for r in range(8)])).equal(x)
+
+
 def test_documents_with_a_sparse_pattern_start_on_a_block_boundary():
     plan = plan_row(_meta(LENGTHS), CFG, 3)
     starts = torch.tensor([0, *LENGTHS]).cumsum(0)

@@ -333,7 +333,7 @@ def plan_documents(
     mean = sum(work) / w
     rotation = np.cumsum([0, *(-(-n // bs) for n in lengths[:-1])]) % w
     order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
-    must = [work[i] > mean or lengths[i] > token_cap for i in order]
+    must = [(work[i] > mean or lengths[i] > token_cap) and lengths[i] > bs for i in order]  # (a block: not cut)
     ring_work = costs.ring_share * sum(work)
     nb = [-(-n // bs) for n in lengths]
     cut_at = np.cumsum(nb)[:-1]
@@ -363,8 +363,6 @@ def plan_documents(
         best = min(at.load.max() for at in tried)
         if balanced(min(tried, key=lambda at: at.load.max()), costs.balance_slack) or best >= before:
             break  # balanced, or one more document over the ring did not help
-    if not tried:
-        tried.append(placement(whole_ring, 0))
     lowest = min(at.load.max() for at in tried)
     at = next(at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack))
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
