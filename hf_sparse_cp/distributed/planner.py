@@ -92,15 +92,6 @@ def attention_work(length: int, kind: str, block_size: int, kept_per_row: int | 
     return (k * (k + 1) / 2 + (nb - k) * k) * block_size**2
 
 
-def _row_work(nb: int, kind: str, kept_per_row: int | None, block_size: int) -> np.ndarray:
-    """`attention_work` per query block row (float64 [nb], token pairs)."""
-    rows = np.arange(1, nb + 1, dtype=np.float64)
-    if kind == PAD:
-        return np.zeros(nb)
-    rows = np.minimum(rows, kept_per_row) if kind == SPARSE and kept_per_row is not None else rows
-    return rows * block_size**2
-
-
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
     """An upper estimate of the key blocks a query block row of a sparse document lists: the local
     window, each kept diagonal crossing two block diagonals, and the columns (budget and sinks)."""
@@ -182,13 +173,14 @@ class _Placement:
     placed: dict[int, int] = field(default_factory=dict)
     split: dict[int, np.ndarray] = field(default_factory=dict)
 
-    def spread_over_ring(self, i: int, n: int, kind: str, kept_per_row: int | None, rotation: int, bs: int,
+    def spread_over_ring(self, i: int, kind: str, work: np.ndarray, tokens: np.ndarray, rotation: int,
                          costs: PlannerCosts) -> None:
-        """Split document i over every rank (`_split_blocks`); each rank receives all its other tokens."""
-        owner = _split_blocks(-(-n // bs), kind, len(self.load), rotation)
-        work, tokens = _block_costs(np.array([n]), [kind], kept_per_row, bs, costs)
-        held = np.bincount(owner, weights=tokens, minlength=len(self.load))
-        self.load += np.bincount(owner, weights=work, minlength=len(self.load)) + costs.comm_per_token * (n - held)
+        """Split document i (its blocks' `work` and `tokens`) over every rank (`_split_blocks`); each
+        rank receives all its other tokens."""
+        w = len(self.load)
+        owner = _split_blocks(len(work), kind, w, rotation)
+        held = np.bincount(owner, weights=tokens, minlength=w)
+        self.load += np.bincount(owner, weights=work, minlength=w) + costs.comm_per_token * (tokens.sum() - held)
         self.tokens += held
         self.split[i] = owner
 
@@ -205,6 +197,16 @@ def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None
     attention = np.minimum(row + 1, np.repeat(cap, nb)) * float(bs * bs)
     attention[np.repeat(np.array([k == PAD for k in kinds]), nb)] = 0.0
     return attention + costs.linear_per_token * tokens, tokens
+
+
+def _document_blocks(lengths, kinds, kept_per_row: int | None, bs: int, w: int, costs: PlannerCosts
+                     ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Per document: its blocks' work and tokens (`_block_costs`), and the rank its stripe would
+    start on (where the blocks of the documents before it leave the rotation)."""
+    nb = -(-np.array(lengths) // bs)
+    cut = np.cumsum(nb)[:-1]
+    work, tokens = (np.split(x, cut) for x in _block_costs(np.array(lengths), kinds, kept_per_row, bs, costs))
+    return work, tokens, np.concatenate([[0], cut]) % w
 
 
 def _cut(at: _Placement, docs: list[int], blocks: tuple[list[np.ndarray], list[np.ndarray]], bs: int,
@@ -331,22 +333,19 @@ def plan_documents(
     work = [attention_work(n, k, bs, kept_per_row) + costs.linear_per_token * n for n, k in zip(lengths, kinds)]
     token_cap = costs.max_token_ratio * sum(lengths) / w + bs
     mean = sum(work) / w
-    rotation = np.cumsum([0, *(-(-n // bs) for n in lengths[:-1])]) % w
     order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
     must = [(work[i] > mean or lengths[i] > token_cap) and lengths[i] > bs for i in order]  # (a block: not cut)
     ring_work = costs.ring_share * sum(work)
-    nb = [-(-n // bs) for n in lengths]
-    cut_at = np.cumsum(nb)[:-1]
-    blocks = tuple(np.split(x, cut_at) for x in _block_costs(np.array(lengths), kinds, kept_per_row, bs, costs))
+    block_work, block_tokens, rotation = _document_blocks(lengths, kinds, kept_per_row, bs, w, costs)
     whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and lengths[i] > bs)
 
     def placement(m: int, n: int) -> _Placement:
         at = _Placement(np.zeros(w), np.zeros(w))
         for i in order[:m]:
-            at.spread_over_ring(i, lengths[i], kinds[i], kept_per_row, int(rotation[i]), bs, costs)
+            at.spread_over_ring(i, kinds[i], block_work[i], block_tokens[i], int(rotation[i]), costs)
         _fill(at, order[m + n:], lengths, work, token_cap)
         if n:  # after the whole documents: the cut brings every rank to one level
-            _cut(at, order[m: m + n], blocks, bs, costs, token_cap)
+            _cut(at, order[m: m + n], (block_work, block_tokens), bs, costs, token_cap)
         return at
 
     def balanced(at: _Placement, slack: float) -> bool:
@@ -374,10 +373,11 @@ def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, blo
     block units; a document of fewer than 2 x CP blocks round robin), padding runs kept whole."""
     costs = PlannerCosts()
     at = _Placement(np.zeros(cp_size), np.zeros(cp_size))
-    rotation = np.cumsum([0, *(-(-n // block_size) for n in lengths[:-1])]) % cp_size
-    for i, kind in enumerate(kinds):
-        if kind != PAD:  # head-tail, whatever the pattern
-            at.spread_over_ring(i, lengths[i], DENSE, None, int(rotation[i]), block_size, costs)
+    dense = [DENSE if k != PAD else PAD for k in kinds]  # head-tail, whatever the pattern
+    work, tokens, rotation = _document_blocks(lengths, dense, None, block_size, cp_size, costs)
+    for i, kind in enumerate(dense):
+        if kind != PAD:
+            at.spread_over_ring(i, kind, work[i], tokens[i], int(rotation[i]), costs)
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
     return _materialize(at, lengths, kinds, cp_size, block_size)
 
