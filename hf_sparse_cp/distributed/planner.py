@@ -82,16 +82,6 @@ class PlannerCosts:
     )
 
 
-def attention_work(length: int, kind: str, block_size: int, kept_per_row: int | None = None) -> float:
-    """Estimated attention work of one document in token pairs: its causal blocks, each query block
-    row capped at `kept_per_row` key blocks for a sparse document, of block_size^2 pairs; 0 for padding."""
-    nb = -(-length // block_size)
-    if kind == PAD:
-        return 0.0
-    k = nb if kind != SPARSE or kept_per_row is None else min(nb, kept_per_row)
-    return (k * (k + 1) / 2 + (nb - k) * k) * block_size**2
-
-
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
     """An upper estimate of the key blocks a query block row of a sparse document lists: the local
     window, each kept diagonal crossing two block diagonals, and the columns (budget and sinks)."""
@@ -187,7 +177,9 @@ class _Placement:
 
 def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None, bs: int, costs: PlannerCosts
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(attention + linear work, tokens) of every block of the documents `lengths`, in order."""
+    """(attention + linear work, tokens) of every block of the documents `lengths`, in order: a query
+    block row's attention is its causal key blocks, capped at `kept_per_row` for a sparse document,
+    of bs^2 token pairs each (0 for padding); its linear work `linear_per_token` per token."""
     nb = -(-lengths // bs)
     first = np.repeat(np.cumsum(nb) - nb, nb)
     row = np.arange(int(nb.sum())) - first
@@ -199,31 +191,49 @@ def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None
     return attention + costs.linear_per_token * tokens, tokens
 
 
-def _document_blocks(lengths, kinds, kept_per_row: int | None, bs: int, w: int, costs: PlannerCosts
-                     ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """Per document: its blocks' work and tokens (`_block_costs`), and the rank its stripe would
-    start on (where the blocks of the documents before it leave the rotation)."""
-    nb = -(-np.array(lengths) // bs)
-    cut = np.cumsum(nb)[:-1]
-    work, tokens = (np.split(x, cut) for x in _block_costs(np.array(lengths), kinds, kept_per_row, bs, costs))
-    return work, tokens, np.concatenate([[0], cut]) % w
+@dataclass
+class _Blocks:
+    """Every document's blocks in row order: their `work` and `tokens` (`_block_costs`), document i
+    holding blocks first[i]:first[i + 1] (flat arrays: the planner runs every step, and a thousand
+    per-document arrays cost more than the plan)."""
+
+    work: np.ndarray
+    tokens: np.ndarray
+    first: np.ndarray
+
+    @classmethod
+    def of_row(cls, lengths, kinds, kept_per_row: int | None, bs: int, costs: PlannerCosts) -> _Blocks:
+        n = np.array(lengths)
+        return cls(*_block_costs(n, kinds, kept_per_row, bs, costs), np.concatenate([[0], np.cumsum(-(-n // bs))]))
+
+    def document_work(self) -> list[float]:
+        """Estimated work of each document (attention + linear, token pairs)."""
+        return np.add.reduceat(self.work, self.first[:-1]).tolist()
+
+    def rotation(self, w: int) -> np.ndarray:
+        """The rank each document's stripe starts on: where the blocks before it leave the rotation."""
+        return self.first[:-1] % w
+
+    def of(self, docs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(work, tokens) of the blocks of `docs`, laid out in that order."""
+        picks = [slice(self.first[i], self.first[i + 1]) for i in docs]
+        return np.concatenate([self.work[p] for p in picks]), np.concatenate([self.tokens[p] for p in picks])
 
 
-def _cut(at: _Placement, docs: list[int], blocks: tuple[list[np.ndarray], list[np.ndarray]], bs: int,
-         costs: PlannerCosts, token_cap: float) -> None:
+def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: PlannerCosts, token_cap: float) -> None:
     """Lay `docs` out in order and cut the sequence into one contiguous range of blocks per rank, in
     ring order, each bringing its rank to the level of the others (the work left over the ranks
     left), within `token_cap` tokens. A cut that falls within `balance_slack` of a document's edge
     moves to it, so that the document stays whole; a document cut anyway is split over consecutive
     ranks, every piece read only by its own rank and the ranks after it (K/V travel at most one hop
-    per rank it spans, never round the ring). `blocks`: (work, tokens) of every document's blocks.
+    per rank it spans, never round the ring). `blocks`: every document's blocks.
 
     (Python lists and bisect in the loop over ranks: numpy's per-call cost on scalars dominated.)"""
     w = len(at.load)
-    work = np.concatenate([blocks[0][i] for i in docs])
-    nb = [len(blocks[0][i]) for i in docs]
+    work, block_tokens = blocks.of(docs)
+    nb = [int(blocks.first[i + 1] - blocks.first[i]) for i in docs]
     total = [0.0, *np.cumsum(work).tolist()]
-    held = [0.0, *np.cumsum(np.concatenate([blocks[1][i] for i in docs])).tolist()]
+    held = [0.0, *np.cumsum(block_tokens).tolist()]
     doc_first = [0, *np.cumsum(nb).tolist()]  # block range of each document
     doc_of = np.repeat(np.arange(len(docs)), nb).tolist()
     size = len(doc_of)
@@ -330,22 +340,22 @@ def plan_documents(
         raise ValueError(f"runs must have >= 1 token and a kind in {(PAD, DENSE, SPARSE)}.")
     costs = PlannerCosts() if costs is None else costs
     w, bs = cp_size, block_size
-    work = [attention_work(n, k, bs, kept_per_row) + costs.linear_per_token * n for n, k in zip(lengths, kinds)]
+    blocks = _Blocks.of_row(lengths, kinds, kept_per_row, bs, costs)
+    work, rotation = blocks.document_work(), blocks.rotation(w)
     token_cap = costs.max_token_ratio * sum(lengths) / w + bs
     mean = sum(work) / w
     order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
     must = [(work[i] > mean or lengths[i] > token_cap) and lengths[i] > bs for i in order]  # (a block: not cut)
     ring_work = costs.ring_share * sum(work)
-    block_work, block_tokens, rotation = _document_blocks(lengths, kinds, kept_per_row, bs, w, costs)
     whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and lengths[i] > bs)
 
     def placement(m: int, n: int) -> _Placement:
         at = _Placement(np.zeros(w), np.zeros(w))
         for i in order[:m]:
-            at.spread_over_ring(i, kinds[i], block_work[i], block_tokens[i], int(rotation[i]), costs)
+            at.spread_over_ring(i, kinds[i], *blocks.of([i]), int(rotation[i]), costs)
         _fill(at, order[m + n:], lengths, work, token_cap)
         if n:  # after the whole documents: the cut brings every rank to one level
-            _cut(at, order[m: m + n], (block_work, block_tokens), bs, costs, token_cap)
+            _cut(at, order[m: m + n], blocks, bs, costs, token_cap)
         return at
 
     def balanced(at: _Placement, slack: float) -> bool:
@@ -374,10 +384,11 @@ def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, blo
     costs = PlannerCosts()
     at = _Placement(np.zeros(cp_size), np.zeros(cp_size))
     dense = [DENSE if k != PAD else PAD for k in kinds]  # head-tail, whatever the pattern
-    work, tokens, rotation = _document_blocks(lengths, dense, None, block_size, cp_size, costs)
+    blocks = _Blocks.of_row(lengths, dense, None, block_size, costs)
+    rotation = blocks.rotation(cp_size)
     for i, kind in enumerate(dense):
         if kind != PAD:
-            at.spread_over_ring(i, kind, work[i], tokens[i], int(rotation[i]), costs)
+            at.spread_over_ring(i, kind, *blocks.of([i]), int(rotation[i]), costs)
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
     return _materialize(at, lengths, kinds, cp_size, block_size)
 
@@ -454,5 +465,5 @@ def balance_ratio(plan: DocumentPlan) -> float:
     return max(plan.work) / (sum(plan.work) / len(plan.work)) if any(plan.work) else 1.0
 
 
-__all__ = ["DocumentPlan", "PlannerCosts", "attention_work", "balance_ratio", "kept_blocks_per_row", "plan_documents",
+__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "kept_blocks_per_row", "plan_documents",
            "plan_row", "row_runs", "split_every_document"]
