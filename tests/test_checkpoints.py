@@ -1,7 +1,7 @@
 """Checkpoints of a plugin run say whether they are complete; a resume checks the checkpoint before
 loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings, other
 global batch) is refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET;
-FSDP2 with SMET saved at 4 processes and resumed at 2, through the sharded state)."""
+FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, through the sharded state)."""
 
 import json
 import os
@@ -181,11 +181,11 @@ FSDP2 = ("--fsdp", "full_shard auto_wrap",
 
 
 @pytest.mark.slow
-def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_back_with_the_same_global_batch(tmp_path):
+def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_the_same_global_batch(tmp_path):
     """Saved by 4 FSDP2 processes (batch 1 each) at step 2, resumed by 2 (batch 2 each: the same 4 sequences
-    a step), whose step-4 checkpoint 4 processes resume again: each time the sharded state is laid out for
-    the new processes, the scheduler and step counter continue, and the steps after the resume and the
-    final weights are those of the uninterrupted 4-process run."""
+    a step), whose step-4 checkpoint 4 processes resume again as CP 2 x DP 2 (batch 2 per CP group): each
+    time the sharded state is laid out for the new processes, the scheduler and step counter continue, and
+    the steps after the resume and the final weights are those of the uninterrupted 4-process run."""
     from safetensors.torch import load_file
 
     from hf_sparse_cp.distributed.sharded_checkpoint import read_layout
@@ -198,12 +198,13 @@ def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_back_with_the_s
                 "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
     assert on_2.returncode == 0, on_2.stderr[-3000:]
     assert read_layout(tmp_path / "on_2" / "checkpoint-4" / SHARDED_STATE)[0] == 2
-    on_4 = _cli(tmp_path / "on_4", 4, *steps, "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
+    on_4 = _cli(tmp_path / "on_4", 4, *steps, "--cp_size", "2", "--per_device_train_batch_size", "2",
+                "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
     assert on_4.returncode == 0, on_4.stderr[-3000:]
     want = json.loads((tmp_path / "full" / "summary.json").read_text())
-    for run, world, resumed_at in (("on_2", 2, 2), ("on_4", 4, 4)):
+    for run, world, cp, resumed_at in (("on_2", 2, 1, 2), ("on_4", 4, 2, 4)):
         got = json.loads((tmp_path / run / "summary.json").read_text())
-        assert got["world_size"] == world and got["fsdp2_modules"] >= 3
+        assert got["world_size"] == world and got["cp_size"] == cp and got["fsdp2_modules"] >= 3
         # The steps before the resume come from the saved trainer state; those after it were trained here. A
         # step's gradient is the same sum in fp32, reduced in another order (4 ranks of 1 row vs 2 of 2 rows):
         # a few ulps, which Adam's normalised update passes on at about lr x that relative size. A step of the

@@ -13,10 +13,10 @@ still in progress, a missing or resized file, or settings that differ from this 
 that names the cause. A checkpoint without a marker (written without the plugin) is loaded as the
 Trainer would, with a warning that nothing could be checked.
 
-One difference is resumed rather than refused: another data-parallel degree, when both runs train with
-FSDP2 (the checkpoint then holds its sharded state, `resharded_resume.py`) and the global batch
-(per-device batch x gradient accumulation x DP degree) is the saved one, so that step k still trains
-on the samples it trained on before.
+Two differences are resumed rather than refused: another data-parallel or context-parallel degree, when
+both runs train with FSDP2 (the checkpoint then holds its sharded state, `resharded_resume.py`) and the
+global batch (per-device batch x gradient accumulation x DP degree) is the saved one, so that step k
+still trains on the samples it trained on before.
 """
 
 from __future__ import annotations
@@ -93,13 +93,19 @@ class CheckpointMarkerCallback(TrainerCallback):
                                      "files": files})
 
 
+# The settings a checkpoint's sharded state lets a resume change (with the global batch kept), and their names.
+_RESHARDABLE = {"data_parallel_size": "DP", "cp_size": "CP"}
+
+
 def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardable: bool = False) -> bool:
     """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
     `settings`; warn when it has no marker (nothing can be checked).
 
-    With `reshardable` (this run trains with FSDP2) a checkpoint saved with another data-parallel degree
-    passes when it holds its sharded state and the same global batch; returns True then (load it with
-    `resharded_resume.resharded_loading`), else False."""
+    With `reshardable` (this run trains with FSDP2) a checkpoint saved with another data-parallel or
+    context-parallel degree passes when it holds its sharded state and the same global batch; returns True
+    then (load it with `resharded_resume.resharded_loading`), else False. (The CP degree decides how a
+    sequence's attention is split over processes, not what it computes: the model, optimizer and data
+    order continue alike.)"""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
@@ -124,13 +130,14 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     for key, value in settings.items():
         if key == "global_batch_size" or saved.get(key) == value:
             continue
-        if key == "data_parallel_size" and reshardable and has_sharded_state(folder):
+        if key in _RESHARDABLE and reshardable and has_sharded_state(folder):
             resharded = True
             continue
         hint = ""
-        if key == "data_parallel_size":
-            hint = (" Another DP degree resumes only from a checkpoint saved with FSDP2 (--fsdp with "
-                    "--fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state) into a run with FSDP2.")
+        if key in _RESHARDABLE:
+            hint = (f" Another {_RESHARDABLE[key]} degree resumes only from a checkpoint saved with FSDP2 (--fsdp "
+                    "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state) into a run with "
+                    "FSDP2.")
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
                          f"{key}={value!r}: resume with the settings it was saved with (a different "
                          f"parallel layout or SMET topology cannot continue it exactly).{hint}")
@@ -158,7 +165,7 @@ def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> s
 def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
                         cp_schedule: str | None = None) -> None:
     """Mark the checkpoints `trainer` saves (with FSDP2, adding their sharded state) and check a checkpoint
-    before `train()` resumes from it, resuming another DP degree through the sharded state; recorded in
+    before `train()` resumes from it, resuming another DP or CP degree through the sharded state; recorded in
     `patches`. With `cp_schedule` (a curriculum's canonical text) the settings
     checked are the schedule and the world size instead of the CP and DP degrees."""
     callbacks = trainer.callback_handler.callbacks

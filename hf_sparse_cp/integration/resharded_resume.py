@@ -1,11 +1,11 @@
-"""A Trainer's FSDP2 checkpoint resumed with another data-parallel degree, through the slice-intersection plan.
+"""A Trainer's FSDP2 checkpoint resumed with another DP or CP degree, through the slice-intersection plan.
 
 The Trainer's own FSDP checkpoint (accelerate's) is tied to the layout it was saved with. With FSDP2,
 `ShardedStateCallback` also writes the model's parameters and the optimizer's state into the checkpoint
 as each rank holds them (`distributed.sharded_checkpoint.save_sharded_state`, in `SHARDED_STATE`), and
-the param groups' hyperparameters (the scheduled learning rate among them). A resume whose DP degree
-differs from the checkpoint's (`checkpoints.check_checkpoint` decides; the CP degree and SMET settings
-must still match) then loads that state with `load_sharded_state` into this run's FSDP2 shards instead
+the param groups' hyperparameters (the scheduled learning rate among them). A resume whose DP or CP
+degree differs from the checkpoint's (`checkpoints.check_checkpoint` decides; the global batch and SMET
+settings must still match) then loads that state with `load_sharded_state` into this run's FSDP2 shards instead
 of accelerate's files (`load_resharded`); the scheduler, trainer state (step counter) and data position
 load as in any resume.
 """
@@ -75,8 +75,8 @@ class ShardedStateCallback(TrainerCallback):
         try:
             tensors = training_state(model, optimizer)
         except TypeError as e:  # (the same on every rank: the optimizer's structure is)
-            logger.warning("Checkpoint %s holds no sharded state, so it resumes only with its own DP degree: %s.",
-                           folder.parent, e)
+            logger.warning("Checkpoint %s holds no sharded state, so it resumes only with its own DP and CP "
+                           "degrees: %s.", folder.parent, e)
             return
         save_sharded_state(tensors, folder)
         if state.is_world_process_zero:
