@@ -75,6 +75,9 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     p.add_argument("--mix", default=None, choices=MIXES,
                    help="pack each row with documents of this length mix (hf_sparse_cp.testing.packing) instead of "
                         "one sequence")
+    p.add_argument("--estimation-chunk", type=int, default=None,
+                   help="charge the estimation of estimation='causal_chunks' with this chunk (default: each "
+                        "document's last queries); a packed row is charged as one sequence (an upper bound)")
     p.add_argument("--no-mtraining", action="store_true", help="skip the prediction for MTraining's setting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None,
@@ -147,7 +150,8 @@ def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: lis
                 for kernel, hw in hardware.items():
                     if not setup.sparse and kernel != "flex":
                         continue
-                    r = predict_step(setup, model, hw, cluster, counts=counts)
+                    r = predict_step(setup, model, hw, cluster, estimation_chunk=args.estimation_chunk,
+                                     counts=counts)
                     r.update(model=model_name, cluster=cluster_name, seq=seq, cp=cp, config=name,
                              kernel=kernel if setup.sparse else dense_kernel, mix=args.mix or "one sequence",
                              documents=len(workload.lengths), local_blocks=[int(b.numel()) for b in

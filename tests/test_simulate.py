@@ -184,6 +184,16 @@ def test_predicted_step_is_consistent():
     # one sequence: the planner splits it striped, and the simulator predicts the same step
     for cp in (4, 16):
         assert out[("planner sparse", cp)]["step_s"] == pytest.approx(out[("striped sparse", cp)]["step_s"])
+    # causal-chunk estimation: 127 sets of 1024-token chunks, each scoring about half the keys, and every
+    # all-reduce 127 times larger; the attention itself is the same
+    setup = CONFIGURATIONS["striped sparse"](workload, 16, 128, 8)
+    causal = predict_step(setup, model, hw, cluster, estimation_chunk=1024)
+    assert causal["attention_fwd_s"] == r["attention_fwd_s"] and causal["linear_s"] == r["linear_s"]
+    assert 20 * r["estimation_s"] < causal["estimation_s"] < 127 * r["estimation_s"]
+    half = predict_step(setup, model, hw, cluster, estimation_chunk=2048)  # 63 sets: about half the cost
+    assert 1.5 < (causal["estimation_s"] - r["estimation_s"]) / (half["estimation_s"] - r["estimation_s"]) < 2.1
+    assert causal["step_s"] - r["step_s"] == pytest.approx(2 * model.layers * (causal["estimation_s"]
+                                                                               - r["estimation_s"]), rel=1e-6)
     small = Workload((S,), ("sparse",), lambda kind, plan: _sparse())
     with pytest.raises(ValueError, match="block_size=128"):
         predict_step(CONFIGURATIONS["striped sparse"](small, 4, BS, 8), model, hw, cluster)

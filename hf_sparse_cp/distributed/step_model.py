@@ -205,18 +205,24 @@ def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
     return {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s}
 
 
-def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, last_q: int) -> float:
+def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, last_q: int,
+                estimation_chunk: int | None) -> float:
     """One layer's layout estimation under CP: scoring (two passes over the rank's keys), four
-    all-reduces (the scoring queries, row max, row sums, the [2, H, S] scores), the index build."""
+    all-reduces (the scoring queries, row max, row sums, the [2, H, sets, S] scores), the index build.
+    With causal chunks (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored by its own
+    queries over the keys before it: a key is scored by (n - 1) / 2 sets on average (positions spread
+    evenly over ranks), and every all-reduce carries n - 1 sets."""
     if not setup.sparse:
         return 0.0
     w, s = setup.plan.cp_size, setup.plan.padded_len
+    sets = 1 if estimation_chunk is None else max(1, -(-setup.plan.seq_len // estimation_chunk) - 1)
     keys = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's
-    score = 2 * 2 * last_q * keys * model.head_dim * model.heads / hw.attention_flops_per_s
+    scored_keys = keys if estimation_chunk is None else keys * sets / 2
+    score = 2 * 2 * last_q * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
     link = cluster.group_link(w)
     reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4,
                2 * model.heads * s * 4)
-    return score + sum(all_reduce_time(n, w, link) for n in reduces) + hw.index_build_s
+    return score + sum(all_reduce_time(n * sets, w, link) for n in reduces) + hw.index_build_s
 
 
 def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraffic]:
@@ -226,13 +232,16 @@ def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraf
 
 
 def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
-                 last_q: int = 64, counts: tuple[PlanWork, PlanTraffic] | None = None) -> dict:
+                 last_q: int = 64, estimation_chunk: int | None = None,
+                 counts: tuple[PlanWork, PlanTraffic] | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence split by `setup`.
 
     Returns a dict: step_s, tokens_per_s, per-layer seconds (layer_s, linear_s, estimation_s,
     attention forward / backward), comm_share (share of the step that free communication would
     save), comm_bound (the ring's transfers alone outlast its compute), the ring's per-step
     compute and transfer seconds of the forward pass, and the kept fraction of the layout.
+    estimation_chunk: the chunk of `estimation="causal_chunks"`, None for the default estimation by
+    each document's last queries (the layout's work is the same: only the estimation's cost changes).
     counts: `ring_counts(setup, model)` when already computed (they depend on the plan, not on
     the hardware)."""
     if setup.plan.block_size != hw.block_size:
@@ -247,7 +256,7 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
 
     def step(c: Cluster) -> tuple[float, dict, float]:
         att = _attention(setup, model, hw, c, work, traffic)
-        est = _estimation(setup, model, hw, c, last_q)
+        est = _estimation(setup, model, hw, c, last_q, estimation_chunk)
         layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
         return model.layers * layer + head, att, est
 
