@@ -15,6 +15,12 @@ to another layout of the same ranks:
   `restart`: the measured start of one fresh Python process importing torch, transformers and the
   plugin (what a job restart pays at least once more, before building its model).
 
+The allocator: every process runs with glibc's malloc keeping freed memory (`--allocator recycling`,
+`GLIBC_TUNABLES`), as PyTorch's caching allocator does on a GPU, where a switch at a step boundary
+allocates its new shards from memory the step just freed. With glibc's defaults (`--allocator system`)
+every large new tensor, the switch's destinations and the reload's alike, first pays a page fault per
+4 KiB page, which on this machine costs more than moving the bytes.
+
 Targets (issue #17): switch >= 20x faster than save + reload (with and without the restart), peak extra
 memory <= one shard. A context-parallel switch at constant world size moves nothing (FSDP2's mesh over
 dp_shard x cp keeps its flattened size, `integration/curriculum.py`); this measures the layout change.
@@ -39,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.testing.benchmarking import format_targets, write_report
+from hf_sparse_cp.testing.benchmarking import ALLOCATORS, format_targets, spawned_allocator, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -64,6 +70,9 @@ class BenchSwitchArguments:
     models: list[str] = field(default_factory=lambda: list(MODELS), metadata={"help": f"Of {list(MODELS)}."})
     world: int = field(default=4, metadata={"help": "Processes (a multiple of 4: the target meshes are 2 x world/2)."})
     repeats: int = field(default=3, metadata={"help": "Switches timed per model (median); the baseline runs once."})
+    allocator: str = field(default="recycling", metadata={
+        "help": "glibc malloc of the processes: 'recycling' keeps freed memory (as a GPU's caching allocator "
+                "does), 'system' its defaults.", "choices": ALLOCATORS})
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
 
 
@@ -218,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--models from {list(MODELS)} and a --world that is a multiple of 4 (got {args.models}, "
                          f"{args.world}).")
     restart = _restart_seconds()
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as workdir, spawned_allocator(args.allocator) as tunables:
         per_rank = run_gloo(_worker, args.world, args.models, args.repeats, workdir, timeout_s=3600)
     rows = []
     for i, row in enumerate(per_rank[0]):
@@ -239,10 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
     env = environment("cpu")
     print(f"Layout switch on {args.world} gloo processes ({env['device']}, torch {env['torch']}): flat FSDP2 "
           f"Shard(0) -> each target; weights + AdamW moments in fp32; checkpoint baseline to the nested layout; "
-          f"restart = {restart:.2f} s (measured)")
+          f"restart = {restart:.2f} s (measured); {args.allocator} malloc")
     print(format_table(rows))
     print(format_targets(targets))
-    report = {**env, "world": args.world, "repeats": args.repeats, "rows": rows,
+    report = {**env, "world": args.world, "repeats": args.repeats, "allocator": args.allocator,
+              "glibc_tunables": tunables, "rows": rows,
               "targets": targets}
     write_report(report, RESULTS_DIR, "switch", args.output)
     return report

@@ -23,6 +23,7 @@ from transformers import HfArgumentParser
 import hf_sparse_cp
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
+from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.testing import pretrained
 from hf_sparse_cp.testing.benchmarking import write_report
 
@@ -44,22 +45,26 @@ class FinetuneGapArguments:
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
 
 
-def train(model, batches: list[torch.Tensor], args: FinetuneGapArguments) -> list[float]:
-    """Losses of `args.steps` AdamW steps, one batch each."""
+def train(model, batches: list[torch.Tensor], args: FinetuneGapArguments) -> tuple[list[float], list[float]]:
+    """Losses of `args.steps` AdamW steps, one batch each, and each step's kept block fraction (the
+    mean over the sparse layers; empty for a dense run)."""
     torch.manual_seed(args.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses = []
+    losses, kept = [], []
     for step, ids in enumerate(batches):
         t0 = time.perf_counter()
         loss = model(ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
+        per_layer = pop_kept_fractions(model)
+        if per_layer:
+            kept.append(sum(per_layer.values()) / len(per_layer))
         print(f"  {model.config._attn_implementation} step {step}: loss {losses[-1]:.4f} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    return losses
+    return losses, kept
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -70,20 +75,20 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = SparseAttentionConfig(min_seq_len=0, vertical_topk=args.vertical_topk, slash_topk=args.slash_topk,
                                 sink_tokens=args.sink_tokens, local_window=args.local_window,
                                 block_size=args.block_size, dense_first_layers=args.dense_first_layers)
-    dense = train(copy.deepcopy(base), batches, args)
+    dense, _ = train(copy.deepcopy(base), batches, args)
     hf_sparse_cp.patch()
     try:
         model = copy.deepcopy(base)
         hf_sparse_cp.configure(model, cfg)
-        sparse = train(model, batches, args)
+        sparse, kept = train(model, batches, args)
     finally:
         hf_sparse_cp.unpatch()
     gaps = [s / d - 1 for s, d in zip(sparse, dense)]
-    print(f"{'step':>4} {'sdpa':>8} {'sparse_cp':>9} {'gap':>7}")
-    for i, (d, s, g) in enumerate(zip(dense, sparse, gaps)):
-        print(f"{i:4d} {d:8.4f} {s:9.4f} {g:+7.2%}")
+    print(f"{'step':>4} {'sdpa':>8} {'sparse_cp':>9} {'gap':>7} {'kept':>6}")
+    for i, (d, s, g, f) in enumerate(zip(dense, sparse, gaps, kept)):
+        print(f"{i:4d} {d:8.4f} {s:9.4f} {g:+7.2%} {f:6.1%}")
     report = {**environment("cpu"), "settings": dataclasses.asdict(args), "config": cfg.to_dict(),
-              "loss_sdpa": dense, "loss_sparse_cp": sparse, "relative_gap": gaps,
+              "loss_sdpa": dense, "loss_sparse_cp": sparse, "relative_gap": gaps, "kept_fraction": kept,
               "max_abs_relative_gap": max(abs(g) for g in gaps)}
     write_report(report, RESULTS_DIR, "finetune-gap", args.output)
     return report

@@ -49,7 +49,6 @@ import statistics
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -66,6 +65,7 @@ from hf_sparse_cp.distributed.mesh import ContextParallelConfig
 from hf_sparse_cp.distributed.plan import RingPlan
 from hf_sparse_cp.distributed.simulate import Cluster, KernelCosts, Link, plan_work, simulate_ring
 from hf_sparse_cp.env import environment
+from hf_sparse_cp.testing.benchmarking import ALLOCATORS, RECYCLING_MALLOC, spawned_allocator
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import run_gloo
 
@@ -74,8 +74,6 @@ HQ, HKV, D, BS = 4, 2, 64, 64
 # (name, sharding, ring shape as (nodes, ranks per node) or None for flat, layout kind)
 CONFIGS = [("dense ring", "zigzag", None, "dense"), ("zigzag sparse", "zigzag", None, "sparse"),
            ("striped sparse", "striped", None, "sparse"), ("hierarchical striped sparse", "striped", (2, 2), "sparse")]
-# glibc malloc keeping freed memory (no mmap per large allocation, no trimming): see the module docstring
-RECYCLING_MALLOC = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rounds", type=int, default=4, help="rounds of calibration + measurement")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats per round")
-    p.add_argument("--allocator", choices=("recycling", "system"), default="recycling",
+    p.add_argument("--allocator", choices=ALLOCATORS, default="recycling",
                    help="glibc malloc of the gloo processes: keeping freed memory, or its defaults")
     p.add_argument("--json", default=None, help="default: results/simulator-validation_cpu[_system-malloc].json")
     args = p.parse_args(argv)
@@ -100,23 +98,6 @@ def _layout(kind: str, seq: int) -> object:
     nb = seq // BS
     return random_vertical_slash_layout(1, HQ, seq, BS, num_diagonals=max(1, nb // 10), num_verticals=64,
                                         sink_tokens=16, generator=torch.Generator().manual_seed(0))
-
-
-@contextmanager
-def _allocator(kind: str):
-    """Spawned processes read GLIBC_TUNABLES at start: set it (or clear it) around their spawn."""
-    before = os.environ.get("GLIBC_TUNABLES")
-    if kind == "recycling":
-        os.environ["GLIBC_TUNABLES"] = RECYCLING_MALLOC
-    else:
-        os.environ.pop("GLIBC_TUNABLES", None)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("GLIBC_TUNABLES", None)
-        else:
-            os.environ["GLIBC_TUNABLES"] = before
 
 
 def _thread_sys_faults() -> tuple[float, int]:
@@ -331,7 +312,7 @@ def main(argv=None) -> dict:
           f"{'pred CPU':>9} {'error':>7} {'sys s':>6}  (wall time, then the calling thread's CPU and system time; "
           "medians over rounds)")
     for world in args.world:
-        with _allocator(args.allocator):
+        with spawned_allocator(args.allocator):
             per_rank = run_gloo(_worker, world, args.seq, args.rounds, args.repeats, timeout_s=3000)
         run = {"world": world, "torch_threads_per_process": per_rank[0][0]["torch_threads"], "rounds": [],
                "configs": []}

@@ -4,13 +4,41 @@ writes its JSON (the machine and versions it records come from `hf_sparse_cp.env
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 import torch
+
+# glibc's malloc set to keep freed memory for reuse (the CPU analogue of PyTorch's caching allocator on a GPU).
+# By default it hands every allocation above its mmap threshold (at most 32 MiB) fresh pages from the kernel and
+# returns them on free, so a CPU run pays page faults for large tensors that a GPU run never pays.
+RECYCLING_MALLOC = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
+ALLOCATORS = ("recycling", "system")
+
+
+@contextmanager
+def spawned_allocator(kind: str) -> Iterator[str | None]:
+    """Processes spawned inside run with glibc's allocator `kind`: 'recycling' (`RECYCLING_MALLOC`) or
+    'system' (glibc's defaults); they read GLIBC_TUNABLES at start. Yields the GLIBC_TUNABLES they get."""
+    if kind not in ALLOCATORS:
+        raise ValueError(f"allocator {kind!r} is unknown; use one of {ALLOCATORS}.")
+    before = os.environ.get("GLIBC_TUNABLES")
+    if kind == "recycling":
+        os.environ["GLIBC_TUNABLES"] = RECYCLING_MALLOC
+    else:
+        os.environ.pop("GLIBC_TUNABLES", None)
+    try:
+        yield os.environ.get("GLIBC_TUNABLES")
+    finally:
+        if before is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
 
 
 def format_targets(targets: list[dict]) -> str:
