@@ -219,6 +219,35 @@ def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_th
     # (another global batch is refused before anything loads: test_a_damaged_or_mismatched_checkpoint_is_refused...)
 
 
+@pytest.mark.slow
+def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every_stage_batch_kept(tmp_path):
+    """A curriculum (CP 1, then CP 2 from step 3) saved by 4 FSDP2 processes (batch 1 each) in its second
+    stage resumes on 2 processes with batch 2 each: every stage's global batch is the saved one (4 and 2
+    sequences a step), so the steps after the resume and the final weights are the uninterrupted run's.
+    With the per-device batch left at 1 the resume is refused, naming the batch that fits."""
+    from safetensors.torch import load_file
+
+    steps = ("--max_steps", "6", "--num_samples", "24", "--cp_schedule", "0:128:1,3:256:2", *FSDP2)
+    full = _cli(tmp_path / "full", 4, *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+    checkpoint = str(tmp_path / "full" / "checkpoint-4")
+    assert json.loads((tmp_path / "full" / "checkpoint-4" / MARKER).read_text())["settings"]["world_batch_size"] == 4
+    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
+                checkpoint)
+    assert on_2.returncode == 0, on_2.stderr[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
+    got = json.loads((tmp_path / "on_2" / "summary.json").read_text())["losses"]
+    assert len(got) == 6 and got[:4] == want[:4]
+    assert got[4:] == pytest.approx(want[4:], rel=1e-5)  # (fp32 reduction order, as for the DP change above)
+    final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in ("on_2", "full"))
+    for name, weight in ref.items():
+        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
+    assert refused.returncode != 0
+    assert "was saved with 4 sequences per step at CP 1" in refused.stderr, refused.stderr[-3000:]
+    assert "Set --per_device_train_batch_size 2 --gradient_accumulation_steps 1" in refused.stderr
+
+
 @pytest.mark.parametrize("strategy", ["steps", "epoch"])
 def test_a_save_that_fails_midway_leaves_a_checkpoint_marked_incomplete(tmp_path, strategy):
     """The marker says "in progress" before the Trainer writes a file (at the step or epoch end where it

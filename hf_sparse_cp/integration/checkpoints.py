@@ -13,10 +13,11 @@ still in progress, a missing or resized file, or settings that differ from this 
 that names the cause. A checkpoint without a marker (written without the plugin) is loaded as the
 Trainer would, with a warning that nothing could be checked.
 
-Two differences are resumed rather than refused: another data-parallel or context-parallel degree, when
-both runs train with FSDP2 (the checkpoint then holds its sharded state, `resharded_resume.py`) and the
-global batch (per-device batch x gradient accumulation x DP degree) is the saved one, so that step k
-still trains on the samples it trained on before.
+Some differences are resumed rather than refused: another data-parallel or context-parallel degree (under
+a curriculum, another world size), when both runs train with FSDP2 (the checkpoint then holds its
+sharded state, `resharded_resume.py`) and the global batch (per-device batch x gradient accumulation x
+DP degree; under a curriculum, every stage's) is the saved one, so that step k still trains on the
+samples it trained on before.
 """
 
 from __future__ import annotations
@@ -43,15 +44,19 @@ MARKER = "hf_sparse_cp_checkpoint.json"
 
 def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it: the CP and DP degrees and the global
-    batch, or under a context-length curriculum its schedule and world size (the step then says the stage)."""
+    batch, or under a context-length curriculum its schedule, world size and world batch (per-device batch
+    x gradient accumulation x world size: the samples a step takes at CP 1, each stage's global batch
+    times its CP degree; the step then says the stage)."""
     smet = None
     factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
     if factory is SMETOptimizerFactory:
         config = kwargs["config"]
         smet = {"mode": config.mode, "density": config.density, "block_size": config.block_size}
-    if cp_schedule is not None:
-        return {"cp_schedule": cp_schedule, "world_size": parallel.world_size, "smet": smet}
     args = trainer.args
+    if cp_schedule is not None:
+        return {"cp_schedule": cp_schedule, "world_size": parallel.world_size, "smet": smet,
+                "world_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+                * parallel.world_size}
     return {"cp_size": parallel.cp_size, "data_parallel_size": parallel.dp_size, "smet": smet,
             "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * parallel.dp_size}
 
@@ -94,7 +99,9 @@ class CheckpointMarkerCallback(TrainerCallback):
 
 
 # The settings a checkpoint's sharded state lets a resume change (with the global batch kept), and their names.
-_RESHARDABLE = {"data_parallel_size": "DP", "cp_size": "CP"}
+_RESHARDABLE = {"data_parallel_size": "DP degree", "cp_size": "CP degree", "world_size": "world size"}
+# What decides the samples of each step: checked once the layout fits (`check_checkpoint`).
+_BATCHES = ("global_batch_size", "world_batch_size")
 
 
 def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardable: bool = False) -> bool:
@@ -102,10 +109,10 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     `settings`; warn when it has no marker (nothing can be checked).
 
     With `reshardable` (this run trains with FSDP2) a checkpoint saved with another data-parallel or
-    context-parallel degree passes when it holds its sharded state and the same global batch; returns True
-    then (load it with `resharded_resume.resharded_loading`), else False. (The CP degree decides how a
-    sequence's attention is split over processes, not what it computes: the model, optimizer and data
-    order continue alike.)"""
+    context-parallel degree (under a curriculum: another world size) passes when it holds its sharded
+    state and the same global batch (every stage's); returns True then (load it with
+    `resharded_resume.resharded_loading`), else False. (The CP degree decides how a sequence's attention
+    is split over processes, not what it computes: the model, optimizer and data order continue alike.)"""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
@@ -128,14 +135,14 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     saved = content["settings"]
     resharded = False
     for key, value in settings.items():
-        if key == "global_batch_size" or saved.get(key) == value:
+        if key in _BATCHES or saved.get(key) == value:
             continue
         if key in _RESHARDABLE and reshardable and has_sharded_state(folder):
             resharded = True
             continue
         hint = ""
         if key in _RESHARDABLE:
-            hint = (f" Another {_RESHARDABLE[key]} degree resumes only from a checkpoint saved with FSDP2 (--fsdp "
+            hint = (f" Another {_RESHARDABLE[key]} resumes only from a checkpoint saved with FSDP2 (--fsdp "
                     "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state) into a run with "
                     "FSDP2.")
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
@@ -143,21 +150,28 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
                          f"parallel layout or SMET topology cannot continue it exactly).{hint}")
     # Last, once the layout fits: the fix it names is then all that is left (a marker written before the
     # global batch was recorded has none to compare).
-    batch = settings.get("global_batch_size")
-    if batch is not None and saved.get("global_batch_size", batch) != batch:
-        raise ValueError(_other_global_batch(folder, saved["global_batch_size"], settings))
+    for key in _BATCHES:
+        batch = settings.get(key)
+        if batch is not None and saved.get(key, batch) != batch:
+            raise ValueError(_other_global_batch(folder, saved[key], settings))
     return resharded
 
 
 def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> str:
     """The refusal of another global batch, with per-device batch and accumulation flags that match it."""
-    dp, now = settings["data_parallel_size"], settings["global_batch_size"]
-    text = (f"Checkpoint {str(folder)!r} was saved with a global batch of {saved} sequences per step, but this run "
-            f"has {now} (per_device_train_batch_size x gradient_accumulation_steps x DP degree {dp}): step k would "
-            "train on other samples than it did. ")
+    if "world_batch_size" in settings:
+        dp, now, degree, launch = settings["world_size"], settings["world_batch_size"], "world size", "a world size"
+        text = (f"Checkpoint {str(folder)!r} was saved with {saved} sequences per step at CP 1 (each stage's global "
+                f"batch times its CP degree), but this run takes {now} (per_device_train_batch_size x "
+                f"gradient_accumulation_steps x world size {dp}): step k would train on other samples than it did. ")
+    else:
+        dp, now = settings["data_parallel_size"], settings["global_batch_size"]
+        degree, launch = "DP degree", "a DP degree (processes / --cp_size)"
+        text = (f"Checkpoint {str(folder)!r} was saved with a global batch of {saved} sequences per step, but this "
+                f"run has {now} (per_device_train_batch_size x gradient_accumulation_steps x DP degree {dp}): step k "
+                "would train on other samples than it did. ")
     if saved % dp:
-        return text + (f"No per-device batch gives {saved} at DP degree {dp}: launch with a DP degree (processes / "
-                       f"--cp_size) that divides {saved}.")
+        return text + f"No per-device batch gives {saved} at {degree} {dp}: launch with {launch} that divides {saved}."
     return text + (f"Set --per_device_train_batch_size {saved // dp} --gradient_accumulation_steps 1 (or any "
                    f"pair whose product is {saved // dp}).")
 
