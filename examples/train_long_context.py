@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "mean_kept_fraction": sum(kept) / len(kept) if kept else 1.0,
         "losses": losses,
         "world_size": parallel.world_size,
-        "cp_size": parallel.cp_size,
+        "cp_size": parallel.cp_size,  # (under a curriculum, the first stage's)
+        "cp_schedule": training.cp_schedule,
         # modules FSDP2 sharded (`fully_shard`): 0 unless the run shards with FSDP2
         "fsdp2_modules": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
     }
@@ -275,9 +276,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             Path(script.summary_file).write_text(json.dumps(summary, indent=2))
         saved = (f"checkpoints in {training.output_dir}" if training.save_strategy != "no"
                  else "no checkpoints (the demo's default; --save_steps N saves every N steps)")
+        # a curriculum's length and CP degree change by stage: its schedule says them
+        shape = (f"on {parallel.world_size} process(es), cp_schedule {training.cp_schedule}" if training.cp_schedule
+                 else f"at {script.seq_len} tokens on {parallel.world_size} process(es), CP={parallel.cp_size}")
         print(
-            f"done: {trainer.state.global_step} steps at {script.seq_len} tokens on {parallel.world_size} "
-            f"process(es), CP={parallel.cp_size} | loss "
+            f"done: {trainer.state.global_step} steps {shape} | loss "
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"
         )
