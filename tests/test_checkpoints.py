@@ -194,6 +194,10 @@ def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_th
     steps = ("--max_steps", "6", "--num_samples", "24", *FSDP2)
     full = _cli(tmp_path / "full", 4, *steps)
     assert full.returncode == 0, full.stderr[-3000:]
+    # the state once, as each rank holds it (plus the portable model.safetensors): no gathered copies
+    saved = {p.name for p in (tmp_path / "full" / "checkpoint-2").iterdir()}
+    assert {SHARDED_STATE, "model.safetensors", "scheduler.pt"} <= saved, saved
+    assert not saved & {"optimizer.bin", "pytorch_model_fsdp.bin", "optimizer.pt"}, saved
     on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
                 "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
     assert on_2.returncode == 0, on_2.stderr[-3000:]
@@ -242,6 +246,11 @@ def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every
     final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in ("on_2", "full"))
     for name, weight in ref.items():
         torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    same = _cli(tmp_path / "same", 4, *steps, "--resume_from_checkpoint", checkpoint)  # the saved layout: exact
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert json.loads((tmp_path / "same" / "summary.json").read_text())["losses"] == want
+    without_fsdp = _cli(tmp_path / "ddp", 4, *steps[:-4], "--resume_from_checkpoint", checkpoint)
+    assert without_fsdp.returncode != 0 and "only a run with FSDP2 loads it" in without_fsdp.stderr
     refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
     assert refused.returncode != 0
     assert "was saved with 4 sequences per step at CP 1" in refused.stderr, refused.stderr[-3000:]

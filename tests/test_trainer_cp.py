@@ -106,11 +106,11 @@ def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
     run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp, "--save_steps", "4")
     _assert_same_losses(run, ref)
     # FSDP2 really sharded the model (accelerate alone would have run DDP on CPU processes): the model
-    # and its two decoder layers at least are `fully_shard` modules; the final checkpoint went through
-    # accelerate's FSDP2 saving (the full state dict gathered from the shards)
+    # and its two decoder layers at least are `fully_shard` modules; the final checkpoint holds the full
+    # weights gathered from the shards (model.safetensors) and the training state as the ranks held it
     assert ref["fsdp2_modules"] == 0 and run["fsdp2_modules"] >= 3, run
     saved = tmp_path / "smet_fsdp2_cp2" / "checkpoint-4"
-    assert (saved / "model.safetensors").is_file() and (saved / "optimizer.bin").is_file()
+    assert (saved / "model.safetensors").is_file() and (saved / "hf_sparse_cp_sharded_state" / "layout.json").is_file()
 
 
 def _trainer(tmp_path, attn: str) -> Trainer:

@@ -35,7 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..distributed import ParallelDims
 from ..smet.factory import SMETOptimizerFactory
 from .patching import PatchSet
-from .resharded_resume import ShardedStateCallback, has_sharded_state, resharded_loading, runs_fsdp2
+from .resharded_resume import has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,25 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
     `settings`; warn when it has no marker (nothing can be checked).
 
-    With `reshardable` (this run trains with FSDP2) a checkpoint saved with another data-parallel or
-    context-parallel degree (under a curriculum: another world size) passes when it holds its sharded
-    state and the same global batch (every stage's); returns True then (load it with
-    `resharded_resume.resharded_loading`), else False. (The CP degree decides how a sequence's attention
-    is split over processes, not what it computes: the model, optimizer and data order continue alike.)"""
+    Returns whether the checkpoint loads from its sharded state (`resharded_resume.resharded_loading`):
+    it holds one and this run trains with FSDP2 (`reshardable`). Such a checkpoint may then have been
+    saved with another data-parallel or context-parallel degree (under a curriculum: another world size)
+    as long as the global batch (every stage's) is the same: the CP degree decides how a sequence's
+    attention is split over processes, not what it computes, so the model, optimizer and data order
+    continue alike. A run without FSDP2 is refused such a checkpoint (its optimizer state is there only)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
+    sharded = has_sharded_state(folder)
+    if sharded and not reshardable:
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved by an FSDP2 run, which keeps the optimizer state as "
+                         "each rank held it (hf_sparse_cp_sharded_state/); only a run with FSDP2 loads it: resume "
+                         "with --fsdp 'full_shard auto_wrap' --fsdp_config '{\"fsdp_version\": 2, ...}'.")
     marker = folder / MARKER
     if not marker.is_file():
         logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
                        "that it is complete and fits this run.", folder, MARKER)
-        return False
+        return sharded
     content = json.loads(marker.read_text())
     if not content.get("complete"):
         raise ValueError(f"Checkpoint {str(folder)!r} is incomplete: the run ended while it was being saved. Resume "
@@ -133,12 +139,8 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
             raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
                              "checkpoint.")
     saved = content["settings"]
-    resharded = False
     for key, value in settings.items():
-        if key in _BATCHES or saved.get(key) == value:
-            continue
-        if key in _RESHARDABLE and reshardable and has_sharded_state(folder):
-            resharded = True
+        if key in _BATCHES or saved.get(key) == value or (key in _RESHARDABLE and sharded):
             continue
         hint = ""
         if key in _RESHARDABLE:
@@ -154,7 +156,7 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
         batch = settings.get(key)
         if batch is not None and saved.get(key, batch) != batch:
             raise ValueError(_other_global_batch(folder, saved[key], settings))
-    return resharded
+    return sharded
 
 
 def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> str:
@@ -183,7 +185,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     `patches`. With `cp_schedule` (a curriculum's canonical text) the settings
     checked are the schedule and the world size instead of the CP and DP degrees."""
     callbacks = trainer.callback_handler.callbacks
-    patches.insert(callbacks, len(callbacks), ShardedStateCallback(trainer))  # (its files are in the marker's list)
+    sharded_saving(trainer, patches)  # (its files are in the marker's list)
     patches.insert(callbacks, len(callbacks), CheckpointMarkerCallback(trainer, parallel, cp_schedule))
     train = trainer.train
 

@@ -26,6 +26,7 @@ ACCELERATOR_PREPARE_CP = "_prepare_cp"
 TRAINER_COLLATOR_WITHOUT_UNUSED = "_get_collator_with_removed_columns"
 TRAINER_LOAD_MODEL = "_load_from_checkpoint"
 TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
+TRAINER_SAVE_OPTIMIZER = "_save_optimizer_and_scheduler"
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,11 @@ PRIVATE_MEMBERS = (
     PrivateMember("transformers.Trainer", TRAINER_COLLATOR_WITHOUT_UNUSED, ("self", "data_collator", "description"),
                   "a cp_schedule's data loader drops the columns the model does not take, as the Trainer's does"),
     PrivateMember("transformers.Trainer", TRAINER_LOAD_MODEL, ("self", "resume_from_checkpoint", "model"),
-                  "replaced per trainer while resuming another DP degree: the sharded state loads the model"),
+                  "replaced per trainer while resuming FSDP2: the sharded state loads the model"),
     PrivateMember("transformers.Trainer", TRAINER_LOAD_OPTIMIZER, ("self", "checkpoint"),
-                  "replaced per trainer while resuming another DP degree: the sharded state loads the optimizer"),
+                  "replaced per trainer while resuming FSDP2: the sharded state loads the optimizer"),
+    PrivateMember("transformers.Trainer", TRAINER_SAVE_OPTIMIZER, ("self", "output_dir"),
+                  "replaced per trainer under FSDP2: the sharded state instead of accelerate's gathered copies"),
     PrivateMember("accelerate.Accelerator", ACCELERATOR_PREPARE_CP, ("self", "*args"),
                   "replaced per accelerator: its CP model hooks drop the attention mask for SDPA"),
     PrivateMember("accelerate.Accelerator", "_dataloaders", None,

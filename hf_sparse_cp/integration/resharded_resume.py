@@ -1,13 +1,17 @@
-"""A Trainer's FSDP2 checkpoint resumed with another DP or CP degree, through the slice-intersection plan.
+"""A Trainer's FSDP2 checkpoint as each rank holds it, resumed with any DP or CP degree (slice intersection).
 
-The Trainer's own FSDP checkpoint (accelerate's) is tied to the layout it was saved with. With FSDP2,
-`ShardedStateCallback` also writes the model's parameters and the optimizer's state into the checkpoint
-as each rank holds them (`distributed.sharded_checkpoint.save_sharded_state`, in `SHARDED_STATE`), and
-the param groups' hyperparameters (the scheduled learning rate among them). A resume whose DP or CP
-degree differs from the checkpoint's (`checkpoints.check_checkpoint` decides; the global batch and SMET
-settings must still match) then loads that state with `load_sharded_state` into this run's FSDP2 shards instead
-of accelerate's files (`load_resharded`); the scheduler, trainer state (step counter) and data position
-load as in any resume.
+The Trainer's own FSDP checkpoint (accelerate's) gathers the model and the optimizer state into whole
+tensors on one process (`pytorch_model_fsdp.bin`, `optimizer.bin`): the optimizer's fp32 moments of a
+multi-billion-parameter model in one process's memory, and a copy of the weights beside the
+`model.safetensors` the Trainer writes anyway. With FSDP2, `sharded_saving` replaces that part of the
+save: the model's parameters and the optimizer's state are written as each rank holds them
+(`distributed.sharded_checkpoint.save_sharded_state`, in `SHARDED_STATE`), with the param groups'
+hyperparameters (the scheduled learning rate among them) and the scheduler; the portable
+`model.safetensors` stays. A resume into an FSDP2 run (`checkpoints.check_checkpoint` decides; the
+global batch and SMET settings must match, the DP and CP degrees may differ) loads that state with
+`load_sharded_state` into this run's FSDP2 shards (`load_resharded`); the scheduler, trainer state (step
+counter) and data position load as in any resume. An optimizer whose state is not all tensors, or a run
+that reloads its best checkpoint at the end (accelerate's loader reads it), keeps accelerate's save.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..distributed.reshard import TargetLayout
 from ..distributed.sharded_checkpoint import LAYOUT_FILE, load_sharded_state, save_sharded_state
 from . import compat
+from .patching import PatchSet
 
 logger = logging.getLogger(__name__)
 
@@ -61,27 +65,31 @@ def training_state(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]
     return state
 
 
-class ShardedStateCallback(TrainerCallback):
-    """Writes the FSDP2 training state into each checkpoint the trainer saves (before the checkpoint
-    marker's callback, which then lists its files); nothing without FSDP2."""
+def sharded_saving(trainer: Trainer, patches: PatchSet) -> None:
+    """Under FSDP2, `trainer`'s checkpoints hold the model and optimizer state as each rank holds it
+    instead of accelerate's gathered copies (see the module docstring); recorded in `patches`."""
+    name = compat.TRAINER_SAVE_OPTIMIZER
+    compat.require(f"transformers.Trainer.{name}")
+    original = getattr(trainer, name)
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if not runs_fsdp2(self.trainer):
-            return
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / SHARDED_STATE
+    def save(output_dir: str) -> None:
+        if not runs_fsdp2(trainer) or trainer.args.load_best_model_at_end:
+            return original(output_dir)
         try:
-            tensors = training_state(model, optimizer)
+            tensors = training_state(trainer.model, trainer.optimizer)
         except TypeError as e:  # (the same on every rank: the optimizer's structure is)
-            logger.warning("Checkpoint %s holds no sharded state, so it resumes only with its own DP and CP "
-                           "degrees: %s.", folder.parent, e)
-            return
+            logger.warning("Checkpoint %s is saved by accelerate, gathered, and resumes only with its own DP and CP "
+                           "degrees: %s.", output_dir, e)
+            return original(output_dir)
+        folder = Path(output_dir) / SHARDED_STATE
         save_sharded_state(tensors, folder)
-        if state.is_world_process_zero:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        if trainer.args.should_save:
+            groups = [{k: v for k, v in g.items() if k != "params"}
+                      for g in trainer.optimizer.state_dict()["param_groups"]]
             torch.save(groups, folder / PARAM_GROUPS)
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    patches.set_attr(trainer, name, save)
 
 
 def _targets(model: torch.nn.Module, optimizer, world: int):
