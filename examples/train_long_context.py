@@ -66,7 +66,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScriptArguments:
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Pretrained model to fine-tune; default: a tiny random-init model."}
+        default=None, metadata={"help": "Pretrained model to fine-tune (a Hub id, a folder, or a .gguf file, loaded "
+                                         "dequantized through transformers' GGUF support); default: a tiny "
+                                         "random-init model."}
     )
     tiny_model_type: str = field(default="qwen2", metadata={"help": "Family of the tiny default model."})
     tiny_num_layers: int = field(default=2, metadata={"help": "Decoder layers of the tiny default model."})
@@ -218,8 +220,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_seed(training.seed)
 
     if script.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=torch.bfloat16)
+        source, gguf = script.model_name_or_path, {}
+        if source.endswith(".gguf"):  # transformers reads a GGUF file by its folder and name
+            source, gguf = str(Path(source).parent), {"gguf_file": Path(source).name}
+        tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16, **gguf)
+        if gguf:  # GGUF weights load dequantized, yet marked quantized, which the Trainer refuses to train
+            model.hf_quantizer.remove_quantization_config(model)
     else:
         tokenizer = byte_tokenizer()
         config = tiny_config(
