@@ -230,6 +230,8 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     else:
         print(f"{args.model} on {args.cluster}; rows packed with the {args.mix} mix (seed {args.seed}), "
               "per-document patterns at the default budgets; PREDICTED")
+    if args.estimation_chunk:
+        print(f"estimation: causal chunks of {args.estimation_chunk} tokens (estimation='causal_chunks')")
     print(HEADER)
     rows = simulate(args, args.model, args.cluster, args.seq, args.cp, args.configs, args.dense_kernel)
     hw = HARDWARE[args.cluster](dense_kernel=args.dense_kernel)
