@@ -170,3 +170,22 @@ def test_context_parallel_estimation_and_attention_equal_one_process(cp_runs, sh
 @pytest.fixture(scope="module")
 def cp_runs():
     return run_gloo(_cp_case, 2)
+
+
+def test_costly_causal_chunk_scores_warn_with_the_fix(monkeypatch):
+    """Many chunk sets over a long row make the per-call score buffers large: a warning names the size and
+    the fix (a larger estimation_chunk); the default estimation (one set) and a small buffer stay quiet."""
+    import warnings
+
+    from hf_sparse_cp.attention import estimate
+
+    meta = _meta()
+    q, k, _ = _qkv(0, meta.index.shape[1])
+    monkeypatch.setattr(estimate, "SCORE_SET_WARN_BYTES", 1 << 10)  # this tiny call's buffers are ~50 KB
+    with pytest.warns(UserWarning, match=r"estimation_chunk=64 scores 3 chunk sets.*larger estimation_chunk"):
+        estimate_layout(q, k, CFG, meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        estimate_layout(q, k, dataclasses.replace(CFG, estimation="last_queries"), meta)
+        monkeypatch.setattr(estimate, "SCORE_SET_WARN_BYTES", 1 << 30)
+        estimate_layout(q, k, CFG, meta)

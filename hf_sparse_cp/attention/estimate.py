@@ -43,6 +43,7 @@ widths.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,8 @@ from .tokens import PAD_SEGMENT, TokenMeta, run_starts
 
 # Elements of one [heads, rows, keys] score tile of the PyTorch scoring path.
 _SCORE_ELEMENTS = 1 << 24
+# Score sets beyond this many bytes per call (causal chunks, a long sequence) earn a warning naming the fix.
+SCORE_SET_WARN_BYTES = 1 << 30
 
 
 # ------------------------------------------------------------------------------------------ documents
@@ -231,6 +234,15 @@ def score_vertical_slash(
     return vertical, slash
 
 
+def _warn_if_costly(n_sets: int, nbytes: int, cfg: SparseAttentionConfig) -> None:
+    if n_sets > 1 and nbytes > SCORE_SET_WARN_BYTES:
+        warnings.warn(
+            f"estimation='causal_chunks' with estimation_chunk={cfg.estimation_chunk} scores {n_sets} chunk sets here: "
+            f"{nbytes / 2**30:.1f} GiB of scores per attention call (under context parallelism every rank holds and "
+            "all-reduces them); a larger estimation_chunk (1/16 of the sequence or more) keeps this small.",
+            stacklevel=3)
+
+
 def score_rows(
     q: torch.Tensor, k: torch.Tensor, segments: list[list[EstimationSegment]], last_q: int, scale: float
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -343,6 +355,7 @@ def layout_from_scores(
         return dense_layout(meta, cfg.block_size)
     first = next(sc[0] for sc in scores if sc is not None)
     n_sets = _num_sets(segments)
+    _warn_if_costly(n_sets, len(scores) * 2 * first.shape[0] * first.shape[-1] * n_sets * first.element_size(), cfg)
     zeros = torch.zeros(*first.shape[:1], n_sets, first.shape[-1], dtype=first.dtype, device=first.device)
     vertical = torch.stack([zeros if sc is None else sc[0].view_as(zeros) for sc in scores])  # [B, H, V, S]
     slash = torch.stack([zeros if sc is None else sc[1].view_as(zeros) for sc in scores])
