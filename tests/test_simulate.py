@@ -185,7 +185,7 @@ def test_predicted_step_is_consistent():
     for cp in (4, 16):
         assert out[("planner sparse", cp)]["step_s"] == pytest.approx(out[("striped sparse", cp)]["step_s"])
     # causal-chunk estimation: 127 sets of 1024-token chunks, each scoring about half the keys, and every
-    # all-reduce 127 times larger; the attention itself is the same
+    # collective 127 times larger; the attention itself is the same
     setup = CONFIGURATIONS["striped sparse"](workload, 16, 128, 8)
     causal = predict_step(setup, model, hw, cluster, estimation_chunk=1024)
     assert causal["attention_fwd_s"] == r["attention_fwd_s"] and causal["linear_s"] == r["linear_s"]

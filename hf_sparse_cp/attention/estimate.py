@@ -234,12 +234,13 @@ def score_vertical_slash(
     return vertical, slash
 
 
-def _warn_if_costly(n_sets: int, nbytes: int, cfg: SparseAttentionConfig) -> None:
+def warn_if_costly(n_sets: int, nbytes: int, cfg: SparseAttentionConfig) -> None:
     if n_sets > 1 and nbytes > SCORE_SET_WARN_BYTES:
         warnings.warn(
             f"estimation='causal_chunks' with estimation_chunk={cfg.estimation_chunk} scores {n_sets} chunk sets here: "
-            f"{nbytes / 2**30:.1f} GiB of scores per attention call (under context parallelism every rank holds and "
-            "all-reduces them); a larger estimation_chunk (1/16 of the sequence or more) keeps this small.",
+            f"{nbytes / 2**30:.1f} GiB of scores per attention call (under context parallelism every rank holds them "
+            "and reduce-scatters the slashes); a larger estimation_chunk (1/16 of the sequence or more) keeps this "
+            "small.",
             stacklevel=3)
 
 
@@ -264,8 +265,13 @@ def score_rows(
 # ------------------------------------------------------------------------------------------ selection
 
 
-def _select(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int) -> torch.Tensor:
-    """Boolean [..., S] of the kept entries of each row of scores (only positive scores are kept)."""
+def select_entries(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int,
+                   total: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [..., n] of the kept entries of each row of scores (only positive scores are kept).
+
+    `scores` may hold only the candidates of a longer row (every entry that could be kept: its best
+    `topk`, or `cap` for top-p), with `total` [..., 1] the whole row's mass (default: the sum of
+    `scores`); the selection is the same as over the whole row."""
     n = scores.shape[-1]
     if mode == "topk":
         kk = min(topk, n)
@@ -275,7 +281,7 @@ def _select(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int) -
         keep = torch.zeros_like(scores, dtype=torch.bool)
         return keep.scatter_(-1, idx, vals > 0)
     vals, idx = torch.sort(scores, dim=-1, descending=True)
-    total = vals.sum(-1, keepdim=True).clamp_min(torch.finfo(vals.dtype).tiny)
+    total = (vals.sum(-1, keepdim=True) if total is None else total).clamp_min(torch.finfo(vals.dtype).tiny)
     before = (torch.cumsum(vals, -1) - vals) / total  # mass of the better-ranked entries
     rank = torch.arange(n, device=scores.device)
     take = (before < topp) & (rank < cap) & (vals > 0)
@@ -284,8 +290,7 @@ def _select(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int) -
 
 def _selection_bound(cfg: SparseAttentionConfig, num_segments: int) -> int:
     """Most key columns one head of a row keeps: every estimation segment's budget plus its sinks."""
-    budget = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
-    return (budget + cfg.sink_tokens) * num_segments
+    return (candidates_per_row(cfg, "vertical") + cfg.sink_tokens) * num_segments
 
 
 def select_vertical_slash(
@@ -300,13 +305,29 @@ def select_vertical_slash(
     for row, row_docs in enumerate(docs):
         for start, end in row_docs:
             doc = slice(start, end)
-            keep_v[row, :, doc] = _select(vertical[row, :, doc], cfg.budget_mode, cfg.vertical_topk,
-                                          cfg.vertical_topp, cfg.vertical_cap)
-            keep_s[row, :, doc] = _select(slash[row, :, doc], cfg.budget_mode, cfg.slash_topk, cfg.slash_topp,
-                                          cfg.slash_cap)
-            keep_v[row, :, start : min(end, start + cfg.sink_tokens)] = True
-            keep_s[row, :, start : min(end, start + cfg.local_window)] = True
+            keep_v[row, :, doc] = select_entries(vertical[row, :, doc], cfg.budget_mode, *budget(cfg, "vertical"))
+            keep_s[row, :, doc] = select_entries(slash[row, :, doc], cfg.budget_mode, *budget(cfg, "slash"))
+            keep_anchors(keep_v[row], keep_s[row], start, end, cfg)
     return keep_v, keep_s
+
+
+def budget(cfg: SparseAttentionConfig, kind: str) -> tuple[int, float, int]:
+    """(topk, topp, cap) of the verticals or the slashes ('vertical' / 'slash')."""
+    return getattr(cfg, f"{kind}_topk"), getattr(cfg, f"{kind}_topp"), getattr(cfg, f"{kind}_cap")
+
+
+def candidates_per_row(cfg: SparseAttentionConfig, kind: str) -> int:
+    """Most entries one head of a document keeps of the verticals or slashes, anchors aside: any entry
+    that can be kept is among that many best of its row (`select_entries` over candidates)."""
+    topk, _, cap = budget(cfg, kind)
+    return topk if cfg.budget_mode == "topk" else cap
+
+
+def keep_anchors(keep_v: torch.Tensor, keep_s: torch.Tensor, start: int, end: int, cfg: SparseAttentionConfig) -> None:
+    """Keep the document [start, end)'s first `sink_tokens` columns and `local_window` diagonals
+    (keep_v, keep_s: [H, S] of its row)."""
+    keep_v[:, start : min(end, start + cfg.sink_tokens)] = True
+    keep_s[:, start : min(end, start + cfg.local_window)] = True
 
 
 def segment_diagonals(keep_s: torch.Tensor, meta: TokenMeta, segments: list[list[EstimationSegment]],
@@ -355,7 +376,7 @@ def layout_from_scores(
         return dense_layout(meta, cfg.block_size)
     first = next(sc[0] for sc in scores if sc is not None)
     n_sets = _num_sets(segments)
-    _warn_if_costly(n_sets, len(scores) * 2 * first.shape[0] * first.shape[-1] * n_sets * first.element_size(), cfg)
+    warn_if_costly(n_sets, len(scores) * 2 * first.shape[0] * first.shape[-1] * n_sets * first.element_size(), cfg)
     zeros = torch.zeros(*first.shape[:1], n_sets, first.shape[-1], dtype=first.dtype, device=first.device)
     vertical = torch.stack([zeros if sc is None else sc[0].view_as(zeros) for sc in scores])  # [B, H, V, S]
     slash = torch.stack([zeros if sc is None else sc[1].view_as(zeros) for sc in scores])
@@ -363,6 +384,18 @@ def layout_from_scores(
         select_vertical_slash(vertical[:, :, j], slash[:, :, j],
                               [[(sg.start, sg.q_hi) for sg in row if sg.set == j] for row in segments], cfg)
         for j in range(n_sets))))
+    return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
+
+
+def layout_from_kept(
+    meta: TokenMeta,
+    cfg: SparseAttentionConfig,
+    segments: list[list[EstimationSegment]],
+    keep_v: torch.Tensor,
+    keep_s: torch.Tensor,
+) -> SparseLayout:
+    """The layout from the kept columns and offsets of every estimation segment ([B, H, V, S] bool each,
+    set j of a row at [:, :, j], as `select_vertical_slash` lays them out, anchors included)."""
     dense_tokens = meta.segment != PAD_SEGMENT
     for row, row_segs in enumerate(segments):
         for sg in row_segs:

@@ -10,13 +10,20 @@ Under CP those queries and keys are spread over the ranks, so:
 2. each rank scores its own keys and the softmax normaliser of every query row is combined across
    ranks (all-reduce of the row max, then of the rescaled sums of exp);
 3. each rank adds the normalised mass of its keys into vertical / slash tensors [H, S] of the whole
-   sequence, which one all-reduce sums;
-4. every rank selects and builds the layout from the same reduced scores, so all ranks derive the
-   same layout, equal to `estimate_layout` on the whole sequence (up to the summation order of the
-   scores, i.e. identical unless two candidates tie to the last bit).
+   sequence. A key's vertical score is then complete on the rank that holds the key; a slash sums
+   over every rank's keys, so a reduce-scatter gives each rank the sums of 1/CP of the offsets;
+4. per estimation segment and head, each rank offers the best entries it holds (as many as a head
+   can keep: `vertical_topk` / `slash_topk`, or the caps in top-p mode) and the mass of all it
+   holds, in one all-gather. Every entry the whole row's selection keeps is among its holder's
+   best, and for top-p so is every entry ranked above it, so every rank selects from the union
+   exactly what `estimate_layout` selects on the whole sequence (up to the summation order of the
+   scores, i.e. identical unless two candidates tie to the last bit), and all ranks build the same
+   layout.
 
-Four collectives per call, whatever the number of documents or chunks; the scores' all-reduce moves
-2 x B x H x V x S values (V: 1, or the most chunks a document has after the first).
+Five collectives per call, whatever the number of documents or chunks. Per rank, a ring all-reduce
+of the [2, B, H, V, S] score buffer (V: 1, or the most chunks a document has after the first) would
+send it about twice; the reduce-scatter sends about its slash half once, and the all-gather the
+candidates: (CP - 1) x 2 x (vertical + slash budget) values per segment and head.
 """
 
 from __future__ import annotations
@@ -28,12 +35,18 @@ import torch.distributed as dist
 
 from ..attention.build import dense_layout
 from ..attention.estimate import (
+    EstimationSegment,
     accumulate_vertical_slash,
+    budget,
+    candidates_per_row,
     estimation_segments,
+    keep_anchors,
     last_query_rows,
-    layout_from_scores,
+    layout_from_kept,
     long_documents,
     row_softmax_stats,
+    select_entries,
+    warn_if_costly,
 )
 from ..attention.layout import SparseLayout
 from ..attention.precision import compute_dtype
@@ -129,6 +142,89 @@ def estimate_layout_cp(
                 scores[row, 0, :, sg.set], scores[row, 1, :, sg.set], normalizer=(top[:, span], row_sum[:, span]),
                 slash_base=sg.start,
             )
-    _all_reduce(scores, dist.ReduceOp.SUM, shard)
-    return layout_from_scores(meta, cfg, docs,
-                              [(scores[r, 0], scores[r, 1]) if segments[r] else None for r in range(b)])
+    warn_if_costly(n_sets, scores.numel() * scores.element_size(), cfg)
+    keep_v, keep_s = _kept_across_ranks(scores, segments, cfg, shard, tok)
+    return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
+
+
+def _tokens_before(plan, x: torch.Tensor) -> torch.Tensor:
+    """[n, cp_size]: how many of each rank's tokens lie before the global positions x [n] (host)."""
+    bs, nb, w = plan.block_size, plan.num_blocks, plan.cp_size
+    owner = torch.nn.functional.one_hot(plan.block_owner, w)
+    whole = torch.nn.functional.pad(owner.cumsum(0), (0, 0, 1, 0))  # [nb + 1, w]: blocks before each block
+    blk = x // bs
+    partial = owner[blk.clamp(max=nb - 1)] * ((x % bs) * (blk < nb)).unsqueeze(1)
+    return whole[blk] * bs + partial
+
+
+def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int) -> torch.Tensor:
+    """[H, 2m + 1]: the best m of vals [H, n] (fewer padded with score 0, never kept), their global
+    positions pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
+    h = vals.shape[0]
+    top, idx = vals.topk(min(m, vals.shape[1]), dim=1)
+    out_vals = torch.zeros(h, m, dtype=vals.dtype, device=vals.device)
+    out_pos = torch.full((h, m), pad_pos, dtype=_BITS[vals.dtype], device=vals.device)
+    out_vals[:, : top.shape[1]] = top
+    out_pos[:, : top.shape[1]] = pos[idx].to(out_pos.dtype)
+    # Positions travel in the score buffer as bit patterns (a copy, never arithmetic): one all-gather.
+    return torch.cat([out_vals, out_pos.view(vals.dtype), vals.sum(1, keepdim=True)], 1)
+
+
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _kept_across_ranks(scores: torch.Tensor, segments: list[list[EstimationSegment]], cfg: SparseAttentionConfig,
+                       shard: CPShard, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept columns and offsets ([B, H, V, S] bool each, anchors included, the same on every rank)
+    from every rank's partial scores [B, 2, H, V, S]: the verticals of this rank's keys are complete
+    here; the slashes are summed by a reduce-scatter, each rank getting 1/cp_size of the offsets. Each
+    rank sends, per segment and head, the best entries it holds (as many as a head can keep) with the
+    mass of all it holds, in one all-gather; every rank selects from the union, which holds every
+    entry the whole row's selection can keep and, for top-p, the mass of every better one."""
+    plan, w, rank, group = shard.plan, shard.parallel.cp_size, shard.rank, shard.parallel.cp_group
+    b, _, h, v, s = scores.shape
+    span = -(-s // w)
+    slash = torch.nn.functional.pad(scores[:, 1], (0, span * w - s))
+    if w > 1:
+        mine = scores.new_empty(b, h, v, span)
+        dist.reduce_scatter_tensor(mine, slash.unflatten(-1, (w, span)).movedim(3, 0).flatten(0, 1), group=group)
+    else:
+        mine = slash
+    flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
+    lo, hi = (torch.tensor([getattr(sg, f) for _, sg in flat]) for f in ("start", "q_hi"))
+    before_lo = _tokens_before(plan, lo)
+    owned_v = _tokens_before(plan, hi) - before_lo  # [segments, w]
+    ranks = torch.arange(w)
+    owned_s = (torch.minimum(hi.unsqueeze(1), (ranks + 1) * span) - torch.maximum(lo.unsqueeze(1), ranks * span))
+    owned_s = owned_s.clamp_min(0)
+    widths = {kind: torch.minimum(owned.amax(1), torch.tensor(candidates_per_row(cfg, kind))).tolist()
+              for kind, owned in (("vertical", owned_v), ("slash", owned_s))}
+    first_v, n_v = before_lo[:, rank].tolist(), owned_v[:, rank].tolist()
+    pieces = []
+    for i, (row, sg) in enumerate(flat):
+        keys = tok[first_v[i] : first_v[i] + n_v[i]]
+        pieces.append(_candidates(scores[row, 0, :, sg.set, keys], keys, widths["vertical"][i], s))
+        start = max(sg.start, rank * span)
+        offsets = torch.arange(start, max(start, min(sg.q_hi, (rank + 1) * span)), device=scores.device)
+        pieces.append(_candidates(mine[row, :, sg.set, offsets - rank * span], offsets, widths["slash"][i], s))
+    local = torch.cat(pieces, 1)
+    gathered = local.new_empty(w, *local.shape)
+    if w > 1:
+        dist.all_gather_into_tensor(gathered.flatten(0, 1), local, group=group)
+    else:
+        gathered[0] = local
+    keep = {kind: torch.zeros(b, h, v, s + 1, dtype=torch.bool, device=scores.device) for kind in widths}
+    col = 0
+    for i, (row, sg) in enumerate(flat):
+        for kind in ("vertical", "slash"):
+            m = widths[kind][i]
+            part = gathered[:, :, col : col + 2 * m + 1]
+            col += 2 * m + 1
+            vals = part[..., :m].movedim(0, 1).flatten(1)
+            pos = part[..., m : 2 * m].contiguous().view(_BITS[scores.dtype]).movedim(0, 1).flatten(1).long()
+            kept = select_entries(vals, cfg.budget_mode, *budget(cfg, kind), total=part[..., 2 * m :].sum(0))
+            keep[kind][row, :, sg.set].scatter_(1, torch.where(kept, pos, s), True)
+    keep_v, keep_s = keep["vertical"][..., :s], keep["slash"][..., :s]
+    for row, sg in flat:
+        keep_anchors(keep_v[row, :, sg.set], keep_s[row, :, sg.set], sg.start, sg.q_hi, cfg)
+    return keep_v, keep_s

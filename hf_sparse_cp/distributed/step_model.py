@@ -4,11 +4,12 @@ of `simulate.py`.
 
 Per layer and CP rank: linear layers over the rank's tokens (forward, backward and, with gradient
 checkpointing, a second forward; the busiest rank's tokens, for a split that gives ranks different
-numbers of blocks), the layout estimation of sparse configurations
-(scoring of the last `last_q` queries against the rank's keys, four all-reduces, the index
-build), and ring attention forward (twice with gradient checkpointing) and backward. A step is
-the layers plus the LM head, one sequence per CP group. Not modelled: data-parallel / FSDP
-traffic (it overlaps the layers' compute), the optimizer step, and kernel launch gaps.
+numbers of blocks), the layout estimation of sparse configurations (scoring of the last `last_q`
+queries against the rank's keys, three small all-reduces, the slash sums' reduce-scatter and the
+candidates' all-gather, the index build), and ring attention forward (twice with gradient
+checkpointing) and backward. A step is the layers plus the LM head, one sequence per CP group. Not
+modelled: data-parallel / FSDP traffic (it overlaps the layers' compute), the optimizer step, and
+kernel launch gaps.
 
 Every number below is a measurement or a published figure, with its source in `sources`; the
 A100 figures are the H100 measurements scaled by the ratio of the datasheets' dense BF16 peaks.
@@ -20,8 +21,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..attention.estimate import candidates_per_row
+from ..config import SparseAttentionConfig
 from .balance import PlanTraffic, plan_traffic
-from .simulate import Cluster, KernelCosts, Link, PlanWork, RingSetup, all_reduce_time, plan_work, simulate_ring
+from .simulate import (
+    Cluster,
+    KernelCosts,
+    Link,
+    PlanWork,
+    RingSetup,
+    all_gather_time,
+    all_reduce_time,
+    plan_work,
+    simulate_ring,
+)
 
 ANCHORS = "/work/shared/research/anchors.md"
 
@@ -207,11 +220,13 @@ def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
 
 def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, last_q: int,
                 estimation_chunk: int | None) -> float:
-    """One layer's layout estimation under CP: scoring (two passes over the rank's keys), four
-    all-reduces (the scoring queries, row max, row sums, the [2, H, sets, S] scores), the index build.
-    With causal chunks (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored by its own
-    queries over the keys before it: a key is scored by (n - 1) / 2 sets on average (positions spread
-    evenly over ranks), and every all-reduce carries n - 1 sets."""
+    """One layer's layout estimation under CP (`estimation.py`): scoring (two passes over the rank's
+    keys), three all-reduces (the scoring queries, row max, row sums), the reduce-scatter of the [H, sets,
+    S] slash sums, the all-gather of every rank's candidates (the default budgets' best verticals and
+    slashes per set and head, as value and position, and its mass), the index build. With causal chunks
+    (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored by its own queries over the
+    keys before it: a key is scored by (n - 1) / 2 sets on average (positions spread evenly over ranks),
+    and every collective carries n - 1 sets."""
     if not setup.sparse:
         return 0.0
     w, s = setup.plan.cp_size, setup.plan.padded_len
@@ -220,9 +235,14 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     scored_keys = keys if estimation_chunk is None else keys * sets / 2
     score = 2 * 2 * last_q * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
     link = cluster.group_link(w)
-    reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4,
-               2 * model.heads * s * 4)
-    return score + sum(all_reduce_time(n * sets, w, link) for n in reduces) + hw.index_build_s
+    reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4)
+    slash_sums = all_gather_time(model.heads * sets * s * 4 / w, w, link)  # a reduce-scatter: the same hops
+    candidates = sum(min(candidates_per_row(_DEFAULTS, kind), -(-s // w)) for kind in ("vertical", "slash"))
+    gather = all_gather_time(model.heads * sets * (2 * candidates + 2) * 4, w, link)
+    return score + sum(all_reduce_time(n * sets, w, link) for n in reduces) + slash_sums + gather + hw.index_build_s
+
+
+_DEFAULTS = SparseAttentionConfig()
 
 
 def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraffic]:

@@ -1,0 +1,114 @@
+"""The pattern estimated from a sequence split over 3 ranks (gloo) selects from every rank's best
+candidates: the same layout as one process over the whole sequence, on every rank, in top-k and
+top-p modes, with several documents, causal chunks and the document planner's uneven split; and
+its collectives carry the slash sums and a few candidates, not the whole score buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention.estimate import estimate_layout, select_entries
+from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
+from hf_sparse_cp.testing.spawn import run_gloo
+
+BS, D, HQ, HKV, WORLD = 16, 16, 4, 2, 3
+# Budgets far below any rank's share of a document, so each rank's candidates are a strict subset.
+CFG = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=6, slash_topk=5, sink_tokens=2,
+                            local_window=4, last_q=8)
+CASES = {
+    "striped top-k": CFG,
+    "striped top-p": dataclasses.replace(CFG, budget_mode="topp", vertical_topp=0.6, slash_topp=0.7,
+                                         vertical_cap=7, slash_cap=9),
+    "striped causal chunks": dataclasses.replace(CFG, estimation="causal_chunks", estimation_chunk=48),
+    "planner top-p": dataclasses.replace(CFG, budget_mode="topp", vertical_topp=0.5, slash_topp=0.8,
+                                         vertical_cap=5, slash_cap=12),
+}
+# Two long documents (one starting inside a block), a short dense one, padding.
+RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
+FIELDS = ("block_idx", "block_cnt", "col_idx", "col_cnt")
+
+
+def test_candidates_select_what_the_whole_row_selects():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(3, 200, generator=g, dtype=torch.float64) ** 4
+    scores[:, ::7] = 0  # entries never kept
+    for mode, topk, topp, cap in (("topk", 9, 0.0, 0), ("topp", 0, 0.5, 11), ("topp", 0, 0.99, 11)):
+        whole = select_entries(scores, mode, topk, topp, cap)
+        # split into 4 holders; each offers its best max(topk, cap) with the mass of all it holds
+        m, pos = max(topk, cap), torch.randperm(200, generator=g).view(4, 50)
+        best = [scores[:, p].topk(m, dim=1) for p in pos]
+        vals = torch.cat([v for v, _ in best], 1)
+        where = torch.cat([p[i] for p, (_, i) in zip(pos, best)], 1)
+        kept = select_entries(vals, mode, topk, topp, cap, total=scores.sum(1, keepdim=True))
+        union = torch.zeros_like(whole).scatter_(1, torch.where(kept, where, 0), kept)
+        assert torch.equal(union, whole) and 0 < int(whole.sum()) < whole.numel() // 4
+
+
+def _case(rank: int, world: int) -> dict:
+    from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
+    from hf_sparse_cp.distributed.planner import plan_row
+
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    sent = []
+
+    def counted(name, call):
+        def collective(*args, **kwargs):
+            sent.append((name, max(t.numel() * t.element_size() for t in args[:2] if torch.is_tensor(t))))
+            return call(*args, **kwargs)
+        return collective
+
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
+        setattr(dist, name, counted(name, getattr(dist, name)))  # this process only: count what estimation sends
+
+    meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
+    out = {}
+    for case, cfg in CASES.items():
+        plan = plan_row(meta, cfg, world) if case.startswith("planner") else ShardPlan("striped", world, BS,
+                                                                                        meta.segment.shape[1])
+        gmeta = plan.global_meta(meta)
+        g = torch.Generator().manual_seed(len(out))
+        q, k = (torch.randn(1, h, plan.padded_len, D, generator=g, dtype=torch.float64) for h in (HQ, HKV))
+        ref = estimate_layout(q, k, cfg, gmeta)  # one process, over the same (global) order
+        mine = (x.index_select(2, plan.token_index(rank)) for x in (q, k))
+        sent.clear()
+        layout = estimate_layout_cp(*mine, cfg, CPShard(par, plan, gmeta))
+        every = [None] * world
+        dist.all_gather_object(every, [getattr(layout, f) for f in FIELDS], group=par.cp_group)
+        out[case] = {
+            "same_as_single": all(torch.equal(getattr(layout, f), getattr(ref, f)) for f in FIELDS),
+            "same_on_all_ranks": all(torch.equal(a, b) for other in every for a, b in zip(other, every[0])),
+            "sparse": float(ref.kept_fraction(gmeta)) < 0.7,
+            "collectives": [n for n, _ in sent],
+            "bytes": dict(sent[3:]),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_gloo(_case, WORLD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimation_across_ranks_equals_one_process(runs, case):
+    for r in (run[case] for run in runs):
+        assert r["sparse"] and r["same_as_single"] and r["same_on_all_ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
+    for r in (run[case] for run in runs):
+        # three small all-reduces (scoring queries, row max, row sums), then a reduce-scatter of the
+        # slashes and one all-gather of the candidates: no all-reduce of the score buffer
+        assert r["collectives"] == ["all_reduce"] * 3 + ["reduce_scatter_tensor", "all_gather_into_tensor"]
+        # the reduce-scatter sums the slash half of the [2, H, sets, S] score buffer; the candidates
+        # are a fraction of the other half, so the call moves well under the buffer (and a ring
+        # all-reduce of the buffer sends it twice)
+        assert r["bytes"]["all_gather_into_tensor"] < 0.5 * r["bytes"]["reduce_scatter_tensor"]
