@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.estimate import estimate_layout, select_entries
+from hf_sparse_cp.attention.estimate import estimate_layout, estimation_segments, long_documents, select_entries
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.spawn import run_gloo
 
@@ -31,6 +31,10 @@ CASES = {
 # Two long documents (one starting inside a block), a short dense one, padding.
 RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
 FIELDS = ("block_idx", "block_cnt", "col_idx", "col_cnt")
+# torch's collectives by kind, under the names of torch 2.13 and of earlier versions.
+COLLECTIVES = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
+               "reduce_scatter_tensor": "reduce_scatter", "all_gather_single": "all_gather",
+               "all_gather_into_tensor": "all_gather"}
 
 
 def test_candidates_select_what_the_whole_row_selects():
@@ -62,8 +66,9 @@ def _case(rank: int, world: int) -> dict:
             return call(*args, **kwargs)
         return collective
 
-    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
-        setattr(dist, name, counted(name, getattr(dist, name)))  # this process only: count what estimation sends
+    for name, kind in COLLECTIVES.items():
+        if hasattr(dist, name):  # this process only: count what the estimation sends
+            setattr(dist, name, counted(kind, getattr(dist, name)))
 
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
     out = {}
@@ -85,6 +90,8 @@ def _case(rank: int, world: int) -> dict:
             "sparse": float(ref.kept_fraction(gmeta)) < 0.7,
             "collectives": [n for n, _ in sent],
             "bytes": dict(sent[3:]),
+            "scored_offsets": sum(sg.scored_end - sg.start for row in
+                                  estimation_segments(long_documents(gmeta, cfg), cfg) for sg in row),
         }
     return out
 
@@ -107,8 +114,9 @@ def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
     for r in (run[case] for run in runs):
         # three small all-reduces (scoring queries, row max, row sums), then a reduce-scatter of the
         # slashes and one all-gather of the candidates: no all-reduce of the score buffer
-        assert r["collectives"] == ["all_reduce"] * 3 + ["reduce_scatter_tensor", "all_gather_into_tensor"]
-        # the reduce-scatter sums the slash half of the [2, H, sets, S] score buffer; the candidates
-        # are a fraction of the other half, so the call moves well under the buffer (and a ring
-        # all-reduce of the buffer sends it twice)
-        assert r["bytes"]["all_gather_into_tensor"] < 0.5 * r["bytes"]["reduce_scatter_tensor"]
+        assert r["collectives"] == ["all_reduce"] * 3 + ["reduce_scatter", "all_gather"]
+        # the reduce-scatter sums the slash scores (the scored offsets of each segment, packed); the
+        # candidates are a fraction of that, where an all-reduce of the [2, H, sets, S] buffer sent both
+        # halves, unscored positions included, twice
+        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["scored_offsets"] // WORLD) * WORLD * 8  # fp64 inputs
+        assert r["bytes"]["all_gather"] < 0.5 * r["bytes"]["reduce_scatter"]

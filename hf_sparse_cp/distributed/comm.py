@@ -105,3 +105,17 @@ class P2PComm:
             if t.send:
                 self.bytes_sent += t.tensor.numel() * t.tensor.element_size()
         return Pending(dist.batch_isend_irecv(ops), [t.tensor for t in transfers])
+
+
+def reduce_scatter_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """Sum `input` ([cp x n, ...], chunk r for rank r) over the group into `output` ([n, ...]): torch's
+    single-tensor reduce-scatter, under its newer name where it has one (the older one warns there)."""
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(output, input, group=group)
+
+
+def all_gather_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """Every rank's `input` ([n, ...]) into `output` ([cp x n, ...], rank r's at chunk r): torch's
+    single-tensor all-gather, under its newer name where it has one."""
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    collective(output, input, group=group)

@@ -9,9 +9,10 @@ Under CP those queries and keys are spread over the ranks, so:
    exactly one rank), after which every rank has all of them (all segments' rows in one buffer);
 2. each rank scores its own keys and the softmax normaliser of every query row is combined across
    ranks (all-reduce of the row max, then of the rescaled sums of exp);
-3. each rank adds the normalised mass of its keys into vertical / slash tensors [H, S] of the whole
-   sequence. A key's vertical score is then complete on the rank that holds the key; a slash sums
-   over every rank's keys, so a reduce-scatter gives each rank the sums of 1/CP of the offsets;
+3. each rank adds the normalised mass of its keys into vertical scores [H, S] of the whole sequence
+   and slash scores [H, L] (every segment's scored offsets, packed one after another). A key's
+   vertical score is then complete on the rank that holds the key; a slash sums over every rank's
+   keys, so a reduce-scatter gives each rank the sums of 1/CP of the packed offsets;
 4. per estimation segment and head, each rank offers the best entries it holds (as many as a head
    can keep: `vertical_topk` / `slash_topk`, or the caps in top-p mode) and the mass of all it
    holds, in one all-gather. Every entry the whole row's selection keeps is among its holder's
@@ -21,9 +22,10 @@ Under CP those queries and keys are spread over the ranks, so:
    layout.
 
 Five collectives per call, whatever the number of documents or chunks. Per rank, a ring all-reduce
-of the [2, B, H, V, S] score buffer (V: 1, or the most chunks a document has after the first) would
-send it about twice; the reduce-scatter sends about its slash half once, and the all-gather the
-candidates: (CP - 1) x 2 x (vertical + slash budget) values per segment and head.
+of a [2, B, H, V, S] score buffer (V: 1, or the most chunks a document has after the first) would
+send it about twice; the reduce-scatter sends the packed slashes once (L: the sparse documents'
+tokens, about V x S / 2 with causal chunks), and the all-gather the candidates: (CP - 1) x 2 x
+(vertical + slash budget) values per segment and head.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..attention.estimate import (
 from ..attention.layout import SparseLayout
 from ..attention.precision import compute_dtype
 from ..config import SparseAttentionConfig
+from .comm import all_gather_rows, reduce_scatter_rows
 from .context import CPShard
 
 
@@ -133,17 +136,23 @@ def estimate_layout_cp(
     row_sum = torch.where(torch.isfinite(row_max), row_sum * torch.exp(row_max - top), torch.zeros_like(row_sum))
     _all_reduce(row_sum, dist.ReduceOp.SUM, shard)
 
+    # Verticals over the whole row; slashes packed: each segment's offsets [0, scored_end - start) one
+    # after another (no room for unscored positions, and only these are summed across ranks).
     n_sets = 1 + max(sg.set for _, sg, _, _ in entries)
-    scores = torch.zeros(b, 2, hq, n_sets, plan.padded_len, dtype=dtype, device=dev)
-    for (row, sg, rows, span), lk in zip(entries, keys):
+    vertical = torch.zeros(b, hq, n_sets, plan.padded_len, dtype=dtype, device=dev)
+    bases = [0]
+    for _, sg, _, _ in entries:
+        bases.append(bases[-1] + sg.scored_end - sg.start)
+    slash = torch.zeros(hq, bases[-1], dtype=dtype, device=dev)
+    for (row, sg, rows, span), lk, base in zip(entries, keys, bases):
         if lk.numel():
             accumulate_vertical_slash(
                 q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), rows, tok[lk], scale,
-                scores[row, 0, :, sg.set], scores[row, 1, :, sg.set], normalizer=(top[:, span], row_sum[:, span]),
-                slash_base=sg.start,
+                vertical[row, :, sg.set], slash, normalizer=(top[:, span], row_sum[:, span]), slash_base=base,
             )
-    warn_if_costly(n_sets, scores.numel() * scores.element_size(), cfg)
-    keep_v, keep_s = _kept_across_ranks(scores, segments, cfg, shard, tok)
+    warn_if_costly(n_sets, (vertical.numel() + slash.numel()) * vertical.element_size(), cfg)
+    keep_v, keep_s = _kept_across_ranks(vertical, slash, [(row, sg) for row, sg, _, _ in entries], bases, cfg, shard,
+                                        tok)
     return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
 
 
@@ -173,47 +182,48 @@ def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int) -> 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
-def _kept_across_ranks(scores: torch.Tensor, segments: list[list[EstimationSegment]], cfg: SparseAttentionConfig,
-                       shard: CPShard, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_across_ranks(vertical: torch.Tensor, slash: torch.Tensor, flat: list[tuple[int, EstimationSegment]],
+                       bases: list[int], cfg: SparseAttentionConfig, shard: CPShard, tok: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept columns and offsets ([B, H, V, S] bool each, anchors included, the same on every rank)
-    from every rank's partial scores [B, 2, H, V, S]: the verticals of this rank's keys are complete
-    here; the slashes are summed by a reduce-scatter, each rank getting 1/cp_size of the offsets. Each
-    rank sends, per segment and head, the best entries it holds (as many as a head can keep) with the
-    mass of all it holds, in one all-gather; every rank selects from the union, which holds every
+    of the segments `flat` ((batch row, segment), in the order of `bases`) from this rank's partial
+    scores: vertical [B, H, V, S], complete for the keys this rank holds, and slash [H, L], segment i's
+    offsets at bases[i]:bases[i + 1], which a reduce-scatter sums, each rank getting 1/cp_size of L.
+    Each rank sends, per segment and head, the best entries it holds (as many as a head can keep) with
+    the mass of all it holds, in one all-gather; every rank selects from the union, which holds every
     entry the whole row's selection can keep and, for top-p, the mass of every better one."""
     plan, w, rank, group = shard.plan, shard.parallel.cp_size, shard.rank, shard.parallel.cp_group
-    b, _, h, v, s = scores.shape
-    span = -(-s // w)
-    slash = torch.nn.functional.pad(scores[:, 1], (0, span * w - s))
+    b, h, v, s = vertical.shape
+    span = -(-slash.shape[1] // w)
+    padded = torch.nn.functional.pad(slash, (0, span * w - slash.shape[1]))
     if w > 1:
-        mine = scores.new_empty(b, h, v, span)
-        dist.reduce_scatter_tensor(mine, slash.unflatten(-1, (w, span)).movedim(3, 0).flatten(0, 1), group=group)
+        mine = slash.new_empty(h, span)
+        reduce_scatter_rows(mine, padded.unflatten(1, (w, span)).movedim(1, 0).flatten(0, 1), group)
     else:
-        mine = slash
-    flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
+        mine = padded
     lo, hi = (torch.tensor([getattr(sg, f) for _, sg in flat]) for f in ("start", "q_hi"))
     before_lo = _tokens_before(plan, lo)
     owned_v = _tokens_before(plan, hi) - before_lo  # [segments, w]
-    ranks = torch.arange(w)
-    owned_s = (torch.minimum(hi.unsqueeze(1), (ranks + 1) * span) - torch.maximum(lo.unsqueeze(1), ranks * span))
-    owned_s = owned_s.clamp_min(0)
+    first, last, ranks = torch.tensor(bases[:-1]), torch.tensor(bases[1:]), torch.arange(w)
+    owned_s = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
+               - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
     widths = {kind: torch.minimum(owned.amax(1), torch.tensor(candidates_per_row(cfg, kind))).tolist()
               for kind, owned in (("vertical", owned_v), ("slash", owned_s))}
     first_v, n_v = before_lo[:, rank].tolist(), owned_v[:, rank].tolist()
     pieces = []
     for i, (row, sg) in enumerate(flat):
         keys = tok[first_v[i] : first_v[i] + n_v[i]]
-        pieces.append(_candidates(scores[row, 0, :, sg.set, keys], keys, widths["vertical"][i], s))
-        start = max(sg.start, rank * span)
-        offsets = torch.arange(start, max(start, min(sg.q_hi, (rank + 1) * span)), device=scores.device)
-        pieces.append(_candidates(mine[row, :, sg.set, offsets - rank * span], offsets, widths["slash"][i], s))
+        pieces.append(_candidates(vertical[row, :, sg.set, keys], keys, widths["vertical"][i], s))
+        lo_s = max(bases[i], rank * span)
+        packed = torch.arange(lo_s, max(lo_s, min(bases[i + 1], (rank + 1) * span)), device=slash.device)
+        pieces.append(_candidates(mine[:, packed - rank * span], sg.start + packed - bases[i], widths["slash"][i], s))
     local = torch.cat(pieces, 1)
     gathered = local.new_empty(w, *local.shape)
     if w > 1:
-        dist.all_gather_into_tensor(gathered.flatten(0, 1), local, group=group)
+        all_gather_rows(gathered.flatten(0, 1), local, group)
     else:
         gathered[0] = local
-    keep = {kind: torch.zeros(b, h, v, s + 1, dtype=torch.bool, device=scores.device) for kind in widths}
+    keep = {kind: torch.zeros(b, h, v, s + 1, dtype=torch.bool, device=vertical.device) for kind in widths}
     col = 0
     for i, (row, sg) in enumerate(flat):
         for kind in ("vertical", "slash"):
@@ -221,7 +231,7 @@ def _kept_across_ranks(scores: torch.Tensor, segments: list[list[EstimationSegme
             part = gathered[:, :, col : col + 2 * m + 1]
             col += 2 * m + 1
             vals = part[..., :m].movedim(0, 1).flatten(1)
-            pos = part[..., m : 2 * m].contiguous().view(_BITS[scores.dtype]).movedim(0, 1).flatten(1).long()
+            pos = part[..., m : 2 * m].contiguous().view(_BITS[vertical.dtype]).movedim(0, 1).flatten(1).long()
             kept = select_entries(vals, cfg.budget_mode, *budget(cfg, kind), total=part[..., 2 * m :].sum(0))
             keep[kind][row, :, sg.set].scatter_(1, torch.where(kept, pos, s), True)
     keep_v, keep_s = keep["vertical"][..., :s], keep["slash"][..., :s]

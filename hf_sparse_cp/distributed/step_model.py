@@ -221,8 +221,8 @@ def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
 def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, last_q: int,
                 estimation_chunk: int | None) -> float:
     """One layer's layout estimation under CP (`estimation.py`): scoring (two passes over the rank's
-    keys), three all-reduces (the scoring queries, row max, row sums), the reduce-scatter of the [H, sets,
-    S] slash sums, the all-gather of every rank's candidates (the default budgets' best verticals and
+    keys), three all-reduces (the scoring queries, row max, row sums), the reduce-scatter of the slash
+    sums (each set's scored offsets), the all-gather of every rank's candidates (the default budgets' best verticals and
     slashes per set and head, as value and position, and its mass), the index build. With causal chunks
     (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored by its own queries over the
     keys before it: a key is scored by (n - 1) / 2 sets on average (positions spread evenly over ranks),
@@ -236,7 +236,8 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     score = 2 * 2 * last_q * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
     link = cluster.group_link(w)
     reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4)
-    slash_sums = all_gather_time(model.heads * sets * s * 4 / w, w, link)  # a reduce-scatter: the same hops
+    scored = s if estimation_chunk is None else s * sets / 2  # the packed slashes: each set's scored offsets
+    slash_sums = all_gather_time(model.heads * scored * 4 / w, w, link)  # a reduce-scatter: the same hops
     candidates = sum(min(candidates_per_row(_DEFAULTS, kind), -(-s // w)) for kind in ("vertical", "slash"))
     gather = all_gather_time(model.heads * sets * (2 * candidates + 2) * 4, w, link)
     return score + sum(all_reduce_time(n * sets, w, link) for n in reduces) + slash_sums + gather + hw.index_build_s
