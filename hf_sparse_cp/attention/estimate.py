@@ -176,10 +176,12 @@ def accumulate_vertical_slash(
     slash: torch.Tensor,
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
     slash_base: int = 0,
+    vertical_index: torch.Tensor | None = None,
 ) -> None:
     """Add the attention mass of query rows at positions `row_pos` on keys at `key_pos`:
     vertical[h, key] += mass the key receives, slash[h, slash_base + row - key] += mass on that
     offset (`slash_base`: the document's start, so that every document has its own offsets).
+    `vertical_index` (one per key; default `key_pos`) puts a key's mass elsewhere in `vertical`.
 
     Keys after a row are invisible. Probabilities are a softmax over these keys, or, with
     `normalizer` = (row max, row sum of exp(score - max)) of the row's *whole* key set (keys split
@@ -191,7 +193,7 @@ def accumulate_vertical_slash(
     row_max = torch.where(torch.isfinite(normalizer[0]), normalizer[0], torch.zeros_like(normalizer[0]))
     for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
         a = torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
-        vertical[heads].index_add_(1, key_pos[keys], a.sum(1))
+        vertical[heads].index_add_(1, (key_pos if vertical_index is None else vertical_index)[keys], a.sum(1))
         offset = (row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)).clamp_min(0) + slash_base
         slash[heads].scatter_add_(1, offset.flatten().expand(a.shape[0], -1), a.flatten(1))
 

@@ -9,10 +9,10 @@ Under CP those queries and keys are spread over the ranks, so:
    exactly one rank), after which every rank has all of them (all segments' rows in one buffer);
 2. each rank scores its own keys and the softmax normaliser of every query row is combined across
    ranks (all-reduce of the row max, then of the rescaled sums of exp);
-3. each rank adds the normalised mass of its keys into vertical scores [H, S] of the whole sequence
-   and slash scores [H, L] (every segment's scored offsets, packed one after another). A key's
-   vertical score is then complete on the rank that holds the key; a slash sums over every rank's
-   keys, so a reduce-scatter gives each rank the sums of 1/CP of the packed offsets;
+3. each rank adds the normalised mass of its keys into vertical scores of those keys and slash
+   scores [H, L] (every segment's scored offsets, packed one after another; each segment's keys of
+   this rank too). A key's vertical score is then complete on the rank that holds the key; a slash
+   sums over every rank's keys, so a reduce-scatter gives each rank the sums of 1/CP of the offsets;
 4. per estimation segment and head, each rank offers the best entries it holds (as many as a head
    can keep: `vertical_topk` / `slash_topk`, or the caps in top-p mode) and the mass of all it
    holds, in one all-gather. Every entry the whole row's selection keeps is among its holder's
@@ -21,16 +21,19 @@ Under CP those queries and keys are spread over the ranks, so:
    scores, i.e. identical unless two candidates tie to the last bit), and all ranks build the same
    layout.
 
-Five collectives per call, whatever the number of documents or chunks. Per rank, a ring all-reduce
-of a [2, B, H, V, S] score buffer (V: 1, or the most chunks a document has after the first) would
-send it about twice; the reduce-scatter sends the packed slashes once (L: the sparse documents'
-tokens, about V x S / 2 with causal chunks), and the all-gather the candidates: (CP - 1) x 2 x
-(vertical + slash budget) values per segment and head.
+Five collectives per call, whatever the number of documents or chunks, and no device read per
+segment: where each segment's rows and keys lie in a shard is known on the host from the plan.
+Per rank, a ring all-reduce of a [2, B, H, V, S] score buffer (V: 1, or the most chunks a document
+has after the first) would send it about twice; the reduce-scatter sends the packed slashes once
+(L: the sparse documents' tokens, about V x S / 2 with causal chunks), and the all-gather the
+candidates: (CP - 1) x 2 x (vertical + slash budget) values per segment and head. Each rank holds
+the verticals of its own keys only.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +46,6 @@ from ..attention.estimate import (
     candidates_per_row,
     estimation_segments,
     keep_anchors,
-    last_query_rows,
     layout_from_kept,
     long_documents,
     row_softmax_stats,
@@ -99,61 +101,73 @@ def estimate_layout_cp(
     dtype = compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     tok = plan.token_index(shard.rank).to(dev)
-    local_of = torch.full((plan.padded_len,), -1, dtype=torch.long, device=dev)
-    local_of[tok] = torch.arange(s_local, device=dev)
 
-    # Scoring rows of every estimation segment: (batch row, segment, global positions, slice in the packed buffer).
     segments = estimation_segments(docs, cfg)
     if not any(segments):
         return dense_layout(meta, cfg.block_size)
-    entries, total = [], 0
-    for row, row_segs in enumerate(segments):
-        for sg in row_segs:
-            rows = last_query_rows(sg.start, sg.scored_end, cfg.last_q, dev)
-            entries.append((row, sg, rows, slice(total, total + rows.numel())))
-            total += rows.numel()
+    flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
+    # Host bookkeeping, no device read: each segment's scoring rows [first, scored_end) and keys [start,
+    # scored_end) are contiguous runs of this rank's shard (its tokens are in ascending global order).
+    start, first, end = (torch.tensor([f(sg) for _, sg in flat]) for f in (
+        lambda sg: sg.start, lambda sg: max(sg.start, sg.scored_end - cfg.last_q), lambda sg: sg.scored_end))
+    before = {name: _tokens_before(plan, x) for name, x in (("start", start), ("first", first), ("end", end))}
+    keys_held = before["end"] - before["start"]  # [segments, cp_size]
+    row_lo, row_n = before["first"][:, shard.rank].tolist(), (before["end"] - before["first"])[:, shard.rank].tolist()
+    key_lo, key_n = before["start"][:, shard.rank].tolist(), keys_held[:, shard.rank].tolist()
+    row_base, key_base, slash_base = (_offsets(x) for x in ((end - first).tolist(), key_n, (end - start).tolist()))
+    first_pos = first.tolist()
 
-    q_rows = torch.zeros(hq, total, d, dtype=dtype, device=dev)
-    for row, _, rows, span in entries:
-        lp = local_of[rows]
-        mine = (lp >= 0).nonzero().flatten()
-        q_rows[:, span.start + mine] = q[row][:, lp[mine]].to(dtype)
+    # 1. every segment's scoring rows, each from the rank that holds it
+    q_rows = torch.zeros(hq, row_base[-1], d, dtype=dtype, device=dev)
+    for i, (row, _) in enumerate(flat):
+        mine = torch.arange(row_lo[i], row_lo[i] + row_n[i], device=dev)
+        q_rows[:, row_base[i] + tok[mine] - first_pos[i]] = q[row][:, mine].to(dtype)
     _all_reduce(q_rows, dist.ReduceOp.SUM, shard)
 
-    keys = []
-    row_max = torch.full((hq, total), float("-inf"), dtype=dtype, device=dev)
-    row_sum = torch.zeros(hq, total, dtype=dtype, device=dev)
-    for row, sg, rows, span in entries:
-        lk = ((tok >= sg.start) & (tok < sg.scored_end)).nonzero().flatten()
-        keys.append(lk)
-        if lk.numel():
-            visible = tok[lk].unsqueeze(0) <= rows.unsqueeze(1)
+    # 2. their softmax normalisers over all keys
+    pieces = []
+    for i, (row, sg) in enumerate(flat):
+        rows = torch.arange(first_pos[i], sg.scored_end, device=dev)
+        keys = torch.arange(key_lo[i], key_lo[i] + key_n[i], device=dev)
+        pieces.append((row, rows, slice(row_base[i], row_base[i + 1]), keys))
+    row_max = torch.full((hq, row_base[-1]), float("-inf"), dtype=dtype, device=dev)
+    row_sum = torch.zeros(hq, row_base[-1], dtype=dtype, device=dev)
+    for row, rows, span, keys in pieces:
+        if keys.numel():
+            visible = tok[keys].unsqueeze(0) <= rows.unsqueeze(1)
             row_max[:, span], row_sum[:, span] = row_softmax_stats(
-                q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), visible, scale
+                q_rows[:, span].contiguous(), k[row][:, keys].to(dtype), visible, scale
             )
     top = row_max.clone()
     _all_reduce(top, dist.ReduceOp.MAX, shard)
     row_sum = torch.where(torch.isfinite(row_max), row_sum * torch.exp(row_max - top), torch.zeros_like(row_sum))
     _all_reduce(row_sum, dist.ReduceOp.SUM, shard)
 
-    # Verticals over the whole row; slashes packed: each segment's offsets [0, scored_end - start) one
-    # after another (no room for unscored positions, and only these are summed across ranks).
-    n_sets = 1 + max(sg.set for _, sg, _, _ in entries)
-    vertical = torch.zeros(b, hq, n_sets, plan.padded_len, dtype=dtype, device=dev)
-    bases = [0]
-    for _, sg, _, _ in entries:
-        bases.append(bases[-1] + sg.scored_end - sg.start)
-    slash = torch.zeros(hq, bases[-1], dtype=dtype, device=dev)
-    for (row, sg, rows, span), lk, base in zip(entries, keys, bases):
-        if lk.numel():
+    # 3. the mass this rank's keys receive: verticals of its own keys, segment after segment; slashes of
+    # every segment's scored offsets, packed the same way on every rank
+    vertical = torch.zeros(hq, key_base[-1], dtype=dtype, device=dev)
+    slash = torch.zeros(hq, slash_base[-1], dtype=dtype, device=dev)
+    for i, (row, rows, span, keys) in enumerate(pieces):
+        if keys.numel():
             accumulate_vertical_slash(
-                q_rows[:, span].contiguous(), k[row][:, lk].to(dtype), rows, tok[lk], scale,
-                vertical[row, :, sg.set], slash, normalizer=(top[:, span], row_sum[:, span]), slash_base=base,
+                q_rows[:, span].contiguous(), k[row][:, keys].to(dtype), rows, tok[keys], scale, vertical, slash,
+                normalizer=(top[:, span], row_sum[:, span]), slash_base=slash_base[i],
+                vertical_index=torch.arange(key_base[i], key_base[i + 1], device=dev),
             )
-    warn_if_costly(n_sets, (vertical.numel() + slash.numel()) * vertical.element_size(), cfg)
-    keep_v, keep_s = _kept_across_ranks(vertical, slash, [(row, sg) for row, sg, _, _ in entries], bases, cfg, shard,
-                                        tok)
+    warn_if_costly(1 + max(sg.set for _, sg in flat), (vertical.numel() + slash.numel()) * vertical.element_size(),
+                   cfg)
+    # 4. the selection from every rank's candidates
+    keep_v, keep_s = _kept_across_ranks(
+        _Scores(vertical, key_base, tok[torch.cat([p[3] for p in pieces])], keys_held),
+        _Scores(slash, slash_base, None, None), flat, meta.segment.shape, cfg, shard)
     return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
 
 
 def _tokens_before(plan, x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +178,17 @@ def _tokens_before(plan, x: torch.Tensor) -> torch.Tensor:
     blk = x // bs
     partial = owner[blk.clamp(max=nb - 1)] * ((x % bs) * (blk < nb)).unsqueeze(1)
     return whole[blk] * bs + partial
+
+
+class _Scores(NamedTuple):
+    """One kind of score of every segment, packed: segment i at values[:, bases[i]:bases[i + 1]].
+    Verticals: this rank's keys, at global `positions`, `held` [segments, cp_size] by each rank; slashes
+    (positions and held None): every scored offset, the same layout on every rank, partial sums."""
+
+    values: torch.Tensor
+    bases: list[int]
+    positions: torch.Tensor | None
+    held: torch.Tensor | None
 
 
 def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int) -> torch.Tensor:
@@ -182,48 +207,46 @@ def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int) -> 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
-def _kept_across_ranks(vertical: torch.Tensor, slash: torch.Tensor, flat: list[tuple[int, EstimationSegment]],
-                       bases: list[int], cfg: SparseAttentionConfig, shard: CPShard, tok: torch.Tensor
+def _kept_across_ranks(vertical: _Scores, slash: _Scores, flat: list[tuple[int, EstimationSegment]],
+                       row_shape: torch.Size, cfg: SparseAttentionConfig, shard: CPShard
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept columns and offsets ([B, H, V, S] bool each, anchors included, the same on every rank)
-    of the segments `flat` ((batch row, segment), in the order of `bases`) from this rank's partial
-    scores: vertical [B, H, V, S], complete for the keys this rank holds, and slash [H, L], segment i's
-    offsets at bases[i]:bases[i + 1], which a reduce-scatter sums, each rank getting 1/cp_size of L.
-    Each rank sends, per segment and head, the best entries it holds (as many as a head can keep) with
-    the mass of all it holds, in one all-gather; every rank selects from the union, which holds every
-    entry the whole row's selection can keep and, for top-p, the mass of every better one."""
-    plan, w, rank, group = shard.plan, shard.parallel.cp_size, shard.rank, shard.parallel.cp_group
-    b, h, v, s = vertical.shape
-    span = -(-slash.shape[1] // w)
-    padded = torch.nn.functional.pad(slash, (0, span * w - slash.shape[1]))
+    of the segments `flat` ((batch row, segment), in the scores' order; row_shape: [B, S]). The
+    verticals of this rank's keys are complete here; the slashes are summed by a reduce-scatter, each
+    rank getting 1/cp_size of the packed offsets. Each rank sends, per segment and head, the best
+    entries it holds (as many as a head can keep) with the mass of all it holds, in one all-gather;
+    every rank selects from the union, which holds every entry the whole row's selection can keep
+    and, for top-p, the mass of every better one."""
+    w, rank, group = shard.parallel.cp_size, shard.rank, shard.parallel.cp_group
+    b, s = row_shape
+    h, n_sets, dev = vertical.values.shape[0], 1 + max(sg.set for _, sg in flat), vertical.values.device
+    span = -(-slash.values.shape[1] // w)
+    padded = torch.nn.functional.pad(slash.values, (0, span * w - slash.values.shape[1]))
     if w > 1:
-        mine = slash.new_empty(h, span)
-        reduce_scatter_rows(mine, padded.unflatten(1, (w, span)).movedim(1, 0).flatten(0, 1), group)
+        summed = padded.new_empty(h, span)
+        reduce_scatter_rows(summed, padded.unflatten(1, (w, span)).movedim(1, 0).flatten(0, 1), group)
     else:
-        mine = padded
-    lo, hi = (torch.tensor([getattr(sg, f) for _, sg in flat]) for f in ("start", "q_hi"))
-    before_lo = _tokens_before(plan, lo)
-    owned_v = _tokens_before(plan, hi) - before_lo  # [segments, w]
-    first, last, ranks = torch.tensor(bases[:-1]), torch.tensor(bases[1:]), torch.arange(w)
-    owned_s = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
-               - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
-    widths = {kind: torch.minimum(owned.amax(1), torch.tensor(candidates_per_row(cfg, kind))).tolist()
-              for kind, owned in (("vertical", owned_v), ("slash", owned_s))}
-    first_v, n_v = before_lo[:, rank].tolist(), owned_v[:, rank].tolist()
+        summed = padded
+    first, last, ranks = torch.tensor(slash.bases[:-1]), torch.tensor(slash.bases[1:]), torch.arange(w)
+    slash_held = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
+                  - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
+    widths = {kind: torch.minimum(held.amax(1), torch.tensor(candidates_per_row(cfg, kind))).tolist()
+              for kind, held in (("vertical", vertical.held), ("slash", slash_held))}
     pieces = []
-    for i, (row, sg) in enumerate(flat):
-        keys = tok[first_v[i] : first_v[i] + n_v[i]]
-        pieces.append(_candidates(vertical[row, :, sg.set, keys], keys, widths["vertical"][i], s))
-        lo_s = max(bases[i], rank * span)
-        packed = torch.arange(lo_s, max(lo_s, min(bases[i + 1], (rank + 1) * span)), device=slash.device)
-        pieces.append(_candidates(mine[:, packed - rank * span], sg.start + packed - bases[i], widths["slash"][i], s))
+    for i, (_, sg) in enumerate(flat):
+        mine = slice(vertical.bases[i], vertical.bases[i + 1])
+        pieces.append(_candidates(vertical.values[:, mine], vertical.positions[mine], widths["vertical"][i], s))
+        lo = max(slash.bases[i], rank * span)
+        packed = torch.arange(lo, max(lo, min(slash.bases[i + 1], (rank + 1) * span)), device=dev)
+        pieces.append(_candidates(summed[:, packed - rank * span], sg.start + packed - slash.bases[i],
+                                  widths["slash"][i], s))
     local = torch.cat(pieces, 1)
     gathered = local.new_empty(w, *local.shape)
     if w > 1:
         all_gather_rows(gathered.flatten(0, 1), local, group)
     else:
         gathered[0] = local
-    keep = {kind: torch.zeros(b, h, v, s + 1, dtype=torch.bool, device=vertical.device) for kind in widths}
+    keep = {kind: torch.zeros(b, h, n_sets, s + 1, dtype=torch.bool, device=dev) for kind in widths}
     col = 0
     for i, (row, sg) in enumerate(flat):
         for kind in ("vertical", "slash"):
@@ -231,7 +254,7 @@ def _kept_across_ranks(vertical: torch.Tensor, slash: torch.Tensor, flat: list[t
             part = gathered[:, :, col : col + 2 * m + 1]
             col += 2 * m + 1
             vals = part[..., :m].movedim(0, 1).flatten(1)
-            pos = part[..., m : 2 * m].contiguous().view(_BITS[vertical.dtype]).movedim(0, 1).flatten(1).long()
+            pos = part[..., m : 2 * m].contiguous().view(_BITS[vals.dtype]).movedim(0, 1).flatten(1).long()
             kept = select_entries(vals, cfg.budget_mode, *budget(cfg, kind), total=part[..., 2 * m :].sum(0))
             keep[kind][row, :, sg.set].scatter_(1, torch.where(kept, pos, s), True)
     keep_v, keep_s = keep["vertical"][..., :s], keep["slash"][..., :s]
