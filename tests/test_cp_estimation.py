@@ -1,6 +1,7 @@
 """The pattern estimated from a sequence split over 3 ranks (gloo) selects from every rank's best
 candidates: the same layout as one process over the whole sequence, on every rank, in top-k and
-top-p modes, with several documents, causal chunks and the document planner's uneven split; and
+top-p modes, with several documents, two batch rows, causal chunks and the document planner's uneven
+split; and
 its collectives carry the slash sums and a few candidates, not the whole score buffer."""
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ CASES = {
     "striped causal chunks": dataclasses.replace(CFG, estimation="causal_chunks", estimation_chunk=48),
     "planner top-p": dataclasses.replace(CFG, budget_mode="topp", vertical_topp=0.5, slash_topp=0.8,
                                          vertical_cap=5, slash_cap=12),
+    "striped top-k, two rows": CFG,
 }
-# Two long documents (one starting inside a block), a short dense one, padding.
+# Two long documents (one starting inside a block), a short dense one, padding; a second row, other documents.
 RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
+OTHER_ROW = [(0, 120), (1, 500), (PAD_SEGMENT, 140)]
 FIELDS = ("block_idx", "block_cnt", "col_idx", "col_cnt")
 # torch's collectives by kind, under the names of torch 2.13 and of earlier versions.
 COLLECTIVES = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
@@ -70,14 +73,16 @@ def _case(rank: int, world: int) -> dict:
         if hasattr(dist, name):  # this process only: count what the estimation sends
             setattr(dist, name, counted(kind, getattr(dist, name)))
 
-    meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
     out = {}
     for case, cfg in CASES.items():
+        rows = [RUNS, OTHER_ROW] if case.endswith("two rows") else [RUNS]
+        meta = TokenMeta.from_segments(torch.stack([torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in runs])
+                                                    for runs in rows]))
         plan = plan_row(meta, cfg, world) if case.startswith("planner") else ShardPlan("striped", world, BS,
                                                                                         meta.segment.shape[1])
         gmeta = plan.global_meta(meta)
         g = torch.Generator().manual_seed(len(out))
-        q, k = (torch.randn(1, h, plan.padded_len, D, generator=g, dtype=torch.float64) for h in (HQ, HKV))
+        q, k = (torch.randn(len(rows), h, plan.padded_len, D, generator=g, dtype=torch.float64) for h in (HQ, HKV))
         ref = estimate_layout(q, k, cfg, gmeta)  # one process, over the same (global) order
         mine = (x.index_select(2, plan.token_index(rank)) for x in (q, k))
         sent.clear()
