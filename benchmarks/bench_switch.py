@@ -8,8 +8,8 @@ to another layout of the same ranks:
   its peak extra memory is what the move holds beyond the state (`MemoryMeter`), compared with one
   rank's shard of the whole state;
 * `link`: the same point-to-point traffic (the bytes the plan has each rank send each other rank) as
-  plain 64 MiB messages with nothing else to do: the floor of any point-to-point mover on this
-  transport (gloo over the loopback interface on CPU);
+  plain 64 MiB messages, all in flight at once, with nothing else to do: the floor of any
+  point-to-point mover on this transport (gloo over the loopback interface on CPU);
 * `checkpoint`: a sharded distributed checkpoint (`torch.distributed.checkpoint.save`), the old state
   dropped, the new layout allocated and loaded (`torch.distributed.checkpoint.load` reshards); plus
   `restart`: the measured start of one fresh Python process importing torch, transformers and the
@@ -126,8 +126,9 @@ def _timed(fn, *args, **kwargs):
 
 def _link_seconds(name: str, world: int, grid: torch.Tensor, placements) -> float:
     """The same traffic with nothing else to do: the bytes the plan has each rank send each other rank,
-    as 64 MiB messages from one buffer, every peer's in flight at once; what any point-to-point mover
-    needs at least on this machine's gloo transport."""
+    as 64 MiB messages (sent from one buffer, received into one per peer), every message to and from
+    every peer in flight at once; what any point-to-point mover needs at least on this machine's gloo
+    transport."""
     from hf_sparse_cp.distributed.reshard import plan_transfers, shard_boxes
 
     rank, chunk = dist.get_rank(), 16 << 20  # floats per message
@@ -138,14 +139,15 @@ def _link_seconds(name: str, world: int, grid: torch.Tensor, placements) -> floa
             if t.src != t.dst and rank in (t.src, t.dst):
                 (sends if t.src == rank else receives)[t.dst if t.src == rank else t.src] += 3 * t.box.numel
     out = torch.randn(min(chunk, max(sends)))
-    into = {p: torch.empty(min(chunk, n)) for p, n in enumerate(receives) if n}
+    into = {p: torch.empty(n) for p, n in enumerate(receives) if n}
 
     def exchange():
-        for start in range(0, max(max(sends), max(receives)), chunk):
-            ops = [dist.irecv(into[p][: min(chunk, n - start)], p) for p, n in enumerate(receives) if n > start]
-            ops += [dist.isend(out[: min(chunk, n - start)], p) for p, n in enumerate(sends) if n > start]
-            for op in ops:
-                op.wait()
+        ops = [dist.irecv(into[p][start : start + chunk], p) for p, n in enumerate(receives)
+               for start in range(0, n, chunk)]
+        ops += [dist.isend(out[: min(chunk, n - start)], p) for p, n in enumerate(sends)
+                for start in range(0, n, chunk)]
+        for op in ops:
+            op.wait()
 
     return _timed(exchange)[0]
 
