@@ -139,7 +139,7 @@ def _link_seconds(name: str, world: int, grid: torch.Tensor, placements) -> floa
             if t.src != t.dst and rank in (t.src, t.dst):
                 (sends if t.src == rank else receives)[t.dst if t.src == rank else t.src] += 3 * t.box.numel
     out = torch.randn(min(chunk, max(sends)))
-    into = {p: torch.empty(n) for p, n in enumerate(receives) if n}
+    into = {p: torch.zeros(n) for p, n in enumerate(receives) if n}  # pages touched before the clock starts
 
     def exchange():
         ops = [dist.irecv(into[p][start : start + chunk], p) for p, n in enumerate(receives)
