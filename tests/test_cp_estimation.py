@@ -29,6 +29,7 @@ CASES = {
     "planner top-p": dataclasses.replace(CFG, budget_mode="topp", vertical_topp=0.5, slash_topp=0.8,
                                          vertical_cap=5, slash_cap=12),
     "striped top-k, two rows": CFG,
+    "striped top-k, fp32": CFG,
 }
 # Two long documents (one starting inside a block), a short dense one, padding; a second row, other documents.
 RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
@@ -82,7 +83,8 @@ def _case(rank: int, world: int) -> dict:
                                                                                         meta.segment.shape[1])
         gmeta = plan.global_meta(meta)
         g = torch.Generator().manual_seed(len(out))
-        q, k = (torch.randn(len(rows), h, plan.padded_len, D, generator=g, dtype=torch.float64) for h in (HQ, HKV))
+        dtype = torch.float32 if case.endswith("fp32") else torch.float64  # positions travel as int32 / int64 bits
+        q, k = (torch.randn(len(rows), h, plan.padded_len, D, generator=g, dtype=dtype) for h in (HQ, HKV))
         ref = estimate_layout(q, k, cfg, gmeta)  # one process, over the same (global) order
         mine = (x.index_select(2, plan.token_index(rank)) for x in (q, k))
         sent.clear()
@@ -95,6 +97,7 @@ def _case(rank: int, world: int) -> dict:
             "sparse": float(ref.kept_fraction(gmeta)) < 0.7,
             "collectives": [n for n, _ in sent],
             "bytes": dict(sent[3:]),
+            "score_bytes": 4 if dtype == torch.float32 else 8,
             "scored_offsets": sum(sg.scored_end - sg.start for row in
                                   estimation_segments(long_documents(gmeta, cfg), cfg) for sg in row),
         }
@@ -123,5 +126,5 @@ def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
         # the reduce-scatter sums the slash scores (the scored offsets of each segment, packed); the
         # candidates are a fraction of that, where an all-reduce of the [2, H, sets, S] buffer sent both
         # halves, unscored positions included, twice
-        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["scored_offsets"] // WORLD) * WORLD * 8  # fp64 inputs
+        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["scored_offsets"] // WORLD) * WORLD * r["score_bytes"]
         assert r["bytes"]["all_gather"] < 0.5 * r["bytes"]["reduce_scatter"]
