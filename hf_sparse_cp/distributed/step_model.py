@@ -222,11 +222,11 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
                 estimation_chunk: int | None) -> float:
     """One layer's layout estimation under CP (`estimation.py`): scoring (two passes over the rank's
     keys), three all-reduces (the scoring queries, row max, row sums), the reduce-scatter of the slash
-    sums (each set's scored offsets), the all-gather of every rank's candidates (the default budgets' best verticals and
-    slashes per set and head, as value and position, and its mass), the index build. With causal chunks
-    (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored by its own queries over the
-    keys before it: a key is scored by (n - 1) / 2 sets on average (positions spread evenly over ranks),
-    and every collective carries n - 1 sets."""
+    sums (each set's scored offsets), the all-gather of every rank's candidates (the default budgets'
+    best verticals and slashes per set and head, as value and position, and its mass), the index
+    build. With causal chunks (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored
+    by its own queries over the keys before it: a key is scored by (n - 1) / 2 sets on average
+    (positions spread evenly over ranks), and every collective carries n - 1 sets."""
     if not setup.sparse:
         return 0.0
     w, s = setup.plan.cp_size, setup.plan.padded_len
