@@ -237,6 +237,7 @@ def score_vertical_slash(
 
 
 def warn_if_costly(n_sets: int, nbytes: int, cfg: SparseAttentionConfig) -> None:
+    """Warn, naming the fix, when a call's causal-chunk score sets take more than SCORE_SET_WARN_BYTES."""
     if n_sets > 1 and nbytes > SCORE_SET_WARN_BYTES:
         warnings.warn(
             f"estimation='causal_chunks' with estimation_chunk={cfg.estimation_chunk} scores {n_sets} chunk sets here: "
