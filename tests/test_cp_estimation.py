@@ -57,6 +57,19 @@ def test_candidates_select_what_the_whole_row_selects():
         assert torch.equal(union, whole) and 0 < int(whole.sum()) < whole.numel() // 4
 
 
+@pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])
+def test_tokens_before_counts_each_ranks_tokens(sharding):
+    from hf_sparse_cp.distributed import ShardPlan
+    from hf_sparse_cp.distributed.planner import plan_row
+
+    meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
+    s = meta.segment.shape[1]
+    plan = plan_row(meta, CFG, WORLD) if sharding == "planner" else ShardPlan(sharding, WORLD, BS, s)
+    positions = torch.arange(plan.padded_len + 1)
+    want = torch.stack([torch.searchsorted(plan.token_index(r), positions) for r in range(WORLD)], 1)
+    assert torch.equal(plan.tokens_before(positions), want)
+
+
 def _case(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
     from hf_sparse_cp.distributed.planner import plan_row

@@ -32,6 +32,7 @@ the verticals of its own keys only.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -108,13 +109,14 @@ def estimate_layout_cp(
     flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
     # Host bookkeeping, no device read: each segment's scoring rows [first, scored_end) and keys [start,
     # scored_end) are contiguous runs of this rank's shard (its tokens are in ascending global order).
-    start, first, end = (torch.tensor([f(sg) for _, sg in flat]) for f in (
-        lambda sg: sg.start, lambda sg: max(sg.start, sg.scored_end - cfg.last_q), lambda sg: sg.scored_end))
-    before = {name: _tokens_before(plan, x) for name, x in (("start", start), ("first", first), ("end", end))}
+    start, first, end = torch.tensor([(sg.start, max(sg.start, sg.scored_end - cfg.last_q), sg.scored_end)
+                                      for _, sg in flat]).T
+    before = dict(zip(("start", "first", "end"), plan.tokens_before(torch.cat([start, first, end])).chunk(3)))
     keys_held = before["end"] - before["start"]  # [segments, cp_size]
     row_lo, row_n = before["first"][:, shard.rank].tolist(), (before["end"] - before["first"])[:, shard.rank].tolist()
     key_lo, key_n = before["start"][:, shard.rank].tolist(), keys_held[:, shard.rank].tolist()
-    row_base, key_base, slash_base = (_offsets(x) for x in ((end - first).tolist(), key_n, (end - start).tolist()))
+    row_base, key_base, slash_base = (list(itertools.accumulate(x, initial=0))
+                                      for x in ((end - first).tolist(), key_n, (end - start).tolist()))
     first_pos = first.tolist()
 
     # 1. every segment's scoring rows, each from the rank that holds it
@@ -161,23 +163,6 @@ def estimate_layout_cp(
         _Scores(vertical, key_base, tok[torch.cat([p[3] for p in pieces])], keys_held),
         _Scores(slash, slash_base, None, None), flat, meta.segment.shape, cfg, shard)
     return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out = [0]
-    for n in sizes:
-        out.append(out[-1] + n)
-    return out
-
-
-def _tokens_before(plan, x: torch.Tensor) -> torch.Tensor:
-    """[n, cp_size]: how many of each rank's tokens lie before the global positions x [n] (host)."""
-    bs, nb, w = plan.block_size, plan.num_blocks, plan.cp_size
-    owner = torch.nn.functional.one_hot(plan.block_owner, w)
-    whole = torch.nn.functional.pad(owner.cumsum(0), (0, 0, 1, 0))  # [nb + 1, w]: blocks before each block
-    blk = x // bs
-    partial = owner[blk.clamp(max=nb - 1)] * ((x % bs) * (blk < nb)).unsqueeze(1)
-    return whole[blk] * bs + partial
 
 
 class _Scores(NamedTuple):

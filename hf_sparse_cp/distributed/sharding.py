@@ -98,6 +98,21 @@ class BlockSplit:
             local[blocks] = torch.arange(blocks.numel())
         return local
 
+    @functools.cached_property
+    def _blocks_before(self) -> torch.Tensor:
+        """int64 [num_blocks + 1, cp_size]: how many of each rank's blocks precede each global block."""
+        owned = F.one_hot(self.block_owner, self.cp_size)
+        return F.pad(owned.cumsum(0), (0, 0, 1, 0))
+
+    def tokens_before(self, positions: torch.Tensor) -> torch.Tensor:
+        """int64 [n, cp_size]: how many of each rank's tokens lie before each global position of
+        `positions` (int64 [n], 0..padded_len), computed on the host from the split alone."""
+        bs, nb = self.block_size, self.num_blocks
+        blk = positions // bs
+        within = (positions % bs) * (blk < nb)  # tokens of a position's own block before it
+        owner = F.one_hot(self.block_owner[blk.clamp(max=nb - 1)], self.cp_size)
+        return self._blocks_before[blk] * bs + owner * within[:, None]
+
     def token_index(self, rank: int) -> torch.Tensor:
         """Global positions of `rank`'s tokens (int64 [local_len_of(rank)], ascending)."""
         bs = self.block_size
