@@ -67,11 +67,13 @@ class RingTopology:
 
 @dataclass
 class Transfer:
-    """One send (or receive) of a contiguous tensor to (from) a global rank."""
+    """One send (or receive) of a contiguous tensor to (from) a global rank; `tag` tells apart several
+    messages between one pair in a batch (gloo matches by it, NCCL by order)."""
 
     peer: int
     tensor: torch.Tensor
     send: bool
+    tag: int = 0
 
 
 class Pending:
@@ -101,10 +103,17 @@ class P2PComm:
         for t in transfers:
             if not t.tensor.is_contiguous():
                 raise ValueError("point-to-point transfers need contiguous tensors.")
-            ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, group=self.group))
+            ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, group=self.group, tag=t.tag))
             if t.send:
                 self.bytes_sent += t.tensor.numel() * t.tensor.element_size()
         return Pending(dist.batch_isend_irecv(ops), [t.tensor for t in transfers])
+
+
+def warm_up(group=None) -> None:
+    """One collective on a group: NCCL creates communicators lazily, and the first
+    batch_isend_irecv of a group must involve all of its ranks, which a rank with nothing to send breaks."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def reduce_scatter_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:

@@ -25,11 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 import torch.distributed as dist
 
 from ..files import check_field_types
-from .comm import RingTopology
+from .comm import RingTopology, warm_up
 from .planner import PlannerCosts
 
 logger = logging.getLogger(__name__)
@@ -280,16 +279,9 @@ class ParallelDims:
                      inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
                      planner_costs=config.planner_costs())
         for group in {id(g): g for g in (cp_group, inner, outer) if g is not None}.values():
-            _warm_up(group)
+            warm_up(group)
         logger.info("%s", layout)
         return layout
-
-
-def _warm_up(group) -> None:
-    """One collective on a new group: NCCL creates communicators lazily, and the first
-    batch_isend_irecv of a group must involve all of its ranks, which a skipped transfer would break."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def quiesce_process_groups(settle_s: float = 0.1) -> None:

@@ -13,12 +13,14 @@ buckets on every rank): a shard whose box does not change stays as it is (no cop
 bucket's destinations are allocated just before receiving. Pieces of at least `DIRECT_BYTES` travel
 straight from the source shard into their place (dim-0 boxes are contiguous; others go through a
 staging copy); the smaller pieces a rank sends one peer in a bucket are packed into one message per
-dtype, since a message costs more than copying a small piece twice. Every rank posts all of a
-bucket's non-blocking receives and sends (both ends of a pair cut and order their messages alike,
-from the same plans) and only then waits, so no rank blocks before all of its transfers are in
-flight and no cycle of waits can form. Each source leaves the dict before its bucket moves and is
-released after it, so the memory held beyond the state stays near a few buckets; `MemoryMeter`
-counts what the move allocates and releases. `TensorMove` (one tensor's plan, source and
+dtype, since a message costs more than copying a small piece twice. A bucket's receives and sends
+are posted as one batch (`comm.P2PComm`, `batch_isend_irecv`; both ends of a pair cut and order their
+messages alike, from the same plans): NCCL runs it as one group, so two ranks exchanging shards
+cannot block each other, and no rank waits before all of its transfers are in flight. The next
+bucket is planned and posted while the last one travels (two in flight at most). Each source leaves
+the dict before its bucket moves and is released after it, so the memory held beyond the state
+stays near two buckets; `MemoryMeter` counts what the move allocates and releases.
+`TensorMove` (one tensor's plan, source and
 destination on this rank) is shared with `sharded_checkpoint`, whose loader fills destinations
 from files.
 """
@@ -33,6 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .comm import P2PComm, Pending, warm_up
+from .comm import Transfer as CommTransfer
 
 
 @dataclass(frozen=True)
@@ -106,17 +111,10 @@ def _shard_boxes(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tup
     return boxes
 
 
-def dtensor_boxes(tensor: torch.Tensor, meshes: dict | None = None) -> dict[int, Box]:
-    """`shard_boxes` of a DTensor; a plain tensor is held whole by every rank of the default group.
-    `meshes` keeps each device mesh's rank grid across calls (`DeviceMesh.mesh` rebuilds it each time)."""
+def dtensor_boxes(tensor: torch.Tensor) -> dict[int, Box]:
+    """`shard_boxes` of a DTensor; a plain tensor is held whole by every rank of the default group."""
     if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        ranks = meshes.get(mesh) if meshes is not None else None
-        if ranks is None:
-            ranks = mesh.mesh
-            if meshes is not None:
-                meshes[mesh] = ranks
-        return shard_boxes(tensor.shape, ranks, tensor.placements)
+        return shard_boxes(tensor.shape, tensor.device_mesh.mesh, tensor.placements)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return dict.fromkeys(range(world), Box.whole(tensor.shape))
 
@@ -267,8 +265,32 @@ def _messages(pieces: dict[tuple[int, torch.dtype], list[torch.Tensor]], direct_
     return out
 
 
-def _move_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_bytes: int) -> None:
-    """Run the plans of a bucket: local pieces copied, every message of the bucket in flight at once."""
+@dataclass
+class _Bucket:
+    """A bucket in flight: its moves, its messages, and the transfers posted for them."""
+
+    moves: list[TensorMove]
+    receives: list[_Message]
+    sends: list[_Message]
+    pending: Pending
+
+
+def _staging(msg: _Message, meter: MemoryMeter) -> torch.Tensor:
+    """The message's one piece itself when it is contiguous, else a new buffer for all of its pieces
+    (gloo and NCCL send and receive contiguous memory)."""
+    piece = msg.pieces[0]
+    if len(msg.pieces) == 1 and piece.is_contiguous():
+        return piece
+    buffer = torch.empty(sum(p.numel() for p in msg.pieces), dtype=msg.dtype, device=piece.device)
+    meter.add(_nbytes(buffer))
+    return buffer
+
+
+def _post_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_bytes: int, comm: P2PComm,
+                 tags: dict[tuple[bool, int], int]) -> _Bucket:
+    """Start a bucket: destinations allocated, local pieces copied, every message posted in one batch.
+    `tags` numbers each pair's messages in each direction over the whole move (gloo matches by tag),
+    so that two buckets in flight never share one."""
     incoming: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     outgoing: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for m in moves:
@@ -282,44 +304,36 @@ def _move_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_
             elif t.src == rank:
                 outgoing.setdefault((t.dst, m.dtype), []).append(m.local[t.box.within(m.source_box)])
     receives, sends = _messages(incoming, direct_bytes), _messages(outgoing, direct_bytes)
-    # Every receive, then every send, all non-blocking, tagged by their place among the pair's messages of
-    # the bucket: no rank waits before all of its transfers are in flight, so no cycle of waits can form.
-    ops, tags = [], {}
-    for msg in receives:
-        view = msg.pieces[0]
-        if len(msg.pieces) == 1 and view.is_contiguous():
-            msg.buffer = view
-        else:  # (gloo and NCCL receive into contiguous memory)
-            msg.buffer = torch.empty(sum(p.numel() for p in msg.pieces), dtype=msg.dtype, device=view.device)
-            meter.add(_nbytes(msg.buffer))
-        tags[msg.peer] = tag = tags.get(msg.peer, -1) + 1
-        ops.append(dist.irecv(msg.buffer, msg.peer, tag=tag))
-    tags = {}
-    for msg in sends:
-        piece = msg.pieces[0]
-        if len(msg.pieces) == 1 and piece.is_contiguous():
-            msg.buffer = piece
-        else:
-            msg.buffer = torch.empty(sum(p.numel() for p in msg.pieces), dtype=msg.dtype, device=piece.device)
-            meter.add(_nbytes(msg.buffer))
-            offset = 0
-            for p in msg.pieces:
-                msg.buffer[offset:offset + p.numel()].view(p.shape).copy_(p)
-                offset += p.numel()
-        tags[msg.peer] = tag = tags.get(msg.peer, -1) + 1
-        ops.append(dist.isend(msg.buffer, msg.peer, tag=tag))
-    for op in ops:
-        op.wait()
-    for msg in receives:
+    transfers = []
+    for messages, send in ((receives, False), (sends, True)):
+        for msg in messages:
+            msg.buffer = _staging(msg, meter)
+            if send and msg.buffer is not msg.pieces[0]:
+                offset = 0
+                for piece in msg.pieces:
+                    msg.buffer[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
+                    offset += piece.numel()
+            tag = tags[send, msg.peer] = tags.get((send, msg.peer), -1) + 1
+            transfers.append(CommTransfer(msg.peer, msg.buffer, send, tag))
+    # One batch (torch.distributed.batch_isend_irecv): NCCL launches it as one group, so two ranks that
+    # exchange with each other cannot each block on a receive queued before their send; gloo runs every
+    # message at once on its own threads.
+    return _Bucket(moves, receives, sends, comm.post(transfers))
+
+
+def _finish_bucket(bucket: _Bucket, meter: MemoryMeter) -> None:
+    """Wait for a bucket's messages, unpack the packed ones, release the staging buffers."""
+    bucket.pending.wait()
+    for msg in bucket.receives:
         if msg.buffer is not msg.pieces[0]:
             offset = 0
             for view in msg.pieces:
                 view.copy_(msg.buffer[offset:offset + view.numel()].view(view.shape))
                 offset += view.numel()
-            meter.release(_nbytes(msg.buffer))
-    for msg in sends:
+    for msg in bucket.receives + bucket.sends:
         if msg.buffer is not msg.pieces[0]:
             meter.release(_nbytes(msg.buffer))
+        msg.buffer = None
 
 
 @torch.no_grad()  # (also: DTensor.to_local without an autograd node per tensor)
@@ -342,8 +356,9 @@ def move_state(
         meter: counts destinations and staging copies added, sources released.
         budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
             world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
-            Default: a quarter of the state per rank, at most 64 MiB, so that a bucket's destinations
-            and packing copies (each at most a bucket) stay within one shard of the state.
+            Two buckets are in flight at a time (the next one is planned and posted while the last
+            one's messages travel). Default: an eighth of the state per rank, at most 32 MiB, so that
+            both buckets' destinations and packing copies stay within one shard of the state.
         direct_bytes: pieces of at least this many bytes travel as their own message, unpacked.
 
     Returns:
@@ -353,27 +368,46 @@ def move_state(
     meter = meter if meter is not None else MemoryMeter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    moved, bucket, bucket_bytes, meshes = {}, [], 0, {}
     if budget_bytes is None:
-        budget_bytes = min(64 << 20, sum(_nbytes(t) for t in state.values()) // world // 4)
+        budget_bytes = min(32 << 20, sum(_nbytes(t) for t in state.values()) // world // 8)
+    comm = P2PComm(None)
+    if world > 1:
+        warm_up()
+    moved, bucket, bucket_bytes, in_flight, tags = {}, [], 0, None, {}
+    # A weight and its optimizer moments share a shape and a layout: plan each (shape, source layout,
+    # target) once per call. The key's mesh and layout are pinned by the value, so no id is reused.
+    plans: dict[tuple, tuple] = {}
     names = list(state)
     for i, name in enumerate(names):
         tensor = state.pop(name)
         layout = target(name, tensor)
-        source, goal = dtensor_boxes(tensor, meshes), layout.boxes(tensor.shape)
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        bucket.append(TensorMove(name, plan_transfers(tensor.shape, source, goal), layout,
-                                 local if rank in source else None, source.get(rank), goal.get(rank), tensor.shape,
-                                 tensor.stride(), tensor.dtype))
+        mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
+        key = (tuple(tensor.shape), mesh, tuple(tensor.placements) if mesh is not None else None, id(layout))
+        if key not in plans:
+            source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
+            plans[key] = (plan_transfers(tensor.shape, source, goal), source.get(rank), goal.get(rank), layout, mesh)
+        plan, source_box, target_box, _, _ = plans[key]
+        local = tensor.to_local() if mesh is not None else tensor
+        bucket.append(TensorMove(name, plan, layout, local if source_box is not None else None, source_box,
+                                 target_box, tensor.shape, tensor.stride(), tensor.dtype))
         bucket_bytes += _nbytes(tensor) // world  # a DTensor's nbytes are its global size
         del tensor, local
         if bucket_bytes < budget_bytes and i + 1 < len(names):
             continue
-        _move_bucket(bucket, rank, meter, direct_bytes)
-        for m in bucket:
-            if m.local is not None and m.out is not m.local:
-                meter.release(_nbytes(m.local))
-            if m.out is not None:
-                moved[m.name] = m.result()
-        bucket, bucket_bytes = [], 0
+        posted = _post_bucket(bucket, rank, meter, direct_bytes, comm, tags)
+        if in_flight is not None:
+            _collect(in_flight, meter, moved)
+        in_flight, bucket, bucket_bytes = posted, [], 0
+    if in_flight is not None:
+        _collect(in_flight, meter, moved)
     return moved
+
+
+def _collect(bucket: _Bucket, meter: MemoryMeter, moved: dict[str, torch.Tensor]) -> None:
+    """Finish a bucket: its sources released, its results into `moved`."""
+    _finish_bucket(bucket, meter)
+    for m in bucket.moves:
+        if m.local is not None and m.out is not m.local:
+            meter.release(_nbytes(m.local))
+        if m.out is not None:
+            moved[m.name] = m.result()
