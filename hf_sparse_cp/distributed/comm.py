@@ -109,11 +109,17 @@ class P2PComm:
         return Pending(dist.batch_isend_irecv(ops), [t.tensor for t in transfers])
 
 
+def group_device(group=None) -> torch.device:
+    """Where a group's tensors live: this process's current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def warm_up(group=None) -> None:
     """One collective on a group: NCCL creates communicators lazily, and the first
     batch_isend_irecv of a group must involve all of its ranks, which a rank with nothing to send breaks."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    dist.all_reduce(torch.zeros(1, device=group_device(group)), group=group)
 
 
 def reduce_scatter_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:

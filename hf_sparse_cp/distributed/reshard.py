@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .comm import P2PComm, Pending, warm_up
+from .comm import P2PComm, Pending, group_device, warm_up
 from .comm import Transfer as CommTransfer
 
 
@@ -203,8 +203,9 @@ class TargetLayout:
 
 @dataclass
 class TensorMove:
-    """One tensor on this rank: its plan, the box it holds before (`source_box`, `local`) and after
-    (`target_box`), and the result `out`; shared by `move_state` and the sharded checkpoint's loader."""
+    """One tensor on this rank: its plan (at least the transfers to and from this rank), the box it
+    holds before (`source_box`, `local`) and after (`target_box`), and the result `out`; shared by
+    `move_state` and the sharded checkpoint's loader."""
 
     name: str
     plan: list[Transfer]
@@ -219,7 +220,8 @@ class TensorMove:
 
     def allocate(self, rank: int, meter: MemoryMeter, device: torch.device | str = "cpu") -> None:
         """Set `out`: the source shard itself when its box does not change (no copy), else a new tensor
-        of the target box (counted by `meter`); nothing on a rank that receives none of the tensor."""
+        of the target box (counted by `meter`) on the source shard's device, or on `device` where this
+        rank held none; nothing on a rank that receives none of the tensor."""
         if self.target_box is None:
             return
         mine = [t for t in self.plan if t.dst == rank]
@@ -287,14 +289,14 @@ def _staging(msg: _Message, meter: MemoryMeter) -> torch.Tensor:
 
 
 def _post_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_bytes: int, comm: P2PComm,
-                 tags: dict[tuple[bool, int], int]) -> _Bucket:
+                 tags: dict[tuple[bool, int], int], device: torch.device) -> _Bucket:
     """Start a bucket: destinations allocated, local pieces copied, every message posted in one batch.
     `tags` numbers each pair's messages in each direction over the whole move (gloo matches by tag),
     so that two buckets in flight never share one."""
     incoming: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     outgoing: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for m in moves:
-        m.allocate(rank, meter)
+        m.allocate(rank, meter, device)
         for t in m.plan:
             if t.dst == rank and t.src == rank:
                 if m.out is not m.local:
@@ -370,12 +372,13 @@ def move_state(
     world = dist.get_world_size() if dist.is_initialized() else 1
     if budget_bytes is None:
         budget_bytes = min(32 << 20, sum(_nbytes(t) for t in state.values()) // world // 8)
-    comm = P2PComm(None)
+    comm, device = P2PComm(None), group_device() if dist.is_initialized() else torch.device("cpu")
     if world > 1:
         warm_up()
     moved, bucket, bucket_bytes, in_flight, tags = {}, [], 0, None, {}
     # A weight and its optimizer moments share a shape and a layout: plan each (shape, source layout,
-    # target) once per call. The key's mesh and layout are pinned by the value, so no id is reused.
+    # target) once per call, keeping the transfers of this rank only (a rank walks its own, not the
+    # world's). The key's mesh and layout are pinned by the value, so no id is reused.
     plans: dict[tuple, tuple] = {}
     names = list(state)
     for i, name in enumerate(names):
@@ -385,7 +388,8 @@ def move_state(
         key = (tuple(tensor.shape), mesh, tuple(tensor.placements) if mesh is not None else None, id(layout))
         if key not in plans:
             source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
-            plans[key] = (plan_transfers(tensor.shape, source, goal), source.get(rank), goal.get(rank), layout, mesh)
+            mine = [t for t in plan_transfers(tensor.shape, source, goal) if rank in (t.src, t.dst)]
+            plans[key] = (mine, source.get(rank), goal.get(rank), layout, mesh)
         plan, source_box, target_box, _, _ = plans[key]
         local = tensor.to_local() if mesh is not None else tensor
         bucket.append(TensorMove(name, plan, layout, local if source_box is not None else None, source_box,
@@ -394,7 +398,7 @@ def move_state(
         del tensor, local
         if bucket_bytes < budget_bytes and i + 1 < len(names):
             continue
-        posted = _post_bucket(bucket, rank, meter, direct_bytes, comm, tags)
+        posted = _post_bucket(bucket, rank, meter, direct_bytes, comm, tags, device)
         if in_flight is not None:
             _collect(in_flight, meter, moved)
         in_flight, bucket, bucket_bytes = posted, [], 0
