@@ -291,3 +291,38 @@ def test_a_swap_posts_every_message_in_batches():
     for res in run_gloo(_swap_counting_point_to_point, 2):
         assert res["same"]
         assert res["ops"] >= 8 and res["outside"] == 0, res  # a send and a receive per tensor, all batched
+
+
+def _disagreeing_moves(rank: int, world: int) -> dict:
+    """Rank 1 moves one tensor more, or sends one to another layout, than rank 0: (the error each rank
+    raised, whether its state is still whole) per case."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
+
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = TargetLayout(torch.arange(world), (Shard(0),))
+    replicated = TargetLayout(torch.arange(world), (Replicate(),))
+    results = {}
+    for case in ("extra tensor", "other target"):
+        # (from local shards: distribute_tensor would scatter, a collective rank 0 does not join for w3)
+        state = {f"w{i}": DTensor.from_local(torch.randn(3, 3), mesh, (Shard(0),), run_check=False)
+                 for i in range(3 + (case == "extra tensor" and rank == 1))}
+        other = case == "other target" and rank == 1
+        keys = list(state)
+        try:
+            move_state(state, lambda name, _, other=other: replicated if other and name == "w1" else sharded)
+            results[case] = (None, list(state) == keys)
+        except ValueError as error:
+            results[case] = (str(error), list(state) == keys)
+    return results
+
+
+def test_ranks_that_disagree_on_the_move_are_refused_before_anything_moves():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for res in run_gloo(_disagreeing_moves, 2):
+        for case, (error, whole) in res.items():
+            assert error is not None and "ranks [1]" in error and "same state keys" in error, (case, error)
+            assert whole, case  # nothing was taken out of the state

@@ -28,6 +28,7 @@ from files.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .comm import P2PComm, Pending, group_device, warm_up
+from .comm import P2PComm, Pending, all_gather_rows, group_device
 from .comm import Transfer as CommTransfer
 
 
@@ -354,7 +355,10 @@ def move_state(
         state: {name: DTensor, or a plain tensor every rank of the default group holds whole}. Emptied
             as it goes: each bucket's sources leave the dict before it moves, so their memory is
             released once moved (when nothing else holds them).
-        target: (name, source tensor) -> its `TargetLayout`.
+        target: (name, source tensor) -> its `TargetLayout`; called for every tensor before anything
+            moves. Every rank must name the same layouts: a rank whose tensors (names, order, shapes,
+            dtypes) or layouts (source or target) differ from rank 0's makes every rank raise ValueError
+            before anything moves (plans that disagree would cross messages).
         meter: counts destinations and staging copies added, sources released.
         budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
             world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
@@ -373,8 +377,9 @@ def move_state(
     if budget_bytes is None:
         budget_bytes = min(32 << 20, sum(_nbytes(t) for t in state.values()) // world // 8)
     comm, device = P2PComm(None), group_device() if dist.is_initialized() else torch.device("cpu")
+    layouts = {name: target(name, tensor) for name, tensor in state.items()}
     if world > 1:
-        warm_up()
+        _check_same_move(state, layouts, world, device)
     moved, bucket, bucket_bytes, in_flight, tags = {}, [], 0, None, {}
     # A weight and its optimizer moments share a shape and a layout: plan each (shape, source layout,
     # target) once per call, keeping the transfers of this rank only (a rank walks its own, not the
@@ -382,8 +387,7 @@ def move_state(
     plans: dict[tuple, tuple] = {}
     names = list(state)
     for i, name in enumerate(names):
-        tensor = state.pop(name)
-        layout = target(name, tensor)
+        tensor, layout = state.pop(name), layouts.pop(name)
         mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
         key = (tuple(tensor.shape), mesh, tuple(tensor.placements) if mesh is not None else None, id(layout))
         if key not in plans:
@@ -405,6 +409,37 @@ def move_state(
     if in_flight is not None:
         _collect(in_flight, meter, moved)
     return moved
+
+
+def _check_same_move(state: Mapping[str, torch.Tensor], layouts: Mapping[str, TargetLayout], world: int,
+                     device: torch.device) -> None:
+    """Raise on every rank unless all ranks move the same tensors between the same layouts: one all-gather
+    of a digest of (name, shape, dtype, source layout, target layout) per tensor. It is also the default
+    group's first collective of the move, which NCCL needs before a batch that leaves ranks out."""
+    texts: dict[tuple, str] = {}  # one description per mesh or layout object, kept alive by state and layouts
+
+    def text(owner: object, placements: tuple) -> str:  # owner: a DeviceMesh or a TargetLayout
+        key = (id(owner), placements)
+        if key not in texts:
+            ranks = owner.mesh_ranks if isinstance(owner, TargetLayout) else owner.mesh
+            texts[key] = f"{ranks.tolist()}{placements}"
+        return texts[key]
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name, tensor in state.items():
+        layout = layouts[name]
+        mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
+        source = text(mesh, tuple(tensor.placements)) if mesh is not None else "whole"
+        goal = text(layout, tuple(layout.placements))
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{source}|{goal};".encode())
+    mine = torch.tensor([int.from_bytes(digest.digest(), "little", signed=True)], device=device)
+    every = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_rows(every, mine, None)
+    differ = [r for r, value in enumerate(every.tolist()) if value != every[0]]
+    if differ:
+        raise ValueError(f"move_state: ranks {differ} move other tensors (names, order, shapes or dtypes) or other "
+                         "layouts than rank 0: call it on every rank with the same state keys in the same order and "
+                         "targets built from the same device meshes.")
 
 
 def _collect(bucket: _Bucket, meter: MemoryMeter, moved: dict[str, torch.Tensor]) -> None:
