@@ -8,9 +8,11 @@ layout B is the intersection of the two maps (`plan_transfers`): for every rank 
 A sends it which box. Replicated source boxes are sent by the receiving rank itself when it holds a
 copy, else by one holder chosen round robin so that no holder sends everything.
 
-`move_state` moves a state dict bucket by bucket (consecutive tensors up to a byte budget, the same
-buckets on every rank): a shard whose box does not change stays as it is (no copy); the rest of a
-bucket's destinations are allocated just before receiving. Pieces of at least `DIRECT_BYTES` travel
+`move_state` first checks that every rank moves the same tensors between the same layouts (one
+all-gather of a digest; plans that disagree would cross messages), then moves the state dict bucket
+by bucket (consecutive tensors up to a byte budget, the same buckets on every rank): a shard whose
+box does not change stays as it is (no copy); the rest of a bucket's destinations are allocated just
+before receiving. Pieces of at least `DIRECT_BYTES` travel
 straight from the source shard into their place (dim-0 boxes are contiguous; others go through a
 staging copy); the smaller pieces a rank sends one peer in a bucket are packed into one message per
 dtype, since a message costs more than copying a small piece twice. A bucket's receives and sends
