@@ -376,27 +376,35 @@ def move_state(
     meter = meter if meter is not None else MemoryMeter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if budget_bytes is None:
-        budget_bytes = min(32 << 20, sum(_nbytes(t) for t in state.values()) // world // 8)
     comm, device = P2PComm(None), group_device() if dist.is_initialized() else torch.device("cpu")
-    layouts = {name: target(name, tensor) for name, tensor in state.items()}
+    # One pass before anything moves: each tensor's target and its kind (shape, dtype, source mesh and
+    # placements, target), numbered in order of first appearance. A weight and its optimizer moments are
+    # usually one kind, planned once per call below, keeping the transfers of this rank only (a rank walks
+    # its own, not the world's). A kind pins its mesh and layout, so no id in a key is reused.
+    layouts, keys, kinds, total = {}, {}, {}, 0
+    for name, tensor in state.items():
+        layout = layouts[name] = target(name, tensor)
+        mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
+        placements = tuple(tensor.placements) if mesh is not None else None
+        key = keys[name] = (tuple(tensor.shape), tensor.dtype, mesh, placements, id(layout))
+        if key not in kinds:
+            kinds[key] = (len(kinds), mesh, layout)
+        total += _nbytes(tensor)
+    if budget_bytes is None:
+        budget_bytes = min(32 << 20, total // world // 8)
     if world > 1:
-        _check_same_move(state, layouts, world, device)
+        _check_same_move(keys, kinds, world, device)
     moved, bucket, bucket_bytes, in_flight, tags = {}, [], 0, None, {}
-    # A weight and its optimizer moments share a shape and a layout: plan each (shape, source layout,
-    # target) once per call, keeping the transfers of this rank only (a rank walks its own, not the
-    # world's). The key's mesh and layout are pinned by the value, so no id is reused.
     plans: dict[tuple, tuple] = {}
     names = list(state)
     for i, name in enumerate(names):
-        tensor, layout = state.pop(name), layouts.pop(name)
-        mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
-        key = (tuple(tensor.shape), mesh, tuple(tensor.placements) if mesh is not None else None, id(layout))
+        tensor, layout, key = state.pop(name), layouts.pop(name), keys[name]
+        mesh = kinds[key][1]
         if key not in plans:
             source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
             mine = [t for t in plan_transfers(tensor.shape, source, goal) if rank in (t.src, t.dst)]
-            plans[key] = (mine, source.get(rank), goal.get(rank), layout, mesh)
-        plan, source_box, target_box, _, _ = plans[key]
+            plans[key] = (mine, source.get(rank), goal.get(rank))
+        plan, source_box, target_box = plans[key]
         local = tensor.to_local() if mesh is not None else tensor
         bucket.append(TensorMove(name, plan, layout, local if source_box is not None else None, source_box,
                                  target_box, tensor.shape, tensor.stride(), tensor.dtype))
@@ -413,27 +421,17 @@ def move_state(
     return moved
 
 
-def _check_same_move(state: Mapping[str, torch.Tensor], layouts: Mapping[str, TargetLayout], world: int,
-                     device: torch.device) -> None:
+def _check_same_move(keys: Mapping[str, tuple], kinds: Mapping[tuple, tuple], world: int, device: torch.device) -> None:
     """Raise on every rank unless all ranks move the same tensors between the same layouts: one all-gather
-    of a digest of (name, shape, dtype, source layout, target layout) per tensor. It is also the default
-    group's first collective of the move, which NCCL needs before a batch that leaves ranks out."""
-    texts: dict[tuple, str] = {}  # one description per mesh or layout object, kept alive by state and layouts
-
-    def text(owner: object, placements: tuple) -> str:  # owner: a DeviceMesh or a TargetLayout
-        key = (id(owner), placements)
-        if key not in texts:
-            ranks = owner.mesh_ranks if isinstance(owner, TargetLayout) else owner.mesh
-            texts[key] = f"{ranks.tolist()}{placements}"
-        return texts[key]
-
+    of a digest of every name with the number of its kind, and of every kind (shape, dtype, source mesh
+    ranks and placements, target mesh ranks and placements). It is also the default group's first
+    collective of the move, which NCCL needs before a batch that leaves ranks out."""
     digest = hashlib.blake2b(digest_size=8)
-    for name, tensor in state.items():
-        layout = layouts[name]
-        mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
-        source = text(mesh, tuple(tensor.placements)) if mesh is not None else "whole"
-        goal = text(layout, tuple(layout.placements))
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{source}|{goal};".encode())
+    for name, key in keys.items():
+        digest.update(f"{name}:{kinds[key][0]};".encode())
+    for (shape, dtype, _, placements, _), (_, mesh, layout) in kinds.items():
+        source = mesh.mesh.tolist() if mesh is not None else "whole"
+        digest.update(f"{shape}|{dtype}|{source}{placements}|{layout.mesh_ranks.tolist()}{layout.placements};".encode())
     mine = torch.tensor([int.from_bytes(digest.digest(), "little", signed=True)], device=device)
     every = torch.empty(world, dtype=torch.int64, device=device)
     all_gather_rows(every, mine, None)
