@@ -12,19 +12,17 @@ copy, else by one holder chosen round robin so that no holder sends everything.
 all-gather of a digest; plans that disagree would cross messages), then moves the state dict bucket
 by bucket (consecutive tensors up to a byte budget, the same buckets on every rank): a shard whose
 box does not change stays as it is (no copy); the rest of a bucket's destinations are allocated just
-before receiving. Pieces of at least `DIRECT_BYTES` travel
-straight from the source shard into their place (dim-0 boxes are contiguous; others go through a
-staging copy); the smaller pieces a rank sends one peer in a bucket are packed into one message per
-dtype, since a message costs more than copying a small piece twice. A bucket's receives and sends
-are posted as one batch (`comm.P2PComm`, `batch_isend_irecv`; both ends of a pair cut and order their
-messages alike, from the same plans): NCCL runs it as one group, so two ranks exchanging shards
-cannot block each other, and no rank waits before all of its transfers are in flight. The next
-bucket is planned and posted while the last one travels (two in flight at most). Each source leaves
-the dict before its bucket moves and is released after it, so the memory held beyond the state
-stays near two buckets; `MemoryMeter` counts what the move allocates and releases.
-`TensorMove` (one tensor's plan, source and
-destination on this rank) is shared with `sharded_checkpoint`, whose loader fills destinations
-from files.
+before receiving. Pieces of at least `DIRECT_BYTES` travel straight from the source shard into their
+place (dim-0 boxes are contiguous; others go through a staging copy); the smaller pieces a rank
+sends one peer in a bucket are packed into one message per dtype, since a message costs more than
+copying a small piece twice. A bucket's receives and sends are posted as one batch (`comm.P2PComm`,
+`batch_isend_irecv`; both ends of a pair cut and order their messages alike, from the same plans):
+NCCL runs it as one group, so two ranks exchanging shards cannot block each other, and no rank waits
+before all of its transfers are in flight. The next bucket is planned and posted while the last one
+travels (two in flight at most). Each source leaves the dict before its bucket moves and is released
+after it, so the memory held beyond the state stays near two buckets; `MemoryMeter` counts what the
+move allocates and releases. `TensorMove` (one tensor's plan, source and destination on this rank)
+is shared with `sharded_checkpoint`, whose loader fills destinations from files.
 """
 
 from __future__ import annotations
@@ -428,14 +426,15 @@ def _check_same_move(keys: Mapping[str, tuple], kinds: Mapping[tuple, tuple], wo
     collective of the move, which NCCL needs before a batch that leaves ranks out."""
     digest = hashlib.blake2b(digest_size=8)
     for name, key in keys.items():
-        digest.update(f"{name}:{kinds[key][0]};".encode())
+        digest.update(repr((name, kinds[key][0])).encode())
     for (shape, dtype, _, placements, _), (_, mesh, layout) in kinds.items():
         source = mesh.mesh.tolist() if mesh is not None else "whole"
-        digest.update(f"{shape}|{dtype}|{source}{placements}|{layout.mesh_ranks.tolist()}{layout.placements};".encode())
+        digest.update(repr((shape, dtype, source, placements, layout.mesh_ranks.tolist(), layout.placements)).encode())
     mine = torch.tensor([int.from_bytes(digest.digest(), "little", signed=True)], device=device)
     every = torch.empty(world, dtype=torch.int64, device=device)
     all_gather_rows(every, mine, None)
-    differ = [r for r, value in enumerate(every.tolist()) if value != every[0]]
+    values = every.tolist()
+    differ = [r for r, value in enumerate(values) if value != values[0]]
     if differ:
         raise ValueError(f"move_state: ranks {differ} move other tensors (names, order, shapes or dtypes) or other "
                          "layouts than rank 0: call it on every rank with the same state keys in the same order and "
