@@ -255,6 +255,16 @@ class _Message:
     pieces: list[torch.Tensor]
     buffer: torch.Tensor | None = None
 
+    @property
+    def packed(self) -> bool:
+        """Whether the message travels in a staging buffer of its own rather than as its one piece."""
+        return self.buffer is not self.pieces[0]
+
+    def packed_views(self) -> list[torch.Tensor]:
+        """The staging buffer cut into one view per piece, in order, each of its piece's shape."""
+        return [part.view(piece.shape)
+                for part, piece in zip(self.buffer.split([p.numel() for p in self.pieces]), self.pieces)]
+
 
 def _messages(pieces: dict[tuple[int, torch.dtype], list[torch.Tensor]], direct_bytes: int) -> list[_Message]:
     """Each (peer, dtype) group's pieces as messages: large ones alone, the rest together. Both ends of a
@@ -311,11 +321,9 @@ def _post_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_
     for messages, send in ((receives, False), (sends, True)):
         for msg in messages:
             msg.buffer = _staging(msg, meter)
-            if send and msg.buffer is not msg.pieces[0]:
-                offset = 0
-                for piece in msg.pieces:
-                    msg.buffer[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
-                    offset += piece.numel()
+            if send and msg.packed:
+                for view, piece in zip(msg.packed_views(), msg.pieces):
+                    view.copy_(piece)
             tag = tags[send, msg.peer] = tags.get((send, msg.peer), -1) + 1
             transfers.append(CommTransfer(msg.peer, msg.buffer, send, tag))
     # One batch (torch.distributed.batch_isend_irecv): NCCL launches it as one group, so two ranks that
@@ -328,13 +336,11 @@ def _finish_bucket(bucket: _Bucket, meter: MemoryMeter) -> None:
     """Wait for a bucket's messages, unpack the packed ones, release the staging buffers."""
     bucket.pending.wait()
     for msg in bucket.receives:
-        if msg.buffer is not msg.pieces[0]:
-            offset = 0
-            for view in msg.pieces:
-                view.copy_(msg.buffer[offset:offset + view.numel()].view(view.shape))
-                offset += view.numel()
+        if msg.packed:
+            for view, piece in zip(msg.packed_views(), msg.pieces):
+                piece.copy_(view)
     for msg in bucket.receives + bucket.sends:
-        if msg.buffer is not msg.pieces[0]:
+        if msg.packed:
             meter.release(_nbytes(msg.buffer))
         msg.buffer = None
 
