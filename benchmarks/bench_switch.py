@@ -28,7 +28,7 @@ memory <= one shard. A context-parallel switch at constant world size moves noth
 dp_shard x cp keeps its flattened size, `integration/curriculum.py`); this measures the layout change.
 
     python benchmarks/bench_switch.py                          # tiny, small, 0.5B-shaped on 4 processes
-    python benchmarks/bench_switch.py --models tiny --world 2
+    python benchmarks/bench_switch.py --models tiny --repeats 3
 """
 
 from __future__ import annotations
@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     (args,) = HfArgumentParser(BenchSwitchArguments).parse_args_into_dataclasses(argv)
     unknown = set(args.models) - set(MODELS)
-    if unknown or args.world % 4:
-        raise SystemExit(f"--models from {list(MODELS)} and a --world that is a multiple of 4 (got {args.models}, "
-                         f"{args.world}).")
+    if unknown or args.world % 4 or args.repeats < 1:
+        raise SystemExit(f"--models from {list(MODELS)}, a --world that is a multiple of 4 and --repeats >= 1 (got "
+                         f"{args.models}, {args.world}, {args.repeats}).")
     restart = _restart_seconds(args.world)
     with tempfile.TemporaryDirectory() as workdir, spawned_allocator(args.allocator) as tunables:
         per_rank = run_gloo(_worker, args.world, args.models, args.repeats, workdir, timeout_s=3600)
