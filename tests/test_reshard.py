@@ -294,25 +294,27 @@ def test_a_swap_posts_every_message_in_batches():
 
 
 def _disagreeing_moves(rank: int, world: int) -> dict:
-    """Rank 1 moves one tensor more, or sends one to another layout, than rank 0: (the error each rank
-    raised, whether its state is still whole) per case."""
+    """Rank 1 moves one tensor more, or sends one to another layout, than rank 0; or every rank names a
+    target that cannot be laid out (a Partial placement): (the error each rank raised, whether its state
+    is still whole) per case."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Partial
 
     from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
 
     mesh = init_device_mesh("cpu", (world,))
     sharded = TargetLayout(torch.arange(world), (Shard(0),))
     replicated = TargetLayout(torch.arange(world), (Replicate(),))
+    partial = TargetLayout(torch.arange(world), (Partial(),))
     results = {}
-    for case in ("extra tensor", "other target"):
+    for case in ("extra tensor", "other target", "partial target"):
         # (from local shards: distribute_tensor would scatter, a collective rank 0 does not join for w3)
         state = {f"w{i}": DTensor.from_local(torch.randn(3, 3), mesh, (Shard(0),), run_check=False)
                  for i in range(3 + (case == "extra tensor" and rank == 1))}
-        other = case == "other target" and rank == 1
+        other = replicated if case == "other target" and rank == 1 else partial if case == "partial target" else None
         keys = list(state)
         try:
-            move_state(state, lambda name, _, other=other: replicated if other and name == "w1" else sharded)
+            move_state(state, lambda name, _, other=other: other if other is not None and name == "w1" else sharded)
             results[case] = (None, list(state) == keys)
         except ValueError as error:
             results[case] = (str(error), list(state) == keys)
@@ -324,5 +326,8 @@ def test_ranks_that_disagree_on_the_move_are_refused_before_anything_moves():
 
     for res in run_gloo(_disagreeing_moves, 2):
         for case, (error, whole) in res.items():
-            assert error is not None and "ranks [1]" in error and "same state keys" in error, (case, error)
+            if case == "partial target":
+                assert error is not None and "cannot be resharded" in error, error
+            else:
+                assert error is not None and "ranks [1]" in error and "same state keys" in error, (case, error)
             assert whole, case  # nothing was taken out of the state

@@ -364,7 +364,8 @@ def move_state(
         target: (name, source tensor) -> its `TargetLayout`; called for every tensor before anything
             moves. Every rank must name the same layouts: a rank whose tensors (names, order, shapes,
             dtypes) or layouts (source or target) differ from rank 0's makes every rank raise ValueError
-            before anything moves (plans that disagree would cross messages).
+            before anything moves (plans that disagree would cross messages), as does a layout that
+            cannot be planned (e.g. a `Partial` placement); the state is then left whole.
         meter: counts destinations and staging copies added, sources released.
         budget_bytes: a bucket holds consecutive tensors up to this many bytes per rank (global bytes /
             world size, so every rank cuts the same buckets); a larger tensor is a bucket of its own.
@@ -381,10 +382,11 @@ def move_state(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     comm, device = P2PComm(None), group_device() if dist.is_initialized() else torch.device("cpu")
-    # One pass before anything moves: each tensor's target and its kind (shape, dtype, source mesh and
-    # placements, target), numbered in order of first appearance. A weight and its optimizer moments are
-    # usually one kind, planned once per call below, keeping the transfers of this rank only (a rank walks
-    # its own, not the world's). A kind pins its mesh and layout, so no id in a key is reused.
+    # Before anything moves: each tensor's target and its kind (shape, dtype, source mesh and placements,
+    # target), numbered in order of first appearance; the ranks' agreement; then one plan per kind (a
+    # weight and its optimizer moments are usually one kind), keeping the transfers of this rank only (a
+    # rank walks its own, not the world's). A layout the plan refuses thus raises on every rank with the
+    # state whole. A kind pins its mesh and layout, so no id in a key is reused.
     layouts, keys, kinds, total = {}, {}, {}, 0
     for name, tensor in state.items():
         layout = layouts[name] = target(name, tensor)
@@ -392,22 +394,23 @@ def move_state(
         placements = tuple(tensor.placements) if mesh is not None else None
         key = keys[name] = (tuple(tensor.shape), tensor.dtype, mesh, placements, id(layout))
         if key not in kinds:
-            kinds[key] = (len(kinds), mesh, layout)
+            kinds[key] = (len(kinds), mesh, layout, name)
         total += _nbytes(tensor)
     if budget_bytes is None:
         budget_bytes = min(32 << 20, total // world // 8)
     if world > 1:
         _check_same_move(keys, kinds, world, device)
+    plans = {}
+    for key, (_, _, layout, name) in kinds.items():
+        tensor = state[name]
+        source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
+        mine = [t for t in plan_transfers(tensor.shape, source, goal) if rank in (t.src, t.dst)]
+        plans[key] = (mine, source.get(rank), goal.get(rank))
     moved, bucket, bucket_bytes, in_flight, tags = {}, [], 0, None, {}
-    plans: dict[tuple, tuple] = {}
     names = list(state)
     for i, name in enumerate(names):
         tensor, layout, key = state.pop(name), layouts.pop(name), keys[name]
         mesh = kinds[key][1]
-        if key not in plans:
-            source, goal = dtensor_boxes(tensor), layout.boxes(tensor.shape)
-            mine = [t for t in plan_transfers(tensor.shape, source, goal) if rank in (t.src, t.dst)]
-            plans[key] = (mine, source.get(rank), goal.get(rank))
         plan, source_box, target_box = plans[key]
         local = tensor.to_local() if mesh is not None else tensor
         bucket.append(TensorMove(name, plan, layout, local if source_box is not None else None, source_box,
@@ -433,7 +436,7 @@ def _check_same_move(keys: Mapping[str, tuple], kinds: Mapping[tuple, tuple], wo
     digest = hashlib.blake2b(digest_size=8)
     for name, key in keys.items():
         digest.update(repr((name, kinds[key][0])).encode())
-    for (shape, dtype, _, placements, _), (_, mesh, layout) in kinds.items():
+    for (shape, dtype, _, placements, _), (_, mesh, layout, _) in kinds.items():
         source = mesh.mesh.tolist() if mesh is not None else "whole"
         digest.update(repr((shape, dtype, source, placements, layout.mesh_ranks.tolist(), layout.placements)).encode())
     mine = torch.tensor([int.from_bytes(digest.digest(), "little", signed=True)], device=device)
