@@ -2,6 +2,7 @@
 
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -429,6 +430,27 @@ def test_patched_eval_and_unlabeled_calls_return_logits(lean_loss):
     torch.testing.assert_close(
         evaluated.loss, ForCausalLMLoss(evaluated.logits, labels, model.config.vocab_size), rtol=1e-6, atol=0
     )
+
+
+def test_patched_forward_passes_the_callers_arguments_on_unchanged():
+    """Generation (the KV cache under whichever name this transformers release uses) goes through the
+    stock forward exactly as called, and the lean path returns the base model's cache: no deprecated
+    argument added on the way (transformers 5.24 renamed past_key_values -> cache)."""
+    model = _tiny_model("qwen2").eval()
+    ids, labels = _batch()
+    reference = model.generate(ids, max_new_tokens=4, do_sample=False)
+    enable_lean_loss()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+            model.train()
+            out = model(input_ids=ids, labels=labels, use_cache=True)
+    finally:
+        disable_lean_loss()
+    torch.testing.assert_close(generated, reference, rtol=0, atol=0)
+    assert out.logits is None and out[lean_loss_module._CACHE_FIELD].get_seq_length() == ids.shape[1]
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
 
 
 def test_custom_loss_function_goes_through_the_stock_forward(lean_loss):

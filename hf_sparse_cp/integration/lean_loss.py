@@ -18,6 +18,7 @@ each one that is still ours (a forward another library installed after us stays)
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +41,11 @@ def _is_distributed_tensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _takes_lean_path(model, labels, kwargs) -> bool:
+def _takes_lean_path(model, labels, shift_labels) -> bool:
     lm_head = model.lm_head
     return (
         model.training
-        and (labels is not None or kwargs.get("shift_labels") is not None)
+        and (labels is not None or shift_labels is not None)
         and model.loss_function is compat.stock_causal_lm_loss()
         and getattr(model.config, "final_logit_softcapping", None) is None
         # A PEFT-wrapped head (LoRA, modules_to_save) is not an nn.Linear: its weight alone is not the head.
@@ -54,32 +55,16 @@ def _takes_lean_path(model, labels, kwargs) -> bool:
     )
 
 
+# transformers 5.24 renamed the KV cache `past_key_values` -> `cache` (arguments and output fields; the old
+# name warns, and goes in 5.40). The lean path passes the caller's arguments on under the names given and
+# returns the base model's cache under the name this release's outputs use.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 @compat.can_return_tuple
-def _forward_with_lean_loss(
-    model,
-    *,
-    input_ids,
-    attention_mask,
-    position_ids,
-    past_key_values,
-    inputs_embeds,
-    labels,
-    use_cache,
-    logits_to_keep,
-    **kwargs,
-) -> CausalLMOutputWithPast:
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    ignore_index = kwargs.pop("ignore_index", -100)
-    outputs = model.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
+def _forward_with_lean_loss(model, *, labels=None, logits_to_keep=0, shift_labels=None, num_items_in_batch=None,
+                            ignore_index=-100, **base_inputs) -> CausalLMOutputWithPast:
+    outputs = model.model(**base_inputs)
     hidden = outputs.last_hidden_state
     hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
     if shift_labels is None:
@@ -102,41 +87,26 @@ def _forward_with_lean_loss(
     return CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
+        **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
     )
 
 
 def lean_causal_lm_forward(original):
-    """`forward` for a `*ForCausalLM` class: the memory-lean loss when training, else `original`."""
+    """`forward` for a `*ForCausalLM` class: the memory-lean loss when training, else `original`, called
+    with exactly the caller's arguments."""
+    signature = inspect.signature(original)
+    var_keyword = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
 
     @functools.wraps(original)
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        logits_to_keep=0,
-        **kwargs,
-    ):
-        args = dict(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-        )
-        if _takes_lean_path(self, labels, kwargs):
-            return _forward_with_lean_loss(self, **args, **kwargs)
-        return original(self, **args, **kwargs)
+    def forward(self, *args, **kwargs):
+        given = signature.bind(self, *args, **kwargs).arguments  # by name, as the caller gave them
+        given.pop("self")
+        given.update(given.pop(var_keyword, {}))
+        if _takes_lean_path(self, given.get("labels"), given.get("shift_labels")):
+            return _forward_with_lean_loss(self, **given)
+        return original(self, *args, **kwargs)
 
     return forward
 
