@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 # The releases this module was written and tested against (inclusive).
-TESTED_VERSIONS = {"transformers": ("5.0", "5.23"), "accelerate": ("1.10", "1.15")}
+TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15")}
 
 # Names of the private methods the plugin replaces on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
 TRAINER_TRACK_TOKENS = "_track_num_input_tokens"
+TRAINER_COUNT_ITEMS = "_get_num_items_in_batch"
 ACCELERATOR_PREPARE_CP = "_prepare_cp"
 TRAINER_COLLATOR_WITHOUT_UNUSED = "_get_collator_with_removed_columns"
 TRAINER_LOAD_MODEL = "_load_from_checkpoint"
@@ -50,6 +51,9 @@ PRIVATE_MEMBERS = (
                   "replaced per trainer: the Trainer's CP input preparation accepts SDPA only"),
     PrivateMember("transformers.Trainer", TRAINER_TRACK_TOKENS, ("self", "inputs"),
                   "wrapped per trainer: under CP every rank of a group counts the same batch"),
+    PrivateMember("transformers.Trainer", TRAINER_COUNT_ITEMS, ("self", "batch_samples", "device"),
+                  "wrapped per trainer before transformers 5.19: the loss's token count divides by the CP degree "
+                  "there only when accelerate's ParallelismConfig sets one"),
     PrivateMember("transformers.Trainer", TRAINER_COLLATOR_WITHOUT_UNUSED, ("self", "data_collator", "description"),
                   "a cp_schedule's data loader drops the columns the model does not take, as the Trainer's does"),
     PrivateMember("transformers.Trainer", TRAINER_LOAD_MODEL, ("self", "resume_from_checkpoint", "model"),
@@ -138,6 +142,15 @@ def require(qualified: str, instance: Any = None) -> None:
             f"{why}: hf-sparse-cp relies on it because {member.used_for}. Installed: {_versions()}. Install a "
             "transformers / accelerate release in the tested range, or an hf-sparse-cp release that supports yours."
         )
+
+
+def token_count_divides_by_get_cp_size() -> bool:
+    """Whether the Trainer's `num_items_in_batch` (gathered over every rank) divides by its `get_cp_size()`,
+    as from transformers 5.19 on; before, by accelerate's `ParallelismConfig` sizes only."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 19)
 
 
 def unregister(interface: type, name: str) -> None:

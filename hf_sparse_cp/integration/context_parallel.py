@@ -83,6 +83,16 @@ def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], in
         # transformers reads the CP degree from accelerate's ParallelismConfig only; with it, the
         # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
         patches.set_attr(trainer, "get_cp_size", cp_size)
+        if not compat.token_count_divides_by_get_cp_size():
+            compat.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
+            count = getattr(trainer, compat.TRAINER_COUNT_ITEMS)
+
+            def count_once(batch_samples, device):
+                # the gathered count holds each CP group's batch cp_size times (exactly)
+                items = count(batch_samples, device)
+                return items if items is None else items // cp_size()
+
+            patches.set_attr(trainer, compat.TRAINER_COUNT_ITEMS, count_once)
     flops = trainer.floating_point_ops
     patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size())
     compat.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
