@@ -191,8 +191,11 @@ def parse_args(argv: list[str]) -> ParsedArgs:
         argv = recipe_flags(argv[0]) + argv[1:]
     explicit = explicit_fields(parser, argv)
     # Every run of the example uses the backend it shows (`--sparse_attention false` turns it off), and without a GPU
-    # trains on CPU processes (gloo): accelerate only goes distributed on CPU when told.
-    defaults = {"sparse_attention": True} | ({} if torch.cuda.is_available() else {"use_cpu": True})
+    # trains on CPU processes (gloo): accelerate only goes distributed on CPU when told. Its models use every
+    # parameter at every step, so DDP need not search the graph for unused ones after each backward (the Trainer's
+    # default without gradient checkpointing; `--ddp_find_unused_parameters true` brings it back).
+    defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False}
+    defaults |= {} if torch.cuda.is_available() else {"use_cpu": True}
     if not recipe and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
     parser.set_defaults(**defaults)

@@ -72,8 +72,9 @@ def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
 
 
 def test_flags_after_the_recipe_win_and_bad_recipes_are_refused(tmp_path):
-    script, *_ = parse_args([str(CURRICULUM[0]), "--seq_len", "65536"])
-    assert script.seq_len == 65536
+    flags = ["--seq_len", "65536", "--ddp_find_unused_parameters", "true"]
+    script, training, *_ = parse_args([str(CURRICULUM[0]), *flags])
+    assert script.seq_len == 65536 and training.ddp_find_unused_parameters is True
     bad = tmp_path / "bad.yaml"
     bad.write_text("- seq_len\n")
     with pytest.raises(ValueError, match="mapping of flag names"):
@@ -91,8 +92,10 @@ def _plain_parse(argv: list[str]) -> tuple:
 @pytest.mark.parametrize("path", CURRICULUM, ids=lambda p: p.stem)
 def test_a_recipe_gets_the_library_defaults_for_what_it_does_not_set(path):
     parsed = parse_args([str(path)])
-    # the recipe's flags over the library defaults, and nothing else (the example adds only --use_cpu without CUDA)
-    plain = _plain_parse(recipe_flags(str(path)) + ([] if torch.cuda.is_available() else ["--use_cpu"]))
+    # the recipe's flags over the library defaults, and nothing else (the example adds DDP without the unused-parameter
+    # search, and --use_cpu without CUDA)
+    added = ["--ddp_find_unused_parameters", "false"] + ([] if torch.cuda.is_available() else ["--use_cpu"])
+    plain = _plain_parse(recipe_flags(str(path)) + added)
     for got, want in zip(parsed[:6], plain):
         assert got == want, type(got).__name__
     # which pattern the run ends up with: the recipe's fields, the library's for the rest (not the demo's
