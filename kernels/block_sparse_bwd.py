@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, kv_descriptors, placeholder_if_empty
-from .configs import compiled, dkdv_tiles, dq_tiles
+from .configs import FP_FUSION, compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
@@ -440,7 +440,7 @@ def backward(
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
             PRECISION=precision, KV_DESCRIPTORS=k_desc is not k,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 
     if not has_cols:
@@ -474,7 +474,7 @@ def backward(
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=kv_tiles.block_m, BLOCK_N=kv_tiles.block_n,
         HAS_WINDOW=window is not None, HAS_COLUMNS=has_cols, PRECISION=precision,
-        num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages,
+        num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
     return dq, dk, dv
 

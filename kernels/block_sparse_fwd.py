@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import compiled, forward_tiles
+from .configs import FP_FUSION, compiled, forward_tiles
 from .tiles import (
     LN2,
     LOG2E,
@@ -239,7 +239,7 @@ def forward(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
         HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
         KV_DESCRIPTORS=k_desc is not k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
 
 

@@ -93,6 +93,10 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
 
 
+# Every launch asks for FP fusion (a * b + c contracted to one FMA, one rounding) explicitly: Triton 3.10 turns it
+# off by default (3.9 warns that it will); the kernels' accuracy and their sm_90 builds were checked with it on.
+FP_FUSION = True
+
 # Narrowest wgmma N worth launching: an m64n16 product runs a quarter of a full-width tile per
 # instruction (seen at head_dim 128 in the 64-key x 32-row dk/dv tile, benchmarks/results/README.md).
 MIN_WGMMA_N = 32

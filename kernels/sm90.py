@@ -140,7 +140,7 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
 def compile_launch(kernel, args: tuple, kwargs: dict):
     """Build one recorded launch for sm_90, each argument specialized as the JIT specializes it."""
     kwargs = dict(kwargs)
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "enable_fp_fusion") if name in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
     backend = make_backend(TARGET)
     signature, constexprs, attrs = {}, {}, {}

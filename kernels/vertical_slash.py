@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_fwd import dot_precision
-from .configs import compiled, scoring_tiles
+from .configs import FP_FUSION, compiled, scoring_tiles
 from .tiles import LOG2E
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -162,7 +162,7 @@ def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -
     _row_stats_kernel[(hq, triton.cdiv(r, tiles.block_m), n_splits)](
         q_rows, k, row_max, row_sum, *strides, r, l, hq // hk, per_split, qk_scale,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.stats_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.stats_stages, enable_fp_fusion=FP_FUSION,
     )
     top = row_max.amax(1)  # finite: every row sees the document's first key, which lies in split 0
     lse2 = top + torch.log2((row_sum * torch.exp2(row_max - top.unsqueeze(1))).sum(1))
@@ -176,7 +176,7 @@ def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -
     _scores_kernel[(hq, n_key_tiles)](
         q_rows, k, lse2.contiguous(), vertical, chunks, *strides, r, l, hq // hk, key_origin, row_tiles,
         qk_scale, HEAD_DIM=d, BLOCK_D=block_d, BLOCK=block, PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=1,
+        num_warps=tiles.num_warps, num_stages=1, enable_fp_fusion=FP_FUSION,
     )
     return vertical, fold_diagonal_chunks(chunks, l - r - key_origin, l)
 

@@ -41,6 +41,9 @@ def test_launched_builds_are_hinted_spill_free_and_on_full_wgmma(head_dim, dtype
     for name, (tiles, build) in builds.items():
         use = sm90.usage(build)
         assert "cubin" in build.asm, name
+        # FP fusion asked for at every launch, not left to Triton's default (off from 3.10): FMAs in the build
+        assert launches[name][2]["enable_fp_fusion"] is configs.FP_FUSION is True, name
+        assert build.metadata.enable_fp_fusion and "fma.rn.f32" in build.asm["ptx"], name
         assert use.hinted_args == _hints_of_a_launch(launches[name][1]) > 0, (name, use)
         assert use.wide_loads > 0, (name, use)  # 16-byte loads, which the hints make possible
         assert use.shared_bytes <= sm90.H100_SHARED_BYTES, (name, tiles, use)
