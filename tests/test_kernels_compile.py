@@ -19,10 +19,11 @@ from benchmark_loader import load_benchmark
 
 # Stack bytes per thread the launchers' builds may hold. Triton 3.9 keeps 8 in the dk/dv kernel at
 # head_dim 128 when it writes the input dtype seeded by the columns' sums (one loop-invariant register
-# reloaded per step; 32-row steps build without it but issue m64n32) and none elsewhere; Triton 3.6 (the
-# GPU image's) kept 16 bytes in that kernel before (four registers; with 2 stages it spilled nothing but
-# no longer kept loads two steps ahead). Before the hinted builds, 128-key dk/dv tiles were recorded at
-# over 2 KB.
+# reloaded per step; 32-row steps build without it but issue m64n32) and none elsewhere. Triton 3.6 (the
+# GPU image's) kept 16 bytes in that kernel before it wrote the input dtype, and keeps 56 since (24 with 2
+# stages; its spill-free head_dim-128 dk/dv tiles are 32x128 and 64x64 at 8 warps: builds of 2026-11-25 in
+# benchmarks/results/), so this bound holds for 3.9, which CI installs; which 3.6 tile is fastest needs a
+# GPU (benchmarks/tune_tiles.py). Before the hinted builds, 128-key dk/dv tiles were recorded at over 2 KB.
 MAX_STACK_BYTES = 16
 
 
