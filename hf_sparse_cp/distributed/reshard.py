@@ -332,8 +332,9 @@ def _post_bucket(moves: list[TensorMove], rank: int, meter: MemoryMeter, direct_
     return _Bucket(moves, receives, sends, comm.post(transfers))
 
 
-def _finish_bucket(bucket: _Bucket, meter: MemoryMeter) -> None:
-    """Wait for a bucket's messages, unpack the packed ones, release the staging buffers."""
+def _collect(bucket: _Bucket, meter: MemoryMeter, moved: dict[str, torch.Tensor]) -> None:
+    """Finish a bucket: wait for its messages, unpack the packed ones, release the staging buffers and
+    the sources, put its results into `moved`."""
     bucket.pending.wait()
     for msg in bucket.receives:
         if msg.packed:
@@ -343,6 +344,11 @@ def _finish_bucket(bucket: _Bucket, meter: MemoryMeter) -> None:
         if msg.packed:
             meter.release(_nbytes(msg.buffer))
         msg.buffer = None
+    for m in bucket.moves:
+        if m.local is not None and m.out is not m.local:
+            meter.release(_nbytes(m.local))
+        if m.out is not None:
+            moved[m.name] = m.result()
 
 
 @torch.no_grad()  # (also: DTensor.to_local without an autograd node per tensor)
@@ -409,10 +415,9 @@ def move_state(
     moved, bucket, bucket_bytes, in_flight, tags = {}, [], 0, None, {}
     names = list(state)
     for i, name in enumerate(names):
-        tensor, layout, key = state.pop(name), layouts.pop(name), keys[name]
-        mesh = kinds[key][1]
-        plan, source_box, target_box = plans[key]
-        local = tensor.to_local() if mesh is not None else tensor
+        tensor, layout = state.pop(name), layouts.pop(name)
+        plan, source_box, target_box = plans[keys[name]]
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         bucket.append(TensorMove(name, plan, layout, local if source_box is not None else None, source_box,
                                  target_box, tensor.shape, tensor.stride(), tensor.dtype))
         bucket_bytes += _nbytes(tensor) // world  # a DTensor's nbytes are its global size
@@ -448,13 +453,3 @@ def _check_same_move(keys: Mapping[str, tuple], kinds: Mapping[tuple, tuple], wo
         raise ValueError(f"move_state: ranks {differ} move other tensors (names, order, shapes or dtypes) or other "
                          "layouts than rank 0: call it on every rank with the same state keys in the same order and "
                          "targets built from the same device meshes.")
-
-
-def _collect(bucket: _Bucket, meter: MemoryMeter, moved: dict[str, torch.Tensor]) -> None:
-    """Finish a bucket: its sources released, its results into `moved`."""
-    _finish_bucket(bucket, meter)
-    for m in bucket.moves:
-        if m.local is not None and m.out is not m.local:
-            meter.release(_nbytes(m.local))
-        if m.out is not None:
-            moved[m.name] = m.result()
