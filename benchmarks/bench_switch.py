@@ -4,7 +4,7 @@ For each model shape (tiny, small, 0.5B-shaped like Qwen2.5-0.5B) the fp32 weigh
 moments are sharded FSDP2-style (`Shard(0)` over all ranks) on `--world` gloo processes, then moved
 to another layout of the same ranks:
 
-* `switch`: `hf_sparse_cp.distributed.reshard.move_state`, point to point, bucket by bucket;
+* `switch`: `hf_sparse_cp.resharding.boxes.move_state`, point to point, bucket by bucket;
   its peak extra memory is what the move holds beyond the state (`MemoryMeter`), compared with one
   rank's shard of the whole state;
 * `link`: the same point-to-point traffic (the bytes the plan has each rank send each other rank) as
@@ -26,7 +26,7 @@ every large new tensor, the switch's destinations and the reload's alike, first 
 Targets (issue #17): switch >= 20x faster than the checkpoint baseline (save, restart, reload), peak extra
 memory <= one shard; the ratio without the restart is reported too, beside what the bare transport reaches
 (`ckpt/link`). A context-parallel switch at constant world size moves nothing (FSDP2's mesh over
-dp_shard x cp keeps its flattened size, `integration/curriculum.py`); this measures the layout change.
+dp_shard x cp keeps its flattened size, `trainer/curriculum.py`); this measures the layout change.
 
     python benchmarks/bench_switch.py                          # tiny, small, 0.5B-shaped on 4 processes
     python benchmarks/bench_switch.py --models tiny --repeats 3
@@ -102,7 +102,7 @@ def _sharded_state(name: str, mesh, placements, fill: bool) -> dict:
     """Weights and AdamW moments as DTensors laid out by (mesh, placements), from local random shards."""
     from torch.distributed.tensor import DTensor
 
-    from hf_sparse_cp.distributed.reshard import shard_boxes
+    from hf_sparse_cp.resharding.boxes import shard_boxes
 
     rank, state = dist.get_rank(), {}
     for pname, shape in parameter_shapes(name).items():
@@ -135,7 +135,7 @@ def _link_seconds(name: str, world: int, grid: torch.Tensor, placements) -> floa
     as 64 MiB messages (sent from one buffer, received into one per peer), every message to and from
     every peer in flight at once; what any point-to-point mover needs at least on this machine's gloo
     transport."""
-    from hf_sparse_cp.distributed.reshard import plan_transfers, shard_boxes
+    from hf_sparse_cp.resharding.boxes import plan_transfers, shard_boxes
 
     rank, chunk = dist.get_rank(), 16 << 20  # floats per message
     sends, receives = [0] * world, [0] * world
@@ -163,7 +163,7 @@ def _measure(name: str, world: int, repeats: int, workdir: str) -> list[dict]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_sparse_cp.distributed.reshard import MemoryMeter, TargetLayout, move_state
+    from hf_sparse_cp.resharding.boxes import MemoryMeter, TargetLayout, move_state
 
     flat = init_device_mesh("cpu", (world,))
     source = (Shard(0),)

@@ -1,7 +1,7 @@
 """How far does it scale? Predicted training-step time of context parallelism on a GPU cluster.
 
 For a model shape, a cluster preset, sequence lengths and CP sizes, every configuration of
-`hf_sparse_cp.distributed.simulate.CONFIGURATIONS` (dense ring, zigzag sparse, striped sparse,
+`hf_sparse_cp.simulator.simulate.CONFIGURATIONS` (dense ring, zigzag sparse, striped sparse,
 hierarchical striped sparse, and the document planner, flat and hierarchical) is simulated from
 the ring plan our code executes (`predict_step`): per rank and per ring step, compute from the
 plan's work and transfers from its bytes, overlapped as the ring schedules them. Nothing runs on
@@ -42,10 +42,10 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.planner import kept_blocks_per_row, row_runs
-from hf_sparse_cp.distributed.simulate import CONFIGURATIONS, Workload
-from hf_sparse_cp.distributed.step_model import CLUSTERS, HARDWARE, MODELS, predict_step, ring_counts
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.integration.kept_fraction import require_matplotlib
+from hf_sparse_cp.reporting.kept_fraction import require_matplotlib
+from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Workload
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step, ring_counts
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 

@@ -24,7 +24,7 @@ it on GPUs), e.g. on CPU `hf-sparse-cp train --nproc 2 --cp_size 2`, or
     accelerate launch --config_file recipes/accelerate/cpu_2proc_cp2.yaml \
         -m hf_sparse_cp.examples.train_long_context --cp_size 2
 
-SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.integration.SMETArguments`).
+SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.SMETArguments`).
 """
 
 from __future__ import annotations
@@ -50,15 +50,14 @@ from transformers import (
     set_seed,
 )
 
-from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments, SparseTrainer, SparseTrainingArguments
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.files import read_mapping
-from hf_sparse_cp.integration import SMETArguments, SparseCPArguments
-from hf_sparse_cp.integration.arguments import explicit_fields
-from hf_sparse_cp.integration.packing import BlockAlignedFlattening
 from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import explicit_fields
+from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class ScriptArguments:
     align_documents: bool = field(
         default=False,
         metadata={"help": "With --pack_documents: pad after every document to a multiple of --block_size "
-                  "(hf_sparse_cp.integration.packing.BlockAlignedFlattening; the padding is masked and never "
+                  "(hf_sparse_cp.trainer.packing.BlockAlignedFlattening; the padding is masked and never "
                   "trained on), so that each document's sparse result is bit-identical whatever it is packed with."},
     )
     save_final_model: bool = field(

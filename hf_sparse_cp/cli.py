@@ -58,7 +58,7 @@ def _add_plot_parser(sub) -> argparse.ArgumentParser:
 
 
 def _plot(args, parser: argparse.ArgumentParser) -> int:
-    from hf_sparse_cp.plots import plot_run
+    from hf_sparse_cp.reporting.plots import plot_run
 
     if args.seq_len is not None and args.seq_len < 2:
         parser.error(f"--seq_len {args.seq_len}: give at least 2 tokens.")

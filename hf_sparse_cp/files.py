@@ -149,7 +149,7 @@ class FileConfig:
         """The config in `path` (the defaults when None) with command-line `flags` (field -> value) on top.
 
         `explicit`: the names of the fields the user gave explicitly (on the command line or in a recipe),
-        when the caller knows them (`hf_sparse_cp.integration.arguments.explicit_fields` finds them for an
+        when the caller knows them (`hf_sparse_cp.trainer.arguments.explicit_fields` finds them for an
         `HfArgumentParser`). Those flags beat the file whatever their value, a default value included, and
         the other flags leave the file's values alone; names that are not fields of `flags` are ignored, so
         one set can serve every config of a parser. Without it (None), the flags that differ from the

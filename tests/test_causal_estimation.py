@@ -112,7 +112,7 @@ def test_invalid_estimation_settings_are_refused(fields, message):
 
 
 def test_the_model_card_names_the_estimation():
-    from hf_sparse_cp.integration.model_card import _describe_pattern
+    from hf_sparse_cp.reporting.model_card import _describe_pattern
 
     assert "each chunk of 64 tokens from the last 8 queries before it, the first chunk dense" in _describe_pattern(CFG)
     default = dataclasses.replace(CFG, estimation="last_queries")

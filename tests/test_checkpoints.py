@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 import hf_sparse_cp
-from hf_sparse_cp.integration import SparseCPArguments, attach_to_trainer, detach_from_trainer
-from hf_sparse_cp.integration.checkpoints import MARKER, CheckpointMarkerCallback
+from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
 from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.checkpoints import MARKER, CheckpointMarkerCallback
 
 
 class Rows(torch.utils.data.Dataset):
@@ -161,7 +161,7 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
 
 
 def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refuses_other_state():
-    from hf_sparse_cp.integration.resharded_resume import training_state
+    from hf_sparse_cp.resharding.resume import training_state
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
@@ -188,8 +188,8 @@ def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_th
     the steps after the resume and the final weights are those of the uninterrupted 4-process run."""
     from safetensors.torch import load_file
 
-    from hf_sparse_cp.distributed.sharded_checkpoint import read_layout
-    from hf_sparse_cp.integration.resharded_resume import SHARDED_STATE
+    from hf_sparse_cp.resharding.checkpoint import read_layout
+    from hf_sparse_cp.resharding.resume import SHARDED_STATE
 
     steps = ("--max_steps", "6", "--num_samples", "24", *FSDP2)
     full = _cli(tmp_path / "full", 4, *steps)

@@ -5,7 +5,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration.arguments import SparseCPArguments, explicit_fields
+from hf_sparse_cp.trainer.arguments import SparseCPArguments, explicit_fields
 
 
 def test_defaults_are_mtraining_like():

@@ -10,7 +10,7 @@ import torch
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import ShardPlan
-from hf_sparse_cp.distributed.balance import ring_cost
+from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_balance.py"

@@ -21,9 +21,9 @@ from hf_sparse_cp.distributed import (
     context_parallel_attention,
     ring_sparse_attention,
 )
-from hf_sparse_cp.distributed.balance import pipelined_time, ring_cost
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.planner import PlannerCosts, plan_documents, plan_row
+from hf_sparse_cp.simulator.traffic import pipelined_time, ring_cost
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
@@ -227,7 +227,7 @@ def test_the_kept_token_pattern_of_a_document_does_not_depend_on_the_pack(prefix
 
 
 def test_block_aligned_packing_starts_every_document_on_a_block_boundary():
-    from hf_sparse_cp.integration.packing import BlockAlignedFlattening
+    from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
 
     collator = BlockAlignedFlattening(16, return_flash_attn_kwargs=True, pad_token_id=0)
     docs = [list(range(1, 21)), list(range(5, 37)), [7, 8, 9]]

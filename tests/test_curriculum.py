@@ -1,4 +1,4 @@
-"""Online CP switching (`hf_sparse_cp.integration.curriculum`): the schedule and its validation, the
+"""Online CP switching (`hf_sparse_cp.trainer.curriculum`): the schedule and its validation, the
 run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 -> CP 4 x
 DP 1 in one Trainer run, compared with the same stages run as three jobs chained through checkpoints
 (DDP; AdamW and SMET), and a resume from a checkpoint saved in the middle stage; then FSDP2 over the 4
@@ -11,8 +11,8 @@ import torch
 
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
-from hf_sparse_cp.integration.checkpoints import MARKER
-from hf_sparse_cp.integration.curriculum import (
+from hf_sparse_cp.trainer.checkpoints import MARKER
+from hf_sparse_cp.trainer.curriculum import (
     StageBatchSampler,
     StageSamples,
     build_schedule,
@@ -129,7 +129,7 @@ def _samples() -> list[dict]:
 
 
 def _args(out: str, smet: bool, **kw):
-    from hf_sparse_cp.integration.sparse_trainer import SparseTrainingArguments
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
 
     fields = dict(
         output_dir=out, report_to="none", use_cpu=True, max_steps=MAX_STEPS, per_device_train_batch_size=1,
@@ -146,8 +146,8 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     """Train a fresh tiny Llama; the loss of every step (rank 0's log) and the final weights."""
     from transformers import AutoModelForCausalLM, TrainerCallback, default_data_collator
 
-    from hf_sparse_cp.integration.sparse_trainer import SparseTrainer
     from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
 
     losses = {}
 

@@ -6,19 +6,19 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.layout import SparseLayout
-from hf_sparse_cp.integration import (
+from hf_sparse_cp import (
+    SparseAttentionConfig,
     SparseCPArguments,
     SparsityLoggingCallback,
     attach_to_trainer,
     checkpointing_enabled,
-    compat,
     detach_from_trainer,
     disable_sparse_attention,
     enable_sparse_attention,
     is_lean_loss_enabled,
 )
+from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.patching import PatchSet
 from hf_sparse_cp.testing.models import tiny_config
 

@@ -12,8 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from hf_sparse_cp.kernels import configs, sm90
+from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels.configs import Tiles
+from hf_sparse_cp.testing import sm90
 
 from benchmark_loader import load_benchmark
 

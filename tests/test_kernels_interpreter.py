@@ -1,7 +1,7 @@
 """The Triton kernels, run by Triton's interpreter on CPU, against the fp64 PyTorch reference.
 
 The kernels execute in a worker process started with TRITON_INTERPRET=1 (see
-`hf_sparse_cp.kernels.interpreter`); this process only builds inputs and compares. Sizes are
+`hf_sparse_cp.testing.interpreter`); this process only builds inputs and compares. Sizes are
 small (S ~ 100-260, blocks of 16/32, D 16-128) but cover sub-tiling, partial blocks, GQA ratios
 1/2/8, shared and per-head layouts, columns, packed documents with padding, sliding windows,
 queries that see nothing, non-finite inputs, merging into an existing result, and the deterministic mode.
@@ -26,8 +26,8 @@ from hf_sparse_cp.kernels.indexing import (
     split_full_blocks,
     split_layout,
 )
-from hf_sparse_cp.kernels.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
+from hf_sparse_cp.testing.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
 
 from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms, visible

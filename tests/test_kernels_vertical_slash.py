@@ -12,9 +12,10 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import estimate as pattern
+from hf_sparse_cp.attention.reference import reference_vertical_slash
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import vertical_slash as vs
-from hf_sparse_cp.kernels.interpreter import interpreter_pool
+from hf_sparse_cp.testing.interpreter import interpreter_pool
 from hf_sparse_cp.testing.layouts import planted_qk
 
 from oracle import TOLERANCE, rel_rms
@@ -62,7 +63,7 @@ def test_scores_match_the_reference(interp, hq, hk, r, l, d, dtype):
     k = torch.randn(hk, l, d, generator=g).to(dtype)
     scale = d**-0.5
     (vertical, slash), reproducible = interp.apply(_scores_twice, (q_rows, k, scale))
-    ref_v, ref_s = vs.reference_vertical_slash(q_rows.double(), k.double(), scale)
+    ref_v, ref_s = reference_vertical_slash(q_rows.double(), k.double(), scale)
     assert vertical.dtype == slash.dtype == torch.float32 and vertical.shape == slash.shape == (hq, l)
     assert rel_rms(vertical, ref_v) <= TOLERANCE[torch.float32]
     assert rel_rms(slash, ref_s) <= TOLERANCE[torch.float32]

@@ -12,16 +12,21 @@ import yaml
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 from transformers.modelcard import extract_hyperparameters_from_trainer
 
-from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp import (
+    SparseAttentionConfig,
+    attach_to_trainer,
+    disable_sparse_attention,
+    enable_sparse_attention,
+    install_smet,
+)
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.integration import attach_to_trainer, disable_sparse_attention, enable_sparse_attention, install_smet
-from hf_sparse_cp.integration.arguments import SparseCPArguments
-from hf_sparse_cp.integration.kept_fraction import mean_kept_fraction_per_layer
-from hf_sparse_cp.integration.model_card import KEPT_FRACTION_PLOT, SECTION_TITLE, TAGS, write_sparse_model_card
+from hf_sparse_cp.reporting.kept_fraction import mean_kept_fraction_per_layer
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, SECTION_TITLE, TAGS, write_sparse_model_card
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
 SEQ_LEN = 512
 PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8, slash_topk=16, local_window=32,

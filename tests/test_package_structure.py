@@ -14,9 +14,11 @@ FOLDERS = {"hf_sparse_cp": ROOT / "hf_sparse_cp", "hf_sparse_cp.kernels": ROOT /
            "hf_sparse_cp.examples": ROOT / "examples"}
 
 # What each part may import from the rest of hf_sparse_cp besides itself (prefixes); "*" anything. The direction is
-# integration -> distributed -> attention -> config, with kernels a leaf and testing / examples on top.
+# trainer -> reporting / resharding -> integration -> distributed -> attention -> config, with kernels a leaf, the
+# simulator beside the training path (it reads the ring's plan, nothing reads it) and testing / examples on top.
 BASE = ("hf_sparse_cp.config", "hf_sparse_cp.files", "hf_sparse_cp.backends", "hf_sparse_cp.env",
         "hf_sparse_cp.lazy")
+MODEL_PATH = (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss", "hf_sparse_cp.smet")
 ALLOWED = {
     "hf_sparse_cp.kernels": (),
     "hf_sparse_cp.config": ("hf_sparse_cp.files",),
@@ -28,16 +30,17 @@ ALLOWED = {
     "hf_sparse_cp.loss": BASE,
     "hf_sparse_cp.smet": BASE,
     "hf_sparse_cp.distributed": (*BASE, "hf_sparse_cp.attention"),
-    "hf_sparse_cp.integration": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss",
-                                 "hf_sparse_cp.smet"),
+    "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention"),
+    "hf_sparse_cp.integration": MODEL_PATH,
+    "hf_sparse_cp.resharding": (*MODEL_PATH, "hf_sparse_cp.integration"),
+    "hf_sparse_cp.reporting": (*MODEL_PATH, "hf_sparse_cp.integration"),
+    "hf_sparse_cp.trainer": (*MODEL_PATH, "hf_sparse_cp.integration", "hf_sparse_cp.resharding",
+                             "hf_sparse_cp.reporting"),
     "hf_sparse_cp.testing": ("*",),
     "hf_sparse_cp.examples": ("*",),
     "hf_sparse_cp.cli": ("*",),
-    "hf_sparse_cp.plots": ("*",),  # user-facing pictures, beside the command line
-    # the package root exposes the public API; the deprecated module paths point at their new homes
-    "hf_sparse_cp": ("*",),
-    "hf_sparse_cp.arguments": ("hf_sparse_cp.integration",),
-    "hf_sparse_cp.trainer_cp": ("hf_sparse_cp.integration",),
+    "hf_sparse_cp.reporting.plots": ("*",),  # user-facing pictures, beside the command line
+    "hf_sparse_cp": ("*",),  # the package root exposes the public API
 }
 
 
@@ -159,20 +162,9 @@ def _dependency_order(graph) -> list[str]:
 
 def test_every_module_imports_in_dependency_order(graph):
     """A fresh interpreter imports every module, each after the modules it imports."""
-    names = [m for m in _dependency_order(graph) if m not in ("hf_sparse_cp.arguments", "hf_sparse_cp.trainer_cp")]
+    names = _dependency_order(graph)
     code = f"import importlib\nfor name in {names!r}:\n    importlib.import_module(name)\n"
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
-
-
-def test_deprecated_module_paths_still_import_and_say_where_to_go():
-    for old, name in (("hf_sparse_cp.arguments", "SparseCPArguments"),
-                      ("hf_sparse_cp.trainer_cp", "enable_trainer_context_parallel")):
-        code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-                f"try:\n    from {old} import {name}\nexcept DeprecationWarning as e:\n    print(e)\n"
-                f"else:\n    raise SystemExit('no warning')\n")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
-        assert "moved to hf_sparse_cp.integration" in out.stdout
-        subprocess.run([sys.executable, "-W", "ignore", "-c", f"from {old} import {name}"], check=True, cwd="/")
 
 
 @pytest.mark.parametrize("command", [

@@ -13,8 +13,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 import hf_sparse_cp
-from hf_sparse_cp import ContextParallelConfig, SparseAttentionConfig
-from hf_sparse_cp.integration import SparseCPArguments, attach_to_trainer, install_smet
+from hf_sparse_cp import (
+    ContextParallelConfig,
+    SparseAttentionConfig,
+    SparseCPArguments,
+    attach_to_trainer,
+    install_smet,
+)
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.integration.stats import pop_kept_fractions
@@ -176,7 +181,7 @@ def test_lora_under_cp2_equals_one_process():
 def _train_lora(rank: int | None = None, world: int = 1) -> dict:
     """Three Trainer steps of a LoRA model through `enable_sparse_attention` and `attach_to_trainer`
     (CP `world` when run under `run_gloo`): the losses and the trained weights."""
-    from hf_sparse_cp.integration import disable_sparse_attention, enable_sparse_attention
+    from hf_sparse_cp import disable_sparse_attention, enable_sparse_attention
 
     if rank is not None:  # what torchrun sets: the Trainer and accelerate then see run_gloo's group
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))

@@ -8,15 +8,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
-from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp import (
+    SparseAttentionConfig,
+    attach_to_trainer,
+    disable_sparse_attention,
+    enable_sparse_attention,
+    patch,
+)
 from hf_sparse_cp.cli import main
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.integration import attach_to_trainer, disable_sparse_attention, enable_sparse_attention, patch
-from hf_sparse_cp.integration.arguments import SparseCPArguments
-from hf_sparse_cp.integration.kept_fraction import kept_fraction_series, mean_kept_fraction_per_layer
-from hf_sparse_cp.integration.model_card import KEPT_FRACTION_PLOT
-from hf_sparse_cp.plots import (
+from hf_sparse_cp.reporting.kept_fraction import kept_fraction_series, mean_kept_fraction_per_layer
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT
+from hf_sparse_cp.reporting.plots import (
     LAYOUTS_PLOT,
     block_coverage,
     capture_layouts,
@@ -26,6 +30,7 @@ from hf_sparse_cp.plots import (
 )
 from hf_sparse_cp.testing.layouts import random_layout
 from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
 SEQ_LEN = 512
 PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=256, vertical_topk=8, slash_topk=16, local_window=32,

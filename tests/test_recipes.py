@@ -16,11 +16,10 @@ import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from transformers import HfArgumentParser
 
-from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments, checkpointing_enabled
 from hf_sparse_cp.examples import train_long_context as example
 from hf_sparse_cp.examples.train_long_context import DEMO_DEFAULTS, ScriptArguments, parse_args, recipe_flags
 from hf_sparse_cp.files import read_mapping
-from hf_sparse_cp.integration import checkpointing_enabled
 from hf_sparse_cp.integration.compat import attn_implementation
 from hf_sparse_cp.smet import SMETConfig
 

@@ -1,4 +1,4 @@
-"""The slice-intersection plan (`hf_sparse_cp.distributed.reshard`): the planning logic on its own
+"""The slice-intersection plan (`hf_sparse_cp.resharding.boxes`): the planning logic on its own
 (no processes: transfers applied to in-memory shards), then 4 gloo processes moving an FSDP2 model
 and its AdamW state, and SMET's state, between device meshes, compared with the gathered tensors
 before the move."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from hf_sparse_cp.distributed.reshard import Box, MemoryMeter, plan_transfers, shard_boxes
+from hf_sparse_cp.resharding.boxes import Box, MemoryMeter, plan_transfers, shard_boxes
 
 
 def _simulate(full: torch.Tensor, source: dict, target: dict) -> tuple[dict, list]:
@@ -144,7 +144,7 @@ def _move_smet_state(rank: int, world: int) -> bool:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
+    from hf_sparse_cp.resharding.boxes import TargetLayout, move_state
     from hf_sparse_cp.smet import SMETConfig
 
     from test_smet_common import fsdp2_smet, lm_loss, markov_tokens, tiny_llama
@@ -169,7 +169,7 @@ def _move_smet_state(rank: int, world: int) -> bool:
 def _move_between_meshes(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
+    from hf_sparse_cp.resharding.boxes import TargetLayout, move_state
 
     mesh_a = init_device_mesh("cpu", (world,))
     model = _model(0, mesh_a)
@@ -254,7 +254,7 @@ def _swap_counting_point_to_point(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
+    from hf_sparse_cp.resharding.boxes import TargetLayout, move_state
 
     counts, in_batch = {"ops": 0, "outside": 0}, [False]
 
@@ -300,7 +300,7 @@ def _disagreeing_moves(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from hf_sparse_cp.distributed.reshard import TargetLayout, move_state
+    from hf_sparse_cp.resharding.boxes import TargetLayout, move_state
 
     mesh = init_device_mesh("cpu", (world,))
     sharded = TargetLayout(torch.arange(world), (Shard(0),))

@@ -1,4 +1,4 @@
-"""Resuming with another world size (`hf_sparse_cp.distributed.sharded_checkpoint`): FSDP2 training state
+"""Resuming with another world size (`hf_sparse_cp.resharding.checkpoint`): FSDP2 training state
 (weights with AdamW, and a tiny Llama with SMET) saved by 4 gloo processes resumes on 2, and saved by 2
 resumes on 4 (what the 2 processes resumed, saved again; AdamW), each continuing as the uninterrupted run
 does (losses and final weights, fp64)."""
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from hf_sparse_cp.distributed.reshard import TargetLayout
-from hf_sparse_cp.distributed.sharded_checkpoint import load_sharded_state, read_layout, save_sharded_state
+from hf_sparse_cp.resharding.boxes import TargetLayout
+from hf_sparse_cp.resharding.checkpoint import load_sharded_state, read_layout, save_sharded_state
 
 BEFORE, AFTER = 3, 2  # steps before the save, steps after it (the SMET topology updates at step 2 and 4)
 ROWS = 8  # global batch rows, split evenly over 2 or 4 ranks
@@ -111,7 +111,7 @@ def _run(kind: str, rank: int, world: int, folder: str, resume_from: str | None)
             opt.attach()
         losses = [_step(kind, model, opt, rank, world, s) for s in range(BEFORE)]
     else:
-        from hf_sparse_cp.distributed.sharded_checkpoint import ReadCounter
+        from hf_sparse_cp.resharding.checkpoint import ReadCounter
 
         read = ReadCounter()
         loaded = load_sharded_state(resume_from, _target(model, opt, world), counter=read)

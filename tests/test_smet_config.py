@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
-from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration import SMETArguments
-from hf_sparse_cp.integration.arguments import SparseCPArguments
+from hf_sparse_cp import SMETArguments, SparseAttentionConfig
 from hf_sparse_cp.smet import SMETConfig
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
 
 @pytest.mark.parametrize(
@@ -115,7 +114,7 @@ def test_recipes_load(recipe, mode):
 
 
 def test_smet_flags_given_beat_the_file_whatever_their_value(tmp_path):
-    from hf_sparse_cp.integration.arguments import explicit_fields
+    from hf_sparse_cp.trainer.arguments import explicit_fields
 
     path = tmp_path / "smet.yaml"
     SMETConfig(density=0.1, update_interval=50, block_size=32).save(path)

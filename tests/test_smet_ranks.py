@@ -37,7 +37,7 @@ class Record(TrainerCallback):
         self.steps = []
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        from hf_sparse_cp.integration.callbacks import unwrap_smet
+        from hf_sparse_cp.smet import unwrap_smet
 
         smet = unwrap_smet(optimizer)
         masks = {name: smet.state[param]["block_index"].clone()
@@ -48,9 +48,14 @@ class Record(TrainerCallback):
 
 
 def _trainer(out_dir, config: SMETConfig, cp: bool, max_steps: int = STEPS, seed: int = 0, save_steps: int = 0):
-    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp import (
+        SparseAttentionConfig,
+        SparseCPArguments,
+        attach_to_trainer,
+        enable_sparse_attention,
+        install_smet,
+    )
     from hf_sparse_cp.distributed import ContextParallelConfig
-    from hf_sparse_cp.integration import SparseCPArguments, attach_to_trainer, enable_sparse_attention, install_smet
 
     args = TrainingArguments(
         output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=2,

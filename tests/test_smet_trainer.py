@@ -4,9 +4,8 @@ import pytest
 import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
 
-from hf_sparse_cp.integration import SMETArguments, SMETCallback, install_smet, uninstall_smet
-from hf_sparse_cp.integration.callbacks import unwrap_smet
-from hf_sparse_cp.smet import SMETAdam
+from hf_sparse_cp import SMETArguments, SMETCallback, install_smet, uninstall_smet
+from hf_sparse_cp.smet import SMETAdam, unwrap_smet
 from hf_sparse_cp.smet.masks import active_mask
 
 from test_smet_common import TokenRows, markov_tokens, tiny_llama

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, Traini
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
-from hf_sparse_cp.integration.callbacks import unwrap_smet
+from hf_sparse_cp.smet import unwrap_smet
 from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.integration.context_parallel import (
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.context_parallel import (
     disable_trainer_context_parallel,
     enable_trainer_context_parallel,
 )
-from hf_sparse_cp.testing.models import tiny_config
 
 # A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
 JOB = ["--seq_len", "512", "--max_steps", "4", "--num_samples", "8", "--min_seq_len", "256", "--block_size", "64",
@@ -189,7 +189,7 @@ def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from hf_sparse_cp.integration.cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
+    from hf_sparse_cp.trainer.cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     with tempfile.TemporaryDirectory() as tmp:
@@ -280,7 +280,7 @@ def _step_without_targets_under_cp2(rank: int, world: int) -> dict:
 
     from transformers import TrainerCallback, default_data_collator
 
-    from hf_sparse_cp.integration import SparseCPArguments, attach_to_trainer, enable_lean_loss
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, enable_lean_loss
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     enable_lean_loss()

@@ -3,13 +3,12 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 import hf_sparse_cp
-from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp import SparseAttentionConfig, attach_to_trainer, checkpointing_enabled, enable_sparse_attention
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.integration import attach_to_trainer, checkpointing_enabled, enable_sparse_attention
-from hf_sparse_cp.integration.arguments import SparseCPArguments
-from hf_sparse_cp.integration.callbacks import SparsityLoggingCallback
 from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
+from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
 
 
 def _args(tmp_path, **kw):

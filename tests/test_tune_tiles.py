@@ -117,7 +117,7 @@ def _tune_on_cpu(module_path: str):
 
 
 def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune):
-    from hf_sparse_cp.kernels.interpreter import interpreter_pool
+    from hf_sparse_cp.testing.interpreter import interpreter_pool
 
     with interpreter_pool() as pool:
         rows, saved = pool.apply(_tune_on_cpu, (tune.__file__,))

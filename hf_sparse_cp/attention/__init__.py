@@ -15,7 +15,7 @@ from .estimate import estimate_layout
 from .layout import SparseLayout
 from .merge import merge_attention
 from .ops import attention_backward, attention_forward, block_sparse_attention
-from .reference import reference_backward, reference_forward
+from .reference import reference_backward, reference_forward, reference_vertical_slash
 from .tokens import TokenMeta
 
 __all__ = [
@@ -30,4 +30,5 @@ __all__ = [
     "merge_attention",
     "reference_backward",
     "reference_forward",
+    "reference_vertical_slash",
 ]

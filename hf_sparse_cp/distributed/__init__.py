@@ -11,10 +11,10 @@
 * `plan.py`: `RingPlan`, from the global layout to what each rank computes, sends and receives;
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers;
 * `ring_attention.py`: `ring_sparse_attention`, `context_parallel_attention`;
-* `balance.py`: work and bytes of a ring plan (benchmarks); `loss.py`: token-count-correct loss;
-* `reshard.py`: `move_state`, sharded state moved between layouts by slice intersection (no checkpoint);
-* `sharded_checkpoint.py`: `save_sharded_state` / `load_sharded_state`, resuming with another world size
-  through the same plan.
+* `loss.py`: token-count-correct loss over batch x CP.
+
+What a training step does not run lives elsewhere: the cluster simulator in `hf_sparse_cp.simulator`,
+moving sharded state between layouts in `hf_sparse_cp.resharding`.
 """
 
 from .comm import RingTopology

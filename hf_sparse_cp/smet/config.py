@@ -1,7 +1,7 @@
 """Typed configuration of SMET (stable dynamic sparse training and sparse fine-tuning with Adam).
 
 `SMETConfig` is a plain dataclass: every field carries help text (so `HfArgumentParser` can turn it
-into flags, see `hf_sparse_cp.integration.arguments.SMETArguments`), `from_file` / `save` round-trip it
+into flags, see `hf_sparse_cp.trainer.arguments.SMETArguments`), `from_file` / `save` round-trip it
 through YAML or JSON, and invalid values raise a `ValueError` that says how to fix them.
 """
 

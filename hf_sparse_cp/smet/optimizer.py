@@ -501,3 +501,11 @@ def _grad_hook(optimizer: SMETAdam):
             opt.mask_gradient(param)
 
     return hook
+
+
+def unwrap_smet(optimizer: Any) -> SMETAdam | None:
+    """The `SMETAdam` inside `optimizer` (accelerate wraps it), or None."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if isinstance(candidate, SMETAdam):
+            return candidate
+    return None

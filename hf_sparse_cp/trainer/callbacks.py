@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import TrainerCallback
 
-from ..smet import SMETAdam
-from .stats import LOG_KEY, layer_log_key, pop_kept_fractions
+from ..integration.stats import LOG_KEY, layer_log_key, pop_kept_fractions
+from ..smet import unwrap_smet
 
 
 def _add_to_log(state, logs: dict, extra: dict) -> None:
@@ -36,14 +34,6 @@ class SparsityLoggingCallback(TrainerCallback):
         _add_to_log(state, logs, extra)
 
 
-def unwrap_smet(optimizer: Any) -> SMETAdam | None:
-    """The `SMETAdam` inside `optimizer` (accelerate wraps it), or None."""
-    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
-        if isinstance(candidate, SMETAdam):
-            return candidate
-    return None
-
-
 class SMETCallback(TrainerCallback):
     """Attaches SMET when training begins (after accelerate has prepared the model and a checkpoint was
     loaded), sets the prune-rate decay horizon from `max_steps`, and logs `smet/density`,
@@ -54,7 +44,7 @@ class SMETCallback(TrainerCallback):
         smet = unwrap_smet(optimizer)
         if smet is None:
             raise RuntimeError("SMETCallback found no SMET optimizer; install it with "
-                               "hf_sparse_cp.integration.install_smet(trainer, config).")
+                               "hf_sparse_cp.install_smet(trainer, config).")
         if smet.config.prune_decay_steps is None:
             smet.schedule_horizon = state.max_steps
         smet.attach()

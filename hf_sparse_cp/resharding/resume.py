@@ -5,7 +5,7 @@ tensors on one process (`pytorch_model_fsdp.bin`, `optimizer.bin`): the optimize
 multi-billion-parameter model in one process's memory, and a copy of the weights beside the
 `model.safetensors` the Trainer writes anyway. With FSDP2, `sharded_saving` replaces that part of the
 save: the model's parameters and the optimizer's state are written as each rank holds them
-(`distributed.sharded_checkpoint.save_sharded_state`, in `SHARDED_STATE`), with the param groups'
+(`checkpoint.save_sharded_state`, in `SHARDED_STATE`), with the param groups'
 hyperparameters (the scheduled learning rate among them) and the scheduler; the portable
 `model.safetensors` stays. A resume into an FSDP2 run (`checkpoints.check_checkpoint` decides; the
 global batch and SMET settings must match, the DP and CP degrees may differ) loads that state with
@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
-from ..distributed.reshard import TargetLayout
-from ..distributed.sharded_checkpoint import LAYOUT_FILE, load_sharded_state, save_sharded_state
-from . import compat
-from .patching import PatchSet
+from ..integration import compat
+from ..integration.patching import PatchSet
+from .boxes import TargetLayout
+from .checkpoint import LAYOUT_FILE, load_sharded_state, save_sharded_state
 
 logger = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
+from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig
 from .arguments import SMETArguments, SparseCPArguments, copied_fields
+from .attach import attach_to_trainer, enable_sparse_attention
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, parse_schedule
-from .model_card import write_sparse_model_card
 from .smet import install_smet
-from .trainer import attach_to_trainer, enable_sparse_attention
 
 # The dataclasses whose fields SparseTrainingArguments carries, flags unchanged.
 _PARTS = (SparseCPArguments, SparseAttentionConfig, ContextParallelConfig, CurriculumArguments, SMETArguments)

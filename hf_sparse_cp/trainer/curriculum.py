@@ -37,11 +37,11 @@ from transformers import Trainer
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prepare_context_parallel_inputs
-from . import compat
-from .backend import guard_context_parallel, model_config_for
+from ..integration import compat
+from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.models import check_model_supports_context_parallel
+from ..integration.patching import record_on, undo_recorded
 from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
-from .models import check_model_supports_context_parallel
-from .patching import record_on, undo_recorded
 
 logger = logging.getLogger(__name__)
 

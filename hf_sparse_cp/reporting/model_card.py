@@ -28,9 +28,8 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ParallelDims
-from ..smet import SMETConfig
+from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
-from .callbacks import unwrap_smet
 from .kept_fraction import PLOT_EXTRA, kept_fraction_figure, mean_kept_fraction_per_layer
 
 logger = logging.getLogger(__name__)

@@ -42,15 +42,6 @@ def interpreter_blocker(triton_version: str, numpy_version: str) -> str | None:
     return None
 
 
-def kernels_are_interpreted() -> bool:
-    """Whether this process's kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1)."""
-    from triton.runtime.jit import JITFunction
-
-    from .block_sparse_fwd import _forward_kernel
-
-    return not isinstance(_forward_kernel, JITFunction)
-
-
 @contextlib.contextmanager
 def interpreter_pool() -> Iterator[multiprocessing.pool.Pool]:
     """A one-worker process pool in which every Triton kernel runs in the interpreter.

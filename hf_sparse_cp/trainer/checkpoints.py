@@ -15,7 +15,7 @@ Trainer would, with a warning that nothing could be checked.
 
 Some differences are resumed rather than refused: another data-parallel or context-parallel degree (under
 a curriculum, another world size), when both runs train with FSDP2 (the checkpoint then holds its
-sharded state, `resharded_resume.py`) and the global batch (per-device batch x gradient accumulation x
+sharded state, `resharding/resume.py`) and the global batch (per-device batch x gradient accumulation x
 DP degree; under a curriculum, every stage's) is the saved one, so that step k still trains on the
 samples it trained on before.
 """
@@ -33,9 +33,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..distributed import ParallelDims
+from ..integration.patching import PatchSet
+from ..resharding.resume import has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
-from .patching import PatchSet
-from .resharded_resume import has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
     `settings`; warn when it has no marker (nothing can be checked).
 
-    Returns whether the checkpoint loads from its sharded state (`resharded_resume.resharded_loading`):
+    Returns whether the checkpoint loads from its sharded state (`resharding.resume.resharded_loading`):
     it holds one and this run trains with FSDP2 (`reshardable`). Such a checkpoint may then have been
     saved with another data-parallel or context-parallel degree (under a curriculum: another world size)
     as long as the global batch (every stage's) is the same: the CP degree decides how a sequence's

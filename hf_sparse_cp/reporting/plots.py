@@ -1,7 +1,7 @@
 """Pictures of a run's sparse attention (`hf-sparse-cp plot`).
 
 * the kept fraction of attention blocks per layer over training, from the Trainer's logs (the
-  `trainer_state.json` of an output or checkpoint directory): `hf_sparse_cp.integration.kept_fraction`;
+  `trainer_state.json` of an output or checkpoint directory): `hf_sparse_cp.reporting.kept_fraction`;
 * the block layouts the `sparse_cp` backend builds for one input: the model runs once on a text or a
   synthetic passkey sample, the layouts of that forward are captured (`capturing_layouts`), and each chosen
   layer and query head is drawn at block resolution (`layout_figure`).
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from .attention.flash_dense import DENSE_BACKEND_ENV
-from .attention.layout import SparseLayout
-from .config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from .integration import backend
-from .integration.kept_fraction import kept_fraction_figure, new_figure, read_log_history, require_matplotlib
-from .integration.model_card import KEPT_FRACTION_PLOT
-from .integration.patching import PatchSet
-from .integration.registration import configure, is_patched, patch, unpatch
+from ..attention.flash_dense import DENSE_BACKEND_ENV
+from ..attention.layout import SparseLayout
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..integration import backend
+from ..integration.patching import PatchSet
+from ..integration.registration import configure, is_patched, patch, unpatch
+from .kept_fraction import kept_fraction_figure, new_figure, read_log_history, require_matplotlib
+from .model_card import KEPT_FRACTION_PLOT
 
 LAYOUTS_PLOT = "sparse_block_layouts.png"
 PICTURES = ("kept_fraction", "layouts")
@@ -240,7 +240,7 @@ def sample_ids(tokenizer, text_file: str | Path | None = None, seq_len: int | No
             raise ValueError(f"{str(text_file)!r} holds {len(ids)} token(s); give a longer text.")
         return torch.tensor([ids])
     try:
-        from .examples.passkey import passkey_dataset
+        from ..examples.passkey import passkey_dataset
     except ImportError:
         raise ImportError("The synthetic passkey sample needs `datasets`: pip install 'hf-sparse-cp[demo]', or "
                           "draw the layouts for a text of yours with --text_file PATH.") from None

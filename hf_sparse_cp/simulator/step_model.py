@@ -23,7 +23,6 @@ import torch
 
 from ..attention.estimate import candidates_per_row
 from ..config import SparseAttentionConfig
-from .balance import PlanTraffic, plan_traffic
 from .simulate import (
     Cluster,
     KernelCosts,
@@ -35,6 +34,7 @@ from .simulate import (
     plan_work,
     simulate_ring,
 )
+from .traffic import PlanTraffic, plan_traffic
 
 ANCHORS = "/work/shared/research/anchors.md"
 

@@ -36,8 +36,8 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
-from . import block_sparse_bwd, block_sparse_fwd, configs, vertical_slash
-from .configs import Tiles
+from ..kernels import block_sparse_bwd, block_sparse_fwd, configs, vertical_slash
+from ..kernels.configs import Tiles
 
 H100_SHARED_BYTES = 227 * 1024
 TARGET = GPUTarget("cuda", 90, 32)

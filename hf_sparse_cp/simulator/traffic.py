@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.layout import SparseLayout
-from .comm import RingTopology
-from .plan import TransferSets, column_tokens, pair_work, slot_ops
-from .sharding import BlockSplit
+from ..distributed.comm import RingTopology
+from ..distributed.plan import TransferSets, column_tokens, pair_work, slot_ops
+from ..distributed.sharding import BlockSplit
 
 
 @dataclass

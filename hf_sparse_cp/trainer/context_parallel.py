@@ -23,10 +23,10 @@ import torch
 from transformers import Trainer
 
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
-from . import compat
-from .backend import guard_context_parallel, model_config_for
-from .models import check_model_supports_context_parallel
-from .patching import record_on, undo_recorded
+from ..integration import compat
+from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.models import check_model_supports_context_parallel
+from ..integration.patching import record_on, undo_recorded
 
 logger = logging.getLogger(__name__)
 

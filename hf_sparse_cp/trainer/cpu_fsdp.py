@@ -16,7 +16,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import Trainer
 
-from .patching import record_on, undo_recorded
+from ..integration.patching import record_on, undo_recorded
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
-from .stats import LAYER_LOG_KEY  # what `SparsityLoggingCallback` logs (layer -1: no layer index)
+from ..integration.stats import LAYER_LOG_KEY  # what `SparsityLoggingCallback` logs (layer -1: no layer index)
 
 TRAINER_STATE = "trainer_state.json"
 PLOT_EXTRA = "pip install 'hf-sparse-cp[plot]'"

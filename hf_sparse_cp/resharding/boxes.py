@@ -22,7 +22,7 @@ before all of its transfers are in flight. The next bucket is planned and posted
 travels (two in flight at most). Each source leaves the dict before its bucket moves and is released
 after it, so the memory held beyond the state stays near two buckets; `MemoryMeter` counts what the
 move allocates and releases. `TensorMove` (one tensor's plan, source and destination on this rank)
-is shared with `sharded_checkpoint`, whose loader fills destinations from files.
+is shared with `checkpoint.py`, whose loader fills destinations from files.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .comm import P2PComm, Pending, all_gather_rows, group_device
-from .comm import Transfer as CommTransfer
+from ..distributed.comm import P2PComm, Pending, all_gather_rows, group_device
+from ..distributed.comm import Transfer as CommTransfer
 
 
 @dataclass(frozen=True)

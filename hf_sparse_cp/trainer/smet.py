@@ -8,10 +8,10 @@ from typing import Any
 
 from transformers import Trainer, TrainingArguments
 
+from ..integration.patching import record_on, undo_recorded
 from ..smet import SMETConfig
 from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory, smet_param_groups
 from .callbacks import SMETCallback
-from .patching import record_on, undo_recorded
 
 _FEATURE = "smet"
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .reshard import Box, MemoryMeter, TargetLayout, TensorMove, dtensor_boxes, plan_transfers
+from .boxes import Box, MemoryMeter, TargetLayout, TensorMove, dtensor_boxes, plan_transfers
 
 LAYOUT_FILE = "layout.json"
 

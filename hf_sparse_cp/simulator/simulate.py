@@ -31,11 +31,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..attention.layout import SparseLayout
-from .balance import PlanTraffic
-from .comm import RingTopology
-from .plan import check_global_layout
-from .planner import plan_documents
-from .sharding import BlockSplit, ShardPlan
+from ..distributed.comm import RingTopology
+from ..distributed.plan import check_global_layout
+from ..distributed.planner import plan_documents
+from ..distributed.sharding import BlockSplit, ShardPlan
+from .traffic import PlanTraffic
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,15 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
-from . import compat
+from ..integration import compat
+from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
+from ..integration.patching import attached_patches, record_on, undo_recorded
+from ..integration.registration import is_patched, patch, unpatch
 from .arguments import SparseCPArguments
 from .callbacks import SparsityLoggingCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
 from .curriculum import disable_curriculum, enable_curriculum, parse_schedule, schedule_for
-from .lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
-from .patching import attached_patches, record_on, undo_recorded
-from .registration import is_patched, patch, unpatch
 
 logger = logging.getLogger(__name__)
 
