@@ -2,12 +2,11 @@
 
 `save_sharded_state` writes what each rank holds, as it holds it: one safetensors file per rank with
 its local shard of every tensor, and `layout.json` with every tensor's global shape, dtype and the
-box (`reshard.Box`) each saved rank holds. `load_sharded_state` lays the same tensors out for the
+box (`boxes.Box`) each saved rank holds. `load_sharded_state` lays the same tensors out for the
 processes that load them, which may be more or fewer: for each tensor it plans the transfers from the
-saved boxes to the new layout with `reshard.plan_transfers` (the saved ranks as sources, the new ranks
-as targets) and fills its destination (`reshard.TensorMove`, as the online mover does) by reading from
-each saved rank's file only the slice that intersects its new box; no process reads a whole file
-and none communicates.
+saved boxes to the new layout with `boxes.plan_transfers` (the saved ranks as sources, the new ranks
+as targets) and fills its destination by reading from each saved rank's file only the slice that
+intersects its new box; no process reads a whole file and none communicates.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .boxes import Box, MemoryMeter, TargetLayout, TensorMove, dtensor_boxes, plan_transfers
+from .boxes import Box, TargetLayout, dtensor_boxes, plan_transfers
 
 LAYOUT_FILE = "layout.json"
 
@@ -44,7 +43,7 @@ def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathL
     Args:
         state: {name: DTensor (FSDP2 parameters, their AdamW moments, SMET's per-row state), or a
             plain tensor every rank holds whole (written by rank 0 only, e.g. AdamW's `step`)}.
-            Layouts are those `reshard.shard_boxes` describes: `Shard(d)` and `Replicate()`.
+            Layouts are those `boxes.shard_boxes` describes: `Shard(d)` and `Replicate()`.
         folder: created if needed; gets one `shard-RANK-of-WORLD.safetensors` per rank that holds a
             non-empty piece, and `layout.json` (written by rank 0 once every rank has written).
     """
@@ -107,7 +106,6 @@ def load_sharded_state(
     folder: str | os.PathLike,
     target: Callable[[str, torch.Tensor], TargetLayout],
     *,
-    meter: MemoryMeter | None = None,
     counter: ReadCounter | None = None,
 ) -> dict[str, torch.Tensor]:
     """Lay out the state saved in `folder` (by any number of processes) for the processes loading it.
@@ -115,8 +113,7 @@ def load_sharded_state(
     Args:
         folder: written by `save_sharded_state`.
         target: (name, a meta tensor of the saved global shape and dtype) -> its `TargetLayout` in this
-            run, as for `reshard.move_state` (e.g. the layout of the parameter it belongs to).
-        meter: counts the destinations allocated.
+            run (e.g. the layout of the parameter it belongs to).
         counter: counts the bytes and slices read.
 
     Returns:
@@ -126,7 +123,6 @@ def load_sharded_state(
     """
     from safetensors import safe_open
 
-    meter = meter if meter is not None else MemoryMeter()
     counter = counter if counter is not None else ReadCounter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -150,20 +146,20 @@ def load_sharded_state(
         if outside:
             raise ValueError(f"the target layout of {name!r} names ranks {outside}, but this run has {world} "
                              "processes: build the target from this run's device mesh.")
-        move = TensorMove(name, plan_transfers(saved.shape, saved.boxes, goal), layout, None, None, goal.get(rank),
-                          saved.shape, _contiguous_stride(saved.shape), saved.dtype)
-        move.allocate(rank, meter)
-        for t in move.plan:
+        mine = goal.get(rank)
+        if mine is None:
+            continue  # this rank holds none of the tensor
+        out = torch.empty(mine.shape, dtype=saved.dtype)
+        for t in plan_transfers(saved.shape, saved.boxes, goal):
             if t.dst != rank:
                 continue
             piece = source(t.src).get_slice(name)
             within = t.box.within(saved.boxes[t.src])
             value = piece[within] if within else source(t.src).get_tensor(name)  # (a 0-dim tensor has no slices)
-            move.out[t.box.within(move.target_box)] = value
+            out[t.box.within(mine)] = value
             counter.bytes += value.numel() * value.element_size()
             counter.slices += 1
-        if move.out is not None:
-            loaded[name] = move.result()
+        loaded[name] = layout.wrap(out, saved.shape, _contiguous_stride(saved.shape))
     return loaded
 
 
