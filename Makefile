@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-pretrained lint test test-gpu bench bench-gpu clean
+.PHONY: install demo demo-pretrained lint test test-fast test-gpu bench bench-gpu clean
 
 install: $(VENV)/.installed
 
@@ -35,8 +35,13 @@ demo-pretrained: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The whole suite (what CI runs), with the 25 slowest tests listed at the end.
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+
+# The fast tier for iteration: tests/unit (one process, no interpreter, no pretrained weights), a few minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS) tests
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

@@ -118,11 +118,11 @@ def capture_layouts(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int
     return dict(sorted(captured.items()))
 
 
-def spread(count: int, most: int = DEFAULT_PANELS) -> list[int]:
-    """Up to `most` evenly spaced indices of `count`, first and last included."""
-    if count <= most:
+def spread(count: int) -> list[int]:
+    """Up to `DEFAULT_PANELS` evenly spaced indices of `count`, first and last included."""
+    if count <= DEFAULT_PANELS:
         return list(range(count))
-    return sorted({round(i * (count - 1) / (most - 1)) for i in range(most)})
+    return sorted({round(i * (count - 1) / (DEFAULT_PANELS - 1)) for i in range(DEFAULT_PANELS)})
 
 
 def _check_choice(chosen: Sequence[int], available: Sequence[int], what: str, flag: str) -> None:

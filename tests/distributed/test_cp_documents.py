@@ -52,6 +52,13 @@ def _attend(q, k, v, layout, meta):
 # ------------------------------------------------------------------------------------------- planner
 
 
+def _restores(plan, shards, x) -> bool:
+    """Whether the shards, put back in global order, hold every token of `x` once where the plan says."""
+    full, real = plan.unshard(shards), plan.source >= 0
+    source = plan.source[real]
+    return torch.equal(source.sort().values, torch.arange(x.shape[1])) and torch.equal(full[:, real], x[:, source])
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_the_plan_partitions_the_row_and_restores_it(world):
     meta = _meta(LENGTHS, pad_runs=(3,))
@@ -61,7 +68,7 @@ def test_the_plan_partitions_the_row_and_restores_it(world):
     shards = [plan.shard(x, r, pad_value=0) for r in range(world)]
     assert [s.shape[1] for s in shards] == [plan.local_len_of(r) for r in range(world)]
     assert sorted(torch.cat(shards, 1)[0].tolist())[-x.numel():] == x[0].tolist()  # every token once, plus padding
-    assert plan.to_original(plan.unshard(shards)).equal(x)
+    assert _restores(plan, shards, x)
     covered = {}
     for r in range(world):
         for run, start, end in plan.segments(r):
@@ -76,7 +83,7 @@ def test_a_row_too_short_for_every_rank_still_gives_each_rank_a_block():
     plan = plan_documents([40], ["dense"], 4, 16)
     assert [plan.local_len_of(r) for r in range(4)] == [16, 16, 16, 16]
     x = torch.arange(40).unsqueeze(0)
-    assert plan.to_original(plan.unshard([plan.shard(x, r) for r in range(4)])).equal(x)
+    assert _restores(plan, [plan.shard(x, r) for r in range(4)], x)
 
 
 def test_documents_too_costly_for_a_rank_but_within_one_block_stay_whole():
@@ -84,7 +91,7 @@ def test_documents_too_costly_for_a_rank_but_within_one_block_stay_whole():
     plan = plan_documents([10, 10], ["dense", "dense"], 8, 16)
     assert plan.split == ()
     x = torch.arange(20).unsqueeze(0)
-    assert plan.to_original(plan.unshard([plan.shard(x, r) for r in range(8)])).equal(x)
+    assert _restores(plan, [plan.shard(x, r) for r in range(8)], x)
 
 
 def test_documents_with_a_sparse_pattern_start_on_a_block_boundary():

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
 
-from test_smet_common import free_port, fsdp2_smet, lm_loss, markov_tokens, tiny_llama
+from smet_common import free_port, fsdp2_smet, lm_loss, markov_tokens, tiny_llama
 
 WORLD = 2
 STEPS, SAVE_AT = 10, 5

@@ -13,7 +13,7 @@ from hf_sparse_cp.distributed import ShardPlan
 from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_balance.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_balance.py"
 
 
 @pytest.fixture(scope="module")

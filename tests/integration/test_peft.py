@@ -29,7 +29,7 @@ from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 from oracle import rel_rms
-from test_smet_common import TokenRows, markov_tokens
+from smet_common import TokenRows, markov_tokens
 
 BS, SEQ, VOCAB = 16, 157, 64
 # Sparse from 64 tokens on, so the 157-token rows take the estimated vertical-slash layouts.

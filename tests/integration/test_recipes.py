@@ -23,7 +23,7 @@ from hf_sparse_cp.files import read_mapping
 from hf_sparse_cp.integration.compat import attn_implementation
 from hf_sparse_cp.smet import SMETConfig
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 ACCELERATE = sorted((RECIPES / "accelerate").glob("*.yaml"))
 CURRICULUM = sorted((RECIPES / "train").glob("qwen2.5-3b_*.yaml"))
 STAGE1 = RECIPES / "train" / "qwen2.5-3b_32k.yaml"  # vertical_topk 1024

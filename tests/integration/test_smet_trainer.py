@@ -8,7 +8,7 @@ from hf_sparse_cp import SMETArguments, SMETCallback, install_smet, uninstall_sm
 from hf_sparse_cp.smet import SMETAdam, unwrap_smet
 from hf_sparse_cp.smet.masks import active_mask
 
-from test_smet_common import TokenRows, markov_tokens, tiny_llama
+from smet_common import TokenRows, markov_tokens, tiny_llama
 
 FLAGS = [
     "--smet", "--smet_density", "0.5", "--smet_block_size", "8", "--smet_update_interval", "4",

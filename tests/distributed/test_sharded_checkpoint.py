@@ -28,7 +28,7 @@ def _build(kind: str, world: int, seed: int):
     from torch.distributed.fsdp import fully_shard
 
     if kind == "smet":
-        from test_smet_common import fsdp2_smet, tiny_llama
+        from smet_common import fsdp2_smet, tiny_llama
 
         model = tiny_llama(seed=seed, dtype=torch.float64, vocab_size=65, intermediate_size=99)  # uneven shards
         return model, fsdp2_smet(model, _smet_config(), world, lr=1e-2, attach=False)
@@ -43,7 +43,7 @@ def _build(kind: str, world: int, seed: int):
 
 def _step(kind: str, model, opt, rank: int, world: int, step: int) -> float:
     """One optimizer step on this rank's rows of the step's global batch; the global mean loss."""
-    from test_smet_common import lm_loss, markov_tokens
+    from smet_common import lm_loss, markov_tokens
 
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     if kind == "smet":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Installed package name -> folder in the repository.
 FOLDERS = {"hf_sparse_cp": ROOT / "hf_sparse_cp", "hf_sparse_cp.kernels": ROOT / "kernels",
            "hf_sparse_cp.examples": ROOT / "examples"}
@@ -165,6 +165,16 @@ def test_every_module_imports_in_dependency_order(graph):
     names = _dependency_order(graph)
     code = f"import importlib\nfor name in {names!r}:\n    importlib.import_module(name)\n"
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_import_patches_nothing():
+    code = (
+        "import hf_sparse_cp; from transformers import AttentionInterface;"
+        "from transformers.masking_utils import AttentionMaskInterface;"
+        "assert 'sparse_cp' not in AttentionInterface() and 'sparse_cp' not in AttentionMaskInterface();"
+        "assert not hf_sparse_cp.is_patched()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("command", [

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_sparse_cp
 from hf_sparse_cp.testing.models import tiny_config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _snippets() -> list[str]:

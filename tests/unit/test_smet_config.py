@@ -109,7 +109,7 @@ def test_config_file_errors_list_the_known_keys(tmp_path):
 @pytest.mark.parametrize("recipe, mode",
                          [("smet_pretrain.yaml", "sparse_weights"), ("smet_finetune.yaml", "sparse_update")])
 def test_recipes_load(recipe, mode):
-    cfg = SMETConfig.from_file(Path(__file__).resolve().parents[1] / "recipes" / "train" / recipe)
+    cfg = SMETConfig.from_file(Path(__file__).resolve().parents[2] / "recipes" / "train" / recipe)
     assert cfg.mode == mode and cfg.regrowth_rule == ("random" if mode == "sparse_weights" else "gradient")
 
 

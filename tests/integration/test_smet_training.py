@@ -11,7 +11,7 @@ import torch
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 
-from test_smet_common import fit, markov_tokens, tiny_llama
+from smet_common import fit, markov_tokens, tiny_llama
 
 STEPS, INTERVAL, LR = 300, 20, 1e-2
 WINDOW = 10  # steps after an update in which a spike is looked for

@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.spawn import run_gloo
 
-from test_smet_common import TokenRows, markov_tokens, tiny_llama
+from smet_common import TokenRows, markov_tokens, tiny_llama
 
 WORLD = 2
 MODES = ("sparse_weights", "sparse_update")

@@ -11,7 +11,7 @@ from torch import nn
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer, state_nbytes
 from hf_sparse_cp.smet.masks import active_mask
 
-from test_smet_common import fit, markov_tokens, tiny_llama
+from smet_common import fit, markov_tokens, tiny_llama
 
 BETAS = (0.9, 0.999)
 
