@@ -57,8 +57,8 @@ def _takes_lean_path(model, labels, shift_labels) -> bool:
 
 # transformers 5.24 renamed the KV cache `past_key_values` -> `cache` (arguments and output fields; the old
 # name warns, and goes in 5.40). The lean path passes the caller's arguments on under the names given and
-# returns the base model's cache under the name this release's outputs use.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# returns the base model's cache under the name this release's outputs use (`compat.cache_field`).
+_CACHE_FIELD = compat.cache_field()
 
 
 @compat.can_return_tuple

@@ -54,11 +54,12 @@ def _token_mixers(model: torch.nn.Module) -> list[str]:
     """Layer types and modules of `model` that mix tokens outside attention."""
     found = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
              if t not in ATTENTION_LAYER_TYPES]
+    convolution = compat.convolution_class()
     for name, module in model.named_modules():
         if not name:
             continue  # the model itself (MambaForCausalLM is named after its mixer)
         cls = type(module).__name__
-        if isinstance(module, torch.nn.modules.conv._ConvNd) or any(part in cls for part in TOKEN_MIXER_NAMES):
+        if isinstance(module, convolution) or any(part in cls for part in TOKEN_MIXER_NAMES):
             found.append(f"{cls} ({name})")
     return found
 

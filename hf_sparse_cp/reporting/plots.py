@@ -94,15 +94,10 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
     patches = PatchSet()
     patches.set_attr(backend, "estimate_layout", recording)
     # a dense call taken by flash-attn builds no layout; the documented switch keeps it on the kernels
-    previous = os.environ.get(DENSE_BACKEND_ENV)
-    os.environ[DENSE_BACKEND_ENV] = "kernels"
+    patches.set_item(os.environ, DENSE_BACKEND_ENV, "kernels")
     try:
         yield captured
     finally:
-        if previous is None:
-            os.environ.pop(DENSE_BACKEND_ENV)
-        else:
-            os.environ[DENSE_BACKEND_ENV] = previous
         patches.undo()
         for handle in handles:
             handle.remove()

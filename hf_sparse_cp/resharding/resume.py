@@ -149,10 +149,10 @@ def resharded_loading(trainer: Trainer, folder: str | os.PathLike) -> Iterator[N
         load_resharded(checkpoint, trainer.model, trainer.optimizer)
         trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
-    setattr(trainer, compat.TRAINER_LOAD_MODEL, load_model)
-    setattr(trainer, compat.TRAINER_LOAD_OPTIMIZER, load_state)
+    patches = PatchSet()
+    patches.set_attr(trainer, compat.TRAINER_LOAD_MODEL, load_model)
+    patches.set_attr(trainer, compat.TRAINER_LOAD_OPTIMIZER, load_state)
     try:
         yield
     finally:
-        delattr(trainer, compat.TRAINER_LOAD_MODEL)
-        delattr(trainer, compat.TRAINER_LOAD_OPTIMIZER)
+        patches.undo()

@@ -181,7 +181,8 @@ def attach_to_trainer(
     check_launch(trainer)
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
-        record_on(trainer, _SPARSITY_LOGGING).insert(callbacks, 0, SparsityLoggingCallback())
+        logging_callback = SparsityLoggingCallback()
+        record_on(trainer, _SPARSITY_LOGGING).insert(trainer.callback_handler, "callbacks", 0, logging_callback)
     if cp_schedule is None:
         parallel = enable_trainer_context_parallel(trainer, cp_config)
     else:

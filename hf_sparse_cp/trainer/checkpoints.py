@@ -186,7 +186,8 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     checked are the schedule and the world size instead of the CP and DP degrees."""
     callbacks = trainer.callback_handler.callbacks
     sharded_saving(trainer, patches)  # (its files are in the marker's list)
-    patches.insert(callbacks, len(callbacks), CheckpointMarkerCallback(trainer, parallel, cp_schedule))
+    marker = CheckpointMarkerCallback(trainer, parallel, cp_schedule)
+    patches.insert(trainer.callback_handler, "callbacks", len(callbacks), marker)
     train = trainer.train
 
     @functools.wraps(train)

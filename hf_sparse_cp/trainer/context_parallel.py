@@ -58,16 +58,9 @@ def _dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             acc.device,
             num_processes=parallel.dp_size,
             process_index=parallel.dp_rank,
-            split_batches=acc.split_batches,
             put_on_device=acc.device_placement if device_placement is None else device_placement,
-            rng_types=acc.rng_types.copy(),
-            dispatch_batches=acc.dispatch_batches,
-            even_batches=acc.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=acc.use_seedable_sampler,
-            data_seed=acc.dataloader_config.data_seed,
-            non_blocking=acc.non_blocking,
-            use_stateful_dataloader=acc.use_stateful_dataloader,
+            **compat.dp_data_loader_options(acc),
         )
         compat.track_data_loader(acc, prepared)
         return prepared

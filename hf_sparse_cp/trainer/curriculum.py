@@ -40,7 +40,7 @@ from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prep
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
-from ..integration.patching import record_on, undo_recorded
+from ..integration.patching import PatchSet, record_on, undo_recorded
 from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
 
 logger = logging.getLogger(__name__)
@@ -285,8 +285,9 @@ class StageBatchSampler(torch.utils.data.Sampler):
 class Curriculum:
     """The stages of a run and the state that follows the step being taken; built by `enable_curriculum`."""
 
-    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Mapping[int, ParallelDims]) -> None:
-        self.trainer, self.schedule, self.dims = trainer, schedule, dims
+    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Mapping[int, ParallelDims],
+                 patches: PatchSet) -> None:
+        self.trainer, self.schedule, self.dims, self.patches = trainer, schedule, dims, patches
         self.index: int | None = None
 
     def stage(self) -> int:
@@ -295,7 +296,8 @@ class Curriculum:
         if index != self.index:
             self.index = index
             stage = self.schedule.stages[index]
-            setattr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE, self.schedule.configs[index].to_dict())
+            self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE,
+                                  self.schedule.configs[index].to_dict())
             dims = self.dims[stage.cp_size]
             logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d x DP %d.", index,
                         self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.dp_size)
@@ -343,9 +345,9 @@ def enable_curriculum(
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
             for c in sorted({s.cp_size for s in schedule.stages})}
-    curriculum = Curriculum(trainer, schedule, dims)
-    pad_token_id = _pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
+    curriculum = Curriculum(trainer, schedule, dims, patches)
+    pad_token_id = _pad_token_id(trainer, model)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
 
     def prepare_inputs(_model, inputs: dict[str, Any]):

@@ -53,7 +53,7 @@ def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
     undo_recorded(trainer, _FEATURE)
     patches = record_on(trainer, _FEATURE)
     patches.set_attr(trainer, "optimizer_cls_and_kwargs", smet_optimizer_cls_and_kwargs(trainer.args, config))
-    patches.insert(trainer.callback_handler.callbacks, 0, SMETCallback())
+    patches.insert(trainer.callback_handler, "callbacks", 0, SMETCallback())
     return trainer
 
 

@@ -18,7 +18,7 @@ from hf_sparse_cp import (
     is_lean_loss_enabled,
 )
 from hf_sparse_cp.attention.layout import SparseLayout
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import compat, patching
 from hf_sparse_cp.integration.patching import PatchSet
 from hf_sparse_cp.testing.models import tiny_config
 
@@ -27,18 +27,25 @@ class Owner:
     value = "class"
 
 
-def test_patch_set_restores_only_what_is_still_ours():
+def test_patch_set_restores_only_what_is_still_ours(monkeypatch):
+    monkeypatch.setattr(patching, "replacement_for", lambda owner, name: None)  # any change listed
     obj = Owner()
+    obj.items = ["a"]
+    env = {"KEPT": "theirs"}
     patches = PatchSet()
     patches.set_attr(obj, "value", "ours")
     patches.set_attr(Owner, "other", "ours")
-    items = ["a"]
-    patches.insert(items, 0, "ours")
-    assert obj.value == "ours" and Owner.other == "ours" and items == ["ours", "a"]
+    patches.insert(obj, "items", 0, "ours")
+    patches.set_item(env, "NEW", "ours")
+    patches.set_item(env, "KEPT", "ours")
+    assert obj.value == "ours" and Owner.other == "ours" and obj.items == ["ours", "a"]
+    assert env == {"KEPT": "ours", "NEW": "ours"}
     Owner.other = "theirs"  # replaced after us
+    env["NEW"] = "theirs"
     patches.undo()
     assert obj.value == "class" and "value" not in obj.__dict__  # the instance attribute is gone again
-    assert Owner.other == "theirs" and items == ["a"]
+    assert Owner.other == "theirs" and obj.items == ["a"]
+    assert env == {"KEPT": "theirs", "NEW": "theirs"}
     del Owner.other
 
 
