@@ -14,7 +14,7 @@ on the length a rank sees:
   linear attention): they would see only their shard.
 
 `TESTED_MODEL_TYPES` is the registry of architectures whose CP result equals the single-process
-one (tests/test_cp_models.py checks each entry under CP 2). Other architectures are refused
+one (tests/distributed/test_cp_models.py checks each entry under CP 2). Other architectures are refused
 unless the caller opts in (`allow_untested=True`), and then still pass every check above.
 """
 

@@ -3,7 +3,7 @@
 What a rank computes at each ring step and what it sends in each communication slot come from the
 same objects `ring_sparse_attention` runs: `TransferSets` and `slot_ops` (through
 `balance.plan_traffic`) for the transfers, the owner of every listed key block for the work
-(equal, step by step, to the layouts `RingPlan` builds; tests/test_simulate.py checks both).
+(equal, step by step, to the layouts `RingPlan` builds; tests/unit/test_simulate.py checks both).
 
 Time: a step's compute is a linear cost model of its work (`KernelCosts`: per call, per query
 row, per block pair, per padded slot). The transfers follow the ring's schedule exactly
