@@ -37,7 +37,7 @@ def test_each_snippet_runs_as_written(index, tmp_path, monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", tiny_from_pretrained)
     argv = ["train.py", "--output_dir", str(tmp_path), "--max_steps", "1", "--report_to", "none", "--use_cpu",
             "--save_strategy", "no"]
-    argv += [["--max_length", "256"], ["--seq_len", "256"], []][index]
+    argv += [["--max_length", "256"], ["--max_length", "256"], []][index]
     monkeypatch.setattr(sys, "argv", argv if index < 2 else ["python"])
     try:
         exec(compile(_snippets()[index], f"README.md snippet {index}", "exec"), {"__name__": "__main__"})

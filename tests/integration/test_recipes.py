@@ -71,7 +71,7 @@ def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
 
 
 def test_flags_after_the_recipe_win_and_bad_recipes_are_refused(tmp_path):
-    flags = ["--seq_len", "65536", "--ddp_find_unused_parameters", "true"]
+    flags = ["--max_length", "65536", "--ddp_find_unused_parameters", "true"]
     script, training, *_ = parse_args([str(CURRICULUM[0]), *flags])
     assert script.seq_len == 65536 and training.ddp_find_unused_parameters is True
     bad = tmp_path / "bad.yaml"
@@ -148,7 +148,7 @@ def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path
     SparseAttentionConfig(vertical_topk=256, block_size=64, min_seq_len=1024).save(cfg)
     smet = tmp_path / "smet.yaml"
     SMETConfig(density=0.1, update_interval=50).save(smet)
-    for argv, want in ((["--sparse_config", str(cfg), "--vertical_topk", "512"], 512),  # 512: the default value
+    for argv, want in ((["--sparse_config", str(cfg), "--sparse_vertical_topk", "512"], 512),  # 512: the default value
                        ([str(STAGE1), "--model_name_or_path", "", "--sparse_config", str(cfg)], 1024)):  # the recipe's
         parsed = parse_args(argv)
         assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit).vertical_topk == want
@@ -161,7 +161,7 @@ def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path
 
 # A recipe at tiny size: the tiny model (no --model_name_or_path), short sequences, one step, one process; every
 # other setting is the recipe's. min_seq_len is a size too (the recipes' 8192 would keep 1K tokens dense).
-TINY = ["--model_name_or_path", "", "--tiny_num_layers", "3", "--seq_len", "1024", "--min_seq_len", "512",
+TINY = ["--model_name_or_path", "", "--tiny_num_layers", "3", "--max_length", "1024", "--sparse_min_seq_len", "512",
         "--num_samples", "2", "--max_steps", "1"]
 
 
@@ -203,7 +203,7 @@ def test_each_recipe_runs_one_step_at_tiny_size(tmp_path, monkeypatch, single_th
 def test_each_smet_recipe_trains_one_step(tmp_path, monkeypatch, single_thread, name):
     seen = _recording(monkeypatch)
     path = RECIPES / "train" / name
-    example.main(["--smet", "--smet_config", str(path), "--seq_len", "256", "--num_samples", "1", "--max_steps", "1",
+    example.main(["--smet", "--smet_config", str(path), "--max_length", "256", "--num_samples", "1", "--max_steps", "1",
                   "--tiny_num_layers", "1", "--output_dir", str(tmp_path)])
     assert seen["smet"] == SMETConfig.from_file(path) and seen["trainer"].state.global_step == 1
 
@@ -227,8 +227,8 @@ def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, mon
     SparseAttentionConfig(vertical_topk=512, slash_topk=32, block_size=64, min_seq_len=128).save(cfg)
     smet = tmp_path / "smet.yaml"
     SMETConfig(density=0.5, update_interval=50).save(smet)
-    example.main(["--seq_len", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
-                  "--output_dir", str(tmp_path / "out"), "--sparse_config", str(cfg), "--vertical_topk", "1024",
+    example.main(["--max_length", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
+                  "--output_dir", str(tmp_path / "out"), "--sparse_config", str(cfg), "--sparse_vertical_topk", "1024",
                   "--smet", "--smet_config", str(smet), "--smet_update_interval", "100"])
     pattern = SparseAttentionConfig(**seen["trainer"].model.config.sparse_attention)
     assert pattern == SparseAttentionConfig(vertical_topk=1024, slash_topk=32, block_size=64, min_seq_len=128)

@@ -18,8 +18,8 @@ from hf_sparse_cp.testing.spawn import run_gloo
 FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--logging_steps", "1",
          "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--train_sampling_strategy", "sequential",
          "--seed", "0"]
-PATTERN = ["--block_size", "32", "--min_seq_len", "128", "--vertical_topk", "8", "--slash_topk", "8",
-           "--local_window", "32", "--sink_tokens", "4", "--last_q", "16"]
+PATTERN = ["--sparse_block_size", "32", "--sparse_min_seq_len", "128", "--sparse_vertical_topk", "8",
+           "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "16"]
 
 
 def _rows(seq=256, n=4):
@@ -48,7 +48,7 @@ def test_the_switch_trains_like_a_plain_trainer_on_the_dense_pattern(tmp_path):
         ["--output_dir", str(tmp_path / "plain"), *FLAGS])
     plain = Trainer(model=_model(), args=plain_args, train_dataset=_rows())
     plain.train()
-    switched = SparseTrainer(model=_model(), args=_args(tmp_path / "switch", "--pattern", "dense"),
+    switched = SparseTrainer(model=_model(), args=_args(tmp_path / "switch", "--sparse_pattern", "dense"),
                              train_dataset=_rows())
     switched.train()
     assert switched.model.config._attn_implementation == "sparse_cp" and hf_sparse_cp.is_lean_loss_enabled()
@@ -66,7 +66,7 @@ def test_the_flags_carry_every_plugin_setting(tmp_path):
     assert args.context_parallel_config().cp_sharding == "zigzag"
     assert args.smet_optimizer_config().density == 0.5 and args.max_length == 512
     with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
-        _args(tmp_path, "--block_size", "48")
+        _args(tmp_path, "--sparse_block_size", "48")
     trainer = SparseTrainer(model=_model(), args=args, train_dataset=_rows())
     trainer.create_optimizer()
     assert unwrap_smet(trainer.optimizer) is not None
@@ -82,21 +82,21 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
             in caplog.text)
     caplog.clear()
     with caplog.at_level("WARNING"):
-        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--dense_first_layers", "0"),
+        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "0"),
                       train_dataset=_rows())
     assert "sparse_cp: 2 of 2 layers vertical-slash (block 32); context parallelism: off" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        SparseTrainer(model=_model(), args=_args(tmp_path, "--dense_first_layers", "1", "--min_seq_len", "8192"),
-                      train_dataset=_rows())
+        SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",
+                                                 "8192"), train_dataset=_rows())
     assert "layers 0 dense (pattern)" in caplog.text
     assert "At 256 tokens no document reaches min_seq_len=8192: every layer runs dense" in caplog.text
 
 
 def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
     with caplog.at_level("WARNING"):
-        trainer = SparseTrainer(model=_model(), args=_args(tmp_path, "--gradient_checkpointing_min_length", "128"),
-                                train_dataset=_rows())
+        trainer = SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_gradient_checkpointing_min_length",
+                                                           "128"), train_dataset=_rows())
     assert trainer.args.gradient_checkpointing
     assert "Sequence length 256 >= --gradient_checkpointing_min_length 128: turning gradient checkpointing on" in (
         caplog.text)
