@@ -153,9 +153,9 @@ NO_CHECKPOINTS = {"save_strategy": "no"}
 DESCRIPTION = (
     "Long-context fine-tuning with the stock Trainer and the sparse_cp attention backend. A recipe (--recipe NAME or "
     "PATH, or a YAML/JSON file of flag: value pairs as the first argument) gives flags; flags after it win, and "
-    "flags given on the command line or in the recipe beat --sparse_config / --smet_config files. The defaults shown are those of the command line given: without a "
-    "recipe or --model_name_or_path, the embedded demo job's (a tiny model at 4K tokens, a toy sparse pattern); with "
-    "either, the library defaults (e.g. `... recipe.yaml --help`)."
+    "flags given on the command line or in the recipe beat --sparse_config / --smet_config files. The defaults shown "
+    "are those of the command line given: without a recipe or --model_name_or_path, the embedded demo job's (a tiny "
+    "model at 4K tokens, a toy sparse pattern); with either, the library defaults (e.g. `... --recipe NAME --help`)."
 )
 
 

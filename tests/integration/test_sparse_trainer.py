@@ -19,7 +19,8 @@ FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_r
          "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--train_sampling_strategy", "sequential",
          "--seed", "0"]
 PATTERN = ["--sparse_block_size", "32", "--sparse_min_seq_len", "128", "--sparse_vertical_topk", "8",
-           "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "16"]
+           "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q",
+           "16"]
 
 
 def _rows(seq=256, n=4):
