@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-pretrained lint test test-fast test-gpu bench bench-gpu clean
+.PHONY: install demo demo-pretrained docs lint test test-fast test-gpu bench bench-gpu clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ demo-pretrained: install
 		--sparse_vertical_topk 64 --sparse_slash_topk 64 --sparse_local_window 64 --sparse_sink_tokens 16 \
 		--sparse_dense_first_layers 1 --logging_steps 1 --report_to none --save_strategy no \
 		--output_dir outputs/demo_pretrained
+
+# The flag reference page, generated from the argument classes' help texts (a test fails when it is stale).
+docs: install
+	$(PY) -m hf_sparse_cp.trainer.flag_reference > docs/flags.md
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -90,3 +90,17 @@ def test_trl_sft_config_and_its_scripts_arguments_parse_with_ours(tmp_path):
     from hf_sparse_cp import SparseSFTConfig as exported
 
     assert exported is SparseSFTConfig
+
+
+def test_the_flag_reference_page_is_generated_from_the_help_texts():
+    from pathlib import Path
+
+    from hf_sparse_cp.trainer.flag_reference import flag_reference
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+    assert page.read_text() == flag_reference(), (
+        "docs/flags.md is stale: regenerate it with `make docs` (python -m hf_sparse_cp.trainer.flag_reference > "
+        "docs/flags.md)")
+    for f in dataclasses.fields(SparseTrainingArguments):  # every plugin flag is on it
+        if f.name.startswith(("sparse_", "cp_", "smet")):
+            assert f"| `--{f.name}` |" in page.read_text(), f.name
