@@ -88,8 +88,8 @@ class BenchArguments:
         default=None,
         metadata={"help": "Pattern budget of sparse_cp as a target fraction of kept causal blocks: vertical_topk "
                   "and slash_topk are derived per S (random-placement estimate; the kept fraction actually run is "
-                  "reported). 0 keeps the budgets given by --vertical_topk/--slash_topk. Default 0.05 (0 with "
-                  "--tiny)."},
+                  "reported). 0 keeps the budgets given by --sparse_vertical_topk/--sparse_slash_topk. Default 0.05 "
+                  "(0 with --tiny)."},
     )
     vertical_share: float = field(
         default=0.2, metadata={"help": "Share of the --kept_fraction budget spent on vertical key columns."}

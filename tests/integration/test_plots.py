@@ -48,7 +48,7 @@ def run_dir(tmp_path_factory):
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
     training = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=1, logging_steps=1,
                                  report_to="none", save_strategy="steps", save_steps=3, use_cpu=True)
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
     enable_sparse_attention(model, sparse, PATTERN, training, max_length=SEQ_LEN)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 3, SEQ_LEN),
                       data_collator=default_data_collator, processing_class=tok)

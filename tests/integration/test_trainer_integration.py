@@ -33,7 +33,7 @@ def test_sparsity_is_logged_before_the_reporters(tmp_path):
     tok = byte_tokenizer()
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
     training = _args(tmp_path)
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
     pattern = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8, slash_topk=8, local_window=32)
     enable_sparse_attention(model, sparse, pattern, training, max_length=512)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 4, 512, cache_dir=tmp_path),
@@ -53,7 +53,8 @@ def test_sparsity_is_logged_before_the_reporters(tmp_path):
 
 def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False, gradient_checkpointing_min_length=4096)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False,
+                               sparse_gradient_checkpointing_min_length=4096)
     short, long = _args(tmp_path), _args(tmp_path)
     enable_sparse_attention(model, sparse, None, short, max_length=2048)
     enable_sparse_attention(model, sparse, None, long, max_length=4096)
