@@ -99,8 +99,8 @@ def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
         trainer = SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_gradient_checkpointing_min_length",
                                                            "128"), train_dataset=_rows())
     assert trainer.args.gradient_checkpointing
-    assert "Sequence length 256 >= --gradient_checkpointing_min_length 128: turning gradient checkpointing on" in (
-        caplog.text)
+    assert ("Sequence length 256 >= --sparse_gradient_checkpointing_min_length 128: turning gradient checkpointing "
+            "on") in caplog.text
 
 
 def _cp2_losses(rank: int, world: int, out: str) -> list[float]:
