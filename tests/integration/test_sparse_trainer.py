@@ -125,6 +125,7 @@ SCRIPT = textwrap.dedent("""
     from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
     from hf_sparse_cp.testing.models import tiny_config
     (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses()
+    torch.manual_seed(0)  # the same data and model on every rank
     rows = [{"input_ids": r, "labels": r} for r in torch.randint(3, 259, (4, 256))]
     trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
                             train_dataset=rows)
