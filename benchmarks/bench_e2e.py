@@ -19,11 +19,11 @@ as they do in a random-init model (`budget_for_kept_fraction`); the kept fractio
 reported next to it. `--kept_fraction 0` keeps the budgets of the command line.
 
     python benchmarks/bench_e2e.py                                   # GPU: 0.5B and 1.5B, S = 8K .. 512K
-    python benchmarks/bench_e2e.py --models 1.5b --variants sparse_cp --min_seq 65536 --slash_topk 1024
+    python benchmarks/bench_e2e.py --models 1.5b --variants sparse_cp --min_seq 65536 --sparse_slash_topk 1024
     python benchmarks/bench_e2e.py --tiny                            # CPU smoke run: tiny model, S = 1K .. 4K
 
-Flags of `SparseAttentionConfig` (--vertical_topk, --slash_topk, --block_size, ...) set the pattern
-of the `sparse_cp` variant (the two budgets only with --kept_fraction 0).
+The pattern flags (`SparseAttentionFlags`: --sparse_vertical_topk, --sparse_slash_topk, --sparse_block_size,
+...) set the pattern of the `sparse_cp` variant (the two budgets only with --kept_fraction 0).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class BenchArguments:
         default=None,
         metadata={"help": "Pattern budget of sparse_cp as a target fraction of kept causal blocks: vertical_topk "
                   "and slash_topk are derived per S (random-placement estimate; the kept fraction actually run is "
-                  "reported). 0 keeps the budgets given by --vertical_topk/--slash_topk. Default 0.05 (0 with "
-                  "--tiny)."},
+                  "reported). 0 keeps the budgets given by --sparse_vertical_topk/--sparse_slash_topk. Default 0.05 "
+                  "(0 with --tiny)."},
     )
     vertical_share: float = field(
         default=0.2, metadata={"help": "Share of the --kept_fraction budget spent on vertical key columns."}
@@ -389,12 +389,14 @@ def format_table(results: list[dict]) -> str:
 def parse_args(argv):
     from transformers import HfArgumentParser
 
-    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp import SparseAttentionFlags
+    from hf_sparse_cp.trainer.arguments import PATTERN_PREFIX, explicit_fields, unprefixed
 
-    parser = HfArgumentParser((BenchArguments, SparseAttentionConfig))
-    args, sparse = parser.parse_args_into_dataclasses(argv)
+    parser = HfArgumentParser((BenchArguments, SparseAttentionFlags))
+    args, flags = parser.parse_args_into_dataclasses(argv)
+    sparse = flags.to_config()
     if args.tiny:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+        given = unprefixed(explicit_fields(parser, argv), PATTERN_PREFIX)
         sparse = dataclasses.replace(sparse, **{k: v for k, v in TINY_SPARSE.items() if k not in given})
     return args, sparse
 

@@ -26,6 +26,7 @@ _LAZY = {
     "is_lean_loss_enabled": "integration.lean_loss",
     "check_model_supports_context_parallel": "integration.models",
     "SMETArguments": "trainer.arguments",
+    "SparseAttentionFlags": "trainer.arguments",
     "SparseCPArguments": "trainer.arguments",
     "explicit_fields": "trainer.arguments",
     "attach_to_trainer": "trainer.attach",
@@ -46,10 +47,15 @@ _LAZY = {
     "install_smet": "trainer.smet",
     "uninstall_smet": "trainer.smet",
     "SparseTrainer": "trainer.sparse_trainer",
+    "SparseTrainerMixin": "trainer.sparse_trainer",
     "SparseTrainingArguments": "trainer.sparse_trainer",
+    "sparse_arguments_class": "trainer.sparse_trainer",
+    "sparse_trainer_class": "trainer.sparse_trainer",
     "write_sparse_model_card": "reporting.model_card",
 }
-__getattr__ = lazy_attributes(__name__, _LAZY)
+# TRL's SFT with the plugin (needs `pip install trl`; not in `__all__`, so `import *` does not import TRL).
+_TRL = {"SparseSFTConfig": "trainer.trl", "SparseSFTTrainer": "trainer.trl"}
+__getattr__ = lazy_attributes(__name__, _LAZY | _TRL)
 
 
 __all__ = [

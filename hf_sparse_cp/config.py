@@ -34,7 +34,7 @@ class SparseAttentionConfig(FileConfig):
     `last_q` queries, and computes exact attention restricted to those blocks and columns.
 
     The defaults (top-k 512 columns / 1024 diagonals, the first layer dense) come from measurements
-    on a pretrained model (README, "Accuracy on real weights"): at 8K tokens they keep 66% of the
+    on a pretrained model (docs/accuracy.md): at 8K tokens they keep 66% of the
     causal blocks with 99.4% of the dense attention mass (no layer below 98%).
     """
 

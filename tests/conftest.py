@@ -29,11 +29,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _restore_backend_registration():
-    """Tests that patch transformers leave it as they found it."""
+    """Tests that patch transformers leave it as they found it (the backend and the lean loss, which a
+    SparseTrainer turns on and leaves on)."""
     import hf_sparse_cp
+    from hf_sparse_cp.integration.lean_loss import disable_lean_loss, is_lean_loss_enabled
 
-    was_patched = hf_sparse_cp.is_patched()
+    was_patched, had_lean_loss = hf_sparse_cp.is_patched(), is_lean_loss_enabled()
     yield
+    if is_lean_loss_enabled() and not had_lean_loss:
+        disable_lean_loss()
     if hf_sparse_cp.is_patched() and not was_patched:
         hf_sparse_cp.unpatch()
 

@@ -113,7 +113,7 @@ def sparse_attention() -> Iterator:
         training = _args(tmp)
         names = [n for n in ("gradient_checkpointing", "activation_checkpointing") if n in vars(training)]
         yield [(model.config, "sparse_attention"), *((training, n) for n in names)]
-        sparse = SparseCPArguments(sparse_attention=True, gradient_checkpointing_min_length=1024)
+        sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
         enable_sparse_attention(model, sparse, SparseAttentionConfig(), training, max_length=4096)
         yield
         disable_sparse_attention(model)

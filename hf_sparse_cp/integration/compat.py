@@ -140,7 +140,7 @@ PATCHES = (
           "stored on its config (saved with it)", "disable_sparse_attention(model) / disable_curriculum(trainer)",
           added=True),
     Patch("transformers.TrainingArguments", "gradient_checkpointing", "sets", "long sequences turn gradient "
-          "checkpointing on (--gradient_checkpointing_min_length)", "disable_sparse_attention(model)",
+          "checkpointing on (--sparse_gradient_checkpointing_min_length)", "disable_sparse_attention(model)",
           alternatives=("activation_checkpointing",)),
     Patch("transformers.AttentionInterface", "_global_mapping", "reads", "unpatch(): there is no public "
           "unregister"),

@@ -114,7 +114,8 @@ def kept_fraction_figure(log_history: list[dict[str, Any]], title: str | None = 
     if not series:
         raise ValueError(
             "The log history holds no sparse/kept_fraction/layer_NN values: train with the sparse_cp backend and "
-            "--log_sparsity (attach_to_trainer adds the logging callback), with logging_steps reached at least once."
+            "--sparse_log_sparsity (attach_to_trainer adds the logging callback), with logging_steps reached at least "
+            "once."
         )
     layers = list(series)
     colors = _layer_colors(layers)

@@ -1,6 +1,12 @@
 """Command-line arguments of the plugin, for `HfArgumentParser` next to `TrainingArguments`:
-`SparseCPArguments` (sparse attention switches), `SMETArguments` (the SMET optimizer), and
-`explicit_fields` (which flags a command line gives, so that they beat a config file)."""
+`SparseCPArguments` (sparse attention switches), `SparseAttentionFlags` (the pattern),
+`SMETArguments` (the SMET optimizer), and `explicit_fields` (which flags a command line gives, so
+that they beat a config file).
+
+Every plugin flag starts with `sparse_`, `cp_` or `smet_`, so that it never meets a flag of the script
+it joins (run_clm's `--block_size` is its sequence length; TRL's configs have their own fields): each
+`SparseAttentionConfig` field `<f>` is the flag `--sparse_<f>` (`--sparse_block_size`), each
+`SMETConfig` field `--smet_<f>`; the config classes and their YAML/JSON files keep the plain names."""
 
 from __future__ import annotations
 
@@ -28,35 +34,52 @@ class SparseCPArguments:
         metadata={"help": "YAML/JSON file with the SparseAttentionConfig; pattern flags given on the command line "
                   "override it."},
     )
-    fused_loss: bool = field(
+    sparse_fused_loss: bool = field(
         default=True,
         metadata={"help": "Compute the causal-LM loss without materializing [tokens, vocab] logits (liger-kernel "
                   "on CUDA when installed, chunked PyTorch otherwise)."},
     )
-    gradient_checkpointing_min_length: int = field(
+    sparse_gradient_checkpointing_min_length: int = field(
         default=16384,
         metadata={"help": "Turn gradient checkpointing on when the training sequence length is at least this "
                   "(0 disables the automatic switch)."},
     )
-    log_sparsity: bool = field(
+    sparse_log_sparsity: bool = field(
         default=True,
         metadata={"help": "Log the per-layer kept fraction of attention blocks into the Trainer's logs."},
     )
 
     def attention_config(
-        self, from_flags: SparseAttentionConfig | None = None, explicit: Collection[str] | None = None
+        self, from_flags: SparseAttentionConfig | SparseAttentionFlags | None = None,
+        explicit: Collection[str] | None = None,
     ) -> SparseAttentionConfig:
-        """The pattern config: `from_flags` (the config parsed from the command line) without a
+        """The pattern config: `from_flags` (the pattern parsed from the command line) without a
         `--sparse_config` file; with one, the file with flags on top: those named in `explicit` (the
-        fields given on the command line, see `explicit_fields`) whatever their value, or without
-        `explicit`, those that differ from the defaults (see `FileConfig.from_file_and_flags`)."""
+        argument names given on the command line, e.g. `sparse_vertical_topk`, see `explicit_fields`)
+        whatever their value, or without `explicit`, those that differ from the defaults (see
+        `FileConfig.from_file_and_flags`)."""
+        if isinstance(from_flags, SparseAttentionFlags):
+            from_flags = from_flags.to_config()
         if self.sparse_config is None and from_flags is not None:
             return from_flags
         flags = {} if from_flags is None else dataclasses.asdict(from_flags)
-        return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags, explicit)
+        fields = None if explicit is None else unprefixed(explicit, PATTERN_PREFIX)
+        return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags, fields)
 
 
+# The command-line prefixes of the pattern's and SMET's fields.
+PATTERN_PREFIX = "sparse_"
 FLAG_PREFIX = "smet_"
+
+
+def unprefixed(names: Collection[str], prefix: str) -> set[str]:
+    """The names in `names` that start with `prefix`, without it (`sparse_block_size` -> `block_size`)."""
+    return {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
+
+
+def from_prefixed(args: Any, cls: type, prefix: str = "") -> Any:
+    """Dataclass `cls` built from the attributes `prefix + field` of `args` (the inverse of `copied_fields`)."""
+    return cls(**{f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
 
 
 def copied_fields(
@@ -78,7 +101,24 @@ def copied_fields(
     return out
 
 
-# Every SMETConfig field as a `--smet_<field>` flag, generated so help texts and defaults live once.
+class _PatternFlags:
+    """The methods of `SparseAttentionFlags` (its fields are generated from `SparseAttentionConfig`)."""
+
+    def __post_init__(self) -> None:
+        self.to_config()  # the config validates the values, naming the field
+
+    def to_config(self) -> SparseAttentionConfig:
+        """The `SparseAttentionConfig` these flags give."""
+        return from_prefixed(self, SparseAttentionConfig, PATTERN_PREFIX)
+
+
+# Every SparseAttentionConfig field as a `--sparse_<field>` flag and every SMETConfig field as a `--smet_<field>`
+# flag, generated so that help texts and defaults live once.
+SparseAttentionFlags = dataclasses.make_dataclass(
+    "SparseAttentionFlags", copied_fields(SparseAttentionConfig, PATTERN_PREFIX), bases=(_PatternFlags,),
+    namespace={"__doc__": "The sparse pattern as flags: `--sparse_<field>` for every `SparseAttentionConfig` field "
+               "(e.g. `--sparse_vertical_topk 1024 --sparse_block_size 64`); `to_config()` gives the config.",
+               "__module__": __name__})
 SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX))
 SMETFlags.__module__ = __name__
 
@@ -125,8 +165,7 @@ class SMETArguments(SMETFlags):
         flags on top: those named in `explicit` (argument names given on the command line, e.g.
         `smet_density`, see `explicit_fields`) whatever their value, or without `explicit`, those that
         differ from the defaults (see `FileConfig.from_file_and_flags`)."""
-        fields = None if explicit is None else {name.removeprefix(FLAG_PREFIX) for name in explicit
-                                                if name.startswith(FLAG_PREFIX)}
+        fields = None if explicit is None else unprefixed(explicit, FLAG_PREFIX)
         return SMETConfig.from_file_and_flags(self.smet_config, self._flags(), fields)
 
 
@@ -136,8 +175,8 @@ _NOT_GIVEN = object()
 
 def explicit_fields(parser: argparse.ArgumentParser, args: Sequence[str]) -> set[str]:
     """The arguments `args` sets explicitly, by destination (for an `HfArgumentParser`, the dataclass
-    field names, e.g. `vertical_topk`, `smet_density`): any spelling argparse takes counts
-    (`--vertical-topk=1024`, `--no_fused_loss`, an unambiguous prefix), and so does a value equal to
+    field names, e.g. `sparse_vertical_topk`, `smet_density`): any spelling argparse takes counts
+    (`--sparse-vertical-topk=1024`, `--no_sparse_fused_loss`, an unambiguous prefix), and so does a value equal to
     the default. Pass the set as `explicit` to `SparseCPArguments.attention_config` and
     `SMETArguments.to_config` so that every flag given beats the config file.
 

@@ -24,7 +24,7 @@ from ..integration import compat
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.patching import attached_patches, record_on, undo_recorded
 from ..integration.registration import is_patched, patch, unpatch
-from .arguments import SparseCPArguments
+from .arguments import SparseAttentionFlags, SparseCPArguments
 from .callbacks import SparsityLoggingCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
@@ -47,7 +47,7 @@ def checkpointing_enabled(training_args: TrainingArguments) -> bool:
 def enable_sparse_attention(
     model: torch.nn.Module,
     sparse_args: SparseCPArguments,
-    attention_config: SparseAttentionConfig | None = None,
+    attention_config: SparseAttentionConfig | SparseAttentionFlags | None = None,
     training_args: TrainingArguments | None = None,
     max_length: int | None = None,
     explicit: Collection[str] | None = None,
@@ -56,17 +56,17 @@ def enable_sparse_attention(
 
     Args:
         model: a transformers causal LM.
-        sparse_args: the plugin's switches (`--sparse_config`, `--fused_loss`,
-            `--gradient_checkpointing_min_length`).
-        attention_config: the pattern parsed from the command line; flags that differ from the
-            defaults override `--sparse_config`.
+        sparse_args: the plugin's switches (`--sparse_config`, `--sparse_fused_loss`,
+            `--sparse_gradient_checkpointing_min_length`).
+        attention_config: the pattern parsed from the command line (`SparseAttentionFlags`, or the
+            config itself); flags that differ from the defaults override `--sparse_config`.
         training_args, max_length: when both are given and `max_length` reaches
-            `gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`.
+            `sparse_gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`.
         explicit: the pattern fields given explicitly (`arguments.explicit_fields`): they beat
             `--sparse_config` whatever their value (without it, flags that differ from the defaults do).
 
     Returns:
-        The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `fused_loss`,
+        The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `sparse_fused_loss`,
         the lean loss (`enable_lean_loss()`) if they are not yet; calling it again replaces the
         previous settings.
     """
@@ -76,7 +76,7 @@ def enable_sparse_attention(
     if not is_patched():
         patch()
         patches.on_undo(unpatch)
-    if sparse_args.fused_loss and not is_lean_loss_enabled():
+    if sparse_args.sparse_fused_loss and not is_lean_loss_enabled():
         enable_lean_loss()
         patches.on_undo(disable_lean_loss)
     previous = compat.attn_implementation(model.config)
@@ -84,7 +84,7 @@ def enable_sparse_attention(
     model.set_attn_implementation(BACKEND_NAME)
     if previous is not None and previous != BACKEND_NAME:
         patches.on_undo(lambda: model.set_attn_implementation(previous))
-    threshold = sparse_args.gradient_checkpointing_min_length
+    threshold = sparse_args.sparse_gradient_checkpointing_min_length
     if (
         training_args is not None
         and max_length is not None
@@ -92,7 +92,7 @@ def enable_sparse_attention(
         and max_length >= threshold
         and not checkpointing_enabled(training_args)
     ):
-        logger.warning("Sequence length %d >= --gradient_checkpointing_min_length %d: turning gradient "
+        logger.warning("Sequence length %d >= --sparse_gradient_checkpointing_min_length %d: turning gradient "
                        "checkpointing on.", max_length, threshold)
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
@@ -116,8 +116,9 @@ def check_launch(trainer: Trainer) -> None:
     if launched != running:
         raise ValueError(
             f"{launched} processes were launched but the Trainer sees {running}: each would train its own model "
-            "without gradient sync. Without a GPU, pass --use_cpu (use_cpu=True in TrainingArguments): accelerate "
-            "joins CPU processes only when told."
+            "without gradient sync. Without a GPU, pass --use_cpu (use_cpu=True in TrainingArguments; "
+            "SparseTrainingArguments sets it on a machine without an accelerator): accelerate joins CPU processes only "
+            "when told."
         )
 
 
@@ -138,7 +139,7 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     line = "sparse_cp: " + "; ".join(parts)
     if sparse and max_length is not None and max_length < cfg.min_seq_len:
         line += (f". At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
-                 "dense (lower --min_seq_len to train sparse at this length)")
+                 "dense (lower --sparse_min_seq_len to train sparse at this length)")
     return line
 
 
@@ -164,7 +165,7 @@ def attach_to_trainer(
 
     Args:
         trainer: the Trainer, before `train()`.
-        sparse_args: with `log_sparsity`, the sparsity-logging callback goes first (before the
+        sparse_args: with `sparse_log_sparsity`, the sparsity-logging callback goes first (before the
             reporters, so TensorBoard / W&B see its keys).
         cp_config: the plugin's CP flags; with a CP size above 1 (here or in accelerate's
             `ParallelismConfig`) the trainer switches to sparse context parallelism.
@@ -180,7 +181,7 @@ def attach_to_trainer(
     """
     check_launch(trainer)
     callbacks = trainer.callback_handler.callbacks
-    if sparse_args.log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
+    if sparse_args.sparse_log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         logging_callback = SparsityLoggingCallback()
         record_on(trainer, _SPARSITY_LOGGING).insert(trainer.callback_handler, "callbacks", 0, logging_callback)
     if cp_schedule is None:

@@ -65,7 +65,7 @@ def _trainer(out_dir, config: SMETConfig, cp: bool, max_steps: int = STEPS, seed
         max_grad_norm=1.0, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
     )
     model = tiny_llama(seed=seed, max_position_embeddings=128)
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
     if cp:
         enable_sparse_attention(model, sparse, SparseAttentionConfig(
             block_size=16, min_seq_len=32, vertical_topk=2, slash_topk=2, local_window=16, sink_tokens=2))

@@ -88,7 +88,7 @@ def test_tiny_preset_and_explicit_flags(bench):
     args, sparse = bench.parse_args(["--tiny"])
     assert args.models == ["tiny"] and args.seq_lens() == [1024, 2048, 4096]
     assert sparse.block_size == bench.TINY_SPARSE["block_size"]
-    args, sparse = bench.parse_args(["--tiny", "--block_size", "32", "--min_seq", "2048"])
+    args, sparse = bench.parse_args(["--tiny", "--sparse_block_size", "32", "--min_seq", "2048"])
     assert sparse.block_size == 32 and args.seq_lens() == [2048, 4096]
     args, _ = bench.parse_args(["--min_seq", "8192", "--max_seq", "65536"])
     assert args.models == ["0.5b", "1.5b"] and args.seq_lens() == [8192, 16384, 32768, 65536]
@@ -116,7 +116,8 @@ def test_kept_fraction_budget_lands_near_its_target(bench):
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.attention.estimate import estimate_layout
 
-    args, sparse = bench.parse_args(["--kept_fraction", "0.1", "--block_size", "64", "--min_seq_len", "1024"])
+    args, sparse = bench.parse_args(["--kept_fraction", "0.1", "--sparse_block_size", "64", "--sparse_min_seq_len",
+                                     "1024"])
     assert bench.parse_args([])[0].kept_fraction == 0.05 and bench.parse_args(["--tiny"])[0].kept_fraction == 0
     settings, budget = bench.sparse_settings(sparse, args, 16384)
     assert budget["target_kept_fraction"] == 0.1 and settings["vertical_topk"] == budget["vertical_topk"] > 0
@@ -127,7 +128,7 @@ def test_kept_fraction_budget_lands_near_its_target(bench):
     kept = float(estimate_layout(q, k, SparseAttentionConfig.from_dict(settings)).kept_fraction())
     assert 0.07 <= kept <= 0.13
 
-    args, sparse = bench.parse_args(["--kept_fraction", "0", "--vertical_topk", "77"])
+    args, sparse = bench.parse_args(["--kept_fraction", "0", "--sparse_vertical_topk", "77"])
     settings, budget = bench.sparse_settings(sparse, args, 16384)
     assert budget is None and settings["vertical_topk"] == 77
 

@@ -1,6 +1,8 @@
 """The model card of a run with the plugin (issue #15): what it states about sparse long-context training,
 the batch size and optimizer lines the stock card gets wrong, and a saved model that needs no plugin."""
 
+import dataclasses
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -33,7 +35,7 @@ PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8,
                                 sink_tokens=4, last_q=32)
 
 
-def _trainer(output_dir, cp_size: int = 1, smet: bool = True):
+def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAttentionConfig = PATTERN):
     """A tiny Qwen2 with sparse attention (and SMET) on 512-token passkey rows: 2 per device, 2 accumulated."""
     tok = byte_tokenizer()
     torch.manual_seed(0)
@@ -42,7 +44,7 @@ def _trainer(output_dir, cp_size: int = 1, smet: bool = True):
                                  gradient_accumulation_steps=2, logging_steps=1, report_to="none", save_strategy="no",
                                  use_cpu=True)
     sparse = SparseCPArguments(sparse_attention=True)
-    enable_sparse_attention(model, sparse, PATTERN, training, max_length=SEQ_LEN)
+    enable_sparse_attention(model, sparse, pattern, training, max_length=SEQ_LEN)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 8, SEQ_LEN),
                       data_collator=default_data_collator, processing_class=tok)
     parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=cp_size))
@@ -73,7 +75,7 @@ def test_the_card_describes_the_sparse_training(smet_run):
     assert "| sequence length | 512 tokens |" in card
     assert "top-k: 8 key columns and 16 diagonals per head" in card and "blocks of 32 tokens" in card
     assert "slash_topk: 16" in card  # the full pattern config
-    assert "| context parallelism | off (one process) |" in card
+    assert "| context parallelism |" not in card and "| distributed set-up | 1 CPU process |" in card
     # the stock card named AdamW; the optimizer was SMET over it
     optimizer = re.findall(r"^- optimizer: (.*)$", card, re.MULTILINE)
     assert len(optimizer) == 1 and optimizer[0].startswith("SMET (sparse_weights, density 0.5, blocks of 16 columns")
@@ -159,24 +161,40 @@ def test_the_saved_model_loads_and_generates_without_the_plugin(smet_run, tmp_pa
     assert done.stdout.split()[-1] == "5"
 
 
-def _card_under_cp2(rank: int, world: int, output_dir: str) -> dict | None:
+def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True) -> dict | None:
     """Two processes, one CP group: train two steps, write the card (rank 0 only)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    trainer, parallel = _trainer(output_dir, cp_size=2)
+    trainer, parallel = _trainer(output_dir, cp_size=2, smet=smet)
     trainer.train()
     path = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN)
+    disable_sparse_attention(trainer.model)
     if path is None:
         return None
     stock = extract_hyperparameters_from_trainer(trainer)["total_train_batch_size"]
     return {"card": path.read_text(), "stock_total": stock, "log": trainer.state.log_history}
 
 
-@pytest.mark.slow
-def test_the_card_of_a_cp2_run_counts_distinct_sequences(tmp_path):
+def _cards_under_cp2(rank: int, world: int, output_dir: str) -> dict | None:
+    """The CP run with SMET and without, one after the other in the same two processes."""
+    runs = {name: _card_under_cp2(rank, world, os.path.join(output_dir, name), smet=name == "cp_smet")
+            for name in ("cp_smet", "cp")}
+    return None if runs["cp"] is None else runs
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    main, other = run_gloo(_card_under_cp2, 2, str(tmp_path), timeout_s=300)
+    out = tmp_path_factory.mktemp("cp_runs")
+    main, other = run_gloo(_cards_under_cp2, 2, str(out), timeout_s=400)
     assert other is None  # only the main process writes
+    return main, out
+
+
+@pytest.mark.slow
+def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
+    runs, tmp_path = cp_runs
+    main, tmp_path = runs["cp_smet"], tmp_path / "cp_smet"
     card = main["card"]
     # 2 per device x 2 accumulated x 2 processes = 8 rows read, but both ranks of the CP group read the same 4
     assert main["stock_total"] == 8
@@ -193,3 +211,77 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(tmp_path):
     samples_per_s = main["log"][-1]["train_samples_per_second"]
     assert f"| throughput | {samples_per_s * SEQ_LEN:,.0f} tokens/s" in card
     assert set(TAGS) <= set(_front_matter(card)["tags"])
+
+
+def _rows(card: str) -> dict[str, str]:
+    """The plugin section's table: row name -> value."""
+    section = card[card.index(SECTION_TITLE):]
+    table = section[:section.index("### Training results")]
+    return {m[1]: m[2] for m in re.finditer(r"^\| ([a-z][^|]*?) \| (.*) \|$", table, re.MULTILINE)}
+
+
+def _check_statements(card: str, trainer_args: dict, log_history: list[dict], *, processes: int, cp: int,
+                      smet: SMETConfig | None, pattern: SparseAttentionConfig) -> None:
+    """Every statement of the card, against the run's settings."""
+    rows = _rows(card)
+    intro = card[card.index(SECTION_TITLE):].splitlines()[2]
+    # what the run used, and only that
+    assert ("context parallelism" in intro) == (cp > 1) and ("SMET" in intro) == (smet is not None), intro
+    assert ("context parallelism" in rows) == (cp > 1) and ("SMET config:" in card) == (smet is not None)
+    assert card.count("- optimizer: SMET (") == (smet is not None)
+    assert rows["base model"] == "none: trained from a config (random initialization)"
+    assert rows["training data"] == "8 training sequences"  # an in-memory dataset: its size, no name
+    assert rows["sequence length"] == f"{SEQ_LEN} tokens"
+    # the distributed set-up: CPU processes joined by gloo, not "multi-GPU"
+    assert rows["distributed set-up"] == ("1 CPU process" if processes == 1
+                                          else f"{processes} CPU processes (gloo), data parallel (DDP)")
+    assert "multi-GPU" not in card and ("- distributed_type: multi-CPU (gloo)" in card) == (processes > 1)
+    if cp > 1:
+        assert rows["context parallelism"].startswith(f"CP {cp} x DP {processes // cp} ({processes} processes)")
+    # the pattern as configured; no "documents under 0 tokens"
+    assert "under 0 tokens" not in card
+    assert (f"documents under {pattern.min_seq_len:,} tokens dense" in rows["attention"]) == (pattern.min_seq_len > 0)
+    assert f"top-k: {pattern.vertical_topk} key columns and {pattern.slash_topk} diagonals" in rows["attention"]
+    yaml_blocks = re.findall(r"```yaml\n(.*?)```", card, re.S)
+    assert yaml.safe_load(yaml_blocks[0]) == SparseAttentionConfig.from_dict(
+        dataclasses.asdict(pattern)).to_dict()
+    if smet is not None:  # the regrowth rule, the same in the table and the YAML
+        saved = yaml.safe_load(yaml_blocks[1])
+        assert f"{saved['regrowth']} regrowth" in rows["optimizer"] and saved["regrowth"] == smet.regrowth_rule
+        assert saved["density"] == smet.density and f"density {smet.density}" in rows["optimizer"]
+    batch = trainer_args["per_device_train_batch_size"] * trainer_args["gradient_accumulation_steps"] * (
+        processes // cp)
+    assert rows["total train batch size"] == f"{batch} distinct sequences per optimizer step"
+    # the results: every logged loss, the final loss
+    losses = [log for log in log_history if "loss" in log]
+    for log in losses:
+        assert f"| {log['step']} | {log['epoch']:.3g} | {log['loss']:.4f} |" in card
+    final = log_history[-1]
+    assert f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after {final['step']} steps" in card
+    assert "eval loss" not in card  # no evaluation ran
+    # the versions that trained it (no TRL, no PEFT in these runs), and how to load it
+    for package in ("hf-sparse-cp", "transformers", "accelerate", "torch"):
+        assert f"| {package} | {importlib.metadata.version(package)} |" in card
+    assert "| trl |" not in card and "| peft |" not in card and "| license |" not in card
+    assert f'AutoModelForCausalLM.from_pretrained("{trainer_args["output_dir"]}")' in card
+
+
+@pytest.mark.slow
+def test_the_cards_of_a_plain_a_cp_and_a_cp_smet_run_state_what_each_run_did(tmp_path, cp_runs):
+    pattern = dataclasses.replace(PATTERN, min_seq_len=0)  # every document sparse: no "documents under" clause
+    trainer, parallel = _trainer(tmp_path / "plain", smet=False, pattern=pattern)
+    try:
+        trainer.train()
+        card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, license="apache-2.0").read_text()
+    finally:
+        disable_sparse_attention(trainer.model)
+    plain_args = trainer.args.to_dict()
+    check = dict(trainer_args=plain_args, pattern=PATTERN)
+    _check_statements(card.replace("| license | apache-2.0 |\n", ""), plain_args, trainer.state.log_history,
+                      processes=1, cp=1, smet=None, pattern=pattern)
+    assert "| license | apache-2.0 |" in card and _front_matter(card)["license"] == "apache-2.0"
+    runs, out = cp_runs
+    for name, smet in (("cp", None), ("cp_smet", SMETConfig(density=0.5, update_interval=2))):
+        args = dict(check["trainer_args"], output_dir=str(out / name))
+        _check_statements(runs[name]["card"], args, runs[name]["log"], processes=2, cp=2, smet=smet,
+                          pattern=PATTERN)

@@ -48,7 +48,7 @@ def run_dir(tmp_path_factory):
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
     training = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=1, logging_steps=1,
                                  report_to="none", save_strategy="steps", save_steps=3, use_cpu=True)
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
     enable_sparse_attention(model, sparse, PATTERN, training, max_length=SEQ_LEN)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 3, SEQ_LEN),
                       data_collator=default_data_collator, processing_class=tok)
@@ -67,7 +67,7 @@ def test_cli_plot_writes_both_pictures(run_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    assert main(["plot", str(run_dir), "--out_dir", str(tmp_path), "--seq_len", str(SEQ_LEN)]) == 0
+    assert main(["plot", str(run_dir), "--out_dir", str(tmp_path), "--max_length", str(SEQ_LEN)]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == sorted([KEPT_FRACTION_PLOT, LAYOUTS_PLOT])
     out = capsys.readouterr().out
@@ -157,7 +157,7 @@ def test_plot_names_the_fix_for_a_directory_without_logs_or_model(tmp_path, caps
 def test_plot_refuses_layers_the_model_does_not_have(run_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     with pytest.raises(SystemExit):
-        main(["plot", str(run_dir), "--only", "layouts", "--seq_len", "256", "--layers", "0,5", "--out_dir",
+        main(["plot", str(run_dir), "--only", "layouts", "--max_length", "256", "--layers", "0,5", "--out_dir",
               str(tmp_path)])
     assert "layers [5] do not exist: the model has layers 0 to 1; choose them with --layers" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

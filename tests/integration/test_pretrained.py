@@ -98,10 +98,11 @@ def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_pat
     quantized)."""
     from hf_sparse_cp.examples import train_long_context as example
 
-    summary = example.main(["--model_name_or_path", str(pretrained.model_file()), "--seq_len", "256",
-                            "--num_samples", "1", "--max_steps", "1", "--min_seq_len", "0", "--block_size", "32",
-                            "--vertical_topk", "16", "--slash_topk", "16", "--local_window", "32", "--sink_tokens", "4",
-                            "--dense_first_layers", "0", "--logging_steps", "1", "--report_to", "none",
+    summary = example.main(["--model_name_or_path", str(pretrained.model_file()), "--max_length", "256",
+                            "--num_samples", "1", "--max_steps", "1", "--sparse_min_seq_len", "0",
+                            "--sparse_block_size", "32", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "16",
+                            "--sparse_local_window", "32", "--sparse_sink_tokens", "4",
+                            "--sparse_dense_first_layers", "0", "--logging_steps", "1", "--report_to", "none",
                             "--save_strategy", "no", "--output_dir", str(tmp_path)])
     assert len(summary["losses"]) == 1 and 0 < summary["final_loss"] < 10.8  # below chance: real weights
     assert summary["mean_kept_fraction"] < 1.0

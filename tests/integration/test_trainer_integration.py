@@ -33,7 +33,7 @@ def test_sparsity_is_logged_before_the_reporters(tmp_path):
     tok = byte_tokenizer()
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
     training = _args(tmp_path)
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
     pattern = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8, slash_topk=8, local_window=32)
     enable_sparse_attention(model, sparse, pattern, training, max_length=512)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 4, 512, cache_dir=tmp_path),
@@ -53,7 +53,8 @@ def test_sparsity_is_logged_before_the_reporters(tmp_path):
 
 def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    sparse = SparseCPArguments(sparse_attention=True, fused_loss=False, gradient_checkpointing_min_length=4096)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False,
+                               sparse_gradient_checkpointing_min_length=4096)
     short, long = _args(tmp_path), _args(tmp_path)
     enable_sparse_attention(model, sparse, None, short, max_length=2048)
     enable_sparse_attention(model, sparse, None, long, max_length=4096)
@@ -65,7 +66,7 @@ def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
 def test_demo_runs_and_the_loss_decreases(tmp_path):
     from hf_sparse_cp.examples.train_long_context import main
 
-    summary = main(["--output_dir", str(tmp_path), "--seq_len", "2048", "--max_steps", "5", "--use_cpu"])
+    summary = main(["--output_dir", str(tmp_path), "--max_length", "2048", "--max_steps", "5", "--use_cpu"])
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert 0 < summary["mean_kept_fraction"] < 0.9
 
@@ -92,7 +93,7 @@ def test_checkpointing_flags_work_as_in_a_trainer_script(flags, strategy, steps)
 def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
     from hf_sparse_cp.examples.train_long_context import main
 
-    job = ["--seq_len", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
+    job = ["--max_length", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
     main([*job, "--output_dir", str(tmp_path / "saved"), "--save_steps", "1"])
     assert sorted(p.name for p in (tmp_path / "saved").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out

@@ -1,10 +1,11 @@
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from transformers import HfArgumentParser
 
-from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp import SparseAttentionConfig, SparseAttentionFlags
 from hf_sparse_cp.trainer.arguments import SparseCPArguments, explicit_fields
 
 
@@ -98,12 +99,20 @@ def test_file_errors_name_the_file_and_the_field(tmp_path, monkeypatch, name, te
 
 
 def test_hf_argument_parser_flags(tmp_path):
-    parser = HfArgumentParser((SparseCPArguments, SparseAttentionConfig))
-    args, cfg = parser.parse_args_into_dataclasses(
-        args=["--sparse_attention", "--slash_topk", "512", "--layer_overrides", '{"0-1": {"pattern": "dense"}}']
+    parser = HfArgumentParser((SparseCPArguments, SparseAttentionFlags))
+    args, flags = parser.parse_args_into_dataclasses(
+        args=["--sparse_attention", "--sparse_slash_topk", "512", "--sparse_layer_overrides",
+              '{"0-1": {"pattern": "dense"}}']
     )
+    cfg = flags.to_config()
     assert args.sparse_attention and cfg.slash_topk == 512 and cfg.for_layer(1).pattern == "dense"
-    assert args.attention_config(cfg) is cfg
+    assert args.attention_config(flags) == cfg and args.attention_config(cfg) is cfg
+    # every pattern flag is its config field under the `sparse_` prefix, with the field's help text
+    config_fields = {f.name: f for f in dataclasses.fields(SparseAttentionConfig)}
+    assert {f.name: f.metadata for f in dataclasses.fields(SparseAttentionFlags)} == {
+        f"sparse_{name}": f.metadata for name, f in config_fields.items()}
+    with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
+        SparseAttentionFlags(sparse_block_size=48)
 
 
 def test_file_config_with_flag_overrides(tmp_path):
@@ -119,7 +128,7 @@ def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
     SparseAttentionConfig(vertical_topk=256, slash_topk=77, sink_tokens=8).save(path)
     args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
     flags = SparseAttentionConfig(vertical_topk=512, slash_topk=5, sink_tokens=16)  # 512 is the default
-    merged = args.attention_config(flags, explicit={"vertical_topk", "slash_topk", "output_dir"})
+    merged = args.attention_config(flags, explicit={"sparse_vertical_topk", "sparse_slash_topk", "output_dir"})
     # given flags win, the default value 512 included; sink_tokens (parsed, not given) keeps the file's value;
     # names of other configs' fields (output_dir) are ignored
     assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens) == (512, 5, 8)
@@ -135,8 +144,10 @@ def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
 def test_explicit_fields_finds_every_spelling_and_default_values():
     from transformers import TrainingArguments
 
-    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionConfig))
-    given = explicit_fields(parser, ["--vertical-topk=1024", "--no_fused_loss", "--slash_topk", "2048",
-                                     "--report_to", "none", "--sink_tok", "64", "--help", "--not_a_flag", "1"])
-    assert given == {"vertical_topk", "fused_loss", "slash_topk", "report_to", "sink_tokens"}
+    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionFlags))
+    given = explicit_fields(parser, ["--sparse-vertical-topk=1024", "--no_sparse_fused_loss", "--sparse_slash_topk",
+                                     "2048", "--report_to", "none", "--sparse_sink_tok", "64", "--help", "--not_a_flag",
+                                     "1"])
+    assert given == {"sparse_vertical_topk", "sparse_fused_loss", "sparse_slash_topk", "report_to",
+                     "sparse_sink_tokens"}
     assert explicit_fields(parser, []) == set()

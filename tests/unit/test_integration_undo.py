@@ -57,7 +57,7 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     assert not hf_sparse_cp.is_patched() and not is_lean_loss_enabled()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     training = _args(tmp_path)
-    sparse = SparseCPArguments(sparse_attention=True, gradient_checkpointing_min_length=1024)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=7), training, max_length=4096)
     assert hf_sparse_cp.is_patched() and is_lean_loss_enabled()
     assert compat.attn_implementation(model.config) == "sparse_cp" and model.config.sparse_attention["slash_topk"] == 7
@@ -74,7 +74,7 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
 def test_disable_keeps_registrations_it_did_not_make(tmp_path):
     hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    enable_sparse_attention(model, SparseCPArguments(sparse_attention=True, fused_loss=False))
+    enable_sparse_attention(model, SparseCPArguments(sparse_attention=True, sparse_fused_loss=False))
     disable_sparse_attention(model)
     assert hf_sparse_cp.is_patched()  # the user patched before: still patched
     hf_sparse_cp.unpatch()

@@ -1,12 +1,12 @@
 """SMETConfig validation, `--smet_*` flags and config files."""
 
 import re
-from pathlib import Path
 
 import pytest
 from transformers import HfArgumentParser
 
-from hf_sparse_cp import SMETArguments, SparseAttentionConfig
+from hf_sparse_cp import SMETArguments, SparseAttentionFlags
+from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
@@ -54,11 +54,11 @@ def test_flags_parse_next_to_the_trainer_and_plugin_arguments(tmp_path):
     # the `kernels` package and imports it, which imports the plugin (a cycle if transformers comes first).
     from transformers import TrainingArguments
 
-    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionConfig, SMETArguments))
+    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionFlags, SMETArguments))
     _, _, _, smet = parser.parse_args_into_dataclasses(args=[
         "--output_dir", str(tmp_path), "--smet", "--smet_mode", "sparse_update", "--smet_density", "0.05",
         "--smet_target_modules", "q_proj", "v_proj", "--no_smet_local_bias_correction", "--smet_regrowth", "random",
-        "--block_size", "64",  # the attention pattern's block size is a different flag
+        "--sparse_block_size", "64",  # the attention pattern's block size is a different flag
     ])
     cfg = smet.to_config()
     assert smet.smet and cfg.mode == "sparse_update" and cfg.density == 0.05 and cfg.block_size == 16
@@ -106,11 +106,12 @@ def test_config_file_errors_list_the_known_keys(tmp_path):
         SMETConfig.from_file(tmp_path / "missing.yaml")
 
 
-@pytest.mark.parametrize("recipe, mode",
-                         [("smet_pretrain.yaml", "sparse_weights"), ("smet_finetune.yaml", "sparse_update")])
+@pytest.mark.parametrize("recipe, mode", [("smet_pretrain", "sparse_weights"), ("smet_finetune", "sparse_update")])
 def test_recipes_load(recipe, mode):
-    cfg = SMETConfig.from_file(Path(__file__).resolve().parents[2] / "recipes" / "train" / recipe)
-    assert cfg.mode == mode and cfg.regrowth_rule == ("random" if mode == "sparse_weights" else "gradient")
+    (args,) = HfArgumentParser(SMETArguments).parse_yaml_file(str(recipe_path(recipe)))
+    cfg = args.to_config()
+    assert args.smet and cfg.mode == mode
+    assert cfg.regrowth_rule == ("random" if mode == "sparse_weights" else "gradient")
 
 
 def test_smet_flags_given_beat_the_file_whatever_their_value(tmp_path):
