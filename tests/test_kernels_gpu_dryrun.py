@@ -51,7 +51,8 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(kops, "triton_backward", _backward)
     monkeypatch.setattr(vs, "vertical_slash_scores", vs.reference_vertical_slash)
     # CPU tensors take the stand-in kernels
-    monkeypatch.setattr(public_ops, "_use_triton", lambda q, implementation: implementation != "reference")
+    monkeypatch.setattr(public_ops, "resolve_engine", lambda q, layout, implementation="auto":
+                        "reference" if implementation == "reference" else "triton")
 
 
 @pytest.mark.parametrize("case", list(gpu.CASES))
