@@ -384,5 +384,6 @@ def flex_block_sparse_attention(
                          f"{q.device.type}); use implementation='reference' there, or run under torch.no_grad().")
     calls = flex_calls(layout, q_meta, k_meta, q.shape[1], k.shape[1], sliding_window=sliding_window,
                        for_backward=needs_grad)
-    out, lse = _merged([_attend(c, q, k, v, scale) for c in calls], q)
+    inputs = (q, k, v) if needs_grad else (q.detach(), k.detach(), v.detach())  # Flex on CPU refuses requires_grad
+    out, lse = _merged([_attend(c, *inputs, scale) for c in calls], q)
     return out.to(q.dtype), lse
