@@ -1,7 +1,7 @@
 """Attention kernel benchmark: our Triton block-sparse kernels against FlexAttention and dense SDPA.
 
 One sequence (B = 1) of S tokens, Qwen2.5-3B head geometry (16 query heads, 2 key/value heads,
-head_dim 128), bf16, causal, one document. For every S (32K, 64K, 128K, 256K by default):
+head_dim 128), bf16 (`--dtype`), causal, one document. For every S (32K, 64K, 128K, 256K by default):
 
 * sparse layouts: random vertical-slash layouts at ~5%, 10% and 20% kept blocks (random block
   diagonals, the main one always, plus `num_verticals` random key columns per head), and layouts
@@ -78,6 +78,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -136,6 +137,9 @@ class BenchAttentionArguments:
     num_kv_heads: int = field(default=2, metadata={"help": "Key/value heads (Qwen2.5-3B: 2)."})
     head_dim: int = field(default=128, metadata={"help": "Head dimension (Qwen2.5-3B: 128)."})
     block_size: int = field(default=128, metadata={"help": "Layout block size."})
+    dtype: Literal["bfloat16", "float16"] = field(
+        default="bfloat16", metadata={"help": "dtype of q, k, v (Triton's interpreter, for --dry_run, has no bf16)."}
+    )
     warmup: int = field(default=3, metadata={"help": "Untimed runs before timing (compilation, autotuning)."})
     repeats: int = field(default=10, metadata={"help": "Timed runs; the median is reported."})
     time_forward: bool = field(
@@ -427,8 +431,9 @@ class Bench:
         q = make(a.num_q_heads) if q is None else q.to(self.device)
         k = make(a.num_kv_heads) if k is None else k.to(self.device)
         v = make(a.num_kv_heads)
-        dout = make(a.num_q_heads).bfloat16()
-        return [x.bfloat16().requires_grad_() for x in (q, k, v)], dout
+        dtype = getattr(torch, a.dtype)
+        dout = make(a.num_q_heads).to(dtype)
+        return [x.to(dtype).requires_grad_() for x in (q, k, v)], dout
 
     def record(self, seq_len: int, layout_name: str, variant: str, pairs: float, density, col_share,
                make_attend, tensors, dout, estimation_ms: float | None = None):
@@ -452,8 +457,10 @@ class Bench:
             row.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
         self.release_memory()
         self.rows.append(row)
-        shown = (f"fwd {row['fwd_ms'] or float('nan'):.2f} ms, fwd+bwd {row['fwd_bwd_ms']:.2f} ms"
-                 if row["status"] == "ok" else row.get("reason", ""))
+        shown = row.get("reason", "")
+        if row["status"] == "ok":
+            shown = "" if row["fwd_ms"] is None else f"fwd {row['fwd_ms']:.2f} ms, "
+            shown += f"fwd+bwd {row['fwd_bwd_ms']:.2f} ms"
         print(f"[S={seq_len} {layout_name} {variant}] {row['status']}: {shown}", flush=True)
 
     def sparse_case(self, seq_len: int, name: str, layout: SparseLayout, tensors, dout,
@@ -720,7 +727,7 @@ def engine_table(rows: list[dict], env: dict, args: BenchAttentionArguments, com
             continue
         table.append({"seq_len": seq_len, "layout": layout, "kept_fraction": r["density"],
                       "has_columns": r["column_share"] > 0, "head_dim": args.head_dim, "num_q_heads": args.num_q_heads,
-                      "num_kv_heads": args.num_kv_heads, "dtype": "bfloat16", "triton_ms": r["fwd_bwd_ms"],
+                      "num_kv_heads": args.num_kv_heads, "dtype": args.dtype, "triton_ms": r["fwd_bwd_ms"],
                       "flex_ms": flex["fwd_bwd_ms"]})
     return {"kind": TABLE_KIND, "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
             "command": command, "rows": table}
@@ -734,7 +741,7 @@ def build_report(bench: Bench, env: dict, complete: bool, command: list[str] | N
         "complete": complete,
         **env,
         "command": command,
-        "settings": {**dataclasses.asdict(a), "batch_size": 1, "dtype": "bfloat16", "causal": True,
+        "settings": {**dataclasses.asdict(a), "batch_size": 1, "causal": True,
                      "flops": "fwd = 4 * head_dim * computed pairs; fwd+bwd = 3.5 * fwd"},
         "results": bench.rows,
         "skipped": bench.skipped,
