@@ -112,8 +112,6 @@ VARIANTS = ("ours", "flex_engine", "auto", "flex", "sdpa_cudnn", "sdpa_flash", "
 # Largest relative RMS difference between ours and Flex on the same blocks: both round their bf16
 # output once after fp32 accumulation, so they differ by a few bf16 ulps (2^-8 relative), no more.
 CHECK_RTOL = 2e-2
-# Compiled Flex graphs allowed per process (see `_flex`): 2 per sequence length.
-FLEX_RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -371,17 +369,16 @@ def _flex(block_mask):
     """Compiled FlexAttention on `block_mask`, never Flex's unfused eager path.
 
     Every S compiles Flex anew (dynamic=False), with and without autograd: 2 graphs per S (all masks
-    of one S share shapes and mask_mod, see `flex_block_mask`). Past dynamo's recompile limit (8 by
-    default) Flex would silently run its eager path, which materializes the whole score matrix. The
-    limit is raised to FLEX_RECOMPILE_LIMIT, and hitting it raises (an error row) instead.
+    of one S share shapes and mask_mod, see `flex_block_mask`). The compiled function and the guard are
+    the flex engine's (`hf_sparse_cp.attention.flex`): past dynamo's recompile limit Flex would
+    silently run its eager path, which materializes the whole score matrix; the limit is raised to
+    `FLEX_RECOMPILE_LIMIT` there, and hitting it raises (an error row) instead.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    compiled = torch.compile(flex_attention, dynamic=False)
+    from hf_sparse_cp.attention.flex import flex_attention_compiled, recompile_guard
 
     def attend(q, k, v):
-        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+        with recompile_guard():
+            return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     return attend
 

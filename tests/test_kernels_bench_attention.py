@@ -215,8 +215,10 @@ def test_flex_past_its_recompile_limit_is_an_error_not_the_eager_path(bench, mon
     first S compiles and checks, and the second is an error, not an eager run."""
     import torch._dynamo
 
+    from hf_sparse_cp.attention import flex
+
     torch._dynamo.reset()
-    monkeypatch.setattr(bench, "FLEX_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(flex, "FLEX_RECOMPILE_LIMIT", 1)
     sweep = bench.Bench(_small_args(bench, variants=["flex"]), device="cpu")
     for s in (256, 384):
         layout = bench.density_layout(s, 4, 64, 0.3, 16, seed=3, device="cpu")

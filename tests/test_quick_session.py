@@ -36,7 +36,8 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
                                                                      ("e2e", "ok")]
     assert session["wall_s"] <= session["settings"]["budget_s"] and wall < 900
     tests = session["tests"]  # the gpu-marked tests of both engines, collected and skipped on the CPU
-    assert tests["finished"] and tests["skipped"] >= 20 and tests["passed"] == tests["failed"] == tests["error"] == 0
+    assert tests["finished"] and tests["skipped"] == tests["selected"] >= 20
+    assert tests["passed"] == tests["failed"] == tests["error"] == 0
 
     attention = json.loads((tmp_path / "attention.json").read_text())
     assert attention["complete"] and attention["command"] and attention["settings"]["dry_run"]
@@ -87,13 +88,14 @@ def test_stages_past_the_deadline_are_skipped_and_reported(quick, tmp_path, monk
 
 def test_pytest_outcomes_from_a_cut_off_log(quick):
     log = "\n".join([
+        "collecting ... collected 12 items / 2 deselected / 10 selected",
         "tests/test_flex_gpu.py::test_a[x] PASSED                 [ 10%]",
         "tests/test_flex_gpu.py::test_b FAILED                    [ 20%]",
         "tests/test_kernels_gpu.py::test_c[y-z] SKIPPED (needs a CUDA GPU) [ 30%]",
         "tests/test_kernels_gpu.py::test_d ERROR                  [ 40%]",
     ])
     got = quick.pytest_outcomes(log)
-    assert (got["passed"], got["failed"], got["skipped"], got["error"]) == (1, 1, 1, 1)
+    assert (got["selected"], got["passed"], got["failed"], got["skipped"], got["error"]) == (10, 1, 1, 1, 1)
     assert got["not_passed"] == ["tests/test_flex_gpu.py::test_b", "tests/test_kernels_gpu.py::test_d"]
     assert not got["finished"]
     assert quick.pytest_outcomes(log + "\n======= 1 failed, 1 passed, 1 skipped, 1 error in 3.2s =======")["finished"]

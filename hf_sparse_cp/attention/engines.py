@@ -58,8 +58,8 @@ class CallShape:
 
 
 @functools.cache
-def _read_table(path: str, mtime: float) -> dict:
-    del mtime  # part of the cache key only: a rewritten file is read again
+def _read_table(path: str, version: tuple[int, int]) -> dict:
+    del version  # (modification time, size): part of the cache key only, so that a rewritten file is read again
     try:
         table = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -79,7 +79,8 @@ def engine_table() -> dict | None:
     if not Path(path).is_file():
         raise ValueError(f"${TABLE_ENV}={path!r} does not exist; point it at the engine table that "
                          "benchmarks/bench_attention.py writes, or unset it.")
-    return _read_table(path, Path(path).stat().st_mtime)
+    stat = Path(path).stat()
+    return _read_table(path, (stat.st_mtime_ns, stat.st_size))
 
 
 def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:

@@ -241,9 +241,9 @@ def _lse_request() -> dict:
     return {"return_aux": AuxRequest(lse=True)}
 
 
-def _recompile_guard():
-    """Raise at the recompile limit instead of falling back to Flex's unfused eager path, with the
-    limit raised to FLEX_RECOMPILE_LIMIT (settings this torch knows only)."""
+def recompile_guard():
+    """A context in which compiled Flex raises at the recompile limit instead of falling back to Flex's
+    unfused eager path, with the limit raised to FLEX_RECOMPILE_LIMIT (settings this torch knows only)."""
     settings = {"recompile_limit": FLEX_RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
     return torch._dynamo.config.patch(**{k: v for k, v in settings.items() if hasattr(torch._dynamo.config, k)})
 
@@ -256,7 +256,7 @@ def _attend(call: FlexCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         k, v = k.gather(2, rows), v.gather(2, rows)
     kwargs = {"block_mask": call.block_mask, "scale": scale, "enable_gqa": True, **_lse_request()}
     if q.is_cuda:
-        with _recompile_guard():
+        with recompile_guard():
             out, aux = flex_attention_compiled()(q, k, v, **kwargs)
     else:
         from torch.nn.attention.flex_attention import flex_attention
