@@ -209,5 +209,6 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
         q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
         layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                    sliding_window=sliding_window, check_layout=False)
+                                    sliding_window=sliding_window, check_layout=False,
+                                    implementation=cfg.attention_engine)
     return out

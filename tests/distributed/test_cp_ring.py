@@ -67,6 +67,7 @@ FLAT_CASES = (
     + [Case("striped", "window", 189, heads=(2, 2)), Case("zigzag", "sparse", 111, dtype=torch.float32),
        Case("striped", "sparse", 111, dtype=torch.bfloat16)]
 )
+FLEX_CASES = [Case("striped", "sparse", 250, packed=True), Case("zigzag", "window", 189, heads=(2, 2))]
 HIER_CASES = [Case(sh, "dense", 203) for sh in SHARDINGS] + [Case(sh, "sparse", 250, packed=True) for sh in SHARDINGS]
 ESTIMATION_CASES = list(SHARDINGS)
 WINDOW = 40
@@ -106,7 +107,9 @@ def _attend_and_grad(fn, q, k, v, dout, dlse):
     return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
-def _ring_case(case: Case, par: ParallelDims, rank: int, stats: RingStats | None = None) -> dict:
+def _ring_case(case: Case, par: ParallelDims, rank: int, stats: RingStats | None = None,
+               implementation: str = "auto") -> dict:
+    """This rank's errors against one process; with the flex engine the forward only (no Flex backward on CPU)."""
     g = torch.Generator().manual_seed(case.seq * 7 + len(case.id))
     hq, hk = case.heads
     batch = 2 if case.packed else 1
@@ -139,10 +142,14 @@ def _ring_case(case: Case, par: ParallelDims, rank: int, stats: RingStats | None
                                        value=float("-inf") if n == "lse" else 0.0) for n, t in full.items()}
 
     shard = CPShard(par, plan, meta)
-    local = _attend_and_grad(
-        lambda q_, k_, v_: ring_sparse_attention(q_, k_, v_, layout, shard, sliding_window=window, stats=stats),
-        *(plan.shard(x, rank, dim=2) for x in (q, k, v)), plan.shard(dout, rank, dim=2), plan.shard(dlse, rank, dim=2),
-    )
+    ring = lambda q_, k_, v_: ring_sparse_attention(q_, k_, v_, layout, shard, sliding_window=window, stats=stats,
+                                                    implementation=implementation)
+    mine = [plan.shard(x, rank, dim=2) for x in (q, k, v)]
+    if implementation == "flex":
+        with torch.no_grad():
+            local = dict(zip(("out", "lse"), ring(*mine)))
+    else:
+        local = _attend_and_grad(ring, *mine, plan.shard(dout, rank, dim=2), plan.shard(dlse, rank, dim=2))
     real = plan.token_index(rank) < case.seq
     return _errors(rank, plan, local, full, real)
 
@@ -321,6 +328,9 @@ def _worker(rank: int, world: int) -> dict:
         results[("stats", case.id)] = stats
     for sharding in ESTIMATION_CASES:
         results[("estimation", sharding)] = _estimation_case(sharding, flat, rank)
+    if world == 2:
+        for case in FLEX_CASES:
+            results[("flex", case.id)] = _ring_case(case, flat, rank, implementation="flex")
     results["errors"] = _errors_raised(world)
     results["kept_fraction"] = _kept_fraction_case(world)
     if world == 4:
@@ -377,6 +387,14 @@ def test_communicator_passes_tensors_around_the_ring(spawned, world):
 @pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: c.id)
 def test_ring_equals_single_process(spawned, world, case):
     _assert_close([r[("flat", case.id)] for r in spawned(world)], case.dtype)
+
+
+@pytest.mark.parametrize("case", FLEX_CASES, ids=lambda c: c.id)
+def test_ring_forward_with_the_flex_engine_equals_single_process(spawned, case):
+    """Every ring step's layout (and the columns' bar step) through FlexAttention (its eager CPU path)."""
+    for rank, errs in enumerate(r[("flex", case.id)] for r in spawned(2)):
+        assert errs["lse_pattern"] == 0.0 and errs["padding_zero"] == 0.0, (rank, errs)
+        assert errs["out"] <= TOLERANCE[case.dtype] and errs["lse"] <= TOLERANCE[case.dtype], (rank, errs)
 
 
 @pytest.mark.parametrize("case", HIER_CASES, ids=lambda c: c.id)

@@ -149,3 +149,30 @@ def test_speedups_and_targets_come_from_the_rows(bench):
     assert [t["pass"] for t in targets] == [True, True, True, False, False]
     assert "3.20" in bench.format_table(results)
     assert format_targets(targets).count("MISS") == 2
+
+
+def test_fit_search_follows_every_headline_run_and_reports_the_longest_fit(tmp_path, bench, monkeypatch):
+    """--fit_max_seq: first every variant's headline lengths, then each variant that ran at max_seq doubles
+    on (one step per run) until a run fails or the cap; longest_fit says how far each got and why it stopped."""
+    out = tmp_path / "e2e.json"
+    runs = []
+
+    def run_in_subprocess(spec, timeout_s):
+        runs.append((spec["variant"], spec["seq_len"], spec["warmup_steps"], spec["timed_steps"]))
+        fits = {"sparse_cp": 8192, "sdpa": 2048}[spec["variant"]]
+        status = "ok" if spec["seq_len"] <= fits else "oom"
+        return {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"], "status": status,
+                "step_s": 0.5, "tokens_per_s": spec["seq_len"] / 0.5, "peak_gib": 1.0, "kept_fraction": 0.1,
+                "reason": "", "env": {"device": "test device"}}
+
+    monkeypatch.setattr(bench, "run_in_subprocess", run_in_subprocess)
+    report = bench.main(["--tiny", "--variants", "sparse_cp", "sdpa", "--max_seq", "2048", "--fit_max_seq", "16384",
+                         "--device", "cpu", "--output", str(out)])
+    assert runs == [("sparse_cp", 1024, 1, 3), ("sparse_cp", 2048, 1, 3), ("sdpa", 1024, 1, 3), ("sdpa", 2048, 1, 3),
+                    ("sparse_cp", 4096, 0, 1), ("sparse_cp", 8192, 0, 1), ("sparse_cp", 16384, 0, 1),
+                    ("sdpa", 4096, 0, 1)]
+    fits = {f["variant"]: (f["seq_len"], f["ended_by"]) for f in report["longest_fit"]}
+    assert fits == {"sparse_cp": (8192, "oom"), "sdpa": (2048, "oom")}
+    assert json.loads(out.read_text())["command"][-1] == str(out)
+    with pytest.raises(ValueError, match="fit_max_seq"):
+        bench.parse_args(["--tiny", "--max_seq", "4096", "--fit_max_seq", "4096"])

@@ -201,11 +201,12 @@ def test_the_flex_check_passes_the_same_function_and_flags_another(bench, monkey
         monkeypatch.setattr(bench, "_flex", flex)
         sweep.check(512, "vs@30%", layout, tensors)
     assert [c["status"] for c in sweep.checks] == ["pass", "FAIL", "error"]
-    assert sweep.checks[0]["rel_rms_ours_vs_flex"] <= bench.CHECK_RTOL < sweep.checks[1]["rel_rms_ours_vs_flex"]
+    assert sweep.checks[0]["rel_rms"] <= bench.CHECK_RTOL < sweep.checks[1]["rel_rms"]
     capsys.readouterr()
     bench.print_report(bench.build_report(sweep, bench.environment(torch.device("cpu")), complete=True))
     out = capsys.readouterr().out
-    assert "CHECK FAIL: S=512 vs@30%" in out and "CHECK error: S=512 vs@30%: ZeroDivisionError" in out
+    assert "CHECK FAIL: S=512 vs@30%: ours vs flex" in out
+    assert "CHECK error: S=512 vs@30% vs flex: ZeroDivisionError" in out
 
 
 def test_flex_past_its_recompile_limit_is_an_error_not_the_eager_path(bench, monkeypatch):
@@ -214,8 +215,10 @@ def test_flex_past_its_recompile_limit_is_an_error_not_the_eager_path(bench, mon
     first S compiles and checks, and the second is an error, not an eager run."""
     import torch._dynamo
 
+    from hf_sparse_cp.attention import flex
+
     torch._dynamo.reset()
-    monkeypatch.setattr(bench, "FLEX_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(flex, "FLEX_RECOMPILE_LIMIT", 1)
     sweep = bench.Bench(_small_args(bench, variants=["flex"]), device="cpu")
     for s in (256, 384):
         layout = bench.density_layout(s, 4, 64, 0.3, 16, seed=3, device="cpu")
@@ -225,3 +228,47 @@ def test_flex_past_its_recompile_limit_is_an_error_not_the_eager_path(bench, mon
     first, second = sweep.checks
     assert first["status"] == "pass"
     assert second["status"] == "error" and "recompile" in second["reason"].lower()
+
+
+def test_engine_rows_the_table_before_auto_and_the_engine_check_on_cpu(bench):
+    """ours, flex_engine, then auto (after the engine table is rewritten) per layout. On CPU the flex
+    engine's forward matches ours (the check) and its fwd+bwd is an error row (no Flex backward on CPU),
+    and auto takes the reference, which its row records."""
+    order = []
+    sweep = bench.Bench(_small_args(bench, seq_lens=[256], estimated_budgets=[], profile_seq_lens=[], check=True,
+                                    variants=["ours", "flex_engine", "auto"], time_forward=False), device="cpu",
+                        table=lambda: order.append("table"))
+    real = sweep.record
+    sweep.record = lambda *a, **kw: order.append(a[2]) or real(*a, **kw)
+    sweep.run()
+    assert order == ["ours", "flex_engine", "table", "auto"] * 2  # the vertical-slash layout, then dense
+    rows = {(r["layout"], r["variant"]): r for r in sweep.rows}
+    assert rows[("vs@20%", "ours")]["status"] == "ok" and rows[("vs@20%", "ours")]["fwd_ms"] is None
+    assert rows[("vs@20%", "flex_engine")]["status"] == "error" and "CUDA" in rows[("vs@20%", "flex_engine")]["reason"]
+    assert rows[("dense", "auto")]["auto_engine"] == "reference"
+    assert [(c["against"], c["status"]) for c in sweep.checks] == [("flex_engine", "pass")]
+    assert "auto:reference" in bench.format_table(sweep.rows)
+
+
+def test_engine_table_and_targets_from_the_rows(bench):
+    from hf_sparse_cp.attention import engines
+
+    rows = _rows()
+    for r in list(rows):
+        if r["variant"] == "flex":
+            rows.append({**r, "variant": "flex_engine", "fwd_bwd_ms": r["fwd_bwd_ms"] * 1.1})
+    rows.append({**rows[0], "variant": "auto", "fwd_bwd_ms": 31.0})  # vs@5%: ours 30, flex engine 59.4
+    args = _small_args(bench, head_dim=128)
+    table = bench.engine_table(rows, {"device": "GPU X"}, args, ["bench_attention.py"])
+    assert table["kind"] == engines.TABLE_KIND and table["command"] == ["bench_attention.py"]
+    by_layout = {r["layout"]: r for r in table["rows"]}
+    assert set(by_layout) == {"vs@5%", "vs@10%", "est v1000/s64", "dense"}
+    assert by_layout["dense"]["triton_ms"] == 700.0 and by_layout["dense"]["flex_ms"] == pytest.approx(715.0)
+    assert by_layout["vs@5%"]["has_columns"] and by_layout["vs@5%"]["kept_fraction"] == 0.05
+    shape = engines.CallShape(131072, 0.05, True, 128)
+    assert engines.pick_from_table(table, "GPU X", shape) == "triton"
+
+    five, dense, auto = bench.engine_targets(rows)
+    assert five["measured"] == pytest.approx(59.4 / 30) and five["pass"] is True
+    assert dense["measured"] == pytest.approx(715 / 700) and dense["pass"] is True
+    assert auto["measured"] == pytest.approx(31 / 30) and auto["pass"] is True

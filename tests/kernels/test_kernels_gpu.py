@@ -308,7 +308,7 @@ def test_model_under_sparse_cp_uses_the_kernels_and_matches_the_reference_path(m
         monkeypatch.setattr(kops, "triton_forward", lambda *a, **kw: calls.append(1) or triton_forward(*a, **kw))
         logits, grads = _logits_and_grads(model, ids)
         assert calls, "the sparse_cp backend did not reach the Triton kernels"
-        monkeypatch.setattr(public_ops, "_use_triton", lambda q, implementation: False)
+        monkeypatch.setattr(public_ops, "resolve_engine", lambda q, layout, implementation="auto": "reference")
         ref_logits, ref_grads = _logits_and_grads(model, ids)
     finally:
         hf_sparse_cp.unpatch()
