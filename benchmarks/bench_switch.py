@@ -23,7 +23,7 @@ launches it, with `--fsdp` FSDP2 on CPU and a step clock (a TrainerCallback) in 
   process group, data, model, SparseTrainer), prepare + load (FSDP2 wrapping, optimizer, the sharded
   load), first step (the data skip and step N+1). Its step N+1 must reproduce the online run's loss.
 
-Both sides contain one stage-2 step; the ratio chain / switch is what the switch saves. Target (issue
+Both sides contain one stage-2 step; chain / switch says how many times faster the switch is. Target (issue
 #17, restated for what users run): the online switch >= 20x faster than the chained jobs, with peak
 extra memory <= one rank's shard.
 
@@ -191,7 +191,8 @@ def _save_model_folder(name: str, folder: Path) -> Path | None:
 def _launch(world: int, role: str, stop_at: int, report: Path, flags: list[str]) -> tuple[float, float, list[dict]]:
     """Run `role`'s processes under torchrun; (launched, returned) wall-clock times and each rank's record."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
+    for name in ("WORLD_SIZE", "GLIBC_TUNABLES"):  # (a launch of its own, with glibc's default malloc)
+        env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                str(Path(__file__).resolve()), WORKER, role, str(stop_at), str(report), *flags]
     launched = time.time()
