@@ -298,15 +298,16 @@ def summarize(name: str, runs: list[dict], flags: list[str], world: int, switch_
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'model':>6} {'params':>7} {'state MB':>9} {'steady s':>9} {'boundary s':>11} {'groups s':>9} "
-            f"{'switch s':>9} {'save s':>7} {'exit+restart s':>15} {'build s':>8} {'prep+load s':>12} "
-            f"{'1st step s':>11} {'chain s':>8} {'chain/switch':>13} {'peak extra MB':>14}")
+            f"{'switch s':>9} {'-steady s':>10} {'save s':>7} {'exit+restart s':>15} {'build s':>8} "
+            f"{'prep+load s':>12} {'1st step s':>11} {'chain s':>8} {'chain/switch':>13} {'peak extra MB':>14}")
     lines = [head]
     for r in rows:
         o, c = r["online"], r["chain"]
         lines.append(
             f"{r['model']:>6} {r['parameters'] / 1e6:>6.1f}M {r['state_bytes_per_rank'] / 2**20:>9.1f} "
             f"{o['stage2_steady_s']:>9.3f} {o['boundary_s']:>11.3f} {o['stage_groups_s']:>9.4f} {o['switch_s']:>9.3f} "
-            f"{c['save_s']:>7.2f} {c['exit_s'] + c['relaunch_gap_s'] + c['restart_s']:>15.2f} {c['build_s']:>8.2f} "
+            f"{o['switch_overhead_s']:>10.3f} {c['save_s']:>7.2f} "
+            f"{c['exit_s'] + c['relaunch_gap_s'] + c['restart_s']:>15.2f} {c['build_s']:>8.2f} "
             f"{c['prepare_load_s']:>12.2f} {c['first_step_s']:>11.2f} {c['total_s']:>8.2f} {r['speedup']:>12.1f}x "
             f"{r['boundary_peak_extra_bytes'] / 2**20:>14.2f}")
     return "\n".join(lines)
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--models from {list(PRESETS)}, an even --world >= 2, --repeats >= 1 and 2 <= --switch_step "
                          f"<= --max_steps - 2 (got {args.models}, {args.world}, {args.repeats}, {args.switch_step}, "
                          f"{args.max_steps}).")
-    rows = []
+    rows, load_before = [], os.getloadavg()  # (the machine's load: the other jobs every phase shares it with)
     for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             folder = Path(folder)
@@ -360,7 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(rows))
     print(format_targets(targets))
     report = {**env, "world": args.world, "switch_step": args.switch_step, "max_steps": args.max_steps,
-              "repeats": args.repeats, "omp_num_threads": 1, "benchmark_command": shlex.join(
+              "repeats": args.repeats, "omp_num_threads": 1, "load_average_before": load_before,
+              "load_average_after": os.getloadavg(), "benchmark_command": shlex.join(
                   ["python", "benchmarks/bench_switch.py", *(sys.argv[1:] if argv is None else argv)]),
               "rows": rows, "targets": targets}
     write_report(report, RESULTS_DIR, "switch", args.output)
