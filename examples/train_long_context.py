@@ -46,6 +46,7 @@ from transformers import (
     DataCollatorWithFlattening,
     HfArgumentParser,
     PreTrainedTokenizerBase,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
@@ -250,8 +251,11 @@ def passkey_train_data(
                                training.max_length // script.pack_documents, seed=training.seed)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
+def build_trainer(
+    script: ScriptArguments, training: SparseTrainingArguments, callbacks: list[TrainerCallback] | None = None
+) -> SparseTrainer:
+    """The run's `SparseTrainer`, as `main` trains it: the model (pretrained, or the tiny default), its
+    tokenizer, the passkey data and the collator that `script` asks for; `callbacks` go to the Trainer."""
     set_seed(training.seed)
 
     if script.model_name_or_path:
@@ -285,13 +289,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         collator = default_data_collator
     # The one switch: SparseTrainer sets up sparse attention, CP and SMET from the flags in `training`.
-    trainer = SparseTrainer(
+    return SparseTrainer(
         model=model,
         args=training,
         train_dataset=train_data,
         data_collator=collator,
         processing_class=tokenizer,
+        callbacks=callbacks,
     )
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
+    trainer = build_trainer(script, training)
     parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:
