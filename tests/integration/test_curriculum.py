@@ -193,7 +193,7 @@ def _curriculum_vs_chain(rank: int, world: int, out: str) -> dict:
         chain, checkpoint, first = {}, None, 0
         for stage, (start, stop, seq_len, cp) in enumerate([(0, 2, 128, 1), (2, 4, 256, 2), (4, 6, 512, 4)]):
             count = (stop - start) * world // cp
-            extra = dict(vertical_topk=32) if stage == 2 else {}
+            extra = dict(sparse_vertical_topk=32) if stage == 2 else {}
             args = _args(os.path.join(out, f"{name}-chain"), smet, cp_size=cp, ignore_data_skip=True, **extra)
             losses, weights, _ = _train(args, _stage_data(samples, first, count, seq_len), checkpoint,
                                         stop_at=stop if stop < MAX_STEPS else None)
