@@ -54,7 +54,7 @@ from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.files import read_mapping
+from hf_sparse_cp.files import check_field_types, read_mapping
 from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.trainer.arguments import explicit_fields
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
@@ -95,6 +95,16 @@ class ScriptArguments:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.model_name_or_path is not None:
+            check_model_source(self.model_name_or_path)
+        for name in ("num_samples", "tiny_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} must be >= 1.")
+        if self.align_documents and self.pack_documents == 1:
+            raise ValueError("--align_documents pads between the documents of a packed sequence, but --pack_documents "
+                             "is 1 (one document per sequence) so it would do nothing: add --pack_documents N (N > 1), "
+                             "or drop --align_documents.")
         # A causal LM learns from a sequence of at least 2 tokens (the first predicts the second). Refused
         # rather than passed on: the data slices the last seq_len tokens of each text, so 0 or a negative
         # length would silently train on other lengths.
@@ -117,6 +127,34 @@ class ScriptArguments:
                 f"Use a divisor of {self.seq_len}{f' (e.g. {divisors})' if divisors else ''}, or a --seq_len that "
                 f"is a multiple of {self.pack_documents}."
             )
+
+
+def check_model_source(source: str) -> None:
+    """Raise ValueError naming the path when `source` (--model_name_or_path) names a local model that is not
+    there: a .gguf file that does not exist, a missing folder, or a folder without a saved model. Anything
+    else that is not on disk is taken as a Hub id (transformers reports those)."""
+    path = Path(source).expanduser()
+    local = (source.endswith(".gguf") or source.startswith(("/", ".", "~")) or source.count("/") > 1 or path.exists()
+             or (path.parent != Path(".") and path.parent.is_dir()))
+    if not local:
+        return
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"--model_name_or_path {source}: no such GGUF file{_nearby(path, '*.gguf')}.")
+    elif not path.is_dir():
+        raise ValueError(f"--model_name_or_path {source}: no such folder (a saved model's folder, a .gguf file or a "
+                         "Hub id such as Qwen/Qwen2.5-0.5B).")
+    elif not (path / "config.json").is_file():
+        raise ValueError(f"--model_name_or_path {source}: the folder holds no config.json, so it is not a saved model; "
+                         "give the folder that save_pretrained / trainer.save_model() wrote (config.json, weights, "
+                         f"tokenizer){_nearby(path, '*.gguf')}.")
+
+
+def _nearby(path: Path, pattern: str) -> str:
+    """', e.g. <file>' naming a file of `pattern` in `path`'s folder (or `path` itself when a folder), if any."""
+    folder = path if path.is_dir() else path.parent
+    found = sorted(folder.glob(pattern))[:1] if folder.is_dir() else []
+    return f"; {folder} holds {found[0].name}" if found else ""
 
 
 # The embedded demo job: a few steps of the tiny model at 4K tokens, with a sparse pattern sized for it. These are
@@ -154,6 +192,9 @@ DESCRIPTION = (
 )
 
 
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
 class ParsedArgs(NamedTuple):
     script: ScriptArguments
     training: SparseTrainingArguments  # every Trainer and plugin flag; the fields below are views of it
@@ -185,7 +226,7 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
     parser = HfArgumentParser((ScriptArguments, SparseTrainingArguments), description=DESCRIPTION)
     argv = list(argv)
-    recipe = bool(argv) and argv[0].endswith((".yaml", ".yml", ".json"))
+    recipe = bool(argv) and argv[0].endswith(RECIPE_SUFFIXES)
     if recipe:
         argv = recipe_flags(argv[0]) + argv[1:]
     explicit = explicit_fields(parser, argv)
@@ -199,9 +240,15 @@ def parse_args(argv: list[str]) -> ParsedArgs:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
     parser.set_defaults(**defaults)
     try:
-        script, training = parser.parse_args_into_dataclasses(args=argv)
+        script, training, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if unused:
+        late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
+        parser.exit(2, f"{parser.prog}: error: " + (
+            f"the recipe {late[0]} must come first, before any flag: {parser.prog} {late[0]} "
+            f"{' '.join(arg for arg in argv if arg != late[0])}\n" if late else
+            f"unrecognized arguments: {' '.join(unused)}\n"))
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)

@@ -24,21 +24,27 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import logging
 from collections.abc import Collection
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
 
-from ..config import SparseAttentionConfig
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
+from ..files import check_field_types
+from ..integration import compat
 from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig
+from ..smet.config import module_names
 from .arguments import SMETArguments, SparseCPArguments, copied_fields
 from .attach import attach_to_trainer, enable_sparse_attention
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, parse_schedule
 from .smet import install_smet
+
+logger = logging.getLogger(__name__)
 
 # The dataclasses whose fields SparseTrainingArguments carries, flags unchanged.
 _PARTS = (SparseCPArguments, SparseAttentionConfig, ContextParallelConfig, CurriculumArguments, SMETArguments)
@@ -62,6 +68,10 @@ class _PluginSettings:
     """The methods of `SparseTrainingArguments` (its fields are generated from `_PARTS`)."""
 
     def __post_init__(self) -> None:
+        # The plugin's fields, whatever built them (the command line, a YAML/JSON file or a dict through
+        # HfArgumentParser, direct construction), before anything reads them: text in a switch would be true.
+        self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
+        check_field_types(self, _PLUGIN_FIELDS)
         super().__post_init__()
         for part in _PARTS:  # each part validates its own fields, naming them
             _part(self, part)
@@ -100,6 +110,7 @@ def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
     return fields
 
 
+_PLUGIN_FIELDS = frozenset(name for name, _, f in _fields() if f.init)
 SparseTrainingArguments = dataclasses.make_dataclass(
     "SparseTrainingArguments", _fields(), bases=(_PluginSettings, TrainingArguments),
     namespace={"__doc__": "`TrainingArguments` plus the plugin's flags: `--sparse_attention` (on by default), "
@@ -140,6 +151,11 @@ class SparseTrainer(Trainer):
         if args.sparse_attention:
             enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
                                     explicit=args.explicit_flags)
+        elif getattr(model.config, MODEL_CONFIG_ATTRIBUTE, None) is not None:
+            logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
+                           "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
+                           "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
+                           compat.attn_implementation(model.config))
         super().__init__(model, args, *rest, **kwargs)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
