@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prepare_context_parallel_inputs
@@ -298,6 +298,14 @@ class Curriculum:
                  patches: PatchSet) -> None:
         self.trainer, self.schedule, self.dims, self.patches = trainer, schedule, dims, patches
         self.index: int | None = None
+        # The model's own pattern: a stage's is a training setting, like its CP degree (see `finish`).
+        self.pattern = getattr(trainer.model.config, MODEL_CONFIG_ATTRIBUTE, None)
+
+    def finish(self) -> None:
+        """At the end of training, the model's own pattern back on it (recorded): the model saved after
+        the run carries the run's pattern, not the last stage's."""
+        self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE, self.pattern)
+        self.index = None
 
     def stage(self) -> int:
         """The stage of the step being taken; on entering a stage, its sparse pattern goes onto the model."""
@@ -314,6 +322,16 @@ class Curriculum:
 
     def parallel(self) -> ParallelDims:
         return self.dims[self.schedule.stages[self.stage()].cp_size]
+
+
+class _FinishCurriculum(TrainerCallback):
+    """Calls `Curriculum.finish` when training ends (before the script saves the model)."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum = curriculum
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.curriculum.finish()
 
 
 def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
@@ -381,6 +399,8 @@ def enable_curriculum(
         return _train_data_loader(trainer, curriculum)
 
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
+    callbacks = trainer.callback_handler.callbacks
+    patches.insert(callbacks, len(callbacks), _FinishCurriculum(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
 

@@ -355,15 +355,19 @@ def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_
     assert trainer.state.global_step == 0
 
 
-def test_disabling_restores_the_pattern_a_stage_changed(tmp_path):
-    """A stage's pattern went onto the model unrecorded: disabling kept the last stage's as the model's."""
+def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_path):
+    """A stage's pattern went onto the model unrecorded: the last stage's stayed the model's (and was saved
+    as such), and disabling did not restore it."""
     from hf_sparse_cp.trainer.attach import detach_from_trainer, disable_sparse_attention
 
     trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
     model = trainer.model
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.config.sparse_attention["vertical_topk"]))
     trainer.train()
-    assert model.config.sparse_attention["vertical_topk"] == 32  # the last stage's, while attached
+    assert seen == [16, 32]  # each step ran its stage's pattern
+    assert model.config.sparse_attention == PATTERN.to_dict()  # after training: the run's own, as save_model writes
     detach_from_trainer(trainer)
-    assert model.config.sparse_attention == PATTERN.to_dict()  # the run's own pattern
+    assert model.config.sparse_attention == PATTERN.to_dict()
     disable_sparse_attention(model)
     assert getattr(model.config, "sparse_attention", None) is None  # as before the run
