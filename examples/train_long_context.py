@@ -96,8 +96,6 @@ class ScriptArguments:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.model_name_or_path is not None:
-            check_model_source(self.model_name_or_path)
         for name in ("num_samples", "tiny_num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} must be >= 1.")
@@ -269,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_seed(training.seed)
 
     if script.model_name_or_path:
+        check_model_source(script.model_name_or_path)  # (when loading: a recipe may name an earlier run's output)
         source, gguf = script.model_name_or_path, {}
         if source.endswith(".gguf"):  # transformers reads a GGUF file by its folder and name
             source, gguf = str(Path(source).parent), {"gguf_file": Path(source).name}

@@ -199,7 +199,8 @@ class SparseAttentionConfig(FileConfig):
         if not dense:
             return
         cfg = configs[dense[0]]
-        which = "every layer" if layers is None else f"layers {', '.join(map(str, dense))}"
+        which = ("every layer" if layers is None else
+                 f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))}")
         fix = max(cfg.block_size, seq_len // 2 // cfg.block_size * cfg.block_size)
         raise ValueError(
             f"estimation_chunk={cfg.estimation_chunk} is not shorter than the {seq_len}-token training sequences: with "

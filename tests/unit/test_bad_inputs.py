@@ -116,21 +116,29 @@ def test_text_in_a_switch_is_refused_from_a_yaml_or_json_file_and_a_dict(tmp_pat
         (["--num_samples", "0"], "--num_samples 0 must be >= 1"),
         (["--max_steps", "1", "recipes/train/qwen2.5-3b_32k.yaml"],
          "the recipe recipes/train/qwen2.5-3b_32k.yaml must come first, before any flag"),
-        (["--model_name_or_path", "/nonexistent/model.gguf"],
-         "--model_name_or_path /nonexistent/model.gguf: no such GGUF file"),
-        (["--model_name_or_path", "/nonexistent/run"], "--model_name_or_path /nonexistent/run: no such folder"),
     ],
 )
-def test_the_example_refuses_settings_that_do_nothing_and_missing_models(capsys, flags, refused):
+def test_the_example_refuses_settings_that_do_nothing(capsys, flags, refused):
     test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused)
 
 
-def test_the_example_names_a_folder_that_holds_no_saved_model(capsys, tmp_path):
+def test_the_example_names_the_model_path_it_cannot_load(tmp_path):
+    """Issue #31: a missing .gguf file or folder was reported as a malformed Hub repo id, an empty folder
+    by a sentencepiece message."""
+    from hf_sparse_cp.examples.train_long_context import main
+
     (tmp_path / "model.gguf").write_bytes(b"")
-    refused = (f"--model_name_or_path {tmp_path}: the folder holds no config.json, so it is not a saved model; give "
-               f"the folder that save_pretrained / trainer.save_model() wrote (config.json, weights, tokenizer); "
-               f"{tmp_path} holds model.gguf")
-    test_the_example_refuses_what_it_would_not_honour(capsys, ["--model_name_or_path", str(tmp_path)], refused)
+    for source, refused in [
+        ("/nonexistent/model.gguf", "--model_name_or_path /nonexistent/model.gguf: no such GGUF file."),
+        (f"{tmp_path}/other.gguf", f"--model_name_or_path {tmp_path}/other.gguf: no such GGUF file; {tmp_path} holds "
+                                   "model.gguf."),
+        ("/nonexistent/run", "--model_name_or_path /nonexistent/run: no such folder"),
+        (str(tmp_path), f"--model_name_or_path {tmp_path}: the folder holds no config.json, so it is not a saved "
+                        "model; give the folder that save_pretrained / trainer.save_model() wrote (config.json, "
+                        f"weights, tokenizer); {tmp_path} holds model.gguf."),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(refused)):
+            main(["--model_name_or_path", source, "--output_dir", str(tmp_path / "out")])
 
 
 @pytest.mark.parametrize(
@@ -171,7 +179,7 @@ def test_an_estimation_chunk_that_covers_the_sequence_is_refused():
     model = _tiny()
     with pytest.raises(ValueError, match=re.escape(
             "estimation_chunk=1024 is not shorter than the 1024-token training sequences: with "
-            "estimation='causal_chunks' the first chunk of a document is dense, so layers 1 would run dense") +
+            "estimation='causal_chunks' the first chunk of a document is dense, so layer 1 would run dense") +
             r".*below 1024 \(a multiple of block_size=64, e.g. 512\)"):
         enable_sparse_attention(model, SparseCPArguments(), pattern, max_length=1024)
     assert getattr(model.config, "sparse_attention", None) is None  # refused before anything changed
