@@ -26,7 +26,7 @@ reported next to it. `--kept_fraction 0` keeps the budgets of the command line.
     python benchmarks/bench_e2e.py --tiny                            # CPU smoke run: tiny model, S = 1K .. 4K
     python benchmarks/bench_e2e.py --models 0.5b --min_seq 65536 --max_seq 131072 --fit_max_seq 1048576
 
-`sparse_cp` runs the attention engine its config names (`--attention_engine`, default 'auto', which
+`sparse_cp` runs the attention engine its config names (`--sparse_attention_engine`, default 'auto', which
 reads the timing table `$HF_SPARSE_CP_ENGINE_TABLE` names; recorded in the JSON).
 
 The pattern flags (`SparseAttentionFlags`: --sparse_vertical_topk, --sparse_slash_topk, --sparse_block_size,

@@ -56,7 +56,7 @@ from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.files import read_mapping
+from hf_sparse_cp.files import check_field_types, read_mapping
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.trainer.arguments import explicit_fields
@@ -96,6 +96,16 @@ class ScriptArguments:
         default=None, metadata={"help": "Write the run summary (loss per logged step, kept fraction) as JSON here."}
     )
 
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("num_samples", "tiny_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} must be >= 1.")
+        if self.align_documents and self.pack_documents == 1:
+            raise ValueError("--align_documents pads between the documents of a packed sequence, but --pack_documents "
+                             "is 1 (one document per sequence) so it would do nothing: add --pack_documents N (N > 1), "
+                             "or drop --align_documents.")
+
     def check(self, max_length: int) -> None:
         """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens."""
         # A causal LM learns from a sequence of at least 2 tokens (the first predicts the second). Refused
@@ -120,6 +130,34 @@ class ScriptArguments:
                 f"Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a --max_length that "
                 f"is a multiple of {self.pack_documents}."
             )
+
+
+def check_model_source(source: str) -> None:
+    """Raise ValueError naming the path when `source` (--model_name_or_path) names a local model that is not
+    there: a .gguf file that does not exist, a missing folder, or a folder without a saved model. Anything
+    else that is not on disk is taken as a Hub id (transformers reports those)."""
+    path = Path(source).expanduser()
+    local = (source.endswith(".gguf") or source.startswith(("/", ".", "~")) or source.count("/") > 1 or path.exists()
+             or (path.parent != Path(".") and path.parent.is_dir()))
+    if not local:
+        return
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"--model_name_or_path {source}: no such GGUF file{_nearby(path, '*.gguf')}.")
+    elif not path.is_dir():
+        raise ValueError(f"--model_name_or_path {source}: no such folder (a saved model's folder, a .gguf file or a "
+                         "Hub id such as Qwen/Qwen2.5-0.5B).")
+    elif not (path / "config.json").is_file():
+        raise ValueError(f"--model_name_or_path {source}: the folder holds no config.json, so it is not a saved model; "
+                         "give the folder that save_pretrained / trainer.save_model() wrote (config.json, weights, "
+                         f"tokenizer){_nearby(path, '*.gguf')}.")
+
+
+def _nearby(path: Path, pattern: str) -> str:
+    """', e.g. <file>' naming a file of `pattern` in `path`'s folder (or `path` itself when a folder), if any."""
+    folder = path if path.is_dir() else path.parent
+    found = sorted(folder.glob(pattern))[:1] if folder.is_dir() else []
+    return f"; {folder} holds {found[0].name}" if found else ""
 
 
 # The embedded demo job: a few steps of the tiny model at 4K tokens, with a sparse pattern sized for it. These are
@@ -165,6 +203,7 @@ RENAMED = {"--seq_len": "--max_length", "--fused_loss": "--sparse_fused_loss",
            "--log_sparsity": "--sparse_log_sparsity",
            "--gradient_checkpointing_min_length": "--sparse_gradient_checkpointing_min_length",
            **{f"--{f.name}": f"--sparse_{f.name}" for f in fields(SparseAttentionConfig)}}
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def _refuse(parser: HfArgumentParser, message: str) -> None:
@@ -179,7 +218,7 @@ def take_recipe(argv: list[str]) -> tuple[list[str], str | None]:
             return argv[:i] + argv[i + 2:], argv[i + 1]
         if arg.startswith("--recipe="):
             return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
-    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+    if argv and argv[0].endswith(RECIPE_SUFFIXES):
         return argv[1:], argv[0]
     return argv, None
 
@@ -232,10 +271,14 @@ def parse_args(argv: list[str]) -> ParsedArgs:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
     parser.set_defaults(**defaults)
     try:
-        script, training = parser.parse_args_into_dataclasses(args=argv)
+        script, training, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         script.check(training.max_length)
-    except ValueError as e:
+    except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
         _refuse(parser, str(e))
+    if unused:
+        late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
+        _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "
+                        f"{late[0]})" if late else f"unrecognized arguments: {' '.join(unused)}")
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)
@@ -259,6 +302,7 @@ def build_trainer(
     set_seed(training.seed)
 
     if script.model_name_or_path:
+        check_model_source(script.model_name_or_path)  # (when loading: a recipe may name an earlier run's output)
         source, gguf = script.model_name_or_path, {}
         if source.endswith(".gguf"):  # transformers reads a GGUF file by its folder and name
             source, gguf = str(Path(source).parent), {"gguf_file": Path(source).name}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -186,6 +187,35 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(f"layer_overrides[{key!r}]: {e}") from None
             parsed.append((first, last, fields_))
         return parsed
+
+    def check_sparse_at(self, seq_len: int, layers: Iterable[int] | None = None) -> None:
+        """Raise ValueError, naming the fix, when layers whose pattern is vertical_slash would run dense on
+        every document of up to `seq_len` tokens without saying so: with estimation='causal_chunks', a
+        document's first `estimation_chunk` tokens are dense, so a chunk at least as long as the sequence
+        makes the whole layer dense. (Documents shorter than `min_seq_len` are dense by choice, and the
+        start-up line says so.)
+
+        Args:
+            seq_len: the longest training sequence (a curriculum stage's length).
+            layers: the indices of the layers that run this config's pattern (`for_layer`); default: the
+                config itself, without per-layer settings.
+        """
+        configs = {i: self.for_layer(i) for i in layers} if layers is not None else {None: self}
+        dense = [i for i, cfg in configs.items()
+                 if cfg.pattern == "vertical_slash" and cfg.estimation == "causal_chunks"
+                 and seq_len >= max(cfg.min_seq_len, 1) and cfg.estimation_chunk >= seq_len]
+        if not dense:
+            return
+        cfg = configs[dense[0]]
+        which = ("every layer" if layers is None else
+                 f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))}")
+        fix = max(cfg.block_size, seq_len // 2 // cfg.block_size * cfg.block_size)
+        raise ValueError(
+            f"estimation_chunk={cfg.estimation_chunk} is not shorter than the {seq_len}-token training sequences: with "
+            f"estimation='causal_chunks' the first chunk of a document is dense, so {which} would run dense (kept "
+            f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of block_size={cfg.block_size}, e.g. "
+            f"{fix}), or estimation='last_queries'."
+        )
 
     def for_layer(self, layer_idx: int | None) -> SparseAttentionConfig:
         """The config one decoder layer uses, with `dense_first_layers` and `layer_overrides` applied."""

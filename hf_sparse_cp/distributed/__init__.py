@@ -8,6 +8,7 @@
 * `context.py`: `CPShard`, `prepare_context_parallel_inputs` (shard a batch, attach the shard the
   attention backend receives as `cp_shard`);
 * `estimation.py`: `estimate_layout_cp`, the global layout from every rank's shard;
+* `kept_fraction.py`: the kept fraction of a CP call as one process reports it;
 * `plan.py`: `RingPlan`, from the global layout to what each rank computes, sends and receives;
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers;
 * `ring_attention.py`: `ring_sparse_attention`, `context_parallel_attention`;

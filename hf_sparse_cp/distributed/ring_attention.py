@@ -1,7 +1,8 @@
 """Balanced sparse ring attention: exact attention over a global layout, the sequence split over a CP group.
 
 `context_parallel_attention` is what the attention backend calls under CP: it estimates the
-layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`.
+layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`
+(and counts the kept fraction as one process would, `kept_fraction.py`).
 
 Every rank keeps its queries; K/V (key/value heads only, never replicated for GQA) travel the
 (hierarchical) ring of `RingTopology`. At each step a rank computes its queries against the K/V
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,8 @@ from ..attention.precision import autocast_inputs, compute_dtype
 from ..config import SparseAttentionConfig
 from .comm import P2PComm, Pending, Transfer
 from .context import CPShard
-from .estimation import estimate_layout_cp
+from .estimation import estimate_cp
+from .kept_fraction import one_process_kept_fraction
 from .plan import RingPlan, check_global_layout
 
 
@@ -350,6 +353,15 @@ def ring_sparse_attention(
                                           engine)
 
 
+class CPAttention(NamedTuple):
+    """`context_parallel_attention`'s result."""
+
+    out: torch.Tensor  # [B, Hq, S_local, D]
+    lse: torch.Tensor  # [B, Hq, S_local]
+    layout: SparseLayout  # the global layout
+    kept_fraction: torch.Tensor  # 0-d float64: what one process reports for the same call
+
+
 def context_parallel_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -360,7 +372,7 @@ def context_parallel_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     stats: RingStats | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, SparseLayout]:
+) -> CPAttention:
     """Sparse attention of a sharded sequence: what an attention backend calls under CP. Collective.
 
     Args:
@@ -369,8 +381,9 @@ def context_parallel_attention(
         scale, sliding_window, stats: as in `ring_sparse_attention`.
 
     Returns:
-        (out [B, Hq, S_local, D], lse [B, Hq, S_local], the global layout), after estimating the
-        layer's global layout from all ranks' shards (`estimate_layout_cp`) and running the ring.
+        `CPAttention` (out, lse, the global layout, and the kept fraction one process reports for this
+        call, `kept_fraction.one_process_kept_fraction`), after estimating the layer's global layout from
+        all ranks' shards (`estimate_cp`) and running the ring.
     """
     if query.shape[2] != key.shape[2]:
         raise ValueError(
@@ -378,7 +391,9 @@ def context_parallel_attention(
             f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
         )
     with torch.no_grad():
-        layout = estimate_layout_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
-    out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale, sliding_window=sliding_window,
-                                     stats=stats, check_layout=False, implementation=cfg.attention_engine)
-    return out, lse, layout
+        estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
+        kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)
+    out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
+                                     sliding_window=sliding_window, stats=stats, check_layout=False,
+                                     implementation=cfg.attention_engine)
+    return CPAttention(out, lse, estimate.layout, kept)

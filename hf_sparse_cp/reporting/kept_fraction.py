@@ -12,12 +12,12 @@ no figure stays registered after it is saved.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..files import read_mapping
 from ..integration.stats import LAYER_LOG_KEY  # what `SparsityLoggingCallback` logs (layer -1: no layer index)
 
 TRAINER_STATE = "trainer_state.json"
@@ -70,8 +70,18 @@ def find_trainer_state(run_dir: str | Path) -> Path:
 
 
 def read_log_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The `log_history` of the trainer_state.json that `find_trainer_state(run_dir)` finds."""
-    return json.loads(find_trainer_state(run_dir).read_text())["log_history"]
+    """The `log_history` of the trainer_state.json that `find_trainer_state(run_dir)` finds; a ValueError
+    naming the file when it cannot be read (e.g. cut off by a run that died while writing it)."""
+    path = find_trainer_state(run_dir)
+    try:
+        state = read_mapping(path, "the Trainer's state", kind="Trainer state file")
+    except ValueError as e:
+        raise ValueError(f"{str(e).rstrip('.')}. It may have been cut off while being written: plot an earlier "
+                         "checkpoint-N folder of the run instead.") from None
+    if not isinstance(state.get("log_history"), list):
+        raise ValueError(f"Trainer state file {str(path)!r} has no log_history list; give the trainer_state.json "
+                         "a Trainer wrote.")
+    return state["log_history"]
 
 
 def require_matplotlib() -> None:

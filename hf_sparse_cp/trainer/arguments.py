@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SparseAttentionConfig
+from ..files import check_field_types
 from ..smet import SMETConfig
+from ..smet.config import module_names
 
 
 @dataclass
@@ -48,6 +50,9 @@ class SparseCPArguments:
         default=True,
         metadata={"help": "Log the per-layer kept fraction of attention blocks into the Trainer's logs."},
     )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
 
     def attention_config(
         self, from_flags: SparseAttentionConfig | SparseAttentionFlags | None = None,
@@ -140,6 +145,8 @@ class SMETArguments(SMETFlags):
     )
 
     def __post_init__(self) -> None:
+        self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
+        check_field_types(self)
         # Without --smet the Trainer keeps its own optimizer: SMET settings would be ignored without a word.
         if self.smet:
             return

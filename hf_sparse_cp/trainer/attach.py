@@ -22,8 +22,9 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..integration import compat
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
+from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
 from ..integration.patching import attached_patches, record_on, undo_recorded
-from ..integration.registration import is_patched, patch, unpatch
+from ..integration.registration import guard_registration, is_patched, patch, unpatch
 from .arguments import SparseAttentionFlags, SparseCPArguments
 from .callbacks import SparsityLoggingCallback
 from .checkpoints import protect_checkpoints
@@ -71,6 +72,9 @@ def enable_sparse_attention(
         previous settings.
     """
     config = sparse_args.attention_config(attention_config, explicit)
+    check_model_supports_sparse_attention(model)
+    if max_length is not None:
+        config.check_sparse_at(max_length, attention_layers(model.config))
     undo_recorded(model, _SPARSE_ATTENTION)
     patches = record_on(model, _SPARSE_ATTENTION)
     if not is_patched():
@@ -84,6 +88,7 @@ def enable_sparse_attention(
     model.set_attn_implementation(BACKEND_NAME)
     if previous is not None and previous != BACKEND_NAME:
         patches.on_undo(lambda: model.set_attn_implementation(previous))
+    guard_registration(model)
     threshold = sparse_args.sparse_gradient_checkpointing_min_length
     if (
         training_args is not None
@@ -126,9 +131,8 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     """One line on how the model's layers attend: sparse or dense, and why."""
     config = model.config
     cfg = SparseAttentionConfig.from_dict(getattr(config, MODEL_CONFIG_ATTRIBUTE) or {})
-    layer_types = getattr(config, "layer_types", None) or ()
     n = config.num_hidden_layers
-    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    sliding = sliding_window_layers(config)
     dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
     sparse = [i for i in range(n) if i not in dense and i not in sliding]
     parts = [f"{len(sparse)} of {n} layers vertical-slash (block {cfg.block_size})"]

@@ -29,12 +29,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils.constants import FSDP_MODEL_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..distributed import ParallelDims
 from ..integration.patching import PatchSet
-from ..resharding.resume import has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
+from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     saved with another data-parallel or context-parallel degree (under a curriculum: another world size)
     as long as the global batch (every stage's) is the same: the CP degree decides how a sequence's
     attention is split over processes, not what it computes, so the model, optimizer and data order
-    continue alike. A run without FSDP2 is refused such a checkpoint (its optimizer state is there only)."""
+    continue alike. A run without FSDP2 is refused such a checkpoint (its optimizer state is there only), and
+    an FSDP2 run one saved without FSDP (nothing there for FSDP to load)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
@@ -122,6 +124,11 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
         raise ValueError(f"Checkpoint {str(folder)!r} was saved by an FSDP2 run, which keeps the optimizer state as "
                          "each rank held it (hf_sparse_cp_sharded_state/); only a run with FSDP2 loads it: resume "
                          "with --fsdp 'full_shard auto_wrap' --fsdp_config '{\"fsdp_version\": 2, ...}'.")
+    if reshardable and not sharded and not any(p.name.startswith(FSDP_MODEL_NAME) for p in folder.iterdir()):
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved by a run without FSDP: it holds no FSDP state (neither "
+                         f"{SHARDED_STATE}/ nor accelerate's {FSDP_MODEL_NAME}*), which this FSDP2 run loads the model "
+                         "and optimizer from. Resume it without --fsdp, as it was saved, or start a new FSDP2 run from "
+                         f"its weights (--model_name_or_path {folder}).")
     marker = folder / MARKER
     if not marker.is_file():
         logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "

@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prepare_context_parallel_inputs
+from ..files import check_field_types
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
-from ..integration.models import check_model_supports_context_parallel
+from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
 from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
 
@@ -117,10 +118,12 @@ class CurriculumArguments:
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
                   "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:vertical_topk=2048'. Samples are cropped to "
-                  "their stage's SEQ_LEN; needs --max_steps; replaces --cp_size."},
+                  "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
+                  "replaces --cp_size."},
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.cp_schedule is not None:
             parse_schedule(self.cp_schedule)
 
@@ -155,6 +158,7 @@ def build_schedule(
     max_steps: int,
     samples_per_step: Sequence[int] | None = None,
     num_samples: int | None = None,
+    layers: Sequence[int] | None = None,
 ) -> Schedule:
     """Validate `stages` for a run and resolve epoch starts into steps.
 
@@ -166,11 +170,14 @@ def build_schedule(
         samples_per_step: distinct samples one step consumes in each stage (per-device batch x gradient
             accumulation x DP degree); needed for epoch starts.
         num_samples: samples in the dataset; needed for epoch starts.
+        layers: the model's layers that run the pattern (`models.attention_layers`), for the check that
+            each stage's pattern stays sparse at its length (default: the stage's config itself).
 
     Returns:
         The `Schedule`. Raises ValueError, naming the fix, when a CP degree does not divide the world
         size, a sequence length does not split into whole blocks per CP rank, a sparse field is unknown or
-        invalid, the first stage does not start at 0 or the starts do not increase within max_steps.
+        invalid or runs every layer dense at the stage's length (`SparseAttentionConfig.check_sparse_at`), the
+        first stage does not start at 0 or the starts do not increase within max_steps.
     """
     if max_steps <= 0:
         raise ValueError("a cp_schedule counts its stages in optimizer steps: set --max_steps.")
@@ -186,6 +193,7 @@ def build_schedule(
                              "(SparseAttentionConfig); use e.g. vertical_topk=2048.")
         try:
             config = SparseAttentionConfig.from_dict({**sparse_config.to_dict(), **stage.sparse})
+            config.check_sparse_at(stage.seq_len, layers)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
         unit = config.block_size * stage.cp_size
@@ -283,12 +291,21 @@ class StageBatchSampler(torch.utils.data.Sampler):
 
 
 class Curriculum:
-    """The stages of a run and the state that follows the step being taken; built by `enable_curriculum`."""
+    """The stages of a run and the state that follows the step being taken; built by `enable_curriculum`,
+    whose `patches` record every change a stage makes (undone by `disable_curriculum`)."""
 
     def __init__(self, trainer: Trainer, schedule: Schedule, dims: Mapping[int, ParallelDims],
                  patches: PatchSet) -> None:
         self.trainer, self.schedule, self.dims, self.patches = trainer, schedule, dims, patches
         self.index: int | None = None
+        # The model's own pattern: a stage's is a training setting, like its CP degree (see `finish`).
+        self.pattern = getattr(trainer.model.config, MODEL_CONFIG_ATTRIBUTE, None)
+
+    def finish(self) -> None:
+        """At the end of training, the model's own pattern back on it (recorded): the model saved after
+        the run carries the run's pattern, not the last stage's."""
+        self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE, self.pattern)
+        self.index = None
 
     def stage(self) -> int:
         """The stage of the step being taken; on entering a stage, its sparse pattern goes onto the model."""
@@ -307,6 +324,16 @@ class Curriculum:
         return self.dims[self.schedule.stages[self.stage()].cp_size]
 
 
+class _FinishCurriculum(TrainerCallback):
+    """Calls `Curriculum.finish` when training ends (before the script saves the model)."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum = curriculum
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.curriculum.finish()
+
+
 def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     """`build_schedule` for a built Trainer: its world size, batch sizes, dataset and the model's pattern."""
     args, dataset = trainer.args, trainer.train_dataset
@@ -314,7 +341,8 @@ def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     per_step = [args.train_batch_size * args.gradient_accumulation_steps * (world // s.cp_size) for s in stages]
     return build_schedule(stages, world_size=world, sparse_config=model_config_for(trainer.model),
                           max_steps=args.max_steps, samples_per_step=per_step,
-                          num_samples=len(dataset) if hasattr(dataset, "__len__") else None)
+                          num_samples=len(dataset) if hasattr(dataset, "__len__") else None,
+                          layers=attention_layers(trainer.model.config))
 
 
 def enable_curriculum(
@@ -345,9 +373,9 @@ def enable_curriculum(
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
             for c in sorted({s.cp_size for s in schedule.stages})}
+    pad_token_id = _pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
-    pad_token_id = _pad_token_id(trainer, model)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
 
     def prepare_inputs(_model, inputs: dict[str, Any]):
@@ -371,6 +399,8 @@ def enable_curriculum(
         return _train_data_loader(trainer, curriculum)
 
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
+    callbacks = trainer.callback_handler.callbacks
+    patches.insert(callbacks, len(callbacks), _FinishCurriculum(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
 
@@ -385,6 +415,7 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     if args.remove_unused_columns:
         compat.require(f"transformers.Trainer.{compat.TRAINER_COLLATOR_WITHOUT_UNUSED}")
         collator = getattr(trainer, compat.TRAINER_COLLATOR_WITHOUT_UNUSED)(collator, description="training")
+    check_row_lengths(curriculum.schedule, dataset, collator, args.train_batch_size)
     seed = None if args.train_sampling_strategy == "sequential" else (
         args.data_seed if args.data_seed is not None else args.seed)
     sampler = StageBatchSampler(curriculum.schedule, curriculum.dims, num_samples=len(dataset),
@@ -394,6 +425,29 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
         StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
     return _dp_data_loader(trainer, ParallelDims.single())(loader)
+
+
+def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:
+    """Raise ValueError, naming the fix, unless a micro-batch of every stage, cropped and collated as
+    training will, has rows of the stage's length: samples shorter than a stage are never extended, and
+    a collator that packs a micro-batch into one row (`DataCollatorWithFlattening`) makes rows longer
+    than the cropped samples."""
+    samples, n = StageSamples(dataset), min(batch_size, len(dataset))
+    for i, stage in enumerate(schedule.stages):
+        batch = collator([samples[(k, stage.seq_len)] for k in range(n)])
+        ids = batch.get("input_ids")
+        ids = batch.get("inputs_embeds") if ids is None else ids
+        if ids is None or ids.shape[1] == stage.seq_len:
+            continue
+        row, longest = ids.shape[1], max(len(dataset[k]["input_ids"]) for k in range(n))
+        why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
+               f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
+               "--max_length in the example script), or shorten the stage" if row < stage.seq_len else
+               f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
+               "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
+               "each sample, not the row: train a curriculum with one sample per row, without packing")
+        raise ValueError(f"cp_schedule stage {i} ({stage.text}) would train rows of {row} tokens, not {stage.seq_len}: "
+                         f"{why}.")
 
 
 def disable_curriculum(trainer: Trainer) -> None:

@@ -36,10 +36,13 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from ..config import SparseAttentionConfig
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, quiesce_process_groups
+from ..files import check_field_types
+from ..integration import compat
 from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig
+from ..smet.config import module_names
 from .arguments import PATTERN_PREFIX, SMETArguments, SparseCPArguments, copied_fields, from_prefixed
 from .attach import attach_to_trainer, enable_sparse_attention
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
@@ -72,6 +75,7 @@ class SparseArgumentsMixin:
     generated from `_PARTS`."""
 
     _sparse_base: type[TrainingArguments]
+    _sparse_fields: frozenset[str]  # the plugin's fields (type-checked at construction)
 
     def __post_init__(self) -> None:
         if not self.use_cpu and not _has_accelerator():
@@ -85,6 +89,10 @@ class SparseArgumentsMixin:
                 "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp train --nproc 2 --fsdp ...`; or "
                 "drop --fsdp."
             )
+        # The plugin's fields, whatever built them (the command line, a YAML/JSON file or a dict through
+        # HfArgumentParser, direct construction), before anything reads them: text in a switch would be true.
+        self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
+        check_field_types(self, self._sparse_fields)
         super().__post_init__()
         for part, prefix in _PARTS:  # each part validates its own fields, naming them
             from_prefixed(self, part, prefix)
@@ -151,11 +159,12 @@ def sparse_arguments_class(base: type[TrainingArguments]) -> type:
         `--smet_density`, ...) and `--max_length` (the base's own when it has one). The same class for
         the same base.
     """
-    name = f"Sparse{base.__name__}"
+    name, fields = f"Sparse{base.__name__}", plugin_fields(base)
     return dataclasses.make_dataclass(
-        name, plugin_fields(base), bases=(SparseArgumentsMixin, base),
+        name, fields, bases=(SparseArgumentsMixin, base),
         namespace={"__doc__": f"`{base.__name__}` plus the plugin's flags (`sparse_arguments_class`).",
-                   "__module__": __name__, "_sparse_base": base},
+                   "__module__": __name__, "_sparse_base": base,
+                   "_sparse_fields": frozenset(n for n, _, f in fields if f.init)},
     )
 
 
@@ -196,6 +205,11 @@ class SparseTrainerMixin:
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
         if args.sparse_attention and not loaded_here:
             self._enable_sparse_attention(model, args)
+        elif not args.sparse_attention and getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
+            logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
+                           "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
+                           "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
+                           compat.attn_implementation(model.config))
         super().__init__(model, args, *rest, **kwargs)
         if args.sparse_attention and loaded_here:
             self._enable_sparse_attention(self.model, args)

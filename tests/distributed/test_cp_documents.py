@@ -3,6 +3,8 @@ attention and models equal to one process (gloo, 2 / 3 / 4 processes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -298,7 +300,7 @@ def _estimated_case(par: ParallelDims, rank: int) -> dict:
     ref = _attend(q, k, v, estimate_layout(q, k, CFG, meta), meta)
     plan = plan_row(meta, CFG, par.cp_size)
     shard = CPShard(par, plan, plan.global_meta(meta))
-    out, _, layout = context_parallel_attention(*(plan.shard(x, rank, dim=2) for x in (q, k, v)), shard, CFG)
+    out, _, layout, _ = context_parallel_attention(*(plan.shard(x, rank, dim=2) for x in (q, k, v)), shard, CFG)
     return {"out": rel_rms(out, plan.shard(ref, rank, dim=2)), "sparse": float(layout.kept_fraction(shard.meta)) < 0.9}
 
 
@@ -339,6 +341,34 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
             "grads": worst}
 
 
+def _kept_fraction_case(par: ParallelDims) -> dict:
+    """The kept fraction a model's layers log for a packed row of documents that do not start on block
+    boundaries, under the planner and in one process (issue #31: they differed)."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.distributed import prepare_context_parallel_inputs
+    from hf_sparse_cp.integration.stats import pop_kept_fractions
+    from hf_sparse_cp.testing.models import tiny_config
+
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
+    results = {}
+    for estimation in ("last_queries", "causal_chunks"):
+        cfg = dataclasses.replace(CFG, estimation=estimation, estimation_chunk=2 * BS)
+        hf_sparse_cp.configure(model, cfg)
+        ids = torch.randint(3, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(3))
+        batch = {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)}
+        with torch.no_grad():
+            model(**batch)
+            ref = pop_kept_fractions(model)
+            model(**prepare_context_parallel_inputs(batch, par, block_size=BS, sharding="document", sparse_config=cfg))
+            got = pop_kept_fractions(model)
+        results[estimation] = {"ref": ref, "got": got}
+    return results
+
+
 def _worker(rank: int, world: int) -> dict:
     flat = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_sharding="document"))
     results = {
@@ -350,6 +380,7 @@ def _worker(rank: int, world: int) -> dict:
     }
     if world == 2:
         results["gemma3_text"] = _model_case(flat, rank, "gemma3_text")
+        results["kept_fraction"] = _kept_fraction_case(flat)
     if world == 4:
         hier = ParallelDims.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2,
                                                               cp_sharding="document"))
@@ -400,6 +431,16 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
         for model_type in ("llama", "gemma3_text"):
             if model_type in errs:
                 assert errs[model_type]["loss"] <= 1e-6 and errs[model_type]["grads"] <= 1e-5, errs[model_type]
+
+
+@pytest.mark.slow
+def test_logged_kept_fraction_under_the_planner_equals_one_process(spawned):
+    for errs in spawned(2):
+        for estimation, r in errs["kept_fraction"].items():
+            assert min(r["ref"].values()) < 0.9, (estimation, r)  # a sparse pattern, not all dense
+            assert r["got"].keys() == r["ref"].keys()
+            gaps = {layer: abs(r["got"][layer] - r["ref"][layer]) for layer in r["ref"]}
+            assert max(gaps.values()) < 1e-12, (estimation, r)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ DP 1 in one Trainer run, compared with the same stages run as three jobs chained
 ranks (functional API) through the same CP switches against one process."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -316,3 +317,58 @@ def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_proce
         for got, want in r["fsdp2"]["losses"]:
             assert abs(got - want) <= 1e-9 * abs(want)
         assert r["fsdp2"]["weights"] < 1e-9
+
+
+# ---- one process: what a stage trains, and what it leaves behind (issue #31) ----
+
+
+def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1):
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    args = _args(str(tmp_path), False, cp_schedule=schedule, max_steps=2, per_device_train_batch_size=batch)
+    return SparseTrainer(model=model, args=args, train_dataset=samples, data_collator=collator or default_data_collator)
+
+
+def test_a_stage_longer_than_the_samples_is_refused_before_training(tmp_path):
+    """`--max_length 512 --cp_schedule 0:256:1,2:1024:1` trained its "1024" stage on 512-token samples."""
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    with pytest.raises(ValueError, match=re.escape(
+            "cp_schedule stage 1 (1:256:1) would train rows of 128 tokens, not 256: the samples hold 128 tokens, and "
+            "a stage crops samples to its length but never extends them: give samples of at least 256 tokens")):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_path):
+    """With --pack_documents the stage length cropped each document: rows were pack x stage length."""
+    from transformers import DataCollatorWithFlattening
+
+    trainer = _one_process(tmp_path, "0:128:1,1:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128),
+                           DataCollatorWithFlattening(return_flash_attn_kwargs=True), batch=2)
+    with pytest.raises(ValueError, match=r"cp_schedule stage 0 \(0:128:1\) would train rows of 256 tokens, not 128: "
+                                         r"the data collator turns 2 samples .* without packing"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_path):
+    """A stage's pattern went onto the model unrecorded: the last stage's stayed the model's (and was saved
+    as such), and disabling did not restore it."""
+    from hf_sparse_cp.trainer.attach import detach_from_trainer, disable_sparse_attention
+
+    trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    model = trainer.model
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.config.sparse_attention["vertical_topk"]))
+    trainer.train()
+    assert seen == [16, 32]  # each step ran its stage's pattern
+    assert model.config.sparse_attention == PATTERN.to_dict()  # after training: the run's own, as save_model writes
+    detach_from_trainer(trainer)
+    assert model.config.sparse_attention == PATTERN.to_dict()
+    disable_sparse_attention(model)
+    assert getattr(model.config, "sparse_attention", None) is None  # as before the run

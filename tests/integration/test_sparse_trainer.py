@@ -198,3 +198,18 @@ def test_a_lone_process_asked_for_cp_says_how_to_launch():
         ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={"ACCELERATE_MIXED_PRECISION": "no"})
     with pytest.raises(ValueError, match="runs alone: launch it with torchrun"):
         ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={})
+
+
+def test_a_saved_sparse_pattern_that_a_run_ignores_is_logged(tmp_path, caplog):
+    """Issue #31: a model saved with sparse attention and trained without it ran sdpa with its
+    `sparse_attention` settings still in the config, without a word."""
+    model = _model()
+    hf_sparse_cp.configure(model, hf_sparse_cp.SparseAttentionConfig(vertical_topk=8), select=False)  # as saved
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=model, args=_args(tmp_path, "--sparse_attention", "false"), train_dataset=_rows())
+    assert ("The model's config holds sparse attention settings (sparse_attention: saved by an hf-sparse-cp run), "
+            "which this run ignores: --sparse_attention is off" in caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_attention", "false"), train_dataset=_rows())
+    assert "ignores" not in caplog.text  # nothing ignored, nothing said

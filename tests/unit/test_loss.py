@@ -306,9 +306,13 @@ def test_liger_backend_matches_the_chunked_one(num_items):
 # ------------------------------------------------------------------------------------ patched models
 
 
-def _tiny_model(model_type, seed=0, **overrides):
+def _tiny_model(model_type, seed=0, configured=True, **overrides):
+    """A tiny model in train mode with eager attention, configured for the plugin (the lean loss applies
+    only to such models) unless `configured` is False."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="eager")
+    if configured:
+        hf_sparse_cp.configure(model, select=False)
     return model.train()
 
 
@@ -451,6 +455,17 @@ def test_patched_forward_passes_the_callers_arguments_on_unchanged():
     torch.testing.assert_close(generated, reference, rtol=0, atol=0)
     assert out.logits is None and out[lean_loss_module._CACHE_FIELD].get_seq_length() == ids.shape[1]
     assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_a_model_not_configured_for_the_plugin_keeps_the_stock_forward(lean_loss):
+    """Issue #31: with the lean loss on, another model of the process (sdpa, not configured) training
+    with labels got logits=None."""
+    other = _tiny_model("llama", configured=False)
+    other.set_attn_implementation("sdpa")
+    ids, labels = _batch()
+    out = other(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.logits.shape[:2] == ids.shape
+    assert _tiny_model("llama")(input_ids=ids, labels=labels).logits is None  # a configured one: the lean path
 
 
 def test_custom_loss_function_goes_through_the_stock_forward(lean_loss):

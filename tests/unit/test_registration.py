@@ -48,3 +48,29 @@ def test_configure_stores_config_on_the_model():
     assert model.config.sparse_attention["slash_topk"] == 3
     layer = model.model.layers[1].self_attn
     assert model_config_for(layer) == cfg
+
+
+def test_a_forward_after_unpatch_names_patch_instead_of_a_key_error():
+    """Issue #31: transformers' KeyError from inside a layer said nothing of patch()."""
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))
+    hf_sparse_cp.configure(model)
+    ids = torch.randint(3, 259, (1, 20))
+    model(ids)
+    hf_sparse_cp.unpatch()
+    with pytest.raises(RuntimeError, match=r"no longer registered.*hf_sparse_cp.patch\(\) again.*"
+                                           r"set_attn_implementation\('sdpa'\)"):
+        model(ids)
+    hf_sparse_cp.patch()  # registered again: the model runs
+    model(ids)
+    model.set_attn_implementation("sdpa")
+    hf_sparse_cp.unpatch()
+    model(ids)  # another implementation: the guard stays out of the way
+
+
+def test_configure_without_patch_names_patch():
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))
+    with pytest.raises(ValueError, match=r"not registered with transformers: call hf_sparse_cp.patch\(\) first"):
+        hf_sparse_cp.configure(model)
+    hf_sparse_cp.configure(model, select=False)  # the settings only
+    assert model.config._attn_implementation != "sparse_cp" and model.config.sparse_attention is not None
