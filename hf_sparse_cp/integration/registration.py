@@ -9,6 +9,8 @@ memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
@@ -95,13 +97,14 @@ def is_registered() -> bool:
     return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
 
 
-def guard_registration(model: torch.nn.Module) -> None:
+def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     """Make a forward of `model` while it selects `sparse_cp` and the backend is not registered (after
     `unpatch()`) raise an error that names the fix, instead of transformers' KeyError from inside a
     layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
-    or the model uses another implementation."""
+    or the model uses another implementation. Returns the call that removes it, or None when the model
+    already has one."""
     if model.__dict__.get(_GUARD):
-        return
+        return None
 
     def check(module, args, kwargs) -> None:
         if compat.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
@@ -111,5 +114,11 @@ def guard_registration(model: torch.nn.Module) -> None:
                 "model to another implementation, e.g. model.set_attn_implementation('sdpa')."
             )
 
-    model.register_forward_pre_hook(check, with_kwargs=True)
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
     model.__dict__[_GUARD] = True
+
+    def remove() -> None:
+        handle.remove()
+        model.__dict__.pop(_GUARD, None)
+
+    return remove

@@ -88,7 +88,9 @@ def enable_sparse_attention(
     model.set_attn_implementation(BACKEND_NAME)
     if previous is not None and previous != BACKEND_NAME:
         patches.on_undo(lambda: model.set_attn_implementation(previous))
-    guard_registration(model)
+    remove_guard = guard_registration(model)
+    if remove_guard is not None:
+        patches.on_undo(remove_guard)
     threshold = sparse_args.sparse_gradient_checkpointing_min_length
     if (
         training_args is not None

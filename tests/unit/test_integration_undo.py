@@ -57,6 +57,7 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     assert not hf_sparse_cp.is_patched() and not is_lean_loss_enabled()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     training = _args(tmp_path)
+    hooks = dict(model._forward_pre_hooks)
     sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=7), training, max_length=4096)
     assert hf_sparse_cp.is_patched() and is_lean_loss_enabled()
@@ -64,7 +65,9 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     assert checkpointing_enabled(training)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=9), training, max_length=4096)  # replaces
     assert model.config.sparse_attention["slash_topk"] == 9
+    assert len(model._forward_pre_hooks) == len(hooks) + 1  # the guard that names patch() after unpatch()
     disable_sparse_attention(model)
+    assert model._forward_pre_hooks == hooks
     assert not hf_sparse_cp.is_patched() and not is_lean_loss_enabled()
     assert compat.attn_implementation(model.config) == "sdpa" and not hasattr(model.config, "sparse_attention")
     assert not checkpointing_enabled(training)
