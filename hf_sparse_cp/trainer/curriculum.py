@@ -400,7 +400,7 @@ def enable_curriculum(
 
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
     callbacks = trainer.callback_handler.callbacks
-    patches.insert(callbacks, len(callbacks), _FinishCurriculum(curriculum))
+    patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _FinishCurriculum(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
 
