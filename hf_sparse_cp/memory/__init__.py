@@ -1,0 +1,7 @@
+"""Memory of a long training step: what a step holds (`model.py`, a prediction for any model, length,
+CP size and dtype) and the savers that cut its largest terms (`savers.MemorySavers`: MLPs and
+RMSNorms in token tiles, `tiling.py`; saved layer inputs in host memory, `offload.py`)."""
+
+from .savers import MemorySavers
+
+__all__ = ["MemorySavers"]
