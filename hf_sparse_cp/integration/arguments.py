@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SparseAttentionConfig
+from ..memory import MemorySavers
 from ..smet import SMETConfig
 
 
@@ -38,10 +39,35 @@ class SparseCPArguments:
         metadata={"help": "Turn gradient checkpointing on when the training sequence length is at least this "
                   "(0 disables the automatic switch)."},
     )
+    token_tiling_min_length: int = field(
+        default=32768,
+        metadata={"help": "Compute every decoder layer's MLP and RMSNorms in token tiles (--token_tile_size) when the "
+                  "training sequence length is at least this (0 never): exact, one more MLP forward per layer, and "
+                  "no [tokens, intermediate] activation kept (`hf-sparse-cp memory` shows what it saves)."},
+    )
+    token_tile_size: int = field(default=8192, metadata={"help": "Tokens per tile of --token_tiling_min_length."})
+    offload_layer_inputs: bool = field(
+        default=False,
+        metadata={"help": "With gradient checkpointing, keep each decoder layer's saved input in pinned host memory "
+                  "until backward (copied asynchronously on a GPU): frees layers x tokens x hidden x 2 bytes of GPU "
+                  "memory for as much host memory."},
+    )
     log_sparsity: bool = field(
         default=True,
         metadata={"help": "Log the per-layer kept fraction of attention blocks into the Trainer's logs."},
     )
+
+    def __post_init__(self) -> None:
+        if self.token_tiling_min_length < 0:
+            raise ValueError(f"--token_tiling_min_length {self.token_tiling_min_length} must be >= 0 (0: never tile).")
+        MemorySavers(tile_tokens=self.token_tile_size)  # validates the tile
+
+    def memory_savers(self, max_length: int | None) -> MemorySavers:
+        """The memory savers for sequences of `max_length` tokens (None: unknown, no token tiles)."""
+        tiled = bool(self.token_tiling_min_length) and max_length is not None and (
+            max_length >= self.token_tiling_min_length)
+        return MemorySavers(tiled=tiled, tile_tokens=self.token_tile_size,
+                            offload_layer_inputs=self.offload_layer_inputs)
 
     def attention_config(
         self, from_flags: SparseAttentionConfig | None = None, explicit: Collection[str] | None = None

@@ -27,6 +27,7 @@ from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
 from .curriculum import disable_curriculum, enable_curriculum, parse_schedule, schedule_for
 from .lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
+from .memory_savers import disable_memory_savers, enable_memory_savers
 from .patching import attached_patches, record_on, undo_recorded
 from .registration import is_patched, patch, unpatch
 
@@ -61,7 +62,9 @@ def enable_sparse_attention(
         attention_config: the pattern parsed from the command line; flags that differ from the
             defaults override `--sparse_config`.
         training_args, max_length: when both are given and `max_length` reaches
-            `gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`.
+            `gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`;
+            from `token_tiling_min_length` on, the MLPs and RMSNorms run in token tiles
+            (`memory_savers.enable_memory_savers`, as is `offload_layer_inputs`).
         explicit: the pattern fields given explicitly (`arguments.explicit_fields`): they beat
             `--sparse_config` whatever their value (without it, flags that differ from the defaults do).
 
@@ -97,6 +100,10 @@ def enable_sparse_attention(
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
                 patches.set_attr(training_args, name, True)
+    savers = sparse_args.memory_savers(max_length)
+    if savers.active:
+        enable_memory_savers(model, savers)
+        patches.on_undo(lambda: disable_memory_savers(model))
     return config
 
 

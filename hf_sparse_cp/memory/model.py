@@ -24,6 +24,7 @@ layouts, estimation buffers, CP ring buffers, ...).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -466,8 +467,8 @@ class _Step:
         # post-attention RMSNorm backward: a few fp32 temporaries of the input's size (tiled: one tile's)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*saved["norm2"])
-        g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient
-        tape.free(g_n2)
+        g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
+        tape.free(g_n2, grad_out)
         g_att = tape.alloc("hidden-state gradients", per_token=a * q)  # o_proj backward
         if self.s.device == "cpu":
             held = [tape.alloc("attention tensors", per_token=4 * x) for x in (q, q, q, 2 * hq)]  # q, out, dout, lse
@@ -486,7 +487,7 @@ class _Step:
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*saved["norm1"])
         out = tape.alloc("hidden-state gradients", per_token=a * h)
-        tape.free(g_n1, g_h1, grad_out)
+        tape.free(g_n1, g_h1)
         return out
 
     def run(self) -> dict:
@@ -610,16 +611,26 @@ def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
 # ------------------------------------------------------------------------------------------- questions
 
 
-def longest_fitting_length(arch: Architecture, budget_bytes: float, settings: StepSettings | None = None,
+def longest_fitting_length(arch: Architecture, budget_bytes: float,
+                           settings: StepSettings | Callable[[int], StepSettings] | None = None,
                            granularity: int = 1024, limit: int = 1 << 26) -> int:
-    """The longest sequence (a multiple of `granularity`) whose predicted peak stays within `budget_bytes`
-    on each rank; 0 when not even `granularity` tokens fit. The peak grows with the length, so a
-    bisection over multiples of `granularity` finds it."""
-    s = settings or StepSettings()
-    unit = granularity * s.cp
+    """The longest sequence, a multiple of `granularity` x CP size, whose predicted peak stays within
+    `budget_bytes` on each rank; 0 when not even the first multiple fits.
+
+    Args:
+        arch: the model. budget_bytes: usable bytes of one device.
+        settings: the step's settings, or a function of the sequence length giving them (settings
+            that change with the length: token tiles from a threshold on, pattern budgets).
+        granularity: tokens per rank the answer is a multiple of. limit: longest length tried.
+
+    The peak grows with the length (for settings that change with it, the answer is the longest
+    length before the first that does not fit, found by doubling then bisecting)."""
+    settings_for = settings if callable(settings) else (lambda _, s=settings or StepSettings(): s)
+    cp = settings_for(granularity).cp
+    unit = granularity * cp
 
     def fits(n: int) -> bool:
-        return predict_step_memory(arch, n * unit, s).peak_bytes <= budget_bytes
+        return predict_step_memory(arch, n * unit, settings_for(n * unit)).peak_bytes <= budget_bytes
 
     if not fits(1):
         return 0

@@ -8,7 +8,8 @@ checkpoint's inner hooks). `HostOffload` is that pair. On a GPU each input is co
 memory on a side stream, so the copy overlaps the next layer's compute; the device tensor is released
 to the caching allocator once the copy is done (`record_stream`), and backward copies it back on the
 current stream before the layer is recomputed. A tensor already in host memory (CPU training) stays
-where it is.
+where it is. (transformers' own `activation_checkpointing_enable(offload=True)` copies on the compute
+stream and only when it enables checkpointing itself; these hooks work whoever enables it.)
 """
 
 from __future__ import annotations

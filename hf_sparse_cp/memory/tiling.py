@@ -29,9 +29,13 @@ class _TiledRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, tile, *params):
         rows = x.reshape(-1, x.shape[-1])
+        out = None
         with torch.no_grad():
-            parts = [fn(rows[t]) for t in _tiles(rows.shape[0], tile)]
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+            for t in _tiles(rows.shape[0], tile):
+                part = fn(rows[t])
+                if out is None:  # the output is written tile by tile, never held twice
+                    out = part.new_empty(rows.shape[0], part.shape[-1])
+                out[t] = part
         ctx.fn, ctx.tile, ctx.params = fn, tile, params
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
