@@ -611,6 +611,22 @@ def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
 # ------------------------------------------------------------------------------------------- questions
 
 
+def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None) -> dict[str, float]:
+    """Bytes one decoder layer saves for its backward when the checkpoint recomputes it, by the module
+    whose backward reads them ('norm1', 'attention', 'norm2', 'mlp'); the attention's layout (kept
+    outside autograd's saved tensors) as 'layout'. The layer's input is not counted (the checkpoint
+    holds it: 'saved layer inputs')."""
+    step = _Step(arch, seq_len, settings or StepSettings())
+    groups = step.layer_recompute()
+    out = {name: 0.0 for name in groups}
+    out["layout"] = 0.0
+    for name, handles in groups.items():
+        for handle in handles:
+            term, p, c = step.tape.live[handle]
+            out["layout" if term == "attention layouts" else name] += p * step.t + c
+    return out
+
+
 def longest_fitting_length(arch: Architecture, budget_bytes: float,
                            settings: StepSettings | Callable[[int], StepSettings] | None = None,
                            granularity: int = 1024, limit: int = 1 << 26) -> int:
