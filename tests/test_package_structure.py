@@ -28,8 +28,10 @@ ALLOWED = {
     "hf_sparse_cp.loss": BASE,
     "hf_sparse_cp.smet": BASE,
     "hf_sparse_cp.distributed": (*BASE, "hf_sparse_cp.attention"),
+    # the memory model reads the model shapes of the step-time model and the engine's buffer sizes
+    "hf_sparse_cp.memory": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention"),
     "hf_sparse_cp.integration": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss",
-                                 "hf_sparse_cp.smet"),
+                                 "hf_sparse_cp.smet", "hf_sparse_cp.memory"),
     "hf_sparse_cp.testing": ("*",),
     "hf_sparse_cp.examples": ("*",),
     "hf_sparse_cp.cli": ("*",),

@@ -282,6 +282,8 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         group = sh.heads // sh.kv_heads
         tile = min(estimate._SCORE_ELEMENTS, group * cfg.last_q * tokens)
         estimation = tokens * (sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.last_q)
+        if s.cp > 1:  # distributed/estimation.py: every rank holds the slash sums over all offsets, and reduces them
+            estimation += seq_len * sh.heads * 4 * 2
         if s.device == "cpu":
             estimation += 7 * 4 * tile
     forward = backward = 0.0
@@ -368,7 +370,19 @@ class _Step:
             tape.transient("estimation buffers", const=self.geometry.estimation)
             tape.transient("attention layouts", const=self.geometry.construction)
         layout = tape.alloc("attention layouts", per_token=self.geometry.layout_per_token)
-        if self.s.device == "cpu":
+        if self.s.cp > 1:
+            # the ring (distributed/ring_attention.py): fp32 out and lse merged over the steps, this rank's K/V
+            # stacked, the next step's K/V received while this one computes; then out in the input dtype and
+            # its [B, S, H, D] copy for o_proj
+            ring = [tape.alloc("CP ring buffers", per_token=x) for x in (4 * q, 4 * hq, 2 * kv * a)]
+            tape.transient("CP ring buffers", per_token=2 * 2 * kv * a)
+            if self.s.device == "cpu":
+                tape.transient("attention workspace", const=self.geometry.workspace_forward)
+            out = tape.alloc("attention tensors", per_token=a * q)
+            lse = tape.alloc("attention tensors", per_token=4 * hq)
+            tape.free(*ring)
+            kept = [out, lse, tape.alloc("attention tensors", per_token=a * q)]
+        elif self.s.device == "cpu":
             q32, o32 = (tape.alloc("attention tensors", per_token=4 * q) for _ in range(2))
             lse = tape.alloc("attention tensors", per_token=4 * hq)
             tape.transient("attention workspace", const=self.geometry.workspace_forward)
@@ -470,7 +484,16 @@ class _Step:
         g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
         tape.free(g_n2, grad_out)
         g_att = tape.alloc("hidden-state gradients", per_token=a * q)  # o_proj backward
-        if self.s.device == "cpu":
+        if self.s.cp > 1:
+            # the ring's backward: fp32 dq, this rank's fp32 dK/dV, a travelling source's accumulator and the one
+            # received, K/V stacked and in flight, one step's fp32 dq/dk/dv; then the gradients cast back
+            held = [tape.alloc("CP ring buffers", per_token=x) for x in (4 * q, 8 * kv, 2 * 8 * kv, 3 * 2 * kv * a)]
+            tape.transient("CP ring buffers", per_token=8 * kv + 4 * q + 8 * kv)
+            if self.s.device == "cpu":
+                tape.transient("attention workspace", const=self.geometry.workspace_backward)
+            grads = [tape.alloc("hidden-state gradients", per_token=a * x) for x in (q, kv, kv)]
+            tape.free(*held)
+        elif self.s.device == "cpu":
             held = [tape.alloc("attention tensors", per_token=4 * x) for x in (q, q, q, 2 * hq)]  # q, out, dout, lse
             held += [tape.alloc("attention tensors", per_token=4 * x) for x in (q, kv, kv)]  # fp32 dq, dk, dv
             tape.transient("attention workspace", const=self.geometry.workspace_backward)
