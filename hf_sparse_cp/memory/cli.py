@@ -40,7 +40,8 @@ def device_memory() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("--gpu-memory auto reads CUDA device 0, and this machine has none; give the size, e.g. 80GB.")
+        raise ValueError("the GPU's memory ('auto') is read from CUDA device 0, and this machine has none; give the "
+                         "size, e.g. 80GB.")
     return torch.cuda.get_device_properties(0).total_memory
 
 

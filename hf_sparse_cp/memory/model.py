@@ -36,30 +36,15 @@ from .savers import MemorySavers
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-# The terms a step's bytes are reported under, and whether they grow with the tokens of the rank.
-TERMS = {
-    "weights": False,
-    "gradients": False,
-    "optimizer state": False,
-    "optimizer step temporaries": False,
-    "FSDP gathered layers": False,
-    "autocast weight copies": False,
-    "loss: weight-gradient buffers": False,
-    "loss: logits chunk": False,
-    "attention workspace": False,
-    "inputs and token metadata": True,
-    "rotary cos/sin": True,
-    "saved layer inputs": True,
-    "recomputed layer: saved activations": True,
-    "MLP intermediate": True,
-    "RMSNorm fp32 copies": True,
-    "attention tensors": True,
-    "attention layouts": True,
-    "estimation buffers": True,
-    "CP ring buffers": True,
-    "hidden-state gradients": True,
-    "loss: hidden gradient": True,
-}
+# The terms a step's bytes are reported under. Each allocation is bytes per token of the rank x its tokens
+# plus constant bytes: `MemoryEstimate.token_scaled_bytes` sums the first parts.
+TERMS = (
+    "weights", "gradients", "optimizer state", "optimizer step temporaries", "FSDP gathered layers",
+    "autocast weight copies", "loss: weight-gradient buffers", "loss: logits chunk", "attention workspace",
+    "inputs and token metadata", "rotary cos/sin", "saved layer inputs", "recomputed layer: saved activations",
+    "MLP intermediate", "RMSNorm fp32 copies", "attention tensors", "attention layouts", "estimation buffers",
+    "CP ring buffers", "hidden-state gradients", "loss: hidden gradient",
+)
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -247,8 +232,8 @@ class _AttentionGeometry:
     """Sizes of one attention call's layout and of the buffers built around it (bytes)."""
 
     layout_per_token: float  # the layout (and the kernels' split of it), per query token of the rank
-    construction: float  # layout construction's temporaries, at their peak
-    estimation: float  # the estimation's buffers, at their peak
+    construction: tuple[float, float]  # layout construction's temporaries at their peak: (per token, constant)
+    estimation: tuple[float, float]  # the estimation's buffers at their peak: (per token, constant)
     workspace_forward: float  # the reference's chunk temporaries (0 on the Triton path)
     workspace_backward: float
 
@@ -273,19 +258,18 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
     # construction: head-chunked int64 temporaries (three of at most build._LAYOUT_ELEMENTS) and the
     # column masks of every head (an int64 value and a bool flag per column slot)
-    construction = 3 * 8 * min(build._LAYOUT_ELEMENTS, hq * nqb * width) + hq * nqb * cols * 9 if sparse else 0
-    estimation = 0.0
+    construction = (hq * cols * 9 / bs, 3 * 8 * min(build._LAYOUT_ELEMENTS, hq * nqb * width)) if sparse else (0, 0)
+    estimation = (0.0, 0.0)
     if sparse:
         # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the
         # reference scoring's tiles: about seven fp32 [group heads, last_q, keys] tensors (scores, exp,
         # masks, int64 offsets) of at most estimate._SCORE_ELEMENTS elements
         group = sh.heads // sh.kv_heads
         tile = min(estimate._SCORE_ELEMENTS, group * cfg.last_q * tokens)
-        estimation = tokens * (sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.last_q)
+        per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.last_q
         if s.cp > 1:  # distributed/estimation.py: every rank holds the slash sums over all offsets, and reduces them
-            estimation += seq_len * sh.heads * 4 * 2
-        if s.device == "cpu":
-            estimation += 7 * 4 * tile
+            per_token += seq_len / tokens * sh.heads * 4 * 2
+        estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
     forward = backward = 0.0
     if s.device == "cpu":
         # Chunks of query blocks with at most reference._CHUNK_ELEMENTS score elements. Per element, a chunk's
@@ -367,8 +351,8 @@ class _Step:
             rotated.append(tape.alloc("attention tensors", per_token=a * x))
             tape.free(c, rs, xh)
         if self.sparse:
-            tape.transient("estimation buffers", const=self.geometry.estimation)
-            tape.transient("attention layouts", const=self.geometry.construction)
+            tape.transient("estimation buffers", *self.geometry.estimation)
+            tape.transient("attention layouts", *self.geometry.construction)
         layout = tape.alloc("attention layouts", per_token=self.geometry.layout_per_token)
         if self.s.cp > 1:
             # the ring (distributed/ring_attention.py): fp32 out and lse merged over the steps, this rank's K/V
