@@ -468,6 +468,8 @@ class _Step:
         g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
         tape.free(g_n2, grad_out)
         g_att = tape.alloc("hidden-state gradients", per_token=a * q)  # o_proj backward
+        if self.s.device == "cpu" or self.s.cp > 1:  # o_proj's input was its own copy of the output
+            tape.free(saved["attention"].pop())
         if self.s.cp > 1:
             # the ring's backward: fp32 dq, this rank's fp32 dK/dV, a travelling source's accumulator and the one
             # received, K/V stacked and in flight, one step's fp32 dq/dk/dv; then the gradients cast back
