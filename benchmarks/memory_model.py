@@ -19,7 +19,7 @@ Prediction: `hf_sparse_cp.memory.predict_step_memory` for the same shape, length
 implementation ('reference'); the measured peak minus the baseline is compared with the predicted
 tensor bytes, per phase. Each run's terms are in the JSON.
 
-    python benchmarks/memory_model.py                    # the validation grid (about an hour on 2 cores)
+    python benchmarks/memory_model.py                    # the validation grid (2-3 hours on 2 shared cores)
     python benchmarks/memory_model.py --grid quick       # tiny model only (minutes)
 """
 
@@ -318,10 +318,13 @@ def _bench_e2e():
     """benchmarks/bench_e2e.py as a module (benchmarks are scripts, not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).with_name("bench_e2e.py"))
+    spec = importlib.util.spec_from_file_location("_bench_e2e", Path(__file__).with_name("bench_e2e.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_e2e", module)  # its dataclasses resolve their module while it executes
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # its dataclasses resolve their module while it executes
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
     return module
 
 

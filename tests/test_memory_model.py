@@ -161,3 +161,13 @@ def test_architecture_from_a_config_counts_its_parameters():
     assert Architecture.from_config(config).params == sum(p.numel() for p in model.parameters())
     untied = dataclasses.replace(Architecture.from_config(config), tied_embeddings=False)
     assert untied.params == Architecture.from_config(config).params + 300 * config.hidden_size
+
+
+def test_the_gpu_session_starts_at_the_longest_length_bench_e2e_fits():
+    from benchmark_loader import load_benchmark
+
+    with load_benchmark("memory_model") as bench:
+        n = bench.bench_e2e_start_length("0.5b", 80e9, granularity=8192)
+        with pytest.raises(ValueError, match="unknown bench_e2e model"):
+            bench.bench_e2e_start_length("9b", 80e9)
+    assert n > 0 and n % 8192 == 0
