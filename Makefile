@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-pretrained lint test test-gpu bench bench-gpu clean
+.PHONY: install demo demo-pretrained docs lint test test-fast test-gpu bench bench-gpu clean
 
 install: $(VENV)/.installed
 
@@ -26,17 +26,27 @@ demo: install
 # The same on real weights: SmolLM2-135M-Instruct from the eval extra (its GGUF file), 3 steps of 1024 tokens with
 # a pattern sparse at that length (about 45% of the blocks kept), CP 2 on 2 CPU processes: a few minutes.
 demo-pretrained: install
-	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2 --seq_len 1024 --model_name_or_path \
+	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2 --max_length 1024 --model_name_or_path \
 		"$$($(PY) -c 'from hf_sparse_cp.testing.pretrained import model_file; print(model_file())')" \
-		--num_samples 4 --max_steps 3 --learning_rate 2e-5 --min_seq_len 0 --block_size 64 --vertical_topk 64 \
-		--slash_topk 64 --local_window 64 --sink_tokens 16 --dense_first_layers 1 --logging_steps 1 \
-		--report_to none --save_strategy no --output_dir outputs/demo_pretrained
+		--num_samples 4 --max_steps 3 --learning_rate 2e-5 --sparse_min_seq_len 0 --sparse_block_size 64 \
+		--sparse_vertical_topk 64 --sparse_slash_topk 64 --sparse_local_window 64 --sparse_sink_tokens 16 \
+		--sparse_dense_first_layers 1 --logging_steps 1 --report_to none --save_strategy no \
+		--output_dir outputs/demo_pretrained
+
+# The flag reference page, generated from the argument classes' help texts (a test fails when it is stale).
+docs: install
+	$(PY) -m hf_sparse_cp.trainer.flag_reference > docs/flags.md
 
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The whole suite (what CI runs), with the 25 slowest tests listed at the end.
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+
+# The fast tier for iteration: tests/unit (one process, no interpreter, no pretrained weights), a few minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS) tests
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

@@ -1,21 +1,30 @@
 """Attention kernel benchmark: our Triton block-sparse kernels against FlexAttention and dense SDPA.
 
 One sequence (B = 1) of S tokens, Qwen2.5-3B head geometry (16 query heads, 2 key/value heads,
-head_dim 128), bf16, causal, one document. For every S (32K, 64K, 128K, 256K by default):
+head_dim 128), bf16 (`--dtype`), causal, one document. For every S (32K, 64K, 128K, 256K by default):
 
 * sparse layouts: random vertical-slash layouts at ~5%, 10% and 20% kept blocks (random block
   diagonals, the main one always, plus `num_verticals` random key columns per head), and layouts
   estimated by `hf_sparse_cp.attention.estimate_layout` from q/k with planted structure (columns
   and diagonals that carry the attention mass, as in real heads);
-* on each sparse layout: `ours` (`hf_sparse_cp.ops.block_sparse_attention`, the path training
-  takes: Triton kernels, autograd, output cast) and `flex` (FlexAttention, torch.compile'd, on
-  exactly the same key blocks through a `BlockMask`: blocks strictly below the diagonal as full
-  blocks, diagonal blocks with a causal mask_mod, see `flex_block_mask`). FlexAttention cannot gather single key
-  columns, so the layout's vertical columns are left out for it: ours computes that extra work
-  (its share is the `cols` column of the table) and is still counted against Flex;
-* dense causal: `ours` on the dense layout, `flex` with a causal BlockMask, SDPA with the cuDNN
-  and the flash backends (K/V expanded to 16 heads beforehand, outside the timing: their GQA
-  support differs between backends), and flash-attn's own `flash_attn_func` when installed.
+* on each sparse layout: `ours` (`hf_sparse_cp.ops.block_sparse_attention` with the Triton engine,
+  the path training takes: kernels, autograd, output cast), `flex_engine` (the same call with the
+  FlexAttention engine, `hf_sparse_cp.attention.flex`: the same function, columns included, through
+  compiled Flex), `auto` (the same call with the 'auto' engine, reading the engine table this run
+  writes, see below) and `flex` (FlexAttention, torch.compile'd, on exactly the same key blocks
+  through a `BlockMask`: blocks strictly below the diagonal as full blocks, diagonal blocks with a
+  causal mask_mod, see `flex_block_mask`). Raw `flex` cannot gather single key columns, so the
+  layout's vertical columns are left out for it: ours computes that extra work (its share is the
+  `cols` column of the table) and is still counted against Flex;
+* dense causal: `ours`, `flex_engine` and `auto` on the dense layout, `flex` with a causal BlockMask,
+  SDPA with the cuDNN and the flash backends (K/V expanded to 16 heads beforehand, outside the
+  timing: their GQA support differs between backends), and flash-attn's own `flash_attn_func` when
+  installed.
+
+The engine table (`--engine_table`, default `benchmarks/results/engine-table_<device>.json`): per
+(S, layout) where both engines ran, their forward + backward times, rewritten after each layout; it
+is what `hf_sparse_cp.attention.engines` reads for 'auto' when `$HF_SPARSE_CP_ENGINE_TABLE` names it
+(this run sets it for its `auto` rows, which record the engine auto picked).
 
 Times are CUDA-event medians of `--repeats` runs after `--warmup` runs, for the forward and for
 forward + backward (gradients of q, k, v from a random output gradient). Effective TFLOP/s count
@@ -33,14 +42,17 @@ once under torch.profiler and its GPU time split by kernel (our forward, dq, dk/
 and layout kernels; Flex's compiled kernels; cuDNN's), so that a missed target comes with where
 the time went.
 
-Check: at the first S, ours and compiled Flex on each layout without its columns must agree within
-bf16 rounding (`CHECK_RTOL`); the JSON says pass, FAIL or error per layout. Flex is only ever timed
-compiled (`_flex`): past dynamo's recompile limit it would silently run its unfused eager path.
+Check: at the first S, ours and the flex engine on each whole layout, and ours and compiled raw Flex
+on each layout without its columns, must agree within bf16 rounding (`CHECK_RTOL`); the JSON says
+pass, FAIL or error per layout and comparison. Flex is only ever timed compiled (`_flex`, and the
+engine's own guard): past dynamo's recompile limit it would silently run its unfused eager path.
 
 Prints a table, the estimation section, the kernel profiles and the issue's targets (measured value
 and pass/fail: at 128K, fwd+bwd >= 1.7x FlexAttention and >= 15x cuDNN dense at ~5% kept blocks,
->= 1.3x FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%), and
-writes JSON (GPU, versions, settings, results, checks, estimation, targets) to benchmarks/results/.
+>= 1.3x FlexAttention at ~10%, dense within 1.25x of FlexAttention dense, estimation < 10%; and
+#32's engine targets against the flex engine, with auto within 5% of the faster engine), and
+writes JSON (GPU, versions, settings, the command, results, checks, estimation, targets) to
+benchmarks/results/.
 The JSON is rewritten after every S ("complete": false until the end), and an S whose set-up fails
 (out of memory at 256K, say) is listed under "skipped", so a late failure or a timeout loses no
 earlier result.
@@ -48,7 +60,9 @@ earlier result.
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --seq_lens 131072 --densities 0.05 --repeats 20
 
-This is a GPU benchmark: without CUDA it refuses to run. The layout helpers (`density_layout`,
+This is a GPU benchmark: without CUDA it refuses to run, except `--dry_run` (CPU, tiny sizes given
+on the command line, our kernels in Triton's interpreter: `TRITON_INTERPRET=1`), which checks the
+script, not the kernels' speed (`benchmarks/gpu_session.sh quick --dry-run`). The layout helpers (`density_layout`,
 `estimated_layout`, `flex_block_mask`, `computed_pairs`), `time_estimation` and the report
 helpers (`format_table`, `estimation_report`, `issue_targets`) run anywhere.
 """
@@ -57,15 +71,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from hf_sparse_cp.attention.build import build_layout, dense_layout
+from hf_sparse_cp.attention.engines import TABLE_ENV, TABLE_KIND, resolve_engine
 from hf_sparse_cp.attention.estimate import (
     estimate_layout,
     estimation_segments,
@@ -79,6 +97,7 @@ from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.testing.benchmarking import (
     ReportFile,
+    device_slug,
     format_profiles,
     format_targets,
     kernel_profile,
@@ -89,12 +108,10 @@ from hf_sparse_cp.testing.benchmarking import (
 from hf_sparse_cp.testing.layouts import planted_qk
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-VARIANTS = ("ours", "flex", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+VARIANTS = ("ours", "flex_engine", "auto", "flex", "sdpa_cudnn", "sdpa_flash", "flash_attn")
 # Largest relative RMS difference between ours and Flex on the same blocks: both round their bf16
 # output once after fp32 accumulation, so they differ by a few bf16 ulps (2^-8 relative), no more.
 CHECK_RTOL = 2e-2
-# Compiled Flex graphs allowed per process (see `_flex`): 2 per sequence length.
-FLEX_RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -118,11 +135,30 @@ class BenchAttentionArguments:
     num_kv_heads: int = field(default=2, metadata={"help": "Key/value heads (Qwen2.5-3B: 2)."})
     head_dim: int = field(default=128, metadata={"help": "Head dimension (Qwen2.5-3B: 128)."})
     block_size: int = field(default=128, metadata={"help": "Layout block size."})
+    dtype: Literal["bfloat16", "float16"] = field(
+        default="bfloat16", metadata={"help": "dtype of q, k, v (Triton's interpreter, for --dry_run, has no bf16)."}
+    )
     warmup: int = field(default=3, metadata={"help": "Untimed runs before timing (compilation, autotuning)."})
     repeats: int = field(default=10, metadata={"help": "Timed runs; the median is reported."})
+    time_forward: bool = field(
+        default=True,
+        metadata={"help": "Also time the forward alone (without autograd: for Flex another compiled graph per "
+                          "shape); forward + backward is always timed."},
+    )
     check: bool = field(
         default=True,
-        metadata={"help": "At the first S, compare ours with Flex on the layout without its columns (rel. RMS)."},
+        metadata={"help": "At the first S, compare ours with the flex engine on each layout, and with raw Flex on the "
+                          "layout without its columns (rel. RMS), for the variants timed."},
+    )
+    engine_table: str | None = field(
+        default=None,
+        metadata={"help": "Where to write the engine table 'auto' reads (default "
+                          "benchmarks/results/engine-table_<device>.json)."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Run on the CPU (sizes from the command line; our kernels in Triton's interpreter, which "
+                          "needs TRITON_INTERPRET=1): checks the script, measures nothing of the GPU."},
     )
     profile_seq_lens: list[int] = field(
         default_factory=lambda: [131072],
@@ -322,27 +358,27 @@ def steps(attend, tensors, dout):
 # ---------------------------------------------------------------------------------------- runners
 
 
-def _ours(layout: SparseLayout):
+def _engine(layout: SparseLayout, implementation: str):
+    """block_sparse_attention(q, k, v, layout) -> out with one engine ('triton', 'flex', 'auto', ...)."""
     from hf_sparse_cp.attention.ops import block_sparse_attention
 
-    return lambda q, k, v: block_sparse_attention(q, k, v, layout)[0]
+    return lambda q, k, v: block_sparse_attention(q, k, v, layout, implementation=implementation)[0]
 
 
 def _flex(block_mask):
     """Compiled FlexAttention on `block_mask`, never Flex's unfused eager path.
 
     Every S compiles Flex anew (dynamic=False), with and without autograd: 2 graphs per S (all masks
-    of one S share shapes and mask_mod, see `flex_block_mask`). Past dynamo's recompile limit (8 by
-    default) Flex would silently run its eager path, which materializes the whole score matrix. The
-    limit is raised to FLEX_RECOMPILE_LIMIT, and hitting it raises (an error row) instead.
+    of one S share shapes and mask_mod, see `flex_block_mask`). The compiled function and the guard are
+    the flex engine's (`hf_sparse_cp.attention.flex`): past dynamo's recompile limit Flex would
+    silently run its eager path, which materializes the whole score matrix; the limit is raised to
+    `FLEX_RECOMPILE_LIMIT` there, and hitting it raises (an error row) instead.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    compiled = torch.compile(flex_attention, dynamic=False)
+    from hf_sparse_cp.attention.flex import flex_attention_compiled, recompile_guard
 
     def attend(q, k, v):
-        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+        with recompile_guard():
+            return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     return attend
 
@@ -368,9 +404,13 @@ def _flash_attn():
 class Bench:
     """The sweep. `device` is "cuda" for measurements; the orchestration also runs on "cpu" (tests)."""
 
-    def __init__(self, args: BenchAttentionArguments, device: str = "cuda"):
+    def __init__(self, args: BenchAttentionArguments, device: str = "cuda", table: Callable[[], None] | None = None):
         self.args = args
         self.device = device
+        # `ours` is the Triton engine: compiled on CUDA, the interpreter on a CPU that runs it, else the reference
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self.ours = "triton" if device == "cuda" or interpreted else "reference"
+        self.table = table  # writes the engine table (main); called before the `auto` rows
         self.rows: list[dict] = []
         self.checks: list[dict] = []
         # per (S, estimated layout): estimation + layout construction of one attention call (time_estimation)
@@ -388,8 +428,9 @@ class Bench:
         q = make(a.num_q_heads) if q is None else q.to(self.device)
         k = make(a.num_kv_heads) if k is None else k.to(self.device)
         v = make(a.num_kv_heads)
-        dout = make(a.num_q_heads).bfloat16()
-        return [x.bfloat16().requires_grad_() for x in (q, k, v)], dout
+        dtype = getattr(torch, a.dtype)
+        dout = make(a.num_q_heads).to(dtype)
+        return [x.to(dtype).requires_grad_() for x in (q, k, v)], dout
 
     def record(self, seq_len: int, layout_name: str, variant: str, pairs: float, density, col_share,
                make_attend, tensors, dout, estimation_ms: float | None = None):
@@ -400,11 +441,11 @@ class Bench:
                "column_share": col_share, "pairs": pairs, "estimation_ms": estimation_ms}
         try:
             forward, forward_backward = steps(make_attend(), tensors, dout)
-            fwd = time_ms(forward, a.warmup, a.repeats, self.device)
+            fwd = time_ms(forward, a.warmup, a.repeats, self.device) if a.time_forward else None
             fwd_bwd = time_ms(forward_backward, a.warmup, a.repeats, self.device)
             flops = 4.0 * a.head_dim * pairs
-            row.update(status="ok", fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, fwd_tflops=flops / fwd / 1e9,
-                       fwd_bwd_tflops=3.5 * flops / fwd_bwd / 1e9)
+            row.update(status="ok", fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, fwd_bwd_tflops=3.5 * flops / fwd_bwd / 1e9,
+                       fwd_tflops=None if fwd is None else flops / fwd / 1e9)
             if seq_len in a.profile_seq_lens:
                 row["kernels"] = kernel_profile(forward_backward, self.device)
         except torch.OutOfMemoryError as e:
@@ -413,8 +454,10 @@ class Bench:
             row.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
         self.release_memory()
         self.rows.append(row)
-        shown = (f"fwd {row['fwd_ms']:.2f} ms, fwd+bwd {row['fwd_bwd_ms']:.2f} ms" if row["status"] == "ok"
-                 else row.get("reason", ""))
+        shown = row.get("reason", "")
+        if row["status"] == "ok":
+            shown = "" if row["fwd_ms"] is None else f"fwd {row['fwd_ms']:.2f} ms, "
+            shown += f"fwd+bwd {row['fwd_bwd_ms']:.2f} ms"
         print(f"[S={seq_len} {layout_name} {variant}] {row['status']}: {shown}", flush=True)
 
     def sparse_case(self, seq_len: int, name: str, layout: SparseLayout, tensors, dout,
@@ -423,26 +466,49 @@ class Bench:
         density = float(layout.kept_fraction())
         pairs = computed_pairs(layout, a.num_q_heads)
         col_share = 1.0 - computed_pairs(layout, a.num_q_heads, include_columns=False) / pairs
-        if "ours" in a.variants:
-            self.record(seq_len, name, "ours", pairs, density, col_share, lambda: _ours(layout), tensors, dout,
-                        estimation_ms)
+        self.engine_cases(seq_len, name, layout, pairs, density, col_share, tensors, dout, estimation_ms)
         if "flex" in a.variants:
             mask = flex_block_mask(layout, a.num_q_heads, seq_len)
             flex_pairs = computed_pairs(layout, a.num_q_heads, include_columns=False)
             self.record(seq_len, name, "flex", flex_pairs, density, 0.0, lambda: _flex(mask), tensors, dout)
 
-    def check(self, seq_len: int, name: str, layout: SparseLayout, tensors):
-        """ours vs Flex on the same blocks (columns removed): both must compute the same function, up to
-        bf16 rounding (`CHECK_RTOL`); a mismatch or an error is reported, and the timings still run."""
-        entry = {"seq_len": seq_len, "layout": name, "rel_rms_ours_vs_flex": None, "rtol": CHECK_RTOL}
+    def engine_cases(self, seq_len: int, name: str, layout: SparseLayout, pairs: float, density: float,
+                     col_share: float, tensors, dout, estimation_ms: float | None = None):
+        """ours, flex_engine, then (after the engine table is rewritten with them) auto, on one layout."""
+        variants = self.args.variants
+        for variant, engine in (("ours", self.ours), ("flex_engine", "flex")):
+            if variant in variants:
+                self.record(seq_len, name, variant, pairs, density, col_share,
+                            functools.partial(_engine, layout, engine), tensors, dout,
+                            estimation_ms if variant == "ours" else None)
+        if "auto" in variants:
+            if self.table is not None:
+                self.table()
+            self.record(seq_len, name, "auto", pairs, density, col_share, functools.partial(_engine, layout, "auto"),
+                        tensors, dout)
+            if self.rows[-1]["status"] == "ok":
+                self.rows[-1]["auto_engine"] = resolve_engine(tensors[0], layout, "auto")
+
+    def check(self, seq_len: int, name: str, layout: SparseLayout, tensors, against: str = "flex"):
+        """ours vs Flex: `against` 'flex' on the same blocks (columns removed), 'flex_engine' on the whole
+        layout. Both must compute the same function, up to bf16 rounding (`CHECK_RTOL`); a mismatch or an
+        error is reported, and the timings still run. The flex engine's check keeps autograd on CUDA (the
+        graph its timing compiles); Flex on CPU has no autograd."""
+        entry = {"seq_len": seq_len, "layout": name, "against": against, "rel_rms": None, "rtol": CHECK_RTOL}
         try:
-            blocks = columns_removed(layout)
-            with torch.no_grad():
-                ours = _ours(blocks)(*tensors)
-                flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors)
+            if against == "flex":
+                blocks = columns_removed(layout)
+                with torch.no_grad():
+                    ours = _engine(blocks, self.ours)(*tensors)
+                    flex = _flex(flex_block_mask(blocks, self.args.num_q_heads, seq_len))(*tensors)
+            else:
+                grad = torch.enable_grad() if self.device == "cuda" else torch.no_grad()
+                with grad:
+                    ours = _engine(layout, self.ours)(*tensors).detach()
+                    flex = _engine(layout, "flex")(*tensors).detach()
             err = rel_rms(ours, flex)
-            entry.update(rel_rms_ours_vs_flex=err, status="pass" if err <= CHECK_RTOL else "FAIL")
-            shown = f"rel. RMS ours vs flex = {err:.2e} (<= {CHECK_RTOL:g}: {entry['status']})"
+            entry.update(rel_rms=err, status="pass" if err <= CHECK_RTOL else "FAIL")
+            shown = f"rel. RMS ours vs {against} = {err:.2e} (<= {CHECK_RTOL:g}: {entry['status']})"
         except Exception as e:  # reported as data, like a failing variant
             entry.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
             shown = f"error: {entry['reason']}"
@@ -455,8 +521,7 @@ class Bench:
         layout = dense_layout(TokenMeta.contiguous(1, seq_len, self.device), a.block_size)
         pairs = computed_pairs(layout, a.num_q_heads)
         causal_pairs = a.num_q_heads * seq_len * (seq_len + 1) / 2
-        if "ours" in a.variants:
-            self.record(seq_len, "dense", "ours", pairs, 1.0, 0.0, lambda: _ours(layout), tensors, dout)
+        self.engine_cases(seq_len, "dense", layout, pairs, 1.0, 0.0, tensors, dout)
         if "flex" in a.variants:
             mask = flex_block_mask(layout, a.num_q_heads, seq_len)
             self.record(seq_len, "dense", "flex", pairs, 1.0, 0.0, lambda: _flex(mask), tensors, dout)
@@ -518,33 +583,45 @@ class Bench:
                       f"{timing['documents_ms']:.2f}, scoring {timing['scoring_ms']:.2f}, layout "
                       f"{timing['layout_ms']:.2f})", flush=True)
         for name, layout, inputs, grad in cases:
-            if check:
-                self.check(seq_len, name, layout, inputs)
+            for against in ("flex_engine", "flex"):
+                if check and against in a.variants:
+                    self.check(seq_len, name, layout, inputs, against)
             self.sparse_case(seq_len, name, layout, inputs, grad, est_ms.get(name))
         if a.dense:
             self.dense_case(seq_len, tensors, dout)
 
 
+def _speedup(ok: dict, r: dict, variant: str, width: int, layout: str | None = None) -> str:
+    """The fwd+bwd time of `variant` on r's layout (or `layout`) at r's S over r's, in `width` columns
+    (blank when not measured)."""
+    ref = ok.get((r["seq_len"], layout or r["layout"], variant))
+    return f"{ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:{width}.2f}" if ref else " " * width
+
+
 def format_table(rows: list[dict]) -> str:
-    flex = {(r["seq_len"], r["layout"]): r for r in rows if r["variant"] == "flex" and r["status"] == "ok"}
-    cudnn = {r["seq_len"]: r for r in rows if r["variant"] == "sdpa_cudnn" and r["status"] == "ok"}
+    """One line per row; on ours and auto rows `x fxe` and `x flex`: the flex engine's and raw Flex's
+    fwd+bwd time on the same layout over the row's; `x cudnn`: dense cuDNN's over the row's; an auto
+    row names the engine it picked (auto:flex)."""
+    ok = _ok_rows(rows)
     header = (f"{'S':>5} {'layout':<14} {'variant':<11} {'kept':>6} {'cols':>5} {'fwd ms':>8} {'f+b ms':>8} "
-              f"{'TF/s f':>7} {'TF/s f+b':>8} {'x flex':>7} {'x cudnn':>8} {'est %':>6}")
+              f"{'TF/s f':>7} {'TF/s f+b':>8} {'x fxe':>6} {'x flex':>7} {'x cudnn':>8} {'est %':>6}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        head = (f"{r['seq_len'] // 1024:>4}K {r['layout']:<14} {r['variant']:<11} {r['density']:6.3f} "
+        variant = f"auto:{r['auto_engine']}" if r.get("auto_engine") else r["variant"]
+        head = (f"{r['seq_len'] // 1024:>4}K {r['layout']:<14} {variant:<11} {r['density']:6.3f} "
                 f"{r['column_share']:5.2f} ")
         if r["status"] != "ok":
             lines.append(head + r["status"])
             continue
-        ref_flex, ref_cudnn = flex.get((r["seq_len"], r["layout"])), cudnn.get(r["seq_len"])
-        vs_flex = f"{ref_flex['fwd_bwd_ms'] / r['fwd_bwd_ms']:7.2f}" if ref_flex and r["variant"] == "ours" else " " * 7
-        vs_cudnn = f"{ref_cudnn['fwd_bwd_ms'] / r['fwd_bwd_ms']:8.2f}" if ref_cudnn else " " * 8
+        ours_or_auto = r["variant"] in ("ours", "auto")
+        vs_engine = _speedup(ok, r, "flex_engine", 6) if ours_or_auto else " " * 6
+        vs_flex = _speedup(ok, r, "flex", 7) if ours_or_auto else " " * 7
         # estimation + layout construction as a share of the attention it serves (issue target: < 10% at 128K)
         est = r.get("estimation_ms")
         est_share = f"{100 * est / r['fwd_bwd_ms']:6.1f}" if est is not None else " " * 6
-        lines.append(head + f"{r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} {r['fwd_tflops']:7.0f} "
-                     f"{r['fwd_bwd_tflops']:8.0f} {vs_flex} {vs_cudnn} {est_share}")
+        fwd = (f"{r['fwd_ms']:8.2f}", f"{r['fwd_tflops']:7.0f}") if r["fwd_ms"] is not None else (" " * 8, " " * 7)
+        lines.append(head + f"{fwd[0]} {r['fwd_bwd_ms']:8.2f} {fwd[1]} {r['fwd_bwd_tflops']:8.0f} {vs_engine} "
+                     f"{vs_flex} {_speedup(ok, r, 'sdpa_cudnn', 8, 'dense')} {est_share}")
     return "\n".join(lines)
 
 
@@ -609,20 +686,66 @@ def issue_targets(rows: list[dict], estimation: list[dict], seq_len: int = 13107
             for name, value, op, bound in targets]
 
 
-def build_report(bench: Bench, env: dict, complete: bool) -> dict:
+def engine_targets(rows: list[dict], seq_len: int = 131072) -> list[dict]:
+    """#32's targets, each with the measured value (None when not measured) and whether it passes: at
+    `seq_len`, our kernels' fwd+bwd speed-up over the flex engine (Flex on the same layout, columns
+    included) at ~5% kept and on the dense layout, and over every (S, layout) measured, auto's time
+    over the faster engine's."""
+    ok = _ok_rows(rows)
+
+    def ratio(layout: str) -> float | None:
+        ours, flex = ok.get((seq_len, layout, "ours")), ok.get((seq_len, layout, "flex_engine"))
+        return flex["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and flex else None
+
+    auto = [r["fwd_bwd_ms"] / min(ok[(r["seq_len"], r["layout"], v)]["fwd_bwd_ms"] for v in ("ours", "flex_engine"))
+            for r in ok.values() if r["variant"] == "auto"
+            and all((r["seq_len"], r["layout"], v) in ok for v in ("ours", "flex_engine"))]
+    at, five = f"{seq_len // 1024}K", density_name(0.05)
+    targets = [
+        (f"{at} {five}: our kernels' fwd+bwd speed-up over the flex engine (same layout, columns included)",
+         ratio(five), ">=", 1.7),
+        (f"{at} dense: our kernels' fwd+bwd speed relative to the flex engine", ratio("dense"), ">=", 1 / 1.25),
+        ("every S and layout measured: auto's fwd+bwd time over the faster engine's (worst)", max(auto, default=None),
+         "<=", 1.05),
+    ]
+    return [{"target": name, "required": f"{op} {bound:.3g}", "measured": value,
+             "pass": None if value is None else (value >= bound if op == ">=" else value <= bound)}
+            for name, value, op, bound in targets]
+
+
+def engine_table(rows: list[dict], env: dict, args: BenchAttentionArguments, command: list[str]) -> dict:
+    """The timing table `hf_sparse_cp.attention.engines` reads for 'auto': per (S, layout) where both
+    engines ran, their fwd+bwd times and the call's shape."""
+    ok = _ok_rows(rows)
+    table = []
+    for (seq_len, layout, variant), r in ok.items():
+        flex = ok.get((seq_len, layout, "flex_engine"))
+        if variant != "ours" or flex is None:
+            continue
+        table.append({"seq_len": seq_len, "layout": layout, "kept_fraction": r["density"],
+                      "has_columns": r["column_share"] > 0, "head_dim": args.head_dim, "num_q_heads": args.num_q_heads,
+                      "num_kv_heads": args.num_kv_heads, "dtype": args.dtype, "triton_ms": r["fwd_bwd_ms"],
+                      "flex_ms": flex["fwd_bwd_ms"]})
+    return {"kind": TABLE_KIND, "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
+            "command": command, "rows": table}
+
+
+def build_report(bench: Bench, env: dict, complete: bool, command: list[str] | None = None) -> dict:
     a = bench.args
     return {
         "benchmark": "bench_attention",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "complete": complete,
         **env,
-        "settings": {**dataclasses.asdict(a), "batch_size": 1, "dtype": "bfloat16", "causal": True,
+        "command": command,
+        "settings": {**dataclasses.asdict(a), "batch_size": 1, "causal": True,
                      "flops": "fwd = 4 * head_dim * computed pairs; fwd+bwd = 3.5 * fwd"},
         "results": bench.rows,
         "skipped": bench.skipped,
         "checks": bench.checks,
         "estimation": estimation_report(bench.rows, bench.estimation),
         "targets": issue_targets(bench.rows, bench.estimation),
+        "engine_targets": engine_targets(bench.rows),
     }
 
 
@@ -634,9 +757,9 @@ def print_report(report: dict) -> None:
         print(f"S={s['seq_len']}: skipped ({s['status']} while setting up: {s['reason']})")
     for c in report["checks"]:
         if c["status"] == "error":
-            print(f"CHECK error: S={c['seq_len']} {c['layout']}: {c['reason']}")
+            print(f"CHECK error: S={c['seq_len']} {c['layout']} vs {c['against']}: {c['reason']}")
         elif c["status"] == "FAIL":
-            print(f"CHECK FAIL: S={c['seq_len']} {c['layout']}: ours vs flex rel. RMS {c['rel_rms_ours_vs_flex']:.2e} "
+            print(f"CHECK FAIL: S={c['seq_len']} {c['layout']}: ours vs {c['against']} rel. RMS {c['rel_rms']:.2e} "
                   f"> {c['rtol']:g}")
     if report["estimation"]:
         print()
@@ -645,17 +768,32 @@ def print_report(report: dict) -> None:
                           f"step by kernel (timed median {r['fwd_bwd_ms']:.2f} ms)"), end="")
     print()
     print(format_targets(report["targets"]))
+    print(format_targets(report["engine_targets"]))
 
 
 def main(argv: list[str]) -> dict:
-    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py")
-    bench = Bench(args)
-    env = environment(torch.device("cuda"))
+    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py", cpu_dry_run=True)
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("bench_attention.py --dry_run runs our kernels in Triton's interpreter: set "
+                         "TRITON_INTERPRET=1.")
+    device = "cpu" if args.dry_run else "cuda"
+    env = environment(torch.device(device))
+    command = [sys.executable, *sys.argv] if argv == sys.argv[1:] else ["bench_attention.py", *argv]
     out = ReportFile(RESULTS_DIR, "attention", args.output)
-    bench.run(after_each_seq_len=lambda: out.write(build_report(bench, env, complete=False)))
-    report = build_report(bench, env, complete=True)
+    table_path = Path(args.engine_table or RESULTS_DIR / f"engine-table_{device_slug(env['device'])}.json")
+    os.environ[TABLE_ENV] = str(table_path)  # what this run's `auto` rows read
+
+    def write_table():
+        table_path.parent.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(json.dumps(engine_table(bench.rows, env, args, command), indent=2) + "\n")
+
+    bench = Bench(args, device, table=write_table)
+    bench.run(after_each_seq_len=lambda: (write_table(), out.write(build_report(bench, env, False, command))))
+    write_table()
+    report = {**build_report(bench, env, complete=True, command=command), "engine_table": str(table_path)}
     print_report(report)
     out.write(report)
+    print(f"wrote {table_path}")
     return report
 
 

@@ -8,13 +8,17 @@ first failure. Reported: median step time of the timed steps after warm-up, toke
 (`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the
 mean kept fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel
 and over `sdpa` at the same S. At `--profile_seq_lens` (128K by default) one more step runs under
-torch.profiler: GPU time per kernel, where a missed target's time went. Prints a table and the
+torch.profiler: GPU time per kernel, where a missed target's time went. With `--fit_max_seq`, each
+variant that ran at `--max_seq` then goes on doubling S (one untimed-warm-up-free step per run)
+until a run fails or the cap is reached: the longest length each variant fits (`longest_fit`).
+Prints a table and the
 issue's end-to-end targets (0.5B trains at 512K; at 128K and 256K sparse_cp >= 3x and >= 5x the
-tokens/s of sdpa + liger, at no more memory) and writes JSON (device, versions, date, settings,
-results, speed-ups, targets) to benchmarks/results/.
+tokens/s of sdpa + liger, at no more memory) and writes JSON (device, versions, date, the command,
+settings, results, speed-ups, longest fits, targets) to benchmarks/results/.
 
 The `sparse_cp` variant runs as the plugin's Trainer path does: MLPs and RMSNorms in token tiles from
-`--token_tiling_min_length` (32K) on, saved layer inputs in host memory with `--offload_layer_inputs`.
+`--token_tiling_min_length` (32K; the plugin's `--sparse_token_tiling_min_length`) on, saved layer inputs
+in host memory with `--offload_layer_inputs`.
 `python benchmarks/memory_model.py --start_length 0.5b` prints the longest S predicted to fit this GPU.
 
 The `sparse_cp` pattern budget: by default (`--kept_fraction 0.05`) vertical_topk and slash_topk are
@@ -23,11 +27,15 @@ as they do in a random-init model (`budget_for_kept_fraction`); the kept fractio
 reported next to it. `--kept_fraction 0` keeps the budgets of the command line.
 
     python benchmarks/bench_e2e.py                                   # GPU: 0.5B and 1.5B, S = 8K .. 512K
-    python benchmarks/bench_e2e.py --models 1.5b --variants sparse_cp --min_seq 65536 --slash_topk 1024
+    python benchmarks/bench_e2e.py --models 1.5b --variants sparse_cp --min_seq 65536 --sparse_slash_topk 1024
     python benchmarks/bench_e2e.py --tiny                            # CPU smoke run: tiny model, S = 1K .. 4K
+    python benchmarks/bench_e2e.py --models 0.5b --min_seq 65536 --max_seq 131072 --fit_max_seq 1048576
 
-Flags of `SparseAttentionConfig` (--vertical_topk, --slash_topk, --block_size, ...) set the pattern
-of the `sparse_cp` variant (the two budgets only with --kept_fraction 0).
+`sparse_cp` runs the attention engine its config names (`--sparse_attention_engine`, default 'auto', which
+reads the timing table `$HF_SPARSE_CP_ENGINE_TABLE` names; recorded in the JSON).
+
+The pattern flags (`SparseAttentionFlags`: --sparse_vertical_topk, --sparse_slash_topk, --sparse_block_size,
+...) set the pattern of the `sparse_cp` variant (the two budgets only with --kept_fraction 0).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -79,6 +88,11 @@ class BenchArguments:
     max_seq: int | None = field(
         default=None, metadata={"help": "Longest sequence length tried, S doubling; default 524288 (4096 with --tiny)."}
     )
+    fit_max_seq: int | None = field(
+        default=None,
+        metadata={"help": "After the sweep, each variant that ran at max_seq goes on doubling S up to this length, one "
+                  "step per run (no warm-up), until a run fails: the longest length it fits. Default: no search."},
+    )
     warmup_steps: int = field(default=1, metadata={"help": "Untimed steps first (AdamW state, allocator warm-up)."})
     timed_steps: int = field(default=3, metadata={"help": "Timed steps; the median is reported."})
     tiny: bool = field(
@@ -92,8 +106,8 @@ class BenchArguments:
         default=None,
         metadata={"help": "Pattern budget of sparse_cp as a target fraction of kept causal blocks: vertical_topk "
                   "and slash_topk are derived per S (random-placement estimate; the kept fraction actually run is "
-                  "reported). 0 keeps the budgets given by --vertical_topk/--slash_topk. Default 0.05 (0 with "
-                  "--tiny)."},
+                  "reported). 0 keeps the budgets given by --sparse_vertical_topk/--sparse_slash_topk. Default 0.05 "
+                  "(0 with --tiny)."},
     )
     vertical_share: float = field(
         default=0.2, metadata={"help": "Share of the --kept_fraction budget spent on vertical key columns."}
@@ -106,12 +120,12 @@ class BenchArguments:
     token_tiling_min_length: int = field(
         default=32768,
         metadata={"help": "sparse_cp: MLPs and RMSNorms in token tiles from this S on, as the plugin's "
-                  "--token_tiling_min_length does (0: never)."},
+                  "--sparse_token_tiling_min_length does (0: never)."},
     )
     offload_layer_inputs: bool = field(
         default=False,
         metadata={"help": "sparse_cp: the saved layer inputs in pinned host memory (the plugin's "
-                  "--offload_layer_inputs)."},
+                  "--sparse_offload_layer_inputs)."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
     output: str | None = field(
@@ -138,15 +152,26 @@ class BenchArguments:
             raise ValueError(f"Unknown variants {sorted(unknown)}; use {VARIANTS}.")
         if not 1 <= self.min_seq <= self.max_seq:
             raise ValueError(f"Need 1 <= min_seq <= max_seq; got {self.min_seq}, {self.max_seq}.")
+        if self.fit_max_seq is not None and self.fit_max_seq <= self.max_seq:
+            raise ValueError(f"fit_max_seq ({self.fit_max_seq}) must exceed max_seq ({self.max_seq}); e.g. "
+                             f"{4 * self.max_seq}.")
         if self.warmup_steps < 0 or self.timed_steps < 1:
             raise ValueError("warmup_steps must be >= 0 and timed_steps >= 1.")
 
     def seq_lens(self) -> list[int]:
-        lens, s = [], self.min_seq
-        while s <= self.max_seq:
-            lens.append(s)
-            s *= 2
-        return lens
+        return _doubling(self.min_seq, self.max_seq)
+
+    def fit_seq_lens(self) -> list[int]:
+        """The lengths of the fit search, after max_seq (none without fit_max_seq)."""
+        return _doubling(2 * self.max_seq, self.fit_max_seq) if self.fit_max_seq else []
+
+
+def _doubling(first: int, last: int) -> list[int]:
+    lens, s = [], first
+    while s <= last:
+        lens.append(s)
+        s *= 2
+    return lens
 
 
 # ----------------------------------------------------------------------------------- pattern budget
@@ -390,6 +415,24 @@ def issue_targets(results: list[dict], model: str = "0.5b") -> list[dict]:
     return targets
 
 
+def longest_fits(results: list[dict], args: BenchArguments) -> list[dict]:
+    """Per (model, variant): the longest S that ran ('ok'), and what ended the doubling: the status of the
+    first run that did not succeed, or 'cap' (the sweep's last length, --fit_max_seq or --max_seq)."""
+    fits = {}
+    for r in results:
+        entry = fits.setdefault((r["model"], r["variant"]), {"model": r["model"], "variant": r["variant"],
+                                                            "seq_len": None, "ended_by": "cap"})
+        if r["status"] == "ok":
+            entry["seq_len"] = max(entry["seq_len"] or 0, r["seq_len"])
+        elif entry["ended_by"] == "cap":
+            entry["ended_by"] = r["status"]
+    cap = args.fit_max_seq or args.max_seq
+    for entry in fits.values():
+        if entry["ended_by"] == "cap" and entry["seq_len"] != cap:
+            entry["ended_by"] = "not run to the cap"
+    return list(fits.values())
+
+
 def format_table(results: list[dict]) -> str:
     ratio = {(e["model"], e["seq_len"]): e for e in speedups(results)}
     header = (f"{'model':<6} {'variant':<11} {'S':>7} {'status':<8} {'step s':>8} {'tokens/s':>9} {'peak GiB':>9} "
@@ -412,12 +455,14 @@ def format_table(results: list[dict]) -> str:
 def parse_args(argv):
     from transformers import HfArgumentParser
 
-    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp import SparseAttentionFlags
+    from hf_sparse_cp.trainer.arguments import PATTERN_PREFIX, explicit_fields, unprefixed
 
-    parser = HfArgumentParser((BenchArguments, SparseAttentionConfig))
-    args, sparse = parser.parse_args_into_dataclasses(argv)
+    parser = HfArgumentParser((BenchArguments, SparseAttentionFlags))
+    args, flags = parser.parse_args_into_dataclasses(argv)
+    sparse = flags.to_config()
     if args.tiny:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+        given = unprefixed(explicit_fields(parser, argv), PATTERN_PREFIX)
         sparse = dataclasses.replace(sparse, **{k: v for k, v in TINY_SPARSE.items() if k not in given})
     return args, sparse
 
@@ -433,41 +478,51 @@ def main(argv: list[str]) -> dict:
         device = "cuda" if torch.cuda.is_available() else "cpu"  # does not create a CUDA context here
     results = []
     out = ReportFile(RESULTS_DIR, "e2e", args.output)
+    command = [sys.executable, *sys.argv] if argv == sys.argv[1:] else ["bench_e2e.py", *argv]
 
-    for model in args.models:
-        for variant in args.variants:
-            for seq_len in args.seq_lens():
-                settings, budget = sparse_settings(sparse, args, seq_len)
-                spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
-                        "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "seed": args.seed,
-                        "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
-                        "token_tiling_min_length": args.token_tiling_min_length,
-                        "offload_layer_inputs": args.offload_layer_inputs}
-                reason = skip_reason(variant, device)
-                if reason is not None:  # known without starting a process
-                    r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
-                else:
-                    r = run_in_subprocess(spec, args.timeout_s)
-                if variant == "sparse_cp":
-                    r["sparse_budget"] = budget or {key: settings[key] for key in ("vertical_topk", "slash_topk")}
-                results.append(r)
-                if r["status"] == "ok":
-                    summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"
-                    if r.get("kept_fraction") is not None:
-                        summary += f", kept {r['kept_fraction']:.3f} of the causal blocks"
-                else:
-                    summary = r.get("reason", "")
-                print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
-                out.write(build_report(args, sparse, results, device, complete=False))
-                if r["status"] != "ok":
-                    break  # a longer sequence cannot succeed where this one did not
+    def sweep(model: str, variant: str, seq_lens: list[int], warmup_steps: int, timed_steps: int) -> bool:
+        """Run `seq_lens` in order until one fails; whether the last one ran."""
+        for seq_len in seq_lens:
+            settings, budget = sparse_settings(sparse, args, seq_len)
+            spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
+                    "warmup_steps": warmup_steps, "timed_steps": timed_steps, "seed": args.seed,
+                    "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
+                    "token_tiling_min_length": args.token_tiling_min_length,
+                    "offload_layer_inputs": args.offload_layer_inputs}
+            reason = skip_reason(variant, device)
+            if reason is not None:  # known without starting a process
+                r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
+            else:
+                r = run_in_subprocess(spec, args.timeout_s)
+            if variant == "sparse_cp":
+                r["sparse_budget"] = budget or {key: settings[key] for key in ("vertical_topk", "slash_topk")}
+            results.append(r)
+            if r["status"] == "ok":
+                summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"
+                if r.get("kept_fraction") is not None:
+                    summary += f", kept {r['kept_fraction']:.3f} of the causal blocks"
+            else:
+                summary = r.get("reason", "")
+            print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
+            out.write(build_report(args, sparse, results, device, complete=False, command=command))
+            if r["status"] != "ok":
+                return False  # a longer sequence cannot succeed where this one did not
+        return True
 
-    report = build_report(args, sparse, results, device, complete=True)
+    ran_to_max = [(model, variant) for model in args.models for variant in args.variants
+                  if sweep(model, variant, args.seq_lens(), args.warmup_steps, args.timed_steps)]
+    for model, variant in ran_to_max:  # the longest length each fits, after every headline figure
+        sweep(model, variant, args.fit_seq_lens(), 0, 1)
+
+    report = build_report(args, sparse, results, device, complete=True, command=command)
     print()
     print(f"{report['device']}, torch {report.get('torch')}, transformers {report.get('transformers')}")
     print(format_table(results))
     print(format_profiles(results, lambda r: f"{r['model']} {r['variant']} S={r['seq_len']}: one training step by "
                           f"kernel (timed median {r['step_s']:.3f} s)"), end="")
+    for fit in report["longest_fit"]:
+        longest = f"{fit['seq_len'] // 1024}K" if fit["seq_len"] else "nothing"
+        print(f"{fit['model']} {fit['variant']}: longest length that ran {longest} (then: {fit['ended_by']})")
     print()
     print(format_targets(report["targets"]))
     for check in report["memory_check"]:
@@ -479,22 +534,28 @@ def main(argv: list[str]) -> dict:
     return report
 
 
-def build_report(args: BenchArguments, sparse, results: list[dict], device: str, complete: bool) -> dict:
-    """The JSON of a run so far: environment (from the first worker that reported it), settings,
-    results and what follows from them; `complete` is false while runs remain."""
+def build_report(args: BenchArguments, sparse, results: list[dict], device: str, complete: bool,
+                 command: list[str] | None = None) -> dict:
+    """The JSON of a run so far: environment (from the first worker that reported it), the command,
+    settings, results and what follows from them; `complete` is false while runs remain."""
+    from hf_sparse_cp.attention.engines import ENGINE_ENV, TABLE_ENV
+
     env = next((r["env"] for r in results if "env" in r), {"device": device})
     return {
         "benchmark": "bench_e2e",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "complete": complete,
         **env,
+        "command": command,
         "settings": {**{k: v for k, v in dataclasses.asdict(args).items() if k != "output"},
                      "batch_size": 1, "dtype": "bfloat16", "optimizer": "AdamW", "gradient_checkpointing": True,
-                     "model_shapes": {m: MODEL_SHAPES[m] for m in args.models}},
+                     "model_shapes": {m: MODEL_SHAPES[m] for m in args.models},
+                     ENGINE_ENV: os.environ.get(ENGINE_ENV), TABLE_ENV: os.environ.get(TABLE_ENV)},
         "sparse_attention": sparse.to_dict(),
         "results": [{k: v for k, v in r.items() if k != "env"} for r in results],
         "memory_check": memory_check(results),
         "speedups": speedups(results),
+        "longest_fit": longest_fits(results, args),
         "targets": issue_targets(results),
     }
 

@@ -2,7 +2,7 @@
 
 For every sequence length S and CP size: the computed work of every rank at every ring step and
 the bytes every rank sends, counted from the plan the ring executes
-(`hf_sparse_cp.distributed.balance.ring_cost`): blocks nobody downstream reads are not sent,
+(`hf_sparse_cp.simulator.traffic.ring_cost`): blocks nobody downstream reads are not sent,
 steps without work are skipped. No attention is computed; runs on a CPU.
 
 Layouts (say which when quoting numbers):
@@ -32,9 +32,9 @@ import torch
 
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.balance import ring_cost
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.sharding import SHARDINGS, ShardPlan
+from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 GIB = float(1 << 30)

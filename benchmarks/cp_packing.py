@@ -2,7 +2,7 @@
 
 For length mixes packed into rows of `--row` tokens (1M by default) and CP sizes 4 / 8 / 32, every
 sharding's work per rank and per ring step and the bytes it sends are counted from the plan the
-ring executes (`hf_sparse_cp.distributed.balance.ring_cost`), and the planner's time is measured.
+ring executes (`hf_sparse_cp.simulator.traffic.ring_cost`), and the planner's time is measured.
 No attention is computed; runs on a CPU.
 
 Mixes (seeds fixed and printed): long-tail (lognormal lengths, median 8K, sigma 1.5, clipped to
@@ -47,7 +47,6 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.balance import ring_cost
 from hf_sparse_cp.distributed.planner import (
     PlannerCosts,
     kept_blocks_per_row,
@@ -56,6 +55,7 @@ from hf_sparse_cp.distributed.planner import (
     split_every_document,
 )
 from hf_sparse_cp.distributed.sharding import ShardPlan
+from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 
 GIB = float(1 << 30)

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Lent-GPU work by stage, on a machine whose python3 already has torch, Triton, transformers and
-# accelerate (the device image) and no network. Arguments after the stage go to the stage's script and
-# override its defaults here; each stage is meant to fit one 10-minute call (split with them if not):
+# Lent-GPU work, on a machine whose python3 already has torch, Triton, transformers and accelerate (the
+# device image) and no network.
+#
+#   bash benchmarks/gpu_session.sh quick             # ONE call, at most 8 minutes: every headline figure
+#   bash benchmarks/gpu_session.sh quick --dry-run   # the same on the CPU at tiny sizes (no installs)
+#
+# `quick` (benchmarks/quick_session.py) runs the gpu-marked tests of both engines, the attention benchmark at
+# 32K and 128K and the 0.5B training step at 64K/128K plus the longest length it fits, each stage capped,
+# under one deadline counted from here (installs included); see benchmarks/results/README.md for the files.
+#
+# The single stages, each meant to fit one 10-minute call (split with arguments if not); arguments after
+# the stage go to the stage's script and override its defaults here:
 #
 #   bash benchmarks/gpu_session.sh tests                        # the gpu-marked tests
 #   bash benchmarks/gpu_session.sh tune --kernels forward dq    # tune_tiles (default: every kernel)
@@ -18,34 +27,45 @@
 #
 # Wheels of packages the image lacks (liger-kernel for bench_e2e's baseline) are read from .whl/ when
 # present. Logs and JSON go to $OUT (the device tool's folder) or, without it, benchmarks/results/.
+# $PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export QUICK_START="${QUICK_START:-$(date +%s)}"  # quick's deadline counts from here
 stage="${1:-}"
 case "$stage" in
-    tests|tune|attention|e2e) shift ;;
-    *) echo "usage: gpu_session.sh tests|tune|attention|e2e [arguments for that stage]" >&2; exit 2 ;;
+    quick|tests|tune|attention|e2e) shift ;;
+    *) echo "usage: gpu_session.sh quick|tests|tune|attention|e2e [arguments for that stage]" >&2; exit 2 ;;
 esac
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+py="${PYTHON:-python3}"
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
+dry_run=false
+for arg in "$@"; do
+    if [[ "$arg" == --dry-run || "$arg" == --dry_run ]]; then dry_run=true; fi
+done
+if [[ "$dry_run" == false ]]; then  # a dry run uses the caller's environment as it is
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH=/tmp/site
+    fi
+    "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-python3 -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device',
-                                     'torch', torch.__version__, 'triton', triton.__version__)"
+"$py" -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device',
+                                   'torch', torch.__version__, 'triton', triton.__version__)"
 
 case "$stage" in
+    quick)
+        "$py" benchmarks/quick_session.py --out "$out" "$@" ;;
     tests)
-        python3 -m pytest -q -m gpu "$@" tests 2>&1 | tee "$out/gpu-tests.log" ;;
+        "$py" -m pytest -q -m gpu "$@" tests 2>&1 | tee "$out/gpu-tests.log" ;;
     tune)
-        python3 benchmarks/tune_tiles.py --output "$out/tiles.json" "$@" 2>&1 | tee "$out/tune.log" ;;
+        "$py" benchmarks/tune_tiles.py --output "$out/tiles.json" "$@" 2>&1 | tee "$out/tune.log" ;;
     attention)
-        python3 benchmarks/bench_attention.py --seq_lens 131072 32768 --output "$out/attention.json" "$@" 2>&1 \
+        "$py" benchmarks/bench_attention.py --seq_lens 131072 32768 --output "$out/attention.json" "$@" 2>&1 \
             | tee "$out/attention.log" ;;
     e2e)
-        python3 benchmarks/bench_e2e.py --models 0.5b --min_seq 131072 --timeout_s 300 --output "$out/e2e.json" "$@" 2>&1 \
+        "$py" benchmarks/bench_e2e.py --models 0.5b --min_seq 131072 --timeout_s 300 --output "$out/e2e.json" "$@" 2>&1 \
             | tee "$out/e2e.log" ;;
 esac

@@ -1,5 +1,5 @@
 """What the kernels use on Hopper, read from sm_90 builds made without a GPU, with the arguments of
-real launches (divisibility hints included; `hf_sparse_cp.kernels.sm90`).
+real launches (divisibility hints included; `hf_sparse_cp.testing.sm90`).
 
 For head_dim 64 and 128 (bf16, layout block 128, 16 query / 2 key-value heads at 128K tokens),
 every kernel variant a GPU run launches is compiled for sm_90 with the installed Triton, with the
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.kernels import configs, sm90
+from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels.configs import Tiles
+from hf_sparse_cp.testing import sm90
 from hf_sparse_cp.testing.benchmarking import write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

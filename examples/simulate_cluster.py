@@ -1,7 +1,7 @@
 """How far does it scale? Predicted training-step time of context parallelism on a GPU cluster.
 
 For a model shape, a cluster preset, sequence lengths and CP sizes, every configuration of
-`hf_sparse_cp.distributed.simulate.CONFIGURATIONS` (dense ring, zigzag sparse, striped sparse,
+`hf_sparse_cp.simulator.simulate.CONFIGURATIONS` (dense ring, zigzag sparse, striped sparse,
 hierarchical striped sparse, and the document planner, flat and hierarchical) is simulated from
 the ring plan our code executes (`predict_step`): per rank and per ring step, compute from the
 plan's work and transfers from its bytes, overlapped as the ring schedules them. Nothing runs on
@@ -42,10 +42,10 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.planner import kept_blocks_per_row, row_runs
-from hf_sparse_cp.distributed.simulate import CONFIGURATIONS, Workload
-from hf_sparse_cp.distributed.step_model import CLUSTERS, HARDWARE, MODELS, predict_step, ring_counts
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.integration.kept_fraction import require_matplotlib
+from hf_sparse_cp.reporting.kept_fraction import require_matplotlib
+from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Workload
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step, ring_counts
 from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 
@@ -56,26 +56,52 @@ MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "c
 KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
 
 
+def _at_least(low: int):
+    """An argparse type: a whole number >= `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1], a fraction (e.g. 0.063 for 6.3%)")
+    return value
+
+
 def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-3b", choices=sorted(MODELS))
     p.add_argument("--cluster", default="8xH100-IB400", choices=sorted(CLUSTERS))
-    p.add_argument("--seq", type=int, nargs="+", default=[131072, 262144, 524288, 1048576])
-    p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--seq", type=_at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576])
+    p.add_argument("--cp", type=_at_least(1), nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     p.add_argument("--dense-kernel", default="cudnn", choices=["cudnn", "fa2"],
                    help="the dense ring's kernel (SDPA cuDNN or FlashAttention-2, both measured in anchors.md)")
-    p.add_argument("--density", type=float, default=0.063, help="kept fraction of the causal blocks (sparse layouts)")
-    p.add_argument("--spread", type=float, default=1.0,
+    p.add_argument("--density", type=_fraction, default=0.063,
+                   help="kept fraction of the causal blocks (sparse layouts)")
+    p.add_argument("--spread", type=_fraction, default=1.0,
                    help="random diagonals lie among the nearest SPREAD fraction of block diagonals (1: anywhere)")
-    p.add_argument("--verticals", type=int, default=1000)
-    p.add_argument("--sink", type=int, default=32)
-    p.add_argument("--layout-heads", type=int, default=4, help="heads of the synthetic layout (work is scaled to the "
-                   "model's heads)")
+    p.add_argument("--verticals", type=_at_least(0), default=1000)
+    p.add_argument("--sink", type=_at_least(0), default=32)
+    p.add_argument("--layout-heads", type=_at_least(1), default=4,
+                   help="heads of the synthetic layout (work is scaled to the model's heads)")
     p.add_argument("--mix", default=None, choices=MIXES,
                    help="pack each row with documents of this length mix (hf_sparse_cp.testing.packing) instead of "
                         "one sequence")
-    p.add_argument("--estimation-chunk", type=int, default=None,
+    p.add_argument("--estimation-chunk", type=_at_least(BLOCK), default=None,
                    help="charge the estimation of estimation='causal_chunks' with this chunk (default: each "
                         "document's last queries); a packed row is charged as one sequence (an upper bound)")
     p.add_argument("--no-mtraining", action="store_true", help="skip the prediction for MTraining's setting")

@@ -3,11 +3,12 @@
 Run with no arguments for the embedded demo job: a tiny Qwen2-shaped model (random init), a byte
 tokenizer built in code, and synthetic passkey-retrieval data at 4K tokens, trained for a few steps
 with dynamic vertical-slash sparse attention and a toy pattern sized for it. Every flag of
-`TrainingArguments`, `SparseCPArguments` and `SparseAttentionConfig` can be given to override the
-defaults, and a recipe file (`flag: value` pairs, see recipes/train/) can come first, e.g.
+`SparseTrainingArguments` (the Trainer's and the plugin's: `--sparse_*`, `--cp_*`, `--smet_*`) can be
+given to override the defaults, and a recipe (`flag: value` pairs of `SparseTrainingArguments`; a
+shipped one by name, see `hf-sparse-cp recipes`, or a file) can come first, e.g.
 
-    python examples/train_long_context.py --seq_len 8192 --max_steps 20 --slash_topk 512
-    python examples/train_long_context.py recipes/train/qwen2.5-3b_32k.yaml --max_steps 10
+    python examples/train_long_context.py --max_length 8192 --max_steps 20 --sparse_slash_topk 512
+    python examples/train_long_context.py --recipe qwen2.5-3b_32k --max_steps 10
     python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config cfg.yaml
 
 The demo job's settings (`DEMO_DEFAULTS`) are the defaults only without a recipe and without
@@ -21,10 +22,10 @@ The demo writes no checkpoints unless asked: `--save_steps N` (or any other `--s
 Context parallelism: launch N processes and give the CP degree (accelerate's ParallelismConfig sets
 it on GPUs), e.g. on CPU `hf-sparse-cp train --nproc 2 --cp_size 2`, or
 
-    accelerate launch --config_file recipes/accelerate/cpu_2proc_cp2.yaml \
+    accelerate launch --config_file "$(hf-sparse-cp recipes --path cpu_2proc_cp2)" \
         -m hf_sparse_cp.examples.train_long_context --cp_size 2
 
-SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.integration.SMETArguments`).
+SMET sparse training: `--smet --smet_density 0.1` (see `hf_sparse_cp.SMETArguments`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,20 +46,21 @@ from transformers import (
     DataCollatorWithFlattening,
     HfArgumentParser,
     PreTrainedTokenizerBase,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
 
-from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments, SparseTrainer, SparseTrainingArguments
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.files import read_mapping
-from hf_sparse_cp.integration import SMETArguments, SparseCPArguments
-from hf_sparse_cp.integration.arguments import explicit_fields
-from hf_sparse_cp.integration.packing import BlockAlignedFlattening
+from hf_sparse_cp.files import check_field_types, read_mapping
+from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import explicit_fields
+from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +74,17 @@ class ScriptArguments:
     )
     tiny_model_type: str = field(default="qwen2", metadata={"help": "Family of the tiny default model."})
     tiny_num_layers: int = field(default=2, metadata={"help": "Decoder layers of the tiny default model."})
-    seq_len: int = field(default=4096, metadata={"help": "Tokens per training sequence."})
     num_samples: int = field(default=32, metadata={"help": "Synthetic passkey sequences to generate."})
     pack_documents: int = field(
         default=1,
-        metadata={"help": "Documents per training sequence: above 1, that many passkey documents of seq_len / N "
+        metadata={"help": "Documents per training sequence: above 1, that many passkey documents of max_length / N "
                   "tokens are packed into each sequence by DataCollatorWithFlattening (position_ids restart per "
                   "document, attention never crosses documents); a device batch is then one packed sequence."},
     )
     align_documents: bool = field(
         default=False,
-        metadata={"help": "With --pack_documents: pad after every document to a multiple of --block_size "
-                  "(hf_sparse_cp.integration.packing.BlockAlignedFlattening; the padding is masked and never "
+        metadata={"help": "With --pack_documents: pad after every document to a multiple of --sparse_block_size "
+                  "(hf_sparse_cp.trainer.packing.BlockAlignedFlattening; the padding is masked and never "
                   "trained on), so that each document's sparse result is bit-identical whatever it is packed with."},
     )
     save_final_model: bool = field(
@@ -96,28 +97,67 @@ class ScriptArguments:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("num_samples", "tiny_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} must be >= 1.")
+        if self.align_documents and self.pack_documents == 1:
+            raise ValueError("--align_documents pads between the documents of a packed sequence, but --pack_documents "
+                             "is 1 (one document per sequence) so it would do nothing: add --pack_documents N (N > 1), "
+                             "or drop --align_documents.")
+
+    def check(self, max_length: int) -> None:
+        """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens."""
         # A causal LM learns from a sequence of at least 2 tokens (the first predicts the second). Refused
-        # rather than passed on: the data slices the last seq_len tokens of each text, so 0 or a negative
+        # rather than passed on: the data slices the last max_length tokens of each text, so 0 or a negative
         # length would silently train on other lengths.
-        if self.seq_len < 2:
-            raise ValueError(f"--seq_len {self.seq_len}: a training sequence needs at least 2 tokens; e.g. "
-                             "--seq_len 4096.")
+        if max_length < 2:
+            raise ValueError(f"--max_length {max_length}: a training sequence needs at least 2 tokens; e.g. "
+                             "--max_length 4096.")
         if self.pack_documents < 1:
             raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
-        if self.seq_len // self.pack_documents < 2:
+        if max_length // self.pack_documents < 2:
             raise ValueError(
-                f"--pack_documents {self.pack_documents} leaves documents of {self.seq_len // self.pack_documents} "
-                f"tokens in a --seq_len {self.seq_len} sequence; a document needs at least 2 tokens: pack at most "
-                f"{self.seq_len // 2} documents, or raise --seq_len."
+                f"--pack_documents {self.pack_documents} leaves documents of {max_length // self.pack_documents} "
+                f"tokens in a --max_length {max_length} sequence; a document needs at least 2 tokens: pack at most "
+                f"{max_length // 2} documents, or raise --max_length."
             )
-        if self.seq_len % self.pack_documents:
-            divisors = ", ".join(str(n) for n in (2, 4, 8, 16) if self.seq_len % n == 0)
+        if max_length % self.pack_documents:
+            divisors = ", ".join(str(n) for n in (2, 4, 8, 16) if max_length % n == 0)
             raise ValueError(
-                f"--pack_documents {self.pack_documents} does not divide --seq_len {self.seq_len}: every sequence "
-                f"packs documents of seq_len / pack_documents tokens, so the sequences would come out shorter. "
-                f"Use a divisor of {self.seq_len}{f' (e.g. {divisors})' if divisors else ''}, or a --seq_len that "
+                f"--pack_documents {self.pack_documents} does not divide --max_length {max_length}: every sequence "
+                f"packs documents of max_length / pack_documents tokens, so the sequences would come out shorter. "
+                f"Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a --max_length that "
                 f"is a multiple of {self.pack_documents}."
             )
+
+
+def check_model_source(source: str) -> None:
+    """Raise ValueError naming the path when `source` (--model_name_or_path) names a local model that is not
+    there: a .gguf file that does not exist, a missing folder, or a folder without a saved model. Anything
+    else that is not on disk is taken as a Hub id (transformers reports those)."""
+    path = Path(source).expanduser()
+    local = (source.endswith(".gguf") or source.startswith(("/", ".", "~")) or source.count("/") > 1 or path.exists()
+             or (path.parent != Path(".") and path.parent.is_dir()))
+    if not local:
+        return
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"--model_name_or_path {source}: no such GGUF file{_nearby(path, '*.gguf')}.")
+    elif not path.is_dir():
+        raise ValueError(f"--model_name_or_path {source}: no such folder (a saved model's folder, a .gguf file or a "
+                         "Hub id such as Qwen/Qwen2.5-0.5B).")
+    elif not (path / "config.json").is_file():
+        raise ValueError(f"--model_name_or_path {source}: the folder holds no config.json, so it is not a saved model; "
+                         "give the folder that save_pretrained / trainer.save_model() wrote (config.json, weights, "
+                         f"tokenizer){_nearby(path, '*.gguf')}.")
+
+
+def _nearby(path: Path, pattern: str) -> str:
+    """', e.g. <file>' naming a file of `pattern` in `path`'s folder (or `path` itself when a folder), if any."""
+    folder = path if path.is_dir() else path.parent
+    found = sorted(folder.glob(pattern))[:1] if folder.is_dir() else []
+    return f"; {folder} holds {found[0].name}" if found else ""
 
 
 # The embedded demo job: a few steps of the tiny model at 4K tokens, with a sparse pattern sized for it. These are
@@ -131,14 +171,17 @@ DEMO_DEFAULTS = {
     "lr_scheduler_type": "constant",
     "logging_steps": 1,
     "report_to": "none",
-    "block_size": 64,
-    "min_seq_len": 1024,
-    "vertical_topk": 64,
-    "slash_topk": 128,
-    "local_window": 64,
-    "sink_tokens": 16,
-    "dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
+    "sparse_block_size": 64,
+    "sparse_min_seq_len": 1024,
+    "sparse_vertical_topk": 64,
+    "sparse_slash_topk": 128,
+    "sparse_local_window": 64,
+    "sparse_sink_tokens": 16,
+    "sparse_dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
 }
+# The example's sequence length when neither the command line nor a recipe gives one (SparseTrainingArguments'
+# own default, None, means "the first sample's length", which the example's data takes from this).
+MAX_LENGTH = 4096
 
 
 # The demo writes no checkpoints unless asked to: any checkpointing flag of TrainingArguments (--save_steps,
@@ -147,12 +190,37 @@ DEMO_DEFAULTS = {
 NO_CHECKPOINTS = {"save_strategy": "no"}
 
 DESCRIPTION = (
-    "Long-context fine-tuning with the stock Trainer and the sparse_cp attention backend. A recipe file (YAML/JSON "
-    "of flag: value pairs) may come first; flags after it win, and flags given on the command line or in the recipe "
-    "beat --sparse_config / --smet_config files. The defaults shown are those of the command line given: without a "
-    "recipe or --model_name_or_path, the embedded demo job's (a tiny model at 4K tokens, a toy sparse pattern); with "
-    "either, the library defaults (e.g. `... recipe.yaml --help`)."
+    "Long-context fine-tuning with the stock Trainer and the sparse_cp attention backend. A recipe (--recipe NAME or "
+    "PATH, or a YAML/JSON file of flag: value pairs as the first argument) gives flags; flags after it win, and "
+    "flags given on the command line or in the recipe beat --sparse_config / --smet_config files. The defaults shown "
+    "are those of the command line given: without a recipe or --model_name_or_path, the embedded demo job's (a tiny "
+    "model at 4K tokens, a toy sparse pattern); with either, the library defaults (e.g. `... --recipe NAME --help`)."
 )
+
+
+# Flags of earlier releases, and their names now (every plugin flag starts with sparse_, cp_ or smet_).
+RENAMED = {"--seq_len": "--max_length", "--fused_loss": "--sparse_fused_loss",
+           "--log_sparsity": "--sparse_log_sparsity",
+           "--gradient_checkpointing_min_length": "--sparse_gradient_checkpointing_min_length",
+           **{f"--{f.name}": f"--sparse_{f.name}" for f in fields(SparseAttentionConfig)}}
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _refuse(parser: HfArgumentParser, message: str) -> None:
+    """Exit with `message` in one line, like argparse's own errors (without the usage of hundreds of flags)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def take_recipe(argv: list[str]) -> tuple[list[str], str | None]:
+    """(the other arguments, the recipe): `--recipe NAME_OR_PATH` anywhere, or a YAML/JSON file first."""
+    for i, arg in enumerate(argv):
+        if arg == "--recipe" and i + 1 < len(argv):
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if arg.startswith("--recipe="):
+            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+    if argv and argv[0].endswith(RECIPE_SUFFIXES):
+        return argv[1:], argv[0]
+    return argv, None
 
 
 class ParsedArgs(NamedTuple):
@@ -173,7 +241,7 @@ def asks_for_checkpoints(explicit: set[str]) -> bool:
 def recipe_flags(path: str) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/)."""
     flags: list[str] = []
-    for name, value in read_mapping(path, "flag names to values, e.g. `seq_len: 32768`").items():
+    for name, value in read_mapping(path, "flag names to values, e.g. `max_length: 32768`").items():
         items = value if isinstance(value, list) else [value]
         # (a mapping, e.g. layer_overrides, as the JSON text its flag takes, not Python's repr)
         flags += [f"--{name}", *(json.dumps(item) if isinstance(item, dict) else str(item) for item in items)]
@@ -185,24 +253,32 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
     and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
     parser = HfArgumentParser((ScriptArguments, SparseTrainingArguments), description=DESCRIPTION)
-    argv = list(argv)
-    recipe = bool(argv) and argv[0].endswith((".yaml", ".yml", ".json"))
-    if recipe:
-        argv = recipe_flags(argv[0]) + argv[1:]
+    argv, recipe = take_recipe(list(argv))
+    try:
+        if recipe is not None:
+            argv = recipe_flags(str(recipe_path(recipe))) + argv
+    except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
+        _refuse(parser, str(e))
+    renamed = [f"{arg} is now {RENAMED[arg]}" for arg in argv if arg in RENAMED]
+    if renamed:
+        _refuse(parser, "; ".join(renamed) + ".")
     explicit = explicit_fields(parser, argv)
-    # Every run of the example uses the backend it shows (`--sparse_attention false` turns it off), and without a GPU
-    # trains on CPU processes (gloo): accelerate only goes distributed on CPU when told. Its models use every
-    # parameter at every step, so DDP need not search the graph for unused ones after each backward (the Trainer's
-    # default without gradient checkpointing; `--ddp_find_unused_parameters true` brings it back).
-    defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False}
-    defaults |= {} if torch.cuda.is_available() else {"use_cpu": True}
-    if not recipe and "model_name_or_path" not in explicit:
+    # Every run of the example uses the backend it shows (`--sparse_attention false` turns it off). Its models use
+    # every parameter at every step, so DDP need not search the graph for unused ones after each backward (the
+    # Trainer's default without gradient checkpointing; `--ddp_find_unused_parameters true` brings it back).
+    defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, "max_length": MAX_LENGTH}
+    if recipe is None and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
     parser.set_defaults(**defaults)
     try:
-        script, training = parser.parse_args_into_dataclasses(args=argv)
+        script, training, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        script.check(training.max_length)
     except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        _refuse(parser, str(e))
+    if unused:
+        late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
+        _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "
+                        f"{late[0]})" if late else f"unrecognized arguments: {' '.join(unused)}")
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)
@@ -215,14 +291,18 @@ def passkey_train_data(
     progress bar, a cache file); the others wait, then load that file instead of building them again."""
     with training.main_process_first(desc="passkey data"):
         return passkey_dataset(tokenizer, script.num_samples * script.pack_documents,
-                               script.seq_len // script.pack_documents, seed=training.seed)
+                               training.max_length // script.pack_documents, seed=training.seed)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
+def build_trainer(
+    script: ScriptArguments, training: SparseTrainingArguments, callbacks: list[TrainerCallback] | None = None
+) -> SparseTrainer:
+    """The run's `SparseTrainer`, as `main` trains it: the model (pretrained, or the tiny default), its
+    tokenizer, the passkey data and the collator that `script` asks for; `callbacks` go to the Trainer."""
     set_seed(training.seed)
 
     if script.model_name_or_path:
+        check_model_source(script.model_name_or_path)  # (when loading: a recipe may name an earlier run's output)
         source, gguf = script.model_name_or_path, {}
         if source.endswith(".gguf"):  # transformers reads a GGUF file by its folder and name
             source, gguf = str(Path(source).parent), {"gguf_file": Path(source).name}
@@ -241,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if script.pack_documents > 1:
         if script.align_documents:
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            collator = BlockAlignedFlattening(training.block_size, return_flash_attn_kwargs=True, pad_token_id=pad_id)
+            collator = BlockAlignedFlattening(training.sparse_block_size, return_flash_attn_kwargs=True,
+                                              pad_token_id=pad_id)
         else:
             collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
         if training.per_device_train_batch_size != script.pack_documents:
@@ -251,15 +332,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         training.per_device_train_batch_size = script.pack_documents
     else:
         collator = default_data_collator
-    training.max_length = training.max_length or script.seq_len
     # The one switch: SparseTrainer sets up sparse attention, CP and SMET from the flags in `training`.
-    trainer = SparseTrainer(
+    return SparseTrainer(
         model=model,
         args=training,
         train_dataset=train_data,
         data_collator=collator,
         processing_class=tokenizer,
+        callbacks=callbacks,
     )
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
+    trainer = build_trainer(script, training)
     parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:
@@ -288,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                  else "no checkpoints (the demo's default; --save_steps N saves every N steps)")
         # a curriculum's length and CP degree change by stage: its schedule says them
         shape = (f"on {parallel.world_size} process(es), cp_schedule {training.cp_schedule}" if training.cp_schedule
-                 else f"at {script.seq_len} tokens on {parallel.world_size} process(es), CP={parallel.cp_size}")
+                 else f"at {training.max_length} tokens on {parallel.world_size} process(es), CP={parallel.cp_size}")
         print(
             f"done: {trainer.state.global_step} steps {shape} | loss "
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "

@@ -4,8 +4,9 @@ Importing the package changes nothing; `hf_sparse_cp.patch()` registers the `spa
 backend (select it with `attn_implementation="sparse_cp"`) and `hf_sparse_cp.unpatch()` undoes it.
 
 The package is laid out by idea, with one import direction:
-`integration -> distributed -> attention -> config` (`kernels` a leaf, `loss` and `smet` beside
-them, `testing` and `examples` on top). The names below are its public API; the Trainer-facing ones
+`trainer -> reporting / resharding -> integration -> distributed -> attention -> config`
+(`kernels` a leaf, `loss` and `smet` beside the model path, `simulator` beside the training path,
+`testing` and `examples` on top). The names below are its public API; the Trainer-facing ones
 are imported on first use, so `import hf_sparse_cp` stays light.
 """
 
@@ -19,21 +20,42 @@ from .lazy import lazy_attributes
 
 # Public names defined in modules that import transformers' Trainer stack, loaded on first access.
 _LAZY = {
-    "SMETArguments": "integration.arguments",
-    "SparseCPArguments": "integration.arguments",
-    "SparseTrainer": "integration.sparse_trainer",
-    "SparseTrainingArguments": "integration.sparse_trainer",
-    "attach_to_trainer": "integration.trainer",
-    "detach_from_trainer": "integration.trainer",
+    "sparse_cp_attention_forward": "integration.backend",
     "disable_lean_loss": "integration.lean_loss",
-    "disable_sparse_attention": "integration.trainer",
     "enable_lean_loss": "integration.lean_loss",
-    "enable_sparse_attention": "integration.trainer",
-    "install_smet": "integration.smet",
     "is_lean_loss_enabled": "integration.lean_loss",
-    "uninstall_smet": "integration.smet",
+    "check_model_supports_context_parallel": "integration.models",
+    "SMETArguments": "trainer.arguments",
+    "SparseAttentionFlags": "trainer.arguments",
+    "SparseCPArguments": "trainer.arguments",
+    "explicit_fields": "trainer.arguments",
+    "attach_to_trainer": "trainer.attach",
+    "checkpointing_enabled": "trainer.attach",
+    "detach_from_trainer": "trainer.attach",
+    "disable_sparse_attention": "trainer.attach",
+    "enable_sparse_attention": "trainer.attach",
+    "SMETCallback": "trainer.callbacks",
+    "SparsityLoggingCallback": "trainer.callbacks",
+    "disable_trainer_context_parallel": "trainer.context_parallel",
+    "enable_trainer_context_parallel": "trainer.context_parallel",
+    "disable_cpu_fsdp2": "trainer.cpu_fsdp",
+    "enable_cpu_fsdp2": "trainer.cpu_fsdp",
+    "CurriculumArguments": "trainer.curriculum",
+    "disable_curriculum": "trainer.curriculum",
+    "enable_curriculum": "trainer.curriculum",
+    "parse_schedule": "trainer.curriculum",
+    "install_smet": "trainer.smet",
+    "uninstall_smet": "trainer.smet",
+    "SparseTrainer": "trainer.sparse_trainer",
+    "SparseTrainerMixin": "trainer.sparse_trainer",
+    "SparseTrainingArguments": "trainer.sparse_trainer",
+    "sparse_arguments_class": "trainer.sparse_trainer",
+    "sparse_trainer_class": "trainer.sparse_trainer",
+    "write_sparse_model_card": "reporting.model_card",
 }
-__getattr__ = lazy_attributes(__name__, _LAZY)
+# TRL's SFT with the plugin (needs `pip install trl`; not in `__all__`, so `import *` does not import TRL).
+_TRL = {"SparseSFTConfig": "trainer.trl", "SparseSFTTrainer": "trainer.trl"}
+__getattr__ = lazy_attributes(__name__, _LAZY | _TRL)
 
 
 __all__ = [

@@ -1,6 +1,6 @@
-"""`hf-sparse-cp` command line: `train` runs the long-context example, `plot` draws a run's sparsity,
-`simulate` predicts CP step time on a GPU cluster, `memory` how long a sequence fits on a GPU, `env`
-reports the setup."""
+"""`hf-sparse-cp` command line: `train` runs the long-context example (`--recipe NAME` runs a shipped
+recipe), `recipes` lists the shipped recipes, `plot` draws a run's sparsity, `simulate` predicts CP
+step time on a GPU cluster, `memory` how long a sequence fits on a GPU, `env` reports the setup."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _add_plot_parser(sub) -> argparse.ArgumentParser:
     plot.add_argument("--model", help="Model for the layouts, a directory or hub id (default: the one saved in "
                       "RUN_DIR or its last checkpoint).")
     plot.add_argument("--text_file", help="Draw the layouts for this text (default: a synthetic passkey sample).")
-    plot.add_argument("--seq_len", type=int, help="Tokens of the input (default: the whole text; for the passkey "
+    plot.add_argument("--max_length", type=int, help="Tokens of the input (default: the whole text; for the passkey "
                       "sample 4096, or the pattern's min_seq_len if longer).")
     plot.add_argument("--layers", type=_int_list, help="Layers to draw, e.g. 0,5,11 (default: up to 4, evenly "
                       "spaced).")
@@ -59,18 +59,37 @@ def _add_plot_parser(sub) -> argparse.ArgumentParser:
 
 
 def _plot(args, parser: argparse.ArgumentParser) -> int:
-    from hf_sparse_cp.plots import plot_run
+    from hf_sparse_cp.reporting.plots import plot_run
 
-    if args.seq_len is not None and args.seq_len < 2:
-        parser.error(f"--seq_len {args.seq_len}: give at least 2 tokens.")
+    if args.max_length is not None and args.max_length < 2:
+        parser.error(f"--max_length {args.max_length}: give at least 2 tokens.")
     try:
         figures = plot_run(args.run_dir, args.out_dir, only=args.only, model=args.model, text_file=args.text_file,
-                           seq_len=args.seq_len, layers=args.layers, heads=args.heads,
+                           seq_len=args.max_length, layers=args.layers, heads=args.heads,
                            sparse_config=args.sparse_config)
     except (ImportError, OSError, ValueError) as e:  # each names its fix
         parser.error(str(e))
     for path in figures:
         print(f"wrote {path}")
+    return 0
+
+
+def _recipes(args, parser: argparse.ArgumentParser) -> int:
+    from hf_sparse_cp.recipes import KINDS, recipe_names, recipe_path, recipe_summary
+
+    if args.path is not None:
+        try:
+            print(recipe_path(args.path))
+        except FileNotFoundError as e:
+            parser.error(str(e))
+        return 0
+    for kind, how in zip(KINDS, ("hf-sparse-cp train --recipe NAME", "accelerate launch --config_file "
+                                 "\"$(hf-sparse-cp recipes --path NAME)\"")):
+        names = recipe_names(kind)
+        print(f"{kind} ({how}):")
+        width = max(map(len, names))
+        for name in names:
+            print(f"  {name:<{width}}  {recipe_summary(recipe_path(name))}")
     return 0
 
 
@@ -121,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
-        help="Run the long-context Trainer example (tiny model, passkey data); extra flags go to the script.",
+        help="Run the long-context Trainer example (tiny model, passkey data); extra flags go to the script "
+        "(`--recipe NAME_OR_PATH` first reads a recipe's flags).",
         add_help=False,
     )
     train.add_argument("--nproc", type=int, default=1,
@@ -134,10 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("memory", add_help=False,
                    help="Predict how long a sequence fits on a GPU for a model (with CP, FSDP, token tiles, offload) "
                    "and which terms its memory holds (`hf-sparse-cp memory --help` lists its flags).")
+    recipes = sub.add_parser("recipes", help="List the shipped recipes (training flags and accelerate configs).")
+    recipes.add_argument("--path", metavar="NAME", help="Print the file of this recipe (e.g. for accelerate launch "
+                         "--config_file) instead of the list.")
     sub.add_parser("env", help="Print the versions and devices the plugin sees.")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
         return _env()
+    if args.command == "recipes":
+        return _recipes(args, recipes)
     if args.command == "simulate":
         from hf_sparse_cp.examples.simulate_cluster import main as simulate
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -34,7 +35,7 @@ class SparseAttentionConfig(FileConfig):
     `last_q` queries, and computes exact attention restricted to those blocks and columns.
 
     The defaults (top-k 512 columns / 1024 diagonals, the first layer dense) come from measurements
-    on a pretrained model (README, "Accuracy on real weights"): at 8K tokens they keep 66% of the
+    on a pretrained model (docs/accuracy.md): at 8K tokens they keep 66% of the
     causal blocks with 99.4% of the dense attention mass (no layer below 98%).
     """
 
@@ -101,6 +102,14 @@ class SparseAttentionConfig(FileConfig):
         default=1,
         metadata={"help": "Keep the first N decoder layers dense: layer 0's attention is the broadest (on "
                   "SmolLM2-135M it loses the most mass to a top-k budget), 0 makes every layer sparse."},
+    )
+    attention_engine: Literal["auto", "triton", "flex", "reference"] = field(
+        default="auto",
+        metadata={"help": "What computes attention over the layout: 'triton' (our kernels), 'flex' (FlexAttention, "
+                  "compiled, CUDA for training), 'reference' (PyTorch, any device) or 'auto': the faster of the "
+                  "kernels and Flex per call on CUDA from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the "
+                  "kernels without one), the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
+                  "Dense calls go to flash-attn first where installed ($HF_SPARSE_CP_DENSE_BACKEND)."},
     )
     layer_overrides: dict | str | None = field(
         default=None,
@@ -178,6 +187,35 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(f"layer_overrides[{key!r}]: {e}") from None
             parsed.append((first, last, fields_))
         return parsed
+
+    def check_sparse_at(self, seq_len: int, layers: Iterable[int] | None = None) -> None:
+        """Raise ValueError, naming the fix, when layers whose pattern is vertical_slash would run dense on
+        every document of up to `seq_len` tokens without saying so: with estimation='causal_chunks', a
+        document's first `estimation_chunk` tokens are dense, so a chunk at least as long as the sequence
+        makes the whole layer dense. (Documents shorter than `min_seq_len` are dense by choice, and the
+        start-up line says so.)
+
+        Args:
+            seq_len: the longest training sequence (a curriculum stage's length).
+            layers: the indices of the layers that run this config's pattern (`for_layer`); default: the
+                config itself, without per-layer settings.
+        """
+        configs = {i: self.for_layer(i) for i in layers} if layers is not None else {None: self}
+        dense = [i for i, cfg in configs.items()
+                 if cfg.pattern == "vertical_slash" and cfg.estimation == "causal_chunks"
+                 and seq_len >= max(cfg.min_seq_len, 1) and cfg.estimation_chunk >= seq_len]
+        if not dense:
+            return
+        cfg = configs[dense[0]]
+        which = ("every layer" if layers is None else
+                 f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))}")
+        fix = max(cfg.block_size, seq_len // 2 // cfg.block_size * cfg.block_size)
+        raise ValueError(
+            f"estimation_chunk={cfg.estimation_chunk} is not shorter than the {seq_len}-token training sequences: with "
+            f"estimation='causal_chunks' the first chunk of a document is dense, so {which} would run dense (kept "
+            f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of block_size={cfg.block_size}, e.g. "
+            f"{fix}), or estimation='last_queries'."
+        )
 
     def for_layer(self, layer_idx: int | None) -> SparseAttentionConfig:
         """The config one decoder layer uses, with `dense_first_layers` and `layer_overrides` applied."""

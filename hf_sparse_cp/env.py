@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import os
 import platform
 from pathlib import Path
@@ -15,9 +15,11 @@ PACKAGES = ("transformers", "accelerate", "peft", "datasets", "triton", "liger_k
 
 
 def _version(module: str) -> str | None:
+    """The installed version of the distribution of `module`, read from its metadata: importing peft or
+    datasets only to report them would cost every benchmark process seconds."""
     try:
-        return getattr(importlib.import_module(module), "__version__", "installed")
-    except ImportError:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 

@@ -18,22 +18,22 @@ import yaml
 logger = logging.getLogger(__name__)
 
 
-def read_mapping(path: str | Path, what: str = "fields") -> dict[str, Any]:
-    """The mapping stored in a .yaml/.yml or .json file; clear errors, naming the file, for a missing
-    file, another suffix, a syntax error, or content that is not a mapping (`what` names the
+def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config file") -> dict[str, Any]:
+    """The mapping stored in a .yaml/.yml or .json file; clear errors, naming the file (as `kind`), for a
+    missing file, another suffix, a syntax error, or content that is not a mapping (`what` names the
     expected keys in that error)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"Config file {str(path)!r} does not exist.")
+        raise FileNotFoundError(f"{kind} {str(path)!r} does not exist.")
     if path.suffix not in (".yaml", ".yml", ".json"):
-        raise ValueError(f"Config file {str(path)!r} must end in .yaml, .yml or .json.")
+        raise ValueError(f"{kind} {str(path)!r} must end in .yaml, .yml or .json.")
     try:
         with path.open() as stream:  # (a stream, so that YAML's error marks name the file and line)
             data = json.load(stream) if path.suffix == ".json" else (yaml.safe_load(stream) or {})
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"Config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
+        raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"Config file {str(path)!r} must hold a mapping of {what}.")
+        raise ValueError(f"{kind} {str(path)!r} must hold a mapping of {what}.")
     return data
 
 
@@ -77,17 +77,21 @@ def _describe(annotation: Any) -> str:
     return words.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
-def check_field_types(config: Any) -> None:
+def check_field_types(config: Any, names: Collection[str] | None = None) -> None:
     """Raise a ValueError naming the field, its value and what to write instead for the first field of
-    the dataclass instance `config` whose value does not have the type of its annotation.
+    the dataclass instance `config` (of those in `names`, default every field) whose value does not
+    have the type of its annotation.
 
-    Config dataclasses call this in `__post_init__`, before their value checks, so that a value of the
-    wrong type (from a YAML/JSON file, or passed directly) is refused by name instead of failing later
-    in a comparison, or being used as something else. `HfArgumentParser` already converts command-line
-    text to the annotated types, so flags always pass.
+    Every plugin dataclass calls this in `__post_init__`, before its value checks, so that a value of
+    the wrong type (from a YAML/JSON file, `HfArgumentParser.parse_dict`, or passed directly) is refused
+    by name instead of failing later in a comparison, or being used as something else: text such as
+    "false" in a boolean field would be true. `HfArgumentParser` already converts command-line text to
+    the annotated types, so flags always pass.
     """
     types_ = _field_types(type(config))
     for f in dataclasses.fields(config):
+        if names is not None and f.name not in names:
+            continue
         value, annotation = getattr(config, f.name), types_[f.name]
         if _matches(value, annotation):
             continue
@@ -99,6 +103,8 @@ def check_field_types(config: Any) -> None:
             fix += ("; this is a number written as text: write it without quotes"
                     + (" (YAML reads an exponent without a dot and a sign, like 1e-3, as text: write 0.001 or "
                        "1.0e-3)" if "e" in value.lower() else ""))
+        elif isinstance(value, str) and _matches(True, annotation):
+            fix += "; a switch takes true or false without quotes (quoted, YAML and JSON read them as text)"
         raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not valid: {fix}.")
 
 
@@ -149,7 +155,7 @@ class FileConfig:
         """The config in `path` (the defaults when None) with command-line `flags` (field -> value) on top.
 
         `explicit`: the names of the fields the user gave explicitly (on the command line or in a recipe),
-        when the caller knows them (`hf_sparse_cp.integration.arguments.explicit_fields` finds them for an
+        when the caller knows them (`hf_sparse_cp.trainer.arguments.explicit_fields` finds them for an
         `HfArgumentParser`). Those flags beat the file whatever their value, a default value included, and
         the other flags leave the file's values alone; names that are not fields of `flags` are ignored, so
         one set can serve every config of a parser. Without it (None), the flags that differ from the

@@ -34,7 +34,7 @@ class Tiles:
     kv_descriptors: forward and dq: the key-block loop loads its K/V tiles through TMA tensor
         descriptors (one bulk copy per tile on sm_90; the columns keep their gathers), where the
         tensors allow it (`block_sparse_fwd.descriptors_fit`), else through pointers. Off in the
-        launched tiles until a GPU has timed it; builds for sm_90 (tests/test_kernels_compile.py).
+        launched tiles until a GPU has timed it; builds for sm_90 (tests/kernels/test_kernels_compile.py).
     """
 
     block_m: int

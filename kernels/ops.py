@@ -28,17 +28,23 @@ import torch
 
 from . import block_sparse_bwd, block_sparse_fwd
 from .indexing import LayoutSplit, split_layout
-from .interpreter import kernels_are_interpreted
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # see configs.py
+
+
+def kernels_are_interpreted() -> bool:
+    """Whether this process's kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(block_sparse_fwd._forward_kernel, JITFunction)
 
 
 def _launchers(device: torch.device):
     if device.type != "cuda" and not kernels_are_interpreted():
         raise ValueError(
             f"the Triton kernels run on CUDA tensors (got {device.type}); on CPU use implementation='reference', or "
-            "run the kernels in Triton's interpreter (hf_sparse_cp.kernels.interpreter.interpreter_pool)."
+            "run the kernels in Triton's interpreter (hf_sparse_cp.testing.interpreter.interpreter_pool)."
         )
     return block_sparse_fwd, block_sparse_bwd
 

@@ -136,7 +136,7 @@ def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -
     multiple of Hkv; any strides with unit stride along D). Returns (vertical, slash) with
     vertical[h, j] the softmax mass key j receives from the R queries and slash[h, o] the mass on
     offset o = query position - key position. Runs on CUDA tensors, or on CPU tensors inside
-    Triton's interpreter (`interpreter.interpreter_pool`).
+    Triton's interpreter (`hf_sparse_cp.testing.interpreter.interpreter_pool`).
     """
     hq, r, d = q_rows.shape
     hk, l, dk = k.shape
@@ -195,19 +195,3 @@ def fold_diagonal_chunks(chunks: torch.Tensor, first_chunk_offset: int, length: 
     for s in range(n_slots):
         acc[:, m0 + s : m0 + s + n_kt] += chunks[:, :, s].flip(1)
     return acc[:, n_kt:].flatten(1)[:, :length]
-
-
-def reference_vertical_slash(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same scores in plain PyTorch, fp32 (fp64 for fp64 inputs), through the dense [Hq, R, L]
-    probabilities (small sizes: tests)."""
-    dtype = torch.float64 if q_rows.dtype == torch.float64 else torch.float32
-    hq, r, _ = q_rows.shape
-    l = k.shape[1]
-    kk = k.to(dtype).repeat_interleave(hq // k.shape[0], 0)
-    pos = torch.arange(l - r, l, device=k.device)
-    key = torch.arange(l, device=k.device)
-    s = torch.einsum("hrd,hld->hrl", q_rows.to(dtype), kk) * scale
-    p = torch.softmax(s.masked_fill(key > pos[:, None], float("-inf")), dim=-1)
-    offset = (pos[:, None] - key).clamp_min(0).flatten().expand(hq, -1)
-    slash = torch.zeros(hq, l, dtype=dtype, device=k.device).scatter_add_(1, offset, p.flatten(1))
-    return p.sum(1), slash

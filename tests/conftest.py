@@ -1,23 +1,43 @@
+"""Tiers of the suite, one folder each (`make test-fast` runs the first):
+
+* `unit/`: one process, no spawned process, no Triton interpreter, no pretrained weights (seconds each);
+* `kernels/`: the Triton kernels under the interpreter, their sm_90 builds, and GPU-marked runs;
+* `distributed/`: torch.distributed on gloo, 2 to 4 processes, against one process;
+* `integration/`: the Trainer end to end, the command line, recipes, benchmarks' smoke runs, real weights.
+
+Each test carries its folder's marker (`-m unit`, ...); `gpu` tests are skipped without a CUDA GPU.
+"""
+
+from pathlib import Path
+
 import pytest
 import torch
 
+TIERS = ("unit", "kernels", "distributed", "integration")
+HERE = Path(__file__).resolve().parent
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = Path(item.fspath).resolve().relative_to(HERE).parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 
 @pytest.fixture(autouse=True)
 def _restore_backend_registration():
-    """Tests that patch transformers leave it as they found it."""
+    """Tests that patch transformers leave it as they found it (the backend and the lean loss, which a
+    SparseTrainer turns on and leaves on)."""
     import hf_sparse_cp
+    from hf_sparse_cp.integration.lean_loss import disable_lean_loss, is_lean_loss_enabled
 
-    was_patched = hf_sparse_cp.is_patched()
+    was_patched, had_lean_loss = hf_sparse_cp.is_patched(), is_lean_loss_enabled()
     yield
+    if is_lean_loss_enabled() and not had_lean_loss:
+        disable_lean_loss()
     if hf_sparse_cp.is_patched() and not was_patched:
         hf_sparse_cp.unpatch()
 

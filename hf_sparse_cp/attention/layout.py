@@ -106,6 +106,36 @@ class SparseLayout:
         """bool [B, H, NQB, max_cols]: the slots of `col_idx` in use."""
         return valid_slots(self.col_idx, self.col_cnt)
 
+    def select(self, query_blocks: torch.Tensor) -> SparseLayout:
+        """The layout of the query blocks `query_blocks` (int64 indices, e.g. one rank's shard), in that order."""
+        q = query_blocks.to(self.block_idx.device)
+        return SparseLayout(self.block_idx[:, :, q], self.block_cnt[:, :, q], self.col_idx[:, :, q],
+                            self.col_cnt[:, :, q], self.block_size)
+
+    def blocks_into(self, key_map: torch.Tensor) -> SparseLayout:
+        """The listed key blocks renumbered through `key_map` (int64 [key blocks]: the new index, or -1 to
+        drop the block), ascending, without the columns: e.g. the blocks one shard holds, indexed into the
+        buffer that receives them."""
+        blk = self.block_idx.long()
+        mapped = key_map.to(blk.device)[blk.clamp_min(0)]
+        block_idx, block_cnt = compact_sorted(mapped, self.valid_blocks() & (mapped >= 0))
+        return SparseLayout.from_blocks(block_idx, block_cnt, self.block_size)
+
+    def columns_into(self, tokens: torch.Tensor) -> SparseLayout:
+        """The listed key columns as positions in `tokens` (ascending key tokens holding every listed column),
+        without the blocks: e.g. the columns in a buffer gathered from several ranks."""
+        positions = torch.searchsorted(tokens.to(self.col_idx.device), self.col_idx.long())
+        col_idx = torch.where(self.valid_cols(), positions, -1).to(torch.int32)
+        width = int(self.col_cnt.max()) if self.col_cnt.numel() else 0
+        return SparseLayout.from_columns(col_idx[..., :width].contiguous(), self.col_cnt, self.block_size)
+
+    def listed_columns(self, num_tokens: int) -> torch.Tensor:
+        """bool [num_tokens] on the layout's device: the key tokens some (row, head, query block) lists as a
+        column. Marks a flag per token instead of sorting the listed columns: linear in the layout's size."""
+        listed = torch.zeros(num_tokens + 1, dtype=torch.bool, device=self.col_idx.device)
+        listed[torch.where(self.valid_cols(), self.col_idx.long(), num_tokens).flatten()] = True  # spare flag: unused
+        return listed[:num_tokens]
+
     def head_index(self, num_q_heads: int) -> torch.Tensor:
         """Layout head used by each query head (all zeros for a shared layout)."""
         if self.heads == 1:

@@ -7,7 +7,8 @@ log-sum-exp (LSE) of their scores. Two parts combine exactly as
 
 evaluated relative to max(lse_a, lse_b) so that nothing overflows; a part that saw no key
 (lse = -inf, out = 0) leaves the other unchanged. A NaN lse (non-finite inputs) is not "no key":
-it makes the merged out and lse NaN.
+it makes the merged out and lse NaN. The merge is differentiable (the Flex engine's parts are merged
+under autograd), with finite gradients for queries that saw nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def merge_attention(
     ref = torch.where(empty, torch.zeros_like(top), top)
     w_a = torch.exp(lse - ref)
     w_b = torch.exp(lse_part - ref)
-    total = w_a + w_b
+    # Where neither saw a key, divide by 1 instead of 0: unused there, and it keeps the gradient finite
+    # (autograd differentiates both branches of a where).
+    total = torch.where(empty, torch.ones_like(top), w_a + w_b)
     merged_lse = torch.where(empty, top, ref + torch.log(total))
     inv = torch.where(empty, torch.zeros_like(total), 1.0 / total)
     merged_out = (out * (w_a * inv).unsqueeze(-1)) + (out_part * (w_b * inv).unsqueeze(-1))

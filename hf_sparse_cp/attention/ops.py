@@ -2,47 +2,30 @@
 
 Layers, bottom up:
 * `attention_forward` / `attention_backward`: one forward / backward over the keys a layout lists,
-  by the Triton kernels (`hf_sparse_cp.kernels.ops`, CUDA) or the PyTorch reference
-  (`reference.py`, everything else). Here the `SparseLayout` / `TokenMeta` objects are unpacked
-  into the raw tensors the kernels take, after the input contract is checked. Ring attention calls
-  these once per ring step.
-* `_BlockSparseAttention`: the autograd Function; it saves tensors and calls the primitives.
+  by the engine `engines.resolve_engine` names: the Triton kernels (`hf_sparse_cp.kernels.ops`),
+  FlexAttention (`flex.py`) or the PyTorch reference (`reference.py`). Here the `SparseLayout` /
+  `TokenMeta` objects are unpacked into the raw tensors the kernels take, after the input contract
+  is checked. Ring attention calls these once per ring step.
+* `_BlockSparseAttention`: the autograd Function of the kernels and the reference; it saves tensors
+  and calls the primitives (the Flex engine differentiates through Flex's own backward).
 * `block_sparse_attention`: the documented public op.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
+from .engines import ENGINES, resolve_engine
+from .flex import flex_backward, flex_block_sparse_attention, flex_forward
 from .layout import SparseLayout, check_attention_inputs, check_tensors
 from .merge import merge_attention
 from .precision import autocast_inputs
 from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
 
-IMPLEMENTATIONS = ("auto", "triton", "reference")
-
-
-def _use_triton(q: torch.Tensor, implementation: str) -> bool:
-    """Whether the Triton kernels compute: 'triton' always (CUDA, or CPU inside Triton's interpreter),
-    'reference' never, 'auto' for CUDA tensors the kernels take (imported lazily, so CPU-only use
-    never imports triton). 'auto' warns when CUDA tensors fall back to the slow reference (fp64,
-    head_dim above the kernels' maximum)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
-    if implementation != "auto":
-        return implementation == "triton"
-    if not q.is_cuda:
-        return False
-    from ..kernels.ops import unsupported
-
-    reason = unsupported(q)
-    if reason is not None:
-        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {reason}.", stacklevel=3)
-    return reason is None
+IMPLEMENTATIONS = ENGINES
 
 
 def _raw(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[tuple, tuple, tuple]:
@@ -89,8 +72,8 @@ def attention_forward(
             (the kernels merge in place, in the same pass; the reference through the log-sum-exp).
         out_in_input_dtype: return a fresh out in q's dtype (the kernels write it so, in transformers'
             [B, S, H, D] memory, returned as its [B, Hq, S, D] view) instead of the compute dtype.
-        implementation: 'auto' (kernels for CUDA tensors they take, reference otherwise), 'triton'
-            or 'reference'.
+        implementation: the engine: 'auto' (see `hf_sparse_cp.attention.engines`), 'triton', 'flex' or
+            'reference'.
 
     Returns:
         (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs), out in
@@ -100,14 +83,20 @@ def attention_forward(
     """
     if (out is None) != (lse is None):
         raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
-    if _use_triton(q, implementation):
+    engine = resolve_engine(q, layout, implementation)
+    if engine == "triton":
         from ..kernels.ops import triton_forward
 
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
         return triton_forward(q, k, v, *_raw(layout, q_meta, k_meta), scale=scale, block_size=layout.block_size,
                               window=sliding_window, out=out, lse=lse, out_in_input_dtype=out_in_input_dtype,
                               split=kernel_split(layout, q_meta, k_meta, sliding_window))
-    part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+    if engine == "flex":
+        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+        part = flex_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
+    else:
+        part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                 sliding_window=sliding_window)
     if out is not None:
         return merge_attention(out, lse, *part)
     return (part[0].to(q.dtype), part[1]) if out_in_input_dtype else part
@@ -139,14 +128,16 @@ def attention_backward(
             this layout (ring attention): each key set contributes its exact share of the gradient.
         dout: gradient of out [B, Hq, Sq, D]; dlse: gradient reaching lse [B, Hq, Sq], or None.
         deterministic: kernels only: bitwise reproducible column gradients; None follows
-            `torch.are_deterministic_algorithms_enabled()`.
+            `torch.are_deterministic_algorithms_enabled()`. The flex engine runs each of its Flex calls
+            again with autograd (CUDA only).
         grads_in_input_dtype: return the gradients in the inputs' dtype (the kernels write them so,
             in transformers' [B, S, H, D] memory) instead of the compute dtype.
 
     Returns:
         (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype, or the inputs' dtype.
     """
-    if _use_triton(q, implementation):
+    engine = resolve_engine(q, layout, implementation)
+    if engine == "triton":
         from ..kernels.ops import triton_backward
 
         check_attention_inputs(q, k, v, layout, q_meta, k_meta)
@@ -154,8 +145,13 @@ def attention_backward(
                                block_size=layout.block_size, window=sliding_window, dlse=dlse,
                                deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype,
                                split=kernel_split(layout, q_meta, k_meta, sliding_window))
-    grads = reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                               sliding_window=sliding_window, dlse=dlse)
+    if engine == "flex":
+        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+        grads = flex_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                              sliding_window=sliding_window, dlse=dlse)
+    else:
+        grads = reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                   sliding_window=sliding_window, dlse=dlse)
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
 
 
@@ -207,8 +203,9 @@ def block_sparse_attention(
             attention backend, whose layouts are correct by construction, turns it off.
         Under autocast, q, k, v are cast to the autocast dtype (as SDPA takes them) and the
         computation itself runs with autocast off, in the compute dtype.
-        implementation: 'auto' (Triton kernels for CUDA tensors they take, the PyTorch reference
-            otherwise), 'triton' or 'reference'.
+        implementation: the engine: 'auto' (the faster of the Triton kernels and FlexAttention on CUDA
+            by a measured table, the PyTorch reference off CUDA; see `hf_sparse_cp.attention.engines`),
+            'triton', 'flex' (differentiable through Flex's own backward, CUDA only) or 'reference'.
 
     Returns:
         (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype); from the kernels, out
@@ -226,5 +223,10 @@ def block_sparse_attention(
     if check_layout:
         layout.validate(hq, sq, k.shape[2])
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    engine = resolve_engine(q, layout, implementation)
     with torch.autocast(q.device.type, enabled=False):
-        return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, implementation)
+        if engine == "flex":
+            check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+            return flex_block_sparse_attention(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                               sliding_window=sliding_window)
+        return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, engine)

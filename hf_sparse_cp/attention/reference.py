@@ -200,3 +200,21 @@ def reference_backward(
     """
     prob = _Problem(q, k, v, layout, q_meta, k_meta, sliding_window)
     return _backward(q, k, v, out, lse, dout, dlse, prob, scale)
+
+
+def reference_vertical_slash(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores of the vertical-slash scoring kernel (`kernels.vertical_slash.vertical_slash_scores`) in
+    plain PyTorch, fp32 (fp64 for fp64 inputs), through the dense [Hq, R, L] probabilities (small sizes:
+    tests). q_rows [Hq, R, D] are the last R queries of a document, k [Hkv, L, D] its keys; returns
+    (vertical [Hq, L], slash [Hq, L])."""
+    dtype = torch.float64 if q_rows.dtype == torch.float64 else torch.float32
+    hq, r, _ = q_rows.shape
+    l = k.shape[1]
+    kk = k.to(dtype).repeat_interleave(hq // k.shape[0], 0)
+    pos = torch.arange(l - r, l, device=k.device)
+    key = torch.arange(l, device=k.device)
+    s = torch.einsum("hrd,hld->hrl", q_rows.to(dtype), kk) * scale
+    p = torch.softmax(s.masked_fill(key > pos[:, None], float("-inf")), dim=-1)
+    offset = (pos[:, None] - key).clamp_min(0).flatten().expand(hq, -1)
+    slash = torch.zeros(hq, l, dtype=dtype, device=k.device).scatter_add_(1, offset, p.flatten(1))
+    return p.sum(1), slash

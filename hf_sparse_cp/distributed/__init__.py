@@ -8,13 +8,14 @@
 * `context.py`: `CPShard`, `prepare_context_parallel_inputs` (shard a batch, attach the shard the
   attention backend receives as `cp_shard`);
 * `estimation.py`: `estimate_layout_cp`, the global layout from every rank's shard;
+* `kept_fraction.py`: the kept fraction of a CP call as one process reports it;
 * `plan.py`: `RingPlan`, from the global layout to what each rank computes, sends and receives;
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers;
 * `ring_attention.py`: `ring_sparse_attention`, `context_parallel_attention`;
-* `balance.py`: work and bytes of a ring plan (benchmarks); `loss.py`: token-count-correct loss;
-* `reshard.py`: `move_state`, sharded state moved between layouts by slice intersection (no checkpoint);
-* `sharded_checkpoint.py`: `save_sharded_state` / `load_sharded_state`, resuming with another world size
-  through the same plan.
+* `loss.py`: token-count-correct loss over batch x CP.
+
+What a training step does not run lives elsewhere: the cluster simulator in `hf_sparse_cp.simulator`,
+moving sharded state between layouts in `hf_sparse_cp.resharding`.
 """
 
 from .comm import RingTopology

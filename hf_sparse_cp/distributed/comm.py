@@ -67,13 +67,11 @@ class RingTopology:
 
 @dataclass
 class Transfer:
-    """One send (or receive) of a contiguous tensor to (from) a global rank; `tag` tells apart several
-    messages between one pair in a batch (gloo matches by it, NCCL by order)."""
+    """One send (or receive) of a contiguous tensor to (from) a global rank."""
 
     peer: int
     tensor: torch.Tensor
     send: bool
-    tag: int = 0
 
 
 class Pending:
@@ -103,7 +101,7 @@ class P2PComm:
         for t in transfers:
             if not t.tensor.is_contiguous():
                 raise ValueError("point-to-point transfers need contiguous tensors.")
-            ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, group=self.group, tag=t.tag))
+            ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, group=self.group))
             if t.send:
                 self.bytes_sent += t.tensor.numel() * t.tensor.element_size()
         return Pending(dist.batch_isend_irecv(ops), [t.tensor for t in transfers])

@@ -65,6 +65,22 @@ def _all_reduce(x: torch.Tensor, op, shard: CPShard) -> None:
         dist.all_reduce(x, op=op, group=shard.parallel.cp_group)
 
 
+class KeptEntries(NamedTuple):
+    """What a sparse layout is built from (`layout_from_kept`): the estimation segments of every batch
+    row and the kept columns and offsets ([B, H, V, S] bool each, in the split's global order)."""
+
+    segments: list[list[EstimationSegment]]
+    keep_v: torch.Tensor
+    keep_s: torch.Tensor
+
+
+class CPEstimate(NamedTuple):
+    """`estimate_cp`'s result: the global layout, and the entries it was built from (None: dense)."""
+
+    layout: SparseLayout
+    kept: KeptEntries | None
+
+
 def estimate_layout_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,6 +102,20 @@ def estimate_layout_cp(
         The layout over the padded sequence [B, Hq, plan.num_blocks, ...], the same on every rank and
         equal to `estimate_layout` on the whole sequence (up to the summation order of the scores).
     """
+    return estimate_cp(q, k, cfg, shard, scale=scale, sliding_window=sliding_window).layout
+
+
+def estimate_cp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cfg: SparseAttentionConfig,
+    shard: CPShard,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> CPEstimate:
+    """`estimate_layout_cp`, with the kept entries the layout was built from (for the kept fraction one
+    process reports, `kept_fraction.one_process_kept_fraction`)."""
     plan, meta = shard.plan, shard.meta
     if cfg.block_size != plan.block_size:
         raise ValueError(
@@ -93,10 +123,10 @@ def estimate_layout_cp(
             f"({plan.block_size}); under context parallelism every layer must use the same block_size."
         )
     if cfg.pattern == "dense" or sliding_window is not None:
-        return dense_layout(meta, cfg.block_size, sliding_window)
+        return CPEstimate(dense_layout(meta, cfg.block_size, sliding_window), None)
     docs = long_documents(meta, cfg)
     if not any(docs):
-        return dense_layout(meta, cfg.block_size)
+        return CPEstimate(dense_layout(meta, cfg.block_size), None)
     b, hq, s_local, d = q.shape
     dev = q.device
     dtype = compute_dtype(q.dtype)
@@ -105,7 +135,7 @@ def estimate_layout_cp(
 
     segments = estimation_segments(docs, cfg)
     if not any(segments):
-        return dense_layout(meta, cfg.block_size)
+        return CPEstimate(dense_layout(meta, cfg.block_size), None)
     flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
     # Host bookkeeping, no device read: each segment's scoring rows [first, scored_end) and keys [start,
     # scored_end) are contiguous runs of this rank's shard (its tokens are in ascending global order).
@@ -162,7 +192,7 @@ def estimate_layout_cp(
     keep_v, keep_s = _kept_across_ranks(
         _Scores(vertical, key_base, tok[torch.cat([p[3] for p in pieces])], keys_held),
         _Scores(slash, slash_base, None, None), flat, meta.segment.shape, cfg, shard)
-    return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
+    return CPEstimate(layout_from_kept(meta, cfg, segments, keep_v, keep_s), KeptEntries(segments, keep_v, keep_s))
 
 
 class _Scores(NamedTuple):

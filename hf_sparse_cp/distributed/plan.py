@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.layout import SparseLayout, compact_sorted, valid_slots
+from ..attention.layout import SparseLayout
 from ..attention.tokens import TokenMeta
 from .comm import RingTopology
 from .sharding import BlockSplit
@@ -230,18 +230,12 @@ def slot_ops(sets: TransferSets, position: int, *, backward: bool) -> dict[tuple
     return ops
 
 
-def _restrict(layout: SparseLayout, rows: torch.Tensor, plan: BlockSplit, source: int,
-              buffer_pos: torch.Tensor) -> SparseLayout:
-    """Query blocks `rows` of the global layout against `source`'s key blocks, indexed into the
-    buffer (`buffer_pos[local block]` = its block position in the buffer); no columns."""
-    dev = layout.block_idx.device
-    owner = plan.block_owner.to(dev)
-    local = plan.block_local_index.to(dev)
-    blk = layout.block_idx[:, :, rows].long()
-    kb = blk.clamp_min(0)
-    keep = valid_slots(blk, layout.block_cnt[:, :, rows]) & (owner[kb] == source)
-    block_idx, block_cnt = compact_sorted(buffer_pos.to(dev)[local[kb]], keep)
-    return SparseLayout.from_blocks(block_idx, block_cnt, plan.block_size)
+def _shard_into_buffer(plan: BlockSplit, source: int, held: torch.Tensor) -> torch.Tensor:
+    """int64 [num_blocks]: the position of each global key block in the buffer of `source`'s `held` blocks
+    (source-local, ascending), -1 for blocks that are not there."""
+    buffer_pos = torch.full((plan.max_local_blocks,), -1, dtype=torch.long)
+    buffer_pos[held] = torch.arange(held.numel())
+    return torch.where(plan.block_owner == source, buffer_pos[plan.block_local_index], -1)
 
 
 @dataclass
@@ -271,19 +265,15 @@ class BarStep:
         return max(o.numel() for o in self.owned)
 
 
-def _bar_step(layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, position: int) -> BarStep | None:
-    dev = layout.block_idx.device
+def _bar_step(layout: SparseLayout, mine: SparseLayout, plan: BlockSplit, meta: TokenMeta) -> BarStep | None:
+    """The bar step of the rank whose query blocks' layout is `mine` (`layout` the global one)."""
     bs = plan.block_size
     shared = column_tokens(layout, plan)
-    rows = plan.blocks_of(position).to(dev)
-    col = layout.col_idx[:, :, rows].long().clamp_min(0)
-    valid = valid_slots(layout.col_idx[:, :, rows], layout.col_cnt[:, :, rows])
-    if not shared.numel() and not bool(valid.any()):
+    listed = mine.listed_columns(plan.padded_len)
+    if not shared.numel() and not bool(listed.any()):
         return None
-    listed = torch.zeros(plan.padded_len + 1, dtype=torch.bool, device=dev)
-    listed[torch.where(valid, col, plan.padded_len).flatten()] = True
-    listed[shared.to(dev)] = True
-    tokens = listed[:-1].nonzero().flatten().cpu()  # the buffer: shared tokens and this rank's own columns
+    listed[shared.to(listed.device)] = True
+    tokens = listed.nonzero().flatten().cpu()  # the buffer: shared tokens and this rank's own columns
     owner = plan.block_owner[shared // bs]
     local_row = plan.block_local_index[shared // bs] * bs + shared % bs
     owned = [(owner == r).nonzero().flatten() for r in range(plan.cp_size)]
@@ -293,14 +283,9 @@ def _bar_step(layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, position:
     own_pos = (~is_shared).nonzero().flatten()
     own = tokens[own_pos]
     own_rows = plan.block_local_index[own // bs] * bs + own % bs
-    # Columns ascend, and so do their positions in the ascending token list (every listed column is in it).
-    col_idx = torch.where(valid, torch.searchsorted(tokens.to(dev), col), -1).to(torch.int32)
-    col_cnt = layout.col_cnt[:, :, rows]
-    width = int(col_cnt.max()) if col_cnt.numel() else 0
-    bar_layout = SparseLayout.from_columns(col_idx[..., :width].contiguous(), col_cnt, bs)
-    tok = tokens.to(dev)
-    return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows, bar_layout,
-                   TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
+    tok = tokens.to(listed.device)
+    return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows,
+                   mine.columns_into(tokens), TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
 
 
 class RingPlan:
@@ -319,7 +304,7 @@ class RingPlan:
         meta = meta.pad_to(plan.padded_len)
         dev = layout.block_idx.device
         bs = plan.block_size
-        rows = plan.blocks_of(position).to(dev)
+        mine = layout.select(plan.blocks_of(position))  # this rank's query blocks
         self.q_meta = plan.shard_meta(meta, position)
         self.steps: list[RingStep] = []
         for o in range(topology.num_nodes):
@@ -327,13 +312,11 @@ class RingPlan:
                 s = topology.source(position, o, i)
                 held = self.sets.blocks("held", s, o, i)
                 read = self.sets.blocks("read", s, o, i)
-                buffer_pos = torch.full((plan.max_local_blocks,), -1, dtype=torch.long)
-                buffer_pos[held] = torch.arange(held.numel())
-                step_layout = _restrict(layout, rows, plan, s, buffer_pos) if read.numel() else None
+                step_layout = mine.blocks_into(_shard_into_buffer(plan, s, held)) if read.numel() else None
                 tok = ((plan.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
                 k_meta = TokenMeta(meta.index[:, tok], meta.segment[:, tok])
                 self.steps.append(RingStep(o, i, s, held, read, step_layout, k_meta))
-        self.bar = _bar_step(layout, plan, meta, position)
+        self.bar = _bar_step(layout, mine, plan, meta)
         self.bar_work = self.bar is not None and bool((self.bar.layout.col_cnt > 0).any())
         self.forward_ops = slot_ops(self.sets, position, backward=False)
         self.backward_ops = slot_ops(self.sets, position, backward=True)

@@ -1,7 +1,8 @@
 """Balanced sparse ring attention: exact attention over a global layout, the sequence split over a CP group.
 
 `context_parallel_attention` is what the attention backend calls under CP: it estimates the
-layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`.
+layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`
+(and counts the kept fraction as one process would, `kept_fraction.py`).
 
 Every rank keeps its queries; K/V (key/value heads only, never replicated for GQA) travel the
 (hierarchical) ring of `RingTopology`. At each step a rank computes its queries against the K/V
@@ -23,17 +24,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..attention.engines import resolve_engine
 from ..attention.layout import SparseLayout, check_tensors
 from ..attention.ops import attention_backward, attention_forward
 from ..attention.precision import autocast_inputs, compute_dtype
 from ..config import SparseAttentionConfig
 from .comm import P2PComm, Pending, Transfer
 from .context import CPShard
-from .estimation import estimate_layout_cp
+from .estimation import estimate_cp
+from .kept_fraction import one_process_kept_fraction
 from .plan import RingPlan, check_global_layout
 
 
@@ -185,7 +189,7 @@ def _run(ring: _Ring, k, v, ops: dict, step_fn, acc_of=None, acc_dtype=None):
             kv.pop(ring_plan.step(o, 0).source, None)
 
 
-def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None):
+def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None, engine: str):
     ring_plan = ring.ring_plan
     dtype = compute_dtype(q.dtype)
     b, hq, s, d = q.shape
@@ -196,7 +200,7 @@ def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None):
     def attend(k_, v_, layout, k_meta):
         state["out"], state["lse"] = attention_forward(
             q, k_, v_, layout, scale=scale, q_meta=ring_plan.q_meta, k_meta=k_meta, sliding_window=window,
-            out=state["out"], lse=state["lse"],
+            out=state["out"], lse=state["lse"], implementation=engine,
         )
         state["steps"] += 1
 
@@ -209,7 +213,8 @@ def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None):
     return state["out"], state["lse"], state["steps"], bar_kv
 
 
-def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: float, window: int | None):
+def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: float, window: int | None,
+                   engine: str):
     ring_plan = ring.ring_plan
     dtype = compute_dtype(q.dtype)
     bs = ring_plan.plan.block_size
@@ -223,7 +228,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
     def attend_grad(k_, v_, layout, k_meta):
         dq_s, dk_s, dv_s = attention_backward(
             q, k_, v_, out, lse, dout, layout, scale=scale, q_meta=ring_plan.q_meta, k_meta=k_meta,
-            sliding_window=window, dlse=dlse,
+            sliding_window=window, dlse=dlse, implementation=engine,
         )
         dq.add_(dq_s)
         steps[0] += 1
@@ -261,29 +266,29 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
 
 class _RingSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale, window, stats):
+    def forward(ctx, q, k, v, ring, scale, window, stats, engine):
         sent = ring.bytes_sent
-        out, lse, steps, bar_kv = _ring_forward(ring, q, k, v, scale, window)
+        out, lse, steps, bar_kv = _ring_forward(ring, q, k, v, scale, window, engine)
         out = out.to(q.dtype)
         if stats is not None:
             stats.forward_steps += steps
             stats.forward_bytes += ring.bytes_sent - sent
         ctx.save_for_backward(q, k, v, out, lse, bar_kv)
-        ctx.args = (ring, scale, window, stats)
+        ctx.args = (ring, scale, window, stats, engine)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, bar_kv = ctx.saved_tensors
-        ring, scale, window, stats = ctx.args
+        ring, scale, window, stats, engine = ctx.args
         sent = ring.bytes_sent
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
             dq, dk, dv, steps = _ring_backward(ring, q, k, v, out, lse, dout.contiguous(), dlse, bar_kv, scale,
-                                               window)
+                                               window, engine)
         if stats is not None:
             stats.backward_steps += steps
             stats.backward_bytes += ring.bytes_sent - sent
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_sparse_attention(
@@ -297,6 +302,7 @@ def ring_sparse_attention(
     sliding_window: int | None = None,
     stats: RingStats | None = None,
     check_layout: bool = True,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's queries over the keys `layout` lists, keys spread over the CP group.
 
@@ -313,6 +319,8 @@ def ring_sparse_attention(
         stats: if given, accumulates this rank's computed steps and bytes sent.
         check_layout: also check the layout's counts (one device synchronization);
             `context_parallel_attention`, whose layouts are correct by construction, turns it off.
+        implementation: the engine of every step ('auto', 'triton', 'flex', 'reference';
+            `hf_sparse_cp.attention.engines`), chosen once per call from the global layout.
         Under autocast, q, k, v are cast to the autocast dtype and the ring runs with autocast off.
 
     Returns:
@@ -339,8 +347,19 @@ def ring_sparse_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     ring_plan = RingPlan(layout, plan, shard.meta, shard.parallel.topology, shard.parallel.cp_rank)
     ring = _Ring(ring_plan, shard)
+    engine = resolve_engine(q, layout, implementation)
     with torch.autocast(q.device.type, enabled=False):
-        return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats)
+        return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats,
+                                          engine)
+
+
+class CPAttention(NamedTuple):
+    """`context_parallel_attention`'s result."""
+
+    out: torch.Tensor  # [B, Hq, S_local, D]
+    lse: torch.Tensor  # [B, Hq, S_local]
+    layout: SparseLayout  # the global layout
+    kept_fraction: torch.Tensor  # 0-d float64: what one process reports for the same call
 
 
 def context_parallel_attention(
@@ -353,17 +372,18 @@ def context_parallel_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     stats: RingStats | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, SparseLayout]:
+) -> CPAttention:
     """Sparse attention of a sharded sequence: what an attention backend calls under CP. Collective.
 
     Args:
         query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D], after RoPE, this rank's shard.
-        shard: this rank's `CPShard`; cfg: the layer's pattern config.
+        shard: this rank's `CPShard`; cfg: the layer's pattern config (and its `attention_engine`).
         scale, sliding_window, stats: as in `ring_sparse_attention`.
 
     Returns:
-        (out [B, Hq, S_local, D], lse [B, Hq, S_local], the global layout), after estimating the
-        layer's global layout from all ranks' shards (`estimate_layout_cp`) and running the ring.
+        `CPAttention` (out, lse, the global layout, and the kept fraction one process reports for this
+        call, `kept_fraction.one_process_kept_fraction`), after estimating the layer's global layout from
+        all ranks' shards (`estimate_cp`) and running the ring.
     """
     if query.shape[2] != key.shape[2]:
         raise ValueError(
@@ -371,7 +391,9 @@ def context_parallel_attention(
             f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
         )
     with torch.no_grad():
-        layout = estimate_layout_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
-    out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale, sliding_window=sliding_window,
-                                     stats=stats, check_layout=False)
-    return out, lse, layout
+        estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
+        kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)
+    out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
+                                     sliding_window=sliding_window, stats=stats, check_layout=False,
+                                     implementation=cfg.attention_engine)
+    return CPAttention(out, lse, estimate.layout, kept)

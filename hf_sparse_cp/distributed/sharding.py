@@ -149,13 +149,6 @@ class BlockSplit:
             full.index_copy_(dim, self.token_index(rank).to(piece.device), piece)
         return full
 
-    def to_original(self, x: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
-        """A tensor over the global order (`padded_len` along `dim`) back in the original order (`seq_len`)."""
-        where = torch.empty(self.seq_len, dtype=torch.long)
-        real = self.source >= 0
-        where[self.source[real]] = real.nonzero().flatten()
-        return x.index_select(dim, where.to(x.device))
-
     @functools.cached_property
     def keeps_order(self) -> bool:
         """Whether the global order is the original one (padding only at the end)."""

@@ -188,10 +188,9 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     if shard is not None:
-        out, _, layout = context_parallel_attention(query, key, value, shard, cfg, scale=scale,
-                                                    sliding_window=sliding_window)
-        record_kept_fraction(module, layout.kept_fraction(shard.meta))
-        return out
+        result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
+        record_kept_fraction(module, result.kept_fraction)
+        return result.out
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta
@@ -209,5 +208,6 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
         q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
         layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                    sliding_window=sliding_window, check_layout=False)
+                                    sliding_window=sliding_window, check_layout=False,
+                                    implementation=cfg.attention_engine)
     return out

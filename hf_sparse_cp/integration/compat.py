@@ -1,12 +1,19 @@
-"""Every private transformers / accelerate member the plugin touches, in one place, version-guarded.
+"""Every way the plugin touches someone else's code, in one table: `PATCHES`.
 
-The public APIs (`AttentionInterface.register`, `TrainerCallback`, `Accelerator.prepare_data_loader`,
-...) carry most of the integration; a few things have no public hook yet, and this module is the
-only place that names them. `PRIVATE_MEMBERS` lists each with what we use it for;
-`check_private_members` verifies that each still exists with the parameters we rely on
-(`tests/test_compat.py` runs it, so an upgrade that breaks one fails with the member's name), and
-`require` does the same at the moment a feature needs one, raising an error that names the member,
-the versions this code was written for, and what to do.
+Most of the integration goes through public APIs (`AttentionInterface.register`, `TrainerCallback`,
+forward hooks). What remains is listed here, one `Patch` each: a private member read or called, or a
+replacement (a method on one Trainer or Accelerator instance, a class attribute, process-wide
+state, an inserted callback), with why, the releases it was tested with (`TESTED_VERSIONS`) and how
+it is undone. Nothing else names these members:
+
+* `PatchSet.set_attr` / `insert` / `set_item` (`patching.py`) refuse a replacement that has no
+  entry here (`replacement_for`);
+* `check_patches` verifies that every member still exists with the parameters we rely on
+  (`tests/unit/test_compat.py` runs it, so an upgrade that breaks one fails with the member's name),
+  and `require` does the same at the moment a feature needs one, naming the member, the versions
+  and the fix;
+* each replacement has an apply / check / undo test (`tests/unit/test_patch_registry.py`,
+  `tests/distributed/test_patch_registry_cp.py`).
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-# The releases this module was written and tested against (inclusive).
-TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15")}
+# The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
+# builds were also checked on Triton 3.6, the GPU image's).
+TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15"), "torch": ("2.13", "2.13"),
+                   "triton": ("3.6", "3.9")}
 
-# Names of the private methods the plugin replaces on a Trainer / Accelerator instance.
+# Names of the private methods the plugin replaces or calls on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
 TRAINER_TRACK_TOKENS = "_track_num_input_tokens"
 TRAINER_COUNT_ITEMS = "_get_num_items_in_batch"
@@ -29,55 +38,149 @@ TRAINER_LOAD_MODEL = "_load_from_checkpoint"
 TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
 TRAINER_SAVE_OPTIMIZER = "_save_optimizer_and_scheduler"
 
+# What an entry does to its member.
+Action = Literal["reads", "calls", "replaces", "sets", "inserts into"]
+_CHANGES = ("replaces", "sets", "inserts into")
+
 
 @dataclass(frozen=True)
-class PrivateMember:
-    """A private member: `owner` (a module or class, dotted), `name`, the parameters we call or
-    replace it with (None: not a function), and why we touch it."""
+class Patch:
+    """One member of someone else's code the plugin uses or changes.
+
+    owner: the module or class that has it (dotted); name: the member (`alternatives`: names it has in
+    other releases); action: what the plugin does with it; parameters: the signature relied on, for a
+    function (None: not checked); why: the reason; undo: how a change is undone (the call that undoes it);
+    on_instances: the member exists only on instances (set in `__init__`); added: an attribute the plugin
+    adds (nothing of theirs to check).
+    """
 
     owner: str
     name: str
-    parameters: tuple[str, ...] | None
-    used_for: str
-    on_instances: bool = False  # set in __init__, so only an instance has it
+    action: Action
+    why: str
+    undo: str = ""
+    parameters: tuple[str, ...] | None = None
+    on_instances: bool = False
+    alternatives: tuple[str, ...] = ()
+    added: bool = False
 
     @property
     def qualified(self) -> str:
         return f"{self.owner}.{self.name}"
 
+    @property
+    def package(self) -> str:
+        return self.owner.split(".")[0]
 
-PRIVATE_MEMBERS = (
-    PrivateMember("transformers.Trainer", TRAINER_CP_INPUTS, ("self", "model", "inputs"),
-                  "replaced per trainer: the Trainer's CP input preparation accepts SDPA only"),
-    PrivateMember("transformers.Trainer", TRAINER_TRACK_TOKENS, ("self", "inputs"),
-                  "wrapped per trainer: under CP every rank of a group counts the same batch"),
-    PrivateMember("transformers.Trainer", TRAINER_COUNT_ITEMS, ("self", "batch_samples", "device"),
-                  "wrapped per trainer before transformers 5.19: the loss's token count divides by the CP degree "
-                  "there only when accelerate's ParallelismConfig sets one"),
-    PrivateMember("transformers.Trainer", TRAINER_COLLATOR_WITHOUT_UNUSED, ("self", "data_collator", "description"),
-                  "a cp_schedule's data loader drops the columns the model does not take, as the Trainer's does"),
-    PrivateMember("transformers.Trainer", TRAINER_LOAD_MODEL, ("self", "resume_from_checkpoint", "model"),
-                  "replaced per trainer while resuming FSDP2: the sharded state loads the model"),
-    PrivateMember("transformers.Trainer", TRAINER_LOAD_OPTIMIZER, ("self", "checkpoint"),
-                  "replaced per trainer while resuming FSDP2: the sharded state loads the optimizer"),
-    PrivateMember("transformers.Trainer", TRAINER_SAVE_OPTIMIZER, ("self", "output_dir"),
-                  "replaced per trainer under FSDP2: the sharded state instead of accelerate's gathered copies"),
-    PrivateMember("accelerate.Accelerator", ACCELERATOR_PREPARE_CP, ("self", "*args"),
-                  "replaced per accelerator: its CP model hooks drop the attention mask for SDPA"),
-    PrivateMember("accelerate.Accelerator", "_dataloaders", None,
-                  "a data loader prepared over the DP ranks only is registered for checkpointing", on_instances=True),
-    PrivateMember("transformers.AttentionInterface", "_global_mapping", None,
-                  "unpatch(): there is no public unregister"),
-    PrivateMember("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", None,
-                  "unpatch(): there is no public unregister"),
-    PrivateMember("transformers.loss.loss_utils", "LOSS_MAPPING", None,
-                  "the lean loss applies only where a model uses the stock causal-LM loss"),
-    PrivateMember("transformers.utils.generic", "can_return_tuple", ("func",),
-                  "the lean-loss forward honours return_dict=False like the stock forwards"),
-    PrivateMember("transformers.PretrainedConfig", "_attn_implementation", None,
-                  "the attention implementation a model uses (model checks under CP)"),
+    @property
+    def changes(self) -> bool:
+        return self.action in _CHANGES
+
+
+_TRAINER = "transformers.Trainer"
+_ACCELERATOR = "accelerate.Accelerator"
+_CP_UNDO = "disable_trainer_context_parallel(trainer) / disable_curriculum(trainer) (detach_from_trainer)"
+
+PATCHES = (
+    # -- the Trainer instance: context parallelism and the curriculum --
+    Patch(_TRAINER, TRAINER_CP_INPUTS, "replaces", "the Trainer's CP input preparation accepts SDPA only; ours "
+          "shards each batch for the sparse ring", _CP_UNDO, ("self", "model", "inputs")),
+    Patch(_TRAINER, TRAINER_TRACK_TOKENS, "replaces", "under CP every rank of a group counts the same batch: the "
+          "wrapper counts it once", _CP_UNDO, ("self", "inputs")),
+    Patch(_TRAINER, TRAINER_COUNT_ITEMS, "replaces", "before transformers 5.19 the loss's token count divides by "
+          "the CP degree only when accelerate's ParallelismConfig sets one: the wrapper divides by ours", _CP_UNDO,
+          ("self", "batch_samples", "device")),
+    Patch(_TRAINER, "get_cp_size", "replaces", "the Trainer reads the CP degree (batch size, token count) from "
+          "accelerate's ParallelismConfig only; ours comes from --cp_size or the curriculum's stage", _CP_UNDO,
+          ("self",)),
+    Patch(_TRAINER, "floating_point_ops", "replaces", "every rank of a CP group reports the flops of the whole "
+          "batch: the wrapper divides by the CP degree", _CP_UNDO, ("self", "inputs")),
+    Patch(_TRAINER, "get_train_dataloader", "replaces", "a cp_schedule's batches follow the stage of each step "
+          "(one sampler over the whole run)", "disable_curriculum(trainer)", ("self",)),
+    Patch(_TRAINER, TRAINER_COLLATOR_WITHOUT_UNUSED, "calls", "a cp_schedule's data loader drops the columns the "
+          "model does not take, as the Trainer's does", parameters=("self", "data_collator", "description")),
+    # -- the Trainer instance: checkpoints, resume, SMET, FSDP2 on CPU --
+    Patch(_TRAINER, "train", "replaces", "a checkpoint is checked against the run before a resume, and a resume "
+          "with other DP / CP degrees loads through the sharded state", "detach_from_trainer(trainer)",
+          ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
+    Patch(_TRAINER, TRAINER_SAVE_OPTIMIZER, "replaces", "under FSDP2 the sharded state is saved instead of "
+          "accelerate's gathered copies", "detach_from_trainer(trainer)", ("self", "output_dir")),
+    Patch(_TRAINER, TRAINER_LOAD_MODEL, "replaces", "while a resume loads the sharded state, the model comes from "
+          "it (no public hook: callbacks run after loading)", "the end of `resharded_loading`",
+          ("self", "resume_from_checkpoint", "model")),
+    Patch(_TRAINER, TRAINER_LOAD_OPTIMIZER, "replaces", "while a resume loads the sharded state, the optimizer "
+          "comes from it", "the end of `resharded_loading`", ("self", "checkpoint")),
+    Patch(_TRAINER, "optimizer_cls_and_kwargs", "sets", "SMET wraps the optimizer the Trainer would build "
+          "(TrainingArguments' optim and its settings)", "uninstall_smet(trainer)", on_instances=True),
+    Patch(_TRAINER, "is_fsdp_enabled", "sets", "--fsdp on CPU processes runs FSDP2, which the Trainer enables "
+          "only where accelerate detected it", "disable_cpu_fsdp2(trainer)", on_instances=True),
+    Patch("transformers.trainer_callback.CallbackHandler", "callbacks", "inserts into", "the kept-fraction "
+          "logging and the checkpoint marker are callbacks the Trainer did not get from the user",
+          "detach_from_trainer(trainer)", on_instances=True),
+    # -- the Accelerator and accelerate's process-wide state --
+    Patch(_ACCELERATOR, ACCELERATOR_PREPARE_CP, "replaces", "accelerate's CP model hooks drop the attention mask "
+          "for SDPA; the sparse ring reads the CP shard instead", _CP_UNDO, ("self", "*args")),
+    Patch(_ACCELERATOR, "prepare_data_loader", "replaces", "CP ranks of one group take the same batch: the data "
+          "loader shards over the data-parallel ranks only (accelerate's settings are read from the "
+          "accelerator, see `dp_data_loader_options`)", _CP_UNDO,
+          ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
+    Patch(_ACCELERATOR, "_dataloaders", "reads", "a data loader prepared over the DP ranks only is registered "
+          "for checkpointing", on_instances=True),
+    Patch("accelerate.PartialState", "distributed_type", "sets", "--fsdp on CPU processes: accelerate's FSDP "
+          "run type (process-wide, as accelerate's own set-up does)", "disable_cpu_fsdp2(trainer)", on_instances=True),
+    Patch("accelerate.state.AcceleratorState", "distributed_type", "sets", "--fsdp on CPU processes: the "
+          "accelerator's run type", "disable_cpu_fsdp2(trainer)", on_instances=True),
+    Patch("accelerate.state.AcceleratorState", "fsdp_plugin", "sets", "--fsdp on CPU processes: the FSDP2 "
+          "plugin built from the Trainer's arguments (accelerate sets it only where it runs FSDP itself)",
+          "disable_cpu_fsdp2(trainer)", added=True),
+    # -- models, configs, arguments, process-wide transformers state --
+    Patch("transformers.PreTrainedModel", "forward", "replaces", "the lean loss: supported *ForCausalLM classes "
+          "train without materializing [tokens, vocab] logits (process-wide, per class)", "disable_lean_loss()"),
+    *(Patch(f"transformers.models.{family.lower()}.modeling_{family.lower()}.{family}{kind}", "forward", "replaces",
+            "token tiles: a decoder layer's MLP and RMSNorms run a tile of tokens at a time (memory_savers.py, "
+            "--sparse_token_tiling_min_length), on the model's own instances", "disable_memory_savers(model) / "
+            "disable_sparse_attention(model)", ("self", argument))
+      for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
+      for kind, argument in (("MLP", "x"), ("RMSNorm", "hidden_states"))),
+    Patch("transformers.modeling_layers.GradientCheckpointingLayer", "forward", "replaces", "host offload: a "
+          "decoder layer runs inside hooks that move what its checkpoint saves (its inputs) to host memory "
+          "(--sparse_offload_layer_inputs), on the model's own instances", "disable_memory_savers(model) / "
+          "disable_sparse_attention(model)"),
+    Patch("transformers.PretrainedConfig", "sparse_attention", "sets", "a model's sparse-attention settings are "
+          "stored on its config (saved with it)", "disable_sparse_attention(model) / disable_curriculum(trainer)",
+          added=True),
+    Patch("transformers.TrainingArguments", "gradient_checkpointing", "sets", "long sequences turn gradient "
+          "checkpointing on (--sparse_gradient_checkpointing_min_length)", "disable_sparse_attention(model)",
+          alternatives=("activation_checkpointing",)),
+    Patch("transformers.AttentionInterface", "_global_mapping", "reads", "unpatch(): there is no public "
+          "unregister"),
+    Patch("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", "reads", "unpatch(): there is "
+          "no public unregister"),
+    Patch("transformers.loss.loss_utils", "LOSS_MAPPING", "reads", "the lean loss applies only where a model uses "
+          "the stock causal-LM loss"),
+    Patch("transformers.utils.generic", "can_return_tuple", "calls", "the lean-loss forward honours "
+          "return_dict=False like the stock forwards", parameters=("func",)),
+    Patch("transformers.modeling_outputs.CausalLMOutputWithPast", "cache", "reads", "the lean-loss forward "
+          "returns the KV cache under this release's field name (5.24 renamed it)",
+          alternatives=("past_key_values",)),
+    Patch("transformers.PretrainedConfig", "_attn_implementation", "reads", "the attention implementation a "
+          "model uses (model checks under CP)"),
+    # -- torch and Triton --
+    Patch("torch.Tensor", "_version", "reads", "a layout's derived tensors are reused only while nothing wrote "
+          "its tensors in place (autograd's own saved-tensor check)"),
+    Patch("torch.nn.modules.conv", "_ConvNd", "reads", "convolutions mix tokens outside attention: such models "
+          "are refused under CP"),
+    Patch("triton.runtime.jit", "JITFunction", "reads", "whether the kernels were decorated for Triton's "
+          "interpreter (CPU tensors) or compiled (kernels/ops.py)"),
+    Patch("triton._C.libtriton", "native_specialize_impl", "calls", "sm_90 builds without a GPU specialize "
+          "recorded launch arguments as the JIT does (testing/sm90.py; never on the training path)"),
+    # -- our own module, replaced while pictures are drawn --
+    Patch("hf_sparse_cp.integration.backend", "estimate_layout", "replaces", "`hf-sparse-cp plot` records the "
+          "layouts a forward builds", "the end of `capturing_layouts`"),
+    Patch("os.environ", "HF_SPARSE_CP_DENSE_BACKEND", "sets", "`hf-sparse-cp plot` keeps dense calls on the "
+          "block-sparse kernels so that they build a layout to draw", "the end of `capturing_layouts`", added=True),
 )
-_BY_NAME = {m.qualified: m for m in PRIVATE_MEMBERS}
+_BY_NAME = {p.qualified: p for p in PATCHES}
 
 
 def _resolve(dotted: str) -> Any:
@@ -93,55 +196,89 @@ def _parameters(fn: Any) -> tuple[str, ...]:
     return tuple(prefix.get(p.kind, "") + p.name for p in inspect.signature(fn).parameters.values())
 
 
-def _versions() -> str:
-    found = []
-    for package, (low, high) in TESTED_VERSIONS.items():
-        version = getattr(importlib.import_module(package), "__version__", "?")
-        found.append(f"{package} {version} (written for {low} to {high})")
-    return ", ".join(found)
+def _versions(package: str) -> str:
+    low, high = TESTED_VERSIONS.get(package, ("?", "?"))
+    version = getattr(importlib.import_module(package), "__version__", "?")
+    return f"{package} {version} (tested {low} to {high})"
 
 
-def problem(member: PrivateMember, instance: Any = None) -> str | None:
-    """Why `member` cannot be used as the plugin uses it, or None. Instance members are checked on
+def _holds(owner: Any, patch: Patch) -> str | None:
+    """The name under which `owner` has the patch's member, or None."""
+    names = (patch.name, *patch.alternatives)
+    if isinstance(owner, type) and hasattr(owner, "__dataclass_fields__"):
+        found = [n for n in names if n in owner.__dataclass_fields__ or hasattr(owner, n)]
+    else:
+        found = [n for n in names if hasattr(owner, n)]
+    return found[0] if found else None
+
+
+def problem(patch: Patch, instance: Any = None) -> str | None:
+    """Why `patch`'s member cannot be used as the plugin uses it, or None. Instance members are checked on
     `instance` (skipped without one)."""
-    if member.on_instances and instance is None:
+    if patch.package == "hf_sparse_cp" or patch.added:
+        return None
+    if patch.on_instances and instance is None:
         return None
     try:
-        owner = instance if member.on_instances else _resolve(member.owner)
+        owner = instance if patch.on_instances else _resolve(patch.owner)
     except (ImportError, AttributeError) as e:
-        return f"{member.owner} cannot be imported ({e})"
-    if not hasattr(owner, member.name):
-        return f"{member.qualified} no longer exists"
-    if member.parameters is not None:
-        found = _parameters(getattr(owner, member.name))
-        if found != member.parameters:
-            return f"{member.qualified} takes ({', '.join(found)}), not ({', '.join(member.parameters)})"
+        return f"{patch.owner} cannot be imported ({e})"
+    name = _holds(owner, patch)
+    if name is None:
+        return f"{patch.qualified} no longer exists"
+    if patch.parameters is not None:
+        found = _parameters(getattr(owner, name))
+        if found != patch.parameters:
+            return f"{patch.qualified} takes ({', '.join(found)}), not ({', '.join(patch.parameters)})"
     return None
 
 
-def check_private_members(instances: dict[str, Any] | None = None) -> list[str]:
-    """One line per private member that changed: what changed, what the plugin uses it for, the
-    installed and tested versions. `instances` maps an owner (e.g. "accelerate.Accelerator") to an
-    object on which its instance members are checked."""
+def check_patches(instances: dict[str, Any] | None = None) -> list[str]:
+    """One line per member that changed: what changed, what the plugin uses it for, the installed and
+    tested versions. `instances` maps an owner (e.g. "accelerate.Accelerator") to an object on which
+    its instance members are checked."""
     instances = instances or {}
     lines = []
-    for member in PRIVATE_MEMBERS:
-        why = problem(member, instances.get(member.owner))
+    for patch in PATCHES:
+        why = problem(patch, instances.get(patch.owner))
         if why is not None:
-            lines.append(f"{why}; hf-sparse-cp uses it because {member.used_for}. Installed: {_versions()}.")
+            lines.append(f"{why}; hf-sparse-cp {patch.action} it because {patch.why}. Installed: "
+                         f"{_versions(patch.package)}.")
     return lines
 
 
 def require(qualified: str, instance: Any = None) -> None:
-    """Raise RuntimeError, naming the member, the versions and the fix, unless the private member
-    `qualified` (e.g. "transformers.Trainer._track_num_input_tokens") is usable."""
-    member = _BY_NAME[qualified]
-    why = problem(member, instance)
+    """Raise RuntimeError, naming the member, the versions and the fix, unless the member `qualified`
+    (e.g. "transformers.Trainer._track_num_input_tokens") is usable."""
+    patch = _BY_NAME[qualified]
+    why = problem(patch, instance)
     if why is not None:
         raise RuntimeError(
-            f"{why}: hf-sparse-cp relies on it because {member.used_for}. Installed: {_versions()}. Install a "
-            "transformers / accelerate release in the tested range, or an hf-sparse-cp release that supports yours."
+            f"{why}: hf-sparse-cp {patch.action} it because {patch.why}. Installed: {_versions(patch.package)}. "
+            f"Install a {patch.package} release in the tested range, or an hf-sparse-cp release that supports yours."
         )
+
+
+def _matches(owner: Any, patch: Patch) -> bool:
+    try:
+        target = _resolve(patch.owner)
+    except (ImportError, AttributeError):
+        return False
+    if target is owner:
+        return True
+    if isinstance(target, type):
+        return isinstance(owner, target) or (isinstance(owner, type) and issubclass(owner, target))
+    return False
+
+
+def replacement_for(owner: Any, name: str) -> Patch:
+    """The `PATCHES` entry that allows changing `owner.name` (or the item `name` of a mapping `owner`).
+    Raises LookupError when there is none: every change must be listed (with why and its undo)."""
+    for patch in PATCHES:
+        if patch.changes and name in (patch.name, *patch.alternatives) and _matches(owner, patch):
+            return patch
+    raise LookupError(f"hf-sparse-cp changes {type(owner).__name__}.{name} without an entry in "
+                      "hf_sparse_cp.integration.compat.PATCHES: add one (why, undo) and its apply/undo test.")
 
 
 def token_count_divides_by_get_cp_size() -> bool:
@@ -172,6 +309,22 @@ def can_return_tuple(func):
     return decorator(func)
 
 
+def cache_field() -> str:
+    """The name of the KV-cache field of transformers' causal-LM outputs in this release."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    require("transformers.modeling_outputs.CausalLMOutputWithPast.cache")
+    return _holds(CausalLMOutputWithPast, _BY_NAME["transformers.modeling_outputs.CausalLMOutputWithPast.cache"])
+
+
+def convolution_class() -> type:
+    """torch's base class of every convolution module (private: `torch.nn.modules.conv._ConvNd`)."""
+    require("torch.nn.modules.conv._ConvNd")
+    from torch.nn.modules.conv import _ConvNd
+
+    return _ConvNd
+
+
 def attn_implementation(config: Any) -> str | None:
     """The attention implementation a transformers model config selects."""
     return getattr(config, "_attn_implementation", None)
@@ -182,3 +335,32 @@ def track_data_loader(accelerator: Any, data_loader: Any) -> None:
     state of the data loaders it tracks with checkpoints."""
     require("accelerate.Accelerator._dataloaders", accelerator)
     accelerator._dataloaders.append(data_loader)
+
+
+# `accelerate.data_loader.prepare_data_loader` arguments a DP-only data loader sets itself; every other one
+# is read from the accelerator (as its own `prepare_data_loader` passes them) or its `dataloader_config`.
+_DP_LOADER_OWN = ("dataloader", "device", "num_processes", "process_index", "put_on_device", "slice_fn_for_dispatch",
+                  "torch_device_mesh", "rng_types")
+
+
+def dp_data_loader_options(accelerator: Any) -> dict[str, Any]:
+    """The settings `accelerator.prepare_data_loader` passes to `accelerate.data_loader.prepare_data_loader`,
+    read by the function's own parameter names (so an option a new accelerate adds is passed on too).
+    Raises RuntimeError, naming it, for a parameter the accelerator does not hold under that name."""
+    from accelerate.data_loader import prepare_data_loader
+
+    options, config = {}, getattr(accelerator, "dataloader_config", None)
+    for name in inspect.signature(prepare_data_loader).parameters:
+        if name in _DP_LOADER_OWN:
+            continue
+        if hasattr(accelerator, name):
+            options[name] = getattr(accelerator, name)
+        elif config is not None and hasattr(config, name):
+            options[name] = getattr(config, name)
+        else:
+            raise RuntimeError(
+                f"accelerate.data_loader.prepare_data_loader takes {name!r}, which hf-sparse-cp finds neither on the "
+                f"Accelerator nor on its dataloader_config. Installed: {_versions('accelerate')}. Install an "
+                "accelerate release in the tested range, or an hf-sparse-cp release that supports yours.")
+    options["rng_types"] = list(accelerator.rng_types)
+    return options

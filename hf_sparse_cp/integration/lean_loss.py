@@ -4,11 +4,13 @@ The stock forward of the supported `*ForCausalLM` classes computes `lm_head` ove
 and then an fp32 cross-entropy: at 64K tokens and a 151936-token vocabulary that alone is tens of
 GiB. The replacement runs the base model, then `linear_cross_entropy` straight from the final
 hidden states (liger-kernel on CUDA when installed, chunked PyTorch otherwise) and returns
-`logits=None`, like liger-kernel does. It takes this path only when it can reproduce the stock loss:
-training mode, labels or `shift_labels` given, the default `ForCausalLM` loss, a plain linear
-`lm_head` with a local weight, no logit soft-capping. Every other call goes to the original forward,
-unchanged. One difference: stock computes a loss only when `labels` is given, the lean path also from
-`shift_labels` alone (as liger-kernel does), which is how context parallelism passes them.
+`logits=None`, like liger-kernel does. It takes this path only for models configured for the plugin
+(`hf_sparse_cp.configure(model)`, or the Trainer glue: their config holds `sparse_attention`), and
+only when it can reproduce the stock loss: training mode, labels or `shift_labels` given, the default
+`ForCausalLM` loss, a plain linear `lm_head` with a local weight, no logit soft-capping. Every other
+call, and every other model, goes to the original forward, unchanged. One difference: stock computes
+a loss only when `labels` is given, the lean path also from `shift_labels` alone (as liger-kernel
+does), which is how context parallelism passes them.
 
 The replacement is a named opt-in, separate from registering the attention backend:
 `enable_lean_loss()` patches the classes' `forward` (recorded), `disable_lean_loss()` restores
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..config import MODEL_CONFIG_ATTRIBUTE
 from ..loss import linear_cross_entropy
 from . import compat
 from .patching import PatchSet
@@ -44,7 +47,10 @@ def _is_distributed_tensor(tensor: torch.Tensor) -> bool:
 def _takes_lean_path(model, labels, shift_labels) -> bool:
     lm_head = model.lm_head
     return (
-        model.training
+        # Only models configured for the plugin (`hf_sparse_cp.configure`, the Trainer glue): the class forward is
+        # replaced for every model of the process, and another model's caller may read the logits.
+        getattr(model.config, MODEL_CONFIG_ATTRIBUTE, None) is not None
+        and model.training
         and (labels is not None or shift_labels is not None)
         and model.loss_function is compat.stock_causal_lm_loss()
         and getattr(model.config, "final_logit_softcapping", None) is None
@@ -57,8 +63,8 @@ def _takes_lean_path(model, labels, shift_labels) -> bool:
 
 # transformers 5.24 renamed the KV cache `past_key_values` -> `cache` (arguments and output fields; the old
 # name warns, and goes in 5.40). The lean path passes the caller's arguments on under the names given and
-# returns the base model's cache under the name this release's outputs use.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# returns the base model's cache under the name this release's outputs use (`compat.cache_field`).
+_CACHE_FIELD = compat.cache_field()
 
 
 @compat.can_return_tuple
@@ -116,7 +122,8 @@ _active: PatchSet | None = None
 
 def enable_lean_loss() -> None:
     """Replace `forward` of the supported causal-LM classes (`SUPPORTED_CAUSAL_LM_CLASSES`) by the
-    memory-lean one. Idempotent; `disable_lean_loss()` undoes it."""
+    memory-lean one, which models configured with `hf_sparse_cp.configure` take in training (others keep
+    the stock forward's logits). Idempotent; `disable_lean_loss()` undoes it."""
     global _active
     if _active is not None:
         return

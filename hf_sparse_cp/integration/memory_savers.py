@@ -41,12 +41,12 @@ def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
         found.append(decoder.norm)
     if not found:
         raise ValueError(f"{type(model).__name__} has no decoder layers with an `mlp` or RMSNorms to tile; turn "
-                         "token tiles off (--token_tiling_min_length 0).")
+                         "token tiles off (--sparse_token_tiling_min_length 0).")
     for m in found:
         if type(m).__name__ not in ROWWISE_CLASSES:
             raise ValueError(f"{names.get(m, '?')} is a {type(m).__name__}, not known to treat every token on its "
                              f"own (tiles take {sorted(ROWWISE_CLASSES)}); turn token tiles off "
-                             "(--token_tiling_min_length 0).")
+                             "(--sparse_token_tiling_min_length 0).")
     return [(names.get(m, "?"), m) for m in found]
 
 
@@ -67,8 +67,9 @@ def _offloading_forward(layer: torch.nn.Module, offload: HostOffload):
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         if not layer.gradient_checkpointing:
-            raise ValueError("offload_layer_inputs keeps the inputs that gradient checkpointing saves; turn gradient "
-                             "checkpointing on (--gradient_checkpointing, or model.gradient_checkpointing_enable()).")
+            raise ValueError("--sparse_offload_layer_inputs keeps the inputs that gradient checkpointing saves; turn "
+                             "gradient checkpointing on (--gradient_checkpointing, or "
+                             "model.activation_checkpointing_enable()).")
         with offload:
             return original(*args, **kwargs)
 
@@ -82,7 +83,7 @@ def enable_memory_savers(model: torch.nn.Module, savers: MemorySavers) -> None:
     layers = decoder_layers(model) if savers.offload_layer_inputs else []
     if savers.offload_layer_inputs and not layers:
         raise ValueError(f"{type(model).__name__} has no transformers GradientCheckpointingLayer to offload the inputs "
-                         "of; turn offload_layer_inputs off.")
+                         "of; turn --sparse_offload_layer_inputs off.")
     patches = record_on(model, _FEATURE)
     for _, module in modules:
         patches.set_attr(module, "forward", _tiled_forward(module, savers.tile_tokens))

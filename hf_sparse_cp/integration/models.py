@@ -14,7 +14,7 @@ on the length a rank sees:
   linear attention): they would see only their shard.
 
 `TESTED_MODEL_TYPES` is the registry of architectures whose CP result equals the single-process
-one (tests/test_cp_models.py checks each entry under CP 2). Other architectures are refused
+one (tests/distributed/test_cp_models.py checks each entry under CP 2). Other architectures are refused
 unless the caller opts in (`allow_untested=True`), and then still pass every check above.
 """
 
@@ -54,11 +54,12 @@ def _token_mixers(model: torch.nn.Module) -> list[str]:
     """Layer types and modules of `model` that mix tokens outside attention."""
     found = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
              if t not in ATTENTION_LAYER_TYPES]
+    convolution = compat.convolution_class()
     for name, module in model.named_modules():
         if not name:
             continue  # the model itself (MambaForCausalLM is named after its mixer)
         cls = type(module).__name__
-        if isinstance(module, torch.nn.modules.conv._ConvNd) or any(part in cls for part in TOKEN_MIXER_NAMES):
+        if isinstance(module, convolution) or any(part in cls for part in TOKEN_MIXER_NAMES):
             found.append(f"{cls} ({name})")
     return found
 
@@ -92,6 +93,45 @@ def _shard_reach(model: torch.nn.Module) -> list[tuple[str, bool]]:
                          f"context-parallel shard: its probe forward failed ({e}).") from e
 
 
+def sliding_window_layers(config) -> list[int]:
+    """The indices of the layers whose `config.layer_types` entry is sliding-window attention."""
+    return [i for i, t in enumerate(getattr(config, "layer_types", None) or ()) if t == "sliding_attention"]
+
+
+def attention_layers(config) -> list[int]:
+    """The layers that run the sparse pattern unless it says dense: all but the sliding-window ones."""
+    sliding = set(sliding_window_layers(config))
+    return [i for i in range(config.num_hidden_layers) if i not in sliding]
+
+
+def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
+    """Raise ValueError, naming the cause and the fix, when the `sparse_cp` backend would refuse `model`'s
+    attention at its first call (see `backend._refuse_unsupported`): checked from the model before
+    training, not after everything is built."""
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None:
+        raise ValueError(f"{name} has no transformers config; the sparse_cp backend trains transformers models.")
+    model_type = getattr(config, "model_type", name)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only.")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
+                         f"{softcap}), which the sparse kernels do not implement: train it with attn_implementation="
+                         "'eager' or 'sdpa' (--sparse_attention false).")
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ValueError(f"{name} (model type {model_type!r}) has attention_dropout={dropout}, which sparse_cp does "
+                         "not implement: set model.config.attention_dropout = 0.0 before training.")
+    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise ValueError(
+            f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); sparse_cp computes causal "
+            "self-attention only."
+        )
+
+
 def check_model_supports_context_parallel(
     model: torch.nn.Module, backend: str = BACKEND_NAME, *, allow_untested: bool = False
 ) -> None:
@@ -108,8 +148,7 @@ def check_model_supports_context_parallel(
     name = type(model).__name__
     if config is None:
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; sparse context parallelism shards causal decoders only.")
+    check_model_supports_sparse_attention(model)
     sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
     if sub:
         raise ValueError(
@@ -121,14 +160,6 @@ def check_model_supports_context_parallel(
         raise ValueError(
             f"{name} uses attn_implementation={impl!r}; under context parallelism every attention layer must go "
             f"through '{backend}', which runs the ring (call hf_sparse_cp.patch() and hf_sparse_cp.configure(model))."
-        )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{name} soft-caps attention logits, which the sparse kernels do not implement.")
-    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
-    if bidirectional:
-        raise ValueError(
-            f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); the ring computes causal "
-            "self-attention only."
         )
     rope = sorted(_rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
     if rope:

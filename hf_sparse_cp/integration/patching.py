@@ -1,15 +1,18 @@
 """Reversible changes, recorded in one place so the matching disable call undoes exactly them.
 
-Every change the plugin makes to transformers, a model, a Trainer, its callbacks or the user's
-`TrainingArguments` goes through a `PatchSet`. Undoing restores a value only while it is still
-the one the plugin set: if another library replaced it after us (Liger patching a forward, a
+Every change the plugin makes to transformers, accelerate, a model, a Trainer, its callbacks or the
+user's `TrainingArguments` goes through a `PatchSet`, and only changes listed in
+`compat.PATCHES` (with why and their undo) are accepted. Undoing restores a value only while it is
+still the one the plugin set: if another library replaced it after us (Liger patching a forward, a
 user registering another attention function), theirs stays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
+
+from .compat import replacement_for
 
 _MISSING = object()
 
@@ -36,7 +39,9 @@ class PatchSet:
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """Set `owner.name = value`, remembering the previous value (or its absence); undoing
-        restores it only while `owner.name` is still `value`."""
+        restores it only while `owner.name` is still `value`. Raises LookupError unless
+        `compat.PATCHES` lists the change."""
+        replacement_for(owner, name)
         stored = _stored_on(owner, name)
         previous = owner.__dict__.get(name, _MISSING) if stored else _current(owner, name)
 
@@ -51,8 +56,10 @@ class PatchSet:
         setattr(owner, name, value)
         self._undo.append(restore)
 
-    def insert(self, items: list, index: int, item: Any) -> None:
-        """`items.insert(index, item)`; undoing removes that item (wherever it is by then)."""
+    def insert(self, owner: Any, name: str, index: int, item: Any) -> None:
+        """`owner.name.insert(index, item)` (a list); undoing removes that item (wherever it is by then)."""
+        replacement_for(owner, name)
+        items = getattr(owner, name)
         items.insert(index, item)
 
         def remove() -> None:
@@ -62,6 +69,23 @@ class PatchSet:
                     return
 
         self._undo.append(remove)
+
+    def set_item(self, mapping: MutableMapping, key: str, value: Any) -> None:
+        """`mapping[key] = value` (e.g. an environment variable); undoing restores the previous value (or
+        its absence) while `mapping[key]` is still `value`."""
+        replacement_for(mapping, key)
+        previous = mapping.get(key, _MISSING)
+
+        def restore() -> None:
+            if mapping.get(key, _MISSING) != value:
+                return  # changed after us: leave it
+            if previous is _MISSING:
+                del mapping[key]
+            else:
+                mapping[key] = previous
+
+        mapping[key] = value
+        self._undo.append(restore)
 
     def on_undo(self, action: Callable[[], None]) -> None:
         self._undo.append(action)

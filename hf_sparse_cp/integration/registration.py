@@ -9,6 +9,8 @@ memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
@@ -19,6 +21,7 @@ from .backend import sparse_cp_attention_forward
 from .patching import PatchSet
 
 _active: PatchSet | None = None
+_GUARD = "_hf_sparse_cp_registration_guard"
 
 
 def _register(patches: PatchSet, interface: type, fn) -> None:
@@ -75,9 +78,47 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
     Args:
         model: a transformers model; `config` is saved with it (`model.config.sparse_attention`).
         config: the pattern settings (default: `SparseAttentionConfig()`).
-        select: also switch the model to `attn_implementation="sparse_cp"` (needs `patch()` first).
+        select: also switch the model to `attn_implementation="sparse_cp"` (needs `patch()` first; a
+            forward after `unpatch()` then raises an error that says so, `guard_registration`).
     """
+    if select and not is_registered():
+        raise ValueError("configure(model) switches the model to attn_implementation='sparse_cp', which is not "
+                         "registered with transformers: call hf_sparse_cp.patch() first (or configure(model, "
+                         "select=False) to store the settings only).")
     config = SparseAttentionConfig() if config is None else config
     setattr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
     if select:
         model.set_attn_implementation(BACKEND_NAME)
+        guard_registration(model)
+
+
+def is_registered() -> bool:
+    """Whether transformers knows `attn_implementation="sparse_cp"` (by `patch()`, or anyone's registration)."""
+    return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
+
+
+def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
+    """Make a forward of `model` while it selects `sparse_cp` and the backend is not registered (after
+    `unpatch()`) raise an error that names the fix, instead of transformers' KeyError from inside a
+    layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
+    or the model uses another implementation. Returns the call that removes it, or None when the model
+    already has one."""
+    if model.__dict__.get(_GUARD):
+        return None
+
+    def check(module, args, kwargs) -> None:
+        if compat.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
+            raise RuntimeError(
+                f"{type(module).__name__} uses attn_implementation='sparse_cp', which is no longer registered with "
+                "transformers (hf_sparse_cp.unpatch() removed it): call hf_sparse_cp.patch() again, or switch the "
+                "model to another implementation, e.g. model.set_attn_implementation('sdpa')."
+            )
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+    model.__dict__[_GUARD] = True
+
+    def remove() -> None:
+        handle.remove()
+        model.__dict__.pop(_GUARD, None)
+
+    return remove

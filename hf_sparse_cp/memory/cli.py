@@ -70,10 +70,10 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
     p.add_argument("--token-tiling-min-length", type=int, default=DEFAULT_TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
-                   "--token_tiling_min_length (0: never).")
+                   "--sparse_token_tiling_min_length (0: never).")
     p.add_argument("--token-tile-size", type=int, default=DEFAULT_TILE_TOKENS)
     p.add_argument("--offload-layer-inputs", action="store_true",
-                   help="Saved layer inputs in host memory (the plugin's --offload_layer_inputs).")
+                   help="Saved layer inputs in host memory (the plugin's --sparse_offload_layer_inputs).")
     p.add_argument("--sparse-config", help="YAML/JSON SparseAttentionConfig (its budgets size the layouts).")
     p.add_argument("--seq-len", type=int, nargs="*", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")

@@ -30,7 +30,7 @@ from typing import Literal
 
 from ..attention import build, estimate, reference
 from ..config import SparseAttentionConfig
-from ..distributed.step_model import MODELS, ModelShape
+from ..simulator.step_model import MODELS, ModelShape
 from .savers import MemorySavers
 
 GIB = 2**30

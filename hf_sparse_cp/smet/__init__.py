@@ -10,13 +10,13 @@
 * `factory.py`: `create_smet_optimizer` from a stock optimizer class and a model;
 * `dtensor.py`: local-shard views of FSDP2 DTensor parameters and states.
 
-With a Trainer: `hf_sparse_cp.integration.install_smet(trainer, config)` (flags:
-`hf_sparse_cp.integration.SMETArguments`).
+With a Trainer: `hf_sparse_cp.install_smet(trainer, config)` (flags:
+`hf_sparse_cp.SMETArguments`).
 """
 
 from .config import SMETConfig
 from .factory import SMETOptimizerFactory, create_smet_optimizer, smet_param_groups, state_nbytes
-from .optimizer import SMETAdam
+from .optimizer import SMETAdam, unwrap_smet
 
 __all__ = [
     "SMETAdam",
@@ -25,4 +25,5 @@ __all__ = [
     "create_smet_optimizer",
     "smet_param_groups",
     "state_nbytes",
+    "unwrap_smet",
 ]

@@ -1,7 +1,7 @@
 """Typed configuration of SMET (stable dynamic sparse training and sparse fine-tuning with Adam).
 
 `SMETConfig` is a plain dataclass: every field carries help text (so `HfArgumentParser` can turn it
-into flags, see `hf_sparse_cp.integration.arguments.SMETArguments`), `from_file` / `save` round-trip it
+into flags, see `hf_sparse_cp.trainer.arguments.SMETArguments`), `from_file` / `save` round-trip it
 through YAML or JSON, and invalid values raise a `ValueError` that says how to fix them.
 """
 
@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from ..files import FileConfig, check_field_types
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def module_names(value: Any) -> Any:
+    """`target_modules` as a list: comma-separated text ("q_proj,v_proj") split, a tuple listed; any
+    other value as given (the type check then names it)."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return list(value) if isinstance(value, tuple) else value
 
 
 @dataclass
@@ -93,10 +101,7 @@ class SMETConfig(FileConfig):
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str):
-            self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
-        elif isinstance(self.target_modules, (list, tuple)):
-            self.target_modules = list(self.target_modules)
+        self.target_modules = module_names(self.target_modules)
         check_field_types(self)  # (mode and regrowth too: their Literal lists the allowed values)
         self._validate()
 

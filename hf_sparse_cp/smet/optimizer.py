@@ -11,9 +11,9 @@ regrowth (local bias correction), ramps the regrown blocks' step size up over
 `regrow_warmup_steps`, and scales the sparse matrices' learning rate with the density.
 
 Every rank holding a copy of a sparse row must take the same topology decisions, or the copies drift
-apart. Pruning reads weights or update magnitudes, which are equal on every rank; gradient regrowth
-reads gradients, which hooks see before DDP averages them, so those scores are summed over the ranks
-at topology-update steps (`_regrowth_scores`).
+apart, and every parallel layout must take the decisions one process takes on the whole batch. Pruning
+reads weights or update magnitudes, which are equal on every rank; gradient regrowth scores the
+reduced gradient, as one process would see it (`_regrowth_scores`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class SMETAdam(torch.optim.Optimizer):
         self.last_replaced_fraction = 0.0
         self._grids: dict[int, tuple[torch.Tensor, BlockGrid]] = {}
         self._hooks: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._grad_scores: dict[int, torch.Tensor] = {}
+        # Per sparse weight, before a gradient-regrowth update: the gradient its hook masked away (see mask_gradient).
+        self._masked_grads: dict[int, torch.Tensor] = {}
 
     # ---- set-up ----
 
@@ -179,18 +180,19 @@ class SMETAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def mask_gradient(self, param: torch.Tensor) -> None:
         """Zero the gradient of `param`'s inactive blocks; before a topology update that regrows by
-        gradient, first add the blocks' gradient L1 norms to the regrowth scores (summed over
-        micro-batches when gradients are accumulated outside FSDP, and over ranks by `step`)."""
+        gradient, keep what is zeroed (summed over micro-batches: after the first, the inactive blocks
+        hold only the new micro-batch's gradient), so that `step` scores the whole gradient."""
         state = self.state.get(param)
         if not state or "block_index" not in state or param.grad is None:
             return
         grid = self._grid(param)
         grad = grid.blocks(local(param.grad))
+        active = active_mask(state["block_index"], grid.blocks_per_row).unsqueeze(-1)
         if self._regrowth_scores_needed(int(state["step"].item()) + 1, grid):
-            score = block_l1(grad)
-            previous = self._grad_scores.get(id(param))
-            self._grad_scores[id(param)] = score if previous is None else previous + score
-        grad.masked_fill_(~active_mask(state["block_index"], grid.blocks_per_row).unsqueeze(-1), 0)
+            masked = grad.masked_fill(active, 0)
+            previous = self._masked_grads.get(id(param))
+            self._masked_grads[id(param)] = masked if previous is None else previous.add_(masked)
+        grad.masked_fill_(~active, 0)
 
     # ---- the update ----
 
@@ -225,31 +227,35 @@ class SMETAdam(torch.optim.Optimizer):
 
     def _regrowth_scores(self) -> dict[int, torch.Tensor]:
         """The gradient regrowth scores of the sparse weights whose topology is updated at this step
-        (keyed by `id(param)`), equal on every rank that holds the same rows.
+        (keyed by `id(param)`): the L1 norm of every block of the step's whole gradient, as one process
+        computes it on the whole batch, so every rank and every parallel layout decides alike.
 
-        The hooks score the gradient as it is accumulated on this rank. DDP (and so the Trainer's
-        context parallelism on CPU, which is DDP over the CP ranks) averages gradients after those
-        hooks have run, so every rank scores its own micro-batches or sequence shard: the scores of
-        plain parameters, replicated on every rank, are summed over all ranks here (one all-reduce per
-        matrix, at topology-update steps only). FSDP2 runs the hooks on the reduce-scattered (under
-        HSDP also all-reduced) gradient shard, so a DTensor parameter's scores already agree between
-        the ranks holding its rows and need no communication.
+        That gradient is the active blocks' gradient in `param.grad` (reduced by DDP or FSDP2) plus the
+        inactive blocks' gradient the hooks masked away. FSDP2 runs the hooks on the reduce-scattered
+        (under HSDP also all-reduced) gradient shard, so a DTensor parameter's masked part is already
+        reduced. DDP (and so the Trainer's context parallelism on CPU, which is DDP over the CP ranks)
+        averages gradients after the hooks have run, so each rank masked away its own micro-batches' or
+        sequence shard's part: for plain parameters, replicated on every rank, it is averaged over all
+        ranks here as DDP averages the rest (one all-reduce per matrix, at topology-update steps only).
+        A norm of summed gradients is not the sum of their norms, so the reduction comes before the norm.
         """
-        scores, replicated = {}, []
+        masked, replicated = {}, []
         for _, group, param, _ in self._named_params():
             if not group["smet"] or param.grad is None:
                 continue
             grid = self._grid(param)
-            score = self._grad_scores.pop(id(param), None)
+            held = self._masked_grads.pop(id(param), None)
             if not self._regrowth_scores_needed(int(self.state[param]["step"].item()) + 1, grid):
                 continue
-            if score is None:
-                # No hook saw this gradient (attach() came after the backward): it is still unmasked.
-                score = block_l1(grid.blocks(local(param.grad)))
-            scores[id(param)] = score
-            if not isinstance(param, DTensor):
-                replicated.append(score)
-        _sum_over_ranks(replicated)
+            masked[id(param)] = (param, held)
+            if held is not None and not isinstance(param, DTensor):
+                replicated.append(held)
+        _mean_over_ranks(replicated)
+        scores = {}
+        for key, (param, held) in masked.items():
+            # (no hook saw this gradient when attach() came after the backward: it is still unmasked, whole)
+            grad = self._grid(param).blocks(local(param.grad))
+            scores[key] = block_l1(grad if held is None else grad + held)
         return scores
 
     def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
@@ -483,13 +489,15 @@ def _export(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return like_param(param, value)
 
 
-def _sum_over_ranks(tensors: list[torch.Tensor]) -> None:
-    """Sum every tensor in place over all ranks of the default process group (a no-op in one process);
-    the collectives run concurrently, in the same order on every rank."""
+def _mean_over_ranks(tensors: list[torch.Tensor]) -> None:
+    """Average every tensor in place over all ranks of the default process group, as DDP averages
+    gradients (a no-op in one process); the collectives run concurrently, in the same order on every rank."""
     if not tensors or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     for work in [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]:
         work.wait()
+    for t in tensors:
+        t.div_(dist.get_world_size())
 
 
 def _grad_hook(optimizer: SMETAdam):
@@ -501,3 +509,11 @@ def _grad_hook(optimizer: SMETAdam):
             opt.mask_gradient(param)
 
     return hook
+
+
+def unwrap_smet(optimizer: Any) -> SMETAdam | None:
+    """The `SMETAdam` inside `optimizer` (accelerate wraps it), or None."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if isinstance(candidate, SMETAdam):
+            return candidate
+    return None

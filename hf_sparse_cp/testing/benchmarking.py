@@ -137,9 +137,14 @@ def format_profiles(rows: list[dict], title: Callable[[dict], str]) -> str:
     return "".join(f"\n{format_profile(title(r), r['kernels'])}\n" for r in rows if r.get("kernels"))
 
 
+def device_slug(device: str) -> str:
+    """A device's name as a file-name part ('NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3')."""
+    return "".join(c if c.isalnum() else "-" for c in device).strip("-").lower()[:40] or "device"
+
+
 def write_report(report: dict, results_dir: Path, kind: str, output: str | None = None) -> Path:
     """Write a benchmark's JSON to `output`, or to results_dir/<kind>_<device>_<time>.json; returns the path."""
-    slug = "".join(c if c.isalnum() else "-" for c in report["device"]).strip("-").lower()[:40] or "device"
+    slug = device_slug(report["device"])
     out = Path(output) if output else results_dir / f"{kind}_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -147,13 +152,14 @@ def write_report(report: dict, results_dir: Path, kind: str, output: str | None 
     return out
 
 
-def parse_gpu_benchmark_args(arguments_cls, argv: list[str], script: str):
+def parse_gpu_benchmark_args(arguments_cls, argv: list[str], script: str, cpu_dry_run: bool = False):
     """`argv` parsed into the dataclass `arguments_cls`; exits, saying nothing was measured, when this
-    machine has no CUDA device (the GPU benchmarks refuse to time anything else)."""
+    machine has no CUDA device (the GPU benchmarks refuse to time anything else), unless `cpu_dry_run`
+    and the arguments ask for their `dry_run` (the script checked on the CPU, nothing measured)."""
     from transformers import HfArgumentParser
 
     (args,) = HfArgumentParser(arguments_cls).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not (cpu_dry_run and args.dry_run):
         raise SystemExit(f"{script} is a GPU benchmark and found no CUDA device; nothing was measured.")
     return args
 

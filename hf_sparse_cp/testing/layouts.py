@@ -17,12 +17,13 @@ def random_layout(
     k_len: int,
     block_size: int,
     block_density: float,
-    col_density: float = 0.0,
+    col_density: float = 0.05,
     *,
     causal: bool = True,
     generator: torch.Generator | None = None,
 ) -> SparseLayout:
-    """Arbitrary per-query-block key blocks and columns (no structure), each kept with the given density.
+    """Arbitrary per-query-block key blocks and columns (no structure), each kept with the given density;
+    columns by default, as the estimated layouts have them (`col_density=0` for a block-only layout).
 
     With `causal`, only key blocks up to the query block's own index are drawn, the diagonal block
     is always listed, and columns lie before the query block.
@@ -52,7 +53,6 @@ def random_vertical_slash_layout(
     *,
     num_diagonals: int,
     num_verticals: int,
-    local_diagonals: int = 1,
     sink_tokens: int = 0,
     diagonal_spread: float = 1.0,
     meta: TokenMeta | None = None,
@@ -61,7 +61,7 @@ def random_vertical_slash_layout(
 ) -> SparseLayout:
     """A vertical-slash layout per (row, head) with MTraining's forced parts and a random rest.
 
-    Always kept: the first `local_diagonals` block diagonals and the first `sink_tokens` key
+    Always kept: the diagonal block (the local window) and the first `sink_tokens` key
     columns. Drawn on top: `num_diagonals` block diagonals among the nearest `diagonal_spread`
     fraction of them, and `num_verticals` key columns among the `seq_len` real tokens.
 
@@ -73,7 +73,7 @@ def random_vertical_slash_layout(
     nb = -(-total // block_size)
     reach = max(1, min(nb, round(diagonal_spread * nb)))
     diagonals = torch.zeros(batch, heads, nb, dtype=torch.bool)
-    diagonals[..., :local_diagonals] = True
+    diagonals[..., 0] = True
     picks = torch.rand(batch, heads, reach, generator=generator).argsort(-1)[..., :num_diagonals]
     diagonals.scatter_(-1, picks, True)
     verticals = torch.zeros(batch, heads, total, dtype=torch.bool)
@@ -81,6 +81,9 @@ def random_vertical_slash_layout(
     picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
     verticals.scatter_(-1, picks, True)
     return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
+
+
+PLANTED_LOGIT = 8.0
 
 
 def planted_qk(
@@ -91,7 +94,6 @@ def planted_qk(
     verticals: list[list[int]],
     offsets: list[list[int]],
     *,
-    logit: float = 8.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, Hq, S, D], k [1, Hkv, S, D] whose attention concentrates on planted columns and diagonals.
@@ -100,10 +102,10 @@ def planted_qk(
     keys) and to offsets `offsets[h]` (q and k carry matching random codes, k shifted by the offset).
     Heads of one GQA group share their key head, so their plants must be compatible: the key side
     is the union of the group's plants, each query head reads only its own. A planted pair's
-    scaled score (q.k / sqrt(D)) is about `logit`; unrelated pairs score about 0.
+    scaled score (q.k / sqrt(D)) is about `PLANTED_LOGIT`; unrelated pairs score about 0.
     """
     g = num_q_heads // num_kv_heads
-    amp = (logit * head_dim**0.5) ** 0.5
+    amp = (PLANTED_LOGIT * head_dim**0.5) ** 0.5
     d_half = head_dim // 2
     noise = 0.1
     q = noise * torch.randn(1, num_q_heads, seq_len, head_dim, generator=generator)

@@ -1,0 +1,378 @@
+"""A model card that describes sparse long-context training: `write_sparse_model_card`.
+
+The stock `Trainer.create_model_card` writes README.md from the training arguments alone, so a run with
+the plugin gets a card that misstates two things and omits the rest:
+
+* `total_train_batch_size` is `per-device batch x world size x accumulation`: under context parallelism
+  every rank of a CP group trains the same sequence, so it counts each sequence `cp_size` times;
+* the optimizer line names `--optim` (AdamW) when SMET stood in for it.
+
+* the distributed type says "multi-GPU" for CPU processes joined with gloo.
+
+`write_sparse_model_card` calls the card writer of the Trainer class (the stock one, or TRL's), corrects
+those lines, adds the plugin's tags to the YAML front matter and appends a "Sparse long-context training"
+section that states only what the run did: base model and data when known, sequence length, the sparse
+pattern, the distributed set-up (CPU/gloo or GPU/NCCL processes, FSDP), context parallelism and SMET when
+used, batch size, optimizer, throughput, the losses per logging step (and eval losses), the mean kept
+fraction per layer (with a plot saved beside the card), the versions of the packages that trained it, and
+how to load the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import DataCollatorWithFlattening, Trainer
+
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..distributed import ParallelDims
+from ..smet import SMETConfig, unwrap_smet
+from ..smet.factory import SMETOptimizerFactory
+from .kept_fraction import PLOT_EXTRA, kept_fraction_figure, mean_kept_fraction_per_layer
+
+logger = logging.getLogger(__name__)
+
+TAGS = ("hf-sparse-cp", "long-context", "sparse-attention")
+KEPT_FRACTION_PLOT = "sparse_kept_fraction.png"
+SECTION_TITLE = "## Sparse long-context training"
+
+# Lines of the stock card's hyperparameter list that this module rewrites.
+_TOTAL_BATCH = re.compile(r"^- total_train_batch_size: .*$", re.MULTILINE)
+_TOTAL_EVAL_BATCH = re.compile(r"^- total_eval_batch_size: .*$", re.MULTILINE)
+_OPTIMIZER = re.compile(r"^- optimizer: .*$", re.MULTILINE)
+_DISTRIBUTED_TYPE = re.compile(r"^- distributed_type: multi-GPU$", re.MULTILINE)
+# Sentences of the stock card that are wrong for a model built from a config (its `_name_or_path` is "": an
+# empty base-model link) and for an in-memory dataset (no builder name: "the None dataset").
+_STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on",
+                 "This model was trained from scratch on"),
+                (" on the None dataset.", " on an unknown dataset."))
+
+
+def smet_config_of(trainer: Trainer) -> SMETConfig | None:
+    """The SMET config `trainer` trains (or trained) with, or None when its optimizer is not SMET."""
+    smet = unwrap_smet(trainer.optimizer)
+    if smet is not None:
+        return smet.config
+    factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
+    return kwargs["config"] if factory is SMETOptimizerFactory else None
+
+
+def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
+    """Distinct sequences per optimizer step: the Trainer's total batch size, counted once per CP group.
+
+    The Trainer divides by its `get_cp_size()`, which is the CP degree while the plugin's context
+    parallelism is attached (or accelerate's ParallelismConfig sets it) and 1 otherwise; the ratio
+    makes the count right either way.
+    """
+    return trainer.get_total_train_batch_size(trainer.args) * trainer.get_cp_size() // cp_size
+
+
+def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
+    raw = getattr(getattr(trainer.model, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
+    return None if raw is None else SparseAttentionConfig.from_dict(raw)
+
+
+def _describe_pattern(config: SparseAttentionConfig) -> str:
+    if config.pattern == "dense":
+        text = "dense (exact causal attention through the block engine)"
+    else:
+        if config.budget_mode == "topk":
+            budget = f"top-k: {config.vertical_topk} key columns and {config.slash_topk} diagonals per head"
+        else:
+            budget = (f"top-p: {config.vertical_topp} / {config.slash_topp} of the score mass in key columns / "
+                      f"diagonals (at most {config.vertical_cap} / {config.slash_cap}) per head")
+        if config.estimation == "causal_chunks":
+            estimated = (f"estimated causally at every call: each chunk of {config.estimation_chunk} tokens from the "
+                         f"last {config.last_q} queries before it, the first chunk dense")
+        else:
+            estimated = f"estimated from the last {config.last_q} queries at every call"
+        text = (f"vertical-slash (MTraining), {budget}, plus {config.sink_tokens} sink tokens and a local window of "
+                f"{config.local_window}; {estimated}")
+        if config.min_seq_len:
+            text += f"; documents under {config.min_seq_len:,} tokens dense"
+    text += f"; blocks of {config.block_size} tokens"
+    if config.dense_first_layers:
+        text += f"; first {config.dense_first_layers} layer(s) dense"
+    if config.layer_overrides:
+        text += f"; per-layer overrides `{json.dumps(config.layer_overrides)}`"
+    return text
+
+
+def _processes(trainer: Trainer) -> tuple[int, str, str | None]:
+    """(processes, "CPU" or "GPU" (the device type), the process group's backend or None)."""
+    world = trainer.args.world_size
+    kind = "GPU" if trainer.args.device.type == "cuda" else trainer.args.device.type.upper()
+    backend = torch.distributed.get_backend() if world > 1 and torch.distributed.is_initialized() else None
+    return world, kind, backend
+
+
+def _describe_setup(trainer: Trainer) -> str:
+    world, kind, backend = _processes(trainer)
+    text = f"{world} {kind} process{'es' if world > 1 else ''}" + (f" ({backend})" if backend else "")
+    if world > 1 and not getattr(trainer, "is_fsdp_enabled", False):
+        text += ", data parallel (DDP)"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        version = 2 if getattr(trainer.accelerator, "is_fsdp2", False) else trainer.args.fsdp_config.get(
+            "fsdp_version", 1)
+        text += f", FSDP{version}: parameters, gradients and optimizer state sharded over the processes"
+    return text
+
+
+def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_size: int) -> str:
+    world = trainer.args.world_size
+    if parallel is None:
+        return f"CP {cp_size} x DP {world // cp_size} ({world} processes); sharding and ring not recorded"
+    ring = "flat ring"
+    if parallel.hierarchical:
+        ring = (f"hierarchical ring ({parallel.topology.num_nodes} nodes x {parallel.topology.node_size} ranks, "
+                "the outer ring hidden behind the inner one)")
+    return (f"CP {cp_size} x DP {parallel.dp_size} ({parallel.world_size} processes): each sequence split over "
+            f"{cp_size} ranks, {parallel.sharding} sharding, {ring}")
+
+
+def _describe_smet(config: SMETConfig, optim: str, args) -> str:
+    return (f"SMET ({config.mode}, density {config.density}, blocks of {config.block_size} columns, topology update "
+            f"every {config.update_interval} steps, {config.regrowth_rule} regrowth) over {optim} with "
+            f"betas=({args.adam_beta1},{args.adam_beta2}) and epsilon={args.adam_epsilon}")
+
+
+def _smet_settings(config: SMETConfig) -> dict[str, Any]:
+    """The config as saved, with the regrowth rule the mode chose filled in (the YAML says what the table says)."""
+    return config.to_dict() | {"regrowth": config.regrowth_rule}
+
+
+def _base_model(trainer: Trainer) -> str:
+    name = getattr(getattr(trainer.model, "config", None), "_name_or_path", "") or ""
+    return f"`{name}`" if name else "none: trained from a config (random initialization)"
+
+
+def _training_data(trainer: Trainer, dataset_tags: Any) -> str | None:
+    """The dataset's name (given to the card, or recorded by `datasets`) and its size, when known."""
+    data = trainer.train_dataset
+    info = getattr(data, "info", None)
+    name = dataset_tags or getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    if isinstance(name, list | tuple):
+        name = ", ".join(map(str, name))
+    try:
+        size = f"{len(data):,} training sequences" if data is not None else None
+    except TypeError:  # an iterable dataset
+        size = None
+    parts = [f"`{name}`" if name else None, size]
+    return ", ".join(part for part in parts if part) or None
+
+
+def _versions(trainer: Trainer) -> dict[str, str]:
+    """The versions of the packages that trained the model: TRL when the Trainer class is TRL's, PEFT when
+    the model is a PEFT model."""
+    names = ["hf-sparse-cp", "transformers", "accelerate", "torch"]
+    if any(cls.__module__.startswith("trl.") for cls in type(trainer).__mro__):
+        names.append("trl")
+    if type(trainer.model).__module__.startswith("peft."):
+        names.append("peft")
+    return {name: importlib.metadata.version(name) for name in names}
+
+
+def _results(log_history: list[dict]) -> list[str]:
+    """The losses per logging step, the final loss and the eval losses, from the Trainer's log history."""
+    train = [log for log in log_history if "loss" in log]
+    evals = [log for log in log_history if "eval_loss" in log]
+    final = next((log for log in reversed(log_history) if "train_loss" in log), None)
+    if not train and not evals:
+        return ["Not logged (the card was written before the first logging step)."]
+    lines = ["| step | epoch | training loss |", "|---|---|---|",
+             *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)]
+    if final is not None:
+        lines += ["", f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after "
+                  f"{final['step']} steps."]
+    if evals:
+        lines += ["", "| step | eval loss |", "|---|---|",
+                  *(f"| {log['step']} | {log['eval_loss']:.4f} |" for log in evals)]
+    return lines
+
+
+def _quick_start(trainer: Trainer) -> str:
+    name = trainer.args.hub_model_id or trainer.args.output_dir
+    return "\n".join([
+        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        'inputs = tokenizer("Once upon a time", return_tensors="pt")',
+        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))", "```"])
+
+
+def _throughput(trainer: Trainer, max_length: int | None) -> str:
+    final = next((log for log in reversed(trainer.state.log_history) if "train_runtime" in log), None)
+    if final is None:
+        return "not measured (the card was written before training ended)"
+    if "train_tokens_per_second" in final:  # with include_num_input_tokens_seen (counted once per CP group)
+        return f"{final['train_tokens_per_second']:,.0f} tokens/s (input tokens counted by the Trainer)"
+    samples = final.get("train_samples_per_second")
+    if samples is None or max_length is None:
+        return "not recorded"
+    # the Trainer's samples per second count distinct samples (its batch size is CP-aware); a flattening
+    # collator packs each device batch of documents into one sequence of max_length tokens
+    per_sequence = trainer.args.train_batch_size if isinstance(trainer.data_collator, DataCollatorWithFlattening) else 1
+    return (f"{samples * max_length / per_sequence:,.0f} tokens/s (estimated: {samples:g} samples/s x "
+            f"{max_length:,} tokens{f' / {per_sequence} documents per sequence' if per_sequence > 1 else ''})")
+
+
+def _draw_plot(trainer: Trainer, output_dir: Path) -> str:
+    """Save the kept-fraction plot beside the card; the markdown that shows it (or says why it is missing)."""
+    try:
+        figure = kept_fraction_figure(trainer.state.log_history,
+                                      title=f"Sparse attention during training ({output_dir.name})")
+    except ImportError:
+        logger.warning("The model card's kept-fraction plot needs matplotlib: %s", PLOT_EXTRA)
+        return f"(The plot of the kept fraction per layer needs matplotlib: `{PLOT_EXTRA}`.)"
+    figure.savefig(output_dir / KEPT_FRACTION_PLOT, dpi=120)
+    return f"![Kept fraction of attention blocks per layer over training]({KEPT_FRACTION_PLOT})"
+
+
+def _packs_documents(trainer: Trainer) -> bool:
+    """Whether the collator packs a batch's documents into one row (transformers' flattening, TRL's padding-free)."""
+    collator = trainer.data_collator
+    return isinstance(collator, DataCollatorWithFlattening) or bool(getattr(collator, "padding_free", False))
+
+
+def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, cp_size: int,
+             smet: SMETConfig | None, optimizer_line: str, output_dir: Path, card_kwargs: dict[str, Any],
+             license_: str | None) -> str:
+    sparse = _sparse_config(trainer)
+    length = "not recorded" if max_length is None else f"{max_length:,} tokens"
+    if _packs_documents(trainer):
+        length += " (documents packed into each sequence, attention within each document only)"
+    used = (["dynamic sparse attention"] if sparse is not None else []) + (
+        [f"context parallelism over {cp_size} ranks"] if cp_size > 1 else []) + (
+        ["the SMET sparse optimizer"] if smet is not None else [])
+    data = _training_data(trainer, card_kwargs.get("dataset_tags") or card_kwargs.get("dataset_name")
+                          or card_kwargs.get("dataset"))
+    rows = [("base model", _base_model(trainer)), ("training data", data), ("sequence length", length),
+            ("attention", "dense (the sparse_cp backend was not used)" if sparse is None
+             else f"`sparse_cp`: {_describe_pattern(sparse)}"),
+            ("distributed set-up", _describe_setup(trainer)),
+            ("context parallelism", _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
+            ("total train batch size", f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per "
+             "optimizer step"),
+            ("optimizer", optimizer_line),
+            ("throughput", _throughput(trainer, max_length)),
+            ("license", license_)]
+    trainer_name = next(cls.__name__ for cls in type(trainer).__mro__ if not cls.__module__.startswith(
+        "hf_sparse_cp."))
+    lines = [SECTION_TITLE, "",
+             f"Trained with `hf-sparse-cp` ({', '.join(used) or 'no plugin feature on'}) under the `{trainer_name}`.",
+             "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows if value is not None), "",
+             "### Training results", "", *_results(trainer.state.log_history), ""]
+
+    means = mean_kept_fraction_per_layer(trainer.state.log_history)
+    lines += ["### Kept fraction of attention blocks", ""]
+    if means:
+        overall = sum(means.values()) / len(means)
+        lines += [f"Computed blocks over the blocks of the causal triangle, logged by the Trainer "
+                  f"(`sparse/kept_fraction/layer_NN`) and averaged over the logged steps: **{overall:.3f}** over "
+                  "all layers.", "", "| layer | mean kept fraction |", "|---|---|",
+                  *(f"| {layer} | {value:.3f} |" for layer, value in means.items()), "",
+                  _draw_plot(trainer, output_dir), ""]
+    else:
+        lines += ["Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
+
+    if sparse is not None:
+        lines += ["Sparse attention config (saved in config.json as `sparse_attention`):", "", "```yaml",
+                  yaml.safe_dump(sparse.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    if smet is not None:
+        lines += ["SMET config:", "", "```yaml", yaml.safe_dump(_smet_settings(smet), sort_keys=False).rstrip(), "```",
+                  ""]
+    lines += ["### Framework versions", "", "| package | version |", "|---|---|",
+              *(f"| {name} | {version} |" for name, version in _versions(trainer).items()), ""]
+    lines += ["### Quick start", "",
+              "The weights are a standard transformers checkpoint: the model loads and generates without "
+              "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
+              _quick_start(trainer), ""]
+    if sparse is not None:
+        lines += ["To train on with the sparse pattern, call `hf_sparse_cp.patch()` and load it with "
+                  "`attn_implementation=\"sparse_cp\"`.", ""]
+    return "\n".join(lines)
+
+
+def _split_front_matter(card: str) -> tuple[dict, str]:
+    if card.startswith("---\n") and "\n---\n" in card[3:]:
+        end = card.index("\n---\n", 3)
+        return yaml.safe_load(card[4:end]) or {}, card[end + 5:]
+    return {}, card
+
+
+def _add_tags(card: str) -> str:
+    """`card` with `TAGS` added to the `tags` of its YAML front matter (created when it has none)."""
+    metadata, body = _split_front_matter(card)
+    tags = list(metadata.get("tags") or [])
+    metadata["tags"] = tags + [tag for tag in TAGS if tag not in tags]
+    return f"---\n{yaml.dump(metadata, sort_keys=False)}---\n{body}"
+
+
+def write_sparse_model_card(
+    trainer: Trainer,
+    *,
+    parallel: ParallelDims | None = None,
+    max_length: int | None = None,
+    create_card: Callable[..., Any] | None = None,
+    **create_model_card_kwargs: Any,
+) -> Path | None:
+    """Write the model card of a run with the plugin into `trainer.args.output_dir` (README.md).
+
+    Args:
+        trainer: the Trainer, after `train()` (before, the card has no kept fraction or throughput).
+        parallel: what `attach_to_trainer` returned: CP size, sharding and ring (None: the CP size the
+            Trainer reports, without sharding and ring).
+        max_length: tokens per training sequence (the packed length when a flattening collator packs
+            documents); None: not stated, and no throughput estimate.
+        create_card: writes the stock card, called with `create_model_card_kwargs`; default
+            `Trainer.create_model_card` (the base method: a subclass that overrides `create_model_card` to
+            call this function passes `super().create_model_card`).
+        create_model_card_kwargs: the arguments of the Trainer class's `create_model_card` (the stock one:
+            language, license, tags, model_name, finetuned_from, tasks, dataset_tags, dataset, dataset_args;
+            TRL's: model_name, dataset_name, tags); a license and a dataset name given here are stated.
+
+    Returns:
+        The path of README.md on the main process (`sparse_kept_fraction.png` beside it when the kept
+        fraction was logged and matplotlib is installed), None on the other processes, which write nothing.
+    """
+    create_card = functools.partial(Trainer.create_model_card, trainer) if create_card is None else create_card
+    create_card(**create_model_card_kwargs)
+    if not trainer.is_world_process_zero():
+        return None
+    output_dir = Path(trainer.args.output_dir)
+    path = output_dir / "README.md"
+    card = path.read_text(encoding="utf-8")
+    card = card.split(f"\n{SECTION_TITLE}\n", 1)[0].rstrip("\n") + "\n"  # a card amended before: amend anew
+    cp_size = parallel.cp_size if parallel is not None else trainer.get_cp_size()
+    if cp_size > 1:
+        total = distinct_train_batch_size(trainer, cp_size)
+        note = f" (distinct sequences; each is split over {cp_size} context-parallel ranks)"
+        card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {total}{note}", card)
+        total_eval = trainer.args.eval_batch_size * trainer.args.world_size // cp_size
+        card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {total_eval}", card)
+    smet = smet_config_of(trainer)
+    optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+    optimizer_line = optim if smet is None else _describe_smet(smet, optim, trainer.args)
+    if smet is not None:
+        card = _OPTIMIZER.sub(lambda _: f"- optimizer: {optimizer_line}", card)
+    world, kind, backend = _processes(trainer)
+    if kind != "GPU":
+        card = _DISTRIBUTED_TYPE.sub(lambda _: f"- distributed_type: multi-{kind}" + (
+            f" ({backend})" if backend else ""), card)
+    for wrong, right in _STOCK_FIXES:
+        card = card.replace(wrong, right)
+    card = _add_tags(card)
+    license_ = create_model_card_kwargs.get("license") or _split_front_matter(card)[0].get("license")
+    card += "\n" + _section(trainer, parallel, max_length, cp_size, smet, optimizer_line, output_dir,
+                            create_model_card_kwargs, license_)
+    path.write_text(card, encoding="utf-8")
+    return path

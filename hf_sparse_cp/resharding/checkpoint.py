@@ -1,0 +1,171 @@
+"""A sharded checkpoint of training state that resumes with another world size through the slice-intersection plan.
+
+`save_sharded_state` writes what each rank holds, as it holds it: one safetensors file per rank with
+its local shard of every tensor, and `layout.json` with every tensor's global shape, dtype and the
+box (`boxes.Box`) each saved rank holds. `load_sharded_state` lays the same tensors out for the
+processes that load them, which may be more or fewer: for each tensor it plans the transfers from the
+saved boxes to the new layout with `boxes.plan_transfers` (the saved ranks as sources, the new ranks
+as targets) and fills its destination by reading from each saved rank's file only the slice that
+intersects its new box; no process reads a whole file and none communicates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .boxes import Box, TargetLayout, dtensor_boxes, plan_transfers
+
+LAYOUT_FILE = "layout.json"
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{LAYOUT_FILE} names dtype {name!r}, which this torch does not have.")
+    return dtype
+
+
+def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathLike) -> None:
+    """Write `state` as this rank holds it; call on every rank of the default group with the same keys.
+
+    Args:
+        state: {name: DTensor (FSDP2 parameters, their AdamW moments, SMET's per-row state), or a
+            plain tensor every rank holds whole (written by rank 0 only, e.g. AdamW's `step`)}.
+            Layouts are those `boxes.shard_boxes` describes: `Shard(d)` and `Replicate()`.
+        folder: created if needed; gets one `shard-RANK-of-WORLD.safetensors` per rank that holds a
+            non-empty piece, and `layout.json` (written by rank 0 once every rank has written).
+    """
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layout, pieces = {}, {}
+    for name, tensor in state.items():
+        boxes = dtensor_boxes(tensor) if isinstance(tensor, DTensor) else {0: Box.whole(tensor.shape)}
+        held = {r: b for r, b in boxes.items() if b.numel}
+        layout[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "boxes": {str(r): [list(b.start), list(b.stop)] for r, b in held.items()}}
+        if rank in held:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            pieces[name] = local.detach().contiguous()
+    if pieces:
+        save_file(pieces, str(folder / shard_file(rank, world)))
+    if dist.is_initialized():
+        dist.barrier()  # every file is complete before the layout says the checkpoint is
+    if rank == 0:
+        tmp = folder / (LAYOUT_FILE + ".tmp")
+        tmp.write_text(json.dumps({"world_size": world, "tensors": layout}))
+        os.replace(tmp, folder / LAYOUT_FILE)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """What `layout.json` says of one tensor: global shape, dtype, and the box each saved rank holds."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    boxes: dict[int, Box]
+
+
+def read_layout(folder: str | os.PathLike) -> tuple[int, dict[str, SavedTensor]]:
+    """(saved world size, {name: SavedTensor}) of a folder `save_sharded_state` wrote."""
+    path = Path(folder) / LAYOUT_FILE
+    if not path.is_file():
+        raise ValueError(f"{str(folder)!r} holds no {LAYOUT_FILE}: it is not a complete sharded state (written by "
+                         "save_sharded_state, whose rank 0 writes the layout last).")
+    content = json.loads(path.read_text())
+    tensors = {name: SavedTensor(torch.Size(t["shape"]), _dtype(t["dtype"]),
+                                 {int(r): Box(tuple(a), tuple(b)) for r, (a, b) in t["boxes"].items()})
+               for name, t in content["tensors"].items()}
+    return content["world_size"], tensors
+
+
+@dataclass
+class ReadCounter:
+    """Bytes and slices `load_sharded_state` read from the saved files."""
+
+    bytes: int = 0
+    slices: int = 0
+
+
+def load_sharded_state(
+    folder: str | os.PathLike,
+    target: Callable[[str, torch.Tensor], TargetLayout],
+    *,
+    counter: ReadCounter | None = None,
+) -> dict[str, torch.Tensor]:
+    """Lay out the state saved in `folder` (by any number of processes) for the processes loading it.
+
+    Args:
+        folder: written by `save_sharded_state`.
+        target: (name, a meta tensor of the saved global shape and dtype) -> its `TargetLayout` in this
+            run (e.g. the layout of the parameter it belongs to).
+        counter: counts the bytes and slices read.
+
+    Returns:
+        {name: tensor} for every saved tensor this rank holds a piece of in its target: a DTensor on the
+        target's mesh, or a plain tensor when the target has no mesh. Raises ValueError, naming the
+        fix, when a saved file is missing or a target names a rank this run does not have.
+    """
+    from safetensors import safe_open
+
+    counter = counter if counter is not None else ReadCounter()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    saved_world, tensors = read_layout(folder)
+    files: dict[int, object] = {}
+
+    def source(saved_rank: int):
+        if saved_rank not in files:
+            path = Path(folder) / shard_file(saved_rank, saved_world)
+            if not path.is_file():
+                raise ValueError(f"{str(folder)!r} lacks {path.name}, which {LAYOUT_FILE} lists: the sharded state is "
+                                 "incomplete; resume from another checkpoint.")
+            files[saved_rank] = safe_open(str(path), framework="pt")
+        return files[saved_rank]
+
+    loaded = {}
+    for name, saved in tensors.items():
+        layout = target(name, torch.empty(saved.shape, dtype=saved.dtype, device="meta"))
+        goal = layout.boxes(saved.shape)
+        outside = sorted(r for r in goal if not 0 <= r < world)
+        if outside:
+            raise ValueError(f"the target layout of {name!r} names ranks {outside}, but this run has {world} "
+                             "processes: build the target from this run's device mesh.")
+        mine = goal.get(rank)
+        if mine is None:
+            continue  # this rank holds none of the tensor
+        out = torch.empty(mine.shape, dtype=saved.dtype)
+        for t in plan_transfers(saved.shape, saved.boxes, goal):
+            if t.dst != rank:
+                continue
+            piece = source(t.src).get_slice(name)
+            within = t.box.within(saved.boxes[t.src])
+            value = piece[within] if within else source(t.src).get_tensor(name)  # (a 0-dim tensor has no slices)
+            out[t.box.within(mine)] = value
+            counter.bytes += value.numel() * value.element_size()
+            counter.slices += 1
+        loaded[name] = layout.wrap(out, saved.shape, _contiguous_stride(saved.shape))
+    return loaded
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))

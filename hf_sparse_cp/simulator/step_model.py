@@ -1,0 +1,298 @@
+"""Training-step time of a model under context parallelism: model shapes, hardware calibrated from
+measurements, cluster presets, and `predict_step`, which adds the layers' other work to the ring
+of `simulate.py`.
+
+Per layer and CP rank: linear layers over the rank's tokens (forward, backward and, with gradient
+checkpointing, a second forward; the busiest rank's tokens, for a split that gives ranks different
+numbers of blocks), the layout estimation of sparse configurations (scoring of the last `last_q`
+queries against the rank's keys, three small all-reduces, the slash sums' reduce-scatter and the
+candidates' all-gather, the index build), and ring attention forward (twice with gradient
+checkpointing) and backward. A step is the layers plus the LM head, one sequence per CP group. Not
+modelled: data-parallel / FSDP traffic (it overlaps the layers' compute), the optimizer step, and
+kernel launch gaps.
+
+Every number below is a measurement or a published figure, with its source in `sources`; the
+A100 figures are the H100 measurements scaled by the ratio of the datasheets' dense BF16 peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..attention.estimate import candidates_per_row
+from ..config import SparseAttentionConfig
+from .simulate import (
+    Cluster,
+    KernelCosts,
+    Link,
+    PlanWork,
+    RingSetup,
+    all_gather_time,
+    all_reduce_time,
+    plan_work,
+    simulate_ring,
+)
+from .traffic import PlanTraffic, plan_traffic
+
+ANCHORS = "/work/shared/research/anchors.md"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape (Qwen2Config fields)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    source: str = ""
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer's matrix multiplications (attention projections and the SwiGLU MLP)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
+        """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight
+        forward, 4 backward, and 2 more per layer weight for the recomputed forward."""
+        per_weight = 8 if recompute else 6
+        return per_weight * self.layer_params, 6 * self.hidden * self.vocab
+
+
+_QWEN = "Qwen/Qwen2.5-{} config.json on the Hugging Face Hub (as benchmarks/bench_e2e.py MODEL_SHAPES)"
+MODELS = {
+    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, _QWEN.format("0.5B")),
+    "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, _QWEN.format("1.5B")),
+    "qwen2.5-3b": ModelShape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, _QWEN.format("3B")),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, _QWEN.format("7B")),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-unit costs of one GPU kind, per model head at `head_dim` and blocks of `block_size`
+    (block costs scale with the model's head_dim; other block sizes are refused)."""
+
+    name: str
+    sparse_fwd: KernelCosts
+    sparse_bwd: KernelCosts
+    dense_fwd: KernelCosts
+    dense_bwd: KernelCosts
+    linear_flops_per_s: float
+    attention_flops_per_s: float  # dense attention forward, for the estimation's scoring
+    index_build_s: float  # per layer
+    head_dim: int = 128
+    block_size: int = 128
+    sources: dict = field(default_factory=dict, compare=False)
+
+    def scaled(self, name: str, factor: float, source: str) -> Hardware:
+        """The same kernels on a GPU `factor` times as fast (costs / factor, rates x factor)."""
+        def k(c: KernelCosts) -> KernelCosts:
+            return KernelCosts(c.call / factor, c.row / factor, c.block / factor, c.slot / factor)
+        return replace(self, name=name, sparse_fwd=k(self.sparse_fwd), sparse_bwd=k(self.sparse_bwd),
+                       dense_fwd=k(self.dense_fwd), dense_bwd=k(self.dense_bwd),
+                       linear_flops_per_s=self.linear_flops_per_s * factor,
+                       attention_flops_per_s=self.attention_flops_per_s * factor,
+                       index_build_s=self.index_build_s / factor,
+                       sources={**self.sources, "scaling": source})
+
+
+# anchors.md (measured): one H100 80GB, bf16, B=1, 16 query heads, 2 KV heads, head_dim 128, blocks of 128,
+# causal; (S, density, fwd ms, fwd+bwd ms). FlexAttention on block layouts; SDPA cuDNN dense.
+H100_FLEX = [(32768, 0.10, 1.14, 10.8), (32768, 0.05, 0.65, 9.7), (65536, 0.10, 4.2, 26.3), (65536, 0.05, 2.3, 21.1),
+             (131072, 0.20, 33.6, 129.5), (131072, 0.10, 17.2, 75.3), (131072, 0.05, 9.0, 54.2)]
+H100_DENSE = {"cudnn": [(32768, 1.0, 7.1, 28.6), (65536, 1.0, 28.3, 110.8), (131072, 1.0, 128.1, 464.9)],
+              "fa2": [(32768, 1.0, 12.8, 46.7), (65536, 1.0, 49.6, 187.4), (131072, 1.0, 221.9, 762.3)]}
+# anchors.md (measured): Qwen2.5 shapes, liger-kernel, gradient checkpointing, sdpa, one sequence: (S, step s).
+H100_LIGER = {"qwen2.5-0.5b": [(32768, 0.78), (65536, 2.45), (131072, 8.75), (262144, 34.3)],
+              "qwen2.5-1.5b": [(32768, 1.46), (65536, 4.34), (131072, 15.0), (262144, 55.7)]}
+_HEADS, _BS = 16, 128
+
+
+def _units(s: int, density: float) -> tuple[float, float]:
+    """(query-block rows, block pairs) per head of a causal layout keeping `density` of its blocks."""
+    nb = s // _BS
+    return nb, density * nb * (nb + 1) / 2
+
+
+def fit_kernel(rows: list[tuple], *, with_rows: bool) -> tuple[KernelCosts, KernelCosts, float]:
+    """Least-squares per-head costs (forward, backward) from (S, density, fwd ms, fwd+bwd ms) rows;
+    the worst relative error of the fit over the rows."""
+    x = torch.tensor([_units(s, d) for s, d, _, _ in rows], dtype=torch.float64) * _HEADS
+    if not with_rows:
+        x = x[:, 1:]
+    fwd = torch.tensor([f for _, _, f, _ in rows], dtype=torch.float64) * 1e-3
+    bwd = torch.tensor([t - f for _, _, f, t in rows], dtype=torch.float64) * 1e-3
+    costs, worst = [], 0.0
+    for y in (fwd, bwd):
+        coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.flatten()
+        worst = max(worst, float(((x @ coef - y) / y).abs().max()))
+        row, block = (float(coef[0]), float(coef[1])) if with_rows else (0.0, float(coef[0]))
+        costs.append(KernelCosts(row=row, block=block))
+    return costs[0], costs[1], worst
+
+
+def fit_linear(model: ModelShape, steps: list[tuple[int, float]]) -> tuple[float, float]:
+    """(FLOP/s of the non-attention work, worst relative error): step = a S + c S^2 fitted by least
+    squares, a read as the linear layers and LM head at one rate (gradient checkpointing on)."""
+    x = torch.tensor([[s, s * s] for s, _ in steps], dtype=torch.float64)
+    y = torch.tensor([t for _, t in steps], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.flatten()
+    per_layer, head = model.linear_flops(recompute=True)
+    rate = (model.layers * per_layer + head) / float(coef[0])
+    return rate, float(((x @ coef - y) / y).abs().max())
+
+
+def h100(*, dense_kernel: str = "cudnn", sparse_row_costs: bool = True) -> Hardware:
+    """The H100 calibration from anchors.md (see `sources` for each figure and its fit error).
+
+    dense_kernel: the dense ring's kernel, 'cudnn' (SDPA cuDNN, the fastest measured) or 'fa2'
+    (SDPA flash, FlashAttention-2). sparse_row_costs: keep FlexAttention's per-row cost (as
+    measured); False keeps only its per-block cost, what a sparse kernel without per-row overhead
+    would reach (a bound, not a measurement of one)."""
+    sf, sb, s_err = fit_kernel(H100_FLEX, with_rows=True)
+    if not sparse_row_costs:
+        sf, sb = replace(sf, row=0.0), replace(sb, row=0.0)
+    df, db, d_err = fit_kernel(H100_DENSE[dense_kernel], with_rows=False)
+    rates = {name: fit_linear(MODELS[name], steps) for name, steps in H100_LIGER.items()}
+    linear = sum(r for r, _ in rates.values()) / len(rates)
+    s, _, fwd_ms, _ = H100_DENSE["cudnn"][-1]
+    attn_flops = 4 * s * s / 2 * _HEADS * 128 / (fwd_ms * 1e-3)
+    return Hardware(
+        "H100", sf, sb, df, db, linear, attn_flops, 1.1e-3,
+        sources={
+            "sparse attention": f"{ANCHORS}: FlexAttention on block layouts, H100, S 32K-128K, density 0.05-0.20 "
+                                f"(measured); per-row + per-block least squares, worst error {s_err:.0%}"
+                                + ("" if sparse_row_costs else "; per-row cost dropped (bound)"),
+            "dense attention": f"{ANCHORS}: SDPA {dense_kernel} causal, H100, S 32K-128K (measured); per-block "
+                               f"least squares, worst error {d_err:.0%}",
+            "linear layers": f"{ANCHORS}: liger-kernel training steps, Qwen2.5-0.5B/1.5B, S 32K-256K, H100 "
+                             "(measured); step = a S + c S^2, a = linear layers + LM head; rates "
+                             + ", ".join(f"{n} {r / 1e12:.0f} TFLOP/s (fit error {e:.0%})"
+                                         for n, (r, e) in rates.items()) + ", mean used",
+            "estimation scoring": f"{ANCHORS}: SDPA cuDNN causal forward at 128K, {attn_flops / 1e12:.0f} TFLOP/s",
+            "index build": "MTraining (arXiv 2510.18830), reported: vertical-slash index build ~1.1 ms per layer",
+        })
+
+
+def a100(**kwargs) -> Hardware:
+    """The H100 calibration scaled to an A100 (arguments as for `h100`)."""
+    return h100(**kwargs).scaled("A100", 312.0 / 989.4,
+                                 "H100 figures x 312/989.4: dense BF16 tensor peak of the NVIDIA A100 SXM (312 "
+                                 "TFLOP/s) and H100 SXM (989.4 TFLOP/s) datasheets; not measured on an A100")
+
+
+_NVLINK_H100 = ("nccl-tests all_reduce busbw 460-480 GB/s on 8xH100 SXM5 NVLink "
+                "(docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); lower end used")
+_NVLINK_A100 = ("nccl-tests all_reduce busbw 230-250 GB/s on 8xA100 SXM4 NVLink "
+                "(docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); lower end used")
+_IB400 = ("NCCL all-reduce 44.1 GB/s (88% of 50 GB/s) on 400 Gb/s InfiniBand with GPUDirect RDMA, "
+          "fridayswithfaraday.com/posts/nvidia-dynamo-network-optimization")
+_IB200 = ("200 Gb/s HDR InfiniBand per GPU (DGX A100 datasheet) at the 88% efficiency measured on 400 Gb/s IB "
+          "(fridayswithfaraday.com/posts/nvidia-dynamo-network-optimization): 22 GB/s; scaled, not measured")
+_LAT = ("latency: NVSwitch ~1 us, InfiniBand same rack ~2 us "
+        "(fridayswithfaraday.com/posts/nvidia-dynamo-network-optimization)")
+CLUSTERS = {
+    "8xH100-IB400": Cluster("8xH100-IB400", 8, Link(460e9, 1e-6, f"{_NVLINK_H100}; {_LAT}"),
+                            Link(44.1e9, 2e-6, f"{_IB400}; {_LAT}")),
+    "8xA100-IB200": Cluster("8xA100-IB200", 8, Link(230e9, 1e-6, f"{_NVLINK_A100}; {_LAT}"),
+                            Link(22e9, 2e-6, f"{_IB200}; {_LAT}")),
+}
+HARDWARE = {"8xH100-IB400": h100, "8xA100-IB200": a100}
+
+
+def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work, traffic) -> dict:
+    scale = model.head_dim / hw.head_dim
+    fwd_costs, bwd_costs = (hw.sparse_fwd, hw.sparse_bwd) if setup.sparse else (hw.dense_fwd, hw.dense_bwd)
+    fwd_s = fwd_costs.time(work, model.heads) * scale
+    bwd_s = bwd_costs.time(work, model.heads) * scale
+    fwd = simulate_ring(fwd_s, traffic, setup.topology, cluster, backward=False)
+    bwd = simulate_ring(bwd_s, traffic, setup.topology, cluster, backward=True)
+    return {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s}
+
+
+def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, last_q: int,
+                estimation_chunk: int | None) -> float:
+    """One layer's layout estimation under CP (`estimation.py`): scoring (two passes over the rank's
+    keys), three all-reduces (the scoring queries, row max, row sums), the reduce-scatter of the slash
+    sums (each set's scored offsets), the all-gather of every rank's candidates (the default budgets'
+    best verticals and slashes per set and head, as value and position, and its mass), the index
+    build. With causal chunks (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored
+    by its own queries over the keys before it: a key is scored by (n - 1) / 2 sets on average
+    (positions spread evenly over ranks), and every collective carries n - 1 sets."""
+    if not setup.sparse:
+        return 0.0
+    w, s = setup.plan.cp_size, setup.plan.padded_len
+    sets = 1 if estimation_chunk is None else max(1, -(-setup.plan.seq_len // estimation_chunk) - 1)
+    keys = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's
+    scored_keys = keys if estimation_chunk is None else keys * sets / 2
+    score = 2 * 2 * last_q * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
+    link = cluster.group_link(w)
+    reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4)
+    scored = s if estimation_chunk is None else s * sets / 2  # the packed slashes: each set's scored offsets
+    slash_sums = all_gather_time(model.heads * scored * 4 / w, w, link)  # a reduce-scatter: the same hops
+    candidates = sum(min(candidates_per_row(_DEFAULTS, kind), -(-s // w)) for kind in ("vertical", "slash"))
+    gather = all_gather_time(model.heads * sets * (2 * candidates + 2) * 4, w, link)
+    return score + sum(all_reduce_time(n * sets, w, link) for n in reduces) + slash_sums + gather + hw.index_build_s
+
+
+_DEFAULTS = SparseAttentionConfig()
+
+
+def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraffic]:
+    """The ring's work and transfers for `model`'s K/V heads (bf16 K/V, fp32 dK/dV)."""
+    return (plan_work(setup.layout, setup.plan, setup.topology),
+            plan_traffic(setup.layout, setup.plan, setup.topology, kv_heads=model.kv_heads, head_dim=model.head_dim))
+
+
+def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
+                 last_q: int = 64, estimation_chunk: int | None = None,
+                 counts: tuple[PlanWork, PlanTraffic] | None = None) -> dict:
+    """Predicted seconds of one training step of `model` over one sequence split by `setup`.
+
+    Returns a dict: step_s, tokens_per_s, per-layer seconds (layer_s, linear_s, estimation_s,
+    attention forward / backward), comm_share (share of the step that free communication would
+    save), comm_bound (the ring's transfers alone outlast its compute), the ring's per-step
+    compute and transfer seconds of the forward pass, and the kept fraction of the layout.
+    estimation_chunk: the chunk of `estimation="causal_chunks"`, None for the default estimation by
+    each document's last queries (the layout's work is the same: only the estimation's cost changes).
+    counts: `ring_counts(setup, model)` when already computed (they depend on the plan, not on
+    the hardware)."""
+    if setup.plan.block_size != hw.block_size:
+        raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
+                         f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
+    work, traffic = ring_counts(setup, model) if counts is None else counts
+    tokens = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's (uneven splits)
+    per_layer_flops, head_flops = model.linear_flops(recompute=recompute)
+    linear = per_layer_flops * tokens / hw.linear_flops_per_s
+    head = head_flops * tokens / hw.linear_flops_per_s
+    passes = 2 if recompute else 1
+
+    def step(c: Cluster) -> tuple[float, dict, float]:
+        att = _attention(setup, model, hw, c, work, traffic)
+        est = _estimation(setup, model, hw, c, last_q, estimation_chunk)
+        layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
+        return model.layers * layer + head, att, est
+
+    total, att, est = step(cluster)
+    ideal, _, _ = step(cluster.without_network())
+    fwd = att["fwd"]
+    transfer_only = simulate_ring(torch.zeros_like(att["fwd_s"]), traffic, setup.topology, cluster,
+                                  backward=False).time
+    return {
+        "step_s": total, "tokens_per_s": setup.plan.seq_len / total,
+        "layer_s": (total - head) / model.layers, "linear_s": linear, "estimation_s": est,
+        "attention_fwd_s": fwd.time, "attention_bwd_s": att["bwd"].time, "lm_head_s": head,
+        "comm_share": 1.0 - ideal / total, "comm_bound": transfer_only > float(fwd.compute.max()),
+        "ring_step_compute_ms": [1e3 * float(x) for x in fwd.step_compute],
+        "ring_step_transfer_ms": [1e3 * float(x) for x in fwd.step_transfer],
+        "forward_bytes_per_rank": float(traffic.total(False).double().mean()),
+        "kept": float(setup.layout.kept_fraction()),
+    }

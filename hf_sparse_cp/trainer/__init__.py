@@ -1,0 +1,11 @@
+"""The Trainer glue: the one switch and everything it sets up on a Trainer instance.
+
+* `sparse_trainer.py`: `SparseTrainingArguments` and `SparseTrainer`, the one switch for a Trainer script;
+* `arguments.py`: `SparseCPArguments`, `SMETArguments`, `explicit_fields` (flags for `HfArgumentParser`);
+* `attach.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
+* `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
+* `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`);
+* `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints;
+* `cpu_fsdp.py`: `--fsdp` as FSDP2 on CPU processes; `smet.py`: `install_smet` / `uninstall_smet`;
+* `callbacks.py`: kept-fraction and SMET logging; `packing.py`: the block-aligned packing collator.
+"""

@@ -1,0 +1,229 @@
+"""Glue between the plugin and a stock Trainer script, each step with its undo.
+
+* `enable_sparse_attention` / `disable_sparse_attention`: register the backend, opt into the lean
+  loss, switch the model to `sparse_cp`, turn gradient checkpointing on at long lengths;
+* `attach_to_trainer` / `detach_from_trainer`: the sparsity-logging callback and context parallelism.
+
+Everything they change is recorded (`patching.PatchSet`) on the model or the trainer, and the
+matching disable call restores exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..distributed import ContextParallelConfig, ParallelDims
+from ..integration import compat
+from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
+from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
+from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
+from ..integration.patching import attached_patches, record_on, undo_recorded
+from ..integration.registration import guard_registration, is_patched, patch, unpatch
+from .arguments import SparseAttentionFlags, SparseCPArguments
+from .callbacks import SparsityLoggingCallback
+from .checkpoints import protect_checkpoints
+from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
+from .curriculum import disable_curriculum, enable_curriculum, parse_schedule, schedule_for
+
+logger = logging.getLogger(__name__)
+
+_SPARSE_ATTENTION = "sparse_attention"
+_SPARSITY_LOGGING = "sparsity_logging"
+_CHECKPOINTS = "checkpoints"
+# transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
+_CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def checkpointing_enabled(training_args: TrainingArguments) -> bool:
+    """Whether the Trainer will checkpoint activations (under either name of the flag)."""
+    return bool(getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing)
+
+
+def enable_sparse_attention(
+    model: torch.nn.Module,
+    sparse_args: SparseCPArguments,
+    attention_config: SparseAttentionConfig | SparseAttentionFlags | None = None,
+    training_args: TrainingArguments | None = None,
+    max_length: int | None = None,
+    explicit: Collection[str] | None = None,
+) -> SparseAttentionConfig:
+    """Train `model` with the `sparse_cp` backend; `disable_sparse_attention(model)` undoes it.
+
+    Args:
+        model: a transformers causal LM.
+        sparse_args: the plugin's switches (`--sparse_config`, `--sparse_fused_loss`,
+            `--sparse_gradient_checkpointing_min_length`).
+        attention_config: the pattern parsed from the command line (`SparseAttentionFlags`, or the
+            config itself); flags that differ from the defaults override `--sparse_config`.
+        training_args, max_length: when both are given and `max_length` reaches
+            `sparse_gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`;
+            from `sparse_token_tiling_min_length` on, the MLPs and RMSNorms run in token tiles
+            (`integration.memory_savers.enable_memory_savers`, as is `sparse_offload_layer_inputs`).
+        explicit: the pattern fields given explicitly (`arguments.explicit_fields`): they beat
+            `--sparse_config` whatever their value (without it, flags that differ from the defaults do).
+
+    Returns:
+        The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `sparse_fused_loss`,
+        the lean loss (`enable_lean_loss()`) if they are not yet; calling it again replaces the
+        previous settings.
+    """
+    config = sparse_args.attention_config(attention_config, explicit)
+    check_model_supports_sparse_attention(model)
+    if max_length is not None:
+        config.check_sparse_at(max_length, attention_layers(model.config))
+    undo_recorded(model, _SPARSE_ATTENTION)
+    patches = record_on(model, _SPARSE_ATTENTION)
+    if not is_patched():
+        patch()
+        patches.on_undo(unpatch)
+    if sparse_args.sparse_fused_loss and not is_lean_loss_enabled():
+        enable_lean_loss()
+        patches.on_undo(disable_lean_loss)
+    previous = compat.attn_implementation(model.config)
+    patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
+    model.set_attn_implementation(BACKEND_NAME)
+    if previous is not None and previous != BACKEND_NAME:
+        patches.on_undo(lambda: model.set_attn_implementation(previous))
+    remove_guard = guard_registration(model)
+    if remove_guard is not None:
+        patches.on_undo(remove_guard)
+    threshold = sparse_args.sparse_gradient_checkpointing_min_length
+    if (
+        training_args is not None
+        and max_length is not None
+        and threshold
+        and max_length >= threshold
+        and not checkpointing_enabled(training_args)
+    ):
+        logger.warning("Sequence length %d >= --sparse_gradient_checkpointing_min_length %d: turning gradient "
+                       "checkpointing on.", max_length, threshold)
+        for name in _CHECKPOINTING_FLAGS:
+            if hasattr(training_args, name):
+                patches.set_attr(training_args, name, True)
+    savers = sparse_args.memory_savers(max_length)
+    if savers.active:
+        enable_memory_savers(model, savers)
+        patches.on_undo(lambda: disable_memory_savers(model))
+    return config
+
+
+def disable_sparse_attention(model: torch.nn.Module) -> None:
+    """Undo `enable_sparse_attention(model, ...)`: the model's attention implementation and stored
+    settings, the training arguments it changed, and the registrations it made (no-op when not enabled)."""
+    undo_recorded(model, _SPARSE_ATTENTION)
+
+
+def check_launch(trainer: Trainer) -> None:
+    """Raise ValueError, naming the fix, when the processes launched and the Trainer's view of them
+    disagree: e.g. torchrun on CPU without `--use_cpu` starts N processes that accelerate then runs
+    as N independent single-process jobs, each training its own model with no gradient sync."""
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    launched = max(launched, int(os.environ.get("WORLD_SIZE", "1")))
+    running = trainer.accelerator.num_processes
+    if launched != running:
+        raise ValueError(
+            f"{launched} processes were launched but the Trainer sees {running}: each would train its own model "
+            "without gradient sync. Without a GPU, pass --use_cpu (use_cpu=True in TrainingArguments; "
+            "SparseTrainingArguments sets it on a machine without an accelerator): accelerate joins CPU processes only "
+            "when told."
+        )
+
+
+def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
+    """One line on how the model's layers attend: sparse or dense, and why."""
+    config = model.config
+    cfg = SparseAttentionConfig.from_dict(getattr(config, MODEL_CONFIG_ATTRIBUTE) or {})
+    n = config.num_hidden_layers
+    sliding = sliding_window_layers(config)
+    dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
+    sparse = [i for i in range(n) if i not in dense and i not in sliding]
+    parts = [f"{len(sparse)} of {n} layers vertical-slash (block {cfg.block_size})"]
+    if dense:
+        parts.append(f"layers {_ranges(dense)} dense (pattern)")
+    if sliding:
+        parts.append(f"layers {_ranges(sliding)} sliding-window (dense within the window)")
+    line = "sparse_cp: " + "; ".join(parts)
+    if sparse and max_length is not None and max_length < cfg.min_seq_len:
+        line += (f". At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
+                 "dense (lower --sparse_min_seq_len to train sparse at this length)")
+    return line
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs, start = [], layers[0]
+    for a, b in zip(layers, [*layers[1:], None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a > start else str(a))
+            start = b
+    return ", ".join(runs)
+
+
+def attach_to_trainer(
+    trainer: Trainer,
+    sparse_args: SparseCPArguments,
+    cp_config: ContextParallelConfig | None = None,
+    *,
+    max_length: int | None = None,
+    cp_schedule: str | None = None,
+) -> ParallelDims:
+    """Add the plugin to a built Trainer; `detach_from_trainer(trainer)` undoes it.
+
+    Args:
+        trainer: the Trainer, before `train()`.
+        sparse_args: with `sparse_log_sparsity`, the sparsity-logging callback goes first (before the
+            reporters, so TensorBoard / W&B see its keys).
+        cp_config: the plugin's CP flags; with a CP size above 1 (here or in accelerate's
+            `ParallelismConfig`) the trainer switches to sparse context parallelism.
+        max_length: the training sequence length, when known: the start-up line then says whether
+            any document reaches `min_seq_len`.
+        cp_schedule: a context-length curriculum (`curriculum.parse_schedule`): the stages' CP degrees
+            replace `cp_config.cp_size`, switched online at step boundaries (`curriculum.py`).
+
+    Returns:
+        The `ParallelDims` in use (with a schedule, the first stage's). Checkpoints the trainer saves
+        are marked complete only once every rank has saved, and `train(resume_from_checkpoint=...)`
+        refuses an incomplete, damaged or mismatched one (`checkpoints.py`).
+    """
+    check_launch(trainer)
+    callbacks = trainer.callback_handler.callbacks
+    if sparse_args.sparse_log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
+        logging_callback = SparsityLoggingCallback()
+        record_on(trainer, _SPARSITY_LOGGING).insert(trainer.callback_handler, "callbacks", 0, logging_callback)
+    if cp_schedule is None:
+        parallel = enable_trainer_context_parallel(trainer, cp_config)
+    else:
+        if cp_config is not None and cp_config.cp_size != 1:
+            raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
+        schedule = schedule_for(trainer, parse_schedule(cp_schedule))
+        curriculum = enable_curriculum(trainer, schedule, cp_config)
+        parallel = curriculum.dims[schedule.stages[0].cp_size]
+        cp_schedule = schedule.text
+    if attached_patches(trainer, _CHECKPOINTS) is None:
+        protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
+    if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
+        if cp_schedule is not None:
+            how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
+        elif parallel.cp_size > 1:
+            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
+                   f"{'hierarchical' if parallel.hierarchical else 'flat'} ring")
+        else:
+            how = "off"
+        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)
+    return parallel
+
+
+def detach_from_trainer(trainer: Trainer) -> None:
+    """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism
+    (no-op when not attached)."""
+    disable_curriculum(trainer)
+    disable_trainer_context_parallel(trainer)
+    undo_recorded(trainer, _CHECKPOINTS)
+    undo_recorded(trainer, _SPARSITY_LOGGING)

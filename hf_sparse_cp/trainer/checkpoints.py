@@ -1,0 +1,211 @@
+"""Checkpoints that say whether they are complete, and resumes that refuse what does not fit.
+
+The Trainer writes a checkpoint file by file, on every rank, and `resume_from_checkpoint=True`
+takes the newest folder: a run that dies while saving leaves a folder that looks like a checkpoint.
+`protect_checkpoints` adds a marker, `hf_sparse_cp_checkpoint.json`, to every checkpoint of a run:
+
+* written as "in progress" before the Trainer starts saving (the step at which it will save);
+* rewritten as complete, with every file's size and the run's settings (CP degree, data-parallel
+  degree, SMET's density, block size and mode), once every rank has finished saving.
+
+`train(resume_from_checkpoint=...)` then checks the checkpoint before anything is loaded: a marker
+still in progress, a missing or resized file, or settings that differ from this run's are an error
+that names the cause. A checkpoint without a marker (written without the plugin) is loaded as the
+Trainer would, with a warning that nothing could be checked.
+
+Some differences are resumed rather than refused: another data-parallel or context-parallel degree (under
+a curriculum, another world size), when both runs train with FSDP2 (the checkpoint then holds its
+sharded state, `resharding/resume.py`) and the global batch (per-device batch x gradient accumulation x
+DP degree; under a curriculum, every stage's) is the saved one, so that step k still trains on the
+samples it trained on before.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils.constants import FSDP_MODEL_NAME
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..distributed import ParallelDims
+from ..integration.patching import PatchSet
+from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
+from ..smet.factory import SMETOptimizerFactory
+
+logger = logging.getLogger(__name__)
+
+MARKER = "hf_sparse_cp_checkpoint.json"
+
+
+def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the CP and DP degrees and the global
+    batch, or under a context-length curriculum its schedule, world size and world batch (per-device batch
+    x gradient accumulation x world size: the samples a step takes at CP 1, each stage's global batch
+    times its CP degree; the step then says the stage)."""
+    smet = None
+    factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
+    if factory is SMETOptimizerFactory:
+        config = kwargs["config"]
+        smet = {"mode": config.mode, "density": config.density, "block_size": config.block_size}
+    args = trainer.args
+    if cp_schedule is not None:
+        return {"cp_schedule": cp_schedule, "world_size": parallel.world_size, "smet": smet,
+                "world_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+                * parallel.world_size}
+    return {"cp_size": parallel.cp_size, "data_parallel_size": parallel.dp_size, "smet": smet,
+            "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * parallel.dp_size}
+
+
+def _write(path: Path, content: dict) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(content, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class CheckpointMarkerCallback(TrainerCallback):
+    """Marks each checkpoint in progress before it is saved and complete once every rank saved it.
+    Must come after transformers' flow callback, which decides at each step or epoch end whether to
+    save (a save decided after an evaluation, `save_strategy="best"`, gets only the final marker)."""
+
+    def __init__(self, trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> None:
+        self.trainer, self.parallel, self.cp_schedule = trainer, parallel, cp_schedule
+
+    def _folder(self, args, state) -> Path:
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save and state.is_world_process_zero:
+            folder = self._folder(args, state)
+            folder.mkdir(parents=True, exist_ok=True)
+            _write(folder / MARKER, {"complete": False, "step": state.global_step})
+
+    on_epoch_end = on_step_end  # where the flow callback decides an epoch-end save
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
+        if state.is_world_process_zero:
+            folder = self._folder(args, state)
+            files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                     if p.is_file() and p.name != MARKER}
+            _write(folder / MARKER, {"complete": True, "step": state.global_step,
+                                     "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
+                                     "files": files})
+
+
+# The settings a checkpoint's sharded state lets a resume change (with the global batch kept), and their names.
+_RESHARDABLE = {"data_parallel_size": "DP degree", "cp_size": "CP degree", "world_size": "world size"}
+# What decides the samples of each step: checked once the layout fits (`check_checkpoint`).
+_BATCHES = ("global_batch_size", "world_batch_size")
+
+
+def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardable: bool = False) -> bool:
+    """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
+    `settings`; warn when it has no marker (nothing can be checked).
+
+    Returns whether the checkpoint loads from its sharded state (`resharding.resume.resharded_loading`):
+    it holds one and this run trains with FSDP2 (`reshardable`). Such a checkpoint may then have been
+    saved with another data-parallel or context-parallel degree (under a curriculum: another world size)
+    as long as the global batch (every stage's) is the same: the CP degree decides how a sequence's
+    attention is split over processes, not what it computes, so the model, optimizer and data order
+    continue alike. A run without FSDP2 is refused such a checkpoint (its optimizer state is there only), and
+    an FSDP2 run one saved without FSDP (nothing there for FSDP to load)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
+    sharded = has_sharded_state(folder)
+    if sharded and not reshardable:
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved by an FSDP2 run, which keeps the optimizer state as "
+                         "each rank held it (hf_sparse_cp_sharded_state/); only a run with FSDP2 loads it: resume "
+                         "with --fsdp 'full_shard auto_wrap' --fsdp_config '{\"fsdp_version\": 2, ...}'.")
+    if reshardable and not sharded and not any(p.name.startswith(FSDP_MODEL_NAME) for p in folder.iterdir()):
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved by a run without FSDP: it holds no FSDP state (neither "
+                         f"{SHARDED_STATE}/ nor accelerate's {FSDP_MODEL_NAME}*), which this FSDP2 run loads the model "
+                         "and optimizer from. Resume it without --fsdp, as it was saved, or start a new FSDP2 run from "
+                         f"its weights (--model_name_or_path {folder}).")
+    marker = folder / MARKER
+    if not marker.is_file():
+        logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
+                       "that it is complete and fits this run.", folder, MARKER)
+        return sharded
+    content = json.loads(marker.read_text())
+    if not content.get("complete"):
+        raise ValueError(f"Checkpoint {str(folder)!r} is incomplete: the run ended while it was being saved. Resume "
+                         "from an earlier checkpoint (or delete this one to let resume_from_checkpoint=True pick the "
+                         "one before it).")
+    for name, size in content["files"].items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            found = "missing" if not path.is_file() else f"{path.stat().st_size} bytes, saved with {size}"
+            raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
+                             "checkpoint.")
+    saved = content["settings"]
+    for key, value in settings.items():
+        if key in _BATCHES or saved.get(key) == value or (key in _RESHARDABLE and sharded):
+            continue
+        hint = ""
+        if key in _RESHARDABLE:
+            hint = (f" Another {_RESHARDABLE[key]} resumes only from a checkpoint saved with FSDP2 (--fsdp "
+                    "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state) into a run with "
+                    "FSDP2.")
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
+                         f"{key}={value!r}: resume with the settings it was saved with (a different "
+                         f"parallel layout or SMET topology cannot continue it exactly).{hint}")
+    # Last, once the layout fits: the fix it names is then all that is left (a marker written before the
+    # global batch was recorded has none to compare).
+    for key in _BATCHES:
+        batch = settings.get(key)
+        if batch is not None and saved.get(key, batch) != batch:
+            raise ValueError(_other_global_batch(folder, saved[key], settings))
+    return sharded
+
+
+def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> str:
+    """The refusal of another global batch, with per-device batch and accumulation flags that match it."""
+    if "world_batch_size" in settings:
+        dp, now, degree, launch = settings["world_size"], settings["world_batch_size"], "world size", "a world size"
+        text = (f"Checkpoint {str(folder)!r} was saved with {saved} sequences per step at CP 1 (each stage's global "
+                f"batch times its CP degree), but this run takes {now} (per_device_train_batch_size x "
+                f"gradient_accumulation_steps x world size {dp}): step k would train on other samples than it did. ")
+    else:
+        dp, now = settings["data_parallel_size"], settings["global_batch_size"]
+        degree, launch = "DP degree", "a DP degree (processes / --cp_size)"
+        text = (f"Checkpoint {str(folder)!r} was saved with a global batch of {saved} sequences per step, but this "
+                f"run has {now} (per_device_train_batch_size x gradient_accumulation_steps x DP degree {dp}): step k "
+                "would train on other samples than it did. ")
+    if saved % dp:
+        return text + f"No per-device batch gives {saved} at {degree} {dp}: launch with {launch} that divides {saved}."
+    return text + (f"Set --per_device_train_batch_size {saved // dp} --gradient_accumulation_steps 1 (or any "
+                   f"pair whose product is {saved // dp}).")
+
+
+def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
+                        cp_schedule: str | None = None) -> None:
+    """Mark the checkpoints `trainer` saves (with FSDP2, adding their sharded state) and check a checkpoint
+    before `train()` resumes from it, resuming another DP or CP degree through the sharded state; recorded in
+    `patches`. With `cp_schedule` (a curriculum's canonical text) the settings
+    checked are the schedule and the world size instead of the CP and DP degrees."""
+    callbacks = trainer.callback_handler.callbacks
+    sharded_saving(trainer, patches)  # (its files are in the marker's list)
+    marker = CheckpointMarkerCallback(trainer, parallel, cp_schedule)
+    patches.insert(trainer.callback_handler, "callbacks", len(callbacks), marker)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def checked_train(resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
+            folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
+        if folder and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
+                                       reshardable=runs_fsdp2(trainer)):
+            with resharded_loading(trainer, folder):
+                return train(resume_from_checkpoint, *args, **kwargs)
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    patches.set_attr(trainer, "train", checked_train)

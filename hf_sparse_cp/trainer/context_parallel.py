@@ -1,0 +1,152 @@
+"""Context parallelism inside a stock `Trainer`: one reversible patch of the trainer instance.
+
+The Trainer's own CP input preparation (and accelerate's `maybe_context_parallel` behind it, and
+its SDPA mask hooks on the model) accepts SDPA only and splits buffers contiguously.
+`enable_trainer_context_parallel` replaces it, on this trainer object only, with the plugin's:
+every batch is sharded once, at data time, with shifted labels and global position_ids, and
+carries the `CPShard` that the `sparse_cp` backend runs the ring with. Where accelerate does not
+own the CP mesh (CPU / gloo runs with `--cp_size`), the patch also makes the dataloader shard
+over data-parallel ranks only (every rank of a CP group gets the same batch). Either way the
+Trainer's token count, flops, batch size and the loss's token count count each CP group's batch
+once, and an attention call that arrives without the shard during a CP forward is an error.
+`disable_trainer_context_parallel` undoes all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
+from ..integration import compat
+from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.models import check_model_supports_context_parallel
+from ..integration.patching import record_on, undo_recorded
+
+logger = logging.getLogger(__name__)
+
+_FEATURE = "context_parallel"
+
+
+def _accelerate_owns_cp(trainer: Trainer) -> bool:
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    return pc is not None and pc.cp_size > 1
+
+
+def _pad_token_id(trainer: Trainer, model: torch.nn.Module) -> int:
+    for source in (trainer.processing_class, getattr(model, "config", None)):
+        pad = getattr(source, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+    return 0
+
+
+def _dp_data_loader(trainer: Trainer, parallel: ParallelDims):
+    """`Accelerator.prepare_data_loader` sharding over the data-parallel ranks only."""
+    from accelerate.data_loader import prepare_data_loader
+
+    acc = trainer.accelerator
+
+    def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        prepared = prepare_data_loader(
+            data_loader,
+            acc.device,
+            num_processes=parallel.dp_size,
+            process_index=parallel.dp_rank,
+            put_on_device=acc.device_placement if device_placement is None else device_placement,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            **compat.dp_data_loader_options(acc),
+        )
+        compat.track_data_loader(acc, prepared)
+        return prepared
+
+    return prepare
+
+
+def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
+    """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
+    flop and batch-size accounting count that batch once per group, as without CP. `cp_size()` is the
+    CP degree of the step in progress (constant, or a curriculum's stage)."""
+    if not owns_cp:
+        # transformers reads the CP degree from accelerate's ParallelismConfig only; with it, the
+        # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
+        patches.set_attr(trainer, "get_cp_size", cp_size)
+        if not compat.token_count_divides_by_get_cp_size():
+            compat.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
+            count = getattr(trainer, compat.TRAINER_COUNT_ITEMS)
+
+            def count_once(batch_samples, device):
+                # the gathered count holds each CP group's batch cp_size times (exactly)
+                items = count(batch_samples, device)
+                return items if items is None else items // cp_size()
+
+            patches.set_attr(trainer, compat.TRAINER_COUNT_ITEMS, count_once)
+    flops = trainer.floating_point_ops
+    patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size())
+    compat.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
+    track = getattr(trainer, compat.TRAINER_TRACK_TOKENS)
+
+    def track_once(inputs):
+        before = trainer.state.num_input_tokens_seen
+        track(inputs)  # gathers every rank's count: each CP group's batch cp_size times
+        trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size()
+
+    patches.set_attr(trainer, compat.TRAINER_TRACK_TOKENS, track_once)
+
+
+def enable_trainer_context_parallel(
+    trainer: Trainer, cp_config: ContextParallelConfig | None = None
+) -> ParallelDims:
+    """Make `trainer` train with sparse context parallelism. Call after building the Trainer and
+    before `train()`; the model must already use `sparse_cp` (`enable_sparse_attention`).
+
+    Args:
+        trainer: the Trainer; patched on this instance only (`disable_trainer_context_parallel`
+            undoes it).
+        cp_config: the plugin's CP flags (`--cp_size`, any backend, gloo on CPU); accelerate's
+            `ParallelismConfig(cp_size=...)` takes precedence when it sets one (GPUs).
+
+    Returns:
+        The `ParallelDims` in use; with a CP size of 1 nothing is patched.
+    """
+    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
+    if parallel.cp_size == 1:
+        return parallel
+    model = trainer.model
+    allow_untested = cp_config is not None and cp_config.cp_allow_untested_model
+    check_model_supports_context_parallel(model, allow_untested=allow_untested)
+    compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
+    sparse_config = model_config_for(model)
+    pad_token_id = _pad_token_id(trainer, model)
+    patches = record_on(trainer, _FEATURE)
+
+    def prepare_inputs(_model, inputs: dict[str, Any]):
+        return contextlib.nullcontext, prepare_context_parallel_inputs(
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            sparse_config=sparse_config,
+        )
+
+    patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
+    for handle in guard_context_parallel(model):
+        patches.on_undo(handle.remove)
+    owns_cp = _accelerate_owns_cp(trainer)
+    _count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
+    if owns_cp:
+        # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
+        # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead
+        compat.require(f"accelerate.Accelerator.{compat.ACCELERATOR_PREPARE_CP}")
+        patches.set_attr(trainer.accelerator, compat.ACCELERATOR_PREPARE_CP, lambda *args: args)
+    else:
+        patches.set_attr(trainer.accelerator, "prepare_data_loader", _dp_data_loader(trainer, parallel))
+    logger.info("Sparse context parallelism on: %s", parallel)
+    return parallel
+
+
+def disable_trainer_context_parallel(trainer: Trainer) -> None:
+    """Undo `enable_trainer_context_parallel` on `trainer` (no-op when it is not enabled)."""
+    undo_recorded(trainer, _FEATURE)

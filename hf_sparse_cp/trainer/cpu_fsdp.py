@@ -1,0 +1,59 @@
+"""The Trainer's `--fsdp` with FSDP2 on CPU processes (gloo).
+
+accelerate turns an FSDP plugin into its FSDP run type only on accelerator devices: on CPU processes
+(`use_cpu`, `MULTI_CPU`) it drops the plugin and the Trainer wraps the model in DDP, so `--fsdp` asks
+for sharding and silently trains replicas. `enable_cpu_fsdp2` gives accelerate's state the run type
+and plugin it would have chosen on a GPU (the plugin built from the same `TrainingArguments`), so
+`train()` takes the Trainer's own FSDP2 path: `fully_shard` through `accelerator.prepare`, the
+optimizer built on the sharded parameters, sharded checkpoints through `torch.distributed.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from accelerate import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import Trainer
+
+from ..integration.patching import record_on, undo_recorded
+
+logger = logging.getLogger(__name__)
+
+_FEATURE = "cpu_fsdp2"
+
+
+def enable_cpu_fsdp2(trainer: Trainer) -> bool:
+    """Run `trainer`'s requested FSDP2 on CPU processes; `disable_cpu_fsdp2(trainer)` undoes it.
+
+    Call after building the Trainer and before `train()`.
+
+    Args:
+        trainer: a Trainer whose arguments ask for FSDP (`--fsdp ... --fsdp_config '{"fsdp_version": 2}'`).
+
+    Returns:
+        True when it switched accelerate to FSDP2 (CPU processes, FSDP asked for, accelerate running
+        DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
+    """
+    plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
+    if (plugin_args is None or getattr(state, "fsdp_plugin", None) is not None
+            or state.distributed_type != DistributedType.MULTI_CPU):
+        return False
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)  # (FSDP1's refuses CPU processes itself)
+    if state.mixed_precision != "no":  # what accelerate's state does with the plugin on a GPU
+        plugin.set_mixed_precision(state.mixed_precision)
+    patches = record_on(trainer, _FEATURE)
+    # Both states, as accelerate's own set-up does: every later `AcceleratorState()` (e.g. the optimizer
+    # wrapper's) copies the process state's run type over the accelerator state's.
+    patches.set_attr(PartialState(), "distributed_type", DistributedType.FSDP)
+    patches.set_attr(state, "distributed_type", DistributedType.FSDP)
+    patches.set_attr(state, "fsdp_plugin", plugin)
+    patches.set_attr(trainer, "is_fsdp_enabled", True)
+    logger.info("--fsdp on %d CPU processes: FSDP2 (accelerate's FSDP run type) instead of DDP.",
+                trainer.accelerator.num_processes)
+    return True
+
+
+def disable_cpu_fsdp2(trainer: Trainer) -> None:
+    """Undo `enable_cpu_fsdp2` (no-op when it is not enabled)."""
+    undo_recorded(trainer, _FEATURE)

@@ -1,0 +1,455 @@
+"""A context-length curriculum in one Trainer run: stages of (start, sequence length, CP degree),
+switched online at step boundaries, without a restart or a checkpoint.
+
+`--cp_schedule "0:4096:1,100:16384:2,300:65536:4"` trains steps 0-99 on 4096-token samples with CP 1
+x DP world, steps 100-299 on 16384 tokens with CP 2, then 65536 tokens with CP 4. A stage starts at
+an optimizer step (`100`) or a data epoch (`1.5ep`: once 1.5 passes over the dataset are consumed),
+and may change sparse-pattern fields (`100:16384:2:vertical_topk=2048:min_seq_len=8192`).
+
+The world size stays constant, so FSDP2's mesh over dp_shard x cp (or DDP's replicas) keeps every
+parameter and optimizer shard (AdamW or SMET) where it is; a switch changes only what depends on
+the CP degree, each read from the stage of the step being taken (`trainer.state.global_step`):
+
+* the CP and DP groups: every stage's `ParallelDims` is built before training starts;
+* the data: one batch sampler over the whole run (`StageBatchSampler`) hands each rank, step by
+  step, the samples of its DP rank in the current stage, continuing the global sample order across
+  stages (none skipped, none repeated), each cropped to the stage's length;
+* the sequence sharding of each batch, and the Trainer's token, flop and loss-token counting;
+* the sparse pattern, where a stage changes it.
+
+The learning-rate schedule, step counter, logging and checkpoints run on untouched; since the stage
+follows from the step, a checkpoint saved in any stage resumes into that stage (the Trainer's own
+data skip replays the sampler's earlier batches as index lists only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prepare_context_parallel_inputs
+from ..files import check_field_types
+from ..integration import compat
+from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.models import attention_layers, check_model_supports_context_parallel
+from ..integration.patching import PatchSet, record_on, undo_recorded
+from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
+
+logger = logging.getLogger(__name__)
+
+_FEATURE = "curriculum"
+_EPOCH_SUFFIX = "ep"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: from optimizer step `from_step` (or data epoch `from_epoch`) on, samples of
+    `seq_len` tokens on CP groups of `cp_size` ranks, with the sparse-pattern fields in `sparse` changed."""
+
+    seq_len: int
+    cp_size: int
+    from_step: int | None = None
+    from_epoch: float | None = None
+    sparse: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.from_step is None) == (self.from_epoch is None):
+            raise ValueError(f"a stage starts at a step or at an epoch (got from_step={self.from_step}, from_epoch="
+                             f"{self.from_epoch}): write `100:...` or `1.5ep:...`.")
+        if self.seq_len < 1 or self.cp_size < 1:
+            raise ValueError(f"stage seq_len={self.seq_len} and cp_size={self.cp_size} must be >= 1.")
+        start = self.from_step if self.from_step is not None else self.from_epoch
+        if start < 0:
+            raise ValueError(f"a stage starts at step or epoch {start}: use a value >= 0.")
+
+    @property
+    def text(self) -> str:
+        start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
+        return ":".join([start, str(self.seq_len), str(self.cp_size), *(f"{k}={v}" for k, v in self.sparse.items())])
+
+
+def _value(text: str) -> Any:
+    """A `key=value` value as the type it reads as (int, float, bool, else the text)."""
+    for parse in (int, float):
+        with contextlib.suppress(ValueError):
+            return parse(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_schedule(text: str) -> tuple[Stage, ...]:
+    """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
+    optimizer step (`100`) or a data epoch (`1.5ep`)."""
+    stages = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        head, *extra = item.split(":")
+        parts = [head, *extra]
+        if len(parts) < 3 or any("=" in p for p in parts[:3]) or any("=" not in p for p in parts[3:]):
+            raise ValueError(f"cp_schedule stage {item!r} must read FROM:SEQ_LEN:CP_SIZE[:field=value...], e.g. "
+                             "'0:4096:1' or '2ep:16384:2:vertical_topk=2048'.")
+        try:
+            start = (dict(from_epoch=float(parts[0].removesuffix(_EPOCH_SUFFIX))) if parts[0].endswith(_EPOCH_SUFFIX)
+                     else dict(from_step=int(parts[0])))
+            seq_len, cp_size = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
+                             "and CP_SIZE whole numbers.") from None
+        sparse = dict(p.split("=", 1) for p in parts[3:])
+        stages.append(Stage(seq_len, cp_size, sparse={k: _value(v) for k, v in sparse.items()}, **start))
+    if not stages:
+        raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
+    return tuple(stages)
+
+
+@dataclass
+class CurriculumArguments:
+    """The flag of a context-length curriculum (`--cp_schedule`)."""
+
+    cp_schedule: str | None = field(
+        default=None,
+        metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
+                  "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:vertical_topk=2048'. Samples are cropped to "
+                  "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
+                  "replaces --cp_size."},
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.cp_schedule is not None:
+            parse_schedule(self.cp_schedule)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Validated stages with their start steps (epochs resolved), for one run."""
+
+    stages: tuple[Stage, ...]
+    starts: tuple[int, ...]
+    configs: tuple[SparseAttentionConfig, ...]
+
+    @property
+    def text(self) -> str:
+        return ",".join(s.text for s in self.stages)
+
+    def index_at(self, step: int) -> int:
+        """The stage of the optimizer step that follows `step` completed steps."""
+        return max(i for i, start in enumerate(self.starts) if start <= step)
+
+
+def _seq_len_fix(seq_len: int, unit: int) -> str:
+    lower, upper = max(unit, seq_len // unit * unit), -(-seq_len // unit) * unit
+    return f"seq_len={lower}" + (f" or {upper}" if upper != lower else "")
+
+
+def build_schedule(
+    stages: Sequence[Stage],
+    *,
+    world_size: int,
+    sparse_config: SparseAttentionConfig,
+    max_steps: int,
+    samples_per_step: Sequence[int] | None = None,
+    num_samples: int | None = None,
+    layers: Sequence[int] | None = None,
+) -> Schedule:
+    """Validate `stages` for a run and resolve epoch starts into steps.
+
+    Args:
+        stages: `parse_schedule`'s stages, in order.
+        world_size: the processes of the run (constant over the stages).
+        sparse_config: the run's sparse pattern; a stage's `sparse` fields go on top.
+        max_steps: the run's optimizer steps (`--max_steps`).
+        samples_per_step: distinct samples one step consumes in each stage (per-device batch x gradient
+            accumulation x DP degree); needed for epoch starts.
+        num_samples: samples in the dataset; needed for epoch starts.
+        layers: the model's layers that run the pattern (`models.attention_layers`), for the check that
+            each stage's pattern stays sparse at its length (default: the stage's config itself).
+
+    Returns:
+        The `Schedule`. Raises ValueError, naming the fix, when a CP degree does not divide the world
+        size, a sequence length does not split into whole blocks per CP rank, a sparse field is unknown or
+        invalid or runs every layer dense at the stage's length (`SparseAttentionConfig.check_sparse_at`), the
+        first stage does not start at 0 or the starts do not increase within max_steps.
+    """
+    if max_steps <= 0:
+        raise ValueError("a cp_schedule counts its stages in optimizer steps: set --max_steps.")
+    configs = []
+    for i, stage in enumerate(stages):
+        try:
+            check_sizes(world_size, stage.cp_size)
+        except ValueError as error:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
+        unknown = set(stage.sparse) - {f.name for f in dataclasses.fields(SparseAttentionConfig)}
+        if unknown:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
+                             "(SparseAttentionConfig); use e.g. vertical_topk=2048.")
+        try:
+            config = SparseAttentionConfig.from_dict({**sparse_config.to_dict(), **stage.sparse})
+            config.check_sparse_at(stage.seq_len, layers)
+        except ValueError as error:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
+        unit = config.block_size * stage.cp_size
+        if stage.seq_len % unit:
+            raise ValueError(
+                f"cp_schedule stage {i} ({stage.text}): seq_len={stage.seq_len} does not split into whole blocks of "
+                f"{config.block_size} tokens over {stage.cp_size} CP ranks (a multiple of {unit} does): use "
+                f"{_seq_len_fix(stage.seq_len, unit)}, or another block_size.")
+        configs.append(config)
+    starts, consumed = [], 0  # consumed: samples taken before the latest stage's start
+    for i, stage in enumerate(stages):
+        if stage.from_step is not None or i == 0:
+            start = stage.from_step if stage.from_step is not None else int(stage.from_epoch > 0)
+        elif samples_per_step is None or not num_samples:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}) starts at an epoch, which needs a dataset with a "
+                             "length: start it at a step instead.")
+        else:  # the first step boundary at which `from_epoch` passes over the dataset are consumed
+            need = stage.from_epoch * num_samples - consumed
+            start = starts[-1] + max(0, math.ceil(need / samples_per_step[i - 1]))
+        if i and start <= starts[-1]:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}) starts at step {start}, not after stage {i - 1} "
+                             f"(step {starts[-1]}): order the stages by their start.")
+        if i and samples_per_step is not None:
+            consumed += (start - starts[-1]) * samples_per_step[i - 1]
+        starts.append(start)
+    if starts[0] != 0:
+        raise ValueError(f"cp_schedule starts at step {starts[0]}: the first stage must start at 0 (or 0ep).")
+    if starts[-1] >= max_steps:
+        raise ValueError(f"cp_schedule's last stage starts at step {starts[-1]}, at or after --max_steps {max_steps}: "
+                         "raise --max_steps or start the stage earlier.")
+    return Schedule(tuple(stages), tuple(starts), tuple(configs))
+
+
+class StageSamples(torch.utils.data.Dataset):
+    """`dataset[index]` cropped to a length: items are `(index, seq_len)`; every field as long as the
+    sample's input_ids (labels, attention_mask, position_ids, ...) keeps its first `seq_len` tokens."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
+        index, seq_len = item
+        sample = self.dataset[index]
+        length = len(sample["input_ids"])
+        return {k: v[:seq_len] if _is_sequence(v) and len(v) == length else v for k, v in sample.items()}
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) or (torch.is_tensor(value) and value.dim() > 0)
+
+
+class StageBatchSampler(torch.utils.data.Sampler):
+    """This rank's micro-batches over a whole curriculum run, as `StageSamples` items.
+
+    Samples are taken in one global order (the dataset in order, or a permutation per pass seeded by
+    `seed`) across stages. In a stage with DP degree n, each optimizer step takes the next
+    `n x batch_size x grad_accum` samples and hands them out as accelerate does: micro-batch j of DP
+    rank d is the (j x n + d)-th batch of `batch_size` samples of the step. The sampler yields
+    `max_steps x grad_accum` micro-batches: one Trainer epoch is the whole run.
+    """
+
+    def __init__(self, schedule: Schedule, dims: Mapping[int, ParallelDims], *, num_samples: int, batch_size: int,
+                 grad_accum: int, max_steps: int, seed: int | None) -> None:
+        self.schedule, self.dims = schedule, dims
+        self.num_samples, self.batch_size, self.grad_accum = num_samples, batch_size, grad_accum
+        self.max_steps, self.seed = max_steps, seed
+
+    def __len__(self) -> int:
+        return self.max_steps * self.grad_accum
+
+    def _order(self, data_epoch: int) -> torch.Tensor | None:
+        if self.seed is None:
+            return None
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + data_epoch))
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        position, orders = 0, {}
+        for step in range(self.max_steps):
+            i = self.schedule.index_at(step)
+            stage, dims = self.schedule.stages[i], self.dims[self.schedule.stages[i].cp_size]
+            for j in range(self.grad_accum):
+                first = position + (j * dims.dp_size + dims.dp_rank) * self.batch_size
+                batch = []
+                for p in range(first, first + self.batch_size):
+                    epoch, k = divmod(p, self.num_samples)
+                    if epoch not in orders:
+                        orders = {epoch: self._order(epoch)}
+                    order = orders[epoch]
+                    batch.append((k if order is None else int(order[k]), stage.seq_len))
+                yield batch
+            position += dims.dp_size * self.batch_size * self.grad_accum
+
+
+class Curriculum:
+    """The stages of a run and the state that follows the step being taken; built by `enable_curriculum`,
+    whose `patches` record every change a stage makes (undone by `disable_curriculum`)."""
+
+    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Mapping[int, ParallelDims],
+                 patches: PatchSet) -> None:
+        self.trainer, self.schedule, self.dims, self.patches = trainer, schedule, dims, patches
+        self.index: int | None = None
+        # The model's own pattern: a stage's is a training setting, like its CP degree (see `finish`).
+        self.pattern = getattr(trainer.model.config, MODEL_CONFIG_ATTRIBUTE, None)
+
+    def finish(self) -> None:
+        """At the end of training, the model's own pattern back on it (recorded): the model saved after
+        the run carries the run's pattern, not the last stage's."""
+        self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE, self.pattern)
+        self.index = None
+
+    def stage(self) -> int:
+        """The stage of the step being taken; on entering a stage, its sparse pattern goes onto the model."""
+        index = self.schedule.index_at(self.trainer.state.global_step)
+        if index != self.index:
+            self.index = index
+            stage = self.schedule.stages[index]
+            self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE,
+                                  self.schedule.configs[index].to_dict())
+            dims = self.dims[stage.cp_size]
+            logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d x DP %d.", index,
+                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.dp_size)
+        return index
+
+    def parallel(self) -> ParallelDims:
+        return self.dims[self.schedule.stages[self.stage()].cp_size]
+
+
+class _FinishCurriculum(TrainerCallback):
+    """Calls `Curriculum.finish` when training ends (before the script saves the model)."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum = curriculum
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.curriculum.finish()
+
+
+def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
+    """`build_schedule` for a built Trainer: its world size, batch sizes, dataset and the model's pattern."""
+    args, dataset = trainer.args, trainer.train_dataset
+    world = trainer.accelerator.num_processes
+    per_step = [args.train_batch_size * args.gradient_accumulation_steps * (world // s.cp_size) for s in stages]
+    return build_schedule(stages, world_size=world, sparse_config=model_config_for(trainer.model),
+                          max_steps=args.max_steps, samples_per_step=per_step,
+                          num_samples=len(dataset) if hasattr(dataset, "__len__") else None,
+                          layers=attention_layers(trainer.model.config))
+
+
+def enable_curriculum(
+    trainer: Trainer, schedule: Schedule, cp_config: ContextParallelConfig | None = None
+) -> Curriculum:
+    """Train `trainer` through the stages of `schedule`; `disable_curriculum(trainer)` undoes it.
+
+    Call after building the Trainer and before `train()`, on every rank (it creates every stage's
+    process groups); the model must already use `sparse_cp` (`enable_sparse_attention`).
+
+    Args:
+        trainer: the Trainer (its `train_dataset` has a length; `max_steps` set).
+        schedule: from `build_schedule`.
+        cp_config: the CP flags other than the degree (sharding, ring); the stages set `cp_size`.
+
+    Returns:
+        The `Curriculum`; the trainer's data loader, CP input preparation and token counting follow it.
+    """
+    cp_config = ContextParallelConfig() if cp_config is None else cp_config
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and pc.cp_size > 1:
+        raise ValueError(f"accelerate's ParallelismConfig(cp_size={pc.cp_size}) fixes the CP degree for the whole run; "
+                         "a cp_schedule builds its own groups: drop parallelism_config_cp_size from the accelerate "
+                         "config.")
+    model = trainer.model
+    if any(s.cp_size > 1 for s in schedule.stages):
+        check_model_supports_context_parallel(model, allow_untested=cp_config.cp_allow_untested_model)
+    compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
+    dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
+            for c in sorted({s.cp_size for s in schedule.stages})}
+    pad_token_id = _pad_token_id(trainer, model)
+    patches = record_on(trainer, _FEATURE)
+    curriculum = Curriculum(trainer, schedule, dims, patches)
+    patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
+
+    def prepare_inputs(_model, inputs: dict[str, Any]):
+        parallel = curriculum.parallel()
+        if parallel.cp_size == 1:
+            return contextlib.nullcontext, inputs
+        sparse_config = model_config_for(model)
+        return contextlib.nullcontext, prepare_context_parallel_inputs(
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            sparse_config=sparse_config)
+
+    patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
+    for handle in guard_context_parallel(model):
+        patches.on_undo(handle.remove)
+    _count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    # evaluation batches: sharded over the DP ranks of the stage in progress
+    patches.set_attr(trainer.accelerator, "prepare_data_loader",
+                     lambda *args, **kwargs: _dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
+
+    def get_train_dataloader():
+        return _train_data_loader(trainer, curriculum)
+
+    patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
+    callbacks = trainer.callback_handler.callbacks
+    patches.insert(callbacks, len(callbacks), _FinishCurriculum(curriculum))
+    logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
+    return curriculum
+
+
+def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
+    """The run's training data loader: `StageSamples` in `StageBatchSampler` order, prepared without
+    further sharding (the sampler already gives this rank its own batches)."""
+    args, dataset = trainer.args, trainer.train_dataset
+    if dataset is None or not hasattr(dataset, "__len__"):
+        raise ValueError("a cp_schedule needs a train_dataset with a length (a map-style dataset).")
+    collator = trainer.data_collator
+    if args.remove_unused_columns:
+        compat.require(f"transformers.Trainer.{compat.TRAINER_COLLATOR_WITHOUT_UNUSED}")
+        collator = getattr(trainer, compat.TRAINER_COLLATOR_WITHOUT_UNUSED)(collator, description="training")
+    check_row_lengths(curriculum.schedule, dataset, collator, args.train_batch_size)
+    seed = None if args.train_sampling_strategy == "sequential" else (
+        args.data_seed if args.data_seed is not None else args.seed)
+    sampler = StageBatchSampler(curriculum.schedule, curriculum.dims, num_samples=len(dataset),
+                                batch_size=args.train_batch_size, grad_accum=args.gradient_accumulation_steps,
+                                max_steps=args.max_steps, seed=seed)
+    loader = torch.utils.data.DataLoader(
+        StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
+    return _dp_data_loader(trainer, ParallelDims.single())(loader)
+
+
+def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:
+    """Raise ValueError, naming the fix, unless a micro-batch of every stage, cropped and collated as
+    training will, has rows of the stage's length: samples shorter than a stage are never extended, and
+    a collator that packs a micro-batch into one row (`DataCollatorWithFlattening`) makes rows longer
+    than the cropped samples."""
+    samples, n = StageSamples(dataset), min(batch_size, len(dataset))
+    for i, stage in enumerate(schedule.stages):
+        batch = collator([samples[(k, stage.seq_len)] for k in range(n)])
+        ids = batch.get("input_ids")
+        ids = batch.get("inputs_embeds") if ids is None else ids
+        if ids is None or ids.shape[1] == stage.seq_len:
+            continue
+        row, longest = ids.shape[1], max(len(dataset[k]["input_ids"]) for k in range(n))
+        why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
+               f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
+               "--max_length in the example script), or shorten the stage" if row < stage.seq_len else
+               f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
+               "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
+               "each sample, not the row: train a curriculum with one sample per row, without packing")
+        raise ValueError(f"cp_schedule stage {i} ({stage.text}) would train rows of {row} tokens, not {stage.seq_len}: "
+                         f"{why}.")
+
+
+def disable_curriculum(trainer: Trainer) -> None:
+    """Undo `enable_curriculum` on `trainer` (no-op when it is not enabled)."""
+    undo_recorded(trainer, _FEATURE)

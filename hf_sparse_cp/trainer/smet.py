@@ -1,0 +1,62 @@
+"""SMET in a stock `Trainer`: the optimizer factory standing in for `--optim`, and `install_smet` /
+`uninstall_smet` (the callback that attaches the masks once accelerate has prepared, and under
+FSDP2 sharded, the model lives in `callbacks.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Trainer, TrainingArguments
+
+from ..integration.patching import record_on, undo_recorded
+from ..smet import SMETConfig
+from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory, smet_param_groups
+from .callbacks import SMETCallback
+
+_FEATURE = "smet"
+
+
+def smet_optimizer_cls_and_kwargs(
+    training_args: TrainingArguments, config: SMETConfig
+) -> tuple[type, dict[str, Any]]:
+    """What to pass as `Trainer(optimizer_cls_and_kwargs=...)`: a SMET factory standing in for the
+    stock optimizer `--optim` selects, with its learning rate, betas, epsilon and weight decay."""
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
+    if optimizer_cls not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"--optim {training_args.optim} selects {optimizer_cls.__name__}; SMET stands in for "
+            f"{[c.__name__ for c in SUPPORTED_OPTIMIZERS]} only: use --optim adamw_torch or adamw_torch_fused."
+        )
+    kwargs = dict(kwargs, weight_decay=training_args.weight_decay)
+    return SMETOptimizerFactory, {"optimizer_cls": optimizer_cls, "config": config, **kwargs}
+
+
+def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
+    """Make `trainer` train with SMET. Call before `train()`; `uninstall_smet` undoes it.
+
+    Args:
+        trainer: a Trainer built without `optimizers=` (the SMET factory builds the optimizer, which
+            also works under FSDP2, where `Trainer(optimizers=...)` is refused).
+        config: the SMET settings.
+
+    Returns:
+        The trainer, with `optimizer_cls_and_kwargs` set and `SMETCallback` first among its callbacks.
+        Installing again replaces the previous installation. A model SMET cannot train (no trainable
+        weight in `config.target_modules`, e.g. a LoRA model, whose base weights are frozen; or targets
+        that reach a PEFT adapter's weights) is refused here, not when `train()` builds the optimizer.
+    """
+    if trainer.optimizer is not None:
+        raise ValueError(
+            "The Trainer already has an optimizer; build it without `optimizers=` and let install_smet create SMET."
+        )
+    smet_param_groups(trainer.model, config, weight_decay=0.0)
+    undo_recorded(trainer, _FEATURE)
+    patches = record_on(trainer, _FEATURE)
+    patches.set_attr(trainer, "optimizer_cls_and_kwargs", smet_optimizer_cls_and_kwargs(trainer.args, config))
+    patches.insert(trainer.callback_handler, "callbacks", 0, SMETCallback())
+    return trainer
+
+
+def uninstall_smet(trainer: Trainer) -> None:
+    """Undo `install_smet` (the optimizer choice and the callback); a no-op when it is not installed."""
+    undo_recorded(trainer, _FEATURE)

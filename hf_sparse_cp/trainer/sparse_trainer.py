@@ -1,0 +1,274 @@
+"""One switch for a stock Trainer script: `SparseTrainingArguments` and `SparseTrainer`.
+
+A script written for `TrainingArguments` and `Trainer` changes the two class names:
+
+    parser = HfArgumentParser(SparseTrainingArguments)       # every Trainer flag, plus the plugin's
+    (args,) = parser.parse_args_into_dataclasses()
+    trainer = SparseTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+
+`SparseTrainingArguments` carries the plugin's settings as fields with help text (the sparse
+attention switches, the pattern, context parallelism and SMET: `--sparse_vertical_topk 1024`,
+`--cp_size 2`, `--smet`; every plugin flag starts with `sparse_`, `cp_` or `smet_`), so
+`HfArgumentParser`, YAML recipes and `accelerate launch` work as for any `TrainingArguments`.
+`SparseTrainer` does what the functional API (`enable_sparse_attention`, `attach_to_trainer`,
+`install_smet`) does by hand: it registers and configures the backend, opts into the lean loss, turns
+gradient checkpointing on at long lengths, sets up context parallelism and SMET (and runs `--fsdp` as
+FSDP2 on CPU processes too, where accelerate alone would run DDP), adds the logging callbacks, checks
+the launch, says at start which layers run sparse, writes a model card that says how the model was
+trained, and tears the process groups down cleanly at exit after training.
+
+The same switch serves any Trainer subclass: `sparse_arguments_class(SFTConfig)` and
+`sparse_trainer_class(SFTTrainer)` build the pair for TRL's SFT (`hf_sparse_cp.trainer.trl` holds
+them as `SparseSFTConfig` and `SparseSFTTrainer`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..distributed import ContextParallelConfig, quiesce_process_groups
+from ..files import check_field_types
+from ..integration import compat
+from ..reporting.model_card import write_sparse_model_card
+from ..smet import SMETConfig
+from ..smet.config import module_names
+from .arguments import PATTERN_PREFIX, SMETArguments, SparseCPArguments, copied_fields, from_prefixed
+from .attach import attach_to_trainer, enable_sparse_attention
+from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
+from .curriculum import CurriculumArguments, parse_schedule
+from .smet import install_smet
+
+logger = logging.getLogger(__name__)
+
+# The dataclasses whose fields the generated arguments carry, with their command-line prefixes.
+_PARTS = ((SparseCPArguments, ""), (SparseAttentionConfig, PATTERN_PREFIX), (ContextParallelConfig, ""),
+          (CurriculumArguments, ""), (SMETArguments, ""))
+# One switch: the class itself asks for sparse attention, so its flag defaults to on here.
+_DEFAULTS = {"sparse_attention": True}
+# Not a flag (init=False): the fields the command line or a recipe gave, set by the script that parsed them
+# (`arguments.explicit_fields`); they beat --sparse_config / --smet_config whatever their value.
+_EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=False)
+# The sequence length, for argument classes that have none (TRL's configs have `max_length`, with the same meaning).
+_MAX_LENGTH = dataclasses.field(default=None, metadata={
+    "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
+            "--sparse_gradient_checkpointing_min_length and decides which documents reach --sparse_min_seq_len; "
+            "default: the length of the training set's first sample."})
+
+
+def _has_accelerator() -> bool:
+    return torch.accelerator.is_available()
+
+
+class SparseArgumentsMixin:
+    """The methods of the generated argument classes (`sparse_arguments_class`); their fields are
+    generated from `_PARTS`."""
+
+    _sparse_base: type[TrainingArguments]
+    _sparse_fields: frozenset[str]  # the plugin's fields (type-checked at construction)
+
+    def __post_init__(self) -> None:
+        if not self.use_cpu and not _has_accelerator():
+            # accelerate joins CPU processes (gloo) only when told: without this, `torchrun --nproc_per_node 2` or
+            # `accelerate launch` on a machine without an accelerator would run N unsynchronized single-process jobs
+            logger.info("No accelerator found: training on CPU (use_cpu=True).")
+            self.use_cpu = True
+        if self.fsdp and "WORLD_SIZE" not in os.environ:  # (transformers' own error comes later and names no fix)
+            raise ValueError(
+                "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
+                "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp train --nproc 2 --fsdp ...`; or "
+                "drop --fsdp."
+            )
+        # The plugin's fields, whatever built them (the command line, a YAML/JSON file or a dict through
+        # HfArgumentParser, direct construction), before anything reads them: text in a switch would be true.
+        self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
+        check_field_types(self, self._sparse_fields)
+        super().__post_init__()
+        for part, prefix in _PARTS:  # each part validates its own fields, naming them
+            from_prefixed(self, part, prefix)
+        self.sparse_attention_config()
+
+    def __reduce__(self):
+        # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
+        return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
+
+    def plugin_arguments(self) -> SparseCPArguments:
+        return from_prefixed(self, SparseCPArguments)
+
+    def pattern_flags(self) -> SparseAttentionConfig:
+        """The pattern flags as given, before `--sparse_config` is read."""
+        return from_prefixed(self, SparseAttentionConfig, PATTERN_PREFIX)
+
+    def sparse_attention_config(self) -> SparseAttentionConfig:
+        """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
+        return self.plugin_arguments().attention_config(self.pattern_flags(), self.explicit_flags)
+
+    def context_parallel_config(self) -> ContextParallelConfig:
+        return from_prefixed(self, ContextParallelConfig)
+
+    def smet_arguments(self) -> SMETArguments:
+        return from_prefixed(self, SMETArguments)
+
+    def smet_optimizer_config(self) -> SMETConfig | None:
+        """The SMET settings when `--smet` is on, else None."""
+        flags = self.smet_arguments()
+        return flags.to_config(self.explicit_flags) if flags.smet else None
+
+
+def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> SparseArgumentsMixin:
+    args = object.__new__(sparse_arguments_class(base))
+    args.__dict__.update(state)
+    return args
+
+
+def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.Field]]:
+    """The plugin's fields as `make_dataclass` takes them: `max_length` (unless `base` has it),
+    `explicit_flags` (not a flag) and every field of `_PARTS` under its command-line name."""
+    base_fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
+    fields = [] if "max_length" in base_fields else [("max_length", int | None, _MAX_LENGTH)]
+    fields.append(("explicit_flags", Collection[str] | None, _EXPLICIT))
+    for part, prefix in _PARTS:
+        fields += copied_fields(part, prefix, defaults=_DEFAULTS)
+    clash = {name for name, _, _ in fields} & base_fields
+    if clash:
+        raise TypeError(f"plugin flags {sorted(clash)} collide with fields of {base.__name__}; rename them.")
+    return fields
+
+
+@functools.cache
+def sparse_arguments_class(base: type[TrainingArguments]) -> type:
+    """`base` (`TrainingArguments` or a subclass, e.g. TRL's `SFTConfig`) plus the plugin's flags.
+
+    Args:
+        base: the argument class the script uses.
+
+    Returns:
+        The dataclass `Sparse<base name>`: every field of `base` and `--sparse_attention` (on by default),
+        `--sparse_config`, the pattern (`--sparse_vertical_topk`, `--sparse_block_size`, ...), context
+        parallelism (`--cp_size`, ...), a context-length curriculum (`--cp_schedule`), SMET (`--smet`,
+        `--smet_density`, ...) and `--max_length` (the base's own when it has one). The same class for
+        the same base.
+    """
+    name, fields = f"Sparse{base.__name__}", plugin_fields(base)
+    return dataclasses.make_dataclass(
+        name, fields, bases=(SparseArgumentsMixin, base),
+        namespace={"__doc__": f"`{base.__name__}` plus the plugin's flags (`sparse_arguments_class`).",
+                   "__module__": __name__, "_sparse_base": base,
+                   "_sparse_fields": frozenset(n for n, _, f in fields if f.init)},
+    )
+
+
+SparseTrainingArguments = sparse_arguments_class(TrainingArguments)
+
+
+def _first_length(dataset) -> int | None:
+    """The token count of the first sample of a map-style dataset with `input_ids`, or None."""
+    try:
+        return len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+class SparseTrainerMixin:
+    """What makes a Trainer class train with the plugin as its arguments say (`sparse_trainer_class`).
+
+    Args:
+        model: a transformers causal LM, or what the Trainer class itself takes for one (TRL: a Hub id); not
+            `model_init` (the backend is configured on the model).
+        args: arguments of a class from `sparse_arguments_class` (`SparseTrainingArguments`, ...).
+        *rest, **kwargs: as for the Trainer class (train_dataset, data_collator, processing_class, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module | str | None = None, args: TrainingArguments | None = None, *rest,
+                 **kwargs):
+        if not isinstance(args, SparseArgumentsMixin):
+            raise TypeError(
+                f"{type(self).__name__} takes arguments with the plugin's flags (got {type(args).__name__}): parse "
+                "the command line with HfArgumentParser(SparseTrainingArguments), or for another argument class "
+                "with HfArgumentParser(sparse_arguments_class(ThatClass)).")
+        if model is None:
+            raise ValueError(f"{type(self).__name__} needs the model itself (model_init is not supported): the "
+                             "sparse backend is configured on it before training.")
+        longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
+            args.cp_schedule) else None
+        self.max_length = args.max_length or longest_stage or _first_length(kwargs.get("train_dataset"))
+        loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
+        if args.sparse_attention and not loaded_here:
+            self._enable_sparse_attention(model, args)
+        elif not args.sparse_attention and getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
+            logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
+                           "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
+                           "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
+                           compat.attn_implementation(model.config))
+        super().__init__(model, args, *rest, **kwargs)
+        if args.sparse_attention and loaded_here:
+            self._enable_sparse_attention(self.model, args)
+        self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
+                                          max_length=self.max_length, cp_schedule=args.cp_schedule)
+        smet = args.smet_optimizer_config()
+        if smet is not None:
+            install_smet(self, smet)
+
+    def _enable_sparse_attention(self, model: torch.nn.Module, args: SparseArgumentsMixin) -> None:
+        enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
+                                explicit=args.explicit_flags)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The stock accelerator, with `--fsdp` running FSDP2 on CPU processes too (`cpu_fsdp.py`)."""
+        super().create_accelerator_and_postprocess()
+        disable_cpu_fsdp2(self)  # a hyperparameter search builds the accelerator again
+        enable_cpu_fsdp2(self)
+
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        _tear_down_at_exit()  # only after a finished run: every rank then reaches the exit barrier
+        return result
+
+    def create_model_card(self, **kwargs):
+        """The Trainer class's own card, amended and merged with the plugin's section: versions, the
+        distributed set-up, sequence length, pattern, kept fraction per layer (and its plot), CP, SMET,
+        losses, tokens/s (`model_card.write_sparse_model_card`)."""
+        return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
+                                       create_card=super().create_model_card, **kwargs)
+
+
+class SparseTrainer(SparseTrainerMixin, Trainer):
+    """A `Trainer` that trains with the plugin as `SparseTrainingArguments` say.
+
+    Args:
+        model: a transformers causal LM (not `model_init`: the backend is configured on the model).
+        args: the `SparseTrainingArguments`.
+        *rest, **kwargs: as for `Trainer` (train_dataset, data_collator, processing_class, callbacks, ...).
+    """
+
+
+@functools.cache
+def sparse_trainer_class(base: type[Trainer]) -> type:
+    """`base` (a `Trainer` subclass, e.g. TRL's `SFTTrainer`) that trains with the plugin: the class
+    `Sparse<base name>`, taking arguments from `sparse_arguments_class` (the same class for the same base)."""
+    if base is Trainer:
+        return SparseTrainer
+    return type(f"Sparse{base.__name__}", (SparseTrainerMixin, base),
+                {"__module__": __name__, "__doc__": f"`{base.__name__}` with the plugin (`sparse_trainer_class`)."})
+
+
+@functools.cache
+def _tear_down_at_exit() -> None:
+    """At interpreter exit, end the process groups while the interpreter is whole (once per process)."""
+
+    def tear_down() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            quiesce_process_groups()
+            torch.distributed.destroy_process_group()
+
+    atexit.register(tear_down)

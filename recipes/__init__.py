@@ -1,0 +1,54 @@
+"""The shipped recipes, installed as `hf_sparse_cp.recipes` (`hf-sparse-cp recipes` lists them).
+
+* `train/*.yaml`: training recipes, `flag: value` pairs of `SparseTrainingArguments` (so
+  `HfArgumentParser(SparseTrainingArguments).parse_yaml_file(path)` reads one, and
+  `hf-sparse-cp train --recipe NAME` runs one);
+* `accelerate/*.yaml`: `accelerate launch --config_file` configurations.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import as_file, files
+from pathlib import Path
+
+KINDS = ("train", "accelerate")
+SUFFIX = ".yaml"
+
+
+def _folder(kind: str) -> Path:
+    with as_file(files(__name__) / kind) as folder:  # a real folder: the package is installed unzipped
+        return Path(folder)
+
+
+def recipe_names(kind: str = "train") -> list[str]:
+    """The names of the shipped recipes of `kind` ('train' or 'accelerate'), e.g. 'qwen2.5-3b_32k'."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: one of {KINDS}.")
+    return sorted(path.name.removesuffix(SUFFIX) for path in _folder(kind).glob(f"*{SUFFIX}"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """The file of a recipe: `name_or_path` itself when it is a file, else the shipped recipe of that
+    name (training recipes first, then accelerate configs; with or without `.yaml`).
+
+    Raises:
+        FileNotFoundError: neither a file nor a shipped recipe; the message lists the shipped names.
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    name = name_or_path.removesuffix(SUFFIX)
+    for kind in KINDS:
+        if name in recipe_names(kind):
+            return _folder(kind) / f"{name}{SUFFIX}"
+    shipped = ", ".join(recipe_names("train") + recipe_names("accelerate"))
+    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({shipped}); "
+                            "`hf-sparse-cp recipes` lists them.")
+
+
+def recipe_summary(path: Path) -> str:
+    """The recipe's first comment line (what it is for)."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""

@@ -1,0 +1,279 @@
+"""Checkpoints of a plugin run say whether they are complete; a resume checks the checkpoint before
+loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings, other
+global batch) is refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET;
+FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, through the sharded state)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.checkpoints import MARKER, CheckpointMarkerCallback
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.arange(64).add(i).remainder(250).add(3)
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(out, **kw) -> Trainer:
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    kw = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **kw}
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, logging_steps=1, report_to="none",
+                             use_cpu=True, seed=0, **kw)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=default_data_collator)
+    attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
+    return trainer
+
+
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    trainer = _trainer(out)
+    trainer.train()
+    return out, _losses(trainer)
+
+
+def test_checkpoints_are_marked_complete_with_their_files(saved):
+    out, _ = saved
+    for step in (2, 4):
+        marker = json.loads((out / f"checkpoint-{step}" / MARKER).read_text())
+        assert marker["complete"] and marker["step"] == step
+        assert marker["settings"] == {"cp_size": 1, "data_parallel_size": 1, "smet": None, "global_batch_size": 2}
+        assert "trainer_state.json" in marker["files"] and "optimizer.pt" in marker["files"]
+
+
+def test_an_intact_checkpoint_resumes_exactly(saved, tmp_path):
+    out, losses = saved
+    resumed = _trainer(tmp_path)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert _losses(resumed) == losses
+
+
+@pytest.mark.parametrize("damage, cause", [
+    ("in_progress", "is incomplete: the run ended while it was being saved"),
+    ("truncated", "is damaged: model.safetensors is"),
+    ("missing", "is damaged: optimizer.pt is missing"),
+    ("other_cp", "was saved with cp_size=2, but this run has cp_size=1"),
+    ("other_dp", "data_parallel_size=2, but this run has data_parallel_size=1.*"
+                 "only from a checkpoint saved with FSDP2"),
+    ("other_batch", "global batch of 8 sequences per step, but this run has 2.*"
+                    "Set --per_device_train_batch_size 8 --gradient_accumulation_steps 1"),
+])
+def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp_path, damage, cause):
+    out, _ = saved
+    folder = tmp_path / "checkpoint-2"
+    subprocess.run(["cp", "-r", str(out / "checkpoint-2"), str(folder)], check=True)
+    marker = json.loads((folder / MARKER).read_text())
+    if damage == "in_progress":
+        (folder / MARKER).write_text(json.dumps({"complete": False, "step": 2}))
+    elif damage == "truncated":
+        with open(folder / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+    elif damage == "missing":
+        os.remove(folder / "optimizer.pt")
+    else:
+        key, value = {"other_cp": ("cp_size", 2), "other_dp": ("data_parallel_size", 2),
+                      "other_batch": ("global_batch_size", 8)}[damage]
+        marker["settings"][key] = value
+        (folder / MARKER).write_text(json.dumps(marker))
+    trainer = _trainer(tmp_path / "resume")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=cause):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
+
+
+def test_the_newest_checkpoint_is_checked_when_resume_is_true(saved, tmp_path):
+    out, _ = saved
+    subprocess.run(["cp", "-r", str(out), str(tmp_path / "run")], check=True)
+    (tmp_path / "run" / "checkpoint-4" / MARKER).write_text(json.dumps({"complete": False, "step": 4}))
+    trainer = _trainer(tmp_path / "run")
+    with pytest.raises(ValueError, match="checkpoint-4' is incomplete"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_detach_removes_the_protection(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert any(isinstance(cb, CheckpointMarkerCallback) for cb in trainer.callback_handler.callbacks)
+    assert "train" in trainer.__dict__
+    detach_from_trainer(trainer)
+    assert not any(isinstance(cb, CheckpointMarkerCallback) for cb in trainer.callback_handler.callbacks)
+    assert "train" not in trainer.__dict__
+
+
+# ---- the CLI under CP 2 with SMET ---------------------------------------------------------------
+
+JOB = ["--max_length", "256", "--num_samples", "8", "--sparse_min_seq_len", "128", "--sparse_block_size", "32",
+       "--sparse_vertical_topk", "8", "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens",
+       "4", "--sparse_last_q", "16", "--smet", "--smet_density", "0.5", "--smet_update_interval", "2",
+       "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _cli(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", str(nproc), *JOB, *flags,
+           "--output_dir", str(out), "--summary_file", str(out / "summary.json")]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
+    full = _cli(tmp_path / "full", 2, "--cp_size", "2", "--max_steps", "4")
+    assert full.returncode == 0, full.stderr[-3000:]
+    checkpoint = str(tmp_path / "full" / "checkpoint-2")
+    resumed = _cli(tmp_path / "resumed", 2, "--cp_size", "2", "--max_steps", "4",
+                   "--resume_from_checkpoint", checkpoint)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # `hf-sparse-cp train` ends with the model card: how the run trained, counting distinct sequences
+    card = (tmp_path / "full" / "README.md").read_text()
+    for stated in ("| sequence length | 256 tokens |", "CP 2 x DP 1", "SMET (sparse_weights, density 0.5",
+                   "total_train_batch_size: 1 (distinct sequences", "vertical-slash (MTraining)", "- hf-sparse-cp"):
+        assert stated in card, stated
+    assert (tmp_path / "full" / "sparse_kept_fraction.png").is_file()
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
+    got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
+    assert len(got) == len(want) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-6, (got, want)
+    one = _cli(tmp_path / "one", 1, "--max_steps", "4", "--resume_from_checkpoint", checkpoint)
+    assert one.returncode != 0 and "saved with cp_size=2, but this run has cp_size=1" in one.stderr
+    density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
+                   "--resume_from_checkpoint", checkpoint)
+    assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
+
+
+def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refuses_other_state():
+    from hf_sparse_cp.resharding.resume import training_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = training_state(model, opt)
+    assert sorted(state) == ["model/bias", "model/weight", *(f"optim/{i}/{k}" for i in (0, 1)
+                                                            for k in ("exp_avg", "exp_avg_sq", "step"))]
+    assert torch.equal(state["optim/1/exp_avg"], opt.state[model.bias]["exp_avg"])
+    opt.state[model.bias]["note"] = 1.0  # not a tensor: it could not be laid out for other processes
+    with pytest.raises(TypeError, match="optimizer state 'note' of parameter 1 is a float"):
+        training_state(model, opt)
+
+
+FSDP2 = ("--fsdp", "full_shard auto_wrap",
+         "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+
+
+@pytest.mark.slow
+def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_the_same_global_batch(tmp_path):
+    """Saved by 4 FSDP2 processes (batch 1 each) at step 2, resumed by 2 (batch 2 each: the same 4 sequences
+    a step), whose step-4 checkpoint 4 processes resume again as CP 2 x DP 2 (batch 2 per CP group): each
+    time the sharded state is laid out for the new processes, the scheduler and step counter continue, and
+    the steps after the resume and the final weights are those of the uninterrupted 4-process run."""
+    from safetensors.torch import load_file
+
+    from hf_sparse_cp.resharding.checkpoint import read_layout
+    from hf_sparse_cp.resharding.resume import SHARDED_STATE
+
+    steps = ("--max_steps", "6", "--num_samples", "24", *FSDP2)
+    full = _cli(tmp_path / "full", 4, *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+    # the state once, as each rank holds it (plus the portable model.safetensors): no gathered copies
+    saved = {p.name for p in (tmp_path / "full" / "checkpoint-2").iterdir()}
+    assert {SHARDED_STATE, "model.safetensors", "scheduler.pt"} <= saved, saved
+    assert not saved & {"optimizer.bin", "pytorch_model_fsdp.bin", "optimizer.pt"}, saved
+    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
+                "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
+    assert on_2.returncode == 0, on_2.stderr[-3000:]
+    assert read_layout(tmp_path / "on_2" / "checkpoint-4" / SHARDED_STATE)[0] == 2
+    on_4 = _cli(tmp_path / "on_4", 4, *steps, "--cp_size", "2", "--per_device_train_batch_size", "2",
+                "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
+    assert on_4.returncode == 0, on_4.stderr[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())
+    for run, world, cp, resumed_at in (("on_2", 2, 1, 2), ("on_4", 4, 2, 4)):
+        got = json.loads((tmp_path / run / "summary.json").read_text())
+        assert got["world_size"] == world and got["cp_size"] == cp and got["fsdp2_modules"] >= 3
+        # The steps before the resume come from the saved trainer state; those after it were trained here. A
+        # step's gradient is the same sum in fp32, reduced in another order (4 ranks of 1 row vs 2 of 2 rows):
+        # a few ulps, which Adam's normalised update passes on at about lr x that relative size. A step of the
+        # wrong learning rate, moment or weight would move the loss by orders of magnitude more.
+        assert len(got["losses"]) == 6 and got["losses"][:2] == want["losses"][:2], run
+        assert got["losses"][resumed_at:] == pytest.approx(want["losses"][resumed_at:], rel=1e-5), run
+        final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in (run, "full"))
+        assert final.keys() == ref.keys()
+        for name, weight in ref.items():
+            # atol: ~8 ulps at the weights' magnitude (~1), 2000x below one step's change (lr 2e-3)
+            torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=f"{run} {name}")
+    # (another global batch is refused before anything loads: test_a_damaged_or_mismatched_checkpoint_is_refused...)
+
+
+@pytest.mark.slow
+def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every_stage_batch_kept(tmp_path):
+    """A curriculum (CP 1, then CP 2 from step 3) saved by 4 FSDP2 processes (batch 1 each) in its second
+    stage resumes on 2 processes with batch 2 each: every stage's global batch is the saved one (4 and 2
+    sequences a step), so the steps after the resume and the final weights are the uninterrupted run's.
+    With the per-device batch left at 1 the resume is refused, naming the batch that fits."""
+    from safetensors.torch import load_file
+
+    steps = ("--max_steps", "6", "--num_samples", "24", "--cp_schedule", "0:128:1,3:256:2", *FSDP2)
+    full = _cli(tmp_path / "full", 4, *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+    checkpoint = str(tmp_path / "full" / "checkpoint-4")
+    assert json.loads((tmp_path / "full" / "checkpoint-4" / MARKER).read_text())["settings"]["world_batch_size"] == 4
+    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
+                checkpoint)
+    assert on_2.returncode == 0, on_2.stderr[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
+    got = json.loads((tmp_path / "on_2" / "summary.json").read_text())["losses"]
+    assert len(got) == 6 and got[:4] == want[:4]
+    assert got[4:] == pytest.approx(want[4:], rel=1e-5)  # (fp32 reduction order, as for the DP change above)
+    final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in ("on_2", "full"))
+    for name, weight in ref.items():
+        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    same = _cli(tmp_path / "same", 4, *steps, "--resume_from_checkpoint", checkpoint)  # the saved layout: exact
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert json.loads((tmp_path / "same" / "summary.json").read_text())["losses"] == want
+    without_fsdp = _cli(tmp_path / "ddp", 4, *steps[:-4], "--resume_from_checkpoint", checkpoint)
+    assert without_fsdp.returncode != 0 and "only a run with FSDP2 loads it" in without_fsdp.stderr
+    refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
+    assert refused.returncode != 0
+    assert "was saved with 4 sequences per step at CP 1" in refused.stderr, refused.stderr[-3000:]
+    assert "Set --per_device_train_batch_size 2 --gradient_accumulation_steps 1" in refused.stderr
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_a_save_that_fails_midway_leaves_a_checkpoint_marked_incomplete(tmp_path, strategy):
+    """The marker says "in progress" before the Trainer writes a file (at the step or epoch end where it
+    decides to save), so a save that dies halfway is refused on resume, not loaded."""
+    # (an epoch is 8 steps of the 16 rows)
+    trainer = _trainer(tmp_path / "run", **({"save_strategy": "epoch", "max_steps": 8} if strategy == "epoch" else {}))
+
+    def dies_midway(model, trial):
+        folder = tmp_path / "run" / f"checkpoint-{trainer.state.global_step}"
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("the disk filled up")
+
+    trainer._save_checkpoint = dies_midway
+    with pytest.raises(RuntimeError, match="disk filled up"):
+        trainer.train()
+    (folder,) = (tmp_path / "run").glob("checkpoint-*")
+    assert not json.loads((folder / MARKER).read_text())["complete"]
+    with pytest.raises(ValueError, match="is incomplete"):
+        _trainer(tmp_path / "resume").train(resume_from_checkpoint=str(folder))

@@ -1,0 +1,179 @@
+"""The `hf-sparse-cp train` launcher ends cleanly: a signal to it stops torchrun and the workers, and a
+worker that dies takes the run down within a bounded time (issue #14)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_sparse_cp.cli import EXAMPLE_MODULE, run_forwarding_signals
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from Linux's /proc")
+
+# Stands in for torchrun: stops on the first signal after a pause (the launcher must wait for it), with a
+# grandchild in its process group that the signal must reach too; records the signals it got.
+FAKE_TORCHRUN = """
+import signal, subprocess, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+grandchild = subprocess.Popen(["sleep", "60"])
+got = []
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda signum, frame: got.append(signum))
+(out / "ready").write_text("")
+while not got:
+    time.sleep(0.01)
+(out / "stopping").write_text("")
+deadline = time.monotonic() + 20
+while not (out / "second sent").exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # a second signal, if forwarded, lands here
+(out / "result").write_text(f"{got} {grandchild.wait(timeout=10)}")
+"""
+
+
+def _when(path: Path, then, timeout: float = 30.0) -> threading.Thread:
+    """Run `then()` in a thread as soon as `path` exists."""
+    def wait():
+        end = time.monotonic() + timeout
+        while not path.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        then()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_first_signal_goes_to_the_child_group_and_the_launcher_waits_for_it(tmp_path, sig):
+    # the signal comes to this process, as to the launcher; a second one while the child stops is not passed on
+    first = _when(tmp_path / "ready", lambda: os.kill(os.getpid(), sig))
+    second = _when(tmp_path / "stopping",
+                   lambda: (os.kill(os.getpid(), signal.SIGTERM), (tmp_path / "second sent").write_text("")))
+    before, start = signal.getsignal(sig), time.monotonic()
+    returncode = run_forwarding_signals([sys.executable, "-c", FAKE_TORCHRUN, str(tmp_path)])
+    first.join(), second.join()
+    assert returncode == 128 + sig
+    assert (tmp_path / "result").read_text() == f"[{int(sig)}] {-int(sig)}"  # one signal; the grandchild got it
+    assert time.monotonic() - start < 30
+    assert signal.getsignal(sig) is before  # the launcher's handler is gone
+
+
+def test_the_child_exit_status_is_returned(tmp_path):
+    assert run_forwarding_signals([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert run_forwarding_signals([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]) == 128 + 9
+
+
+# The real thing: two workers (CP 2) on short sequences, for many steps, so that the run is mid-training.
+JOB = ["--nproc", "2", "--cp_size", "2", "--max_length", "256", "--num_samples", "4", "--max_steps", "100000",
+       "--tiny_num_layers", "1", "--logging_steps", "1"]
+BOUND_S = 60  # how long ending the run may take
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (name) "
+        table[int(entry.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _alive(pid: int, started: str) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0] != "Z" and fields[19] == started  # (a zombie is gone; a new process may reuse the pid)
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time of the processes under `root`."""
+    table, found, frontier = _processes(), {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, started) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = started
+                frontier.append(pid)
+    return found
+
+
+def _workers(run: dict[int, str]) -> dict[int, int]:
+    """rank -> pid of the example's worker processes in `run`."""
+    ranks = {}
+    for pid in run:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if v)
+        except OSError:
+            continue
+        if EXAMPLE_MODULE.encode() in cmdline and b"RANK" in environ:
+            ranks[int(environ[b"RANK"])] = pid
+    return ranks
+
+
+@pytest.fixture
+def training_run(tmp_path):
+    """A launcher running `hf-sparse-cp train --nproc 2 --cp_size 2`, returned once both workers train:
+    (launcher, {pid: start time} of torchrun and the workers, {rank: worker pid}). Whatever is left of it
+    at the end is killed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "hf_sparse_cp.cli", "train", *JOB, "--output_dir", str(tmp_path / "out")],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    run: dict[int, str] = {}
+    try:
+        end = time.monotonic() + 300
+        while "'loss'" not in log.read_text():  # a logged step: the workers are past set-up and training
+            assert launcher.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(0.5)
+        run = _descendants(launcher.pid)
+        workers = _workers(run)
+        assert sorted(workers) == [0, 1], run
+        yield launcher, run, workers
+    finally:
+        for pid, started in {**_descendants(launcher.pid), **run}.items():
+            if _alive(pid, started):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+
+
+def _ended_within_the_bound(launcher: subprocess.Popen, run: dict[int, str]) -> int:
+    returncode = launcher.wait(timeout=BOUND_S)
+    left = [pid for pid, started in run.items() if _alive(pid, started)]
+    assert not left, f"processes of the run left behind: {left}"
+    return returncode
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_torchrun_and_the_workers(training_run):
+    launcher, run, _ = training_run
+    launcher.send_signal(signal.SIGTERM)
+    assert _ended_within_the_bound(launcher, run) == 128 + signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_a_dead_worker_ends_the_run(training_run):
+    launcher, run, workers = training_run
+    os.kill(workers[1], signal.SIGKILL)
+    assert _ended_within_the_bound(launcher, run) != 0

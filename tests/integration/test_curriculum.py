@@ -1,0 +1,374 @@
+"""Online CP switching (`hf_sparse_cp.trainer.curriculum`): the schedule and its validation, the
+run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 -> CP 4 x
+DP 1 in one Trainer run, compared with the same stages run as three jobs chained through checkpoints
+(DDP; AdamW and SMET), and a resume from a checkpoint saved in the middle stage; then FSDP2 over the 4
+ranks (functional API) through the same CP switches against one process."""
+
+import os
+import re
+
+import pytest
+import torch
+
+from hf_sparse_cp.config import SparseAttentionConfig
+from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
+from hf_sparse_cp.trainer.checkpoints import MARKER
+from hf_sparse_cp.trainer.curriculum import (
+    StageBatchSampler,
+    StageSamples,
+    build_schedule,
+    parse_schedule,
+)
+
+SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32"
+PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=256, vertical_topk=16, slash_topk=32, local_window=32,
+                                sink_tokens=4, last_q=32)
+
+
+def test_parse_reads_steps_epochs_and_sparse_fields():
+    stages = parse_schedule(SCHEDULE + ",1.5ep:512:2")
+    assert [(s.from_step, s.from_epoch, s.seq_len, s.cp_size) for s in stages] == [
+        (0, None, 128, 1), (2, None, 256, 2), (4, None, 512, 4), (None, 1.5, 512, 2)]
+    assert stages[2].sparse == {"vertical_topk": 32}
+    assert ",".join(s.text for s in stages) == SCHEDULE + ",1.5ep:512:2"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("0:128", "FROM:SEQ_LEN:CP_SIZE"),
+    ("0:128:1:vertical_topk", "FROM:SEQ_LEN:CP_SIZE"),
+    ("x:128:1", "FROM must be a step"),
+    ("", "empty"),
+])
+def test_malformed_schedules_are_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_schedule(text)
+
+
+def _build(text, world=4, max_steps=6, **kw):
+    return build_schedule(parse_schedule(text), world_size=world, sparse_config=PATTERN, max_steps=max_steps, **kw)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("0:128:1,2:384:3", r"stage 1 \(2:384:3\): cp_size=3 does not divide the world size 4.*cp_size in \[1, 2, 4\]"),
+    ("0:128:1,2:320:2", r"seq_len=320 does not split into whole blocks of 64 tokens over 2 CP ranks.*256 or 384"),
+    ("0:128:1,2:256:2:vertical_top=4", r"\['vertical_top'\] are not sparse-pattern fields"),
+    ("0:128:1,2:256:2:block_size=48", "power of two"),
+    ("1:128:1", "must start at 0"),
+    ("0:128:1,2:256:2,2:512:4", "not after stage 1"),
+    ("0:128:1,6:256:2", "at or after --max_steps 6"),
+    ("0:128:1,1ep:256:2", "needs a dataset with a length"),
+])
+def test_invalid_schedules_name_the_fix(text, match):
+    with pytest.raises(ValueError, match=match):
+        _build(text)
+
+
+def test_a_schedule_needs_max_steps():
+    with pytest.raises(ValueError, match="set --max_steps"):
+        _build("0:128:1", max_steps=-1)
+
+
+def test_epoch_starts_resolve_to_the_step_that_completes_them():
+    # 16 samples; stage 0 takes 4 per step (DP 4), stage 1 takes 2 (DP 2)
+    schedule = _build("0:128:1,1ep:256:2,1.75ep:512:4", max_steps=20, samples_per_step=[4, 2, 1], num_samples=16)
+    assert schedule.starts == (0, 4, 10)  # 16 samples after 4 steps; 12 more (28 = 1.75 x 16) after 6
+    assert schedule.configs[0].block_size == 64 and [schedule.index_at(s) for s in (0, 3, 4, 9, 10, 19)] == [
+        0, 0, 1, 1, 2, 2]
+
+
+def _dims(world: int, rank: int, cp: int) -> ParallelDims:
+    group = tuple(range(rank // cp * cp, rank // cp * cp + cp))
+    return ParallelDims(world_size=world, rank=rank, cp_ranks=group, cp_group=None, topology=RingTopology(1, cp),
+                        inner_group=None, outer_group=None, sharding="striped")
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["sequential", "shuffled"])
+def test_the_sampler_takes_every_sample_once_per_pass_across_stages(seed):
+    world, grad_accum, batch, n = 4, 2, 1, 20
+    schedule = _build(SCHEDULE, max_steps=6)
+    per_rank = []
+    for rank in range(world):
+        dims = {c: _dims(world, rank, c) for c in (1, 2, 4)}
+        sampler = StageBatchSampler(schedule, dims, num_samples=n, batch_size=batch, grad_accum=grad_accum,
+                                    max_steps=6, seed=seed)
+        per_rank.append(list(sampler))
+        assert len(per_rank[-1]) == len(sampler) == 6 * grad_accum
+    taken = []
+    for step in range(6):
+        cp = schedule.stages[schedule.index_at(step)].cp_size
+        for micro in range(grad_accum):
+            rows = [per_rank[r][step * grad_accum + micro] for r in range(world)]
+            # the ranks of a CP group share their batch; the DP ranks take distinct ones, at the stage's length
+            for r in range(world):
+                assert rows[r] == rows[r // cp * cp]
+                assert all(length == schedule.stages[schedule.index_at(step)].seq_len for _, length in rows[r])
+            taken += [i for r in range(0, world, cp) for i, _ in rows[r]]
+    assert len(taken) == 2 * 2 * 4 + 2 * 2 * 2 + 2 * 2 * 1 == 28  # 20 samples, then 8 of the second pass
+    assert sorted(taken[:n]) == list(range(n)) and len(set(taken[n:])) == len(taken) - n
+    assert (taken[:n] == list(range(n))) == (seed is None)
+
+
+def test_stage_samples_crop_every_token_field():
+    data = [{"input_ids": torch.arange(10), "labels": list(range(10)), "source": "doc", "weights": torch.ones(3)}]
+    item = StageSamples(data)[(0, 4)]
+    assert item["input_ids"].tolist() == item["labels"] == [0, 1, 2, 3]
+    assert item["source"] == "doc" and item["weights"].shape == (3,)
+
+
+# ---- 4 gloo processes through the Trainer ----
+
+NUM_SAMPLES, SAMPLE_LEN, MAX_STEPS = 16, 512, 6
+
+
+def _samples() -> list[dict]:
+    """A 24-token motif repeated from a random phase in every sample: learnable in a few steps."""
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(3, 259, (24,), generator=g)
+    phases = torch.randint(0, 24, (NUM_SAMPLES, 1), generator=g)
+    ids = motif[(torch.arange(SAMPLE_LEN) + phases) % 24]
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _args(out: str, smet: bool, **kw):
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    fields = dict(
+        output_dir=out, report_to="none", use_cpu=True, max_steps=MAX_STEPS, per_device_train_batch_size=1,
+        learning_rate=1e-2, weight_decay=0.0, train_sampling_strategy="sequential", logging_steps=1,
+        save_strategy="no", sparse_block_size=PATTERN.block_size, sparse_min_seq_len=PATTERN.min_seq_len,
+        sparse_vertical_topk=PATTERN.vertical_topk, sparse_slash_topk=PATTERN.slash_topk,
+        sparse_local_window=PATTERN.local_window, sparse_sink_tokens=PATTERN.sink_tokens, sparse_last_q=PATTERN.last_q,
+        sparse_log_sparsity=False, seed=0)
+    if smet:
+        fields.update(smet=True, smet_density=0.5, smet_update_interval=2)
+    return SparseTrainingArguments(**{**fields, **kw})
+
+
+def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
+    """Train a fresh tiny Llama; the loss of every step (rank 0's log) and the final weights."""
+    from transformers import AutoModelForCausalLM, TrainerCallback, default_data_collator
+
+    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    losses = {}
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                losses[state.global_step] = logs["loss"]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:  # a job of the chain ends its stage with a checkpoint
+                control.should_save = control.should_training_stop = True
+
+    def seen(module, args, kwargs):  # what each training forward gets: tokens, CP degree, the pattern's top-k
+        shard = kwargs.get(CP_SHARD_KWARG)
+        forwards.append((kwargs["input_ids"].shape[1], 1 if shard is None else shard.parallel.cp_size,
+                         module.config.sparse_attention["vertical_topk"]))
+
+    forwards = []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    trainer = SparseTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                            callbacks=[Record()])
+    model.register_forward_pre_hook(seen, with_kwargs=True)
+    trainer.train(resume_from_checkpoint=resume)
+    return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, forwards
+
+
+def _stage_data(samples, first, count, seq_len):
+    return [{k: v[:seq_len] for k, v in samples[i].items()} for i in range(first, first + count)]
+
+
+def _curriculum_vs_chain(rank: int, world: int, out: str) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    samples = _samples()
+    results = {}
+    for smet in (False, True):
+        name = "smet" if smet else "adamw"
+        one = os.path.join(out, f"{name}-one")
+        save = dict(save_strategy="steps", save_steps=3) if not smet else {}
+        run = _train(_args(one, smet, cp_schedule=SCHEDULE, **save), samples)
+        # the same stages as three jobs, each resuming the previous one's checkpoint on the samples it left
+        chain, checkpoint, first = {}, None, 0
+        for stage, (start, stop, seq_len, cp) in enumerate([(0, 2, 128, 1), (2, 4, 256, 2), (4, 6, 512, 4)]):
+            count = (stop - start) * world // cp
+            extra = dict(sparse_vertical_topk=32) if stage == 2 else {}
+            args = _args(os.path.join(out, f"{name}-chain"), smet, cp_size=cp, ignore_data_skip=True, **extra)
+            losses, weights, _ = _train(args, _stage_data(samples, first, count, seq_len), checkpoint,
+                                        stop_at=stop if stop < MAX_STEPS else None)
+            chain.update(losses)
+            checkpoint, first = os.path.join(out, f"{name}-chain", f"checkpoint-{stop}"), first + count
+            # the next job changes the CP degree on purpose: drop the marker that would refuse the new layout
+            if rank == 0 and stop < MAX_STEPS:
+                os.remove(os.path.join(checkpoint, MARKER))
+            torch.distributed.barrier()
+        results[name] = {"run": run, "chain": (chain, weights)}
+        if not smet:  # resume the one-run curriculum from its checkpoint in the middle stage (step 3)
+            results["resumed"] = _train(_args(one, smet, cp_schedule=SCHEDULE),
+                                        samples, os.path.join(one, "checkpoint-3"))
+    return results if rank == 0 else {}
+
+
+def _assert_same(got: tuple, want: tuple, steps) -> None:
+    (got_losses, got_weights), (want_losses, want_weights) = got[:2], want[:2]
+    assert sorted(got_losses) == list(steps) and sorted(want_losses) == list(steps)
+    for step in steps:
+        # (the Trainer logs losses rounded to 4 decimals)
+        assert abs(got_losses[step] - want_losses[step]) <= 2e-4, (got_losses, want_losses)
+    for key, value in want_weights.items():
+        torch.testing.assert_close(got_weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _fsdp2_through_cp_switches(rank: int, world: int) -> dict:
+    """FSDP2 over all ranks (the flattened dp_shard x cp mesh) with AdamW, through CP 1 -> 2 -> 4 at
+    128 -> 256 -> 512 tokens (one step each), in float64, beside a one-process copy fed each step's
+    global batch: the losses, the final weights, and where every local shard lives."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.distributed import (
+        ContextParallelConfig,
+        global_mean_loss,
+        global_num_items,
+        prepare_context_parallel_inputs,
+        rank_loss,
+    )
+    from hf_sparse_cp.testing.models import tiny_config
+
+    if not hf_sparse_cp.is_patched():
+        hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).double()
+    hf_sparse_cp.configure(model, PATTERN)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (model, reference))
+    dims = {c: ParallelDims.from_config(ContextParallelConfig(cp_size=c)) for c in (1, 2, 4)}  # built up front
+    where = [(p.to_local().data_ptr(), tuple(p.to_local().shape)) for p in model.parameters()]
+    samples, position, losses = torch.stack([s["input_ids"] for s in _samples()]), 0, []
+    vocab = model.config.vocab_size
+    for cp, seq_len in ((1, 128), (2, 256), (4, 512)):
+        par = dims[cp]
+        batch = samples[position : position + par.dp_size, :seq_len]  # the step's global batch, one per DP rank
+        position += par.dp_size
+        mine = batch[par.dp_rank : par.dp_rank + 1]
+        inputs = prepare_context_parallel_inputs({"input_ids": mine, "labels": mine}, par,
+                                                 block_size=PATTERN.block_size)
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                       cp_shard=inputs[CP_SHARD_KWARG]).logits
+        loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), inputs["shift_labels"].reshape(-1),
+                                                     reduction="sum")
+        num = global_num_items(inputs["shift_labels"])
+        rank_loss(loss_sum, num, world).backward()  # FSDP2 averages over all ranks: the global token mean
+        opt.step()
+        opt.zero_grad()
+        ref_logits = reference(input_ids=batch).logits[:, :-1]
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((global_mean_loss(loss_sum, num).item(), ref_loss.item()))
+    stayed = where == [(p.to_local().data_ptr(), tuple(p.to_local().shape)) for p in model.parameters()]
+    weights = max(float((p.detach().full_tensor() - q.detach()).abs().max())
+                  for p, q in zip(model.parameters(), reference.parameters()))
+    return {"losses": losses, "weights": weights, "stayed": stayed}
+
+
+def _in_four_processes(rank: int, world: int, out: str) -> dict:
+    return {"trainer": _curriculum_vs_chain(rank, world, out), "fsdp2": _fsdp2_through_cp_switches(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    return run_gloo(_in_four_processes, 4, str(tmp_path_factory.mktemp("curriculum")), timeout_s=600)
+
+
+@pytest.mark.slow
+def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processes):
+    results = four_processes[0]["trainer"]
+    # each step ran in its stage: 128-token shards of 128, 256 and 512 tokens, CP 1, 2, 4, the last stage's top-k
+    stages = [(128, 1, 16)] * 2 + [(128, 2, 16)] * 2 + [(128, 4, 32)] * 2
+    assert results["adamw"]["run"][2] == results["smet"]["run"][2] == stages
+    assert results["resumed"][2] == stages[3:]
+    for name in ("adamw", "smet"):
+        _assert_same(results[name]["run"], results[name]["chain"], range(1, MAX_STEPS + 1))
+        losses = results[name]["run"][0]
+        assert losses[MAX_STEPS] < losses[1]
+    # resumed at step 3 (stage CP 2 x DP 2): steps 4-6 and the final weights as without the interruption
+    _assert_same(results["resumed"], ({s: results["adamw"]["run"][0][s] for s in (4, 5, 6)},
+                                      results["adamw"]["run"][1]), range(4, MAX_STEPS + 1))
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_process(four_processes):
+    for r in four_processes:
+        assert r["fsdp2"]["stayed"]  # every local shard: the same storage and shape after three CP degrees
+        for got, want in r["fsdp2"]["losses"]:
+            assert abs(got - want) <= 1e-9 * abs(want)
+        assert r["fsdp2"]["weights"] < 1e-9
+
+
+# ---- one process: what a stage trains, and what it leaves behind (issue #31) ----
+
+
+def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1):
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    args = _args(str(tmp_path), False, cp_schedule=schedule, max_steps=2, per_device_train_batch_size=batch)
+    return SparseTrainer(model=model, args=args, train_dataset=samples, data_collator=collator or default_data_collator)
+
+
+def test_a_stage_longer_than_the_samples_is_refused_before_training(tmp_path):
+    """`--max_length 512 --cp_schedule 0:256:1,2:1024:1` trained its "1024" stage on 512-token samples."""
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    with pytest.raises(ValueError, match=re.escape(
+            "cp_schedule stage 1 (1:256:1) would train rows of 128 tokens, not 256: the samples hold 128 tokens, and "
+            "a stage crops samples to its length but never extends them: give samples of at least 256 tokens")):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_path):
+    """With --pack_documents the stage length cropped each document: rows were pack x stage length."""
+    from transformers import DataCollatorWithFlattening
+
+    trainer = _one_process(tmp_path, "0:128:1,1:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128),
+                           DataCollatorWithFlattening(return_flash_attn_kwargs=True), batch=2)
+    with pytest.raises(ValueError, match=r"cp_schedule stage 0 \(0:128:1\) would train rows of 256 tokens, not 128: "
+                                         r"the data collator turns 2 samples .* without packing"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_path):
+    """A stage's pattern went onto the model unrecorded: the last stage's stayed the model's (and was saved
+    as such), and disabling did not restore it."""
+    from hf_sparse_cp.trainer.attach import detach_from_trainer, disable_sparse_attention
+
+    trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    model = trainer.model
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.config.sparse_attention["vertical_topk"]))
+    trainer.train()
+    assert seen == [16, 32]  # each step ran its stage's pattern
+    assert model.config.sparse_attention == PATTERN.to_dict()  # after training: the run's own, as save_model writes
+    detach_from_trainer(trainer)
+    assert model.config.sparse_attention == PATTERN.to_dict()
+    disable_sparse_attention(model)
+    assert getattr(model.config, "sparse_attention", None) is None  # as before the run

@@ -1,0 +1,287 @@
+"""The model card of a run with the plugin (issue #15): what it states about sparse long-context training,
+the batch size and optimizer lines the stock card gets wrong, and a saved model that needs no plugin."""
+
+import dataclasses
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+from transformers.modelcard import extract_hyperparameters_from_trainer
+
+from hf_sparse_cp import (
+    SparseAttentionConfig,
+    attach_to_trainer,
+    disable_sparse_attention,
+    enable_sparse_attention,
+    install_smet,
+)
+from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.reporting.kept_fraction import mean_kept_fraction_per_layer
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, SECTION_TITLE, TAGS, write_sparse_model_card
+from hf_sparse_cp.smet import SMETConfig
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
+
+SEQ_LEN = 512
+PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8, slash_topk=16, local_window=32,
+                                sink_tokens=4, last_q=32)
+
+
+def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAttentionConfig = PATTERN):
+    """A tiny Qwen2 with sparse attention (and SMET) on 512-token passkey rows: 2 per device, 2 accumulated."""
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
+    training = TrainingArguments(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, logging_steps=1, report_to="none", save_strategy="no",
+                                 use_cpu=True)
+    sparse = SparseCPArguments(sparse_attention=True)
+    enable_sparse_attention(model, sparse, pattern, training, max_length=SEQ_LEN)
+    trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 8, SEQ_LEN),
+                      data_collator=default_data_collator, processing_class=tok)
+    parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=cp_size))
+    if smet:
+        install_smet(trainer, SMETConfig(density=0.5, update_interval=2))
+    return trainer, parallel
+
+
+def _front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card[4:card.index("\n---\n", 3)])
+
+
+@pytest.fixture(scope="module")
+def smet_run(tmp_path_factory):
+    """A trained tiny run with SMET and sparse attention, and its card."""
+    trainer, parallel = _trainer(tmp_path_factory.mktemp("smet_run"))
+    trainer.train()
+    path = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN)
+    yield trainer, parallel, path
+    disable_sparse_attention(trainer.model)
+
+
+def test_the_card_describes_the_sparse_training(smet_run):
+    trainer, _, path = smet_run
+    card = path.read_text()
+    assert set(TAGS) | {"generated_from_trainer"} <= set(_front_matter(card)["tags"])
+    assert "| sequence length | 512 tokens |" in card
+    assert "top-k: 8 key columns and 16 diagonals per head" in card and "blocks of 32 tokens" in card
+    assert "slash_topk: 16" in card  # the full pattern config
+    assert "| context parallelism |" not in card and "| distributed set-up | 1 CPU process |" in card
+    # the stock card named AdamW; the optimizer was SMET over it
+    optimizer = re.findall(r"^- optimizer: (.*)$", card, re.MULTILINE)
+    assert len(optimizer) == 1 and optimizer[0].startswith("SMET (sparse_weights, density 0.5, blocks of 16 columns")
+    assert "adamw_torch" in optimizer[0] and "OptimizerNames" not in card
+    assert "mode: sparse_weights" in card and "update_interval: 2" in card  # the SMET config
+    # one process: 2 per device x 2 accumulated
+    assert "- total_train_batch_size: 4\n" in card and "| total train batch size | 4 distinct sequences" in card
+    means = mean_kept_fraction_per_layer(trainer.state.log_history)
+    assert sorted(means) == [0, 1] and means[0] == 1 and 0 < means[1] < 1  # layer 0 dense (the default), 1 sparse
+    assert "first 1 layer(s) dense" in card
+    for layer, value in means.items():
+        assert f"| {layer} | {value:.3f} |" in card
+    assert f"**{sum(means.values()) / 2:.3f}** over all layers" in card
+    samples_per_s = trainer.state.log_history[-1]["train_samples_per_second"]
+    assert f"| throughput | {samples_per_s * SEQ_LEN:,.0f} tokens/s (estimated" in card
+    assert f"]({KEPT_FRACTION_PLOT})" in card
+    assert (path.parent / KEPT_FRACTION_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "This model was trained from scratch on an unknown dataset." in card  # not a link to an empty base model
+
+
+def test_writing_the_card_again_amends_the_fresh_stock_card_once(smet_run):
+    trainer, parallel, path = smet_run
+    write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, tags=["passkey"])
+    card = path.read_text()
+    assert card.count(SECTION_TITLE) == 1
+    tags = _front_matter(card)["tags"]
+    assert "passkey" in tags and all(tags.count(tag) == 1 for tag in TAGS)
+
+
+def test_without_matplotlib_the_card_says_what_to_install(smet_run, tmp_path, monkeypatch):
+    trainer, parallel, _ = smet_run
+    monkeypatch.setattr(trainer.args, "output_dir", str(tmp_path))
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert "needs matplotlib: `pip install 'hf-sparse-cp[plot]'`" in card
+    assert not (tmp_path / KEPT_FRACTION_PLOT).exists()
+
+
+def test_a_card_written_before_training_keeps_the_stock_optimizer(tmp_path):
+    trainer, parallel = _trainer(tmp_path, smet=False)
+    try:
+        card = write_sparse_model_card(trainer, parallel=parallel).read_text()
+    finally:
+        disable_sparse_attention(trainer.model)
+    assert re.search(r"^- optimizer: Use \S*ADAMW", card, re.MULTILINE | re.IGNORECASE)
+    assert "| sequence length | not recorded |" in card and "| throughput | not measured" in card
+    assert "Not logged" in card and not (tmp_path / KEPT_FRACTION_PLOT).exists()
+    assert "SMET config" not in card
+
+
+# Run in a fresh interpreter that never imports hf_sparse_cp: load with SDPA, compare logits, generate.
+LOAD_WITHOUT_PLUGIN = """
+import sys, torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+folder = sys.argv[1]
+ids, expected = torch.load(folder + "/expected.pt")
+model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+assert model.config._attn_implementation == "sdpa"
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+default = AutoModelForCausalLM.from_pretrained(folder)  # no attn_implementation: whatever the model defaults to
+assert torch.equal(default.generate(ids, max_new_tokens=5, do_sample=False), generated)
+assert "hf_sparse_cp" not in sys.modules and "sparse_cp" not in AttentionInterface._global_mapping
+print(generated.shape[1] - ids.shape[1])
+"""
+
+
+def test_the_saved_model_loads_and_generates_without_the_plugin(smet_run, tmp_path):
+    trainer, _, _ = smet_run
+    trainer.save_model(str(tmp_path))
+    assert "sparse_cp" not in (tmp_path / "config.json").read_text().replace('"sparse_attention"', "")
+    ids = torch.arange(64).remainder(200).add(3).view(1, 64)
+    with torch.no_grad():  # under 128 tokens (min_seq_len) sparse_cp is exact dense attention
+        expected = trainer.model(input_ids=ids).logits
+    torch.save((ids, expected), tmp_path / "expected.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "5"
+
+
+def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True) -> dict | None:
+    """Two processes, one CP group: train two steps, write the card (rank 0 only)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    trainer, parallel = _trainer(output_dir, cp_size=2, smet=smet)
+    trainer.train()
+    path = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN)
+    disable_sparse_attention(trainer.model)
+    if path is None:
+        return None
+    stock = extract_hyperparameters_from_trainer(trainer)["total_train_batch_size"]
+    return {"card": path.read_text(), "stock_total": stock, "log": trainer.state.log_history}
+
+
+def _cards_under_cp2(rank: int, world: int, output_dir: str) -> dict | None:
+    """The CP run with SMET and without, one after the other in the same two processes."""
+    runs = {name: _card_under_cp2(rank, world, os.path.join(output_dir, name), smet=name == "cp_smet")
+            for name in ("cp_smet", "cp")}
+    return None if runs["cp"] is None else runs
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    out = tmp_path_factory.mktemp("cp_runs")
+    main, other = run_gloo(_cards_under_cp2, 2, str(out), timeout_s=400)
+    assert other is None  # only the main process writes
+    return main, out
+
+
+@pytest.mark.slow
+def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
+    runs, tmp_path = cp_runs
+    main, tmp_path = runs["cp_smet"], tmp_path / "cp_smet"
+    card = main["card"]
+    # 2 per device x 2 accumulated x 2 processes = 8 rows read, but both ranks of the CP group read the same 4
+    assert main["stock_total"] == 8
+    assert "- total_train_batch_size: 4 (distinct sequences; each is split over 2 context-parallel ranks)" in card
+    assert "- num_devices: 2" in card and "| total train batch size | 4 distinct sequences" in card
+    assert ("| context parallelism | CP 2 x DP 1 (2 processes): each sequence split over 2 ranks, striped sharding, "
+            "flat ring |") in card
+    assert card.count("- optimizer: SMET (") == 1
+    means = mean_kept_fraction_per_layer(main["log"])
+    assert means[0] == 1 and 0 < means[1] < 1  # layer 0 dense (the default), 1 sparse
+    assert all(f"| {layer} | {v:.3f} |" in card for layer, v in means.items())
+    assert (tmp_path / KEPT_FRACTION_PLOT).is_file()
+    # the Trainer's samples per second count each CP group's batch once, so tokens/s does too
+    samples_per_s = main["log"][-1]["train_samples_per_second"]
+    assert f"| throughput | {samples_per_s * SEQ_LEN:,.0f} tokens/s" in card
+    assert set(TAGS) <= set(_front_matter(card)["tags"])
+
+
+def _rows(card: str) -> dict[str, str]:
+    """The plugin section's table: row name -> value."""
+    section = card[card.index(SECTION_TITLE):]
+    table = section[:section.index("### Training results")]
+    return {m[1]: m[2] for m in re.finditer(r"^\| ([a-z][^|]*?) \| (.*) \|$", table, re.MULTILINE)}
+
+
+def _check_statements(card: str, trainer_args: dict, log_history: list[dict], *, processes: int, cp: int,
+                      smet: SMETConfig | None, pattern: SparseAttentionConfig) -> None:
+    """Every statement of the card, against the run's settings."""
+    rows = _rows(card)
+    intro = card[card.index(SECTION_TITLE):].splitlines()[2]
+    # what the run used, and only that
+    assert ("context parallelism" in intro) == (cp > 1) and ("SMET" in intro) == (smet is not None), intro
+    assert ("context parallelism" in rows) == (cp > 1) and ("SMET config:" in card) == (smet is not None)
+    assert card.count("- optimizer: SMET (") == (smet is not None)
+    assert rows["base model"] == "none: trained from a config (random initialization)"
+    assert rows["training data"] == "8 training sequences"  # an in-memory dataset: its size, no name
+    assert rows["sequence length"] == f"{SEQ_LEN} tokens"
+    # the distributed set-up: CPU processes joined by gloo, not "multi-GPU"
+    assert rows["distributed set-up"] == ("1 CPU process" if processes == 1
+                                          else f"{processes} CPU processes (gloo), data parallel (DDP)")
+    assert "multi-GPU" not in card and ("- distributed_type: multi-CPU (gloo)" in card) == (processes > 1)
+    if cp > 1:
+        assert rows["context parallelism"].startswith(f"CP {cp} x DP {processes // cp} ({processes} processes)")
+    # the pattern as configured; no "documents under 0 tokens"
+    assert "under 0 tokens" not in card
+    assert (f"documents under {pattern.min_seq_len:,} tokens dense" in rows["attention"]) == (pattern.min_seq_len > 0)
+    assert f"top-k: {pattern.vertical_topk} key columns and {pattern.slash_topk} diagonals" in rows["attention"]
+    yaml_blocks = re.findall(r"```yaml\n(.*?)```", card, re.S)
+    assert yaml.safe_load(yaml_blocks[0]) == SparseAttentionConfig.from_dict(
+        dataclasses.asdict(pattern)).to_dict()
+    if smet is not None:  # the regrowth rule, the same in the table and the YAML
+        saved = yaml.safe_load(yaml_blocks[1])
+        assert f"{saved['regrowth']} regrowth" in rows["optimizer"] and saved["regrowth"] == smet.regrowth_rule
+        assert saved["density"] == smet.density and f"density {smet.density}" in rows["optimizer"]
+    batch = trainer_args["per_device_train_batch_size"] * trainer_args["gradient_accumulation_steps"] * (
+        processes // cp)
+    assert rows["total train batch size"] == f"{batch} distinct sequences per optimizer step"
+    # the results: every logged loss, the final loss
+    losses = [log for log in log_history if "loss" in log]
+    for log in losses:
+        assert f"| {log['step']} | {log['epoch']:.3g} | {log['loss']:.4f} |" in card
+    final = log_history[-1]
+    assert f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after {final['step']} steps" in card
+    assert "eval loss" not in card  # no evaluation ran
+    # the versions that trained it (no TRL, no PEFT in these runs), and how to load it
+    for package in ("hf-sparse-cp", "transformers", "accelerate", "torch"):
+        assert f"| {package} | {importlib.metadata.version(package)} |" in card
+    assert "| trl |" not in card and "| peft |" not in card and "| license |" not in card
+    assert f'AutoModelForCausalLM.from_pretrained("{trainer_args["output_dir"]}")' in card
+
+
+@pytest.mark.slow
+def test_the_cards_of_a_plain_a_cp_and_a_cp_smet_run_state_what_each_run_did(tmp_path, cp_runs):
+    pattern = dataclasses.replace(PATTERN, min_seq_len=0)  # every document sparse: no "documents under" clause
+    trainer, parallel = _trainer(tmp_path / "plain", smet=False, pattern=pattern)
+    try:
+        trainer.train()
+        card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, license="apache-2.0").read_text()
+    finally:
+        disable_sparse_attention(trainer.model)
+    plain_args = trainer.args.to_dict()
+    check = dict(trainer_args=plain_args, pattern=PATTERN)
+    _check_statements(card.replace("| license | apache-2.0 |\n", ""), plain_args, trainer.state.log_history,
+                      processes=1, cp=1, smet=None, pattern=pattern)
+    assert "| license | apache-2.0 |" in card and _front_matter(card)["license"] == "apache-2.0"
+    runs, out = cp_runs
+    for name, smet in (("cp", None), ("cp_smet", SMETConfig(density=0.5, update_interval=2))):
+        args = dict(check["trainer_args"], output_dir=str(out / name))
+        _check_statements(runs[name]["card"], args, runs[name]["log"], processes=2, cp=2, smet=smet,
+                          pattern=PATTERN)

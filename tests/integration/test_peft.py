@@ -1,0 +1,282 @@
+"""PEFT (LoRA) with the plugin: sparse attention, context parallelism and the lean loss keep working on a
+LoRA model, and SMET refuses a LoRA model (its target weights are frozen) and never masks an adapter."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+import hf_sparse_cp
+from hf_sparse_cp import (
+    ContextParallelConfig,
+    SparseAttentionConfig,
+    SparseCPArguments,
+    attach_to_trainer,
+    install_smet,
+)
+from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
+from hf_sparse_cp.integration.models import check_model_supports_context_parallel
+from hf_sparse_cp.integration.stats import pop_kept_fractions
+from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
+from hf_sparse_cp.smet.masks import active_mask
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.testing.spawn import run_gloo
+
+from oracle import rel_rms
+from smet_common import TokenRows, markov_tokens
+
+BS, SEQ, VOCAB = 16, 157, 64
+# Sparse from 64 tokens on, so the 157-token rows take the estimated vertical-slash layouts.
+PATTERN = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=8, slash_topk=8, sink_tokens=2,
+                                local_window=4, last_q=16, dense_first_layers=0)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _base(model_type: str = "llama", dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=VOCAB, **overrides)).to(dtype)
+    hf_sparse_cp.configure(model, PATTERN)
+    return model
+
+
+def _lora(model: torch.nn.Module, **lora) -> torch.nn.Module:
+    """LoRA on q_proj and v_proj; `init_lora_weights=False` makes B nonzero, so A gets a gradient too."""
+    torch.manual_seed(1)
+    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    return get_peft_model(model, LoraConfig(**{**config, **lora}))
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rows(num: int) -> torch.Tensor:
+    return markov_tokens(num, SEQ, vocab=VOCAB)
+
+
+def _sparse(kept: dict[int, float]) -> bool:
+    """Whether the layers ran the sparse path (mean kept fraction of attention blocks; dense keeps 1)."""
+    return bool(kept) and sum(kept.values()) / len(kept) < 0.9
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_lora_trains_with_sparse_attention_and_only_lora_weights_change(model_type):
+    model = _lora(_base(model_type))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = _trainable(model)
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    ids = _rows(2)
+    losses = []
+    for _ in range(6):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    kept = pop_kept_fractions(model)
+    assert _sparse(kept), kept
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == set(trainable)
+
+
+def test_the_context_parallel_check_probes_a_lora_model_quickly():
+    """A PeftModel does not build from its config on the meta device: the check probes the model itself
+    (one 8-token forward whose attention calls compute nothing), fast, and still finds the layers the CP
+    shard does not reach through the LoRA wrapper."""
+    model = _lora(_base("qwen2"))
+    start = time.perf_counter()
+    check_model_supports_context_parallel(model)
+    assert time.perf_counter() - start < 5.0
+    stablelm = _lora(_base("stablelm"))
+    with pytest.raises(ValueError, match="does not reach StableLmDecoderLayer"):
+        check_model_supports_context_parallel(stablelm)
+    stablelm.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        check_model_supports_context_parallel(stablelm)
+
+
+@pytest.mark.parametrize(
+    ("lora", "lean"),
+    [({}, True), ({"modules_to_save": ["lm_head"]}, False), ({"target_modules": ["q_proj", "lm_head"]}, False)],
+    ids=["lora", "modules_to_save_lm_head", "lora_on_lm_head"],
+)
+def test_lean_loss_on_a_lora_model_takes_the_lean_path_only_with_a_plain_head(lora, lean):
+    """The lean loss reads `lm_head.weight`: with the head wrapped by PEFT (a trained copy, or LoRA on it)
+    that weight is not the head, so the stock path runs. Either way loss and gradients are stock's."""
+    model = _lora(_base(dtype=torch.float64, tie_word_embeddings=False), init_lora_weights=False, **lora)
+    ids = _rows(2)
+    results = []
+    for enabled in (True, False):
+        (enable_lean_loss if enabled else disable_lean_loss)()
+        try:
+            out = model(input_ids=ids, labels=ids)
+        finally:
+            disable_lean_loss()
+        results.append((out, torch.autograd.grad(out.loss, list(_trainable(model).values()))))
+    (lean_out, lean_grads), (stock_out, stock_grads) = results
+    assert (lean_out.logits is None) == lean and stock_out.logits is not None
+    # stock casts the logits to fp32 for the loss; the lean path stays in fp64
+    assert abs(lean_out.loss.item() - stock_out.loss.item()) <= 1e-6 * stock_out.loss.item()
+    assert max(rel_rms(a, b) for a, b in zip(lean_grads, stock_grads)) <= 1e-5
+
+
+def _lora_step_under_cp(rank: int, world: int) -> dict:
+    """A LoRA model's loss and LoRA gradients under CP (fp64, stock and lean loss) against one process."""
+    from hf_sparse_cp.distributed import (
+        ParallelDims,
+        global_mean_loss,
+        global_num_items,
+        prepare_context_parallel_inputs,
+        rank_loss,
+    )
+
+    model = _lora(_base(dtype=torch.float64), init_lora_weights=False)
+    params = list(_trainable(model).values())
+    ids = _rows(1)
+    labels = ids.clone()
+    labels[:, :30] = -100
+    ref = model(input_ids=ids, labels=labels)
+    ref_grads = torch.autograd.grad(ref.loss, params)
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    errors = {}
+    for lean in (False, True):
+        if lean:
+            enable_lean_loss()
+        inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": labels}, par, block_size=BS)
+        num_items = global_num_items(inputs["shift_labels"])
+        loss_sum = model(**inputs, num_items_in_batch=1).loss  # this rank's sum of token losses
+        grads = torch.autograd.grad(rank_loss(loss_sum, num_items, world), params)
+        worst = 0.0
+        for grad, ref_grad in zip(grads, ref_grads):
+            grad = grad.clone()
+            torch.distributed.all_reduce(grad)
+            worst = max(worst, rel_rms(grad / world, ref_grad))  # what DDP averaging gives
+        loss = global_mean_loss(loss_sum, num_items).item()
+        errors["lean" if lean else "stock"] = {"loss": abs(loss - ref.loss.item()) / ref.loss.item(), "grads": worst}
+    disable_lean_loss()
+    kept = pop_kept_fractions(model)
+    return {"errors": errors, "lora_params": len(params), "sparse": _sparse(kept),
+            "grad_norm": float(torch.stack([g.norm() for g in ref_grads]).min())}
+
+
+@pytest.mark.slow
+def test_lora_under_cp2_equals_one_process():
+    for r in run_gloo(_lora_step_under_cp, 2, timeout_s=300):
+        assert r["lora_params"] == 8 and r["sparse"] and r["grad_norm"] > 0  # A and B of q, v in 2 layers
+        for errs in r["errors"].values():
+            # fp64 model; the stock loss casts the logits to fp32, hence fp32 rounding
+            assert errs["loss"] <= 1e-6 and errs["grads"] <= 1e-6, r["errors"]
+
+
+def _train_lora(rank: int | None = None, world: int = 1) -> dict:
+    """Three Trainer steps of a LoRA model through `enable_sparse_attention` and `attach_to_trainer`
+    (CP `world` when run under `run_gloo`): the losses and the trained weights."""
+    from hf_sparse_cp import disable_sparse_attention, enable_sparse_attention
+
+    if rank is not None:  # what torchrun sets: the Trainer and accelerate then see run_gloo's group
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    model = _lora(_base(dtype=torch.float64), init_lora_weights=False)
+    sparse = SparseCPArguments(sparse_attention=True)
+    enable_sparse_attention(model, sparse, PATTERN)  # on the PeftModel: backend, pattern, lean loss
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, max_steps=3, learning_rate=1e-2,
+                                     per_device_train_batch_size=1, logging_steps=1, save_strategy="no",
+                                     train_sampling_strategy="sequential", weight_decay=0.0)
+            trainer = Trainer(model=model, args=args, train_dataset=TokenRows(_rows(3)),
+                              data_collator=default_data_collator)
+            parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=world))
+            trainer.train()
+    finally:
+        disable_sparse_attention(model)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p, initial[n]))
+    return {"cp": parallel.cp_size, "losses": losses, "changed": changed,
+            "kept": [log["sparse/kept_fraction"] for log in trainer.state.log_history if "loss" in log],
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters() if n in changed}}
+
+
+@pytest.mark.slow
+def test_lora_through_the_trainer_with_cp2_equals_one_process():
+    ref = _train_lora()
+    assert ref["cp"] == 1 and len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]
+    assert ref["changed"] and all(".lora_A." in n or ".lora_B." in n for n in ref["changed"])
+    assert max(ref["kept"]) < 0.9  # (the mean over layers)
+    for run in run_gloo(_train_lora, 2, timeout_s=300):
+        assert run["cp"] == 2 and run["changed"] == ref["changed"]
+        for got, want in zip(run["losses"], ref["losses"]):
+            assert abs(got - want) <= 1e-6 * want, (run["losses"], ref["losses"])
+        assert run["kept"] == pytest.approx(ref["kept"], abs=1e-5)  # (logged rounded to 5 digits)
+        for name, weight in run["weights"].items():
+            assert rel_rms(weight, ref["weights"][name]) <= 1e-6, name
+
+
+# ---- SMET on a PEFT model ----
+
+
+def test_smet_refuses_a_lora_model_whose_target_weights_are_frozen():
+    model = _lora(_base())
+    with pytest.raises(ValueError, match=r"only frozen weights \(.*q_proj\.base_layer\.weight.*LoRA") as refused:
+        create_smet_optimizer(model, torch.optim.AdamW, SMETConfig())
+    assert "Train either with SMET" in str(refused.value) and "or with LoRA" in str(refused.value)
+
+
+def test_install_smet_refuses_a_lora_model_before_training(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = Trainer(model=_lora(_base()), args=args)
+    with pytest.raises(ValueError, match="LoRA"):
+        install_smet(trainer, SMETConfig())
+    assert trainer.optimizer_cls_and_kwargs is None  # nothing installed
+
+
+@pytest.mark.parametrize(
+    ("targets", "lora"),
+    [(["default"], {}), (["q_proj", "default"], {}), (["lm_head"], {"modules_to_save": ["lm_head"]})],
+    ids=["lora_matrices", "lora_matrices_beside_a_base_target", "modules_to_save_copy"],
+)
+def test_smet_never_masks_adapter_weights(targets, lora):
+    """Target names that reach LoRA's A/B (their modules are named after the adapter, `default`) or a
+    module PEFT trains a copy of are refused, naming the weight and the fix."""
+    model = _lora(_base(tie_word_embeddings=False), **lora)
+    model.base_model.model.model.layers[0].mlp.requires_grad_(True)  # a trainable target beside them
+    with pytest.raises(ValueError, match=r"reaches PEFT adapter weights .*(lora_A\.default|modules_to_save)"):
+        create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(target_modules=targets + ["down_proj"]))
+
+
+def test_smet_with_lora_trains_the_base_weights_that_were_unfrozen_sparsely():
+    """The combination that works: LoRA on attention, MLP weights unfrozen and fine-tuned by SMET's
+    sparse updates. SMET's sparse set is exactly the unfrozen weights; LoRA's matrices are dense AdamW."""
+    model = _lora(_base())
+    for layer in model.base_model.model.model.layers:
+        layer.mlp.requires_grad_(True)
+    config = SMETConfig(mode="sparse_update", density=0.5, block_size=8)
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2)
+    sparse = {n for g in opt.param_groups if g["smet"] for n in g["param_names"]}
+    assert sparse == {n for n in _trainable(model) if ".mlp." in n}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = _rows(2)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        delta = (param.detach() - before[name]).ne(0)
+        if name in sparse:  # only active blocks moved
+            inactive = ~active_mask(opt.state[param]["block_index"], param.shape[1] // 8)
+            assert delta.any() and not delta.view(param.shape[0], -1, 8)[inactive].any(), name
+        elif param.requires_grad:  # LoRA: a dense update
+            assert delta.float().mean() > 0.9, name
+        else:
+            assert not delta.any(), name

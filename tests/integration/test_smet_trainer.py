@@ -1,0 +1,90 @@
+"""SMET in the stock Trainer: `--smet` flags, the optimizer factory, logging, save and resume."""
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
+
+from hf_sparse_cp import SMETArguments, SMETCallback, install_smet, uninstall_smet
+from hf_sparse_cp.smet import SMETAdam, unwrap_smet
+from hf_sparse_cp.smet.masks import active_mask
+
+from smet_common import TokenRows, markov_tokens, tiny_llama
+
+FLAGS = [
+    "--smet", "--smet_density", "0.5", "--smet_block_size", "8", "--smet_update_interval", "4",
+    "--smet_regrowth", "gradient", "--smet_regrow_warmup_steps", "3",
+]
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _trainer(out_dir, max_steps=12, seed=0, save_steps=6, flags=FLAGS):
+    parser = HfArgumentParser((TrainingArguments, SMETArguments))
+    training, smet = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", str(out_dir), "--max_steps", str(max_steps), "--per_device_train_batch_size", "4",
+        "--learning_rate", "5e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "2", "--logging_steps", "1",
+        "--save_steps", str(save_steps), "--report_to", "none", "--use_cpu", "--seed", "0", "--max_grad_norm", "1.0",
+        *flags,
+    ])
+    assert smet.smet
+    trainer = Trainer(model=tiny_llama(seed=seed), args=training, train_dataset=TokenRows(markov_tokens(48, 32)),
+                      data_collator=default_data_collator)
+    install_smet(trainer, smet.to_config())
+    return trainer, smet
+
+
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+def test_trainer_trains_with_smet_from_flags_and_logs_it(tmp_path):
+    trainer, flags = _trainer(tmp_path)
+    install_smet(trainer, flags.to_config())  # a second install replaces the first: one callback
+    assert sum(isinstance(cb, SMETCallback) for cb in trainer.callback_handler.callbacks) == 1
+    trainer.train()
+    smet = unwrap_smet(trainer.optimizer)
+    assert isinstance(smet, SMETAdam) and smet.config.density == 0.5 and smet.config.update_interval == 4
+    assert smet.schedule_horizon == 12  # cosine prune-rate decay over the Trainer's max_steps
+    lrs = {group["lr"] for group in smet.param_groups}
+    assert lrs == {trainer.lr_scheduler.get_last_lr()[0]} and lrs != {5e-3}  # the scheduler drives SMET
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert logs[-1]["smet/topology_updates"] == 3 and logs[-1]["smet/density"] == 0.5
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    for group in smet.param_groups:
+        for param in group["params"] if group["smet"] else ():
+            state = smet.state[param]
+            inactive = ~active_mask(state["block_index"], param.shape[1] // 8)
+            assert param.detach().view(param.shape[0], -1, 8)[inactive].abs().max() == 0
+
+
+def test_uninstall_restores_the_trainer(tmp_path):
+    trainer, _ = _trainer(tmp_path)
+    assert trainer.optimizer_cls_and_kwargs is not None
+    uninstall_smet(trainer)
+    assert trainer.optimizer_cls_and_kwargs is None
+    assert not any(isinstance(cb, SMETCallback) for cb in trainer.callback_handler.callbacks)
+    uninstall_smet(trainer)  # a no-op once uninstalled
+
+
+@pytest.mark.slow
+def test_trainer_resume_continues_as_if_uninterrupted(tmp_path):
+    full, _ = _trainer(tmp_path / "full")
+    full.train()
+    resumed, _ = _trainer(tmp_path / "resumed", seed=1)  # a different init: all must come from the checkpoint
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    # The first 6 logged losses come back with the checkpoint's trainer state; steps 7-12 are new.
+    assert len(_losses(full)) == 12 and _losses(resumed) == _losses(full)
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resuming_with_other_smet_settings_is_refused_by_name(tmp_path):
+    first, _ = _trainer(tmp_path / "first", max_steps=1, save_steps=1)
+    first.train()
+    for change, named in [
+        (["--smet_density", "0.25"], r"density=0\.5 \(this run: 0\.25\)"),
+        (["--smet_block_size", "16"], r"block_size=8 \(this run: 16\)"),
+    ]:
+        other, _ = _trainer(tmp_path / "other", max_steps=2, flags=FLAGS + change)
+        with pytest.raises(ValueError, match=named):
+            other.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-1"))

@@ -1,0 +1,215 @@
+"""The one switch: `SparseTrainingArguments` + `SparseTrainer` in a stock Trainer script."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp.smet import unwrap_smet
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.testing.spawn import run_gloo
+
+FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--logging_steps", "1",
+         "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--train_sampling_strategy", "sequential",
+         "--seed", "0"]
+PATTERN = ["--sparse_block_size", "32", "--sparse_min_seq_len", "128", "--sparse_vertical_topk", "8",
+           "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q",
+           "16"]
+
+
+def _rows(seq=256, n=4):
+    ids = torch.randint(3, 259, (n, seq), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+def _args(out, *flags):
+    (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(out), *FLAGS, *flags])
+    return args
+
+
+def _model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama"))
+
+
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+def test_the_switch_trains_like_a_plain_trainer_on_the_dense_pattern(tmp_path):
+    """Same script, two class names changed: on the dense pattern the losses are the stock run's."""
+    (plain_args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "plain"), *FLAGS])
+    plain = Trainer(model=_model(), args=plain_args, train_dataset=_rows())
+    plain.train()
+    switched = SparseTrainer(model=_model(), args=_args(tmp_path / "switch", "--sparse_pattern", "dense"),
+                             train_dataset=_rows())
+    switched.train()
+    assert switched.model.config._attn_implementation == "sparse_cp" and hf_sparse_cp.is_lean_loss_enabled()
+    assert switched.max_length == 256  # from the first sample
+    for got, want in zip(_losses(switched), _losses(plain), strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+    hf_sparse_cp.disable_lean_loss()
+
+
+def test_the_flags_carry_every_plugin_setting(tmp_path):
+    args = _args(tmp_path, *PATTERN, "--cp_sharding", "zigzag", "--smet", "--smet_density", "0.5", "--max_length",
+                 "512")
+    assert args.sparse_attention  # on by default: the class is the switch
+    assert args.sparse_attention_config().vertical_topk == 8 and args.sparse_attention_config().block_size == 32
+    assert args.context_parallel_config().cp_sharding == "zigzag"
+    assert args.smet_optimizer_config().density == 0.5 and args.max_length == 512
+    with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
+        _args(tmp_path, "--sparse_block_size", "48")
+    trainer = SparseTrainer(model=_model(), args=args, train_dataset=_rows())
+    trainer.create_optimizer()
+    assert unwrap_smet(trainer.optimizer) is not None
+    with pytest.raises(TypeError, match="takes arguments with the plugin's flags"):
+        SparseTrainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path)))
+
+
+def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=_rows())
+    # the first layer dense by default
+    assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layers 0 dense (pattern); context parallelism: off"
+            in caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "0"),
+                      train_dataset=_rows())
+    assert "sparse_cp: 2 of 2 layers vertical-slash (block 32); context parallelism: off" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",
+                                                 "8192"), train_dataset=_rows())
+    assert "layers 0 dense (pattern)" in caplog.text
+    assert "At 256 tokens no document reaches min_seq_len=8192: every layer runs dense" in caplog.text
+
+
+def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        trainer = SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_gradient_checkpointing_min_length",
+                                                           "128"), train_dataset=_rows())
+    assert trainer.args.gradient_checkpointing
+    assert ("Sequence length 256 >= --sparse_gradient_checkpointing_min_length 128: turning gradient checkpointing "
+            "on") in caplog.text
+
+
+def _cp2_losses(rank: int, world: int, out: str) -> list[float]:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    trainer = SparseTrainer(model=_model(), args=_args(out, *PATTERN, "--cp_size", "2"), train_dataset=_rows(250))
+    trainer.train()
+    return _losses(trainer)
+
+
+@pytest.mark.slow
+def test_with_the_switch_cp2_equals_one_process(tmp_path):
+    one = SparseTrainer(model=_model(), args=_args(tmp_path / "one", *PATTERN), train_dataset=_rows(250))
+    one.train()
+    for losses in run_gloo(_cp2_losses, 2, str(tmp_path / "cp2"), timeout_s=300):
+        assert losses == pytest.approx(_losses(one), rel=1e-4)
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM, HfArgumentParser
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.testing.models import tiny_config
+    (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses()
+    torch.manual_seed(0)  # the same data and model on every rank
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(3, 259, (4, 256))]
+    trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                            train_dataset=rows)
+    trainer.train()
+    sharded = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    if trainer.is_world_process_zero():
+        print("RESULT", trainer.accelerator.num_processes, trainer.parallel.cp_size, trainer.state.global_step,
+              sharded)
+""")
+# What a CPU run of the script is given: no --use_cpu anywhere.
+CPU_RUN = ["--report_to", "none", "--max_steps", "1", "--save_strategy", "no", "--cp_size", "2", *PATTERN]
+
+
+def _launch(tmp_path, launcher: list[str], *flags: str) -> list[str]:
+    """Run SCRIPT under `launcher` on 2 CPU processes; what it printed: processes, CP size, steps, FSDP2 modules."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run([*launcher, str(script), "--output_dir", str(tmp_path / "out"), *CPU_RUN, *flags],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return next(line.split()[1:] for line in run.stdout.splitlines() if line.startswith("RESULT"))
+
+
+@pytest.mark.slow
+def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py --cp_size 2 --fsdp ...` on a machine without an accelerator: the
+    arguments train on CPU processes joined by gloo (accelerate would otherwise run two single-process jobs),
+    one sequence over both ranks, the model sharded by FSDP2."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    fsdp = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
+            '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}']
+    processes, cp, steps, sharded = _launch(tmp_path, torchrun, *fsdp)
+    assert (processes, cp, steps) == ("2", "2", "1") and int(sharded) >= 3  # the model and its 2 decoder layers
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_the_cpu_config_needs_no_use_cpu(tmp_path):
+    from hf_sparse_cp.recipes import recipe_path
+
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(recipe_path("cpu_2proc_cp2"))]
+    assert _launch(tmp_path, accelerate) == ["2", "2", "1", "0"]
+
+
+def test_fsdp_in_a_process_no_launcher_started_is_refused_naming_the_launch(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="launch several, e.g. `torchrun --nproc_per_node 2 train.py --fsdp"):
+        _args(tmp_path, "--fsdp", "full_shard")
+
+
+def test_without_an_accelerator_the_arguments_train_on_cpu(tmp_path, monkeypatch):
+    from hf_sparse_cp.trainer import sparse_trainer
+
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: False)
+    assert _args(tmp_path).use_cpu  # FLAGS hold --use_cpu: here the arguments alone set it
+    (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert args.use_cpu
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: True)
+    (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert not args.use_cpu
+
+
+def test_a_lone_process_asked_for_cp_says_how_to_launch():
+    """accelerate launch with a MULTI_CPU config (no MPI hostfile) starts one process: the error names that."""
+    from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims
+
+    with pytest.raises(ValueError, match="accelerate launch` started a single process. A MULTI_CPU config"):
+        ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={"ACCELERATE_MIXED_PRECISION": "no"})
+    with pytest.raises(ValueError, match="runs alone: launch it with torchrun"):
+        ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={})
+
+
+def test_a_saved_sparse_pattern_that_a_run_ignores_is_logged(tmp_path, caplog):
+    """Issue #31: a model saved with sparse attention and trained without it ran sdpa with its
+    `sparse_attention` settings still in the config, without a word."""
+    model = _model()
+    hf_sparse_cp.configure(model, hf_sparse_cp.SparseAttentionConfig(vertical_topk=8), select=False)  # as saved
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=model, args=_args(tmp_path, "--sparse_attention", "false"), train_dataset=_rows())
+    assert ("The model's config holds sparse attention settings (sparse_attention: saved by an hf-sparse-cp run), "
+            "which this run ignores: --sparse_attention is off" in caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_attention", "false"), train_dataset=_rows())
+    assert "ignores" not in caplog.text  # nothing ignored, nothing said

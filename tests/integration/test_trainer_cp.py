@@ -1,0 +1,318 @@
+"""Sparse context parallelism through the stock Trainer: the example script under torchrun (gloo).
+
+Runs are launched the way a user launches them (`hf-sparse-cp train --nproc N --cp_size C`, which
+starts torchrun) and compared with the single-process run on the same data: losses per step must
+agree to fp32 rounding, since the CP layout estimation and the ring are exact.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hf_sparse_cp
+from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.context_parallel import (
+    disable_trainer_context_parallel,
+    enable_trainer_context_parallel,
+)
+
+# A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
+JOB = ["--max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
+       "--sparse_block_size", "64", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "32",
+       "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "32"]
+
+
+def _train(tmp_path, name: str, nproc: int, *flags: str) -> dict:
+    summary = tmp_path / f"{name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", str(nproc), *JOB, *flags,
+           "--output_dir", str(tmp_path / name), "--summary_file", str(summary)]
+    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(summary.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The CP=1 run, one process, batch 1 and batch 2."""
+    tmp = tmp_path_factory.mktemp("cp1")
+    return {bs: _train(tmp, f"bs{bs}", 1, "--per_device_train_batch_size", str(bs)) for bs in (1, 2)}
+
+
+def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True) -> None:
+    assert len(run["losses"]) == len(ref["losses"]) == 4
+    for got, want in zip(run["losses"], ref["losses"]):
+        assert abs(got - want) <= 2e-3 * abs(want), (run["losses"], ref["losses"])
+    assert run["losses"][-1] < run["losses"][0]
+    if same_rows:  # (with DP, the logged kept fraction is the first DP group's rows only)
+        assert abs(run["mean_kept_fraction"] - ref["mean_kept_fraction"]) < 1e-6
+    assert run["mean_kept_fraction"] < 0.95  # the sparse path ran
+
+
+@pytest.mark.slow
+def test_trainer_with_cp2_matches_cp1(tmp_path, reference):
+    run = _train(tmp_path, "cp2", 2, "--cp_size", "2")
+    assert (run["world_size"], run["cp_size"]) == (2, 2)
+    _assert_same_losses(run, reference[1])
+
+
+@pytest.mark.slow
+def test_trainer_with_dp2_x_cp2_matches_one_process_with_batch_2(tmp_path, reference):
+    """Four processes: two CP groups of two, each group fed its own sample (DP over groups only)."""
+    run = _train(tmp_path, "dp2cp2", 4, "--cp_size", "2", "--cp_sharding", "zigzag")
+    assert (run["world_size"], run["cp_size"]) == (4, 2)
+    _assert_same_losses(run, reference[2], same_rows=False)
+
+
+PACKED = ("--pack_documents", "2")
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("packed"), "packed_cp1", 1, *PACKED)
+
+
+@pytest.mark.slow
+def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
+    """DataCollatorWithFlattening packs two documents per sequence (cu_seq_lens, restarting
+    position_ids); the CP shards carry the document boundaries and no attention crosses them."""
+    run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *PACKED)
+    _assert_same_losses(run, packed_reference)
+
+
+@pytest.mark.slow
+def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packed_reference):
+    """--cp_sharding document: the planner puts each packed document whole on a rank (their K/V never
+    travel); the losses and kept fractions are those of one process."""
+    run = _train(tmp_path, "packed_doc_cp2", 2, "--cp_size", "2", "--cp_sharding", "document", *PACKED)
+    _assert_same_losses(run, packed_reference)
+
+
+@pytest.mark.slow
+def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
+    """The Trainer's own FSDP2 (accelerate plugin, fsdp_version 2, sharded over dp_shard x cp = 2
+    ranks) with sparse CP 2 and the SMET optimizer on its local shards: the single-process run's
+    losses and kept fractions."""
+    smet = ("--smet", "--smet_density", "0.5")
+    fsdp = ("--fsdp", "full_shard auto_wrap",
+            "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+    ref = _train(tmp_path, "smet_cp1", 1, *smet)
+    run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp, "--save_steps", "4")
+    _assert_same_losses(run, ref)
+    # FSDP2 really sharded the model (accelerate alone would have run DDP on CPU processes): the model
+    # and its two decoder layers at least are `fully_shard` modules; the final checkpoint holds the full
+    # weights gathered from the shards (model.safetensors) and the training state as the ranks held it
+    assert ref["fsdp2_modules"] == 0 and run["fsdp2_modules"] >= 3, run
+    saved = tmp_path / "smet_fsdp2_cp2" / "checkpoint-4"
+    assert (saved / "model.safetensors").is_file() and (saved / "hf_sparse_cp_sharded_state" / "layout.json").is_file()
+
+
+def _trainer(tmp_path, attn: str) -> Trainer:
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    if attn == "sparse_cp":
+        hf_sparse_cp.configure(model)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    return Trainer(model=model, args=args)
+
+
+def test_cp_size_1_patches_nothing(tmp_path):
+    trainer = _trainer(tmp_path, "sparse_cp")
+    before = trainer._prepare_context_parallel_inputs
+    parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
+    assert parallel.cp_size == 1 and trainer._prepare_context_parallel_inputs == before
+
+
+def test_cp_without_a_process_group_says_how_to_launch(tmp_path):
+    trainer = _trainer(tmp_path, "sparse_cp")
+    with pytest.raises(ValueError, match="runs alone: launch it with torchrun"):
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+    disable_trainer_context_parallel(trainer)  # nothing enabled: a no-op
+
+
+def _patch_round_trip(rank: int, world: int) -> dict:
+    """In a 2-process gloo group: what the patch changes on a Trainer, and that disabling restores it."""
+    import tempfile
+
+    from hf_sparse_cp.distributed import CPShard
+
+    # what torchrun sets: the Trainer and accelerate then see the 2-process group run_gloo made
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        assert trainer.accelerator.num_processes == world
+        names = ("_prepare_context_parallel_inputs", "get_cp_size", "floating_point_ops", "_track_num_input_tokens")
+        before = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
+        parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+        ids = torch.arange(300).remainder(97).add(3).view(1, 300)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        ctx, inputs = trainer._prepare_context_parallel_inputs(trainer.model, dict(batch))
+        with ctx():
+            pass
+        items = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
+        trainer.args.include_num_input_tokens_seen = "all"
+        trainer._track_num_input_tokens(batch)  # every rank of the CP group holds the same 300 tokens
+        counts = {"tokens": trainer.state.num_input_tokens_seen, "flops": trainer.floating_point_ops(batch),
+                  "batch": trainer.get_total_train_batch_size(trainer.args)}
+        patched = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
+        with pytest.raises(ValueError, match="already enabled"):
+            enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+        disable_trainer_context_parallel(trainer)
+        after = [getattr(trainer, n) for n in names] + [trainer.accelerator.prepare_data_loader]
+        return {
+            "cp": (parallel.cp_size, parallel.cp_rank),
+            "shard": isinstance(inputs.get("cp_shard"), CPShard),
+            "lens": (inputs["input_ids"].shape[1], inputs["cp_shard"].plan.local_len,
+                     inputs["cp_shard"].plan.padded_len),
+            "items": float(items),
+            "counts": counts,
+            "stock_flops": Trainer.floating_point_ops(trainer, batch),
+            "per_device": trainer.args.per_device_train_batch_size,
+            "changed": [a != b for a, b in zip(before, patched)],
+            "restored": [a == b for a, b in zip(before, after)],
+        }
+
+
+def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
+    """In a 2-process gloo group: `--fsdp` with FSDP2 on CPU processes, which accelerate alone runs as DDP;
+    `accelerator.prepare` then shards the model with `fully_shard`, and disabling restores DDP."""
+    import tempfile
+
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from hf_sparse_cp.trainer.cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    with tempfile.TemporaryDirectory() as tmp:
+        def trainer(version: int | None) -> Trainer:
+            fsdp = {} if version is None else {"fsdp": True, "fsdp_config": {"fsdp_version": version}}
+            args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, **fsdp)
+            return Trainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args)
+
+        plain = enable_cpu_fsdp2(trainer(None))
+        t = trainer(2)
+        before = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled)
+        enabled = enable_cpu_fsdp2(t)
+        model, _ = t.accelerator.prepare(t.model, torch.optim.AdamW(t.model.parameters()))
+        # (after prepare: its optimizer wrapper builds an AcceleratorState, which copies the process state's type)
+        during = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled,
+                  t.accelerator.is_fsdp2)
+        sharded = isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
+        disable_cpu_fsdp2(t)
+        after = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled)
+    cpu, fsdp = DistributedType.MULTI_CPU, DistributedType.FSDP
+    return {"plain": plain, "enabled": enabled, "sharded": sharded, "before": before == (cpu, cpu, False),
+            "after": after == before, "during": during == (fsdp, fsdp, True, True)}
+
+
+@pytest.mark.slow
+def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for r in run_gloo(_cpu_fsdp2_round_trip, 2, timeout_s=300):
+        assert r == {"plain": False, "enabled": True, "sharded": True, "before": True, "after": True, "during": True}
+
+
+def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
+    """With accelerate owning the CP layout (a ParallelismConfig with cp_size, as on GPUs): the
+    layout comes from its device mesh, its SDPA model hooks are bypassed, and its dataloader
+    sharding and token counting (already CP-aware) are left alone."""
+    import tempfile
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        state = trainer.accelerator.state
+        pc = ParallelismConfig(cp_size=2)
+        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        acc = trainer.accelerator
+        before = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
+        parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
+        model = torch.nn.Linear(2, 2)
+        bypassed = acc._prepare_cp(model) == (model,) and not any(
+            h for h in model._forward_pre_hooks.values())
+        during = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
+        disable_trainer_context_parallel(trainer)
+        after = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
+        return {"cp": (parallel.cp_size, parallel.cp_rank, parallel.cp_ranks), "bypassed": bypassed,
+                "changed": [a != b for a, b in zip(before, during)],
+                "restored": [a == b for a, b in zip(before, after)]}
+
+
+@pytest.mark.slow
+def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for rank, r in enumerate(run_gloo(_patch_under_accelerate_cp, 2, timeout_s=300)):
+        assert r["cp"] == (2, rank, (0, 1)) and r["bypassed"]
+        assert r["changed"] == [True, False, False] and all(r["restored"])
+
+
+@pytest.mark.slow
+def test_enable_patches_the_trainer_instance_and_disable_restores_it():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    results = run_gloo(_patch_round_trip, 2, timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["cp"] == (2, rank) and r["shard"]
+        local, planned, padded = r["lens"]
+        assert local == planned == padded // 2 and padded >= 300 and padded % 128 == 0  # whole blocks, nothing cut
+        assert r["items"] == 299  # 299 shifted targets, gathered from both ranks and counted once per CP group
+        # the Trainer's accounting counts the group's batch once: tokens, flops, samples per step
+        assert r["counts"] == {"tokens": 300, "flops": r["stock_flops"] / 2, "batch": r["per_device"]}  # DP 1
+        assert all(r["changed"]) and all(r["restored"])
+
+
+def _step_without_targets_under_cp2(rank: int, world: int) -> dict:
+    """Two Trainer steps under CP 2 with the lean loss, the first batch without any target: the weights
+    after it are the initial ones, the second step trains, nothing becomes non-finite."""
+    import tempfile
+
+    from transformers import TrainerCallback, default_data_collator
+
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, enable_lean_loss
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    enable_lean_loss()
+    ids = torch.arange(2 * 300).remainder(97).add(3).view(2, 300)
+    rows = [{"input_ids": ids[0], "labels": torch.full((300,), -100)}, {"input_ids": ids[1], "labels": ids[1]}]
+    weights = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            weights.append([p.detach().clone() for p in model.parameters()])
+
+    torch.manual_seed(0)  # one initialization on both ranks (DDP would otherwise copy rank 0's into rank 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        trainer.args.max_steps, trainer.args.per_device_train_batch_size, trainer.args.learning_rate = 2, 1, 1e-2
+        trainer.args.weight_decay, trainer.args.train_sampling_strategy = 0.0, "sequential"
+        trainer.train_dataset, trainer.data_collator = rows, default_data_collator
+        trainer._train_batch_size = 1
+        initial = [p.detach().clone() for p in trainer.model.parameters()]
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=2))
+        trainer.add_callback(Snapshot())
+        trainer.train()
+    finite = all(bool(torch.isfinite(w).all()) for step in weights for w in step)
+    unchanged = all(torch.equal(a, b) for a, b in zip(initial, weights[0]))
+    trained = any(not torch.equal(a, b) for a, b in zip(weights[0], weights[1]))
+    return {"finite": finite, "unchanged": unchanged, "trained": trained}
+
+
+@pytest.mark.slow
+def test_a_batch_without_targets_leaves_the_weights_unchanged_under_cp2():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for r in run_gloo(_step_without_targets_under_cp2, 2, timeout_s=300):
+        assert r == {"finite": True, "unchanged": True, "trained": True}

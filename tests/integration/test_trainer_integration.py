@@ -1,0 +1,110 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseAttentionConfig, attach_to_trainer, checkpointing_enabled, enable_sparse_attention
+from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.trainer.arguments import SparseCPArguments
+from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1, logging_steps=1,
+                report_to="none", save_strategy="no", use_cpu=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def test_byte_tokenizer_round_trips_and_passkey_data_is_well_formed(tmp_path):
+    tok = byte_tokenizer()
+    text = "pass key 12345, ünïcode!"
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == 259
+    ds = passkey_dataset(tok, 3, 512, seed=1, cache_dir=tmp_path)
+    for row in ds:
+        assert len(row["input_ids"]) == 512 and row["labels"] == row["input_ids"]
+        answer = tok.decode(row["input_ids"][row["answer_start"] :]).rstrip(".")
+        assert answer.isdigit() and f"The pass key is {answer}." in tok.decode(row["input_ids"][:-12])
+
+
+def test_sparsity_is_logged_before_the_reporters(tmp_path):
+    tok = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tok)))
+    training = _args(tmp_path)
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False)
+    pattern = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8, slash_topk=8, local_window=32)
+    enable_sparse_attention(model, sparse, pattern, training, max_length=512)
+    trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 4, 512, cache_dir=tmp_path),
+                      data_collator=default_data_collator)
+    attach_to_trainer(trainer, sparse)
+    attach_to_trainer(trainer, sparse)  # once only
+    callbacks = trainer.callback_handler.callbacks
+    assert isinstance(callbacks[0], SparsityLoggingCallback)
+    assert sum(isinstance(c, SparsityLoggingCallback) for c in callbacks) == 1
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logged) == 2
+    for log in logged:
+        assert 0 < log["sparse/kept_fraction"] < 1
+        assert {"sparse/kept_fraction/layer_00", "sparse/kept_fraction/layer_01"} <= set(log)
+
+
+def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    sparse = SparseCPArguments(sparse_attention=True, sparse_fused_loss=False,
+                               sparse_gradient_checkpointing_min_length=4096)
+    short, long = _args(tmp_path), _args(tmp_path)
+    enable_sparse_attention(model, sparse, None, short, max_length=2048)
+    enable_sparse_attention(model, sparse, None, long, max_length=4096)
+    assert not checkpointing_enabled(short) and checkpointing_enabled(long)
+    assert long.gradient_checkpointing and getattr(long, "activation_checkpointing", True)
+
+
+@pytest.mark.slow
+def test_demo_runs_and_the_loss_decreases(tmp_path):
+    from hf_sparse_cp.examples.train_long_context import main
+
+    summary = main(["--output_dir", str(tmp_path), "--max_length", "2048", "--max_steps", "5", "--use_cpu"])
+    assert summary["final_loss"] < summary["first_loss"] - 0.5
+    assert 0 < summary["mean_kept_fraction"] < 0.9
+
+
+@pytest.mark.parametrize(
+    "flags, strategy, steps",
+    [
+        ([], "no", None),  # the demo's default: no checkpoints
+        (["--save_steps", "3"], "steps", 3),  # any --save_* flag: the Trainer's own checkpointing, as in any script
+        (["--save-steps=3"], "steps", 3),
+        (["--save_total_limit", "1"], "steps", 500),
+        (["--save_strategy", "epoch"], "epoch", None),
+        (["--save_final_model"], "no", None),  # the script's own flag (the model at the end) is not one of them
+    ],
+)
+def test_checkpointing_flags_work_as_in_a_trainer_script(flags, strategy, steps):
+    from hf_sparse_cp.examples.train_long_context import parse_args
+
+    training = parse_args(flags)[1]
+    assert training.save_strategy == strategy
+    assert steps is None or training.save_steps == steps
+
+
+def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
+    from hf_sparse_cp.examples.train_long_context import main
+
+    job = ["--max_length", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
+    main([*job, "--output_dir", str(tmp_path / "saved"), "--save_steps", "1"])
+    assert sorted(p.name for p in (tmp_path / "saved").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out
+    main([*job, "--output_dir", str(tmp_path / "demo")])
+    assert not list((tmp_path / "demo").glob("checkpoint-*"))
+    assert "no checkpoints (the demo's default; --save_steps N saves every N steps)" in capsys.readouterr().out
+
+
+def test_cli_env(capsys):
+    from hf_sparse_cp.cli import main
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers" in out and hf_sparse_cp.__version__ in out and torch.__version__ in out

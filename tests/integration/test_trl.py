@@ -1,0 +1,109 @@
+"""TRL's SFT with the one switch (issue #30): a stock `SFTTrainer` script with `SparseSFTConfig` /
+`SparseSFTTrainer` trains packed documents (padding-free rows, restarting position_ids) under CP 2 as one
+process does, and TRL's own model card is kept with the plugin's section merged into it."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.testing.spawn import run_gloo
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+MAX_LENGTH = 256
+# the SFT config of a small packed run: TRL's defaults but bf16 and gradient checkpointing (not on CPU here)
+SFT = dict(max_length=MAX_LENGTH, packing=True, padding_free=True, max_steps=2, per_device_train_batch_size=1,
+           learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False,
+           gradient_checkpointing=False, seed=0, data_seed=0, dataset_num_proc=None)
+# a pattern sparse at these lengths: documents of 64 tokens or more get vertical-slash attention
+PATTERN = dict(sparse_block_size=32, sparse_min_seq_len=64, sparse_vertical_topk=8, sparse_slash_topk=8,
+               sparse_local_window=32, sparse_sink_tokens=4, sparse_last_q=16)
+
+
+def _texts(n: int = 12) -> list[str]:
+    """Documents of 40 to 200 bytes: a packed row of 256 tokens holds several, some sparse, some dense."""
+    g = torch.Generator().manual_seed(0)
+    words = ["sparse", "attention", "ring", "packed", "document", "token", "block", "query", "key", "value"]
+    out = []
+    for length in torch.randint(40, 200, (n,), generator=g).tolist():
+        picks = torch.randint(0, len(words), (length // 4,), generator=g).tolist()
+        out.append(" ".join(words[i] for i in picks)[:length])
+    return out
+
+
+def _train(output_dir: str, **plugin) -> tuple[object, dict]:
+    """A stock SFT script, switched: the two class names are the plugin's."""
+    from hf_sparse_cp import SparseSFTConfig as SFTConfig
+    from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
+
+    os.environ.update(HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+    args = SFTConfig(output_dir=output_dir, **SFT, **PATTERN, **plugin)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
+                         processing_class=tokenizer)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    weights = {name: p.detach().double().sum().item() for name, p in trainer.model.named_parameters()}
+    return trainer, {"loss": [log["loss"] for log in logs], "grad_norm": [log["grad_norm"] for log in logs],
+                     "weights": weights, "kept": [log.get("sparse/kept_fraction") for log in logs]}
+
+
+def _cp2(rank: int, world: int, output_dir: str) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    trainer, result = _train(output_dir, cp_size=2)
+    trainer.create_model_card()
+    return result | {"cp_size": trainer.parallel.cp_size}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft_one")
+    trainer, result = _train(str(out))
+    trainer.create_model_card(dataset_name="packed-words")
+    return trainer, result, out
+
+
+def test_the_switched_sft_trainer_is_trls_and_trains_sparse(one_process):
+    trainer, result, _ = one_process
+    assert isinstance(trainer, trl.SFTTrainer) and trainer.padding_free
+    assert trainer.model.config._attn_implementation == "sparse_cp"
+    assert trainer.max_length == MAX_LENGTH  # SFTConfig's own max_length
+    assert all(0 < kept < 1 for kept in result["kept"])  # the packed rows' long documents ran sparse
+    assert result["loss"][1] < result["loss"][0] + 1.0 and all(torch.isfinite(torch.tensor(result["loss"])))
+
+
+@pytest.mark.slow
+def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path):
+    _, one, _ = one_process
+    for rank in run_gloo(_cp2, 2, str(tmp_path), timeout_s=400):
+        assert rank["cp_size"] == 2
+        assert rank["loss"] == pytest.approx(one["loss"], rel=1e-4)
+        assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        assert rank["kept"] == pytest.approx(one["kept"], rel=1e-4)
+        for name, total in one["weights"].items():  # after two optimizer steps on those gradients
+            assert rank["weights"][name] == pytest.approx(total, rel=1e-4, abs=1e-4), name
+    card = (tmp_path / "README.md").read_text()
+    assert "CP 2 x DP 1" in card and "2 CPU processes (gloo)" in card
+
+
+def test_trls_card_is_kept_and_ours_merged_into_it(one_process):
+    trainer, _, out = one_process
+    card = (out / "README.md").read_text()
+    # TRL's card: its front matter (library, tags), its quick start, its training procedure and citations
+    assert card.startswith("---\n") and "library_name: transformers" in card
+    for tag in ("trl", "sft", "hf-sparse-cp", "sparse-attention", "long-context"):
+        assert f"- {tag}\n" in card, tag
+    assert "This model was trained with SFT." in card and "## Training procedure" in card
+    assert "TRL" in card and "datasets: packed-words" in card
+    # ours, once, after TRL's
+    assert card.count("## Sparse long-context training") == 1
+    assert card.index("## Training procedure") < card.index("## Sparse long-context training")
+    assert f"| trl | {trl.__version__} |" in card
+    assert "| sequence length | 256 tokens (documents packed into each sequence" in card

@@ -1,0 +1,99 @@
+"""The kernels compile for Hopper (sm_90) as real launches build them, without a GPU.
+
+CI catches a kernel that no longer builds, outgrows an H100's shared memory, leaves the wgmma
+tensor-core path, issues quarter-width (n16) wgmma, spills, or loses the multi-stage pipelining of
+its key-block loop with the launchers' tiles, before
+any GPU run. The builds take the arguments of real launches (`kernels.sm90`), so each carries the
+divisibility hints the JIT gives a launch.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_sparse_cp.kernels import configs
+from hf_sparse_cp.kernels.configs import Tiles
+from hf_sparse_cp.testing import sm90
+
+from benchmark_loader import load_benchmark
+
+# Stack bytes per thread the launchers' builds may hold. Triton 3.9 keeps 8 in the dk/dv kernel at
+# head_dim 128 when it writes the input dtype seeded by the columns' sums (one loop-invariant register
+# reloaded per step; 32-row steps build without it but issue m64n32) and none elsewhere. Triton 3.6 (the
+# GPU image's) kept 16 bytes in that kernel before it wrote the input dtype, and keeps 56 since (24 with 2
+# stages; its spill-free head_dim-128 dk/dv tiles are 32x128 and 64x64 at 8 warps: builds of 2026-11-25 in
+# benchmarks/results/), so this bound holds for 3.9, which CI installs; which 3.6 tile is fastest needs a
+# GPU (benchmarks/tune_tiles.py). Before the hinted builds, 128-key dk/dv tiles were recorded at over 2 KB.
+MAX_STACK_BYTES = 16
+
+
+def _hints_of_a_launch(args: tuple) -> int:
+    """Arguments a launch marks 16-divisible: every tensor (torch allocations are 256-byte aligned) and
+    every integer divisible by 16 (an integer equal to 1 becomes a constant instead)."""
+    return sum(isinstance(a, torch.Tensor) or (isinstance(a, int) and a % 16 == 0) for a in args)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_launched_builds_are_hinted_spill_free_and_on_full_wgmma(head_dim, dtype):
+    launches = sm90.recorded_launches(sm90.launch_for(head_dim, dtype))
+    builds = sm90.launcher_builds(head_dim, dtype)
+    assert set(builds) == set(sm90.VARIANTS) == set(launches)
+    for name, (tiles, build) in builds.items():
+        use = sm90.usage(build)
+        assert "cubin" in build.asm, name
+        # FP fusion asked for at every launch, not left to Triton's default (off from 3.10): FMAs in the build
+        assert launches[name][2]["enable_fp_fusion"] is configs.FP_FUSION is True, name
+        assert build.metadata.enable_fp_fusion and "fma.rn.f32" in build.asm["ptx"], name
+        assert use.hinted_args == _hints_of_a_launch(launches[name][1]) > 0, (name, use)
+        assert use.wide_loads > 0, (name, use)  # 16-byte loads, which the hints make possible
+        assert use.shared_bytes <= sm90.H100_SHARED_BYTES, (name, tiles, use)
+        assert use.wgmma > 0 and use.mma_sync == 0, (name, tiles, use)
+        assert use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, (name, tiles, use)
+        assert use.stack_bytes <= MAX_STACK_BYTES, (name, tiles, use)
+        if name in sm90.TUNED_KERNEL:  # the key-block loop keeps loads more than one step ahead
+            assert use.copies_in_flight > 0, (name, tiles, use)
+
+
+def test_quarter_width_wgmma_is_caught():
+    """The dk/dv tile launched before the hinted builds (64 keys x 32 query rows at head_dim 128)
+    issues m64n16 wgmma: the build shows it, the tile model predicts it, and the candidates leave it out."""
+    old = Tiles(32, 64, 64, 8, 3)
+    _, build = sm90.build("dkdv", old, sm90.launch_for(128))
+    assert sm90.usage(build).narrowest_wgmma_n() == 16 == configs.narrowest_wgmma_n("dkdv", old, 128)
+    assert old not in configs.tile_candidates("dkdv", 128, 128)
+
+
+def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
+    """kernel_resources --candidates: one row per candidate tile, usage where it builds, the
+    compiler's error where it does not (a 48-row tile is no power of two)."""
+    def candidates(kernel, block_size, head_dim, warps):
+        assert warps == (4, 8)
+        return [Tiles(64, 64, 64, 8, 2)] + ([Tiles(48, 64, 64, 8, 2)] if kernel == "forward" else [])
+
+    with load_benchmark("kernel_resources") as kr:
+        monkeypatch.setattr(kr.configs, "tile_candidates", candidates)
+        rows = kr.measure_candidates(head_dims=(64,))
+        table = kr.format_table(rows)
+    assert [r["kernel"] for r in rows] == ["forward", "forward", "dq_column_grads", "dkdv"]
+    built = [r for r in rows if "error" not in r]
+    assert len(built) == 3 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
+    assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"]
+    assert len(table.splitlines()) == 2 + len(rows)
+
+
+@pytest.mark.parametrize("variant,head_dim", [("forward", 64), ("forward", 128), ("dq_column_grads", 128)])
+def test_key_blocks_with_tensor_descriptors_build_tma_copies(variant, head_dim):
+    """With `Tiles.kv_descriptors` the key-block K/V tiles of the forward and dq come through TMA (bulk
+    tensor copies in the PTX) in builds as clean as the launched ones: no spill, shared memory under
+    the H100's, full-width wgmma."""
+    launched = configs.forward_tiles(128, head_dim, True) if variant == "forward" else configs.dq_tiles(
+        128, head_dim, True)
+    tiles, build = sm90.build(variant, dataclasses.replace(launched, kv_descriptors=True), sm90.launch_for(head_dim))
+    use = sm90.usage(build)
+    assert tiles.kv_descriptors and "cp.async.bulk.tensor" in build.asm["ptx"], use
+    assert use.stack_bytes == 0 and use.shared_bytes <= sm90.H100_SHARED_BYTES, use
+    assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
+    _, pointer_build = sm90.build(variant, launched, sm90.launch_for(head_dim))
+    assert "cp.async.bulk.tensor" not in pointer_build.asm["ptx"]

@@ -1,0 +1,131 @@
+"""Tile overrides (`kernels.configs.tiles_override`) and the CPU-testable parts of
+benchmarks/tune_tiles.py: its candidate grids, ranking and table; the tuning itself needs a GPU."""
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from hf_sparse_cp.kernels import configs
+from hf_sparse_cp.kernels.configs import Tiles
+
+from benchmark_loader import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def tune():
+    with load_benchmark("tune_tiles") as module:
+        yield module
+
+
+def test_override_applies_inside_the_block_only_and_nests():
+    default, forward = configs.dq_tiles(128, 128, on_gpu=True), configs.forward_tiles(128, 128, on_gpu=True)
+    with configs.tiles_override(dq=Tiles(64, 256, 64, 4, 2)):
+        assert configs.dq_tiles(128, 128, on_gpu=True) == Tiles(64, 128, 64, 4, 2)  # capped at the block size
+        assert configs.dq_tiles(32, 64, on_gpu=False) == Tiles(32, 32, 64, 4, 2)  # any device
+        assert configs.forward_tiles(128, 128, on_gpu=True) == forward  # other kernels keep theirs
+        with configs.tiles_override(forward=Tiles(64, 32, 64, 4, 2)):
+            assert configs.forward_tiles(128, 128, on_gpu=True) == Tiles(64, 32, 64, 4, 2)
+            assert configs.dq_tiles(128, 128, on_gpu=True) == Tiles(64, 128, 64, 4, 2)
+        assert configs.forward_tiles(128, 128, on_gpu=True) == forward
+    assert configs.dq_tiles(128, 128, on_gpu=True) == default
+
+
+def test_override_is_undone_when_the_block_raises():
+    default = configs.dkdv_tiles(128, 128, on_gpu=True)
+    with pytest.raises(RuntimeError), configs.tiles_override(dkdv=Tiles(16, 64, 64, 4, 2)):
+        raise RuntimeError
+    assert configs.dkdv_tiles(128, 128, on_gpu=True) == default
+
+
+def test_override_refuses_unknown_kernels():
+    with pytest.raises(ValueError, match="unknown kernels"), configs.tiles_override(fwd=Tiles(64, 64, 64, 4, 2)):
+        pass
+
+
+@pytest.mark.parametrize("kernel", configs.KERNELS)
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, block_size, head_dim):
+    cands = configs.tile_candidates(kernel, block_size, head_dim)
+    assert len(set(cands)) == len(cands) >= 3
+    for t in cands:
+        for size in (t.block_m, t.block_n, t.block_c):
+            assert size & (size - 1) == 0
+        assert t.block_m <= block_size and t.block_n <= block_size
+    # 4 warps spill far more at head_dim 128 (kernel_resources --candidates); both are timed at 64
+    assert {t.num_warps for t in cands} == ({8} if head_dim > 64 else {4, 8})
+    assert tune.current_tiles(kernel, block_size, head_dim) in cands
+    separate = {t.separate_columns for t in cands}
+    assert separate == ({False, True} if kernel == "dq" else {False})
+    both = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
+    assert set(cands) <= set(both) and {t.num_warps for t in both} == {4, 8}
+
+
+def test_candidates_refuse_unknown_kernels():
+    with pytest.raises(ValueError, match="unknown kernel"):
+        configs.tile_candidates("fwd", 128, 128)
+
+
+def _row(kernel, tiles, status, ms=None, current=False, reason=""):
+    row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": current, "status": status}
+    return {**row, "ms": ms} if status == "ok" else {**row, "reason": reason}
+
+
+def test_rank_puts_the_fastest_correct_tiles_first_and_failures_last(tune):
+    rows = [
+        _row("dq", Tiles(128, 64, 64, 8, 3), "ok", 2.0, current=True),
+        _row("dq", Tiles(64, 32, 64, 4, 2), "wrong", reason="rel. RMS 1e-1"),
+        _row("dq", Tiles(64, 64, 64, 8, 3), "ok", 1.5),
+        _row("dq", Tiles(128, 128, 64, 8, 4), "error", reason="OutOfResources: shared memory"),
+    ]
+    ranked = tune.rank(rows)
+    assert [r["status"] for r in ranked] == ["ok", "ok", "wrong", "error"]
+    assert ranked[0]["ms"] == 1.5
+    table = tune.format_table("dq", rows)
+    lines = table.splitlines()
+    assert "1.33" in lines[2] and "1.00" in lines[3] and "current" in lines[3]
+    assert "shared memory" in table and "wrong" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_tuning_refuses_without_gpu(tune):
+    with pytest.raises(SystemExit, match="GPU benchmark"):
+        tune.main(["--seq_len", "1024"])
+
+
+def _tune_on_cpu(module_path: str):
+    """In the interpreter worker: the tuner's runs at toy size, each kernel with the current tiles
+    and one other candidate."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_tiles", module_path)
+    tune = importlib.util.module_from_spec(spec)
+    sys.modules["tune_tiles"] = tune
+    spec.loader.exec_module(tune)
+    args = tune.TuneTilesArguments(seq_len=160, density=0.3, num_verticals=12, num_q_heads=4, num_kv_heads=2,
+                                   head_dim=16, block_size=32, warmup=0, repeats=1)
+    tuner = tune.Tuner(args, device="cpu")
+    others = {"forward": Tiles(16, 32, 32, 1, 1), "dq": Tiles(16, 32, 32, 1, 1, separate_columns=True),
+              "dkdv": Tiles(32, 16, 16, 1, 1)}
+    saved = []  # what main would write after each candidate: (results so far, kernels with a best)
+    save = lambda: saved.append((len(tuner.rows), sorted(tune.build_report(tuner, {}, complete=False)["best"])))
+    rows = [row for kernel, other in others.items()
+            for row in tuner.run_kernel(kernel, [tune.current_tiles(kernel, 32, 16, on_gpu=False), other], save)]
+    return rows, saved
+
+
+def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune):
+    from hf_sparse_cp.testing.interpreter import interpreter_pool
+
+    with interpreter_pool() as pool:
+        rows, saved = pool.apply(_tune_on_cpu, (tune.__file__,))
+    assert [n for n, _ in saved] == [1, 2, 3, 4, 5, 6]  # a report after every candidate
+    assert saved[1][1] == ["forward"] and saved[-1][1] == ["dkdv", "dq", "forward"]
+    assert [r["kernel"] for r in rows] == ["forward", "forward", "dq", "dq", "dkdv", "dkdv"]
+    assert [r["current"] for r in rows] == [True, False] * 3
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ms"] > 0 and r["rel_rms"] <= tune.SAME_RESULT_RTOL
+    assert "current" in tune.format_table("dq", rows[2:4])

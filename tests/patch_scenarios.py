@@ -1,0 +1,257 @@
+"""One scenario per change that `compat.PATCHES` lists: build what the change applies to, make the change
+through the feature that makes it, and undo it through that feature's undo call.
+
+A scenario is a generator: it yields the (owner, member) pairs it changes, then yields once more with the
+change applied, then undoes it. `round_trip` runs one and reports, per pair, whether the change took and
+whether undoing restored exactly what was there (the same object, or its absence). One-process scenarios
+run in tests/unit/test_patch_registry.py, the others on 2 gloo processes in
+tests/distributed/test_patch_registry_cp.py; that every changing entry has a scenario is tested too.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hf_sparse_cp
+from hf_sparse_cp.testing.models import tiny_config
+
+_MISSING = object()
+
+
+def _value(owner, name: str):
+    """What `owner` holds under `name` itself (not inherited): a mapping's item, an object's own attribute;
+    a list as a tuple, so that a later change to it shows."""
+    value = owner.get(name, _MISSING) if isinstance(owner, Mapping) else vars(owner).get(name, _MISSING)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _same(a, b) -> bool:
+    return a == b if isinstance(a, tuple) else a is b
+
+
+def round_trip(scenario: Callable[[], Iterator]) -> list[tuple[str, bool, bool]]:
+    """(owner.member, changed when applied, restored when undone) for each pair the scenario changes."""
+    steps = scenario()
+    targets = next(steps)
+    before = [_value(o, n) for o, n in targets]
+    next(steps)
+    during = [_value(o, n) for o, n in targets]
+    next(steps, None)
+    after = [_value(o, n) for o, n in targets]
+    return [(f"{type(o).__name__}.{n}", not _same(b, d), _same(b, a))
+            for (o, n), b, d, a in zip(targets, before, during, after)]
+
+
+def _args(tmp: str, **kw) -> TrainingArguments:
+    return TrainingArguments(output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True, **kw)
+
+
+def _sparse_trainer(tmp: str, **kw) -> Trainer:
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    return Trainer(model=model, args=_args(tmp, **kw))
+
+
+# ---- one process ----
+
+def attach() -> Iterator:
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp)
+        yield [(trainer, "train"), (trainer, "_save_optimizer_and_scheduler"), (trainer.callback_handler, "callbacks")]
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
+        yield
+        detach_from_trainer(trainer)
+
+
+def resharded_loading() -> Iterator:
+    from hf_sparse_cp.resharding.resume import resharded_loading as loading
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp)
+        yield [(trainer, "_load_from_checkpoint"), (trainer, "_load_optimizer_and_scheduler")]
+        with loading(trainer, tmp):
+            yield
+
+
+def smet() -> Iterator:
+    from hf_sparse_cp import install_smet, uninstall_smet
+    from hf_sparse_cp.smet import SMETConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp)
+        yield [(trainer, "optimizer_cls_and_kwargs"), (trainer.callback_handler, "callbacks")]
+        install_smet(trainer, SMETConfig(density=0.5))
+        yield
+        uninstall_smet(trainer)
+
+
+def lean_loss() -> Iterator:
+    import transformers
+
+    from hf_sparse_cp import disable_lean_loss, enable_lean_loss
+    from hf_sparse_cp.integration.lean_loss import SUPPORTED_CAUSAL_LM_CLASSES
+
+    yield [(getattr(transformers, name), "forward") for name in SUPPORTED_CAUSAL_LM_CLASSES]
+    enable_lean_loss()
+    yield
+    disable_lean_loss()
+
+
+def memory_savers() -> Iterator:
+    from hf_sparse_cp.integration.memory_savers import disable_memory_savers, enable_memory_savers
+    from hf_sparse_cp.memory import MemorySavers
+
+    models = [AutoModelForCausalLM.from_config(tiny_config(kind)) for kind in ("llama", "qwen2", "qwen3", "mistral")]
+    yield [(m, "forward") for model in models
+           for m in (model.model.layers[0], model.model.layers[0].mlp, model.model.layers[0].input_layernorm)]
+    for model in models:
+        enable_memory_savers(model, MemorySavers(tiled=True, offload_layer_inputs=True))
+    yield
+    for model in models:
+        disable_memory_savers(model)
+
+
+def sparse_attention() -> Iterator:
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention, enable_sparse_attention
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+        training = _args(tmp)
+        names = [n for n in ("gradient_checkpointing", "activation_checkpointing") if n in vars(training)]
+        yield [(model.config, "sparse_attention"), *((training, n) for n in names)]
+        sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
+        enable_sparse_attention(model, sparse, SparseAttentionConfig(), training, max_length=4096)
+        yield
+        disable_sparse_attention(model)
+
+
+def capturing_layouts() -> Iterator:
+    from hf_sparse_cp.attention.flash_dense import DENSE_BACKEND_ENV
+    from hf_sparse_cp.integration import backend
+    from hf_sparse_cp.reporting.plots import capturing_layouts as capturing
+
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    yield [(backend, "estimate_layout"), (os.environ, DENSE_BACKEND_ENV)]
+    with capturing(model):
+        yield
+
+
+ONE_PROCESS = {
+    ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
+     "transformers.trainer_callback.CallbackHandler.callbacks"): attach,
+    ("transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler"):
+        resharded_loading,
+    ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,
+    ("transformers.PreTrainedModel.forward",): lean_loss,
+    (*(f"transformers.models.{f.lower()}.modeling_{f.lower()}.{f}{kind}.forward"
+       for f in ("Llama", "Qwen2", "Qwen3", "Mistral") for kind in ("MLP", "RMSNorm")),
+     "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
+    ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
+        sparse_attention,
+    ("hf_sparse_cp.integration.backend.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
+        capturing_layouts,
+}
+
+
+# ---- two gloo processes (the rank's environment as torchrun sets it) ----
+
+def _launched(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+
+
+def context_parallel() -> Iterator:
+    from hf_sparse_cp import ContextParallelConfig, disable_trainer_context_parallel, enable_trainer_context_parallel
+    from hf_sparse_cp.integration import compat
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp)
+        names = ("_prepare_context_parallel_inputs", "_track_num_input_tokens", "_get_num_items_in_batch",
+                 "get_cp_size", "floating_point_ops")
+        yield [*((trainer, n) for n in names), (trainer.accelerator, "prepare_data_loader")]
+        divides = compat.token_count_divides_by_get_cp_size
+        compat.token_count_divides_by_get_cp_size = lambda: False  # the wrapper of releases before 5.19
+        try:
+            enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+        finally:
+            compat.token_count_divides_by_get_cp_size = divides
+        yield
+        disable_trainer_context_parallel(trainer)
+
+
+def accelerate_owns_cp() -> Iterator:
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_sparse_cp import ContextParallelConfig, disable_trainer_context_parallel, enable_trainer_context_parallel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp)
+        state = trainer.accelerator.state
+        pc = ParallelismConfig(cp_size=2)
+        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        yield [(trainer.accelerator, "_prepare_cp")]
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
+        yield
+        disable_trainer_context_parallel(trainer)
+        state.parallelism_config, state.device_mesh = None, None
+
+
+def curriculum() -> Iterator:
+    from hf_sparse_cp import disable_curriculum, enable_curriculum, parse_schedule
+    from hf_sparse_cp.trainer.curriculum import schedule_for
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp, max_steps=4)
+        trainer.train_dataset = [{"input_ids": torch.arange(3, 259)}] * 8
+        yield [(trainer, "get_train_dataloader"), (trainer.model.config, "sparse_attention")]
+        curriculum = enable_curriculum(trainer, schedule_for(trainer, parse_schedule(
+            "0:128:1,2:256:2:vertical_topk=64")))
+        curriculum.stage()
+        trainer.state.global_step = 2
+        curriculum.stage()  # the second stage's pattern goes onto the model
+        assert trainer.model.config.sparse_attention["vertical_topk"] == 64
+        yield
+        disable_curriculum(trainer)
+
+
+def cpu_fsdp2() -> Iterator:
+    from accelerate import PartialState
+
+    from hf_sparse_cp import disable_cpu_fsdp2, enable_cpu_fsdp2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")),
+                          args=_args(tmp, fsdp=True, fsdp_config={"fsdp_version": 2}))
+        state = trainer.accelerator.state
+        yield [(trainer, "is_fsdp_enabled"), (PartialState(), "distributed_type"), (state, "distributed_type"),
+               (state, "fsdp_plugin")]
+        enable_cpu_fsdp2(trainer)
+        yield
+        disable_cpu_fsdp2(trainer)
+
+
+TWO_PROCESSES = {
+    ("transformers.Trainer._prepare_context_parallel_inputs", "transformers.Trainer._track_num_input_tokens",
+     "transformers.Trainer._get_num_items_in_batch", "transformers.Trainer.get_cp_size",
+     "transformers.Trainer.floating_point_ops", "accelerate.Accelerator.prepare_data_loader"): context_parallel,
+    ("accelerate.Accelerator._prepare_cp",): accelerate_owns_cp,
+    ("transformers.Trainer.get_train_dataloader",): curriculum,
+    ("transformers.Trainer.is_fsdp_enabled", "accelerate.PartialState.distributed_type",
+     "accelerate.state.AcceleratorState.distributed_type", "accelerate.state.AcceleratorState.fsdp_plugin"):
+        cpu_fsdp2,
+}
+
+
+def run_two_process_scenarios(rank: int, world: int) -> dict:
+    """Every two-process scenario in this gloo process (for `run_gloo`)."""
+    _launched(rank, world)
+    return {names: round_trip(scenario) for names, scenario in TWO_PROCESSES.items()}

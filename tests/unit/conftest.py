@@ -1,0 +1,21 @@
+"""The unit tier stays in one process: a test that starts a process (a subprocess, a gloo group, the
+Triton interpreter's worker) or loads the pretrained model fails here, naming the folder it belongs in."""
+
+import multiprocessing.process
+import subprocess
+
+import pytest
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a unit test {what}: move it to tests/distributed, tests/kernels or tests/integration.")
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("starts a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("starts a process"))
+    monkeypatch.setattr("hf_sparse_cp.testing.pretrained.model_file", _refuse("loads the pretrained model"))

@@ -1,0 +1,233 @@
+"""Inputs that used to be accepted while something else was done (issues #14, #31): the example script, the
+config dataclasses and the simulator refuse them, naming the flag or field and the fix; errors that name
+their cause and fix."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+from transformers import TrainingArguments
+
+from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.examples.train_long_context import parse_args
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--max_length", "0"], "--max_length 0: a training sequence needs at least 2 tokens; e.g. --max_length 4096"),
+        (["--max_length", "-4096"], "--max_length -4096: a training sequence needs at least 2 tokens"),
+        (["--pack_documents", "0"], "--pack_documents 0 must be >= 1 (1: one document per sequence)"),
+        (["--max_length", "256", "--pack_documents", "512"],
+         "--pack_documents 512 leaves documents of 0 tokens in a --max_length 256 sequence; a document needs "
+         "at least 2 tokens: pack at most 128 documents, or raise --max_length"),
+        (["--max_length", "256", "--pack_documents", "3"],
+         "--pack_documents 3 does not divide --max_length 256: every sequence packs documents of max_length / "
+         "pack_documents tokens, so the sequences would come out shorter. Use a divisor of 256 (e.g. 2, 4, 8, 16)"),
+        (["--smet_config", "smet.yaml"], "--smet_config smet.yaml given without --smet would be ignored: add --smet"),
+        (["--sparse_layer_overrides", '{"1-0": {"pattern": "dense"}}'],
+         "layer_overrides key '1-0' is a reversed range"),
+        (["--block_size", "64", "--seq_len", "8"], "--block_size is now --sparse_block_size; --seq_len is now "
+         "--max_length."),
+    ],
+)
+def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(flags)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^\S+: error: " + re.escape(refused), err, re.MULTILINE), err
+    assert "usage:" not in err  # one line, not the Trainer's hundreds of flags
+
+
+def test_the_example_takes_packed_documents_that_divide_the_sequence():
+    script, training, *_ = parse_args(["--max_length", "256", "--pack_documents", "4"])
+    assert (training.max_length, script.pack_documents) == (256, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, refused",
+    [
+        ({"cp_size": "2"}, "cp_size='2' (str) is not valid: use a whole number, e.g. cp_size=1 (the default); this is "
+                           "a number written as text: write it without quotes"),
+        ({"cp_size": 2.0}, "cp_size=2.0 (float) is not valid: use a whole number"),
+        ({"cp_node_size": 2.5}, "cp_node_size=2.5 (float) is not valid: use a whole number or unset"),
+        ({"cp_sharding": "random"}, "cp_sharding='random' (str) is not valid: use one of 'striped', 'zigzag', "
+                                    "'contiguous'"),
+        ({"cp_ring": None}, "cp_ring=None (NoneType) is not valid: use one of 'flat', 'hierarchical'"),
+    ],
+)
+def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        ContextParallelConfig(**kwargs)
+
+
+# ---- issue #31: typed fields, settings that do nothing, errors that name cause and fix ----
+
+
+def _plugin_dataclasses():
+    from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments
+    from hf_sparse_cp.examples.train_long_context import ScriptArguments
+    from hf_sparse_cp.smet import SMETConfig
+    from hf_sparse_cp.trainer.curriculum import CurriculumArguments
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    every = (SparseAttentionConfig, ContextParallelConfig, SMETConfig, SparseCPArguments, SMETArguments,
+             CurriculumArguments, ScriptArguments, SparseTrainingArguments)
+    stock = {f.name for f in dataclasses.fields(TrainingArguments)}  # (TrainingArguments checks its own)
+    return [(cls, f.name) for cls in every for f in dataclasses.fields(cls) if f.init and f.name not in stock]
+
+
+@pytest.mark.parametrize("cls, name", _plugin_dataclasses(), ids=lambda x: getattr(x, "__name__", x))
+def test_every_typed_field_of_every_plugin_dataclass_is_checked_at_construction(cls, name):
+    wrong = object()  # no annotation of a plugin field accepts it
+    with pytest.raises(ValueError, match=f"^{re.escape(name)}=<object object"):
+        cls(**{name: wrong})
+
+
+SWITCHES_AS_TEXT = {"fused_loss": "false", "smet": "no", "sparse_attention": "maybe", "log_sparsity": "off"}
+
+
+@pytest.mark.parametrize("name, text", SWITCHES_AS_TEXT.items())
+def test_text_in_a_switch_is_refused_from_a_yaml_or_json_file_and_a_dict(tmp_path, name, text):
+    """Issue #31: `fused_loss: "false"` was kept as text, and the Trainer then turned the lean loss on."""
+    from transformers import HfArgumentParser
+
+    from hf_sparse_cp import SparseTrainingArguments
+
+    parser = HfArgumentParser(SparseTrainingArguments)
+    refused = re.escape(f"{name}={text!r} (str) is not valid: use true or false") + ".*without quotes"
+    (tmp_path / "args.yaml").write_text(f'output_dir: {tmp_path}\n{name}: "{text}"\n')
+    (tmp_path / "args.json").write_text(json.dumps({"output_dir": str(tmp_path), name: text}))
+    with pytest.raises(ValueError, match=refused):
+        parser.parse_yaml_file(tmp_path / "args.yaml")
+    with pytest.raises(ValueError, match=refused):
+        parser.parse_json_file(tmp_path / "args.json")
+    with pytest.raises(ValueError, match=refused):
+        parser.parse_dict({"output_dir": str(tmp_path), name: text})
+    (tmp_path / "args.yaml").write_text(f"output_dir: {tmp_path}\n{name}: false\n")  # a YAML boolean is taken
+    (args,) = parser.parse_yaml_file(tmp_path / "args.yaml")
+    assert getattr(args, name) is False
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--align_documents"], "--align_documents pads between the documents of a packed sequence, but "
+                                "--pack_documents is 1 (one document per sequence) so it would do nothing"),
+        (["--num_samples", "0"], "--num_samples 0 must be >= 1"),
+        (["--max_steps", "1", "recipes/train/qwen2.5-3b_32k.yaml"],
+         "the recipe recipes/train/qwen2.5-3b_32k.yaml must come first, before any flag"),
+    ],
+)
+def test_the_example_refuses_settings_that_do_nothing(capsys, flags, refused):
+    test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused)
+
+
+def test_the_example_names_the_model_path_it_cannot_load(tmp_path):
+    """Issue #31: a missing .gguf file or folder was reported as a malformed Hub repo id, an empty folder
+    by a sentencepiece message."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    (tmp_path / "model.gguf").write_bytes(b"")
+    for source, refused in [
+        ("/nonexistent/model.gguf", "--model_name_or_path /nonexistent/model.gguf: no such GGUF file."),
+        (f"{tmp_path}/other.gguf", f"--model_name_or_path {tmp_path}/other.gguf: no such GGUF file; {tmp_path} holds "
+                                   "model.gguf."),
+        ("/nonexistent/run", "--model_name_or_path /nonexistent/run: no such folder"),
+        (str(tmp_path), f"--model_name_or_path {tmp_path}: the folder holds no config.json, so it is not a saved "
+                        "model; give the folder that save_pretrained / trainer.save_model() wrote (config.json, "
+                        f"weights, tokenizer); {tmp_path} holds model.gguf."),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(refused)):
+            main(["--model_name_or_path", source, "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--cp", "0"], "argument --cp: 0 must be >= 1"),
+        (["--density", "5"], "argument --density: 5.0 must be in (0, 1]"),
+        (["--seq", "-8"], "argument --seq: -8 must be >= 1"),
+        (["--estimation-chunk", "64"], "argument --estimation-chunk: 64 must be >= 128"),
+    ],
+)
+def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):
+    """Issue #31: --cp 0 was a ZeroDivisionError, --density 5 was accepted."""
+    from hf_sparse_cp.examples.simulate_cluster import parse_args as simulate_args
+
+    with pytest.raises(SystemExit) as stopped:
+        simulate_args(flags, prog="hf-sparse-cp simulate")
+    assert stopped.value.code == 2
+    assert f"hf-sparse-cp simulate: error: {refused}" in capsys.readouterr().err
+
+
+def _tiny(model_type: str = "llama", **overrides):
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.models import tiny_config
+
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+
+
+def test_an_estimation_chunk_that_covers_the_sequence_is_refused():
+    """Issue #31: every layer ran dense (kept 1.000) without a word."""
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+    from hf_sparse_cp.trainer.curriculum import build_schedule, parse_schedule
+
+    pattern = SparseAttentionConfig(estimation="causal_chunks", estimation_chunk=1024, block_size=64, min_seq_len=512,
+                                    dense_first_layers=1)
+    model = _tiny()
+    with pytest.raises(ValueError, match=re.escape(
+            "estimation_chunk=1024 is not shorter than the 1024-token training sequences: with "
+            "estimation='causal_chunks' the first chunk of a document is dense, so layer 1 would run dense") +
+            r".*below 1024 \(a multiple of block_size=64, e.g. 512\)"):
+        enable_sparse_attention(model, SparseCPArguments(), pattern, max_length=1024)
+    assert getattr(model.config, "sparse_attention", None) is None  # refused before anything changed
+    for length in (2048, 256):  # a shorter chunk; or documents below min_seq_len, dense by choice
+        enable_sparse_attention(model, SparseCPArguments(), pattern, max_length=length)
+        disable_sparse_attention(model)
+    stages = parse_schedule("0:2048:1,2:1024:1")
+    with pytest.raises(ValueError, match=r"cp_schedule stage 1 \(2:1024:1\): estimation_chunk=1024 is not shorter"):
+        build_schedule(stages, world_size=1, sparse_config=pattern, max_steps=4, layers=[0, 1])
+
+
+def test_a_model_the_backend_refuses_is_refused_before_training():
+    """Issue #31: --tiny_model_type gemma2 failed inside transformers at the first step."""
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    model = _tiny("gemma2")
+    with pytest.raises(ValueError, match=r"soft-caps attention logits \(attn_logit_softcapping=50.0\).*"
+                                         r"attn_implementation='eager' or 'sdpa' \(--sparse_attention false\)"):
+        enable_sparse_attention(model, SparseCPArguments())
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1.*set model.config.attention_dropout = 0.0"):
+        enable_sparse_attention(_tiny(attention_dropout=0.1), SparseCPArguments())
+
+
+def test_a_cut_off_trainer_state_is_named(tmp_path):
+    from hf_sparse_cp.reporting.kept_fraction import read_log_history
+
+    (tmp_path / "trainer_state.json").write_text('{"log_history": [{"loss": 1')
+    with pytest.raises(ValueError, match=re.escape(f"Trainer state file '{tmp_path / 'trainer_state.json'}' is not "
+                                                   "valid JSON") + ".*plot an earlier checkpoint-N folder"):
+        read_log_history(tmp_path)
+
+
+def test_a_checkpoint_saved_without_fsdp_is_refused_by_an_fsdp2_run(tmp_path):
+    """Issue #31: it passed the check, then rank 0 died on pytorch_model_fsdp.bin and rank 1 on a closed
+    connection."""
+    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint
+
+    settings = {"cp_size": 1, "data_parallel_size": 2, "smet": None, "global_batch_size": 4}
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        (tmp_path / name).write_text("x")
+    files = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    (tmp_path / MARKER).write_text(json.dumps({"complete": True, "step": 2, "settings": settings, "files": files}))
+    assert check_checkpoint(tmp_path, settings, reshardable=False) is False  # as it was saved: fine
+    with pytest.raises(ValueError, match="was saved by a run without FSDP.*Resume it without --fsdp, as it was saved"):
+        check_checkpoint(tmp_path, settings, reshardable=True)
+    (tmp_path / "pytorch_model_fsdp.bin").write_text("x")  # accelerate's FSDP save: the Trainer loads it
+    assert check_checkpoint(tmp_path, settings, reshardable=True) is False

@@ -1,0 +1,98 @@
+"""Every member of someone else's code the plugin uses (`integration/compat.py`'s `PATCHES`): all present
+with the parameters we rely on, a clear error naming the member when one changes, and accelerate's data
+loader settings passed on by their own names."""
+
+import inspect
+
+import pytest
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
+from transformers import Trainer, TrainingArguments
+
+from hf_sparse_cp.integration import compat
+
+
+def _instances(tmp_path) -> dict:
+    trainer = Trainer(model=torch.nn.Linear(2, 2),
+                      args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
+    return {"accelerate.Accelerator": trainer.accelerator, "transformers.Trainer": trainer,
+            "transformers.trainer_callback.CallbackHandler": trainer.callback_handler,
+            "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState()}
+
+
+def test_every_member_is_as_the_plugin_uses_it(tmp_path):
+    problems = compat.check_patches(_instances(tmp_path))
+    assert not problems, "\n".join(problems)
+
+
+def test_every_instance_member_is_checked_on_an_instance(tmp_path):
+    owners = {p.owner for p in compat.PATCHES if p.on_instances}
+    assert owners <= set(_instances(tmp_path))
+
+
+def test_a_missing_member_is_named_with_the_versions(monkeypatch):
+    monkeypatch.delattr(Trainer, compat.TRAINER_TRACK_TOKENS)
+    problems = compat.check_patches()
+    assert len(problems) == 1
+    assert "transformers.Trainer._track_num_input_tokens no longer exists" in problems[0]
+    assert "tested 5.0 to 5.24" in problems[0]
+    with pytest.raises(RuntimeError, match="_track_num_input_tokens no longer exists.*tested range"):
+        compat.require("transformers.Trainer._track_num_input_tokens")
+
+
+def test_a_changed_signature_is_named(monkeypatch):
+    monkeypatch.setattr(Trainer, compat.TRAINER_CP_INPUTS, lambda self, model, inputs, extra: (None, inputs))
+    (problem,) = compat.check_patches()
+    assert "_prepare_context_parallel_inputs takes (self, model, inputs, extra), not (self, model, inputs)" in problem
+
+
+def test_instance_members_are_checked_on_an_instance():
+    class NoLoaders:
+        pass
+
+    (problem,) = compat.check_patches({"accelerate.Accelerator": NoLoaders()})
+    assert "accelerate.Accelerator._dataloaders no longer exists" in problem
+    with pytest.raises(RuntimeError, match="_dataloaders"):
+        compat.track_data_loader(NoLoaders(), object())
+
+
+def test_a_member_renamed_in_a_release_is_found_under_either_name():
+    assert compat.cache_field() in ("cache", "past_key_values")
+
+
+def test_the_token_count_version_switch_matches_the_installed_trainer():
+    """Under the plugin's CP the loss's token count must divide by the CP degree once: through the
+    patched `get_cp_size()` where the Trainer divides by it (transformers >= 5.19), else by our wrapper.
+    If a release moves that division, this names the switch to update."""
+    divides = "self.get_cp_size()" in inspect.getsource(getattr(Trainer, compat.TRAINER_COUNT_ITEMS))
+    assert compat.token_count_divides_by_get_cp_size() == divides
+
+
+def test_dp_data_loaders_take_the_settings_accelerate_itself_passes(monkeypatch):
+    """What `Accelerator.prepare_data_loader` hands accelerate's `prepare_data_loader`, but the ranks: our
+    DP-only data loader passes the same settings, read by name, so a new accelerate option is not dropped."""
+    import accelerate.accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    seen = {}
+    monkeypatch.setattr(accelerate.accelerator, "prepare_data_loader", lambda dl, device, **kw: seen.update(kw) or dl)
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False, data_seed=7,
+                                                                          use_seedable_sampler=True))
+    acc.prepare_data_loader(torch.utils.data.DataLoader(range(4)))
+    options = compat.dp_data_loader_options(acc)
+    own = {"num_processes", "process_index", "put_on_device", "slice_fn_for_dispatch", "torch_device_mesh"}
+    assert set(options) == set(seen) - own
+    assert all(options[k] == seen[k] for k in options)
+    assert (options["even_batches"], options["data_seed"], options["use_seedable_sampler"]) == (False, 7, True)
+
+
+def test_an_accelerate_option_we_cannot_find_is_named(monkeypatch):
+    import accelerate.data_loader
+
+    def prepare_data_loader(dataloader, device=None, num_processes=None, process_index=None, shuffle_harder=True):
+        return dataloader
+
+    monkeypatch.setattr(accelerate.data_loader, "prepare_data_loader", prepare_data_loader)
+    with pytest.raises(RuntimeError, match="'shuffle_harder'.*tested range"):
+        compat.dp_data_loader_options(Accelerator(cpu=True))

@@ -1,0 +1,153 @@
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_sparse_cp import SparseAttentionConfig, SparseAttentionFlags
+from hf_sparse_cp.trainer.arguments import SparseCPArguments, explicit_fields
+
+
+def test_defaults_are_mtraining_like():
+    cfg = SparseAttentionConfig()
+    assert cfg.pattern == "vertical_slash" and cfg.last_q == 64 and cfg.block_size == 128
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",  # fix: a regular expression
+    [
+        ({"pattern": "bigbird"}, "use one of"),
+        ({"block_size": 100}, "power of two"),
+        ({"local_window": 0}, "every query needs its own diagonal"),
+        ({"vertical_topp": 1.5}, r"must be in \(0, 1\]"),
+        ({"last_q": 0}, "must be >= 1"),
+        ({"budget_mode": "greedy"}, "use one of"),
+        ({"layer_overrides": {"x-y": {"pattern": "dense"}}}, "not a layer index"),
+        ({"layer_overrides": {"0": {"colour": 1}}}, "unknown fields"),
+        ({"layer_overrides": "{not json"}, "not valid JSON"),
+        ({"layer_overrides": {"1-0": {"pattern": "dense"}}}, "reversed range.*'0-1'"),
+        ({"layer_overrides": {"2": {"block_size": 100}}}, r"layer_overrides\['2'\]: block_size=100 must be a power"),
+        ({"layer_overrides": {"2": {"slash_topk": "x"}}}, r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
+        # wrong types: refused by name with what to write, not a TypeError from a comparison
+        ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number, e.g. "
+                                   r"vertical_topk=512"),
+        ({"block_size": 64.5}, r"block_size=64.5 \(float\) is not valid: use a whole number"),
+        ({"block_size": 64.0}, r"block_size=64.0 \(float\) is not valid"),
+        ({"slash_topk": True}, r"slash_topk=True \(bool\) is not valid"),
+        ({"vertical_topp": "0.9"}, r"vertical_topp='0.9' \(str\).*write it without quotes"),
+        ({"pattern": 1}, r"pattern=1 \(int\) is not valid: use one of 'vertical_slash', 'dense'"),
+        ({"layer_overrides": [0]}, r"layer_overrides=\[0\] \(list\) is not valid: use a mapping"),
+    ],
+)
+def test_bad_values_name_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix):
+        SparseAttentionConfig(**kwargs)
+
+
+def test_an_int_is_a_float():
+    cfg = SparseAttentionConfig(vertical_topp=1, slash_topp=0.5)  # an int is a fine float
+    assert cfg.vertical_topp == 1 and cfg.slash_topp == 0.5
+
+
+def test_per_layer_overrides():
+    cfg = SparseAttentionConfig(dense_first_layers=2, layer_overrides={"3-4": {"slash_topk": 7}, "9": {"last_q": 8}})
+    assert cfg.for_layer(0).pattern == "dense" and cfg.for_layer(1).pattern == "dense"
+    assert cfg.for_layer(2) is cfg
+    assert cfg.for_layer(3).slash_topk == 7 and cfg.for_layer(4).slash_topk == 7 and cfg.for_layer(5).slash_topk == 1024
+    assert cfg.for_layer(9).last_q == 8 and cfg.for_layer(9).pattern == "vertical_slash"
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_file_round_trip(tmp_path, suffix):
+    cfg = SparseAttentionConfig(budget_mode="topp", slash_topp=0.95, layer_overrides={"0": {"pattern": "dense"}})
+    path = tmp_path / f"cfg{suffix}"
+    cfg.save(path)
+    assert SparseAttentionConfig.from_file(path) == cfg
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        SparseAttentionConfig.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"slash_budget": 3}))
+    with pytest.raises(ValueError, match="known keys"):
+        SparseAttentionConfig.from_file(bad)
+    section = tmp_path / "section.yaml"
+    section.write_text("sparse_attention:\n  slash_topk: 5\n")
+    assert SparseAttentionConfig.from_file(section).slash_topk == 5
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("topk.yaml", "vertical_topk: abc\n", r"'topk.yaml': vertical_topk='abc' \(str\) is not valid: use a whole"),
+        ("block.yaml", "sparse_attention:\n  block_size: 64.5\n", r"'block.yaml': block_size=64.5 \(float\)"),
+        ("exp.yaml", "vertical_topp: 1e-1\n", r"'exp.yaml': vertical_topp='1e-1'.*write 0.001 or 1.0e-3"),
+        ("topk.json", '{"vertical_topk": "abc"}', r"'topk.json': vertical_topk='abc' \(str\)"),
+        ("range.json", '{"layer_overrides": {"3-1": {"pattern": "dense"}}}', r"'range.json': .*'3-1' is a reversed"),
+        # syntax errors: the file, and for YAML the line and column
+        ("syntax.yaml", "vertical_topk: [1\n", r"'syntax.yaml' is not valid YAML: .*\s+in \"syntax.yaml\", line 1"),
+        ("syntax.json", '{"vertical_topk": 1,}', r"'syntax.json' is not valid JSON: .*line 1 column 21"),
+    ],
+)
+def test_file_errors_name_the_file_and_the_field(tmp_path, monkeypatch, name, text, match):
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        SparseAttentionConfig.from_file(name)
+
+
+def test_hf_argument_parser_flags(tmp_path):
+    parser = HfArgumentParser((SparseCPArguments, SparseAttentionFlags))
+    args, flags = parser.parse_args_into_dataclasses(
+        args=["--sparse_attention", "--sparse_slash_topk", "512", "--sparse_layer_overrides",
+              '{"0-1": {"pattern": "dense"}}']
+    )
+    cfg = flags.to_config()
+    assert args.sparse_attention and cfg.slash_topk == 512 and cfg.for_layer(1).pattern == "dense"
+    assert args.attention_config(flags) == cfg and args.attention_config(cfg) is cfg
+    # every pattern flag is its config field under the `sparse_` prefix, with the field's help text
+    config_fields = {f.name: f for f in dataclasses.fields(SparseAttentionConfig)}
+    assert {f.name: f.metadata for f in dataclasses.fields(SparseAttentionFlags)} == {
+        f"sparse_{name}": f.metadata for name, f in config_fields.items()}
+    with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
+        SparseAttentionFlags(sparse_block_size=48)
+
+
+def test_file_config_with_flag_overrides(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    SparseAttentionConfig(vertical_topk=99, slash_topk=77).save(path)
+    args = SparseCPArguments(sparse_config=str(path))
+    merged = args.attention_config(SparseAttentionConfig(slash_topk=5))
+    assert merged.vertical_topk == 99 and merged.slash_topk == 5
+
+
+def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    SparseAttentionConfig(vertical_topk=256, slash_topk=77, sink_tokens=8).save(path)
+    args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
+    flags = SparseAttentionConfig(vertical_topk=512, slash_topk=5, sink_tokens=16)  # 512 is the default
+    merged = args.attention_config(flags, explicit={"sparse_vertical_topk", "sparse_slash_topk", "output_dir"})
+    # given flags win, the default value 512 included; sink_tokens (parsed, not given) keeps the file's value;
+    # names of other configs' fields (output_dir) are ignored
+    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens) == (512, 5, 8)
+    assert args.attention_config(flags, explicit=set()) == SparseAttentionConfig.from_file(path)
+    # without `explicit`: the flags that differ from the defaults (a default value cannot be told from none)
+    legacy = args.attention_config(flags)
+    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens) == (256, 5, 16)
+    # without a file the flags are the config, given or not
+    assert SparseCPArguments(sparse_attention=True).attention_config(flags, explicit=set()) is flags
+    assert SparseAttentionConfig.from_file_and_flags(None, {"sink_tokens": 16}, explicit=set()).sink_tokens == 16
+
+
+def test_explicit_fields_finds_every_spelling_and_default_values():
+    from transformers import TrainingArguments
+
+    parser = HfArgumentParser((TrainingArguments, SparseCPArguments, SparseAttentionFlags))
+    given = explicit_fields(parser, ["--sparse-vertical-topk=1024", "--no_sparse_fused_loss", "--sparse_slash_topk",
+                                     "2048", "--report_to", "none", "--sparse_sink_tok", "64", "--help", "--not_a_flag",
+                                     "1"])
+    assert given == {"sparse_vertical_topk", "sparse_fused_loss", "sparse_slash_topk", "report_to",
+                     "sparse_sink_tokens"}
+    assert explicit_fields(parser, []) == set()

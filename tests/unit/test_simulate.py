@@ -1,0 +1,200 @@
+"""The cluster simulator counts what the ring executes and times its schedule as the analytic answers say."""
+
+import pytest
+import torch
+
+from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.distributed import RingTopology, ShardPlan
+from hf_sparse_cp.distributed.plan import RingPlan
+from hf_sparse_cp.distributed.planner import plan_documents
+from hf_sparse_cp.simulator.simulate import (
+    CONFIGURATIONS,
+    Cluster,
+    KernelCosts,
+    Link,
+    Workload,
+    all_gather_time,
+    plan_work,
+    simulate_ring,
+)
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step
+from hf_sparse_cp.simulator.traffic import plan_traffic, ring_cost
+from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+
+S, BS = 2048, 32
+
+RINGS = [("contiguous", (1, 4)), ("zigzag", (1, 4)), ("striped", (1, 4)), ("striped", (2, 2)),
+         ("document", (1, 4)), ("document", (2, 2))]
+# a packed row for the document planner: whole documents on some ranks, the long ones split (ragged shards)
+DOCS = [700, 90, 260, 500, 130, 300, 68]
+KINDS = ["sparse", "dense", "dense", "sparse", "dense", "dense", "dense"]
+
+
+def _sparse(seed=0, heads=3, meta=None):
+    return random_vertical_slash_layout(1, heads, S, BS, num_diagonals=6, num_verticals=40, sink_tokens=8, meta=meta,
+                                        generator=torch.Generator().manual_seed(seed))
+
+
+def _split(sharding, w, seed=0):
+    """(plan, global layout, global meta) of a 2048-token row: one sequence, or the packed DOCS for 'document'."""
+    if sharding != "document":
+        return ShardPlan(sharding, w, BS, S), _sparse(seed), TokenMeta.contiguous(1, S)
+    plan = plan_documents(DOCS, KINDS, w, BS, kept_per_row=4)
+    assert len({int(b.numel()) for b in plan.rank_blocks}) > 1 and plan.split  # ragged, some documents split
+    seg = torch.repeat_interleave(torch.arange(len(DOCS), dtype=torch.int32), torch.tensor(DOCS))
+    meta = plan.global_meta(TokenMeta.from_segments(seg.unsqueeze(0)))
+    return plan, _sparse(seed, meta=meta), meta
+
+
+@pytest.mark.parametrize("sharding,shape", RINGS, ids=[f"{s}-{n}x{l}" for s, (n, l) in RINGS])
+def test_work_equals_the_ring_plans_step_layouts(sharding, shape):
+    topo = RingTopology(*shape)
+    plan, layout, meta = _split(sharding, topo.size)
+    work = plan_work(layout, plan, topo)
+    for p in range(topo.size):
+        ring_plan = RingPlan(layout, plan, meta, topo, p)
+        for t, step in enumerate(ring_plan.steps):
+            if step.layout is None:
+                assert work.calls[p, t] == 0 and work.blocks[p, t] == 0
+                continue
+            assert work.calls[p, t] == 1
+            assert work.blocks[p, t] == float(step.layout.num_computed_blocks().sum())
+            assert work.rows[p, t] == float((step.layout.block_cnt > 0).sum())
+            assert work.padded[p, t] == step.layout.block_idx.shape[-1] * step.layout.block_cnt.numel()
+        bar = ring_plan.bar.layout
+        assert work.calls[p, -1] == float(ring_plan.bar_work)
+        assert work.blocks[p, -1] == pytest.approx(float(bar.col_cnt.sum()) / BS)
+        assert work.rows[p, -1] == float((bar.col_cnt > 0).sum())
+        assert work.padded[p, -1] == pytest.approx(int(bar.col_cnt.max()) * bar.col_cnt.numel() / BS)
+
+
+@pytest.mark.parametrize("sharding,shape", RINGS, ids=[f"{s}-{n}x{l}" for s, (n, l) in RINGS])
+def test_work_and_bytes_equal_what_cp_balance_counts(sharding, shape):
+    topo = RingTopology(*shape)
+    plan, layout, _ = _split(sharding, topo.size, seed=1)
+    cost = ring_cost(layout, plan, topo, kv_heads=2, head_dim=16)
+    assert torch.equal(plan_work(layout, plan, topo).blocks, cost.work)
+    traffic = plan_traffic(layout, plan, topo, kv_heads=2, head_dim=16)
+    assert torch.equal(traffic.total(False), cost.forward_bytes)
+    assert torch.equal(traffic.total(True), cost.backward_bytes)
+
+
+def _full_layout(nb: int) -> SparseLayout:
+    """Every query block reads every key block: every ring slot carries a whole shard."""
+    idx = torch.arange(nb, dtype=torch.int32).expand(1, 1, nb, nb).contiguous()
+    return SparseLayout.from_blocks(idx, torch.full((1, 1, nb), nb, dtype=torch.int32), BS)
+
+
+W = 4
+LINK = Link(bandwidth=1e9, latency=1e-5)
+
+
+def _toy(overlap=True):
+    nb = S // BS
+    plan = ShardPlan("striped", W, BS, S)
+    topo = RingTopology(1, W)
+    traffic = plan_traffic(_full_layout(nb), plan, topo, kv_heads=1, head_dim=16)
+    shard = plan.local_len * 16 * 2 * 2  # K and V, bf16
+    return traffic, topo, Cluster("toy", W, LINK, LINK, overlap), LINK.latency + shard / LINK.bandwidth
+
+
+def _steps(c: float) -> torch.Tensor:
+    t = torch.full((W, W + 1), c, dtype=torch.float64)
+    t[:, -1] = 0.0  # no column step
+    return t
+
+
+def test_hidden_communication_costs_nothing():
+    traffic, topo, cluster, transfer = _toy()
+    c = 3 * transfer
+    assert simulate_ring(_steps(c), traffic, topo, cluster, backward=False).time == pytest.approx(W * c)
+
+
+def test_communication_bound_ring_takes_the_transfers():
+    traffic, topo, cluster, transfer = _toy()
+    assert simulate_ring(_steps(0.0), traffic, topo, cluster, backward=False).time == pytest.approx((W - 1) * transfer)
+    c = transfer / 4  # each of the W - 1 transfers outlasts its step; the last step has none
+    line = simulate_ring(_steps(c), traffic, topo, cluster, backward=False)
+    assert line.time == pytest.approx((W - 1) * transfer + c)
+
+
+def test_without_overlap_compute_and_transfers_add_up():
+    traffic, topo, cluster, transfer = _toy(overlap=False)
+    c = 3 * transfer
+    assert simulate_ring(_steps(c), traffic, topo, cluster, backward=False).time == pytest.approx(
+        W * c + (W - 1) * transfer)
+
+
+def test_the_slowest_rank_decides():
+    traffic, topo, cluster, transfer = _toy()
+    c = 3 * transfer
+    steps = _steps(c)
+    steps[0, 0] = 3 * c
+    line = simulate_ring(steps, traffic, topo, cluster, backward=False)
+    assert line.time == pytest.approx((W + 2) * c)
+    # its ring neighbours wait for it at the next slot (without it they would end at W c)
+    assert float(line.end[1]) > W * c + transfer and float(line.end[W - 1]) > W * c + transfer
+
+
+def test_column_all_gather_hides_behind_the_ring_or_not():
+    layout = _sparse(heads=1)
+    plan = ShardPlan("striped", W, BS, S)
+    topo = RingTopology(1, W)
+    traffic = plan_traffic(layout, plan, topo, kv_heads=1, head_dim=16)
+    assert traffic.bar_gather_bytes > 0
+    slow = Link(bandwidth=1e3, latency=0.0)  # the collective takes far longer than anything else
+    gather = all_gather_time(traffic.bar_gather_bytes, W, slow)
+    free = Link(float("inf"), 0.0)
+    steps = _steps(1e-3)
+    steps[:, -1] = 2e-3
+    cluster = Cluster("toy", W, free, slow)
+    line = simulate_ring(steps, traffic, topo, Cluster("one node", W, slow, slow), backward=False)
+    assert line.time >= gather + 2e-3
+    line = simulate_ring(steps, traffic, topo, Cluster("free", W, free, free), backward=False)
+    assert line.time == pytest.approx(W * 1e-3 + 2e-3)
+    assert cluster.group_link(W) is free and cluster.group_link(2 * W) is slow
+
+
+def test_kernel_costs_scale_with_the_models_heads():
+    layout = _sparse(heads=2)
+    plan = ShardPlan("striped", W, BS, S)
+    work = plan_work(layout, plan, RingTopology(1, W))
+    costs = KernelCosts(call=1.0, row=0.0, block=2.0, slot=0.0)
+    assert torch.allclose(costs.time(work, heads=8), work.calls + 2.0 * 4 * work.blocks)
+
+
+def test_predicted_step_is_consistent():
+    """128K tokens on the H100 preset: sparse beats dense, more GPUs means a shorter step."""
+    s = 131072
+    layouts = {"sparse": random_vertical_slash_layout(1, 2, s, 128, num_diagonals=6, num_verticals=64, sink_tokens=32,
+                                                      generator=torch.Generator().manual_seed(0)),
+               "dense": dense_layout(TokenMeta.contiguous(1, s), 128)}
+    workload = Workload((s,), ("sparse",), lambda kind, plan: layouts[kind])
+    model, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
+    out = {(name, cp): predict_step(CONFIGURATIONS[name](workload, cp, 128, 8), model, hw, cluster)
+           for name in ("dense ring", "striped sparse", "planner sparse") for cp in (4, 16)}
+    for name in ("dense ring", "striped sparse"):
+        assert out[(name, 16)]["step_s"] < out[(name, 4)]["step_s"]
+    assert out[("striped sparse", 4)]["step_s"] < out[("dense ring", 4)]["step_s"]
+    r = out[("striped sparse", 16)]
+    assert 0.0 <= r["comm_share"] < 1.0
+    assert r["tokens_per_s"] == pytest.approx(s / r["step_s"])
+    # one sequence: the planner splits it striped, and the simulator predicts the same step
+    for cp in (4, 16):
+        assert out[("planner sparse", cp)]["step_s"] == pytest.approx(out[("striped sparse", cp)]["step_s"])
+    # causal-chunk estimation: 127 sets of 1024-token chunks, each scoring about half the keys, its packed
+    # slashes about half the offsets, its candidates and small all-reduces whole: every cost but the index
+    # build and the collectives' latencies grows 63.5x to 127x; the attention itself is the same
+    setup = CONFIGURATIONS["striped sparse"](workload, 16, 128, 8)
+    causal = predict_step(setup, model, hw, cluster, estimation_chunk=1024)
+    assert causal["attention_fwd_s"] == r["attention_fwd_s"] and causal["linear_s"] == r["linear_s"]
+    assert 30 < (causal["estimation_s"] - hw.index_build_s) / (r["estimation_s"] - hw.index_build_s) < 127
+    half = predict_step(setup, model, hw, cluster, estimation_chunk=2048)  # 63 sets: about half the cost
+    assert 1.5 < (causal["estimation_s"] - r["estimation_s"]) / (half["estimation_s"] - r["estimation_s"]) < 2.1
+    assert causal["step_s"] - r["step_s"] == pytest.approx(2 * model.layers * (causal["estimation_s"]
+                                                                               - r["estimation_s"]), rel=1e-6)
+    small = Workload((S,), ("sparse",), lambda kind, plan: _sparse())
+    with pytest.raises(ValueError, match="block_size=128"):
+        predict_step(CONFIGURATIONS["striped sparse"](small, 4, BS, 8), model, hw, cluster)

@@ -1,0 +1,252 @@
+"""SMET optimizer: cold-start cure, equivalence to AdamW, masks, sparse updates, memory, checkpoints."""
+
+import dataclasses
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer, state_nbytes
+from hf_sparse_cp.smet.masks import active_mask
+
+from smet_common import fit, markov_tokens, tiny_llama
+
+BETAS = (0.9, 0.999)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class OneMatrix(nn.Module):
+    """A single sparse matrix (named like an attention projection) and a dense bias vector."""
+
+    def __init__(self, rows: int = 32, cols: int = 64, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.q_proj = nn.Linear(cols, rows, bias=True)
+
+
+def _first_regrown_update(config: SMETConfig, steps_before: int = 3000):
+    """Run `steps_before` steps of random gradients (the topology update happens at the last one),
+    then one more step; return |update| / lr of regrown and of long-active coordinates at that step."""
+    model = OneMatrix()
+    lr = 1e-3
+    # eps far below sqrt(1 - b2) * |g| so the measured ratios are the Adam ratios themselves.
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=lr, betas=BETAS, eps=1e-14, weight_decay=0.0)
+    weight = model.q_proj.weight
+    gen = torch.Generator().manual_seed(0)
+
+    def random_step():
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+    for _ in range(steps_before):
+        random_step()
+    state = opt.state[weight]
+    assert opt.topology_updates == 1
+    regrown = state["block_step"] == 0
+    assert 0 < regrown.sum() < regrown.numel()
+    index = state["block_index"].long()
+    before = weight.detach().clone().view(32, -1, config.block_size)
+    random_step()
+    after = weight.detach().view(32, -1, config.block_size)
+    delta = (after - before).gather(1, index.unsqueeze(-1).expand(-1, -1, config.block_size)).abs()
+    unit = lr * config.lr_scale
+    return delta[regrown] / unit, delta[~regrown] / unit, steps_before + 1
+
+
+def _naive_first_step(t: int) -> float:
+    """|first update| / lr of a coordinate whose moments start at zero under the global step t."""
+    b1, b2 = BETAS
+    return (1 - b1) / math.sqrt(1 - b2) * math.sqrt(1 - b2**t) / (1 - b1**t)
+
+
+def test_first_update_of_a_regrown_block_is_no_larger_than_a_normal_step():
+    base = SMETConfig(density=0.5, block_size=8, update_interval=3000, prune_rate=0.25)
+    naive_regrown, naive_normal, t = _first_regrown_update(base.naive())
+    expected = _naive_first_step(t)
+    assert expected > 3.0  # the cold-start overshoot, -> (1 - b1) / sqrt(1 - b2) = 3.16 late in training
+    torch.testing.assert_close(naive_regrown, torch.full_like(naive_regrown, expected), rtol=1e-4, atol=0)
+    assert naive_regrown.min() > 2 * naive_normal.max()
+
+    smet_regrown, smet_normal, _ = _first_regrown_update(base)
+    assert smet_regrown.max() <= smet_normal.median()
+    assert smet_regrown.max() <= 1.0 / base.regrow_warmup_steps * (1 + 1e-5)
+
+    # Local bias correction alone: the first step is a sign step of exactly lr, never 3.16 lr.
+    bias_only, _, _ = _first_regrown_update(dataclasses.replace(base.naive(), local_bias_correction=True))
+    torch.testing.assert_close(bias_only, torch.ones_like(bias_only), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_density_one_and_dense_groups_match_torch_adam(decoupled):
+    """With every block active, SMET's compact update is exactly (fp64) the stock Adam/AdamW update."""
+    stock_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    tokens = markov_tokens(4, 16)
+    ours, ref = tiny_llama(dtype=torch.float64), tiny_llama(dtype=torch.float64)
+    opt = create_smet_optimizer(ours, stock_cls, SMETConfig(density=1.0, block_size=16, update_interval=2),
+                                lr=3e-3, weight_decay=0.1)
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    no_decay = [p for p in ref.parameters() if p.dim() < 2]
+    ref_opt = stock_cls([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                        lr=3e-3, foreach=False)
+    for _ in range(4):
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_sparse_weights_keep_inactive_weights_zero_and_mask_gradients_before_clipping():
+    config = SMETConfig(density=0.25, block_size=8, update_interval=3, regrowth="gradient")
+    model = tiny_llama()
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2)
+    tokens = markov_tokens(8, 32)
+    sparse = [p for g in opt.param_groups if g["smet"] for p in g["params"]]
+    assert len(sparse) == 14  # q, k, v, o, gate, up, down in 2 layers; embeddings and lm_head dense
+    for _ in range(1, 8):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        for p in sparse:
+            state = opt.state[p]
+            inactive = ~active_mask(state["block_index"], p.shape[1] // 8)
+            grad = p.grad.view(p.shape[0], -1, 8)
+            assert grad[inactive].abs().max() == 0  # hooks zeroed them during backward
+            assert grad[~inactive].abs().sum() > 0
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert math.isfinite(norm)
+        opt.step()
+        opt.zero_grad()
+        for p in sparse:
+            index = opt.state[p]["block_index"].long()
+            rows, blocks = p.shape[0], p.shape[1] // 8
+            assert index.shape == (rows, blocks // 4) and index.max() < blocks
+            assert (index.sort(1).values.diff(dim=1) > 0).all()  # distinct blocks in every row
+            inactive = ~active_mask(index, blocks)
+            assert p.detach().view(rows, blocks, 8)[inactive].abs().max() == 0
+    assert opt.topology_updates == 2 and opt.last_replaced_fraction > 0
+
+
+def test_sparse_update_keeps_pretrained_weights_and_regrows_by_gradient():
+    config = SMETConfig(mode="sparse_update", density=0.25, block_size=8, update_interval=4, prune_rate=0.5)
+    model = OneMatrix(rows=16, cols=64)
+    weight = model.q_proj.weight
+    pretrained = weight.detach().clone()
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2)
+    assert torch.equal(weight, pretrained)  # attaching changes no weight in sparse_update mode
+    gen = torch.Generator().manual_seed(0)
+    hot = torch.zeros(16, 8, dtype=torch.bool)
+    for step in range(1, 5):
+        index = opt.state[weight]["block_index"].long()
+        active = active_mask(index, 8)
+        grad = torch.randn(16, 8, 8, generator=gen) * 0.01
+        if step == 4:
+            # Make one inactive block per row the clear gradient winner before the topology update.
+            hot = torch.zeros(16, 8, dtype=torch.bool)
+            first_inactive = (~active).float().argmax(1)
+            hot[torch.arange(16), first_inactive] = True
+            grad[hot] = 10.0
+        weight.grad = grad.view(16, 64).clone()
+        model.q_proj.bias.grad = torch.randn(16, generator=gen)
+        before = weight.detach().clone().view(16, 8, 8)
+        opt.step()
+        changed = (weight.detach().view(16, 8, 8) != before).any(-1)
+        assert not (changed & ~active).any()  # only active blocks move
+        assert changed[active].all()
+    moved = (weight.detach() != pretrained).view(16, 8, 8).any(-1)
+    new_index = opt.state[weight]["block_index"].long()
+    now_active = active_mask(new_index, 8)
+    assert now_active[hot].all()  # the largest-gradient blocks were regrown
+    assert (moved & ~now_active).any()  # pruned blocks keep their trained values (not reset)
+    regrown_slots = hot.gather(1, new_index)
+    assert (opt.state[weight]["update_magnitude"][regrown_slots] == 0).all()  # counted from regrowth on
+
+
+def test_optimizer_state_at_density_0_1_is_at_most_15_percent_of_adamw():
+    # hidden 160 and intermediate 320 with 16-wide blocks: 10 or 20 blocks per row, density exactly 0.1.
+    shape = dict(hidden_size=160, intermediate_size=320, num_attention_heads=5, num_key_value_heads=5, head_dim=32)
+    tokens = markov_tokens(2, 16)
+    smet_model, adam_model = tiny_llama(**shape), tiny_llama(**shape)
+    opt = create_smet_optimizer(smet_model, torch.optim.AdamW, SMETConfig(density=0.1, block_size=16))
+    adam = torch.optim.AdamW(adam_model.parameters())
+    for model, optimizer in ((smet_model, opt), (adam_model, adam)):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+    names = [n for g in opt.param_groups if g["smet"] for n in g["param_names"]]
+    params = dict(adam_model.named_parameters())
+    sparse_bytes = state_nbytes(opt, [p for g in opt.param_groups if g["smet"] for p in g["params"]])
+    adam_bytes = state_nbytes(adam, [params[n] for n in names])
+    assert opt.density() == pytest.approx(0.1)
+    ratio = sparse_bytes / adam_bytes
+    assert 0.1 < ratio <= 0.15, ratio  # 0.1 of the moments + int16 index + int32 step counter per block
+
+
+@pytest.mark.parametrize("mode", ["sparse_weights", "sparse_update"])
+def test_state_dict_round_trip_resumes_exactly(mode):
+    config = SMETConfig(mode=mode, density=0.5, block_size=8, update_interval=3, regrowth="gradient",
+                        regrow_warmup_steps=4, prune_decay_steps=20)
+    batches = [markov_tokens(4, 16, seed=s) for s in range(12)]
+
+    model = tiny_llama()
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3)
+    uninterrupted = fit(model, opt, batches)
+
+    first = tiny_llama()
+    opt1 = create_smet_optimizer(first, torch.optim.AdamW, config, lr=5e-3)
+    head = fit(first, opt1, batches[:7])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    resumed = tiny_llama(seed=1)  # different init: everything must come from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    opt2 = create_smet_optimizer(resumed, torch.optim.AdamW, config, lr=5e-3, attach=False)
+    opt2.load_state_dict(saved["optimizer"])
+    opt2.attach()
+    tail = fit(resumed, opt2, batches[7:])
+    assert head + tail == uninterrupted
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(density=0.25), r"density=0\.5 \(this run: 0\.25\)"),
+    # 4 of 8 blocks per row either way (round(3.6) = 4): the state would fit, the setting still differs
+    (dict(density=0.45), r"density=0\.5 \(this run: 0\.45\)"),
+    (dict(block_size=16), r"block_size=8 \(this run: 16\)"),
+    (dict(mode="sparse_update"), r"mode='sparse_weights' \(this run: 'sparse_update'\)"),
+])
+def test_loading_a_checkpoint_of_other_smet_settings_names_them(change, named):
+    config = SMETConfig(density=0.5, block_size=8)
+    saved = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, config).state_dict()
+    assert [g.get("smet_density") for g in saved["param_groups"]] == [0.5, None, None]
+    other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, dataclasses.replace(config, **change))
+    with pytest.raises(ValueError, match=named):
+        other.load_state_dict(saved)
+
+
+def test_a_checkpoint_without_recorded_settings_is_still_checked_by_shape():
+    saved = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8)).state_dict()
+    for group in saved["param_groups"]:
+        for key in [k for k in group if k.startswith("smet_")]:
+            del group[key]
+    other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.25, block_size=8))
+    with pytest.raises(ValueError, match="another density or block_size"):
+        other.load_state_dict(saved)
+
+
+def test_factory_rejects_unsupported_optimizers_and_arguments():
+    with pytest.raises(ValueError, match="SMET supports"):
+        create_smet_optimizer(tiny_llama(), torch.optim.SGD)
+    with pytest.raises(ValueError, match="amsgrad"):
+        create_smet_optimizer(tiny_llama(), torch.optim.AdamW, amsgrad=True)
+    with pytest.raises(ValueError, match="No module of the model matches"):
+        create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["c_attn"]))
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        create_smet_optimizer(tiny_llama(), config=SMETConfig(block_size=48))
+    opt = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, fused=True, lr=1e-3)
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.decoupled_weight_decay
