@@ -16,6 +16,11 @@ issue's end-to-end targets (0.5B trains at 512K; at 128K and 256K sparse_cp >= 3
 tokens/s of sdpa + liger, at no more memory) and writes JSON (device, versions, date, the command,
 settings, results, speed-ups, longest fits, targets) to benchmarks/results/.
 
+The `sparse_cp` variant runs as the plugin's Trainer path does: MLPs and RMSNorms in token tiles from
+`--token_tiling_min_length` (32K; the plugin's `--sparse_token_tiling_min_length`) on, saved layer inputs
+in host memory with `--offload_layer_inputs`.
+`python benchmarks/memory_model.py --start_length 0.5b` prints the longest S predicted to fit this GPU.
+
 The `sparse_cp` pattern budget: by default (`--kept_fraction 0.05`) vertical_topk and slash_topk are
 derived per S so that about 5% of the causal blocks are kept when the picks land at random places,
 as they do in a random-init model (`budget_for_kept_fraction`); the kept fraction actually run is
@@ -111,6 +116,16 @@ class BenchArguments:
         default_factory=lambda: [131072],
         metadata={"help": "Sequence lengths at which one more training step is profiled by kernel (GPU time per "
                   "kernel, printed and in the JSON: where a step's time goes). Empty: none."},
+    )
+    token_tiling_min_length: int = field(
+        default=32768,
+        metadata={"help": "sparse_cp: MLPs and RMSNorms in token tiles from this S on, as the plugin's "
+                  "--sparse_token_tiling_min_length does (0: never)."},
+    )
+    offload_layer_inputs: bool = field(
+        default=False,
+        metadata={"help": "sparse_cp: the saved layer inputs in pinned host memory (the plugin's "
+                  "--sparse_offload_layer_inputs)."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
     output: str | None = field(
@@ -269,6 +284,15 @@ def run_one(spec: dict) -> dict:
             from hf_sparse_cp.integration.stats import pop_kept_fractions
 
             configure(model, SparseAttentionConfig.from_dict(spec["sparse"]))
+            from hf_sparse_cp.integration.memory_savers import enable_memory_savers
+            from hf_sparse_cp.memory import MemorySavers
+
+            threshold = spec["token_tiling_min_length"]
+            savers = MemorySavers(tiled=bool(threshold) and seq_len >= threshold,
+                                  offload_layer_inputs=spec["offload_layer_inputs"])
+            if savers.active:
+                enable_memory_savers(model, savers)
+            result["memory_savers"] = {"tiled": savers.tiled, "offload_layer_inputs": savers.offload_layer_inputs}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         generator = torch.Generator().manual_seed(spec["seed"])
         input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator).to(device)
@@ -462,7 +486,9 @@ def main(argv: list[str]) -> dict:
             settings, budget = sparse_settings(sparse, args, seq_len)
             spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
                     "warmup_steps": warmup_steps, "timed_steps": timed_steps, "seed": args.seed,
-                    "sparse": settings, "profile_seq_lens": args.profile_seq_lens}
+                    "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
+                    "token_tiling_min_length": args.token_tiling_min_length,
+                    "offload_layer_inputs": args.offload_layer_inputs}
             reason = skip_reason(variant, device)
             if reason is not None:  # known without starting a process
                 r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}

@@ -1,6 +1,6 @@
 """`hf-sparse-cp` command line: `train` runs the long-context example (`--recipe NAME` runs a shipped
 recipe), `recipes` lists the shipped recipes, `plot` draws a run's sparsity, `simulate` predicts CP
-step time on a GPU cluster, `env` reports the setup."""
+step time on a GPU cluster, `memory` how long a sequence fits on a GPU, `env` reports the setup."""
 
 from __future__ import annotations
 
@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("simulate", add_help=False,
                    help="Predict training-step time, tokens/s and speedup of context parallelism on a GPU cluster from "
                    "the ring's own plans (`hf-sparse-cp simulate --help` lists its flags; writes JSON and a plot).")
+    sub.add_parser("memory", add_help=False,
+                   help="Predict how long a sequence fits on a GPU for a model (with CP, FSDP, token tiles, offload) "
+                   "and which terms its memory holds (`hf-sparse-cp memory --help` lists its flags).")
     recipes = sub.add_parser("recipes", help="List the shipped recipes (training flags and accelerate configs).")
     recipes.add_argument("--path", metavar="NAME", help="Print the file of this recipe (e.g. for accelerate launch "
                          "--config_file) instead of the list.")
@@ -167,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             simulate(rest, prog="hf-sparse-cp simulate")
         except ImportError as e:  # names the extra to install
             parser.error(str(e))
+        return 0
+    if args.command == "memory":
+        from hf_sparse_cp.memory.cli import main as memory
+
+        memory(rest, prog="hf-sparse-cp memory")
         return 0
     if args.command == "plot":
         if rest:

@@ -105,6 +105,20 @@ def lean_loss() -> Iterator:
     disable_lean_loss()
 
 
+def memory_savers() -> Iterator:
+    from hf_sparse_cp.integration.memory_savers import disable_memory_savers, enable_memory_savers
+    from hf_sparse_cp.memory import MemorySavers
+
+    models = [AutoModelForCausalLM.from_config(tiny_config(kind)) for kind in ("llama", "qwen2", "qwen3", "mistral")]
+    yield [(m, "forward") for model in models
+           for m in (model.model.layers[0], model.model.layers[0].mlp, model.model.layers[0].input_layernorm)]
+    for model in models:
+        enable_memory_savers(model, MemorySavers(tiled=True, offload_layer_inputs=True))
+    yield
+    for model in models:
+        disable_memory_savers(model)
+
+
 def sparse_attention() -> Iterator:
     from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention, enable_sparse_attention
 
@@ -139,6 +153,9 @@ ONE_PROCESS = {
         resharded_loading,
     ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,
     ("transformers.PreTrainedModel.forward",): lean_loss,
+    (*(f"transformers.models.{f.lower()}.modeling_{f.lower()}.{f}{kind}.forward"
+       for f in ("Llama", "Qwen2", "Qwen3", "Mistral") for kind in ("MLP", "RMSNorm")),
+     "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
     ("hf_sparse_cp.integration.backend.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):

@@ -136,6 +136,16 @@ PATCHES = (
     # -- models, configs, arguments, process-wide transformers state --
     Patch("transformers.PreTrainedModel", "forward", "replaces", "the lean loss: supported *ForCausalLM classes "
           "train without materializing [tokens, vocab] logits (process-wide, per class)", "disable_lean_loss()"),
+    *(Patch(f"transformers.models.{family.lower()}.modeling_{family.lower()}.{family}{kind}", "forward", "replaces",
+            "token tiles: a decoder layer's MLP and RMSNorms run a tile of tokens at a time (memory_savers.py, "
+            "--sparse_token_tiling_min_length), on the model's own instances", "disable_memory_savers(model) / "
+            "disable_sparse_attention(model)", ("self", argument))
+      for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
+      for kind, argument in (("MLP", "x"), ("RMSNorm", "hidden_states"))),
+    Patch("transformers.modeling_layers.GradientCheckpointingLayer", "forward", "replaces", "host offload: a "
+          "decoder layer runs inside hooks that move what its checkpoint saves (its inputs) to host memory "
+          "(--sparse_offload_layer_inputs), on the model's own instances", "disable_memory_savers(model) / "
+          "disable_sparse_attention(model)"),
     Patch("transformers.PretrainedConfig", "sparse_attention", "sets", "a model's sparse-attention settings are "
           "stored on its config (saved with it)", "disable_sparse_attention(model) / disable_curriculum(trainer)",
           added=True),

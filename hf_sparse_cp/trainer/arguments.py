@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config import SparseAttentionConfig
 from ..files import check_field_types
+from ..memory import MemorySavers
 from ..smet import SMETConfig
 from ..smet.config import module_names
 
@@ -46,6 +47,20 @@ class SparseCPArguments:
         metadata={"help": "Turn gradient checkpointing on when the training sequence length is at least this "
                   "(0 disables the automatic switch)."},
     )
+    sparse_token_tiling_min_length: int = field(
+        default=32768,
+        metadata={"help": "Compute every decoder layer's MLP and RMSNorms in token tiles (--sparse_token_tile_size) "
+                  "when the training sequence length is at least this (0 never): exact, one more MLP forward per "
+                  "layer, and no [tokens, intermediate] activation kept (`hf-sparse-cp memory` shows what it saves)."},
+    )
+    sparse_token_tile_size: int = field(
+        default=8192, metadata={"help": "Tokens per tile of --sparse_token_tiling_min_length."})
+    sparse_offload_layer_inputs: bool = field(
+        default=False,
+        metadata={"help": "With gradient checkpointing, keep each decoder layer's saved input in pinned host memory "
+                  "until backward (copied asynchronously on a GPU): frees layers x tokens x hidden x 2 bytes of GPU "
+                  "memory for as much host memory."},
+    )
     sparse_log_sparsity: bool = field(
         default=True,
         metadata={"help": "Log the per-layer kept fraction of attention blocks into the Trainer's logs."},
@@ -53,6 +68,17 @@ class SparseCPArguments:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.sparse_token_tiling_min_length < 0:
+            raise ValueError(f"--sparse_token_tiling_min_length {self.sparse_token_tiling_min_length} must be >= 0 "
+                             "(0: never tile).")
+        MemorySavers(tile_tokens=self.sparse_token_tile_size)  # validates the tile
+
+    def memory_savers(self, max_length: int | None) -> MemorySavers:
+        """The memory savers for sequences of `max_length` tokens (None: unknown, no token tiles)."""
+        tiled = bool(self.sparse_token_tiling_min_length) and max_length is not None and (
+            max_length >= self.sparse_token_tiling_min_length)
+        return MemorySavers(tiled=tiled, tile_tokens=self.sparse_token_tile_size,
+                            offload_layer_inputs=self.sparse_offload_layer_inputs)
 
     def attention_config(
         self, from_flags: SparseAttentionConfig | SparseAttentionFlags | None = None,

@@ -22,6 +22,7 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..integration import compat
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
+from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
 from ..integration.patching import attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, is_patched, patch, unpatch
@@ -62,7 +63,9 @@ def enable_sparse_attention(
         attention_config: the pattern parsed from the command line (`SparseAttentionFlags`, or the
             config itself); flags that differ from the defaults override `--sparse_config`.
         training_args, max_length: when both are given and `max_length` reaches
-            `sparse_gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`.
+            `sparse_gradient_checkpointing_min_length`, gradient checkpointing is turned on in `training_args`;
+            from `sparse_token_tiling_min_length` on, the MLPs and RMSNorms run in token tiles
+            (`integration.memory_savers.enable_memory_savers`, as is `sparse_offload_layer_inputs`).
         explicit: the pattern fields given explicitly (`arguments.explicit_fields`): they beat
             `--sparse_config` whatever their value (without it, flags that differ from the defaults do).
 
@@ -104,6 +107,10 @@ def enable_sparse_attention(
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
                 patches.set_attr(training_args, name, True)
+    savers = sparse_args.memory_savers(max_length)
+    if savers.active:
+        enable_memory_savers(model, savers)
+        patches.on_undo(lambda: disable_memory_savers(model))
     return config
 
 

@@ -15,10 +15,12 @@ FOLDERS = {"hf_sparse_cp": ROOT / "hf_sparse_cp", "hf_sparse_cp.kernels": ROOT /
 
 # What each part may import from the rest of hf_sparse_cp besides itself (prefixes); "*" anything. The direction is
 # trainer -> reporting / resharding -> integration -> distributed -> attention -> config, with kernels a leaf, the
-# simulator beside the training path (it reads the ring's plan, nothing reads it) and testing / examples on top.
+# simulator beside the training path (it reads the ring's plan; only the memory model reads its model shapes) and
+# testing / examples on top.
 BASE = ("hf_sparse_cp.config", "hf_sparse_cp.files", "hf_sparse_cp.backends", "hf_sparse_cp.env",
         "hf_sparse_cp.lazy")
-MODEL_PATH = (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss", "hf_sparse_cp.smet")
+MODEL_PATH = (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss", "hf_sparse_cp.smet",
+              "hf_sparse_cp.memory")
 ALLOWED = {
     "hf_sparse_cp.kernels": (),
     "hf_sparse_cp.config": ("hf_sparse_cp.files",),
@@ -31,6 +33,8 @@ ALLOWED = {
     "hf_sparse_cp.smet": BASE,
     "hf_sparse_cp.distributed": (*BASE, "hf_sparse_cp.attention"),
     "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention"),
+    # the memory savers (token tiles, host offload) and the memory model, which reads the simulator's model shapes
+    "hf_sparse_cp.memory": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.simulator"),
     "hf_sparse_cp.integration": MODEL_PATH,
     "hf_sparse_cp.resharding": (*MODEL_PATH, "hf_sparse_cp.integration"),
     "hf_sparse_cp.reporting": (*MODEL_PATH, "hf_sparse_cp.integration"),

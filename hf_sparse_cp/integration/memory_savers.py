@@ -1,0 +1,97 @@
+"""The memory savers (`hf_sparse_cp.memory.MemorySavers`) applied to a transformers model, reversibly.
+
+`enable_memory_savers(model, savers)` replaces `forward` on module instances, each change recorded
+on the model (`patching.record_on`); `disable_memory_savers(model)` restores them:
+* token tiles: the `mlp`, `input_layernorm` and `post_attention_layernorm` of every decoder layer and
+  the decoder's final `norm` run through `tiled_rows`. Only classes known to treat every token on
+  its own are tiled (`ROWWISE_CLASSES`); any other module there is refused, naming it.
+* host offload: every decoder layer (a transformers `GradientCheckpointingLayer`) runs inside
+  `HostOffload`, whose hooks see what the checkpoint saves of the call: the layer's inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..memory.offload import HostOffload
+from ..memory.savers import MemorySavers
+from ..memory.tiling import tiled_rows
+from .patching import record_on, undo_recorded
+
+_FEATURE = "memory_savers"
+# MLP and RMSNorm classes whose forward maps every token's hidden state on its own (SwiGLU MLPs, RMSNorm).
+ROWWISE_CLASSES = frozenset(f"{family}{kind}" for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
+                            for kind in ("MLP", "RMSNorm"))
+_LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' `GradientCheckpointingLayer`s), in order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module the token tiles apply to. Raises ValueError when one of them is
+    not of a class known to be row-wise (`ROWWISE_CLASSES`)."""
+    names = {m: n for n, m in model.named_modules()}
+    found = [getattr(layer, attr) for layer in decoder_layers(model) for attr in _LAYER_MODULES if hasattr(layer, attr)]
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+        found.append(decoder.norm)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no decoder layers with an `mlp` or RMSNorms to tile; turn "
+                         "token tiles off (--sparse_token_tiling_min_length 0).")
+    for m in found:
+        if type(m).__name__ not in ROWWISE_CLASSES:
+            raise ValueError(f"{names.get(m, '?')} is a {type(m).__name__}, not known to treat every token on its "
+                             f"own (tiles take {sorted(ROWWISE_CLASSES)}); turn token tiles off "
+                             "(--sparse_token_tiling_min_length 0).")
+    return [(names.get(m, "?"), m) for m in found]
+
+
+def _tiled_forward(module: torch.nn.Module, tile_tokens: int):
+    original = module.forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        params = [p for p in module.parameters() if p.requires_grad]
+        return tiled_rows(original, hidden_states, params, tile_tokens)
+
+    return forward
+
+
+def _offloading_forward(layer: torch.nn.Module, offload: HostOffload):
+    original = layer.forward
+
+    def forward(*args, **kwargs):
+        if not (layer.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        if not layer.gradient_checkpointing:
+            raise ValueError("--sparse_offload_layer_inputs keeps the inputs that gradient checkpointing saves; turn "
+                             "gradient checkpointing on (--gradient_checkpointing, or "
+                             "model.activation_checkpointing_enable()).")
+        with offload:
+            return original(*args, **kwargs)
+
+    return forward
+
+
+def enable_memory_savers(model: torch.nn.Module, savers: MemorySavers) -> None:
+    """Apply `savers` to `model`; `disable_memory_savers(model)` undoes it. Raises ValueError when
+    they are already enabled there, or when token tiles meet a module not known to be row-wise."""
+    modules = rowwise_modules(model) if savers.tiled else []
+    layers = decoder_layers(model) if savers.offload_layer_inputs else []
+    if savers.offload_layer_inputs and not layers:
+        raise ValueError(f"{type(model).__name__} has no transformers GradientCheckpointingLayer to offload the inputs "
+                         "of; turn --sparse_offload_layer_inputs off.")
+    patches = record_on(model, _FEATURE)
+    for _, module in modules:
+        patches.set_attr(module, "forward", _tiled_forward(module, savers.tile_tokens))
+    offload = HostOffload()
+    for layer in layers:
+        patches.set_attr(layer, "forward", _offloading_forward(layer, offload))
+
+
+def disable_memory_savers(model: torch.nn.Module) -> bool:
+    """Undo `enable_memory_savers(model, ...)`; False when they were not enabled."""
+    return undo_recorded(model, _FEATURE)

@@ -1,0 +1,154 @@
+"""`hf-sparse-cp memory`: how long a sequence fits on a GPU for a model, with and without context
+parallelism, and where the bytes of a step go (predictions of `hf_sparse_cp.memory.model`).
+
+    hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory 80GB --cp 1
+    hf-sparse-cp memory --model qwen2.5-3b --gpu-memory 80GB --cp 8 --fsdp 8 --seq-len 1048576
+    hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory auto --quiet     # the length alone, for scripts
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from ..config import SparseAttentionConfig
+from .model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
+from .savers import MemorySavers
+
+# The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
+DEFAULT_TILING_MIN_LENGTH = 32768
+DEFAULT_TILE_TOKENS = MemorySavers().tile_tokens
+_UNITS = {"": 10**9, "gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int | None:
+    """'80GB' -> 80e9 bytes, '80GiB' -> 80 x 2^30, a bare number is GB; 'auto' -> None (read the GPU)."""
+    if text.strip().lower() == "auto":
+        return None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--gpu-memory {text!r}: give a positive size like 80GB, 80GiB or 141GB, or 'auto' for "
+                         "this machine's first CUDA device.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def device_memory() -> int:
+    """Total bytes of CUDA device 0; ValueError when there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("the GPU's memory ('auto') is read from CUDA device 0, and this machine has none; give the "
+                         "size, e.g. 80GB.")
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=sorted(ARCHITECTURES), help="Model preset.")
+    p.add_argument("--gpu-memory", default="80GB",
+                   help="Memory of one GPU: 80GB, 80GiB, 141GB, or 'auto' (CUDA device 0). Default 80GB.")
+    p.add_argument("--usable-fraction", type=float, default=0.9,
+                   help="Share of the GPU's memory a step may fill; the rest covers the CUDA context and the "
+                   "allocator's fragmentation (default 0.9: 72 GB of 80).")
+    p.add_argument("--cp", type=int, default=1, help="Context-parallel ranks sharing one sequence.")
+    p.add_argument("--fsdp", type=int, default=1,
+                   help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
+                   "on 8 GPUs.")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--master-weights", action="store_true",
+                   help="fp32 weights, gradients and optimizer state with autocast compute (the Trainer's --bf16).")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "smet", "none"))
+    p.add_argument("--smet-density", type=float, default=0.25)
+    p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
+                   help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
+    p.add_argument("--token-tiling-min-length", type=int, default=DEFAULT_TILING_MIN_LENGTH,
+                   help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
+                   "--sparse_token_tiling_min_length (0: never).")
+    p.add_argument("--token-tile-size", type=int, default=DEFAULT_TILE_TOKENS)
+    p.add_argument("--offload-layer-inputs", action="store_true",
+                   help="Saved layer inputs in host memory (the plugin's --sparse_offload_layer_inputs).")
+    p.add_argument("--sparse-config", help="YAML/JSON SparseAttentionConfig (its budgets size the layouts).")
+    p.add_argument("--seq-len", type=int, nargs="*", default=[],
+                   help="Also report the predicted peak and its terms at these lengths.")
+    p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
+    p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file.")
+    return p
+
+
+def settings_for_length(args) -> callable:
+    """The step settings for each sequence length, as the plugin picks them (token tiles from a length on)."""
+    pattern = SparseAttentionConfig.from_file(args.sparse_config) if args.sparse_config else SparseAttentionConfig()
+    base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
+                        smet_density=args.smet_density, cp=args.cp, fsdp=args.fsdp, pattern=pattern,
+                        loss_backend=args.loss_backend)
+
+    def settings(seq_len: int) -> StepSettings:
+        tiled = bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
+        savers = MemorySavers(tiled=tiled, tile_tokens=args.token_tile_size,
+                              offload_layer_inputs=args.offload_layer_inputs)
+        return dataclasses.replace(base, savers=savers)
+
+    return settings
+
+
+def _check(args, parser: argparse.ArgumentParser) -> None:
+    if args.cp < 1 or args.fsdp < 1:
+        parser.error(f"--cp {args.cp} and --fsdp {args.fsdp} must be >= 1.")
+    if not 0.0 < args.usable_fraction <= 1.0:
+        parser.error(f"--usable-fraction {args.usable_fraction} must be in (0, 1]; 0.9 leaves 10% to the CUDA "
+                     "context and fragmentation.")
+    if args.token_tiling_min_length < 0 or args.token_tile_size < 1:
+        parser.error("--token-tiling-min-length must be >= 0 (0: never) and --token-tile-size >= 1.")
+    if any(n < 1 for n in args.seq_len):
+        parser.error(f"--seq-len {args.seq_len}: every length must be >= 1 token.")
+
+
+def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> dict:
+    """Run the command; returns what it printed as a dict (also written with --json)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    try:
+        capacity = parse_memory(args.gpu_memory)
+        capacity = device_memory() if capacity is None else capacity
+        settings = settings_for_length(args)
+        settings(1)  # validates the settings
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    arch: Architecture = ARCHITECTURES[args.model]
+    budget = args.usable_fraction * capacity
+    longest = longest_fitting_length(arch, budget, settings, granularity=1024)
+    report = {"model": args.model, "parameters": arch.params, "gpu_memory_bytes": capacity, "usable_bytes": budget,
+              "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
+              "longest_fitting_tokens": longest, "prediction": True, "lengths": {}}
+    for n in sorted({*args.seq_len, *([longest] if longest else [])}):
+        est = predict_step_memory(arch, n, settings(n))
+        report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
+                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.quiet:
+        print(longest)
+        return report
+    where = f"CP {args.cp}" + (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
+    print(f"{args.model} ({arch.params / 1e9:.2f}B parameters), {args.dtype}"
+          f"{' + fp32 master weights' if args.master_weights else ''}, {args.optimizer}, {where}, one GPU of "
+          f"{_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.memory, not measurements.")
+    if longest:
+        print(f"Longest sequence that fits: {longest:,} tokens ({longest // args.cp:,} per rank).")
+    else:
+        print(f"Not even {1024 * args.cp:,} tokens fit: the constant terms alone exceed {_gb(budget)}; shard them "
+              "(--fsdp) or use a larger GPU.")
+    for n, r in report["lengths"].items():
+        terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
+        print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
+              f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}); "
+              f"largest terms: {terms}")
+    return report

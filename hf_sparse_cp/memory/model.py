@@ -1,0 +1,675 @@
+"""How much memory one training step of a decoder holds at its peak, term by term.
+
+`predict_step_memory(arch, seq_len, settings)` replays one step as a sequence of allocations and
+frees, in the order the code runs them: the forward (gradient checkpointing: each layer without
+autograd, its input kept), the lean loss (which computes its gradients in forward), the backward
+(each layer recomputed, then differentiated, last layer first) and the optimizer step. Every
+allocation is sized from the shapes (bytes per token x tokens + constant bytes) and named by the
+term it belongs to; the live bytes are tracked op by op, and each phase's peak is reported with the
+live bytes of every term at that moment. The byte counts come from reading the code that runs:
+transformers' Qwen2/Llama layers, the `sparse_cp` backend (estimation, layout, the Triton kernels'
+launchers or the PyTorch reference), the chunked loss or liger-kernel 0.8.5's, torch's AdamW, the
+ring's buffers; `benchmarks/memory_model.py` compares the sum with peaks measured on a CPU.
+
+What it does not count: the CUDA context and the caching allocator's fragmentation (what a GPU
+reserves beyond the live tensors: keep a margin, e.g. 10%), NCCL buffers, and kernels' own scratch
+below a few MiB.
+
+Terms (`TERMS`): constant ones (weights, gradients, optimizer state, the loss's weight-gradient
+buffers, ...) and ones that grow with the tokens of the rank (saved layer inputs, the recomputed
+layer's saved activations, the MLP intermediate, RMSNorm's fp32 copies, attention tensors and
+layouts, estimation buffers, CP ring buffers, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ..attention import build, estimate, reference
+from ..config import SparseAttentionConfig
+from ..simulator.step_model import MODELS, ModelShape
+from .savers import MemorySavers
+
+GIB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# The terms a step's bytes are reported under. Each allocation is bytes per token of the rank x its tokens
+# plus constant bytes: `MemoryEstimate.token_scaled_bytes` sums the first parts.
+TERMS = (
+    "weights", "gradients", "optimizer state", "optimizer step temporaries", "FSDP gathered layers",
+    "autocast weight copies", "loss: weight-gradient buffers", "loss: logits chunk", "attention workspace",
+    "inputs and token metadata", "rotary cos/sin", "saved layer inputs", "recomputed layer: saved activations",
+    "MLP intermediate", "RMSNorm fp32 copies", "attention tensors", "attention layouts", "estimation buffers",
+    "CP ring buffers", "hidden-state gradients", "loss: hidden gradient",
+)
+
+
+# --------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, ...) plus
+    whether the LM head shares the embedding and whether q/k/v have biases (Qwen2: yes)."""
+
+    shape: ModelShape
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    @property
+    def name(self) -> str:
+        return self.shape.name
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: projections, biases, two RMSNorm weights."""
+        s = self.shape
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        return s.layer_params + (q + 2 * kv if self.qkv_bias else 0) + 2 * s.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.shape.vocab * self.shape.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter: embedding (and an untied LM head), the layers, the final norm."""
+        heads = 1 if self.tied_embeddings else 2
+        return heads * self.embedding_params + self.shape.layers * self.layer_params + self.shape.hidden
+
+    @classmethod
+    def from_config(cls, config, name: str | None = None) -> Architecture:
+        """From a transformers config of a Llama-like decoder (Qwen2, Qwen3, Llama, Mistral fields)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = ModelShape(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads,
+                           getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                           config.intermediate_size, config.vocab_size)
+        bias = bool(getattr(config, "attention_bias", config.model_type == "qwen2"))
+        return cls(shape, bool(getattr(config, "tie_word_embeddings", False)), bias)
+
+
+# Qwen2.5 (config.json on the Hugging Face Hub): q/k/v biases; 0.5B, 1.5B and 3B tie the LM head to the embedding.
+ARCHITECTURES = {name: Architecture(MODELS[name], tied_embeddings=name != "qwen2.5-7b", qkv_bias=True)
+                 for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")}
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How the step runs (what its memory depends on besides the model and the length)."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = field(
+        default="bfloat16", metadata={"help": "Activation (compute) dtype; also the weights' unless master_weights."})
+    master_weights: bool = field(
+        default=False,
+        metadata={"help": "fp32 weights, gradients and optimizer state with autocast compute in `dtype` (the "
+                  "Trainer's --bf16); off: everything in `dtype` (a bf16 model, as the benchmarks train)."})
+    optimizer: Literal["adamw", "smet", "none"] = field(
+        default="adamw", metadata={"help": "torch AdamW (foreach on a GPU), SMET (compact state) or none."})
+    smet_density: float = field(default=0.25, metadata={"help": "SMET's active fraction of the layer matrices."})
+    smet_block_size: int = field(default=16, metadata={"help": "SMET's block of input columns."})
+    cp: int = field(default=1, metadata={"help": "Context-parallel ranks sharing one sequence."})
+    fsdp: int = field(
+        default=1, metadata={"help": "Ranks the weights, gradients and optimizer state are sharded over (FSDP2 "
+                             "shards over data x context parallel ranks)."})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer."})
+    savers: MemorySavers = field(default_factory=MemorySavers, metadata={"help": "Token tiles, host offload."})
+    pattern: SparseAttentionConfig = field(default_factory=SparseAttentionConfig,
+                                           metadata={"help": "The sparse pattern (layout sizes, estimation)."})
+    device: Literal["cuda", "cpu"] = field(
+        default="cuda",
+        metadata={"help": "'cuda': the Triton kernels, AdamW's multi-tensor step; 'cpu': the PyTorch reference "
+                  "attention, AdamW per tensor, and the CPU's mixed-dtype copies (what benchmarks/memory_model.py "
+                  "measures)."})
+    loss_backend: Literal["torch", "liger"] = field(
+        default="torch", metadata={"help": "The lean loss: chunked PyTorch, or liger-kernel's fused kernel (CUDA)."})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPE_BYTES)}.")
+        if self.cp < 1 or self.fsdp < 1:
+            raise ValueError(f"cp={self.cp} and fsdp={self.fsdp} must be >= 1.")
+        if not 0.0 < self.smet_density <= 1.0:
+            raise ValueError(f"smet_density={self.smet_density} must be in (0, 1].")
+        for name, allowed in (("optimizer", ("adamw", "smet", "none")), ("device", ("cuda", "cpu")),
+                              ("loss_backend", ("torch", "liger"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is unknown; use one of {allowed}.")
+
+
+# --------------------------------------------------------------------------------------------- the tape
+
+
+class _Tape:
+    """Live allocations by term; the peak of each phase with the live bytes of every term then."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.live: dict[int, tuple[str, float, float]] = {}  # handle -> (term, per-token bytes, constant bytes)
+        self.next = 0
+        self.phase = ""
+        self.peaks: dict[str, dict] = {}
+
+    def alloc(self, term: str, per_token: float = 0.0, const: float = 0.0) -> int:
+        if term not in TERMS:
+            raise KeyError(term)
+        self.next += 1
+        self.live[self.next] = (term, per_token, const)
+        self._check()
+        return self.next
+
+    def free(self, *handles: int | None) -> None:
+        for h in handles:
+            if h is not None:
+                del self.live[h]
+
+    def transient(self, term: str, per_token: float = 0.0, const: float = 0.0) -> None:
+        """An allocation freed right after its use: it counts at this moment only."""
+        self.free(self.alloc(term, per_token, const))
+
+    def _check(self) -> None:
+        total = sum(p * self.tokens + c for _, p, c in self.live.values())
+        best = self.peaks.get(self.phase)
+        if best is None or total > best["bytes"]:
+            terms: dict[str, list[float]] = {}
+            for term, p, c in self.live.values():
+                acc = terms.setdefault(term, [0.0, 0.0])
+                acc[0] += p * self.tokens
+                acc[1] += c
+            self.peaks[self.phase] = {"bytes": total, "terms": terms}
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak of one training step on one rank.
+
+    `phases`: per phase ('forward', 'loss', 'backward', 'optimizer'), its peak bytes and the bytes of
+    every term then, split into the part that grows with the tokens and the constant part."""
+
+    arch: str
+    seq_len: int
+    tokens_per_rank: int
+    settings: StepSettings
+    phases: dict[str, dict]
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p]["bytes"])
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.phases[self.peak_phase]["bytes"]
+
+    def terms(self, phase: str | None = None) -> dict[str, float]:
+        """Bytes of every term at the peak of `phase` (default: the step's peak), largest first."""
+        raw = self.phases[phase or self.peak_phase]["terms"]
+        return dict(sorted(((t, sum(v)) for t, v in raw.items() if sum(v) > 0), key=lambda x: -x[1]))
+
+    def token_scaled_bytes(self, phase: str | None = None) -> float:
+        return sum(v[0] for v in self.phases[phase or self.peak_phase]["terms"].values())
+
+    @property
+    def dominant_term(self) -> str:
+        return next(iter(self.terms()))
+
+    def to_dict(self) -> dict:
+        return {"model": self.arch, "seq_len": self.seq_len, "tokens_per_rank": self.tokens_per_rank,
+                "peak_gib": self.peak_bytes / GIB, "peak_phase": self.peak_phase, "dominant_term": self.dominant_term,
+                "token_scaled_bytes_per_token": self.token_scaled_bytes() / self.tokens_per_rank,
+                "phases": {p: {"gib": v["bytes"] / GIB,
+                               "terms_gib": {t: sum(x) / GIB for t, x in v["terms"].items() if sum(x) > 0}}
+                           for p, v in self.phases.items()}}
+
+
+@dataclass(frozen=True)
+class _AttentionGeometry:
+    """Sizes of one attention call's layout and of the buffers built around it (bytes)."""
+
+    layout_per_token: float  # the layout (and the kernels' split of it), per query token of the rank
+    construction: tuple[float, float]  # layout construction's temporaries at their peak: (per token, constant)
+    estimation: tuple[float, float]  # the estimation's buffers at their peak: (per token, constant)
+    workspace_forward: float  # the reference's chunk temporaries (0 on the Triton path)
+    workspace_backward: float
+
+
+def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int) -> _AttentionGeometry:
+    """Layout widths from the pattern's budgets: a kept diagonal offset crosses at most two block
+    diagonals, plus the local window's and the sink's; columns: the vertical budget and the sinks."""
+    cfg, sh = s.pattern, arch.shape
+    bs, hq = cfg.block_size, sh.heads
+    nqb_global, nqb = math.ceil(seq_len / bs), math.ceil(tokens / bs)
+    sparse = cfg.pattern != "dense" and seq_len >= cfg.min_seq_len
+    if sparse:
+        window = math.ceil((cfg.local_window - 1) / bs) + 1
+        slashes = cfg.slash_topk if cfg.budget_mode == "topk" else cfg.slash_cap
+        verticals = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
+        width, cols = min(nqb_global, 2 * slashes + window + 1), verticals + cfg.sink_tokens
+    else:
+        width, cols = nqb_global, 0  # every causal block, on one shared head
+        hq = 1
+    # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
+    # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
+    per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
+    # construction: head-chunked int64 temporaries (three of at most build._LAYOUT_ELEMENTS) and the
+    # column masks of every head (an int64 value and a bool flag per column slot)
+    construction = (hq * cols * 9 / bs, 3 * 8 * min(build._LAYOUT_ELEMENTS, hq * nqb * width)) if sparse else (0, 0)
+    estimation = (0.0, 0.0)
+    if sparse:
+        # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the
+        # reference scoring's tiles: about seven fp32 [group heads, last_q, keys] tensors (scores, exp,
+        # masks, int64 offsets) of at most estimate._SCORE_ELEMENTS elements
+        group = sh.heads // sh.kv_heads
+        tile = min(estimate._SCORE_ELEMENTS, group * cfg.last_q * tokens)
+        per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.last_q
+        if s.cp > 1:  # distributed/estimation.py: every rank holds the slash sums over all offsets, and reduces them
+            per_token += seq_len / tokens * sh.heads * 4 * 2
+        estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
+    forward = backward = 0.0
+    if s.device == "cpu":
+        # Chunks of query blocks with at most reference._CHUNK_ELEMENTS score elements. Per element, a chunk's
+        # temporaries in attention/reference.py hold at their peak ~13.2 bytes in forward (scores, exp, the
+        # probabilities, masks) and ~17.6 in backward (probabilities, dp, ds), plus the gathered fp32 keys and
+        # values (8 x head_dim / block_size, 8.8 in backward); the previous chunk's leave ~5.2 (7.8) bytes
+        # per element alive until the loop rebinds them. Counted on the code, checked with a tensor-byte tracker.
+        n_keys = width * bs + cols
+        chunk = max(1, min(nqb, reference._CHUNK_ELEMENTS // (sh.heads * bs * n_keys)))
+        per_block_elements = sh.heads * bs * n_keys
+        full, last = chunk * per_block_elements, (nqb - (math.ceil(nqb / chunk) - 1) * chunk) * per_block_elements
+        for new, old, kv_part in ((13.2, 5.2, 8.0), (17.6, 7.8, 8.8)):
+            fresh = new + kv_part * sh.head_dim / bs
+            if nqb <= chunk:
+                peak = full * fresh
+            elif math.ceil(nqb / chunk) == 2:
+                peak = max(full * fresh, last * fresh + full * old)
+            else:
+                peak = full * (fresh + old)
+            forward, backward = (peak, backward) if forward == 0.0 else (forward, peak)
+    return _AttentionGeometry(per_block / bs, construction, estimation, forward, backward)
+
+
+class _Step:
+    """One step of one rank replayed on a tape (see `predict_step_memory`)."""
+
+    def __init__(self, arch: Architecture, seq_len: int, s: StepSettings) -> None:
+        self.arch, self.s = arch, s
+        sh = arch.shape
+        bs = s.pattern.block_size
+        self.t = math.ceil(math.ceil(seq_len / s.cp) / bs) * bs if s.cp > 1 else seq_len  # the rank's tokens
+        self.tape = _Tape(self.t)
+        self.a = DTYPE_BYTES[s.dtype]
+        self.w = 4 if s.master_weights else self.a
+        self.h, self.i = sh.hidden, sh.intermediate
+        self.q, self.kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+        # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
+        self.norm32 = 4 * self.h if self.a < 4 else 0
+        self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
+        self.sparse = s.pattern.pattern != "dense" and seq_len >= s.pattern.min_seq_len
+        self.geometry = _attention_geometry(arch, s, seq_len, self.t)
+
+    def tiles(self, per_token: float) -> tuple[float, float]:
+        """(per-token, constant) bytes of a transient of the tiled modules: one tile's with tiles on."""
+        if self.s.savers.tiled:
+            return 0.0, per_token * min(self.s.savers.tile_tokens, self.t)
+        return per_token, 0.0
+
+    # -- modules: each returns (saved handles, output handle); without grad nothing is saved
+
+    def norm(self, grad: bool, saved_input: bool) -> tuple[list[int], int]:
+        """An RMSNorm of a [T, H] input. Stock: fp32 copy x32, pow / x * rsqrt temporaries of its size,
+        the normalized input in the input dtype; saved: x32, rsqrt, the normalized input. Tiled: a
+        tile's temporaries; saved: the input (`saved_input`: already held by the caller)."""
+        tape, a, h = self.tape, self.a, self.h
+        if self.s.savers.tiled:
+            tape.transient("RMSNorm fp32 copies", *self.tiles(2 * self.norm32 + 2 * a * h))
+            return [], tape.alloc("attention tensors", per_token=a * h)
+        x32 = tape.alloc("RMSNorm fp32 copies", per_token=self.norm32)
+        tape.transient("RMSNorm fp32 copies", per_token=4 * h)  # pow(2); then x * rsqrt
+        normed = tape.alloc("RMSNorm fp32 copies", per_token=a * h + (4 if grad else 0))  # (+ rsqrt)
+        out = tape.alloc("attention tensors", per_token=a * h)
+        if grad:
+            return [x32, normed], out
+        tape.free(x32, normed)
+        return [], out
+
+    def attention(self, grad: bool) -> list[int]:
+        """Projections, RoPE, estimation and layout, the attention call; returns what the layer's
+        backward reads (with grad) or nothing (the caller frees the output)."""
+        tape, a, q, kv, hq = self.tape, self.a, self.q, self.kv, self.arch.shape.heads
+        qh, kh, vh = (tape.alloc("attention tensors", per_token=a * x) for x in (q, kv, kv))
+        rotated = []
+        for x, xh in ((q, qh), (kv, kh)):  # x * cos, rotate_half(x), * sin, the sum
+            c = tape.alloc("attention tensors", per_token=a * x)
+            r = tape.alloc("attention tensors", per_token=a * x)
+            rs = tape.alloc("attention tensors", per_token=a * x)
+            tape.free(r)
+            rotated.append(tape.alloc("attention tensors", per_token=a * x))
+            tape.free(c, rs, xh)
+        if self.sparse:
+            tape.transient("estimation buffers", *self.geometry.estimation)
+            tape.transient("attention layouts", *self.geometry.construction)
+        layout = tape.alloc("attention layouts", per_token=self.geometry.layout_per_token)
+        if self.s.cp > 1:
+            # the ring (distributed/ring_attention.py): fp32 out and lse merged over the steps, this rank's K/V
+            # stacked, the next step's K/V received while this one computes; then out in the input dtype and
+            # its [B, S, H, D] copy for o_proj
+            ring = [tape.alloc("CP ring buffers", per_token=x) for x in (4 * q, 4 * hq, 2 * kv * a)]
+            tape.transient("CP ring buffers", per_token=2 * 2 * kv * a)
+            if self.s.device == "cpu":
+                tape.transient("attention workspace", const=self.geometry.workspace_forward)
+            out = tape.alloc("attention tensors", per_token=a * q)
+            lse = tape.alloc("attention tensors", per_token=4 * hq)
+            tape.free(*ring)
+            kept = [out, lse, tape.alloc("attention tensors", per_token=a * q)]
+        elif self.s.device == "cpu":
+            q32, o32 = (tape.alloc("attention tensors", per_token=4 * q) for _ in range(2))
+            lse = tape.alloc("attention tensors", per_token=4 * hq)
+            tape.transient("attention workspace", const=self.geometry.workspace_forward)
+            out = tape.alloc("attention tensors", per_token=a * q)
+            tape.free(o32, q32)
+            kept = [out, lse, tape.alloc("attention tensors", per_token=a * q)]  # + the [B, S, H, D] copy
+        else:  # the kernels write out in [B, S, H, D] memory: o_proj reads it as is
+            kept = [tape.alloc("attention tensors", per_token=a * q), tape.alloc("attention tensors", per_token=4 * hq)]
+        saved = [vh, *rotated, layout, *kept]
+        if grad:
+            return saved
+        tape.free(*saved)
+        return []
+
+    def mlp(self, grad: bool) -> list[int]:
+        """SwiGLU: gate, act(gate), up, act * up ([T, I] each); saved: all four. Tiled: one tile's."""
+        tape, a, i = self.tape, self.a, self.i
+        if self.s.savers.tiled:
+            tape.transient("MLP intermediate", *self.tiles(4 * a * i))
+            return []
+        g, act = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
+        if not grad:
+            tape.free(g)
+        up, m = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
+        if grad:
+            return [g, act, up, m]
+        tape.free(act, up)
+        tape.transient("attention tensors", per_token=a * self.h)  # down_proj's output
+        tape.free(m)
+        return []
+
+    # -- a decoder layer
+
+    def layer_forward(self) -> int:
+        """Without autograd (inside the checkpoint); returns the output."""
+        tape, a, h = self.tape, self.a, self.h
+        _, n1 = self.norm(False, True)
+        self.attention(False)
+        tape.free(n1)
+        o = tape.alloc("attention tensors", per_token=a * h)
+        h1 = tape.alloc("attention tensors", per_token=a * h)  # the residual sum
+        tape.free(o)
+        _, n2 = self.norm(False, False)
+        self.mlp(False)
+        tape.free(n2)
+        out = tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)
+        tape.free(h1)
+        return out
+
+    def layer_recompute(self) -> dict[str, list[int]]:
+        """With autograd, as the checkpoint replays it in backward: it stops once the last saved tensor
+        (down_proj's input; tiled: the MLP's input) exists. Returns the saved tensors by the module whose
+        backward frees them."""
+        tape, a, h = self.tape, self.a, self.h
+        saved1, n1 = self.norm(True, True)
+        att = self.attention(True)
+        o = tape.alloc("attention tensors", per_token=a * h)
+        h1 = tape.alloc("attention tensors", per_token=a * h)
+        tape.free(o)
+        saved2, n2 = self.norm(True, False)
+        mlp = self.mlp(True)
+        tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
+        if self.s.savers.tiled:  # the tiled norm saves its input
+            saved2.append(h1)
+        else:
+            tape.free(h1)
+        groups = {"norm1": saved1 + [n1], "attention": att, "norm2": saved2 + [n2], "mlp": mlp}
+        for name in ("norm1", "attention", "norm2"):  # reported as one term (the MLP's and the layout apart)
+            for handle in groups[name]:
+                term, p, c = tape.live[handle]
+                if term != "attention layouts":
+                    tape.live[handle] = ("recomputed layer: saved activations", p, c)
+        return groups
+
+    def layer_backward(self, saved: dict[str, list[int]], grad_out: int) -> int:
+        """Backward through a recomputed layer, freeing each module's saved tensors after its backward;
+        returns the gradient of the layer's input."""
+        tape, a, h, i, q, kv = self.tape, self.a, self.h, self.i, self.q, self.kv
+        hq = self.arch.shape.heads
+        if self.s.savers.tiled:  # fp32 weight-gradient sums; per tile: the recomputed intermediates and theirs
+            sums = tape.alloc("MLP intermediate", const=3 * h * i * 4)
+            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)
+            tape.transient("MLP intermediate", *self.tiles(4 * a * i + 3 * a * i))
+            tape.free(sums)
+        else:
+            g, act, up, m = saved["mlp"]
+            gm = tape.alloc("MLP intermediate", per_token=a * i)  # down_proj backward
+            tape.free(m)
+            ga, gu = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
+            tape.free(act, up, gm)
+            gg = tape.alloc("MLP intermediate", per_token=a * i)  # SiLU backward
+            tape.free(ga, g)
+            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)  # up_proj and gate_proj backward
+            tape.transient("hidden-state gradients", per_token=a * h)
+            tape.free(gu, gg)
+        # post-attention RMSNorm backward: a few fp32 temporaries of the input's size (tiled: one tile's)
+        tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
+        tape.free(*saved["norm2"])
+        g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
+        tape.free(g_n2, grad_out)
+        g_att = tape.alloc("hidden-state gradients", per_token=a * q)  # o_proj backward
+        if self.s.device == "cpu" or self.s.cp > 1:  # o_proj's input was its own copy of the output
+            tape.free(saved["attention"].pop())
+        if self.s.cp > 1:
+            # the ring's backward: fp32 dq, this rank's fp32 dK/dV, a travelling source's accumulator and the one
+            # received, K/V stacked and in flight, one step's fp32 dq/dk/dv; then the gradients cast back
+            held = [tape.alloc("CP ring buffers", per_token=x) for x in (4 * q, 8 * kv, 2 * 8 * kv, 3 * 2 * kv * a)]
+            tape.transient("CP ring buffers", per_token=8 * kv + 4 * q + 8 * kv)
+            if self.s.device == "cpu":
+                tape.transient("attention workspace", const=self.geometry.workspace_backward)
+            grads = [tape.alloc("hidden-state gradients", per_token=a * x) for x in (q, kv, kv)]
+            tape.free(*held)
+        elif self.s.device == "cpu":
+            held = [tape.alloc("attention tensors", per_token=4 * x) for x in (q, q, q, 2 * hq)]  # q, out, dout, lse
+            held += [tape.alloc("attention tensors", per_token=4 * x) for x in (q, kv, kv)]  # fp32 dq, dk, dv
+            tape.transient("attention workspace", const=self.geometry.workspace_backward)
+            tape.free(*held[:4])
+            grads = [tape.alloc("hidden-state gradients", per_token=a * x) for x in (q, kv, kv)]
+            tape.free(*held[4:])
+        else:  # dq, dk, dv in the input dtype; the columns' fp32 dk/dv; delta and the base-2 lse
+            grads = [tape.alloc("hidden-state gradients", per_token=a * x) for x in (q, kv, kv)]
+            tape.transient("attention tensors", per_token=4 * 2 * kv + 4 * 2 * hq)
+        tape.free(g_att, *saved["attention"])
+        tape.transient("hidden-state gradients", per_token=2 * a * q)  # RoPE backward: grad * cos, grad * sin
+        g_n1 = tape.alloc("hidden-state gradients", per_token=a * h)  # q/k/v projections backward
+        tape.free(*grads)
+        tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
+        tape.free(*saved["norm1"])
+        out = tape.alloc("hidden-state gradients", per_token=a * h)
+        tape.free(g_n1, g_h1)
+        return out
+
+    def run(self) -> dict:
+        arch, s, tape, a, w, h = self.arch, self.s, self.tape, self.a, self.w, self.h
+        n_layers = arch.shape.layers
+        tape.phase = "forward"
+        tape.alloc("weights", const=arch.params * w / s.fsdp)
+        tape.alloc("optimizer state", const=_optimizer_state(arch, s))
+        if s.fsdp > 1:  # FSDP2: the current layer's gathered weights and the next one's (prefetch)
+            tape.alloc("FSDP gathered layers", const=2 * arch.layer_params * w)
+        tape.alloc("inputs and token metadata", per_token=8 * 4 + 12)  # ids, labels, positions, shifted labels
+        tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * a)
+        casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) if s.master_weights \
+            else None
+        floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)]  # the embedding
+        for _ in range(n_layers):
+            floor.append(self.layer_forward())
+        last = floor.pop()  # the final norm's input (saved by the norm, not by a checkpoint)
+        tape.live[last] = ("hidden-state gradients", a * h, 0.0)
+
+        tape.phase = "loss"
+        final_saved, hidden = self.norm(True, True)
+        loss_saved = _loss(tape, arch, s, self.t, a, w)
+        tape.free(hidden)
+
+        tape.phase = "backward"
+        if casts is not None:
+            tape.free(casts)
+        tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)  # the LM head's, from the loss
+        tape.free(*loss_saved[1:])
+        grad_hidden = loss_saved[0]
+        tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
+        tape.free(*final_saved, last)
+        grad = tape.alloc("hidden-state gradients", per_token=a * h)
+        tape.free(grad_hidden)
+        for layer in reversed(range(n_layers)):
+            copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
+            cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
+            saved = self.layer_recompute()
+            tape.alloc("gradients", const=arch.layer_params * w / s.fsdp + (arch.layer_params * w if s.fsdp > 1 else 0))
+            grad = self.layer_backward(saved, grad)
+            tape.free(copied, cast, floor[layer])
+        tape.transient("gradients", const=arch.embedding_params * 4)  # the embedding's dense gradient
+        tape.free(grad)
+
+        tape.phase = "optimizer"
+        tape.transient("optimizer step temporaries", const=_optimizer_temporaries(arch, s))
+        return tape.peaks
+
+
+def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings | None = None) -> MemoryEstimate:
+    """Predicted peak bytes of one training step of `arch` on one sequence of `seq_len` tokens.
+
+    Args:
+        arch: the model (`ARCHITECTURES[name]` or `Architecture.from_config`).
+        seq_len: tokens of the sequence (split over `settings.cp` ranks).
+        settings: how the step runs (default: bf16, AdamW, gradient checkpointing, one rank, Triton).
+
+    Returns:
+        A `MemoryEstimate` of one rank: each phase's peak and the terms live then.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1.")
+    s = settings or StepSettings()
+    step = _Step(arch, seq_len, s)
+    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run())
+
+
+def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:
+    """The lean loss's forward (which computes the gradients); returns the tensors kept for backward."""
+    sh = arch.shape
+    h, v = sh.hidden, sh.vocab
+    vh = v * h
+    if s.loss_backend == "liger":
+        # liger-kernel 0.8.5: chunks of next_pow2(ceil(T / ceil(V / H))) tokens; logits in the input dtype;
+        # weight-gradient accumulator in the weight's dtype; the input's gradient; an fp32 loss per token
+        chunk = min(t, 2 ** math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h))))))
+        grad_h = tape.alloc("loss: hidden gradient", per_token=a * h + 4)
+        grad_w = tape.alloc("loss: weight-gradient buffers", const=vh * w)
+        tape.transient("loss: logits chunk", const=chunk * v * a)
+        return [grad_h, grad_w]
+    chunk = max(1, min(t, (256 * 2**20) // (4 * v)))  # hf_sparse_cp.loss.chunked.default_chunk_size
+    grad_h = tape.alloc("loss: hidden gradient", per_token=a * h + 9)  # + the valid flags and targets
+    acc = tape.alloc("loss: weight-gradient buffers", const=vh * 4)
+    # A chunk: fp32 logits, and logsumexp's (logits - max); the previous chunk's gradient (in the input dtype;
+    # fp32: the previous logits buffer) is released only when the loop rebinds it, after this chunk's logits.
+    previous = chunk * v * min(a, 4) if t > chunk else 0
+    tape.transient("loss: logits chunk", const=previous + chunk * v * 8)
+    if a < 4:  # the chunk's gradient in the input dtype, and grad.T @ h before its fp32 add (on a CPU the add
+        # first copies it to fp32)
+        tape.transient("loss: logits chunk", const=chunk * v * a + vh * (a + (4 if s.device == "cpu" else 0)))
+    kept = tape.alloc("loss: weight-gradient buffers", const=vh * w)  # saved for backward in the weight dtype
+    tape.free(acc)
+    return [grad_h, kept]
+
+
+def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
+    w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
+    if s.optimizer == "none":
+        return 0.0
+    if s.optimizer == "adamw":
+        return 2 * arch.params * w / s.fsdp
+    # SMET: compact moments of the active blocks of every layer matrix, an index and a step counter per block
+    dense = arch.params - arch.shape.layers * arch.shape.layer_params
+    sparse = arch.shape.layers * arch.shape.layer_params
+    blocks = sparse / s.smet_block_size * s.smet_density
+    return (2 * dense * w + 2 * s.smet_density * sparse * w + blocks * (4 + 4)) / s.fsdp
+
+
+def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
+    """AdamW's step: foreach keeps a temporary of every parameter (the denominators); the per-tensor step
+    two temporaries of the largest parameter."""
+    w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
+    if s.optimizer == "none":
+        return 0.0
+    if s.device == "cuda":
+        return arch.params * w / s.fsdp
+    return 2 * arch.embedding_params * w / s.fsdp
+
+
+# ------------------------------------------------------------------------------------------- questions
+
+
+def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None) -> dict[str, float]:
+    """Bytes one decoder layer saves for its backward when the checkpoint recomputes it, by the module
+    whose backward reads them ('norm1', 'attention', 'norm2', 'mlp'); the attention's layout (kept
+    outside autograd's saved tensors) as 'layout'. The layer's input is not counted (the checkpoint
+    holds it: 'saved layer inputs')."""
+    step = _Step(arch, seq_len, settings or StepSettings())
+    groups = step.layer_recompute()
+    out = {name: 0.0 for name in groups}
+    out["layout"] = 0.0
+    for name, handles in groups.items():
+        for handle in handles:
+            term, p, c = step.tape.live[handle]
+            out["layout" if term == "attention layouts" else name] += p * step.t + c
+    return out
+
+
+def longest_fitting_length(arch: Architecture, budget_bytes: float,
+                           settings: StepSettings | Callable[[int], StepSettings] | None = None,
+                           granularity: int = 1024, limit: int = 1 << 26) -> int:
+    """The longest sequence, a multiple of `granularity` x CP size, whose predicted peak stays within
+    `budget_bytes` on each rank; 0 when not even the first multiple fits.
+
+    Args:
+        arch: the model. budget_bytes: usable bytes of one device.
+        settings: the step's settings, or a function of the sequence length giving them (settings
+            that change with the length: token tiles from a threshold on, pattern budgets).
+        granularity: tokens per rank the answer is a multiple of. limit: longest length tried.
+
+    The peak grows with the length (for settings that change with it, the answer is the longest
+    length before the first that does not fit, found by doubling then bisecting)."""
+    settings_for = settings if callable(settings) else (lambda _, s=settings or StepSettings(): s)
+    cp = settings_for(granularity).cp
+    unit = granularity * cp
+
+    def fits(n: int) -> bool:
+        return predict_step_memory(arch, n * unit, settings_for(n * unit)).peak_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * unit <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi * unit > limit:
+        return lo * unit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * unit
+
+
+def with_savers(settings: StepSettings, **changes) -> StepSettings:
+    """`settings` with some `MemorySavers` fields changed."""
+    return replace(settings, savers=replace(settings.savers, **changes))

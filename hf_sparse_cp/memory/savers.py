@@ -1,0 +1,42 @@
+"""`MemorySavers`: which of the long-sequence memory savers a training step uses.
+
+Both are exact (the same loss and gradients, up to the rounding of a different summation order):
+* token tiles: each decoder layer's MLP and RMSNorms, and the final norm, run in tiles of
+  `tile_tokens` tokens (`tiling.tiled_rows`), so a layer's recomputation keeps no [tokens,
+  intermediate] tensor and no fp32 copy of the hidden states;
+* host offload of the saved layer inputs (`offload.HostOffload`): what gradient checkpointing keeps
+  per layer between forward and backward waits in pinned host memory instead.
+
+`hf_sparse_cp.integration.memory_savers.enable_memory_savers` applies them to a model;
+`hf_sparse_cp.memory.model` predicts what they save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MemorySavers:
+    """The memory savers of a training step (all off by default)."""
+
+    tiled: bool = field(
+        default=False,
+        metadata={"help": "Compute the MLPs and RMSNorms in token tiles of tile_tokens: exact, one more MLP forward "
+                  "per layer in backward, and no [tokens, intermediate] activation kept."},
+    )
+    tile_tokens: int = field(default=8192, metadata={"help": "Tokens per tile of the tiled MLPs and RMSNorms."})
+    offload_layer_inputs: bool = field(
+        default=False,
+        metadata={"help": "Keep the decoder layers' saved inputs (gradient checkpointing's only activation per "
+                  "layer) in pinned host memory until backward, copied asynchronously on a GPU. Needs gradient "
+                  "checkpointing."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.tile_tokens < 1:
+            raise ValueError(f"tile_tokens={self.tile_tokens} must be >= 1; e.g. 8192.")
+
+    @property
+    def active(self) -> bool:
+        return self.tiled or self.offload_layer_inputs

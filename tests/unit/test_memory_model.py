@@ -1,0 +1,173 @@
+"""The memory model (`hf_sparse_cp.memory.model`) and `hf-sparse-cp memory`: the tensors a recomputed
+decoder layer saves, counted by autograd's own hooks, against the model's inventory; how the peak
+moves with length, CP, FSDP and the savers; the "how long fits" answer and the command's errors."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseAttentionConfig, configure
+from hf_sparse_cp.cli import main as cli_main
+from hf_sparse_cp.integration.memory_savers import enable_memory_savers
+from hf_sparse_cp.memory import MemorySavers
+from hf_sparse_cp.memory.cli import parse_memory
+from hf_sparse_cp.memory.model import (
+    ARCHITECTURES,
+    Architecture,
+    StepSettings,
+    longest_fitting_length,
+    predict_step_memory,
+    recomputed_layer_bytes,
+    with_savers,
+)
+from hf_sparse_cp.testing.models import tiny_config
+
+PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_layers=0, vertical_topk=16, slash_topk=4,
+                                sink_tokens=16, local_window=64, last_q=32)
+
+
+def _saved_bytes(layer, x, position_embeddings) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of `layer` with grad, besides those
+    that existed before (the input, the parameters, the rotary tables)."""
+    before = {t.untyped_storage().data_ptr() for t in (x, *position_embeddings, *layer.parameters())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in before:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, position_embeddings=position_embeddings)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["stock", "tiled"])
+def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
+    hf_sparse_cp.patch()
+    config = tiny_config("qwen2", vocab_size=300, intermediate_size=352)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
+    configure(model, PATTERN)
+    model.train()
+    if tiled:
+        enable_memory_savers(model, MemorySavers(tiled=True, tile_tokens=96))
+    s = 512
+    x = torch.randn(1, s, config.hidden_size, dtype=torch.bfloat16, requires_grad=True) * 1.0
+    positions = torch.arange(s).unsqueeze(0)
+    cos_sin = model.model.rotary_emb(x, positions)
+    measured = _saved_bytes(model.model.layers[0], x, cos_sin)
+
+    arch = Architecture.from_config(config)
+    predicted = recomputed_layer_bytes(arch, s, StepSettings(device="cpu", pattern=PATTERN,
+                                                             savers=MemorySavers(tiled=tiled, tile_tokens=96)))
+    assert predicted["mlp"] == (0 if tiled else 4 * s * config.intermediate_size * 2)
+    assert measured == sum(v for k, v in predicted.items() if k != "layout")
+
+
+def test_token_tiles_and_offload_cut_what_the_model_says():
+    arch = ARCHITECTURES["qwen2.5-0.5b"]
+    stock = predict_step_memory(arch, 1 << 20)
+    tiled = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True))
+    offloaded = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True, offload_layer_inputs=True))
+    assert stock.dominant_term == "MLP intermediate"
+    assert tiled.terms().get("MLP intermediate", 0) < 0.01 * stock.terms()["MLP intermediate"]
+    assert tiled.dominant_term == "saved layer inputs"
+    floor = arch.shape.layers * arch.shape.hidden * 2 * (1 << 20)
+    assert tiled.terms()["saved layer inputs"] == pytest.approx(floor, rel=0.05)
+    assert offloaded.terms().get("saved layer inputs", 0) < 0.1 * floor
+    assert stock.peak_bytes > tiled.peak_bytes > offloaded.peak_bytes
+
+
+def test_the_peak_grows_with_length_and_cp_and_fsdp_divide_it():
+    arch = ARCHITECTURES["qwen2.5-3b"]
+    peaks = [predict_step_memory(arch, n).peak_bytes for n in (1 << 14, 1 << 16, 1 << 18)]
+    assert peaks == sorted(peaks)
+    one = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True))
+    cp8 = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(cp=8), tiled=True))
+    cp8_fsdp = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(cp=8, fsdp=8), tiled=True))
+    assert cp8.tokens_per_rank == 1 << 17
+    assert cp8.token_scaled_bytes() < one.token_scaled_bytes() / 6
+    assert cp8_fsdp.terms()["optimizer state"] == pytest.approx(cp8.terms()["optimizer state"] / 8)
+    assert cp8_fsdp.peak_bytes < cp8.peak_bytes
+
+
+def test_smet_state_is_smaller_than_adamw():
+    arch = ARCHITECTURES["qwen2.5-1.5b"]
+    adamw = predict_step_memory(arch, 4096).terms("optimizer")["optimizer state"]
+    smet = predict_step_memory(arch, 4096, StepSettings(optimizer="smet", smet_density=0.25)).terms(
+        "optimizer")["optimizer state"]
+    assert 0.2 * adamw < smet < 0.6 * adamw
+
+
+def test_the_longest_fitting_length_fits_and_the_next_does_not():
+    arch, settings = ARCHITECTURES["qwen2.5-0.5b"], with_savers(StepSettings(), tiled=True)
+    budget = 40e9
+    n = longest_fitting_length(arch, budget, settings, granularity=8192)
+    assert n % 8192 == 0 and n > 0
+    assert predict_step_memory(arch, n, settings).peak_bytes <= budget
+    assert predict_step_memory(arch, n + 8192, settings).peak_bytes > budget
+    assert longest_fitting_length(arch, 1e9, settings) == 0  # the weights and AdamW state alone need more
+
+
+@pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(cp=0), dict(fsdp=0), dict(smet_density=0.0),
+                                 dict(device="tpu"), dict(loss_backend="apex")])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        StepSettings(**bad)
+
+
+def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
+    out = tmp_path / "fit.json"
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--gpu-memory", "80GB", "--cp", "1",
+                     "--seq-len", "131072", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Longest sequence that fits:" in text and "not measurements" in text
+    report = json.loads(out.read_text())
+    longest = report["longest_fitting_tokens"]
+    assert longest > 131072 and report["lengths"][str(longest)]["fits"]
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--gpu-memory", "80GB", "--quiet"]) == 0
+    assert int(capsys.readouterr().out) == longest
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "qwen2.5-0.5b", "--gpu-memory", "eighty"], "give a positive size like 80GB"),
+    (["--model", "qwen2.5-0.5b", "--cp", "0"], "must be >= 1"),
+    (["--model", "qwen2.5-0.5b", "--usable-fraction", "1.5"], "must be in (0, 1]"),
+    (["--model", "gpt-9"], "invalid choice"),
+    (["--model", "qwen2.5-0.5b", "--seq-len", "0"], "must be >= 1 token"),
+])
+def test_the_memory_command_names_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["memory", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_memory_sizes_parse_in_their_units():
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("80 GiB") == 80 * 2**30
+    assert parse_memory("141") == 141 * 10**9
+    assert parse_memory("auto") is None
+
+
+def test_architecture_from_a_config_counts_its_parameters():
+    config = tiny_config("qwen2", vocab_size=300)
+    model = AutoModelForCausalLM.from_config(config)
+    assert Architecture.from_config(config).params == sum(p.numel() for p in model.parameters())
+    untied = dataclasses.replace(Architecture.from_config(config), tied_embeddings=False)
+    assert untied.params == Architecture.from_config(config).params + 300 * config.hidden_size
+
+
+def test_the_gpu_session_starts_at_the_longest_length_bench_e2e_fits():
+    from benchmark_loader import load_benchmark
+
+    with load_benchmark("memory_model") as bench:
+        n = bench.bench_e2e_start_length("0.5b", 80e9, granularity=8192)
+        with pytest.raises(ValueError, match="unknown bench_e2e model"):
+            bench.bench_e2e_start_length("9b", 80e9)
+    assert n > 0 and n % 8192 == 0
