@@ -86,7 +86,8 @@ def test_every_typed_field_of_every_plugin_dataclass_is_checked_at_construction(
         cls(**{name: wrong})
 
 
-SWITCHES_AS_TEXT = {"sparse_fused_loss": "false", "smet": "no", "sparse_attention": "maybe", "sparse_log_sparsity": "off"}
+SWITCHES_AS_TEXT = {"sparse_fused_loss": "false", "smet": "no", "sparse_attention": "maybe",
+                    "sparse_log_sparsity": "off"}
 
 
 @pytest.mark.parametrize("name, text", SWITCHES_AS_TEXT.items())
