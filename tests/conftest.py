@@ -27,10 +27,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(autouse=True)
-def _restore_backend_registration():
-    """Tests that patch transformers leave it as they found it (the backend and the lean loss, which a
-    SparseTrainer turns on and leaves on)."""
+def _restoring_backend_registration():
+    """Leave transformers as it was found: the backend and the lean loss, which a SparseTrainer turns on
+    and leaves on."""
     import hf_sparse_cp
     from hf_sparse_cp.integration.lean_loss import disable_lean_loss, is_lean_loss_enabled
 
@@ -40,6 +39,13 @@ def _restore_backend_registration():
         disable_lean_loss()
     if hf_sparse_cp.is_patched() and not was_patched:
         hf_sparse_cp.unpatch()
+
+
+# Per test, and per module for the module-scoped fixtures that train (set up before any test's own
+# restore starts, so only the module's teardown sees what they turned on).
+_restore_backend_registration = pytest.fixture(autouse=True)(_restoring_backend_registration)
+_restore_backend_registration_per_module = pytest.fixture(autouse=True, scope="module")(
+    _restoring_backend_registration)
 
 
 @pytest.fixture

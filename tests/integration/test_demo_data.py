@@ -62,9 +62,8 @@ def _build_in_two_processes(rank: int, world: int, cache_dir: str) -> tuple[int,
     import tempfile
 
     from datasets import config as datasets_config
-    from transformers import TrainingArguments
-
     from hf_sparse_cp.examples.train_long_context import ScriptArguments, passkey_train_data
+    from hf_sparse_cp.trainer.arguments import SparseTrainingArguments
 
     # what torchrun sets: TrainingArguments then sees the 2-process group run_gloo made
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
@@ -73,9 +72,9 @@ def _build_in_two_processes(rank: int, world: int, cache_dir: str) -> tuple[int,
     compose = passkey._compose
     passkey._compose = lambda *args: built.append(args) or compose(*args)
     with tempfile.TemporaryDirectory() as tmp:
-        training = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none")
+        training = SparseTrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", max_length=256)
         assert training.world_size == world
-        data = passkey_train_data(ScriptArguments(seq_len=256, num_samples=3, pack_documents=2), training,
+        data = passkey_train_data(ScriptArguments(num_samples=3, pack_documents=2), training,
                                   byte_tokenizer())
     return len(built), _digest(data)
 
