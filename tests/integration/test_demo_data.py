@@ -62,8 +62,9 @@ def _build_in_two_processes(rank: int, world: int, cache_dir: str) -> tuple[int,
     import tempfile
 
     from datasets import config as datasets_config
+
     from hf_sparse_cp.examples.train_long_context import ScriptArguments, passkey_train_data
-    from hf_sparse_cp.trainer.arguments import SparseTrainingArguments
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
 
     # what torchrun sets: TrainingArguments then sees the 2-process group run_gloo made
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
