@@ -32,11 +32,13 @@ from ..attention.estimate import (
     score_rows,
 )
 from ..attention.layout import SparseLayout
+from ..attention.ops import block_sparse_attention
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from ..integration import compat
 
 CAPTURE_BACKEND = "hf_sparse_cp_capture"
+FIXED_LAYOUT_BACKEND = "hf_sparse_cp_fixed_layouts"
 
 
 @contextlib.contextmanager
@@ -61,6 +63,34 @@ def _capturing(model: torch.nn.Module, store: dict[int, tuple]) -> Iterator[None
         model.set_attn_implementation(previous)
         compat.unregister(AttentionInterface, CAPTURE_BACKEND)
         compat.unregister(AttentionMaskInterface, CAPTURE_BACKEND)
+
+
+@contextlib.contextmanager
+def fixed_layouts(model: torch.nn.Module, layouts: dict[int, SparseLayout]) -> Iterator[None]:
+    """Run `model` with each layer's attention restricted to a given layout: layer i computes exact
+    attention over `layouts[i]` ([1, Hq or 1, NQB, ...] of the call's length) through
+    `block_sparse_attention`, as `sparse_cp` does with an estimated one; a layer without a layout
+    refuses to run."""
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if attention_mask is not None or query.shape[0] != 1:
+            raise ValueError("fixed layouts take one unpadded row (attention_mask must be None).")
+        layout = layouts.get(module.layer_idx)
+        if layout is None:
+            raise ValueError(f"no layout given for layer {module.layer_idx}.")
+        out, _ = block_sparse_attention(query, key, value, layout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    previous = model.config._attn_implementation
+    AttentionInterface.register(FIXED_LAYOUT_BACKEND, attend)
+    AttentionMaskInterface.register(FIXED_LAYOUT_BACKEND, flash_attention_mask)
+    try:
+        model.set_attn_implementation(FIXED_LAYOUT_BACKEND)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        compat.unregister(AttentionInterface, FIXED_LAYOUT_BACKEND)
+        compat.unregister(AttentionMaskInterface, FIXED_LAYOUT_BACKEND)
 
 
 @torch.no_grad()
