@@ -80,6 +80,9 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
     else:
         if config.budget_mode == "topk":
             budget = f"top-k: {config.vertical_topk} key columns and {config.slash_topk} diagonals per head"
+        elif config.budget_mode == "mass":
+            budget = (f"mass: key columns and block diagonals by estimated mass per block of work until "
+                      f"{config.mass_target} of each head's attention (at most {config.vertical_cap} columns)")
         else:
             budget = (f"top-p: {config.vertical_topp} / {config.slash_topp} of the score mass in key columns / "
                       f"diagonals (at most {config.vertical_cap} / {config.slash_cap}) per head")
@@ -88,6 +91,8 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
                          f"last {config.last_q} queries before it, the first chunk dense")
         else:
             estimated = f"estimated from the last {config.last_q} queries at every call"
+        if config.sample_groups:
+            estimated += f" and {config.sample_groups} groups of {config.sample_group_size} queries along the document"
         text = (f"vertical-slash (MTraining), {budget}, plus {config.sink_tokens} sink tokens and a local window of "
                 f"{config.local_window}; {estimated}; documents under {config.min_seq_len:,} tokens dense")
     text += f"; blocks of {config.block_size} tokens"

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from ..attention.estimate import (
+    Sampling,
     estimate_layout,
     estimation_segments,
     layout_from_scores,
@@ -138,7 +139,8 @@ def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Ten
 
 def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta: TokenMeta) -> dict[str, SparseLayout]:
     """Each config's layout, as `estimate_layout` builds it; the vertical-slash scores, which depend
-    only on the estimation segments and `last_q`, are computed once for all configs that share them."""
+    only on the estimation segments and the scoring queries (`Sampling`), are computed once for all configs
+    that share them."""
     scores: dict[tuple, list] = {}
     out = {}
     for name, cfg in configs.items():
@@ -147,9 +149,9 @@ def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta
             out[name] = estimate_layout(q, k, cfg, meta, scale=scale, docs=docs)
             continue
         segments = estimation_segments(docs, cfg)
-        key = (cfg.last_q, str(segments))
+        key = (Sampling.of(cfg), str(segments))
         if key not in scores:
-            scores[key] = score_rows(q, k, segments, cfg.last_q, scale)
+            scores[key] = score_rows(q, k, segments, cfg.last_q, scale, Sampling.of(cfg))
         out[name] = layout_from_scores(meta, cfg, docs, scores[key])
     return out
 
