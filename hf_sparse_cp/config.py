@@ -51,8 +51,9 @@ class SparseAttentionConfig(FileConfig):
         metadata={"help": "How many verticals / slashes a head keeps: 'topk' keeps a fixed number, 'topp' keeps "
                   "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap; 'mass' ranks "
                   "key columns and block diagonals together by estimated attention mass per block of work they add "
-                  "and keeps the best until their estimated mass reaches mass_target of the queries' attention (at "
-                  "most vertical_cap columns): broad heads keep more, focused heads less."},
+                  "and keeps the best until their estimated mass reaches mass_target of the queries' attention, and "
+                  "beyond that those with at least mass_threshold of their queries' attention per block (at most "
+                  "vertical_cap columns): broad heads keep more, focused heads less."},
     )
     vertical_topk: int = field(
         default=512, metadata={"help": "Key columns kept per head in 'topk' mode (sink tokens come on top)."}
@@ -72,7 +73,16 @@ class SparseAttentionConfig(FileConfig):
     mass_target: float = field(
         default=0.95,
         metadata={"help": "In 'mass' mode: the share of each head's estimated attention mass (per document, or per "
-                  "chunk with causal_chunks) that its kept columns and block diagonals must reach, in (0, 1]."},
+                  "chunk with causal_chunks) that its best columns and block diagonals must reach, in (0, 1]: a floor "
+                  "that gives broad heads the blocks they need (mass in both a kept column and a kept diagonal counts "
+                  "twice, so the mass kept is somewhat lower)."},
+    )
+    mass_threshold: float = field(
+        default=0.0,
+        metadata={"help": "In 'mass' mode: beyond mass_target, also keep every column or block diagonal whose "
+                  "estimated mass per block of work is at least this share of the attention of the block's queries, "
+                  "in [0, 1): one price of work for every head and layer, so that budget goes where a block buys the "
+                  "most mass; 0 keeps mass_target alone. 0.01 is a block holding 1% of its queries' attention."},
     )
     sink_tokens: int = field(
         default=64, metadata={"help": "First tokens of every document always attended to (attention sinks)."}
@@ -157,6 +167,9 @@ class SparseAttentionConfig(FileConfig):
                 f"estimation_chunk={self.estimation_chunk} must be a positive multiple of block_size={self.block_size} "
                 f"(chunks of whole query blocks); e.g. {fix}."
             )
+        if not 0.0 <= self.mass_threshold < 1.0:
+            raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.005-0.02 are "
+                             "usual.")
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "

@@ -77,8 +77,8 @@ def test_mass_selection_keeps_the_best_mass_per_cost_until_the_target():
     g = torch.Generator().manual_seed(3)
     start, end = 7, 103
     gain, pos, diag_gain, diag = _mass_inputs(g, start=start, end=end)
-    for target, cap in ((0.5, 100), (0.8, 100), (0.8, 5), (1.0, 100)):
-        cfg = dataclasses.replace(CFG, mass_target=target, vertical_cap=cap)
+    for target, cap, threshold in ((0.5, 100, 0), (0.8, 100, 0), (0.8, 5, 0), (1.0, 100, 0), (0.3, 100, 0.08)):
+        cfg = dataclasses.replace(CFG, mass_target=target, vertical_cap=cap, mass_threshold=threshold)
         cols, diags = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
         assert bool(diags[:, 0].all()) and int(cols.sum(1).max()) <= cap
         c_ratio = column_ratio(gain, pos, start, end, BS)
@@ -94,11 +94,14 @@ def test_mass_selection_keeps_the_best_mass_per_cost_until_the_target():
             kept = [x[2] for x in items]
             n_kept = sum(kept)
             assert kept == [True] * n_kept + [False] * (len(kept) - n_kept)
-            before = float(diag_gain[h, 0]) + sum(x[1] for x in items[: n_kept - 1])
-            total = float(diag_gain[h, 0]) + sum(x[1] for x in items[:n_kept])
-            assert before < target * (end - start)  # the last kept one was still needed
+            # the prefix that reaches the target, then every one priced at the threshold or above
+            mass_kept = float(diag_gain[h, 0]) + sum(x[1] for x in items[:n_kept])
+            reached = next((i + 1 for i in range(len(items)) if float(diag_gain[h, 0])
+                            + sum(x[1] for x in items[: i + 1]) >= target * (end - start)), len(items))
+            priced = sum(x[0] >= threshold * BS for x in items) if threshold else 0
             positive = sum(x[0] > 0 for x in items)
-            assert total >= target * (end - start) or n_kept == positive  # and it reached the target
+            assert n_kept == min(max(reached, priced), positive), (n_kept, reached, priced, positive)
+            assert mass_kept > 0
 
 
 def test_mass_selection_over_candidates_equals_the_whole_row():
@@ -165,8 +168,8 @@ def test_sampled_queries_find_a_column_that_only_earlier_queries_use(mode):
     assert found == {0: False, 4: True}
 
 
-@pytest.mark.parametrize(("field", "value"), [("mass_target", 0.0), ("mass_target", 1.5), ("sample_groups", -1),
-                                              ("sample_group_size", 0)])
+@pytest.mark.parametrize(("field", "value"), [("mass_target", 0.0), ("mass_target", 1.5), ("mass_threshold", -0.1),
+                                              ("mass_threshold", 1.0), ("sample_groups", -1), ("sample_group_size", 0)])
 def test_bad_estimator_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SparseAttentionConfig(**{field: value})

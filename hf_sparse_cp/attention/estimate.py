@@ -444,8 +444,10 @@ def select_mass(
     the queries [start, scored_end) that scored them (`column_cost`, `diagonal_cost`; exact ties: columns
     by position, then diagonals by d); each head keeps the best until the estimated mass of the main
     diagonal and of what it keeps reaches `mass_target` of those queries' attention (one unit per query;
-    mass inside both a kept column and a kept diagonal counts twice), and at most `vertical_cap` columns
-    (the best by that ratio).
+    mass inside both a kept column and a kept diagonal counts twice): a floor that serves broad heads;
+    and beyond it every one whose mass per block is at least `mass_threshold` of the block's queries'
+    attention (one price of work for every head and layer). At most `vertical_cap` columns (the best by
+    that ratio) compete.
 
     Args:
         col_gain: [h, n] estimated mass of the columns at positions col_pos ([n] or [h, n]: all of the
@@ -489,7 +491,9 @@ def _select_mass(col_gain, col_pos, diag_gain, diag, start, end, scored_end, cfg
     order = rank_order(ratio, ids)
     g = gain.gather(-1, order)
     before = main + torch.cumsum(g, -1) - g
-    take = (before < cfg.mass_target * (scored_end - start)) & (ratio.gather(-1, order) > 0)
+    r = ratio.gather(-1, order)
+    priced = (r >= cfg.mass_threshold * bs) if cfg.mass_threshold > 0 else torch.zeros_like(r, dtype=torch.bool)
+    take = ((before < cfg.mass_target * (scored_end - start)) | priced) & (r > 0)
     keep = torch.zeros_like(take).scatter_(-1, order, take)
     return keep[:, :n], keep[:, n:] | (diag == 0)
 
