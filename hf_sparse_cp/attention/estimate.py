@@ -347,12 +347,13 @@ def _head_chunks(heads: int, per_head: int):
     return [slice(h0, min(heads, h0 + step)) for h0 in range(0, heads, step)]
 
 
-def top_entries(scores: torch.Tensor, m: int) -> torch.Tensor:
+def top_entries(scores: torch.Tensor, m: int, key=None) -> torch.Tensor:
     """int64 [h, min(m, n)]: the indices of each row's best m entries of scores [h, n], best first, exact
-    ties to the lower index (`rank_order` by head tiles)."""
+    ties to the lower index (`rank_order` by head tiles); `key` (a tile of scores -> what to rank it by,
+    computed tile by tile) ranks them by something else."""
     out = torch.empty(scores.shape[0], min(m, scores.shape[-1]), dtype=torch.long, device=scores.device)
     for heads in _head_chunks(scores.shape[0], scores.shape[-1]):
-        out[heads] = rank_order(scores[heads])[:, : out.shape[1]]
+        out[heads] = rank_order(scores[heads] if key is None else key(scores[heads]))[:, : out.shape[1]]
     return out
 
 

@@ -198,13 +198,12 @@ class _Scores(NamedTuple):
     held: torch.Tensor | None
 
 
-def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int,
-                rank_by: torch.Tensor | None = None) -> torch.Tensor:
-    """[H, 2m + 1]: the best m of vals [H, n] by `rank_by` (default vals; exact ties: the lower position
-    first, vals being in position order), fewer padded with score 0 (never kept), their global positions
-    pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
+def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, key=None) -> torch.Tensor:
+    """[H, 2m + 1]: the best m of vals [H, n] (ranked by `key` of them, `top_entries`; exact ties: the
+    lower position first, vals being in position order), fewer padded with score 0 (never kept), their
+    global positions pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
     h = vals.shape[0]
-    idx = top_entries(vals if rank_by is None else rank_by, m)
+    idx = top_entries(vals, m, key)
     out_vals = torch.zeros(h, m, dtype=vals.dtype, device=vals.device)
     out_pos = torch.full((h, m), pad_pos, dtype=_BITS[vals.dtype], device=vals.device)
     out_vals[:, : idx.shape[1]] = vals.gather(1, idx)
@@ -248,7 +247,8 @@ def _kept_across_ranks(vertical: _Scores, slash: _Scores, flat: list[tuple[int, 
     for i, (_, sg) in enumerate(flat):
         mine = slice(vertical.bases[i], vertical.bases[i + 1])
         gain, where = vertical.values[:, mine], vertical.positions[mine]
-        ratio = column_ratio(gain, where, sg.start, sg.scored_end, cfg.block_size) if mass else None
+        ratio = (lambda tile, where=where, sg=sg: column_ratio(tile, where, sg.start, sg.scored_end,
+                                                               cfg.block_size)) if mass else None
         pieces.append(_candidates(gain, where, widths["vertical"][i], s, ratio))
         lo = max(slash.bases[i], rank * span)
         packed = torch.arange(lo, max(lo, min(slash.bases[i + 1], (rank + 1) * span)), device=dev)
