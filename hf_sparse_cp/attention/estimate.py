@@ -2,12 +2,19 @@
 
 At every attention call, the last `last_q` queries of each long document score every earlier
 key of their document: a key column's *vertical* score is the attention mass it receives, a
-diagonal's *slash* score the mass along offset `q - k`. Each query head keeps, in every document
-with its own budget, its best columns and diagonals (top-k, or top-p with a cap), plus the
-document's first `sink_tokens` columns and the `local_window` diagonals next to the main one, so a
-document's kept tokens do not depend on what else is packed with it. Diagonals become key blocks
-along the block diagonals they cross (each document's query blocks its own set); kept columns
-outside those blocks become token columns.
+diagonal's *slash* score the mass along offset `q - k`. With `sample_groups`, groups of queries
+along the document score too (`scoring_groups`): the document is cut into equal strata, each scored
+by its last queries, and a scoring query's mass counts for the queries of its stratum that see the
+key (`Stratum`), so the scores estimate the mass every query of the document puts on each key and
+offset (weighted sums also in 'mass' mode, plain sums otherwise). Each query head keeps, in every
+document with its own budget, its best columns and diagonals (top-k, or top-p with a cap; in 'mass'
+mode columns and block diagonals ranked together by estimated mass per block of work, kept until
+their mass reaches `mass_target` of the document's attention: `select_mass`), plus the document's
+first `sink_tokens` columns and the `local_window` diagonals next to the main one, so a document's
+kept tokens do not depend on what else is packed with it. Exact ties go to the lower position
+(`rank_order`), in one process as across ranks. Diagonals become key blocks along the block
+diagonals they cross (each document's query blocks its own set); kept columns outside those blocks
+become token columns.
 
 With `estimation="causal_chunks"` the pattern of a query never depends on a later token (in
 teacher-forced training the default estimation lets a position's keys depend on the queries after
@@ -22,6 +29,10 @@ queries). Chunks rather than a set per query block: n chunks cost n/2 times the 
 estimation and n sets of kept columns ([H, n, S] booleans per row), and the pattern a query takes is
 at most `estimation_chunk` tokens older than the query. Uniform chunks rather than growing ones keep
 that staleness the same at every position.
+
+Memory: the scores are [B, H, V, S] fp32 per kind (V: 1, or the chunks' sets); the selection's
+sorts and cumulative sums work on tiles of at most `_SELECT_ELEMENTS` entries, the scoring on tiles
+of `_SCORE_ELEMENTS`.
 
 Documents shorter than `min_seq_len` stay dense (every causal block of the document); so does
 every layer with a sliding window (already local) and every layer whose pattern is "dense".
@@ -58,6 +69,8 @@ from .tokens import PAD_SEGMENT, TokenMeta, run_starts
 _SCORE_ELEMENTS = 1 << 24
 # Score sets beyond this many bytes per call (causal chunks, a long sequence) earn a warning naming the fix.
 SCORE_SET_WARN_BYTES = 1 << 30
+# Elements of one [heads, entries] tile of the selection's temporaries (sorts, cumulative sums).
+_SELECT_ELEMENTS = 1 << 22
 
 
 # ------------------------------------------------------------------------------------------ documents
@@ -115,12 +128,55 @@ def _num_sets(segments: list[list[EstimationSegment]]) -> int:
     return 1 + max((sg.set for row in segments for sg in row), default=0)
 
 
+class Sampling(NamedTuple):
+    """Which queries score a document's keys (`scoring_groups`): the last `last_q`, and with `groups` > 0
+    as many more groups of `group_size` along it. `weighted`: each scoring query's mass counts for the
+    queries of its part of the document that see the key (`Stratum`), so that the scores estimate the
+    mass all the document's queries put on each key and diagonal; otherwise plain sums."""
+
+    last_q: int
+    groups: int = 0
+    group_size: int = 16
+    weighted: bool = False
+
+    @classmethod
+    def of(cls, cfg: SparseAttentionConfig) -> Sampling:
+        return cls(cfg.last_q, cfg.sample_groups, cfg.sample_group_size,
+                   cfg.budget_mode == "mass" or cfg.sample_groups > 0)
+
+
+class Stratum(NamedTuple):
+    """The queries [lo, hi) of a document starting at `doc_start` that `rows` scoring queries (the last
+    of them) stand for: a scoring query's probability of key j counts (hi - max(lo, j))^+ / rows times (the
+    queries of the stratum that see j), that of a pair at offset o (hi - max(lo, doc_start + o))^+ / rows."""
+
+    lo: int
+    hi: int
+    rows: int
+    doc_start: int
+
+
+def scoring_groups(start: int, end: int, sampling: Sampling) -> list[Stratum]:
+    """The strata of a document [start, end) whose last queries score it: `sampling.groups` + 1 equal
+    parts (integer cuts, the same on every rank), the last one scored by its last `last_q` queries, the
+    others by their last `group_size` (fewer in a shorter part)."""
+    n = sampling.groups
+    cuts = [start + i * (end - start) // (n + 1) for i in range(n + 2)]
+    out = []
+    for i in range(n + 1):
+        lo, hi = cuts[i], cuts[i + 1]
+        if hi > lo:
+            out.append(Stratum(lo, hi, min(sampling.last_q if i == n else sampling.group_size, hi - lo), start))
+    return out
+
+
+def stratum_weights(stratum: Stratum, positions: torch.Tensor) -> torch.Tensor:
+    """The weight of a scoring query of `stratum` for keys, or pair offsets from the document start, at
+    `positions` (any shape): (hi - max(lo, position))^+ / rows (see `Stratum`)."""
+    return (stratum.hi - positions.clamp_min(stratum.lo)).clamp_min(0) / stratum.rows
+
+
 # -------------------------------------------------------------------------------------------- scoring
-
-
-def last_query_rows(start: int, end: int, last_q: int, device=None) -> torch.Tensor:
-    """Positions of the (at most) `last_q` final queries of [start, end) that score its keys."""
-    return torch.arange(max(start, end - last_q), end, device=device)
 
 
 def _score_tiles(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float):
@@ -177,11 +233,13 @@ def accumulate_vertical_slash(
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
     slash_base: int = 0,
     vertical_index: torch.Tensor | None = None,
+    stratum: Stratum | None = None,
 ) -> None:
     """Add the attention mass of query rows at positions `row_pos` on keys at `key_pos`:
     vertical[h, key] += mass the key receives, slash[h, slash_base + row - key] += mass on that
     offset (`slash_base`: the document's start, so that every document has its own offsets).
     `vertical_index` (one per key; default `key_pos`) puts a key's mass elsewhere in `vertical`.
+    With a `stratum`, each mass counts its stratum weight (`stratum_weights`).
 
     Keys after a row are invisible. Probabilities are a softmax over these keys, or, with
     `normalizer` = (row max, row sum of exp(score - max)) of the row's *whole* key set (keys split
@@ -193,8 +251,13 @@ def accumulate_vertical_slash(
     row_max = torch.where(torch.isfinite(normalizer[0]), normalizer[0], torch.zeros_like(normalizer[0]))
     for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
         a = torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
-        vertical[heads].index_add_(1, (key_pos if vertical_index is None else vertical_index)[keys], a.sum(1))
-        offset = (row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)).clamp_min(0) + slash_base
+        column = a.sum(1)
+        diff = row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)
+        if stratum is not None:
+            column = column * stratum_weights(stratum, key_pos[keys]).to(a.dtype)
+            a = a * stratum_weights(stratum, stratum.doc_start + diff).to(a.dtype)
+        vertical[heads].index_add_(1, (key_pos if vertical_index is None else vertical_index)[keys], column)
+        offset = diff.clamp_min(0) + slash_base
         slash[heads].scatter_add_(1, offset.flatten().expand(a.shape[0], -1), a.flatten(1))
 
 
@@ -208,31 +271,39 @@ def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
 
 
 def score_vertical_slash(
-    q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], last_q: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], last_q: int, scale: float,
+    sampling: Sampling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores of one batch row.
 
-    q: [Hq, S, D], k: [Hkv, S, D]; docs: (start, end) of the documents to score.
+    q: [Hq, S, D], k: [Hkv, S, D]; docs: (start, end) of the documents to score; sampling: which queries
+    score them (default: the last `last_q`, plain sums).
     Returns (vertical [Hq, S], slash [Hq, S]) in fp32 (fp64 for fp64 inputs): vertical[h, j] is the
-    attention mass key j receives from its document's last `last_q` queries; slash[h, start + o] the
-    mass on offset o = q - k inside the document that begins at `start` (each document its own).
+    attention mass key j receives from its document's scoring queries; slash[h, start + o] the mass on
+    offset o = q - k inside the document that begins at `start` (each document its own). Weighted
+    sampling scales each query's mass by its `Stratum` weight.
     """
+    sampling = Sampling(last_q) if sampling is None else sampling
     hq, s, _ = q.shape
     dtype = compute_dtype(q.dtype)
     vertical = torch.zeros(hq, s, dtype=dtype, device=q.device)
     slash = torch.zeros(hq, s, dtype=dtype, device=q.device)
     kernel = _scoring_kernel(q, k)
     for start, end in docs:
-        r = min(last_q, end - start)
-        if kernel is not None:
-            v_doc, s_doc = kernel(q[:, end - r : end], k[:, start:end], scale)
-            vertical[:, start:end] += v_doc
-            slash[:, start:end] += s_doc
-            continue
-        rows = last_query_rows(start, end, last_q, q.device)
-        keys = torch.arange(start, end, device=q.device)
-        accumulate_vertical_slash(q[:, end - r : end].to(dtype), k[:, start:end].to(dtype), rows, keys, scale,
-                                  vertical, slash, slash_base=start)
+        for st in scoring_groups(start, end, sampling):
+            first, stratum = st.hi - st.rows, st if sampling.weighted else None
+            if kernel is not None:
+                v_doc, s_doc = kernel(q[:, first : st.hi], k[:, start : st.hi], scale)
+                if stratum is not None:  # keys and offsets of the document share the weights' formula
+                    w = stratum_weights(stratum, torch.arange(start, st.hi, device=q.device)).to(dtype)
+                    v_doc, s_doc = v_doc * w, s_doc * w
+                vertical[:, start : st.hi] += v_doc
+                slash[:, start : st.hi] += s_doc
+                continue
+            rows = torch.arange(first, st.hi, device=q.device)
+            keys = torch.arange(start, st.hi, device=q.device)
+            accumulate_vertical_slash(q[:, first : st.hi].to(dtype), k[:, start : st.hi].to(dtype), rows, keys,
+                                      scale, vertical, slash, slash_base=start, stratum=stratum)
     return vertical, slash
 
 
@@ -248,11 +319,13 @@ def warn_if_costly(n_sets: int, nbytes: int, cfg: SparseAttentionConfig) -> None
 
 
 def score_rows(
-    q: torch.Tensor, k: torch.Tensor, segments: list[list[EstimationSegment]], last_q: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, segments: list[list[EstimationSegment]], last_q: int, scale: float,
+    sampling: Sampling | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Scores of every batch row of q [B, Hq, S, D], k [B, Hkv, S, D] with estimation segments, as
     `layout_from_scores` takes them: (vertical, slash), each [Hq, V, S], set j of the row's segments
-    at [:, j] as `score_vertical_slash` lays a document out (None for rows without segments)."""
+    at [:, j] as `score_vertical_slash` lays a document out (None for rows without segments);
+    sampling: `Sampling.of(cfg)` (default: the last `last_q` queries, plain sums)."""
     n_sets = _num_sets(segments)
     out = []
     for row, row_segs in enumerate(segments):
@@ -260,7 +333,7 @@ def score_rows(
             out.append(None)
             continue
         per_set = [score_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],
-                                        last_q, scale) for j in range(n_sets)]
+                                        last_q, scale, sampling) for j in range(n_sets)]
         out.append((torch.stack([v for v, _ in per_set], 1), torch.stack([sl for _, sl in per_set], 1)))
     return out
 
@@ -268,27 +341,162 @@ def score_rows(
 # ------------------------------------------------------------------------------------------ selection
 
 
+def _head_chunks(heads: int, per_head: int):
+    """Slices of heads whose [heads, per_head] selection temporaries stay within _SELECT_ELEMENTS."""
+    step = max(1, min(heads, _SELECT_ELEMENTS // max(1, per_head)))
+    return [slice(h0, min(heads, h0 + step)) for h0 in range(0, heads, step)]
+
+
+def top_entries(scores: torch.Tensor, m: int, key=None) -> torch.Tensor:
+    """int64 [h, min(m, n)]: the indices of each row's best m entries of scores [h, n], best first, exact
+    ties to the lower index (`rank_order` by head tiles); `key` (a tile of scores -> what to rank it by,
+    computed tile by tile) ranks them by something else."""
+    out = torch.empty(scores.shape[0], min(m, scores.shape[-1]), dtype=torch.long, device=scores.device)
+    for heads in _head_chunks(scores.shape[0], scores.shape[-1]):
+        out[heads] = rank_order(scores[heads] if key is None else key(scores[heads]))[:, : out.shape[1]]
+    return out
+
+
+def rank_order(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [h, n]: each row's entries from the best score to the worst, exact ties broken by position
+    (the lower first). positions: [n] or [h, n], the entries' positions when they are not in position
+    order (a union of candidates); None: the entries' indices are their positions."""
+    if positions is None:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    by_pos = positions.argsort(dim=-1, stable=True).expand(scores.shape)
+    return by_pos.gather(-1, torch.sort(scores.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices)
+
+
 def select_entries(scores: torch.Tensor, mode: str, topk: int, topp: float, cap: int,
-                   total: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean [..., n] of the kept entries of each row of scores (only positive scores are kept).
+                   total: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [h, n] of the kept entries of each row of scores (only positive scores are kept; exact
+    ties go to the lower position).
 
     `scores` may hold only the candidates of a longer row (every entry that could be kept: its best
-    `topk`, or `cap` for top-p), with `total` [..., 1] the whole row's mass (default: the sum of
-    `scores`); the selection is the same as over the whole row."""
-    n = scores.shape[-1]
-    if mode == "topk":
-        kk = min(topk, n)
-        if kk == 0:
-            return torch.zeros_like(scores, dtype=torch.bool)
-        vals, idx = torch.topk(scores, kk, dim=-1)
-        keep = torch.zeros_like(scores, dtype=torch.bool)
-        return keep.scatter_(-1, idx, vals > 0)
-    vals, idx = torch.sort(scores, dim=-1, descending=True)
-    total = (vals.sum(-1, keepdim=True) if total is None else total).clamp_min(torch.finfo(vals.dtype).tiny)
-    before = (torch.cumsum(vals, -1) - vals) / total  # mass of the better-ranked entries
-    rank = torch.arange(n, device=scores.device)
-    take = (before < topp) & (rank < cap) & (vals > 0)
-    return torch.zeros_like(take).scatter_(-1, idx, take)
+    `topk`, or `cap` for top-p), with `total` [h, 1] the whole row's mass (default: the sum of
+    `scores`) and `positions` ([n] or [h, n]) the candidates' positions; the selection is the same as
+    over the whole row."""
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    for heads in _head_chunks(scores.shape[0], scores.shape[-1]):
+        sc = scores[heads]
+        order = rank_order(sc, positions if positions is None or positions.dim() == 1 else positions[heads])
+        vals = sc.gather(-1, order)
+        rank = torch.arange(sc.shape[-1], device=sc.device)
+        if mode == "topk":
+            take = (rank < topk) & (vals > 0)
+        else:
+            whole = vals.sum(-1, keepdim=True) if total is None else total[heads]
+            before = (torch.cumsum(vals, -1) - vals) / whole.clamp_min(torch.finfo(vals.dtype).tiny)
+            take = (before < topp) & (rank < cap) & (vals > 0)
+        keep[heads] = keep[heads].scatter_(-1, order, take)
+    return keep
+
+
+def block_diagonal_mass(slash: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[h, ceil(L / bs) + 1]: the mass on each block diagonal d from slash scores [h, L] of offsets 0..L-1.
+    A query at a uniform place in its block reaches block diagonal d through offset o with probability
+    (bs - |o - d bs|)^+ / bs, so offset d bs + u (0 <= u < bs) gives (bs - u) / bs to d and u / bs to d + 1."""
+    h, n = slash.shape
+    bs = block_size
+    nb = -(-n // bs)
+    blocks = torch.nn.functional.pad(slash, (0, nb * bs - n)).view(h, nb, bs)
+    u = torch.arange(bs, device=slash.device, dtype=slash.dtype)
+    out = torch.zeros(h, nb + 1, dtype=slash.dtype, device=slash.device)
+    out[:, :nb] = blocks @ ((bs - u) / bs)
+    out[:, 1:] += blocks @ (u / bs)
+    return out
+
+
+def column_cost(positions: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Blocks of work a kept key column at `positions` adds in a document [start, end): 1 / block_size per
+    query block after its own (its own block lies on the always-kept main diagonal)."""
+    first_qb, end_qb = start // block_size, -(-end // block_size)
+    listed = end_qb - torch.clamp_min(torch.div(positions, block_size, rounding_mode="floor") + 1, first_qb)
+    return listed.clamp_min(0) / block_size
+
+
+def column_ratio(gain: torch.Tensor, positions: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Estimated mass per block of work of key columns ([h, n] gains at `positions`) in a document [start,
+    end), 0 for a column that adds no work (what 'mass' mode ranks columns by)."""
+    cost = column_cost(positions, start, end, block_size).to(gain.dtype)
+    return torch.where(cost > 0, gain / cost.clamp_min(1 / block_size), 0)
+
+
+def diagonal_cost(diagonals: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Blocks of work a kept block diagonal d adds in a document [start, end): the query blocks whose block
+    d before them holds the document's keys."""
+    first_qb, end_qb = start // block_size, -(-end // block_size)
+    return (end_qb - first_qb - diagonals).clamp_min(0)
+
+
+def select_mass(
+    col_gain: torch.Tensor,
+    col_pos: torch.Tensor,
+    diag_gain: torch.Tensor,
+    diag: torch.Tensor,
+    start: int,
+    end: int,
+    cfg: SparseAttentionConfig,
+    scored_end: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """'mass' mode: the kept key columns and block diagonals of one document [start, end) per head.
+
+    Columns and block diagonals d >= 1 are ranked together by estimated mass per block of work they add to
+    the queries [start, scored_end) that scored them (`column_cost`, `diagonal_cost`; exact ties: columns
+    by position, then diagonals by d); each head keeps the best until the estimated mass of the main
+    diagonal and of what it keeps reaches `mass_target` of those queries' attention (one unit per query;
+    mass inside both a kept column and a kept diagonal counts twice): a floor that serves broad heads;
+    and beyond it every one whose mass per block is at least `mass_threshold` of the block's queries'
+    attention (one price of work for every head and layer). At most `vertical_cap` columns (the best by
+    that ratio) compete.
+
+    Args:
+        col_gain: [h, n] estimated mass of the columns at positions col_pos ([n] or [h, n]: all of the
+            document's, or a union of candidates holding each head's best `vertical_cap`).
+        diag_gain: [h, m] estimated mass of the block diagonals `diag` ([m] or [h, m]: each of the
+            document's diagonal 0 and those with mass, `block_diagonal_mass`, in any order).
+        scored_end: the end of the scoring queries (a causal chunk's start; default `end`).
+
+    Returns:
+        (bool [h, n] kept columns, bool [h, m] kept diagonals, d = 0 always).
+    """
+    (h, n), m = col_gain.shape, diag_gain.shape[-1]
+    col_pos, diag = col_pos.expand(h, n), diag.expand(h, m)
+    scored_end = end if scored_end is None else scored_end
+    keep_c = torch.zeros_like(col_gain, dtype=torch.bool)
+    keep_d = torch.zeros_like(diag_gain, dtype=torch.bool)
+    for heads in _head_chunks(h, n + m):
+        keep_c[heads], keep_d[heads] = _select_mass(col_gain[heads], col_pos[heads], diag_gain[heads], diag[heads],
+                                                    start, end, scored_end, cfg)
+    return keep_c, keep_d
+
+
+def _select_mass(col_gain, col_pos, diag_gain, diag, start, end, scored_end, cfg):
+    """`select_mass` on one tile of heads (positions and diagonals [h, n] / [h, m])."""
+    bs = cfg.block_size
+    main = torch.where(diag == 0, diag_gain, 0).sum(-1, keepdim=True)
+    d_cost = diagonal_cost(diag, start, scored_end, bs).to(diag_gain.dtype)
+    # a diagonal is kept as offset d * bs of the document, so only those inside it (the rest of a document that
+    # starts inside a block lies on diagonal (end - start - 1) // bs + 1 and stays unkept)
+    d_ok = (diag >= 1) & (diag <= (end - start - 1) // bs) & (d_cost > 0)
+    c_ratio = column_ratio(col_gain, col_pos, start, scored_end, bs)
+    d_ratio = torch.where(d_ok, diag_gain / d_cost.clamp_min(1), 0)
+    n = col_gain.shape[-1]
+    c_order = rank_order(c_ratio, col_pos)
+    eligible = torch.zeros_like(c_ratio, dtype=torch.bool).scatter_(
+        -1, c_order, (torch.arange(n, device=col_gain.device) < cfg.vertical_cap).expand_as(c_order))
+    ratio = torch.cat([torch.where(eligible, c_ratio, 0), d_ratio], -1)
+    gain = torch.cat([torch.where(eligible, col_gain, 0), torch.where(d_ok, diag_gain, 0)], -1)
+    # tie order: columns by position, then diagonals by d (every column lies before end)
+    ids = torch.cat([col_pos - start, (end - start) + diag], -1)
+    order = rank_order(ratio, ids)
+    g = gain.gather(-1, order)
+    before = main + torch.cumsum(g, -1) - g
+    r = ratio.gather(-1, order)
+    priced = (r >= cfg.mass_threshold * bs) if cfg.mass_threshold > 0 else torch.zeros_like(r, dtype=torch.bool)
+    take = ((before < cfg.mass_target * (scored_end - start)) | priced) & (r > 0)
+    keep = torch.zeros_like(take).scatter_(-1, order, take)
+    return keep[:, :n], keep[:, n:] | (diag == 0)
 
 
 def _selection_bound(cfg: SparseAttentionConfig, num_segments: int) -> int:
@@ -297,21 +505,39 @@ def _selection_bound(cfg: SparseAttentionConfig, num_segments: int) -> int:
 
 
 def select_vertical_slash(
-    vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, int]]], cfg: SparseAttentionConfig
+    vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, ...]]], cfg: SparseAttentionConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept key columns and kept diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per
-    row, its scored documents. Every document is selected on its own, with its own budget: its
-    columns among its keys, its offsets o at [start + o] (as `score_vertical_slash` lays them out),
-    plus its sink columns and the local window's offsets; nothing outside the documents."""
+    row, its scored documents as (start, end), or (start, end, scored_end) when only the queries before
+    scored_end scored it (a causal chunk). Every document is selected on its own, with its own budget:
+    its columns among its keys, its offsets o at [start + o] (as `score_vertical_slash` lays them out;
+    in 'mass' mode block diagonal d as offset d * block_size), plus its sink columns and the local
+    window's offsets; nothing outside the documents."""
     keep_v = torch.zeros_like(vertical, dtype=torch.bool)
     keep_s = torch.zeros_like(slash, dtype=torch.bool)
     for row, row_docs in enumerate(docs):
-        for start, end in row_docs:
+        for start, end, *scored_end in row_docs:
             doc = slice(start, end)
-            keep_v[row, :, doc] = select_entries(vertical[row, :, doc], cfg.budget_mode, *budget(cfg, "vertical"))
-            keep_s[row, :, doc] = select_entries(slash[row, :, doc], cfg.budget_mode, *budget(cfg, "slash"))
+            if cfg.budget_mode == "mass":
+                diag_gain = block_diagonal_mass(slash[row, :, doc], cfg.block_size)
+                diag = torch.arange(diag_gain.shape[-1], device=slash.device)
+                cols, diags = select_mass(vertical[row, :, doc], torch.arange(start, end, device=slash.device),
+                                          diag_gain, diag, start, end, cfg, *scored_end)
+                keep_v[row, :, doc] = cols
+                keep_diagonals(keep_s[row], diags, diag, start, cfg.block_size)
+            else:
+                keep_v[row, :, doc] = select_entries(vertical[row, :, doc], cfg.budget_mode, *budget(cfg, "vertical"))
+                keep_s[row, :, doc] = select_entries(slash[row, :, doc], cfg.budget_mode, *budget(cfg, "slash"))
             keep_anchors(keep_v[row], keep_s[row], start, end, cfg)
     return keep_v, keep_s
+
+
+def keep_diagonals(keep_s: torch.Tensor, kept: torch.Tensor, diag: torch.Tensor, start: int, block_size: int) -> None:
+    """Mark kept block diagonals ([h, m] of diagonals `diag` [m], `select_mass`) as the offsets d * bs of the
+    document that begins at `start` in keep_s [h, S] (the one offset that crosses block diagonal d only)."""
+    offset = torch.where(kept, start + diag * block_size, keep_s.shape[-1])
+    padded = torch.nn.functional.pad(keep_s, (0, 1))
+    keep_s |= padded.scatter_(-1, offset, True)[:, :-1]
 
 
 def budget(cfg: SparseAttentionConfig, kind: str) -> tuple[int, float, int]:
@@ -321,7 +547,8 @@ def budget(cfg: SparseAttentionConfig, kind: str) -> tuple[int, float, int]:
 
 def candidates_per_row(cfg: SparseAttentionConfig, kind: str) -> int:
     """Most entries one head of a document keeps of the verticals or slashes, anchors aside: any entry
-    that can be kept is among that many best of its row (`select_entries` over candidates)."""
+    that can be kept is among that many best of its row (`select_entries` over candidates; in 'mass' mode,
+    the columns best by mass per cost; its block diagonals are all candidates)."""
     topk, _, cap = budget(cfg, kind)
     return topk if cfg.budget_mode == "topk" else cap
 
@@ -385,7 +612,8 @@ def layout_from_scores(
     slash = torch.stack([zeros if sc is None else sc[1].view_as(zeros) for sc in scores])
     keep_v, keep_s = (torch.stack(x, 2) for x in zip(*(
         select_vertical_slash(vertical[:, :, j], slash[:, :, j],
-                              [[(sg.start, sg.q_hi) for sg in row if sg.set == j] for row in segments], cfg)
+                              [[(sg.start, sg.q_hi, sg.scored_end) for sg in row if sg.set == j] for row in segments],
+                              cfg)
         for j in range(n_sets))))
     return layout_from_kept(meta, cfg, segments, keep_v, keep_s)
 
@@ -458,4 +686,5 @@ def estimate_layout(
     if not any(docs):
         return dense_layout(meta, cfg.block_size, sliding_window)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return layout_from_scores(meta, cfg, docs, score_rows(q, k, estimation_segments(docs, cfg), cfg.last_q, scale))
+    return layout_from_scores(meta, cfg, docs, score_rows(q, k, estimation_segments(docs, cfg), cfg.last_q, scale,
+                                                          Sampling.of(cfg)))

@@ -42,15 +42,22 @@ import torch.distributed as dist
 from ..attention.build import dense_layout
 from ..attention.estimate import (
     EstimationSegment,
+    Sampling,
     accumulate_vertical_slash,
+    block_diagonal_mass,
     budget,
     candidates_per_row,
+    column_ratio,
     estimation_segments,
     keep_anchors,
+    keep_diagonals,
     layout_from_kept,
     long_documents,
     row_softmax_stats,
+    scoring_groups,
     select_entries,
+    select_mass,
+    top_entries,
     warn_if_costly,
 )
 from ..attention.layout import SparseLayout
@@ -137,34 +144,43 @@ def estimate_cp(
     if not any(segments):
         return CPEstimate(dense_layout(meta, cfg.block_size), None)
     flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
-    # Host bookkeeping, no device read: each segment's scoring rows [first, scored_end) and keys [start,
-    # scored_end) are contiguous runs of this rank's shard (its tokens are in ascending global order).
-    start, first, end = torch.tensor([(sg.start, max(sg.start, sg.scored_end - cfg.last_q), sg.scored_end)
-                                      for _, sg in flat]).T
-    before = dict(zip(("start", "first", "end"), plan.tokens_before(torch.cat([start, first, end])).chunk(3)))
-    keys_held = before["end"] - before["start"]  # [segments, cp_size]
-    row_lo, row_n = before["first"][:, shard.rank].tolist(), (before["end"] - before["first"])[:, shard.rank].tolist()
-    key_lo, key_n = before["start"][:, shard.rank].tolist(), keys_held[:, shard.rank].tolist()
-    row_base, key_base, slash_base = (list(itertools.accumulate(x, initial=0))
-                                      for x in ((end - first).tolist(), key_n, (end - start).tolist()))
-    first_pos = first.tolist()
+    sampling = Sampling.of(cfg)
+    # Scoring pieces: every segment's groups of scoring queries (`scoring_groups`), each scoring the segment's
+    # keys before its end.
+    pieces = [(i, st) for i, (_, sg) in enumerate(flat) for st in scoring_groups(sg.start, sg.scored_end, sampling)]
+    # Host bookkeeping, no device read: each segment's keys [start, scored_end) and each piece's rows
+    # [hi - rows, hi) and keys [start, hi) are contiguous runs of this rank's shard (its tokens are in ascending
+    # global order).
+    marks = torch.tensor([x for _, sg in flat for x in (sg.start, sg.scored_end)]
+                         + [x for _, st in pieces for x in (st.hi - st.rows, st.hi)])
+    before = plan.tokens_before(marks)  # [positions, cp_size]
+    seg_start, seg_end = before[: 2 * len(flat)].view(len(flat), 2, -1).unbind(1)
+    row_first, row_end = before[2 * len(flat) :].view(len(pieces), 2, -1).unbind(1)
+    keys_held = seg_end - seg_start  # [segments, cp_size]
+    key_lo, key_n = seg_start[:, shard.rank].tolist(), keys_held[:, shard.rank].tolist()
+    key_base = list(itertools.accumulate(key_n, initial=0))
+    slash_base = list(itertools.accumulate((sg.scored_end - sg.start for _, sg in flat), initial=0))
+    row_base = list(itertools.accumulate((st.rows for _, st in pieces), initial=0))
+    row_lo, row_n = row_first[:, shard.rank].tolist(), (row_end - row_first)[:, shard.rank].tolist()
+    piece_keys = (row_end[:, shard.rank] - seg_start[[i for i, _ in pieces], shard.rank]).tolist()
 
-    # 1. every segment's scoring rows, each from the rank that holds it
+    # 1. every piece's scoring rows, each from the rank that holds it
     q_rows = torch.zeros(hq, row_base[-1], d, dtype=dtype, device=dev)
-    for i, (row, _) in enumerate(flat):
-        mine = torch.arange(row_lo[i], row_lo[i] + row_n[i], device=dev)
-        q_rows[:, row_base[i] + tok[mine] - first_pos[i]] = q[row][:, mine].to(dtype)
+    for p, (i, st) in enumerate(pieces):
+        row = flat[i][0]
+        mine = torch.arange(row_lo[p], row_lo[p] + row_n[p], device=dev)
+        q_rows[:, row_base[p] + tok[mine] - (st.hi - st.rows)] = q[row][:, mine].to(dtype)
     _all_reduce(q_rows, dist.ReduceOp.SUM, shard)
 
     # 2. their softmax normalisers over all keys
-    pieces = []
-    for i, (row, sg) in enumerate(flat):
-        rows = torch.arange(first_pos[i], sg.scored_end, device=dev)
-        keys = torch.arange(key_lo[i], key_lo[i] + key_n[i], device=dev)
-        pieces.append((row, rows, slice(row_base[i], row_base[i + 1]), keys))
+    work = []
+    for p, (i, st) in enumerate(pieces):
+        rows = torch.arange(st.hi - st.rows, st.hi, device=dev)
+        keys = torch.arange(key_lo[i], key_lo[i] + piece_keys[p], device=dev)
+        work.append((flat[i][0], rows, slice(row_base[p], row_base[p + 1]), keys))
     row_max = torch.full((hq, row_base[-1]), float("-inf"), dtype=dtype, device=dev)
     row_sum = torch.zeros(hq, row_base[-1], dtype=dtype, device=dev)
-    for row, rows, span, keys in pieces:
+    for row, rows, span, keys in work:
         if keys.numel():
             visible = tok[keys].unsqueeze(0) <= rows.unsqueeze(1)
             row_max[:, span], row_sum[:, span] = row_softmax_stats(
@@ -179,18 +195,24 @@ def estimate_cp(
     # every segment's scored offsets, packed the same way on every rank
     vertical = torch.zeros(hq, key_base[-1], dtype=dtype, device=dev)
     slash = torch.zeros(hq, slash_base[-1], dtype=dtype, device=dev)
-    for i, (row, rows, span, keys) in enumerate(pieces):
+    for (i, st), (row, rows, span, keys) in zip(pieces, work):
         if keys.numel():
             accumulate_vertical_slash(
                 q_rows[:, span].contiguous(), k[row][:, keys].to(dtype), rows, tok[keys], scale, vertical, slash,
                 normalizer=(top[:, span], row_sum[:, span]), slash_base=slash_base[i],
-                vertical_index=torch.arange(key_base[i], key_base[i + 1], device=dev),
+                vertical_index=torch.arange(key_base[i], key_base[i] + keys.numel(), device=dev),
+                stratum=st if sampling.weighted else None,
             )
     warn_if_costly(1 + max(sg.set for _, sg in flat), (vertical.numel() + slash.numel()) * vertical.element_size(),
                    cfg)
+    if cfg.budget_mode == "mass":  # block diagonals from the partial slashes (linear), summed in their place
+        diagonals = [block_diagonal_mass(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
+        slash, slash_base = torch.cat(diagonals, 1), list(itertools.accumulate((x.shape[1] for x in diagonals),
+                                                                              initial=0))
     # 4. the selection from every rank's candidates
+    all_keys = torch.cat([torch.arange(key_lo[i], key_lo[i] + key_n[i], device=dev) for i in range(len(flat))])
     keep_v, keep_s = _kept_across_ranks(
-        _Scores(vertical, key_base, tok[torch.cat([p[3] for p in pieces])], keys_held),
+        _Scores(vertical, key_base, tok[all_keys], keys_held),
         _Scores(slash, slash_base, None, None), flat, meta.segment.shape, cfg, shard)
     return CPEstimate(layout_from_kept(meta, cfg, segments, keep_v, keep_s), KeptEntries(segments, keep_v, keep_s))
 
@@ -206,15 +228,16 @@ class _Scores(NamedTuple):
     held: torch.Tensor | None
 
 
-def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int) -> torch.Tensor:
-    """[H, 2m + 1]: the best m of vals [H, n] (fewer padded with score 0, never kept), their global
-    positions pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
+def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, key=None) -> torch.Tensor:
+    """[H, 2m + 1]: the best m of vals [H, n] (ranked by `key` of them, `top_entries`; exact ties: the
+    lower position first, vals being in position order), fewer padded with score 0 (never kept), their
+    global positions pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
     h = vals.shape[0]
-    top, idx = vals.topk(min(m, vals.shape[1]), dim=1)
+    idx = top_entries(vals, m, key)
     out_vals = torch.zeros(h, m, dtype=vals.dtype, device=vals.device)
     out_pos = torch.full((h, m), pad_pos, dtype=_BITS[vals.dtype], device=vals.device)
-    out_vals[:, : top.shape[1]] = top
-    out_pos[:, : top.shape[1]] = pos[idx].to(out_pos.dtype)
+    out_vals[:, : idx.shape[1]] = vals.gather(1, idx)
+    out_pos[:, : idx.shape[1]] = pos[idx].to(out_pos.dtype)
     # Positions travel in the score buffer as bit patterns (a copy, never arithmetic): one all-gather.
     return torch.cat([out_vals, out_pos.view(vals.dtype), vals.sum(1, keepdim=True)], 1)
 
@@ -245,15 +268,21 @@ def _kept_across_ranks(vertical: _Scores, slash: _Scores, flat: list[tuple[int, 
     first, last, ranks = torch.tensor(slash.bases[:-1]), torch.tensor(slash.bases[1:]), torch.arange(w)
     slash_held = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
                   - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
-    widths = {kind: torch.minimum(held.amax(1), torch.tensor(candidates_per_row(cfg, kind))).tolist()
-              for kind, held in (("vertical", vertical.held), ("slash", slash_held))}
+    mass = cfg.budget_mode == "mass"  # the slashes are block diagonals then, every held one a candidate
+    widths = {"vertical": torch.minimum(vertical.held.amax(1), torch.tensor(candidates_per_row(cfg, "vertical"))),
+              "slash": slash_held.amax(1) if mass else torch.minimum(slash_held.amax(1),
+                                                                     torch.tensor(candidates_per_row(cfg, "slash")))}
+    widths = {kind: w.tolist() for kind, w in widths.items()}
     pieces = []
     for i, (_, sg) in enumerate(flat):
         mine = slice(vertical.bases[i], vertical.bases[i + 1])
-        pieces.append(_candidates(vertical.values[:, mine], vertical.positions[mine], widths["vertical"][i], s))
+        gain, where = vertical.values[:, mine], vertical.positions[mine]
+        ratio = (lambda tile, where=where, sg=sg: column_ratio(tile, where, sg.start, sg.scored_end,
+                                                               cfg.block_size)) if mass else None
+        pieces.append(_candidates(gain, where, widths["vertical"][i], s, ratio))
         lo = max(slash.bases[i], rank * span)
         packed = torch.arange(lo, max(lo, min(slash.bases[i + 1], (rank + 1) * span)), device=dev)
-        pieces.append(_candidates(summed[:, packed - rank * span], sg.start + packed - slash.bases[i],
+        pieces.append(_candidates(summed[:, packed - rank * span], (0 if mass else sg.start) + packed - slash.bases[i],
                                   widths["slash"][i], s))
     local = torch.cat(pieces, 1)
     gathered = local.new_empty(w, *local.shape)
@@ -264,13 +293,22 @@ def _kept_across_ranks(vertical: _Scores, slash: _Scores, flat: list[tuple[int, 
     keep = {kind: torch.zeros(b, h, n_sets, s + 1, dtype=torch.bool, device=dev) for kind in widths}
     col = 0
     for i, (row, sg) in enumerate(flat):
+        offered = {}
         for kind in ("vertical", "slash"):
             m = widths[kind][i]
             part = gathered[:, :, col : col + 2 * m + 1]
             col += 2 * m + 1
             vals = part[..., :m].movedim(0, 1).flatten(1)
             pos = part[..., m : 2 * m].contiguous().view(_BITS[vals.dtype]).movedim(0, 1).flatten(1).long()
-            kept = select_entries(vals, cfg.budget_mode, *budget(cfg, kind), total=part[..., 2 * m :].sum(0))
+            offered[kind] = vals, pos, part[..., 2 * m :].sum(0)
+        if mass:
+            (v_vals, v_pos, _), (d_vals, d_pos, _) = offered["vertical"], offered["slash"]
+            cols, diags = select_mass(v_vals, v_pos, d_vals, d_pos, sg.start, sg.q_hi, cfg, sg.scored_end)
+            keep["vertical"][row, :, sg.set].scatter_(1, torch.where(cols, v_pos, s), True)
+            keep_diagonals(keep["slash"][row, :, sg.set], diags, d_pos, sg.start, cfg.block_size)
+            continue
+        for kind, (vals, pos, total) in offered.items():
+            kept = select_entries(vals, cfg.budget_mode, *budget(cfg, kind), total=total, positions=pos)
             keep[kind][row, :, sg.set].scatter_(1, torch.where(kept, pos, s), True)
     keep_v, keep_s = keep["vertical"][..., :s], keep["slash"][..., :s]
     for row, sg in flat:

@@ -84,7 +84,8 @@ class PlannerCosts:
 
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
     """An upper estimate of the key blocks a query block row of a sparse document lists: the local
-    window, each kept diagonal crossing two block diagonals, and the columns (budget and sinks)."""
+    window, each kept diagonal crossing two block diagonals, and the columns (budget and sinks; the
+    top-p caps for 'topp' and 'mass' modes)."""
     slash = cfg.slash_topk if cfg.budget_mode == "topk" else cfg.slash_cap
     vertical = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
     bs = cfg.block_size

@@ -87,6 +87,11 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
     else:
         if config.budget_mode == "topk":
             budget = f"top-k: {config.vertical_topk} key columns and {config.slash_topk} diagonals per head"
+        elif config.budget_mode == "mass":
+            budget = (f"mass: key columns and block diagonals by estimated mass per block of work until "
+                      f"{config.mass_target} of each head's attention"
+                      + (f", and those with at least {config.mass_threshold} of their queries' attention per block"
+                         if config.mass_threshold else "") + f" (at most {config.vertical_cap} columns)")
         else:
             budget = (f"top-p: {config.vertical_topp} / {config.slash_topp} of the score mass in key columns / "
                       f"diagonals (at most {config.vertical_cap} / {config.slash_cap}) per head")
@@ -95,6 +100,8 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
                          f"last {config.last_q} queries before it, the first chunk dense")
         else:
             estimated = f"estimated from the last {config.last_q} queries at every call"
+        if config.sample_groups:
+            estimated += f" and {config.sample_groups} groups of {config.sample_group_size} queries along the document"
         text = (f"vertical-slash (MTraining), {budget}, plus {config.sink_tokens} sink tokens and a local window of "
                 f"{config.local_window}; {estimated}")
         if config.min_seq_len:

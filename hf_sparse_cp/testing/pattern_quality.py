@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from ..attention.estimate import (
+    Sampling,
     estimate_layout,
     estimation_segments,
     layout_from_scores,
@@ -32,11 +33,13 @@ from ..attention.estimate import (
     score_rows,
 )
 from ..attention.layout import SparseLayout
+from ..attention.ops import block_sparse_attention
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from ..integration import compat
 
 CAPTURE_BACKEND = "hf_sparse_cp_capture"
+FIXED_LAYOUT_BACKEND = "hf_sparse_cp_fixed_layouts"
 
 
 @contextlib.contextmanager
@@ -61,6 +64,34 @@ def _capturing(model: torch.nn.Module, store: dict[int, tuple]) -> Iterator[None
         model.set_attn_implementation(previous)
         compat.unregister(AttentionInterface, CAPTURE_BACKEND)
         compat.unregister(AttentionMaskInterface, CAPTURE_BACKEND)
+
+
+@contextlib.contextmanager
+def fixed_layouts(model: torch.nn.Module, layouts: dict[int, SparseLayout]) -> Iterator[None]:
+    """Run `model` with each layer's attention restricted to a given layout: layer i computes exact
+    attention over `layouts[i]` ([1, Hq or 1, NQB, ...] of the call's length) through
+    `block_sparse_attention`, as `sparse_cp` does with an estimated one; a layer without a layout
+    refuses to run."""
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if attention_mask is not None or query.shape[0] != 1:
+            raise ValueError("fixed layouts take one unpadded row (attention_mask must be None).")
+        layout = layouts.get(module.layer_idx)
+        if layout is None:
+            raise ValueError(f"no layout given for layer {module.layer_idx}.")
+        out, _ = block_sparse_attention(query, key, value, layout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    previous = model.config._attn_implementation
+    AttentionInterface.register(FIXED_LAYOUT_BACKEND, attend)
+    AttentionMaskInterface.register(FIXED_LAYOUT_BACKEND, flash_attention_mask)
+    try:
+        model.set_attn_implementation(FIXED_LAYOUT_BACKEND)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        compat.unregister(AttentionInterface, FIXED_LAYOUT_BACKEND)
+        compat.unregister(AttentionMaskInterface, FIXED_LAYOUT_BACKEND)
 
 
 @torch.no_grad()
@@ -108,7 +139,8 @@ def _group_stats(recall: torch.Tensor, err_num: torch.Tensor, err_den: torch.Ten
 
 def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta: TokenMeta) -> dict[str, SparseLayout]:
     """Each config's layout, as `estimate_layout` builds it; the vertical-slash scores, which depend
-    only on the estimation segments and `last_q`, are computed once for all configs that share them."""
+    only on the estimation segments and the scoring queries (`Sampling`), are computed once for all configs
+    that share them."""
     scores: dict[tuple, list] = {}
     out = {}
     for name, cfg in configs.items():
@@ -117,9 +149,9 @@ def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta
             out[name] = estimate_layout(q, k, cfg, meta, scale=scale, docs=docs)
             continue
         segments = estimation_segments(docs, cfg)
-        key = (cfg.last_q, str(segments))
+        key = (Sampling.of(cfg), str(segments))
         if key not in scores:
-            scores[key] = score_rows(q, k, segments, cfg.last_q, scale)
+            scores[key] = score_rows(q, k, segments, cfg.last_q, scale, Sampling.of(cfg))
         out[name] = layout_from_scores(meta, cfg, docs, scores[key])
     return out
 

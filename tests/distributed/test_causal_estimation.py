@@ -40,8 +40,14 @@ def _run(cfg, q, k, v, meta):
     return layout.to_mask(HQ, q.shape[2], q.shape[2])[0], out
 
 
+# the estimator of #34: mass mode with groups of queries sampled along the document (before each chunk)
+MASS_SAMPLED = dataclasses.replace(CFG, budget_mode="mass", mass_target=0.6, mass_threshold=0.0, sample_groups=3,
+                                   sample_group_size=4)
+
+
 @pytest.mark.parametrize("p", [150, 300, 400])
-def test_earlier_queries_keep_their_pattern_and_output_when_later_tokens_change(p):
+@pytest.mark.parametrize("cfg", [CFG, MASS_SAMPLED], ids=["top-k", "mass, sampled"])
+def test_earlier_queries_keep_their_pattern_and_output_when_later_tokens_change(p, cfg):
     meta = _meta()
     s = meta.segment.shape[1]
     q, k, v = _qkv(0, s)
@@ -49,12 +55,12 @@ def test_earlier_queries_keep_their_pattern_and_output_when_later_tokens_change(
     for x, fresh in zip(later, _qkv(1, s)):
         x[:, :, p:] = fresh[:, :, p:]
     tol = TOLERANCE[torch.float64]  # the same sums, in an order that follows the layouts' padded widths
-    mask, out = _run(CFG, q, k, v, meta)
-    mask2, out2 = _run(CFG, *later, meta)
+    mask, out = _run(cfg, q, k, v, meta)
+    mask2, out2 = _run(cfg, *later, meta)
     assert torch.equal(mask[:, :p], mask2[:, :p]) and rel_rms(out2[:, :, :p], out[:, :, :p]) < tol
     assert not torch.equal(mask[:, p:], mask2[:, p:])  # the later queries' patterns did change
     # the default estimation reads the document's last queries: earlier queries' patterns move with them
-    old = dataclasses.replace(CFG, estimation="last_queries")
+    old = dataclasses.replace(cfg, estimation="last_queries")
     mask, out = _run(old, q, k, v, meta)
     mask2, out2 = _run(old, *later, meta)
     assert not torch.equal(mask[:, :p], mask2[:, :p]) and rel_rms(out2[:, :, :p], out[:, :, :p]) > 1e3 * tol

@@ -1,8 +1,9 @@
 """The pattern estimated from a sequence split over 3 ranks (gloo) selects from every rank's best
-candidates: the same layout as one process over the whole sequence, on every rank, in top-k and
-top-p modes, with several documents, two batch rows, causal chunks and the document planner's uneven
-split; and
-its collectives carry the slash sums and a few candidates, not the whole score buffer."""
+candidates: the same layout as one process over the whole sequence, on every rank, in top-k, top-p
+and mass modes, with sampled scoring queries, several documents, two batch rows, causal chunks and the
+document planner's uneven split, and with exact ties (broken by position) under every sharding in fp32
+and bf16; and its collectives carry the slash sums (block diagonals in mass mode) and a few candidates,
+not the whole score buffer."""
 
 from __future__ import annotations
 
@@ -30,7 +31,24 @@ CASES = {
                                          vertical_cap=5, slash_cap=12),
     "striped top-k, two rows": CFG,
     "striped top-k, fp32": CFG,
+    "striped top-k, sampled": dataclasses.replace(CFG, sample_groups=3, sample_group_size=4),
+    "striped mass, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.7, vertical_cap=7,
+                                                 sample_groups=2, sample_group_size=4),
+    "planner mass, fp32": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.8),
+    "striped mass threshold, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.3,
+                                                           mass_threshold=0.05, vertical_cap=9, sample_groups=3,
+                                                           sample_group_size=2),
+    "striped causal chunks, mass sampled": dataclasses.replace(CFG, estimation="causal_chunks", estimation_chunk=48,
+                                                               budget_mode="mass", mass_target=0.8, sample_groups=2,
+                                                               sample_group_size=4),
 }
+# Exact ties: every key the same vector with dyadic entries (exact scores in any order), so that each row's
+# probabilities are equal and, with one scoring query, every column and offset of a document scores the same.
+TIE_CFG = dataclasses.replace(CFG, last_q=1, sink_tokens=0, local_window=1, vertical_topk=6, slash_topk=5)
+TIE_MODES = {"top-k": TIE_CFG,
+             "top-p": dataclasses.replace(TIE_CFG, budget_mode="topp", vertical_topp=0.6017, slash_topp=0.3017,
+                                          vertical_cap=200, slash_cap=9),
+             "mass": dataclasses.replace(TIE_CFG, budget_mode="mass", mass_target=0.6017, vertical_cap=5)}
 # Two long documents (one starting inside a block), a short dense one, padding; a second row, other documents.
 RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
 OTHER_ROW = [(0, 120), (1, 500), (PAD_SEGMENT, 140)]
@@ -96,7 +114,7 @@ def _case(rank: int, world: int) -> dict:
                                                                                         meta.segment.shape[1])
         gmeta = plan.global_meta(meta)
         g = torch.Generator().manual_seed(len(out))
-        dtype = torch.float32 if case.endswith("fp32") else torch.float64  # positions travel as int32 / int64 bits
+        dtype = torch.float32 if "fp32" in case else torch.float64  # positions travel as int32 / int64 bits
         q, k = (torch.randn(len(rows), h, plan.padded_len, D, generator=g, dtype=dtype) for h in (HQ, HKV))
         ref = estimate_layout(q, k, cfg, gmeta)  # one process, over the same (global) order
         mine = (x.index_select(2, plan.token_index(rank)) for x in (q, k))
@@ -111,9 +129,41 @@ def _case(rank: int, world: int) -> dict:
             "collectives": [n for n, _ in sent],
             "bytes": dict(sent[3:]),
             "score_bytes": 4 if dtype == torch.float32 else 8,
-            "scored_offsets": sum(sg.scored_end - sg.start for row in
-                                  estimation_segments(long_documents(gmeta, cfg), cfg) for sg in row),
+            # what the reduce-scatter sums: every segment's scored offsets, or in 'mass' mode its block diagonals
+            "summed": sum(-(-(sg.scored_end - sg.start) // BS) + 1 if cfg.budget_mode == "mass" else
+                          sg.scored_end - sg.start
+                          for row in estimation_segments(long_documents(gmeta, cfg), cfg) for sg in row),
         }
+    return out
+
+
+def _ties(rank: int, world: int) -> dict:
+    from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
+    from hf_sparse_cp.distributed.planner import plan_row
+
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for sharding in ("striped", "zigzag", "planner"):
+        plan = plan_row(meta, CFG, world) if sharding == "planner" else ShardPlan(sharding, world, BS,
+                                                                                   meta.segment.shape[1])
+        gmeta = plan.global_meta(meta)
+        q = torch.randint(-2, 3, (1, HQ, plan.padded_len, D), generator=g) / 4
+        k = torch.full((1, HKV, plan.padded_len, D), 0.5)
+        for dtype in (torch.float32, torch.bfloat16):
+            for mode, cfg in TIE_MODES.items():
+                qd, kd = q.to(dtype), k.to(dtype)
+                ref = estimate_layout(qd, kd, cfg, gmeta)
+                mine = (x.index_select(2, plan.token_index(rank)) for x in (qd, kd))
+                layout = estimate_layout_cp(*mine, cfg, CPShard(par, plan, gmeta))
+                every = [None] * world
+                dist.all_gather_object(every, [getattr(layout, f) for f in FIELDS], group=par.cp_group)
+                out[(sharding, str(dtype), mode)] = {
+                    "same_as_single": all(torch.equal(getattr(layout, f), getattr(ref, f)) for f in FIELDS),
+                    "same_on_all_ranks": all(torch.equal(a, b) for other in every for a, b in zip(other, every[0])),
+                    "sparse": float(ref.kept_fraction(gmeta)) < 0.7,
+                }
     return out
 
 
@@ -136,8 +186,23 @@ def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
         # three small all-reduces (scoring queries, row max, row sums), then a reduce-scatter of the
         # slashes and one all-gather of the candidates: no all-reduce of the score buffer
         assert r["collectives"] == ["all_reduce"] * 3 + ["reduce_scatter", "all_gather"]
-        # the reduce-scatter sums the slash scores (the scored offsets of each segment, packed); the
-        # candidates are a fraction of that, where an all-reduce of the [2, H, sets, S] buffer sent both
-        # halves, unscored positions included, twice
-        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["scored_offsets"] // WORLD) * WORLD * r["score_bytes"]
-        assert r["bytes"]["all_gather"] < 0.5 * r["bytes"]["reduce_scatter"]
+        # the reduce-scatter sums the slash scores (the scored offsets of each segment, packed; in 'mass'
+        # mode their block diagonals); the candidates are a fraction of the slashes, where an all-reduce of
+        # the [2, H, sets, S] buffer sent both halves, unscored positions included, twice
+        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["summed"] // WORLD) * WORLD * r["score_bytes"]
+        if "mass" not in case:
+            assert r["bytes"]["all_gather"] < 0.5 * r["bytes"]["reduce_scatter"]
+
+
+@pytest.fixture(scope="module")
+def tie_runs():
+    return run_gloo(_ties, WORLD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(TIE_MODES))
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+@pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])
+def test_exact_ties_are_broken_by_position_on_every_rank_as_in_one_process(tie_runs, sharding, dtype, mode):
+    for r in (run[(sharding, dtype, mode)] for run in tie_runs):
+        assert r["sparse"] and r["same_as_single"] and r["same_on_all_ranks"]

@@ -1,0 +1,175 @@
+"""The estimator's parts of #34: queries sampled along the document (stratum weights), block diagonals from
+slash scores, cost-aware selection to a mass target ('mass' mode), and exact ties broken by position."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention.estimate import (
+    Sampling,
+    block_diagonal_mass,
+    column_ratio,
+    diagonal_cost,
+    estimate_layout,
+    score_vertical_slash,
+    scoring_groups,
+    select_entries,
+    select_mass,
+)
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.testing.layouts import planted_qk
+
+BS, D = 16, 16
+CFG = SparseAttentionConfig(block_size=BS, min_seq_len=0, budget_mode="mass", mass_target=0.9, sink_tokens=0,
+                            local_window=1, last_q=8, sample_groups=3, sample_group_size=4)
+
+
+def test_scoring_groups_cut_a_document_into_strata():
+    groups = scoring_groups(10, 107, Sampling(last_q=8, groups=3, group_size=4))
+    assert [(g.lo, g.hi) for g in groups] == [(10, 34), (34, 58), (58, 82), (82, 107)]
+    assert [g.rows for g in groups] == [4, 4, 4, 8] and {g.doc_start for g in groups} == {10}
+    assert [tuple(g) for g in scoring_groups(0, 3, Sampling(8, 3, 4))] == [(0, 1, 1, 0), (1, 2, 1, 0), (2, 3, 1, 0)]
+    assert scoring_groups(5, 69, Sampling(8)) == [(5, 69, 8, 5)]  # the last queries alone
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sampled_scores_are_each_querys_mass_times_its_stratum_weight(weighted):
+    g = torch.Generator().manual_seed(1)
+    s, docs = 160, [(0, 40), (45, 160)]
+    q, k = (torch.randn(h, s, D, generator=g, dtype=torch.float64) for h in (2, 1))
+    sampling = Sampling(last_q=8, groups=2, group_size=5, weighted=weighted)
+    vertical, slash = score_vertical_slash(q, k, docs, 8, D**-0.5, sampling)
+    want_v, want_s = torch.zeros(2, s, dtype=torch.float64), torch.zeros(2, s, dtype=torch.float64)
+    for start, end in docs:
+        for st in scoring_groups(start, end, sampling):
+            for r in range(st.hi - st.rows, st.hi):
+                p = torch.softmax((q[:, r] @ k[0, start : r + 1].T) * D**-0.5, -1)  # [H, keys start..r]
+                j = torch.arange(start, r + 1)
+                w_key = ((st.hi - j.clamp_min(st.lo)).clamp_min(0) / st.rows) if weighted else torch.ones(len(j))
+                w_off = ((st.hi - (start + r - j).clamp_min(st.lo)).clamp_min(0) / st.rows) if weighted else 1
+                want_v[:, j] += p * w_key
+                want_s[:, start + r - j] += p * w_off
+    assert torch.allclose(vertical, want_v) and torch.allclose(slash, want_s)
+
+
+def test_block_diagonal_mass_spreads_each_offset_over_the_two_diagonals_it_crosses():
+    g = torch.Generator().manual_seed(2)
+    slash = torch.rand(3, 70, generator=g, dtype=torch.float64)
+    got = block_diagonal_mass(slash, BS)
+    o, d = torch.arange(70), torch.arange(got.shape[1])
+    tri = (BS - (o.unsqueeze(0) - d.unsqueeze(1) * BS).abs()).clamp_min(0) / BS  # [d, o]
+    assert got.shape == (3, 6) and torch.allclose(got, slash @ tri.T.double())
+    assert torch.allclose(got.sum(1), slash.sum(1))
+
+
+def _mass_inputs(g, n=60, start=7, end=103):
+    gain = torch.rand(2, n, generator=g, dtype=torch.float64) * 3
+    pos = torch.arange(start, start + n)
+    diag_gain = torch.rand(2, (end - start) // BS + 2, generator=g, dtype=torch.float64) * 20
+    return gain, pos, diag_gain, torch.arange(diag_gain.shape[1])
+
+
+def test_mass_selection_keeps_the_best_mass_per_cost_until_the_target():
+    g = torch.Generator().manual_seed(3)
+    start, end = 7, 103
+    gain, pos, diag_gain, diag = _mass_inputs(g, start=start, end=end)
+    for target, cap, threshold in ((0.5, 100, 0), (0.8, 100, 0), (0.8, 5, 0), (1.0, 100, 0), (0.3, 100, 0.08)):
+        cfg = dataclasses.replace(CFG, mass_target=target, vertical_cap=cap, mass_threshold=threshold)
+        cols, diags = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
+        assert bool(diags[:, 0].all()) and int(cols.sum(1).max()) <= cap
+        c_ratio = column_ratio(gain, pos, start, end, BS)
+        d_ok = (diag >= 1) & (diag <= (end - start - 1) // BS)
+        d_ratio = torch.where(d_ok, diag_gain / diagonal_cost(diag, start, end, BS).clamp_min(1), 0)
+        for h in range(2):
+            # cap: the best `cap` columns by ratio compete; then everything kept outranks everything not kept
+            best_cols = set(c_ratio[h].argsort(descending=True, stable=True)[:cap].tolist())
+            items = [(float(c_ratio[h, i]), float(gain[h, i]), bool(cols[h, i])) for i in best_cols]
+            items += [(float(d_ratio[h, i]), float(diag_gain[h, i]), bool(diags[h, i])) for i in range(1, len(diag))
+                      if d_ok[i]]
+            items.sort(key=lambda x: -x[0])
+            kept = [x[2] for x in items]
+            n_kept = sum(kept)
+            assert kept == [True] * n_kept + [False] * (len(kept) - n_kept)
+            # the prefix that reaches the target, then every one priced at the threshold or above
+            mass_kept = float(diag_gain[h, 0]) + sum(x[1] for x in items[:n_kept])
+            reached = next((i + 1 for i in range(len(items)) if float(diag_gain[h, 0])
+                            + sum(x[1] for x in items[: i + 1]) >= target * (end - start)), len(items))
+            priced = sum(x[0] >= threshold * BS for x in items) if threshold else 0
+            positive = sum(x[0] > 0 for x in items)
+            assert n_kept == min(max(reached, priced), positive), (n_kept, reached, priced, positive)
+            assert mass_kept > 0
+
+
+def test_mass_selection_over_candidates_equals_the_whole_row():
+    g = torch.Generator().manual_seed(4)
+    start, end = 7, 103
+    gain, pos, diag_gain, diag = _mass_inputs(g, start=start, end=end)
+    gain[:, 10:20] = gain[:, 10:11]  # exact ties, split across holders
+    cfg = dataclasses.replace(CFG, mass_target=0.85, vertical_cap=6)
+    whole = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
+    # three holders of interleaved columns and diagonals; each offers its best `vertical_cap` columns by ratio
+    # (ties: the lower position) and every diagonal it holds, in its own order
+    ratio = column_ratio(gain, pos, start, end, BS)
+    c_idx, d_idx = [], []
+    for holder in range(3):
+        mine = torch.arange(holder, len(pos), 3)
+        best = mine[torch.sort(ratio[:, mine], dim=1, descending=True, stable=True).indices[:, : cfg.vertical_cap]]
+        c_idx.append(best.flip(1))
+        d_idx.append(torch.arange(holder, len(diag), 3).flip(0).expand(2, -1))
+    c_idx, d_idx = torch.cat(c_idx, 1), torch.cat(d_idx, 1)
+    cols, diags = select_mass(gain.gather(1, c_idx), pos[c_idx], diag_gain.gather(1, d_idx), diag[d_idx], start, end,
+                              cfg)
+    union_cols = torch.zeros_like(whole[0]).scatter_(1, c_idx, cols)
+    union_diags = torch.zeros_like(whole[1]).scatter_(1, d_idx, diags)
+    assert torch.equal(union_cols, whole[0]) and torch.equal(union_diags, whole[1])
+    assert int(whole[0].sum(1).max()) == cfg.vertical_cap and not bool(whole[1].all())  # the cap and target bind
+
+
+@pytest.mark.parametrize("mode", ["topk", "topp"])
+def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(mode):
+    scores = torch.full((2, 40), 0.25)
+    scores[:, 30:] = 0.5
+    kept = select_entries(scores, mode, 14, 0.6, 40)
+    want = torch.zeros(2, 40, dtype=torch.bool)
+    want[:, 30:] = True
+    want[:, : 14 - 10 if mode == "topk" else 0] = True
+    if mode == "topp":  # mass before an entry < 0.6 of 12.5: the ten of 0.5, then 0.25 each up to 7.5
+        want[:, :10] = True
+    assert torch.equal(kept, want)
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(5))
+    union = select_entries(scores[:, perm], mode, 14, 0.6, 40, total=scores.sum(1, keepdim=True), positions=perm)
+    assert torch.equal(torch.zeros_like(kept).scatter_(1, perm.expand(2, -1), union), want)
+
+
+def test_mass_mode_keeps_more_blocks_for_a_broad_head_than_for_a_focused_one():
+    s = 512
+    q, k = planted_qk(2, 1, s, 32, [[3, 100], []], [[0], []], generator=torch.Generator().manual_seed(6))
+    layout = estimate_layout(q, k, dataclasses.replace(CFG, mass_target=0.9), TokenMeta.contiguous(1, s))
+    blocks = layout.num_computed_blocks()[0]
+    assert float(blocks[1]) > 3 * float(blocks[0])  # head 1 attends evenly: it needs most of its blocks
+    assert float(blocks[0]) < 0.3 * (s // BS) * (s // BS + 1) / 2
+
+
+@pytest.mark.parametrize("mode", ["topk", "mass"])
+def test_sampled_queries_find_a_column_that_only_earlier_queries_use(mode):
+    s, col = 512, 40
+    q, k = planted_qk(1, 1, s, 32, [[col]], [[0]], generator=torch.Generator().manual_seed(7))
+    q[:, :, 400:, :16] = 0.1 * torch.randn(112, 16, generator=torch.Generator().manual_seed(8))  # late: not the column
+    cfg = dataclasses.replace(CFG, budget_mode=mode, vertical_topk=4, slash_topk=4, mass_target=0.8)
+    found = {}
+    for groups in (0, 4):
+        layout = estimate_layout(q, k, dataclasses.replace(cfg, sample_groups=groups), TokenMeta.contiguous(1, s))
+        last = (layout.col_idx[0, 0, -1], layout.block_idx[0, 0, -1])  # the last query block's columns, blocks
+        found[groups] = bool((last[0] == col).any() or (last[1] == col // BS).any())
+    assert found == {0: False, 4: True}
+
+
+@pytest.mark.parametrize(("field", "value"), [("mass_target", 0.0), ("mass_target", 1.5), ("mass_threshold", -0.1),
+                                              ("mass_threshold", 1.0), ("sample_groups", -1), ("sample_group_size", 0)])
+def test_bad_estimator_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SparseAttentionConfig(**{field: value})
