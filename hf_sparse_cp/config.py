@@ -83,7 +83,8 @@ class SparseAttentionConfig(FileConfig):
         metadata={"help": "In 'mass' mode: beyond mass_target, also keep every column or block diagonal whose "
                   "estimated mass per block of work is at least this share of the attention of the block's queries, "
                   "in [0, 1): one price of work for every head and layer, so that budget goes where a block buys the "
-                  "most mass; 0 keeps mass_target alone. 0.01 is a block holding 1% of its queries' attention."},
+                  "most mass; 0 keeps mass_target alone. 0.01 is a block holding one hundredth of its queries' "
+                  "attention."},
     )
     sink_tokens: int = field(
         default=64, metadata={"help": "First tokens of every document always attended to (attention sinks)."}

@@ -104,3 +104,12 @@ def test_the_flag_reference_page_is_generated_from_the_help_texts():
     for f in dataclasses.fields(SparseTrainingArguments):  # every plugin flag is on it
         if f.name.startswith(("sparse_", "cp_", "smet")):
             assert f"| `--{f.name}` |" in page.read_text(), f.name
+
+
+def test_every_help_text_renders_in_the_parsers_help():
+    # argparse formats help texts with %: a bare "%" in a field's help breaks --help for every flag
+    parser = HfArgumentParser(SparseTrainingArguments)
+    for action in parser._actions:
+        if action.help:
+            parser._get_formatter()._expand_help(action)
+    assert "--sparse_mass_threshold" in parser.format_help()
