@@ -83,7 +83,7 @@ FRONTIER_SETTINGS = {
     **{f"mass-{p}": dict(mass_target=p, **MASS) for p in (0.9, 0.95, 0.97, 0.98)},
     **{f"mass-{p}-sampled": dict(mass_target=p, **MASS, **SAMPLED) for p in (0.9, 0.95, 0.97, 0.98, 0.99)},
     **{f"mass-0.9-sampled-t{t}": dict(mass_target=0.9, mass_threshold=t, **MASS, **SAMPLED)
-       for t in (0.02, 0.01, 0.005, 0.0025)},
+       for t in (0.02, 0.01, 0.005, 0.0025, 0.001)},
     "mass-0.9-t0.01": dict(mass_target=0.9, mass_threshold=0.01, **MASS),
 }
 # #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
