@@ -83,7 +83,7 @@ FRONTIER_SETTINGS = {
     **{f"mass-{p}": dict(mass_target=p, **MASS) for p in (0.9, 0.95, 0.97, 0.98)},
     **{f"mass-{p}-sampled": dict(mass_target=p, **MASS, **SAMPLED) for p in (0.9, 0.95, 0.97, 0.98, 0.99)},
     **{f"mass-0.9-sampled-t{t}": dict(mass_target=0.9, mass_threshold=t, **MASS, **SAMPLED)
-       for t in (0.02, 0.01, 0.005, 0.0025)},
+       for t in (0.02, 0.01, 0.005, 0.0025, 0.001)},
     "mass-0.9-t0.01": dict(mass_target=0.9, mass_threshold=0.01, **MASS),
 }
 # #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
@@ -122,7 +122,8 @@ class PatternQualityArguments:
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
     combine: list[str] | None = field(
         default=None, metadata={"help": "Measure nothing: merge the lengths of these reports (runs of one length each, "
-                                "e.g. in parallel processes) into one report, table, targets and figure."})
+                                "e.g. in parallel processes) into one report, table, targets and figure; frontier "
+                                "reports: their lengths and points (e.g. perplexity runs of a few points)."})
     frontier: bool = field(
         default=False, metadata={"help": "Measure the frontier instead (#34): the best block and vertical-slash "
                                  "patterns from exact probabilities and the estimator's settings, kept fraction "
@@ -134,6 +135,11 @@ class PatternQualityArguments:
     limit_fractions: list[float] = field(
         default_factory=lambda: [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5],
         metadata={"help": "Frontier: kept fractions of the best patterns."})
+    limit_families: list[str] = field(
+        default_factory=lambda: list(pattern_limit.FAMILIES),
+        metadata={"help": f"Frontier: families of the best patterns, of {list(pattern_limit.FAMILIES)} (the "
+                  "vertical-slash greedy takes minutes per length on a CPU; a run for estimator perplexities "
+                  "can keep 'block' alone)."})
     frontier_settings: list[str] = field(
         default_factory=lambda: list(FRONTIER_SETTINGS),
         metadata={"help": "Frontier: estimator settings (names of FRONTIER_SETTINGS), every layer sparse."})
@@ -154,6 +160,9 @@ class PatternQualityArguments:
     cost_repeats: int = field(default=3, metadata={"help": "Frontier: timed passes over the layers per setting."})
 
     def __post_init__(self) -> None:
+        bad = sorted(set(self.limit_families) - set(pattern_limit.FAMILIES))
+        if bad:
+            raise ValueError(f"unknown limit families {bad}; choose from {list(pattern_limit.FAMILIES)}.")
         unknown = sorted(set(self.frontier_settings) - set(FRONTIER_SETTINGS))
         if unknown:
             raise ValueError(f"unknown frontier settings {unknown}; choose from {list(FRONTIER_SETTINGS)}.")
@@ -307,6 +316,8 @@ def plot(report: dict, path: Path) -> None:
 def combine(paths: list[str], output: str | None) -> dict:
     """One report from several: the first one's settings and environment, every report's lengths."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
+    if any("frontier" in r for r in reports):
+        return combine_frontier(reports, [Path(p).name for p in paths], output)
     report = {**reports[0], "lengths": {}, "combined_from": [Path(p).name for p in paths]}
     for r in reports:
         report["lengths"].update(r["lengths"])
@@ -358,7 +369,7 @@ def limit_points(masses: list[torch.Tensor], s: int, args: PatternQualityArgumen
     bs = args.frontier_block_size
     prefix = [m[:, : s // bs, :s].contiguous() for m in masses]
     points, layouts = {}, {}
-    for family in pattern_limit.FAMILIES:
+    for family in args.limit_families:
         t0 = time.perf_counter()
         build = pattern_limit.block_trajectory if family == "block" else pattern_limit.vertical_slash_trajectory
         trajs = [build(m, bs) for m in prefix]
@@ -450,6 +461,14 @@ def crossing(points: list[dict], limit: float) -> float | None:
     return None
 
 
+def curve_label(name: str, point: dict) -> str:
+    """The curve a frontier point belongs to: a limit's family and allocation, or an estimator setting's name
+    without its last knob (top-k's two budgets, top-p's mass, mass_target, mass_threshold)."""
+    if point["kind"] == "limit":
+        return f"best {point['family']}, {point['allocation']}"
+    return name.rsplit("-", 2)[0] if name.startswith("topk") else name.rsplit("-", 1)[0]
+
+
 def frontier_targets(report: dict) -> list[dict]:
     """#34's targets from a frontier report: recall at 8K, the perplexity frontier at 4K, and which estimator
     setting the defaults come from."""
@@ -485,14 +504,51 @@ def frontier_targets(report: dict) -> list[dict]:
         blocks = [crossing([p for p in points.values() if p["kind"] == "limit" and p["family"] == "block"
                             and p["allocation"] == a], FRONTIER_PPL) for a in pattern_limit.ALLOCATIONS]
         blocks = [b for b in blocks if b is not None]
-        estimated = [p["kept_fraction"] for p in points.values() if p["kind"] == "estimator"
-                     and p.get("perplexity_change") is not None and p["perplexity_change"] <= FRONTIER_PPL]
+        curves: dict[str, list[dict]] = {}  # estimator settings along one knob (as plotted): crossings interpolated
+        for name, p in points.items():
+            if p["kind"] == "estimator":
+                curves.setdefault(curve_label(name, p), []).append(p)
+        estimated = [x for x in (crossing(c, FRONTIER_PPL) for c in curves.values()) if x is not None]
         best_block, best_est = (min(blocks) if blocks else None), (min(estimated) if estimated else None)
         ratio = None if best_block is None or best_est is None else best_est / best_block
-        rows.append({"target": f"S=4096: fewest blocks within {FRONTIER_PPL:.0%} of dense perplexity, estimator "
+        rows.append({"target": f"S=4096: fewest blocks within {FRONTIER_PPL:.0%} of dense perplexity (crossings "
+                     "interpolated along each curve), estimator "
                      f"({best_est}) over the best block pattern ({best_block})", "required": f"<= {FRONTIER_RATIO}",
                      "measured": ratio, "pass": None if ratio is None else ratio <= FRONTIER_RATIO})
     return rows
+
+
+def combine_frontier(reports: list[dict], names: list[str], output: str | None) -> dict:
+    """One frontier report from several of one block size (e.g. one length per process, or perplexity runs
+    of a few points): the first one's environment, every report's points (a point in several must have the
+    same figures; the measured perplexity is kept), the estimation cost of the report that measured it."""
+    if len({r["settings"]["frontier_block_size"] for r in reports}) != 1 or not all("frontier" in r for r in reports):
+        raise ValueError("--combine takes frontier reports of one block size only.")
+    report = {**reports[0], "frontier": {}, "combined_from": names, "settings_per_report": [r["settings"]
+                                                                                             for r in reports]}
+    report.pop("estimation_cost", None)
+    report["frontier_settings"] = {k: v for r in reports for k, v in r["frontier_settings"].items()}
+    for r in reports:
+        if "estimation_cost" in r:
+            report["estimation_cost"] = r["estimation_cost"]
+        for s, length in r["frontier"].items():
+            into = report["frontier"].setdefault(s, {**length, "points": {}})
+            if abs(into["perplexity_dense"] - length["perplexity_dense"]) > 1e-6 * into["perplexity_dense"]:
+                raise ValueError(f"S={s}: the reports measured different dense perplexities.")
+            for name, p in length["points"].items():
+                was = into["points"].get(name)
+                if was is not None and abs(was["kept_fraction"] - p["kept_fraction"]) > 1e-12:
+                    raise ValueError(f"S={s} {name}: the reports measured different kept fractions.")
+                if was is None or p.get("perplexity") is not None:
+                    into["points"][name] = p
+    report["frontier"] = dict(sorted(report["frontier"].items(), key=lambda kv: int(kv[0])))
+    report["targets"] = frontier_targets(report)
+    report["complete"] = all(r.get("complete") for r in reports)
+    print(format_frontier(report))
+    print(format_targets(report["targets"]))
+    path = write_report(report, RESULTS_DIR, "pattern-frontier", output)
+    plot_frontier(report, path.with_suffix(".png"))
+    return report
 
 
 def format_frontier(report: dict) -> str:
@@ -518,8 +574,7 @@ def plot_frontier(report: dict, path: Path) -> None:
     for col, (s, length) in enumerate(lengths.items()):
         curves: dict[str, list] = {}
         for name, p in length["points"].items():
-            label = (f"best {p['family']}, {p['allocation']}" if p["kind"] == "limit"
-                     else name.rsplit("-", 2)[0] if name.startswith("topk") else name.rsplit("-", 1)[0])
+            label = curve_label(name, p)
             curves.setdefault(label, []).append((p["kept_fraction"], p["recall_mean"], p.get("perplexity_change")))
         for label, pts in curves.items():
             pts.sort()

@@ -218,32 +218,49 @@ def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
     return {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s}
 
 
-def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, last_q: int,
-                estimation_chunk: int | None) -> float:
-    """One layer's layout estimation under CP (`estimation.py`): scoring (two passes over the rank's
-    keys), three all-reduces (the scoring queries, row max, row sums), the reduce-scatter of the slash
-    sums (each set's scored offsets), the all-gather of every rank's candidates (the default budgets'
-    best verticals and slashes per set and head, as value and position, and its mass), the index
-    build. With causal chunks (`estimation_chunk`) a sequence of n chunks has n - 1 sets, each scored
-    by its own queries over the keys before it: a key is scored by (n - 1) / 2 sets on average
-    (positions spread evenly over ranks), and every collective carries n - 1 sets."""
+def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster,
+                cfg: SparseAttentionConfig) -> float:
+    """One layer's layout estimation under CP (`estimation.py`) with the settings `cfg`: scoring (two
+    passes over the rank's keys), three all-reduces (the scoring queries, row max, row sums), the
+    reduce-scatter of the slash sums (each set's scored offsets; in 'mass' mode the block diagonals
+    they are summed into), the all-gather of every rank's candidates (per set and head the best
+    verticals and slashes a head can keep, as value and position, and its mass; in 'mass' mode every
+    block diagonal the rank holds), the index build. With causal chunks a sequence of n chunks has
+    n - 1 sets, each scored by its own queries over the keys before it: a key is scored by (n - 1) / 2
+    sets on average (positions spread evenly over ranks), and every collective carries n - 1 sets.
+    With `sample_groups` g, the group before cut i of g + 1 scores the keys before it: g / 2 x
+    `sample_group_size` more scoring rows over the whole row."""
     if not setup.sparse:
         return 0.0
-    w, s = setup.plan.cp_size, setup.plan.padded_len
-    sets = 1 if estimation_chunk is None else max(1, -(-setup.plan.seq_len // estimation_chunk) - 1)
+    w, s, bs = setup.plan.cp_size, setup.plan.padded_len, setup.plan.block_size
+    chunk = cfg.estimation_chunk if cfg.estimation == "causal_chunks" else None
+    sets = 1 if chunk is None else max(1, -(-setup.plan.seq_len // chunk) - 1)
     keys = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's
-    scored_keys = keys if estimation_chunk is None else keys * sets / 2
-    score = 2 * 2 * last_q * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
+    scored_keys = keys if chunk is None else keys * sets / 2
+    rows = cfg.last_q + cfg.sample_groups * cfg.sample_group_size / 2  # full-row equivalents
+    score = 2 * 2 * rows * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
     link = cluster.group_link(w)
-    reduces = (model.heads * last_q * model.head_dim * 4, model.heads * last_q * 4, model.heads * last_q * 4)
-    scored = s if estimation_chunk is None else s * sets / 2  # the packed slashes: each set's scored offsets
+    sent_rows = cfg.last_q + cfg.sample_groups * cfg.sample_group_size  # every scoring query travels
+    reduces = (model.heads * sent_rows * model.head_dim * 4, model.heads * sent_rows * 4, model.heads * sent_rows * 4)
+    scored = s if chunk is None else s * sets / 2  # the packed slashes: each set's scored offsets
+    mass = cfg.budget_mode == "mass"
+    if mass:
+        scored = scored / bs
     slash_sums = all_gather_time(model.heads * scored * 4 / w, w, link)  # a reduce-scatter: the same hops
-    candidates = sum(min(candidates_per_row(_DEFAULTS, kind), -(-s // w)) for kind in ("vertical", "slash"))
+    slash = -(-int(scored) // w) if mass else min(candidates_per_row(cfg, "slash"), -(-s // w))
+    candidates = min(candidates_per_row(cfg, "vertical"), -(-s // w)) + slash
     gather = all_gather_time(model.heads * sets * (2 * candidates + 2) * 4, w, link)
-    return score + sum(all_reduce_time(n * sets, w, link) for n in reduces) + slash_sums + gather + hw.index_build_s
+    local = (score + hw.index_build_s) * (WEIGHTED_ESTIMATION_RATIO if mass or cfg.sample_groups else 1.0)
+    return local + sum(all_reduce_time(n * sets, w, link) for n in reduces) + slash_sums + gather
 
 
 _DEFAULTS = SparseAttentionConfig()
+# Weighted estimation ('mass' mode or sample_groups: each scoring query's mass weighted by its stratum, and in
+# 'mass' mode columns and block diagonals ranked together) over the default estimation, per call, with the same
+# number of scoring rows: mass_target 0.9, mass_threshold 0.0025, 32 last queries and 4 groups of 16 against
+# top-k 512/1024 with 64 last queries, every layer of SmolLM2-135M at 8K, median of 30 interleaved calls each
+# on a 2-core CPU (969 ms / 569 ms; benchmarks/results/pattern-frontier_cpu_4k-8k.json, estimation_cost).
+WEIGHTED_ESTIMATION_RATIO = 1.70
 
 
 def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraffic]:
@@ -253,7 +270,8 @@ def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraf
 
 
 def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
-                 last_q: int = 64, estimation_chunk: int | None = None,
+                 last_q: int | None = None, estimation_chunk: int | None = None,
+                 estimation: SparseAttentionConfig | None = None,
                  counts: tuple[PlanWork, PlanTraffic] | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence split by `setup`.
 
@@ -261,8 +279,9 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     attention forward / backward), comm_share (share of the step that free communication would
     save), comm_bound (the ring's transfers alone outlast its compute), the ring's per-step
     compute and transfer seconds of the forward pass, and the kept fraction of the layout.
-    estimation_chunk: the chunk of `estimation="causal_chunks"`, None for the default estimation by
-    each document's last queries (the layout's work is the same: only the estimation's cost changes).
+    estimation: the pattern settings whose estimation is charged (default: `SparseAttentionConfig()`);
+    last_q and estimation_chunk (`estimation="causal_chunks"` with that chunk) override its fields (the
+    layout's work is the same: only the estimation's cost changes).
     counts: `ring_counts(setup, model)` when already computed (they depend on the plan, not on
     the hardware)."""
     if setup.plan.block_size != hw.block_size:
@@ -274,10 +293,15 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     linear = per_layer_flops * tokens / hw.linear_flops_per_s
     head = head_flops * tokens / hw.linear_flops_per_s
     passes = 2 if recompute else 1
+    cfg = _DEFAULTS if estimation is None else estimation
+    if last_q is not None:
+        cfg = replace(cfg, last_q=last_q)
+    if estimation_chunk is not None:
+        cfg = replace(cfg, estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
     def step(c: Cluster) -> tuple[float, dict, float]:
         att = _attention(setup, model, hw, c, work, traffic)
-        est = _estimation(setup, model, hw, c, last_q, estimation_chunk)
+        est = _estimation(setup, model, hw, c, cfg)
         layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
         return model.layers * layer + head, att, est
 

@@ -51,8 +51,59 @@ def test_frontier_targets_read_the_report(pq):
     assert row("best block pattern")["pass"] == (0.31 / block <= 1.3) and row("estimation time")["pass"]
 
 
+def test_the_estimator_crossing_is_interpolated_along_one_knob(pq):
+    """Two settings that differ in their last knob (mass_threshold here) are one curve: the 4K crossing lies
+    between them; a setting of another curve counts only with its own points."""
+    limit = {"family": "block", "allocation": "allocated"}
+    points = {"b20": _point("limit", 0.2, 0.9, 0.8, 0.04, **limit),
+              "b30": _point("limit", 0.3, 0.96, 0.9, 0.0, **limit),
+              "mass-0.9-sampled-t0.01": _point("estimator", 0.3, 0.98, 0.9, 0.03),
+              "mass-0.9-sampled-t0.005": _point("estimator", 0.4, 0.99, 0.95, 0.01),
+              "mass-0.97-sampled": _point("estimator", 0.45, 0.99, 0.95, 0.015)}
+    rows = pq.frontier_targets({"frontier": {"4096": {"points": points}}})
+    (row,) = [r for r in rows if "block pattern" in r["target"]]
+    assert row["measured"] == pytest.approx(0.35 / 0.25)
+    assert pq.curve_label("mass-0.9-sampled-t0.01", points["mass-0.9-sampled-t0.01"]) == "mass-0.9-sampled"
+    assert pq.curve_label("topk-128-256", points["mass-0.97-sampled"]) == "topk"
+
+
+def test_combine_merges_frontier_reports(pq, tmp_path, monkeypatch):
+    """Reports of one length each, or of a few perplexity points, make one report: every point once, the
+    measured perplexity kept, the estimation cost carried; different figures for one point are refused."""
+    import json
+
+    monkeypatch.setattr(pq, "plot_frontier", lambda report, path: None)
+    settings = {"frontier_block_size": 64}
+    env = {"device": "CPU test"}
+    figures = {"a": _point("estimator", 0.2, 0.95, 0.9, worst_layer=0),
+               "b": _point("estimator", 0.3, 0.97, 0.9, worst_layer=3)}
+    cost = {"seq_len": 8192, "settings": {"defaults": {"ratio_to_defaults_before": 1.1}}}
+    reports = [{**env, "settings": settings, "frontier_settings": {"a": {}}, "estimation_cost": cost, "complete": True,
+                "frontier": {"8192": {"seq_len": 8192, "perplexity_dense": 7.0, "points": figures}}},
+               {**env, "settings": settings, "frontier_settings": {"b": {}}, "complete": True,
+                "frontier": {"8192": {"seq_len": 8192, "perplexity_dense": 7.0, "points": {
+                    "b": {**figures["b"], "perplexity": 7.007, "perplexity_change": 0.001}}},
+                    "4096": {"seq_len": 4096, "perplexity_dense": 6.0, "points": {"a": figures["a"]}}}}]
+    paths = []
+    for i, r in enumerate(reports):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    out = pq.combine([str(p) for p in paths], str(tmp_path / "out.json"))
+    assert list(out["frontier"]) == ["4096", "8192"] and out["estimation_cost"] == cost
+    assert out["frontier"]["8192"]["points"]["b"]["perplexity"] == 7.007
+    assert out["frontier"]["8192"]["points"]["a"]["perplexity_change"] is None
+    assert set(out["frontier_settings"]) == {"a", "b"}
+    assert json.loads((tmp_path / "out.json").read_text())["targets"] == out["targets"]
+    reports[1]["frontier"]["8192"]["points"]["b"]["kept_fraction"] = 0.31
+    paths[1].write_text(json.dumps(reports[1]))
+    with pytest.raises(ValueError, match="different kept fractions"):
+        pq.combine([str(p) for p in paths], str(tmp_path / "out.json"))
+
+
 def test_unknown_settings_and_lengths_are_refused(pq):
     with pytest.raises(ValueError, match="unknown frontier settings"):
         pq.PatternQualityArguments(frontier_settings=["topk-1-2"])
     with pytest.raises(ValueError, match="multiples of 512"):
         pq.PatternQualityArguments(frontier_lengths=[1000])
+    with pytest.raises(ValueError, match="unknown limit families"):
+        pq.PatternQualityArguments(limit_families=["diagonal"])

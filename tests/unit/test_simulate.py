@@ -198,3 +198,46 @@ def test_predicted_step_is_consistent():
     small = Workload((S,), ("sparse",), lambda kind, plan: _sparse())
     with pytest.raises(ValueError, match="block_size=128"):
         predict_step(CONFIGURATIONS["striped sparse"](small, 4, BS, 8), model, hw, cluster)
+
+
+def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
+    """Sampled groups add g / 2 x group size scoring rows (each group scores the keys before its cut), every
+    scoring query travels in the small all-reduces, weighted estimation ('mass' mode or sampled groups) costs
+    WEIGHTED_ESTIMATION_RATIO times the local work (measured per call on a CPU), and 'mass' mode
+    reduce-scatters block diagonals, not slashes."""
+    from dataclasses import replace
+
+    from hf_sparse_cp.config import SparseAttentionConfig
+    from hf_sparse_cp.simulator import step_model
+
+    s = 131072
+    layout = random_vertical_slash_layout(1, 2, s, 128, num_diagonals=6, num_verticals=64, sink_tokens=32,
+                                          generator=torch.Generator().manual_seed(0))
+    workload = Workload((s,), ("sparse",), lambda kind, plan: layout)
+    model, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
+    setup = CONFIGURATIONS["striped sparse"](workload, 16, 128, 8)
+    topk = SparseAttentionConfig(budget_mode="topk", last_q=64)
+    mass = replace(topk, budget_mode="mass", vertical_cap=512)
+    ratio = step_model.WEIGHTED_ESTIMATION_RATIO
+    assert ratio > 1
+
+    def est(cfg, c=cluster):
+        return step_model._estimation(setup, model, hw, c, cfg)
+
+    free = cluster.without_network()
+    local = est(topk, free)  # scoring and index build
+    assert local > hw.index_build_s
+    assert est(mass, free) == pytest.approx(ratio * local)
+    # 32 last queries and 4 groups of 16 score like 64 last queries; 4 more groups of 16 over 64 add half
+    assert est(replace(mass, last_q=32, sample_groups=4, sample_group_size=16), free) == pytest.approx(est(mass, free))
+    grouped = replace(topk, sample_groups=4, sample_group_size=16)
+    assert est(grouped, free) == pytest.approx(ratio * (1.5 * (local - hw.index_build_s) + hw.index_build_s))
+    assert est(grouped) - est(grouped, free) > est(topk) - est(topk, free)  # the sampled queries travel too
+    # with the network: 'mass' mode's reduce-scatter carries S / 128 block diagonals instead of S offsets
+    assert est(mass) - est(mass, free) < est(topk) - est(topk, free)
+    base = predict_step(setup, model, hw, cluster, estimation=topk)
+    sampled = predict_step(setup, model, hw, cluster, estimation=grouped)
+    assert sampled["attention_fwd_s"] == base["attention_fwd_s"]
+    assert sampled["step_s"] - base["step_s"] == pytest.approx(
+        2 * model.layers * (sampled["estimation_s"] - base["estimation_s"]), rel=1e-6)
+    assert predict_step(setup, model, hw, cluster, last_q=64, estimation=topk)["step_s"] == base["step_s"]
