@@ -180,6 +180,12 @@ class SparseAttentionConfig(FileConfig):
         if not 0.0 <= self.mass_threshold < 1.0:
             raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.005-0.02 are "
                              "usual.")
+        if self.mass_threshold > 0 and self.budget_mode != "mass" and not self._overrides_set("budget_mode", "mass"):
+            raise ValueError(
+                f"mass_threshold={self.mass_threshold} is read only in budget_mode='mass' and would do nothing with "
+                f"budget_mode={self.budget_mode!r}; pass --sparse_budget_mode mass (budget_mode='mass'), or leave "
+                "mass_threshold at 0."
+            )
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
@@ -217,7 +223,7 @@ class SparseAttentionConfig(FileConfig):
                     f"layer_overrides[{key!r}] has unknown fields {sorted(unknown)}; allowed: {sorted(names)}."
                 )
             try:  # the layer's whole config, so that a bad value is refused now, not at that layer's first call
-                dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **fields_)
+                self._layer_config(fields_)
             except ValueError as e:
                 raise ValueError(f"layer_overrides[{key!r}]: {e}") from None
             parsed.append((first, last, fields_))
@@ -265,4 +271,19 @@ class SparseAttentionConfig(FileConfig):
                     changes.update(fields_)
         if not changes:
             return self
+        return self._layer_config(changes)
+
+    def _overrides_set(self, name: str, value: Any) -> bool:
+        """Whether some entry of `layer_overrides` (a mapping, before validation) sets field `name` to `value`."""
+        overrides = self.layer_overrides if isinstance(self.layer_overrides, dict) else {}
+        return any(isinstance(f, dict) and f.get(name) == value for f in overrides.values())
+
+    def _layer_config(self, changes: dict[str, Any]) -> SparseAttentionConfig:
+        """This config with one layer's changes and no per-layer settings. A layer that does not select in
+        'mass' mode drops an inherited mass_threshold (it reads none), so that a threshold given for the
+        layers overridden to 'mass' does not make the others invalid; one the changes set stays and is
+        checked."""
+        changes = dict(changes)
+        if changes.get("budget_mode", self.budget_mode) != "mass":
+            changes.setdefault("mass_threshold", 0.0)
         return dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **changes)

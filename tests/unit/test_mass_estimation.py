@@ -173,3 +173,23 @@ def test_sampled_queries_find_a_column_that_only_earlier_queries_use(mode):
 def test_bad_estimator_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SparseAttentionConfig(**{field: value})
+
+
+def test_a_threshold_outside_mass_mode_is_refused_naming_the_mode():
+    """mass_threshold is read only in 'mass' mode: with another budget_mode it would do nothing, so it is refused
+    (naming the flag that makes it count), unless a layer override runs 'mass' somewhere."""
+    with pytest.raises(ValueError, match="--sparse_budget_mode mass"):
+        SparseAttentionConfig(budget_mode="topk", mass_threshold=0.01)
+    with pytest.raises(ValueError, match="budget_mode='topp'"):
+        SparseAttentionConfig(budget_mode="topp", mass_threshold=0.01)
+    mixed = SparseAttentionConfig(budget_mode="topk", mass_threshold=0.01, dense_first_layers=1,
+                                  layer_overrides={"2-3": {"budget_mode": "mass"}})
+    assert (mixed.for_layer(2).budget_mode, mixed.for_layer(2).mass_threshold) == ("mass", 0.01)
+    assert mixed.for_layer(0).pattern == "dense" and mixed.for_layer(5).budget_mode == "topk"
+    # a mass config whose override switches some layers to top-k: they drop the threshold they do not read
+    topk_layers = SparseAttentionConfig(budget_mode="mass", mass_threshold=0.01,
+                                        layer_overrides={"0": {"budget_mode": "topk"}})
+    assert (topk_layers.for_layer(0).budget_mode, topk_layers.for_layer(0).mass_threshold) == ("topk", 0.0)
+    with pytest.raises(ValueError, match=r"layer_overrides\['0'\].*mass_threshold"):
+        SparseAttentionConfig(budget_mode="mass",
+                              layer_overrides={"0": {"budget_mode": "topk", "mass_threshold": 0.01}})

@@ -32,6 +32,8 @@ def test_frontier_targets_read_the_report(pq):
     report = {"frontier": {
         "4096": {"points": {"b20": _point("limit", 0.2, 0.9, 0.8, 0.033, **limit),
                             "b30": _point("limit", 0.3, 0.96, 0.9, 0.009, **limit),
+                            "v20": _point("limit", 0.2, 0.97, 0.95, 0.011, family="vertical_slash",
+                                          allocation="allocated"),
                             "est": _point("estimator", 0.31, 0.95, 0.9, 0.015),
                             "est2": _point("estimator", 0.5, 0.99, 0.9, 0.001)}},
         "8192": {"points": {"a": _point("estimator", 0.2, 0.95, 0.9, 0.004), "b": _point("estimator", 0.24, 0.97, 0.8),
@@ -49,6 +51,8 @@ def test_frontier_targets_read_the_report(pq):
     block = 0.2 + 0.1 * (0.033 - 0.02) / (0.033 - 0.009)  # interpolated; the estimator's fewest measured within
     assert row("best block pattern")["measured"] == pytest.approx(0.31 / block)
     assert row("best block pattern")["pass"] == (0.31 / block <= 1.3) and row("estimation time")["pass"]
+    family = row("best vertical-slash pattern")  # its only point is within: 0.2 bounds its crossing from above
+    assert family["measured"] == pytest.approx(0.31 / 0.2) and family["pass"] is None
 
 
 def test_the_estimator_crossing_is_interpolated_along_one_knob(pq):

@@ -122,3 +122,18 @@ def test_fixed_layouts_run_the_model_with_the_given_patterns(single_thread):
             model(ids)
     assert model.config._attn_implementation == "sdpa"
     assert torch.allclose(dense, want, atol=1e-4) and not torch.allclose(sparse, want, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", pl.FAMILIES)
+def test_the_joint_greedy_of_several_layers_gives_each_layers_own_trajectory(mass, family):
+    build = pl.block_trajectory if family == "block" else pl.vertical_slash_trajectory
+    focused = mass.clone()
+    focused[..., :BS] *= 20
+    layers = [mass, focused[:3]]
+    joint = pl.trajectories(family, layers, BS, max_fraction=0.5)
+    for one, m in zip(joint, layers):
+        alone = build(m, BS, max_fraction=0.5)
+        assert torch.equal(one.items, alone.items) and torch.equal(one.steps, alone.steps)
+        assert torch.equal(one.cost, alone.cost) and torch.allclose(one.mass, alone.mass, rtol=1e-12)
+    with pytest.raises(ValueError, match="family"):
+        pl.trajectories("columns", layers, BS)
