@@ -87,6 +87,17 @@ FRONTIER_SETTINGS = {
        for t in (0.02, 0.01, 0.005, 0.0025, 0.001)},
     "mass-0.9-t0.01": dict(mass_target=0.9, mass_threshold=0.01, **MASS),
     **{f"mass-0.9-sampled-t{t}": dict(mass_target=0.9, mass_threshold=t, **MASS, **SAMPLED) for t in (0.0075,)},
+    **{f"mass-0.5-near4-sampled-t{t}": dict(mass_target=0.5, mass_threshold=t, mass_near_blocks=4, **MASS, **SAMPLED)
+       for t in (0.005, 0.0075, 0.01, 0.015, 0.02)},
+    **{f"mass-0.5-near4-sampled-dense0-t{t}": dict(mass_target=0.5, mass_threshold=t, mass_near_blocks=4,
+                                                   dense_first_layers=1, **MASS, **SAMPLED)
+       for t in (0.005, 0.0075, 0.01, 0.015, 0.02)},
+    **{f"mass-0.5-near4-g{g}x{n}-dense0-t{t}": dict(mass_target=0.5, mass_threshold=t, mass_near_blocks=4,
+                                                   dense_first_layers=1, last_q=32, sample_groups=g,
+                                                   sample_group_size=n, **MASS)
+       for g, n in ((8, 16), (16, 8), (16, 16)) for t in (0.005, 0.0075, 0.01)},
+    **{f"mass-0.9-sampled-dense0-t{t}": dict(mass_target=0.9, mass_threshold=t, dense_first_layers=1, **MASS,
+                                             **SAMPLED) for t in (0.01, 0.02)},
     **{f"mass-0.95-sampled-t{t}": dict(mass_target=0.95, mass_threshold=t, **MASS, **SAMPLED) for t in (0.01,)},
     **{f"mass-{p}-sampled-t{t}": dict(mass_target=p, mass_threshold=t, **MASS, **SAMPLED)
        for p in (0.5, 0.7, 0.8) for t in (0.005, 0.0075, 0.01, 0.02, 0.03, 0.05)},
@@ -148,6 +159,9 @@ class PatternQualityArguments:
         metadata={"help": f"Frontier: families of the best patterns, of {list(pattern_limit.FAMILIES)} (the "
                   "vertical-slash greedy, one loop over the heads of every layer, takes about a minute at 4K on "
                   "a 2-core CPU; a run for estimator perplexities can keep 'block' alone)."})
+    limit_layers_per_loop: int = field(
+        default=0, metadata={"help": "Frontier: layers whose heads share one loop of the vertical-slash greedy (0: "
+                             "all; its memory grows with them: at 8K all 30 layers of SmolLM2-135M overflowed 24 GB)."})
     frontier_settings: list[str] = field(
         default_factory=lambda: list(FRONTIER_SETTINGS),
         metadata={"help": "Frontier: estimator settings (names of FRONTIER_SETTINGS), every layer sparse."})
@@ -347,9 +361,10 @@ def finish(report: dict, output: str | None) -> dict:
 
 
 def frontier_config(name: str, block_size: int) -> SparseAttentionConfig:
-    """An estimator setting of the frontier: every layer sparse at every length."""
-    return SparseAttentionConfig(min_seq_len=0, block_size=block_size, dense_first_layers=0,
-                                 **FRONTIER_SETTINGS[name])
+    """An estimator setting of the frontier: every layer sparse (unless it names dense_first_layers) at every
+    length."""
+    return SparseAttentionConfig(**{"min_seq_len": 0, "block_size": block_size, "dense_first_layers": 0,
+                                    **FRONTIER_SETTINGS[name]})
 
 
 def limit_name(family: str, allocation: str, fraction: float) -> str:
@@ -379,7 +394,7 @@ def limit_points(masses: list[torch.Tensor], s: int, args: PatternQualityArgumen
     points, layouts = {}, {}
     for family in args.limit_families:
         t0 = time.perf_counter()
-        trajs = pattern_limit.trajectories(family, prefix, bs)
+        trajs = pattern_limit.trajectories(family, prefix, bs, layers_per_loop=args.limit_layers_per_loop)
         print(f"  S={s} {family} trajectories: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         for allocation in pattern_limit.ALLOCATIONS:
             for fraction in args.limit_fractions:
@@ -403,8 +418,8 @@ def estimator_points(layers: list[tuple], masses: list[torch.Tensor], s: int, ar
         cfg = frontier_config(name, bs)
         t0 = time.perf_counter()
         cost, mass = [], []
-        for (q, k, _, scale), m in zip(layers, masses):
-            layout = estimate_layout(q[:, :, :s], k[:, :, :s], cfg, meta, scale=scale)
+        for i, ((q, k, _, scale), m) in enumerate(zip(layers, masses)):
+            layout = estimate_layout(q[:, :, :s], k[:, :, :s], cfg.for_layer(i), meta, scale=scale)
             cost.append(layout.num_computed_blocks()[0])
             mass.append(pattern_limit.layout_mass(layout, m[:, : s // bs, :s]))
         points[name] = {"kind": "estimator", "config": FRONTIER_SETTINGS[name],

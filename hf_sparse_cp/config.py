@@ -18,6 +18,8 @@ from .files import FileConfig, check_field_types
 # `attn_implementation` name of the backend, and the model-config attribute that stores its settings.
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
+# Fields only budget_mode 'mass' reads; 0 turns each off (refused above 0 where no layer selects in 'mass' mode).
+MASS_ONLY = ("mass_threshold", "mass_near_blocks")
 
 
 def check_block_size(block_size: int, name: str = "block_size") -> None:
@@ -85,6 +87,16 @@ class SparseAttentionConfig(FileConfig):
                   "in [0, 1): one price of work for every head and layer, so that budget goes where a block buys the "
                   "most mass; 0 keeps mass_target alone. 0.01 is a block holding one hundredth of its queries' "
                   "attention."},
+    )
+    mass_near_blocks: int = field(
+        default=0,
+        metadata={"help": "In 'mass' mode: n > 0 leaves each query block's n nearest block diagonals (its own and "
+                  "n - 1 before it) to serve the keys near it, so that no mass counts twice: a key column is valued "
+                  "by the attention of the queries n or more blocks after its own and by that work alone, and the "
+                  "block diagonals from n on lose the estimated mass of the kept columns that cross them (else a far "
+                  "diagonal that crosses only a heavy kept column, such as the attention sink, looks valuable). 0: "
+                  "every column and diagonal valued by all its mass. On CUDA it scores in PyTorch, not the Triton "
+                  "scoring kernel."},
     )
     sink_tokens: int = field(
         default=64, metadata={"help": "First tokens of every document always attended to (attention sinks)."}
@@ -163,7 +175,7 @@ class SparseAttentionConfig(FileConfig):
     def _validate(self) -> None:
         check_block_size(self.block_size)
         for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len",
-                     "sample_groups"):
+                     "sample_groups", "mass_near_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
         for name in ("vertical_cap", "slash_cap", "last_q", "sample_group_size"):
@@ -180,12 +192,13 @@ class SparseAttentionConfig(FileConfig):
         if not 0.0 <= self.mass_threshold < 1.0:
             raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.005-0.02 are "
                              "usual.")
-        if self.mass_threshold > 0 and self.budget_mode != "mass" and not self._overrides_set("budget_mode", "mass"):
-            raise ValueError(
-                f"mass_threshold={self.mass_threshold} is read only in budget_mode='mass' and would do nothing with "
-                f"budget_mode={self.budget_mode!r}; pass --sparse_budget_mode mass (budget_mode='mass'), or leave "
-                "mass_threshold at 0."
-            )
+        for name in MASS_ONLY:
+            if getattr(self, name) and self.budget_mode != "mass" and not self._overrides_set("budget_mode", "mass"):
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is read only in budget_mode='mass' and would do nothing with "
+                    f"budget_mode={self.budget_mode!r}; pass --sparse_budget_mode mass (budget_mode='mass'), or leave "
+                    f"{name} at 0."
+                )
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
@@ -280,10 +293,11 @@ class SparseAttentionConfig(FileConfig):
 
     def _layer_config(self, changes: dict[str, Any]) -> SparseAttentionConfig:
         """This config with one layer's changes and no per-layer settings. A layer that does not select in
-        'mass' mode drops an inherited mass_threshold (it reads none), so that a threshold given for the
-        layers overridden to 'mass' does not make the others invalid; one the changes set stays and is
+        'mass' mode drops the inherited `MASS_ONLY` fields (it reads none), so that those given for the
+        layers overridden to 'mass' do not make the others invalid; ones the changes set stay and are
         checked."""
         changes = dict(changes)
         if changes.get("budget_mode", self.budget_mode) != "mass":
-            changes.setdefault("mass_threshold", 0.0)
+            for name in MASS_ONLY:
+                changes.setdefault(name, type(getattr(self, name))(0))
         return dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **changes)

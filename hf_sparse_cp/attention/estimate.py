@@ -138,22 +138,29 @@ class Sampling(NamedTuple):
     groups: int = 0
     group_size: int = 16
     weighted: bool = False
+    far_blocks: int = 0
+    block_size: int = 1
 
     @classmethod
     def of(cls, cfg: SparseAttentionConfig) -> Sampling:
-        return cls(cfg.last_q, cfg.sample_groups, cfg.sample_group_size,
-                   cfg.budget_mode == "mass" or cfg.sample_groups > 0)
+        mass = cfg.budget_mode == "mass"
+        return cls(cfg.last_q, cfg.sample_groups, cfg.sample_group_size, mass or cfg.sample_groups > 0,
+                   cfg.mass_near_blocks if mass else 0, cfg.block_size)
 
 
 class Stratum(NamedTuple):
     """The queries [lo, hi) of a document starting at `doc_start` that `rows` scoring queries (the last
     of them) stand for: a scoring query's probability of key j counts (hi - max(lo, j))^+ / rows times (the
-    queries of the stratum that see j), that of a pair at offset o (hi - max(lo, doc_start + o))^+ / rows."""
+    queries of the stratum that see j), that of a pair at offset o (hi - max(lo, doc_start + o))^+ / rows.
+    With `far_blocks` > 0 a key column takes only the mass of the queries at least that many blocks (of
+    `block_size`) after its own (`column_weights`)."""
 
     lo: int
     hi: int
     rows: int
     doc_start: int
+    far_blocks: int = 0
+    block_size: int = 1
 
 
 def scoring_groups(start: int, end: int, sampling: Sampling) -> list[Stratum]:
@@ -166,7 +173,8 @@ def scoring_groups(start: int, end: int, sampling: Sampling) -> list[Stratum]:
     for i in range(n + 1):
         lo, hi = cuts[i], cuts[i + 1]
         if hi > lo:
-            out.append(Stratum(lo, hi, min(sampling.last_q if i == n else sampling.group_size, hi - lo), start))
+            out.append(Stratum(lo, hi, min(sampling.last_q if i == n else sampling.group_size, hi - lo), start,
+                               sampling.far_blocks, sampling.block_size))
     return out
 
 
@@ -174,6 +182,24 @@ def stratum_weights(stratum: Stratum, positions: torch.Tensor) -> torch.Tensor:
     """The weight of a scoring query of `stratum` for keys, or pair offsets from the document start, at
     `positions` (any shape): (hi - max(lo, position))^+ / rows (see `Stratum`)."""
     return (stratum.hi - positions.clamp_min(stratum.lo)).clamp_min(0) / stratum.rows
+
+
+def far_from(stratum: Stratum, key_pos: torch.Tensor) -> torch.Tensor:
+    """The first query position that is `stratum.far_blocks` blocks or more after each key's block."""
+    bs = stratum.block_size
+    return (torch.div(key_pos, bs, rounding_mode="floor") + stratum.far_blocks) * bs
+
+
+def column_weights(stratum: Stratum, key_pos: torch.Tensor) -> torch.Tensor:
+    """The weight of a scoring query's mass on the key columns at `key_pos`: `stratum_weights`, or with
+    `far_blocks` the far queries of the stratum over the far scoring queries, (hi - max(lo, f))^+ /
+    (hi - max(hi - rows, f))^+ for f = `far_from` (0 where no scoring query is far)."""
+    if not stratum.far_blocks:
+        return stratum_weights(stratum, key_pos)
+    first = far_from(stratum, key_pos)
+    seen = (stratum.hi - first.clamp_min(stratum.lo)).clamp_min(0)
+    scored = (stratum.hi - first.clamp_min(stratum.hi - stratum.rows)).clamp_min(0)
+    return torch.where(scored > 0, seen / scored.clamp_min(1), 0)
 
 
 # -------------------------------------------------------------------------------------------- scoring
@@ -251,10 +277,13 @@ def accumulate_vertical_slash(
     row_max = torch.where(torch.isfinite(normalizer[0]), normalizer[0], torch.zeros_like(normalizer[0]))
     for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
         a = torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
-        column = a.sum(1)
         diff = row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)
+        if stratum is not None and stratum.far_blocks:  # the far queries' mass only
+            column = (a * (row_pos.unsqueeze(1) >= far_from(stratum, key_pos[keys]).unsqueeze(0))).sum(1)
+        else:
+            column = a.sum(1)
         if stratum is not None:
-            column = column * stratum_weights(stratum, key_pos[keys]).to(a.dtype)
+            column = column * column_weights(stratum, key_pos[keys]).to(a.dtype)
             a = a * stratum_weights(stratum, stratum.doc_start + diff).to(a.dtype)
         vertical[heads].index_add_(1, (key_pos if vertical_index is None else vertical_index)[keys], column)
         offset = diff.clamp_min(0) + slash_base
@@ -288,7 +317,7 @@ def score_vertical_slash(
     dtype = compute_dtype(q.dtype)
     vertical = torch.zeros(hq, s, dtype=dtype, device=q.device)
     slash = torch.zeros(hq, s, dtype=dtype, device=q.device)
-    kernel = _scoring_kernel(q, k)
+    kernel = None if sampling.far_blocks else _scoring_kernel(q, k)  # the kernel sums every query's mass
     for start, end in docs:
         for st in scoring_groups(start, end, sampling):
             first, stratum = st.hi - st.rows, st if sampling.weighted else None
@@ -407,18 +436,20 @@ def block_diagonal_mass(slash: torch.Tensor, block_size: int) -> torch.Tensor:
     return out
 
 
-def column_cost(positions: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+def column_cost(positions: torch.Tensor, start: int, end: int, block_size: int, far_blocks: int = 0) -> torch.Tensor:
     """Blocks of work a kept key column at `positions` adds in a document [start, end): 1 / block_size per
-    query block after its own (its own block lies on the always-kept main diagonal)."""
+    query block after its own (its own block lies on the always-kept main diagonal), or with `far_blocks`
+    per query block that many blocks or more after its own (`SparseAttentionConfig.mass_near_blocks`)."""
     first_qb, end_qb = start // block_size, -(-end // block_size)
-    listed = end_qb - torch.clamp_min(torch.div(positions, block_size, rounding_mode="floor") + 1, first_qb)
-    return listed.clamp_min(0) / block_size
+    after = torch.div(positions, block_size, rounding_mode="floor") + max(1, far_blocks)
+    return (end_qb - torch.clamp_min(after, first_qb)).clamp_min(0) / block_size
 
 
-def column_ratio(gain: torch.Tensor, positions: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+def column_ratio(gain: torch.Tensor, positions: torch.Tensor, start: int, end: int, block_size: int,
+                 far_blocks: int = 0) -> torch.Tensor:
     """Estimated mass per block of work of key columns ([h, n] gains at `positions`) in a document [start,
     end), 0 for a column that adds no work (what 'mass' mode ranks columns by)."""
-    cost = column_cost(positions, start, end, block_size).to(gain.dtype)
+    cost = column_cost(positions, start, end, block_size, far_blocks).to(gain.dtype)
     return torch.where(cost > 0, gain / cost.clamp_min(1 / block_size), 0)
 
 
@@ -473,20 +504,56 @@ def select_mass(
 
 def _select_mass(col_gain, col_pos, diag_gain, diag, start, end, scored_end, cfg):
     """`select_mass` on one tile of heads (positions and diagonals [h, n] / [h, m])."""
+    bs, near = cfg.block_size, cfg.mass_near_blocks
+    c_ratio = column_ratio(col_gain, col_pos, start, scored_end, bs, near)
+    n = col_gain.shape[-1]
+    c_order = rank_order(c_ratio, col_pos)
+    eligible = torch.zeros_like(c_ratio, dtype=torch.bool).scatter_(
+        -1, c_order, (torch.arange(n, device=col_gain.device) < cfg.vertical_cap).expand_as(c_order))
+    c_ratio, col_gain = torch.where(eligible, c_ratio, 0), torch.where(eligible, col_gain, 0)
+    keep_c, keep_d = _take_mass(c_ratio, col_gain, col_pos, diag_gain, diag, start, end, scored_end, cfg)
+    if near:  # the far diagonals without the mass of the kept columns they cross, then the choice again
+        far = diag >= near
+        keep_c, keep_d = _take_mass(
+            c_ratio, col_gain, col_pos,
+            torch.where(far, diag_gain - _crossed_mass(col_gain, col_pos, keep_c, diag, start, scored_end, bs, near),
+                        diag_gain).clamp_min(0),
+            diag, start, end, scored_end, cfg)
+    return keep_c, keep_d
+
+
+def _crossed_mass(col_gain, col_pos, kept, diag, start, scored_end, bs, far_blocks):
+    """[h, m]: the estimated mass of the kept columns inside each block diagonal's blocks: a column's far mass
+    spread evenly over the far query blocks it is listed in (the estimate's own assumption), summed over the
+    kept columns whose key block lies d or more blocks before the last query block; in position order, so
+    that every rank, holding the same kept columns in another order, sums alike."""
+    first_qb, end_qb = start // bs, -(-scored_end // bs)
+    nkb = max(end_qb - first_qb, 0)
+    order = torch.argsort(col_pos, dim=-1, stable=True)
+    pos = col_pos.gather(-1, order)
+    listed = column_cost(pos, start, scored_end, bs, far_blocks) * bs
+    per_block = torch.where(kept.gather(-1, order) & (listed > 0), col_gain.gather(-1, order).double()
+                            / listed.clamp_min(1), 0)
+    kb = (torch.div(pos, bs, rounding_mode="floor") - first_qb).clamp(0, nkb)
+    by_block = torch.zeros(*per_block.shape[:-1], nkb + 1, dtype=torch.float64, device=col_gain.device)
+    by_block.scatter_add_(-1, kb, per_block)
+    before = torch.nn.functional.pad(by_block.cumsum(-1), (1, 0))  # before[x]: key blocks < x
+    return before.gather(-1, (nkb - diag).clamp(0, nkb + 1)).to(col_gain.dtype)
+
+
+def _take_mass(c_ratio, col_gain, col_pos, diag_gain, diag, start, end, scored_end, cfg):
+    """The columns (eligible ones with their ratios, others 0) and block diagonals `select_mass` keeps from
+    these gains: ranked together by mass per block of work, taken up to mass_target and by mass_threshold."""
     bs = cfg.block_size
     main = torch.where(diag == 0, diag_gain, 0).sum(-1, keepdim=True)
     d_cost = diagonal_cost(diag, start, scored_end, bs).to(diag_gain.dtype)
     # a diagonal is kept as offset d * bs of the document, so only those inside it (the rest of a document that
     # starts inside a block lies on diagonal (end - start - 1) // bs + 1 and stays unkept)
     d_ok = (diag >= 1) & (diag <= (end - start - 1) // bs) & (d_cost > 0)
-    c_ratio = column_ratio(col_gain, col_pos, start, scored_end, bs)
     d_ratio = torch.where(d_ok, diag_gain / d_cost.clamp_min(1), 0)
     n = col_gain.shape[-1]
-    c_order = rank_order(c_ratio, col_pos)
-    eligible = torch.zeros_like(c_ratio, dtype=torch.bool).scatter_(
-        -1, c_order, (torch.arange(n, device=col_gain.device) < cfg.vertical_cap).expand_as(c_order))
-    ratio = torch.cat([torch.where(eligible, c_ratio, 0), d_ratio], -1)
-    gain = torch.cat([torch.where(eligible, col_gain, 0), torch.where(d_ok, diag_gain, 0)], -1)
+    ratio = torch.cat([c_ratio, d_ratio], -1)
+    gain = torch.cat([col_gain, torch.where(d_ok, diag_gain, 0)], -1)
     # tie order: columns by position, then diagonals by d (every column lies before end)
     ids = torch.cat([col_pos - start, (end - start) + diag], -1)
     order = rank_order(ratio, ids)

@@ -278,7 +278,7 @@ def _kept_across_ranks(vertical: _Scores, slash: _Scores, flat: list[tuple[int, 
         mine = slice(vertical.bases[i], vertical.bases[i + 1])
         gain, where = vertical.values[:, mine], vertical.positions[mine]
         ratio = (lambda tile, where=where, sg=sg: column_ratio(tile, where, sg.start, sg.scored_end,
-                                                               cfg.block_size)) if mass else None
+                                                               cfg.block_size, cfg.mass_near_blocks)) if mass else None
         pieces.append(_candidates(gain, where, widths["vertical"][i], s, ratio))
         lo = max(slash.bases[i], rank * span)
         packed = torch.arange(lo, max(lo, min(slash.bases[i + 1], (rank + 1) * span)), device=dev)

@@ -91,7 +91,10 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
             budget = (f"mass: key columns and block diagonals by estimated mass per block of work until "
                       f"{config.mass_target} of each head's attention"
                       + (f", and those with at least {config.mass_threshold} of their queries' attention per block"
-                         if config.mass_threshold else "") + f" (at most {config.vertical_cap} columns)")
+                         if config.mass_threshold else "")
+                      + (f", columns valued by the queries {config.mass_near_blocks} or more blocks after them and "
+                         "far diagonals without the kept columns' mass" if config.mass_near_blocks else "")
+                      + f" (at most {config.vertical_cap} columns)")
         else:
             budget = (f"top-p: {config.vertical_topp} / {config.slash_topp} of the score mass in key columns / "
                       f"diagonals (at most {config.vertical_cap} / {config.slash_cap}) per head")

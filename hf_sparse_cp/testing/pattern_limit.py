@@ -234,15 +234,21 @@ def vertical_slash_trajectory(mass: torch.Tensor, block_size: int, max_fraction:
     return _trajectory("vertical_slash", s, bs, picks, gains, costs, cost0, mass0)
 
 
-def trajectories(family: str, masses: list[torch.Tensor], block_size: int, max_fraction: float = 0.9
-                 ) -> list[Trajectory]:
-    """Every layer's trajectory of `family` from its M [H, NQB, S]: the heads of all layers in one greedy
-    (each head's steps are its own, so a joint loop gives each layer's trajectory in a fraction of the
-    Python steps of one loop per layer; the vertical-slash greedy is a loop over items)."""
+def trajectories(family: str, masses: list[torch.Tensor], block_size: int, max_fraction: float = 0.9,
+                 layers_per_loop: int = 0) -> list[Trajectory]:
+    """Every layer's trajectory of `family` from its M [H, NQB, S]: the heads of `layers_per_loop` layers
+    (0: all) in one greedy (each head's steps are its own, so a joint loop gives each layer's trajectory in
+    a fraction of the Python steps of one loop per layer; the vertical-slash greedy is a loop over items,
+    its memory grows with the heads of a loop)."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} is unknown; use one of {FAMILIES}.")
     build = block_trajectory if family == "block" else vertical_slash_trajectory
-    return build(torch.cat(masses), block_size, max_fraction).split([m.shape[0] for m in masses])
+    step = layers_per_loop or len(masses)
+    out: list[Trajectory] = []
+    for first in range(0, len(masses), step):
+        group = masses[first : first + step]
+        out += build(torch.cat(group), block_size, max_fraction).split([m.shape[0] for m in group])
+    return out
 
 
 def per_head_steps(traj: Trajectory, fraction: float) -> torch.Tensor:

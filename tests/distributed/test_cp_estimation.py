@@ -38,6 +38,9 @@ CASES = {
     "striped mass threshold, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.3,
                                                            mass_threshold=0.05, vertical_cap=9, sample_groups=3,
                                                            sample_group_size=2),
+    "striped mass near blocks, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.5,
+                                                            mass_threshold=0.02, mass_near_blocks=2, vertical_cap=9,
+                                                            sample_groups=3, sample_group_size=4),
     "striped causal chunks, mass sampled": dataclasses.replace(CFG, estimation="causal_chunks", estimation_chunk=48,
                                                                budget_mode="mass", mass_target=0.8, sample_groups=2,
                                                                sample_group_size=4),
@@ -48,7 +51,9 @@ TIE_CFG = dataclasses.replace(CFG, last_q=1, sink_tokens=0, local_window=1, vert
 TIE_MODES = {"top-k": TIE_CFG,
              "top-p": dataclasses.replace(TIE_CFG, budget_mode="topp", vertical_topp=0.6017, slash_topp=0.3017,
                                           vertical_cap=200, slash_cap=9),
-             "mass": dataclasses.replace(TIE_CFG, budget_mode="mass", mass_target=0.6017, vertical_cap=5)}
+             "mass": dataclasses.replace(TIE_CFG, budget_mode="mass", mass_target=0.6017, vertical_cap=5),
+             "mass, near blocks": dataclasses.replace(TIE_CFG, budget_mode="mass", mass_target=0.6017, vertical_cap=5,
+                                                      mass_threshold=0.05, mass_near_blocks=2)}
 # Two long documents (one starting inside a block), a short dense one, padding; a second row, other documents.
 RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
 OTHER_ROW = [(0, 120), (1, 500), (PAD_SEGMENT, 140)]

@@ -32,8 +32,8 @@ def test_scoring_groups_cut_a_document_into_strata():
     groups = scoring_groups(10, 107, Sampling(last_q=8, groups=3, group_size=4))
     assert [(g.lo, g.hi) for g in groups] == [(10, 34), (34, 58), (58, 82), (82, 107)]
     assert [g.rows for g in groups] == [4, 4, 4, 8] and {g.doc_start for g in groups} == {10}
-    assert [tuple(g) for g in scoring_groups(0, 3, Sampling(8, 3, 4))] == [(0, 1, 1, 0), (1, 2, 1, 0), (2, 3, 1, 0)]
-    assert scoring_groups(5, 69, Sampling(8)) == [(5, 69, 8, 5)]  # the last queries alone
+    assert [tuple(g)[:4] for g in scoring_groups(0, 3, Sampling(8, 3, 4))] == [(0, 1, 1, 0), (1, 2, 1, 0), (2, 3, 1, 0)]
+    assert [tuple(g)[:4] for g in scoring_groups(5, 69, Sampling(8))] == [(5, 69, 8, 5)]  # the last queries alone
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -104,16 +104,17 @@ def test_mass_selection_keeps_the_best_mass_per_cost_until_the_target():
             assert mass_kept > 0
 
 
-def test_mass_selection_over_candidates_equals_the_whole_row():
+@pytest.mark.parametrize("near", [0, 2])
+def test_mass_selection_over_candidates_equals_the_whole_row(near):
     g = torch.Generator().manual_seed(4)
     start, end = 7, 103
     gain, pos, diag_gain, diag = _mass_inputs(g, start=start, end=end)
     gain[:, 10:20] = gain[:, 10:11]  # exact ties, split across holders
-    cfg = dataclasses.replace(CFG, mass_target=0.85, vertical_cap=6)
+    cfg = dataclasses.replace(CFG, mass_target=0.85, vertical_cap=6, mass_near_blocks=near)
     whole = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
     # three holders of interleaved columns and diagonals; each offers its best `vertical_cap` columns by ratio
     # (ties: the lower position) and every diagonal it holds, in its own order
-    ratio = column_ratio(gain, pos, start, end, BS)
+    ratio = column_ratio(gain, pos, start, end, BS, near)
     c_idx, d_idx = [], []
     for holder in range(3):
         mine = torch.arange(holder, len(pos), 3)
@@ -169,7 +170,8 @@ def test_sampled_queries_find_a_column_that_only_earlier_queries_use(mode):
 
 
 @pytest.mark.parametrize(("field", "value"), [("mass_target", 0.0), ("mass_target", 1.5), ("mass_threshold", -0.1),
-                                              ("mass_threshold", 1.0), ("sample_groups", -1), ("sample_group_size", 0)])
+                                              ("mass_threshold", 1.0), ("sample_groups", -1), ("sample_group_size", 0),
+                                              ("mass_near_blocks", -1)])
 def test_bad_estimator_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SparseAttentionConfig(**{field: value})
@@ -182,6 +184,8 @@ def test_a_threshold_outside_mass_mode_is_refused_naming_the_mode():
         SparseAttentionConfig(budget_mode="topk", mass_threshold=0.01)
     with pytest.raises(ValueError, match="budget_mode='topp'"):
         SparseAttentionConfig(budget_mode="topp", mass_threshold=0.01)
+    with pytest.raises(ValueError, match="mass_near_blocks=4 is read only in budget_mode='mass'"):
+        SparseAttentionConfig(mass_near_blocks=4)
     mixed = SparseAttentionConfig(budget_mode="topk", mass_threshold=0.01, dense_first_layers=1,
                                   layer_overrides={"2-3": {"budget_mode": "mass"}})
     assert (mixed.for_layer(2).budget_mode, mixed.for_layer(2).mass_threshold) == ("mass", 0.01)
@@ -193,3 +197,57 @@ def test_a_threshold_outside_mass_mode_is_refused_naming_the_mode():
     with pytest.raises(ValueError, match=r"layer_overrides\['0'\].*mass_threshold"):
         SparseAttentionConfig(budget_mode="mass",
                               layer_overrides={"0": {"budget_mode": "topk", "mass_threshold": 0.01}})
+
+
+def test_far_columns_take_only_the_mass_of_queries_far_enough_after_them():
+    """With mass_near_blocks n, a key column's score is the mass of the scoring queries n or more blocks after its
+    block, weighted by the far queries of their stratum over the far scoring queries; slashes are unchanged."""
+    g = torch.Generator().manual_seed(11)
+    s, docs, far = 160, [(0, 40), (45, 160)], 2
+    q, k = (torch.randn(h, s, D, generator=g, dtype=torch.float64) for h in (2, 1))
+    sampling = Sampling(last_q=8, groups=2, group_size=5, weighted=True, far_blocks=far, block_size=BS)
+    vertical, slash = score_vertical_slash(q, k, docs, 8, D**-0.5, sampling)
+    _, plain_slash = score_vertical_slash(q, k, docs, 8, D**-0.5, sampling._replace(far_blocks=0))
+    want = torch.zeros(2, s, dtype=torch.float64)
+    for start, end in docs:
+        for st in scoring_groups(start, end, sampling):
+            for r in range(st.hi - st.rows, st.hi):
+                p = torch.softmax((q[:, r] @ k[0, start : r + 1].T) * D**-0.5, -1)
+                j = torch.arange(start, r + 1)
+                first = (j // BS + far) * BS  # the first query far enough after key j
+                seen = (st.hi - first.clamp_min(st.lo)).clamp_min(0)
+                scored = (st.hi - first.clamp_min(st.hi - st.rows)).clamp_min(0)
+                want[:, j] += p * (r >= first) * torch.where(scored > 0, seen / scored.clamp_min(1), 0)
+    assert torch.allclose(vertical, want) and torch.equal(slash, plain_slash)
+    assert bool((vertical[:, 160 - far * BS :] == 0).all())  # no query is far enough after the last blocks
+
+
+def test_far_diagonals_lose_the_mass_of_a_kept_column_they_cross():
+    """A heavy column at the document's start (an attention sink) puts its mass in every block diagonal: each
+    far diagonal's one block on it. Counted twice, the far diagonals (few blocks each) look valuable and are
+    kept; with mass_near_blocks their gain is net of the kept column's mass, and they are not."""
+    start, end, near = 0, 512, 2
+    nqb = end // BS
+    pos = torch.arange(start, end)
+    per_block = 8.0  # the sink's mass per far query block
+    gain = torch.full((1, end), 0.01, dtype=torch.float64)
+    gain[0, 0] = per_block * (nqb - near)
+    diag = torch.arange(nqb + 1)
+    diag_gain = torch.full((1, nqb + 1), 0.01, dtype=torch.float64)
+    diag_gain[0, near:nqb] += per_block  # each far diagonal crosses key block 0 once
+    diag_gain[0, 0], diag_gain[0, 1] = float(end), 0.3 * end  # the main and the next diagonal: local attention
+    kept = {}
+    for n in (0, near):
+        cfg = dataclasses.replace(CFG, mass_target=0.5, mass_threshold=0.3, vertical_cap=64, mass_near_blocks=n)
+        cols, diags = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
+        kept[n] = (cols[0].nonzero().flatten().tolist(), diags[0].nonzero().flatten().tolist())
+    assert kept[near] == ([0], [0, 1])
+    assert kept[0][0] == [0] and nqb - 1 in kept[0][1]  # the sink counted twice: its diagonal of one block
+
+
+def test_the_model_card_names_the_mass_settings():
+    from hf_sparse_cp.reporting.model_card import _describe_pattern
+
+    text = _describe_pattern(SparseAttentionConfig(budget_mode="mass", mass_threshold=0.01, mass_near_blocks=4))
+    assert "at least 0.01 of their queries' attention" in text and "4 or more blocks after them" in text
+    assert "blocks after them" not in _describe_pattern(SparseAttentionConfig(budget_mode="mass"))

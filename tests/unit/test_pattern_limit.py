@@ -131,6 +131,7 @@ def test_the_joint_greedy_of_several_layers_gives_each_layers_own_trajectory(mas
     focused[..., :BS] *= 20
     layers = [mass, focused[:3]]
     joint = pl.trajectories(family, layers, BS, max_fraction=0.5)
+    assert len(joint) == 2 and [t.heads for t in pl.trajectories(family, layers, BS, 0.5, layers_per_loop=1)] == [4, 3]
     for one, m in zip(joint, layers):
         alone = build(m, BS, max_fraction=0.5)
         assert torch.equal(one.items, alone.items) and torch.equal(one.steps, alone.steps)
