@@ -9,7 +9,8 @@ key (`Stratum`), so the scores estimate the mass every query of the document put
 offset (weighted sums also in 'mass' mode, plain sums otherwise). Each query head keeps, in every
 document with its own budget, its best columns and diagonals (top-k, or top-p with a cap; in 'mass'
 mode columns and block diagonals ranked together by estimated mass per block of work, kept until
-their mass reaches `mass_target` of the document's attention: `select_mass`), plus the document's
+their mass reaches `mass_target` of the document's attention: `select_mass`; with `mass_near_blocks`
+a column takes only the far queries' mass and far diagonals lose the kept columns'), plus the document's
 first `sink_tokens` columns and the `local_window` diagonals next to the main one, so a document's
 kept tokens do not depend on what else is packed with it. Exact ties go to the lower position
 (`rank_order`), in one process as across ranks. Diagonals become key blocks along the block
@@ -265,7 +266,8 @@ def accumulate_vertical_slash(
     vertical[h, key] += mass the key receives, slash[h, slash_base + row - key] += mass on that
     offset (`slash_base`: the document's start, so that every document has its own offsets).
     `vertical_index` (one per key; default `key_pos`) puts a key's mass elsewhere in `vertical`.
-    With a `stratum`, each mass counts its stratum weight (`stratum_weights`).
+    With a `stratum`, each mass counts its stratum weight (`stratum_weights`; a column's `column_weights`,
+    and with `far_blocks` only the mass of the queries that many blocks or more after the key's block).
 
     Keys after a row are invisible. Probabilities are a softmax over these keys, or, with
     `normalizer` = (row max, row sum of exp(score - max)) of the row's *whole* key set (keys split

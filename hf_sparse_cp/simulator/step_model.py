@@ -230,6 +230,10 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     sets on average (positions spread evenly over ranks), and every collective carries n - 1 sets.
     With `sample_groups` g, the group before cut i of g + 1 scores the keys before it: g / 2 x
     `sample_group_size` more scoring rows over the whole row."""
+    if cfg.budget_mode == "mass" and cfg.mass_near_blocks:
+        raise ValueError(f"mass_near_blocks={cfg.mass_near_blocks} scores in PyTorch on CUDA, not in the Triton "
+                         "scoring kernel whose rate the simulator charges, and that path was timed on no GPU: the "
+                         "simulator cannot charge it. Simulate with mass_near_blocks=0 for the kernel's cost.")
     if not setup.sparse:
         return 0.0
     w, s, bs = setup.plan.cp_size, setup.plan.padded_len, setup.plan.block_size

@@ -43,10 +43,12 @@ def spawned_allocator(kind: str) -> Iterator[str | None]:
 
 def format_targets(targets: list[dict]) -> str:
     """One line per target of a report ({target, required, measured, pass}): the measured value and
-    PASS, MISS or "not measured" (pass None: the run did not measure it)."""
+    PASS, MISS or "not measured" (pass None: the run did not measure it; with a measured value, a figure
+    reported for reference, no target)."""
     lines = []
     for t in targets:
-        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
+        verdict = (("not measured" if t["measured"] is None else "for reference") if t["pass"] is None
+                   else ("PASS" if t["pass"] else "MISS"))
         value = t["measured"]
         shown = "" if value is None else (f"{value:.3f} " if isinstance(value, float) else f"{value} ")
         lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")

@@ -53,6 +53,7 @@ def test_frontier_targets_read_the_report(pq):
     assert row("best block pattern")["pass"] == (0.31 / block <= 1.3) and row("estimation time")["pass"]
     family = row("best vertical-slash pattern")  # its only point is within: 0.2 bounds its crossing from above
     assert family["measured"] == pytest.approx(0.31 / 0.2) and family["pass"] is None
+    assert pq.format_targets([family]).endswith("1.550 (required none) for reference")
 
 
 def test_the_estimator_crossing_is_interpolated_along_one_knob(pq):

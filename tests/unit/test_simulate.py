@@ -241,3 +241,5 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
     assert sampled["step_s"] - base["step_s"] == pytest.approx(
         2 * model.layers * (sampled["estimation_s"] - base["estimation_s"]), rel=1e-6)
     assert predict_step(setup, model, hw, cluster, last_q=64, estimation=topk)["step_s"] == base["step_s"]
+    with pytest.raises(ValueError, match="mass_near_blocks=4 scores in PyTorch on CUDA"):  # no kernel, no GPU timing
+        predict_step(setup, model, hw, cluster, estimation=replace(mass, mass_near_blocks=4))
