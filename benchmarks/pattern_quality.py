@@ -94,10 +94,10 @@ FRONTIER_SETTINGS = {
                                       **SAMPLED),
     **{f"mass-0.5-near4-sampled-t{t}": dict(mass_threshold=t, **NEAR4, **SAMPLED) for t in (0.01, 0.015)},
     **{f"mass-0.5-near4-sampled-dense0-t{t}": dict(mass_threshold=t, dense_first_layers=1, **NEAR4, **SAMPLED)
-       for t in (0.0075, 0.01)},
+       for t in (0.0003, 0.001, 0.0025, 0.0075, 0.01)},
     **{f"mass-0.5-near4-g16x{n}-dense0-t{t}": dict(mass_threshold=t, dense_first_layers=1, last_q=32,
                                                   sample_groups=16, sample_group_size=n, **NEAR4)
-       for n in (8, 16) for t in (0.005, 0.0075, 0.01)},
+       for n in (8, 16) for t in (0.001, 0.0025, 0.005, 0.0075, 0.01)},
 }
 # #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
 # fraction within 2% of dense perplexity at most 1.3x the best block pattern's; defaults: the fewest blocks within
