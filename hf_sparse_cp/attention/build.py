@@ -210,8 +210,7 @@ def build_layout(
         for row in range(b):
             for h0, h1 in _head_chunks(heads, nqb * max(window, 1)):
                 values, mask = _column_mask(v_list[row], first[row], span[row], window, col_base[row], diagonals,
-                                            diagonal_start, row, h0, h1, qb, lo[row], lo_tok[row], dense_lo[row], bs,
-                                            sliding_window)
+                                            diagonal_start, row, h0, h1, qb, dense_lo[row], bs, sliding_window)
                 col_masks.append((values, mask))
                 col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
     sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
@@ -246,32 +245,35 @@ def build_layout(
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
-def _column_mask(v_row, first, span, window, col_base, diagonals, diagonal_start, row, h0, h1, qb, lo, lo_tok,
-                 dense_lo, bs, sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
-    """(columns [n or 1, NQB, window], bool [h1 - h0, NQB, window]): for each query block of heads
+def _column_mask(v_row, first, span, window, col_base, diagonals, diagonal_start, row, h0, h1, qb, dense_lo, bs,
+                 sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 columns [n or 1, NQB, window], bool [h1 - h0, NQB, window]): for each query block of heads
     h0:h1, the window of kept columns (v_row [Hv, NV], ascending, -1 padded) starting at `first`
     with `span` entries, less the block's `col_base` (what tells the sets apart in v_row), and which
     of them it lists as token columns."""
     nqb, n = qb.shape[0], h1 - h0
-    slot = torch.arange(window, device=v_row.device)
-    w0, count = _one_or_range(first, h0, h1).unsqueeze(-1), _one_or_range(span, h0, h1).unsqueeze(-1)
+    slot = torch.arange(window, device=v_row.device, dtype=torch.int32)
     vr = _one_or_range(v_row, h0, h1)
-    at = (w0 + slot).clamp_max(max(vr.shape[-1] - 1, 0))
+    at = (_one_or_range(first, h0, h1).unsqueeze(-1) + slot).clamp_max(max(vr.shape[-1] - 1, 0))
     v = vr.unsqueeze(1).expand(-1, nqb, -1).gather(-1, at) if vr.shape[-1] else at  # [n or 1, NQB, window]
-    v = v - col_base.view(1, nqb, 1)
-    qbx = qb.view(1, nqb, 1)
-    cb = v // bs
-    covered = (cb >= lo.view(1, nqb, 1)) & (cb >= dense_lo.view(1, nqb, 1))  # inside the dense range
+    # int32 from here: these [heads, NQB, window] temporaries are what layout construction spends its time on
+    v = v.int() - col_base.int().view(1, nqb, 1)
+    qbx = qb.int().view(1, nqb, 1)
+    cb = v >> (bs.bit_length() - 1)  # bs is a power of two
+    # The binary search put exactly the columns the block can see in its span, so what is left to drop is those
+    # inside a listed block: in the dense range, or on a kept block diagonal (a block before the first visible
+    # one can only hold columns that the sliding window drops below).
+    listed = cb >= dense_lo.clamp_max(nqb).int().view(1, nqb, 1)  # (_BIG: no dense range)
     if diagonals is not None:
         t = diagonals.shape[-1]
         start = diagonal_start[row].view(1, nqb, 1)
         diag = _one_or_range(diagonals[row], h0, h1).unsqueeze(1).expand(n, nqb, -1)
-        diag_hit = diag.gather(-1, (start.clamp_min(0) + (qbx - cb).clamp_min(0)).clamp_max(t - 1).expand(n, nqb, -1))
-        covered = covered | ((cb >= lo.view(1, nqb, 1)) & diag_hit & (start >= 0))
-    ok = (slot < count) & (v >= 0) & (v < (qbx + 1) * bs) & (v >= lo_tok.view(1, nqb, 1)) & ~covered
+        at = (start.clamp_min(0) + (qbx - cb).clamp_min(0)).clamp_max(t - 1).expand(n, nqb, -1)
+        listed = listed | (diag.gather(-1, at.long()) & (start >= 0))
+    keep = (slot < _one_or_range(span, h0, h1).unsqueeze(-1)) & ~listed
     if sliding_window is not None:
-        ok &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
-    return v, ok.expand(n, nqb, -1)
+        keep &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
+    return v, keep.expand(n, nqb, -1)
 
 
 def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> SparseLayout:

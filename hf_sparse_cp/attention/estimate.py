@@ -217,15 +217,22 @@ def _score_tiles(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tens
     hk, n = k_keys.shape[:2]
     g = hq // hk
     qe = q_rows.view(hk, g, r, d)
-    g_chunk = max(1, min(g, _SCORE_ELEMENTS // max(1, r * n)))
-    n_chunk = max(1, min(n, _SCORE_ELEMENTS // max(1, g_chunk * r)))
+    g_chunk, n_chunk = _tile_shape(q_rows, k_keys)
+    hidden = ~visible
     for h in range(hk):
         for g0 in range(0, g, g_chunk):
             g1 = min(g, g0 + g_chunk)
             for n0 in range(0, n, n_chunk):
                 keys = slice(n0, min(n, n0 + n_chunk))
                 sc = torch.einsum("grd,ld->grl", qe[h, g0:g1], k_keys[h, keys]) * scale
-                yield slice(h * g + g0, h * g + g1), keys, sc.masked_fill(~visible[:, keys], float("-inf"))
+                yield slice(h * g + g0, h * g + g1), keys, sc.masked_fill(hidden[:, keys], float("-inf"))
+
+
+def _tile_shape(q_rows: torch.Tensor, k_keys: torch.Tensor) -> tuple[int, int]:
+    """(query heads, keys) of one `_score_tiles` tile: [heads, R, keys] within _SCORE_ELEMENTS."""
+    (hq, r), (hk, n) = q_rows.shape[:2], k_keys.shape[:2]
+    g_chunk = max(1, min(hq // hk, _SCORE_ELEMENTS // max(1, r * n)))
+    return g_chunk, max(1, min(n, _SCORE_ELEMENTS // max(1, g_chunk * r)))
 
 
 def row_softmax_stats(
@@ -247,6 +254,23 @@ def row_softmax_stats(
         row_sum[heads] = row_sum[heads] * torch.exp(m_old - safe) + tile_sum
         row_max[heads] = m_new
     return row_max, row_sum
+
+
+def _probabilities(q_rows, k_keys, visible, scale, normalizer):
+    """`_score_tiles` as attention probabilities: exp(score - row max) / row sum of the rows' whole key set, from
+    `normalizer` or, without one, `row_softmax_stats` (a first pass over the scores), unless each tile holds every
+    key: then the tile's own max and sum are those of its rows, the same numbers in one pass."""
+    if normalizer is None and _tile_shape(q_rows, k_keys)[1] == k_keys.shape[1]:
+        for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
+            m = sc.amax(-1, keepdim=True)
+            e = torch.exp(sc - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+            yield heads, keys, e / e.sum(-1, keepdim=True)
+        return
+    if normalizer is None:
+        normalizer = row_softmax_stats(q_rows, k_keys, visible, scale)
+    row_max = torch.where(torch.isfinite(normalizer[0]), normalizer[0], torch.zeros_like(normalizer[0]))
+    for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
+        yield heads, keys, torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
 
 
 def accumulate_vertical_slash(
@@ -274,11 +298,7 @@ def accumulate_vertical_slash(
     over ranks), exp(score - max) / sum.
     """
     visible = key_pos.unsqueeze(0) <= row_pos.unsqueeze(1)  # [R, L]
-    if normalizer is None:
-        normalizer = row_softmax_stats(q_rows, k_keys, visible, scale)
-    row_max = torch.where(torch.isfinite(normalizer[0]), normalizer[0], torch.zeros_like(normalizer[0]))
-    for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
-        a = torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
+    for heads, keys, a in _probabilities(q_rows, k_keys, visible, scale, normalizer):
         diff = row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)
         if stratum is not None and stratum.far_blocks:  # the far queries' mass only
             column = (a * (row_pos.unsqueeze(1) >= far_from(stratum, key_pos[keys]).unsqueeze(0))).sum(1)

@@ -11,10 +11,13 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.estimate import (
     Sampling,
+    Stratum,
+    accumulate_vertical_slash,
     block_diagonal_mass,
     column_ratio,
     diagonal_cost,
     estimate_layout,
+    row_softmax_stats,
     score_vertical_slash,
     scoring_groups,
     select_entries,
@@ -54,6 +57,25 @@ def test_sampled_scores_are_each_querys_mass_times_its_stratum_weight(weighted):
                 want_v[:, j] += p * w_key
                 want_s[:, start + r - j] += p * w_off
     assert torch.allclose(vertical, want_v) and torch.allclose(slash, want_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("far_blocks", [0, 2])
+def test_one_pass_scores_are_those_of_the_two_pass_softmax_to_the_bit(dtype, far_blocks):
+    """Keys that fit in one score tile are scored in one pass (the tile's own max and sum); the numbers must be
+    those of the two-pass path that a key set split over ranks takes (row statistics first), bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    r, n = 11, 150
+    q, k = torch.randn(6, r, D, generator=g, dtype=dtype) * 2, torch.randn(3, n, D, generator=g, dtype=dtype) * 2
+    rows, keys = torch.arange(n - r, n), torch.arange(n)
+    stratum = Stratum(40, n, r, 0, far_blocks, BS)
+    out = []
+    for normalizer in (None, row_softmax_stats(q, k, keys.unsqueeze(0) <= rows.unsqueeze(1), 0.3)):
+        vertical, slash = torch.zeros(6, n, dtype=dtype), torch.zeros(6, n, dtype=dtype)
+        accumulate_vertical_slash(q, k, rows, keys, 0.3, vertical, slash, normalizer=normalizer, stratum=stratum)
+        out.append((vertical, slash))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert bool((out[0][0] > 0).any())
 
 
 def test_block_diagonal_mass_spreads_each_offset_over_the_two_diagonals_it_crosses():
