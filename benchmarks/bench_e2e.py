@@ -71,8 +71,8 @@ MODEL_SHAPES = {
 
 # Pattern of the `sparse_cp` variant under --tiny (fields left at their defaults on the command line),
 # scaled so that 1K-4K token sequences are sparse rather than below `min_seq_len`.
-TINY_SPARSE = dict(block_size=64, min_seq_len=512, vertical_topk=64, slash_topk=64, sink_tokens=16,
-                   local_window=64, last_q=32)
+TINY_SPARSE = dict(block_size=64, min_seq_len=512, budget_mode="topk", vertical_topk=64, slash_topk=64,
+                   sink_tokens=16, local_window=64, last_q=32)
 
 
 @dataclass
@@ -201,8 +201,8 @@ def sparse_settings(sparse, args: BenchArguments, seq_len: int) -> tuple[dict, d
         return sparse.to_dict(), None
     budget = budget_for_kept_fraction(seq_len, args.kept_fraction, args.vertical_share, sparse.block_size,
                                       sparse.local_window, sparse.sink_tokens)
-    return {**sparse.to_dict(), "budget_mode": "topk", "vertical_topk": budget["vertical_topk"],
-            "slash_topk": budget["slash_topk"]}, budget
+    return sparse.replace(budget_mode="topk", vertical_topk=budget["vertical_topk"],
+                          slash_topk=budget["slash_topk"]).to_dict(), budget
 
 
 # ------------------------------------------------------------------------------ one run (subprocess)
@@ -463,7 +463,7 @@ def parse_args(argv):
     sparse = flags.to_config()
     if args.tiny:
         given = unprefixed(explicit_fields(parser, argv), PATTERN_PREFIX)
-        sparse = dataclasses.replace(sparse, **{k: v for k, v in TINY_SPARSE.items() if k not in given})
+        sparse = sparse.replace(**{k: v for k, v in TINY_SPARSE.items() if k not in given})
     return args, sparse
 
 

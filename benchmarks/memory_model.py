@@ -342,7 +342,6 @@ def bench_e2e_start_length(model: str = "0.5b", gpu_bytes: float | None = None, 
 
     Returns:
         Tokens (a prediction: run at it, and above it to find the measured limit)."""
-    import dataclasses
 
     from transformers import Qwen2Config
 
@@ -364,8 +363,8 @@ def bench_e2e_start_length(model: str = "0.5b", gpu_bytes: float | None = None, 
         b = bench.budget_for_kept_fraction(seq_len, 0.05, 0.2, pattern.block_size, pattern.local_window,
                                            pattern.sink_tokens)
         return StepSettings(loss_backend=loss, savers=MemorySavers(tiled=seq_len >= DEFAULT_TILING_MIN_LENGTH),
-                            pattern=dataclasses.replace(pattern, vertical_topk=b["vertical_topk"],
-                                                        slash_topk=b["slash_topk"]))
+                            pattern=pattern.replace(budget_mode="topk", vertical_topk=b["vertical_topk"],
+                                                    slash_topk=b["slash_topk"]))
 
     return longest_fitting_length(arch, usable * gpu_bytes, settings, granularity=granularity)
 

@@ -18,8 +18,19 @@ from .files import FileConfig, check_field_types
 # `attn_implementation` name of the backend, and the model-config attribute that stores its settings.
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
-# Fields only budget_mode 'mass' reads; 0 turns each off (refused above 0 where no layer selects in 'mass' mode).
-MASS_ONLY = ("mass_threshold", "mass_near_blocks")
+# Fields that one budget_mode alone reads: a value given for a mode that no layer selects in would do nothing and
+# is refused, naming the mode (an unset budget_mode is 'topk' when a top-k field is given, else 'mass').
+MODE_ONLY: dict[str, tuple[str, ...]] = {
+    "topk": ("vertical_topk", "slash_topk"),
+    "mass": ("mass_threshold", "mass_near_blocks"),
+}
+# What the fields left unset (None) take in each budget_mode: the mode-only ones, and the scoring queries ('mass',
+# the default, was chosen with 32 last queries and 4 sampled groups; the others keep the last 64 queries alone).
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "topk": {"vertical_topk": 512, "slash_topk": 1024, "last_q": 64, "sample_groups": 0},
+    "topp": {"last_q": 64, "sample_groups": 0},
+    "mass": {"mass_threshold": 0.0025, "mass_near_blocks": 0, "last_q": 32, "sample_groups": 4},
+}
 
 
 def check_block_size(block_size: int, name: str = "block_size") -> None:
@@ -36,9 +47,10 @@ class SparseAttentionConfig(FileConfig):
     the key columns (verticals) and diagonals (slashes) that carry the attention mass of the last
     `last_q` queries, and computes exact attention restricted to those blocks and columns.
 
-    The defaults (top-k 512 columns / 1024 diagonals, the first layer dense) come from measurements
-    on a pretrained model (docs/accuracy.md): at 8K tokens they keep 66% of the
-    causal blocks with 99.4% of the dense attention mass (no layer below 98%).
+    The defaults ('mass' budget: mass_target 0.9, mass_threshold 0.0025, at most 1024 columns per head,
+    scored by the last 32 queries and 4 groups of 16 along the document; the first layer dense) are the
+    sparsest measured setting within 0.5% of dense perplexity at 8K tokens on a pretrained model
+    (docs/accuracy.md): 51% of the causal blocks kept where the former top-k defaults kept 67%.
     """
 
     FILE_SECTION: ClassVar[str] = "sparse_attention"
@@ -49,20 +61,25 @@ class SparseAttentionConfig(FileConfig):
         metadata={"help": "Attention pattern: 'vertical_slash' (dynamic sparse, estimated per head at every call) "
                   "or 'dense' (exact causal attention through the same block engine)."},
     )
-    budget_mode: Literal["topk", "topp", "mass"] = field(
-        default="topk",
-        metadata={"help": "How many verticals / slashes a head keeps: 'topk' keeps a fixed number, 'topp' keeps "
-                  "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap; 'mass' ranks "
-                  "key columns and block diagonals together by estimated attention mass per block of work they add "
-                  "and keeps the best until their estimated mass reaches mass_target of the queries' attention, and "
-                  "beyond that those with at least mass_threshold of their queries' attention per block (at most "
-                  "vertical_cap columns): broad heads keep more, focused heads less."},
+    budget_mode: Literal["topk", "topp", "mass"] | None = field(
+        default=None,
+        metadata={"help": "How many verticals / slashes a head keeps (unset: 'topk' when vertical_topk or slash_topk "
+                  "is given, else 'mass'): 'mass' ranks key columns and block diagonals "
+                  "together by estimated attention mass per block of work they add and keeps the best until their "
+                  "estimated mass reaches mass_target of the queries' attention, and beyond that those with at least "
+                  "mass_threshold of their queries' attention per block (at most vertical_cap columns): broad heads "
+                  "keep more, focused heads less; 'topk' keeps a fixed number (vertical_topk, slash_topk); 'topp' "
+                  "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap."},
     )
-    vertical_topk: int = field(
-        default=512, metadata={"help": "Key columns kept per head in 'topk' mode (sink tokens come on top)."}
+    vertical_topk: int | None = field(
+        default=None,
+        metadata={"help": "Key columns kept per head in 'topk' mode, 512 unless given (sink tokens come on top); "
+                  "given without budget_mode it selects 'topk', with another budget_mode it is refused."},
     )
-    slash_topk: int = field(
-        default=1024, metadata={"help": "Diagonals kept per head in 'topk' mode (the local window comes on top)."}
+    slash_topk: int | None = field(
+        default=None,
+        metadata={"help": "Diagonals kept per head in 'topk' mode, 1024 unless given (the local window comes on "
+                  "top); given without budget_mode it selects 'topk', with another budget_mode it is refused."},
     )
     vertical_topp: float = field(
         default=0.9, metadata={"help": "Cumulative score mass of key columns kept per head in 'topp' mode."}
@@ -70,33 +87,33 @@ class SparseAttentionConfig(FileConfig):
     slash_topp: float = field(
         default=0.9, metadata={"help": "Cumulative score mass of diagonals kept per head in 'topp' mode."}
     )
-    vertical_cap: int = field(default=4096,
+    vertical_cap: int = field(default=1024,
                               metadata={"help": "Most key columns a head keeps in 'topp' and 'mass' modes."})
     slash_cap: int = field(default=4096, metadata={"help": "Most diagonals a head keeps in 'topp' mode."})
     mass_target: float = field(
-        default=0.95,
+        default=0.9,
         metadata={"help": "In 'mass' mode: the share of each head's estimated attention mass (per document, or per "
                   "chunk with causal_chunks) that its best columns and block diagonals must reach, in (0, 1]: a floor "
                   "that gives broad heads the blocks they need (mass in both a kept column and a kept diagonal counts "
                   "twice, so the mass kept is somewhat lower)."},
     )
-    mass_threshold: float = field(
-        default=0.0,
+    mass_threshold: float | None = field(
+        default=None,
         metadata={"help": "In 'mass' mode: beyond mass_target, also keep every column or block diagonal whose "
                   "estimated mass per block of work is at least this share of the attention of the block's queries, "
-                  "in [0, 1): one price of work for every head and layer, so that budget goes where a block buys the "
-                  "most mass; 0 keeps mass_target alone. 0.01 is a block holding one hundredth of its queries' "
-                  "attention."},
+                  "in [0, 1), 0.0025 unless given: one price of work for every head and layer, so that budget goes "
+                  "where a block buys the most mass; 0 keeps mass_target alone. 0.01 is a block holding one "
+                  "hundredth of its queries' attention."},
     )
-    mass_near_blocks: int = field(
-        default=0,
+    mass_near_blocks: int | None = field(
+        default=None,
         metadata={"help": "In 'mass' mode: n > 0 leaves each query block's n nearest block diagonals (its own and "
                   "n - 1 before it) to serve the keys near it, so that no mass counts twice: a key column is valued "
                   "by the attention of the queries n or more blocks after its own and by that work alone, and the "
                   "block diagonals from n on lose the estimated mass of the kept columns that cross them (else a far "
                   "diagonal that crosses only a heavy kept column, such as the attention sink, looks valuable). 0: "
-                  "every column and diagonal valued by all its mass. On CUDA it scores in PyTorch, not the Triton "
-                  "scoring kernel."},
+                  "every column and diagonal valued by all its mass (the default). On CUDA it scores in PyTorch, not "
+                  "the Triton scoring kernel."},
     )
     sink_tokens: int = field(
         default=64, metadata={"help": "First tokens of every document always attended to (attention sinks)."}
@@ -104,12 +121,15 @@ class SparseAttentionConfig(FileConfig):
     local_window: int = field(
         default=128, metadata={"help": "Diagonals next to the main one always kept (local attention), >= 1."}
     )
-    last_q: int = field(
-        default=64, metadata={"help": "Number of final queries of each document used to estimate the pattern."}
+    last_q: int | None = field(
+        default=None,
+        metadata={"help": "Number of final queries of each document used to estimate the pattern (unset: 32 in "
+                  "'mass' mode, 64 in the others)."},
     )
-    sample_groups: int = field(
-        default=0,
-        metadata={"help": "Groups of queries sampled along each document (before each chunk with causal_chunks) "
+    sample_groups: int | None = field(
+        default=None,
+        metadata={"help": "Groups of queries sampled along each document (unset: 4 in 'mass' mode, 0 in the "
+                  "others; before each chunk with causal_chunks) "
                   "that estimate the pattern besides the last last_q: the document is cut into sample_groups + 1 "
                   "equal parts, each scored by its last queries (sample_group_size of them, last_q for the last "
                   "part), and each scoring query counts for the queries of its part. Catches the keys that earlier "
@@ -170,13 +190,17 @@ class SparseAttentionConfig(FileConfig):
                     f"layer_overrides is not valid JSON ({e}); pass e.g. '{{\"0-1\": {{\"pattern\": \"dense\"}}}}'"
                 ) from None
         check_field_types(self)  # (pattern and budget_mode too: their Literal lists the allowed values)
+        if self.budget_mode is None:  # a top-k budget given alone asks for top-k selection
+            self.budget_mode = "topk" if any(getattr(self, n) is not None for n in MODE_ONLY["topk"]) else "mass"
+        self.__dict__.update({name: default for name, default in MODE_DEFAULTS.get(self.budget_mode, {}).items()
+                              if getattr(self, name) is None})
         self._validate()
 
     def _validate(self) -> None:
         check_block_size(self.block_size)
         for name in ("vertical_topk", "slash_topk", "sink_tokens", "dense_first_layers", "min_seq_len",
                      "sample_groups", "mass_near_blocks"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
         for name in ("vertical_cap", "slash_cap", "last_q", "sample_group_size"):
             if getattr(self, name) < 1:
@@ -189,16 +213,19 @@ class SparseAttentionConfig(FileConfig):
                 f"estimation_chunk={self.estimation_chunk} must be a positive multiple of block_size={self.block_size} "
                 f"(chunks of whole query blocks); e.g. {fix}."
             )
-        if not 0.0 <= self.mass_threshold < 1.0:
-            raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.005-0.02 are "
+        if self.mass_threshold is not None and not 0.0 <= self.mass_threshold < 1.0:
+            raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.001-0.01 are "
                              "usual.")
-        for name in MASS_ONLY:
-            if getattr(self, name) and self.budget_mode != "mass" and not self._overrides_set("budget_mode", "mass"):
-                raise ValueError(
-                    f"{name}={getattr(self, name)} is read only in budget_mode='mass' and would do nothing with "
-                    f"budget_mode={self.budget_mode!r}; pass --sparse_budget_mode mass (budget_mode='mass'), or leave "
-                    f"{name} at 0."
-                )
+        for mode, fields_ in MODE_ONLY.items():
+            if self.budget_mode == mode or _overrides_set(self.layer_overrides, "budget_mode", mode):
+                continue
+            for name in fields_:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)} is read only in budget_mode={mode!r} and would do nothing "
+                        f"with budget_mode={self.budget_mode!r}; pass --sparse_budget_mode {mode} (budget_mode="
+                        f"{mode!r}) with it, or leave {name} unset."
+                    )
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
@@ -286,18 +313,30 @@ class SparseAttentionConfig(FileConfig):
             return self
         return self._layer_config(changes)
 
-    def _overrides_set(self, name: str, value: Any) -> bool:
-        """Whether some entry of `layer_overrides` (a mapping, before validation) sets field `name` to `value`."""
-        overrides = self.layer_overrides if isinstance(self.layer_overrides, dict) else {}
-        return any(isinstance(f, dict) and f.get(name) == value for f in overrides.values())
-
     def _layer_config(self, changes: dict[str, Any]) -> SparseAttentionConfig:
-        """This config with one layer's changes and no per-layer settings. A layer that does not select in
-        'mass' mode drops the inherited `MASS_ONLY` fields (it reads none), so that those given for the
-        layers overridden to 'mass' do not make the others invalid; ones the changes set stay and are
-        checked."""
-        changes = dict(changes)
-        if changes.get("budget_mode", self.budget_mode) != "mass":
-            for name in MASS_ONLY:
-                changes.setdefault(name, type(getattr(self, name))(0))
-        return dataclasses.replace(self, layer_overrides=None, dense_first_layers=0, **changes)
+        """This config with one layer's changes and no per-layer settings (`replace`: a layer overridden to
+        another budget mode drops the fields it does not read)."""
+        return self.replace(layer_overrides=None, dense_first_layers=0, **changes)
+
+    def replace(self, **changes: Any) -> SparseAttentionConfig:
+        """This config with `changes` (checked). Unlike `dataclasses.replace`, switching budget_mode needs
+        no unsetting: the `MODE_ONLY` fields of a mode that neither the new config nor one of its layer
+        overrides selects are dropped, and fields at the old mode's default (`MODE_DEFAULTS`) take the new
+        mode's, unless the changes set them."""
+        mode = changes.get("budget_mode", self.budget_mode)
+        overrides = changes.get("layer_overrides", self.layer_overrides)
+        for other, fields_ in MODE_ONLY.items():
+            if other != mode and not _overrides_set(overrides, "budget_mode", other):
+                for name in fields_:
+                    changes.setdefault(name, None)
+        if mode != self.budget_mode:
+            for name, default in MODE_DEFAULTS.get(self.budget_mode, {}).items():
+                if getattr(self, name) == default:
+                    changes.setdefault(name, None)
+        return dataclasses.replace(self, **changes)
+
+
+def _overrides_set(overrides: Any, name: str, value: Any) -> bool:
+    """Whether some entry of `layer_overrides` (a mapping, before validation) sets field `name` to `value`."""
+    return isinstance(overrides, dict) and any(isinstance(f, dict) and f.get(name) == value
+                                               for f in overrides.values())

@@ -165,14 +165,20 @@ class FileConfig:
         default = cls()
         if path is None:
             return dataclasses.replace(default, **flags)
-        if explicit is None:
-            given = {name: value for name, value in flags.items() if value != getattr(default, name)}
+        if explicit is None:  # (a field that defaults to None may be set from others: None is its default)
+            unset = {f.name for f in dataclasses.fields(cls) if f.default is None}
+            given = {name: value for name, value in flags.items()
+                     if value != (None if name in unset else getattr(default, name))}
         else:
             given = {name: value for name, value in flags.items() if name in explicit}
         config = cls.from_file(path)
         if given:
             logger.info("Command-line %s flags override %s: %s", cls.KIND, path, given)
-        return dataclasses.replace(config, **given)
+        return config.replace(**given)
+
+    def replace(self, **changes: Any):
+        """This config with `changes`, checked (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)
 
     def save(self, path: str | Path) -> None:
         """Write as YAML or JSON, chosen by the file suffix."""

@@ -214,11 +214,11 @@ def curriculum() -> Iterator:
         trainer.train_dataset = [{"input_ids": torch.arange(3, 259)}] * 8
         yield [(trainer, "get_train_dataloader"), (trainer.model.config, "sparse_attention")]
         curriculum = enable_curriculum(trainer, schedule_for(trainer, parse_schedule(
-            "0:128:1,2:256:2:vertical_topk=64")))
+            "0:128:1,2:256:2:mass_threshold=0.01")))
         curriculum.stage()
         trainer.state.global_step = 2
         curriculum.stage()  # the second stage's pattern goes onto the model
-        assert trainer.model.config.sparse_attention["vertical_topk"] == 64
+        assert trainer.model.config.sparse_attention["mass_threshold"] == 0.01
         yield
         disable_curriculum(trainer)
 

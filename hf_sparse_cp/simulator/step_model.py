@@ -251,7 +251,8 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     if mass:
         scored = scored / bs
     slash_sums = all_gather_time(model.heads * scored * 4 / w, w, link)  # a reduce-scatter: the same hops
-    slash = -(-int(scored) // w) if mass else min(candidates_per_row(cfg, "slash"), -(-s // w))
+    # candidates per set (the gather carries every set): in 'mass' mode each set's block diagonals on this rank
+    slash = -(-int(scored / sets) // w) if mass else min(candidates_per_row(cfg, "slash"), -(-s // w))
     candidates = min(candidates_per_row(cfg, "vertical"), -(-s // w)) + slash
     gather = all_gather_time(model.heads * sets * (2 * candidates + 2) * 4, w, link)
     local = (score + hw.index_build_s) * (WEIGHTED_ESTIMATION_RATIO if mass or cfg.sample_groups else 1.0)
@@ -260,11 +261,12 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
 
 _DEFAULTS = SparseAttentionConfig()
 # Weighted estimation ('mass' mode or sample_groups: each scoring query's mass weighted by its stratum, and in
-# 'mass' mode columns and block diagonals ranked together) over the default estimation, per call, with the same
-# number of scoring rows: mass_target 0.9, mass_threshold 0.0025, 32 last queries and 4 groups of 16 against
-# top-k 512/1024 with 64 last queries, every layer of SmolLM2-135M at 8K, median of 30 interleaved calls each
-# on a 2-core CPU (969 ms / 569 ms; benchmarks/results/pattern-frontier_cpu_4k-8k.json, estimation_cost).
-WEIGHTED_ESTIMATION_RATIO = 1.70
+# 'mass' mode columns and block diagonals ranked together) over unweighted top-k, per call, with about the same
+# scoring work: the defaults (mass_target 0.9, mass_threshold 0.0025, at most 1024 columns, 32 last queries and 4
+# groups of 16) against top-k 512/1024 with 64 last queries, every layer of SmolLM2-135M at 8K, block 128, median
+# of 90 interleaved calls each on a 2-core CPU (58.8 ms / 44.2 ms; benchmarks/results/
+# pattern-frontier_cpu_8k_block128.json, estimation_cost; other runs gave 1.14x and 1.24x).
+WEIGHTED_ESTIMATION_RATIO = 1.33
 
 
 def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraffic]:

@@ -89,11 +89,14 @@ class SparseCPArguments:
         argument names given on the command line, e.g. `sparse_vertical_topk`, see `explicit_fields`)
         whatever their value, or without `explicit`, those that differ from the defaults (see
         `FileConfig.from_file_and_flags`)."""
-        if isinstance(from_flags, SparseAttentionFlags):
+        if isinstance(from_flags, SparseAttentionFlags):  # as given: an unset field stays unset (None)
+            flags = {f.name: getattr(from_flags, PATTERN_PREFIX + f.name)
+                     for f in dataclasses.fields(SparseAttentionConfig)}
             from_flags = from_flags.to_config()
+        else:
+            flags = {} if from_flags is None else dataclasses.asdict(from_flags)
         if self.sparse_config is None and from_flags is not None:
             return from_flags
-        flags = {} if from_flags is None else dataclasses.asdict(from_flags)
         fields = None if explicit is None else unprefixed(explicit, PATTERN_PREFIX)
         return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags, fields)
 

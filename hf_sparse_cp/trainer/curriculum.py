@@ -4,7 +4,7 @@ switched online at step boundaries, without a restart or a checkpoint.
 `--cp_schedule "0:4096:1,100:16384:2,300:65536:4"` trains steps 0-99 on 4096-token samples with CP 1
 x DP world, steps 100-299 on 16384 tokens with CP 2, then 65536 tokens with CP 4. A stage starts at
 an optimizer step (`100`) or a data epoch (`1.5ep`: once 1.5 passes over the dataset are consumed),
-and may change sparse-pattern fields (`100:16384:2:vertical_topk=2048:min_seq_len=8192`).
+and may change sparse-pattern fields (`100:16384:2:mass_threshold=0.005:min_seq_len=8192`).
 
 The world size stays constant, so FSDP2's mesh over dp_shard x cp (or DDP's replicas) keeps every
 parameter and optimizer shard (AdamW or SMET) where it is; a switch changes only what depends on
@@ -94,7 +94,7 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         parts = [head, *extra]
         if len(parts) < 3 or any("=" in p for p in parts[:3]) or any("=" not in p for p in parts[3:]):
             raise ValueError(f"cp_schedule stage {item!r} must read FROM:SEQ_LEN:CP_SIZE[:field=value...], e.g. "
-                             "'0:4096:1' or '2ep:16384:2:vertical_topk=2048'.")
+                             "'0:4096:1' or '2ep:16384:2:mass_threshold=0.005'.")
         try:
             start = (dict(from_epoch=float(parts[0].removesuffix(_EPOCH_SUFFIX))) if parts[0].endswith(_EPOCH_SUFFIX)
                      else dict(from_step=int(parts[0])))
@@ -117,7 +117,7 @@ class CurriculumArguments:
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:vertical_topk=2048'. Samples are cropped to "
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005'. Samples are cropped to "
                   "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
                   "replaces --cp_size."},
     )
@@ -190,9 +190,9 @@ def build_schedule(
         unknown = set(stage.sparse) - {f.name for f in dataclasses.fields(SparseAttentionConfig)}
         if unknown:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
-                             "(SparseAttentionConfig); use e.g. vertical_topk=2048.")
+                             "(SparseAttentionConfig); use e.g. mass_threshold=0.005.")
         try:
-            config = SparseAttentionConfig.from_dict({**sparse_config.to_dict(), **stage.sparse})
+            config = sparse_config.replace(**stage.sparse)
             config.check_sparse_at(stage.seq_len, layers)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None

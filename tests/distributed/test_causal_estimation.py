@@ -4,8 +4,6 @@ and context parallelism (gloo, 2 processes) gives the single-process layout and 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -41,7 +39,7 @@ def _run(cfg, q, k, v, meta):
 
 
 # the estimator of #34: mass mode with groups of queries sampled along the document (before each chunk)
-MASS_SAMPLED = dataclasses.replace(CFG, budget_mode="mass", mass_target=0.6, mass_threshold=0.0, sample_groups=3,
+MASS_SAMPLED = CFG.replace(budget_mode="mass", mass_target=0.6, mass_threshold=0.0, sample_groups=3,
                                    sample_group_size=4)
 
 
@@ -60,7 +58,7 @@ def test_earlier_queries_keep_their_pattern_and_output_when_later_tokens_change(
     assert torch.equal(mask[:, :p], mask2[:, :p]) and rel_rms(out2[:, :, :p], out[:, :, :p]) < tol
     assert not torch.equal(mask[:, p:], mask2[:, p:])  # the later queries' patterns did change
     # the default estimation reads the document's last queries: earlier queries' patterns move with them
-    old = dataclasses.replace(cfg, estimation="last_queries")
+    old = cfg.replace(estimation="last_queries")
     mask, out = _run(old, q, k, v, meta)
     mask2, out2 = _run(old, *later, meta)
     assert not torch.equal(mask[:, :p], mask2[:, :p]) and rel_rms(out2[:, :, :p], out[:, :, :p]) > 1e3 * tol
@@ -101,7 +99,7 @@ def test_each_chunk_keeps_what_the_queries_before_it_chose_and_attends_exactly()
 def test_a_document_within_one_chunk_is_dense():
     meta = TokenMeta.contiguous(1, 128)
     q, k, _ = _qkv(3, 128)
-    cfg = dataclasses.replace(CFG, min_seq_len=64, estimation_chunk=128)
+    cfg = CFG.replace(min_seq_len=64, estimation_chunk=128)
     assert float(estimate_layout(q, k, cfg, meta).kept_fraction(meta)) == 1.0
 
 
@@ -112,16 +110,16 @@ def test_a_document_within_one_chunk_is_dense():
 ])
 def test_invalid_estimation_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(CFG, **fields)
+        CFG.replace(**fields)
     # the chunk only matters to 'causal_chunks'
-    assert dataclasses.replace(CFG, estimation="last_queries", estimation_chunk=40).estimation_chunk == 40
+    assert CFG.replace(estimation="last_queries", estimation_chunk=40).estimation_chunk == 40
 
 
 def test_the_model_card_names_the_estimation():
     from hf_sparse_cp.reporting.model_card import _describe_pattern
 
     assert "each chunk of 64 tokens from the last 8 queries before it, the first chunk dense" in _describe_pattern(CFG)
-    default = dataclasses.replace(CFG, estimation="last_queries")
+    default = CFG.replace(estimation="last_queries")
     assert "from the last 8 queries at every call" in _describe_pattern(default)
 
 
@@ -192,6 +190,6 @@ def test_costly_causal_chunk_scores_warn_with_the_fix(monkeypatch):
         estimate_layout(q, k, CFG, meta)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        estimate_layout(q, k, dataclasses.replace(CFG, estimation="last_queries"), meta)
+        estimate_layout(q, k, CFG.replace(estimation="last_queries"), meta)
         monkeypatch.setattr(estimate, "SCORE_SET_WARN_BYTES", 1 << 30)
         estimate_layout(q, k, CFG, meta)

@@ -3,8 +3,6 @@ attention and models equal to one process (gloo, 2 / 3 / 4 processes)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -356,7 +354,7 @@ def _kept_fraction_case(par: ParallelDims) -> dict:
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
     results = {}
     for estimation in ("last_queries", "causal_chunks"):
-        cfg = dataclasses.replace(CFG, estimation=estimation, estimation_chunk=2 * BS)
+        cfg = CFG.replace(estimation=estimation, estimation_chunk=2 * BS)
         hf_sparse_cp.configure(model, cfg)
         ids = torch.randint(3, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(3))
         batch = {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)}

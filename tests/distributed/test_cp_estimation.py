@@ -7,8 +7,6 @@ not the whole score buffer."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,36 +22,34 @@ CFG = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=6, slas
                             local_window=4, last_q=8)
 CASES = {
     "striped top-k": CFG,
-    "striped top-p": dataclasses.replace(CFG, budget_mode="topp", vertical_topp=0.6, slash_topp=0.7,
-                                         vertical_cap=7, slash_cap=9),
-    "striped causal chunks": dataclasses.replace(CFG, estimation="causal_chunks", estimation_chunk=48),
-    "planner top-p": dataclasses.replace(CFG, budget_mode="topp", vertical_topp=0.5, slash_topp=0.8,
-                                         vertical_cap=5, slash_cap=12),
+    "striped top-p": CFG.replace(budget_mode="topp", vertical_topp=0.6, slash_topp=0.7, vertical_cap=7, slash_cap=9),
+    "striped causal chunks": CFG.replace(estimation="causal_chunks", estimation_chunk=48),
+    "planner top-p": CFG.replace(budget_mode="topp", vertical_topp=0.5, slash_topp=0.8, vertical_cap=5, slash_cap=12),
     "striped top-k, two rows": CFG,
     "striped top-k, fp32": CFG,
-    "striped top-k, sampled": dataclasses.replace(CFG, sample_groups=3, sample_group_size=4),
-    "striped mass, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.7, vertical_cap=7,
-                                                 sample_groups=2, sample_group_size=4),
-    "planner mass, fp32": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.8),
-    "striped mass threshold, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.3,
-                                                           mass_threshold=0.05, vertical_cap=9, sample_groups=3,
-                                                           sample_group_size=2),
-    "striped mass near blocks, sampled": dataclasses.replace(CFG, budget_mode="mass", mass_target=0.5,
-                                                            mass_threshold=0.02, mass_near_blocks=2, vertical_cap=9,
-                                                            sample_groups=3, sample_group_size=4),
-    "striped causal chunks, mass sampled": dataclasses.replace(CFG, estimation="causal_chunks", estimation_chunk=48,
-                                                               budget_mode="mass", mass_target=0.8, sample_groups=2,
-                                                               sample_group_size=4),
+    "striped top-k, sampled": CFG.replace(sample_groups=3, sample_group_size=4),
+    "striped mass, sampled": CFG.replace(budget_mode="mass", mass_target=0.7, mass_threshold=0.0, vertical_cap=7,
+                                         sample_groups=2, sample_group_size=4),
+    "planner mass, fp32": CFG.replace(budget_mode="mass", mass_target=0.8, mass_threshold=0.0),
+    "striped mass threshold, sampled": CFG.replace(budget_mode="mass", mass_target=0.3, mass_threshold=0.05,
+                                                   vertical_cap=9, sample_groups=3, sample_group_size=2),
+    "striped mass near blocks, sampled": CFG.replace(budget_mode="mass", mass_target=0.5, mass_threshold=0.02,
+                                                     mass_near_blocks=2, vertical_cap=9, sample_groups=3,
+                                                     sample_group_size=4),
+    "striped causal chunks, mass sampled": CFG.replace(estimation="causal_chunks", estimation_chunk=48,
+                                                       budget_mode="mass", mass_target=0.8, mass_threshold=0.0,
+                                                       sample_groups=2, sample_group_size=4),
+    "planner mass, default threshold": CFG.replace(budget_mode="mass"),
 }
 # Exact ties: every key the same vector with dyadic entries (exact scores in any order), so that each row's
 # probabilities are equal and, with one scoring query, every column and offset of a document scores the same.
-TIE_CFG = dataclasses.replace(CFG, last_q=1, sink_tokens=0, local_window=1, vertical_topk=6, slash_topk=5)
+TIE_CFG = CFG.replace(last_q=1, sink_tokens=0, local_window=1, vertical_topk=6, slash_topk=5)
 TIE_MODES = {"top-k": TIE_CFG,
-             "top-p": dataclasses.replace(TIE_CFG, budget_mode="topp", vertical_topp=0.6017, slash_topp=0.3017,
-                                          vertical_cap=200, slash_cap=9),
-             "mass": dataclasses.replace(TIE_CFG, budget_mode="mass", mass_target=0.6017, vertical_cap=5),
-             "mass, near blocks": dataclasses.replace(TIE_CFG, budget_mode="mass", mass_target=0.6017, vertical_cap=5,
-                                                      mass_threshold=0.05, mass_near_blocks=2)}
+             "top-p": TIE_CFG.replace(budget_mode="topp", vertical_topp=0.6017, slash_topp=0.3017, vertical_cap=200,
+                                      slash_cap=9),
+             "mass": TIE_CFG.replace(budget_mode="mass", mass_target=0.6017, mass_threshold=0.0, vertical_cap=5),
+             "mass, near blocks": TIE_CFG.replace(budget_mode="mass", mass_target=0.6017, vertical_cap=5,
+                                                  mass_threshold=0.05, mass_near_blocks=2)}
 # Two long documents (one starting inside a block), a short dense one, padding; a second row, other documents.
 RUNS = [(0, 300), (1, 40), (2, 411), (PAD_SEGMENT, 9)]
 OTHER_ROW = [(0, 120), (1, 500), (PAD_SEGMENT, 140)]

@@ -17,6 +17,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments, checkpointing_enabled
+from hf_sparse_cp.config import MODE_DEFAULTS
 from hf_sparse_cp.examples import train_long_context as example
 from hf_sparse_cp.examples.train_long_context import DEMO_DEFAULTS, ScriptArguments, parse_args, recipe_flags
 from hf_sparse_cp.files import read_mapping
@@ -155,10 +156,13 @@ def test_help_shows_the_defaults_the_command_uses(capsys, monkeypatch, argv):
     shown = _help_defaults(capsys, monkeypatch, argv)
     parsed = parse_args(argv)
     given = parsed.explicit
+    # the pattern's budget fields left unset take values from the budget mode (their help says which)
+    by_mode = {PATTERN_PREFIX + name for name in ("budget_mode", *(n for d in MODE_DEFAULTS.values() for n in d))}
     for config, prefix in ((parsed.script, ""), (parsed.sparse, ""), (parsed.pattern, PATTERN_PREFIX), (parsed.cp, "")):
         for f in dataclasses.fields(config):
-            if prefix + f.name not in given:
-                assert shown[prefix + f.name] == str(getattr(config, f.name)), f.name
+            name = prefix + f.name
+            if name not in given:
+                assert shown[name] == str(getattr(config, f.name)) or (name in by_mode and shown[name] == "None"), name
     if not argv:  # the demo's training settings too
         for name, value in DEMO_DEFAULTS.items():
             assert shown[name] == str(value), name

@@ -9,9 +9,33 @@ from hf_sparse_cp import SparseAttentionConfig, SparseAttentionFlags
 from hf_sparse_cp.trainer.arguments import SparseCPArguments, explicit_fields
 
 
-def test_defaults_are_mtraining_like():
+def test_defaults_are_the_mass_budget_chosen_on_the_frontier():
     cfg = SparseAttentionConfig()
-    assert cfg.pattern == "vertical_slash" and cfg.last_q == 64 and cfg.block_size == 128
+    assert cfg.pattern == "vertical_slash" and cfg.block_size == 128 and cfg.dense_first_layers == 1
+    assert (cfg.budget_mode, cfg.mass_target, cfg.mass_threshold, cfg.vertical_cap) == ("mass", 0.9, 0.0025, 1024)
+    assert (cfg.last_q, cfg.sample_groups, cfg.sample_group_size) == (32, 4, 16)
+    assert cfg.vertical_topk is None and cfg.slash_topk is None
+
+
+def test_a_top_k_budget_alone_selects_top_k_with_its_own_defaults():
+    """The top-k flags keep meaning what they said before 'mass' became the default: given without a budget
+    mode they select top-k, whose scoring queries are the last 64 (MTraining's); with another mode they are
+    refused, naming the flag that makes them count."""
+    cfg = SparseAttentionConfig(vertical_topk=1024)
+    assert (cfg.budget_mode, cfg.vertical_topk, cfg.slash_topk, cfg.last_q, cfg.sample_groups) == ("topk", 1024, 1024,
+                                                                                                  64, 0)
+    assert cfg.mass_threshold is None and cfg.mass_near_blocks is None
+    with pytest.raises(ValueError, match="slash_topk=8 is read only in budget_mode='topk'.*--sparse_budget_mode topk"):
+        SparseAttentionConfig(budget_mode="mass", slash_topk=8)
+    with pytest.raises(ValueError, match="vertical_topk=8 is read only in budget_mode='topk'"):
+        SparseAttentionConfig(budget_mode="topp", vertical_topk=8)
+    # given scoring queries stay; switching modes with `replace` drops what the new mode does not read and moves
+    # the fields left at the old mode's defaults to the new one's
+    assert SparseAttentionConfig(vertical_topk=8, last_q=16).replace(budget_mode="mass").last_q == 16
+    mass = cfg.replace(budget_mode="mass")
+    assert (mass.vertical_topk, mass.mass_threshold, mass.last_q, mass.sample_groups) == (None, 0.0025, 32, 4)
+    assert mass.replace(budget_mode="topk") == SparseAttentionConfig(budget_mode="topk")
+    assert SparseAttentionConfig.from_dict(cfg.to_dict()) == cfg
 
 
 @pytest.mark.parametrize(
@@ -30,8 +54,9 @@ def test_defaults_are_mtraining_like():
         ({"layer_overrides": {"2": {"block_size": 100}}}, r"layer_overrides\['2'\]: block_size=100 must be a power"),
         ({"layer_overrides": {"2": {"slash_topk": "x"}}}, r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
         # wrong types: refused by name with what to write, not a TypeError from a comparison
-        ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number, e.g. "
-                                   r"vertical_topk=512"),
+        ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number or unset"),
+        ({"mass_threshold": "abc"}, r"mass_threshold='abc' \(str\) is not valid: use a number or unset"),
+        ({"sink_tokens": "abc"}, r"sink_tokens='abc' \(str\) is not valid: use a whole number, e.g. sink_tokens=64"),
         ({"block_size": 64.5}, r"block_size=64.5 \(float\) is not valid: use a whole number"),
         ({"block_size": 64.0}, r"block_size=64.0 \(float\) is not valid"),
         ({"slash_topk": True}, r"slash_topk=True \(bool\) is not valid"),
@@ -51,7 +76,8 @@ def test_an_int_is_a_float():
 
 
 def test_per_layer_overrides():
-    cfg = SparseAttentionConfig(dense_first_layers=2, layer_overrides={"3-4": {"slash_topk": 7}, "9": {"last_q": 8}})
+    cfg = SparseAttentionConfig(budget_mode="topk", dense_first_layers=2,
+                                layer_overrides={"3-4": {"slash_topk": 7}, "9": {"last_q": 8}})
     assert cfg.for_layer(0).pattern == "dense" and cfg.for_layer(1).pattern == "dense"
     assert cfg.for_layer(2) is cfg
     assert cfg.for_layer(3).slash_topk == 7 and cfg.for_layer(4).slash_topk == 7 and cfg.for_layer(5).slash_topk == 1024
@@ -119,7 +145,7 @@ def test_file_config_with_flag_overrides(tmp_path):
     path = tmp_path / "cfg.yaml"
     SparseAttentionConfig(vertical_topk=99, slash_topk=77).save(path)
     args = SparseCPArguments(sparse_config=str(path))
-    merged = args.attention_config(SparseAttentionConfig(slash_topk=5))
+    merged = args.attention_config(SparseAttentionFlags(sparse_slash_topk=5))
     assert merged.vertical_topk == 99 and merged.slash_topk == 5
 
 
@@ -127,17 +153,19 @@ def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
     path = tmp_path / "cfg.yaml"
     SparseAttentionConfig(vertical_topk=256, slash_topk=77, sink_tokens=8).save(path)
     args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
-    flags = SparseAttentionConfig(vertical_topk=512, slash_topk=5, sink_tokens=16)  # 512 is the default
+    flags = SparseAttentionFlags(sparse_vertical_topk=512, sparse_slash_topk=5, sparse_sink_tokens=16,
+                                 sparse_block_size=64)
     merged = args.attention_config(flags, explicit={"sparse_vertical_topk", "sparse_slash_topk", "output_dir"})
-    # given flags win, the default value 512 included; sink_tokens (parsed, not given) keeps the file's value;
-    # names of other configs' fields (output_dir) are ignored
-    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens) == (512, 5, 8)
+    # given flags win, top-k's default value 512 included; sink_tokens and block_size (parsed, not given) keep
+    # the file's values; names of other configs' fields (output_dir) are ignored
+    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens, merged.block_size) == (512, 5, 8, 128)
     assert args.attention_config(flags, explicit=set()) == SparseAttentionConfig.from_file(path)
-    # without `explicit`: the flags that differ from the defaults (a default value cannot be told from none)
+    # without `explicit`: the flags that differ from the defaults (a default value cannot be told from none), and
+    # a budget field that defaults to unset: top-k's 512 was given
     legacy = args.attention_config(flags)
-    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens) == (256, 5, 16)
+    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens, legacy.block_size) == (512, 5, 16, 64)
     # without a file the flags are the config, given or not
-    assert SparseCPArguments(sparse_attention=True).attention_config(flags, explicit=set()) is flags
+    assert SparseCPArguments(sparse_attention=True).attention_config(flags, explicit=set()) == flags.to_config()
     assert SparseAttentionConfig.from_file_and_flags(None, {"sink_tokens": 16}, explicit=set()).sink_tokens == 16
 
 

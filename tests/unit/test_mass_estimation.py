@@ -3,8 +3,6 @@ slash scores, cost-aware selection to a mass target ('mass' mode), and exact tie
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -27,8 +25,8 @@ from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.testing.layouts import planted_qk
 
 BS, D = 16, 16
-CFG = SparseAttentionConfig(block_size=BS, min_seq_len=0, budget_mode="mass", mass_target=0.9, sink_tokens=0,
-                            local_window=1, last_q=8, sample_groups=3, sample_group_size=4)
+CFG = SparseAttentionConfig(block_size=BS, min_seq_len=0, budget_mode="mass", mass_target=0.9, mass_threshold=0.0,
+                            sink_tokens=0, local_window=1, last_q=8, sample_groups=3, sample_group_size=4)
 
 
 def test_scoring_groups_cut_a_document_into_strata():
@@ -100,7 +98,7 @@ def test_mass_selection_keeps_the_best_mass_per_cost_until_the_target():
     start, end = 7, 103
     gain, pos, diag_gain, diag = _mass_inputs(g, start=start, end=end)
     for target, cap, threshold in ((0.5, 100, 0), (0.8, 100, 0), (0.8, 5, 0), (1.0, 100, 0), (0.3, 100, 0.08)):
-        cfg = dataclasses.replace(CFG, mass_target=target, vertical_cap=cap, mass_threshold=threshold)
+        cfg = CFG.replace(mass_target=target, vertical_cap=cap, mass_threshold=threshold)
         cols, diags = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
         assert bool(diags[:, 0].all()) and int(cols.sum(1).max()) <= cap
         c_ratio = column_ratio(gain, pos, start, end, BS)
@@ -132,7 +130,7 @@ def test_mass_selection_over_candidates_equals_the_whole_row(near):
     start, end = 7, 103
     gain, pos, diag_gain, diag = _mass_inputs(g, start=start, end=end)
     gain[:, 10:20] = gain[:, 10:11]  # exact ties, split across holders
-    cfg = dataclasses.replace(CFG, mass_target=0.85, vertical_cap=6, mass_near_blocks=near)
+    cfg = CFG.replace(mass_target=0.85, vertical_cap=6, mass_near_blocks=near)
     whole = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
     # three holders of interleaved columns and diagonals; each offers its best `vertical_cap` columns by ratio
     # (ties: the lower position) and every diagonal it holds, in its own order
@@ -171,7 +169,7 @@ def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(mode):
 def test_mass_mode_keeps_more_blocks_for_a_broad_head_than_for_a_focused_one():
     s = 512
     q, k = planted_qk(2, 1, s, 32, [[3, 100], []], [[0], []], generator=torch.Generator().manual_seed(6))
-    layout = estimate_layout(q, k, dataclasses.replace(CFG, mass_target=0.9), TokenMeta.contiguous(1, s))
+    layout = estimate_layout(q, k, CFG.replace(mass_target=0.9), TokenMeta.contiguous(1, s))
     blocks = layout.num_computed_blocks()[0]
     assert float(blocks[1]) > 3 * float(blocks[0])  # head 1 attends evenly: it needs most of its blocks
     assert float(blocks[0]) < 0.3 * (s // BS) * (s // BS + 1) / 2
@@ -182,10 +180,11 @@ def test_sampled_queries_find_a_column_that_only_earlier_queries_use(mode):
     s, col = 512, 40
     q, k = planted_qk(1, 1, s, 32, [[col]], [[0]], generator=torch.Generator().manual_seed(7))
     q[:, :, 400:, :16] = 0.1 * torch.randn(112, 16, generator=torch.Generator().manual_seed(8))  # late: not the column
-    cfg = dataclasses.replace(CFG, budget_mode=mode, vertical_topk=4, slash_topk=4, mass_target=0.8)
+    topk = {"vertical_topk": 4, "slash_topk": 4} if mode == "topk" else {}
+    cfg = CFG.replace(budget_mode=mode, mass_target=0.8, **topk)
     found = {}
     for groups in (0, 4):
-        layout = estimate_layout(q, k, dataclasses.replace(cfg, sample_groups=groups), TokenMeta.contiguous(1, s))
+        layout = estimate_layout(q, k, cfg.replace(sample_groups=groups), TokenMeta.contiguous(1, s))
         last = (layout.col_idx[0, 0, -1], layout.block_idx[0, 0, -1])  # the last query block's columns, blocks
         found[groups] = bool((last[0] == col).any() or (last[1] == col // BS).any())
     assert found == {0: False, 4: True}
@@ -207,7 +206,9 @@ def test_a_threshold_outside_mass_mode_is_refused_naming_the_mode():
     with pytest.raises(ValueError, match="budget_mode='topp'"):
         SparseAttentionConfig(budget_mode="topp", mass_threshold=0.01)
     with pytest.raises(ValueError, match="mass_near_blocks=4 is read only in budget_mode='mass'"):
-        SparseAttentionConfig(mass_near_blocks=4)
+        SparseAttentionConfig(budget_mode="topk", mass_near_blocks=4)
+    with pytest.raises(ValueError, match="mass_threshold=0.01 is read only in budget_mode='mass'"):
+        SparseAttentionConfig(vertical_topk=64, mass_threshold=0.01)  # a top-k budget alone selects top-k
     mixed = SparseAttentionConfig(budget_mode="topk", mass_threshold=0.01, dense_first_layers=1,
                                   layer_overrides={"2-3": {"budget_mode": "mass"}})
     assert (mixed.for_layer(2).budget_mode, mixed.for_layer(2).mass_threshold) == ("mass", 0.01)
@@ -215,7 +216,8 @@ def test_a_threshold_outside_mass_mode_is_refused_naming_the_mode():
     # a mass config whose override switches some layers to top-k: they drop the threshold they do not read
     topk_layers = SparseAttentionConfig(budget_mode="mass", mass_threshold=0.01,
                                         layer_overrides={"0": {"budget_mode": "topk"}})
-    assert (topk_layers.for_layer(0).budget_mode, topk_layers.for_layer(0).mass_threshold) == ("topk", 0.0)
+    assert (topk_layers.for_layer(0).budget_mode, topk_layers.for_layer(0).mass_threshold) == ("topk", None)
+    assert (topk_layers.for_layer(0).vertical_topk, topk_layers.for_layer(1).vertical_topk) == (512, None)
     with pytest.raises(ValueError, match=r"layer_overrides\['0'\].*mass_threshold"):
         SparseAttentionConfig(budget_mode="mass",
                               layer_overrides={"0": {"budget_mode": "topk", "mass_threshold": 0.01}})
@@ -260,7 +262,7 @@ def test_far_diagonals_lose_the_mass_of_a_kept_column_they_cross():
     diag_gain[0, 0], diag_gain[0, 1] = float(end), 0.3 * end  # the main and the next diagonal: local attention
     kept = {}
     for n in (0, near):
-        cfg = dataclasses.replace(CFG, mass_target=0.5, mass_threshold=0.3, vertical_cap=64, mass_near_blocks=n)
+        cfg = CFG.replace(mass_target=0.5, mass_threshold=0.3, vertical_cap=64, mass_near_blocks=n)
         cols, diags = select_mass(gain, pos, diag_gain, diag, start, end, cfg)
         kept[n] = (cols[0].nonzero().flatten().tolist(), diags[0].nonzero().flatten().tolist())
     assert kept[near] == ([0], [0, 1])

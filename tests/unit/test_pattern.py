@@ -24,8 +24,7 @@ def planted():
 def _cfg(**kw):
     base = dict(block_size=64, min_seq_len=128, vertical_topk=2, slash_topk=2, sink_tokens=0, local_window=1,
                 last_q=64)
-    base.update(kw)
-    return SparseAttentionConfig(**base)
+    return SparseAttentionConfig(**base).replace(**kw)
 
 
 def test_planted_columns_and_diagonals_are_selected(planted):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.tokens import TokenMeta
@@ -187,14 +188,20 @@ def test_predicted_step_is_consistent():
     # causal-chunk estimation: 127 sets of 1024-token chunks, each scoring about half the keys, its packed
     # slashes about half the offsets, its candidates and small all-reduces whole: every cost but the index
     # build and the collectives' latencies grows 63.5x to 127x; the attention itself is the same
+    # (top-k with the last queries: the index build is charged once, unweighted)
     setup = CONFIGURATIONS["striped sparse"](workload, 16, 128, 8)
-    causal = predict_step(setup, model, hw, cluster, estimation_chunk=1024)
+    topk = SparseAttentionConfig(budget_mode="topk")
+    r = predict_step(setup, model, hw, cluster, estimation=topk)
+    causal = predict_step(setup, model, hw, cluster, estimation_chunk=1024, estimation=topk)
     assert causal["attention_fwd_s"] == r["attention_fwd_s"] and causal["linear_s"] == r["linear_s"]
     assert 30 < (causal["estimation_s"] - hw.index_build_s) / (r["estimation_s"] - hw.index_build_s) < 127
-    half = predict_step(setup, model, hw, cluster, estimation_chunk=2048)  # 63 sets: about half the cost
+    half = predict_step(setup, model, hw, cluster, estimation_chunk=2048, estimation=topk)  # 63 sets: about half
     assert 1.5 < (causal["estimation_s"] - r["estimation_s"]) / (half["estimation_s"] - r["estimation_s"]) < 2.1
     assert causal["step_s"] - r["step_s"] == pytest.approx(2 * model.layers * (causal["estimation_s"]
                                                                                - r["estimation_s"]), rel=1e-6)
+    # the default 'mass' estimation: the same halving (each set gathers its own block diagonals)
+    r, causal, half = (predict_step(setup, model, hw, cluster, estimation_chunk=c) for c in (None, 1024, 2048))
+    assert 1.5 < (causal["estimation_s"] - r["estimation_s"]) / (half["estimation_s"] - r["estimation_s"]) < 2.1
     small = Workload((S,), ("sparse",), lambda kind, plan: _sparse())
     with pytest.raises(ValueError, match="block_size=128"):
         predict_step(CONFIGURATIONS["striped sparse"](small, 4, BS, 8), model, hw, cluster)
@@ -205,9 +212,6 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
     scoring query travels in the small all-reduces, weighted estimation ('mass' mode or sampled groups) costs
     WEIGHTED_ESTIMATION_RATIO times the local work (measured per call on a CPU), and 'mass' mode
     reduce-scatters block diagonals, not slashes."""
-    from dataclasses import replace
-
-    from hf_sparse_cp.config import SparseAttentionConfig
     from hf_sparse_cp.simulator import step_model
 
     s = 131072
@@ -217,7 +221,7 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
     model, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
     setup = CONFIGURATIONS["striped sparse"](workload, 16, 128, 8)
     topk = SparseAttentionConfig(budget_mode="topk", last_q=64)
-    mass = replace(topk, budget_mode="mass", vertical_cap=512)
+    mass = topk.replace(budget_mode="mass", vertical_cap=512)
     ratio = step_model.WEIGHTED_ESTIMATION_RATIO
     assert ratio > 1
 
@@ -229,8 +233,8 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
     assert local > hw.index_build_s
     assert est(mass, free) == pytest.approx(ratio * local)
     # 32 last queries and 4 groups of 16 score like 64 last queries; 4 more groups of 16 over 64 add half
-    assert est(replace(mass, last_q=32, sample_groups=4, sample_group_size=16), free) == pytest.approx(est(mass, free))
-    grouped = replace(topk, sample_groups=4, sample_group_size=16)
+    assert est(mass.replace(last_q=32, sample_groups=4, sample_group_size=16), free) == pytest.approx(est(mass, free))
+    grouped = topk.replace(sample_groups=4, sample_group_size=16)
     assert est(grouped, free) == pytest.approx(ratio * (1.5 * (local - hw.index_build_s) + hw.index_build_s))
     assert est(grouped) - est(grouped, free) > est(topk) - est(topk, free)  # the sampled queries travel too
     # with the network: 'mass' mode's reduce-scatter carries S / 128 block diagonals instead of S offsets
@@ -242,4 +246,4 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
         2 * model.layers * (sampled["estimation_s"] - base["estimation_s"]), rel=1e-6)
     assert predict_step(setup, model, hw, cluster, last_q=64, estimation=topk)["step_s"] == base["step_s"]
     with pytest.raises(ValueError, match="mass_near_blocks=4 scores in PyTorch on CUDA"):  # no kernel, no GPU timing
-        predict_step(setup, model, hw, cluster, estimation=replace(mass, mass_near_blocks=4))
+        predict_step(setup, model, hw, cluster, estimation=mass.replace(mass_near_blocks=4))
