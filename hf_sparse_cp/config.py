@@ -9,26 +9,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from .files import FileConfig, check_field_types
 
+logger = logging.getLogger(__name__)
+
 # `attn_implementation` name of the backend, and the model-config attribute that stores its settings.
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 # Fields that one budget_mode alone reads: a value given for a mode that no layer selects in would do nothing and
-# is refused, naming the mode (an unset budget_mode is 'topk' when a top-k field is given, else 'mass').
+# is refused, naming the mode (an unset budget_mode is 'topk' or 'topp' when that mode's budget is given, else
+# 'mass').
 MODE_ONLY: dict[str, tuple[str, ...]] = {
     "topk": ("vertical_topk", "slash_topk"),
+    "topp": ("vertical_topp", "slash_topp"),
     "mass": ("mass_threshold", "mass_near_blocks"),
 }
+# The values that versions before the mode-only fields saved for them whatever the mode (`to_dict` writes every
+# field): a saved config that holds them for a mode it does not select is read without them.
+SAVED_BEFORE: dict[str, Any] = {"vertical_topk": 512, "slash_topk": 1024, "vertical_topp": 0.9, "slash_topp": 0.9,
+                                "mass_threshold": 0.0, "mass_near_blocks": 0}
 # What the fields left unset (None) take in each budget_mode: the mode-only ones, and the scoring queries ('mass',
 # the default, was chosen with 32 last queries and 4 sampled groups; the others keep the last 64 queries alone).
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "topk": {"vertical_topk": 512, "slash_topk": 1024, "last_q": 64, "sample_groups": 0},
-    "topp": {"last_q": 64, "sample_groups": 0},
+    "topp": {"vertical_topp": 0.9, "slash_topp": 0.9, "last_q": 64, "sample_groups": 0},
     "mass": {"mass_threshold": 0.0025, "mass_near_blocks": 0, "last_q": 32, "sample_groups": 4},
 }
 
@@ -64,12 +73,13 @@ class SparseAttentionConfig(FileConfig):
     budget_mode: Literal["topk", "topp", "mass"] | None = field(
         default=None,
         metadata={"help": "How many verticals / slashes a head keeps (unset: 'topk' when vertical_topk or slash_topk "
-                  "is given, else 'mass'): 'mass' ranks key columns and block diagonals "
-                  "together by estimated attention mass per block of work they add and keeps the best until their "
-                  "estimated mass reaches mass_target of the queries' attention, and beyond that those with at least "
-                  "mass_threshold of their queries' attention per block (at most vertical_cap columns): broad heads "
-                  "keep more, focused heads less; 'topk' keeps a fixed number (vertical_topk, slash_topk); 'topp' "
-                  "the smallest set whose normalized score reaches the *_topp mass, capped at *_cap."},
+                  "is given, 'topp' when vertical_topp or slash_topp is, else 'mass'): 'mass' ranks key columns and "
+                  "block diagonals together by estimated attention mass per block of work they add and keeps the "
+                  "best until their estimated mass reaches mass_target of the queries' attention, and beyond that "
+                  "those with at least mass_threshold of their queries' attention per block (at most vertical_cap "
+                  "columns): broad heads keep more, focused heads less; 'topk' keeps a fixed number (vertical_topk, "
+                  "slash_topk); 'topp' the smallest set whose normalized score reaches the *_topp mass, capped at "
+                  "*_cap."},
     )
     vertical_topk: int | None = field(
         default=None,
@@ -81,11 +91,15 @@ class SparseAttentionConfig(FileConfig):
         metadata={"help": "Diagonals kept per head in 'topk' mode, 1024 unless given (the local window comes on "
                   "top); given without budget_mode it selects 'topk', with another budget_mode it is refused."},
     )
-    vertical_topp: float = field(
-        default=0.9, metadata={"help": "Cumulative score mass of key columns kept per head in 'topp' mode."}
+    vertical_topp: float | None = field(
+        default=None,
+        metadata={"help": "Cumulative score mass of key columns kept per head in 'topp' mode, 0.9 unless given; "
+                  "given without budget_mode it selects 'topp', with another budget_mode it is refused."},
     )
-    slash_topp: float = field(
-        default=0.9, metadata={"help": "Cumulative score mass of diagonals kept per head in 'topp' mode."}
+    slash_topp: float | None = field(
+        default=None,
+        metadata={"help": "Cumulative score mass of diagonals kept per head in 'topp' mode, 0.9 unless given; "
+                  "given without budget_mode it selects 'topp', with another budget_mode it is refused."},
     )
     vertical_cap: int = field(default=1024,
                               metadata={"help": "Most key columns a head keeps in 'topp' and 'mass' modes."})
@@ -190,8 +204,13 @@ class SparseAttentionConfig(FileConfig):
                     f"layer_overrides is not valid JSON ({e}); pass e.g. '{{\"0-1\": {{\"pattern\": \"dense\"}}}}'"
                 ) from None
         check_field_types(self)  # (pattern and budget_mode too: their Literal lists the allowed values)
-        if self.budget_mode is None:  # a top-k budget given alone asks for top-k selection
-            self.budget_mode = "topk" if any(getattr(self, n) is not None for n in MODE_ONLY["topk"]) else "mass"
+        if self.budget_mode is None:  # a top-k or top-p budget given alone asks for that selection
+            asked = [m for m in ("topk", "topp") if any(getattr(self, n) is not None for n in MODE_ONLY[m])]
+            if len(asked) > 1:
+                raise ValueError(f"{'/'.join(MODE_ONLY['topk'])} and {'/'.join(MODE_ONLY['topp'])} are budgets of two "
+                                 "modes; pass --sparse_budget_mode topk or --sparse_budget_mode topp with the one to "
+                                 "use, and only its fields.")
+            self.budget_mode = asked[0] if asked else "mass"
         self.__dict__.update({name: default for name, default in MODE_DEFAULTS.get(self.budget_mode, {}).items()
                               if getattr(self, name) is None})
         self._validate()
@@ -233,7 +252,7 @@ class SparseAttentionConfig(FileConfig):
             )
         for name in ("vertical_topp", "slash_topp", "mass_target"):
             p = getattr(self, name)
-            if not 0.0 < p <= 1.0:
+            if p is not None and not 0.0 < p <= 1.0:
                 raise ValueError(f"{name}={p} must be in (0, 1]; 0.9 or 0.95 are usual.")
         if self.layer_overrides is not None:
             self._parsed_overrides()
@@ -312,6 +331,25 @@ class SparseAttentionConfig(FileConfig):
         if not changes:
             return self
         return self._layer_config(changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SparseAttentionConfig:
+        """Build from a mapping (a saved config, a file's fields). A mapping that names its budget_mode may
+        hold the `MODE_ONLY` fields of modes it does not select, as every config saved before they were
+        mode-only does: they are dropped (they did nothing there), with a warning for a value other than the
+        one those versions saved by default."""
+        data = dict(data)
+        mode = data.get("budget_mode")
+        if mode in MODE_DEFAULTS:
+            for other, fields_ in MODE_ONLY.items():
+                if other == mode or _overrides_set(data.get("layer_overrides"), "budget_mode", other):
+                    continue
+                for name in fields_:
+                    value = data.pop(name, None)
+                    if value is not None and value != SAVED_BEFORE[name]:
+                        logger.warning("Ignoring %s=%r of a saved sparse attention config: only budget_mode=%r reads "
+                                       "it, and this config selects %r.", name, value, other, mode)
+        return super().from_dict(data)
 
     def _layer_config(self, changes: dict[str, Any]) -> SparseAttentionConfig:
         """This config with one layer's changes and no per-layer settings (`replace`: a layer overridden to

@@ -29,6 +29,13 @@ def test_a_top_k_budget_alone_selects_top_k_with_its_own_defaults():
         SparseAttentionConfig(budget_mode="mass", slash_topk=8)
     with pytest.raises(ValueError, match="vertical_topk=8 is read only in budget_mode='topk'"):
         SparseAttentionConfig(budget_mode="topp", vertical_topk=8)
+    # so do the top-p budgets, and the two together name the choice to make
+    assert (SparseAttentionConfig(slash_topp=0.8).budget_mode, SparseAttentionConfig(slash_topp=0.8).vertical_topp) == (
+        "topp", 0.9)
+    with pytest.raises(ValueError, match="slash_topp=0.8 is read only in budget_mode='topp'"):
+        SparseAttentionConfig(budget_mode="mass", slash_topp=0.8)
+    with pytest.raises(ValueError, match="budgets of two modes; pass --sparse_budget_mode topk or"):
+        SparseAttentionConfig(vertical_topk=8, vertical_topp=0.8)
     # given scoring queries stay; switching modes with `replace` drops what the new mode does not read and moves
     # the fields left at the old mode's defaults to the new one's
     assert SparseAttentionConfig(vertical_topk=8, last_q=16).replace(budget_mode="mass").last_q == 16
@@ -36,6 +43,34 @@ def test_a_top_k_budget_alone_selects_top_k_with_its_own_defaults():
     assert (mass.vertical_topk, mass.mass_threshold, mass.last_q, mass.sample_groups) == (None, 0.0025, 32, 4)
     assert mass.replace(budget_mode="topk") == SparseAttentionConfig(budget_mode="topk")
     assert SparseAttentionConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# `to_dict()` of the defaults before the mode-only fields (7d004e9): every field, whatever the mode
+SAVED_TOPK = dict(pattern="vertical_slash", budget_mode="topk", vertical_topk=512, slash_topk=1024, vertical_topp=0.9,
+                  slash_topp=0.9, vertical_cap=4096, slash_cap=4096, mass_target=0.95, mass_threshold=0.0,
+                  mass_near_blocks=0, sink_tokens=64, local_window=128, last_q=64, sample_groups=0,
+                  sample_group_size=16, estimation="last_queries", estimation_chunk=1024, block_size=128,
+                  min_seq_len=8192, dense_first_layers=1, attention_engine="auto", layer_overrides=None)
+
+
+def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
+    """Model configs and files saved by earlier versions hold every field whatever the mode; they load as
+    they ran (their scoring queries and caps kept), the other modes' fields dropped, a warning for a value
+    that was not those versions' default."""
+    topk = SparseAttentionConfig.from_dict(SAVED_TOPK)
+    assert (topk.budget_mode, topk.vertical_topk, topk.mass_threshold, topk.last_q, topk.vertical_cap) == (
+        "topk", 512, None, 64, 4096)
+    mass = SparseAttentionConfig.from_dict({**SAVED_TOPK, "budget_mode": "mass", "mass_threshold": 0.01})
+    assert (mass.vertical_topk, mass.slash_topk, mass.mass_threshold, mass.sample_groups) == (None, None, 0.01, 0)
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        odd = SparseAttentionConfig.from_dict({**SAVED_TOPK, "budget_mode": "mass", "vertical_topk": 100})
+    assert odd.vertical_topk is None and "Ignoring vertical_topk=100" in caplog.text
+    # what this version saves round-trips, and values given for another mode stay refused outside saved configs
+    for cfg in (SparseAttentionConfig(), SparseAttentionConfig(vertical_topk=8), topk, mass):
+        assert SparseAttentionConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="mass_threshold=0.01 is read only in budget_mode='mass'"):
+        SparseAttentionConfig.from_dict({"vertical_topk": 100, "mass_threshold": 0.01})
 
 
 @pytest.mark.parametrize(
