@@ -82,7 +82,7 @@ FRONTIER_SETTINGS = {
     "topk-512-1024-dense0": dict(budget_mode="topk", vertical_topk=512, slash_topk=1024, dense_first_layers=1),
     **{f"defaults-mass{s}-t{t}": dict(budget_mode="mass", mass_target=0.9, mass_threshold=t, vertical_cap=1024,
                                       dense_first_layers=1, **sampling)
-       for s, sampling in (("", dict(last_q=64, sample_groups=0)), ("-sampled", SAMPLED)) for t in (0.001, 0.0025)},
+       for s, sampling in (("", {}), ("-sampled", SAMPLED)) for t in (0.001, 0.0025)},
     "topp-0.8": dict(budget_mode="topp", vertical_topp=0.8, slash_topp=0.8),
     "topp-0.9": dict(budget_mode="topp", vertical_topp=0.9, slash_topp=0.9),
     "topp-0.95": dict(budget_mode="topp", vertical_topp=0.95, slash_topp=0.95),

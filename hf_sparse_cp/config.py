@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -235,16 +235,13 @@ class SparseAttentionConfig(FileConfig):
         if self.mass_threshold is not None and not 0.0 <= self.mass_threshold < 1.0:
             raise ValueError(f"mass_threshold={self.mass_threshold} must be in [0, 1): 0 turns it off, 0.001-0.01 are "
                              "usual.")
-        for mode, fields_ in MODE_ONLY.items():
-            if self.budget_mode == mode or _overrides_set(self.layer_overrides, "budget_mode", mode):
-                continue
-            for name in fields_:
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)} is read only in budget_mode={mode!r} and would do nothing "
-                        f"with budget_mode={self.budget_mode!r}; pass --sparse_budget_mode {mode} (budget_mode="
-                        f"{mode!r}) with it, or leave {name} unset."
-                    )
+        for mode, name in _unread_mode_fields(self.budget_mode, self.layer_overrides):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is read only in budget_mode={mode!r} and would do nothing with "
+                    f"budget_mode={self.budget_mode!r}; pass --sparse_budget_mode {mode} (budget_mode={mode!r}) with "
+                    f"it, or leave {name} unset."
+                )
         if self.local_window < 1:
             raise ValueError(
                 f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
@@ -341,15 +338,17 @@ class SparseAttentionConfig(FileConfig):
         data = dict(data)
         mode = data.get("budget_mode")
         if mode in MODE_DEFAULTS:
-            for other, fields_ in MODE_ONLY.items():
-                if other == mode or _overrides_set(data.get("layer_overrides"), "budget_mode", other):
-                    continue
-                for name in fields_:
-                    value = data.pop(name, None)
-                    if value is not None and value != SAVED_BEFORE[name]:
-                        logger.warning("Ignoring %s=%r of a saved sparse attention config: only budget_mode=%r reads "
-                                       "it, and this config selects %r.", name, value, other, mode)
+            for other, name in _unread_mode_fields(mode, data.get("layer_overrides")):
+                value = data.pop(name, None)
+                if value is not None and value != SAVED_BEFORE[name]:
+                    logger.warning("Ignoring %s=%r of a saved sparse attention config: only budget_mode=%r reads it, "
+                                   "and this config selects %r.", name, value, other, mode)
         return super().from_dict(data)
+
+    @classmethod
+    def defaults_for(cls, flags: dict[str, Any]) -> SparseAttentionConfig:
+        """The defaults of the budget mode these field values select (its scoring queries, its budgets)."""
+        return cls(budget_mode=flags.get("budget_mode"))
 
     def _layer_config(self, changes: dict[str, Any]) -> SparseAttentionConfig:
         """This config with one layer's changes and no per-layer settings (`replace`: a layer overridden to
@@ -362,16 +361,21 @@ class SparseAttentionConfig(FileConfig):
         overrides selects are dropped, and fields at the old mode's default (`MODE_DEFAULTS`) take the new
         mode's, unless the changes set them."""
         mode = changes.get("budget_mode", self.budget_mode)
-        overrides = changes.get("layer_overrides", self.layer_overrides)
-        for other, fields_ in MODE_ONLY.items():
-            if other != mode and not _overrides_set(overrides, "budget_mode", other):
-                for name in fields_:
-                    changes.setdefault(name, None)
+        for _, name in _unread_mode_fields(mode, changes.get("layer_overrides", self.layer_overrides)):
+            changes.setdefault(name, None)
         if mode != self.budget_mode:
             for name, default in MODE_DEFAULTS.get(self.budget_mode, {}).items():
                 if getattr(self, name) == default:
                     changes.setdefault(name, None)
         return dataclasses.replace(self, **changes)
+
+
+def _unread_mode_fields(mode: str, overrides: Any) -> Iterator[tuple[str, str]]:
+    """(mode, field) for the `MODE_ONLY` fields that a config selecting budget `mode` with these layer overrides
+    never reads: those of the modes that neither it nor an override selects."""
+    for other, fields_ in MODE_ONLY.items():
+        if other != mode and not _overrides_set(overrides, "budget_mode", other):
+            yield from ((other, name) for name in fields_)
 
 
 def _overrides_set(overrides: Any, name: str, value: Any) -> bool:

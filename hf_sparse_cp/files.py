@@ -162,13 +162,15 @@ class FileConfig:
         defaults beat the file: a flag set to its default value cannot be told from one not given.
         Without a file, the flags are the config.
         """
-        default = cls()
         if path is None:
-            return dataclasses.replace(default, **flags)
-        if explicit is None:  # (a field that defaults to None may be set from others: None is its default)
+            return dataclasses.replace(cls(), **flags)
+        if explicit is None:
+            # a field that defaults to None is set from others (e.g. by a mode): unset, or at what the defaults of
+            # these flags set it to, it was not given
+            default = cls.defaults_for(flags)
             unset = {f.name for f in dataclasses.fields(cls) if f.default is None}
             given = {name: value for name, value in flags.items()
-                     if value != (None if name in unset else getattr(default, name))}
+                     if value != getattr(default, name) and not (value is None and name in unset)}
         else:
             given = {name: value for name, value in flags.items() if name in explicit}
         config = cls.from_file(path)
@@ -179,6 +181,12 @@ class FileConfig:
     def replace(self, **changes: Any):
         """This config with `changes`, checked (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def defaults_for(cls, flags: dict[str, Any]):
+        """The defaults that a config of these field values starts from (`from_file_and_flags` counts a flag
+        at its default as not given)."""
+        return cls()
 
     def save(self, path: str | Path) -> None:
         """Write as YAML or JSON, chosen by the file suffix."""

@@ -90,8 +90,7 @@ class SparseCPArguments:
         whatever their value, or without `explicit`, those that differ from the defaults (see
         `FileConfig.from_file_and_flags`)."""
         if isinstance(from_flags, SparseAttentionFlags):  # as given: an unset field stays unset (None)
-            flags = {f.name: getattr(from_flags, PATTERN_PREFIX + f.name)
-                     for f in dataclasses.fields(SparseAttentionConfig)}
+            flags = prefixed_values(from_flags, SparseAttentionConfig, PATTERN_PREFIX)
             from_flags = from_flags.to_config()
         else:
             flags = {} if from_flags is None else dataclasses.asdict(from_flags)
@@ -111,9 +110,15 @@ def unprefixed(names: Collection[str], prefix: str) -> set[str]:
     return {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
 
 
+def prefixed_values(args: Any, cls: type, prefix: str = "") -> dict[str, Any]:
+    """Field of dataclass `cls` -> the attribute `prefix + field` of `args`, as given (the inverse of
+    `copied_fields`)."""
+    return {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)}
+
+
 def from_prefixed(args: Any, cls: type, prefix: str = "") -> Any:
-    """Dataclass `cls` built from the attributes `prefix + field` of `args` (the inverse of `copied_fields`)."""
-    return cls(**{f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
+    """Dataclass `cls` built from the attributes `prefix + field` of `args` (`prefixed_values`)."""
+    return cls(**prefixed_values(args, cls, prefix))
 
 
 def copied_fields(

@@ -184,6 +184,18 @@ def test_file_config_with_flag_overrides(tmp_path):
     assert merged.vertical_topk == 99 and merged.slash_topk == 5
 
 
+def test_a_config_as_flags_leaves_the_files_budget_alone(tmp_path):
+    """A pattern config passed as the flags (SparseTrainingArguments built in code: no parser, no explicit set)
+    holds its mode's resolved defaults; at those defaults its fields were not given and the file's stand."""
+    path = tmp_path / "cfg.yaml"
+    SparseAttentionConfig(vertical_topk=256, block_size=64).save(path)
+    args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
+    merged = args.attention_config(SparseAttentionConfig(block_size=32))
+    assert (merged.budget_mode, merged.vertical_topk, merged.last_q, merged.block_size) == ("topk", 256, 64, 32)
+    merged = args.attention_config(SparseAttentionConfig(budget_mode="topk", slash_topk=7))
+    assert (merged.vertical_topk, merged.slash_topk, merged.block_size) == (256, 7, 64)
+
+
 def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
     path = tmp_path / "cfg.yaml"
     SparseAttentionConfig(vertical_topk=256, slash_topk=77, sink_tokens=8).save(path)
