@@ -70,6 +70,9 @@ ARMS: dict[str, tuple[bool, dict, bool]] = {
 # Targets (#43): the default-trained model's dense perplexity within 1% of the dense-trained one's, its retrieval
 # accuracy within the dense-trained one's 95% interval (or above).
 TARGET_PPL = 0.01
+# --dry_run's sizes, for the fields left at their defaults: a tiny model on short byte-token rows, every arm.
+DRY_RUN = dict(seq_len=512, steps=3, needles=1, distractors=1, eval_lengths=[256, 512], depths=[0.2, 0.8],
+               prompts_per_cell=2, ppl_windows=2, block_size=32, arms=list(ARMS))
 
 
 @dataclass
@@ -81,20 +84,20 @@ class FinetuneQualityArguments:
     start_only: bool = field(default=False, metadata={
         "help": "Evaluate the start model only (its perplexity with each of --arms' patterns), train nothing."})
     seq_len: int = field(default=2048, metadata={"help": "Tokens per training row."})
-    steps: int = field(default=20, metadata={"help": "Optimizer steps (one row each)."})
-    lr: float = field(default=1e-4, metadata={"help": "AdamW peak learning rate (cosine decay)."})
-    warmup_steps: int = field(default=2, metadata={"help": "Linear warm-up steps."})
+    steps: int = field(default=5, metadata={"help": "Optimizer steps (one row each)."})
+    lr: float = field(default=2e-4, metadata={"help": "AdamW peak learning rate (cosine decay)."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (the first runs at 0)."})
     needles: int = field(default=4, metadata={"help": "Needles (and questions) per training row."})
     block_size: int | None = field(default=None, metadata={
         "help": "Block size of every sparse arm instead of its own (the tiny dry run's short rows need small "
                 "blocks)."})
-    eval_lengths: list[int] = field(default_factory=lambda: [1024, 2048],
+    eval_lengths: list[int] = field(default_factory=lambda: [512, 1024],
                                     metadata={"help": "Lengths of the retrieval prompts."})
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9],
                                 metadata={"help": "Depths of the asked needle (share of the window)."})
-    prompts_per_cell: int = field(default=8, metadata={"help": "Retrieval prompts per (length, depth)."})
+    prompts_per_cell: int = field(default=4, metadata={"help": "Retrieval prompts per (length, depth)."})
     distractors: int = field(default=3, metadata={"help": "Needles of other names in every retrieval prompt."})
-    ppl_windows: int = field(default=4, metadata={"help": "Held-out windows of --seq_len tokens for perplexity."})
+    ppl_windows: int = field(default=2, metadata={"help": "Held-out windows of --seq_len tokens for perplexity."})
     rope_theta: float | None = field(default=None, metadata={
         "help": "RoPE base of every arm and the start model instead of the model's (context extension past its "
                 "trained length, e.g. 400000 for 4x; the GPU stage)."})
@@ -102,14 +105,20 @@ class FinetuneQualityArguments:
     device: str = field(default="cpu", metadata={"help": "'cpu' (fp32) or 'cuda' (bf16 autocast)."})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)."})
     dry_run: bool = field(default=False, metadata={
-        "help": "A tiny random-init Llama with the byte tokenizer on the same text, at the sizes given (the smoke "
-                "test; measures nothing about quality)."})
+        "help": f"A tiny random-init Llama with the byte tokenizer on the same text, on the CPU, every field left at "
+                f"its default taking {DRY_RUN} (the smoke test; measures nothing about quality)."})
     output: str | None = field(default=None, metadata={"help": "JSON path (default: benchmarks/results/...)."})
     combine: list[str] | None = field(default=None, metadata={
         "help": "Measure nothing: merge these reports (the same settings, different arms) into one report, "
                 "targets and figure."})
 
     def __post_init__(self) -> None:
+        if self.dry_run:
+            defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                        for f in dataclasses.fields(self)}
+            for name, value in DRY_RUN.items():
+                if getattr(self, name) == defaults[name]:
+                    setattr(self, name, value)
         unknown = sorted(set(self.arms) - set(ARMS))
         if unknown:
             raise ValueError(f"unknown arms {unknown}; choose from {list(ARMS)}.")
@@ -146,32 +155,47 @@ def load(args: FinetuneQualityArguments):
     return pretrained.load_tokenizer(), model.to(args.device).eval()
 
 
-def text_ids(tokenizer, num_tokens: int, start_char: int) -> list[int]:
-    return pretrained.text_token_ids(tokenizer, num_tokens, start_char=start_char)[0].tolist()
+def region_ids(tokenizer, start_char: int, end_char: int | None) -> list[int]:
+    """The token ids of the public-domain text's characters [start_char, end_char)."""
+    text = pretrained.public_domain_text()[start_char:end_char]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def training_rows(tokenizer, args: FinetuneQualityArguments) -> list[list[int]]:
     """One row per step: consecutive windows of the training region, each with its needles."""
-    haystack = text_ids(tokenizer, args.seq_len * args.steps, start_char=0)
+    wanted = args.seq_len * args.steps
+    # about 4 characters a token: tokenize a generous slice of the region, not all of it
+    haystack = region_ids(tokenizer, 0, min(TRAIN_REGION, 8 * wanted + 1024))
+    if len(haystack) < wanted:
+        raise ValueError(f"the training region holds {len(haystack)} tokens, fewer than --steps x --seq_len = "
+                         f"{wanted}; lower one of them.")
     rng = random.Random(args.seed)
     return [retrieval.training_row(tokenizer, haystack[i * args.seq_len:(i + 1) * args.seq_len], args.seq_len, rng,
                                    args.needles) for i in range(args.steps)]
 
 
 def held_out(tokenizer, args: FinetuneQualityArguments) -> tuple[list[list[int]], list[retrieval.RetrievalPrompt]]:
-    """(perplexity windows, retrieval prompts) from the held-out region, the same for every arm."""
-    windows = text_ids(tokenizer, args.seq_len * args.ppl_windows, HELD_OUT_START)
+    """(perplexity windows, retrieval prompts) from the held-out region, the same for every arm. Prompt i's text
+    is the i-th window of the longest prompt length after the perplexity windows, wrapping round to the first
+    when the region has fewer (its needles, keys and depth are its own)."""
+    ppl_tokens = args.seq_len * args.ppl_windows
+    windows = region_ids(tokenizer, HELD_OUT_START, HELD_OUT_START + 8 * ppl_tokens + 1024)
+    if len(windows) < ppl_tokens:
+        raise ValueError(f"the held-out text holds {len(windows)} tokens, fewer than {ppl_tokens}; lower "
+                         "--ppl_windows.")
     ppl = [windows[i * args.seq_len:(i + 1) * args.seq_len] for i in range(args.ppl_windows)]
     cells = [(s, d) for s in args.eval_lengths for d in args.depths]
     longest = max(args.eval_lengths)
-    hay = text_ids(tokenizer, longest * args.prompts_per_cell * len(cells),
-                   HELD_OUT_START + 8 * args.seq_len * args.ppl_windows)
+    hay = region_ids(tokenizer, HELD_OUT_START + 8 * ppl_tokens, None)
+    if len(hay) < longest:
+        raise ValueError(f"the held-out text after the perplexity windows holds {len(hay)} tokens, fewer than the "
+                         f"longest prompt ({longest}); lower --ppl_windows or --eval_lengths.")
     rng = random.Random(args.seed + 1)
     prompts = []
     for i in range(args.prompts_per_cell * len(cells)):
         s, d = cells[i % len(cells)]
-        prompts.append(retrieval.retrieval_prompt(tokenizer, hay[i * longest:(i + 1) * longest], s, d, rng,
-                                                  args.distractors))
+        start = i * longest % (len(hay) - longest + 1)
+        prompts.append(retrieval.retrieval_prompt(tokenizer, hay[start:start + longest], s, d, rng, args.distractors))
     return ppl, prompts
 
 
@@ -396,7 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"from {HELD_OUT_START}", "arms": {}}
     out = ReportFile(RESULTS_DIR, "finetune-quality", args.output)
     if not args.no_start:
-        evaluate(copy.deepcopy(base), "start", ppl_windows, prompts, args, report["arms"].setdefault("start", {}), out, report)
+        start = report["arms"].setdefault("start", {})
+        evaluate(copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out, report)
     for name in [] if args.start_only else args.arms:
         model, record = train(name, base, rows, args)
         report["arms"][name] = {"training": record}

@@ -79,6 +79,8 @@ def load_model(dtype: torch.dtype = torch.float32, attn_implementation: str = "s
         config.rope_parameters = {**config.rope_parameters, "rope_theta": rope_theta}
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype,
                                                  attn_implementation=attn_implementation)
+    # The weights are dequantized, yet the model is marked quantized, which the Trainer refuses to train.
+    model.hf_quantizer.remove_quantization_config(model)
     return model.eval()
 
 
