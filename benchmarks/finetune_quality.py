@@ -41,12 +41,13 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainerCallback
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
@@ -84,7 +85,7 @@ class FinetuneQualityArguments:
     start_only: bool = field(default=False, metadata={
         "help": "Evaluate the start model only (its perplexity with each of --arms' patterns), train nothing."})
     seq_len: int = field(default=2048, metadata={"help": "Tokens per training row."})
-    steps: int = field(default=5, metadata={"help": "Optimizer steps (one row each)."})
+    steps: int = field(default=4, metadata={"help": "Optimizer steps (one row each)."})
     lr: float = field(default=2e-4, metadata={"help": "AdamW peak learning rate (cosine decay)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (the first runs at 0)."})
     needles: int = field(default=4, metadata={"help": "Needles (and questions) per training row."})
@@ -95,7 +96,7 @@ class FinetuneQualityArguments:
                                     metadata={"help": "Lengths of the retrieval prompts."})
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9],
                                 metadata={"help": "Depths of the asked needle (share of the window)."})
-    prompts_per_cell: int = field(default=4, metadata={"help": "Retrieval prompts per (length, depth)."})
+    prompts_per_cell: int = field(default=3, metadata={"help": "Retrieval prompts per (length, depth)."})
     distractors: int = field(default=3, metadata={"help": "Needles of other names in every retrieval prompt."})
     ppl_windows: int = field(default=2, metadata={"help": "Held-out windows of --seq_len tokens for perplexity."})
     rope_theta: float | None = field(default=None, metadata={
@@ -213,28 +214,43 @@ def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str
         smet=smet, **pattern)
 
 
-def train(name: str, base, rows: list[list[int]], args: FinetuneQualityArguments) -> tuple[torch.nn.Module, dict]:
-    """The arm's model after training, and its training record (losses and kept fractions per step)."""
+class _StepRecord(TrainerCallback):
+    """Keeps each logged step's loss and kept fraction in `record` and calls `written()` after each (a run cut
+    off mid-training keeps the steps it logged)."""
+
+    def __init__(self, record: dict, written: Callable[[], None]):
+        self.record, self.written = record, written
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.record["loss"].append(logs["loss"])
+            self.record["kept_fraction"].append(logs.get("sparse/kept_fraction"))
+            self.record["kept_fraction_per_layer"] = {k.rsplit("_", 1)[1]: v for k, v in logs.items()
+                                                      if k.startswith("sparse/kept_fraction/layer_")}
+            self.written()
+
+
+def train(name: str, base, rows: list[list[int]], args: FinetuneQualityArguments, record: dict,
+          written: Callable[[], None]) -> torch.nn.Module:
+    """The arm's model after training; fills `record` with its losses and kept fractions per step (the latter
+    from the Trainer's logs, after the sparsity callback), calling `written()` after each step."""
     model = copy.deepcopy(base).train()
     data = Dataset.from_dict({"input_ids": rows, "labels": rows})
+    cfg = arm_config(name, args)
+    record.update(loss=[], kept_fraction=[], kept_fraction_per_layer={}, smet=ARMS[name][2],
+                  config=None if cfg is None else cfg.to_dict())
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         trainer = SparseTrainer(model=model, args=trainer_arguments(name, args, out), train_dataset=data)
+        trainer.add_callback(_StepRecord(record, written))  # after the Trainer's own, which add the kept fractions
         trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h and "step" in h]
-    cfg = arm_config(name, args)
-    record = {"loss": [h["loss"] for h in logs],
-              "kept_fraction": [h.get("sparse/kept_fraction") for h in logs],
-              "kept_fraction_per_layer": {k.rsplit("_", 1)[1]: v for k, v in logs[-1].items()
-                                          if k.startswith("sparse/kept_fraction/layer_")} if logs else {},
-              "config": None if cfg is None else cfg.to_dict(), "smet": ARMS[name][2],
-              "train_seconds": time.perf_counter() - t0}
+    record["train_seconds"] = time.perf_counter() - t0
     kept = [k for k in record["kept_fraction"] if k is not None]
     record["kept_fraction_mean"] = sum(kept) / len(kept) if kept else 1.0
     print(f"  {name}: trained {args.steps} steps in {record['train_seconds']:.0f} s, losses "
           f"{record['loss'][0]:.3f} -> {record['loss'][-1]:.3f}, kept {record['kept_fraction_mean']:.3f}",
           file=sys.stderr, flush=True)
-    return trainer.model.eval(), record
+    return trainer.model.eval()
 
 
 def set_attention(model, cfg: SparseAttentionConfig | None) -> None:
@@ -423,8 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
         start = report["arms"].setdefault("start", {})
         evaluate(copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out, report)
     for name in [] if args.start_only else args.arms:
-        model, record = train(name, base, rows, args)
-        report["arms"][name] = {"training": record}
+        record = report["arms"].setdefault(name, {}).setdefault("training", {})
+        model = train(name, base, rows, args, record, lambda: out.write(report))
         out.write(report)
         evaluate(model, name, ppl_windows, prompts, args, report["arms"][name], out, report)
         del model
