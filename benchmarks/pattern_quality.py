@@ -165,9 +165,9 @@ class PatternQualityArguments:
         metadata={"help": "Curve: sequence lengths (multiples of 128; the longest is captured in one dense forward)."})
     curve_settings: list[str] = field(default_factory=lambda: list(CURVE_SETTINGS),
                                       metadata={"help": f"Curve: settings, of {list(CURVE_SETTINGS)}."})
-    curve_perplexity_length: int | None = field(
+    curve_perplexity_length: int = field(
         default=4096, metadata={"help": "Curve: the length at which every setting's perplexity is measured through "
-                                "sparse_cp (None: none)."})
+                                "sparse_cp (0: none)."})
     frontier: bool = field(
         default=False, metadata={"help": "Measure the frontier instead (#34): the best block and vertical-slash "
                                  "patterns from exact probabilities and the estimator's settings, kept fraction "
@@ -471,7 +471,7 @@ def curve(args: PatternQualityArguments) -> dict:
               file=sys.stderr, flush=True)
         out.write(report)
     s = args.curve_perplexity_length
-    if s is not None:
+    if s:
         length = report["lengths"].setdefault(str(s), {"seq_len": s, "beyond_context": s > context, "settings": {}})
         dense = length["perplexity_dense"] or perplexity(model, ids[:, :s])
         length["perplexity_dense"] = dense
