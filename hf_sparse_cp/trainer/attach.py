@@ -10,6 +10,7 @@ matching disable call restores exactly that.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Collection
@@ -72,7 +73,10 @@ def enable_sparse_attention(
     Returns:
         The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `sparse_fused_loss`,
         the lean loss (`enable_lean_loss()`) if they are not yet; calling it again replaces the
-        previous settings.
+        previous settings. The model then pickles and deep-copies: the copy holds the settings, the backend
+        selection, the registration guard and the memory savers (on its own modules), and
+        `disable_sparse_attention(copy)` restores those on the copy; the registrations and the training
+        arguments stay the original's to undo (`patching.PatchSet`).
     """
     config = sparse_args.attention_config(attention_config, explicit)
     check_model_supports_sparse_attention(model)
@@ -82,15 +86,15 @@ def enable_sparse_attention(
     patches = record_on(model, _SPARSE_ATTENTION)
     if not is_patched():
         patch()
-        patches.on_undo(unpatch)
+        patches.on_undo(unpatch, outside=True)
     if sparse_args.sparse_fused_loss and not is_lean_loss_enabled():
         enable_lean_loss()
-        patches.on_undo(disable_lean_loss)
+        patches.on_undo(disable_lean_loss, outside=True)
     previous = compat.attn_implementation(model.config)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
     model.set_attn_implementation(BACKEND_NAME)
     if previous is not None and previous != BACKEND_NAME:
-        patches.on_undo(lambda: model.set_attn_implementation(previous))
+        patches.on_undo(functools.partial(_set_attn_implementation, model, previous))
     remove_guard = guard_registration(model)
     if remove_guard is not None:
         patches.on_undo(remove_guard)
@@ -106,12 +110,16 @@ def enable_sparse_attention(
                        "checkpointing on.", max_length, threshold)
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
-                patches.set_attr(training_args, name, True)
+                patches.set_attr(training_args, name, True, outside=True)
     savers = sparse_args.memory_savers(max_length)
     if savers.active:
         enable_memory_savers(model, savers)
-        patches.on_undo(lambda: disable_memory_savers(model))
+        patches.on_undo(functools.partial(disable_memory_savers, model))
     return config
+
+
+def _set_attn_implementation(model: torch.nn.Module, implementation: str) -> None:
+    model.set_attn_implementation(implementation)
 
 
 def disable_sparse_attention(model: torch.nn.Module) -> None:
