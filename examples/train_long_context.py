@@ -107,13 +107,8 @@ class ScriptArguments:
                              "or drop --align_documents.")
 
     def check(self, max_length: int) -> None:
-        """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens."""
-        # A causal LM learns from a sequence of at least 2 tokens (the first predicts the second). Refused
-        # rather than passed on: the data slices the last max_length tokens of each text, so 0 or a negative
-        # length would silently train on other lengths.
-        if max_length < 2:
-            raise ValueError(f"--max_length {max_length}: a training sequence needs at least 2 tokens; e.g. "
-                             "--max_length 4096.")
+        """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens (at least 2, as
+        `SparseTrainingArguments` checks)."""
         if self.pack_documents < 1:
             raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
         if max_length // self.pack_documents < 2:
