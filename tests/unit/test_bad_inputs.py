@@ -284,3 +284,33 @@ def test_the_trainers_name_an_empty_dataset(tmp_path, kind):
     with pytest.raises(ValueError, match=rf"^{name}: eval_dataset\['held_out'\] is empty \(0 samples\): give it "
                                          r"samples, or pass eval_dataset=None to skip evaluation"):
         trainer_class(model=model, args=args, train_dataset=full, eval_dataset={"seen": full, "held_out": empty})
+
+
+def _train_command_error(capsys, argv: list[str]) -> str:
+    from hf_sparse_cp.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *argv])
+    assert stopped.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--recipe"], ["--recipe="], ["--recipe", "--max_length", "64"],
+                                  ["--max_length", "64", "--recipe"]], ids=["alone", "equals", "before_a_flag", "last"])
+def test_recipe_without_a_name_says_it_needs_one(capsys, argv):
+    """Issue #41 item 8: `--recipe` alone ended in 'unrecognized arguments: --recipe'."""
+    err = _train_command_error(capsys, argv)
+    assert re.search(r"^\S+: error: --recipe needs a NAME: a shipped training recipe \(`hf-sparse-cp recipes` "
+                     r"lists them\) or a YAML/JSON file of flags", err, re.MULTILINE), err
+
+
+def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys, tmp_path):
+    """Issue #41 item 8: it ended in 'unrecognized arguments: --compute_environment ...'."""
+    own = tmp_path / "my_launch.yaml"
+    own.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n")
+    for argv, file in ((["--recipe", "cpu_2proc_cp2"], "cpu_2proc_cp2.yaml"), ([str(own)], str(own))):
+        err = _train_command_error(capsys, argv)
+        assert re.search(rf"^\S+: error: \S*{re.escape(file)} is a launch config for `accelerate launch "
+                         r"--config_file`, not a training recipe of flags: run `accelerate launch --config_file \S+ "
+                         r"-m hf_sparse_cp.examples.train_long_context \[flags\]`", err, re.MULTILINE), err
+        assert "unrecognized arguments" not in err
