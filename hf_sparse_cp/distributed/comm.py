@@ -56,8 +56,9 @@ def naming_unresponsive_ranks(what: str, group=None, peers: Iterable[int] | None
         if isinstance(error, UnresponsiveRankError) or not _is_communication_failure(error):
             raise
         me = dist.get_rank()
-        others = sorted({r for r in (dist.get_process_group_ranks(group or dist.group.WORLD) if peers is None
-                                     else peers) if r != me})
+        if peers is None:
+            peers = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+        others = sorted({r for r in peers if r != me})
         who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
         seconds = group_timeout(group).total_seconds()
         raise UnresponsiveRankError(

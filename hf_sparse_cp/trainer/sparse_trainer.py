@@ -61,12 +61,12 @@ _DEFAULTS = {"sparse_attention": True}
 _EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=False)
 # The sequence length, for argument classes that have none (TRL's configs have `max_length`, with the same meaning).
 _MAX_LENGTH_NAME = "max_length"
-# Fields that hold the training sequence length, checked at construction: the plugin's, and TRL's `max_length`.
-_LENGTH_NAMES = (_MAX_LENGTH_NAME, "max_length")
 _MAX_LENGTH = dataclasses.field(default=None, metadata={
     "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
             "--sparse_gradient_checkpointing_min_length and decides which documents reach --sparse_min_seq_len; "
             "default: the length of the training set's first sample."})
+# Fields that hold the training sequence length, checked at construction: the plugin's, and TRL's `max_length`.
+_LENGTH_NAMES = (_MAX_LENGTH_NAME, "max_length")
 
 
 def _has_accelerator() -> bool:
