@@ -7,7 +7,7 @@ runs exact attention restricted to it (`hf_sparse_cp.attention`). It never sees 
 mask.
 
 Calls that run dense (dense or sliding-window layers, batches without a long document) go to
-flash-attn where it is installed (`hf_sparse_cp.attention.flash_dense`).
+flash-attn where it is installed, or to SDPA for plain causal rows (`hf_sparse_cp.attention.dense`).
 
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
 `hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
@@ -25,8 +25,8 @@ from contextvars import ContextVar
 import torch
 
 from ..attention.build import dense_kept_fraction
+from ..attention.dense import dense_backend, flash_dense_attention, sdpa_dense_attention
 from ..attention.estimate import estimate_layout, pattern_documents
-from ..attention.flash_dense import flash_dense_attention, use_flash_attn
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
@@ -67,19 +67,20 @@ def probing(probe: ShardProbe) -> Iterator[None]:
 def guard_context_parallel(model: torch.nn.Module) -> list:
     """Make an attention call that arrives without the CP shard an error while a forward of `model`
     with the shard runs: such a call would attend within this rank's shard only. Returns the hook
-    handles (remove them to undo)."""
+    handles (remove them to undo). The hooks are module-level functions: the model still pickles."""
+    return [model.register_forward_pre_hook(_enter_cp_forward, with_kwargs=True),
+            model.register_forward_hook(_leave_cp_forward, with_kwargs=True, always_call=True)]
 
-    def enter(module, args, kwargs):
-        if kwargs.get(CP_SHARD_KWARG) is not None:
-            module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(True))
 
-    def leave(module, args, kwargs, output):
-        tokens = module.__dict__.get(_GUARD_TOKENS)
-        if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
-            _CP_FORWARD.reset(tokens.pop())
+def _enter_cp_forward(module: torch.nn.Module, args, kwargs) -> None:
+    if kwargs.get(CP_SHARD_KWARG) is not None:
+        module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(True))
 
-    return [model.register_forward_pre_hook(enter, with_kwargs=True),
-            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
+    tokens = module.__dict__.get(_GUARD_TOKENS)
+    if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
+        _CP_FORWARD.reset(tokens.pop())
 
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
@@ -195,8 +196,11 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta
         docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
-        if not any(docs) and use_flash_attn(query, key):  # a dense call, and flash-attn is installed
+        library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
+        if library != "kernels":  # a dense call that a library kernel computes
             record_kept_fraction(module, dense_kept_fraction(meta, cfg.block_size, sliding_window))
+            if library == "sdpa":
+                return sdpa_dense_attention(query, key, value, scale=scale).transpose(1, 2)
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
             return out.transpose(1, 2)
         with torch.no_grad():
