@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from ..attention import sequence
 from ..attention.flash_dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..integration import backend
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
 from .kept_fraction import kept_fraction_figure, new_figure, read_log_history, require_matplotlib
@@ -84,7 +84,7 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
     for module in model.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
-    estimate = backend.estimate_layout
+    estimate = sequence.estimate_layout
 
     def recording(*args, **kwargs) -> SparseLayout:
         layout = estimate(*args, **kwargs)
@@ -92,7 +92,7 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
         return layout
 
     patches = PatchSet()
-    patches.set_attr(backend, "estimate_layout", recording)
+    patches.set_attr(sequence, "estimate_layout", recording)
     # a dense call taken by flash-attn builds no layout; the documented switch keeps it on the kernels
     patches.set_item(os.environ, DENSE_BACKEND_ENV, "kernels")
     try:
