@@ -72,6 +72,9 @@ MODELS = {
     "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, _QWEN.format("1.5B")),
     "qwen2.5-3b": ModelShape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, _QWEN.format("3B")),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, _QWEN.format("7B")),
+    # the model of TRL's published long-context figure (hf_sparse_cp/simulator/head_parallel.py's check)
+    "qwen3-8b": ModelShape("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936,
+                           "Qwen/Qwen3-8B config.json on the Hugging Face Hub"),
 }
 
 
@@ -208,7 +211,9 @@ CLUSTERS = {
 HARDWARE = {"8xH100-IB400": h100, "8xA100-IB200": a100}
 
 
-def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work, traffic) -> dict:
+def ring_attention_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work,
+                        traffic) -> dict:
+    """The ring's forward and backward (`RingTimeline` each) and their compute per step, for `model`'s heads."""
     scale = model.head_dim / hw.head_dim
     fwd_costs, bwd_costs = (hw.sparse_fwd, hw.sparse_bwd) if setup.sparse else (hw.dense_fwd, hw.dense_bwd)
     fwd_s = fwd_costs.time(work, model.heads) * scale
@@ -218,8 +223,8 @@ def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
     return {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s}
 
 
-def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster,
-                cfg: SparseAttentionConfig) -> float:
+def estimation_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster,
+                    cfg: SparseAttentionConfig) -> float:
     """One layer's layout estimation under CP (`estimation.py`) with the settings `cfg`: scoring (two
     passes over the rank's keys), three all-reduces (the scoring queries, row max, row sums), the
     reduce-scatter of the slash sums (each set's scored offsets; in 'mass' mode the block diagonals
@@ -306,8 +311,8 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         cfg = replace(cfg, estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
     def step(c: Cluster) -> tuple[float, dict, float]:
-        att = _attention(setup, model, hw, c, work, traffic)
-        est = _estimation(setup, model, hw, c, cfg)
+        att = ring_attention_time(setup, model, hw, c, work, traffic)
+        est = estimation_time(setup, model, hw, c, cfg)
         layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
         return model.layers * layer + head, att, est
 

@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.sequence import sequence_attention
@@ -29,7 +28,7 @@ from hf_sparse_cp.distributed import (
 from hf_sparse_cp.distributed.sharding import sequence_meta
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
-from oracle import TOLERANCE, rel_rms
+from oracle import TOLERANCE, data_parallel_grad_error, rel_rms
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -44,7 +43,7 @@ class Case(NamedTuple):
     packing: str = "padded"  # padded: 2 rows with padding | cu_seq_lens | position_ids: packed documents in 1 row
     pattern: str = "sparse"  # sparse | dense | window
     dtype: torch.dtype = torch.float32
-    sharding: str = "striped"  # the hybrid's ring
+    sharding: str = "striped"  # the hybrid's ring ('hierarchical': striped, one ring rank per node of 2)
     seq: int = 250
 
     @property
@@ -65,7 +64,7 @@ CASES = {
     4: [Case("ulysses", (4, 2)), Case("ulysses", (12, 3), "cu_seq_lens"), Case("ulysses", (6, 2), "position_ids"),
         Case("hybrid", (4, 2)), Case("hybrid", (6, 3), "cu_seq_lens", sharding="zigzag"),
         Case("hybrid", (4, 2), "position_ids", sharding="contiguous"), Case("hybrid", (4, 2), pattern="window"),
-        Case("hybrid", (4, 4), dtype=torch.float64)],
+        Case("hybrid", (4, 4), dtype=torch.float64), Case("hybrid", (4, 2), "cu_seq_lens", sharding="hierarchical")],
 }
 
 
@@ -97,6 +96,9 @@ def _layouts(world: int) -> dict:
         for sharding in ("striped", "zigzag", "contiguous"):
             out["hybrid", sharding] = ParallelDims.from_config(ContextParallelConfig(
                 cp_size=4, cp_mode="hybrid", cp_ulysses_size=2, cp_sharding=sharding))
+        out["hybrid", "hierarchical"] = ParallelDims.from_config(ContextParallelConfig(
+            cp_size=4, cp_mode="hybrid", cp_ulysses_size=2, cp_ring="hierarchical", cp_node_size=2))
+        assert out["hybrid", "hierarchical"].ring.topology.num_nodes == 2  # the ring's hops go between nodes
     return out
 
 
@@ -198,17 +200,7 @@ def _model_step(par: ParallelDims, rank: int, *, fsdp2: bool = False, checkpoint
     errs = {"loss": abs(float(global_mean_loss(loss_sum, num_items)) - float(ref.loss)) / float(ref.loss),
             "kept": max(abs(kept[layer] - ref_kept[layer]) for layer in ref_kept),
             "sparse": min(ref_kept.values()) < 0.9}
-    worst = 0.0
-    if fsdp2:
-        loss.backward()
-        for param, ref_grad in zip(model.parameters(), ref_grads):
-            worst = max(worst, rel_rms(param.grad.full_tensor(), ref_grad))
-    else:
-        for grad, ref_grad in zip(torch.autograd.grad(loss, list(model.parameters())), ref_grads):
-            grad = grad.clone()
-            dist.all_reduce(grad)
-            worst = max(worst, rel_rms(grad / par.world_size, ref_grad))
-    errs["grads"] = worst
+    errs["grads"] = data_parallel_grad_error(model, loss, ref_grads, par.world_size, fsdp2=fsdp2)
     return errs
 
 
