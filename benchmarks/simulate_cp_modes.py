@@ -9,6 +9,8 @@ For every model, sequence length, GPU count (one CP group: 8 = one node, 32 = fo
 `simulate_cluster.py` builds it), the step time of:
 
 * ring: the sparse ring over all GPUs (zigzag sharding for dense, striped for sparse), `predict_step`;
+  over several nodes also the hierarchical ring (sparse: `hierarchical striped sparse`), and "vs ring" is
+  against the faster of the two;
 * ulysses: heads over all GPUs, each attending the whole sequence (`predict_head_parallel_step`); refused
   when the GPUs outnumber the query heads;
 * hybrid hN: heads over N GPUs of a node, the ring across the CP / N head groups.
@@ -41,6 +43,9 @@ TRL = {"model": "qwen3-8b", "seq": 1048576, "gpus": 8, "measured_step_s": 364.0,
                  "node, bf16, batch 1, FSDP2 + CP 8 (torch CP, SDPA), chunked NLL loss, gradient-checkpointing "
                  "offload: 364 s per step, 56.2 GB per GPU"}
 KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
+# (mode, kind) -> the simulator's ring configuration (its hierarchical ring is a sparse one)
+RINGS = {("ring", "dense"): "dense ring", ("ring", "sparse"): "striped sparse",
+         ("ring hier.", "sparse"): "hierarchical striped sparse"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,8 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _modes(gpus: int, heads: list[int], per_node: int) -> list[tuple[str, int]]:
-    """(name, head-group size) of every layout to predict: ring, ulysses, hybrids inside a node."""
-    out = [("ring", 1), ("ulysses", gpus)]
+    """(name, head-group size) of every layout to predict: ring (hierarchical too across nodes), ulysses,
+    hybrids inside a node."""
+    out = [("ring", 1)] + ([("ring hier.", 1)] if gpus > per_node else []) + [("ulysses", gpus)]
     out += [(f"hybrid h{h}", h) for h in heads if 1 < h < gpus and gpus % h == 0 and per_node % h == 0]
     return out
 
@@ -73,6 +79,9 @@ def predict(model_name: str, seq: int, gpus: int, kind: str, mode: str, head_siz
     """The rows (one per kernel costing) of one layout; a refused one as a row with its reason."""
     model, cluster = MODELS[model_name], CLUSTERS[CLUSTER]
     base = {"model": model_name, "seq": seq, "gpus": gpus, "kind": kind, "mode": mode, "head_size": head_size}
+    ring = RINGS.get((mode, kind))
+    if head_size == 1 and ring is None:
+        return []
     rows = []
     for kernel, hw in hardware.items():
         if kind == "dense" and kernel != "flex":
@@ -80,8 +89,7 @@ def predict(model_name: str, seq: int, gpus: int, kind: str, mode: str, head_siz
         row = {**base, "kernel": kernel if kind == "sparse" else "cudnn"}
         try:
             if head_size == 1:
-                name = "dense ring" if kind == "dense" else "striped sparse"
-                row.update(predict_step(CONFIGURATIONS[name](workload, gpus, BLOCK, cluster.gpus_per_node),
+                row.update(predict_step(CONFIGURATIONS[ring](workload, gpus, BLOCK, cluster.gpus_per_node),
                                         model, hw, cluster))
             else:
                 setup = head_parallel_setup(workload, gpus, head_size, BLOCK, kind,
@@ -97,7 +105,8 @@ def predict(model_name: str, seq: int, gpus: int, kind: str, mode: str, head_siz
 
 def table(rows: list[dict]) -> str:
     """Step seconds per (model, S, GPUs, kind, kernel), one column per layout, and the best."""
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    order = ["ring", "ring hier.", "ulysses"]  # then the hybrids by head-group size
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: (order.index(m) if m in order else 3, len(m), m))
     head = f"{'model':<13}{'S':>8}{'GPUs':>5} {'kind':<7}{'kernel':<11}" + "".join(f"{m:>11}" for m in modes)
     lines = [head + f"  {'best':<11}{'vs ring':>8}", "-" * (len(head) + 21)]
     keys = list(dict.fromkeys((r["model"], r["seq"], r["gpus"], r["kind"], r["kernel"]) for r in rows))
@@ -107,7 +116,8 @@ def table(rows: list[dict]) -> str:
                  f"{'refused' if m in got else '-':>11}" for m in modes]
         timed = {m: r["step_s"] for m, r in got.items() if "step_s" in r}
         best = min(timed, key=timed.get)
-        gain = timed["ring"] / timed[best] if "ring" in timed else float("nan")
+        ring = min(t for m, t in timed.items() if m.startswith("ring"))
+        gain = ring / timed[best]
         model, seq, gpus, kind, kernel = key
         lines.append(f"{model:<13}{seq // 1024:>7}K{gpus:>5} {kind:<7}{kernel:<11}" + "".join(cells)
                      + f"  {best:<11}{gain:>7.2f}x")

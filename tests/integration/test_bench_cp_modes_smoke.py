@@ -16,7 +16,7 @@ def test_three_layouts_side_by_side_agree_and_report_time_bytes_and_memory(tmp_p
     out = tmp_path / "modes.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_cp_modes.py"), "--seq", "1024", "--heads", "4",
-                           "2", "--head-dim", "16", "--repeats", "1", "--output", str(out)],
+                           "2", "--head-dim", "16", "--repeats", "1", "--rounds", "1", "--output", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fwd MiB sent" in proc.stdout
