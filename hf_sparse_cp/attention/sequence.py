@@ -9,8 +9,8 @@ import torch
 
 from ..config import SparseAttentionConfig
 from .build import dense_kept_fraction
+from .dense import dense_backend, flash_dense_attention, sdpa_dense_attention
 from .estimate import estimate_layout, pattern_documents
-from .flash_dense import flash_dense_attention, use_flash_attn
 from .ops import block_sparse_attention
 from .tokens import TokenMeta
 
@@ -26,7 +26,7 @@ def sequence_attention(
     sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's pattern estimated on the call's sequences, then exact attention over it (a dense
-    call goes to flash-attn where it is installed, `flash_dense`).
+    call goes to flash-attn where it is installed, or to SDPA for plain causal rows: `dense`).
 
     Args:
         query: [B, Hq, S, D]; key, value: [B, Hkv, S, D] (after RoPE), Hq a multiple of Hkv.
@@ -39,8 +39,12 @@ def sequence_attention(
     b, _, s, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     docs = pattern_documents(cfg, meta, b, s, sliding_window)
-    if not any(docs) and use_flash_attn(query, key):  # a dense call, and flash-attn is installed
-        out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
+    library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
+    if library != "kernels":  # a dense call that a library kernel computes
+        if library == "sdpa":
+            out = sdpa_dense_attention(query, key, value, scale=scale)
+        else:
+            out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
         return out.transpose(1, 2), dense_kept_fraction(meta, cfg.block_size, sliding_window)
     with torch.no_grad():
         layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)

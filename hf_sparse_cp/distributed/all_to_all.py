@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .comm import naming_unresponsive_ranks
 from .heads import HeadSplit
 
 
@@ -26,7 +27,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, send, recv, group, rank, stats):
         out = flat.new_empty(sum(recv))
-        dist.all_to_all_single(out, flat, recv, send, group=group)
+        with naming_unresponsive_ranks("the head-parallel all-to-all", group):
+            dist.all_to_all_single(out, flat, recv, send, group=group)
         ctx.args = (send, recv, group, rank, stats)
         if stats is not None:
             stats.forward_bytes += (sum(send) - send[rank]) * flat.element_size()
@@ -36,7 +38,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send, recv, group, rank, stats = ctx.args
         out = grad.new_empty(sum(send))
-        dist.all_to_all_single(out, grad.contiguous(), send, recv, group=group)
+        with naming_unresponsive_ranks("the head-parallel all-to-all (backward)", group):
+            dist.all_to_all_single(out, grad.contiguous(), send, recv, group=group)
         if stats is not None:
             stats.backward_bytes += (sum(recv) - recv[rank]) * grad.element_size()
         return out, None, None, None, None, None

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..attention.layout import check_tensors
@@ -26,6 +25,7 @@ from ..attention.sequence import sequence_attention
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from .all_to_all import HeadExchange
+from .comm import all_reduce
 from .context import CPShard
 from .heads import HeadSplit
 from .ring_attention import RingStats, context_parallel_attention
@@ -100,5 +100,5 @@ def _all_heads_kept_fraction(kept: torch.Tensor, split: HeadSplit, parallel) -> 
     each rank's share of them)."""
     lo, hi = split.q_range(parallel.head_rank)
     total = kept.detach().double() * ((hi - lo) / split.q_heads)
-    dist.all_reduce(total, group=parallel.head_group)
+    all_reduce(total, parallel.head_group, "the kept fraction's sum over the head group")
     return total

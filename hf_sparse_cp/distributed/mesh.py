@@ -36,7 +36,7 @@ from typing import Literal
 import torch.distributed as dist
 
 from ..files import check_field_types
-from .comm import RingTopology, warm_up
+from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
 from .heads import HeadSplit
 from .planner import PlannerCosts
 
@@ -362,7 +362,7 @@ class ParallelDims:
             logger.info("--cp_mode %s with head groups of %d in a CP group of %d runs as '%s'.", config.cp_mode, h, w,
                         mode)
         mine = next(g for g in cp_groups if rank in g)
-        # Every rank takes part in creating every group, in the same order.
+        # Every rank takes part in creating every group, in the same order (`_new_groups`).
         if cp_group is None and w > 1:
             cp_group = _new_groups(cp_groups, rank)
         created = [cp_group]
@@ -401,11 +401,12 @@ class ParallelDims:
 
 
 def _new_groups(members: list[list[int]], rank: int):
-    """Create a process group for every list of `members` (on every rank, in the same order); returns
-    this rank's (None if it is in none)."""
-    mine = None
+    """Create a process group for every list of `members` (on every rank, in the same order), each with the
+    default group's timeout (`--ddp_timeout`), which torch does not pass on to new groups; returns this
+    rank's (None if it is in none)."""
+    timeout, mine = group_timeout(), None
     for ranks in members:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -442,5 +443,6 @@ def quiesce_process_groups(settle_s: float = 0.1) -> None:
     `settle_s` without the GIL lets the workers finish releasing them.
     """
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with naming_unresponsive_ranks("the barrier before the process groups are torn down"):
+            dist.barrier()
         time.sleep(settle_s)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..attention import sequence
-from ..attention.flash_dense import DENSE_BACKEND_ENV
+from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..integration.patching import PatchSet
