@@ -6,7 +6,8 @@
 Each layout runs in its own spawned group of --world gloo processes, one after the other: 'ring' (CP 4,
 striped), 'ulysses' (heads over 4 ranks) and 'hybrid' (heads over 2 ranks x a ring of 2), each doing what
 the attention backend does for one layer (`context_parallel_attention` / `head_parallel_attention` with
-the default pattern settings, PyTorch's reference engine on CPU), forward and backward, on the same sequence
+the default pattern settings but top-k budgets of 1024 columns and 1024 diagonals, PyTorch's reference engine
+on CPU), forward and backward, on the same sequence
 and q, k, v; --rounds times in turn (ring, ulysses, hybrid, ring, ...), so that a change of the machine's load
 falls on every layout, each layout's fastest round reported. The processes run with glibc keeping freed
 memory (`testing.benchmarking.RECYCLING_MALLOC`, as PyTorch's caching allocator does on a GPU; --allocator
@@ -42,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, nargs=2, default=[14, 2], metavar=("Q", "KV"),
                    help="query and key/value heads (default: Qwen2.5-0.5B's)")
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--vertical-topk", type=int, default=1024,
+                   help="the pattern's top-k budgets (random q and k spread their attention mass evenly, so a "
+                        "mass budget would keep nearly every block); 0 with --slash-topk 0: the default pattern")
+    p.add_argument("--slash-topk", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2, help="timed forward + backward calls after one warm-up")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--rounds", type=int, default=2, help="times every layout runs, in turn")
@@ -68,7 +73,8 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
     )
     from hf_sparse_cp.testing.benchmarking import peak_rss
 
-    cfg = SparseAttentionConfig()
+    topk = {"vertical_topk": args.vertical_topk, "slash_topk": args.slash_topk} if args.vertical_topk else {}
+    cfg = SparseAttentionConfig(**topk)
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, **MODES[mode]))
     g = torch.Generator().manual_seed(0)  # the same sequence and q, k, v in every layout
     hq, hkv = args.heads
@@ -137,7 +143,8 @@ def main(argv=None) -> dict:
     for row in rows:
         row[f"out_rel_rms_vs_{first}"] = rel_rms(outputs[row["mode"]], outputs[first])
     print(f"{args.world} CPU processes (gloo), {args.seq} tokens, {args.heads[0]} query / {args.heads[1]} key-value "
-          f"heads of {args.head_dim}, default pattern; slowest rank (fastest of {args.rounds} rounds) / busiest rank")
+          f"heads of {args.head_dim}, top-k {args.vertical_topk}/{args.slash_topk}; slowest rank (fastest of "
+          f"{args.rounds} rounds) / busiest rank")
     print(f"{'mode':<9}{'fwd+bwd s':>10}{'fwd MiB sent':>14}{'bwd MiB sent':>14}{'peak MiB':>10}{'kept':>8}"
           f"{'vs ' + first:>12}")
     for row in rows:

@@ -38,7 +38,7 @@ CFG = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=6, slas
 
 
 class Case(NamedTuple):
-    mode: str  # ulysses | hybrid (2 head groups of 2 on 4 ranks)
+    mode: str  # ulysses | hybrid (2 head groups of 2 on 4 ranks) | accelerate (ulysses over accelerate's CP 2 x DP 2)
     heads: tuple[int, int]
     packing: str = "padded"  # padded: 2 rows with padding | cu_seq_lens | position_ids: packed documents in 1 row
     pattern: str = "sparse"  # sparse | dense | window
@@ -64,7 +64,8 @@ CASES = {
     4: [Case("ulysses", (4, 2)), Case("ulysses", (12, 3), "cu_seq_lens"), Case("ulysses", (6, 2), "position_ids"),
         Case("hybrid", (4, 2)), Case("hybrid", (6, 3), "cu_seq_lens", sharding="zigzag"),
         Case("hybrid", (4, 2), "position_ids", sharding="contiguous"), Case("hybrid", (4, 2), pattern="window"),
-        Case("hybrid", (4, 4), dtype=torch.float64), Case("hybrid", (4, 2), "cu_seq_lens", sharding="hierarchical")],
+        Case("hybrid", (4, 4), dtype=torch.float64), Case("hybrid", (4, 2), "cu_seq_lens", sharding="hierarchical"),
+        Case("accelerate", (4, 2), "position_ids")],
 }
 
 
@@ -89,7 +90,20 @@ def _grad(fn, tensors, dout):
     return {"out": out.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}, kept
 
 
-def _layouts(world: int) -> dict:
+def _from_accelerate_mesh(rank: int) -> ParallelDims:
+    """Head parallelism over the CP groups of accelerate's device mesh (dp_shard 2 x cp 2)."""
+    import types
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    fake = types.SimpleNamespace(parallelism_config=pc, torch_device_mesh=pc.build_device_mesh("cpu"))
+    par = ParallelDims.from_accelerator(fake, ContextParallelConfig(cp_mode="ulysses"))
+    assert par.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and (par.mode, par.head_size) == ("ulysses", 2)
+    return par
+
+
+def _layouts(world: int, rank: int) -> dict:
     """Every head-parallel layout the cases use, built once per spawn (collective)."""
     out = {"ulysses": ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_mode="ulysses"))}
     if world == 4:
@@ -99,10 +113,11 @@ def _layouts(world: int) -> dict:
         out["hybrid", "hierarchical"] = ParallelDims.from_config(ContextParallelConfig(
             cp_size=4, cp_mode="hybrid", cp_ulysses_size=2, cp_ring="hierarchical", cp_node_size=2))
         assert out["hybrid", "hierarchical"].ring.topology.num_nodes == 2  # the ring's hops go between nodes
+        out["accelerate"] = _from_accelerate_mesh(rank)
     return out
 
 
-def _attention_case(case: Case, layouts: dict, rank: int) -> dict:
+def _attention_case(case: Case, layouts: dict) -> dict:
     g = torch.Generator().manual_seed(case.seq + sum(case.heads) + len(case.id))
     inputs = _inputs(case, g)
     meta = sequence_meta(inputs)
@@ -114,9 +129,9 @@ def _attention_case(case: Case, layouts: dict, rank: int) -> dict:
     dout = torch.randn(b, hq, s, D, generator=g, dtype=torch.float64)
     full, ref_kept = _grad(lambda *x: sequence_attention(*x, meta, cfg, sliding_window=window), (q, k, v), dout)
 
-    par = layouts["ulysses"] if case.mode == "ulysses" else layouts["hybrid", case.sharding]
+    par = layouts[case.mode] if case.mode in layouts else layouts["hybrid", case.sharding]
     shard = prepare_context_parallel_inputs(inputs, par, block_size=BS)["cp_shard"]
-    plan = shard.plan
+    plan, rank = shard.plan, par.cp_rank
     stats = RingStats()
     local, kept = _grad(lambda *x: head_parallel_attention(*x, shard, cfg, sliding_window=window, stats=stats),
                         [plan.shard(x, rank, dim=2) for x in (q, k, v)], plan.shard(dout, rank, dim=2))
@@ -125,16 +140,16 @@ def _attention_case(case: Case, layouts: dict, rank: int) -> dict:
     errs["padding_zero"] = float(local["out"][:, :, pad].abs().max()) if pad.any() else 0.0
     errs["kept"] = abs(float(kept) - float(ref_kept))
     errs["sparse"] = float(ref_kept) < 0.9 if case.pattern == "sparse" else True
-    errs["bytes"] = (stats.forward_bytes, stats.backward_bytes, _all_to_all_bytes(par, plan, case, b, rank))
+    errs["bytes"] = (stats.forward_bytes, stats.backward_bytes, _all_to_all_bytes(par, plan, case, b))
     return errs
 
 
-def _all_to_all_bytes(par: ParallelDims, plan, case: Case, batch: int, rank: int) -> tuple[int, int]:
+def _all_to_all_bytes(par: ParallelDims, plan, case: Case, batch: int) -> tuple[int, int]:
     """What this rank's all-to-alls send (forward, backward). Forward: its piece of every other group
     rank's q heads and the key/value heads they read, and its heads' output over every other rank's
     piece; backward: the gradients of what it received."""
     split = par.head_split(*case.heads)
-    first = rank - par.head_rank
+    first = par.cp_rank - par.head_rank
     lengths = [plan.local_len_of(first + i) for i in range(par.head_size)]
     me = par.head_rank
 
@@ -220,8 +235,8 @@ def _errors(world: int) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    layouts = _layouts(world)
-    results = {("attention", case.id): _attention_case(case, layouts, rank) for case in CASES[world]}
+    layouts = _layouts(world, rank)
+    results = {("attention", case.id): _attention_case(case, layouts) for case in CASES[world]}
     results["errors"] = _errors(world)
     modes = {"ulysses": layouts["ulysses"]}
     if world == 4:
