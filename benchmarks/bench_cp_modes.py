@@ -1,28 +1,32 @@
 """Ring vs head-parallel (Ulysses) vs hybrid sparse context parallelism on CPU processes (gloo), side by side.
 
     python benchmarks/bench_cp_modes.py                        # 4 processes, Qwen2.5-0.5B's attention, 32K tokens
-    python benchmarks/bench_cp_modes.py --seq 8192 --repeats 1
+    python benchmarks/bench_cp_modes.py --seq 16384 --repeats 1 --rounds 2   # the committed runs: 16K, 32K
 
 Each layout runs in its own spawned group of --world gloo processes, one after the other: 'ring' (CP 4,
 striped), 'ulysses' (heads over 4 ranks) and 'hybrid' (heads over 2 ranks x a ring of 2), each doing what
 the attention backend does for one layer (`context_parallel_attention` / `head_parallel_attention` with
-the default pattern settings but top-k budgets of 1024 columns and 1024 diagonals, PyTorch's reference engine
-on CPU), forward and backward, on the same sequence
-and q, k, v; --rounds times in turn (ring, ulysses, hybrid, ring, ...), so that a change of the machine's load
-falls on every layout, each layout's fastest round reported. The processes run with glibc keeping freed
-memory (`testing.benchmarking.RECYCLING_MALLOC`, as PyTorch's caching allocator does on a GPU; --allocator
-system for glibc's defaults). Per rank: the median seconds of a forward + backward over --repeats (after one
-warm-up), the
-bytes it sent (forward / backward: the ring's K/V and dK/dV transfers and column collectives, the all-to-alls;
-not counted: the ring estimation's small collectives of scoring queries, normalisers, slash sums and
-candidates), and the peak resident memory of the timed calls above what the process held before them
-(inputs included in neither). Every layout's output is checked against the ring's (relative RMS error, the
-ranks' pieces put back in global order).
+the default pattern settings but top-k budgets of 1024 columns and 1024 diagonals, PyTorch's reference
+engine on CPU), forward and backward, on the same sequence and q, k, v. q and k attend locally
+(`testing.layouts.local_qk`, scores decaying over --span tokens), so that the budgets keep a few
+contiguous blocks per row: i.i.d. random q and k spread their mass evenly, so a top-k budget would keep
+columns and diagonals scattered over every block, and the default 'mass' budget nearly every block.
+Every layout runs --rounds times, in turn (ring, ulysses, hybrid, ring, ...), so that a change of the
+machine's load falls on every layout, each layout's fastest round reported; the machine's load average
+before and after goes into the JSON. The processes run with glibc keeping freed memory
+(`testing.benchmarking.RECYCLING_MALLOC`, as PyTorch's caching allocator does on a GPU; --allocator
+system for glibc's defaults). Per rank: the median seconds of a forward + backward over --repeats (after
+one warm-up), the bytes it sent (forward / backward: the ring's K/V and dK/dV transfers and column
+collectives, the all-to-alls; not counted: the ring estimation's small collectives of scoring queries,
+normalisers, slash sums and candidates), and the peak resident memory of the timed calls above what the
+process held before them (inputs included in neither). Every layout's output is checked against the
+ring's (relative RMS error, the ranks' pieces put back in global order).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -44,9 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="query and key/value heads (default: Qwen2.5-0.5B's)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--vertical-topk", type=int, default=1024,
-                   help="the pattern's top-k budgets (random q and k spread their attention mass evenly, so a "
-                        "mass budget would keep nearly every block); 0 with --slash-topk 0: the default pattern")
+                   help="the pattern's top-k budgets; 0 with --slash-topk 0: the default pattern ('mass' budget)")
     p.add_argument("--slash-topk", type=int, default=1024)
+    p.add_argument("--span", type=float, default=1024.0,
+                   help="tokens over which q.k decays (exp(-d^2 / (2 span^2)) of the distance d)")
     p.add_argument("--repeats", type=int, default=2, help="timed forward + backward calls after one warm-up")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--rounds", type=int, default=2, help="times every layout runs, in turn")
@@ -72,13 +77,15 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
         prepare_context_parallel_inputs,
     )
     from hf_sparse_cp.testing.benchmarking import peak_rss
+    from hf_sparse_cp.testing.layouts import local_qk
 
     topk = {"vertical_topk": args.vertical_topk, "slash_topk": args.slash_topk} if args.vertical_topk else {}
     cfg = SparseAttentionConfig(**topk)
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, **MODES[mode]))
     g = torch.Generator().manual_seed(0)  # the same sequence and q, k, v in every layout
     hq, hkv = args.heads
-    full = [torch.randn(1, h, args.seq, args.head_dim, generator=g) for h in (hq, hkv, hkv, hq)]
+    full = [*local_qk(hq, hkv, args.seq, args.head_dim, args.span, generator=g),
+            *(torch.randn(1, h, args.seq, args.head_dim, generator=g) for h in (hkv, hq))]
     shard = prepare_context_parallel_inputs({"input_ids": torch.zeros(1, args.seq, dtype=torch.long)}, par,
                                             block_size=cfg.block_size)["cp_shard"]
     q, k, v, dout = (shard.plan.shard(x, par.cp_rank, dim=2) for x in full)
@@ -123,6 +130,7 @@ def main(argv=None) -> dict:
     from hf_sparse_cp.testing.spawn import run_gloo
 
     args = parse_args(argv)
+    load_before = os.getloadavg()
     runs, outputs = {mode: [] for mode in args.modes}, {}
     with spawned_allocator(args.allocator):
         for _ in range(args.rounds):
@@ -143,8 +151,8 @@ def main(argv=None) -> dict:
     for row in rows:
         row[f"out_rel_rms_vs_{first}"] = rel_rms(outputs[row["mode"]], outputs[first])
     print(f"{args.world} CPU processes (gloo), {args.seq} tokens, {args.heads[0]} query / {args.heads[1]} key-value "
-          f"heads of {args.head_dim}, top-k {args.vertical_topk}/{args.slash_topk}; slowest rank (fastest of "
-          f"{args.rounds} rounds) / busiest rank")
+          f"heads of {args.head_dim}, top-k {args.vertical_topk}/{args.slash_topk}, span {args.span:g}; slowest rank "
+          f"(fastest of {args.rounds} rounds) / busiest rank")
     print(f"{'mode':<9}{'fwd+bwd s':>10}{'fwd MiB sent':>14}{'bwd MiB sent':>14}{'peak MiB':>10}{'kept':>8}"
           f"{'vs ' + first:>12}")
     for row in rows:
@@ -154,7 +162,8 @@ def main(argv=None) -> dict:
     report = {"what": "one attention layer's forward + backward under each CP layout on CPU processes (gloo): "
                       "seconds (median of the timed calls, slowest rank, fastest round), bytes sent and peak "
                       "resident memory above what was held before (busiest rank)",
-              "device": "cpu", "environment": environment(), "args": vars(args), "rows": rows}
+              "device": "cpu", "environment": environment(), "args": vars(args), "rows": rows,
+              "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()}}
     out = args.output or str(RESULTS_DIR / f"cp-modes_cpu_{args.seq // 1024}k.json")
     write_report(report, RESULTS_DIR, "cp-modes", out)
     return report
