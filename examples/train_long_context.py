@@ -52,7 +52,13 @@ from transformers import (
     set_seed,
 )
 
-from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments, SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp import (
+    SMETArguments,
+    SparseAttentionFlags,
+    SparseCPArguments,
+    SparseTrainer,
+    SparseTrainingArguments,
+)
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
@@ -173,6 +179,7 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "sparse_block_size": 64,
     "sparse_min_seq_len": 1024,
+    "sparse_budget_mode": "topk",
     "sparse_vertical_topk": 64,
     "sparse_slash_topk": 128,
     "sparse_local_window": 64,
@@ -202,7 +209,7 @@ DESCRIPTION = (
 RENAMED = {"--seq_len": "--max_length", "--fused_loss": "--sparse_fused_loss",
            "--log_sparsity": "--sparse_log_sparsity",
            "--gradient_checkpointing_min_length": "--sparse_gradient_checkpointing_min_length",
-           **{f"--{f.name}": f"--sparse_{f.name}" for f in fields(SparseAttentionConfig)}}
+           **{f"--{f.name.removeprefix('sparse_')}": f"--{f.name}" for f in fields(SparseAttentionFlags)}}
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -227,7 +234,7 @@ class ParsedArgs(NamedTuple):
     script: ScriptArguments
     training: SparseTrainingArguments  # every Trainer and plugin flag; the fields below are views of it
     sparse: SparseCPArguments
-    pattern: SparseAttentionConfig
+    pattern: SparseAttentionFlags  # the pattern flags as given (`to_config()`; with --sparse_config: `sparse`)
     cp: ContextParallelConfig
     smet: SMETArguments
     explicit: set[str]  # the fields the command line or the recipe set (see `explicit_fields`)

@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch.distributed as dist
 
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ContextParallelConfig:
     """How the sequence is split over ranks and how K/V travel between them."""
+
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_sharding")
 
     cp_size: int = field(
         default=1,

@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -113,6 +113,8 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
 class CurriculumArguments:
     """The flag of a context-length curriculum (`--cp_schedule`)."""
 
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_schedule",)
+
     cp_schedule: str | None = field(
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
@@ -187,7 +189,7 @@ def build_schedule(
             check_sizes(world_size, stage.cp_size)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-        unknown = set(stage.sparse) - {f.name for f in dataclasses.fields(SparseAttentionConfig)}
+        unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
         if unknown:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
                              "(SparseAttentionConfig); use e.g. mass_threshold=0.005.")

@@ -218,7 +218,7 @@ def test_the_kept_token_pattern_of_a_document_does_not_depend_on_the_pack(prefix
         docs = [[(where.start, where.stop)] + ([(where.stop, q.shape[2])] if suffix >= CFG.min_seq_len else [])]
         if prefix >= CFG.min_seq_len:
             docs[0].insert(0, (0, prefix))
-        scores = score_vertical_slash(q[0], k[0], docs[0], CFG.last_q, D**-0.5)
+        scores = score_vertical_slash(q[0], k[0], docs[0], CFG.scoring.last_q, D**-0.5)
         keep_v, keep_s = select_vertical_slash(scores[0][None], scores[1][None], docs, CFG)
         layout = estimate_layout(q, k, CFG, meta)
         mask = layout.to_mask(4, q.shape[2], q.shape[2])[0, :, where, where]

@@ -136,8 +136,9 @@ def _args(out: str, smet: bool, **kw):
         output_dir=out, report_to="none", use_cpu=True, max_steps=MAX_STEPS, per_device_train_batch_size=1,
         learning_rate=1e-2, weight_decay=0.0, train_sampling_strategy="sequential", logging_steps=1,
         save_strategy="no", sparse_block_size=PATTERN.block_size, sparse_min_seq_len=PATTERN.min_seq_len,
-        sparse_vertical_topk=PATTERN.vertical_topk, sparse_slash_topk=PATTERN.slash_topk,
-        sparse_local_window=PATTERN.local_window, sparse_sink_tokens=PATTERN.sink_tokens, sparse_last_q=PATTERN.last_q,
+        sparse_vertical_topk=PATTERN.budget.vertical_topk, sparse_slash_topk=PATTERN.budget.slash_topk,
+        sparse_local_window=PATTERN.local_window, sparse_sink_tokens=PATTERN.sink_tokens,
+        sparse_last_q=PATTERN.scoring.last_q,
         sparse_log_sparsity=False, seed=0)
     if smet:
         fields.update(smet=True, smet_density=0.5, smet_update_interval=2)

@@ -68,13 +68,15 @@ def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
 
 def _plugin_dataclasses():
     from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments
+    from hf_sparse_cp.attention.budgets import Mass, TopK, TopP
     from hf_sparse_cp.examples.train_long_context import ScriptArguments
+    from hf_sparse_cp.sections import Scoring
     from hf_sparse_cp.smet import SMETConfig
     from hf_sparse_cp.trainer.curriculum import CurriculumArguments
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
 
-    every = (SparseAttentionConfig, ContextParallelConfig, SMETConfig, SparseCPArguments, SMETArguments,
-             CurriculumArguments, ScriptArguments, SparseTrainingArguments)
+    every = (SparseAttentionConfig, TopK, TopP, Mass, Scoring, ContextParallelConfig, SMETConfig, SparseCPArguments,
+             SMETArguments, CurriculumArguments, ScriptArguments, SparseTrainingArguments)
     stock = {f.name for f in dataclasses.fields(TrainingArguments)}  # (TrainingArguments checks its own)
     return [(cls, f.name) for cls in every for f in dataclasses.fields(cls) if f.init and f.name not in stock]
 

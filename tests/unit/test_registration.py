@@ -45,7 +45,7 @@ def test_configure_stores_config_on_the_model():
     cfg = hf_sparse_cp.SparseAttentionConfig(slash_topk=3)
     hf_sparse_cp.configure(model, cfg)
     assert model.config._attn_implementation == "sparse_cp"
-    assert model.config.sparse_attention["slash_topk"] == 3
+    assert model.config.sparse_attention["budget"]["slash_topk"] == 3
     layer = model.model.layers[1].self_attn
     assert model_config_for(layer) == cfg
 
