@@ -179,13 +179,13 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "sparse_block_size": 64,
     "sparse_min_seq_len": 1024,
-    "sparse_budget_mode": "topk",
-    "sparse_vertical_topk": 64,
-    "sparse_slash_topk": 128,
     "sparse_local_window": 64,
     "sparse_sink_tokens": 16,
     "sparse_dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
 }
+# The demo's budget: a default for a run that chooses none. A budget mode given on the command line (or a
+# --sparse_config file, which holds one) replaces it whole; a field of another mode alone is refused, naming it.
+DEMO_BUDGET = {"sparse_budget_mode": "topk", "sparse_vertical_topk": 64, "sparse_slash_topk": 128}
 # The example's sequence length when neither the command line nor a recipe gives one (SparseTrainingArguments'
 # own default, None, means "the first sample's length", which the example's data takes from this).
 MAX_LENGTH = 4096
@@ -276,6 +276,7 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, "max_length": MAX_LENGTH}
     if recipe is None and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
+        defaults |= {} if explicit & {"sparse_budget_mode", "sparse_config"} else DEMO_BUDGET
     parser.set_defaults(**defaults)
     try:
         script, training, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)

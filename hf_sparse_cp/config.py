@@ -42,18 +42,15 @@ def check_block_size(block_size: int, name: str = "block_size") -> None:
 
 @dataclass(init=False)
 class SparseAttentionConfig(FileConfig):
-    """How the `sparse_cp` attention backend chooses which keys each query attends to.
+    """How the `sparse_cp` attention backend chooses which keys each query attends to: with
+    `pattern="vertical_slash"` (MTraining) every call estimates, per query head, the key columns and
+    diagonals that carry its scoring queries' attention mass, and the budget decides how many it keeps.
+    The defaults ('mass', 32 last queries and 4 groups of 16, layer 0 dense) are the sparsest measured
+    setting within 0.5% of dense perplexity at 8K tokens (docs/accuracy.md).
 
-    With `pattern="vertical_slash"` (MTraining), every attention call estimates, per query head,
-    the key columns (verticals) and diagonals (slashes) that carry the attention mass of its scoring
-    queries, and computes exact attention restricted to those blocks and columns; the budget decides
-    how many each head keeps. The defaults ('mass' budget, scored by the last 32 queries and 4 groups
-    of 16, the first layer dense) are the sparsest measured setting within 0.5% of dense perplexity at
-    8K tokens on a pretrained model (docs/accuracy.md).
-
-    Keywords: one per field, `budget` and `scoring` as a section object or its mapping (a partial
-    scoring goes over the one the budget was measured with), or flat keys as files of every version
-    hold them (`vertical_topk=1024`, `budget_mode="topp"`, `last_q=64`; `sections.nested`).
+    Keywords: one per field (`budget`, `scoring`: a section or its mapping; a partial scoring goes over
+    the budget's own), or flat keys as files of every version hold them (`vertical_topk=1024`,
+    `budget_mode="topp"`, `last_q=64`; `sections.nested`).
     """
 
     FILE_SECTION: ClassVar[str] = "sparse_attention"
@@ -125,16 +122,7 @@ class SparseAttentionConfig(FileConfig):
     )
 
     def __init__(self, **values: Any) -> None:
-        self._assign(nested(values))
-
-    @classmethod
-    def _built(cls, values: dict[str, Any]) -> SparseAttentionConfig:
-        config = cls.__new__(cls)
-        config._assign(values)
-        return config
-
-    def _assign(self, values: dict[str, Any]) -> None:
-        """Set every field from `nested` values (the defaults for those not given), then check them."""
+        values = nested(values)
         unknown = set(values) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"Unknown {self.KIND} config keys {sorted(unknown)}; known keys: {sorted(self.keys())}.")
@@ -150,19 +138,13 @@ class SparseAttentionConfig(FileConfig):
         for name in ("sink_tokens", "dense_first_layers", "min_seq_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
-        if self.estimation == "causal_chunks" and (
-            self.estimation_chunk < self.block_size or self.estimation_chunk % self.block_size
-        ):
-            fix = max(1, self.estimation_chunk // self.block_size) * self.block_size
-            raise ValueError(
-                f"estimation_chunk={self.estimation_chunk} must be a positive multiple of block_size={self.block_size} "
-                f"(chunks of whole query blocks); e.g. {fix}."
-            )
+        chunk, bs = self.estimation_chunk, self.block_size
+        if self.estimation == "causal_chunks" and (chunk < bs or chunk % bs):
+            raise ValueError(f"estimation_chunk={chunk} must be a positive multiple of block_size={bs} (chunks of "
+                             f"whole query blocks); e.g. {max(1, chunk // bs) * bs}.")
         if self.local_window < 1:
-            raise ValueError(
-                f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; use 1 for "
-                "'diagonal only' or the default 128."
-            )
+            raise ValueError(f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; "
+                             "use 1 for 'diagonal only' or the default 128.")
         if self.layer_overrides is not None:
             self._parsed_overrides()
 
@@ -181,21 +163,16 @@ class SparseAttentionConfig(FileConfig):
                 lo, _, hi = str(key).partition("-")
                 first, last = int(lo), int(hi or lo)
             except ValueError:
-                raise ValueError(
-                    f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. '0-3')."
-                ) from None
+                raise ValueError(f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. "
+                                 "'0-3').") from None
             if first > last:
-                raise ValueError(
-                    f"layer_overrides key {key!r} is a reversed range and would match no layer; write the first "
-                    f"layer first: '{last}-{first}'."
-                )
+                raise ValueError(f"layer_overrides key {key!r} is a reversed range and would match no layer; write "
+                                 f"the first layer first: '{last}-{first}'.")
             if not isinstance(fields_, dict):
                 raise ValueError(f"layer_overrides[{key!r}] must be a mapping of fields, got {fields_!r}.")
-            unknown = set(fields_) - names
-            if unknown:
-                raise ValueError(
-                    f"layer_overrides[{key!r}] has unknown fields {sorted(unknown)}; allowed: {sorted(names)}."
-                )
+            if set(fields_) - names:
+                raise ValueError(f"layer_overrides[{key!r}] has unknown fields {sorted(set(fields_) - names)}; "
+                                 f"allowed: {sorted(names)}.")
             try:  # the layer's whole config, so that a bad value is refused now, not at that layer's first call
                 self._layer_config(fields_)
             except ValueError as e:
@@ -204,17 +181,10 @@ class SparseAttentionConfig(FileConfig):
         return parsed
 
     def check_sparse_at(self, seq_len: int, layers: Iterable[int] | None = None) -> None:
-        """Raise ValueError, naming the fix, when layers whose pattern is vertical_slash would run dense on
-        every document of up to `seq_len` tokens without saying so: with estimation='causal_chunks', a
-        document's first `estimation_chunk` tokens are dense, so a chunk at least as long as the sequence
-        makes the whole layer dense. (Documents shorter than `min_seq_len` are dense by choice, and the
-        start-up line says so.)
-
-        Args:
-            seq_len: the longest training sequence (a curriculum stage's length).
-            layers: the indices of the layers that run this config's pattern (`for_layer`); default: the
-                config itself, without per-layer settings.
-        """
+        """Raise ValueError, naming the fix, when vertical_slash layers would run dense on every document of up
+        to `seq_len` tokens (the longest training sequence) without saying so: with estimation='causal_chunks'
+        a document's first `estimation_chunk` tokens are dense, so a chunk as long as the sequence makes the
+        layer dense. `layers`: the layers that run this config (`for_layer`; default: the config itself)."""
         configs = {i: self.for_layer(i) for i in layers} if layers is not None else {None: self}
         dense = [i for i, cfg in configs.items()
                  if cfg.pattern == "vertical_slash" and cfg.estimation == "causal_chunks"
@@ -255,12 +225,7 @@ class SparseAttentionConfig(FileConfig):
     def from_dict(cls, data: Mapping[str, Any]) -> SparseAttentionConfig:
         """Build from a stored mapping (a saved model's config, a file): nested sections or the flat keys of
         any earlier version, which load as they ran (`sections.nested` with `stored`)."""
-        return cls._built(nested(data, stored=True))
-
-    @classmethod
-    def flag_defaults(cls) -> dict[str, Any]:
-        """The fields' defaults; a section's flat flags default to unset (None: the budget's own)."""
-        return {name: value for name, value in super().flag_defaults().items() if name not in _SECTIONS}
+        return cls(**nested(data, stored=True))
 
     @classmethod
     def layered(cls, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> SparseAttentionConfig:
@@ -268,7 +233,7 @@ class SparseAttentionConfig(FileConfig):
         `lower` does not run replaces `lower`'s budget (`sections.merged_sections`)."""
         lower, upper = nested(lower), nested(upper)
         top = {name: value for name, value in {**lower, **upper}.items() if name not in _SECTIONS}
-        return cls._built({**top, **merged_sections(lower, upper)})
+        return cls(**top, **merged_sections(lower, upper))
 
     def given(self) -> dict[str, Any]:
         """The values that differ from the defaults (the budget's for its fields and the scoring), as a

@@ -181,9 +181,11 @@ class FileConfig:
 
     @classmethod
     def flag_defaults(cls) -> dict[str, Any]:
-        """The value of each flag when not given (`from_file_and_flags`): the fields' defaults."""
-        return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-                for f in dataclasses.fields(cls)}
+        """The value of each flag when not given (`from_file_and_flags`): the fields' defaults. A section's
+        flags (its fields) default to unset (None), whatever the section holds then."""
+        defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(cls)}
+        return {name: value for name, value in defaults.items() if not isinstance(value, FileConfig)}
 
     @classmethod
     def layered(cls, lower: Mapping[str, Any], upper: Mapping[str, Any]):

@@ -1,41 +1,26 @@
 """Vertical-slash pattern estimation (MTraining): which key columns and diagonals each head keeps.
 
-One pipeline, stage by stage: the *documents* of a call long enough for a sparse pattern
-(`pattern_documents`), their estimation *segments* (`estimation_segments`), the *scores* of each
-segment's keys, the *budget* that keeps the best of them (`cfg.budget`, `hf_sparse_cp.attention.budgets`)
-and the *layout* built from what it kept (`layout_from_kept`). `estimate` runs it; the scores stage is
-the caller's: one process scores whole rows (`estimate_layout`), a context-parallel rank scores its
-shard and gathers every rank's candidates (`hf_sparse_cp.distributed.estimation`), and both select
-with the same budget stage.
+One pipeline (`estimate`): the *documents* of a call long enough for a sparse pattern, their estimation
+*segments*, the *scores* of each segment's keys, the *budget* that keeps the best of them (`cfg.budget`,
+`hf_sparse_cp.attention.budgets`) and the *layout* built from what it kept. The scores stage is the
+caller's: one process scores whole rows (`estimate_layout`), a context-parallel rank scores its shard and
+gathers every rank's candidates (`hf_sparse_cp.distributed.estimation`); the other stages are the same.
 
-Scores: the last `last_q` queries of each long document score every earlier key of their document: a
-key column's *vertical* score is the attention mass it receives, a diagonal's *slash* score the mass
-along offset `q - k`. With `sample_groups`, groups of queries along the document score too
-(`scoring_groups`): the document is cut into equal strata, each scored by its last queries, and in a
-`weighted` budget (or with sample groups) a scoring query's mass counts for the queries of its stratum
-that see the key (`Stratum`), so the scores estimate the mass every query of the document puts on each
-key and offset. Each document is selected on its own, with its own budget, plus its first
-`sink_tokens` columns and the `local_window` diagonals next to the main one, so a document's kept tokens
-do not depend on what else is packed with it. Exact ties go to the lower position, in one process as
-across ranks. Scoring runs on CUDA in the Triton kernels of `hf_sparse_cp.kernels.vertical_slash` (no
-[H, R, L] probabilities in memory), elsewhere in PyTorch by tiles of heads and keys
-(`SCORE_ELEMENTS`); scores are fp32 (fp64 for fp64 inputs). GQA heads score against their shared key
-head.
-
-With `estimation="causal_chunks"` the pattern of a query never depends on a later token: a document is
-cut into chunks of `estimation_chunk` tokens from its start; chunk c >= 1 takes the verticals and
-slashes chosen, with the same budget, by the last `last_q` queries before the chunk over the keys
-before it, and the first chunk is dense. Each chunk is an estimation segment: it scores like a
-document that ends where the chunk begins, and its kept sets sit beside the others the way documents'
-sets do ([H, V, S] per row, V sets; a query block takes the set of its first valid query). Uniform
-chunks keep the staleness of a query's pattern (at most `estimation_chunk` tokens) the same everywhere.
-
-Documents shorter than `min_seq_len` stay dense (every causal block of the document); so does every
-layer with a sliding window (already local) and every layer whose pattern is "dense". Diagonals become
-key blocks along the block diagonals they cross; kept columns outside those blocks become token columns
-(`build.py`). Host synchronizations per call: one to read the documents of the batch (none without
-token metadata: one document per row), one to size the window of kept columns a query block can see,
-and one to size the layout's padded widths.
+Scores: the last `last_q` queries of each long document score every earlier key of their document (a
+column's *vertical* score is the attention mass it receives, a diagonal's *slash* score the mass along
+offset q - k), and with `sample_groups` groups of queries along it (`scoring_groups`); in a `weighted`
+budget or with groups, a scoring query's mass counts for the queries of its stratum that see the key
+(`Stratum`), so the scores estimate the mass of every query of the document. Each document is selected
+on its own, plus its first `sink_tokens` columns and `local_window` diagonals, so its kept tokens do not
+depend on what is packed with it; exact ties go to the lower position. With `estimation="causal_chunks"`
+a document is cut into chunks of `estimation_chunk` tokens; chunk c >= 1 is a segment scored by the last
+queries before it over the keys before it (the first chunk dense), so no query's pattern depends on a
+later token; its kept sets sit beside the others ([H, V, S] per row, V sets; a query block takes the set
+of its first valid query). Documents shorter than `min_seq_len`, sliding-window layers and dense layers
+stay dense. Scoring runs on CUDA in the Triton kernels of `hf_sparse_cp.kernels.vertical_slash`,
+elsewhere in PyTorch by tiles of `SCORE_ELEMENTS`; scores are fp32 (fp64 for fp64 inputs). Host
+synchronizations per call: the batch's documents (none without token metadata), the window of kept
+columns a query block can see, and the layout's padded widths.
 """
 
 from __future__ import annotations
@@ -128,11 +113,13 @@ def pattern_documents(
     return long_documents(meta, cfg)
 
 
+# -------------------------------------------------------------------------------------------- scoring
+
+
 class Sampling(NamedTuple):
-    """Which queries score a document's keys (`scoring_groups`): the last `last_q`, and with `groups` > 0
-    as many more groups of `group_size` along it. `weighted`: each scoring query's mass counts for the
-    queries of its part of the document that see the key (`Stratum`), so that the scores estimate the
-    mass all the document's queries put on each key and diagonal; otherwise plain sums."""
+    """Which queries score a document's keys (`scoring_groups`): the last `last_q`, and `groups` more groups of
+    `group_size` along it; `weighted`: each one's mass counts for its stratum (`Stratum`), else plain sums;
+    `far_blocks`: the budget's (`Budget.far_blocks`)."""
 
     last_q: int
     groups: int = 0
@@ -149,11 +136,9 @@ class Sampling(NamedTuple):
 
 
 class Stratum(NamedTuple):
-    """The queries [lo, hi) of a document starting at `doc_start` that `rows` scoring queries (the last
-    of them) stand for: a scoring query's probability of key j counts (hi - max(lo, j))^+ / rows times (the
-    queries of the stratum that see j), that of a pair at offset o (hi - max(lo, doc_start + o))^+ / rows.
-    With `far_blocks` > 0 a key column takes only the mass of the queries at least that many blocks (of
-    `block_size`) after its own (`column_weights`)."""
+    """The queries [lo, hi) of a document at `doc_start` that its last `rows` scoring queries stand for: a
+    probability of key j counts (hi - max(lo, j))^+ / rows times, of offset o (hi - max(lo, doc_start + o))^+ /
+    rows; with `far_blocks` a column only the queries that many blocks after its own (`column_weights`)."""
 
     lo: int
     hi: int
@@ -202,16 +187,10 @@ def column_weights(stratum: Stratum, key_pos: torch.Tensor) -> torch.Tensor:
     return torch.where(scored > 0, seen / scored.clamp_min(1), 0)
 
 
-# -------------------------------------------------------------------------------------------- scoring
-
-
 def _score_tiles(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float):
-    """Masked, scaled scores tile by tile: yields (query heads slice, keys slice, scores [heads, R, keys]).
-
-    q_rows: [Hq, R, D], k_keys: [Hkv, L, D] in the estimation dtype; visible: bool [R, L]. Query
-    heads of a GQA group are scored against their shared key head; tiles of heads and keys bound
-    the memory whatever L.
-    """
+    """Masked, scaled scores tile by tile: yields (query heads slice, keys slice, scores [heads, R, keys]) of
+    q_rows [Hq, R, D], k_keys [Hkv, L, D] (the estimation dtype; visible: bool [R, L]), a GQA group against
+    its shared key head; tiles of heads and keys bound the memory whatever L."""
     hq, r, d = q_rows.shape
     hk, n = k_keys.shape[:2]
     g = hq // hk
@@ -237,11 +216,8 @@ def _tile_shape(q_rows: torch.Tensor, k_keys: torch.Tensor) -> tuple[int, int]:
 def row_softmax_stats(
     q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query row, the max score over these keys and the sum of exp(score - max) ([Hq, R] each).
-
-    Partial statistics of a sharded key set combine across ranks as M = max(m), Z = sum(z exp(m - M)).
-    Rows that see none of these keys give (-inf, 0).
-    """
+    """Per query row, the max score over these keys and the sum of exp(score - max) ([Hq, R] each; (-inf, 0)
+    for a row that sees none). Partial statistics of a sharded key set combine as M = max(m), Z = sum(z e^(m - M))."""
     hq, r = q_rows.shape[:2]
     row_max = torch.full((hq, r), float("-inf"), dtype=q_rows.dtype, device=q_rows.device)
     row_sum = torch.zeros(hq, r, dtype=q_rows.dtype, device=q_rows.device)
@@ -273,29 +249,16 @@ def _probabilities(q_rows, k_keys, visible, scale, normalizer):
 
 
 def accumulate_vertical_slash(
-    q_rows: torch.Tensor,
-    k_keys: torch.Tensor,
-    row_pos: torch.Tensor,
-    key_pos: torch.Tensor,
-    scale: float,
-    vertical: torch.Tensor,
-    slash: torch.Tensor,
-    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
-    slash_base: int = 0,
-    vertical_index: torch.Tensor | None = None,
-    stratum: Stratum | None = None,
+    q_rows: torch.Tensor, k_keys: torch.Tensor, row_pos: torch.Tensor, key_pos: torch.Tensor, scale: float,
+    vertical: torch.Tensor, slash: torch.Tensor, normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slash_base: int = 0, vertical_index: torch.Tensor | None = None, stratum: Stratum | None = None,
 ) -> None:
-    """Add the attention mass of query rows at positions `row_pos` on keys at `key_pos`:
-    vertical[h, key] += mass the key receives, slash[h, slash_base + row - key] += mass on that
-    offset (`slash_base`: the document's start, so that every document has its own offsets).
-    `vertical_index` (one per key; default `key_pos`) puts a key's mass elsewhere in `vertical`.
-    With a `stratum`, each mass counts its stratum weight (`stratum_weights`; a column's `column_weights`,
-    and with `far_blocks` only the mass of the queries that many blocks or more after the key's block).
-
-    Keys after a row are invisible. Probabilities are a softmax over these keys, or, with
-    `normalizer` = (row max, row sum of exp(score - max)) of the row's *whole* key set (keys split
-    over ranks), exp(score - max) / sum.
-    """
+    """Add the attention mass of query rows at `row_pos` on keys at `key_pos` (keys after a row invisible):
+    vertical[h, key] += the mass the key receives (at `vertical_index` when given), slash[h, slash_base + row -
+    key] += the mass on that offset (`slash_base`: the document's start). With a `stratum`, each mass counts
+    its stratum weight (`stratum_weights`; a column's `column_weights`). Probabilities are a softmax over these
+    keys, or with `normalizer` = (row max, row sum of exp(score - max)) of the row's whole key set (keys split
+    over ranks) exp(score - max) / sum."""
     visible = key_pos.unsqueeze(0) <= row_pos.unsqueeze(1)  # [R, L]
     for heads, keys, a in _probabilities(q_rows, k_keys, visible, scale, normalizer):
         diff = row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)
@@ -324,15 +287,10 @@ def score_vertical_slash(
     q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], last_q: int, scale: float,
     sampling: Sampling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vertical and slash scores of one batch row.
-
-    q: [Hq, S, D], k: [Hkv, S, D]; docs: (start, end) of the documents to score; sampling: which queries
-    score them (default: the last `last_q`, plain sums).
-    Returns (vertical [Hq, S], slash [Hq, S]) in fp32 (fp64 for fp64 inputs): vertical[h, j] is the
-    attention mass key j receives from its document's scoring queries; slash[h, start + o] the mass on
-    offset o = q - k inside the document that begins at `start` (each document its own). Weighted
-    sampling scales each query's mass by its `Stratum` weight.
-    """
+    """Vertical and slash scores of one batch row, q: [Hq, S, D], k: [Hkv, S, D], of the documents `docs`
+    ((start, end)) by the queries `sampling` says (default: the last `last_q`, plain sums). Returns (vertical
+    [Hq, S], slash [Hq, S]), fp32 (fp64 for fp64 inputs): vertical[h, j] the mass key j receives from its
+    document's scoring queries, slash[h, start + o] the mass on offset o = q - k of the document at `start`."""
     sampling = Sampling(last_q) if sampling is None else sampling
     hq, s, _ = q.shape
     dtype = compute_dtype(q.dtype)
@@ -415,29 +373,25 @@ def select_into(keep_v: torch.Tensor, keep_s: torch.Tensor, cfg: SparseAttention
     keep_anchors(keep_v, keep_s, sg.start, sg.q_hi, cfg)
 
 
-def whole_row_entries(cfg: SparseAttentionConfig, vertical: torch.Tensor, slash: torch.Tensor, start: int, end: int
-                      ) -> tuple[Entries, Entries]:
-    """The entries of one segment from its whole rows of scores (vertical, slash [H, S] of its set)."""
-    ids = torch.arange(start, end, device=vertical.device)
+def row_entries(cfg: SparseAttentionConfig, vertical: torch.Tensor, slash: torch.Tensor, start: int, end: int
+                ) -> tuple[Entries, Entries]:
+    """The entries of the segment [start, end) from whole rows of scores (vertical, slash [H, S] of its set)."""
     diagonals = cfg.budget.diagonal_scores(slash[:, start:end], cfg.block_size)
-    return (Entries(vertical[:, start:end], ids),
+    return (Entries(vertical[:, start:end], torch.arange(start, end, device=vertical.device)),
             Entries(diagonals, torch.arange(diagonals.shape[-1], device=vertical.device)))
 
 
 def select_vertical_slash(
     vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, ...]]], cfg: SparseAttentionConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept key columns and kept diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per
-    row, its scored documents as (start, end), or (start, end, scored_end) when only the queries before
-    scored_end scored it (a causal chunk). Every document is selected on its own, with its own budget
-    (`select_into`), its offsets o at [start + o] as `score_vertical_slash` lays them out."""
-    keep_v = torch.zeros_like(vertical, dtype=torch.bool)
-    keep_s = torch.zeros_like(slash, dtype=torch.bool)
+    """Kept key columns and diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per row, its
+    scored documents as (start, end), or (start, end, scored_end) when only the queries before scored_end
+    scored it (a causal chunk); each is selected on its own (`select_into`)."""
+    keep_v, keep_s = (torch.zeros_like(x, dtype=torch.bool) for x in (vertical, slash))
     for row, row_docs in enumerate(docs):
         for start, end, *scored_end in row_docs:
-            sg = EstimationSegment(start, scored_end[0] if scored_end else end, start, end, 0)
-            select_into(keep_v[row], keep_s[row], cfg, *whole_row_entries(cfg, vertical[row], slash[row], start, end),
-                        sg)
+            select_into(keep_v[row], keep_s[row], cfg, *row_entries(cfg, vertical[row], slash[row], start, end),
+                        EstimationSegment(start, (scored_end or [end])[0], start, end, 0))
     return keep_v, keep_s
 
 
@@ -446,10 +400,9 @@ def select_vertical_slash(
 
 def segment_diagonals(keep_s: torch.Tensor, meta: TokenMeta, segments: list[list[EstimationSegment]],
                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept block diagonals per estimation segment, side by side, and where each query block's set
-    begins (`build_layout`'s `diagonals` and `diagonal_start`), from kept offsets [B, H, V, S] laid out
-    as `select_vertical_slash` returns each set. A segment's set spans the blocks from its document's
-    start to its last query; the query blocks whose first valid query it holds take it."""
+    """Kept block diagonals per segment side by side, and where each query block's set begins (`build_layout`'s
+    `diagonals`, `diagonal_start`), from kept offsets [B, H, V, S]: a segment's set spans the blocks from its
+    document's start to its last query, and the query blocks whose first valid query it holds take it."""
     bs = block_size
     sets, spans = [[] for _ in segments], [[] for _ in segments]
     width = 0
@@ -475,13 +428,8 @@ def _query_ranges(segments: list[list[EstimationSegment]]) -> list[list[tuple[in
     return [[(sg.q_lo, sg.q_hi) for sg in row] for row in segments]
 
 
-def layout_from_kept(
-    meta: TokenMeta,
-    cfg: SparseAttentionConfig,
-    segments: list[list[EstimationSegment]],
-    keep_v: torch.Tensor,
-    keep_s: torch.Tensor,
-) -> SparseLayout:
+def layout_from_kept(meta: TokenMeta, cfg: SparseAttentionConfig, segments: list[list[EstimationSegment]],
+                     keep_v: torch.Tensor, keep_s: torch.Tensor) -> SparseLayout:
     """The layout from the kept columns and offsets of every estimation segment ([B, H, V, S] bool each,
     set j of a row at [:, :, j], as `select_vertical_slash` lays them out, anchors included)."""
     dense_tokens = meta.segment != PAD_SEGMENT
@@ -501,12 +449,8 @@ def layout_from_kept(
                         vertical_set=vertical_set, dense_tokens=dense_tokens, max_verticals=bound)
 
 
-def layout_from_scores(
-    meta: TokenMeta,
-    cfg: SparseAttentionConfig,
-    docs: list[list[tuple[int, int]]],
-    scores: list[tuple[torch.Tensor, torch.Tensor] | None],
-) -> SparseLayout:
+def layout_from_scores(meta: TokenMeta, cfg: SparseAttentionConfig, docs: list[list[tuple[int, int]]],
+                       scores: list[tuple[torch.Tensor, torch.Tensor] | None]) -> SparseLayout:
     """The layout once every row with estimation segments (`estimation_segments(docs, cfg)`) has its
     (vertical, slash) scores ([H, V, S] each, or [H, S] for one set; None for rows without segments),
     as `score_rows` gives them: the budget and layout stages of `estimate`."""
@@ -520,14 +464,14 @@ def _row_entries(cfg: SparseAttentionConfig, segments: list[list[EstimationSegme
     n_sets = _num_sets(segments)
     warn_if_costly(n_sets, len(scores) * 2 * first.shape[0] * first.shape[-1] * n_sets * first.element_size(), cfg)
     for row, row_segs in enumerate(segments):
-        vertical, slash = (x.view(x.shape[0], n_sets, -1) for x in scores[row]) if row_segs else (None, None)
         for sg in row_segs:
-            yield whole_row_entries(cfg, vertical[:, sg.set], slash[:, sg.set], sg.start, sg.q_hi)
+            vertical, slash = (x.view(x.shape[0], n_sets, -1)[:, sg.set] for x in scores[row])
+            yield row_entries(cfg, vertical, slash, sg.start, sg.q_hi)
 
 
 class KeptEntries(NamedTuple):
-    """What a sparse layout is built from (`layout_from_kept`): the estimation segments of every batch
-    row and the kept columns and offsets ([B, H, V, S] bool each, anchors included)."""
+    """What a layout is built from (`layout_from_kept`): every row's segments, the kept columns and offsets
+    ([B, H, V, S] bool each, anchors included)."""
 
     segments: list[list[EstimationSegment]]
     keep_v: torch.Tensor
@@ -545,14 +489,8 @@ class Estimate(NamedTuple):
 Scores = Callable[[list[list[EstimationSegment]]], Iterable[tuple[Entries, Entries]]]
 
 
-def estimate(
-    cfg: SparseAttentionConfig,
-    meta: TokenMeta,
-    scores: Scores,
-    *,
-    sliding_window: int | None = None,
-    docs: list[list[tuple[int, int]]] | None = None,
-) -> Estimate:
+def estimate(cfg: SparseAttentionConfig, meta: TokenMeta, scores: Scores, *, sliding_window: int | None = None,
+             docs: list[list[tuple[int, int]]] | None = None) -> Estimate:
     """The pipeline: documents -> segments -> scores -> budget -> layout.
 
     Args:
@@ -571,26 +509,18 @@ def estimate(
     if not any(segments):
         return Estimate(dense_layout(meta, cfg.block_size, sliding_window), None)
     flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
-    keep_v = keep_s = None
+    keep = None
     for (row, sg), (columns, diagonals) in zip(flat, scores(segments)):
-        if keep_v is None:
-            keep_v, keep_s = (torch.zeros(b, columns.scores.shape[0], _num_sets(segments), s, dtype=torch.bool,
-                                          device=columns.scores.device) for _ in range(2))
-        select_into(keep_v[row, :, sg.set], keep_s[row, :, sg.set], cfg, columns, diagonals, sg)
-    kept = KeptEntries(segments, keep_v, keep_s)
-    return Estimate(layout_from_kept(meta, cfg, segments, keep_v, keep_s), kept)
+        if keep is None:  # [2, B, H, V, S]: kept columns, kept offsets
+            keep = columns.scores.new_zeros(2, b, columns.scores.shape[0], _num_sets(segments), s, dtype=torch.bool)
+        select_into(keep[0, row, :, sg.set], keep[1, row, :, sg.set], cfg, columns, diagonals, sg)
+    kept = KeptEntries(segments, *keep)
+    return Estimate(layout_from_kept(meta, cfg, *kept), kept)
 
 
-def estimate_layout(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cfg: SparseAttentionConfig,
-    meta: TokenMeta | None = None,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    docs: list[list[tuple[int, int]]] | None = None,
-) -> SparseLayout:
+def estimate_layout(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig, meta: TokenMeta | None = None, *,
+                    scale: float | None = None, sliding_window: int | None = None,
+                    docs: list[list[tuple[int, int]]] | None = None) -> SparseLayout:
     """The layout for one attention call: vertical-slash for long documents, dense for the rest.
 
     Args:
@@ -602,8 +532,8 @@ def estimate_layout(
         docs: `pattern_documents` of this call when the caller has it already.
 
     Returns:
-        The `SparseLayout` [B, Hq, NQB, ...] (one shared head when every document is dense).
-        Deterministic: the same inputs give the same layout on every rank.
+        The `SparseLayout` [B, Hq, NQB, ...] (one shared head when every document is dense), the same for
+        the same inputs on every rank.
     """
     b, _, s, d = q.shape
     docs = pattern_documents(cfg, meta, b, s, sliding_window) if docs is None else docs

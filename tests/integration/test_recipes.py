@@ -19,7 +19,13 @@ from transformers import HfArgumentParser
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments, checkpointing_enabled
 from hf_sparse_cp.attention.budgets import TopK
 from hf_sparse_cp.examples import train_long_context as example
-from hf_sparse_cp.examples.train_long_context import DEMO_DEFAULTS, ScriptArguments, parse_args, recipe_flags
+from hf_sparse_cp.examples.train_long_context import (
+    DEMO_BUDGET,
+    DEMO_DEFAULTS,
+    ScriptArguments,
+    parse_args,
+    recipe_flags,
+)
 from hf_sparse_cp.files import read_mapping
 from hf_sparse_cp.integration.compat import attn_implementation
 from hf_sparse_cp.recipes import recipe_names, recipe_path
@@ -70,7 +76,7 @@ def test_accelerate_configs_load_and_divide_the_world(path):
 def test_training_recipes_parse_into_a_sparse_cp_run(path):
     script, training, sparse, pattern, cp, smet, _ = parse_args([str(path)])
     assert sparse.sparse_attention and not smet.smet
-    assert training.max_length % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
+    assert training.max_length % (cp.cp_size * pattern.sparse_block_size) == 0  # whole blocks on every rank
     assert training.bf16 and checkpointing_enabled(training)
     assert training.save_strategy == "steps" and training.save_steps < training.max_steps  # the recipe's saving
     assert load_config_from_file(str(RECIPES / "accelerate" / "fsdp2_cp8_1node.yaml")).num_processes % cp.cp_size == 0
@@ -87,7 +93,7 @@ def test_curriculum_stages_chain_and_grow():
 def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
     recipe = tmp_path / "overrides.yaml"
     recipe.write_text('max_length: 512\nsparse_layer_overrides:\n  "0-1": {pattern: dense}\n')
-    pattern = parse_args([str(recipe)])[3]
+    pattern = parse_args([str(recipe)])[3].to_config()
     assert pattern.layer_overrides == {"0-1": {"pattern": "dense"}} and pattern.for_layer(1).pattern == "dense"
 
 
@@ -163,7 +169,7 @@ def test_help_shows_the_defaults_the_command_uses(capsys, monkeypatch, argv):
             if f.name not in given:
                 assert shown[f.name] == str(getattr(config, f.name)), f.name
     if not argv:  # the demo's training settings too
-        for name, value in DEMO_DEFAULTS.items():
+        for name, value in {**DEMO_DEFAULTS, **DEMO_BUDGET}.items():
             assert shown[name] == str(value), name
     # without an accelerator the arguments train on CPU processes, whatever the command line says
     assert parsed.training.use_cpu == (not torch.accelerator.is_available())
