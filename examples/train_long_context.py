@@ -35,7 +35,7 @@ import logging
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from datasets import Dataset
@@ -61,18 +61,21 @@ from hf_sparse_cp import (
 )
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.files import check_field_types, read_mapping
 from hf_sparse_cp.recipes import recipe_path
-from hf_sparse_cp.testing.models import tiny_config
-from hf_sparse_cp.trainer.arguments import explicit_fields
+from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
+from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScriptArguments:
+    _argument_group_name: ClassVar[str] = "the example's flags"  # (its argument group in --help)
+
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Pretrained model to fine-tune (a Hub id, a folder, or a .gguf file, loaded "
                                          "dequantized through transformers' GGUF support); default: a tiny "
@@ -259,7 +262,8 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     """(script, training, sparse, pattern, cp, smet, explicit): a recipe file if the first argument is
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
     and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
-    parser = HfArgumentParser((ScriptArguments, SparseTrainingArguments), description=DESCRIPTION)
+    common, other = help_groups(SparseTrainingArguments, COMMON_FLAGS)  # --help: the common flags first
+    parser = HfArgumentParser((common, ScriptArguments, other), description=DESCRIPTION)
     argv, recipe = take_recipe(list(argv))
     try:
         if recipe is not None:
@@ -279,7 +283,8 @@ def parse_args(argv: list[str]) -> ParsedArgs:
         defaults |= {} if explicit & {"sparse_budget_mode", "sparse_config"} else DEMO_BUDGET
     parser.set_defaults(**defaults)
     try:
-        script, training, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        training = SparseTrainingArguments(**vars(first), **vars(rest))
         script.check(training.max_length)
     except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
         _refuse(parser, str(e))

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
 
 _MISSING = object()
 
@@ -97,9 +97,9 @@ def lean_loss() -> Iterator:
     import transformers
 
     from hf_sparse_cp import disable_lean_loss, enable_lean_loss
-    from hf_sparse_cp.integration.lean_loss import SUPPORTED_CAUSAL_LM_CLASSES
+    from hf_sparse_cp.integration.architectures import lean_loss_classes
 
-    yield [(getattr(transformers, name), "forward") for name in SUPPORTED_CAUSAL_LM_CLASSES]
+    yield [(getattr(transformers, name), "forward") for name in lean_loss_classes()]
     enable_lean_loss()
     yield
     disable_lean_loss()

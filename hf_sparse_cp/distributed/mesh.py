@@ -75,7 +75,7 @@ class ContextParallelConfig:
     cp_allow_untested_model: bool = field(
         default=False,
         metadata={"help": "Train an architecture outside the registry of models tested exact under context "
-                  "parallelism (hf_sparse_cp.integration.models.TESTED_MODEL_TYPES) if it passes the checks "
+                  "parallelism (hf_sparse_cp.integration.architectures.ARCHITECTURES) if it passes the checks "
                   "for shard reach, length-dependent RoPE and token mixing outside attention."},
     )
 

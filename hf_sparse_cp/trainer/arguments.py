@@ -275,6 +275,20 @@ class SMETArguments(SMETFlags):
         return SMETConfig.from_file_and_flags(self.smet_config, self._flags(), fields)
 
 
+def help_groups(cls: type, common: Collection[str]) -> tuple[type, type]:
+    """The flags of dataclass `cls` as two dataclasses for one `HfArgumentParser`, each an argument group of
+    its `--help`: the `common` flags (listed first when passed first) and every other flag;
+    `cls(**vars(first), **vars(second))` builds `cls` from what it parses."""
+    flags = [copied for copied, f in zip(copied_fields(cls), dataclasses.fields(cls)) if f.init]
+
+    def group(title: str, keep: bool) -> type:
+        return dataclasses.make_dataclass(title.title().replace(" ", ""),
+                                          [flag for flag in flags if (flag[0] in common) == keep],
+                                          namespace={"_argument_group_name": title})
+
+    return group("common flags", True), group("other flags", False)
+
+
 # Marks the arguments a command line does not set (argparse leaves a namespace's existing values alone).
 _NOT_GIVEN = object()
 

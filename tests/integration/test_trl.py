@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 trl = pytest.importorskip("trl")

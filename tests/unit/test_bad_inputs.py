@@ -169,7 +169,7 @@ def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused)
 def _tiny(model_type: str = "llama", **overrides):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
 
