@@ -33,11 +33,12 @@ import torch
 import yaml
 from transformers import DataCollatorWithFlattening, Trainer
 
+from ..backends import PLOT_EXTRA
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ParallelDims
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
-from .kept_fraction import PLOT_EXTRA, kept_fraction_figure, mean_kept_fraction_per_layer
+from .kept_fraction import kept_fraction_figure, mean_kept_fraction_per_layer
 
 logger = logging.getLogger(__name__)
 

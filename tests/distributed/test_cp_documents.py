@@ -24,7 +24,7 @@ from hf_sparse_cp.distributed import (
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.planner import PlannerCosts, plan_documents, plan_row
 from hf_sparse_cp.simulator.traffic import pipelined_time, ring_cost
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, rel_rms

@@ -32,7 +32,7 @@ from hf_sparse_cp.distributed import (
     ring_sparse_attention,
 )
 from hf_sparse_cp.distributed.comm import P2PComm, Transfer
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, rel_rms

@@ -26,7 +26,8 @@ from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels import vertical_slash as vs
-from hf_sparse_cp.testing.layouts import planted_qk, random_layout, random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
+from hf_sparse_cp.testing.layouts import planted_qk, random_layout
 
 from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms
 

@@ -27,8 +27,9 @@ from hf_sparse_cp.kernels.indexing import (
     split_layout,
 )
 from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.interpreter import interpreter_blocker, interpreter_pool
-from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
+from hf_sparse_cp.testing.layouts import random_layout
 
 from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms, visible
 

@@ -158,7 +158,7 @@ def test_the_example_names_the_model_path_it_cannot_load(tmp_path):
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):
     """Issue #31: --cp 0 was a ZeroDivisionError, --density 5 was accepted."""
-    from hf_sparse_cp.examples.simulate_cluster import parse_args as simulate_args
+    from hf_sparse_cp.simulator.simulate_cli import parse_args as simulate_args
 
     with pytest.raises(SystemExit) as stopped:
         simulate_args(flags, prog="hf-sparse-cp simulate")

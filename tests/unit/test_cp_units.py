@@ -20,7 +20,7 @@ from hf_sparse_cp.distributed import (
 from hf_sparse_cp.distributed.mesh import ring_shape
 from hf_sparse_cp.distributed.plan import RingPlan, TransferSets, slot_ops
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 from oracle import TOLERANCE, rel_rms
 

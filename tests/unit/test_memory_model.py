@@ -1,4 +1,4 @@
-"""The memory model (`hf_sparse_cp.memory.model`) and `hf-sparse-cp memory`: the tensors a recomputed
+"""The memory model (`hf_sparse_cp.simulator.memory_model`) and `hf-sparse-cp memory`: the tensors a recomputed
 decoder layer saves, counted by autograd's own hooks, against the model's inventory; how the peak
 moves with length, CP, FSDP and the savers; the "how long fits" answer and the command's errors."""
 
@@ -15,8 +15,8 @@ from hf_sparse_cp.cli import main as cli_main
 from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
-from hf_sparse_cp.memory.cli import parse_memory
-from hf_sparse_cp.memory.model import (
+from hf_sparse_cp.simulator.memory_cli import parse_memory
+from hf_sparse_cp.simulator.memory_model import (
     ARCHITECTURES,
     Architecture,
     StepSettings,

@@ -30,8 +30,8 @@ from typing import Literal
 
 from ..attention import build, estimate, reference
 from ..config import SparseAttentionConfig
-from ..simulator.step_model import MODELS, ModelShape
-from .savers import MemorySavers
+from ..memory.savers import MemorySavers
+from .shapes import MODELS, ModelShape
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
