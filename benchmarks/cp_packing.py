@@ -47,7 +47,7 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.planner import (
+from hf_sparse_cp.distributed.document_sharding import (
     PlannerCosts,
     kept_blocks_per_row,
     plan_documents,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..files import check_field_types
 from .comm import RingTopology, warm_up
-from .planner import PlannerCosts
+from .document_sharding import PlannerCosts
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
+from .context_parallel import count_once_per_cp_group, dp_data_loader, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +375,7 @@ def enable_curriculum(
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
             for c in sorted({s.cp_size for s in schedule.stages})}
-    pad_token_id = _pad_token_id(trainer, model)
+    pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
@@ -386,16 +386,16 @@ def enable_curriculum(
             return contextlib.nullcontext, inputs
         sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
-    _count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
-                     lambda *args, **kwargs: _dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
+                     lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
 
     def get_train_dataloader():
         return _train_data_loader(trainer, curriculum)
@@ -426,7 +426,7 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     loader = torch.utils.data.DataLoader(
         StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
-    return _dp_data_loader(trainer, ParallelDims.single())(loader)
+    return dp_data_loader(trainer, ParallelDims.single())(loader)
 
 
 def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:

@@ -163,7 +163,6 @@ def _cp_case(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_context_parallel_estimation_and_attention_equal_one_process(cp_runs, sharding):
     for errs in (r[sharding] for r in cp_runs):

@@ -82,7 +82,7 @@ def test_candidates_select_what_the_whole_row_selects(budget):
 @pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])
 def test_tokens_before_counts_each_ranks_tokens(sharding):
     from hf_sparse_cp.distributed import ShardPlan
-    from hf_sparse_cp.distributed.planner import plan_row
+    from hf_sparse_cp.distributed.document_sharding import plan_row
 
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
     s = meta.segment.shape[1]
@@ -94,7 +94,7 @@ def test_tokens_before_counts_each_ranks_tokens(sharding):
 
 def _case(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
-    from hf_sparse_cp.distributed.planner import plan_row
+    from hf_sparse_cp.distributed.document_sharding import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     sent = []
@@ -143,7 +143,7 @@ def _case(rank: int, world: int) -> dict:
 
 def _ties(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
-    from hf_sparse_cp.distributed.planner import plan_row
+    from hf_sparse_cp.distributed.document_sharding import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
@@ -176,14 +176,12 @@ def runs():
     return run_gloo(_case, WORLD)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_estimation_across_ranks_equals_one_process(runs, case):
     for r in (run[case] for run in runs):
         assert r["sparse"] and r["same_as_single"] and r["same_on_all_ranks"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
     for r in (run[case] for run in runs):
@@ -203,7 +201,6 @@ def tie_runs():
     return run_gloo(_ties, WORLD)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(TIE_MODES))
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
 @pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])

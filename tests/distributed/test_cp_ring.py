@@ -37,8 +37,6 @@ from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, rel_rms
 
-pytestmark = pytest.mark.slow  # multi-process (about 30 s for the three world sizes on 2 cores)
-
 BS, D = 16, 16
 
 

@@ -165,14 +165,12 @@ def _ended_within_the_bound(launcher: subprocess.Popen, run: dict[int, str]) -> 
     return returncode
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_torchrun_and_the_workers(training_run):
     launcher, run, _ = training_run
     launcher.send_signal(signal.SIGTERM)
     assert _ended_within_the_bound(launcher, run) == 128 + signal.SIGTERM
 
 
-@pytest.mark.slow
 def test_a_dead_worker_ends_the_run(training_run):
     launcher, run, workers = training_run
     os.kill(workers[1], signal.SIGKILL)

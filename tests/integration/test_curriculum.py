@@ -295,7 +295,6 @@ def four_processes(tmp_path_factory):
     return run_gloo(_in_four_processes, 4, str(tmp_path_factory.mktemp("curriculum")), timeout_s=600)
 
 
-@pytest.mark.slow
 def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processes):
     results = four_processes[0]["trainer"]
     # each step ran in its stage: 128-token shards of 128, 256 and 512 tokens, CP 1, 2, 4, the last stage's top-k
@@ -311,7 +310,6 @@ def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processe
                                       results["adamw"]["run"][1]), range(4, MAX_STEPS + 1))
 
 
-@pytest.mark.slow
 def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_process(four_processes):
     for r in four_processes:
         assert r["fsdp2"]["stayed"]  # every local shard: the same storage and shape after three CP degrees

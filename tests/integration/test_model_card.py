@@ -191,7 +191,6 @@ def cp_runs(tmp_path_factory):
     return main, out
 
 
-@pytest.mark.slow
 def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
     runs, tmp_path = cp_runs
     main, tmp_path = runs["cp_smet"], tmp_path / "cp_smet"
@@ -265,7 +264,6 @@ def _check_statements(card: str, trainer_args: dict, log_history: list[dict], *,
     assert f'AutoModelForCausalLM.from_pretrained("{trainer_args["output_dir"]}")' in card
 
 
-@pytest.mark.slow
 def test_the_cards_of_a_plain_a_cp_and_a_cp_smet_run_state_what_each_run_did(tmp_path, cp_runs):
     pattern = dataclasses.replace(PATTERN, min_seq_len=0)  # every document sparse: no "documents under" clause
     trainer, parallel = _trainer(tmp_path / "plain", smet=False, pattern=pattern)

@@ -169,7 +169,6 @@ def _lora_step_under_cp(rank: int, world: int) -> dict:
             "grad_norm": float(torch.stack([g.norm() for g in ref_grads]).min())}
 
 
-@pytest.mark.slow
 def test_lora_under_cp2_equals_one_process():
     for r in run_gloo(_lora_step_under_cp, 2, timeout_s=300):
         assert r["lora_params"] == 8 and r["sparse"] and r["grad_norm"] > 0  # A and B of q, v in 2 layers
@@ -207,7 +206,6 @@ def _train_lora(rank: int | None = None, world: int = 1) -> dict:
             "weights": {n: p.detach().clone() for n, p in model.named_parameters() if n in changed}}
 
 
-@pytest.mark.slow
 def test_lora_through_the_trainer_with_cp2_equals_one_process():
     ref = _train_lora()
     assert ref["cp"] == 1 and len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]

@@ -241,7 +241,6 @@ def test_each_smet_recipe_trains_one_step(tmp_path, monkeypatch, single_thread, 
     assert seen["smet"] == args.smet_optimizer_config() and seen["trainer"].state.global_step == 1
 
 
-@pytest.mark.slow
 def test_a_recipe_runs_with_cp2_on_two_processes(tmp_path):
     summary = tmp_path / "summary.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

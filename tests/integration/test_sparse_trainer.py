@@ -110,7 +110,6 @@ def _cp2_losses(rank: int, world: int, out: str) -> list[float]:
     return _losses(trainer)
 
 
-@pytest.mark.slow
 def test_with_the_switch_cp2_equals_one_process(tmp_path):
     one = SparseTrainer(model=_model(), args=_args(tmp_path / "one", *PATTERN), train_dataset=_rows(250))
     one.train()
@@ -151,7 +150,6 @@ def _launch(tmp_path, launcher: list[str], *flags: str) -> list[str]:
     return next(line.split()[1:] for line in run.stdout.splitlines() if line.startswith("RESULT"))
 
 
-@pytest.mark.slow
 def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
     """`torchrun --nproc_per_node 2 train.py --cp_size 2 --fsdp ...` on a machine without an accelerator: the
     arguments train on CPU processes joined by gloo (accelerate would otherwise run two single-process jobs),
@@ -163,7 +161,6 @@ def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
     assert (processes, cp, steps) == ("2", "2", "1") and int(sharded) >= 3  # the model and its 2 decoder layers
 
 
-@pytest.mark.slow
 def test_accelerate_launch_with_the_cpu_config_needs_no_use_cpu(tmp_path):
     from hf_sparse_cp.recipes import recipe_path
 

@@ -62,7 +62,6 @@ def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
     assert long.gradient_checkpointing and getattr(long, "activation_checkpointing", True)
 
 
-@pytest.mark.slow
 def test_demo_runs_and_the_loss_decreases(tmp_path):
     from hf_sparse_cp.examples.train_long_context import main
 

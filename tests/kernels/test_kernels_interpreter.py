@@ -773,7 +773,7 @@ def test_the_split_kept_on_a_layout_follows_what_it_was_computed_from(monkeypatc
     under torch.compile; no autograd."""
     from dataclasses import replace
 
-    from hf_sparse_cp.attention.ops import kernel_split
+    from hf_sparse_cp.attention.engines import kernel_split
     from hf_sparse_cp.kernels import indexing
 
     calls = []
