@@ -218,7 +218,7 @@ def curriculum() -> Iterator:
         curriculum.stage()
         trainer.state.global_step = 2
         curriculum.stage()  # the second stage's pattern goes onto the model
-        assert trainer.model.config.sparse_attention["mass_threshold"] == 0.01
+        assert trainer.model.config.sparse_attention["budget"]["mass_threshold"] == 0.01
         yield
         disable_curriculum(trainer)
 

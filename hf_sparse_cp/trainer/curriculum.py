@@ -74,7 +74,9 @@ class Stage:
     @property
     def text(self) -> str:
         start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
-        return ":".join([start, str(self.seq_len), str(self.cp_size), *(f"{k}={v}" for k, v in self.sparse.items())])
+        fields = [f"{k}.{n}={x}" if isinstance(v, Mapping) else f"{k}={v}" for k, v in self.sparse.items()
+                  for n, x in (v.items() if isinstance(v, Mapping) else [(None, v)])]
+        return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
 
 
 def _value(text: str) -> Any:
@@ -87,7 +89,8 @@ def _value(text: str) -> Any:
 
 def parse_schedule(text: str) -> tuple[Stage, ...]:
     """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
-    optimizer step (`100`) or a data epoch (`1.5ep`)."""
+    optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
+    (`mass_threshold=0.005`) or a section's (`budget.mode=mass`, `scoring.last_q=64`)."""
     stages = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         head, *extra = item.split(":")
@@ -102,8 +105,11 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         except ValueError:
             raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
                              "and CP_SIZE whole numbers.") from None
-        sparse = dict(p.split("=", 1) for p in parts[3:])
-        stages.append(Stage(seq_len, cp_size, sparse={k: _value(v) for k, v in sparse.items()}, **start))
+        sparse: dict[str, Any] = {}
+        for key, value in (p.split("=", 1) for p in parts[3:]):
+            section, _, name = key.rpartition(".")
+            (sparse.setdefault(section, {}) if section else sparse)[name] = _value(value)
+        stages.append(Stage(seq_len, cp_size, sparse=sparse, **start))
     if not stages:
         raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
     return tuple(stages)
@@ -119,7 +125,8 @@ class CurriculumArguments:
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005'. Samples are cropped to "
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005' (a section's field: "
+                  "budget.mode=topk). Samples are cropped to "
                   "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
                   "replaces --cp_size."},
     )

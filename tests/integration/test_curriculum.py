@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER
@@ -31,6 +32,12 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
         (0, None, 128, 1), (2, None, 256, 2), (4, None, 512, 4), (None, 1.5, 512, 2)]
     assert stages[2].sparse == {"vertical_topk": 32}
     assert ",".join(s.text for s in stages) == SCHEDULE + ",1.5ep:512:2"
+    # a section's fields, nested as in a config file
+    nested = parse_schedule("0:128:1,2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16")
+    assert nested[1].sparse == {"budget": {"mode": "mass", "mass_target": 0.5}, "scoring": {"last_q": 16}}
+    assert nested[1].text == "2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16"
+    config = _build("0:128:1,2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16", world=1).configs[1]
+    assert (config.budget, config.scoring.last_q) == (Mass(mass_target=0.5), 16)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -166,7 +173,7 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     def seen(module, args, kwargs):  # what each training forward gets: tokens, CP degree, the pattern's top-k
         shard = kwargs.get(CP_SHARD_KWARG)
         forwards.append((kwargs["input_ids"].shape[1], 1 if shard is None else shard.parallel.cp_size,
-                         module.config.sparse_attention["vertical_topk"]))
+                         module.config.sparse_attention["budget"]["vertical_topk"]))
 
     forwards = []
     torch.manual_seed(0)
@@ -363,7 +370,8 @@ def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_p
     trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
     model = trainer.model
     seen = []
-    model.register_forward_pre_hook(lambda module, args: seen.append(module.config.sparse_attention["vertical_topk"]))
+    model.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config.sparse_attention["budget"]["vertical_topk"]))
     trainer.train()
     assert seen == [16, 32]  # each step ran its stage's pattern
     assert model.config.sparse_attention == PATTERN.to_dict()  # after training: the run's own, as save_model writes
