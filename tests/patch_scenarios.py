@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.integration.architectures import lean_loss_model_types, rowwise_classes
 
 _MISSING = object()
 
@@ -109,7 +110,7 @@ def memory_savers() -> Iterator:
     from hf_sparse_cp.integration.memory_savers import disable_memory_savers, enable_memory_savers
     from hf_sparse_cp.memory import MemorySavers
 
-    models = [AutoModelForCausalLM.from_config(tiny_config(kind)) for kind in ("llama", "qwen2", "qwen3", "mistral")]
+    models = [AutoModelForCausalLM.from_config(tiny_config(kind)) for kind in lean_loss_model_types()]
     yield [(m, "forward") for model in models
            for m in (model.model.layers[0], model.model.layers[0].mlp, model.model.layers[0].input_layernorm)]
     for model in models:
@@ -134,7 +135,7 @@ def sparse_attention() -> Iterator:
 
 
 def capturing_layouts() -> Iterator:
-    from hf_sparse_cp.attention.flash_dense import DENSE_BACKEND_ENV
+    from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
     from hf_sparse_cp.integration import backend
     from hf_sparse_cp.reporting.plots import capturing_layouts as capturing
 
@@ -153,8 +154,7 @@ ONE_PROCESS = {
         resharded_loading,
     ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,
     ("transformers.PreTrainedModel.forward",): lean_loss,
-    (*(f"transformers.models.{f.lower()}.modeling_{f.lower()}.{f}{kind}.forward"
-       for f in ("Llama", "Qwen2", "Qwen3", "Mistral") for kind in ("MLP", "RMSNorm")),
+    (*(f"{module}.{name}.forward" for name, (module, _) in rowwise_classes().items()),
      "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,

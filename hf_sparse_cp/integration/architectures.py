@@ -52,6 +52,16 @@ def rowwise_classes() -> dict[str, tuple[str, str]]:
             for model_type, s in ARCHITECTURES.items() for name, argument in s.rowwise.items()}
 
 
+# liger-kernel's replacements of the row-wise classes (its `apply_liger_kernel_to_*` swaps them into the models'
+# modules, where `compat.PATCHES` then finds them under the replaced class's name).
+LIGER_ROWWISE = ("LigerRMSNorm", "LigerSwiGLUMLP")
+
+
+def tileable_classes() -> frozenset[str]:
+    """The class names token tiles take: every architecture's row-wise classes and liger-kernel's."""
+    return frozenset({*rowwise_classes(), *LIGER_ROWWISE})
+
+
 def cp_tested_model_types() -> tuple[str, ...]:
     return tuple(model_type for model_type, s in ARCHITECTURES.items() if s.cp_tested)
 

@@ -4,7 +4,7 @@
 on the model (`patching.record_on`); `disable_memory_savers(model)` restores them:
 * token tiles: the `mlp`, `input_layernorm` and `post_attention_layernorm` of every decoder layer and
   the decoder's final `norm` run through `tiled_rows`. Only classes known to treat every token on
-  its own are tiled (`architectures.rowwise_classes`); any other module there is refused, naming it.
+  its own are tiled (`architectures.tileable_classes`); any other module there is refused, naming it.
 * host offload: every decoder layer (a transformers `GradientCheckpointingLayer`) runs inside
   `HostOffload`, whose hooks see what the checkpoint saves of the call: the layer's inputs.
 """
@@ -17,7 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..memory.offload import HostOffload
 from ..memory.savers import MemorySavers
 from ..memory.tiling import tiled_rows
-from .architectures import rowwise_classes
+from .architectures import tileable_classes
 from .patching import record_on, undo_recorded
 
 _FEATURE = "memory_savers"
@@ -31,8 +31,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every module the token tiles apply to. Raises ValueError when one of them is
-    not of a class known to be row-wise (`architectures.rowwise_classes`)."""
-    names, rowwise = {m: n for n, m in model.named_modules()}, rowwise_classes()
+    not of a class known to be row-wise (`architectures.tileable_classes`)."""
+    names, rowwise = {m: n for n, m in model.named_modules()}, tileable_classes()
     found = [getattr(layer, attr) for layer in decoder_layers(model) for attr in _LAYER_MODULES if hasattr(layer, attr)]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
