@@ -154,17 +154,18 @@ def test_mass_selection_over_candidates_equals_the_whole_row(near):
     assert int(whole[0].sum(1).max()) == cfg.budget.vertical_cap and not bool(whole[1].all())  # the cap and target bind
 
 
-@pytest.mark.parametrize("budget", [TopK(vertical_topk=14), TopP(vertical_topp=0.6, vertical_cap=40)], ids=str)
-def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(budget):
+# (budget, its count and share, the low entries kept): top-k 14 keeps the ten of 0.5, then 4 of 0.25; top-p 0.6
+# keeps while the mass before an entry is below 0.6 of 12.5: the ten of 0.5, then 0.25 each up to 7.5 (ten).
+@pytest.mark.parametrize("budget, count, share, low", [(TopK(vertical_topk=14), 14, None, 4),
+                                                       (TopP(vertical_topp=0.6, vertical_cap=40), 40, 0.6, 10)],
+                         ids=["topk", "topp"])
+def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(budget, count, share, low):
     scores = torch.full((2, 40), 0.25)
     scores[:, 30:] = 0.5
-    count, share = (14, None) if budget.mode == "topk" else (40, 0.6)
     kept = keep_best(Entries(scores, torch.arange(40)), count, share)
     want = torch.zeros(2, 40, dtype=torch.bool)
     want[:, 30:] = True
-    want[:, : 14 - 10 if budget.mode == "topk" else 0] = True
-    if budget.mode == "topp":  # mass before an entry < 0.6 of 12.5: the ten of 0.5, then 0.25 each up to 7.5
-        want[:, :10] = True
+    want[:, :low] = True
     assert torch.equal(kept, want)
     assert torch.equal(budget.select(Entries(scores, torch.arange(40)), Entries(scores, torch.arange(40)), 0, 40, 40,
                                      BS)[0], want)
