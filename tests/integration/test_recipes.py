@@ -152,7 +152,7 @@ def _help_defaults(capsys, monkeypatch, argv: list[str]) -> dict[str, str]:
     monkeypatch.setenv("COLUMNS", "400")  # one line per help text
     with pytest.raises(SystemExit):
         parse_args([*argv, "--help"])
-    out = capsys.readouterr().out
+    out = re.sub(r"\n\n[^\n]+:\n", "\n", capsys.readouterr().out)  # (the argument groups' titles)
     blocks = re.split(r"\n  (?=--)", out)
     return {m[1]: m[2] for block in blocks if (m := re.match(r"--(\w+).*\(default: (.*)\)\s*$", block, re.S))}
 
@@ -265,3 +265,19 @@ def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, mon
     pattern = SparseAttentionConfig.from_dict(seen["trainer"].model.config.sparse_attention)
     assert pattern == SparseAttentionConfig(vertical_topk=1024, slash_topk=32, block_size=64, min_seq_len=128)
     assert (seen["smet"].density, seen["smet"].update_interval) == (0.5, 100)
+
+
+def test_help_lists_the_common_flags_first(capsys, monkeypatch):
+    """`hf-sparse-cp train --help`: the common flags (each class's COMMON_FLAGS) in their own group, before the
+    example's own flags and every other flag."""
+    from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS
+
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    groups = {title: out.index(f"\n{title}:\n") for title in ("common flags", "the example's flags", "other flags")}
+    assert groups["common flags"] < groups["the example's flags"] < groups["other flags"]
+    common = out[groups["common flags"]:groups["the example's flags"]]
+    assert all(f"--{name} " in common for name in COMMON_FLAGS)
+    assert "--sparse_budget_mode" in common and "--sparse_sink_tokens" not in common and "--learning_rate" not in common

@@ -170,7 +170,7 @@ def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(budget, cou
     assert torch.equal(budget.select(Entries(scores, torch.arange(40)), Entries(scores, torch.arange(40)), 0, 40, 40,
                                      BS)[0], want)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(5))
-    union = keep_best(Entries(scores[:, perm], perm, scores.sum(1, keepdim=True)), count, share)
+    union = keep_best(Entries(scores[:, perm], perm.expand(2, -1), scores.sum(1, keepdim=True)), count, share)
     assert torch.equal(torch.zeros_like(kept).scatter_(1, perm.expand(2, -1), union), want)
 
 

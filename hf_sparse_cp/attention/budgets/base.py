@@ -27,8 +27,9 @@ Kind = Literal["columns", "diagonals"]
 
 class Entries(NamedTuple):
     """Scored entries of one kind of one segment: `scores` [h, n] (estimated mass per head), their `ids`
-    [n] or [h, n] (key positions; for diagonals, `diagonal_step` x id is the offset in the document), and
-    `total` [h, 1], the whole row's mass, when `scores` hold only candidates (default: their sum)."""
+    (key positions; for diagonals, `diagonal_step` x id is the offset in the document): [n] ascending (a
+    whole row) or [h, n] in any order (candidates), and `total` [h, 1], the whole row's mass, when `scores`
+    hold only candidates (default: their sum)."""
 
     scores: torch.Tensor
     ids: torch.Tensor

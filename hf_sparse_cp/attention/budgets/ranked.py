@@ -21,7 +21,7 @@ def keep_best(entries: Entries, count: int, share: float | None = None) -> torch
     keep = torch.zeros_like(scores, dtype=torch.bool)
     for heads in head_chunks(scores.shape[0], scores.shape[-1]):
         sc = scores[heads]
-        order = rank_order(sc, positions if positions.dim() == 1 else positions[heads])
+        order = rank_order(sc, None if positions.dim() == 1 else positions[heads])  # (a whole row: in order)
         vals = sc.gather(-1, order)
         take = (torch.arange(sc.shape[-1], device=sc.device) < count) & (vals > 0)
         if share is not None:
