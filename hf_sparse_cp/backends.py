@@ -27,9 +27,12 @@ PLOT_EXTRA = "pip install 'hf-sparse-cp[plot]'"
 
 
 def require_matplotlib() -> None:
-    """Raise ImportError, naming the extra to install, when matplotlib is missing."""
-    if not is_available("matplotlib.figure"):
-        raise ImportError(f"Drawing hf-sparse-cp's figures needs matplotlib: {PLOT_EXTRA}")
+    """Raise ImportError, naming the extra to install, when matplotlib is missing (imported here, the figures
+    need it next)."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        raise ImportError(f"Drawing hf-sparse-cp's figures needs matplotlib: {PLOT_EXTRA}") from None
 
 
 def choose_backend(what: str, env_var: str, choices: tuple[str, ...], given: str | None = None) -> str:
