@@ -809,7 +809,7 @@ def test_a_split_kept_eagerly_is_not_read_by_a_fullgraph_trace():
     """A layout whose split was kept by an eager call traces under torch.compile(fullgraph=True) (the lookup
     compares tensor versions, data-dependent in a trace: the GPU session of 2026-11-27 failed there), and the
     traced split equals the eager one."""
-    from hf_sparse_cp.attention.ops import kernel_split
+    from hf_sparse_cp.attention.engines import kernel_split
 
     meta = TokenMeta.contiguous(1, 64)
     layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(94))
