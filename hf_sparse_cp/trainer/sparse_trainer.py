@@ -61,10 +61,13 @@ _DEFAULTS = {"sparse_attention": True}
 # (`arguments.explicit_fields`); they beat --sparse_config / --smet_config whatever their value.
 _EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=False)
 # The sequence length, for argument classes that have none (TRL's configs have `max_length`, with the same meaning).
+_MAX_LENGTH_NAME = "max_length"
 _MAX_LENGTH = dataclasses.field(default=None, metadata={
     "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
             "--sparse_gradient_checkpointing_min_length and decides which documents reach --sparse_min_seq_len; "
             "default: the length of the training set's first sample."})
+# Fields that hold the training sequence length, checked at construction: the plugin's, and TRL's `max_length`.
+_LENGTH_NAMES = (_MAX_LENGTH_NAME, "max_length")
 
 
 def _has_accelerator() -> bool:
@@ -77,6 +80,7 @@ class SparseArgumentsMixin:
 
     _sparse_base: type[TrainingArguments]
     _sparse_fields: frozenset[str]  # the plugin's fields (type-checked at construction)
+    _sparse_length_fields: tuple[str, ...]  # the fields that hold the training sequence length (the plugin's, TRL's)
 
     def __post_init__(self) -> None:
         if not self.use_cpu and not _has_accelerator():
@@ -98,6 +102,8 @@ class SparseArgumentsMixin:
         for part in _PARTS:  # each part validates its own fields, naming them
             from_prefixed(self, part)
         self.sparse_attention_config()
+        for name in self._sparse_length_fields:
+            check_sequence_length(name, getattr(self, name))
 
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
@@ -126,6 +132,14 @@ class SparseArgumentsMixin:
         return flags.to_config(self.explicit_flags) if flags.smet else None
 
 
+def check_sequence_length(name: str, value: Any) -> None:
+    """Raise ValueError, naming the flag and the fix, for a training sequence length below 2 tokens (a causal LM
+    learns from at least 2: the first predicts the second); None (unset) passes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 2:
+        raise ValueError(f"--{name} {value}: a training sequence needs at least 2 tokens; e.g. --{name} 4096 (or "
+                         "leave it unset).")
+
+
 def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> SparseArgumentsMixin:
     args = object.__new__(sparse_arguments_class(base))
     args.__dict__.update(state)
@@ -136,7 +150,7 @@ def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.
     """The plugin's fields as `make_dataclass` takes them: `max_length` (unless `base` has it),
     `explicit_flags` (not a flag) and every field of `_PARTS` under its command-line name."""
     base_fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
-    fields = [] if "max_length" in base_fields else [("max_length", int | None, _MAX_LENGTH)]
+    fields = [] if _MAX_LENGTH_NAME in base_fields else [(_MAX_LENGTH_NAME, int | None, _MAX_LENGTH)]
     fields.append(("explicit_flags", Collection[str] | None, _EXPLICIT))
     for part in _PARTS:
         fields += copied_fields(part, defaults=_DEFAULTS)
@@ -161,11 +175,13 @@ def sparse_arguments_class(base: type[TrainingArguments]) -> type:
         the same base.
     """
     name, fields = f"Sparse{base.__name__}", plugin_fields(base)
+    names = {f.name for f in dataclasses.fields(base)} | {n for n, _, _ in fields}
     return dataclasses.make_dataclass(
         name, fields, bases=(SparseArgumentsMixin, base),
         namespace={"__doc__": f"`{base.__name__}` plus the plugin's flags (`sparse_arguments_class`).",
                    "__module__": __name__, "_sparse_base": base,
-                   "_sparse_fields": frozenset(n for n, _, f in fields if f.init)},
+                   "_sparse_fields": frozenset(n for n, _, f in fields if f.init),
+                   "_sparse_length_fields": tuple(n for n in dict.fromkeys(_LENGTH_NAMES) if n in names)},
     )
 
 
@@ -178,6 +194,22 @@ def _first_length(dataset) -> int | None:
         return len(dataset[0]["input_ids"])
     except (TypeError, KeyError, IndexError):
         return None
+
+
+def _refuse_empty_datasets(trainer: str, kwargs: dict[str, Any]) -> None:
+    """Raise ValueError naming the dataset when `train_dataset` or an `eval_dataset` has no sample (TRL's trainers
+    stop in a bare StopIteration on one, the Trainer in its sampler; a dataset without a length is not read here)."""
+    evaluation = kwargs.get("eval_dataset")
+    named = {"train_dataset": kwargs.get("train_dataset")}
+    if isinstance(evaluation, dict):
+        named.update({f"eval_dataset[{key!r}]": dataset for key, dataset in evaluation.items()})
+    else:
+        named["eval_dataset"] = evaluation
+    for name, dataset in named.items():
+        if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+            fix = ("there is nothing to train on: check how it was built or filtered" if name == "train_dataset" else
+                   "give it samples, or pass eval_dataset=None to skip evaluation")
+            raise ValueError(f"{trainer}: {name} is empty (0 samples): {fix}.")
 
 
 class SparseTrainerMixin:
@@ -200,6 +232,7 @@ class SparseTrainerMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs the model itself (model_init is not supported): the "
                              "sparse backend is configured on it before training.")
+        _refuse_empty_datasets(type(self).__name__, kwargs)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self.max_length = args.max_length or longest_stage or _first_length(kwargs.get("train_dataset"))
