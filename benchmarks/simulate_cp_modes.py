@@ -30,10 +30,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.examples.simulate_cluster import sequence_workload
 from hf_sparse_cp.simulator.head_parallel import head_parallel_setup, predict_head_parallel_step
+from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step
+from hf_sparse_cp.simulator.simulate_cli import sequence_workload
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 128

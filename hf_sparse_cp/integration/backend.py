@@ -179,31 +179,32 @@ def sparse_cp_attention_forward(
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        out = _attend(module, query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
-                      kwargs)
+        out, kept = _attend(query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
+                            kwargs)
+    if kept is not None:
+        record_kept_fraction(module, kept)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs) -> torch.Tensor:
-    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`)."""
+def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`) and its kept
+    fraction (None for a decoding step with a KV cache, which is not counted)."""
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     if shard is not None:
         attend = head_parallel_attention if shard.parallel.head_size > 1 else context_parallel_attention
         result = attend(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
-        record_kept_fraction(module, result.kept_fraction)
-        return result.out
+        return result.out, result.kept_fraction
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
-        out, kept = sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
-        record_kept_fraction(module, kept)
-        return out
-    # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
+        return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
+    # Decoding with a KV cache: the queries are the last q_len positions; attend densely (not counted).
     k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
     q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
     layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                     sliding_window=sliding_window, check_layout=False,
                                     implementation=cfg.attention_engine)
-    return out
+    return out, None

@@ -24,8 +24,9 @@ from ..config import SparseAttentionConfig
 from ..distributed.comm import RingTopology
 from ..distributed.heads import HeadSplit
 from ..distributed.sharding import ShardPlan
+from .shapes import ModelShape
 from .simulate import Cluster, RingSetup, Workload
-from .step_model import Hardware, ModelShape, estimation_time, ring_attention_time, ring_counts
+from .step_model import Hardware, estimation_time, ring_attention_time, ring_counts
 
 ACTIVATION_BYTES = 2  # bf16 q, k, v, out and their gradients
 

@@ -34,7 +34,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -46,7 +46,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
+from .context_parallel import count_once_per_cp_group, dp_data_loader, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,10 @@ class Stage:
     @property
     def text(self) -> str:
         start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
-        fields = {**self.sparse, **self.cp}
-        return ":".join([start, str(self.seq_len), str(self.cp_size), *(f"{k}={v}" for k, v in fields.items())])
+        fields = [f"{k}.{n}={x}" if isinstance(v, Mapping) else f"{k}={v}" for k, v in self.sparse.items()
+                  for n, x in (v.items() if isinstance(v, Mapping) else [(None, v)])]
+        fields += [f"{k}={v}" for k, v in self.cp.items()]
+        return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
 
     def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
         """The run's CP flags `base` with this stage's degree and CP fields."""
@@ -102,8 +104,9 @@ _CP_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParallelConfig)
 
 def parse_schedule(text: str) -> tuple[Stage, ...]:
     """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
-    optimizer step (`100`) or a data epoch (`1.5ep`); a field is a sparse-pattern field or a CP field
-    (`ContextParallelConfig`, e.g. cp_mode=ulysses)."""
+    optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
+    (`mass_threshold=0.005`), a section's (`budget.mode=mass`, `scoring.last_q=64`) or a CP field
+    (`ContextParallelConfig`, e.g. `cp_mode=ulysses`)."""
     stages = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         head, *extra = item.split(":")
@@ -118,12 +121,16 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         except ValueError:
             raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
                              "and CP_SIZE whole numbers.") from None
-        given = {k: _value(v) for k, v in (p.split("=", 1) for p in parts[3:])}
-        if "cp_size" in given:
+        given = [(k, _value(v)) for k, v in (p.split("=", 1) for p in parts[3:])]
+        if any(k == "cp_size" for k, _ in given):
             raise ValueError(f"cp_schedule stage {item!r}: the CP degree is the stage's third field (FROM:SEQ_LEN:"
                              "CP_SIZE), not cp_size=.")
-        cp = {k: v for k, v in given.items() if k in _CP_FIELDS}
-        sparse = {k: v for k, v in given.items() if k not in _CP_FIELDS}
+        cp = {k: v for k, v in given if k in _CP_FIELDS}
+        sparse: dict[str, Any] = {}
+        for key, value in given:
+            if key not in _CP_FIELDS:
+                section, _, name = key.rpartition(".")
+                (sparse.setdefault(section, {}) if section else sparse)[name] = value
         stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
     if not stages:
         raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
@@ -134,14 +141,16 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
 class CurriculumArguments:
     """The flag of a context-length curriculum (`--cp_schedule`)."""
 
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_schedule",)
+
     cp_schedule: str | None = field(
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005:cp_mode=ulysses' (a field is a "
-                  "sparse-pattern or a CP field). Samples are cropped to "
-                  "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
-                  "replaces --cp_size."},
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005:cp_mode=ulysses' (a pattern "
+                  "field, a section's field: budget.mode=topk, or a CP field: cp_mode, cp_ulysses_size). Samples are "
+                  "cropped to their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs "
+                  "--max_steps; replaces --cp_size."},
     )
 
     def __post_init__(self) -> None:
@@ -209,7 +218,7 @@ def build_schedule(
             check_sizes(world_size, stage.cp_size)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-        unknown = set(stage.sparse) - {f.name for f in dataclasses.fields(SparseAttentionConfig)}
+        unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
         if unknown:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
                              "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
@@ -409,7 +418,7 @@ def enable_curriculum(
         if not any(config == seen for seen, _ in built):
             built.append((config, ParallelDims.from_config(config)))
     dims = tuple(next(parallel for seen, parallel in built if seen == config) for config in configs)
-    pad_token_id = _pad_token_id(trainer, model)
+    pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
@@ -420,16 +429,16 @@ def enable_curriculum(
             return contextlib.nullcontext, inputs
         sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
-    _count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
-                     lambda *args, **kwargs: _dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
+                     lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
 
     def get_train_dataloader():
         return _train_data_loader(trainer, curriculum)
@@ -460,7 +469,7 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     loader = torch.utils.data.DataLoader(
         StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
-    return _dp_data_loader(trainer, ParallelDims.single())(loader)
+    return dp_data_loader(trainer, ParallelDims.single())(loader)
 
 
 def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:

@@ -30,8 +30,6 @@ from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, data_parallel_grad_error, rel_rms
 
-pytestmark = pytest.mark.slow  # multi-process
-
 BS, D, WINDOW = 16, 16, 40
 CFG = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=6, slash_topk=5, sink_tokens=2,
                             local_window=4, last_q=16, dense_first_layers=0)
@@ -175,8 +173,8 @@ def _model_step(par: ParallelDims, rank: int, *, fsdp2: bool = False, checkpoint
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, rank_loss
+    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.integration.stats import pop_kept_fractions
-    from hf_sparse_cp.testing.models import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)

@@ -6,12 +6,9 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from benchmark_loader import BENCHMARKS
 
 
-@pytest.mark.slow
 def test_three_layouts_side_by_side_agree_and_report_time_bytes_and_memory(tmp_path):
     out = tmp_path / "modes.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -16,8 +16,9 @@ from hf_sparse_cp.simulator.head_parallel import (
     head_parallel_setup,
     predict_head_parallel_step,
 )
+from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Cluster, Link, Workload
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
 
 S, BS = 16384, 128
 
