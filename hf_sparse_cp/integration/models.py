@@ -29,6 +29,7 @@ import torch
 
 from ..config import BACKEND_NAME
 from ..distributed.context import CP_SHARD_KWARG
+from ..distributed.heads import HeadSplit
 from . import compat
 from .architectures import cp_tested_model_types
 from .backend import ShardProbe, probing
@@ -128,7 +129,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
 
 
 def check_model_supports_context_parallel(
-    model: torch.nn.Module, backend: str = BACKEND_NAME, *, allow_untested: bool = False
+    model: torch.nn.Module, backend: str = BACKEND_NAME, *, allow_untested: bool = False, head_size: int = 1
 ) -> None:
     """Raise ValueError, naming the cause and the fix, unless sparse context parallelism computes
     `model` exactly (see the module docstring). Call it before training (the Trainer integration
@@ -138,6 +139,8 @@ def check_model_supports_context_parallel(
         model: a transformers causal LM that uses the `sparse_cp` backend.
         backend: the attention implementation every layer must use.
         allow_untested: accept an architecture the table does not mark CP-tested that passes every check.
+        head_size: ranks of a head group (--cp_mode ulysses or hybrid): the model's heads must split
+            over them (`HeadSplit`: at least one query head per rank).
     """
     config = getattr(model, "config", None)
     name = type(model).__name__
@@ -156,6 +159,9 @@ def check_model_supports_context_parallel(
             f"{name} uses attn_implementation={impl!r}; under context parallelism every attention layer must go "
             f"through '{backend}', which runs the ring (call hf_sparse_cp.patch() and hf_sparse_cp.configure(model))."
         )
+    if head_size > 1:
+        heads = config.num_attention_heads
+        HeadSplit(heads, getattr(config, "num_key_value_heads", None) or heads, head_size)
     rope = sorted(_rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
     if rope:
         raise ValueError(

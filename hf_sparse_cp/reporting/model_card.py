@@ -135,8 +135,14 @@ def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_si
     if parallel.hierarchical:
         ring = (f"hierarchical ring ({parallel.topology.num_nodes} nodes x {parallel.topology.node_size} ranks, "
                 "the outer ring hidden behind the inner one)")
+    head = (f"head-parallel (Ulysses) over {parallel.head_size} ranks: an all-to-all gives each rank the whole "
+            "sequence of its share of the heads")
+    how = {"ring": f"{parallel.sharding} sharding, {ring}",
+           "ulysses": head,
+           "hybrid": f"hybrid: {head} within head groups, and a {ring} of {parallel.ring_size} ranks across them "
+                     f"({parallel.sharding} sharding)"}[parallel.mode]
     return (f"CP {cp_size} x DP {parallel.dp_size} ({parallel.world_size} processes): each sequence split over "
-            f"{cp_size} ranks, {parallel.sharding} sharding, {ring}")
+            f"{cp_size} ranks, {how}")
 
 
 def _describe_smet(config: SMETConfig, optim: str, args) -> str:
