@@ -46,7 +46,7 @@ test: lint
 
 # The fast tier for iteration: tests/unit (one process, no interpreter, no pretrained weights), a few minutes.
 test-fast: install
-	$(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m unit $(PYTEST_ARGS) tests
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

@@ -12,7 +12,9 @@ flash-attn where it is installed, or to SDPA for plain causal rows (`hf_sparse_c
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
 `hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
 and the layer runs the balanced sparse ring over the CP group instead
-(`hf_sparse_cp.distributed.context_parallel_attention`).
+(`hf_sparse_cp.distributed.context_parallel_attention`), or under head parallelism the all-to-all
+to a head split and the whole sequence of this rank's heads
+(`hf_sparse_cp.distributed.head_parallel_attention`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,14 @@ from contextvars import ContextVar
 
 import torch
 
-from ..attention.build import dense_kept_fraction
-from ..attention.dense import dense_backend, flash_dense_attention, sdpa_dense_attention
-from ..attention.estimate import estimate_layout, pattern_documents
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
+from ..attention.sequence import sequence_attention
 from ..attention.tokens import TokenMeta, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.context import CP_SHARD_KWARG
+from ..distributed.head_parallel import head_parallel_attention
 from ..distributed.ring_attention import context_parallel_attention
 from .stats import record_kept_fraction
 
@@ -178,40 +179,32 @@ def sparse_cp_attention_forward(
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        out = _attend(module, query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
-                      kwargs)
+        out, kept = _attend(query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
+                            kwargs)
+    if kept is not None:
+        record_kept_fraction(module, kept)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs) -> torch.Tensor:
-    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`)."""
+def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`) and its kept
+    fraction (None for a decoding step with a KV cache, which is not counted)."""
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     if shard is not None:
-        result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
-        record_kept_fraction(module, result.kept_fraction)
-        return result.out
+        attend = head_parallel_attention if shard.parallel.head_size > 1 else context_parallel_attention
+        result = attend(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
+        return result.out, result.kept_fraction
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
-        q_meta = k_meta = meta
-        docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
-        library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
-        if library != "kernels":  # a dense call that a library kernel computes
-            record_kept_fraction(module, dense_kept_fraction(meta, cfg.block_size, sliding_window))
-            if library == "sdpa":
-                return sdpa_dense_attention(query, key, value, scale=scale).transpose(1, 2)
-            out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
-            return out.transpose(1, 2)
-        with torch.no_grad():
-            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-        record_kept_fraction(module, layout.kept_fraction(meta))
-    else:
-        # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
-        k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
-        q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
-        layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
+        return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
+    # Decoding with a KV cache: the queries are the last q_len positions; attend densely (not counted).
+    k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
+    q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
+    layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                     sliding_window=sliding_window, check_layout=False,
                                     implementation=cfg.attention_engine)
-    return out
+    return out, None

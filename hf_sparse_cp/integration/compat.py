@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
+from .architectures import rowwise_classes
+
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
 TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15"), "torch": ("2.13", "2.13"),
@@ -137,12 +139,10 @@ PATCHES = (
     # -- models, configs, arguments, process-wide transformers state --
     Patch("transformers.PreTrainedModel", "forward", "replaces", "the lean loss: supported *ForCausalLM classes "
           "train without materializing [tokens, vocab] logits (process-wide, per class)", "disable_lean_loss()"),
-    *(Patch(f"transformers.models.{family.lower()}.modeling_{family.lower()}.{family}{kind}", "forward", "replaces",
-            "token tiles: a decoder layer's MLP and RMSNorms run a tile of tokens at a time (memory_savers.py, "
-            "--sparse_token_tiling_min_length), on the model's own instances", "disable_memory_savers(model) / "
-            "disable_sparse_attention(model)", ("self", argument))
-      for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
-      for kind, argument in (("MLP", "x"), ("RMSNorm", "hidden_states"))),
+    *(Patch(f"{module}.{name}", "forward", "replaces", "token tiles: a decoder layer's MLP and RMSNorms run a "
+            "tile of tokens at a time (memory_savers.py, --sparse_token_tiling_min_length), on the model's own "
+            "instances", "disable_memory_savers(model) / disable_sparse_attention(model)", ("self", argument))
+      for name, (module, argument) in rowwise_classes().items()),
     Patch("transformers.modeling_layers.GradientCheckpointingLayer", "forward", "replaces", "host offload: a "
           "decoder layer runs inside hooks that move what its checkpoint saves (its inputs) to host memory "
           "(--sparse_offload_layer_inputs), on the model's own instances", "disable_memory_savers(model) / "
@@ -185,7 +185,7 @@ PATCHES = (
     Patch("triton._C.libtriton", "native_specialize_impl", "calls", "sm_90 builds without a GPU specialize "
           "recorded launch arguments as the JIT does (testing/sm90.py; never on the training path)"),
     # -- our own module, replaced while pictures are drawn --
-    Patch("hf_sparse_cp.integration.backend", "estimate_layout", "replaces", "`hf-sparse-cp plot` records the "
+    Patch("hf_sparse_cp.attention.sequence", "estimate_layout", "replaces", "`hf-sparse-cp plot` records the "
           "layouts a forward builds", "the end of `capturing_layouts`"),
     Patch("os.environ", "HF_SPARSE_CP_DENSE_BACKEND", "sets", "`hf-sparse-cp plot` keeps dense calls on the "
           "block-sparse kernels so that they build a layout to draw", "the end of `capturing_layouts`", added=True),

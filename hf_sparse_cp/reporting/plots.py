@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from ..attention import sequence
 from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
+from ..backends import require_matplotlib
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..integration import backend
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
-from .kept_fraction import kept_fraction_figure, new_figure, read_log_history, require_matplotlib
+from .kept_fraction import kept_fraction_figure, new_figure, read_log_history
 from .model_card import KEPT_FRACTION_PLOT
 
 LAYOUTS_PLOT = "sparse_block_layouts.png"
@@ -84,7 +85,7 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
     for module in model.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
-    estimate = backend.estimate_layout
+    estimate = sequence.estimate_layout
 
     def recording(*args, **kwargs) -> SparseLayout:
         layout = estimate(*args, **kwargs)
@@ -92,7 +93,7 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
         return layout
 
     patches = PatchSet()
-    patches.set_attr(backend, "estimate_layout", recording)
+    patches.set_attr(sequence, "estimate_layout", recording)
     # a dense call taken by flash-attn builds no layout; the documented switch keeps it on the kernels
     patches.set_item(os.environ, DENSE_BACKEND_ENV, "kernels")
     try:

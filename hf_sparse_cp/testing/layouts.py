@@ -1,13 +1,11 @@
-"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks (the one home of
-random layout generators)."""
+"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks (the random
+vertical-slash layouts the simulator predicts are `hf_sparse_cp.simulator.workloads`')."""
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.build import build_layout
 from ..attention.layout import SparseLayout, compact_sorted
-from ..attention.tokens import TokenMeta
 
 
 def random_layout(
@@ -43,44 +41,6 @@ def random_layout(
         cols &= tok < qb * block_size
     col_idx, col_cnt = compact_sorted(tok.expand_as(cols), cols)
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, block_size)
-
-
-def random_vertical_slash_layout(
-    batch: int,
-    heads: int,
-    seq_len: int,
-    block_size: int,
-    *,
-    num_diagonals: int,
-    num_verticals: int,
-    sink_tokens: int = 0,
-    diagonal_spread: float = 1.0,
-    meta: TokenMeta | None = None,
-    padded_len: int | None = None,
-    generator: torch.Generator | None = None,
-) -> SparseLayout:
-    """A vertical-slash layout per (row, head) with MTraining's forced parts and a random rest.
-
-    Always kept: the diagonal block (the local window) and the first `sink_tokens` key
-    columns. Drawn on top: `num_diagonals` block diagonals among the nearest `diagonal_spread`
-    fraction of them, and `num_verticals` key columns among the `seq_len` real tokens.
-
-    meta: the tokens' documents (default: one document per row, padded to `padded_len` tokens,
-    which default to `seq_len`); the layout covers `meta`'s length.
-    """
-    meta = TokenMeta.contiguous(batch, seq_len).pad_to(padded_len or seq_len) if meta is None else meta
-    total = meta.index.shape[-1]
-    nb = -(-total // block_size)
-    reach = max(1, min(nb, round(diagonal_spread * nb)))
-    diagonals = torch.zeros(batch, heads, nb, dtype=torch.bool)
-    diagonals[..., 0] = True
-    picks = torch.rand(batch, heads, reach, generator=generator).argsort(-1)[..., :num_diagonals]
-    diagonals.scatter_(-1, picks, True)
-    verticals = torch.zeros(batch, heads, total, dtype=torch.bool)
-    verticals[..., :sink_tokens] = True
-    picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
-    verticals.scatter_(-1, picks, True)
-    return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
 
 
 PLANTED_LOGIT = 8.0
@@ -122,4 +82,34 @@ def planted_qk(
             codes /= codes.norm(dim=-1, keepdim=True)
             q[0, h, :, d_half:] += amp * codes
             k[0, kv, : seq_len - off, d_half:] += amp * codes[off:]
+    return q, k
+
+
+def local_qk(
+    num_q_heads: int,
+    num_kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    span: float,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, Hq, S, D], k [1, Hkv, S, D] whose attention decays with distance, as in local heads.
+
+    The scaled score of query i and key j is about PLANTED_LOGIT x exp(-(i - j)^2 / (2 span^2)) (random
+    Fourier features: each key head's D / 2 frequencies drawn from N(0, 1 / span^2), read by the query heads
+    of its GQA group), plus small noise. Unlike i.i.d. random q and k, whose mass is spread evenly so that a
+    top-k budget keeps columns and diagonals scattered over every block, the highest-scoring diagonals
+    are the nearest ones and the highest-scoring columns those just before the scoring queries: a top-k
+    budget keeps a few contiguous blocks per row.
+    """
+    g = num_q_heads // num_kv_heads
+    freqs = torch.randn(num_kv_heads, 1, head_dim // 2, generator=generator) / span
+    angles = torch.arange(seq_len, dtype=torch.float64).view(1, -1, 1) * freqs.double()
+    features = torch.cat([angles.cos(), angles.sin()], dim=-1).float() / (head_dim // 2) ** 0.5
+    amp = (PLANTED_LOGIT * head_dim**0.5) ** 0.5
+    noise = 0.1
+    k = amp * features.unsqueeze(0) + noise * torch.randn(1, num_kv_heads, seq_len, head_dim, generator=generator)
+    q = amp * features.repeat_interleave(g, dim=0).unsqueeze(0)
+    q = q + noise * torch.randn(1, num_q_heads, seq_len, head_dim, generator=generator)
     return q, k

@@ -230,7 +230,7 @@ def attach_to_trainer(
             raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
         schedule = schedule_for(trainer, parse_schedule(cp_schedule))
         curriculum = enable_curriculum(trainer, schedule, cp_config)
-        parallel = curriculum.dims[schedule.stages[0].cp_size]
+        parallel = curriculum.dims[0]
         cp_schedule = schedule.text
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
@@ -238,8 +238,10 @@ def attach_to_trainer(
         if cp_schedule is not None:
             how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
         elif parallel.cp_size > 1:
-            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
-                   f"{'hierarchical' if parallel.hierarchical else 'flat'} ring")
+            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, mode {parallel.mode}"
+                   + (f" (heads over {parallel.head_size} ranks)" if parallel.head_size > 1 else "")
+                   + (f", {parallel.sharding} sharding, {'hierarchical' if parallel.hierarchical else 'flat'} ring"
+                      if parallel.ring_size > 1 else ""))
         else:
             how = "off"
         logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)

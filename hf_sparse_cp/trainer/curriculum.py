@@ -4,13 +4,17 @@ switched online at step boundaries, without a restart or a checkpoint.
 `--cp_schedule "0:4096:1,100:16384:2,300:65536:4"` trains steps 0-99 on 4096-token samples with CP 1
 x DP world, steps 100-299 on 16384 tokens with CP 2, then 65536 tokens with CP 4. A stage starts at
 an optimizer step (`100`) or a data epoch (`1.5ep`: once 1.5 passes over the dataset are consumed),
-and may change sparse-pattern fields (`100:16384:2:mass_threshold=0.005:min_seq_len=8192`).
+and may change sparse-pattern fields (`100:16384:2:mass_threshold=0.005:min_seq_len=8192`) and how the CP
+group shares attention (`300:65536:8:cp_mode=hybrid:cp_ulysses_size=4`: any `ContextParallelConfig` field
+but cp_size, on top of the run's flags).
 
 The world size stays constant, so FSDP2's mesh over dp_shard x cp (or DDP's replicas) keeps every
 parameter and optimizer shard (AdamW or SMET) where it is; a switch changes only what depends on
 the CP degree, each read from the stage of the step being taken (`trainer.state.global_step`):
 
-* the CP and DP groups: every stage's `ParallelDims` is built before training starts;
+* the CP and DP groups: every stage's `ParallelDims` is built before training starts (a switch between
+  ring, head-parallel and hybrid attention is as cheap as one of the CP degree: parameters and optimizer
+  state do not depend on it);
 * the data: one batch sampler over the whole run (`StageBatchSampler`) hands each rank, step by
   step, the samples of its DP rank in the current stage, continuing the global sample order across
   stages (none skipped, none repeated), each cropped to the stage's length;
@@ -30,7 +34,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -42,7 +46,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
+from .context_parallel import count_once_per_cp_group, dp_data_loader, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +57,15 @@ _EPOCH_SUFFIX = "ep"
 @dataclass(frozen=True)
 class Stage:
     """One stage: from optimizer step `from_step` (or data epoch `from_epoch`) on, samples of
-    `seq_len` tokens on CP groups of `cp_size` ranks, with the sparse-pattern fields in `sparse` changed."""
+    `seq_len` tokens on CP groups of `cp_size` ranks, with the sparse-pattern fields in `sparse` and the
+    CP fields in `cp` (`ContextParallelConfig`: cp_mode, cp_ulysses_size, ...) changed."""
 
     seq_len: int
     cp_size: int
     from_step: int | None = None
     from_epoch: float | None = None
     sparse: Mapping[str, Any] = field(default_factory=dict)
+    cp: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.from_step is None) == (self.from_epoch is None):
@@ -74,7 +80,14 @@ class Stage:
     @property
     def text(self) -> str:
         start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
-        return ":".join([start, str(self.seq_len), str(self.cp_size), *(f"{k}={v}" for k, v in self.sparse.items())])
+        fields = [f"{k}.{n}={x}" if isinstance(v, Mapping) else f"{k}={v}" for k, v in self.sparse.items()
+                  for n, x in (v.items() if isinstance(v, Mapping) else [(None, v)])]
+        fields += [f"{k}={v}" for k, v in self.cp.items()]
+        return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
+
+    def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
+        """The run's CP flags `base` with this stage's degree and CP fields."""
+        return dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
 
 
 def _value(text: str) -> Any:
@@ -85,9 +98,15 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+# The stage fields that change the CP layout rather than the pattern.
+_CP_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParallelConfig)) - {"cp_size"}
+
+
 def parse_schedule(text: str) -> tuple[Stage, ...]:
     """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
-    optimizer step (`100`) or a data epoch (`1.5ep`)."""
+    optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
+    (`mass_threshold=0.005`), a section's (`budget.mode=mass`, `scoring.last_q=64`) or a CP field
+    (`ContextParallelConfig`, e.g. `cp_mode=ulysses`)."""
     stages = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         head, *extra = item.split(":")
@@ -102,8 +121,17 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         except ValueError:
             raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
                              "and CP_SIZE whole numbers.") from None
-        sparse = dict(p.split("=", 1) for p in parts[3:])
-        stages.append(Stage(seq_len, cp_size, sparse={k: _value(v) for k, v in sparse.items()}, **start))
+        given = [(k, _value(v)) for k, v in (p.split("=", 1) for p in parts[3:])]
+        if any(k == "cp_size" for k, _ in given):
+            raise ValueError(f"cp_schedule stage {item!r}: the CP degree is the stage's third field (FROM:SEQ_LEN:"
+                             "CP_SIZE), not cp_size=.")
+        cp = {k: v for k, v in given if k in _CP_FIELDS}
+        sparse: dict[str, Any] = {}
+        for key, value in given:
+            if key not in _CP_FIELDS:
+                section, _, name = key.rpartition(".")
+                (sparse.setdefault(section, {}) if section else sparse)[name] = value
+        stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
     if not stages:
         raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
     return tuple(stages)
@@ -113,13 +141,16 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
 class CurriculumArguments:
     """The flag of a context-length curriculum (`--cp_schedule`)."""
 
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_schedule",)
+
     cp_schedule: str | None = field(
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005'. Samples are cropped to "
-                  "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
-                  "replaces --cp_size."},
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005:cp_mode=ulysses' (a pattern "
+                  "field, a section's field: budget.mode=topk, or a CP field: cp_mode, cp_ulysses_size). Samples are "
+                  "cropped to their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs "
+                  "--max_steps; replaces --cp_size."},
     )
 
     def __post_init__(self) -> None:
@@ -187,10 +218,11 @@ def build_schedule(
             check_sizes(world_size, stage.cp_size)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-        unknown = set(stage.sparse) - {f.name for f in dataclasses.fields(SparseAttentionConfig)}
+        unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
         if unknown:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
-                             "(SparseAttentionConfig); use e.g. mass_threshold=0.005.")
+                             "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
+                             "mass_threshold=0.005 or cp_mode=ulysses.")
         try:
             config = sparse_config.replace(**stage.sparse)
             config.check_sparse_at(stage.seq_len, layers)
@@ -258,7 +290,7 @@ class StageBatchSampler(torch.utils.data.Sampler):
     `max_steps x grad_accum` micro-batches: one Trainer epoch is the whole run.
     """
 
-    def __init__(self, schedule: Schedule, dims: Mapping[int, ParallelDims], *, num_samples: int, batch_size: int,
+    def __init__(self, schedule: Schedule, dims: Sequence[ParallelDims], *, num_samples: int, batch_size: int,
                  grad_accum: int, max_steps: int, seed: int | None) -> None:
         self.schedule, self.dims = schedule, dims
         self.num_samples, self.batch_size, self.grad_accum = num_samples, batch_size, grad_accum
@@ -276,7 +308,7 @@ class StageBatchSampler(torch.utils.data.Sampler):
         position, orders = 0, {}
         for step in range(self.max_steps):
             i = self.schedule.index_at(step)
-            stage, dims = self.schedule.stages[i], self.dims[self.schedule.stages[i].cp_size]
+            stage, dims = self.schedule.stages[i], self.dims[i]
             for j in range(self.grad_accum):
                 first = position + (j * dims.dp_size + dims.dp_rank) * self.batch_size
                 batch = []
@@ -294,7 +326,7 @@ class Curriculum:
     """The stages of a run and the state that follows the step being taken; built by `enable_curriculum`,
     whose `patches` record every change a stage makes (undone by `disable_curriculum`)."""
 
-    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Mapping[int, ParallelDims],
+    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Sequence[ParallelDims],
                  patches: PatchSet) -> None:
         self.trainer, self.schedule, self.dims, self.patches = trainer, schedule, dims, patches
         self.index: int | None = None
@@ -315,13 +347,13 @@ class Curriculum:
             stage = self.schedule.stages[index]
             self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE,
                                   self.schedule.configs[index].to_dict())
-            dims = self.dims[stage.cp_size]
-            logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d x DP %d.", index,
-                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.dp_size)
+            dims = self.dims[index]
+            logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d (%s) x DP %d.", index,
+                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.mode, dims.dp_size)
         return index
 
     def parallel(self) -> ParallelDims:
-        return self.dims[self.schedule.stages[self.stage()].cp_size]
+        return self.dims[self.stage()]
 
 
 class _FinishCurriculum(TrainerCallback):
@@ -356,7 +388,8 @@ def enable_curriculum(
     Args:
         trainer: the Trainer (its `train_dataset` has a length; `max_steps` set).
         schedule: from `build_schedule`.
-        cp_config: the CP flags other than the degree (sharding, ring); the stages set `cp_size`.
+        cp_config: the CP flags other than the degree (sharding, ring, mode); the stages set `cp_size` and
+            may change the others.
 
     Returns:
         The `Curriculum`; the trainer's data loader, CP input preparation and token counting follow it.
@@ -368,12 +401,24 @@ def enable_curriculum(
                          "a cp_schedule builds its own groups: drop parallelism_config_cp_size from the accelerate "
                          "config.")
     model = trainer.model
+    configs = []
+    for i, stage in enumerate(schedule.stages):
+        try:
+            configs.append(stage.cp_config(cp_config))
+            configs[-1].head_size(stage.cp_size)  # head groups that divide the stage's degree
+        except ValueError as error:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
     if any(s.cp_size > 1 for s in schedule.stages):
-        check_model_supports_context_parallel(model, allow_untested=cp_config.cp_allow_untested_model)
+        for head_size in sorted({c.head_size(c.cp_size) for c in configs}):
+            check_model_supports_context_parallel(model, allow_untested=cp_config.cp_allow_untested_model,
+                                                  head_size=head_size)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
-    dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
-            for c in sorted({s.cp_size for s in schedule.stages})}
-    pad_token_id = _pad_token_id(trainer, model)
+    built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
+    for config in configs:
+        if not any(config == seen for seen, _ in built):
+            built.append((config, ParallelDims.from_config(config)))
+    dims = tuple(next(parallel for seen, parallel in built if seen == config) for config in configs)
+    pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
@@ -384,16 +429,16 @@ def enable_curriculum(
             return contextlib.nullcontext, inputs
         sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
-    _count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
-                     lambda *args, **kwargs: _dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
+                     lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
 
     def get_train_dataloader():
         return _train_data_loader(trainer, curriculum)
@@ -424,7 +469,7 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     loader = torch.utils.data.DataLoader(
         StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
-    return _dp_data_loader(trainer, ParallelDims.single())(loader)
+    return dp_data_loader(trainer, ParallelDims.single())(loader)
 
 
 def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:
