@@ -131,13 +131,19 @@ class FinetuneQualityArguments:
             raise ValueError(f"--depths {self.depths} must lie in [0, 1].")
 
 
-def arm_config(name: str, args: FinetuneQualityArguments) -> SparseAttentionConfig | None:
-    """The pattern an arm trains with (None: dense), sparse from the training length on."""
+def arm_fields(name: str, args: FinetuneQualityArguments) -> dict | None:
+    """The flat pattern fields an arm trains with (None: dense), sparse from the training length on."""
     sparse, fields, _ = ARMS[name]
     if not sparse:
         return None
     block = {} if args.block_size is None else {"block_size": args.block_size}
-    return SparseAttentionConfig(min_seq_len=args.seq_len, **{**fields, **block})
+    return {"min_seq_len": args.seq_len, **fields, **block}
+
+
+def arm_config(name: str, args: FinetuneQualityArguments) -> SparseAttentionConfig | None:
+    """The pattern an arm trains with (None: dense)."""
+    fields = arm_fields(name, args)
+    return None if fields is None else SparseAttentionConfig(**fields)
 
 
 def load(args: FinetuneQualityArguments):
@@ -145,8 +151,8 @@ def load(args: FinetuneQualityArguments):
     if args.dry_run:
         from transformers import AutoModelForCausalLM
 
-        from hf_sparse_cp.examples.tokenizer import byte_tokenizer
         from hf_sparse_cp.examples.tiny_model import tiny_config
+        from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 
         torch.manual_seed(args.seed)
         extra = {} if args.rope_theta is None else {"rope_theta": args.rope_theta}
@@ -203,8 +209,7 @@ def held_out(tokenizer, args: FinetuneQualityArguments) -> tuple[list[list[int]]
 def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str) -> SparseTrainingArguments:
     """The arm's `SparseTrainingArguments`: the same optimizer, schedule, seed and data order for every arm."""
     sparse, _, smet = ARMS[name]
-    cfg = arm_config(name, args)
-    pattern = {} if cfg is None else {f"sparse_{k}": v for k, v in dataclasses.asdict(cfg).items()}
+    pattern = {f"sparse_{k}": v for k, v in (arm_fields(name, args) or {}).items()}
     return SparseTrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=1, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=1,

@@ -39,7 +39,7 @@ def test_two_runs_with_one_seed_measure_the_same(bench, tmp_path):
     assert len(dense["training"]["loss"]) == 2 and dense["training"]["config"] is None
     assert dense["training"]["kept_fraction"] == [None, None]  # sdpa: nothing sparse to log
     assert 0.0 < aggressive["training"]["kept_fraction_mean"] < 1.0  # the sparse layer kept a part of its blocks
-    assert aggressive["training"]["config"]["vertical_topk"] == 32 and smet["training"]["smet"]
+    assert aggressive["training"]["config"]["budget"]["vertical_topk"] == 32 and smet["training"]["smet"]
     # the start model scored with every trained arm's pattern, each arm with its own
     assert set(first["arms"]["start"]["perplexity_sparse"]) == {"aggressive", "smet"}
     assert set(aggressive["perplexity_sparse"]) == {"aggressive"} and "perplexity_sparse" not in dense
@@ -71,7 +71,6 @@ def test_bad_arguments_are_refused(bench):
         bench.main(TINY + ["--start_only", "--no_start"])
 
 
-@pytest.mark.slow
 def test_gpu_session_finetune_dry_run(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "finetune", "--dry-run"], capture_output=True,
