@@ -9,14 +9,7 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.estimate import (
-    Sampling,
-    estimate,
-    estimation_segments,
-    long_documents,
-    row_entries,
-    score_rows,
-)
+from hf_sparse_cp.attention.estimate import estimate_whole_rows
 from hf_sparse_cp.attention.tokens import TokenMeta
 
 BS, D, DOC = 16, 16, 230
@@ -47,14 +40,7 @@ def _kept_in_document(cfg: SparseAttentionConfig, prefix: int) -> tuple[torch.Te
     q[0, :, prefix : prefix + DOC], k[0, :, prefix : prefix + DOC] = q_doc, k_doc
     runs = [(0, prefix), (1, DOC), (2, 90)]
     meta = TokenMeta.from_segments(torch.cat([torch.full((m,), d, dtype=torch.int32) for d, m in runs]).unsqueeze(0))
-    segments = estimation_segments(long_documents(meta, cfg), cfg)
-    scores = score_rows(q, k, segments, cfg.scoring.last_q, D**-0.5, Sampling.of(cfg))
-
-    def whole_rows(segs):
-        return [row_entries(cfg, *(x[:, sg.set] for x in scores[row]), sg.start, sg.q_hi)
-                for row, row_segs in enumerate(segs) for sg in row_segs]
-
-    kept = estimate(cfg, meta, whole_rows).kept
+    kept = estimate_whole_rows(q, k, cfg, meta).kept
     return kept.keep_v[0, :, :, prefix : prefix + DOC], kept.keep_s[0, :, :, prefix : prefix + DOC]
 
 
