@@ -81,7 +81,7 @@ def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...]) -> 
         results[model_type] = {
             "logits": rel_rms(full, ref.logits.detach()), "grads": grad_error,
             "loss": abs(float(global_mean_loss(loss_sum.detach(), num_items)) - float(ref_loss)) / float(ref_loss),
-            "kept": max(abs(kept[i] - ref_kept[i]) for i in ref_kept), "sparse": min(ref_kept.values()) < 0.9}
+            "kept": max(abs(kept[i] - ref_kept[i]) for i in ref_kept), "sparse": min(ref_kept.values()) < 1.0}
     if model_types != GROUPS[0]:
         return results
     # A decoder layer that drops the shard, forced past the model check: the backend refuses the call.
@@ -120,7 +120,7 @@ def _under_cp2(model_type: str) -> list[dict]:
 def test_every_registered_architecture_equals_one_process_under_cp2(model_type):
     for rank in _under_cp2(model_type):
         result = rank[model_type]
-        assert result["sparse"]  # the vertical-slash path ran
+        assert result["sparse"]  # the vertical-slash path ran: a layer skipped blocks
         assert result["logits"] < 1e-10 and result["loss"] < 1e-10, result
         # Gemma's, Cohere's and Helium's norms compute in fp32 whatever the model's dtype, so their weights' gradients
         # (sums over the tokens, split otherwise under CP) agree to fp32 rounding.
