@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -99,9 +100,9 @@ class ContextParallelConfig:
     )
     cp_allow_untested_model: bool = field(
         default=False,
-        metadata={"help": "Train an architecture outside the registry of models tested exact under context "
-                  "parallelism (hf_sparse_cp.integration.architectures.ARCHITECTURES) if it passes the checks "
-                  "for shard reach, length-dependent RoPE and token mixing outside attention."},
+        metadata={"help": "Deprecated, no effect: every architecture that passes the model checks (shard reach, "
+                  "length-dependent RoPE, token mixing outside attention) trains under context parallelism. "
+                  "Accepted so that command lines and recipes of earlier versions run."},
     )
 
     def __post_init__(self) -> None:
@@ -111,6 +112,10 @@ class ContextParallelConfig:
         if self.cp_node_size is not None and self.cp_node_size < 1:
             raise ValueError(f"cp_node_size={self.cp_node_size} must be >= 1, or unset to use LOCAL_WORLD_SIZE.")
         self._check_mode()
+        if self.cp_allow_untested_model:
+            warnings.warn("--cp_allow_untested_model is no longer needed and has no effect: every architecture that "
+                          "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
+                          stacklevel=2)
         for name in ("cp_planner_linear_per_token", "cp_planner_comm_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (a cost in attention token pairs).")

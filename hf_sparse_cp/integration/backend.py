@@ -86,8 +86,7 @@ def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
     """The sparse config stored on the module's model config (see `hf_sparse_cp.configure`), or the default."""
-    raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
-    return SparseAttentionConfig() if raw is None else SparseAttentionConfig.from_dict(raw)
+    return SparseAttentionConfig.stored_on(getattr(module, "config", None)) or SparseAttentionConfig()
 
 
 def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:

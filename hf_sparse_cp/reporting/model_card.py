@@ -34,7 +34,7 @@ import yaml
 from transformers import DataCollatorWithFlattening, Trainer
 
 from ..backends import PLOT_EXTRA
-from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
@@ -78,8 +78,7 @@ def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
 
 
 def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
-    raw = getattr(getattr(trainer.model, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
-    return None if raw is None else SparseAttentionConfig.from_dict(raw)
+    return SparseAttentionConfig.stored_on(getattr(trainer.model, "config", None))
 
 
 def _describe_pattern(config: SparseAttentionConfig) -> str:

@@ -83,6 +83,7 @@ def enable_sparse_attention(
     """
     config = sparse_args.attention_config(attention_config, explicit)
     check_model_supports_sparse_attention(model)
+    config.check_layers(model.config.num_hidden_layers)
     if max_length is not None:
         config.check_sparse_at(max_length, attention_layers(model.config))
     undo_recorded(model, _SPARSE_ATTENTION)
@@ -162,7 +163,7 @@ def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
 def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     """One line on how the model's layers attend: sparse or dense, and why."""
     config = model.config
-    cfg = SparseAttentionConfig.from_dict(getattr(config, MODEL_CONFIG_ATTRIBUTE) or {})
+    cfg = SparseAttentionConfig.stored_on(config) or SparseAttentionConfig()
     n = config.num_hidden_layers
     sliding = sliding_window_layers(config)
     dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]

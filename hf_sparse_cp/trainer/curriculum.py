@@ -190,6 +190,7 @@ def build_schedule(
     samples_per_step: Sequence[int] | None = None,
     num_samples: int | None = None,
     layers: Sequence[int] | None = None,
+    n_layers: int | None = None,
 ) -> Schedule:
     """Validate `stages` for a run and resolve epoch starts into steps.
 
@@ -203,6 +204,7 @@ def build_schedule(
         num_samples: samples in the dataset; needed for epoch starts.
         layers: the model's layers that run the pattern (`models.attention_layers`), for the check that
             each stage's pattern stays sparse at its length (default: the stage's config itself).
+        n_layers: the model's decoder layers, which a stage's `layer_overrides` keys must stay within.
 
     Returns:
         The `Schedule`. Raises ValueError, naming the fix, when a CP degree does not divide the world
@@ -226,6 +228,8 @@ def build_schedule(
         try:
             config = sparse_config.replace(**stage.sparse)
             config.check_sparse_at(stage.seq_len, layers)
+            if n_layers is not None:
+                config.check_layers(n_layers)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
         unit = config.block_size * stage.cp_size
@@ -374,7 +378,8 @@ def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     return build_schedule(stages, world_size=world, sparse_config=model_config_for(trainer.model),
                           max_steps=args.max_steps, samples_per_step=per_step,
                           num_samples=len(dataset) if hasattr(dataset, "__len__") else None,
-                          layers=attention_layers(trainer.model.config))
+                          layers=attention_layers(trainer.model.config),
+                          n_layers=trainer.model.config.num_hidden_layers)
 
 
 def enable_curriculum(
@@ -410,8 +415,7 @@ def enable_curriculum(
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
     if any(s.cp_size > 1 for s in schedule.stages):
         for head_size in sorted({c.head_size(c.cp_size) for c in configs}):
-            check_model_supports_context_parallel(model, allow_untested=cp_config.cp_allow_untested_model,
-                                                  head_size=head_size)
+            check_model_supports_context_parallel(model, head_size=head_size)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:
