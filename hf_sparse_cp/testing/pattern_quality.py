@@ -180,7 +180,8 @@ def layer_quality(
             last (which holds the estimation queries); None: every query.
 
     Returns:
-        name -> {"kept_fraction", "estimation": stats, "earlier": stats or None, "all": stats}; stats
+        name -> {"kept_fraction", "block_width" (the layout's key-block slots per query block: the most any
+        head's query block lists), "estimation": stats, "earlier": stats or None, "all": stats}; stats
         hold recall_mean, recall_p10, recall_min over the measured (head, query) pairs and
         output_rel_err, the relative RMS output error over them.
     """
@@ -219,7 +220,8 @@ def layer_quality(
     for name, cfg in configs.items():
         est = torch.arange(s) >= s - min(cfg.scoring.last_q, s)
         groups = {"estimation": measured & est, "earlier": measured & ~est, "all": measured}
-        result[name] = {"kept_fraction": float(layouts[name].kept_fraction(meta))}
+        result[name] = {"kept_fraction": float(layouts[name].kept_fraction(meta)),
+                        "block_width": int(layouts[name].block_idx.shape[-1])}
         for group, rows in groups.items():
             result[name][group] = (_group_stats(recall[name][:, rows], err_num[name][:, rows], err_den[:, rows])
                                    if rows.any() else None)

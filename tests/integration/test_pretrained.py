@@ -63,6 +63,18 @@ def test_loader_reads_smollm2_from_the_installed_package(smollm2):
     assert ids.shape == (1, 64) and tokenizer.decode(ids[0]).startswith("Genesis")
     # real weights: the model predicts English far better than chance (ln 49152 = 10.8 nats)
     assert perplexity(model, ids) < 200
+    # dequantized and not marked quantized: the Trainer takes it (it refuses a model marked quantized)
+    assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
+    assert model.config.rope_parameters["rope_theta"] == 100000.0
+
+
+def test_loader_takes_another_rope_base(smollm2):
+    _, model = smollm2
+    tokenizer = pretrained.load_tokenizer()
+    extended = pretrained.load_model(rope_theta=400000.0)
+    assert extended.config.rope_parameters["rope_theta"] == 400000.0
+    ids = pretrained.text_token_ids(tokenizer, 64)
+    assert perplexity(extended, ids) != perplexity(model, ids)  # the positions are encoded differently
 
 
 def test_one_real_layer_keeps_most_of_its_attention(smollm2):

@@ -112,3 +112,23 @@ def test_unknown_settings_and_lengths_are_refused(pq):
         pq.PatternQualityArguments(frontier_lengths=[1000])
     with pytest.raises(ValueError, match="unknown limit families"):
         pq.PatternQualityArguments(limit_families=["diagonal"])
+
+
+def test_curve_point_summarizes_the_layers_with_the_dense_first_one_whole(pq):
+    """`--curve`'s figures of one setting at one length, on random q/k/v of 3 layers (the first dense by default)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    s, layers = 1024, []
+    for _ in range(3):
+        q, k, v = (torch.randn(1, h, s, 32, generator=g) for h in (4, 2, 2))
+        layers.append((q, k, v, 32 ** -0.5))
+    point = pq.curve_point(layers, s, pq.curve_config("defaults"), query_chunks=2)
+    rows = point["per_layer"]
+    assert [r["sparse"] for r in rows] == [False, True, True] and rows[0]["kept_fraction"] == 1.0
+    sparse = [r["kept_fraction"] for r in rows[1:]]
+    assert point["kept_sparse_layers"] == pytest.approx(sum(sparse) / 2)
+    assert point["kept_all_layers"] == pytest.approx((1 + sum(sparse)) / 3)
+    assert point["dense_layers_work_share"] == pytest.approx(1 / (1 + sum(sparse)))
+    assert all(0 < r["width_share"] <= 1 and 0 < r["recall_mean"] <= 1 + 1e-6 for r in rows)
+    every = pq.curve_point(layers, s, pq.curve_config("layer0-sparse"), query_chunks=2)
+    assert every["per_layer"][0]["sparse"] and every["dense_layers_work_share"] == 0

@@ -1,0 +1,147 @@
+"""Needle retrieval in a long text: training rows and held-out prompts, scored by exact match.
+
+A needle is a sentence "The pass key of <name> is <5 digits>." put at a sentence boundary of a window
+of real text (the public-domain text of `pretrained`, or any token ids); the question at the end asks
+for one name's key. Distractor needles of other names make the answer a lookup, not the only number
+in the window. The pieces are tokenized apart and joined as token ids, so a row has exactly the
+length asked for and the answer's tokens are known.
+
+* `training_row`: a window with `needles` needles and, at its end, every question with its answer
+  (continued training on the text with retrieval mixed in; causal-LM labels on every token).
+* `retrieval_prompt`: a held-out window with the asked needle at a given depth, distractors
+  elsewhere, one question; `answer_matches` says whether greedy decoding would give the key (every
+  answer token is the argmax after the tokens before it: one forward, no generation loop).
+* `wilson_interval`: the 95% confidence interval of an accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+NAMES = ("Ruth", "Jonah", "Miriam", "Gideon", "Esther", "Samson", "Deborah", "Elijah", "Hannah", "Caleb",
+         "Tamar", "Boaz", "Naomi", "Josiah", "Abigail", "Ezra")
+
+
+@dataclass(frozen=True)
+class RetrievalPrompt:
+    """One held-out prompt: `input_ids` end with the answer's tokens (the last `answer_len`)."""
+
+    input_ids: list[int]
+    answer_len: int
+    depth: float  # where the asked needle sits, as a share of the window before the question
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sentence_ends(tokenizer, haystack: list[int]) -> list[int]:
+    """Positions after which a needle may go: after every token whose text ends a sentence."""
+    ends = {i for i, t in enumerate(tokenizer.convert_ids_to_tokens(haystack)) if t.rstrip().endswith((".", "!", "?"))}
+    return sorted(i + 1 for i in ends)
+
+
+def _insert(haystack: list[int], pieces: list[tuple[int, list[int]]]) -> list[int]:
+    """`haystack` with each (position, tokens) piece inserted at its position (positions of the haystack)."""
+    out, prev = [], 0
+    for pos, piece in sorted(pieces, key=lambda p: p[0]):
+        out += haystack[prev:pos] + piece
+        prev = pos
+    return out + haystack[prev:]
+
+
+def _nearest_end(ends: list[int], target: int) -> int:
+    return min(ends, key=lambda e: (abs(e - target), e)) if ends else target
+
+
+def _keys(rng: random.Random, count: int) -> dict[str, str]:
+    names = rng.sample(NAMES, count)
+    return {name: str(rng.randint(10000, 99999)) for name in names}
+
+
+def _needle(tokenizer, name: str, key: str) -> list[int]:
+    return _ids(tokenizer, f" The pass key of {name} is {key}.")
+
+
+def _question(tokenizer, name: str) -> list[int]:
+    return _ids(tokenizer, f" What is the pass key of {name}? The pass key of {name} is")
+
+
+def _answer(tokenizer, key: str) -> list[int]:
+    return _ids(tokenizer, f" {key}")
+
+
+def training_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random, needles: int) -> list[int]:
+    """`seq_len` token ids: the start of `haystack` with `needles` needles at random sentence ends, then
+    every needle's question followed by its answer and a full stop, in random order."""
+    if needles < 1 or needles > len(NAMES):
+        raise ValueError(f"needles={needles} must be in [1, {len(NAMES)}].")
+    keys = _keys(rng, needles)
+    tail = []
+    for name in rng.sample(list(keys), len(keys)):
+        tail += _question(tokenizer, name) + _ids(tokenizer, f" {keys[name]}.")
+    inserted = [_needle(tokenizer, name, key) for name, key in keys.items()]
+    body = seq_len - len(tail) - sum(map(len, inserted))
+    if body < 8 or len(haystack) < body:
+        raise ValueError(f"a row of {seq_len} tokens cannot hold {needles} needles and their questions "
+                         f"({len(tail) + sum(map(len, inserted))} tokens) in a haystack of {len(haystack)}; "
+                         "raise seq_len or lower needles.")
+    text = haystack[:body]
+    ends = [e for e in sentence_ends(tokenizer, text) if e < body] or [body]
+    pieces = [(rng.choice(ends), piece) for piece in inserted]
+    return _insert(text, pieces) + tail
+
+
+def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float, rng: random.Random,
+                     distractors: int) -> RetrievalPrompt:
+    """A prompt of `seq_len` tokens: the asked needle at `depth` (0: start, 1: just before the question) of
+    the window, `distractors` needles of other names at random sentence ends, the question and the key."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth} must be in [0, 1].")
+    keys = _keys(rng, distractors + 1)
+    asked, others = next(iter(keys)), list(keys)[1:]
+    answer = _answer(tokenizer, keys[asked])
+    question = _question(tokenizer, asked)
+    inserted = {name: _needle(tokenizer, name, key) for name, key in keys.items()}
+    body = seq_len - len(question) - len(answer) - sum(map(len, inserted.values()))
+    if body < 8 or len(haystack) < body:
+        raise ValueError(f"a prompt of {seq_len} tokens cannot hold {distractors + 1} needles, the question and "
+                         f"the answer in a haystack of {len(haystack)} tokens; raise seq_len or lower distractors.")
+    text = haystack[:body]
+    ends = [e for e in sentence_ends(tokenizer, text) if e <= body] or [body]
+    pieces = [(_nearest_end(ends, round(depth * body)), inserted[asked])]
+    pieces += [(rng.choice(ends), inserted[name]) for name in others]
+    ids = _insert(text, pieces) + question + answer
+    return RetrievalPrompt(ids, len(answer), depth)
+
+
+@torch.no_grad()
+def answer_matches(model: torch.nn.Module, prompt: RetrievalPrompt) -> bool:
+    """Whether greedy decoding after the question gives the key exactly: every answer token is the
+    argmax of the model's next-token logits after the tokens before it (teacher forcing, which
+    decides the same as generating while every earlier answer token was right)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.input_ids[:-1]], device=device)
+    logits = model(ids, logits_to_keep=prompt.answer_len).logits[0]
+    answer = torch.tensor(prompt.input_ids[-prompt.answer_len:], device=device)
+    return bool((logits.argmax(-1) == answer).all())
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% for the default z); (0, 1) for no trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    if not 0 <= successes <= trials:
+        raise ValueError(f"successes={successes} must be in [0, trials={trials}].")
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -1,0 +1,83 @@
+"""Smoke test of benchmarks/finetune_quality.py (#43) at tiny size: every arm trains through SparseTrainer and
+is evaluated; two runs with the same seed give the same numbers; the GPU stage's --dry-run runs it end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmark_loader import BENCHMARKS, load_benchmark
+
+TINY = ["--dry_run", "--steps", "2", "--prompts_per_cell", "1", "--ppl_windows", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with load_benchmark("finetune_quality") as module:
+        yield module
+
+
+def _numbers(report: dict) -> dict:
+    """What a run measured (not how long it took)."""
+    out = {}
+    for name, arm in report["arms"].items():
+        training = arm.get("training", {})
+        out[name] = (training.get("loss"), training.get("kept_fraction"), arm["perplexity_dense"],
+                     arm.get("perplexity_sparse"), arm["retrieval_dense"]["per_cell"])
+    return out
+
+
+def test_two_runs_with_one_seed_measure_the_same(bench, tmp_path):
+    argv = TINY + ["--arms", "dense", "aggressive", "smet"]
+    first = bench.main(argv + ["--output", str(tmp_path / "a.json")])
+    second = bench.main(argv + ["--output", str(tmp_path / "b.json")])
+    assert _numbers(first) == _numbers(second)
+    assert list(first["arms"]) == ["start", "dense", "aggressive", "smet"] and first["complete"]
+    dense, aggressive, smet = (first["arms"][n] for n in ("dense", "aggressive", "smet"))
+    assert len(dense["training"]["loss"]) == 2 and dense["training"]["config"] is None
+    assert dense["training"]["kept_fraction"] == [None, None]  # sdpa: nothing sparse to log
+    assert 0.0 < aggressive["training"]["kept_fraction_mean"] < 1.0  # the sparse layer kept a part of its blocks
+    assert aggressive["training"]["config"]["budget"]["vertical_topk"] == 32 and smet["training"]["smet"]
+    # the start model scored with every trained arm's pattern, each arm with its own
+    assert set(first["arms"]["start"]["perplexity_sparse"]) == {"aggressive", "smet"}
+    assert set(aggressive["perplexity_sparse"]) == {"aggressive"} and "perplexity_sparse" not in dense
+    # the dry run's two eval lengths and depths, one prompt each, and their Wilson intervals
+    cells = dense["retrieval_dense"]["per_cell"]
+    assert set(cells) == {"256@0.2", "256@0.8", "512@0.2", "512@0.8"}
+    assert all(0.0 <= c["wilson95"][0] <= c["wilson95"][1] <= 1.0 and c["prompts"] == 1 for c in cells.values())
+    assert [t["pass"] is None for t in first["targets"]] == [True] * 4  # aggressive and SMET gaps: stated
+    assert (tmp_path / "a.png").stat().st_size > 0
+
+
+def test_combine_merges_arms_and_refuses_other_settings(bench, tmp_path):
+    a = bench.main(TINY + ["--arms", "dense", "--output", str(tmp_path / "a.json")])
+    bench.main(TINY + ["--arms", "default", "--no_start", "--output", str(tmp_path / "b.json")])
+    merged = bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--output",
+                         str(tmp_path / "ab.json")])
+    assert list(merged["arms"]) == ["start", "dense", "default"]
+    assert merged["arms"]["dense"] == a["arms"]["dense"]
+    assert [r["pass"] for r in merged["targets"]] != [] and all(isinstance(r["pass"], bool) for r in merged["targets"])
+    bench.main(TINY + ["--arms", "default", "--no_start", "--seed", "1", "--output", str(tmp_path / "c.json")])
+    with pytest.raises(ValueError, match="other settings"):
+        bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
+
+
+def test_bad_arguments_are_refused(bench):
+    with pytest.raises(ValueError, match="unknown arms"):
+        bench.main(TINY + ["--arms", "sparse"])
+    with pytest.raises(ValueError, match="evaluates nothing"):
+        bench.main(TINY + ["--start_only", "--no_start"])
+
+
+def test_gpu_session_finetune_dry_run(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "finetune", "--dry-run"], capture_output=True,
+                          text=True, timeout=900, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "finetune-quality.json").read_text())
+    assert report["complete"] and report["settings"]["dry_run"] and report["device_type"] == "cpu"
+    assert list(report["arms"]) == ["start", "dense", "default", "aggressive", "smet"]
+    assert report["settings"]["seq_len"] == 512 and report["settings"]["rope_theta"] is None  # the dry run's sizes
+    assert (tmp_path / "finetune-quality.png").stat().st_size > 0 and (tmp_path / "finetune.log").stat().st_size > 0

@@ -1,0 +1,93 @@
+"""Needle rows and prompts (`hf_sparse_cp.testing.retrieval`): exact lengths, where the needles go, the
+answer check, and the Wilson interval against published values."""
+
+import random
+
+import pytest
+import torch
+
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing import retrieval
+
+TEXT = "And it came to pass in those days. The people went out! Who shall go up? They rested there. " * 40
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("needles", [1, 3])
+def test_training_row_has_the_length_and_every_question_with_its_key(tok, needles):
+    row = retrieval.training_row(tok, _ids(tok, TEXT), 1024, random.Random(needles), needles)
+    text = tok.decode(row)
+    assert len(row) == 1024
+    keys = {}
+    for name in retrieval.NAMES:
+        if f"The pass key of {name} is " in text:
+            keys[name] = text.split(f"The pass key of {name} is ")[1][:5]
+    assert len(keys) == needles
+    for name, key in keys.items():  # the needle, and the answer after its question
+        assert f"What is the pass key of {name}? The pass key of {name} is {key}." in text
+        assert text.index(f"The pass key of {name} is {key}.") < text.index("What is the pass key")
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.9, 1.0])
+def test_retrieval_prompt_puts_the_asked_needle_at_its_depth(tok, depth):
+    prompt = retrieval.retrieval_prompt(tok, _ids(tok, TEXT), 2048, depth, random.Random(7), distractors=2)
+    assert prompt.seq_len == 2048 and prompt.depth == depth
+    text = tok.decode(prompt.input_ids)
+    question = text[text.index(" What is the pass key of "):]
+    name = question.split("pass key of ")[1].split("?")[0]
+    key = tok.decode(prompt.input_ids[-prompt.answer_len:]).strip()
+    assert len(key) == 5 and key.isdigit() and text.count("The pass key of ") == 4  # 3 needles + question
+    where = text.index(f"The pass key of {name} is {key}.")
+    body = len(text) - len(question)
+    assert abs(where / body - depth) < 0.1  # at the nearest sentence end (sentences here are ~30 bytes)
+
+
+def test_retrieval_prompt_refuses_a_length_too_short_for_its_needles(tok):
+    with pytest.raises(ValueError, match="cannot hold 4 needles"):
+        retrieval.retrieval_prompt(tok, _ids(tok, TEXT), 150, 0.5, random.Random(0), distractors=3)
+    with pytest.raises(ValueError, match="depth"):
+        retrieval.retrieval_prompt(tok, _ids(tok, TEXT), 2048, 1.5, random.Random(0), distractors=1)
+
+
+class _Oracle(torch.nn.Module):
+    """Next-token logits that put the top score on `answer[i]` at the answer's positions, off by `wrong`."""
+
+    def __init__(self, answer: list[int], wrong: int = 0):
+        super().__init__()
+        self.answer, self.wrong = answer, wrong
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, logits_to_keep):
+        assert logits_to_keep == len(self.answer)
+        logits = torch.randn(1, logits_to_keep, 300)
+        for i, t in enumerate(self.answer):
+            logits[0, i, (t + self.wrong * (i == 1)) % 300] = 100.0
+        return type("Out", (), {"logits": logits})
+
+
+def test_answer_matches_needs_every_answer_token(tok):
+    prompt = retrieval.retrieval_prompt(tok, _ids(tok, TEXT), 1024, 0.5, random.Random(1), distractors=1)
+    answer = prompt.input_ids[-prompt.answer_len:]
+    assert retrieval.answer_matches(_Oracle(answer), prompt)
+    assert not retrieval.answer_matches(_Oracle(answer, wrong=1), prompt)  # one digit off
+
+
+@pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (81, 263, 0.2553, 0.3662),
+                                       (10, 10, 0.7225, 1.0)])
+def test_wilson_interval_matches_published_values(k, n, lo, hi):
+    # (81, 263): Wilson's example as worked in Newcombe (1998), Statistics in Medicine 17:857, method 3
+    got = retrieval.wilson_interval(k, n)
+    assert got == pytest.approx((lo, hi), abs=5e-4)
+
+
+def test_wilson_interval_refuses_more_successes_than_trials():
+    with pytest.raises(ValueError, match="successes"):
+        retrieval.wilson_interval(11, 10)
