@@ -22,7 +22,7 @@ from .comm import RingTopology
 from .context import CP_SHARD_KWARG, CPShard, check_same_batch, prepare_context_parallel_inputs
 from .estimation import estimate_layout_cp
 from .loss import global_mean_loss, global_num_items, rank_loss
-from .mesh import ContextParallelConfig, ParallelDims, check_sizes, quiesce_process_groups
+from .mesh import ContextParallelConfig, ParallelDims, check_launched, check_sizes, quiesce_process_groups
 from .ring_attention import RingStats, context_parallel_attention, ring_sparse_attention
 from .sharding import SHARDINGS, ShardPlan, shard_inputs, shift_labels
 
@@ -35,6 +35,7 @@ __all__ = [
     "RingStats",
     "RingTopology",
     "ShardPlan",
+    "check_launched",
     "check_same_batch",
     "check_sizes",
     "context_parallel_attention",

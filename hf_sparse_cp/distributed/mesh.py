@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,6 +115,18 @@ def check_sizes(world_size: int, cp_size: int) -> None:
             f"must split into data-parallel groups of cp_size. Use a cp_size in {divisors}, or launch a multiple "
             f"of {cp_size} processes (e.g. --num_processes {multiple})."
         )
+
+
+def check_launched(cp_sizes: Iterable[int], env: Mapping[str, str] = os.environ) -> None:
+    """Raise a ValueError that says how to launch unless this process's launch can run these CP degrees: none
+    above 1 in a process that runs alone, each dividing the number of processes (WORLD_SIZE, which torchrun and
+    accelerate launch set). Cheap: call it before building data, which a refused launch would waste."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    for cp_size in cp_sizes:
+        if cp_size > 1 and "WORLD_SIZE" not in env:
+            raise ValueError(f"cp_size={cp_size} splits each sequence over {cp_size} processes, and this one runs "
+                             f"alone: {_launch_hint(env)}")
+        check_sizes(world, cp_size)
 
 
 def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, str] = os.environ) -> tuple[int, int]:

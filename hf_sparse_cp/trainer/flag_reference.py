@@ -15,7 +15,7 @@ from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig
 from .arguments import PATTERN_PREFIX, SMETArguments, SparseCPArguments
 from .curriculum import CurriculumArguments
-from .sparse_trainer import SparseTrainingArguments
+from .sparse_trainer import LENGTH_FIELD, SparseTrainingArguments
 
 # (title, what the group does, the dataclass, its command-line prefix)
 GROUPS = (
@@ -57,7 +57,7 @@ def flag_reference() -> str:
              "Trainer flag. Every plugin flag starts with `sparse_`, `cp_` or `smet_`. The defaults are "
              "`SparseTrainingArguments`' (`--sparse_attention` is on there: the class is the switch).", "",
              "| flag | default | what it does |", "|---|---|---|",
-             _row("max_length", _default(defaults["max_length"]), defaults["max_length"].metadata["help"]), ""]
+             _row(LENGTH_FIELD, _default(defaults[LENGTH_FIELD]), defaults[LENGTH_FIELD].metadata["help"]), ""]
     for title, about, cls, prefix in GROUPS:
         lines += [f"## {title}", "", about, "", "| flag | default | what it does |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
