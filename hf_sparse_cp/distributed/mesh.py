@@ -147,14 +147,19 @@ def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, st
                 f"a node holds {per_node} ranks, which is not a multiple of cp_size={cp_size}: some CP groups would "
                 "straddle two nodes unevenly. Use a cp_size that divides the ranks per node or is a multiple of it."
             )
-        logger.info("The CP group (%d ranks) fits in one node of %d ranks: the hierarchical ring is flat.", cp_size,
-                    per_node)
+        logger.warning("cp_ring='hierarchical': the CP group (%d ranks) fits in one node of %d ranks, so there is "
+                       "no ring across nodes: the ring is flat, within the node.", cp_size, per_node)
         return 1, cp_size
     if cp_size % per_node:
         raise ValueError(
             f"cp_size={cp_size} is not a multiple of the {per_node} ranks per node: the hierarchical ring needs whole "
             "nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
         )
+    if per_node == 1:
+        logger.warning("cp_ring='hierarchical' with one rank per node (%s): an inner ring of one rank has nothing to "
+                       "overlap the outer ring with, so the ring is flat, across the %d nodes. Launch several ranks "
+                       "per node (or set --cp_node_size) for the hierarchical ring.",
+                       "--cp_node_size 1" if config.cp_node_size == 1 else "LOCAL_WORLD_SIZE=1", cp_size)
     return cp_size // per_node, per_node
 
 

@@ -24,7 +24,6 @@ from contextvars import ContextVar
 
 import torch
 
-from ..attention.build import dense_kept_fraction
 from ..attention.estimate import estimate_layout, pattern_documents
 from ..attention.flash_dense import flash_dense_attention, use_flash_attn
 from ..attention.layout import SparseLayout
@@ -196,12 +195,12 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
         q_meta = k_meta = meta
         docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
         if not any(docs) and use_flash_attn(query, key):  # a dense call, and flash-attn is installed
-            record_kept_fraction(module, dense_kept_fraction(meta, cfg.block_size, sliding_window))
+            record_kept_fraction(module, 1.0)  # (dense: every block a dense run computes)
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
             return out.transpose(1, 2)
         with torch.no_grad():
             layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-        record_kept_fraction(module, layout.kept_fraction(meta))
+        record_kept_fraction(module, layout.kept_fraction(meta, sliding_window))
     else:
         # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
         k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})

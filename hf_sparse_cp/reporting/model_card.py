@@ -286,9 +286,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     lines += ["### Kept fraction of attention blocks", ""]
     if means:
         overall = sum(means.values()) / len(means)
-        lines += [f"Computed blocks over the blocks of the causal triangle, logged by the Trainer "
-                  f"(`sparse/kept_fraction/layer_NN`) and averaged over the logged steps: **{overall:.3f}** over "
-                  "all layers.", "", "| layer | mean kept fraction |", "|---|---|",
+        lines += [f"Computed blocks over the blocks dense attention computes on the same batches (1.0: dense; "
+                  "packed documents and sliding windows count only the blocks dense attention visits), logged by "
+                  f"the Trainer (`sparse/kept_fraction/layer_NN`) and averaged over the logged steps: "
+                  f"**{overall:.3f}** over all layers.", "", "| layer | mean kept fraction |", "|---|---|",
                   *(f"| {layer} | {value:.3f} |" for layer, value in means.items()), "",
                   _draw_plot(trainer, output_dir), ""]
     else:

@@ -16,7 +16,8 @@ def add_to_log(state, logs: dict, extra: dict) -> None:
 
 
 class SparsityLoggingCallback(TrainerCallback):
-    """Adds the per-layer kept fraction of attention blocks to every Trainer log.
+    """Adds the per-layer kept fraction of attention blocks to every Trainer log: the blocks computed over the
+    blocks dense attention computes on the same batches (1.0 for a layer that runs dense, whatever the packing).
 
     Keys: `sparse/kept_fraction` (mean over layers) and `sparse/kept_fraction/layer_NN`. The callback
     must run before the reporting callbacks (TensorBoard, W&B) so they see the keys:

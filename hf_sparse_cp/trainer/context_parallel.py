@@ -71,6 +71,23 @@ def _dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     return prepare
 
 
+def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
+    """A function that says, batch by batch, whether the batch is the first of a `train()` call (a run, or its
+    resume): the Trainer starts each with a new `state`. The CP ranks' batches are checked to be the same there
+    (`check_same_batch`): data built differently on each process shows at the first step, and the check costs
+    nothing later."""
+    checked = None
+
+    def first() -> bool:
+        nonlocal checked
+        if checked is trainer.state:
+            return False
+        checked = trainer.state
+        return True
+
+    return first
+
+
 def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
     flop and batch-size accounting count that batch once per group, as without CP. `cp_size()` is the
@@ -160,10 +177,12 @@ def enable_trainer_context_parallel(
     pad_token_id = _pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
 
+    first_batch = first_batch_of_each_run(trainer)
+
     def prepare_inputs(_model, inputs: dict[str, Any]):
         return contextlib.nullcontext, prepare_context_parallel_inputs(
             inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
-            sparse_config=sparse_config,
+            sparse_config=sparse_config, verify_same_batch=first_batch(),
         )
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)

@@ -42,7 +42,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id
+from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id, first_batch_of_each_run
 
 logger = logging.getLogger(__name__)
 
@@ -378,14 +378,22 @@ def enable_curriculum(
     curriculum = Curriculum(trainer, schedule, dims, patches)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
 
+    checked_stages: set[int] = set()  # the stages whose first batch was checked, in this train() call
+    first_batch = first_batch_of_each_run(trainer)
+
     def prepare_inputs(_model, inputs: dict[str, Any]):
         parallel = curriculum.parallel()
         if parallel.cp_size == 1:
             return contextlib.nullcontext, inputs
+        if first_batch():
+            checked_stages.clear()
+        stage = curriculum.schedule.index_at(trainer.state.global_step)
+        verify = stage not in checked_stages  # (each stage's first batch: its CP groups are new)
+        checked_stages.add(stage)
         sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
             inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
-            sparse_config=sparse_config)
+            sparse_config=sparse_config, verify_same_batch=verify)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):

@@ -3,10 +3,11 @@
 `launched(plugin)` makes two changes to transformers' classes, recorded and undone when the block ends
 (outside it, and in any process that never enters it, transformers is stock):
 
-* `HfArgumentParser.__init__` (transformers', and the copy TRL's `TrlParser` derives from): a parser built with `TrainingArguments` or a subclass of it (TRL's `SFTConfig`,
-  the script's own) is built with `sparse_arguments_class(that class)` in its place, so the plugin's flags
-  parse beside the script's own, through the script's parser; `parse_args_into_dataclasses` also records
-  which plugin flags the command line gave (they beat `--sparse_config` whatever their value).
+* `HfArgumentParser.__init__` (transformers', and the copy that TRL's `TrlParser` derives from): a parser built
+  with `TrainingArguments` or a subclass of it (TRL's `SFTConfig`, the script's own) is built with
+  `sparse_arguments_class(that class)` in its place, so the plugin's flags parse beside the script's own,
+  through the script's parser; `parse_args_into_dataclasses` also records which plugin flags the command line
+  gave (they beat `--sparse_config` whatever their value).
 * `Trainer.__init__`: a Trainer the script builds (the stock one, TRL's `SFTTrainer`, the script's own
   subclass) becomes `sparse_trainer_class(its class)` once its `__init__` reaches the Trainer's (a subclass's
   own `__init__` has run up to there as written), and the Trainer's `__init__` runs with the plugin around it,

@@ -122,7 +122,7 @@ def test_detach_removes_the_protection(tmp_path):
 
 # ---- the CLI under CP 2 with SMET ---------------------------------------------------------------
 
-JOB = ["--max_length", "256", "--num_samples", "8", "--sparse_min_seq_len", "128", "--sparse_block_size", "32",
+JOB = ["--sparse_max_length", "256", "--num_samples", "8", "--sparse_min_seq_len", "128", "--sparse_block_size", "32",
        "--sparse_vertical_topk", "8", "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens",
        "4", "--sparse_last_q", "16", "--smet", "--smet_density", "0.5", "--smet_update_interval", "2",
        "--save_strategy", "steps", "--save_steps", "2"]

@@ -71,7 +71,7 @@ def test_the_child_exit_status_is_returned(tmp_path):
 
 
 # The real thing: two workers (CP 2) on short sequences, for many steps, so that the run is mid-training.
-JOB = ["--nproc", "2", "--cp_size", "2", "--max_length", "256", "--num_samples", "4", "--max_steps", "100000",
+JOB = ["--nproc", "2", "--cp_size", "2", "--sparse_max_length", "256", "--num_samples", "4", "--max_steps", "100000",
        "--tiny_num_layers", "1", "--logging_steps", "1"]
 BOUND_S = 60  # how long ending the run may take
 

@@ -66,7 +66,7 @@ def test_each_snippet_runs_as_written(page, snippet, tmp_path, monkeypatch):
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kwargs: byte_tokenizer())
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.setattr(sys, "argv", ["train.py", "--output_dir", str(tmp_path), "--max_steps", "1", "--report_to",
-                                      "none", "--save_strategy", "no", "--max_length", "256", "--bf16", "false"])
+                                      "none", "--save_strategy", "no", "--sparse_max_length", "256", "--bf16", "false"])
     try:
         exec(compile(snippet, f"{page} snippet", "exec"), {"__name__": "__main__"})
     finally:

@@ -70,15 +70,15 @@ def test_accelerate_configs_load_and_divide_the_world(path):
 def test_training_recipes_parse_into_a_sparse_cp_run(path):
     script, training, sparse, pattern, cp, smet, _ = parse_args([str(path)])
     assert sparse.sparse_attention and not smet.smet
-    assert training.max_length % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
+    assert training.sparse_max_length % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
     assert training.bf16 and checkpointing_enabled(training)
     assert training.save_strategy == "steps" and training.save_steps < training.max_steps  # the recipe's saving
     assert load_config_from_file(str(RECIPES / "accelerate" / "fsdp2_cp8_1node.yaml")).num_processes % cp.cp_size == 0
 
 
 def test_curriculum_stages_chain_and_grow():
-    stages = sorted((parse_args(["--recipe", p.stem]) for p in CURRICULUM), key=lambda a: a.training.max_length)
-    assert [s.training.max_length for s in stages] == [32768, 131072, 524288]
+    stages = sorted((parse_args(["--recipe", p.stem]) for p in CURRICULUM), key=lambda a: a.training.sparse_max_length)
+    assert [s.training.sparse_max_length for s in stages] == [32768, 131072, 524288]
     for prev, nxt in pairwise(stages):  # each stage's launch line starts from the last one's output
         launch = recipe_path(Path(nxt.training.output_dir).name).read_text()
         assert f"--model_name_or_path {prev.training.output_dir} " in launch
@@ -86,16 +86,16 @@ def test_curriculum_stages_chain_and_grow():
 
 def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
     recipe = tmp_path / "overrides.yaml"
-    recipe.write_text('max_length: 512\nsparse_layer_overrides:\n  "0-1": {pattern: dense}\n')
+    recipe.write_text('sparse_max_length: 512\nsparse_layer_overrides:\n  "0-1": {pattern: dense}\n')
     pattern = parse_args([str(recipe)])[3]
     assert pattern.layer_overrides == {"0-1": {"pattern": "dense"}} and pattern.for_layer(1).pattern == "dense"
 
 
 def test_flags_after_the_recipe_win_and_bad_recipes_are_refused(tmp_path):
-    flags = ["--max_length", "65536", "--ddp_find_unused_parameters", "true"]
+    flags = ["--sparse_max_length", "65536", "--ddp_find_unused_parameters", "true"]
     script, training, *_ = parse_args([str(CURRICULUM[0]), *flags])
-    assert training.max_length == 65536 and training.ddp_find_unused_parameters is True
-    assert parse_args([*flags, "--recipe", CURRICULUM[0].stem]).training.max_length == 65536
+    assert training.sparse_max_length == 65536 and training.ddp_find_unused_parameters is True
+    assert parse_args([*flags, "--recipe", CURRICULUM[0].stem]).training.sparse_max_length == 65536
     bad = tmp_path / "bad.yaml"
     bad.write_text("- max_length\n")
     with pytest.raises(ValueError, match="mapping of flag names"):
@@ -188,7 +188,7 @@ def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path
 
 # A recipe at tiny size: the tiny model (no --model_name_or_path), short sequences, one step, one process; every
 # other setting is the recipe's. min_seq_len is a size too (the recipes' 8192 would keep 1K tokens dense).
-TINY = ["--tiny_num_layers", "3", "--max_length", "1024", "--sparse_min_seq_len", "512", "--num_samples", "2",
+TINY = ["--tiny_num_layers", "3", "--sparse_max_length", "1024", "--sparse_min_seq_len", "512", "--num_samples", "2",
         "--max_steps", "1"]
 
 
@@ -230,7 +230,7 @@ def test_each_recipe_runs_one_step_at_tiny_size(tmp_path, monkeypatch, single_th
 @pytest.mark.parametrize("name", ["smet_pretrain", "smet_finetune"])
 def test_each_smet_recipe_trains_one_step(tmp_path, monkeypatch, single_thread, name):
     seen = _recording(monkeypatch)
-    example.main(["--recipe", name, "--max_length", "256", "--num_samples", "1", "--max_steps", "1",
+    example.main(["--recipe", name, "--sparse_max_length", "256", "--num_samples", "1", "--max_steps", "1",
                   "--tiny_num_layers", "1", "--output_dir", str(tmp_path)])
     (args,) = HfArgumentParser(SparseTrainingArguments).parse_yaml_file(str(recipe_path(name)))
     assert seen["smet"] == args.smet_optimizer_config() and seen["trainer"].state.global_step == 1
@@ -255,7 +255,7 @@ def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, mon
     SparseAttentionConfig(vertical_topk=512, slash_topk=32, block_size=64, min_seq_len=128).save(cfg)
     smet = tmp_path / "smet.yaml"
     SMETConfig(density=0.5, update_interval=50).save(smet)
-    example.main(["--max_length", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
+    example.main(["--sparse_max_length", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
                   "--output_dir", str(tmp_path / "out"), "--sparse_config", str(cfg), "--sparse_vertical_topk", "1024",
                   "--smet", "--smet_config", str(smet), "--smet_update_interval", "100"])
     pattern = SparseAttentionConfig(**seen["trainer"].model.config.sparse_attention)

@@ -23,7 +23,7 @@ from hf_sparse_cp.trainer.context_parallel import (
 )
 
 # A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
-JOB = ["--max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
+JOB = ["--sparse_max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
        "--sparse_block_size", "64", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "32",
        "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "32"]
 

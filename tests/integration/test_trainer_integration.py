@@ -66,7 +66,7 @@ def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
 def test_demo_runs_and_the_loss_decreases(tmp_path):
     from hf_sparse_cp.examples.train_long_context import main
 
-    summary = main(["--output_dir", str(tmp_path), "--max_length", "2048", "--max_steps", "5", "--use_cpu"])
+    summary = main(["--output_dir", str(tmp_path), "--sparse_max_length", "2048", "--max_steps", "5", "--use_cpu"])
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert 0 < summary["mean_kept_fraction"] < 0.9
 
@@ -93,7 +93,7 @@ def test_checkpointing_flags_work_as_in_a_trainer_script(flags, strategy, steps)
 def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
     from hf_sparse_cp.examples.train_long_context import main
 
-    job = ["--max_length", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
+    job = ["--sparse_max_length", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
     main([*job, "--output_dir", str(tmp_path / "saved"), "--save_steps", "1"])
     assert sorted(p.name for p in (tmp_path / "saved").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out
