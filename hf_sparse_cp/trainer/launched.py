@@ -38,6 +38,7 @@ from ..distributed import check_launched
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
 from .arguments import explicit_fields
+from .attach import LAUNCHED
 from .sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
@@ -46,10 +47,6 @@ from .sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
-
-# The feature under which a launched Trainer records its class change (undone by `detach_from_trainer`).
-LAUNCHED = "launched"
-
 
 def plugin_flag_names() -> frozenset[str]:
     """The names of the plugin's flags (`--<name>`), whatever the script's argument class."""
