@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .layout import FAR, SparseLayout, first_visible_keys
-from .tokens import PAD_SEGMENT, TokenMeta, document_starts
+from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of one [heads, query blocks, candidates] tile of layout construction (bounds its temporaries).
 _LAYOUT_ELEMENTS = 1 << 24

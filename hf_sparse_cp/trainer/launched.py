@@ -48,6 +48,7 @@ from .sparse_trainer import (
     with_plugin_arguments,
 )
 
+
 def plugin_flag_names() -> frozenset[str]:
     """The names of the plugin's flags (`--<name>`), whatever the script's argument class."""
     return frozenset(f.name for f in dataclasses.fields(PluginArguments) if f.init)

@@ -177,8 +177,8 @@ def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refu
         training_state(model, opt)
 
 
-FSDP2 = ("--fsdp", "full_shard auto_wrap",
-         "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+FSDP2 = ("--fsdp",
+         "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
 
 
 @pytest.mark.slow

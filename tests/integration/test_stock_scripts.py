@@ -151,6 +151,29 @@ def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_an
 
 
 @pytest.mark.slow
+def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
+    """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand: the weights
+    after three steps under CP 2 are those of one process."""
+    launch = [sys.executable, "-m", "hf_sparse_cp.cli", "launch"]
+    plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
+    outputs = []
+    for name, extra in (("trl_one", []), ("trl_cp2", ["--nproc", "2"])):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_DATASETS_CACHE": str(workdir / "datasets_cache")}
+        env.pop("WORLD_SIZE", None)
+        cp = ["--cp_size", "2"] if extra else []
+        command = [*launch, *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp]
+        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-6000:]
+        assert "sparse_cp: 1 of 2 layers vertical-slash" in done.stderr + done.stdout
+        outputs.append(load_file(workdir / name / "model.safetensors"))
+    for name, tensor in outputs[0].items():
+        assert torch.allclose(outputs[1][name], tensor, rtol=1e-4, atol=1e-5), name
+    assert any(not torch.equal(outputs[0][name], tensor) for name, tensor in load_file(
+        workdir / "tiny" / "model.safetensors").items())  # (it trained)
+
+
+@pytest.mark.slow
 def test_the_saved_models_load_without_the_plugin(workdir):
     folders = sorted(str(path.parent) for path in workdir.glob("*/model.safetensors"))
     assert len(folders) >= 3, "run the three scripts' tests first (same module)"

@@ -101,8 +101,8 @@ def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
     ranks) with sparse CP 2 and the SMET optimizer on its local shards: the single-process run's
     losses and kept fractions."""
     smet = ("--smet", "--smet_density", "0.5")
-    fsdp = ("--fsdp", "full_shard auto_wrap",
-            "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+    fsdp = ("--fsdp",
+            "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
     ref = _train(tmp_path, "smet_cp1", 1, *smet)
     run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp, "--save_steps", "4")
     _assert_same_losses(run, ref)

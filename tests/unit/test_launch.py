@@ -14,7 +14,8 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
 from hf_sparse_cp.distributed import check_launched
 from hf_sparse_cp.integration.compat import argument_parser_classes
-from hf_sparse_cp.run import main as run, parse_plugin_flags, split_command
+from hf_sparse_cp.run import main as run
+from hf_sparse_cp.run import parse_plugin_flags, split_command
 from hf_sparse_cp.trainer.launched import launched, plugin_flags_in
 from hf_sparse_cp.trainer.sparse_trainer import PluginArguments, SparseArgumentsMixin
 
