@@ -1,13 +1,13 @@
 """The kept fraction of an attention call under context parallelism, as one process reports it on the
 same batch.
 
-`SparseLayout.kept_fraction(meta)` counts a layout's computed blocks over the blocks a dense computation of
-the same tokens visits (1.0 for a dense call). A block sharding (striped, zigzag, contiguous) keeps the sequence's order and pads
-only at the end, so its global layout is the one-process layout padded, and counts the same. The
-document planner re-orders a packed row and starts documents on block boundaries: the same kept
-columns and diagonals then fall into other blocks, so the split's layout counts other blocks than one
-process does. For such a split the kept entries are put back in the original order and the
-one-process layout is built from them (a dense call is counted without building a layout).
+`SparseLayout.kept_fraction(meta)` counts a layout's computed blocks over the blocks a dense computation
+of the same tokens visits (1.0 for a dense call). A block sharding (striped, zigzag, contiguous) keeps the
+sequence's order and pads only at the end, so its global layout is the one-process layout padded, and
+counts the same. The document planner re-orders a packed row and starts documents on block boundaries:
+the same kept columns and diagonals then fall into other blocks, so the split's layout counts other
+blocks than one process does. For such a split the kept entries are put back in the original order and
+the one-process layout is built from them.
 """
 
 from __future__ import annotations

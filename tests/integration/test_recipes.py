@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from itertools import pairwise
 from pathlib import Path
 
@@ -71,9 +72,37 @@ def test_training_recipes_parse_into_a_sparse_cp_run(path):
     script, training, sparse, pattern, cp, smet, _ = parse_args([str(path)])
     assert sparse.sparse_attention and not smet.smet
     assert training.sparse_max_length % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
-    assert training.bf16 and checkpointing_enabled(training)
+    assert training.bf16 and not checkpointing_enabled(training)  # (the recipe's length turns it on: see below)
+    assert training.sparse_max_length >= training.sparse_gradient_checkpointing_min_length
     assert training.save_strategy == "steps" and training.save_steps < training.max_steps  # the recipe's saving
     assert load_config_from_file(str(RECIPES / "accelerate" / "fsdp2_cp8_1node.yaml")).num_processes % cp.cp_size == 0
+
+
+@pytest.mark.parametrize("path", sorted((RECIPES / "train").glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipes_use_no_form_transformers_deprecates(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        parse_args([str(path)])
+
+
+def test_a_recipe_for_more_processes_says_so_before_building_its_data(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(example, "passkey_train_data", lambda *a, **k: pytest.fail("built the data first"))
+    with pytest.raises(ValueError, match="cp_size=8 splits each sequence over 8 processes, and this one runs alone"):
+        example.main(["--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
+
+
+def test_recipes_and_command_lines_of_earlier_releases_still_run(tmp_path):
+    """`max_length` (the sequence length before every plugin flag was prefixed) in a recipe or on the command
+    line is read as --sparse_max_length, with a warning that names the new name."""
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("max_length: 512\nsparse_block_size: 64\n")
+    with pytest.warns(FutureWarning, match="--max_length is deprecated: it is now --sparse_max_length"):
+        training = parse_args([str(recipe)]).training
+    assert training.sparse_max_length == 512
+    with pytest.warns(FutureWarning, match="--max_length is deprecated"):
+        assert parse_args(["--max_length=1024"]).training.sparse_max_length == 1024
 
 
 def test_curriculum_stages_chain_and_grow():
@@ -223,7 +252,7 @@ def test_each_recipe_runs_one_step_at_tiny_size(tmp_path, monkeypatch, single_th
     for name in ("bf16", "learning_rate", "lr_scheduler_type", "warmup_steps", "logging_steps", "save_strategy",
                  "save_steps", "report_to", "per_device_train_batch_size", "gradient_accumulation_steps"):
         assert getattr(trainer.args, name) == getattr(shipped.training, name), name
-    assert checkpointing_enabled(trainer.args) and seen["cp"].cp_sharding == shipped.cp.cp_sharding
+    assert seen["cp"].cp_sharding == shipped.cp.cp_sharding
     assert (out / "config.json").is_file()  # --save_final_model: the next stage starts from it
 
 

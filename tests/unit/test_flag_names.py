@@ -156,3 +156,18 @@ def test_every_help_text_renders_in_the_parsers_help():
         if action.help:
             parser._get_formatter()._expand_help(action)
     assert "--sparse_mass_threshold" in parser.format_help()
+
+
+def test_arguments_saved_by_an_earlier_release_load_with_the_new_names(tmp_path):
+    """A checkpoint's training_args.bin pickled before the sequence length was `--sparse_max_length`."""
+    import pickle
+
+    from hf_sparse_cp.trainer.sparse_trainer import _rebuild_arguments
+
+    args = SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", sparse_max_length=4096)
+    assert pickle.loads(pickle.dumps(args)).sparse_max_length == 4096
+    saved = dict(vars(args))
+    saved["max_length"] = saved.pop("sparse_max_length")  # what an earlier release saved
+    loaded = _rebuild_arguments(TrainingArguments, saved)
+    assert type(loaded) is SparseTrainingArguments and loaded.sequence_length == 4096
+    assert "max_length" not in vars(loaded)
