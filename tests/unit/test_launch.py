@@ -187,3 +187,21 @@ def test_launcher_flags_have_the_defaults_and_help_of_the_switch(tmp_path):
     for f in dataclasses.fields(PluginArguments):
         if f.init:
             assert getattr(plugin, f.name) == getattr(switch, f.name) and f.metadata["help"] == helps[f.name], f.name
+
+
+def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch):
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.recipes import recipe_path
+
+    started = []
+    monkeypatch.setattr(cli, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
+    assert started[-1] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "hf_sparse_cp.run", "--cp_size", "2", "train.py", "--config_file", "own.json"]
+    assert cli.main(["launch", "--config_file", "cpu_2proc_cp2", "-m", "trl.scripts.sft", "--cp_size", "2"]) == 0
+    assert started[-1] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(recipe_path("cpu_2proc_cp2")), "-m", "hf_sparse_cp.run", "-m", "trl.scripts.sft",
+                           "--cp_size", "2"]
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--nproc", "2", "--config_file", "cpu_2proc_cp2", "train.py"])
