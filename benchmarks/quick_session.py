@@ -13,8 +13,9 @@ every stage; the stages' own scripts write theirs as soon as they have a number:
     ~5% and ~20% kept and the dense causal layout: our kernels, the flex engine and auto on each,
     cuDNN and flash SDPA on the dense one; forward + backward only; it also writes the engine table;
 (c) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, the lean loss,
-    gradient checkpointing) at 64K and 128K for sparse_cp, sdpa + liger-kernel (when its wheel is in
-    .whl/) and sdpa, then each variant that ran at 128K doubles on to 1M: the longest length it fits.
+    gradient checkpointing) at 64K and 128K for sparse_cp, then sparse_cp and sdpa with liger-kernel's
+    kernels (when its wheel is in .whl/: carry it, the loss and both liger rows depend on it), and sdpa;
+    then each variant that ran at 128K doubles on to 1M: the longest length it fits.
     sparse_cp's 'auto' engine reads the table stage (b) wrote.
 
 A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at
@@ -91,7 +92,8 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
                  "--variants", "ours", "flex_engine", "auto", "sdpa_cudnn", "sdpa_flash", "--time_forward", "false",
                  "--profile_seq_lens", "0", "--output", str(out / "attention.json"),
                  "--engine_table", str(out / "engine_table.json")]
-    e2e = [py, "benchmarks/bench_e2e.py", "--variants", "sparse_cp", "sdpa+liger", "sdpa", "--profile_seq_lens", "0",
+    e2e = [py, "benchmarks/bench_e2e.py", "--variants", "sparse_cp", "sparse_cp+liger", "sdpa+liger", "sdpa",
+           "--profile_seq_lens", "0",
            "--output", str(out / "e2e.json")]
     if args.dry_run:
         attention += ["--dry_run", "--seq_lens", "64", "128", "--block_size", "32", "--num_q_heads", "2",

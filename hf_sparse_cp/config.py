@@ -186,7 +186,8 @@ class SparseAttentionConfig(FileConfig):
                   "compiled, CUDA for training), 'reference' (PyTorch, any device) or 'auto': the faster of the "
                   "kernels and Flex per call on CUDA from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the "
                   "kernels without one), the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
-                  "Dense calls go to flash-attn first where installed ($HF_SPARSE_CP_DENSE_BACKEND)."},
+                  "Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
+                  "($HF_SPARSE_CP_DENSE_BACKEND)."},
     )
     layer_overrides: dict | str | None = field(
         default=None,

@@ -136,7 +136,7 @@ def sparse_attention() -> Iterator:
 
 
 def capturing_layouts() -> Iterator:
-    from hf_sparse_cp.attention.flash_dense import DENSE_BACKEND_ENV
+    from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
     from hf_sparse_cp.integration import backend
     from hf_sparse_cp.reporting.plots import capturing_layouts as capturing
 

@@ -9,7 +9,7 @@ the merge of partial results. Nothing here knows about transformers or process g
 * `ops.py`: `block_sparse_attention` and the per-step primitives;
 * `engines.py`: which engine computes a call (the setting, `auto` and its timing table);
 * `flex.py`: the FlexAttention engine;
-* `reference.py`, `merge.py`, `flash_dense.py`, `precision.py`.
+* `reference.py`, `merge.py`, `dense.py`, `precision.py`.
 """
 
 from .build import build_layout, dense_layout

@@ -56,11 +56,16 @@ class SparseLayout:
         """`compute()`, kept on this layout under `name` and reused while it would give the same result:
         same `key`, the same `inputs` tensors (by identity) and this layout's own tensors, none of them
         written in place since. A layout built again is a new object with nothing kept; one entry per
-        name (the latest). Computed without autograd; under torch.compile nothing is kept.
+        name (the latest). Computed without autograd. Under torch.compile nothing is read or kept: the
+        traced graph computes the value itself (a tensor's `_version` is a data-dependent symbol there, so
+        a lookup would break a `fullgraph` trace).
 
         The kernels' full/partial split (`hf_sparse_cp.attention.ops`) lives here, so that a layer's
         forward and backward, and every ring step reusing a layout, compute it once.
         """
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                return compute()
         tensors = (self.block_idx, self.block_cnt, self.col_idx, self.col_cnt, *inputs)
         # Tensor._version counts in-place writes (autograd's own check of saved tensors relies on it)
         versions = tuple(t._version for t in tensors)
@@ -70,8 +75,7 @@ class SparseLayout:
             return entry[3]
         with torch.no_grad():
             value = compute()
-        if not torch.compiler.is_compiling():
-            self._derived[name] = (key, tensors, versions, value)
+        self._derived[name] = (key, tensors, versions, value)
         return value
 
     @property

@@ -7,7 +7,7 @@ runs exact attention restricted to it (`hf_sparse_cp.attention`). It never sees 
 mask.
 
 Calls that run dense (dense or sliding-window layers, batches without a long document) go to
-flash-attn where it is installed (`hf_sparse_cp.attention.flash_dense`).
+flash-attn where it is installed, or to SDPA for plain causal rows (`hf_sparse_cp.attention.dense`).
 
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
 `hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
@@ -24,8 +24,8 @@ from contextvars import ContextVar
 
 import torch
 
+from ..attention.dense import dense_backend, flash_dense_attention, sdpa_dense_attention
 from ..attention.estimate import estimate_layout, pattern_documents
-from ..attention.flash_dense import flash_dense_attention, use_flash_attn
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
@@ -194,8 +194,11 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta
         docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
-        if not any(docs) and use_flash_attn(query, key):  # a dense call, and flash-attn is installed
+        library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
+        if library != "kernels":  # a dense call that a library kernel computes
             record_kept_fraction(module, 1.0)  # (dense: every block a dense run computes)
+            if library == "sdpa":
+                return sdpa_dense_attention(query, key, value, scale=scale).transpose(1, 2)
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
             return out.transpose(1, 2)
         with torch.no_grad():

@@ -20,9 +20,10 @@ from ..memory.tiling import tiled_rows
 from .patching import record_on, undo_recorded
 
 _FEATURE = "memory_savers"
-# MLP and RMSNorm classes whose forward maps every token's hidden state on its own (SwiGLU MLPs, RMSNorm).
-ROWWISE_CLASSES = frozenset(f"{family}{kind}" for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
-                            for kind in ("MLP", "RMSNorm"))
+# MLP and RMSNorm classes whose forward maps every token's hidden state on its own (SwiGLU MLPs, RMSNorm),
+# liger-kernel's replacements of them included (its `apply_liger_kernel_to_*` swaps the classes).
+ROWWISE_CLASSES = frozenset({*(f"{family}{kind}" for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
+                               for kind in ("MLP", "RMSNorm")), "LigerRMSNorm", "LigerSwiGLUMLP"})
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention.flash_dense import DENSE_BACKEND_ENV
+from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..integration import backend

@@ -38,12 +38,14 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         assert report[key], key
     assert report["device_type"] == "cpu"
     rows = {(r["variant"], r["seq_len"]): r for r in report["results"]}
-    assert set(rows) == {("sdpa", 1024), ("sdpa", 2048), ("sdpa+liger", 1024), ("sparse_cp", 1024), ("sparse_cp", 2048)}
-    assert rows["sdpa+liger", 1024]["status"] == "skipped" and "CUDA" in rows["sdpa+liger", 1024]["reason"]
+    assert set(rows) == {("sdpa", 1024), ("sdpa", 2048), ("sdpa+liger", 1024), ("sparse_cp", 1024), ("sparse_cp", 2048),
+                         ("sparse_cp+liger", 1024)}
+    for variant in ("sdpa+liger", "sparse_cp+liger"):
+        assert rows[variant, 1024]["status"] == "skipped" and "CUDA" in rows[variant, 1024]["reason"]
 
     vocab = report["settings"]["model_shapes"]["tiny"]["vocab_size"]
     for (variant, seq_len), r in rows.items():
-        if variant == "sdpa+liger":
+        if variant.endswith("+liger"):
             continue
         assert r["status"] == "ok", r.get("reason")
         assert r["step_s"] > 0 and r["peak_gib"] > 0
@@ -149,6 +151,17 @@ def test_speedups_and_targets_come_from_the_rows(bench):
     assert [t["pass"] for t in targets] == [True, True, True, False, False]
     assert "3.20" in bench.format_table(results)
     assert format_targets(targets).count("MISS") == 2
+
+    # sparse_cp + liger-kernel: its own ratios, memory checks and targets beside sparse_cp's
+    results.append(row("sparse_cp+liger", 131072, 46500.0, 14.0, kept=0.05))
+    ratios = {(e["variant"], e["seq_len"]): e["vs_liger"] for e in bench.speedups(results)}
+    assert ratios["sparse_cp+liger", 131072] == pytest.approx(3.1) and ratios["sparse_cp", 131072] == pytest.approx(3.2)
+    targets = {t["target"]: t["pass"] for t in bench.issue_targets(results)}
+    assert len(targets) == 10 and targets["0.5b 128K: sparse_cp+liger tokens/s over sdpa + liger"] is True
+    assert targets["0.5b 128K: sparse_cp+liger peak memory <= sdpa + liger"] is True
+    assert targets["0.5b sparse_cp+liger trains at 512K"] is None
+    table = bench.format_table(results)
+    assert "3.10" in table and "3.20" in table
 
 
 def test_fit_search_follows_every_headline_run_and_reports_the_longest_fit(tmp_path, bench, monkeypatch):

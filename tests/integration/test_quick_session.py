@@ -55,10 +55,11 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
 
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["complete"] and {(r["variant"], r["seq_len"], r["status"]) for r in e2e["results"]} == {
-        ("sparse_cp", 256, "ok"), ("sdpa+liger", 256, "skipped"), ("sdpa", 256, "ok"), ("sparse_cp", 512, "ok"),
-        ("sdpa", 512, "ok")}
+        ("sparse_cp", 256, "ok"), ("sparse_cp+liger", 256, "skipped"), ("sdpa+liger", 256, "skipped"),
+        ("sdpa", 256, "ok"), ("sparse_cp", 512, "ok"), ("sdpa", 512, "ok")}
     fits = {f["variant"]: (f["seq_len"], f["ended_by"]) for f in e2e["longest_fit"]}
-    assert fits == {"sparse_cp": (512, "cap"), "sdpa+liger": (None, "skipped"), "sdpa": (512, "cap")}
+    assert fits == {"sparse_cp": (512, "cap"), "sparse_cp+liger": (None, "skipped"),
+                    "sdpa+liger": (None, "skipped"), "sdpa": (512, "cap")}
     headline = session["headline"]
     assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"]) and headline["longest_fit"] == \
         e2e["longest_fit"]

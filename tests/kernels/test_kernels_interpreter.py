@@ -804,6 +804,20 @@ def test_the_split_kept_on_a_layout_follows_what_it_was_computed_from(monkeypatc
     assert len(calls) == 8
 
 
+def test_a_split_kept_eagerly_is_not_read_by_a_fullgraph_trace():
+    """A layout whose split was kept by an eager call traces under torch.compile(fullgraph=True) (the lookup
+    compares tensor versions, data-dependent in a trace: the GPU session of 2026-11-27 failed there), and the
+    traced split equals the eager one."""
+    from hf_sparse_cp.attention.ops import kernel_split
+
+    meta = TokenMeta.contiguous(1, 64)
+    layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(94))
+    eager = kernel_split(layout, meta, meta, None)
+    torch._dynamo.reset()
+    traced = torch.compile(lambda: tuple(kernel_split(layout, meta, meta, None)), fullgraph=True, backend="eager")()
+    assert len(traced) == len(eager) and all(torch.equal(a, b) for a, b in zip(traced, eager))
+
+
 # ---- dk/dv written in the input dtype by the dk/dv kernel (issue #18) ----------------------------
 
 def _backward_and_its_dkdv_outputs(q, k, v, out, lse, dout, layout, meta, deterministic, in_input_dtype):
