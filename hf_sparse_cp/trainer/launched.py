@@ -108,10 +108,11 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
 
         def parse_into_dataclasses(self, args=None, *rest, **kwargs):
             outputs = parse(self, args, *rest, **kwargs)
-            argv = sys.argv[1:] if args is None else list(args)
-            for out in outputs:
-                if isinstance(out, SparseArgumentsMixin):
-                    out.explicit_flags = explicit_fields(self, argv) | given
+            ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
+            if ours:
+                explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
+                for out in ours:
+                    out.explicit_flags = explicit
                     check_launched(out.cp_sizes())  # before the script builds its data
             return outputs
 

@@ -46,14 +46,16 @@ def reference(tmp_path_factory):
     return {bs: _train(tmp, f"bs{bs}", 1, "--per_device_train_batch_size", str(bs)) for bs in (1, 2)}
 
 
-def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True) -> None:
+def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True, sparse_below: float = 0.95) -> None:
+    """Loss per step of `run` equal to `ref`'s, and the sparse path taken: a mean kept fraction below
+    `sparse_below` of the blocks dense attention computes (packed 256-token documents keep most of theirs)."""
     assert len(run["losses"]) == len(ref["losses"]) == 4
     for got, want in zip(run["losses"], ref["losses"]):
         assert abs(got - want) <= 2e-3 * abs(want), (run["losses"], ref["losses"])
     assert run["losses"][-1] < run["losses"][0]
     if same_rows:  # (with DP, the logged kept fraction is the first DP group's rows only)
         assert abs(run["mean_kept_fraction"] - ref["mean_kept_fraction"]) < 1e-6
-    assert run["mean_kept_fraction"] < 0.95  # the sparse path ran
+    assert run["mean_kept_fraction"] < sparse_below  # the sparse path ran
 
 
 @pytest.mark.slow
@@ -84,7 +86,7 @@ def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
     """DataCollatorWithFlattening packs two documents per sequence (cu_seq_lens, restarting
     position_ids); the CP shards carry the document boundaries and no attention crosses them."""
     run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *PACKED)
-    _assert_same_losses(run, packed_reference)
+    _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
 @pytest.mark.slow
@@ -92,7 +94,7 @@ def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packe
     """--cp_sharding document: the planner puts each packed document whole on a rank (their K/V never
     travel); the losses and kept fractions are those of one process."""
     run = _train(tmp_path, "packed_doc_cp2", 2, "--cp_size", "2", "--cp_sharding", "document", *PACKED)
-    _assert_same_losses(run, packed_reference)
+    _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
 @pytest.mark.slow
