@@ -19,6 +19,7 @@ lists them.
 
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
@@ -34,6 +35,10 @@ PROG = "python -m hf_sparse_cp.run"
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its command lines), and every flag's default."""
+
+
 def split_command(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     """(plugin flags, the script's path or module name, whether it is a module, the script's arguments):
     the script is the first argument ending in `.py`, or the one after `-m`."""
@@ -47,7 +52,8 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], str | None, bool, lis
 
 def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
     """The plugin flags given before the script path (help and errors as argparse's)."""
-    parser = HfArgumentParser(PluginArguments, prog=PROG, usage=USAGE, description=__doc__)
+    parser = HfArgumentParser(PluginArguments, prog=PROG, usage=USAGE, description=__doc__,
+                              formatter_class=_HelpFormatter)
     try:
         (plugin,) = parser.parse_args_into_dataclasses(list(flags))
     except ValueError as e:
