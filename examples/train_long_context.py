@@ -109,13 +109,8 @@ class ScriptArguments:
                              "or drop --align_documents.")
 
     def check(self, max_length: int) -> None:
-        """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens."""
-        # A causal LM learns from a sequence of at least 2 tokens (the first predicts the second). Refused
-        # rather than passed on: the data slices the last max_length tokens of each text, so 0 or a negative
-        # length would silently train on other lengths.
-        if max_length < 2:
-            raise ValueError(f"--sparse_max_length {max_length}: a training sequence needs at least 2 tokens; e.g. "
-                             "--sparse_max_length 4096.")
+        """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens (at least 2, as
+        `SparseTrainingArguments` checks)."""
         if self.pack_documents < 1:
             raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
         if max_length // self.pack_documents < 2:
@@ -210,6 +205,7 @@ RENAMED = {"--seq_len": "--sparse_max_length", "--fused_loss": "--sparse_fused_l
 # written for the releases that had them run as they did.
 DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+ACCELERATE_CONFIG_KEY = "compute_environment"
 
 
 def _refuse(parser: HfArgumentParser, message: str) -> None:
@@ -218,12 +214,15 @@ def _refuse(parser: HfArgumentParser, message: str) -> None:
 
 
 def take_recipe(argv: list[str]) -> tuple[list[str], str | None]:
-    """(the other arguments, the recipe): `--recipe NAME_OR_PATH` anywhere, or a YAML/JSON file first."""
+    """(the other arguments, the recipe): `--recipe NAME_OR_PATH` anywhere, or a YAML/JSON file first.
+    Raises ValueError when `--recipe` comes without a name."""
     for i, arg in enumerate(argv):
-        if arg == "--recipe" and i + 1 < len(argv):
-            return argv[:i] + argv[i + 2:], argv[i + 1]
-        if arg.startswith("--recipe="):
-            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+        if arg == "--recipe" or arg.startswith("--recipe="):
+            given, taken = (arg.split("=", 1)[1], 1) if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "", 2)
+            if not given or given.startswith("--"):
+                raise ValueError("--recipe needs a NAME: a shipped training recipe (`hf-sparse-cp recipes` lists them) "
+                                 "or a YAML/JSON file of flags, e.g. --recipe qwen2.5-3b_32k.")
+            return argv[:i] + argv[i + taken:], given
     if argv and argv[0].endswith(RECIPE_SUFFIXES):
         return argv[1:], argv[0]
     return argv, None
@@ -245,9 +244,16 @@ def asks_for_checkpoints(explicit: set[str]) -> bool:
 
 
 def recipe_flags(path: str) -> list[str]:
-    """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/)."""
+    """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/). Raises ValueError
+    for an accelerate launch config (`compute_environment`, which accelerate writes in every one), naming its use."""
+    mapping = read_mapping(path, "flag names to values, e.g. `sparse_max_length: 32768`")
+    if ACCELERATE_CONFIG_KEY in mapping:
+        raise ValueError(
+            f"{path} is a launch config for `accelerate launch --config_file`, not a training recipe of flags: run "
+            f"`accelerate launch --config_file {path} -m hf_sparse_cp.examples.train_long_context [flags]`, or give "
+            "--recipe a training recipe (`hf-sparse-cp recipes` lists both kinds).")
     flags: list[str] = []
-    for name, value in read_mapping(path, "flag names to values, e.g. `sparse_max_length: 32768`").items():
+    for name, value in mapping.items():
         items = value if isinstance(value, list) else [value]
         # (a mapping, e.g. layer_overrides, as the JSON text its flag takes, not Python's repr)
         flags += [f"--{name}", *(json.dumps(item) if isinstance(item, dict) else str(item) for item in items)]
@@ -272,8 +278,8 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
     and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
     parser = HfArgumentParser((ScriptArguments, SparseTrainingArguments), description=DESCRIPTION)
-    argv, recipe = take_recipe(list(argv))
     try:
+        argv, recipe = take_recipe(list(argv))
         if recipe is not None:
             argv = recipe_flags(str(recipe_path(recipe))) + argv
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it

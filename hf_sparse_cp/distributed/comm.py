@@ -9,14 +9,74 @@ moves them to the next rank of the node. A flat ring is one node (num_nodes = 1)
 `P2PComm` posts a batch of sends and receives on one process group with
 `torch.distributed.batch_isend_irecv` and returns a `Pending` to wait on later, so a transfer for
 the next step runs while the current step computes.
+
+Every transfer and collective here runs within its group's timeout (the groups of `ParallelDims` take
+the default group's, `group_timeout`), and a failure of one, a peer that stopped answering or left, is
+raised as `UnresponsiveRankError` naming this rank, the peer and the timeout (`naming_unresponsive_ranks`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+class UnresponsiveRankError(RuntimeError):
+    """A transfer or collective of ours that a peer rank did not complete within the process group's
+    timeout (stopped, hung, or exited)."""
+
+
+def group_timeout(group=None) -> timedelta:
+    """The timeout of `group`'s operations (default: the default group's, `init_process_group(timeout=...)`, which
+    the Trainer sets from `--ddp_timeout`). torch gives a new group its backend's default instead (30 min for
+    gloo, 10 for NCCL) and has no public getter: read from the group's backend options (listed in
+    `integration.compat`)."""
+    group = dist.group.WORLD if group is None else group
+    return group._get_backend(group_device(group)).options._timeout
+
+
+def _is_communication_failure(error: BaseException) -> bool:
+    # torch raises DistError subclasses (NCCL, the stores); gloo's transport a RuntimeError from its own sources
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
+
+
+@contextlib.contextmanager
+def naming_unresponsive_ranks(what: str, group=None, peers: Iterable[int] | None = None) -> Iterator[None]:
+    """Raise a communication failure inside the block (a timeout, a closed connection) as `UnresponsiveRankError`
+    naming this rank, `what` it was doing, the peers it waited on (global ranks; default: the group's other
+    ranks) and the group's timeout, with torch's error as the cause."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, UnresponsiveRankError) or not _is_communication_failure(error):
+            raise
+        me = dist.get_rank()
+        if peers is None:
+            peers = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+        others = sorted({r for r in peers if r != me})
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        seconds = group_timeout(group).total_seconds()
+        raise UnresponsiveRankError(
+            f"rank {me}: {what} did not complete: {who} did not answer within the process group's timeout "
+            f"({seconds:g} s: init_process_group's timeout, the Trainer's --ddp_timeout), or left. It is stopped, hung "
+            f"or has exited: see its log. This rank stops too. (torch: {str(error).strip()})") from error
+
+
+def all_reduce(x: torch.Tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
+    """`dist.all_reduce` of `x` in place over `group`; a peer that does not answer raises `UnresponsiveRankError`."""
+    with naming_unresponsive_ranks(what, group):
+        dist.all_reduce(x, op=op, group=group)
+
+
+def wait(work, group, what: str, peers: Iterable[int] | None = None) -> None:
+    """Wait for an asynchronous operation on `group`; a peer that does not answer raises `UnresponsiveRankError`."""
+    with naming_unresponsive_ranks(what, group, peers):
+        work.wait()
 
 
 @dataclass(frozen=True)
@@ -75,15 +135,22 @@ class Transfer:
 
 
 class Pending:
-    """Transfers in flight: `wait()` blocks until they are done. Holds the tensors until then."""
+    """Transfers in flight: `wait()` blocks until they are done (or a peer did not answer within the group's
+    timeout: `UnresponsiveRankError`). Holds the tensors until then."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
-        self._works, self._tensors = works, tensors
+    def __init__(self, works: list, transfers: list[Transfer], group=None) -> None:
+        self._works, self._transfers, self._group = works, transfers, group
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works, self._tensors = [], []
+        # one work per transfer (gloo), or one for the whole batch (NCCL coalesces it): name the peers it waits on
+        per_work = [[t] for t in self._transfers] if len(self._works) == len(self._transfers) else [self._transfers]
+        for work, transfers in zip(self._works, per_work):
+            sends = sorted({t.peer for t in transfers if t.send})
+            receives = sorted({t.peer for t in transfers if not t.send})
+            what = "the ring transfer " + " and ".join(
+                ([f"to rank(s) {sends}"] if sends else []) + ([f"from rank(s) {receives}"] if receives else []))
+            wait(work, self._group, what, peers=sends + receives)
+        self._works, self._transfers = [], []
 
 
 class P2PComm:
@@ -96,7 +163,7 @@ class P2PComm:
     def post(self, transfers: list[Transfer]) -> Pending:
         """Start every transfer of the batch (posting nothing for an empty one)."""
         if not transfers:
-            return Pending([], [])
+            return Pending([], [], self.group)
         ops = []
         for t in transfers:
             if not t.tensor.is_contiguous():
@@ -104,7 +171,7 @@ class P2PComm:
             ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, group=self.group))
             if t.send:
                 self.bytes_sent += t.tensor.numel() * t.tensor.element_size()
-        return Pending(dist.batch_isend_irecv(ops), [t.tensor for t in transfers])
+        return Pending(dist.batch_isend_irecv(ops), transfers, self.group)
 
 
 def group_device(group=None) -> torch.device:
@@ -117,18 +184,20 @@ def group_device(group=None) -> torch.device:
 def warm_up(group=None) -> None:
     """One collective on a group: NCCL creates communicators lazily, and the first
     batch_isend_irecv of a group must involve all of its ranks, which a rank with nothing to send breaks."""
-    dist.all_reduce(torch.zeros(1, device=group_device(group)), group=group)
+    all_reduce(torch.zeros(1, device=group_device(group)), group, "setting up the context-parallel group")
 
 
 def reduce_scatter_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """Sum `input` ([cp x n, ...], chunk r for rank r) over the group into `output` ([n, ...]): torch's
     single-tensor reduce-scatter, under its newer name where it has one (the older one warns there)."""
     collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    collective(output, input, group=group)
+    with naming_unresponsive_ranks("a reduce-scatter over the context-parallel group", group):
+        collective(output, input, group=group)
 
 
 def all_gather_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """Every rank's `input` ([n, ...]) into `output` ([cp x n, ...], rank r's at chunk r): torch's
     single-tensor all-gather, under its newer name where it has one."""
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    collective(output, input, group=group)
+    with naming_unresponsive_ranks("an all-gather over the context-parallel group", group):
+        collective(output, input, group=group)

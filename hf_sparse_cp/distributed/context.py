@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
+from .comm import all_reduce
 from .mesh import ParallelDims
 from .planner import PlannerCosts, plan_row
 from .sharding import BlockSplit, ShardPlan, sequence_meta, shard_inputs
@@ -57,8 +58,8 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
     fingerprint = torch.stack([torch.tensor(float(x.numel()), device=x.device, dtype=torch.float64),
                                (flat * weights).sum()])
     lo, hi = fingerprint.clone(), fingerprint.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=parallel.cp_group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=parallel.cp_group)
+    all_reduce(lo, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MIN)
+    all_reduce(hi, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MAX)
     if not torch.equal(lo, hi):
         raise ValueError(
             f"the ranks {list(parallel.cp_ranks)} of a context-parallel group hold different rows of tokens, and "

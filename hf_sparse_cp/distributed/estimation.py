@@ -63,13 +63,13 @@ from ..attention.estimate import (
 from ..attention.layout import SparseLayout
 from ..attention.precision import compute_dtype
 from ..config import SparseAttentionConfig
-from .comm import all_gather_rows, reduce_scatter_rows
+from .comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from .context import CPShard
 
 
 def _all_reduce(x: torch.Tensor, op, shard: CPShard) -> None:
     if shard.parallel.cp_size > 1:
-        dist.all_reduce(x, op=op, group=shard.parallel.cp_group)
+        all_reduce(x, shard.parallel.cp_group, "the layout estimation's all-reduce", op=op)
 
 
 class KeptEntries(NamedTuple):

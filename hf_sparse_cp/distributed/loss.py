@@ -17,10 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .comm import all_reduce
+
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        all_reduce(x, group, "the all-reduce of the loss's token count")
     return x
 
 

@@ -28,7 +28,7 @@ from typing import Literal
 import torch.distributed as dist
 
 from ..files import check_field_types
-from .comm import RingTopology, warm_up
+from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
 from .planner import PlannerCosts
 
 logger = logging.getLogger(__name__)
@@ -275,21 +275,23 @@ class ParallelDims:
                              "device mesh); use cp_ring='flat'.")
         topology = RingTopology(num_nodes, node_size)
         mine = next(g for g in cp_groups if rank in g)
-        # Every rank takes part in creating every group, in the same order.
+        # Every rank takes part in creating every group, in the same order; each with the default group's
+        # timeout (`--ddp_timeout`), which torch does not pass on to new groups.
+        timeout = group_timeout()
         if cp_group is None and w > 1:
             for g in cp_groups:
-                created = dist.new_group(g)
+                created = dist.new_group(g, timeout=timeout)
                 if rank in g:
                     cp_group = created
         inner, outer = cp_group, None
         if num_nodes > 1:
             for g in cp_groups:
                 for node in range(num_nodes):
-                    created = dist.new_group(g[node * node_size : (node + 1) * node_size])
+                    created = dist.new_group(g[node * node_size : (node + 1) * node_size], timeout=timeout)
                     if rank in g and topology.node(g.index(rank)) == node:
                         inner = created
                 for local in range(node_size):
-                    created = dist.new_group(g[local::node_size])
+                    created = dist.new_group(g[local::node_size], timeout=timeout)
                     if rank in g and topology.local(g.index(rank)) == local:
                         outer = created
         layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
@@ -312,5 +314,6 @@ def quiesce_process_groups(settle_s: float = 0.1) -> None:
     `settle_s` without the GIL lets the workers finish releasing them.
     """
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with naming_unresponsive_ranks("the barrier before the process groups are torn down"):
+            dist.barrier()
         time.sleep(settle_s)

@@ -34,7 +34,7 @@ from ..attention.layout import SparseLayout, check_tensors
 from ..attention.ops import attention_backward, attention_forward
 from ..attention.precision import autocast_inputs, compute_dtype
 from ..config import SparseAttentionConfig
-from .comm import P2PComm, Pending, Transfer
+from .comm import P2PComm, Pending, Transfer, wait
 from .context import CPShard
 from .estimation import estimate_cp
 from .kept_fraction import one_process_kept_fraction
@@ -104,7 +104,7 @@ class _Ring:
             own = bar.own_rows.to(dev)
             full[:, :, :, bar.own_pos.to(dev)] = torch.stack([k.index_select(2, own), v.index_select(2, own)])
             if work is not None:
-                work.wait()
+                wait(work, self.parallel.cp_group, "the all-gather of the shared column K/V")
             for owned, chunk in zip(bar.owned, chunks):
                 full[:, :, :, bar.shared_pos[owned].to(dev)] = chunk[:, :, :, : owned.numel()]
             return full
@@ -124,7 +124,7 @@ class _Ring:
 
         def result() -> tuple[torch.Tensor, torch.Tensor]:
             if work is not None:
-                work.wait()
+                wait(work, self.parallel.cp_group, "the all-reduce of the shared columns' dK/dV")
             rows = torch.cat([bar.rows[me], bar.own_rows]).to(dev)
             return rows, torch.cat([shared[:, :, :, bar.owned[me].to(dev)], grad[:, :, :, bar.own_pos.to(dev)]], 3)
 

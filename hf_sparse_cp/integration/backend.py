@@ -66,19 +66,20 @@ def probing(probe: ShardProbe) -> Iterator[None]:
 def guard_context_parallel(model: torch.nn.Module) -> list:
     """Make an attention call that arrives without the CP shard an error while a forward of `model`
     with the shard runs: such a call would attend within this rank's shard only. Returns the hook
-    handles (remove them to undo)."""
+    handles (remove them to undo). The hooks are module-level functions: the model still pickles."""
+    return [model.register_forward_pre_hook(_enter_cp_forward, with_kwargs=True),
+            model.register_forward_hook(_leave_cp_forward, with_kwargs=True, always_call=True)]
 
-    def enter(module, args, kwargs):
-        if kwargs.get(CP_SHARD_KWARG) is not None:
-            module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(True))
 
-    def leave(module, args, kwargs, output):
-        tokens = module.__dict__.get(_GUARD_TOKENS)
-        if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
-            _CP_FORWARD.reset(tokens.pop())
+def _enter_cp_forward(module: torch.nn.Module, args, kwargs) -> None:
+    if kwargs.get(CP_SHARD_KWARG) is not None:
+        module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(True))
 
-    return [model.register_forward_pre_hook(enter, with_kwargs=True),
-            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
+    tokens = module.__dict__.get(_GUARD_TOKENS)
+    if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
+        _CP_FORWARD.reset(tokens.pop())
 
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:

@@ -23,6 +23,7 @@ import importlib.util
 import inspect
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
@@ -194,6 +195,15 @@ PATCHES = (
     # -- torch and Triton --
     Patch("torch.Tensor", "_version", "reads", "a layout's derived tensors are reused only while nothing wrote "
           "its tensors in place (autograd's own saved-tensor check)"),
+    Patch("torch.distributed.ProcessGroup", "_get_backend", "calls", "the context-parallel groups take the default "
+          "group's timeout (--ddp_timeout; torch gives a new group its backend's default, 30 min for gloo, and has no "
+          "public getter: distributed/comm.py `group_timeout`)"),
+    Patch("torch._C._distributed_c10d.Backend.Options", "_timeout", "reads", "the timeout of a process group "
+          "(distributed/comm.py `group_timeout`)"),
+    Patch("torch.distributed.distributed_c10d", "_set_pg_timeout", "calls", "the Trainer's --ddp_timeout becomes the "
+          "default group's timeout on CPU processes too, where transformers does not pass it to accelerate (a stopped "
+          "rank then stops the job within it, not gloo's 30 min)", "detach_from_trainer (the previous timeout)",
+          parameters=("timeout", "group")),
     Patch("torch.nn.modules.conv", "_ConvNd", "reads", "convolutions mix tokens outside attention: such models "
           "are refused under CP"),
     Patch("triton.runtime.jit", "JITFunction", "reads", "whether the kernels were decorated for Triton's "
@@ -210,11 +220,17 @@ _BY_NAME = {p.qualified: p for p in PATCHES}
 
 
 def _resolve(dotted: str) -> Any:
-    module, _, attr = dotted.rpartition(".")
-    try:
-        return importlib.import_module(dotted)
-    except ImportError:
-        return getattr(importlib.import_module(module), attr)
+    """The module, class or attribute `dotted` names: its longest importable prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            target = getattr(target, attr)
+        return target
+    raise ImportError(f"no module of {dotted} can be imported")
 
 
 def _parameters(fn: Any) -> tuple[str, ...]:
@@ -366,6 +382,14 @@ def convolution_class() -> type:
     from torch.nn.modules.conv import _ConvNd
 
     return _ConvNd
+
+
+def set_process_group_timeout(timeout: timedelta) -> None:
+    """Make `timeout` the default process group's (torch's private `_set_pg_timeout`; no public setter)."""
+    require("torch.distributed.distributed_c10d._set_pg_timeout")
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout)
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -1,7 +1,8 @@
 """The memory savers (`hf_sparse_cp.memory.MemorySavers`) applied to a transformers model, reversibly.
 
 `enable_memory_savers(model, savers)` replaces `forward` on module instances, each change recorded
-on the model (`patching.record_on`); `disable_memory_savers(model)` restores them:
+on the model (`patching.record_on`); `disable_memory_savers(model)` restores them. A copy of the model
+(pickle, `copy.deepcopy`) keeps them, each calling the copy's own module, and its record restores the copy:
 * token tiles: the `mlp`, `input_layernorm` and `post_attention_layernorm` of every decoder layer and
   the decoder's final `norm` run through `tiled_rows`. Only classes known to treat every token on
   its own are tiled (`ROWWISE_CLASSES`); any other module there is refused, naming it.
@@ -51,30 +52,51 @@ def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return [(names.get(m, "?"), m) for m in found]
 
 
-def _tiled_forward(module: torch.nn.Module, tile_tokens: int):
-    original = module.forward
+class _ReplacedForward:
+    """A module's replaced `forward`: an object bound to its module rather than a closure, so that a copy
+    of the model (pickle, `copy.deepcopy`) gets its own, calling the copy's module, and its record undoes it."""
 
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        params = [p for p in module.parameters() if p.requires_grad]
-        return tiled_rows(original, hidden_states, params, tile_tokens)
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        replaced = module.forward
+        # A method of this module is kept as its function and bound at each call: a bound method is pickled as
+        # `getattr(module, "forward")`, which could find this object once the module's attributes are restored.
+        bound_here = getattr(replaced, "__self__", None) is module
+        self._function = replaced.__func__ if bound_here else None
+        self._replaced = None if bound_here else replaced
 
-    return forward
+    def replaced(self, *args, **kwargs):
+        """The forward this one replaced."""
+        if self._function is not None:
+            return self._function(self.module, *args, **kwargs)
+        return self._replaced(*args, **kwargs)
 
 
-def _offloading_forward(layer: torch.nn.Module, offload: HostOffload):
-    original = layer.forward
+class _TiledForward(_ReplacedForward):
+    def __init__(self, module: torch.nn.Module, tile_tokens: int) -> None:
+        super().__init__(module)
+        self.tile_tokens = tile_tokens
 
-    def forward(*args, **kwargs):
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return tiled_rows(self.replaced, hidden_states, params, self.tile_tokens)
+
+
+class _OffloadingForward(_ReplacedForward):
+    def __init__(self, layer: torch.nn.Module, offload: HostOffload) -> None:
+        super().__init__(layer)
+        self.offload = offload
+
+    def __call__(self, *args, **kwargs):
+        layer = self.module
         if not (layer.training and torch.is_grad_enabled()):
-            return original(*args, **kwargs)
+            return self.replaced(*args, **kwargs)
         if not layer.gradient_checkpointing:
             raise ValueError("--sparse_offload_layer_inputs keeps the inputs that gradient checkpointing saves; turn "
                              "gradient checkpointing on (--gradient_checkpointing, or "
                              "model.activation_checkpointing_enable()).")
-        with offload:
-            return original(*args, **kwargs)
-
-    return forward
+        with self.offload:
+            return self.replaced(*args, **kwargs)
 
 
 def enable_memory_savers(model: torch.nn.Module, savers: MemorySavers) -> None:
@@ -87,10 +109,10 @@ def enable_memory_savers(model: torch.nn.Module, savers: MemorySavers) -> None:
                          "of; turn --sparse_offload_layer_inputs off.")
     patches = record_on(model, _FEATURE)
     for _, module in modules:
-        patches.set_attr(module, "forward", _tiled_forward(module, savers.tile_tokens))
+        patches.set_attr(module, "forward", _TiledForward(module, savers.tile_tokens))
     offload = HostOffload()
     for layer in layers:
-        patches.set_attr(layer, "forward", _offloading_forward(layer, offload))
+        patches.set_attr(layer, "forward", _OffloadingForward(layer, offload))
 
 
 def disable_memory_savers(model: torch.nn.Module) -> bool:

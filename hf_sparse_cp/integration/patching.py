@@ -5,17 +5,32 @@ user's `TrainingArguments` goes through a `PatchSet`, and only changes listed in
 `compat.PATCHES` (with why and their undo) are accepted. Undoing restores a value only while it is
 still the one the plugin set: if another library replaced it after us (Liger patching a forward, a
 user registering another attention function), theirs stays.
+
+A record kept on an object (`record_on`) goes with copies of it (`copy.deepcopy`, pickle, `torch.save`):
+the copy's record holds the undo of the changes made inside that object, re-bound to the copy, so the
+matching disable call on the copy restores the copy. Changes outside it (process-wide registrations,
+other objects such as the training arguments; `outside=True`) stay the original's to undo. Undo actions
+of a record are therefore picklable: module-level functions, `functools.partial`s of them, objects.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import inspect
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from .compat import replacement_for
 
-_MISSING = object()
+
+class _Absent(enum.Enum):
+    """No value (an enum member: the same object after pickling and copying)."""
+
+    MISSING = "missing"
+
+
+_MISSING = _Absent.MISSING
 
 
 def _current(owner: Any, name: str) -> Any:
@@ -37,64 +52,71 @@ class PatchSet:
     """A stack of undo actions; `undo()` runs them in reverse order."""
 
     def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[tuple[Callable[[], None], bool]] = []  # (action, whether it undoes a change outside)
 
-    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (deepcopy, pickle) of the object holding this record undoes only what is inside that object
+        return {"_undo": [(action, False) for action, outside in self._undo if not outside]}
+
+    def set_attr(self, owner: Any, name: str, value: Any, *, outside: bool = False) -> None:
         """Set `owner.name = value`, remembering the previous value (or its absence); undoing
         restores it only while `owner.name` is still `value`. Raises LookupError unless
-        `compat.PATCHES` lists the change."""
+        `compat.PATCHES` lists the change. `outside`: see `on_undo`."""
         replacement_for(owner, name)
         stored = _stored_on(owner, name)
         previous = owner.__dict__.get(name, _MISSING) if stored else _current(owner, name)
-
-        def restore() -> None:
-            if _current(owner, name) is not value:
-                return  # replaced after us: leave theirs
-            if previous is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
-
         setattr(owner, name, value)
-        self._undo.append(restore)
+        self.on_undo(functools.partial(_restore_attr, owner, name, previous, value), outside=outside)
 
     def insert(self, owner: Any, name: str, index: int, item: Any) -> None:
         """`owner.name.insert(index, item)` (a list); undoing removes that item (wherever it is by then)."""
         replacement_for(owner, name)
         items = getattr(owner, name)
         items.insert(index, item)
-
-        def remove() -> None:
-            for i, x in enumerate(items):
-                if x is item:
-                    del items[i]
-                    return
-
-        self._undo.append(remove)
+        self.on_undo(functools.partial(_remove_item, items, item))
 
     def set_item(self, mapping: MutableMapping, key: str, value: Any) -> None:
         """`mapping[key] = value` (e.g. an environment variable); undoing restores the previous value (or
         its absence) while `mapping[key]` is still `value`."""
         replacement_for(mapping, key)
         previous = mapping.get(key, _MISSING)
-
-        def restore() -> None:
-            if mapping.get(key, _MISSING) != value:
-                return  # changed after us: leave it
-            if previous is _MISSING:
-                del mapping[key]
-            else:
-                mapping[key] = previous
-
         mapping[key] = value
-        self._undo.append(restore)
+        self.on_undo(functools.partial(_restore_item, mapping, key, previous, value))
 
-    def on_undo(self, action: Callable[[], None]) -> None:
-        self._undo.append(action)
+    def on_undo(self, action: Callable[[], None], *, outside: bool = False) -> None:
+        """Run `action` on undo. `outside=True` for a change outside the object this record is kept on
+        (process-wide state, another object): a copy of that object does not carry it."""
+        self._undo.append((action, outside))
 
     def undo(self) -> None:
         while self._undo:
-            self._undo.pop()()
+            action, _ = self._undo.pop()
+            action()
+
+
+def _restore_attr(owner: Any, name: str, previous: Any, value: Any) -> None:
+    if _current(owner, name) is not value:
+        return  # replaced after us: leave theirs
+    if previous is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, previous)
+
+
+def _remove_item(items: list, item: Any) -> None:
+    for i, x in enumerate(items):
+        if x is item:
+            del items[i]
+            return
+
+
+def _restore_item(mapping: MutableMapping, key: str, previous: Any, value: Any) -> None:
+    if mapping.get(key, _MISSING) != value:
+        return  # changed after us: leave it
+    if previous is _MISSING:
+        del mapping[key]
+    else:
+        mapping[key] = previous
 
 
 def attached_patches(owner: Any, feature: str) -> PatchSet | None:
@@ -111,8 +133,12 @@ def record_on(owner: Any, feature: str) -> PatchSet:
                          "disable it first to change it.")
     patches = PatchSet()
     owner.__dict__[key] = patches
-    patches.on_undo(lambda: owner.__dict__.pop(key, None))
+    patches.on_undo(functools.partial(_forget, owner, key))
     return patches
+
+
+def _forget(owner: Any, key: str) -> None:
+    owner.__dict__.pop(key, None)
 
 
 def undo_recorded(owner: Any, feature: str) -> bool:

@@ -9,9 +9,11 @@ memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -101,24 +103,26 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     """Make a forward of `model` while it selects `sparse_cp` and the backend is not registered (after
     `unpatch()`) raise an error that names the fix, instead of transformers' KeyError from inside a
     layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
-    or the model uses another implementation. Returns the call that removes it, or None when the model
-    already has one."""
+    or the model uses another implementation. The hook is a module-level function, so the guard goes
+    with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes it, or None when
+    the model already has one."""
     if model.__dict__.get(_GUARD):
         return None
-
-    def check(module, args, kwargs) -> None:
-        if compat.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
-            raise RuntimeError(
-                f"{type(module).__name__} uses attn_implementation='sparse_cp', which is no longer registered with "
-                "transformers (hf_sparse_cp.unpatch() removed it): call hf_sparse_cp.patch() again, or switch the "
-                "model to another implementation, e.g. model.set_attn_implementation('sdpa')."
-            )
-
-    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+    handle = model.register_forward_pre_hook(_check_registration, with_kwargs=True)
     model.__dict__[_GUARD] = True
+    return functools.partial(_remove_guard, model, handle)
 
-    def remove() -> None:
-        handle.remove()
-        model.__dict__.pop(_GUARD, None)
 
-    return remove
+def _check_registration(module: torch.nn.Module, args, kwargs) -> None:
+    if compat.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
+        raise RuntimeError(
+            f"{type(module).__name__} uses attn_implementation='sparse_cp', which is not registered with "
+            "transformers in this process (hf_sparse_cp.unpatch() removed it, or hf_sparse_cp.patch() was not called "
+            "here, e.g. for a model unpickled in a new process): call hf_sparse_cp.patch(), or switch the model to "
+            "another implementation, e.g. model.set_attn_implementation('sdpa')."
+        )
+
+
+def _remove_guard(model: torch.nn.Module, handle: RemovableHandle) -> None:
+    handle.remove()
+    model.__dict__.pop(_GUARD, None)

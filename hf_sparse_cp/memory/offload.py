@@ -29,6 +29,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one copy stream per device
         super().__init__(self._pack, self._unpack)
 
+    def __reduce__(self):
+        # a copy (a model copied with its offloading layers) starts without this process's copy streams
+        return HostOffload, (self.copy_host_tensors,)
+
     def _pack(self, tensor: torch.Tensor):
         if tensor.device.type == "cpu":
             return (None, tensor.detach().clone() if self.copy_host_tensors else tensor, None)

@@ -10,9 +10,11 @@ matching disable call restores exactly that.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Collection
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,11 +22,12 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
+from ..distributed.comm import group_timeout
 from ..integration import compat
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
-from ..integration.patching import attached_patches, record_on, undo_recorded
+from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, is_patched, patch, unpatch
 from .arguments import SparseAttentionFlags, SparseCPArguments
 from .callbacks import SparsityLoggingCallback
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 _SPARSE_ATTENTION = "sparse_attention"
 _SPARSITY_LOGGING = "sparsity_logging"
 _CHECKPOINTS = "checkpoints"
+_DDP_TIMEOUT = "ddp_timeout"
 # A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name (`launched.py`).
 LAUNCHED = "launched"
 # transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
@@ -74,7 +78,10 @@ def enable_sparse_attention(
     Returns:
         The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `sparse_fused_loss`,
         the lean loss (`enable_lean_loss()`) if they are not yet; calling it again replaces the
-        previous settings.
+        previous settings. The model then pickles and deep-copies: the copy holds the settings, the backend
+        selection, the registration guard and the memory savers (on its own modules), and
+        `disable_sparse_attention(copy)` restores those on the copy; the registrations and the training
+        arguments stay the original's to undo (`patching.PatchSet`).
     """
     config = sparse_args.attention_config(attention_config, explicit)
     check_model_supports_sparse_attention(model)
@@ -84,15 +91,15 @@ def enable_sparse_attention(
     patches = record_on(model, _SPARSE_ATTENTION)
     if not is_patched():
         patch()
-        patches.on_undo(unpatch)
+        patches.on_undo(unpatch, outside=True)
     if sparse_args.sparse_fused_loss and not is_lean_loss_enabled():
         enable_lean_loss()
-        patches.on_undo(disable_lean_loss)
+        patches.on_undo(disable_lean_loss, outside=True)
     previous = compat.attn_implementation(model.config)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
     model.set_attn_implementation(BACKEND_NAME)
     if previous is not None and previous != BACKEND_NAME:
-        patches.on_undo(lambda: model.set_attn_implementation(previous))
+        patches.on_undo(functools.partial(_set_attn_implementation, model, previous))
     remove_guard = guard_registration(model)
     if remove_guard is not None:
         patches.on_undo(remove_guard)
@@ -108,12 +115,16 @@ def enable_sparse_attention(
                        "checkpointing on.", max_length, threshold)
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
-                patches.set_attr(training_args, name, True)
+                patches.set_attr(training_args, name, True, outside=True)
     savers = sparse_args.memory_savers(max_length)
     if savers.active:
         enable_memory_savers(model, savers)
-        patches.on_undo(lambda: disable_memory_savers(model))
+        patches.on_undo(functools.partial(disable_memory_savers, model))
     return config
+
+
+def _set_attn_implementation(model: torch.nn.Module, implementation: str) -> None:
+    model.set_attn_implementation(implementation)
 
 
 def disable_sparse_attention(model: torch.nn.Module) -> None:
@@ -136,6 +147,18 @@ def check_launch(trainer: Trainer) -> None:
             "SparseTrainingArguments sets it on a machine without an accelerator): accelerate joins CPU processes only "
             "when told."
         )
+
+
+def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
+    """Make the Trainer's `--ddp_timeout` the default process group's timeout, which the context-parallel groups
+    then take (`ParallelDims`): transformers passes it to accelerate on GPUs but not on CPU processes, whose gloo
+    group then keeps its 30 min default, so a stopped rank left the others waiting that long."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    wanted, previous = timedelta(seconds=trainer.args.ddp_timeout), group_timeout()
+    if wanted != previous:
+        compat.set_process_group_timeout(wanted)
+        patches.on_undo(functools.partial(compat.set_process_group_timeout, previous), outside=True)
 
 
 def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
@@ -192,9 +215,12 @@ def attach_to_trainer(
     Returns:
         The `ParallelDims` in use (with a schedule, the first stage's). Checkpoints the trainer saves
         are marked complete only once every rank has saved, and `train(resume_from_checkpoint=...)`
-        refuses an incomplete, damaged or mismatched one (`checkpoints.py`).
+        refuses an incomplete, damaged or mismatched one (`checkpoints.py`). The trainer's `--ddp_timeout`
+        becomes the process group's timeout (`apply_ddp_timeout`).
     """
     check_launch(trainer)
+    if attached_patches(trainer, _DDP_TIMEOUT) is None:
+        apply_ddp_timeout(trainer, record_on(trainer, _DDP_TIMEOUT))
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.sparse_log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         logging_callback = SparsityLoggingCallback()
@@ -229,4 +255,5 @@ def detach_from_trainer(trainer: Trainer) -> None:
     disable_trainer_context_parallel(trainer)
     undo_recorded(trainer, _CHECKPOINTS)
     undo_recorded(trainer, _SPARSITY_LOGGING)
+    undo_recorded(trainer, _DDP_TIMEOUT)
     undo_recorded(trainer, LAUNCHED)

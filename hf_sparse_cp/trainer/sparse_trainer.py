@@ -92,6 +92,7 @@ class PluginArgumentsMixin:
         for part, prefix in _PARTS:  # each part validates its own fields, naming them
             from_prefixed(self, part, prefix)
         self.sparse_attention_config()
+        check_sequence_length(self._length_field, self.sequence_length)
 
     @property
     def sequence_length(self) -> int | None:
@@ -152,6 +153,14 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
         return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
+
+
+def check_sequence_length(name: str, value: Any) -> None:
+    """Raise ValueError, naming the flag and the fix, for a training sequence length below 2 tokens (a causal LM
+    learns from at least 2: the first predicts the second); None (unset) passes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 2:
+        raise ValueError(f"--{name} {value}: a training sequence needs at least 2 tokens; e.g. --{name} 4096 (or "
+                         "leave it unset).")
 
 
 def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> SparseArgumentsMixin:
@@ -247,6 +256,22 @@ def _first_length(dataset) -> int | None:
         return None
 
 
+def _refuse_empty_datasets(trainer: str, kwargs: dict[str, Any]) -> None:
+    """Raise ValueError naming the dataset when `train_dataset` or an `eval_dataset` has no sample (TRL's trainers
+    stop in a bare StopIteration on one, the Trainer in its sampler; a dataset without a length is not read here)."""
+    evaluation = kwargs.get("eval_dataset")
+    named = {"train_dataset": kwargs.get("train_dataset")}
+    if isinstance(evaluation, dict):
+        named.update({f"eval_dataset[{key!r}]": dataset for key, dataset in evaluation.items()})
+    else:
+        named["eval_dataset"] = evaluation
+    for name, dataset in named.items():
+        if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+            fix = ("there is nothing to train on: check how it was built or filtered" if name == "train_dataset" else
+                   "give it samples, or pass eval_dataset=None to skip evaluation")
+            raise ValueError(f"{trainer}: {name} is empty (0 samples): {fix}.")
+
+
 class SparseTrainerMixin:
     """What makes a Trainer class train with the plugin as its arguments say (`sparse_trainer_class`).
 
@@ -274,6 +299,7 @@ class SparseTrainerMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs the model itself (model_init is not supported): the "
                              "sparse backend is configured on it before training.")
+        _refuse_empty_datasets(type(self).__name__, kwargs)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self.max_length = args.sequence_length or longest_stage or _first_length(kwargs.get("train_dataset"))

@@ -1,5 +1,9 @@
 """The `hf-sparse-cp train` launcher ends cleanly: a signal to it stops torchrun and the workers, and a
-worker that dies takes the run down within a bounded time (issue #14)."""
+worker that dies takes the run down within a bounded time (issue #14).
+
+Every wait here is for an event (a file, a process's exit), with a limit that only a hang reaches on a
+busy machine; the one bound the tests assert, how long ending a run may take, is derived from how long
+the same run took to start on this machine (issue #41: a fixed 60 s failed under load)."""
 
 import os
 import signal
@@ -29,21 +33,24 @@ for sig in (signal.SIGINT, signal.SIGTERM):
 while not got:
     time.sleep(0.01)
 (out / "stopping").write_text("")
-deadline = time.monotonic() + 20
+deadline = time.monotonic() + 600
 while not (out / "second sent").exists() and time.monotonic() < deadline:
     time.sleep(0.01)
 time.sleep(0.5)  # a second signal, if forwarded, lands here
-(out / "result").write_text(f"{got} {grandchild.wait(timeout=10)}")
+(out / "result").write_text(f"{got} {grandchild.wait(timeout=600)}")
 """
+EVENT_LIMIT_S = 600  # waiting for a file that another thread or process writes: only a hang takes this long
 
 
-def _when(path: Path, then, timeout: float = 30.0) -> threading.Thread:
-    """Run `then()` in a thread as soon as `path` exists."""
+def _when(path: Path, then) -> threading.Thread:
+    """Run `then()` in a thread as soon as `path` exists (not at all if it never does: the signal it sends
+    would then reach this process unhandled)."""
     def wait():
-        end = time.monotonic() + timeout
+        end = time.monotonic() + EVENT_LIMIT_S
         while not path.exists() and time.monotonic() < end:
             time.sleep(0.01)
-        then()
+        if path.exists():
+            then()
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
@@ -56,12 +63,12 @@ def test_the_first_signal_goes_to_the_child_group_and_the_launcher_waits_for_it(
     first = _when(tmp_path / "ready", lambda: os.kill(os.getpid(), sig))
     second = _when(tmp_path / "stopping",
                    lambda: (os.kill(os.getpid(), signal.SIGTERM), (tmp_path / "second sent").write_text("")))
-    before, start = signal.getsignal(sig), time.monotonic()
+    before = signal.getsignal(sig)
     returncode = run_forwarding_signals([sys.executable, "-c", FAKE_TORCHRUN, str(tmp_path)])
     first.join(), second.join()
     assert returncode == 128 + sig
-    assert (tmp_path / "result").read_text() == f"[{int(sig)}] {-int(sig)}"  # one signal; the grandchild got it
-    assert time.monotonic() - start < 30
+    # one signal reached the child; its grandchild got it too (it ended by the signal, not after its 60 s)
+    assert (tmp_path / "result").read_text() == f"[{int(sig)}] {-int(sig)}"
     assert signal.getsignal(sig) is before  # the launcher's handler is gone
 
 
@@ -73,7 +80,15 @@ def test_the_child_exit_status_is_returned(tmp_path):
 # The real thing: two workers (CP 2) on short sequences, for many steps, so that the run is mid-training.
 JOB = ["--nproc", "2", "--cp_size", "2", "--sparse_max_length", "256", "--num_samples", "4", "--max_steps", "100000",
        "--tiny_num_layers", "1", "--logging_steps", "1"]
-BOUND_S = 60  # how long ending the run may take
+START_LIMIT_S = 1200  # from the launch to the first logged step: only a hang takes this long
+# How long ending a run may take: torchrun gives its workers 30 s after its signal before it kills them, and the
+# processes' own exit is bounded by how slow this machine is now, which the run's start measures (under a load
+# of 16-20 on 2 cores: 33-59 s to start, 5-6 s to end).
+TORCHRUN_GRACE_S = 30
+
+
+def end_bound_s(start_s: float) -> float:
+    return TORCHRUN_GRACE_S + max(30.0, start_s)
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -129,8 +144,8 @@ def _workers(run: dict[int, str]) -> dict[int, int]:
 @pytest.fixture
 def training_run(tmp_path):
     """A launcher running `hf-sparse-cp train --nproc 2 --cp_size 2`, returned once both workers train:
-    (launcher, {pid: start time} of torchrun and the workers, {rank: worker pid}). Whatever is left of it
-    at the end is killed."""
+    (launcher, {pid: start time} of torchrun and the workers, {rank: worker pid}, seconds it took to get there).
+    Whatever is left of it at the end is killed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     log = tmp_path / "log.txt"
@@ -140,15 +155,16 @@ def training_run(tmp_path):
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
     run: dict[int, str] = {}
+    start = time.monotonic()
     try:
-        end = time.monotonic() + 300
         while "'loss'" not in log.read_text():  # a logged step: the workers are past set-up and training
-            assert launcher.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            assert launcher.poll() is None and time.monotonic() < start + START_LIMIT_S, log.read_text()[-3000:]
             time.sleep(0.5)
+        started_s = time.monotonic() - start
         run = _descendants(launcher.pid)
         workers = _workers(run)
         assert sorted(workers) == [0, 1], run
-        yield launcher, run, workers
+        yield launcher, run, workers, started_s
     finally:
         for pid, started in {**_descendants(launcher.pid), **run}.items():
             if _alive(pid, started):
@@ -158,8 +174,12 @@ def training_run(tmp_path):
         launcher.wait()
 
 
-def _ended_within_the_bound(launcher: subprocess.Popen, run: dict[int, str]) -> int:
-    returncode = launcher.wait(timeout=BOUND_S)
+def _ended_within_the_bound(launcher: subprocess.Popen, run: dict[int, str], started_s: float) -> int:
+    bound = end_bound_s(started_s)
+    try:
+        returncode = launcher.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the run did not end within {bound:.0f} s (it took {started_s:.0f} s to start)")
     left = [pid for pid, started in run.items() if _alive(pid, started)]
     assert not left, f"processes of the run left behind: {left}"
     return returncode
@@ -167,13 +187,13 @@ def _ended_within_the_bound(launcher: subprocess.Popen, run: dict[int, str]) -> 
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_torchrun_and_the_workers(training_run):
-    launcher, run, _ = training_run
+    launcher, run, _, started_s = training_run
     launcher.send_signal(signal.SIGTERM)
-    assert _ended_within_the_bound(launcher, run) == 128 + signal.SIGTERM
+    assert _ended_within_the_bound(launcher, run, started_s) == 128 + signal.SIGTERM
 
 
 @pytest.mark.slow
 def test_a_dead_worker_ends_the_run(training_run):
-    launcher, run, workers = training_run
+    launcher, run, workers, started_s = training_run
     os.kill(workers[1], signal.SIGKILL)
-    assert _ended_within_the_bound(launcher, run) != 0
+    assert _ended_within_the_bound(launcher, run, started_s) != 0

@@ -74,7 +74,7 @@ def test_a_stage_past_its_cap_is_killed_with_its_children(quick, tmp_path):
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
     stage = quick.Stage("slow", 60.0, [sys.executable, "-c", parent], [])
     result = quick.run_stage(stage, 1.0, tmp_path / "log")
-    assert result["status"] == "timeout" and result["wall_s"] < 15
+    assert result["status"] == "timeout" and result["wall_s"] < 30  # killed at its 1 s cap: far below its 60 s
     time.sleep(4)
     assert not marker.exists()
     assert "==== stage slow: timeout" in (tmp_path / "log").read_text()

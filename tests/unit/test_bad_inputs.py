@@ -233,3 +233,85 @@ def test_a_checkpoint_saved_without_fsdp_is_refused_by_an_fsdp2_run(tmp_path):
         check_checkpoint(tmp_path, settings, reshardable=True)
     (tmp_path / "pytorch_model_fsdp.bin").write_text("x")  # accelerate's FSDP save: the Trainer loads it
     assert check_checkpoint(tmp_path, settings, reshardable=True) is False
+
+
+def _argument_class(kind: str):
+    if kind == "sft":
+        pytest.importorskip("trl")
+        from hf_sparse_cp import SparseSFTConfig
+
+        assert SparseSFTConfig._length_field == "max_length"  # TRL's own sequence length is checked
+        return SparseSFTConfig
+    from hf_sparse_cp import SparseTrainingArguments
+
+    return SparseTrainingArguments
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+@pytest.mark.parametrize("length", [-5, 0, 1])
+def test_the_argument_classes_refuse_a_sequence_length_below_2_tokens(tmp_path, kind, length):
+    """Issue #41 item 5: accepted, then TRL's packing failed in pyarrow."""
+    cls = _argument_class(kind)
+    for name in (cls._length_field,):
+        with pytest.raises(ValueError, match=rf"^--{name} {length}: a training sequence needs at least 2 tokens; "
+                                             rf"e\.g\. --{name} 4096 \(or leave it unset\)"):
+            cls(output_dir=str(tmp_path), report_to="none", **{name: length})
+        assert getattr(cls(output_dir=str(tmp_path), report_to="none", **{name: 2}), name) == 2
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_the_trainers_name_an_empty_dataset(tmp_path, kind):
+    """Issue #41 item 5: TRL's SFTTrainer stopped in a bare StopIteration, the Trainer in its sampler."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.models import tiny_config
+
+    args = _argument_class(kind)(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    if kind == "sft":
+        from datasets import Dataset
+
+        from hf_sparse_cp import SparseSFTTrainer as trainer_class
+
+        empty, full = Dataset.from_dict({"text": []}), Dataset.from_dict({"text": ["a b c"]})
+    else:
+        from hf_sparse_cp import SparseTrainer as trainer_class
+
+        empty, full = [], [{"input_ids": torch.arange(3, 40)}]
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    name = trainer_class.__name__
+    with pytest.raises(ValueError, match=rf"^{name}: train_dataset is empty \(0 samples\): there is nothing to train"):
+        trainer_class(model=model, args=args, train_dataset=empty)
+    with pytest.raises(ValueError, match=rf"^{name}: eval_dataset\['held_out'\] is empty \(0 samples\): give it "
+                                         r"samples, or pass eval_dataset=None to skip evaluation"):
+        trainer_class(model=model, args=args, train_dataset=full, eval_dataset={"seen": full, "held_out": empty})
+
+
+def _train_command_error(capsys, argv: list[str]) -> str:
+    from hf_sparse_cp.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *argv])
+    assert stopped.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--recipe"], ["--recipe="], ["--recipe", "--max_length", "64"],
+                                  ["--max_length", "64", "--recipe"]], ids=["alone", "equals", "before_a_flag", "last"])
+def test_recipe_without_a_name_says_it_needs_one(capsys, argv):
+    """Issue #41 item 8: `--recipe` alone ended in 'unrecognized arguments: --recipe'."""
+    err = _train_command_error(capsys, argv)
+    assert re.search(r"^\S+: error: --recipe needs a NAME: a shipped training recipe \(`hf-sparse-cp recipes` "
+                     r"lists them\) or a YAML/JSON file of flags", err, re.MULTILINE), err
+
+
+def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys, tmp_path):
+    """Issue #41 item 8: it ended in 'unrecognized arguments: --compute_environment ...'."""
+    own = tmp_path / "my_launch.yaml"
+    own.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n")
+    for argv, file in ((["--recipe", "cpu_2proc_cp2"], "cpu_2proc_cp2.yaml"), ([str(own)], str(own))):
+        err = _train_command_error(capsys, argv)
+        assert re.search(rf"^\S+: error: \S*{re.escape(file)} is a launch config for `accelerate launch "
+                         r"--config_file`, not a training recipe of flags: run `accelerate launch --config_file \S+ "
+                         r"-m hf_sparse_cp.examples.train_long_context \[flags\]`", err, re.MULTILINE), err
+        assert "unrecognized arguments" not in err
