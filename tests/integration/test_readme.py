@@ -164,3 +164,24 @@ def test_every_plugin_flag_shown_with_the_launcher_exists():
     for page, command in shown:
         for flag in re.findall(r"(?<![\w-])--((?:sparse|cp|smet)\w*)", command):
             assert flag in names, f"{page}: --{flag} in `{command}`"
+
+
+def test_the_install_line_names_the_extras_the_demo_command_needs():
+    """The README's install command names its extras, each one setup.cfg declares, and together they hold what
+    `hf-sparse-cp train` needs beyond the base install (its demo data: `datasets`, the extra its error names)."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = {name: value.split() for name, value in config["options.extras_require"].items()}
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = next(line for line in install.splitlines() if line.startswith("pip install"))
+    named = [extra.strip() for group in re.findall(r"\.\[([\w,-]+)\]", command.split(" #", 1)[0])
+             for extra in group.split(",")]
+    assert named, f"the install line names no extra: {command!r}"
+    assert all(extra in extras for extra in named), (named, sorted(extras))
+    needed = {re.split(r"[<>=!~\[;]", requirement, 1)[0] for extra in named for requirement in extras[extra]}
+    assert "datasets" in needed, f"`hf-sparse-cp train` needs datasets; the install line installs {sorted(needed)}"
+    for extra in re.findall(r"\.\[([\w-]+)\]", command.split(" #", 1)[1]):  # the extras the comment names
+        assert extra in extras, extra
