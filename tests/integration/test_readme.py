@@ -181,7 +181,7 @@ def test_the_install_line_names_the_extras_the_demo_command_needs():
              for extra in group.split(",")]
     assert named, f"the install line names no extra: {command!r}"
     assert all(extra in extras for extra in named), (named, sorted(extras))
-    needed = {re.split(r"[<>=!~\[;]", requirement, 1)[0] for extra in named for requirement in extras[extra]}
+    needed = {re.split(r"[<>=!~\[;]", requirement, maxsplit=1)[0] for extra in named for requirement in extras[extra]}
     assert "datasets" in needed, f"`hf-sparse-cp train` needs datasets; the install line installs {sorted(needed)}"
     for extra in re.findall(r"\.\[([\w-]+)\]", command.split(" #", 1)[1]):  # the extras the comment names
         assert extra in extras, extra
