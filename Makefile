@@ -37,7 +37,7 @@ demo-pretrained: install
 # the memory model (a test fails when either is stale).
 docs: install
 	$(PY) -m hf_sparse_cp.trainer.flag_reference > docs/flags.md
-	$(PY) -m hf_sparse_cp.memory.fits_table docs/memory.md
+	$(PY) -m hf_sparse_cp.simulator.memory_table docs/memory.md
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -48,7 +48,7 @@ test: lint
 
 # The fast tier for iteration: tests/unit (one process, no interpreter, no pretrained weights), a few minutes.
 test-fast: install
-	$(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m unit $(PYTEST_ARGS) tests
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

@@ -515,7 +515,8 @@ def main(argv: list[str]) -> dict:
             else:
                 r = run_in_subprocess(spec, args.timeout_s)
             if variant in SPARSE_VARIANTS:
-                r["sparse_budget"] = budget or {key: settings[key] for key in ("vertical_topk", "slash_topk")}
+                given = settings["budget"]
+                r["sparse_budget"] = budget or {key: given.get(key) for key in ("vertical_topk", "slash_topk")}
             results.append(r)
             if r["status"] == "ok":
                 summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"

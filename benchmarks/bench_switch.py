@@ -52,7 +52,7 @@ WORKER = "--worker"  # first argument of the script when torchrun starts it as a
 @dataclass(frozen=True)
 class Preset:
     """A model and its two stages: the tiny demo model (no model folder), or a random-init model of
-    `config` (`testing.models.tiny_config` fields), saved as a bf16 model folder with the byte tokenizer
+    `config` (`examples.tiny_model.tiny_config` fields), saved as a bf16 model folder with the byte tokenizer
     and trained from it with `--model_name_or_path`, as a pretrained model is."""
 
     lengths: tuple[int, int]  # tokens per sample in stage 1 (CP 1) and stage 2 (CP 2)
@@ -180,8 +180,8 @@ def _save_model_folder(name: str, folder: Path) -> Path | None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-    from hf_sparse_cp.testing.models import tiny_config
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config(**config)).to(torch.bfloat16).save_pretrained(folder)

@@ -35,7 +35,7 @@ from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.sharding import SHARDINGS, ShardPlan
 from hf_sparse_cp.simulator.traffic import ring_cost
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 GIB = float(1 << 30)
 

@@ -47,7 +47,7 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.planner import (
+from hf_sparse_cp.distributed.document_sharding import (
     PlannerCosts,
     kept_blocks_per_row,
     plan_documents,
@@ -56,7 +56,7 @@ from hf_sparse_cp.distributed.planner import (
 )
 from hf_sparse_cp.distributed.sharding import ShardPlan
 from hf_sparse_cp.simulator.traffic import ring_cost
-from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
+from hf_sparse_cp.simulator.workloads import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 
 GIB = float(1 << 30)
 SHARDINGS = ("striped", "zigzag", "per-doc", "planner")

@@ -99,7 +99,7 @@ class PrefixEstimation:
             layout = dense_layout(meta, cfg.block_size)
         else:
             with torch.no_grad():
-                scores = score_vertical_slash(query[0], key[0], [(0, self.prefix)], cfg.last_q, scale)
+                scores = score_vertical_slash(query[0], key[0], [(0, self.prefix)], cfg.scoring.last_q, scale)
                 layout = layout_from_scores(meta, cfg, [[(0, s)]], [scores])
         out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=meta, k_meta=meta)
         return out.transpose(1, 2).contiguous(), None

@@ -203,7 +203,7 @@ def cpu_settings(run: dict):
     """The `StepSettings` of a measured run (CPU: the reference attention, AdamW per tensor)."""
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.memory import MemorySavers
-    from hf_sparse_cp.memory.model import StepSettings
+    from hf_sparse_cp.simulator.memory_model import StepSettings
 
     return StepSettings(device="cpu", pattern=SparseAttentionConfig(**run.get("pattern", PATTERN)),
                         savers=MemorySavers(**run.get("savers", {})))
@@ -212,7 +212,7 @@ def cpu_settings(run: dict):
 def architecture(model: str):
     from transformers import Qwen2Config
 
-    from hf_sparse_cp.memory.model import Architecture
+    from hf_sparse_cp.simulator.memory_model import Architecture
 
     return Architecture.from_config(Qwen2Config(**SHAPES[model]), model)
 
@@ -224,7 +224,7 @@ def validate(run: dict) -> dict:
     model's tensor bytes plus the runtime's own memory, read from the same process: its resident set
     after the warm-up step minus the predicted weights and optimizer state (the allocator's and the
     autograd engine's own structures, ~35-50 MiB here, which a GPU's allocated bytes do not count)."""
-    from hf_sparse_cp.memory.model import predict_step_memory
+    from hf_sparse_cp.simulator.memory_model import predict_step_memory
 
     est = predict_step_memory(architecture(run["model"]), run["seq_len"], cpu_settings(run))
     base = run["baseline_bytes"]
@@ -266,7 +266,7 @@ def gpu_predictions() -> dict:
     """Predictions for one GPU (labelled as such): the Qwen2.5 presets at 128K, 512K and 1M tokens with the
     plugin's defaults (token tiles from 32K on), without token tiles, and with offload; the dominant
     term; the longest length that fits 72 of 80 GB; 3B at 1M on 8 GPUs with CP 8 and FSDP 8."""
-    from hf_sparse_cp.memory.model import (
+    from hf_sparse_cp.simulator.memory_model import (
         ARCHITECTURES,
         StepSettings,
         longest_fitting_length,
@@ -348,8 +348,8 @@ def bench_e2e_start_length(model: str = "0.5b", gpu_bytes: float | None = None, 
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.loss import is_liger_kernel_available
     from hf_sparse_cp.memory import MemorySavers
-    from hf_sparse_cp.memory.cli import DEFAULT_TILING_MIN_LENGTH, device_memory
-    from hf_sparse_cp.memory.model import Architecture, StepSettings, longest_fitting_length
+    from hf_sparse_cp.simulator.memory_cli import DEFAULT_TILING_MIN_LENGTH, device_memory
+    from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, longest_fitting_length
 
     bench = _bench_e2e()
     if model not in bench.MODEL_SHAPES:
@@ -404,7 +404,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hf_sparse_cp.memory.model import ARCHITECTURES, StepSettings, predict_step_memory, with_savers
+    from hf_sparse_cp.simulator.memory_model import ARCHITECTURES, StepSettings, predict_step_memory, with_savers
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     rows = report["validation"]
@@ -482,7 +482,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gpu_memory", default="auto", help="With --start_length: the GPU's memory, e.g. 80GB.")
     args = parser.parse_args(argv)
     if args.start_length:
-        from hf_sparse_cp.memory.cli import parse_memory
+        from hf_sparse_cp.simulator.memory_cli import parse_memory
 
         try:
             print(bench_e2e_start_length(args.start_length, parse_memory(args.gpu_memory)))

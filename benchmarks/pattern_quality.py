@@ -46,6 +46,7 @@ from hf_sparse_cp.attention.estimate import estimate_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
+from hf_sparse_cp.sections import DEFAULT_MODE, modes_of
 from hf_sparse_cp.testing import pattern_limit, pretrained
 from hf_sparse_cp.testing.benchmarking import ReportFile, format_targets, write_report
 from hf_sparse_cp.testing.pattern_quality import capture_attention_inputs, fixed_layouts, layer_quality, perplexity
@@ -206,7 +207,15 @@ class PatternQualityArguments:
 def config(name: str, block_size: int, dense_first_layers: int = 0) -> SparseAttentionConfig:
     """The measured pattern: a budget at every length (min_seq_len 0 makes every length sparse)."""
     return SparseAttentionConfig(min_seq_len=0, block_size=block_size, dense_first_layers=dense_first_layers,
-                                 **{**MEASURED_WITH, **BUDGETS[name]})
+                                 **{**measured_with(BUDGETS[name]), **BUDGETS[name]})
+
+
+def measured_with(setting: dict) -> dict:
+    """The fields of MEASURED_WITH that the setting's budget mode reads (vertical_cap: top-p's and mass's; a
+    top-k setting has none), and for 'mass' the threshold off."""
+    mode = setting.get("budget_mode", DEFAULT_MODE)
+    return {name: value for name, value in {**MEASURED_WITH, "mass_threshold": 0.0}.items()
+            if not modes_of(name) or mode in modes_of(name)}
 
 
 def summarize(per_layer: dict[int, dict], dense_first: int) -> dict:
@@ -368,9 +377,8 @@ def frontier_config(name: str, block_size: int) -> SparseAttentionConfig:
     """An estimator setting of the frontier: every layer sparse (unless it names dense_first_layers) at every
     length."""
     setting = FRONTIER_SETTINGS[name]
-    measured_with = {**MEASURED_WITH, **({"mass_threshold": 0.0} if setting.get("budget_mode") == "mass" else {})}
     return SparseAttentionConfig(**{"min_seq_len": 0, "block_size": block_size, "dense_first_layers": 0,
-                                    **measured_with, **setting})
+                                    **measured_with(setting), **setting})
 
 
 def limit_name(family: str, allocation: str, fraction: float) -> str:

@@ -1,5 +1,5 @@
 """How far does it scale? Predicted training-step time of context parallelism on a GPU cluster,
-written to benchmarks/results/ (the same code as `hf-sparse-cp simulate`: hf_sparse_cp.examples.simulate_cluster).
+written to benchmarks/results/ (the same code as `hf-sparse-cp simulate`: `hf_sparse_cp.simulator.simulate_cli`).
 
     python benchmarks/simulate_cluster.py                        # Qwen2.5-3B on 8xH100 nodes + MTraining's setting
     python benchmarks/simulate_cluster.py --model qwen2.5-7b --cluster 8xA100-IB200 --seq 262144 --cp 8 16
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hf_sparse_cp.examples.simulate_cluster import main as simulate
+from hf_sparse_cp.simulator.simulate_cli import main as simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

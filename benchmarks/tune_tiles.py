@@ -41,8 +41,8 @@ from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels.configs import Tiles
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.benchmarking import ReportFile, parse_gpu_benchmark_args, rel_rms, time_ms
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Largest relative RMS difference from the current tiles' result that still counts as the same

@@ -61,12 +61,13 @@ from hf_sparse_cp.attention.ops import attention_backward, attention_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import CPShard, ParallelDims, RingTopology, ShardPlan, ring_sparse_attention
 from hf_sparse_cp.distributed.mesh import ContextParallelConfig
-from hf_sparse_cp.distributed.plan import RingPlan
+from hf_sparse_cp.distributed.ring_plan import RingPlan
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.simulator.simulate import Cluster, KernelCosts, Link, plan_work, simulate_ring
 from hf_sparse_cp.simulator.traffic import plan_traffic
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.benchmarking import ALLOCATORS, RECYCLING_MALLOC, spawned_allocator
-from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
+from hf_sparse_cp.testing.layouts import random_layout
 from hf_sparse_cp.testing.spawn import run_gloo
 
 RESULTS = Path(__file__).resolve().parent / "results"

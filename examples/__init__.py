@@ -1,3 +1,2 @@
-"""Example training scripts and their demo data (passkey retrieval, a byte tokenizer built in code),
-and the cluster simulator's report (`simulate_cluster.py`), installed as `hf_sparse_cp.examples`
-so the CLI can run them."""
+"""The long-context training example that `hf-sparse-cp train` runs, and its demo data (passkey retrieval, a
+byte tokenizer built in code, a tiny random-init model), installed as `hf_sparse_cp.examples`."""

@@ -36,7 +36,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from datasets import Dataset
@@ -53,22 +53,30 @@ from transformers import (
     set_seed,
 )
 
-from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments, SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp import (
+    SMETArguments,
+    SparseAttentionFlags,
+    SparseCPArguments,
+    SparseTrainer,
+    SparseTrainingArguments,
+)
 from hf_sparse_cp.distributed import ContextParallelConfig, check_launched
 from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.files import check_field_types, read_mapping
 from hf_sparse_cp.recipes import recipe_path
-from hf_sparse_cp.testing.models import tiny_config
-from hf_sparse_cp.trainer.arguments import explicit_fields
+from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
-from hf_sparse_cp.trainer.sparse_trainer import LENGTH_FIELD, RENAMED_FIELDS
+from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScriptArguments:
+    _argument_group_name: ClassVar[str] = "the example's flags"  # (its argument group in --help)
+
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Pretrained model to fine-tune (a Hub id, a folder, or a .gguf file, loaded "
                                          "dequantized through transformers' GGUF support); default: a tiny "
@@ -170,12 +178,13 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "sparse_block_size": 64,
     "sparse_min_seq_len": 1024,
-    "sparse_vertical_topk": 64,
-    "sparse_slash_topk": 128,
     "sparse_local_window": 64,
     "sparse_sink_tokens": 16,
     "sparse_dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
 }
+# The demo's budget: a default for a run that chooses none. A budget mode given on the command line (or a
+# --sparse_config file, which holds one) replaces it whole; a field of another mode alone is refused, naming it.
+DEMO_BUDGET = {"sparse_budget_mode": "topk", "sparse_vertical_topk": 64, "sparse_slash_topk": 128}
 # The example's sequence length when neither the command line nor a recipe gives one (SparseTrainingArguments'
 # own default, None, means "the first sample's length", which the example's data takes from this).
 MAX_LENGTH = 4096
@@ -200,7 +209,7 @@ DESCRIPTION = (
 RENAMED = {"--seq_len": "--sparse_max_length", "--fused_loss": "--sparse_fused_loss",
            "--log_sparsity": "--sparse_log_sparsity",
            "--gradient_checkpointing_min_length": "--sparse_gradient_checkpointing_min_length",
-           **{f"--{f.name}": f"--sparse_{f.name}" for f in fields(SparseAttentionConfig)}}
+           **{f"--{f.name.removeprefix('sparse_')}": f"--{f.name}" for f in fields(SparseAttentionFlags)}}
 # Flags renamed since, still read under their new names (with a warning) so that recipes and command lines
 # written for the releases that had them run as they did.
 DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
@@ -232,7 +241,7 @@ class ParsedArgs(NamedTuple):
     script: ScriptArguments
     training: SparseTrainingArguments  # every Trainer and plugin flag; the fields below are views of it
     sparse: SparseCPArguments
-    pattern: SparseAttentionConfig
+    pattern: SparseAttentionFlags  # the pattern flags as given (`to_config()`; with --sparse_config: `sparse`)
     cp: ContextParallelConfig
     smet: SMETArguments
     explicit: set[str]  # the fields the command line or the recipe set (see `explicit_fields`)
@@ -277,7 +286,8 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     """(script, training, sparse, pattern, cp, smet, explicit): a recipe file if the first argument is
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
     and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
-    parser = HfArgumentParser((ScriptArguments, SparseTrainingArguments), description=DESCRIPTION)
+    common, other = help_groups(SparseTrainingArguments, COMMON_FLAGS)  # --help: the common flags first
+    parser = HfArgumentParser((common, ScriptArguments, other), description=DESCRIPTION)
     try:
         argv, recipe = take_recipe(list(argv))
         if recipe is not None:
@@ -295,9 +305,11 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, LENGTH_FIELD: MAX_LENGTH}
     if recipe is None and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
+        defaults |= {} if explicit & {"sparse_budget_mode", "sparse_config"} else DEMO_BUDGET
     parser.set_defaults(**defaults)
     try:
-        script, training, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        training = SparseTrainingArguments(**vars(first), **vars(rest))
         script.check(training.sparse_max_length)
     except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
         _refuse(parser, str(e))

@@ -1,6 +1,6 @@
 """Optional dependencies and the choice between implementations, in one place.
 
-Optional packages (flash-attn, liger-kernel) are probed once, on first use, and imported only
+Optional packages (flash-attn, liger-kernel, matplotlib) are probed once, on first use, and imported only
 then. Where the plugin can run one of several implementations, an environment variable may force
 one (`choose_backend`): an explicit argument wins, then the variable, then "auto".
 """
@@ -20,6 +20,19 @@ def is_available(module: str, attribute: str | None = None) -> bool:
     except ImportError:
         return False
     return attribute is None or hasattr(imported, attribute)
+
+
+# The extra that brings matplotlib, for every figure the plugin draws.
+PLOT_EXTRA = "pip install 'hf-sparse-cp[plot]'"
+
+
+def require_matplotlib() -> None:
+    """Raise ImportError, naming the extra to install, when matplotlib is missing (imported here, the figures
+    need it next)."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        raise ImportError(f"Drawing hf-sparse-cp's figures needs matplotlib: {PLOT_EXTRA}") from None
 
 
 def choose_backend(what: str, env_var: str, choices: tuple[str, ...], given: str | None = None) -> str:

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes":
         return _recipes(args, recipes)
     if args.command == "simulate":
-        from hf_sparse_cp.examples.simulate_cluster import main as simulate
+        from hf_sparse_cp.simulator.simulate_cli import main as simulate
 
         try:
             simulate(rest, prog="hf-sparse-cp simulate")
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         return 0
     if args.command == "memory":
-        from hf_sparse_cp.memory.cli import main as memory
+        from hf_sparse_cp.simulator.memory_cli import main as memory
 
         memory(rest, prog="hf-sparse-cp memory")
         return 0

@@ -3,13 +3,14 @@ check those dataclasses run on their fields."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
 import logging
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -117,17 +118,22 @@ def _is_number(text: str) -> bool:
 
 
 class FileConfig:
-    """Mixin for config dataclasses: dict and YAML/JSON round trips with unknown keys refused.
+    """Mixin for config dataclasses: dict and YAML/JSON round trips with unknown keys refused, and the one
+    rule by which command-line flags meet a config file (`from_file_and_flags`).
 
-    Subclasses set `FILE_SECTION` (a file may nest the fields under this top-level key) and
-    `KIND` (the config's name in error messages).
+    Subclasses set `FILE_SECTION` (a file may nest the fields under this top-level key) and `KIND` (the
+    config's name in error messages). A field holding a `FileConfig` is a section: a nested mapping in files.
+    `COMMON_FLAGS`: the fields whose flags are common (listed first; the others are expert); a class, not
+    field metadata, says it, as `HfArgumentParser` hands every metadata key of a field to argparse.
     """
 
     FILE_SECTION: ClassVar[str]
     KIND: ClassVar[str]
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f.name: (v.to_dict() if isinstance(v := getattr(self, f.name), FileConfig) else copy.deepcopy(v))
+                for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
@@ -150,43 +156,45 @@ class FileConfig:
             raise ValueError(f"Config file {str(path)!r}: {e}") from None
 
     @classmethod
-    def from_file_and_flags(cls, path: str | Path | None, flags: dict[str, Any],
+    def from_file_and_flags(cls, path: str | Path | None, flags: Mapping[str, Any],
                             explicit: Collection[str] | None = None):
-        """The config in `path` (the defaults when None) with command-line `flags` (field -> value) on top.
+        """The config from a file and command-line `flags` (name -> value), by one rule: a flag the user typed
+        beats the file, a default never does. Without a file, the flags (typed or not) are the config.
 
-        `explicit`: the names of the fields the user gave explicitly (on the command line or in a recipe),
-        when the caller knows them (`hf_sparse_cp.trainer.arguments.explicit_fields` finds them for an
-        `HfArgumentParser`). Those flags beat the file whatever their value, a default value included, and
-        the other flags leave the file's values alone; names that are not fields of `flags` are ignored, so
-        one set can serve every config of a parser. Without it (None), the flags that differ from the
-        defaults beat the file: a flag set to its default value cannot be told from one not given.
-        Without a file, the flags are the config.
+        `explicit`: the names of the flags the user typed (on the command line or in a recipe), whatever their
+        value (`hf_sparse_cp.trainer.arguments.explicit_fields` finds them for an `HfArgumentParser`); names
+        that are not in `flags` are ignored, so one set can serve every config of a parser. Without it (None),
+        the flags that differ from their defaults (`flag_defaults`) count as typed: a flag set to its default
+        value cannot be told from one not given.
         """
-        if path is None:
-            return dataclasses.replace(cls(), **flags)
         if explicit is None:
-            # a field that defaults to None is set from others (e.g. by a mode): unset, or at what the defaults of
-            # these flags set it to, it was not given
-            default = cls.defaults_for(flags)
-            unset = {f.name for f in dataclasses.fields(cls) if f.default is None}
-            given = {name: value for name, value in flags.items()
-                     if value != getattr(default, name) and not (value is None and name in unset)}
+            defaults = cls.flag_defaults()
+            typed = {name: value for name, value in flags.items() if value != defaults.get(name)}
         else:
-            given = {name: value for name, value in flags.items() if name in explicit}
+            typed = {name: value for name, value in flags.items() if name in explicit}
+        if path is None:
+            return cls.layered({name: value for name, value in flags.items() if name not in typed}, typed)
         config = cls.from_file(path)
-        if given:
-            logger.info("Command-line %s flags override %s: %s", cls.KIND, path, given)
-        return config.replace(**given)
-
-    def replace(self, **changes: Any):
-        """This config with `changes`, checked (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
+        if typed:
+            logger.info("Command-line %s flags override %s: %s", cls.KIND, path, typed)
+        return config.replace(**typed)
 
     @classmethod
-    def defaults_for(cls, flags: dict[str, Any]):
-        """The defaults that a config of these field values starts from (`from_file_and_flags` counts a flag
-        at its default as not given)."""
-        return cls()
+    def flag_defaults(cls) -> dict[str, Any]:
+        """The value of each flag when not given (`from_file_and_flags`): the fields' defaults. A section's
+        flags (its fields) default to unset (None), whatever the section holds then."""
+        defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(cls)}
+        return {name: value for name, value in defaults.items() if not isinstance(value, FileConfig)}
+
+    @classmethod
+    def layered(cls, lower: Mapping[str, Any], upper: Mapping[str, Any]):
+        """The config of `upper`'s values on top of `lower`'s, checked."""
+        return cls.from_dict({**lower, **upper})
+
+    def replace(self, **changes: Any):
+        """This config with `changes`, checked."""
+        return type(self).layered(self.to_dict(), changes)
 
     def save(self, path: str | Path) -> None:
         """Write as YAML or JSON, chosen by the file suffix."""

@@ -14,7 +14,7 @@ beside its own, and a Trainer it builds (`Trainer`, `SFTTrainer`, its own subcla
 Plugin flags (`--sparse_*`, `--cp_*`, `--smet*`) go after the script path for a script that parses its
 arguments with `HfArgumentParser` (or TRL's `TrlParser`), or before it: there they are defaults for the script's
 parser, and the settings of a `TrainingArguments` the script builds in code. `--help` before the script path
-lists them.
+lists them, the common ones first.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 from transformers import HfArgumentParser
 
-from hf_sparse_cp.trainer.arguments import explicit_fields
+from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.launched import launched
-from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
 
 PROG = "python -m hf_sparse_cp.run"
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
@@ -52,10 +52,11 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], str | None, bool, lis
 
 def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
     """The plugin flags given before the script path (help and errors as argparse's)."""
-    parser = HfArgumentParser(PluginArguments, prog=PROG, usage=USAGE, description=__doc__,
-                              formatter_class=_HelpFormatter)
+    parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=PROG, usage=USAGE,
+                              description=__doc__, formatter_class=_HelpFormatter)  # (--help: the common flags first)
     try:
-        (plugin,) = parser.parse_args_into_dataclasses(list(flags))
+        common, other = parser.parse_args_into_dataclasses(list(flags))
+        plugin = PluginArguments(**vars(common), **vars(other))
     except ValueError as e:
         parser.error(str(e))
     plugin.explicit_flags = explicit_fields(parser, flags)

@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.integration.architectures import lean_loss_model_types, rowwise_classes
 
 _MISSING = object()
 
@@ -99,9 +100,9 @@ def lean_loss() -> Iterator:
     import transformers
 
     from hf_sparse_cp import disable_lean_loss, enable_lean_loss
-    from hf_sparse_cp.integration.lean_loss import SUPPORTED_CAUSAL_LM_CLASSES
+    from hf_sparse_cp.integration.architectures import lean_loss_classes
 
-    yield [(getattr(transformers, name), "forward") for name in SUPPORTED_CAUSAL_LM_CLASSES]
+    yield [(getattr(transformers, name), "forward") for name in lean_loss_classes()]
     enable_lean_loss()
     yield
     disable_lean_loss()
@@ -111,7 +112,7 @@ def memory_savers() -> Iterator:
     from hf_sparse_cp.integration.memory_savers import disable_memory_savers, enable_memory_savers
     from hf_sparse_cp.memory import MemorySavers
 
-    models = [AutoModelForCausalLM.from_config(tiny_config(kind)) for kind in ("llama", "qwen2", "qwen3", "mistral")]
+    models = [AutoModelForCausalLM.from_config(tiny_config(kind)) for kind in lean_loss_model_types()]
     yield [(m, "forward") for model in models
            for m in (model.model.layers[0], model.model.layers[0].mlp, model.model.layers[0].input_layernorm)]
     for model in models:
@@ -182,8 +183,7 @@ ONE_PROCESS = {
         resharded_loading,
     ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,
     ("transformers.PreTrainedModel.forward",): lean_loss,
-    (*(f"transformers.models.{f.lower()}.modeling_{f.lower()}.{f}{kind}.forward"
-       for f in ("Llama", "Qwen2", "Qwen3", "Mistral") for kind in ("MLP", "RMSNorm")),
+    (*(f"{module}.{name}.forward" for name, (module, _) in rowwise_classes().items()),
      "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
@@ -250,7 +250,7 @@ def curriculum() -> Iterator:
         curriculum.stage()
         trainer.state.global_step = 2
         curriculum.stage()  # the second stage's pattern goes onto the model
-        assert trainer.model.config.sparse_attention["mass_threshold"] == 0.01
+        assert trainer.model.config.sparse_attention["budget"]["mass_threshold"] == 0.01
         yield
         disable_curriculum(trainer)
 

@@ -17,7 +17,7 @@ from .layout import FAR, SparseLayout, first_visible_keys
 from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of one [heads, query blocks, candidates] tile of layout construction (bounds its temporaries).
-_LAYOUT_ELEMENTS = 1 << 24
+LAYOUT_ELEMENTS = 1 << 24
 
 
 def offsets_to_block_diagonals(keep_offsets: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -48,8 +48,8 @@ def _compact(values: torch.Tensor, keep: torch.Tensor, width: int) -> torch.Tens
 
 
 def _head_chunks(heads: int, per_head: int):
-    """Head ranges whose [heads, per_head] temporaries stay within _LAYOUT_ELEMENTS."""
-    step = max(1, min(heads, _LAYOUT_ELEMENTS // max(1, per_head)))
+    """Head ranges whose [heads, per_head] temporaries stay within LAYOUT_ELEMENTS."""
+    step = max(1, min(heads, LAYOUT_ELEMENTS // max(1, per_head)))
     for h0 in range(0, heads, step):
         yield h0, min(heads, h0 + step)
 

@@ -1,4 +1,6 @@
-"""Which engine computes a block-sparse attention call: the Triton kernels, FlexAttention or the reference.
+"""The engines that compute a block-sparse attention call, registered by name (`ENGINES`): the Triton
+kernels, FlexAttention and the PyTorch reference, each taking the call as one `AttentionCall`; and which
+one computes a call (`resolve_engine`, the chosen engine logged once).
 
 The setting (`SparseAttentionConfig.attention_engine`, or the `implementation` argument of the
 attention functions) names one, or 'auto'; `$HF_SPARSE_CP_ATTENTION_ENGINE` replaces 'auto' (the
@@ -20,24 +22,163 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
 import torch
 
 from ..backends import choose_backend
-from .flex import is_flex_available
-from .layout import SparseLayout
+from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
+from .layout import SparseLayout, check_attention_inputs
+from .merge import merge_attention
+from .reference import reference_backward, reference_forward
+from .tokens import TokenMeta
+
+logger = logging.getLogger(__name__)
 
 ENGINE_ENV = "HF_SPARSE_CP_ATTENTION_ENGINE"
 TABLE_ENV = "HF_SPARSE_CP_ENGINE_TABLE"
-ENGINES = ("auto", "triton", "flex", "reference")
 # What the engine table's file says it is (`benchmarks/bench_attention.py` writes it).
 TABLE_KIND = "hf_sparse_cp engine table"
 DEFAULT_ENGINE = "triton"
+
+
+class AttentionCall(NamedTuple):
+    """One call: q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] over the keys `layout` lists, with the softmax `scale`,
+    the tokens' order and documents (`q_meta`, `k_meta`) and the layer's `sliding_window`."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: SparseLayout
+    scale: float
+    q_meta: TokenMeta
+    k_meta: TokenMeta
+    sliding_window: int | None = None
+
+    def check(self) -> None:
+        check_attention_inputs(self.q, self.k, self.v, self.layout, self.q_meta, self.k_meta)
+
+    def tokens(self) -> tuple[torch.Tensor, ...]:
+        return self.q_meta.index, self.q_meta.segment, self.k_meta.index, self.k_meta.segment
+
+    def options(self) -> dict:
+        """The keywords of the PyTorch and Flex functions."""
+        return dict(scale=self.scale, q_meta=self.q_meta, k_meta=self.k_meta, sliding_window=self.sliding_window)
+
+
+class Engine:
+    """What computes attention over a layout (see `hf_sparse_cp.attention.ops` for the arguments): `forward`
+    merges into a running (out, lse) when given; `backward` takes the final out and lse of the queries.
+    `differentiable`: the engine differentiates its calls itself (`attention`), not through the plugin's
+    autograd Function."""
+
+    name: ClassVar[str]
+    differentiable: ClassVar[bool] = False
+
+    def forward(self, call: AttentionCall, out=None, lse=None, out_in_input_dtype: bool = False):
+        part = self.part(call)
+        if out is not None:
+            return merge_attention(out, lse, *part)
+        return (part[0].to(call.q.dtype), part[1]) if out_in_input_dtype else part
+
+    def backward(self, call: AttentionCall, out, lse, dout, dlse=None, deterministic=None,
+                 grads_in_input_dtype: bool = False):
+        grads = self.part_grads(call, out, lse, dout, dlse)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, call[:3])) if grads_in_input_dtype else grads
+
+    def part(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the call alone, in the compute dtype."""
+        raise NotImplementedError
+
+    def part_grads(self, call: AttentionCall, out, lse, dout, dlse) -> tuple[torch.Tensor, ...]:
+        """(dq, dk, dv) of the call, in the compute dtype."""
+        raise NotImplementedError
+
+
+def kernel_split(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):
+    """The kernels' full/partial split of `layout` for these tokens (`kernels.indexing.split_layout`),
+    computed once and kept on the layout (`SparseLayout.derived`): a layer's forward and backward and
+    the ring steps that reuse a layout share it."""
+    from ..kernels.indexing import split_layout
+
+    tokens = (q_meta.index, q_meta.segment, k_meta.index, k_meta.segment)
+    return layout.derived("kernel_split", tokens, window,
+                          lambda: split_layout(layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt,
+                                               *tokens, layout.block_size, window))
+
+
+class TritonEngine(Engine):
+    """Our Triton kernels (`hf_sparse_cp.kernels.ops`); they merge into (out, lse) in place, in one pass."""
+
+    name = "triton"
+
+    def forward(self, call, out=None, lse=None, out_in_input_dtype=False):
+        from ..kernels.ops import triton_forward
+
+        call.check()
+        return triton_forward(call.q, call.k, call.v, *self._raw(call), scale=call.scale,
+                              block_size=call.layout.block_size, window=call.sliding_window, out=out, lse=lse,
+                              out_in_input_dtype=out_in_input_dtype, split=self._split(call))
+
+    def backward(self, call, out, lse, dout, dlse=None, deterministic=None, grads_in_input_dtype=False):
+        from ..kernels.ops import triton_backward
+
+        call.check()
+        return triton_backward(call.q, call.k, call.v, out, lse, dout, *self._raw(call), scale=call.scale,
+                               block_size=call.layout.block_size, window=call.sliding_window, dlse=dlse,
+                               deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype,
+                               split=self._split(call))
+
+    @staticmethod
+    def _raw(call: AttentionCall) -> tuple[tuple, tuple, tuple]:
+        layout, tokens = call.layout, call.tokens()
+        return (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt), tokens[:2], tokens[2:]
+
+    @staticmethod
+    def _split(call: AttentionCall):
+        return kernel_split(call.layout, call.q_meta, call.k_meta, call.sliding_window)
+
+
+class FlexEngine(Engine):
+    """FlexAttention (`flex.py`): a layer's own calls differentiate through Flex's backward (CUDA only)."""
+
+    name = "flex"
+    differentiable = True
+
+    def part(self, call):
+        call.check()
+        return flex_forward(call.q, call.k, call.v, call.layout, **call.options())
+
+    def part_grads(self, call, out, lse, dout, dlse):
+        call.check()
+        return flex_backward(call.q, call.k, call.v, out, lse, dout, call.layout, dlse=dlse, **call.options())
+
+    def attention(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        call.check()
+        return flex_block_sparse_attention(call.q, call.k, call.v, call.layout, **call.options())
+
+
+class ReferenceEngine(Engine):
+    """The PyTorch reference (`reference.py`), any device and dtype."""
+
+    name = "reference"
+
+    def part(self, call):
+        return reference_forward(call.q, call.k, call.v, call.layout, **call.options())
+
+    def part_grads(self, call, out, lse, dout, dlse):
+        return reference_backward(call.q, call.k, call.v, out, lse, dout, call.layout, dlse=dlse, **call.options())
+
+
+# The engines by name, and the settings that name one ('auto': chosen per call, `resolve_engine`).
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TritonEngine(), FlexEngine(), ReferenceEngine())}
+SETTINGS = ("auto", *ENGINES)
 
 
 @dataclass(frozen=True)
@@ -100,7 +241,7 @@ def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:
 
 
 def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = "auto") -> str:
-    """The engine of one call: 'triton', 'flex' or 'reference'.
+    """The engine of one call: 'triton', 'flex' or 'reference' (a key of `ENGINES`), each choice logged once.
 
     Args:
         q: the queries [B, Hq, Sq, D] (device, dtype and head_dim decide what can run them).
@@ -112,26 +253,38 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
         The engine name. 'triton' means the kernels whatever the device (on CPU inside Triton's
         interpreter); 'flex' needs a torch with FlexAttention.
     """
-    if implementation not in ENGINES:
-        raise ValueError(f"implementation={implementation!r} is unknown; use one of {ENGINES}.")
+    if implementation not in SETTINGS:
+        raise ValueError(f"implementation={implementation!r} is unknown; use one of {SETTINGS}.")
     given = None if implementation == "auto" else implementation
-    engine = choose_backend("Attention engine", ENGINE_ENV, ENGINES, given)
+    engine = choose_backend("Attention engine", ENGINE_ENV, SETTINGS, given)
     if engine == "flex" and not is_flex_available():
         raise ValueError(f"the flex engine needs torch.nn.attention.flex_attention (torch >= 2.6; this is torch "
                          f"{torch.__version__}); use 'auto' or 'triton'.")
     if engine != "auto":
-        return engine
+        return _chosen(engine, "as set" if given else f"${ENGINE_ENV}")
     if not q.is_cuda:
-        return "reference"
+        return _chosen("reference", f"auto: {q.device.type} tensors")
     from ..kernels.ops import unsupported
 
     reason = unsupported(q)
     if reason is not None:
         warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {reason}.", stacklevel=3)
-        return "reference"
+        return _chosen("reference", f"auto: {reason}")
     if not is_flex_available():
-        return "triton"
+        return _chosen("triton", "auto: no FlexAttention in this torch")
     table = engine_table()
     if table is None:
-        return DEFAULT_ENGINE
-    return pick_from_table(table, torch.cuda.get_device_name(q.device), CallShape.of(q, layout))
+        return _chosen(DEFAULT_ENGINE, f"auto: no ${TABLE_ENV}")
+    return _chosen(pick_from_table(table, torch.cuda.get_device_name(q.device), CallShape.of(q, layout)),
+                   "auto: the timing table's nearest row")
+
+
+@functools.cache
+def _logged(engine: str, why: str) -> None:
+    logger.info("Block-sparse attention engine: %s (%s).", engine, why)
+
+
+def _chosen(engine: str, why: str) -> str:
+    """`engine`, its choice logged the first time it is made for this reason."""
+    _logged(engine, why)
+    return engine

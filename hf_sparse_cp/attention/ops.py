@@ -2,10 +2,9 @@
 
 Layers, bottom up:
 * `attention_forward` / `attention_backward`: one forward / backward over the keys a layout lists,
-  by the engine `engines.resolve_engine` names: the Triton kernels (`hf_sparse_cp.kernels.ops`),
-  FlexAttention (`flex.py`) or the PyTorch reference (`reference.py`). Here the `SparseLayout` /
-  `TokenMeta` objects are unpacked into the raw tensors the kernels take, after the input contract
-  is checked. Ring attention calls these once per ring step.
+  by the engine `engines.resolve_engine` names (`engines.ENGINES`: the Triton kernels, FlexAttention,
+  the PyTorch reference), which takes the call as one `engines.AttentionCall` and checks the input
+  contract. Ring attention calls these once per ring step.
 * `_BlockSparseAttention`: the autograd Function of the kernels and the reference; it saves tensors
   and calls the primitives (the Flex engine differentiates through Flex's own backward).
 * `block_sparse_attention`: the documented public op.
@@ -17,33 +16,10 @@ import math
 
 import torch
 
-from .engines import ENGINES, resolve_engine
-from .flex import flex_backward, flex_block_sparse_attention, flex_forward
-from .layout import SparseLayout, check_attention_inputs, check_tensors
-from .merge import merge_attention
+from .engines import ENGINES, AttentionCall, resolve_engine
+from .layout import SparseLayout, check_tensors
 from .precision import autocast_inputs
-from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
-
-IMPLEMENTATIONS = ENGINES
-
-
-def _raw(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta) -> tuple[tuple, tuple, tuple]:
-    """The index tensors of the layout and the (global index, document) tensors of queries and keys."""
-    return ((layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt),
-            (q_meta.index, q_meta.segment), (k_meta.index, k_meta.segment))
-
-
-def kernel_split(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):
-    """The kernels' full/partial split of `layout` for these tokens (`kernels.indexing.split_layout`),
-    computed once and kept on the layout (`SparseLayout.derived`): a layer's forward and backward and
-    the ring steps that reuse a layout share it."""
-    from ..kernels.indexing import split_layout
-
-    tokens = (q_meta.index, q_meta.segment, k_meta.index, k_meta.segment)
-    return layout.derived("kernel_split", tokens, window,
-                          lambda: split_layout(layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt,
-                                               *tokens, layout.block_size, window))
 
 
 def attention_forward(
@@ -83,23 +59,8 @@ def attention_forward(
     """
     if (out is None) != (lse is None):
         raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
-    engine = resolve_engine(q, layout, implementation)
-    if engine == "triton":
-        from ..kernels.ops import triton_forward
-
-        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
-        return triton_forward(q, k, v, *_raw(layout, q_meta, k_meta), scale=scale, block_size=layout.block_size,
-                              window=sliding_window, out=out, lse=lse, out_in_input_dtype=out_in_input_dtype,
-                              split=kernel_split(layout, q_meta, k_meta, sliding_window))
-    if engine == "flex":
-        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
-        part = flex_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta, sliding_window=sliding_window)
-    else:
-        part = reference_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                 sliding_window=sliding_window)
-    if out is not None:
-        return merge_attention(out, lse, *part)
-    return (part[0].to(q.dtype), part[1]) if out_in_input_dtype else part
+    call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window)
+    return ENGINES[resolve_engine(q, layout, implementation)].forward(call, out, lse, out_in_input_dtype)
 
 
 def attention_backward(
@@ -136,42 +97,27 @@ def attention_backward(
     Returns:
         (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype, or the inputs' dtype.
     """
-    engine = resolve_engine(q, layout, implementation)
-    if engine == "triton":
-        from ..kernels.ops import triton_backward
-
-        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
-        return triton_backward(q, k, v, out, lse, dout, *_raw(layout, q_meta, k_meta), scale=scale,
-                               block_size=layout.block_size, window=sliding_window, dlse=dlse,
-                               deterministic=deterministic, grads_in_input_dtype=grads_in_input_dtype,
-                               split=kernel_split(layout, q_meta, k_meta, sliding_window))
-    if engine == "flex":
-        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
-        grads = flex_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                              sliding_window=sliding_window, dlse=dlse)
-    else:
-        grads = reference_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                   sliding_window=sliding_window, dlse=dlse)
-    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v))) if grads_in_input_dtype else grads
+    call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window)
+    return ENGINES[resolve_engine(q, layout, implementation)].backward(call, out, lse, dout, dlse, deterministic,
+                                                                      grads_in_input_dtype)
 
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window, implementation):
-        out, lse = attention_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                     sliding_window=window, out_in_input_dtype=True, implementation=implementation)
+    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window, engine):
+        call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, window)
+        out, lse = ENGINES[engine].forward(call, out_in_input_dtype=True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, q_meta, k_meta, scale, window, implementation)
+        ctx.args = (layout, scale, q_meta, k_meta, window, engine)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, q_meta, k_meta, scale, window, implementation = ctx.args
+        *rest, engine = ctx.args
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
-            dq, dk, dv = attention_backward(q, k, v, out, lse, dout, layout, scale=scale, q_meta=q_meta,
-                                            k_meta=k_meta, sliding_window=window, dlse=dlse,
-                                            grads_in_input_dtype=True, implementation=implementation)
+            dq, dk, dv = ENGINES[engine].backward(AttentionCall(q, k, v, *rest), out, lse, dout, dlse,
+                                                  grads_in_input_dtype=True)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -225,8 +171,6 @@ def block_sparse_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     engine = resolve_engine(q, layout, implementation)
     with torch.autocast(q.device.type, enabled=False):
-        if engine == "flex":
-            check_attention_inputs(q, k, v, layout, q_meta, k_meta)
-            return flex_block_sparse_attention(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                               sliding_window=sliding_window)
+        if ENGINES[engine].differentiable:
+            return ENGINES[engine].attention(AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window))
         return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, engine)

@@ -16,7 +16,7 @@ from .precision import compute_dtype
 from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of the [B, H, chunk, block, keys] score tensor processed at once.
-_CHUNK_ELEMENTS = 1 << 24
+CHUNK_ELEMENTS = 1 << 24
 
 
 class _Problem:
@@ -40,7 +40,7 @@ class _Problem:
         self.kv_head = torch.arange(hq, device=q.device) // self.group
         n_keys = layout.block_idx.shape[-1] * bs + layout.col_idx.shape[-1]
         self.n_keys = n_keys
-        self.chunk = max(1, min(self.nqb, _CHUNK_ELEMENTS // max(1, b * hq * bs * max(n_keys, 1))))
+        self.chunk = max(1, min(self.nqb, CHUNK_ELEMENTS // max(1, b * hq * bs * max(n_keys, 1))))
 
     def chunks(self):
         for c0 in range(0, self.nqb, self.chunk):

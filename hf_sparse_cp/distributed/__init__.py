@@ -4,12 +4,12 @@
   accelerate or `--cp_size`), `quiesce_process_groups`;
 * `sharding.py`: `BlockSplit`, `ShardPlan` (how one sequence splits over a CP group: striped,
   zigzag, contiguous) and the sharding of a batch;
-* `planner.py`: `DocumentPlan`, the document-aware split of a packed row (Whole-Doc / Per-Doc);
+* `document_sharding.py`: `DocumentPlan`, the document-aware split of a packed row (Whole-Doc / Per-Doc);
 * `context.py`: `CPShard`, `prepare_context_parallel_inputs` (shard a batch, attach the shard the
   attention backend receives as `cp_shard`);
 * `estimation.py`: `estimate_layout_cp`, the global layout from every rank's shard;
 * `kept_fraction.py`: the kept fraction of a CP call as one process reports it;
-* `plan.py`: `RingPlan`, from the global layout to what each rank computes, sends and receives;
+* `ring_plan.py`: `RingPlan`, from the global layout to what each rank computes, sends and receives;
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers;
 * `ring_attention.py`: `ring_sparse_attention`, `context_parallel_attention`;
 * `loss.py`: token-count-correct loss over batch x CP.

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
+from .document_sharding import PlannerCosts, plan_row
 from .mesh import ParallelDims
-from .planner import PlannerCosts, plan_row
 from .sharding import BlockSplit, ShardPlan, sequence_meta, shard_inputs
 
 CP_SHARD_KWARG = "cp_shard"
@@ -91,7 +91,7 @@ def prepare_context_parallel_inputs(
         parallel: the parallel dimensions (CP group, rank, sharding).
         block_size: the attention layout's block size (`SparseAttentionConfig.block_size`).
         sharding: 'striped', 'zigzag', 'contiguous' or 'document' (default: `parallel.sharding`);
-            'document' plans the split from the batch's documents (`planner.plan_row`).
+            'document' plans the split from the batch's documents (`document_sharding.plan_row`).
         pad_token_id, ignore_index: what fills the padding of ids and targets.
         verify_same_batch: check (two tiny all-reduces) that every CP rank holds the same batch.
         sparse_config: the model's pattern settings, which tell the 'document' planner which documents

@@ -11,15 +11,18 @@ Under CP those queries and keys are spread over the ranks, so:
    ranks (all-reduce of the row max, then of the rescaled sums of exp);
 3. each rank adds the normalised mass of its keys into vertical scores of those keys and slash
    scores [H, L] (every segment's scored offsets, packed one after another; each segment's keys of
-   this rank too). A key's vertical score is then complete on the rank that holds the key; a slash
-   sums over every rank's keys, so a reduce-scatter gives each rank the sums of 1/CP of the offsets;
-4. per estimation segment and head, each rank offers the best entries it holds (as many as a head
-   can keep: `vertical_topk` / `slash_topk`, or the caps in top-p mode) and the mass of all it
-   holds, in one all-gather. Every entry the whole row's selection keeps is among its holder's
-   best, and for top-p so is every entry ranked above it, so every rank selects from the union
-   exactly what `estimate_layout` selects on the whole sequence (up to the summation order of the
-   scores, i.e. identical unless two candidates tie to the last bit), and all ranks build the same
-   layout.
+   this rank too), which become the diagonals the budget ranks (`Budget.diagonal_scores`: offsets, or
+   block diagonals). A key's vertical score is then complete on the rank that holds the key; a
+   diagonal sums over every rank's keys, so a reduce-scatter gives each rank the sums of 1/CP of them;
+4. per estimation segment and head, each rank offers the best entries it holds (as many as the
+   budget says, `Budget.offered`) and the mass of all it holds, in one all-gather. Every entry the
+   whole row's selection keeps is among its holder's best, and for top-p so is every entry ranked
+   above it, so every rank selects from the union exactly what `estimate_layout` selects on the whole
+   sequence (up to the summation order of the scores, i.e. identical unless two candidates tie to the
+   last bit), and all ranks build the same layout.
+
+These are the scores stage of the one pipeline (`hf_sparse_cp.attention.estimate.estimate`), whose
+documents, segments, budget and layout stages run here as in one process.
 
 Five collectives per call, whatever the number of documents or chunks, and no device read per
 segment: where each segment's rows and keys lie in a shard is known on the host from the plan.
@@ -32,6 +35,7 @@ the verticals of its own keys only.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -39,25 +43,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..attention.build import dense_layout
+from ..attention.budgets import Entries, top_entries
 from ..attention.estimate import (
+    Estimate,
     EstimationSegment,
     Sampling,
     accumulate_vertical_slash,
-    block_diagonal_mass,
-    budget,
-    candidates_per_row,
-    column_ratio,
-    estimation_segments,
-    keep_anchors,
-    keep_diagonals,
-    layout_from_kept,
-    long_documents,
+    estimate,
     row_softmax_stats,
     scoring_groups,
-    select_entries,
-    select_mass,
-    top_entries,
     warn_if_costly,
 )
 from ..attention.layout import SparseLayout
@@ -70,22 +64,6 @@ from .context import CPShard
 def _all_reduce(x: torch.Tensor, op, shard: CPShard) -> None:
     if shard.parallel.cp_size > 1:
         all_reduce(x, shard.parallel.cp_group, "the layout estimation's all-reduce", op=op)
-
-
-class KeptEntries(NamedTuple):
-    """What a sparse layout is built from (`layout_from_kept`): the estimation segments of every batch
-    row and the kept columns and offsets ([B, H, V, S] bool each, in the split's global order)."""
-
-    segments: list[list[EstimationSegment]]
-    keep_v: torch.Tensor
-    keep_s: torch.Tensor
-
-
-class CPEstimate(NamedTuple):
-    """`estimate_cp`'s result: the global layout, and the entries it was built from (None: dense)."""
-
-    layout: SparseLayout
-    kept: KeptEntries | None
 
 
 def estimate_layout_cp(
@@ -120,29 +98,27 @@ def estimate_cp(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
-) -> CPEstimate:
-    """`estimate_layout_cp`, with the kept entries the layout was built from (for the kept fraction one
-    process reports, `kept_fraction.one_process_kept_fraction`)."""
-    plan, meta = shard.plan, shard.meta
-    if cfg.block_size != plan.block_size:
+) -> Estimate:
+    """`estimate_layout_cp`, with the kept entries the layout was built from (in the split's global order,
+    for the kept fraction one process reports, `kept_fraction.one_process_kept_fraction`)."""
+    if cfg.block_size != shard.plan.block_size:
         raise ValueError(
             f"this layer's block_size ({cfg.block_size}) differs from the block size the sequence was sharded with "
-            f"({plan.block_size}); under context parallelism every layer must use the same block_size."
+            f"({shard.plan.block_size}); under context parallelism every layer must use the same block_size."
         )
-    if cfg.pattern == "dense" or sliding_window is not None:
-        return CPEstimate(dense_layout(meta, cfg.block_size, sliding_window), None)
-    docs = long_documents(meta, cfg)
-    if not any(docs):
-        return CPEstimate(dense_layout(meta, cfg.block_size), None)
-    b, hq, s_local, d = q.shape
-    dev = q.device
-    dtype = compute_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    tok = plan.token_index(shard.rank).to(dev)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return estimate(cfg, shard.meta, functools.partial(_sharded_scores, q, k, cfg, shard, scale),
+                    sliding_window=sliding_window)
 
-    segments = estimation_segments(docs, cfg)
-    if not any(segments):
-        return CPEstimate(dense_layout(meta, cfg.block_size), None)
+
+def _sharded_scores(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig, shard: CPShard, scale: float,
+                    segments: list[list[EstimationSegment]]) -> list[tuple[Entries, Entries]]:
+    """The scores stage on a rank (steps 1-4 of the module docstring): every segment's candidate columns and
+    diagonals, offered by every rank, in `estimate`'s order."""
+    plan = shard.plan
+    _, hq, _, d = q.shape
+    dev, dtype = q.device, compute_dtype(q.dtype)
+    tok = plan.token_index(shard.rank).to(dev)
     flat = [(row, sg) for row, row_segs in enumerate(segments) for sg in row_segs]
     sampling = Sampling.of(cfg)
     # Scoring pieces: every segment's groups of scoring queries (`scoring_groups`), each scoring the segment's
@@ -205,22 +181,20 @@ def estimate_cp(
             )
     warn_if_costly(1 + max(sg.set for _, sg in flat), (vertical.numel() + slash.numel()) * vertical.element_size(),
                    cfg)
-    if cfg.budget_mode == "mass":  # block diagonals from the partial slashes (linear), summed in their place
-        diagonals = [block_diagonal_mass(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
-        slash, slash_base = torch.cat(diagonals, 1), list(itertools.accumulate((x.shape[1] for x in diagonals),
-                                                                              initial=0))
-    # 4. the selection from every rank's candidates
+    # the diagonals the budget ranks, from the partial slashes (linear), summed in their place
+    diagonals = [cfg.budget.diagonal_scores(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
+    diagonal_base = list(itertools.accumulate((x.shape[1] for x in diagonals), initial=0))
+    # 4. every rank's candidates
     all_keys = torch.cat([torch.arange(key_lo[i], key_lo[i] + key_n[i], device=dev) for i in range(len(flat))])
-    keep_v, keep_s = _kept_across_ranks(
-        _Scores(vertical, key_base, tok[all_keys], keys_held),
-        _Scores(slash, slash_base, None, None), flat, meta.segment.shape, cfg, shard)
-    return CPEstimate(layout_from_kept(meta, cfg, segments, keep_v, keep_s), KeptEntries(segments, keep_v, keep_s))
+    return _candidates_of_every_rank(_Scores(vertical, key_base, tok[all_keys], keys_held),
+                                     _Scores(torch.cat(diagonals, 1), diagonal_base, None, None), flat,
+                                     plan.padded_len, cfg, shard)
 
 
 class _Scores(NamedTuple):
     """One kind of score of every segment, packed: segment i at values[:, bases[i]:bases[i + 1]].
-    Verticals: this rank's keys, at global `positions`, `held` [segments, cp_size] by each rank; slashes
-    (positions and held None): every scored offset, the same layout on every rank, partial sums."""
+    Verticals: this rank's keys, at global `positions`, `held` [segments, cp_size] by each rank; diagonals
+    (positions and held None): every one of each segment, the same layout on every rank, partial sums."""
 
     values: torch.Tensor
     bases: list[int]
@@ -228,10 +202,10 @@ class _Scores(NamedTuple):
     held: torch.Tensor | None
 
 
-def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, key=None) -> torch.Tensor:
+def _offer(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, key=None) -> torch.Tensor:
     """[H, 2m + 1]: the best m of vals [H, n] (ranked by `key` of them, `top_entries`; exact ties: the
     lower position first, vals being in position order), fewer padded with score 0 (never kept), their
-    global positions pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
+    ids pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
     h = vals.shape[0]
     idx = top_entries(vals, m, key)
     out_vals = torch.zeros(h, m, dtype=vals.dtype, device=vals.device)
@@ -245,72 +219,52 @@ def _candidates(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, key
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
-def _kept_across_ranks(vertical: _Scores, slash: _Scores, flat: list[tuple[int, EstimationSegment]],
-                       row_shape: torch.Size, cfg: SparseAttentionConfig, shard: CPShard
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept columns and offsets ([B, H, V, S] bool each, anchors included, the same on every rank)
-    of the segments `flat` ((batch row, segment), in the scores' order; row_shape: [B, S]). The
-    verticals of this rank's keys are complete here; the slashes are summed by a reduce-scatter, each
-    rank getting 1/cp_size of the packed offsets. Each rank sends, per segment and head, the best
-    entries it holds (as many as a head can keep) with the mass of all it holds, in one all-gather;
-    every rank selects from the union, which holds every entry the whole row's selection can keep
-    and, for top-p, the mass of every better one."""
-    w, rank, group = shard.parallel.cp_size, shard.rank, shard.parallel.cp_group
-    b, s = row_shape
-    h, n_sets, dev = vertical.values.shape[0], 1 + max(sg.set for _, sg in flat), vertical.values.device
-    span = -(-slash.values.shape[1] // w)
-    padded = torch.nn.functional.pad(slash.values, (0, span * w - slash.values.shape[1]))
+def _candidates_of_every_rank(vertical: _Scores, diagonal: _Scores, flat: list[tuple[int, EstimationSegment]],
+                              pad: int, cfg: SparseAttentionConfig, shard: CPShard) -> list[tuple[Entries, Entries]]:
+    """Per segment of `flat` ((batch row, segment), in the scores' order), the (columns, diagonals) entries
+    that every rank offers, with each row's total mass. The verticals of this rank's keys are complete here;
+    the diagonals are summed by a reduce-scatter, each rank getting 1/cp_size of them. Each rank sends, per
+    segment and head, the best entries it holds (`Budget.offered`) with the mass of all it holds, in one
+    all-gather; the union holds every entry the whole row's selection can keep and, for top-p, the mass of
+    every better one. `pad`: an id no entry has."""
+    w, rank, group, budget = shard.parallel.cp_size, shard.rank, shard.parallel.cp_group, cfg.budget
+    dev = vertical.values.device
+    span = -(-diagonal.values.shape[1] // w)
+    padded = torch.nn.functional.pad(diagonal.values, (0, span * w - diagonal.values.shape[1]))
     if w > 1:
-        summed = padded.new_empty(h, span)
+        summed = padded.new_empty(padded.shape[0], span)
         reduce_scatter_rows(summed, padded.unflatten(1, (w, span)).movedim(1, 0).flatten(0, 1), group)
     else:
         summed = padded
-    first, last, ranks = torch.tensor(slash.bases[:-1]), torch.tensor(slash.bases[1:]), torch.arange(w)
-    slash_held = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
-                  - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
-    mass = cfg.budget_mode == "mass"  # the slashes are block diagonals then, every held one a candidate
-    widths = {"vertical": torch.minimum(vertical.held.amax(1), torch.tensor(candidates_per_row(cfg, "vertical"))),
-              "slash": slash_held.amax(1) if mass else torch.minimum(slash_held.amax(1),
-                                                                     torch.tensor(candidates_per_row(cfg, "slash")))}
-    widths = {kind: w.tolist() for kind, w in widths.items()}
-    pieces = []
+    first, last, ranks = torch.tensor(diagonal.bases[:-1]), torch.tensor(diagonal.bases[1:]), torch.arange(w)
+    diagonal_held = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
+                     - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
+    widths = [budget.offered("columns", vertical.held.amax(1)).tolist(),
+              budget.offered("diagonals", diagonal_held.amax(1)).tolist()]
+    offers = []
     for i, (_, sg) in enumerate(flat):
         mine = slice(vertical.bases[i], vertical.bases[i + 1])
         gain, where = vertical.values[:, mine], vertical.positions[mine]
-        ratio = (lambda tile, where=where, sg=sg: column_ratio(tile, where, sg.start, sg.scored_end,
-                                                               cfg.block_size, cfg.mass_near_blocks)) if mass else None
-        pieces.append(_candidates(gain, where, widths["vertical"][i], s, ratio))
-        lo = max(slash.bases[i], rank * span)
-        packed = torch.arange(lo, max(lo, min(slash.bases[i + 1], (rank + 1) * span)), device=dev)
-        pieces.append(_candidates(summed[:, packed - rank * span], (0 if mass else sg.start) + packed - slash.bases[i],
-                                  widths["slash"][i], s))
-    local = torch.cat(pieces, 1)
+        key = budget.column_key(sg.start, sg.scored_end, cfg.block_size)
+        offers.append(_offer(gain, where, widths[0][i], pad, None if key is None else functools.partial(key,
+                                                                                                      positions=where)))
+        lo = max(diagonal.bases[i], rank * span)
+        packed = torch.arange(lo, max(lo, min(diagonal.bases[i + 1], (rank + 1) * span)), device=dev)
+        offers.append(_offer(summed[:, packed - rank * span], packed - diagonal.bases[i], widths[1][i], pad))
+    local = torch.cat(offers, 1)
     gathered = local.new_empty(w, *local.shape)
     if w > 1:
         all_gather_rows(gathered.flatten(0, 1), local, group)
     else:
         gathered[0] = local
-    keep = {kind: torch.zeros(b, h, n_sets, s + 1, dtype=torch.bool, device=dev) for kind in widths}
-    col = 0
-    for i, (row, sg) in enumerate(flat):
-        offered = {}
-        for kind in ("vertical", "slash"):
-            m = widths[kind][i]
+    out, col = [], 0
+    for i in range(len(flat)):
+        kinds = []
+        for m in (widths[0][i], widths[1][i]):
             part = gathered[:, :, col : col + 2 * m + 1]
             col += 2 * m + 1
             vals = part[..., :m].movedim(0, 1).flatten(1)
-            pos = part[..., m : 2 * m].contiguous().view(_BITS[vals.dtype]).movedim(0, 1).flatten(1).long()
-            offered[kind] = vals, pos, part[..., 2 * m :].sum(0)
-        if mass:
-            (v_vals, v_pos, _), (d_vals, d_pos, _) = offered["vertical"], offered["slash"]
-            cols, diags = select_mass(v_vals, v_pos, d_vals, d_pos, sg.start, sg.q_hi, cfg, sg.scored_end)
-            keep["vertical"][row, :, sg.set].scatter_(1, torch.where(cols, v_pos, s), True)
-            keep_diagonals(keep["slash"][row, :, sg.set], diags, d_pos, sg.start, cfg.block_size)
-            continue
-        for kind, (vals, pos, total) in offered.items():
-            kept = select_entries(vals, cfg.budget_mode, *budget(cfg, kind), total=total, positions=pos)
-            keep[kind][row, :, sg.set].scatter_(1, torch.where(kept, pos, s), True)
-    keep_v, keep_s = keep["vertical"][..., :s], keep["slash"][..., :s]
-    for row, sg in flat:
-        keep_anchors(keep_v[row, :, sg.set], keep_s[row, :, sg.set], sg.start, sg.q_hi, cfg)
-    return keep_v, keep_s
+            ids = part[..., m : 2 * m].contiguous().view(_BITS[vals.dtype]).movedim(0, 1).flatten(1).long()
+            kinds.append(Entries(vals, ids, part[..., 2 * m :].sum(0)))
+        out.append(tuple(kinds))
+    return out

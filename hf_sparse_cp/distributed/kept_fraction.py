@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.estimate import estimation_segments, layout_from_kept, long_documents
+from ..attention.estimate import Estimate, KeptEntries, estimation_segments, layout_from_kept, long_documents
 from ..attention.tokens import PAD_SEGMENT, TokenMeta
 from ..config import SparseAttentionConfig
 from .context import CPShard
-from .estimation import CPEstimate, KeptEntries
 from .sharding import BlockSplit
 
 
@@ -31,7 +30,7 @@ def to_original_order(plan: BlockSplit, x: torch.Tensor, fill) -> torch.Tensor:
     return out
 
 
-def one_process_kept_fraction(estimate: CPEstimate, shard: CPShard, cfg: SparseAttentionConfig,
+def one_process_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAttentionConfig,
                               sliding_window: int | None = None) -> torch.Tensor:
     """The kept fraction one process logs for the call whose CP estimate is `estimate` (a 0-d float64
     tensor on the layout's device, no host synchronization for a block sharding).

@@ -23,13 +23,13 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch.distributed as dist
 
 from ..files import check_field_types
 from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
-from .planner import PlannerCosts
+from .document_sharding import PlannerCosts
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ContextParallelConfig:
     """How the sequence is split over ranks and how K/V travel between them."""
+
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_sharding")
 
     cp_size: int = field(
         default=1,
@@ -73,7 +75,7 @@ class ContextParallelConfig:
     cp_allow_untested_model: bool = field(
         default=False,
         metadata={"help": "Train an architecture outside the registry of models tested exact under context "
-                  "parallelism (hf_sparse_cp.integration.models.TESTED_MODEL_TYPES) if it passes the checks "
+                  "parallelism (hf_sparse_cp.integration.architectures.ARCHITECTURES) if it passes the checks "
                   "for shard reach, length-dependent RoPE and token mixing outside attention."},
     )
 

@@ -38,7 +38,7 @@ from .comm import P2PComm, Pending, Transfer, wait
 from .context import CPShard
 from .estimation import estimate_cp
 from .kept_fraction import one_process_kept_fraction
-from .plan import RingPlan, check_global_layout
+from .ring_plan import RingPlan, check_global_layout
 
 
 @dataclass

@@ -13,8 +13,8 @@ blocks, and splits it by one of three layouts:
 * ``striped``: block b goes to rank b mod CP (MTraining), which balances vertical-slash work over
   ranks *and* ring steps; the default for sparse attention.
 
-`planner.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
-gives ranks different numbers of blocks (see `planner`).
+`document_sharding.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
+gives ranks different numbers of blocks (see `document_sharding`).
 
 Sharding happens once, at data time: every CP rank gets the same batch and keeps its shard of the
 inputs, the labels shifted *before* sharding, and the position_ids (RoPE sees true positions).
@@ -183,7 +183,7 @@ class ShardPlan(BlockSplit):
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             hint = (" ('document' sharding is planned per batch from its documents: see "
-                    "hf_sparse_cp.distributed.planner)" if self.sharding == "document" else "")
+                    "hf_sparse_cp.distributed.document_sharding)" if self.sharding == "document" else "")
             raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}{hint}.")
         check_block_size(self.block_size)
         if self.cp_size < 1:

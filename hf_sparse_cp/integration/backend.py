@@ -177,34 +177,38 @@ def sparse_cp_attention_forward(
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        out = _attend(module, query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
-                      kwargs)
+        out, kept = _attend(query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
+                            kwargs)
+    if kept is not None:
+        record_kept_fraction(module, kept)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs) -> torch.Tensor:
-    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`)."""
+def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs
+            ) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`) and its kept
+    fraction (None for a decoding step with a KV cache, which is not counted)."""
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     if shard is not None:
         result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
-        record_kept_fraction(module, result.kept_fraction)
-        return result.out
+        return result.out, result.kept_fraction
+    kept = None
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         q_meta = k_meta = meta
         docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
         library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
         if library != "kernels":  # a dense call that a library kernel computes
-            record_kept_fraction(module, 1.0)  # (dense: every block a dense run computes)
+            kept = 1.0  # (dense: every block a dense run computes)
             if library == "sdpa":
-                return sdpa_dense_attention(query, key, value, scale=scale).transpose(1, 2)
+                return sdpa_dense_attention(query, key, value, scale=scale).transpose(1, 2), kept
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
-            return out.transpose(1, 2)
+            return out.transpose(1, 2), kept
         with torch.no_grad():
             layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-        record_kept_fraction(module, layout.kept_fraction(meta, sliding_window))
+        kept = layout.kept_fraction(meta, sliding_window)
     else:
         # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
         k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
@@ -213,4 +217,4 @@ def _attend(module, query, key, value, attention_mask, cfg, scaling, sliding_win
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                     sliding_window=sliding_window, check_layout=False,
                                     implementation=cfg.attention_engine)
-    return out
+    return out, kept

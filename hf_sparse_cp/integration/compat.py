@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
+from .architectures import rowwise_classes
+
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
 TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15"), "torch": ("2.13", "2.13"),
@@ -163,12 +165,10 @@ PATCHES = (
     # -- models, configs, arguments, process-wide transformers state --
     Patch("transformers.PreTrainedModel", "forward", "replaces", "the lean loss: supported *ForCausalLM classes "
           "train without materializing [tokens, vocab] logits (process-wide, per class)", "disable_lean_loss()"),
-    *(Patch(f"transformers.models.{family.lower()}.modeling_{family.lower()}.{family}{kind}", "forward", "replaces",
-            "token tiles: a decoder layer's MLP and RMSNorms run a tile of tokens at a time (memory_savers.py, "
-            "--sparse_token_tiling_min_length), on the model's own instances", "disable_memory_savers(model) / "
-            "disable_sparse_attention(model)", ("self", argument))
-      for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
-      for kind, argument in (("MLP", "x"), ("RMSNorm", "hidden_states"))),
+    *(Patch(f"{module}.{name}", "forward", "replaces", "token tiles: a decoder layer's MLP and RMSNorms run a "
+            "tile of tokens at a time (memory_savers.py, --sparse_token_tiling_min_length), on the model's own "
+            "instances", "disable_memory_savers(model) / disable_sparse_attention(model)", ("self", argument))
+      for name, (module, argument) in rowwise_classes().items()),
     Patch("transformers.modeling_layers.GradientCheckpointingLayer", "forward", "replaces", "host offload: a "
           "decoder layer runs inside hooks that move what its checkpoint saves (its inputs) to host memory "
           "(--sparse_offload_layer_inputs), on the model's own instances", "disable_memory_savers(model) / "

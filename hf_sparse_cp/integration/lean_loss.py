@@ -30,10 +30,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..config import MODEL_CONFIG_ATTRIBUTE
 from ..loss import linear_cross_entropy
 from . import compat
+from .architectures import lean_loss_classes
 from .patching import PatchSet
-
-# Classes whose forward is `model -> lm_head(hidden[:, logits_to_keep]) -> ForCausalLMLoss`.
-SUPPORTED_CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 def _is_distributed_tensor(tensor: torch.Tensor) -> bool:
@@ -121,14 +119,15 @@ _active: PatchSet | None = None
 
 
 def enable_lean_loss() -> None:
-    """Replace `forward` of the supported causal-LM classes (`SUPPORTED_CAUSAL_LM_CLASSES`) by the
+    """Replace `forward` of the supported causal-LM classes (`architectures.lean_loss_classes`, each
+    `model -> lm_head(hidden[:, logits_to_keep]) -> ForCausalLMLoss`) by the
     memory-lean one, which models configured with `hf_sparse_cp.configure` take in training (others keep
     the stock forward's logits). Idempotent; `disable_lean_loss()` undoes it."""
     global _active
     if _active is not None:
         return
     patches = PatchSet()
-    for name in SUPPORTED_CAUSAL_LM_CLASSES:
+    for name in lean_loss_classes():
         cls = getattr(transformers, name)
         patches.set_attr(cls, "forward", lean_causal_lm_forward(cls.__dict__["forward"]))
     _active = patches

@@ -5,7 +5,7 @@ on the model (`patching.record_on`); `disable_memory_savers(model)` restores the
 (pickle, `copy.deepcopy`) keeps them, each calling the copy's own module, and its record restores the copy:
 * token tiles: the `mlp`, `input_layernorm` and `post_attention_layernorm` of every decoder layer and
   the decoder's final `norm` run through `tiled_rows`. Only classes known to treat every token on
-  its own are tiled (`ROWWISE_CLASSES`); any other module there is refused, naming it.
+  its own are tiled (`architectures.tileable_classes`); any other module there is refused, naming it.
 * host offload: every decoder layer (a transformers `GradientCheckpointingLayer`) runs inside
   `HostOffload`, whose hooks see what the checkpoint saves of the call: the layer's inputs.
 """
@@ -18,13 +18,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..memory.offload import HostOffload
 from ..memory.savers import MemorySavers
 from ..memory.tiling import tiled_rows
+from .architectures import tileable_classes
 from .patching import record_on, undo_recorded
 
 _FEATURE = "memory_savers"
-# MLP and RMSNorm classes whose forward maps every token's hidden state on its own (SwiGLU MLPs, RMSNorm),
-# liger-kernel's replacements of them included (its `apply_liger_kernel_to_*` swaps the classes).
-ROWWISE_CLASSES = frozenset({*(f"{family}{kind}" for family in ("Llama", "Qwen2", "Qwen3", "Mistral")
-                               for kind in ("MLP", "RMSNorm")), "LigerRMSNorm", "LigerSwiGLUMLP"})
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
 
 
@@ -35,8 +32,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every module the token tiles apply to. Raises ValueError when one of them is
-    not of a class known to be row-wise (`ROWWISE_CLASSES`)."""
-    names = {m: n for n, m in model.named_modules()}
+    not of a class known to be row-wise (`architectures.tileable_classes`)."""
+    names, rowwise = {m: n for n, m in model.named_modules()}, tileable_classes()
     found = [getattr(layer, attr) for layer in decoder_layers(model) for attr in _LAYER_MODULES if hasattr(layer, attr)]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
@@ -45,9 +42,9 @@ def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
         raise ValueError(f"{type(model).__name__} has no decoder layers with an `mlp` or RMSNorms to tile; turn "
                          "token tiles off (--sparse_token_tiling_min_length 0).")
     for m in found:
-        if type(m).__name__ not in ROWWISE_CLASSES:
+        if type(m).__name__ not in rowwise:
             raise ValueError(f"{names.get(m, '?')} is a {type(m).__name__}, not known to treat every token on its "
-                             f"own (tiles take {sorted(ROWWISE_CLASSES)}); turn token tiles off "
+                             f"own (tiles take {sorted(rowwise)}); turn token tiles off "
                              "(--sparse_token_tiling_min_length 0).")
     return [(names.get(m, "?"), m) for m in found]
 

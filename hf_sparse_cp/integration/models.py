@@ -10,12 +10,14 @@ on the length a rank sees:
   shard reaches every attention call, and names the layers it does not reach;
 * RoPE whose frequencies depend on the sequence length (`dynamic`, `longrope`): each rank would
   pick them from its own shard's positions;
-* layers that mix tokens outside attention (convolutions, recurrent or state-space layers,
-  linear attention): they would see only their shard.
+* layers that mix tokens outside attention: they would see only their shard. Found by what they do:
+  `config.layer_types` other than attention (recurrent, state-space, linear attention, short
+  convolutions), and convolutions whose kernel spans more than one position (a kernel of width 1, or
+  transformers' `Conv1D` of GPT-2, a linear layer, maps every token on its own).
 
-`TESTED_MODEL_TYPES` is the registry of architectures whose CP result equals the single-process
-one (tests/distributed/test_cp_models.py checks each entry under CP 2). Other architectures are refused
-unless the caller opts in (`allow_untested=True`), and then still pass every check above.
+The architecture table (`architectures.ARCHITECTURES`) says which model types were tested exact under
+CP 2 against one process (tests/distributed/test_cp_models.py checks each). Other architectures are
+refused unless the caller opts in (`allow_untested=True`), and then still pass every check above.
 """
 
 from __future__ import annotations
@@ -28,19 +30,15 @@ import torch
 from ..config import BACKEND_NAME
 from ..distributed.context import CP_SHARD_KWARG
 from . import compat
+from .architectures import cp_tested_model_types
 from .backend import ShardProbe, probing
 
 logger = logging.getLogger(__name__)
 
-# model_type -> a CausalLM class of the family, tested exact under CP 2 on a tiny config.
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma3_text", "glm4",
-                      "helium", "smollm3", "cohere2")
 # RoPE types whose frequencies depend on the positions of the call (the longest one seen).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-# Parts of module class names of token mixers other than attention.
-TOKEN_MIXER_NAMES = ("Conv", "Mamba", "SSM", "Recurrent", "RWKV", "GatedDeltaNet", "LinearAttention", "Mixer")
 
 
 def _rope_types(config) -> set[str]:
@@ -51,17 +49,14 @@ def _rope_types(config) -> set[str]:
 
 
 def _token_mixers(model: torch.nn.Module) -> list[str]:
-    """Layer types and modules of `model` that mix tokens outside attention."""
+    """Layer types and modules of `model` that mix tokens outside attention: layer types other than attention,
+    and convolutions over more than one position."""
     found = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
              if t not in ATTENTION_LAYER_TYPES]
     convolution = compat.convolution_class()
-    for name, module in model.named_modules():
-        if not name:
-            continue  # the model itself (MambaForCausalLM is named after its mixer)
-        cls = type(module).__name__
-        if isinstance(module, convolution) or any(part in cls for part in TOKEN_MIXER_NAMES):
-            found.append(f"{cls} ({name})")
-    return found
+    return found + [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"
+                    for name, module in model.named_modules()
+                    if isinstance(module, convolution) and any(k > 1 for k in module.kernel_size)]
 
 
 def _probe(target: torch.nn.Module, device: torch.device | str) -> list[tuple[str, bool]]:
@@ -142,7 +137,7 @@ def check_model_supports_context_parallel(
     Args:
         model: a transformers causal LM that uses the `sparse_cp` backend.
         backend: the attention implementation every layer must use.
-        allow_untested: accept an architecture outside `TESTED_MODEL_TYPES` that passes every check.
+        allow_untested: accept an architecture the table does not mark CP-tested that passes every check.
     """
     config = getattr(model, "config", None)
     name = type(model).__name__
@@ -185,11 +180,11 @@ def check_model_supports_context_parallel(
             "Train this model without context parallelism."
         )
     model_type = getattr(config, "model_type", None)
-    if model_type not in TESTED_MODEL_TYPES:
+    if model_type not in cp_tested_model_types():
         if not allow_untested:
             raise ValueError(
                 f"{name} (model type {model_type!r}) passes the checks above, but its result under context "
-                f"parallelism has not been tested against one process; tested: {', '.join(TESTED_MODEL_TYPES)}. "
+                f"parallelism has not been tested against one process; tested: {', '.join(cp_tested_model_types())}. "
                 "Opt in with allow_untested=True (--cp_allow_untested_model with the Trainer) to train it anyway."
             )
         logger.warning("Model type %r is not among the architectures tested under context parallelism; it passed "

@@ -1,8 +1,7 @@
-"""Memory of a long training step: what a step holds (`model.py`: a prediction for any model, length,
-CP size and dtype, term by term, and how long a sequence fits; `cli.py`: `hf-sparse-cp memory`) and
-the savers that cut its largest terms (`savers.MemorySavers`: MLPs and RMSNorms in token tiles,
-`tiling.py`; saved layer inputs in host memory, `offload.py`). `integration/memory_savers.py`
-applies the savers to a transformers model."""
+"""The memory savers of a long training step, what runs: `savers.MemorySavers` (the settings), MLPs and
+RMSNorms in token tiles (`tiling.py`) and saved layer inputs in host memory (`offload.py`);
+`integration/memory_savers.py` applies them to a transformers model. What a step holds, and how long a
+sequence fits, is predicted beside the simulator (`hf_sparse_cp.simulator.memory_model`)."""
 
 from .savers import MemorySavers
 

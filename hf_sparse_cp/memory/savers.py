@@ -8,7 +8,7 @@ Both are exact (the same loss and gradients, up to the rounding of a different s
   per layer between forward and backward waits in pinned host memory instead.
 
 `hf_sparse_cp.integration.memory_savers.enable_memory_savers` applies them to a model;
-`hf_sparse_cp.memory.model` predicts what they save.
+`hf_sparse_cp.simulator.memory_model` predicts what they save.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..backends import require_matplotlib
 from ..files import read_mapping
 from ..integration.stats import LAYER_LOG_KEY  # what `SparsityLoggingCallback` logs (layer -1: no layer index)
 
 TRAINER_STATE = "trainer_state.json"
-PLOT_EXTRA = "pip install 'hf-sparse-cp[plot]'"
 
 
 def kept_fraction_series(log_history: list[dict[str, Any]]) -> dict[int, tuple[list[int], list[float]]]:
@@ -82,14 +82,6 @@ def read_log_history(run_dir: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"Trainer state file {str(path)!r} has no log_history list; give the trainer_state.json "
                          "a Trainer wrote.")
     return state["log_history"]
-
-
-def require_matplotlib() -> None:
-    """Raise ImportError, naming the extra to install, when matplotlib is missing."""
-    try:
-        import matplotlib.figure  # noqa: F401
-    except ImportError:
-        raise ImportError(f"Drawing hf-sparse-cp's figures needs matplotlib: {PLOT_EXTRA}") from None
 
 
 def new_figure(**kwargs):

@@ -37,11 +37,12 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
 
+from ..backends import PLOT_EXTRA
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ParallelDims
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
-from .kept_fraction import PLOT_EXTRA, kept_fraction_figure, mean_kept_fraction_per_layer
+from .kept_fraction import kept_fraction_figure, mean_kept_fraction_per_layer
 
 logger = logging.getLogger(__name__)
 
@@ -99,26 +100,15 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
     if config.pattern == "dense":
         text = "dense (exact causal attention through the block engine)"
     else:
-        if config.budget_mode == "topk":
-            budget = f"top-k: {config.vertical_topk} key columns and {config.slash_topk} diagonals per head"
-        elif config.budget_mode == "mass":
-            budget = (f"mass: key columns and block diagonals by estimated mass per block of work until "
-                      f"{config.mass_target} of each head's attention"
-                      + (f", and those with at least {config.mass_threshold} of their queries' attention per block"
-                         if config.mass_threshold else "")
-                      + (f", columns valued by the queries {config.mass_near_blocks} or more blocks after them and "
-                         "far diagonals without the kept columns' mass" if config.mass_near_blocks else "")
-                      + f" (at most {config.vertical_cap} columns)")
-        else:
-            budget = (f"top-p: {config.vertical_topp} / {config.slash_topp} of the score mass in key columns / "
-                      f"diagonals (at most {config.vertical_cap} / {config.slash_cap}) per head")
+        budget, scoring = config.budget.describe(), config.scoring
         if config.estimation == "causal_chunks":
             estimated = (f"estimated causally at every call: each chunk of {config.estimation_chunk} tokens from the "
-                         f"last {config.last_q} queries before it, the first chunk dense")
+                         f"last {scoring.last_q} queries before it, the first chunk dense")
         else:
-            estimated = f"estimated from the last {config.last_q} queries at every call"
-        if config.sample_groups:
-            estimated += f" and {config.sample_groups} groups of {config.sample_group_size} queries along the document"
+            estimated = f"estimated from the last {scoring.last_q} queries at every call"
+        if scoring.sample_groups:
+            estimated += (f" and {scoring.sample_groups} groups of {scoring.sample_group_size} queries along the "
+                          "document")
         text = (f"vertical-slash (MTraining), {budget}, plus {config.sink_tokens} sink tokens and a local window of "
                 f"{config.local_window}; {estimated}")
         if config.min_seq_len:

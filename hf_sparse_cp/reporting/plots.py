@@ -21,11 +21,12 @@ import torch
 
 from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
+from ..backends import require_matplotlib
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..integration import backend
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
-from .kept_fraction import kept_fraction_figure, new_figure, read_log_history, require_matplotlib
+from .kept_fraction import kept_fraction_figure, new_figure, read_log_history
 from .model_card import KEPT_FRACTION_PLOT
 
 LAYOUTS_PLOT = "sparse_block_layouts.png"

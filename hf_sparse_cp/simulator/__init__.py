@@ -1,8 +1,11 @@
-"""The cluster simulator: what a sparse ring step costs on hardware we do not have.
+"""Predictions on paper: what a sparse ring step costs, and what memory it holds, on hardware we do not have.
 
+* `shapes.py`: the decoder shapes and presets both predictions take (a leaf);
 * `traffic.py`: work and bytes of a ring plan, from the same `RingPlan` transfers the ring executes;
-* `simulate.py`: workloads and the CP configurations compared;
-* `step_model.py`: model presets, hardware, and the predicted step time.
+* `simulate.py`: the CP configurations compared; `workloads.py`: the synthetic rows they run on;
+* `step_model.py`: hardware and the predicted step time; `simulate_cli.py`: `hf-sparse-cp simulate`;
+* `memory_model.py`: the bytes a step holds, term by term, and how long a sequence fits;
+  `memory_cli.py`: `hf-sparse-cp memory`; `memory_table.py`: docs/memory.md's predictions, from the command's code.
 
-Nothing on the training path imports it; `hf-sparse-cp simulate` and the benchmarks do.
+Nothing on the training path imports it; the command line and the benchmarks do.
 """

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..attention.estimate import candidates_per_row
 from ..config import SparseAttentionConfig
+from .shapes import MODELS, ModelShape
 from .simulate import (
     Cluster,
     KernelCosts,
@@ -37,42 +37,6 @@ from .simulate import (
 from .traffic import PlanTraffic, plan_traffic
 
 ANCHORS = "/work/shared/research/anchors.md"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder's shape (Qwen2Config fields)."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    source: str = ""
-
-    @property
-    def layer_params(self) -> int:
-        """Weights of one layer's matrix multiplications (attention projections and the SwiGLU MLP)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
-
-    def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
-        """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight
-        forward, 4 backward, and 2 more per layer weight for the recomputed forward."""
-        per_weight = 8 if recompute else 6
-        return per_weight * self.layer_params, 6 * self.hidden * self.vocab
-
-
-_QWEN = "Qwen/Qwen2.5-{} config.json on the Hugging Face Hub (as benchmarks/bench_e2e.py MODEL_SHAPES)"
-MODELS = {
-    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, _QWEN.format("0.5B")),
-    "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, _QWEN.format("1.5B")),
-    "qwen2.5-3b": ModelShape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, _QWEN.format("3B")),
-    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, _QWEN.format("7B")),
-}
 
 
 @dataclass(frozen=True)
@@ -230,10 +194,11 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     sets on average (positions spread evenly over ranks), and every collective carries n - 1 sets.
     With `sample_groups` g, the group before cut i of g + 1 scores the keys before it: g / 2 x
     `sample_group_size` more scoring rows over the whole row."""
-    if cfg.budget_mode == "mass" and cfg.mass_near_blocks:
-        raise ValueError(f"mass_near_blocks={cfg.mass_near_blocks} scores in PyTorch on CUDA, not in the Triton "
-                         "scoring kernel whose rate the simulator charges, and that path was timed on no GPU: the "
-                         "simulator cannot charge it. Simulate with mass_near_blocks=0 for the kernel's cost.")
+    budget, sc = cfg.budget, cfg.scoring
+    if budget.far_blocks:
+        raise ValueError(f"mass_near_blocks={budget.far_blocks} scores in PyTorch on CUDA, not in the Triton scoring "
+                         "kernel whose rate the simulator charges, and that path was timed on no GPU: the simulator "
+                         "cannot charge it. Simulate with mass_near_blocks=0 for the kernel's cost.")
     if not setup.sparse:
         return 0.0
     w, s, bs = setup.plan.cp_size, setup.plan.padded_len, setup.plan.block_size
@@ -241,21 +206,19 @@ def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clus
     sets = 1 if chunk is None else max(1, -(-setup.plan.seq_len // chunk) - 1)
     keys = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's
     scored_keys = keys if chunk is None else keys * sets / 2
-    rows = cfg.last_q + cfg.sample_groups * cfg.sample_group_size / 2  # full-row equivalents
+    rows = sc.last_q + sc.sample_groups * sc.sample_group_size / 2  # full-row equivalents
     score = 2 * 2 * rows * scored_keys * model.head_dim * model.heads / hw.attention_flops_per_s
     link = cluster.group_link(w)
-    sent_rows = cfg.last_q + cfg.sample_groups * cfg.sample_group_size  # every scoring query travels
+    sent_rows = sc.last_q + sc.sample_groups * sc.sample_group_size  # every scoring query travels
     reduces = (model.heads * sent_rows * model.head_dim * 4, model.heads * sent_rows * 4, model.heads * sent_rows * 4)
-    scored = s if chunk is None else s * sets / 2  # the packed slashes: each set's scored offsets
-    mass = cfg.budget_mode == "mass"
-    if mass:
-        scored = scored / bs
-    slash_sums = all_gather_time(model.heads * scored * 4 / w, w, link)  # a reduce-scatter: the same hops
-    # candidates per set (the gather carries every set): in 'mass' mode each set's block diagonals on this rank
-    slash = -(-int(scored / sets) // w) if mass else min(candidates_per_row(cfg, "slash"), -(-s // w))
-    candidates = min(candidates_per_row(cfg, "vertical"), -(-s // w)) + slash
-    gather = all_gather_time(model.heads * sets * (2 * candidates + 2) * 4, w, link)
-    local = (score + hw.index_build_s) * (WEIGHTED_ESTIMATION_RATIO if mass or cfg.sample_groups else 1.0)
+    # the packed diagonals the budget ranks: each set's scored offsets (or the block diagonals they sum into)
+    diagonals = (s if chunk is None else s * sets / 2) / budget.diagonal_step(bs)
+    slash_sums = all_gather_time(model.heads * diagonals * 4 / w, w, link)  # a reduce-scatter: the same hops
+    # candidates per set (the gather carries every set): what a rank offers of each set's columns and diagonals
+    offered = [int(budget.offered(kind, torch.tensor(-(-int(held) // w)))) for kind, held in
+               (("columns", s), ("diagonals", diagonals / sets))]
+    gather = all_gather_time(model.heads * sets * (2 * sum(offered) + 2) * 4, w, link)
+    local = (score + hw.index_build_s) * (WEIGHTED_ESTIMATION_RATIO if budget.weighted or sc.sample_groups else 1.0)
     return local + sum(all_reduce_time(n * sets, w, link) for n in reduces) + slash_sums + gather
 
 
@@ -301,9 +264,9 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     passes = 2 if recompute else 1
     cfg = _DEFAULTS if estimation is None else estimation
     if last_q is not None:
-        cfg = replace(cfg, last_q=last_q)
+        cfg = cfg.replace(last_q=last_q)
     if estimation_chunk is not None:
-        cfg = replace(cfg, estimation="causal_chunks", estimation_chunk=estimation_chunk)
+        cfg = cfg.replace(estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
     def step(c: Cluster) -> tuple[float, dict, float]:
         att = _attention(setup, model, hw, c, work, traffic)

@@ -4,7 +4,7 @@ For a global layout, a sharding and a ring topology: the computed work of every 
 ring step plus the final column ("bar") step (block units: listed key blocks, and key columns /
 block_size, summed over batch rows and heads), and the bytes every rank sends forward (K/V blocks
 and the columns' all-gather) and backward (K/V blocks again, dK/dV accumulators, the columns'
-all-reduce), counted from the transfers `plan.slot_ops` schedules, i.e. without the blocks that
+all-reduce), counted from the transfers `ring_plan.slot_ops` schedules, i.e. without the blocks that
 nobody downstream reads. Collectives are counted as ring algorithms send them.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
-from ..distributed.plan import TransferSets, column_tokens, pair_work, slot_ops
+from ..distributed.ring_plan import TransferSets, column_tokens, pair_work, slot_ops
 from ..distributed.sharding import BlockSplit
 
 
@@ -156,7 +156,7 @@ def bar_gather_rows(tokens: torch.Tensor, plan: BlockSplit) -> int:
 
 def slot_sends(sets: TransferSets, position: int, block_bytes: int, *, backward: bool, kv_bytes: int = 2,
                acc_bytes: int = 4) -> dict[tuple, list[tuple[int, int]]]:
-    """The sends `position` posts per slot of `plan.slot_ops`, as (peer position, bytes).
+    """The sends `position` posts per slot of `ring_plan.slot_ops`, as (peer position, bytes).
 
     block_bytes: K and V elements of one block (batch x kv_heads x head_dim x 2 x block_size);
     K/V travel at `kv_bytes` per element, dK/dV accumulators at `acc_bytes`."""

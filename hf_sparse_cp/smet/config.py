@@ -35,6 +35,7 @@ class SMETConfig(FileConfig):
 
     FILE_SECTION: ClassVar[str] = "smet"
     KIND: ClassVar[str] = "SMET"
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("density",)
 
     mode: Literal["sparse_weights", "sparse_update"] = field(
         default="sparse_weights",

@@ -2,7 +2,6 @@
 
 * `layouts.py`: random layouts (the one generator of random vertical-slash layouts) and q/k with
   planted vertical-slash structure;
-* `models.py`: tiny random-init model configs of the supported families;
 * `spawn.py`: `run_gloo`, a function run in a few local gloo processes;
 * `packing.py`: packed rows of documents (length mixes, per-document patterns in any split's order);
 * `benchmarking.py`: timing, profiles and the JSON reports of the benchmarks;

@@ -1,13 +1,11 @@
-"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks (the one home of
-random layout generators)."""
+"""Synthetic layouts and queries/keys with planted structure, for tests and benchmarks (the random
+vertical-slash layouts the simulator predicts are `hf_sparse_cp.simulator.workloads`')."""
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.build import build_layout
 from ..attention.layout import SparseLayout, compact_sorted
-from ..attention.tokens import TokenMeta
 
 
 def random_layout(
@@ -43,44 +41,6 @@ def random_layout(
         cols &= tok < qb * block_size
     col_idx, col_cnt = compact_sorted(tok.expand_as(cols), cols)
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, block_size)
-
-
-def random_vertical_slash_layout(
-    batch: int,
-    heads: int,
-    seq_len: int,
-    block_size: int,
-    *,
-    num_diagonals: int,
-    num_verticals: int,
-    sink_tokens: int = 0,
-    diagonal_spread: float = 1.0,
-    meta: TokenMeta | None = None,
-    padded_len: int | None = None,
-    generator: torch.Generator | None = None,
-) -> SparseLayout:
-    """A vertical-slash layout per (row, head) with MTraining's forced parts and a random rest.
-
-    Always kept: the diagonal block (the local window) and the first `sink_tokens` key
-    columns. Drawn on top: `num_diagonals` block diagonals among the nearest `diagonal_spread`
-    fraction of them, and `num_verticals` key columns among the `seq_len` real tokens.
-
-    meta: the tokens' documents (default: one document per row, padded to `padded_len` tokens,
-    which default to `seq_len`); the layout covers `meta`'s length.
-    """
-    meta = TokenMeta.contiguous(batch, seq_len).pad_to(padded_len or seq_len) if meta is None else meta
-    total = meta.index.shape[-1]
-    nb = -(-total // block_size)
-    reach = max(1, min(nb, round(diagonal_spread * nb)))
-    diagonals = torch.zeros(batch, heads, nb, dtype=torch.bool)
-    diagonals[..., 0] = True
-    picks = torch.rand(batch, heads, reach, generator=generator).argsort(-1)[..., :num_diagonals]
-    diagonals.scatter_(-1, picks, True)
-    verticals = torch.zeros(batch, heads, total, dtype=torch.bool)
-    verticals[..., :sink_tokens] = True
-    picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
-    verticals.scatter_(-1, picks, True)
-    return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
 
 
 PLANTED_LOGIT = 8.0

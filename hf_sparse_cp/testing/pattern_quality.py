@@ -151,7 +151,7 @@ def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta
         segments = estimation_segments(docs, cfg)
         key = (Sampling.of(cfg), str(segments))
         if key not in scores:
-            scores[key] = score_rows(q, k, segments, cfg.last_q, scale, Sampling.of(cfg))
+            scores[key] = score_rows(q, k, segments, cfg.scoring.last_q, scale, Sampling.of(cfg))
         out[name] = layout_from_scores(meta, cfg, docs, scores[key])
     return out
 
@@ -217,7 +217,7 @@ def layer_quality(
                 err_num[name][h, r0:r1] = ((kept @ vh) / mass.unsqueeze(-1) - out_d).pow(2).sum(-1)
     result = {}
     for name, cfg in configs.items():
-        est = torch.arange(s) >= s - min(cfg.last_q, s)
+        est = torch.arange(s) >= s - min(cfg.scoring.last_q, s)
         groups = {"estimation": measured & est, "earlier": measured & ~est, "all": measured}
         result[name] = {"kept_fraction": float(layouts[name].kept_fraction(meta))}
         for group, rows in groups.items():

@@ -5,8 +5,13 @@ that they beat a config file).
 
 Every plugin flag starts with `sparse_`, `cp_` or `smet_`, so that it never meets a flag of the script
 it joins (run_clm's `--block_size` is its sequence length; TRL's configs have their own fields): each
-`SparseAttentionConfig` field `<f>` is the flag `--sparse_<f>` (`--sparse_block_size`), each
-`SMETConfig` field `--smet_<f>`; the config classes and their YAML/JSON files keep the plain names."""
+flat key `<f>` of `SparseAttentionConfig` is the flag `--sparse_<f>` (`--sparse_block_size`; its
+sections' fields flat: `--sparse_budget_mode`, `--sparse_vertical_topk`, `--sparse_last_q`), each
+`SMETConfig` field `--smet_<f>`; the config classes and their YAML/JSON files keep the plain names.
+
+Flags are a public contract: a new knob enters a config (a section of the file) first, and becomes a
+flag by decision. Each flag is common (named in its class's `COMMON_FLAGS`: the few a user sets first;
+`--help` and docs/flags.md list them first) or expert (every other)."""
 
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ import dataclasses
 import typing
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
 from ..files import check_field_types
 from ..memory import MemorySavers
+from ..sections import DEFAULT_MODE, Scoring, budget_class, budget_field_names, budget_modes, modes_of, scoring_from
 from ..smet import SMETConfig
 from ..smet.config import module_names
 
@@ -27,6 +33,8 @@ from ..smet.config import module_names
 @dataclass
 class SparseCPArguments:
     """Plugin switches for a Trainer script (`--sparse_attention`, `--sparse_config PATH`, ...)."""
+
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("sparse_attention", "sparse_config")
 
     sparse_attention: bool = field(
         default=False,
@@ -84,18 +92,18 @@ class SparseCPArguments:
         self, from_flags: SparseAttentionConfig | SparseAttentionFlags | None = None,
         explicit: Collection[str] | None = None,
     ) -> SparseAttentionConfig:
-        """The pattern config: `from_flags` (the pattern parsed from the command line) without a
-        `--sparse_config` file; with one, the file with flags on top: those named in `explicit` (the
-        argument names given on the command line, e.g. `sparse_vertical_topk`, see `explicit_fields`)
-        whatever their value, or without `explicit`, those that differ from the defaults (see
-        `FileConfig.from_file_and_flags`)."""
-        if isinstance(from_flags, SparseAttentionFlags):  # as given: an unset field stays unset (None)
-            flags = prefixed_values(from_flags, SparseAttentionConfig, PATTERN_PREFIX)
-            from_flags = from_flags.to_config()
+        """The pattern config: the `--sparse_config` file with the pattern flags (`from_flags`, as parsed from
+        the command line) on top by `FileConfig.from_file_and_flags`' rule: those named in `explicit` (the
+        argument names given on the command line, e.g. `sparse_vertical_topk`, see `explicit_fields`) beat
+        the file whatever their value, the others (defaults) never do; without `explicit`, those that differ
+        from the defaults count as given. A config passed as `from_flags` gives what differs from its
+        defaults (`SparseAttentionConfig.given`), and without a file is the config itself."""
+        if isinstance(from_flags, SparseAttentionConfig):
+            if self.sparse_config is None:
+                return from_flags
+            flags = from_flags.given()
         else:
-            flags = {} if from_flags is None else dataclasses.asdict(from_flags)
-        if self.sparse_config is None and from_flags is not None:
-            return from_flags
+            flags = {} if from_flags is None else from_flags.values()
         fields = None if explicit is None else unprefixed(explicit, PATTERN_PREFIX)
         return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags, fields)
 
@@ -110,15 +118,9 @@ def unprefixed(names: Collection[str], prefix: str) -> set[str]:
     return {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
 
 
-def prefixed_values(args: Any, cls: type, prefix: str = "") -> dict[str, Any]:
-    """Field of dataclass `cls` -> the attribute `prefix + field` of `args`, as given (the inverse of
-    `copied_fields`)."""
-    return {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)}
-
-
 def from_prefixed(args: Any, cls: type, prefix: str = "") -> Any:
-    """Dataclass `cls` built from the attributes `prefix + field` of `args` (`prefixed_values`)."""
-    return cls(**prefixed_values(args, cls, prefix))
+    """Dataclass `cls` built from the attributes `prefix + field` of `args` (the inverse of `copied_fields`)."""
+    return cls(**{f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
 
 
 def copied_fields(
@@ -140,25 +142,86 @@ def copied_fields(
     return out
 
 
+def _by_mode(values: dict[str, Any]) -> str:
+    """A value per budget mode in words: '512', or '32 in 'mass'; 64 in 'topk' and 'topp''."""
+    modes: dict[Any, list[str]] = {}
+    for mode, value in values.items():
+        modes.setdefault(value, []).append(repr(mode))
+    if len(modes) == 1:
+        return str(next(iter(modes)))
+    return "; ".join(f"{value} in {' and '.join(names)}" for value, names in modes.items())
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.split()).split(". ")[0].rstrip(".")
+    return text[:1].lower() + text[1:]
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    """The flat keys of `SparseAttentionConfig` as `make_dataclass` fields: every field, its `budget` section
+    as `budget_mode` and every mode's fields, its `scoring` section as its fields. A section's flag defaults
+    to unset (None): the config file's value, else the budget mode's."""
+    hints, modes = typing.get_type_hints(SparseAttentionConfig), budget_modes()
+    out = []
+    for f in dataclasses.fields(SparseAttentionConfig):
+        if f.name == "budget":
+            about = "; ".join(f"'{m}': {_first_sentence(budget_class(m).__doc__)}"
+                              for m in modes)
+            out.append(("budget_mode", Literal[modes] | None, field(default=None, metadata={
+                "help": f"How many verticals / slashes a head keeps. {about}. Unset: the --sparse_config file's, "
+                        f"else the mode whose fields are given, else {DEFAULT_MODE!r}."})))
+            for name in budget_field_names():
+                owners = {m: _field(budget_class(m), name) for m in modes_of(name)}
+                first = next(iter(owners.values()))
+                help_text = (f"{first.metadata['help']} Read in budget_mode {' and '.join(map(repr, owners))} "
+                             f"(default {_by_mode({m: x.default for m, x in owners.items()})}); given without a "
+                             f"budget_mode it selects {'that mode' if len(owners) == 1 else 'one of them'}, with "
+                             "another it is refused.")
+                hint = typing.get_type_hints(budget_class(next(iter(owners))))[name]
+                out.append((name, hint | None, field(default=None, metadata={**first.metadata, "help": help_text})))
+        elif f.name == "scoring":
+            for sf in dataclasses.fields(Scoring):
+                own = _by_mode({m: getattr(scoring_from({}, budget_class(m)()), sf.name) for m in modes})
+                out.append((sf.name, typing.get_type_hints(Scoring)[sf.name] | None, field(default=None, metadata={
+                    **sf.metadata, "help": f"{sf.metadata['help']} Unset: the budget's own ({own})."})))
+        else:
+            out.append((f.name, hints[f.name], field(default=f.default, metadata=f.metadata)))
+    return out
+
+
 class _PatternFlags:
     """The methods of `SparseAttentionFlags` (its fields are generated from `SparseAttentionConfig`)."""
 
     def __post_init__(self) -> None:
         self.to_config()  # the config validates the values, naming the field
 
+    def values(self) -> dict[str, Any]:
+        """The flags by flat key, as given (None: unset)."""
+        return {name.removeprefix(PATTERN_PREFIX): value for name, value in vars(self).items()
+                if name.startswith(PATTERN_PREFIX)}
+
     def to_config(self) -> SparseAttentionConfig:
         """The `SparseAttentionConfig` these flags give."""
-        return from_prefixed(self, SparseAttentionConfig, PATTERN_PREFIX)
+        return SparseAttentionConfig(**self.values())
 
 
-# Every SparseAttentionConfig field as a `--sparse_<field>` flag and every SMETConfig field as a `--smet_<field>`
+# Every flat key of SparseAttentionConfig as a `--sparse_<key>` flag and every SMETConfig field as a `--smet_<field>`
 # flag, generated so that help texts and defaults live once.
 SparseAttentionFlags = dataclasses.make_dataclass(
-    "SparseAttentionFlags", copied_fields(SparseAttentionConfig, PATTERN_PREFIX), bases=(_PatternFlags,),
-    namespace={"__doc__": "The sparse pattern as flags: `--sparse_<field>` for every `SparseAttentionConfig` field "
-               "(e.g. `--sparse_vertical_topk 1024 --sparse_block_size 64`); `to_config()` gives the config.",
-               "__module__": __name__})
-SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX))
+    "SparseAttentionFlags", [(PATTERN_PREFIX + name, hint, f) for name, hint, f in pattern_flag_fields()],
+    bases=(_PatternFlags,),
+    namespace={"__doc__": "The sparse pattern as flags: `--sparse_<key>` for every flat key of "
+               "`SparseAttentionConfig` (e.g. `--sparse_vertical_topk 1024 --sparse_block_size 64`); `to_config()` "
+               "gives the config.", "__module__": __name__,
+               "COMMON_FLAGS": tuple(PATTERN_PREFIX + name for cls in (SparseAttentionConfig, *map(budget_class,
+                                                                                                 budget_modes()))
+                                     for name in cls.COMMON_FLAGS)})
+SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX), namespace={
+    "COMMON_FLAGS": tuple(FLAG_PREFIX + name for name in SMETConfig.COMMON_FLAGS)})
 SMETFlags.__module__ = __name__
 
 
@@ -166,6 +229,8 @@ SMETFlags.__module__ = __name__
 class SMETArguments(SMETFlags):
     """Switches for a Trainer script: `--smet`, `--smet_config FILE`, and `--smet_<field>` for every
     `SMETConfig` field (e.g. `--smet_density 0.1 --smet_update_interval 50`)."""
+
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("smet", "smet_config", *SMETFlags.COMMON_FLAGS)
 
     smet: bool = field(
         default=False,
@@ -208,6 +273,20 @@ class SMETArguments(SMETFlags):
         differ from the defaults (see `FileConfig.from_file_and_flags`)."""
         fields = None if explicit is None else unprefixed(explicit, FLAG_PREFIX)
         return SMETConfig.from_file_and_flags(self.smet_config, self._flags(), fields)
+
+
+def help_groups(cls: type, common: Collection[str]) -> tuple[type, type]:
+    """The flags of dataclass `cls` as two dataclasses for one `HfArgumentParser`, each an argument group of
+    its `--help`: the `common` flags (listed first when passed first) and every other flag;
+    `cls(**vars(first), **vars(second))` builds `cls` from what it parses."""
+    flags = [copied for copied, f in zip(copied_fields(cls), dataclasses.fields(cls)) if f.init]
+
+    def group(title: str, keep: bool) -> type:
+        return dataclasses.make_dataclass(title.title().replace(" ", ""),
+                                          [flag for flag in flags if (flag[0] in common) == keep],
+                                          namespace={"_argument_group_name": title})
+
+    return group("common flags", True), group("other flags", False)
 
 
 # Marks the arguments a command line does not set (argparse leaves a namespace's existing values alone).

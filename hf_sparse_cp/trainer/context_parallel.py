@@ -9,7 +9,9 @@ own the CP mesh (CPU / gloo runs with `--cp_size`), the patch also makes the dat
 over data-parallel ranks only (every rank of a CP group gets the same batch). Either way the
 Trainer's token count, flops, batch size and the loss's token count (and TRL's logged `num_tokens`) count
 each CP group's batch once, and an attention call that arrives without the shard during a CP forward is an error.
-`disable_trainer_context_parallel` undoes all of it.
+`disable_trainer_context_parallel` undoes all of it. The pieces a curriculum of CP degrees reuses
+(`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`,
+`first_batch_of_each_run`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def _accelerate_owns_cp(trainer: Trainer) -> bool:
     return pc is not None and pc.cp_size > 1
 
 
-def _pad_token_id(trainer: Trainer, model: torch.nn.Module) -> int:
+def pad_token_id(trainer: Trainer, model: torch.nn.Module) -> int:
+    """The token that pads a CP split: the tokenizer's (or the model config's) pad token, else 0."""
     for source in (trainer.processing_class, getattr(model, "config", None)):
         pad = getattr(source, "pad_token_id", None)
         if pad is not None:
@@ -49,7 +52,7 @@ def _pad_token_id(trainer: Trainer, model: torch.nn.Module) -> int:
     return 0
 
 
-def _dp_data_loader(trainer: Trainer, parallel: ParallelDims):
+def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     """`Accelerator.prepare_data_loader` sharding over the data-parallel ranks only."""
     from accelerate.data_loader import prepare_data_loader
 
@@ -88,7 +91,7 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
     return first
 
 
-def _count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
+def count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
     flop and batch-size accounting count that batch once per group, as without CP. `cp_size()` is the
     CP degree of the step in progress (constant, or a curriculum's stage)."""
@@ -174,14 +177,14 @@ def enable_trainer_context_parallel(
     check_model_supports_context_parallel(model, allow_untested=allow_untested)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
-    pad_token_id = _pad_token_id(trainer, model)
+    pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
 
     first_batch = first_batch_of_each_run(trainer)
 
     def prepare_inputs(_model, inputs: dict[str, Any]):
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config, verify_same_batch=first_batch(),
         )
 
@@ -189,14 +192,14 @@ def enable_trainer_context_parallel(
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
-    _count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
+    count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead
         compat.require(f"accelerate.Accelerator.{compat.ACCELERATOR_PREPARE_CP}")
         patches.set_attr(trainer.accelerator, compat.ACCELERATOR_PREPARE_CP, lambda *args: args)
     else:
-        patches.set_attr(trainer.accelerator, "prepare_data_loader", _dp_data_loader(trainer, parallel))
+        patches.set_attr(trainer.accelerator, "prepare_data_loader", dp_data_loader(trainer, parallel))
     logger.info("Sparse context parallelism on: %s", parallel)
     return parallel
 

@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -42,7 +42,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import _count_once_per_cp_group, _dp_data_loader, _pad_token_id, first_batch_of_each_run
+from .context_parallel import count_once_per_cp_group, dp_data_loader, first_batch_of_each_run, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ class Stage:
     @property
     def text(self) -> str:
         start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
-        return ":".join([start, str(self.seq_len), str(self.cp_size), *(f"{k}={v}" for k, v in self.sparse.items())])
+        fields = [f"{k}.{n}={x}" if isinstance(v, Mapping) else f"{k}={v}" for k, v in self.sparse.items()
+                  for n, x in (v.items() if isinstance(v, Mapping) else [(None, v)])]
+        return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
 
 
 def _value(text: str) -> Any:
@@ -87,7 +89,8 @@ def _value(text: str) -> Any:
 
 def parse_schedule(text: str) -> tuple[Stage, ...]:
     """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
-    optimizer step (`100`) or a data epoch (`1.5ep`)."""
+    optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
+    (`mass_threshold=0.005`) or a section's (`budget.mode=mass`, `scoring.last_q=64`)."""
     stages = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         head, *extra = item.split(":")
@@ -102,8 +105,11 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         except ValueError:
             raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
                              "and CP_SIZE whole numbers.") from None
-        sparse = dict(p.split("=", 1) for p in parts[3:])
-        stages.append(Stage(seq_len, cp_size, sparse={k: _value(v) for k, v in sparse.items()}, **start))
+        sparse: dict[str, Any] = {}
+        for key, value in (p.split("=", 1) for p in parts[3:]):
+            section, _, name = key.rpartition(".")
+            (sparse.setdefault(section, {}) if section else sparse)[name] = _value(value)
+        stages.append(Stage(seq_len, cp_size, sparse=sparse, **start))
     if not stages:
         raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
     return tuple(stages)
@@ -113,11 +119,14 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
 class CurriculumArguments:
     """The flag of a context-length curriculum (`--cp_schedule`)."""
 
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_schedule",)
+
     cp_schedule: str | None = field(
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005'. Samples are cropped to "
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005' (a section's field: "
+                  "budget.mode=topk). Samples are cropped to "
                   "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
                   "replaces --cp_size."},
     )
@@ -187,7 +196,7 @@ def build_schedule(
             check_sizes(world_size, stage.cp_size)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-        unknown = set(stage.sparse) - {f.name for f in dataclasses.fields(SparseAttentionConfig)}
+        unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
         if unknown:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
                              "(SparseAttentionConfig); use e.g. mass_threshold=0.005.")
@@ -373,7 +382,7 @@ def enable_curriculum(
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
             for c in sorted({s.cp_size for s in schedule.stages})}
-    pad_token_id = _pad_token_id(trainer, model)
+    pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
@@ -392,16 +401,16 @@ def enable_curriculum(
         checked_stages.add(stage)
         sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_token_id,
+            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config, verify_same_batch=verify)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
-    _count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
-                     lambda *args, **kwargs: _dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
+                     lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
 
     def get_train_dataloader():
         return _train_data_loader(trainer, curriculum)
@@ -432,7 +441,7 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     loader = torch.utils.data.DataLoader(
         StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
-    return _dp_data_loader(trainer, ParallelDims.single())(loader)
+    return dp_data_loader(trainer, ParallelDims.single())(loader)
 
 
 def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:
@@ -450,7 +459,7 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
         row, longest = ids.shape[1], max(len(dataset[k]["input_ids"]) for k in range(n))
         why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
                f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
-               "--max_length in the example script), or shorten the stage" if row < stage.seq_len else
+               "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else
                f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
                "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
                "each sample, not the row: train a curriculum with one sample per row, without packing")

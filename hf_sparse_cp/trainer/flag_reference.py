@@ -11,24 +11,24 @@ import dataclasses
 import sys
 from typing import Any
 
-from ..config import SparseAttentionConfig
 from ..distributed import ContextParallelConfig
-from .arguments import PATTERN_PREFIX, SMETArguments, SparseCPArguments
+from .arguments import SMETArguments, SparseAttentionFlags, SparseCPArguments
 from .curriculum import CurriculumArguments
-from .sparse_trainer import LENGTH_FIELD, SparseTrainingArguments
+from .sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, SparseTrainingArguments
 
-# (title, what the group does, the dataclass, its command-line prefix)
+# (title, what the group does, the dataclass of its flags)
 GROUPS = (
-    ("Switches", "The backend, its config file, the loss and the logging (`SparseCPArguments`).",
-     SparseCPArguments, ""),
-    ("Sparse pattern", "Each `SparseAttentionConfig` field `<f>` as `--sparse_<f>`; a `--sparse_config` YAML/JSON "
-     "file uses the plain field names, and pattern flags given on the command line or in a recipe override it.",
-     SparseAttentionConfig, PATTERN_PREFIX),
-    ("Context parallelism", "`ContextParallelConfig`.", ContextParallelConfig, ""),
-    ("Context-length curriculum", "`CurriculumArguments`.", CurriculumArguments, ""),
+    ("Switches", "The backend, its config file, the loss and the logging (`SparseCPArguments`).", SparseCPArguments),
+    ("Sparse pattern", "Each flat key `<k>` of `SparseAttentionConfig` as `--sparse_<k>`: its fields, and its `budget` "
+     "and `scoring` sections' fields (`budget_mode`, then every mode's own). A `--sparse_config` YAML/JSON file "
+     "holds them as sections (`budget: {mode: topk, vertical_topk: 1024}`) or under the flat keys, and pattern "
+     "flags given on the command line or in a recipe override it.", SparseAttentionFlags),
+    ("Context parallelism", "`ContextParallelConfig`.", ContextParallelConfig),
+    ("Context-length curriculum", "`CurriculumArguments`.", CurriculumArguments),
     ("SMET", "The sparse optimizer (`SMETArguments`): `--smet` and each `SMETConfig` field `<f>` as `--smet_<f>`; a "
-     "`--smet_config` file uses the plain field names.", SMETArguments, ""),
+     "`--smet_config` file uses the plain field names.", SMETArguments),
 )
+HEADER = ["| flag | default | what it does |", "|---|---|---|"]
 
 
 def _default(field: dataclasses.Field) -> str:
@@ -42,13 +42,15 @@ def _default(field: dataclasses.Field) -> str:
     return f"`{value}`"
 
 
-def _row(name: str, default: str, help_text: str) -> str:
-    return f"| `--{name}` | {default} | {help_text.replace('|', '/')} |"
+def _row(field: dataclasses.Field) -> str:
+    return f"| `--{field.name}` | {_default(field)} | {field.metadata['help'].replace('|', '/')} |"
 
 
 def flag_reference() -> str:
-    """The markdown of docs/flags.md: every plugin flag of `SparseTrainingArguments`, with its default and help."""
-    defaults = {f.name: f for f in dataclasses.fields(SparseTrainingArguments)}
+    """The markdown of docs/flags.md: every plugin flag of `SparseTrainingArguments`, with its default and help,
+    the common ones first."""
+    fields = {f.name: f for f in dataclasses.fields(SparseTrainingArguments)}
+    groups = [(title, about, [fields[f.name] for f in dataclasses.fields(cls)]) for title, about, cls in GROUPS]
     lines = ["# Flag reference", "",
              "Generated from the argument classes' help text by `python -m hf_sparse_cp.trainer.flag_reference > "
              "docs/flags.md`; do not edit by hand.", "",
@@ -56,14 +58,14 @@ def flag_reference() -> str:
              "plus the flags below, so a recipe file, `HfArgumentParser` and `accelerate launch` take them as any "
              "Trainer flag. Every plugin flag starts with `sparse_`, `cp_` or `smet_`. The defaults are "
              "`SparseTrainingArguments`' (`--sparse_attention` is on there: the class is the switch).", "",
-             "| flag | default | what it does |", "|---|---|---|",
-             _row(LENGTH_FIELD, _default(defaults[LENGTH_FIELD]), defaults[LENGTH_FIELD].metadata["help"]), ""]
-    for title, about, cls, prefix in GROUPS:
-        lines += [f"## {title}", "", about, "", "| flag | default | what it does |", "|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            name = prefix + f.name
-            lines.append(_row(name, _default(defaults[name]), f.metadata["help"]))
-        lines.append("")
+             "## Common flags", "",
+             "The few flags a run usually sets (each argument class names its own in `COMMON_FLAGS`). Every other "
+             "flag is expert: its default serves unless a measurement says otherwise (CONTRIBUTING.md says how a "
+             "knob becomes a flag).", "", *HEADER, _row(fields[LENGTH_FIELD])]
+    lines += [_row(f) for _, _, group in groups for f in group if f.name in COMMON_FLAGS]
+    lines += ["", "## Expert flags", ""]
+    for title, about, group in groups:
+        lines += [f"### {title}", "", about, "", *HEADER, *(_row(f) for f in group if f.name not in COMMON_FLAGS), ""]
     return "\n".join(lines)
 
 

@@ -43,7 +43,7 @@ from ..integration import compat
 from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig
 from ..smet.config import module_names
-from .arguments import PATTERN_PREFIX, SMETArguments, SparseCPArguments, copied_fields, from_prefixed
+from .arguments import SMETArguments, SparseAttentionFlags, SparseCPArguments, copied_fields, from_prefixed
 from .attach import attach_to_trainer, enable_sparse_attention
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, parse_schedule
@@ -51,9 +51,8 @@ from .smet import install_smet
 
 logger = logging.getLogger(__name__)
 
-# The dataclasses whose fields the generated arguments carry, with their command-line prefixes.
-_PARTS = ((SparseCPArguments, ""), (SparseAttentionConfig, PATTERN_PREFIX), (ContextParallelConfig, ""),
-          (CurriculumArguments, ""), (SMETArguments, ""))
+# The dataclasses whose fields (command-line flags) the generated arguments carry.
+_PARTS = (SparseCPArguments, SparseAttentionFlags, ContextParallelConfig, CurriculumArguments, SMETArguments)
 # One switch: the class itself asks for sparse attention, so its flag defaults to on here.
 _DEFAULTS = {"sparse_attention": True}
 # Not a flag (init=False): the fields the command line or a recipe gave, set by the script that parsed them
@@ -69,6 +68,8 @@ _MAX_LENGTH = dataclasses.field(default=None, metadata={
 # Fields of earlier releases under their names now: arguments saved by them (a checkpoint's training_args.bin)
 # load with the new names.
 RENAMED_FIELDS = {"max_length": LENGTH_FIELD}
+# The flags a user sets first (`--help` and docs/flags.md list them first): each part's `COMMON_FLAGS`.
+COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_FLAGS))
 
 
 def _has_accelerator() -> bool:
@@ -89,8 +90,8 @@ class PluginArgumentsMixin:
         check_field_types(self, self._sparse_fields)
 
     def _validate_plugin_fields(self) -> None:
-        for part, prefix in _PARTS:  # each part validates its own fields, naming them
-            from_prefixed(self, part, prefix)
+        for part in _PARTS:  # each part validates its own fields, naming them
+            from_prefixed(self, part)
         self.sparse_attention_config()
         check_sequence_length(self._length_field, self.sequence_length)
 
@@ -102,9 +103,9 @@ class PluginArgumentsMixin:
     def plugin_arguments(self) -> SparseCPArguments:
         return from_prefixed(self, SparseCPArguments)
 
-    def pattern_flags(self) -> SparseAttentionConfig:
+    def pattern_flags(self) -> SparseAttentionFlags:
         """The pattern flags as given, before `--sparse_config` is read."""
-        return from_prefixed(self, SparseAttentionConfig, PATTERN_PREFIX)
+        return from_prefixed(self, SparseAttentionFlags)
 
     def sparse_attention_config(self) -> SparseAttentionConfig:
         """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
@@ -179,8 +180,8 @@ def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.
     base_fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
     fields = [] if "max_length" in base_fields else [(LENGTH_FIELD, int | None, _MAX_LENGTH)]
     fields.append(("explicit_flags", Collection[str] | None, _EXPLICIT))
-    for part, prefix in _PARTS:
-        fields += copied_fields(part, prefix, defaults=_DEFAULTS)
+    for part in _PARTS:
+        fields += copied_fields(part, defaults=_DEFAULTS)
     clash = {name for name, _, _ in fields} & base_fields
     if clash:
         raise TypeError(f"plugin flags {sorted(clash)} collide with fields of {base.__name__}; rename them.")

@@ -82,7 +82,7 @@ def test_each_chunk_keeps_what_the_queries_before_it_chose_and_attends_exactly()
             if lo == start:  # chunk 0: dense
                 assert torch.equal(mask[:, first:hi], vis[first:hi].expand(HQ, -1, -1))
                 continue
-            vert, sl = score_vertical_slash(q[0], k[0], [(start, lo)], CFG.last_q, D**-0.5)
+            vert, sl = score_vertical_slash(q[0], k[0], [(start, lo)], CFG.scoring.last_q, D**-0.5)
             keep_v, keep_s = (x[0] for x in select_vertical_slash(vert[None], sl[None], [[(start, end)]], CFG))
             assert not keep_v[:, lo:].any() and keep_v[:, start:lo].any()  # only keys before the chunk
             offset = (rows[first:hi, None] - rows).clamp_min(0)
@@ -163,7 +163,6 @@ def _cp_case(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_context_parallel_estimation_and_attention_equal_one_process(cp_runs, sharding):
     for errs in (r[sharding] for r in cp_runs):

@@ -22,9 +22,9 @@ from hf_sparse_cp.distributed import (
     ring_sparse_attention,
 )
 from hf_sparse_cp.distributed.comm import RingTopology
-from hf_sparse_cp.distributed.planner import PlannerCosts, plan_documents, plan_row
+from hf_sparse_cp.distributed.document_sharding import PlannerCosts, plan_documents, plan_row
 from hf_sparse_cp.simulator.traffic import pipelined_time, ring_cost
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, rel_rms
@@ -162,7 +162,7 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
 
 
 def test_the_split_sweep_reaches_every_document():
-    from hf_sparse_cp.distributed.planner import _split_counts
+    from hf_sparse_cp.distributed.document_sharding import _split_counts
 
     assert list(_split_counts(3, 45, 8)) == [3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16, 20, 25, 31, 38, 45]
     assert list(_split_counts(0, 0, 8)) == [0] and list(_split_counts(5, 3, 8)) == []
@@ -218,7 +218,7 @@ def test_the_kept_token_pattern_of_a_document_does_not_depend_on_the_pack(prefix
         docs = [[(where.start, where.stop)] + ([(where.stop, q.shape[2])] if suffix >= CFG.min_seq_len else [])]
         if prefix >= CFG.min_seq_len:
             docs[0].insert(0, (0, prefix))
-        scores = score_vertical_slash(q[0], k[0], docs[0], CFG.last_q, D**-0.5)
+        scores = score_vertical_slash(q[0], k[0], docs[0], CFG.scoring.last_q, D**-0.5)
         keep_v, keep_s = select_vertical_slash(scores[0][None], scores[1][None], docs, CFG)
         layout = estimate_layout(q, k, CFG, meta)
         mask = layout.to_mask(4, q.shape[2], q.shape[2])[0, :, where, where]
@@ -309,7 +309,7 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)
@@ -346,8 +346,8 @@ def _kept_fraction_case(par: ParallelDims) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
+    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.integration.stats import pop_kept_fractions
-    from hf_sparse_cp.testing.models import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)
@@ -396,7 +396,6 @@ WORLDS = pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"W{w}")
 TOL = TOLERANCE[torch.float64]
 
 
-@pytest.mark.slow
 @WORLDS
 @pytest.mark.parametrize("case", ["dense", "sparse"])
 def test_planner_sharded_ring_equals_one_process(spawned, world, case):
@@ -404,7 +403,6 @@ def test_planner_sharded_ring_equals_one_process(spawned, world, case):
         assert errs["out"] <= TOL and max(errs["dq"], errs["dk"], errs["dv"]) <= 2 * TOL, errs
 
 
-@pytest.mark.slow
 @WORLDS
 def test_whole_documents_never_travel(spawned, world):
     for errs in spawned(world):
@@ -413,7 +411,6 @@ def test_whole_documents_never_travel(spawned, world):
         assert errs["whole"]["out"] <= TOL
 
 
-@pytest.mark.slow
 @WORLDS
 def test_estimated_patterns_under_the_planner_equal_one_process(spawned, world):
     for errs in spawned(world):
@@ -421,7 +418,6 @@ def test_estimated_patterns_under_the_planner_equal_one_process(spawned, world):
         assert errs["estimated"]["out"] <= TOL
 
 
-@pytest.mark.slow
 @WORLDS
 def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, world):
     # fp64 model, but transformers' loss casts the logits to fp32
@@ -431,7 +427,6 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
                 assert errs[model_type]["loss"] <= 1e-6 and errs[model_type]["grads"] <= 1e-5, errs[model_type]
 
 
-@pytest.mark.slow
 def test_logged_kept_fraction_under_the_planner_equals_one_process(spawned):
     for errs in spawned(2):
         for estimation, r in errs["kept_fraction"].items():
@@ -441,7 +436,6 @@ def test_logged_kept_fraction_under_the_planner_equals_one_process(spawned):
             assert max(gaps.values()) < 1e-12, (estimation, r)
 
 
-@pytest.mark.slow
 def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):
     for errs in spawned(4):
         assert errs["hier"]["out"] <= TOL and errs["hier"]["dk"] <= 2 * TOL, errs["hier"]

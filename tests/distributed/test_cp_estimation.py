@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.estimate import estimate_layout, estimation_segments, long_documents, select_entries
+from hf_sparse_cp.attention.budgets import Entries, TopK, TopP
+from hf_sparse_cp.attention.budgets.naive import naive_select
+from hf_sparse_cp.attention.estimate import estimate_layout, estimation_segments, long_documents
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.spawn import run_gloo
 
@@ -64,26 +66,27 @@ COLLECTIVES = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scat
                "all_gather_into_tensor": "all_gather"}
 
 
-def test_candidates_select_what_the_whole_row_selects():
+@pytest.mark.parametrize("budget", [TopK(9, 9), TopP(0.5, 0.5, 11, 11), TopP(0.99, 0.99, 11, 11)], ids=str)
+def test_candidates_select_what_the_whole_row_selects(budget):
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(3, 200, generator=g, dtype=torch.float64) ** 4
     scores[:, ::7] = 0  # entries never kept
-    for mode, topk, topp, cap in (("topk", 9, 0.0, 0), ("topp", 0, 0.5, 11), ("topp", 0, 0.99, 11)):
-        whole = select_entries(scores, mode, topk, topp, cap)
-        # split into 4 holders; each offers its best max(topk, cap) with the mass of all it holds
-        m, pos = max(topk, cap), torch.randperm(200, generator=g).view(4, 50)
-        best = [scores[:, p].topk(m, dim=1) for p in pos]
-        vals = torch.cat([v for v, _ in best], 1)
-        where = torch.cat([p[i] for p, (_, i) in zip(pos, best)], 1)
-        kept = select_entries(vals, mode, topk, topp, cap, total=scores.sum(1, keepdim=True))
-        union = torch.zeros_like(whole).scatter_(1, torch.where(kept, where, 0), kept)
-        assert torch.equal(union, whole) and 0 < int(whole.sum()) < whole.numel() // 4
+    whole = torch.tensor(naive_select(budget, scores, scores, 0, 200, 200, BS)[0])
+    # split into 4 holders; each offers its best (`offered`) with the mass of all it holds
+    m, pos = int(budget.offered("columns", torch.tensor(50))), torch.randperm(200, generator=g).view(4, 50)
+    best = [scores[:, p].topk(m, dim=1) for p in pos]
+    vals = torch.cat([v for v, _ in best], 1)
+    where = torch.cat([p[i] for p, (_, i) in zip(pos, best)], 1)
+    offered = Entries(vals, where, scores.sum(1, keepdim=True))
+    kept, _ = budget.select(offered, offered, 0, 200, 200, BS)
+    union = torch.zeros_like(whole).scatter_(1, torch.where(kept, where, 0), kept)
+    assert torch.equal(union, whole) and 0 < int(whole.sum()) < whole.numel() // 4
 
 
 @pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])
 def test_tokens_before_counts_each_ranks_tokens(sharding):
     from hf_sparse_cp.distributed import ShardPlan
-    from hf_sparse_cp.distributed.planner import plan_row
+    from hf_sparse_cp.distributed.document_sharding import plan_row
 
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
     s = meta.segment.shape[1]
@@ -95,7 +98,7 @@ def test_tokens_before_counts_each_ranks_tokens(sharding):
 
 def _case(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
-    from hf_sparse_cp.distributed.planner import plan_row
+    from hf_sparse_cp.distributed.document_sharding import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     sent = []
@@ -134,9 +137,9 @@ def _case(rank: int, world: int) -> dict:
             "collectives": [n for n, _ in sent],
             "bytes": dict(sent[3:]),
             "score_bytes": 4 if dtype == torch.float32 else 8,
-            # what the reduce-scatter sums: every segment's scored offsets, or in 'mass' mode its block diagonals
-            "summed": sum(-(-(sg.scored_end - sg.start) // BS) + 1 if cfg.budget_mode == "mass" else
-                          sg.scored_end - sg.start
+            # what the reduce-scatter sums: the diagonals the budget ranks of every segment (its scored offsets, or in
+            # 'mass' mode its block diagonals)
+            "summed": sum(cfg.budget.diagonal_scores(torch.zeros(1, sg.scored_end - sg.start), BS).shape[1]
                           for row in estimation_segments(long_documents(gmeta, cfg), cfg) for sg in row),
         }
     return out
@@ -144,7 +147,7 @@ def _case(rank: int, world: int) -> dict:
 
 def _ties(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
-    from hf_sparse_cp.distributed.planner import plan_row
+    from hf_sparse_cp.distributed.document_sharding import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
@@ -177,14 +180,12 @@ def runs():
     return run_gloo(_case, WORLD)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_estimation_across_ranks_equals_one_process(runs, case):
     for r in (run[case] for run in runs):
         assert (r["sparse"] or case in DENSE_CASES) and r["same_as_single"] and r["same_on_all_ranks"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
     for r in (run[case] for run in runs):
@@ -204,7 +205,6 @@ def tie_runs():
     return run_gloo(_ties, WORLD)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(TIE_MODES))
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
 @pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])

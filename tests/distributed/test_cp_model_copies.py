@@ -10,7 +10,7 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 FLAGS = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--report_to", "none",

@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration.models import TESTED_MODEL_TYPES, check_model_supports_context_parallel
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.integration.architectures import cp_tested_model_types
+from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.testing.spawn import run_gloo
 
 from oracle import rel_rms
@@ -42,7 +43,7 @@ def _registry_under_cp2(rank: int, world: int) -> dict:
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     ids = torch.randint(3, 97, (1, SEQ), generator=torch.Generator().manual_seed(1))
     results = {}
-    for model_type in TESTED_MODEL_TYPES:
+    for model_type in cp_tested_model_types():
         model = _model(model_type)
         check_model_supports_context_parallel(model)
         with torch.no_grad():
@@ -73,7 +74,7 @@ def under_cp2():
     return run_gloo(_registry_under_cp2, 2, timeout_s=600)
 
 
-@pytest.mark.parametrize("model_type", TESTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", cp_tested_model_types())
 def test_every_registered_architecture_equals_one_process_under_cp2(under_cp2, model_type):
     for rank in under_cp2:
         result = rank[model_type]
@@ -115,7 +116,7 @@ def test_longrope_is_refused():
 def test_an_untested_architecture_needs_an_explicit_opt_in():
     hf_sparse_cp.patch()
     model = _model("olmo")
-    assert "olmo" not in TESTED_MODEL_TYPES
+    assert "olmo" not in cp_tested_model_types()
     with pytest.raises(ValueError, match="has not been tested against one process.*allow_untested=True"):
         check_model_supports_context_parallel(model)
     check_model_supports_context_parallel(model, allow_untested=True)

@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 

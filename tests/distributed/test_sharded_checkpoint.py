@@ -141,7 +141,6 @@ def _assert_continues(resumed: dict, reference: dict) -> None:
         assert got["read"]["bytes"] == got["read"]["held"], (kind, got["read"])
 
 
-@pytest.mark.slow
 def test_fsdp2_adamw_and_smet_state_resume_from_4_processes_on_2_and_adamw_from_2_on_4(tmp_path):
     from hf_sparse_cp.testing.spawn import run_gloo
 

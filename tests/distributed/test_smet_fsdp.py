@@ -11,7 +11,6 @@ import dataclasses
 import os
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -177,7 +176,6 @@ def _flatten(state):
     return {f"{param}.{key}": value for param, entries in state.items() for key, value in entries.items()}
 
 
-@pytest.mark.slow
 def test_fsdp2_matches_one_process_and_resumes_from_sharded_checkpoints(tmp_path):
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = torch.load(tmp_path / "results.pt", weights_only=False)

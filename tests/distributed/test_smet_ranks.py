@@ -27,7 +27,6 @@ CONFIG = dict(density=0.5, block_size=8, update_interval=2, prune_rate=0.5, prun
               regrow_warmup_steps=2)
 RESUME_STEPS, SAVE_AT = 6, 3
 
-pytestmark = pytest.mark.slow
 
 
 class Record(TrainerCallback):

@@ -70,7 +70,6 @@ def ranks():
     return run_gloo(_ddp, WORLD, timeout_s=300)
 
 
-@pytest.mark.slow
 def test_gradient_regrowth_under_ddp_chooses_the_blocks_of_one_process(ranks):
     reference = _one_process()
     moved = [not all(torch.equal(reference[s][n], reference[s - 1][n]) for n in reference[s]) for s in range(1, STEPS)]

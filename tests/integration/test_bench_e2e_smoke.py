@@ -122,8 +122,9 @@ def test_kept_fraction_budget_lands_near_its_target(bench):
                                      "1024"])
     assert bench.parse_args([])[0].kept_fraction == 0.05 and bench.parse_args(["--tiny"])[0].kept_fraction == 0
     settings, budget = bench.sparse_settings(sparse, args, 16384)
-    assert budget["target_kept_fraction"] == 0.1 and settings["vertical_topk"] == budget["vertical_topk"] > 0
-    assert settings["slash_topk"] == budget["slash_topk"] > 0 and settings["budget_mode"] == "topk"
+    given = settings["budget"]
+    assert budget["target_kept_fraction"] == 0.1 and given["vertical_topk"] == budget["vertical_topk"] > 0
+    assert given["slash_topk"] == budget["slash_topk"] > 0 and given["mode"] == "topk"
     assert bench.sparse_settings(sparse, args, 65536)[1]["vertical_topk"] > budget["vertical_topk"]  # grows with S
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 16384, 32, generator=g), torch.randn(1, 1, 16384, 32, generator=g)
@@ -132,7 +133,7 @@ def test_kept_fraction_budget_lands_near_its_target(bench):
 
     args, sparse = bench.parse_args(["--kept_fraction", "0", "--sparse_vertical_topk", "77"])
     settings, budget = bench.sparse_settings(sparse, args, 16384)
-    assert budget is None and settings["vertical_topk"] == 77
+    assert budget is None and settings["budget"]["vertical_topk"] == 77
 
 
 def test_speedups_and_targets_come_from_the_rows(bench):

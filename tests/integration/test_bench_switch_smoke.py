@@ -19,7 +19,6 @@ def _run(*flags: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
-@pytest.mark.slow
 def test_tiny_switch_and_chain_report_is_complete_and_consistent(tmp_path):
     out = tmp_path / "switch.json"
     proc = _run("--models", "tiny", "--repeats", "1", "--world", "2", "--output", str(out))

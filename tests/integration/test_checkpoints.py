@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.trainer.checkpoints import MARKER, CheckpointMarkerCallback
 
 
@@ -136,7 +136,6 @@ def _cli(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
 def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     full = _cli(tmp_path / "full", 2, "--cp_size", "2", "--max_steps", "4")
     assert full.returncode == 0, full.stderr[-3000:]
@@ -181,7 +180,6 @@ FSDP2 = ("--fsdp",
          "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
 
 
-@pytest.mark.slow
 def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_the_same_global_batch(tmp_path):
     """Saved by 4 FSDP2 processes (batch 1 each) at step 2, resumed by 2 (batch 2 each: the same 4 sequences
     a step), whose step-4 checkpoint 4 processes resume again as CP 2 x DP 2 (batch 2 per CP group): each
@@ -224,7 +222,6 @@ def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_th
     # (another global batch is refused before anything loads: test_a_damaged_or_mismatched_checkpoint_is_refused...)
 
 
-@pytest.mark.slow
 def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every_stage_batch_kept(tmp_path):
     """A curriculum (CP 1, then CP 2 from step 3) saved by 4 FSDP2 processes (batch 1 each) in its second
     stage resumes on 2 processes with batch 2 each: every stage's global batch is the saved one (4 and 2

@@ -185,14 +185,12 @@ def _ended_within_the_bound(launcher: subprocess.Popen, run: dict[int, str], sta
     return returncode
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_torchrun_and_the_workers(training_run):
     launcher, run, _, started_s = training_run
     launcher.send_signal(signal.SIGTERM)
     assert _ended_within_the_bound(launcher, run, started_s) == 128 + signal.SIGTERM
 
 
-@pytest.mark.slow
 def test_a_dead_worker_ends_the_run(training_run):
     launcher, run, workers, started_s = training_run
     os.kill(workers[1], signal.SIGKILL)

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER
@@ -31,6 +32,12 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
         (0, None, 128, 1), (2, None, 256, 2), (4, None, 512, 4), (None, 1.5, 512, 2)]
     assert stages[2].sparse == {"vertical_topk": 32}
     assert ",".join(s.text for s in stages) == SCHEDULE + ",1.5ep:512:2"
+    # a section's fields, nested as in a config file
+    nested = parse_schedule("0:128:1,2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16")
+    assert nested[1].sparse == {"budget": {"mode": "mass", "mass_target": 0.5}, "scoring": {"last_q": 16}}
+    assert nested[1].text == "2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16"
+    config = _build("0:128:1,2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16", world=1).configs[1]
+    assert (config.budget, config.scoring.last_q) == (Mass(mass_target=0.5), 16)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -136,8 +143,9 @@ def _args(out: str, smet: bool, **kw):
         output_dir=out, report_to="none", use_cpu=True, max_steps=MAX_STEPS, per_device_train_batch_size=1,
         learning_rate=1e-2, weight_decay=0.0, train_sampling_strategy="sequential", logging_steps=1,
         save_strategy="no", sparse_block_size=PATTERN.block_size, sparse_min_seq_len=PATTERN.min_seq_len,
-        sparse_vertical_topk=PATTERN.vertical_topk, sparse_slash_topk=PATTERN.slash_topk,
-        sparse_local_window=PATTERN.local_window, sparse_sink_tokens=PATTERN.sink_tokens, sparse_last_q=PATTERN.last_q,
+        sparse_vertical_topk=PATTERN.budget.vertical_topk, sparse_slash_topk=PATTERN.budget.slash_topk,
+        sparse_local_window=PATTERN.local_window, sparse_sink_tokens=PATTERN.sink_tokens,
+        sparse_last_q=PATTERN.scoring.last_q,
         sparse_log_sparsity=False, seed=0)
     if smet:
         fields.update(smet=True, smet_density=0.5, smet_update_interval=2)
@@ -148,7 +156,7 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     """Train a fresh tiny Llama; the loss of every step (rank 0's log) and the final weights."""
     from transformers import AutoModelForCausalLM, TrainerCallback, default_data_collator
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
 
     losses = {}
@@ -165,7 +173,7 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     def seen(module, args, kwargs):  # what each training forward gets: tokens, CP degree, the pattern's top-k
         shard = kwargs.get(CP_SHARD_KWARG)
         forwards.append((kwargs["input_ids"].shape[1], 1 if shard is None else shard.parallel.cp_size,
-                         module.config.sparse_attention["vertical_topk"]))
+                         module.config.sparse_attention["budget"]["vertical_topk"]))
 
     forwards = []
     torch.manual_seed(0)
@@ -239,7 +247,7 @@ def _fsdp2_through_cp_switches(rank: int, world: int) -> dict:
         prepare_context_parallel_inputs,
         rank_loss,
     )
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     if not hf_sparse_cp.is_patched():
         hf_sparse_cp.patch()
@@ -294,7 +302,6 @@ def four_processes(tmp_path_factory):
     return run_gloo(_in_four_processes, 4, str(tmp_path_factory.mktemp("curriculum")), timeout_s=600)
 
 
-@pytest.mark.slow
 def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processes):
     results = four_processes[0]["trainer"]
     # each step ran in its stage: 128-token shards of 128, 256 and 512 tokens, CP 1, 2, 4, the last stage's top-k
@@ -310,7 +317,6 @@ def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processe
                                       results["adamw"]["run"][1]), range(4, MAX_STEPS + 1))
 
 
-@pytest.mark.slow
 def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_process(four_processes):
     for r in four_processes:
         assert r["fsdp2"]["stayed"]  # every local shard: the same storage and shape after three CP degrees
@@ -325,7 +331,7 @@ def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_proce
 def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1):
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
 
     torch.manual_seed(0)
@@ -364,7 +370,8 @@ def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_p
     trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
     model = trainer.model
     seen = []
-    model.register_forward_pre_hook(lambda module, args: seen.append(module.config.sparse_attention["vertical_topk"]))
+    model.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config.sparse_attention["budget"]["vertical_topk"]))
     trainer.train()
     assert seen == [16, 32]  # each step ran its stage's pattern
     assert model.config.sparse_attention == PATTERN.to_dict()  # after training: the run's own, as save_model writes

@@ -80,7 +80,6 @@ def _build_in_two_processes(rank: int, world: int, cache_dir: str) -> tuple[int,
     return len(built), _digest(data)
 
 
-@pytest.mark.slow
 def test_a_two_process_run_builds_the_data_once(tmp_path):
     (built0, digest0), (built1, digest1) = run_gloo(_build_in_two_processes, 2, str(tmp_path), timeout_s=300)
     assert (built0, built1) == (6, 0)  # rank 0 builds 3 x 2 packed documents, rank 1 loads its cache file

@@ -15,15 +15,16 @@ FOLDERS = {"hf_sparse_cp": ROOT / "hf_sparse_cp", "hf_sparse_cp.kernels": ROOT /
 
 # What each part may import from the rest of hf_sparse_cp besides itself (prefixes); "*" anything. The direction is
 # trainer -> reporting / resharding -> integration -> distributed -> attention -> config, with kernels a leaf, the
-# simulator beside the training path (it reads the ring's plan; only the memory model reads its model shapes) and
-# testing / examples on top.
-BASE = ("hf_sparse_cp.config", "hf_sparse_cp.files", "hf_sparse_cp.backends", "hf_sparse_cp.env",
-        "hf_sparse_cp.lazy")
+# simulator (step time and memory on paper) beside the training path, reading the ring's plan, and testing /
+# examples on top.
+BASE = ("hf_sparse_cp.config", "hf_sparse_cp.sections", "hf_sparse_cp.files", "hf_sparse_cp.backends",
+        "hf_sparse_cp.env", "hf_sparse_cp.lazy")
 MODEL_PATH = (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss", "hf_sparse_cp.smet",
               "hf_sparse_cp.memory")
 ALLOWED = {
     "hf_sparse_cp.kernels": (),
-    "hf_sparse_cp.config": ("hf_sparse_cp.files",),
+    "hf_sparse_cp.config": ("hf_sparse_cp.files", "hf_sparse_cp.sections"),
+    "hf_sparse_cp.sections": ("hf_sparse_cp.files",),
     "hf_sparse_cp.files": (),
     "hf_sparse_cp.backends": (),
     "hf_sparse_cp.lazy": (),
@@ -32,9 +33,11 @@ ALLOWED = {
     "hf_sparse_cp.loss": BASE,
     "hf_sparse_cp.smet": BASE,
     "hf_sparse_cp.distributed": (*BASE, "hf_sparse_cp.attention"),
-    "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention"),
-    # the memory savers (token tiles, host offload) and the memory model, which reads the simulator's model shapes
-    "hf_sparse_cp.memory": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.simulator"),
+    # the predictions on paper: step time and memory (which reads the memory savers' settings)
+    "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.memory"),
+    "hf_sparse_cp.simulator.shapes": (),  # the model shapes both predictions take: a leaf
+    # the memory savers that run (token tiles, host offload)
+    "hf_sparse_cp.memory": (*BASE, "hf_sparse_cp.attention"),
     "hf_sparse_cp.integration": MODEL_PATH,
     "hf_sparse_cp.resharding": (*MODEL_PATH, "hf_sparse_cp.integration"),
     "hf_sparse_cp.reporting": (*MODEL_PATH, "hf_sparse_cp.integration"),

@@ -20,12 +20,12 @@ from hf_sparse_cp import (
     attach_to_trainer,
     install_smet,
 )
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
-from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 from oracle import rel_rms
@@ -169,7 +169,6 @@ def _lora_step_under_cp(rank: int, world: int) -> dict:
             "grad_norm": float(torch.stack([g.norm() for g in ref_grads]).min())}
 
 
-@pytest.mark.slow
 def test_lora_under_cp2_equals_one_process():
     for r in run_gloo(_lora_step_under_cp, 2, timeout_s=300):
         assert r["lora_params"] == 8 and r["sparse"] and r["grad_norm"] > 0  # A and B of q, v in 2 layers
@@ -207,7 +206,6 @@ def _train_lora(rank: int | None = None, world: int = 1) -> dict:
             "weights": {n: p.detach().clone() for n, p in model.named_parameters() if n in changed}}
 
 
-@pytest.mark.slow
 def test_lora_through_the_trainer_with_cp2_equals_one_process():
     ref = _train_lora()
     assert ref["cp"] == 1 and len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]

@@ -19,7 +19,6 @@ def quick():
         yield module
 
 
-@pytest.mark.slow
 def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("QUICK_START", None)

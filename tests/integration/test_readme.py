@@ -14,9 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainingArguments
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.examples.train_long_context import ScriptArguments, parse_args
-from hf_sparse_cp.testing.models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -108,7 +108,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
 
 
 def tiny_from_pretrained(name, **kwargs):
@@ -123,7 +123,6 @@ exec(compile(open(snippet).read(), snippet, "exec"), {"__name__": "__main__"})
 """
 
 
-@pytest.mark.slow
 def test_the_switch_snippet_trains_under_torchrun_cp2_and_data_built_per_process_is_refused_naming_the_fix(tmp_path):
     """`torchrun --nproc_per_node 2 train.py --cp_size 2` with the README's snippet: its data is seeded, so both
     processes build the same rows and it trains; the same snippet with rows that differ by process (seeded by

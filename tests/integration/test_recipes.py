@@ -18,9 +18,15 @@ from accelerate.commands.config.config_args import load_config_from_file
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments, checkpointing_enabled
-from hf_sparse_cp.config import MODE_DEFAULTS
+from hf_sparse_cp.attention.budgets import TopK
 from hf_sparse_cp.examples import train_long_context as example
-from hf_sparse_cp.examples.train_long_context import DEMO_DEFAULTS, ScriptArguments, parse_args, recipe_flags
+from hf_sparse_cp.examples.train_long_context import (
+    DEMO_BUDGET,
+    DEMO_DEFAULTS,
+    ScriptArguments,
+    parse_args,
+    recipe_flags,
+)
 from hf_sparse_cp.files import read_mapping
 from hf_sparse_cp.integration.compat import attn_implementation
 from hf_sparse_cp.recipes import recipe_names, recipe_path
@@ -71,7 +77,7 @@ def test_accelerate_configs_load_and_divide_the_world(path):
 def test_training_recipes_parse_into_a_sparse_cp_run(path):
     script, training, sparse, pattern, cp, smet, _ = parse_args([str(path)])
     assert sparse.sparse_attention and not smet.smet
-    assert training.sparse_max_length % (cp.cp_size * pattern.block_size) == 0  # whole blocks on every rank
+    assert training.sparse_max_length % (cp.cp_size * pattern.sparse_block_size) == 0  # whole blocks on every rank
     assert training.bf16 and not checkpointing_enabled(training)  # (the recipe's length turns it on: see below)
     assert training.sparse_max_length >= training.sparse_gradient_checkpointing_min_length
     assert training.save_strategy == "steps" and training.save_steps < training.max_steps  # the recipe's saving
@@ -116,7 +122,7 @@ def test_curriculum_stages_chain_and_grow():
 def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
     recipe = tmp_path / "overrides.yaml"
     recipe.write_text('sparse_max_length: 512\nsparse_layer_overrides:\n  "0-1": {pattern: dense}\n')
-    pattern = parse_args([str(recipe)])[3]
+    pattern = parse_args([str(recipe)])[3].to_config()
     assert pattern.layer_overrides == {"0-1": {"pattern": "dense"}} and pattern.for_layer(1).pattern == "dense"
 
 
@@ -152,18 +158,19 @@ def test_a_recipe_gets_the_library_defaults_for_what_it_does_not_set(path):
     # sink_tokens 16 / local_window 64, nor its vertical_topk 64 / slash_topk 128 under the 512K top-p recipe)
     recipe = read_mapping(path)
     pattern = {name: recipe[PATTERN_PREFIX + name] for name in unprefixed(recipe, PATTERN_PREFIX)
-               if name in {f.name for f in dataclasses.fields(SparseAttentionConfig)}}
-    assert parsed.pattern == SparseAttentionConfig(**pattern)
-    assert (parsed.pattern.sink_tokens, parsed.pattern.local_window) == (64, 128)
+               if name in SparseAttentionConfig.keys()}
+    assert parsed.pattern.to_config() == SparseAttentionConfig(**pattern)
+    assert (parsed.pattern.sparse_sink_tokens, parsed.pattern.sparse_local_window) == (64, 128)
     assert parsed.explicit == set(recipe)
 
 
 def test_the_demo_defaults_apply_only_to_the_demo():
     demo = parse_args([])
-    assert demo.pattern.vertical_topk == 64 and demo.training.max_steps == 6 and demo.training.save_strategy == "no"
+    assert demo.pattern.to_config().budget == TopK(64, 128) and demo.training.max_steps == 6
+    assert demo.training.save_strategy == "no"
     assert demo.sparse.sparse_attention and demo.explicit == set()
     pretrained = parse_args(["--model_name_or_path", "some/model"])
-    assert pretrained.pattern == SparseAttentionConfig()  # a pretrained model gets the library's pattern
+    assert pretrained.pattern.to_config() == SparseAttentionConfig()  # a pretrained model: the library's pattern
     assert pretrained.training.max_steps == -1 and pretrained.training.save_strategy == "steps"
     assert pretrained.sparse.sparse_attention  # the example's backend, in every run (--sparse_attention false: off)
     assert not parse_args(["--model_name_or_path", "m", "--sparse_attention", "false"]).sparse.sparse_attention
@@ -174,7 +181,7 @@ def _help_defaults(capsys, monkeypatch, argv: list[str]) -> dict[str, str]:
     monkeypatch.setenv("COLUMNS", "400")  # one line per help text
     with pytest.raises(SystemExit):
         parse_args([*argv, "--help"])
-    out = capsys.readouterr().out
+    out = re.sub(r"\n\n[^\n]+:\n", "\n", capsys.readouterr().out)  # (the argument groups' titles)
     blocks = re.split(r"\n  (?=--)", out)
     return {m[1]: m[2] for block in blocks if (m := re.match(r"--(\w+).*\(default: (.*)\)\s*$", block, re.S))}
 
@@ -185,15 +192,13 @@ def test_help_shows_the_defaults_the_command_uses(capsys, monkeypatch, argv):
     shown = _help_defaults(capsys, monkeypatch, argv)
     parsed = parse_args(argv)
     given = parsed.explicit
-    # the pattern's budget fields left unset take values from the budget mode (their help says which)
-    by_mode = {PATTERN_PREFIX + name for name in ("budget_mode", *(n for d in MODE_DEFAULTS.values() for n in d))}
-    for config, prefix in ((parsed.script, ""), (parsed.sparse, ""), (parsed.pattern, PATTERN_PREFIX), (parsed.cp, "")):
+    # (the pattern's section flags left unset show None: they take the budget mode's values, their help says which)
+    for config in (parsed.script, parsed.sparse, parsed.pattern, parsed.cp):
         for f in dataclasses.fields(config):
-            name = prefix + f.name
-            if name not in given:
-                assert shown[name] == str(getattr(config, f.name)) or (name in by_mode and shown[name] == "None"), name
+            if f.name not in given:
+                assert shown[f.name] == str(getattr(config, f.name)), f.name
     if not argv:  # the demo's training settings too
-        for name, value in DEMO_DEFAULTS.items():
+        for name, value in {**DEMO_DEFAULTS, **DEMO_BUDGET}.items():
             assert shown[name] == str(value), name
     # without an accelerator the arguments train on CPU processes, whatever the command line says
     assert parsed.training.use_cpu == (not torch.accelerator.is_available())
@@ -207,7 +212,7 @@ def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path
     for argv, want in ((["--sparse_config", str(cfg), "--sparse_vertical_topk", "512"], 512),  # 512: the default
                        ([str(STAGE1), "--model_name_or_path", "", "--sparse_config", str(cfg)], 1024)):  # the recipe's
         parsed = parse_args(argv)
-        assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit).vertical_topk == want
+        assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit).budget.vertical_topk == want
     # the demo's toy values are defaults, not flags: the file's settings stand
     parsed = parse_args(["--sparse_config", str(cfg)])
     assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit) == SparseAttentionConfig.from_file(cfg)
@@ -245,8 +250,8 @@ def test_each_recipe_runs_one_step_at_tiny_size(tmp_path, monkeypatch, single_th
     trainer = seen["trainer"]
     assert trainer.state.global_step == 1 and summary["cp_size"] == 1
     # the recipe's pattern (sizes aside) is the one the model trains with
-    pattern = SparseAttentionConfig(**trainer.model.config.sparse_attention)
-    assert pattern == dataclasses.replace(shipped.pattern, min_seq_len=512)
+    pattern = SparseAttentionConfig.from_dict(trainer.model.config.sparse_attention)
+    assert pattern == shipped.pattern.to_config().replace(min_seq_len=512)
     assert attn_implementation(trainer.model.config) == "sparse_cp"
     # and its training and CP settings
     for name in ("bf16", "learning_rate", "lr_scheduler_type", "warmup_steps", "logging_steps", "save_strategy",
@@ -265,7 +270,6 @@ def test_each_smet_recipe_trains_one_step(tmp_path, monkeypatch, single_thread, 
     assert seen["smet"] == args.smet_optimizer_config() and seen["trainer"].state.global_step == 1
 
 
-@pytest.mark.slow
 def test_a_recipe_runs_with_cp2_on_two_processes(tmp_path):
     summary = tmp_path / "summary.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -287,6 +291,22 @@ def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, mon
     example.main(["--sparse_max_length", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
                   "--output_dir", str(tmp_path / "out"), "--sparse_config", str(cfg), "--sparse_vertical_topk", "1024",
                   "--smet", "--smet_config", str(smet), "--smet_update_interval", "100"])
-    pattern = SparseAttentionConfig(**seen["trainer"].model.config.sparse_attention)
+    pattern = SparseAttentionConfig.from_dict(seen["trainer"].model.config.sparse_attention)
     assert pattern == SparseAttentionConfig(vertical_topk=1024, slash_topk=32, block_size=64, min_seq_len=128)
     assert (seen["smet"].density, seen["smet"].update_interval) == (0.5, 100)
+
+
+def test_help_lists_the_common_flags_first(capsys, monkeypatch):
+    """`hf-sparse-cp train --help`: the common flags (each class's COMMON_FLAGS) in their own group, before the
+    example's own flags and every other flag."""
+    from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS
+
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    groups = {title: out.index(f"\n{title}:\n") for title in ("common flags", "the example's flags", "other flags")}
+    assert groups["common flags"] < groups["the example's flags"] < groups["other flags"]
+    common = out[groups["common flags"]:groups["the example's flags"]]
+    assert all(f"--{name} " in common for name in COMMON_FLAGS)
+    assert "--sparse_budget_mode" in common and "--sparse_sink_tokens" not in common and "--learning_rate" not in common

@@ -33,7 +33,7 @@ def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    from hf_sparse_cp.testing.packing import mix_lengths
+    from hf_sparse_cp.simulator.workloads import mix_lengths
 
     pytest.importorskip("matplotlib")
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate_cluster.py"

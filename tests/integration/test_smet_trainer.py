@@ -66,7 +66,6 @@ def test_uninstall_restores_the_trainer(tmp_path):
     uninstall_smet(trainer)  # a no-op once uninstalled
 
 
-@pytest.mark.slow
 def test_trainer_resume_continues_as_if_uninterrupted(tmp_path):
     full, _ = _trainer(tmp_path / "full")
     full.train()

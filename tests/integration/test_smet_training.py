@@ -42,7 +42,6 @@ def _jumps(losses: list[float]) -> dict[int, tuple[float, float]]:
     return out
 
 
-@pytest.mark.slow
 def test_smet_has_no_loss_spikes_after_topology_updates_and_matches_dense():
     dense, naive, smet = _train("dense"), _train("naive"), _train("smet")
     naive_jumps, smet_jumps = _jumps(naive), _jumps(smet)

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, Traini
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.smet import unwrap_smet
-from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--logging_steps", "1",
@@ -63,7 +63,7 @@ def test_the_flags_carry_every_plugin_setting(tmp_path):
     args = _args(tmp_path, *PATTERN, "--cp_sharding", "zigzag", "--smet", "--smet_density", "0.5",
                  "--sparse_max_length", "512")
     assert args.sparse_attention  # on by default: the class is the switch
-    assert args.sparse_attention_config().vertical_topk == 8 and args.sparse_attention_config().block_size == 32
+    assert args.sparse_attention_config().budget.vertical_topk == 8 and args.sparse_attention_config().block_size == 32
     assert args.context_parallel_config().cp_sharding == "zigzag"
     assert args.smet_optimizer_config().density == 0.5 and args.sparse_max_length == 512
     with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
@@ -110,7 +110,6 @@ def _cp2_losses(rank: int, world: int, out: str) -> list[float]:
     return _losses(trainer)
 
 
-@pytest.mark.slow
 def test_with_the_switch_cp2_equals_one_process(tmp_path):
     one = SparseTrainer(model=_model(), args=_args(tmp_path / "one", *PATTERN), train_dataset=_rows(250))
     one.train()
@@ -123,7 +122,7 @@ SCRIPT = textwrap.dedent("""
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM, HfArgumentParser
     from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
     (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses()
     torch.manual_seed(0)  # the same data and model on every rank
     rows = [{"input_ids": r, "labels": r} for r in torch.randint(3, 259, (4, 256))]
@@ -151,7 +150,6 @@ def _launch(tmp_path, launcher: list[str], *flags: str) -> list[str]:
     return next(line.split()[1:] for line in run.stdout.splitlines() if line.startswith("RESULT"))
 
 
-@pytest.mark.slow
 def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
     """`torchrun --nproc_per_node 2 train.py --cp_size 2 --fsdp ...` on a machine without an accelerator: the
     arguments train on CPU processes joined by gloo (accelerate would otherwise run two single-process jobs),
@@ -163,7 +161,6 @@ def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
     assert (processes, cp, steps) == ("2", "2", "1") and int(sharded) >= 3  # the model and its 2 decoder layers
 
 
-@pytest.mark.slow
 def test_accelerate_launch_with_the_cpu_config_needs_no_use_cpu(tmp_path):
     from hf_sparse_cp.recipes import recipe_path
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.recipes import recipe_path
-from hf_sparse_cp.testing.models import tiny_config
 
 pytest.importorskip("trl")
 
@@ -101,7 +101,6 @@ def _sft_args(out: str) -> list[str]:
             "--packing", "--padding_free", "true", "--bf16", "false", "--gradient_checkpointing", "false", *TRAIN]
 
 
-@pytest.mark.slow
 def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
     plugin = [*PATTERN, "--sparse_min_seq_len", "128"]
     one = _run(workdir, [sys.executable, *RUN], "run_clm_shaped.py", [*_clm_args("clm_one"), *plugin])
@@ -118,7 +117,6 @@ def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
     assert "hf-sparse-cp" not in (stock["output"] / "README.md").read_text()
 
 
-@pytest.mark.slow
 def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
     plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
     one = _run(workdir, [sys.executable, *RUN], "sft_shaped.py", [*_sft_args("sft_one"), *plugin])
@@ -131,7 +129,6 @@ def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
         _assert_equal_runs(run, one, keys=("loss", "sparse/kept_fraction", "num_tokens"))
 
 
-@pytest.mark.slow
 def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
     plugin = [*PATTERN, "--sparse_min_seq_len", "128"]
     hf_sparse_cp = [sys.executable, "-m", "hf_sparse_cp.cli", "launch"]
@@ -150,7 +147,6 @@ def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_an
         _run(workdir, [sys.executable, *RUN], "trainer_in_code.py", ["--cp_size", "2"])
 
 
-@pytest.mark.slow
 def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
     """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand: the weights
     after three steps under CP 2 are those of one process."""
@@ -173,7 +169,6 @@ def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
         workdir / "tiny" / "model.safetensors").items())  # (it trained)
 
 
-@pytest.mark.slow
 def test_the_saved_models_load_without_the_plugin(workdir):
     folders = sorted(str(path.parent) for path in workdir.glob("*/model.safetensors"))
     assert len(folders) >= 3, "run the three scripts' tests first (same module)"

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.testing.models import tiny_config
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.trainer.context_parallel import (
     disable_trainer_context_parallel,
     enable_trainer_context_parallel,
@@ -58,14 +58,12 @@ def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True, sparse_bel
     assert run["mean_kept_fraction"] < sparse_below  # the sparse path ran
 
 
-@pytest.mark.slow
 def test_trainer_with_cp2_matches_cp1(tmp_path, reference):
     run = _train(tmp_path, "cp2", 2, "--cp_size", "2")
     assert (run["world_size"], run["cp_size"]) == (2, 2)
     _assert_same_losses(run, reference[1])
 
 
-@pytest.mark.slow
 def test_trainer_with_dp2_x_cp2_matches_one_process_with_batch_2(tmp_path, reference):
     """Four processes: two CP groups of two, each group fed its own sample (DP over groups only)."""
     run = _train(tmp_path, "dp2cp2", 4, "--cp_size", "2", "--cp_sharding", "zigzag")
@@ -81,7 +79,6 @@ def packed_reference(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("packed"), "packed_cp1", 1, *PACKED)
 
 
-@pytest.mark.slow
 def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
     """DataCollatorWithFlattening packs two documents per sequence (cu_seq_lens, restarting
     position_ids); the CP shards carry the document boundaries and no attention crosses them."""
@@ -89,7 +86,6 @@ def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
     _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
-@pytest.mark.slow
 def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packed_reference):
     """--cp_sharding document: the planner puts each packed document whole on a rank (their K/V never
     travel); the losses and kept fractions are those of one process."""
@@ -97,7 +93,6 @@ def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packe
     _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
-@pytest.mark.slow
 def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
     """The Trainer's own FSDP2 (accelerate plugin, fsdp_version 2, sharded over dp_shard x cp = 2
     ranks) with sparse CP 2 and the SMET optimizer on its local shards: the single-process run's
@@ -217,7 +212,6 @@ def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
             "after": after == before, "during": during == (fsdp, fsdp, True, True)}
 
 
-@pytest.mark.slow
 def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp():
     from hf_sparse_cp.testing.spawn import run_gloo
 
@@ -252,7 +246,6 @@ def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
                 "restored": [a == b for a, b in zip(before, after)]}
 
 
-@pytest.mark.slow
 def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change():
     from hf_sparse_cp.testing.spawn import run_gloo
 
@@ -261,7 +254,6 @@ def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change()
         assert r["changed"] == [True, False, False] and all(r["restored"])
 
 
-@pytest.mark.slow
 def test_enable_patches_the_trainer_instance_and_disable_restores_it():
     from hf_sparse_cp.testing.spawn import run_gloo
 
@@ -312,7 +304,6 @@ def _step_without_targets_under_cp2(rank: int, world: int) -> dict:
     return {"finite": finite, "unchanged": unchanged, "trained": trained}
 
 
-@pytest.mark.slow
 def test_a_batch_without_targets_leaves_the_weights_unchanged_under_cp2():
     from hf_sparse_cp.testing.spawn import run_gloo
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
 
 trl = pytest.importorskip("trl")
@@ -79,7 +79,6 @@ def test_the_switched_sft_trainer_is_trls_and_trains_sparse(one_process):
     assert result["loss"][1] < result["loss"][0] + 1.0 and all(torch.isfinite(torch.tensor(result["loss"])))
 
 
-@pytest.mark.slow
 def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path):
     _, one, _ = one_process
     for rank in run_gloo(_cp2, 2, str(tmp_path), timeout_s=400):

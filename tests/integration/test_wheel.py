@@ -47,7 +47,6 @@ def test_the_wheel_holds_the_recipes_and_the_license(installed):
     assert text == (ROOT / "LICENSE").read_text() and "Apache License" in text and "Version 2.0" in text
 
 
-@pytest.mark.slow
 def test_the_installed_package_lists_and_runs_a_recipe(installed):
     _, python, tmp = installed
     where = _run(python, "-c", "import hf_sparse_cp; print(hf_sparse_cp.__file__)", cwd=tmp)

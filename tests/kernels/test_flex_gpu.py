@@ -17,7 +17,7 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward, block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 from oracle import TOLERANCE, key_range, rel_rms
 

@@ -26,7 +26,8 @@ from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels import ops as kops
 from hf_sparse_cp.kernels import vertical_slash as vs
-from hf_sparse_cp.testing.layouts import planted_qk, random_layout, random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
+from hf_sparse_cp.testing.layouts import planted_qk, random_layout
 
 from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms
 
@@ -274,7 +275,7 @@ def test_torch_compile_traces_the_custom_ops():
 def _tiny_model(attn_implementation="sdpa", dtype=torch.float32, vocab_size=512):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=vocab_size)

@@ -27,8 +27,9 @@ from hf_sparse_cp.kernels.indexing import (
     split_layout,
 )
 from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.interpreter import interpreter_blocker, interpreter_pool
-from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
+from hf_sparse_cp.testing.layouts import random_layout
 
 from oracle import TOLERANCE, kernel_backward, kernel_forward, key_range, rel_rms, visible
 
@@ -772,7 +773,7 @@ def test_the_split_kept_on_a_layout_follows_what_it_was_computed_from(monkeypatc
     under torch.compile; no autograd."""
     from dataclasses import replace
 
-    from hf_sparse_cp.attention.ops import kernel_split
+    from hf_sparse_cp.attention.engines import kernel_split
     from hf_sparse_cp.kernels import indexing
 
     calls = []
@@ -808,7 +809,7 @@ def test_a_split_kept_eagerly_is_not_read_by_a_fullgraph_trace():
     """A layout whose split was kept by an eager call traces under torch.compile(fullgraph=True) (the lookup
     compares tensor versions, data-dependent in a trace: the GPU session of 2026-11-27 failed there), and the
     traced split equals the eager one."""
-    from hf_sparse_cp.attention.ops import kernel_split
+    from hf_sparse_cp.attention.engines import kernel_split
 
     meta = TokenMeta.contiguous(1, 64)
     layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(94))

@@ -69,13 +69,15 @@ def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
 
 def _plugin_dataclasses():
     from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments
+    from hf_sparse_cp.attention.budgets import Mass, TopK, TopP
     from hf_sparse_cp.examples.train_long_context import ScriptArguments
+    from hf_sparse_cp.sections import Scoring
     from hf_sparse_cp.smet import SMETConfig
     from hf_sparse_cp.trainer.curriculum import CurriculumArguments
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
 
-    every = (SparseAttentionConfig, ContextParallelConfig, SMETConfig, SparseCPArguments, SMETArguments,
-             CurriculumArguments, ScriptArguments, SparseTrainingArguments)
+    every = (SparseAttentionConfig, TopK, TopP, Mass, Scoring, ContextParallelConfig, SMETConfig, SparseCPArguments,
+             SMETArguments, CurriculumArguments, ScriptArguments, SparseTrainingArguments)
     stock = {f.name for f in dataclasses.fields(TrainingArguments)}  # (TrainingArguments checks its own)
     return [(cls, f.name) for cls in every for f in dataclasses.fields(cls) if f.init and f.name not in stock]
 
@@ -157,7 +159,7 @@ def test_the_example_names_the_model_path_it_cannot_load(tmp_path):
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):
     """Issue #31: --cp 0 was a ZeroDivisionError, --density 5 was accepted."""
-    from hf_sparse_cp.examples.simulate_cluster import parse_args as simulate_args
+    from hf_sparse_cp.simulator.simulate_cli import parse_args as simulate_args
 
     with pytest.raises(SystemExit) as stopped:
         simulate_args(flags, prog="hf-sparse-cp simulate")
@@ -168,7 +170,7 @@ def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused)
 def _tiny(model_type: str = "llama", **overrides):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
 
@@ -265,7 +267,7 @@ def test_the_trainers_name_an_empty_dataset(tmp_path, kind):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     args = _argument_class(kind)(output_dir=str(tmp_path), report_to="none", max_steps=1)
     if kind == "sft":
@@ -296,8 +298,9 @@ def _train_command_error(capsys, argv: list[str]) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--recipe"], ["--recipe="], ["--recipe", "--max_length", "64"],
-                                  ["--max_length", "64", "--recipe"]], ids=["alone", "equals", "before_a_flag", "last"])
+@pytest.mark.parametrize("argv", [["--recipe"], ["--recipe="], ["--recipe", "--sparse_max_length", "64"],
+                                  ["--sparse_max_length", "64", "--recipe"]],
+                         ids=["alone", "equals", "before_a_flag", "last"])
 def test_recipe_without_a_name_says_it_needs_one(capsys, argv):
     """Issue #41 item 8: `--recipe` alone ended in 'unrecognized arguments: --recipe'."""
     err = _train_command_error(capsys, argv)

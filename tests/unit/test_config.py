@@ -6,15 +6,36 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig, SparseAttentionFlags
+from hf_sparse_cp.attention.budgets import Mass, TopK, TopP
+from hf_sparse_cp.sections import Scoring
 from hf_sparse_cp.trainer.arguments import SparseCPArguments, explicit_fields
 
 
 def test_defaults_are_the_mass_budget_chosen_on_the_frontier():
     cfg = SparseAttentionConfig()
     assert cfg.pattern == "vertical_slash" and cfg.block_size == 128 and cfg.dense_first_layers == 1
-    assert (cfg.budget_mode, cfg.mass_target, cfg.mass_threshold, cfg.vertical_cap) == ("mass", 0.9, 0.0025, 1024)
-    assert (cfg.last_q, cfg.sample_groups, cfg.sample_group_size) == (32, 4, 16)
-    assert cfg.vertical_topk is None and cfg.slash_topk is None
+    assert cfg.budget == Mass(mass_target=0.9, mass_threshold=0.0025, mass_near_blocks=0, vertical_cap=1024)
+    assert cfg.scoring == Scoring(last_q=32, sample_groups=4, sample_group_size=16)
+
+
+def test_the_config_is_a_tree_and_takes_the_flat_keys_too():
+    """Sections nested (objects or mappings) or flat keys as files of every version hold them: the same config;
+    a budget mode holds only its own fields, so another mode's field cannot be given to it."""
+    tree = SparseAttentionConfig(budget=TopK(vertical_topk=64, slash_topk=128), scoring={"last_q": 16}, block_size=64)
+    flat = SparseAttentionConfig(budget_mode="topk", vertical_topk=64, slash_topk=128, last_q=16, block_size=64)
+    nested = SparseAttentionConfig(budget={"mode": "topk", "vertical_topk": 64, "slash_topk": 128},
+                                   scoring=Scoring(last_q=16), block_size=64)
+    assert tree == flat == nested and tree.scoring == Scoring(last_q=16, sample_groups=0)
+    assert tree.to_dict()["budget"] == {"mode": "topk", "vertical_topk": 64, "slash_topk": 128}
+    with pytest.raises(TypeError, match="mass_target"):
+        TopK(mass_target=0.5)
+    with pytest.raises(ValueError, match="mass_target=0.5 is read only in budget_mode='mass'.*--sparse_budget_mode"):
+        SparseAttentionConfig(budget={"mode": "topk", "mass_target": 0.5})
+    # a partial scoring goes over the one the budget was measured with; a Scoring object is whole
+    assert SparseAttentionConfig(scoring={"last_q": 16}).scoring == Scoring(16, 4, 16)
+    assert SparseAttentionConfig(scoring=Scoring(last_q=16)).scoring == Scoring(16, 0, 16)
+    with pytest.raises(ValueError, match="Unknown sparse attention config keys \\['colour'\\]"):
+        SparseAttentionConfig(colour=1)
 
 
 def test_a_top_k_budget_alone_selects_top_k_with_its_own_defaults():
@@ -22,27 +43,38 @@ def test_a_top_k_budget_alone_selects_top_k_with_its_own_defaults():
     mode they select top-k, whose scoring queries are the last 64 (MTraining's); with another mode they are
     refused, naming the flag that makes them count."""
     cfg = SparseAttentionConfig(vertical_topk=1024)
-    assert (cfg.budget_mode, cfg.vertical_topk, cfg.slash_topk, cfg.last_q, cfg.sample_groups) == ("topk", 1024, 1024,
-                                                                                                  64, 0)
-    assert cfg.mass_threshold is None and cfg.mass_near_blocks is None
+    assert (cfg.budget, cfg.scoring.last_q, cfg.scoring.sample_groups) == (TopK(1024, 1024), 64, 0)
     with pytest.raises(ValueError, match="slash_topk=8 is read only in budget_mode='topk'.*--sparse_budget_mode topk"):
         SparseAttentionConfig(budget_mode="mass", slash_topk=8)
     with pytest.raises(ValueError, match="vertical_topk=8 is read only in budget_mode='topk'"):
         SparseAttentionConfig(budget_mode="topp", vertical_topk=8)
     # so do the top-p budgets, and the two together name the choice to make
-    assert (SparseAttentionConfig(slash_topp=0.8).budget_mode, SparseAttentionConfig(slash_topp=0.8).vertical_topp) == (
-        "topp", 0.9)
+    assert SparseAttentionConfig(slash_topp=0.8).budget == TopP(slash_topp=0.8)
     with pytest.raises(ValueError, match="slash_topp=0.8 is read only in budget_mode='topp'"):
         SparseAttentionConfig(budget_mode="mass", slash_topp=0.8)
-    with pytest.raises(ValueError, match="budgets of two modes; pass --sparse_budget_mode topk or"):
+    with pytest.raises(ValueError, match="budgets of 2 modes; pass --sparse_budget_mode topk or"):
         SparseAttentionConfig(vertical_topk=8, vertical_topp=0.8)
-    # given scoring queries stay; switching modes with `replace` drops what the new mode does not read and moves
-    # the fields left at the old mode's defaults to the new one's
-    assert SparseAttentionConfig(vertical_topk=8, last_q=16).replace(budget_mode="mass").last_q == 16
+    # a field of two modes (vertical_cap: top-p and mass) selects the default one
+    assert SparseAttentionConfig(vertical_cap=64).budget == Mass(vertical_cap=64)
+    # given scoring queries stay; switching modes with `replace` drops the old budget and moves the scoring
+    # left at the old mode's defaults to the new one's
+    assert SparseAttentionConfig(vertical_topk=8, last_q=16).replace(budget_mode="mass").scoring.last_q == 16
     mass = cfg.replace(budget_mode="mass")
-    assert (mass.vertical_topk, mass.mass_threshold, mass.last_q, mass.sample_groups) == (None, 0.0025, 32, 4)
+    assert (mass.budget, mass.scoring) == (Mass(), Scoring(32, 4, 16))
     assert mass.replace(budget_mode="topk") == SparseAttentionConfig(budget_mode="topk")
+    assert cfg.replace(slash_topk=7).budget == TopK(1024, 7)  # the same mode: fields merge
     assert SparseAttentionConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_mass_target_on_a_top_k_run_is_refused_naming_the_mode():
+    """A field of another mode would be accepted, saved, and do nothing: refused, naming the flag."""
+    with pytest.raises(ValueError, match="mass_target=0.5 is read only in budget_mode='mass' and would do nothing "
+                                         "with budget_mode='topk'; pass --sparse_budget_mode mass"):
+        SparseAttentionConfig(budget_mode="topk", mass_target=0.5)
+    with pytest.raises(ValueError, match="mass_target=0.5 is read only"):
+        SparseAttentionConfig(vertical_topk=64).replace(mass_target=0.5)
+    with pytest.raises(ValueError, match="slash_cap=8 is read only in budget_mode='topp'"):
+        SparseAttentionConfig(budget_mode="mass", slash_cap=8)
 
 
 # `to_dict()` of the defaults before the mode-only fields (7d004e9): every field, whatever the mode
@@ -58,18 +90,17 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
     they ran (their scoring queries and caps kept), the other modes' fields dropped, a warning for a value
     that was not those versions' default."""
     topk = SparseAttentionConfig.from_dict(SAVED_TOPK)
-    assert (topk.budget_mode, topk.vertical_topk, topk.mass_threshold, topk.last_q, topk.vertical_cap) == (
-        "topk", 512, None, 64, 4096)
+    assert (topk.budget, topk.scoring) == (TopK(512, 1024), Scoring(64, 0, 16))
     mass = SparseAttentionConfig.from_dict({**SAVED_TOPK, "budget_mode": "mass", "mass_threshold": 0.01})
-    assert (mass.vertical_topk, mass.slash_topk, mass.mass_threshold, mass.sample_groups) == (None, None, 0.01, 0)
+    assert (mass.budget, mass.scoring.sample_groups) == (Mass(0.95, 0.01, 0, 4096), 0)
     assert not caplog.records
     with caplog.at_level("WARNING"):
         odd = SparseAttentionConfig.from_dict({**SAVED_TOPK, "budget_mode": "mass", "vertical_topk": 100})
-    assert odd.vertical_topk is None and "Ignoring vertical_topk=100" in caplog.text
+    assert odd.budget.mode == "mass" and "Ignoring vertical_topk=100" in caplog.text
     # what this version saves round-trips, and values given for another mode stay refused outside saved configs
     for cfg in (SparseAttentionConfig(), SparseAttentionConfig(vertical_topk=8), topk, mass):
         assert SparseAttentionConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="mass_threshold=0.01 is read only in budget_mode='mass'"):
+    with pytest.raises(ValueError, match="budgets of 2 modes"):
         SparseAttentionConfig.from_dict({"vertical_topk": 100, "mass_threshold": 0.01})
 
 
@@ -87,10 +118,13 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"layer_overrides": "{not json"}, "not valid JSON"),
         ({"layer_overrides": {"1-0": {"pattern": "dense"}}}, "reversed range.*'0-1'"),
         ({"layer_overrides": {"2": {"block_size": 100}}}, r"layer_overrides\['2'\]: block_size=100 must be a power"),
-        ({"layer_overrides": {"2": {"slash_topk": "x"}}}, r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
+        ({"layer_overrides": {"2": {"budget_mode": "topk", "slash_topk": "x"}}},
+         r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
+        ({"layer_overrides": {"2": {"slash_topk": 8}}}, r"layer_overrides\['2'\]: slash_topk=8 is read only in"),
         # wrong types: refused by name with what to write, not a TypeError from a comparison
-        ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number or unset"),
-        ({"mass_threshold": "abc"}, r"mass_threshold='abc' \(str\) is not valid: use a number or unset"),
+        ({"vertical_topk": "abc"}, r"vertical_topk='abc' \(str\) is not valid: use a whole number, e.g. vertical_topk"),
+        ({"mass_threshold": "abc"}, r"mass_threshold='abc' \(str\) is not valid: use a number, e.g. mass_threshold"),
+        ({"budget": 3}, r"budget=3 \(int\) is not valid: use a mapping of its fields, e.g. budget: \{mode: topk"),
         ({"sink_tokens": "abc"}, r"sink_tokens='abc' \(str\) is not valid: use a whole number, e.g. sink_tokens=64"),
         ({"block_size": 64.5}, r"block_size=64.5 \(float\) is not valid: use a whole number"),
         ({"block_size": 64.0}, r"block_size=64.0 \(float\) is not valid"),
@@ -107,7 +141,7 @@ def test_bad_values_name_the_fix(kwargs, fix):
 
 def test_an_int_is_a_float():
     cfg = SparseAttentionConfig(vertical_topp=1, slash_topp=0.5)  # an int is a fine float
-    assert cfg.vertical_topp == 1 and cfg.slash_topp == 0.5
+    assert cfg.budget.vertical_topp == 1 and cfg.budget.slash_topp == 0.5
 
 
 def test_per_layer_overrides():
@@ -115,8 +149,12 @@ def test_per_layer_overrides():
                                 layer_overrides={"3-4": {"slash_topk": 7}, "9": {"last_q": 8}})
     assert cfg.for_layer(0).pattern == "dense" and cfg.for_layer(1).pattern == "dense"
     assert cfg.for_layer(2) is cfg
-    assert cfg.for_layer(3).slash_topk == 7 and cfg.for_layer(4).slash_topk == 7 and cfg.for_layer(5).slash_topk == 1024
-    assert cfg.for_layer(9).last_q == 8 and cfg.for_layer(9).pattern == "vertical_slash"
+    assert [cfg.for_layer(i).budget.slash_topk for i in (3, 4, 5)] == [7, 7, 1024]
+    assert cfg.for_layer(9).scoring.last_q == 8 and cfg.for_layer(9).pattern == "vertical_slash"
+    # an override in the tree's own words: a budget section (its mode: a whole new budget), a scoring section
+    nested = SparseAttentionConfig(budget_mode="topk", layer_overrides={"1": {"budget": {"mode": "topp"}},
+                                                                        "2": {"scoring": {"sample_groups": 2}}})
+    assert nested.for_layer(1).budget == TopP() and nested.for_layer(2).scoring == Scoring(64, 2, 16)
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -136,7 +174,11 @@ def test_file_errors(tmp_path):
         SparseAttentionConfig.from_file(bad)
     section = tmp_path / "section.yaml"
     section.write_text("sparse_attention:\n  slash_topk: 5\n")
-    assert SparseAttentionConfig.from_file(section).slash_topk == 5
+    assert SparseAttentionConfig.from_file(section).budget == TopK(slash_topk=5)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("budget:\n  mode: mass\n  mass_target: 0.8\nscoring:\n  last_q: 16\nblock_size: 64\n")
+    assert SparseAttentionConfig.from_file(nested) == SparseAttentionConfig(
+        budget=Mass(mass_target=0.8), scoring={"last_q": 16}, block_size=64)
 
 
 @pytest.mark.parametrize(
@@ -166,12 +208,18 @@ def test_hf_argument_parser_flags(tmp_path):
               '{"0-1": {"pattern": "dense"}}']
     )
     cfg = flags.to_config()
-    assert args.sparse_attention and cfg.slash_topk == 512 and cfg.for_layer(1).pattern == "dense"
+    assert args.sparse_attention and cfg.budget == TopK(slash_topk=512) and cfg.for_layer(1).pattern == "dense"
     assert args.attention_config(flags) == cfg and args.attention_config(cfg) is cfg
-    # every pattern flag is its config field under the `sparse_` prefix, with the field's help text
+    # every flat key is a `sparse_` flag with the field's help text; a section's flags default to unset
     config_fields = {f.name: f for f in dataclasses.fields(SparseAttentionConfig)}
-    assert {f.name: f.metadata for f in dataclasses.fields(SparseAttentionFlags)} == {
-        f"sparse_{name}": f.metadata for name, f in config_fields.items()}
+    flag_fields = {f.name: f for f in dataclasses.fields(SparseAttentionFlags)}
+    assert set(flag_fields) == {f"sparse_{name}" for name in SparseAttentionConfig.keys()} - {"sparse_budget",
+                                                                                             "sparse_scoring"}
+    assert all(flag_fields[f"sparse_{name}"].metadata == f.metadata for name, f in config_fields.items()
+               if name not in ("budget", "scoring"))
+    assert flag_fields["sparse_mass_target"].default is None
+    assert flag_fields["sparse_mass_target"].metadata["help"].startswith(Mass.__dataclass_fields__["mass_target"]
+                                                                         .metadata["help"])
     with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
         SparseAttentionFlags(sparse_block_size=48)
 
@@ -181,7 +229,7 @@ def test_file_config_with_flag_overrides(tmp_path):
     SparseAttentionConfig(vertical_topk=99, slash_topk=77).save(path)
     args = SparseCPArguments(sparse_config=str(path))
     merged = args.attention_config(SparseAttentionFlags(sparse_slash_topk=5))
-    assert merged.vertical_topk == 99 and merged.slash_topk == 5
+    assert merged.budget == TopK(99, 5)
 
 
 def test_a_config_as_flags_leaves_the_files_budget_alone(tmp_path):
@@ -191,9 +239,9 @@ def test_a_config_as_flags_leaves_the_files_budget_alone(tmp_path):
     SparseAttentionConfig(vertical_topk=256, block_size=64).save(path)
     args = SparseCPArguments(sparse_attention=True, sparse_config=str(path))
     merged = args.attention_config(SparseAttentionConfig(block_size=32))
-    assert (merged.budget_mode, merged.vertical_topk, merged.last_q, merged.block_size) == ("topk", 256, 64, 32)
+    assert (merged.budget, merged.scoring.last_q, merged.block_size) == (TopK(256, 1024), 64, 32)
     merged = args.attention_config(SparseAttentionConfig(budget_mode="topk", slash_topk=7))
-    assert (merged.vertical_topk, merged.slash_topk, merged.block_size) == (256, 7, 64)
+    assert (merged.budget, merged.block_size) == (TopK(256, 7), 64)
 
 
 def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
@@ -205,12 +253,12 @@ def test_explicit_flags_beat_the_file_whatever_their_value(tmp_path):
     merged = args.attention_config(flags, explicit={"sparse_vertical_topk", "sparse_slash_topk", "output_dir"})
     # given flags win, top-k's default value 512 included; sink_tokens and block_size (parsed, not given) keep
     # the file's values; names of other configs' fields (output_dir) are ignored
-    assert (merged.vertical_topk, merged.slash_topk, merged.sink_tokens, merged.block_size) == (512, 5, 8, 128)
+    assert (merged.budget, merged.sink_tokens, merged.block_size) == (TopK(512, 5), 8, 128)
     assert args.attention_config(flags, explicit=set()) == SparseAttentionConfig.from_file(path)
     # without `explicit`: the flags that differ from the defaults (a default value cannot be told from none), and
     # a budget field that defaults to unset: top-k's 512 was given
     legacy = args.attention_config(flags)
-    assert (legacy.vertical_topk, legacy.slash_topk, legacy.sink_tokens, legacy.block_size) == (512, 5, 16, 64)
+    assert (legacy.budget, legacy.sink_tokens, legacy.block_size) == (TopK(512, 5), 16, 64)
     # without a file the flags are the config, given or not
     assert SparseCPArguments(sparse_attention=True).attention_config(flags, explicit=set()) == flags.to_config()
     assert SparseAttentionConfig.from_file_and_flags(None, {"sink_tokens": 16}, explicit=set()).sink_tokens == 16

@@ -11,7 +11,7 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import ShardPlan
 from hf_sparse_cp.simulator.traffic import ring_cost
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_balance.py"
 

@@ -18,9 +18,9 @@ from hf_sparse_cp.distributed import (
     shift_labels,
 )
 from hf_sparse_cp.distributed.mesh import ring_shape
-from hf_sparse_cp.distributed.plan import RingPlan, TransferSets, slot_ops
+from hf_sparse_cp.distributed.ring_plan import RingPlan, TransferSets, slot_ops
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 from oracle import TOLERANCE, rel_rms
 
@@ -294,7 +294,7 @@ def test_models_the_ring_cannot_shard_are_refused():
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sdpa")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):

@@ -8,6 +8,7 @@ import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainingArguments, sparse_arguments_class
+from hf_sparse_cp.sections import Scoring, budget_class, budget_modes
 from hf_sparse_cp.trainer.arguments import PATTERN_PREFIX
 
 
@@ -109,8 +110,15 @@ def test_every_plugin_flag_has_a_prefix_and_the_help_of_its_config_field():
         f.name for f in ours if not f.name.startswith(("sparse_", "cp_", "smet"))]
     by_name = {f.name: f for f in ours}
     for config_field in dataclasses.fields(SparseAttentionConfig):  # one source of help text
+        if config_field.name in ("budget", "scoring"):
+            continue
         flag = by_name[PATTERN_PREFIX + config_field.name]
         assert flag.metadata["help"] == config_field.metadata["help"] and flag.default == config_field.default
+    # a section's fields as flags: their own help text, unset by default (the budget mode's value then)
+    for section in (*(budget_class(mode) for mode in budget_modes()), Scoring):
+        for section_field in dataclasses.fields(section):
+            flag = by_name[PATTERN_PREFIX + section_field.name]
+            assert flag.metadata["help"].startswith(section_field.metadata["help"]) and flag.default is None
 
 
 def test_trl_sft_config_and_its_scripts_arguments_parse_with_ours(tmp_path):
@@ -128,7 +136,8 @@ def test_trl_sft_config_and_its_scripts_arguments_parse_with_ours(tmp_path):
     for cls in (trl.ScriptArguments, trl.ModelConfig):  # no plugin flag is a field of TRL's script arguments
         assert not {n for n in names if n.startswith(("sparse_", "cp_", "smet"))} & {
             f.name for f in dataclasses.fields(cls)}
-    assert config.sparse_attention_config().vertical_topk == 256 and config.context_parallel_config().cp_size == 2
+    assert config.sparse_attention_config().budget.vertical_topk == 256
+    assert config.context_parallel_config().cp_size == 2
     assert sparse_arguments_class(trl.SFTConfig) is SparseSFTConfig  # one class per base
     from hf_sparse_cp import SparseSFTConfig as exported
 

@@ -18,7 +18,8 @@ from hf_sparse_cp.attention.merge import merge_attention
 from hf_sparse_cp.attention.ops import attention_forward, block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_forward
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
-from hf_sparse_cp.testing.layouts import random_layout, random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
+from hf_sparse_cp.testing.layouts import random_layout
 
 from oracle import TOLERANCE, key_range, rel_rms, visible
 
@@ -206,12 +207,12 @@ def test_tiny_model_with_the_flex_engine_matches_the_reference_engine(monkeypatc
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
-    from hf_sparse_cp.attention import ops
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.attention import engines
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     calls = []
-    flex = ops.flex_block_sparse_attention
-    monkeypatch.setattr(ops, "flex_block_sparse_attention", lambda *a, **kw: calls.append(a[3]) or flex(*a, **kw))
+    flex = engines.flex_block_sparse_attention
+    monkeypatch.setattr(engines, "flex_block_sparse_attention", lambda *a, **kw: calls.append(a[3]) or flex(*a, **kw))
     hf_sparse_cp.patch()
     try:
         torch.manual_seed(0)
@@ -316,3 +317,20 @@ def test_call_shape_of_a_layout():
     assert shape.has_columns and 0 < shape.kept_fraction < 1
     assert math.isclose(shape.kept_fraction, float(sparse.kept_fraction()))
 
+
+
+def test_engines_are_registered_objects_and_each_choice_is_logged_once(caplog):
+    """Every engine takes the call as one `AttentionCall`; the ops dispatch to the registered object; the
+    engine chosen for a reason is logged the first time only."""
+    assert engines.SETTINGS == ("auto", "triton", "flex", "reference")
+    assert all(isinstance(e, engines.Engine) and e.name == name for name, e in engines.ENGINES.items())
+    engines._logged.cache_clear()
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    meta = TokenMeta.contiguous(1, 64)
+    layout = dense_layout(meta, 16)
+    with caplog.at_level("INFO", logger="hf_sparse_cp.attention.engines"):
+        for _ in range(3):
+            out, lse = attention_forward(q, k, v, layout, scale=0.25, q_meta=meta, k_meta=meta)
+    assert caplog.text.count("Block-sparse attention engine: reference (auto: cpu tensors)") == 1
+    want = engines.ENGINES["reference"].part(engines.AttentionCall(q, k, v, layout, 0.25, meta, meta))
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])

@@ -18,9 +18,9 @@ from hf_sparse_cp import (
     is_lean_loss_enabled,
 )
 from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import compat, patching
 from hf_sparse_cp.integration.patching import PatchSet
-from hf_sparse_cp.testing.models import tiny_config
 
 
 class Owner:
@@ -61,10 +61,11 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=7), training, max_length=4096)
     assert hf_sparse_cp.is_patched() and is_lean_loss_enabled()
-    assert compat.attn_implementation(model.config) == "sparse_cp" and model.config.sparse_attention["slash_topk"] == 7
+    assert compat.attn_implementation(model.config) == "sparse_cp"
+    assert model.config.sparse_attention["budget"]["slash_topk"] == 7
     assert checkpointing_enabled(training)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=9), training, max_length=4096)  # replaces
-    assert model.config.sparse_attention["slash_topk"] == 9
+    assert model.config.sparse_attention["budget"]["slash_topk"] == 9
     assert len(model._forward_pre_hooks) == len(hooks) + 1  # the guard that names patch() after unpatch()
     disable_sparse_attention(model)
     assert model._forward_pre_hooks == hooks

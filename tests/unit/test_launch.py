@@ -17,7 +17,7 @@ from hf_sparse_cp.integration.compat import argument_parser_classes
 from hf_sparse_cp.run import main as run
 from hf_sparse_cp.run import parse_plugin_flags, split_command
 from hf_sparse_cp.trainer.launched import launched, plugin_flags_in
-from hf_sparse_cp.trainer.sparse_trainer import PluginArguments, SparseArgumentsMixin
+from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments, SparseArgumentsMixin
 
 
 @dataclass
@@ -45,7 +45,7 @@ def test_the_scripts_parser_takes_the_plugins_flags_beside_its_own(tmp_path):
     assert type(training) is sparse_arguments_class(TrainingArguments)
     assert (data.block_size, data.max_length) == (512, 9)  # the script's own fields stay its own
     config = training.sparse_attention_config()
-    assert config.block_size == 64 and config.vertical_topk == 32  # before the script path, and after it
+    assert config.block_size == 64 and config.budget.vertical_topk == 32  # before the script path, and after it
     assert training.context_parallel_config().cp_sharding == "contiguous"  # after the script path wins
     assert {"sparse_vertical_topk", "cp_sharding", "sparse_block_size"} <= set(training.explicit_flags)
     assert "--sparse_vertical_topk" in help_text and "--block_size" in help_text
@@ -106,6 +106,17 @@ def test_only_plugin_flags_go_before_the_script_path(capsys):
         run(["missing_script.py"])
 
 
+def test_the_launchers_help_lists_the_common_flags_first(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        run(["--help"])
+    out = capsys.readouterr().out
+    common, other = out.index("\ncommon flags:\n"), out.index("\nother flags:\n")
+    assert common < other
+    assert all(f"--{name} " in out[common:other] for name in COMMON_FLAGS)
+    assert "--sparse_sink_tokens" in out[other:] and "--sparse_sink_tokens" not in out[common:other]
+
+
 RECORDER = textwrap.dedent("""
     import json, os, sys
     from transformers import HfArgumentParser, TrainingArguments
@@ -158,7 +169,7 @@ def test_arguments_built_in_code_take_the_flags_given_before_the_script_path(tmp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.testing.models import tiny_config
+    from hf_sparse_cp.examples.tiny_model import tiny_config
 
     class OwnTrainer(Trainer):
         def own_method(self) -> str:

@@ -13,8 +13,10 @@ from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_sparse_cp
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import lean_loss as lean_loss_module
-from hf_sparse_cp.integration.lean_loss import SUPPORTED_CAUSAL_LM_CLASSES, disable_lean_loss, enable_lean_loss
+from hf_sparse_cp.integration.architectures import lean_loss_classes, lean_loss_model_types
+from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.loss import (
     BACKEND_ENV,
     chunked_linear_cross_entropy,
@@ -22,7 +24,6 @@ from hf_sparse_cp.loss import (
     linear_cross_entropy,
     resolve_backend,
 )
-from hf_sparse_cp.testing.models import SUPPORTED_MODEL_TYPES, tiny_config
 
 VOCAB = 97
 HIDDEN = 24
@@ -345,7 +346,7 @@ def _assert_same(out, grads, ref_out, ref_grads):
         assert _rel_err(grads[name], ref_grads[name]) < 1e-4, name
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", lean_loss_model_types())
 def test_patched_model_matches_stock(model_type):
     model = _tiny_model(model_type)
     ids, labels = _batch()
@@ -490,7 +491,7 @@ def test_wrapped_lm_head_goes_through_the_stock_forward(lean_loss):
 def test_lean_loss_is_its_own_opt_in_and_undoes_only_what_it_patched():
     """patch() registers the backend only; enable_lean_loss() swaps the class forwards and
     disable_lean_loss() restores them, except a forward another library installed after us."""
-    classes = [getattr(transformers, name) for name in SUPPORTED_CAUSAL_LM_CLASSES]
+    classes = [getattr(transformers, name) for name in lean_loss_classes()]
     originals = [cls.__dict__["forward"] for cls in classes]
     hf_sparse_cp.patch()
     assert all(cls.__dict__["forward"] is f for cls, f in zip(classes, originals))

@@ -7,19 +7,17 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention.budgets import Entries, Mass, TopK, TopP
+from hf_sparse_cp.attention.budgets.mass import block_diagonal_mass, column_ratio, diagonal_cost
+from hf_sparse_cp.attention.budgets.ranked import keep_best
 from hf_sparse_cp.attention.estimate import (
     Sampling,
     Stratum,
     accumulate_vertical_slash,
-    block_diagonal_mass,
-    column_ratio,
-    diagonal_cost,
     estimate_layout,
     row_softmax_stats,
     score_vertical_slash,
     scoring_groups,
-    select_entries,
-    select_mass,
 )
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.testing.layouts import planted_qk
@@ -86,6 +84,11 @@ def test_block_diagonal_mass_spreads_each_offset_over_the_two_diagonals_it_cross
     assert torch.allclose(got.sum(1), slash.sum(1))
 
 
+def select_mass(gain, pos, diag_gain, diag, start, end, cfg):
+    """The 'mass' budget of `cfg` on one document [start, end) scored by all its queries."""
+    return cfg.budget.select(Entries(gain, pos), Entries(diag_gain, diag), start, end, end, cfg.block_size)
+
+
 def _mass_inputs(g, n=60, start=7, end=103):
     gain = torch.rand(2, n, generator=g, dtype=torch.float64) * 3
     pos = torch.arange(start, start + n)
@@ -138,7 +141,8 @@ def test_mass_selection_over_candidates_equals_the_whole_row(near):
     c_idx, d_idx = [], []
     for holder in range(3):
         mine = torch.arange(holder, len(pos), 3)
-        best = mine[torch.sort(ratio[:, mine], dim=1, descending=True, stable=True).indices[:, : cfg.vertical_cap]]
+        order = torch.sort(ratio[:, mine], dim=1, descending=True, stable=True).indices
+        best = mine[order[:, : cfg.budget.vertical_cap]]
         c_idx.append(best.flip(1))
         d_idx.append(torch.arange(holder, len(diag), 3).flip(0).expand(2, -1))
     c_idx, d_idx = torch.cat(c_idx, 1), torch.cat(d_idx, 1)
@@ -147,22 +151,26 @@ def test_mass_selection_over_candidates_equals_the_whole_row(near):
     union_cols = torch.zeros_like(whole[0]).scatter_(1, c_idx, cols)
     union_diags = torch.zeros_like(whole[1]).scatter_(1, d_idx, diags)
     assert torch.equal(union_cols, whole[0]) and torch.equal(union_diags, whole[1])
-    assert int(whole[0].sum(1).max()) == cfg.vertical_cap and not bool(whole[1].all())  # the cap and target bind
+    assert int(whole[0].sum(1).max()) == cfg.budget.vertical_cap and not bool(whole[1].all())  # the cap and target bind
 
 
-@pytest.mark.parametrize("mode", ["topk", "topp"])
-def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(mode):
+# (budget, its count and share, the low entries kept): top-k 14 keeps the ten of 0.5, then 4 of 0.25; top-p 0.6
+# keeps while the mass before an entry is below 0.6 of 12.5: the ten of 0.5, then 0.25 each up to 7.5 (ten).
+@pytest.mark.parametrize("budget, count, share, low", [(TopK(vertical_topk=14), 14, None, 4),
+                                                       (TopP(vertical_topp=0.6, vertical_cap=40), 40, 0.6, 10)],
+                         ids=["topk", "topp"])
+def test_exact_ties_go_to_the_lower_position_in_a_row_and_in_a_union(budget, count, share, low):
     scores = torch.full((2, 40), 0.25)
     scores[:, 30:] = 0.5
-    kept = select_entries(scores, mode, 14, 0.6, 40)
+    kept = keep_best(Entries(scores, torch.arange(40)), count, share)
     want = torch.zeros(2, 40, dtype=torch.bool)
     want[:, 30:] = True
-    want[:, : 14 - 10 if mode == "topk" else 0] = True
-    if mode == "topp":  # mass before an entry < 0.6 of 12.5: the ten of 0.5, then 0.25 each up to 7.5
-        want[:, :10] = True
+    want[:, :low] = True
     assert torch.equal(kept, want)
+    assert torch.equal(budget.select(Entries(scores, torch.arange(40)), Entries(scores, torch.arange(40)), 0, 40, 40,
+                                     BS)[0], want)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(5))
-    union = select_entries(scores[:, perm], mode, 14, 0.6, 40, total=scores.sum(1, keepdim=True), positions=perm)
+    union = keep_best(Entries(scores[:, perm], perm.expand(2, -1), scores.sum(1, keepdim=True)), count, share)
     assert torch.equal(torch.zeros_like(kept).scatter_(1, perm.expand(2, -1), union), want)
 
 
@@ -180,8 +188,8 @@ def test_sampled_queries_find_a_column_that_only_earlier_queries_use(mode):
     s, col = 512, 40
     q, k = planted_qk(1, 1, s, 32, [[col]], [[0]], generator=torch.Generator().manual_seed(7))
     q[:, :, 400:, :16] = 0.1 * torch.randn(112, 16, generator=torch.Generator().manual_seed(8))  # late: not the column
-    topk = {"vertical_topk": 4, "slash_topk": 4} if mode == "topk" else {}
-    cfg = CFG.replace(budget_mode=mode, mass_target=0.8, **topk)
+    budget = {"vertical_topk": 4, "slash_topk": 4} if mode == "topk" else {"mass_target": 0.8}
+    cfg = CFG.replace(budget_mode=mode, **budget)
     found = {}
     for groups in (0, 4):
         layout = estimate_layout(q, k, cfg.replace(sample_groups=groups), TokenMeta.contiguous(1, s))
@@ -207,17 +215,17 @@ def test_a_threshold_outside_mass_mode_is_refused_naming_the_mode():
         SparseAttentionConfig(budget_mode="topp", mass_threshold=0.01)
     with pytest.raises(ValueError, match="mass_near_blocks=4 is read only in budget_mode='mass'"):
         SparseAttentionConfig(budget_mode="topk", mass_near_blocks=4)
-    with pytest.raises(ValueError, match="mass_threshold=0.01 is read only in budget_mode='mass'"):
-        SparseAttentionConfig(vertical_topk=64, mass_threshold=0.01)  # a top-k budget alone selects top-k
+    with pytest.raises(ValueError, match="budgets of 2 modes; pass --sparse_budget_mode mass or --sparse_budget_mode"):
+        SparseAttentionConfig(vertical_topk=64, mass_threshold=0.01)  # fields of two modes and no mode to choose
+    # flat keys as earlier versions read them: a field of the mode a layer override selects is that layer's
     mixed = SparseAttentionConfig(budget_mode="topk", mass_threshold=0.01, dense_first_layers=1,
                                   layer_overrides={"2-3": {"budget_mode": "mass"}})
-    assert (mixed.for_layer(2).budget_mode, mixed.for_layer(2).mass_threshold) == ("mass", 0.01)
-    assert mixed.for_layer(0).pattern == "dense" and mixed.for_layer(5).budget_mode == "topk"
-    # a mass config whose override switches some layers to top-k: they drop the threshold they do not read
+    assert mixed.for_layer(2).budget == Mass(mass_threshold=0.01) and mixed.budget == TopK()
+    assert mixed.for_layer(0).pattern == "dense" and mixed.for_layer(5).budget.mode == "topk"
+    # a mass config whose override switches some layers to top-k: they run top-k's defaults
     topk_layers = SparseAttentionConfig(budget_mode="mass", mass_threshold=0.01,
                                         layer_overrides={"0": {"budget_mode": "topk"}})
-    assert (topk_layers.for_layer(0).budget_mode, topk_layers.for_layer(0).mass_threshold) == ("topk", None)
-    assert (topk_layers.for_layer(0).vertical_topk, topk_layers.for_layer(1).vertical_topk) == (512, None)
+    assert (topk_layers.for_layer(0).budget, topk_layers.for_layer(1).budget) == (TopK(), Mass(mass_threshold=0.01))
     with pytest.raises(ValueError, match=r"layer_overrides\['0'\].*mass_threshold"):
         SparseAttentionConfig(budget_mode="mass",
                               layer_overrides={"0": {"budget_mode": "topk", "mass_threshold": 0.01}})

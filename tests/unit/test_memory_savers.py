@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, configure
+from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.integration.architectures import rowwise_classes
 from hf_sparse_cp.integration.memory_savers import (
-    ROWWISE_CLASSES,
     disable_memory_savers,
     enable_memory_savers,
     rowwise_modules,
@@ -21,7 +22,6 @@ from hf_sparse_cp.integration.memory_savers import (
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.memory.offload import HostOffload
 from hf_sparse_cp.memory.tiling import tiled_rows
-from hf_sparse_cp.testing.models import tiny_config
 from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
 PATTERN = SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0, vertical_topk=8, slash_topk=4,
@@ -144,7 +144,7 @@ def test_enable_replaces_exactly_the_rowwise_forwards_and_disable_restores_them(
     enable_memory_savers(model, MemorySavers(tiled=True, offload_layer_inputs=True))
     names = [f"model.layers.{i}.{m}" for i in range(2) for m in ("input_layernorm", "mlp", "post_attention_layernorm")]
     assert patched() == sorted([*names, "model.layers.0", "model.layers.1", "model.norm"])
-    assert {type(m).__name__ for _, m in rowwise_modules(model)} <= ROWWISE_CLASSES
+    assert {type(m).__name__ for _, m in rowwise_modules(model)} <= set(rowwise_classes())
     with pytest.raises(ValueError, match="already enabled"):
         enable_memory_savers(model, MemorySavers(tiled=True))
     assert disable_memory_savers(model)

@@ -6,9 +6,10 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
 from hf_sparse_cp.integration.stats import pop_kept_fractions
-from hf_sparse_cp.testing.models import SUPPORTED_MODEL_TYPES, tiny_config
 
 from oracle import TOLERANCE, rel_rms
 
@@ -43,7 +44,7 @@ def _loss_and_grads(model, **inputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", lean_loss_model_types())
 def test_dense_pattern_matches_sdpa(model_type, dtype):
     ref, ours = _pair(model_type, dtype)
     ids = torch.randint(3, 259, (2, S), generator=torch.Generator().manual_seed(1))

@@ -84,7 +84,7 @@ def test_chunking_does_not_change_results(monkeypatch):
     q, k, v = _inputs(1, 2, 1, 130, 16, torch.float64, seed=8)
     layout = random_layout(1, 2, 130, 130, 16, 0.4, 0.05, generator=torch.Generator().manual_seed(9))
     whole = block_sparse_attention(q, k, v, layout)[0]
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 1)  # one query block per chunk
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)  # one query block per chunk
     assert torch.allclose(block_sparse_attention(q, k, v, layout)[0], whole, atol=1e-12)
 
 
@@ -98,7 +98,7 @@ def test_reference_memory_grows_with_kept_work():
         meta = TokenMeta.contiguous(1, s)
         prob = reference._Problem(x, x, x, layout, meta, meta, None)
         assert prob.n_keys == bs
-        assert prob.chunk * bs * prob.n_keys <= reference._CHUNK_ELEMENTS
+        assert prob.chunk * bs * prob.n_keys <= reference.CHUNK_ELEMENTS
 
 
 def _bad_inputs():

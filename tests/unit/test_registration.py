@@ -4,9 +4,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse_cp
+from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.backend import model_config_for, sparse_cp_attention_forward
-from hf_sparse_cp.testing.models import tiny_config
 
 
 def test_patch_unpatch_round_trip():
@@ -45,7 +45,7 @@ def test_configure_stores_config_on_the_model():
     cfg = hf_sparse_cp.SparseAttentionConfig(slash_topk=3)
     hf_sparse_cp.configure(model, cfg)
     assert model.config._attn_implementation == "sparse_cp"
-    assert model.config.sparse_attention["slash_topk"] == 3
+    assert model.config.sparse_attention["budget"]["slash_topk"] == 3
     layer = model.model.layers[1].self_attn
     assert model_config_for(layer) == cfg
 

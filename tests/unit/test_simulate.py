@@ -8,8 +8,9 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import RingTopology, ShardPlan
-from hf_sparse_cp.distributed.plan import RingPlan
-from hf_sparse_cp.distributed.planner import plan_documents
+from hf_sparse_cp.distributed.document_sharding import plan_documents
+from hf_sparse_cp.distributed.ring_plan import RingPlan
+from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import (
     CONFIGURATIONS,
     Cluster,
@@ -20,9 +21,9 @@ from hf_sparse_cp.simulator.simulate import (
     plan_work,
     simulate_ring,
 )
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
 from hf_sparse_cp.simulator.traffic import plan_traffic, ring_cost
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 S, BS = 2048, 32
 

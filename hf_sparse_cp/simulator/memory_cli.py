@@ -1,5 +1,5 @@
 """`hf-sparse-cp memory`: how long a sequence fits on a GPU for a model, with and without context
-parallelism, and where the bytes of a step go (predictions of `hf_sparse_cp.memory.model`).
+parallelism, and where the bytes of a step go (predictions of `hf_sparse_cp.simulator.memory_model`).
 
     hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory 80GB --cp 1
     hf-sparse-cp memory --model qwen2.5-3b --gpu-memory 80GB --cp 8 --fsdp 8 --seq-len 1048576
@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 from ..config import SparseAttentionConfig
-from .model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
-from .savers import MemorySavers
+from ..memory.savers import MemorySavers
+from .memory_model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
 
 # The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
 DEFAULT_TILING_MIN_LENGTH = 32768
@@ -112,7 +112,7 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
 
 def predict(args: argparse.Namespace, capacity: float) -> dict:
     """The command's answer for its parsed `args` on a GPU of `capacity` bytes: the longest length that fits and
-    the predicted step at it and at `args.seq_len` (what `main` prints and `fits_table` tabulates)."""
+    the predicted step at it and at `args.seq_len` (what `main` prints and `memory_table` tabulates)."""
     arch: Architecture = ARCHITECTURES[args.model]
     settings = settings_for_length(args)
     budget = args.usable_fraction * capacity

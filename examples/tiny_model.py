@@ -1,11 +1,9 @@
-"""Tiny random-init model configs (demo, tests, smoke benchmarks)."""
+"""The demo's tiny random-init model: a small config of any architecture (also the tests' and the smoke
+benchmarks')."""
 
 from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
-
-# The families whose causal-LM classes the lean loss patches; the single-process tests cover each.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:

@@ -1,5 +1,6 @@
-"""Packed rows of documents for benchmarks and the cluster simulator: length mixes, the row's
-`TokenMeta`, and per-document vertical-slash patterns in any split's order.
+"""The synthetic rows the simulator predicts (and the tests and benchmarks use): random vertical-slash
+layouts (`random_vertical_slash_layout`, MTraining's forced parts and a random rest) and packed rows of
+documents: length mixes, the row's `TokenMeta`, and per-document patterns in any split's order.
 
 Mixes (lengths drawn with a fixed seed): long-tail (lognormal, median 8K, sigma 1.5, clipped to
 [128, row]), uniform (1 to 64K tokens), one (a single document filling the row).
@@ -10,12 +11,51 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.build import dense_layout
+from ..attention.build import build_layout, dense_layout
 from ..attention.estimate import layout_from_scores, long_documents
+from ..attention.layout import SparseLayout
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 
 MIXES = ("long-tail", "uniform", "one")
+
+
+def random_vertical_slash_layout(
+    batch: int,
+    heads: int,
+    seq_len: int,
+    block_size: int,
+    *,
+    num_diagonals: int,
+    num_verticals: int,
+    sink_tokens: int = 0,
+    diagonal_spread: float = 1.0,
+    meta: TokenMeta | None = None,
+    padded_len: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SparseLayout:
+    """A vertical-slash layout per (row, head) with MTraining's forced parts and a random rest.
+
+    Always kept: the diagonal block (the local window) and the first `sink_tokens` key
+    columns. Drawn on top: `num_diagonals` block diagonals among the nearest `diagonal_spread`
+    fraction of them, and `num_verticals` key columns among the `seq_len` real tokens.
+
+    meta: the tokens' documents (default: one document per row, padded to `padded_len` tokens,
+    which default to `seq_len`); the layout covers `meta`'s length.
+    """
+    meta = TokenMeta.contiguous(batch, seq_len).pad_to(padded_len or seq_len) if meta is None else meta
+    total = meta.index.shape[-1]
+    nb = -(-total // block_size)
+    reach = max(1, min(nb, round(diagonal_spread * nb)))
+    diagonals = torch.zeros(batch, heads, nb, dtype=torch.bool)
+    diagonals[..., 0] = True
+    picks = torch.rand(batch, heads, reach, generator=generator).argsort(-1)[..., :num_diagonals]
+    diagonals.scatter_(-1, picks, True)
+    verticals = torch.zeros(batch, heads, total, dtype=torch.bool)
+    verticals[..., :sink_tokens] = True
+    picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
+    verticals.scatter_(-1, picks, True)
+    return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
 
 
 def mix_lengths(mix: str, row: int, seed: int) -> list[int]:

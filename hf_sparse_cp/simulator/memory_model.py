@@ -30,8 +30,8 @@ from typing import Literal
 
 from ..attention import build, estimate, reference
 from ..config import SparseAttentionConfig
-from ..simulator.step_model import MODELS, ModelShape
-from .savers import MemorySavers
+from ..memory.savers import MemorySavers
+from .shapes import MODELS, ModelShape
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -247,38 +247,38 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     sparse = cfg.pattern != "dense" and seq_len >= cfg.min_seq_len
     if sparse:
         window = math.ceil((cfg.local_window - 1) / bs) + 1
-        slashes = cfg.slash_topk if cfg.budget_mode == "topk" else cfg.slash_cap
-        verticals = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
-        width, cols = min(nqb_global, 2 * slashes + window + 1), verticals + cfg.sink_tokens
+        diagonals = cfg.budget.most_diagonal_blocks(bs)
+        width = nqb_global if diagonals is None else min(nqb_global, diagonals + window + 1)
+        cols = cfg.budget.most_kept("columns") + cfg.sink_tokens
     else:
         width, cols = nqb_global, 0  # every causal block, on one shared head
         hq = 1
     # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
-    # construction: head-chunked int64 temporaries (three of at most build._LAYOUT_ELEMENTS) and the
+    # construction: head-chunked int64 temporaries (three of at most build.LAYOUT_ELEMENTS) and the
     # column masks of every head (an int64 value and a bool flag per column slot)
-    construction = (hq * cols * 9 / bs, 3 * 8 * min(build._LAYOUT_ELEMENTS, hq * nqb * width)) if sparse else (0, 0)
+    construction = (hq * cols * 9 / bs, 3 * 8 * min(build.LAYOUT_ELEMENTS, hq * nqb * width)) if sparse else (0, 0)
     estimation = (0.0, 0.0)
     if sparse:
         # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the
         # reference scoring's tiles: about seven fp32 [group heads, last_q, keys] tensors (scores, exp,
-        # masks, int64 offsets) of at most estimate._SCORE_ELEMENTS elements
+        # masks, int64 offsets) of at most estimate.SCORE_ELEMENTS elements
         group = sh.heads // sh.kv_heads
-        tile = min(estimate._SCORE_ELEMENTS, group * cfg.last_q * tokens)
-        per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.last_q
+        tile = min(estimate.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
+        per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
         if s.cp > 1:  # distributed/estimation.py: every rank holds the slash sums over all offsets, and reduces them
             per_token += seq_len / tokens * sh.heads * 4 * 2
         estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
     forward = backward = 0.0
     if s.device == "cpu":
-        # Chunks of query blocks with at most reference._CHUNK_ELEMENTS score elements. Per element, a chunk's
+        # Chunks of query blocks with at most reference.CHUNK_ELEMENTS score elements. Per element, a chunk's
         # temporaries in attention/reference.py hold at their peak ~13.2 bytes in forward (scores, exp, the
         # probabilities, masks) and ~17.6 in backward (probabilities, dp, ds), plus the gathered fp32 keys and
         # values (8 x head_dim / block_size, 8.8 in backward); the previous chunk's leave ~5.2 (7.8) bytes
         # per element alive until the loop rebinds them. Counted on the code, checked with a tensor-byte tracker.
         n_keys = width * bs + cols
-        chunk = max(1, min(nqb, reference._CHUNK_ELEMENTS // (sh.heads * bs * n_keys)))
+        chunk = max(1, min(nqb, reference.CHUNK_ELEMENTS // (sh.heads * bs * n_keys)))
         per_block_elements = sh.heads * bs * n_keys
         full, last = chunk * per_block_elements, (nqb - (math.ceil(nqb / chunk) - 1) * chunk) * per_block_elements
         for new, old, kv_part in ((13.2, 5.2, 8.0), (17.6, 7.8, 8.8)):

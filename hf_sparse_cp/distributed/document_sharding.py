@@ -82,14 +82,15 @@ class PlannerCosts:
     )
 
 
-def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int:
+def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int | None:
     """An upper estimate of the key blocks a query block row of a sparse document lists: the local
-    window, each kept diagonal crossing two block diagonals, and the columns (budget and sinks; the
-    top-p caps for 'topp' and 'mass' modes)."""
-    slash = cfg.slash_topk if cfg.budget_mode == "topk" else cfg.slash_cap
-    vertical = cfg.vertical_topk if cfg.budget_mode == "topk" else cfg.vertical_cap
-    bs = cfg.block_size
-    return 1 + -(-cfg.local_window // bs) + 2 * slash + -(-(vertical + cfg.sink_tokens) // bs)
+    window, the block diagonals its kept diagonals cross and the columns (the budget's most and the
+    sinks); None where the budget bounds no diagonals (every causal block may be kept)."""
+    bs, budget = cfg.block_size, cfg.budget
+    diagonals = budget.most_diagonal_blocks(bs)
+    if diagonals is None:
+        return None
+    return 1 + -(-cfg.local_window // bs) + diagonals + -(-(budget.most_kept("columns") + cfg.sink_tokens) // bs)
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,7 +15,7 @@ heads standing for all of the model's heads) keeping about `--density` of the ca
 `--sink` sink tokens. On one sequence the planner splits it striped, as striped sparse does.
 
 Packed rows (`--mix long-tail|uniform|one`): each row of S tokens packs documents of a length mix
-of `hf_sparse_cp.testing.packing` (those of `benchmarks/cp_packing.py`), with per-document
+of `hf_sparse_cp.simulator.workloads` (those of `benchmarks/cp_packing.py`), with per-document
 patterns (the library's selection from random scores at the default budgets; documents shorter
 than `min_seq_len` dense) built in every split's own order; the dense ring attends causally
 within documents.
@@ -38,16 +38,23 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.build import dense_layout
-from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.planner import kept_blocks_per_row, row_runs
-from hf_sparse_cp.env import environment
-from hf_sparse_cp.reporting.kept_fraction import require_matplotlib
-from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Workload
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, MODELS, predict_step, ring_counts
-from hf_sparse_cp.testing.layouts import random_vertical_slash_layout
-from hf_sparse_cp.testing.packing import MIXES, document_scores, mix_lengths, packed_layout, row_meta
+from ..attention.build import dense_layout
+from ..attention.tokens import TokenMeta
+from ..backends import require_matplotlib
+from ..config import SparseAttentionConfig
+from ..distributed.document_sharding import kept_blocks_per_row, row_runs
+from ..env import environment
+from .shapes import MODELS
+from .simulate import CONFIGURATIONS, Workload
+from .step_model import CLUSTERS, HARDWARE, predict_step, ring_counts
+from .workloads import (
+    MIXES,
+    document_scores,
+    mix_lengths,
+    packed_layout,
+    random_vertical_slash_layout,
+    row_meta,
+)
 
 BLOCK = 128
 MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "cp": 32, "reported_speedup": 6.0,
@@ -99,7 +106,7 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     p.add_argument("--layout-heads", type=_at_least(1), default=4,
                    help="heads of the synthetic layout (work is scaled to the model's heads)")
     p.add_argument("--mix", default=None, choices=MIXES,
-                   help="pack each row with documents of this length mix (hf_sparse_cp.testing.packing) instead of "
+                   help="pack each row with documents of this length mix (hf_sparse_cp.simulator.workloads) instead of "
                         "one sequence")
     p.add_argument("--estimation-chunk", type=_at_least(BLOCK), default=None,
                    help="charge the estimation of estimation='causal_chunks' with this chunk (default: each "

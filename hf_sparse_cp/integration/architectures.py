@@ -1,0 +1,71 @@
+"""The transformers architectures the plugin knows, in one table keyed by `model_type` (Liger-Kernel's
+`MODEL_TYPE_TO_APPLY_LIGER_FN` is the model): what the lean loss patches, which modules token tiles run
+row by row, and whether sparse context parallelism was tested exact against one process. The lean
+loss, the token tiles, the record of what the plugin changes (`compat.PATCHES`), the CP checks and the
+tests read it; a model type outside it still trains with the `sparse_cp` attention backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Support:
+    """What the plugin does for one architecture.
+
+    causal_lm: its `*ForCausalLM` class, whose forward the lean loss replaces (None: the stock forward).
+    rowwise: its MLP and RMSNorm classes, each with the name of its forward's input, that token tiles run a
+        tile of tokens at a time (each treats every token on its own, as read in transformers' code).
+    cp_tested: its result under context parallelism equals one process (tests/distributed/test_cp_models.py).
+    """
+
+    causal_lm: str | None = None
+    rowwise: Mapping[str, str] = field(default_factory=dict)
+    cp_tested: bool = False
+
+
+def _llama_like(family: str) -> Support:
+    """The Llama family's layout: `{family}ForCausalLM`, a SwiGLU `{family}MLP` and `{family}RMSNorm`."""
+    return Support(f"{family}ForCausalLM", {f"{family}MLP": "x", f"{family}RMSNorm": "hidden_states"}, cp_tested=True)
+
+
+ARCHITECTURES: dict[str, Support] = {
+    "llama": _llama_like("Llama"),
+    "mistral": _llama_like("Mistral"),
+    "qwen2": _llama_like("Qwen2"),
+    "qwen3": _llama_like("Qwen3"),
+    **{model_type: Support(cp_tested=True) for model_type in ("phi3", "olmo2", "granite", "gemma3_text", "glm4",
+                                                              "helium", "smollm3", "cohere2")},
+}
+
+
+def lean_loss_classes() -> tuple[str, ...]:
+    """The `*ForCausalLM` classes (names in `transformers`) whose forward the lean loss replaces."""
+    return tuple(s.causal_lm for s in ARCHITECTURES.values() if s.causal_lm)
+
+
+def rowwise_classes() -> dict[str, tuple[str, str]]:
+    """Class name -> (its module in transformers, its forward's input) of every module token tiles run."""
+    return {name: (f"transformers.models.{model_type}.modeling_{model_type}", argument)
+            for model_type, s in ARCHITECTURES.items() for name, argument in s.rowwise.items()}
+
+
+# liger-kernel's replacements of the row-wise classes (its `apply_liger_kernel_to_*` swaps them into the models'
+# modules, where `compat.PATCHES` then finds them under the replaced class's name).
+LIGER_ROWWISE = ("LigerRMSNorm", "LigerSwiGLUMLP")
+
+
+def tileable_classes() -> frozenset[str]:
+    """The class names token tiles take: every architecture's row-wise classes and liger-kernel's."""
+    return frozenset({*rowwise_classes(), *LIGER_ROWWISE})
+
+
+def cp_tested_model_types() -> tuple[str, ...]:
+    return tuple(model_type for model_type, s in ARCHITECTURES.items() if s.cp_tested)
+
+
+def lean_loss_model_types() -> tuple[str, ...]:
+    """The model types whose causal LM trains through the lean loss (the single-process tests cover each)."""
+    return tuple(model_type for model_type, s in ARCHITECTURES.items() if s.causal_lm)

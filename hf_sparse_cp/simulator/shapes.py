@@ -1,0 +1,42 @@
+"""Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
+`memory_model.py`): `ModelShape` and the presets `MODELS`. A leaf: it imports nothing of the package."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape (Qwen2Config fields)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    source: str = ""
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer's matrix multiplications (attention projections and the SwiGLU MLP)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
+        """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight
+        forward, 4 backward, and 2 more per layer weight for the recomputed forward."""
+        per_weight = 8 if recompute else 6
+        return per_weight * self.layer_params, 6 * self.hidden * self.vocab
+
+
+_QWEN = "Qwen/Qwen2.5-{} config.json on the Hugging Face Hub (as benchmarks/bench_e2e.py MODEL_SHAPES)"
+MODELS = {
+    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, _QWEN.format("0.5B")),
+    "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, _QWEN.format("1.5B")),
+    "qwen2.5-3b": ModelShape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, _QWEN.format("3B")),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, _QWEN.format("7B")),
+}

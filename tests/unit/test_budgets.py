@@ -1,0 +1,124 @@
+"""The budget modes behind one interface (`hf_sparse_cp.attention.budgets`): each selects what its dense fp64
+oracle (`budgets/naive.py`) selects, on random scores with exact ties, from whole rows as from the candidates
+every holder offers; the interface's other answers (sizes, offers, diagonal scores) and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention.budgets import Entries, Mass, TopK, TopP
+from hf_sparse_cp.attention.budgets.naive import naive_select
+from hf_sparse_cp.attention.estimate import select_vertical_slash
+from hf_sparse_cp.sections import budget_class, budget_field_names, budget_modes
+
+BS = 16
+BUDGETS = [
+    TopK(vertical_topk=9, slash_topk=13),
+    TopK(vertical_topk=0, slash_topk=500),
+    TopP(vertical_topp=0.5, slash_topp=0.8, vertical_cap=12, slash_cap=40),
+    TopP(vertical_topp=0.95, slash_topp=0.3, vertical_cap=200, slash_cap=5),
+    Mass(mass_target=0.6, mass_threshold=0.0, vertical_cap=10),
+    Mass(mass_target=0.3, mass_threshold=0.02, vertical_cap=40),
+    Mass(mass_target=0.9, mass_threshold=0.005, mass_near_blocks=2, vertical_cap=6),
+    Mass(mass_target=0.5, mass_threshold=0.0, mass_near_blocks=1, vertical_cap=100),
+]
+
+
+def _scores(g: torch.Generator, heads: int, n: int) -> torch.Tensor:
+    """Random fp64 scores with many exact ties (a few distinct values, dyadic: sums are exact) and zeros."""
+    values = torch.randint(0, 6, (heads, n), generator=g).double() / 8
+    return values * (torch.rand(heads, n, generator=g) < 0.8)
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+@pytest.mark.parametrize("start, end, scored_end", [(0, 160, 160), (7, 140, 140), (32, 200, 120)],
+                         ids=["aligned", "unaligned", "causal-chunk"])
+def test_each_budget_selects_what_its_dense_oracle_selects(budget, start, end, scored_end):
+    """The segment [start, end) of a row of 200 tokens, scored by the queries before `scored_end`: the
+    pipeline's budget stage (anchors off) keeps exactly the oracle's columns and offsets."""
+    g = torch.Generator().manual_seed(hash((str(budget), start)) % 2**31)
+    s, h = 200, 3
+    vertical, slash = torch.zeros(1, h, s, dtype=torch.float64), torch.zeros(1, h, s, dtype=torch.float64)
+    vertical[0, :, start:scored_end] = _scores(g, h, scored_end - start)
+    slash[0, :, start:scored_end] = _scores(g, h, scored_end - start) * 4
+    cfg = SparseAttentionConfig(budget=budget, block_size=BS, sink_tokens=0, local_window=1)
+    keep_v, keep_s = select_vertical_slash(vertical, slash, [[(start, end, scored_end)]], cfg)
+    want_v, want_s = naive_select(budget, vertical[0, :, start:end], slash[0, :, start:end], start, end, scored_end, BS)
+    keep_s[0, :, start] = False  # the local window's main diagonal (always kept)
+    want_s = torch.tensor(want_s)
+    want_s[:, 0] = False
+    assert torch.equal(keep_v[0, :, start:end], torch.tensor(want_v)) and torch.equal(keep_s[0, :, start:end], want_s)
+    assert not keep_v[0, :, :start].any() and not keep_v[0, :, end:].any()  # nothing outside the segment
+    assert int(keep_v.sum()) + int(keep_s.sum()) > 0
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+def test_the_union_of_every_holders_offer_selects_what_the_whole_row_selects(budget):
+    """Under CP each rank offers its best entries (`offered`, ranked by `column_key`) and the mass of all it
+    holds; selecting from the union (in any order) keeps exactly what the whole row keeps."""
+    g = torch.Generator().manual_seed(3)
+    h, n, start, end = 2, 150, 5, 155
+    vertical, slash = _scores(g, h, n), _scores(g, h, n) * 4
+    columns = Entries(vertical, torch.arange(start, end))
+    diagonal_scores = budget.diagonal_scores(slash, BS)
+    diagonals = Entries(diagonal_scores, torch.arange(diagonal_scores.shape[1]))
+    whole = budget.select(columns, diagonals, start, end, end, BS)
+    key = budget.column_key(start, end, BS)
+    offers = []
+    for entries, kind in ((columns, "columns"), (diagonals, "diagonals")):
+        held = [torch.arange(r, entries.scores.shape[1], 3) for r in range(3)]  # three interleaved holders
+        best = []
+        for mine in held:
+            m = int(budget.offered(kind, torch.tensor(len(mine))))
+            rank = entries.scores[:, mine] if key is None or kind == "diagonals" else key(
+                entries.scores[:, mine], positions=entries.ids[mine])
+            order = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :m]
+            best.append(mine[order].flip(1))  # each holder's offer, in an order of its own
+        idx = torch.cat(best, 1)
+        offers.append((idx, Entries(entries.scores.gather(1, idx), entries.ids[idx],
+                                    entries.scores.sum(1, keepdim=True))))
+    kept = budget.select(offers[0][1], offers[1][1], start, end, end, BS)
+    for (idx, _), part, want in zip(offers, kept, whole):
+        assert torch.equal(torch.zeros_like(want).scatter_(1, idx, part), want)
+
+
+def test_the_interface_sizes_and_offers():
+    topk, topp, mass = TopK(64, 128), TopP(vertical_cap=100, slash_cap=300), Mass(vertical_cap=50)
+    assert [b.most_kept("columns") for b in (topk, topp, mass)] == [64, 100, 50]
+    assert [b.most_kept("diagonals") for b in (topk, topp, mass)] == [128, 300, None]
+    # a kept token offset crosses two block diagonals, a block diagonal is one; mass bounds none
+    assert [b.most_diagonal_blocks(BS) for b in (topk, topp, mass)] == [256, 600, None]
+    assert int(topk.offered("columns", torch.tensor(1000))) == 64 and int(mass.offered("diagonals",
+                                                                                       torch.tensor(77))) == 77
+    assert (topk.weighted, mass.weighted, mass.far_blocks, Mass(mass_near_blocks=3).far_blocks) == (False, True, 0, 3)
+    # diagonal scores are linear in the slashes (partial sums on ranks add up), offsets or block diagonals
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.rand(2, 70, generator=g, dtype=torch.float64), torch.rand(2, 70, generator=g, dtype=torch.float64)
+    for budget in (topk, mass):
+        assert torch.allclose(budget.diagonal_scores(a + b, BS), budget.diagonal_scores(a, BS)
+                              + budget.diagonal_scores(b, BS))
+    assert (topk.diagonal_step(BS), mass.diagonal_step(BS), mass.diagonal_scores(a, BS).shape[1]) == (1, BS, 6)
+    assert "512 key columns" in TopK().describe() and "0.9 of each head's attention" in Mass().describe()
+
+
+def test_the_registry_holds_each_mode_once_with_fields_of_its_own():
+    assert budget_modes() == ("topk", "topp", "mass")
+    assert {budget_class(m) for m in budget_modes()} == {TopK, TopP, Mass}
+    assert budget_field_names() == ["vertical_topk", "slash_topk", "vertical_topp", "slash_topp", "vertical_cap",
+                                    "slash_cap", "mass_target", "mass_threshold", "mass_near_blocks"]
+    for mode in budget_modes():
+        cls = budget_class(mode)
+        assert all(f.default is not dataclasses.MISSING and f.default is not None for f in dataclasses.fields(cls))
+        assert cls().to_dict()["mode"] == mode
+    with pytest.raises(ValueError, match="budget_mode='greedy' is not valid: use one of 'topk', 'topp', 'mass'"):
+        budget_class("greedy")
+    for bad, match in ((dict(vertical_topk=-1), "vertical_topk=-1 must be >= 0"),
+                       (dict(slash_topp=0.0), r"slash_topp=0.0 must be in \(0, 1\]"),
+                       (dict(mass_threshold=1.0), r"mass_threshold=1.0 must be in \[0, 1\)"),
+                       (dict(vertical_cap=0), "vertical_cap=0 must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            SparseAttentionConfig(**bad)
