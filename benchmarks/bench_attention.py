@@ -329,11 +329,11 @@ def time_estimation(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
     scale = q.shape[-1] ** -0.5
     docs = long_documents(meta, cfg)
     segments = estimation_segments(docs, cfg)
-    scores = score_rows(q, k, segments, cfg.scoring.last_q, scale)
+    scores = score_rows(q, k, segments, cfg, scale)
     stages = {
         "total_ms": lambda: estimate_layout(q, k, cfg, meta, scale=scale),
         "documents_ms": lambda: long_documents(meta, cfg),
-        "scoring_ms": lambda: score_rows(q, k, segments, cfg.scoring.last_q, scale),
+        "scoring_ms": lambda: score_rows(q, k, segments, cfg, scale),
         "layout_ms": lambda: layout_from_scores(meta, cfg, docs, scores),
     }
     with torch.no_grad():

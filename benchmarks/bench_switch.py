@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -88,15 +87,6 @@ class BenchSwitchArguments:
 # ---- in each training process ----
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set since the last reset, in bytes; then resets it (Linux)."""
-    with open("/proc/self/status") as f:
-        peak = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return peak
-
-
 def _worker(role: str, stop_at: int, report: str, flags: list[str]) -> None:
     """One training process of `role` (online, save, resume): the example's Trainer with a step clock,
     stopped after step `stop_at` (0: run to max_steps); its times and peaks go to `report`-RANK.json."""
@@ -108,19 +98,20 @@ def _worker(role: str, stop_at: int, report: str, flags: list[str]) -> None:
     from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims
     from hf_sparse_cp.examples.train_long_context import build_trainer, parse_args
     from hf_sparse_cp.resharding.resume import training_state
+    from hf_sparse_cp.testing.benchmarking import peak_rss
     from hf_sparse_cp.trainer.curriculum import parse_schedule
 
-    out = {"role": role, "imported": time.time(), "start_peak_rss": _peak_rss(), "step_end": {}, "peak_rss": {},
+    out = {"role": role, "imported": time.time(), "start_peak_rss": peak_rss(), "step_end": {}, "peak_rss": {},
            "loss": {}, "cp_size": {}}
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             out["train_begin"] = time.time()
-            out["prepare_peak_rss"] = _peak_rss()
+            out["prepare_peak_rss"] = peak_rss()
 
         def on_step_end(self, args, state, control, **kwargs):
             out["step_end"][state.global_step] = time.time()
-            out["peak_rss"][state.global_step] = _peak_rss()  # of the interval since the step before
+            out["peak_rss"][state.global_step] = peak_rss()  # of the interval since the step before
             if state.global_step == stop_at:
                 control.should_training_stop = True
 
@@ -139,7 +130,7 @@ def _worker(role: str, stop_at: int, report: str, flags: list[str]) -> None:
     trainer.model.register_forward_pre_hook(seen, with_kwargs=True)
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     out["trained"] = time.time()
-    out["end_peak_rss"] = _peak_rss()  # since the last step: a saving job's save
+    out["end_peak_rss"] = peak_rss()  # since the last step: a saving job's save
     state = training_state(trainer.model, trainer.optimizer)
     out["state_bytes"] = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in state.values())
     out["parameters"] = sum(p.numel() for p in trainer.model.parameters())

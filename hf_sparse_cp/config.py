@@ -146,8 +146,7 @@ class SparseAttentionConfig(FileConfig):
         if self.local_window < 1:
             raise ValueError(f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; "
                              "use 1 for 'diagonal only' or the default 128.")
-        if self.layer_overrides is not None:
-            self._parsed_overrides()
+        self._parsed_overrides()
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -159,7 +158,7 @@ class SparseAttentionConfig(FileConfig):
         """Overrides as (first_layer, last_layer, fields), validated."""
         names = set(self.keys()) - {"layer_overrides", "dense_first_layers"}
         parsed = []
-        for key, fields_ in self.layer_overrides.items():
+        for key, fields_ in (self.layer_overrides or {}).items():
             try:
                 lo, _, hi = str(key).partition("-")
                 first, last = int(lo), int(hi or lo)
@@ -180,6 +179,13 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(f"layer_overrides[{key!r}]: {e}") from None
             parsed.append((first, last, fields_))
         return parsed
+
+    def check_layers(self, n_layers: int) -> None:
+        """Raise ValueError, naming the model's layer count, when a `layer_overrides` key reaches past its layers."""
+        for key, (first, last, _) in zip(self.layer_overrides or {}, self._parsed_overrides()):
+            if last >= n_layers:
+                fix = f"use '{first}-{n_layers - 1}'" if first < n_layers else f"use keys within 0-{n_layers - 1}"
+                raise ValueError(f"layer_overrides key {key!r} reaches past the model's {n_layers} layers: {fix}.")
 
     def check_sparse_at(self, seq_len: int, layers: Iterable[int] | None = None) -> None:
         """Raise ValueError, naming the fix, when vertical_slash layers would run dense on every document of up
@@ -210,10 +216,9 @@ class SparseAttentionConfig(FileConfig):
         changes: dict[str, Any] = {}
         if layer_idx < self.dense_first_layers:
             changes["pattern"] = "dense"
-        if self.layer_overrides:
-            for first, last, fields_ in self._parsed_overrides():
-                if first <= layer_idx <= last:
-                    changes.update(fields_)
+        for first, last, fields_ in self._parsed_overrides():
+            if first <= layer_idx <= last:
+                changes.update(fields_)
         if not changes:
             return self
         return self._layer_config(changes)

@@ -148,12 +148,31 @@ class FileConfig:
     def from_file(cls, path: str | Path):
         """Load from a .yaml/.yml or .json file (the fields may sit under a top-level `FILE_SECTION` key)."""
         data = read_mapping(path, f"{cls.KIND} fields")
-        if isinstance(data.get(cls.FILE_SECTION), dict):
-            data = data[cls.FILE_SECTION]
+        return cls.from_section(data.get(cls.FILE_SECTION, data), f"Config file {str(path)!r}")
+
+    @classmethod
+    def from_section(cls, value: Any, where: str):
+        """Build from the mapping a file or a saved model holds under `FILE_SECTION`; errors start with `where`."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: key {cls.FILE_SECTION!r} holds {value!r}; it must hold a mapping of "
+                             f"{cls.KIND} fields (as the plugin saves them, e.g. {{}} for the defaults), or be "
+                             "removed.")
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(dict(value))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"Config file {str(path)!r}: {e}") from None
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def stored_on(cls, holder: Any):
+        """The config that `holder` (a transformers model config) stores as its attribute `FILE_SECTION`, as
+        its config.json saves it; None when it stores none."""
+        value = getattr(holder, cls.FILE_SECTION, None)
+        if value is None:
+            return None
+        source = getattr(holder, "name_or_path", "")
+        where = (f"Model config {str(Path(source) / 'config.json')!r}" if source and Path(source).is_dir() else
+                 f"The model config ({type(holder).__name__})")
+        return cls.from_section(value, where)
 
     @classmethod
     def from_file_and_flags(cls, path: str | Path | None, flags: Mapping[str, Any],

@@ -55,3 +55,23 @@ def key_range(layout: SparseLayout, lo: int, hi: int) -> SparseLayout:
     listed = torch.arange(col.shape[-1], device=col.device) < layout.col_cnt.unsqueeze(-1)
     col_idx, col_cnt = compact_sorted(col - lo, listed & (col >= lo) & (col < hi))
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
+
+
+def data_parallel_grad_error(model, loss, ref_grads, world_size: int, *, fsdp2: bool) -> float:
+    """The worst relative RMS error of a distributed step's gradients against one process's `ref_grads`:
+    FSDP2's own reduction (`loss.backward()`, gradients gathered from the shards), or DDP's averaging
+    (every rank's gradient of `loss` summed and divided by the world size). Collective."""
+    import torch.distributed as dist
+
+    worst = 0.0
+    if fsdp2:
+        loss.backward()
+        for param, ref_grad in zip(model.parameters(), ref_grads):
+            worst = max(worst, rel_rms(param.grad.full_tensor(), ref_grad))
+        return worst
+    for grad, ref_grad in zip(torch.autograd.grad(loss, list(model.parameters())), ref_grads):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        worst = max(worst, rel_rms(grad / world_size, ref_grad))
+    return worst
+

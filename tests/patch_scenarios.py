@@ -137,14 +137,14 @@ def sparse_attention() -> Iterator:
 
 
 def capturing_layouts() -> Iterator:
+    from hf_sparse_cp.attention import sequence
     from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
-    from hf_sparse_cp.integration import backend
     from hf_sparse_cp.reporting.plots import capturing_layouts as capturing
 
     hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     hf_sparse_cp.configure(model)
-    yield [(backend, "estimate_layout"), (os.environ, DENSE_BACKEND_ENV)]
+    yield [(sequence, "estimate_layout"), (os.environ, DENSE_BACKEND_ENV)]
     with capturing(model):
         yield
 
@@ -187,7 +187,7 @@ ONE_PROCESS = {
      "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
-    ("hf_sparse_cp.integration.backend.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
+    ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
        for name in ("__init__", "parse_args_into_dataclasses")), "transformers.Trainer.__init__"): launch,

@@ -13,9 +13,10 @@ pair, which a library kernel computes faster than our block-sparse kernels on a 
 * otherwise our kernels on the dense layout.
 
 Only on CUDA for fp16/bf16 inputs, and SDPA only outside deterministic mode (its cuDNN and flash
-backwards are not deterministic; our kernels have a deterministic mode). Context-parallel calls
-always run the ring. `HF_SPARSE_CP_DENSE_BACKEND` (`auto`, `kernels`, `flash_attn`, `sdpa`)
-overrides the choice; a forced backend that cannot compute the call exactly is an error.
+backwards are not deterministic; our kernels have a deterministic mode). Calls under the sparse ring
+always run the ring; under head parallelism each rank's call over the whole sequence of its heads
+(`attention.sequence`) chooses as one process does. `HF_SPARSE_CP_DENSE_BACKEND` (`auto`, `kernels`,
+`flash_attn`, `sdpa`) overrides the choice; a forced backend that cannot compute the call exactly is an error.
 
 Documents are the contiguous runs of one segment id in a row, padding left out (the convention of
 `hf_sparse_cp.attention.tokens.document_starts`); flash-attn sees them as its variable-length sequences.

@@ -17,8 +17,11 @@ a document is cut into chunks of `estimation_chunk` tokens; chunk c >= 1 is a se
 queries before it over the keys before it (the first chunk dense), so no query's pattern depends on a
 later token; its kept sets sit beside the others ([H, V, S] per row, V sets; a query block takes the set
 of its first valid query). Documents shorter than `min_seq_len`, sliding-window layers and dense layers
-stay dense. Scoring runs on CUDA in the Triton kernels of `hf_sparse_cp.kernels.vertical_slash`,
-elsewhere in PyTorch by tiles of `SCORE_ELEMENTS`; scores are fp32 (fp64 for fp64 inputs). Host
+stay dense. Scoring runs in PyTorch by tiles of `SCORE_ELEMENTS`, exactly (`hf_sparse_cp.attention.exact`):
+each query-key score exact to its two vectors, each sum an int64 fixed-point sum, so that any tiling and
+any context-parallel split give the same scores to the bit and exact ties from equal inputs stay ties;
+the budget reads them as fp64. One process on CUDA scores in the Triton kernels of
+`hf_sparse_cp.kernels.vertical_slash` instead (fp32 sums, rounded to the same fixed point). Host
 synchronizations per call: the batch's documents (none without token metadata), the window of kept
 columns a query block can see, and the layout's padded widths.
 """
@@ -35,6 +38,7 @@ import torch
 from ..config import SparseAttentionConfig
 from .budgets import Entries
 from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_to_block_diagonals
+from .exact import FixedPoint, exact_scores, on_grid
 from .layout import SparseLayout
 from .precision import compute_dtype
 from .tokens import PAD_SEGMENT, TokenMeta, run_starts
@@ -134,6 +138,23 @@ class Sampling(NamedTuple):
         return cls(sc.last_q, sc.sample_groups, sc.sample_group_size, budget.weighted or sc.sample_groups > 0,
                    budget.far_blocks, cfg.block_size)
 
+    def encoding(self, start: int, scored_end: int) -> ScoreEncoding:
+        """The fixed points of the segment whose keys [start, scored_end) these queries score (`ScoreEncoding`)."""
+        keys = max(scored_end - start, 1)
+        # A column or offset gets at most the mass of the document's queries (with far blocks, the total of the
+        # columns at most `rows` times that); a block diagonal sums block_size of them (its offsets' weights in
+        # integers, `Budget.diagonal_sums`). One bound whatever the far blocks, so that slashes do not depend on them.
+        rows = max(self.last_q, self.group_size)
+        return ScoreEncoding(FixedPoint.for_sums_below(keys * rows * self.block_size), FixedPoint.for_sums_below(keys))
+
+
+class ScoreEncoding(NamedTuple):
+    """The fixed points (`exact.FixedPoint`) of one segment's scores: `mass`, its column and slash sums (and
+    their totals), `exp_sums`, its query rows' softmax denominators; the same on every rank."""
+
+    mass: FixedPoint
+    exp_sums: FixedPoint
+
 
 class Stratum(NamedTuple):
     """The queries [lo, hi) of a document at `doc_start` that its last `rows` scoring queries stand for: a
@@ -170,9 +191,10 @@ def stratum_weights(stratum: Stratum, positions: torch.Tensor) -> torch.Tensor:
 
 
 def far_from(stratum: Stratum, key_pos: torch.Tensor) -> torch.Tensor:
-    """The first query position that is `stratum.far_blocks` blocks or more after each key's block."""
-    bs = stratum.block_size
-    return (torch.div(key_pos, bs, rounding_mode="floor") + stratum.far_blocks) * bs
+    """The first query position that is `stratum.far_blocks` blocks or more after each key's block, in blocks
+    counted from the document's start (so that a document scores alike wherever it sits)."""
+    bs, start = stratum.block_size, stratum.doc_start
+    return (torch.div(key_pos - start, bs, rounding_mode="floor") + stratum.far_blocks) * bs + start
 
 
 def column_weights(stratum: Stratum, key_pos: torch.Tensor) -> torch.Tensor:
@@ -189,89 +211,105 @@ def column_weights(stratum: Stratum, key_pos: torch.Tensor) -> torch.Tensor:
 
 def _score_tiles(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float):
     """Masked, scaled scores tile by tile: yields (query heads slice, keys slice, scores [heads, R, keys]) of
-    q_rows [Hq, R, D], k_keys [Hkv, L, D] (the estimation dtype; visible: bool [R, L]), a GQA group against
-    its shared key head; tiles of heads and keys bound the memory whatever L."""
+    q_rows [Hq, R, D], k_keys [Hkv, L, D] (visible: bool [R, L]), a GQA group against its shared key head, in
+    the compute dtype of the inputs; tiles of heads and keys bound the memory whatever L. Each score is exact
+    to its two vectors (`exact.exact_scores`): the same in any tile, shard or process."""
     hq, r, d = q_rows.shape
     hk, n = k_keys.shape[:2]
     g = hq // hk
-    qe = q_rows.view(hk, g, r, d)
+    dtype = compute_dtype(q_rows.dtype, k_keys.dtype)
+    qe = on_grid(q_rows).view(hk, g, r, d)
     g_chunk, n_chunk = _tile_shape(q_rows, k_keys)
     hidden = ~visible
     for h in range(hk):
-        for g0 in range(0, g, g_chunk):
-            g1 = min(g, g0 + g_chunk)
-            for n0 in range(0, n, n_chunk):
-                keys = slice(n0, min(n, n0 + n_chunk))
-                sc = torch.einsum("grd,ld->grl", qe[h, g0:g1], k_keys[h, keys]) * scale
+        for n0 in range(0, n, n_chunk):
+            keys = slice(n0, min(n, n0 + n_chunk))
+            ke = on_grid(k_keys[h, keys])
+            for g0 in range(0, g, g_chunk):
+                g1 = min(g, g0 + g_chunk)
+                sc = exact_scores(qe[h, g0:g1], ke, scale, dtype)
                 yield slice(h * g + g0, h * g + g1), keys, sc.masked_fill(hidden[:, keys], float("-inf"))
 
 
 def _tile_shape(q_rows: torch.Tensor, k_keys: torch.Tensor) -> tuple[int, int]:
-    """(query heads, keys) of one `_score_tiles` tile: [heads, R, keys] within SCORE_ELEMENTS."""
-    (hq, r), (hk, n) = q_rows.shape[:2], k_keys.shape[:2]
+    """(query heads, keys) of one `_score_tiles` tile: [heads, R, keys] scores and the keys in fp64 [keys, D]
+    within SCORE_ELEMENTS."""
+    (hq, r, d), (hk, n) = q_rows.shape, k_keys.shape[:2]
     g_chunk = max(1, min(hq // hk, SCORE_ELEMENTS // max(1, r * n)))
-    return g_chunk, max(1, min(n, SCORE_ELEMENTS // max(1, g_chunk * r)))
+    return g_chunk, max(1, min(n, SCORE_ELEMENTS // max(1, g_chunk * r, d)))
 
 
-def row_softmax_stats(
-    q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query row, the max score over these keys and the sum of exp(score - max) ([Hq, R] each; (-inf, 0)
-    for a row that sees none). Partial statistics of a sharded key set combine as M = max(m), Z = sum(z e^(m - M))."""
-    hq, r = q_rows.shape[:2]
-    row_max = torch.full((hq, r), float("-inf"), dtype=q_rows.dtype, device=q_rows.device)
-    row_sum = torch.zeros(hq, r, dtype=q_rows.dtype, device=q_rows.device)
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """Row maxima with -inf (a row that sees no key) as 0, to subtract."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def row_max(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """[Hq, R]: each query row's largest score over these keys (-inf for a row that sees none); the maximum
+    of a sharded key set's partial maxima, exactly."""
+    out = torch.full(q_rows.shape[:2], float("-inf"), dtype=compute_dtype(q_rows.dtype, k_keys.dtype),
+                     device=q_rows.device)
     for heads, _, sc in _score_tiles(q_rows, k_keys, visible, scale):
-        m_old, m_tile = row_max[heads], sc.amax(-1)
-        m_new = torch.maximum(m_old, m_tile)
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        tile_sum = torch.exp(sc - safe.unsqueeze(-1)).sum(-1)
-        row_sum[heads] = row_sum[heads] * torch.exp(m_old - safe) + tile_sum
-        row_max[heads] = m_new
-    return row_max, row_sum
+        out[heads] = torch.maximum(out[heads], sc.amax(-1))
+    return out
 
 
-def _probabilities(q_rows, k_keys, visible, scale, normalizer):
-    """`_score_tiles` as attention probabilities: exp(score - row max) / row sum of the rows' whole key set, from
-    `normalizer` or, without one, `row_softmax_stats` (a first pass over the scores), unless each tile holds every
-    key: then the tile's own max and sum are those of its rows, the same numbers in one pass."""
+def row_exp_sums(q_rows: torch.Tensor, k_keys: torch.Tensor, visible: torch.Tensor, scale: float,
+                 maxima: torch.Tensor, fixed: FixedPoint) -> torch.Tensor:
+    """int64 [Hq, R]: each query row's sum of exp(score - maxima) over these keys in the fixed point `fixed`;
+    the sum of a sharded key set's partial sums (with the whole set's maxima), exactly."""
+    out = torch.zeros(q_rows.shape[:2], dtype=torch.int64, device=q_rows.device)
+    for heads, _, sc in _score_tiles(q_rows, k_keys, visible, scale):
+        out[heads] += fixed.encode(torch.exp(sc - _finite(maxima[heads]).unsqueeze(-1))).sum(-1)
+    return out
+
+
+def _probabilities(q_rows, k_keys, visible, scale, normalizer, fixed: FixedPoint):
+    """`_score_tiles` as attention probabilities exp(score - row max) / row sum over the rows' whole key set, from
+    `normalizer` (row max, row sum) or, without one, from these keys (`row_max`, `row_exp_sums` in `fixed`; in one
+    pass when one tile holds every key)."""
+    dtype = compute_dtype(q_rows.dtype, k_keys.dtype)
     if normalizer is None and _tile_shape(q_rows, k_keys)[1] == k_keys.shape[1]:
         for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
-            m = sc.amax(-1, keepdim=True)
-            e = torch.exp(sc - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-            yield heads, keys, e / e.sum(-1, keepdim=True)
+            e = torch.exp(sc - _finite(sc.amax(-1, keepdim=True)))
+            yield heads, keys, e / fixed.decode(fixed.encode(e).sum(-1, keepdim=True), dtype)
         return
     if normalizer is None:
-        normalizer = row_softmax_stats(q_rows, k_keys, visible, scale)
-    row_max = torch.where(torch.isfinite(normalizer[0]), normalizer[0], torch.zeros_like(normalizer[0]))
+        top = row_max(q_rows, k_keys, visible, scale)
+        normalizer = top, fixed.decode(row_exp_sums(q_rows, k_keys, visible, scale, top, fixed), dtype)
+    top = _finite(normalizer[0])
     for heads, keys, sc in _score_tiles(q_rows, k_keys, visible, scale):
-        yield heads, keys, torch.exp(sc - row_max[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
+        yield heads, keys, torch.exp(sc - top[heads].unsqueeze(-1)) / normalizer[1][heads].unsqueeze(-1)
 
 
 def accumulate_vertical_slash(
     q_rows: torch.Tensor, k_keys: torch.Tensor, row_pos: torch.Tensor, key_pos: torch.Tensor, scale: float,
-    vertical: torch.Tensor, slash: torch.Tensor, normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
-    slash_base: int = 0, vertical_index: torch.Tensor | None = None, stratum: Stratum | None = None,
+    vertical: torch.Tensor, slash: torch.Tensor, encoding: ScoreEncoding,
+    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None, slash_base: int = 0,
+    vertical_index: torch.Tensor | None = None, stratum: Stratum | None = None,
 ) -> None:
-    """Add the attention mass of query rows at `row_pos` on keys at `key_pos` (keys after a row invisible):
-    vertical[h, key] += the mass the key receives (at `vertical_index` when given), slash[h, slash_base + row -
-    key] += the mass on that offset (`slash_base`: the document's start). With a `stratum`, each mass counts
-    its stratum weight (`stratum_weights`; a column's `column_weights`). Probabilities are a softmax over these
-    keys, or with `normalizer` = (row max, row sum of exp(score - max)) of the row's whole key set (keys split
-    over ranks) exp(score - max) / sum."""
+    """Add the attention mass of query rows at `row_pos` on keys at `key_pos` (keys after a row invisible), in
+    the fixed point `encoding.mass` (int64 `vertical`, `slash`): vertical[h, key] += the mass the key receives
+    (at `vertical_index` when given), slash[h, slash_base + row - key] += the mass on that offset (`slash_base`:
+    the document's start). With a `stratum`, each mass counts its stratum weight (`stratum_weights`; a
+    column's `column_weights`). Probabilities are a softmax over these keys, or with `normalizer` = (row max,
+    row sum of exp(score - max)) of the row's whole key set (keys split over ranks) exp(score - max) / sum.
+    Each (row, key) mass is rounded once and the sums are exact: any split of the rows and keys adds up to the
+    same integers."""
     visible = key_pos.unsqueeze(0) <= row_pos.unsqueeze(1)  # [R, L]
-    for heads, keys, a in _probabilities(q_rows, k_keys, visible, scale, normalizer):
+    mass = encoding.mass
+    for heads, keys, a in _probabilities(q_rows, k_keys, visible, scale, normalizer, encoding.exp_sums):
         diff = row_pos.unsqueeze(1) - key_pos[keys].unsqueeze(0)
+        column = a
         if stratum is not None and stratum.far_blocks:  # the far queries' mass only
-            column = (a * (row_pos.unsqueeze(1) >= far_from(stratum, key_pos[keys]).unsqueeze(0))).sum(1)
-        else:
-            column = a.sum(1)
+            column = a * (row_pos.unsqueeze(1) >= far_from(stratum, key_pos[keys]).unsqueeze(0))
         if stratum is not None:
             column = column * column_weights(stratum, key_pos[keys]).to(a.dtype)
             a = a * stratum_weights(stratum, stratum.doc_start + diff).to(a.dtype)
-        vertical[heads].index_add_(1, (key_pos if vertical_index is None else vertical_index)[keys], column)
+        vertical[heads].index_add_(1, (key_pos if vertical_index is None else vertical_index)[keys],
+                                   mass.encode(column).sum(1))
         offset = diff.clamp_min(0) + slash_base
-        slash[heads].scatter_add_(1, offset.flatten().expand(a.shape[0], -1), a.flatten(1))
+        slash[heads].scatter_add_(1, offset.flatten().expand(a.shape[0], -1), mass.encode(a).flatten(1))
 
 
 def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
@@ -283,21 +321,19 @@ def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
     return vertical_slash.vertical_slash_scores if vertical_slash.supports(q, k) else None
 
 
-def score_vertical_slash(
-    q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], last_q: int, scale: float,
-    sampling: Sampling | None = None,
+def fixed_vertical_slash(
+    q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], scale: float, sampling: Sampling,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vertical and slash scores of one batch row, q: [Hq, S, D], k: [Hkv, S, D], of the documents `docs`
-    ((start, end)) by the queries `sampling` says (default: the last `last_q`, plain sums). Returns (vertical
-    [Hq, S], slash [Hq, S]), fp32 (fp64 for fp64 inputs): vertical[h, j] the mass key j receives from its
-    document's scoring queries, slash[h, start + o] the mass on offset o = q - k of the document at `start`."""
-    sampling = Sampling(last_q) if sampling is None else sampling
+    """`score_vertical_slash` as exact fixed-point sums: int64 (vertical, slash) [Hq, S], each document's in
+    its `sampling.encoding(start, end).mass`. On CUDA the Triton kernel's fp32 sums are rounded to it instead
+    (not exact: a context-parallel split, scored in PyTorch, can break exact ties otherwise)."""
     hq, s, _ = q.shape
     dtype = compute_dtype(q.dtype)
-    vertical = torch.zeros(hq, s, dtype=dtype, device=q.device)
-    slash = torch.zeros(hq, s, dtype=dtype, device=q.device)
+    vertical = torch.zeros(hq, s, dtype=torch.int64, device=q.device)
+    slash = torch.zeros(hq, s, dtype=torch.int64, device=q.device)
     kernel = None if sampling.far_blocks else _scoring_kernel(q, k)  # the kernel sums every query's mass
     for start, end in docs:
+        encoding = sampling.encoding(start, end)
         for st in scoring_groups(start, end, sampling):
             first, stratum = st.hi - st.rows, st if sampling.weighted else None
             if kernel is not None:
@@ -305,13 +341,33 @@ def score_vertical_slash(
                 if stratum is not None:  # keys and offsets of the document share the weights' formula
                     w = stratum_weights(stratum, torch.arange(start, st.hi, device=q.device)).to(dtype)
                     v_doc, s_doc = v_doc * w, s_doc * w
-                vertical[:, start : st.hi] += v_doc
-                slash[:, start : st.hi] += s_doc
+                vertical[:, start : st.hi] += encoding.mass.encode(v_doc)
+                slash[:, start : st.hi] += encoding.mass.encode(s_doc)
                 continue
             rows = torch.arange(first, st.hi, device=q.device)
             keys = torch.arange(start, st.hi, device=q.device)
-            accumulate_vertical_slash(q[:, first : st.hi].to(dtype), k[:, start : st.hi].to(dtype), rows, keys,
-                                      scale, vertical, slash, slash_base=start, stratum=stratum)
+            accumulate_vertical_slash(q[:, first : st.hi], k[:, start : st.hi], rows, keys, scale, vertical, slash,
+                                      encoding, slash_base=start, stratum=stratum)
+    return vertical, slash
+
+
+def score_vertical_slash(
+    q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], last_q: int, scale: float,
+    sampling: Sampling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical and slash scores of one batch row, q: [Hq, S, D], k: [Hkv, S, D], of the documents `docs`
+    ((start, end)) by the queries `sampling` says (default: the last `last_q`, plain sums). Returns (vertical
+    [Hq, S], slash [Hq, S]), fp32 (fp64 for fp64 inputs): vertical[h, j] the mass key j receives from its
+    document's scoring queries, slash[h, start + o] the mass on offset o = q - k of the document at `start`;
+    each rounded once from its exact sum (`fixed_vertical_slash`)."""
+    sampling = Sampling(last_q) if sampling is None else sampling
+    fixed = fixed_vertical_slash(q, k, docs, scale, sampling)
+    dtype = compute_dtype(q.dtype)
+    vertical, slash = (torch.zeros(x.shape, dtype=dtype, device=q.device) for x in fixed)
+    for start, end in docs:
+        mass = sampling.encoding(start, end).mass
+        for out, sums in zip((vertical, slash), fixed):
+            out[:, start:end] = mass.decode(sums[:, start:end], dtype)
     return vertical, slash
 
 
@@ -327,21 +383,21 @@ def warn_if_costly(n_sets: int, nbytes: int, cfg: SparseAttentionConfig) -> None
 
 
 def score_rows(
-    q: torch.Tensor, k: torch.Tensor, segments: list[list[EstimationSegment]], last_q: int, scale: float,
-    sampling: Sampling | None = None,
+    q: torch.Tensor, k: torch.Tensor, segments: list[list[EstimationSegment]], cfg: SparseAttentionConfig, scale: float,
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Scores of every batch row of q [B, Hq, S, D], k [B, Hkv, S, D] with estimation segments, as
-    `layout_from_scores` takes them: (vertical, slash), each [Hq, V, S], set j of the row's segments
-    at [:, j] as `score_vertical_slash` lays a document out (None for rows without segments);
-    sampling: `Sampling.of(cfg)` (default: the last `last_q` queries, plain sums)."""
+    """Scores of every batch row of q [B, Hq, S, D], k [B, Hkv, S, D] with estimation segments by the scoring
+    queries of `cfg` (`Sampling.of(cfg)`), as `layout_from_scores` takes them with the same `cfg`: (vertical,
+    slash), each int64 [Hq, V, S] exact fixed-point sums (`fixed_vertical_slash`), set j of the row's segments
+    at [:, j] as `score_vertical_slash` lays a document out (None for rows without segments)."""
+    sampling = Sampling.of(cfg)
     n_sets = _num_sets(segments)
     out = []
     for row, row_segs in enumerate(segments):
         if not row_segs:
             out.append(None)
             continue
-        per_set = [score_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],
-                                        last_q, scale, sampling) for j in range(n_sets)]
+        per_set = [fixed_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],
+                                        scale, sampling) for j in range(n_sets)]
         out.append((torch.stack([v for v, _ in per_set], 1), torch.stack([sl for _, sl in per_set], 1)))
     return out
 
@@ -373,12 +429,22 @@ def select_into(keep_v: torch.Tensor, keep_s: torch.Tensor, cfg: SparseAttention
     keep_anchors(keep_v, keep_s, sg.start, sg.q_hi, cfg)
 
 
-def row_entries(cfg: SparseAttentionConfig, vertical: torch.Tensor, slash: torch.Tensor, start: int, end: int
-                ) -> tuple[Entries, Entries]:
-    """The entries of the segment [start, end) from whole rows of scores (vertical, slash [H, S] of its set)."""
-    diagonals = cfg.budget.diagonal_scores(slash[:, start:end], cfg.block_size)
-    return (Entries(vertical[:, start:end], torch.arange(start, end, device=vertical.device)),
-            Entries(diagonals, torch.arange(diagonals.shape[-1], device=vertical.device)))
+def row_entries(cfg: SparseAttentionConfig, vertical: torch.Tensor, slash: torch.Tensor, start: int, end: int,
+                fixed: FixedPoint | None = None) -> tuple[Entries, Entries]:
+    """The entries of the segment [start, end) from whole rows of scores (vertical, slash [H, S] of its set):
+    floating point, or int64 sums in the fixed point `fixed` (its `ScoreEncoding.mass`), then read as fp64
+    with their totals summed exactly, as a context-parallel split sums them."""
+    budget, bs = cfg.budget, cfg.block_size
+    ids = torch.arange(start, end, device=vertical.device)
+    if fixed is None:
+        diagonals = budget.diagonal_scores(slash[:, start:end], bs)
+        return Entries(vertical[:, start:end], ids), Entries(diagonals, torch.arange(diagonals.shape[-1],
+                                                                                      device=ids.device))
+    sums = budget.diagonal_sums(slash[:, start:end], bs)
+    step_bits = budget.diagonal_step(bs).bit_length() - 1
+    return (Entries(fixed.decode(vertical[:, start:end]), ids, fixed.decode(vertical[:, start:end].sum(-1, True))),
+            Entries(fixed.decode(sums, divisor_bits=step_bits), torch.arange(sums.shape[-1], device=ids.device),
+                    fixed.decode(sums.sum(-1, True), divisor_bits=step_bits)))
 
 
 def select_vertical_slash(
@@ -452,8 +518,9 @@ def layout_from_kept(meta: TokenMeta, cfg: SparseAttentionConfig, segments: list
 def layout_from_scores(meta: TokenMeta, cfg: SparseAttentionConfig, docs: list[list[tuple[int, int]]],
                        scores: list[tuple[torch.Tensor, torch.Tensor] | None]) -> SparseLayout:
     """The layout once every row with estimation segments (`estimation_segments(docs, cfg)`) has its
-    (vertical, slash) scores ([H, V, S] each, or [H, S] for one set; None for rows without segments),
-    as `score_rows` gives them: the budget and layout stages of `estimate`."""
+    (vertical, slash) scores ([H, V, S] each, or [H, S] for one set; None for rows without segments): the
+    int64 fixed-point sums `score_rows` gives (what `estimate_layout` selects from), or floating point
+    scores: the budget and layout stages of `estimate`."""
     return estimate(cfg, meta, lambda segments: _row_entries(cfg, segments, scores), docs=docs).layout
 
 
@@ -463,10 +530,12 @@ def _row_entries(cfg: SparseAttentionConfig, segments: list[list[EstimationSegme
     first = next(sc[0] for sc in scores if sc is not None)
     n_sets = _num_sets(segments)
     warn_if_costly(n_sets, len(scores) * 2 * first.shape[0] * first.shape[-1] * n_sets * first.element_size(), cfg)
+    sampling = Sampling.of(cfg)
     for row, row_segs in enumerate(segments):
         for sg in row_segs:
             vertical, slash = (x.view(x.shape[0], n_sets, -1)[:, sg.set] for x in scores[row])
-            yield row_entries(cfg, vertical, slash, sg.start, sg.q_hi)
+            fixed = None if vertical.is_floating_point() else sampling.encoding(sg.start, sg.scored_end).mass
+            yield row_entries(cfg, vertical, slash, sg.start, sg.q_hi, fixed)
 
 
 class KeptEntries(NamedTuple):
@@ -535,12 +604,19 @@ def estimate_layout(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
         The `SparseLayout` [B, Hq, NQB, ...] (one shared head when every document is dense), the same for
         the same inputs on every rank.
     """
+    return estimate_whole_rows(q, k, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs).layout
+
+
+def estimate_whole_rows(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig, meta: TokenMeta | None = None,
+                        *, scale: float | None = None, sliding_window: int | None = None,
+                        docs: list[list[tuple[int, int]]] | None = None) -> Estimate:
+    """`estimate_layout`, with the kept entries the layout was built from (`Estimate`)."""
     b, _, s, d = q.shape
     docs = pattern_documents(cfg, meta, b, s, sliding_window) if docs is None else docs
     meta = TokenMeta.contiguous(b, s, q.device) if meta is None else meta
     scale = 1.0 / math.sqrt(d) if scale is None else scale
 
     def whole_rows(segments: list[list[EstimationSegment]]) -> Iterable[tuple[Entries, Entries]]:
-        return _row_entries(cfg, segments, score_rows(q, k, segments, cfg.scoring.last_q, scale, Sampling.of(cfg)))
+        return _row_entries(cfg, segments, score_rows(q, k, segments, cfg, scale))
 
-    return estimate(cfg, meta, whole_rows, sliding_window=sliding_window, docs=docs).layout
+    return estimate(cfg, meta, whole_rows, sliding_window=sliding_window, docs=docs)

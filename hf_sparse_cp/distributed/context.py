@@ -5,11 +5,13 @@ Input preparation (once per batch, on every CP rank, with the same batch):
 inputs (sharded input_ids, shift_labels, global position_ids) plus a `CPShard` under the key
 `cp_shard`. transformers passes unknown keyword arguments of `model(**inputs)` down to the
 attention function, so the `sparse_cp` backend receives the `CPShard` with q/k/v of its shard and
-calls `ring_attention.context_parallel_attention`, which estimates the global layout and runs the ring.
+calls `ring_attention.context_parallel_attention`, which estimates the global layout and runs the ring
+(or, under head parallelism, `head_parallel.head_parallel_attention`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +24,7 @@ from ..config import SparseAttentionConfig
 from .comm import all_reduce
 from .document_sharding import PlannerCosts, plan_row
 from .mesh import ParallelDims
-from .sharding import BlockSplit, ShardPlan, sequence_meta, shard_inputs
+from .sharding import BlockSplit, NestedSplit, ShardPlan, sequence_meta, shard_inputs
 
 CP_SHARD_KWARG = "cp_shard"
 
@@ -44,6 +46,15 @@ class CPShard:
     @property
     def rank(self) -> int:
         return self.parallel.cp_rank
+
+    @functools.cached_property
+    def ring_shard(self) -> CPShard:
+        """Under `--cp_mode hybrid`: the shard of this rank's ring (its view of the layout, the ring's split,
+        the same metadata), which its head group's all-to-all assembles from the group's pieces."""
+        if self.parallel.ring is None or not isinstance(self.plan, NestedSplit):
+            raise ValueError("ring_shard is the ring's shard of a hybrid layout (--cp_mode hybrid), whose inputs "
+                             "prepare_context_parallel_inputs splits with a NestedSplit.")
+        return CPShard(self.parallel.ring, self.plan.outer, self.meta)
 
 
 def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
@@ -91,7 +102,9 @@ def prepare_context_parallel_inputs(
         parallel: the parallel dimensions (CP group, rank, sharding).
         block_size: the attention layout's block size (`SparseAttentionConfig.block_size`).
         sharding: 'striped', 'zigzag', 'contiguous' or 'document' (default: `parallel.sharding`);
-            'document' plans the split from the batch's documents (`document_sharding.plan_row`).
+            'document' plans the split from the batch's documents (`document_sharding.plan_row`). Under
+            head parallelism the sequence is cut into contiguous pieces of the ring's shard (`NestedSplit`):
+            the ring's split under 'hybrid', the whole sequence under 'ulysses' (which takes no sharding).
         pad_token_id, ignore_index: what fills the padding of ids and targets.
         verify_same_batch: check (two tiny all-reduces) that every CP rank holds the same batch.
         sparse_config: the model's pattern settings, which tell the 'document' planner which documents
@@ -113,7 +126,9 @@ def prepare_context_parallel_inputs(
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
     sharding = sharding or parallel.sharding
     meta = sequence_meta(inputs)
-    if sharding == "document":
+    if parallel.head_size > 1:
+        plan = _head_parallel_split(parallel, sharding, block_size, ref.shape[1])
+    elif sharding == "document":
         if sparse_config is None:
             sparse_config = SparseAttentionConfig(block_size=block_size)
         elif sparse_config.block_size != block_size:
@@ -127,3 +142,19 @@ def prepare_context_parallel_inputs(
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta))
     return out
+
+
+def _head_parallel_split(parallel: ParallelDims, sharding: str, block_size: int, seq_len: int) -> NestedSplit:
+    """The sequence split of a head-parallel layout: every shard of the ring's split (one rank holding the
+    whole sequence under 'ulysses') cut into one contiguous piece per rank of its head group."""
+    if parallel.ring is None:
+        if sharding not in ("contiguous", parallel.sharding):
+            raise ValueError(f"sharding={sharding!r}: under --cp_mode ulysses each rank holds one contiguous piece of "
+                             "the sequence (there is no ring to balance).")
+        ring_split = ShardPlan("contiguous", 1, block_size, seq_len, pieces=parallel.head_size)
+    elif sharding == "document":
+        raise ValueError("sharding='document' is not available under --cp_mode hybrid; use striped, zigzag or "
+                         "contiguous.")
+    else:
+        ring_split = ShardPlan(sharding, parallel.ring_size, block_size, seq_len, pieces=parallel.head_size)
+    return NestedSplit(ring_split, parallel.head_size)

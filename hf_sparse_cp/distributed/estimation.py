@@ -8,18 +8,23 @@ Under CP those queries and keys are spread over the ranks, so:
 1. every rank contributes the scoring queries it holds to one all-reduce (each row is held by
    exactly one rank), after which every rank has all of them (all segments' rows in one buffer);
 2. each rank scores its own keys and the softmax normaliser of every query row is combined across
-   ranks (all-reduce of the row max, then of the rescaled sums of exp);
+   ranks (all-reduce of the row max, then of the sums of exp(score - max) as fixed-point int64);
 3. each rank adds the normalised mass of its keys into vertical scores of those keys and slash
    scores [H, L] (every segment's scored offsets, packed one after another; each segment's keys of
-   this rank too), which become the diagonals the budget ranks (`Budget.diagonal_scores`: offsets, or
+   this rank too), which become the diagonals the budget ranks (`Budget.diagonal_sums`: offsets, or
    block diagonals). A key's vertical score is then complete on the rank that holds the key; a
    diagonal sums over every rank's keys, so a reduce-scatter gives each rank the sums of 1/CP of them;
 4. per estimation segment and head, each rank offers the best entries it holds (as many as the
    budget says, `Budget.offered`) and the mass of all it holds, in one all-gather. Every entry the
    whole row's selection keeps is among its holder's best, and for top-p so is every entry ranked
    above it, so every rank selects from the union exactly what `estimate_layout` selects on the whole
-   sequence (up to the summation order of the scores, i.e. identical unless two candidates tie to the
-   last bit), and all ranks build the same layout.
+   sequence, and all ranks build the same layout.
+
+The scores are the same to the bit as one process's (`hf_sparse_cp.attention.exact`): each query-key
+score is exact to its two vectors, each (row, key) mass is rounded once to the segment's fixed point
+(`Sampling.encoding`) and every sum (over tiles, rows, ranks) is an exact int64 sum, read as fp64 once
+complete. So exact ties from equal inputs (repeated tokens, constant keys) stay ties under any split and
+break by position as in one process.
 
 These are the scores stage of the one pipeline (`hf_sparse_cp.attention.estimate.estimate`), whose
 documents, segments, budget and layout stages run here as in one process.
@@ -29,7 +34,7 @@ segment: where each segment's rows and keys lie in a shard is known on the host 
 Per rank, a ring all-reduce of a [2, B, H, V, S] score buffer (V: 1, or the most chunks a document
 has after the first) would send it about twice; the reduce-scatter sends the packed slashes once
 (L: the sparse documents' tokens, about V x S / 2 with causal chunks), and the all-gather the
-candidates: (CP - 1) x 2 x (vertical + slash budget) values per segment and head. Each rank holds
+candidates: (CP - 1) x 2 x (vertical + slash budget) fp64 values per segment and head. Each rank holds
 the verticals of its own keys only.
 """
 
@@ -50,10 +55,12 @@ from ..attention.estimate import (
     Sampling,
     accumulate_vertical_slash,
     estimate,
-    row_softmax_stats,
+    row_exp_sums,
+    row_max,
     scoring_groups,
     warn_if_costly,
 )
+from ..attention.exact import FixedPoint
 from ..attention.layout import SparseLayout
 from ..attention.precision import compute_dtype
 from ..config import SparseAttentionConfig
@@ -85,7 +92,7 @@ def estimate_layout_cp(
 
     Returns:
         The layout over the padded sequence [B, Hq, plan.num_blocks, ...], the same on every rank and
-        equal to `estimate_layout` on the whole sequence (up to the summation order of the scores).
+        equal to `estimate_layout` on the whole sequence (bit-identical scores, see the module docstring).
     """
     return estimate_cp(q, k, cfg, shard, scale=scale, sliding_window=sliding_window).layout
 
@@ -148,53 +155,59 @@ def _sharded_scores(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
         q_rows[:, row_base[p] + tok[mine] - (st.hi - st.rows)] = q[row][:, mine].to(dtype)
     _all_reduce(q_rows, dist.ReduceOp.SUM, shard)
 
-    # 2. their softmax normalisers over all keys
+    # 2. their softmax normalisers over all keys: the row maxima, then the sums of exp(score - max) in fixed point
+    # (exact, so the same on every rank as in one process)
     work = []
     for p, (i, st) in enumerate(pieces):
         rows = torch.arange(st.hi - st.rows, st.hi, device=dev)
         keys = torch.arange(key_lo[i], key_lo[i] + piece_keys[p], device=dev)
-        work.append((flat[i][0], rows, slice(row_base[p], row_base[p + 1]), keys))
-    row_max = torch.full((hq, row_base[-1]), float("-inf"), dtype=dtype, device=dev)
-    row_sum = torch.zeros(hq, row_base[-1], dtype=dtype, device=dev)
-    for row, rows, span, keys in work:
+        visible = tok[keys].unsqueeze(0) <= rows.unsqueeze(1)
+        work.append((flat[i][0], rows, slice(row_base[p], row_base[p + 1]), keys, visible))
+    encodings = [sampling.encoding(sg.start, sg.scored_end) for _, sg in flat]
+    top = torch.full((hq, row_base[-1]), float("-inf"), dtype=dtype, device=dev)
+    for row, _, span, keys, visible in work:
         if keys.numel():
-            visible = tok[keys].unsqueeze(0) <= rows.unsqueeze(1)
-            row_max[:, span], row_sum[:, span] = row_softmax_stats(
-                q_rows[:, span].contiguous(), k[row][:, keys].to(dtype), visible, scale
-            )
-    top = row_max.clone()
+            top[:, span] = row_max(q_rows[:, span].contiguous(), k[row][:, keys], visible, scale)
     _all_reduce(top, dist.ReduceOp.MAX, shard)
-    row_sum = torch.where(torch.isfinite(row_max), row_sum * torch.exp(row_max - top), torch.zeros_like(row_sum))
-    _all_reduce(row_sum, dist.ReduceOp.SUM, shard)
+    exp_sums = torch.zeros(hq, row_base[-1], dtype=torch.int64, device=dev)
+    for (i, _), (row, _, span, keys, visible) in zip(pieces, work):
+        if keys.numel():
+            exp_sums[:, span] = row_exp_sums(q_rows[:, span].contiguous(), k[row][:, keys], visible, scale,
+                                             top[:, span], encodings[i].exp_sums)
+    _all_reduce(exp_sums, dist.ReduceOp.SUM, shard)
+    row_sum = torch.empty(hq, row_base[-1], dtype=dtype, device=dev)
+    for (i, _), (_, _, span, _, _) in zip(pieces, work):
+        row_sum[:, span] = encodings[i].exp_sums.decode(exp_sums[:, span], dtype)
 
-    # 3. the mass this rank's keys receive: verticals of its own keys, segment after segment; slashes of
-    # every segment's scored offsets, packed the same way on every rank
-    vertical = torch.zeros(hq, key_base[-1], dtype=dtype, device=dev)
-    slash = torch.zeros(hq, slash_base[-1], dtype=dtype, device=dev)
-    for (i, st), (row, rows, span, keys) in zip(pieces, work):
+    # 3. the mass this rank's keys receive, exact in each segment's fixed point: verticals of its own keys,
+    # segment after segment; slashes of every segment's scored offsets, packed the same way on every rank
+    vertical = torch.zeros(hq, key_base[-1], dtype=torch.int64, device=dev)
+    slash = torch.zeros(hq, slash_base[-1], dtype=torch.int64, device=dev)
+    for (i, st), (row, rows, span, keys, _) in zip(pieces, work):
         if keys.numel():
             accumulate_vertical_slash(
-                q_rows[:, span].contiguous(), k[row][:, keys].to(dtype), rows, tok[keys], scale, vertical, slash,
+                q_rows[:, span].contiguous(), k[row][:, keys], rows, tok[keys], scale, vertical, slash, encodings[i],
                 normalizer=(top[:, span], row_sum[:, span]), slash_base=slash_base[i],
                 vertical_index=torch.arange(key_base[i], key_base[i] + keys.numel(), device=dev),
                 stratum=st if sampling.weighted else None,
             )
     warn_if_costly(1 + max(sg.set for _, sg in flat), (vertical.numel() + slash.numel()) * vertical.element_size(),
                    cfg)
-    # the diagonals the budget ranks, from the partial slashes (linear), summed in their place
-    diagonals = [cfg.budget.diagonal_scores(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
+    # the diagonals the budget ranks, from the partial slashes (linear, integer weights), summed in their place
+    diagonals = [cfg.budget.diagonal_sums(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
     diagonal_base = list(itertools.accumulate((x.shape[1] for x in diagonals), initial=0))
     # 4. every rank's candidates
     all_keys = torch.cat([torch.arange(key_lo[i], key_lo[i] + key_n[i], device=dev) for i in range(len(flat))])
     return _candidates_of_every_rank(_Scores(vertical, key_base, tok[all_keys], keys_held),
                                      _Scores(torch.cat(diagonals, 1), diagonal_base, None, None), flat,
-                                     plan.padded_len, cfg, shard)
+                                     [e.mass for e in encodings], plan.padded_len, cfg, shard)
 
 
 class _Scores(NamedTuple):
-    """One kind of score of every segment, packed: segment i at values[:, bases[i]:bases[i + 1]].
-    Verticals: this rank's keys, at global `positions`, `held` [segments, cp_size] by each rank; diagonals
-    (positions and held None): every one of each segment, the same layout on every rank, partial sums."""
+    """One kind of score of every segment, packed, as fixed-point int64 sums: segment i at
+    values[:, bases[i]:bases[i + 1]]. Verticals: this rank's keys, at global `positions`, `held` [segments,
+    cp_size] by each rank; diagonals (positions and held None): every one of each segment, the same layout on
+    every rank, partial sums."""
 
     values: torch.Tensor
     bases: list[int]
@@ -202,33 +215,35 @@ class _Scores(NamedTuple):
     held: torch.Tensor | None
 
 
-def _offer(vals: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, key=None) -> torch.Tensor:
-    """[H, 2m + 1]: the best m of vals [H, n] (ranked by `key` of them, `top_entries`; exact ties: the
-    lower position first, vals being in position order), fewer padded with score 0 (never kept), their
-    ids pos [n] (padding: pad_pos) as raw bits of the score dtype, and the row's total mass."""
+def _offer(sums: torch.Tensor, pos: torch.Tensor, m: int, pad_pos: int, fixed: FixedPoint, divisor_bits: int = 0,
+           key=None) -> torch.Tensor:
+    """fp64 [H, 2m + 1]: the best m of the fixed-point sums [H, n] read as fp64 (ranked by `key` of them,
+    `top_entries`; exact ties: the lower position first, sums being in position order), fewer padded with score
+    0 (never kept), their ids pos [n] (padding: pad_pos) and the row's exact total (int64), both as raw bits."""
+    vals = fixed.decode(sums, divisor_bits=divisor_bits)
     h = vals.shape[0]
-    idx = top_entries(vals, m, key)
+    idx = top_entries(vals, m, None if key is None else functools.partial(key, positions=pos))
     out_vals = torch.zeros(h, m, dtype=vals.dtype, device=vals.device)
-    out_pos = torch.full((h, m), pad_pos, dtype=_BITS[vals.dtype], device=vals.device)
+    out_pos = torch.full((h, m), pad_pos, dtype=torch.int64, device=vals.device)
     out_vals[:, : idx.shape[1]] = vals.gather(1, idx)
-    out_pos[:, : idx.shape[1]] = pos[idx].to(out_pos.dtype)
-    # Positions travel in the score buffer as bit patterns (a copy, never arithmetic): one all-gather.
-    return torch.cat([out_vals, out_pos.view(vals.dtype), vals.sum(1, keepdim=True)], 1)
-
-
-_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+    out_pos[:, : idx.shape[1]] = pos[idx]
+    # Positions and totals travel in the score buffer as bit patterns (a copy, never arithmetic): one all-gather.
+    return torch.cat([out_vals, out_pos.view(vals.dtype), sums.sum(1, keepdim=True).view(vals.dtype)], 1)
 
 
 def _candidates_of_every_rank(vertical: _Scores, diagonal: _Scores, flat: list[tuple[int, EstimationSegment]],
-                              pad: int, cfg: SparseAttentionConfig, shard: CPShard) -> list[tuple[Entries, Entries]]:
+                              fixed: list[FixedPoint], pad: int, cfg: SparseAttentionConfig,
+                              shard: CPShard) -> list[tuple[Entries, Entries]]:
     """Per segment of `flat` ((batch row, segment), in the scores' order), the (columns, diagonals) entries
-    that every rank offers, with each row's total mass. The verticals of this rank's keys are complete here;
-    the diagonals are summed by a reduce-scatter, each rank getting 1/cp_size of them. Each rank sends, per
-    segment and head, the best entries it holds (`Budget.offered`) with the mass of all it holds, in one
-    all-gather; the union holds every entry the whole row's selection can keep and, for top-p, the mass of
-    every better one. `pad`: an id no entry has."""
+    that every rank offers, with each row's total mass, read as fp64 from the segment's fixed point (`fixed`)
+    as one process reads its whole rows (`estimate.row_entries`). The verticals of this rank's keys are
+    complete here; the diagonals are summed by a reduce-scatter (int64, exact), each rank getting 1/cp_size of
+    them. Each rank sends, per segment and head, the best entries it holds (`Budget.offered`) with the mass of
+    all it holds, in one all-gather; the union holds every entry the whole row's selection can keep and, for
+    top-p, the mass of every better one. `pad`: an id no entry has."""
     w, rank, group, budget = shard.parallel.cp_size, shard.rank, shard.parallel.cp_group, cfg.budget
     dev = vertical.values.device
+    step_bits = budget.diagonal_step(cfg.block_size).bit_length() - 1
     span = -(-diagonal.values.shape[1] // w)
     padded = torch.nn.functional.pad(diagonal.values, (0, span * w - diagonal.values.shape[1]))
     if w > 1:
@@ -244,13 +259,12 @@ def _candidates_of_every_rank(vertical: _Scores, diagonal: _Scores, flat: list[t
     offers = []
     for i, (_, sg) in enumerate(flat):
         mine = slice(vertical.bases[i], vertical.bases[i + 1])
-        gain, where = vertical.values[:, mine], vertical.positions[mine]
-        key = budget.column_key(sg.start, sg.scored_end, cfg.block_size)
-        offers.append(_offer(gain, where, widths[0][i], pad, None if key is None else functools.partial(key,
-                                                                                                      positions=where)))
+        offers.append(_offer(vertical.values[:, mine], vertical.positions[mine], widths[0][i], pad, fixed[i],
+                             key=budget.column_key(sg.start, sg.scored_end, cfg.block_size)))
         lo = max(diagonal.bases[i], rank * span)
         packed = torch.arange(lo, max(lo, min(diagonal.bases[i + 1], (rank + 1) * span)), device=dev)
-        offers.append(_offer(summed[:, packed - rank * span], packed - diagonal.bases[i], widths[1][i], pad))
+        offers.append(_offer(summed[:, packed - rank * span], packed - diagonal.bases[i], widths[1][i], pad,
+                             fixed[i], step_bits))
     local = torch.cat(offers, 1)
     gathered = local.new_empty(w, *local.shape)
     if w > 1:
@@ -260,11 +274,12 @@ def _candidates_of_every_rank(vertical: _Scores, diagonal: _Scores, flat: list[t
     out, col = [], 0
     for i in range(len(flat)):
         kinds = []
-        for m in (widths[0][i], widths[1][i]):
+        for m, divisor_bits in ((widths[0][i], 0), (widths[1][i], step_bits)):
             part = gathered[:, :, col : col + 2 * m + 1]
             col += 2 * m + 1
             vals = part[..., :m].movedim(0, 1).flatten(1)
-            ids = part[..., m : 2 * m].contiguous().view(_BITS[vals.dtype]).movedim(0, 1).flatten(1).long()
-            kinds.append(Entries(vals, ids, part[..., 2 * m :].sum(0)))
+            ids = part[..., m : 2 * m].contiguous().view(torch.int64).movedim(0, 1).flatten(1)
+            total = part[..., 2 * m :].contiguous().view(torch.int64).sum(0)
+            kinds.append(Entries(vals, ids, fixed[i].decode(total, divisor_bits=divisor_bits)))
         out.append(tuple(kinds))
     return out

@@ -14,6 +14,14 @@ script runs on a laptop and on a cluster.
 The hierarchical ring splits a CP group into `num_nodes` x `node_size` ranks: an inner ring within
 a node and an outer ring across nodes, each with its own process group so that their transfers can
 be in flight together.
+
+Head parallelism (`--cp_mode ulysses`, DeepSpeed-Ulysses's split) splits the attention heads over the
+CP group instead: an all-to-all turns the sequence split into a head split before attention and back
+after it (`head_parallel.py`). `--cp_mode hybrid` splits the heads over head groups of
+`cp_ulysses_size` consecutive ranks (inside a node) and runs the sparse ring over the ranks at the same
+place of every head group (across nodes): CP position p = o x cp_ulysses_size + i is rank i of head
+group o and position o of ring i. `ParallelDims` owns all of it: the head group, and the ring's own
+view (`ParallelDims.ring`, whose CP fields describe the ring).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -30,20 +39,37 @@ import torch.distributed as dist
 from ..files import check_field_types
 from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
 from .document_sharding import PlannerCosts
+from .heads import HeadSplit
 
 logger = logging.getLogger(__name__)
+
+
+CP_MODES = ("ring", "ulysses", "hybrid")
 
 
 @dataclass
 class ContextParallelConfig:
     """How the sequence is split over ranks and how K/V travel between them."""
 
-    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_sharding")
+    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_mode", "cp_sharding")
 
     cp_size: int = field(
         default=1,
         metadata={"help": "Context-parallel degree: ranks that share one sequence (data-parallel degree = world size "
                   "/ cp_size). With accelerate's ParallelismConfig(cp_size=...) on GPUs, its cp_size is used."},
+    )
+    cp_mode: Literal["ring", "ulysses", "hybrid"] = field(
+        default="ring",
+        metadata={"help": "How the CP group shares the attention: 'ring' (the sequence split, K/V blocks travel the "
+                  "sparse ring), 'ulysses' (head parallelism: an all-to-all gives each rank the whole sequence of "
+                  "its share of the heads, whose pattern it estimates as one process does; at most one rank per "
+                  "query head), or 'hybrid' (heads over groups of --cp_ulysses_size ranks within a node, the sparse "
+                  "ring across them)."},
+    )
+    cp_ulysses_size: int | None = field(
+        default=None,
+        metadata={"help": "For --cp_mode hybrid: ranks per head group (consecutive ranks, within a node; at most the "
+                  "query heads); the ring spans cp_size / cp_ulysses_size of them."},
     )
     cp_sharding: Literal["striped", "zigzag", "contiguous", "document"] = field(
         default="striped",
@@ -74,9 +100,9 @@ class ContextParallelConfig:
     )
     cp_allow_untested_model: bool = field(
         default=False,
-        metadata={"help": "Train an architecture outside the registry of models tested exact under context "
-                  "parallelism (hf_sparse_cp.integration.architectures.ARCHITECTURES) if it passes the checks "
-                  "for shard reach, length-dependent RoPE and token mixing outside attention."},
+        metadata={"help": "Deprecated, no effect: every architecture that passes the model checks (shard reach, "
+                  "length-dependent RoPE, token mixing outside attention) trains under context parallelism. "
+                  "Accepted so that command lines and recipes of earlier versions run."},
     )
 
     def __post_init__(self) -> None:
@@ -85,9 +111,51 @@ class ContextParallelConfig:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
         if self.cp_node_size is not None and self.cp_node_size < 1:
             raise ValueError(f"cp_node_size={self.cp_node_size} must be >= 1, or unset to use LOCAL_WORLD_SIZE.")
+        self._check_mode()
+        if self.cp_allow_untested_model:
+            warnings.warn("--cp_allow_untested_model is no longer needed and has no effect: every architecture that "
+                          "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
+                          stacklevel=2)
         for name in ("cp_planner_linear_per_token", "cp_planner_comm_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (a cost in attention token pairs).")
+
+    def _check_mode(self) -> None:
+        """Refuse settings the mode would ignore or cannot run, naming the fix."""
+        if self.cp_ulysses_size is not None and self.cp_ulysses_size < 1:
+            raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} must be >= 1.")
+        if self.cp_mode == "hybrid":
+            if self.cp_ulysses_size is None:
+                raise ValueError("--cp_mode hybrid needs --cp_ulysses_size: the ranks of one head group (within a "
+                                 "node, e.g. 8 on 8-GPU nodes); the ring spans cp_size / cp_ulysses_size of them.")
+            if self.cp_sharding == "document":
+                raise ValueError("--cp_sharding document is not available under --cp_mode hybrid (the planner's shards "
+                                 "do not cut into equal pieces for a head group); use striped, zigzag or contiguous.")
+            return
+        if self.cp_ulysses_size is not None:
+            raise ValueError(f"--cp_ulysses_size {self.cp_ulysses_size} is the head-group size of --cp_mode hybrid; "
+                             f"under --cp_mode {self.cp_mode} it would be ignored: drop it, or use --cp_mode hybrid.")
+        if self.cp_mode == "ulysses":
+            ignored = [f"--cp_sharding {self.cp_sharding}"] if self.cp_sharding != "striped" else []
+            ignored += [f"--cp_ring {self.cp_ring}"] if self.cp_ring != "flat" else []
+            if ignored:
+                raise ValueError(
+                    f"{' and '.join(ignored)} would be ignored under --cp_mode ulysses: it has no ring (every rank "
+                    "attends the whole sequence for its heads) and holds one contiguous piece of the sequence for the "
+                    "other layers. Drop it, or use --cp_mode hybrid for heads within a node and a ring across nodes."
+                )
+
+    def head_size(self, cp_size: int) -> int:
+        """Ranks of one head group for a CP group of `cp_size` ranks (1: no head parallelism)."""
+        if self.cp_mode == "ring" or cp_size == 1:
+            return 1
+        if self.cp_mode == "ulysses":
+            return cp_size
+        if cp_size % self.cp_ulysses_size:
+            divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
+            raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} does not divide cp_size={cp_size}: the CP group "
+                             f"must split into whole head groups. Use a cp_ulysses_size in {divisors}.")
+        return self.cp_ulysses_size
 
     def planner_costs(self) -> PlannerCosts:
         """The document planner's cost model with these flags' weights."""
@@ -131,8 +199,11 @@ def check_launched(cp_sizes: Iterable[int], env: Mapping[str, str] = os.environ)
         check_sizes(world, cp_size)
 
 
-def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """(num_nodes, node_size) of the ring inside one CP group; (1, cp_size) for a flat ring."""
+def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, str] = os.environ, *,
+               stride: int = 1) -> tuple[int, int]:
+    """(num_nodes, node_size) of a ring of `cp_size` ranks; (1, cp_size) for a flat ring. `stride`: the
+    ring takes every stride-th rank of the CP group (the ring of a hybrid layout, one rank per head group),
+    so a node holds 1 / stride of its ranks in the ring."""
     if config.cp_ring == "flat" or cp_size == 1:
         return 1, cp_size
     per_node = config.cp_node_size
@@ -143,6 +214,10 @@ def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, st
             "cp_ring='hierarchical' needs the number of ranks per node: launch with torchrun or accelerate launch "
             "(they set LOCAL_WORLD_SIZE) or pass --cp_node_size."
         )
+    if per_node % stride:
+        raise ValueError(f"a node holds {per_node} ranks, which do not split into head groups of {stride} "
+                         "(--cp_ulysses_size): use a head group size that divides the ranks per node.")
+    per_node //= stride
     if per_node >= cp_size:
         if per_node % cp_size:
             raise ValueError(
@@ -158,10 +233,12 @@ def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, st
             "nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
         )
     if per_node == 1:
-        logger.warning("cp_ring='hierarchical' with one rank per node (%s): an inner ring of one rank has nothing to "
-                       "overlap the outer ring with, so the ring is flat, across the %d nodes. Launch several ranks "
+        given = (f"--cp_node_size {config.cp_node_size}" if config.cp_node_size is not None
+                 else f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}")
+        logger.warning("cp_ring='hierarchical' with one rank per node (%s%s): an inner ring of one rank has nothing "
+                       "to overlap the outer ring with, so the ring is flat, across the %d nodes. Launch several ranks "
                        "per node (or set --cp_node_size) for the hierarchical ring.",
-                       "--cp_node_size 1" if config.cp_node_size == 1 else "LOCAL_WORLD_SIZE=1", cp_size)
+                       given, f", one head group of {stride}" if stride > 1 else "", cp_size)
     return cp_size // per_node, per_node
 
 
@@ -171,7 +248,11 @@ class ParallelDims:
     Attributes: world_size, rank, cp_size, dp_size, cp_rank (position in the CP group), dp_rank,
     cp_ranks (global ranks of this CP group), cp_group, topology (`RingTopology`: nodes x ranks
     per node), inner_group / outer_group (the two rings; the inner one is the CP group when flat),
-    sharding (the configured sequence split), planner_costs (the document planner's weights).
+    sharding (the configured sequence split), planner_costs (the document planner's weights);
+    mode ('ring', 'ulysses', 'hybrid'), head_size (ranks of a head group, 1 without head parallelism),
+    head_group / head_rank (this rank's head group and its place in it), ring (under 'hybrid': the
+    ring's view, a `ParallelDims` whose CP fields are the ring's ranks and groups; None otherwise).
+    Under 'ulysses' and 'hybrid', topology, inner_group and outer_group describe the ring's view.
     """
 
     def __init__(
@@ -186,6 +267,10 @@ class ParallelDims:
         outer_group,
         sharding: str,
         planner_costs: PlannerCosts | None = None,
+        mode: str = "ring",
+        head_size: int = 1,
+        head_group=None,
+        ring: ParallelDims | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -200,18 +285,34 @@ class ParallelDims:
         self.outer_group = outer_group
         self.sharding = sharding
         self.planner_costs = PlannerCosts() if planner_costs is None else planner_costs
+        if mode not in CP_MODES or self.cp_size % head_size:
+            raise ValueError(f"mode={mode!r} (one of {CP_MODES}) with head groups of {head_size} in a CP group of "
+                             f"{self.cp_size}.")
+        self.mode, self.head_size, self.head_group, self.ring = mode, head_size, head_group, ring
+        self.head_rank = self.cp_rank % head_size
 
     def __repr__(self) -> str:
         t = self.topology
+        heads = {"ring": "", "ulysses": f", heads over {self.head_size} ranks",
+                 "hybrid": f", heads over {self.head_size} ranks x ring of {self.cp_size // self.head_size}"}[self.mode]
         return (
             f"ParallelDims(world={self.world_size}, cp={self.cp_size} x dp={self.dp_size}, rank={self.rank} "
-            f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), ring={t.num_nodes} node(s) x {t.node_size}, "
-            f"sharding={self.sharding})"
+            f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), mode={self.mode}{heads}, ring={t.num_nodes} node(s) "
+            f"x {t.node_size}, sharding={self.sharding})"
         )
 
     @property
     def hierarchical(self) -> bool:
         return self.topology.num_nodes > 1 and self.topology.node_size > 1
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks of the ring: the CP group under 'ring', the head groups under 'hybrid', 1 under 'ulysses'."""
+        return self.cp_size // self.head_size
+
+    def head_split(self, q_heads: int, kv_heads: int) -> HeadSplit:
+        """How this layout's head groups split a layer's heads (raises naming the numbers when they cannot)."""
+        return HeadSplit(q_heads, kv_heads, self.head_size)
 
     def global_rank(self, position: int) -> int:
         """Global rank of the CP group member at ring `position`."""
@@ -228,7 +329,8 @@ class ParallelDims:
         """Build from the plugin's own flags over the default process group (gloo on CPU, or any backend).
 
         Call on every rank after `torch.distributed.init_process_group`: it creates the CP groups
-        (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups.
+        (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups; for
+        head parallelism, the head groups and the hybrid's rings.
         """
         if not (dist.is_available() and dist.is_initialized()):
             if config.cp_size != 1:
@@ -245,9 +347,18 @@ class ParallelDims:
     def from_accelerator(cls, accelerator, config: ContextParallelConfig | None = None, *,
                          env: Mapping[str, str] = os.environ) -> ParallelDims:
         """Build from an `accelerate.Accelerator`: its `ParallelismConfig` (cp_size, device mesh, CP
-        group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs)."""
+        group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs). The
+        plugin's --cp_mode decides how the CP group shares attention either way."""
         config = ContextParallelConfig() if config is None else config
         pc = getattr(accelerator, "parallelism_config", None)
+        if pc is not None and getattr(pc, "sp_size", 1) > 1:
+            raise ValueError(
+                f"accelerate's ParallelismConfig(sp_size={pc.sp_size}) is DeepSpeed's Ulysses (sp_backend="
+                f"'{getattr(pc, 'sp_backend', 'deepspeed')}'), which runs under DeepSpeed only. For head parallelism "
+                f"with FSDP2 set sp_size to 1 and cp_size to {pc.sp_size} in the accelerate config "
+                f"(parallelism_config_cp_size: {pc.sp_size}) and pass --cp_mode ulysses: the plugin splits the heads "
+                "over accelerate's CP group."
+            )
         if pc is None or pc.cp_size == 1:
             return cls.from_config(config, env=env)
         if config.cp_size not in (1, pc.cp_size):
@@ -255,11 +366,9 @@ class ParallelDims:
                 f"--cp_size={config.cp_size} disagrees with accelerate's ParallelismConfig(cp_size={pc.cp_size}); "
                 "set one of them (the accelerate config on GPUs)."
             )
-        if pc.tp_size > 1 or getattr(pc, "sp_size", 1) > 1:
-            raise ValueError(
-                f"sparse context parallelism does not compose with tensor or sequence parallelism (tp_size="
-                f"{pc.tp_size}, sp_size={getattr(pc, 'sp_size', 1)}); set them to 1."
-            )
+        if pc.tp_size > 1:
+            raise ValueError(f"sparse context parallelism does not compose with tensor parallelism (tp_size="
+                             f"{pc.tp_size}); set it to 1.")
         mesh = accelerator.torch_device_mesh
         names = list(mesh.mesh_dim_names)
         ranks = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, pc.cp_size)
@@ -271,38 +380,82 @@ class ParallelDims:
     def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config: ContextParallelConfig,
                env: Mapping[str, str], cp_group) -> ParallelDims:
         w = len(cp_groups[0])
-        num_nodes, node_size = ring_shape(w, config, env)
-        if num_nodes > 1 and any(g != list(range(g[0], g[0] + w)) for g in cp_groups):
-            raise ValueError("the hierarchical ring needs each CP group to be consecutive ranks (CP innermost in the "
-                             "device mesh); use cp_ring='flat'.")
-        topology = RingTopology(num_nodes, node_size)
+        h = config.head_size(w)
+        mode = config.cp_mode if h > 1 else "ring"
+        if mode == "hybrid" and h == w:
+            mode = "ulysses"  # a ring of one rank
+        if mode != config.cp_mode:
+            logger.info("--cp_mode %s with head groups of %d in a CP group of %d runs as '%s'.", config.cp_mode, h, w,
+                        mode)
         mine = next(g for g in cp_groups if rank in g)
-        # Every rank takes part in creating every group, in the same order; each with the default group's
-        # timeout (`--ddp_timeout`), which torch does not pass on to new groups.
-        timeout = group_timeout()
+        # Every rank takes part in creating every group, in the same order (`_new_groups`).
         if cp_group is None and w > 1:
-            for g in cp_groups:
-                created = dist.new_group(g, timeout=timeout)
-                if rank in g:
-                    cp_group = created
-        inner, outer = cp_group, None
-        if num_nodes > 1:
-            for g in cp_groups:
-                for node in range(num_nodes):
-                    created = dist.new_group(g[node * node_size : (node + 1) * node_size], timeout=timeout)
-                    if rank in g and topology.node(g.index(rank)) == node:
-                        inner = created
-                for local in range(node_size):
-                    created = dist.new_group(g[local::node_size], timeout=timeout)
-                    if rank in g and topology.local(g.index(rank)) == local:
-                        outer = created
-        layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
-                     inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
-                     planner_costs=config.planner_costs())
-        for group in {id(g): g for g in (cp_group, inner, outer) if g is not None}.values():
+            cp_group = _new_groups(cp_groups, rank)
+        created = [cp_group]
+        if mode == "ring":
+            topology, inner, outer = _rings(cp_groups, cp_group, config, env, rank, stride=1)
+            created += [inner, outer]
+            layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
+                         inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
+                         planner_costs=config.planner_costs())
+        else:
+            # head group o: positions o*h .. o*h + h - 1; ring i: positions i, i + h, ... (ascending global ranks,
+            # the order of every group's collectives)
+            head_group = _new_groups([g[o * h : (o + 1) * h] for g in cp_groups for o in range(w // h)], rank)
+            created.append(head_group)
+            ring = None
+            if mode == "hybrid":
+                rings = [g[i::h] for g in cp_groups for i in range(h)]
+                ring_group = _new_groups(rings, rank)
+                topology, inner, outer = _rings(rings, ring_group, config, env, rank, stride=h)
+                created += [ring_group, inner, outer]
+                ring = cls(world_size=world, rank=rank, cp_ranks=tuple(next(r for r in rings if rank in r)),
+                           cp_group=ring_group, topology=topology, inner_group=inner, outer_group=outer,
+                           sharding=config.cp_sharding, planner_costs=config.planner_costs())
+                ring.dp_size, ring.dp_rank = world // w, rank // w
+            topology = ring.topology if ring is not None else RingTopology(1, 1)
+            layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
+                         inner_group=None if ring is None else ring.inner_group,
+                         outer_group=None if ring is None else ring.outer_group,
+                         sharding=config.cp_sharding if ring is not None else "contiguous",
+                         planner_costs=config.planner_costs(), mode=mode, head_size=h, head_group=head_group,
+                         ring=ring)
+        for group in {id(g): g for g in created if g is not None}.values():
             warm_up(group)
         logger.info("%s", layout)
         return layout
+
+
+def _new_groups(members: list[list[int]], rank: int):
+    """Create a process group for every list of `members` (on every rank, in the same order), each with the
+    default group's timeout (`--ddp_timeout`), which torch does not pass on to new groups; returns this
+    rank's (None if it is in none)."""
+    timeout, mine = group_timeout(), None
+    for ranks in members:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _rings(rings: list[list[int]], group, config: ContextParallelConfig, env: Mapping[str, str], rank: int, *,
+           stride: int) -> tuple[RingTopology, object, object]:
+    """(topology, inner group, outer group) of this rank's ring among `rings` (lists of global ranks in
+    ring order, `group` this rank's ring group): flat, or for the hierarchical ring a group per node and
+    one across nodes. `stride`: see `ring_shape`."""
+    w = len(rings[0])
+    num_nodes, node_size = ring_shape(w, config, env, stride=stride)
+    if num_nodes == 1:
+        return RingTopology(1, w), group, None
+    cp_size = w * stride
+    if any(r != list(range(r[0], r[0] + cp_size, stride)) for r in rings):
+        raise ValueError("the hierarchical ring needs each CP group to be consecutive ranks (CP innermost in the "
+                         "device mesh); use cp_ring='flat'.")
+    topology = RingTopology(num_nodes, node_size)
+    inner = _new_groups([r[node * node_size : (node + 1) * node_size] for r in rings for node in range(num_nodes)],
+                        rank)
+    outer = _new_groups([r[local::node_size] for r in rings for local in range(node_size)], rank)
+    return topology, inner, outer
 
 
 def quiesce_process_groups(settle_s: float = 0.1) -> None:

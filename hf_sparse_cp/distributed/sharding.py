@@ -14,7 +14,8 @@ blocks, and splits it by one of three layouts:
   ranks *and* ring steps; the default for sparse attention.
 
 `document_sharding.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
-gives ranks different numbers of blocks (see `document_sharding`).
+gives ranks different numbers of blocks (see `document_sharding`). `NestedSplit` cuts every shard of a split
+into contiguous pieces, one per rank of a head-parallel group (`--cp_mode ulysses` / `hybrid`).
 
 Sharding happens once, at data time: every CP rank gets the same batch and keeps its shard of the
 inputs, the labels shifted *before* sharding, and the position_ids (RoPE sees true positions).
@@ -179,6 +180,7 @@ class ShardPlan(BlockSplit):
     cp_size: int
     block_size: int
     seq_len: int
+    pieces: int = 1  # every rank's blocks a multiple of this (`NestedSplit` cuts them into as many runs)
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -186,15 +188,16 @@ class ShardPlan(BlockSplit):
                     "hf_sparse_cp.distributed.document_sharding)" if self.sharding == "document" else "")
             raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}{hint}.")
         check_block_size(self.block_size)
-        if self.cp_size < 1:
-            raise ValueError(f"cp_size={self.cp_size} must be >= 1.")
+        if self.cp_size < 1 or self.pieces < 1:
+            raise ValueError(f"cp_size={self.cp_size} and pieces={self.pieces} must be >= 1.")
         if self.seq_len < 1:
             raise ValueError(f"seq_len={self.seq_len} must be >= 1.")
 
     @property
     def granularity(self) -> int:
-        """Tokens the padded length is a multiple of: whole blocks per rank (two chunks per rank for zigzag)."""
-        return self.block_size * self.cp_size * (2 if self.sharding == "zigzag" else 1)
+        """Tokens the padded length is a multiple of: whole blocks per rank (two chunks per rank for zigzag),
+        times `pieces`."""
+        return self.block_size * self.cp_size * self.pieces * (2 if self.sharding == "zigzag" else 1)
 
     @property
     def padded_len(self) -> int:
@@ -238,6 +241,41 @@ class ShardPlan(BlockSplit):
     @property
     def keeps_order(self) -> bool:
         return True
+
+
+class NestedSplit(BlockSplit):
+    """A split of a split: every rank of `outer` cuts its blocks (ascending) into `pieces` contiguous
+    runs of equal length, and CP rank `o * pieces + i` holds run i of outer rank o.
+
+    This is the sequence split of head parallelism: the ranks o * pieces .. (o + 1) * pieces - 1 form
+    a head group, whose all-to-all turns their runs back into outer rank o's whole shard (in its order)
+    for a share of the heads. `outer` is the ring's split under `--cp_mode hybrid`, and the whole
+    sequence on one rank (contiguous) under `--cp_mode ulysses`. The global order is `outer`'s.
+    """
+
+    def __init__(self, outer: BlockSplit, pieces: int) -> None:
+        if pieces < 1:
+            raise ValueError(f"pieces={pieces} must be >= 1.")
+        short = [r for r in range(outer.cp_size) if outer.blocks_of(r).numel() % pieces]
+        if short:
+            raise ValueError(
+                f"rank {short[0]} of the outer split holds {outer.blocks_of(short[0]).numel()} blocks, which do not "
+                f"cut into {pieces} equal runs: build the outer split with pieces={pieces} (ShardPlan pads for it)."
+            )
+        self.outer, self.pieces = outer, pieces
+        self.cp_size, self.block_size, self.seq_len = outer.cp_size * pieces, outer.block_size, outer.seq_len
+
+    @functools.cached_property
+    def rank_blocks(self) -> tuple[torch.Tensor, ...]:
+        return tuple(run for r in range(self.outer.cp_size) for run in self.outer.blocks_of(r).view(self.pieces, -1))
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.outer.source
+
+    @property
+    def keeps_order(self) -> bool:
+        return self.outer.keeps_order
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -18,7 +18,9 @@ class Support:
     causal_lm: its `*ForCausalLM` class, whose forward the lean loss replaces (None: the stock forward).
     rowwise: its MLP and RMSNorm classes, each with the name of its forward's input, that token tiles run a
         tile of tokens at a time (each treats every token on its own, as read in transformers' code).
-    cp_tested: its result under context parallelism equals one process (tests/distributed/test_cp_models.py).
+    cp_tested: its result under context parallelism equals one process (tests/distributed/test_cp_models.py);
+        an architecture outside the table trains under CP when it passes the model checks
+        (`models.check_model_supports_context_parallel`), which name what they refuse.
     """
 
     causal_lm: str | None = None
@@ -36,8 +38,9 @@ ARCHITECTURES: dict[str, Support] = {
     "mistral": _llama_like("Mistral"),
     "qwen2": _llama_like("Qwen2"),
     "qwen3": _llama_like("Qwen3"),
-    **{model_type: Support(cp_tested=True) for model_type in ("phi3", "olmo2", "granite", "gemma3_text", "glm4",
-                                                              "helium", "smollm3", "cohere2")},
+    **{model_type: Support(cp_tested=True) for model_type in (
+        "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
+        "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},
 }
 
 

@@ -12,7 +12,9 @@ flash-attn where it is installed, or to SDPA for plain causal rows (`hf_sparse_c
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
 `hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
 and the layer runs the balanced sparse ring over the CP group instead
-(`hf_sparse_cp.distributed.context_parallel_attention`).
+(`hf_sparse_cp.distributed.context_parallel_attention`), or under head parallelism the all-to-all
+to a head split and the whole sequence of this rank's heads
+(`hf_sparse_cp.distributed.head_parallel_attention`).
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from contextvars import ContextVar
 
 import torch
 
-from ..attention.dense import dense_backend, flash_dense_attention, sdpa_dense_attention
-from ..attention.estimate import estimate_layout, pattern_documents
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
+from ..attention.sequence import sequence_attention
 from ..attention.tokens import TokenMeta, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.context import CP_SHARD_KWARG
+from ..distributed.head_parallel import head_parallel_attention
 from ..distributed.ring_attention import context_parallel_attention
 from .stats import record_kept_fraction
 
@@ -84,8 +86,7 @@ def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
     """The sparse config stored on the module's model config (see `hf_sparse_cp.configure`), or the default."""
-    raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
-    return SparseAttentionConfig() if raw is None else SparseAttentionConfig.from_dict(raw)
+    return SparseAttentionConfig.stored_on(getattr(module, "config", None)) or SparseAttentionConfig()
 
 
 def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
@@ -185,36 +186,24 @@ def sparse_cp_attention_forward(
 
 
 def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs
-            ) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention output [B, Hq, S, D] of one call (see `sparse_cp_attention_forward`) and its kept
     fraction (None for a decoding step with a KV cache, which is not counted)."""
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     if shard is not None:
-        result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
+        attend = head_parallel_attention if shard.parallel.head_size > 1 else context_parallel_attention
+        result = attend(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
         return result.out, result.kept_fraction
-    kept = None
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
-        q_meta = k_meta = meta
-        docs = pattern_documents(cfg, meta, b, q_len, sliding_window)
-        library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
-        if library != "kernels":  # a dense call that a library kernel computes
-            kept = 1.0  # (dense: every block a dense run computes)
-            if library == "sdpa":
-                return sdpa_dense_attention(query, key, value, scale=scale).transpose(1, 2), kept
-            out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
-            return out.transpose(1, 2), kept
-        with torch.no_grad():
-            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-        kept = layout.kept_fraction(meta, sliding_window)
-    else:
-        # Decoding with a KV cache: the queries are the last q_len positions; attend densely.
-        k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
-        q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
-        layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
+        return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
+    # Decoding with a KV cache: the queries are the last q_len positions; attend densely (not counted).
+    k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
+    q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
+    layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                     sliding_window=sliding_window, check_layout=False,
                                     implementation=cfg.attention_engine)
-    return out, kept
+    return out, None

@@ -88,6 +88,7 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
                          "registered with transformers: call hf_sparse_cp.patch() first (or configure(model, "
                          "select=False) to store the settings only).")
     config = SparseAttentionConfig() if config is None else config
+    config.check_layers(model.config.num_hidden_layers)
     setattr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
     if select:
         model.set_attn_implementation(BACKEND_NAME)

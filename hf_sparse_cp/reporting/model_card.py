@@ -38,7 +38,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
 
 from ..backends import PLOT_EXTRA
-from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
@@ -92,8 +92,7 @@ def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
 
 
 def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
-    raw = getattr(getattr(trainer.model, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
-    return None if raw is None else SparseAttentionConfig.from_dict(raw)
+    return SparseAttentionConfig.stored_on(getattr(trainer.model, "config", None))
 
 
 def _describe_pattern(config: SparseAttentionConfig) -> str:
@@ -150,8 +149,14 @@ def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_si
     if parallel.hierarchical:
         ring = (f"hierarchical ring ({parallel.topology.num_nodes} nodes x {parallel.topology.node_size} ranks, "
                 "the outer ring hidden behind the inner one)")
+    head = (f"head-parallel (Ulysses) over {parallel.head_size} ranks: an all-to-all gives each rank the whole "
+            "sequence of its share of the heads")
+    how = {"ring": f"{parallel.sharding} sharding, {ring}",
+           "ulysses": head,
+           "hybrid": f"hybrid: {head} within head groups, and a {ring} of {parallel.ring_size} ranks across them "
+                     f"({parallel.sharding} sharding)"}[parallel.mode]
     return (f"CP {cp_size} x DP {parallel.dp_size} ({parallel.world_size} processes): each sequence split over "
-            f"{cp_size} ranks, {parallel.sharding} sharding, {ring}")
+            f"{cp_size} ranks, {how}")
 
 
 def _describe_smet(config: SMETConfig, optim: str, args) -> str:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..attention import sequence
 from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..backends import require_matplotlib
-from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..integration import backend
+from ..config import SparseAttentionConfig
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
 from .kept_fraction import kept_fraction_figure, new_figure, read_log_history
@@ -85,7 +85,7 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
     for module in model.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
-    estimate = backend.estimate_layout
+    estimate = sequence.estimate_layout
 
     def recording(*args, **kwargs) -> SparseLayout:
         layout = estimate(*args, **kwargs)
@@ -93,7 +93,7 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
         return layout
 
     patches = PatchSet()
-    patches.set_attr(backend, "estimate_layout", recording)
+    patches.set_attr(sequence, "estimate_layout", recording)
     # a dense call taken by flash-attn builds no layout; the documented switch keeps it on the kernels
     patches.set_item(os.environ, DENSE_BACKEND_ENV, "kernels")
     try:
@@ -221,7 +221,7 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sparse_cp")
     if sparse_config is not None:
         configure(model, SparseAttentionConfig.from_file(sparse_config))
-    elif getattr(model.config, MODEL_CONFIG_ATTRIBUTE, None) is None:
+    elif SparseAttentionConfig.stored_on(model.config) is None:
         configure(model)
     return model.eval()
 
@@ -306,7 +306,7 @@ def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"No tokenizer with the model in {str(model_path)!r} ({e}); save it with the model "
                                     "(Trainer(processing_class=tokenizer) saves it with every checkpoint).") from None
-        pattern = SparseAttentionConfig.from_dict(getattr(model.config, MODEL_CONFIG_ATTRIBUTE))
+        pattern = SparseAttentionConfig.stored_on(model.config)
         if text_file is None and seq_len is None:
             seq_len = max(4096, pattern.min_seq_len)
         ids = sample_ids(tokenizer, text_file, seq_len)

@@ -39,4 +39,7 @@ MODELS = {
     "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, _QWEN.format("1.5B")),
     "qwen2.5-3b": ModelShape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, _QWEN.format("3B")),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, _QWEN.format("7B")),
+    # the model of TRL's published long-context figure (benchmarks/simulate_cp_modes.py's check)
+    "qwen3-8b": ModelShape("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936,
+                           "Qwen/Qwen3-8B config.json on the Hugging Face Hub"),
 }

@@ -172,7 +172,9 @@ CLUSTERS = {
 HARDWARE = {"8xH100-IB400": h100, "8xA100-IB200": a100}
 
 
-def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work, traffic) -> dict:
+def ring_attention_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work,
+                        traffic) -> dict:
+    """The ring's forward and backward (`RingTimeline` each) and their compute per step, for `model`'s heads."""
     scale = model.head_dim / hw.head_dim
     fwd_costs, bwd_costs = (hw.sparse_fwd, hw.sparse_bwd) if setup.sparse else (hw.dense_fwd, hw.dense_bwd)
     fwd_s = fwd_costs.time(work, model.heads) * scale
@@ -182,8 +184,8 @@ def _attention(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
     return {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s}
 
 
-def _estimation(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster,
-                cfg: SparseAttentionConfig) -> float:
+def estimation_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster,
+                    cfg: SparseAttentionConfig) -> float:
     """One layer's layout estimation under CP (`estimation.py`) with the settings `cfg`: scoring (two
     passes over the rank's keys), three all-reduces (the scoring queries, row max, row sums), the
     reduce-scatter of the slash sums (each set's scored offsets; in 'mass' mode the block diagonals
@@ -269,8 +271,8 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         cfg = cfg.replace(estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
     def step(c: Cluster) -> tuple[float, dict, float]:
-        att = _attention(setup, model, hw, c, work, traffic)
-        est = _estimation(setup, model, hw, c, cfg)
+        att = ring_attention_time(setup, model, hw, c, work, traffic)
+        est = estimation_time(setup, model, hw, c, cfg)
         layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
         return model.layers * layer + head, att, est
 

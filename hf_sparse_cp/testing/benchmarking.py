@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -137,6 +138,15 @@ def format_profiles(rows: list[dict], title: Callable[[dict], str]) -> str:
     """The kernel profile of every row that has one (`row["kernels"]`), titled `title(row)`, each
     after a blank line; empty when no row was profiled."""
     return "".join(f"\n{format_profile(title(r), r['kernels'])}\n" for r in rows if r.get("kernels"))
+
+
+def peak_rss() -> int:
+    """This process's peak resident set since the last call (or its start), in bytes; then resets it (Linux)."""
+    with open("/proc/self/status") as f:
+        peak = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak
 
 
 def device_slug(device: str) -> str:

@@ -83,3 +83,33 @@ def planted_qk(
             q[0, h, :, d_half:] += amp * codes
             k[0, kv, : seq_len - off, d_half:] += amp * codes[off:]
     return q, k
+
+
+def local_qk(
+    num_q_heads: int,
+    num_kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    span: float,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, Hq, S, D], k [1, Hkv, S, D] whose attention decays with distance, as in local heads.
+
+    The scaled score of query i and key j is about PLANTED_LOGIT x exp(-(i - j)^2 / (2 span^2)) (random
+    Fourier features: each key head's D / 2 frequencies drawn from N(0, 1 / span^2), read by the query heads
+    of its GQA group), plus small noise. Unlike i.i.d. random q and k, whose mass is spread evenly so that a
+    top-k budget keeps columns and diagonals scattered over every block, the highest-scoring diagonals
+    are the nearest ones and the highest-scoring columns those just before the scoring queries: a top-k
+    budget keeps a few contiguous blocks per row.
+    """
+    g = num_q_heads // num_kv_heads
+    freqs = torch.randn(num_kv_heads, 1, head_dim // 2, generator=generator) / span
+    angles = torch.arange(seq_len, dtype=torch.float64).view(1, -1, 1) * freqs.double()
+    features = torch.cat([angles.cos(), angles.sin()], dim=-1).float() / (head_dim // 2) ** 0.5
+    amp = (PLANTED_LOGIT * head_dim**0.5) ** 0.5
+    noise = 0.1
+    k = amp * features.unsqueeze(0) + noise * torch.randn(1, num_kv_heads, seq_len, head_dim, generator=generator)
+    q = amp * features.repeat_interleave(g, dim=0).unsqueeze(0)
+    q = q + noise * torch.randn(1, num_q_heads, seq_len, head_dim, generator=generator)
+    return q, k

@@ -151,7 +151,7 @@ def _layouts(q, k, scale: float, configs: dict[str, SparseAttentionConfig], meta
         segments = estimation_segments(docs, cfg)
         key = (Sampling.of(cfg), str(segments))
         if key not in scores:
-            scores[key] = score_rows(q, k, segments, cfg.scoring.last_q, scale, Sampling.of(cfg))
+            scores[key] = score_rows(q, k, segments, cfg, scale)
         out[name] = layout_from_scores(meta, cfg, docs, scores[key])
     return out
 

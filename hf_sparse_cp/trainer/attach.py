@@ -85,6 +85,7 @@ def enable_sparse_attention(
     """
     config = sparse_args.attention_config(attention_config, explicit)
     check_model_supports_sparse_attention(model)
+    config.check_layers(model.config.num_hidden_layers)
     if max_length is not None:
         config.check_sparse_at(max_length, attention_layers(model.config))
     undo_recorded(model, _SPARSE_ATTENTION)
@@ -164,7 +165,7 @@ def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
 def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     """One line on how the model's layers attend: sparse or dense, and why."""
     config = model.config
-    cfg = SparseAttentionConfig.from_dict(getattr(config, MODEL_CONFIG_ATTRIBUTE) or {})
+    cfg = SparseAttentionConfig.stored_on(config) or SparseAttentionConfig()
     n = config.num_hidden_layers
     sliding = sliding_window_layers(config)
     dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
@@ -232,7 +233,7 @@ def attach_to_trainer(
             raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
         schedule = schedule_for(trainer, parse_schedule(cp_schedule))
         curriculum = enable_curriculum(trainer, schedule, cp_config)
-        parallel = curriculum.dims[schedule.stages[0].cp_size]
+        parallel = curriculum.dims[0]
         cp_schedule = schedule.text
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
@@ -240,8 +241,10 @@ def attach_to_trainer(
         if cp_schedule is not None:
             how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
         elif parallel.cp_size > 1:
-            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, {parallel.sharding} sharding, "
-                   f"{'hierarchical' if parallel.hierarchical else 'flat'} ring")
+            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, mode {parallel.mode}"
+                   + (f" (heads over {parallel.head_size} ranks)" if parallel.head_size > 1 else "")
+                   + (f", {parallel.sharding} sharding, {'hierarchical' if parallel.hierarchical else 'flat'} ring"
+                      if parallel.ring_size > 1 else ""))
         else:
             how = "off"
         logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)

@@ -173,8 +173,7 @@ def enable_trainer_context_parallel(
     if parallel.cp_size == 1:
         return parallel
     model = trainer.model
-    allow_untested = cp_config is not None and cp_config.cp_allow_untested_model
-    check_model_supports_context_parallel(model, allow_untested=allow_untested)
+    check_model_supports_context_parallel(model, head_size=parallel.head_size)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
     pad_id = pad_token_id(trainer, model)

@@ -4,13 +4,17 @@ switched online at step boundaries, without a restart or a checkpoint.
 `--cp_schedule "0:4096:1,100:16384:2,300:65536:4"` trains steps 0-99 on 4096-token samples with CP 1
 x DP world, steps 100-299 on 16384 tokens with CP 2, then 65536 tokens with CP 4. A stage starts at
 an optimizer step (`100`) or a data epoch (`1.5ep`: once 1.5 passes over the dataset are consumed),
-and may change sparse-pattern fields (`100:16384:2:mass_threshold=0.005:min_seq_len=8192`).
+and may change sparse-pattern fields (`100:16384:2:mass_threshold=0.005:min_seq_len=8192`) and how the CP
+group shares attention (`300:65536:8:cp_mode=hybrid:cp_ulysses_size=4`: any `ContextParallelConfig` field
+but cp_size, on top of the run's flags).
 
 The world size stays constant, so FSDP2's mesh over dp_shard x cp (or DDP's replicas) keeps every
 parameter and optimizer shard (AdamW or SMET) where it is; a switch changes only what depends on
 the CP degree, each read from the stage of the step being taken (`trainer.state.global_step`):
 
-* the CP and DP groups: every stage's `ParallelDims` is built before training starts;
+* the CP and DP groups: every stage's `ParallelDims` is built before training starts (a switch between
+  ring, head-parallel and hybrid attention is as cheap as one of the CP degree: parameters and optimizer
+  state do not depend on it);
 * the data: one batch sampler over the whole run (`StageBatchSampler`) hands each rank, step by
   step, the samples of its DP rank in the current stage, continuing the global sample order across
   stages (none skipped, none repeated), each cropped to the stage's length;
@@ -53,13 +57,15 @@ _EPOCH_SUFFIX = "ep"
 @dataclass(frozen=True)
 class Stage:
     """One stage: from optimizer step `from_step` (or data epoch `from_epoch`) on, samples of
-    `seq_len` tokens on CP groups of `cp_size` ranks, with the sparse-pattern fields in `sparse` changed."""
+    `seq_len` tokens on CP groups of `cp_size` ranks, with the sparse-pattern fields in `sparse` and the
+    CP fields in `cp` (`ContextParallelConfig`: cp_mode, cp_ulysses_size, ...) changed."""
 
     seq_len: int
     cp_size: int
     from_step: int | None = None
     from_epoch: float | None = None
     sparse: Mapping[str, Any] = field(default_factory=dict)
+    cp: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.from_step is None) == (self.from_epoch is None):
@@ -76,7 +82,12 @@ class Stage:
         start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
         fields = [f"{k}.{n}={x}" if isinstance(v, Mapping) else f"{k}={v}" for k, v in self.sparse.items()
                   for n, x in (v.items() if isinstance(v, Mapping) else [(None, v)])]
+        fields += [f"{k}={v}" for k, v in self.cp.items()]
         return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
+
+    def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
+        """The run's CP flags `base` with this stage's degree and CP fields."""
+        return dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
 
 
 def _value(text: str) -> Any:
@@ -87,10 +98,15 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+# The stage fields that change the CP layout rather than the pattern.
+_CP_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParallelConfig)) - {"cp_size"}
+
+
 def parse_schedule(text: str) -> tuple[Stage, ...]:
     """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
     optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
-    (`mass_threshold=0.005`) or a section's (`budget.mode=mass`, `scoring.last_q=64`)."""
+    (`mass_threshold=0.005`), a section's (`budget.mode=mass`, `scoring.last_q=64`) or a CP field
+    (`ContextParallelConfig`, e.g. `cp_mode=ulysses`)."""
     stages = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         head, *extra = item.split(":")
@@ -105,11 +121,17 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         except ValueError:
             raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
                              "and CP_SIZE whole numbers.") from None
+        given = [(k, _value(v)) for k, v in (p.split("=", 1) for p in parts[3:])]
+        if any(k == "cp_size" for k, _ in given):
+            raise ValueError(f"cp_schedule stage {item!r}: the CP degree is the stage's third field (FROM:SEQ_LEN:"
+                             "CP_SIZE), not cp_size=.")
+        cp = {k: v for k, v in given if k in _CP_FIELDS}
         sparse: dict[str, Any] = {}
-        for key, value in (p.split("=", 1) for p in parts[3:]):
-            section, _, name = key.rpartition(".")
-            (sparse.setdefault(section, {}) if section else sparse)[name] = _value(value)
-        stages.append(Stage(seq_len, cp_size, sparse=sparse, **start))
+        for key, value in given:
+            if key not in _CP_FIELDS:
+                section, _, name = key.rpartition(".")
+                (sparse.setdefault(section, {}) if section else sparse)[name] = value
+        stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
     if not stages:
         raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
     return tuple(stages)
@@ -125,10 +147,10 @@ class CurriculumArguments:
         default=None,
         metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
                   "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005' (a section's field: "
-                  "budget.mode=topk). Samples are cropped to "
-                  "their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs --max_steps; "
-                  "replaces --cp_size."},
+                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005:cp_mode=ulysses' (a pattern "
+                  "field, a section's field: budget.mode=topk, or a CP field: cp_mode, cp_ulysses_size). Samples are "
+                  "cropped to their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs "
+                  "--max_steps; replaces --cp_size."},
     )
 
     def __post_init__(self) -> None:
@@ -168,6 +190,7 @@ def build_schedule(
     samples_per_step: Sequence[int] | None = None,
     num_samples: int | None = None,
     layers: Sequence[int] | None = None,
+    n_layers: int | None = None,
 ) -> Schedule:
     """Validate `stages` for a run and resolve epoch starts into steps.
 
@@ -181,6 +204,7 @@ def build_schedule(
         num_samples: samples in the dataset; needed for epoch starts.
         layers: the model's layers that run the pattern (`models.attention_layers`), for the check that
             each stage's pattern stays sparse at its length (default: the stage's config itself).
+        n_layers: the model's decoder layers, which a stage's `layer_overrides` keys must stay within.
 
     Returns:
         The `Schedule`. Raises ValueError, naming the fix, when a CP degree does not divide the world
@@ -199,10 +223,13 @@ def build_schedule(
         unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
         if unknown:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
-                             "(SparseAttentionConfig); use e.g. mass_threshold=0.005.")
+                             "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
+                             "mass_threshold=0.005 or cp_mode=ulysses.")
         try:
             config = sparse_config.replace(**stage.sparse)
             config.check_sparse_at(stage.seq_len, layers)
+            if n_layers is not None:
+                config.check_layers(n_layers)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
         unit = config.block_size * stage.cp_size
@@ -267,7 +294,7 @@ class StageBatchSampler(torch.utils.data.Sampler):
     `max_steps x grad_accum` micro-batches: one Trainer epoch is the whole run.
     """
 
-    def __init__(self, schedule: Schedule, dims: Mapping[int, ParallelDims], *, num_samples: int, batch_size: int,
+    def __init__(self, schedule: Schedule, dims: Sequence[ParallelDims], *, num_samples: int, batch_size: int,
                  grad_accum: int, max_steps: int, seed: int | None) -> None:
         self.schedule, self.dims = schedule, dims
         self.num_samples, self.batch_size, self.grad_accum = num_samples, batch_size, grad_accum
@@ -285,7 +312,7 @@ class StageBatchSampler(torch.utils.data.Sampler):
         position, orders = 0, {}
         for step in range(self.max_steps):
             i = self.schedule.index_at(step)
-            stage, dims = self.schedule.stages[i], self.dims[self.schedule.stages[i].cp_size]
+            stage, dims = self.schedule.stages[i], self.dims[i]
             for j in range(self.grad_accum):
                 first = position + (j * dims.dp_size + dims.dp_rank) * self.batch_size
                 batch = []
@@ -303,7 +330,7 @@ class Curriculum:
     """The stages of a run and the state that follows the step being taken; built by `enable_curriculum`,
     whose `patches` record every change a stage makes (undone by `disable_curriculum`)."""
 
-    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Mapping[int, ParallelDims],
+    def __init__(self, trainer: Trainer, schedule: Schedule, dims: Sequence[ParallelDims],
                  patches: PatchSet) -> None:
         self.trainer, self.schedule, self.dims, self.patches = trainer, schedule, dims, patches
         self.index: int | None = None
@@ -324,13 +351,13 @@ class Curriculum:
             stage = self.schedule.stages[index]
             self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE,
                                   self.schedule.configs[index].to_dict())
-            dims = self.dims[stage.cp_size]
-            logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d x DP %d.", index,
-                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.dp_size)
+            dims = self.dims[index]
+            logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d (%s) x DP %d.", index,
+                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.mode, dims.dp_size)
         return index
 
     def parallel(self) -> ParallelDims:
-        return self.dims[self.schedule.stages[self.stage()].cp_size]
+        return self.dims[self.stage()]
 
 
 class _FinishCurriculum(TrainerCallback):
@@ -351,7 +378,8 @@ def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     return build_schedule(stages, world_size=world, sparse_config=model_config_for(trainer.model),
                           max_steps=args.max_steps, samples_per_step=per_step,
                           num_samples=len(dataset) if hasattr(dataset, "__len__") else None,
-                          layers=attention_layers(trainer.model.config))
+                          layers=attention_layers(trainer.model.config),
+                          n_layers=trainer.model.config.num_hidden_layers)
 
 
 def enable_curriculum(
@@ -365,7 +393,8 @@ def enable_curriculum(
     Args:
         trainer: the Trainer (its `train_dataset` has a length; `max_steps` set).
         schedule: from `build_schedule`.
-        cp_config: the CP flags other than the degree (sharding, ring); the stages set `cp_size`.
+        cp_config: the CP flags other than the degree (sharding, ring, mode); the stages set `cp_size` and
+            may change the others.
 
     Returns:
         The `Curriculum`; the trainer's data loader, CP input preparation and token counting follow it.
@@ -377,11 +406,22 @@ def enable_curriculum(
                          "a cp_schedule builds its own groups: drop parallelism_config_cp_size from the accelerate "
                          "config.")
     model = trainer.model
+    configs = []
+    for i, stage in enumerate(schedule.stages):
+        try:
+            configs.append(stage.cp_config(cp_config))
+            configs[-1].head_size(stage.cp_size)  # head groups that divide the stage's degree
+        except ValueError as error:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
     if any(s.cp_size > 1 for s in schedule.stages):
-        check_model_supports_context_parallel(model, allow_untested=cp_config.cp_allow_untested_model)
+        for head_size in sorted({c.head_size(c.cp_size) for c in configs}):
+            check_model_supports_context_parallel(model, head_size=head_size)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
-    dims = {c: ParallelDims.from_config(dataclasses.replace(cp_config, cp_size=c))
-            for c in sorted({s.cp_size for s in schedule.stages})}
+    built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
+    for config in configs:
+        if not any(config == seen for seen, _ in built):
+            built.append((config, ParallelDims.from_config(config)))
+    dims = tuple(next(parallel for seen, parallel in built if seen == config) for config in configs)
     pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)

@@ -122,7 +122,7 @@ def _case(rank: int, world: int) -> dict:
                                                                                         meta.segment.shape[1])
         gmeta = plan.global_meta(meta)
         g = torch.Generator().manual_seed(len(out))
-        dtype = torch.float32 if "fp32" in case else torch.float64  # positions travel as int32 / int64 bits
+        dtype = torch.float32 if "fp32" in case else torch.float64
         q, k = (torch.randn(len(rows), h, plan.padded_len, D, generator=g, dtype=dtype) for h in (HQ, HKV))
         ref = estimate_layout(q, k, cfg, gmeta)  # one process, over the same (global) order
         mine = (x.index_select(2, plan.token_index(rank)) for x in (q, k))
@@ -136,7 +136,6 @@ def _case(rank: int, world: int) -> dict:
             "sparse": float(ref.kept_fraction(gmeta)) < 0.95,
             "collectives": [n for n, _ in sent],
             "bytes": dict(sent[3:]),
-            "score_bytes": 4 if dtype == torch.float32 else 8,
             # what the reduce-scatter sums: the diagonals the budget ranks of every segment (its scored offsets, or in
             # 'mass' mode its block diagonals)
             "summed": sum(cfg.budget.diagonal_scores(torch.zeros(1, sg.scored_end - sg.start), BS).shape[1]
@@ -193,9 +192,10 @@ def test_the_scores_move_as_slash_sums_and_candidates(runs, case):
         # slashes and one all-gather of the candidates: no all-reduce of the score buffer
         assert r["collectives"] == ["all_reduce"] * 3 + ["reduce_scatter", "all_gather"]
         # the reduce-scatter sums the slash scores (the scored offsets of each segment, packed; in 'mass'
-        # mode their block diagonals); the candidates are a fraction of the slashes, where an all-reduce of
-        # the [2, H, sets, S] buffer sent both halves, unscored positions included, twice
-        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["summed"] // WORLD) * WORLD * r["score_bytes"]
+        # mode their block diagonals) as exact fixed-point int64; the candidates are a fraction of the
+        # slashes, where an all-reduce of the [2, H, sets, S] buffer sent both halves, unscored positions
+        # included, twice
+        assert r["bytes"]["reduce_scatter"] == HQ * -(-r["summed"] // WORLD) * WORLD * 8
         if "mass" not in case:
             assert r["bytes"]["all_gather"] < 0.5 * r["bytes"]["reduce_scatter"]
 

@@ -35,7 +35,7 @@ from hf_sparse_cp.distributed.comm import P2PComm, Transfer
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
-from oracle import TOLERANCE, rel_rms
+from oracle import TOLERANCE, data_parallel_grad_error, rel_rms
 
 BS, D = 16, 16
 
@@ -229,17 +229,7 @@ def _model_step(par: ParallelDims, rank: int, fsdp2: bool = False) -> dict:
     loss_sum = model(**inputs, num_items_in_batch=1).loss  # the sum of this rank's token losses
     loss = rank_loss(loss_sum, num_items, par.world_size)
     errs = {"loss": abs(float(global_mean_loss(loss_sum, num_items)) - float(ref.loss)) / float(ref.loss)}
-    worst = 0.0
-    if fsdp2:
-        loss.backward()  # FSDP2 reduce-scatters the gradients, averaged over all ranks
-        for param, ref_grad in zip(model.parameters(), ref_grads):
-            worst = max(worst, rel_rms(param.grad.full_tensor(), ref_grad))
-    else:
-        for grad, ref_grad in zip(torch.autograd.grad(loss, list(model.parameters())), ref_grads):
-            grad = grad.clone()
-            dist.all_reduce(grad)
-            worst = max(worst, rel_rms(grad / par.world_size, ref_grad))  # what DDP averaging gives
-    errs["grads"] = worst
+    errs["grads"] = data_parallel_grad_error(model, loss, ref_grads, par.world_size, fsdp2=fsdp2)
     return errs
 
 

@@ -153,6 +153,13 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
     got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
     assert len(got) == len(want) == 4
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-6, (got, want)
+    # the training state does not depend on how the CP group shares attention: a ring checkpoint resumes
+    # under head parallelism
+    heads = _cli(tmp_path / "heads", 2, "--cp_size", "2", "--cp_mode", "ulysses", "--max_steps", "4",
+                 "--resume_from_checkpoint", checkpoint)
+    assert heads.returncode == 0, heads.stderr[-3000:]
+    got = json.loads((tmp_path / "heads" / "summary.json").read_text())["losses"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-6, (got, want)
     one = _cli(tmp_path / "one", 1, "--max_steps", "4", "--resume_from_checkpoint", checkpoint)
     assert one.returncode != 0 and "saved with cp_size=2, but this run has cp_size=1" in one.stderr
     density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",

@@ -1,8 +1,9 @@
 """Online CP switching (`hf_sparse_cp.trainer.curriculum`): the schedule and its validation, the
-run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 -> CP 4 x
-DP 1 in one Trainer run, compared with the same stages run as three jobs chained through checkpoints
-(DDP; AdamW and SMET), and a resume from a checkpoint saved in the middle stage; then FSDP2 over the 4
-ranks (functional API) through the same CP switches against one process."""
+run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 (ring) -> CP 4
+x DP 1 (hybrid: heads over 2 ranks x a ring of 2) in one Trainer run, compared with the same stages run as
+three jobs chained through checkpoints (DDP; AdamW and SMET), and a resume from a checkpoint saved in the
+middle stage; then FSDP2 over the 4 ranks (functional API) through CP and mode switches against one
+process."""
 
 import os
 import re
@@ -21,7 +22,7 @@ from hf_sparse_cp.trainer.curriculum import (
     parse_schedule,
 )
 
-SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32"
+SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32:cp_mode=hybrid:cp_ulysses_size=2"
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=256, vertical_topk=16, slash_topk=32, local_window=32,
                                 sink_tokens=4, last_q=32)
 
@@ -31,6 +32,7 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
     assert [(s.from_step, s.from_epoch, s.seq_len, s.cp_size) for s in stages] == [
         (0, None, 128, 1), (2, None, 256, 2), (4, None, 512, 4), (None, 1.5, 512, 2)]
     assert stages[2].sparse == {"vertical_topk": 32}
+    assert stages[2].cp == {"cp_mode": "hybrid", "cp_ulysses_size": 2} and stages[1].cp == {}
     assert ",".join(s.text for s in stages) == SCHEDULE + ",1.5ep:512:2"
     # a section's fields, nested as in a config file
     nested = parse_schedule("0:128:1,2:256:1:budget.mode=mass:budget.mass_target=0.5:scoring.last_q=16")
@@ -58,7 +60,7 @@ def _build(text, world=4, max_steps=6, **kw):
 @pytest.mark.parametrize("text, match", [
     ("0:128:1,2:384:3", r"stage 1 \(2:384:3\): cp_size=3 does not divide the world size 4.*cp_size in \[1, 2, 4\]"),
     ("0:128:1,2:320:2", r"seq_len=320 does not split into whole blocks of 64 tokens over 2 CP ranks.*256 or 384"),
-    ("0:128:1,2:256:2:vertical_top=4", r"\['vertical_top'\] are not sparse-pattern fields"),
+    ("0:128:1,2:256:2:vertical_top=4", r"\['vertical_top'\] are not sparse-pattern fields .* or CP fields"),
     ("0:128:1,2:256:2:block_size=48", "power of two"),
     ("1:128:1", "must start at 0"),
     ("0:128:1,2:256:2,2:512:4", "not after stage 1"),
@@ -95,7 +97,7 @@ def test_the_sampler_takes_every_sample_once_per_pass_across_stages(seed):
     schedule = _build(SCHEDULE, max_steps=6)
     per_rank = []
     for rank in range(world):
-        dims = {c: _dims(world, rank, c) for c in (1, 2, 4)}
+        dims = [_dims(world, rank, stage.cp_size) for stage in schedule.stages]  # the layout of every stage
         sampler = StageBatchSampler(schedule, dims, num_samples=n, batch_size=batch, grad_accum=grad_accum,
                                     max_steps=6, seed=seed)
         per_rank.append(list(sampler))
@@ -170,9 +172,10 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
             if state.global_step == stop_at:  # a job of the chain ends its stage with a checkpoint
                 control.should_save = control.should_training_stop = True
 
-    def seen(module, args, kwargs):  # what each training forward gets: tokens, CP degree, the pattern's top-k
+    def seen(module, args, kwargs):  # what each training forward gets: tokens, CP degree and mode, the top-k
         shard = kwargs.get(CP_SHARD_KWARG)
         forwards.append((kwargs["input_ids"].shape[1], 1 if shard is None else shard.parallel.cp_size,
+                         None if shard is None else shard.parallel.mode,
                          module.config.sparse_attention["budget"]["vertical_topk"]))
 
     forwards = []
@@ -202,7 +205,7 @@ def _curriculum_vs_chain(rank: int, world: int, out: str) -> dict:
         chain, checkpoint, first = {}, None, 0
         for stage, (start, stop, seq_len, cp) in enumerate([(0, 2, 128, 1), (2, 4, 256, 2), (4, 6, 512, 4)]):
             count = (stop - start) * world // cp
-            extra = dict(sparse_vertical_topk=32) if stage == 2 else {}
+            extra = dict(sparse_vertical_topk=32, cp_mode="hybrid", cp_ulysses_size=2) if stage == 2 else {}
             args = _args(os.path.join(out, f"{name}-chain"), smet, cp_size=cp, ignore_data_skip=True, **extra)
             losses, weights, _ = _train(args, _stage_data(samples, first, count, seq_len), checkpoint,
                                         stop_at=stop if stop < MAX_STEPS else None)
@@ -230,9 +233,10 @@ def _assert_same(got: tuple, want: tuple, steps) -> None:
 
 
 def _fsdp2_through_cp_switches(rank: int, world: int) -> dict:
-    """FSDP2 over all ranks (the flattened dp_shard x cp mesh) with AdamW, through CP 1 -> 2 -> 4 at
-    128 -> 256 -> 512 tokens (one step each), in float64, beside a one-process copy fed each step's
-    global batch: the losses, the final weights, and where every local shard lives."""
+    """FSDP2 over all ranks (the flattened dp_shard x cp mesh) with AdamW, through CP 1 -> 2 (ring, then
+    ulysses) -> 4 (hybrid 2 x 2, then ulysses) at 128 -> 256 -> 512 tokens (one step each), in float64,
+    beside a one-process copy fed each step's global batch: the losses, the final weights, and where
+    every local shard lives."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -260,12 +264,15 @@ def _fsdp2_through_cp_switches(rank: int, world: int) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (model, reference))
-    dims = {c: ParallelDims.from_config(ContextParallelConfig(cp_size=c)) for c in (1, 2, 4)}  # built up front
+    steps = [(128, ContextParallelConfig(cp_size=1)), (256, ContextParallelConfig(cp_size=2)),
+             (256, ContextParallelConfig(cp_size=2, cp_mode="ulysses")),
+             (512, ContextParallelConfig(cp_size=4, cp_mode="hybrid", cp_ulysses_size=2)),
+             (512, ContextParallelConfig(cp_size=4, cp_mode="ulysses"))]
+    dims = [ParallelDims.from_config(config) for _, config in steps]  # built up front
     where = [(p.to_local().data_ptr(), tuple(p.to_local().shape)) for p in model.parameters()]
     samples, position, losses = torch.stack([s["input_ids"] for s in _samples()]), 0, []
     vocab = model.config.vocab_size
-    for cp, seq_len in ((1, 128), (2, 256), (4, 512)):
-        par = dims[cp]
+    for par, (seq_len, _) in zip(dims, steps):
         batch = samples[position : position + par.dp_size, :seq_len]  # the step's global batch, one per DP rank
         position += par.dp_size
         mine = batch[par.dp_rank : par.dp_rank + 1]
@@ -304,8 +311,9 @@ def four_processes(tmp_path_factory):
 
 def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processes):
     results = four_processes[0]["trainer"]
-    # each step ran in its stage: 128-token shards of 128, 256 and 512 tokens, CP 1, 2, 4, the last stage's top-k
-    stages = [(128, 1, 16)] * 2 + [(128, 2, 16)] * 2 + [(128, 4, 32)] * 2
+    # each step ran in its stage: 128-token shards of 128, 256 and 512 tokens, CP 1, 2 (ring), 4 (hybrid), the last
+    # stage's top-k
+    stages = [(128, 1, None, 16)] * 2 + [(128, 2, "ring", 16)] * 2 + [(128, 4, "hybrid", 32)] * 2
     assert results["adamw"]["run"][2] == results["smet"]["run"][2] == stages
     assert results["resumed"][2] == stages[3:]
     for name in ("adamw", "smet"):
@@ -319,7 +327,8 @@ def test_one_run_through_three_cp_stages_equals_three_chained_jobs(four_processe
 
 def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_process(four_processes):
     for r in four_processes:
-        assert r["fsdp2"]["stayed"]  # every local shard: the same storage and shape after three CP degrees
+        assert r["fsdp2"]["stayed"]  # every local shard: the same storage and shape after three CP degrees, 3 modes
+        assert len(r["fsdp2"]["losses"]) == 5
         for got, want in r["fsdp2"]["losses"]:
             assert abs(got - want) <= 1e-9 * abs(want)
         assert r["fsdp2"]["weights"] < 1e-9

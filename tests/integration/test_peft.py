@@ -130,8 +130,8 @@ def test_lean_loss_on_a_lora_model_takes_the_lean_path_only_with_a_plain_head(lo
     assert max(rel_rms(a, b) for a, b in zip(lean_grads, stock_grads)) <= 1e-5
 
 
-def _lora_step_under_cp(rank: int, world: int) -> dict:
-    """A LoRA model's loss and LoRA gradients under CP (fp64, stock and lean loss) against one process."""
+def _lora_step_under_cp(rank: int, world: int, mode: str = "ring") -> dict:
+    """A LoRA model's loss and LoRA gradients under CP (`mode`; fp64, stock and lean loss) against one process."""
     from hf_sparse_cp.distributed import (
         ParallelDims,
         global_mean_loss,
@@ -147,7 +147,7 @@ def _lora_step_under_cp(rank: int, world: int) -> dict:
     labels[:, :30] = -100
     ref = model(input_ids=ids, labels=labels)
     ref_grads = torch.autograd.grad(ref.loss, params)
-    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_mode=mode))
     errors = {}
     for lean in (False, True):
         if lean:
@@ -169,15 +169,16 @@ def _lora_step_under_cp(rank: int, world: int) -> dict:
             "grad_norm": float(torch.stack([g.norm() for g in ref_grads]).min())}
 
 
-def test_lora_under_cp2_equals_one_process():
-    for r in run_gloo(_lora_step_under_cp, 2, timeout_s=300):
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_lora_under_cp2_equals_one_process(mode):
+    for r in run_gloo(_lora_step_under_cp, 2, mode, timeout_s=300):
         assert r["lora_params"] == 8 and r["sparse"] and r["grad_norm"] > 0  # A and B of q, v in 2 layers
         for errs in r["errors"].values():
             # fp64 model; the stock loss casts the logits to fp32, hence fp32 rounding
             assert errs["loss"] <= 1e-6 and errs["grads"] <= 1e-6, r["errors"]
 
 
-def _train_lora(rank: int | None = None, world: int = 1) -> dict:
+def _train_lora(rank: int | None = None, world: int = 1, mode: str = "ring") -> dict:
     """Three Trainer steps of a LoRA model through `enable_sparse_attention` and `attach_to_trainer`
     (CP `world` when run under `run_gloo`): the losses and the trained weights."""
     from hf_sparse_cp import disable_sparse_attention, enable_sparse_attention
@@ -195,24 +196,25 @@ def _train_lora(rank: int | None = None, world: int = 1) -> dict:
                                      train_sampling_strategy="sequential", weight_decay=0.0)
             trainer = Trainer(model=model, args=args, train_dataset=TokenRows(_rows(3)),
                               data_collator=default_data_collator)
-            parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=world))
+            parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=world, cp_mode=mode))
             trainer.train()
     finally:
         disable_sparse_attention(model)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p, initial[n]))
-    return {"cp": parallel.cp_size, "losses": losses, "changed": changed,
+    return {"cp": parallel.cp_size, "mode": parallel.mode, "losses": losses, "changed": changed,
             "kept": [log["sparse/kept_fraction"] for log in trainer.state.log_history if "loss" in log],
             "weights": {n: p.detach().clone() for n, p in model.named_parameters() if n in changed}}
 
 
-def test_lora_through_the_trainer_with_cp2_equals_one_process():
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_lora_through_the_trainer_with_cp2_equals_one_process(mode):
     ref = _train_lora()
     assert ref["cp"] == 1 and len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]
     assert ref["changed"] and all(".lora_A." in n or ".lora_B." in n for n in ref["changed"])
     assert max(ref["kept"]) < 0.9  # (the mean over layers)
-    for run in run_gloo(_train_lora, 2, timeout_s=300):
-        assert run["cp"] == 2 and run["changed"] == ref["changed"]
+    for run in run_gloo(_train_lora, 2, mode, timeout_s=300):
+        assert (run["cp"], run["mode"]) == (2, mode) and run["changed"] == ref["changed"]
         for got, want in zip(run["losses"], ref["losses"]):
             assert abs(got - want) <= 1e-6 * want, (run["losses"], ref["losses"])
         assert run["kept"] == pytest.approx(ref["kept"], abs=1e-5)  # (logged rounded to 5 digits)

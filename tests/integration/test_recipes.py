@@ -282,6 +282,24 @@ def test_a_recipe_runs_with_cp2_on_two_processes(tmp_path):
     assert (result["world_size"], result["cp_size"]) == (2, 2)
 
 
+def test_the_hybrid_recipe_runs_on_four_processes(tmp_path):
+    """The 4 x 8 GPU hybrid recipe as shipped, shrunk to 4 CPU processes: head groups of 2, a ring of 2."""
+    shipped = parse_args(["--recipe", "hybrid_qwen2.5-3b_1m"])
+    assert (shipped.cp.cp_mode, shipped.cp.cp_size, shipped.cp.cp_ulysses_size) == ("hybrid", 32, 8)
+    assert shipped.cp.head_size(shipped.cp.cp_size) == 8 and 16 % 8 == 0  # Qwen2.5-3B's 16 query heads
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", "4", "--recipe", "hybrid_qwen2.5-3b_1m",
+           *TINY, "--cp_size", "4", "--cp_ulysses_size", "2", "--output_dir", str(tmp_path / "out"),
+           "--summary_file", str(summary)]
+    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert (result["world_size"], result["cp_size"]) == (4, 4)
+    assert "hybrid: head-parallel (Ulysses) over 2 ranks" in (tmp_path / "out" / "README.md").read_text()
+
+
 def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, monkeypatch, single_thread):
     seen = _recording(monkeypatch)
     cfg = tmp_path / "pattern.yaml"

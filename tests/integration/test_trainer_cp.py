@@ -93,6 +93,23 @@ def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packe
     _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
+def test_trainer_with_head_parallel_cp2_matches_cp1(tmp_path, reference):
+    """--cp_mode ulysses: each rank attends the whole sequence for half of the heads."""
+    run = _train(tmp_path, "ulysses2", 2, "--cp_size", "2", "--cp_mode", "ulysses")
+    assert (run["world_size"], run["cp_size"]) == (2, 2)
+    _assert_same_losses(run, reference[1])
+
+
+def test_packed_documents_with_hybrid_2x2_under_fsdp2_match_cp1(tmp_path, packed_reference):
+    """Four processes, --cp_mode hybrid: heads over pairs of ranks, the sparse ring across the pairs, the
+    packed documents' boundaries kept, FSDP2 sharding the model over the four ranks."""
+    fsdp = ("--fsdp", "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+    run = _train(tmp_path, "packed_hybrid", 4, "--cp_size", "4", "--cp_mode", "hybrid", "--cp_ulysses_size", "2",
+                 *PACKED, *fsdp)
+    assert (run["world_size"], run["cp_size"]) == (4, 4) and run["fsdp2_modules"] >= 3
+    _assert_same_losses(run, packed_reference, sparse_below=0.99)
+
+
 def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
     """The Trainer's own FSDP2 (accelerate plugin, fsdp_version 2, sharded over dp_shard x cp = 2
     ranks) with sparse CP 2 and the SMET optimizer on its local shards: the single-process run's

@@ -55,11 +55,11 @@ def _train(output_dir: str, **plugin) -> tuple[object, dict]:
                      "weights": weights, "kept": [log.get("sparse/kept_fraction") for log in logs]}
 
 
-def _cp2(rank: int, world: int, output_dir: str) -> dict:
+def _cp2(rank: int, world: int, output_dir: str, mode: str = "ring") -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    trainer, result = _train(output_dir, cp_size=2)
+    trainer, result = _train(output_dir, cp_size=2, cp_mode=mode)
     trainer.create_model_card()
-    return result | {"cp_size": trainer.parallel.cp_size}
+    return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode}
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +79,13 @@ def test_the_switched_sft_trainer_is_trls_and_trains_sparse(one_process):
     assert result["loss"][1] < result["loss"][0] + 1.0 and all(torch.isfinite(torch.tensor(result["loss"])))
 
 
-def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path):
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path, mode):
+    """Padding-free packed rows (position_ids restarting per document) under the sparse ring and under
+    head parallelism: TRL's losses, gradient norms, kept fractions and weights of one process."""
     _, one, _ = one_process
-    for rank in run_gloo(_cp2, 2, str(tmp_path), timeout_s=400):
-        assert rank["cp_size"] == 2
+    for rank in run_gloo(_cp2, 2, str(tmp_path), mode, timeout_s=400):
+        assert (rank["cp_size"], rank["mode"]) == (2, mode)
         assert rank["loss"] == pytest.approx(one["loss"], rel=1e-4)
         assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         assert rank["kept"] == pytest.approx(one["kept"], rel=1e-4)
@@ -90,6 +93,7 @@ def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path):
             assert rank["weights"][name] == pytest.approx(total, rel=1e-4, abs=1e-4), name
     card = (tmp_path / "README.md").read_text()
     assert "CP 2 x DP 1" in card and "2 CPU processes (gloo)" in card
+    assert ("head-parallel (Ulysses) over 2 ranks" in card) == (mode == "ulysses")
 
 
 def _front_matter(card: str) -> dict:

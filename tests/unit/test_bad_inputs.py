@@ -318,3 +318,51 @@ def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys,
                          r"--config_file`, not a training recipe of flags: run `accelerate launch --config_file \S+ "
                          r"-m hf_sparse_cp.examples.train_long_context \[flags\]`", err, re.MULTILINE), err
         assert "unrecognized arguments" not in err
+
+
+@pytest.mark.parametrize("value", ["yes", [1, 2], 3])
+def test_a_saved_model_whose_sparse_attention_key_is_not_a_mapping_is_named(tmp_path, value):
+    """Issue #41 item 7: 'dictionary update sequence element #0 ...' at the first forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig
+
+    hf_sparse_cp.patch()
+    model = _tiny()
+    hf_sparse_cp.configure(model)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    saved["sparse_attention"] = value
+    path.write_text(json.dumps(saved))
+    named = rf"Model config '{re.escape(str(path))}': key 'sparse_attention' holds {re.escape(repr(value))}; it must " \
+            r"hold a mapping of sparse attention fields"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
+    with pytest.raises(ValueError, match=named):
+        loaded(input_ids=torch.randint(3, 200, (1, 16)))
+    with pytest.raises(ValueError, match=rf"Config file '{re.escape(str(path))}': key 'sparse_attention' holds"):
+        SparseAttentionConfig.from_file(path)
+
+
+@pytest.mark.parametrize("key, fix", [("5-10", "use keys within 0-1"), ("7", "use keys within 0-1"),
+                                      ("1-3", "use '1-1'")])
+def test_a_layer_override_past_the_models_layers_is_refused_naming_the_layer_count(key, fix):
+    """Issue #41 item 9: an override of layers a 2-layer model does not have was ignored without a word."""
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+    from hf_sparse_cp.trainer.curriculum import Stage, build_schedule
+
+    hf_sparse_cp.patch()
+    config = SparseAttentionConfig(layer_overrides={key: {"pattern": "dense"}})
+    refused = rf"layer_overrides key '{key}' reaches past the model's 2 layers: {re.escape(fix)}\."
+    with pytest.raises(ValueError, match=refused):
+        hf_sparse_cp.configure(_tiny(), config)
+    with pytest.raises(ValueError, match=refused):
+        enable_sparse_attention(_tiny(), SparseCPArguments(), attention_config=config)
+    stages = (Stage(1024, 1, sparse={"layer_overrides": {key: {"pattern": "dense"}}}, from_step=0),)
+    with pytest.raises(ValueError, match=r"cp_schedule stage 0 .*" + refused):
+        build_schedule(stages, world_size=1, sparse_config=SparseAttentionConfig(), max_steps=4, n_layers=2)
+    hf_sparse_cp.configure(_tiny(), SparseAttentionConfig(layer_overrides={"0-1": {"pattern": "dense"}}))

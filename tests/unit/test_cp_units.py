@@ -202,6 +202,10 @@ def test_a_hierarchical_ring_that_comes_out_flat_says_why(caplog):
     assert "one rank per node (LOCAL_WORLD_SIZE=1)" in caplog.text and "the ring is flat, across the 4 nodes" in (
         caplog.text)
     caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):  # a hybrid ring: one head group a node
+        assert ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "2"}, stride=2) == (4, 1)
+    assert "one rank per node (LOCAL_WORLD_SIZE=2, one head group of 2)" in caplog.text
+    caplog.clear()
     with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):
         assert ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "8"}) == (1, 4)
     assert "fits in one node of 8 ranks" in caplog.text and "the ring is flat, within the node" in caplog.text

@@ -216,8 +216,8 @@ def test_model_dense_calls_take_sdpa_for_plain_rows_and_change_nothing(library_w
     calls = []
     real = dense.sdpa_dense_attention
     monkeypatch.setattr(dense, "sdpa_dense_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    import hf_sparse_cp.integration.backend as backend
-    monkeypatch.setattr(backend, "sdpa_dense_attention", dense.sdpa_dense_attention)
+    from hf_sparse_cp.attention import sequence  # where the backend's one-process path calls it from
+    monkeypatch.setattr(sequence, "sdpa_dense_attention", dense.sdpa_dense_attention)
     hf_sparse_cp.patch()
     try:
         ids = torch.randint(3, 259, (1, 160), generator=torch.Generator().manual_seed(2))

@@ -15,7 +15,8 @@ from hf_sparse_cp.attention.estimate import (
     Stratum,
     accumulate_vertical_slash,
     estimate_layout,
-    row_softmax_stats,
+    row_exp_sums,
+    row_max,
     score_vertical_slash,
     scoring_groups,
 )
@@ -59,19 +60,50 @@ def test_sampled_scores_are_each_querys_mass_times_its_stratum_weight(weighted):
 @pytest.mark.parametrize("far_blocks", [0, 2])
 def test_one_pass_scores_are_those_of_the_two_pass_softmax_to_the_bit(dtype, far_blocks):
     """Keys that fit in one score tile are scored in one pass (the tile's own max and sum); the numbers must be
-    those of the two-pass path that a key set split over ranks takes (row statistics first), bit for bit."""
+    those of the two-pass path that a key set split over ranks takes (row statistics first), bit for bit, and
+    so must those of the keys split in two parts whose row statistics are combined (as the ranks combine them)."""
     g = torch.Generator().manual_seed(7)
     r, n = 11, 150
     q, k = torch.randn(6, r, D, generator=g, dtype=dtype) * 2, torch.randn(3, n, D, generator=g, dtype=dtype) * 2
     rows, keys = torch.arange(n - r, n), torch.arange(n)
-    stratum = Stratum(40, n, r, 0, far_blocks, BS)
+    sampling = Sampling(r, far_blocks=far_blocks, block_size=BS)
+    stratum, encoding = Stratum(40, n, r, 0, far_blocks, BS), sampling.encoding(0, n)
+    visible = keys.unsqueeze(0) <= rows.unsqueeze(1)
+    parts = [torch.arange(0, n, 3), torch.cat([torch.arange(1, n, 3), torch.arange(2, n, 3)])]
+    top = torch.maximum(*(row_max(q, k[:, p], visible[:, p], 0.3) for p in parts))
+    sums = sum(row_exp_sums(q, k[:, p], visible[:, p], 0.3, top, encoding.exp_sums) for p in parts)
+    normalizer = top, encoding.exp_sums.decode(sums, dtype)
     out = []
-    for normalizer in (None, row_softmax_stats(q, k, keys.unsqueeze(0) <= rows.unsqueeze(1), 0.3)):
-        vertical, slash = torch.zeros(6, n, dtype=dtype), torch.zeros(6, n, dtype=dtype)
-        accumulate_vertical_slash(q, k, rows, keys, 0.3, vertical, slash, normalizer=normalizer, stratum=stratum)
+    for split in (False, True):
+        vertical, slash = torch.zeros(6, n, dtype=torch.int64), torch.zeros(6, n, dtype=torch.int64)
+        for p in parts if split else [keys]:
+            accumulate_vertical_slash(q, k[:, p], rows, p, 0.3, vertical, slash, encoding,
+                                      normalizer=normalizer if split else None, stratum=stratum)
         out.append((vertical, slash))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
     assert bool((out[0][0] > 0).any())
+
+
+def test_scores_are_exact_whatever_the_tiles(monkeypatch):
+    """Equal keys score the same to the bit, and tiles of any shape sum to the same scores (each product exact to
+    its two vectors, each sum exact): what lets every rank and one process break exact ties alike."""
+    import hf_sparse_cp.attention.estimate as estimate
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 300, D, generator=g), torch.randn(2, 300, D, generator=g)
+    k[:, 100:250] = k[:, 100:101]  # a run of equal keys
+    scored = {}
+    for weighted in (False, True):
+        sampling = Sampling(24, groups=2, group_size=6, weighted=weighted, block_size=BS)
+        whole = score_vertical_slash(q, k, [(0, 300)], 24, D**-0.5, sampling)
+        for elements in (24 * 7, 24 * 40, 24 * 64 * 2):
+            monkeypatch.setattr(estimate, "SCORE_ELEMENTS", elements)
+            tiled = score_vertical_slash(q, k, [(0, 300)], 24, D**-0.5, sampling)
+            assert torch.equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1]), (weighted, elements)
+        monkeypatch.undo()
+        scored[weighted] = whole
+    # keys 100..193 are seen by the same scoring queries (rows 194..199 and 276..299): plain sums tie exactly
+    assert torch.unique(scored[False][0][:, 100:194], dim=1).shape[1] == 1
 
 
 def test_block_diagonal_mass_spreads_each_offset_over_the_two_diagonals_it_crosses():
@@ -246,12 +278,16 @@ def test_far_columns_take_only_the_mass_of_queries_far_enough_after_them():
             for r in range(st.hi - st.rows, st.hi):
                 p = torch.softmax((q[:, r] @ k[0, start : r + 1].T) * D**-0.5, -1)
                 j = torch.arange(start, r + 1)
-                first = (j // BS + far) * BS  # the first query far enough after key j
+                first = ((j - start) // BS + far) * BS + start  # the first query far enough after key j (blocks
+                # counted from the document's start)
                 seen = (st.hi - first.clamp_min(st.lo)).clamp_min(0)
                 scored = (st.hi - first.clamp_min(st.hi - st.rows)).clamp_min(0)
                 want[:, j] += p * (r >= first) * torch.where(scored > 0, seen / scored.clamp_min(1), 0)
     assert torch.allclose(vertical, want) and torch.equal(slash, plain_slash)
-    assert bool((vertical[:, 160 - far * BS :] == 0).all())  # no query is far enough after the last blocks
+    # no query is far enough after the document's last `far` blocks (counted from its start at 45)
+    last_blocks = 45 + ((160 - 45 - 1) // BS + 1 - far) * BS
+    assert bool((vertical[:, last_blocks:] == 0).all())
+    assert bool((vertical[:, last_blocks - BS : last_blocks] > 0).all())
 
 
 def test_far_diagonals_lose_the_mass_of_a_kept_column_they_cross():

@@ -8,7 +8,7 @@ from hf_sparse_cp.attention.build import build_layout, dense_layout, offsets_to_
 from hf_sparse_cp.attention.estimate import estimate_layout, score_vertical_slash, select_vertical_slash
 from hf_sparse_cp.attention.layout import dense_blocks
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.testing.layouts import planted_qk
+from hf_sparse_cp.testing.layouts import PLANTED_LOGIT, local_qk, planted_qk
 
 from oracle import visible
 
@@ -226,3 +226,20 @@ def test_kept_fraction_counts_real_tokens_only():
     layout, layout_padded = dense_layout(meta, 16), dense_layout(padded, 16)
     assert float(layout.kept_fraction(meta)) == 1.0 == float(layout_padded.kept_fraction(padded))
     assert float(layout_padded.kept_fraction()) < 1.0  # without the metadata every query block counts
+
+
+def test_local_qk_scores_decay_with_distance_and_top_k_keeps_few_blocks():
+    """local_qk's scaled scores follow PLANTED_LOGIT x exp(-d^2 / (2 span^2)) on average, and a top-k budget
+    over them keeps a few contiguous blocks per row where i.i.d. random q and k lose every block."""
+    heads, s, span = 64, 2048, 128.0
+    q, k = local_qk(heads, heads, s, D, span, generator=torch.Generator().manual_seed(3))
+    for d in (0, 128, 256, 512):
+        mean = float((q[0, :, d:] * k[0, :, : s - d]).sum(-1).mean()) * D**-0.5
+        assert abs(mean - PLANTED_LOGIT * torch.exp(torch.tensor(-(d**2) / (2 * span**2)))) < 0.5, (d, mean)
+    cfg = SparseAttentionConfig(block_size=64, min_seq_len=128, vertical_topk=128, slash_topk=128)
+    meta = TokenMeta.contiguous(1, s)
+    g = torch.Generator().manual_seed(4)
+    local = local_qk(4, 2, s, D, span, generator=g)
+    scattered = (torch.randn(1, 4, s, D, generator=g), torch.randn(1, 2, s, D, generator=g))
+    kept = [float(estimate_layout(q, k, cfg, meta, scale=D**-0.5).kept_fraction(meta)) for q, k in (local, scattered)]
+    assert kept[0] < 0.35 < 0.8 < kept[1], kept

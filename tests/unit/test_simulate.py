@@ -227,7 +227,7 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
     assert ratio > 1
 
     def est(cfg, c=cluster):
-        return step_model._estimation(setup, model, hw, c, cfg)
+        return step_model.estimation_time(setup, model, hw, c, cfg)
 
     free = cluster.without_network()
     local = est(topk, free)  # scoring and index build

@@ -2,7 +2,7 @@
 
 A budget decides, per head of one estimation segment (a document, or one of its causal chunks), which
 key columns and diagonals to keep, from their estimated attention mass. The estimation pipeline
-(`attention/estimate.py`) asks it how it wants the diagonals scored (`diagonal_scores`: per token offset,
+(`attention/estimate.py`) asks it how it wants the diagonals scored (`diagonal_sums`: per token offset,
 or per block diagonal), what a rank offers under context parallelism (`offered`, `column_key`: every
 entry the whole row's selection keeps must be among them), and the selection (`select`); the planner,
 the memory model and the simulator size rows with `most_kept` / `most_diagonal_blocks`, the model card
@@ -52,10 +52,18 @@ class Budget(BudgetSection):
         """Tokens between two diagonals it ranks: 1 (every offset q - k) or block_size (block diagonals)."""
         return 1
 
-    def diagonal_scores(self, slash: torch.Tensor, block_size: int) -> torch.Tensor:
-        """The scores of the diagonals it ranks ([h, m]) from slash scores [h, L] of offsets 0..L-1 of one
-        segment; linear, so partial sums of slashes give partial sums of these."""
+    def diagonal_sums(self, slash: torch.Tensor, block_size: int) -> torch.Tensor:
+        """`diagonal_step` times the scores of the diagonals it ranks ([h, m]) from slashes [h, L] of offsets
+        0..L-1 of one segment: integer weights, so that fixed-point slashes (int64, `exact.FixedPoint`) give
+        exact fixed-point sums; linear, so partial sums of slashes give partial sums of these."""
         return slash
+
+    def diagonal_scores(self, slash: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The scores of the diagonals it ranks ([h, m]) from floating-point slash scores [h, L] of offsets
+        0..L-1 of one segment (`diagonal_sums` over `diagonal_step`)."""
+        step = self.diagonal_step(block_size)
+        sums = self.diagonal_sums(slash, block_size)
+        return sums if step == 1 else sums / step
 
     def most_kept(self, kind: Kind) -> int | None:
         """Most entries of `kind` a head keeps in a segment, anchors aside (None: any number)."""

@@ -6,7 +6,9 @@ A column's work is the query blocks after its own (its own block lies on the alw
 a block diagonal's the query blocks it crosses. With `mass_near_blocks` n, each query block's n nearest
 block diagonals serve the keys near it: a column is valued by the queries n or more blocks after it, and
 the far block diagonals lose the estimated mass of the kept columns they cross (chosen again with it), so
-that no mass counts twice.
+that no mass counts twice. Blocks are counted from the document's start, so that a document selects the
+same wherever it sits in a packed row (a document that does not start on a block boundary costs a little
+more work than this counts).
 """
 
 from __future__ import annotations
@@ -19,27 +21,41 @@ import torch
 from .base import Budget, Entries, Kind, head_chunks, rank_order
 
 
-def block_diagonal_mass(slash: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[h, ceil(L / bs) + 1]: the mass on each block diagonal d from slash scores [h, L] of offsets 0..L-1.
-    A query at a uniform place in its block reaches block diagonal d through offset o with probability
-    (bs - |o - d bs|)^+ / bs, so offset d bs + u (0 <= u < bs) gives (bs - u) / bs to d and u / bs to d + 1."""
+def block_diagonal_sums(slash: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[h, ceil(L / bs) + 1]: block_size times the mass on each block diagonal d from slashes [h, L] of offsets
+    0..L-1 (floating point or fixed-point int64: integer weights, exact). A query at a uniform place in its block
+    reaches block diagonal d through offset o with probability (bs - |o - d bs|)^+ / bs, so offset d bs + u
+    (0 <= u < bs) gives (bs - u) / bs to d and u / bs to d + 1."""
     h, n = slash.shape
     bs = block_size
     nb = -(-n // bs)
     blocks = torch.nn.functional.pad(slash, (0, nb * bs - n)).view(h, nb, bs)
     u = torch.arange(bs, device=slash.device, dtype=slash.dtype)
     out = torch.zeros(h, nb + 1, dtype=slash.dtype, device=slash.device)
-    out[:, :nb] = blocks @ ((bs - u) / bs)
-    out[:, 1:] += blocks @ (u / bs)
+    out[:, :nb] = (blocks * (bs - u)).sum(-1)
+    out[:, 1:] += (blocks * u).sum(-1)
     return out
+
+
+def block_diagonal_mass(slash: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[h, ceil(L / bs) + 1]: the mass on each block diagonal from floating-point slash scores [h, L]
+    (`block_diagonal_sums` over block_size)."""
+    return block_diagonal_sums(slash, block_size) / block_size
+
+
+def _document_blocks(positions: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
+    """The block of each position in blocks counted from the document's start: a document is priced the same
+    wherever it sits in a row's blocks."""
+    return torch.div(positions - start, block_size, rounding_mode="floor")
 
 
 def column_cost(positions: torch.Tensor, start: int, end: int, block_size: int, far_blocks: int = 0) -> torch.Tensor:
     """Blocks of work a kept key column at `positions` adds in a document [start, end): 1 / block_size per
-    query block after its own, or with `far_blocks` per query block that many blocks or more after its own."""
-    first_qb, end_qb = start // block_size, -(-end // block_size)
-    after = torch.div(positions, block_size, rounding_mode="floor") + max(1, far_blocks)
-    return (end_qb - torch.clamp_min(after, first_qb)).clamp_min(0) / block_size
+    query block after its own, or with `far_blocks` per query block that many blocks or more after its own
+    (blocks counted from the document's start)."""
+    end_qb = -(-(end - start) // block_size)
+    after = _document_blocks(positions, start, block_size) + max(1, far_blocks)
+    return (end_qb - torch.clamp_min(after, 0)).clamp_min(0) / block_size
 
 
 def column_ratio(gain: torch.Tensor, positions: torch.Tensor, start: int, end: int, block_size: int,
@@ -51,10 +67,9 @@ def column_ratio(gain: torch.Tensor, positions: torch.Tensor, start: int, end: i
 
 
 def diagonal_cost(diagonals: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
-    """Blocks of work a kept block diagonal d adds in a document [start, end): the query blocks whose block
-    d before them holds the document's keys."""
-    first_qb, end_qb = start // block_size, -(-end // block_size)
-    return (end_qb - first_qb - diagonals).clamp_min(0)
+    """Blocks of work a kept block diagonal d adds in a document [start, end): the document's query blocks
+    (counted from its start) whose block d before them holds the document's keys."""
+    return (-(-(end - start) // block_size) - diagonals).clamp_min(0)
 
 
 @dataclass
@@ -111,8 +126,8 @@ class Mass(Budget):
     def diagonal_step(self, block_size: int) -> int:
         return block_size
 
-    def diagonal_scores(self, slash: torch.Tensor, block_size: int) -> torch.Tensor:
-        return block_diagonal_mass(slash, block_size)
+    def diagonal_sums(self, slash: torch.Tensor, block_size: int) -> torch.Tensor:
+        return block_diagonal_sums(slash, block_size)
 
     def most_kept(self, kind: Kind) -> int | None:
         return self.vertical_cap if kind == "columns" else None
@@ -194,14 +209,13 @@ def _crossed_mass(col_gain, col_pos, kept, diag, start, scored_end, bs, far_bloc
     spread evenly over the far query blocks it is listed in (the estimate's own assumption), summed over the
     kept columns whose key block lies d or more blocks before the last query block; in position order, so
     that every rank, holding the same kept columns in another order, sums alike."""
-    first_qb, end_qb = start // bs, -(-scored_end // bs)
-    nkb = max(end_qb - first_qb, 0)
+    nkb = max(-(-(scored_end - start) // bs), 0)
     order = torch.argsort(col_pos, dim=-1, stable=True)
     pos = col_pos.gather(-1, order)
     listed = column_cost(pos, start, scored_end, bs, far_blocks) * bs
     per_block = torch.where(kept.gather(-1, order) & (listed > 0), col_gain.gather(-1, order).double()
                             / listed.clamp_min(1), 0)
-    kb = (torch.div(pos, bs, rounding_mode="floor") - first_qb).clamp(0, nkb)
+    kb = _document_blocks(pos, start, bs).clamp(0, nkb)
     by_block = torch.zeros(*per_block.shape[:-1], nkb + 1, dtype=torch.float64, device=col_gain.device)
     by_block.scatter_add_(-1, kb, per_block)
     before = torch.nn.functional.pad(by_block.cumsum(-1), (1, 0))  # before[x]: key blocks < x

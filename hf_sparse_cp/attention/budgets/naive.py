@@ -37,9 +37,10 @@ def _topp(budget, vertical, slash, start, end, scored_end, bs):
 
 def _mass_head(budget, column_gain, offsets, start, end, scored_end, bs):
     """One head of 'mass' mode: (kept columns, kept offsets)."""
-    near, first_qb, end_qb = budget.mass_near_blocks, start // bs, -(-scored_end // bs)
+    # blocks counted from the document's start
+    near, end_qb = budget.mass_near_blocks, -(-(scored_end - start) // bs)
     n, length = len(column_gain), len(offsets)
-    blocks = [max(0, end_qb - max((start + j) // bs + max(1, near), first_qb)) for j in range(n)]  # far query blocks
+    blocks = [max(0, end_qb - (j // bs + max(1, near))) for j in range(n)]  # far query blocks
     ratio = [column_gain[j] / (blocks[j] / bs) if blocks[j] else 0.0 for j in range(n)]
     competing = set(sorted(range(n), key=lambda j: (-ratio[j], j))[: budget.vertical_cap])
     ratio = [ratio[j] if j in competing else 0.0 for j in range(n)]
@@ -48,7 +49,7 @@ def _mass_head(budget, column_gain, offsets, start, end, scored_end, bs):
     mass = [sum(offsets[o] * max(0, bs - abs(o - d * bs)) / bs for o in range(length)) for d in range(diagonals)]
 
     def take(diag_gain):
-        cost = [max(0, end_qb - first_qb - d) for d in range(diagonals)]
+        cost = [max(0, end_qb - d) for d in range(diagonals)]
         ok = [1 <= d <= (end - start - 1) // bs and cost[d] > 0 for d in range(diagonals)]
         items = [(ratio[j], gain[j], j, ("column", j)) for j in range(n)]
         items += [(diag_gain[d] / cost[d] if ok[d] else 0.0, diag_gain[d] if ok[d] else 0.0, end - start + d,
@@ -64,7 +65,7 @@ def _mass_head(budget, column_gain, offsets, start, end, scored_end, bs):
     kept = take(mass)
     if near:
         crossed = [sum(gain[j] / blocks[j] for j in range(n)
-                       if ("column", j) in kept and blocks[j] and (start + j) // bs - first_qb < end_qb - first_qb - d)
+                       if ("column", j) in kept and blocks[j] and j // bs < end_qb - d)
                    for d in range(diagonals)]
         kept = take([max(0.0, mass[d] - crossed[d]) if d >= near else mass[d] for d in range(diagonals)])
     columns = [("column", j) in kept for j in range(n)]

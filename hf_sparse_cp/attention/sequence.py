@@ -1,0 +1,55 @@
+"""Sparse attention of whole sequences in one process: what the backend runs without context
+parallelism, and what every rank runs on the whole sequence of its heads under head parallelism."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import SparseAttentionConfig
+from .dense import dense_backend, flash_dense_attention, sdpa_dense_attention
+from .estimate import estimate_layout, pattern_documents
+from .ops import block_sparse_attention
+from .tokens import TokenMeta
+
+
+def sequence_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: TokenMeta,
+    cfg: SparseAttentionConfig,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's pattern estimated on the call's sequences, then exact attention over it (a dense
+    call goes to flash-attn where it is installed, or to SDPA for plain causal rows: `dense`).
+
+    Args:
+        query: [B, Hq, S, D]; key, value: [B, Hkv, S, D] (after RoPE), Hq a multiple of Hkv.
+        meta: the tokens' documents and padding [B, S]; cfg: the layer's pattern settings.
+        scale: softmax scale (default 1 / sqrt(D)); sliding_window: the layer's window, or None.
+
+    Returns:
+        (out [B, Hq, S, D], the kept fraction of attention blocks, of those a dense run of the batch computes:
+        a 0-d float64 tensor, 1.0 for a dense call).
+    """
+    b, _, s, d = query.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    docs = pattern_documents(cfg, meta, b, s, sliding_window)
+    library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
+    if library != "kernels":  # a dense call that a library kernel computes
+        if library == "sdpa":
+            out = sdpa_dense_attention(query, key, value, scale=scale)
+        else:
+            out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
+        # (dense: every block a dense run of the batch computes)
+        return out.transpose(1, 2), torch.ones((), dtype=torch.float64, device=query.device)
+    with torch.no_grad():
+        layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
+    out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=meta, k_meta=meta,
+                                    sliding_window=sliding_window, check_layout=False,
+                                    implementation=cfg.attention_engine)
+    return out, layout.kept_fraction(meta, sliding_window)

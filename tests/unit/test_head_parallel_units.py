@@ -1,0 +1,112 @@
+"""Head parallelism without processes: the head split (GQA, uneven splits, K/V replication), the nested
+sequence split of head groups, and the refusals of the CP flags."""
+
+import types
+
+import pytest
+import torch
+
+from hf_sparse_cp.distributed import ContextParallelConfig, HeadSplit, NestedSplit, ParallelDims, ShardPlan
+
+
+@pytest.mark.parametrize("hq, hkv, size", [(4, 2, 2), (6, 2, 3), (8, 2, 3), (12, 3, 4), (14, 2, 8), (32, 8, 16),
+                                           (28, 4, 8), (6, 3, 2), (5, 5, 5), (7, 1, 7)])
+def test_every_query_head_on_one_rank_with_the_key_head_it_reads(hq, hkv, size):
+    split = HeadSplit(hq, hkv, size)
+    owners = []
+    for r in range(size):
+        lo, hi = split.q_range(r)
+        kv_lo, kv_hi = split.kv_range(r)
+        assert hi > lo  # every rank computes at least one head
+        owners += [r] * (hi - lo)
+        local_kv = torch.arange(kv_lo, kv_hi)
+        reads = split.kv_index(r)
+        n_q, n_kv = hi - lo, kv_hi - kv_lo
+        # the key/value head each local query head attends with: expanded, or GQA over the local heads
+        seen = local_kv[reads] if reads is not None else local_kv.repeat_interleave(n_q // n_kv)
+        assert torch.equal(seen, torch.arange(lo, hi) // (hq // hkv)), (r, seen)
+    assert owners == sorted(owners) and len(owners) == hq
+    assert split.busiest == max(split.q_range(r)[1] - split.q_range(r)[0] for r in range(size))
+    assert split.balanced == (hq % size == 0)
+
+
+def test_kv_heads_are_replicated_when_the_degree_exceeds_them_and_the_bytes_are_counted():
+    split = HeadSplit(32, 8, 16)  # Qwen3-8B's heads over 16 ranks: each key head on 2 ranks
+    assert [split.kv_range(r) for r in (0, 1, 2)] == [(0, 1), (0, 1), (1, 2)]
+    assert split.kv_heads_sent == 16 and all(split.kv_index(r) is None for r in range(16))
+    tokens, head_dim = 1 << 20, 128
+    assert split.replicated_kv_bytes(tokens, head_dim, 2) == 2 * 8 * tokens * head_dim * 2  # K and V, 8 copies
+    assert HeadSplit(32, 8, 8).replicated_kv_bytes(tokens, head_dim, 2) == 0
+
+
+def test_a_run_of_query_heads_that_straddles_a_group_reads_one_kv_head_per_query_head():
+    split = HeadSplit(8, 2, 3)  # ranks: q 0-1, 2-4, 5-7; rank 1 reads key heads 0, 0, 1
+    assert split.kv_range(1) == (0, 2) and split.kv_index(1).tolist() == [0, 0, 1]
+    assert split.kv_index(0) is None and split.kv_index(2) is None
+
+
+@pytest.mark.parametrize("hq, hkv, size, match", [
+    (4, 2, 8, "a head-parallel degree of 8 needs at least 8 query heads, but the model has 4 .*\\[1, 2, 4\\]"),
+    (6, 4, 2, "6 query heads and 4 key/value heads: the query heads must be a multiple"),
+    (4, 2, 0, "a head-parallel degree of 0"),
+])
+def test_a_degree_the_heads_cannot_serve_is_refused_naming_the_numbers(hq, hkv, size, match):
+    with pytest.raises(ValueError, match=match):
+        HeadSplit(hq, hkv, size)
+
+
+@pytest.mark.parametrize("sharding", ["striped", "zigzag", "contiguous"])
+@pytest.mark.parametrize("ring, pieces, seq", [(2, 2, 250), (1, 4, 250), (3, 2, 97), (2, 3, 1000)])
+def test_a_nested_split_cuts_each_ring_shard_into_contiguous_pieces(sharding, ring, pieces, seq):
+    outer = ShardPlan(sharding if ring > 1 else "contiguous", ring, 16, seq, pieces=pieces)
+    nested = NestedSplit(outer, pieces)
+    assert nested.cp_size == ring * pieces and nested.padded_len == outer.padded_len
+    for o in range(ring):
+        runs = [nested.blocks_of(o * pieces + i) for i in range(pieces)]
+        assert len({r.numel() for r in runs}) == 1  # equal pieces: one all-to-all size per rank
+        assert torch.equal(torch.cat(runs), outer.blocks_of(o))  # in the ring shard's order
+    x = torch.arange(seq).unsqueeze(0) + 1
+    assert torch.equal(nested.unshard([nested.shard(x, r) for r in range(nested.cp_size)])[:, :seq], x)
+
+
+def test_a_nested_split_refuses_shards_that_do_not_cut_evenly():
+    with pytest.raises(ValueError, match="build the outer split with pieces=3"):
+        NestedSplit(ShardPlan("striped", 2, 16, 64), 3)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(cp_mode="hybrid"), "--cp_mode hybrid needs --cp_ulysses_size"),
+    (dict(cp_mode="hybrid", cp_ulysses_size=2, cp_sharding="document"), "not available under --cp_mode hybrid"),
+    (dict(cp_mode="ring", cp_ulysses_size=2), "--cp_ulysses_size 2 is the head-group size of --cp_mode hybrid"),
+    (dict(cp_mode="ulysses", cp_sharding="zigzag"), "--cp_sharding zigzag would be ignored under --cp_mode ulysses"),
+    (dict(cp_mode="ulysses", cp_ring="hierarchical"), "--cp_ring hierarchical would be ignored"),
+    (dict(cp_mode="heads"), "cp_mode"),
+    (dict(cp_mode="hybrid", cp_ulysses_size=0), "cp_ulysses_size=0 must be >= 1"),
+])
+def test_cp_flags_a_mode_would_ignore_or_cannot_run_are_refused(flags, match):
+    with pytest.raises(ValueError, match=match):
+        ContextParallelConfig(cp_size=4, **flags)
+
+
+def test_head_groups_must_divide_the_cp_degree():
+    config = ContextParallelConfig(cp_size=6, cp_mode="hybrid", cp_ulysses_size=4)
+    with pytest.raises(ValueError, match=r"cp_ulysses_size=4 does not divide cp_size=6.*\[1, 2, 3, 6\]"):
+        config.head_size(6)
+    assert ContextParallelConfig(cp_size=6, cp_mode="ulysses").head_size(6) == 6
+    assert ContextParallelConfig(cp_size=6).head_size(6) == 1
+
+
+def test_accelerates_sp_size_under_fsdp2_is_refused_naming_the_cp_size_fix():
+    """accelerate's sp_size is DeepSpeed's Ulysses (its only sp_backend); the plugin's head parallelism
+    runs over accelerate's CP group instead."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    fake = types.SimpleNamespace(parallelism_config=ParallelismConfig(sp_size=2, dp_shard_size=2))
+    with pytest.raises(ValueError, match=r"sp_size=2\) is DeepSpeed's Ulysses.*parallelism_config_cp_size: 2\).*"
+                                         r"--cp_mode ulysses"):
+        ParallelDims.from_accelerator(fake, ContextParallelConfig(cp_mode="ulysses"))
+
+
+def test_one_process_has_no_head_groups():
+    par = ParallelDims.single()
+    assert (par.mode, par.head_size, par.ring_size, par.ring) == ("ring", 1, 1, None)
