@@ -26,16 +26,18 @@ demo: install
 # The same on real weights: SmolLM2-135M-Instruct from the eval extra (its GGUF file), 3 steps of 1024 tokens with
 # a pattern sparse at that length (about 45% of the blocks kept), CP 2 on 2 CPU processes: a few minutes.
 demo-pretrained: install
-	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2 --max_length 1024 --model_name_or_path \
+	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2 --sparse_max_length 1024 --model_name_or_path \
 		"$$($(PY) -c 'from hf_sparse_cp.testing.pretrained import model_file; print(model_file())')" \
 		--num_samples 4 --max_steps 3 --learning_rate 2e-5 --sparse_min_seq_len 0 --sparse_block_size 64 \
 		--sparse_vertical_topk 64 --sparse_slash_topk 64 --sparse_local_window 64 --sparse_sink_tokens 16 \
 		--sparse_dense_first_layers 1 --logging_steps 1 --report_to none --save_strategy no \
 		--output_dir outputs/demo_pretrained
 
-# The flag reference page, generated from the argument classes' help texts (a test fails when it is stale).
+# The generated pages: the flag reference from the argument classes' help texts, docs/memory.md's predictions from
+# the memory model (a test fails when either is stale).
 docs: install
 	$(PY) -m hf_sparse_cp.trainer.flag_reference > docs/flags.md
+	$(PY) -m hf_sparse_cp.simulator.memory_table docs/memory.md
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -155,10 +155,10 @@ def train_flags(name: str, switch_step: int, max_steps: int, output_dir: Path, m
     first, second = preset.lengths
     fsdp_config = json.dumps({"fsdp_version": 2, "transformer_layer_cls_to_wrap": [preset.layer]})
     flags = ["--model_name_or_path", str(model_dir)] if model_dir else []
-    return [*flags, "--max_length", str(second), "--num_samples", "16", "--cp_schedule",
+    return [*flags, "--sparse_max_length", str(second), "--num_samples", "16", "--cp_schedule",
             f"0:{first}:1,{switch_step}:{second}:2", "--max_steps", str(max_steps), "--per_device_train_batch_size",
             "1", "--learning_rate", "2e-3", "--lr_scheduler_type", "constant", "--logging_steps", "1",
-            "--report_to", "none", "--save_strategy", "no", *PATTERN, "--fsdp", "full_shard auto_wrap",
+            "--report_to", "none", "--save_strategy", "no", *PATTERN, "--fsdp",
             "--fsdp_config", fsdp_config, "--output_dir", str(output_dir)]
 
 

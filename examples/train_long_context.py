@@ -7,7 +7,7 @@ with dynamic vertical-slash sparse attention and a toy pattern sized for it. Eve
 given to override the defaults, and a recipe (`flag: value` pairs of `SparseTrainingArguments`; a
 shipped one by name, see `hf-sparse-cp recipes`, or a file) can come first, e.g.
 
-    python examples/train_long_context.py --max_length 8192 --max_steps 20 --sparse_slash_topk 512
+    python examples/train_long_context.py --sparse_max_length 8192 --max_steps 20 --sparse_slash_topk 512
     python examples/train_long_context.py --recipe qwen2.5-3b_32k --max_steps 10
     python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config cfg.yaml
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -59,7 +60,7 @@ from hf_sparse_cp import (
     SparseTrainer,
     SparseTrainingArguments,
 )
-from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.distributed import ContextParallelConfig, check_launched
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
@@ -67,7 +68,7 @@ from hf_sparse_cp.files import check_field_types, read_mapping
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
-from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS
+from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +124,16 @@ class ScriptArguments:
         if max_length // self.pack_documents < 2:
             raise ValueError(
                 f"--pack_documents {self.pack_documents} leaves documents of {max_length // self.pack_documents} "
-                f"tokens in a --max_length {max_length} sequence; a document needs at least 2 tokens: pack at most "
-                f"{max_length // 2} documents, or raise --max_length."
+                f"tokens in a --sparse_max_length {max_length} sequence; a document needs at least 2 tokens: pack at "
+                f"most {max_length // 2} documents, or raise --sparse_max_length."
             )
         if max_length % self.pack_documents:
             divisors = ", ".join(str(n) for n in (2, 4, 8, 16) if max_length % n == 0)
             raise ValueError(
-                f"--pack_documents {self.pack_documents} does not divide --max_length {max_length}: every sequence "
-                f"packs documents of max_length / pack_documents tokens, so the sequences would come out shorter. "
-                f"Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a --max_length that "
-                f"is a multiple of {self.pack_documents}."
+                f"--pack_documents {self.pack_documents} does not divide --sparse_max_length {max_length}: every "
+                f"sequence packs documents of max_length / pack_documents tokens, so the sequences would come out "
+                f"shorter. Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a "
+                f"--sparse_max_length that is a multiple of {self.pack_documents}."
             )
 
 
@@ -203,11 +204,15 @@ DESCRIPTION = (
 )
 
 
-# Flags of earlier releases, and their names now (every plugin flag starts with sparse_, cp_ or smet_).
-RENAMED = {"--seq_len": "--max_length", "--fused_loss": "--sparse_fused_loss",
+# Flags of earlier releases, and their names now (every plugin flag starts with sparse_, cp_ or smet_): refused,
+# naming the new one.
+RENAMED = {"--seq_len": "--sparse_max_length", "--fused_loss": "--sparse_fused_loss",
            "--log_sparsity": "--sparse_log_sparsity",
            "--gradient_checkpointing_min_length": "--sparse_gradient_checkpointing_min_length",
            **{f"--{f.name.removeprefix('sparse_')}": f"--{f.name}" for f in fields(SparseAttentionFlags)}}
+# Flags renamed since, still read under their new names (with a warning) so that recipes and command lines
+# written for the releases that had them run as they did.
+DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 ACCELERATE_CONFIG_KEY = "compute_environment"
 
@@ -250,7 +255,7 @@ def asks_for_checkpoints(explicit: set[str]) -> bool:
 def recipe_flags(path: str) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/). Raises ValueError
     for an accelerate launch config (`compute_environment`, which accelerate writes in every one), naming its use."""
-    mapping = read_mapping(path, "flag names to values, e.g. `max_length: 32768`")
+    mapping = read_mapping(path, "flag names to values, e.g. `sparse_max_length: 32768`")
     if ACCELERATE_CONFIG_KEY in mapping:
         raise ValueError(
             f"{path} is a launch config for `accelerate launch --config_file`, not a training recipe of flags: run "
@@ -262,6 +267,19 @@ def recipe_flags(path: str) -> list[str]:
         # (a mapping, e.g. layer_overrides, as the JSON text its flag takes, not Python's repr)
         flags += [f"--{name}", *(json.dumps(item) if isinstance(item, dict) else str(item) for item in items)]
     return flags
+
+
+def with_current_names(argv: list[str]) -> list[str]:
+    """`argv` with the `DEPRECATED` flag names replaced by their names now, each with a warning."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if name in DEPRECATED:
+            warnings.warn(f"{name} is deprecated: it is now {DEPRECATED[name]} (every plugin flag starts with sparse_, "
+                          "cp_ or smet_); rename it in your command line or recipe.", FutureWarning, stacklevel=2)
+            arg = DEPRECATED[name] + eq + value
+        out.append(arg)
+    return out
 
 
 def parse_args(argv: list[str]) -> ParsedArgs:
@@ -279,11 +297,12 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     renamed = [f"{arg} is now {RENAMED[arg]}" for arg in argv if arg in RENAMED]
     if renamed:
         _refuse(parser, "; ".join(renamed) + ".")
+    argv = with_current_names(argv)
     explicit = explicit_fields(parser, argv)
     # Every run of the example uses the backend it shows (`--sparse_attention false` turns it off). Its models use
     # every parameter at every step, so DDP need not search the graph for unused ones after each backward (the
     # Trainer's default without gradient checkpointing; `--ddp_find_unused_parameters true` brings it back).
-    defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, "max_length": MAX_LENGTH}
+    defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, LENGTH_FIELD: MAX_LENGTH}
     if recipe is None and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
         defaults |= {} if explicit & {"sparse_budget_mode", "sparse_config"} else DEMO_BUDGET
@@ -291,7 +310,7 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     try:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         training = SparseTrainingArguments(**vars(first), **vars(rest))
-        script.check(training.max_length)
+        script.check(training.sparse_max_length)
     except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
         _refuse(parser, str(e))
     if unused:
@@ -310,7 +329,7 @@ def passkey_train_data(
     progress bar, a cache file); the others wait, then load that file instead of building them again."""
     with training.main_process_first(desc="passkey data"):
         return passkey_dataset(tokenizer, script.num_samples * script.pack_documents,
-                               training.max_length // script.pack_documents, seed=training.seed)
+                               training.sparse_max_length // script.pack_documents, seed=training.seed)
 
 
 def build_trainer(
@@ -318,6 +337,7 @@ def build_trainer(
 ) -> SparseTrainer:
     """The run's `SparseTrainer`, as `main` trains it: the model (pretrained, or the tiny default), its
     tokenizer, the passkey data and the collator that `script` asks for; `callbacks` go to the Trainer."""
+    check_launched(training.cp_sizes())  # (a recipe for 8 processes says so before building its data)
     set_seed(training.seed)
 
     if script.model_name_or_path:
@@ -362,19 +382,31 @@ def build_trainer(
     )
 
 
+class LogFirstAndLastStep(TrainerCallback):
+    """Logs the loss of the first and of the last optimizer step too (besides every --logging_steps), so that the
+    run's summary states its real first and last training loss whatever the logging interval."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1 or state.global_step >= state.max_steps:
+            control.should_log = True
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
-    trainer = build_trainer(script, training)
+    trainer = build_trainer(script, training, callbacks=[LogFirstAndLastStep()])
     parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:
         trainer.save_model()
 
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    losses = [log["loss"] for log in logged]
     kept = [log["sparse/kept_fraction"] for log in trainer.state.log_history if "sparse/kept_fraction" in log]
     summary = {
-        "first_loss": losses[0] if losses else float("nan"),
-        "final_loss": losses[-1] if losses else float("nan"),
+        "first_loss": losses[0] if logged else None,  # (None: no step trained, e.g. a resume at max_steps)
+        "final_loss": losses[-1] if logged else None,
+        "first_loss_step": logged[0]["step"] if logged else None,
+        "final_loss_step": logged[-1]["step"] if logged else None,
         "train_loss": result.training_loss,
         "mean_kept_fraction": sum(kept) / len(kept) if kept else 1.0,
         "losses": losses,
@@ -391,12 +423,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             Path(script.summary_file).write_text(json.dumps(summary, indent=2))
         saved = (f"checkpoints in {training.output_dir}" if training.save_strategy != "no"
                  else "no checkpoints (the demo's default; --save_steps N saves every N steps)")
+        loss = (f"loss {summary['first_loss']:.4f} (step {summary['first_loss_step']}) -> {summary['final_loss']:.4f} "
+                f"(step {summary['final_loss_step']})" if logged else "no step trained")
         # a curriculum's length and CP degree change by stage: its schedule says them
         shape = (f"on {parallel.world_size} process(es), cp_schedule {training.cp_schedule}" if training.cp_schedule
-                 else f"at {training.max_length} tokens on {parallel.world_size} process(es), CP={parallel.cp_size}")
+                 else f"at {training.sparse_max_length} tokens on {parallel.world_size} process(es), "
+                 f"CP={parallel.cp_size}")
         print(
-            f"done: {trainer.state.global_step} steps {shape} | loss "
-            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | mean kept fraction "
+            f"done: {trainer.state.global_step} steps {shape} | {loss} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"
         )
     return summary

@@ -1,5 +1,6 @@
-"""`hf-sparse-cp` command line: `train` runs the long-context example (`--recipe NAME` runs a shipped
-recipe), `recipes` lists the shipped recipes, `plot` draws a run's sparsity, `simulate` predicts CP
+"""`hf-sparse-cp` command line: `launch` runs a stock Trainer or TRL script, unchanged, with the plugin
+(`hf_sparse_cp.run` under torchrun or accelerate launch), `train` runs the long-context example (`--recipe NAME`
+runs a shipped recipe), `recipes` lists the shipped recipes, `plot` draws a run's sparsity, `simulate` predicts CP
 step time on a GPU cluster, `memory` how long a sequence fits on a GPU, `env` reports the setup."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import subprocess
 import sys
 
 EXAMPLE_MODULE = "hf_sparse_cp.examples.train_long_context"
+RUN_MODULE = "hf_sparse_cp.run"
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
 # What torchrun itself stops its workers on (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -134,10 +137,57 @@ def run_forwarding_signals(command: list[str]) -> int:
     return 128 - returncode if returncode < 0 else returncode  # (killed by a signal: the shell's convention)
 
 
+LAUNCH_USAGE = ("hf-sparse-cp launch [--nproc N | --config_file ACCELERATE_CONFIG] [PLUGIN FLAGS] (script.py | -m "
+                "module) [SCRIPT ARGS]")
+
+
+def _launch(argv: list[str]) -> int:
+    """`hf-sparse-cp launch`: `hf_sparse_cp.run` in this process, under torchrun (`--nproc N`) or under accelerate
+    launch (`--config_file`, a file or a shipped accelerate recipe's name). Its own options come before the
+    script path, so that a script's own `--config_file` stays the script's."""
+    from hf_sparse_cp.recipes import recipe_path
+    from hf_sparse_cp.run import main as run
+    from hf_sparse_cp.run import split_command
+
+    flags, target, is_module, args = split_command(argv)
+    launcher = argparse.ArgumentParser(prog="hf-sparse-cp launch", usage=LAUNCH_USAGE, add_help=False,
+                                       allow_abbrev=False)
+    launcher.add_argument("--nproc", type=int, default=1)
+    launcher.add_argument("--config_file")
+    options, plugin_flags = launcher.parse_known_args(flags)
+    if {"-h", "--help"} & set(plugin_flags):
+        print(f"usage: {LAUNCH_USAGE}\n\n--nproc N: N local processes (torchrun); --config_file: an accelerate "
+              "config (a file, or a shipped recipe's name: `hf-sparse-cp recipes`) for accelerate launch. The "
+              "plugin's flags:\n")
+    if options.nproc < 1 or (options.nproc > 1 and options.config_file):
+        launcher.error(f"--nproc {options.nproc}: give at least 1 process, and with --config_file none (the "
+                       "accelerate config sets the processes).")
+    run_args = [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args]
+    if options.config_file:
+        try:
+            config = str(recipe_path(options.config_file))
+        except FileNotFoundError as e:
+            launcher.error(str(e))
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "-m", RUN_MODULE]
+    elif options.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        command = [*TORCHRUN, f"--nproc_per_node={options.nproc}", "-m", RUN_MODULE]
+    else:
+        run(run_args)
+        return 0
+    return run_forwarding_signals([*command, *run_args])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # (everything after the command is the launcher's and the script's, in order)
+        return _launch(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-sparse-cp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "launch", add_help=False,
+        help="Run a stock Trainer or TRL script, unchanged, with the plugin: `hf-sparse-cp launch --nproc 2 train.py "
+        "ARGS --cp_size 2` (torchrun), `--config_file RECIPE` (accelerate launch); the plugin's flags parse beside the "
+        "script's own (`hf-sparse-cp launch --help` lists them).")
     train = sub.add_parser(
         "train",
         help="Run the long-context Trainer example (tiny model, passkey data); extra flags go to the script "
@@ -187,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_available("datasets"):
         parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-        return run_forwarding_signals([*launcher, "-m", EXAMPLE_MODULE, *rest])
+        return run_forwarding_signals([*TORCHRUN, f"--nproc_per_node={args.nproc}", "-m", EXAMPLE_MODULE, *rest])
     from hf_sparse_cp.examples.train_long_context import main as train_main
 
     train_main(rest)

@@ -27,6 +27,8 @@ _MISSING = object()
 def _value(owner, name: str):
     """What `owner` holds under `name` itself (not inherited): a mapping's item, an object's own attribute;
     a list as a tuple, so that a later change to it shows."""
+    if name == "__class__":
+        return type(owner)
     value = owner.get(name, _MISSING) if isinstance(owner, Mapping) else vars(owner).get(name, _MISSING)
     return tuple(value) if isinstance(value, list) else value
 
@@ -147,6 +149,33 @@ def capturing_layouts() -> Iterator:
         yield
 
 
+def launch() -> Iterator:
+    from hf_sparse_cp.integration.compat import argument_parser_classes
+    from hf_sparse_cp.trainer.launched import launched
+    from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+
+    parsers = argument_parser_classes()
+    yield [*((parser, name) for parser in parsers for name in ("__init__", "parse_args_into_dataclasses")),
+           (Trainer, "__init__")]
+    with launched(PluginArguments()):
+        yield
+
+
+def launched_trainer() -> Iterator:
+    from hf_sparse_cp import detach_from_trainer
+    from hf_sparse_cp.trainer.launched import launched
+    from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = object.__new__(Trainer)  # (what `Trainer(...)` creates before its __init__ runs)
+        yield [(trainer, "__class__")]
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        with launched(PluginArguments()):
+            Trainer.__init__(trainer, model=model, args=_args(tmp))
+        yield
+        detach_from_trainer(trainer)
+
+
 ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
      "transformers.trainer_callback.CallbackHandler.callbacks"): attach,
@@ -160,6 +189,9 @@ ONE_PROCESS = {
         sparse_attention,
     ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
+    (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
+       for name in ("__init__", "parse_args_into_dataclasses")), "transformers.Trainer.__init__"): launch,
+    ("transformers.Trainer.__class__",): launched_trainer,
 }
 
 

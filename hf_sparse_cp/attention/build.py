@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .layout import SparseLayout, causal_blocks
-from .tokens import PAD_SEGMENT, TokenMeta, document_starts
+from .layout import FAR, SparseLayout, first_visible_keys
+from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of one [heads, query blocks, candidates] tile of layout construction (bounds its temporaries).
 LAYOUT_ELEMENTS = 1 << 24
-# "No such block / token" in the integer arithmetic of layout construction.
-_BIG = torch.iinfo(torch.int64).max // 4
 
 
 def offsets_to_block_diagonals(keep_offsets: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -59,25 +57,6 @@ def _head_chunks(heads: int, per_head: int):
 def _one_or_range(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
     """Heads h0:h1 of a [H, ...] tensor, or its single shared head."""
     return x if x.shape[0] == 1 else x[h0:h1]
-
-
-def _first_visible_keys(meta: TokenMeta, block_size: int, sliding_window: int | None):
-    """Per query block of [B, S] tokens: (valid queries bool [B, NQB, bs], their document starts
-    [B, NQB, bs], the first key token any of them sees [B, NQB], the first key block that holds a
-    visible key [B, NQB]; qb + 1 for a block of padding only)."""
-    bs = block_size
-    b, s = meta.segment.shape
-    nqb = -(-s // bs)
-    s_pad = nqb * bs
-    qb = torch.arange(nqb, device=meta.segment.device)
-    valid_q = (meta.pad_to(s_pad).segment != PAD_SEGMENT).view(b, nqb, bs)
-    start = torch.nn.functional.pad(document_starts(meta), (0, s_pad - s), value=_BIG).view(b, nqb, bs)
-    lo_tok = torch.where(valid_q, start, _BIG).amin(-1)
-    lo = torch.where(lo_tok < _BIG, lo_tok // bs, qb + 1)
-    if sliding_window is not None:
-        win_lo = torch.div(qb * bs - sliding_window - bs + 1, bs, rounding_mode="floor") + 1
-        lo = torch.maximum(lo, win_lo.clamp_min(0))
-    return valid_q, start, lo_tok, lo
 
 
 def diagonal_set_of_blocks(meta: TokenMeta, block_size: int, docs: list[list[tuple[int, int]]],
@@ -145,12 +124,12 @@ def build_layout(
     qb = torch.arange(nqb, device=dev)
 
     # per query block: the first visible key token, the first listable key block, the first dense one
-    valid_q, start, lo_tok, lo = _first_visible_keys(meta, bs, sliding_window)
+    valid_q, start, lo_tok, lo = first_visible_keys(meta, bs, sliding_window)
     if dense_tokens is None:
-        dense_lo = torch.full_like(lo, _BIG)
+        dense_lo = torch.full_like(lo, FAR)
     else:
         dt = torch.nn.functional.pad(dense_tokens, (0, s_pad - s)).view(b, nqb, bs) & valid_q
-        dense_lo = torch.where(dt, start // bs, _BIG).amin(-1)
+        dense_lo = torch.where(dt, start // bs, FAR).amin(-1)
     dense_lo = torch.maximum(dense_lo, lo)
 
     # Listed key blocks of (head, query block): {qb - d : d kept, lo <= qb - d < dense_lo} (ascending,
@@ -200,7 +179,7 @@ def build_layout(
         nv = int(verticals.sum(-1).max()) if max_verticals is None else max_verticals
         v_list = _compact(torch.arange(n_all, device=dev), verticals, min(nv, n_all)).long()  # ascending, then -1
         heads = max(heads_b, verticals.shape[1])
-        v_sorted = torch.where(v_list >= 0, v_list, _BIG)
+        v_sorted = torch.where(v_list >= 0, v_list, FAR)
         ends = (col_base + (qb + 1) * bs).unsqueeze(1).expand(b, v_list.shape[1], nqb).contiguous()
         first = torch.searchsorted(v_sorted, (col_base + lo_tok).unsqueeze(1).expand_as(ends).contiguous())
         span = (torch.searchsorted(v_sorted, ends) - first).clamp_min(0)
@@ -263,7 +242,7 @@ def _column_mask(v_row, first, span, window, col_base, diagonals, diagonal_start
     # The binary search put exactly the columns the block can see in its span, so what is left to drop is those
     # inside a listed block: in the dense range, or on a kept block diagonal (a block before the first visible
     # one can only hold columns that the sliding window drops below).
-    listed = cb >= dense_lo.clamp_max(nqb).int().view(1, nqb, 1)  # (_BIG: no dense range)
+    listed = cb >= dense_lo.clamp_max(nqb).int().view(1, nqb, 1)  # (FAR: no dense range)
     if diagonals is not None:
         t = diagonals.shape[-1]
         start = diagonal_start[row].view(1, nqb, 1)
@@ -288,12 +267,3 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
         visible pair (causal, same document, inside the window), and no columns.
     """
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
-
-
-def dense_kept_fraction(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
-    """`dense_layout(meta, block_size, sliding_window).kept_fraction(meta)` without building the
-    layout (for dense layers that run another kernel); a 0-d float64 tensor, no host synchronization."""
-    _, _, _, lo = _first_visible_keys(meta, block_size, sliding_window)
-    nqb = lo.shape[-1]
-    listed = (torch.arange(nqb, device=lo.device) - lo + 1).clamp_min(0).double().sum(-1)
-    return (listed / causal_blocks(meta, block_size)).mean()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..config import check_block_size
-from .tokens import PAD_SEGMENT, TokenMeta
+from .tokens import PAD_SEGMENT, TokenMeta, document_starts
 
 
 def valid_slots(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
@@ -210,19 +210,21 @@ class SparseLayout:
         """Computed work per (batch, head) in block units: listed blocks plus columns / block_size."""
         return self.block_cnt.sum(-1).double() + self.col_cnt.sum(-1).double() / self.block_size
 
-    def kept_fraction(self, meta: TokenMeta | None = None) -> torch.Tensor:
-        """Computed blocks over the blocks of the causal lower triangle, averaged over batch and heads.
+    def kept_fraction(self, meta: TokenMeta | None = None, sliding_window: int | None = None) -> torch.Tensor:
+        """Computed blocks over the blocks a dense computation of the same tokens visits, averaged over batch
+        and heads: 1.0 for a dense layout, whatever the documents, padding or window.
 
-        With `meta` (the tokens the layout was built for), each row's triangle ends at its last real
-        token, so padding (right padding, or the blocks a context-parallel split adds) does not
-        count: a sequence gets the same value in one process and under any CP split. Without it,
-        every query block counts. A 0-d float64 tensor on the layout's device (reading it with
-        float() synchronizes).
+        With `meta` (the tokens the layout was built for), the dense blocks are those holding a visible pair
+        (causal, within a document, inside `sliding_window`; `dense_blocks`): packed documents count their
+        own triangles only, and padding (right padding, or the blocks a context-parallel split adds) nothing,
+        so a batch gets the same value in one process and under any CP split. Without it, the causal
+        triangle of every query block. A 0-d float64 tensor on the layout's device (reading it with float()
+        synchronizes).
         """
         if meta is None:
             n = self.num_q_blocks
             return self.num_computed_blocks().mean() / (n * (n + 1) / 2)
-        return (self.num_computed_blocks().mean(1) / causal_blocks(meta, self.block_size)).mean()
+        return (self.num_computed_blocks().mean(1) / dense_blocks(meta, self.block_size, sliding_window)).mean()
 
     def to_mask(self, num_q_heads: int, q_len: int, k_len: int) -> torch.Tensor:
         """Dense boolean [B, Hq, q_len, k_len] mask of the listed keys (for tests and baselines)."""
@@ -242,13 +244,36 @@ class SparseLayout:
         return mask[:, self.head_index(num_q_heads).to(dev)]
 
 
-def causal_blocks(meta: TokenMeta, block_size: int) -> torch.Tensor:
-    """float64 [B]: blocks of the causal lower triangle of each row up to its last real (non-padding)
-    token (at least one, so that a row of padding only divides by 1)."""
-    real = meta.segment != PAD_SEGMENT
-    last = torch.where(real, torch.arange(1, real.shape[-1] + 1, device=real.device), 0).amax(-1)
-    n = torch.div(last + block_size - 1, block_size, rounding_mode="floor").double()
-    return (n * (n + 1) / 2).clamp_min(1)
+# "No such block / token" in the integer arithmetic of layouts.
+FAR = torch.iinfo(torch.int64).max // 4
+
+
+def first_visible_keys(meta: TokenMeta, block_size: int, sliding_window: int | None):
+    """Per query block of [B, S] tokens: (valid queries bool [B, NQB, bs], their document starts
+    [B, NQB, bs], the first key token any of them sees [B, NQB], the first key block that holds a
+    visible key [B, NQB]; qb + 1 for a block of padding only)."""
+    bs = block_size
+    b, s = meta.segment.shape
+    nqb = -(-s // bs)
+    s_pad = nqb * bs
+    qb = torch.arange(nqb, device=meta.segment.device)
+    valid_q = (meta.pad_to(s_pad).segment != PAD_SEGMENT).view(b, nqb, bs)
+    start = torch.nn.functional.pad(document_starts(meta), (0, s_pad - s), value=FAR).view(b, nqb, bs)
+    lo_tok = torch.where(valid_q, start, FAR).amin(-1)
+    lo = torch.where(lo_tok < FAR, lo_tok // bs, qb + 1)
+    if sliding_window is not None:
+        win_lo = torch.div(qb * bs - sliding_window - bs + 1, bs, rounding_mode="floor") + 1
+        lo = torch.maximum(lo, win_lo.clamp_min(0))
+    return valid_q, start, lo_tok, lo
+
+
+def dense_blocks(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+    """float64 [B]: the blocks a dense computation of each row visits, those holding a visible pair (causal,
+    same document, inside the window): what `dense_layout` lists. At least one, so that a row of padding only
+    divides by 1."""
+    lo = first_visible_keys(meta, block_size, sliding_window)[3]
+    listed = (torch.arange(lo.shape[-1], device=lo.device) - lo + 1).clamp_min(0)
+    return listed.double().sum(-1).clamp_min(1)
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -8,7 +8,6 @@ import math
 import torch
 
 from ..config import SparseAttentionConfig
-from .build import dense_kept_fraction
 from .dense import dense_backend, flash_dense_attention, sdpa_dense_attention
 from .estimate import estimate_layout, pattern_documents
 from .ops import block_sparse_attention
@@ -34,7 +33,8 @@ def sequence_attention(
         scale: softmax scale (default 1 / sqrt(D)); sliding_window: the layer's window, or None.
 
     Returns:
-        (out [B, Hq, S, D], the kept fraction of attention blocks: a 0-d float64 tensor).
+        (out [B, Hq, S, D], the kept fraction of attention blocks, of those a dense run of the batch computes:
+        a 0-d float64 tensor, 1.0 for a dense call).
     """
     b, _, s, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -45,10 +45,11 @@ def sequence_attention(
             out = sdpa_dense_attention(query, key, value, scale=scale)
         else:
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
-        return out.transpose(1, 2), dense_kept_fraction(meta, cfg.block_size, sliding_window)
+        # (dense: every block a dense run of the batch computes)
+        return out.transpose(1, 2), torch.ones((), dtype=torch.float64, device=query.device)
     with torch.no_grad():
         layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=meta, k_meta=meta,
                                     sliding_window=sliding_window, check_layout=False,
                                     implementation=cfg.attention_engine)
-    return out, layout.kept_fraction(meta)
+    return out, layout.kept_fraction(meta, sliding_window)

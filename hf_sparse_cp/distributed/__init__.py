@@ -27,7 +27,7 @@ from .estimation import estimate_layout_cp
 from .head_parallel import HeadParallelAttention, head_parallel_attention
 from .heads import HeadSplit
 from .loss import global_mean_loss, global_num_items, rank_loss
-from .mesh import CP_MODES, ContextParallelConfig, ParallelDims, check_sizes, quiesce_process_groups
+from .mesh import CP_MODES, ContextParallelConfig, ParallelDims, check_launched, check_sizes, quiesce_process_groups
 from .ring_attention import RingStats, context_parallel_attention, ring_sparse_attention
 from .sharding import SHARDINGS, NestedSplit, ShardPlan, shard_inputs, shift_labels
 
@@ -44,6 +44,7 @@ __all__ = [
     "RingStats",
     "RingTopology",
     "ShardPlan",
+    "check_launched",
     "check_same_batch",
     "check_sizes",
     "context_parallel_attention",

@@ -58,7 +58,8 @@ class CPShard:
 
 
 def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
-    """Raise ValueError unless every rank of the CP group holds the same batch (two tiny all-reduces)."""
+    """Raise ValueError, naming the fix, unless every rank of the CP group holds the same batch (the same
+    rows of tokens; two tiny all-reduces)."""
     if parallel.cp_size == 1:
         return
     x = inputs.get("input_ids")
@@ -72,9 +73,12 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
     all_reduce(hi, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MAX)
     if not torch.equal(lo, hi):
         raise ValueError(
-            "the ranks of a context-parallel group received different batches; every CP rank must get the same "
-            "batch (accelerate's ParallelismConfig does this; with --cp_size, shard the dataset over the "
-            "data-parallel ranks only: num_replicas=dp_size, rank=dp_rank)."
+            f"the ranks {list(parallel.cp_ranks)} of a context-parallel group hold different rows of tokens, and "
+            "they must hold the same batch to split one sequence between them. Most likely each process built "
+            "different training data: build it identically on every process (seed it, e.g. "
+            "torch.randint(..., generator=torch.Generator().manual_seed(0)), or load it from files), as the "
+            "Trainer's data loader then hands every CP rank the same rows. Outside the Trainer, also shard the data "
+            "over the data-parallel ranks only (num_replicas=dp_size, rank=dp_rank)."
         )
 
 

@@ -1,20 +1,19 @@
 """The kept fraction of an attention call under context parallelism, as one process reports it on the
 same batch.
 
-`SparseLayout.kept_fraction(meta)` counts a layout's computed blocks over the blocks of each row's
-causal triangle. A block sharding (striped, zigzag, contiguous) keeps the sequence's order and pads
-only at the end, so its global layout is the one-process layout padded, and counts the same. The
-document planner re-orders a packed row and starts documents on block boundaries: the same kept
-columns and diagonals then fall into other blocks, so the split's layout counts other blocks than one
-process does. For such a split the kept entries are put back in the original order and the
-one-process layout is built from them (a dense call is counted without building a layout).
+`SparseLayout.kept_fraction(meta)` counts a layout's computed blocks over the blocks a dense computation
+of the same tokens visits (1.0 for a dense call). A block sharding (striped, zigzag, contiguous) keeps the
+sequence's order and pads only at the end, so its global layout is the one-process layout padded, and
+counts the same. The document planner re-orders a packed row and starts documents on block boundaries:
+the same kept columns and diagonals then fall into other blocks, so the split's layout counts other
+blocks than one process does. For such a split the kept entries are put back in the original order and
+the one-process layout is built from them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.build import dense_kept_fraction
 from ..attention.estimate import Estimate, KeptEntries, estimation_segments, layout_from_kept, long_documents
 from ..attention.tokens import PAD_SEGMENT, TokenMeta
 from ..config import SparseAttentionConfig
@@ -41,12 +40,12 @@ def one_process_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAtt
         cfg, sliding_window: the layer's pattern settings and window, as given to the estimate.
     """
     plan = shard.plan
+    if estimate.kept is None:  # a dense call: every block a dense run computes
+        return torch.ones((), dtype=torch.float64, device=estimate.layout.block_cnt.device)
     if plan.keeps_order:
-        return estimate.layout.kept_fraction(shard.meta)
+        return estimate.layout.kept_fraction(shard.meta, sliding_window)
     meta = TokenMeta.from_segments(to_original_order(plan, shard.meta.segment, PAD_SEGMENT))
-    if estimate.kept is None:
-        return dense_kept_fraction(meta, cfg.block_size, sliding_window)
     # (each document is contiguous in both orders, so its offsets, kept at its own positions, map with it)
     kept = KeptEntries(estimation_segments(long_documents(meta, cfg), cfg),
                        *(to_original_order(plan, x, False) for x in (estimate.kept.keep_v, estimate.kept.keep_s)))
-    return layout_from_kept(meta, cfg, *kept).kept_fraction(meta)
+    return layout_from_kept(meta, cfg, *kept).kept_fraction(meta, sliding_window)

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -187,6 +187,18 @@ def check_sizes(world_size: int, cp_size: int) -> None:
         )
 
 
+def check_launched(cp_sizes: Iterable[int], env: Mapping[str, str] = os.environ) -> None:
+    """Raise a ValueError that says how to launch unless this process's launch can run these CP degrees: none
+    above 1 in a process that runs alone, each dividing the number of processes (WORLD_SIZE, which torchrun and
+    accelerate launch set). Cheap: call it before building data, which a refused launch would waste."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    for cp_size in cp_sizes:
+        if cp_size > 1 and "WORLD_SIZE" not in env:
+            raise ValueError(f"cp_size={cp_size} splits each sequence over {cp_size} processes, and this one runs "
+                             f"alone: {_launch_hint(env)}")
+        check_sizes(world, cp_size)
+
+
 def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, str] = os.environ, *,
                stride: int = 1) -> tuple[int, int]:
     """(num_nodes, node_size) of a ring of `cp_size` ranks; (1, cp_size) for a flat ring. `stride`: the
@@ -212,14 +224,21 @@ def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, st
                 f"a node holds {per_node} ranks, which is not a multiple of cp_size={cp_size}: some CP groups would "
                 "straddle two nodes unevenly. Use a cp_size that divides the ranks per node or is a multiple of it."
             )
-        logger.info("The CP group (%d ranks) fits in one node of %d ranks: the hierarchical ring is flat.", cp_size,
-                    per_node)
+        logger.warning("cp_ring='hierarchical': the CP group (%d ranks) fits in one node of %d ranks, so there is "
+                       "no ring across nodes: the ring is flat, within the node.", cp_size, per_node)
         return 1, cp_size
     if cp_size % per_node:
         raise ValueError(
             f"cp_size={cp_size} is not a multiple of the {per_node} ranks per node: the hierarchical ring needs whole "
             "nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
         )
+    if per_node == 1:
+        given = (f"--cp_node_size {config.cp_node_size}" if config.cp_node_size is not None
+                 else f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}")
+        logger.warning("cp_ring='hierarchical' with one rank per node (%s%s): an inner ring of one rank has nothing "
+                       "to overlap the outer ring with, so the ring is flat, across the %d nodes. Launch several ranks "
+                       "per node (or set --cp_node_size) for the hierarchical ring.",
+                       given, f", one head group of {stride}" if stride > 1 else "", cp_size)
     return cp_size // per_node, per_node
 
 

@@ -19,7 +19,9 @@ it is undone. Nothing else names these members:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -29,7 +31,7 @@ from .architectures import rowwise_classes
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
 TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15"), "torch": ("2.13", "2.13"),
-                   "triton": ("3.6", "3.9")}
+                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16")}
 
 # Names of the private methods the plugin replaces or calls on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
@@ -82,7 +84,11 @@ class Patch:
 
 _TRAINER = "transformers.Trainer"
 _ACCELERATOR = "accelerate.Accelerator"
+# The argument parsers a script may build: transformers' own, and the copy of it that TRL's `TrlParser` derives from
+# (TRL >= 1.16; earlier TRL releases derive from transformers' own).
+PARSERS = ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
 _CP_UNDO = "disable_trainer_context_parallel(trainer) / disable_curriculum(trainer) (detach_from_trainer)"
+_LAUNCH_UNDO = "the end of the launched script (`launched`)"
 
 PATCHES = (
     # -- the Trainer instance: context parallelism and the curriculum --
@@ -120,6 +126,26 @@ PATCHES = (
     Patch("transformers.trainer_callback.CallbackHandler", "callbacks", "inserts into", "the kept-fraction "
           "logging and the checkpoint marker are callbacks the Trainer did not get from the user",
           "detach_from_trainer(trainer)", on_instances=True),
+    # -- a stock script run by `hf_sparse_cp.run` (trainer/launched.py) --
+    Patch(_TRAINER, "__init__", "replaces", "a Trainer that a launched script builds (the stock one, TRL's, the "
+          "script's own subclass) trains with the plugin: it becomes sparse_trainer_class(its class) and the "
+          "Trainer's __init__ runs with the plugin around it", _LAUNCH_UNDO,
+          ("self", "model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
+           "model_init", "compute_loss_func", "compute_metrics", "callbacks", "optimizers",
+           "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics")),
+    Patch(_TRAINER, "__class__", "sets", "the Trainer a launched script builds is an instance of "
+          "sparse_trainer_class(its class): the script's class and its methods, with the plugin's (train, "
+          "create_model_card, the accelerator's set-up)", "detach_from_trainer(trainer)", on_instances=True),
+    *(entry for parser in PARSERS for entry in (
+        Patch(parser, "__init__", "replaces", "a launched script's parser takes the plugin's flags beside its own: "
+              "its TrainingArguments class becomes sparse_arguments_class(that class)", _LAUNCH_UNDO,
+              ("self", "dataclass_types", "**kwargs")),
+        Patch(parser, "parse_args_into_dataclasses", "replaces", "which plugin flags a launched script's command "
+              "line gave (they beat --sparse_config whatever their value)", _LAUNCH_UNDO,
+              ("self", "args", "return_remaining_strings", "look_for_args_file", "args_filename",
+               "args_file_flag")))),
+    Patch("trl", "SFTTrainer", "reads", "TRL's SFTTrainer logs num_tokens, counted on the inputs it trains on (under "
+          "CP, each rank's padded shard): the plugin logs what one process counts instead"),
     # -- the Accelerator and accelerate's process-wide state --
     Patch(_ACCELERATOR, ACCELERATOR_PREPARE_CP, "replaces", "accelerate's CP model hooks drop the attention mask "
           "for SDPA; the sparse ring reads the CP shard instead", _CP_UNDO, ("self", "*args")),
@@ -231,8 +257,8 @@ def _holds(owner: Any, patch: Patch) -> str | None:
 def problem(patch: Patch, instance: Any = None) -> str | None:
     """Why `patch`'s member cannot be used as the plugin uses it, or None. Instance members are checked on
     `instance` (skipped without one)."""
-    if patch.package == "hf_sparse_cp" or patch.added:
-        return None
+    if patch.package == "hf_sparse_cp" or patch.added or importlib.util.find_spec(patch.package) is None:
+        return None  # (ours, or an optional package that is not installed: nothing of theirs in use)
     if patch.on_instances and instance is None:
         return None
     try:
@@ -304,6 +330,23 @@ def token_count_divides_by_get_cp_size() -> bool:
     from packaging.version import Version
 
     return Version(transformers.__version__).release >= (5, 19)
+
+
+def logs_trained_tokens(trainer: Any) -> bool:
+    """Whether `trainer` is TRL's SFTTrainer, which logs the tokens it trains on as `num_tokens`."""
+    trl = sys.modules.get("trl")  # (imported wherever such a trainer exists)
+    return trl is not None and isinstance(trainer, trl.SFTTrainer)
+
+
+def argument_parser_classes() -> list[type]:
+    """The classes of `PARSERS` that can be imported here (TRL's only where TRL is installed and has its copy)."""
+    found = []
+    for dotted in PARSERS:
+        try:
+            found.append(_resolve(dotted))
+        except (ImportError, AttributeError):
+            continue
+    return found
 
 
 def unregister(interface: type, name: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -42,8 +43,9 @@ def _stored_on(owner: Any, name: str) -> bool:
     the previous value back (or deleting ours, revealing the class member, when there was none)."""
     if isinstance(owner, type):
         return True
-    member = getattr(type(owner), name, None)
-    return not hasattr(member, "__set__")  # a property or other data descriptor stores elsewhere
+    # (looked up without calling descriptors: `__class__` is the type's data descriptor, not the instance's class)
+    member = inspect.getattr_static(type(owner), name, None)
+    return not hasattr(member, "__set__")  # a property or other data descriptor (`__class__`) stores elsewhere
 
 
 class PatchSet:

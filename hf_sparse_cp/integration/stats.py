@@ -23,6 +23,8 @@ def layer_log_key(layer: int) -> str:
 
 
 def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor) -> None:
+    """Add one call's kept fraction (`SparseLayout.kept_fraction`: of the blocks a dense run of the same batch
+    computes) to the module's running sum."""
     total, count = getattr(module, _ATTR, (None, 0))
     value = value.detach().double()
     module.__dict__[_ATTR] = (value if total is None else total + value, count + 1)

@@ -135,7 +135,7 @@ def kept_fraction_figure(log_history: list[dict[str, Any]], title: str | None = 
     over_steps.plot(mean_steps, [sum(mean_by_step[s]) / len(mean_by_step[s]) for s in mean_steps], color="black",
                     linestyle="--", linewidth=2, label="mean over layers")
     over_steps.set(title="Kept fraction of attention blocks per layer", xlabel="optimizer step",
-                   ylabel="kept fraction (computed / causal blocks)", ylim=(0, 1.02))
+                   ylabel="kept fraction (of the dense blocks)", ylim=(0, 1.02))
     over_steps.xaxis.get_major_locator().set_params(integer=True)  # steps, not fractions of one
     over_steps.grid(alpha=0.3)
     # a legend entry per layer stays readable up to a dozen layers; beyond, the bar chart names them

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,8 @@ from typing import Any
 
 import torch
 import yaml
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
 
 from ..backends import PLOT_EXTRA
@@ -45,6 +49,16 @@ logger = logging.getLogger(__name__)
 TAGS = ("hf-sparse-cp", "long-context", "sparse-attention")
 KEPT_FRACTION_PLOT = "sparse_kept_fraction.png"
 SECTION_TITLE = "## Sparse long-context training"
+FRAMEWORK_VERSIONS = "### Framework versions"
+# The card's own list of package versions (the stock card's and TRL's), up to the next blank line or heading.
+_FRAMEWORK_VERSIONS = re.compile(rf"^({re.escape(FRAMEWORK_VERSIONS)}\n\n)((?:- [^\n]*\n)*- [^\n]*)", re.MULTILINE)
+# How the stock card (and TRL's) name the packages.
+_VERSION_NAMES = {"transformers": "Transformers", "torch": "Pytorch", "accelerate": "Accelerate", "trl": "TRL",
+                  "peft": "PEFT"}
+# Arguments of `create_model_card` (the stock one's, TRL's, the plugin's) that name the training data.
+_DATASET_KEYS = ("datasets", "dataset_tags", "dataset_name", "dataset")
+# Model sources that are files, never Hub ids.
+_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 
 # Lines of the stock card's hyperparameter list that this module rewrites.
 _TOTAL_BATCH = re.compile(r"^- total_train_batch_size: .*$", re.MULTILINE)
@@ -114,11 +128,12 @@ def _processes(trainer: Trainer) -> tuple[int, str, str | None]:
     return world, kind, backend
 
 
-def _describe_setup(trainer: Trainer) -> str:
+def _describe_setup(trainer: Trainer, cp_size: int) -> str:
     world, kind, backend = _processes(trainer)
     text = f"{world} {kind} process{'es' if world > 1 else ''}" + (f" ({backend})" if backend else "")
     if world > 1 and not getattr(trainer, "is_fsdp_enabled", False):
-        text += ", data parallel (DDP)"
+        # (with CP the ranks' split is the context-parallelism row's: DDP then syncs the gradients of CP x DP ranks)
+        text += ", data parallel (DDP)" if cp_size == 1 else ", gradients averaged over the processes by DDP"
     if getattr(trainer, "is_fsdp_enabled", False):
         version = 2 if getattr(trainer.accelerator, "is_fsdp2", False) else trainer.args.fsdp_config.get(
             "fsdp_version", 1)
@@ -155,9 +170,23 @@ def _smet_settings(config: SMETConfig) -> dict[str, Any]:
     return config.to_dict() | {"regrowth": config.regrowth_rule}
 
 
-def _base_model(trainer: Trainer) -> str:
-    name = getattr(getattr(trainer.model, "config", None), "_name_or_path", "") or ""
-    return f"`{name}`" if name else "none: trained from a config (random initialization)"
+def is_hub_id(name: Any) -> bool:
+    """Whether `name` can be a Hugging Face Hub repository id (`Qwen/Qwen2.5-0.5B`, `gpt2`) and is not a path on
+    this machine: what the card's `base_model` and `datasets` metadata may hold."""
+    if not isinstance(name, str) or not name or os.path.exists(name) or name.endswith(_FILE_SUFFIXES):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _base_model(trainer: Trainer, given: str | None) -> str:
+    name = given or getattr(getattr(trainer.model, "config", None), "_name_or_path", "") or ""
+    if not name:
+        return "none: trained from a config (random initialization)"
+    return f"`{name}`" + ("" if is_hub_id(name) else " (a local model)")
 
 
 def _training_data(trainer: Trainer, dataset_tags: Any) -> str | None:
@@ -173,6 +202,21 @@ def _training_data(trainer: Trainer, dataset_tags: Any) -> str | None:
         size = None
     parts = [f"`{name}`" if name else None, size]
     return ", ".join(part for part in parts if part) or None
+
+
+def _merge_versions(card: str, versions: dict[str, str]) -> str:
+    """`card` with the packages of `versions` its "Framework versions" section lacks added to it, in its own
+    style (the stock card's `- Transformers 5.24.0`, TRL's `- TRL: 1.16.0`); a card without one gets one."""
+    names = {package: _VERSION_NAMES.get(package, package) for package in versions}
+    match = _FRAMEWORK_VERSIONS.search(card)
+    if match is None:
+        listed = "".join(f"- {names[p]} {v}\n" for p, v in versions.items())
+        return card.rstrip("\n") + f"\n\n{FRAMEWORK_VERSIONS}\n\n{listed}"
+    lines = match.group(2).splitlines()
+    separator = ": " if any(": " in line for line in lines) else " "
+    present = {line[2:].split(separator, 1)[0].strip().lower() for line in lines}
+    added = [f"- {names[p]}{separator}{v}" for p, v in versions.items() if names[p].lower() not in present]
+    return card[:match.end(2)] + "".join(f"\n{line}" for line in added) + card[match.end(2):]
 
 
 def _versions(trainer: Trainer) -> dict[str, str]:
@@ -260,10 +304,11 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
         ["the SMET sparse optimizer"] if smet is not None else [])
     data = _training_data(trainer, card_kwargs.get("dataset_tags") or card_kwargs.get("dataset_name")
                           or card_kwargs.get("dataset"))
-    rows = [("base model", _base_model(trainer)), ("training data", data), ("sequence length", length),
+    rows = [("base model", _base_model(trainer, card_kwargs.get("base_model") or card_kwargs.get("finetuned_from"))),
+            ("training data", data), ("sequence length", length),
             ("attention", "dense (the sparse_cp backend was not used)" if sparse is None
              else f"`sparse_cp`: {_describe_pattern(sparse)}"),
-            ("distributed set-up", _describe_setup(trainer)),
+            ("distributed set-up", _describe_setup(trainer, cp_size)),
             ("context parallelism", _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
             ("total train batch size", f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per "
              "optimizer step"),
@@ -281,9 +326,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     lines += ["### Kept fraction of attention blocks", ""]
     if means:
         overall = sum(means.values()) / len(means)
-        lines += [f"Computed blocks over the blocks of the causal triangle, logged by the Trainer "
-                  f"(`sparse/kept_fraction/layer_NN`) and averaged over the logged steps: **{overall:.3f}** over "
-                  "all layers.", "", "| layer | mean kept fraction |", "|---|---|",
+        lines += [f"Computed blocks over the blocks dense attention computes on the same batches (1.0: dense; "
+                  "packed documents and sliding windows count only the blocks dense attention visits), logged by "
+                  f"the Trainer (`sparse/kept_fraction/layer_NN`) and averaged over the logged steps: "
+                  f"**{overall:.3f}** over all layers.", "", "| layer | mean kept fraction |", "|---|---|",
                   *(f"| {layer} | {value:.3f} |" for layer, value in means.items()), "",
                   _draw_plot(trainer, output_dir), ""]
     else:
@@ -295,8 +341,6 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     if smet is not None:
         lines += ["SMET config:", "", "```yaml", yaml.safe_dump(_smet_settings(smet), sort_keys=False).rstrip(), "```",
                   ""]
-    lines += ["### Framework versions", "", "| package | version |", "|---|---|",
-              *(f"| {name} | {version} |" for name, version in _versions(trainer).items()), ""]
     lines += ["### Quick start", "",
               "The weights are a standard transformers checkpoint: the model loads and generates without "
               "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
@@ -314,12 +358,44 @@ def _split_front_matter(card: str) -> tuple[dict, str]:
     return {}, card
 
 
-def _add_tags(card: str) -> str:
-    """`card` with `TAGS` added to the `tags` of its YAML front matter (created when it has none)."""
+def _as_list(value: Any) -> list:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
+    """`card` with YAML front matter that a Hub page accepts: `TAGS` added to its tags; `license` (given, or the
+    card's) as a lowercase license id; `base_model` only a Hub id (given as `base_model` or `finetuned_from`, or
+    the card's, or the model's origin), omitted for a local model; `datasets` only Hub ids (given as `datasets`,
+    `dataset_tags`, `dataset_name` or `dataset`, or the card's). The stock card's sentence that links a local
+    base model to the Hub names it as local instead."""
     metadata, body = _split_front_matter(card)
-    tags = list(metadata.get("tags") or [])
+    tags = _as_list(metadata.get("tags"))
     metadata["tags"] = tags + [tag for tag in TAGS if tag not in tags]
+    license_ = given.get("license") or metadata.get("license")
+    if license_:
+        metadata["license"] = str(license_).lower()
+    base = (given.get("base_model") or given.get("finetuned_from") or metadata.get("base_model")
+            or getattr(getattr(trainer.model, "config", None), "_name_or_path", None))
+    metadata.pop("base_model", None)
+    if is_hub_id(base):
+        metadata["base_model"] = base
+    elif isinstance(base, str) and base:
+        body = body.replace(f"[{base}](https://huggingface.co/{base})", f"a local model (`{base}`)")
+    named = [name for key in _DATASET_KEYS for name in _as_list(given.get(key))] or _as_list(metadata.get("datasets"))
+    datasets = list(dict.fromkeys(name for name in named if is_hub_id(name)))
+    metadata.pop("datasets", None)
+    if datasets:
+        metadata["datasets"] = datasets
     return f"---\n{yaml.dump(metadata, sort_keys=False)}---\n{body}"
+
+
+def _accepted(create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `kwargs` that `create_card` (a Trainer class's own card writer) takes: the plugin's card
+    takes license, base_model and datasets for every Trainer class, TRL's writer does not."""
+    parameters = inspect.signature(create_card).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {name: value for name, value in kwargs.items() if name in parameters}
 
 
 def write_sparse_model_card(
@@ -350,7 +426,7 @@ def write_sparse_model_card(
         fraction was logged and matplotlib is installed), None on the other processes, which write nothing.
     """
     create_card = functools.partial(Trainer.create_model_card, trainer) if create_card is None else create_card
-    create_card(**create_model_card_kwargs)
+    create_card(**_accepted(create_card, create_model_card_kwargs))
     if not trainer.is_world_process_zero():
         return None
     output_dir = Path(trainer.args.output_dir)
@@ -375,8 +451,9 @@ def write_sparse_model_card(
             f" ({backend})" if backend else ""), card)
     for wrong, right in _STOCK_FIXES:
         card = card.replace(wrong, right)
-    card = _add_tags(card)
-    license_ = create_model_card_kwargs.get("license") or _split_front_matter(card)[0].get("license")
+    card = _hub_metadata(card, trainer, create_model_card_kwargs)
+    license_ = _split_front_matter(card)[0].get("license")
+    card = _merge_versions(card, _versions(trainer))
     card += "\n" + _section(trainer, parallel, max_length, cp_size, smet, optimizer_line, output_dir,
                             create_model_card_kwargs, license_)
     path.write_text(card, encoding="utf-8")

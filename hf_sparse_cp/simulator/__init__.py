@@ -5,7 +5,7 @@
 * `simulate.py`: the CP configurations compared; `workloads.py`: the synthetic rows they run on;
 * `step_model.py`: hardware and the predicted step time; `simulate_cli.py`: `hf-sparse-cp simulate`;
 * `memory_model.py`: the bytes a step holds, term by term, and how long a sequence fits;
-  `memory_cli.py`: `hf-sparse-cp memory`.
+  `memory_cli.py`: `hf-sparse-cp memory`; `memory_table.py`: docs/memory.md's predictions, from the command's code.
 
 Nothing on the training path imports it; the command line and the benchmarks do.
 """

@@ -110,6 +110,23 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--seq-len {args.seq_len}: every length must be >= 1 token.")
 
 
+def predict(args: argparse.Namespace, capacity: float) -> dict:
+    """The command's answer for its parsed `args` on a GPU of `capacity` bytes: the longest length that fits and
+    the predicted step at it and at `args.seq_len` (what `main` prints and `memory_table` tabulates)."""
+    arch: Architecture = ARCHITECTURES[args.model]
+    settings = settings_for_length(args)
+    budget = args.usable_fraction * capacity
+    longest = longest_fitting_length(arch, budget, settings, granularity=1024)
+    report = {"model": args.model, "parameters": arch.params, "gpu_memory_bytes": capacity, "usable_bytes": budget,
+              "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
+              "longest_fitting_tokens": longest, "prediction": True, "lengths": {}}
+    for n in sorted({*args.seq_len, *([longest] if longest else [])}):
+        est = predict_step_memory(arch, n, settings(n))
+        report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
+                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled}
+    return report
+
+
 def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> dict:
     """Run the command; returns what it printed as a dict (also written with --json)."""
     parser = build_parser(prog)
@@ -123,15 +140,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     except (ValueError, OSError) as e:
         parser.error(str(e))
     arch: Architecture = ARCHITECTURES[args.model]
-    budget = args.usable_fraction * capacity
-    longest = longest_fitting_length(arch, budget, settings, granularity=1024)
-    report = {"model": args.model, "parameters": arch.params, "gpu_memory_bytes": capacity, "usable_bytes": budget,
-              "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
-              "longest_fitting_tokens": longest, "prediction": True, "lengths": {}}
-    for n in sorted({*args.seq_len, *([longest] if longest else [])}):
-        est = predict_step_memory(arch, n, settings(n))
-        report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
-                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled}
+    report = predict(args, capacity)
+    budget, longest = report["usable_bytes"], report["longest_fitting_tokens"]
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.quiet:

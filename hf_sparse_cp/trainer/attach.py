@@ -41,6 +41,8 @@ _SPARSE_ATTENTION = "sparse_attention"
 _SPARSITY_LOGGING = "sparsity_logging"
 _CHECKPOINTS = "checkpoints"
 _DDP_TIMEOUT = "ddp_timeout"
+# A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name (`launched.py`).
+LAUNCHED = "launched"
 # transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
 _CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
@@ -250,10 +252,11 @@ def attach_to_trainer(
 
 
 def detach_from_trainer(trainer: Trainer) -> None:
-    """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism
-    (no-op when not attached)."""
+    """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism, and for a
+    Trainer a script built under `hf_sparse_cp.run`, its class (no-op when not attached)."""
     disable_curriculum(trainer)
     disable_trainer_context_parallel(trainer)
     undo_recorded(trainer, _CHECKPOINTS)
     undo_recorded(trainer, _SPARSITY_LOGGING)
     undo_recorded(trainer, _DDP_TIMEOUT)
+    undo_recorded(trainer, LAUNCHED)

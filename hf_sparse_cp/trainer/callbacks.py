@@ -8,7 +8,7 @@ from ..integration.stats import LOG_KEY, layer_log_key, pop_kept_fractions
 from ..smet import unwrap_smet
 
 
-def _add_to_log(state, logs: dict, extra: dict) -> None:
+def add_to_log(state, logs: dict, extra: dict) -> None:
     """Add `extra` to the log being written and to its entry in the Trainer's history."""
     logs.update(extra)
     if state.log_history:
@@ -16,7 +16,8 @@ def _add_to_log(state, logs: dict, extra: dict) -> None:
 
 
 class SparsityLoggingCallback(TrainerCallback):
-    """Adds the per-layer kept fraction of attention blocks to every Trainer log.
+    """Adds the per-layer kept fraction of attention blocks to every Trainer log: the blocks computed over the
+    blocks dense attention computes on the same batches (1.0 for a layer that runs dense, whatever the packing).
 
     Keys: `sparse/kept_fraction` (mean over layers) and `sparse/kept_fraction/layer_NN`. The callback
     must run before the reporting callbacks (TensorBoard, W&B) so they see the keys:
@@ -31,7 +32,7 @@ class SparsityLoggingCallback(TrainerCallback):
             return
         extra = {layer_log_key(layer): round(v, 5) for layer, v in per_layer.items()}
         extra[LOG_KEY] = round(sum(per_layer.values()) / len(per_layer), 5)
-        _add_to_log(state, logs, extra)
+        add_to_log(state, logs, extra)
 
 
 class SMETCallback(TrainerCallback):
@@ -53,7 +54,7 @@ class SMETCallback(TrainerCallback):
         smet = unwrap_smet(optimizer)
         if logs is None or smet is None:
             return
-        _add_to_log(state, logs, {
+        add_to_log(state, logs, {
             "smet/density": round(smet.density(), 5),
             "smet/topology_updates": smet.topology_updates,
             "smet/replaced_fraction": round(smet.last_replaced_fraction, 5),

@@ -7,10 +7,11 @@ every batch is sharded once, at data time, with shifted labels and global positi
 carries the `CPShard` that the `sparse_cp` backend runs the ring with. Where accelerate does not
 own the CP mesh (CPU / gloo runs with `--cp_size`), the patch also makes the dataloader shard
 over data-parallel ranks only (every rank of a CP group gets the same batch). Either way the
-Trainer's token count, flops, batch size and the loss's token count count each CP group's batch
-once, and an attention call that arrives without the shard during a CP forward is an error.
+Trainer's token count, flops, batch size and the loss's token count (and TRL's logged `num_tokens`) count
+each CP group's batch once, and an attention call that arrives without the shard during a CP forward is an error.
 `disable_trainer_context_parallel` undoes all of it. The pieces a curriculum of CP degrees reuses
-(`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`.
+(`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`,
+`first_batch_of_each_run`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
+from ..attention.tokens import PAD_SEGMENT
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
+from ..distributed.sharding import sequence_meta
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, undo_recorded
+from .callbacks import add_to_log
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,23 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     return prepare
 
 
+def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
+    """A function that says, batch by batch, whether the batch is the first of a `train()` call (a run, or its
+    resume): the Trainer starts each with a new `state`. The CP ranks' batches are checked to be the same there
+    (`check_same_batch`): data built differently on each process shows at the first step, and the check costs
+    nothing later."""
+    checked = None
+
+    def first() -> bool:
+        nonlocal checked
+        if checked is trainer.state:
+            return False
+        checked = trainer.state
+        return True
+
+    return first
+
+
 def count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
     flop and batch-size accounting count that batch once per group, as without CP. `cp_size()` is the
@@ -99,6 +120,38 @@ def count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int
         trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size()
 
     patches.set_attr(trainer, compat.TRAINER_TRACK_TOKENS, track_once)
+    if compat.logs_trained_tokens(trainer):
+        count = _TrainedTokens()
+        prepare = getattr(trainer, compat.TRAINER_CP_INPUTS)  # (the plugin's, set by the caller)
+
+        def prepare_counting(model, inputs):
+            if model.training:
+                count.add(inputs, cp_size())
+            return prepare(model, inputs)
+
+        patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_counting)
+        patches.insert(trainer.callback_handler, "callbacks", 0, count)  # (before the reporters read the log)
+
+
+class _TrainedTokens(TrainerCallback):
+    """TRL's SFTTrainer logs `num_tokens`, counted on the inputs it trains on: under CP, each rank's shard with
+    the padding that splits the sequence evenly over the ranks. This logs in its place what one process counts:
+    the real (non-padding) tokens of each training batch, once per CP group."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None  # this rank's share: its batches' tokens / the CP degree
+
+    def add(self, inputs: dict[str, Any], cp_size: int) -> None:
+        tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
+        self.total = tokens if self.total is None else self.total + tokens
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "num_tokens" not in logs or self.total is None:
+            return
+        total = self.total.clone()
+        if torch.distributed.is_initialized():  # (every rank logs the same steps)
+            torch.distributed.all_reduce(total)
+        add_to_log(state, logs, {"num_tokens": float(round(total.item()))})
 
 
 def enable_trainer_context_parallel(
@@ -126,10 +179,12 @@ def enable_trainer_context_parallel(
     pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
 
+    first_batch = first_batch_of_each_run(trainer)
+
     def prepare_inputs(_model, inputs: dict[str, Any]):
         return contextlib.nullcontext, prepare_context_parallel_inputs(
             inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
-            sparse_config=sparse_config,
+            sparse_config=sparse_config, verify_same_batch=first_batch(),
         )
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)

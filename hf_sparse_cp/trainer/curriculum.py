@@ -46,7 +46,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import count_once_per_cp_group, dp_data_loader, pad_token_id
+from .context_parallel import count_once_per_cp_group, dp_data_loader, first_batch_of_each_run, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -427,14 +427,22 @@ def enable_curriculum(
     curriculum = Curriculum(trainer, schedule, dims, patches)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
 
+    checked_stages: set[int] = set()  # the stages whose first batch was checked, in this train() call
+    first_batch = first_batch_of_each_run(trainer)
+
     def prepare_inputs(_model, inputs: dict[str, Any]):
         parallel = curriculum.parallel()
         if parallel.cp_size == 1:
             return contextlib.nullcontext, inputs
+        if first_batch():
+            checked_stages.clear()
+        stage = curriculum.schedule.index_at(trainer.state.global_step)
+        verify = stage not in checked_stages  # (each stage's first batch: its CP groups are new)
+        checked_stages.add(stage)
         sparse_config = model_config_for(model)
         return contextlib.nullcontext, prepare_context_parallel_inputs(
             inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
-            sparse_config=sparse_config)
+            sparse_config=sparse_config, verify_same_batch=verify)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
@@ -491,7 +499,7 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
         row, longest = ids.shape[1], max(len(dataset[k]["input_ids"]) for k in range(n))
         why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
                f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
-               "--max_length in the example script), or shorten the stage" if row < stage.seq_len else
+               "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else
                f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
                "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
                "each sample, not the row: train a curriculum with one sample per row, without packing")

@@ -14,7 +14,7 @@ from typing import Any
 from ..distributed import ContextParallelConfig
 from .arguments import SMETArguments, SparseAttentionFlags, SparseCPArguments
 from .curriculum import CurriculumArguments
-from .sparse_trainer import COMMON_FLAGS, SparseTrainingArguments
+from .sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, SparseTrainingArguments
 
 # (title, what the group does, the dataclass of its flags)
 GROUPS = (
@@ -61,7 +61,7 @@ def flag_reference() -> str:
              "## Common flags", "",
              "The few flags a run usually sets (each argument class names its own in `COMMON_FLAGS`). Every other "
              "flag is expert: its default serves unless a measurement says otherwise (CONTRIBUTING.md says how a "
-             "knob becomes a flag).", "", *HEADER, _row(fields["max_length"])]
+             "knob becomes a flag).", "", *HEADER, _row(fields[LENGTH_FIELD])]
     lines += [_row(f) for _, _, group in groups for f in group if f.name in COMMON_FLAGS]
     lines += ["", "## Expert flags", ""]
     for title, about, group in groups:

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -53,61 +53,52 @@ logger = logging.getLogger(__name__)
 
 # The dataclasses whose fields (command-line flags) the generated arguments carry.
 _PARTS = (SparseCPArguments, SparseAttentionFlags, ContextParallelConfig, CurriculumArguments, SMETArguments)
-# The flags a user sets first (`--help` and docs/flags.md list them first): each part's `COMMON_FLAGS`.
-COMMON_FLAGS = ("max_length", *(name for part in _PARTS for name in part.COMMON_FLAGS))
 # One switch: the class itself asks for sparse attention, so its flag defaults to on here.
 _DEFAULTS = {"sparse_attention": True}
 # Not a flag (init=False): the fields the command line or a recipe gave, set by the script that parsed them
 # (`arguments.explicit_fields`); they beat --sparse_config / --smet_config whatever their value.
 _EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=False)
-# The sequence length, for argument classes that have none (TRL's configs have `max_length`, with the same meaning).
-_MAX_LENGTH_NAME = "max_length"
+# The sequence length, for argument classes that have none (TRL's configs have `max_length`, with the same meaning,
+# and the plugin reads theirs).
+LENGTH_FIELD = "sparse_max_length"
 _MAX_LENGTH = dataclasses.field(default=None, metadata={
     "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
             "--sparse_gradient_checkpointing_min_length and decides which documents reach --sparse_min_seq_len; "
-            "default: the length of the training set's first sample."})
-# Fields that hold the training sequence length, checked at construction: the plugin's, and TRL's `max_length`.
-_LENGTH_NAMES = (_MAX_LENGTH_NAME, "max_length")
+            "default: the length of the training set's first sample (TRL's SFTConfig: its own --max_length)."})
+# Fields of earlier releases under their names now: arguments saved by them (a checkpoint's training_args.bin)
+# load with the new names.
+RENAMED_FIELDS = {"max_length": LENGTH_FIELD}
+# The flags a user sets first (`--help` and docs/flags.md list them first): each part's `COMMON_FLAGS`.
+COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_FLAGS))
 
 
 def _has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
-class SparseArgumentsMixin:
-    """The methods of the generated argument classes (`sparse_arguments_class`); their fields are
-    generated from `_PARTS`."""
+class PluginArgumentsMixin:
+    """The plugin's fields on a generated dataclass (`sparse_arguments_class`, `PluginArguments`): their checks
+    and the configs they make up."""
 
-    _sparse_base: type[TrainingArguments]
     _sparse_fields: frozenset[str]  # the plugin's fields (type-checked at construction)
-    _sparse_length_fields: tuple[str, ...]  # the fields that hold the training sequence length (the plugin's, TRL's)
+    _length_field: str  # the field that holds the sequence length: LENGTH_FIELD, or the base's `max_length`
 
-    def __post_init__(self) -> None:
-        if not self.use_cpu and not _has_accelerator():
-            # accelerate joins CPU processes (gloo) only when told: without this, `torchrun --nproc_per_node 2` or
-            # `accelerate launch` on a machine without an accelerator would run N unsynchronized single-process jobs
-            logger.info("No accelerator found: training on CPU (use_cpu=True).")
-            self.use_cpu = True
-        if self.fsdp and "WORLD_SIZE" not in os.environ:  # (transformers' own error comes later and names no fix)
-            raise ValueError(
-                "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
-                "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp train --nproc 2 --fsdp ...`; or "
-                "drop --fsdp."
-            )
-        # The plugin's fields, whatever built them (the command line, a YAML/JSON file or a dict through
-        # HfArgumentParser, direct construction), before anything reads them: text in a switch would be true.
+    def _check_plugin_fields(self) -> None:
+        """The plugin's fields, whatever built them (the command line, a YAML/JSON file or a dict through
+        HfArgumentParser, direct construction), before anything reads them: text in a switch would be true."""
         self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
         check_field_types(self, self._sparse_fields)
-        super().__post_init__()
+
+    def _validate_plugin_fields(self) -> None:
         for part in _PARTS:  # each part validates its own fields, naming them
             from_prefixed(self, part)
         self.sparse_attention_config()
-        for name in self._sparse_length_fields:
-            check_sequence_length(name, getattr(self, name))
+        check_sequence_length(self._length_field, self.sequence_length)
 
-    def __reduce__(self):
-        # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
-        return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
+    @property
+    def sequence_length(self) -> int | None:
+        """Tokens per training sequence as the arguments give it (`--sparse_max_length`, or TRL's `--max_length`)."""
+        return getattr(self, self._length_field)
 
     def plugin_arguments(self) -> SparseCPArguments:
         return from_prefixed(self, SparseCPArguments)
@@ -123,6 +114,12 @@ class SparseArgumentsMixin:
     def context_parallel_config(self) -> ContextParallelConfig:
         return from_prefixed(self, ContextParallelConfig)
 
+    def cp_sizes(self) -> list[int]:
+        """The CP degrees the run uses: `--cp_size`, or each stage's of `--cp_schedule`."""
+        if self.cp_schedule:
+            return [stage.cp_size for stage in parse_schedule(self.cp_schedule)]
+        return [self.cp_size]
+
     def smet_arguments(self) -> SMETArguments:
         return from_prefixed(self, SMETArguments)
 
@@ -130,6 +127,33 @@ class SparseArgumentsMixin:
         """The SMET settings when `--smet` is on, else None."""
         flags = self.smet_arguments()
         return flags.to_config(self.explicit_flags) if flags.smet else None
+
+
+class SparseArgumentsMixin(PluginArgumentsMixin):
+    """The methods of the generated argument classes (`sparse_arguments_class`); their fields are
+    generated from `_PARTS`."""
+
+    _sparse_base: type[TrainingArguments]
+
+    def __post_init__(self) -> None:
+        if not self.use_cpu and not _has_accelerator():
+            # accelerate joins CPU processes (gloo) only when told: without this, `torchrun --nproc_per_node 2` or
+            # `accelerate launch` on a machine without an accelerator would run N unsynchronized single-process jobs
+            logger.info("No accelerator found: training on CPU (use_cpu=True).")
+            self.use_cpu = True
+        if self.fsdp and "WORLD_SIZE" not in os.environ:  # (transformers' own error comes later and names no fix)
+            raise ValueError(
+                "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
+                "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp train --nproc 2 --fsdp ...`; or "
+                "drop --fsdp."
+            )
+        self._check_plugin_fields()
+        super().__post_init__()
+        self._validate_plugin_fields()
+
+    def __reduce__(self):
+        # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
+        return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
 
 
 def check_sequence_length(name: str, value: Any) -> None:
@@ -141,16 +165,20 @@ def check_sequence_length(name: str, value: Any) -> None:
 
 
 def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> SparseArgumentsMixin:
-    args = object.__new__(sparse_arguments_class(base))
+    cls = sparse_arguments_class(base)
+    for old, new in RENAMED_FIELDS.items():  # saved by an earlier release
+        if old in state and new in cls._sparse_fields and new not in state:
+            state[new] = state.pop(old)
+    args = object.__new__(cls)
     args.__dict__.update(state)
     return args
 
 
 def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.Field]]:
-    """The plugin's fields as `make_dataclass` takes them: `max_length` (unless `base` has it),
-    `explicit_flags` (not a flag) and every field of `_PARTS` under its command-line name."""
+    """The plugin's fields as `make_dataclass` takes them: `sparse_max_length` (unless `base` has its own
+    `max_length`), `explicit_flags` (not a flag) and every field of `_PARTS` under its command-line name."""
     base_fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
-    fields = [] if _MAX_LENGTH_NAME in base_fields else [(_MAX_LENGTH_NAME, int | None, _MAX_LENGTH)]
+    fields = [] if "max_length" in base_fields else [(LENGTH_FIELD, int | None, _MAX_LENGTH)]
     fields.append(("explicit_flags", Collection[str] | None, _EXPLICIT))
     for part in _PARTS:
         fields += copied_fields(part, defaults=_DEFAULTS)
@@ -158,6 +186,13 @@ def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.
     if clash:
         raise TypeError(f"plugin flags {sorted(clash)} collide with fields of {base.__name__}; rename them.")
     return fields
+
+
+def _namespace(fields: list[tuple[str, Any, dataclasses.Field]], **extra: Any) -> dict[str, Any]:
+    """The class attributes of a generated class with the plugin's `fields`."""
+    names = {name for name, _, f in fields if f.init}
+    return {"__module__": __name__, "_sparse_fields": frozenset(names),
+            "_length_field": LENGTH_FIELD if LENGTH_FIELD in names else "max_length", **extra}
 
 
 @functools.cache
@@ -171,18 +206,44 @@ def sparse_arguments_class(base: type[TrainingArguments]) -> type:
         The dataclass `Sparse<base name>`: every field of `base` and `--sparse_attention` (on by default),
         `--sparse_config`, the pattern (`--sparse_vertical_topk`, `--sparse_block_size`, ...), context
         parallelism (`--cp_size`, ...), a context-length curriculum (`--cp_schedule`), SMET (`--smet`,
-        `--smet_density`, ...) and `--max_length` (the base's own when it has one). The same class for
-        the same base.
+        `--smet_density`, ...) and `--sparse_max_length` (unless the base has its own `max_length`). The same
+        class for the same base.
     """
-    name, fields = f"Sparse{base.__name__}", plugin_fields(base)
-    names = {f.name for f in dataclasses.fields(base)} | {n for n, _, _ in fields}
+    fields = plugin_fields(base)
     return dataclasses.make_dataclass(
-        name, fields, bases=(SparseArgumentsMixin, base),
-        namespace={"__doc__": f"`{base.__name__}` plus the plugin's flags (`sparse_arguments_class`).",
-                   "__module__": __name__, "_sparse_base": base,
-                   "_sparse_fields": frozenset(n for n, _, f in fields if f.init),
-                   "_sparse_length_fields": tuple(n for n in dict.fromkeys(_LENGTH_NAMES) if n in names)},
-    )
+        f"Sparse{base.__name__}", fields, bases=(SparseArgumentsMixin, base),
+        namespace=_namespace(fields, _sparse_base=base,
+                             __doc__=f"`{base.__name__}` plus the plugin's flags (`sparse_arguments_class`)."))
+
+
+class _PluginOnly(PluginArgumentsMixin):
+    def __post_init__(self) -> None:
+        self._check_plugin_fields()
+        self._validate_plugin_fields()
+
+
+_PLUGIN_FIELDS = plugin_fields()
+# The plugin's flags alone, with the defaults of `SparseTrainingArguments`: what `hf_sparse_cp.run` reads before
+# the script path, for the arguments a script builds in code.
+PluginArguments = dataclasses.make_dataclass(
+    "PluginArguments", _PLUGIN_FIELDS, bases=(_PluginOnly,),
+    namespace=_namespace(_PLUGIN_FIELDS, __doc__="The plugin's flags alone (those of `sparse_arguments_class`)."))
+
+
+def with_plugin_arguments(args: TrainingArguments, plugin: PluginArguments) -> SparseArgumentsMixin:
+    """`args`, built in code, as `sparse_arguments_class(type(args))` with the plugin's settings in `plugin`
+    (every field of `args` as it is: its `__post_init__` already ran, and its devices may be set up)."""
+    cls = sparse_arguments_class(type(args))
+    if cls._length_field != LENGTH_FIELD and plugin.sparse_max_length is not None:
+        raise ValueError(f"--sparse_max_length {plugin.sparse_max_length}: the script's {type(args).__name__} has its "
+                         f"own max_length ({args.max_length}), which the plugin reads; drop --sparse_max_length.")
+    out = object.__new__(cls)
+    out.__dict__.update(vars(args))
+    out.__dict__.update({name: getattr(plugin, name) for name in cls._sparse_fields})
+    out.explicit_flags = plugin.explicit_flags
+    out._check_plugin_fields()
+    out._validate_plugin_fields()
+    return out
 
 
 SparseTrainingArguments = sparse_arguments_class(TrainingArguments)
@@ -224,6 +285,13 @@ class SparseTrainerMixin:
 
     def __init__(self, model: torch.nn.Module | str | None = None, args: TrainingArguments | None = None, *rest,
                  **kwargs):
+        self._init_with_plugin(super().__init__, model, args, *rest, **kwargs)
+
+    def _init_with_plugin(self, trainer_init: Callable[..., None], model: torch.nn.Module | str | None,
+                          args: TrainingArguments | None, *rest, **kwargs) -> None:
+        """`trainer_init(model, args, *rest, **kwargs)`, the Trainer class's own `__init__`, with the plugin around
+        it: the checks and the model's backend before, context parallelism, logging and SMET after (`__init__`, and
+        `hf_sparse_cp.run` for the Trainer a launched script builds)."""
         if not isinstance(args, SparseArgumentsMixin):
             raise TypeError(
                 f"{type(self).__name__} takes arguments with the plugin's flags (got {type(args).__name__}): parse "
@@ -235,7 +303,7 @@ class SparseTrainerMixin:
         _refuse_empty_datasets(type(self).__name__, kwargs)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
-        self.max_length = args.max_length or longest_stage or _first_length(kwargs.get("train_dataset"))
+        self.max_length = args.sequence_length or longest_stage or _first_length(kwargs.get("train_dataset"))
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
         if args.sparse_attention and not loaded_here:
             self._enable_sparse_attention(model, args)
@@ -244,7 +312,7 @@ class SparseTrainerMixin:
                            "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
                            "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
                            compat.attn_implementation(model.config))
-        super().__init__(model, args, *rest, **kwargs)
+        trainer_init(model, args, *rest, **kwargs)
         if args.sparse_attention and loaded_here:
             self._enable_sparse_attention(self.model, args)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),

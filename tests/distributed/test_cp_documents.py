@@ -299,7 +299,7 @@ def _estimated_case(par: ParallelDims, rank: int) -> dict:
     plan = plan_row(meta, CFG, par.cp_size)
     shard = CPShard(par, plan, plan.global_meta(meta))
     out, _, layout, _ = context_parallel_attention(*(plan.shard(x, rank, dim=2) for x in (q, k, v)), shard, CFG)
-    return {"out": rel_rms(out, plan.shard(ref, rank, dim=2)), "sparse": float(layout.kept_fraction(shard.meta)) < 0.9}
+    return {"out": rel_rms(out, plan.shard(ref, rank, dim=2)), "sparse": float(layout.kept_fraction(shard.meta)) < 0.95}
 
 
 def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
@@ -430,7 +430,7 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
 def test_logged_kept_fraction_under_the_planner_equals_one_process(spawned):
     for errs in spawned(2):
         for estimation, r in errs["kept_fraction"].items():
-            assert min(r["ref"].values()) < 0.9, (estimation, r)  # a sparse pattern, not all dense
+            assert min(r["ref"].values()) < 0.95, (estimation, r)  # a sparse pattern, not all dense
             assert r["got"].keys() == r["ref"].keys()
             gaps = {layer: abs(r["got"][layer] - r["ref"][layer]) for layer in r["ref"]}
             assert max(gaps.values()) < 1e-12, (estimation, r)

@@ -14,7 +14,7 @@ from hf_sparse_cp.cli import main as cli
 from hf_sparse_cp.examples import train_long_context as example
 
 # The demo at a tiny size: every pattern setting is the demo's own but min_seq_len (documents of 512 tokens).
-TINY = ["--max_length", "512", "--sparse_min_seq_len", "256", "--num_samples", "2", "--tiny_num_layers", "1",
+TINY = ["--sparse_max_length", "512", "--sparse_min_seq_len", "256", "--num_samples", "2", "--tiny_num_layers", "1",
         "--report_to", "none"]
 
 

@@ -122,7 +122,7 @@ def test_detach_removes_the_protection(tmp_path):
 
 # ---- the CLI under CP 2 with SMET ---------------------------------------------------------------
 
-JOB = ["--max_length", "256", "--num_samples", "8", "--sparse_min_seq_len", "128", "--sparse_block_size", "32",
+JOB = ["--sparse_max_length", "256", "--num_samples", "8", "--sparse_min_seq_len", "128", "--sparse_block_size", "32",
        "--sparse_vertical_topk", "8", "--sparse_slash_topk", "8", "--sparse_local_window", "32", "--sparse_sink_tokens",
        "4", "--sparse_last_q", "16", "--smet", "--smet_density", "0.5", "--smet_update_interval", "2",
        "--save_strategy", "steps", "--save_steps", "2"]
@@ -183,8 +183,8 @@ def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refu
         training_state(model, opt)
 
 
-FSDP2 = ("--fsdp", "full_shard auto_wrap",
-         "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+FSDP2 = ("--fsdp",
+         "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
 
 
 def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_the_same_global_batch(tmp_path):
@@ -254,7 +254,7 @@ def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every
     same = _cli(tmp_path / "same", 4, *steps, "--resume_from_checkpoint", checkpoint)  # the saved layout: exact
     assert same.returncode == 0, same.stderr[-3000:]
     assert json.loads((tmp_path / "same" / "summary.json").read_text())["losses"] == want
-    without_fsdp = _cli(tmp_path / "ddp", 4, *steps[:-4], "--resume_from_checkpoint", checkpoint)
+    without_fsdp = _cli(tmp_path / "ddp", 4, *steps[:-len(FSDP2)], "--resume_from_checkpoint", checkpoint)
     assert without_fsdp.returncode != 0 and "only a run with FSDP2 loads it" in without_fsdp.stderr
     refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
     assert refused.returncode != 0

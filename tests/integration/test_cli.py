@@ -78,7 +78,7 @@ def test_the_child_exit_status_is_returned(tmp_path):
 
 
 # The real thing: two workers (CP 2) on short sequences, for many steps, so that the run is mid-training.
-JOB = ["--nproc", "2", "--cp_size", "2", "--max_length", "256", "--num_samples", "4", "--max_steps", "100000",
+JOB = ["--nproc", "2", "--cp_size", "2", "--sparse_max_length", "256", "--num_samples", "4", "--max_steps", "100000",
        "--tiny_num_layers", "1", "--logging_steps", "1"]
 START_LIMIT_S = 1200  # from the launch to the first logged step: only a hang takes this long
 # How long ending a run may take: torchrun gives its workers 30 s after its signal before it kills them, and the

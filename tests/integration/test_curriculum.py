@@ -350,7 +350,7 @@ def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, ba
 
 
 def test_a_stage_longer_than_the_samples_is_refused_before_training(tmp_path):
-    """`--max_length 512 --cp_schedule 0:256:1,2:1024:1` trained its "1024" stage on 512-token samples."""
+    """`--sparse_max_length 512 --cp_schedule 0:256:1,2:1024:1` trained its "1024" stage on 512-token samples."""
     trainer = _one_process(tmp_path, "0:128:1,1:256:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
     with pytest.raises(ValueError, match=re.escape(
             "cp_schedule stage 1 (1:256:1) would train rows of 128 tokens, not 256: the samples hold 128 tokens, and "

@@ -73,7 +73,7 @@ def _build_in_two_processes(rank: int, world: int, cache_dir: str) -> tuple[int,
     compose = passkey._compose
     passkey._compose = lambda *args: built.append(args) or compose(*args)
     with tempfile.TemporaryDirectory() as tmp:
-        training = SparseTrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", max_length=256)
+        training = SparseTrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", sparse_max_length=256)
         assert training.world_size == world
         data = passkey_train_data(ScriptArguments(num_samples=3, pack_documents=2), training,
                                   byte_tokenizer())

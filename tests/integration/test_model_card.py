@@ -96,6 +96,28 @@ def test_the_card_describes_the_sparse_training(smet_run):
     assert "This model was trained from scratch on an unknown dataset." in card  # not a link to an empty base model
 
 
+def test_the_cards_metadata_is_what_a_hub_page_accepts(smet_run, tmp_path):
+    """license as a lowercase id; base_model a Hub id, or omitted for a local model (the stock card's link to it
+    named as local); datasets only Hub ids; all settable by the card's arguments."""
+    trainer, parallel, path = smet_run
+    local_model, local_data = tmp_path / "my_model", tmp_path / "corpus.txt"
+    local_model.mkdir()
+    local_data.write_text("x")
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, license="Apache-2.0",
+                                   finetuned_from=str(local_model), dataset_tags=[str(local_data), "wikitext"]
+                                   ).read_text()
+    meta = _front_matter(card)
+    assert meta["license"] == "apache-2.0" and "base_model" not in meta and meta["datasets"] == ["wikitext"]
+    assert f"fine-tuned version of a local model (`{local_model}`)" in card and "huggingface.co/" + str(
+        local_model) not in card
+    assert f"| base model | `{local_model}` (a local model) |" in card
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, base_model="Qwen/Qwen2.5-0.5B",
+                                   datasets="trl-lib/Capybara").read_text()
+    meta = _front_matter(card)
+    assert meta["base_model"] == "Qwen/Qwen2.5-0.5B" and meta["datasets"] == ["trl-lib/Capybara"]
+    assert card.count("### Framework versions") == 1
+
+
 def test_writing_the_card_again_amends_the_fresh_stock_card_once(smet_run):
     trainer, parallel, path = smet_run
     write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, tags=["passkey"])
@@ -232,8 +254,9 @@ def _check_statements(card: str, trainer_args: dict, log_history: list[dict], *,
     assert rows["training data"] == "8 training sequences"  # an in-memory dataset: its size, no name
     assert rows["sequence length"] == f"{SEQ_LEN} tokens"
     # the distributed set-up: CPU processes joined by gloo, not "multi-GPU"
-    assert rows["distributed set-up"] == ("1 CPU process" if processes == 1
-                                          else f"{processes} CPU processes (gloo), data parallel (DDP)")
+    assert rows["distributed set-up"] == (
+        "1 CPU process" if processes == 1 else f"{processes} CPU processes (gloo), data parallel (DDP)" if cp == 1
+        else f"{processes} CPU processes (gloo), gradients averaged over the processes by DDP")  # (no DDP by DP 1)
     assert "multi-GPU" not in card and ("- distributed_type: multi-CPU (gloo)" in card) == (processes > 1)
     if cp > 1:
         assert rows["context parallelism"].startswith(f"CP {cp} x DP {processes // cp} ({processes} processes)")
@@ -257,10 +280,14 @@ def _check_statements(card: str, trainer_args: dict, log_history: list[dict], *,
     final = log_history[-1]
     assert f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after {final['step']} steps" in card
     assert "eval loss" not in card  # no evaluation ran
-    # the versions that trained it (no TRL, no PEFT in these runs), and how to load it
-    for package in ("hf-sparse-cp", "transformers", "accelerate", "torch"):
-        assert f"| {package} | {importlib.metadata.version(package)} |" in card
-    assert "| trl |" not in card and "| peft |" not in card and "| license |" not in card
+    # the versions that trained it (no TRL, no PEFT in these runs), in the stock card's one section, and how to
+    # load it; metadata a Hub page accepts: no base model (trained from a config), no dataset (in memory)
+    assert card.count("### Framework versions") == 1
+    for package, name in (("hf-sparse-cp", "hf-sparse-cp"), ("transformers", "Transformers"),
+                          ("accelerate", "Accelerate"), ("torch", "Pytorch")):
+        assert f"\n- {name} {importlib.metadata.version(package)}\n" in card, package
+    assert "TRL" not in card and "PEFT" not in card and "| license |" not in card
+    assert not {"base_model", "datasets"} & set(_front_matter(card))
     assert f'AutoModelForCausalLM.from_pretrained("{trainer_args["output_dir"]}")' in card
 
 

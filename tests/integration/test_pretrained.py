@@ -110,7 +110,7 @@ def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_pat
     quantized)."""
     from hf_sparse_cp.examples import train_long_context as example
 
-    summary = example.main(["--model_name_or_path", str(pretrained.model_file()), "--max_length", "256",
+    summary = example.main(["--model_name_or_path", str(pretrained.model_file()), "--sparse_max_length", "256",
                             "--num_samples", "1", "--max_steps", "1", "--sparse_min_seq_len", "0",
                             "--sparse_block_size", "32", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "16",
                             "--sparse_local_window", "32", "--sparse_sink_tokens", "4",

@@ -65,8 +65,10 @@ def test_each_snippet_runs_as_written(page, snippet, tmp_path, monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", tiny_from_pretrained)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kwargs: byte_tokenizer())
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    # the plugin's length flag, or the one of the snippet's own arguments (TRL's SFTConfig, a script's dataclass)
+    length = "--sparse_max_length" if "sparse_max_length" in snippet else "--max_length"
     monkeypatch.setattr(sys, "argv", ["train.py", "--output_dir", str(tmp_path), "--max_steps", "1", "--report_to",
-                                      "none", "--save_strategy", "no", "--max_length", "256", "--bf16", "false"])
+                                      "none", "--save_strategy", "no", length, "256", "--bf16", "false"])
     try:
         exec(compile(snippet, f"{page} snippet", "exec"), {"__name__": "__main__"})
     finally:
@@ -97,3 +99,88 @@ def test_every_flag_shown_for_a_training_script_exists():
             script_args = command.split("train.py", 1)[-1] if "train.py" in command else command
             for flag in re.findall(r"(?<![\w-])--(\w+)", script_args.split("--config_file")[-1]):
                 assert flag in known or flag in ("path",), f"{page}: --{flag} in `{command}`"
+
+
+# Runs a README snippet as a script of its own under a launcher: the named model replaced by a tiny one of its family.
+DRIVER = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_sparse_cp.examples.tiny_model import tiny_config
+
+
+def tiny_from_pretrained(name, **kwargs):
+    with torch.random.fork_rng():  # (the same weights on every process, the script's own random state untouched)
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(tiny_config("qwen2"), **kwargs)
+
+
+AutoModelForCausalLM.from_pretrained = tiny_from_pretrained
+snippet = sys.argv.pop(1)
+exec(compile(open(snippet).read(), snippet, "exec"), {"__name__": "__main__"})
+"""
+
+
+def test_the_switch_snippet_trains_under_torchrun_cp2_and_data_built_per_process_is_refused_naming_the_fix(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py --cp_size 2` with the README's snippet: its data is seeded, so both
+    processes build the same rows and it trains; the same snippet with rows that differ by process (seeded by
+    rank, as a shuffle seeded per process would) stops at the first step with an error that says the processes
+    built different data and how to build it identically."""
+    import os
+    import subprocess
+
+    snippet = next(block for page, block in SNIPPETS if page == "README.md" and "SparseTrainer(" in block)
+    per_process = snippet.replace("torch.Generator().manual_seed(0)",
+                               "torch.Generator().manual_seed(int(__import__('os').environ['RANK']))")
+    assert per_process != snippet
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("WORLD_SIZE", None)
+    results = {}
+    for name, text in (("seeded", snippet), ("per_process", per_process)):
+        (tmp_path / f"{name}.py").write_text(text)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(tmp_path / "driver.py"), str(tmp_path / f"{name}.py"), "--output_dir", str(tmp_path / name),
+                   "--max_steps", "2", "--sparse_max_length", "256", "--cp_size", "2", "--report_to", "none",
+                   "--save_strategy", "no", "--sparse_block_size", "32", "--sparse_min_seq_len", "128"]
+        results[name] = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert results["seeded"].returncode == 0, results["seeded"].stderr[-4000:]
+    refused = results["per_process"]
+    assert refused.returncode != 0
+    assert "hold different rows of tokens" in refused.stderr and "build it identically on every process" in (
+        refused.stderr), refused.stderr[-4000:]
+
+
+def test_every_plugin_flag_shown_with_the_launcher_exists():
+    from hf_sparse_cp.trainer.launched import plugin_flag_names
+
+    names = plugin_flag_names()
+    shown = [(page, command) for page, command in COMMANDS if "hf_sparse_cp.run" in command or
+             "hf-sparse-cp launch" in command]
+    assert len(shown) >= 4
+    for page, command in shown:
+        for flag in re.findall(r"(?<![\w-])--((?:sparse|cp|smet)\w*)", command):
+            assert flag in names, f"{page}: --{flag} in `{command}`"
+
+
+def test_the_install_line_names_the_extras_the_demo_command_needs():
+    """The README's install command names its extras, each one setup.cfg declares, and together they hold what
+    `hf-sparse-cp train` needs beyond the base install (its demo data: `datasets`, the extra its error names)."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = {name: value.split() for name, value in config["options.extras_require"].items()}
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = next(line for line in install.splitlines() if line.startswith("pip install"))
+    named = [extra.strip() for group in re.findall(r"\.\[([\w,-]+)\]", command.split(" #", 1)[0])
+             for extra in group.split(",")]
+    assert named, f"the install line names no extra: {command!r}"
+    assert all(extra in extras for extra in named), (named, sorted(extras))
+    needed = {re.split(r"[<>=!~\[;]", requirement, maxsplit=1)[0] for extra in named for requirement in extras[extra]}
+    assert "datasets" in needed, f"`hf-sparse-cp train` needs datasets; the install line installs {sorted(needed)}"
+    for extra in re.findall(r"\.\[([\w-]+)\]", command.split(" #", 1)[1]):  # the extras the comment names
+        assert extra in extras, extra

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from itertools import pairwise
 from pathlib import Path
 
@@ -76,15 +77,43 @@ def test_accelerate_configs_load_and_divide_the_world(path):
 def test_training_recipes_parse_into_a_sparse_cp_run(path):
     script, training, sparse, pattern, cp, smet, _ = parse_args([str(path)])
     assert sparse.sparse_attention and not smet.smet
-    assert training.max_length % (cp.cp_size * pattern.sparse_block_size) == 0  # whole blocks on every rank
-    assert training.bf16 and checkpointing_enabled(training)
+    assert training.sparse_max_length % (cp.cp_size * pattern.sparse_block_size) == 0  # whole blocks on every rank
+    assert training.bf16 and not checkpointing_enabled(training)  # (the recipe's length turns it on: see below)
+    assert training.sparse_max_length >= training.sparse_gradient_checkpointing_min_length
     assert training.save_strategy == "steps" and training.save_steps < training.max_steps  # the recipe's saving
     assert load_config_from_file(str(RECIPES / "accelerate" / "fsdp2_cp8_1node.yaml")).num_processes % cp.cp_size == 0
 
 
+@pytest.mark.parametrize("path", sorted((RECIPES / "train").glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipes_use_no_form_transformers_deprecates(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        parse_args([str(path)])
+
+
+def test_a_recipe_for_more_processes_says_so_before_building_its_data(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(example, "passkey_train_data", lambda *a, **k: pytest.fail("built the data first"))
+    with pytest.raises(ValueError, match="cp_size=8 splits each sequence over 8 processes, and this one runs alone"):
+        example.main(["--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
+
+
+def test_recipes_and_command_lines_of_earlier_releases_still_run(tmp_path):
+    """`max_length` (the sequence length before every plugin flag was prefixed) in a recipe or on the command
+    line is read as --sparse_max_length, with a warning that names the new name."""
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("max_length: 512\nsparse_block_size: 64\n")
+    with pytest.warns(FutureWarning, match="--max_length is deprecated: it is now --sparse_max_length"):
+        training = parse_args([str(recipe)]).training
+    assert training.sparse_max_length == 512
+    with pytest.warns(FutureWarning, match="--max_length is deprecated"):
+        assert parse_args(["--max_length=1024"]).training.sparse_max_length == 1024
+
+
 def test_curriculum_stages_chain_and_grow():
-    stages = sorted((parse_args(["--recipe", p.stem]) for p in CURRICULUM), key=lambda a: a.training.max_length)
-    assert [s.training.max_length for s in stages] == [32768, 131072, 524288]
+    stages = sorted((parse_args(["--recipe", p.stem]) for p in CURRICULUM), key=lambda a: a.training.sparse_max_length)
+    assert [s.training.sparse_max_length for s in stages] == [32768, 131072, 524288]
     for prev, nxt in pairwise(stages):  # each stage's launch line starts from the last one's output
         launch = recipe_path(Path(nxt.training.output_dir).name).read_text()
         assert f"--model_name_or_path {prev.training.output_dir} " in launch
@@ -92,16 +121,16 @@ def test_curriculum_stages_chain_and_grow():
 
 def test_a_mapping_in_a_recipe_becomes_the_json_its_flag_takes(tmp_path):
     recipe = tmp_path / "overrides.yaml"
-    recipe.write_text('max_length: 512\nsparse_layer_overrides:\n  "0-1": {pattern: dense}\n')
+    recipe.write_text('sparse_max_length: 512\nsparse_layer_overrides:\n  "0-1": {pattern: dense}\n')
     pattern = parse_args([str(recipe)])[3].to_config()
     assert pattern.layer_overrides == {"0-1": {"pattern": "dense"}} and pattern.for_layer(1).pattern == "dense"
 
 
 def test_flags_after_the_recipe_win_and_bad_recipes_are_refused(tmp_path):
-    flags = ["--max_length", "65536", "--ddp_find_unused_parameters", "true"]
+    flags = ["--sparse_max_length", "65536", "--ddp_find_unused_parameters", "true"]
     script, training, *_ = parse_args([str(CURRICULUM[0]), *flags])
-    assert training.max_length == 65536 and training.ddp_find_unused_parameters is True
-    assert parse_args([*flags, "--recipe", CURRICULUM[0].stem]).training.max_length == 65536
+    assert training.sparse_max_length == 65536 and training.ddp_find_unused_parameters is True
+    assert parse_args([*flags, "--recipe", CURRICULUM[0].stem]).training.sparse_max_length == 65536
     bad = tmp_path / "bad.yaml"
     bad.write_text("- max_length\n")
     with pytest.raises(ValueError, match="mapping of flag names"):
@@ -193,7 +222,7 @@ def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path
 
 # A recipe at tiny size: the tiny model (no --model_name_or_path), short sequences, one step, one process; every
 # other setting is the recipe's. min_seq_len is a size too (the recipes' 8192 would keep 1K tokens dense).
-TINY = ["--tiny_num_layers", "3", "--max_length", "1024", "--sparse_min_seq_len", "512", "--num_samples", "2",
+TINY = ["--tiny_num_layers", "3", "--sparse_max_length", "1024", "--sparse_min_seq_len", "512", "--num_samples", "2",
         "--max_steps", "1"]
 
 
@@ -228,14 +257,14 @@ def test_each_recipe_runs_one_step_at_tiny_size(tmp_path, monkeypatch, single_th
     for name in ("bf16", "learning_rate", "lr_scheduler_type", "warmup_steps", "logging_steps", "save_strategy",
                  "save_steps", "report_to", "per_device_train_batch_size", "gradient_accumulation_steps"):
         assert getattr(trainer.args, name) == getattr(shipped.training, name), name
-    assert checkpointing_enabled(trainer.args) and seen["cp"].cp_sharding == shipped.cp.cp_sharding
+    assert seen["cp"].cp_sharding == shipped.cp.cp_sharding
     assert (out / "config.json").is_file()  # --save_final_model: the next stage starts from it
 
 
 @pytest.mark.parametrize("name", ["smet_pretrain", "smet_finetune"])
 def test_each_smet_recipe_trains_one_step(tmp_path, monkeypatch, single_thread, name):
     seen = _recording(monkeypatch)
-    example.main(["--recipe", name, "--max_length", "256", "--num_samples", "1", "--max_steps", "1",
+    example.main(["--recipe", name, "--sparse_max_length", "256", "--num_samples", "1", "--max_steps", "1",
                   "--tiny_num_layers", "1", "--output_dir", str(tmp_path)])
     (args,) = HfArgumentParser(SparseTrainingArguments).parse_yaml_file(str(recipe_path(name)))
     assert seen["smet"] == args.smet_optimizer_config() and seen["trainer"].state.global_step == 1
@@ -277,7 +306,7 @@ def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, mon
     SparseAttentionConfig(vertical_topk=512, slash_topk=32, block_size=64, min_seq_len=128).save(cfg)
     smet = tmp_path / "smet.yaml"
     SMETConfig(density=0.5, update_interval=50).save(smet)
-    example.main(["--max_length", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
+    example.main(["--sparse_max_length", "256", "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1",
                   "--output_dir", str(tmp_path / "out"), "--sparse_config", str(cfg), "--sparse_vertical_topk", "1024",
                   "--smet", "--smet_config", str(smet), "--smet_update_interval", "100"])
     pattern = SparseAttentionConfig.from_dict(seen["trainer"].model.config.sparse_attention)

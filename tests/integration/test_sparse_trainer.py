@@ -60,12 +60,12 @@ def test_the_switch_trains_like_a_plain_trainer_on_the_dense_pattern(tmp_path):
 
 
 def test_the_flags_carry_every_plugin_setting(tmp_path):
-    args = _args(tmp_path, *PATTERN, "--cp_sharding", "zigzag", "--smet", "--smet_density", "0.5", "--max_length",
-                 "512")
+    args = _args(tmp_path, *PATTERN, "--cp_sharding", "zigzag", "--smet", "--smet_density", "0.5",
+                 "--sparse_max_length", "512")
     assert args.sparse_attention  # on by default: the class is the switch
     assert args.sparse_attention_config().budget.vertical_topk == 8 and args.sparse_attention_config().block_size == 32
     assert args.context_parallel_config().cp_sharding == "zigzag"
-    assert args.smet_optimizer_config().density == 0.5 and args.max_length == 512
+    assert args.smet_optimizer_config().density == 0.5 and args.sparse_max_length == 512
     with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
         _args(tmp_path, "--sparse_block_size", "48")
     trainer = SparseTrainer(model=_model(), args=args, train_dataset=_rows())
@@ -155,8 +155,8 @@ def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
     arguments train on CPU processes joined by gloo (accelerate would otherwise run two single-process jobs),
     one sequence over both ranks, the model sharded by FSDP2."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    fsdp = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
-            '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}']
+    fsdp = ["--fsdp", "--fsdp_config",
+            '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}']
     processes, cp, steps, sharded = _launch(tmp_path, torchrun, *fsdp)
     assert (processes, cp, steps) == ("2", "2", "1") and int(sharded) >= 3  # the model and its 2 decoder layers
 
@@ -172,7 +172,7 @@ def test_accelerate_launch_with_the_cpu_config_needs_no_use_cpu(tmp_path):
 def test_fsdp_in_a_process_no_launcher_started_is_refused_naming_the_launch(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="launch several, e.g. `torchrun --nproc_per_node 2 train.py --fsdp"):
-        _args(tmp_path, "--fsdp", "full_shard")
+        _args(tmp_path, "--fsdp")
 
 
 def test_without_an_accelerator_the_arguments_train_on_cpu(tmp_path, monkeypatch):

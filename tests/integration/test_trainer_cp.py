@@ -23,7 +23,7 @@ from hf_sparse_cp.trainer.context_parallel import (
 )
 
 # A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
-JOB = ["--max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
+JOB = ["--sparse_max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
        "--sparse_block_size", "64", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "32",
        "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "32"]
 
@@ -46,14 +46,16 @@ def reference(tmp_path_factory):
     return {bs: _train(tmp, f"bs{bs}", 1, "--per_device_train_batch_size", str(bs)) for bs in (1, 2)}
 
 
-def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True) -> None:
+def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True, sparse_below: float = 0.95) -> None:
+    """Loss per step of `run` equal to `ref`'s, and the sparse path taken: a mean kept fraction below
+    `sparse_below` of the blocks dense attention computes (packed 256-token documents keep most of theirs)."""
     assert len(run["losses"]) == len(ref["losses"]) == 4
     for got, want in zip(run["losses"], ref["losses"]):
         assert abs(got - want) <= 2e-3 * abs(want), (run["losses"], ref["losses"])
     assert run["losses"][-1] < run["losses"][0]
     if same_rows:  # (with DP, the logged kept fraction is the first DP group's rows only)
         assert abs(run["mean_kept_fraction"] - ref["mean_kept_fraction"]) < 1e-6
-    assert run["mean_kept_fraction"] < 0.95  # the sparse path ran
+    assert run["mean_kept_fraction"] < sparse_below  # the sparse path ran
 
 
 def test_trainer_with_cp2_matches_cp1(tmp_path, reference):
@@ -81,14 +83,14 @@ def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
     """DataCollatorWithFlattening packs two documents per sequence (cu_seq_lens, restarting
     position_ids); the CP shards carry the document boundaries and no attention crosses them."""
     run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *PACKED)
-    _assert_same_losses(run, packed_reference)
+    _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
 def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packed_reference):
     """--cp_sharding document: the planner puts each packed document whole on a rank (their K/V never
     travel); the losses and kept fractions are those of one process."""
     run = _train(tmp_path, "packed_doc_cp2", 2, "--cp_size", "2", "--cp_sharding", "document", *PACKED)
-    _assert_same_losses(run, packed_reference)
+    _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
 def test_trainer_with_head_parallel_cp2_matches_cp1(tmp_path, reference):
@@ -101,12 +103,11 @@ def test_trainer_with_head_parallel_cp2_matches_cp1(tmp_path, reference):
 def test_packed_documents_with_hybrid_2x2_under_fsdp2_match_cp1(tmp_path, packed_reference):
     """Four processes, --cp_mode hybrid: heads over pairs of ranks, the sparse ring across the pairs, the
     packed documents' boundaries kept, FSDP2 sharding the model over the four ranks."""
-    fsdp = ("--fsdp", "full_shard auto_wrap",
-            "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+    fsdp = ("--fsdp", "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
     run = _train(tmp_path, "packed_hybrid", 4, "--cp_size", "4", "--cp_mode", "hybrid", "--cp_ulysses_size", "2",
                  *PACKED, *fsdp)
     assert (run["world_size"], run["cp_size"]) == (4, 4) and run["fsdp2_modules"] >= 3
-    _assert_same_losses(run, packed_reference)
+    _assert_same_losses(run, packed_reference, sparse_below=0.99)
 
 
 def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
@@ -114,8 +115,8 @@ def test_fsdp2_trainer_with_cp2_and_smet_matches_one_process(tmp_path):
     ranks) with sparse CP 2 and the SMET optimizer on its local shards: the single-process run's
     losses and kept fractions."""
     smet = ("--smet", "--smet_density", "0.5")
-    fsdp = ("--fsdp", "full_shard auto_wrap",
-            "--fsdp_config", '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
+    fsdp = ("--fsdp",
+            "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}')
     ref = _train(tmp_path, "smet_cp1", 1, *smet)
     run = _train(tmp_path, "smet_fsdp2_cp2", 2, "--cp_size", "2", *smet, *fsdp, "--save_steps", "4")
     _assert_same_losses(run, ref)

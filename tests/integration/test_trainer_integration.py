@@ -65,7 +65,7 @@ def test_gradient_checkpointing_turns_on_for_long_sequences(tmp_path):
 def test_demo_runs_and_the_loss_decreases(tmp_path):
     from hf_sparse_cp.examples.train_long_context import main
 
-    summary = main(["--output_dir", str(tmp_path), "--max_length", "2048", "--max_steps", "5", "--use_cpu"])
+    summary = main(["--output_dir", str(tmp_path), "--sparse_max_length", "2048", "--max_steps", "5", "--use_cpu"])
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert 0 < summary["mean_kept_fraction"] < 0.9
 
@@ -92,7 +92,7 @@ def test_checkpointing_flags_work_as_in_a_trainer_script(flags, strategy, steps)
 def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
     from hf_sparse_cp.examples.train_long_context import main
 
-    job = ["--max_length", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
+    job = ["--sparse_max_length", "256", "--max_steps", "2", "--num_samples", "2", "--tiny_num_layers", "1"]
     main([*job, "--output_dir", str(tmp_path / "saved"), "--save_steps", "1"])
     assert sorted(p.name for p in (tmp_path / "saved").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out
@@ -107,3 +107,22 @@ def test_cli_env(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "transformers" in out and hf_sparse_cp.__version__ in out and torch.__version__ in out
+
+
+def test_a_packed_run_whose_layers_all_run_dense_keeps_one_and_the_done_line_states_real_losses(
+        tmp_path, capsys, single_thread):
+    """Two documents packed per 256-token row, every layer dense (the issue's run logged 0.5, the document block
+    diagonal over the causal triangle): the kept fraction is 1.0 of what a dense run computes, in the log and on
+    the card. With a logging interval longer than the run, the done line states the first and last step's loss."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    job = ["--sparse_max_length", "256", "--max_steps", "3", "--num_samples", "6", "--tiny_num_layers", "1",
+           "--pack_documents", "2", "--sparse_pattern", "dense", "--logging_steps", "50",
+           "--output_dir", str(tmp_path)]
+    summary = main(job)
+    assert summary["mean_kept_fraction"] == 1.0
+    assert summary["first_loss_step"] == 1 and summary["final_loss_step"] == 3
+    assert all(v == v for v in (summary["first_loss"], summary["final_loss"]))  # numbers, not nan
+    out = capsys.readouterr().out
+    assert f"loss {summary['first_loss']:.4f} (step 1) -> {summary['final_loss']:.4f} (step 3)" in out
+    assert "| 0 | 1.000 |" in (tmp_path / "README.md").read_text()

@@ -96,6 +96,12 @@ def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path, mode):
     assert ("head-parallel (Ulysses) over 2 ranks" in card) == (mode == "ulysses")
 
 
+def _front_matter(card: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(card.split("---\n")[1])
+
+
 def test_trls_card_is_kept_and_ours_merged_into_it(one_process):
     trainer, _, out = one_process
     card = (out / "README.md").read_text()
@@ -104,9 +110,12 @@ def test_trls_card_is_kept_and_ours_merged_into_it(one_process):
     for tag in ("trl", "sft", "hf-sparse-cp", "sparse-attention", "long-context"):
         assert f"- {tag}\n" in card, tag
     assert "This model was trained with SFT." in card and "## Training procedure" in card
-    assert "TRL" in card and "datasets: packed-words" in card
+    assert "TRL" in card and _front_matter(card)["datasets"] == ["packed-words"]
     # ours, once, after TRL's
     assert card.count("## Sparse long-context training") == 1
     assert card.index("## Training procedure") < card.index("## Sparse long-context training")
-    assert f"| trl | {trl.__version__} |" in card
+    # one "Framework versions" section, TRL's, with the plugin's packages added in its style
+    assert card.count("### Framework versions") == 1 and f"- TRL: {trl.__version__}\n" in card
+    assert "- hf-sparse-cp: " in card and "- Accelerate: " in card
+    assert "base_model" not in _front_matter(card)  # trained from a config: no Hub model to name
     assert "| sequence length | 256 tokens (documents packed into each sequence" in card

@@ -55,7 +55,7 @@ def test_the_installed_package_lists_and_runs_a_recipe(installed):
     listed = _run(cli, "recipes", cwd=tmp)
     assert "qwen2.5-3b_32k" in listed and "cpu_2proc_cp2" in listed
     assert _run(cli, "recipes", "--path", "qwen2.5-3b_32k", cwd=tmp).startswith(str(tmp / "env"))
-    out = _run(cli, "train", "--recipe", "qwen2.5-3b_32k", "--max_length", "256", "--sparse_min_seq_len", "128",
+    out = _run(cli, "train", "--recipe", "qwen2.5-3b_32k", "--sparse_max_length", "256", "--sparse_min_seq_len", "128",
                "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1", "--cp_size", "1",
                "--output_dir", tmp / "run", "--save_strategy", "no", cwd=tmp)
     assert "done: 1 steps at 256 tokens on 1 process(es), CP=1" in out

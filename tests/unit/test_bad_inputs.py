@@ -16,20 +16,21 @@ from hf_sparse_cp.examples.train_long_context import parse_args
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        (["--max_length", "0"], "--max_length 0: a training sequence needs at least 2 tokens; e.g. --max_length 4096"),
-        (["--max_length", "-4096"], "--max_length -4096: a training sequence needs at least 2 tokens"),
+        (["--sparse_max_length", "0"],
+         "--sparse_max_length 0: a training sequence needs at least 2 tokens; e.g. --sparse_max_length 4096"),
+        (["--sparse_max_length", "-4096"], "--sparse_max_length -4096: a training sequence needs at least 2 tokens"),
         (["--pack_documents", "0"], "--pack_documents 0 must be >= 1 (1: one document per sequence)"),
-        (["--max_length", "256", "--pack_documents", "512"],
-         "--pack_documents 512 leaves documents of 0 tokens in a --max_length 256 sequence; a document needs "
-         "at least 2 tokens: pack at most 128 documents, or raise --max_length"),
-        (["--max_length", "256", "--pack_documents", "3"],
-         "--pack_documents 3 does not divide --max_length 256: every sequence packs documents of max_length / "
+        (["--sparse_max_length", "256", "--pack_documents", "512"],
+         "--pack_documents 512 leaves documents of 0 tokens in a --sparse_max_length 256 sequence; a document needs "
+         "at least 2 tokens: pack at most 128 documents, or raise --sparse_max_length"),
+        (["--sparse_max_length", "256", "--pack_documents", "3"],
+         "--pack_documents 3 does not divide --sparse_max_length 256: every sequence packs documents of max_length / "
          "pack_documents tokens, so the sequences would come out shorter. Use a divisor of 256 (e.g. 2, 4, 8, 16)"),
         (["--smet_config", "smet.yaml"], "--smet_config smet.yaml given without --smet would be ignored: add --smet"),
         (["--sparse_layer_overrides", '{"1-0": {"pattern": "dense"}}'],
          "layer_overrides key '1-0' is a reversed range"),
         (["--block_size", "64", "--seq_len", "8"], "--block_size is now --sparse_block_size; --seq_len is now "
-         "--max_length."),
+         "--sparse_max_length."),
     ],
 )
 def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
@@ -42,8 +43,8 @@ def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
 
 
 def test_the_example_takes_packed_documents_that_divide_the_sequence():
-    script, training, *_ = parse_args(["--max_length", "256", "--pack_documents", "4"])
-    assert (training.max_length, script.pack_documents) == (256, 4)
+    script, training, *_ = parse_args(["--sparse_max_length", "256", "--pack_documents", "4"])
+    assert (training.sparse_max_length, script.pack_documents) == (256, 4)
 
 
 @pytest.mark.parametrize(
@@ -241,7 +242,7 @@ def _argument_class(kind: str):
         pytest.importorskip("trl")
         from hf_sparse_cp import SparseSFTConfig
 
-        assert "max_length" in SparseSFTConfig._sparse_length_fields  # TRL's own sequence length is checked
+        assert SparseSFTConfig._length_field == "max_length"  # TRL's own sequence length is checked
         return SparseSFTConfig
     from hf_sparse_cp import SparseTrainingArguments
 
@@ -253,7 +254,7 @@ def _argument_class(kind: str):
 def test_the_argument_classes_refuse_a_sequence_length_below_2_tokens(tmp_path, kind, length):
     """Issue #41 item 5: accepted, then TRL's packing failed in pyarrow."""
     cls = _argument_class(kind)
-    for name in cls._sparse_length_fields:
+    for name in (cls._length_field,):
         with pytest.raises(ValueError, match=rf"^--{name} {length}: a training sequence needs at least 2 tokens; "
                                              rf"e\.g\. --{name} 4096 \(or leave it unset\)"):
             cls(output_dir=str(tmp_path), report_to="none", **{name: length})
@@ -297,8 +298,9 @@ def _train_command_error(capsys, argv: list[str]) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--recipe"], ["--recipe="], ["--recipe", "--max_length", "64"],
-                                  ["--max_length", "64", "--recipe"]], ids=["alone", "equals", "before_a_flag", "last"])
+@pytest.mark.parametrize("argv", [["--recipe"], ["--recipe="], ["--recipe", "--sparse_max_length", "64"],
+                                  ["--sparse_max_length", "64", "--recipe"]],
+                         ids=["alone", "equals", "before_a_flag", "last"])
 def test_recipe_without_a_name_says_it_needs_one(capsys, argv):
     """Issue #41 item 8: `--recipe` alone ended in 'unrecognized arguments: --recipe'."""
     err = _train_command_error(capsys, argv)

@@ -195,6 +195,26 @@ def test_ring_shape_from_launcher_or_flag():
         ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "6"})
 
 
+def test_a_hierarchical_ring_that_comes_out_flat_says_why(caplog):
+    hier = ContextParallelConfig(cp_size=4, cp_ring="hierarchical")
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):
+        assert ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "1"}) == (4, 1)  # one rank per node
+    assert "one rank per node (LOCAL_WORLD_SIZE=1)" in caplog.text and "the ring is flat, across the 4 nodes" in (
+        caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):  # a hybrid ring: one head group a node
+        assert ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "2"}, stride=2) == (4, 1)
+    assert "one rank per node (LOCAL_WORLD_SIZE=2, one head group of 2)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):
+        assert ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "8"}) == (1, 4)
+    assert "fits in one node of 8 ranks" in caplog.text and "the ring is flat, within the node" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):
+        assert ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "2"}) == (2, 2)  # a real hierarchical ring: no word
+    assert not caplog.text
+
+
 # --- the ring plan ---------------------------------------------------------------------------
 
 

@@ -56,6 +56,45 @@ def test_run_clm_arguments_and_ours_parse_together(tmp_path):
     assert training.cp_size == 2 and training.smet and model.model_name_or_path == "Qwen/Qwen2.5-0.5B"
 
 
+# run_mlm's (examples/pytorch/language-modeling/run_mlm.py) data arguments, field for field as above: its sequence
+# length is `max_seq_length`.
+@dataclass
+class MLMDataTrainingArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "dataset"})
+    train_file: str | None = field(default=None, metadata={"help": "train file"})
+    max_seq_length: int | None = field(default=None, metadata={"help": "sequence length after tokenization"})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "workers"})
+    mlm_probability: float = field(default=0.15, metadata={"help": "masking ratio"})
+    line_by_line: bool = field(default=False, metadata={"help": "one sequence per line"})
+    pad_to_max_length: bool = field(default=False, metadata={"help": "pad every sample"})
+    max_train_samples: int | None = field(default=None, metadata={"help": "max train samples"})
+    streaming: bool = field(default=False, metadata={"help": "streaming"})
+
+
+# A script's own data arguments with a `max_length`, the name the plugin's sequence length had before every flag was
+# prefixed (argparse refused the pair: "conflicting option strings: --max_length").
+@dataclass
+class DataArguments:
+    max_length: int = field(default=2048, metadata={"help": "the script's own sequence length"})
+    train_file: str | None = field(default=None, metadata={"help": "train file"})
+
+
+@pytest.mark.parametrize("script_classes", [(ModelArguments, DataTrainingArguments), (ModelArguments,
+                         MLMDataTrainingArguments), (DataArguments,)], ids=["run_clm", "run_mlm", "own_max_length"])
+def test_script_arguments_and_ours_parse_together_without_a_clash(tmp_path, script_classes):
+    parser = HfArgumentParser((*script_classes, SparseTrainingArguments))
+    argv = ["--output_dir", str(tmp_path), "--sparse_max_length", "4096", "--cp_sharding", "zigzag"]
+    *script, training = parser.parse_args_into_dataclasses(argv)
+    assert training.sequence_length == 4096 and training.context_parallel_config().cp_sharding == "zigzag"
+    if script_classes == (DataArguments,):
+        (data,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--max_length", "8"])[:1]
+        assert data.max_length == 8  # the script's own
+    ours = {f.name for f in dataclasses.fields(SparseTrainingArguments)} - {
+        f.name for f in dataclasses.fields(TrainingArguments)}
+    for cls in script_classes:  # none of the plugin's names is a script field
+        assert not ours & {f.name for f in dataclasses.fields(cls)}
+
+
 def test_a_block_size_given_to_our_parser_alone_is_not_the_sparse_block_size(tmp_path):
     parser = HfArgumentParser(SparseTrainingArguments)
     with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--block_size', '1024'\]"):
@@ -67,7 +106,7 @@ def test_a_block_size_given_to_our_parser_alone_is_not_the_sparse_block_size(tmp
 def test_every_plugin_flag_has_a_prefix_and_the_help_of_its_config_field():
     stock = {f.name for f in dataclasses.fields(TrainingArguments)}
     ours = [f for f in dataclasses.fields(SparseTrainingArguments) if f.name not in stock and f.init]
-    assert all(f.name.startswith(("sparse_", "cp_", "smet")) or f.name == "max_length" for f in ours), [
+    assert ours and all(f.name.startswith(("sparse_", "cp_", "smet")) for f in ours), [
         f.name for f in ours if not f.name.startswith(("sparse_", "cp_", "smet"))]
     by_name = {f.name: f for f in ours}
     for config_field in dataclasses.fields(SparseAttentionConfig):  # one source of help text
@@ -91,8 +130,12 @@ def test_trl_sft_config_and_its_scripts_arguments_parse_with_ours(tmp_path):
         "--max_length", "8192", "--packing", "--padding_free", "true", "--sparse_vertical_topk", "256",
         "--cp_size", "2", "--report_to", "none"])
     assert isinstance(config, trl.SFTConfig) and config.packing and config.padding_free
-    assert config.max_length == 8192  # SFTConfig's own field: one sequence length for TRL and the plugin
-    assert [f.name for f in dataclasses.fields(config)].count("max_length") == 1
+    assert config.max_length == config.sequence_length == 8192  # SFTConfig's own: one length for TRL and the plugin
+    names = [f.name for f in dataclasses.fields(config)]
+    assert names.count("max_length") == 1 and "sparse_max_length" not in names
+    for cls in (trl.ScriptArguments, trl.ModelConfig):  # no plugin flag is a field of TRL's script arguments
+        assert not {n for n in names if n.startswith(("sparse_", "cp_", "smet"))} & {
+            f.name for f in dataclasses.fields(cls)}
     assert config.sparse_attention_config().budget.vertical_topk == 256
     assert config.context_parallel_config().cp_size == 2
     assert sparse_arguments_class(trl.SFTConfig) is SparseSFTConfig  # one class per base
@@ -122,3 +165,18 @@ def test_every_help_text_renders_in_the_parsers_help():
         if action.help:
             parser._get_formatter()._expand_help(action)
     assert "--sparse_mass_threshold" in parser.format_help()
+
+
+def test_arguments_saved_by_an_earlier_release_load_with_the_new_names(tmp_path):
+    """A checkpoint's training_args.bin pickled before the sequence length was `--sparse_max_length`."""
+    import pickle
+
+    from hf_sparse_cp.trainer.sparse_trainer import _rebuild_arguments
+
+    args = SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", sparse_max_length=4096)
+    assert pickle.loads(pickle.dumps(args)).sparse_max_length == 4096
+    saved = dict(vars(args))
+    saved["max_length"] = saved.pop("sparse_max_length")  # what an earlier release saved
+    loaded = _rebuild_arguments(TrainingArguments, saved)
+    assert type(loaded) is SparseTrainingArguments and loaded.sequence_length == 4096
+    assert "max_length" not in vars(loaded)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.build import build_layout, dense_kept_fraction, dense_layout, offsets_to_block_diagonals
+from hf_sparse_cp.attention.build import build_layout, dense_layout, offsets_to_block_diagonals
 from hf_sparse_cp.attention.estimate import estimate_layout, score_vertical_slash, select_vertical_slash
+from hf_sparse_cp.attention.layout import dense_blocks
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.testing.layouts import PLANTED_LOGIT, local_qk, planted_qk
 
@@ -195,11 +196,26 @@ def test_build_layout_lists_what_is_selected_and_nothing_useless(trial):
 
 
 @pytest.mark.parametrize("trial", range(6))
-def test_dense_kept_fraction_is_that_of_the_dense_layout(trial):
+def test_the_kept_fraction_counts_the_blocks_a_dense_run_computes(trial):
+    """Documents, padding and sliding windows: a dense layout keeps 1.0, and `dense_blocks` is what it lists."""
     kw = _random_build_inputs(trial, torch.Generator().manual_seed(100 + trial))
     meta, bs, window = kw["meta"], kw["block_size"], kw["sliding_window"]
-    expected = dense_layout(meta, bs, window).kept_fraction(meta)
-    assert float(dense_kept_fraction(meta, bs, window)) == pytest.approx(float(expected), rel=1e-12)
+    dense = dense_layout(meta, bs, window)
+    listed = dense.block_cnt.sum((1, 2)).double().clamp_min(1)
+    assert torch.equal(dense_blocks(meta, bs, window), listed)
+    assert float(dense.kept_fraction(meta, window)) == 1.0
+
+
+def test_packed_documents_kept_whole_keep_one_not_half():
+    """Two packed documents of 4 blocks each, every block of each document's own triangle computed (what a run
+    whose layers are all dense computes): 1.0. Over the row's causal triangle (36 blocks) it would be 20/36."""
+    bs = 16
+    segment = torch.tensor([[0] * 64 + [1] * 64])
+    meta = TokenMeta(torch.arange(128).unsqueeze(0), segment)
+    layout = dense_layout(meta, bs)
+    assert int(layout.block_cnt.sum()) == 20 and float(layout.kept_fraction(meta)) == 1.0
+    keep_diagonal = build_layout(meta, bs, dense_tokens=torch.zeros_like(segment, dtype=torch.bool))
+    assert float(keep_diagonal.kept_fraction(meta)) == pytest.approx(float(keep_diagonal.block_cnt.sum()) / 20)
 
 
 def test_kept_fraction_counts_real_tokens_only():

@@ -1,0 +1,145 @@
+"""A stock script, unchanged, with the plugin: what `hf_sparse_cp.run` changes while the script runs.
+
+`launched(plugin)` makes two changes to transformers' classes, recorded and undone when the block ends
+(outside it, and in any process that never enters it, transformers is stock):
+
+* `HfArgumentParser.__init__` (transformers', and the copy that TRL's `TrlParser` derives from): a parser built
+  with `TrainingArguments` or a subclass of it (TRL's `SFTConfig`, the script's own) is built with
+  `sparse_arguments_class(that class)` in its place, so the plugin's flags parse beside the script's own,
+  through the script's parser; `parse_args_into_dataclasses` also records which plugin flags the command line
+  gave (they beat `--sparse_config` whatever their value).
+* `Trainer.__init__`: a Trainer the script builds (the stock one, TRL's `SFTTrainer`, the script's own
+  subclass) becomes `sparse_trainer_class(its class)` once its `__init__` reaches the Trainer's (a subclass's
+  own `__init__` has run up to there as written), and the Trainer's `__init__` runs with the plugin around it,
+  as in a script that names the plugin's classes itself. Arguments the script built in code (not through a
+  parser) take the plugin's settings from `plugin`: the flags given before the script path.
+
+Why the script's parser is extended rather than the plugin's flags taken out of `sys.argv` before the script
+runs: the flags are then declared where argparse checks them against the script's own (a clash is argparse's
+error at start-up, not a script flag silently taken by the plugin), every form argparse accepts works as for
+the script's flags (`--flag=value`, `--no_flag`, a bare boolean, abbreviations), so do the files the script's
+parser reads (TRL's `--config recipe.yaml`, `script.py args.json`) and `--help`, and the values land on the
+arguments object the script hands its Trainer, which the Trainer saves with every checkpoint. Taking them out
+of argv would mean re-implementing argparse's grammar without knowing the script's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+
+from transformers import Trainer, TrainingArguments
+
+from ..distributed import check_launched
+from ..integration import compat
+from ..integration.patching import PatchSet, record_on
+from .arguments import explicit_fields
+from .attach import LAUNCHED
+from .sparse_trainer import (
+    PluginArguments,
+    SparseArgumentsMixin,
+    SparseTrainerMixin,
+    sparse_arguments_class,
+    sparse_trainer_class,
+    with_plugin_arguments,
+)
+
+
+def plugin_flag_names() -> frozenset[str]:
+    """The names of the plugin's flags (`--<name>`), whatever the script's argument class."""
+    return frozenset(f.name for f in dataclasses.fields(PluginArguments) if f.init)
+
+
+def plugin_flags_in(argv: Sequence[str]) -> list[str]:
+    """The plugin flags among `argv`, as written (`--cp_size`, `--cp-size=2`, `--no_sparse_fused_loss`)."""
+    names = plugin_flag_names()
+    found = []
+    for token in argv:
+        name = token[2:].split("=", 1)[0].replace("-", "_") if token.startswith("--") else ""
+        if name in names or (name.startswith("no_") and name[3:] in names):
+            found.append(token.split("=", 1)[0])
+    return found
+
+
+def _with_plugin_classes(dataclass_types) -> list:
+    """A parser's dataclass types (one, several or None, as `HfArgumentParser` takes them) with each
+    `TrainingArguments` class as `sparse_arguments_class(it)`."""
+    if dataclass_types is None:
+        return []
+    types = list(dataclass_types) if isinstance(dataclass_types, Iterable) else [dataclass_types]
+    return [sparse_arguments_class(t) if isinstance(t, type) and issubclass(t, TrainingArguments)
+            and not issubclass(t, SparseArgumentsMixin) else t for t in types]
+
+
+@contextlib.contextmanager
+def launched(plugin: PluginArguments) -> Iterator[None]:
+    """While the block runs, scripts parse the plugin's flags and train with the plugin (see the module's doc).
+
+    Args:
+        plugin: the plugin's settings given outside the script's own arguments (`hf_sparse_cp.run`'s flags
+            before the script path): the defaults of the flags the script's parser adds, and the settings of
+            arguments the script builds in code. Its `explicit_flags` names the ones given.
+    """
+    patches = PatchSet()
+    trainer_init = Trainer.__init__
+    given = set(plugin.explicit_flags or ())
+    defaults = {name: getattr(plugin, name) for name in given}
+
+    def extend(parser_class: type) -> None:
+        """Make `parser_class` (an HfArgumentParser) take the plugin's flags (see the module's doc)."""
+        parser_init, parse = parser_class.__init__, parser_class.parse_args_into_dataclasses
+
+        def init_parser(self, dataclass_types=None, **kwargs):
+            types = _with_plugin_classes(dataclass_types)
+            try:
+                parser_init(self, types, **kwargs)
+            except argparse.ArgumentError as e:  # a field of the script named like a plugin flag
+                raise ValueError(f"{e}: the script's arguments and the plugin's flags (sparse_*, cp_*, smet*) both "
+                                 "have it; rename the script's field, or run the script without "
+                                 "hf_sparse_cp.run.") from None
+            plugin_types = [t for t in types if isinstance(t, type) and issubclass(t, SparseArgumentsMixin)]
+            if plugin_types:
+                names = set().union(*(t._sparse_fields for t in plugin_types))
+                self.set_defaults(**{name: value for name, value in defaults.items() if name in names})
+
+        def parse_into_dataclasses(self, args=None, *rest, **kwargs):
+            outputs = parse(self, args, *rest, **kwargs)
+            ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
+            if ours:
+                explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
+                for out in ours:
+                    out.explicit_flags = explicit
+                    check_launched(out.cp_sizes())  # before the script builds its data
+            return outputs
+
+        patches.set_attr(parser_class, "__init__", init_parser)
+        patches.set_attr(parser_class, "parse_args_into_dataclasses", parse_into_dataclasses)
+
+    def init_trainer(self, model=None, args=None, *rest, **kwargs):
+        if isinstance(self, SparseTrainerMixin):  # the plugin's class: named by the script, or given below
+            return trainer_init(self, model, args, *rest, **kwargs)
+        if not isinstance(args, TrainingArguments):
+            raise ValueError(f"{type(self).__name__} got args={args!r}: under hf_sparse_cp.run the Trainer trains "
+                             "with the plugin, which reads its settings from the training arguments; pass them.")
+        if not isinstance(args, SparseArgumentsMixin):
+            stray = plugin_flags_in(sys.argv[1:])
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} reach the script, which builds its {type(args).__name__} in code and so "
+                    "never reads them: give the plugin's flags before the script path (python -m hf_sparse_cp.run "
+                    f"{' '.join(stray)} ... script.py ...), or pattern settings in a --sparse_config file there.")
+            args = with_plugin_arguments(args, plugin)
+        record_on(self, LAUNCHED).set_attr(self, "__class__", sparse_trainer_class(type(self)))
+        self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)
+
+    try:
+        for parser_class in compat.argument_parser_classes():
+            extend(parser_class)
+        patches.set_attr(Trainer, "__init__", init_trainer)
+        yield
+    finally:
+        patches.undo()

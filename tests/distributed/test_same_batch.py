@@ -1,0 +1,62 @@
+"""The ranks of a CP group must hold the same batch (issue #42): the Trainer checks it at the first step of a run
+and of its resume (once each, not at every step), and stops data built differently on each process with an
+error that names the fix."""
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.testing.spawn import run_gloo
+
+
+def _rows(seed: int) -> list[dict]:
+    ids = torch.randint(3, 259, (8, 256), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+def _train(output_dir: str, data_seed: int, max_steps: int, resume: bool) -> None:
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    args = SparseTrainingArguments(
+        output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=1, learning_rate=1e-3,
+        logging_steps=1, report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, cp_size=2,
+        sparse_block_size=32, sparse_min_seq_len=128, train_sampling_strategy="sequential")
+    SparseTrainer(model=model, args=args, train_dataset=_rows(data_seed)).train(
+        resume_from_checkpoint=resume or None)
+
+
+def _checked_steps(rank: int, world: int, output_dir: str) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    from hf_sparse_cp.distributed import context
+
+    checked = []
+    check = context.check_same_batch
+
+    def counting(inputs, parallel):
+        checked.append(inputs["input_ids"][0, :4].tolist())
+        check(inputs, parallel)
+
+    context.check_same_batch = counting  # (this spawned process only)
+    _train(output_dir, data_seed=0, max_steps=2, resume=False)
+    first_run = len(checked)
+    _train(output_dir, data_seed=0, max_steps=4, resume=True)  # steps 3-4 from checkpoint-2
+    resumed = len(checked)
+    try:
+        _train(output_dir, data_seed=1 + rank, max_steps=6, resume=True)  # each rank built other rows
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"first_run": first_run, "resumed": resumed, "checked": len(checked), "refused": refused}
+
+
+def test_the_cp_ranks_batches_are_checked_at_the_first_step_of_each_run_and_different_data_is_refused(tmp_path):
+    for rank in run_gloo(_checked_steps, 2, str(tmp_path), timeout_s=600):
+        assert rank["first_run"] == 1  # two steps, one check
+        assert rank["resumed"] == 2  # the resumed run's first step: one more
+        assert rank["checked"] == 3  # the third run stopped at its first step
+        assert "hold different rows of tokens" in rank["refused"]
+        assert "build it identically on every process" in rank["refused"] and "seed it" in rank["refused"]

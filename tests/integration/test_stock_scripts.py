@@ -1,0 +1,182 @@
+"""Stock-shaped scripts, unchanged, with the plugin (issue #42): a run_clm-shaped script, a TRL sft-shaped script and
+a script that builds its TrainingArguments in code (tests/integration/stock_scripts/, written for these tests) run
+under `python -m hf_sparse_cp.run` in one process, under torchrun and under accelerate launch with CP 2, and the
+CP runs equal the one-process run: the loss of every step, the kept fraction, TRL's token count and the saved
+weights. The saved models load without the plugin, and a script run without the launcher is stock."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.recipes import recipe_path
+
+pytest.importorskip("trl")
+
+SCRIPTS = Path(__file__).resolve().parent / "stock_scripts"
+# A pattern sparse at these lengths (blocks of 32, documents of 64 or 128 tokens and more sparse).
+PATTERN = ["--sparse_block_size", "32", "--sparse_vertical_topk", "8", "--sparse_slash_topk", "8",
+           "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "16"]
+TRAIN = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--logging_steps", "1",
+         "--report_to", "none", "--save_strategy", "no", "--seed", "0"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+RUN = ["-m", "hf_sparse_cp.run"]
+
+
+def _accelerate() -> list[str]:
+    """`accelerate launch` with the shipped CPU recipe (2 processes) on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(recipe_path("cpu_2proc_cp2")),
+            "--main_process_port", str(port)]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """What the scripts read: a tiny model and its tokenizer saved to a folder, a text file, a JSON-lines dataset."""
+    work = tmp_path_factory.mktemp("stock_scripts")
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+    model.save_pretrained(work / "tiny")
+    tokenizer.save_pretrained(work / "tiny")
+    g = torch.Generator().manual_seed(0)
+    words = ["sparse", "attention", "ring", "packed", "document", "token", "block", "query", "key", "value"]
+    texts = [" ".join(words[i] for i in torch.randint(0, len(words), (n // 4,), generator=g).tolist())[:n]
+             for n in torch.randint(40, 300, (24,), generator=g).tolist()]
+    (work / "corpus.txt").write_text("\n".join(texts) + "\n")
+    (work / "sft_data").mkdir()
+    (work / "sft_data" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return work
+
+
+def _run(workdir: Path, launcher: list[str], script: str, args: list[str], before: list[str] = ()) -> dict:
+    """Run `script` unchanged under `launcher` in `workdir`; its trainer_state.json's log per step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(workdir / "datasets_cache"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [*launcher, *before, str(SCRIPTS / script), *args]
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    output = workdir / _output_dir(args)
+    logs = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return {"steps": [log for log in logs if "loss" in log], "output": output, "stderr": done.stderr}
+
+
+def _output_dir(args: list[str]) -> str:
+    return args[args.index("--output_dir") + 1] if "--output_dir" in args else "out_in_code"
+
+
+def _assert_equal_runs(run: dict, one: dict, keys=("loss", "sparse/kept_fraction")) -> None:
+    assert len(run["steps"]) == len(one["steps"]) == 3
+    for got, want in zip(run["steps"], one["steps"]):
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-4), (key, run["steps"], one["steps"])
+    assert any(step["sparse/kept_fraction"] < 0.95 for step in one["steps"])  # the sparse path ran
+    weights, reference = load_file(run["output"] / "model.safetensors"), load_file(one["output"] / "model.safetensors")
+    for name, tensor in reference.items():  # after three optimizer steps on those gradients
+        assert torch.allclose(weights[name], tensor, rtol=1e-4, atol=1e-5), name
+
+
+def _clm_args(out: str) -> list[str]:
+    return ["--model_type", "llama", "--config_overrides", "vocab_size=259,hidden_size=64,intermediate_size=128,"
+            "num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2", "--tokenizer_name", "tiny",
+            "--train_file", "corpus.txt", "--block_size", "256", "--output_dir", out, *TRAIN]
+
+
+def _sft_args(out: str) -> list[str]:
+    return ["--model_name_or_path", "tiny", "--dataset_name", "sft_data", "--output_dir", out, "--max_length", "256",
+            "--packing", "--padding_free", "true", "--bf16", "false", "--gradient_checkpointing", "false", *TRAIN]
+
+
+def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
+    plugin = [*PATTERN, "--sparse_min_seq_len", "128"]
+    one = _run(workdir, [sys.executable, *RUN], "run_clm_shaped.py", [*_clm_args("clm_one"), *plugin])
+    torchrun = _run(workdir, [*TORCHRUN, *RUN], "run_clm_shaped.py", [*_clm_args("clm_torchrun"), *plugin,
+                                                                      "--cp_size", "2"])
+    accelerate = _run(workdir, [*_accelerate(), *RUN], "run_clm_shaped.py", [*_clm_args("clm_accelerate"), *plugin,
+                                                                          "--cp_size", "2"])
+    for run in (torchrun, accelerate):
+        _assert_equal_runs(run, one)
+    assert "CP 2 x DP 1" in (torchrun["output"] / "README.md").read_text()
+    stock = _run(workdir, [sys.executable], "run_clm_shaped.py", _clm_args("clm_stock"))  # no launcher: stock
+    assert "sparse_attention" not in json.loads((stock["output"] / "config.json").read_text())
+    assert not any(key.startswith("sparse/") for step in stock["steps"] for key in step)
+    assert "hf-sparse-cp" not in (stock["output"] / "README.md").read_text()
+
+
+def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
+    plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
+    one = _run(workdir, [sys.executable, *RUN], "sft_shaped.py", [*_sft_args("sft_one"), *plugin])
+    torchrun = _run(workdir, [*TORCHRUN, *RUN], "sft_shaped.py", [*_sft_args("sft_torchrun"), *plugin, "--cp_size",
+                                                                  "2"])
+    accelerate = _run(workdir, [*_accelerate(), *RUN], "sft_shaped.py", [*_sft_args("sft_accelerate"), *plugin,
+                                                                      "--cp_size", "2"])
+    for run in (torchrun, accelerate):
+        # TRL's num_tokens counts what one process counts (not the padding that splits the rows over the ranks)
+        _assert_equal_runs(run, one, keys=("loss", "sparse/kept_fraction", "num_tokens"))
+
+
+def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
+    plugin = [*PATTERN, "--sparse_min_seq_len", "128"]
+    hf_sparse_cp = [sys.executable, "-m", "hf_sparse_cp.cli", "launch"]
+    one = _run(workdir, hf_sparse_cp, "trainer_in_code.py", [], before=plugin)
+    torchrun = _run(workdir, [*hf_sparse_cp, "--nproc", "2"], "trainer_in_code.py", [],
+                    before=[*plugin, "--cp_size", "2"])
+    accelerate = _run(workdir, [*_accelerate(), *RUN], "trainer_in_code.py", [], before=[*plugin, "--cp_size", "2"])
+    for run in (torchrun, accelerate):
+        _assert_equal_runs(run, one)
+        assert [step["own_subclass_steps"] for step in run["steps"]] == [1, 2, 3]  # the script's own Trainer class
+    record = json.loads((torchrun["output"] / "run_record.json").read_text())
+    script = str(SCRIPTS / "trainer_in_code.py")
+    assert record == {"name": "__main__", "file": script, "argv": [script], "path0": str(SCRIPTS),
+                      "cwd": str(workdir)}  # as `python trainer_in_code.py` run in workdir sees itself
+    with pytest.raises(AssertionError, match="never reads them"):  # plugin flags the script would never read
+        _run(workdir, [sys.executable, *RUN], "trainer_in_code.py", ["--cp_size", "2"])
+
+
+def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
+    """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand: the weights
+    after three steps under CP 2 are those of one process."""
+    launch = [sys.executable, "-m", "hf_sparse_cp.cli", "launch"]
+    plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
+    outputs = []
+    for name, extra in (("trl_one", []), ("trl_cp2", ["--nproc", "2"])):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_DATASETS_CACHE": str(workdir / "datasets_cache")}
+        env.pop("WORLD_SIZE", None)
+        cp = ["--cp_size", "2"] if extra else []
+        command = [*launch, *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp]
+        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-6000:]
+        assert "sparse_cp: 1 of 2 layers vertical-slash" in done.stderr + done.stdout
+        outputs.append(load_file(workdir / name / "model.safetensors"))
+    for name, tensor in outputs[0].items():
+        assert torch.allclose(outputs[1][name], tensor, rtol=1e-4, atol=1e-5), name
+    assert any(not torch.equal(outputs[0][name], tensor) for name, tensor in load_file(
+        workdir / "tiny" / "model.safetensors").items())  # (it trained)
+
+
+def test_the_saved_models_load_without_the_plugin(workdir):
+    folders = sorted(str(path.parent) for path in workdir.glob("*/model.safetensors"))
+    assert len(folders) >= 3, "run the three scripts' tests first (same module)"
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
+            f"for folder in {folders!r}:\n"
+            "    model = AutoModelForCausalLM.from_pretrained(folder)\n"
+            "    assert torch.isfinite(model(torch.tensor([[5, 6, 7, 8]])).logits).all(), folder\n"
+            "assert not any(name.startswith('hf_sparse_cp') for name in sys.modules), 'the plugin was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]

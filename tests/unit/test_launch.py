@@ -1,0 +1,218 @@
+"""`python -m hf_sparse_cp.run`, in this process: the script's parser takes the plugin's flags beside its own,
+flags before the script path set what a script builds in code, the script runs as `__main__` would, and outside
+the run transformers is stock (issue #42)."""
+
+import dataclasses
+import json
+import sys
+import textwrap
+from dataclasses import dataclass, field
+
+import pytest
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
+from hf_sparse_cp.distributed import check_launched
+from hf_sparse_cp.integration.compat import argument_parser_classes
+from hf_sparse_cp.run import main as run
+from hf_sparse_cp.run import parse_plugin_flags, split_command
+from hf_sparse_cp.trainer.launched import launched, plugin_flags_in
+from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments, SparseArgumentsMixin
+
+
+@dataclass
+class DataTrainingArguments:  # a run_clm-shaped script's own: its sequence length is `block_size`
+    train_file: str | None = field(default=None, metadata={"help": "train file"})
+    block_size: int | None = field(default=None, metadata={"help": "tokens per block"})
+    max_length: int = field(default=77, metadata={"help": "a field named like the plugin's former length flag"})
+
+
+def _stock_members() -> dict:
+    return {(cls, name): vars(cls)[name] for cls in (*argument_parser_classes(), Trainer)
+            for name in ("__init__", "parse_args_into_dataclasses") if name in vars(cls)}
+
+
+def test_the_scripts_parser_takes_the_plugins_flags_beside_its_own(tmp_path):
+    stock = _stock_members()
+    plugin = parse_plugin_flags(["--sparse_block_size", "64", "--cp_sharding", "zigzag"])
+    with launched(plugin):
+        parser = HfArgumentParser((DataTrainingArguments, TrainingArguments))
+        data, training = parser.parse_args_into_dataclasses([
+            "--output_dir", str(tmp_path), "--block_size", "512", "--max_length", "9", "--sparse_vertical_topk", "32",
+            "--cp_sharding", "contiguous"])
+        help_text = parser.format_help()
+    assert isinstance(training, TrainingArguments) and isinstance(training, SparseArgumentsMixin)
+    assert type(training) is sparse_arguments_class(TrainingArguments)
+    assert (data.block_size, data.max_length) == (512, 9)  # the script's own fields stay its own
+    config = training.sparse_attention_config()
+    assert config.block_size == 64 and config.budget.vertical_topk == 32  # before the script path, and after it
+    assert training.context_parallel_config().cp_sharding == "contiguous"  # after the script path wins
+    assert {"sparse_vertical_topk", "cp_sharding", "sparse_block_size"} <= set(training.explicit_flags)
+    assert "--sparse_vertical_topk" in help_text and "--block_size" in help_text
+    assert _stock_members() == stock  # undone
+    with pytest.raises(ValueError, match="not used by the HfArgumentParser"):  # stock again
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--sparse_block_size", "64"])
+
+
+def test_trls_parser_and_its_config_file_take_the_plugins_flags(tmp_path):
+    trl = pytest.importorskip("trl")
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\nsparse_block_size: 32\nmax_length: 512\nbf16: false\n")
+    with launched(PluginArguments()):
+        parser = trl.TrlParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig))
+        script, config, model = parser.parse_args_and_config(["--config", str(recipe), "--cp_sharding", "zigzag"])
+    assert isinstance(config, trl.SFTConfig) and isinstance(config, SparseArgumentsMixin)
+    assert config.sparse_block_size == 32 and config.sequence_length == 512 and config.cp_sharding == "zigzag"
+
+
+def test_a_script_field_named_like_a_plugin_flag_is_refused_naming_both(tmp_path):
+    @dataclass
+    class Clashing:
+        cp_size: int = 1
+
+    with launched(PluginArguments()), pytest.raises(ValueError, match="--cp_size.*plugin's flags"):
+        HfArgumentParser((Clashing, TrainingArguments))
+
+
+def test_a_cp_degree_this_launch_cannot_run_is_refused_at_parse_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with launched(PluginArguments()), pytest.raises(ValueError, match="cp_size=2 splits each sequence over 2 "
+                                                                       "processes, and this one runs alone"):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--cp_size",
+                                                                         "2"])
+    with pytest.raises(ValueError, match="cp_size=2 does not divide the world size 3"):  # what the parse checks
+        check_launched([1, 2], {"WORLD_SIZE": "3"})
+    check_launched([1, 2, 4], {"WORLD_SIZE": "4"})
+
+
+def test_the_command_splits_at_the_script_path():
+    assert split_command(["--smet", "train.py", "--smet", "x.py"]) == (["--smet"], "train.py", False, ["--smet",
+                                                                                                       "x.py"])
+    assert split_command(["--cp_size", "2", "-m", "pkg.mod", "--lr", "1"]) == (["--cp_size", "2"], "pkg.mod", True,
+                                                                                ["--lr", "1"])
+    assert split_command(["--cp_size", "2"]) == (["--cp_size", "2"], None, False, [])
+    assert plugin_flags_in(["--cp-size=2", "--no_sparse_fused_loss", "--lr", "--cp_sizes", "x"]) == [
+        "--cp-size", "--no_sparse_fused_loss"]
+
+
+def test_only_plugin_flags_go_before_the_script_path(capsys):
+    with pytest.raises(SystemExit):
+        run(["--learning_rate", "1e-3", "train.py"])
+    assert "--learning_rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="name the script to run"):
+        run(["--cp_size", "1"])
+    with pytest.raises(SystemExit, match="can't open file"):
+        run(["missing_script.py"])
+
+
+def test_the_launchers_help_lists_the_common_flags_first(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        run(["--help"])
+    out = capsys.readouterr().out
+    common, other = out.index("\ncommon flags:\n"), out.index("\nother flags:\n")
+    assert common < other
+    assert all(f"--{name} " in out[common:other] for name in COMMON_FLAGS)
+    assert "--sparse_sink_tokens" in out[other:] and "--sparse_sink_tokens" not in out[common:other]
+
+
+RECORDER = textwrap.dedent("""
+    import json, os, sys
+    from transformers import HfArgumentParser, TrainingArguments
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    record = {"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+              "class": type(args).__name__, "block": args.sparse_block_size}
+    with open("record.json", "w") as f:  # (relative to the working directory, as for `python script.py`)
+        json.dump(record, f)
+""")
+
+
+def test_the_script_runs_as_main_with_its_argv_file_and_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "record_run.py").write_text(RECORDER)
+    (folder / "helper_module.py").write_text("VALUE = 7\n")
+    monkeypatch.chdir(tmp_path)
+    argv_before, path_before = sys.argv[:], sys.path[:]
+    run(["--sparse_block_size", "64", "scripts/record_run.py", "--output_dir", "out"])
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["name"] == "__main__" and record["file"] == str(folder / "record_run.py")
+    assert record["argv"] == [str(folder / "record_run.py"), "--output_dir", "out"]
+    assert record["path0"] == str(folder) and record["cwd"] == str(tmp_path)  # its folder first, as python puts it
+    assert record["class"] == "SparseTrainingArguments" and record["block"] == 64
+    assert sys.argv == argv_before and sys.path == path_before
+
+
+def test_a_module_runs_as_python_dash_m_would_run_it(tmp_path, monkeypatch):
+    package = tmp_path / "stockpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(RECORDER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run(["-m", "stockpkg.train", "--output_dir", "out", "--sparse_block_size", "32"])
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["name"] == "__main__" and record["file"] == str(package / "train.py")
+    assert record["argv"][1:] == ["--output_dir", "out", "--sparse_block_size", "32"] and record["block"] == 32
+
+
+def test_plugin_flags_that_a_script_building_its_arguments_in_code_never_reads_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["script.py", "--cp_size", "2"])
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with launched(PluginArguments()), pytest.raises(ValueError, match="--cp_size reach the script, which builds its "
+                                                                       "TrainingArguments in code"):
+        Trainer(model=None, args=args)
+
+
+def test_arguments_built_in_code_take_the_flags_given_before_the_script_path(tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.examples.tiny_model import tiny_config
+
+    class OwnTrainer(Trainer):
+        def own_method(self) -> str:
+            return "own"
+
+    monkeypatch.setattr(sys, "argv", ["script.py"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no")
+    plugin = parse_plugin_flags(["--sparse_block_size", "32", "--sparse_min_seq_len", "64"])
+    with launched(plugin):
+        trainer = OwnTrainer(model=model, args=args)
+    assert isinstance(trainer, OwnTrainer) and trainer.own_method() == "own"
+    assert trainer.args.sparse_attention and trainer.args.sparse_attention_config().block_size == 32
+    assert trainer.args.output_dir == str(tmp_path) and trainer.args.use_cpu  # the script's own settings kept
+    assert model.config._attn_implementation == "sparse_cp"
+    later = OwnTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args)
+    assert type(later) is OwnTrainer  # outside the run: the script's class as written
+
+
+def test_launcher_flags_have_the_defaults_and_help_of_the_switch(tmp_path):
+    plugin, switch = PluginArguments(), SparseTrainingArguments(output_dir=str(tmp_path), report_to="none")
+    helps = {f.name: f.metadata.get("help") for f in dataclasses.fields(SparseTrainingArguments)}
+    names = [f.name for f in dataclasses.fields(PluginArguments) if f.init]
+    assert plugin.sparse_attention and len(names) > 50
+    for f in dataclasses.fields(PluginArguments):
+        if f.init:
+            assert getattr(plugin, f.name) == getattr(switch, f.name) and f.metadata["help"] == helps[f.name], f.name
+
+
+def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch):
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.recipes import recipe_path
+
+    started = []
+    monkeypatch.setattr(cli, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
+    assert started[-1] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "hf_sparse_cp.run", "--cp_size", "2", "train.py", "--config_file", "own.json"]
+    assert cli.main(["launch", "--config_file", "cpu_2proc_cp2", "-m", "trl.scripts.sft", "--cp_size", "2"]) == 0
+    assert started[-1] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(recipe_path("cpu_2proc_cp2")), "-m", "hf_sparse_cp.run", "-m", "trl.scripts.sft",
+                           "--cp_size", "2"]
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--nproc", "2", "--config_file", "cpu_2proc_cp2", "train.py"])
