@@ -215,7 +215,7 @@ def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=1,
         save_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed, disable_tqdm=True,
         use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
-        max_length=args.seq_len, sparse_attention=sparse, sparse_gradient_checkpointing_min_length=0,
+        sparse_max_length=args.seq_len, sparse_attention=sparse, sparse_gradient_checkpointing_min_length=0,
         smet=smet, **pattern)
 
 
