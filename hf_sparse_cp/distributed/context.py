@@ -47,6 +47,15 @@ class CPShard:
     def rank(self) -> int:
         return self.parallel.cp_rank
 
+    @staticmethod
+    def check_no_kv_cache(query: torch.Tensor, key: torch.Tensor) -> None:
+        """Raise ValueError unless queries and keys are the same part of the sequence: a KV cache is not sharded."""
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"under context parallelism queries and keys must be this rank's same part of the sequence (got "
+                f"{query.shape[2]} queries, {key.shape[2]} keys): decoding with a KV cache is not sharded; run "
+                "generation without cp_shard.")
+
     @functools.cached_property
     def ring_shard(self) -> CPShard:
         """Under `--cp_mode hybrid`: the shard of this rank's ring (its view of the layout, the ring's split,

@@ -68,11 +68,7 @@ def head_parallel_attention(
     parallel, plan = shard.parallel, shard.plan
     if parallel.head_size == 1:
         raise ValueError(f"{parallel} has no head parallelism: call context_parallel_attention.")
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"under context parallelism queries and keys must be the same piece (got {query.shape[2]} queries, "
-            f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
-        )
+    shard.check_no_kv_cache(query, key)
     query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)
     split = parallel.head_split(query.shape[1], key.shape[1])

@@ -385,11 +385,7 @@ def context_parallel_attention(
         call, `kept_fraction.one_process_kept_fraction`), after estimating the layer's global layout from
         all ranks' shards (`estimate_cp`) and running the ring.
     """
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"under context parallelism queries and keys must be the same shard (got {query.shape[2]} queries, "
-            f"{key.shape[2]} keys): decoding with a KV cache is not sharded; run generation without cp_shard."
-        )
+    shard.check_no_kv_cache(query, key)
     with torch.no_grad():
         estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
         kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)

@@ -24,6 +24,7 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout
 from ..integration import compat
+from ..integration.backend import model_config_for
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
@@ -165,7 +166,7 @@ def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
 def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     """One line on how the model's layers attend: sparse or dense, and why."""
     config = model.config
-    cfg = SparseAttentionConfig.stored_on(config) or SparseAttentionConfig()
+    cfg = model_config_for(model)
     n = config.num_hidden_layers
     sliding = sliding_window_layers(config)
     dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
