@@ -8,7 +8,7 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.budgets import Entries, Mass, TopK, TopP
-from hf_sparse_cp.attention.budgets.mass import block_diagonal_mass, column_ratio, diagonal_cost
+from hf_sparse_cp.attention.budgets.mass import column_ratio, diagonal_cost
 from hf_sparse_cp.attention.budgets.ranked import keep_best
 from hf_sparse_cp.attention.estimate import (
     Sampling,
@@ -106,10 +106,10 @@ def test_scores_are_exact_whatever_the_tiles(monkeypatch):
     assert torch.unique(scored[False][0][:, 100:194], dim=1).shape[1] == 1
 
 
-def test_block_diagonal_mass_spreads_each_offset_over_the_two_diagonals_it_crosses():
+def test_mass_block_diagonal_scores_spread_each_offset_over_the_two_diagonals_it_crosses():
     g = torch.Generator().manual_seed(2)
     slash = torch.rand(3, 70, generator=g, dtype=torch.float64)
-    got = block_diagonal_mass(slash, BS)
+    got = Mass().diagonal_scores(slash, BS)
     o, d = torch.arange(70), torch.arange(got.shape[1])
     tri = (BS - (o.unsqueeze(0) - d.unsqueeze(1) * BS).abs()).clamp_min(0) / BS  # [d, o]
     assert got.shape == (3, 6) and torch.allclose(got, slash @ tri.T.double())

@@ -37,12 +37,6 @@ def block_diagonal_sums(slash: torch.Tensor, block_size: int) -> torch.Tensor:
     return out
 
 
-def block_diagonal_mass(slash: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[h, ceil(L / bs) + 1]: the mass on each block diagonal from floating-point slash scores [h, L]
-    (`block_diagonal_sums` over block_size)."""
-    return block_diagonal_sums(slash, block_size) / block_size
-
-
 def _document_blocks(positions: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
     """The block of each position in blocks counted from the document's start: a document is priced the same
     wherever it sits in a row's blocks."""
@@ -144,7 +138,7 @@ class Mass(Budget):
         `mass_target` of those queries' attention (one unit per query), and beyond it every one whose mass
         per block is at least `mass_threshold` of the block's queries' attention. At most `vertical_cap`
         columns (the best by that ratio) compete. `diagonals`: each of the segment's block diagonal 0 and
-        those with mass (`block_diagonal_mass`), in any order; block diagonal 0 is always kept."""
+        those with mass (`diagonal_scores`), in any order; block diagonal 0 is always kept."""
         (h, n), m = columns.scores.shape, diagonals.scores.shape[-1]
         col_pos, diag = columns.ids.expand(h, n), diagonals.ids.expand(h, m)
         keep_c = torch.zeros_like(columns.scores, dtype=torch.bool)
