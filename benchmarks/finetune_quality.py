@@ -112,6 +112,10 @@ class FinetuneQualityArguments:
     combine: list[str] | None = field(default=None, metadata={
         "help": "Measure nothing: merge these reports (the same settings, different arms) into one report, "
                 "targets and figure."})
+    compare: list[str] | None = field(default=None, metadata={
+        "help": "Measure nothing: do two reports (runs of the same settings and seed) hold the same measurements "
+                "(losses, kept fractions, perplexities, retrieval counts per length and depth; timings aside)? "
+                "Prints every difference; --output writes the verdict."})
 
     def __post_init__(self) -> None:
         if self.dry_run:
@@ -425,10 +429,59 @@ def combine(paths: list[str], output: str | None) -> dict:
     return finish(report, ReportFile(RESULTS_DIR, "finetune-quality", output))
 
 
+def measurements(report: dict) -> dict:
+    """What a run measured, every arm's: the report's arms without their timings (keys ending in 'seconds')."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.endswith("seconds")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return strip(report["arms"])
+
+
+def differences(a, b, path: str = "arms") -> list[str]:
+    """The paths at which two measurements differ, with both values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in (differences(a[k], b[k], f"{path}.{k}") if k in a and k in b
+                          else [f"{path}.{k}: only in the {'first' if k in a else 'second'}"])]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def compare(paths: list[str], output: str | None) -> dict:
+    """The verdict of --compare (see FinetuneQualityArguments.compare)."""
+    if len(paths) != 2:
+        raise ValueError(f"--compare takes two reports, got {len(paths)}.")
+    first, second = (json.loads(Path(p).read_text()) for p in paths)
+    keep = ("output", "threads")
+    settings = [{k: v for k, v in r["settings"].items() if k not in keep} for r in (first, second)]
+    if settings[0] != settings[1]:
+        diff = sorted(k for k in settings[0] if settings[0][k] != settings[1].get(k))
+        raise ValueError(f"{paths[1]} was run with other settings than {paths[0]} ({diff}): nothing to compare.")
+    a, b = measurements(first), measurements(second)
+    found = differences(a, b)
+
+    def count(x) -> int:
+        return sum(map(count, x.values() if isinstance(x, dict) else x)) if isinstance(x, (dict, list)) else 1
+
+    verdict = {"reports": [Path(p).name for p in paths], "settings": settings[0], "same": not found,
+               "values_compared": count(a), "differences": found,
+               "environments": [{k: r.get(k) for k in ("device", "torch", "transformers", "hf_sparse_cp")}
+                                for r in (first, second)]}
+    print(f"{verdict['values_compared']} measured values compared: "
+          + ("the same in both runs." if not found else f"{len(found)} differ:\n  " + "\n  ".join(found)))
+    if output:
+        Path(output).write_text(json.dumps(verdict, indent=1) + "\n")
+    return verdict
+
+
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(FinetuneQualityArguments).parse_args_into_dataclasses(argv)
     if args.combine:
         return combine(args.combine, args.output)
+    if args.compare:
+        return compare(args.compare, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer, base = load(args)

@@ -160,15 +160,16 @@ class PatternQualityArguments:
         default=False, metadata={"help": "Measure the kept share against length instead (#43): each of "
                                  "--curve_settings' kept share of the blocks, layout width and mass recall at every "
                                  "--curve_lengths (lengths past the model's trained context flagged), every layer, "
-                                 "and the perplexity of each setting at --curve_perplexity_length."})
+                                 "and the perplexity of each setting at --curve_perplexity_lengths."})
     curve_lengths: list[int] = field(
-        default_factory=lambda: [1024, 2048, 4096, 8192, 16384],
+        default_factory=lambda: [1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384],
         metadata={"help": "Curve: sequence lengths (multiples of 128; the longest is captured in one dense forward)."})
     curve_settings: list[str] = field(default_factory=lambda: list(CURVE_SETTINGS),
                                       metadata={"help": f"Curve: settings, of {list(CURVE_SETTINGS)}."})
-    curve_perplexity_length: int = field(
-        default=4096, metadata={"help": "Curve: the length at which every setting's perplexity is measured through "
-                                "sparse_cp (0: none)."})
+    curve_perplexity_lengths: list[int] = field(
+        default_factory=lambda: [4096, 8192],
+        metadata={"help": "Curve: lengths at which every setting's perplexity is measured through sparse_cp (none: "
+                  "no perplexity)."})
     frontier: bool = field(
         default=False, metadata={"help": "Measure the frontier instead (#34): the best block and vertical-slash "
                                  "patterns from exact probabilities and the estimator's settings, kept fraction "
@@ -226,6 +227,10 @@ class PatternQualityArguments:
         bad = [n for n in self.curve_lengths if n % 128]
         if bad:
             raise ValueError(f"curve lengths {bad} must be multiples of 128.")
+        bad = [n for n in self.curve_perplexity_lengths if n > max(self.curve_lengths) or n < 2]
+        if bad:
+            raise ValueError(f"curve perplexity lengths {bad} must be within 2-{max(self.curve_lengths)} tokens (the "
+                             "longest of --curve_lengths, captured in one forward).")
         bad = [n for n in self.lengths if n % self.block_size or n > 8192]
         if bad:
             raise ValueError(f"lengths {bad} must be multiples of block_size={self.block_size} and at most 8192.")
@@ -479,8 +484,7 @@ def curve(args: PatternQualityArguments) -> dict:
                                        for n, p in row["settings"].items()) + f" ({time.perf_counter() - t0:.0f} s)",
               file=sys.stderr, flush=True)
         out.write(report)
-    s = args.curve_perplexity_length
-    if s:
+    for s in args.curve_perplexity_lengths:
         length = report["lengths"].setdefault(str(s), {"seq_len": s, "beyond_context": s > context, "settings": {}})
         dense = length["perplexity_dense"] or perplexity(model, ids[:, :s])
         length["perplexity_dense"] = dense

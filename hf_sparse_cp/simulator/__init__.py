@@ -3,6 +3,8 @@
 * `shapes.py`: the decoder shapes and presets both predictions take (a leaf);
 * `traffic.py`: work and bytes of a ring plan, from the same `RingPlan` transfers the ring executes;
 * `simulate.py`: the CP configurations compared; `workloads.py`: the synthetic rows they run on;
+* `kept_curve.py`: the share of the blocks the default pattern keeps at a length, from a measured curve
+  (both predictions read it; answers outside the measured lengths labelled extrapolated);
 * `step_model.py`: hardware and the predicted step time; `simulate_cli.py`: `hf-sparse-cp simulate`;
 * `memory_model.py`: the bytes a step holds, term by term, and how long a sequence fits;
   `memory_cli.py`: `hf-sparse-cp memory`; `memory_table.py`: docs/memory.md's predictions, from the command's code.

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
+from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .memory_model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
 
 # The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
@@ -75,6 +76,12 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--offload-layer-inputs", action="store_true",
                    help="Saved layer inputs in host memory (the plugin's --sparse_offload_layer_inputs).")
     p.add_argument("--sparse-config", help="YAML/JSON SparseAttentionConfig (its budgets size the layouts).")
+    p.add_argument("--layout-width", default="curve", choices=("curve", "bound"),
+                   help="Width of a layout whose budget bounds no diagonals (the default 'mass'): 'curve' reads the "
+                   "measured kept-share curve at the length (the shipped SmolLM2-135M one, extrapolated past 8K, or "
+                   "--kept-curve), 'bound' sizes it at every block of its rows (no run can exceed it).")
+    p.add_argument("--kept-curve", help="A `benchmarks/pattern_quality.py --curve` report ('defaults' setting) for "
+                   "--layout-width curve.")
     p.add_argument("--seq-len", type=int, nargs="*", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")
     p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
@@ -85,9 +92,11 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
 def settings_for_length(args) -> callable:
     """The step settings for each sequence length, as the plugin picks them (token tiles from a length on)."""
     pattern = SparseAttentionConfig.from_file(args.sparse_config) if args.sparse_config else SparseAttentionConfig()
+    curve = None if args.layout_width == "bound" else \
+        KeptCurve.from_report(args.kept_curve) if args.kept_curve else DEFAULT_CURVE
     base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
                         smet_density=args.smet_density, cp=args.cp, fsdp=args.fsdp, pattern=pattern,
-                        loss_backend=args.loss_backend)
+                        loss_backend=args.loss_backend, kept_curve=curve)
 
     def settings(seq_len: int) -> StepSettings:
         tiled = bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
@@ -160,5 +169,5 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
               f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}); "
-              f"largest terms: {terms}")
+              f"largest terms: {terms}; layout rows {r['layout_width']}")
     return report

@@ -31,6 +31,7 @@ from typing import Literal
 from ..attention import build, estimate, reference
 from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
+from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .shapes import MODELS, ModelShape
 
 GIB = 2**30
@@ -119,6 +120,11 @@ class StepSettings:
     savers: MemorySavers = field(default_factory=MemorySavers, metadata={"help": "Token tiles, host offload."})
     pattern: SparseAttentionConfig = field(default_factory=SparseAttentionConfig,
                                            metadata={"help": "The sparse pattern (layout sizes, estimation)."})
+    kept_curve: KeptCurve | None = field(
+        default=DEFAULT_CURVE,
+        metadata={"help": "The measured layout width at a length (`kept_curve.KeptCurve`) for a budget that bounds "
+                  "no diagonals ('mass'), read where it measured `pattern`; otherwise, or None, such a layout is "
+                  "sized at every block of its rows (the bound)."})
     device: Literal["cuda", "cpu"] = field(
         default="cuda",
         metadata={"help": "'cuda': the Triton kernels, AdamW's multi-tensor step; 'cpu': the PyTorch reference "
@@ -197,6 +203,7 @@ class MemoryEstimate:
     tokens_per_rank: int
     settings: StepSettings
     phases: dict[str, dict]
+    layout_width: str = ""  # the widest layout row and where that width comes from
 
     @property
     def peak_phase(self) -> str:
@@ -220,6 +227,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         return {"model": self.arch, "seq_len": self.seq_len, "tokens_per_rank": self.tokens_per_rank,
+                "layout_width": self.layout_width,
                 "peak_gib": self.peak_bytes / GIB, "peak_phase": self.peak_phase, "dominant_term": self.dominant_term,
                 "token_scaled_bytes_per_token": self.token_scaled_bytes() / self.tokens_per_rank,
                 "phases": {p: {"gib": v["bytes"] / GIB,
@@ -236,6 +244,7 @@ class _AttentionGeometry:
     estimation: tuple[float, float]  # the estimation's buffers at their peak: (per token, constant)
     workspace_forward: float  # the reference's chunk temporaries (0 on the Triton path)
     workspace_backward: float
+    width: str  # where the layout's width comes from
 
 
 def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int) -> _AttentionGeometry:
@@ -248,11 +257,21 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     if sparse:
         window = math.ceil((cfg.local_window - 1) / bs) + 1
         diagonals = cfg.budget.most_diagonal_blocks(bs)
-        width = nqb_global if diagonals is None else min(nqb_global, diagonals + window + 1)
+        if diagonals is not None:
+            width = min(nqb_global, diagonals + window + 1)
+            basis = f"{width} blocks: the budget's bound"
+        elif s.kept_curve is not None and s.kept_curve.measures(cfg):
+            at = s.kept_curve.at(seq_len)
+            width = min(nqb_global, math.ceil(at.width_share * nqb_global))
+            basis = f"{width} blocks: {at.width_share:.3f} of the row ({at.basis}; {at.source})"
+        else:
+            width = nqb_global
+            basis = f"{nqb_global} blocks: every block of the row (the bound" + (
+                "; the kept-share curve measured another pattern)" if s.kept_curve is not None else ")")
         cols = cfg.budget.most_kept("columns") + cfg.sink_tokens
     else:
         width, cols = nqb_global, 0  # every causal block, on one shared head
-        hq = 1
+        hq, basis = 1, "dense: every causal block"
     # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
@@ -290,7 +309,7 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
             else:
                 peak = full * (fresh + old)
             forward, backward = (peak, backward) if forward == 0.0 else (forward, peak)
-    return _AttentionGeometry(per_block / bs, construction, estimation, forward, backward)
+    return _AttentionGeometry(per_block / bs, construction, estimation, forward, backward, basis)
 
 
 class _Step:
@@ -562,7 +581,7 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
         raise ValueError(f"seq_len={seq_len} must be >= 1.")
     s = settings or StepSettings()
     step = _Step(arch, seq_len, s)
-    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run())
+    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run(), step.geometry.width)
 
 
 def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:

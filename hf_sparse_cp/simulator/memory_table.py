@@ -46,7 +46,9 @@ def block() -> str:
     untiled = _report(model, 1, "--token-tiling-min-length", "0")["lengths"][LENGTH]
     saved = tiled["phases"][tiled["peak_phase"]]["terms_gib"]["saved layer inputs"]
     lines += ["", f"{model} at {LENGTH:,} tokens: peak {_gb(tiled['peak_gib'])} with token tiles, of which the saved "
-              f"layer inputs hold {_gb(saved)}; {_gb(untiled['peak_gib'])} without token tiles.", "", END]
+              f"layer inputs hold {_gb(saved)}; {_gb(untiled['peak_gib'])} without token tiles. The widest layout row "
+              f"of the default 'mass' budget at that length: {tiled['layout_width']} (`--layout-width bound`: every "
+              "block of the row).", "", END]
     return "\n".join(lines)
 
 

@@ -10,9 +10,13 @@ bandwidths, each with its source in the JSON.
 
 Layouts, one sequence per row (default): the dense ring uses the causal layout; the sparse
 configurations a random vertical-slash layout (`random_vertical_slash_layout`, `--layout-heads`
-heads standing for all of the model's heads) keeping about `--density` of the causal blocks
-(MTraining reports 93.7% sparsity), with `--verticals` columns (MTraining's budget of 1000) and
-`--sink` sink tokens. On one sequence the planner splits it striped, as striped sparse does.
+heads standing for all of the model's heads) keeping the share of the causal blocks that the default
+pattern keeps at that length: read from a measured kept-share curve (`kept_curve.py`; the shipped one
+is SmolLM2-135M's, 1K-8K, extrapolated past 8K and labelled so in every row), or one `--density` at
+every length (MTraining reports 93.7% sparsity: 0.063), with `--verticals` columns (MTraining's budget of
+1000) and `--sink` sink tokens. On one sequence the planner splits it striped, as striped sparse does.
+The first `--dense-first-layers` layers (the plugin's default: 1) run the same ring over the causal
+layout without estimation, as the plugin runs them under CP; each row gives their share of the attention.
 
 Packed rows (`--mix long-tail|uniform|one`): each row of S tokens packs documents of a length mix
 of `hf_sparse_cp.simulator.workloads` (those of `benchmarks/cp_packing.py`), with per-document
@@ -31,6 +35,7 @@ per-block cost only ("block-only", a bound for a kernel without per-row overhead
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from datetime import UTC, datetime
@@ -44,9 +49,10 @@ from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
 from ..distributed.document_sharding import kept_blocks_per_row, row_runs
 from ..env import environment
+from .kept_curve import DEFAULT_CURVE, KeptAt, KeptCurve
 from .shapes import MODELS
 from .simulate import CONFIGURATIONS, Workload
-from .step_model import CLUSTERS, HARDWARE, predict_step, ring_counts
+from .step_model import CLUSTERS, HARDWARE, predict_step, ring_counts, with_causal_layout
 from .workloads import (
     MIXES,
     document_scores,
@@ -58,8 +64,10 @@ from .workloads import (
 
 BLOCK = 128
 MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "cp": 32, "reported_speedup": 6.0,
+             "density": 0.063,
              "source": "MTraining (arXiv 2510.18830), reported: up to 6x training throughput vs dense ring attention, "
-                       "Qwen2.5-3B at 512K on 32 A100s (zigzag variant 2.9x, without hierarchy 4.6x)"}
+                       "Qwen2.5-3B at 512K on 32 A100s (zigzag variant 2.9x, without hierarchy 4.6x); "
+                       "their reported 93.7% sparsity is simulated as density 0.063"}
 KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
 
 
@@ -97,8 +105,14 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     p.add_argument("--dense-kernel", default="cudnn", choices=["cudnn", "fa2"],
                    help="the dense ring's kernel (SDPA cuDNN or FlashAttention-2, both measured in anchors.md)")
-    p.add_argument("--density", type=_fraction, default=0.063,
-                   help="kept fraction of the causal blocks (sparse layouts)")
+    p.add_argument("--density", type=_fraction, default=None,
+                   help="kept fraction of the causal blocks of the sparse layouts at every length (default: the "
+                        "kept-curve's at each length)")
+    p.add_argument("--kept-curve", default=None,
+                   help="a `benchmarks/pattern_quality.py --curve` report whose 'defaults' setting gives the kept "
+                        "share at each length (default: the shipped SmolLM2-135M measurement)")
+    p.add_argument("--dense-first-layers", type=_at_least(0), default=SparseAttentionConfig().dense_first_layers,
+                   help="layers kept dense at the start of the model (the plugin's --sparse_dense_first_layers)")
     p.add_argument("--spread", type=_fraction, default=1.0,
                    help="random diagonals lie among the nearest SPREAD fraction of block diagonals (1: anywhere)")
     p.add_argument("--verticals", type=_at_least(0), default=1000)
@@ -120,9 +134,22 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def kept_target(args, seq: int) -> KeptAt:
+    """The kept share the sparse layout of one sequence of `seq` tokens is drawn with, and where it comes from."""
+    if args.density is not None:
+        return KeptAt(seq, args.density, 1.0, "given", "--density")
+    return (_read_curve(args.kept_curve) if args.kept_curve else DEFAULT_CURVE).at(seq)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_curve(path: str) -> KeptCurve:
+    return KeptCurve.from_report(path)
+
+
 def sequence_workload(args, seq: int) -> Workload:
     """One sequence of `seq` tokens: the causal layout, and a random vertical-slash one (see the module docstring)."""
     cache = {}
+    density = kept_target(args, seq).kept
 
     def layout(kind: str, plan) -> object:
         if not plan.keeps_order:
@@ -131,7 +158,7 @@ def sequence_workload(args, seq: int) -> Workload:
             meta = TokenMeta.contiguous(1, seq).pad_to(plan.padded_len)
             cache[kind, plan.padded_len] = dense_layout(meta, BLOCK) if kind == "dense" else \
                 random_vertical_slash_layout(1, args.layout_heads, seq, BLOCK,
-                                             num_diagonals=round(args.density * seq // BLOCK),
+                                             num_diagonals=round(density * seq // BLOCK),
                                              num_verticals=args.verticals, sink_tokens=args.sink,
                                              diagonal_spread=args.spread, padded_len=plan.padded_len,
                                              generator=torch.Generator().manual_seed(args.seed))
@@ -175,16 +202,21 @@ def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: lis
         if seq % (2 * BLOCK * max(cps)):
             raise SystemExit(f"--seq {seq} must be a multiple of {2 * BLOCK * max(cps)} (whole zigzag chunks).")
         workload = workload_for(args, seq)
+        target = kept_target(args, seq) if args.mix is None else None
         for cp in cps:
             base = None
             for name in configs:
                 setup = CONFIGURATIONS[name](workload, cp, BLOCK, cluster.gpus_per_node)
                 counts = ring_counts(setup, model)
+                dense = with_causal_layout(setup, workload.layout("dense", setup.plan)) \
+                    if setup.sparse and args.dense_first_layers else None
                 for kernel, hw in hardware.items():
                     if not setup.sparse and kernel != "flex":
                         continue
                     r = predict_step(setup, model, hw, cluster, estimation_chunk=args.estimation_chunk,
-                                     counts=counts)
+                                     counts=counts, dense_layers=args.dense_first_layers, dense=dense)
+                    if target is not None and setup.sparse:
+                        r.update(kept_target=target.kept, kept_basis=target.basis, kept_source=target.source)
                     r.update(model=model_name, cluster=cluster_name, seq=seq, cp=cp, config=name,
                              kernel=kernel if setup.sparse else dense_kernel, mix=args.mix or "one sequence",
                              documents=len(workload.lengths), local_blocks=[int(b.numel()) for b in
@@ -257,9 +289,16 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     directory, unless --json names the file); returns the report. prog: the command's name in --help."""
     args = parse_args(argv, prog)
     require_matplotlib()  # before minutes of simulation, not after
+    try:
+        targets = [kept_target(args, seq) for seq in args.seq]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--kept-curve {args.kept_curve}: {e}") from None
     if args.mix is None:
-        print(f"{args.model} on {args.cluster}; sparse layouts keep ~{args.density:.3f} of causal blocks + "
-              f"{args.verticals} verticals + {args.sink} sink tokens ({args.layout_heads} layout heads); PREDICTED")
+        print(f"{args.model} on {args.cluster}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
+              f"({args.layout_heads} layout heads) and diagonals for a kept share of")
+        for target in targets:
+            print(f"  {target.describe()}")
+        print(f"first {args.dense_first_layers} layer(s) dense; PREDICTED")
     else:
         print(f"{args.model} on {args.cluster}; rows packed with the {args.mix} mix (seed {args.seed}), "
               "per-document patterns at the default budgets; PREDICTED")
@@ -290,7 +329,8 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
         print(HEADER)
         mt = []
         for dense_kernel in ("fa2", "cudnn"):
-            mt += simulate(argparse.Namespace(**{**vars(args), "mix": None}), m["model"], m["cluster"], [m["seq"]],
+            mt_args = {**vars(args), "mix": None, "density": args.density or m["density"]}
+            mt += simulate(argparse.Namespace(**mt_args), m["model"], m["cluster"], [m["seq"]],
                            [m["cp"]], list(CONFIGURATIONS), dense_kernel)
         report["mtraining"] = {**m, "rows": mt}
     name = f"simulate-cluster_{args.model}_{args.cluster}" + (f"_{args.mix}" if args.mix else "") + ".json"
@@ -307,8 +347,11 @@ ASSUMPTIONS = [
     "one sequence per CP group per step; tokens/s = sequence length / step time",
     "gradient checkpointing: each layer's forward (estimation + ring) runs twice",
     "the dense ring: zigzag sharding, causal layout, no estimation, dense kernel costs",
-    "sparse layouts are synthetic vertical-slash layouts of one density for every layer (MTraining's grows with "
-    "depth); layout-heads heads stand for all heads (work scaled, bytes from their union)",
+    "sparse layouts are synthetic vertical-slash layouts of one density for every sparse layer (MTraining's grows "
+    "with depth), that density the measured kept-share curve's at each length (kept_basis: measured, interpolated "
+    "or extrapolated) unless --density gives one; layout-heads heads stand for all heads (work scaled, bytes from "
+    "their union)",
+    "the first --dense-first-layers layers run the ring over the causal layout with the same kernel, no estimation",
     "compute per ring step = linear cost model of its work (per row, per block pair), calibrated on H100 "
     "FlexAttention / cuDNN / FA2 at head_dim 128, scaled by head_dim; no kernel launch gaps",
     "transfers: latency + bytes / bandwidth per link, NVLink inside a node and InfiniBand across; a rank's sends of "

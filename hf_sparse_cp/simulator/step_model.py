@@ -243,7 +243,8 @@ def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraf
 def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
                  last_q: int | None = None, estimation_chunk: int | None = None,
                  estimation: SparseAttentionConfig | None = None,
-                 counts: tuple[PlanWork, PlanTraffic] | None = None) -> dict:
+                 counts: tuple[PlanWork, PlanTraffic] | None = None, dense_layers: int = 0,
+                 dense: RingSetup | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence split by `setup`.
 
     Returns a dict: step_s, tokens_per_s, per-layer seconds (layer_s, linear_s, estimation_s,
@@ -254,7 +255,10 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     last_q and estimation_chunk (`estimation="causal_chunks"` with that chunk) override its fields (the
     layout's work is the same: only the estimation's cost changes).
     counts: `ring_counts(setup, model)` when already computed (they depend on the plan, not on
-    the hardware)."""
+    the hardware).
+    dense_layers: the first layers a sparse setup keeps dense (`dense_first_layers`); under CP the plugin
+    runs them through the same ring and kernels over the causal layout, without estimation: `dense` is
+    that setup (`with_causal_layout`). The result adds their seconds and their share of the attention."""
     if setup.plan.block_size != hw.block_size:
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
                          f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
@@ -270,14 +274,29 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     if estimation_chunk is not None:
         cfg = cfg.replace(estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
-    def step(c: Cluster) -> tuple[float, dict, float]:
+    if not 0 <= dense_layers <= model.layers:
+        raise ValueError(f"dense_layers={dense_layers} must be within the model's 0-{model.layers} layers.")
+    dense_layers = dense_layers if setup.sparse else 0
+    if dense_layers and dense is None:
+        raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
+    dense_counts = ring_counts(dense, model) if dense_layers else None
+
+    def step(c: Cluster) -> tuple[float, dict, float, float]:
         att = ring_attention_time(setup, model, hw, c, work, traffic)
         est = estimation_time(setup, model, hw, c, cfg)
         layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
-        return model.layers * layer + head, att, est
+        dense_attention = 0.0
+        if dense_layers:
+            d = ring_attention_time(dense, model, hw, c, *dense_counts)
+            dense_attention = passes * d["fwd"].time + d["bwd"].time
+        sparse_layers = model.layers - dense_layers
+        total = sparse_layers * layer + dense_layers * (linear + dense_attention) + head
+        sparse_attention = passes * (est + att["fwd"].time) + att["bwd"].time
+        share = dense_layers * dense_attention / (dense_layers * dense_attention + sparse_layers * sparse_attention)
+        return total, att, est, share
 
-    total, att, est = step(cluster)
-    ideal, _, _ = step(cluster.without_network())
+    total, att, est, dense_share = step(cluster)
+    ideal = step(cluster.without_network())[0]
     fwd = att["fwd"]
     transfer_only = simulate_ring(torch.zeros_like(att["fwd_s"]), traffic, setup.topology, cluster,
                                   backward=False).time
@@ -290,4 +309,10 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         "ring_step_transfer_ms": [1e3 * float(x) for x in fwd.step_transfer],
         "forward_bytes_per_rank": float(traffic.total(False).double().mean()),
         "kept": float(setup.layout.kept_fraction()),
+        "dense_layers": dense_layers, "dense_layers_attention_share": dense_share,
     }
+
+
+def with_causal_layout(setup: RingSetup, layout) -> RingSetup:
+    """A sparse setup's split and ring over `layout`, the causal one of its rows: what its dense layers run."""
+    return replace(setup, layout=layout)

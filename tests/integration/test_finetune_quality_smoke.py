@@ -19,21 +19,26 @@ def bench():
         yield module
 
 
-def _numbers(report: dict) -> dict:
-    """What a run measured (not how long it took)."""
-    out = {}
-    for name, arm in report["arms"].items():
-        training = arm.get("training", {})
-        out[name] = (training.get("loss"), training.get("kept_fraction"), arm["perplexity_dense"],
-                     arm.get("perplexity_sparse"), arm["retrieval_dense"]["per_cell"])
-    return out
-
-
 def test_two_runs_with_one_seed_measure_the_same(bench, tmp_path):
     argv = TINY + ["--arms", "dense", "aggressive", "smet"]
     first = bench.main(argv + ["--output", str(tmp_path / "a.json")])
     second = bench.main(argv + ["--output", str(tmp_path / "b.json")])
-    assert _numbers(first) == _numbers(second)
+    verdict = bench.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--output",
+                          str(tmp_path / "same.json")])
+    assert verdict["same"] and verdict["differences"] == [] and verdict["values_compared"] > 50
+    assert json.loads((tmp_path / "same.json").read_text())["same"]
+    # what it compares: every measurement, timings aside; a changed loss or retrieval answer is found
+    measured = bench.measurements(first)
+    assert measured == bench.measurements(second) and "train_seconds" not in measured["dense"]["training"]
+    changed = json.loads((tmp_path / "b.json").read_text())
+    changed["arms"]["aggressive"]["training"]["loss"][1] += 1e-6
+    changed["arms"]["start"]["retrieval_dense"]["per_cell"]["256@0.2"]["correct"] += 1
+    (tmp_path / "c.json").write_text(json.dumps(changed))
+    found = bench.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "c.json")])["differences"]
+    assert [d.split(":")[0] for d in found] == ["arms.aggressive.training.loss[1]",
+                                                "arms.start.retrieval_dense.per_cell.256@0.2.correct"]
+    with pytest.raises(ValueError, match="two reports"):
+        bench.main(["--compare", str(tmp_path / "a.json")])
     assert list(first["arms"]) == ["start", "dense", "aggressive", "smet"] and first["complete"]
     dense, aggressive, smet = (first["arms"][n] for n in ("dense", "aggressive", "smet"))
     assert len(dense["training"]["loss"]) == 2 and dense["training"]["config"] is None

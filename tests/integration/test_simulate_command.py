@@ -51,3 +51,36 @@ def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):
     planner, striped = rows[("planner sparse", "flex")], rows[("striped sparse", "flex")]
     assert len(set(planner["local_blocks"])) > 1 and len(set(striped["local_blocks"])) == 1  # ragged vs even
     assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows.values())
+
+
+def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path, monkeypatch):
+    """`hf-sparse-cp simulate` draws each length's sparse layout at the curve's kept share, and labels the
+    rows with its basis; --density still sets one share; the first layer is dense by default."""
+    import json
+
+    from hf_sparse_cp.simulator import simulate_cli
+    from hf_sparse_cp.simulator.kept_curve import DEFAULT_CURVE
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    base = ["--seq", "32768", "--cp", "8", "--no-mtraining", "--layout-heads", "1", "--configs", "dense ring",
+            "striped sparse"]
+    report = simulate_cli.main(base)
+    sparse = [r for r in report["rows"] if r["config"] == "striped sparse"]
+    expected = DEFAULT_CURVE.at(32768)
+    assert all(r["kept_target"] == expected.kept and r["kept_basis"] == "extrapolated" for r in sparse)
+    # the layout's share: the curve's diagonals and the 1000 verticals' blocks on top
+    assert all(expected.kept <= r["kept"] < expected.kept + 0.05 and r["dense_layers"] == 1 for r in sparse)
+    given = simulate_cli.main([*base, "--density", "0.05", "--dense-first-layers", "0"])
+    sparse_given = [r for r in given["rows"] if r["config"] == "striped sparse"]
+    assert all(r["kept_basis"] == "given" and r["dense_layers"] == 0 for r in sparse_given)
+    assert all(r["kept_target"] == 0.05 and r["kept"] < min(x["kept"] for x in sparse) for r in sparse_given)
+    report_of_a_curve = {"model": "tiny", "settings": {}, "curve_settings": {"defaults": {}}, "lengths": {
+        str(s): {"seq_len": s, "beyond_context": False, "settings": {"defaults": {
+            "kept_sparse_layers": kept, "width_share_max": kept}}} for s, kept in ((8192, 0.5), (32768, 0.3))}}
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(report_of_a_curve))
+    own = simulate_cli.main([*base, "--kept-curve", str(path)])
+    assert {r["kept_basis"] for r in own["rows"] if r["config"] == "striped sparse"} == {"measured"}
+    with pytest.raises(SystemExit, match="--kept-curve"):
+        simulate_cli.main([*base, "--kept-curve", str(tmp_path / "missing.json")])

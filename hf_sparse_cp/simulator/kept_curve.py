@@ -1,0 +1,151 @@
+"""How much of the causal attention a pattern keeps at a sequence length: a measured curve.
+
+A sparse pattern's kept share falls with length (attention grows more concentrated as there are more
+keys to spread over), so a prediction at 128K or 1M cannot take the share measured at 8K. `KeptCurve`
+holds what `benchmarks/pattern_quality.py --curve` measured on one model and one pattern setting (the
+kept share of the causal blocks over the sparse layers, and the widest layout row as a share of the
+query blocks) and answers for any length, saying how it got the answer:
+
+- 'measured' at a measured length inside the model's trained context;
+- 'interpolated' between two of them (a straight line in log-log);
+- 'extrapolated' outside them: a power law S^b least-squares fitted to the in-context points of the
+  longest two octaves measured (past the longest) or of the shortest two (below the shortest).
+
+Lengths past the model's trained context are kept in the report but never used: the model breaks
+down there (SmolLM2-135M: dense perplexity 33 at 16K against 12 at 8K) and its attention with it.
+A share never goes above 1 or below what every layout keeps (each query block row's own block).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import SparseAttentionConfig
+
+Basis = str  # 'measured', 'interpolated' or 'extrapolated'
+
+
+@dataclass(frozen=True)
+class KeptPoint:
+    """One measured length: kept share of the causal blocks (mean over the sparse layers) and the widest
+    layout row over the query blocks (max over the sparse layers)."""
+
+    seq_len: int
+    kept: float
+    width_share: float
+    beyond_context: bool = False
+
+
+@dataclass(frozen=True)
+class KeptAt:
+    """A curve's answer at one length."""
+
+    seq_len: int
+    kept: float
+    width_share: float
+    basis: Basis
+    source: str
+
+    def describe(self) -> str:
+        return (f"kept {self.kept:.3f} of the causal blocks, layout width {self.width_share:.3f} of the rows "
+                f"at {self.seq_len} tokens ({self.basis}; {self.source})")
+
+
+def _power_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(log a, b) of y = a x^b least-squares in log-log; one point: a flat line through it."""
+    xs, ys = [math.log(x) for x, _ in points], [math.log(y) for _, y in points]
+    if len(points) == 1:
+        return ys[0], 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+@dataclass(frozen=True)
+class KeptCurve:
+    """Measured kept shares of one pattern setting on one model (see the module docstring)."""
+
+    points: tuple[KeptPoint, ...]
+    source: str  # what was measured, for the answers' labels
+    # the measured setting, sparse at any length
+    pattern: SparseAttentionConfig = field(default_factory=lambda: SparseAttentionConfig(min_seq_len=0))
+
+    def __post_init__(self) -> None:
+        if not self.usable:
+            raise ValueError(f"{self.source}: no measured length inside the model's trained context.")
+        for p in self.points:
+            if not (0 < p.kept <= 1 and 0 < p.width_share <= 1):
+                raise ValueError(f"{self.source}: shares at {p.seq_len} must be in (0, 1], got kept={p.kept}, "
+                                 f"width_share={p.width_share}.")
+
+    @property
+    def block_size(self) -> int:
+        return self.pattern.block_size
+
+    def measures(self, cfg: SparseAttentionConfig) -> bool:
+        """Whether the curve was measured with the pattern `cfg` describes (its length threshold and engine aside:
+        they decide where and how, not what a layout keeps)."""
+        return cfg.replace(min_seq_len=0, attention_engine=self.pattern.attention_engine) == self.pattern
+
+    @property
+    def usable(self) -> list[KeptPoint]:
+        """The points inside the model's trained context, by length."""
+        return sorted((p for p in self.points if not p.beyond_context), key=lambda p: p.seq_len)
+
+    def at(self, seq_len: int) -> KeptAt:
+        """The kept share and layout width at `seq_len` tokens, with how they were obtained."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1.")
+        pts = self.usable
+        lengths = [p.seq_len for p in pts]
+        if seq_len in lengths:
+            p = pts[lengths.index(seq_len)]
+            kept, width, basis = p.kept, p.width_share, "measured"
+        elif lengths[0] < seq_len < lengths[-1]:
+            hi = next(i for i, n in enumerate(lengths) if n > seq_len)
+            kept, width = (self._fit([pts[hi - 1], pts[hi]], name, seq_len) for name in ("kept", "width_share"))
+            basis = "interpolated"
+        else:
+            ends = [p for p in pts if p.seq_len >= lengths[-1] / 4] if seq_len > lengths[-1] else \
+                [p for p in pts if p.seq_len <= lengths[0] * 4]
+            kept, width = (self._fit(ends, name, seq_len) for name in ("kept", "width_share"))
+            basis = "extrapolated"
+        rows = -(-seq_len // self.block_size)
+        floor_kept, floor_width = 2 / (rows + 1), 1 / rows  # each query block row's own block
+        return KeptAt(seq_len, min(1.0, max(floor_kept, kept)), min(1.0, max(floor_width, width)), basis,
+                      self.source)
+
+    @staticmethod
+    def _fit(points: list[KeptPoint], name: str, seq_len: int) -> float:
+        log_a, b = _power_fit([(p.seq_len, getattr(p, name)) for p in points])
+        return math.exp(log_a + b * math.log(seq_len))
+
+    @classmethod
+    def from_report(cls, path: str | Path, setting: str = "defaults") -> KeptCurve:
+        """The curve of `setting` in a `pattern_quality.py --curve` report."""
+        report = json.loads(Path(path).read_text())
+        if "curve_settings" not in report:
+            raise ValueError(f"{path} is not a kept-share curve (benchmarks/pattern_quality.py --curve writes one).")
+        if setting not in report["curve_settings"]:
+            raise ValueError(f"{path} has no setting {setting!r}; it has {sorted(report['curve_settings'])}.")
+        points = tuple(KeptPoint(int(s), p["kept_sparse_layers"], p["width_share_max"], length["beyond_context"])
+                       for s, length in report["lengths"].items()
+                       if "kept_sparse_layers" in (p := length["settings"].get(setting, {})))
+        pattern = SparseAttentionConfig(min_seq_len=0, **report["curve_settings"][setting])
+        return cls(points, f"{Path(path).name} ({setting}, {report.get('model', 'the measured model')})", pattern)
+
+
+# The default pattern on SmolLM2-135M-Instruct (trained context 8,192), one window of the King James text, every
+# layer (the first dense): `python benchmarks/pattern_quality.py --curve`, benchmarks/results/
+# pattern-curve_cpu_1k-16k.json, setting 'defaults' (tests/unit/test_kept_curve.py checks these against it).
+DEFAULT_CURVE = KeptCurve(
+    (KeptPoint(1024, 0.9974681712962963, 1.0), KeptPoint(1536, 0.9577765037086159, 1.0),
+     KeptPoint(2048, 0.9072573758310796, 1.0), KeptPoint(3072, 0.797273906449553, 1.0),
+     KeptPoint(4096, 0.7203774340930861, 1.0), KeptPoint(6144, 0.5863161161854589, 0.9583333333333334),
+     KeptPoint(8192, 0.492744670207965, 0.859375),
+     KeptPoint(12288, 0.38154097964888545, 0.6145833333333334, beyond_context=True),
+     KeptPoint(16384, 0.31487371993130736, 0.6875, beyond_context=True)),
+    "pattern-curve_cpu_1k-16k.json (defaults, SmolLM2-135M-Instruct)")
