@@ -393,7 +393,10 @@ class LogFirstAndLastStep(TrainerCallback):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
-    trainer = build_trainer(script, training, callbacks=[LogFirstAndLastStep()])
+    try:
+        trainer = build_trainer(script, training, callbacks=[LogFirstAndLastStep()])
+    except ValueError as e:  # a setting this model or data cannot run with; the message names the fix
+        raise SystemExit(f"error: {e}") from None
     parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:

@@ -126,3 +126,19 @@ def test_a_packed_run_whose_layers_all_run_dense_keeps_one_and_the_done_line_sta
     out = capsys.readouterr().out
     assert f"loss {summary['first_loss']:.4f} (step 1) -> {summary['final_loss']:.4f} (step 3)" in out
     assert "| 0 | 1.000 |" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sparse_layer_overrides", '{"5-10": {"pattern": "dense"}}'], "reaches past the model's 1 layers"),
+    (["--cp_size", "2"], "launch it with torchrun"),
+])
+def test_a_setting_the_model_cannot_run_with_ends_in_one_line(tmp_path, flags, message):
+    """Refusals that depend on the model or the length (not on the flags alone, which argparse checks) end the
+    demo with the refusal's one line, naming the fix, and no traceback."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    job = ["--sparse_max_length", "256", "--max_steps", "1", "--num_samples", "1", "--tiny_num_layers", "1",
+           "--output_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*job, *flags])
+    assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
