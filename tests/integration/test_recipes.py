@@ -95,7 +95,7 @@ def test_recipes_use_no_form_transformers_deprecates(path):
 def test_a_recipe_for_more_processes_says_so_before_building_its_data(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(example, "passkey_train_data", lambda *a, **k: pytest.fail("built the data first"))
-    with pytest.raises(ValueError, match="cp_size=8 splits each sequence over 8 processes, and this one runs alone"):
+    with pytest.raises(SystemExit, match="cp_size=8 splits each sequence over 8 processes, and this one runs alone"):
         example.main(["--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
 
 
