@@ -22,10 +22,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ..config import SparseAttentionConfig
 
-Basis = str  # 'measured', 'interpolated' or 'extrapolated'
+# how an answer was obtained ('given': a share the caller set, e.g. the simulator's --density)
+Basis = Literal["measured", "interpolated", "extrapolated", "given"]
 
 
 @dataclass(frozen=True)
