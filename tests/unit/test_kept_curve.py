@@ -98,6 +98,13 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
     assert curve.at(2048).kept == 0.7 and "curve.json (defaults, tiny)" in curve.source
     with pytest.raises(ValueError, match=r"no setting 'nope'; it has \['defaults', 'other'\]"):
         KeptCurve.from_report(path, "nope")
+    # a report that spells out each setting's pattern is read by it, not by today's defaults
+    report = json.loads(path.read_text())
+    report["patterns"] = {"defaults": SparseAttentionConfig(min_seq_len=0, local_window=256).to_dict(),
+                          "other": SparseAttentionConfig(min_seq_len=0, block_size=64).to_dict()}
+    path.write_text(json.dumps(report))
+    assert KeptCurve.from_report(path).measures(SparseAttentionConfig(local_window=256))
+    assert not KeptCurve.from_report(path).measures(SparseAttentionConfig())
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"lengths": {}}))
     with pytest.raises(ValueError, match="other.json is not a kept-share curve"):
@@ -108,6 +115,9 @@ def test_the_shipped_curve_is_the_committed_measurement():
     measured = KeptCurve.from_report(RESULTS / "pattern-curve_cpu_1k-16k.json")
     assert measured.points == DEFAULT_CURVE.points and measured.block_size == DEFAULT_CURVE.block_size
     assert all(p.beyond_context == (p.seq_len > 8192) for p in DEFAULT_CURVE.points)
+    # it measured today's defaults: a change of the defaults fails here until the curve is measured again
+    assert DEFAULT_CURVE.measures(SparseAttentionConfig())
+    assert not DEFAULT_CURVE.measures(SparseAttentionConfig(local_window=256))
 
 
 def ring(s: int = 131072, cp: int = 8):
