@@ -284,14 +284,13 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     def step(c: Cluster) -> tuple[float, dict, float, float]:
         att = ring_attention_time(setup, model, hw, c, work, traffic)
         est = estimation_time(setup, model, hw, c, cfg)
-        layer = linear + passes * (est + att["fwd"].time) + att["bwd"].time
+        sparse_attention = passes * (est + att["fwd"].time) + att["bwd"].time
         dense_attention = 0.0
         if dense_layers:
             d = ring_attention_time(dense, model, hw, c, *dense_counts)
             dense_attention = passes * d["fwd"].time + d["bwd"].time
         sparse_layers = model.layers - dense_layers
-        total = sparse_layers * layer + dense_layers * (linear + dense_attention) + head
-        sparse_attention = passes * (est + att["fwd"].time) + att["bwd"].time
+        total = model.layers * linear + sparse_layers * sparse_attention + dense_layers * dense_attention + head
         share = dense_layers * dense_attention / (dense_layers * dense_attention + sparse_layers * sparse_attention)
         return total, att, est, share
 
