@@ -128,8 +128,12 @@ class KeptCurve:
     @classmethod
     def from_report(cls, path: str | Path, setting: str = "defaults") -> KeptCurve:
         """The curve of `setting` in a `pattern_quality.py --curve` report."""
-        report = json.loads(Path(path).read_text())
-        if "curve_settings" not in report:
+        try:
+            report = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"kept-share curve {path}: {getattr(e, 'strerror', None) or 'not JSON'}; give a report "
+                             "that benchmarks/pattern_quality.py --curve wrote.") from None
+        if not isinstance(report, dict) or "curve_settings" not in report:
             raise ValueError(f"{path} is not a kept-share curve (benchmarks/pattern_quality.py --curve writes one).")
         if setting not in report["curve_settings"]:
             raise ValueError(f"{path} has no setting {setting!r}; it has {sorted(report['curve_settings'])}.")

@@ -109,6 +109,11 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
     other.write_text(json.dumps({"lengths": {}}))
     with pytest.raises(ValueError, match="other.json is not a kept-share curve"):
         KeptCurve.from_report(other)
+    other.write_text("not json")
+    with pytest.raises(ValueError, match="other.json: not JSON; give a report that benchmarks/pattern_quality.py"):
+        KeptCurve.from_report(other)
+    with pytest.raises(ValueError, match="missing.json: No such file or directory; give a report"):
+        KeptCurve.from_report(tmp_path / "missing.json")
 
 
 def test_the_shipped_curve_is_the_committed_measurement():
