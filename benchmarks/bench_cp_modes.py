@@ -5,7 +5,7 @@
 
 Each layout runs in its own spawned group of --world gloo processes, one after the other: 'ring' (CP 4,
 striped), 'ulysses' (heads over 4 ranks) and 'hybrid' (heads over 2 ranks x a ring of 2), each doing what
-the attention backend does for one layer (`context_parallel_attention` / `head_parallel_attention` with
+the attention backend does for one layer (`context_parallel_attention`, with
 the default pattern settings but top-k budgets of 1024 columns and 1024 diagonals, PyTorch's reference
 engine on CPU), forward and backward, on the same sequence and q, k, v. q and k attend locally
 (`testing.layouts.local_qk`, scores decaying over --span tokens), so that the budgets keep a few
@@ -73,7 +73,6 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
         ParallelDims,
         RingStats,
         context_parallel_attention,
-        head_parallel_attention,
         prepare_context_parallel_inputs,
     )
     from hf_sparse_cp.testing.benchmarking import peak_rss
@@ -90,12 +89,11 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
                                             block_size=cfg.block_size)["cp_shard"]
     q, k, v, dout = (shard.plan.shard(x, par.cp_rank, dim=2) for x in full)
     del full
-    attend = context_parallel_attention if par.head_size == 1 else head_parallel_attention
     stats = RingStats()
 
     def step() -> torch.Tensor:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        result = attend(*leaves, shard, cfg, stats=stats)
+        result = context_parallel_attention(*leaves, shard, cfg, stats=stats)
         (result.out * dout).sum().backward()
         return result
 

@@ -1,5 +1,6 @@
 """The kept fraction of an attention call under context parallelism, as one process reports it on the
-same batch.
+same batch: from a ring's global layout (`one_process_kept_fraction`) and from the heads of a head group
+(`over_head_group`).
 
 `SparseLayout.kept_fraction(meta)` counts a layout's computed blocks over the blocks a dense computation
 of the same tokens visits (1.0 for a dense call). A block sharding (striped, zigzag, contiguous) keeps the
@@ -12,13 +13,19 @@ the one-process layout is built from them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..attention.estimate import Estimate, KeptEntries, estimation_segments, layout_from_kept, long_documents
 from ..attention.tokens import PAD_SEGMENT, TokenMeta
 from ..config import SparseAttentionConfig
-from .shard import CPShard
-from .split.blocks import BlockSplit
+from .comm import all_reduce
+
+if TYPE_CHECKING:
+    from .mesh import ParallelDims
+    from .shard import CPShard
+    from .split.blocks import BlockSplit
 
 
 def to_original_order(plan: BlockSplit, x: torch.Tensor, fill) -> torch.Tensor:
@@ -49,3 +56,12 @@ def one_process_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAtt
     kept = KeptEntries(estimation_segments(long_documents(meta, cfg), cfg),
                        *(to_original_order(plan, x, False) for x in (estimate.kept.keep_v, estimate.kept.keep_s)))
     return layout_from_kept(meta, cfg, *kept).kept_fraction(meta, sliding_window)
+
+
+def over_head_group(kept: torch.Tensor, share: float, parallel: ParallelDims) -> torch.Tensor:
+    """The kept fraction over all heads of a head group (0-d float64, the same on every rank of the group), from
+    each rank's over its own heads: a mean over heads, so each rank's weighs its `share` of the query heads.
+    `parallel`: the layout (its head group). Collective over the head group."""
+    total = kept.detach().double() * share
+    all_reduce(total, parallel.head_group, "the kept fraction's sum over the head group")
+    return total

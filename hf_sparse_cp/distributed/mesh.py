@@ -15,13 +15,12 @@ The hierarchical ring splits a CP group into `num_nodes` x `node_size` ranks: an
 a node and an outer ring across nodes, each with its own process group so that their transfers can
 be in flight together.
 
-Head parallelism (`--cp_mode ulysses`, DeepSpeed-Ulysses's split) splits the attention heads over the
-CP group instead: an all-to-all turns the sequence split into a head split before attention and back
-after it (`head_parallel.py`). `--cp_mode hybrid` splits the heads over head groups of
-`cp_ulysses_size` consecutive ranks (inside a node) and runs the sparse ring over the ranks at the same
-place of every head group (across nodes): CP position p = o x cp_ulysses_size + i is rank i of head
-group o and position o of ring i. `ParallelDims` owns all of it: the head group, and the ring's own
-view (`ParallelDims.ring`, whose CP fields describe the ring).
+The CP mode (`modes/`) says how many ranks form a head group (1: none); the layout follows from that
+number alone: head groups of `head_size` consecutive ranks (their all-to-alls turn the sequence split
+into a head split), and a ring over the ranks at the same place of every head group (CP position
+p = o x head_size + i is rank i of head group o and position o of ring i): the whole CP group without
+head groups, none where one head group fills the CP group. `ParallelDims` owns all of it: the head
+group, and the ring's own view (`ParallelDims.ring`, whose CP fields describe the ring).
 """
 
 from __future__ import annotations
@@ -30,12 +29,14 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
-from .cp_config import CP_MODES, ContextParallelConfig, PlannerCosts
-from .heads.split import HeadSplit
+
+if TYPE_CHECKING:
+    from .split.documents import PlannerCosts
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def check_launched(cp_sizes: Iterable[int], env: Mapping[str, str] = os.environ)
         check_sizes(world, cp_size)
 
 
-def ring_shape(cp_size: int, config: ContextParallelConfig, env: Mapping[str, str] = os.environ, *,
+def ring_shape(cp_size: int, config, env: Mapping[str, str] = os.environ, *,
                stride: int = 1) -> tuple[int, int]:
     """(num_nodes, node_size) of a ring of `cp_size` ranks; (1, cp_size) for a flat ring. `stride`: the
     ring takes every stride-th rank of the CP group (the ring of a hybrid layout, one rank per head group),
@@ -125,11 +126,12 @@ class ParallelDims:
     Attributes: world_size, rank, cp_size, dp_size, cp_rank (position in the CP group), dp_rank,
     cp_ranks (global ranks of this CP group), cp_group, topology (`RingTopology`: nodes x ranks
     per node), inner_group / outer_group (the two rings; the inner one is the CP group when flat),
-    sharding (the configured sequence split), planner_costs (the document planner's weights);
-    mode ('ring', 'ulysses', 'hybrid'), head_size (ranks of a head group, 1 without head parallelism),
-    head_group / head_rank (this rank's head group and its place in it), ring (under 'hybrid': the
-    ring's view, a `ParallelDims` whose CP fields are the ring's ranks and groups; None otherwise).
-    Under 'ulysses' and 'hybrid', topology, inner_group and outer_group describe the ring's view.
+    sharding (the configured sequence split), planner_costs (the document planner's weights, None for
+    its defaults); mode (the `CPMode` this layout runs; None for one process, `single`), head_size (ranks
+    of a head group, 1 without head groups), head_group / head_rank (this rank's head group and its place
+    in it), ring (with head groups and a ring across them: the ring's view, a `ParallelDims` whose CP
+    fields are the ring's ranks and groups; None otherwise). With head groups, topology, inner_group and
+    outer_group describe the ring's view.
     """
 
     def __init__(
@@ -144,7 +146,7 @@ class ParallelDims:
         outer_group,
         sharding: str,
         planner_costs: PlannerCosts | None = None,
-        mode: str = "ring",
+        mode=None,
         head_size: int = 1,
         head_group=None,
         ring: ParallelDims | None = None,
@@ -161,21 +163,20 @@ class ParallelDims:
         self.inner_group = inner_group
         self.outer_group = outer_group
         self.sharding = sharding
-        self.planner_costs = PlannerCosts() if planner_costs is None else planner_costs
-        if mode not in CP_MODES or self.cp_size % head_size:
-            raise ValueError(f"mode={mode!r} (one of {CP_MODES}) with head groups of {head_size} in a CP group of "
-                             f"{self.cp_size}.")
+        self.planner_costs = planner_costs
+        if self.cp_size % head_size:
+            raise ValueError(f"head groups of {head_size} ranks do not divide a CP group of {self.cp_size}.")
         self.mode, self.head_size, self.head_group, self.ring = mode, head_size, head_group, ring
         self.head_rank = self.cp_rank % head_size
 
     def __repr__(self) -> str:
         t = self.topology
-        heads = {"ring": "", "ulysses": f", heads over {self.head_size} ranks",
-                 "hybrid": f", heads over {self.head_size} ranks x ring of {self.cp_size // self.head_size}"}[self.mode]
+        heads = f", heads over {self.head_size} ranks" if self.head_size > 1 else ""
+        ring = f" x ring of {self.ring_size}" if self.head_size > 1 and self.ring_size > 1 else ""
         return (
             f"ParallelDims(world={self.world_size}, cp={self.cp_size} x dp={self.dp_size}, rank={self.rank} "
-            f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), mode={self.mode}{heads}, ring={t.num_nodes} node(s) "
-            f"x {t.node_size}, sharding={self.sharding})"
+            f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), mode={self.mode.name}{heads}{ring}, "
+            f"ring={t.num_nodes} node(s) x {t.node_size}, sharding={self.sharding})"
         )
 
     @property
@@ -184,12 +185,18 @@ class ParallelDims:
 
     @property
     def ring_size(self) -> int:
-        """Ranks of the ring: the CP group under 'ring', the head groups under 'hybrid', 1 under 'ulysses'."""
+        """Ranks of the ring: the CP group without head groups, the head groups with them (1: no ring)."""
         return self.cp_size // self.head_size
 
-    def head_split(self, q_heads: int, kv_heads: int) -> HeadSplit:
-        """How this layout's head groups split a layer's heads (raises naming the numbers when they cannot)."""
-        return HeadSplit(q_heads, kv_heads, self.head_size)
+    def describe(self) -> str:
+        """How this layout shares a sequence, in words (the start-up line, the model card)."""
+        return (f"CP {self.cp_size} x DP {self.dp_size} ({self.world_size} processes): each sequence split over "
+                f"{self.cp_size} ranks, {self.mode.describe(self)}")
+
+    def check_model(self, model_config) -> None:
+        """Raise ValueError, naming the numbers, unless the mode runs a model with `model_config` in this
+        layout's head groups."""
+        self.mode.check_model(model_config, self.head_size)
 
     def global_rank(self, position: int) -> int:
         """Global rank of the CP group member at ring `position`."""
@@ -202,12 +209,13 @@ class ParallelDims:
                    inner_group=None, outer_group=None, sharding=sharding)
 
     @classmethod
-    def from_config(cls, config: ContextParallelConfig, *, env: Mapping[str, str] = os.environ) -> ParallelDims:
-        """Build from the plugin's own flags over the default process group (gloo on CPU, or any backend).
+    def from_config(cls, config, *, env: Mapping[str, str] = os.environ) -> ParallelDims:
+        """Build from the plugin's own flags (`config`, a `ContextParallelConfig`) over the default process group
+        (gloo on CPU, or any backend).
 
         Call on every rank after `torch.distributed.init_process_group`: it creates the CP groups
-        (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups; for
-        head parallelism, the head groups and the hybrid's rings.
+        (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups; with
+        head groups, the head groups and the rings across them.
         """
         if not (dist.is_available() and dist.is_initialized()):
             if config.cp_size != 1:
@@ -221,12 +229,11 @@ class ParallelDims:
         return cls._build(world, rank, groups, config, env, cp_group=None)
 
     @classmethod
-    def from_accelerator(cls, accelerator, config: ContextParallelConfig | None = None, *,
+    def from_accelerator(cls, accelerator, config, *,
                          env: Mapping[str, str] = os.environ) -> ParallelDims:
         """Build from an `accelerate.Accelerator`: its `ParallelismConfig` (cp_size, device mesh, CP
         group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs). The
         plugin's --cp_mode decides how the CP group shares attention either way."""
-        config = ContextParallelConfig() if config is None else config
         pc = getattr(accelerator, "parallelism_config", None)
         if pc is not None and getattr(pc, "sp_size", 1) > 1:
             raise ValueError(
@@ -254,49 +261,43 @@ class ParallelDims:
                           cp_group=mesh["cp"].get_group())
 
     @classmethod
-    def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config: ContextParallelConfig,
+    def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config,
                env: Mapping[str, str], cp_group) -> ParallelDims:
         w = len(cp_groups[0])
-        h = config.head_size(w)
-        mode = config.cp_mode if h > 1 else "ring"
-        if mode == "hybrid" and h == w:
-            mode = "ulysses"  # a ring of one rank
-        if mode != config.cp_mode:
+        mode, h = config.mode.resolve(config, w)
+        if mode is not config.mode:
             logger.info("--cp_mode %s with head groups of %d in a CP group of %d runs as '%s'.", config.cp_mode, h, w,
-                        mode)
+                        mode.name)
         mine = next(g for g in cp_groups if rank in g)
         # Every rank takes part in creating every group, in the same order (`_new_groups`).
         if cp_group is None and w > 1:
             cp_group = _new_groups(cp_groups, rank)
         created = [cp_group]
-        if mode == "ring":
+        common = dict(world_size=world, rank=rank, planner_costs=config.planner_costs())
+        head_group, ring = None, None
+        if h == 1:  # the ring is the CP group
             topology, inner, outer = _rings(cp_groups, cp_group, config, env, rank, stride=1)
-            created += [inner, outer]
-            layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
-                         inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
-                         planner_costs=config.planner_costs())
+            sharding = config.cp_sharding
         else:
             # head group o: positions o*h .. o*h + h - 1; ring i: positions i, i + h, ... (ascending global ranks,
             # the order of every group's collectives)
             head_group = _new_groups([g[o * h : (o + 1) * h] for g in cp_groups for o in range(w // h)], rank)
             created.append(head_group)
-            ring = None
-            if mode == "hybrid":
+            topology, inner, outer, sharding = RingTopology(1, 1), None, None, "contiguous"
+            if h < w:
                 rings = [g[i::h] for g in cp_groups for i in range(h)]
                 ring_group = _new_groups(rings, rank)
                 topology, inner, outer = _rings(rings, ring_group, config, env, rank, stride=h)
-                created += [ring_group, inner, outer]
-                ring = cls(world_size=world, rank=rank, cp_ranks=tuple(next(r for r in rings if rank in r)),
-                           cp_group=ring_group, topology=topology, inner_group=inner, outer_group=outer,
-                           sharding=config.cp_sharding, planner_costs=config.planner_costs())
+                created.append(ring_group)
+                ring = cls(cp_ranks=tuple(next(r for r in rings if rank in r)), cp_group=ring_group,
+                           topology=topology, inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
+                           **common)
                 ring.dp_size, ring.dp_rank = world // w, rank // w
-            topology = ring.topology if ring is not None else RingTopology(1, 1)
-            layout = cls(world_size=world, rank=rank, cp_ranks=tuple(mine), cp_group=cp_group, topology=topology,
-                         inner_group=None if ring is None else ring.inner_group,
-                         outer_group=None if ring is None else ring.outer_group,
-                         sharding=config.cp_sharding if ring is not None else "contiguous",
-                         planner_costs=config.planner_costs(), mode=mode, head_size=h, head_group=head_group,
-                         ring=ring)
+                sharding = config.cp_sharding
+        created += [inner, outer]
+        layout = cls(cp_ranks=tuple(mine), cp_group=cp_group, topology=topology, inner_group=inner,
+                     outer_group=outer, sharding=sharding, mode=mode, head_size=h, head_group=head_group, ring=ring,
+                     **common)
         for group in {id(g): g for g in created if g is not None}.values():
             warm_up(group)
         logger.info("%s", layout)
@@ -315,7 +316,7 @@ def _new_groups(members: list[list[int]], rank: int):
     return mine
 
 
-def _rings(rings: list[list[int]], group, config: ContextParallelConfig, env: Mapping[str, str], rank: int, *,
+def _rings(rings: list[list[int]], group, config, env: Mapping[str, str], rank: int, *,
            stride: int) -> tuple[RingTopology, object, object]:
     """(topology, inner group, outer group) of this rank's ring among `rings` (lists of global ranks in
     ring order, `group` this rank's ring group): flat, or for the hierarchical ring a group per node and

@@ -1,18 +1,20 @@
 """What a model forward under context parallelism carries: `CPShard`, one rank's view of a batch split over
 its CP group, which the `sparse_cp` attention backend receives as the keyword `cp_shard`
-(`split.inputs.prepare_context_parallel_inputs` builds it).
+(`inputs.prepare_context_parallel_inputs` builds it).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention.tokens import TokenMeta
-from .mesh import ParallelDims
-from .split.blocks import BlockSplit, NestedSplit
+
+if TYPE_CHECKING:
+    from .mesh import ParallelDims
+    from .split.blocks import BlockSplit
 
 CP_SHARD_KWARG = "cp_shard"
 
@@ -43,12 +45,3 @@ class CPShard:
                 f"under context parallelism queries and keys must be this rank's same part of the sequence (got "
                 f"{query.shape[2]} queries, {key.shape[2]} keys): decoding with a KV cache is not sharded; run "
                 "generation without cp_shard.")
-
-    @functools.cached_property
-    def ring_shard(self) -> CPShard:
-        """Under `--cp_mode hybrid`: the shard of this rank's ring (its view of the layout, the ring's split,
-        the same metadata), which its head group's all-to-all assembles from the group's pieces."""
-        if self.parallel.ring is None or not isinstance(self.plan, NestedSplit):
-            raise ValueError("ring_shard is the ring's shard of a hybrid layout (--cp_mode hybrid), whose inputs "
-                             "prepare_context_parallel_inputs splits with a NestedSplit.")
-        return CPShard(self.parallel.ring, self.plan.outer, self.meta)

@@ -10,11 +10,9 @@ Calls that run dense (dense or sliding-window layers, batches without a long doc
 flash-attn where it is installed, or to SDPA for plain causal rows (`hf_sparse_cp.attention.dense`).
 
 Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, added by
-`hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's shard,
-and the layer runs the balanced sparse ring over the CP group instead
-(`hf_sparse_cp.distributed.context_parallel_attention`), or under head parallelism the all-to-all
-to a head split and the whole sequence of this rank's heads
-(`hf_sparse_cp.distributed.head_parallel_attention`).
+`hf_sparse_cp.distributed.prepare_context_parallel_inputs`): q, k, v are then this rank's part of the
+sequence, and the layer runs as the CP group's mode shares it
+(`hf_sparse_cp.distributed.context_parallel_attention`).
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.tokens import TokenMeta, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..distributed.heads.attention import head_parallel_attention
-from ..distributed.ring.attention import context_parallel_attention
+from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
 from .stats import record_kept_fraction
 
@@ -193,8 +190,7 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     if shard is not None:
-        attend = head_parallel_attention if shard.parallel.head_size > 1 else context_parallel_attention
-        result = attend(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
+        result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
         return result.out, result.kept_fraction
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)

@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import BACKEND_NAME
-from ..distributed.heads.split import HeadSplit
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
 from .architectures import cp_tested_model_types
 from .backend import ShardProbe, probing
+
+if TYPE_CHECKING:
+    from ..distributed.mesh import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +134,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
 
 
 def check_model_supports_context_parallel(
-    model: torch.nn.Module, backend: str = BACKEND_NAME, *, head_size: int = 1
+    model: torch.nn.Module, backend: str = BACKEND_NAME, *, parallel: ParallelDims | None = None
 ) -> None:
     """Raise ValueError, naming the cause and the fix, unless sparse context parallelism computes
     `model` exactly (see the module docstring). Call it before training (the Trainer integration
@@ -140,8 +143,8 @@ def check_model_supports_context_parallel(
     Args:
         model: a transformers causal LM that uses the `sparse_cp` backend.
         backend: the attention implementation every layer must use.
-        head_size: ranks of a head group (--cp_mode ulysses or hybrid): the model's heads must split
-            over them (`HeadSplit`: at least one query head per rank).
+        parallel: the layout it will train in, whose mode checks the model too (its heads split over the
+            head groups: at least one query head per rank).
     """
     config = getattr(model, "config", None)
     name = type(model).__name__
@@ -160,9 +163,8 @@ def check_model_supports_context_parallel(
             f"{name} uses attn_implementation={impl!r}; under context parallelism every attention layer must go "
             f"through '{backend}', which runs the ring (call hf_sparse_cp.patch() and hf_sparse_cp.configure(model))."
         )
-    if head_size > 1:
-        heads = config.num_attention_heads
-        HeadSplit(heads, getattr(config, "num_key_value_heads", None) or heads, head_size)
+    if parallel is not None:
+        parallel.check_model(config)
     rope = sorted(_rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
     if rope:
         raise ValueError(

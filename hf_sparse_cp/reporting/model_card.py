@@ -142,21 +142,10 @@ def _describe_setup(trainer: Trainer, cp_size: int) -> str:
 
 
 def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_size: int) -> str:
-    world = trainer.args.world_size
     if parallel is None:
+        world = trainer.args.world_size
         return f"CP {cp_size} x DP {world // cp_size} ({world} processes); sharding and ring not recorded"
-    ring = "flat ring"
-    if parallel.hierarchical:
-        ring = (f"hierarchical ring ({parallel.topology.num_nodes} nodes x {parallel.topology.node_size} ranks, "
-                "the outer ring hidden behind the inner one)")
-    head = (f"head-parallel (Ulysses) over {parallel.head_size} ranks: an all-to-all gives each rank the whole "
-            "sequence of its share of the heads")
-    how = {"ring": f"{parallel.sharding} sharding, {ring}",
-           "ulysses": head,
-           "hybrid": f"hybrid: {head} within head groups, and a {ring} of {parallel.ring_size} ranks across them "
-                     f"({parallel.sharding} sharding)"}[parallel.mode]
-    return (f"CP {cp_size} x DP {parallel.dp_size} ({parallel.world_size} processes): each sequence split over "
-            f"{cp_size} ranks, {how}")
+    return parallel.describe()
 
 
 def _describe_smet(config: SMETConfig, optim: str, args) -> str:

@@ -286,7 +286,8 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         group = sh.heads // sh.kv_heads
         tile = min(estimate.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
         per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
-        if s.cp > 1:  # distributed/ring/estimation.py: every rank holds the slash sums over all offsets, and reduces them
+        # distributed/ring/estimation.py: every rank holds the slash sums over all offsets, and reduces them
+        if s.cp > 1:
             per_token += seq_len / tokens * sh.heads * 4 * 2
         estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
     forward = backward = 0.0

@@ -242,10 +242,7 @@ def attach_to_trainer(
         if cp_schedule is not None:
             how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
         elif parallel.cp_size > 1:
-            how = (f"CP {parallel.cp_size} x DP {parallel.dp_size}, mode {parallel.mode}"
-                   + (f" (heads over {parallel.head_size} ranks)" if parallel.head_size > 1 else "")
-                   + (f", {parallel.sharding} sharding, {'hierarchical' if parallel.hierarchical else 'flat'} ring"
-                      if parallel.ring_size > 1 else ""))
+            how = parallel.describe()
         else:
             how = "off"
         logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)

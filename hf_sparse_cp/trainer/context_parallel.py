@@ -169,11 +169,11 @@ def enable_trainer_context_parallel(
     Returns:
         The `ParallelDims` in use; with a CP size of 1 nothing is patched.
     """
-    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
+    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config or ContextParallelConfig())
     if parallel.cp_size == 1:
         return parallel
     model = trainer.model
-    check_model_supports_context_parallel(model, head_size=parallel.head_size)
+    check_model_supports_context_parallel(model, parallel=parallel)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
     pad_id = pad_token_id(trainer, model)

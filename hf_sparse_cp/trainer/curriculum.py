@@ -353,7 +353,7 @@ class Curriculum:
                                   self.schedule.configs[index].to_dict())
             dims = self.dims[index]
             logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d (%s) x DP %d.", index,
-                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.mode, dims.dp_size)
+                        self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.mode.name, dims.dp_size)
         return index
 
     def parallel(self) -> ParallelDims:
@@ -406,16 +406,15 @@ def enable_curriculum(
                          "a cp_schedule builds its own groups: drop parallelism_config_cp_size from the accelerate "
                          "config.")
     model = trainer.model
+    if any(s.cp_size > 1 for s in schedule.stages):
+        check_model_supports_context_parallel(model)
     configs = []
     for i, stage in enumerate(schedule.stages):
         try:
             configs.append(stage.cp_config(cp_config))
-            configs[-1].head_size(stage.cp_size)  # head groups that divide the stage's degree
+            configs[-1].check_model(model.config)  # the stage's layout, before its groups are built
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-    if any(s.cp_size > 1 for s in schedule.stages):
-        for head_size in sorted({c.head_size(c.cp_size) for c in configs}):
-            check_model_supports_context_parallel(model, head_size=head_size)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:

@@ -444,14 +444,14 @@ def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):
 
 def test_planner_costs_come_from_the_cp_flags(monkeypatch):
     """--cp_planner_* reach the planner through ParallelDims; an explicit argument wins; negative costs are refused."""
-    import hf_sparse_cp.distributed.split.inputs as inputs_module
+    import hf_sparse_cp.distributed.modes.ring as ring_mode
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
 
     flags = ContextParallelConfig(cp_sharding="document", cp_planner_linear_per_token=5000.0,
                                   cp_planner_comm_per_token=1200.0)
     seen = []
-    real = inputs_module.plan_row
-    monkeypatch.setattr(inputs_module, "plan_row",
+    real = ring_mode.plan_row
+    monkeypatch.setattr(ring_mode, "plan_row",
                         lambda meta, cfg, cp, costs: seen.append(costs) or real(meta, cfg, cp, costs))
     parallel = ParallelDims(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
                             inner_group=None, outer_group=None, sharding="document",

@@ -11,6 +11,7 @@ kept fraction against the same step in one process.
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import pytest
@@ -20,9 +21,10 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.sequence import sequence_attention
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,
+    HeadSplit,
     ParallelDims,
     RingStats,
-    head_parallel_attention,
+    context_parallel_attention,
     prepare_context_parallel_inputs,
 )
 from hf_sparse_cp.distributed.split.blocks import sequence_meta
@@ -99,7 +101,7 @@ def _from_accelerate_mesh(rank: int) -> ParallelDims:
     pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
     fake = types.SimpleNamespace(parallelism_config=pc, torch_device_mesh=pc.build_device_mesh("cpu"))
     par = ParallelDims.from_accelerator(fake, ContextParallelConfig(cp_mode="ulysses"))
-    assert par.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and (par.mode, par.head_size) == ("ulysses", 2)
+    assert par.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and (par.mode.name, par.head_size) == ("ulysses", 2)
     return par
 
 
@@ -133,8 +135,11 @@ def _attention_case(case: Case, layouts: dict) -> dict:
     shard = prepare_context_parallel_inputs(inputs, par, block_size=BS)["cp_shard"]
     plan, rank = shard.plan, par.cp_rank
     stats = RingStats()
-    local, kept = _grad(lambda *x: head_parallel_attention(*x, shard, cfg, sliding_window=window, stats=stats),
-                        [plan.shard(x, rank, dim=2) for x in (q, k, v)], plan.shard(dout, rank, dim=2))
+    def attend(*x):
+        result = context_parallel_attention(*x, shard, cfg, sliding_window=window, stats=stats)
+        return result.out, result.kept_fraction
+
+    local, kept = _grad(attend, [plan.shard(x, rank, dim=2) for x in (q, k, v)], plan.shard(dout, rank, dim=2))
     errs = {name: rel_rms(local[name], plan.shard(full[name], rank, dim=2)) for name in full}
     pad = plan.source[plan.token_index(rank)] < 0  # the split's padding: zero output
     errs["padding_zero"] = float(local["out"][:, :, pad].abs().max()) if pad.any() else 0.0
@@ -148,7 +153,7 @@ def _all_to_all_bytes(par: ParallelDims, plan, case: Case, batch: int) -> tuple[
     """What this rank's all-to-alls send (forward, backward). Forward: its piece of every other group
     rank's q heads and the key/value heads they read, and its heads' output over every other rank's
     piece; backward: the gradients of what it received."""
-    split = par.head_split(*case.heads)
+    split = HeadSplit(*case.heads, par.head_size)
     first = par.cp_rank - par.head_rank
     lengths = [plan.local_len_of(first + i) for i in range(par.head_size)]
     me = par.head_rank
@@ -225,7 +230,7 @@ def _errors(world: int) -> dict:
     msgs = {}
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_mode="ulysses"))
     try:
-        par.head_split(world - 1, 1)
+        par.check_model(types.SimpleNamespace(num_attention_heads=world - 1, num_key_value_heads=1))
     except ValueError as e:
         msgs["too_few_heads"] = str(e)
     try:

@@ -175,7 +175,7 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     def seen(module, args, kwargs):  # what each training forward gets: tokens, CP degree and mode, the top-k
         shard = kwargs.get(CP_SHARD_KWARG)
         forwards.append((kwargs["input_ids"].shape[1], 1 if shard is None else shard.parallel.cp_size,
-                         None if shard is None else shard.parallel.mode,
+                         None if shard is None else shard.parallel.mode.name,
                          module.config.sparse_attention["budget"]["vertical_topk"]))
 
     forwards = []

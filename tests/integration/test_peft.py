@@ -202,7 +202,7 @@ def _train_lora(rank: int | None = None, world: int = 1, mode: str = "ring") -> 
         disable_sparse_attention(model)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p, initial[n]))
-    return {"cp": parallel.cp_size, "mode": parallel.mode, "losses": losses, "changed": changed,
+    return {"cp": parallel.cp_size, "mode": parallel.mode.name, "losses": losses, "changed": changed,
             "kept": [log["sparse/kept_fraction"] for log in trainer.state.log_history if "loss" in log],
             "weights": {n: p.detach().clone() for n, p in model.named_parameters() if n in changed}}
 

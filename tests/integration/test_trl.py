@@ -59,7 +59,7 @@ def _cp2(rank: int, world: int, output_dir: str, mode: str = "ring") -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     trainer, result = _train(output_dir, cp_size=2, cp_mode=mode)
     trainer.create_model_card()
-    return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode}
+    return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode.name}
 
 
 @pytest.fixture(scope="module")

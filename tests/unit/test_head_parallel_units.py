@@ -109,4 +109,4 @@ def test_accelerates_sp_size_under_fsdp2_is_refused_naming_the_cp_size_fix():
 
 def test_one_process_has_no_head_groups():
     par = ParallelDims.single()
-    assert (par.mode, par.head_size, par.ring_size, par.ring) == ("ring", 1, 1, None)
+    assert (par.mode, par.head_size, par.ring_size, par.ring) == (None, 1, 1, None)  # no CP mode: one process

@@ -1,8 +1,8 @@
 """Balanced sparse ring attention: exact attention over a global layout, the sequence split over a CP group.
 
-`context_parallel_attention` is what the attention backend calls under CP: it estimates the
-layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`
-(and counts the kept fraction as one process would, `kept_fraction.py`).
+`ring_sparse_attention` runs the ring over a layout that every rank holds: under `--cp_mode ring` (and
+on each ring of `hybrid`) the layer's layout estimated from every rank's shard (`estimation.py`,
+`modes/ring.py`).
 
 Every rank keeps its queries; K/V (key/value heads only, never replicated for GQA) travel the
 (hierarchical) ring of `RingTopology`. At each step a rank computes its queries against the K/V
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,11 +32,8 @@ from ...attention.engines import resolve_engine
 from ...attention.layout import SparseLayout, check_tensors
 from ...attention.ops import attention_backward, attention_forward
 from ...attention.precision import autocast_inputs, compute_dtype
-from ...config import SparseAttentionConfig
 from ..comm import P2PComm, Pending, Transfer, wait
-from ..kept_fraction import one_process_kept_fraction
 from ..shard import CPShard
-from .estimation import estimate_cp
 from .plan import RingPlan, check_global_layout
 
 
@@ -351,45 +347,3 @@ def ring_sparse_attention(
     with torch.autocast(q.device.type, enabled=False):
         return _RingSparseAttention.apply(q, k.contiguous(), v.contiguous(), ring, scale, sliding_window, stats,
                                           engine)
-
-
-class CPAttention(NamedTuple):
-    """`context_parallel_attention`'s result."""
-
-    out: torch.Tensor  # [B, Hq, S_local, D]
-    lse: torch.Tensor  # [B, Hq, S_local]
-    layout: SparseLayout  # the global layout
-    kept_fraction: torch.Tensor  # 0-d float64: what one process reports for the same call
-
-
-def context_parallel_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    shard: CPShard,
-    cfg: SparseAttentionConfig,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    stats: RingStats | None = None,
-) -> CPAttention:
-    """Sparse attention of a sharded sequence: what an attention backend calls under CP. Collective.
-
-    Args:
-        query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D], after RoPE, this rank's shard.
-        shard: this rank's `CPShard`; cfg: the layer's pattern config (and its `attention_engine`).
-        scale, sliding_window, stats: as in `ring_sparse_attention`.
-
-    Returns:
-        `CPAttention` (out, lse, the global layout, and the kept fraction one process reports for this
-        call, `kept_fraction.one_process_kept_fraction`), after estimating the layer's global layout from
-        all ranks' shards (`estimate_cp`) and running the ring.
-    """
-    shard.check_no_kv_cache(query, key)
-    with torch.no_grad():
-        estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
-        kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)
-    out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
-                                     sliding_window=sliding_window, stats=stats, check_layout=False,
-                                     implementation=cfg.attention_engine)
-    return CPAttention(out, lse, estimate.layout, kept)

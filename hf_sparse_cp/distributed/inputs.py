@@ -1,29 +1,30 @@
-"""What a model forward under context parallelism carries, and how a batch becomes it.
+"""How a batch becomes what a model forward under context parallelism takes.
 
 Input preparation (once per batch, on every CP rank, with the same batch):
 `prepare_context_parallel_inputs(inputs, parallel, block_size=...)` returns this rank's model
 inputs (sharded input_ids, shift_labels, global position_ids) plus a `CPShard` under the key
 `cp_shard`. transformers passes unknown keyword arguments of `model(**inputs)` down to the
-attention function, so the `sparse_cp` backend receives the `CPShard` with q/k/v of its shard and
-calls `ring_attention.context_parallel_attention`, which estimates the global layout and runs the ring
-(or, under head parallelism, `head_parallel.head_parallel_attention`).
+attention function, so the `sparse_cp` backend receives the `CPShard` with q/k/v of its part of the
+sequence and calls `modes.context_parallel_attention`, which runs the layer as the layout's mode shares it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ...config import SparseAttentionConfig
-from ..comm import all_reduce
-from ..cp_config import PlannerCosts
-from ..mesh import ParallelDims
-from ..shard import CP_SHARD_KWARG, CPShard
-from .blocks import NestedSplit, ShardPlan, sequence_meta, shard_inputs
-from .documents import plan_row
+from ..config import SparseAttentionConfig
+from .comm import all_reduce
+from .modes import RING
+from .shard import CP_SHARD_KWARG, CPShard
+from .split.blocks import sequence_meta, shard_inputs
+from .split.documents import PlannerCosts
+
+if TYPE_CHECKING:
+    from .mesh import ParallelDims
 
 
 def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
@@ -70,16 +71,15 @@ def prepare_context_parallel_inputs(
             attention_mask, cu_seq_lens_* of flattened packing), the same on every CP rank.
         parallel: the parallel dimensions (CP group, rank, sharding).
         block_size: the attention layout's block size (`SparseAttentionConfig.block_size`).
-        sharding: 'striped', 'zigzag', 'contiguous' or 'document' (default: `parallel.sharding`);
-            'document' plans the split from the batch's documents (`documents.plan_row`). Under
-            head parallelism the sequence is cut into contiguous pieces of the ring's shard (`NestedSplit`):
-            the ring's split under 'hybrid', the whole sequence under 'ulysses' (which takes no sharding).
+        sharding: 'striped', 'zigzag', 'contiguous' or 'document' (default: `parallel.sharding`), as the
+            layout's mode takes it (`CPMode.split`): the ring's split of the sequence ('document' plans it from the
+            batch's documents, `documents.plan_row`), cut into contiguous pieces for head groups (`NestedSplit`).
         pad_token_id, ignore_index: what fills the padding of ids and targets.
         verify_same_batch: check (two tiny all-reduces) that every CP rank holds the same batch.
         sparse_config: the model's pattern settings, which tell the 'document' planner which documents
             are sparse (default: `SparseAttentionConfig(block_size=block_size)`).
         planner_costs: the 'document' planner's weights (default: `parallel.planner_costs`, from
-            the --cp_planner_* flags).
+            the --cp_planner_* flags, else `PlannerCosts()`).
 
     Returns:
         The model inputs of this rank: input_ids (or inputs_embeds), `shift_labels` (labels shifted
@@ -93,37 +93,17 @@ def prepare_context_parallel_inputs(
     ref = inputs.get("inputs_embeds") if ref is None else ref
     if ref is None:
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
-    sharding = sharding or parallel.sharding
+    if sparse_config is None:
+        sparse_config = SparseAttentionConfig(block_size=block_size)
+    elif sparse_config.block_size != block_size:
+        raise ValueError(
+            f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
+            "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
+        )
     meta = sequence_meta(inputs)
-    if parallel.head_size > 1:
-        plan = _head_parallel_split(parallel, sharding, block_size, ref.shape[1])
-    elif sharding == "document":
-        if sparse_config is None:
-            sparse_config = SparseAttentionConfig(block_size=block_size)
-        elif sparse_config.block_size != block_size:
-            raise ValueError(
-                f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
-                "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
-            )
-        plan = plan_row(meta.to("cpu"), sparse_config, parallel.cp_size, planner_costs or parallel.planner_costs)
-    else:
-        plan = ShardPlan(sharding, parallel.cp_size, block_size, ref.shape[1])
+    mode = parallel.mode or RING  # one process (`ParallelDims.single`): a ring of one rank
+    plan = mode.split(parallel, sharding or parallel.sharding, block_size, meta, sparse_config=sparse_config,
+                      planner_costs=planner_costs or parallel.planner_costs or PlannerCosts())
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta))
     return out
-
-
-def _head_parallel_split(parallel: ParallelDims, sharding: str, block_size: int, seq_len: int) -> NestedSplit:
-    """The sequence split of a head-parallel layout: every shard of the ring's split (one rank holding the
-    whole sequence under 'ulysses') cut into one contiguous piece per rank of its head group."""
-    if parallel.ring is None:
-        if sharding not in ("contiguous", parallel.sharding):
-            raise ValueError(f"sharding={sharding!r}: under --cp_mode ulysses each rank holds one contiguous piece of "
-                             "the sequence (there is no ring to balance).")
-        ring_split = ShardPlan("contiguous", 1, block_size, seq_len, pieces=parallel.head_size)
-    elif sharding == "document":
-        raise ValueError("sharding='document' is not available under --cp_mode hybrid; use striped, zigzag or "
-                         "contiguous.")
-    else:
-        ring_split = ShardPlan(sharding, parallel.ring_size, block_size, seq_len, pieces=parallel.head_size)
-    return NestedSplit(ring_split, parallel.head_size)

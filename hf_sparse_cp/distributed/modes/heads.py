@@ -1,0 +1,19 @@
+"""What the modes with head groups share (`HeadGroupMode`): their checks of the model's heads and their
+description."""
+
+from __future__ import annotations
+
+from ..heads.split import HeadSplit
+from .base import CPMode
+
+
+class HeadGroupMode(CPMode):
+    """A mode whose head groups split the attention heads (`heads/`)."""
+
+    def check_model(self, model_config, head_size: int) -> None:
+        heads = model_config.num_attention_heads
+        HeadSplit(heads, getattr(model_config, "num_key_value_heads", None) or heads, head_size)
+
+    def describe(self, parallel) -> str:
+        return (f"head-parallel (Ulysses) over {parallel.head_size} ranks: an all-to-all gives each rank the whole "
+                "sequence of its share of the heads")

@@ -1,0 +1,49 @@
+"""`--cp_mode ring`: the sequence split over the CP group, K/V blocks travel the balanced sparse ring (`ring/`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kept_fraction import one_process_kept_fraction
+from ..ring.attention import ring_sparse_attention
+from ..ring.estimation import estimate_cp
+from ..split.blocks import ShardPlan
+from ..split.documents import plan_row
+from .base import CPAttention, CPMode
+
+
+class RingMode(CPMode):
+    name = "ring"
+    help = "the sequence split, K/V blocks travel the sparse ring"
+
+    def head_size(self, config, cp_size: int) -> int:
+        return 1
+
+    def split(self, parallel, sharding, block_size, meta, *, sparse_config, planner_costs):
+        if sharding == "document":
+            return plan_row(meta.to("cpu"), sparse_config, parallel.cp_size, planner_costs)
+        return ShardPlan(sharding, parallel.cp_size, block_size, meta.index.shape[1])
+
+    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, stats) -> CPAttention:
+        """The layer's global layout estimated from every rank's shard (`estimate_cp`), then the ring."""
+        with torch.no_grad():
+            estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
+            kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)
+        out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
+                                         sliding_window=sliding_window, stats=stats, check_layout=False,
+                                         implementation=cfg.attention_engine)
+        return CPAttention(out, lse, estimate.layout, kept)
+
+    def describe(self, parallel) -> str:
+        return f"{parallel.sharding} sharding, {ring_shape(parallel)}"
+
+
+def ring_shape(parallel) -> str:
+    """The ring of `parallel` in words: flat, or hierarchical with its nodes."""
+    if not parallel.hierarchical:
+        return "flat ring"
+    t = parallel.topology
+    return f"hierarchical ring ({t.num_nodes} nodes x {t.node_size} ranks, the outer ring hidden behind the inner one)"
+
+
+RING = RingMode()
