@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.env import environment
@@ -130,12 +131,12 @@ class Tuner:
         self.rows: list[dict] = []
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return attention_forward(self.q, self.k, self.v, self.layout, scale=self.scale, q_meta=self.meta,
-                                 k_meta=self.meta, implementation="triton")
+        return attention_forward(AttentionCall(self.q, self.k, self.v, self.layout, self.scale, self.meta, self.meta),
+                                 implementation="triton")
 
     def backward(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return attention_backward(self.q, self.k, self.v, out, lse, self.dout, self.layout, scale=self.scale,
-                                  q_meta=self.meta, k_meta=self.meta, implementation="triton")
+        return attention_backward(AttentionCall(self.q, self.k, self.v, self.layout, self.scale, self.meta, self.meta),
+                                  out, lse, self.dout, implementation="triton")
 
     def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None,
                    after_each: Callable[[], None] | None = None) -> list[dict]:

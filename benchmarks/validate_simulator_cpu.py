@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import CPShard, ParallelDims, RingTopology, ShardPlan, ring_sparse_attention
@@ -142,12 +143,12 @@ def _features(layout) -> list[float]:
 
 
 def _forward(q, k, v, layout, q_meta, k_meta, out, lse):
-    return attention_forward(q, k, v, layout, scale=0.125, q_meta=q_meta, k_meta=k_meta, out=out.clone(),
-                             lse=lse.clone(), implementation="reference")
+    return attention_forward(AttentionCall(q, k, v, layout, 0.125, q_meta, k_meta), out=out.clone(), lse=lse.clone(),
+                             implementation="reference")
 
 
 def _backward(q, k, v, out, lse, dout, layout, q_meta, k_meta):
-    return attention_backward(q, k, v, out, lse, dout, layout, scale=0.125, q_meta=q_meta, k_meta=k_meta,
+    return attention_backward(AttentionCall(q, k, v, layout, 0.125, q_meta, k_meta), out, lse, dout,
                               implementation="reference")
 
 
@@ -169,7 +170,7 @@ def _calibrate(repeats: int) -> list[dict]:
             out = torch.zeros(1, HQ, sq, D)
             lse = torch.full((1, HQ, sq), float("-inf"))
             fwd = _median_time(partial(_forward, q, k, v, layout, qm, km, out, lse), repeats, time.thread_time)
-            o, lse_ = attention_forward(q, k, v, layout, scale=0.125, q_meta=qm, k_meta=km)
+            o, lse_ = attention_forward(AttentionCall(q, k, v, layout, 0.125, qm, km))
             dout = torch.randn(1, HQ, sq, D, generator=g)
             bwd = _median_time(partial(_backward, q, k, v, o, lse_, dout, layout, qm, km), repeats,
                                time.thread_time)

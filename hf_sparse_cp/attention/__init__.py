@@ -13,6 +13,7 @@ the merge of partial results. Nothing here knows about transformers or process g
 """
 
 from .build import build_layout, dense_layout
+from .call import AttentionCall
 from .estimate import estimate_layout
 from .layout import SparseLayout
 from .merge import merge_attention
@@ -21,6 +22,7 @@ from .reference import reference_backward, reference_forward, reference_vertical
 from .tokens import TokenMeta
 
 __all__ = [
+    "AttentionCall",
     "SparseLayout",
     "TokenMeta",
     "attention_backward",

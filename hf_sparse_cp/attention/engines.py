@@ -1,21 +1,22 @@
 """The engines that compute a block-sparse attention call, registered by name (`ENGINES`): the Triton
-kernels, FlexAttention and the PyTorch reference, each taking the call as one `AttentionCall`; and which
-one computes a call (`resolve_engine`, the chosen engine logged once).
+kernels, FlexAttention and the PyTorch reference, each taking the call as one `AttentionCall` and saying
+why it cannot run (`Engine.missing`) or why 'auto' should not give it a call (`Engine.declines`); and
+which one computes a call (`resolve_engine`, the choice logged once with the reasons of the others).
 
 The setting (`SparseAttentionConfig.attention_engine`, or the `implementation` argument of the
 attention functions) names one, or 'auto'; `$HF_SPARSE_CP_ATTENTION_ENGINE` replaces 'auto' (the
-project's one override mechanism, `hf_sparse_cp.backends.choose_backend`). 'auto' decides per call:
+project's one override mechanism, `hf_sparse_cp.backends.choose_backend`). 'auto' walks the registry:
 
-* tensors off CUDA, and CUDA inputs the kernels cannot take (fp64, head_dim above 128), run the
-  PyTorch reference (the latter with a warning);
-* on CUDA it picks the faster of the kernels and Flex for the call's shape from a measured timing
+* the kernels and Flex decline tensors off CUDA, and CUDA inputs the kernels cannot take (fp64,
+  head_dim above 128), which then run the PyTorch reference (on CUDA with a warning); Flex also declines
+  when this torch has no FlexAttention;
+* where both may run a call, it picks the faster of the kernels and Flex for the call's shape from a measured timing
   table (`$HF_SPARSE_CP_ENGINE_TABLE`, the JSON `benchmarks/bench_attention.py` writes, e.g. through
   `benchmarks/gpu_session.sh quick`): among the table's rows for this GPU whose layouts list key
   columns exactly when this call's does, the nearest sequence length, then the nearest kept fraction
   (rows of the call's head_dim first). Without a table for this GPU, or without such a row, the
   default is the Triton kernels: the engine the earlier releases ran, and the one that gathers single
-  key columns (Flex computes a column as part of a 128-key tile of a gathered buffer);
-* without FlexAttention in this torch, always the kernels.
+  key columns (Flex computes a column as part of a 128-key tile of a gathered buffer).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
 from ..backends import choose_backend
+from .call import AttentionCall
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
-from .layout import SparseLayout, check_attention_inputs
+from .layout import SparseLayout
 from .merge import merge_attention
 from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
@@ -48,30 +50,6 @@ TABLE_KIND = "hf_sparse_cp engine table"
 DEFAULT_ENGINE = "triton"
 
 
-class AttentionCall(NamedTuple):
-    """One call: q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] over the keys `layout` lists, with the softmax `scale`,
-    the tokens' order and documents (`q_meta`, `k_meta`) and the layer's `sliding_window`."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    layout: SparseLayout
-    scale: float
-    q_meta: TokenMeta
-    k_meta: TokenMeta
-    sliding_window: int | None = None
-
-    def check(self) -> None:
-        check_attention_inputs(self.q, self.k, self.v, self.layout, self.q_meta, self.k_meta)
-
-    def tokens(self) -> tuple[torch.Tensor, ...]:
-        return self.q_meta.index, self.q_meta.segment, self.k_meta.index, self.k_meta.segment
-
-    def options(self) -> dict:
-        """The keywords of the PyTorch and Flex functions."""
-        return dict(scale=self.scale, q_meta=self.q_meta, k_meta=self.k_meta, sliding_window=self.sliding_window)
-
-
 class Engine:
     """What computes attention over a layout (see `hf_sparse_cp.attention.ops` for the arguments): `forward`
     merges into a running (out, lse) when given; `backward` takes the final out and lse of the queries.
@@ -80,6 +58,15 @@ class Engine:
 
     name: ClassVar[str]
     differentiable: ClassVar[bool] = False
+
+    def missing(self) -> str | None:
+        """Why this engine cannot run in this installation at all (None: it can)."""
+        return None
+
+    def declines(self, q: torch.Tensor) -> str | None:
+        """Why 'auto' does not give this engine a call with queries `q` (their device, dtype, head_dim; None:
+        it may), the installation's reason first."""
+        return self.missing()
 
     def forward(self, call: AttentionCall, out=None, lse=None, out_in_input_dtype: bool = False):
         part = self.part(call)
@@ -118,6 +105,11 @@ class TritonEngine(Engine):
 
     name = "triton"
 
+    def declines(self, q):
+        if not q.is_cuda:
+            return f"{q.device.type} tensors (the kernels train on CUDA; elsewhere they run in Triton's interpreter)"
+        return super().declines(q) or _kernels_unsupported(q)
+
     def forward(self, call, out=None, lse=None, out_in_input_dtype=False):
         from ..kernels.ops import triton_forward
 
@@ -151,17 +143,29 @@ class FlexEngine(Engine):
     name = "flex"
     differentiable = True
 
+    def missing(self):
+        if not is_flex_available():
+            return f"needs torch.nn.attention.flex_attention (torch >= 2.6; this is torch {torch.__version__})"
+        return None
+
+    def declines(self, q):
+        if not q.is_cuda:
+            return f"{q.device.type} tensors (Flex trains on CUDA only: torch has no Flex backward elsewhere)"
+        # 'auto' weighs Flex against the kernels by their measured times, so it offers Flex the calls the kernels
+        # could take
+        return super().declines(q) or _kernels_unsupported(q)
+
     def part(self, call):
         call.check()
-        return flex_forward(call.q, call.k, call.v, call.layout, **call.options())
+        return flex_forward(call)
 
     def part_grads(self, call, out, lse, dout, dlse):
         call.check()
-        return flex_backward(call.q, call.k, call.v, out, lse, dout, call.layout, dlse=dlse, **call.options())
+        return flex_backward(call, out, lse, dout, dlse)
 
     def attention(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         call.check()
-        return flex_block_sparse_attention(call.q, call.k, call.v, call.layout, **call.options())
+        return flex_block_sparse_attention(call)
 
 
 class ReferenceEngine(Engine):
@@ -170,10 +174,10 @@ class ReferenceEngine(Engine):
     name = "reference"
 
     def part(self, call):
-        return reference_forward(call.q, call.k, call.v, call.layout, **call.options())
+        return reference_forward(call)
 
     def part_grads(self, call, out, lse, dout, dlse):
-        return reference_backward(call.q, call.k, call.v, out, lse, dout, call.layout, dlse=dlse, **call.options())
+        return reference_backward(call, out, lse, dout, dlse)
 
 
 # The engines by name, and the settings that name one ('auto': chosen per call, `resolve_engine`).
@@ -241,7 +245,8 @@ def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:
 
 
 def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = "auto") -> str:
-    """The engine of one call: 'triton', 'flex' or 'reference' (a key of `ENGINES`), each choice logged once.
+    """The engine of one call: 'triton', 'flex' or 'reference' (a key of `ENGINES`), each choice logged once with
+    the reasons of the engines it passed over.
 
     Args:
         q: the queries [B, Hq, Sq, D] (device, dtype and head_dim decide what can run them).
@@ -251,32 +256,39 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
 
     Returns:
         The engine name. 'triton' means the kernels whatever the device (on CPU inside Triton's
-        interpreter); 'flex' needs a torch with FlexAttention.
+        interpreter); 'flex' needs a torch with FlexAttention. 'auto' walks `ENGINES` in order: among the
+        engines that do not decline the call (`Engine.declines`), the kernels or Flex by the timing table when
+        both may run it, else the first.
     """
     if implementation not in SETTINGS:
         raise ValueError(f"implementation={implementation!r} is unknown; use one of {SETTINGS}.")
     given = None if implementation == "auto" else implementation
-    engine = choose_backend("Attention engine", ENGINE_ENV, SETTINGS, given)
-    if engine == "flex" and not is_flex_available():
-        raise ValueError(f"the flex engine needs torch.nn.attention.flex_attention (torch >= 2.6; this is torch "
-                         f"{torch.__version__}); use 'auto' or 'triton'.")
-    if engine != "auto":
-        return _chosen(engine, "as set" if given else f"${ENGINE_ENV}")
-    if not q.is_cuda:
-        return _chosen("reference", f"auto: {q.device.type} tensors")
+    name = choose_backend("Attention engine", ENGINE_ENV, SETTINGS, given)
+    if name != "auto":
+        missing = ENGINES[name].missing()
+        if missing is not None:
+            raise ValueError(f"the {name} engine {missing}; use 'auto' or another engine.")
+        return _chosen(name, "as set" if given else f"${ENGINE_ENV}")
+    declined = {engine.name: engine.declines(q) for engine in ENGINES.values()}
+    able = [name for name, reason in declined.items() if reason is None]
+    passed = "; ".join(f"{name} declined: {reason}" for name, reason in declined.items() if reason is not None)
+    if {"triton", "flex"} <= set(able):
+        table = engine_table()
+        if table is None:
+            return _chosen(DEFAULT_ENGINE, f"auto: no ${TABLE_ENV}")
+        return _chosen(pick_from_table(table, torch.cuda.get_device_name(q.device), CallShape.of(q, layout)),
+                       "auto: the timing table's nearest row")
+    if able[0] == "reference" and q.is_cuda:
+        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {declined[DEFAULT_ENGINE]} "
+                      f"({passed}).", stacklevel=3)
+    return _chosen(able[0], f"auto; {passed}" if passed else "auto")
+
+
+def _kernels_unsupported(q: torch.Tensor) -> str | None:
+    """Why the kernels cannot take CUDA queries `q` (their dtype, head_dim), else None."""
     from ..kernels.ops import unsupported
 
-    reason = unsupported(q)
-    if reason is not None:
-        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {reason}.", stacklevel=3)
-        return _chosen("reference", f"auto: {reason}")
-    if not is_flex_available():
-        return _chosen("triton", "auto: no FlexAttention in this torch")
-    table = engine_table()
-    if table is None:
-        return _chosen(DEFAULT_ENGINE, f"auto: no ${TABLE_ENV}")
-    return _chosen(pick_from_table(table, torch.cuda.get_device_name(q.device), CallShape.of(q, layout)),
-                   "auto: the timing table's nearest row")
+    return unsupported(q)
 
 
 @functools.cache

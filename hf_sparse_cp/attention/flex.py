@@ -39,6 +39,7 @@ import torch
 
 from ..backends import is_available
 from ..kernels.indexing import block_summary, split_full_blocks
+from .call import AttentionCall
 from .layout import SparseLayout
 from .merge import merge_attention
 from .precision import compute_dtype
@@ -277,51 +278,24 @@ def _merged(parts: list, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def flex_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: SparseLayout,
-    *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over the keys `layout` lists with FlexAttention (no autograd).
-
-    Args:
-        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D]; layout, scale, q_meta, k_meta, sliding_window: as
-            for `hf_sparse_cp.attention.ops.attention_forward`.
+def flex_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of `call` with FlexAttention (no autograd).
 
     Returns:
         (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype; queries that see no key get out 0
         and lse -inf.
     """
-    calls = flex_calls(layout, q_meta, k_meta, q.shape[1], k.shape[1], sliding_window=sliding_window,
-                       for_backward=False)
+    q, k, v = call.q, call.k, call.v
+    calls = flex_calls(call.layout, call.q_meta, call.k_meta, q.shape[1], k.shape[1],
+                       sliding_window=call.sliding_window, for_backward=False)
     with torch.no_grad():
-        return _merged([_attend(c, q.detach(), k.detach(), v.detach(), scale) for c in calls], q)
+        return _merged([_attend(c, q.detach(), k.detach(), v.detach(), call.scale) for c in calls], q)
 
 
-def flex_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    layout: SparseLayout,
-    *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of attention over the keys `layout` lists, given the queries' *final* out / lse
-    (which may cover more keys: ring attention), with FlexAttention. CUDA only (torch has no Flex
-    backward on CPU).
+def flex_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                  dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of attention of `call`, given the queries' *final* out / lse (which may cover more keys:
+    ring attention), with FlexAttention. CUDA only (torch has no Flex backward on CPU).
 
     Each Flex call i of the layout is run again with autograd; its part (out_i, lse_i) entered the
     final result with weight w_i = exp(lse_i - lse), so it receives dout_i = w_i dout and
@@ -329,18 +303,19 @@ def flex_backward(
     share of dq, dk, dv.
 
     Args:
-        q, k, v, layout, scale, q_meta, k_meta, sliding_window: as for `flex_forward`.
-        out, lse: the final output [B, Hq, Sq, D] and log-sum-exp [B, Hq, Sq] of the queries.
+        call: the call; out, lse: the final output [B, Hq, Sq, D] and log-sum-exp [B, Hq, Sq] of the queries.
         dout: gradient of out; dlse: gradient reaching lse, or None.
 
     Returns:
         (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype.
     """
+    q, k, v = call.q, call.k, call.v
     dtype = compute_dtype(q.dtype)
-    calls = flex_calls(layout, q_meta, k_meta, q.shape[1], k.shape[1], sliding_window=sliding_window)
+    calls = flex_calls(call.layout, call.q_meta, call.k_meta, q.shape[1], k.shape[1],
+                       sliding_window=call.sliding_window)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with torch.enable_grad():
-        parts = [_attend(c, *leaves, scale) for c in calls]
+        parts = [_attend(c, *leaves, call.scale) for c in calls]
     if not parts:
         return tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
     out, lse, dout = out.to(dtype), lse.to(dtype), dout.to(dtype)
@@ -357,33 +332,21 @@ def flex_backward(
                  for g, x in zip(got, (q, k, v)))
 
 
-def flex_block_sparse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: SparseLayout,
-    *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the keys `layout` lists with FlexAttention, differentiable through Flex's own
-    backward (both calls and their merge): what `block_sparse_attention` runs with the 'flex' engine.
-
-    Args:
-        q, k, v, layout, scale, q_meta, k_meta, sliding_window: as for `flex_forward`.
+def flex_block_sparse_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `call` with FlexAttention, differentiable through Flex's own backward (both calls and their
+    merge): what `block_sparse_attention` runs with the 'flex' engine.
 
     Returns:
         (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype). Gradients flow to q, k,
         v, also through lse; on CUDA only (torch has no Flex backward on CPU).
     """
+    q, k, v = call.q, call.k, call.v
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if needs_grad and not q.is_cuda:
         raise ValueError("the flex engine computes gradients on CUDA only (torch has no FlexAttention backward on "
                          f"{q.device.type}); use implementation='reference' there, or run under torch.no_grad().")
-    calls = flex_calls(layout, q_meta, k_meta, q.shape[1], k.shape[1], sliding_window=sliding_window,
-                       for_backward=needs_grad)
+    calls = flex_calls(call.layout, call.q_meta, call.k_meta, q.shape[1], k.shape[1],
+                       sliding_window=call.sliding_window, for_backward=needs_grad)
     inputs = (q, k, v) if needs_grad else (q.detach(), k.detach(), v.detach())  # Flex on CPU refuses requires_grad
-    out, lse = _merged([_attend(c, *inputs, scale) for c in calls], q)
+    out, lse = _merged([_attend(c, *inputs, call.scale) for c in calls], q)
     return out.to(q.dtype), lse

@@ -1,10 +1,9 @@
 """Block-sparse attention over a `SparseLayout`: the dispatching primitives, autograd, the public op.
 
 Layers, bottom up:
-* `attention_forward` / `attention_backward`: one forward / backward over the keys a layout lists,
-  by the engine `engines.resolve_engine` names (`engines.ENGINES`: the Triton kernels, FlexAttention,
-  the PyTorch reference), which takes the call as one `engines.AttentionCall` and checks the input
-  contract. Ring attention calls these once per ring step.
+* `attention_forward` / `attention_backward`: one forward / backward of a call (`call.AttentionCall`) by the
+  engine `engines.resolve_engine` names (`engines.ENGINES`: the Triton kernels, FlexAttention, the PyTorch
+  reference), which checks the input contract. Ring attention calls these once per ring step.
 * `_BlockSparseAttention`: the autograd Function of the kernels and the reference; it saves tensors
   and calls the primitives (the Flex engine differentiates through Flex's own backward).
 * `block_sparse_attention`: the documented public op.
@@ -16,34 +15,28 @@ import math
 
 import torch
 
-from .engines import ENGINES, AttentionCall, resolve_engine
+from .call import AttentionCall
+from .engines import ENGINES, resolve_engine
 from .layout import SparseLayout, check_tensors
 from .precision import autocast_inputs
 from .tokens import TokenMeta
 
 
 def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: SparseLayout,
+    call: AttentionCall,
     *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_in_input_dtype: bool = False,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over the keys `layout` lists (no autograd).
+    """One forward of `call` (no autograd).
 
     Args:
-        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D], Hq a multiple of Hkv, one floating dtype.
-        layout: which keys each query block reads (indices into k's sequence).
-        scale: softmax scale. q_meta / k_meta: global order and documents of queries / keys.
-        sliding_window: keys `sliding_window` or more tokens before a query are invisible.
+        call: q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (Hq a multiple of Hkv, one floating dtype), the layout
+            (which keys each query block reads: indices into k's sequence), the softmax scale, the global order
+            and documents of queries and keys, and the sliding window (keys that many tokens or more before a
+            query are invisible).
         out, lse: a running result over other keys, in the compute dtype, to merge this part into
             (the kernels merge in place, in the same pass; the reference through the log-sum-exp).
         out_in_input_dtype: return a fresh out in q's dtype (the kernels write it so, in transformers'
@@ -59,32 +52,24 @@ def attention_forward(
     """
     if (out is None) != (lse is None):
         raise ValueError("pass both `out` and `lse` to merge into them, or neither.")
-    call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window)
-    return ENGINES[resolve_engine(q, layout, implementation)].forward(call, out, lse, out_in_input_dtype)
+    return ENGINES[resolve_engine(call.q, call.layout, implementation)].forward(call, out, lse, out_in_input_dtype)
 
 
 def attention_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    call: AttentionCall,
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
-    layout: SparseLayout,
     *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
     dlse: torch.Tensor | None = None,
     deterministic: bool | None = None,
     grads_in_input_dtype: bool = False,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One backward over the keys `layout` lists (no autograd).
+    """One backward of `call` (no autograd).
 
     Args:
-        q, k, v, layout, scale, q_meta, k_meta, sliding_window, implementation: as for `attention_forward`.
+        call, implementation: as for `attention_forward`.
         out, lse: the *final* output and log-sum-exp of the queries, which may cover more keys than
             this layout (ring attention): each key set contributes its exact share of the gradient.
         dout: gradient of out [B, Hq, Sq, D]; dlse: gradient reaching lse [B, Hq, Sq], or None.
@@ -97,28 +82,26 @@ def attention_backward(
     Returns:
         (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype, or the inputs' dtype.
     """
-    call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window)
-    return ENGINES[resolve_engine(q, layout, implementation)].backward(call, out, lse, dout, dlse, deterministic,
-                                                                      grads_in_input_dtype)
+    return ENGINES[resolve_engine(call.q, call.layout, implementation)].backward(call, out, lse, dout, dlse,
+                                                                                deterministic, grads_in_input_dtype)
 
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, q_meta, k_meta, scale, window, engine):
-        call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, window)
-        out, lse = ENGINES[engine].forward(call, out_in_input_dtype=True)
+    def forward(ctx, q, k, v, rest, engine):
+        out, lse = ENGINES[engine].forward(AttentionCall(q, k, v, *rest), out_in_input_dtype=True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, scale, q_meta, k_meta, window, engine)
+        ctx.args = (rest, engine)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        *rest, engine = ctx.args
+        rest, engine = ctx.args
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
             dq, dk, dv = ENGINES[engine].backward(AttentionCall(q, k, v, *rest), out, lse, dout, dlse,
                                                   grads_in_input_dtype=True)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None
 
 
 def block_sparse_attention(
@@ -170,7 +153,8 @@ def block_sparse_attention(
         layout.validate(hq, sq, k.shape[2])
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     engine = resolve_engine(q, layout, implementation)
+    call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window)
     with torch.autocast(q.device.type, enabled=False):
         if ENGINES[engine].differentiable:
-            return ENGINES[engine].attention(AttentionCall(q, k, v, layout, scale, q_meta, k_meta, sliding_window))
-        return _BlockSparseAttention.apply(q, k, v, layout, q_meta, k_meta, scale, sliding_window, engine)
+            return ENGINES[engine].attention(call)
+        return _BlockSparseAttention.apply(q, k, v, call[3:], engine)

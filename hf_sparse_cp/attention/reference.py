@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .layout import SparseLayout, check_attention_inputs, valid_slots
+from .call import AttentionCall
+from .layout import valid_slots
 from .precision import compute_dtype
-from .tokens import PAD_SEGMENT, TokenMeta
+from .tokens import PAD_SEGMENT
 
 # Elements of the [B, H, chunk, block, keys] score tensor processed at once.
 CHUNK_ELEMENTS = 1 << 24
@@ -22,8 +23,9 @@ CHUNK_ELEMENTS = 1 << 24
 class _Problem:
     """Shapes, padded tensors and per-chunk key gathering shared by forward and backward."""
 
-    def __init__(self, q, k, v, layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):
-        check_attention_inputs(q, k, v, layout, q_meta, k_meta)
+    def __init__(self, call: AttentionCall):
+        call.check()
+        q, k, layout, window = call.q, call.k, call.layout, call.sliding_window
         b, hq, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
         self.b, self.hq, self.hk, self.sq, self.sk, self.d = b, hq, hk, sq, sk, d
@@ -34,8 +36,8 @@ class _Problem:
         self.sq_pad, self.sk_pad = self.nqb * bs, -(-sk // bs) * bs
         self.layout = layout
         self.window = window
-        self.q_meta = q_meta.pad_to(self.sq_pad)
-        self.k_meta = k_meta.pad_to(self.sk_pad)
+        self.q_meta = call.q_meta.pad_to(self.sq_pad)
+        self.k_meta = call.k_meta.pad_to(self.sk_pad)
         self.lh = layout.head_index(hq).to(q.device)
         self.kv_head = torch.arange(hq, device=q.device) // self.group
         n_keys = layout.block_idx.shape[-1] * bs + layout.col_idx.shape[-1]
@@ -145,51 +147,24 @@ def _backward(q, k, v, out, lse, dout, dlse, prob: _Problem, scale: float):
     return dq, dk.view(shape), dv.view(shape)
 
 
-def reference_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: SparseLayout,
-    *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over the keys `layout` lists, in PyTorch: the fp32 (fp64) reference of the kernels.
-
-    Args:
-        q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D]; layout: the keys of each query block.
-        scale: softmax scale; q_meta / k_meta: global order and documents of queries / keys;
-        sliding_window: keys `sliding_window` or more tokens before a query are invisible.
+def reference_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of one call (`AttentionCall`: q, k, v, the layout's keys, the scale, the tokens' order and
+    documents, the sliding window) in PyTorch: the fp32 (fp64) reference of the kernels.
 
     Returns:
         (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs);
         queries that see no key get out = 0 and lse = -inf. A query with a non-finite score for a
         key it sees (NaN or Inf in q or that key) gets NaN out and lse, never zeros.
     """
-    return _forward(q, k, v, _Problem(q, k, v, layout, q_meta, k_meta, sliding_window), scale)
+    return _forward(call.q, call.k, call.v, _Problem(call), call.scale)
 
 
-def reference_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    layout: SparseLayout,
-    *,
-    scale: float,
-    q_meta: TokenMeta,
-    k_meta: TokenMeta,
-    sliding_window: int | None = None,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of `reference_forward`, recomputing probabilities per chunk of query blocks.
+def reference_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                       dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `reference_forward(call)`, recomputing probabilities per chunk of query blocks.
 
     Args:
-        q, k, v, layout, scale, q_meta, k_meta, sliding_window: as for `reference_forward`.
+        call: as for `reference_forward`.
         out, lse: the *final* attention output and log-sum-exp of these queries, which may cover
             more keys than this layout (ring attention): probabilities are exp(s - lse), so each
             key set contributes its exact share of the gradient.
@@ -198,8 +173,7 @@ def reference_backward(
     Returns:
         (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype.
     """
-    prob = _Problem(q, k, v, layout, q_meta, k_meta, sliding_window)
-    return _backward(q, k, v, out, lse, dout, dlse, prob, scale)
+    return _backward(call.q, call.k, call.v, out, lse, dout, dlse, _Problem(call), call.scale)
 
 
 def reference_vertical_slash(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
-from .kept_fraction import kept_fraction_figure, mean_kept_fraction_per_layer
+from .kept_fraction_figure import kept_fraction_figure, mean_kept_fraction_per_layer
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Pictures of a run's sparse attention (`hf-sparse-cp plot`).
 
 * the kept fraction of attention blocks per layer over training, from the Trainer's logs (the
-  `trainer_state.json` of an output or checkpoint directory): `hf_sparse_cp.reporting.kept_fraction`;
+  `trainer_state.json` of an output or checkpoint directory): `hf_sparse_cp.reporting.kept_fraction_figure`;
 * the block layouts the `sparse_cp` backend builds for one input: the model runs once on a text or a
   synthetic passkey sample, the layouts of that forward are captured (`capturing_layouts`), and each chosen
   layer and query head is drawn at block resolution (`layout_figure`).
@@ -26,7 +26,7 @@ from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
-from .kept_fraction import kept_fraction_figure, new_figure, read_log_history
+from .kept_fraction_figure import kept_fraction_figure, new_figure, read_log_history
 from .model_card import KEPT_FRACTION_PLOT
 
 LAYOUTS_PLOT = "sparse_block_layouts.png"

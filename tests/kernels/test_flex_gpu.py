@@ -14,6 +14,7 @@ import torch
 
 from hf_sparse_cp.attention import engines
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward, block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
@@ -55,9 +56,9 @@ def _case(kind: str, d: int, dtype: torch.dtype, seed: int):
 def _reference(q, k, v, dout, dlse, layout, meta, window=None):
     f64 = [x.double() for x in (q, k, v)]
     scale = q.shape[-1] ** -0.5
-    out, lse = reference_forward(*f64, layout, scale=scale, q_meta=meta, k_meta=meta, sliding_window=window)
-    grads = reference_backward(*f64, out, lse, dout.double(), layout, scale=scale, q_meta=meta, k_meta=meta,
-                               sliding_window=window, dlse=dlse.double())
+    out, lse = reference_forward(AttentionCall(*f64, layout, scale, meta, meta, window))
+    grads = reference_backward(AttentionCall(*f64, layout, scale, meta, meta, window), out, lse, dout.double(),
+                               dlse=dlse.double())
     return out, lse, grads
 
 
@@ -99,15 +100,15 @@ def test_flex_backward_per_key_range_sums_to_the_whole():
     out = lse = None
     for part, sl in parts:
         merged = {} if out is None else {"out": out, "lse": lse}
-        out, lse = attention_forward(q, k[:, :, sl], v[:, :, sl], part, scale=scale, q_meta=meta, k_meta=keys(sl),
+        out, lse = attention_forward(AttentionCall(q, k[:, :, sl], v[:, :, sl], part, scale, meta, keys(sl)),
                                      implementation="flex", **merged)
     seen, tol = torch.isfinite(ref_lse), TOLERANCE[torch.bfloat16]
     assert rel_rms(out, ref_out) <= tol and rel_rms(lse, ref_lse, seen) <= tol
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     for part, sl in parts:
-        g = attention_backward(q, k[:, :, sl], v[:, :, sl], out.to(q.dtype), lse, dout, part, scale=scale, q_meta=meta,
-                               k_meta=keys(sl), dlse=dlse, implementation="flex")
+        g = attention_backward(AttentionCall(q, k[:, :, sl], v[:, :, sl], part, scale, meta, keys(sl)),
+                               out.to(q.dtype), lse, dout, dlse=dlse, implementation="flex")
         dq += g[0]
         dk[:, :, sl] += g[1]
         dv[:, :, sl] += g[2]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.reference import reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 
@@ -50,7 +51,7 @@ def test_compiled_flex_on_the_block_mask_equals_the_reference_without_columns(be
     meta = TokenMeta.contiguous(1, s)
     layout = (dense_layout(meta, bs) if kind == "dense"
               else bench.columns_removed(bench.density_layout(s, 4, bs, 0.3, 16, seed=3, device="cpu")))
-    ref, _ = reference_forward(q, k, v, layout, scale=32**-0.5, q_meta=meta, k_meta=meta)
+    ref, _ = reference_forward(AttentionCall(q, k, v, layout, 32**-0.5, meta, meta))
     with torch.no_grad():
         out = bench._flex(bench.flex_block_mask(layout, 4, s))(q, k, v)
     assert rel_rms(out, ref) <= TOLERANCE[torch.float32]

@@ -19,6 +19,7 @@ import torch
 from hf_sparse_cp.attention import estimate as pattern
 from hf_sparse_cp.attention import ops as public_ops
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward, reference_vertical_slash
 from hf_sparse_cp.attention.tokens import TokenMeta
@@ -69,10 +70,9 @@ def _layout(kind, b, heads, s, seed, meta=None):
 def _check(q, k, v, dout, dlse, layout, meta, window=None):
     """Kernel forward and backward equal the fp64 reference; returns the kernel results."""
     scale = q.shape[-1] ** -0.5
-    out, lse = kernel_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta,
-                                             sliding_window=window)
+    out, lse = kernel_forward(AttentionCall(q, k, v, layout, scale, meta, meta, window))
     f64 = [x.double() for x in (q, k, v)]
-    ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=meta, k_meta=meta, sliding_window=window)
+    ref_out, ref_lse = reference_forward(AttentionCall(*f64, layout, scale, meta, meta, window))
     tol = TOLERANCE[q.dtype]
     seen = torch.isfinite(ref_lse)
     assert not bool(out.isnan().any() or lse.isnan().any())
@@ -81,10 +81,9 @@ def _check(q, k, v, dout, dlse, layout, meta, window=None):
     assert rel_rms(lse, ref_lse, seen) <= tol
     assert bool((out[~seen] == 0).all())
     out_q = out.to(q.dtype)
-    grads = kernel_backward(q, k, v, out_q, lse, dout, layout, scale=scale, q_meta=meta, k_meta=meta,
-                                           sliding_window=window, dlse=dlse)
-    ref_grads = reference_backward(*f64, out_q.double(), lse.double(), dout.double(), layout, scale=scale,
-                                   q_meta=meta, k_meta=meta, sliding_window=window, dlse=dlse.double())
+    grads = kernel_backward(AttentionCall(q, k, v, layout, scale, meta, meta, window), out_q, lse, dout, dlse=dlse)
+    ref_grads = reference_backward(AttentionCall(*f64, layout, scale, meta, meta, window), out_q.double(),
+                                   lse.double(), dout.double(), dlse=dlse.double())
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert bool(torch.isfinite(got).all()), name
         assert rel_rms(got, ref) <= 2 * tol, name
@@ -175,20 +174,20 @@ def test_merge_into_existing_result_and_backward_per_part():
              for lo, hi in ((0, half), (half, s))]
     out, lse = None, None
     for lo, hi, lay, km in parts:
-        out, lse = kernel_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale=0.1, q_meta=meta,
-                                                 k_meta=km, out=out, lse=lse)
+        out, lse = kernel_forward(AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, 0.1, meta, km), out=out,
+                                  lse=lse)
     f64 = [x.double() for x in (q, k, v)]
-    ref_out, ref_lse = reference_forward(*f64, full, scale=0.1, q_meta=meta, k_meta=meta)
+    ref_out, ref_lse = reference_forward(AttentionCall(*f64, full, 0.1, meta, meta))
     tol = TOLERANCE[torch.bfloat16]
     seen = torch.isfinite(ref_lse)
     assert not bool(seen.all()) and torch.equal(torch.isfinite(lse), seen)  # padding stays empty through the merge
     assert rel_rms(out, ref_out) <= tol and rel_rms(lse, ref_lse, seen) <= tol
-    ref_dq, ref_dk, ref_dv = reference_backward(*f64, out.double(), lse.double(), dout.double(), full, scale=0.1,
-                                                q_meta=meta, k_meta=meta, dlse=dlse.double())
+    ref_dq, ref_dk, ref_dv = reference_backward(AttentionCall(*f64, full, 0.1, meta, meta), out.double(), lse.double(),
+                                                dout.double(), dlse=dlse.double())
     dq_sum = torch.zeros_like(ref_dq)
     for lo, hi, lay, km in parts:
-        dq, dk, dv = kernel_backward(q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, lay, scale=0.1,
-                                                    q_meta=meta, k_meta=km, dlse=dlse)
+        dq, dk, dv = kernel_backward(AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, 0.1, meta, km), out, lse,
+                                     dout, dlse=dlse)
         dq_sum += dq.double()
         assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * tol and rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * tol
     assert rel_rms(dq_sum, ref_dq) <= 2 * tol
@@ -199,14 +198,13 @@ def test_deterministic_mode_is_bitwise_reproducible():
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=6)
     meta = TokenMeta.contiguous(1, s, DEVICE)
     layout = _layout("vertical_slash", 1, 16, s, seed=7)
-    out, lse = kernel_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
-    out2, lse2 = kernel_forward(q, k, v, layout, scale=0.1, q_meta=meta, k_meta=meta)
+    out, lse = kernel_forward(AttentionCall(q, k, v, layout, 0.1, meta, meta))
+    out2, lse2 = kernel_forward(AttentionCall(q, k, v, layout, 0.1, meta, meta))
     assert torch.equal(out, out2) and torch.equal(lse, lse2)  # the forward has no atomics
-    args = (q, k, v, out.to(q.dtype), lse, dout, layout)
-    kw = dict(scale=0.1, q_meta=meta, k_meta=meta, dlse=dlse)
-    first = kernel_backward(*args, deterministic=True, **kw)
-    again = kernel_backward(*args, deterministic=True, **kw)
-    atomic = kernel_backward(*args, deterministic=False, **kw)
+    args = (AttentionCall(q, k, v, layout, 0.1, meta, meta), out.to(q.dtype), lse, dout)
+    first = kernel_backward(*args, dlse=dlse, deterministic=True)
+    again = kernel_backward(*args, dlse=dlse, deterministic=True)
+    atomic = kernel_backward(*args, dlse=dlse, deterministic=False)
     for name, a, b_, c in zip(("dq", "dk", "dv"), first, again, atomic):
         assert torch.equal(a, b_), name
         assert rel_rms(c, a) <= 1e-5, name
@@ -220,8 +218,7 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
     q, k, v, dout, _ = _inputs(1, 8, 2, s, 128, torch.bfloat16, seed=8)
     layout = _layout("random", 1, 8, s, seed=9)
     meta = TokenMeta.contiguous(1, s, DEVICE)
-    ref_out, _ = reference_forward(q.double(), k.double(), v.double(), layout, scale=128**-0.5, q_meta=meta,
-                                   k_meta=meta)
+    ref_out, _ = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 128**-0.5, meta, meta))
     monkeypatch.setattr(public_ops, "reference_forward", refuse)
     monkeypatch.setattr(public_ops, "reference_backward", refuse)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -242,7 +239,7 @@ def test_inputs_the_kernels_cannot_take_use_the_reference_and_say_so(dtype, d, r
     meta = TokenMeta.contiguous(1, s, DEVICE)
     with pytest.warns(UserWarning, match=f"PyTorch reference \\(slow\\) for {reason}"):
         out, _ = public_ops.block_sparse_attention(q, k, v, layout)
-    ref_out, _ = reference_forward(q, k, v, layout, scale=d**-0.5, q_meta=meta, k_meta=meta)
+    ref_out, _ = reference_forward(AttentionCall(q, k, v, layout, d**-0.5, meta, meta))
     assert torch.equal(out, ref_out.to(dtype))
 
 
@@ -252,14 +249,15 @@ def test_torch_compile_traces_the_custom_ops():
     q, k, v, dout, dlse = _inputs(1, 8, 2, s, 64, torch.bfloat16, seed=10)
     meta = TokenMeta.contiguous(1, s, DEVICE)
     layout = _layout("random", 1, 8, s, seed=11)
-    kw = dict(scale=0.125, q_meta=meta, k_meta=meta)
 
     def attend(q, k, v):
-        out, lse = kernel_forward(q, k, v, layout, **kw)
-        return kernel_forward(q, k, v, layout, out=out.clone(), lse=lse.clone(), **kw)
+        call = AttentionCall(q, k, v, layout, 0.125, meta, meta)
+        out, lse = kernel_forward(call)
+        return kernel_forward(call, out=out.clone(), lse=lse.clone())
 
     def grads(q, k, v, out, lse, dout, dlse):
-        return kernel_backward(q, k, v, out, lse, dout, layout, dlse=dlse, deterministic=True, **kw)
+        return kernel_backward(AttentionCall(q, k, v, layout, 0.125, meta, meta), out, lse, dout, dlse=dlse,
+                               deterministic=True)
 
     eager = attend(q, k, v)
     compiled = torch.compile(attend, fullgraph=True)(q, k, v)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
@@ -44,11 +45,9 @@ def interp():
 
 def _kernel_fwd_bwd(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, deterministic=False, tiles=None):
     with configs.tiles_override(**(tiles or {})):
-        out, lse = kernel_forward(q, k, v, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                                 sliding_window=window)
-        grads = kernel_backward(q, k, v, out.to(q.dtype), lse, dout, layout, scale=scale,
-                                               q_meta=q_meta, k_meta=k_meta, sliding_window=window, dlse=dlse,
-                                               deterministic=deterministic)
+        call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, window)
+        out, lse = kernel_forward(call)
+        grads = kernel_backward(call, out.to(q.dtype), lse, dout, dlse=dlse, deterministic=deterministic)
     return (out, lse, *grads)
 
 
@@ -160,8 +159,7 @@ def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta
     res = interp.apply(worker, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse), {"tiles": tiles})
     out, lse, dq, dk, dv = res
     f64 = [x.double() for x in (q, k, v)]
-    ref_out, ref_lse = reference_forward(*f64, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                         sliding_window=window)
+    ref_out, ref_lse = reference_forward(AttentionCall(*f64, layout, scale, q_meta, k_meta, window))
     tol = TOLERANCE[q.dtype]
     seen = torch.isfinite(ref_lse)
     assert out.dtype == lse.dtype == torch.float32
@@ -170,8 +168,8 @@ def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta
     assert rel_rms(lse, ref_lse, seen) <= tol
     assert bool((out[~seen] == 0).all())
     # the backward takes the kernel's own (rounded) output, as autograd hands it over
-    ref_grads = reference_backward(*f64, out.to(q.dtype).double(), lse.double(), dout.double(), layout, scale=scale,
-                                   q_meta=q_meta, k_meta=k_meta, sliding_window=window, dlse=dlse.double())
+    ref_grads = reference_backward(AttentionCall(*f64, layout, scale, q_meta, k_meta, window),
+                                   out.to(q.dtype).double(), lse.double(), dout.double(), dlse=dlse.double())
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
         assert got.dtype == torch.float32 and got.shape == ref.shape, name
         assert bool(torch.isfinite(got).all()), name
@@ -298,8 +296,7 @@ def test_non_finite_inputs_give_nan_rows_not_zeros(interp):
     assert bool(affected[0, 0]) and bool(blind[1, 48:64].all()) and bool(blind[:, 74:].all())
 
     out, lse, dq, dk, dv = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, meta, meta, 0.25, None, dout, dlse))
-    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta,
-                                         k_meta=meta)
+    ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 0.25, meta, meta))
     for got in (out, ref_out):
         assert torch.equal(got[0].isnan().any(-1), affected) and bool(got[0][affected].isnan().all())
     assert torch.equal(lse[0].isnan(), affected) and torch.equal(ref_lse[0].isnan(), affected)
@@ -329,14 +326,11 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
               for lo, hi in ((0, 64), (64, s))]
     assert all(int(lay.col_cnt.sum()) > 0 for _, _, lay, _ in halves)
     scale = 0.3
-    args = lambda lo, hi, lay, km: (q, k[:, :, lo:hi], v[:, :, lo:hi], lay)
+    call = lambda lo, hi, lay, km: AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale, meta, km)
     (lo0, hi0, lay0, km0), (lo1, hi1, lay1, km1) = halves
-    out, lse = interp.apply(kernel_forward, args(lo0, hi0, lay0, km0),
-                            dict(scale=scale, q_meta=meta, k_meta=km0))
-    out, lse = interp.apply(kernel_forward, args(lo1, hi1, lay1, km1),
-                            dict(scale=scale, q_meta=meta, k_meta=km1, out=out, lse=lse))
-    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), full, scale=scale, q_meta=meta,
-                                         k_meta=meta)
+    out, lse = interp.apply(kernel_forward, (call(lo0, hi0, lay0, km0),), {})
+    out, lse = interp.apply(kernel_forward, (call(lo1, hi1, lay1, km1),), dict(out=out, lse=lse))
+    ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), full, scale, meta, meta))
     seen = torch.isfinite(ref_lse)
     assert not bool(seen.all())  # padding rows stay empty through the merge
     assert torch.equal(torch.isfinite(lse), seen)
@@ -344,13 +338,12 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
     assert rel_rms(lse, ref_lse, seen) <= TOLERANCE[dtype]
     assert bool((out[~seen] == 0).all())
 
-    ref_dq, ref_dk, ref_dv = reference_backward(q.double(), k.double(), v.double(), out.double(), lse.double(),
-                                                dout.double(), full, scale=scale, q_meta=meta, k_meta=meta,
-                                                dlse=dlse.double())
+    ref_dq, ref_dk, ref_dv = reference_backward(
+        AttentionCall(q.double(), k.double(), v.double(), full, scale, meta, meta), out.double(), lse.double(),
+        dout.double(), dlse=dlse.double())
     dq_sum = torch.zeros_like(ref_dq)
     for lo, hi, lay, km in halves:
-        dq, dk, dv = interp.apply(kernel_backward, (*args(lo, hi, lay, km)[:3], out, lse, dout, lay),
-                                  dict(scale=scale, q_meta=meta, k_meta=km, dlse=dlse))
+        dq, dk, dv = interp.apply(kernel_backward, (call(lo, hi, lay, km), out, lse, dout), dict(dlse=dlse))
         dq_sum += dq.double()
         assert rel_rms(dk, ref_dk[:, :, lo:hi]) <= 2 * TOLERANCE[dtype]
         assert rel_rms(dv, ref_dv[:, :, lo:hi]) <= 2 * TOLERANCE[dtype]
@@ -366,10 +359,11 @@ def test_deterministic_mode_matches_reference(interp, separate_columns):
     meta = TokenMeta.contiguous(1, s)
     layout = random_layout(1, 4, s, s, bs, 0.3, 0.2, generator=torch.Generator().manual_seed(14))
     scale = 0.25
-    out, lse = reference_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta)
-    args = (q, k, v, out, lse, dout, layout)
-    kwargs = dict(scale=scale, q_meta=meta, k_meta=meta, dlse=dlse)
-    ref = reference_backward(*(x.double() for x in args[:6]), layout, scale=scale, q_meta=meta, k_meta=meta,
+    out, lse = reference_forward(AttentionCall(q, k, v, layout, scale, meta, meta))
+    args = (AttentionCall(q, k, v, layout, scale, meta, meta), out, lse, dout)
+    kwargs = dict(dlse=dlse)
+    q64, k64, v64, out64, lse64, dout64 = (x.double() for x in (q, k, v, out, lse, dout))
+    ref = reference_backward(AttentionCall(q64, k64, v64, layout, scale, meta, meta), out64, lse64, dout64,
                              dlse=dlse.double())
     tile_bytes = 4 * layout.col_idx.shape[-1] * 16 * 4 * 2  # one query tile's partials (5 tiles in all)
     for budget in (2 * tile_bytes, 1 << 30):
@@ -395,7 +389,7 @@ def test_compiled_kernels_refuse_cpu_tensors():
     q = torch.randn(1, 1, 32, 16)
     meta = TokenMeta.contiguous(1, 32)
     with pytest.raises(ValueError, match="CUDA tensors"):
-        kernel_forward(q, q, q, dense_layout(meta, 16), scale=0.25, q_meta=meta, k_meta=meta)
+        kernel_forward(AttentionCall(q, q, q, dense_layout(meta, 16), 0.25, meta, meta))
 
 
 def test_interpreter_refuses_the_triton_numpy_pair_it_cannot_run():
@@ -411,18 +405,16 @@ def test_primitives_refuse_bad_inputs():
     meta = TokenMeta.contiguous(1, 32)
     lay = dense_layout(meta, 16)
     with pytest.raises(ValueError, match="one floating dtype"):
-        kernel_forward(q, q.half(), q.half(), lay, scale=1.0, q_meta=meta, k_meta=meta)
+        kernel_forward(AttentionCall(q, q.half(), q.half(), lay, 1.0, meta, meta))
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        kernel_forward(q, q[:, :1].expand(1, 3, 32, 16), q[:, :1].expand(1, 3, 32, 16), lay,
-                                      scale=1.0, q_meta=meta, k_meta=meta)
+        one = q[:, :1].expand(1, 3, 32, 16)
+        kernel_forward(AttentionCall(q, one, one, lay, 1.0, meta, meta))
     with pytest.raises(ValueError, match="query blocks"):
-        kernel_forward(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), scale=1.0,
-                                      q_meta=meta, k_meta=meta)
+        kernel_forward(AttentionCall(q, q, q, dense_layout(TokenMeta.contiguous(1, 64), 16), 1.0, meta, meta))
     with pytest.raises(ValueError, match="cannot take dtype torch.float64"):
-        kernel_forward(q.double(), q.double(), q.double(), lay, scale=1.0, q_meta=meta, k_meta=meta)
+        kernel_forward(AttentionCall(q.double(), q.double(), q.double(), lay, 1.0, meta, meta))
     with pytest.raises(ValueError, match="merge buffer"):
-        kernel_forward(q, q, q, lay, scale=1.0, q_meta=meta, k_meta=meta, out=q.half(),
-                                      lse=torch.zeros(1, 2, 32))
+        kernel_forward(AttentionCall(q, q, q, lay, 1.0, meta, meta), out=q.half(), lse=torch.zeros(1, 2, 32))
 
 
 def test_keys_not_a_block_multiple_and_fewer_than_the_queries(interp):
@@ -441,10 +433,9 @@ def test_keys_not_a_block_multiple_and_fewer_than_the_queries(interp):
 
 
 def _empty_layout_run(q, k, v, dout, layout, meta, out, lse):
-    fresh = kernel_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta)
-    grads = kernel_backward(q, k, v, fresh[0], fresh[1], dout, layout, scale=0.5, q_meta=meta,
-                                           k_meta=meta)
-    merged = kernel_forward(q, k, v, layout, scale=0.5, q_meta=meta, k_meta=meta, out=out, lse=lse)
+    fresh = kernel_forward(AttentionCall(q, k, v, layout, 0.5, meta, meta))
+    grads = kernel_backward(AttentionCall(q, k, v, layout, 0.5, meta, meta), fresh[0], fresh[1], dout)
+    merged = kernel_forward(AttentionCall(q, k, v, layout, 0.5, meta, meta), out=out, lse=lse)
     return fresh, grads, merged
 
 
@@ -458,7 +449,7 @@ def test_empty_layout(interp):
     empty = torch.empty(1, 4, nqb, 0, dtype=torch.int32)
     layout = SparseLayout(empty, torch.zeros(1, 4, nqb, dtype=torch.int32), empty, torch.zeros(1, 4, nqb,
                           dtype=torch.int32), bs)
-    out, lse = reference_forward(q, k, v, dense_layout(meta, bs), scale=0.5, q_meta=meta, k_meta=meta)
+    out, lse = reference_forward(AttentionCall(q, k, v, dense_layout(meta, bs), 0.5, meta, meta))
     (f_out, f_lse), grads, (m_out, m_lse) = interp.apply(_empty_layout_run,
                                                          (q, k, v, dout, layout, meta, out.clone(), lse.clone()))
     assert bool((f_out == 0).all()) and bool((f_lse == float("-inf")).all())
@@ -529,9 +520,8 @@ def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(inter
     clean = SparseLayout(base.block_idx, base.block_cnt, base.col_idx, clean_ccnt, bs)
     meta = TokenMeta.contiguous(1, s)
     scale = 0.25
-    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), clean, scale=scale, q_meta=meta,
-                                         k_meta=meta)
-    out, lse = interp.apply(kernel_forward, (q, k, v, invalid), dict(scale=scale, q_meta=meta, k_meta=meta))
+    ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), clean, scale, meta, meta))
+    out, lse = interp.apply(kernel_forward, (AttentionCall(q, k, v, invalid, scale, meta, meta),), {})
     rows = torch.zeros(2, s, dtype=torch.bool)
     for h, qb in bad:
         rows[h, qb * bs:(qb + 1) * bs] = True
@@ -539,11 +529,11 @@ def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(inter
     assert not bool(out[0][~rows].isnan().any())
     assert rel_rms(out[0][~rows], ref_out[0][~rows]) <= TOLERANCE[torch.float32]
     f_out, f_lse = ref_out.float(), ref_lse.float()
-    dq, dk, dv = interp.apply(kernel_backward, (q, k, v, f_out, f_lse, dout, invalid),
-                              dict(scale=scale, q_meta=meta, k_meta=meta, dlse=dlse))
-    ref_dq, ref_dk, ref_dv = reference_backward(q.double(), k.double(), v.double(), f_out.double(), f_lse.double(),
-                                                dout.double(), clean, scale=scale, q_meta=meta, k_meta=meta,
-                                                dlse=dlse.double())
+    dq, dk, dv = interp.apply(kernel_backward, (AttentionCall(q, k, v, invalid, scale, meta, meta), f_out, f_lse, dout),
+                              dict(dlse=dlse))
+    ref_dq, ref_dk, ref_dv = reference_backward(
+        AttentionCall(q.double(), k.double(), v.double(), clean, scale, meta, meta), f_out.double(), f_lse.double(),
+        dout.double(), dlse=dlse.double())
     assert bool(dq[0][rows].isnan().all()) and not bool(dq[0][~rows].isnan().any())
     assert rel_rms(dq[0][~rows], ref_dq[0][~rows]) <= 2 * TOLERANCE[torch.float32]
     for got, ref in ((dk, ref_dk), (dv, ref_dv)):
@@ -722,7 +712,7 @@ def test_fully_visible_column_steps_run_without_the_mask(interp):
     split = split_layout(layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, *tokens, bs, None)
     forged = split._replace(col_full=torch.stack([torch.zeros_like(layout.col_cnt), layout.col_cnt], -1))
     (out, _), (bad, _) = (interp.apply(_forward_with_split, (q, k, v, layout, meta, sp)) for sp in (split, forged))
-    ref, _ = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta, k_meta=meta)
+    ref, _ = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 0.25, meta, meta))
     assert rel_rms(out, ref) <= TOLERANCE[torch.float32]
     # only whole steps inside the claimed run go unmasked: the first step of (head 0, block 5) and of (head 1,
     # block 3) hold columns of the other document; every last step holds unused slots and stays masked
@@ -755,7 +745,7 @@ def _split_calls_of_a_training_step(q, k, v, layout):
         out.sum().backward()
         step = len(calls)
         for _ in range(2):
-            kernel_forward(q, k, v, layout, scale=0.25, q_meta=meta, k_meta=meta)
+            kernel_forward(AttentionCall(q, k, v, layout, 0.25, meta, meta))
         return step, len(calls) - step
     finally:
         indexing.split_layout = real
@@ -832,7 +822,7 @@ def _backward_and_its_dkdv_outputs(q, k, v, out, lse, dout, layout, meta, determ
 
     kernel.run = run
     try:
-        grads = kernel_backward(q, k, v, out, lse, dout, layout, scale=0.25, q_meta=meta, k_meta=meta,
+        grads = kernel_backward(AttentionCall(q, k, v, layout, 0.25, meta, meta), out, lse, dout,
                                 deterministic=deterministic, grads_in_input_dtype=in_input_dtype)
     finally:
         del kernel.run
@@ -854,13 +844,13 @@ def test_dkdv_kernel_writes_the_returned_gradients(interp, columns, deterministi
     layout = (random_layout(1, 4, s, s, bs, 0.5, 0.2, generator=torch.Generator().manual_seed(96)) if columns
               else dense_layout(meta, bs))
     assert (int(layout.col_cnt.sum()) > 0) == columns
-    out, lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=0.25, q_meta=meta, k_meta=meta)
+    out, lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 0.25, meta, meta))
     out = out.half()
     grads, written_by_kernel = interp.apply(_backward_and_its_dkdv_outputs, (q, k, v, out, lse.float(), dout, layout,
                                                                               meta, deterministic, in_input_dtype))
     assert written_by_kernel == [True, True]
-    ref = reference_backward(q.double(), k.double(), v.double(), out.double(), lse, dout.double(), layout, scale=0.25,
-                             q_meta=meta, k_meta=meta)
+    ref = reference_backward(AttentionCall(q.double(), k.double(), v.double(), layout, 0.25, meta, meta), out.double(),
+                             lse, dout.double())
     dtype = torch.float16 if in_input_dtype else torch.float32
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
         assert got.dtype == dtype and got.shape == r.shape, name

@@ -212,7 +212,7 @@ def test_a_model_the_backend_refuses_is_refused_before_training():
 
 
 def test_a_cut_off_trainer_state_is_named(tmp_path):
-    from hf_sparse_cp.reporting.kept_fraction import read_log_history
+    from hf_sparse_cp.reporting.kept_fraction_figure import read_log_history
 
     (tmp_path / "trainer_state.json").write_text('{"log_history": [{"loss": 1')
     with pytest.raises(ValueError, match=re.escape(f"Trainer state file '{tmp_path / 'trainer_state.json'}' is not "

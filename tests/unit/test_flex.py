@@ -13,6 +13,7 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import engines
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.flex import FLEX_BLOCK, flex_calls
 from hf_sparse_cp.attention.merge import merge_attention
 from hf_sparse_cp.attention.ops import attention_forward, block_sparse_attention
@@ -126,10 +127,9 @@ def test_flex_forward_matches_the_reference(case):
     layout = _layout(kind, b, hq, s, bs, meta, g)
     q, k, v = _inputs(b, hq, hk, s, d, dtype, g)
     scale = d**-0.5
-    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), layout, scale=scale, q_meta=meta,
-                                         k_meta=meta, sliding_window=window)
-    out, lse = attention_forward(q, k, v, layout, scale=scale, q_meta=meta, k_meta=meta, sliding_window=window,
-                                 implementation="flex")
+    ref_out, ref_lse = reference_forward(
+        AttentionCall(q.double(), k.double(), v.double(), layout, scale, meta, meta, window))
+    out, lse = attention_forward(AttentionCall(q, k, v, layout, scale, meta, meta, window), implementation="flex")
     seen = torch.isfinite(ref_lse)
     assert out.dtype == lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert torch.equal(torch.isfinite(lse), seen) and bool((out[~seen] == 0).all())
@@ -151,15 +151,16 @@ def test_flex_parts_over_key_ranges_merge_into_the_whole():
     meta = _documents(b, s, g)
     layout = _layout("vertical_slash", b, hq, s, bs, meta, g)
     q, k, v = _inputs(b, hq, hk, s, d, torch.float64, g)
-    ref_out, ref_lse = reference_forward(q, k, v, layout, scale=0.25, q_meta=meta, k_meta=meta)
+    ref_out, ref_lse = reference_forward(AttentionCall(q, k, v, layout, 0.25, meta, meta))
     keys = lambda lo, hi: TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi])
     first, second = key_range(layout, 0, cut), key_range(layout, cut, s)
-    out, lse = attention_forward(q, k[:, :, :cut], v[:, :, :cut], first, scale=0.25, q_meta=meta, k_meta=keys(0, cut),
+    out, lse = attention_forward(AttentionCall(q, k[:, :, :cut], v[:, :, :cut], first, 0.25, meta, keys(0, cut)),
                                  implementation="flex")
-    merged = attention_forward(q, k[:, :, cut:], v[:, :, cut:], second, scale=0.25, q_meta=meta,
-                               k_meta=keys(cut, s), out=out.clone(), lse=lse.clone(), implementation="flex")
-    mixed = merge_attention(out, lse, *reference_forward(q, k[:, :, cut:], v[:, :, cut:], second, scale=0.25,
-                                                         q_meta=meta, k_meta=keys(cut, s)))
+    merged = attention_forward(AttentionCall(q, k[:, :, cut:], v[:, :, cut:], second, 0.25, meta, keys(cut, s)),
+                               out=out.clone(), lse=lse.clone(), implementation="flex")
+    mixed = merge_attention(out, lse,
+                            *reference_forward(AttentionCall(q, k[:, :, cut:], v[:, :, cut:], second, 0.25, meta,
+                                                             keys(cut, s))))
     seen = torch.isfinite(ref_lse)
     for got_out, got_lse in (merged, mixed):
         assert rel_rms(got_out, ref_out) <= TOLERANCE[torch.float64]
@@ -212,7 +213,7 @@ def test_tiny_model_with_the_flex_engine_matches_the_reference_engine(monkeypatc
 
     calls = []
     flex = engines.flex_block_sparse_attention
-    monkeypatch.setattr(engines, "flex_block_sparse_attention", lambda *a, **kw: calls.append(a[3]) or flex(*a, **kw))
+    monkeypatch.setattr(engines, "flex_block_sparse_attention", lambda call: calls.append(call.layout) or flex(call))
     hf_sparse_cp.patch()
     try:
         torch.manual_seed(0)
@@ -330,7 +331,11 @@ def test_engines_are_registered_objects_and_each_choice_is_logged_once(caplog):
     layout = dense_layout(meta, 16)
     with caplog.at_level("INFO", logger="hf_sparse_cp.attention.engines"):
         for _ in range(3):
-            out, lse = attention_forward(q, k, v, layout, scale=0.25, q_meta=meta, k_meta=meta)
-    assert caplog.text.count("Block-sparse attention engine: reference (auto: cpu tensors)") == 1
-    want = engines.ENGINES["reference"].part(engines.AttentionCall(q, k, v, layout, 0.25, meta, meta))
+            out, lse = attention_forward(AttentionCall(q, k, v, layout, 0.25, meta, meta))
+    # the choice is logged once, with why the registry's other engines declined the call
+    lines = [line for line in caplog.text.splitlines() if "Block-sparse attention engine: reference (auto;" in line]
+    assert len(lines) == 1
+    assert all(f"{name} declined: {engine.declines(q)}" in lines[0]
+               for name, engine in engines.ENGINES.items() if name != "reference")
+    want = engines.ENGINES["reference"].part(AttentionCall(q, k, v, layout, 0.25, meta, meta))
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])

@@ -5,6 +5,7 @@ import torch
 
 from hf_sparse_cp.attention import ops, reference
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.testing.layouts import random_layout
@@ -96,7 +97,7 @@ def test_reference_memory_grows_with_kept_work():
         layout = random_layout(1, 1, s, s, bs, 0.0, 0.0)  # diagonal blocks only
         x = torch.zeros(1, 1, s, 8)
         meta = TokenMeta.contiguous(1, s)
-        prob = reference._Problem(x, x, x, layout, meta, meta, None)
+        prob = reference._Problem(AttentionCall(x, x, x, layout, 1.0, meta, meta))
         assert prob.n_keys == bs
         assert prob.chunk * bs * prob.n_keys <= reference.CHUNK_ELEMENTS
 
@@ -130,7 +131,7 @@ def test_bad_inputs_are_refused_with_the_fix(case):
     if q.dim() == 4 and k.shape == v.shape:
         k_meta = TokenMeta.contiguous(1, k.shape[2])
         with pytest.raises(ValueError, match=message):
-            reference.reference_forward(q, k, v, layout, scale=0.25, q_meta=q_meta, k_meta=k_meta)
+            reference.reference_forward(AttentionCall(q, k, v, layout, 0.25, q_meta, k_meta))
 
 
 def test_primitives_compose_over_key_splits():
@@ -139,23 +140,23 @@ def test_primitives_compose_over_key_splits():
     q, k, v = _inputs(1, 4, 2, 96, 16, torch.float64, seed=10)
     meta = TokenMeta.contiguous(1, 96)
     full = dense_layout(meta, 16)
-    out, lse = ops.attention_forward(q, k, v, full, scale=0.25, q_meta=meta, k_meta=meta)
+    out, lse = ops.attention_forward(AttentionCall(q, k, v, full, 0.25, meta, meta))
     halves = []
     for lo, hi in ((0, 48), (48, 96)):
         k_meta = TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi])
         lay = random_layout(1, 1, 96, 48, 16, 1.0, causal=False)
-        halves.append((lo, hi, k_meta, lay, ops.attention_forward(
-            q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale=0.25, q_meta=meta, k_meta=k_meta)))
+        call = AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, 0.25, meta, k_meta)
+        halves.append((lo, hi, k_meta, lay, ops.attention_forward(call)))
     (_, _, _, _, (o1, l1)), (_, _, _, _, (o2, l2)) = halves
     merged_lse = torch.logaddexp(l1, l2)
     merged = o1 * torch.exp(l1 - merged_lse)[..., None] + o2 * torch.exp(l2 - merged_lse)[..., None]
     assert torch.allclose(merged, out, atol=1e-12) and torch.allclose(merged_lse, lse, atol=1e-12)
     dout = torch.randn_like(out)
-    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, full, scale=0.25, q_meta=meta, k_meta=meta)
+    dq, dk, dv = ops.attention_backward(AttentionCall(q, k, v, full, 0.25, meta, meta), out, lse, dout)
     dq_sum = torch.zeros_like(dq)
     for lo, hi, k_meta, lay, _ in halves:
-        dqh, dkh, dvh = ops.attention_backward(
-            q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, lay, scale=0.25, q_meta=meta, k_meta=k_meta)
+        call = AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, 0.25, meta, k_meta)
+        dqh, dkh, dvh = ops.attention_backward(call, out, lse, dout)
         dq_sum += dqh
         assert torch.allclose(dkh, dk[:, :, lo:hi], atol=1e-12) and torch.allclose(dvh, dv[:, :, lo:hi], atol=1e-12)
     assert torch.allclose(dq_sum, dq, atol=1e-12)

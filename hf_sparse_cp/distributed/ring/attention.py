@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...attention.call import AttentionCall
 from ...attention.engines import resolve_engine
 from ...attention.layout import SparseLayout, check_tensors
 from ...attention.ops import attention_backward, attention_forward
@@ -195,8 +196,8 @@ def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None, engine
 
     def attend(k_, v_, layout, k_meta):
         state["out"], state["lse"] = attention_forward(
-            q, k_, v_, layout, scale=scale, q_meta=ring_plan.q_meta, k_meta=k_meta, sliding_window=window,
-            out=state["out"], lse=state["lse"], implementation=engine,
+            AttentionCall(q, k_, v_, layout, scale, ring_plan.q_meta, k_meta, window), out=state["out"],
+            lse=state["lse"], implementation=engine,
         )
         state["steps"] += 1
 
@@ -223,8 +224,8 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
 
     def attend_grad(k_, v_, layout, k_meta):
         dq_s, dk_s, dv_s = attention_backward(
-            q, k_, v_, out, lse, dout, layout, scale=scale, q_meta=ring_plan.q_meta, k_meta=k_meta,
-            sliding_window=window, dlse=dlse, implementation=engine,
+            AttentionCall(q, k_, v_, layout, scale, ring_plan.q_meta, k_meta, window), out, lse, dout, dlse=dlse,
+            implementation=engine,
         )
         dq.add_(dq_s)
         steps[0] += 1

@@ -1,4 +1,4 @@
-"""The kept fraction of attention blocks that a Trainer logged, read back and drawn.
+"""The figure of the kept fraction of attention blocks per layer that a Trainer logged, and the logs it reads.
 
 `SparsityLoggingCallback` writes `sparse/kept_fraction/layer_NN` (and their mean, `sparse/kept_fraction`)
 into every log of the Trainer, so they end up in `state.log_history` and in the `trainer_state.json` of
