@@ -40,8 +40,9 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 import hf_sparse_cp
 from hf_sparse_cp.attention.build import dense_layout
-from hf_sparse_cp.attention.estimate import layout_from_scores, score_vertical_slash
+from hf_sparse_cp.attention.estimate import layout_from_scores
 from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment

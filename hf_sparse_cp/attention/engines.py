@@ -279,8 +279,8 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
         return _chosen(pick_from_table(table, torch.cuda.get_device_name(q.device), CallShape.of(q, layout)),
                        "auto: the timing table's nearest row")
     if able[0] == "reference" and q.is_cuda:
-        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for {declined[DEFAULT_ENGINE]} "
-                      f"({passed}).", stacklevel=3)
+        warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for "
+                      f"{declined[DEFAULT_ENGINE]} ({passed}).", stacklevel=3)
     return _chosen(able[0], f"auto; {passed}" if passed else "auto")
 
 

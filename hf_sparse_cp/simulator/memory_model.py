@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from ..attention import build, estimate, reference
+from ..attention import build, reference, scoring
 from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
@@ -282,9 +282,9 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     if sparse:
         # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the
         # reference scoring's tiles: about seven fp32 [group heads, last_q, keys] tensors (scores, exp,
-        # masks, int64 offsets) of at most estimate.SCORE_ELEMENTS elements
+        # masks, int64 offsets) of at most scoring.SCORE_ELEMENTS elements
         group = sh.heads // sh.kv_heads
-        tile = min(estimate.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
+        tile = min(scoring.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
         per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
         # distributed/ring/estimation.py: every rank holds the slash sums over all offsets, and reduces them
         if s.cp > 1:

@@ -24,16 +24,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from ..attention.estimate import (
-    Sampling,
-    estimate_layout,
-    estimation_segments,
-    layout_from_scores,
-    pattern_documents,
-    score_rows,
-)
+from ..attention.estimate import estimate_layout, estimation_segments, layout_from_scores, pattern_documents, score_rows
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
+from ..attention.scoring import Sampling
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from ..integration import compat

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.estimate import estimate_layout, score_vertical_slash, select_vertical_slash
+from hf_sparse_cp.attention.estimate import estimate_layout, select_vertical_slash
 from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.spawn import run_gloo
 

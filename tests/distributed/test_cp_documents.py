@@ -9,8 +9,9 @@ import torch.distributed as dist
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import dense_layout, estimate_layout
-from hf_sparse_cp.attention.estimate import score_vertical_slash, select_vertical_slash
+from hf_sparse_cp.attention.estimate import select_vertical_slash
 from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,

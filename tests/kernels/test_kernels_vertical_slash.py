@@ -12,6 +12,7 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import estimate as pattern
+from hf_sparse_cp.attention import scoring
 from hf_sparse_cp.attention.reference import reference_vertical_slash
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import vertical_slash as vs
@@ -36,13 +37,14 @@ def _scores_twice(q_rows, k, scale):
 
 
 def _with_kernels(fn, *args):
-    """Call a `hf_sparse_cp.attention.estimate` function with its CUDA dispatch pointed at the (interpreted) kernels."""
-    dispatch = pattern._scoring_kernel
-    pattern._scoring_kernel = lambda q, k: vs.vertical_slash_scores
+    """Call an estimation or scoring function with the CUDA dispatch of the scores pointed at the (interpreted)
+    kernels."""
+    dispatch = scoring._scoring_kernel
+    scoring._scoring_kernel = lambda q, k: vs.vertical_slash_scores
     try:
-        return getattr(pattern, fn)(*args)
+        return getattr(scoring if hasattr(scoring, fn) else pattern, fn)(*args)
     finally:
-        pattern._scoring_kernel = dispatch
+        scoring._scoring_kernel = dispatch
 
 
 # ---- tests ---------------------------------------------------------------------------------------
@@ -82,7 +84,7 @@ def test_packed_row_scores_equal_the_pytorch_path(interp):
     k = torch.randn(2, s, d, generator=g)
     docs = [(0, 90), (90, 100), (100, 230)]
     got_v, got_s = interp.apply(_with_kernels, ("score_vertical_slash", q, k, docs, 24, 0.3))
-    ref_v, ref_s = pattern.score_vertical_slash(q, k, docs, 24, 0.3)
+    ref_v, ref_s = scoring.score_vertical_slash(q, k, docs, 24, 0.3)
     assert rel_rms(got_v, ref_v) <= TOLERANCE[torch.float32]
     assert rel_rms(got_s, ref_s) <= TOLERANCE[torch.float32]
 

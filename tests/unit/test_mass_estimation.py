@@ -10,11 +10,11 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.budgets import Entries, Mass, TopK, TopP
 from hf_sparse_cp.attention.budgets.mass import column_ratio, diagonal_cost
 from hf_sparse_cp.attention.budgets.ranked import keep_best
-from hf_sparse_cp.attention.estimate import (
+from hf_sparse_cp.attention.estimate import estimate_layout
+from hf_sparse_cp.attention.scoring import (
     Sampling,
     Stratum,
     accumulate_vertical_slash,
-    estimate_layout,
     row_exp_sums,
     row_max,
     score_vertical_slash,
@@ -87,7 +87,7 @@ def test_one_pass_scores_are_those_of_the_two_pass_softmax_to_the_bit(dtype, far
 def test_scores_are_exact_whatever_the_tiles(monkeypatch):
     """Equal keys score the same to the bit, and tiles of any shape sum to the same scores (each product exact to
     its two vectors, each sum exact): what lets every rank and one process break exact ties alike."""
-    import hf_sparse_cp.attention.estimate as estimate
+    import hf_sparse_cp.attention.scoring as scoring
 
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(4, 300, D, generator=g), torch.randn(2, 300, D, generator=g)
@@ -97,7 +97,7 @@ def test_scores_are_exact_whatever_the_tiles(monkeypatch):
         sampling = Sampling(24, groups=2, group_size=6, weighted=weighted, block_size=BS)
         whole = score_vertical_slash(q, k, [(0, 300)], 24, D**-0.5, sampling)
         for elements in (24 * 7, 24 * 40, 24 * 64 * 2):
-            monkeypatch.setattr(estimate, "SCORE_ELEMENTS", elements)
+            monkeypatch.setattr(scoring, "SCORE_ELEMENTS", elements)
             tiled = score_vertical_slash(q, k, [(0, 300)], 24, D**-0.5, sampling)
             assert torch.equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1]), (weighted, elements)
         monkeypatch.undo()

@@ -5,8 +5,9 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import build_layout, dense_layout, offsets_to_block_diagonals
-from hf_sparse_cp.attention.estimate import estimate_layout, score_vertical_slash, select_vertical_slash
+from hf_sparse_cp.attention.estimate import estimate_layout, select_vertical_slash
 from hf_sparse_cp.attention.layout import dense_blocks
+from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.testing.layouts import PLANTED_LOGIT, local_qk, planted_qk
 

@@ -39,7 +39,7 @@ class Entries(NamedTuple):
 class Budget(BudgetSection):
     """A budget mode: its fields (a dataclass) and what it decides. `weighted`: its scores estimate the
     mass of every query of a document (each scoring query weighted by the queries it stands for, see
-    `estimate.Stratum`) rather than summing the scoring queries' mass."""
+    `scoring.Stratum`) rather than summing the scoring queries' mass."""
 
     weighted: ClassVar[bool] = False
 

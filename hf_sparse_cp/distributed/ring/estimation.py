@@ -49,20 +49,11 @@ import torch
 import torch.distributed as dist
 
 from ...attention.budgets import Entries, top_entries
-from ...attention.estimate import (
-    Estimate,
-    EstimationSegment,
-    Sampling,
-    accumulate_vertical_slash,
-    estimate,
-    row_exp_sums,
-    row_max,
-    scoring_groups,
-    warn_if_costly,
-)
+from ...attention.estimate import Estimate, EstimationSegment, estimate, warn_if_costly
 from ...attention.exact import FixedPoint
 from ...attention.layout import SparseLayout
 from ...attention.precision import compute_dtype
+from ...attention.scoring import Sampling, accumulate_vertical_slash, row_exp_sums, row_max, scoring_groups
 from ...config import SparseAttentionConfig
 from ..comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from ..shard import CPShard
