@@ -67,7 +67,7 @@ class BenchSMETArguments:
 def build_model(args: BenchSMETArguments, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     config = tiny_config(
         "llama",

@@ -171,8 +171,8 @@ def _save_model_folder(name: str, folder: Path) -> Path | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config(**config)).to(torch.bfloat16).save_pretrained(folder)

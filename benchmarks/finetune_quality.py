@@ -155,8 +155,8 @@ def load(args: FinetuneQualityArguments):
     if args.dry_run:
         from transformers import AutoModelForCausalLM
 
-        from hf_sparse_cp.examples.tiny_model import tiny_config
         from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+        from hf_sparse_cp.testing.tiny_models import tiny_config
 
         torch.manual_seed(args.seed)
         extra = {} if args.rope_theta is None else {"rope_theta": args.rope_theta}

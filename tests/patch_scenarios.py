@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.architectures import lean_loss_model_types, rowwise_classes
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 _MISSING = object()
 

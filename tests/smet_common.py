@@ -7,7 +7,7 @@ import socket
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 VOCAB = 64
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .chunks import head_chunks
 from .layout import FAR, SparseLayout, first_visible_keys
 from .tokens import PAD_SEGMENT, TokenMeta
 
@@ -45,13 +46,6 @@ def _compact(values: torch.Tensor, keep: torch.Tensor, width: int) -> torch.Tens
     out = torch.full((*keep.shape[:-1], width + 1), -1, dtype=torch.int32, device=keep.device)
     out.scatter_(-1, slot, values.to(torch.int32).expand(keep.shape))  # dropped entries all land in the spare slot
     return out[..., :width]
-
-
-def _head_chunks(heads: int, per_head: int):
-    """Head ranges whose [heads, per_head] temporaries stay within LAYOUT_ELEMENTS."""
-    step = max(1, min(heads, LAYOUT_ELEMENTS // max(1, per_head)))
-    for h0 in range(0, heads, step):
-        yield h0, min(heads, h0 + step)
 
 
 def _one_or_range(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
@@ -187,9 +181,10 @@ def build_layout(
             span = torch.where((vertical_set >= 0).unsqueeze(1), span, 0)
         window = int(span.max()) if span.numel() else 0
         for row in range(b):
-            for h0, h1 in _head_chunks(heads, nqb * max(window, 1)):
+            for hs in head_chunks(heads, nqb * max(window, 1), LAYOUT_ELEMENTS):
                 values, mask = _column_mask(v_list[row], first[row], span[row], window, col_base[row], diagonals,
-                                            diagonal_start, row, h0, h1, qb, dense_lo[row], bs, sliding_window)
+                                            diagonal_start, row, hs.start, hs.stop, qb, dense_lo[row], bs,
+                                            sliding_window)
                 col_masks.append((values, mask))
                 col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
     sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
@@ -199,14 +194,14 @@ def build_layout(
     slot = torch.arange(block_width, device=dev)
     block_idx = torch.empty(b, heads_b, nqb, block_width, dtype=torch.int32, device=dev)
     for row in range(b):
-        for h0, h1 in _head_chunks(heads_b, nqb * block_width):
-            dense_kb = dense_lo[row].view(1, nqb, 1) + slot - n_diag[row, h0:h1].unsqueeze(-1)
-            kb = torch.where(slot < block_cnt[row, h0:h1].unsqueeze(-1), dense_kb, -1)
+        for hs in head_chunks(heads_b, nqb * block_width, LAYOUT_ELEMENTS):
+            dense_kb = dense_lo[row].view(1, nqb, 1) + slot - n_diag[row, hs].unsqueeze(-1)
+            kb = torch.where(slot < block_cnt[row, hs].unsqueeze(-1), dense_kb, -1)
             if d_list is not None:
-                rank = set_base[row, h0:h1].unsqueeze(-1) + i_hi[row, h0:h1].unsqueeze(-1) - 1 - slot
-                d = d_list[row, h0:h1].unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank.clamp(0, t - 1))
-                kb = torch.where(slot < n_diag[row, h0:h1].unsqueeze(-1), qb.view(1, nqb, 1) - d, kb)
-            block_idx[row, h0:h1] = kb
+                rank = set_base[row, hs].unsqueeze(-1) + i_hi[row, hs].unsqueeze(-1) - 1 - slot
+                d = d_list[row, hs].unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank.clamp(0, t - 1))
+                kb = torch.where(slot < n_diag[row, hs].unsqueeze(-1), qb.view(1, nqb, 1) - d, kb)
+            block_idx[row, hs] = kb
     if not has_columns:
         return SparseLayout.from_blocks(block_idx, block_cnt, bs)
 
@@ -214,10 +209,10 @@ def build_layout(
     col_cnt = torch.empty(b, heads, nqb, dtype=torch.int32, device=dev)
     masks = iter(col_masks)
     for row in range(b):
-        for h0, h1 in _head_chunks(heads, nqb * max(window, 1)):
+        for hs in head_chunks(heads, nqb * max(window, 1), LAYOUT_ELEMENTS):
             values, mask = next(masks)
-            col_idx[row, h0:h1] = _compact(values, mask, col_width)
-            col_cnt[row, h0:h1] = mask.sum(-1, dtype=torch.int32)
+            col_idx[row, hs] = _compact(values, mask, col_width)
+            col_cnt[row, hs] = mask.sum(-1, dtype=torch.int32)
     if heads_b != heads:
         block_idx = block_idx.expand(b, heads, nqb, -1).contiguous()
         block_cnt = block_cnt.expand(b, heads, nqb).contiguous()

@@ -9,6 +9,7 @@ mode cannot be given to it, so "read only in its mode" is its constructor's rule
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,11 @@ from .files import FileConfig, check_field_types
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
-_BUDGETS: dict[str, type[BudgetSection]] = {}
+_REGISTERED: dict[str, type[BudgetSection]] = {}
+# The budget modes shipped with the plugin register themselves when this package is imported (in their order on
+# the flag page). The registry imports it on its first use, so what it holds never depends on which module a
+# program happened to import first. (By name: the budgets build on this module, not it on them.)
+_BUILTIN_BUDGETS = "hf_sparse_cp.attention.budgets"
 
 
 @dataclass
@@ -67,18 +72,24 @@ class BudgetSection(FileConfig):
 
 def register_budget(cls: type[BudgetSection]) -> type[BudgetSection]:
     """Register a budget mode under `cls.mode` (a class decorator)."""
-    _BUDGETS[cls.mode] = cls
+    _REGISTERED[cls.mode] = cls
     return cls
 
 
+def _budgets() -> dict[str, type[BudgetSection]]:
+    """The registered budget modes, the built-in ones first."""
+    importlib.import_module(_BUILTIN_BUDGETS)  # (once: then it is in sys.modules)
+    return _REGISTERED
+
+
 def budget_modes() -> tuple[str, ...]:
-    return tuple(_BUDGETS)
+    return tuple(_budgets())
 
 
 def budget_class(mode: str) -> type[BudgetSection]:
-    if mode not in _BUDGETS:
-        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _BUDGETS))}.")
-    return _BUDGETS[mode]
+    if mode not in _budgets():
+        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _budgets()))}.")
+    return _budgets()[mode]
 
 
 def default_budget() -> BudgetSection:
@@ -87,12 +98,12 @@ def default_budget() -> BudgetSection:
 
 def modes_of(name: str) -> list[str]:
     """The budget modes that have field `name`."""
-    return [m for m, cls in _BUDGETS.items() if name in field_names(cls)]
+    return [m for m, cls in _budgets().items() if name in field_names(cls)]
 
 
 def budget_field_names() -> list[str]:
     """Every budget mode's fields, each once, in registration order (their flat keys)."""
-    return list(dict.fromkeys(name for cls in _BUDGETS.values() for name in field_names(cls)))
+    return list(dict.fromkeys(name for cls in _budgets().values() for name in field_names(cls)))
 
 
 def field_names(cls: type) -> tuple[str, ...]:
@@ -108,7 +119,7 @@ def inferred_mode(fields_: Mapping[str, Any]) -> str | None:
     one mode that does (None without fields). Fields of no common mode are refused, naming their modes."""
     if not fields_:
         return None
-    holders = [m for m, cls in _BUDGETS.items() if set(fields_) <= set(field_names(cls))]
+    holders = [m for m, cls in _budgets().items() if set(fields_) <= set(field_names(cls))]
     if DEFAULT_MODE in holders or len(holders) == 1:
         return DEFAULT_MODE if DEFAULT_MODE in holders else holders[0]
     owners = {m for name in fields_ for m in modes_of(name)}

@@ -311,7 +311,7 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)
@@ -348,8 +348,8 @@ def _kept_fraction_case(par: ParallelDims) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
-    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.integration.stats import pop_kept_fractions
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)

@@ -180,8 +180,8 @@ def _model_step(par: ParallelDims, rank: int, *, fsdp2: bool = False, checkpoint
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, rank_loss
-    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.integration.stats import pop_kept_fractions
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 FLAGS = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--report_to", "none",
          "--use_cpu", "--save_strategy", "no", "--seed", "0", "--cp_size", "2", "--smet", "--smet_density", "0.5",

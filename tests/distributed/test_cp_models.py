@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.architectures import cp_tested_model_types
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import rel_rms
 

@@ -201,7 +201,7 @@ def _model_step(par: ParallelDims, rank: int, fsdp2: bool = False) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     cfg = SparseAttentionConfig(block_size=BS, min_seq_len=64, vertical_topk=8, slash_topk=8, sink_tokens=2,
                                 local_window=4, last_q=16)
@@ -292,8 +292,8 @@ def _kept_fraction_case(world: int) -> dict:
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
-    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.integration.stats import pop_kept_fractions
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def _rank(rank: int, workdir: str) -> None:
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
     from hf_sparse_cp.distributed.comm import P2PComm, Transfer
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     torch.set_num_threads(1)
     hf_sparse_cp.patch()
@@ -101,7 +101,7 @@ def _trainer_timeouts(rank: int, world: int) -> dict:
 
     from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
     from hf_sparse_cp.distributed.comm import group_timeout
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.attach import detach_from_trainer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))

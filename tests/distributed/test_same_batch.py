@@ -7,8 +7,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
 def _rows(seed: int) -> list[dict]:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
-from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.checkpoints import MARKER, CheckpointMarkerCallback
 
 

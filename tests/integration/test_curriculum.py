@@ -158,7 +158,7 @@ def _train(args, data, resume=None, stop_at=None) -> tuple[list, dict]:
     """Train a fresh tiny Llama; the loss of every step (rank 0's log) and the final weights."""
     from transformers import AutoModelForCausalLM, TrainerCallback, default_data_collator
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
 
     losses = {}
@@ -251,7 +251,7 @@ def _fsdp2_through_cp_switches(rank: int, world: int) -> dict:
         prepare_context_parallel_inputs,
         rank_loss,
     )
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     if not hf_sparse_cp.is_patched():
         hf_sparse_cp.patch()
@@ -340,7 +340,7 @@ def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_proce
 def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1):
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
 
     torch.manual_seed(0)

@@ -23,11 +23,11 @@ from hf_sparse_cp import (
 )
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.reporting.kept_fraction_figure import mean_kept_fraction_per_layer
 from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, SECTION_TITLE, TAGS, write_sparse_model_card
 from hf_sparse_cp.smet import SMETConfig
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
 SEQ_LEN = 512

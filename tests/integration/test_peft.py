@@ -20,13 +20,13 @@ from hf_sparse_cp import (
     attach_to_trainer,
     install_smet,
 )
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import rel_rms
 from smet_common import TokenRows, markov_tokens

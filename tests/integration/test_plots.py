@@ -17,7 +17,6 @@ from hf_sparse_cp import (
 )
 from hf_sparse_cp.cli import main
 from hf_sparse_cp.examples.passkey import passkey_dataset
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.reporting.kept_fraction_figure import kept_fraction_series, mean_kept_fraction_per_layer
 from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT
@@ -30,6 +29,7 @@ from hf_sparse_cp.reporting.plots import (
     sample_ids,
 )
 from hf_sparse_cp.testing.layouts import random_layout
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
 SEQ_LEN = 512

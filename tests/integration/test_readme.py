@@ -14,9 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainingArguments
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.examples.train_long_context import ScriptArguments, parse_args
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -108,7 +108,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
 def tiny_from_pretrained(name, **kwargs):

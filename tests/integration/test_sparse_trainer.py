@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, Traini
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.smet import unwrap_smet
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--logging_steps", "1",
          "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--train_sampling_strategy", "sequential",
@@ -122,7 +122,7 @@ SCRIPT = textwrap.dedent("""
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM, HfArgumentParser
     from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
     (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses()
     torch.manual_seed(0)  # the same data and model on every rank
     rows = [{"input_ids": r, "labels": r} for r in torch.randint(3, 259, (4, 256))]

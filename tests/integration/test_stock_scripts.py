@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.recipes import recipe_path
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 pytest.importorskip("trl")
 
@@ -115,6 +115,7 @@ def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
     assert "sparse_attention" not in json.loads((stock["output"] / "config.json").read_text())
     assert not any(key.startswith("sparse/") for step in stock["steps"] for key in step)
     assert "hf-sparse-cp" not in (stock["output"] / "README.md").read_text()
+    _assert_loads_without_the_plugin(torchrun["output"])
 
 
 def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
@@ -127,6 +128,7 @@ def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
     for run in (torchrun, accelerate):
         # TRL's num_tokens counts what one process counts (not the padding that splits the rows over the ranks)
         _assert_equal_runs(run, one, keys=("loss", "sparse/kept_fraction", "num_tokens"))
+    _assert_loads_without_the_plugin(accelerate["output"])
 
 
 def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
@@ -167,13 +169,13 @@ def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
         assert torch.allclose(outputs[1][name], tensor, rtol=1e-4, atol=1e-5), name
     assert any(not torch.equal(outputs[0][name], tensor) for name, tensor in load_file(
         workdir / "tiny" / "model.safetensors").items())  # (it trained)
+    _assert_loads_without_the_plugin(workdir / "trl_cp2")
 
 
-def test_the_saved_models_load_without_the_plugin(workdir):
-    folders = sorted(str(path.parent) for path in workdir.glob("*/model.safetensors"))
-    assert len(folders) >= 3, "run the three scripts' tests first (same module)"
+def _assert_loads_without_the_plugin(*folders: Path) -> None:
+    """The models the runs saved load and run in a process that never imports the plugin."""
     code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
-            f"for folder in {folders!r}:\n"
+            f"for folder in {[str(f) for f in folders]!r}:\n"
             "    model = AutoModelForCausalLM.from_pretrained(folder)\n"
             "    assert torch.isfinite(model(torch.tensor([[5, 6, 7, 8]])).logits).all(), folder\n"
             "assert not any(name.startswith('hf_sparse_cp') for name in sys.modules), 'the plugin was imported'\n")

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.examples.tiny_model import tiny_config
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.context_parallel import (
     disable_trainer_context_parallel,
     enable_trainer_context_parallel,

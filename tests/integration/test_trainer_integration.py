@@ -5,8 +5,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, attach_to_trainer, checkpointing_enabled, enable_sparse_attention
 from hf_sparse_cp.examples.passkey import passkey_dataset
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
 from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

@@ -273,7 +273,7 @@ def test_torch_compile_traces_the_custom_ops():
 def _tiny_model(attn_implementation="sdpa", dtype=torch.float32, vocab_size=512):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=vocab_size)

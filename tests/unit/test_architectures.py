@@ -8,7 +8,6 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_sparse_cp
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.architectures import (
     ARCHITECTURES,
@@ -20,6 +19,7 @@ from hf_sparse_cp.integration.architectures import (
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.integration.memory_savers import rowwise_modules
 from hf_sparse_cp.integration.models import _token_mixers, check_model_supports_context_parallel
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
 def test_the_table_is_what_the_lean_loss_the_tiles_and_compat_read():

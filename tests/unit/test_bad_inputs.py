@@ -170,7 +170,7 @@ def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused)
 def _tiny(model_type: str = "llama", **overrides):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
 
@@ -267,7 +267,7 @@ def test_the_trainers_name_an_empty_dataset(tmp_path, kind):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     args = _argument_class(kind)(output_dir=str(tmp_path), report_to="none", max_steps=1)
     if kind == "sft":

@@ -5,6 +5,7 @@ every holder offers; the interface's other answers (sizes, offers, diagonal scor
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _scores(g: torch.Generator, heads: int, n: int) -> torch.Tensor:
 def test_each_budget_selects_what_its_dense_oracle_selects(budget, start, end, scored_end):
     """The segment [start, end) of a row of 200 tokens, scored by the queries before `scored_end`: the
     pipeline's budget stage (anchors off) keeps exactly the oracle's columns and offsets."""
-    g = torch.Generator().manual_seed(hash((str(budget), start)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{budget}|{start}".encode()))  # the same in every process
     s, h = 200, 3
     vertical, slash = torch.zeros(1, h, s, dtype=torch.float64), torch.zeros(1, h, s, dtype=torch.float64)
     vertical[0, :, start:scored_end] = _scores(g, h, scored_end - start)
@@ -122,3 +123,19 @@ def test_the_registry_holds_each_mode_once_with_fields_of_its_own():
                        (dict(vertical_cap=0), "vertical_cap=0 must be >= 1")):
         with pytest.raises(ValueError, match=match):
             SparseAttentionConfig(**bad)
+
+
+def test_the_registry_holds_the_built_in_modes_whatever_was_imported_first(monkeypatch):
+    """A process whose first use of the budget registry comes before anything imported the budget modes (the
+    registry empty, their package not imported) still finds every built-in mode, in flag-page order."""
+    import sys
+
+    import hf_sparse_cp.attention
+    from hf_sparse_cp.config import sections
+
+    monkeypatch.setattr(sections, "_REGISTERED", {})
+    monkeypatch.setattr(hf_sparse_cp.attention, "budgets", hf_sparse_cp.attention.budgets)
+    for name in [m for m in sys.modules if m.startswith("hf_sparse_cp.attention.budgets")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert sections.budget_modes() == ("topk", "topp", "mass")
+    assert sections.default_budget().mode == sections.DEFAULT_MODE

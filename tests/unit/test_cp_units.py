@@ -298,7 +298,7 @@ def test_models_the_ring_cannot_shard_are_refused():
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sdpa")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):

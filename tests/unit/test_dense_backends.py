@@ -24,8 +24,8 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.backends import is_available
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.stats import pop_kept_fractions
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import TOLERANCE, rel_rms
 

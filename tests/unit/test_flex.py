@@ -209,7 +209,7 @@ def test_tiny_model_with_the_flex_engine_matches_the_reference_engine(monkeypatc
 
     import hf_sparse_cp
     from hf_sparse_cp.attention import engines
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     calls = []
     flex = engines.flex_block_sparse_attention

@@ -18,9 +18,9 @@ from hf_sparse_cp import (
     is_lean_loss_enabled,
 )
 from hf_sparse_cp.attention.layout import SparseLayout
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import compat, patching
 from hf_sparse_cp.integration.patching import PatchSet
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
 class Owner:

@@ -169,7 +169,7 @@ def test_arguments_built_in_code_take_the_flags_given_before_the_script_path(tmp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     class OwnTrainer(Trainer):
         def own_method(self) -> str:

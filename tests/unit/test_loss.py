@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_sparse_cp
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import lean_loss as lean_loss_module
 from hf_sparse_cp.integration.architectures import lean_loss_classes, lean_loss_model_types
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
@@ -24,6 +23,7 @@ from hf_sparse_cp.loss import (
     linear_cross_entropy,
     resolve_backend,
 )
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 VOCAB = 97
 HIDDEN = 24

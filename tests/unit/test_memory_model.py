@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, configure
 from hf_sparse_cp.cli import main as cli_main
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.simulator.memory_cli import parse_memory
@@ -25,6 +24,7 @@ from hf_sparse_cp.simulator.memory_model import (
     recomputed_layer_bytes,
     with_savers,
 )
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_layers=0, vertical_topk=16, slash_topk=4,
                                 sink_tokens=16, local_window=64, last_q=32)

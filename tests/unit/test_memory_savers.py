@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, configure
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.architectures import rowwise_classes
 from hf_sparse_cp.integration.memory_savers import (
     disable_memory_savers,
@@ -22,6 +21,7 @@ from hf_sparse_cp.integration.memory_savers import (
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.memory.offload import HostOffload
 from hf_sparse_cp.memory.tiling import tiled_rows
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
 PATTERN = SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0, vertical_topk=8, slash_topk=4,

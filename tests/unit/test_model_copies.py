@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.lean_loss import is_lean_loss_enabled
+from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
 PATTERN = SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0, vertical_topk=4, slash_topk=4,

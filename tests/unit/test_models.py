@@ -6,10 +6,10 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
 from hf_sparse_cp.integration.stats import pop_kept_fractions
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import TOLERANCE, rel_rms
 

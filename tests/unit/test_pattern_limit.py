@@ -103,8 +103,8 @@ def test_an_unknown_allocation_is_refused(mass):
 def test_fixed_layouts_run_the_model_with_the_given_patterns(single_thread):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.examples.tiny_model import tiny_config
     from hf_sparse_cp.testing.pattern_quality import fixed_layouts
+    from hf_sparse_cp.testing.tiny_models import tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa").eval()

@@ -4,9 +4,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse_cp
-from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.backend import model_config_for, sparse_cp_attention_forward
+from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
 def test_patch_unpatch_round_trip():

@@ -18,6 +18,7 @@ from typing import ClassVar, Literal, NamedTuple
 import torch
 
 from ...config.sections import BudgetSection
+from ..chunks import head_chunks
 
 # Elements of one [heads, entries] tile of the selection's temporaries (sorts, cumulative sums).
 SELECT_ELEMENTS = 1 << 22
@@ -97,12 +98,6 @@ class Budget(BudgetSection):
         raise NotImplementedError
 
 
-def head_chunks(heads: int, per_head: int) -> list[slice]:
-    """Slices of heads whose [heads, per_head] selection temporaries stay within SELECT_ELEMENTS."""
-    step = max(1, min(heads, SELECT_ELEMENTS // max(1, per_head)))
-    return [slice(h0, min(heads, h0 + step)) for h0 in range(0, heads, step)]
-
-
 def rank_order(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [h, n]: each row's entries from the best score to the worst, exact ties broken by position
     (the lower first). positions: [n] or [h, n], the entries' positions when they are not in position
@@ -118,6 +113,6 @@ def top_entries(scores: torch.Tensor, m: int, key: Callable | None = None) -> to
     ties to the lower index (`rank_order` by head tiles); `key` (a tile of scores -> what to rank it by,
     computed tile by tile) ranks them by something else."""
     out = torch.empty(scores.shape[0], min(m, scores.shape[-1]), dtype=torch.long, device=scores.device)
-    for heads in head_chunks(scores.shape[0], scores.shape[-1]):
+    for heads in head_chunks(scores.shape[0], scores.shape[-1], SELECT_ELEMENTS):
         out[heads] = rank_order(scores[heads] if key is None else key(scores[heads]))[:, : out.shape[1]]
     return out

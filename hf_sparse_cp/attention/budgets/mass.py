@@ -18,7 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Budget, Entries, Kind, head_chunks, rank_order
+from ..chunks import head_chunks
+from .base import SELECT_ELEMENTS, Budget, Entries, Kind, rank_order
 
 
 def block_diagonal_sums(slash: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -143,7 +144,7 @@ class Mass(Budget):
         col_pos, diag = columns.ids.expand(h, n), diagonals.ids.expand(h, m)
         keep_c = torch.zeros_like(columns.scores, dtype=torch.bool)
         keep_d = torch.zeros_like(diagonals.scores, dtype=torch.bool)
-        for heads in head_chunks(h, n + m):
+        for heads in head_chunks(h, n + m, SELECT_ELEMENTS):
             keep_c[heads], keep_d[heads] = self._select(columns.scores[heads], col_pos[heads],
                                                         diagonals.scores[heads], diag[heads], start, end, scored_end,
                                                         block_size)

@@ -9,7 +9,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Budget, Entries, Kind, head_chunks, rank_order
+from ..chunks import head_chunks
+from .base import SELECT_ELEMENTS, Budget, Entries, Kind, rank_order
 
 
 def keep_best(entries: Entries, count: int, share: float | None = None) -> torch.Tensor:
@@ -19,7 +20,7 @@ def keep_best(entries: Entries, count: int, share: float | None = None) -> torch
     every entry such a selection keeps (and for `share` every better one) selects the same."""
     scores, positions = entries.scores, entries.ids
     keep = torch.zeros_like(scores, dtype=torch.bool)
-    for heads in head_chunks(scores.shape[0], scores.shape[-1]):
+    for heads in head_chunks(scores.shape[0], scores.shape[-1], SELECT_ELEMENTS):
         sc = scores[heads]
         order = rank_order(sc, None if positions.dim() == 1 else positions[heads])  # (a whole row: in order)
         vals = sc.gather(-1, order)

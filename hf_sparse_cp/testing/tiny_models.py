@@ -1,5 +1,5 @@
-"""The demo's tiny random-init model: a small config of any architecture (also the tests' and the smoke
-benchmarks')."""
+"""Tiny random-init models: a small config of any architecture, for the tests, the smoke benchmarks and the
+demo's default model (`--tiny_model_type`)."""
 
 from __future__ import annotations
 
