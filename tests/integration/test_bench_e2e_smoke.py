@@ -159,7 +159,8 @@ def test_speedups_and_targets_come_from_the_rows(bench):
     # another sparse variant (compiled instead of liger-kernel's kernels): its own ratios, checks and targets
     results.append(row("sparse_cp+compile", 131072, 46500.0, 14.0, kept=0.05))
     ratios = {(e["variant"], e["seq_len"]): e["vs_liger"] for e in bench.speedups(results)}
-    assert ratios["sparse_cp+compile", 131072] == pytest.approx(3.1) and ratios["sparse_cp", 131072] == pytest.approx(3.2)
+    assert ratios["sparse_cp+compile", 131072] == pytest.approx(3.1)
+    assert ratios["sparse_cp", 131072] == pytest.approx(3.2)
     targets = {t["target"]: t["pass"] for t in bench.issue_targets(results)}
     assert len(targets) == 12 and targets["0.5b 128K: sparse_cp+compile tokens/s over sdpa + liger"] is True
     assert targets["0.5b 128K: sparse_cp+compile peak memory <= sdpa + liger"] is True
@@ -170,7 +171,8 @@ def test_speedups_and_targets_come_from_the_rows(bench):
 
 def test_memory_predictions_pair_the_measured_gpu_peak_with_the_models():
     with load_benchmark("bench_e2e") as bench:
-        settings = bench.step_settings({"block_size": 128}, tiled=True, offload_layer_inputs=False, loss_backend="liger")
+        settings = bench.step_settings({"block_size": 128}, tiled=True, offload_layer_inputs=False,
+                                       loss_backend="liger")
         predicted = bench.predicted_peak_gib("0.5b", 1 << 20, settings)
         rows = [{"model": "0.5b", "variant": "sparse_cp", "seq_len": 1 << 20, "status": "ok", "step_s": 60.0,
                  "peak_gib": 1.1 * predicted, "predicted_peak_gib": predicted,
