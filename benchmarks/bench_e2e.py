@@ -1,21 +1,21 @@
-"""End-to-end training step: stock `sdpa`, `sdpa` + liger-kernel, `sparse_cp` and `sparse_cp` + liger-kernel,
-S doubling until OOM.
+"""End-to-end training step: stock `sdpa`, `sdpa` + liger-kernel and the `sparse_cp` variants, S doubling until
+OOM.
 
-One training step is forward, backward and AdamW on one sequence of S tokens (B = 1) of a
-Qwen2.5-0.5B- or 1.5B-shaped model (random init, bf16 weights, gradient checkpointing, loss from
-`model(input_ids, labels=...)`). Every (model, variant, S) runs in a fresh subprocess, so an
-out-of-memory error cannot leave fragments behind for the next; a variant stops doubling at its
-first failure. Reported: median step time of the timed steps after warm-up, tokens/s, peak memory
-(`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the
-mean kept fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel
-and over `sdpa` at the same S. At `--profile_seq_lens` (128K by default) one more step runs under
-torch.profiler: GPU time per kernel, where a missed target's time went. With `--fit_max_seq`, each
-variant that ran at `--max_seq` then goes on doubling S (one untimed-warm-up-free step per run)
-until a run fails or the cap is reached: the longest length each variant fits (`longest_fit`).
-Prints a table and the
-issue's end-to-end targets (0.5B trains at 512K; at 128K and 256K sparse_cp >= 3x and >= 5x the
-tokens/s of sdpa + liger, at no more memory) and writes JSON (device, versions, date, the command,
-settings, results, speed-ups, longest fits, targets) to benchmarks/results/.
+One training step is forward, backward and AdamW on one sequence of S tokens (B = 1) of a Qwen2.5-0.5B- or
+1.5B-shaped model (random init, bf16 weights, gradient checkpointing, loss from `model(input_ids,
+labels=...)`). Every (model, variant, S) runs in a fresh subprocess, so an out-of-memory error cannot leave
+fragments behind for the next; every variant runs at a length before the next length (a sweep cut off by a
+time limit keeps the comparisons at the shorter lengths), and a variant stops doubling at its first failure.
+Reported: median step time of the timed steps after warm-up, tokens/s, peak memory
+(`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the mean kept
+fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel and over `sdpa` at
+the same S. At `--profile_seq_lens` (128K by default) one more step runs under torch.profiler: GPU time per
+kernel, where a missed target's time went. With `--fit_max_seq`, each variant that ran at `--max_seq` then
+goes on doubling S (one untimed-warm-up-free step per run) until a run fails or the cap is reached: the
+longest length each variant fits (`longest_fit`). Prints a table and the issues' end-to-end targets (0.5B
+trains at 512K and 1M; at 128K and 256K sparse_cp >= 3x and >= 5x the tokens/s of sdpa + liger (aim 4x at
+128K), at no more memory) and writes JSON (device, versions, date, the command, settings, results, speed-ups,
+longest fits, targets) to benchmarks/results/.
 
 The sparse variants run as the plugin's Trainer path does, their `--sparse_fused_ops` setting aside: `sparse_cp`
 its default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA where liger-kernel is installed, the
@@ -549,40 +549,46 @@ def main(argv: list[str]) -> dict:
     out = ReportFile(RESULTS_DIR, "e2e", args.output)
     command = [sys.executable, *sys.argv] if argv == sys.argv[1:] else ["bench_e2e.py", *argv]
 
-    def sweep(model: str, variant: str, seq_lens: list[int], warmup_steps: int, timed_steps: int) -> bool:
-        """Run `seq_lens` in order until one fails; whether the last one ran."""
+    def sweep(model: str, variants: list[str], seq_lens: list[int], warmup_steps: int, timed_steps: int) -> list[str]:
+        """Run every variant at each of `seq_lens` before the next length (a run cut off later keeps the comparisons
+        at the shorter lengths), a variant stopping at its first failure; the variants that ran at the last one."""
+        running = list(variants)
         for seq_len in seq_lens:
-            settings, budget = sparse_settings(sparse, args, seq_len)
-            spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
-                    "warmup_steps": warmup_steps, "timed_steps": timed_steps, "seed": args.seed,
-                    "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
-                    "token_tiling_min_length": args.token_tiling_min_length,
-                    "offload_layer_inputs": args.offload_layer_inputs}
-            reason = skip_reason(variant, device)
-            if reason is not None:  # known without starting a process
-                r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
-            else:
-                r = run_in_subprocess(spec, args.timeout_s)
-            if variant in SPARSE_VARIANTS:
-                given = settings["budget"]
-                r["sparse_budget"] = budget or {key: given.get(key) for key in ("vertical_topk", "slash_topk")}
-            results.append(r)
-            if r["status"] == "ok":
-                summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"
-                if r.get("kept_fraction") is not None:
-                    summary += f", kept {r['kept_fraction']:.3f} of the causal blocks"
-            else:
-                summary = r.get("reason", "")
-            print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
-            out.write(build_report(args, sparse, results, device, complete=False, command=command))
-            if r["status"] != "ok":
-                return False  # a longer sequence cannot succeed where this one did not
-        return True
+            running = [v for v in running if run(model, v, seq_len, warmup_steps, timed_steps)]
+        return running
 
-    ran_to_max = [(model, variant) for model in args.models for variant in args.variants
-                  if sweep(model, variant, args.seq_lens(), args.warmup_steps, args.timed_steps)]
-    for model, variant in ran_to_max:  # the longest length each fits, after every headline figure
-        sweep(model, variant, args.fit_seq_lens(), 0, 1)
+    def run(model: str, variant: str, seq_len: int, warmup_steps: int, timed_steps: int) -> bool:
+        """One (model, variant, S) run, recorded and written; whether it ran."""
+        settings, budget = sparse_settings(sparse, args, seq_len)
+        spec = {"model": model, "variant": variant, "seq_len": seq_len, "device": device,
+                "warmup_steps": warmup_steps, "timed_steps": timed_steps, "seed": args.seed,
+                "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
+                "token_tiling_min_length": args.token_tiling_min_length,
+                "offload_layer_inputs": args.offload_layer_inputs}
+        reason = skip_reason(variant, device)
+        if reason is not None:  # known without starting a process
+            r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}
+        else:
+            r = run_in_subprocess(spec, args.timeout_s)
+        if variant in SPARSE_VARIANTS:
+            given = settings["budget"]
+            r["sparse_budget"] = budget or {key: given.get(key) for key in ("vertical_topk", "slash_topk")}
+        results.append(r)
+        if r["status"] == "ok":
+            summary = f"{r['step_s']:.3f} s/step, {r['peak_gib']:.2f} GiB"
+            if r.get("kept_fraction") is not None:
+                summary += f", kept {r['kept_fraction']:.3f} of the causal blocks"
+        else:
+            summary = r.get("reason", "")
+        print(f"[{model} {variant} S={seq_len}] {r['status']}: {summary}", flush=True)
+        out.write(build_report(args, sparse, results, device, complete=False, command=command))
+        return r["status"] == "ok"  # a longer sequence cannot succeed where this one did not
+
+    ran_to_max = {model: sweep(model, args.variants, args.seq_lens(), args.warmup_steps, args.timed_steps)
+                  for model in args.models}
+    for model, variants in ran_to_max.items():  # the longest length each fits, after every headline figure
+        for variant in variants:
+            sweep(model, [variant], args.fit_seq_lens(), 0, 1)
 
     report = build_report(args, sparse, results, device, complete=True, command=command)
     print()

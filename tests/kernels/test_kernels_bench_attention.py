@@ -127,6 +127,9 @@ def test_estimation_report_and_the_issue_targets(bench):
     assert report["share_of_fwd_bwd"] == pytest.approx(1.5 / 20.0) and report["kept_fraction"] == 0.04
     assert report["share_of_fwd"] == pytest.approx(1.5 / 5.0)
     assert "7.5" in bench.format_estimation([report])
+    untimed = [{**r, "fwd_ms": None} for r in rows]  # --time_forward false: the share of fwd+bwd only
+    (report_untimed,) = bench.estimation_report(untimed, estimation)
+    assert report_untimed["share_of_fwd"] is None and report_untimed["share_of_fwd_bwd"] == pytest.approx(0.075)
 
     targets = bench.issue_targets(rows, estimation)
     flex5, flash5, cudnn5, tflops5, flex10, dense, est = targets
