@@ -51,7 +51,7 @@ WORKER = "--worker"  # first argument of the script when torchrun starts it as a
 @dataclass(frozen=True)
 class Preset:
     """A model and its two stages: the tiny demo model (no model folder), or a random-init model of
-    `config` (`examples.tiny_model.tiny_config` fields), saved as a bf16 model folder with the byte tokenizer
+    `config` (`testing.tiny_models.tiny_config` fields), saved as a bf16 model folder with the byte tokenizer
     and trained from it with `--model_name_or_path`, as a pretrained model is."""
 
     lengths: tuple[int, int]  # tokens per sample in stage 1 (CP 1) and stage 2 (CP 2)

@@ -2,12 +2,17 @@
 # Lent-GPU work, on a machine whose python3 already has torch, Triton, transformers and accelerate (the
 # device image) and no network.
 #
-#   bash benchmarks/gpu_session.sh quick             # ONE call, at most 8 minutes: every headline figure
+#   bash benchmarks/gpu_session.sh wheels            # HERE, before the call: the wheels the device lacks into .whl/
+#   bash benchmarks/gpu_session.sh quick             # ONE call, at most 9 minutes: every headline figure
 #   bash benchmarks/gpu_session.sh quick --dry-run   # the same on the CPU at tiny sizes (no installs)
 #
-# `quick` (benchmarks/quick_session.py) runs the gpu-marked tests of both engines, the attention benchmark at
-# 32K and 128K and the 0.5B training step at 64K/128K plus the longest length it fits, each stage capped,
-# under one deadline counted from here (installs included); see benchmarks/results/README.md for the files.
+# `quick` (benchmarks/quick_session.py) runs, each stage capped, under one deadline counted from here (installs
+# included): the attention benchmark at 128K against every baseline (Flex on the same blocks, its flash backend,
+# the flex engine, cuDNN and flash SDPA) with the estimation's share, the 0.5B training step at 128K and 256K
+# (sparse_cp with the plugin's fused ops against sdpa + liger-kernel), sparse_cp at 512K and 1M beside the memory
+# model's prediction, sparse_cp at 128K with the first layer sparse, and the dq / dk-dv tile short list; see
+# benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's `carry`): liger-kernel
+# is both the baseline's kernels and the fused ops of sparse_cp.
 #
 # The single stages, each meant to fit one 10-minute call (split with arguments if not); arguments after
 # the stage go to the stage's script and override its defaults here:
@@ -29,20 +34,29 @@
 # minutes on one H100; the JSON is rewritten after every arm's training and evaluation.
 #
 # The scripts rewrite their JSON as they go (bench_attention after every S, bench_e2e after every run,
-# tune_tiles after every candidate), so a call cut off by its time limit keeps what it measured. (A dense 0.5B step at 256K takes about half a minute on an H100 by the issue's
-# own 7.6K tokens/s, so the dense baselines stop at 256K; every e2e run is capped at 5 minutes so that
-# a call returns its JSON.)
+# tune_tiles after every candidate), so a call cut off by its time limit keeps what it measured. Every e2e run
+# is capped (150 s in `quick`, 5 minutes in `e2e`) so that a call returns its JSON.
 #
-# Wheels of packages the image lacks (liger-kernel for bench_e2e's baseline) are read from .whl/ when
-# present. Logs and JSON go to $OUT (the device tool's folder) or, without it, benchmarks/results/.
-# $PYTHON picks the interpreter (default python3).
+# Wheels of packages the image lacks (liger-kernel: `wheels`) are read from .whl/ when present (gitignored; the
+# device image's python is 3.12 on x86-64). Logs and JSON go to $OUT (the device tool's folder) or, without it,
+# benchmarks/results/. $PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The wheels `wheels` fetches: liger-kernel (pure Python Triton kernels; needs only torch and triton, both on the
+# image). Flex's flash backend would need flash-attn-4 and nvidia-cutlass-dsl, whose CUDA library wheel alone is
+# about 90 MB, over what a call carries (64 MiB with the working tree): its row reports torch's reason instead.
+GPU_WHEELS=(liger-kernel==0.8.5)
 export QUICK_START="${QUICK_START:-$(date +%s)}"  # quick's deadline counts from here
 stage="${1:-}"
 case "$stage" in
     quick|tests|tune|attention|e2e|finetune) shift ;;
-    *) echo "usage: gpu_session.sh quick|tests|tune|attention|e2e|finetune [arguments for that stage]" >&2; exit 2 ;;
+    wheels)  # on this machine, with a package registry: what the device image lacks, for its python 3.12
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d .whl "${GPU_WHEELS[@]}"
+        ls -l .whl; exit 0 ;;
+    *) echo "usage: gpu_session.sh wheels|quick|tests|tune|attention|e2e|finetune [arguments for that stage]" >&2
+       exit 2 ;;
 esac
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"

@@ -1,32 +1,39 @@
-"""Every headline figure in one short GPU call (`bash benchmarks/gpu_session.sh quick`, issue #32).
+"""Every headline figure in one short GPU call (`bash benchmarks/gpu_session.sh quick`, issues #32, #50).
 
-GPU calls here are rare and short (about 10 minutes of machine time, the start included), so one call
-must bring back everything that matters. This script runs three stages in order of value, each a
-subprocess with its own cap, under one global deadline (`--budget_s`, 480 s by default, counted from
-`$QUICK_START` when the shell wrapper set it, i.e. before its installs), and writes its JSON after
-every stage; the stages' own scripts write theirs as soon as they have a number:
+GPU calls here are rare and short (one H200 for about 15 minutes of machine time, its start included), so one
+call must bring back everything that matters. This script runs its stages in order of value, each a subprocess
+with its own cap, under one global deadline (`--budget_s`, 540 s by default, counted from `$QUICK_START` when
+the shell wrapper set it, i.e. before its installs), and writes its JSON after every stage; the stages' own
+scripts write theirs as soon as they have a number:
 
-(a) tests: the gpu-marked correctness tests of both engines at small sizes (tests/kernels/test_flex_gpu.py,
-    then tests/kernels/test_kernels_gpu.py, without the 32K and fp16 cases: every new shape or dtype costs
-    a compilation), outcomes parsed from pytest's log; what the cap cuts off is reported as not run;
-(b) attention: `bench_attention.py` at 32K and 128K, head_dim 128, GQA 16/2, vertical-slash layouts at
-    ~5% and ~20% kept and the dense causal layout: our kernels, the flex engine and auto on each,
-    cuDNN and flash SDPA on the dense one; forward + backward only; it also writes the engine table;
-(c) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, the lean loss,
-    gradient checkpointing) at 64K and 128K for sparse_cp, then sparse_cp and sdpa with liger-kernel's
-    kernels (when its wheel is in .whl/: carry it, the loss and both liger rows depend on it), and sdpa;
-    then each variant that ran at 128K doubles on to 1M: the longest length it fits.
-    sparse_cp's 'auto' engine reads the table stage (b) wrote.
+(a) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5%
+    kept and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the
+    same blocks (Triton and flash backends), cuDNN and flash SDPA dense, forward + backward, each ratio; an
+    estimated layout (our kernels only) with the pattern estimation's time as a share of that attention; the
+    engine table `auto` reads;
+(b) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
+    checkpointing) at 128K then 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm
+    and SwiGLU where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one
+    warm-up and one timed step each; sparse_cp's 'auto' engine reads the table of stage (a);
+(c) fit: sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction;
+(d) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (b)'s
+    128K run with it dense (the default): what the dense first layer costs;
+(e) tiles: `tune_tiles.py --shortlist --kernels dq dkdv` at 32K: the dq and dk/dv kernels' few candidates,
+    each checked against the launched tiles' result.
 
-A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at
-most 8 come back from a GPU call): quick-session.json (device, versions, the command, settings, each
-stage's status, cap, time and outputs, the tests' outcomes, the headline figures), quick.log (every
-stage's output), attention.json, engine_table.json, e2e.json, in `$OUT` or `--out`, else
+The caps add up to more than the budget on purpose: by the H100 session's timings (the e2e runs' start-up of
+about 20-30 s each, 8.8 s per sdpa + liger step at 128K) the first three stages take about 6 minutes and the
+last two get what is left; a stage the deadline skips is rerun in a call of its own (`gpu_session.sh tune
+--shortlist --kernels dq dkdv`, `gpu_session.sh e2e ...`).
+
+A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at most 8 come
+back from a GPU call): quick-session.json (device, versions, the command, settings, each stage's status, cap,
+time and outputs, the headline figures and verdicts), quick.log (every stage's output), attention.json,
+engine_table.json, e2e.json, e2e-fit.json, e2e-layer0.json, tiles.json, in `$OUT` or `--out`, else
 benchmarks/results/. `benchmarks/results/README.md` says how to read them.
 
 `--dry-run` runs the same stages with the same JSON on the CPU at tiny sizes (our kernels in Triton's
-interpreter; the gpu-marked tests are collected and skipped), so the script cannot rot between GPU
-runs: tests/integration/test_quick_session.py runs it.
+interpreter), so the script cannot rot between GPU runs: tests/integration/test_quick_session.py runs it.
 
     bash benchmarks/gpu_session.sh quick               # on the lent GPU machine
     python benchmarks/quick_session.py --dry-run --out /tmp/quick
@@ -37,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -53,9 +59,6 @@ SESSION_JSON, LOG = "quick-session.json", "quick.log"
 RESERVE_S, MIN_STAGE_S = 10.0, 20.0
 # A stage whose cap is reached gets SIGTERM, then SIGKILL after this many seconds.
 KILL_GRACE_S = 10.0
-PYTEST_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-PYTEST_COLLECTED = re.compile(r"\bcollected (\d+) items?(?: / (\d+) deselected)?")
-PYTEST_SUMMARY = re.compile(r"^=+ .*\b(passed|failed|skipped|error|errors|deselected|no tests ran)\b.* =+$")
 
 
 @dataclass
@@ -65,11 +68,13 @@ class QuickArguments:
         metadata={"help": "The same stages and JSON on the CPU at tiny sizes (Triton's interpreter): checks the "
                   "script, measures nothing of a GPU."},
     )
-    budget_s: float = field(default=480.0, metadata={"help": "Global deadline in seconds, from $QUICK_START if set."})
+    budget_s: float = field(default=540.0, metadata={"help": "Global deadline in seconds, from $QUICK_START if set."})
     out: str | None = field(default=None, metadata={"help": "Output folder; default $OUT, else benchmarks/results/."})
-    tests_cap_s: float = field(default=120.0, metadata={"help": "Cap of stage (a), the gpu-marked tests."})
-    attention_cap_s: float = field(default=200.0, metadata={"help": "Cap of stage (b), the attention benchmark."})
-    e2e_cap_s: float = field(default=300.0, metadata={"help": "Cap of stage (c), the training steps."})
+    attention_cap_s: float = field(default=110.0, metadata={"help": "Cap of stage (a), the attention benchmark."})
+    e2e_cap_s: float = field(default=200.0, metadata={"help": "Cap of stage (b), the training steps at 128K/256K."})
+    fit_cap_s: float = field(default=170.0, metadata={"help": "Cap of stage (c), the 512K and 1M steps."})
+    layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of stage (d), the first layer sparse."})
+    tiles_cap_s: float = field(default=60.0, metadata={"help": "Cap of stage (e), the tile short list."})
 
 
 @dataclass(frozen=True)
@@ -84,35 +89,43 @@ class Stage:
 
 
 def stages(args: QuickArguments, out: Path) -> list[Stage]:
-    """The three stages, their commands at full (GPU) or tiny (--dry-run) sizes."""
+    """The stages, their commands at full (GPU) or tiny (--dry-run) sizes."""
     py = sys.executable
-    tests = [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "tests/kernels/test_flex_gpu.py",
-             "tests/kernels/test_kernels_gpu.py", "-k", "not 32K and not fp16"]
-    attention = [py, "benchmarks/bench_attention.py", "--densities", "0.05", "0.2", "--estimated_budgets", "",
-                 "--variants", "ours", "flex_engine", "auto", "sdpa_cudnn", "sdpa_flash", "--time_forward", "false",
-                 "--profile_seq_lens", "0", "--output", str(out / "attention.json"),
-                 "--engine_table", str(out / "engine_table.json")]
-    e2e = [py, "benchmarks/bench_e2e.py", "--variants", "sparse_cp", "sparse_cp+liger", "sdpa+liger", "sdpa",
-           "--profile_seq_lens", "0",
-           "--output", str(out / "e2e.json")]
+    attention = [py, "benchmarks/bench_attention.py", "--densities", "0.05", "--estimated_budgets", "1000:256",
+                 "--estimated_variants", "ours", "--variants", "ours", "auto", "flex_engine", "flex", "flex_flash",
+                 "sdpa_cudnn", "sdpa_flash", "--time_forward", "false", "--profile_seq_lens", "0",
+                 "--output", str(out / "attention.json"), "--engine_table", str(out / "engine_table.json")]
+    e2e = [py, "benchmarks/bench_e2e.py", "--profile_seq_lens", "0", "--warmup_steps", "1", "--timed_steps", "1"]
+    headline = ["--variants", "sparse_cp", "sdpa+liger", "--output", str(out / "e2e.json")]
+    fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
+    layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--output", str(out / "e2e-layer0.json")]
+    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "dq", "dkdv",
+             "--output", str(out / "tiles.json")]
     if args.dry_run:
-        attention += ["--dry_run", "--seq_lens", "64", "128", "--block_size", "32", "--num_q_heads", "2",
+        attention += ["--dry_run", "--seq_lens", "128", "--block_size", "32", "--num_q_heads", "2",
                       "--num_kv_heads", "1", "--head_dim", "16", "--num_verticals", "4", "--dtype", "float16",
-                      "--warmup", "0", "--repeats", "1"]
-        e2e += ["--tiny", "--device", "cpu", "--min_seq", "256", "--max_seq", "256", "--fit_max_seq", "512",
-                "--warmup_steps", "0", "--timed_steps", "1", "--timeout_s", "120"]
-        attention_env = {"TRITON_INTERPRET": "1"}
+                      "--warmup", "0", "--repeats", "1", "--estimated_budgets", "8:2"]
+        e2e += ["--tiny", "--device", "cpu", "--timeout_s", "120"]
+        lengths = {"headline": ("256", "512"), "fit": ("1024", "2048"), "layer0": ("256", "256")}
+        tiles += ["--dry_run", "--seq_len", "96", "--block_size", "16", "--num_q_heads", "2", "--num_kv_heads", "1",
+                  "--head_dim", "16", "--num_verticals", "4", "--density", "0.3", "--warmup", "0", "--repeats", "1"]
+        interpreted = {"TRITON_INTERPRET": "1"}
     else:
-        attention += ["--seq_lens", "32768", "131072", "--warmup", "1", "--repeats", "5"]
-        e2e += ["--models", "0.5b", "--min_seq", "65536", "--max_seq", "131072", "--fit_max_seq", "1048576",
-                "--warmup_steps", "1", "--timed_steps", "2", "--timeout_s", "150"]
-        attention_env = {}
+        attention += ["--seq_lens", "131072", "--warmup", "1", "--repeats", "5"]
+        e2e += ["--models", "0.5b", "--timeout_s", "150"]
+        lengths = {"headline": ("131072", "262144"), "fit": ("524288", "1048576"), "layer0": ("131072", "131072")}
+        tiles += ["--seq_len", "32768", "--warmup", "1", "--repeats", "3"]
+        interpreted = {}
+    run = {name: [*e2e, "--min_seq", first, "--max_seq", last] for name, (first, last) in lengths.items()}
     from hf_sparse_cp.attention.engines import TABLE_ENV
 
+    table = {TABLE_ENV: str(out / "engine_table.json")}
     return [
-        Stage("tests", args.tests_cap_s, tests, []),
-        Stage("attention", args.attention_cap_s, attention, ["attention.json", "engine_table.json"], attention_env),
-        Stage("e2e", args.e2e_cap_s, e2e, ["e2e.json"], env_files={TABLE_ENV: str(out / "engine_table.json")}),
+        Stage("attention", args.attention_cap_s, attention, ["attention.json", "engine_table.json"], interpreted),
+        Stage("e2e", args.e2e_cap_s, run["headline"] + headline, ["e2e.json"], env_files=table),
+        Stage("fit", args.fit_cap_s, run["fit"] + fit, ["e2e-fit.json"], env_files=table),
+        Stage("layer0", args.layer0_cap_s, run["layer0"] + layer0, ["e2e-layer0.json"], env_files=table),
+        Stage("tiles", args.tiles_cap_s, tiles, ["tiles.json"], interpreted),
     ]
 
 
@@ -147,24 +160,6 @@ def run_stage(stage: Stage, cap_s: float, log_path: Path) -> dict:
     return {"status": status, "returncode": returncode, "wall_s": time.monotonic() - start}
 
 
-def pytest_outcomes(log_text: str) -> dict:
-    """The tests' outcomes from a `pytest -v` log (complete or cut off): how many were selected, counts per
-    outcome, the tests that failed or errored, and whether pytest reached its summary line (those
-    selected and not counted did not run)."""
-    outcomes, selected = {}, None
-    for line in log_text.splitlines():
-        m = PYTEST_OUTCOME.match(line)
-        if m:
-            outcomes[m.group(1)] = m.group(2).lower()
-        m = PYTEST_COLLECTED.search(line)
-        if m:
-            selected = int(m.group(1)) - int(m.group(2) or 0)
-    counts = {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "error", "skipped")}
-    return {"selected": selected, **counts,
-            "not_passed": sorted(t for t, v in outcomes.items() if v in ("failed", "error")),
-            "finished": any(PYTEST_SUMMARY.match(line) for line in log_text.splitlines())}
-
-
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -172,19 +167,60 @@ def _read(path: Path) -> dict | None:
         return None
 
 
+def _rows(report: dict, *keys: str) -> list[dict]:
+    return [{k: r.get(k) for k in keys} for r in report.get("results", [])]
+
+
+def _step_s(report: dict, variant: str, seq_len: int) -> float | None:
+    return next((r["step_s"] for r in report.get("results", [])
+                 if r["variant"] == variant and r["seq_len"] == seq_len and r["status"] == "ok"), None)
+
+
+def first_layer_cost(e2e: dict, layer0: dict) -> list[dict]:
+    """sparse_cp's step with the first layer dense (e2e.json, the default) against sparse (e2e-layer0.json) at
+    each length both ran: the dense first layer's share of the step."""
+    lengths = sorted({r["seq_len"] for r in layer0.get("results", []) if r["variant"] == "sparse_cp"})
+    out = []
+    for seq_len in lengths:
+        dense, sparse = _step_s(e2e, "sparse_cp", seq_len), _step_s(layer0, "sparse_cp", seq_len)
+        out.append({"seq_len": seq_len, "dense_first_layer_step_s": dense, "sparse_first_layer_step_s": sparse,
+                    "dense_first_layer_share": (dense - sparse) / dense if dense and sparse else None})
+    return out
+
+
+def verdicts(*reports: dict) -> list[dict]:
+    """Every target of the stages' JSON once (by its name), the measured entry where several files list it."""
+    found: dict[str, dict] = {}
+    for report in reports:
+        for key in ("targets", "engine_targets"):
+            for t in report.get(key, []):
+                if t["target"] not in found or found[t["target"]]["measured"] is None:
+                    found[t["target"]] = t
+    return list(found.values())
+
+
 def headline(out: Path) -> dict:
-    """The figures the README's tables take, from the stages' JSON: attention fwd+bwd ms per (S, layout,
-    variant), the engine targets, e2e tokens/s and peak memory per (variant, S), the longest fits."""
-    attention, e2e = _read(out / "attention.json") or {}, _read(out / "e2e.json") or {}
+    """The figures the README's tables take, from the stages' JSON: attention fwd+bwd ms per (S, layout, variant)
+    and ours over every baseline, the estimation's share, e2e tokens/s and peak memory per (variant, S) with the
+    speed-ups, the fit runs with their predicted peaks, the dense first layer's cost, the tiles timed best per
+    kernel, and every target's verdict."""
+    attention, e2e, fit, layer0, tiles = (_read(out / name) or {} for name in (
+        "attention.json", "e2e.json", "e2e-fit.json", "e2e-layer0.json", "tiles.json"))
     return {
-        "attention_fwd_bwd_ms": [{k: r.get(k) for k in ("seq_len", "layout", "variant", "density", "status",
-                                                        "fwd_bwd_ms", "auto_engine")}
-                                 for r in attention.get("results", [])],
-        "engine_targets": attention.get("engine_targets", []),
-        "e2e": [{k: r.get(k) for k in ("model", "variant", "seq_len", "status", "tokens_per_s", "peak_gib",
-                                       "kept_fraction")} for r in e2e.get("results", [])],
-        "longest_fit": e2e.get("longest_fit", []),
-        "e2e_targets": e2e.get("targets", []),
+        "attention_fwd_bwd_ms": _rows(attention, "seq_len", "layout", "variant", "density", "status", "fwd_bwd_ms",
+                                      "fwd_bwd_tflops", "auto_engine"),
+        "attention_ratios": attention.get("ratios", []),
+        "estimation": [{k: e.get(k) for k in ("seq_len", "layout", "total_ms", "share_of_fwd_bwd")}
+                       for e in attention.get("estimation", [])],
+        "e2e": _rows(e2e, "model", "variant", "seq_len", "status", "tokens_per_s", "peak_gib", "kept_fraction",
+                     "fused_ops"),
+        "speedups": e2e.get("speedups", []),
+        "fit": fit.get("memory_predictions", []) + [
+            {k: r.get(k) for k in ("model", "variant", "seq_len", "status", "reason")}
+            for r in fit.get("results", []) if r["status"] != "ok"],
+        "first_layer": first_layer_cost(e2e, layer0),
+        "tiles_best": tiles.get("best", {}),
+        "verdicts": verdicts(attention, e2e, fit),
     }
 
 
@@ -194,23 +230,30 @@ def format_summary(report: dict) -> str:
     for s in report["stages"]:
         wall = f"{s['wall_s']:.0f} s" if s.get("wall_s") is not None else "-"
         lines.append(f"  stage {s['name']:<9} {s['status']:<8} {wall:>6} of cap {s['cap_s']:.0f} s")
-    t = report.get("tests")
-    if t:
-        lines.append(f"  tests: {t['selected']} selected: {t['passed']} passed, {t['failed']} failed, {t['error']} "
-                     f"errors, {t['skipped']} skipped{'' if t['finished'] else ' (cut off)'}"
-                     + "".join(f"\n    {n}" for n in t["not_passed"]))
     h = report["headline"]
     for r in h["attention_fwd_bwd_ms"]:
         shown = f"{r['fwd_bwd_ms']:.2f} ms" if r["status"] == "ok" else r["status"]
         pick = f" (picked {r['auto_engine']})" if r.get("auto_engine") else ""
-        lines.append(f"  attention {r['seq_len'] // 1024}K {r['layout']:<8} {r['variant']:<12} fwd+bwd {shown}{pick}")
+        lines.append(f"  attention {r['seq_len'] // 1024}K {r['layout']:<14} {r['variant']:<12} fwd+bwd {shown}{pick}")
+    for e in h["attention_ratios"]:
+        over = ", ".join(f"{b} {x:.2f}x" for b, x in e["over"].items() if x is not None)
+        lines.append(f"  {e['variant']} {e['seq_len'] // 1024}K {e['layout']} over: {over or '-'}")
+    for e in h["estimation"]:
+        share = "-" if e["share_of_fwd_bwd"] is None else f"{100 * e['share_of_fwd_bwd']:.1f}% of our fwd+bwd"
+        lines.append(f"  estimation {e['seq_len'] // 1024}K {e['layout']}: {e['total_ms']:.2f} ms, {share}")
     for r in h["e2e"]:
         shown = (f"{r['tokens_per_s']:.0f} tokens/s, {r['peak_gib']:.1f} GiB" if r["status"] == "ok" else r["status"])
         lines.append(f"  e2e {r['model']} {r['variant']:<11} {r['seq_len'] // 1024}K: {shown}")
-    for f in h["longest_fit"]:
-        longest = f"{f['seq_len'] // 1024}K" if f["seq_len"] else "nothing"
-        lines.append(f"  longest fit {f['model']} {f['variant']}: {longest} (then {f['ended_by']})")
-    for t in h["engine_targets"] + h["e2e_targets"]:
+    for f in h["fit"]:
+        shown = (f"{f['step_s']:.1f} s, {f['peak_gib']:.1f} GiB (predicted {f['predicted_peak_gib']:.1f})"
+                 if f.get("peak_gib") is not None else f"{f['status']}: {f.get('reason') or ''}"[:100])
+        lines.append(f"  fit {f['model']} {f['variant']} {f['seq_len'] // 1024}K: {shown}")
+    for f in h["first_layer"]:
+        share = "-" if f["dense_first_layer_share"] is None else f"{100 * f['dense_first_layer_share']:.1f}%"
+        lines.append(f"  dense first layer at {f['seq_len'] // 1024}K: {share} of the step")
+    for kernel, best in h["tiles_best"].items():
+        lines.append(f"  tiles {kernel}: best {best['tiles']} {best.get('ms')} ms (launched: {best['current']})")
+    for t in h["verdicts"]:
         verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
         value = "" if t["measured"] is None else f"{t['measured']:.3f} " if isinstance(t["measured"], float) else \
             f"{t['measured']} "
@@ -236,7 +279,7 @@ def main(argv: list[str]) -> dict:
     report = {"benchmark": "quick_session", "date": datetime.now(UTC).isoformat(timespec="seconds"), "complete": False,
               **env, "command": [sys.executable, *sys.argv] if argv == sys.argv[1:] else ["quick_session.py", *argv],
               "settings": {**dataclasses.asdict(args), "out": str(out), "reserve_s": RESERVE_S},
-              "stages": [], "tests": None, "headline": headline(out)}
+              "stages": [], "headline": headline(out)}
 
     def write() -> None:
         report["headline"] = headline(out)
@@ -249,10 +292,7 @@ def main(argv: list[str]) -> dict:
             entry.update(status="skipped", reason=f"{cap:.0f} s left before the deadline")
         else:
             print(f"[quick] stage {stage.name} (cap {cap:.0f} s)", flush=True)
-            log_start = log_path.stat().st_size
             entry.update(run_stage(stage, cap, log_path))
-            if stage.name == "tests":
-                report["tests"] = pytest_outcomes(log_path.read_text()[log_start:])
         report["stages"].append(entry)
         write()
     report["complete"] = True

@@ -21,13 +21,16 @@ fastest first, with the speed-up over the current tiles, and writes JSON to benc
     python benchmarks/tune_tiles.py
     python benchmarks/tune_tiles.py --kernels dkdv --seq_len 131072 --density 0.1
 
-This is a GPU benchmark: without CUDA it refuses to run. The candidate grids, the ranking and
-the table (`rank`, `format_table`) run anywhere. The candidates are `configs.tile_candidates`.
+This is a GPU benchmark: without CUDA it refuses to run, except `--dry_run` (CPU, the kernels in Triton's
+interpreter at the sizes given; benchmarks/gpu_session.sh quick --dry-run). The candidate grids, the ranking
+and the table (`rank`, `format_table`) run anywhere. The candidates are `configs.tile_candidates`, or with
+`--shortlist` the few of `SHORTLIST` (the quick GPU session's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +49,17 @@ from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.benchmarking import ReportFile, parse_gpu_benchmark_args, rel_rms, time_ms
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# `--shortlist`: the few candidates per kernel that one short GPU call times (benchmarks/gpu_session.sh quick), at
+# head_dim 128, 8 warps: those whose sm_90 builds on the GPU image's Triton (3.6) keep every register in registers
+# and fit shared memory (kernel-candidates_triton-3.6.0_*.json; dq with column gradients, its heaviest variant),
+# the launched tiles (the dk/dv one keeps 56 B of stack there), and for the forward and dq the same tiles with
+# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`, built spill-free, never timed).
+SHORTLIST = {
+    "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True)],
+    "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
+           Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3)],
+    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
+}
 # Largest relative RMS difference from the current tiles' result that still counts as the same
 # function: only the fp32 accumulation order changes with the tiles.
 SAME_RESULT_RTOL = 1e-3
@@ -65,6 +79,17 @@ class TuneTilesArguments:
     warmup: int = field(default=2, metadata={"help": "Untimed runs per candidate (the first compiles it)."})
     repeats: int = field(default=10, metadata={"help": "Timed runs per candidate; the median is reported."})
     seed: int = field(default=0, metadata={"help": "Seed of the layout and inputs."})
+    shortlist: bool = field(
+        default=False,
+        metadata={"help": "Time only `SHORTLIST`'s candidates (a short GPU call) instead of every candidate of "
+                  "configs.tile_candidates."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Run on the CPU (sizes from the command line; the kernels in Triton's interpreter, which "
+                  "needs TRITON_INTERPRET=1; tiles capped at the layout block): checks the script, measures nothing "
+                  "of the GPU."},
+    )
     output: str | None = field(default=None, metadata={"help": "JSON path; default benchmarks/results/."})
 
     def __post_init__(self) -> None:
@@ -89,14 +114,15 @@ def rank(rows: list[dict]) -> list[dict]:
 
 
 def format_table(kernel: str, rows: list[dict]) -> str:
-    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'ms':>9} "
+    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'ms':>9} "
               f"{'x current':>9}  note")
     lines = [header, "-" * len(header)]
     base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
     for r in rank(rows):
         t = r["tiles"]
         cells = (f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} "
-                 f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3}")
+                 f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3} "
+                 f"{'yes' if t.get('kv_descriptors') else '':>3}")
         if r["status"] == "ok":
             speedup = f"{base / r['ms']:9.2f}" if base else " " * 9
             note = "current" if r["current"] else ""
@@ -151,7 +177,8 @@ class Tuner:
         reference = result()
         now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        candidates = tiles_list or configs.tile_candidates(kernel, a.block_size, a.head_dim)
+        candidates = tiles_list or (SHORTLIST[kernel] if a.shortlist else
+                                    configs.tile_candidates(kernel, a.block_size, a.head_dim))
         for i, tiles in enumerate(candidates, 1):
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
             try:
@@ -190,9 +217,12 @@ def build_report(tuner: Tuner, env: dict, complete: bool) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    args = parse_gpu_benchmark_args(TuneTilesArguments, argv, "tune_tiles.py")
-    tuner = Tuner(args)
-    env = environment(torch.device("cuda"))
+    args = parse_gpu_benchmark_args(TuneTilesArguments, argv, "tune_tiles.py", cpu_dry_run=True)
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("tune_tiles.py --dry_run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1.")
+    device = "cpu" if args.dry_run else "cuda"
+    tuner = Tuner(args, device)
+    env = environment(torch.device(device))
     out = ReportFile(RESULTS_DIR, "tiles", args.output)
     save = lambda: out.write(build_report(tuner, env, complete=False))
     tables = [format_table(kernel, tuner.run_kernel(kernel, after_each=save)) for kernel in args.kernels]

@@ -76,7 +76,8 @@ def _overridden(kernel: str, block_size: int) -> Tiles | None:
 def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[int, ...] | None = None) -> list[Tiles]:
     """The tiles worth timing for `kernel` ("forward", "dq", "dkdv"): wgmma-sized products (64 rows
     on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
-    or in a separate pass; sizes above the layout block are dropped.
+    or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
+    descriptors (`Tiles.kv_descriptors`); sizes above the layout block are dropped.
 
     Warps (unless given): 8 only above head_dim 64, where every 4-warp build spilled more (see
     benchmarks/results/README.md); 4 and 8 at head_dim 64 and below."""
@@ -86,9 +87,9 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
         warps = (8,) if head_dim > 64 else (4, 8)
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
-        grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate)
+        grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate, (False,))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
-        grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate)
+        grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True))
     tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
     return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
 

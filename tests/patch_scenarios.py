@@ -136,6 +136,24 @@ def sparse_attention() -> Iterator:
         disable_sparse_attention(model)
 
 
+def liger_kernel_flag() -> Iterator:
+    """--use_liger_kernel with sparse attention on a (pretended) CUDA machine: the plugin applies liger-kernel
+    itself (only its module replacement runs here) and turns the Trainer's own application off."""
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention, enable_sparse_attention
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+        training = TrainingArguments(output_dir=tmp, report_to="none", save_strategy="no", use_liger_kernel=True)
+        yield [(training, "use_liger_kernel")]
+        available, torch.cuda.is_available = torch.cuda.is_available, lambda: True
+        try:
+            enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), SparseAttentionConfig(), training)
+        finally:
+            torch.cuda.is_available = available
+        yield
+        disable_sparse_attention(model)
+
+
 def capturing_layouts() -> Iterator:
     from hf_sparse_cp.attention import sequence
     from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
@@ -187,6 +205,7 @@ ONE_PROCESS = {
      "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
+    ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,
     ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")

@@ -10,13 +10,16 @@ project's one override mechanism, `hf_sparse_cp.backends.choose_backend`). 'auto
 * the kernels and Flex decline tensors off CUDA, and CUDA inputs the kernels cannot take (fp64,
   head_dim above 128), which then run the PyTorch reference (on CUDA with a warning); Flex also declines
   when this torch has no FlexAttention;
-* where both may run a call, it picks the faster of the kernels and Flex for the call's shape from a measured timing
-  table (`$HF_SPARSE_CP_ENGINE_TABLE`, the JSON `benchmarks/bench_attention.py` writes, e.g. through
-  `benchmarks/gpu_session.sh quick`): among the table's rows for this GPU whose layouts list key
-  columns exactly when this call's does, the nearest sequence length, then the nearest kept fraction
-  (rows of the call's head_dim first). Without a table for this GPU, or without such a row, the
-  default is the Triton kernels: the engine the earlier releases ran, and the one that gathers single
-  key columns (Flex computes a column as part of a 128-key tile of a gathered buffer).
+* a layout that lists key columns (a vertical-slash layer) runs the Triton kernels: the flex engine
+  computes columns as 128-key tiles of a gathered buffer under a per-element mask, which was measured
+  slower than the kernels on every such layout and slower than dense Flex on a 5%-kept one
+  (benchmarks/results/README.md), so auto leaves that path out;
+* for a layout without columns (dense layers, a block pattern) that both may run, it picks the faster of
+  the kernels and Flex for the call's shape from a measured timing table (`$HF_SPARSE_CP_ENGINE_TABLE`, the
+  JSON `benchmarks/bench_attention.py` writes, e.g. through `benchmarks/gpu_session.sh quick`): among the
+  table's rows for this GPU without columns, the nearest sequence length, then the nearest kept fraction
+  (rows of the call's head_dim first). Without a table for this GPU, or without such a row, the default
+  is the Triton kernels, the engine the earlier releases ran.
 """
 
 from __future__ import annotations
@@ -231,9 +234,10 @@ def engine_table() -> dict | None:
 def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:
     """'triton' or 'flex' for a call of `shape` on `device` (a GPU's name), from `table`'s rows
     ({device, seq_len, kept_fraction, has_columns, head_dim, triton_ms, flex_ms}) as the module
-    docstring says; DEFAULT_ENGINE without a matching row."""
-    rows = [r for r in (table or {}).get("rows", ())
-            if table.get("device") == device and bool(r["has_columns"]) == shape.has_columns]
+    docstring says; DEFAULT_ENGINE for a layout with columns and without a matching row."""
+    if shape.has_columns:  # the flex engine's column path is not a candidate (module docstring)
+        return DEFAULT_ENGINE
+    rows = [r for r in (table or {}).get("rows", ()) if table.get("device") == device and not r["has_columns"]]
     if not rows:
         return DEFAULT_ENGINE
     same_dim = [r for r in rows if r["head_dim"] == shape.head_dim]

@@ -109,9 +109,10 @@ class SparseAttentionConfig(FileConfig):
     attention_engine: Literal["auto", "triton", "flex", "reference"] = field(
         default="auto",
         metadata={"help": "What computes attention over the layout: 'triton' (our kernels), 'flex' (FlexAttention, "
-                  "compiled, CUDA for training), 'reference' (PyTorch, any device) or 'auto': the faster of the "
-                  "kernels and Flex per call on CUDA from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the "
-                  "kernels without one), the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
+                  "compiled, CUDA for training), 'reference' (PyTorch, any device) or 'auto': on CUDA the kernels for "
+                  "layouts with key columns (vertical-slash), and for those without the faster of the kernels and "
+                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one); the "
+                  "reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
                   "Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
                   "($HF_SPARSE_CP_DENSE_BACKEND)."},
     )

@@ -31,7 +31,7 @@ from .architectures import rowwise_classes
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
 TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15"), "torch": ("2.13", "2.13"),
-                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16")}
+                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "liger_kernel": ("0.8.5", "0.8.5")}
 
 # Names of the private methods the plugin replaces or calls on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
@@ -166,12 +166,20 @@ PATCHES = (
     Patch("transformers.PreTrainedModel", "forward", "replaces", "the lean loss: supported *ForCausalLM classes "
           "train without materializing [tokens, vocab] logits (process-wide, per class)", "disable_lean_loss()"),
     *(Patch(f"{module}.{name}", "forward", "replaces", "token tiles: a decoder layer's MLP and RMSNorms run a "
-            "tile of tokens at a time (memory_savers.py, --sparse_token_tiling_min_length), on the model's own "
-            "instances", "disable_memory_savers(model) / disable_sparse_attention(model)", ("self", argument))
+            "tile of tokens at a time (memory_savers.py, --sparse_token_tiling_min_length), or through torch.compile "
+            "(fused_ops.py, --sparse_fused_ops compile), on the model's own instances", "disable_memory_savers(model) "
+            "/ disable_fused_ops(model) / disable_sparse_attention(model)", ("self", argument))
       for name, (module, argument) in rowwise_classes().items()),
     Patch("transformers.modeling_layers.GradientCheckpointingLayer", "forward", "replaces", "host offload: a "
           "decoder layer runs inside hooks that move what its checkpoint saves (its inputs) to host memory "
           "(--sparse_offload_layer_inputs), on the model's own instances", "disable_memory_savers(model) / "
+          "disable_sparse_attention(model)"),
+    Patch("liger_kernel.transformers", "_apply_liger_kernel_to_instance", "calls", "--sparse_fused_ops liger (or "
+          "--use_liger_kernel): liger-kernel's replacements for the model type, applied to the instance as the stock "
+          "Trainer applies them; every name it changes, on the model and process-wide, is recorded and restored "
+          "(fused_ops.py)", "disable_fused_ops(model) / disable_sparse_attention(model)", ("model", "**kwargs")),
+    Patch("transformers.TrainingArguments", "use_liger_kernel", "sets", "the plugin applies liger-kernel itself, "
+          "before the token tiles, which the Trainer's own application in train() would replace",
           "disable_sparse_attention(model)"),
     Patch("transformers.PretrainedConfig", "sparse_attention", "sets", "a model's sparse-attention settings are "
           "stored on its config (saved with it)", "disable_sparse_attention(model) / disable_curriculum(trainer)",
@@ -302,6 +310,11 @@ def require(qualified: str, instance: Any = None) -> None:
 
 
 def _matches(owner: Any, patch: Patch) -> bool:
+    # by the defining module and name first: the dotted name may now hold another class (liger-kernel replaces the
+    # norm and MLP classes in the modeling modules, after the model's own instances were built)
+    cls = owner if isinstance(owner, type) else type(owner)
+    if any(f"{c.__module__}.{c.__qualname__}" == patch.owner for c in cls.__mro__):
+        return True
     try:
         target = _resolve(patch.owner)
     except (ImportError, AttributeError):

@@ -49,7 +49,7 @@ def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return [(names.get(m, "?"), m) for m in found]
 
 
-class _ReplacedForward:
+class ReplacedForward:
     """A module's replaced `forward`: an object bound to its module rather than a closure, so that a copy
     of the model (pickle, `copy.deepcopy`) gets its own, calling the copy's module, and its record undoes it."""
 
@@ -62,6 +62,11 @@ class _ReplacedForward:
         self._function = replaced.__func__ if bound_here else None
         self._replaced = None if bound_here else replaced
 
+    @property
+    def inner(self):
+        """The forward this one replaced, when it was not a method of the module (another replaced forward)."""
+        return self._replaced
+
     def replaced(self, *args, **kwargs):
         """The forward this one replaced."""
         if self._function is not None:
@@ -69,7 +74,7 @@ class _ReplacedForward:
         return self._replaced(*args, **kwargs)
 
 
-class _TiledForward(_ReplacedForward):
+class _TiledForward(ReplacedForward):
     def __init__(self, module: torch.nn.Module, tile_tokens: int) -> None:
         super().__init__(module)
         self.tile_tokens = tile_tokens
@@ -79,7 +84,7 @@ class _TiledForward(_ReplacedForward):
         return tiled_rows(self.replaced, hidden_states, params, self.tile_tokens)
 
 
-class _OffloadingForward(_ReplacedForward):
+class _OffloadingForward(ReplacedForward):
     def __init__(self, layer: torch.nn.Module, offload: HostOffload) -> None:
         super().__init__(layer)
         self.offload = offload

@@ -83,6 +83,21 @@ class PatchSet:
         mapping[key] = value
         self.on_undo(functools.partial(_restore_item, mapping, key, previous, value))
 
+    def record_changes(self, owners: list[Any], change: Callable[[], Any], *, outside: bool = False) -> Any:
+        """Run `change()`, another library's own patching function, and record every attribute of `owners` (modules,
+        classes, objects; a torch module's child modules too) that it set, replaced or deleted: undoing restores each
+        while it is still the value `change` left. Returns what `change` returned. The caller's `compat.PATCHES`
+        entry names the function called (its members are not known beforehand). `outside`: see `on_undo`."""
+        before = [(owner, _attributes(owner)) for owner in owners]
+        result = change()
+        for owner, previous in before:
+            now = _attributes(owner)
+            for name in previous.keys() | now.keys():
+                old, new = previous.get(name, _MISSING), now.get(name, _MISSING)
+                if old is not new:
+                    self.on_undo(functools.partial(_restore_recorded, owner, name, old, new), outside=outside)
+        return result
+
     def on_undo(self, action: Callable[[], None], *, outside: bool = False) -> None:
         """Run `action` on undo. `outside=True` for a change outside the object this record is kept on
         (process-wide state, another object): a copy of that object does not carry it."""
@@ -97,6 +112,24 @@ class PatchSet:
 def _restore_attr(owner: Any, name: str, previous: Any, value: Any) -> None:
     if _current(owner, name) is not value:
         return  # replaced after us: leave theirs
+    if previous is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, previous)
+
+
+def _attributes(owner: Any) -> dict[str, Any]:
+    """`owner`'s own attributes by name, a torch module's children included (they live in `_modules`)."""
+    found = dict(vars(owner))
+    children = found.get("_modules")
+    if isinstance(children, dict):
+        found.update(children)
+    return found
+
+
+def _restore_recorded(owner: Any, name: str, previous: Any, value: Any) -> None:
+    if _attributes(owner).get(name, _MISSING) is not value:
+        return  # changed again after the recorded change: leave it
     if previous is _MISSING:
         delattr(owner, name)
     else:

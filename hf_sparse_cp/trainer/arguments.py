@@ -58,6 +58,14 @@ class SparseCPArguments:
         metadata={"help": "Compute the causal-LM loss without materializing [tokens, vocab] logits (liger-kernel "
                   "on CUDA when installed, chunked PyTorch otherwise)."},
     )
+    sparse_fused_ops: Literal["auto", "liger", "compile", "off"] = field(
+        default="auto",
+        metadata={"help": "Fuse the work around attention (RMSNorm, RoPE, the MLP's activation): 'liger' "
+                  "liger-kernel's kernels (CUDA; what --use_liger_kernel asks, with the loss left to "
+                  "--sparse_fused_loss), 'compile' torch.compile on the MLPs and RMSNorms, 'off' stock PyTorch; "
+                  "'auto' is 'liger' on CUDA when liger-kernel is installed (pip install 'hf-sparse-cp[liger]'), "
+                  "else 'off'. The start-up line says what runs."},
+    )
     sparse_gradient_checkpointing_min_length: int = field(
         default=16384,
         metadata={"help": "Turn gradient checkpointing on when the training sequence length is at least this "

@@ -25,6 +25,13 @@ from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout
 from ..integration import compat
 from ..integration.backend import model_config_for
+from ..integration.fused_ops import (
+    describe_fused_ops,
+    disable_fused_ops,
+    enable_fused_ops,
+    liger_settings,
+    resolve_fused_ops,
+)
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
@@ -118,11 +125,37 @@ def enable_sparse_attention(
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
                 patches.set_attr(training_args, name, True, outside=True)
+    choice = fused_ops_choice(model, sparse_args, training_args)
+    if choice != "off":  # before the token tiles, which wrap the fused modules
+        enable_fused_ops(model, choice, liger_settings(getattr(training_args, "liger_kernel_config", None),
+                                                       sparse_args.sparse_fused_loss))
+        patches.on_undo(functools.partial(disable_fused_ops, model))
+    if choice == "liger" and getattr(training_args, "use_liger_kernel", False):
+        # applied here, before the token tiles: the Trainer's own application would replace them
+        patches.set_attr(training_args, "use_liger_kernel", False, outside=True)
     savers = sparse_args.memory_savers(max_length)
     if savers.active:
         enable_memory_savers(model, savers)
         patches.on_undo(functools.partial(disable_memory_savers, model))
     return config
+
+
+def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,
+                     training_args: TrainingArguments | None) -> str:
+    """'liger', 'compile' or 'off' (`integration.fused_ops`): `--sparse_fused_ops`, where the Trainer's
+    `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the Trainer
+    trains there (the model's device without training arguments)."""
+    setting = sparse_args.sparse_fused_ops
+    if getattr(training_args, "use_liger_kernel", False):
+        if setting not in ("auto", "liger"):
+            raise ValueError(f"--use_liger_kernel asks for liger-kernel's kernels and --sparse_fused_ops {setting} "
+                             "for something else; drop one of the two.")
+        setting = "liger"
+    if training_args is not None:
+        on_cuda = torch.cuda.is_available() and not training_args.use_cpu
+    else:
+        on_cuda = any(p.is_cuda for p in model.parameters())
+    return resolve_fused_ops(setting, on_cuda)
 
 
 def _set_attn_implementation(model: torch.nn.Module, implementation: str) -> None:
@@ -245,7 +278,8 @@ def attach_to_trainer(
             how = parallel.describe()
         else:
             how = "off"
-        logger.warning("%s; context parallelism: %s.", describe_layers(trainer.model, max_length), how)
+        logger.warning("%s; %s; context parallelism: %s.", describe_layers(trainer.model, max_length),
+                       describe_fused_ops(trainer.model), how)
     return parallel
 
 

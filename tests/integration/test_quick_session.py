@@ -1,6 +1,6 @@
 """benchmarks/gpu_session.sh quick: its --dry-run end to end on the CPU (the same stages and JSON as the
 GPU run, at tiny sizes, our kernels in Triton's interpreter), so the script cannot rot between GPU
-runs; and the orchestration's parts: the caps, the deadline, pytest's outcomes from a cut-off log."""
+runs; and the orchestration's parts: the caps, the deadline, the verdicts gathered from the stages' files."""
 
 import json
 import os
@@ -27,41 +27,54 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
                           text=True, timeout=900, env=env, check=False)
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"quick-session.json", "quick.log", "attention.json",
-                                                     "engine_table.json", "e2e.json"}
+    files = {p.name for p in tmp_path.iterdir()}
+    assert files == {"quick-session.json", "quick.log", "attention.json", "engine_table.json", "e2e.json",
+                     "e2e-fit.json", "e2e-layer0.json", "tiles.json"}
+    assert len(files) <= 8  # what a GPU call brings back
     session = json.loads((tmp_path / "quick-session.json").read_text())
     assert session["complete"] and session["settings"]["dry_run"] and session["device_type"] == "cpu"
-    assert [(s["name"], s["status"]) for s in session["stages"]] == [("tests", "ok"), ("attention", "ok"),
-                                                                     ("e2e", "ok")]
-    assert session["wall_s"] <= session["settings"]["budget_s"] and wall < 900
-    tests = session["tests"]  # the gpu-marked tests of both engines, collected and skipped on the CPU
-    assert tests["finished"] and tests["skipped"] == tests["selected"] >= 20
-    assert tests["passed"] == tests["failed"] == tests["error"] == 0
+    assert [(s["name"], s["status"]) for s in session["stages"]] == [
+        ("attention", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok"), ("tiles", "ok")]
+    assert session["wall_s"] <= session["settings"]["budget_s"] <= 540 and wall < 900
 
     attention = json.loads((tmp_path / "attention.json").read_text())
     assert attention["complete"] and attention["command"] and attention["settings"]["dry_run"]
-    rows = {(r["seq_len"], r["layout"], r["variant"]): r for r in attention["results"]}
-    for s in (64, 128):
-        for layout in ("vs@5%", "vs@20%", "dense"):
-            assert rows[(s, layout, "ours")]["status"] == "ok"  # our kernels, interpreted
-            assert rows[(s, layout, "auto")]["auto_engine"] == "reference"  # auto off CUDA
-            assert "CUDA" in rows[(s, layout, "flex_engine")]["reason"]  # no Flex backward on CPU
-        assert rows[(s, "dense", "sdpa_flash")]["status"] == "ok"
-    assert [c["status"] for c in attention["checks"]] == ["pass"] * 2  # ours == the flex engine (forward), first S
-    assert len(attention["engine_targets"]) == 3
+    rows = {(r["layout"], r["variant"]): r for r in attention["results"]}
+    for layout in ("vs@5%", "dense"):
+        assert rows[(layout, "ours")]["status"] == "ok"  # our kernels, interpreted
+        assert rows[(layout, "auto")]["auto_engine"] == "reference"  # auto off CUDA
+        assert "CUDA" in rows[(layout, "flex_engine")]["reason"]  # no Flex backward on CPU
+        for flex in ("flex", "flex_flash"):  # compiled Flex on the same blocks, both backends: rows with the reason
+            assert "backward on CPU" in rows[(layout, flex)]["reason"]
+    assert rows[("dense", "sdpa_flash")]["status"] == "ok"
+    assert {v for (layout, v) in rows if layout.startswith("est ")} == {"ours"}  # --estimated_variants
+    (estimation,) = attention["estimation"]  # the pattern estimation's share of the attention it serves
+    assert estimation["share_of_fwd_bwd"] > 0 and estimation["share_of_fwd"] is None
+    assert [(c["against"], c["status"]) for c in attention["checks"]] == [("flex_engine", "pass"), ("flex", "pass")]
+    assert {"flex", "flex_flash", "sdpa_cudnn"} <= set(attention["ratios"][0]["over"])
+    assert len(attention["engine_targets"]) == 3 and len(attention["targets"]) == 7
     table = json.loads((tmp_path / "engine_table.json").read_text())
     assert table["kind"] == "hf_sparse_cp engine table" and table["rows"] == []  # no flex fwd+bwd on CPU
 
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["complete"] and {(r["variant"], r["seq_len"], r["status"]) for r in e2e["results"]} == {
-        ("sparse_cp", 256, "ok"), ("sparse_cp+liger", 256, "skipped"), ("sdpa+liger", 256, "skipped"),
-        ("sdpa", 256, "ok"), ("sparse_cp", 512, "ok"), ("sdpa", 512, "ok")}
-    fits = {f["variant"]: (f["seq_len"], f["ended_by"]) for f in e2e["longest_fit"]}
-    assert fits == {"sparse_cp": (512, "cap"), "sparse_cp+liger": (None, "skipped"),
-                    "sdpa+liger": (None, "skipped"), "sdpa": (512, "cap")}
+        ("sparse_cp", 256, "ok"), ("sdpa+liger", 256, "skipped"), ("sparse_cp", 512, "ok")}
+    assert {r["fused_ops"]["choice"] for r in e2e["results"] if r["variant"] == "sparse_cp"} == {"off"}  # CPU
+    fit = json.loads((tmp_path / "e2e-fit.json").read_text())
+    assert [(r["seq_len"], r["status"]) for r in fit["results"]] == [(1024, "ok"), (2048, "ok")]
+    assert all(r["predicted_peak_gib"] > 0 for r in fit["results"])  # the memory model's peak beside each run
+    layer0 = json.loads((tmp_path / "e2e-layer0.json").read_text())
+    assert layer0["sparse_attention"]["dense_first_layers"] == 0 and e2e["sparse_attention"]["dense_first_layers"] == 1
+    tiles = json.loads((tmp_path / "tiles.json").read_text())
+    assert tiles["settings"]["shortlist"] and set(tiles["best"]) == {"dq", "dkdv"}
+    assert all(r["status"] == "ok" for r in tiles["results"])  # each candidate computes the launched tiles' result
+
     headline = session["headline"]
-    assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"]) and headline["longest_fit"] == \
-        e2e["longest_fit"]
+    assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"])
+    (first_layer,) = headline["first_layer"]
+    assert first_layer["seq_len"] == 256 and first_layer["dense_first_layer_share"] is not None
+    names = [t["target"] for t in headline["verdicts"]]
+    assert len(names) == len(set(names)) and "0.5b sparse_cp trains at 1024K" in names
     assert "stage attention ok" in " ".join(proc.stdout.split())
     print(f"quick --dry-run: {wall:.0f} s wall")
 
@@ -82,20 +95,22 @@ def test_a_stage_past_its_cap_is_killed_with_its_children(quick, tmp_path):
 def test_stages_past_the_deadline_are_skipped_and_reported(quick, tmp_path, monkeypatch):
     monkeypatch.setenv("QUICK_START", str(time.time() - 1000))  # the budget is spent before the first stage
     report = quick.main(["--dry-run", "--out", str(tmp_path)])
-    assert report["complete"] and [s["status"] for s in report["stages"]] == ["skipped"] * 3
+    assert report["complete"] and [s["status"] for s in report["stages"]] == ["skipped"] * 5
     assert json.loads((tmp_path / "quick-session.json").read_text())["stages"][0]["reason"].endswith("deadline")
 
 
-def test_pytest_outcomes_from_a_cut_off_log(quick):
-    log = "\n".join([
-        "collecting ... collected 12 items / 2 deselected / 10 selected",
-        "tests/kernels/test_flex_gpu.py::test_a[x] PASSED                 [ 10%]",
-        "tests/kernels/test_flex_gpu.py::test_b FAILED                    [ 20%]",
-        "tests/kernels/test_kernels_gpu.py::test_c[y-z] SKIPPED (needs a CUDA GPU) [ 30%]",
-        "tests/kernels/test_kernels_gpu.py::test_d ERROR                  [ 40%]",
-    ])
-    got = quick.pytest_outcomes(log)
-    assert (got["selected"], got["passed"], got["failed"], got["skipped"], got["error"]) == (10, 1, 1, 1, 1)
-    assert got["not_passed"] == ["tests/kernels/test_flex_gpu.py::test_b", "tests/kernels/test_kernels_gpu.py::test_d"]
-    assert not got["finished"]
-    assert quick.pytest_outcomes(log + "\n======= 1 failed, 1 passed, 1 skipped, 1 error in 3.2s =======")["finished"]
+def test_verdicts_keep_each_target_once_the_measured_entry_first(quick):
+    e2e = {"targets": [{"target": "0.5b sparse_cp trains at 1024K", "measured": None, "pass": None, "required": "ok"},
+                       {"target": "0.5b 128K: ratio", "measured": 3.2, "pass": True, "required": ">= 3"}]}
+    fit = {"targets": [{"target": "0.5b sparse_cp trains at 1024K", "measured": "ok", "pass": True, "required": "ok"},
+                       {"target": "0.5b 128K: ratio", "measured": None, "pass": None, "required": ">= 3"}]}
+    got = {t["target"]: t["pass"] for t in quick.verdicts(e2e, fit)}
+    assert got == {"0.5b sparse_cp trains at 1024K": True, "0.5b 128K: ratio": True}
+
+
+def test_first_layer_cost_from_the_two_e2e_files(quick):
+    run = lambda step: {"results": [{"variant": "sparse_cp", "seq_len": 131072, "status": "ok", "step_s": step}]}
+    (cost,) = quick.first_layer_cost(run(4.0), run(3.6))
+    assert cost["dense_first_layer_share"] == pytest.approx(0.1)
+    (missing,) = quick.first_layer_cost({"results": []}, run(3.6))
+    assert missing["dense_first_layer_share"] is None

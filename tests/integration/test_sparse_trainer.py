@@ -79,13 +79,14 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=_rows())
     # the first layer dense by default
-    assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layers 0 dense (pattern); context parallelism: off"
-            in caplog.text)
+    assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layers 0 dense (pattern); fused ops: off (stock "
+            "PyTorch around attention); context parallelism: off" in caplog.text)
     caplog.clear()
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "0"),
                       train_dataset=_rows())
-    assert "sparse_cp: 2 of 2 layers vertical-slash (block 32); context parallelism: off" in caplog.text
+    assert ("sparse_cp: 2 of 2 layers vertical-slash (block 32); fused ops: off (stock PyTorch around attention); "
+            "context parallelism: off" in caplog.text)
     caplog.clear()
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",

@@ -87,8 +87,15 @@ def test_table_reports_speedups_and_the_estimation_share(bench):
         {**common, "layout": "est v1/s2", "variant": "flex", "fwd_ms": 2.0, "fwd_bwd_ms": 8.0},
         {**common, "layout": "dense", "variant": "sdpa_cudnn", "fwd_ms": 15.0, "fwd_bwd_ms": 60.0},
     ]
-    ours = bench.format_table(rows).splitlines()[2].split()
-    assert ours[-3:] == ["2.00", "15.00", "5.0"]  # x flex, x cudnn, est %
+    lines = bench.format_table(rows).splitlines()
+    header, ours = lines[0], lines[2]
+    for name, value in (("x flex", "2.00"), ("x cudnn", "15.00"), ("est %", "5.0")):  # read under each header
+        end = header.index(name) + len(name)
+        assert ours[end - len(value):end] == value, name
+    assert ours[header.index("x fxe"):header.index("x fxe") + 5].strip() == ""  # not measured: blank
+    (ratios,) = bench.baseline_ratios(rows)
+    assert ratios["over"] == {"flex_engine": None, "flex": 2.0, "flex_flash": None, "sdpa_cudnn": 15.0,
+                              "sdpa_flash": None, "flash_attn": None}
 
 
 def test_time_estimation_runs_on_cpu_and_times_every_stage(bench):
@@ -121,17 +128,22 @@ def test_estimation_report_and_the_issue_targets(bench):
     assert report["share_of_fwd_bwd"] == pytest.approx(1.5 / 20.0) and report["kept_fraction"] == 0.04
     assert report["share_of_fwd"] == pytest.approx(1.5 / 5.0)
     assert "7.5" in bench.format_estimation([report])
+    untimed = [{**r, "fwd_ms": None} for r in rows]  # --time_forward false: the share of fwd+bwd only
+    (report_untimed,) = bench.estimation_report(untimed, estimation)
+    assert report_untimed["share_of_fwd"] is None and report_untimed["share_of_fwd_bwd"] == pytest.approx(0.075)
 
     targets = bench.issue_targets(rows, estimation)
-    flex5, cudnn5, flex10, dense, est = targets
+    flex5, flash5, cudnn5, tflops5, flex10, dense, est = targets
     assert "vs@5%" in flex5["target"] and "Flex" in flex5["target"] and "cuDNN" in cudnn5["target"]
     assert flex5["measured"] == pytest.approx(54 / 30) and flex5["pass"] is True
-    assert cudnn5["measured"] == pytest.approx(465 / 30) and cudnn5["pass"] is True
+    assert flash5["measured"] is None and flash5["pass"] is None  # Flex's flash backend not measured
+    assert cudnn5["measured"] == pytest.approx(465 / 30) and cudnn5["pass"] is True and cudnn5["required"] == ">= 12.5"
+    assert tflops5["measured"] == 1.0 and tflops5["pass"] is False
     assert "vs@10%" in flex10["target"] and flex10["measured"] == pytest.approx(1.25) and flex10["pass"] is False
     assert dense["measured"] == pytest.approx(650 / 700) and dense["pass"] is True
     assert est["measured"] == pytest.approx(0.075) and est["pass"] is True
     text = bench.format_targets(targets)
-    assert text.count("PASS") == 4 and text.count("MISS") == 1
+    assert text.count("PASS") == 4 and text.count("MISS") == 2 and text.count("not measured") == 1
 
 
 def test_targets_not_measured_are_reported_as_such(bench):

@@ -59,8 +59,18 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
     assert tune.current_tiles(kernel, block_size, head_dim) in cands
     separate = {t.separate_columns for t in cands}
     assert separate == ({False, True} if kernel == "dq" else {False})
+    # the key blocks through TMA descriptors where the kernel has them (forward, dq)
+    assert {t.kv_descriptors for t in cands} == ({False} if kernel == "dkdv" else {False, True})
     both = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
     assert set(cands) <= set(both) and {t.num_warps for t in both} == {4, 8}
+
+
+@pytest.mark.parametrize("kernel", configs.KERNELS)
+def test_the_short_list_holds_the_launched_tiles_among_the_candidates(tune, kernel):
+    """`--shortlist` (the quick GPU call) times the launched tiles against a few other candidates."""
+    short = tune.SHORTLIST[kernel]
+    assert tune.current_tiles(kernel, 128, 128) in short and len(set(short)) == len(short) >= 2
+    assert set(short) <= set(configs.tile_candidates(kernel, 128, 128))
 
 
 def test_candidates_refuse_unknown_kernels():

@@ -1,0 +1,43 @@
+"""--sparse_fused_ops compile through the stock-shaped Trainer script: the MLPs and RMSNorms run through
+torch.compile (inductor, on the CPU here), inside the token tiles, and the run's losses and weights (SGD, so that they
+move by the gradients themselves) are the unfused run's (fp32 rounding); the start-up line says what runs fused. Under
+CP 2: tests/distributed/test_fused_ops_cp.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, HfArgumentParser
+
+from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp.integration.fused_ops import fused_modules
+from hf_sparse_cp.testing.tiny_models import tiny_config
+
+FLAGS = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--learning_rate", "0.5", "--logging_steps", "1",
+         "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--optim", "sgd", "--train_sampling_strategy",
+         "sequential", "--seed", "0", "--sparse_block_size", "32", "--sparse_min_seq_len", "128",
+         "--sparse_vertical_topk", "8", "--sparse_slash_topk", "8", "--sparse_local_window", "32",
+         "--sparse_sink_tokens", "4", "--sparse_last_q", "16", "--sparse_dense_first_layers", "0"]
+
+
+def _train(out, *flags):
+    (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(out), *FLAGS, *flags])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    ids = torch.randint(3, 259, (2, 256), generator=torch.Generator().manual_seed(0))
+    trainer = SparseTrainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+    trainer.train()
+    return trainer
+
+
+def test_compiled_mlps_and_norms_train_like_the_unfused_step(tmp_path, caplog, single_thread):
+    stock = _train(tmp_path / "off", "--sparse_fused_ops", "off")
+    with caplog.at_level("WARNING"):
+        fused = _train(tmp_path / "compile", "--sparse_fused_ops", "compile", "--sparse_token_tiling_min_length", "128",
+                       "--sparse_token_tile_size", "96")
+    layers = fused.model.config.num_hidden_layers
+    assert fused_modules(fused.model) == {"compiled": 3 * layers + 1} and fused_modules(stock.model) == {}
+    assert f"fused ops: torch.compile on {3 * layers + 1} MLP / RMSNorm modules" in caplog.text
+    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (fused, stock)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[0]) == 2
+    for (name, p), q in zip(fused.model.named_parameters(), stock.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
