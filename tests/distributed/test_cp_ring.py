@@ -249,7 +249,7 @@ def _from_accelerate_mesh(rank: int, world: int) -> dict:
 
     pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
     fake = types.SimpleNamespace(parallelism_config=pc, torch_device_mesh=pc.build_device_mesh("cpu"))
-    par = ParallelDims.from_accelerator(fake)
+    par = ParallelDims.from_accelerator(fake, ContextParallelConfig())
     errs = _ring_case(Case("striped", "sparse", 250, packed=True), par, par.cp_rank)
     errs["cp_ranks_ok"] = float(par.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and par.dp_size == 2)
     return errs
@@ -364,9 +364,10 @@ WORLDS = pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"W{w}")
 
 @WORLDS
 def test_quiesce_waits_for_every_rank(spawned, world):
-    """The teardown step's barrier: the ranks on time wait for the late one, which does not wait."""
+    """The teardown step's barrier: the ranks on time wait for the late one, which waits far less (on a busy
+    machine its barrier takes scheduling time too, so it is compared with the others' waits, not with zero)."""
     waits = [r["quiesce_s"] for r in spawned(world)]
-    assert min(waits[:-1]) >= LATE_S / 2 and waits[-1] < LATE_S / 2, waits
+    assert min(waits[:-1]) >= LATE_S / 2 and waits[-1] < min(waits[:-1]) - LATE_S / 2, waits
 
 
 @WORLDS
