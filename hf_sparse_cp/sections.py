@@ -10,6 +10,7 @@ mode cannot be given to it, so "read only in its mode" is its constructor's rule
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
 _BUDGETS: dict[str, type[BudgetSection]] = {}
+BUILTIN_BUDGETS = "hf_sparse_cp.attention.budgets"  # the module that registers the built-in modes
 
 
 @dataclass
@@ -69,6 +71,14 @@ class BudgetSection(FileConfig):
         return {"mode": self.mode, **dataclasses.asdict(self)}
 
 
+def _registered() -> dict[str, type[BudgetSection]]:
+    """The registered budget modes. The built-in ones register when `hf_sparse_cp.attention.budgets` is imported,
+    which this makes sure of (once imported, a lookup in `sys.modules`), so that a config read before anything
+    imported the attention package (the package root imports nothing) knows them."""
+    importlib.import_module(BUILTIN_BUDGETS)
+    return _BUDGETS
+
+
 def register_budget(cls: type[BudgetSection]) -> type[BudgetSection]:
     """Register a budget mode under `cls.mode` (a class decorator)."""
     _BUDGETS[cls.mode] = cls
@@ -76,13 +86,13 @@ def register_budget(cls: type[BudgetSection]) -> type[BudgetSection]:
 
 
 def budget_modes() -> tuple[str, ...]:
-    return tuple(_BUDGETS)
+    return tuple(_registered())
 
 
 def budget_class(mode: str) -> type[BudgetSection]:
-    if mode not in _BUDGETS:
-        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _BUDGETS))}.")
-    return _BUDGETS[mode]
+    if mode not in _registered():
+        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _registered()))}.")
+    return _registered()[mode]
 
 
 def default_budget() -> BudgetSection:
@@ -91,12 +101,12 @@ def default_budget() -> BudgetSection:
 
 def modes_of(name: str) -> list[str]:
     """The budget modes that have field `name`."""
-    return [m for m, cls in _BUDGETS.items() if name in _names(cls)]
+    return [m for m, cls in _registered().items() if name in _names(cls)]
 
 
 def budget_field_names() -> list[str]:
     """Every budget mode's fields, each once, in registration order (their flat keys)."""
-    return list(dict.fromkeys(name for cls in _BUDGETS.values() for name in _names(cls)))
+    return list(dict.fromkeys(name for cls in _registered().values() for name in _names(cls)))
 
 
 def _names(cls: type) -> tuple[str, ...]:
@@ -112,7 +122,7 @@ def inferred_mode(fields_: Mapping[str, Any]) -> str | None:
     one mode that does (None without fields). Fields of no common mode are refused, naming their modes."""
     if not fields_:
         return None
-    holders = [m for m, cls in _BUDGETS.items() if set(fields_) <= set(_names(cls))]
+    holders = [m for m, cls in _registered().items() if set(fields_) <= set(_names(cls))]
     if DEFAULT_MODE in holders or len(holders) == 1:
         return DEFAULT_MODE if DEFAULT_MODE in holders else holders[0]
     owners = {m for name in fields_ for m in modes_of(name)}
@@ -256,7 +266,7 @@ def _shared_with_overrides(flat: Mapping[str, Any], mode: str, overrides: Any) -
     own, out, shared = _names(budget_class(mode)), {}, set()
     for key, fields_ in overrides.items():
         other = fields_.get("budget_mode") if isinstance(fields_, dict) else None
-        if other in _BUDGETS and other != mode:
+        if other in _registered() and other != mode:
             inherited = {name: value for name, value in flat.items()
                          if name in _names(budget_class(other)) and name not in fields_}
             fields_ = {**inherited, **fields_}

@@ -151,7 +151,7 @@ def capturing_layouts() -> Iterator:
 
 def launch() -> Iterator:
     from hf_sparse_cp.integration.compat import argument_parser_classes
-    from hf_sparse_cp.trainer.launched import launched
+    from hf_sparse_cp.launch.launched import launched
     from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
 
     parsers = argument_parser_classes()
@@ -163,7 +163,7 @@ def launch() -> Iterator:
 
 def launched_trainer() -> Iterator:
     from hf_sparse_cp import detach_from_trainer
-    from hf_sparse_cp.trainer.launched import launched
+    from hf_sparse_cp.launch.launched import launched
     from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -126,7 +126,7 @@ PATCHES = (
     Patch("transformers.trainer_callback.CallbackHandler", "callbacks", "inserts into", "the kept-fraction "
           "logging and the checkpoint marker are callbacks the Trainer did not get from the user",
           "detach_from_trainer(trainer)", on_instances=True),
-    # -- a stock script run by `hf_sparse_cp.run` (trainer/launched.py) --
+    # -- a stock script run by `hf_sparse_cp.run` (launch/launched.py) --
     Patch(_TRAINER, "__init__", "replaces", "a Trainer that a launched script builds (the stock one, TRL's, the "
           "script's own subclass) trains with the plugin: it becomes sparse_trainer_class(its class) and the "
           "Trainer's __init__ runs with the plugin around it", _LAUNCH_UNDO,

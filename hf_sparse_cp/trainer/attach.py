@@ -42,7 +42,8 @@ _SPARSE_ATTENTION = "sparse_attention"
 _SPARSITY_LOGGING = "sparsity_logging"
 _CHECKPOINTS = "checkpoints"
 _DDP_TIMEOUT = "ddp_timeout"
-# A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name (`launched.py`).
+# A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name
+# (`hf_sparse_cp.launch.launched`).
 LAUNCHED = "launched"
 # transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
 _CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")

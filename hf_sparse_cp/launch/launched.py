@@ -37,9 +37,9 @@ from transformers import Trainer, TrainingArguments
 from ..distributed import check_launched
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
-from .arguments import explicit_fields
-from .attach import LAUNCHED
-from .sparse_trainer import (
+from ..trainer.arguments import explicit_fields
+from ..trainer.attach import LAUNCHED
+from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
     SparseTrainerMixin,
