@@ -32,7 +32,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from ..backends import choose_backend
+from ..backends import choose_backend, is_available, require_triton
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout, check_attention_inputs
 from .merge import merge_attention
@@ -119,6 +119,7 @@ class TritonEngine(Engine):
     name = "triton"
 
     def forward(self, call, out=None, lse=None, out_in_input_dtype=False):
+        require_triton("The attention engine 'triton' (our kernels)")
         from ..kernels.ops import triton_forward
 
         call.check()
@@ -127,6 +128,7 @@ class TritonEngine(Engine):
                               out_in_input_dtype=out_in_input_dtype, split=self._split(call))
 
     def backward(self, call, out, lse, dout, dlse=None, deterministic=None, grads_in_input_dtype=False):
+        require_triton("The attention engine 'triton' (our kernels)")
         from ..kernels.ops import triton_backward
 
         call.check()
@@ -264,6 +266,12 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
         return _chosen(engine, "as set" if given else f"${ENGINE_ENV}")
     if not q.is_cuda:
         return _chosen("reference", f"auto: {q.device.type} tensors")
+    if not is_available("triton"):
+        if is_flex_available():
+            return _chosen("flex", "auto: Triton is not installed")
+        warnings.warn("block-sparse attention on CUDA uses the PyTorch reference (slow): neither Triton nor "
+                      "FlexAttention is available.", stacklevel=3)
+        return _chosen("reference", "auto: neither Triton nor FlexAttention")
     from ..kernels.ops import unsupported
 
     reason = unsupported(q)

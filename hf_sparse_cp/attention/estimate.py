@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..backends import is_available
 from ..config import SparseAttentionConfig
 from .budgets import Entries
 from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_to_block_diagonals
@@ -313,8 +314,8 @@ def accumulate_vertical_slash(
 
 
 def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
-    """The Triton scoring launcher when it takes these tensors (CUDA), else None (PyTorch path)."""
-    if not q.is_cuda:
+    """The Triton scoring launcher when it takes these tensors (CUDA, Triton installed), else None (PyTorch path)."""
+    if not q.is_cuda or not is_available("triton"):
         return None
     from ..kernels import vertical_slash
 
