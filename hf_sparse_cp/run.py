@@ -29,7 +29,7 @@ from transformers import HfArgumentParser
 
 from hf_sparse_cp.launch.command import split_command
 from hf_sparse_cp.launch.launched import launched
-from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
+from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
 
 PROG = "python -m hf_sparse_cp.run"
@@ -48,7 +48,7 @@ def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
         common, other = parser.parse_args_into_dataclasses(list(flags))
         plugin = PluginArguments(**vars(common), **vars(other))
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
     plugin.explicit_flags = explicit_fields(parser, flags)
     return plugin
 

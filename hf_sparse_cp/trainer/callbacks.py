@@ -1,11 +1,23 @@
-"""Trainer callbacks of the plugin: sparsity logging, and SMET's attach-and-log callback."""
+"""Trainer callbacks of the plugin: sparsity logging, the step's speed and memory, and SMET's attach-and-log
+callback."""
 
 from __future__ import annotations
 
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 from transformers import TrainerCallback
 
-from ..integration.stats import LOG_KEY, layer_log_key, pop_kept_fractions
+from ..attention.tokens import PAD_SEGMENT
+from ..distributed.sharding import sequence_meta
+from ..integration.stats import LOG_KEY, PEAK_MEMORY, TOKENS_PER_SECOND, layer_log_key, pop_kept_fractions
 from ..smet import unwrap_smet
+
+GIB = 2**30
 
 
 def add_to_log(state, logs: dict, extra: dict) -> None:
@@ -33,6 +45,61 @@ class SparsityLoggingCallback(TrainerCallback):
         extra = {layer_log_key(layer): round(v, 5) for layer, v in per_layer.items()}
         extra[LOG_KEY] = round(sum(per_layer.values()) / len(per_layer), 5)
         add_to_log(state, logs, extra)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: on CUDA the most bytes allocated since the last reset (`reset_peak_memory`), on
+    a CPU the peak resident set of the process so far (what the operating system reports)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (macOS reports bytes, Linux KiB)
+
+
+class StepMetricsCallback(TrainerCallback):
+    """Adds to every training log the speed and memory of the steps since the previous one, as TRL and axolotl
+    users read them: `tokens_per_second`, the real (non-padding) tokens trained per second of wall time over all
+    processes, each sequence counted once however many context-parallel ranks split it; `peak_memory_gib`, the
+    largest peak of any process (`peak_memory_bytes`). Under CP it also replaces TRL's `num_tokens` (counted on
+    each rank's padded shard) by the total of real tokens, as one process counts them.
+
+    `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch).
+    Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
+    """
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None  # this rank's share of the tokens trained: its batches' / the CP degree
+        self.cp_size = 1
+        self._window: tuple[float, float] | None = None  # (wall time, tokens) at the previous log
+
+    def count(self, inputs: Mapping[str, Any], cp_size: int) -> None:
+        tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
+        self.total = tokens if self.total is None else self.total + tokens
+        self.cp_size = cp_size
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._window = (time.perf_counter(), 0.0)
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or self._window is None:  # (training logs only: every rank has them)
+            return
+        total = torch.zeros((), dtype=torch.float64, device=args.device) if self.total is None else self.total.clone()
+        peak = torch.tensor(float(peak_memory_bytes(args.device)), dtype=torch.float64, device=total.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        now, tokens = time.perf_counter(), float(total.item())
+        since, before = self._window
+        self._window = (now, tokens)
+        extra = {TOKENS_PER_SECOND: round((tokens - before) / max(now - since, 1e-9), 1),
+                 PEAK_MEMORY: round(float(peak.item()) / GIB, 3)}
+        if "num_tokens" in logs and self.cp_size > 1:
+            extra["num_tokens"] = float(round(tokens))
+        add_to_log(state, logs, extra)
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
 
 
 class SMETCallback(TrainerCallback):

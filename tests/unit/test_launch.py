@@ -56,6 +56,20 @@ def test_the_scripts_parser_takes_the_plugins_flags_beside_its_own(tmp_path):
             ["--output_dir", str(tmp_path), "--sparse_block_size", "64"])
 
 
+def test_the_scripts_dataset_name_names_the_cards_dataset_unless_the_flag_does(tmp_path):
+    @dataclass
+    class ScriptArguments:
+        dataset_name: str | None = None
+
+    with launched(PluginArguments()):
+        parser = HfArgumentParser((ScriptArguments, TrainingArguments))
+        _, training = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--dataset_name", "wikitext"])
+        _, flagged = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--dataset_name", "wikitext",
+                                                         "--sparse_card_datasets", "trl-lib/Capybara"])
+    assert training.plugin_arguments().card_metadata() == {"datasets": ["wikitext"]}
+    assert flagged.sparse_card_datasets == ["trl-lib/Capybara"]
+
+
 def test_trls_parser_and_its_config_file_take_the_plugins_flags(tmp_path):
     trl = pytest.importorskip("trl")
     recipe = tmp_path / "sft.yaml"
@@ -226,3 +240,13 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch):
     assert started[-1][:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                str(recipe_path("cpu_2proc_cp2"))]
     assert started[-1][5:] == ["-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
+
+
+def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(["--sparse_vertical_top_k", "8", "train.py"])  # before the script path: the launcher's parser
+    assert "did you mean --sparse_vertical_topk for --sparse_vertical_top_k?" in capsys.readouterr().err
+    with launched(PluginArguments()), pytest.raises(ValueError, match="did you mean --sparse_block_size for "
+                                                                       "--sparse_blocksize"):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(  # the script's parser
+            ["--output_dir", str(tmp_path), "--sparse_blocksize", "64"])
