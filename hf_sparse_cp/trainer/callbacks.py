@@ -13,7 +13,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..attention.tokens import PAD_SEGMENT
-from ..distributed.sharding import sequence_meta
+from ..distributed.split.blocks import sequence_meta
 from ..integration.stats import LOG_KEY, PEAK_MEMORY, TOKENS_PER_SECOND, layer_log_key, pop_kept_fractions
 from ..smet import unwrap_smet
 
