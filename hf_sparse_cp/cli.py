@@ -7,6 +7,7 @@ GPU, `env` reports the setup."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hf_sparse_cp.version import __version__
@@ -126,6 +127,7 @@ def _train(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     # (everything after these commands is the launcher's and the script's, in order)
     if argv[:1] == ["launch"]:
@@ -168,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         return _plot(args, plot)
     if args.command == "simulate":
+        if from_command_line and sys.platform == "linux" and "GLIBC_TUNABLES" not in os.environ:
+            # (a process reads the allocator's settings at start: run the command again in one that recycles memory)
+            from hf_sparse_cp.backends import RECYCLING_MALLOC
+
+            os.execve(sys.executable, [sys.executable, "-m", "hf_sparse_cp.cli", *argv],
+                      {**os.environ, "GLIBC_TUNABLES": RECYCLING_MALLOC})
         from hf_sparse_cp.simulator.simulate_cli import main as simulate
 
         try:

@@ -43,3 +43,21 @@ def test_import_of_the_package_is_light():
                            f"sorted(m for m in {HEAVY!r} if m in sys.modules))"], capture_output=True, text=True,
                           timeout=300)
     assert done.stdout.split() == [__version__, "[]"], done.stderr
+
+
+def test_simulate_from_the_command_line_runs_with_a_recycling_allocator(monkeypatch):
+    """glibc's default malloc page-faults the simulator's large temporaries at every use (a third of its CPU time):
+    the command runs again in a process that recycles memory, unless the user set GLIBC_TUNABLES."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.backends import RECYCLING_MALLOC
+
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda *args: calls.append(args) or sys.exit(0))
+    monkeypatch.setattr(sys, "argv", ["hf-sparse-cp", "simulate", "--seq", "32768"])
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main()
+    (executable, args, env), = calls
+    assert args[1:] == ["-m", "hf_sparse_cp.cli", "simulate", "--seq", "32768"]
+    assert env["GLIBC_TUNABLES"] == RECYCLING_MALLOC
