@@ -275,9 +275,9 @@ def _throughput(trainer: Trainer, max_length: int | None) -> str:
     measured = [log[TOKENS_PER_SECOND] for log in trainer.state.log_history if TOKENS_PER_SECOND in log]
     peaks = [log[PEAK_MEMORY] for log in trainer.state.log_history if PEAK_MEMORY in log]
     if measured:
+        peak = f"; peak memory {max(peaks):.2f} GiB per process" if peaks else ""
         return (f"{sum(measured) / len(measured):,.0f} tokens/s (measured: real tokens per second of wall time over "
-                f"all processes, the mean of {len(measured)} logged interval(s)); peak memory {max(peaks):.2f} GiB "
-                "per process")
+                f"all processes, the mean of {len(measured)} logged interval(s)){peak}")
     final = next((log for log in reversed(trainer.state.log_history) if "train_runtime" in log), None)
     if final is None:
         return "not measured (the card was written before training ended)"

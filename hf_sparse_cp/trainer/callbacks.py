@@ -3,7 +3,6 @@ callback."""
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from collections.abc import Mapping
@@ -47,11 +46,16 @@ class SparsityLoggingCallback(TrainerCallback):
         add_to_log(state, logs, extra)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak memory: on CUDA the most bytes allocated since the last reset (`reset_peak_memory`), on
-    a CPU the peak resident set of the process so far (what the operating system reports)."""
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """This process's peak memory: on CUDA the most bytes allocated since the last
+    `torch.cuda.reset_peak_memory_stats`, on a CPU the peak resident set of the process so far (what the operating
+    system reports; None where Python cannot read it, e.g. on Windows)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # (macOS reports bytes, Linux KiB)
 
@@ -68,36 +72,42 @@ class StepMetricsCallback(TrainerCallback):
     """
 
     def __init__(self) -> None:
-        self.total: torch.Tensor | None = None  # this rank's share of the tokens trained: its batches' / the CP degree
+        # this rank's share of the real tokens trained (its batches' over the CP degree): in all, and since the last log
+        self.total: torch.Tensor | None = None
+        self.since_log: torch.Tensor | None = None
         self.cp_size = 1
-        self._window: tuple[float, float] | None = None  # (wall time, tokens) at the previous log
+        self._last_log = time.perf_counter()
 
     def count(self, inputs: Mapping[str, Any], cp_size: int) -> None:
         tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
         self.total = tokens if self.total is None else self.total + tokens
+        self.since_log = tokens if self.since_log is None else self.since_log + tokens
         self.cp_size = cp_size
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._window = (time.perf_counter(), 0.0)
+        self.since_log, self._last_log = None, time.perf_counter()
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs or self._window is None:  # (training logs only: every rank has them)
+        if logs is None or "loss" not in logs:  # (training logs only: every rank writes them)
             return
-        total = torch.zeros((), dtype=torch.float64, device=args.device) if self.total is None else self.total.clone()
-        peak = torch.tensor(float(peak_memory_bytes(args.device)), dtype=torch.float64, device=total.device)
+        peak = peak_memory_bytes(args.device)
+        counts = [x if x is not None else torch.zeros((), dtype=torch.float64) for x in (self.total, self.since_log)]
+        stats = torch.stack([*(x.to(args.device) for x in counts),
+                             torch.tensor(float(peak or 0), dtype=torch.float64, device=args.device)])
         if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(total)
-            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        now, tokens = time.perf_counter(), float(total.item())
-        since, before = self._window
-        self._window = (now, tokens)
-        extra = {TOKENS_PER_SECOND: round((tokens - before) / max(now - since, 1e-9), 1),
-                 PEAK_MEMORY: round(float(peak.item()) / GIB, 3)}
+            torch.distributed.all_reduce(stats[:2])
+            torch.distributed.all_reduce(stats[2:], op=torch.distributed.ReduceOp.MAX)
+        total, since_log, peak_all = stats.tolist()
+        now = time.perf_counter()
+        extra = {TOKENS_PER_SECOND: round(since_log / max(now - self._last_log, 1e-9), 1)}
+        if peak is not None:
+            extra[PEAK_MEMORY] = round(peak_all / GIB, 3)
         if "num_tokens" in logs and self.cp_size > 1:
-            extra["num_tokens"] = float(round(tokens))
+            extra["num_tokens"] = float(round(total))
         add_to_log(state, logs, extra)
+        self.since_log, self._last_log = None, now
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 
