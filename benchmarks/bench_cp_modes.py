@@ -14,7 +14,7 @@ columns and diagonals scattered over every block, and the default 'mass' budget 
 Every layout runs --rounds times, in turn (ring, ulysses, hybrid, ring, ...), so that a change of the
 machine's load falls on every layout, each layout's fastest round reported; the machine's load average
 before and after goes into the JSON. The processes run with glibc keeping freed memory
-(`testing.benchmarking.RECYCLING_MALLOC`, as PyTorch's caching allocator does on a GPU; --allocator
+(`hf_sparse_cp.backends.RECYCLING_MALLOC`, as PyTorch's caching allocator does on a GPU; --allocator
 system for glibc's defaults). Per rank: the median seconds of a forward + backward over --repeats (after
 one warm-up), the bytes it sent (forward / backward: the ring's K/V and dK/dV transfers and column
 collectives, the all-to-alls; not counted: the ring estimation's small collectives of scoring queries,

@@ -17,8 +17,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv=None) -> dict:
-    return simulate(argv, results=RESULTS)
+    """The full table (`--all`: every configuration, the block-only bounds, MTraining's setting unless
+    --no-mtraining) into benchmarks/results/."""
+    return simulate(["--all", *(sys.argv[1:] if argv is None else argv)], results=RESULTS)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -66,7 +66,7 @@ from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
-from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
+from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS
 
@@ -316,7 +316,8 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     if unused:
         late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
         _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "
-                        f"{late[0]})" if late else f"unrecognized arguments: {' '.join(unused)}")
+                        f"{late[0]})" if late else
+                        f"unrecognized arguments: {' '.join(unused)}{did_you_mean(parser, unused)}")
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)

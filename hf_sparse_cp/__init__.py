@@ -6,20 +6,27 @@ backend (select it with `attn_implementation="sparse_cp"`) and `hf_sparse_cp.unp
 The package is laid out by idea, with one import direction:
 `trainer -> reporting / resharding -> integration -> distributed -> attention -> config`
 (`kernels` a leaf, `loss` and `smet` beside the model path, `simulator` beside the training path,
-`testing` and `examples` on top). The names below are its public API; the Trainer-facing ones
-are imported on first use, so `import hf_sparse_cp` stays light.
+`testing` and `examples` on top). The names below are its public API, each imported on first use:
+`import hf_sparse_cp` imports neither torch nor transformers, so that the command line answers `--help`,
+`--version` and `recipes` at once.
 """
 
-__version__ = "0.1.0"
-
-from .attention import SparseLayout, TokenMeta, block_sparse_attention, estimate_layout
-from .config import BACKEND_NAME, SparseAttentionConfig
-from .distributed import ContextParallelConfig
-from .integration.registration import configure, is_patched, patch, unpatch
 from .lazy import lazy_attributes
+from .version import __version__
 
-# Public names defined in modules that import transformers' Trainer stack, loaded on first access.
+# Public names, each loaded from its module on first access.
 _LAZY = {
+    "SparseLayout": "attention",
+    "TokenMeta": "attention",
+    "block_sparse_attention": "attention",
+    "estimate_layout": "attention",
+    "BACKEND_NAME": "config",
+    "SparseAttentionConfig": "config",
+    "ContextParallelConfig": "distributed",
+    "configure": "integration.registration",
+    "is_patched": "integration.registration",
+    "patch": "integration.registration",
+    "unpatch": "integration.registration",
     "sparse_cp_attention_forward": "integration.backend",
     "disable_lean_loss": "integration.lean_loss",
     "enable_lean_loss": "integration.lean_loss",
@@ -58,17 +65,4 @@ _TRL = {"SparseSFTConfig": "trainer.trl", "SparseSFTTrainer": "trainer.trl"}
 __getattr__ = lazy_attributes(__name__, _LAZY | _TRL)
 
 
-__all__ = [
-    "BACKEND_NAME",
-    "ContextParallelConfig",
-    "SparseAttentionConfig",
-    "SparseLayout",
-    "TokenMeta",
-    "block_sparse_attention",
-    "configure",
-    "estimate_layout",
-    "is_patched",
-    "patch",
-    "unpatch",
-    *sorted(_LAZY),
-]
+__all__ = ["__version__", *sorted(_LAZY)]

@@ -22,8 +22,27 @@ def is_available(module: str, attribute: str | None = None) -> bool:
     return attribute is None or hasattr(imported, attribute)
 
 
+# glibc's malloc set to keep freed memory for reuse (the CPU analogue of PyTorch's caching allocator on a GPU), as
+# `GLIBC_TUNABLES`, which a process reads at start. By default glibc hands every allocation above its mmap threshold
+# (at most 32 MiB) fresh pages from the kernel and returns them on free, so large CPU tensors pay page faults at
+# every use: the simulator's plans (a third of `hf-sparse-cp simulate`'s CPU time) and CPU benchmark runs.
+RECYCLING_MALLOC = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
+
 # The extra that brings matplotlib, for every figure the plugin draws.
 PLOT_EXTRA = "pip install 'hf-sparse-cp[plot]'"
+# Triton is installed only where its kernels can run (torch's CUDA builds on Linux bring it); where it is missing,
+# CPU training runs the PyTorch reference and CUDA training FlexAttention, and asking for the kernels names this.
+TRITON_INSTALL = ("pip install 'hf-sparse-cp[cuda]' (Triton >= 3.2; Linux on x86_64 or aarch64 with a CUDA build of "
+                  "torch, whose wheels usually bring it)")
+
+
+def require_triton(what: str) -> None:
+    """Raise ImportError, naming the install, when Triton is missing and `what` (e.g. "The attention engine
+    'triton'") needs it."""
+    if not is_available("triton"):
+        raise ImportError(f"{what} needs Triton, which is not installed: {TRITON_INSTALL}; or set the attention "
+                          "engine to 'auto' (--sparse_attention_engine auto: FlexAttention on CUDA, the PyTorch "
+                          "reference on CPU).")
 
 
 def require_matplotlib() -> None:

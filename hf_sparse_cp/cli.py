@@ -1,21 +1,20 @@
 """`hf-sparse-cp` command line: `launch` runs a stock Trainer or TRL script, unchanged, with the plugin
-(`hf_sparse_cp.run` under torchrun or accelerate launch), `train` runs the long-context example (`--recipe NAME`
-runs a shipped recipe), `recipes` lists the shipped recipes, `plot` draws a run's sparsity, `simulate` predicts CP
-step time on a GPU cluster, `memory` how long a sequence fits on a GPU, `env` reports the setup."""
+(`hf_sparse_cp.run` in this process, under torchrun or accelerate launch), `train` runs the long-context example
+through the same launcher (`--recipe NAME` runs a shipped recipe), `recipes` lists the shipped recipes, `plot`
+draws a run's sparsity, `simulate` predicts CP step time on a GPU cluster, `memory` how long a sequence fits on a
+GPU, `env` reports the setup."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 
+from hf_sparse_cp.version import __version__
+
+# Commands import what they need when they run: `--help`, `--version` and `recipes` import neither torch nor
+# transformers (tests/integration/test_cli_imports.py).
 EXAMPLE_MODULE = "hf_sparse_cp.examples.train_long_context"
-RUN_MODULE = "hf_sparse_cp.run"
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
-# What torchrun itself stops its workers on (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def _env() -> int:
@@ -87,7 +86,7 @@ def _recipes(args, parser: argparse.ArgumentParser) -> int:
             parser.error(str(e))
         return 0
     for kind, how in zip(KINDS, ("hf-sparse-cp train --recipe NAME", "accelerate launch --config_file "
-                                 "\"$(hf-sparse-cp recipes --path NAME)\"")):
+                                 "\"$(hf-sparse-cp recipes --path NAME)\"", "--sparse_config NAME")):
         names = recipe_names(kind)
         print(f"{kind} ({how}):")
         width = max(map(len, names))
@@ -96,124 +95,87 @@ def _recipes(args, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def run_forwarding_signals(command: list[str]) -> int:
-    """Run `command` (torchrun) as a child and end with it: SIGINT, SIGTERM, SIGHUP or SIGQUIT sent to this
-    process (Ctrl-C, `kill`, a scheduler) is passed on to the child's process group, and this returns
-    only once the child is gone, with 128 + the signal number; otherwise with the child's exit status.
-
-    torchrun, on the first such signal, passes it to its workers and waits for them (SIGKILL after 30 s).
-    It runs in its own session so that a terminal's Ctrl-C reaches it once, through us: a second signal
-    would interrupt its shutdown and orphan the workers, so only the first one is passed on.
-    """
-    received: list[int] = []
-    child: subprocess.Popen | None = None
-    forwarded = False
-
-    def forward_first() -> None:
-        nonlocal forwarded
-        if child is not None and received and not forwarded:
-            forwarded = True
-            try:
-                os.killpg(child.pid, received[0])
-            except ProcessLookupError:  # already gone
-                pass
-
-    def on_signal(signum: int, _frame) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            os.write(2, f"hf-sparse-cp: got {signal.Signals(signum).name}, stopping the run...\n".encode())
-        forward_first()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
-    try:
-        child = subprocess.Popen(command, start_new_session=True)
-        forward_first()  # a signal that came while the child was starting
-        returncode = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received:
-        return 128 + received[0]
-    return 128 - returncode if returncode < 0 else returncode  # (killed by a signal: the shell's convention)
-
-
 LAUNCH_USAGE = ("hf-sparse-cp launch [--nproc N | --config_file ACCELERATE_CONFIG] [PLUGIN FLAGS] (script.py | -m "
                 "module) [SCRIPT ARGS]")
+TRAIN_USAGE = "hf-sparse-cp train [--nproc N | --config_file ACCELERATE_CONFIG] [--recipe NAME_OR_PATH] [FLAGS]"
 
 
 def _launch(argv: list[str]) -> int:
-    """`hf-sparse-cp launch`: `hf_sparse_cp.run` in this process, under torchrun (`--nproc N`) or under accelerate
-    launch (`--config_file`, a file or a shipped accelerate recipe's name). Its own options come before the
-    script path, so that a script's own `--config_file` stays the script's."""
-    from hf_sparse_cp.recipes import recipe_path
-    from hf_sparse_cp.run import main as run
-    from hf_sparse_cp.run import split_command
+    """`hf-sparse-cp launch`: a stock script with the plugin (`hf_sparse_cp.run`). The launcher's options come before
+    the script path, so that a script's own `--config_file` stays the script's."""
+    from hf_sparse_cp.launch.command import split_command
+    from hf_sparse_cp.launch.processes import OPTIONS_HELP, launch, launcher_options, parse_launcher_options
 
     flags, target, is_module, args = split_command(argv)
-    launcher = argparse.ArgumentParser(prog="hf-sparse-cp launch", usage=LAUNCH_USAGE, add_help=False,
-                                       allow_abbrev=False)
-    launcher.add_argument("--nproc", type=int, default=1)
-    launcher.add_argument("--config_file")
-    options, plugin_flags = launcher.parse_known_args(flags)
+    options, plugin_flags = parse_launcher_options(launcher_options("hf-sparse-cp launch", LAUNCH_USAGE), flags)
     if {"-h", "--help"} & set(plugin_flags):
-        print(f"usage: {LAUNCH_USAGE}\n\n--nproc N: N local processes (torchrun); --config_file: an accelerate "
-              "config (a file, or a shipped recipe's name: `hf-sparse-cp recipes`) for accelerate launch. The "
-              "plugin's flags:\n")
-    if options.nproc < 1 or (options.nproc > 1 and options.config_file):
-        launcher.error(f"--nproc {options.nproc}: give at least 1 process, and with --config_file none (the "
-                       "accelerate config sets the processes).")
-    run_args = [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args]
-    if options.config_file:
-        try:
-            config = str(recipe_path(options.config_file))
-        except FileNotFoundError as e:
-            launcher.error(str(e))
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "-m", RUN_MODULE]
-    elif options.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        command = [*TORCHRUN, f"--nproc_per_node={options.nproc}", "-m", RUN_MODULE]
-    else:
-        run(run_args)
-        return 0
-    return run_forwarding_signals([*command, *run_args])
+        print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
+    return launch(options, [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args])
+
+
+def _train(argv: list[str]) -> int:
+    """`hf-sparse-cp train`: the long-context example (`hf_sparse_cp.examples.train_long_context`) through the same
+    launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's."""
+    from hf_sparse_cp.backends import is_available
+    from hf_sparse_cp.launch.processes import launch, launcher_options, parse_launcher_options
+
+    parser = launcher_options("hf-sparse-cp train", TRAIN_USAGE)
+    options, rest = parse_launcher_options(parser, argv)
+    if not is_available("datasets"):
+        parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
+    return launch(options, ["-m", EXAMPLE_MODULE, *rest])
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["launch"]:  # (everything after the command is the launcher's and the script's, in order)
+    # (everything after these commands is the launcher's and the script's, in order)
+    if argv[:1] == ["launch"]:
         return _launch(argv[1:])
+    if argv[:1] == ["train"]:
+        return _train(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-sparse-cp", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hf-sparse-cp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "launch", add_help=False,
         help="Run a stock Trainer or TRL script, unchanged, with the plugin: `hf-sparse-cp launch --nproc 2 train.py "
         "ARGS --cp_size 2` (torchrun), `--config_file RECIPE` (accelerate launch); the plugin's flags parse beside the "
         "script's own (`hf-sparse-cp launch --help` lists them).")
-    train = sub.add_parser(
-        "train",
-        help="Run the long-context Trainer example (tiny model, passkey data); extra flags go to the script "
-        "(`--recipe NAME_OR_PATH` first reads a recipe's flags).",
-        add_help=False,
-    )
-    train.add_argument("--nproc", type=int, default=1,
-                       help="Local processes to launch (torchrun; gloo on CPU), e.g. --nproc 2 --cp_size 2. Ctrl-C "
-                       "or `kill` of this command stops torchrun and its workers too.")
+    sub.add_parser(
+        "train", add_help=False,
+        help="Run the long-context Trainer example (tiny model, passkey data) through the same launcher: `--nproc N` "
+        "(torchrun) or `--config_file RECIPE` (accelerate launch); every other flag is the example's "
+        "(`--recipe NAME_OR_PATH` first reads a recipe's flags; `hf-sparse-cp train --help` lists them).")
     plot = _add_plot_parser(sub)
     sub.add_parser("simulate", add_help=False,
                    help="Predict training-step time, tokens/s and speedup of context parallelism on a GPU cluster from "
-                   "the ring's own plans (`hf-sparse-cp simulate --help` lists its flags; writes JSON and a plot).")
+                   "the ring's own plans, for a preset or any config.json (`hf-sparse-cp simulate --help` lists its "
+                   "flags; writes JSON and a plot).")
     sub.add_parser("memory", add_help=False,
-                   help="Predict how long a sequence fits on a GPU for a model (with CP, FSDP, token tiles, offload) "
-                   "and which terms its memory holds (`hf-sparse-cp memory --help` lists its flags).")
+                   help="Predict how long a sequence fits on a GPU for a preset or any config.json (with CP, FSDP, "
+                   "token tiles, offload) and which terms its memory holds (`hf-sparse-cp memory --help` lists its "
+                   "flags).")
     recipes = sub.add_parser("recipes", help="List the shipped recipes (training flags and accelerate configs).")
     recipes.add_argument("--path", metavar="NAME", help="Print the file of this recipe (e.g. for accelerate launch "
                          "--config_file) instead of the list.")
     sub.add_parser("env", help="Print the versions and devices the plugin sees.")
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("env", "recipes", "plot") and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "env":
         return _env()
     if args.command == "recipes":
         return _recipes(args, recipes)
+    if args.command == "plot":
+        return _plot(args, plot)
     if args.command == "simulate":
+        if from_command_line and sys.platform == "linux" and "GLIBC_TUNABLES" not in os.environ:
+            # (a process reads the allocator's settings at start: run the command again in one that recycles memory)
+            from hf_sparse_cp.backends import RECYCLING_MALLOC
+
+            os.execve(sys.executable, [sys.executable, "-m", "hf_sparse_cp.cli", *argv],
+                      {**os.environ, "GLIBC_TUNABLES": RECYCLING_MALLOC})
         from hf_sparse_cp.simulator.simulate_cli import main as simulate
 
         try:
@@ -221,26 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:  # names the extra to install
             parser.error(str(e))
         return 0
-    if args.command == "memory":
-        from hf_sparse_cp.simulator.memory_cli import main as memory
+    from hf_sparse_cp.simulator.memory_cli import main as memory
 
-        memory(rest, prog="hf-sparse-cp memory")
-        return 0
-    if args.command == "plot":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return _plot(args, plot)
-    if args.nproc < 1:
-        parser.error(f"--nproc {args.nproc}: give at least 1 process.")
-    from hf_sparse_cp.backends import is_available
-
-    if not is_available("datasets"):
-        parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return run_forwarding_signals([*TORCHRUN, f"--nproc_per_node={args.nproc}", "-m", EXAMPLE_MODULE, *rest])
-    from hf_sparse_cp.examples.train_long_context import main as train_main
-
-    train_main(rest)
+    memory(rest, prog="hf-sparse-cp memory")
     return 0
 
 

@@ -38,7 +38,7 @@ def device_name(device: torch.device) -> str:
 
 def environment(device: torch.device | str | None = None) -> dict[str, str | None]:
     """Device (default: the current CUDA device, else the CPU), versions and allocator settings."""
-    from . import __version__
+    from .version import __version__
 
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,7 +9,7 @@ The script runs as `__main__`, as `python script.py` (or `python -m package.modu
 `sys.argv` (its path, then its arguments), `__file__`, `sys.path[0]` (its folder) and working directory. While it
 runs, a parser it builds over `TrainingArguments` (or `SFTConfig`, or its own subclass) takes the plugin's flags
 beside its own, and a Trainer it builds (`Trainer`, `SFTTrainer`, its own subclass) trains with the plugin
-(`hf_sparse_cp.trainer.launched`); when it ends, transformers is stock again.
+(`hf_sparse_cp.launch.launched`); when it ends, transformers is stock again.
 
 Plugin flags (`--sparse_*`, `--cp_*`, `--smet*`) go after the script path for a script that parses its
 arguments with `HfArgumentParser` (or TRL's `TrlParser`), or before it: there they are defaults for the script's
@@ -27,8 +27,9 @@ from collections.abc import Sequence
 
 from transformers import HfArgumentParser
 
-from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
-from hf_sparse_cp.trainer.launched import launched
+from hf_sparse_cp.launch.command import split_command
+from hf_sparse_cp.launch.launched import launched
+from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
 
 PROG = "python -m hf_sparse_cp.run"
@@ -39,17 +40,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The description as written (its command lines), and every flag's default."""
 
 
-def split_command(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
-    """(plugin flags, the script's path or module name, whether it is a module, the script's arguments):
-    the script is the first argument ending in `.py`, or the one after `-m`."""
-    for i, arg in enumerate(argv):
-        if arg == "-m" and i + 1 < len(argv):
-            return list(argv[:i]), argv[i + 1], True, list(argv[i + 2:])
-        if arg.endswith(".py") and not arg.startswith("-"):
-            return list(argv[:i]), arg, False, list(argv[i + 1:])
-    return list(argv), None, False, []
-
-
 def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
     """The plugin flags given before the script path (help and errors as argparse's)."""
     parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=PROG, usage=USAGE,
@@ -58,7 +48,7 @@ def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
         common, other = parser.parse_args_into_dataclasses(list(flags))
         plugin = PluginArguments(**vars(common), **vars(other))
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
     plugin.explicit_flags = explicit_fields(parser, flags)
     return plugin
 

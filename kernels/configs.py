@@ -9,7 +9,7 @@ products need M >= 64), shared memory under 227 KB and no spilled register; the 
 choice are in `benchmarks/results/README.md`. None of this has been timed yet: `benchmarks/tune_tiles.py`
 times the candidates on a GPU through `tiles_override`, and its winners belong here. Under
 Triton's interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
-The kernels stop at head_dim 128 (`ops.MAX_HEAD_DIM`); larger heads use the reference.
+The kernels stop at head_dim 128 (`limits.MAX_HEAD_DIM`); larger heads use the reference.
 """
 
 from __future__ import annotations

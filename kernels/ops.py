@@ -28,9 +28,7 @@ import torch
 
 from . import block_sparse_bwd, block_sparse_fwd
 from .indexing import LayoutSplit, split_layout
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128  # see configs.py
+from .limits import outside_limits
 
 
 def kernels_are_interpreted() -> bool:
@@ -124,28 +122,12 @@ def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, full_cnt, partial, co
     return tuple(_fresh_out(x, grads_in_input_dtype) for x in (q, k, v))
 
 
-def _outside_limits(q: torch.Tensor) -> str | None:
-    """Why the kernels cannot compute these queries (and k, v of the same dtype) on any device, or None."""
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {q.dtype} (the kernels take {', '.join(str(t) for t in SUPPORTED_DTYPES)})"
-    if q.shape[-1] > MAX_HEAD_DIM:
-        return f"head_dim {q.shape[-1]} (the kernels stop at {MAX_HEAD_DIM})"
-    return None
-
-
-def unsupported(q: torch.Tensor) -> str | None:
-    """Why the compiled kernels cannot take these queries (and k, v of the same dtype), or None."""
-    if not q.is_cuda:
-        return f"{q.device.type} tensors (the kernels are compiled for CUDA)"
-    return _outside_limits(q)
-
-
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check(q: torch.Tensor) -> None:
-    reason = _outside_limits(q)
+    reason = outside_limits(q)
     if reason is not None:
         raise ValueError(f"the Triton kernels cannot take {reason}; use implementation='reference' (fp64, larger "
                          "heads) or cast q, k, v.")

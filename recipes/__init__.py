@@ -3,7 +3,9 @@
 * `train/*.yaml`: training recipes, `flag: value` pairs of `SparseTrainingArguments` (so
   `HfArgumentParser(SparseTrainingArguments).parse_yaml_file(path)` reads one, and
   `hf-sparse-cp train --recipe NAME` runs one);
-* `accelerate/*.yaml`: `accelerate launch --config_file` configurations.
+* `accelerate/*.yaml`: `accelerate launch --config_file` configurations;
+* `pattern/*.yaml`: sparse patterns (`SparseAttentionConfig` files) that `--sparse_config NAME` reads, e.g. `trial`:
+  a pattern that stays sparse at the 1K-4K tokens of a trial run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from importlib.resources import as_file, files
 from pathlib import Path
 
-KINDS = ("train", "accelerate")
+KINDS = ("train", "accelerate", "pattern")
 SUFFIX = ".yaml"
 
 
@@ -27,9 +29,9 @@ def recipe_names(kind: str = "train") -> list[str]:
     return sorted(path.name.removesuffix(SUFFIX) for path in _folder(kind).glob(f"*{SUFFIX}"))
 
 
-def recipe_path(name_or_path: str) -> Path:
+def recipe_path(name_or_path: str, kinds: tuple[str, ...] = KINDS) -> Path:
     """The file of a recipe: `name_or_path` itself when it is a file, else the shipped recipe of that
-    name (training recipes first, then accelerate configs; with or without `.yaml`).
+    name among `kinds` (in their order; with or without `.yaml`).
 
     Raises:
         FileNotFoundError: neither a file nor a shipped recipe; the message lists the shipped names.
@@ -38,12 +40,21 @@ def recipe_path(name_or_path: str) -> Path:
     if path.is_file():
         return path
     name = name_or_path.removesuffix(SUFFIX)
-    for kind in KINDS:
+    for kind in kinds:
         if name in recipe_names(kind):
             return _folder(kind) / f"{name}{SUFFIX}"
-    shipped = ", ".join(recipe_names("train") + recipe_names("accelerate"))
+    shipped = ", ".join(name for kind in kinds for name in recipe_names(kind))
     raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({shipped}); "
                             "`hf-sparse-cp recipes` lists them.")
+
+
+def pattern_path(name_or_path: str) -> str:
+    """What `--sparse_config` reads: the shipped pattern of that name (`trial`) unless a file has the name, else
+    `name_or_path` as given (whose reader names it when it is missing)."""
+    try:
+        return str(recipe_path(name_or_path, ("pattern",)))
+    except FileNotFoundError:
+        return name_or_path
 
 
 def recipe_summary(path: Path) -> str:

@@ -6,12 +6,18 @@
 * `integration/`: the Trainer end to end, the command line, recipes, benchmarks' smoke runs, real weights.
 
 Each test carries its folder's marker (`-m unit`, ...); `gpu` tests are skipped without a CUDA GPU.
+`HF_SPARSE_CP_TEST_HIDE=triton` runs them as on a machine without Triton (macOS, Windows, CPU-only installs;
+`make test-no-triton` runs the unit tier so).
 """
 
 from pathlib import Path
 
-import pytest
-import torch
+from hf_sparse_cp.testing.hidden import hide_from_environment
+
+hide_from_environment()  # (before torch, which looks for Triton)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TIERS = ("unit", "kernels", "distributed", "integration")
 HERE = Path(__file__).resolve().parent

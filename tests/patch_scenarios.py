@@ -68,7 +68,8 @@ def attach() -> Iterator:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp)
-        yield [(trainer, "train"), (trainer, "_save_optimizer_and_scheduler"), (trainer.callback_handler, "callbacks")]
+        yield [(trainer, "train"), (trainer, "_save_optimizer_and_scheduler"), (trainer, "training_step"),
+               (trainer.callback_handler, "callbacks")]
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
         yield
         detach_from_trainer(trainer)
@@ -169,7 +170,7 @@ def capturing_layouts() -> Iterator:
 
 def launch() -> Iterator:
     from hf_sparse_cp.integration.compat import argument_parser_classes
-    from hf_sparse_cp.trainer.launched import launched
+    from hf_sparse_cp.launch.launched import launched
     from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
 
     parsers = argument_parser_classes()
@@ -181,7 +182,7 @@ def launch() -> Iterator:
 
 def launched_trainer() -> Iterator:
     from hf_sparse_cp import detach_from_trainer
-    from hf_sparse_cp.trainer.launched import launched
+    from hf_sparse_cp.launch.launched import launched
     from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +197,7 @@ def launched_trainer() -> Iterator:
 
 ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
-     "transformers.trainer_callback.CallbackHandler.callbacks"): attach,
+     "transformers.Trainer.training_step", "transformers.trainer_callback.CallbackHandler.callbacks"): attach,
     ("transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler"):
         resharded_loading,
     ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,

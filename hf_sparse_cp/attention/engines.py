@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from ..backends import choose_backend
+from ..backends import TRITON_INSTALL, choose_backend, is_available, require_triton
 from .call import AttentionCall
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout
@@ -108,12 +108,16 @@ class TritonEngine(Engine):
 
     name = "triton"
 
+    def missing(self):
+        return None if is_available("triton") else f"needs Triton, which is not installed: {TRITON_INSTALL}"
+
     def declines(self, q):
         if not q.is_cuda:
             return f"{q.device.type} tensors (the kernels train on CUDA; elsewhere they run in Triton's interpreter)"
-        return super().declines(q) or _kernels_unsupported(q)
+        return self.missing() or _kernels_unsupported(q)
 
     def forward(self, call, out=None, lse=None, out_in_input_dtype=False):
+        require_triton("The attention engine 'triton' (our kernels)")
         from ..kernels.ops import triton_forward
 
         call.check()
@@ -122,6 +126,7 @@ class TritonEngine(Engine):
                               out_in_input_dtype=out_in_input_dtype, split=self._split(call))
 
     def backward(self, call, out, lse, dout, dlse=None, deterministic=None, grads_in_input_dtype=False):
+        require_triton("The attention engine 'triton' (our kernels)")
         from ..kernels.ops import triton_backward
 
         call.check()
@@ -154,9 +159,9 @@ class FlexEngine(Engine):
     def declines(self, q):
         if not q.is_cuda:
             return f"{q.device.type} tensors (Flex trains on CUDA only: torch has no Flex backward elsewhere)"
-        # 'auto' weighs Flex against the kernels by their measured times, so it offers Flex the calls the kernels
-        # could take
-        return super().declines(q) or _kernels_unsupported(q)
+        # 'auto' offers Flex the calls the kernels could take (it weighs the two by their measured times; without
+        # Triton, Flex takes them in the kernels' place)
+        return self.missing() or _kernels_unsupported(q)
 
     def part(self, call):
         call.check()
@@ -271,7 +276,8 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
     if name != "auto":
         missing = ENGINES[name].missing()
         if missing is not None:
-            raise ValueError(f"the {name} engine {missing}; use 'auto' or another engine.")
+            raise ImportError(f"The attention engine {name!r} {missing}; or set the attention engine to 'auto' "
+                              "(--sparse_attention_engine auto).")
         return _chosen(name, "as set" if given else f"${ENGINE_ENV}")
     declined = {engine.name: engine.declines(q) for engine in ENGINES.values()}
     able = [name for name, reason in declined.items() if reason is None]
@@ -290,7 +296,7 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
 
 def _kernels_unsupported(q: torch.Tensor) -> str | None:
     """Why the kernels cannot take CUDA queries `q` (their dtype, head_dim), else None."""
-    from ..kernels.ops import unsupported
+    from ..kernels.limits import unsupported
 
     return unsupported(q)
 

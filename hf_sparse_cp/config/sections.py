@@ -19,11 +19,8 @@ from .files import FileConfig, check_field_types
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
-_REGISTERED: dict[str, type[BudgetSection]] = {}
-# The budget modes shipped with the plugin register themselves when this package is imported (in their order on
-# the flag page). The registry imports it on its first use, so what it holds never depends on which module a
-# program happened to import first. (By name: the budgets build on this module, not it on them.)
-_BUILTIN_BUDGETS = "hf_sparse_cp.attention.budgets"
+_BUDGETS: dict[str, type[BudgetSection]] = {}
+BUILTIN_BUDGETS = "hf_sparse_cp.attention.budgets"  # the module that registers the built-in modes
 
 
 @dataclass
@@ -70,26 +67,28 @@ class BudgetSection(FileConfig):
         return {"mode": self.mode, **dataclasses.asdict(self)}
 
 
+def _registered() -> dict[str, type[BudgetSection]]:
+    """The registered budget modes. The built-in ones register when `hf_sparse_cp.attention.budgets` is imported,
+    which this makes sure of (once imported, a lookup in `sys.modules`), so that a config read before anything
+    imported the attention package (the package root imports nothing) knows them."""
+    importlib.import_module(BUILTIN_BUDGETS)
+    return _BUDGETS
+
+
 def register_budget(cls: type[BudgetSection]) -> type[BudgetSection]:
     """Register a budget mode under `cls.mode` (a class decorator)."""
-    _REGISTERED[cls.mode] = cls
+    _BUDGETS[cls.mode] = cls
     return cls
 
 
-def _budgets() -> dict[str, type[BudgetSection]]:
-    """The registered budget modes, the built-in ones first."""
-    importlib.import_module(_BUILTIN_BUDGETS)  # (once: then it is in sys.modules)
-    return _REGISTERED
-
-
 def budget_modes() -> tuple[str, ...]:
-    return tuple(_budgets())
+    return tuple(_registered())
 
 
 def budget_class(mode: str) -> type[BudgetSection]:
-    if mode not in _budgets():
-        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _budgets()))}.")
-    return _budgets()[mode]
+    if mode not in _registered():
+        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _registered()))}.")
+    return _registered()[mode]
 
 
 def default_budget() -> BudgetSection:
@@ -98,12 +97,12 @@ def default_budget() -> BudgetSection:
 
 def modes_of(name: str) -> list[str]:
     """The budget modes that have field `name`."""
-    return [m for m, cls in _budgets().items() if name in field_names(cls)]
+    return [m for m, cls in _registered().items() if name in field_names(cls)]
 
 
 def budget_field_names() -> list[str]:
     """Every budget mode's fields, each once, in registration order (their flat keys)."""
-    return list(dict.fromkeys(name for cls in _budgets().values() for name in field_names(cls)))
+    return list(dict.fromkeys(name for cls in _registered().values() for name in field_names(cls)))
 
 
 def field_names(cls: type) -> tuple[str, ...]:
@@ -119,7 +118,7 @@ def inferred_mode(fields_: Mapping[str, Any]) -> str | None:
     one mode that does (None without fields). Fields of no common mode are refused, naming their modes."""
     if not fields_:
         return None
-    holders = [m for m, cls in _budgets().items() if set(fields_) <= set(field_names(cls))]
+    holders = [m for m, cls in _registered().items() if set(fields_) <= set(field_names(cls))]
     if DEFAULT_MODE in holders or len(holders) == 1:
         return DEFAULT_MODE if DEFAULT_MODE in holders else holders[0]
     owners = {m for name in fields_ for m in modes_of(name)}

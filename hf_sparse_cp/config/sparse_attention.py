@@ -32,9 +32,12 @@ from .sections import (
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 _SECTIONS = ("budget", "scoring")
+# How messages name the pattern's block size: a run_clm-style script has a `--block_size` of its own (its sequence
+# length), so the plugin's flag is named beside the field.
+BLOCK_SIZE = "block_size (--sparse_block_size)"
 
 
-def check_block_size(block_size: int, name: str = "block_size") -> None:
+def check_block_size(block_size: int, name: str = BLOCK_SIZE) -> None:
     """Raise ValueError unless `block_size` is a power of two >= 16 (what the layout and kernels take)."""
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"{name}={block_size} must be a power of two >= 16; use 64 or 128.")
@@ -111,8 +114,8 @@ class SparseAttentionConfig(FileConfig):
         metadata={"help": "What computes attention over the layout: 'triton' (our kernels), 'flex' (FlexAttention, "
                   "compiled, CUDA for training), 'reference' (PyTorch, any device) or 'auto': on CUDA the kernels for "
                   "layouts with key columns (vertical-slash), and for those without the faster of the kernels and "
-                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one); the "
-                  "reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
+                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one; Flex where "
+                  "Triton is not installed); the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
                   "Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
                   "($HF_SPARSE_CP_DENSE_BACKEND)."},
     )
@@ -142,7 +145,7 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
         chunk, bs = self.estimation_chunk, self.block_size
         if self.estimation == "causal_chunks" and (chunk < bs or chunk % bs):
-            raise ValueError(f"estimation_chunk={chunk} must be a positive multiple of block_size={bs} (chunks of "
+            raise ValueError(f"estimation_chunk={chunk} must be a positive multiple of {BLOCK_SIZE}={bs} (chunks of "
                              f"whole query blocks); e.g. {max(1, chunk // bs) * bs}.")
         if self.local_window < 1:
             raise ValueError(f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; "
@@ -206,8 +209,8 @@ class SparseAttentionConfig(FileConfig):
         raise ValueError(
             f"estimation_chunk={cfg.estimation_chunk} is not shorter than the {seq_len}-token training sequences: with "
             f"estimation='causal_chunks' the first chunk of a document is dense, so {which} would run dense (kept "
-            f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of block_size={cfg.block_size}, e.g. "
-            f"{fix}), or estimation='last_queries'."
+            f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of {BLOCK_SIZE}={cfg.block_size}, "
+            f"e.g. {fix}), or estimation='last_queries'."
         )
 
     def for_layer(self, layer_idx: int | None) -> SparseAttentionConfig:

@@ -48,9 +48,10 @@ def _launch_hint(env: Mapping[str, str]) -> str:
         return ("`accelerate launch` started a single process. A MULTI_CPU config starts its processes with MPI only "
                 "(--mpirun_hostfile); for N processes on this machine use a MULTI_GPU config (accelerate then starts "
                 "them with torchrun, and without CUDA the script trains on CPU over gloo: see "
-                "recipes/accelerate/cpu_2proc_cp2.yaml), or `hf-sparse-cp train --nproc N`.")
-    return ("launch it with torchrun, accelerate launch or `hf-sparse-cp train --nproc N` (or call "
-            "torch.distributed.init_process_group before building the parallel dimensions).")
+                "recipes/accelerate/cpu_2proc_cp2.yaml), or `hf-sparse-cp launch --nproc N script.py ...`.")
+    return ("launch it with `torchrun --nproc_per_node N`, accelerate launch or `hf-sparse-cp launch --nproc N "
+            "script.py ...` (`hf-sparse-cp train --nproc N` for the example), or call "
+            "torch.distributed.init_process_group before building the parallel dimensions.")
 
 
 def check_sizes(world_size: int, cp_size: int) -> None:
@@ -61,7 +62,8 @@ def check_sizes(world_size: int, cp_size: int) -> None:
         raise ValueError(
             f"cp_size={cp_size} does not divide the world size {world_size} (the number of processes): the ranks "
             f"must split into data-parallel groups of cp_size. Use a cp_size in {divisors}, or launch a multiple "
-            f"of {cp_size} processes (e.g. --num_processes {multiple})."
+            f"of {cp_size} processes (e.g. {multiple}: torchrun --nproc_per_node {multiple}, accelerate launch "
+            f"--num_processes {multiple}, hf-sparse-cp launch --nproc {multiple})."
         )
 
 

@@ -44,6 +44,16 @@ ARCHITECTURES: dict[str, Support] = {
 }
 
 
+# Config fields that give a mixture of experts its expert count (Mixtral, Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek).
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def uses_every_parameter(config) -> bool:
+    """Whether every trainable parameter of a model of this transformers config gets a gradient at every step: a
+    tested architecture that routes no tokens to experts (a mixture of experts may leave an expert unused)."""
+    return config.model_type in ARCHITECTURES and not any(getattr(config, name, 0) for name in _EXPERT_COUNTS)
+
+
 def lean_loss_classes() -> tuple[str, ...]:
     """The `*ForCausalLM` classes (names in `transformers`) whose forward the lean loss replaces."""
     return tuple(s.causal_lm for s in ARCHITECTURES.values() if s.causal_lm)

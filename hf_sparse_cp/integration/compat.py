@@ -119,14 +119,18 @@ PATCHES = (
           ("self", "resume_from_checkpoint", "model")),
     Patch(_TRAINER, TRAINER_LOAD_OPTIMIZER, "replaces", "while a resume loads the sharded state, the optimizer "
           "comes from it", "the end of `resharded_loading`", ("self", "checkpoint")),
+    Patch(_TRAINER, "training_step", "replaces", "each training batch's real tokens are counted for the logged "
+          "tokens_per_second (`StepMetricsCallback`) before the Trainer's own step trains on it",
+          "detach_from_trainer(trainer)", ("self", "model", "inputs", "num_items_in_batch")),
     Patch(_TRAINER, "optimizer_cls_and_kwargs", "sets", "SMET wraps the optimizer the Trainer would build "
           "(TrainingArguments' optim and its settings)", "uninstall_smet(trainer)", on_instances=True),
     Patch(_TRAINER, "is_fsdp_enabled", "sets", "--fsdp on CPU processes runs FSDP2, which the Trainer enables "
           "only where accelerate detected it", "disable_cpu_fsdp2(trainer)", on_instances=True),
     Patch("transformers.trainer_callback.CallbackHandler", "callbacks", "inserts into", "the kept-fraction "
-          "logging and the checkpoint marker are callbacks the Trainer did not get from the user",
+          "logging, the step metrics (tokens/s, peak memory) and the checkpoint marker are callbacks the Trainer "
+          "did not get from the user",
           "detach_from_trainer(trainer)", on_instances=True),
-    # -- a stock script run by `hf_sparse_cp.run` (trainer/launched.py) --
+    # -- a stock script run by `hf_sparse_cp.run` (launch/launched.py) --
     Patch(_TRAINER, "__init__", "replaces", "a Trainer that a launched script builds (the stock one, TRL's, the "
           "script's own subclass) trains with the plugin: it becomes sparse_trainer_class(its class) and the "
           "Trainer's __init__ runs with the plugin around it", _LAUNCH_UNDO,

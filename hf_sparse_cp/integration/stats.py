@@ -15,6 +15,9 @@ _ATTR = "_hf_sparse_cp_kept"
 # The Trainer log keys of the kept fraction: the mean over layers, and each layer's.
 LOG_KEY = "sparse/kept_fraction"
 LAYER_LOG_KEY = re.compile(rf"^{LOG_KEY}/layer_(-?\d+)$")
+# The log keys of the step's speed and memory (`trainer.callbacks.StepMetricsCallback`), read by the model card.
+TOKENS_PER_SECOND = "tokens_per_second"
+PEAK_MEMORY = "peak_memory_gib"
 
 
 def layer_log_key(layer: int) -> str:

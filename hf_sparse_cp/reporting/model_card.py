@@ -40,6 +40,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims
+from ..integration.stats import PEAK_MEMORY, TOKENS_PER_SECOND
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
 from .kept_fraction_figure import kept_fraction_figure, mean_kept_fraction_per_layer
@@ -70,6 +71,13 @@ _DISTRIBUTED_TYPE = re.compile(r"^- distributed_type: multi-GPU$", re.MULTILINE)
 _STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on",
                  "This model was trained from scratch on"),
                 (" on the None dataset.", " on an unknown dataset."))
+# TRL's card, for a run without a Hub base model or Hub id: its base-model link, title and quick start name None
+# (the quick start, a `pipeline(model="None")`, is dropped: the plugin's section has one that names the model).
+_TRL_NONE_LINK = "[None](https://huggingface.co/None)"
+_TRL_NONE_TITLE = re.compile(r"^# Model Card for None$", re.MULTILINE)
+_OWN_QUICK_START = re.compile(r"^## Quick start\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+# TRL writes `licence: license` (a misspelt key holding a placeholder) into every card's metadata.
+_TRL_LICENCE = "licence"
 
 
 def smet_config_of(trainer: Trainer) -> SMETConfig | None:
@@ -237,8 +245,13 @@ def _results(log_history: list[dict]) -> list[str]:
     return lines
 
 
+def _model_name(trainer: Trainer) -> str:
+    """Where the saved model is loaded from: its Hub id when pushed, else the output folder."""
+    return trainer.args.hub_model_id or trainer.args.output_dir
+
+
 def _quick_start(trainer: Trainer) -> str:
-    name = trainer.args.hub_model_id or trainer.args.output_dir
+    name = _model_name(trainer)
     return "\n".join([
         "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
         f'model = AutoModelForCausalLM.from_pretrained("{name}")',
@@ -248,6 +261,12 @@ def _quick_start(trainer: Trainer) -> str:
 
 
 def _throughput(trainer: Trainer, max_length: int | None) -> str:
+    measured = [log[TOKENS_PER_SECOND] for log in trainer.state.log_history if TOKENS_PER_SECOND in log]
+    peaks = [log[PEAK_MEMORY] for log in trainer.state.log_history if PEAK_MEMORY in log]
+    if measured:
+        peak = f"; peak memory {max(peaks):.2f} GiB per process" if peaks else ""
+        return (f"{sum(measured) / len(measured):,.0f} tokens/s (measured: real tokens per second of wall time over "
+                f"all processes, the mean of {len(measured)} logged interval(s)){peak}")
     final = next((log for log in reversed(trainer.state.log_history) if "train_runtime" in log), None)
     if final is None:
         return "not measured (the card was written before training ended)"
@@ -359,23 +378,41 @@ def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
     base model to the Hub names it as local instead."""
     metadata, body = _split_front_matter(card)
     tags = _as_list(metadata.get("tags"))
-    metadata["tags"] = tags + [tag for tag in TAGS if tag not in tags]
+    metadata["tags"] = list(dict.fromkeys([*tags, *_as_list(given.get("tags")), *TAGS]))
+    metadata.pop(_TRL_LICENCE, None)
     license_ = given.get("license") or metadata.get("license")
     if license_:
         metadata["license"] = str(license_).lower()
     base = (given.get("base_model") or given.get("finetuned_from") or metadata.get("base_model")
-            or getattr(getattr(trainer.model, "config", None), "_name_or_path", None))
+            or recorded_base_model(getattr(getattr(trainer.model, "config", None), "_name_or_path", None)))
     metadata.pop("base_model", None)
     if is_hub_id(base):
         metadata["base_model"] = base
+        body = body.replace(_TRL_NONE_LINK, f"[{base}](https://huggingface.co/{base})")
     elif isinstance(base, str) and base:
         body = body.replace(f"[{base}](https://huggingface.co/{base})", f"a local model (`{base}`)")
+        body = body.replace(_TRL_NONE_LINK, f"a local model (`{base}`)")
+    body = body.replace(f"This model is a fine-tuned version of {_TRL_NONE_LINK}", "This model was trained from "
+                        "scratch")
+    body = _TRL_NONE_TITLE.sub(f"# Model Card for {Path(_model_name(trainer)).name}", body)
+    body = _OWN_QUICK_START.sub("", body)
     named = [name for key in _DATASET_KEYS for name in _as_list(given.get(key))] or _as_list(metadata.get("datasets"))
     datasets = list(dict.fromkeys(name for name in named if is_hub_id(name)))
     metadata.pop("datasets", None)
     if datasets:
         metadata["datasets"] = datasets
     return f"---\n{yaml.dump(metadata, sort_keys=False)}---\n{body}"
+
+
+def recorded_base_model(source: Any) -> Any:
+    """The model a run started from, as far as the run can know it: `source` (the model config's `_name_or_path`)
+    when it is a Hub id; for a folder that an earlier run saved, the `base_model` its card records (that run's own
+    origin); else `source` as it is."""
+    if isinstance(source, str) and os.path.isdir(source) and (Path(source) / "README.md").is_file():
+        recorded = _split_front_matter((Path(source) / "README.md").read_text(encoding="utf-8"))[0].get("base_model")
+        if is_hub_id(recorded):
+            return recorded
+    return source
 
 
 def _accepted(create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:

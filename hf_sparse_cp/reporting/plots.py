@@ -26,6 +26,7 @@ from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
+from ..recipes import pattern_path
 from .kept_fraction_figure import kept_fraction_figure, new_figure, read_log_history
 from .model_card import KEPT_FRACTION_PLOT
 
@@ -220,7 +221,7 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
 
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sparse_cp")
     if sparse_config is not None:
-        configure(model, SparseAttentionConfig.from_file(sparse_config))
+        configure(model, SparseAttentionConfig.from_file(pattern_path(str(sparse_config))))
     elif SparseAttentionConfig.stored_on(model.config) is None:
         configure(model)
     return model.eval()

@@ -1,8 +1,10 @@
-"""`hf-sparse-cp memory`: how long a sequence fits on a GPU for a model, with and without context
-parallelism, and where the bytes of a step go (predictions of `hf_sparse_cp.simulator.memory_model`).
+"""`hf-sparse-cp memory`: how long a sequence fits on a GPU for a model (a preset, or any causal LM's config.json),
+with and without context parallelism, and where the bytes of a step go (predictions of
+`hf_sparse_cp.simulator.memory_model`, with the error band of their measured validation).
 
     hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory 80GB --cp 1
     hf-sparse-cp memory --model qwen2.5-3b --gpu-memory 80GB --cp 8 --fsdp 8 --seq-len 1048576
+    hf-sparse-cp memory --config Meta-Llama-3-8B/config.json --gpu-memory 40GB --cp 4 --fsdp 4 --seq-len 131072
     hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory auto --quiet     # the length alone, for scripts
 """
 
@@ -16,6 +18,8 @@ from pathlib import Path
 
 from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
+from ..recipes import pattern_path
+from .arguments import HelpFormatter, add_model_arguments, model_name, read_config
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .memory_model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
 
@@ -51,10 +55,10 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, choices=sorted(ARCHITECTURES), help="Model preset.")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    add_model_arguments(p, ARCHITECTURES, default=None)
     p.add_argument("--gpu-memory", default="80GB",
-                   help="Memory of one GPU: 80GB, 80GiB, 141GB, or 'auto' (CUDA device 0). Default 80GB.")
+                   help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
     p.add_argument("--usable-fraction", type=float, default=0.9,
                    help="Share of the GPU's memory a step may fill; the rest covers the CUDA context and the "
                    "allocator's fragmentation (default 0.9: 72 GB of 80).")
@@ -62,36 +66,45 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=int, default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
                    "on 8 GPUs.")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--master-weights", action="store_true",
-                   help="fp32 weights, gradients and optimizer state with autocast compute (the Trainer's --bf16).")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "smet", "none"))
-    p.add_argument("--smet-density", type=float, default=0.25)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="The compute dtype (the Trainer's --bf16: bfloat16, --fp16: float16, neither: float32).")
+    p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="fp32 weights, gradients and optimizer state with autocast compute in --dtype: what the "
+                   "Trainer's --bf16 / --fp16 train with for a model loaded in fp32 (from_pretrained's dtype=float32); "
+                   "--no-master-weights: a model loaded in --dtype and trained in it (dtype=torch.bfloat16).")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "smet", "none"),
+                   help="The optimizer's state: torch AdamW (two moments per weight), SMET (the plugin's --smet: "
+                   "compact state) or none.")
+    p.add_argument("--smet-density", type=float, default=0.25,
+                   help="With --optimizer smet: SMET's active fraction of the layer matrices (--smet_density).")
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
     p.add_argument("--token-tiling-min-length", type=int, default=DEFAULT_TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
                    "--sparse_token_tiling_min_length (0: never).")
-    p.add_argument("--token-tile-size", type=int, default=DEFAULT_TILE_TOKENS)
+    p.add_argument("--token-tile-size", type=int, default=DEFAULT_TILE_TOKENS,
+                   help="Tokens per tile of --token-tiling-min-length (the plugin's --sparse_token_tile_size).")
     p.add_argument("--offload-layer-inputs", action="store_true",
                    help="Saved layer inputs in host memory (the plugin's --sparse_offload_layer_inputs).")
-    p.add_argument("--sparse-config", help="YAML/JSON SparseAttentionConfig (its budgets size the layouts).")
+    p.add_argument("--sparse-config", help="YAML/JSON SparseAttentionConfig, or a shipped pattern's name (`trial`): "
+                   "its budgets size the layouts (default: the plugin's default pattern).")
     p.add_argument("--layout-width", default="curve", choices=("curve", "bound"),
                    help="Width of a layout whose budget bounds no diagonals (the default 'mass'): 'curve' reads the "
                    "measured kept-share curve at the length (the shipped SmolLM2-135M one, extrapolated past 8K, or "
                    "--kept-curve), 'bound' sizes it at every block of its rows (no run can exceed it).")
     p.add_argument("--kept-curve", help="A `benchmarks/pattern_quality.py --curve` report ('defaults' setting) for "
-                   "--layout-width curve.")
+                   "--layout-width curve (default: the shipped SmolLM2-135M measurement).")
     p.add_argument("--seq-len", type=int, nargs="*", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")
     p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
-    p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file.")
+    p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file (default: none).")
     return p
 
 
 def settings_for_length(args) -> callable:
     """The step settings for each sequence length, as the plugin picks them (token tiles from a length on)."""
-    pattern = SparseAttentionConfig.from_file(args.sparse_config) if args.sparse_config else SparseAttentionConfig()
+    pattern = SparseAttentionConfig.from_file(pattern_path(args.sparse_config)) if args.sparse_config else \
+        SparseAttentionConfig()
     curve = None if args.layout_width == "bound" else \
         KeptCurve.from_report(args.kept_curve) if args.kept_curve else DEFAULT_CURVE
     base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
@@ -119,16 +132,33 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--seq-len {args.seq_len}: every length must be >= 1 token.")
 
 
+# How far measured peaks were from the predictions (docs/memory.md, "Validation"): within 2% below on CPU processes
+# (4K-64K tokens, benchmarks/memory_model.py), and 6-26% above on one H100 (Qwen2.5-0.5B, 64K-256K: what the CUDA
+# context and the caching allocator add). The band (measured / predicted) every answer is printed with.
+MEASURED_BAND = (0.98, 1.26)
+
+
+def architecture(args: argparse.Namespace) -> Architecture:
+    """The model `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
+    if args.config is None:
+        return ARCHITECTURES[args.model]
+    return Architecture.from_config(read_config(args.config), model_name(args))
+
+
 def predict(args: argparse.Namespace, capacity: float) -> dict:
-    """The command's answer for its parsed `args` on a GPU of `capacity` bytes: the longest length that fits and
-    the predicted step at it and at `args.seq_len` (what `main` prints and `memory_table` tabulates)."""
-    arch: Architecture = ARCHITECTURES[args.model]
+    """The command's answer for its parsed `args` on a GPU of `capacity` bytes: the longest length that fits (and
+    the longest whose peak fits even at the top of `MEASURED_BAND`) and the predicted step at it and at
+    `args.seq_len` (what `main` prints and `memory_table` tabulates)."""
+    arch = architecture(args)
     settings = settings_for_length(args)
     budget = args.usable_fraction * capacity
     longest = longest_fitting_length(arch, budget, settings, granularity=1024)
-    report = {"model": args.model, "parameters": arch.params, "gpu_memory_bytes": capacity, "usable_bytes": budget,
+    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=1024)
+    report = {"model": model_name(args), "parameters": arch.params, "gpu_memory_bytes": capacity,
+              "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
-              "longest_fitting_tokens": longest, "prediction": True, "lengths": {}}
+              "longest_fitting_tokens": longest, "longest_fitting_tokens_at_band_top": margin,
+              "measured_band": MEASURED_BAND, "prediction": True, "lengths": {}}
     for n in sorted({*args.seq_len, *([longest] if longest else [])}):
         est = predict_step_memory(arch, n, settings(n))
         report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
@@ -146,9 +176,9 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         capacity = device_memory() if capacity is None else capacity
         settings = settings_for_length(args)
         settings(1)  # validates the settings
+        arch = architecture(args)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    arch: Architecture = ARCHITECTURES[args.model]
     report = predict(args, capacity)
     budget, longest = report["usable_bytes"], report["longest_fitting_tokens"]
     if args.json:
@@ -157,11 +187,16 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         print(longest)
         return report
     where = f"CP {args.cp}" + (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
-    print(f"{args.model} ({arch.params / 1e9:.2f}B parameters), {args.dtype}"
-          f"{' + fp32 master weights' if args.master_weights else ''}, {args.optimizer}, {where}, one GPU of "
-          f"{_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.memory, not measurements.")
+    precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
+                 f"{args.dtype})" if args.master_weights else f"all {args.dtype} (a model loaded in {args.dtype})")
+    print(f"{report['model']} ({arch.params / 1e9:.2f}B parameters), {precision}, {args.optimizer}, {where}, one GPU "
+          f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.memory, not measurements.")
+    low, high = MEASURED_BAND
     if longest:
-        print(f"Longest sequence that fits: {longest:,} tokens ({longest // args.cp:,} per rank).")
+        margin = report["longest_fitting_tokens_at_band_top"]
+        print(f"Longest sequence that fits: {longest:,} tokens ({longest // args.cp:,} per rank). Measured peaks were "
+              f"{1 - low:.0%} below to {high - 1:.0%} above these predictions (docs/memory.md): with that margin, "
+              f"{margin:,} tokens.")
     else:
         print(f"Not even {1024 * args.cp:,} tokens fit: the constant terms alone exceed {_gb(budget)}; shard them "
               "(--fsdp) or use a larger GPU.")

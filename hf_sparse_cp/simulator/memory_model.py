@@ -83,14 +83,10 @@ class Architecture:
 
     @classmethod
     def from_config(cls, config, name: str | None = None) -> Architecture:
-        """From a transformers config of a Llama-like decoder (Qwen2, Qwen3, Llama, Mistral fields)."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        shape = ModelShape(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads,
-                           getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                           config.intermediate_size, config.vocab_size)
+        """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), with
+        its tied LM head and q/k/v biases (`attention_bias`; Qwen2 has them without the field)."""
         bias = bool(getattr(config, "attention_bias", config.model_type == "qwen2"))
-        return cls(shape, bool(getattr(config, "tie_word_embeddings", False)), bias)
+        return cls(ModelShape.from_config(config, name), bool(getattr(config, "tie_word_embeddings", False)), bias)
 
 
 # Qwen2.5 (config.json on the Hugging Face Hub): q/k/v biases; 0.5B, 1.5B and 3B tie the LM head to the embedding.

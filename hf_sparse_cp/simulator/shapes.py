@@ -1,9 +1,14 @@
 """Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
-`memory_model.py`): `ModelShape` and the presets `MODELS`. A leaf: it imports nothing of the package."""
+`memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
+(`ModelShape.from_config`). A leaf: it imports nothing of the package."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+# Config fields that give a mixture of experts its expert count: the predictions count one dense MLP per layer.
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,34 @@ class ModelShape:
         """Weights of one layer's matrix multiplications (attention projections and the SwiGLU MLP)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
+        """The shape of a decoder from its transformers config (`AutoConfig`; the standard names, which
+        transformers maps for GPT-2-style configs too): layers, hidden size, heads, KV heads, head_dim, the gated
+        MLP's width and the vocabulary.
+
+        Raises:
+            ValueError: a field the predictions need is missing, or the model routes its tokens to experts; the
+                message names the field and the fix.
+        """
+        where = name or getattr(config, "model_type", "the config")
+        experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
+        if experts:
+            raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
+                             "predictions do not model (they count one dense MLP per layer); give a dense model's "
+                             "config.json, or a preset (--model).")
+        needed = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [field for field in needed if getattr(config, field, None) is None]
+        if missing:
+            raise ValueError(f"{where}: no {', '.join(missing)} in the config; the predictions need a decoder's "
+                             f"{', '.join(needed)} (a Llama-style config.json): add the missing field(s), or give a "
+                             "preset (--model).")
+        heads = config.num_attention_heads
+        return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
+                   config.vocab_size, f"config.json of model_type {config.model_type!r}")
 
     def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
         """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight

@@ -49,9 +49,18 @@ from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
 from ..distributed.split.documents import kept_blocks_per_row, row_runs
 from ..env import environment
+from .arguments import (
+    HelpFormatter,
+    add_cluster_arguments,
+    add_model_arguments,
+    cluster_of,
+    custom_parts,
+    model_name,
+    model_shape,
+)
 from .kept_curve import DEFAULT_CURVE, KeptAt, KeptCurve
-from .shapes import MODELS
-from .simulate import CONFIGURATIONS, Workload
+from .shapes import MODELS, ModelShape
+from .simulate import CONFIGURATIONS, Cluster, Workload
 from .step_model import CLUSTERS, HARDWARE, predict_step, ring_counts, with_causal_layout
 from .workloads import (
     MIXES,
@@ -69,6 +78,7 @@ MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "c
                        "Qwen2.5-3B at 512K on 32 A100s (zigzag variant 2.9x, without hierarchy 4.6x); "
                        "their reported 93.7% sparsity is simulated as density 0.063"}
 KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
+BOUNDS = ("block-only",)  # the kernels of KERNELS whose rows are bounds
 
 
 def _at_least(low: int):
@@ -96,42 +106,63 @@ def _fraction(text: str) -> float:
     return value
 
 
-def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-3b", choices=sorted(MODELS))
-    p.add_argument("--cluster", default="8xH100-IB400", choices=sorted(CLUSTERS))
-    p.add_argument("--seq", type=_at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576])
-    p.add_argument("--cp", type=_at_least(1), nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
+# The rows of the question (the default): the dense ring, and the sparse ring as the plugin runs it by default
+# (--cp_sharding striped, --cp_ring flat); `--all` adds every configuration, the bounds and MTraining's setting.
+DEFAULT_CONFIGS = ("dense ring", "striped sparse")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    add_model_arguments(p, MODELS, default="qwen2.5-3b")
+    add_cluster_arguments(p, default="8xH100-IB400")
+    p.add_argument("--seq", type=_at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
+                   help="Sequence lengths in tokens (one sequence per CP group per step).")
+    p.add_argument("--cp", type=_at_least(1), nargs="+", default=[8, 16, 32, 64],
+                   help="CP sizes: GPUs that split one sequence.")
+    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGURATIONS),
+                   help="Configurations to predict (default: 'dense ring' and 'striped sparse', the plugin's default "
+                   "split and ring; with --all, every one).")
+    p.add_argument("--all", action="store_true",
+                   help="The full table: every configuration, each sparse one also at its block-only bound, and the "
+                   "prediction for MTraining's published setting.")
+    p.add_argument("--mtraining", action=argparse.BooleanOptionalAction, default=None,
+                   help="Also predict MTraining's published setting (Qwen2.5-3B, 512K, 32 A100s; default: with --all).")
     p.add_argument("--dense-kernel", default="cudnn", choices=["cudnn", "fa2"],
-                   help="the dense ring's kernel (SDPA cuDNN or FlashAttention-2, both measured in anchors.md)")
+                   help="The dense ring's kernel (SDPA cuDNN or FlashAttention-2, both measured in anchors.md).")
     p.add_argument("--density", type=_fraction, default=None,
-                   help="kept fraction of the causal blocks of the sparse layouts at every length (default: the "
-                        "kept-curve's at each length)")
+                   help="Kept fraction of the causal blocks of the sparse layouts at every length (default: the "
+                   "kept-curve's at each length).")
     p.add_argument("--kept-curve", default=None,
-                   help="a `benchmarks/pattern_quality.py --curve` report whose 'defaults' setting gives the kept "
-                        "share at each length (default: the shipped SmolLM2-135M measurement)")
+                   help="A `benchmarks/pattern_quality.py --curve` report whose 'defaults' setting gives the kept "
+                   "share at each length (default: the shipped SmolLM2-135M measurement).")
     p.add_argument("--dense-first-layers", type=_at_least(0), default=SparseAttentionConfig().dense_first_layers,
-                   help="layers kept dense at the start of the model (the plugin's --sparse_dense_first_layers)")
+                   help="Layers kept dense at the start of the model (the plugin's --sparse_dense_first_layers).")
     p.add_argument("--spread", type=_fraction, default=1.0,
-                   help="random diagonals lie among the nearest SPREAD fraction of block diagonals (1: anywhere)")
-    p.add_argument("--verticals", type=_at_least(0), default=1000)
-    p.add_argument("--sink", type=_at_least(0), default=32)
+                   help="Random diagonals lie among the nearest SPREAD fraction of block diagonals (1: anywhere).")
+    p.add_argument("--verticals", type=_at_least(0), default=1000,
+                   help="Key columns of the synthetic sparse layouts (MTraining's budget).")
+    p.add_argument("--sink", type=_at_least(0), default=32, help="Sink tokens of the synthetic sparse layouts.")
     p.add_argument("--layout-heads", type=_at_least(1), default=4,
-                   help="heads of the synthetic layout (work is scaled to the model's heads)")
+                   help="Heads of the synthetic layout (work is scaled to the model's heads).")
     p.add_argument("--mix", default=None, choices=MIXES,
-                   help="pack each row with documents of this length mix (hf_sparse_cp.simulator.workloads) instead of "
-                        "one sequence")
+                   help="Pack each row with documents of this length mix (hf_sparse_cp.simulator.workloads) instead of "
+                   "one sequence.")
     p.add_argument("--estimation-chunk", type=_at_least(BLOCK), default=None,
-                   help="charge the estimation of estimation='causal_chunks' with this chunk (default: each "
-                        "document's last queries); a packed row is charged as one sequence (an upper bound)")
-    p.add_argument("--no-mtraining", action="store_true", help="skip the prediction for MTraining's setting")
-    p.add_argument("--seed", type=int, default=0)
+                   help="Charge the estimation of estimation='causal_chunks' with this chunk (default: each "
+                   "document's last queries); a packed row is charged as one sequence (an upper bound).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the synthetic layouts and packed rows.")
     p.add_argument("--json", default=None,
-                   help="output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
-                        "the current directory, benchmarks/results for benchmarks/simulate_cluster.py)")
-    p.add_argument("--png", default=None, help="plot file (default next to the JSON)")
-    return p.parse_args(argv)
+                   help="Output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
+                   "the current directory, benchmarks/results for benchmarks/simulate_cluster.py).")
+    p.add_argument("--png", default=None, help="Plot file (default: next to the JSON).")
+    return p
+
+
+def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
+    args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
+    args.mtraining = args.all if args.mtraining is None else args.mtraining
+    return args
 
 
 def kept_target(args, seq: int) -> KeptAt:
@@ -193,10 +224,11 @@ def workload_for(args, seq: int) -> Workload:
     return sequence_workload(args, seq) if args.mix is None else packed_workload(args.mix, seq, args.seed)
 
 
-def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: list[int], configs: list[str],
-             dense_kernel: str) -> list[dict]:
-    model, cluster = MODELS[model_name], CLUSTERS[cluster_name]
-    hardware = {k: HARDWARE[cluster_name](dense_kernel=dense_kernel, **v) for k, v in KERNELS.items()}
+def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardware_of, seqs: list[int],
+             cps: list[int], configs: list[str], dense_kernel: str, kernels: tuple[str, ...] = ("flex",)) -> list[dict]:
+    """The predicted rows, printed as they come: each sparse configuration with each of `kernels` (keys of
+    `KERNELS`; 'block-only' rows are bounds, labelled so), the dense ring with `dense_kernel`."""
+    hardware = {k: hardware_of(dense_kernel=dense_kernel, **KERNELS[k]) for k in kernels}
     rows = []
     for seq in seqs:
         if seq % (2 * BLOCK * max(cps)):
@@ -217,8 +249,9 @@ def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: lis
                                      counts=counts, dense_layers=args.dense_first_layers, dense=dense)
                     if target is not None and setup.sparse:
                         r.update(kept_target=target.kept, kept_basis=target.basis, kept_source=target.source)
-                    r.update(model=model_name, cluster=cluster_name, seq=seq, cp=cp, config=name,
-                             kernel=kernel if setup.sparse else dense_kernel, mix=args.mix or "one sequence",
+                    r.update(model=model_name, cluster=cluster.name, seq=seq, cp=cp, config=name,
+                             kernel=kernel if setup.sparse else dense_kernel, bound=setup.sparse and kernel in BOUNDS,
+                             mix=args.mix or "one sequence",
                              documents=len(workload.lengths), local_blocks=[int(b.numel()) for b in
                                                                            setup.plan.rank_blocks])
                     if not setup.sparse:
@@ -229,13 +262,16 @@ def simulate(args, model_name: str, cluster_name: str, seqs: list[int], cps: lis
     return rows
 
 
-HEADER = (f"{'S':>8} {'CP':>3}  {'configuration':<28}{'kernel':<11}{'kept':>6} {'step s':>8} {'tok/s':>9} "
-          f"{'speedup':>8} {'comm':>6} {'bound':>6}")
+HEADER = (f"{'S':>8} {'CP':>3}  {'configuration':<28}{'kernel':<18}{'kept':>6} {'step s':>8} {'tok/s':>9} "
+          f"{'speedup':>8} {'comm':>6} {'limit':>6}")
+BOUND_NOTE = ("rows marked 'bound': FlexAttention's per-block cost alone, what a sparse kernel without per-row "
+              "overhead could reach; an optimistic bound, not a prediction of a kernel that exists")
 
 
 def format_row(r: dict) -> str:
     speed = f"{r['speedup_vs_dense_ring']:.2f}x" if r["speedup_vs_dense_ring"] else "-"
-    return (f"{r['seq']:>8} {r['cp']:>3}  {r['config']:<28}{r['kernel']:<11}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
+    kernel = f"{r['kernel']} (bound)" if r.get("bound") else r["kernel"]
+    return (f"{r['seq']:>8} {r['cp']:>3}  {r['config']:<28}{kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
             f"{r['tokens_per_s']:>9.0f} {speed:>8} {r['comm_share']:>6.1%} {'comm' if r['comm_bound'] else '':>6}")
 
 
@@ -265,7 +301,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                          key=lambda r: r["cp"])
             cps = [r["cp"] for r in sel]
             style = "--" if kernel == "block-only" else "-"
-            label = f"{config} ({kernel})"
+            label = f"{config} ({kernel}{', bound' if kernel in BOUNDS else ''})"
             kw = {"marker": "o", "label": label, "color": colors[config]}
             axes[0, j].plot(cps, [r["tokens_per_s"] / 1e3 for r in sel], style, **kw)
             axes[1, j].plot(cps, [r["speedup_vs_dense_ring"] for r in sel], style, **kw)
@@ -293,27 +329,37 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
         targets = [kept_target(args, seq) for seq in args.seq]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--kept-curve {args.kept_curve}: {e}") from None
+    try:
+        name, model = model_name(args), model_shape(args, MODELS)
+    except ValueError as e:
+        raise SystemExit(f"{prog or 'simulate'}: error: {e}") from None
+    cluster, hardware_of = cluster_of(args)
     if args.mix is None:
-        print(f"{args.model} on {args.cluster}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
+        print(f"{name} on {cluster.name}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
               f"({args.layout_heads} layout heads) and diagonals for a kept share of")
         for target in targets:
             print(f"  {target.describe()}")
         print(f"first {args.dense_first_layers} layer(s) dense; PREDICTED")
     else:
-        print(f"{args.model} on {args.cluster}; rows packed with the {args.mix} mix (seed {args.seed}), "
+        print(f"{name} on {cluster.name}; rows packed with the {args.mix} mix (seed {args.seed}), "
               "per-document patterns at the default budgets; PREDICTED")
     if args.estimation_chunk:
         print(f"estimation: causal chunks of {args.estimation_chunk} tokens (estimation='causal_chunks')")
+    kernels = tuple(KERNELS) if args.all else ("flex",)
+    if args.all:
+        print(BOUND_NOTE)
     print(HEADER)
-    rows = simulate(args, args.model, args.cluster, args.seq, args.cp, args.configs, args.dense_kernel)
-    hw = HARDWARE[args.cluster](dense_kernel=args.dense_kernel)
-    cluster = CLUSTERS[args.cluster]
+    rows = simulate(args, name, model, cluster, hardware_of, args.seq, args.cp, args.configs, args.dense_kernel,
+                    kernels)
+    if not args.all:
+        print("(the rows asked for; --all: every configuration, its block-only bound and MTraining's setting)")
+    hw = hardware_of(dense_kernel=args.dense_kernel)
     report = {
         "what": "predicted training-step time (simulation, not a measurement) of one sequence per CP group",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine_that_simulated": environment(),
         "args": vars(args),
-        "model": vars(MODELS[args.model]),
+        "model": vars(model),
         "cluster": {"name": cluster.name, "gpus_per_node": cluster.gpus_per_node,
                     "intra": vars(cluster.intra), "inter": vars(cluster.inter), "overlap": cluster.overlap},
         "calibration": {"sources": hw.sources, "sparse_fwd": vars(hw.sparse_fwd), "sparse_bwd": vars(hw.sparse_bwd),
@@ -323,22 +369,24 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
         "rows": rows,
         "comm_bound_from_cp": comm_bound_from(rows),
     }
-    if not args.no_mtraining:
+    if args.mtraining:
         m = MTRAINING
         print(f"\nMTraining's setting: {m['model']}, {m['seq'] // 1024}K, {m['cp']} GPUs of {m['cluster']}")
         print(HEADER)
         mt = []
         for dense_kernel in ("fa2", "cudnn"):
             mt_args = {**vars(args), "mix": None, "density": args.density or m["density"]}
-            mt += simulate(argparse.Namespace(**mt_args), m["model"], m["cluster"], [m["seq"]],
-                           [m["cp"]], list(CONFIGURATIONS), dense_kernel)
+            mt += simulate(argparse.Namespace(**mt_args), m["model"], MODELS[m["model"]], CLUSTERS[m["cluster"]],
+                           HARDWARE[m["cluster"]], [m["seq"]], [m["cp"]], list(CONFIGURATIONS), dense_kernel,
+                           tuple(KERNELS))
         report["mtraining"] = {**m, "rows": mt}
-    name = f"simulate-cluster_{args.model}_{args.cluster}" + (f"_{args.mix}" if args.mix else "") + ".json"
-    out = Path(args.json) if args.json else (results or Path.cwd()) / name
+    cluster_tag = args.cluster + ("_custom" if custom_parts(args) else "")
+    file_name = f"simulate-cluster_{name}_{cluster_tag}" + (f"_{args.mix}" if args.mix else "") + ".json"
+    out = Path(args.json) if args.json else (results or Path.cwd()) / file_name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
-    plot(rows, png, f"{args.model} on {args.cluster}" + (f", rows packed with the {args.mix} mix" if args.mix else ""))
+    plot(rows, png, f"{name} on {cluster.name}" + (f", rows packed with the {args.mix} mix" if args.mix else ""))
     print(f"wrote {out} and {png}")
     return report
 

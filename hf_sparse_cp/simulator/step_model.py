@@ -146,9 +146,13 @@ def h100(*, dense_kernel: str = "cudnn", sparse_row_costs: bool = True) -> Hardw
         })
 
 
+# Dense BF16 tensor peaks of the datasheets (TFLOP/s): what other GPUs' calibrations are scaled by.
+PEAK_TFLOPS = {"H100": 989.4, "A100": 312.0}
+
+
 def a100(**kwargs) -> Hardware:
     """The H100 calibration scaled to an A100 (arguments as for `h100`)."""
-    return h100(**kwargs).scaled("A100", 312.0 / 989.4,
+    return h100(**kwargs).scaled("A100", PEAK_TFLOPS["A100"] / PEAK_TFLOPS["H100"],
                                  "H100 figures x 312/989.4: dense BF16 tensor peak of the NVIDIA A100 SXM (312 "
                                  "TFLOP/s) and H100 SXM (989.4 TFLOP/s) datasheets; not measured on an A100")
 

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import torch
 
-# glibc's malloc set to keep freed memory for reuse (the CPU analogue of PyTorch's caching allocator on a GPU).
-# By default it hands every allocation above its mmap threshold (at most 32 MiB) fresh pages from the kernel and
-# returns them on free, so a CPU run pays page faults for large tensors that a GPU run never pays.
-RECYCLING_MALLOC = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
+from ..backends import RECYCLING_MALLOC
+
 ALLOCATORS = ("recycling", "system")
 
 

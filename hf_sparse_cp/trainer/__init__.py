@@ -4,7 +4,6 @@
 * `arguments.py`: `SparseCPArguments`, `SMETArguments`, `explicit_fields` (flags for `HfArgumentParser`);
 * `attach.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
-* `launched.py`: what `hf_sparse_cp.run` changes while a stock script runs (its parser, its Trainer);
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`);
 * `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints;
 * `cpu_fsdp.py`: `--fsdp` as FSDP2 on CPU processes; `smet.py`: `install_smet` / `uninstall_smet`;

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ..config.sections import (
     scoring_from,
 )
 from ..memory import MemorySavers
+from ..recipes import pattern_path
 from ..smet import SMETConfig
 from ..smet.config import module_names
 
@@ -50,8 +52,9 @@ class SparseCPArguments:
     )
     sparse_config: str | None = field(
         default=None,
-        metadata={"help": "YAML/JSON file with the SparseAttentionConfig; pattern flags given on the command line "
-                  "override it."},
+        metadata={"help": "YAML/JSON file with the SparseAttentionConfig, or a shipped pattern's name: `trial` stays "
+                  "sparse at the 1K-4K tokens of a trial run (`hf-sparse-cp recipes` lists them); pattern flags given "
+                  "on the command line override it."},
     )
     sparse_fused_loss: bool = field(
         default=True,
@@ -89,6 +92,24 @@ class SparseCPArguments:
         default=True,
         metadata={"help": "Log the per-layer kept fraction of attention blocks into the Trainer's logs."},
     )
+    sparse_card_license: str | None = field(
+        default=None,
+        metadata={"help": "The model card's license (a Hub license id, e.g. apache-2.0); the card is written to "
+                  "output_dir whenever the final model is saved there."},
+    )
+    sparse_card_base_model: str | None = field(
+        default=None,
+        metadata={"help": "The model card's base_model (a Hub id). Unset: the model's own Hub id, or for a folder "
+                  "an earlier run saved, the base model its card records."},
+    )
+    sparse_card_datasets: list[str] | None = field(
+        default=None,
+        metadata={"help": "The model card's datasets (Hub ids). Unset: the script's --dataset_name under "
+                  "hf_sparse_cp.run, or what the card is given."},
+    )
+    sparse_card_tags: list[str] | None = field(
+        default=None, metadata={"help": "More tags for the model card (besides the Trainer's and the plugin's)."},
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -96,6 +117,13 @@ class SparseCPArguments:
             raise ValueError(f"--sparse_token_tiling_min_length {self.sparse_token_tiling_min_length} must be >= 0 "
                              "(0: never tile).")
         MemorySavers(tile_tokens=self.sparse_token_tile_size)  # validates the tile
+
+    def card_metadata(self) -> dict[str, Any]:
+        """The model card's metadata given by the flags (`license`, `base_model`, `datasets`, `tags`): the
+        keywords `write_sparse_model_card` takes."""
+        given = {"license": self.sparse_card_license, "base_model": self.sparse_card_base_model,
+                 "datasets": self.sparse_card_datasets, "tags": self.sparse_card_tags}
+        return {name: value for name, value in given.items() if value}
 
     def memory_savers(self, max_length: int | None) -> MemorySavers:
         """The memory savers for sequences of `max_length` tokens (None: unknown, no token tiles)."""
@@ -121,7 +149,8 @@ class SparseCPArguments:
         else:
             flags = {} if from_flags is None else from_flags.values()
         fields = None if explicit is None else unprefixed(explicit, PATTERN_PREFIX)
-        return SparseAttentionConfig.from_file_and_flags(self.sparse_config, flags, fields)
+        path = None if self.sparse_config is None else pattern_path(self.sparse_config)  # (a file, or `trial`)
+        return SparseAttentionConfig.from_file_and_flags(path, flags, fields)
 
 
 # The command-line prefixes of the pattern's and SMET's fields.
@@ -323,3 +352,17 @@ def explicit_fields(parser: argparse.ArgumentParser, args: Sequence[str]) -> set
     unset = argparse.Namespace(**dict.fromkeys(names, _NOT_GIVEN))
     given = vars(parser.parse_known_args(args, namespace=unset)[0])
     return {name for name, value in given.items() if value is not _NOT_GIVEN}
+
+
+def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """'; did you mean --x for --y?' for the flags among `unknown` that are close to one `parser` takes ('' when
+    none is): the suffix of an "unrecognized arguments" error."""
+    options = [option for action in parser._actions for option in action.option_strings  # (argparse's own list)
+               if option.startswith("--")]
+    guesses = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and flag not in options:
+            close = difflib.get_close_matches("--" + flag[2:].replace("-", "_"), options, n=1, cutoff=0.75)
+            guesses += [f"{close[0]} for {flag}"] if close else []
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""

@@ -38,7 +38,7 @@ from ..integration.models import attention_layers, check_model_supports_sparse_a
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, is_patched, patch, unpatch
 from .arguments import SparseAttentionFlags, SparseCPArguments
-from .callbacks import SparsityLoggingCallback
+from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
 from .curriculum import disable_curriculum, enable_curriculum, parse_schedule, schedule_for
@@ -47,9 +47,11 @@ logger = logging.getLogger(__name__)
 
 _SPARSE_ATTENTION = "sparse_attention"
 _SPARSITY_LOGGING = "sparsity_logging"
+_STEP_METRICS = "step_metrics"
 _CHECKPOINTS = "checkpoints"
 _DDP_TIMEOUT = "ddp_timeout"
-# A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name (`launched.py`).
+# A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name
+# (`hf_sparse_cp.launch.launched`).
 LAUNCHED = "launched"
 # transformers >= 5.2x reads `activation_checkpointing` (`gradient_checkpointing` is its deprecated alias)
 _CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
@@ -212,7 +214,8 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     line = "sparse_cp: " + "; ".join(parts)
     if sparse and max_length is not None and max_length < cfg.min_seq_len:
         line += (f". At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
-                 "dense (lower --sparse_min_seq_len to train sparse at this length)")
+                 "dense. For a trial run that shows sparsity at this length, give --sparse_config trial (a shipped "
+                 "pattern sparse at 1K-4K tokens); --sparse_min_seq_len alone keeps nearly every block there")
     return line
 
 
@@ -224,6 +227,22 @@ def _ranges(layers: list[int]) -> str:
             runs.append(f"{start}-{a}" if a > start else str(a))
             start = b
     return ", ".join(runs)
+
+
+def count_step_metrics(trainer: Trainer, patches: PatchSet) -> StepMetricsCallback:
+    """Log tokens per second and peak memory with every training log (`StepMetricsCallback`, first among the
+    callbacks, so the reporters see them): the trainer's `training_step` counts each batch's tokens before it
+    trains on it."""
+    metrics = StepMetricsCallback()
+    patches.insert(trainer.callback_handler, "callbacks", 0, metrics)
+    training_step = trainer.training_step
+
+    def counting_step(model, inputs, *rest, **kwargs):
+        metrics.count(inputs, trainer.get_cp_size())
+        return training_step(model, inputs, *rest, **kwargs)
+
+    patches.set_attr(trainer, "training_step", counting_step)
+    return metrics
 
 
 def attach_to_trainer(
@@ -256,6 +275,8 @@ def attach_to_trainer(
     check_launch(trainer)
     if attached_patches(trainer, _DDP_TIMEOUT) is None:
         apply_ddp_timeout(trainer, record_on(trainer, _DDP_TIMEOUT))
+    if attached_patches(trainer, _STEP_METRICS) is None:
+        count_step_metrics(trainer, record_on(trainer, _STEP_METRICS))
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.sparse_log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         logging_callback = SparsityLoggingCallback()
@@ -290,5 +311,6 @@ def detach_from_trainer(trainer: Trainer) -> None:
     disable_trainer_context_parallel(trainer)
     undo_recorded(trainer, _CHECKPOINTS)
     undo_recorded(trainer, _SPARSITY_LOGGING)
+    undo_recorded(trainer, _STEP_METRICS)
     undo_recorded(trainer, _DDP_TIMEOUT)
     undo_recorded(trainer, LAUNCHED)

@@ -1,11 +1,22 @@
-"""Trainer callbacks of the plugin: sparsity logging, and SMET's attach-and-log callback."""
+"""Trainer callbacks of the plugin: sparsity logging, the step's speed and memory, and SMET's attach-and-log
+callback."""
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 from transformers import TrainerCallback
 
-from ..integration.stats import LOG_KEY, layer_log_key, pop_kept_fractions
+from ..attention.tokens import PAD_SEGMENT
+from ..distributed.split.blocks import sequence_meta
+from ..integration.stats import LOG_KEY, PEAK_MEMORY, TOKENS_PER_SECOND, layer_log_key, pop_kept_fractions
 from ..smet import unwrap_smet
+
+GIB = 2**30
 
 
 def add_to_log(state, logs: dict, extra: dict) -> None:
@@ -33,6 +44,72 @@ class SparsityLoggingCallback(TrainerCallback):
         extra = {layer_log_key(layer): round(v, 5) for layer, v in per_layer.items()}
         extra[LOG_KEY] = round(sum(per_layer.values()) / len(per_layer), 5)
         add_to_log(state, logs, extra)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """This process's peak memory: on CUDA the most bytes allocated since the last
+    `torch.cuda.reset_peak_memory_stats`, on a CPU the peak resident set of the process so far (what the operating
+    system reports; None where Python cannot read it, e.g. on Windows)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (macOS reports bytes, Linux KiB)
+
+
+class StepMetricsCallback(TrainerCallback):
+    """Adds to every training log the speed and memory of the steps since the previous one, as TRL and axolotl
+    users read them: `tokens_per_second`, the real (non-padding) tokens trained per second of wall time over all
+    processes, each sequence counted once however many context-parallel ranks split it; `peak_memory_gib`, the
+    largest peak of any process (`peak_memory_bytes`). Under CP it also replaces TRL's `num_tokens` (counted on
+    each rank's padded shard) by the total of real tokens, as one process counts them.
+
+    `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch).
+    Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
+    """
+
+    def __init__(self) -> None:
+        # this rank's share of the real tokens trained (its batches' over the CP degree): in all, and since the last log
+        self.total: torch.Tensor | None = None
+        self.since_log: torch.Tensor | None = None
+        self.cp_size = 1
+        self._last_log = time.perf_counter()
+
+    def count(self, inputs: Mapping[str, Any], cp_size: int) -> None:
+        tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
+        self.total = tokens if self.total is None else self.total + tokens
+        self.since_log = tokens if self.since_log is None else self.since_log + tokens
+        self.cp_size = cp_size
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.since_log, self._last_log = None, time.perf_counter()
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:  # (training logs only: every rank writes them)
+            return
+        peak = peak_memory_bytes(args.device)
+        counts = [x if x is not None else torch.zeros((), dtype=torch.float64) for x in (self.total, self.since_log)]
+        stats = torch.stack([*(x.to(args.device) for x in counts),
+                             torch.tensor(float(peak or 0), dtype=torch.float64, device=args.device)])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(stats[:2])
+            torch.distributed.all_reduce(stats[2:], op=torch.distributed.ReduceOp.MAX)
+        total, since_log, peak_all = stats.tolist()
+        now = time.perf_counter()
+        extra = {TOKENS_PER_SECOND: round(since_log / max(now - self._last_log, 1e-9), 1)}
+        if peak is not None:
+            extra[PEAK_MEMORY] = round(peak_all / GIB, 3)
+        if "num_tokens" in logs and self.cp_size > 1:
+            extra["num_tokens"] = float(round(total))
+        add_to_log(state, logs, extra)
+        self.since_log, self._last_log = None, now
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
 
 
 class SMETCallback(TrainerCallback):

@@ -22,16 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
-from ..attention.tokens import PAD_SEGMENT
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
-from ..distributed.split.blocks import sequence_meta
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, undo_recorded
-from .callbacks import add_to_log
 
 logger = logging.getLogger(__name__)
 
@@ -120,38 +117,7 @@ def count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int
         trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size()
 
     patches.set_attr(trainer, compat.TRAINER_TRACK_TOKENS, track_once)
-    if compat.logs_trained_tokens(trainer):
-        count = _TrainedTokens()
-        prepare = getattr(trainer, compat.TRAINER_CP_INPUTS)  # (the plugin's, set by the caller)
-
-        def prepare_counting(model, inputs):
-            if model.training:
-                count.add(inputs, cp_size())
-            return prepare(model, inputs)
-
-        patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_counting)
-        patches.insert(trainer.callback_handler, "callbacks", 0, count)  # (before the reporters read the log)
-
-
-class _TrainedTokens(TrainerCallback):
-    """TRL's SFTTrainer logs `num_tokens`, counted on the inputs it trains on: under CP, each rank's shard with
-    the padding that splits the sequence evenly over the ranks. This logs in its place what one process counts:
-    the real (non-padding) tokens of each training batch, once per CP group."""
-
-    def __init__(self) -> None:
-        self.total: torch.Tensor | None = None  # this rank's share: its batches' tokens / the CP degree
-
-    def add(self, inputs: dict[str, Any], cp_size: int) -> None:
-        tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
-        self.total = tokens if self.total is None else self.total + tokens
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "num_tokens" not in logs or self.total is None:
-            return
-        total = self.total.clone()
-        if torch.distributed.is_initialized():  # (every rank logs the same steps)
-            torch.distributed.all_reduce(total)
-        add_to_log(state, logs, {"num_tokens": float(round(total.item()))})
+    # (TRL's `num_tokens`, counted on each rank's padded shard, is replaced by `callbacks.StepMetricsCallback`)
 
 
 def enable_trainer_context_parallel(

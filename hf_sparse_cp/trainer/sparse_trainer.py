@@ -40,6 +40,7 @@ from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..config.files import check_field_types
 from ..distributed import ContextParallelConfig, quiesce_process_groups
 from ..integration import compat
+from ..integration.architectures import uses_every_parameter
 from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig
 from ..smet.config import module_names
@@ -144,7 +145,8 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
         if self.fsdp and "WORLD_SIZE" not in os.environ:  # (transformers' own error comes later and names no fix)
             raise ValueError(
                 "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
-                "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp train --nproc 2 --fsdp ...`; or "
+                "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp launch --nproc 2 train.py --fsdp "
+                "...`; or "
                 "drop --fsdp."
             )
         self._check_plugin_fields()
@@ -312,6 +314,11 @@ class SparseTrainerMixin:
                            "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
                            "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
                            compat.attn_implementation(model.config))
+        config = getattr(model, "config", None)
+        if args.ddp_find_unused_parameters is None and config is not None and uses_every_parameter(config):
+            # (the Trainer's default without gradient checkpointing searches the graph after every backward, and
+            # DDP warns at every run that it found nothing)
+            args.ddp_find_unused_parameters = False
         trainer_init(model, args, *rest, **kwargs)
         if args.sparse_attention and loaded_here:
             self._enable_sparse_attention(self.model, args)
@@ -339,9 +346,20 @@ class SparseTrainerMixin:
     def create_model_card(self, **kwargs):
         """The Trainer class's own card, amended and merged with the plugin's section: versions, the
         distributed set-up, sequence length, pattern, kept fraction per layer (and its plot), CP, SMET,
-        losses, tokens/s (`model_card.write_sparse_model_card`)."""
+        losses, tokens/s (`model_card.write_sparse_model_card`). Metadata not given here comes from the
+        `--sparse_card_*` flags."""
+        given = {name: value for name, value in kwargs.items() if value is not None}
         return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
-                                       create_card=super().create_model_card, **kwargs)
+                                       create_card=super().create_model_card,
+                                       **(self.args.plugin_arguments().card_metadata() | given))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's `save_model`; saving the final model into `output_dir` also writes its card there (a stock
+        script that saves without pushing, TRL's included, gets one), checkpoints do not."""
+        super().save_model(output_dir, _internal_call)
+        final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
+        if final and not _internal_call:
+            self.create_model_card()
 
 
 class SparseTrainer(SparseTrainerMixin, Trainer):

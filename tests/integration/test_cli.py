@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_sparse_cp.cli import EXAMPLE_MODULE, run_forwarding_signals
+from hf_sparse_cp.cli import EXAMPLE_MODULE
+from hf_sparse_cp.launch.processes import run_forwarding_signals
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from Linux's /proc")
 

@@ -11,13 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # Installed package name -> folder in the repository.
 FOLDERS = {"hf_sparse_cp": ROOT / "hf_sparse_cp", "hf_sparse_cp.kernels": ROOT / "kernels",
-           "hf_sparse_cp.examples": ROOT / "examples"}
+           "hf_sparse_cp.examples": ROOT / "examples", "hf_sparse_cp.recipes": ROOT / "recipes"}
 
 # What each part may import from the rest of hf_sparse_cp besides itself (prefixes); "*" anything. The direction is
 # trainer -> reporting / resharding -> integration -> distributed -> attention -> config, with kernels a leaf, the
 # simulator (step time and memory on paper) beside the training path, reading the ring's plan, and testing /
 # examples on top.
-BASE = ("hf_sparse_cp.config", "hf_sparse_cp.backends", "hf_sparse_cp.env", "hf_sparse_cp.lazy")
+BASE = ("hf_sparse_cp.config", "hf_sparse_cp.backends", "hf_sparse_cp.env", "hf_sparse_cp.lazy", "hf_sparse_cp.recipes")
 MODEL_PATH = (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss", "hf_sparse_cp.smet",
               "hf_sparse_cp.memory")
 ALLOWED = {
@@ -25,7 +25,8 @@ ALLOWED = {
     "hf_sparse_cp.config": (),
     "hf_sparse_cp.backends": (),
     "hf_sparse_cp.lazy": (),
-    "hf_sparse_cp.env": (),
+    "hf_sparse_cp.recipes": (),  # the shipped files (training recipes, accelerate configs, patterns) by name
+    "hf_sparse_cp.env": ("hf_sparse_cp.version",),
     "hf_sparse_cp.attention": (*BASE, "hf_sparse_cp.kernels"),
     "hf_sparse_cp.loss": BASE,
     "hf_sparse_cp.smet": BASE,
@@ -44,6 +45,8 @@ ALLOWED = {
     "hf_sparse_cp.examples": ("*",),
     "hf_sparse_cp.cli": ("*",),
     "hf_sparse_cp.run": ("*",),  # the launcher of stock scripts, beside the command line
+    "hf_sparse_cp.launch": ("*",),  # what the launcher changes while a script runs, and how it starts processes
+    "hf_sparse_cp.version": (),  # a leaf: the command line reads it without importing torch
     "hf_sparse_cp.reporting.plots": ("*",),  # user-facing pictures, beside the command line
     "hf_sparse_cp": ("*",),  # the package root exposes the public API
 }

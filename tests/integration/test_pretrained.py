@@ -118,3 +118,21 @@ def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_pat
                             "--save_strategy", "no", "--output_dir", str(tmp_path)])
     assert len(summary["losses"]) == 1 and 0 < summary["final_loss"] < 10.8  # below chance: real weights
     assert summary["mean_kept_fraction"] < 1.0
+
+
+def test_the_trial_pattern_shows_sparsity_at_1k_where_the_defaults_keep_every_block(smollm2):
+    """`--sparse_config trial` (issue #52): on real weights at 1,024 tokens the defaults, even with min_seq_len 0,
+    keep nearly every block; the trial pattern keeps a visible share (measured: 0.33 against 0.997)."""
+    from hf_sparse_cp.recipes import pattern_path
+
+    tokenizer, model = smollm2
+    with torch.no_grad():
+        inputs, _ = capture_attention_inputs(model, pretrained.text_token_ids(tokenizer, 1024))
+    trial = SparseAttentionConfig.from_file(pattern_path("trial"))
+    defaults = SparseAttentionConfig(min_seq_len=0)
+
+    def kept(config: SparseAttentionConfig) -> float:
+        return sum(float(estimate_layout(q, k, config, scale=scale).kept_fraction())
+                   for q, k, _, scale in inputs[1:]) / (len(inputs) - 1)
+
+    assert kept(defaults) > 0.95 and kept(trial) < 0.5

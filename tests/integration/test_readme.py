@@ -154,7 +154,7 @@ def test_the_switch_snippet_trains_under_torchrun_cp2_and_data_built_per_process
 
 
 def test_every_plugin_flag_shown_with_the_launcher_exists():
-    from hf_sparse_cp.trainer.launched import plugin_flag_names
+    from hf_sparse_cp.launch.launched import plugin_flag_names
 
     names = plugin_flag_names()
     shown = [(page, command) for page, command in COMMANDS if "hf_sparse_cp.run" in command or

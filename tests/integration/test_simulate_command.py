@@ -1,29 +1,86 @@
 """`hf-sparse-cp simulate` and benchmarks/simulate_cluster.py end to end (tiny sizes): the report, its
 sources and the plot."""
 
+import re
+
 import pytest
 
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS
 
 
-def test_simulate_command(tmp_path, monkeypatch):
-    """`hf-sparse-cp simulate` writes its rows, their sources and a plot into the current directory (tiny sizes)."""
+def test_simulate_command(tmp_path, monkeypatch, capsys):
+    """`hf-sparse-cp simulate` writes its rows, their sources and a plot into the current directory (tiny sizes):
+    by default the rows of the question (the dense ring and the plugin's default sparse ring), with --all every
+    configuration and its block-only bound, labelled as a bound (issue #52)."""
     import json
 
     from hf_sparse_cp.cli import main
 
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
-    assert main(["simulate", "--seq", "32768", "--cp", "8", "16", "--no-mtraining", "--layout-heads", "1"]) == 0
+    assert main(["simulate", "--seq", "32768", "--cp", "8", "16", "--layout-heads", "1"]) == 0
     out = tmp_path / "simulate-cluster_qwen2.5-3b_8xH100-IB400.json"
     assert out.with_suffix(".png").stat().st_size > 0
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert {r["config"] for r in rows} == set(CONFIGURATIONS)
+    assert [(r["config"], r["kernel"], r["cp"]) for r in rows] == [
+        ("dense ring", "cudnn", 8), ("striped sparse", "flex", 8), ("dense ring", "cudnn", 16),
+        ("striped sparse", "flex", 16)] and "mtraining" not in report
     assert all(r["speedup_vs_dense_ring"] == 1.0 for r in rows if r["config"] == "dense ring")
     assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows)
     assert "anchors.md" in report["calibration"]["sources"]["sparse attention"]
     assert report["cluster"]["inter"]["source"]
+    capsys.readouterr()
+    every = main(["simulate", "--seq", "32768", "--cp", "8", "--layout-heads", "1", "--all", "--no-mtraining"])
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert every == 0 and {r["config"] for r in rows} == set(CONFIGURATIONS)
+    bounds = [r for r in rows if r["bound"]]
+    assert bounds and all(r["kernel"] == "block-only" for r in bounds)
+    assert printed.count("block-only (bound)") == len(bounds) and "an optimistic bound, not a prediction" in printed
+
+
+def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch):
+    """`--config` reads any causal LM's config.json (here a Llama-3-8B-shaped one); the cluster flags replace the
+    preset's GPU FLOP/s, GPUs per node and links, and the report says so (issue #52)."""
+    import json
+
+    from hf_sparse_cp.simulator import simulate_cli
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}))
+    base = ["--seq", "32768", "--cp", "4", "--layout-heads", "1", "--config", str(folder)]
+    preset = simulate_cli.main(base)
+    custom = simulate_cli.main([*base, "--cluster", "8xA100-IB200", "--gpu-tflops", "624", "--gpus-per-node", "4",
+                                "--intra-node-gbps", "115"])
+    assert preset["model"]["layers"] == 32 and preset["model"]["intermediate"] == 14336
+    assert preset["rows"][0]["model"] == "llama-8b"
+    assert custom["cluster"]["gpus_per_node"] == 4 and custom["cluster"]["intra"]["bandwidth"] == 115e9
+    assert "A100 costs x 624/312 (--gpu-tflops" in custom["calibration"]["sources"]["scaling"]
+    dense = [r["step_s"] for r in (preset["rows"][0], custom["rows"][0])]
+    assert dense[0] != dense[1]
+    with pytest.raises(SystemExit, match="no intermediate_size"):
+        (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        simulate_cli.main(base)
+
+
+@pytest.mark.parametrize("command", ["simulate", "memory"])
+def test_every_help_entry_has_text_and_its_default(command, monkeypatch):
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    monkeypatch.setenv("COLUMNS", "1000")  # (one line per flag)
+    parser = {"simulate": simulate_cli, "memory": memory_cli}[command].build_parser()
+    entries = re.split(r"\n(?=  -)", parser.format_help())  # one entry per flag: its line(s) and help
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+            entry = next(e for e in entries if e.strip().startswith(action.option_strings[0]))
+            assert "(default: " in entry, entry
 
 
 def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):

@@ -66,7 +66,7 @@ def test_the_flags_carry_every_plugin_setting(tmp_path):
     assert args.sparse_attention_config().budget.vertical_topk == 8 and args.sparse_attention_config().block_size == 32
     assert args.context_parallel_config().cp_sharding == "zigzag"
     assert args.smet_optimizer_config().density == 0.5 and args.sparse_max_length == 512
-    with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
+    with pytest.raises(ValueError, match=r"block_size \(--sparse_block_size\)=48 must be a power of two"):
         _args(tmp_path, "--sparse_block_size", "48")
     trainer = SparseTrainer(model=_model(), args=args, train_dataset=_rows())
     trainer.create_optimizer()
@@ -92,7 +92,8 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
         SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",
                                                  "8192"), train_dataset=_rows())
     assert "layers 0 dense (pattern)" in caplog.text
-    assert "At 256 tokens no document reaches min_seq_len=8192: every layer runs dense" in caplog.text
+    assert "At 256 tokens no document reaches min_seq_len=8192: every layer runs dense. For a trial run that shows "\
+           "sparsity at this length, give --sparse_config trial" in caplog.text
 
 
 def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
@@ -194,7 +195,7 @@ def test_a_lone_process_asked_for_cp_says_how_to_launch():
 
     with pytest.raises(ValueError, match="accelerate launch` started a single process. A MULTI_CPU config"):
         ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={"ACCELERATE_MIXED_PRECISION": "no"})
-    with pytest.raises(ValueError, match="runs alone: launch it with torchrun"):
+    with pytest.raises(ValueError, match="runs alone: launch it with `torchrun --nproc_per_node N`"):
         ParallelDims.from_config(ContextParallelConfig(cp_size=2), env={})
 
 
@@ -211,3 +212,17 @@ def test_a_saved_sparse_pattern_that_a_run_ignores_is_logged(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_attention", "false"), train_dataset=_rows())
     assert "ignores" not in caplog.text  # nothing ignored, nothing said
+
+
+def test_every_training_log_has_tokens_per_second_and_peak_memory(tmp_path):
+    """Issue #52: the speed and memory TRL and axolotl users read, in the Trainer's logs (so in every --report_to):
+    real tokens only (the padding of a masked row is not counted), and DDP told that every parameter is used."""
+    rows = [{"input_ids": r["input_ids"], "labels": r["labels"],
+             "attention_mask": torch.arange(256) < (256 if i % 2 else 192)} for i, r in enumerate(_rows())]
+    trainer = SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=rows)
+    assert trainer.args.ddp_find_unused_parameters is False  # (a dense llama uses every parameter)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 3 and all(log["tokens_per_second"] > 0 and log["peak_memory_gib"] > 0 for log in logs)
+    metrics = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "StepMetricsCallback")
+    assert float(metrics.total) == 192 + 256 + 192  # three steps of one row (rows 0, 1, 2): the real tokens

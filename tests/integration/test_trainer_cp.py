@@ -146,7 +146,7 @@ def test_cp_size_1_patches_nothing(tmp_path):
 
 def test_cp_without_a_process_group_says_how_to_launch(tmp_path):
     trainer = _trainer(tmp_path, "sparse_cp")
-    with pytest.raises(ValueError, match="runs alone: launch it with torchrun"):
+    with pytest.raises(ValueError, match="runs alone: launch it with `torchrun --nproc_per_node N`"):
         enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
     disable_trainer_context_parallel(trainer)  # nothing enabled: a no-op
 

@@ -130,7 +130,7 @@ def test_a_packed_run_whose_layers_all_run_dense_keeps_one_and_the_done_line_sta
 
 @pytest.mark.parametrize("flags, message", [
     (["--sparse_layer_overrides", '{"5-10": {"pattern": "dense"}}'], "reaches past the model's 1 layers"),
-    (["--cp_size", "2"], "launch it with torchrun"),
+    (["--cp_size", "2"], "launch it with `torchrun --nproc_per_node N`"),
 ])
 def test_a_setting_the_model_cannot_run_with_ends_in_one_line(tmp_path, flags, message):
     """Refusals that depend on the model or the length (not on the flags alone, which argparse checks) end the

@@ -119,3 +119,29 @@ def test_trls_card_is_kept_and_ours_merged_into_it(one_process):
     assert "- hf-sparse-cp: " in card and "- Accelerate: " in card
     assert "base_model" not in _front_matter(card)  # trained from a config: no Hub model to name
     assert "| sequence length | 256 tokens (documents packed into each sequence" in card
+
+
+def test_saving_the_final_model_writes_a_card_the_hubs_parser_accepts(one_process, tmp_path, monkeypatch):
+    """TRL's sft.py ends with `trainer.save_model(output_dir)` (and pushes only when asked): that save writes the
+    card, with the metadata the --sparse_card_* flags give, TRL's placeholders for a run without a Hub base model
+    replaced, one quick start and the measured throughput (issue #52)."""
+    from huggingface_hub import ModelCard
+
+    trainer, _, _ = one_process
+    flags = {"output_dir": str(tmp_path), "sparse_card_license": "Apache-2.0", "sparse_card_tags": ["passkey"],
+             "sparse_card_base_model": "HuggingFaceTB/SmolLM2-135M", "sparse_card_datasets": ["trl-lib/Capybara"]}
+    for name, value in flags.items():
+        monkeypatch.setattr(trainer.args, name, value)
+    trainer.save_model(str(tmp_path))
+    card = ModelCard.load(tmp_path / "README.md", ignore_metadata_errors=False)  # huggingface_hub's parser
+    meta = card.data.to_dict()
+    assert meta["license"] == "apache-2.0" and "licence" not in meta  # TRL writes `licence: license`
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and meta["datasets"] == ["trl-lib/Capybara"]
+    assert {"passkey", "trl", "sft", "hf-sparse-cp"} <= set(meta["tags"])
+    text = card.text
+    for placeholder in ("huggingface.co/None", 'model="None"', "Model Card for None"):
+        assert placeholder not in text, placeholder
+    assert "fine-tuned version of [HuggingFaceTB/SmolLM2-135M](https://huggingface.co/HuggingFaceTB/SmolLM2-135M)" \
+        in text
+    assert text.count("Quick start") == 1 and f'from_pretrained("{tmp_path}")' in text
+    assert "tokens/s (measured" in text and "peak memory" in text

@@ -64,3 +64,12 @@ def test_a_convolution_mixes_tokens_when_its_kernel_spans_positions(kernel, mixe
     if mixes:
         with pytest.raises(ValueError, match="mixes tokens outside attention \\(Conv1d of kernel \\(4,\\)"):
             check_model_supports_context_parallel(model)
+
+
+def test_the_plugin_knows_when_every_parameter_gets_a_gradient():
+    """`ddp_find_unused_parameters` is set to False where this holds (issue #52: DDP warned at every CP run)."""
+    from hf_sparse_cp.integration.architectures import uses_every_parameter
+
+    assert uses_every_parameter(tiny_config("llama")) and uses_every_parameter(tiny_config("qwen2"))
+    assert not uses_every_parameter(tiny_config("mixtral"))  # an expert may get no token
+    assert not uses_every_parameter(AutoConfig.for_model("bert"))  # not a tested causal LM

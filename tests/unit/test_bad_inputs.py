@@ -187,7 +187,7 @@ def test_an_estimation_chunk_that_covers_the_sequence_is_refused():
     with pytest.raises(ValueError, match=re.escape(
             "estimation_chunk=1024 is not shorter than the 1024-token training sequences: with "
             "estimation='causal_chunks' the first chunk of a document is dense, so layer 1 would run dense") +
-            r".*below 1024 \(a multiple of block_size=64, e.g. 512\)"):
+            r".*below 1024 \(a multiple of block_size \(--sparse_block_size\)=64, e.g. 512\)"):
         enable_sparse_attention(model, SparseCPArguments(), pattern, max_length=1024)
     assert getattr(model.config, "sparse_attention", None) is None  # refused before anything changed
     for length in (2048, 256):  # a shorter chunk; or documents below min_seq_len, dense by choice

@@ -133,7 +133,7 @@ def test_the_registry_holds_the_built_in_modes_whatever_was_imported_first(monke
     import hf_sparse_cp.attention
     from hf_sparse_cp.config import sections
 
-    monkeypatch.setattr(sections, "_REGISTERED", {})
+    monkeypatch.setattr(sections, "_BUDGETS", {})
     monkeypatch.setattr(hf_sparse_cp.attention, "budgets", hf_sparse_cp.attention.budgets)
     for name in [m for m in sys.modules if m.startswith("hf_sparse_cp.attention.budgets")]:
         monkeypatch.delitem(sys.modules, name)

@@ -117,7 +117,8 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"layer_overrides": {"0": {"colour": 1}}}, "unknown fields"),
         ({"layer_overrides": "{not json"}, "not valid JSON"),
         ({"layer_overrides": {"1-0": {"pattern": "dense"}}}, "reversed range.*'0-1'"),
-        ({"layer_overrides": {"2": {"block_size": 100}}}, r"layer_overrides\['2'\]: block_size=100 must be a power"),
+        ({"layer_overrides": {"2": {"block_size": 100}}},
+         r"layer_overrides\['2'\]: block_size \(--sparse_block_size\)=100 must be a power"),
         ({"layer_overrides": {"2": {"budget_mode": "topk", "slash_topk": "x"}}},
          r"layer_overrides\['2'\]: slash_topk='x' \(str\)"),
         ({"layer_overrides": {"2": {"slash_topk": 8}}}, r"layer_overrides\['2'\]: slash_topk=8 is read only in"),
@@ -220,7 +221,7 @@ def test_hf_argument_parser_flags(tmp_path):
     assert flag_fields["sparse_mass_target"].default is None
     assert flag_fields["sparse_mass_target"].metadata["help"].startswith(Mass.__dataclass_fields__["mass_target"]
                                                                          .metadata["help"])
-    with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
+    with pytest.raises(ValueError, match=r"block_size \(--sparse_block_size\)=48 must be a power of two"):
         SparseAttentionFlags(sparse_block_size=48)
 
 

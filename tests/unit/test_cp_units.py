@@ -158,7 +158,9 @@ def test_flattened_packing_with_several_rows_is_refused():
 
 def test_sizes_that_do_not_divide_say_how_to_fix_them():
     check_sizes(8, 4)
-    with pytest.raises(ValueError, match=r"cp_size=3 does not divide the world size 4.*\[1, 2, 4\].*--num_processes 6"):
+    with pytest.raises(ValueError, match=r"cp_size=3 does not divide the world size 4.*\[1, 2, 4\].*torchrun "
+                                         "--nproc_per_node 6, accelerate launch --num_processes 6, hf-sparse-cp "
+                                         "launch --nproc 6"):
         check_sizes(4, 3)
 
 

@@ -14,9 +14,10 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
 from hf_sparse_cp.distributed import check_launched
 from hf_sparse_cp.integration.compat import argument_parser_classes
+from hf_sparse_cp.launch.command import split_command
+from hf_sparse_cp.launch.launched import launched, plugin_flags_in
 from hf_sparse_cp.run import main as run
-from hf_sparse_cp.run import parse_plugin_flags, split_command
-from hf_sparse_cp.trainer.launched import launched, plugin_flags_in
+from hf_sparse_cp.run import parse_plugin_flags
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments, SparseArgumentsMixin
 
 
@@ -53,6 +54,20 @@ def test_the_scripts_parser_takes_the_plugins_flags_beside_its_own(tmp_path):
     with pytest.raises(ValueError, match="not used by the HfArgumentParser"):  # stock again
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--sparse_block_size", "64"])
+
+
+def test_the_scripts_dataset_name_names_the_cards_dataset_unless_the_flag_does(tmp_path):
+    @dataclass
+    class ScriptArguments:
+        dataset_name: str | None = None
+
+    with launched(PluginArguments()):
+        parser = HfArgumentParser((ScriptArguments, TrainingArguments))
+        _, training = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--dataset_name", "wikitext"])
+        _, flagged = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--dataset_name", "wikitext",
+                                                         "--sparse_card_datasets", "trl-lib/Capybara"])
+    assert training.plugin_arguments().card_metadata() == {"datasets": ["wikitext"]}
+    assert flagged.sparse_card_datasets == ["trl-lib/Capybara"]
 
 
 def test_trls_parser_and_its_config_file_take_the_plugins_flags(tmp_path):
@@ -202,10 +217,11 @@ def test_launcher_flags_have_the_defaults_and_help_of_the_switch(tmp_path):
 
 def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch):
     from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
     from hf_sparse_cp.recipes import recipe_path
 
     started = []
-    monkeypatch.setattr(cli, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
     assert started[-1] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
@@ -216,3 +232,21 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch):
                            "--cp_size", "2"]
     with pytest.raises(SystemExit):
         cli.main(["launch", "--nproc", "2", "--config_file", "cpu_2proc_cp2", "train.py"])
+    # the example, through the same launcher: its module as the script, the launcher's options taken from anywhere
+    assert cli.main(["train", "--cp_size", "2", "--nproc", "2", "--max_steps", "1"]) == 0
+    assert started[-1] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2", "--max_steps", "1"]
+    assert cli.main(["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "2"]) == 0
+    assert started[-1][:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(recipe_path("cpu_2proc_cp2"))]
+    assert started[-1][5:] == ["-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
+
+
+def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(["--sparse_vertical_top_k", "8", "train.py"])  # before the script path: the launcher's parser
+    assert "did you mean --sparse_vertical_topk for --sparse_vertical_top_k?" in capsys.readouterr().err
+    with launched(PluginArguments()), pytest.raises(ValueError, match="did you mean --sparse_block_size for "
+                                                                       "--sparse_blocksize"):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(  # the script's parser
+            ["--output_dir", str(tmp_path), "--sparse_blocksize", "64"])

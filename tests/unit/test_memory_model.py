@@ -171,3 +171,26 @@ def test_the_gpu_session_starts_at_the_longest_length_bench_e2e_fits():
         with pytest.raises(ValueError, match="unknown bench_e2e model"):
             bench.bench_e2e_start_length("9b", 80e9)
     assert n > 0 and n % 8192 == 0
+
+
+def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(tmp_path, capsys):
+    """Issue #52: `--config` reads a causal LM's config.json (a Llama-3-8B-shaped one); the default precision is the
+    Trainer's mixed precision (fp32 master weights), which fits less than a bf16 model; the answer states the
+    validation's error band and the length that fits at its top; a mixture of experts is refused, naming why."""
+    config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    base = ["memory", "--config", str(path), "--gpu-memory", "80GB", "--cp", "4", "--fsdp", "4", "--json"]
+    cli_main([*base, str(tmp_path / "mixed.json")])
+    printed = capsys.readouterr().out
+    cli_main([*base, str(tmp_path / "bf16.json"), "--no-master-weights"])
+    mixed, bf16 = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("mixed", "bf16"))
+    assert mixed["parameters"] == pytest.approx(8.03e9, rel=0.01)  # Llama-3-8B's count
+    assert 0 < mixed["longest_fitting_tokens"] < bf16["longest_fitting_tokens"]
+    assert mixed["longest_fitting_tokens_at_band_top"] < mixed["longest_fitting_tokens"]
+    assert "fp32 weights + bfloat16 autocast" in printed and "2% below to 26% above" in printed
+    path.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
+    with pytest.raises(SystemExit):
+        cli_main(base[:-1])
+    assert "num_local_experts=8: a mixture of experts" in capsys.readouterr().err

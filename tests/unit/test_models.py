@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.backends import is_available
 from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
 from hf_sparse_cp.integration.stats import pop_kept_fractions
@@ -58,15 +59,18 @@ def test_dense_pattern_matches_sdpa(model_type, dtype):
 
 def test_cpu_tensors_take_the_reference_never_the_kernels(monkeypatch):
     """On CPU the backend computes with the PyTorch reference: the Triton kernels (compiled for CUDA)
-    are never called, forward or backward."""
-    from hf_sparse_cp.kernels import ops as kops
+    are never called, forward or backward (without Triton installed, they cannot even be imported)."""
+    if is_available("triton"):
+        from hf_sparse_cp.kernels import ops as kops
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("CPU tensors reached the Triton kernels")
+        def refuse(*args, **kwargs):
+            raise AssertionError("CPU tensors reached the Triton kernels")
 
-    monkeypatch.setattr(kops, "triton_forward", refuse)
-    monkeypatch.setattr(kops, "triton_backward", refuse)
-    assert "cpu tensors" in kops.unsupported(torch.zeros(1, 1, 1, 8))
+        monkeypatch.setattr(kops, "triton_forward", refuse)
+        monkeypatch.setattr(kops, "triton_backward", refuse)
+    from hf_sparse_cp.kernels.limits import unsupported
+
+    assert "cpu tensors" in unsupported(torch.zeros(1, 1, 1, 8))
     cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16,
                                 dense_first_layers=0)
     ref, ours = _pair("qwen2", config=cfg)

@@ -1,7 +1,9 @@
-"""The wheel's package list in setup.cfg names every package of the plugin (a package left out installs
-nowhere, and only a slow wheel test would notice)."""
+"""setup.cfg: the wheel's package list names every package of the plugin (a package left out installs nowhere, and
+only a slow wheel test would notice), and Triton is required only where it can run."""
 import configparser
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,3 +28,27 @@ def test_every_package_folder_is_listed_for_the_wheel():
             if "__pycache__" not in parts:
                 found.add(".".join((name, *parts)))
     assert sorted(found) == sorted(_listed("packages"))
+
+
+def _requirements(text: str) -> list[Requirement]:
+    lines = (line.strip() for line in text.splitlines())
+    return [Requirement(line) for line in lines if line and not line.startswith("#")]
+
+
+PLATFORMS = {  # (platform_system, platform_machine) -> whether Triton's wheels exist there
+    ("Linux", "x86_64"): True, ("Linux", "aarch64"): True, ("Darwin", "arm64"): False, ("Darwin", "x86_64"): False,
+    ("Windows", "AMD64"): False,
+}
+
+
+def test_triton_is_installed_only_where_it_can_run():
+    """The plugin installs without Triton (macOS, Windows, CPU-only: issue #52): not a requirement, and the extras
+    that bring it (the kernels' `cuda`, the interpreter tests' `test`) select it only on Linux x86_64 / aarch64."""
+    assert "triton" not in {r.name for r in _requirements(_options()["install_requires"])}
+    extras = _options().parser["options.extras_require"]
+    for extra in ("cuda", "test"):
+        (triton,) = [r for r in _requirements(extras[extra]) if r.name == "triton"]
+        assert triton.specifier.contains("3.2.0")
+        for (system, machine), expected in PLATFORMS.items():
+            environment = {"platform_system": system, "platform_machine": machine}
+            assert triton.marker.evaluate(environment) is expected, (extra, system, machine)

@@ -7,7 +7,7 @@
   with `TrainingArguments` or a subclass of it (TRL's `SFTConfig`, the script's own) is built with
   `sparse_arguments_class(that class)` in its place, so the plugin's flags parse beside the script's own,
   through the script's parser; `parse_args_into_dataclasses` also records which plugin flags the command line
-  gave (they beat `--sparse_config` whatever their value).
+  gave (they beat `--sparse_config` whatever their value), and the script's `--dataset_name` for the model card.
 * `Trainer.__init__`: a Trainer the script builds (the stock one, TRL's `SFTTrainer`, the script's own
   subclass) becomes `sparse_trainer_class(its class)` once its `__init__` reaches the Trainer's (a subclass's
   own `__init__` has run up to there as written), and the Trainer's `__init__` runs with the plugin around it,
@@ -37,9 +37,9 @@ from transformers import Trainer, TrainingArguments
 from ..distributed import check_launched
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
-from .arguments import explicit_fields
-from .attach import LAUNCHED
-from .sparse_trainer import (
+from ..trainer.arguments import did_you_mean, explicit_fields
+from ..trainer.attach import LAUNCHED
+from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
     SparseTrainerMixin,
@@ -107,12 +107,24 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
                 self.set_defaults(**{name: value for name, value in defaults.items() if name in names})
 
         def parse_into_dataclasses(self, args=None, *rest, **kwargs):
-            outputs = parse(self, args, *rest, **kwargs)
+            try:
+                outputs = parse(self, args, *rest, **kwargs)
+            except ValueError as e:  # (HfArgumentParser's error for unknown flags names them, without a guess)
+                unknown = self.parse_known_args(sys.argv[1:] if args is None else list(args))[1]
+                hint = did_you_mean(self, unknown)
+                if not hint:
+                    raise
+                raise ValueError(f"{e}{hint}") from None
             ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
             if ours:
                 explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
+                # the script's --dataset_name (run_clm's, TRL's) names the card's dataset unless the flag does
+                named = [name for out in outputs if not isinstance(out, SparseArgumentsMixin)
+                         for name in [getattr(out, "dataset_name", None)] if isinstance(name, str) and name]
                 for out in ours:
                     out.explicit_flags = explicit
+                    if named and "sparse_card_datasets" not in explicit:
+                        out.sparse_card_datasets = named
                     check_launched(out.cp_sizes())  # before the script builds its data
             return outputs
 

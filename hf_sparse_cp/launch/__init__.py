@@ -1,0 +1,10 @@
+"""Launching a training script with the plugin, beside `hf_sparse_cp.run` (the entry point every launch runs):
+
+* `launched`: what `hf_sparse_cp.run` changes in transformers while a stock script runs (its parser takes the
+  plugin's flags, its Trainer trains with the plugin), undone when the script ends;
+* `processes`: the one path that starts the processes: `hf_sparse_cp.run` in this process, or under torchrun
+  (`--nproc N`) or accelerate launch (`--config_file`), with the signals of this process passed on to them.
+  `hf-sparse-cp launch` (any script) and `hf-sparse-cp train` (the long-context example) both take it.
+
+This file imports nothing, so that the command line's light commands stay light.
+"""

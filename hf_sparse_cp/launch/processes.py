@@ -1,0 +1,110 @@
+"""The one launch path of the command line: `hf_sparse_cp.run` with a script's arguments, run in this process,
+under torchrun (`--nproc N`, local processes) or under accelerate launch (`--config_file`, a file or a shipped
+accelerate recipe), and ended with the child when a signal stops this process.
+
+`hf-sparse-cp launch [OPTIONS] script.py ARGS` and `hf-sparse-cp train [OPTIONS] ARGS` (the example module as the
+script) both come here; the launcher options are `launcher_options`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+RUN_MODULE = "hf_sparse_cp.run"
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
+ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
+# What torchrun itself stops its workers on (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+OPTIONS_HELP = ("--nproc N: N local processes (torchrun; gloo on CPU), default 1; --config_file CONFIG: an accelerate "
+                "config (a file, or a shipped recipe's name: `hf-sparse-cp recipes`) for accelerate launch, which "
+                "then sets the processes. Ctrl-C or `kill` of this command stops the launcher and its workers too.")
+
+
+def launcher_options(prog: str, usage: str) -> argparse.ArgumentParser:
+    """The parser of the launcher's own options (`--nproc`, `--config_file`); `-h` stays the script's."""
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, add_help=False, allow_abbrev=False)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--config_file")
+    return parser
+
+
+def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace,
+                                                                                          list[str]]:
+    """(the launcher's options, the other arguments in their order); a process count that cannot run is argparse's
+    error, naming the fix."""
+    options, rest = parser.parse_known_args(list(argv))
+    if options.nproc < 1:
+        parser.error(f"--nproc {options.nproc}: give at least 1 process.")
+    if options.nproc > 1 and options.config_file:
+        parser.error(f"--nproc {options.nproc} with --config_file {options.config_file}: the accelerate config sets "
+                     "the processes (its num_processes); drop --nproc, or drop --config_file to launch with torchrun.")
+    if options.config_file:
+        from hf_sparse_cp.recipes import recipe_path
+
+        try:
+            options.config_file = str(recipe_path(options.config_file))
+        except FileNotFoundError as e:
+            parser.error(str(e))
+    return options, rest
+
+
+def launch(options: argparse.Namespace, run_args: Sequence[str]) -> int:
+    """Run `python -m hf_sparse_cp.run RUN_ARGS` as `options` ask: under accelerate launch (`config_file`), under
+    torchrun (`nproc` > 1, unless this process is already one of a launched group), else in this process.
+    Returns the exit status."""
+    if options.config_file:
+        command = [*ACCELERATE_LAUNCH, "--config_file", options.config_file, "-m", RUN_MODULE]
+    elif options.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        command = [*TORCHRUN, f"--nproc_per_node={options.nproc}", "-m", RUN_MODULE]
+    else:
+        from hf_sparse_cp.run import main as run
+
+        run(list(run_args))
+        return 0
+    return run_forwarding_signals([*command, *run_args])
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run `command` (torchrun, accelerate launch) as a child and end with it: SIGINT, SIGTERM, SIGHUP or SIGQUIT
+    sent to this process (Ctrl-C, `kill`, a scheduler) is passed on to the child's process group, and this returns
+    only once the child is gone, with 128 + the signal number; otherwise with the child's exit status.
+
+    torchrun, on the first such signal, passes it to its workers and waits for them (SIGKILL after 30 s).
+    It runs in its own session so that a terminal's Ctrl-C reaches it once, through us: a second signal
+    would interrupt its shutdown and orphan the workers, so only the first one is passed on.
+    """
+    received: list[int] = []
+    child: subprocess.Popen | None = None
+    forwarded = False
+
+    def forward_first() -> None:
+        nonlocal forwarded
+        if child is not None and received and not forwarded:
+            forwarded = True
+            try:
+                os.killpg(child.pid, received[0])
+            except ProcessLookupError:  # already gone
+                pass
+
+    def on_signal(signum: int, _frame) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            os.write(2, f"hf-sparse-cp: got {signal.Signals(signum).name}, stopping the run...\n".encode())
+        forward_first()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
+    try:
+        child = subprocess.Popen(command, start_new_session=True)
+        forward_first()  # a signal that came while the child was starting
+        returncode = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        return 128 + received[0]
+    return 128 - returncode if returncode < 0 else returncode  # (killed by a signal: the shell's convention)

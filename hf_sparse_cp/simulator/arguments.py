@@ -1,0 +1,139 @@
+"""The command-line arguments that `hf-sparse-cp simulate` and `hf-sparse-cp memory` share, read in one place: the
+model (a preset, or any causal LM's `config.json`) and, for `simulate`, the cluster (a preset, or its GPU's FLOP/s,
+GPUs per node and link bandwidths). A flag both commands take is added here once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .shapes import ModelShape
+from .simulate import Cluster, Link
+from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its command lines), and every flag's default after its help."""
+
+
+def positive(kind: type = float) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` above 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        return value
+
+    return parse
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, presets: Iterable[str], default: str | None) -> None:
+    """`--model PRESET` or `--config CONFIG_JSON` (one of them; `default` the preset when neither is given, None:
+    one is required)."""
+    group = parser.add_mutually_exclusive_group(required=default is None)
+    group.add_argument("--model", choices=sorted(presets), default=default,
+                       help="A model preset (Qwen2.5 and Qwen3 sizes); or --config.")
+    group.add_argument("--config", metavar="CONFIG_JSON",
+                       help="Any causal LM's config.json (the file, or a saved model's folder holding it; nothing is "
+                       "downloaded): its shape instead of a preset's, e.g. a Llama-3-8B's.")
+
+
+def read_config(path: str):
+    """The transformers config of a `config.json` file, or of a folder holding one.
+
+    Raises:
+        ValueError: no such file, not JSON, or no known `model_type`; the message names the path and the fix.
+    """
+    from transformers import AutoConfig
+
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file (give a model's config.json, or the folder holding it).")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: not JSON ({e}); give a model's config.json.") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"--config {path}: no model_type; a transformers config.json names its model_type "
+                         "(e.g. \"llama\").")
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except ValueError as e:
+        raise ValueError(f"--config {path}: {e}") from None
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The model's name in the output: the preset's, or the config's folder (its file's stem for a loose file)."""
+    if args.config is None:
+        return args.model
+    path = Path(args.config)
+    return path.name if path.is_dir() else (path.parent.name or path.stem)
+
+
+def model_shape(args: argparse.Namespace, presets: dict[str, ModelShape]) -> ModelShape:
+    """The shape `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
+    if args.config is None:
+        return presets[args.model]
+    return ModelShape.from_config(read_config(args.config), model_name(args))
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """`--cluster PRESET` and what can replace its parts: the GPU's FLOP/s, the GPUs per node, the links."""
+    parser.add_argument("--cluster", default=default, choices=sorted(CLUSTERS),
+                        help="A cluster preset (nodes of 8 GPUs with their links); the flags below replace its parts.")
+    parser.add_argument("--gpu-tflops", type=positive(), default=None,
+                        help="Dense BF16 tensor peak of your GPU in TFLOP/s (datasheet): the preset GPU's measured "
+                        "costs scaled by the ratio (default: the preset's GPU, H100 989.4, A100 312).")
+    parser.add_argument("--gpus-per-node", type=positive(int), default=None,
+                        help="GPUs per node, joined by the intra-node link (default: the preset's).")
+    parser.add_argument("--intra-node-gbps", type=positive(), default=None,
+                        help="Intra-node link (NVLink) bandwidth in GB/s per direction, as nccl-tests' bus bandwidth "
+                        "reports it (default: the preset's).")
+    parser.add_argument("--inter-node-gbps", type=positive(), default=None,
+                        help="Inter-node link (InfiniBand, RoCE) bandwidth in GB/s per GPU and direction (default: "
+                        "the preset's).")
+
+
+def custom_parts(args: argparse.Namespace) -> list[str]:
+    """The cluster flags given (what makes the cluster not the preset)."""
+    return [flag for flag, value in (("--gpu-tflops", args.gpu_tflops), ("--gpus-per-node", args.gpus_per_node),
+                                     ("--intra-node-gbps", args.intra_node_gbps),
+                                     ("--inter-node-gbps", args.inter_node_gbps)) if value is not None]
+
+
+def cluster_of(args: argparse.Namespace) -> tuple[Cluster, Callable[..., Hardware]]:
+    """The cluster the flags describe, and its hardware calibration (a function of `h100`'s keywords)."""
+    preset = CLUSTERS[args.cluster]
+    parts = custom_parts(args)
+    if not parts:
+        return preset, HARDWARE[args.cluster]
+    given = " ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in parts)
+
+    def link(base: Link, gbps: float | None, flag: str) -> Link:
+        return base if gbps is None else Link(gbps * 1e9, base.latency, f"{flag} {gbps:g} (given); {base.source}")
+
+    cluster = replace(preset, name=f"{preset.name} with {given}",
+                      gpus_per_node=args.gpus_per_node or preset.gpus_per_node,
+                      intra=link(preset.intra, args.intra_node_gbps, "--intra-node-gbps"),
+                      inter=link(preset.inter, args.inter_node_gbps, "--inter-node-gbps"))
+    calibrated = HARDWARE[args.cluster]
+    if args.gpu_tflops is None:
+        return cluster, calibrated
+
+    def hardware(**kwargs) -> Hardware:
+        base = calibrated(**kwargs)
+        before = f"{base.sources['scaling']}; then " if "scaling" in base.sources else ""
+        return base.scaled(f"GPU of {args.gpu_tflops:g} TFLOP/s", args.gpu_tflops / PEAK_TFLOPS[base.name],
+                           f"{before}{base.name} costs x {args.gpu_tflops:g}/{PEAK_TFLOPS[base.name]:g} (--gpu-tflops, "
+                           "the dense BF16 peaks' ratio); not measured on that GPU")
+
+    return cluster, hardware

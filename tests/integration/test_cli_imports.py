@@ -1,0 +1,63 @@
+"""The light commands of the command line import only what they need (issue #52): `--help`, `--version`,
+`recipes` and `recipes --path` answer without importing torch or transformers, which take seconds to import."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_sparse_cp.version import __version__
+
+HEAVY = ("torch", "transformers", "accelerate", "triton", "numpy")
+# Runs the command line in a fresh interpreter, then prints the heavy modules it imported (as JSON, last line).
+PROBE = """
+import json, sys
+from hf_sparse_cp.cli import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["recipes"], ["recipes", "--path", "cpu_2proc_cp2"],
+                                  ["launch", "--nproc", "0", "train.py"]], ids=" ".join)
+def test_light_commands_import_neither_torch_nor_transformers(argv):
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=HEAVY)], capture_output=True,
+                          text=True, timeout=300)
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
+
+
+def test_version_names_the_package_version(capsys):
+    from hf_sparse_cp.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"hf-sparse-cp {__version__}\n"
+
+
+def test_import_of_the_package_is_light():
+    done = subprocess.run([sys.executable, "-c", "import sys, hf_sparse_cp; print(hf_sparse_cp.__version__, "
+                           f"sorted(m for m in {HEAVY!r} if m in sys.modules))"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == [__version__, "[]"], done.stderr
+
+
+def test_simulate_from_the_command_line_runs_with_a_recycling_allocator(monkeypatch):
+    """glibc's default malloc page-faults the simulator's large temporaries at every use (a third of its CPU time):
+    the command runs again in a process that recycles memory, unless the user set GLIBC_TUNABLES."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.backends import RECYCLING_MALLOC
+
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda *args: calls.append(args) or sys.exit(0))
+    monkeypatch.setattr(sys, "argv", ["hf-sparse-cp", "simulate", "--seq", "32768"])
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main()
+    (executable, args, env), = calls
+    assert args[1:] == ["-m", "hf_sparse_cp.cli", "simulate", "--seq", "32768"]
+    assert env["GLIBC_TUNABLES"] == RECYCLING_MALLOC
