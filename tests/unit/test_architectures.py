@@ -64,3 +64,61 @@ def test_a_convolution_mixes_tokens_when_its_kernel_spans_positions(kernel, mixe
     if mixes:
         with pytest.raises(ValueError, match="mixes tokens outside attention \\(Conv1d of kernel \\(4,\\)"):
             check_model_supports_context_parallel(model)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "xglm"])
+def test_an_architecture_outside_attention_interface_is_refused_naming_it_and_left_as_it_was(model_type):
+    """transformers keeps eager attention for an architecture that does not follow its AttentionInterface: the
+    switch is checked, and refused naming the model type and the fixes, the model left as it was; the CP check
+    names the same cause (not `configure`, which cannot help it), and so does the Trainer glue, which undoes what
+    it did."""
+    from hf_sparse_cp.trainer.arguments import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        before = compat.attn_implementation(model.config)
+        cause = f"model type '{model_type}'\\) does not route its attention through transformers' AttentionInterface"
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*or train a model whose"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+        with pytest.raises(ValueError, match=cause + r".*--cp_size 1") as refused:
+            check_model_supports_context_parallel(model)
+        assert "configure(model)" not in str(refused.value)
+    finally:
+        hf_sparse_cp.unpatch()
+    with pytest.raises(ValueError, match=cause):
+        enable_sparse_attention(model, SparseCPArguments())
+    assert not hf_sparse_cp.is_patched() and not hasattr(model.config, "sparse_attention")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2", "mistral"])
+def test_architectures_that_route_attention_through_the_interface_pass_the_check(model_type):
+    from hf_sparse_cp.integration.models import check_attention_routed
+
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        hf_sparse_cp.configure(model)
+        check_attention_routed(model)
+        assert compat.attn_implementation(model.config) == "sparse_cp"
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():
+    """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found by the probe
+    forward when the model is switched, and by the CP check, naming the architecture and the cause, not at the
+    first forward with a fix the user already followed."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("doge"))
+        cause = r"DogeForCausalLM \(model type 'doge'\) builds its own 4D attention mask"
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+        with pytest.raises(ValueError, match=cause + r".*--cp_size 1"):
+            check_model_supports_context_parallel(model)
+    finally:
+        hf_sparse_cp.unpatch()
