@@ -170,7 +170,7 @@ def check_attention_routed(model: torch.nn.Module) -> None:
         _refuse_unrouted(model, impl, _DENSE_FIX)
     try:
         calls = _attention_calls(model)
-    except ProbeFailed as e:  # (transformers took the switch; the backend refuses a mask of the model's own at its call)
+    except ProbeFailed as e:  # (transformers took the switch; the backend refuses a mask of the model at its call)
         logger.warning("%s Training goes on: transformers selected sparse_cp for it.", e)
         return
     _check_calls(model, calls, _DENSE_FIX)

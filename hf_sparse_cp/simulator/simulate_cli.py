@@ -131,7 +131,14 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
                    help="output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
                         "the current directory, benchmarks/results for benchmarks/simulate_cluster.py)")
     p.add_argument("--png", default=None, help="plot file (default next to the JSON)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unread = "--density" if args.density is not None else "--mix" if args.mix is not None else None
+    if args.kept_curve and unread:  # a file named and never read would be silently ignored
+        p.error(f"--kept-curve {args.kept_curve} would not be read: "
+                + ("--density gives the kept share at every length" if unread == "--density" else
+                   f"--mix {args.mix} packs rows whose documents keep what their own patterns select")
+                + f"; drop {unread} to take the shares from the curve, or drop --kept-curve.")
+    return args
 
 
 def kept_target(args, seq: int) -> KeptAt:
@@ -291,7 +298,7 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     require_matplotlib()  # before minutes of simulation, not after
     try:
         targets = [kept_target(args, seq) for seq in args.seq]
-    except (OSError, ValueError, KeyError) as e:
+    except ValueError as e:  # (KeptCurve.from_report names the file and the entry)
         raise SystemExit(f"--kept-curve {args.kept_curve}: {e}") from None
     if args.mix is None:
         print(f"{args.model} on {args.cluster}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
