@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,6 +71,11 @@ MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "c
                        "Qwen2.5-3B at 512K on 32 A100s (zigzag variant 2.9x, without hierarchy 4.6x); "
                        "their reported 93.7% sparsity is simulated as density 0.063"}
 KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
+# The command's peak memory per (query block, key block) pair of one sequence, whose layouts it holds whole: the
+# causal layout's, or per layout head where those weigh more. Measured as the peak resident memory of
+# `hf-sparse-cp simulate --cp 8 --no-mtraining` above the interpreter's own 0.55 GB: 1.33 GB at 512K tokens and
+# 3.53 GB at 1M with 1-4 layout heads (46 bytes a pair), 2.30 GB at 512K with 16 (6.5 bytes a pair and head).
+PEAK_BYTES_PER_BLOCK_PAIR, PEAK_BYTES_PER_BLOCK_PAIR_AND_HEAD = 46, 6.5
 
 
 def _at_least(low: int):
@@ -132,6 +139,7 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
                         "the current directory, benchmarks/results for benchmarks/simulate_cluster.py)")
     p.add_argument("--png", default=None, help="plot file (default next to the JSON)")
     args = p.parse_args(argv)
+    _check_lengths(p, args.seq, args.layout_heads)
     unread = "--density" if args.density is not None else "--mix" if args.mix is not None else None
     if args.kept_curve and unread:  # a file named and never read would be silently ignored
         p.error(f"--kept-curve {args.kept_curve} would not be read: "
@@ -139,6 +147,35 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
                    f"--mix {args.mix} packs rows whose documents keep what their own patterns select")
                 + f"; drop {unread} to take the shares from the curve, or drop --kept-curve.")
     return args
+
+
+def peak_bytes(seq: int, layout_heads: int) -> float:
+    """The memory the command needs to simulate one sequence of `seq` tokens (`PEAK_BYTES_PER_BLOCK_PAIR`)."""
+    per_pair = max(PEAK_BYTES_PER_BLOCK_PAIR, PEAK_BYTES_PER_BLOCK_PAIR_AND_HEAD * layout_heads)
+    blocks = -(-seq // BLOCK)
+    return per_pair * blocks * blocks
+
+
+def _machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_lengths(parser: argparse.ArgumentParser, seqs: list[int], layout_heads: int) -> None:
+    """Refuse, naming the limit, a length whose layouts need more memory than this machine has (the layouts of a
+    sequence hold every pair of its blocks: a length past the limit would fail allocating them)."""
+    memory = _machine_memory()
+    too_long = [s for s in seqs if memory is not None and peak_bytes(s, layout_heads) > memory]
+    if too_long:
+        per_pair = peak_bytes(BLOCK, layout_heads)
+        longest = math.isqrt(int(memory / per_pair)) * BLOCK
+        parser.error(f"--seq {too_long[0]}: simulating it holds its layouts of ({too_long[0]} / {BLOCK})^2 block "
+                     f"pairs, about {peak_bytes(too_long[0], layout_heads) / 1e9:,.0f} GB, and this machine has "
+                     f"{memory / 1e9:,.0f} GB: the longest length it simulates (--layout-heads {layout_heads}) is "
+                     f"about {longest:,} tokens; give --seq at most that.")
 
 
 def kept_target(args, seq: int) -> KeptAt:
