@@ -137,6 +137,7 @@ def run_forwarding_signals(command: list[str]) -> int:
     return 128 - returncode if returncode < 0 else returncode  # (killed by a signal: the shell's convention)
 
 
+LAUNCH_OPTIONS = ("--nproc", "--config_file")  # `launch`'s own options, before the plugin's flags and the script
 LAUNCH_USAGE = ("hf-sparse-cp launch [--nproc N | --config_file ACCELERATE_CONFIG] [PLUGIN FLAGS] (script.py | -m "
                 "module) [SCRIPT ARGS]")
 
@@ -146,14 +147,15 @@ def _launch(argv: list[str]) -> int:
     launch (`--config_file`, a file or a shipped accelerate recipe's name). Its own options come before the
     script path, so that a script's own `--config_file` stays the script's."""
     from hf_sparse_cp.recipes import recipe_path
+    from hf_sparse_cp.run import check_command, split_command
     from hf_sparse_cp.run import main as run
-    from hf_sparse_cp.run import split_command
 
-    flags, target, is_module, args = split_command(argv)
+    flags, target, is_module, args = split_command(argv, LAUNCH_OPTIONS)
+    check_command(flags, target, is_module, LAUNCH_OPTIONS, LAUNCH_USAGE, "hf-sparse-cp launch")
     launcher = argparse.ArgumentParser(prog="hf-sparse-cp launch", usage=LAUNCH_USAGE, add_help=False,
                                        allow_abbrev=False)
-    launcher.add_argument("--nproc", type=int, default=1)
-    launcher.add_argument("--config_file")
+    launcher.add_argument(LAUNCH_OPTIONS[0], type=int, default=1)
+    launcher.add_argument(LAUNCH_OPTIONS[1])
     options, plugin_flags = launcher.parse_known_args(flags)
     if {"-h", "--help"} & set(plugin_flags):
         print(f"usage: {LAUNCH_USAGE}\n\n--nproc N: N local processes (torchrun); --config_file: an accelerate "

@@ -11,10 +11,11 @@ runs, a parser it builds over `TrainingArguments` (or `SFTConfig`, or its own su
 beside its own, and a Trainer it builds (`Trainer`, `SFTTrainer`, its own subclass) trains with the plugin
 (`hf_sparse_cp.trainer.launched`); when it ends, transformers is stock again.
 
-Plugin flags (`--sparse_*`, `--cp_*`, `--smet*`) go after the script path for a script that parses its
-arguments with `HfArgumentParser` (or TRL's `TrlParser`), or before it: there they are defaults for the script's
-parser, and the settings of a `TrainingArguments` the script builds in code. `--help` before the script path
-lists them, the common ones first.
+The script is the first argument that is neither a flag nor a flag's value, as python reads its command line
+(`--sparse_config pattern.py script.py` runs `script.py`). Plugin flags (`--sparse_*`, `--cp_*`, `--smet*`) go
+after the script path for a script that parses its arguments with `HfArgumentParser` (or TRL's `TrlParser`), or
+before it: there they are defaults for the script's parser, and the settings of a `TrainingArguments` the script
+builds in code. `--help` before the script path lists them, the common ones first.
 """
 
 from __future__ import annotations
@@ -39,15 +40,71 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The description as written (its command lines), and every flag's default."""
 
 
-def split_command(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
-    """(plugin flags, the script's path or module name, whether it is a module, the script's arguments):
-    the script is the first argument ending in `.py`, or the one after `-m`."""
+class _Refused(Exception):
+    """What argparse would print and exit with, raised instead (`_SplitParser`)."""
+
+
+class _SplitParser(HfArgumentParser):
+    """The plugin's flags, parsed without printing or exiting: which arguments they take (`split_command`)."""
+
+    def __init__(self, options: Sequence[str] = ()) -> None:
+        super().__init__(PluginArguments, add_help=False)
+        for option in options:  # (options of one value each, e.g. the launcher's --nproc)
+            self.add_argument(option)
+
+    def error(self, message: str):
+        raise _Refused(message)
+
+    def takes(self, argv: Sequence[str]) -> bool:
+        """Whether `argv` parses as flags of this parser, every argument taken."""
+        try:
+            return not self.parse_known_args(list(argv))[1]
+        except (_Refused, argparse.ArgumentError):
+            return False
+
+
+def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[list[str], str | None, bool, list[str]]:
+    """(plugin flags, the script's path or module name, whether it is a module, the script's arguments).
+
+    As python reads its own command line, the script is the first argument that is neither a flag nor a flag's value:
+    `-m` and the module after it, or an argument the flags before it leave over (a path, with or without `.py`), where
+    those flags parse on their own (the plugin's, and `options` of one value each: the launcher's). An argument
+    that a flag before it takes as a value (`--sparse_config pattern.py`, `--smet true`) is that value; a `.py` path
+    that a flag of several values would also take (`--smet_target_modules q k train.py`) is the script. Without
+    a script: (every argument, None, whether the last is a bare `-m`, [])."""
+    parser = _SplitParser(options)
     for i, arg in enumerate(argv):
-        if arg == "-m" and i + 1 < len(argv):
-            return list(argv[:i]), argv[i + 1], True, list(argv[i + 2:])
-        if arg.endswith(".py") and not arg.startswith("-"):
+        if (arg.startswith("-") and arg != "-m") or not parser.takes(argv[:i]):
+            continue
+        if arg == "-m":
+            return (list(argv[:i]), argv[i + 1], True, list(argv[i + 2:])) if i + 1 < len(argv) else \
+                (list(argv[:i]), None, True, [])
+        if arg.endswith(".py") or not parser.takes(argv[:i + 1]):
             return list(argv[:i]), arg, False, list(argv[i + 1:])
     return list(argv), None, False, []
+
+
+def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (),
+                  usage: str = USAGE, prog: str = PROG) -> None:
+    """Exit naming what the launcher expected when `split_command` found no script, or the script's path is not a
+    file (nothing to check with `--help`, which lists the flags)."""
+    if {"-h", "--help"} & set(flags):
+        return
+    if target is None and is_module:
+        why = "-m needs the module to run after it (e.g. -m trl.scripts.sft)"
+    elif target is None:
+        try:
+            extra = _SplitParser(options).parse_known_args(list(flags))[1]
+            why = (f"{extra[0]!r} is not a plugin flag (--sparse_*, --cp_*, --smet*), and no script comes before it: "
+                   "give the script's path or -m module after the plugin flags, and the script's own flags after "
+                   "it") if extra else "name the script to run (a .py file, or -m module)"
+        except (_Refused, argparse.ArgumentError) as e:
+            why = f"{e}"
+    elif not is_module and not os.path.isfile(target):
+        sys.exit(f"{prog}: can't open file {os.path.abspath(target)!r}: no such file.")
+    else:
+        return
+    sys.exit(f"usage: {usage}\n{prog}: error: {why}.")
 
 
 def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
@@ -57,7 +114,7 @@ def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
     try:
         common, other = parser.parse_args_into_dataclasses(list(flags))
         plugin = PluginArguments(**vars(common), **vars(other))
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # (a --sparse_config / --smet_config file that is not there names it)
         parser.error(str(e))
     plugin.explicit_flags = explicit_fields(parser, flags)
     return plugin
@@ -82,11 +139,8 @@ def run_target(target: str, is_module: bool, args: Sequence[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hf_sparse_cp.run`: see the module's doc."""
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
+    check_command(flags, target, is_module)
     plugin = parse_plugin_flags(flags)  # (--help exits here)
-    if target is None:
-        sys.exit(f"usage: {USAGE}\n{PROG}: error: name the script to run (a .py file, or -m module).")
-    if not is_module and not os.path.isfile(target):
-        sys.exit(f"{PROG}: can't open file {os.path.abspath(target)!r}: no such file.")
     with launched(plugin):
         run_target(target, is_module, args)
 
