@@ -122,3 +122,23 @@ def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():
             check_model_supports_context_parallel(model)
     finally:
         hf_sparse_cp.unpatch()
+
+
+def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_names_what_it_cannot_build(tmp_path):
+    """Falcon computes head_dim from hidden_size / num_attention_heads (a property without a setter): the tiny
+    builder leaves it to it instead of crashing on the assignment; an override it would derive otherwise, an
+    unknown model type and a config transformers refuses are ValueErrors naming the model type, which the demo
+    prints as one error line."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    config = tiny_config("falcon")
+    assert config.head_dim == 32 and AutoModelForCausalLM.from_config(config).config.model_type == "falcon"
+    with pytest.raises(ValueError, match=r"falcon: head_dim=64 cannot be set, FalconConfig derives it from its other "
+                                         r"fields \(head_dim=32 here\)"):
+        tiny_config("falcon", head_dim=64)
+    assert tiny_config("falcon", head_dim=32).head_dim == 32
+    with pytest.raises(ValueError, match="tiny model type 'gpt_neo': transformers does not build its config from the "
+                                         "tiny model's fields .*another --tiny_model_type"):
+        tiny_config("gpt_neo")
+    with pytest.raises(SystemExit, match="error: tiny model type 'no_such_type' is not a transformers model type"):
+        main(["--tiny_model_type", "no_such_type", "--output_dir", str(tmp_path)])
