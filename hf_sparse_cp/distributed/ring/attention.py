@@ -2,7 +2,8 @@
 
 `context_parallel_attention` is what the attention backend calls under CP: it estimates the
 layer's global layout from every rank's shard (`estimation.py`), then runs `ring_sparse_attention`
-(and counts the kept fraction as one process would, `kept_fraction.py`).
+(and counts the kept fraction the logs report, `kept_fraction.py`: one process's on the same row, the
+block-aligned documents' under the planner).
 
 Every rank keeps its queries; K/V (key/value heads only, never replicated for GQA) travel the
 (hierarchical) ring of `RingTopology`. At each step a rank computes its queries against the K/V
@@ -35,7 +36,7 @@ from ...attention.ops import attention_backward, attention_forward
 from ...attention.precision import autocast_inputs, compute_dtype
 from ...config import SparseAttentionConfig
 from ..comm import P2PComm, Pending, Transfer, wait
-from ..kept_fraction import one_process_kept_fraction
+from ..kept_fraction import reported_kept_fraction
 from ..shard import CPShard
 from .estimation import estimate_cp
 from .plan import RingPlan, check_global_layout
@@ -359,7 +360,7 @@ class CPAttention(NamedTuple):
     out: torch.Tensor  # [B, Hq, S_local, D]
     lse: torch.Tensor  # [B, Hq, S_local]
     layout: SparseLayout  # the global layout
-    kept_fraction: torch.Tensor  # 0-d float64: what one process reports for the same call
+    kept_fraction: torch.Tensor  # 0-d float64: what the logs report (`kept_fraction.py`)
 
 
 def context_parallel_attention(
@@ -381,14 +382,14 @@ def context_parallel_attention(
         scale, sliding_window, stats: as in `ring_sparse_attention`.
 
     Returns:
-        `CPAttention` (out, lse, the global layout, and the kept fraction one process reports for this
-        call, `kept_fraction.one_process_kept_fraction`), after estimating the layer's global layout from
+        `CPAttention` (out, lse, the global layout, and the kept fraction reported for this
+        call, `kept_fraction.reported_kept_fraction`), after estimating the layer's global layout from
         all ranks' shards (`estimate_cp`) and running the ring.
     """
     shard.check_no_kv_cache(query, key)
     with torch.no_grad():
         estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
-        kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)
+        kept = reported_kept_fraction(estimate, shard, cfg, sliding_window)
     out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
                                      sliding_window=sliding_window, stats=stats, check_layout=False,
                                      implementation=cfg.attention_engine)
