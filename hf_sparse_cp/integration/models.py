@@ -117,13 +117,11 @@ def _check_architecture(model: torch.nn.Module, fix: str) -> None:
         calls = _probe(shadow, "meta", with_shard=False)
     except Exception:  # the switch itself (configure, enable_sparse_attention) checks the model then
         return
-    impl = compat.attn_implementation(shadow.config)
-    if impl != BACKEND_NAME:
-        _refuse_unrouted(model, impl, fix)
-    _check_calls(model, calls, fix)
+    _check_calls(model, compat.attn_implementation(shadow.config), calls, fix)
 
 
 def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None:
+    """Raise ValueError: `model`'s attention does not run through the backend (transformers kept `impl`)."""
     name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
     kept = f"transformers kept attn_implementation={impl!r}" if impl != BACKEND_NAME else \
         "its attention layers never call the selected implementation"
@@ -142,12 +140,14 @@ _DENSE_FIX = ("Train it with dense attention (--sparse_attention false; in code,
 _NO_CP_FIX = "Train it without context parallelism (--cp_size 1; it needs the sparse_cp backend, which runs the ring)"
 
 
-def _check_calls(model: torch.nn.Module, calls: list[tuple[str, ProbedCall]], fix: str) -> None:
-    """Raise ValueError, naming the architecture, the cause and `fix`, when no attention call reached the backend
-    or a layer got an attention mask the model built itself."""
-    if not calls:
-        _refuse_unrouted(model, BACKEND_NAME, fix)
-    own = sorted({(layer, call.mask_dims) for layer, call in calls if call.mask_dims not in (None, 2)})
+def _check_calls(model: torch.nn.Module, impl: str | None, calls: list[tuple[str, ProbedCall]] | None,
+                 fix: str) -> None:
+    """Raise ValueError, naming the architecture, the cause and `fix`, when the model switched to the backend runs
+    `impl` instead, no attention call of its probe forward (`calls`; None: not probed) reached the backend, or a
+    layer got an attention mask the model built itself."""
+    if impl != BACKEND_NAME or calls == []:
+        _refuse_unrouted(model, impl, fix)
+    own = sorted({(layer, call.mask_dims) for layer, call in calls or () if call.mask_dims not in (None, 2)})
     if own:
         model_type = getattr(model.config, "model_type", type(model).__name__)
         layer, dims = own[0]
@@ -165,15 +165,13 @@ def check_attention_routed(model: torch.nn.Module) -> None:
     architecture that does not follow its AttentionInterface (e.g. bloom), and a probe forward of the
     architecture (on the meta device) must reach the backend from its attention layers with no mask of its own
     (e.g. doge's 4D mask). Called after `configure` and `enable_sparse_attention` switch the model."""
-    impl = compat.attn_implementation(model.config)
-    if impl != BACKEND_NAME:
-        _refuse_unrouted(model, impl, _DENSE_FIX)
-    try:
-        calls = _attention_calls(model)
-    except ProbeFailed as e:  # (transformers took the switch; the backend refuses a mask of the model at its call)
-        logger.warning("%s Training goes on: transformers selected sparse_cp for it.", e)
-        return
-    _check_calls(model, calls, _DENSE_FIX)
+    impl, calls = compat.attn_implementation(model.config), None
+    if impl == BACKEND_NAME:
+        try:
+            calls = _attention_calls(model)
+        except ProbeFailed as e:  # (transformers took the switch; the backend refuses a mask of the model at its call)
+            logger.warning("%s Training goes on: transformers selected sparse_cp for it.", e)
+    _check_calls(model, impl, calls, _DENSE_FIX)
 
 
 def sliding_window_layers(config) -> list[int]:
@@ -266,7 +264,7 @@ def check_model_supports_context_parallel(
             "parallelism."
         )
     calls = _attention_calls(model, with_shard=True)
-    _check_calls(model, calls, _NO_CP_FIX)
+    _check_calls(model, impl, calls, _NO_CP_FIX)
     missed = sorted({layer for layer, call in calls if not call.reached})
     if missed:
         where = ", ".join(missed)
