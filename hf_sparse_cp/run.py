@@ -59,7 +59,7 @@ class _SplitParser(HfArgumentParser):
         """Whether `argv` parses as flags of this parser, every argument taken."""
         try:
             return not self.parse_known_args(list(argv))[1]
-        except (_Refused, argparse.ArgumentError):
+        except _Refused:
             return False
 
 
@@ -98,7 +98,7 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
             why = (f"{extra[0]!r} is not a plugin flag (--sparse_*, --cp_*, --smet*), and no script comes before it: "
                    "give the script's path or -m module after the plugin flags, and the script's own flags after "
                    "it") if extra else "name the script to run (a .py file, or -m module)"
-        except (_Refused, argparse.ArgumentError) as e:
+        except _Refused as e:
             why = f"{e}"
     elif not is_module and not os.path.isfile(target):
         sys.exit(f"{prog}: can't open file {os.path.abspath(target)!r}: no such file.")
