@@ -102,12 +102,24 @@ TRAIN_USAGE = "hf-sparse-cp train [--nproc N | --config_file ACCELERATE_CONFIG] 
 
 def _launch(argv: list[str]) -> int:
     """`hf-sparse-cp launch`: a stock script with the plugin (`hf_sparse_cp.run`). The launcher's options come before
-    the script path, so that a script's own `--config_file` stays the script's."""
-    from hf_sparse_cp.launch.command import split_command
-    from hf_sparse_cp.launch.processes import OPTIONS_HELP, launch, launcher_options, parse_launcher_options
+    the script path, so that a script's own `--config_file` stays the script's; the script is checked before any
+    process starts."""
+    from hf_sparse_cp.launch.processes import (
+        LAUNCHER_OPTIONS,
+        OPTIONS_HELP,
+        launch,
+        launcher_options,
+        leading_options,
+        parse_launcher_options,
+    )
 
-    flags, target, is_module, args = split_command(argv)
-    options, plugin_flags = parse_launcher_options(launcher_options("hf-sparse-cp launch", LAUNCH_USAGE), flags)
+    parser = launcher_options("hf-sparse-cp launch", LAUNCH_USAGE)
+    parse_launcher_options(parser, leading_options(argv))  # (a bad process count, named before the slow imports)
+    from hf_sparse_cp.launch.command import check_command, split_command
+
+    flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
+    check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch")
+    options, plugin_flags = parse_launcher_options(parser, flags)
     if {"-h", "--help"} & set(plugin_flags):
         print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
     return launch(options, [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args])

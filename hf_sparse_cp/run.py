@@ -11,10 +11,11 @@ runs, a parser it builds over `TrainingArguments` (or `SFTConfig`, or its own su
 beside its own, and a Trainer it builds (`Trainer`, `SFTTrainer`, its own subclass) trains with the plugin
 (`hf_sparse_cp.launch.launched`); when it ends, transformers is stock again.
 
-Plugin flags (`--sparse_*`, `--cp_*`, `--smet*`) go after the script path for a script that parses its
-arguments with `HfArgumentParser` (or TRL's `TrlParser`), or before it: there they are defaults for the script's
-parser, and the settings of a `TrainingArguments` the script builds in code. `--help` before the script path
-lists them, the common ones first.
+The script is the first argument that is neither a flag nor a flag's value, as python reads its command line
+(`--sparse_config pattern.py script.py` runs `script.py`). Plugin flags (`--sparse_*`, `--cp_*`, `--smet*`) go
+after the script path for a script that parses its arguments with `HfArgumentParser` (or TRL's `TrlParser`), or
+before it: there they are defaults for the script's parser, and the settings of a `TrainingArguments` the script
+builds in code. `--help` before the script path lists them, the common ones first.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 
 from transformers import HfArgumentParser
 
-from hf_sparse_cp.launch.command import split_command
+from hf_sparse_cp.launch.command import check_command, split_command
 from hf_sparse_cp.launch.launched import launched
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
@@ -47,7 +48,7 @@ def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
     try:
         common, other = parser.parse_args_into_dataclasses(list(flags))
         plugin = PluginArguments(**vars(common), **vars(other))
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # (a --sparse_config / --smet_config file that is not there names it)
         parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
     plugin.explicit_flags = explicit_fields(parser, flags)
     return plugin
@@ -72,11 +73,8 @@ def run_target(target: str, is_module: bool, args: Sequence[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hf_sparse_cp.run`: see the module's doc."""
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
+    check_command(flags, target, is_module, usage=USAGE, prog=PROG)
     plugin = parse_plugin_flags(flags)  # (--help exits here)
-    if target is None:
-        sys.exit(f"usage: {USAGE}\n{PROG}: error: name the script to run (a .py file, or -m module).")
-    if not is_module and not os.path.isfile(target):
-        sys.exit(f"{PROG}: can't open file {os.path.abspath(target)!r}: no such file.")
     with launched(plugin):
         run_target(target, is_module, args)
 

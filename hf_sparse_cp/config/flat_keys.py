@@ -13,12 +13,14 @@ from .sections import (
     Scoring,
     budget_class,
     budget_field_names,
+    budget_keys,
     budget_modes,
     field_names,
     merged_sections,
     mode_words,
     modes_of,
     parsed_overrides,
+    refuse_unknown,
     section_mapping,
 )
 
@@ -51,10 +53,13 @@ def nested(data: Mapping[str, Any], stored: bool = False) -> dict[str, Any]:
     sections = {name: section_mapping(name, data.pop(name)) for name in ("budget", "scoring") if name in data}
     flat = {name: data.pop(name) for name in (*budget_field_names(), "budget_mode") if name in data}
     scoring = {f.name: data.pop(f.name) for f in dataclasses.fields(Scoring) if f.name in data}
-    if stored and SAVED_BY_EVERY_VERSION <= {*data, *flat, *scoring}:
-        flat = {**BEFORE_ADDED, **flat}
     flat = {name: value for name, value in flat.items() if value is not None}  # None: unset (flags, saved configs)
     scoring = {name: value for name, value in scoring.items() if value is not None}
+    _refuse_given_twice(sections, flat, scoring)
+    if "budget_mode" in flat and sections.get("budget") and "mode" not in sections["budget"]:
+        sections["budget"] = {"mode": flat["budget_mode"], **sections["budget"]}  # (its fields are the mode's)
+    if stored and SAVED_BY_EVERY_VERSION <= {*data, *flat, *scoring}:
+        flat = {**BEFORE_ADDED, **flat}
     mode = flat.pop("budget_mode", None)
     if mode is not None:
         own, shared = field_names(budget_class(mode)), set()
@@ -67,6 +72,35 @@ def nested(data: Mapping[str, Any], stored: bool = False) -> dict[str, Any]:
                                "config selects budget_mode=%r.", name, value, mode_words(modes_of(name)), mode)
         flat["mode"] = mode
     return {**data, **merged_sections(sections, {"budget": flat, "scoring": scoring})}
+
+
+def _refuse_given_twice(sections: Mapping[str, Mapping[str, Any]], flat: Mapping[str, Any],
+                        scoring: Mapping[str, Any]) -> None:
+    """Refuse, naming both, a field that one mapping (a file, a curriculum stage, a constructor call) gives twice
+    with two values: a flat key beside its twin in the `budget` or `scoring` section, `budget_mode` beside the
+    section's `mode`, or `budget_mode` beside a section holding fields that mode does not have (they would be
+    dropped). Across mappings the upper one wins (a flag given beats the file: `merged_sections`)."""
+    budget = sections.get("budget", {})
+    twins = [(f"{name}={value!r}", f"budget: {{{name}: {budget[name]!r}}}") for name, value in flat.items()
+             if name in budget and budget[name] != value]
+    if "budget_mode" in flat and budget.get("mode", flat["budget_mode"]) != flat["budget_mode"]:
+        twins.append((f"budget_mode={flat['budget_mode']!r}", f"budget: {{mode: {budget['mode']!r}}}"))
+    nested_scoring = sections.get("scoring", {})
+    twins += [(f"{name}={value!r}", f"scoring: {{{name}: {nested_scoring[name]!r}}}") for name, value in scoring.items()
+              if name in nested_scoring and nested_scoring[name] != value]
+    if twins:
+        first, second = twins[0]
+        raise ValueError(f"{first} and {second} give one field two values in one mapping: keep one of them (the "
+                         "section's key or the flat one).")
+    refuse_unknown("budget", budget, budget_keys())
+    mode = flat.get("budget_mode")
+    others = [name for name in budget if name != "mode" and name not in field_names(budget_class(mode))] \
+        if mode is not None and "mode" not in budget else []
+    if others:
+        owners = modes_of(others[0])
+        raise ValueError(f"budget_mode={mode!r} and a budget section holding {others[0]} (read only in "
+                         f"{mode_words(owners)}): the section's field would be dropped. Give the mode once, in the "
+                         f"section (budget: {{mode: {owners[0]}, ...}}) with its own fields, or drop {others[0]}.")
 
 
 def _shared_with_overrides(flat: Mapping[str, Any], mode: str, overrides: Any) -> tuple[Any, set[str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -105,6 +105,11 @@ def budget_field_names() -> list[str]:
     return list(dict.fromkeys(name for cls in _registered().values() for name in field_names(cls)))
 
 
+def budget_keys() -> list[str]:
+    """The keys a `budget` section may hold: `mode` and every mode's fields."""
+    return ["mode", *budget_field_names()]
+
+
 def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
@@ -118,6 +123,7 @@ def inferred_mode(fields_: Mapping[str, Any]) -> str | None:
     one mode that does (None without fields). Fields of no common mode are refused, naming their modes."""
     if not fields_:
         return None
+    refuse_unknown("budget", fields_, budget_keys())
     holders = [m for m, cls in _registered().items() if set(fields_) <= set(field_names(cls))]
     if DEFAULT_MODE in holders or len(holders) == 1:
         return DEFAULT_MODE if DEFAULT_MODE in holders else holders[0]
@@ -137,9 +143,8 @@ def budget_from(section: Mapping[str, Any] | BudgetSection) -> BudgetSection:
     cls = budget_class(mode)
     for name, value in section.items():
         if name not in field_names(cls):
+            refuse_unknown("budget", [name], budget_keys())
             owners = modes_of(name)
-            if not owners:
-                raise ValueError(f"Unknown budget key {name!r}; the budget modes' keys: {budget_field_names()}.")
             raise ValueError(
                 f"{name}={value!r} is read only in {mode_words(owners)} and would do nothing with "
                 f"budget_mode={mode!r}; pass --sparse_budget_mode {owners[0]} (budget_mode={owners[0]!r}) with it, "
@@ -175,7 +180,15 @@ def scoring_from(section: Mapping[str, Any] | Scoring, budget: BudgetSection) ->
     """The scoring of a `scoring` section: its fields over the ones `budget` was measured with."""
     if isinstance(section, Scoring):
         return section
+    refuse_unknown("scoring", section, field_names(Scoring))
     return Scoring(**{**budget.scoring, **section})
+
+
+def refuse_unknown(section: str, names: Iterable[str], known: Iterable[str]) -> None:
+    """Raise ValueError naming the first of `names` that the `section` does not have, and listing those it has."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"Unknown {section} key {unknown[0]!r}; the {section} section's keys: {list(known)}.")
 
 
 def given_sections(budget: BudgetSection, scoring: Scoring) -> dict[str, Any]:

@@ -1,14 +1,18 @@
-"""The kept fraction of an attention call under context parallelism, as one process reports it on the
-same batch: from a ring's global layout (`one_process_kept_fraction`) and from the heads of a head group
-(`over_head_group`).
+"""The kept fraction of an attention call under context parallelism: what the logs report, from a ring's global
+layout (`reported_kept_fraction`) and from the heads of a head group (`over_head_group`).
 
 `SparseLayout.kept_fraction(meta)` counts a layout's computed blocks over the blocks a dense computation
 of the same tokens visits (1.0 for a dense call). A block sharding (striped, zigzag, contiguous) keeps the
-sequence's order and pads only at the end, so its global layout is the one-process layout padded, and
-counts the same. The document planner re-orders a packed row and starts documents on block boundaries:
-the same kept columns and diagonals then fall into other blocks, so the split's layout counts other
-blocks than one process does. For such a split the kept entries are put back in the original order and
-the one-process layout is built from them.
+sequence's order and pads only at the end, so its global layout is the one-process layout padded: it
+computes what one process computes on the same row, and counts the same.
+
+The document planner computes something else on a packed row whose documents do not start on block
+boundaries: it starts every sparse document on one, so each document's result is the one it has alone, and
+the layers after the first see those hidden states. Its count is that aligned computation's own, with every
+document of the row in blocks of its own (`aligned_order`): the count one process logs on the same documents
+packed with `BlockAlignedFlattening` (`--align_documents`), which pads after every document to the next block
+boundary, at every layer. (A padding run that packing adds is a document of its own to the planner, counted in
+a block of its own: the planner aligns unaligned documents itself.)
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.estimate import Estimate, KeptEntries, estimation_segments, layout_from_kept, long_documents
-from ..attention.tokens import PAD_SEGMENT, TokenMeta
+from ..attention.tokens import PAD_SEGMENT, TokenMeta, run_starts
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
 
@@ -37,10 +41,33 @@ def to_original_order(plan: BlockSplit, x: torch.Tensor, fill) -> torch.Tensor:
     return out
 
 
-def one_process_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAttentionConfig,
-                              sliding_window: int | None = None) -> torch.Tensor:
-    """The kept fraction one process logs for the call whose CP estimate is `estimate` (a 0-d float64
-    tensor on the layout's device, no host synchronization for a block sharding).
+def aligned_order(segment: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+    """Where each token of a row [S] (documents and padding runs, in their order) goes when every document
+    starts on a block boundary and the padding is dropped: (positions [S], -1 for padding; the aligned length,
+    a multiple of `block_size`)."""
+    starts = run_starts(segment[None])[0].nonzero().flatten().tolist() + [segment.numel()]
+    position = torch.full((segment.numel(),), -1, dtype=torch.long)
+    used = 0
+    for lo, hi in zip(starts, starts[1:]):
+        if int(segment[lo]) != PAD_SEGMENT:
+            position[lo:hi] = torch.arange(used, used + hi - lo)
+            used += -(-(hi - lo) // block_size) * block_size
+    return position, used
+
+
+def _to_positions(x: torch.Tensor, source: torch.Tensor, length: int, fill) -> torch.Tensor:
+    """`x` [..., N] with element i moved to `source[i]` of [..., length] (`fill` elsewhere; -1 drops it)."""
+    kept = (source >= 0).nonzero().flatten().to(x.device)
+    out = x.new_full((*x.shape[:-1], length), fill)
+    out[..., source.to(x.device)[kept]] = x[..., kept]
+    return out
+
+
+def reported_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAttentionConfig,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """The kept fraction logged for the call whose CP estimate is `estimate` (a 0-d float64 tensor on the
+    layout's device, no host synchronization for a block sharding): one process's on the same row for a block
+    sharding, the block-aligned documents' for the document planner (see the module docstring).
 
     Args:
         estimate: `estimation.estimate_cp`'s result for this call; shard: this rank's `CPShard`.
@@ -51,10 +78,13 @@ def one_process_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAtt
         return torch.ones((), dtype=torch.float64, device=estimate.layout.block_cnt.device)
     if plan.keeps_order:
         return estimate.layout.kept_fraction(shard.meta, sliding_window)
-    meta = TokenMeta.from_segments(to_original_order(plan, shard.meta.segment, PAD_SEGMENT))
-    # (each document is contiguous in both orders, so its offsets, kept at its own positions, map with it)
+    segment = to_original_order(plan, shard.meta.segment, PAD_SEGMENT)
+    aligned, length = aligned_order(segment[0].cpu(), cfg.block_size)  # (the planner's rows are one row repeated)
+    source = torch.where(plan.source >= 0, aligned[plan.source.clamp_min(0)], -1)  # split order -> aligned order
+    meta = TokenMeta.from_segments(_to_positions(shard.meta.segment, source, length, PAD_SEGMENT))
+    # (each document is contiguous in every order, so its offsets, kept at its own positions, move with it)
     kept = KeptEntries(estimation_segments(long_documents(meta, cfg), cfg),
-                       *(to_original_order(plan, x, False) for x in (estimate.kept.keep_v, estimate.kept.keep_s)))
+                       *(_to_positions(x, source, length, False) for x in (estimate.kept.keep_v, estimate.kept.keep_s)))
     return layout_from_kept(meta, cfg, *kept).kept_fraction(meta, sliding_window)
 
 

@@ -21,6 +21,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 
@@ -41,19 +42,30 @@ _GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
 _CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=False)
 
 
-class ShardProbe:
-    """Stands in for the CP shard in a probe forward (`models.check_model_supports_context_parallel`):
-    the backend records every attention call (module, whether this probe arrived) and returns zeros."""
+class ProbedCall(NamedTuple):
+    """One attention call of a probe forward: the attention module, whether the probe arrived in place of
+    the CP shard, and the dimensions of the mask it got (None: none; the registered mask function gives
+    None or the 2D padding mask, so anything else is a mask the model built itself)."""
+
+    module: torch.nn.Module
+    reached: bool
+    mask_dims: int | None
+
+
+class AttentionProbe:
+    """Stands in for the CP shard in a probe forward (`models.check_attention_routed`,
+    `models.check_model_supports_context_parallel`): the backend records every attention call
+    (`ProbedCall`) and returns zeros."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[torch.nn.Module, bool]] = []
+        self.calls: list[ProbedCall] = []
 
 
-_PROBE: ContextVar[ShardProbe | None] = ContextVar("hf_sparse_cp_probe", default=None)
+_PROBE: ContextVar[AttentionProbe | None] = ContextVar("hf_sparse_cp_probe", default=None)
 
 
 @contextlib.contextmanager
-def probing(probe: ShardProbe) -> Iterator[None]:
+def probing(probe: AttentionProbe) -> Iterator[None]:
     """Attention calls inside the block go to `probe` instead of computing."""
     token = _PROBE.set(probe)
     try:
@@ -163,7 +175,7 @@ def sparse_cp_attention_forward(
     shard = kwargs.get(CP_SHARD_KWARG)
     probe = _PROBE.get()
     if probe is not None:
-        probe.calls.append((module, shard is probe))
+        probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim()))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if shard is None and _CP_FORWARD.get():
         raise RuntimeError(

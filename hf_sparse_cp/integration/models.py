@@ -15,6 +15,11 @@ on the length a rank sees:
   convolutions), and convolutions whose kernel spans more than one position (a kernel of width 1, or
   transformers' `Conv1D` of GPT-2, a linear layer, maps every token on its own).
 
+Before any of these, and whenever a model is switched to the backend (`configure`, the Trainer glue), the
+switch is checked (`check_attention_routed`): an architecture whose attention does not go through transformers'
+AttentionInterface (bloom, mpt, xglm: transformers keeps eager attention) or that builds an attention mask of
+its own (doge) would otherwise train without the sparse pattern, or fail at its first forward.
+
 An architecture is refused only for one of these named causes (or those of the sparse backend:
 soft-capping, attention dropout, bidirectional attention). The architecture table
 (`architectures.ARCHITECTURES`) says which model types were tested exact under CP against one process
@@ -34,7 +39,7 @@ from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
 from .architectures import cp_tested_model_types
-from .backend import ShardProbe, probing
+from .backend import AttentionProbe, ProbedCall, probing
 
 if TYPE_CHECKING:
     from ..distributed.mesh import ParallelDims
@@ -65,33 +70,111 @@ def _token_mixers(model: torch.nn.Module) -> list[str]:
                     if isinstance(module, convolution) and any(k > 1 for k in module.kernel_size)]
 
 
-def _probe(target: torch.nn.Module, device: torch.device | str) -> list[tuple[str, bool]]:
-    """(decoder layer class, whether the marker arrived) for every attention call of one forward of
-    `target` with a probe in place of the CP shard."""
-    probe = ShardProbe()
+def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool) -> list[tuple[str, ProbedCall]]:
+    """(decoder layer class, the call) for every attention call of one forward of `target`, with a probe in
+    place of the CP shard when `with_shard`."""
+    probe = AttentionProbe()
     with probing(probe), torch.no_grad():
-        target(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), **{CP_SHARD_KWARG: probe})
+        target(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device),
+               **({CP_SHARD_KWARG: probe} if with_shard else {}))
     modules = dict(target.named_modules())
     parents = {id(m): type(modules[n.rpartition(".")[0]]).__name__ for n, m in modules.items() if n}
-    return [(parents[id(module)], reached) for module, reached in probe.calls]
+    return [(parents[id(call.module)], call) for call in probe.calls]
 
 
-def _shard_reach(model: torch.nn.Module) -> list[tuple[str, bool]]:
-    """`_probe` of the model's architecture built on the meta device (no memory, no compute), or of
-    the model itself where the architecture does not build or run there."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's architecture
+def _architecture(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s architecture (a PEFT model's base) built from a copy of its config on the meta device (no
+    memory, no compute), switched to the backend."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.device("meta"):
+        shadow = type(base)(copy.deepcopy(base.config))
+    if compat.attn_implementation(shadow.config) != BACKEND_NAME:
+        shadow.set_attn_implementation(BACKEND_NAME)
+    return shadow
+
+
+class ProbeFailed(ValueError):
+    """The probe forward of a model ran neither on the meta device nor on the model itself."""
+
+
+def _attention_calls(model: torch.nn.Module, with_shard: bool = False) -> list[tuple[str, ProbedCall]]:
+    """`_probe` of the model's architecture on the meta device, or of the model itself where the architecture
+    does not build or run there. Raises `ProbeFailed` when neither runs."""
     try:
-        with torch.device("meta"):
-            shadow = type(base)(copy.deepcopy(base.config))
-        return _probe(shadow, "meta")
+        return _probe(_architecture(model), "meta", with_shard)
     except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
         logger.info("Probing %s itself: its architecture does not run on the meta device (%s).", type(model).__name__,
                     e)
     try:
-        return _probe(model, next(model.parameters()).device)
+        return _probe(model, next(model.parameters()).device, with_shard)
     except Exception as e:
-        raise ValueError(f"could not check that every attention layer of {type(model).__name__} receives the "
-                         f"context-parallel shard: its probe forward failed ({e}).") from e
+        raise ProbeFailed(f"could not check that every attention layer of {type(model).__name__} calls the "
+                          f"sparse_cp backend: its probe forward failed ({e}).") from e
+
+
+def _check_architecture(model: torch.nn.Module, fix: str) -> None:
+    """`check_attention_routed` on `model`'s architecture switched to the backend, for a model not switched yet
+    (nothing to check where the architecture does not build and run on the meta device)."""
+    try:
+        shadow = _architecture(model)
+        calls = _probe(shadow, "meta", with_shard=False)
+    except Exception:  # the switch itself (configure, enable_sparse_attention) checks the model then
+        return
+    _check_calls(model, compat.attn_implementation(shadow.config), calls, fix)
+
+
+def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None:
+    """Raise ValueError: `model`'s attention does not run through the backend (transformers kept `impl`)."""
+    name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
+    kept = f"transformers kept attn_implementation={impl!r}" if impl != BACKEND_NAME else \
+        "its attention layers never call the selected implementation"
+    tested = ", ".join(cp_tested_model_types()[:6])
+    raise ValueError(
+        f"{name} (model type {model_type!r}) does not route its attention through transformers' AttentionInterface, "
+        f"so attn_implementation='{BACKEND_NAME}' cannot take effect ({kept}). {fix}, or train a model whose "
+        f"architecture routes attention through AttentionInterface (e.g. {tested}; docs/context-parallelism.md "
+        "lists the tested ones)."
+    )
+
+
+# The fixes of `_refuse_unrouted` when sparse attention is asked for, and when context parallelism is.
+_DENSE_FIX = ("Train it with dense attention (--sparse_attention false; in code, without "
+              "hf_sparse_cp.configure(model))")
+_NO_CP_FIX = "Train it without context parallelism (--cp_size 1; it needs the sparse_cp backend, which runs the ring)"
+
+
+def _check_calls(model: torch.nn.Module, impl: str | None, calls: list[tuple[str, ProbedCall]] | None,
+                 fix: str) -> None:
+    """Raise ValueError, naming the architecture, the cause and `fix`, when the model switched to the backend runs
+    `impl` instead, no attention call of its probe forward (`calls`; None: not probed) reached the backend, or a
+    layer got an attention mask the model built itself."""
+    if impl != BACKEND_NAME or calls == []:
+        _refuse_unrouted(model, impl, fix)
+    own = sorted({(layer, call.mask_dims) for layer, call in calls or () if call.mask_dims not in (None, 2)})
+    if own:
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        layer, dims = own[0]
+        raise ValueError(
+            f"{type(model).__name__} (model type {model_type!r}) builds its own {dims}D attention mask and hands it to "
+            f"attention ({layer}); sparse_cp takes the 2D padding mask of its registered mask function and applies "
+            "causality and document boundaries itself, so it cannot compute this model's attention (its mask carries "
+            f"more than causality and padding). {fix}, or train another model."
+        )
+
+
+def check_attention_routed(model: torch.nn.Module) -> None:
+    """Raise ValueError, naming the architecture, the cause and the fix, unless `model`, switched to the
+    `sparse_cp` backend, computes its attention through it: transformers keeps another implementation for an
+    architecture that does not follow its AttentionInterface (e.g. bloom), and a probe forward of the
+    architecture (on the meta device) must reach the backend from its attention layers with no mask of its own
+    (e.g. doge's 4D mask). Called after `configure` and `enable_sparse_attention` switch the model."""
+    impl, calls = compat.attn_implementation(model.config), None
+    if impl == BACKEND_NAME:
+        try:
+            calls = _attention_calls(model)
+        except ProbeFailed as e:  # (transformers took the switch; the backend refuses a mask of the model at its call)
+            logger.warning("%s Training goes on: transformers selected sparse_cp for it.", e)
+    _check_calls(model, impl, calls, _DENSE_FIX)
 
 
 def sliding_window_layers(config) -> list[int]:
@@ -159,9 +242,12 @@ def check_model_supports_context_parallel(
         )
     impl = compat.attn_implementation(config)
     if impl != backend:
+        _check_architecture(model, _NO_CP_FIX)  # (what it cannot run is refused first: no fix below would work)
         raise ValueError(
             f"{name} uses attn_implementation={impl!r}; under context parallelism every attention layer must go "
-            f"through '{backend}', which runs the ring (call hf_sparse_cp.patch() and hf_sparse_cp.configure(model))."
+            f"through '{backend}', which runs the ring: train with --sparse_attention true (SparseTrainer, "
+            "hf-sparse-cp train, hf_sparse_cp.run), or in code call hf_sparse_cp.patch() and then "
+            "hf_sparse_cp.configure(model)."
         )
     if parallel is not None:
         parallel.check_model(config)
@@ -179,10 +265,11 @@ def check_model_supports_context_parallel(
             "under context parallelism such layers would see only this rank's shard. Train it without context "
             "parallelism."
         )
-    calls = _shard_reach(model)
-    missed = sorted({layer for layer, reached in calls if not reached})
-    if missed or not calls:
-        where = ", ".join(missed) if missed else "any attention layer"
+    calls = _attention_calls(model, with_shard=True)
+    _check_calls(model, impl, calls, _NO_CP_FIX)
+    missed = sorted({layer for layer, call in calls if not call.reached})
+    if missed:
+        where = ", ".join(missed)
         raise ValueError(
             f"{name}: the context-parallel shard does not reach {where}: its decoder layer calls attention without "
             "passing the attention keyword arguments on, so each rank would attend within its own shard only. "

@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from . import compat
 from .backend import sparse_cp_attention_forward
+from .models import check_attention_routed
 from .patching import PatchSet
 
 _active: PatchSet | None = None
@@ -81,7 +82,9 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
         model: a transformers model; `config` is saved with it (`model.config.sparse_attention`).
         config: the pattern settings (default: `SparseAttentionConfig()`).
         select: also switch the model to `attn_implementation="sparse_cp"` (needs `patch()` first; a
-            forward after `unpatch()` then raises an error that says so, `guard_registration`).
+            forward after `unpatch()` then raises an error that says so, `guard_registration`). An
+            architecture whose attention does not run through the backend once switched is refused
+            (`select_backend`), the model left as it was.
     """
     if select and not is_registered():
         raise ValueError("configure(model) switches the model to attn_implementation='sparse_cp', which is not "
@@ -89,10 +92,27 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
                          "select=False) to store the settings only).")
     config = SparseAttentionConfig() if config is None else config
     config.check_layers(model.config.num_hidden_layers)
+    if select:
+        select_backend(model)
     setattr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
     if select:
-        model.set_attn_implementation(BACKEND_NAME)
         guard_registration(model)
+
+
+def select_backend(model: torch.nn.Module) -> str | None:
+    """Switch `model` to `attn_implementation="sparse_cp"` and check that its attention now runs through it
+    (`models.check_attention_routed`: transformers keeps another implementation for an architecture outside its
+    AttentionInterface). Raises ValueError, naming the architecture and the fix, with the model's implementation
+    left as it was. Returns the implementation the model had."""
+    previous = compat.attn_implementation(model.config)
+    model.set_attn_implementation(BACKEND_NAME)
+    try:
+        check_attention_routed(model)
+    except ValueError:
+        if previous is not None and compat.attn_implementation(model.config) != previous:
+            model.set_attn_implementation(previous)
+        raise
+    return previous
 
 
 def is_registered() -> bool:

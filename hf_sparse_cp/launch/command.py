@@ -1,18 +1,81 @@
 """The grammar of a launch command (`python -m hf_sparse_cp.run`, `hf-sparse-cp launch`): the plugin's flags, then
-the script (a path, or `-m module`), then the script's own arguments. A leaf, so that the command line splits a
-command without importing transformers."""
+the script (a path, or `-m module`), then the script's own arguments. The script is found as python finds it on
+its own command line: the first argument that is neither a flag nor a flag's value, which the plugin's argument
+classes decide (so this module imports them: the launcher's light options are read before, in `processes.py`)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 
+from transformers import HfArgumentParser
 
-def split_command(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
-    """(plugin flags, the script's path or module name, whether it is a module, the script's arguments):
-    the script is the first argument ending in `.py`, or the one after `-m`."""
+from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+
+
+class _Refused(Exception):
+    """What argparse would print and exit with, raised instead (`_SplitParser`)."""
+
+
+class _SplitParser(HfArgumentParser):
+    """The plugin's flags, parsed without printing or exiting: which arguments they take (`split_command`)."""
+
+    def __init__(self, options: Sequence[str] = ()) -> None:
+        super().__init__(PluginArguments, add_help=False)
+        for option in options:  # (options of one value each, e.g. the launcher's --nproc)
+            self.add_argument(option)
+
+    def error(self, message: str):
+        raise _Refused(message)
+
+    def takes(self, argv: Sequence[str]) -> bool:
+        """Whether `argv` parses as flags of this parser, every argument taken."""
+        try:
+            return not self.parse_known_args(list(argv))[1]
+        except _Refused:
+            return False
+
+
+def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[list[str], str | None, bool, list[str]]:
+    """(plugin flags, the script's path or module name, whether it is a module, the script's arguments).
+
+    As python reads its own command line, the script is the first argument that is neither a flag nor a flag's value:
+    `-m` and the module after it, or an argument the flags before it leave over (a path, with or without `.py`), where
+    those flags parse on their own (the plugin's, and `options` of one value each: the launcher's). An argument
+    that a flag before it takes as a value (`--sparse_config pattern.py`, `--smet true`) is that value; a `.py` path
+    that a flag of several values would also take (`--smet_target_modules q k train.py`) is the script. Without
+    a script: (every argument, None, whether the last is a bare `-m`, [])."""
+    parser = _SplitParser(options)
     for i, arg in enumerate(argv):
-        if arg == "-m" and i + 1 < len(argv):
-            return list(argv[:i]), argv[i + 1], True, list(argv[i + 2:])
-        if arg.endswith(".py") and not arg.startswith("-"):
+        if (arg.startswith("-") and arg != "-m") or not parser.takes(argv[:i]):
+            continue
+        if arg == "-m":
+            return (list(argv[:i]), argv[i + 1], True, list(argv[i + 2:])) if i + 1 < len(argv) else \
+                (list(argv[:i]), None, True, [])
+        if arg.endswith(".py") or not parser.takes(argv[:i + 1]):
             return list(argv[:i]), arg, False, list(argv[i + 1:])
     return list(argv), None, False, []
+
+
+def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (), *,
+                  usage: str, prog: str) -> None:
+    """Exit naming what the launcher expected when `split_command` found no script, or the script's path is not a
+    file (nothing to check with `--help`, which lists the flags)."""
+    if {"-h", "--help"} & set(flags):
+        return
+    if target is None and is_module:
+        why = "-m needs the module to run after it (e.g. -m trl.scripts.sft)"
+    elif target is None:
+        try:
+            extra = _SplitParser(options).parse_known_args(list(flags))[1]
+            why = (f"{extra[0]!r} is not a plugin flag (--sparse_*, --cp_*, --smet*), and no script comes before it: "
+                   "give the script's path or -m module after the plugin flags, and the script's own flags after "
+                   "it") if extra else "name the script to run (a .py file, or -m module)"
+        except _Refused as e:
+            why = f"{e}"
+    elif not is_module and not os.path.isfile(target):
+        sys.exit(f"{prog}: can't open file {os.path.abspath(target)!r}: no such file.")
+    else:
+        return
+    sys.exit(f"usage: {usage}\n{prog}: error: {why}.")

@@ -25,12 +25,30 @@ OPTIONS_HELP = ("--nproc N: N local processes (torchrun; gloo on CPU), default 1
                 "then sets the processes. Ctrl-C or `kill` of this command stops the launcher and its workers too.")
 
 
+LAUNCHER_OPTIONS = ("--nproc", "--config_file")  # each takes one value
+
+
 def launcher_options(prog: str, usage: str) -> argparse.ArgumentParser:
-    """The parser of the launcher's own options (`--nproc`, `--config_file`); `-h` stays the script's."""
+    """The parser of the launcher's own options (`LAUNCHER_OPTIONS`); `-h` stays the script's."""
     parser = argparse.ArgumentParser(prog=prog, usage=usage, add_help=False, allow_abbrev=False)
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--config_file")
+    parser.add_argument(LAUNCHER_OPTIONS[0], type=int, default=1)
+    parser.add_argument(LAUNCHER_OPTIONS[1])
     return parser
+
+
+def leading_options(argv: Sequence[str]) -> list[str]:
+    """The launcher's options at the start of `argv` (`--nproc 2`, `--config_file=x.yaml`), up to its first other
+    argument."""
+    taken: list[str] = []
+    while argv[len(taken):]:
+        arg = argv[len(taken)]
+        if arg in LAUNCHER_OPTIONS:
+            taken += argv[len(taken):len(taken) + 2]
+        elif arg.split("=", 1)[0] in LAUNCHER_OPTIONS and "=" in arg:
+            taken.append(arg)
+        else:
+            break
+    return taken
 
 
 def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace,

@@ -127,7 +127,8 @@ class KeptCurve:
 
     @classmethod
     def from_report(cls, path: str | Path, setting: str = "defaults") -> KeptCurve:
-        """The curve of `setting` in a `pattern_quality.py --curve` report."""
+        """The curve of `setting` in a `pattern_quality.py --curve` report. Raises ValueError naming the file, the
+        entry and what it must hold for a report that is missing, not JSON or not shaped as the script writes it."""
         try:
             report = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -135,16 +136,60 @@ class KeptCurve:
                              "that benchmarks/pattern_quality.py --curve wrote.") from None
         if not isinstance(report, dict) or "curve_settings" not in report:
             raise ValueError(f"{path} is not a kept-share curve (benchmarks/pattern_quality.py --curve writes one).")
-        if setting not in report["curve_settings"]:
-            raise ValueError(f"{path} has no setting {setting!r}; it has {sorted(report['curve_settings'])}.")
-        points = tuple(KeptPoint(int(s), p["kept_sparse_layers"], p["width_share_max"], length["beyond_context"])
-                       for s, length in report["lengths"].items()
-                       if "kept_sparse_layers" in (p := length["settings"].get(setting, {})))
+        settings = _entry(path, "curve_settings", report["curve_settings"], dict,
+                          "a mapping of each measured setting's name to its changes to the defaults")
+        if setting not in settings:
+            raise ValueError(f"{path} has no setting {setting!r}; it has {sorted(settings)}.")
+        lengths = _entry(path, "lengths", report.get("lengths"), dict,
+                         "a mapping of each measured length in tokens (\"1024\") to what was measured there")
+        points = tuple(point for key, length in lengths.items()
+                       if (point := _point(path, key, length, setting)) is not None)
         # every field of the measured pattern where the report holds it (the settings are changes to the defaults
         # of the day, which may have changed since)
-        pattern = SparseAttentionConfig.from_dict(report["patterns"][setting]) if "patterns" in report else \
-            SparseAttentionConfig(min_seq_len=0, **report["curve_settings"][setting])
+        stored = "patterns" in report
+        where = f"patterns[{setting!r}]" if stored else f"curve_settings[{setting!r}]"
+        fields = _entry(path, where, report["patterns"].get(setting) if stored else settings[setting], dict,
+                        "the measured pattern's fields" if stored else "the setting's changes to the defaults")
+        try:
+            pattern = SparseAttentionConfig.from_dict(fields) if stored else \
+                SparseAttentionConfig(min_seq_len=0, **fields)
+        except (TypeError, ValueError) as e:  # (the config's own message names the field and value)
+            raise ValueError(f"kept-share curve {path}: {where} is not a pattern: {e}") from None
         return cls(points, f"{Path(path).name} ({setting}, {report.get('model', 'the measured model')})", pattern)
+
+
+def _entry(path: str | Path, where: str, value, kind: type | tuple[type, ...], what: str):
+    """`value`, the report's entry `where`, when it is of `kind` (bool is not a number); ValueError naming the file,
+    the entry and `what` it must hold otherwise."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        found = "missing" if value is None else f"{value!r}"
+        raise ValueError(f"kept-share curve {path}: {where} is {found}; it must hold {what} (as "
+                         "benchmarks/pattern_quality.py --curve writes it).")
+    return value
+
+
+def _point(path: str | Path, key: str, length, setting: str) -> KeptPoint | None:
+    """The point of `setting` in the report's entry `lengths[key]`, or None where that setting was not measured."""
+    where = f"lengths[{key!r}]"
+    if not key.isdigit() or int(key) < 1:
+        raise ValueError(f"kept-share curve {path}: {where}: a key of 'lengths' must be a sequence length in tokens, a "
+                         "whole number such as \"1024\".")
+    length = _entry(path, where, length, dict, "'beyond_context' (true or false) and 'settings'")
+    beyond = _entry(path, f"{where}['beyond_context']", length.get("beyond_context"), bool,
+                    "true or false: whether the length is past the model's trained context")
+    measured = _entry(path, f"{where}['settings']", length.get("settings"), dict,
+                      "a mapping of each setting's name to its measurement at this length")
+    if measured.get(setting) is None:
+        return None
+    shares = _entry(path, f"{where}['settings'][{setting!r}]", measured[setting], dict,
+                    "'kept_sparse_layers' and 'width_share_max'")
+    if "kept_sparse_layers" not in shares:  # (a setting measured without the pattern's layouts at this length)
+        return None
+    kept, width = (_entry(path, f"{where}['settings'][{setting!r}][{name!r}]", shares.get(name), (int, float),
+                          f"a number in (0, 1]: {what}")
+                   for name, what in (("kept_sparse_layers", "the kept share of the causal blocks, e.g. 0.72"),
+                                      ("width_share_max", "the widest layout row over the query blocks, e.g. 0.9")))
+    return KeptPoint(int(key), kept, width, beyond)
 
 
 # The default pattern on SmolLM2-135M-Instruct (trained context 8,192), one window of the King James text, every

@@ -128,6 +128,10 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
                      "context and fragmentation.")
     if args.token_tiling_min_length < 0 or args.token_tile_size < 1:
         parser.error("--token-tiling-min-length must be >= 0 (0: never) and --token-tile-size >= 1.")
+    if args.kept_curve and args.layout_width == "bound":  # a file named and never read would be silently ignored
+        parser.error(f"--kept-curve {args.kept_curve} would not be read: --layout-width bound sizes every layout at "
+                     "all the blocks of its rows; drop --layout-width bound to size them from the curve, or drop "
+                     "--kept-curve.")
     if any(n < 1 for n in args.seq_len):
         parser.error(f"--seq-len {args.seq_len}: every length must be >= 1 token.")
 

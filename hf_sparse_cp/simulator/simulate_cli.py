@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -79,6 +81,11 @@ MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "c
                        "their reported 93.7% sparsity is simulated as density 0.063"}
 KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
 BOUNDS = ("block-only",)  # the kernels of KERNELS whose rows are bounds
+# The command's peak memory per (query block, key block) pair of one sequence, whose layouts it holds whole: the
+# causal layout's, or per layout head where those weigh more. Measured as the peak resident memory of
+# `hf-sparse-cp simulate --cp 8 --no-mtraining` above the interpreter's own 0.55 GB: 1.33 GB at 512K tokens and
+# 3.53 GB at 1M with 1-4 layout heads (46 bytes a pair), 2.30 GB at 512K with 16 (6.5 bytes a pair and head).
+PEAK_BYTES_PER_BLOCK_PAIR, PEAK_BYTES_PER_BLOCK_PAIR_AND_HEAD = 46, 6.5
 
 
 def _at_least(low: int):
@@ -159,10 +166,46 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
+    p = build_parser(prog)
+    args = p.parse_args(argv)
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
+    _check_lengths(p, args.seq, args.layout_heads)
+    unread = "--density" if args.density is not None else "--mix" if args.mix is not None else None
+    if args.kept_curve and unread:  # a file named and never read would be silently ignored
+        p.error(f"--kept-curve {args.kept_curve} would not be read: "
+                + ("--density gives the kept share at every length" if unread == "--density" else
+                   f"--mix {args.mix} packs rows whose documents keep what their own patterns select")
+                + f"; drop {unread} to take the shares from the curve, or drop --kept-curve.")
     return args
+
+def peak_bytes(seq: int, layout_heads: int) -> float:
+    """The memory the command needs to simulate one sequence of `seq` tokens (`PEAK_BYTES_PER_BLOCK_PAIR`)."""
+    per_pair = max(PEAK_BYTES_PER_BLOCK_PAIR, PEAK_BYTES_PER_BLOCK_PAIR_AND_HEAD * layout_heads)
+    blocks = -(-seq // BLOCK)
+    return per_pair * blocks * blocks
+
+
+def _machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_lengths(parser: argparse.ArgumentParser, seqs: list[int], layout_heads: int) -> None:
+    """Refuse, naming the limit, a length whose layouts need more memory than this machine has (the layouts of a
+    sequence hold every pair of its blocks: a length past the limit would fail allocating them)."""
+    memory = _machine_memory()
+    too_long = [s for s in seqs if memory is not None and peak_bytes(s, layout_heads) > memory]
+    if too_long:
+        per_pair = peak_bytes(BLOCK, layout_heads)
+        longest = math.isqrt(int(memory / per_pair)) * BLOCK
+        parser.error(f"--seq {too_long[0]}: simulating it holds its layouts of ({too_long[0]} / {BLOCK})^2 block "
+                     f"pairs, about {peak_bytes(too_long[0], layout_heads) / 1e9:,.0f} GB, and this machine has "
+                     f"{memory / 1e9:,.0f} GB: the longest length it simulates (--layout-heads {layout_heads}) is "
+                     f"about {longest:,} tokens; give --seq at most that.")
 
 
 def kept_target(args, seq: int) -> KeptAt:
@@ -327,7 +370,7 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     require_matplotlib()  # before minutes of simulation, not after
     try:
         targets = [kept_target(args, seq) for seq in args.seq]
-    except (OSError, ValueError, KeyError) as e:
+    except ValueError as e:  # (KeptCurve.from_report names the file and the entry)
         raise SystemExit(f"--kept-curve {args.kept_curve}: {e}") from None
     try:
         name, model = model_name(args), model_shape(args, MODELS)

@@ -3,12 +3,23 @@ demo's default model (`--tiny_model_type`)."""
 
 from __future__ import annotations
 
-from transformers import AutoConfig, PretrainedConfig
+import inspect
+
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+
+def _derived(config_class: type, name: str) -> bool:
+    """Whether `config_class` computes `name` from its other fields (a property without a setter: Falcon's
+    `head_dim`), so that it cannot be given."""
+    member = inspect.getattr_static(config_class, name, None)
+    return isinstance(member, property) and member.fset is None
 
 
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout,
-    no sliding window); any field can be overridden."""
+    no sliding window); any field can be overridden. A field the architecture derives from others (Falcon's
+    `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that names it, and so is a
+    config transformers refuses to build from these fields."""
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -27,4 +38,23 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     )
     fields["sliding_window"] = None
     fields.update(overrides)
-    return AutoConfig.for_model(model_type, **fields)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"tiny model type {model_type!r} is not a transformers model type (the model_type of a "
+                         "config.json): give one such as qwen2, llama or gpt2.")
+    config_class = CONFIG_MAPPING[model_type]
+    derived = {name for name in fields if _derived(config_class, name)}
+    given = {name: value for name, value in fields.items() if name not in derived}
+    try:
+        config = AutoConfig.for_model(model_type, **given)
+    except Exception as e:  # transformers' own checks of this architecture's fields
+        cause = str(e).strip().splitlines()
+        raise ValueError(f"tiny model type {model_type!r}: transformers does not build its config from the tiny "
+                         f"model's fields ({type(e).__name__}: {' '.join(line.strip() for line in cause[:2])}); train "
+                         "another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of this type from "
+                         "--model_name_or_path.") from e
+    for name in sorted(derived & set(overrides)):
+        if getattr(config, name) != overrides[name]:
+            raise ValueError(f"{model_type}: {name}={overrides[name]} cannot be set, {config_class.__name__} derives "
+                             f"it from its other fields ({name}={getattr(config, name)} here); change those instead "
+                             "(e.g. hidden_size and num_attention_heads for head_dim).")
+    return config

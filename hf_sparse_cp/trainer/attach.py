@@ -36,7 +36,7 @@ from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
-from ..integration.registration import guard_registration, is_patched, patch, unpatch
+from ..integration.registration import guard_registration, is_patched, patch, select_backend, unpatch
 from .arguments import SparseAttentionFlags, SparseCPArguments
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
@@ -100,15 +100,25 @@ def enable_sparse_attention(
         config.check_sparse_at(max_length, attention_layers(model.config))
     undo_recorded(model, _SPARSE_ATTENTION)
     patches = record_on(model, _SPARSE_ATTENTION)
+    try:
+        _switch(model, patches, sparse_args, config, training_args, max_length)
+    except BaseException:
+        patches.undo()  # nothing of a refused switch stays
+        raise
+    return config
+
+
+def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArguments, config: SparseAttentionConfig,
+            training_args: TrainingArguments | None, max_length: int | None) -> None:
+    """What `enable_sparse_attention` changes, each change recorded in `patches`."""
     if not is_patched():
         patch()
         patches.on_undo(unpatch, outside=True)
     if sparse_args.sparse_fused_loss and not is_lean_loss_enabled():
         enable_lean_loss()
         patches.on_undo(disable_lean_loss, outside=True)
-    previous = compat.attn_implementation(model.config)
+    previous = select_backend(model)
     patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
-    model.set_attn_implementation(BACKEND_NAME)
     if previous is not None and previous != BACKEND_NAME:
         patches.on_undo(functools.partial(_set_attn_implementation, model, previous))
     remove_guard = guard_registration(model)
@@ -139,7 +149,6 @@ def enable_sparse_attention(
     if savers.active:
         enable_memory_savers(model, savers)
         patches.on_undo(functools.partial(disable_memory_savers, model))
-    return config
 
 
 def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,

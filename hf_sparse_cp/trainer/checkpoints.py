@@ -22,10 +22,12 @@ samples it trained on before.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,11 @@ from ..distributed import ParallelDims
 from ..integration.patching import PatchSet
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
+
+try:
+    import resource  # (POSIX: the file-size limit)
+except ImportError:
+    resource = None
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +104,49 @@ class CheckpointMarkerCallback(TrainerCallback):
             _write(folder / MARKER, {"complete": True, "step": state.global_step,
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
                                      "files": files})
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written for a cause outside the run (the file-size limit, a full disk)."""
+
+
+# A disk with less free space than this after a failed save is taken as full.
+FULL_DISK_BYTES = 16 << 20
+
+
+def failed_save(folder: Path, error: BaseException) -> str | None:
+    """Why writing the checkpoint `folder` failed with `error`, naming the file being written, when its marker says
+    the save was in progress and the cause is one the writers' own errors do not name (torch: "unexpected pos ..."):
+    this process's file-size limit (`ulimit -f`) or a full disk. None otherwise (not saving, or another cause)."""
+    try:
+        if json.loads((folder / MARKER).read_text()).get("complete", True):
+            return None
+    except (OSError, ValueError):  # no marker (not saving; rank > 0 may not see it yet), or half of one
+        return None
+    files = [p for p in folder.rglob("*") if p.is_file() and p.name != MARKER]
+    chain, cause = [], error
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    said = " ".join(str(e) for e in chain)
+    codes = {e.errno for e in chain if isinstance(e, OSError)}
+
+    def reports(code: int) -> bool:  # (by errno, or in the words of a writer outside Python: safetensors)
+        return code in codes or os.strerror(code) in said
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource is not None else None
+    if limit is not None and limit != resource.RLIM_INFINITY:
+        at_limit = [p.name for p in files if p.stat().st_size >= limit]
+        if at_limit or reports(errno.EFBIG):
+            written = at_limit[0] if at_limit else f"a file of it (removed by its writer, which said: {error})"
+            return (f"{written} reached this process's file-size limit of {limit:,} bytes (ulimit -f) while it was "
+                    "written: raise the limit (`ulimit -f unlimited` in the shell that launches the run).")
+    free = shutil.disk_usage(folder).free
+    if free < FULL_DISK_BYTES or reports(errno.ENOSPC):
+        last = f" (the last file written: {max(files, key=lambda p: p.stat().st_mtime).name})" if files else ""
+        return (f"the disk holding it is full ({free:,} bytes free){last}: free space, keep fewer checkpoints "
+                "(--save_total_limit N) or write them to a disk with room (--output_dir).")
+    return None
 
 
 # The settings a checkpoint's sharded state lets a resume change (with the global batch kept), and their names.
@@ -202,10 +252,19 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
         folder = resume_from_checkpoint
         if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
             folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
-        if folder and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
-                                       reshardable=runs_fsdp2(trainer)):
-            with resharded_loading(trainer, folder):
-                return train(resume_from_checkpoint, *args, **kwargs)
-        return train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            if folder and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
+                                           reshardable=runs_fsdp2(trainer)):
+                with resharded_loading(trainer, folder):
+                    return train(resume_from_checkpoint, *args, **kwargs)
+            return train(resume_from_checkpoint, *args, **kwargs)
+        except Exception as e:
+            saving = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+            why = failed_save(saving, e)
+            if why is None:
+                raise
+            raise CheckpointSaveError(f"Saving checkpoint {str(saving)!r} failed: {why} Nothing before it is lost: "
+                                      "the checkpoint is marked incomplete and a resume refuses it; delete it, then "
+                                      "resume from the one before it.") from e
 
     patches.set_attr(trainer, "train", checked_train)

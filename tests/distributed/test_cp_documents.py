@@ -342,30 +342,39 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
 
 
 def _kept_fraction_case(par: ParallelDims) -> dict:
-    """The kept fraction a model's layers log for a packed row of documents that do not start on block
-    boundaries, under the planner and in one process (issue #31: they differed)."""
+    """The kept fraction each layer of a 4-layer model logs for a packed row of documents that do not start on
+    block boundaries: under the planner (which computes them block aligned), in one process on the same documents
+    packed with BlockAlignedFlattening (`--align_documents`), and in one process on the unaligned row (#51: the
+    layers after the first differed from the latter, logged as neither)."""
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
     from hf_sparse_cp.integration.stats import pop_kept_fractions
     from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64, num_hidden_layers=4)).double()
+    ids = torch.randint(3, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(3))
+    docs = ids[0].split(LENGTHS)
+    aligned = BlockAlignedFlattening(BS, return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+    batches = {"unaligned": {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None]},
+               "aligned": {name: aligned[name] for name in ("input_ids", "position_ids")}}
     results = {}
     for estimation in ("last_queries", "causal_chunks"):
-        cfg = CFG.replace(estimation=estimation, estimation_chunk=2 * BS)
+        cfg = CFG.replace(estimation=estimation, estimation_chunk=2 * BS, dense_first_layers=0)
         hf_sparse_cp.configure(model, cfg)
-        ids = torch.randint(3, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(3))
-        batch = {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)}
+        logged = {}
         with torch.no_grad():
-            model(**batch)
-            ref = pop_kept_fractions(model)
-            model(**prepare_context_parallel_inputs(batch, par, block_size=BS, sharding="document", sparse_config=cfg))
-            got = pop_kept_fractions(model)
-        results[estimation] = {"ref": ref, "got": got}
+            for name, batch in batches.items():
+                model(**batch)
+                logged[name] = pop_kept_fractions(model)
+            model(**prepare_context_parallel_inputs(batches["unaligned"], par, block_size=BS, sharding="document",
+                                                    sparse_config=cfg))
+            logged["planner"] = pop_kept_fractions(model)
+        results[estimation] = logged
     return results
 
 
@@ -429,13 +438,17 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
                 assert errs[model_type]["loss"] <= 1e-6 and errs[model_type]["grads"] <= 1e-5, errs[model_type]
 
 
-def test_logged_kept_fraction_under_the_planner_equals_one_process(spawned):
+def test_the_planner_logs_at_every_layer_what_one_process_logs_on_the_block_aligned_documents(spawned):
+    """One definition for every layer: the planner's computation is the block-aligned one, and it logs that
+    computation's count, which one process reproduces with BlockAlignedFlattening (--align_documents); one process
+    on the unaligned row computes something else, and counts otherwise (here from the first layer on)."""
     for errs in spawned(2):
         for estimation, r in errs["kept_fraction"].items():
-            assert min(r["ref"].values()) < 0.95, (estimation, r)  # a sparse pattern, not all dense
-            assert r["got"].keys() == r["ref"].keys()
-            gaps = {layer: abs(r["got"][layer] - r["ref"][layer]) for layer in r["ref"]}
+            assert min(r["aligned"].values()) < 0.95, (estimation, r)  # a sparse pattern, not all dense
+            assert r["planner"].keys() == r["aligned"].keys() == set(range(4))
+            gaps = {layer: abs(r["planner"][layer] - r["aligned"][layer]) for layer in r["aligned"]}
             assert max(gaps.values()) < 1e-12, (estimation, r)
+            assert any(abs(r["unaligned"][layer] - r["aligned"][layer]) > 1e-3 for layer in r["aligned"]), r
 
 
 def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):

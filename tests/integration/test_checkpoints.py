@@ -281,3 +281,52 @@ def test_a_save_that_fails_midway_leaves_a_checkpoint_marked_incomplete(tmp_path
     assert not json.loads((folder / MARKER).read_text())["complete"]
     with pytest.raises(ValueError, match="is incomplete"):
         _trainer(tmp_path / "resume").train(resume_from_checkpoint=str(folder))
+
+
+@pytest.mark.parametrize("stops", ["optimizer", "weights"])
+def test_a_save_stopped_by_the_file_size_limit_names_the_file_and_the_cause(saved, tmp_path, stops):
+    """A checkpoint file that reaches `ulimit -f` fails inside torch.save ("unexpected pos ...") or safetensors
+    (which removes its partial file): the error names the checkpoint, the file being written (or the writer's words),
+    the limit and the fix, and the checkpoint stays marked incomplete."""
+    import resource
+
+    from hf_sparse_cp.trainer.checkpoints import CheckpointSaveError
+
+    sizes = {name: (saved[0] / "checkpoint-2" / name).stat().st_size for name in ("model.safetensors", "optimizer.pt")}
+    assert sizes["model.safetensors"] < sizes["optimizer.pt"]
+    limit = sum(sizes.values()) // 2 if stops == "optimizer" else sizes["model.safetensors"] // 2
+    trainer = _trainer(tmp_path / "run", max_steps=1, save_steps=1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(CheckpointSaveError) as failed:
+            trainer.train()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    folder = tmp_path / "run" / "checkpoint-1"
+    message = str(failed.value)
+    written = "optimizer.pt" if stops == "optimizer" else "a file of it (removed by its writer, which said: "
+    assert message.startswith(f"Saving checkpoint '{folder}' failed: {written}")
+    assert f"reached this process's file-size limit of {limit:,} bytes (ulimit -f)" in message
+    assert "ulimit -f unlimited" in message and "marked incomplete" in message
+    assert not json.loads((folder / MARKER).read_text())["complete"]
+
+
+def test_a_save_stopped_by_a_full_disk_names_it(tmp_path, monkeypatch):
+    """The same for a full disk (its free space faked here, after torch.save's own error)."""
+    import shutil
+
+    from hf_sparse_cp.trainer.checkpoints import CheckpointSaveError
+
+    trainer = _trainer(tmp_path / "run", max_steps=1, save_steps=1)
+    real_save = torch.save
+
+    def fills_the_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 4096))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1520000 vs 1519888")
+
+    monkeypatch.setattr(torch, "save", fills_the_disk)
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint-1' failed: the disk holding it is full \(4,096 bytes "
+                                                  r"free\) \(the last file written: \S+\): free space"):
+        trainer.train()

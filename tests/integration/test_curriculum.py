@@ -66,6 +66,12 @@ def _build(text, world=4, max_steps=6, **kw):
     ("0:128:1,2:256:2,2:512:4", "not after stage 1"),
     ("0:128:1,6:256:2", "at or after --max_steps 6"),
     ("0:128:1,1ep:256:2", "needs a dataset with a length"),
+    # a section's unknown key, listing the known ones; one field given twice in one stage
+    ("0:128:1:budget.bogus=1", r"stage 0 \(0:128:1:budget.bogus=1\): Unknown budget key 'bogus'; the budget "
+                               r"section's keys: \['mode', "),
+    ("0:128:1:scoring.last_qq=1", r"Unknown scoring key 'last_qq'; the scoring section's keys: \['last_q', "),
+    ("0:128:1:mass_threshold=0.01:budget.mass_threshold=0.02", r"mass_threshold=0.01 and budget: "
+                                                               r"\{mass_threshold: 0.02\} give one field two values"),
 ])
 def test_invalid_schedules_name_the_fix(text, match):
     with pytest.raises(ValueError, match=match):

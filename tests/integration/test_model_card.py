@@ -35,7 +35,8 @@ PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8,
                                 sink_tokens=4, last_q=32)
 
 
-def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAttentionConfig = PATTERN):
+def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAttentionConfig = PATTERN,
+             sharding: str = "striped"):
     """A tiny Qwen2 with sparse attention (and SMET) on 512-token passkey rows: 2 per device, 2 accumulated."""
     tok = byte_tokenizer()
     torch.manual_seed(0)
@@ -47,7 +48,7 @@ def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAtt
     enable_sparse_attention(model, sparse, pattern, training, max_length=SEQ_LEN)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 8, SEQ_LEN),
                       data_collator=default_data_collator, processing_class=tok)
-    parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=cp_size))
+    parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=cp_size, cp_sharding=sharding))
     if smet:
         install_smet(trainer, SMETConfig(density=0.5, update_interval=2))
     return trainer, parallel
@@ -189,10 +190,11 @@ def test_the_saved_model_loads_and_generates_without_the_plugin(smet_run, tmp_pa
     assert done.stdout.split()[-1] == "5"
 
 
-def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True) -> dict | None:
+def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True, sharding: str = "striped"
+                    ) -> dict | None:
     """Two processes, one CP group: train two steps, write the card (rank 0 only)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    trainer, parallel = _trainer(output_dir, cp_size=2, smet=smet)
+    trainer, parallel = _trainer(output_dir, cp_size=2, smet=smet, sharding=sharding)
     trainer.train()
     path = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN)
     disable_sparse_attention(trainer.model)
@@ -203,8 +205,10 @@ def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True) -
 
 
 def _cards_under_cp2(rank: int, world: int, output_dir: str) -> dict | None:
-    """The CP run with SMET and without, one after the other in the same two processes."""
-    runs = {name: _card_under_cp2(rank, world, os.path.join(output_dir, name), smet=name == "cp_smet")
+    """The CP run with SMET (striped) and without (the document planner), one after the other in the same two
+    processes."""
+    runs = {name: _card_under_cp2(rank, world, os.path.join(output_dir, name), smet=name == "cp_smet",
+                                  sharding="striped" if name == "cp_smet" else "document")
             for name in ("cp_smet", "cp")}
     return None if runs["cp"] is None else runs
 
@@ -235,6 +239,11 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
     assert all(f"| {layer} | {v:.3f} |" in card for layer, v in means.items())
     assert (tmp_path / KEPT_FRACTION_PLOT).is_file()
     assert _measured_throughput(main["log"]) in card  # (each CP group's tokens counted once: the step metrics)
+    # which count the kept fraction is: the document planner's says it (#51), a block sharding's is one process's
+    aligned = ("Under document sharding every document is computed, and counted, in blocks of its own (the planner "
+               "starts each on a block boundary): the count one process logs on the same documents packed with "
+               "`BlockAlignedFlattening` (`--align_documents`), not on the unaligned row.")
+    assert aligned not in card and aligned in runs["cp"]["card"] and "document sharding" in runs["cp"]["card"]
     assert set(TAGS) <= set(_front_matter(card)["tags"])
 
 

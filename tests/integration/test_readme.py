@@ -184,3 +184,19 @@ def test_the_install_line_names_the_extras_the_demo_command_needs():
     assert "datasets" in needed, f"`hf-sparse-cp train` needs datasets; the install line installs {sorted(needed)}"
     for extra in re.findall(r"\.\[([\w-]+)\]", command.split(" #", 1)[1]):  # the extras the comment names
         assert extra in extras, extra
+
+
+def test_the_claim_that_cp_equals_one_process_names_its_precision_and_what_bf16_gives():
+    """"Losses equal the run without CP" holds in fp32; under bf16 autocast (TRL's default) they differ by bf16's
+    rounding: the README says which, with the measured difference, and links the page that says how it was
+    measured (docs/context-parallelism.md#precision)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "In fp32, losses and gradients equal the run without CP" in readme
+    bf16 = re.search(r"Under bf16 autocast \(`--bf16`, TRL's default\) they agree to bf16's rounding: the demo's "
+                     r"losses to (\S+) at step 1 and within (\S+) \(\S+ relative\) after it "
+                     r"\(\[precision\]\(docs/context-parallelism.md#precision\)\)", readme)
+    assert bf16, "the README's CP paragraph no longer says what bf16 gives"
+    page = " ".join((ROOT / "docs" / "context-parallelism.md").read_text().split())
+    section = page[page.index("### Precision"):]
+    assert "holds in fp32" in section and "--bf16 true" in section and "--summary_file" in section
+    assert f"at most {bf16.group(2)}" in section

@@ -73,3 +73,81 @@ def test_the_plugin_knows_when_every_parameter_gets_a_gradient():
     assert uses_every_parameter(tiny_config("llama")) and uses_every_parameter(tiny_config("qwen2"))
     assert not uses_every_parameter(tiny_config("mixtral"))  # an expert may get no token
     assert not uses_every_parameter(AutoConfig.for_model("bert"))  # not a tested causal LM
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "xglm"])
+def test_an_architecture_outside_attention_interface_is_refused_naming_it_and_left_as_it_was(model_type):
+    """transformers keeps eager attention for an architecture that does not follow its AttentionInterface: the
+    switch is checked, and refused naming the model type and the fixes, the model left as it was; the CP check
+    names the same cause (not `configure`, which cannot help it), and so does the Trainer glue, which undoes what
+    it did."""
+    from hf_sparse_cp.trainer.arguments import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        before = compat.attn_implementation(model.config)
+        cause = f"model type '{model_type}'\\) does not route its attention through transformers' AttentionInterface"
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*or train a model whose"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+        with pytest.raises(ValueError, match=cause + r".*--cp_size 1") as refused:
+            check_model_supports_context_parallel(model)
+        assert "configure(model)" not in str(refused.value)
+    finally:
+        hf_sparse_cp.unpatch()
+    with pytest.raises(ValueError, match=cause):
+        enable_sparse_attention(model, SparseCPArguments())
+    assert not hf_sparse_cp.is_patched() and not hasattr(model.config, "sparse_attention")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2", "mistral"])
+def test_architectures_that_route_attention_through_the_interface_pass_the_check(model_type):
+    from hf_sparse_cp.integration.models import check_attention_routed
+
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        hf_sparse_cp.configure(model)
+        check_attention_routed(model)
+        assert compat.attn_implementation(model.config) == "sparse_cp"
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():
+    """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found by the probe
+    forward when the model is switched, and by the CP check, naming the architecture and the cause, not at the
+    first forward with a fix the user already followed."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("doge"))
+        cause = r"DogeForCausalLM \(model type 'doge'\) builds its own 4D attention mask"
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+        with pytest.raises(ValueError, match=cause + r".*--cp_size 1"):
+            check_model_supports_context_parallel(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_names_what_it_cannot_build(tmp_path):
+    """Falcon computes head_dim from hidden_size / num_attention_heads (a property without a setter): the tiny
+    builder leaves it to it instead of crashing on the assignment; an override it would derive otherwise, an
+    unknown model type and a config transformers refuses are ValueErrors naming the model type, which the demo
+    prints as one error line."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    config = tiny_config("falcon")
+    assert config.head_dim == 32 and AutoModelForCausalLM.from_config(config).config.model_type == "falcon"
+    with pytest.raises(ValueError, match=r"falcon: head_dim=64 cannot be set, FalconConfig derives it from its other "
+                                         r"fields \(head_dim=32 here\)"):
+        tiny_config("falcon", head_dim=64)
+    assert tiny_config("falcon", head_dim=32).head_dim == 32
+    with pytest.raises(ValueError, match="tiny model type 'gpt_neo': transformers does not build its config from the "
+                                         "tiny model's fields .*another --tiny_model_type"):
+        tiny_config("gpt_neo")
+    with pytest.raises(SystemExit, match="error: tiny model type 'no_such_type' is not a transformers model type"):
+        main(["--tiny_model_type", "no_such_type", "--output_dir", str(tmp_path)])

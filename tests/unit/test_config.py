@@ -182,6 +182,52 @@ def test_file_errors(tmp_path):
         budget=Mass(mass_target=0.8), scoring={"last_q": 16}, block_size=64)
 
 
+@pytest.mark.parametrize("given, match", [
+    ({"mass_threshold": 0.01, "budget": {"mode": "mass", "mass_threshold": 0.02}},
+     r"mass_threshold=0.01 and budget: \{mass_threshold: 0.02\} give one field two values in one mapping"),
+    ({"budget_mode": "topk", "budget": {"mode": "mass"}},
+     r"budget_mode='topk' and budget: \{mode: 'mass'\} give one field two values"),
+    ({"budget_mode": "topk", "budget": {"mass_target": 0.8}},
+     r"budget_mode='topk' and a budget section holding mass_target \(read only in budget_mode='mass'\): the "
+     r"section's field would be dropped. Give the mode once, in the section \(budget: \{mode: mass"),
+    ({"last_q": 32, "scoring": {"last_q": 64}}, r"last_q=32 and scoring: \{last_q: 64\} give one field two values"),
+    ({"vertical_topk": 10, "budget": TopK(vertical_topk=64)}, r"vertical_topk=10 and budget: \{vertical_topk: 64\}"),
+], ids=["flat-beside-section", "mode-beside-mode", "mode-beside-fields-of-another", "scoring", "section-object"])
+def test_one_mapping_that_gives_a_field_twice_is_refused_naming_both(tmp_path, given, match):
+    """Inside one file (or one constructor call, or one curriculum stage) a flat key beside its nested twin with
+    another value was resolved without a word (the flat one won; a flat mode dropped the section's fields): refused,
+    naming both; across mappings the upper wins as before (a flag given beats the file)."""
+    with pytest.raises(ValueError, match=match):
+        SparseAttentionConfig(**given)
+    path = tmp_path / "twice.json"
+    path.write_text(json.dumps({k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in given.items()}))
+    with pytest.raises(ValueError, match=f"Config file '{path}': " + match):
+        SparseAttentionConfig.from_file(path)
+    # the same value twice says one thing, and a mode given flat beside its own section's fields is that mode
+    assert SparseAttentionConfig(mass_threshold=0.02, budget={"mode": "mass", "mass_threshold": 0.02}).budget == \
+        Mass(mass_threshold=0.02)
+    assert SparseAttentionConfig(budget_mode="topk", budget={"slash_topk": 100}).budget == TopK(slash_topk=100)
+    file = SparseAttentionConfig(budget={"mode": "mass", "mass_threshold": 0.02})
+    assert file.replace(mass_threshold=0.01).budget.mass_threshold == 0.01  # (another mapping on top: it wins)
+
+
+@pytest.mark.parametrize("given, match", [
+    ({"budget": {"bogus": 1}}, r"Unknown budget key 'bogus'; the budget section's keys: \['mode', 'vertical_topk'"),
+    ({"budget": {"mode": "topk", "bogus": 1}}, r"Unknown budget key 'bogus'; the budget section's keys: \['mode'"),
+    ({"scoring": {"last_qq": 64}}, r"Unknown scoring key 'last_qq'; the scoring section's keys: \['last_q', "
+                                   r"'sample_groups', 'sample_group_size'\]"),
+])
+def test_an_unknown_key_in_a_section_is_named_with_the_known_ones(tmp_path, given, match):
+    """A budget section without a mode said "bogus are budgets of 0 modes; pass  with the one to use", a scoring
+    section gave Python's TypeError: both name the key and list the section's keys, in a file too."""
+    with pytest.raises(ValueError, match=match):
+        SparseAttentionConfig(**given)
+    path = tmp_path / "unknown.yaml"
+    path.write_text(json.dumps(given))
+    with pytest.raises(ValueError, match=f"Config file '{path}': " + match):
+        SparseAttentionConfig.from_file(path)
+
+
 @pytest.mark.parametrize(
     "name, text, match",
     [

@@ -170,3 +170,58 @@ def test_the_memory_model_sizes_mass_layouts_from_the_curve():
     layer0 = predict_step_memory(arch, s, StepSettings(cp=8, pattern=SparseAttentionConfig(dense_first_layers=0)))
     assert layer0.layout_width.startswith(f"{rows} blocks") and "measured another pattern" in layer0.layout_width
     assert curve.to_dict()["layout_width"] == curve.layout_width
+
+
+def _broken(report: dict, change) -> dict:
+    broken = json.loads(json.dumps(report))
+    change(broken)
+    return broken
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda r: r.pop("lengths"), r"lengths is missing; it must hold a mapping of each measured length in tokens"),
+    (lambda r: r["lengths"]["1024"].pop("settings"), r"lengths\['1024'\]\['settings'\] is missing; it must hold a "
+                                                     "mapping of each setting's name"),
+    (lambda r: r["lengths"]["1024"]["settings"]["defaults"].update(kept_sparse_layers="0.9"),
+     r"lengths\['1024'\]\['settings'\]\['defaults'\]\['kept_sparse_layers'\] is '0.9'; it must hold a number in "
+     r"\(0, 1\]"),
+    (lambda r: r["lengths"].update(abc=r["lengths"]["1024"]),
+     r"lengths\['abc'\]: a key of 'lengths' must be a sequence length in tokens, a whole number such as \"1024\""),
+    (lambda r: r["lengths"]["2048"].update(beyond_context="no"), r"lengths\['2048'\]\['beyond_context'\] is 'no'; "
+                                                                 "it must hold true or false"),
+    (lambda r: r.update(curve_settings=["defaults"]), r"curve_settings is \['defaults'\]; it must hold a mapping"),
+    (lambda r: r["curve_settings"].update(defaults={"no_such_field": 1}), r"curve_settings\['defaults'\] is not a "
+                                                                          "pattern: .*no_such_field"),
+], ids=["no-lengths", "no-settings", "share-as-text", "length-key-abc", "beyond-as-text", "settings-a-list",
+        "unknown-field"])
+def test_a_curve_shaped_otherwise_names_the_file_the_entry_and_what_it_must_hold(tmp_path, change, named):
+    """Every command that reads a curve (`from_report`, `hf-sparse-cp simulate` and `memory --kept-curve`) refuses
+    a report shaped otherwise than pattern_quality.py --curve writes it, naming the file, the entry and what it must
+    hold, instead of a bare key, a TypeError or int()'s message."""
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    good = json.loads(curve_report(tmp_path, {1024: (0.9, 1.0, False), 2048: (0.7, 0.8, False)}).read_text())
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(_broken(good, change)))
+    with pytest.raises(ValueError, match=f"kept-share curve {path}: {named}"):
+        KeptCurve.from_report(path)
+    with pytest.raises(SystemExit, match=f"--kept-curve {path}: kept-share curve {path}: {named}"):
+        simulate_cli.main(["--kept-curve", str(path), "--seq", "131072", "--cp", "8", "--no-mtraining"])
+    with pytest.raises(SystemExit):
+        memory_cli.main(["--model", "qwen2.5-0.5b", "--kept-curve", str(path)])
+
+
+def test_a_curve_named_beside_a_setting_that_would_not_read_it_is_refused(capsys):
+    """`simulate --density` (one share at every length) or `--mix` (per-document patterns), and `memory
+    --layout-width bound` (every block), never read the curve the user named: refused, naming both and the fix."""
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    for argv, other in ((["--density", "0.1"], "--density gives the kept share at every length"),
+                        (["--mix", "long-tail"], "--mix long-tail packs rows")):
+        with pytest.raises(SystemExit):
+            simulate_cli.parse_args([*argv, "--kept-curve", "missing.json"])
+        err = capsys.readouterr().err
+        assert f"--kept-curve missing.json would not be read: {other}" in err and f"drop {argv[0]}" in err
+    with pytest.raises(SystemExit):
+        memory_cli.main(["--model", "qwen2.5-0.5b", "--layout-width", "bound", "--kept-curve", "missing.json"])
+    assert "--kept-curve missing.json would not be read: --layout-width bound" in capsys.readouterr().err

@@ -107,14 +107,29 @@ def test_the_command_splits_at_the_script_path():
     assert split_command(["--cp_size", "2", "-m", "pkg.mod", "--lr", "1"]) == (["--cp_size", "2"], "pkg.mod", True,
                                                                                 ["--lr", "1"])
     assert split_command(["--cp_size", "2"]) == (["--cp_size", "2"], None, False, [])
+    # a flag's value is that flag's, whatever it ends in; the script is the first argument no flag takes
+    assert split_command(["--sparse_config", "pattern.py", "script.py", "--lr", "1"]) == (
+        ["--sparse_config", "pattern.py"], "script.py", False, ["--lr", "1"])
+    assert split_command(["--smet", "true", "train", "--x"]) == (["--smet", "true"], "train", False, ["--x"])
+    assert split_command(["--smet_target_modules", "q", "k", "train.py"]) == (
+        ["--smet_target_modules", "q", "k"], "train.py", False, [])
+    assert split_command(["--cp_size", "2", "-m"]) == (["--cp_size", "2"], None, True, [])
+    assert split_command(["--nproc", "2", "train.py"], ("--nproc",)) == (["--nproc", "2"], "train.py", False, [])
     assert plugin_flags_in(["--cp-size=2", "--no_sparse_fused_loss", "--lr", "--cp_sizes", "x"]) == [
         "--cp-size", "--no_sparse_fused_loss"]
 
 
 def test_only_plugin_flags_go_before_the_script_path(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="'--learning_rate' is not a plugin flag .*, and no script comes before it: "
+                                         "give the script's path or -m module after the plugin flags"):
         run(["--learning_rate", "1e-3", "train.py"])
-    assert "--learning_rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="-m needs the module to run after it"):
+        run(["--cp_size", "1", "-m"])
+    with pytest.raises(SystemExit, match="can't open file .*missing_script'"):  # a path without .py is a path
+        run(["missing_script", "--output_dir", "out"])
+    with pytest.raises(SystemExit):  # the flag's value, not the script: the file it names is read (and not there)
+        run(["--sparse_config", "pattern.py", __file__])
+    assert "error: Config file 'pattern.py' does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="name the script to run"):
         run(["--cp_size", "1"])
     with pytest.raises(SystemExit, match="can't open file"):
@@ -141,6 +156,14 @@ RECORDER = textwrap.dedent("""
     with open("record.json", "w") as f:  # (relative to the working directory, as for `python script.py`)
         json.dump(record, f)
 """)
+
+
+def test_a_script_without_py_runs_as_python_would_run_it(tmp_path, monkeypatch):
+    (tmp_path / "record_run").write_text(RECORDER)
+    monkeypatch.chdir(tmp_path)
+    run(["--sparse_block_size", "64", "record_run", "--output_dir", "out"])
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["file"] == str(tmp_path / "record_run") and record["block"] == 64
 
 
 def test_the_script_runs_as_main_with_its_argv_file_and_folder(tmp_path, monkeypatch):
@@ -215,11 +238,17 @@ def test_launcher_flags_have_the_defaults_and_help_of_the_switch(tmp_path):
             assert getattr(plugin, f.name) == getattr(switch, f.name) and f.metadata["help"] == helps[f.name], f.name
 
 
-def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch):
+def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, tmp_path, capsys):
     from hf_sparse_cp import cli
     from hf_sparse_cp.launch import processes
     from hf_sparse_cp.recipes import recipe_path
 
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="hf-sparse-cp launch: can't open file .*train.py'"):  # before N processes
+        cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py"])
+    with pytest.raises(SystemExit, match="hf-sparse-cp launch: error: -m needs the module to run after it"):
+        cli.main(["launch", "--nproc", "2", "-m"])
+    (tmp_path / "train.py").write_text("")
     started = []
     monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -248,3 +248,23 @@ def test_predicted_estimation_charges_sampled_queries_and_mass_mode():
     assert predict_step(setup, model, hw, cluster, last_q=64, estimation=topk)["step_s"] == base["step_s"]
     with pytest.raises(ValueError, match="mass_near_blocks=4 scores in PyTorch on CUDA"):  # no kernel, no GPU timing
         predict_step(setup, model, hw, cluster, estimation=mass.replace(mass_near_blocks=4))
+
+
+def test_a_length_whose_layouts_exceed_the_machines_memory_is_refused_naming_the_limit(capsys, monkeypatch):
+    """`simulate --seq 1099511627776` would try to allocate terabytes for its layouts (every pair of blocks):
+    refused before anything is built, naming the memory it needs, the machine's and the longest length that fits;
+    lengths that fit (the defaults, up to 1M) parse."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    monkeypatch.setattr(simulate_cli, "_machine_memory", lambda: 64 * 10**9)
+    assert simulate_cli.parse_args(["--seq", "1048576", "--layout-heads", "4"]).seq == [1048576]
+    with pytest.raises(SystemExit):
+        simulate_cli.parse_args(["--seq", "131072", "1099511627776"])
+    err = capsys.readouterr().err
+    assert "--seq 1099511627776: simulating it holds its layouts of (1099511627776 / 128)^2 block pairs" in err
+    longest = int(err.split("is about ")[1].split(" tokens")[0].replace(",", ""))
+    assert "this machine has 64 GB" in err and "give --seq at most that" in err
+    assert simulate_cli.peak_bytes(longest, 4) <= 64e9 < simulate_cli.peak_bytes(longest + 128, 4)
+    with pytest.raises(SystemExit):  # more layout heads hold more: the limit falls with them
+        simulate_cli.parse_args(["--seq", "2097152", "--layout-heads", "64"])
+    assert "(--layout-heads 64)" in capsys.readouterr().err

@@ -40,7 +40,7 @@ class CPAttention(NamedTuple):
     out: torch.Tensor  # [B, Hq, S_local, D], this rank's tokens
     lse: torch.Tensor | None  # [B, Hq, S_local] where the mode computes it over this rank's tokens (the ring)
     layout: SparseLayout | None  # the global layout, where one layout covers the sequence (the ring)
-    kept_fraction: torch.Tensor  # 0-d float64: what one process reports for the same call
+    kept_fraction: torch.Tensor  # 0-d float64: what the logs report for the call (`kept_fraction.py`)
 
 
 class CPMode(ABC):

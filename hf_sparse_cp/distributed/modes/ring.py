@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kept_fraction import one_process_kept_fraction
+from ..kept_fraction import reported_kept_fraction
 from ..ring.attention import ring_sparse_attention
 from ..ring.estimation import estimate_cp
 from ..split.blocks import ShardPlan
@@ -28,7 +28,7 @@ class RingMode(CPMode):
         """The layer's global layout estimated from every rank's shard (`estimate_cp`), then the ring."""
         with torch.no_grad():
             estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
-            kept = one_process_kept_fraction(estimate, shard, cfg, sliding_window)
+            kept = reported_kept_fraction(estimate, shard, cfg, sliding_window)
         out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
                                          sliding_window=sliding_window, stats=stats, check_layout=False,
                                          implementation=cfg.attention_engine)

@@ -98,7 +98,7 @@ def estimate_cp(
     sliding_window: int | None = None,
 ) -> Estimate:
     """`estimate_layout_cp`, with the kept entries the layout was built from (in the split's global order,
-    for the kept fraction one process reports, `kept_fraction.one_process_kept_fraction`)."""
+    for the kept fraction reported, `kept_fraction.reported_kept_fraction`)."""
     if cfg.block_size != shard.plan.block_size:
         raise ValueError(
             f"this layer's block_size ({cfg.block_size}) differs from the block size the sequence was sharded with "
