@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from transformers import HfArgumentParser
 
+from hf_sparse_cp.trainer.arguments import did_you_mean
 from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
 
 
@@ -68,14 +69,16 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
         why = "-m needs the module to run after it (e.g. -m trl.scripts.sft)"
     elif target is None:
         try:
-            extra = _SplitParser(options).parse_known_args(list(flags))[1]
+            parser = _SplitParser(options)
+            extra = parser.parse_known_args(list(flags))[1]
             why = (f"{extra[0]!r} is not a plugin flag (--sparse_*, --cp_*, --smet*), and no script comes before it: "
                    "give the script's path or -m module after the plugin flags, and the script's own flags after "
-                   "it") if extra else "name the script to run (a .py file, or -m module)"
+                   f"it{did_you_mean(parser, extra[:1])}" if extra else "name the script to run (a .py file, or -m "
+                   "module)")
         except _Refused as e:
             why = f"{e}"
     elif not is_module and not os.path.isfile(target):
         sys.exit(f"{prog}: can't open file {os.path.abspath(target)!r}: no such file.")
     else:
         return
-    sys.exit(f"usage: {usage}\n{prog}: error: {why}.")
+    sys.exit(f"usage: {usage}\n{prog}: error: {why}{'' if why.endswith('?') else '.'}")

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from hf_sparse_cp import backends
-from hf_sparse_cp.attention import engines, estimate
+from hf_sparse_cp.attention import engines, scoring
 from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.tokens import TokenMeta
 
 
@@ -17,7 +18,7 @@ def no_triton(monkeypatch):
     def available(module, attribute=None):
         return False if module.split(".")[0] == "triton" else real(module, attribute)
 
-    for where in (backends, engines, estimate):
+    for where in (backends, engines, scoring):
         monkeypatch.setattr(where, "is_available", available)
 
 
@@ -34,13 +35,12 @@ def test_auto_runs_cuda_calls_on_flex_without_triton(no_triton, monkeypatch):
     monkeypatch.setattr(engines, "is_flex_available", lambda: True)
     q = torch.zeros(1, 2, 64, 16).as_subclass(_CudaLike)
     assert engines.resolve_engine(q, dense_layout(TokenMeta.contiguous(1, 64), 32)) == "flex"
-    assert estimate._scoring_kernel(q, q) is None  # the PyTorch scoring
+    assert scoring._scoring_kernel(q, q) is None  # the PyTorch scoring
 
 
 def test_the_kernels_asked_for_without_triton_name_the_install(no_triton):
     q = torch.randn(1, 2, 64, 16)
     layout = dense_layout(TokenMeta.contiguous(1, 64), 32)
-    call = engines.AttentionCall(q, q, q, layout, 0.25, TokenMeta.contiguous(1, 64), TokenMeta.contiguous(1, 64),
-                                 None)
+    call = AttentionCall(q, q, q, layout, 0.25, TokenMeta.contiguous(1, 64), TokenMeta.contiguous(1, 64), None)
     with pytest.raises(ImportError, match=r"engine 'triton'.*needs Triton.*hf-sparse-cp\[cuda\].*auto"):
         engines.ENGINES["triton"].forward(call)
