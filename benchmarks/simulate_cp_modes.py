@@ -30,10 +30,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.simulator.head_parallel import head_parallel_setup, predict_head_parallel_step
+from hf_sparse_cp.simulator.arguments import cp_layout
+from hf_sparse_cp.simulator.head_parallel import predict_head_parallel_step
 from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS
-from hf_sparse_cp.simulator.simulate_cli import sequence_workload
+from hf_sparse_cp.simulator.simulate_cli import head_group_setup, sequence_workload
 from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -77,7 +78,9 @@ def _modes(gpus: int, heads: list[int], per_node: int) -> list[tuple[str, int]]:
 
 def predict(model_name: str, seq: int, gpus: int, kind: str, mode: str, head_size: int, workload, hardware: dict
             ) -> list[dict]:
-    """The rows (one per kernel costing) of one layout; a refused one as a row with its reason."""
+    """The rows (one per kernel costing) of one layout, through `hf-sparse-cp simulate`'s code: the ring's
+    configuration, or the layout a CP mode with head groups resolves to (`cp_layout`) over its sharding
+    (`head_group_setup`); a refused one as a row with its reason."""
     model, cluster = MODELS[model_name], CLUSTERS[CLUSTER]
     base = {"model": model_name, "seq": seq, "gpus": gpus, "kind": kind, "mode": mode, "head_size": head_size}
     ring = RINGS.get((mode, kind))
@@ -93,9 +96,12 @@ def predict(model_name: str, seq: int, gpus: int, kind: str, mode: str, head_siz
                 row.update(predict_step(CONFIGURATIONS[ring](workload, gpus, BLOCK, cluster.gpus_per_node),
                                         model, hw, cluster))
             else:
-                setup = head_parallel_setup(workload, gpus, head_size, BLOCK, kind,
-                                            "zigzag" if kind == "dense" else "striped")
-                row.update(predict_head_parallel_step(setup, model, hw, cluster, head_size=head_size))
+                flags = argparse.Namespace(cp_mode="ulysses" if head_size == gpus else "hybrid",
+                                           cp_ulysses_size=None if head_size == gpus else head_size)
+                cp_mode, h = cp_layout(flags, gpus)
+                sharding = "contiguous" if h == gpus else "zigzag" if kind == "dense" else "striped"
+                setup = head_group_setup(workload, gpus, cp_mode, h, kind, sharding)
+                row.update(predict_head_parallel_step(setup, model, hw, cluster, head_size=h))
         except ValueError as error:
             row.update(refused=str(error).split(":")[0])
         for key in ("ring_step_compute_ms", "ring_step_transfer_ms"):

@@ -1,5 +1,6 @@
 """The command-line arguments that `hf-sparse-cp simulate` and `hf-sparse-cp memory` share, read in one place: the
-model (a preset, or any causal LM's `config.json`) and, for `simulate`, the cluster (a preset, or its GPU's FLOP/s,
+model (a preset, or any causal LM's `config.json`), the CP mode (`--cp_mode`, `--cp_ulysses_size`, as training takes
+them, answered by the registered mode objects) and, for `simulate`, the cluster (a preset, or its GPU's FLOP/s,
 GPUs per node and link bandwidths). A flag both commands take is added here once.
 """
 
@@ -12,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..distributed.cp_config import ContextParallelConfig
+from ..distributed.modes import CPMode, cp_modes
 from .shapes import ModelShape
 from .simulate import Cluster, Link
 from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
@@ -137,3 +140,21 @@ def cluster_of(args: argparse.Namespace) -> tuple[Cluster, Callable[..., Hardwar
                            "the dense BF16 peaks' ratio); not measured on that GPU")
 
     return cluster, hardware
+
+
+def add_cp_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--cp_mode` and `--cp_ulysses_size`, the training flags of the same names."""
+    parser.add_argument("--cp_mode", default="ring", choices=[mode.name for mode in cp_modes()],
+                        help="How each CP group shares attention, as in training: "
+                        + "; ".join(f"'{mode.name}' ({mode.help})" for mode in cp_modes()) + ".")
+    parser.add_argument("--cp_ulysses_size", type=positive(int), default=None,
+                        help="For --cp_mode hybrid: ranks per head group (within a node); the ring spans the CP size "
+                        "over it.")
+
+
+def cp_layout(args: argparse.Namespace, cp_size: int) -> tuple[CPMode, int]:
+    """The mode a CP group of `cp_size` GPUs runs under the `--cp_mode` flags and its head-group size (1: no head
+    groups), as training would resolve them (`CPMode.resolve`); ValueError naming the fix where training would
+    refuse them (a hybrid without --cp_ulysses_size, a head-group size that does not divide the CP size)."""
+    config = ContextParallelConfig(cp_size=cp_size, cp_mode=args.cp_mode, cp_ulysses_size=args.cp_ulysses_size)
+    return config.mode.resolve(config, cp_size)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ..config import SparseAttentionConfig
 from ..distributed.comm import RingTopology
 from ..distributed.heads.split import HeadSplit
 from ..distributed.split.blocks import ShardPlan
 from .shapes import ModelShape
-from .simulate import Cluster, RingSetup, Workload
+from .simulate import Cluster, RingSetup, Workload, simulate_ring
 from .step_model import Hardware, estimation_time, ring_attention_time, ring_counts
 
 ACTIVATION_BYTES = 2  # bf16 q, k, v, out and their gradients
@@ -79,7 +81,8 @@ def exchange_bytes(split: HeadSplit, tokens: int, head_dim: int) -> dict[str, in
 
 def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *,
                                head_size: int, recompute: bool = True,
-                               estimation: SparseAttentionConfig | None = None) -> dict:
+                               estimation: SparseAttentionConfig | None = None, dense_layers: int = 0,
+                               dense: RingSetup | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence under head parallelism.
 
     Args:
@@ -89,6 +92,8 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
             the model's heads cannot serve it (`HeadSplit`).
         recompute: gradient checkpointing (each layer's forward, all-to-alls included, runs twice).
         estimation: the pattern settings whose estimation is charged (default `SparseAttentionConfig()`).
+        dense_layers, dense: as in `predict_step`: the first layers a sparse setup keeps dense run the same
+            all-to-alls and the ring (if any) over `dense`, the same split's causal layout, without estimation.
 
     Returns:
         A dict like `predict_step`'s (step_s, tokens_per_s, per-layer seconds, comm_share, kept) plus the
@@ -100,9 +105,7 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
                          f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
     split = HeadSplit(model.heads, model.kv_heads, head_size)
-    # the busiest rank's heads; a rank whose query heads straddle a group expands K/V to one head per query head
-    kv_local = max(split.q_range(r)[1] - split.q_range(r)[0] if split.kv_index(r) is not None
-                   else split.kv_range(r)[1] - split.kv_range(r)[0] for r in range(head_size))
+    kv_local = split.busiest_kv  # the busiest rank's heads
     local = replace(model, heads=split.busiest, kv_heads=kv_local)
     ring_cluster = replace(cluster, gpus_per_node=max(1, cluster.gpus_per_node // head_size))
     work, traffic = ring_counts(setup, local)
@@ -114,17 +117,33 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
     passes = 2 if recompute else 1
     sent = exchange_bytes(split, tokens, model.head_dim)
 
-    def step(c: Cluster, ring_c: Cluster) -> tuple[float, dict, float, float, float]:
+    if not 0 <= dense_layers <= model.layers:
+        raise ValueError(f"dense_layers={dense_layers} must be within the model's 0-{model.layers} layers.")
+    dense_layers = dense_layers if setup.sparse else 0
+    if dense_layers and dense is None:
+        raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
+    dense_counts = ring_counts(dense, local) if dense_layers else None
+
+    def step(c: Cluster, ring_c: Cluster) -> tuple[float, dict, float, float, float, float]:
         att = ring_attention_time(setup, local, hw, ring_c, work, traffic)
         est = estimation_time(setup, local, hw, ring_c, cfg)
         fwd = all_to_all_time(sent["to_heads"], head_size, c) + all_to_all_time(sent["to_sequence"], head_size, c)
         bwd = (all_to_all_time(sent["to_sequence_backward"], head_size, c)
                + all_to_all_time(sent["to_heads_backward"], head_size, c))
-        layer = linear + passes * (est + att["fwd"].time + fwd) + att["bwd"].time + bwd
-        return model.layers * layer + lm_head, att, est, fwd, bwd
+        sparse_attention = passes * (est + att["fwd"].time + fwd) + att["bwd"].time + bwd
+        dense_attention = 0.0
+        if dense_layers:
+            d = ring_attention_time(dense, local, hw, ring_c, *dense_counts)
+            dense_attention = passes * (d["fwd"].time + fwd) + d["bwd"].time + bwd
+        sparse_layers = model.layers - dense_layers
+        total = model.layers * linear + sparse_layers * sparse_attention + dense_layers * dense_attention + lm_head
+        share = dense_layers * dense_attention / (dense_layers * dense_attention + sparse_layers * sparse_attention)
+        return total, att, est, fwd, bwd, share
 
-    total, att, est, a2a_fwd, a2a_bwd = step(cluster, ring_cluster)
+    total, att, est, a2a_fwd, a2a_bwd, dense_share = step(cluster, ring_cluster)
     ideal = step(cluster.without_network(), ring_cluster.without_network())[0]
+    transfer_only = simulate_ring(torch.zeros_like(att["fwd_s"]), traffic, setup.topology, ring_cluster,
+                                  backward=False).time
     return {
         "step_s": total, "tokens_per_s": setup.plan.seq_len / total,
         "layer_s": (total - lm_head) / model.layers, "linear_s": linear, "estimation_s": est,
@@ -133,6 +152,8 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         "all_to_all_bytes_per_rank": float(sent["to_heads"] + sent["to_sequence"]),
         "ring_forward_bytes_per_rank": float(traffic.total(False).double().mean()),
         "comm_share": 1.0 - ideal / total, "heads_per_rank": split.busiest, "kv_heads_per_rank": kv_local,
+        "comm_bound": transfer_only > float(att["fwd"].compute.max()),
+        "dense_layers": dense_layers, "dense_layers_attention_share": dense_share,
         "kv_replication_bytes": split.replicated_kv_bytes(setup.plan.seq_len, model.head_dim, ACTIVATION_BYTES),
         "kept": float(setup.layout.kept_fraction()),
     }

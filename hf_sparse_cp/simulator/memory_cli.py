@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
-from .arguments import HelpFormatter, add_model_arguments, model_name, read_config
+from .arguments import HelpFormatter, add_cp_mode_arguments, add_model_arguments, cp_layout, model_name, read_config
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .memory_model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
 
@@ -63,6 +63,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    help="Share of the GPU's memory a step may fill; the rest covers the CUDA context and the "
                    "allocator's fragmentation (default 0.9: 72 GB of 80).")
     p.add_argument("--cp", type=int, default=1, help="Context-parallel ranks sharing one sequence.")
+    add_cp_mode_arguments(p)
     p.add_argument("--fsdp", type=int, default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
                    "on 8 GPUs.")
@@ -107,9 +108,10 @@ def settings_for_length(args) -> callable:
         SparseAttentionConfig()
     curve = None if args.layout_width == "bound" else \
         KeptCurve.from_report(args.kept_curve) if args.kept_curve else DEFAULT_CURVE
+    _, head_size = cp_layout(args, args.cp)
     base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
-                        smet_density=args.smet_density, cp=args.cp, fsdp=args.fsdp, pattern=pattern,
-                        loss_backend=args.loss_backend, kept_curve=curve)
+                        smet_density=args.smet_density, cp=args.cp, head_size=head_size, fsdp=args.fsdp,
+                        pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve)
 
     def settings(seq_len: int) -> StepSettings:
         tiled = bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
@@ -190,7 +192,10 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     if args.quiet:
         print(longest)
         return report
-    where = f"CP {args.cp}" + (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
+    mode, head_size = cp_layout(args, args.cp)
+    heads = f", heads over {head_size} ranks" if head_size > 1 else ""
+    where = f"CP {args.cp}" + (f" ({mode.name}{heads})" if args.cp > 1 else "") + \
+        (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
                  f"{args.dtype})" if args.master_weights else f"all {args.dtype} (a model loaded in {args.dtype})")
     print(f"{report['model']} ({arch.params / 1e9:.2f}B parameters), {precision}, {args.optimizer}, {where}, one GPU "
@@ -200,7 +205,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         margin = report["longest_fitting_tokens_at_band_top"]
         print(f"Longest sequence that fits: {longest:,} tokens ({longest // args.cp:,} per rank). Measured peaks were "
               f"{1 - low:.0%} below to {high - 1:.0%} above these predictions (docs/memory.md): with that margin, "
-              f"{margin:,} tokens.")
+              f"{margin:,} tokens." + (" (That band was measured with the ring: the head groups' all-to-all terms "
+                                       "are counted on the code, not yet measured.)" if head_size > 1 else ""))
     else:
         print(f"Not even {1024 * args.cp:,} tokens fit: the constant terms alone exceed {_gb(budget)}; shard them "
               "(--fsdp) or use a larger GPU.")

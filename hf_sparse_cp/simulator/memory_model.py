@@ -30,6 +30,7 @@ from typing import Literal
 
 from ..attention import build, reference, scoring
 from ..config import SparseAttentionConfig
+from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .shapes import MODELS, ModelShape
@@ -44,7 +45,7 @@ TERMS = (
     "autocast weight copies", "loss: weight-gradient buffers", "loss: logits chunk", "attention workspace",
     "inputs and token metadata", "rotary cos/sin", "saved layer inputs", "recomputed layer: saved activations",
     "MLP intermediate", "RMSNorm fp32 copies", "attention tensors", "attention layouts", "estimation buffers",
-    "CP ring buffers", "hidden-state gradients", "loss: hidden gradient",
+    "CP ring buffers", "CP all-to-all buffers", "hidden-state gradients", "loss: hidden gradient",
 )
 
 
@@ -109,6 +110,10 @@ class StepSettings:
     smet_density: float = field(default=0.25, metadata={"help": "SMET's active fraction of the layer matrices."})
     smet_block_size: int = field(default=16, metadata={"help": "SMET's block of input columns."})
     cp: int = field(default=1, metadata={"help": "Context-parallel ranks sharing one sequence."})
+    head_size: int = field(
+        default=1,
+        metadata={"help": "Ranks of a head group (the CP mode's: 1 for the ring, cp for ulysses, cp_ulysses_size for "
+                  "hybrid): attention runs on the head split, over the ring's shard for this rank's heads."})
     fsdp: int = field(
         default=1, metadata={"help": "Ranks the weights, gradients and optimizer state are sharded over (FSDP2 "
                              "shards over data x context parallel ranks)."})
@@ -134,6 +139,8 @@ class StepSettings:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPE_BYTES)}.")
         if self.cp < 1 or self.fsdp < 1:
             raise ValueError(f"cp={self.cp} and fsdp={self.fsdp} must be >= 1.")
+        if self.head_size < 1 or self.cp % self.head_size:
+            raise ValueError(f"head_size={self.head_size} must divide cp={self.cp} (whole head groups).")
         if not 0.0 < self.smet_density <= 1.0:
             raise ValueError(f"smet_density={self.smet_density} must be in (0, 1].")
         for name, allowed in (("optimizer", ("adamw", "smet", "none")), ("device", ("cuda", "cpu")),
@@ -243,11 +250,13 @@ class _AttentionGeometry:
     width: str  # where the layout's width comes from
 
 
-def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int) -> _AttentionGeometry:
+def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int, heads: int,
+                        ring: bool) -> _AttentionGeometry:
     """Layout widths from the pattern's budgets: a kept diagonal offset crosses at most two block
-    diagonals, plus the local window's and the sink's; columns: the vertical budget and the sinks."""
+    diagonals, plus the local window's and the sink's; columns: the vertical budget and the sinks. `tokens` and
+    `heads`: the queries and heads of one attention call on this rank; `ring`: the call runs a ring."""
     cfg, sh = s.pattern, arch.shape
-    bs, hq = cfg.block_size, sh.heads
+    bs, hq = cfg.block_size, heads
     nqb_global, nqb = math.ceil(seq_len / bs), math.ceil(tokens / bs)
     sparse = cfg.pattern != "dense" and seq_len >= cfg.min_seq_len
     if sparse:
@@ -281,10 +290,10 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         # masks, int64 offsets) of at most scoring.SCORE_ELEMENTS elements
         group = sh.heads // sh.kv_heads
         tile = min(scoring.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
-        per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
+        per_token = heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
         # distributed/ring/estimation.py: every rank holds the slash sums over all offsets, and reduces them
-        if s.cp > 1:
-            per_token += seq_len / tokens * sh.heads * 4 * 2
+        if ring:
+            per_token += seq_len / tokens * heads * 4 * 2
         estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
     forward = backward = 0.0
     if s.device == "cpu":
@@ -294,8 +303,8 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         # values (8 x head_dim / block_size, 8.8 in backward); the previous chunk's leave ~5.2 (7.8) bytes
         # per element alive until the loop rebinds them. Counted on the code, checked with a tensor-byte tracker.
         n_keys = width * bs + cols
-        chunk = max(1, min(nqb, reference.CHUNK_ELEMENTS // (sh.heads * bs * n_keys)))
-        per_block_elements = sh.heads * bs * n_keys
+        chunk = max(1, min(nqb, reference.CHUNK_ELEMENTS // (heads * bs * n_keys)))
+        per_block_elements = heads * bs * n_keys
         full, last = chunk * per_block_elements, (nqb - (math.ceil(nqb / chunk) - 1) * chunk) * per_block_elements
         for new, old, kv_part in ((13.2, 5.2, 8.0), (17.6, 7.8, 8.8)):
             fresh = new + kv_part * sh.head_dim / bs
@@ -326,7 +335,19 @@ class _Step:
         self.norm32 = 4 * self.h if self.a < 4 else 0
         self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
         self.sparse = s.pattern.pattern != "dense" and seq_len >= s.pattern.min_seq_len
-        self.geometry = _attention_geometry(arch, s, seq_len, self.t)
+        # The attention call: with head groups (the CP mode's head_size) on the head split, over head_size pieces
+        # of the sequence for the busiest rank's share of the heads (K/V expanded or replicated as `HeadSplit`
+        # gives them); without, on this rank's shard for every head. Its per-token sizes below are per token of
+        # this rank's shard (`t`), the unit of the tape.
+        self.ring = s.cp // s.head_size > 1
+        split = HeadSplit(sh.heads, sh.kv_heads, s.head_size)
+        heads, kv_heads = split.busiest, split.busiest_kv
+        self.q_att, self.kv_att = heads * sh.head_dim * s.head_size, kv_heads * sh.head_dim * s.head_size
+        self.hq_att = heads * s.head_size
+        g = _attention_geometry(arch, s, seq_len, self.t * s.head_size, heads, self.ring)
+        self.geometry = replace(g, layout_per_token=g.layout_per_token * s.head_size,
+                                construction=(g.construction[0] * s.head_size, g.construction[1]),
+                                estimation=(g.estimation[0] * s.head_size, g.estimation[1]))
 
     def tiles(self, per_token: float) -> tuple[float, float]:
         """(per-token, constant) bytes of a transient of the tiled modules: one tile's with tiles on."""
@@ -356,21 +377,29 @@ class _Step:
     def attention(self, grad: bool) -> list[int]:
         """Projections, RoPE, estimation and layout, the attention call; returns what the layer's
         backward reads (with grad) or nothing (the caller frees the output)."""
-        tape, a, q, kv, hq = self.tape, self.a, self.q, self.kv, self.arch.shape.heads
-        qh, kh, vh = (tape.alloc("attention tensors", per_token=a * x) for x in (q, kv, kv))
+        tape, a = self.tape, self.a
+        qh, kh, vh = (tape.alloc("attention tensors", per_token=a * x) for x in (self.q, self.kv, self.kv))
         rotated = []
-        for x, xh in ((q, qh), (kv, kh)):  # x * cos, rotate_half(x), * sin, the sum
+        for x, xh in ((self.q, qh), (self.kv, kh)):  # x * cos, rotate_half(x), * sin, the sum
             c = tape.alloc("attention tensors", per_token=a * x)
             r = tape.alloc("attention tensors", per_token=a * x)
             rs = tape.alloc("attention tensors", per_token=a * x)
             tape.free(r)
             rotated.append(tape.alloc("attention tensors", per_token=a * x))
             tape.free(c, rs, xh)
+        qkv = [vh, *rotated]
+        if self.s.head_size > 1:
+            # the all-to-all to the head split (distributed/heads/all_to_all.py): q, k, v packed into one buffer,
+            # received as every piece of this rank's heads (which attention saves in the local ones' place)
+            tape.transient("CP all-to-all buffers", per_token=a * (self.q + 2 * self.kv))
+            qkv = [tape.alloc("attention tensors", per_token=a * x) for x in (self.kv_att, self.q_att, self.kv_att)]
+            tape.free(vh, *rotated)
+        q, kv, hq = self.q_att, self.kv_att, self.hq_att
         if self.sparse:
             tape.transient("estimation buffers", *self.geometry.estimation)
             tape.transient("attention layouts", *self.geometry.construction)
         layout = tape.alloc("attention layouts", per_token=self.geometry.layout_per_token)
-        if self.s.cp > 1:
+        if self.ring:
             # the ring (distributed/ring/attention.py): fp32 out and lse merged over the steps, this rank's K/V
             # stacked, the next step's K/V received while this one computes; then out in the input dtype and
             # its [B, S, H, D] copy for o_proj
@@ -391,7 +420,10 @@ class _Step:
             kept = [out, lse, tape.alloc("attention tensors", per_token=a * q)]  # + the [B, S, H, D] copy
         else:  # the kernels write out in [B, S, H, D] memory: o_proj reads it as is
             kept = [tape.alloc("attention tensors", per_token=a * q), tape.alloc("attention tensors", per_token=4 * hq)]
-        saved = [vh, *rotated, layout, *kept]
+        if self.s.head_size > 1:  # the output's all-to-all back to the sequence split: o_proj's own copy
+            tape.transient("CP all-to-all buffers", per_token=a * q)
+            kept.append(tape.alloc("attention tensors", per_token=a * self.q))
+        saved = [*qkv, layout, *kept]
         if grad:
             return saved
         tape.free(*saved)
@@ -460,8 +492,7 @@ class _Step:
     def layer_backward(self, saved: dict[str, list[int]], grad_out: int) -> int:
         """Backward through a recomputed layer, freeing each module's saved tensors after its backward;
         returns the gradient of the layer's input."""
-        tape, a, h, i, q, kv = self.tape, self.a, self.h, self.i, self.q, self.kv
-        hq = self.arch.shape.heads
+        tape, a, h, i, q, kv, hq = self.tape, self.a, self.h, self.i, self.q_att, self.kv_att, self.hq_att
         if self.s.savers.tiled:  # fp32 weight-gradient sums; per tile: the recomputed intermediates and theirs
             sums = tape.alloc("MLP intermediate", const=3 * h * i * 4)
             g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)
@@ -483,10 +514,15 @@ class _Step:
         tape.free(*saved["norm2"])
         g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
         tape.free(g_n2, grad_out)
-        g_att = tape.alloc("hidden-state gradients", per_token=a * q)  # o_proj backward
+        g_att = tape.alloc("hidden-state gradients", per_token=a * self.q)  # o_proj backward
         if self.s.device == "cpu" or self.s.cp > 1:  # o_proj's input was its own copy of the output
             tape.free(saved["attention"].pop())
-        if self.s.cp > 1:
+        if self.s.head_size > 1:  # the output's gradient to the head split
+            tape.transient("CP all-to-all buffers", per_token=a * self.q)
+            head_g = tape.alloc("hidden-state gradients", per_token=a * q)
+            tape.free(g_att)
+            g_att = head_g
+        if self.ring:
             # the ring's backward: fp32 dq, this rank's fp32 dK/dV, a travelling source's accumulator and the one
             # received, K/V stacked and in flight, one step's fp32 dq/dk/dv; then the gradients cast back
             held = [tape.alloc("CP ring buffers", per_token=x) for x in (4 * q, 8 * kv, 2 * 8 * kv, 3 * 2 * kv * a)]
@@ -506,7 +542,12 @@ class _Step:
             grads = [tape.alloc("hidden-state gradients", per_token=a * x) for x in (q, kv, kv)]
             tape.transient("attention tensors", per_token=4 * 2 * kv + 4 * 2 * hq)
         tape.free(g_att, *saved["attention"])
-        tape.transient("hidden-state gradients", per_token=2 * a * q)  # RoPE backward: grad * cos, grad * sin
+        if self.s.head_size > 1:  # dq, dk, dv back to the sequence split, into this rank's pieces of every head
+            tape.transient("CP all-to-all buffers", per_token=a * (q + 2 * kv))
+            local = [tape.alloc("hidden-state gradients", per_token=a * x) for x in (self.q, self.kv, self.kv)]
+            tape.free(*grads)
+            grads = local
+        tape.transient("hidden-state gradients", per_token=2 * a * self.q)  # RoPE backward: grad * cos, grad * sin
         g_n1 = tape.alloc("hidden-state gradients", per_token=a * h)  # q/k/v projections backward
         tape.free(*grads)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))

@@ -49,20 +49,24 @@ from ..attention.build import dense_layout
 from ..attention.tokens import TokenMeta
 from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
+from ..distributed.modes import CPMode
 from ..distributed.split.documents import kept_blocks_per_row, row_runs
 from ..env import environment
 from .arguments import (
     HelpFormatter,
     add_cluster_arguments,
+    add_cp_mode_arguments,
     add_model_arguments,
     cluster_of,
+    cp_layout,
     custom_parts,
     model_name,
     model_shape,
 )
+from .head_parallel import head_parallel_setup, predict_head_parallel_step
 from .kept_curve import DEFAULT_CURVE, KeptAt, KeptCurve
 from .shapes import MODELS, ModelShape
-from .simulate import CONFIGURATIONS, Cluster, Workload
+from .simulate import CONFIGURATIONS, Cluster, RingSetup, Workload
 from .step_model import CLUSTERS, HARDWARE, predict_step, ring_counts, with_causal_layout
 from .workloads import (
     MIXES,
@@ -122,6 +126,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     add_model_arguments(p, MODELS, default="qwen2.5-3b")
     add_cluster_arguments(p, default="8xH100-IB400")
+    add_cp_mode_arguments(p)
     p.add_argument("--seq", type=_at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
                    help="Sequence lengths in tokens (one sequence per CP group per step).")
     p.add_argument("--cp", type=_at_least(1), nargs="+", default=[8, 16, 32, 64],
@@ -171,6 +176,11 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
     _check_lengths(p, args.seq, args.layout_heads)
+    for cp in args.cp:  # (the mode's refusals, named before any simulation)
+        try:
+            cp_layout(args, cp)
+        except ValueError as e:
+            p.error(f"--cp {cp}: {e}")
     unread = "--density" if args.density is not None else "--mix" if args.mix is not None else None
     if args.kept_curve and unread:  # a file named and never read would be silently ignored
         p.error(f"--kept-curve {args.kept_curve} would not be read: "
@@ -280,16 +290,32 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
         target = kept_target(args, seq) if args.mix is None else None
         for cp in cps:
             base = None
+            mode, head_size = cp_layout(args, cp)
             for name in configs:
                 setup = CONFIGURATIONS[name](workload, cp, BLOCK, cluster.gpus_per_node)
-                counts = ring_counts(setup, model)
+                in_mode = setup.sparse and head_size > 1  # (the dense ring stays every mode's baseline)
+                if in_mode:
+                    try:
+                        setup = head_group_setup(workload, cp, mode, head_size, "sparse",
+                                                 getattr(setup.plan, "sharding", "document"),
+                                                 hierarchical=setup.topology.num_nodes > 1)
+                    except ValueError as e:
+                        print(f"{seq:>8} {cp:>3}  {name:<28}skipped under --cp_mode {mode.name}: {e}", flush=True)
+                        continue
+                counts = ring_counts(setup, model) if not in_mode else None
                 dense = with_causal_layout(setup, workload.layout("dense", setup.plan)) \
                     if setup.sparse and args.dense_first_layers else None
                 for kernel, hw in hardware.items():
                     if not setup.sparse and kernel != "flex":
                         continue
-                    r = predict_step(setup, model, hw, cluster, estimation_chunk=args.estimation_chunk,
-                                     counts=counts, dense_layers=args.dense_first_layers, dense=dense)
+                    if in_mode:
+                        r = predict_head_parallel_step(setup, model, hw, cluster, head_size=head_size,
+                                                       estimation=_estimation(args),
+                                                       dense_layers=args.dense_first_layers, dense=dense)
+                    else:
+                        r = predict_step(setup, model, hw, cluster, estimation_chunk=args.estimation_chunk,
+                                         counts=counts, dense_layers=args.dense_first_layers, dense=dense)
+                    r.update(mode=mode.name if in_mode else "ring", head_size=head_size if in_mode else 1)
                     if target is not None and setup.sparse:
                         r.update(kept_target=target.kept, kept_basis=target.basis, kept_source=target.source)
                     r.update(model=model_name, cluster=cluster.name, seq=seq, cp=cp, config=name,
@@ -305,16 +331,40 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
     return rows
 
 
+def head_group_setup(workload: Workload, cp: int, mode: CPMode, head_size: int, kind: str, sharding: str, *,
+                     hierarchical: bool = False) -> RingSetup:
+    """The split `mode` runs with head groups of `head_size` GPUs (`head_parallel_setup`: `sharding` over the ring
+    across the head groups, each shard cut into one piece per GPU of a group) over the workload's `kind` layout;
+    ValueError naming why the mode cannot run it (the sharding, as training refuses it, or a hierarchical ring,
+    which the ring across head groups is not costed as)."""
+    if hierarchical:
+        raise ValueError("the ring across head groups is costed as a flat ring; predict the flat configuration")
+    mode.check_sharding(sharding)
+    return head_parallel_setup(workload, cp, head_size, BLOCK, kind, sharding)
+
+
+def _estimation(args) -> SparseAttentionConfig | None:
+    """The pattern whose estimation is charged: the defaults, or causal chunks of --estimation-chunk."""
+    if args.estimation_chunk is None:
+        return None
+    return SparseAttentionConfig(estimation="causal_chunks", estimation_chunk=args.estimation_chunk)
+
+
 HEADER = (f"{'S':>8} {'CP':>3}  {'configuration':<28}{'kernel':<18}{'kept':>6} {'step s':>8} {'tok/s':>9} "
           f"{'speedup':>8} {'comm':>6} {'limit':>6}")
 BOUND_NOTE = ("rows marked 'bound': FlexAttention's per-block cost alone, what a sparse kernel without per-row "
               "overhead could reach; an optimistic bound, not a prediction of a kernel that exists")
 
 
+def row_label(r: dict) -> str:
+    """The row's configuration, with the CP mode and head-group size where it has head groups."""
+    return r["config"] if r.get("head_size", 1) == 1 else f"{r['config']} / {r['mode']} h{r['head_size']}"
+
+
 def format_row(r: dict) -> str:
     speed = f"{r['speedup_vs_dense_ring']:.2f}x" if r["speedup_vs_dense_ring"] else "-"
     kernel = f"{r['kernel']} (bound)" if r.get("bound") else r["kernel"]
-    return (f"{r['seq']:>8} {r['cp']:>3}  {r['config']:<28}{kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
+    return (f"{r['seq']:>8} {r['cp']:>3}  {row_label(r):<28}{kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
             f"{r['tokens_per_s']:>9.0f} {speed:>8} {r['comm_share']:>6.1%} {'comm' if r['comm_bound'] else '':>6}")
 
 
@@ -322,7 +372,7 @@ def comm_bound_from(rows: list[dict]) -> dict:
     """Per (configuration, kernel, S): the smallest CP size whose ring is communication-bound (None: none)."""
     out: dict = {}
     for r in rows:
-        key = f"{r['config']} / {r['kernel']} / {r['seq']}"
+        key = f"{row_label(r)} / {r['kernel']} / {r['seq']}"
         out.setdefault(key, None)
         if r["comm_bound"] and (out[key] is None or r["cp"] < out[key]):
             out[key] = r["cp"]
@@ -344,7 +394,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                          key=lambda r: r["cp"])
             cps = [r["cp"] for r in sel]
             style = "--" if kernel == "block-only" else "-"
-            label = f"{config} ({kernel}{', bound' if kernel in BOUNDS else ''})"
+            label = f"{row_label(sel[0])} ({kernel}{', bound' if kernel in BOUNDS else ''})"
             kw = {"marker": "o", "label": label, "color": colors[config]}
             axes[0, j].plot(cps, [r["tokens_per_s"] / 1e3 for r in sel], style, **kw)
             axes[1, j].plot(cps, [r["speedup_vs_dense_ring"] for r in sel], style, **kw)
@@ -388,6 +438,11 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
               "per-document patterns at the default budgets; PREDICTED")
     if args.estimation_chunk:
         print(f"estimation: causal chunks of {args.estimation_chunk} tokens (estimation='causal_chunks')")
+    layouts = {cp: cp_layout(args, cp) for cp in args.cp}
+    print(f"CP mode {args.cp_mode}: " + "; ".join(
+        f"CP {cp} runs {mode.name}" + (f" (heads over {h} GPUs" + (f", a ring of {cp // h} across them)" if h < cp
+                                                                  else ")") if h > 1 else "")
+        for cp, (mode, h) in layouts.items()) + "; the dense ring is every mode's baseline")
     kernels = tuple(KERNELS) if args.all else ("flex",)
     if args.all:
         print(BOUND_NOTE)

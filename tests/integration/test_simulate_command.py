@@ -141,3 +141,41 @@ def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path,
     assert {r["kept_basis"] for r in own["rows"] if r["config"] == "striped sparse"} == {"measured"}
     with pytest.raises(SystemExit, match="--kept-curve"):
         simulate_cli.main([*base, "--kept-curve", str(tmp_path / "missing.json")])
+
+
+def test_simulate_answers_for_the_cp_mode_asked(tmp_path, monkeypatch, capsys):
+    """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49): the sparse rows are the mode's (resolved per CP
+    size by the mode objects: heads over 8 of 8 GPUs is ulysses), priced by the head-parallel step model on the
+    mode's split; the dense ring stays the baseline; a sharding the mode refuses is skipped naming why, and flags
+    training would refuse are refused before any simulation."""
+    import json
+
+    from hf_sparse_cp.cli import main
+    from hf_sparse_cp.simulator.head_parallel import head_parallel_setup, predict_head_parallel_step
+    from hf_sparse_cp.simulator.shapes import MODELS
+    from hf_sparse_cp.simulator.simulate_cli import BLOCK, parse_args, sequence_workload
+    from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", "qwen2.5-0.5b", "--seq", "32768", "--cp", "8", "16", "--layout-heads", "1",
+            "--cp_mode", "hybrid", "--cp_ulysses_size", "8", "--configs", "dense ring", "striped sparse",
+            "zigzag sparse", "planner sparse", "--dense-first-layers", "0"]
+    assert main(["simulate", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert "CP 8 runs ulysses (heads over 8 GPUs); CP 16 runs hybrid (heads over 8 GPUs, a ring of 2 across them)" \
+        in printed
+    assert "planner sparse              skipped under --cp_mode hybrid: --cp_sharding document is not available" \
+        in printed
+    rows = json.loads((tmp_path / "simulate-cluster_qwen2.5-0.5b_8xH100-IB400.json").read_text())["rows"]
+    assert [(r["config"], r["cp"], r["mode"], r["head_size"]) for r in rows] == [
+        ("dense ring", 8, "ring", 1), ("striped sparse", 8, "ulysses", 8),  # ulysses: no ring, one piece each
+        ("dense ring", 16, "ring", 1), ("striped sparse", 16, "hybrid", 8), ("zigzag sparse", 16, "hybrid", 8)]
+    args = parse_args(argv)
+    setup = head_parallel_setup(sequence_workload(args, 32768), 16, 8, BLOCK, "sparse", "striped")
+    want = predict_head_parallel_step(setup, MODELS["qwen2.5-0.5b"], HARDWARE["8xH100-IB400"](dense_kernel="cudnn"),
+                                      CLUSTERS["8xH100-IB400"], head_size=8)
+    assert rows[3]["step_s"] == pytest.approx(want["step_s"], rel=1e-12)
+    with pytest.raises(SystemExit):
+        main(["simulate", "--seq", "32768", "--cp", "8", "--cp_mode", "hybrid"])
+    assert "--cp_mode hybrid needs --cp_ulysses_size" in capsys.readouterr().err

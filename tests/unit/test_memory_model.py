@@ -194,3 +194,27 @@ def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(
     with pytest.raises(SystemExit):
         cli_main(base[:-1])
     assert "num_local_experts=8: a mixture of experts" in capsys.readouterr().err
+
+
+def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
+    """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49), resolved by the mode objects: the answer names
+    the mode; the step holds a ring's buffers only where a ring runs (the ring, hybrid's across its head groups; not
+    ulysses); the ring's prediction is the one without head groups; flags training would refuse are refused naming
+    the fix."""
+    arch = ARCHITECTURES["qwen2.5-0.5b"]
+    base = StepSettings(cp=4, fsdp=4, savers=MemorySavers(tiled=True))  # (attention sets the peak at 1M)
+    peaks = {h: predict_step_memory(arch, 1 << 20, dataclasses.replace(base, head_size=h)) for h in (1, 2, 4)}
+    assert ["CP ring buffers" in peaks[h].terms() for h in (1, 2, 4)] == [True, True, False]
+    assert len({peak.peak_bytes for peak in peaks.values()}) == 3
+    argv = ["memory", "--model", "qwen2.5-0.5b", "--gpu-memory", "80GB", "--cp", "4", "--fsdp", "4", "--quiet"]
+    longest = {}
+    for mode in (["ring"], ["ulysses"], ["hybrid", "--cp_ulysses_size", "2"]):
+        cli_main([*argv, "--cp_mode", *mode])
+        longest[mode[0]] = int(capsys.readouterr().out.strip())
+    cli_main(argv)  # (the default mode is the ring)
+    assert int(capsys.readouterr().out.strip()) == longest["ring"] and len(set(longest.values())) == 3
+    cli_main([*argv[:-1], "--cp_mode", "hybrid", "--cp_ulysses_size", "2"])
+    assert "CP 4 (hybrid, heads over 2 ranks), FSDP 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--cp_mode", "hybrid", "--cp_ulysses_size", "3"])
+    assert "cp_ulysses_size=3 does not divide cp_size=4" in capsys.readouterr().err

@@ -72,6 +72,13 @@ class HeadSplit:
         return -(-self.q_heads // self.size)
 
     @property
+    def busiest_kv(self) -> int:
+        """Key/value heads of the rank holding the most (a rank whose query heads read theirs unevenly expands K/V
+        to one head per query head, `kv_index`)."""
+        return max(hi - lo if self.kv_index(r) is not None else kv_hi - kv_lo
+                   for r in range(self.size) for (lo, hi), (kv_lo, kv_hi) in [(self.q_range(r), self.kv_range(r))])
+
+    @property
     def kv_heads_sent(self) -> int:
         """Key/value heads held over all ranks (>= kv_heads; the excess is replication)."""
         return sum(hi - lo for lo, hi in map(self.kv_range, range(self.size)))
