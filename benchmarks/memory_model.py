@@ -267,7 +267,7 @@ def gpu_predictions() -> dict:
     plugin's defaults (token tiles from 32K on), without token tiles, and with offload; the dominant
     term; the longest length that fits 72 of 80 GB; 3B at 1M on 8 GPUs with CP 8 and FSDP 8."""
     from hf_sparse_cp.simulator.memory_model import (
-        ARCHITECTURES,
+        PRESETS,
         StepSettings,
         longest_fitting_length,
         predict_step_memory,
@@ -279,7 +279,7 @@ def gpu_predictions() -> dict:
                 "token tiles + offload": dict(tiled=True, offload_layer_inputs=True)}
     table = []
     for name in PREDICTED_MODELS:
-        arch = ARCHITECTURES[name]
+        arch = PRESETS[name]
         for variant, savers in variants.items():
             settings = with_savers(StepSettings(), **savers)
             for seq_len in PREDICTED_LENGTHS:
@@ -287,13 +287,13 @@ def gpu_predictions() -> dict:
                 table.append({"model": name, "variant": variant, "seq_len": seq_len, "peak_gb": est.peak_bytes / 1e9,
                               "fits_72gb": est.peak_bytes <= budget, "dominant_term": est.dominant_term,
                               "terms_gb": {t: b / 1e9 for t, b in est.terms().items()}})
-    fits = {name: {variant: longest_fitting_length(ARCHITECTURES[name], budget,
+    fits = {name: {variant: longest_fitting_length(PRESETS[name], budget,
                                                    with_savers(StepSettings(), **savers), granularity=8192)
                    for variant, savers in variants.items()} for name in PREDICTED_MODELS}
-    arch = ARCHITECTURES["qwen2.5-0.5b"]
+    arch = PRESETS["qwen2.5-0.5b"]
     est = predict_step_memory(arch, 131072, with_savers(StepSettings(), tiled=True))
     floor = arch.shape.layers * arch.shape.hidden * 2
-    cp8 = predict_step_memory(ARCHITECTURES["qwen2.5-3b"], 1 << 20,
+    cp8 = predict_step_memory(PRESETS["qwen2.5-3b"], 1 << 20,
                               with_savers(StepSettings(cp=8, fsdp=8), tiled=True))
     one_m = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True))
     return {
@@ -404,7 +404,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hf_sparse_cp.simulator.memory_model import ARCHITECTURES, StepSettings, predict_step_memory, with_savers
+    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, predict_step_memory, with_savers
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     rows = report["validation"]
@@ -416,7 +416,7 @@ def plot(report: dict, path: Path) -> None:
     left.set_ylabel("peak of a training step, GiB (above the imports)")
     left.set_title("CPU: measured vs predicted step peak")
     left.legend()
-    arch = ARCHITECTURES["qwen2.5-0.5b"]
+    arch = PRESETS["qwen2.5-0.5b"]
     lengths = [2**k for k in range(15, 22)]
     for label, savers in (("no token tiles", {}), ("token tiles (default)", {"tiled": True}),
                           ("token tiles + offload", {"tiled": True, "offload_layer_inputs": True})):

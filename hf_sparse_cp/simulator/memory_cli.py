@@ -21,7 +21,7 @@ from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
 from .arguments import HelpFormatter, add_cp_mode_arguments, add_model_arguments, cp_layout, model_name, read_config
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .memory_model import ARCHITECTURES, GIB, Architecture, StepSettings, longest_fitting_length, predict_step_memory
+from .memory_model import GIB, PRESETS, Architecture, StepSettings, longest_fitting_length, predict_step_memory
 
 # The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
 DEFAULT_TILING_MIN_LENGTH = 32768
@@ -56,7 +56,7 @@ def _gb(n: float) -> str:
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
-    add_model_arguments(p, ARCHITECTURES, default=None)
+    add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
     p.add_argument("--usable-fraction", type=float, default=0.9,
@@ -147,7 +147,7 @@ MEASURED_BAND = (0.98, 1.26)
 def architecture(args: argparse.Namespace) -> Architecture:
     """The model `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
     if args.config is None:
-        return ARCHITECTURES[args.model]
+        return PRESETS[args.model]
     return Architecture.from_config(read_config(args.config), model_name(args))
 
 

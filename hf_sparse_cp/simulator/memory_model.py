@@ -90,9 +90,10 @@ class Architecture:
         return cls(ModelShape.from_config(config, name), bool(getattr(config, "tie_word_embeddings", False)), bias)
 
 
-# Qwen2.5 (config.json on the Hugging Face Hub): q/k/v biases; 0.5B, 1.5B and 3B tie the LM head to the embedding.
-ARCHITECTURES = {name: Architecture(MODELS[name], tied_embeddings=name != "qwen2.5-7b", qkv_bias=True)
-                 for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")}
+# The size presets `--model` names: Qwen2.5 (config.json on the Hugging Face Hub), q/k/v biases; 0.5B, 1.5B and 3B
+# tie the LM head to the embedding.
+PRESETS = {name: Architecture(MODELS[name], tied_embeddings=name != "qwen2.5-7b", qkv_bias=True)
+           for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")}
 
 
 @dataclass(frozen=True)
@@ -608,7 +609,7 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
     """Predicted peak bytes of one training step of `arch` on one sequence of `seq_len` tokens.
 
     Args:
-        arch: the model (`ARCHITECTURES[name]` or `Architecture.from_config`).
+        arch: the model (`PRESETS[name]` or `Architecture.from_config`).
         seq_len: tokens of the sequence (split over `settings.cp` ranks).
         settings: how the step runs (default: bf16, AdamW, gradient checkpointing, one rank, Triton).
 

@@ -12,7 +12,7 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.simulator.kept_curve import DEFAULT_CURVE, KeptCurve, KeptPoint
-from hf_sparse_cp.simulator.memory_model import ARCHITECTURES, StepSettings, predict_step_memory
+from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, predict_step_memory
 from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Workload
 from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step, with_causal_layout
@@ -155,7 +155,7 @@ def test_dense_first_layers_cost_the_causal_ring_each():
 def test_the_memory_model_sizes_mass_layouts_from_the_curve():
     """A budget that bounds no diagonals (the default 'mass'): the layout is as wide as the curve says at the
     length (labelled), not every block of the row; a top-k budget keeps its bound; `kept_curve=None` the bound."""
-    arch, s = ARCHITECTURES["qwen2.5-3b"], 1 << 20
+    arch, s = PRESETS["qwen2.5-3b"], 1 << 20
     curve = predict_step_memory(arch, s, StepSettings(cp=8))
     bound = predict_step_memory(arch, s, StepSettings(cp=8, kept_curve=None))
     rows = s // 128

@@ -16,7 +16,7 @@ from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.simulator.memory_cli import parse_memory
 from hf_sparse_cp.simulator.memory_model import (
-    ARCHITECTURES,
+    PRESETS,
     Architecture,
     StepSettings,
     longest_fitting_length,
@@ -71,7 +71,7 @@ def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
 
 
 def test_token_tiles_and_offload_cut_what_the_model_says():
-    arch = ARCHITECTURES["qwen2.5-0.5b"]
+    arch = PRESETS["qwen2.5-0.5b"]
     stock = predict_step_memory(arch, 1 << 20)
     tiled = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True))
     offloaded = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True, offload_layer_inputs=True))
@@ -85,7 +85,7 @@ def test_token_tiles_and_offload_cut_what_the_model_says():
 
 
 def test_the_peak_grows_with_length_and_cp_and_fsdp_divide_it():
-    arch = ARCHITECTURES["qwen2.5-3b"]
+    arch = PRESETS["qwen2.5-3b"]
     peaks = [predict_step_memory(arch, n).peak_bytes for n in (1 << 14, 1 << 16, 1 << 18)]
     assert peaks == sorted(peaks)
     one = predict_step_memory(arch, 1 << 20, with_savers(StepSettings(), tiled=True))
@@ -98,7 +98,7 @@ def test_the_peak_grows_with_length_and_cp_and_fsdp_divide_it():
 
 
 def test_smet_state_is_smaller_than_adamw():
-    arch = ARCHITECTURES["qwen2.5-1.5b"]
+    arch = PRESETS["qwen2.5-1.5b"]
     adamw = predict_step_memory(arch, 4096).terms("optimizer")["optimizer state"]
     smet = predict_step_memory(arch, 4096, StepSettings(optimizer="smet", smet_density=0.25)).terms(
         "optimizer")["optimizer state"]
@@ -106,7 +106,7 @@ def test_smet_state_is_smaller_than_adamw():
 
 
 def test_the_longest_fitting_length_fits_and_the_next_does_not():
-    arch, settings = ARCHITECTURES["qwen2.5-0.5b"], with_savers(StepSettings(), tiled=True)
+    arch, settings = PRESETS["qwen2.5-0.5b"], with_savers(StepSettings(), tiled=True)
     budget = 40e9
     n = longest_fitting_length(arch, budget, settings, granularity=8192)
     assert n % 8192 == 0 and n > 0
@@ -201,7 +201,7 @@ def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
     the mode; the step holds a ring's buffers only where a ring runs (the ring, hybrid's across its head groups; not
     ulysses); the ring's prediction is the one without head groups; flags training would refuse are refused naming
     the fix."""
-    arch = ARCHITECTURES["qwen2.5-0.5b"]
+    arch = PRESETS["qwen2.5-0.5b"]
     base = StepSettings(cp=4, fsdp=4, savers=MemorySavers(tiled=True))  # (attention sets the peak at 1M)
     peaks = {h: predict_step_memory(arch, 1 << 20, dataclasses.replace(base, head_size=h)) for h in (1, 2, 4)}
     assert ["CP ring buffers" in peaks[h].terms() for h in (1, 2, 4)] == [True, True, False]
