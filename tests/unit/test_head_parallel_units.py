@@ -110,3 +110,24 @@ def test_accelerates_sp_size_under_fsdp2_is_refused_naming_the_cp_size_fix():
 def test_one_process_has_no_head_groups():
     par = ParallelDims.single()
     assert (par.mode, par.head_size, par.ring_size, par.ring) == (None, 1, 1, None)  # no CP mode: one process
+
+
+@pytest.mark.parametrize("flags, cp_size, runs", [
+    (dict(cp_mode="ring"), 4, ("ring", 1)),
+    (dict(cp_mode="ulysses"), 1, ("ring", 1)),  # one rank: nothing to share
+    (dict(cp_mode="ulysses"), 4, ("ulysses", 4)),
+    (dict(cp_mode="hybrid", cp_ulysses_size=2), 4, ("hybrid", 2)),
+    (dict(cp_mode="hybrid", cp_ulysses_size=4), 4, ("ulysses", 4)),  # one head group: no ring across groups
+    (dict(cp_mode="hybrid", cp_ulysses_size=4), 1, ("ring", 1)),  # (a cp_schedule stage of one rank)
+], ids=["ring", "ulysses-1", "ulysses-4", "hybrid-2x2", "hybrid-one-group", "hybrid-1"])
+def test_every_mode_resolves_a_cp_degree_to_one_layout(flags, cp_size, runs):
+    """The registered modes decide what a CP degree runs (ParallelDims builds its groups from the head-group size
+    alone), so that one layout is described and computed the same way whatever flags led to it."""
+    from hf_sparse_cp.distributed import cp_mode_named, cp_modes
+
+    config = ContextParallelConfig(**flags)
+    mode, head_size = config.mode.resolve(config, cp_size)
+    assert (mode.name, head_size) == runs and mode is cp_mode_named(runs[0])
+    assert [m.name for m in cp_modes()] == ["ring", "ulysses", "hybrid"]
+    with pytest.raises(ValueError, match=r"cp_mode='bogus' is unknown; use one of 'ring', 'ulysses', 'hybrid'"):
+        cp_mode_named("bogus")

@@ -75,7 +75,7 @@ class CPMode(ABC):
     def resolve(self, config, cp_size: int) -> tuple[CPMode, int]:
         """(the mode a CP group of `cp_size` ranks runs, its head-group size): one mode per layout, so that a
         layout is described and computed the same way whatever flags led to it."""
-        heads = self.head_size(config, cp_size)
+        heads = 1 if cp_size == 1 else self.head_size(config, cp_size)  # (one rank: nothing to share)
         if heads == 1:
             return cp_mode_named("ring"), 1
         if heads == cp_size:
