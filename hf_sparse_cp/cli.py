@@ -100,6 +100,13 @@ LAUNCH_USAGE = ("hf-sparse-cp launch [--nproc N | --config_file ACCELERATE_CONFI
 TRAIN_USAGE = "hf-sparse-cp train [--nproc N | --config_file ACCELERATE_CONFIG] [--recipe NAME_OR_PATH] [FLAGS]"
 
 
+def _run_here(run_args: list[str]) -> None:
+    """`python -m hf_sparse_cp.run RUN_ARGS` in this process (imported only when it runs here)."""
+    from hf_sparse_cp.run import main
+
+    main(run_args)
+
+
 def _launch(argv: list[str]) -> int:
     """`hf-sparse-cp launch`: a stock script with the plugin (`hf_sparse_cp.run`). The launcher's options come before
     the script path, so that a script's own `--config_file` stays the script's; the script is checked before any
@@ -122,7 +129,8 @@ def _launch(argv: list[str]) -> int:
     options, plugin_flags = parse_launcher_options(parser, flags)
     if {"-h", "--help"} & set(plugin_flags):
         print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
-    return launch(options, [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args])
+    return launch(options, [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args],
+                  _run_here)
 
 
 def _train(argv: list[str]) -> int:
@@ -135,7 +143,7 @@ def _train(argv: list[str]) -> int:
     options, rest = parse_launcher_options(parser, argv)
     if not is_available("datasets"):
         parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
-    return launch(options, ["-m", EXAMPLE_MODULE, *rest])
+    return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 RUN_MODULE = "hf_sparse_cp.run"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
@@ -71,18 +71,17 @@ def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str])
     return options, rest
 
 
-def launch(options: argparse.Namespace, run_args: Sequence[str]) -> int:
+def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[[list[str]], None]) -> int:
     """Run `python -m hf_sparse_cp.run RUN_ARGS` as `options` ask: under accelerate launch (`config_file`), under
-    torchrun (`nproc` > 1, unless this process is already one of a launched group), else in this process.
-    Returns the exit status."""
+    torchrun (`nproc` > 1, unless this process is already one of a launched group), else in this process, by
+    `here` (`hf_sparse_cp.run.main`, which the caller imports: the launcher sits below it). Returns the exit
+    status."""
     if options.config_file:
         command = [*ACCELERATE_LAUNCH, "--config_file", options.config_file, "-m", RUN_MODULE]
     elif options.nproc > 1 and "WORLD_SIZE" not in os.environ:
         command = [*TORCHRUN, f"--nproc_per_node={options.nproc}", "-m", RUN_MODULE]
     else:
-        from hf_sparse_cp.run import main as run
-
-        run(list(run_args))
+        here(list(run_args))
         return 0
     return run_forwarding_signals([*command, *run_args])
 
