@@ -129,7 +129,7 @@ class ParallelDims:
     cp_ranks (global ranks of this CP group), cp_group, topology (`RingTopology`: nodes x ranks
     per node), inner_group / outer_group (the two rings; the inner one is the CP group when flat),
     sharding (the configured sequence split), planner_costs (the document planner's weights, None for
-    its defaults); mode (the `CPMode` this layout runs; None for one process, `single`), head_size (ranks
+    its defaults); mode (the `CPMode` this layout runs; None for `single()` without one), head_size (ranks
     of a head group, 1 without head groups), head_group / head_rank (this rank's head group and its place
     in it), ring (with head groups and a ring across them: the ring's view, a `ParallelDims` whose CP
     fields are the ring's ranks and groups; None otherwise). With head groups, topology, inner_group and
@@ -205,10 +205,10 @@ class ParallelDims:
         return self.cp_ranks[position]
 
     @classmethod
-    def single(cls, sharding: str = "striped") -> ParallelDims:
-        """One process, no communication (CP size 1)."""
+    def single(cls, sharding: str = "striped", mode=None) -> ParallelDims:
+        """One process, no communication (CP size 1); `mode`: what a CP group of one runs (`CPMode.resolve`)."""
         return cls(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
-                   inner_group=None, outer_group=None, sharding=sharding)
+                   inner_group=None, outer_group=None, sharding=sharding, mode=mode)
 
     @classmethod
     def from_config(cls, config, *, env: Mapping[str, str] = os.environ) -> ParallelDims:
@@ -223,7 +223,7 @@ class ParallelDims:
             if config.cp_size != 1:
                 raise ValueError(f"cp_size={config.cp_size} needs several processes joined by torch.distributed, but "
                                  f"this one runs alone: {_launch_hint(env)}")
-            return cls.single(config.cp_sharding)
+            return cls.single(config.cp_sharding, config.mode.resolve(config, 1)[0])
         world, rank = dist.get_world_size(), dist.get_rank()
         check_sizes(world, config.cp_size)
         w = config.cp_size

@@ -31,7 +31,7 @@ def _train(output_dir: str, data_seed: int, max_steps: int, resume: bool) -> Non
 
 def _checked_steps(rank: int, world: int, output_dir: str) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    from hf_sparse_cp.distributed import context
+    from hf_sparse_cp.distributed import inputs as context
 
     checked = []
     check = context.check_same_batch

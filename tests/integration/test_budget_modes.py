@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from transformers import TrainerCallback
 
+import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer
 from hf_sparse_cp.attention.budgets import Mass, TopK
 from hf_sparse_cp.cli import main as cli
-from hf_sparse_cp.examples import train_long_context as example
 
 # The demo at a tiny size: every pattern setting is the demo's own but min_seq_len (documents of 512 tokens).
 TINY = ["--sparse_max_length", "512", "--sparse_min_seq_len", "256", "--num_samples", "2", "--tiny_num_layers", "1",
@@ -42,7 +42,8 @@ def trained(monkeypatch) -> list[SparseTrainer]:
             seen.append(self)
             return result
 
-    monkeypatch.setattr(example, "SparseTrainer", Recorded)
+    # (`hf-sparse-cp train` runs the example as __main__, a module of its own, which takes the package's name)
+    monkeypatch.setattr(hf_sparse_cp, "SparseTrainer", Recorded)
     return seen
 
 
