@@ -15,9 +15,20 @@ def _derived(config_class: type, name: str) -> bool:
     return isinstance(member, property) and member.fset is None
 
 
+# A mixture of experts' sizes, for the architectures whose config has them (their defaults are a real model's: Qwen3-MoE
+# 128 experts of 768): few, small experts, every one reached by a short sequence.
+TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                    shared_expert_intermediate_size=128)
+
+
+def _field_of(config_class: type, name: str) -> bool:
+    """Whether `config_class` takes a field `name` (an argument of its constructor)."""
+    return name in inspect.signature(config_class.__init__).parameters
+
+
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout,
-    no sliding window); any field can be overridden. A field the architecture derives from others (Falcon's
+    no sliding window; a mixture of experts: `TINY_EXPERTS`); any field can be overridden. A field the architecture derives from others (Falcon's
     `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that names it, and so is a
     config transformers refuses to build from these fields."""
     fields = dict(
@@ -37,11 +48,12 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
         eos_token_id=2,
     )
     fields["sliding_window"] = None
-    fields.update(overrides)
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"tiny model type {model_type!r} is not a transformers model type (the model_type of a "
                          "config.json): give one such as qwen2, llama or gpt2.")
     config_class = CONFIG_MAPPING[model_type]
+    fields.update({name: value for name, value in TINY_EXPERTS.items() if _field_of(config_class, name)})
+    fields.update(overrides)
     derived = {name for name in fields if _derived(config_class, name)}
     given = {name: value for name, value in fields.items() if name not in derived}
     try:
