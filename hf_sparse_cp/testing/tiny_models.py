@@ -27,10 +27,10 @@ def _field_of(config_class: type, name: str) -> bool:
 
 
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
-    """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout,
-    no sliding window; a mixture of experts: `TINY_EXPERTS`); any field can be overridden. A field the architecture derives from others (Falcon's
-    `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that names it, and so is a
-    config transformers refuses to build from these fields."""
+    """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
+    window; a mixture of experts: `TINY_EXPERTS`); any field can be overridden. A field the architecture derives
+    from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that
+    names it, and so is a config transformers refuses to build from these fields."""
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,
