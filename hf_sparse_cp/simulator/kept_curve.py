@@ -18,6 +18,7 @@ A share never goes above 1 or below what every layout keeps (each query block ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -144,23 +145,41 @@ class KeptCurve:
         # of the day, which may have changed since)
         pattern = SparseAttentionConfig.from_dict(report["patterns"][setting]) if "patterns" in report else \
             SparseAttentionConfig(min_seq_len=0, **report["curve_settings"][setting])
-        return cls(points, f"{Path(path).name} ({setting}, {report.get('model', 'the measured model')})", pattern)
+        layers = report.get("layers_measured")
+        label = report.get("model", "the measured model") + (", every layer" if layers is None else f", layers {layers}")
+        return cls(points, f"{Path(path).name} ({setting}, {label})", pattern)
+
+    def to_dict(self) -> dict:
+        """The curve as `from_dict` reads it (the shipped curve's file)."""
+        return {"source": self.source, "pattern": self.pattern.to_dict(),
+                "points": [dataclasses.asdict(p) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KeptCurve:
+        return cls(tuple(KeptPoint(**p) for p in data["points"]), data["source"],
+                   SparseAttentionConfig.from_dict(data["pattern"]))
 
 
-# The default pattern on SmolLM2-135M-Instruct (trained context 8,192), one window of the King James text, every
-# layer (the first dense): `python benchmarks/pattern_quality.py --curve`, benchmarks/results/
-# pattern-curve_cpu_1k-16k.json, setting 'defaults' (tests/unit/test_kept_curve.py checks these against it).
-DEFAULT_CURVE = KeptCurve(
-    (KeptPoint(1024, 0.9974681712962963, 1.0), KeptPoint(1536, 0.9577765037086159, 1.0),
-     KeptPoint(2048, 0.9072573758310796, 1.0), KeptPoint(3072, 0.797273906449553, 1.0),
-     KeptPoint(4096, 0.7203774340930861, 1.0), KeptPoint(6144, 0.5863161161854589, 0.9583333333333334),
-     KeptPoint(8192, 0.492744670207965, 0.859375),
-     KeptPoint(12288, 0.38154097964888545, 0.6145833333333334, beyond_context=True),
-     KeptPoint(16384, 0.31487371993130736, 0.6875, beyond_context=True)),
-    "pattern-curve_cpu_1k-16k.json (defaults, SmolLM2-135M-Instruct)",
-    # the defaults it measured, spelled out: when the defaults change, the curve no longer measures them
-    # (tests/unit/test_kept_curve.py fails) and is to be measured again
-    SparseAttentionConfig(budget_mode="mass", mass_target=0.9, mass_threshold=0.0025, mass_near_blocks=0,
-                          vertical_cap=1024, sink_tokens=64, local_window=128, last_q=32, sample_groups=4,
-                          sample_group_size=16, estimation="last_queries", estimation_chunk=1024, block_size=128,
-                          min_seq_len=0, dense_first_layers=1))
+# The shipped curve: the default pattern measured by `python benchmarks/pattern_quality.py --curve` (its source says
+# on which model, layers and report; tests/unit/test_kept_curve.py checks it against that report in
+# benchmarks/results and that it measured today's defaults). Package data, rewritten from a report by
+# `python -m hf_sparse_cp.simulator.kept_curve REPORT`.
+DEFAULT_CURVE_FILE = Path(__file__).resolve().parent / "data" / "default_kept_curve.json"
+DEFAULT_CURVE = KeptCurve.from_dict(json.loads(DEFAULT_CURVE_FILE.read_text()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write the shipped kept-share curve from a `pattern_quality.py --curve` "
+                                "report.")
+    p.add_argument("report")
+    p.add_argument("--setting", default="defaults")
+    args = p.parse_args(argv)
+    curve = KeptCurve.from_report(args.report, args.setting)
+    DEFAULT_CURVE_FILE.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
+    print(f"wrote {DEFAULT_CURVE_FILE}: {curve.source}")
+
+
+if __name__ == "__main__":
+    main()

@@ -95,7 +95,7 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
     assert not curve.measures(SparseAttentionConfig(mass_target=0.95))
     assert KeptCurve.from_report(path, "other").block_size == 64
     assert [p.seq_len for p in curve.usable] == [1024, 2048] and curve.points[-1].beyond_context
-    assert curve.at(2048).kept == 0.7 and "curve.json (defaults, tiny)" in curve.source
+    assert curve.at(2048).kept == 0.7 and "curve.json (defaults, tiny, every layer)" in curve.source
     with pytest.raises(ValueError, match=r"no setting 'nope'; it has \['defaults', 'other'\]"):
         KeptCurve.from_report(path, "nope")
     # a report that spells out each setting's pattern is read by it, not by today's defaults
@@ -117,12 +117,29 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
 
 
 def test_the_shipped_curve_is_the_committed_measurement():
-    measured = KeptCurve.from_report(RESULTS / "pattern-curve_cpu_1k-16k.json")
-    assert measured.points == DEFAULT_CURVE.points and measured.block_size == DEFAULT_CURVE.block_size
-    assert all(p.beyond_context == (p.seq_len > 8192) for p in DEFAULT_CURVE.points)
+    """The package data holds the report its source names (in benchmarks/results), labelled with its model and
+    layers, and that report measured today's defaults."""
+    report = RESULTS / DEFAULT_CURVE.source.split(" ")[0]
+    measured = KeptCurve.from_report(report)
+    assert measured == DEFAULT_CURVE
+    data = json.loads(report.read_text())
+    assert all(p.beyond_context == (p.seq_len > data["trained_context"]) for p in DEFAULT_CURVE.points)
+    assert data["model"] in DEFAULT_CURVE.source and "layer" in DEFAULT_CURVE.source
     # it measured today's defaults: a change of the defaults fails here until the curve is measured again
     assert DEFAULT_CURVE.measures(SparseAttentionConfig())
     assert not DEFAULT_CURVE.measures(SparseAttentionConfig(local_window=256))
+
+
+def test_the_shipped_curve_file_is_written_from_a_report(tmp_path, monkeypatch):
+    """`python -m hf_sparse_cp.simulator.kept_curve REPORT` writes what DEFAULT_CURVE reads back the same."""
+    from hf_sparse_cp.simulator import kept_curve
+
+    path = curve_report(tmp_path, {1024: (0.9, 1.0, False), 2048: (0.7, 0.8, False), 4096: (0.5, 0.6, True)})
+    monkeypatch.setattr(kept_curve, "DEFAULT_CURVE_FILE", tmp_path / "shipped.json")
+    kept_curve.main([str(path), "--setting", "other"])
+    written = KeptCurve.from_dict(json.loads((tmp_path / "shipped.json").read_text()))
+    assert written == KeptCurve.from_report(path, "other") and written.points[-1].beyond_context
+    assert KeptCurve.from_dict(DEFAULT_CURVE.to_dict()) == DEFAULT_CURVE
 
 
 def ring(s: int = 131072, cp: int = 8):
