@@ -101,9 +101,10 @@ def training_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Rando
 
 
 def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float, rng: random.Random,
-                     distractors: int) -> RetrievalPrompt:
-    """A prompt of `seq_len` tokens: the asked needle at `depth` (0: start, 1: just before the question) of
-    the window, `distractors` needles of other names at random sentence ends, the question and the key."""
+                     distractors: int, prefix: list[int] | tuple[int, ...] = ()) -> RetrievalPrompt:
+    """A prompt of `seq_len` tokens: `prefix` (the tokens the model's tokenizer puts before a text, e.g.
+    Gemma's `<bos>`), then the window with the asked needle at `depth` (0: start, 1: just before the question),
+    `distractors` needles of other names at random sentence ends, the question and the key."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} must be in [0, 1].")
     keys = _keys(rng, distractors + 1)
@@ -111,7 +112,7 @@ def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float,
     answer = _answer(tokenizer, keys[asked])
     question = _question(tokenizer, asked)
     inserted = {name: _needle(tokenizer, name, key) for name, key in keys.items()}
-    body = seq_len - len(question) - len(answer) - sum(map(len, inserted.values()))
+    body = seq_len - len(prefix) - len(question) - len(answer) - sum(map(len, inserted.values()))
     if body < 8 or len(haystack) < body:
         raise ValueError(f"a prompt of {seq_len} tokens cannot hold {distractors + 1} needles, the question and "
                          f"the answer in a haystack of {len(haystack)} tokens; raise seq_len or lower distractors.")
@@ -119,8 +120,45 @@ def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float,
     ends = [e for e in sentence_ends(tokenizer, text) if e <= body] or [body]
     pieces = [(_nearest_end(ends, round(depth * body)), inserted[asked])]
     pieces += [(rng.choice(ends), inserted[name]) for name in others]
-    ids = _insert(text, pieces) + question + answer
+    ids = list(prefix) + _insert(text, pieces) + question + answer
     return RetrievalPrompt(ids, len(answer), depth)
+
+
+def prompt_set(tokenizer, haystack: list[int], lengths: list[int], depths: list[float], per_cell: int,
+               distractors: int, seed: int, prefix: list[int] | tuple[int, ...] = ()) -> list[RetrievalPrompt]:
+    """`per_cell` prompts per (length, depth), cells in turn: prompt i's text is the i-th window of the longest
+    length of `haystack`, wrapping round to its start when it holds fewer (each prompt's needles, keys and depth
+    are its own), drawn from one generator seeded with `seed`."""
+    longest = max(lengths)
+    if len(haystack) < longest:
+        raise ValueError(f"the haystack holds {len(haystack)} tokens, fewer than the longest prompt ({longest}); "
+                         "give more text or shorter lengths.")
+    cells = [(s, d) for s in lengths for d in depths]
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(per_cell * len(cells)):
+        s, d = cells[i % len(cells)]
+        start = i * longest % (len(haystack) - longest + 1)
+        prompts.append(retrieval_prompt(tokenizer, haystack[start:start + longest], s, d, rng, distractors, prefix))
+    return prompts
+
+
+def accuracy(hits: list[bool]) -> dict:
+    """{correct, prompts, accuracy, wilson95} of exact-match results."""
+    k, n = sum(hits), len(hits)
+    return {"correct": k, "prompts": n, "accuracy": k / n if n else None, "wilson95": list(wilson_interval(k, n))}
+
+
+def scores(prompts: list[RetrievalPrompt], hits: list[bool]) -> dict:
+    """Exact-match accuracy overall, per length and per (length, depth) ('<length>@<depth>'), with Wilson 95%
+    intervals."""
+    per_length: dict[str, list[bool]] = {}
+    per_cell: dict[str, list[bool]] = {}
+    for p, h in zip(prompts, hits):
+        per_length.setdefault(str(p.seq_len), []).append(h)
+        per_cell.setdefault(f"{p.seq_len}@{p.depth:g}", []).append(h)
+    return {**accuracy(hits), "per_length": {k: accuracy(v) for k, v in per_length.items()},
+            "per_cell": {k: accuracy(v) for k, v in per_cell.items()}}
 
 
 @torch.no_grad()

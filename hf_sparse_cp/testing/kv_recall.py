@@ -1,0 +1,130 @@
+"""Key-value recall: a long-range skill to learn (#53), its rows and its score.
+
+A row states many key-value records ("Miriam's code is 417.", a name and a 3-digit value) at sentence ends
+of a window of real text, then asks for some of them at its end in another form ("Q: Miriam? A: 417."):
+answering takes finding the one record of the asked name among all the others, stated up to thousands of
+tokens earlier, and copying its value. Every name appears in one record of its row and is asked at most
+once; the asked records are drawn from the first `ask_within` share of the records (so they lie far
+before the questions). The pieces are tokenized apart and joined as token ids, so a row has exactly the
+length asked for and the answers' tokens are known: `labels` hold them and -100 elsewhere (a loss on the
+recall alone).
+
+`answer_hits` scores a row in one forward: an answer is right when every one of its tokens is the argmax
+after the tokens before it (teacher forcing: the earlier questions come with their right answers, as in
+training, which also shows the format in context).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .retrieval import sentence_ends
+
+# First names; a row uses those its tokenizer reads as one token (a one-token key: the lookup is the skill, not
+# matching a spelling across tokens).
+NAMES = tuple("""Aaron Abigail Adam Adrian Agnes Alan Albert Alice Allen Amanda Amber Amos Amy Andrea Andrew Angela
+Anna Anne Anthony Arthur Barbara Barry Beatrice Benjamin Bernard Betty Beverly Bill Bob Bonnie Brenda Brian Bruce
+Caleb Carl Carlos Carmen Carol Caroline Catherine Cecil Charles Charlotte Chester Chris Christina Claire Clara
+Claude Colin Craig Cynthia Daisy Dan Daniel Daphne David Dean Deborah Dennis Diana Diane Donald Donna Doris Dorothy
+Douglas Earl Edgar Edith Edward Edwin Eileen Elaine Eleanor Eli Elijah Elizabeth Ellen Elsie Emily Emma Eric Ernest
+Esther Ethel Eugene Eva Evelyn Ezra Felix Florence Frances Frank Fred Gabriel Gary George Gerald Gideon Gilbert
+Gladys Gloria Gordon Grace Gregory Hannah Harold Harriet Harry Harvey Hazel Heather Helen Henry Herbert Howard Hugh
+Ian Irene Isaac Ivan Jack Jacob James Jane Janet Jason Jean Jeffrey Jennifer Jeremy Jerome Jesse Jill Joan Joel
+John Jonah Jonathan Joseph Joshua Joyce Judith Julia Julian Justin Karen Kate Keith Kenneth Kevin Laura Lawrence
+Leah Leonard Leslie Lillian Linda Lisa Louis Louise Lucy Luke Lydia Mabel Margaret Maria Marion Mark Martha Martin
+Mary Matthew Maurice Megan Melvin Michael Miriam Molly Monica Nancy Naomi Nathan Neil Nelson Nicholas Norman Oliver
+Oscar Pamela Patricia Paul Pauline Peter Philip Phyllis Rachel Ralph Raymond Rebecca Richard Robert Roger Ronald
+Rose Ruby Russell Ruth Samuel Sandra Sarah Scott Sharon Shirley Simon Sophie Stanley Stella Stephen Steven Susan
+Sylvia Teresa Thelma Theodore Thomas Timothy Tobias Todd Victor Victoria Vincent Violet Virginia Walter Wayne Wendy
+William Yvonne Zachary""".split())
+STATEMENT = " {name}'s code is {value}."
+QUESTION = " Q: {name}? A:"
+ANSWER = " {value}"
+
+
+@dataclass(frozen=True)
+class RecallRow:
+    """One row: `input_ids`, its `labels` (the answers' tokens, -100 elsewhere) and, per question, the span of
+    its answer tokens and how far (in tokens) its record lies before the question."""
+
+    input_ids: list[int]
+    labels: list[int]
+    answers: list[tuple[int, int]]
+    distances: list[int]
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def one_token_names(tokenizer) -> list[str]:
+    """The names of NAMES that `tokenizer` reads as one token after a space."""
+    return [n for n in NAMES if len(_ids(tokenizer, f" {n}")) == 1]
+
+
+def recall_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random, records: int, questions: int,
+               ask_within: float = 0.75, prefix: list[int] | tuple[int, ...] = ()) -> RecallRow:
+    """A row of `seq_len` tokens: `prefix`, then the start of `haystack` with `records` records (distinct
+    one-token names, values 100-999) at random sentence ends, then `questions` of them asked in random order
+    (drawn from the first `ask_within` share of the records by position), each with its answer."""
+    names = one_token_names(tokenizer)
+    if not 1 <= questions <= records <= len(names):
+        raise ValueError(f"questions={questions} and records={records} must satisfy 1 <= questions <= records <= "
+                         f"{len(names)} (the names this tokenizer reads as one token).")
+    if not 0.0 < ask_within <= 1.0:
+        raise ValueError(f"ask_within={ask_within} must be in (0, 1].")
+    keys = {name: rng.randint(100, 999) for name in rng.sample(names, records)}
+    stated = {n: _ids(tokenizer, STATEMENT.format(name=n, value=v)) for n, v in keys.items()}
+    asks = {n: (_ids(tokenizer, QUESTION.format(name=n)), _ids(tokenizer, ANSWER.format(value=v)))
+            for n, v in keys.items()}
+    # one-token names and 3-digit values: every record, every question and every answer has one length
+    tail = len(asks[next(iter(keys))][0]) + len(asks[next(iter(keys))][1])
+    body = seq_len - len(prefix) - sum(map(len, stated.values())) - questions * tail
+    if body < 8 or len(haystack) < body:
+        raise ValueError(f"a row of {seq_len} tokens cannot hold {records} records and {questions} questions in a "
+                         f"haystack of {len(haystack)} tokens; raise seq_len or lower records.")
+    text = haystack[:body]
+    ends = [e for e in sentence_ends(tokenizer, text) if e < body] or [body]
+    at = sorted(rng.choice(ends) for _ in keys)  # the records in the order of `keys`, at sorted positions
+    ids, prev, where = list(prefix), 0, {}
+    for name, pos in zip(keys, at):
+        ids += text[prev:pos]
+        where[name] = len(ids)
+        ids += stated[name]
+        prev = pos
+    ids += text[prev:]
+    asked = rng.sample(list(keys)[: max(questions, round(ask_within * records))], questions)
+    labels = [-100] * len(ids)
+    answers, distances = [], []
+    for name in asked:
+        question, answer = asks[name]
+        distances.append(len(ids) - where[name])
+        ids += question
+        answers.append((len(ids), len(ids) + len(answer)))
+        ids += answer
+        labels += [-100] * len(question) + answer
+    if len(ids) != seq_len:
+        raise ValueError(f"the row came out {len(ids)} tokens long, not {seq_len}: this tokenizer reads the records "
+                         "or questions of some names in different lengths.")
+    return RecallRow(ids, labels, answers, distances)
+
+
+@torch.no_grad()
+def answer_hits(model: torch.nn.Module, row: RecallRow) -> list[bool]:
+    """Per question, whether greedy decoding gives its answer: every answer token is the argmax of the
+    model's next-token logits after the tokens before it (one forward; the logits only at the answers)."""
+    device = next(model.parameters()).device
+    hidden = model.get_decoder()(torch.tensor([row.input_ids[:-1]], device=device)).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    hits = []
+    for start, end in row.answers:
+        predicted = head(hidden[start - 1:end - 1]).argmax(-1)
+        hits.append(bool((predicted == torch.tensor(row.input_ids[start:end], device=device)).all()))
+    return hits
