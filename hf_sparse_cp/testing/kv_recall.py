@@ -4,8 +4,8 @@ A row states many key-value records ("Miriam's code is 417.", a name and a 3-dig
 of a window of real text, then asks for some of them at its end in another form ("Q: Miriam? A: 417."):
 answering takes finding the one record of the asked name among all the others, stated up to thousands of
 tokens earlier, and copying its value. Every name appears in one record of its row and is asked at most
-once; the asked records are drawn from the first `ask_within` share of the records (so they lie far
-before the questions). The pieces are tokenized apart and joined as token ids, so a row has exactly the
+once (names the tokenizer reads as one token where it has enough: `key_names`); the asked records are
+drawn from the first `ask_within` share of the records (so they lie far before the questions). The pieces are tokenized apart and joined as token ids, so a row has exactly the
 length asked for and the answers' tokens are known: `labels` hold them and -100 elsewhere (a loss on the
 recall alone).
 
@@ -23,8 +23,7 @@ import torch
 
 from .retrieval import sentence_ends
 
-# First names; a row uses those its tokenizer reads as one token (a one-token key: the lookup is the skill, not
-# matching a spelling across tokens).
+# First names, the keys (`key_names`).
 NAMES = tuple("""Aaron Abigail Adam Adrian Agnes Alan Albert Alice Allen Amanda Amber Amos Amy Andrea Andrew Angela
 Anna Anne Anthony Arthur Barbara Barry Beatrice Benjamin Bernard Betty Beverly Bill Bob Bonnie Brenda Brian Bruce
 Caleb Carl Carlos Carmen Carol Caroline Catherine Cecil Charles Charlotte Chester Chris Christina Claire Clara
@@ -64,29 +63,30 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def one_token_names(tokenizer) -> list[str]:
-    """The names of NAMES that `tokenizer` reads as one token after a space."""
-    return [n for n in NAMES if len(_ids(tokenizer, f" {n}")) == 1]
+def key_names(tokenizer, records: int) -> list[str]:
+    """The names a row of `records` records draws from: those of NAMES that `tokenizer` reads as one token after
+    a space when there are enough of them (a one-token key: the lookup is the skill, not matching a spelling
+    across tokens), else every name (a byte-level tokenizer reads none as one token)."""
+    one = [n for n in NAMES if len(_ids(tokenizer, f" {n}")) == 1]
+    return one if len(one) >= records else list(NAMES)
 
 
 def recall_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random, records: int, questions: int,
                ask_within: float = 0.75, prefix: list[int] | tuple[int, ...] = ()) -> RecallRow:
-    """A row of `seq_len` tokens: `prefix`, then the start of `haystack` with `records` records (distinct
-    one-token names, values 100-999) at random sentence ends, then `questions` of them asked in random order
-    (drawn from the first `ask_within` share of the records by position), each with its answer."""
-    names = one_token_names(tokenizer)
+    """A row of `seq_len` tokens: `prefix`, then the start of `haystack` with `records` records (distinct names,
+    values 100-999) at random sentence ends, then `questions` of them asked in random order (drawn from the first
+    `ask_within` share of the records by position), each with its answer."""
+    names = key_names(tokenizer, records)
     if not 1 <= questions <= records <= len(names):
         raise ValueError(f"questions={questions} and records={records} must satisfy 1 <= questions <= records <= "
-                         f"{len(names)} (the names this tokenizer reads as one token).")
+                         f"{len(names)} (the names of kv_recall.NAMES).")
     if not 0.0 < ask_within <= 1.0:
         raise ValueError(f"ask_within={ask_within} must be in (0, 1].")
-    keys = {name: rng.randint(100, 999) for name in rng.sample(names, records)}
+    keys = {name: rng.randint(100, 999) for name in rng.sample(names, records)}  # in the order they will stand
+    asked = rng.sample(list(keys)[: max(questions, round(ask_within * records))], questions)
     stated = {n: _ids(tokenizer, STATEMENT.format(name=n, value=v)) for n, v in keys.items()}
-    asks = {n: (_ids(tokenizer, QUESTION.format(name=n)), _ids(tokenizer, ANSWER.format(value=v)))
-            for n, v in keys.items()}
-    # one-token names and 3-digit values: every record, every question and every answer has one length
-    tail = len(asks[next(iter(keys))][0]) + len(asks[next(iter(keys))][1])
-    body = seq_len - len(prefix) - sum(map(len, stated.values())) - questions * tail
+    asks = [(_ids(tokenizer, QUESTION.format(name=n)), _ids(tokenizer, ANSWER.format(value=keys[n]))) for n in asked]
+    body = seq_len - len(prefix) - sum(map(len, stated.values())) - sum(len(q) + len(a) for q, a in asks)
     if body < 8 or len(haystack) < body:
         raise ValueError(f"a row of {seq_len} tokens cannot hold {records} records and {questions} questions in a "
                          f"haystack of {len(haystack)} tokens; raise seq_len or lower records.")
@@ -100,19 +100,14 @@ def recall_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random,
         ids += stated[name]
         prev = pos
     ids += text[prev:]
-    asked = rng.sample(list(keys)[: max(questions, round(ask_within * records))], questions)
     labels = [-100] * len(ids)
     answers, distances = [], []
-    for name in asked:
-        question, answer = asks[name]
+    for name, (question, answer) in zip(asked, asks):
         distances.append(len(ids) - where[name])
         ids += question
         answers.append((len(ids), len(ids) + len(answer)))
         ids += answer
         labels += [-100] * len(question) + answer
-    if len(ids) != seq_len:
-        raise ValueError(f"the row came out {len(ids)} tokens long, not {seq_len}: this tokenizer reads the records "
-                         "or questions of some names in different lengths.")
     return RecallRow(ids, labels, answers, distances)
 
 
