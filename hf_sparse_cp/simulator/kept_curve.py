@@ -146,7 +146,8 @@ class KeptCurve:
         pattern = SparseAttentionConfig.from_dict(report["patterns"][setting]) if "patterns" in report else \
             SparseAttentionConfig(min_seq_len=0, **report["curve_settings"][setting])
         layers = report.get("layers_measured")
-        label = report.get("model", "the measured model") + (", every layer" if layers is None else f", layers {layers}")
+        label = report.get("model", "the measured model") + (", every layer" if layers is None else
+                                                              f", layers {layers}")
         return cls(points, f"{Path(path).name} ({setting}, {label})", pattern)
 
     def to_dict(self) -> dict:

@@ -5,9 +5,9 @@ of a window of real text, then asks for some of them at its end in another form 
 answering takes finding the one record of the asked name among all the others, stated up to thousands of
 tokens earlier, and copying its value. Every name appears in one record of its row and is asked at most
 once (names the tokenizer reads as one token where it has enough: `key_names`); the asked records are
-drawn from the first `ask_within` share of the records (so they lie far before the questions). The pieces are tokenized apart and joined as token ids, so a row has exactly the
-length asked for and the answers' tokens are known: `labels` hold them and -100 elsewhere (a loss on the
-recall alone).
+drawn from the first `ask_within` share of the records (so they lie far before the questions). The pieces
+are tokenized apart and joined as token ids, so a row has exactly the length asked for and the answers'
+tokens are known: `labels` hold them and -100 elsewhere (a loss on the recall alone).
 
 `answer_hits` scores a row in one forward: an answer is right when every one of its tokens is the argmax
 after the tokens before it (teacher forcing: the earlier questions come with their right answers, as in

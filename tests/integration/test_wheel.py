@@ -53,8 +53,8 @@ def test_the_installed_package_lists_and_runs_a_recipe(installed):
     where = _run(python, "-c", "import hf_sparse_cp; print(hf_sparse_cp.__file__)", cwd=tmp)
     assert where.startswith(str(tmp / "env")), where  # the installed package, not the repository's
     # the simulator and `memory` read the shipped kept-share curve from the installed package data
-    source = _run(python, "-c", "from hf_sparse_cp.simulator.kept_curve import DEFAULT_CURVE; print(DEFAULT_CURVE.source)",
-                  cwd=tmp)
+    source = _run(python, "-c", "from hf_sparse_cp.simulator.kept_curve import DEFAULT_CURVE; "
+                  "print(DEFAULT_CURVE.source)", cwd=tmp)
     assert "defaults" in source
     cli = tmp / "env" / "bin" / "hf-sparse-cp"
     listed = _run(cli, "recipes", cwd=tmp)
