@@ -1,6 +1,7 @@
 """The engines that compute a block-sparse attention call, registered by name (`ENGINES`): the Triton
-kernels, FlexAttention and the PyTorch reference, each taking the call as one `AttentionCall`; and which
-one computes a call (`resolve_engine`, the chosen engine logged once).
+kernels, FlexAttention, the PyTorch reference and the dense masked form (`masked.py`, named only, never
+chosen by 'auto'), each taking the call as one `AttentionCall`; and which one computes a call
+(`resolve_engine`, the chosen engine logged once).
 
 The setting (`SparseAttentionConfig.attention_engine`, or the `implementation` argument of the
 attention functions) names one, or 'auto'; `$HF_SPARSE_CP_ATTENTION_ENGINE` replaces 'auto' (the
@@ -35,6 +36,7 @@ import torch
 from ..backends import choose_backend
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout, check_attention_inputs
+from .masked import masked_backward, masked_forward
 from .merge import merge_attention
 from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
@@ -176,8 +178,22 @@ class ReferenceEngine(Engine):
         return reference_backward(call.q, call.k, call.v, out, lse, dout, call.layout, dlse=dlse, **call.options())
 
 
+class MaskedEngine(Engine):
+    """Dense arithmetic with the layout as a mask (`masked.py`), any device and dtype: no work skipped, faster
+    than the reference on a CPU at a few thousand tokens."""
+
+    name = "masked"
+
+    def part(self, call):
+        return masked_forward(call.q, call.k, call.v, call.layout, **call.options())
+
+    def part_grads(self, call, out, lse, dout, dlse):
+        return masked_backward(call.q, call.k, call.v, out, lse, dout, call.layout, dlse=dlse, **call.options())
+
+
 # The engines by name, and the settings that name one ('auto': chosen per call, `resolve_engine`).
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TritonEngine(), FlexEngine(), ReferenceEngine())}
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TritonEngine(), FlexEngine(), ReferenceEngine(),
+                                                                 MaskedEngine())}
 SETTINGS = ("auto", *ENGINES)
 
 
@@ -241,12 +257,13 @@ def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:
 
 
 def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = "auto") -> str:
-    """The engine of one call: 'triton', 'flex' or 'reference' (a key of `ENGINES`), each choice logged once.
+    """The engine of one call: 'triton', 'flex', 'reference' or 'masked' (a key of `ENGINES`), each choice logged
+    once.
 
     Args:
         q: the queries [B, Hq, Sq, D] (device, dtype and head_dim decide what can run them).
         layout: the call's layout (its kept fraction and columns, for 'auto' on CUDA).
-        implementation: 'auto', 'triton', 'flex' or 'reference'; 'auto' gives way to
+        implementation: 'auto' or an engine's name; 'auto' gives way to
             `$HF_SPARSE_CP_ATTENTION_ENGINE` when that is set.
 
     Returns:
