@@ -220,7 +220,7 @@ def training_rows(tokenizer, args: FinetuneQualityArguments) -> list[dict]:
 
 
 def recall_rows(tokenizer, windows: list[list[int]], rng: random.Random,
-                args: FinetuneQualityArguments) -> list[kv_recall.RecallRow]:
+                args: FinetuneQualityArguments) -> list[retrieval.AnswerRow]:
     """A kv_recall row of --seq_len tokens on each window of text."""
     prefix = pretrained.text_prefix(tokenizer)
     return [kv_recall.recall_row(tokenizer, w, args.seq_len, rng, args.records, args.questions, prefix=prefix)
@@ -351,17 +351,17 @@ def perplexity(model, windows: list[list[int]], device: str) -> float:
 
 def retrieval_scores(model, prompts: list[retrieval.RetrievalPrompt]) -> dict:
     """Exact-match accuracy overall and per (length, depth), with Wilson 95% intervals."""
-    return retrieval.scores(prompts, [retrieval.answer_matches(model, p) for p in prompts])
+    return retrieval.scores([(p.seq_len, p.depth, retrieval.answer_matches(model, p)) for p in prompts])
 
 
-def recall_scores(model, rows: list[kv_recall.RecallRow], cfg: SparseAttentionConfig | None) -> dict:
+def recall_scores(model, rows: list[retrieval.AnswerRow], cfg: SparseAttentionConfig | None) -> dict:
     """kv_recall accuracy of `rows` served with `cfg` (None: dense): over every question with a Wilson 95%
     interval (questions of one row are not independent: the interval is a rough guide), per row, and every
     answer's hit."""
     previous = model.config._attn_implementation  # (a probe while training returns the arm's backend)
     set_attention(model, cfg)
     model.eval()
-    hits = [kv_recall.answer_hits(model, row) for row in rows]
+    hits = [retrieval.answer_hits(model, row) for row in rows]
     model.set_attn_implementation(previous)
     return {**retrieval.accuracy([h for row in hits for h in row]), "per_row": [sum(row) for row in hits],
             "hits": hits}

