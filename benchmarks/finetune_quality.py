@@ -305,12 +305,12 @@ def freeze_below(model, first: int) -> list[str]:
     return names
 
 
-def train(name: str, base, rows: list[dict], args: FinetuneQualityArguments, record: dict,
+def train(name: str, model, rows: list[dict], args: FinetuneQualityArguments, record: dict,
           written: Callable[[], None], probe: list | None = None) -> torch.nn.Module:
-    """The arm's model after training on `rows` ({input_ids, labels}); fills `record` with its losses, kept
-    fractions (from the Trainer's logs, after the sparsity callback) and times per step, and the recall of
-    `probe` every --eval_every steps, calling `written()` after each step."""
-    model = copy.deepcopy(base).train()
+    """`model` (the start model's copy for this arm) after training on `rows` ({input_ids, labels}); fills
+    `record` with its losses, kept fractions (from the Trainer's logs, after the sparsity callback) and times
+    per step, and the recall of `probe` every --eval_every steps, calling `written()` after each step."""
+    model.train()
     trainable = freeze_below(model, args.train_layers_from) if args.train_layers_from else None
     data = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]})
     cfg = arm_config(name, args)
@@ -672,13 +672,18 @@ def main(argv: list[str] | None = None) -> dict:
     out = ReportFile(RESULTS_DIR, "finetune-quality", args.output)
     if not args.no_start:
         start = report["arms"].setdefault("start", {})
-        evaluate(copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out, report)
+        evaluate(base if args.start_only else copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out,
+                 report)
     probe = prompts[:args.eval_every_rows] if args.task == "kv_recall" and args.eval_every else None
-    for name in [] if args.start_only else args.arms:
+    arms = [] if args.start_only else args.arms
+    for i, name in enumerate(arms):
+        # the start model's own weights for the last arm when nothing else reads them (a process per arm: one copy
+        # of the model less)
+        model = base if i == len(arms) - 1 and args.no_start else copy.deepcopy(base)
         record = report["arms"].setdefault(name, {}).setdefault("training", {})
         saved = Path(args.checkpoint_dir) / f"{name}.pt" if args.checkpoint_dir else None
         if saved is not None and saved.is_file():  # trained by an earlier run of these settings: evaluated again
-            model, kept = copy.deepcopy(base), torch.load(saved)
+            kept = torch.load(saved)
             if kept["settings"] != comparable_settings(args):
                 raise ValueError(f"{saved} was trained with other settings; delete it or pass another "
                                  "--checkpoint_dir.")
@@ -686,7 +691,7 @@ def main(argv: list[str] | None = None) -> dict:
             record.update(kept["record"])
             print(f"  {name}: trained weights read from {saved}", file=sys.stderr, flush=True)
         else:
-            model = train(name, base, rows, args, record, lambda: out.write(report), probe)
+            model = train(name, model, rows, args, record, lambda: out.write(report), probe)
             if saved is not None:
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({"settings": comparable_settings(args), "record": record,
