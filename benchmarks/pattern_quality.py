@@ -961,9 +961,11 @@ def equal_recall_targets(report: dict) -> list[dict]:
 
 def frontier_targets(report: dict) -> list[dict]:
     """#34's targets from a frontier report: recall at 8K, the perplexity frontier at 4K, and which estimator
-    setting the defaults come from; #53's equal-recall target (`equal_recall_targets`)."""
+    setting the defaults come from (at the lengths that measured #34's settings, not the defaults alone); #53's
+    equal-recall target (`equal_recall_targets`)."""
     rows = equal_recall_targets(report)
-    lengths = report["frontier"]
+    lengths = {s: length for s, length in report["frontier"].items()
+               if {n for n, p in length["points"].items() if p["kind"] == "estimator"} - {FRONTIER_DEFAULTS}}
     if "8192" in lengths:
         points = lengths["8192"]["points"]
         ok = [(n, p) for n, p in points.items() if p["kind"] == "estimator" and p["kept_fraction"] <= FRONTIER_KEPT]

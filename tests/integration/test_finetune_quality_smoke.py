@@ -69,6 +69,36 @@ def test_combine_merges_arms_and_refuses_other_settings(bench, tmp_path):
         bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
 
 
+def test_kv_recall_learns_from_its_answers_and_is_scored_dense_and_sparse(bench, tmp_path):
+    """#53's skill task at tiny size: the loss on the answers only, the held-out recall of every arm served dense
+    and with its own pattern (the start model with each arm's), a probe while training, only the upper layer
+    trained, the targets; a rerun with --checkpoint_dir trains nothing and scores the same weights the same."""
+    argv = TINY + ["--task", "kv_recall", "--arms", "dense", "aggressive", "--eval_every", "1", "--eval_every_rows",
+                   "1", "--train_layers_from", "1", "--checkpoint_dir", str(tmp_path / "trained")]
+    first = bench.main(argv + ["--output", str(tmp_path / "a.json")])
+    start, dense, aggressive = (first["arms"][n] for n in ("start", "dense", "aggressive"))
+    tokenizer, _ = bench.load(bench.FinetuneQualityArguments(dry_run=True))
+    args = bench.FinetuneQualityArguments(dry_run=True, task="kv_recall", steps=2)
+    rows = bench.training_rows(tokenizer, args)
+    assert len(rows) == 2 and all(sum(label != -100 for label in r["labels"]) < 0.1 * len(r["labels"]) for r in rows)
+    assert start["recall_dense"]["prompts"] == 2 * 2 and set(start["recall_sparse"]) == {"aggressive"}
+    assert set(aggressive["recall_sparse"]) == {"aggressive"} and "recall_sparse" not in dense
+    assert [p["step"] for p in dense["training"]["probe"]] == [1, 2]
+    assert 0 < dense["training"]["trainable_parameters"] and "decoder layers 1-" in dense["training"]["trainable"]
+    assert aggressive["training"]["kept_fraction_mean"] < 1.0
+    targets = {r["target"].split(":")[0].split(" (")[0]: r for r in first["targets"]}
+    assert "aggressive arm" in targets and targets["aggressive arm"]["pass"]  # its pattern was active
+    assert any(t.startswith("dense arm learns the task in 2 steps") for t in targets)
+    assert (tmp_path / "a.png").stat().st_size > 0
+    second = bench.main(argv + ["--output", str(tmp_path / "b.json")])
+    for name in ("dense", "aggressive"):
+        assert second["arms"][name]["training"] == first["arms"][name]["training"]
+        assert second["arms"][name]["recall_dense"] == first["arms"][name]["recall_dense"]
+    with pytest.raises(ValueError, match="trained with other settings"):
+        bench.main(argv[:-2] + ["--checkpoint_dir", str(tmp_path / "trained"), "--lr", "1e-3", "--output",
+                                str(tmp_path / "c.json")])
+
+
 def test_bad_arguments_are_refused(bench):
     with pytest.raises(ValueError, match="unknown arms"):
         bench.main(TINY + ["--arms", "sparse"])
@@ -83,6 +113,6 @@ def test_gpu_session_finetune_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "finetune-quality.json").read_text())
     assert report["complete"] and report["settings"]["dry_run"] and report["device_type"] == "cpu"
-    assert list(report["arms"]) == ["start", "dense", "default", "aggressive", "smet"]
+    assert list(report["arms"]) == ["start", "dense", "default", "aggressive", "aggressive-4k", "smet"]
     assert report["settings"]["seq_len"] == 512 and report["settings"]["rope_theta"] is None  # the dry run's sizes
     assert (tmp_path / "finetune-quality.png").stat().st_size > 0 and (tmp_path / "finetune.log").stat().st_size > 0

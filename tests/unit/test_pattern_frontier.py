@@ -158,6 +158,9 @@ def test_the_equal_recall_target_reads_the_best_pattern_at_the_defaults_recall(p
     assert per_head["measured"] is None and "none measured reaches" in per_head["target"]  # 0.94 < 0.96
     assert pq.recall_crossing([points["l10"], points["l20"]], 0.9) == 0.1
     assert pq.equal_recall_targets({"frontier": {"4096": {"points": {"l10": points["l10"]}}}}) == []
+    # a report that measured the defaults alone against the limit holds #53's target, none of #34's
+    only = {"frontier": {"8192": {"points": points}, "4096": {"points": points}}}
+    assert [r["target"] for r in pq.frontier_targets(only)] == [r["target"] for r in pq.equal_recall_targets(only)]
 
 
 def test_curve_and_retrieval_targets(pq):
