@@ -286,7 +286,7 @@ class PatternQualityArguments:
         unknown = sorted(set(self.retrieval_settings) - set(CURVE_SETTINGS))
         if unknown:
             raise ValueError(f"unknown retrieval settings {unknown}; choose from {list(CURVE_SETTINGS)}.")
-        bad = [n for n in self.retrieval_lengths if n > context or n % 128]
+        bad = [n for n in self.retrieval_lengths if n > context or n % 128] if self.retrieval else []
         if bad:
             raise ValueError(f"retrieval lengths {bad} must be multiples of 128 (the block) and at most "
                              f"{self.model}'s context, {context}.")
@@ -1065,16 +1065,22 @@ def format_frontier(report: dict) -> str:
 
 
 def plot_frontier(report: dict, path: Path) -> None:
+    """Recall against kept fraction per length, every curve in one color across the panels, and below it
+    perplexity against kept fraction when some point's perplexity was measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = report["frontier"]
-    fig, axes = plt.subplots(2, len(lengths), figsize=(6.5 * len(lengths), 9), squeeze=False)
+    with_ppl = any(p.get("perplexity_change") is not None for length in lengths.values()
+                   for p in length["points"].values())
+    rows = 2 if with_ppl else 1
+    fig, axes = plt.subplots(rows, len(lengths), figsize=(6.5 * len(lengths), 4.5 * rows + 0.5), squeeze=False)
     labels = sorted({curve_label(n, p) for length in lengths.values() for n, p in length["points"].items()})
     palette = plt.get_cmap("tab20").colors  # one color per curve in every panel
     colors = {label: palette[i % len(palette)] for i, label in enumerate(labels)}
+    right = max(0.7, max(p["kept_fraction"] for length in lengths.values() for p in length["points"].values()) + 0.05)
     for col, (s, length) in enumerate(lengths.items()):
         curves: dict[str, list] = {}
         for name, p in length["points"].items():
@@ -1087,16 +1093,20 @@ def plot_frontier(report: dict, path: Path) -> None:
             ppl = [(x, 100 * c) for x, _, c in pts if c is not None]
             if ppl:
                 axes[1, col].plot(*zip(*ppl), label=label, **style)
-        axes[0, col].set(xlabel="kept block fraction", ylabel="mean mass recall (all queries, all layers)",
-                         title=f"S={s}: recall vs kept", xlim=(0, 0.7), ylim=(0.7, 1.0))
-        axes[1, col].axhline(100 * FRONTIER_PPL, color="gray", ls=":", lw=0.8)
-        axes[1, col].axhline(100 * DEFAULTS_PPL, color="gray", ls=":", lw=0.8)
-        axes[1, col].set(xlabel="kept block fraction", ylabel="perplexity above dense (%)", yscale="symlog",
-                         title=f"S={s}: perplexity vs kept (dense {ppl_cells(length['perplexity_dense'], 0.0)[:8]})",
-                         xlim=(0, 0.7))
+        axes[0, col].set(xlabel="kept block fraction", ylabel="mean mass recall (all queries, measured layers)",
+                         title=f"S={s}: recall vs kept", xlim=(0, right), ylim=(0.7, 1.0))
+        if with_ppl:
+            axes[1, col].axhline(100 * FRONTIER_PPL, color="gray", ls=":", lw=0.8)
+            axes[1, col].axhline(100 * DEFAULTS_PPL, color="gray", ls=":", lw=0.8)
+            axes[1, col].set(xlabel="kept block fraction", ylabel="perplexity above dense (%)", yscale="symlog",
+                             title=f"S={s}: perplexity vs kept (dense "
+                                   f"{ppl_cells(length['perplexity_dense'], 0.0)[:8].strip()})", xlim=(0, right))
         for ax in axes[:, col]:
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
+    layers = report.get("layers_measured")
+    fig.suptitle(f"{report.get('model', '').split(' (')[0]}" + ("" if layers is None else f", layers {layers}"),
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -112,6 +112,14 @@ def test_unknown_settings_and_lengths_are_refused(pq):
         pq.PatternQualityArguments(frontier_lengths=[1000])
     with pytest.raises(ValueError, match="unknown limit families"):
         pq.PatternQualityArguments(limit_families=["diagonal"])
+    # lengths within the model's context: SmolLM2's 8K by default, Gemma's 32K; retrieval lengths when retrieving
+    with pytest.raises(ValueError, match="at most smollm2-135m's context, 8192"):
+        pq.PatternQualityArguments(frontier_lengths=[16384])
+    with pytest.raises(ValueError, match="at most smollm2-135m's context, 8192"):
+        pq.PatternQualityArguments(retrieval=True)
+    assert pq.PatternQualityArguments(model="gemma3-270m", frontier_lengths=[32768], retrieval=True)
+    with pytest.raises(ValueError, match="pretrained model 'gemma' is unknown"):
+        pq.PatternQualityArguments(model="gemma")
 
 
 def test_curve_point_summarizes_the_layers_with_the_dense_first_one_whole(pq):
