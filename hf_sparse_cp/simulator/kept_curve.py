@@ -1,7 +1,7 @@
 """How much of the causal attention a pattern keeps at a sequence length: a measured curve.
 
 A sparse pattern's kept share falls with length (attention grows more concentrated as there are more
-keys to spread over), so a prediction at 128K or 1M cannot take the share measured at 8K. `KeptCurve`
+keys to spread over), so a prediction at 128K or 1M cannot take the share measured at 8K or 32K. `KeptCurve`
 holds what `benchmarks/pattern_quality.py --curve` measured on one model and one pattern setting (the
 kept share of the causal blocks over the sparse layers, and the widest layout row as a share of the
 query blocks) and answers for any length, saying how it got the answer:
@@ -12,7 +12,7 @@ query blocks) and answers for any length, saying how it got the answer:
   longest two octaves measured (past the longest) or of the shortest two (below the shortest).
 
 Lengths past the model's trained context are kept in the report but never used: the model breaks
-down there (SmolLM2-135M: dense perplexity 33 at 16K against 12 at 8K) and its attention with it.
+down there (SmolLM2-135M, trained to 8K: dense perplexity 33 at 16K against 12 at 8K) and its attention with it.
 A share never goes above 1 or below what every layout keeps (each query block row's own block).
 """
 

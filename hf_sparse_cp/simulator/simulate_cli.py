@@ -12,10 +12,10 @@ Layouts, one sequence per row (default): the dense ring uses the causal layout; 
 configurations a random vertical-slash layout (`random_vertical_slash_layout`, `--layout-heads`
 heads standing for all of the model's heads) keeping the share of the causal blocks that the default
 pattern keeps at that length: read from a measured kept-share curve (`kept_curve.py`; the shipped one
-is SmolLM2-135M's, 1K-8K, extrapolated past 8K and labelled so in every row), or one `--density` at
-every length (MTraining reports 93.7% sparsity: 0.063), with `--verticals` columns (MTraining's budget of
-1000) and `--sink` sink tokens. On one sequence the planner splits it striped, as striped sparse does.
-The first `--dense-first-layers` layers (the plugin's default: 1) run the same ring over the causal
+is Gemma 3 270M's global layers at 1K-32K, extrapolated past 32K; every row names its source and basis), or
+one `--density` at every length (MTraining reports 93.7% sparsity: 0.063), with `--verticals` columns
+(MTraining's budget of 1000) and `--sink` sink tokens. On one sequence the planner splits it striped, as
+striped sparse does. The first `--dense-first-layers` layers (the plugin's default: 1) run the same ring over the causal
 layout without estimation, as the plugin runs them under CP; each row gives their share of the attention.
 
 Packed rows (`--mix long-tail|uniform|one`): each row of S tokens packs documents of a length mix
@@ -110,7 +110,7 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
                         "kept-curve's at each length)")
     p.add_argument("--kept-curve", default=None,
                    help="a `benchmarks/pattern_quality.py --curve` report whose 'defaults' setting gives the kept "
-                        "share at each length (default: the shipped SmolLM2-135M measurement)")
+                        f"share at each length (default: the shipped measurement, {DEFAULT_CURVE.source})")
     p.add_argument("--dense-first-layers", type=_at_least(0), default=SparseAttentionConfig().dense_first_layers,
                    help="layers kept dense at the start of the model (the plugin's --sparse_dense_first_layers)")
     p.add_argument("--spread", type=_fraction, default=1.0,
