@@ -33,7 +33,7 @@ import torch
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.comm import RingTopology
-from hf_sparse_cp.distributed.sharding import SHARDINGS, ShardPlan
+from hf_sparse_cp.distributed.split.blocks import SHARDINGS, ShardPlan
 from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 

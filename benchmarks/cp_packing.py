@@ -47,14 +47,9 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.distributed.document_sharding import (
-    PlannerCosts,
-    kept_blocks_per_row,
-    plan_documents,
-    row_runs,
-    split_every_document,
-)
-from hf_sparse_cp.distributed.sharding import ShardPlan
+from hf_sparse_cp.distributed.cp_config import PlannerCosts
+from hf_sparse_cp.distributed.split.blocks import ShardPlan
+from hf_sparse_cp.distributed.split.documents import kept_blocks_per_row, plan_documents, row_runs, split_every_document
 from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.simulator.workloads import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 

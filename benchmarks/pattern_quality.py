@@ -46,8 +46,8 @@ import hf_sparse_cp
 from hf_sparse_cp.attention.estimate import estimate_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
+from hf_sparse_cp.config.sections import DEFAULT_MODE, modes_of
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.sections import DEFAULT_MODE, modes_of
 from hf_sparse_cp.testing import pattern_limit, pretrained, retrieval
 from hf_sparse_cp.testing.benchmarking import ReportFile, format_targets, write_report
 from hf_sparse_cp.testing.pattern_quality import (

@@ -60,8 +60,8 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import CPShard, ParallelDims, RingTopology, ShardPlan, ring_sparse_attention
-from hf_sparse_cp.distributed.mesh import ContextParallelConfig
-from hf_sparse_cp.distributed.ring_plan import RingPlan
+from hf_sparse_cp.distributed.cp_config import ContextParallelConfig
+from hf_sparse_cp.distributed.ring.plan import RingPlan
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.simulator.simulate import Cluster, KernelCosts, Link, plan_work, simulate_ring
 from hf_sparse_cp.simulator.traffic import plan_traffic

@@ -60,11 +60,11 @@ from hf_sparse_cp import (
     SparseTrainer,
     SparseTrainingArguments,
 )
+from hf_sparse_cp.config.files import check_field_types, read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig, check_launched
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tiny_model import tiny_config
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.files import check_field_types, read_mapping
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening

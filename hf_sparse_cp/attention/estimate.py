@@ -4,7 +4,7 @@ One pipeline (`estimate`): the *documents* of a call long enough for a sparse pa
 *segments*, the *scores* of each segment's keys, the *budget* that keeps the best of them (`cfg.budget`,
 `hf_sparse_cp.attention.budgets`) and the *layout* built from what it kept. The scores stage is the
 caller's: one process scores whole rows (`estimate_layout`), a context-parallel rank scores its shard and
-gathers every rank's candidates (`hf_sparse_cp.distributed.estimation`); the other stages are the same.
+gathers every rank's candidates (`hf_sparse_cp.distributed.ring.estimation`); the other stages are the same.
 
 Scores: the last `last_q` queries of each long document score every earlier key of their document (a
 column's *vertical* score is the attention mass it receives, a diagonal's *slash* score the mass along

@@ -17,8 +17,8 @@ import torch
 from ..attention.estimate import Estimate, KeptEntries, estimation_segments, layout_from_kept, long_documents
 from ..attention.tokens import PAD_SEGMENT, TokenMeta
 from ..config import SparseAttentionConfig
-from .context import CPShard
-from .sharding import BlockSplit
+from .shard import CPShard
+from .split.blocks import BlockSplit
 
 
 def to_original_order(plan: BlockSplit, x: torch.Tensor, fill) -> torch.Tensor:

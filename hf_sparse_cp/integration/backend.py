@@ -32,9 +32,9 @@ from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.tokens import TokenMeta, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..distributed.context import CP_SHARD_KWARG
-from ..distributed.head_parallel import head_parallel_attention
-from ..distributed.ring_attention import context_parallel_attention
+from ..distributed.heads.attention import head_parallel_attention
+from ..distributed.ring.attention import context_parallel_attention
+from ..distributed.shard import CP_SHARD_KWARG
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"

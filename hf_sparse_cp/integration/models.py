@@ -30,8 +30,8 @@ import logging
 import torch
 
 from ..config import BACKEND_NAME
-from ..distributed.context import CP_SHARD_KWARG
-from ..distributed.heads import HeadSplit
+from ..distributed.heads.split import HeadSplit
+from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
 from .architectures import cp_tested_model_types
 from .backend import ShardProbe, probing

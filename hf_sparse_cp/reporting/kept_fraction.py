@@ -18,7 +18,7 @@ from typing import Any
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..backends import require_matplotlib
-from ..files import read_mapping
+from ..config.files import read_mapping
 from ..integration.stats import LAYER_LOG_KEY  # what `SparsityLoggingCallback` logs (layer -1: no layer index)
 
 TRAINER_STATE = "trainer_state.json"

@@ -1,6 +1,6 @@
 """Training-step time under head parallelism (`--cp_mode ulysses`) and its hybrid with the sparse ring.
 
-What a rank runs per layer (`distributed/head_parallel.py`): the linear layers over its piece of the
+What a rank runs per layer (`distributed/heads/attention.py`): the linear layers over its piece of the
 sequence (S / CP tokens), one all-to-all of q, k and v to the head split (`HeadSplit`: the busiest
 rank's query heads and the key/value heads they read, replicated ones included), attention of its heads
 over the whole sequence ('ulysses': one process's estimation and kernels, no collective) or over the
@@ -22,8 +22,8 @@ from dataclasses import replace
 
 from ..config import SparseAttentionConfig
 from ..distributed.comm import RingTopology
-from ..distributed.heads import HeadSplit
-from ..distributed.sharding import ShardPlan
+from ..distributed.heads.split import HeadSplit
+from ..distributed.split.blocks import ShardPlan
 from .shapes import ModelShape
 from .simulate import Cluster, RingSetup, Workload
 from .step_model import Hardware, estimation_time, ring_attention_time, ring_counts

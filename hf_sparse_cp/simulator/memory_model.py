@@ -286,7 +286,7 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         group = sh.heads // sh.kv_heads
         tile = min(estimate.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
         per_token = sh.heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
-        if s.cp > 1:  # distributed/estimation.py: every rank holds the slash sums over all offsets, and reduces them
+        if s.cp > 1:  # distributed/ring/estimation.py: every rank holds the slash sums over all offsets, and reduces them
             per_token += seq_len / tokens * sh.heads * 4 * 2
         estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
     forward = backward = 0.0
@@ -374,7 +374,7 @@ class _Step:
             tape.transient("attention layouts", *self.geometry.construction)
         layout = tape.alloc("attention layouts", per_token=self.geometry.layout_per_token)
         if self.s.cp > 1:
-            # the ring (distributed/ring_attention.py): fp32 out and lse merged over the steps, this rank's K/V
+            # the ring (distributed/ring/attention.py): fp32 out and lse merged over the steps, this rank's K/V
             # stacked, the next step's K/V received while this one computes; then out in the input dtype and
             # its [B, S, H, D] copy for o_proj
             ring = [tape.alloc("CP ring buffers", per_token=x) for x in (4 * q, 4 * hq, 2 * kv * a)]

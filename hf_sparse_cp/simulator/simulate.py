@@ -19,7 +19,7 @@ ring as the code posts them.
 
 A configuration (split, ring shape, layout kind) is one entry of `CONFIGURATIONS`: a function of a
 `Workload` (a row's documents and its layouts in any split's order) returning the `RingSetup` to
-simulate. The splits are the block shardings and the document planner (`document_sharding.plan_documents`,
+simulate. The splits are the block shardings and the document planner (`split.documents.plan_documents`,
 ragged per-rank block counts), flat or hierarchical rings.
 """
 
@@ -32,9 +32,9 @@ import torch
 
 from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
-from ..distributed.document_sharding import plan_documents
-from ..distributed.ring_plan import check_global_layout
-from ..distributed.sharding import BlockSplit, ShardPlan
+from ..distributed.ring.plan import check_global_layout
+from ..distributed.split.blocks import BlockSplit, ShardPlan
+from ..distributed.split.documents import plan_documents
 from .traffic import PlanTraffic
 
 
@@ -248,7 +248,7 @@ class RingSetup:
 class Workload:
     """One row to simulate: its runs (documents and padding, in row order) and its layouts.
 
-    lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `document_sharding.row_runs`);
+    lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `split.documents.row_runs`);
     layout(kind, plan): the global layout of `kind` ('dense': causal within documents, or
     'sparse') over `plan`'s padded sequence, in `plan`'s global order;
     kept_per_row: key blocks a sparse document's query row lists (the planner's cost model).

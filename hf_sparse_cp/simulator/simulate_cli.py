@@ -47,7 +47,7 @@ from ..attention.build import dense_layout
 from ..attention.tokens import TokenMeta
 from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
-from ..distributed.document_sharding import kept_blocks_per_row, row_runs
+from ..distributed.split.documents import kept_blocks_per_row, row_runs
 from ..env import environment
 from .kept_curve import DEFAULT_CURVE, KeptAt, KeptCurve
 from .shapes import MODELS

@@ -16,8 +16,8 @@ import torch
 
 from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
-from ..distributed.ring_plan import TransferSets, column_tokens, pair_work, slot_ops
-from ..distributed.sharding import BlockSplit
+from ..distributed.ring.plan import TransferSets, column_tokens, pair_work, slot_ops
+from ..distributed.split.blocks import BlockSplit
 
 
 @dataclass

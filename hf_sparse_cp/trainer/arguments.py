@@ -23,9 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
-from ..files import check_field_types
+from ..config.files import check_field_types
+from ..config.sections import (
+    DEFAULT_MODE,
+    Scoring,
+    budget_class,
+    budget_field_names,
+    budget_modes,
+    modes_of,
+    scoring_from,
+)
 from ..memory import MemorySavers
-from ..sections import DEFAULT_MODE, Scoring, budget_class, budget_field_names, budget_modes, modes_of, scoring_from
 from ..smet import SMETConfig
 from ..smet.config import module_names
 

@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..attention.tokens import PAD_SEGMENT
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
-from ..distributed.sharding import sequence_meta
+from ..distributed.split.blocks import sequence_meta
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel

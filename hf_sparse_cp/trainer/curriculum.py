@@ -40,8 +40,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config.files import check_field_types
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prepare_context_parallel_inputs
-from ..files import check_field_types
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel

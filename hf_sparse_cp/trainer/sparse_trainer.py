@@ -37,8 +37,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config.files import check_field_types
 from ..distributed import ContextParallelConfig, quiesce_process_groups
-from ..files import check_field_types
 from ..integration import compat
 from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig

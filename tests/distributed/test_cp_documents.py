@@ -22,7 +22,8 @@ from hf_sparse_cp.distributed import (
     ring_sparse_attention,
 )
 from hf_sparse_cp.distributed.comm import RingTopology
-from hf_sparse_cp.distributed.document_sharding import PlannerCosts, plan_documents, plan_row
+from hf_sparse_cp.distributed.cp_config import PlannerCosts
+from hf_sparse_cp.distributed.split.documents import plan_documents, plan_row
 from hf_sparse_cp.simulator.traffic import pipelined_time, ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
@@ -162,7 +163,7 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
 
 
 def test_the_split_sweep_reaches_every_document():
-    from hf_sparse_cp.distributed.document_sharding import _split_counts
+    from hf_sparse_cp.distributed.split.documents import _split_counts
 
     assert list(_split_counts(3, 45, 8)) == [3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16, 20, 25, 31, 38, 45]
     assert list(_split_counts(0, 0, 8)) == [0] and list(_split_counts(5, 3, 8)) == []
@@ -443,14 +444,14 @@ def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):
 
 def test_planner_costs_come_from_the_cp_flags(monkeypatch):
     """--cp_planner_* reach the planner through ParallelDims; an explicit argument wins; negative costs are refused."""
-    import hf_sparse_cp.distributed.context as context
+    import hf_sparse_cp.distributed.split.inputs as inputs_module
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
 
     flags = ContextParallelConfig(cp_sharding="document", cp_planner_linear_per_token=5000.0,
                                   cp_planner_comm_per_token=1200.0)
     seen = []
-    real = context.plan_row
-    monkeypatch.setattr(context, "plan_row",
+    real = inputs_module.plan_row
+    monkeypatch.setattr(inputs_module, "plan_row",
                         lambda meta, cfg, cp, costs: seen.append(costs) or real(meta, cfg, cp, costs))
     parallel = ParallelDims(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
                             inner_group=None, outer_group=None, sharding="document",

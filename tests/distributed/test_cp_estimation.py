@@ -86,7 +86,7 @@ def test_candidates_select_what_the_whole_row_selects(budget):
 @pytest.mark.parametrize("sharding", ["striped", "zigzag", "planner"])
 def test_tokens_before_counts_each_ranks_tokens(sharding):
     from hf_sparse_cp.distributed import ShardPlan
-    from hf_sparse_cp.distributed.document_sharding import plan_row
+    from hf_sparse_cp.distributed.split.documents import plan_row
 
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))
     s = meta.segment.shape[1]
@@ -98,7 +98,7 @@ def test_tokens_before_counts_each_ranks_tokens(sharding):
 
 def _case(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
-    from hf_sparse_cp.distributed.document_sharding import plan_row
+    from hf_sparse_cp.distributed.split.documents import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     sent = []
@@ -146,7 +146,7 @@ def _case(rank: int, world: int) -> dict:
 
 def _ties(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan, estimate_layout_cp
-    from hf_sparse_cp.distributed.document_sharding import plan_row
+    from hf_sparse_cp.distributed.split.documents import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))

@@ -53,9 +53,9 @@ INPUTS = ("constant keys", "repeated tokens", "equal run")
 
 def _worker(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan
-    from hf_sparse_cp.distributed.document_sharding import plan_row
-    from hf_sparse_cp.distributed.estimation import estimate_cp
     from hf_sparse_cp.distributed.kept_fraction import one_process_kept_fraction, to_original_order
+    from hf_sparse_cp.distributed.ring.estimation import estimate_cp
+    from hf_sparse_cp.distributed.split.documents import plan_row
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
     meta = TokenMeta.from_segments(torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in RUNS]).unsqueeze(0))

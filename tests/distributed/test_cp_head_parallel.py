@@ -25,7 +25,7 @@ from hf_sparse_cp.distributed import (
     head_parallel_attention,
     prepare_context_parallel_inputs,
 )
-from hf_sparse_cp.distributed.sharding import sequence_meta
+from hf_sparse_cp.distributed.split.blocks import sequence_meta
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, data_parallel_grad_error, rel_rms

@@ -19,6 +19,7 @@ from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments, checkpointing_enabled
 from hf_sparse_cp.attention.budgets import TopK
+from hf_sparse_cp.config.files import read_mapping
 from hf_sparse_cp.examples import train_long_context as example
 from hf_sparse_cp.examples.train_long_context import (
     DEMO_BUDGET,
@@ -27,7 +28,6 @@ from hf_sparse_cp.examples.train_long_context import (
     parse_args,
     recipe_flags,
 )
-from hf_sparse_cp.files import read_mapping
 from hf_sparse_cp.integration.compat import attn_implementation
 from hf_sparse_cp.recipes import recipe_names, recipe_path
 from hf_sparse_cp.smet import SMETConfig

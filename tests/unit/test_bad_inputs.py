@@ -70,8 +70,8 @@ def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
 def _plugin_dataclasses():
     from hf_sparse_cp import SMETArguments, SparseAttentionConfig, SparseCPArguments
     from hf_sparse_cp.attention.budgets import Mass, TopK, TopP
+    from hf_sparse_cp.config.sections import Scoring
     from hf_sparse_cp.examples.train_long_context import ScriptArguments
-    from hf_sparse_cp.sections import Scoring
     from hf_sparse_cp.smet import SMETConfig
     from hf_sparse_cp.trainer.curriculum import CurriculumArguments
     from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments

@@ -7,7 +7,7 @@ from transformers import HfArgumentParser
 
 from hf_sparse_cp import SparseAttentionConfig, SparseAttentionFlags
 from hf_sparse_cp.attention.budgets import Mass, TopK, TopP
-from hf_sparse_cp.sections import Scoring
+from hf_sparse_cp.config.sections import Scoring
 from hf_sparse_cp.trainer.arguments import SparseCPArguments, explicit_fields
 
 

@@ -18,7 +18,7 @@ from hf_sparse_cp.distributed import (
     shift_labels,
 )
 from hf_sparse_cp.distributed.mesh import ring_shape
-from hf_sparse_cp.distributed.ring_plan import RingPlan, TransferSets, slot_ops
+from hf_sparse_cp.distributed.ring.plan import RingPlan, TransferSets, slot_ops
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 

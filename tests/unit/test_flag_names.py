@@ -8,7 +8,7 @@ import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainingArguments, sparse_arguments_class
-from hf_sparse_cp.sections import Scoring, budget_class, budget_modes
+from hf_sparse_cp.config.sections import Scoring, budget_class, budget_modes
 from hf_sparse_cp.trainer.arguments import PATTERN_PREFIX
 
 

@@ -18,8 +18,8 @@ import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.estimate import estimate_layout
 from hf_sparse_cp.config import MODEL_CONFIG_ATTRIBUTE
+from hf_sparse_cp.config.flat_keys import BEFORE_ADDED
 from hf_sparse_cp.examples.tiny_model import tiny_config
-from hf_sparse_cp.sections import BEFORE_ADDED
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "saved_configs"
 SAVED = {path.stem: json.loads(path.read_text())["configs"] for path in sorted(FIXTURES.glob("*.json"))}

@@ -8,8 +8,8 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import RingTopology, ShardPlan
-from hf_sparse_cp.distributed.document_sharding import plan_documents
-from hf_sparse_cp.distributed.ring_plan import RingPlan
+from hf_sparse_cp.distributed.ring.plan import RingPlan
+from hf_sparse_cp.distributed.split.documents import plan_documents
 from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import (
     CONFIGURATIONS,

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal, NamedTuple
 
 import torch
 
-from ...sections import BudgetSection
+from ...config.sections import BudgetSection
 
 # Elements of one [heads, entries] tile of the selection's temporaries (sorts, cumulative sums).
 SELECT_ELEMENTS = 1 << 22

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.layout import SparseLayout
-from ..attention.tokens import TokenMeta
-from .comm import RingTopology
-from .sharding import BlockSplit
+from ...attention.layout import SparseLayout
+from ...attention.tokens import TokenMeta
+from ..comm import RingTopology
+from ..split.blocks import BlockSplit
 
 
 def check_global_layout(layout: SparseLayout, plan: BlockSplit) -> None:

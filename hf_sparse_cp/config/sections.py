@@ -1,7 +1,6 @@
 """The sections of `SparseAttentionConfig`: `Scoring` (which queries score a document) and `BudgetSection`,
 the base of the budget modes, which `hf_sparse_cp.attention.budgets` registers by name (`register_budget`);
-and where the flat keys of files and flags of every earlier version (`budget_mode`, `vertical_topk`,
-`last_q`, ...) go in the tree.
+the flat keys of earlier versions go into them in `flat_keys.py`.
 
 A budget mode is a dataclass holding only its own fields, with their real defaults: a field of another
 mode cannot be given to it, so "read only in its mode" is its constructor's rule, not a table's.
@@ -11,14 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .files import FileConfig, check_field_types
-
-logger = logging.getLogger(__name__)
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
@@ -91,19 +87,19 @@ def default_budget() -> BudgetSection:
 
 def modes_of(name: str) -> list[str]:
     """The budget modes that have field `name`."""
-    return [m for m, cls in _BUDGETS.items() if name in _names(cls)]
+    return [m for m, cls in _BUDGETS.items() if name in field_names(cls)]
 
 
 def budget_field_names() -> list[str]:
     """Every budget mode's fields, each once, in registration order (their flat keys)."""
-    return list(dict.fromkeys(name for cls in _BUDGETS.values() for name in _names(cls)))
+    return list(dict.fromkeys(name for cls in _BUDGETS.values() for name in field_names(cls)))
 
 
-def _names(cls: type) -> tuple[str, ...]:
+def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _mode_words(modes: list[str]) -> str:
+def mode_words(modes: list[str]) -> str:
     return " or ".join(f"budget_mode={m!r}" for m in modes)
 
 
@@ -112,7 +108,7 @@ def inferred_mode(fields_: Mapping[str, Any]) -> str | None:
     one mode that does (None without fields). Fields of no common mode are refused, naming their modes."""
     if not fields_:
         return None
-    holders = [m for m, cls in _BUDGETS.items() if set(fields_) <= set(_names(cls))]
+    holders = [m for m, cls in _BUDGETS.items() if set(fields_) <= set(field_names(cls))]
     if DEFAULT_MODE in holders or len(holders) == 1:
         return DEFAULT_MODE if DEFAULT_MODE in holders else holders[0]
     owners = {m for name in fields_ for m in modes_of(name)}
@@ -130,12 +126,12 @@ def budget_from(section: Mapping[str, Any] | BudgetSection) -> BudgetSection:
     mode = section.pop("mode", None) or inferred_mode(section) or DEFAULT_MODE
     cls = budget_class(mode)
     for name, value in section.items():
-        if name not in _names(cls):
+        if name not in field_names(cls):
             owners = modes_of(name)
             if not owners:
                 raise ValueError(f"Unknown budget key {name!r}; the budget modes' keys: {budget_field_names()}.")
             raise ValueError(
-                f"{name}={value!r} is read only in {_mode_words(owners)} and would do nothing with "
+                f"{name}={value!r} is read only in {mode_words(owners)} and would do nothing with "
                 f"budget_mode={mode!r}; pass --sparse_budget_mode {owners[0]} (budget_mode={owners[0]!r}) with it, "
                 f"or leave {name} unset.")
     return cls(**section)
@@ -188,53 +184,6 @@ def given_sections(budget: BudgetSection, scoring: Scoring) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- flat keys of earlier versions
-
-# The fields that every earlier version's `to_dict` saved: a flat mapping holding all of them is a saved config.
-SAVED_BY_EVERY_VERSION = frozenset((
-    "pattern", "budget_mode", "vertical_topk", "slash_topk", "vertical_topp", "slash_topp", "vertical_cap",
-    "slash_cap", "sink_tokens", "local_window", "last_q", "block_size", "min_seq_len", "dense_first_layers",
-    "layer_overrides"))
-# What a saved config ran with for a field added after it was saved, where that is not the field's default.
-BEFORE_ADDED = {"mass_threshold": 0.0}
-# The values earlier versions saved for fields whose mode was not selected (a value other than these, dropped
-# from a saved config, earns a warning: it did nothing there).
-SAVED_UNREAD = {"vertical_topk": (512, 1024), "slash_topk": (1024, 2048), "vertical_topp": (0.9,),
-                "slash_topp": (0.9,), "vertical_cap": (1024, 4096), "slash_cap": (4096,), "mass_target": (0.9, 0.95),
-                "mass_threshold": (0.0,), "mass_near_blocks": (0,)}
-
-
-def nested(data: Mapping[str, Any], stored: bool = False) -> dict[str, Any]:
-    """`data` (a config's fields with `budget` / `scoring` sections, flat keys of any version, or both) as
-    top-level fields and the two sections; flat keys go on top of the sections given.
-
-    Flat keys as earlier versions read them, where the flat mapping names its budget_mode: a budget field of
-    a mode that a layer override selects is that override's too (the fields were shared), unless it sets
-    the field; one that neither the mode nor an override reads did nothing: refused, or in a `stored` mapping
-    (a saved config: every version saved every field) dropped, with a warning for a value that those versions
-    did not save by default. A saved config ran without the fields added after it (`BEFORE_ADDED`)."""
-    data = dict(data)
-    sections = {name: section_mapping(name, data.pop(name)) for name in ("budget", "scoring") if name in data}
-    flat = {name: data.pop(name) for name in (*budget_field_names(), "budget_mode") if name in data}
-    scoring = {f.name: data.pop(f.name) for f in dataclasses.fields(Scoring) if f.name in data}
-    if stored and SAVED_BY_EVERY_VERSION <= {*data, *flat, *scoring}:
-        flat = {**BEFORE_ADDED, **flat}
-    flat = {name: value for name, value in flat.items() if value is not None}  # None: unset (flags, saved configs)
-    scoring = {name: value for name, value in scoring.items() if value is not None}
-    mode = flat.pop("budget_mode", None)
-    if mode is not None:
-        own, shared = _names(budget_class(mode)), set()
-        if "layer_overrides" in data:
-            data["layer_overrides"], shared = _shared_with_overrides(flat, mode, data["layer_overrides"])
-        for name in [name for name in flat if name not in own and (stored or name in shared)]:
-            value = flat.pop(name)
-            if name not in shared and value not in SAVED_UNREAD.get(name, ()):
-                logger.warning("Ignoring %s=%r of a saved sparse attention config: only %s reads it, and this "
-                               "config selects budget_mode=%r.", name, value, _mode_words(modes_of(name)), mode)
-        flat["mode"] = mode
-    return {**data, **merged_sections(sections, {"budget": flat, "scoring": scoring})}
-
-
 def parsed_overrides(overrides: Any) -> Any:
     """`layer_overrides` given as JSON text, parsed (None for blank text); any other value as it is."""
     if not isinstance(overrides, str):
@@ -245,21 +194,3 @@ def parsed_overrides(overrides: Any) -> Any:
         raise ValueError(
             f"layer_overrides is not valid JSON ({e}); pass e.g. '{{\"0-1\": {{\"pattern\": \"dense\"}}}}'"
         ) from None
-
-
-def _shared_with_overrides(flat: Mapping[str, Any], mode: str, overrides: Any) -> tuple[Any, set[str]]:
-    """(`overrides` with the flat budget fields that each override's own budget_mode reads, the names of those
-    that `mode` does not read). Only overrides written with flat keys share them."""
-    overrides = parsed_overrides(overrides)
-    if not isinstance(overrides, dict):
-        return overrides, set()
-    own, out, shared = _names(budget_class(mode)), {}, set()
-    for key, fields_ in overrides.items():
-        other = fields_.get("budget_mode") if isinstance(fields_, dict) else None
-        if other in _BUDGETS and other != mode:
-            inherited = {name: value for name, value in flat.items()
-                         if name in _names(budget_class(other)) and name not in fields_}
-            fields_ = {**inherited, **fields_}
-            shared |= {name for name in inherited if name not in own}
-        out[key] = fields_
-    return out, shared

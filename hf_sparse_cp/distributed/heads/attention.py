@@ -19,16 +19,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..attention.layout import check_tensors
-from ..attention.precision import autocast_inputs
-from ..attention.sequence import sequence_attention
-from ..attention.tokens import TokenMeta
-from ..config import SparseAttentionConfig
+from ...attention.layout import check_tensors
+from ...attention.precision import autocast_inputs
+from ...attention.sequence import sequence_attention
+from ...attention.tokens import TokenMeta
+from ...config import SparseAttentionConfig
+from ..comm import all_reduce
+from ..ring.attention import RingStats, context_parallel_attention
+from ..shard import CPShard
 from .all_to_all import HeadExchange
-from .comm import all_reduce
-from .context import CPShard
-from .heads import HeadSplit
-from .ring_attention import RingStats, context_parallel_attention
+from .split import HeadSplit
 
 
 class HeadParallelAttention(NamedTuple):

@@ -11,59 +11,19 @@ calls `ring_attention.context_parallel_attention`, which estimates the global la
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..attention.tokens import TokenMeta
-from ..config import SparseAttentionConfig
-from .comm import all_reduce
-from .document_sharding import PlannerCosts, plan_row
-from .mesh import ParallelDims
-from .sharding import BlockSplit, NestedSplit, ShardPlan, sequence_meta, shard_inputs
-
-CP_SHARD_KWARG = "cp_shard"
-
-
-@dataclass(frozen=True, eq=False)
-class CPShard:
-    """One rank's view of a batch split over its CP group.
-
-    parallel: the parallel layout (groups, ring topology); plan: how the sequence was split
-    (a `ShardPlan`, or a `DocumentPlan` that re-orders the documents of a packed row);
-    meta: documents and global order of the *whole* batch [B, plan.padded_len] (padding marked),
-    identical on every rank, from which any rank's shard metadata follows.
-    """
-
-    parallel: ParallelDims
-    plan: BlockSplit
-    meta: TokenMeta
-
-    @property
-    def rank(self) -> int:
-        return self.parallel.cp_rank
-
-    @staticmethod
-    def check_no_kv_cache(query: torch.Tensor, key: torch.Tensor) -> None:
-        """Raise ValueError unless queries and keys are the same part of the sequence: a KV cache is not sharded."""
-        if query.shape[2] != key.shape[2]:
-            raise ValueError(
-                f"under context parallelism queries and keys must be this rank's same part of the sequence (got "
-                f"{query.shape[2]} queries, {key.shape[2]} keys): decoding with a KV cache is not sharded; run "
-                "generation without cp_shard.")
-
-    @functools.cached_property
-    def ring_shard(self) -> CPShard:
-        """Under `--cp_mode hybrid`: the shard of this rank's ring (its view of the layout, the ring's split,
-        the same metadata), which its head group's all-to-all assembles from the group's pieces."""
-        if self.parallel.ring is None or not isinstance(self.plan, NestedSplit):
-            raise ValueError("ring_shard is the ring's shard of a hybrid layout (--cp_mode hybrid), whose inputs "
-                             "prepare_context_parallel_inputs splits with a NestedSplit.")
-        return CPShard(self.parallel.ring, self.plan.outer, self.meta)
+from ...config import SparseAttentionConfig
+from ..comm import all_reduce
+from ..cp_config import PlannerCosts
+from ..mesh import ParallelDims
+from ..shard import CP_SHARD_KWARG, CPShard
+from .blocks import NestedSplit, ShardPlan, sequence_meta, shard_inputs
+from .documents import plan_row
 
 
 def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
@@ -111,7 +71,7 @@ def prepare_context_parallel_inputs(
         parallel: the parallel dimensions (CP group, rank, sharding).
         block_size: the attention layout's block size (`SparseAttentionConfig.block_size`).
         sharding: 'striped', 'zigzag', 'contiguous' or 'document' (default: `parallel.sharding`);
-            'document' plans the split from the batch's documents (`document_sharding.plan_row`). Under
+            'document' plans the split from the batch's documents (`documents.plan_row`). Under
             head parallelism the sequence is cut into contiguous pieces of the ring's shard (`NestedSplit`):
             the ring's split under 'hybrid', the whole sequence under 'ulysses' (which takes no sharding).
         pad_token_id, ignore_index: what fills the padding of ids and targets.

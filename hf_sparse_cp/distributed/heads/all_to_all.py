@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import naming_unresponsive_ranks
-from .heads import HeadSplit
+from ..comm import naming_unresponsive_ranks
+from .split import HeadSplit
 
 
 class _AllToAll(torch.autograd.Function):

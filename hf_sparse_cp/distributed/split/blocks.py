@@ -13,8 +13,8 @@ blocks, and splits it by one of three layouts:
 * ``striped``: block b goes to rank b mod CP (MTraining), which balances vertical-slash work over
   ranks *and* ring steps; the default for sparse attention.
 
-`document_sharding.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
-gives ranks different numbers of blocks (see `document_sharding`). `NestedSplit` cuts every shard of a split
+`documents.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
+gives ranks different numbers of blocks (see `documents.py`). `NestedSplit` cuts every shard of a split
 into contiguous pieces, one per rank of a head-parallel group (`--cp_mode ulysses` / `hybrid`).
 
 Sharding happens once, at data time: every CP rank gets the same batch and keeps its shard of the
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention.tokens import PAD_SEGMENT, TokenMeta, token_meta_from_kwargs
-from ..config import check_block_size
+from ...attention.tokens import PAD_SEGMENT, TokenMeta, token_meta_from_kwargs
+from ...config import check_block_size
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
 
@@ -185,7 +185,7 @@ class ShardPlan(BlockSplit):
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             hint = (" ('document' sharding is planned per batch from its documents: see "
-                    "hf_sparse_cp.distributed.document_sharding)" if self.sharding == "document" else "")
+                    "hf_sparse_cp.distributed.split.documents)" if self.sharding == "document" else "")
             raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {SHARDINGS}{hint}.")
         check_block_size(self.block_size)
         if self.cp_size < 1 or self.pieces < 1:

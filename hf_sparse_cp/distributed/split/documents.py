@@ -36,50 +36,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.tokens import PAD_SEGMENT, TokenMeta, run_starts
-from ..config import SparseAttentionConfig, check_block_size
-from .sharding import BlockSplit
+from ...attention.tokens import PAD_SEGMENT, TokenMeta, run_starts
+from ...config import SparseAttentionConfig, check_block_size
+from ..cp_config import PlannerCosts
+from .blocks import BlockSplit
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
-
-
-@dataclass(frozen=True)
-class PlannerCosts:
-    """Weights of the planner's cost model, in attention token pairs (one query against one key:
-    4 x heads x head_dim FLOPs forward), so that they do not depend on the block size."""
-
-    linear_per_token: float = field(
-        default=9000.0,
-        metadata={"help": "Work of the linear layers (projections, MLP) per token, in attention token pairs: "
-                  "2 x (weights per layer) / (4 x heads x head_dim), about 9,000 for Qwen2.5-0.5B and 8,700 for "
-                  "Qwen2.5-7B."},
-    )
-    comm_per_token: float = field(
-        default=300.0,
-        metadata={"help": "Cost of receiving one token's K/V, in attention token pairs: its bytes over the link's "
-                  "bandwidth, in the time the GPU computes that many pairs (about 300 for Qwen2.5-0.5B over "
-                  "NVLink, a few times more across nodes)."},
-    )
-    balance_slack: float = field(
-        default=0.02,
-        metadata={"help": "Imbalance accepted to save traffic: a cut between ranks within this fraction of a "
-                  "rank's work of a document's edge moves to the edge, keeping the document whole."},
-    )
-    max_token_ratio: float = field(
-        default=1.25,
-        metadata={"help": "Most tokens a rank may hold, as a multiple of the mean (activation memory)."},
-    )
-    extra_splits: int = field(
-        default=8,
-        metadata={"help": "Numbers of documents cut tried one by one beyond those that must be cut; past them the "
-                  "sweep grows by a quarter per try, up to every document, and stops once the ranks are balanced."},
-    )
-    ring_share: float = field(
-        default=0.5,
-        metadata={"help": "A document with at least this share of the row's work is split over the whole ring "
-                  "(striped, or head-tail if dense), so that every ring step gets an equal share of it; smaller "
-                  "ones are split, if at all, over a few consecutive ranks."},
-    )
 
 
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int | None:
@@ -467,5 +429,5 @@ def balance_ratio(plan: DocumentPlan) -> float:
     return max(plan.work) / (sum(plan.work) / len(plan.work)) if any(plan.work) else 1.0
 
 
-__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "kept_blocks_per_row", "plan_documents",
+__all__ = ["DocumentPlan", "balance_ratio", "kept_blocks_per_row", "plan_documents",
            "plan_row", "row_runs", "split_every_document"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from .files import FileConfig, check_field_types
+from .flat_keys import nested
 from .sections import (
     BudgetSection,
     Scoring,
@@ -23,7 +24,6 @@ from .sections import (
     default_budget,
     given_sections,
     merged_sections,
-    nested,
     parsed_overrides,
     scoring_from,
 )

@@ -48,8 +48,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..attention.budgets import Entries, top_entries
-from ..attention.estimate import (
+from ...attention.budgets import Entries, top_entries
+from ...attention.estimate import (
     Estimate,
     EstimationSegment,
     Sampling,
@@ -60,12 +60,12 @@ from ..attention.estimate import (
     scoring_groups,
     warn_if_costly,
 )
-from ..attention.exact import FixedPoint
-from ..attention.layout import SparseLayout
-from ..attention.precision import compute_dtype
-from ..config import SparseAttentionConfig
-from .comm import all_gather_rows, all_reduce, reduce_scatter_rows
-from .context import CPShard
+from ...attention.exact import FixedPoint
+from ...attention.layout import SparseLayout
+from ...attention.precision import compute_dtype
+from ...config import SparseAttentionConfig
+from ..comm import all_gather_rows, all_reduce, reduce_scatter_rows
+from ..shard import CPShard
 
 
 def _all_reduce(x: torch.Tensor, op, shard: CPShard) -> None:

@@ -29,16 +29,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..attention.engines import resolve_engine
-from ..attention.layout import SparseLayout, check_tensors
-from ..attention.ops import attention_backward, attention_forward
-from ..attention.precision import autocast_inputs, compute_dtype
-from ..config import SparseAttentionConfig
-from .comm import P2PComm, Pending, Transfer, wait
-from .context import CPShard
+from ...attention.engines import resolve_engine
+from ...attention.layout import SparseLayout, check_tensors
+from ...attention.ops import attention_backward, attention_forward
+from ...attention.precision import autocast_inputs, compute_dtype
+from ...config import SparseAttentionConfig
+from ..comm import P2PComm, Pending, Transfer, wait
+from ..kept_fraction import one_process_kept_fraction
+from ..shard import CPShard
 from .estimation import estimate_cp
-from .kept_fraction import one_process_kept_fraction
-from .ring_plan import RingPlan, check_global_layout
+from .plan import RingPlan, check_global_layout
 
 
 @dataclass

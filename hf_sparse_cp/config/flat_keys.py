@@ -1,0 +1,87 @@
+"""The flat keys of files, flags and saved configs of every earlier version (`budget_mode`, `vertical_topk`,
+`last_q`, ...), and where they go in the config tree (`nested`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from .sections import (
+    Scoring,
+    budget_class,
+    budget_field_names,
+    budget_modes,
+    field_names,
+    merged_sections,
+    mode_words,
+    modes_of,
+    parsed_overrides,
+    section_mapping,
+)
+
+logger = logging.getLogger(__name__)
+
+# The fields that every earlier version's `to_dict` saved: a flat mapping holding all of them is a saved config.
+SAVED_BY_EVERY_VERSION = frozenset((
+    "pattern", "budget_mode", "vertical_topk", "slash_topk", "vertical_topp", "slash_topp", "vertical_cap",
+    "slash_cap", "sink_tokens", "local_window", "last_q", "block_size", "min_seq_len", "dense_first_layers",
+    "layer_overrides"))
+# What a saved config ran with for a field added after it was saved, where that is not the field's default.
+BEFORE_ADDED = {"mass_threshold": 0.0}
+# The values earlier versions saved for fields whose mode was not selected (a value other than these, dropped
+# from a saved config, earns a warning: it did nothing there).
+SAVED_UNREAD = {"vertical_topk": (512, 1024), "slash_topk": (1024, 2048), "vertical_topp": (0.9,),
+                "slash_topp": (0.9,), "vertical_cap": (1024, 4096), "slash_cap": (4096,), "mass_target": (0.9, 0.95),
+                "mass_threshold": (0.0,), "mass_near_blocks": (0,)}
+
+
+def nested(data: Mapping[str, Any], stored: bool = False) -> dict[str, Any]:
+    """`data` (a config's fields with `budget` / `scoring` sections, flat keys of any version, or both) as
+    top-level fields and the two sections; flat keys go on top of the sections given.
+
+    Flat keys as earlier versions read them, where the flat mapping names its budget_mode: a budget field of
+    a mode that a layer override selects is that override's too (the fields were shared), unless it sets
+    the field; one that neither the mode nor an override reads did nothing: refused, or in a `stored` mapping
+    (a saved config: every version saved every field) dropped, with a warning for a value that those versions
+    did not save by default. A saved config ran without the fields added after it (`BEFORE_ADDED`)."""
+    data = dict(data)
+    sections = {name: section_mapping(name, data.pop(name)) for name in ("budget", "scoring") if name in data}
+    flat = {name: data.pop(name) for name in (*budget_field_names(), "budget_mode") if name in data}
+    scoring = {f.name: data.pop(f.name) for f in dataclasses.fields(Scoring) if f.name in data}
+    if stored and SAVED_BY_EVERY_VERSION <= {*data, *flat, *scoring}:
+        flat = {**BEFORE_ADDED, **flat}
+    flat = {name: value for name, value in flat.items() if value is not None}  # None: unset (flags, saved configs)
+    scoring = {name: value for name, value in scoring.items() if value is not None}
+    mode = flat.pop("budget_mode", None)
+    if mode is not None:
+        own, shared = field_names(budget_class(mode)), set()
+        if "layer_overrides" in data:
+            data["layer_overrides"], shared = _shared_with_overrides(flat, mode, data["layer_overrides"])
+        for name in [name for name in flat if name not in own and (stored or name in shared)]:
+            value = flat.pop(name)
+            if name not in shared and value not in SAVED_UNREAD.get(name, ()):
+                logger.warning("Ignoring %s=%r of a saved sparse attention config: only %s reads it, and this "
+                               "config selects budget_mode=%r.", name, value, mode_words(modes_of(name)), mode)
+        flat["mode"] = mode
+    return {**data, **merged_sections(sections, {"budget": flat, "scoring": scoring})}
+
+
+def _shared_with_overrides(flat: Mapping[str, Any], mode: str, overrides: Any) -> tuple[Any, set[str]]:
+    """(`overrides` with the flat budget fields that each override's own budget_mode reads, the names of those
+    that `mode` does not read). Only overrides written with flat keys share them."""
+    overrides = parsed_overrides(overrides)
+    if not isinstance(overrides, dict):
+        return overrides, set()
+    own, out, shared = field_names(budget_class(mode)), {}, set()
+    for key, fields_ in overrides.items():
+        other = fields_.get("budget_mode") if isinstance(fields_, dict) else None
+        if other in budget_modes() and other != mode:
+            inherited = {name: value for name, value in flat.items()
+                         if name in field_names(budget_class(other)) and name not in fields_}
+            fields_ = {**inherited, **fields_}
+            shared |= {name for name in inherited if name not in own}
+        out[key] = fields_
+    return out, shared

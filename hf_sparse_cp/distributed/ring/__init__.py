@@ -1,0 +1,1 @@
+"""The balanced sparse ring: CP estimation of the global layout, the ring's plan, ring attention."""

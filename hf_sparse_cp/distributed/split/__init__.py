@@ -1,0 +1,1 @@
+"""How a sequence splits over a CP group: block splits, the document-aware split, the sharded model inputs."""
