@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import HfArgumentParser, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
@@ -132,9 +133,11 @@ class FinetuneQualityArguments:
     device: str = field(default="cpu", metadata={"help": "'cpu' (fp32) or 'cuda' (bf16 autocast)."})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)."})
     checkpoint_dir: str | None = field(default=None, metadata={
-        "help": "Keep each arm's trained weights (those it trains) and training record here; a later run of the "
-                "same settings evaluates them instead of training the arm again (a run cut off during evaluation "
-                "loses no training)."})
+        "help": "Keep each arm's trained weights (those it trains) and training record here, and a Trainer "
+                "checkpoint every --save_every steps while it trains: a later run of the same settings and --output "
+                "evaluates a trained arm instead of training it again, and resumes one cut off from its last "
+                "checkpoint."})
+    save_every: int = field(default=5, metadata={"help": "Steps between Trainer checkpoints (--checkpoint_dir)."})
     dry_run: bool = field(default=False, metadata={
         "help": f"A tiny random-init Llama with the byte tokenizer on the same text, on the CPU, every field left at "
                 f"its default taking {DRY_RUN} (the smoke test; measures nothing about quality)."})
@@ -249,14 +252,18 @@ def held_out(tokenizer, args: FinetuneQualityArguments) -> tuple[list[list[int]]
                                      args.distractors, args.seed + 1)
 
 
-def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str) -> SparseTrainingArguments:
-    """The arm's `SparseTrainingArguments`: the same optimizer, schedule, seed and data order for every arm."""
+def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str,
+                      save_steps: int = 0) -> SparseTrainingArguments:
+    """The arm's `SparseTrainingArguments`: the same optimizer, schedule, seed and data order for every arm; a
+    Trainer checkpoint (the last one kept) every `save_steps` steps when given."""
     sparse, _, smet = ARMS[name]
     pattern = {f"sparse_{k}": v for k, v in (arm_fields(name, args) or {}).items()}
+    saving = dict(save_strategy="steps", save_steps=save_steps, save_total_limit=1) if save_steps else \
+        dict(save_strategy="no")
     return SparseTrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=1, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=1,
-        save_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed, disable_tqdm=True,
+        report_to="none", seed=args.seed, data_seed=args.seed, disable_tqdm=True, **saving,
         use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
         sparse_max_length=args.seq_len, sparse_attention=sparse, sparse_gradient_checkpointing_min_length=0,
         smet=smet, **pattern)
@@ -269,7 +276,8 @@ class _StepRecord(TrainerCallback):
 
     def __init__(self, record: dict, written: Callable[[], None], probe: list | None = None, every: int = 0):
         self.record, self.written, self.probe, self.every = record, written, probe, every
-        self.t0 = time.perf_counter()
+        # (resumed: the times go on from the last step kept)
+        self.t0 = time.perf_counter() - (record.get("step_end_seconds") or [0.0])[-1]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -306,10 +314,14 @@ def freeze_below(model, first: int) -> list[str]:
 
 
 def train(name: str, model, rows: list[dict], args: FinetuneQualityArguments, record: dict,
-          written: Callable[[], None], probe: list | None = None) -> torch.nn.Module:
+          written: Callable[[], None], probe: list | None = None, earlier: dict | None = None) -> torch.nn.Module:
     """`model` (the start model's copy for this arm) after training on `rows` ({input_ids, labels}); fills
     `record` with its losses, kept fractions (from the Trainer's logs, after the sparsity callback) and times
-    per step, and the recall of `probe` every --eval_every steps, calling `written()` after each step."""
+    per step, and the recall of `probe` every --eval_every steps, calling `written()` after each step.
+
+    With --checkpoint_dir the Trainer saves a checkpoint every --save_every steps there, and a run cut off
+    resumes from its last one (the same data order, optimizer and random state), its record taken from
+    `earlier` (the cut run's record) up to that step."""
     model.train()
     trainable = freeze_below(model, args.train_layers_from) if args.train_layers_from else None
     data = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]})
@@ -320,11 +332,25 @@ def train(name: str, model, rows: list[dict], args: FinetuneQualityArguments, re
                   trainable=("every parameter" if trainable is None else
                              f"decoder layers {args.train_layers_from}- and the final norm ({len(trainable)} tensors)"))
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
-        trainer = SparseTrainer(model=model, args=trainer_arguments(name, args, out), train_dataset=data)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = str(Path(args.checkpoint_dir) / f"{name}-trainer") if args.checkpoint_dir else scratch
+        last = get_last_checkpoint(out) if args.checkpoint_dir and Path(out).is_dir() else None
+        if last is not None:
+            step = int(Path(last).name.rsplit("-", 1)[1])
+            if earlier is None or len(earlier.get("loss", [])) < step:
+                raise ValueError(f"{last} has no record of its {step} steps in --output; pass the report of the run "
+                                 f"that saved it, or delete {out}.")
+            record.update({k: earlier[k][:step] for k in ("loss", "kept_fraction", "step_end_seconds")},
+                          probe=[p for p in earlier.get("probe", []) if p["step"] <= step],
+                          kept_fraction_per_layer=earlier.get("kept_fraction_per_layer", {}), resumed_from=step)
+            t0 -= record["step_end_seconds"][-1]
+            print(f"  {name}: resuming from {last}", file=sys.stderr, flush=True)
+        trainer = SparseTrainer(model=model, args=trainer_arguments(name, args, out, args.save_every
+                                                                    if args.checkpoint_dir else 0),
+                                train_dataset=data)
         # after the Trainer's own callbacks, which add the kept fractions
         trainer.add_callback(_StepRecord(record, written, probe, args.eval_every))
-        trainer.train()
+        trainer.train(resume_from_checkpoint=last)
     record["train_seconds"] = time.perf_counter() - t0
     kept = [k for k in record["kept_fraction"] if k is not None]
     record["kept_fraction_mean"] = sum(kept) / len(kept) if kept else 1.0
@@ -601,8 +627,8 @@ def combine(paths: list[str], output: str | None) -> dict:
 
 def comparable_settings(args: FinetuneQualityArguments) -> dict:
     """The settings a trained arm depends on (not where its results go or what else the run does)."""
-    skip = ("arms", "no_start", "start_only", "output", "combine", "compare", "threads", "checkpoint_dir", "eval_rows",
-            "eval_lengths", "depths", "prompts_per_cell", "distractors", "ppl_windows")
+    skip = ("arms", "no_start", "start_only", "output", "combine", "compare", "threads", "checkpoint_dir", "save_every",
+            "eval_rows", "eval_lengths", "depths", "prompts_per_cell", "distractors", "ppl_windows")
     return {k: v for k, v in dataclasses.asdict(args).items() if k not in skip}
 
 
@@ -675,6 +701,13 @@ def main(argv: list[str] | None = None) -> dict:
         evaluate(base if args.start_only else copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out,
                  report)
     probe = prompts[:args.eval_every_rows] if args.task == "kv_recall" and args.eval_every else None
+    cut_short = {}  # the arms of a run cut off, from its report at --output (their records up to a checkpoint)
+    if args.checkpoint_dir and args.output and Path(args.output).is_file():
+        was = json.loads(Path(args.output).read_text())
+        if {k: v for k, v in was["settings"].items() if k in comparable_settings(args)} != comparable_settings(args):
+            raise ValueError(f"{args.output} was measured with other settings; pass another --output or "
+                             "--checkpoint_dir.")
+        cut_short = was["arms"]
     arms = [] if args.start_only else args.arms
     for i, name in enumerate(arms):
         # the start model's own weights for the last arm when nothing else reads them (a process per arm: one copy
@@ -691,7 +724,8 @@ def main(argv: list[str] | None = None) -> dict:
             record.update(kept["record"])
             print(f"  {name}: trained weights read from {saved}", file=sys.stderr, flush=True)
         else:
-            model = train(name, model, rows, args, record, lambda: out.write(report), probe)
+            model = train(name, model, rows, args, record, lambda: out.write(report), probe,
+                          cut_short.get(name, {}).get("training"))
             if saved is not None:
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({"settings": comparable_settings(args), "record": record,

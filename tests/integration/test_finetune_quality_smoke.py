@@ -99,6 +99,21 @@ def test_kv_recall_learns_from_its_answers_and_is_scored_dense_and_sparse(bench,
                                 str(tmp_path / "c.json")])
 
 
+def test_an_arm_cut_off_resumes_from_its_last_trainer_checkpoint(bench, tmp_path):
+    """With --checkpoint_dir the Trainer saves every --save_every steps; a rerun whose arm has no trained weights
+    yet resumes from the last checkpoint with the cut run's record up to it (here the last step: nothing left to
+    train, the same losses)."""
+    argv = TINY + ["--task", "kv_recall", "--arms", "dense", "--no_start", "--save_every", "1", "--checkpoint_dir",
+                   str(tmp_path / "ck"), "--output", str(tmp_path / "a.json")]
+    first = bench.main(argv)["arms"]["dense"]["training"]
+    assert (tmp_path / "ck" / "dense-trainer" / "checkpoint-2").is_dir()
+    (tmp_path / "ck" / "dense.pt").unlink()  # as if cut off after its last checkpoint, before the weights were kept
+    again = bench.main(argv)["arms"]["dense"]["training"]
+    assert again["resumed_from"] == 2 and again["loss"] == first["loss"]
+    with pytest.raises(ValueError, match="other settings"):
+        bench.main([a if a != "2" else "3" for a in argv])  # --steps 3 against the report of --steps 2
+
+
 def test_bad_arguments_are_refused(bench):
     with pytest.raises(ValueError, match="unknown arms"):
         bench.main(TINY + ["--arms", "sparse"])
