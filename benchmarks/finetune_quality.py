@@ -138,6 +138,9 @@ class FinetuneQualityArguments:
                 "evaluates a trained arm instead of training it again, and resumes one cut off from its last "
                 "checkpoint."})
     save_every: int = field(default=5, metadata={"help": "Steps between Trainer checkpoints (--checkpoint_dir)."})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "Every arm recomputes its layers' activations in the backward instead of keeping them (less "
+                "memory, the same gradients, a longer step)."})
     dry_run: bool = field(default=False, metadata={
         "help": f"A tiny random-init Llama with the byte tokenizer on the same text, on the CPU, every field left at "
                 f"its default taking {DRY_RUN} (the smoke test; measures nothing about quality)."})
@@ -265,7 +268,8 @@ def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=1,
         report_to="none", seed=args.seed, data_seed=args.seed, disable_tqdm=True, **saving,
         use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
-        sparse_max_length=args.seq_len, sparse_attention=sparse, sparse_gradient_checkpointing_min_length=0,
+        sparse_max_length=args.seq_len, sparse_attention=sparse,
+        sparse_gradient_checkpointing_min_length=1 if args.gradient_checkpointing else 0,
         smet=smet, **pattern)
 
 
@@ -608,7 +612,8 @@ def finish(report: dict, out: ReportFile) -> dict:
 def combine(paths: list[str], output: str | None) -> dict:
     """One report from runs of different arms with the same settings (arms and measured parts merged)."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    keep = ("arms", "no_start", "start_only", "output", "combine", "threads")
+    keep = ("arms", "no_start", "start_only", "output", "combine", "threads", "checkpoint_dir", "save_every",
+            "gradient_checkpointing")  # where and how an arm ran, not what it measured
     base = {k: v for k, v in reports[0]["settings"].items() if k not in keep}
     for p, r in zip(paths, reports):
         other = {k: v for k, v in r["settings"].items() if k not in keep}
@@ -628,7 +633,8 @@ def combine(paths: list[str], output: str | None) -> dict:
 def comparable_settings(args: FinetuneQualityArguments) -> dict:
     """The settings a trained arm depends on (not where its results go or what else the run does)."""
     skip = ("arms", "no_start", "start_only", "output", "combine", "compare", "threads", "checkpoint_dir", "save_every",
-            "eval_rows", "eval_lengths", "depths", "prompts_per_cell", "distractors", "ppl_windows")
+            "gradient_checkpointing", "eval_rows", "eval_lengths", "depths", "prompts_per_cell", "distractors",
+            "ppl_windows")
     return {k: v for k, v in dataclasses.asdict(args).items() if k not in skip}
 
 
