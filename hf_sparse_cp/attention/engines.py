@@ -1,7 +1,8 @@
 """The engines that compute a block-sparse attention call, registered by name (`ENGINES`): the Triton
-kernels, FlexAttention and the PyTorch reference, each taking the call as one `AttentionCall` and saying
-why it cannot run (`Engine.missing`) or why 'auto' should not give it a call (`Engine.declines`); and
-which one computes a call (`resolve_engine`, the choice logged once with the reasons of the others).
+kernels, FlexAttention, the PyTorch reference and the dense masked form (`masked.py`), each taking the call as
+one `AttentionCall` and saying why it cannot run (`Engine.missing`) or why 'auto' should not give it a call
+(`Engine.declines`: the masked form is named only); and which one computes a call (`resolve_engine`, the choice
+logged once with the reasons of the others).
 
 The setting (`SparseAttentionConfig.attention_engine`, or the `implementation` argument of the
 attention functions) names one, or 'auto'; `$HF_SPARSE_CP_ATTENTION_ENGINE` replaces 'auto' (the
@@ -40,6 +41,7 @@ from ..backends import TRITON_INSTALL, choose_backend, is_available, require_tri
 from .call import AttentionCall
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout
+from .masked import masked_backward, masked_forward
 from .merge import merge_attention
 from .reference import reference_backward, reference_forward
 from .tokens import TokenMeta
@@ -188,8 +190,26 @@ class ReferenceEngine(Engine):
         return reference_backward(call, out, lse, dout, dlse)
 
 
+class MaskedEngine(Engine):
+    """Dense arithmetic with the layout as a mask (`masked.py`), any device and dtype: no work skipped, faster
+    than the reference on a CPU at a few thousand tokens."""
+
+    name = "masked"
+
+    def declines(self, q):
+        # its memory per chunk grows with the sequence and it saves no work: only where a user names it
+        return "named only (dense arithmetic with the layout as a mask: it saves no work)"
+
+    def part(self, call):
+        return masked_forward(call)
+
+    def part_grads(self, call, out, lse, dout, dlse):
+        return masked_backward(call, out, lse, dout, dlse)
+
+
 # The engines by name, and the settings that name one ('auto': chosen per call, `resolve_engine`).
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TritonEngine(), FlexEngine(), ReferenceEngine())}
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TritonEngine(), FlexEngine(), ReferenceEngine(),
+                                                                 MaskedEngine())}
 SETTINGS = ("auto", *ENGINES)
 
 
@@ -254,13 +274,13 @@ def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:
 
 
 def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = "auto") -> str:
-    """The engine of one call: 'triton', 'flex' or 'reference' (a key of `ENGINES`), each choice logged once with
-    the reasons of the engines it passed over.
+    """The engine of one call: 'triton', 'flex', 'reference' or 'masked' (a key of `ENGINES`), each choice logged
+    once with the reasons of the engines it passed over.
 
     Args:
         q: the queries [B, Hq, Sq, D] (device, dtype and head_dim decide what can run them).
         layout: the call's layout (its kept fraction and columns, for 'auto' on CUDA).
-        implementation: 'auto', 'triton', 'flex' or 'reference'; 'auto' gives way to
+        implementation: 'auto' or an engine's name; 'auto' gives way to
             `$HF_SPARSE_CP_ATTENTION_ENGINE` when that is set.
 
     Returns:

@@ -41,8 +41,8 @@ def attention_forward(
             (the kernels merge in place, in the same pass; the reference through the log-sum-exp).
         out_in_input_dtype: return a fresh out in q's dtype (the kernels write it so, in transformers'
             [B, S, H, D] memory, returned as its [B, Hq, S, D] view) instead of the compute dtype.
-        implementation: the engine: 'auto' (see `hf_sparse_cp.attention.engines`), 'triton', 'flex' or
-            'reference'.
+        implementation: the engine: 'auto' (see `hf_sparse_cp.attention.engines`), 'triton', 'flex',
+            'reference' or 'masked'.
 
     Returns:
         (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype (fp32; fp64 for fp64 inputs), out in
@@ -134,7 +134,7 @@ def block_sparse_attention(
         computation itself runs with autocast off, in the compute dtype.
         implementation: the engine: 'auto' (the faster of the Triton kernels and FlexAttention on CUDA
             by a measured table, the PyTorch reference off CUDA; see `hf_sparse_cp.attention.engines`),
-            'triton', 'flex' (differentiable through Flex's own backward, CUDA only) or 'reference'.
+            'triton', 'flex' (differentiable through Flex's own backward, CUDA only), 'reference' or 'masked'.
 
     Returns:
         (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] in the compute dtype); from the kernels, out

@@ -1,9 +1,9 @@
 """How much of the causal attention a pattern keeps at a sequence length: a measured curve.
 
-A sparse pattern's kept share falls with length (attention grows more concentrated as there are more
-keys to spread over), so a prediction at 128K or 1M cannot take the share measured at 8K. `KeptCurve`
+A sparse pattern's kept fraction falls with length (attention grows more concentrated as there are more
+keys to spread over), so a prediction at 128K or 1M cannot take the fraction measured at 8K or 32K. `KeptCurve`
 holds what `benchmarks/pattern_quality.py --curve` measured on one model and one pattern setting (the
-kept share of the causal blocks over the sparse layers, and the widest layout row as a share of the
+kept fraction of the causal blocks over the sparse layers, and the widest layout row as a share of the
 query blocks) and answers for any length, saying how it got the answer:
 
 - 'measured' at a measured length inside the model's trained context;
@@ -12,12 +12,13 @@ query blocks) and answers for any length, saying how it got the answer:
   longest two octaves measured (past the longest) or of the shortest two (below the shortest).
 
 Lengths past the model's trained context are kept in the report but never used: the model breaks
-down there (SmolLM2-135M: dense perplexity 33 at 16K against 12 at 8K) and its attention with it.
-A share never goes above 1 or below what every layout keeps (each query block row's own block).
+down there (SmolLM2-135M, trained to 8K: dense perplexity 33 at 16K against 12 at 8K) and its attention with it.
+A fraction never goes above 1 or below what every layout keeps (each query block row's own block).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ Basis = Literal["measured", "interpolated", "extrapolated", "given"]
 
 @dataclass(frozen=True)
 class KeptPoint:
-    """One measured length: kept share of the causal blocks (mean over the sparse layers) and the widest
+    """One measured length: kept fraction of the causal blocks (mean over the sparse layers) and the widest
     layout row over the query blocks (max over the sparse layers)."""
 
     seq_len: int
@@ -68,7 +69,7 @@ def _power_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class KeptCurve:
-    """Measured kept shares of one pattern setting on one model (see the module docstring)."""
+    """Measured kept fractions of one pattern setting on one model (see the module docstring)."""
 
     points: tuple[KeptPoint, ...]
     source: str  # what was measured, for the answers' labels
@@ -98,7 +99,7 @@ class KeptCurve:
         return sorted((p for p in self.points if not p.beyond_context), key=lambda p: p.seq_len)
 
     def at(self, seq_len: int) -> KeptAt:
-        """The kept share and layout width at `seq_len` tokens, with how they were obtained."""
+        """The kept fraction and layout width at `seq_len` tokens, with how they were obtained."""
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1.")
         pts = self.usable
@@ -132,10 +133,10 @@ class KeptCurve:
         try:
             report = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"kept-share curve {path}: {getattr(e, 'strerror', None) or 'not JSON'}; give a report "
+            raise ValueError(f"kept-fraction curve {path}: {getattr(e, 'strerror', None) or 'not JSON'}; give a report "
                              "that benchmarks/pattern_quality.py --curve wrote.") from None
         if not isinstance(report, dict) or "curve_settings" not in report:
-            raise ValueError(f"{path} is not a kept-share curve (benchmarks/pattern_quality.py --curve writes one).")
+            raise ValueError(f"{path} is not a kept-fraction curve (benchmarks/pattern_quality.py --curve writes one).")
         settings = _entry(path, "curve_settings", report["curve_settings"], dict,
                           "a mapping of each measured setting's name to its changes to the defaults")
         if setting not in settings:
@@ -154,8 +155,22 @@ class KeptCurve:
             pattern = SparseAttentionConfig.from_dict(fields) if stored else \
                 SparseAttentionConfig(min_seq_len=0, **fields)
         except (TypeError, ValueError) as e:  # (the config's own message names the field and value)
-            raise ValueError(f"kept-share curve {path}: {where} is not a pattern: {e}") from None
-        return cls(points, f"{Path(path).name} ({setting}, {report.get('model', 'the measured model')})", pattern)
+            raise ValueError(f"kept-fraction curve {path}: {where} is not a pattern: {e}") from None
+        layers = report.get("layers_measured")
+        label = report.get("model", "the measured model") + (", every layer" if layers is None else
+                                                              f", layers {layers}")
+        return cls(points, f"{Path(path).name} ({setting}, {label})", pattern)
+
+
+    def to_dict(self) -> dict:
+        """The curve as `from_dict` reads it (the shipped curve's file)."""
+        return {"source": self.source, "pattern": self.pattern.to_dict(),
+                "points": [dataclasses.asdict(p) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KeptCurve:
+        return cls(tuple(KeptPoint(**p) for p in data["points"]), data["source"],
+                   SparseAttentionConfig.from_dict(data["pattern"]))
 
 
 def _entry(path: str | Path, where: str, value, kind: type | tuple[type, ...], what: str):
@@ -163,7 +178,7 @@ def _entry(path: str | Path, where: str, value, kind: type | tuple[type, ...], w
     the entry and `what` it must hold otherwise."""
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         found = "missing" if value is None else f"{value!r}"
-        raise ValueError(f"kept-share curve {path}: {where} is {found}; it must hold {what} (as "
+        raise ValueError(f"kept-fraction curve {path}: {where} is {found}; it must hold {what} (as "
                          "benchmarks/pattern_quality.py --curve writes it).")
     return value
 
@@ -172,8 +187,8 @@ def _point(path: str | Path, key: str, length, setting: str) -> KeptPoint | None
     """The point of `setting` in the report's entry `lengths[key]`, or None where that setting was not measured."""
     where = f"lengths[{key!r}]"
     if not key.isdigit() or int(key) < 1:
-        raise ValueError(f"kept-share curve {path}: {where}: a key of 'lengths' must be a sequence length in tokens, a "
-                         "whole number such as \"1024\".")
+        raise ValueError(f"kept-fraction curve {path}: {where}: a key of 'lengths' must be a sequence length in "
+                         "tokens, a whole number such as \"1024\".")
     length = _entry(path, where, length, dict, "'beyond_context' (true or false) and 'settings'")
     beyond = _entry(path, f"{where}['beyond_context']", length.get("beyond_context"), bool,
                     "true or false: whether the length is past the model's trained context")
@@ -187,25 +202,31 @@ def _point(path: str | Path, key: str, length, setting: str) -> KeptPoint | None
         return None
     kept, width = (_entry(path, f"{where}['settings'][{setting!r}][{name!r}]", shares.get(name), (int, float),
                           f"a number in (0, 1]: {what}")
-                   for name, what in (("kept_sparse_layers", "the kept share of the causal blocks, e.g. 0.72"),
+                   for name, what in (("kept_sparse_layers", "the kept fraction of the causal blocks, e.g. 0.72"),
                                       ("width_share_max", "the widest layout row over the query blocks, e.g. 0.9")))
     return KeptPoint(int(key), kept, width, beyond)
 
 
-# The default pattern on SmolLM2-135M-Instruct (trained context 8,192), one window of the King James text, every
-# layer (the first dense): `python benchmarks/pattern_quality.py --curve`, benchmarks/results/
-# pattern-curve_cpu_1k-16k.json, setting 'defaults' (tests/unit/test_kept_curve.py checks these against it).
-DEFAULT_CURVE = KeptCurve(
-    (KeptPoint(1024, 0.9974681712962963, 1.0), KeptPoint(1536, 0.9577765037086159, 1.0),
-     KeptPoint(2048, 0.9072573758310796, 1.0), KeptPoint(3072, 0.797273906449553, 1.0),
-     KeptPoint(4096, 0.7203774340930861, 1.0), KeptPoint(6144, 0.5863161161854589, 0.9583333333333334),
-     KeptPoint(8192, 0.492744670207965, 0.859375),
-     KeptPoint(12288, 0.38154097964888545, 0.6145833333333334, beyond_context=True),
-     KeptPoint(16384, 0.31487371993130736, 0.6875, beyond_context=True)),
-    "pattern-curve_cpu_1k-16k.json (defaults, SmolLM2-135M-Instruct)",
-    # the defaults it measured, spelled out: when the defaults change, the curve no longer measures them
-    # (tests/unit/test_kept_curve.py fails) and is to be measured again
-    SparseAttentionConfig(budget_mode="mass", mass_target=0.9, mass_threshold=0.0025, mass_near_blocks=0,
-                          vertical_cap=1024, sink_tokens=64, local_window=128, last_q=32, sample_groups=4,
-                          sample_group_size=16, estimation="last_queries", estimation_chunk=1024, block_size=128,
-                          min_seq_len=0, dense_first_layers=1))
+# The shipped curve: the default pattern measured by `python benchmarks/pattern_quality.py --curve` (its source says
+# on which model, layers and report; tests/unit/test_kept_curve.py checks it against that report in
+# benchmarks/results and that it measured today's defaults). Package data, rewritten from a report by
+# `python -m hf_sparse_cp.simulator.kept_curve REPORT`.
+DEFAULT_CURVE_FILE = Path(__file__).resolve().parent / "data" / "default_kept_curve.json"
+DEFAULT_CURVE = KeptCurve.from_dict(json.loads(DEFAULT_CURVE_FILE.read_text()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write the shipped kept-fraction curve from a `pattern_quality.py --curve` "
+                                "report.")
+    p.add_argument("report")
+    p.add_argument("--setting", default="defaults")
+    args = p.parse_args(argv)
+    curve = KeptCurve.from_report(args.report, args.setting)
+    DEFAULT_CURVE_FILE.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
+    print(f"wrote {DEFAULT_CURVE_FILE}: {curve.source}")
+
+
+if __name__ == "__main__":
+    main()

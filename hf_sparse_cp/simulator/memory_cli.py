@@ -91,8 +91,9 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    "its budgets size the layouts (default: the plugin's default pattern).")
     p.add_argument("--layout-width", default="curve", choices=("curve", "bound"),
                    help="Width of a layout whose budget bounds no diagonals (the default 'mass'): 'curve' reads the "
-                   "measured kept-share curve at the length (the shipped SmolLM2-135M one, extrapolated past 8K, or "
-                   "--kept-curve), 'bound' sizes it at every block of its rows (no run can exceed it).")
+                   f"measured kept-fraction curve at the length (the shipped one, {DEFAULT_CURVE.source}, extrapolated "
+                   f"past {DEFAULT_CURVE.usable[-1].seq_len} tokens; or --kept-curve), 'bound' sizes it at every block "
+                   "of its rows (no run can exceed it).")
     p.add_argument("--kept-curve", help="A `benchmarks/pattern_quality.py --curve` report ('defaults' setting) for "
                    "--layout-width curve (default: the shipped SmolLM2-135M measurement).")
     p.add_argument("--seq-len", type=int, nargs="*", default=[],

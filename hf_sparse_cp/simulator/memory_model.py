@@ -273,7 +273,7 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         else:
             width = nqb_global
             basis = f"{nqb_global} blocks: every block of the row (the bound" + (
-                "; the kept-share curve measured another pattern)" if s.kept_curve is not None else ")")
+                "; the kept-fraction curve measured another pattern)" if s.kept_curve is not None else ")")
         cols = cfg.budget.most_kept("columns") + cfg.sink_tokens
     else:
         width, cols = nqb_global, 0  # every causal block, on one shared head

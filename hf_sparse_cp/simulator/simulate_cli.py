@@ -11,11 +11,11 @@ bandwidths, each with its source in the JSON.
 Layouts, one sequence per row (default): the dense ring uses the causal layout; the sparse
 configurations a random vertical-slash layout (`random_vertical_slash_layout`, `--layout-heads`
 heads standing for all of the model's heads) keeping the share of the causal blocks that the default
-pattern keeps at that length: read from a measured kept-share curve (`kept_curve.py`; the shipped one
-is SmolLM2-135M's, 1K-8K, extrapolated past 8K and labelled so in every row), or one `--density` at
-every length (MTraining reports 93.7% sparsity: 0.063), with `--verticals` columns (MTraining's budget of
-1000) and `--sink` sink tokens. On one sequence the planner splits it striped, as striped sparse does.
-The first `--dense-first-layers` layers (the plugin's default: 1) run the same ring over the causal
+pattern keeps at that length: read from a measured kept-fraction curve (`kept_curve.py`; the shipped one
+is Gemma 3 270M's global layers at 1K-32K, extrapolated past 32K; every row names its source and basis), or
+one `--density` at every length (MTraining reports 93.7% sparsity: 0.063), with `--verticals` columns
+(MTraining's budget of 1000) and `--sink` sink tokens. On one sequence the planner splits it striped, as
+striped sparse does. The first `--dense-first-layers` layers (the plugin's default: 1) run the same ring over the causal
 layout without estimation, as the plugin runs them under CP; each row gives their share of the attention.
 
 Packed rows (`--mix long-tail|uniform|one`): each row of S tokens packs documents of a length mix
@@ -146,7 +146,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "kept-curve's at each length).")
     p.add_argument("--kept-curve", default=None,
                    help="A `benchmarks/pattern_quality.py --curve` report whose 'defaults' setting gives the kept "
-                   "share at each length (default: the shipped SmolLM2-135M measurement).")
+                   f"fraction at each length (default: the shipped measurement, {DEFAULT_CURVE.source}).")
     p.add_argument("--dense-first-layers", type=_at_least(0), default=SparseAttentionConfig().dense_first_layers,
                    help="Layers kept dense at the start of the model (the plugin's --sparse_dense_first_layers).")
     p.add_argument("--spread", type=_fraction, default=1.0,
@@ -184,7 +184,7 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     unread = "--density" if args.density is not None else "--mix" if args.mix is not None else None
     if args.kept_curve and unread:  # a file named and never read would be silently ignored
         p.error(f"--kept-curve {args.kept_curve} would not be read: "
-                + ("--density gives the kept share at every length" if unread == "--density" else
+                + ("--density gives the kept fraction at every length" if unread == "--density" else
                    f"--mix {args.mix} packs rows whose documents keep what their own patterns select")
                 + f"; drop {unread} to take the shares from the curve, or drop --kept-curve.")
     return args
@@ -219,7 +219,7 @@ def _check_lengths(parser: argparse.ArgumentParser, seqs: list[int], layout_head
 
 
 def kept_target(args, seq: int) -> KeptAt:
-    """The kept share the sparse layout of one sequence of `seq` tokens is drawn with, and where it comes from."""
+    """The kept fraction the sparse layout of one sequence of `seq` tokens is drawn with, and where it comes from."""
     if args.density is not None:
         return KeptAt(seq, args.density, 1.0, "given", "--density")
     return (_read_curve(args.kept_curve) if args.kept_curve else DEFAULT_CURVE).at(seq)
@@ -429,7 +429,7 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     cluster, hardware_of = cluster_of(args)
     if args.mix is None:
         print(f"{name} on {cluster.name}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
-              f"({args.layout_heads} layout heads) and diagonals for a kept share of")
+              f"({args.layout_heads} layout heads) and diagonals for a kept fraction of")
         for target in targets:
             print(f"  {target.describe()}")
         print(f"first {args.dense_first_layers} layer(s) dense; PREDICTED")
@@ -494,7 +494,7 @@ ASSUMPTIONS = [
     "gradient checkpointing: each layer's forward (estimation + ring) runs twice",
     "the dense ring: zigzag sharding, causal layout, no estimation, dense kernel costs",
     "sparse layouts are synthetic vertical-slash layouts of one density for every sparse layer (MTraining's grows "
-    "with depth), that density the measured kept-share curve's at each length (kept_basis: measured, interpolated "
+    "with depth), that density the measured kept-fraction curve's at each length (kept_basis: measured, interpolated "
     "or extrapolated) unless --density gives one; layout-heads heads stand for all heads (work scaled, bytes from "
     "their union)",
     "the first --dense-first-layers layers run the ring over the causal layout with the same kernel, no estimation",

@@ -157,7 +157,9 @@ def write_report(report: dict, results_dir: Path, kind: str, output: str | None 
     slug = device_slug(report["device"])
     out = Path(output) if output else results_dir / f"{kind}_{slug}_{datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    part = out.with_name(out.name + ".part")  # written whole, then renamed: a run killed mid-write keeps the last
+    part.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(part, out)
     print(f"wrote {out}")
     return out
 
@@ -185,3 +187,16 @@ class ReportFile:
         path = write_report(report, self.results_dir, self.kind, self.path)
         self.path = str(path)
         return path
+
+    def resumed(self, settings: dict, same: tuple[str, ...]) -> dict | None:
+        """The report already at `output` (a run cut off, to be continued), or None when there is none; refuses one
+        whose settings differ from `settings` in any field of `same` (what its measurements depend on)."""
+        if self.path is None or not Path(self.path).is_file():
+            return None
+        report = json.loads(Path(self.path).read_text())
+        differ = sorted(k for k in same if report.get("settings", {}).get(k) != settings.get(k))
+        if differ:
+            raise ValueError(f"{self.path} was measured with other {differ} than asked; continue it with its own "
+                             "settings, or pass another --output.")
+        print(f"continuing {self.path}")
+        return report

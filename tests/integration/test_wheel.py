@@ -42,6 +42,7 @@ def test_the_wheel_holds_the_recipes_and_the_license(installed):
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / "recipes").rglob("*.yaml")}
     assert {f"hf_sparse_cp/{name}" for name in shipped} <= set(names)
+    assert "hf_sparse_cp/simulator/data/default_kept_curve.json" in names  # the shipped kept-fraction curve
     (license_file,) = [name for name in names if name.endswith(".dist-info/licenses/LICENSE")]
     text = zipfile.ZipFile(wheel).read(license_file).decode()
     assert text == (ROOT / "LICENSE").read_text() and "Apache License" in text and "Version 2.0" in text
@@ -51,6 +52,10 @@ def test_the_installed_package_lists_and_runs_a_recipe(installed):
     _, python, tmp = installed
     where = _run(python, "-c", "import hf_sparse_cp; print(hf_sparse_cp.__file__)", cwd=tmp)
     assert where.startswith(str(tmp / "env")), where  # the installed package, not the repository's
+    # the simulator and `memory` read the shipped kept-fraction curve from the installed package data
+    source = _run(python, "-c", "from hf_sparse_cp.simulator.kept_curve import DEFAULT_CURVE; "
+                  "print(DEFAULT_CURVE.source)", cwd=tmp)
+    assert "defaults" in source
     cli = tmp / "env" / "bin" / "hf-sparse-cp"
     listed = _run(cli, "recipes", cwd=tmp)
     assert "qwen2.5-3b_32k" in listed and "cpu_2proc_cp2" in listed

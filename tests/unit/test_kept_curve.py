@@ -1,4 +1,4 @@
-"""The kept share at a length from a measured curve (#43 item 4), and what the simulator and the memory model
+"""The kept fraction at a length from a measured curve (#43 item 4), and what the simulator and the memory model
 take from it: the density of a predicted step's sparse layers, the dense first layers' cost, the layout width."""
 
 import json
@@ -95,7 +95,7 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
     assert not curve.measures(SparseAttentionConfig(mass_target=0.95))
     assert KeptCurve.from_report(path, "other").block_size == 64
     assert [p.seq_len for p in curve.usable] == [1024, 2048] and curve.points[-1].beyond_context
-    assert curve.at(2048).kept == 0.7 and "curve.json (defaults, tiny)" in curve.source
+    assert curve.at(2048).kept == 0.7 and "curve.json (defaults, tiny, every layer)" in curve.source
     with pytest.raises(ValueError, match=r"no setting 'nope'; it has \['defaults', 'other'\]"):
         KeptCurve.from_report(path, "nope")
     # a report that spells out each setting's pattern is read by it, not by today's defaults
@@ -107,7 +107,7 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
     assert not KeptCurve.from_report(path).measures(SparseAttentionConfig())
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"lengths": {}}))
-    with pytest.raises(ValueError, match="other.json is not a kept-share curve"):
+    with pytest.raises(ValueError, match="other.json is not a kept-fraction curve"):
         KeptCurve.from_report(other)
     other.write_text("not json")
     with pytest.raises(ValueError, match="other.json: not JSON; give a report that benchmarks/pattern_quality.py"):
@@ -117,12 +117,29 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
 
 
 def test_the_shipped_curve_is_the_committed_measurement():
-    measured = KeptCurve.from_report(RESULTS / "pattern-curve_cpu_1k-16k.json")
-    assert measured.points == DEFAULT_CURVE.points and measured.block_size == DEFAULT_CURVE.block_size
-    assert all(p.beyond_context == (p.seq_len > 8192) for p in DEFAULT_CURVE.points)
+    """The package data holds the report its source names (in benchmarks/results), labelled with its model and
+    layers, and that report measured today's defaults."""
+    report = RESULTS / DEFAULT_CURVE.source.split(" ")[0]
+    measured = KeptCurve.from_report(report)
+    assert measured == DEFAULT_CURVE
+    data = json.loads(report.read_text())
+    assert all(p.beyond_context == (p.seq_len > data["trained_context"]) for p in DEFAULT_CURVE.points)
+    assert data["model"] in DEFAULT_CURVE.source and "layer" in DEFAULT_CURVE.source
     # it measured today's defaults: a change of the defaults fails here until the curve is measured again
     assert DEFAULT_CURVE.measures(SparseAttentionConfig())
     assert not DEFAULT_CURVE.measures(SparseAttentionConfig(local_window=256))
+
+
+def test_the_shipped_curve_file_is_written_from_a_report(tmp_path, monkeypatch):
+    """`python -m hf_sparse_cp.simulator.kept_curve REPORT` writes what DEFAULT_CURVE reads back the same."""
+    from hf_sparse_cp.simulator import kept_curve
+
+    path = curve_report(tmp_path, {1024: (0.9, 1.0, False), 2048: (0.7, 0.8, False), 4096: (0.5, 0.6, True)})
+    monkeypatch.setattr(kept_curve, "DEFAULT_CURVE_FILE", tmp_path / "shipped.json")
+    kept_curve.main([str(path), "--setting", "other"])
+    written = KeptCurve.from_dict(json.loads((tmp_path / "shipped.json").read_text()))
+    assert written == KeptCurve.from_report(path, "other") and written.points[-1].beyond_context
+    assert KeptCurve.from_dict(DEFAULT_CURVE.to_dict()) == DEFAULT_CURVE
 
 
 def ring(s: int = 131072, cp: int = 8):
@@ -203,9 +220,9 @@ def test_a_curve_shaped_otherwise_names_the_file_the_entry_and_what_it_must_hold
     good = json.loads(curve_report(tmp_path, {1024: (0.9, 1.0, False), 2048: (0.7, 0.8, False)}).read_text())
     path = tmp_path / "broken.json"
     path.write_text(json.dumps(_broken(good, change)))
-    with pytest.raises(ValueError, match=f"kept-share curve {path}: {named}"):
+    with pytest.raises(ValueError, match=f"kept-fraction curve {path}: {named}"):
         KeptCurve.from_report(path)
-    with pytest.raises(SystemExit, match=f"--kept-curve {path}: kept-share curve {path}: {named}"):
+    with pytest.raises(SystemExit, match=f"--kept-curve {path}: kept-fraction curve {path}: {named}"):
         simulate_cli.main(["--kept-curve", str(path), "--seq", "131072", "--cp", "8", "--no-mtraining"])
     with pytest.raises(SystemExit):
         memory_cli.main(["--model", "qwen2.5-0.5b", "--kept-curve", str(path)])
@@ -216,7 +233,7 @@ def test_a_curve_named_beside_a_setting_that_would_not_read_it_is_refused(capsys
     --layout-width bound` (every block), never read the curve the user named: refused, naming both and the fix."""
     from hf_sparse_cp.simulator import memory_cli, simulate_cli
 
-    for argv, other in ((["--density", "0.1"], "--density gives the kept share at every length"),
+    for argv, other in ((["--density", "0.1"], "--density gives the kept fraction at every length"),
                         (["--mix", "long-tail"], "--mix long-tail packs rows")):
         with pytest.raises(SystemExit):
             simulate_cli.parse_args([*argv, "--kept-curve", "missing.json"])

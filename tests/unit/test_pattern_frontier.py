@@ -112,16 +112,24 @@ def test_unknown_settings_and_lengths_are_refused(pq):
         pq.PatternQualityArguments(frontier_lengths=[1000])
     with pytest.raises(ValueError, match="unknown limit families"):
         pq.PatternQualityArguments(limit_families=["diagonal"])
+    # lengths within the model's context: SmolLM2's 8K by default, Gemma's 32K; retrieval lengths when retrieving
+    with pytest.raises(ValueError, match="at most smollm2-135m's context, 8192"):
+        pq.PatternQualityArguments(frontier_lengths=[16384])
+    with pytest.raises(ValueError, match="at most smollm2-135m's context, 8192"):
+        pq.PatternQualityArguments(retrieval=True)
+    assert pq.PatternQualityArguments(model="gemma3-270m", frontier_lengths=[32768], retrieval=True)
+    with pytest.raises(ValueError, match="pretrained model 'gemma' is unknown"):
+        pq.PatternQualityArguments(model="gemma")
 
 
 def test_curve_point_summarizes_the_layers_with_the_dense_first_one_whole(pq):
     """`--curve`'s figures of one setting at one length, on random q/k/v of 3 layers (the first dense by default)."""
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(0)
-    s, layers = 1024, []
-    for _ in range(3):
+    s, layers = 1024, {}
+    for i in range(3):
         q, k, v = (torch.randn(1, h, s, 32, generator=g) for h in (4, 2, 2))
-        layers.append((q, k, v, 32 ** -0.5))
+        layers[i] = (q, k, v, 32 ** -0.5)
     point = pq.curve_point(layers, s, pq.curve_config("defaults"), query_chunks=2)
     rows = point["per_layer"]
     assert [r["sparse"] for r in rows] == [False, True, True] and rows[0]["kept_fraction"] == 1.0
@@ -132,3 +140,49 @@ def test_curve_point_summarizes_the_layers_with_the_dense_first_one_whole(pq):
     assert all(0 < r["width_share"] <= 1 and 0 < r["recall_mean"] <= 1 + 1e-6 for r in rows)
     every = pq.curve_point(layers, s, pq.curve_config("layer0-sparse"), query_chunks=2)
     assert every["per_layer"][0]["sparse"] and every["dense_layers_work_share"] == 0
+
+    # the measured layers keep their indices: a model whose first layers have a sliding window (Gemma 3's global
+    # layers 5, 11, 17) has no dense first layer among them
+    gemma = pq.curve_point({5: layers[0], 11: layers[1]}, s, pq.curve_config("defaults"), query_chunks=2)
+    assert [r["layer"] for r in gemma["per_layer"]] == [5, 11] and all(r["sparse"] for r in gemma["per_layer"])
+
+
+def test_the_equal_recall_target_reads_the_best_pattern_at_the_defaults_recall(pq):
+    """#53: at the longest length holding the defaults, their kept fraction over the best vertical-slash
+    pattern's kept fraction at the same mean recall (linear between the limit's measured fractions)."""
+    limit = {"kind": "limit", "family": "vertical_slash"}
+    points = {"defaults": _point("estimator", 0.4, 0.96, 0.95, layers=[5, 11, 17]),
+              "l10": {**_point("limit", 0.1, 0.93, 0.9), **limit, "allocation": "allocated"},
+              "l20": {**_point("limit", 0.2, 0.97, 0.95), **limit, "allocation": "allocated"},
+              "h10": {**_point("limit", 0.1, 0.90, 0.9), **limit, "allocation": "per_head"},
+              "h20": {**_point("limit", 0.2, 0.94, 0.9), **limit, "allocation": "per_head"}}
+    rows = pq.equal_recall_targets({"frontier": {"16384": {"points": {"defaults": points["defaults"]}},
+                                                 "32768": {"points": points}}})
+    (allocated,) = [r for r in rows if "(allocated;" in r["target"]]
+    (per_head,) = [r for r in rows if "(per_head;" in r["target"]]
+    assert "S=32768, layers [5, 11, 17]" in allocated["target"] and "allocated" in allocated["target"]
+    assert allocated["measured"] == pytest.approx(0.4 / (0.1 + 0.1 * 0.03 / 0.04))
+    assert allocated["pass"] is False and allocated["required"] == "<= 1.2"
+    assert per_head["measured"] is None and "none measured reaches" in per_head["target"]  # 0.94 < 0.96
+    assert pq.recall_crossing([points["l10"], points["l20"]], 0.9) == 0.1
+    assert pq.equal_recall_targets({"frontier": {"4096": {"points": {"l10": points["l10"]}}}}) == []
+    # a report that measured the defaults alone against the limit holds #53's target, none of #34's
+    only = {"frontier": {"8192": {"points": points}, "4096": {"points": points}}}
+    assert [r["target"] for r in pq.frontier_targets(only)] == [r["target"] for r in pq.equal_recall_targets(only)]
+
+
+def test_curve_and_retrieval_targets(pq):
+    def length(s, change, beyond=False):
+        return {"seq_len": s, "beyond_context": beyond, "settings": {"defaults": {"perplexity_change": change}}}
+
+    report = {"model": "m", "layers_measured": [5], "lengths": {"8192": length(8192, 0.02),
+                                                             "32768": length(32768, 0.004),
+                                                             "65536": length(65536, 0.5, beyond=True)}}
+    (row,) = pq.curve_targets(report)
+    assert "S=32768" in row["target"] and row["measured"] == 0.004 and row["pass"]
+    scores = {"dense": {"per_length": {"16384": {"correct": 8, "prompts": 10, "accuracy": 0.8,
+                                                 "wilson95": [0.49, 0.94]}}},
+              "defaults": {"per_length": {"16384": {"correct": 5, "prompts": 10, "accuracy": 0.5,
+                                                    "wilson95": [0.24, 0.76]}}}}
+    (row,) = pq.retrieval_targets({"scores": scores})
+    assert row["measured"] == 0.5 and row["pass"] and "[0.490, 0.940]" in row["target"]

@@ -1,4 +1,5 @@
-"""The PyTorch reference equals dense attention with the layout applied as a mask."""
+"""The PyTorch engines, the reference and the dense masked form, equal dense attention with the layout applied
+as a mask (fp64 oracle), forward and backward, and compose over key splits as a ring step needs."""
 
 import pytest
 import torch
@@ -31,8 +32,11 @@ def _random_docs(b, s, seed, pad=0):
     return TokenMeta.from_segments(seg)
 
 
-def _check(q, k, v, layout, q_meta, window=None):
-    out, lse = block_sparse_attention(q, k, v, layout, q_meta=q_meta, sliding_window=window)
+ENGINES = pytest.mark.parametrize("engine", ["reference", "masked"])
+
+
+def _check(q, k, v, layout, q_meta, window=None, engine="reference"):
+    out, lse = block_sparse_attention(q, k, v, layout, q_meta=q_meta, sliding_window=window, implementation=engine)
     mask = layout.to_mask(q.shape[1], q.shape[2], k.shape[2]) & visible(q_meta, q_meta, window)
     ref_out, ref_lse = dense_attention(q, k, v, mask)
     tol = TOLERANCE[q.dtype]
@@ -54,23 +58,38 @@ def _check(q, k, v, layout, q_meta, window=None):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("hq,hk", [(2, 2), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])
 @pytest.mark.parametrize("s,bs", [(64, 16), (111, 16), (257, 32)], ids=["S64", "S111", "S257"])
-def test_random_layouts(dtype, hq, hk, s, bs):
+@ENGINES
+def test_random_layouts(dtype, hq, hk, s, bs, engine):
     q, k, v = _inputs(1, hq, hk, s, 16, dtype, seed=s + hq)
     layout = random_layout(1, hq, s, s, bs, 0.35, 0.05, generator=torch.Generator().manual_seed(s))
-    _check(q, k, v, layout, TokenMeta.contiguous(1, s))
+    _check(q, k, v, layout, TokenMeta.contiguous(1, s), engine=engine)
 
 
-def test_shared_layout_packed_documents_and_padding():
+@ENGINES
+def test_shared_layout_packed_documents_and_padding(engine):
     q, k, v = _inputs(2, 4, 2, 150, 16, torch.float64, seed=3)
     meta = _random_docs(2, 150, seed=4, pad=7)
     layout = random_layout(2, 1, 150, 150, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(5))
-    _check(q, k, v, layout, meta)
+    _check(q, k, v, layout, meta, engine=engine)
 
 
-def test_sliding_window():
+@ENGINES
+def test_sliding_window(engine):
     q, k, v = _inputs(1, 4, 2, 200, 16, torch.float64, seed=6)
     meta = TokenMeta.contiguous(1, 200)
-    _check(q, k, v, dense_layout(meta, 32, sliding_window=40), meta, window=40)
+    _check(q, k, v, dense_layout(meta, 32, sliding_window=40), meta, window=40, engine=engine)
+
+
+def test_masked_engine_chunks_do_not_change_results(monkeypatch):
+    """One query block per chunk (each with its own key range) gives what one chunk of every row gives."""
+    from hf_sparse_cp.attention import masked
+
+    q, k, v = _inputs(1, 4, 2, 130, 16, torch.float64, seed=11)
+    layout = random_layout(1, 4, 130, 130, 16, 0.4, 0.05, generator=torch.Generator().manual_seed(12))
+    whole = block_sparse_attention(q, k, v, layout, implementation="masked")
+    monkeypatch.setattr(masked, "CHUNK_ELEMENTS", 1)
+    parts = block_sparse_attention(q, k, v, layout, implementation="masked")
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(parts, whole))
 
 
 def test_dense_layout_equals_sdpa():
@@ -134,29 +153,31 @@ def test_bad_inputs_are_refused_with_the_fix(case):
             reference.reference_forward(AttentionCall(q, k, v, layout, 0.25, q_meta, k_meta))
 
 
-def test_primitives_compose_over_key_splits():
+@ENGINES
+def test_primitives_compose_over_key_splits(engine):
     """Forward over two key halves merged by LSE, and backward with the final out/lse per half, equal
     the whole: what a ring step relies on."""
     q, k, v = _inputs(1, 4, 2, 96, 16, torch.float64, seed=10)
     meta = TokenMeta.contiguous(1, 96)
     full = dense_layout(meta, 16)
-    out, lse = ops.attention_forward(AttentionCall(q, k, v, full, 0.25, meta, meta))
+    out, lse = ops.attention_forward(AttentionCall(q, k, v, full, 0.25, meta, meta), implementation=engine)
     halves = []
     for lo, hi in ((0, 48), (48, 96)):
         k_meta = TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi])
         lay = random_layout(1, 1, 96, 48, 16, 1.0, causal=False)
         call = AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, 0.25, meta, k_meta)
-        halves.append((lo, hi, k_meta, lay, ops.attention_forward(call)))
+        halves.append((lo, hi, k_meta, lay, ops.attention_forward(call, implementation=engine)))
     (_, _, _, _, (o1, l1)), (_, _, _, _, (o2, l2)) = halves
     merged_lse = torch.logaddexp(l1, l2)
     merged = o1 * torch.exp(l1 - merged_lse)[..., None] + o2 * torch.exp(l2 - merged_lse)[..., None]
     assert torch.allclose(merged, out, atol=1e-12) and torch.allclose(merged_lse, lse, atol=1e-12)
     dout = torch.randn_like(out)
-    dq, dk, dv = ops.attention_backward(AttentionCall(q, k, v, full, 0.25, meta, meta), out, lse, dout)
+    dq, dk, dv = ops.attention_backward(AttentionCall(q, k, v, full, 0.25, meta, meta), out, lse, dout,
+                                        implementation=engine)
     dq_sum = torch.zeros_like(dq)
     for lo, hi, k_meta, lay, _ in halves:
         call = AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, 0.25, meta, k_meta)
-        dqh, dkh, dvh = ops.attention_backward(call, out, lse, dout)
+        dqh, dkh, dvh = ops.attention_backward(call, out, lse, dout, implementation=engine)
         dq_sum += dqh
         assert torch.allclose(dkh, dk[:, :, lo:hi], atol=1e-12) and torch.allclose(dvh, dv[:, :, lo:hi], atol=1e-12)
     assert torch.allclose(dq_sum, dq, atol=1e-12)

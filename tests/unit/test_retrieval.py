@@ -91,3 +91,61 @@ def test_wilson_interval_matches_published_values(k, n, lo, hi):
 def test_wilson_interval_refuses_more_successes_than_trials():
     with pytest.raises(ValueError, match="successes"):
         retrieval.wilson_interval(11, 10)
+
+
+def test_needle_row_asks_every_depth_once_with_its_key(tok):
+    depths = [0.1, 0.5, 0.9]
+    row = retrieval.needle_row(tok, _ids(tok, TEXT), 2048, depths, random.Random(3), distractors=2, prefix=[7, 7])
+    assert row.seq_len == 2048 and row.input_ids[:2] == [7, 7] and row.depths == tuple(depths)
+    text = tok.decode(row.input_ids)
+    assert text.count("The pass key of ") == 2 * 3 + 2  # 3 asked needles, their 3 questions' echoes, 2 others
+    for (start, end), depth, distance in zip(row.answers, depths, row.distances):
+        key = tok.decode(row.input_ids[start:end]).strip()
+        question = tok.decode(row.input_ids[:start])
+        name = question.rsplit("What is the pass key of ", 1)[1].split("?")[0]
+        assert len(key) == 5 and key.isdigit() and f"The pass key of {name} is {key}." in text
+        where = len(tok.decode(row.input_ids[:start - distance]))  # the needle sits `distance` tokens back
+        assert text[where:].startswith(f" The pass key of {name} is {key}.")
+        body = len(tok.decode(row.input_ids[:min(a for a, _ in row.answers)]))
+        assert abs(where / body - depth) < 0.1
+        assert row.labels[start:end] == row.input_ids[start:end]
+    assert sum(label != -100 for label in row.labels) == sum(end - start for start, end in row.answers)
+    with pytest.raises(ValueError, match="depths"):
+        retrieval.needle_row(tok, _ids(tok, TEXT), 2048, [1.5], random.Random(0), distractors=1)
+
+
+class _NextToken(torch.nn.Module):
+    """A 'model' whose hidden state at each position is the one-hot of the next token of `ids` (with `wrong`
+    positions shifted): its argmax head predicts `ids` exactly except there."""
+
+    def __init__(self, ids: list[int], wrong: tuple[int, ...] = (), vocab: int = 300):
+        super().__init__()
+        self.ids, self.wrong, self.vocab = ids, wrong, vocab
+        self.head = torch.nn.Linear(vocab, vocab, bias=False)
+        torch.nn.init.eye_(self.head.weight)
+
+    def get_decoder(self):
+        def decoder(input_ids):
+            nxt = torch.tensor(self.ids[1:input_ids.shape[1] + 1])
+            nxt[list(self.wrong)] = (nxt[list(self.wrong)] + 1) % self.vocab
+            return type("Out", (), {"last_hidden_state": torch.nn.functional.one_hot(nxt, self.vocab).float()[None]})
+        return decoder
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_answer_hits_scores_each_answer_by_all_its_tokens(tok):
+    row = retrieval.needle_row(tok, _ids(tok, TEXT), 1024, [0.2, 0.8], random.Random(1), distractors=1)
+    assert retrieval.answer_hits(_NextToken(row.input_ids), row) == [True, True]
+    (s0, _), (s1, e1) = row.answers
+    # one wrong token in the second answer (predicted at the position before it) fails that answer alone
+    assert retrieval.answer_hits(_NextToken(row.input_ids, wrong=(e1 - 2,)), row) == [True, False]
+    assert retrieval.answer_hits(_NextToken(row.input_ids, wrong=(s0 - 2,)), row) == [True, True]  # not an answer
+
+
+def test_scores_count_per_length_and_depth():
+    got = retrieval.scores([(512, 0.1, True), (512, 0.9, False), (1024, 0.1, True), (1024, 0.1, True)])
+    assert (got["correct"], got["prompts"]) == (3, 4)
+    assert got["per_length"]["1024"]["accuracy"] == 1.0 and got["per_cell"]["512@0.9"]["correct"] == 0
+    assert got["per_length"]["512"]["wilson95"] == pytest.approx(list(retrieval.wilson_interval(1, 2)))
