@@ -14,6 +14,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -142,6 +143,7 @@ def liger_kernel_flag() -> Iterator:
     itself (only its module replacement runs here) and turns the Trainer's own application off."""
     from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention, enable_sparse_attention
 
+    pytest.importorskip("liger_kernel.transformers")  # (liger-kernel needs Triton: `make test-no-triton` hides it)
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
         training = TrainingArguments(output_dir=tmp, report_to="none", save_strategy="no", use_liger_kernel=True)

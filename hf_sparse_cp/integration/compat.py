@@ -275,6 +275,11 @@ def problem(patch: Patch, instance: Any = None) -> str | None:
         return None
     try:
         owner = instance if patch.on_instances else _resolve(patch.owner)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.partition(".")[0] != patch.package:
+            return None  # (installed without a package it needs, e.g. liger-kernel without Triton: unusable, so
+            #             nothing of theirs is in use either)
+        return f"{patch.owner} cannot be imported ({e})"
     except (ImportError, AttributeError) as e:
         return f"{patch.owner} cannot be imported ({e})"
     name = _holds(owner, patch)

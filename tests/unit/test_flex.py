@@ -250,7 +250,7 @@ def test_environment_variable_replaces_auto_only(monkeypatch):
     assert engines.resolve_engine(q, layout) == "reference"  # auto off CUDA
     monkeypatch.setenv(engines.ENGINE_ENV, "flex")
     assert engines.resolve_engine(q, layout) == "flex"
-    assert engines.resolve_engine(q, layout, "triton") == "triton"  # an explicit setting wins
+    assert engines.resolve_engine(q, layout, "reference") == "reference"  # an explicit setting wins
     monkeypatch.setenv(engines.ENGINE_ENV, "fastest")
     with pytest.raises(ValueError, match="HF_SPARSE_CP_ATTENTION_ENGINE.*'flex'"):
         engines.resolve_engine(q, layout)
@@ -323,8 +323,9 @@ def test_call_shape_of_a_layout():
 def test_engines_are_registered_objects_and_each_choice_is_logged_once(caplog):
     """Every engine takes the call as one `AttentionCall`; the ops dispatch to the registered object; the
     engine chosen for a reason is logged the first time only."""
-    assert engines.SETTINGS == ("auto", "triton", "flex", "reference")
+    assert engines.SETTINGS == ("auto", "triton", "flex", "reference", "masked")
     assert all(isinstance(e, engines.Engine) and e.name == name for name, e in engines.ENGINES.items())
+    assert "named only" in engines.ENGINES["masked"].declines(torch.zeros(1, 1, 1, 8))  # never chosen by 'auto'
     engines._logged.cache_clear()
     q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     meta = TokenMeta.contiguous(1, 64)
