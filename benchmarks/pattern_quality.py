@@ -593,13 +593,7 @@ def curve(args: PatternQualityArguments) -> dict:
                   file=sys.stderr, flush=True)
             out.write(report)
     report["lengths"] = dict(sorted(report["lengths"].items(), key=lambda kv: int(kv[0])))
-    report["targets"] = curve_targets(report)
-    report["complete"] = True
-    print(format_curve(report))
-    print(format_targets(report["targets"]))
-    path = out.write(report)
-    plot_curve(report, path.with_suffix(".png"))
-    return report
+    return complete_report(report, out, curve_targets, format_curve, plot_curve)
 
 
 def sparse_perplexity(model, ids: torch.Tensor, cfg: SparseAttentionConfig) -> float:
@@ -728,13 +722,7 @@ def retrieval_run(args: PatternQualityArguments) -> dict:
     report["scores"] = {name: retrieval.scores([(r["seq_len"], d, hit) for r in results
                                                 for d, hit in zip(r["depths"], r["hits"][name])])
                         for name in attentions}
-    report["targets"] = retrieval_targets(report)
-    report["complete"] = True
-    print(format_retrieval(report))
-    print(format_targets(report["targets"]))
-    path = out.write(report)
-    plot_retrieval(report, path.with_suffix(".png"))
-    return report
+    return complete_report(report, out, retrieval_targets, format_retrieval, plot_retrieval)
 
 
 def retrieval_targets(report: dict) -> list[dict]:
@@ -1164,12 +1152,18 @@ def frontier(args: PatternQualityArguments) -> dict:
     if args.cost_repeats:
         report["estimation_cost"] = {"seq_len": longest, "threads": torch.get_num_threads(),
                                      "settings": estimation_cost(layers, longest, args)}
-    report["targets"] = frontier_targets(report)
+    return complete_report(report, out, frontier_targets, format_frontier, plot_frontier)
+
+
+def complete_report(report: dict, out: ReportFile, targets, table, plot) -> dict:
+    """A measurement's end: its verdicts (`targets(report)`), marked complete, printed as `table` and the verdicts,
+    written, and drawn (`plot`) beside the JSON."""
+    report["targets"] = targets(report)
     report["complete"] = True
-    print(format_frontier(report))
+    print(table(report))
     print(format_targets(report["targets"]))
     path = out.write(report)
-    plot_frontier(report, path.with_suffix(".png"))
+    plot(report, path.with_suffix(".png"))
     return report
 
 
