@@ -3,6 +3,8 @@ reports, and the settings it refuses (the measurement itself runs on the real mo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmark_loader import load_benchmark
@@ -186,3 +188,18 @@ def test_curve_and_retrieval_targets(pq):
                                                     "wilson95": [0.24, 0.76]}}}}
     (row,) = pq.retrieval_targets({"scores": scores})
     assert row["measured"] == 0.5 and row["pass"] and "[0.490, 0.940]" in row["target"]
+
+
+def test_a_completed_report_holds_its_verdicts_and_is_written_and_drawn(pq, tmp_path, capsys):
+    """Every measurement (curve, retrieval, frontier) ends so: its verdicts, marked complete, the table and the
+    verdicts printed, the JSON written where it was going, the figure beside it."""
+    drawn = []
+    verdict = {"target": "kept at 32K", "required": "<= 1.2", "measured": 1.35, "pass": False}
+    out = pq.ReportFile(tmp_path, "pattern-curve", str(tmp_path / "curve.json"))
+    report = pq.complete_report({"device": "cpu", "lengths": {}}, out, lambda r: [verdict], lambda r: "THE TABLE",
+                                lambda r, path: drawn.append(path))
+    assert report["complete"] and report["targets"] == [verdict]
+    assert json.loads((tmp_path / "curve.json").read_text())["targets"] == [verdict]
+    assert drawn == [tmp_path / "curve.png"]
+    printed = capsys.readouterr().out
+    assert "THE TABLE" in printed and "kept at 32K" in printed
