@@ -235,8 +235,13 @@ def _resolve(dotted: str) -> Any:
     """The module, class or attribute `dotted` names: its longest importable prefix, then attributes."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
         try:
-            target = importlib.import_module(".".join(parts[:cut]))
+            target = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and e.name != name and not name.startswith(e.name + "."):
+                raise  # (the module is there, a package it imports is not)
+            continue
         except ImportError:
             continue
         for attr in parts[cut:]:
