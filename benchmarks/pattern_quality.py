@@ -648,12 +648,17 @@ def plot_curve(report: dict, path: Path) -> None:
                if "kept_sparse_layers" in length["settings"].get(name, {})]
         xs = [s for s, _ in pts]
         ax1.plot(xs, [p["kept_sparse_layers"] for _, p in pts], marker="o", label=f"{name}: kept (sparse layers)")
-        ax1.plot(xs, [p["width_share_max"] for _, p in pts], ls=":", marker=".", label=f"{name}: layout width share")
+        ax1.plot(xs, [p["width_share_max"] for _, p in pts], ls=":", marker=".",
+                 label=f"{name}: layout width (of the row)")
         ax2.plot(xs, [p["recall_mean"] for _, p in pts], marker="o", label=name)
-    context = report["trained_context"]
+        for s, p in pts:  # the perplexity through the pattern, where it was measured
+            if p.get("perplexity_change") is not None:
+                ax2.annotate(f"perplexity {p['perplexity_change']:+.2%}", (s, p["recall_mean"]), fontsize=7,
+                             xytext=(-4, -12), textcoords="offset points", ha="right")
+    context, longest = report["trained_context"], max(length["seq_len"] for length in lengths)
     for ax in (ax1, ax2):
-        ax.axvspan(context, max(length["seq_len"] for length in lengths) * 1.1, color="gray", alpha=0.15,
-                   label="beyond the trained context")
+        if longest > context:
+            ax.axvspan(context, longest * 1.1, color="gray", alpha=0.15, label="beyond the trained context")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -661,7 +666,8 @@ def plot_curve(report: dict, path: Path) -> None:
     ax1.set(yscale="log", xlabel="sequence length", ylabel="share of the causal blocks",
             title=f"kept fraction and layout width against length\n{report['model'].split(' (')[0]}"
                   + ("" if measured is None else f", layers {measured}"))
-    ax2.set(xlabel="sequence length", ylabel="mean mass recall (all layers)", title="mass recall against length")
+    ax2.set(xlabel="sequence length", ylabel="mean mass recall (measured layers)",
+            title="mass recall against length\n(and the perplexity change against dense where measured)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
