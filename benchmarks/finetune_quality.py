@@ -567,11 +567,13 @@ def plot_recall(report: dict, path: Path) -> None:
 
     arms = {n: a for n, a in report["arms"].items() if "recall_dense" in a}
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 6.2))
-    for name, arm in arms.items():
+    for name, arm in report["arms"].items():  # (an arm cut off before its scores: its steps so far)
         t = arm.get("training")
         if t:
-            ax1.plot(range(1, len(t["loss"]) + 1), t["loss"], lw=1,
-                     label=f"{name} (kept {t['kept_fraction_mean']:.2f})")
+            kept = [k for k in t["kept_fraction"] if k is not None]
+            label = f"{name} (kept {sum(kept) / len(kept) if kept else 1.0:.2f})" + \
+                ("" if name in arms else f", {len(t['loss'])} steps, unfinished")
+            ax1.plot(range(1, len(t["loss"]) + 1), t["loss"], lw=1, label=label)
             probe = t.get("probe", [])
             if probe:
                 ax3.plot([p["step"] for p in probe], [p["accuracy"] for p in probe], marker="o", label=name)
