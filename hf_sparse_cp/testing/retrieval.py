@@ -191,9 +191,10 @@ def needle_row(tokenizer, haystack: list[int], seq_len: int, depths: list[float]
 def answer_hits(model: torch.nn.Module, row: AnswerRow) -> list[bool]:
     """Per question of `row`, whether greedy decoding gives its answer: every answer token is the argmax of the
     model's next-token logits after the tokens before it (one forward, teacher-forced; the logits only at the
-    answers)."""
+    answers). The forward reads the whole row, as training does: a pattern that starts at the row's length
+    (`min_seq_len`) runs; the row without its last token would be one token short of it and served dense."""
     device = next(model.parameters()).device
-    hidden = model.get_decoder()(torch.tensor([row.input_ids[:-1]], device=device)).last_hidden_state[0]
+    hidden = model.get_decoder()(torch.tensor([row.input_ids], device=device)).last_hidden_state[0]
     head = model.get_output_embeddings()
     hits = []
     for start, end in row.answers:
@@ -245,8 +246,8 @@ def answer_matches(model: torch.nn.Module, prompt: RetrievalPrompt) -> bool:
     argmax of the model's next-token logits after the tokens before it (teacher forcing, which
     decides the same as generating while every earlier answer token was right)."""
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt.input_ids[:-1]], device=device)
-    logits = model(ids, logits_to_keep=prompt.answer_len).logits[0]
+    ids = torch.tensor([prompt.input_ids], device=device)  # the whole prompt, as `answer_hits` says why
+    logits = model(ids, logits_to_keep=prompt.answer_len + 1).logits[0, :-1]
     answer = torch.tensor(prompt.input_ids[-prompt.answer_len:], device=device)
     return bool((logits.argmax(-1) == answer).all())
 

@@ -58,7 +58,8 @@ def test_retrieval_prompt_refuses_a_length_too_short_for_its_needles(tok):
 
 
 class _Oracle(torch.nn.Module):
-    """Next-token logits that put the top score on `answer[i]` at the answer's positions, off by `wrong`."""
+    """Next-token logits that put the top score on `answer[i]` at the answer's positions, off by `wrong` (and
+    noise after the last token); it keeps the length of what it read."""
 
     def __init__(self, answer: list[int], wrong: int = 0):
         super().__init__()
@@ -66,7 +67,8 @@ class _Oracle(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, ids, logits_to_keep):
-        assert logits_to_keep == len(self.answer)
+        assert logits_to_keep == len(self.answer) + 1
+        self.read = ids.shape[1]
         logits = torch.randn(1, logits_to_keep, 300)
         for i, t in enumerate(self.answer):
             logits[0, i, (t + self.wrong * (i == 1)) % 300] = 100.0
@@ -76,8 +78,11 @@ class _Oracle(torch.nn.Module):
 def test_answer_matches_needs_every_answer_token(tok):
     prompt = retrieval.retrieval_prompt(tok, _ids(tok, TEXT), 1024, 0.5, random.Random(1), distractors=1)
     answer = prompt.input_ids[-prompt.answer_len:]
-    assert retrieval.answer_matches(_Oracle(answer), prompt)
+    oracle = _Oracle(answer)
+    assert retrieval.answer_matches(oracle, prompt)
     assert not retrieval.answer_matches(_Oracle(answer, wrong=1), prompt)  # one digit off
+    # the whole prompt is read: a pattern whose min_seq_len is the prompt's length runs on it
+    assert oracle.read == len(prompt.input_ids) == 1024
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (81, 263, 0.2553, 0.3662),
@@ -126,7 +131,8 @@ class _NextToken(torch.nn.Module):
 
     def get_decoder(self):
         def decoder(input_ids):
-            nxt = torch.tensor(self.ids[1:input_ids.shape[1] + 1])
+            self.read = input_ids.shape[1]
+            nxt = torch.tensor(self.ids[1:self.read + 1] + [0] * (self.read + 1 - len(self.ids)))
             nxt[list(self.wrong)] = (nxt[list(self.wrong)] + 1) % self.vocab
             return type("Out", (), {"last_hidden_state": torch.nn.functional.one_hot(nxt, self.vocab).float()[None]})
         return decoder
@@ -137,7 +143,9 @@ class _NextToken(torch.nn.Module):
 
 def test_answer_hits_scores_each_answer_by_all_its_tokens(tok):
     row = retrieval.needle_row(tok, _ids(tok, TEXT), 1024, [0.2, 0.8], random.Random(1), distractors=1)
-    assert retrieval.answer_hits(_NextToken(row.input_ids), row) == [True, True]
+    model = _NextToken(row.input_ids)
+    assert retrieval.answer_hits(model, row) == [True, True]
+    assert model.read == len(row.input_ids) == 1024  # the whole row, as in training (min_seq_len at its length)
     (s0, _), (s1, e1) = row.answers
     # one wrong token in the second answer (predicted at the position before it) fails that answer alone
     assert retrieval.answer_hits(_NextToken(row.input_ids, wrong=(e1 - 2,)), row) == [True, False]
