@@ -53,6 +53,7 @@ from transformers.trainer_utils import get_last_checkpoint
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseTrainer, SparseTrainingArguments
 from hf_sparse_cp.env import environment
+from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.testing import kv_recall, pretrained, retrieval
 from hf_sparse_cp.testing.benchmarking import ReportFile, format_targets
 from hf_sparse_cp.testing.pattern_quality import lm_loss
@@ -387,14 +388,22 @@ def retrieval_scores(model, prompts: list[retrieval.RetrievalPrompt]) -> dict:
 def recall_scores(model, rows: list[retrieval.AnswerRow], cfg: SparseAttentionConfig | None) -> dict:
     """kv_recall accuracy of `rows` served with `cfg` (None: dense): over every question with a Wilson 95%
     interval (questions of one row are not independent: the interval is a rough guide), per row, and every
-    answer's hit."""
+    answer's hit; served with a pattern, the kept fraction its calls logged (mean over the layers)."""
+    short = [len(row.input_ids) for row in rows if cfg is not None and len(row.input_ids) < cfg.min_seq_len]
+    if short:  # served dense while the report would say 'with its own pattern'
+        raise ValueError(f"rows of {short[0]} tokens are shorter than the pattern's min_seq_len={cfg.min_seq_len}: "
+                         "it would not run on them; score rows at least that long.")
     previous = model.config._attn_implementation  # (a probe while training returns the arm's backend)
     set_attention(model, cfg)
     model.eval()
+    if cfg is not None:
+        pop_kept_fractions(model)  # (what earlier calls left)
     hits = [retrieval.answer_hits(model, row) for row in rows]
+    kept = {} if cfg is None else pop_kept_fractions(model)
+    served = {} if cfg is None else {"kept_fraction": sum(kept.values()) / len(kept) if kept else None}
     model.set_attn_implementation(previous)
     return {**retrieval.accuracy([h for row in hits for h in row]), "per_row": [sum(row) for row in hits],
-            "hits": hits}
+            "hits": hits, **served}
 
 
 def evaluate(model, name: str, ppl_windows, held: list, args: FinetuneQualityArguments, into: dict,

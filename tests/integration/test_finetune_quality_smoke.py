@@ -86,6 +86,9 @@ def test_kv_recall_learns_from_its_answers_and_is_scored_dense_and_sparse(bench,
     assert [p["step"] for p in dense["training"]["probe"]] == [1, 2]
     assert 0 < dense["training"]["trainable_parameters"] and "decoder layers 1-" in dense["training"]["trainable"]
     assert aggressive["training"]["kept_fraction_mean"] < 1.0
+    # served with a pattern, the pattern ran on the held-out rows (they are as long as its min_seq_len)
+    assert 0.0 < aggressive["recall_sparse"]["aggressive"]["kept_fraction"] < 1.0
+    assert 0.0 < start["recall_sparse"]["aggressive"]["kept_fraction"] < 1.0
     targets = {r["target"].split(":")[0].split(" (")[0]: r for r in first["targets"]}
     assert "aggressive arm" in targets and targets["aggressive arm"]["pass"]  # its pattern was active
     assert any(t.startswith("dense arm learns the task in 2 steps") for t in targets)
@@ -119,6 +122,9 @@ def test_bad_arguments_are_refused(bench):
         bench.main(TINY + ["--arms", "sparse"])
     with pytest.raises(ValueError, match="evaluates nothing"):
         bench.main(TINY + ["--start_only", "--no_start"])
+    row = bench.retrieval.AnswerRow(list(range(100)), [-100] * 100, [(90, 91)], [50])
+    with pytest.raises(ValueError, match="min_seq_len=128: it would not run"):  # not scored dense as if sparse
+        bench.recall_scores(None, [row], bench.SparseAttentionConfig(min_seq_len=128))
 
 
 def test_gpu_session_finetune_dry_run(tmp_path):
