@@ -663,12 +663,12 @@ def combine(paths: list[str], output: str | None) -> dict:
     """One report from runs of different arms with the same settings (arms and measured parts merged)."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
     keep = ("arms", "no_start", "start_only", "output", "combine", "threads", "checkpoint_dir", "save_every",
-            "gradient_checkpointing")  # where and how an arm ran, not what it measured
+            "gradient_checkpointing", "serve_variants")  # where and how an arm ran, or what more it served
     base = {k: v for k, v in reports[0]["settings"].items() if k not in keep}
     for p, r in zip(paths, reports):
         other = {k: v for k, v in r["settings"].items() if k not in keep}
         if other != base:
-            diff = sorted(k for k in base if base[k] != other.get(k))
+            diff = sorted(k for k in {*base, *other} if base.get(k) != other.get(k))
             raise ValueError(f"{p} was measured with other settings ({diff}); combine runs of the same settings.")
     report = {**reports[0], "arms": {}, "combined_from": [Path(p).name for p in paths]}
     for r in reports:
