@@ -643,7 +643,10 @@ def plot_recall(report: dict, path: Path) -> None:
     ax2.legend(fontsize=8)
     ax3.set(xlabel="step", ylabel="recall, served dense", ylim=(0, 1.05),
             title=f"recall while training ({settings['eval_every_rows']} held-out rows)")
-    ax3.legend(fontsize=8)
+    if ax3.lines:
+        ax3.legend(fontsize=8)
+    else:
+        ax3.text(0.5, 0.5, "no probe while training (--eval_every 0)", ha="center", transform=ax3.transAxes)
     fig.text(0.01, 0.01, format_targets(report.get("targets", [])), fontsize=6.5, family="monospace", va="bottom")
     fig.tight_layout(rect=(0, 0.03 + 0.018 * len(report.get("targets", [])), 1, 1))
     fig.savefig(path, dpi=110)
