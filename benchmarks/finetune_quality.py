@@ -379,12 +379,17 @@ def train(name: str, model, rows: list[dict], args: FinetuneQualityArguments, re
         trainer.add_callback(_StepRecord(record, written, probe, args.eval_every))
         trainer.train(resume_from_checkpoint=last)
     record["train_seconds"] = time.perf_counter() - t0
-    kept = [k for k in record["kept_fraction"] if k is not None]
-    record["kept_fraction_mean"] = sum(kept) / len(kept) if kept else 1.0
+    record["kept_fraction_mean"] = mean_kept(record)
     print(f"  {name}: trained {args.steps} steps in {record['train_seconds']:.0f} s, losses "
           f"{record['loss'][0]:.3f} -> {record['loss'][-1]:.3f}, kept {record['kept_fraction_mean']:.3f}",
           file=sys.stderr, flush=True)
     return trainer.model.eval()
+
+
+def mean_kept(record: dict) -> float:
+    """The mean kept fraction of a training record's logged steps (1.0: none logged one, a dense arm)."""
+    kept = [k for k in record["kept_fraction"] if k is not None]
+    return sum(kept) / len(kept) if kept else 1.0
 
 
 def set_attention(model, cfg: SparseAttentionConfig | None) -> None:
@@ -411,18 +416,21 @@ def recall_scores(model, rows: list[retrieval.AnswerRow], cfg: SparseAttentionCo
     """kv_recall accuracy of `rows` served with `cfg` (None: dense): over every question with a Wilson 95%
     interval (questions of one row are not independent: the interval is a rough guide), per row, and every
     answer's hit; served with a pattern, the kept fraction its calls logged (mean over the layers)."""
-    short = [len(row.input_ids) for row in rows if cfg is not None and len(row.input_ids) < cfg.min_seq_len]
-    if short:  # served dense while the report would say 'with its own pattern'
-        raise ValueError(f"rows of {short[0]} tokens are shorter than the pattern's min_seq_len={cfg.min_seq_len}: "
-                         "it would not run on them; score rows at least that long.")
+    if cfg is not None:
+        short = [len(row.input_ids) for row in rows if len(row.input_ids) < cfg.min_seq_len]
+        if short:  # served dense while the report would say 'with its own pattern'
+            raise ValueError(f"rows of {short[0]} tokens are shorter than the pattern's min_seq_len="
+                             f"{cfg.min_seq_len}: it would not run on them; score rows at least that long.")
     previous = model.config._attn_implementation  # (a probe while training returns the arm's backend)
     set_attention(model, cfg)
     model.eval()
     if cfg is not None:
         pop_kept_fractions(model)  # (what earlier calls left)
     hits = [retrieval.answer_hits(model, row) for row in rows]
-    kept = {} if cfg is None else pop_kept_fractions(model)
-    served = {} if cfg is None else {"kept_fraction": sum(kept.values()) / len(kept) if kept else None}
+    served = {}
+    if cfg is not None:
+        kept = pop_kept_fractions(model)
+        served["kept_fraction"] = sum(kept.values()) / len(kept) if kept else None
     model.set_attn_implementation(previous)
     return {**retrieval.accuracy([h for row in hits for h in row]), "per_row": [sum(row) for row in hits],
             "hits": hits, **served}
@@ -474,7 +482,7 @@ def earlier_scores(earlier: dict | None, arm: str, args: FinetuneQualityArgument
     if not earlier or any(earlier["settings"].get(k) != getattr(args, k) for k in EVAL_SETTINGS):
         return {}
     was = earlier["arms"].get(arm, {})
-    return json.loads(json.dumps({k: was[k] for k in SCORES if k in was}))  # (a copy)
+    return copy.deepcopy({k: was[k] for k in SCORES if k in was})
 
 
 def targets(report: dict) -> list[dict]:
@@ -618,8 +626,7 @@ def plot_recall(report: dict, path: Path) -> None:
     for name, arm in report["arms"].items():  # (an arm cut off before its scores: its steps so far)
         t = arm.get("training")
         if t:
-            kept = [k for k in t["kept_fraction"] if k is not None]
-            label = f"{name} (kept {sum(kept) / len(kept) if kept else 1.0:.2f})" + \
+            label = f"{name} (kept {mean_kept(t):.2f})" + \
                 ("" if name in arms else f", {len(t['loss'])} steps, unfinished")
             ax1.plot(range(1, len(t["loss"]) + 1), t["loss"], lw=1, label=label)
             probe = t.get("probe", [])
