@@ -97,3 +97,18 @@ def test_key_blocks_with_tensor_descriptors_build_tma_copies(variant, head_dim):
     assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
     _, pointer_build = sm90.build(variant, launched, sm90.launch_for(head_dim))
     assert "cp.async.bulk.tensor" not in pointer_build.asm["ptx"]
+
+
+def test_warp_specialize_probe_builds_every_case(tmp_path):
+    """warp_specialize_probe: one row per case (query load, masked steps, column loop), each a build with
+    whether Triton split the loop into warpgroups, or the compiler's error; the JSON holds them all."""
+    with load_benchmark("warp_specialize_probe") as probe:
+        report = probe.main(["--num_warps", "8", "--output", str(tmp_path / "probe.json")])
+        table = probe.format_table(report["rows"])
+    rows = report["rows"]
+    cases = {(r["q"], r["masked_steps"], r["column_loop"]) for r in rows}
+    assert len(rows) == len(cases) == 6 and all(r["num_warps"] == 8 for r in rows)
+    for r in rows:
+        assert ("error" in r) != ("partitioned" in r), r
+        assert "error" in r or (r["registers"] > 0 and r["shared_bytes"] > 0), r
+    assert (tmp_path / "probe.json").exists() and len(table.splitlines()) == 2 + len(rows)

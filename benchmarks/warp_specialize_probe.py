@@ -1,0 +1,146 @@
+"""Does Triton's automatic warp specialization apply to a block-sparse flash-attention loop on sm_90?
+
+Triton partitions a loop tagged `tl.range(..., warp_specialize=True)` into a producer warpgroup (TMA
+loads) and consumer warpgroups (wgmma, softmax) on Hopper (`ttg.warp_specialize` in the TTGIR,
+`setmaxnreg` in the PTX), or leaves it as it was, or fails to compile. This probe builds, for sm_90
+without a GPU, a flash-attention loop over listed key blocks in the shapes our forward kernel has, one
+feature at a time: the query tile through a pointer load or a tensor descriptor; every step unmasked (our
+full blocks) or steps past a count masked from token metadata loaded through pointers (our partial
+blocks); with or without a second loop over gathered key columns after it (our vertical columns). Each
+row says whether the loop was partitioned, with registers, stack bytes and shared memory of the build.
+Nothing here ran or was timed; see benchmarks/results/README.md for what the rows decided.
+
+    python benchmarks/warp_specialize_probe.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.compiler import ASTSource
+
+from hf_sparse_cp.env import environment
+from hf_sparse_cp.kernels.configs import FP_FUSION
+from hf_sparse_cp.testing import sm90
+from hf_sparse_cp.testing.benchmarking import write_report
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@triton.jit
+def _probe_kernel(q_src, k_desc, v_desc, out_ptr, block_ptr, meta_ptr, col_ptr, k_ptr, v_ptr, n_steps, n_full, n_cols,
+                  Q_DESCRIPTOR: tl.constexpr, MASKED_STEPS: tl.constexpr, COLUMN_LOOP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    if Q_DESCRIPTOR:
+        q = q_src.load([0, 0])
+    else:
+        q = tl.load(q_src + offs_m[:, None] * D + offs_d[None, :])
+    q_meta = tl.load(meta_ptr + offs_m)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for i in tl.range(n_steps, warp_specialize=True):
+        n0 = tl.load(block_ptr + i) * BLOCK_N
+        k = k_desc.load([n0, 0])
+        v = v_desc.load([n0, 0])
+        s = tl.dot(q, tl.trans(k))
+        if MASKED_STEPS:
+            if i >= n_full:
+                k_meta = tl.load(meta_ptr + n0 + tl.arange(0, BLOCK_N))
+                s = tl.where(k_meta[None, :] <= q_meta[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if COLUMN_LOOP:
+        for c0 in range(0, n_cols, BLOCK_N):
+            col = tl.load(col_ptr + c0 + tl.arange(0, BLOCK_N))
+            k = tl.load(k_ptr + col[:, None] * D + offs_d[None, :])
+            v = tl.load(v_ptr + col[:, None] * D + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    tl.store(out_ptr + offs_m[:, None] * D + offs_d[None, :], acc / l_i[:, None])
+
+
+def build(q_descriptor: bool, masked_steps: bool, column_loop: bool, num_warps: int, block_m: int = 128,
+          block_n: int = 64, head_dim: int = 128, num_stages: int = 3):
+    """The probe kernel built for sm_90 (bf16 inputs, every pointer 16-byte aligned)."""
+    sig = {"q_src": f"tensordesc<bf16[{block_m}, {head_dim}]>" if q_descriptor else "*bf16",
+           "k_desc": f"tensordesc<bf16[{block_n}, {head_dim}]>", "v_desc": f"tensordesc<bf16[{block_n}, {head_dim}]>",
+           "out_ptr": "*fp32", "block_ptr": "*i32", "meta_ptr": "*i32", "col_ptr": "*i32", "k_ptr": "*bf16",
+           "v_ptr": "*bf16", "n_steps": "i32", "n_full": "i32", "n_cols": "i32"}
+    constants = dict(Q_DESCRIPTOR=q_descriptor, MASKED_STEPS=masked_steps, COLUMN_LOOP=column_loop,
+                     BLOCK_M=block_m, BLOCK_N=block_n, D=head_dim)
+    names = list(sig) + list(constants)
+    sig |= dict.fromkeys(constants, "constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    source = ASTSource(_probe_kernel, sig, {(names.index(n),): v for n, v in constants.items()}, attrs)
+    return triton.compile(source, target=sm90.TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                                  "enable_fp_fusion": FP_FUSION})
+
+
+def probe(num_warps=(4, 8)) -> list[dict]:
+    rows = []
+    for warps, q_desc, (masked, columns) in itertools.product(num_warps, (False, True),
+                                                              ((False, False), (True, False), (False, True))):
+        row = {"num_warps": warps, "q": "descriptor" if q_desc else "pointer", "masked_steps": masked,
+               "column_loop": columns}
+        try:
+            b = build(q_desc, masked, columns, warps)
+            u = sm90.usage(b)
+            row.update(partitioned=b.asm["ttgir"].count("ttg.warp_specialize(") > 0,
+                       setmaxnreg=b.asm["ptx"].count("setmaxnreg"), registers=u.registers,
+                       stack_bytes=u.stack_bytes, shared_bytes=u.shared_bytes)
+        except Exception as e:  # an assertion inside the pass surfaces as a failed pass pipeline
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'warps':>5} {'q':<10} {'masked':<6} {'columns':<7}  result"
+    lines = [head, "-" * 72]
+    for r in rows:
+        result = r.get("error") or (
+            f"{'PARTITIONED' if r['partitioned'] else 'not partitioned'}, {r['registers']} regs, "
+            f"{r['stack_bytes']} B stack, {r['shared_bytes'] / 1024:.0f} KB shared, setmaxnreg x{r['setmaxnreg']}")
+        case = f"{r['num_warps']:>5} {r['q']:<10} {str(r['masked_steps']):<6} {str(r['column_loop']):<7}"
+        lines.append(f"{case}  {result}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num_warps", type=int, nargs="+", default=[4, 8], help="Warps per program to build with.")
+    p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/.")
+    args = p.parse_args(argv)
+    rows = probe(tuple(args.num_warps))
+    env = environment(torch.device("cpu"))
+    report = {"benchmark": "warp_specialize_probe", "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
+              "target": "sm_90 (ahead-of-time build, no GPU)", "measured": "cpu build: nothing here ran or was timed",
+              "shapes": "query tile 128 rows, key steps 64, head_dim 128, bf16, 3 stages", "rows": rows}
+    print(f"sm_90 builds with triton {env['triton']}: is the key-block loop warp-specialized?")
+    print(format_table(rows))
+    write_report(report, RESULTS_DIR, f"warp-specialize-probe_triton-{env['triton']}", args.output)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
