@@ -18,13 +18,14 @@ scripts write theirs as soon as they have a number:
 (c) fit: sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction;
 (d) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (b)'s
     128K run with it dense (the default): what the dense first layer costs;
-(e) tiles: `tune_tiles.py --shortlist --kernels dq dkdv` at 32K: the dq and dk/dv kernels' few candidates,
-    each checked against the launched tiles' result.
+(e) tiles: `tune_tiles.py --shortlist --kernels dq dkdv forward` at 32K: the dq and dk/dv kernels' few
+    candidates, then the forward's (its full key blocks warp-specialized among them), each checked against the
+    launched tiles' result.
 
 The caps add up to more than the budget on purpose: by the H100 session's timings (the e2e runs' start-up of
 about 20-30 s each, 8.8 s per sdpa + liger step at 128K) the first three stages take about 6 minutes and the
 last two get what is left; a stage the deadline skips is rerun in a call of its own (`gpu_session.sh tune
---shortlist --kernels dq dkdv`, `gpu_session.sh e2e ...`).
+--shortlist --kernels dq dkdv forward`, `gpu_session.sh e2e ...`).
 
 A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at most 8 come
 back from a GPU call): quick-session.json (device, versions, the command, settings, each stage's status, cap,
@@ -74,7 +75,7 @@ class QuickArguments:
     e2e_cap_s: float = field(default=200.0, metadata={"help": "Cap of stage (b), the training steps at 128K/256K."})
     fit_cap_s: float = field(default=170.0, metadata={"help": "Cap of stage (c), the 512K and 1M steps."})
     layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of stage (d), the first layer sparse."})
-    tiles_cap_s: float = field(default=60.0, metadata={"help": "Cap of stage (e), the tile short list."})
+    tiles_cap_s: float = field(default=90.0, metadata={"help": "Cap of stage (e), the tile short list."})
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
     headline = ["--variants", "sparse_cp", "sdpa+liger", "--output", str(out / "e2e.json")]
     fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
     layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--output", str(out / "e2e-layer0.json")]
-    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "dq", "dkdv",
+    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "dq", "dkdv", "forward",
              "--output", str(out / "tiles.json")]
     if args.dry_run:
         attention += ["--dry_run", "--seq_lens", "128", "--block_size", "32", "--num_q_heads", "2",

@@ -112,3 +112,30 @@ def test_warp_specialize_probe_builds_every_case(tmp_path):
         assert ("error" in r) != ("partitioned" in r), r
         assert "error" in r or (r["registers"] > 0 and r["shared_bytes"] > 0), r
     assert (tmp_path / "probe.json").exists() and len(table.splitlines()) == 2 + len(rows)
+
+
+def _warp_specialized(build) -> tuple[str, object]:
+    """'split' (Triton made producer and consumer warpgroups), 'unsplit', or 'failed' (the pass gave up)."""
+    try:
+        b = build()
+    except RuntimeError:
+        return "failed", None
+    return ("split" if "ttg.warp_specialize(" in b.asm["ttgir"] else "unsplit"), b
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_full_key_block_launch_is_split_where_the_probe_loop_is(head_dim):
+    """The full-key-block launch (`Tiles.warp_specialize`) keeps the one loop shape Triton's pass splits on
+    sm_90: with the installed Triton it is split exactly when the probe's reference loop (4 warps, Q/K/V
+    through descriptors, no mask, no other loop) is (Triton 3.6, the GPU image's: both are; 3.9: the pass
+    fails on both), and where split it builds without spilling, in shared memory, on full-width wgmma."""
+    with load_benchmark("warp_specialize_probe") as probe:
+        reference, _ = _warp_specialized(lambda: probe.build(True, False, False, 4, head_dim=head_dim))
+    tiles = Tiles(128, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)
+    ours, build = _warp_specialized(lambda: sm90.build("forward", tiles, sm90.launch_for(head_dim))[1])
+    assert ours == reference
+    if build is not None:
+        use = sm90.usage(build)
+        assert use.stack_bytes == 0 and use.shared_bytes <= sm90.H100_SHARED_BYTES, use
+        assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
+        assert "cp.async.bulk.tensor" in build.asm["ptx"]
