@@ -263,7 +263,9 @@ def forward(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 
-    if not (tiles.warp_specialize and descriptors_fit(q, k, v)):
+    if tiles.warp_specialize and not descriptors_fit(q, k, v):
+        tiles = launched_forward_tiles(block_size, d, on_gpu)
+    if not tiles.warp_specialize:
         launch(tiles, "all", out, merge)
         return
     # The full key blocks in a warp-specialized launch of their own, into an fp32 result (the caller's running

@@ -913,14 +913,22 @@ WS_TILES = configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True, warp_specialize=
 
 
 def _key_block_launches(worker, *args, **kwargs):
-    """`worker(*args, **kwargs)` and the forward launches it made: (KEY_BLOCKS, MERGE, output dtype) each."""
+    """`worker(*args, **kwargs)` and the forward launches it made: (KEY_BLOCKS, MERGE, output dtype) each, and
+    their key steps (BLOCK_N) apart."""
     seen, kernel = [], block_sparse_fwd._forward_kernel
-    kernel.run = lambda *a, _run=kernel.run, **kw: seen.append((kw["KEY_BLOCKS"], kw["MERGE"], a[6].dtype)) or _run(
-        *a, **kw)
+
+    def spy(*a, _run=kernel.run, **kw):
+        seen.append((kw["KEY_BLOCKS"], kw["MERGE"], a[6].dtype))
+        steps.append(kw["BLOCK_N"])
+        return _run(*a, **kw)
+
+    steps = []
+    kernel.run = spy
     try:
-        return worker(*args, **kwargs), seen
+        result = worker(*args, **kwargs)
     finally:
         del kernel.run
+    return result, seen, steps
 
 
 def _full_blocks(layout, q_meta, k_meta, window=None) -> int:
@@ -930,7 +938,7 @@ def _full_blocks(layout, q_meta, k_meta, window=None) -> int:
 
 
 def _ws_fwd_bwd(*args, tiles):
-    result, seen = _key_block_launches(_kernel_fwd_bwd, *args, tiles=tiles)
+    result, seen, steps = _key_block_launches(_kernel_fwd_bwd, *args, tiles=tiles)
     assert seen == [("full", False, torch.float32), ("rest", True, torch.float32)], seen
     return result
 
@@ -962,7 +970,7 @@ def test_warp_specialized_split_writes_the_input_dtype_through_an_fp32_result(in
     layout = random_layout(1, 4, 48, 48, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(135))
     dense = TokenMeta.from_segments(torch.zeros(1, 48, dtype=torch.int32))
     assert 0 < _full_blocks(layout, dense, dense) < int(layout.block_cnt.sum())
-    (out, _, _, grads), seen = interp.apply(_ws_public_function, (q, k, v, layout))
+    (out, _, _, grads), seen, _ = interp.apply(_ws_public_function, (q, k, v, layout))
     assert seen == [("full", False, torch.float32), ("rest", True, torch.float32)], seen
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = block_sparse_attention(*ref, layout, implementation="reference")
@@ -988,8 +996,8 @@ def test_warp_specialized_split_merges_into_a_running_result(interp):
               for lo, hi in ((0, 48), (48, s))]
     assert all(_full_blocks(lay, meta, km) > 0 for _, _, lay, km in halves)
     call = lambda lo, hi, lay, km: AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale, meta, km)
-    (out, lse), first = interp.apply(_ws_forward, (call(*halves[0]),), {})
-    (out, lse), second = interp.apply(_ws_forward, (call(*halves[1]),), dict(out=out, lse=lse))
+    (out, lse), first, _ = interp.apply(_ws_forward, (call(*halves[0]),), {})
+    (out, lse), second, _ = interp.apply(_ws_forward, (call(*halves[1]),), dict(out=out, lse=lse))
     assert first == [("full", False, torch.float32), ("rest", True, torch.float32)], first
     assert second == [("full", True, torch.float32), ("rest", True, torch.float32)], second
     ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), full, scale, meta, meta))
@@ -1002,12 +1010,13 @@ def test_warp_specialized_split_merges_into_a_running_result(interp):
 
 def test_warp_specialized_split_only_where_descriptors_address_the_tensors(interp):
     """Rows of 40 bytes (head_dim 20, fp16) cannot be addressed by descriptors: one launch of every key
-    block and the columns, with the launched tiles, as without the split."""
-    q, k, v, dout, dlse = _inputs(1, 2, 1, 40, 40, 20, torch.float16, seed=139)
-    layout = random_layout(1, 2, 40, 40, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(140))
-    meta = _random_docs(1, 40, seed=141, cuts=1)
+    block and the columns, with the launched tiles (32-key steps here, where the override has 16), as without
+    the split."""
+    q, k, v, dout, dlse = _inputs(1, 2, 1, 80, 80, 20, torch.float16, seed=139)
+    layout = random_layout(1, 2, 80, 80, 32, 0.5, 0.1, generator=torch.Generator().manual_seed(140))
+    meta = _random_docs(1, 80, seed=141, cuts=1)
     call = AttentionCall(q, k, v, layout, 20 ** -0.5, meta, meta)
-    (out, _), seen = interp.apply(_ws_forward, (call,), {})
-    assert seen == [("all", False, torch.float32)], seen
+    (out, _), seen, steps = interp.apply(_ws_forward, (call,), {})
+    assert seen == [("all", False, torch.float32)] and steps == [32] != [WS_TILES.block_n], (seen, steps)
     ref_out, _ = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 20 ** -0.5, meta, meta))
     assert rel_rms(out, ref_out) <= TOLERANCE[torch.float16]
