@@ -104,7 +104,7 @@ def probe(num_warps=(4, 8)) -> list[dict]:
         try:
             b = build(q_desc, masked, columns, warps)
             u = sm90.usage(b)
-            row.update(partitioned=b.asm["ttgir"].count("ttg.warp_specialize(") > 0,
+            row.update(partitioned=u.warp_specialized,
                        setmaxnreg=b.asm["ptx"].count("setmaxnreg"), registers=u.registers,
                        stack_bytes=u.stack_bytes, shared_bytes=u.shared_bytes)
         except Exception as e:  # an assertion inside the pass surfaces as a failed pass pipeline

@@ -195,7 +195,8 @@ class Usage:
     wgmma instructions by shape ("m64n64k16": count) and mma.sync count; how many kernel arguments
     carry the 16-divisibility hint, and 16-byte global loads (ld.global.v4 / 16-byte cp.async);
     copies_in_flight: the most asynchronous copies any loop leaves in flight when it waits (0: every
-    loop waits for all its loads each step, so loads run at most one step ahead)."""
+    loop waits for all its loads each step, so loads run at most one step ahead); warp_specialized: Triton
+    split a loop into producer and consumer warpgroups (`ttg.warp_specialize` in the TTGIR)."""
 
     registers: int
     stack_bytes: int
@@ -206,6 +207,7 @@ class Usage:
     hinted_args: int = 0
     wide_loads: int = 0
     copies_in_flight: int = 0
+    warp_specialized: bool = False
 
     def narrowest_wgmma_n(self) -> int:
         """The smallest N of the build's wgmma shapes (0 without wgmma)."""
@@ -228,4 +230,4 @@ def usage(build) -> Usage:
     waits = [int(n) for n in re.findall(r"ttg\.async_wait[^{\n]*\{num = (\d+)", build.asm["ttgir"])]
     return Usage(reg("REG"), reg("STACK"), build.metadata.shared, ptx.count("wgmma.mma_async"),
                  ptx.count("mma.sync"), dict(sorted(shapes.items())), signature.count("tt.divisibility = 16"), wide,
-                 max(waits, default=0))
+                 max(waits, default=0), "ttg.warp_specialize(" in build.asm["ttgir"])

@@ -120,7 +120,7 @@ def _warp_specialized(build) -> tuple[str, object]:
         b = build()
     except RuntimeError:
         return "failed", None
-    return ("split" if "ttg.warp_specialize(" in b.asm["ttgir"] else "unsplit"), b
+    return ("split" if sm90.usage(b).warp_specialized else "unsplit"), b
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
