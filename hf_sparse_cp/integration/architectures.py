@@ -44,6 +44,10 @@ ARCHITECTURES: dict[str, Support] = {
 }
 
 
+# Config fields that set attention dropout (the Llama family's, GPT-2's and GPT-BigCode's, BERT-style), which the
+# backend refuses (it computes attention without dropout) and the tiny models set to 0.
+CONFIG_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
 # Config fields that give a mixture of experts its expert count (Mixtral, Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek).
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 

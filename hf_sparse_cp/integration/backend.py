@@ -33,6 +33,7 @@ from ..attention.tokens import TokenMeta, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
+from .architectures import CONFIG_DROPOUTS
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -109,12 +110,47 @@ def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
     return cached[1]
 
 
+# The attributes attention layers copy their config's attention dropout (`architectures.CONFIG_DROPOUTS`) into when
+# they are built (what they pass as `dropout` while training).
+_MODULE_DROPOUTS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_prob", "attn_drop")
+
+
+def dropout_probability(owner, name: str) -> float | None:
+    """The dropout probability `owner.name` holds (a number, or an `nn.Dropout`'s p), or None."""
+    value = getattr(owner, name, None)
+    value = value.p if isinstance(value, torch.nn.Dropout) else value
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def config_dropout(config) -> tuple[str, float] | None:
+    """(field, value) of the first attention-dropout field of a transformers config above 0, or None."""
+    for name in CONFIG_DROPOUTS:
+        value = dropout_probability(config, name)
+        if value:
+            return name, value
+    return None
+
+
+def dropout_fix(config) -> str:
+    """How to train without attention dropout: build the model with its config's field at 0 (its attention layers
+    copy the value when they are built, so a change of `model.config` afterwards does not reach them)."""
+    found = config_dropout(config) if config is not None else None
+    field = found[0] if found else next((n for n in CONFIG_DROPOUTS if hasattr(config, n)), "attention_dropout")
+    return (f"build the model with {field}=0.0 (e.g. from_pretrained(..., {field}=0.0), or its config's {field} set "
+            f"to 0.0 before from_config): its attention layers copy the value when they are built, so setting "
+            f"model.config.{field} afterwards does not reach them. Or train with dense attention (--sparse_attention "
+            "false).")
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if dropout and dropout > 0:
+        held = [f"{type(module).__name__}.{name}" for name in _MODULE_DROPOUTS
+                if dropout_probability(module, name) == dropout]
         raise ValueError(
-            f"sparse_cp does not implement attention dropout (got dropout={dropout} for model type "
-            f"'{model_type}'); set `model.config.attention_dropout = 0.0` before training."
+            f"sparse_cp does not implement attention dropout (got dropout={dropout}"
+            f"{f' from {held[0]}' if held else ''} for model type '{model_type}'); "
+            f"{dropout_fix(getattr(module, 'config', None))}"
         )
     if softcap is not None:
         raise ValueError(

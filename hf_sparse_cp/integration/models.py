@@ -39,7 +39,7 @@ from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
 from .architectures import cp_tested_model_types
-from .backend import AttentionProbe, ProbedCall, probing
+from .backend import AttentionProbe, ProbedCall, config_dropout, dropout_fix, dropout_probability, probing
 
 if TYPE_CHECKING:
     from ..distributed.mesh import ParallelDims
@@ -204,10 +204,13 @@ def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
         raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
                          f"{softcap}), which the sparse kernels do not implement: train it with attn_implementation="
                          "'eager' or 'sdpa' (--sparse_attention false).")
-    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
-    if dropout > 0:
-        raise ValueError(f"{name} (model type {model_type!r}) has attention_dropout={dropout}, which sparse_cp does "
-                         "not implement: set model.config.attention_dropout = 0.0 before training.")
+    dropout = config_dropout(config)
+    held = next((f"{n}.{attr}={p}" for n, m in model.named_modules() for attr in ("attention_dropout", "attn_dropout")
+                 if (p := dropout_probability(m, attr))), None)
+    if dropout or held:
+        where = f"{dropout[0]}={dropout[1]}" if dropout else f"attention layers built with dropout ({held})"
+        raise ValueError(f"{name} (model type {model_type!r}) has {where}, attention dropout, which sparse_cp does "
+                         f"not implement: {dropout_fix(config)}")
     bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
     if bidirectional:
         raise ValueError(

@@ -7,6 +7,8 @@ import inspect
 
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
+from ..integration.architectures import CONFIG_DROPOUTS
+
 
 def _derived(config_class: type, name: str) -> bool:
     """Whether `config_class` computes `name` from its other fields (a property without a setter: Falcon's
@@ -53,6 +55,8 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                          "config.json): give one such as qwen2, llama or gpt2.")
     config_class = CONFIG_MAPPING[model_type]
     fields.update({name: value for name, value in TINY_EXPERTS.items() if _field_of(config_class, name)})
+    # No attention dropout under any of its names (GPT-2's attn_pdrop is 0.1 by default): sparse_cp refuses it.
+    fields.update({name: 0.0 for name in CONFIG_DROPOUTS if _field_of(config_class, name)})
     fields.update(overrides)
     derived = {name for name in fields if _derived(config_class, name)}
     given = {name: value for name, value in fields.items() if name not in derived}

@@ -43,7 +43,7 @@ def test_the_table_is_what_the_lean_loss_the_tiles_and_compat_read():
 
 def _gpt2() -> torch.nn.Module:
     config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=259, n_positions=1024,
-                                  bos_token_id=1, eos_token_id=2)
+                                  bos_token_id=1, eos_token_id=2, attn_pdrop=0.0)  # (attention dropout is refused)
     model = AutoModelForCausalLM.from_config(config)
     hf_sparse_cp.configure(model)
     return model

@@ -149,6 +149,29 @@ def test_sliding_window_models(model_type):
     assert rel_rms(ours(ids).logits, no_window(ids).logits) > 1e-3
 
 
+def test_attention_dropout_is_refused_naming_the_field_the_layers_were_built_from():
+    """GPT-2's attention dropout is attn_pdrop (0.1 in its checkpoints), copied into its layers when they are built:
+    refused before training and at a call, naming attn_pdrop; a Llama whose config is changed after it was built
+    still drops out, so the check reads its layers too, and a model built without dropout trains."""
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    fix = r"build the model with attn_pdrop=0.0 \(e.g. from_pretrained\(..., attn_pdrop=0.0\)"
+    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2", attn_pdrop=0.1))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel \(model type 'gpt2'\) has attn_pdrop=0.1.*" + fix):
+        enable_sparse_attention(gpt2, SparseCPArguments())
+    hf_sparse_cp.configure(gpt2, DENSE)
+    with pytest.raises(ValueError, match=r"dropout=0.1 from GPT2Attention.attn_dropout .*" + fix):
+        gpt2.train()(torch.randint(3, 259, (1, 32)))
+    llama = AutoModelForCausalLM.from_config(tiny_config("llama", attention_dropout=0.1))
+    llama.config.attention_dropout = 0.0  # does not reach the layers
+    with pytest.raises(ValueError, match=r"attention layers built with dropout \(model.layers.0.self_attn."
+                                         r"attention_dropout=0.1\).*build the model with attention_dropout=0.0"):
+        enable_sparse_attention(llama, SparseCPArguments())
+    _, ours = _pair("llama")
+    ours.train()(input_ids=torch.randint(3, 259, (1, 32)), labels=torch.randint(3, 259, (1, 32))).loss.backward()
+
+
 def test_greedy_generation_matches_sdpa():
     ref, ours = _pair("qwen2")
     prompt = torch.randint(3, 259, (1, 40))
@@ -159,7 +182,8 @@ def test_greedy_generation_matches_sdpa():
 def test_unsupported_features_are_refused_with_the_fix():
     _, ours = _pair("llama", attention_dropout=0.1)
     ours.train()
-    with pytest.raises(ValueError, match="attention_dropout = 0.0"):
+    with pytest.raises(ValueError, match=r"from LlamaAttention.attention_dropout .*build the model with "
+                                         r"attention_dropout=0.0 \(e.g. from_pretrained\(..., attention_dropout=0.0\)"):
         ours(torch.randint(3, 259, (1, 32)))
     layer = ours.model.layers[0].self_attn
     x = torch.randn(1, 4, 32, 32)
