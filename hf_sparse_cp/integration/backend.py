@@ -142,6 +142,49 @@ def dropout_fix(config) -> str:
             "false).")
 
 
+def mask_only_window(module: torch.nn.Module, sliding_window: int | None) -> tuple[int | None, int | None]:
+    """The sliding window of a layer whose model builds it into the attention mask (which sparse_cp does not use)
+    without passing it to the attention function, e.g. Qwen2-MoE, PhiMoE: (window, None) for a layer that
+    `config.layer_types` declares 'sliding_attention' (the mask holds `config.sliding_window`, as transformers'
+    `create_sliding_window_causal_mask` builds it); (None, its size) when the config has a window and no layer types,
+    so that which layers use it is the model's own code; (sliding_window, None) otherwise."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if sliding_window is not None or not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return sliding_window, None
+    types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if types is None:
+        return None, window
+    if isinstance(layer, int) and 0 <= layer < len(types) and types[layer] == "sliding_attention":
+        return window, None
+    return None, None
+
+
+def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, length: int) -> None:
+    """Refuse a call whose keys span more than the window or chunk that the model put into its attention mask only:
+    sparse_cp gets the 2D padding mask, so it would attend past them."""
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", type(module).__name__)
+    types, layer = getattr(config, "layer_types", None) or (), getattr(module, "layer_idx", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = isinstance(layer, int) and 0 <= layer < len(types) and types[layer] == "chunked_attention"
+    if chunked and isinstance(chunk, int) and length > chunk:
+        raise ValueError(
+            f"sparse_cp does not implement chunked attention (layer {layer} of model type '{model_type}' attends "
+            f"within chunks of attention_chunk_size={chunk} tokens, which its attention mask carries and sparse_cp "
+            f"does not use), and this call spans {length} tokens: train sequences of at most {chunk} tokens, or "
+            "load the model with attn_implementation='sdpa' or 'eager' (--sparse_attention false)."
+        )
+    if unseen_window is not None and length > unseen_window:
+        raise ValueError(
+            f"{type(module).__name__} of model type '{model_type}' puts its sliding window (config.sliding_window="
+            f"{unseen_window}) into the attention mask only, without passing it to the attention function, and "
+            f"config.layer_types does not say which layers use it; sparse_cp does not use that mask, so it cannot "
+            f"apply the window to this call of {length} tokens. Train sequences of at most {unseen_window} tokens, "
+            "or load the model with attn_implementation='sdpa' or 'eager' (--sparse_attention false)."
+        )
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if dropout and dropout > 0:
@@ -221,6 +264,8 @@ def sparse_cp_attention_forward(
             "without context parallelism."
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
+    sliding_window, unseen_window = mask_only_window(module, sliding_window)
+    _refuse_masked_locality(module, unseen_window, key.shape[2] if shard is None else shard.meta.index.shape[-1])
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
         out, kept = _attend(query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,

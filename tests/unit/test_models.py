@@ -137,16 +137,38 @@ def test_padding_mask_is_honoured(side):
     assert torch.isfinite(a).all()
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "qwen3"])
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3", "qwen2_moe"])
 def test_sliding_window_models(model_type):
+    """qwen2_moe puts its window into the attention mask only (its layers pass no sliding_window): the layers
+    config.layer_types declares sliding get config.sliding_window, as its mask holds it."""
     extra = {}
     if model_type == "qwen3":
         extra = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True}
+    if model_type == "qwen2_moe":
+        extra = {"use_sliding_window": True, "max_window_layers": 2}
     ref, ours = _pair(model_type, sliding_window=24, **extra)
     ids = torch.randint(3, 259, (1, S))
     assert rel_rms(ours(ids).logits, ref(ids).logits) <= TOLERANCE[torch.float32]
     no_window, _ = _pair(model_type)  # control: same weights without the window differ
     assert rel_rms(ours(ids).logits, no_window(ids).logits) > 1e-3
+
+
+@pytest.mark.parametrize("model_type, overrides, limit, cause", [
+    ("phimoe", {"sliding_window": 24}, 24, r"puts its sliding window \(config.sliding_window=24\) into the attention "
+                                           r"mask only"),
+    ("llama4_text", {"attention_chunk_size": 32}, 32, r"does not implement chunked attention \(layer 0 of model "
+                                                      r"type 'llama4_text' attends within chunks of "
+                                                      r"attention_chunk_size=32"),
+])
+def test_a_window_or_chunk_that_only_the_mask_carries_is_refused_beyond_it(model_type, overrides, limit, cause):
+    """PhiMoE's window (no layer types say which layers use it) and Llama 4's chunked layers reach attention only
+    through the mask, which sparse_cp does not use: a call longer than them is refused naming the fix (not computed
+    as plain causal attention), one within them is exact."""
+    ref, ours = (m.eval() for m in _pair(model_type, **overrides))  # (PhiMoE's router jitters while training)
+    ids = torch.randint(3, 259, (1, S), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=cause + rf".*at most {limit} tokens.*attn_implementation='sdpa' or 'eager'"):
+        ours(ids)
+    assert rel_rms(ours(ids[:, :limit]).logits, ref(ids[:, :limit]).logits) <= TOLERANCE[torch.float32]
 
 
 def test_attention_dropout_is_refused_naming_the_field_the_layers_were_built_from():
