@@ -267,12 +267,25 @@ def sparse_cp_attention_forward(
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
     _refuse_masked_locality(module, unseen_window, key.shape[2] if shard is None else shard.meta.index.shape[-1])
     query, key, value = autocast_inputs(query, key, value)
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:  # (multi-head latent attention: DeepSeek-V3's values are narrower than q and k)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        query, key, value = _same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
         out, kept = _attend(query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
                             kwargs)
     if kept is not None:
         record_kept_fraction(module, kept)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :value_dim].transpose(1, 2).contiguous(), None
+
+
+def _same_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v zero-padded to one head dimension (the engines and the ring take one): zeros added to the values give
+    zero output columns (sliced off), zeros added to queries and keys leave every score as it was; exact, and the
+    padding gets no gradient. The softmax scale must be fixed before (it is the unpadded q's)."""
+    width = max(query.shape[-1], value.shape[-1])
+    return tuple(torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
 
 
 def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, shard, kwargs
