@@ -185,6 +185,17 @@ def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, 
         )
 
 
+# Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
+# implement (a call that carries one is refused rather than computed without it).
+_UNSUPPORTED_KWARGS = {
+    "s_aux": "learned attention sinks",  # GPT-OSS and others
+    "sinks": "learned attention sinks",  # Inkling 2
+    "position_bias": "an additive bias on the attention logits",  # Inkling's relative logits, T5-style models
+    "indices": "a selection of key indices per query",  # DeepSeek-V3.2's sparse attention (DSA)
+    "block_indices": "a selection of key blocks per query",
+}
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if dropout and dropout > 0:
@@ -200,11 +211,12 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
             f"sparse_cp does not implement attention logit soft-capping (softcap={softcap}, model type "
             f"'{model_type}'); load this model with attn_implementation='eager' or 'sdpa'."
         )
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            f"sparse_cp does not implement learned attention sinks (s_aux, model type '{model_type}'); load this "
-            "model with attn_implementation='eager'."
-        )
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
+                "attn_implementation='eager' (--sparse_attention false)."
+            )
     if not getattr(module, "is_causal", True):
         raise ValueError(
             f"sparse_cp only computes causal self-attention, but this layer of model type '{model_type}' is "

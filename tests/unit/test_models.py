@@ -230,6 +230,13 @@ def test_unsupported_features_are_refused_with_the_fix():
         fn(layer, x, kv, kv, None, softcap=30.0)
     with pytest.raises(ValueError, match="learned attention sinks"):
         fn(layer, x, kv, kv, None, s_aux=torch.zeros(4))
+    # What Inkling 2, Inkling and DeepSeek-V3.2 pass besides: computed without them before, silently
+    for name, value, cause in [("sinks", torch.zeros(4), "learned attention sinks"),
+                               ("position_bias", torch.zeros(1, 4, 32, 32), "an additive bias on the attention logits"),
+                               ("indices", torch.zeros(1, 32, 8, dtype=torch.long), "a selection of key indices")]:
+        with pytest.raises(ValueError, match=rf"does not implement {cause}.*\({name}, model type 'llama'\).*"
+                                             r"attn_implementation='eager' \(--sparse_attention false\)"):
+            fn(layer, x, kv, kv, None, **{name: value})
     with pytest.raises(ValueError, match="4D attention mask"):
         fn(layer, x, kv, kv, torch.ones(1, 1, 32, 32, dtype=torch.bool))
 
