@@ -104,6 +104,12 @@ PATCHES = (
           ("self",)),
     Patch(_TRAINER, "floating_point_ops", "replaces", "every rank of a CP group reports the flops of the whole "
           "batch: the wrapper divides by the CP degree", _CP_UNDO, ("self", "inputs")),
+    Patch(_TRAINER, "training_step", "replaces", "a CP rank's loss is its shard's share: the wrapper returns the CP "
+          "group's mean, which the Trainer keeps for train_loss after the last log", _CP_UNDO,
+          ("self", "model", "inputs", "num_items_in_batch")),
+    Patch(_TRAINER, "prediction_step", "replaces", "a CP rank's loss is its shard's share: the wrapper returns the "
+          "CP group's mean, of which gather_for_metrics may keep rank 0's alone for eval_loss", _CP_UNDO,
+          ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
     Patch(_TRAINER, "get_train_dataloader", "replaces", "a cp_schedule's batches follow the stage of each step "
           "(one sampler over the whole run)", "disable_curriculum(trainer)", ("self",)),
     Patch(_TRAINER, TRAINER_COLLATOR_WITHOUT_UNUSED, "calls", "a cp_schedule's data loader drops the columns the "

@@ -8,10 +8,12 @@ carries the `CPShard` that the `sparse_cp` backend runs the ring with. Where acc
 own the CP mesh (CPU / gloo runs with `--cp_size`), the patch also makes the dataloader shard
 over data-parallel ranks only (every rank of a CP group gets the same batch). Either way the
 Trainer's token count, flops, batch size and the loss's token count (and TRL's logged `num_tokens`) count
-each CP group's batch once, and an attention call that arrives without the shard during a CP forward is an error.
+each CP group's batch once, the losses a step or an evaluation batch returns (which the Trainer logs, keeps for
+`train_loss` and gathers for `eval_loss`) are the CP group's, and an attention call that arrives without the shard
+during a CP forward is an error.
 `disable_trainer_context_parallel` undoes all of it. The pieces a curriculum of CP degrees reuses
 (`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`,
-`first_batch_of_each_run`.
+`first_batch_of_each_run`, `report_cp_group_losses`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from transformers import Trainer
 
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
+from ..distributed.comm import all_reduce
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
@@ -120,6 +123,37 @@ def count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int
     # (TRL's `num_tokens`, counted on each rank's padded shard, is replaced by `callbacks.StepMetricsCallback`)
 
 
+def _cp_group_mean(loss: torch.Tensor | None, parallel: ParallelDims) -> torch.Tensor | None:
+    if loss is None or parallel.cp_size == 1:
+        return loss
+    total = loss.detach().clone()
+    all_reduce(total, parallel.cp_group, "the all-reduce of the reported loss")
+    return total / parallel.cp_size
+
+
+def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+    """Make `training_step` and `prediction_step` return the loss of the CP group's batch on each of its ranks.
+
+    A CP rank's loss is its shard's share (its token losses over the batch's count, times the ranks whose gradients
+    are averaged): only the mean over the ranks is the batch's loss. The Trainer gathers that mean for the losses it
+    logs, but keeps rank 0's own value for the steps after the last log (in `train_loss`), and `gather_for_metrics`
+    drops the losses of the ranks past the last sample of an evaluation set smaller than a gathered batch (rank 0's
+    kept alone for `eval_loss`). Averaged over the CP group, every rank holds what a data-parallel rank holds without
+    CP, so each of those values is exact. The gradients are untouched (the backward runs inside the step).
+    `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
+    training_step, prediction_step = trainer.training_step, trainer.prediction_step
+
+    def step(model, inputs, *rest, **kwargs):
+        return _cp_group_mean(training_step(model, inputs, *rest, **kwargs), parallel())
+
+    def predict(model, inputs, *rest, **kwargs):
+        loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
+        return (_cp_group_mean(loss, parallel()), *outputs)
+
+    patches.set_attr(trainer, "training_step", step)
+    patches.set_attr(trainer, "prediction_step", predict)
+
+
 def enable_trainer_context_parallel(
     trainer: Trainer, cp_config: ContextParallelConfig | None = None
 ) -> ParallelDims:
@@ -158,6 +192,7 @@ def enable_trainer_context_parallel(
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
     count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
+    report_cp_group_losses(trainer, patches, lambda: parallel)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead

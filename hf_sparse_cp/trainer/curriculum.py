@@ -46,7 +46,13 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
-from .context_parallel import count_once_per_cp_group, dp_data_loader, first_batch_of_each_run, pad_token_id
+from .context_parallel import (
+    count_once_per_cp_group,
+    dp_data_loader,
+    first_batch_of_each_run,
+    pad_token_id,
+    report_cp_group_losses,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -447,6 +453,7 @@ def enable_curriculum(
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    report_cp_group_losses(trainer, patches, curriculum.parallel)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
                      lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))

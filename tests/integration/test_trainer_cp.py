@@ -326,3 +326,43 @@ def test_a_batch_without_targets_leaves_the_weights_unchanged_under_cp2():
 
     for r in run_gloo(_step_without_targets_under_cp2, 2, timeout_s=300):
         assert r == {"finite": True, "unchanged": True, "trained": True}
+
+
+def _reported_losses(rank: int, world: int) -> dict:
+    """Three Trainer steps logged every two (the third is in `train_loss` only), then an evaluation of three rows
+    (fewer than a gathered batch): the losses the Trainer reports, in one process or under CP 2."""
+    import tempfile
+
+    from transformers import default_data_collator
+
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    ids = torch.arange(6 * 300).remainder(97).add(3).view(6, 300)
+    labels = ids.clone()
+    for i in range(6):  # a different number of targets in each half of each row
+        labels[i, : 40 * i + 20] = -100
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        trainer.args.max_steps, trainer.args.per_device_train_batch_size, trainer.args.learning_rate = 3, 1, 1e-2
+        trainer.args.logging_steps, trainer.args.train_sampling_strategy = 2, "sequential"
+        trainer.train_dataset, trainer.eval_dataset, trainer.data_collator = rows[:3], rows[3:], default_data_collator
+        trainer._train_batch_size = 1
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=world))
+        result = trainer.train()
+        logged = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        return {"logged": logged, "train_loss": result.training_loss, "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def test_train_loss_and_eval_loss_under_cp2_are_those_of_one_process():
+    """A CP rank's loss is its shard's share: the unlogged steps' part of `train_loss` and an `eval_loss` that
+    `gather_for_metrics` takes from rank 0 alone are the whole batch's, as in one process."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    (one,) = run_gloo(_reported_losses, 1, timeout_s=300)
+    for r in run_gloo(_reported_losses, 2, timeout_s=300):
+        assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
+        assert r["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+        assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
