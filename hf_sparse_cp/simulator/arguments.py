@@ -43,7 +43,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, presets: Iterable[str],
     one is required)."""
     group = parser.add_mutually_exclusive_group(required=default is None)
     group.add_argument("--model", choices=sorted(presets), default=default,
-                       help="A model preset (Qwen2.5 and Qwen3 sizes); or --config.")
+                       help="A model preset (the shapes listed); or --config.")
     group.add_argument("--config", metavar="CONFIG_JSON",
                        help="Any causal LM's config.json (the file, or a saved model's folder holding it; nothing is "
                        "downloaded): its shape instead of a preset's, e.g. a Llama-3-8B's.")

@@ -95,7 +95,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    f"past {DEFAULT_CURVE.usable[-1].seq_len} tokens; or --kept-curve), 'bound' sizes it at every block "
                    "of its rows (no run can exceed it).")
     p.add_argument("--kept-curve", help="A `benchmarks/pattern_quality.py --curve` report ('defaults' setting) for "
-                   "--layout-width curve (default: the shipped SmolLM2-135M measurement).")
+                   f"--layout-width curve (default: the shipped measurement, {DEFAULT_CURVE.source}).")
     p.add_argument("--seq-len", type=int, nargs="*", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")
     p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         settings = settings_for_length(args)
         settings(1)  # validates the settings
         arch = architecture(args)
+        predict_step_memory(arch, 1024, settings(1024))  # and them on this model (a head split its heads allow)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     report = predict(args, capacity)

@@ -49,6 +49,7 @@ from ..attention.build import dense_layout
 from ..attention.tokens import TokenMeta
 from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig
+from ..distributed.heads.split import HeadSplit
 from ..distributed.modes import CPMode
 from ..distributed.split.documents import kept_blocks_per_row, row_runs
 from ..env import environment
@@ -439,6 +440,11 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     if args.estimation_chunk:
         print(f"estimation: causal chunks of {args.estimation_chunk} tokens (estimation='causal_chunks')")
     layouts = {cp: cp_layout(args, cp) for cp in args.cp}
+    for cp, (_, head_size) in layouts.items():  # (the model's heads bound the head groups: named before simulating)
+        try:
+            HeadSplit(model.heads, model.kv_heads, head_size)
+        except ValueError as e:
+            raise SystemExit(f"{prog or 'simulate'}: error: --cp {cp} --cp_mode {args.cp_mode}: {e}") from None
     print(f"CP mode {args.cp_mode}: " + "; ".join(
         f"CP {cp} runs {mode.name}" + (f" (heads over {h} GPUs" + (f", a ring of {cp // h} across them)" if h < cp
                                                                   else ")") if h > 1 else "")

@@ -268,3 +268,15 @@ def test_a_length_whose_layouts_exceed_the_machines_memory_is_refused_naming_the
     with pytest.raises(SystemExit):  # more layout heads hold more: the limit falls with them
         simulate_cli.parse_args(["--seq", "2097152", "--layout-heads", "64"])
     assert "(--layout-heads 64)" in capsys.readouterr().err
+
+
+def test_more_head_parallel_ranks_than_query_heads_are_refused_before_simulating(capsys):
+    """`--cp 64 --cp_mode ulysses` on a model of 14 query heads: a clear refusal naming the degrees it takes, not a
+    traceback after the first rows of the table."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    with pytest.raises(SystemExit) as refused:
+        simulate_cli.main(["--model", "qwen2.5-0.5b", "--seq", "65536", "--cp", "64", "--cp_mode", "ulysses"])
+    assert "--cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads" in str(refused.value)
+    assert "balanced: [1, 2, 7, 14]" in str(refused.value)
+    assert "configuration" not in capsys.readouterr().out  # (no row simulated)
