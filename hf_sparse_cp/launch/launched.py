@@ -43,6 +43,7 @@ from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
     SparseTrainerMixin,
+    is_flag_error,
     sparse_arguments_class,
     sparse_trainer_class,
     with_plugin_arguments,
@@ -109,7 +110,12 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
         def parse_into_dataclasses(self, args=None, *rest, **kwargs):
             try:
                 outputs = parse(self, args, *rest, **kwargs)
-            except ValueError as e:  # (HfArgumentParser's error for unknown flags names them, without a guess)
+            except (ValueError, TypeError, OSError) as e:
+                if is_flag_error(e):  # a plugin flag's value refused, naming the fix: the message, as argparse's
+                    self.exit(2, f"{self.prog}: error: {e}\n")
+                if not isinstance(e, ValueError):
+                    raise
+                # (HfArgumentParser's error for unknown flags names them, without a guess)
                 unknown = self.parse_known_args(sys.argv[1:] if args is None else list(args))[1]
                 hint = did_you_mean(self, unknown)
                 if not hint:
@@ -125,7 +131,10 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
                     out.explicit_flags = explicit
                     if named and "sparse_card_datasets" not in explicit:
                         out.sparse_card_datasets = named
-                    check_launched(out.cp_sizes())  # before the script builds its data
+                    try:
+                        check_launched(out.cp_sizes())  # before the script builds its data
+                    except ValueError as e:
+                        self.exit(2, f"{self.prog}: error: {e}\n")
             return outputs
 
         patches.set_attr(parser_class, "__init__", init_parser)

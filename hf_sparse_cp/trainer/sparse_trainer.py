@@ -26,6 +26,7 @@ them as `SparseSFTConfig` and `SparseSFTTrainer`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -149,13 +150,32 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                 "...`; or "
                 "drop --fsdp."
             )
-        self._check_plugin_fields()
+        with flag_errors():
+            self._check_plugin_fields()
         super().__post_init__()
-        self._validate_plugin_fields()
+        with flag_errors():
+            self._validate_plugin_fields()
 
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
         return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
+
+
+@contextlib.contextmanager
+def flag_errors():
+    """Mark an error raised inside the block (a plugin flag's value, or the config file it names, refused with the
+    field and the fix) as the user's: `hf_sparse_cp.run` prints its message alone, as argparse prints a bad
+    flag's, instead of a traceback through the script. The exception itself is unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        e.hf_sparse_cp_flag_error = True  # (an exception of this call: nothing of anyone else's changes)
+        raise
+
+
+def is_flag_error(error: BaseException) -> bool:
+    """Whether `error` was raised refusing a plugin flag (`flag_errors`)."""
+    return getattr(error, "hf_sparse_cp_flag_error", False)
 
 
 def check_sequence_length(name: str, value: Any) -> None:

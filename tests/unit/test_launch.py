@@ -90,12 +90,13 @@ def test_a_script_field_named_like_a_plugin_flag_is_refused_naming_both(tmp_path
         HfArgumentParser((Clashing, TrainingArguments))
 
 
-def test_a_cp_degree_this_launch_cannot_run_is_refused_at_parse_time(tmp_path, monkeypatch):
+def test_a_cp_degree_this_launch_cannot_run_is_refused_at_parse_time(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with launched(PluginArguments()), pytest.raises(ValueError, match="cp_size=2 splits each sequence over 2 "
-                                                                       "processes, and this one runs alone"):
+    with launched(PluginArguments()), pytest.raises(SystemExit) as refused:  # as argparse refuses a flag's value
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--cp_size",
                                                                          "2"])
+    assert refused.value.code == 2
+    assert "error: cp_size=2 splits each sequence over 2 processes, and this one runs alone" in capsys.readouterr().err
     with pytest.raises(ValueError, match="cp_size=2 does not divide the world size 3"):  # what the parse checks
         check_launched([1, 2], {"WORLD_SIZE": "3"})
     check_launched([1, 2, 4], {"WORLD_SIZE": "4"})
@@ -278,3 +279,32 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
                                                                        "--sparse_blocksize"):
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(  # the script's parser
             ["--output_dir", str(tmp_path), "--sparse_blocksize", "64"])
+
+
+@pytest.mark.parametrize("flags, file, message", [
+    (["--sparse_config", "{dir}/typo.yaml"], "vertical_top_k: 8\n",
+     "typo.yaml': Unknown sparse attention config keys ['vertical_top_k']"),
+    (["--sparse_config", "{dir}/typed.yaml"], "block_size: thirty-two\n", "use a whole number"),
+    (["--sparse_config", "{dir}/missing.yaml"], None, "missing.yaml' does not exist"),
+    (["--sparse_block_size", "48"], None, "block_size (--sparse_block_size)=48 must be a power of two"),
+    (["--sparse_vertical_topk", "8", "--sparse_mass_target", "0.5"], None, "pass --sparse_budget_mode mass"),
+])
+def test_a_bad_plugin_flag_of_a_launched_script_is_refused_with_its_message_alone(tmp_path, capsys, flags, file,
+                                                                                   message):
+    """A refused plugin flag (or the --sparse_config file it names) of a launched script ends it as argparse ends a
+    bad flag: the message naming the field and the fix, exit status 2, no traceback through the script."""
+    for name in ("typo.yaml", "typed.yaml"):
+        if file is not None and name in flags[-1]:
+            (tmp_path / name).write_text(file)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        from transformers import HfArgumentParser, TrainingArguments
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+        raise AssertionError("parsed")
+    """))
+    argv = [str(script), "--output_dir", str(tmp_path / "out"), *(f.format(dir=tmp_path) for f in flags)]
+    with pytest.raises(SystemExit) as refused:
+        run(argv)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "train.py: error: " in err and message in err and "Traceback" not in err
