@@ -100,14 +100,16 @@ def test_key_blocks_with_tensor_descriptors_build_tma_copies(variant, head_dim):
 
 
 def test_warp_specialize_probe_builds_every_case(tmp_path):
-    """warp_specialize_probe: one row per case (query load, masked steps, column loop), each a build with
-    whether Triton split the loop into warpgroups, or the compiler's error; the JSON holds them all."""
+    """warp_specialize_probe: one row per case (the forward's loop by query load, masked steps, column loop;
+    dq's loop by query tile), each a build with whether Triton split the loop into warpgroups, or the
+    compiler's error; the JSON holds them all."""
     with load_benchmark("warp_specialize_probe") as probe:
         report = probe.main(["--num_warps", "8", "--output", str(tmp_path / "probe.json")])
         table = probe.format_table(report["rows"])
     rows = report["rows"]
-    cases = {(r["q"], r["masked_steps"], r["column_loop"]) for r in rows}
-    assert len(rows) == len(cases) == 6 and all(r["num_warps"] == 8 for r in rows)
+    cases = {(r["loop"], r["block_m"], r["q"], r["masked_steps"], r["column_loop"]) for r in rows}
+    assert len(rows) == len(cases) == 14 and all(r["num_warps"] == 8 for r in rows)
+    assert sum(r["loop"] == "dq" for r in rows) == 2
     for r in rows:
         assert ("error" in r) != ("partitioned" in r), r
         assert "error" in r or (r["registers"] > 0 and r["shared_bytes"] > 0), r
@@ -124,14 +126,16 @@ def _warp_specialized(build) -> tuple[str, object]:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_full_key_block_launch_is_split_where_the_probe_loop_is(head_dim):
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_full_key_block_launch_is_split_where_the_probe_loop_is(head_dim, block_m):
     """The full-key-block launch (`Tiles.warp_specialize`) keeps the one loop shape Triton's pass splits on
     sm_90: with the installed Triton it is split exactly when the probe's reference loop (4 warps, Q/K/V
-    through descriptors, no mask, no other loop) is (Triton 3.6, the GPU image's: both are; 3.9: the pass
-    fails on both), and where split it builds without spilling, in shared memory, on full-width wgmma."""
+    through descriptors, no mask, no other loop) is (Triton 3.6, the GPU image's: both are, at 64 and 128
+    query rows; 3.9: at 64 rows, its pass fails on both at 128), and where split it builds without spilling,
+    in shared memory, on full-width wgmma."""
     with load_benchmark("warp_specialize_probe") as probe:
-        reference, _ = _warp_specialized(lambda: probe.build(True, False, False, 4, head_dim=head_dim))
-    tiles = Tiles(128, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)
+        reference, _ = _warp_specialized(lambda: probe.build(True, False, False, 4, block_m, head_dim=head_dim))
+    tiles = Tiles(block_m, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)
     ours, build = _warp_specialized(lambda: sm90.build("forward", tiles, sm90.launch_for(head_dim))[1])
     assert ours == reference
     if build is not None:
