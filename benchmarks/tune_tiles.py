@@ -53,16 +53,17 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # head_dim 128, 8 warps: those whose sm_90 builds on the GPU image's Triton (3.6) keep every register in registers
 # and fit shared memory (kernel-candidates_triton-3.6.0_*.json; dq with column gradients, its heaviest variant),
 # the launched tiles (the dk/dv one keeps 56 B of stack there), and for the forward and dq the same tiles with
-# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`, built spill-free, never timed); for the
-# forward, its full key blocks in a warp-specialized launch (`Tiles.warp_specialize`: split into a TMA producer and a
-# consumer warpgroup, spill-free, by Triton 3.6 at 128 and 64 query rows, by 3.9 at 64; 3.9 fails to build the
-# 128-row one, a row with its error).
+# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`, built spill-free, never timed); and their
+# full key blocks in a warp-specialized launch (`Tiles.warp_specialize`: split into a TMA producer and a consumer
+# warpgroup, spill-free; the forward's by Triton 3.6 at 128 and 64 query rows, by 3.9 at 64, where it fails to build
+# the 128-row one, a row with its error; dq's at 64 rows by both).
 SHORTLIST = {
     "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
                 Tiles(128, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True),
                 Tiles(64, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)],
     "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
-           Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3)],
+           Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3),
+           Tiles(64, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)],
     "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
 }
 # Largest relative RMS difference from the current tiles' result that still counts as the same

@@ -129,8 +129,8 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
     bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cnt, partial,
                               cols, cnt, col_full, *tokens, *tokens, deterministic=False, grads_in_input_dtype=True,
                               **common)
-    _, dq, dkdv_no_cols = bwd(no_cols)
-    _, dq_cols, dkdv = bwd(col_idx)
+    # (preprocess, dq, dk/dv) each; with a warp-specialized dq, its full-block launch comes first of two
+    (_, dq, *_, dkdv_no_cols), (_, dq_cols, *_, dkdv) = bwd(no_cols), bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)
     row_stats, scores = record(vertical_slash.vertical_slash_scores, q_rows, k[0], d ** -0.5)
     return {"forward": fwd(False)[0], "forward_merge": fwd(True)[0], "dq": dq, "dq_column_grads": dq_cols,

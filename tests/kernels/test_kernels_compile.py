@@ -125,18 +125,22 @@ def _warp_specialized(build) -> tuple[str, object]:
     return ("split" if sm90.usage(b).warp_specialized else "unsplit"), b
 
 
+@pytest.mark.parametrize("kernel", ["forward", "dq"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_full_key_block_launch_is_split_where_the_probe_loop_is(head_dim, block_m):
-    """The full-key-block launch (`Tiles.warp_specialize`) keeps the one loop shape Triton's pass splits on
-    sm_90: with the installed Triton it is split exactly when the probe's reference loop (4 warps, Q/K/V
-    through descriptors, no mask, no other loop) is (Triton 3.6, the GPU image's: both are, at 64 and 128
-    query rows; 3.9: at 64 rows, its pass fails on both at 128), and where split it builds without spilling,
-    in shared memory, on full-width wgmma."""
+def test_full_key_block_launch_is_split_where_the_probe_loop_is(kernel, head_dim, block_m):
+    """The full-key-block launch of the forward and of dq (`Tiles.warp_specialize`) keeps the one loop shape
+    Triton's pass splits on sm_90: with the installed Triton it is split exactly when the probe's reference
+    loop (4 warps, every tile through descriptors, no mask, no other loop) is (the forward's: Triton 3.6, the
+    GPU image's, at 64 and 128 query rows, 3.9 at 64, its pass failing on both at 128; dq's: both at 64 rows,
+    neither at 128), and where split it builds without spilling, in shared memory, on full-width wgmma."""
+    stages = 3 if kernel == "forward" else 2
     with load_benchmark("warp_specialize_probe") as probe:
-        reference, _ = _warp_specialized(lambda: probe.build(True, False, False, 4, block_m, head_dim=head_dim))
-    tiles = Tiles(block_m, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)
-    ours, build = _warp_specialized(lambda: sm90.build("forward", tiles, sm90.launch_for(head_dim))[1])
+        reference, _ = _warp_specialized(
+            lambda: probe.build(True, False, False, 4, block_m, head_dim=head_dim) if kernel == "forward"
+            else probe.build_dq(4, block_m, head_dim=head_dim))
+    tiles = Tiles(block_m, 64, 64, 4, stages, kv_descriptors=True, warp_specialize=True)
+    ours, build = _warp_specialized(lambda: sm90.build(kernel, tiles, sm90.launch_for(head_dim))[1])
     assert ours == reference
     if build is not None:
         use = sm90.usage(build)

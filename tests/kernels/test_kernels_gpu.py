@@ -130,14 +130,17 @@ def test_both_forms_of_the_column_gradients_match_the_reference(separate_columns
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_warp_specialized_full_blocks_match_the_reference(d):
-    """The forward's full key blocks in a warp-specialized launch of their own, the rest merged into it
-    (`Tiles.warp_specialize`, a tuning candidate), bf16, packed documents: equal to the reference. Skipped
-    where Triton's pass cannot build the loop (3.9 fails where 3.6, the GPU image's, splits it)."""
+    """The forward's and dq's full key blocks in warp-specialized launches of their own, the rest merged into
+    them (`Tiles.warp_specialize`, a tuning candidate; the forward at 128 query rows, dq at 64), bf16, packed
+    documents: equal to the reference. Skipped where Triton's pass cannot build the loop (3.9 fails on the
+    128-row forward, which 3.6, the GPU image's, splits)."""
     s = SIZES["odd"]
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, d, torch.bfloat16, seed=11)
     meta = _docs(s, seed=12)
     layout = _layout("vertical_slash", 1, 16, s, seed=13, meta=meta)
-    with configs.tiles_override(forward=configs.Tiles(128, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)):
+    split = dict(kv_descriptors=True, warp_specialize=True)
+    with configs.tiles_override(forward=configs.Tiles(128, 64, 64, 4, 3, **split),
+                                dq=configs.Tiles(64, 64, 64, 4, 2, **split)):
         try:
             _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
         except RuntimeError as e:

@@ -350,10 +350,15 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
     assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
-def test_deterministic_mode_matches_reference(interp, separate_columns):
+@pytest.mark.parametrize("dq_tiles", [
+    configs.Tiles(32, 16, 16, 1, 1),
+    configs.Tiles(32, 16, 16, 1, 1, separate_columns=True),
+    configs.Tiles(16, 16, 16, 1, 1, kv_descriptors=True, warp_specialize=True),
+], ids=["columns-in-dq-loop", "separate-column-pass", "warp-specialized-full-blocks"])
+def test_deterministic_mode_matches_reference(interp, dq_tiles):
     """Column gradients through per-tile partials summed per key row in a fixed order, in one chunk of
-    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests)."""
+    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests);
+    with dq's full key blocks in a launch of their own, the chunks of the rest start from its sums."""
     s, bs = 160, 32
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=13)
     meta = TokenMeta.contiguous(1, s)
@@ -367,7 +372,6 @@ def test_deterministic_mode_matches_reference(interp, separate_columns):
                              dlse=dlse.double())
     tile_bytes = 4 * layout.col_idx.shape[-1] * 16 * 4 * 2  # one query tile's partials (5 tiles in all)
     for budget in (2 * tile_bytes, 1 << 30):
-        dq_tiles = configs.Tiles(32, 16, 16, 1, 1, separate_columns=separate_columns)
         grads = interp.apply(_deterministic_backward, (budget, args, kwargs, dq_tiles))
         for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
             assert rel_rms(a, r) <= 2 * TOLERANCE[torch.float32], (name, budget)
@@ -913,22 +917,23 @@ WS_TILES = configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True, warp_specialize=
 
 
 def _key_block_launches(worker, *args, **kwargs):
-    """`worker(*args, **kwargs)` and the forward launches it made: (KEY_BLOCKS, MERGE, output dtype) each, and
-    their key steps (BLOCK_N) apart."""
-    seen, kernel = [], block_sparse_fwd._forward_kernel
+    """`worker(*args, **kwargs)`, the forward launches it made ((KEY_BLOCKS, MERGE, output dtype) each, and their
+    key steps, BLOCK_N, apart) and the dq launches' KEY_BLOCKS."""
+    forward, dq = block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel
+    seen, steps, dq_seen = [], [], []
 
-    def spy(*a, _run=kernel.run, **kw):
+    def spy(*a, _run=forward.run, **kw):
         seen.append((kw["KEY_BLOCKS"], kw["MERGE"], a[6].dtype))
         steps.append(kw["BLOCK_N"])
         return _run(*a, **kw)
 
-    steps = []
-    kernel.run = spy
+    forward.run = spy
+    dq.run = lambda *a, _run=dq.run, **kw: dq_seen.append(kw["KEY_BLOCKS"]) or _run(*a, **kw)
     try:
         result = worker(*args, **kwargs)
     finally:
-        del kernel.run
-    return result, seen, steps
+        del forward.run, dq.run
+    return result, seen, steps, dq_seen
 
 
 def _full_blocks(layout, q_meta, k_meta, window=None) -> int:
@@ -938,17 +943,18 @@ def _full_blocks(layout, q_meta, k_meta, window=None) -> int:
 
 
 def _ws_fwd_bwd(*args, tiles):
-    result, seen, steps = _key_block_launches(_kernel_fwd_bwd, *args, tiles=tiles)
+    result, seen, _, dq_seen = _key_block_launches(_kernel_fwd_bwd, *args, tiles=tiles)
     assert seen == [("full", False, torch.float32), ("rest", True, torch.float32)], seen
+    assert dq_seen == ["full", "rest"], dq_seen
     return result
 
 
 @pytest.mark.parametrize("d,dtype,window", [(48, torch.float32, None), (16, torch.float16, 40)],
                          ids=["d48-fp32", "d16-fp16-window"])
 def test_warp_specialized_full_blocks_match_reference(interp, d, dtype, window):
-    """The full key blocks in their own launch (Q/K/V through descriptors, no mask), the partial blocks and
-    the columns merged into its result: packed documents, padding, rows that see nothing, GQA; forward
-    and backward equal the reference."""
+    """The full key blocks in their own launch (Q/K/V, and dout for dq, through descriptors, no mask), the
+    partial blocks and the columns merged into its result (forward) or added to its sums (dq): packed
+    documents, padding, rows that see nothing, GQA; forward and backward equal the reference."""
     s, bs = 150, 16
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, d, dtype, seed=131)
     meta = _random_docs(1, s, seed=132, pad=3, cuts=1)
@@ -956,22 +962,24 @@ def test_warp_specialized_full_blocks_match_reference(interp, d, dtype, window):
                                           generator=torch.Generator().manual_seed(133))
     assert 0 < _full_blocks(layout, meta, meta, window) < int(layout.block_cnt.sum())
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=window,
-                             tiles={"forward": WS_TILES}, worker=_ws_fwd_bwd)
+                             tiles={"forward": WS_TILES, "dq": WS_TILES}, worker=_ws_fwd_bwd)
 
 
 def _ws_public_function(q, k, v, layout):
-    with configs.tiles_override(forward=WS_TILES):
+    with configs.tiles_override(forward=WS_TILES, dq=WS_TILES):
         return _key_block_launches(_public_function_fwd_bwd, q, k, v, layout)
 
 
 def test_warp_specialized_split_writes_the_input_dtype_through_an_fp32_result(interp):
-    """Half-precision output: both launches write an fp32 result, copied into the input dtype at the end."""
+    """Half-precision output and gradients: both forward launches write an fp32 result, copied into the input
+    dtype at the end; dq's rest launch writes the input dtype from the full launch's fp32 sums."""
     q, k, v, _, _ = _inputs(1, 4, 2, 48, 48, 32, torch.float16, seed=134)
     layout = random_layout(1, 4, 48, 48, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(135))
     dense = TokenMeta.from_segments(torch.zeros(1, 48, dtype=torch.int32))
     assert 0 < _full_blocks(layout, dense, dense) < int(layout.block_cnt.sum())
-    (out, _, _, grads), seen, _ = interp.apply(_ws_public_function, (q, k, v, layout))
+    (out, _, _, grads), seen, _, dq_seen = interp.apply(_ws_public_function, (q, k, v, layout))
     assert seen == [("full", False, torch.float32), ("rest", True, torch.float32)], seen
+    assert dq_seen == ["full", "rest"], dq_seen
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = block_sparse_attention(*ref, layout, implementation="reference")
     (ref_out * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
@@ -996,8 +1004,8 @@ def test_warp_specialized_split_merges_into_a_running_result(interp):
               for lo, hi in ((0, 48), (48, s))]
     assert all(_full_blocks(lay, meta, km) > 0 for _, _, lay, km in halves)
     call = lambda lo, hi, lay, km: AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale, meta, km)
-    (out, lse), first, _ = interp.apply(_ws_forward, (call(*halves[0]),), {})
-    (out, lse), second, _ = interp.apply(_ws_forward, (call(*halves[1]),), dict(out=out, lse=lse))
+    (out, lse), first, _, _ = interp.apply(_ws_forward, (call(*halves[0]),), {})
+    (out, lse), second, _, _ = interp.apply(_ws_forward, (call(*halves[1]),), dict(out=out, lse=lse))
     assert first == [("full", False, torch.float32), ("rest", True, torch.float32)], first
     assert second == [("full", True, torch.float32), ("rest", True, torch.float32)], second
     ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), full, scale, meta, meta))
@@ -1016,7 +1024,7 @@ def test_warp_specialized_split_only_where_descriptors_address_the_tensors(inter
     layout = random_layout(1, 2, 80, 80, 32, 0.5, 0.1, generator=torch.Generator().manual_seed(140))
     meta = _random_docs(1, 80, seed=141, cuts=1)
     call = AttentionCall(q, k, v, layout, 20 ** -0.5, meta, meta)
-    (out, _), seen, steps = interp.apply(_ws_forward, (call,), {})
+    (out, _), seen, steps, _ = interp.apply(_ws_forward, (call,), {})
     assert seen == [("all", False, torch.float32)] and steps == [32] != [WS_TILES.block_n], (seen, steps)
     ref_out, _ = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 20 ** -0.5, meta, meta))
     assert rel_rms(out, ref_out) <= TOLERANCE[torch.float16]

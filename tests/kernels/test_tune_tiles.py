@@ -58,7 +58,7 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
     assert {t.num_warps for t in cands if not t.warp_specialize} == ({8} if head_dim > 64 else {4, 8})
     # the forward's full key blocks warp-specialized: the loop Triton splits (4 warps, descriptors)
     split = {(t.num_warps, t.kv_descriptors) for t in cands if t.warp_specialize}
-    assert split == ({(4, True)} if kernel == "forward" else set())
+    assert split == ({(4, True)} if kernel != "dkdv" else set())
     assert tune.current_tiles(kernel, block_size, head_dim) in cands
     separate = {t.separate_columns for t in cands}
     assert separate == ({False, True} if kernel == "dq" else {False})
