@@ -138,3 +138,61 @@ def token_meta_from_kwargs(
     if attention_mask is not None:
         segment = apply_padding_mask(segment, attention_mask[:, -seq_len:].to(device))
     return TokenMeta.from_segments(segment)
+
+
+def mask_positions(
+    batch: int, seq_len: int, device: torch.device | str, attention_mask: torch.Tensor | None, kwargs: dict
+) -> torch.Tensor:
+    """The positions that transformers' masks compare for a sliding window or an attention chunk (int64 [B, S]):
+    `position_ids` where the batch packs documents by them without an attention mask (transformers then remaps the
+    mask's indices to them, `remap_positions_for_packed_sequence`), else each token's index in its row less the
+    row's left padding (`create_chunked_causal_mask` starts the chunks there; a window compares differences only);
+    with `cu_seq_lens_k` and no `position_ids` (a layer that does not pass them on), each token's index in its
+    document, as flattened packing numbers them."""
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
+        positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, seq_len)
+        if bool((segments_from_position_ids(positions)[:, -1] > 0).any()):  # (transformers' packed detection)
+            return positions
+    index = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    cu = kwargs.get("cu_seq_lens_k")
+    if cu is not None and position_ids is None:  # (flattened packing: each document's positions from 0)
+        return index - document_starts(TokenMeta.from_segments(segments_from_cu_seqlens(cu.to(device), batch,
+                                                                                        seq_len)))
+    if attention_mask is None:
+        return index
+    left = (attention_mask[:, -seq_len:].to(device).bool().cumsum(-1) == 0).sum(-1, keepdim=True)
+    return index - left
+
+
+def document_extents(meta: TokenMeta, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [N, 2] on the CPU: the least and the greatest of `positions` ([B, S], as `meta`) over each document of
+    `meta` (padding excluded), in no particular order."""
+    segment = meta.segment.to(torch.int64)
+    real = segment >= 0
+    rows = torch.arange(segment.shape[0], device=segment.device)[:, None].expand_as(segment)
+    keys = (rows * (segment.shape[-1] + 1) + segment)[real]
+    if keys.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    values = positions.to(device=segment.device, dtype=torch.int64).expand_as(segment)[real]
+    _, inverse = torch.unique(keys, return_inverse=True)
+    n = int(inverse.max()) + 1
+    low = values.new_zeros(n).scatter_reduce(0, inverse, values, "amin", include_self=False)
+    high = values.new_zeros(n).scatter_reduce(0, inverse, values, "amax", include_self=False)
+    return torch.stack([low, high], 1).cpu()
+
+
+class DocumentPositions:
+    """The documents of a whole batch and the positions transformers' masks compare (`mask_positions`), with their
+    `document_extents` computed once, when first asked for (a context-parallel shard carries it: every rank then
+    decides alike from the whole batch)."""
+
+    def __init__(self, meta: TokenMeta, positions: torch.Tensor) -> None:
+        self.meta, self.positions = meta, positions
+        self._extents: torch.Tensor | None = None
+
+    @property
+    def extents(self) -> torch.Tensor:
+        if self._extents is None:
+            self._extents = document_extents(self.meta, self.positions)
+        return self._extents

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -29,7 +29,7 @@ from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
-from ..attention.tokens import TokenMeta, token_meta_from_kwargs
+from ..attention.tokens import TokenMeta, document_extents, mask_positions, token_meta_from_kwargs
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
@@ -45,12 +45,14 @@ _CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=Fa
 
 class ProbedCall(NamedTuple):
     """One attention call of a probe forward: the attention module, whether the probe arrived in place of
-    the CP shard, and the dimensions of the mask it got (None: none; the registered mask function gives
-    None or the 2D padding mask, so anything else is a mask the model built itself)."""
+    the CP shard, the dimensions of the mask it got (None: none; the registered mask function gives
+    None or the 2D padding mask, so anything else is a mask the model built itself) and the sliding window it
+    passed."""
 
     module: torch.nn.Module
     reached: bool
     mask_dims: int | None
+    sliding_window: int | None = None
 
 
 class AttentionProbe:
@@ -112,7 +114,7 @@ def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
 
 # The attributes attention layers copy their config's attention dropout (`architectures.CONFIG_DROPOUTS`) into when
 # they are built (what they pass as `dropout` while training).
-_MODULE_DROPOUTS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_prob", "attn_drop")
+MODULE_DROPOUTS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_prob", "attn_drop")
 
 
 def dropout_probability(owner, name: str) -> float | None:
@@ -160,29 +162,64 @@ def mask_only_window(module: torch.nn.Module, sliding_window: int | None) -> tup
     return None, None
 
 
-def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, length: int) -> None:
-    """Refuse a call whose keys span more than the window or chunk that the model put into its attention mask only:
-    sparse_cp gets the 2D padding mask, so it would attend past them."""
+def masked_locality(module: torch.nn.Module, unseen_window: int | None) -> tuple[str, int] | None:
+    """('chunk', size) for a layer that `config.layer_types` declares 'chunked_attention' (Llama 4: its chunks of
+    `config.attention_chunk_size` tokens are in its attention mask only), ('window', size) for the window
+    `mask_only_window` found unseen, else None: what sparse_cp cannot apply to this layer."""
     config = getattr(module, "config", None)
-    model_type = getattr(config, "model_type", type(module).__name__)
     types, layer = getattr(config, "layer_types", None) or (), getattr(module, "layer_idx", None)
     chunk = getattr(config, "attention_chunk_size", None)
-    chunked = isinstance(layer, int) and 0 <= layer < len(types) and types[layer] == "chunked_attention"
-    if chunked and isinstance(chunk, int) and length > chunk:
-        raise ValueError(
-            f"sparse_cp does not implement chunked attention (layer {layer} of model type '{model_type}' attends "
-            f"within chunks of attention_chunk_size={chunk} tokens, which its attention mask carries and sparse_cp "
-            f"does not use), and this call spans {length} tokens: train sequences of at most {chunk} tokens, or "
-            "load the model with attn_implementation='sdpa' or 'eager' (--sparse_attention false)."
-        )
-    if unseen_window is not None and length > unseen_window:
-        raise ValueError(
-            f"{type(module).__name__} of model type '{model_type}' puts its sliding window (config.sliding_window="
-            f"{unseen_window}) into the attention mask only, without passing it to the attention function, and "
-            f"config.layer_types does not say which layers use it; sparse_cp does not use that mask, so it cannot "
-            f"apply the window to this call of {length} tokens. Train sequences of at most {unseen_window} tokens, "
-            "or load the model with attn_implementation='sdpa' or 'eager' (--sparse_attention false)."
-        )
+    if (isinstance(layer, int) and 0 <= layer < len(types) and types[layer] == "chunked_attention"
+            and isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0):
+        return "chunk", chunk
+    return ("window", unseen_window) if unseen_window is not None else None
+
+
+def locality_refusal(module: torch.nn.Module, locality: tuple[str, int], what: str, fix: str) -> ValueError:
+    """The error for `what` (e.g. 'a document of 9000 tokens') in a layer whose window or chunk (`masked_locality`)
+    only its attention mask carries, naming `fix` ahead of the dense implementations."""
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", type(module).__name__)
+    kind, size = locality
+    dense = "load the model with attn_implementation='sdpa' or 'eager' (--sparse_attention false)."
+    if kind == "chunk":
+        return ValueError(
+            f"sparse_cp does not implement chunked attention (layer {getattr(module, 'layer_idx', '?')} of model type "
+            f"'{model_type}' attends within chunks of attention_chunk_size={size} tokens, which its attention mask "
+            f"carries and sparse_cp does not use), and {what}: {fix}, or {dense}")
+    return ValueError(
+        f"{type(module).__name__} of model type '{model_type}' puts its sliding window (config.sliding_window={size}) "
+        "into the attention mask only, without passing it to the attention function, and config.layer_types does "
+        f"not say which layers use it; sparse_cp does not use that mask, so it cannot apply the window to {what}. "
+        f"{fix[:1].upper()}{fix[1:]}, or {dense}")
+
+
+def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, length: int,
+                            extents: Callable[[], torch.Tensor] | None) -> None:
+    """Refuse a call in which a query would see a key of its own document that the window or chunk the model put
+    into its attention mask only (`masked_locality`) hides: sparse_cp gets the 2D padding mask, so it would attend
+    past them. `length`: the keys of the call (its padded length under CP); `extents`: the least and greatest
+    position of each document (`tokens.document_extents`), None where unknown (the length is checked)."""
+    locality = masked_locality(module, unseen_window)
+    if locality is None or length <= locality[1]:
+        return
+    kind, size = locality
+    if extents is None:
+        raise locality_refusal(module, locality, f"this call spans {length} tokens",
+                               f"train sequences of at most {size} tokens")
+    low, high = extents().unbind(-1)
+    longest = int((high - low + 1).max()) if low.numel() else 0
+    if longest > size:
+        raise locality_refusal(module, locality, f"this call has a document of {longest} tokens",
+                               f"train documents of at most {size} tokens")
+    if kind == "chunk":
+        crossing = (low // size != high // size).nonzero()
+        if crossing.numel():
+            i = int(crossing[0, 0])
+            raise locality_refusal(
+                module, locality, f"this call has a document at positions {int(low[i])}..{int(high[i])}, across a "
+                f"chunk boundary (chunks follow position_ids)", f"give each document position_ids from 0 and at most "
+                f"{size} tokens")
 
 
 # Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
@@ -199,7 +236,7 @@ _UNSUPPORTED_KWARGS = {
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if dropout and dropout > 0:
-        held = [f"{type(module).__name__}.{name}" for name in _MODULE_DROPOUTS
+        held = [f"{type(module).__name__}.{name}" for name in MODULE_DROPOUTS
                 if dropout_probability(module, name) == dropout]
         raise ValueError(
             f"sparse_cp does not implement attention dropout (got dropout={dropout}"
@@ -266,7 +303,8 @@ def sparse_cp_attention_forward(
     shard = kwargs.get(CP_SHARD_KWARG)
     probe = _PROBE.get()
     if probe is not None:
-        probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim()))
+        probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
+                                      sliding_window))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if shard is None and _CP_FORWARD.get():
         raise RuntimeError(
@@ -277,7 +315,7 @@ def sparse_cp_attention_forward(
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
-    _refuse_masked_locality(module, unseen_window, key.shape[2] if shard is None else shard.meta.index.shape[-1])
+    _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs))
     query, key, value = autocast_inputs(query, key, value)
     value_dim = value.shape[-1]
     if value_dim != query.shape[-1]:  # (multi-head latent attention: DeepSeek-V3's values are narrower than q and k)
@@ -289,6 +327,25 @@ def sparse_cp_attention_forward(
     if kept is not None:
         record_kept_fraction(module, kept)
     return out[..., :value_dim].transpose(1, 2).contiguous(), None
+
+
+def _call_documents(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, shard, kwargs
+                    ) -> tuple[int, Callable[[], torch.Tensor] | None]:
+    """The length of a call's keys (under CP, the padded whole sequence) and the extents of its documents
+    (`tokens.document_extents`, computed when asked for; None for a decoding step with a KV cache, or a shard that
+    does not carry them)."""
+    if shard is not None:
+        documents = shard.documents
+        return shard.meta.index.shape[-1], None if documents is None else (lambda: documents.extents)
+    b, _, q_len, _ = query.shape
+    if q_len != key.shape[2]:
+        return key.shape[2], None
+
+    def extents() -> torch.Tensor:
+        meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
+        return document_extents(meta, mask_positions(b, q_len, query.device, attention_mask, kwargs))
+
+    return q_len, extents
 
 
 def _same_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

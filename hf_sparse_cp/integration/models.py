@@ -39,7 +39,18 @@ from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
 from .architectures import cp_tested_model_types
-from .backend import AttentionProbe, ProbedCall, config_dropout, dropout_fix, dropout_probability, probing
+from .backend import (
+    MODULE_DROPOUTS,
+    AttentionProbe,
+    ProbedCall,
+    config_dropout,
+    dropout_fix,
+    dropout_probability,
+    locality_refusal,
+    mask_only_window,
+    masked_locality,
+    probing,
+)
 
 if TYPE_CHECKING:
     from ..distributed.mesh import ParallelDims
@@ -188,6 +199,70 @@ def attention_layers(config) -> list[int]:
     return [i for i in range(config.num_hidden_layers) if i not in sliding]
 
 
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ProbedCall]]:
+    """(name, module of `model`, its probed call) for every module that calls the attention function in a probe
+    forward of `model`'s architecture on the meta device, or of the model itself where that does not run and the
+    model uses the backend (the layers whose attributes are what they pass as `dropout`, `sliding_window`); [] where
+    neither runs or the backend is not registered (the backend checks every call then)."""
+    from .registration import is_registered
+
+    if not is_registered():
+        return []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        shadow = _architecture(model)
+        calls = _probe(shadow, "meta", with_shard=False)
+    except Exception:  # (e.g. grouped expert matmuls do not run on meta) the model itself, where it uses the backend
+        if compat.attn_implementation(model.config) != BACKEND_NAME:
+            return []
+        try:
+            shadow, calls = base, _probe(base, next(base.parameters()).device, with_shard=False)
+        except Exception:
+            return []
+    names, own = {id(m): n for n, m in shadow.named_modules()}, dict(base.named_modules())
+    found = {}
+    for _, call in calls:
+        name = names.get(id(call.module))
+        if name in own and name not in found:
+            found[name] = (name, own[name], call)
+    return list(found.values())
+
+
+def check_mask_only_locality(model: torch.nn.Module, max_length: int, packed_documents: bool = False) -> None:
+    """Raise ValueError, naming the fix, when training sequences of `max_length` tokens are longer than a sliding
+    window or attention chunk that `model` puts into its attention mask only (`backend.masked_locality`: PhiMoE's
+    window, Llama 4's chunked layers), which the backend would refuse at the first step. With `packed_documents`
+    (rows that pack several documents) the documents may each fit, and the backend checks every call."""
+    config = model.config
+    if getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None:
+        return
+    for _, module, call in attention_modules(model):
+        locality = masked_locality(module, mask_only_window(module, call.sliding_window)[1])
+        if locality is None or max_length <= locality[1]:
+            continue
+        if packed_documents:
+            logger.warning("%s: documents longer than %d tokens in the packed rows of %d tokens are refused at their "
+                           "call (a %s that only the attention mask carries).", type(model).__name__, locality[1],
+                           max_length, locality[0])
+            return
+        size = locality[1]
+        raise locality_refusal(
+            module, locality, f"training sequences of {max_length} tokens", f"train sequences of at most {size} "
+            f"tokens (--sparse_max_length / max_length {size}), or pack documents of at most {size} tokens each "
+            "into the rows (DataCollatorWithFlattening, TRL's padding_free)")
+
+
+def _attention_layer_dropout(model: torch.nn.Module) -> str | None:
+    """'name.attr=p' for an attention layer (`attention_modules`) that holds a dropout probability above 0 under
+    another name than the ones every module is read for (OPT's attention keeps it as `self.dropout`), else None.
+    Other modules' `dropout` (a decoder layer's residual dropout) is not attention dropout."""
+    names = [n for n in MODULE_DROPOUTS if n not in ("attention_dropout", "attn_dropout")]
+    if not any(dropout_probability(m, n) for m in model.modules() for n in names):
+        return None  # (no probe needed)
+    return next((f"{name}.{attr}={p}" for name, module, _ in attention_modules(model) for attr in names
+                 if (p := dropout_probability(module, attr))), None)
+
+
 def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
     """Raise ValueError, naming the cause and the fix, when the `sparse_cp` backend would refuse `model`'s
     attention at its first call (see `backend._refuse_unsupported`): checked from the model before
@@ -206,7 +281,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
                          "'eager' or 'sdpa' (--sparse_attention false).")
     dropout = config_dropout(config)
     held = next((f"{n}.{attr}={p}" for n, m in model.named_modules() for attr in ("attention_dropout", "attn_dropout")
-                 if (p := dropout_probability(m, attr))), None)
+                 if (p := dropout_probability(m, attr))), None) or _attention_layer_dropout(model)
     if dropout or held:
         where = f"{dropout[0]}={dropout[1]}" if dropout else f"attention layers built with dropout ({held})"
         raise ValueError(f"{name} (model type {model_type!r}) has {where}, attention dropout, which sparse_cp does "

@@ -34,7 +34,12 @@ from ..integration.fused_ops import (
 )
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
-from ..integration.models import attention_layers, check_model_supports_sparse_attention, sliding_window_layers
+from ..integration.models import (
+    attention_layers,
+    check_mask_only_locality,
+    check_model_supports_sparse_attention,
+    sliding_window_layers,
+)
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, is_patched, patch, select_backend, unpatch
 from .arguments import SparseAttentionFlags, SparseCPArguments
@@ -69,6 +74,7 @@ def enable_sparse_attention(
     training_args: TrainingArguments | None = None,
     max_length: int | None = None,
     explicit: Collection[str] | None = None,
+    packed_documents: bool = False,
 ) -> SparseAttentionConfig:
     """Train `model` with the `sparse_cp` backend; `disable_sparse_attention(model)` undoes it.
 
@@ -84,6 +90,9 @@ def enable_sparse_attention(
             (`integration.memory_savers.enable_memory_savers`, as is `sparse_offload_layer_inputs`).
         explicit: the pattern fields given explicitly (`arguments.explicit_fields`): they beat
             `--sparse_config` whatever their value (without it, flags that differ from the defaults do).
+        packed_documents: whether the training rows pack several documents each. A `max_length` longer than a
+            sliding window or attention chunk that only the model's attention mask carries is refused here
+            (`models.check_mask_only_locality`) unless they do (each document may still fit; every call is checked).
 
     Returns:
         The `SparseAttentionConfig` in use. Registers the backend (`patch()`) and, with `sparse_fused_loss`,
@@ -102,6 +111,9 @@ def enable_sparse_attention(
     patches = record_on(model, _SPARSE_ATTENTION)
     try:
         _switch(model, patches, sparse_args, config, training_args, max_length)
+        check_model_supports_sparse_attention(model)  # (again, switched: the attention layers are probed now)
+        if max_length is not None:
+            check_mask_only_locality(model, max_length, packed_documents)
     except BaseException:
         patches.undo()  # nothing of a refused switch stays
         raise

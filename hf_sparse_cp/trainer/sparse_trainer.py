@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..config.files import check_field_types
@@ -295,6 +295,13 @@ def _refuse_empty_datasets(trainer: str, kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{trainer}: {name} is empty (0 samples): {fix}.")
 
 
+def _packs_documents(collator, args) -> bool:
+    """Whether training rows pack several documents: transformers' flattening collator, a padding-free one, or TRL's
+    `packing` / `padding_free`."""
+    return (isinstance(collator, DataCollatorWithFlattening) or bool(getattr(collator, "padding_free", False))
+            or bool(getattr(args, "packing", False)) or bool(getattr(args, "padding_free", False)))
+
+
 class SparseTrainerMixin:
     """What makes a Trainer class train with the plugin as its arguments say (`sparse_trainer_class`).
 
@@ -328,7 +335,7 @@ class SparseTrainerMixin:
         self.max_length = args.sequence_length or longest_stage or _first_length(kwargs.get("train_dataset"))
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
         if args.sparse_attention and not loaded_here:
-            self._enable_sparse_attention(model, args)
+            self._enable_sparse_attention(model, args, kwargs.get("data_collator"))
         elif not args.sparse_attention and getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
             logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
                            "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
@@ -341,16 +348,16 @@ class SparseTrainerMixin:
             args.ddp_find_unused_parameters = False
         trainer_init(model, args, *rest, **kwargs)
         if args.sparse_attention and loaded_here:
-            self._enable_sparse_attention(self.model, args)
+            self._enable_sparse_attention(self.model, args, self.data_collator)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()
         if smet is not None:
             install_smet(self, smet)
 
-    def _enable_sparse_attention(self, model: torch.nn.Module, args: SparseArgumentsMixin) -> None:
+    def _enable_sparse_attention(self, model: torch.nn.Module, args: SparseArgumentsMixin, collator) -> None:
         enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
-                                explicit=args.explicit_flags)
+                                explicit=args.explicit_flags, packed_documents=_packs_documents(collator, args))
 
     def create_accelerator_and_postprocess(self) -> None:
         """The stock accelerator, with `--fsdp` running FSDP2 on CPU processes too (`cpu_fsdp.py`)."""

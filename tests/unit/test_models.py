@@ -171,6 +171,104 @@ def test_a_window_or_chunk_that_only_the_mask_carries_is_refused_beyond_it(model
     assert rel_rms(ours(ids[:, :limit]).logits, ref(ids[:, :limit]).logits) <= TOLERANCE[torch.float32]
 
 
+_MASK_ONLY = [("phimoe", {"sliding_window": 24}, 24, r"puts its sliding window \(config.sliding_window=24\) into "
+                                                      r"the attention mask only"),
+              ("llama4_text", {"attention_chunk_size": 32}, 32, r"does not implement chunked attention \(layer 0 of "
+                                                                r"model type 'llama4_text' attends within chunks of "
+                                                                r"attention_chunk_size=32")]
+
+
+@pytest.mark.parametrize("model_type, overrides, limit, cause", _MASK_ONLY)
+def test_a_window_or_chunk_that_only_the_mask_carries_is_refused_at_set_up_beyond_the_training_length(
+        model_type, overrides, limit, cause):
+    """The training length is known at set-up: a longer one is refused there, naming the fix (not at the first step),
+    and the model is left as it was; within it, or with rows that pack documents (each may still fit), it switches."""
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    fix = rf"at most {limit} tokens \(--sparse_max_length / max_length {limit}\).*attn_implementation='sdpa' or 'eager'"
+    with pytest.raises(ValueError, match=cause + rf".*training sequences of {limit + 1} tokens.*" + fix):
+        enable_sparse_attention(model, SparseCPArguments(), DENSE, max_length=limit + 1)
+    assert model.config._attn_implementation != "sparse_cp"
+    enable_sparse_attention(model, SparseCPArguments(), DENSE, max_length=limit)
+    assert model.config._attn_implementation == "sparse_cp"
+    other = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    enable_sparse_attention(other, SparseCPArguments(), DENSE, max_length=4 * limit, packed_documents=True)
+
+
+@pytest.mark.parametrize("model_type, overrides, limit, cause", _MASK_ONLY)
+def test_a_window_or_chunk_that_only_the_mask_carries_is_checked_per_document(model_type, overrides, limit, cause):
+    """Packed rows (position_ids restarting per document): transformers applies the window / chunk within each
+    document, so a row longer than it computes exactly as long as every document fits; a document longer than it is
+    refused, and so is one whose positions cross a chunk boundary (chunks follow the positions)."""
+    ref, ours = (m.eval() for m in _pair(model_type, **overrides))
+    ids = torch.randint(3, 259, (1, 3 * limit), generator=torch.Generator().manual_seed(5))
+
+    def packed(positions):  # as DataCollatorWithFlattening packs (Llama 4's layers pass on cu_seq_lens only)
+        starts = torch.cat([(positions[0, 1:] != positions[0, :-1] + 1).nonzero()[:, 0] + 1, torch.tensor([3 * limit])])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), starts.to(torch.int32)])
+        return {"position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "use_cache": False}
+
+    fits = packed(torch.arange(limit).repeat(3)[None])
+    assert rel_rms(ours(ids, **fits).logits, ref(ids, **fits).logits) <= TOLERANCE[torch.float32]
+    longer = torch.cat([torch.arange(limit + 1), torch.arange(limit - 1), torch.arange(limit)])[None]
+    with pytest.raises(ValueError, match=cause + rf".*a document of {limit + 1} tokens"):
+        ours(ids, **packed(longer))
+    if "chunk" in cause:  # the second document fits a chunk, but its positions run from limit / 2 across one
+        half = limit // 2
+        crossing = torch.cat([torch.arange(half // 2), torch.arange(half, half + limit), torch.arange(limit),
+                              torch.arange(limit - half // 2)])[None]
+        assert crossing.shape[-1] == 3 * limit
+        with pytest.raises(ValueError, match=cause):
+            ours(ids, position_ids=crossing, use_cache=False)
+
+
+@pytest.mark.parametrize("model_type, overrides, limit, cause", [
+    _MASK_ONLY[0], ("llama4_text", {"attention_chunk_size": 40}, 40, r"does not implement chunked attention")])
+def test_under_cp_a_window_or_chunk_is_checked_on_the_documents_not_the_padded_length(model_type, overrides, limit,
+                                                                                      cause):
+    """Under context parallelism the call's length is the sequence padded to whole blocks per rank: a sequence as
+    long as the window or chunk computes exactly (one process: a ring of one rank), a longer one is refused."""
+    from hf_sparse_cp.distributed import ParallelDims, prepare_context_parallel_inputs
+    from hf_sparse_cp.distributed.modes import RING
+
+    single = ParallelDims.single(mode=RING)
+    ref, ours = (m.eval() for m in _pair(model_type, **overrides))
+    ids = torch.randint(3, 259, (1, 3 * limit), generator=torch.Generator().manual_seed(6))
+    for length in (limit, limit - 1):  # padded to whole blocks of 32: past the window / chunk
+        inputs = prepare_context_parallel_inputs({"input_ids": ids[:, :length]}, single, block_size=32)
+        assert inputs["cp_shard"].meta.index.shape[-1] > limit
+        got = ours(**inputs).logits[:, :length]
+        assert rel_rms(got, ref(ids[:, :length]).logits) <= TOLERANCE[torch.float32]
+    packed = {"input_ids": ids, "position_ids": torch.arange(limit).repeat(3)[None], "use_cache": False}
+    inputs = prepare_context_parallel_inputs(packed, single, block_size=32)
+    got = ours(**inputs).logits[:, :3 * limit]
+    assert rel_rms(got, ref(**packed).logits) <= TOLERANCE[torch.float32]
+    inputs = prepare_context_parallel_inputs({"input_ids": ids[:, :limit + 1]}, single, block_size=32)
+    with pytest.raises(ValueError, match=cause + rf".*a document of {limit + 1} tokens"):
+        ours(**inputs)
+
+
+def test_attention_dropout_held_as_the_attention_layers_dropout_is_refused_at_set_up():
+    """OPT's attention layers keep their attention dropout as `self.dropout` (a float they pass as dropout= while
+    training): a model built with it and its config changed afterwards is refused at set-up, naming the layer; the
+    decoder layers' `dropout` (residual dropout) is not attention dropout and does not refuse a model."""
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    opt = AutoModelForCausalLM.from_config(tiny_config("opt", attention_dropout=0.1))
+    opt.config.attention_dropout = 0.0  # does not reach the layers
+    with pytest.raises(ValueError, match=r"attention layers built with dropout \(model.decoder.layers.0.self_attn."
+                                         r"dropout=0.1\).*build the model with attention_dropout=0.0"):
+        enable_sparse_attention(opt, SparseCPArguments())
+    residual = AutoModelForCausalLM.from_config(tiny_config("opt", dropout=0.1))
+    assert residual.model.decoder.layers[0].dropout == 0.1
+    enable_sparse_attention(residual, SparseCPArguments(), DENSE)
+    ids = torch.randint(3, 259, (1, 32))
+    residual.train()(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_attention_dropout_is_refused_naming_the_field_the_layers_were_built_from():
     """GPT-2's attention dropout is attn_pdrop (0.1 in its checkpoints), copied into its layers when they are built:
     refused before training and at a call, naming attn_pdrop; a Llama whose config is changed after it was built
