@@ -115,20 +115,31 @@ def _launch(argv: list[str]) -> int:
         LAUNCHER_OPTIONS,
         OPTIONS_HELP,
         launch,
+        launched_processes,
         launcher_options,
         leading_options,
         parse_launcher_options,
+        refuse_unlaunchable,
     )
 
     parser = launcher_options("hf-sparse-cp launch", LAUNCH_USAGE)
     parse_launcher_options(parser, leading_options(argv))  # (a bad process count, named before the slow imports)
-    from hf_sparse_cp.launch.command import check_command, split_command
+    from hf_sparse_cp.launch.command import check_command, launched_cp_sizes, split_command
 
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
     check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch")
     options, plugin_flags = parse_launcher_options(parser, flags)
     if {"-h", "--help"} & set(plugin_flags):
         print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
+    elif launched_processes(options) is not None:
+        # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
+        # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
+        from hf_sparse_cp.run import parse_plugin_flags
+
+        plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
+        sizes = launched_cp_sizes(plugin, args)
+        if sizes is not None:
+            refuse_unlaunchable(parser, sizes, launched_processes(options))
     return launch(options, [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args],
                   _run_here)
 
@@ -137,12 +148,25 @@ def _train(argv: list[str]) -> int:
     """`hf-sparse-cp train`: the long-context example (`hf_sparse_cp.examples.train_long_context`) through the same
     launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's."""
     from hf_sparse_cp.backends import is_available
-    from hf_sparse_cp.launch.processes import launch, launcher_options, parse_launcher_options
+    from hf_sparse_cp.launch.processes import (
+        launch,
+        launched_processes,
+        launcher_options,
+        parse_launcher_options,
+        refuse_unlaunchable,
+    )
 
     parser = launcher_options("hf-sparse-cp train", TRAIN_USAGE)
     options, rest = parse_launcher_options(parser, argv)
     if not is_available("datasets"):
         parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
+    processes = launched_processes(options)
+    if processes is not None and not {"-h", "--help"} & set(rest):
+        # the example's flags as each process parses them first (its refusals, once, before any starts), and a CP
+        # degree the processes cannot run (a recipe's too)
+        from hf_sparse_cp.examples.train_long_context import parse_args
+
+        refuse_unlaunchable(parser, parse_args(rest).training.cp_sizes(), processes)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 

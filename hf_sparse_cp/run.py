@@ -41,9 +41,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The description as written (its command lines), and every flag's default."""
 
 
-def parse_plugin_flags(flags: Sequence[str]) -> PluginArguments:
-    """The plugin flags given before the script path (help and errors as argparse's)."""
-    parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=PROG, usage=USAGE,
+def parse_plugin_flags(flags: Sequence[str], *, prog: str = PROG, usage: str = USAGE) -> PluginArguments:
+    """The plugin flags given before the script path (help and errors as argparse's, as `prog`)."""
+    parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=prog, usage=usage,
                               description=__doc__, formatter_class=_HelpFormatter)  # (--help: the common flags first)
     try:
         common, other = parser.parse_args_into_dataclasses(list(flags))

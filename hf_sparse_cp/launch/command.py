@@ -5,6 +5,8 @@ classes decide (so this module imports them: the launcher's light options are re
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -38,6 +40,11 @@ class _SplitParser(HfArgumentParser):
             return False
 
 
+class _Quiet(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _Refused(message)
+
+
 def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[list[str], str | None, bool, list[str]]:
     """(plugin flags, the script's path or module name, whether it is a module, the script's arguments).
 
@@ -57,6 +64,22 @@ def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[lis
         if arg.endswith(".py") or not parser.takes(argv[:i + 1]):
             return list(argv[:i]), arg, False, list(argv[i + 1:])
     return list(argv), None, False, []
+
+
+def launched_cp_sizes(plugin: PluginArguments, args: Sequence[str]) -> list[int] | None:
+    """The CP degrees a launched script runs with: those of `plugin` (the flags before the script path) unless the
+    script's arguments `args` give --cp_size or --cp_schedule, which the script's parser takes beside its own (the
+    last one given wins). Read as written, without the script's parser: None where that parser alone can say (a
+    value it will refuse, a schedule it will refuse naming the stage)."""
+    parser = _Quiet(add_help=False, allow_abbrev=False)
+    for action in _SplitParser()._actions:
+        if action.dest in ("cp_size", "cp_schedule"):
+            parser.add_argument(*action.option_strings, dest=action.dest, default=getattr(plugin, action.dest))
+    try:
+        given = parser.parse_known_args(list(args))[0]
+        return dataclasses.replace(plugin, cp_size=int(given.cp_size), cp_schedule=given.cp_schedule).cp_sizes()
+    except (ValueError, TypeError, _Refused):  # (the script's parser refuses it, naming the flag)
+        return None
 
 
 def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (), *,

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 RUN_MODULE = "hf_sparse_cp.run"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
@@ -69,6 +69,32 @@ def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str])
         except FileNotFoundError as e:
             parser.error(str(e))
     return options, rest
+
+
+def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.environ) -> int | None:
+    """How many processes `launch` starts for `options`: `nproc` under torchrun, the accelerate config's
+    `num_processes` (all machines'); None when the run stays in this process (it checks its own flags there, with
+    no launcher to report a failure) or the config does not say."""
+    if options.config_file:
+        from hf_sparse_cp.config.files import read_mapping
+
+        try:
+            count = read_mapping(options.config_file).get("num_processes", 1)
+        except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)
+            return None
+        return count if isinstance(count, int) and not isinstance(count, bool) and count >= 1 else None
+    return options.nproc if options.nproc > 1 and "WORLD_SIZE" not in env else None
+
+
+def refuse_unlaunchable(parser: argparse.ArgumentParser, cp_sizes: Sequence[int], processes: int) -> None:
+    """Exit as argparse ends a bad flag (`parser`'s usage and prog) when `processes` launched processes cannot run
+    these CP degrees, each of which would refuse them (`check_launched`), before any starts."""
+    from hf_sparse_cp.distributed.mesh import check_launched
+
+    try:
+        check_launched(cp_sizes, {"WORLD_SIZE": str(processes)})
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[[list[str]], None]) -> int:

@@ -308,3 +308,55 @@ def test_a_bad_plugin_flag_of_a_launched_script_is_refused_with_its_message_alon
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert "train.py: error: " in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["launch", "--nproc", "2", "--cp_size", "3", "train.py"],  # before the script path
+    ["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--cp_size=3"],  # the script's parser takes it
+    ["launch", "--nproc", "2", "train.py", "--cp_schedule", "0:64:1,5:128:3"],  # a curriculum stage's degree
+    ["launch", "--config_file", "cpu_2proc_cp2", "train.py", "--cp_size", "3"],  # the accelerate config's processes
+    ["train", "--nproc", "2", "--cp_size", "3", "--max_steps", "1"],
+    ["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "3"],
+])
+def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_start(monkeypatch, tmp_path, capsys,
+                                                                                       argv):
+    """`--nproc 2 --cp_size 3`: every process would refuse it, then torchrun would print its own failure; the
+    launcher refuses it first, as argparse refuses a flag (exit 2), and starts nothing."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv)
+    assert refused.value.code == 2 and not started
+    err = capsys.readouterr().err
+    assert f"hf-sparse-cp {argv[0]}: error: cp_size=3 does not divide the world size 2 (the number of processes)" in err
+    assert "launch a multiple of 3 processes" in err and "Traceback" not in err
+
+
+def test_the_launcher_refuses_what_every_launched_process_would_before_starting_them(monkeypatch, tmp_path, capsys):
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
+        cli.main(["launch", "--nproc", "2", "--sparse_block_size", "48", "train.py"])
+    assert refused.value.code == 2 and not started
+    assert "hf-sparse-cp launch: error: " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # the example's own refusal, once, before the processes
+        cli.main(["train", "--nproc", "2", "--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
+    assert refused.value.code == 2 and not started
+    assert "cp_size=8 does not divide the world size 2" in capsys.readouterr().err
+    # what the processes can run starts them; what the script's own parser would read is left to it
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "2", "--cp_size_of_mine", "3"]) == 0
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "abc"]) == 0
+    assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "--max_steps", "1"]) == 0
+    assert len(started) == 3
