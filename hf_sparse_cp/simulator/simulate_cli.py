@@ -129,7 +129,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
     p.add_argument("--seq", type=_at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
-                   help="Sequence lengths in tokens (one sequence per CP group per step).")
+                   help="Sequence lengths in tokens (one sequence per CP group per step), each a multiple of 256 x "
+                   "the largest --cp (whole zigzag chunks of 128-token blocks).")
     p.add_argument("--cp", type=_at_least(1), nargs="+", default=[8, 16, 32, 64],
                    help="CP sizes: GPUs that split one sequence.")
     p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGURATIONS),
@@ -172,11 +173,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
+    """The command's arguments, every one checked before anything prints or runs: a refusal is argparse's (the
+    usage, 'PROG: error: MESSAGE', exit status 2)."""
     p = build_parser(prog)
     args = p.parse_args(argv)
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
     _check_lengths(p, args.seq, args.layout_heads)
+    for seq in args.seq:
+        try:
+            check_chunks(seq, args.cp)
+        except ValueError as e:
+            p.error(str(e))
     for cp in args.cp:  # (the mode's refusals, named before any simulation)
         try:
             cp_layout(args, cp)
@@ -188,7 +196,35 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
                 + ("--density gives the kept fraction at every length" if unread == "--density" else
                    f"--mix {args.mix} packs rows whose documents keep what their own patterns select")
                 + f"; drop {unread} to take the shares from the curve, or drop --kept-curve.")
+    if args.kept_curve:
+        try:
+            _read_curve(args.kept_curve).at(max(args.seq))
+        except ValueError as e:  # (KeptCurve.from_report names the file and the entry)
+            p.error(f"--kept-curve {args.kept_curve}: {e}")
+    try:
+        model = model_shape(args, MODELS)
+    except ValueError as e:  # (a --config it cannot read, naming the file and the field)
+        p.error(str(e))
+    for cp in args.cp:  # (the model's heads bound the head groups)
+        try:
+            HeadSplit(model.heads, model.kv_heads, cp_layout(args, cp)[1])
+        except ValueError as e:
+            p.error(f"--cp {cp} --cp_mode {args.cp_mode}: {e}")
+    try:
+        require_matplotlib()  # (the plot: before minutes of simulation, not after)
+    except ImportError as e:
+        p.error(str(e))
     return args
+
+
+def check_chunks(seq: int, cps: list[int]) -> None:
+    """ValueError naming the fix unless a sequence of `seq` tokens splits into whole zigzag chunks (2 per rank, of
+    whole blocks) at every CP size of `cps`."""
+    unit = 2 * BLOCK * max(cps)
+    if seq % unit:
+        near = " or ".join(f"--seq {n}" for n in (seq // unit * unit, -(-seq // unit) * unit) if n)
+        raise ValueError(f"--seq {seq} must be a multiple of {unit} (whole zigzag chunks of {BLOCK}-token blocks at "
+                         f"--cp {max(cps)}): e.g. {near}.")
 
 def peak_bytes(seq: int, layout_heads: int) -> float:
     """The memory the command needs to simulate one sequence of `seq` tokens (`PEAK_BYTES_PER_BLOCK_PAIR`)."""
@@ -285,8 +321,7 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
     hardware = {k: hardware_of(dense_kernel=dense_kernel, **KERNELS[k]) for k in kernels}
     rows = []
     for seq in seqs:
-        if seq % (2 * BLOCK * max(cps)):
-            raise SystemExit(f"--seq {seq} must be a multiple of {2 * BLOCK * max(cps)} (whole zigzag chunks).")
+        check_chunks(seq, cps)  # (the command's are checked as it parses them)
         workload = workload_for(args, seq)
         target = kept_target(args, seq) if args.mix is None else None
         for cp in cps:
@@ -417,16 +452,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None, results: Path | None = None, prog: str | None = None) -> dict:
     """Simulate, print the table, write the JSON and the plot (into `results`, default the current
     directory, unless --json names the file); returns the report. prog: the command's name in --help."""
-    args = parse_args(argv, prog)
-    require_matplotlib()  # before minutes of simulation, not after
-    try:
-        targets = [kept_target(args, seq) for seq in args.seq]
-    except ValueError as e:  # (KeptCurve.from_report names the file and the entry)
-        raise SystemExit(f"--kept-curve {args.kept_curve}: {e}") from None
-    try:
-        name, model = model_name(args), model_shape(args, MODELS)
-    except ValueError as e:
-        raise SystemExit(f"{prog or 'simulate'}: error: {e}") from None
+    args = parse_args(argv, prog)  # (every refusal, before anything prints)
+    targets = [kept_target(args, seq) for seq in args.seq]
+    name, model = model_name(args), model_shape(args, MODELS)
     cluster, hardware_of = cluster_of(args)
     if args.mix is None:
         print(f"{name} on {cluster.name}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
@@ -440,11 +468,6 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     if args.estimation_chunk:
         print(f"estimation: causal chunks of {args.estimation_chunk} tokens (estimation='causal_chunks')")
     layouts = {cp: cp_layout(args, cp) for cp in args.cp}
-    for cp, (_, head_size) in layouts.items():  # (the model's heads bound the head groups: named before simulating)
-        try:
-            HeadSplit(model.heads, model.kv_heads, head_size)
-        except ValueError as e:
-            raise SystemExit(f"{prog or 'simulate'}: error: --cp {cp} --cp_mode {args.cp_mode}: {e}") from None
     print(f"CP mode {args.cp_mode}: " + "; ".join(
         f"CP {cp} runs {mode.name}" + (f" (heads over {h} GPUs" + (f", a ring of {cp // h} across them)" if h < cp
                                                                   else ")") if h > 1 else "")

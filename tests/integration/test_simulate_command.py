@@ -40,7 +40,7 @@ def test_simulate_command(tmp_path, monkeypatch, capsys):
     assert printed.count("block-only (bound)") == len(bounds) and "an optimistic bound, not a prediction" in printed
 
 
-def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch):
+def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch, capsys):
     """`--config` reads any causal LM's config.json (here a Llama-3-8B-shaped one); the cluster flags replace the
     preset's GPU FLOP/s, GPUs per node and links, and the report says so (issue #52)."""
     import json
@@ -64,9 +64,12 @@ def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch):
     assert "A100 costs x 624/312 (--gpu-tflops" in custom["calibration"]["sources"]["scaling"]
     dense = [r["step_s"] for r in (preset["rows"][0], custom["rows"][0])]
     assert dense[0] != dense[1]
-    with pytest.raises(SystemExit, match="no intermediate_size"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # as argparse refuses a flag, before anything prints
         (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
         simulate_cli.main(base)
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and "no intermediate_size" in err
 
 
 @pytest.mark.parametrize("command", ["simulate", "memory"])
@@ -110,7 +113,7 @@ def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):
     assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows.values())
 
 
-def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path, monkeypatch):
+def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path, monkeypatch, capsys):
     """`hf-sparse-cp simulate` draws each length's sparse layout at the curve's kept fraction, and labels the
     rows with its basis; --density still sets one share; the first layer is dense by default."""
     import json
@@ -140,8 +143,11 @@ def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path,
     path.write_text(json.dumps(report_of_a_curve))
     own = simulate_cli.main([*base, "--kept-curve", str(path)])
     assert {r["kept_basis"] for r in own["rows"] if r["config"] == "striped sparse"} == {"measured"}
-    with pytest.raises(SystemExit, match="--kept-curve"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
         simulate_cli.main([*base, "--kept-curve", str(tmp_path / "missing.json")])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and f"error: --kept-curve {tmp_path / 'missing.json'}" in err
 
 
 def test_simulate_answers_for_the_cp_mode_asked(tmp_path, monkeypatch, capsys):

@@ -3,6 +3,7 @@ take from it: the density of a predicted step's sparse layers, the dense first l
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,7 @@ def _broken(report: dict, change) -> dict:
                                                                           "pattern: .*no_such_field"),
 ], ids=["no-lengths", "no-settings", "share-as-text", "length-key-abc", "beyond-as-text", "settings-a-list",
         "unknown-field"])
-def test_a_curve_shaped_otherwise_names_the_file_the_entry_and_what_it_must_hold(tmp_path, change, named):
+def test_a_curve_shaped_otherwise_names_the_file_the_entry_and_what_it_must_hold(tmp_path, capsys, change, named):
     """Every command that reads a curve (`from_report`, `hf-sparse-cp simulate` and `memory --kept-curve`) refuses
     a report shaped otherwise than pattern_quality.py --curve writes it, naming the file, the entry and what it must
     hold, instead of a bare key, a TypeError or int()'s message."""
@@ -222,8 +223,11 @@ def test_a_curve_shaped_otherwise_names_the_file_the_entry_and_what_it_must_hold
     path.write_text(json.dumps(_broken(good, change)))
     with pytest.raises(ValueError, match=f"kept-fraction curve {path}: {named}"):
         KeptCurve.from_report(path)
-    with pytest.raises(SystemExit, match=f"--kept-curve {path}: kept-fraction curve {path}: {named}"):
+    with pytest.raises(SystemExit) as refused:  # as argparse refuses a flag, before anything prints
         simulate_cli.main(["--kept-curve", str(path), "--seq", "131072", "--cp", "8", "--no-mtraining"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == ""
+    assert re.search(f"error: --kept-curve {path}: kept-fraction curve {path}: {named}", err)
     with pytest.raises(SystemExit):
         memory_cli.main(["--model", "qwen2.5-0.5b", "--kept-curve", str(path)])
 

@@ -277,6 +277,41 @@ def test_more_head_parallel_ranks_than_query_heads_are_refused_before_simulating
 
     with pytest.raises(SystemExit) as refused:
         simulate_cli.main(["--model", "qwen2.5-0.5b", "--seq", "65536", "--cp", "64", "--cp_mode", "ulysses"])
-    assert "--cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads" in str(refused.value)
-    assert "balanced: [1, 2, 7, 14]" in str(refused.value)
-    assert "configuration" not in capsys.readouterr().out  # (no row simulated)
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2  # as argparse refuses a flag
+    assert "error: --cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads" in err
+    assert "balanced: [1, 2, 7, 14]" in err
+    assert "configuration" not in out  # (no row simulated)
+
+
+def test_every_argument_is_checked_before_anything_prints_and_refused_as_argparse_refuses(capsys, tmp_path):
+    """`simulate --seq 1000 --cp 2` printed the header rows, then its refusal without `error:`, exit status 1: now
+    every argument the command can check is checked first, and refused as argparse refuses a flag (prog: error:
+    MESSAGE, exit status 2), nothing printed to stdout."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.simulator import simulate_cli
+
+    (tmp_path / "bad.json").write_text("{}")
+    for argv, message in [
+        (["--seq", "1000", "--cp", "2"], "--seq 1000 must be a multiple of 512 (whole zigzag chunks of 128-token "
+                                         "blocks at --cp 2): e.g. --seq 512 or --seq 1024."),
+        (["--seq", "8192", "65000", "--cp", "2", "32"],
+         "--seq 65000 must be a multiple of 8192 (whole zigzag chunks of 128-token blocks at --cp 32): e.g. "
+         "--seq 57344 or --seq 65536."),
+        (["--model", "qwen2.5-0.5b", "--seq", "65536", "--cp", "64", "--cp_mode", "ulysses"],
+         "--cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads"),
+        (["--seq", "8192", "--cp", "2", "--kept-curve", str(tmp_path / "missing.json")],
+         f"--kept-curve {tmp_path / 'missing.json'}: "),
+        (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bad.json")],
+         f"--config {tmp_path / 'bad.json'}: no model_type"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            simulate_cli.main([*argv, "--no-mtraining"], prog="hf-sparse-cp simulate")
+        out, err = capsys.readouterr()
+        assert refused.value.code == 2 and out == "", argv
+        assert f"hf-sparse-cp simulate: error: {message}" in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as refused:  # the command line's path
+        cli.main(["simulate", "--seq", "1000", "--cp", "2"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == ""
+    assert "usage: hf-sparse-cp simulate" in err and "hf-sparse-cp simulate: error: --seq 1000 must be" in err
