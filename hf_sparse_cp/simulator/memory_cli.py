@@ -103,10 +103,15 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     return p
 
 
+def _pattern(args) -> SparseAttentionConfig:
+    """The pattern --sparse-config names (the plugin's default pattern without it)."""
+    return SparseAttentionConfig.from_file(pattern_path(args.sparse_config)) if args.sparse_config else \
+        SparseAttentionConfig()
+
+
 def settings_for_length(args) -> callable:
     """The step settings for each sequence length, as the plugin picks them (token tiles from a length on)."""
-    pattern = SparseAttentionConfig.from_file(pattern_path(args.sparse_config)) if args.sparse_config else \
-        SparseAttentionConfig()
+    pattern = _pattern(args)
     curve = None if args.layout_width == "bound" else \
         KeptCurve.from_report(args.kept_curve) if args.kept_curve else DEFAULT_CURVE
     _, head_size = cp_layout(args, args.cp)
@@ -121,6 +126,32 @@ def settings_for_length(args) -> callable:
         return dataclasses.replace(base, savers=savers)
 
     return settings
+
+
+def given_flags(argv: list[str] | None, prog: str) -> set[str]:
+    """The destinations of the flags the command line gave, whatever their value (a default's too)."""
+    parser = build_parser(prog)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern: SparseAttentionConfig) -> None:
+    """Refuse a flag that the other settings given would not read (silently ignored otherwise), naming both and the
+    fix."""
+    if "smet_density" in given and args.optimizer != "smet":
+        parser.error(f"--smet-density {args.smet_density} is SMET's active fraction (--optimizer smet); with "
+                     f"--optimizer {args.optimizer} it would be ignored: drop it, or use --optimizer smet.")
+    if "token_tile_size" in given and not args.token_tiling_min_length:
+        parser.error(f"--token-tile-size {args.token_tile_size} sizes the tiles of --token-tiling-min-length; with "
+                     "--token-tiling-min-length 0 (never tiled) it would be ignored: drop it, or give the length to "
+                     "tile from.")
+    unread = [f"--kept-curve {args.kept_curve}"] if args.kept_curve else []
+    unread += [f"--layout-width {args.layout_width}"] if "layout_width" in given else []
+    if unread and pattern.pattern != "dense" and pattern.budget.most_diagonal_blocks(pattern.block_size) is not None:
+        parser.error(f"{unread[0]} would not be read: the budget of --sparse-config {args.sparse_config} "
+                     f"({pattern.budget.mode}) bounds the layouts' width; drop {unread[0].split()[0]}, or give a "
+                     "pattern whose budget bounds no diagonals (budget mode mass).")
 
 
 def _check(args, parser: argparse.ArgumentParser) -> None:
@@ -179,6 +210,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     args = parser.parse_args(argv)
     _check(args, parser)
     try:
+        _check_read(args, parser, given_flags(argv, prog), _pattern(args))
         capacity = parse_memory(args.gpu_memory)
         capacity = device_memory() if capacity is None else capacity
         settings = settings_for_length(args)

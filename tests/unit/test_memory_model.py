@@ -220,3 +220,30 @@ def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
     with pytest.raises(SystemExit):
         cli_main([*argv, "--cp_mode", "hybrid", "--cp_ulysses_size", "3"])
     assert "cp_ulysses_size=3 does not divide cp_size=4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--smet-density", "0.5"], "--smet-density 0.5 is SMET's active fraction (--optimizer smet); with --optimizer "
+                                "adamw it would be ignored: drop it, or use --optimizer smet."),
+    (["--optimizer", "none", "--smet-density=0.25"], "with --optimizer none it would be ignored"),  # the default value
+    (["--token-tiling-min-length", "0", "--token-tile-size", "999"],
+     "--token-tile-size 999 sizes the tiles of --token-tiling-min-length; with --token-tiling-min-length 0 (never "
+     "tiled) it would be ignored: drop it, or give the length to tile from."),
+    (["--sparse-config", "trial", "--kept-curve", "missing.json"],
+     "--kept-curve missing.json would not be read: the budget of --sparse-config trial (topk) bounds the layouts' "
+     "width; drop --kept-curve, or give a pattern whose budget bounds no diagonals (budget mode mass)."),
+    (["--sparse-config", "trial", "--layout-width", "bound"], "--layout-width bound would not be read: the budget of "
+                                                              "--sparse-config trial (topk) bounds the layouts' width"),
+])
+def test_a_flag_that_applies_only_with_another_one_is_refused_without_it(capsys, argv, message):
+    """`memory --smet-density 0.5` without `--optimizer smet` answered for AdamW as if the flag were not there: a flag
+    the settings given would not read is refused naming both and the fix, as --kept-curve beside --layout-width bound
+    and --cp_ulysses_size without --cp_mode hybrid are."""
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--model", "qwen2.5-0.5b", *argv])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == ""
+    assert "hf-sparse-cp memory: error: --" in err and message in err, err
+    # with the flag it applies with, each is read
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--optimizer", "smet", "--smet-density", "0.5",
+                     "--token-tile-size", "999", "--quiet"]) == 0
