@@ -196,7 +196,13 @@ class FileConfig:
         config = cls.from_file(path)
         if typed:
             logger.info("Command-line %s flags override %s: %s", cls.KIND, path, typed)
+            cls._note_unread(path, config, typed)
         return config.replace(**typed)
+
+    @classmethod
+    def _note_unread(cls, path: str | Path, config, typed: Mapping[str, Any]) -> None:
+        """Say which of the file's values the `typed` flags leave unread beyond those they replace one by one
+        (`from_file_and_flags`; none by default)."""
 
     @classmethod
     def flag_defaults(cls) -> dict[str, Any]:

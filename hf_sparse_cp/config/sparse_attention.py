@@ -10,11 +10,12 @@ version. Invalid values raise a `ValueError` that says how to fix them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .files import FileConfig, check_field_types
+from .files import FileConfig, check_field_types, read_mapping
 from .flat_keys import nested
 from .sections import (
     BudgetSection,
@@ -27,6 +28,9 @@ from .sections import (
     parsed_overrides,
     scoring_from,
 )
+
+logger = logging.getLogger(__name__)
+_WARNED_UNREAD: set[tuple[str, str]] = set()
 
 # `attn_implementation` name of the backend, and the model-config attribute that stores its settings.
 BACKEND_NAME = "sparse_cp"
@@ -238,6 +242,23 @@ class SparseAttentionConfig(FileConfig):
         """Build from a stored mapping (a saved model's config, a file): nested sections or the flat keys of
         any earlier version, which load as they ran (`sections.nested` with `stored`)."""
         return cls(**nested(data, stored=True))
+
+    @classmethod
+    def _note_unread(cls, path, config: SparseAttentionConfig, typed: Mapping[str, Any]) -> None:
+        """A budget mode typed over a file's budget of another mode replaces that budget whole (`layered`): warn,
+        naming the file's fields of the mode replaced, which the run does not read."""
+        mode = typed.get("budget_mode")
+        if mode is None or mode == config.budget.mode:
+            return
+        data = read_mapping(path)
+        budget = nested(data.get(cls.FILE_SECTION, data), stored=True).get("budget", {})
+        fields = [f"{name}={value!r}" for name, value in budget.items() if name != "mode"]
+        if fields and (str(path), mode) not in _WARNED_UNREAD:  # (once: the arguments build their config often)
+            _WARNED_UNREAD.add((str(path), mode))
+            logger.warning("--sparse_budget_mode: budget_mode=%r replaces the %r budget of %s whole: its %s are not "
+                           "read (a budget holds one mode's fields); give the %s budget's fields as flags, or drop "
+                           "--sparse_budget_mode to run the file's.", mode, config.budget.mode, path,
+                           ", ".join(fields), mode)
 
     @classmethod
     def layered(cls, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> SparseAttentionConfig:

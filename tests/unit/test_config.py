@@ -321,3 +321,30 @@ def test_explicit_fields_finds_every_spelling_and_default_values():
     assert given == {"sparse_vertical_topk", "sparse_fused_loss", "sparse_slash_topk", "report_to",
                      "sparse_sink_tokens"}
     assert explicit_fields(parser, []) == set()
+
+
+def test_a_budget_mode_given_over_a_file_of_another_mode_replaces_its_budget_whole_and_says_so(tmp_path, caplog):
+    """The precedence rule (docs/usage.md): a flag the user typed beats the file, and a budget mode named on top of
+    a budget of another mode replaces that budget whole (a budget holds one mode's fields): the file's fields of
+    the mode replaced are not read, and a warning names them, the file and the flag, in both directions; a field of
+    a mode not in effect stays refused."""
+    topk, mass = tmp_path / "topk.yaml", tmp_path / "mass.yaml"
+    topk.write_text("budget:\n  mode: topk\n  vertical_topk: 512\n  slash_topk: 256\nblock_size: 64\n")
+    mass.write_text("budget:\n  mode: mass\n  mass_target: 0.8\n")
+    with caplog.at_level("WARNING"):
+        config = SparseAttentionConfig.from_file_and_flags(topk, {"budget_mode": "mass"}, explicit={"budget_mode"})
+    assert config.budget == Mass() and config.block_size == 64  # the rest of the file stands
+    assert f"budget_mode='mass' replaces the 'topk' budget of {topk} whole: its vertical_topk=512, slash_topk=256 " \
+           "are not read" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        config = SparseAttentionConfig.from_file_and_flags(mass, {"budget_mode": "topk", "vertical_topk": 8},
+                                                           explicit={"budget_mode", "vertical_topk"})
+    assert config.budget == TopK(vertical_topk=8) and "its mass_target=0.8 are not read" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # the same mode: the fields merge, nothing is dropped
+        config = SparseAttentionConfig.from_file_and_flags(topk, {"budget_mode": "topk", "slash_topk": 8},
+                                                           explicit={"budget_mode", "slash_topk"})
+    assert config.budget == TopK(512, 8) and not caplog.records
+    with pytest.raises(ValueError, match="pass --sparse_budget_mode mass"):  # a field of another mode, no mode
+        SparseAttentionConfig.from_file_and_flags(topk, {"mass_target": 0.5}, explicit={"mass_target"})
