@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -37,13 +38,12 @@ from transformers import Trainer, TrainingArguments
 from ..distributed import check_launched
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
-from ..trainer.arguments import did_you_mean, explicit_fields
+from ..trainer.arguments import did_you_mean, explicit_fields, is_flag_error
 from ..trainer.attach import LAUNCHED
 from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
     SparseTrainerMixin,
-    is_flag_error,
     sparse_arguments_class,
     sparse_trainer_class,
     with_plugin_arguments,
@@ -141,6 +141,15 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
         patches.set_attr(parser_class, "parse_args_into_dataclasses", parse_into_dataclasses)
 
     def init_trainer(self, model=None, args=None, *rest, **kwargs):
+        try:
+            set_up_trainer(self, model, args, *rest, **kwargs)
+        except (ValueError, TypeError, OSError) as e:
+            if is_flag_error(e):  # a setting refused against the script's model or data, naming the fix: as a bad flag
+                sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {e}\n")
+                sys.exit(2)
+            raise
+
+    def set_up_trainer(self, model=None, args=None, *rest, **kwargs):
         if isinstance(self, SparseTrainerMixin):  # the plugin's class: named by the script, or given below
             return trainer_init(self, model, args, *rest, **kwargs)
         if not isinstance(args, TrainingArguments):

@@ -16,6 +16,7 @@ flag by decision. Each flag is common (named in its class's `COMMON_FLAGS`: the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import typing
@@ -38,6 +39,23 @@ from ..memory import MemorySavers
 from ..recipes import pattern_path
 from ..smet import SMETConfig
 from ..smet.config import module_names
+
+
+@contextlib.contextmanager
+def flag_errors():
+    """Mark an error raised inside the block (a plugin flag's value, or the config file it names, refused with the
+    field and the fix) as the user's: `hf_sparse_cp.run` prints its message alone, as argparse prints a bad
+    flag's, instead of a traceback through the script. The exception itself is unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        e.hf_sparse_cp_flag_error = True  # (an exception of this call: nothing of anyone else's changes)
+        raise
+
+
+def is_flag_error(error: BaseException) -> bool:
+    """Whether `error` was raised refusing a plugin flag (`flag_errors`)."""
+    return getattr(error, "hf_sparse_cp_flag_error", False)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from ..integration.models import (
 )
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, is_patched, patch, select_backend, unpatch
-from .arguments import SparseAttentionFlags, SparseCPArguments
+from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
@@ -104,7 +104,8 @@ def enable_sparse_attention(
     """
     config = sparse_args.attention_config(attention_config, explicit)
     check_model_supports_sparse_attention(model)
-    config.check_layers(model.config.num_hidden_layers)
+    with flag_errors():  # (the user's settings against this model: a launched script ends with the message alone)
+        config.check_layers(model.config.num_hidden_layers)
     if max_length is not None:
         config.check_sparse_at(max_length, attention_layers(model.config))
     undo_recorded(model, _SPARSE_ATTENTION)

@@ -26,7 +26,6 @@ them as `SparseSFTConfig` and `SparseSFTTrainer`).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,7 +44,14 @@ from ..integration.architectures import uses_every_parameter
 from ..reporting.model_card import write_sparse_model_card
 from ..smet import SMETConfig
 from ..smet.config import module_names
-from .arguments import SMETArguments, SparseAttentionFlags, SparseCPArguments, copied_fields, from_prefixed
+from .arguments import (
+    SMETArguments,
+    SparseAttentionFlags,
+    SparseCPArguments,
+    copied_fields,
+    flag_errors,
+    from_prefixed,
+)
 from .attach import attach_to_trainer, enable_sparse_attention
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, parse_schedule
@@ -159,23 +165,6 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
         return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
-
-
-@contextlib.contextmanager
-def flag_errors():
-    """Mark an error raised inside the block (a plugin flag's value, or the config file it names, refused with the
-    field and the fix) as the user's: `hf_sparse_cp.run` prints its message alone, as argparse prints a bad
-    flag's, instead of a traceback through the script. The exception itself is unchanged."""
-    try:
-        yield
-    except (ValueError, TypeError, OSError) as e:
-        e.hf_sparse_cp_flag_error = True  # (an exception of this call: nothing of anyone else's changes)
-        raise
-
-
-def is_flag_error(error: BaseException) -> bool:
-    """Whether `error` was raised refusing a plugin flag (`flag_errors`)."""
-    return getattr(error, "hf_sparse_cp_flag_error", False)
 
 
 def check_sequence_length(name: str, value: Any) -> None:
@@ -329,7 +318,8 @@ class SparseTrainerMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs the model itself (model_init is not supported): the "
                              "sparse backend is configured on it before training.")
-        _refuse_empty_datasets(type(self).__name__, kwargs)
+        with flag_errors():  # (the user's: a launched script ends with the message alone)
+            _refuse_empty_datasets(type(self).__name__, kwargs)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self.max_length = args.sequence_length or longest_stage or _first_length(kwargs.get("train_dataset"))

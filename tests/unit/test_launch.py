@@ -360,3 +360,38 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "abc"]) == 0
     assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "--max_steps", "1"]) == 0
     assert len(started) == 3
+
+
+SETUP_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+    rows = [] if "{empty}" == "yes" else [{{"input_ids": torch.arange(3, 40), "labels": torch.arange(3, 40)}}]
+    Trainer(model=model, args=args, train_dataset=rows)
+    raise AssertionError("built")
+""")
+
+
+@pytest.mark.parametrize("flags, empty, message", [
+    (["--sparse_layer_overrides", '{"5": {"pattern": "dense"}}'], "no",
+     "layer_overrides key '5' reaches past the model's 2 layers: use keys within 0-1."),
+    (["--sparse_layer_overrides", '{"1-3": {"pattern": "dense"}}'], "no",
+     "layer_overrides key '1-3' reaches past the model's 2 layers: use '1-1'."),
+    ([], "yes", "train_dataset is empty (0 samples): there is nothing to train on"),
+])
+def test_a_setting_the_trainer_refuses_at_set_up_ends_a_launched_script_as_a_bad_flag(tmp_path, capsys, flags, empty,
+                                                                                        message):
+    """Refusals the plugin can only make once the script's Trainer has its model and data (layer_overrides past the
+    model's layers, an empty train_dataset) end a launched script with the message alone, exit status 2, as a bad
+    flag does, not in a traceback through the script and the Trainer."""
+    script = tmp_path / "train.py"
+    script.write_text(SETUP_SCRIPT.format(empty=empty))
+    with pytest.raises(SystemExit) as refused:
+        run([str(script), "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--use_cpu", *flags])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "train.py: error: " in err and message in err and "Traceback" not in err, err
