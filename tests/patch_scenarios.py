@@ -176,7 +176,7 @@ def launch() -> Iterator:
     from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
 
     parsers = argument_parser_classes()
-    yield [*((parser, name) for parser in parsers for name in ("__init__", "parse_args_into_dataclasses")),
+    yield [*((parser, name) for parser in parsers for name in ("__init__", "parse_args_into_dataclasses", "error")),
            (Trainer, "__init__")]
     with launched(PluginArguments()):
         yield
@@ -212,7 +212,7 @@ ONE_PROCESS = {
     ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
-       for name in ("__init__", "parse_args_into_dataclasses")), "transformers.Trainer.__init__"): launch,
+       for name in ("__init__", "parse_args_into_dataclasses", "error")), "transformers.Trainer.__init__"): launch,
     ("transformers.Trainer.__class__",): launched_trainer,
 }
 

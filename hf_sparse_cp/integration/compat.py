@@ -153,7 +153,10 @@ PATCHES = (
         Patch(parser, "parse_args_into_dataclasses", "replaces", "which plugin flags a launched script's command "
               "line gave (they beat --sparse_config whatever their value)", _LAUNCH_UNDO,
               ("self", "args", "return_remaining_strings", "look_for_args_file", "args_filename",
-               "args_file_flag")))),
+               "args_file_flag")),
+        Patch(parser, "error", "replaces", "argparse's error for a launched script's parser prints a short usage (its "
+              "prog and --help), not every flag, the plugin's ~60 among them, unless the script wrote its own usage",
+              _LAUNCH_UNDO, ("self", "message")))),
     Patch("trl", "SFTTrainer", "reads", "TRL's SFTTrainer logs num_tokens, counted on the inputs it trains on (under "
           "CP, each rank's padded shard): the plugin logs what one process counts instead"),
     # -- the Accelerator and accelerate's process-wide state --

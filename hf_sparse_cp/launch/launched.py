@@ -93,6 +93,7 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
     def extend(parser_class: type) -> None:
         """Make `parser_class` (an HfArgumentParser) take the plugin's flags (see the module's doc)."""
         parser_init, parse = parser_class.__init__, parser_class.parse_args_into_dataclasses
+        parser_error = parser_class.error
 
         def init_parser(self, dataclass_types=None, **kwargs):
             types = _with_plugin_classes(dataclass_types)
@@ -103,6 +104,9 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
                                  "have it; rename the script's field, or run the script without "
                                  "hf_sparse_cp.run.") from None
             plugin_types = [t for t in types if isinstance(t, type) and issubclass(t, SparseArgumentsMixin)]
+            if plugin_types and kwargs.get("usage") is None:
+                # argparse's errors print the usage of every flag, the plugin's ~60 among them: its prog and --help
+                self.usage_on_error = f"{self.prog} [FLAGS] ({self.prog} --help lists them)"
             if plugin_types:
                 names = set().union(*(t._sparse_fields for t in plugin_types))
                 self.set_defaults(**{name: value for name, value in defaults.items() if name in names})
@@ -137,7 +141,14 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
                         self.exit(2, f"{self.prog}: error: {e}\n")
             return outputs
 
+        def error(self, message: str):
+            short = getattr(self, "usage_on_error", None)
+            if short is None:
+                return parser_error(self, message)
+            self.exit(2, f"usage: {short}\n{self.prog}: error: {message}\n")
+
         patches.set_attr(parser_class, "__init__", init_parser)
+        patches.set_attr(parser_class, "error", error)
         patches.set_attr(parser_class, "parse_args_into_dataclasses", parse_into_dataclasses)
 
     def init_trainer(self, model=None, args=None, *rest, **kwargs):

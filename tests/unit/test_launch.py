@@ -395,3 +395,21 @@ def test_a_setting_the_trainer_refuses_at_set_up_ends_a_launched_script_as_a_bad
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert "train.py: error: " in err and message in err and "Traceback" not in err, err
+
+
+def test_a_bad_value_for_the_scripts_parser_prints_a_short_usage_not_every_flag(tmp_path, capsys):
+    """argparse's own error (`--sparse_vertical_topk abc`) printed the usage of every flag the parser has, the
+    plugin's ~60 beside TrainingArguments' (178 lines): the script's parser, extended, prints its prog and a
+    pointer to --help instead, then the error, exit status 2; a usage the script wrote is kept."""
+    with launched(PluginArguments()), pytest.raises(SystemExit) as refused:
+        HfArgumentParser(TrainingArguments, prog="train.py").parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--sparse_vertical_topk", "abc"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2
+    assert err.splitlines() == ["usage: train.py [FLAGS] (train.py --help lists them)",
+                                "train.py: error: argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int "
+                                "value: 'abc'"]
+    with launched(PluginArguments()), pytest.raises(SystemExit):
+        own = HfArgumentParser(TrainingArguments, prog="train.py", usage="train.py --output_dir DIR")
+        own.parse_args_into_dataclasses(["--learning_rate", "abc"])
+    assert capsys.readouterr().err.splitlines()[0] == "usage: train.py --output_dir DIR"
