@@ -39,6 +39,15 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @triton.jit
+def _softmax_step(s, v, m_i, l_i, acc):
+    """One online-softmax step of scores `s` with values `v` (base 2)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _probe_kernel(q_src, k_desc, v_desc, out_ptr, block_ptr, meta_ptr, col_ptr, k_ptr, v_ptr, n_steps, n_full, n_cols,
                   Q_DESCRIPTOR: tl.constexpr, MASKED_STEPS: tl.constexpr, COLUMN_LOOP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
@@ -61,24 +70,14 @@ def _probe_kernel(q_src, k_desc, v_desc, out_ptr, block_ptr, meta_ptr, col_ptr, 
             if i >= n_full:
                 k_meta = tl.load(meta_ptr + n0 + tl.arange(0, BLOCK_N))
                 s = tl.where(k_meta[None, :] <= q_meta[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
     if COLUMN_LOOP:
         for c0 in range(0, n_cols, BLOCK_N):
             col = tl.load(col_ptr + c0 + tl.arange(0, BLOCK_N))
             k = tl.load(k_ptr + col[:, None] * D + offs_d[None, :])
             v = tl.load(v_ptr + col[:, None] * D + offs_d[None, :])
             s = tl.dot(q, tl.trans(k))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
     tl.store(out_ptr + offs_m[:, None] * D + offs_d[None, :], acc / l_i[:, None])
 
 

@@ -24,19 +24,28 @@ from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.tokens import TokenMeta, document_extents, mask_positions, token_meta_from_kwargs
-from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
 from .architectures import CONFIG_DROPOUTS
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
+
+
+def is_registered() -> bool:
+    """Whether transformers knows `attn_implementation="sparse_cp"` (by `patch()`, or anyone's registration)."""
+    return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
+
+
 _GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
 
 # True while a model forward under context parallelism runs (see `guard_context_parallel`).

@@ -46,6 +46,7 @@ from .backend import (
     config_dropout,
     dropout_fix,
     dropout_probability,
+    is_registered,
     locality_refusal,
     mask_only_window,
     masked_locality,
@@ -204,8 +205,6 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     forward of `model`'s architecture on the meta device, or of the model itself where that does not run and the
     model uses the backend (the layers whose attributes are what they pass as `dropout`, `sliding_window`); [] where
     neither runs or the backend is not registered (the backend checks every call then)."""
-    from .registration import is_registered
-
     if not is_registered():
         return []
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from . import compat
-from .backend import sparse_cp_attention_forward
+from .backend import is_registered, sparse_cp_attention_forward
 from .models import check_attention_routed
 from .patching import PatchSet
 
@@ -113,11 +113,6 @@ def select_backend(model: torch.nn.Module) -> str | None:
             model.set_attn_implementation(previous)
         raise
     return previous
-
-
-def is_registered() -> bool:
-    """Whether transformers knows `attn_implementation="sparse_cp"` (by `patch()`, or anyone's registration)."""
-    return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
 
 
 def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
