@@ -230,8 +230,9 @@ def context_parallel() -> Iterator:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp)
         names = ("_prepare_context_parallel_inputs", "_track_num_input_tokens", "_get_num_items_in_batch",
-                 "get_cp_size", "floating_point_ops", "training_step", "prediction_step")
-        yield [*((trainer, n) for n in names), (trainer.accelerator, "prepare_data_loader")]
+                 "get_cp_size", "floating_point_ops", "training_step", "prediction_step", "gather_function")
+        yield [*((trainer, n) for n in names), (trainer.accelerator, "prepare_data_loader"),
+               (trainer.accelerator, "gather_for_metrics")]
         divides = compat.token_count_divides_by_get_cp_size
         compat.token_count_divides_by_get_cp_size = lambda: False  # the wrapper of releases before 5.19
         try:
@@ -297,7 +298,8 @@ TWO_PROCESSES = {
     ("transformers.Trainer._prepare_context_parallel_inputs", "transformers.Trainer._track_num_input_tokens",
      "transformers.Trainer._get_num_items_in_batch", "transformers.Trainer.get_cp_size",
      "transformers.Trainer.floating_point_ops", "transformers.Trainer.training_step",
-     "transformers.Trainer.prediction_step", "accelerate.Accelerator.prepare_data_loader"): context_parallel,
+     "transformers.Trainer.prediction_step", "transformers.Trainer.gather_function",
+     "accelerate.Accelerator.prepare_data_loader", "accelerate.Accelerator.gather_for_metrics"): context_parallel,
     ("accelerate.Accelerator._prepare_cp",): accelerate_owns_cp,
     ("transformers.Trainer.get_train_dataloader",): curriculum,
     ("transformers.Trainer.is_fsdp_enabled", "accelerate.PartialState.distributed_type",

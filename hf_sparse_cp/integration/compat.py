@@ -108,8 +108,11 @@ PATCHES = (
           "group's mean, which the Trainer keeps for train_loss after the last log", _CP_UNDO,
           ("self", "model", "inputs", "num_items_in_batch")),
     Patch(_TRAINER, "prediction_step", "replaces", "a CP rank's loss is its shard's share: the wrapper returns the "
-          "CP group's mean, of which gather_for_metrics may keep rank 0's alone for eval_loss", _CP_UNDO,
+          "CP group's mean, of which gather_for_metrics may keep rank 0's alone for eval_loss; logits (a rank's cover "
+          "its shard only) are refused, naming the fix", _CP_UNDO,
           ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Patch(_TRAINER, "gather_function", "sets", "the evaluation loop gathers with the gather_for_metrics it bound at "
+          "set-up: the CP wrapper's, which keeps each CP group's values once", _CP_UNDO, on_instances=True),
     Patch(_TRAINER, "get_train_dataloader", "replaces", "a cp_schedule's batches follow the stage of each step "
           "(one sampler over the whole run)", "disable_curriculum(trainer)", ("self",)),
     Patch(_TRAINER, TRAINER_COLLATOR_WITHOUT_UNUSED, "calls", "a cp_schedule's data loader drops the columns the "
@@ -166,6 +169,9 @@ PATCHES = (
           "loader shards over the data-parallel ranks only (accelerate's settings are read from the "
           "accelerator, see `dp_data_loader_options`)", _CP_UNDO,
           ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
+    Patch(_ACCELERATOR, "gather_for_metrics", "replaces", "every rank of a CP group evaluates the same batch: the "
+          "gather keeps each CP group's values once, before truncating a short last batch", _CP_UNDO,
+          ("self", "input_data", "use_gather_object")),
     Patch(_ACCELERATOR, "_dataloaders", "reads", "a data loader prepared over the DP ranks only is registered "
           "for checkpointing", on_instances=True),
     Patch("accelerate.PartialState", "distributed_type", "sets", "--fsdp on CPU processes: accelerate's FSDP "

@@ -148,10 +148,63 @@ def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], Par
 
     def predict(model, inputs, *rest, **kwargs):
         loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
+        if parallel().cp_size > 1 and outputs and outputs[0] is not None:
+            raise ValueError(
+                "Trainer.predict (or evaluate with compute_metrics / prediction_loss_only=False) under context "
+                f"parallelism (CP {parallel().cp_size}): each CP rank's logits cover only its shard of the sequence, "
+                "so they are not the batch's predictions. Evaluate the loss only (prediction_loss_only=True and no "
+                "compute_metrics: eval_loss is exact under CP), or predict in a run without --cp_size.")
         return (_cp_group_mean(loss, parallel()), *outputs)
 
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
+    _gather_metrics_once_per_cp_group(trainer, patches, parallel)
+
+
+def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+    """Make `gather_for_metrics` (the evaluation loop's gather of losses) keep each CP group's values once.
+
+    Every rank of a CP group evaluates the same batch, so accelerate's gather over all processes holds each value
+    cp_size times, interleaved by rank, and its truncation of the last batch (`remainder`, counted over the
+    data-parallel ranks that `dp_data_loader` shards over) keeps the wrong ones: a short last batch skews
+    `eval_loss`. The wrapper keeps the values of each CP group's first rank, in data-parallel order, then truncates
+    as accelerate does."""
+    from accelerate.utils import gather_object, recursively_apply
+
+    acc = trainer.accelerator
+    gather_for_metrics = acc.gather_for_metrics
+
+    def gather(input_data, use_gather_object=False):
+        par = parallel()
+        if par.cp_size == 1 or par.world_size == 1:
+            return gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        cp_ranks = torch.zeros(par.world_size, dtype=torch.long)
+        cp_ranks[par.rank] = par.cp_rank
+        all_reduce(cp_ranks, None, "the all-reduce of the CP ranks for gather_for_metrics")
+        keep = (cp_ranks == 0).nonzero().flatten()
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        if use_gather_object or not all_tensors:
+            data = gather_object(input_data)
+            n = len(data) // par.world_size
+            data = [x for r in keep.tolist() for x in data[r * n:(r + 1) * n]]
+        else:
+            def once(t):
+                return t.reshape(par.world_size, -1, *t.shape[1:])[keep.to(t.device)].flatten(0, 1)
+
+            data = recursively_apply(once, acc.gather(input_data))
+        state = acc.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if use_gather_object or not all_tensors:
+                return data[: state.remainder]
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    patches.set_attr(acc, "gather_for_metrics", gather)
+    patches.set_attr(trainer, "gather_function", gather)
 
 
 def enable_trainer_context_parallel(
