@@ -178,10 +178,10 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
         par = parallel()
         if par.cp_size == 1 or par.world_size == 1:
             return gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        cp_ranks = torch.zeros(par.world_size, dtype=torch.long)
+        cp_ranks = torch.zeros(par.world_size, dtype=torch.long, device=acc.device)  # (NCCL reduces device tensors)
         cp_ranks[par.rank] = par.cp_rank
         all_reduce(cp_ranks, None, "the all-reduce of the CP ranks for gather_for_metrics")
-        keep = (cp_ranks == 0).nonzero().flatten()
+        keep = (cp_ranks == 0).nonzero().flatten().cpu()
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             all_tensors = True
