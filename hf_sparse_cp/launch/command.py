@@ -84,8 +84,9 @@ def launched_cp_sizes(plugin: PluginArguments, args: Sequence[str]) -> list[int]
 
 def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (), *,
                   usage: str, prog: str) -> None:
-    """Exit naming what the launcher expected when `split_command` found no script, or the script's path is not a
-    file (nothing to check with `--help`, which lists the flags)."""
+    """Exit as argparse ends a bad flag (`usage`, `prog: error: ...`, status 2) naming what the launcher expected
+    when `split_command` found no script, or the script's path is not a file (nothing to check with `--help`, which
+    lists the flags)."""
     if {"-h", "--help"} & set(flags):
         return
     if target is None and is_module:
@@ -101,7 +102,9 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
         except _Refused as e:
             why = f"{e}"
     elif not is_module and not os.path.isfile(target):
-        sys.exit(f"{prog}: can't open file {os.path.abspath(target)!r}: no such file.")
+        why = f"can't open file {os.path.abspath(target)!r}: no such file"
     else:
         return
-    sys.exit(f"usage: {usage}\n{prog}: error: {why}{'' if why.endswith('?') else '.'}")
+    # as argparse ends a bad flag: the usage, then `prog: error: ...` on stderr, exit status 2
+    sys.stderr.write(f"usage: {usage}\n{prog}: error: {why}{'' if why.endswith('?') else '.'}\n")
+    sys.exit(2)

@@ -4,6 +4,7 @@ the run transformers is stock (issue #42)."""
 
 import dataclasses
 import json
+import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -120,21 +121,34 @@ def test_the_command_splits_at_the_script_path():
         "--cp-size", "--no_sparse_fused_loss"]
 
 
+def _refused(capsys, argv, main=run) -> str:
+    """What `main(argv)` prints on stderr when it refuses `argv` as argparse refuses a flag: exit status 2."""
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2, refused.value.code
+    return capsys.readouterr().err
+
+
 def test_only_plugin_flags_go_before_the_script_path(capsys):
-    with pytest.raises(SystemExit, match="'--learning_rate' is not a plugin flag .*, and no script comes before it: "
-                                         "give the script's path or -m module after the plugin flags"):
-        run(["--learning_rate", "1e-3", "train.py"])
-    with pytest.raises(SystemExit, match="-m needs the module to run after it"):
-        run(["--cp_size", "1", "-m"])
-    with pytest.raises(SystemExit, match="can't open file .*missing_script'"):  # a path without .py is a path
-        run(["missing_script", "--output_dir", "out"])
+    """The launcher's grammar refuses as argparse refuses a flag: its usage, `prog: error: message`, exit status 2."""
+    usage = "usage: python -m hf_sparse_cp.run [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]\n"
+    error = usage + "python -m hf_sparse_cp.run: error: "
+    err = _refused(capsys, ["--learning_rate", "1e-3", "train.py"])
+    assert err.startswith(error + "'--learning_rate' is not a plugin flag (--sparse_*, --cp_*, --smet*), and no "
+                          "script comes before it: give the script's path or -m module after the plugin flags"), err
+    assert _refused(capsys, ["--cp_size", "1", "-m"]) == error + ("-m needs the module to run after it (e.g. -m "
+                                                                  "trl.scripts.sft).\n")
+    err = _refused(capsys, ["missing_script", "--output_dir", "out"])  # a path without .py is a path
+    assert re.fullmatch(re.escape(error) + "can't open file '.*missing_script': no such file.\n", err), err
     with pytest.raises(SystemExit):  # the flag's value, not the script: the file it names is read (and not there)
         run(["--sparse_config", "pattern.py", __file__])
     assert "error: Config file 'pattern.py' does not exist" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="name the script to run"):
-        run(["--cp_size", "1"])
-    with pytest.raises(SystemExit, match="can't open file"):
-        run(["missing_script.py"])
+    assert _refused(capsys, ["--cp_size", "1"]) == error + "name the script to run (a .py file, or -m module).\n"
+    err = _refused(capsys, ["missing_script.py"])
+    assert re.fullmatch(re.escape(error) + "can't open file '.*missing_script.py': no such file.\n", err), err
+    # a bad value of a plugin flag before the script path: argparse's message, as the script's parser gives it after
+    err = _refused(capsys, ["--sparse_vertical_topk", "abc", __file__])
+    assert err == error + "argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int value: 'abc'.\n"
 
 
 def test_the_launchers_help_lists_the_common_flags_first(capsys, monkeypatch):
@@ -245,10 +259,12 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
     from hf_sparse_cp.recipes import recipe_path
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="hf-sparse-cp launch: can't open file .*train.py'"):  # before N processes
-        cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py"])
-    with pytest.raises(SystemExit, match="hf-sparse-cp launch: error: -m needs the module to run after it"):
-        cli.main(["launch", "--nproc", "2", "-m"])
+    usage = f"usage: {cli.LAUNCH_USAGE}\n"
+    err = _refused(capsys, ["launch", "--nproc", "2", "--cp_size", "2", "train.py"], cli.main)  # before N processes
+    assert re.fullmatch(re.escape(usage) + "hf-sparse-cp launch: error: can't open file '.*train.py': no such "
+                        "file.\n", err), err
+    assert _refused(capsys, ["launch", "--nproc", "2", "-m"], cli.main) == usage + (
+        "hf-sparse-cp launch: error: -m needs the module to run after it (e.g. -m trl.scripts.sft).\n")
     (tmp_path / "train.py").write_text("")
     started = []
     monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
@@ -273,8 +289,9 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
 
 
 def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="did you mean --sparse_vertical_topk for --sparse_vertical_top_k"):
-        run(["--sparse_vertical_top_k", "8", "train.py"])  # before the script path: the launcher's grammar
+    err = _refused(capsys, ["--sparse_vertical_top_k", "8", "train.py"])  # before the script path: the grammar
+    assert err.startswith("usage: python -m hf_sparse_cp.run ") and err.endswith(
+        "; did you mean --sparse_vertical_topk for --sparse_vertical_top_k?\n"), err
     with launched(PluginArguments()), pytest.raises(ValueError, match="did you mean --sparse_block_size for "
                                                                        "--sparse_blocksize"):
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(  # the script's parser
