@@ -217,6 +217,14 @@ RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 ACCELERATE_CONFIG_KEY = "compute_environment"
 
 
+class _Parser(HfArgumentParser):
+    """argparse's own errors (a value of the wrong type, a missing value) print the prog and a pointer to --help
+    before the error, not the usage of every flag (~190 lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}\n")
+
+
 def _refuse(parser: HfArgumentParser, message: str) -> None:
     """Exit with `message` in one line, like argparse's own errors (without the usage of hundreds of flags)."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
@@ -282,12 +290,13 @@ def with_current_names(argv: list[str]) -> list[str]:
     return out
 
 
-def parse_args(argv: list[str]) -> ParsedArgs:
+def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     """(script, training, sparse, pattern, cp, smet, explicit): a recipe file if the first argument is
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
-    and a pretrained model, the library's otherwise); `explicit`: the fields the two set."""
+    and a pretrained model, the library's otherwise); `explicit`: the fields the two set. `prog`: the name
+    its help and errors give (argparse's default: the running script's)."""
     common, other = help_groups(SparseTrainingArguments, COMMON_FLAGS)  # --help: the common flags first
-    parser = HfArgumentParser((common, ScriptArguments, other), description=DESCRIPTION)
+    parser = _Parser((common, ScriptArguments, other), prog=prog, description=DESCRIPTION)
     try:
         argv, recipe = take_recipe(list(argv))
         if recipe is not None:

@@ -129,9 +129,12 @@ def _launch(argv: list[str]) -> int:
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
     check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch")
     options, plugin_flags = parse_launcher_options(parser, flags)
-    if {"-h", "--help"} & set(plugin_flags):
+    run_args = [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args]
+    if {"-h", "--help"} & set(plugin_flags):  # once, here, not once per launched process
         print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
-    elif launched_processes(options) is not None:
+        _run_here(run_args)
+        return 0
+    if launched_processes(options) is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
         from hf_sparse_cp.run import parse_plugin_flags
@@ -140,8 +143,7 @@ def _launch(argv: list[str]) -> int:
         sizes = launched_cp_sizes(plugin, args)
         if sizes is not None:
             refuse_unlaunchable(parser, sizes, launched_processes(options))
-    return launch(options, [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args],
-                  _run_here)
+    return launch(options, run_args, _run_here)
 
 
 def _train(argv: list[str]) -> int:
@@ -161,12 +163,13 @@ def _train(argv: list[str]) -> int:
     if not is_available("datasets"):
         parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
     processes = launched_processes(options)
-    if processes is not None and not {"-h", "--help"} & set(rest):
-        # the example's flags as each process parses them first (its refusals, once, before any starts), and a CP
-        # degree the processes cannot run (a recipe's too)
-        from hf_sparse_cp.examples.train_long_context import parse_args
+    if processes is not None:
+        # the example's flags as each process parses them first (its refusals, and --help, once, before any starts),
+        # and a CP degree the processes cannot run (a recipe's too)
+        from hf_sparse_cp.examples import train_long_context as example
 
-        refuse_unlaunchable(parser, parse_args(rest).training.cp_sizes(), processes)
+        parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name for it)
+        refuse_unlaunchable(parser, parsed.training.cp_sizes(), processes)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 

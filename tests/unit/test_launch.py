@@ -430,3 +430,51 @@ def test_a_bad_value_for_the_scripts_parser_prints_a_short_usage_not_every_flag(
         own = HfArgumentParser(TrainingArguments, prog="train.py", usage="train.py --output_dir DIR")
         own.parse_args_into_dataclasses(["--learning_rate", "abc"])
     assert capsys.readouterr().err.splitlines()[0] == "usage: train.py --output_dir DIR"
+
+
+@pytest.mark.parametrize("argv, here", [
+    (["train", "--nproc", "2", "--help"], ["train", "--help"]),
+    (["train", "--config_file", "cpu_2proc_cp2", "-h"], ["train", "-h"]),
+    (["launch", "--nproc", "2", "--help"], ["launch", "--help"]),
+])
+def test_help_under_several_processes_prints_once_before_any_starts(monkeypatch, tmp_path, capsys, argv, here):
+    """`hf-sparse-cp train --nproc 2 --help` printed the example's help once per launched process: it prints it
+    once, here, as one process does, and exits 0 without starting them (`launch`: the plugin's flags, before a
+    script path)."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    printed = []
+    for command in (here, argv):
+        with pytest.raises(SystemExit) as done:
+            cli.main(command)
+        assert done.value.code in (0, None) and not started
+        printed.append(capsys.readouterr())
+    (one, _), (out, err) = printed
+    assert "--sparse_vertical_topk" in one and err == ""
+    assert out == one
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_bad_flag_of_the_example_prints_a_short_usage_not_every_flag(monkeypatch, tmp_path, capsys, nproc):
+    """`hf-sparse-cp train --sparse_vertical_topk abc` printed the usage of every flag (~190 lines) before the
+    error: the example's parser prints its prog and a pointer to --help, then argparse's error, exit 2 (in this
+    process, and before launching several)."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _refused(capsys, ["train", "--nproc", nproc, "--sparse_vertical_topk", "abc"], cli.main)
+    assert not started
+    prog = "train_long_context.py"  # (the example's name, in this process and before launching several)
+    assert err.splitlines() == [f"usage: {prog} [FLAGS] ({prog} --help lists them)",
+                                f"{prog}: error: argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int "
+                                "value: 'abc'"], err
