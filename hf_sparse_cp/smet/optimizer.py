@@ -396,6 +396,7 @@ class SMETAdam(torch.optim.Optimizer):
         for saved, group in zip(saved_groups, self.param_groups):
             if group["smet"]:
                 self._check_settings(saved, settings)
+        _check_names(saved_groups, self.param_groups)
         by_saved_id = {}
         for saved, group in zip(saved_groups, self.param_groups):
             by_saved_id.update(zip(saved["params"], group["params"]))
@@ -478,6 +479,41 @@ class SMETAdam(torch.optim.Optimizer):
                 active += grid.rows * grid.k * grid.block_size
                 total += local(param).numel()
         return active / total if total else 1.0
+
+
+# Module names that wrappers insert in parameter names (torch.compile, FSDP1, activation checkpointing): a
+# checkpoint saved with one of them names the same weights.
+_WRAPPER_NAMES = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+
+def _same_weight(saved: str, current: str) -> bool:
+    """Whether two parameter names name the same weight of a model, one perhaps wrapped (`_WRAPPER_NAMES`, a
+    leading `module.` of DDP, a prefix such as PEFT's `base_model.model.`)."""
+    def plain(name: str) -> str:
+        parts = [part for part in name.split(".") if part not in _WRAPPER_NAMES]
+        return ".".join(parts[1:] if parts[:1] == ["module"] else parts)
+
+    a, b = plain(saved), plain(current)
+    return a == b or a.endswith(f".{b}") or b.endswith(f".{a}")
+
+
+def _check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Refuse a saved state whose groups list other weights than ours where both record their names: weights of
+    one shape (q_proj and o_proj of multi-head attention) would take each other's masks and moments unnoticed
+    (a checkpoint saved with other target_modules)."""
+    for saved, group in zip(saved_groups, groups):
+        if not saved.get("param_names") or not group.get("param_names"):
+            continue
+        for old, new in zip(saved["param_names"], group["param_names"]):
+            if not _same_weight(old, new):
+                targets = sorted({name.rsplit(".", 2)[-2] for s in saved_groups if s.get("smet")
+                                  for name in s.get("param_names") or () if "." in name})
+                raise ValueError(
+                    f"The checkpoint's optimizer state was saved for {old} where this run has {new} "
+                    f"({'sparse' if group['smet'] else 'dense'} parameters): resume with the same target_modules "
+                    f"(the checkpoint's sparse weights: {targets}), e.g. --smet_target_modules {','.join(targets)}, "
+                    "or start a new run from the saved model without its optimizer state."
+                )
 
 
 def _export(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

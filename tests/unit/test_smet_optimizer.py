@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -237,6 +238,34 @@ def test_a_checkpoint_without_recorded_settings_is_still_checked_by_shape():
     other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.25, block_size=8))
     with pytest.raises(ValueError, match="another density or block_size"):
         other.load_state_dict(saved)
+
+
+def test_loading_the_state_of_other_weights_of_the_same_shapes_is_refused_naming_them():
+    """With q_proj, k_proj, v_proj and o_proj of one shape (multi-head attention), a checkpoint saved with
+    target_modules=['q_proj'] loaded into a run targeting o_proj fitted every shape: q_proj's masks and compact
+    moments went to o_proj, whose inactive blocks attach() then zeroed (half its weights), and the dense moments
+    went to the other weights. Refused, naming the weights and the fix."""
+    config = SMETConfig(density=0.5, block_size=8, target_modules=["q_proj"])
+    model = tiny_llama(num_key_value_heads=4)
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3)
+    fit(model, opt, [markov_tokens(4, 16, seed=s) for s in range(2)])
+    saved = opt.state_dict()
+    other = tiny_llama(num_key_value_heads=4)
+    other.load_state_dict(model.state_dict())
+    before = other.model.layers[0].self_attn.o_proj.weight.clone()
+    reloaded = create_smet_optimizer(other, torch.optim.AdamW, dataclasses.replace(config, target_modules=["o_proj"]),
+                                     lr=5e-3, attach=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "saved for model.layers.0.self_attn.q_proj.weight where this run has "
+            "model.layers.0.self_attn.o_proj.weight") + ".*resume with the same target_modules \\(the checkpoint's "
+            "sparse weights: \\['q_proj'\\]\\)"):
+        reloaded.load_state_dict(saved)
+    assert torch.equal(other.model.layers[0].self_attn.o_proj.weight, before)
+    # the same weights under a wrapper's prefix (torch.compile's _orig_mod., DDP's module.) still load
+    for group in saved["param_groups"]:
+        group["param_names"] = [f"_orig_mod.{name}" for name in group["param_names"]]
+    same = create_smet_optimizer(tiny_llama(num_key_value_heads=4), torch.optim.AdamW, config, lr=5e-3, attach=False)
+    same.load_state_dict(saved)
 
 
 def test_factory_rejects_unsupported_optimizers_and_arguments():
