@@ -40,6 +40,9 @@ DENSE_STATE = ("exp_avg", "exp_avg_sq")
 # The SMETConfig fields that fix the shape and meaning of the sparse state: `state_dict` records them
 # in its SMET parameter groups as `smet_<field>`, and loading refuses a checkpoint where they differ.
 STATE_FIELDS = ("mode", "density", "block_size")
+# Where `state_dict` keeps `last_replaced_fraction` (in its SMET groups), so that a resumed run logs what the
+# uninterrupted one logs until its next topology update.
+REPLACED_KEY = "smet_last_replaced_fraction"
 
 
 class SMETAdam(torch.optim.Optimizer):
@@ -368,7 +371,7 @@ class SMETAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
             if group["smet"]:
-                packed.update(self._settings())
+                packed.update(self._settings(), **{REPLACED_KEY: self.last_replaced_fraction})
             packed["params"] = [positions.setdefault(id(p), len(positions)) for p in group["params"]]
             groups.append(packed)
         state = {}
@@ -400,7 +403,9 @@ class SMETAdam(torch.optim.Optimizer):
         by_saved_id = {}
         for saved, group in zip(saved_groups, self.param_groups):
             by_saved_id.update(zip(saved["params"], group["params"]))
-            group.update({k: v for k, v in saved.items() if k != "params" and k not in settings})
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in settings and k != REPLACED_KEY})
+            if REPLACED_KEY in saved:
+                self.last_replaced_fraction = float(saved[REPLACED_KEY])
         new_state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
         sparse = {id(p) for _, g, p, _ in self._named_params() if g["smet"]}
         for saved_id, saved in state_dict["state"].items():

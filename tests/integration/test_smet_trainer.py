@@ -73,6 +73,10 @@ def test_trainer_resume_continues_as_if_uninterrupted(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
     # The first 6 logged losses come back with the checkpoint's trainer state; steps 7-12 are new.
     assert len(_losses(full)) == 12 and _losses(resumed) == _losses(full)
+    # what SMET logs too, its share of blocks replaced at the last update (step 4) at steps 7 and 8 among them
+    logged = [[{k: v for k, v in log.items() if k.startswith("smet/")} for log in trainer.state.log_history
+               if "loss" in log] for trainer in (full, resumed)]
+    assert logged[1] == logged[0] and logged[0][6]["smet/replaced_fraction"] > 0
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
 
