@@ -24,12 +24,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
-from hf_sparse_cp.env import environment
 from hf_sparse_cp.kernels import configs
 from hf_sparse_cp.kernels.configs import Tiles
 from hf_sparse_cp.testing import sm90
@@ -152,17 +148,16 @@ def main(argv: list[str]) -> dict:
         rows = measure_candidates(args.head_dims, args.dtype, warps_stages_only=args.warps_stages)
     else:
         rows = measure(args.head_dims, args.dtype)
-    env = environment(torch.device("cpu"))
     kind = ("kernel-warps-stages" if args.warps_stages else "kernel-candidates" if args.candidates
             else "kernel-resources")
-    report = {"benchmark": kind.replace("-", "_"), "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
-              "target": "sm_90 (ahead-of-time build, no GPU)", "measured": "cpu build: nothing here ran or was timed",
-              "launch": {k: v for k, v in dataclasses.asdict(sm90.Launch()).items() if k not in ("head_dim", "dtype")},
-              "hinted": "arguments specialized as the JIT does at a launch (tt.divisibility=16, ints equal to 1)",
-              "rows": rows}
-    print(f"sm_90 builds with triton {env['triton']} (no GPU; registers and stack per thread, shared KB per program)")
+    report = sm90.build_report(
+        kind.replace("-", "_"), rows,
+        launch={k: v for k, v in dataclasses.asdict(sm90.Launch()).items() if k not in ("head_dim", "dtype")},
+        hinted="arguments specialized as the JIT does at a launch (tt.divisibility=16, ints equal to 1)")
+    print(f"sm_90 builds with triton {report['triton']} (no GPU; registers and stack per thread, shared KB per "
+          "program)")
     print(format_table(rows))
-    write_report(report, RESULTS_DIR, f"{kind}_triton-{env['triton']}", args.output)
+    write_report(report, RESULTS_DIR, f"{kind}_triton-{report['triton']}", args.output)
     return report
 
 

@@ -22,15 +22,12 @@ import argparse
 import functools
 import itertools
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
 import triton
 import triton.language as tl
 from triton.compiler import ASTSource
 
-from hf_sparse_cp.env import environment
 from hf_sparse_cp.kernels.configs import FP_FUSION
 from hf_sparse_cp.testing import sm90
 from hf_sparse_cp.testing.benchmarking import write_report
@@ -179,14 +176,11 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/.")
     args = p.parse_args(argv)
     rows = probe(tuple(args.num_warps))
-    env = environment(torch.device("cpu"))
-    report = {"benchmark": "warp_specialize_probe", "date": datetime.now(UTC).isoformat(timespec="seconds"), **env,
-              "target": "sm_90 (ahead-of-time build, no GPU)", "measured": "cpu build: nothing here ran or was timed",
-              "shapes": "key steps 64, head_dim 128, bf16; forward: 3 stages; dq: 2 stages",
-              "rows": rows}
-    print(f"sm_90 builds with triton {env['triton']}: is the key-block loop warp-specialized?")
+    report = sm90.build_report("warp_specialize_probe", rows,
+                               shapes="key steps 64, head_dim 128, bf16; forward: 3 stages; dq: 2 stages")
+    print(f"sm_90 builds with triton {report['triton']}: is the key-block loop warp-specialized?")
     print(format_table(rows))
-    write_report(report, RESULTS_DIR, f"warp-specialize-probe_triton-{env['triton']}", args.output)
+    write_report(report, RESULTS_DIR, f"warp-specialize-probe_triton-{report['triton']}", args.output)
     return report
 
 

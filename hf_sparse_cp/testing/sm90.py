@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import torch
 import triton
@@ -36,6 +37,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
+from ..env import environment
 from ..kernels import block_sparse_bwd, block_sparse_fwd, configs, vertical_slash
 from ..kernels.configs import Tiles
 
@@ -212,6 +214,14 @@ class Usage:
     def narrowest_wgmma_n(self) -> int:
         """The smallest N of the build's wgmma shapes (0 without wgmma)."""
         return min((int(re.search(r"n(\d+)", s).group(1)) for s in self.wgmma_shapes), default=0)
+
+
+def build_report(benchmark: str, rows: list[dict], **details) -> dict:
+    """The JSON report of sm_90 builds made on this machine: the benchmark's name, the date, this machine's
+    environment (Triton's version among it), what was built and that nothing ran, then `details` and `rows`."""
+    return {"benchmark": benchmark, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            **environment(torch.device("cpu")), "target": "sm_90 (ahead-of-time build, no GPU)",
+            "measured": "cpu build: nothing here ran or was timed", **details, "rows": rows}
 
 
 def usage(build) -> Usage:
