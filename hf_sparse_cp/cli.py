@@ -167,8 +167,10 @@ def _train(argv: list[str]) -> int:
         # the example's flags as each process parses them first (its refusals, and --help, once, before any starts),
         # and a CP degree the processes cannot run (a recipe's too)
         from hf_sparse_cp.examples import train_long_context as example
+        from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
 
-        parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name for it)
+        with parsing_for_launch():
+            parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
         refuse_unlaunchable(parser, parsed.training.cp_sizes(), processes)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 

@@ -26,11 +26,13 @@ them as `SparseSFTConfig` and `SparseSFTTrainer`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -137,6 +139,22 @@ class PluginArgumentsMixin:
         return flags.to_config(self.explicit_flags) if flags.smet else None
 
 
+# True while a launcher parses a script's flags once before starting its processes (`parsing_for_launch`).
+_PARSING_FOR_LAUNCH: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_launch", default=False)
+
+
+@contextlib.contextmanager
+def parsing_for_launch() -> Iterator[None]:
+    """Inside the block, training arguments parse as in one of several launched processes: a setting that needs
+    several (--fsdp) is not refused for running alone (the launcher checks a script's flags here, once, before it
+    starts the processes)."""
+    token = _PARSING_FOR_LAUNCH.set(True)
+    try:
+        yield
+    finally:
+        _PARSING_FOR_LAUNCH.reset(token)
+
+
 class SparseArgumentsMixin(PluginArgumentsMixin):
     """The methods of the generated argument classes (`sparse_arguments_class`); their fields are
     generated from `_PARTS`."""
@@ -149,7 +167,9 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             # `accelerate launch` on a machine without an accelerator would run N unsynchronized single-process jobs
             logger.info("No accelerator found: training on CPU (use_cpu=True).")
             self.use_cpu = True
-        if self.fsdp and "WORLD_SIZE" not in os.environ:  # (transformers' own error comes later and names no fix)
+        # (transformers' own error comes later and names no fix; the launcher's parse before starting the processes
+        # stands for one of them)
+        if self.fsdp and "WORLD_SIZE" not in os.environ and not _PARSING_FOR_LAUNCH.get():
             raise ValueError(
                 "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
                 "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp launch --nproc 2 train.py --fsdp "

@@ -334,6 +334,9 @@ def test_a_bad_plugin_flag_of_a_launched_script_is_refused_with_its_message_alon
     ["launch", "--config_file", "cpu_2proc_cp2", "train.py", "--cp_size", "3"],  # the accelerate config's processes
     ["train", "--nproc", "2", "--cp_size", "3", "--max_steps", "1"],
     ["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "3"],
+    # --fsdp needs several processes: the check here parses as one of them would, not as a process alone
+    ["train", "--nproc", "2", "--cp_size", "3", "--fsdp", "full_shard", "--fsdp_config",
+     '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}'],
 ])
 def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_start(monkeypatch, tmp_path, capsys,
                                                                                        argv):
