@@ -30,20 +30,36 @@ class SparsityLoggingCallback(TrainerCallback):
     """Adds the per-layer kept fraction of attention blocks to every Trainer log: the blocks computed over the
     blocks dense attention computes on the same batches (1.0 for a layer that runs dense, whatever the packing).
 
-    Keys: `sparse/kept_fraction` (mean over layers) and `sparse/kept_fraction/layer_NN`. The callback
-    must run before the reporting callbacks (TensorBoard, W&B) so they see the keys:
-    `attach_to_trainer` puts it first.
+    Keys: `sparse/kept_fraction` (mean over layers) and `sparse/kept_fraction/layer_NN`; in a training log of several
+    processes, the mean over the processes (each process's batches are its own under data parallelism; the ranks of
+    a CP group hold the same value). The callback must run before the reporting callbacks (TensorBoard, W&B) so they
+    see the keys: `attach_to_trainer` puts it first.
     """
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
             return
         per_layer = pop_kept_fractions(model)
+        if "loss" in logs and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            per_layer = _mean_over_processes(per_layer, model, args.device)  # (training logs: every rank writes them)
         if not per_layer:
             return
         extra = {layer_log_key(layer): round(v, 5) for layer, v in per_layer.items()}
         extra[LOG_KEY] = round(sum(per_layer.values()) / len(per_layer), 5)
         add_to_log(state, logs, extra)
+
+
+def _mean_over_processes(per_layer: dict[int, float], model: torch.nn.Module, device: torch.device
+                         ) -> dict[int, float]:
+    """`pop_kept_fractions`' per-layer means averaged over the processes that recorded each layer, with one
+    all-reduce whose size every process knows from the model (its layers' indices), also where one recorded none."""
+    layers = sorted({-1} | {int(m.layer_idx) for m in model.modules() if getattr(m, "layer_idx", None) is not None})
+    slot = {layer: i for i, layer in enumerate(layers)}
+    sums = torch.zeros(len(layers), 2, dtype=torch.float64, device=device)
+    for layer, value in per_layer.items():
+        sums[slot[layer]] += torch.tensor([value, 1.0], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(sums)
+    return {layer: float(sums[i, 0] / sums[i, 1]) for layer, i in slot.items() if sums[i, 1] > 0}
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:

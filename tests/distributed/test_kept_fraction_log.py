@@ -1,0 +1,42 @@
+"""The kept fraction a training log shows under several processes is the mean over them (issue #50's hardening):
+each process's batches are its own under data parallelism, and the logged value was rank 0's alone."""
+
+from hf_sparse_cp.testing.spawn import run_gloo
+
+
+def _logged(rank: int, world: int) -> tuple[dict, dict]:
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import TrainerState
+
+    from hf_sparse_cp.integration.stats import record_kept_fraction
+    from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
+
+    class Attention(torch.nn.Module):
+        def __init__(self, layer_idx: int):
+            super().__init__()
+            self.layer_idx = layer_idx
+
+    model = torch.nn.ModuleList([Attention(0), Attention(1)])
+    args = SimpleNamespace(device=torch.device("cpu"))
+    # layer 0: rank 0 two calls (0.2, 0.4), rank 1 one (0.6); layer 1 on rank 1 only
+    for value in ([0.2, 0.4] if rank == 0 else [0.6]):
+        record_kept_fraction(model[0], torch.tensor(value))
+    if rank == 1:
+        record_kept_fraction(model[1], torch.tensor(0.8))
+    training = {"loss": 1.0}
+    SparsityLoggingCallback().on_log(args, TrainerState(), None, logs=training, model=model)
+    record_kept_fraction(model[0], torch.tensor(0.1 + rank))  # an evaluation log: each process's own
+    evaluation = {"eval_loss": 1.0}
+    SparsityLoggingCallback().on_log(args, TrainerState(), None, logs=evaluation, model=model)
+    return training, evaluation
+
+
+def test_a_training_log_shows_the_kept_fraction_of_every_process():
+    (train0, eval0), (train1, eval1) = run_gloo(_logged, 2, timeout_s=120)
+    assert train0 == train1
+    assert abs(train0["sparse/kept_fraction/layer_00"] - 0.45) < 1e-9  # (0.3 + 0.6) / 2
+    assert abs(train0["sparse/kept_fraction/layer_01"] - 0.8) < 1e-9  # the one process that ran it
+    assert abs(train0["sparse/kept_fraction"] - 0.625) < 1e-9
+    assert abs(eval0["sparse/kept_fraction"] - 0.1) < 1e-9 and abs(eval1["sparse/kept_fraction"] - 1.1) < 1e-9
