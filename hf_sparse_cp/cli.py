@@ -134,7 +134,8 @@ def _launch(argv: list[str]) -> int:
         print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
         _run_here(run_args)
         return 0
-    if launched_processes(options) is not None:
+    processes = launched_processes(options)
+    if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
         from hf_sparse_cp.run import parse_plugin_flags
@@ -142,7 +143,7 @@ def _launch(argv: list[str]) -> int:
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
         sizes = launched_cp_sizes(plugin, args)
         if sizes is not None:
-            refuse_unlaunchable(parser, sizes, launched_processes(options))
+            refuse_unlaunchable(parser, sizes, processes)
     return launch(options, run_args, _run_here)
 
 

@@ -445,8 +445,8 @@ def backward(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
     )
 
-    def _launch_dq(tiles: Tiles, key_blocks: str, first_tile: int, count: int, mode: int, col_dk: torch.Tensor,
-                   col_dv: torch.Tensor) -> None:
+    def launch_dq(tiles: Tiles, key_blocks: str, first_tile: int, count: int, mode: int, col_dk: torch.Tensor,
+                  col_dv: torch.Tensor) -> None:
         descriptors = tiles.kv_descriptors or key_blocks == "full"
         k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if descriptors else (k, v)
         q_desc, do_desc = ((TensorDescriptor.from_tensor(x, [1, 1, tiles.block_m, block_d]) for x in (q, dout))
@@ -465,24 +465,21 @@ def backward(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 
-    tiles = dq_tiles(block_size, d, on_gpu)
+    tiles, key_blocks = dq_tiles(block_size, d, on_gpu), "all"
+    if tiles.warp_specialize and not descriptors_fit(q, k, v, dout):
+        tiles = launched_dq_tiles(block_size, d, on_gpu)
     dq_full = dq  # (not read unless the full key blocks run in a launch of their own)
-    if tiles.warp_specialize and descriptors_fit(q, k, v, dout):
+    if tiles.warp_specialize:
         # the full key blocks in a warp-specialized launch of their own (its dq sums in fp32), the rest seeded with them
         dq_full = torch.empty(b, hq, sq, d, dtype=torch.float32, device=dev)
-        _launch_dq(tiles, "full", 0, triton.cdiv(sq, tiles.block_m), _NO_COLUMNS, dq_full, dq_full)
+        launch_dq(tiles, "full", 0, triton.cdiv(sq, tiles.block_m), _NO_COLUMNS, dq_full, dq_full)
         tiles, key_blocks = launched_dq_tiles(block_size, d, on_gpu), "rest"
-    else:
-        tiles, key_blocks = (launched_dq_tiles(block_size, d, on_gpu) if tiles.warp_specialize else tiles), "all"
     n_tiles = triton.cdiv(sq, tiles.block_m)
 
-    def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
-        _launch_dq(tiles, key_blocks, first_tile, count, mode, col_dk, col_dv)
-
     if not has_cols:
-        launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
+        launch_dq(tiles, key_blocks, 0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
     elif not deterministic:
-        launch_dq(0, n_tiles, _ATOMIC, col_dk, col_dv)
+        launch_dq(tiles, key_blocks, 0, n_tiles, _ATOMIC, col_dk, col_dv)
     else:
         per_tile = b * hq * max_cols * d * 4 * 2
         chunk = max(1, min(n_tiles, DETERMINISTIC_PARTIAL_BYTES // per_tile))
@@ -490,7 +487,7 @@ def backward(
         part_dv = torch.empty_like(part_dk)
         for t0 in range(0, n_tiles, chunk):
             count = min(chunk, n_tiles - t0)
-            launch_dq(t0, count, _PARTIAL, part_dk, part_dv)
+            launch_dq(tiles, key_blocks, t0, count, _PARTIAL, part_dk, part_dv)
             tile_blocks = torch.arange(t0, t0 + count, device=dev) * tiles.block_m // block_size
             sorted_row, order, seg_end, invalid = column_targets(col_idx, col_cnt, tile_blocks, hq, hk, sk)
             _column_sum_kernel[(sorted_row.numel(),)](

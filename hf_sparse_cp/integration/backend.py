@@ -39,17 +39,15 @@ from .architectures import CONFIG_DROPOUTS
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
+_GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
+
+# True while a model forward under context parallelism runs (see `guard_context_parallel`).
+_CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=False)
 
 
 def is_registered() -> bool:
     """Whether transformers knows `attn_implementation="sparse_cp"` (by `patch()`, or anyone's registration)."""
     return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
-
-
-_GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
-
-# True while a model forward under context parallelism runs (see `guard_context_parallel`).
-_CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=False)
 
 
 class ProbedCall(NamedTuple):
@@ -153,6 +151,13 @@ def dropout_fix(config) -> str:
             "false).")
 
 
+def _layer_type(module: torch.nn.Module) -> str | None:
+    """The layer's entry of `config.layer_types` ('sliding_attention', 'chunked_attention', ...), or None."""
+    config = getattr(module, "config", None)
+    types, layer = getattr(config, "layer_types", None) or (), getattr(module, "layer_idx", None)
+    return types[layer] if isinstance(layer, int) and 0 <= layer < len(types) else None
+
+
 def mask_only_window(module: torch.nn.Module, sliding_window: int | None) -> tuple[int | None, int | None]:
     """The sliding window of a layer whose model builds it into the attention mask (which sparse_cp does not use)
     without passing it to the attention function, e.g. Qwen2-MoE, PhiMoE: (window, None) for a layer that
@@ -163,23 +168,18 @@ def mask_only_window(module: torch.nn.Module, sliding_window: int | None) -> tup
     window = getattr(config, "sliding_window", None)
     if sliding_window is not None or not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return sliding_window, None
-    types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if types is None:
+    if getattr(config, "layer_types", None) is None:
         return None, window
-    if isinstance(layer, int) and 0 <= layer < len(types) and types[layer] == "sliding_attention":
-        return window, None
-    return None, None
+    return (window, None) if _layer_type(module) == "sliding_attention" else (None, None)
 
 
 def masked_locality(module: torch.nn.Module, unseen_window: int | None) -> tuple[str, int] | None:
     """('chunk', size) for a layer that `config.layer_types` declares 'chunked_attention' (Llama 4: its chunks of
     `config.attention_chunk_size` tokens are in its attention mask only), ('window', size) for the window
     `mask_only_window` found unseen, else None: what sparse_cp cannot apply to this layer."""
-    config = getattr(module, "config", None)
-    types, layer = getattr(config, "layer_types", None) or (), getattr(module, "layer_idx", None)
-    chunk = getattr(config, "attention_chunk_size", None)
-    if (isinstance(layer, int) and 0 <= layer < len(types) and types[layer] == "chunked_attention"
-            and isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0):
+    chunk = getattr(getattr(module, "config", None), "attention_chunk_size", None)
+    if (_layer_type(module) == "chunked_attention" and isinstance(chunk, int) and not isinstance(chunk, bool)
+            and chunk > 0):
         return "chunk", chunk
     return ("window", unseen_window) if unseen_window is not None else None
 
