@@ -182,17 +182,21 @@ def document_extents(meta: TokenMeta, positions: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], 1).cpu()
 
 
-class DocumentPositions:
-    """The documents of a whole batch and the positions transformers' masks compare (`mask_positions`), with their
-    `document_extents` computed once, when first asked for (a context-parallel shard carries it: every rank then
-    decides alike from the whole batch)."""
+class BatchDocumentExtents:
+    """`document_extents` of a whole batch over the positions transformers' masks compare (`mask_positions`),
+    computed once, when first called: only a layer whose window or chunk the mask alone carries reads them, and
+    finding the positions of packed `position_ids` reads a tensor back to the host. A context-parallel shard
+    carries it, so every rank decides alike from the whole batch."""
 
-    def __init__(self, meta: TokenMeta, positions: torch.Tensor) -> None:
-        self.meta, self.positions = meta, positions
+    def __init__(self, meta: TokenMeta, attention_mask: torch.Tensor | None, kwargs: dict) -> None:
+        self.meta, self._attention_mask = meta, attention_mask
+        self._kwargs = {k: kwargs[k] for k in ("position_ids", "cu_seq_lens_k") if k in kwargs}
         self._extents: torch.Tensor | None = None
 
-    @property
-    def extents(self) -> torch.Tensor:
+    def __call__(self) -> torch.Tensor:
         if self._extents is None:
-            self._extents = document_extents(self.meta, self.positions)
+            b, s = self.meta.segment.shape
+            positions = mask_positions(b, s, self.meta.segment.device, self._attention_mask, self._kwargs)
+            self._extents = document_extents(self.meta, positions)
+            self._attention_mask = self._kwargs = None  # (the batch's tensors are not kept past their use)
         return self._extents

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..attention.tokens import DocumentPositions, mask_positions
+from ..attention.tokens import BatchDocumentExtents
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
 from .modes import RING
@@ -106,7 +106,6 @@ def prepare_context_parallel_inputs(
     plan = mode.split(parallel, sharding or parallel.sharding, block_size, meta, sparse_config=sparse_config,
                       planner_costs=planner_costs or parallel.planner_costs or PlannerCosts())
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
-    b, s = ref.shape[:2]
-    documents = DocumentPositions(meta, mask_positions(b, s, ref.device, inputs.get("attention_mask"), dict(inputs)))
+    documents = BatchDocumentExtents(meta, inputs.get("attention_mask"), dict(inputs))
     out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents)
     return out

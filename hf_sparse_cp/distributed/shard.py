@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.tokens import DocumentPositions, TokenMeta
+from ..attention.tokens import BatchDocumentExtents, TokenMeta
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
@@ -26,15 +26,16 @@ class CPShard:
     parallel: the parallel layout (groups, ring topology); plan: how the sequence was split
     (a `ShardPlan`, or a `DocumentPlan` that re-orders the documents of a packed row);
     meta: documents and global order of the *whole* batch [B, plan.padded_len] (padding marked),
-    identical on every rank, from which any rank's shard metadata follows; documents: the whole batch's documents
-    and the positions transformers' masks compare (`tokens.mask_positions`), by which the backend checks a window
-    or chunk that only the model's mask carries (None: unknown, the padded length is checked instead).
+    identical on every rank, from which any rank's shard metadata follows; documents: the extents of the whole
+    batch's documents in the positions transformers' masks compare (`tokens.BatchDocumentExtents`, computed when
+    first called), by which the backend checks a window or chunk that only the model's mask carries (None: unknown,
+    the padded length is checked instead).
     """
 
     parallel: ParallelDims
     plan: BlockSplit
     meta: TokenMeta
-    documents: DocumentPositions | None = None
+    documents: BatchDocumentExtents | None = None
 
     @property
     def rank(self) -> int:

@@ -31,7 +31,7 @@ from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
-from ..attention.tokens import TokenMeta, document_extents, mask_positions, token_meta_from_kwargs
+from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_kwargs
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
@@ -344,17 +344,12 @@ def _call_documents(query: torch.Tensor, key: torch.Tensor, attention_mask: torc
     (`tokens.document_extents`, computed when asked for; None for a decoding step with a KV cache, or a shard that
     does not carry them)."""
     if shard is not None:
-        documents = shard.documents
-        return shard.meta.index.shape[-1], None if documents is None else (lambda: documents.extents)
+        return shard.meta.index.shape[-1], shard.documents
     b, _, q_len, _ = query.shape
     if q_len != key.shape[2]:
         return key.shape[2], None
-
-    def extents() -> torch.Tensor:
-        meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
-        return document_extents(meta, mask_positions(b, q_len, query.device, attention_mask, kwargs))
-
-    return q_len, extents
+    return q_len, lambda: BatchDocumentExtents(
+        token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs), attention_mask, kwargs)()
 
 
 def _same_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

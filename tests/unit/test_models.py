@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention.tokens import mask_positions as _mask_positions
 from hf_sparse_cp.backends import is_available
 from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
@@ -248,6 +249,29 @@ def test_under_cp_a_window_or_chunk_is_checked_on_the_documents_not_the_padded_l
     inputs = prepare_context_parallel_inputs({"input_ids": ids[:, :limit + 1]}, single, block_size=32)
     with pytest.raises(ValueError, match=cause + rf".*a document of {limit + 1} tokens"):
         ours(**inputs)
+
+
+@pytest.mark.parametrize("model_type, overrides, reads", [("llama", {}, 0), (_MASK_ONLY[0][0], _MASK_ONLY[0][1], 1)])
+def test_under_cp_the_batchs_mask_positions_are_found_only_for_a_window_the_mask_alone_carries(
+        monkeypatch, model_type, overrides, reads):
+    """Finding the positions of packed `position_ids` reads a tensor back to the host: a CP batch finds them once,
+    when a layer whose window only the mask carries asks, and never for a model whose layers all say their window."""
+    from hf_sparse_cp.attention import tokens
+    from hf_sparse_cp.distributed import ParallelDims, prepare_context_parallel_inputs
+    from hf_sparse_cp.distributed.modes import RING
+
+    calls = []
+    monkeypatch.setattr(tokens, "mask_positions", lambda *a: calls.append(a) or _mask_positions(*a))
+    _, ours = (m.eval() for m in _pair(model_type, **overrides))
+    ids = torch.randint(3, 259, (1, 60), generator=torch.Generator().manual_seed(7))
+    packed = {"input_ids": ids, "position_ids": torch.arange(20).repeat(3)[None],
+              "use_cache": False}
+    inputs = prepare_context_parallel_inputs(packed, ParallelDims.single(mode=RING), block_size=32)
+    assert not calls
+    ours(**inputs)
+    assert len(calls) == reads
+    assert inputs["cp_shard"].documents().tolist() == [[0, 19]] * 3
+    assert len(calls) == 1
 
 
 def test_attention_dropout_held_as_the_attention_layers_dropout_is_refused_at_set_up():
