@@ -3,7 +3,7 @@ run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP
 x DP 1 (hybrid: heads over 2 ranks x a ring of 2) in one Trainer run, compared with the same stages run as
 three jobs chained through checkpoints (DDP; AdamW and SMET), and a resume from a checkpoint saved in the
 middle stage; then FSDP2 over the 4 ranks (functional API) through CP and mode switches against one
-process."""
+process; and 2 processes through a CP switch, each step against one process on the samples it took."""
 
 import os
 import re
@@ -394,3 +394,75 @@ def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_p
     assert model.config.sparse_attention == PATTERN.to_dict()
     disable_sparse_attention(model)
     assert getattr(model.config, "sparse_attention", None) is None  # as before the run
+
+
+# ---- 2 gloo processes: every step of a CP switch is one process's step on that step's global batch ----
+
+SWITCH, SWITCH_LEN = "0:256:1,2:512:2", 512  # CP 1 x DP 2 for steps 0-1, then CP 2 x DP 1
+
+
+def _random_samples(n: int = 6) -> list[dict]:
+    """Distinct random rows: two samples' losses differ well beyond fp32 rounding."""
+    ids = torch.randint(3, 259, (n, SWITCH_LEN), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _switch_and_one_process(rank: int, world: int, out: str) -> dict:
+    """Train through SWITCH; then, in this process alone, the loss and kept fraction of the weights each step
+    started from, on the rows its global batch held and on the rows one process with batch 2 would take."""
+    from transformers import AutoModelForCausalLM, TrainerCallback, default_data_collator
+
+    from hf_sparse_cp.integration.stats import LOG_KEY, pop_kept_fractions
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    entering = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            entering.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    samples = _random_samples()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    args = _args(out, False, cp_schedule=SWITCH, max_steps=3, sparse_log_sparsity=True)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=samples, data_collator=default_data_collator,
+                            callbacks=[Snapshot()])
+    trainer.train()
+    logged = [(log["loss"], log[LOG_KEY]) for log in trainer.state.log_history if "loss" in log]
+
+    def one_process(weights, first: int, count: int, seq_len: int) -> tuple[float, float]:
+        rows = torch.stack([s["input_ids"][:seq_len] for s in samples[first:first + count]])
+        model.load_state_dict(weights)
+        pop_kept_fractions(model)
+        with torch.no_grad():
+            loss = model(input_ids=rows, labels=rows).loss.item()
+        kept = pop_kept_fractions(model)
+        return loss, sum(kept.values()) / len(kept)
+
+    # sequential order: steps 0-1 take samples 0-1 and 2-3 (one per DP rank), step 2 sample 4 (DP 1)
+    batches = [(0, 2, 256), (2, 2, 256), (4, 1, 512)]
+    return {"logged": logged,
+            "one_process": [one_process(w, *batch) for w, batch in zip(entering, batches)],
+            "batch_2": one_process(entering[2], 4, 2, 512)}
+
+
+def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(tmp_path):
+    """Pins why `--cp_schedule 0:256:1,2:512:2` on 2 processes logs another step-2 loss than one process with batch
+    2 and `0:256:1,2:512:1`: at CP 2 the DP degree is 1, so the step trains one 512-token sample (the tokens per
+    step stay 2 x 256), the one-process run two. Each step's loss is one process's on the samples that step took,
+    from the weights it started from, to fp32 rounding (the DP mean and the ring's merge sum in another order);
+    the batch-2 run's samples give another loss and kept fraction."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    results = run_gloo(_switch_and_one_process, 2, str(tmp_path), timeout_s=300)
+    assert results[0]["logged"] == results[1]["logged"] and len(results[0]["logged"]) == 3
+    for r in results:
+        for (loss, kept), (want_loss, want_kept) in zip(r["logged"], r["one_process"]):
+            assert abs(loss - want_loss) <= 1e-6 * want_loss, (r["logged"], r["one_process"])
+            assert abs(kept - want_kept) <= 1e-5, (r["logged"], r["one_process"])  # (logged rounded to 5 decimals)
+        (loss, kept), (other_loss, other_kept) = r["logged"][2], r["batch_2"]
+        assert kept < 1.0  # (step 2 runs sparse: its kept fraction tells the blocks selected)
+        # one process with batch 2 trains samples 4 and 5 at step 2: another batch, another loss and kept fraction
+        assert abs(loss - other_loss) > 1e-5 * other_loss and abs(kept - other_kept) > 1e-3
