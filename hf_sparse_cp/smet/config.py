@@ -104,30 +104,7 @@ class SMETConfig(FileConfig):
     def __post_init__(self) -> None:
         self.target_modules = module_names(self.target_modules)
         check_field_types(self)  # (mode and regrowth too: their Literal lists the allowed values)
-        self._validate()
-
-    def _validate(self) -> None:
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density={self.density} must be in (0, 1]; e.g. 0.5, 0.25 or 0.1.")
-        if self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size} must be >= 1; 16 or 32 are usual.")
-        if self.update_interval < 2:
-            raise ValueError(
-                f"update_interval={self.update_interval} must be >= 2 so regrown blocks train before the next "
-                "update; the paper uses 100."
-            )
-        for name in ("prune_rate", "prune_rate_final"):
-            rate = getattr(self, name)
-            if not 0.0 <= rate <= 1.0:
-                raise ValueError(f"{name}={rate} must be in [0, 1]; SMET uses 0.2 decaying to 0.005.")
-        if self.prune_decay_steps is not None and self.prune_decay_steps < 1:
-            raise ValueError(f"prune_decay_steps={self.prune_decay_steps} must be >= 1 (or unset).")
-        if self.regrow_warmup_steps < 0:
-            raise ValueError(f"regrow_warmup_steps={self.regrow_warmup_steps} must be >= 0 (0 turns it off).")
-        if self.lr_density_exponent < 0:
-            raise ValueError(f"lr_density_exponent={self.lr_density_exponent} must be >= 0 (0 disables scaling).")
-        if not self.target_modules:
-            raise ValueError(f"target_modules is empty; e.g. {list(DEFAULT_TARGET_MODULES)}.")
+        check_values(self)
 
     @property
     def regrowth_rule(self) -> str:
@@ -146,3 +123,30 @@ class SMETConfig(FileConfig):
         return dataclasses.replace(
             self, local_bias_correction=False, regrow_warmup_steps=0, density_lr_scaling=False
         )
+
+
+def check_values(values: Any, prefix: str = "") -> None:
+    """Raise a ValueError that says how to fix it for the first value out of range among `values` (an `SMETConfig`,
+    or any object with its fields as attributes), naming a field `prefix + name` (the flags: `--smet_`)."""
+    if not 0.0 < values.density <= 1.0:
+        raise ValueError(f"{prefix}density={values.density} must be in (0, 1]; e.g. 0.5, 0.25 or 0.1.")
+    if values.block_size < 1:
+        raise ValueError(f"{prefix}block_size={values.block_size} must be >= 1; 16 or 32 are usual.")
+    if values.update_interval < 2:
+        raise ValueError(
+            f"{prefix}update_interval={values.update_interval} must be >= 2 so regrown blocks train before the next "
+            "update; the paper uses 100."
+        )
+    for name in ("prune_rate", "prune_rate_final"):
+        rate = getattr(values, name)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{prefix}{name}={rate} must be in [0, 1]; SMET uses 0.2 decaying to 0.005.")
+    if values.prune_decay_steps is not None and values.prune_decay_steps < 1:
+        raise ValueError(f"{prefix}prune_decay_steps={values.prune_decay_steps} must be >= 1 (or unset).")
+    if values.regrow_warmup_steps < 0:
+        raise ValueError(f"{prefix}regrow_warmup_steps={values.regrow_warmup_steps} must be >= 0 (0 turns it off).")
+    if values.lr_density_exponent < 0:
+        raise ValueError(f"{prefix}lr_density_exponent={values.lr_density_exponent} must be >= 0 (0 disables "
+                         "scaling).")
+    if not values.target_modules:
+        raise ValueError(f"{prefix}target_modules is empty; e.g. {list(DEFAULT_TARGET_MODULES)}.")

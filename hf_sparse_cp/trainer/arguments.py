@@ -22,6 +22,7 @@ import difflib
 import typing
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
@@ -38,7 +39,7 @@ from ..config.sections import (
 from ..memory import MemorySavers
 from ..recipes import pattern_path
 from ..smet import SMETConfig
-from ..smet.config import module_names
+from ..smet.config import check_values, module_names
 
 
 @contextlib.contextmanager
@@ -309,9 +310,10 @@ class SMETArguments(SMETFlags):
     def __post_init__(self) -> None:
         self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
         check_field_types(self)
-        # Without --smet the Trainer keeps its own optimizer: SMET settings would be ignored without a word.
-        if self.smet:
+        if self.smet:  # the values, as the flags name them: refused here, not once the script has built its model
+            check_values(SimpleNamespace(**self._flags()), prefix="--" + FLAG_PREFIX)
             return
+        # Without --smet the Trainer keeps its own optimizer: SMET settings would be ignored without a word.
         if self.smet_config is not None:
             raise ValueError(
                 f"--smet_config {self.smet_config} given without --smet would be ignored: add --smet to train with "

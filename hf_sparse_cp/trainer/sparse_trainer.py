@@ -103,6 +103,7 @@ class PluginArgumentsMixin:
         for part in _PARTS:  # each part validates its own fields, naming them
             from_prefixed(self, part)
         self.sparse_attention_config()
+        self.smet_optimizer_config()  # (its --smet_config file)
         check_sequence_length(self._length_field, self.sequence_length)
 
     @property

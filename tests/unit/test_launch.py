@@ -149,6 +149,8 @@ def test_only_plugin_flags_go_before_the_script_path(capsys):
     # a bad value of a plugin flag before the script path: argparse's message, as the script's parser gives it after
     err = _refused(capsys, ["--sparse_vertical_topk", "abc", __file__])
     assert err == error + "argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int value: 'abc'.\n"
+    err = _refused(capsys, ["--smet", "--smet_density", "2", __file__])  # a value SMET refuses: before the script runs
+    assert err.startswith(error + "--smet_density=2.0 must be in (0, 1]"), err
 
 
 def test_the_launchers_help_lists_the_common_flags_first(capsys, monkeypatch):
@@ -305,14 +307,19 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
     (["--sparse_config", "{dir}/missing.yaml"], None, "missing.yaml' does not exist"),
     (["--sparse_block_size", "48"], None, "block_size (--sparse_block_size)=48 must be a power of two"),
     (["--sparse_vertical_topk", "8", "--sparse_mass_target", "0.5"], None, "pass --sparse_budget_mode mass"),
+    (["--smet", "--smet_density", "2"], None, "--smet_density=2.0 must be in (0, 1]"),
+    (["--smet", "--smet_update_interval=-1"], None, "--smet_update_interval=-1 must be >= 2"),
+    (["--smet", "--smet_config", "{dir}/smet.yaml"], "smet:\n  density: 0\n",
+     "smet.yaml': density=0 must be in (0, 1]"),
+    (["--smet", "--smet_config", "{dir}/typo.yaml"], "smet:\n  densty: 0.1\n",
+     "typo.yaml': Unknown SMET config keys ['densty']"),
 ])
 def test_a_bad_plugin_flag_of_a_launched_script_is_refused_with_its_message_alone(tmp_path, capsys, flags, file,
                                                                                    message):
     """A refused plugin flag (or the --sparse_config file it names) of a launched script ends it as argparse ends a
     bad flag: the message naming the field and the fix, exit status 2, no traceback through the script."""
-    for name in ("typo.yaml", "typed.yaml"):
-        if file is not None and name in flags[-1]:
-            (tmp_path / name).write_text(file)
+    if file is not None:
+        (tmp_path / flags[-1].rsplit("/", 1)[-1]).write_text(file)
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         from transformers import HfArgumentParser, TrainingArguments

@@ -90,6 +90,19 @@ def test_smet_settings_without_smet_are_refused(flags, refused):
     assert not HfArgumentParser(SMETArguments).parse_args_into_dataclasses(args=[])[0].smet  # defaults: fine
 
 
+@pytest.mark.parametrize("flags, refused", [
+    (["--smet_density", "2"], "--smet_density=2.0 must be in (0, 1]"),
+    (["--smet_update_interval", "-5"], "--smet_update_interval=-5 must be >= 2"),
+    (["--smet_prune_rate_final", "1.5"], "--smet_prune_rate_final=1.5 must be in [0, 1]"),
+    (["--smet_regrow_warmup_steps=-1"], "--smet_regrow_warmup_steps=-1 must be >= 0"),
+])
+def test_bad_smet_flags_are_refused_when_parsed_naming_the_flag(tmp_path, flags, refused):
+    """Not when the Trainer builds the optimizer, after the script built its model; a bad value in a --smet_config
+    file names the file and the field, when the plugin's arguments read it (see test_launch)."""
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        HfArgumentParser(SMETArguments).parse_args_into_dataclasses(args=["--smet", *flags])
+
+
 def test_config_file_with_the_wrong_type_names_the_file_and_the_field(tmp_path):
     path = tmp_path / "smet.yaml"
     path.write_text("smet:\n  density: high\n")
