@@ -5,6 +5,7 @@
 
 * `config.py`: `SMETConfig`;
 * `masks.py`: `BlockGrid` (how a weight is cut into blocks), masks and the hashed random numbers;
+* `rounding.py`: the density as whole blocks per row, and the warning when they move it far;
 * `topology.py`: which blocks start active, are pruned and are regrown;
 * `optimizer.py`: `SMETAdam`, the compact optimizer state and the cold-start cure of regrown blocks;
 * `factory.py`: `create_smet_optimizer` from a stock optimizer class and a model;

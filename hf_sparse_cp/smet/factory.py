@@ -10,7 +10,9 @@ from torch import nn
 
 from .config import SMETConfig
 from .dtensor import local
+from .masks import BlockGrid
 from .optimizer import SMETAdam
+from .rounding import warn_if_rounded
 
 # Stock classes SMET can stand in for, with the weight decay each applies (decoupled or L2).
 SUPPORTED_OPTIMIZERS: dict[type[torch.optim.Optimizer], bool] = {torch.optim.AdamW: True, torch.optim.Adam: False}
@@ -32,8 +34,9 @@ def _adapter_prefixes(model: nn.Module) -> tuple[str, ...]:
 def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float) -> list[dict[str, Any]]:
     """Parameter groups of `model`: the trainable weights of `config.target_modules` linears (sparse,
     `smet=True`), then the other trainable parameters, with weight decay for those of 2+ dims (not
-    biases, norms). A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is
-    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model)."""
+    biases, norms). A density that whole blocks per row move far is said here (`rounding.warn_if_rounded`).
+    A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is an error, and so
+    is a target list that reaches only frozen weights (LoRA freezes the base model)."""
     targets = set(config.target_modules)
     names = {id(p): n for n, p in model.named_parameters()}
     adapters = _adapter_prefixes(model)
@@ -73,6 +76,9 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float)
             f"No module of the model matches target_modules={config.target_modules}; linear modules here are named "
             f"{examples[:12]}."
         )
+    # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
+    grids = [BlockGrid.of(param, config.density, config.block_size, name) for name, param in sparse.values()]
+    warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in sparse:

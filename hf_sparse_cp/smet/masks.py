@@ -1,7 +1,7 @@
 """Row-wise block masks of a weight matrix and the compact (active-blocks-only) views of it.
 
 A sparse matrix `[rows, cols]` is cut into `blocks_per_row = cols / block_size` blocks per row; every
-row keeps `k` active blocks, listed in an index `[rows, k]` (int16 when it fits). The compact views
+row keeps `k` active blocks (`rounding.py`), listed in an index `[rows, k]` (int16 when it fits). The compact views
 `[rows, k, block_size]` of weights, gradients and Adam moments are gathered/scattered through it.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .dtensor import local, row_offset
+from .rounding import kept_blocks
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so a 32-bit value times one of them fits in int64 without overflow.
@@ -44,8 +45,8 @@ class BlockGrid:
                 f"that divides {cols} (e.g. {_largest_divisor(cols, block_size)})."
             )
         blocks_per_row = cols // block_size
-        k = min(blocks_per_row, max(1, round(density * blocks_per_row)))
-        return cls(local(param).shape[0], blocks_per_row, block_size, k, row_offset(param), param.shape[0])
+        return cls(local(param).shape[0], blocks_per_row, block_size, kept_blocks(blocks_per_row, density),
+                   row_offset(param), param.shape[0])
 
     @property
     def density(self) -> float:

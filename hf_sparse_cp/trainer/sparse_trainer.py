@@ -364,7 +364,8 @@ class SparseTrainerMixin:
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()
         if smet is not None:
-            install_smet(self, smet)
+            with flag_errors():  # (settings against the model: a block size that does not divide a weight's columns)
+                install_smet(self, smet)
 
     def _enable_sparse_attention(self, model: torch.nn.Module, args: SparseArgumentsMixin, collator) -> None:
         enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,

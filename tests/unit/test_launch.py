@@ -409,6 +409,7 @@ SETUP_SCRIPT = textwrap.dedent("""
     (["--sparse_layer_overrides", '{"1-3": {"pattern": "dense"}}'], "no",
      "layer_overrides key '1-3' reaches past the model's 2 layers: use '1-1'."),
     ([], "yes", "train_dataset is empty (0 samples): there is nothing to train on"),
+    (["--smet", "--smet_block_size", "24"], "no", "input columns, not a multiple of block_size=24; pick a block size"),
 ])
 def test_a_setting_the_trainer_refuses_at_set_up_ends_a_launched_script_as_a_bad_flag(tmp_path, capsys, flags, empty,
                                                                                         message):

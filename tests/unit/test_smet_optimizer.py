@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import logging
 import math
 import re
 
@@ -266,6 +267,29 @@ def test_loading_the_state_of_other_weights_of_the_same_shapes_is_refused_naming
         group["param_names"] = [f"_orig_mod.{name}" for name in group["param_names"]]
     same = create_smet_optimizer(tiny_llama(num_key_value_heads=4), torch.optim.AdamW, config, lr=5e-3, attach=False)
     same.load_state_dict(saved)
+
+
+def _warnings_of_set_up(caplog, config: SMETConfig, model=OneMatrix) -> tuple[list[str], float]:
+    """(what set-up warns, building SMET for `model()` twice as the Trainer does, the density it trains at)."""
+    with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
+        caplog.clear()
+        create_smet_optimizer(model(), config=config, attach=False)
+        opt = create_smet_optimizer(model(), config=config)
+    return [record.getMessage() for record in caplog.records], opt.density()
+
+
+def test_a_density_whole_blocks_move_far_is_said_once_at_set_up_with_what_comes_closer(caplog):
+    """Every row keeps a whole number of blocks, at least one: density 0.1 of 64 columns in blocks of 16 (4 a row,
+    0.4 of a block) trains at 0.25, one block a row, and set-up says so once (not only the smet/density log)."""
+    warned, trained = _warnings_of_set_up(caplog, SMETConfig(density=0.1, block_size=16))
+    assert trained == 0.25
+    assert warned == ["SMET trains at density 0.25, not the 0.1 asked: every row keeps a whole number of its blocks of "
+                      "block_size=16 input columns, at least one, and a row of 64 columns keeps 1 of its 4 blocks "
+                      "(0.25). Closer: block_size (--smet_block_size) 2 trains at 0.0938; or ask for a density every "
+                      "row keeps exactly, a multiple of 1/4 (e.g. 0.25)."]
+    # within 5% of the density asked (0.3 of 32 blocks: 10, 0.3125), or exact: nothing to say
+    assert _warnings_of_set_up(caplog, SMETConfig(density=0.3, block_size=2)) == ([], 0.3125)
+    assert _warnings_of_set_up(caplog, SMETConfig(density=0.75, block_size=16)) == ([], 0.75)
 
 
 def test_factory_rejects_unsupported_optimizers_and_arguments():
