@@ -135,6 +135,14 @@ def _launch(argv: list[str]) -> int:
         _run_here(run_args)
         return 0
     processes = launched_processes(options)
+    if processes is not None and {"-h", "--help"} & set(args):
+        # the script's help, once, here: the script runs up to its parser, which prints it and exits (a Trainer it
+        # builds before is refused, not trained in this one process)
+        from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
+
+        with parsing_for_launch():
+            _run_here(run_args)
+        return 0
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, and a CP degree the processes cannot run

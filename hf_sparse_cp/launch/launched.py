@@ -44,6 +44,7 @@ from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
     SparseTrainerMixin,
+    is_parsing_for_launch,
     sparse_arguments_class,
     sparse_trainer_class,
     with_plugin_arguments,
@@ -152,6 +153,10 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
         patches.set_attr(parser_class, "parse_args_into_dataclasses", parse_into_dataclasses)
 
     def init_trainer(self, model=None, args=None, *rest, **kwargs):
+        if is_parsing_for_launch():  # (the launcher runs the script here for its --help alone: never to train here)
+            sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: --help: the script built its Trainer without "
+                             "a parser that reads --help, so it has none to print; nothing was launched.\n")
+            sys.exit(2)
         try:
             set_up_trainer(self, model, args, *rest, **kwargs)
         except (ValueError, TypeError, OSError) as e:

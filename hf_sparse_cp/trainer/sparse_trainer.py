@@ -148,12 +148,18 @@ _PARSING_FOR_LAUNCH: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_lau
 def parsing_for_launch() -> Iterator[None]:
     """Inside the block, training arguments parse as in one of several launched processes: a setting that needs
     several (--fsdp) is not refused for running alone (the launcher checks a script's flags here, once, before it
-    starts the processes)."""
+    starts the processes), and a Trainer that a script launched here builds is refused (`hf-sparse-cp launch` runs a
+    script here for its --help alone)."""
     token = _PARSING_FOR_LAUNCH.set(True)
     try:
         yield
     finally:
         _PARSING_FOR_LAUNCH.reset(token)
+
+
+def is_parsing_for_launch() -> bool:
+    """Whether a launcher is parsing a script's flags before starting its processes (`parsing_for_launch`)."""
+    return _PARSING_FOR_LAUNCH.get()
 
 
 class SparseArgumentsMixin(PluginArgumentsMixin):
@@ -170,7 +176,7 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             self.use_cpu = True
         # (transformers' own error comes later and names no fix; the launcher's parse before starting the processes
         # stands for one of them)
-        if self.fsdp and "WORLD_SIZE" not in os.environ and not _PARSING_FOR_LAUNCH.get():
+        if self.fsdp and "WORLD_SIZE" not in os.environ and not is_parsing_for_launch():
             raise ValueError(
                 "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
                 "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp launch --nproc 2 train.py --fsdp "

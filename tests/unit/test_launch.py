@@ -443,19 +443,29 @@ def test_a_bad_value_for_the_scripts_parser_prints_a_short_usage_not_every_flag(
     assert capsys.readouterr().err.splitlines()[0] == "usage: train.py --output_dir DIR"
 
 
+HELP_SCRIPT = textwrap.dedent("""
+    from transformers import HfArgumentParser, TrainingArguments
+    HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    raise AssertionError("parsed")
+""")
+
+
 @pytest.mark.parametrize("argv, here", [
     (["train", "--nproc", "2", "--help"], ["train", "--help"]),
     (["train", "--config_file", "cpu_2proc_cp2", "-h"], ["train", "-h"]),
     (["launch", "--nproc", "2", "--help"], ["launch", "--help"]),
+    (["launch", "--nproc", "2", "train.py", "--help"], ["launch", "train.py", "--help"]),
+    (["launch", "--config_file", "cpu_2proc_cp2", "train.py", "--cp_size", "2", "-h"], ["launch", "train.py", "-h"]),
 ])
 def test_help_under_several_processes_prints_once_before_any_starts(monkeypatch, tmp_path, capsys, argv, here):
     """`hf-sparse-cp train --nproc 2 --help` printed the example's help once per launched process: it prints it
-    once, here, as one process does, and exits 0 without starting them (`launch`: the plugin's flags, before a
-    script path)."""
+    once, here, as one process does, and exits 0 without starting them (`launch`: the plugin's flags before a
+    script path, or the script's own help, with the plugin's flags, after it)."""
     from hf_sparse_cp import cli
     from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(HELP_SCRIPT)
     monkeypatch.setenv("COLUMNS", "200")
     started = []
     monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
@@ -469,6 +479,24 @@ def test_help_under_several_processes_prints_once_before_any_starts(monkeypatch,
     (one, _), (out, err) = printed
     assert "--sparse_vertical_topk" in one and err == ""
     assert out == one
+
+
+def test_a_script_that_reads_no_help_is_not_run_alone_for_it(monkeypatch, tmp_path, capsys):
+    """The help of a script to launch in several processes comes from its run here, up to its parser: a script that
+    builds its Trainer without a parser that reads --help is stopped there, naming why, with nothing launched (it
+    would otherwise train here, in one process)."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model=None, args=None)\n")
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _refused(capsys, ["launch", "--nproc", "2", "train.py", "--help"], cli.main)
+    assert not started
+    assert err == ("train.py: error: --help: the script built its Trainer without a parser that reads --help, so it "
+                   "has none to print; nothing was launched.\n"), err
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
