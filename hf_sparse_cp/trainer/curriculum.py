@@ -23,7 +23,8 @@ the CP degree, each read from the stage of the step being taken (`trainer.state.
 
 The learning-rate schedule, step counter, logging and checkpoints run on untouched; since the stage
 follows from the step, a checkpoint saved in any stage resumes into that stage (the Trainer's own
-data skip replays the sampler's earlier batches as index lists only).
+data skip replays the sampler's earlier batches as index lists only; without it, `ignore_data_skip`,
+the sampler begins at the resumed step).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -298,13 +299,18 @@ class StageBatchSampler(torch.utils.data.Sampler):
     `n x batch_size x grad_accum` samples and hands them out as accelerate does: micro-batch j of DP
     rank d is the (j x n + d)-th batch of `batch_size` samples of the step. The sampler yields
     `max_steps x grad_accum` micro-batches: one Trainer epoch is the whole run.
+
+    `first_step()`, read as iteration begins, is the optimizer step of the first micro-batch: 0, but a
+    resume that replays no batches (`ignore_data_skip`) iterates from its own step, whose stage the
+    batches must have; its samples then start from the first, as the Trainer's data starts over.
     """
 
     def __init__(self, schedule: Schedule, dims: Sequence[ParallelDims], *, num_samples: int, batch_size: int,
-                 grad_accum: int, max_steps: int, seed: int | None) -> None:
+                 grad_accum: int, max_steps: int, seed: int | None,
+                 first_step: Callable[[], int] = lambda: 0) -> None:
         self.schedule, self.dims = schedule, dims
         self.num_samples, self.batch_size, self.grad_accum = num_samples, batch_size, grad_accum
-        self.max_steps, self.seed = max_steps, seed
+        self.max_steps, self.seed, self.first_step = max_steps, seed, first_step
 
     def __len__(self) -> int:
         return self.max_steps * self.grad_accum
@@ -316,7 +322,7 @@ class StageBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         position, orders = 0, {}
-        for step in range(self.max_steps):
+        for step in range(self.first_step(), self.max_steps):
             i = self.schedule.index_at(step)
             stage, dims = self.schedule.stages[i], self.dims[i]
             for j in range(self.grad_accum):
@@ -481,9 +487,11 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     check_row_lengths(curriculum.schedule, dataset, collator, args.train_batch_size)
     seed = None if args.train_sampling_strategy == "sequential" else (
         args.data_seed if args.data_seed is not None else args.seed)
+    # (the Trainer iterates the loader once its state is loaded: a resume's step is known then)
     sampler = StageBatchSampler(curriculum.schedule, curriculum.dims, num_samples=len(dataset),
                                 batch_size=args.train_batch_size, grad_accum=args.gradient_accumulation_steps,
-                                max_steps=args.max_steps, seed=seed)
+                                max_steps=args.max_steps, seed=seed,
+                                first_step=lambda: trainer.state.global_step if args.ignore_data_skip else 0)
     loader = torch.utils.data.DataLoader(
         StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)

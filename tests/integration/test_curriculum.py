@@ -123,6 +123,17 @@ def test_the_sampler_takes_every_sample_once_per_pass_across_stages(seed):
     assert (taken[:n] == list(range(n))) == (seed is None)
 
 
+def test_the_sampler_begins_at_the_step_it_is_given_from_the_first_sample():
+    """A resume that replays no batches (`ignore_data_skip`) iterates the sampler at its step: the batches are that
+    step's stage's, the samples from the first on."""
+    schedule = _build(SCHEDULE, max_steps=6)
+    dims = [_dims(4, 1, stage.cp_size) for stage in schedule.stages]
+    sampler = StageBatchSampler(schedule, dims, num_samples=20, batch_size=1, grad_accum=2, max_steps=6, seed=None,
+                                first_step=lambda: 3)
+    # step 3: CP 2 x DP 2, rank 1 is DP rank 0 (micro-batches 0 and 2 of 4); steps 4-5: CP 4 x DP 1
+    assert list(sampler) == [[(0, 256)], [(2, 256)], [(4, 512)], [(5, 512)], [(6, 512)], [(7, 512)]]
+
+
 def test_stage_samples_crop_every_token_field():
     data = [{"input_ids": torch.arange(10), "labels": list(range(10)), "source": "doc", "weights": torch.ones(3)}]
     item = StageSamples(data)[(0, 4)]
@@ -394,6 +405,18 @@ def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_p
     assert model.config.sparse_attention == PATTERN.to_dict()
     disable_sparse_attention(model)
     assert getattr(model.config, "sparse_attention", None) is None  # as before the run
+
+
+def test_a_resume_that_replays_no_batches_trains_each_step_in_its_stage(tmp_path):
+    """`--ignore_data_skip` resumed at step 2 of `0:128:1,2:256:1:...` trained steps 3-4 on stage 0's batches (the
+    sampler began at step 0); under CP the ranks of a group then held different rows and stopped, blamed on data
+    built differently per process."""
+    schedule, out = "0:128:1,2:256:1:vertical_topk=32", str(tmp_path)
+    samples = _stage_data(_samples(), 0, NUM_SAMPLES, 256)
+    _train(_args(out, False, cp_schedule=schedule, max_steps=4, save_strategy="steps", save_steps=2), samples)
+    args = _args(out, False, cp_schedule=schedule, max_steps=4, ignore_data_skip=True)
+    losses, _, forwards = _train(args, samples, resume=os.path.join(out, "checkpoint-2"))
+    assert forwards == [(256, 1, None, 32)] * 2 and sorted(losses) == [3, 4]
 
 
 # ---- 2 gloo processes: every step of a CP switch is one process's step on that step's global batch ----
