@@ -227,25 +227,53 @@ def build_schedule(
             check_sizes(world_size, stage.cp_size)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-        unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
-        if unknown:
-            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
-                             "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
-                             "mass_threshold=0.005 or cp_mode=ulysses.")
+        config = _stage_config(i, stage, sparse_config)
         try:
-            config = sparse_config.replace(**stage.sparse)
             config.check_sparse_at(stage.seq_len, layers)
             if n_layers is not None:
                 config.check_layers(n_layers)
         except ValueError as error:
             raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-        unit = config.block_size * stage.cp_size
-        if stage.seq_len % unit:
-            raise ValueError(
-                f"cp_schedule stage {i} ({stage.text}): seq_len={stage.seq_len} does not split into whole blocks of "
-                f"{config.block_size} tokens over {stage.cp_size} CP ranks (a multiple of {unit} does): use "
-                f"{_seq_len_fix(stage.seq_len, unit)}, or another block_size.")
         configs.append(config)
+    return Schedule(tuple(stages), _starts(stages, max_steps, samples_per_step, num_samples), tuple(configs))
+
+
+def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None, max_steps: int) -> None:
+    """Raise `build_schedule`'s ValueError for what the flags alone decide, as they parse (before a launch starts
+    processes that would each refuse them): with the run's pattern `sparse_config` (None: not known yet) each
+    stage's fields and whole blocks per CP rank, and with --max_steps and no epoch start (resolved from the data)
+    the starts. The world size, the model and the data are checked once the run has them."""
+    stages = parse_schedule(text)
+    for i, stage in enumerate(stages if sparse_config is not None else ()):
+        _stage_config(i, stage, sparse_config)
+    if max_steps > 0 and all(stage.from_step is not None for stage in stages[1:]):
+        _starts(stages, max_steps)
+
+
+def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) -> SparseAttentionConfig:
+    """Stage `i`'s pattern: `sparse_config` with its fields. Raises ValueError, naming the stage, for a field that
+    is unknown or invalid, or a length that does not split into whole blocks per CP rank."""
+    unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
+    if unknown:
+        raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
+                         "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
+                         "mass_threshold=0.005 or cp_mode=ulysses.")
+    try:
+        config = sparse_config.replace(**stage.sparse)
+    except ValueError as error:
+        raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
+    unit = config.block_size * stage.cp_size
+    if stage.seq_len % unit:
+        raise ValueError(
+            f"cp_schedule stage {i} ({stage.text}): seq_len={stage.seq_len} does not split into whole blocks of "
+            f"{config.block_size} tokens over {stage.cp_size} CP ranks (a multiple of {unit} does): use "
+            f"{_seq_len_fix(stage.seq_len, unit)}, or another block_size.")
+    return config
+
+
+def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[int] | None = None,
+            num_samples: int | None = None) -> tuple[int, ...]:
+    """The stages' start steps (`build_schedule`'s arguments), each after the one before and within max_steps."""
     starts, consumed = [], 0  # consumed: samples taken before the latest stage's start
     for i, stage in enumerate(stages):
         if stage.from_step is not None or i == 0:
@@ -267,7 +295,7 @@ def build_schedule(
     if starts[-1] >= max_steps:
         raise ValueError(f"cp_schedule's last stage starts at step {starts[-1]}, at or after --max_steps {max_steps}: "
                          "raise --max_steps or start the stage earlier.")
-    return Schedule(tuple(stages), tuple(starts), tuple(configs))
+    return tuple(starts)
 
 
 class StageSamples(torch.utils.data.Dataset):

@@ -56,7 +56,7 @@ from .arguments import (
 )
 from .attach import attach_to_trainer, enable_sparse_attention
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
-from .curriculum import CurriculumArguments, parse_schedule
+from .curriculum import CurriculumArguments, check_schedule_flags, parse_schedule
 from .smet import install_smet
 
 logger = logging.getLogger(__name__)
@@ -188,6 +188,12 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
         super().__post_init__()
         with flag_errors():
             self._validate_plugin_fields()
+            if self.cp_schedule:
+                # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
+                # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
+                known = self.sparse_attention and self.sparse_config is None
+                check_schedule_flags(self.cp_schedule, self.sparse_attention_config() if known else None,
+                                     self.max_steps)
 
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class

@@ -83,6 +83,23 @@ def test_a_schedule_needs_max_steps():
         _build("0:128:1", max_steps=-1)
 
 
+@pytest.mark.parametrize("flags, match", [
+    (dict(cp_schedule="0:256:1,4:512:2"), r"last stage starts at step 4, at or after --max_steps 4"),
+    (dict(cp_schedule="0:256:1,2:500:2"), r"stage 1 \(2:500:2\): seq_len=500 does not split into whole blocks of 32 "
+                                          r"tokens over 2 CP ranks .*use seq_len=448 or 512"),
+    (dict(cp_schedule="0:256:1,2:512:2:vertical_top=4"), r"\['vertical_top'\] are not sparse-pattern fields"),
+])
+def test_what_the_flags_alone_decide_is_refused_when_they_parse(tmp_path, flags, match):
+    """`hf-sparse-cp train --nproc 2 --cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, which
+    each refused it once they had built their data and model; the arguments refuse it as they parse."""
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    with pytest.raises(ValueError, match=match):
+        SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, sparse_block_size=32, **flags)
+    # what the world size, the model or the data decide waits for them: CP 4 on 2 processes, an epoch start
+    SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, cp_schedule="0:256:1,1ep:512:4")
+
+
 def test_epoch_starts_resolve_to_the_step_that_completes_them():
     # 16 samples; stage 0 takes 4 per step (DP 4), stage 1 takes 2 (DP 2)
     schedule = _build("0:128:1,1ep:256:2,1.75ep:512:4", max_steps=20, samples_per_step=[4, 2, 1], num_samples=16)

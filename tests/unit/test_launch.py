@@ -365,6 +365,22 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
 
+def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(monkeypatch, capsys):
+    """`--cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, each refusing it once it had built its
+    data and model; the launcher's parse of the example's flags refuses it, once, and starts nothing."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--nproc", "2", "--cp_schedule", "0:256:1,4:512:2", "--max_steps", "4"])
+    assert refused.value.code == 2 and not started
+    assert ("error: cp_schedule's last stage starts at step 4, at or after --max_steps 4: raise --max_steps or start "
+            "the stage earlier.") in capsys.readouterr().err
+
+
 def test_the_launcher_refuses_what_every_launched_process_would_before_starting_them(monkeypatch, tmp_path, capsys):
     from hf_sparse_cp import cli
     from hf_sparse_cp.launch import processes
