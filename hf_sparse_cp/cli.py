@@ -124,7 +124,7 @@ def _launch(argv: list[str]) -> int:
 
     parser = launcher_options("hf-sparse-cp launch", LAUNCH_USAGE)
     parse_launcher_options(parser, leading_options(argv))  # (a bad process count, named before the slow imports)
-    from hf_sparse_cp.launch.command import check_command, launched_cp_sizes, split_command
+    from hf_sparse_cp.launch.command import check_command, launched_cp_flags, split_command
 
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
     check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch")
@@ -149,9 +149,9 @@ def _launch(argv: list[str]) -> int:
         from hf_sparse_cp.run import parse_plugin_flags
 
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
-        sizes = launched_cp_sizes(plugin, args)
-        if sizes is not None:
-            refuse_unlaunchable(parser, sizes, processes)
+        cp_flags = launched_cp_flags(plugin, args)
+        if cp_flags is not None:
+            refuse_unlaunchable(parser, cp_flags, processes)
     return launch(options, run_args, _run_here)
 
 
@@ -180,7 +180,7 @@ def _train(argv: list[str]) -> int:
 
         with parsing_for_launch():
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
-        refuse_unlaunchable(parser, parsed.training.cp_sizes(), processes)
+        refuse_unlaunchable(parser, parsed.training, processes)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 

@@ -66,9 +66,9 @@ def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[lis
     return list(argv), None, False, []
 
 
-def launched_cp_sizes(plugin: PluginArguments, args: Sequence[str]) -> list[int] | None:
-    """The CP degrees a launched script runs with: those of `plugin` (the flags before the script path) unless the
-    script's arguments `args` give --cp_size or --cp_schedule, which the script's parser takes beside its own (the
+def launched_cp_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArguments | None:
+    """`plugin` (the flags before the script path) with the CP degrees a launched script runs with: `args` (the
+    script's arguments) may give --cp_size or --cp_schedule, which the script's parser takes beside its own (the
     last one given wins). Read as written, without the script's parser: None where that parser alone can say (a
     value it will refuse, a schedule it will refuse naming the stage)."""
     parser = _Quiet(add_help=False, allow_abbrev=False)
@@ -77,7 +77,7 @@ def launched_cp_sizes(plugin: PluginArguments, args: Sequence[str]) -> list[int]
             parser.add_argument(*action.option_strings, dest=action.dest, default=getattr(plugin, action.dest))
     try:
         given = parser.parse_known_args(list(args))[0]
-        return dataclasses.replace(plugin, cp_size=int(given.cp_size), cp_schedule=given.cp_schedule).cp_sizes()
+        return dataclasses.replace(plugin, cp_size=int(given.cp_size), cp_schedule=given.cp_schedule)
     except (ValueError, TypeError, _Refused):  # (the script's parser refuses it, naming the flag)
         return None
 

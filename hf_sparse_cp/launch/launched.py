@@ -35,7 +35,6 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from transformers import Trainer, TrainingArguments
 
-from ..distributed import check_launched
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
 from ..trainer.arguments import did_you_mean, explicit_fields, is_flag_error
@@ -137,7 +136,7 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
                     if named and "sparse_card_datasets" not in explicit:
                         out.sparse_card_datasets = named
                     try:
-                        check_launched(out.cp_sizes())  # before the script builds its data
+                        out.check_launch()  # before the script builds its data
                     except ValueError as e:
                         self.exit(2, f"{self.prog}: error: {e}\n")
             return outputs

@@ -86,13 +86,12 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
     return options.nproc if options.nproc > 1 and "WORLD_SIZE" not in env else None
 
 
-def refuse_unlaunchable(parser: argparse.ArgumentParser, cp_sizes: Sequence[int], processes: int) -> None:
+def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: int) -> None:
     """Exit as argparse ends a bad flag (`parser`'s usage and prog) when `processes` launched processes cannot run
-    these CP degrees, each of which would refuse them (`check_launched`), before any starts."""
-    from hf_sparse_cp.distributed.mesh import check_launched
-
+    the CP degrees of `arguments` (the plugin's, `PluginArgumentsMixin`), each of which would refuse them
+    (`check_launch`), before any starts."""
     try:
-        check_launched(cp_sizes, {"WORLD_SIZE": str(processes)})
+        arguments.check_launch({"WORLD_SIZE": str(processes)})
     except ValueError as e:
         parser.error(str(e))
 

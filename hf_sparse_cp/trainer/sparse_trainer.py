@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -40,7 +40,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..config.files import check_field_types
-from ..distributed import ContextParallelConfig, quiesce_process_groups
+from ..distributed import ContextParallelConfig, check_launched, quiesce_process_groups
 from ..integration import compat
 from ..integration.architectures import uses_every_parameter
 from ..reporting.model_card import write_sparse_model_card
@@ -125,11 +125,16 @@ class PluginArgumentsMixin:
     def context_parallel_config(self) -> ContextParallelConfig:
         return from_prefixed(self, ContextParallelConfig)
 
-    def cp_sizes(self) -> list[int]:
-        """The CP degrees the run uses: `--cp_size`, or each stage's of `--cp_schedule`."""
-        if self.cp_schedule:
-            return [stage.cp_size for stage in parse_schedule(self.cp_schedule)]
-        return [self.cp_size]
+    def check_launch(self, env: Mapping[str, str] = os.environ) -> None:
+        """`mesh.check_launched` for the run's CP degrees (`--cp_size`, or each stage's of `--cp_schedule`, whose
+        refusal names the stage) in a launch described by `env` (WORLD_SIZE)."""
+        if not self.cp_schedule:
+            check_launched([self.cp_size], env)
+        for i, stage in enumerate(parse_schedule(self.cp_schedule) if self.cp_schedule else ()):
+            try:
+                check_launched([stage.cp_size], env)
+            except ValueError as e:
+                raise ValueError(f"--cp_schedule stage {i} ({stage.text}): {e}") from None
 
     def smet_arguments(self) -> SMETArguments:
         return from_prefixed(self, SMETArguments)

@@ -98,6 +98,12 @@ def test_a_cp_degree_this_launch_cannot_run_is_refused_at_parse_time(tmp_path, m
                                                                          "2"])
     assert refused.value.code == 2
     assert "error: cp_size=2 splits each sequence over 2 processes, and this one runs alone" in capsys.readouterr().err
+    with launched(PluginArguments()), pytest.raises(SystemExit) as refused:
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--cp_schedule",
+                                                                         "0:256:1,2:512:2", "--max_steps", "3"])
+    assert refused.value.code == 2
+    assert ("error: --cp_schedule stage 1 (2:512:2): cp_size=2 splits each sequence over 2 processes, and this one "
+            "runs alone") in capsys.readouterr().err
     with pytest.raises(ValueError, match="cp_size=2 does not divide the world size 3"):  # what the parse checks
         check_launched([1, 2], {"WORLD_SIZE": "3"})
     check_launched([1, 2, 4], {"WORLD_SIZE": "4"})
@@ -361,7 +367,9 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
         cli.main(argv)
     assert refused.value.code == 2 and not started
     err = capsys.readouterr().err
-    assert f"hf-sparse-cp {argv[0]}: error: cp_size=3 does not divide the world size 2 (the number of processes)" in err
+    stage = "--cp_schedule stage 1 (5:128:3): " if "--cp_schedule" in argv else ""  # (the stage refused, named)
+    assert (f"hf-sparse-cp {argv[0]}: error: {stage}cp_size=3 does not divide the world size 2 (the number of "
+            "processes)") in err
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
 
