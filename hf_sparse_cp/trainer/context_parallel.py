@@ -53,10 +53,19 @@ def pad_token_id(trainer: Trainer, model: torch.nn.Module) -> int:
 
 
 def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
-    """`Accelerator.prepare_data_loader` sharding over the data-parallel ranks only."""
+    """`Accelerator.prepare_data_loader` sharding over the data-parallel ranks only, each process reading its own
+    batches. accelerate's default for an iterable dataset (`run_clm.py --streaming`) is to dispatch: rank 0 reads
+    a batch per process and splits them over all processes, whatever `num_processes` says, which hands the ranks
+    of a CP group different rows. Raises ValueError, naming the fix, for a `dispatch_batches` the user set."""
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
+    if compat.dp_data_loader_options(acc)["dispatch_batches"]:
+        raise ValueError(
+            f"dispatch_batches=True (--accelerator_config) under context parallelism (CP {parallel.cp_size}): "
+            "rank 0 would read the batches and split them over all processes, so the ranks of a CP group would "
+            "hold different rows. Drop it (or set '{\"dispatch_batches\": false}'): every process then reads "
+            "the data itself, as it must build the same data (the same files, or seeded).")
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
         prepared = prepare_data_loader(
@@ -66,7 +75,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             process_index=parallel.dp_rank,
             put_on_device=acc.device_placement if device_placement is None else device_placement,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
-            **compat.dp_data_loader_options(acc),
+            **{**compat.dp_data_loader_options(acc), "dispatch_batches": False},
         )
         compat.track_data_loader(acc, prepared)
         return prepared
