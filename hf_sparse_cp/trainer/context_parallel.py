@@ -140,6 +140,25 @@ def _cp_group_mean(loss: torch.Tensor | None, parallel: ParallelDims) -> torch.T
     return total / parallel.cp_size
 
 
+def predictions_refused(what: str, cp_size: int) -> str:
+    """Why `what` (an evaluation or prediction that returns logits) cannot run under CP, and the fix a user of an
+    unchanged script can apply."""
+    return (f"{what} under context parallelism (CP {cp_size}): each CP rank's logits cover only its shard of the "
+            "sequence, so they are not the batch's predictions that compute_metrics reads. Pass "
+            "--prediction_loss_only (TrainingArguments(prediction_loss_only=True)): evaluation then reports "
+            "eval_loss, exact under CP, without calling compute_metrics; or evaluate or predict in a run without "
+            "--cp_size.")
+
+
+def check_evaluation(trainer: Trainer, cp_size: int) -> None:
+    """Raise ValueError, naming the fix, when the Trainer would evaluate with `compute_metrics` under CP (run_clm.py
+    --do_eval sets it): the evaluation would be refused after training (`report_cp_group_losses`), so refuse now."""
+    args = trainer.args
+    if trainer.compute_metrics is not None and trainer.eval_dataset is not None and not args.prediction_loss_only:
+        raise ValueError(predictions_refused("Evaluating with compute_metrics (this Trainer has an eval_dataset and "
+                                             "compute_metrics)", cp_size))
+
+
 def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
     """Make `training_step` and `prediction_step` return the loss of the CP group's batch on each of its ranks.
 
@@ -158,11 +177,8 @@ def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], Par
     def predict(model, inputs, *rest, **kwargs):
         loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
         if parallel().cp_size > 1 and outputs and outputs[0] is not None:
-            raise ValueError(
-                "Trainer.predict (or evaluate with compute_metrics / prediction_loss_only=False) under context "
-                f"parallelism (CP {parallel().cp_size}): each CP rank's logits cover only its shard of the sequence, "
-                "so they are not the batch's predictions. Evaluate the loss only (prediction_loss_only=True and no "
-                "compute_metrics: eval_loss is exact under CP), or predict in a run without --cp_size.")
+            raise ValueError(predictions_refused("Trainer.predict (or evaluate with compute_metrics)",
+                                                 parallel().cp_size))
         return (_cp_group_mean(loss, parallel()), *outputs)
 
     patches.set_attr(trainer, "training_step", step)
@@ -236,6 +252,7 @@ def enable_trainer_context_parallel(
         return parallel
     model = trainer.model
     check_model_supports_context_parallel(model, parallel=parallel)
+    check_evaluation(trainer, parallel.cp_size)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
     pad_id = pad_token_id(trainer, model)

@@ -1,6 +1,8 @@
 """The Trainer's evaluation under CP 2 (each mode): `eval_loss` over an evaluation set whose last batch is short equals
 one process's, and `predict` (which returns logits, a rank's covering its shard only) is refused naming the fix
-instead of returning shards of rows as rows."""
+instead of returning shards of rows as rows. A Trainer built to evaluate with `compute_metrics` (run_clm.py
+--do_eval) is refused when the plugin attaches, before training, naming `--prediction_loss_only`, under which it
+evaluates the loss of one process."""
 
 import os
 import tempfile
@@ -42,6 +44,17 @@ def _evaluate(rank: int, world: int) -> dict:
                 result["predictions"] = tuple(trainer.predict(rows).predictions.shape)
             except ValueError as e:
                 result["predictions"] = str(e)
+            for loss_only in (False, True):
+                args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, per_device_eval_batch_size=2,
+                                         prediction_loss_only=loss_only)
+                trainer = Trainer(model=model, args=args, eval_dataset=rows, data_collator=default_data_collator,
+                                  compute_metrics=lambda prediction: {"rows": len(prediction.label_ids)})
+                try:
+                    attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                                      ContextParallelConfig(cp_size=world, **flags))
+                    result[f"metrics_loss_only_{loss_only}"] = trainer.evaluate()["eval_loss"]
+                except ValueError as e:
+                    result[f"metrics_loss_only_{loss_only}"] = str(e)
         results[name] = result
     return results
 
@@ -66,3 +79,12 @@ def test_predict_under_cp2_is_refused_naming_the_fix(runs, mode):
     assert one["predictions"][:2] == (3, 300)
     for rank in ranks:
         assert "prediction_loss_only" in rank[mode]["predictions"], rank[mode]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_evaluation_with_compute_metrics_under_cp2_is_refused_before_training_naming_the_flag(runs, mode):
+    one, ranks = runs
+    assert isinstance(one["metrics_loss_only_False"], float)  # one process evaluates it
+    for rank in ranks:
+        assert "--prediction_loss_only" in rank[mode]["metrics_loss_only_False"], rank[mode]
+        assert rank[mode]["metrics_loss_only_True"] == pytest.approx(one["eval_loss"], rel=1e-5)
