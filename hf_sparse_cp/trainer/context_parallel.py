@@ -159,6 +159,20 @@ def check_evaluation(trainer: Trainer, cp_size: int) -> None:
                                              "compute_metrics)", cp_size))
 
 
+def dropout_note(model: torch.nn.Module) -> str | None:
+    """A warning when `model` has dropout modules that drop something (TRL's LoRA: `--lora_dropout 0.05`): each CP
+    rank draws the masks of its own shard, so the run equals one without CP in distribution only, not to rounding
+    as the docs promise for fp32. None without them."""
+    active = [f"{name} (p={module.p})" for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    if not active:
+        return None
+    return (f"context parallelism: {len(active)} dropout modules drop activations (e.g. {active[0]}): each CP rank "
+            "draws the masks of its own shard, so this run equals a run without CP in distribution, not to rounding. "
+            "For a run that must compare with one process, set them to 0 (LoRA: --lora_dropout 0; else the model "
+            "config's dropout fields).")
+
+
 def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
     """Make `training_step` and `prediction_step` return the loss of the CP group's batch on each of its ranks.
 
@@ -253,6 +267,9 @@ def enable_trainer_context_parallel(
     model = trainer.model
     check_model_supports_context_parallel(model, parallel=parallel)
     check_evaluation(trainer, parallel.cp_size)
+    note = dropout_note(model)
+    if note is not None and trainer.is_world_process_zero():
+        logger.warning(note)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
     pad_id = pad_token_id(trainer, model)

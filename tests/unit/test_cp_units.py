@@ -311,3 +311,22 @@ def test_models_the_ring_cannot_shard_are_refused():
     model.model.layers[1].self_attn.is_causal = False
     with pytest.raises(ValueError, match="bidirectional"):
         check_model_supports_context_parallel(model)
+
+
+def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
+    """TRL's LoRA drops activations by default: under CP each rank draws its shard's masks, and the start-up
+    warning says so, naming the module and --lora_dropout 0; a model without dropout gets none."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.context_parallel import dropout_note
+
+    def lora(dropout):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        return get_peft_model(model, LoraConfig(r=4, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+
+    note = dropout_note(lora(0.05))
+    assert "4 dropout modules" in note and "lora_dropout.default (p=0.05)" in note and "--lora_dropout 0" in note
+    assert dropout_note(lora(0.0)) is None
+    assert dropout_note(AutoModelForCausalLM.from_config(tiny_config("llama"))) is None
