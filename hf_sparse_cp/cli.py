@@ -127,7 +127,8 @@ def _launch(argv: list[str]) -> int:
     from hf_sparse_cp.launch.command import check_command, launched_cp_flags, split_command
 
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
-    check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch")
+    check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch",
+                  args=args)
     options, plugin_flags = parse_launcher_options(parser, flags)
     run_args = [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args]
     if {"-h", "--help"} & set(plugin_flags):  # once, here, not once per launched process

@@ -73,7 +73,7 @@ def run_target(target: str, is_module: bool, args: Sequence[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hf_sparse_cp.run`: see the module's doc."""
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
-    check_command(flags, target, is_module, usage=USAGE, prog=PROG)
+    check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags)  # (--help exits here)
     with launched(plugin):
         run_target(target, is_module, args)

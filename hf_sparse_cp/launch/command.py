@@ -82,14 +82,27 @@ def launched_cp_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArg
         return None
 
 
+def _trl_command(target: str, is_module: bool) -> bool:
+    """Whether `target` is TRL's command line (`trl sft`: the `trl` console script, or `-m trl.cli[.main]`), which
+    starts the training script it names in new processes (accelerate launch), where the plugin does not run."""
+    if is_module:
+        return target == "trl.cli" or target.startswith("trl.cli.")
+    return os.path.basename(target) == "trl"
+
+
 def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (), *,
-                  usage: str, prog: str) -> None:
+                  usage: str, prog: str, args: Sequence[str] = ()) -> None:
     """Exit as argparse ends a bad flag (`usage`, `prog: error: ...`, status 2) naming what the launcher expected
-    when `split_command` found no script, or the script's path is not a file (nothing to check with `--help`, which
-    lists the flags)."""
+    when `split_command` found no script, the script's path is not a file, or it is TRL's command line, which would
+    train without the plugin (nothing to check with `--help`, which lists the flags)."""
     if {"-h", "--help"} & set(flags):
         return
-    if target is None and is_module:
+    if target is not None and _trl_command(target, is_module):
+        command = args[0] if args and not args[0].startswith("-") else "sft"
+        why = (f"{target} (TRL's command line) starts its training script in new processes through accelerate "
+               "launch, which the plugin does not reach: it would train without it. Run the script that "
+               f"`trl {command}` starts instead, with the arguments after {command}: -m trl.scripts.{command}")
+    elif target is None and is_module:
         why = "-m needs the module to run after it (e.g. -m trl.scripts.sft)"
     elif target is None:
         try:

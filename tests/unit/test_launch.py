@@ -159,6 +159,19 @@ def test_only_plugin_flags_go_before_the_script_path(capsys):
     assert err.startswith(error + "--smet_density=2.0 must be in (0, 1]"), err
 
 
+def test_trls_command_line_which_would_train_without_the_plugin_is_refused_naming_its_script(capsys):
+    """`trl sft` starts trl/scripts/sft.py in new processes (accelerate launch) that the plugin never reaches: run
+    under the launcher, it trained stock without a word; refused naming the module to run instead."""
+    from hf_sparse_cp import cli as launch_cli
+
+    fix = "Run the script that `trl sft` starts instead, with the arguments after sft: -m trl.scripts.sft.\n"
+    for argv in (["-m", "trl.cli.main", "sft", "--max_steps", "1"], ["--sparse_config", "trial", "trl", "sft"]):
+        err = _refused(capsys, argv)
+        assert "TRL's command line" in err and err.endswith(fix), err
+    err = _refused(capsys, ["launch", "--nproc", "2", "-m", "trl.cli", "dpo"], launch_cli.main)
+    assert err.endswith("-m trl.scripts.dpo.\n"), err
+
+
 def test_the_launchers_help_lists_the_common_flags_first(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
