@@ -36,7 +36,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from datasets import Dataset
@@ -81,6 +81,12 @@ class ScriptArguments:
         default=None, metadata={"help": "Pretrained model to fine-tune (a Hub id, a folder, or a .gguf file, loaded "
                                          "dequantized through transformers' GGUF support); default: a tiny "
                                          "random-init model."}
+    )
+    model_dtype: Literal["float32", "bfloat16"] | None = field(
+        default=None, metadata={"help": "dtype of the --model_name_or_path model's weights and so of its AdamW "
+                                         "state; default: bfloat16 under --bf16 (what the recipes run and "
+                                         "docs/memory.md sizes; an update below a weight's bf16 resolution is "
+                                         "lost), float32 otherwise."}
     )
     tiny_model_type: str = field(default="qwen2", metadata={"help": "Family of the tiny default model."})
     tiny_num_layers: int = field(default=2, metadata={"help": "Decoder layers of the tiny default model."})
@@ -356,7 +362,9 @@ def build_trainer(
         if source.endswith(".gguf"):  # transformers reads a GGUF file by its folder and name
             source, gguf = str(Path(source).parent), {"gguf_file": Path(source).name}
         tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16, **gguf)
+        # bf16 weights only when asked for: most updates of a small learning rate round away in them.
+        dtype = script.model_dtype or ("bfloat16" if training.bf16 else "float32")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **gguf)
         if gguf:  # GGUF weights load dequantized, yet marked quantized, which the Trainer refuses to train
             model.hf_quantizer.remove_quantization_config(model)
     else:
