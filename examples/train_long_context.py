@@ -61,7 +61,7 @@ from hf_sparse_cp import (
     SparseTrainingArguments,
 )
 from hf_sparse_cp.config.files import check_field_types, read_mapping
-from hf_sparse_cp.distributed import ContextParallelConfig, check_launched
+from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.recipes import recipe_path
@@ -353,7 +353,7 @@ def build_trainer(
 ) -> SparseTrainer:
     """The run's `SparseTrainer`, as `main` trains it: the model (pretrained, or the tiny default), its
     tokenizer, the passkey data and the collator that `script` asks for; `callbacks` go to the Trainer."""
-    check_launched(training.cp_sizes())  # (a recipe for 8 processes says so before building its data)
+    training.check_launch()  # (a recipe for 8 processes says so before building its data)
     set_seed(training.seed)
 
     if script.model_name_or_path:
