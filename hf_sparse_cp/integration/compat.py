@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -160,6 +161,9 @@ PATCHES = (
         Patch(parser, "error", "replaces", "argparse's error for a launched script's parser prints a short usage (its "
               "prog and --help), not every flag, the plugin's ~60 among them, unless the script wrote its own usage",
               _LAUNCH_UNDO, ("self", "message")))),
+    Patch("transformers.Trainer", "compute_loss", "reads", "under CP, a Trainer whose loss is not the Trainer's or "
+          "TRL SFTTrainer's (which the plugin shards exactly) is refused at start (`cp_exact_losses`)",
+          parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     Patch("trl", "SFTTrainer", "reads", "TRL's SFTTrainer logs num_tokens, counted on the inputs it trains on (under "
           "CP, each rank's padded shard): the plugin logs what one process counts instead"),
     # -- the Accelerator and accelerate's process-wide state --
@@ -372,6 +376,15 @@ def token_count_divides_by_get_cp_size() -> bool:
     from packaging.version import Version
 
     return Version(transformers.__version__).release >= (5, 19)
+
+
+def cp_exact_losses() -> tuple[Callable, ...]:
+    """The `compute_loss` methods whose loss CP reproduces to rounding: the Trainer's (the model's mean over label
+    tokens, which the plugin shards with the labels) and TRL SFTTrainer's (that loss, with its token metrics)."""
+    from transformers import Trainer
+
+    trl = sys.modules.get("trl")  # (imported wherever such a trainer exists)
+    return (Trainer.compute_loss,) + ((trl.SFTTrainer.compute_loss,) if trl is not None else ())
 
 
 def logs_trained_tokens(trainer: Any) -> bool:

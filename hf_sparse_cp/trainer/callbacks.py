@@ -83,7 +83,8 @@ class StepMetricsCallback(TrainerCallback):
     largest peak of any process (`peak_memory_bytes`). Under CP it also replaces TRL's `num_tokens` (counted on
     each rank's padded shard) by the total of real tokens, as one process counts them.
 
-    `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch).
+    `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch); a
+    trainer whose batches are not tokens (TRL GRPO's prompts, which it completes in the step) logs no tokens/s.
     Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
     """
 
@@ -94,7 +95,9 @@ class StepMetricsCallback(TrainerCallback):
         self.cp_size = 1
         self._last_log = time.perf_counter()
 
-    def count(self, inputs: Mapping[str, Any], cp_size: int) -> None:
+    def count(self, inputs: Mapping[str, Any] | list, cp_size: int) -> None:
+        if not isinstance(inputs, Mapping):  # TRL GRPO's batch of prompts: it generates the tokens it trains on
+            return
         tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
         self.total = tokens if self.total is None else self.total + tokens
         self.since_log = tokens if self.since_log is None else self.since_log + tokens
@@ -117,7 +120,7 @@ class StepMetricsCallback(TrainerCallback):
             torch.distributed.all_reduce(stats[2:], op=torch.distributed.ReduceOp.MAX)
         total, since_log, peak_all = stats.tolist()
         now = time.perf_counter()
-        extra = {TOKENS_PER_SECOND: round(since_log / max(now - self._last_log, 1e-9), 1)}
+        extra = {} if self.total is None else {TOKENS_PER_SECOND: round(since_log / max(now - self._last_log, 1e-9), 1)}
         if peak is not None:
             extra[PEAK_MEMORY] = round(peak_all / GIB, 3)
         if "num_tokens" in logs and self.cp_size > 1:

@@ -159,6 +159,22 @@ def check_evaluation(trainer: Trainer, cp_size: int) -> None:
                                              "compute_metrics)", cp_size))
 
 
+def check_loss(trainer: Trainer, cp_size: int) -> None:
+    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's DPO, KTO, reward, GRPO
+    trainers; a script's `compute_loss`): under CP each rank's forward covers only its shard of every sequence, so
+    a loss built from the outputs (per-sequence log-prob sums, a last token's score, generations) is the shard's,
+    not the sequence's; such a run crashed mid-step or trained on wrong values."""
+    method = type(trainer).compute_loss
+    if method in compat.cp_exact_losses():
+        return
+    owner = method.__qualname__.rsplit(".", 1)[0]
+    raise ValueError(f"{owner} under context parallelism (CP {cp_size}) is not supported: its compute_loss "
+                     f"({method.__module__}) builds its loss from the model's outputs, and each CP rank's outputs "
+                     "cover only its shard of every sequence. CP trains the loss of transformers' Trainer and TRL's "
+                     "SFTTrainer. Run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1): sparse "
+                     "attention alone trains it, on one process or with data parallelism.")
+
+
 def dropout_note(model: torch.nn.Module) -> str | None:
     """A warning when `model` has dropout modules that drop something (TRL's LoRA: `--lora_dropout 0.05`): each CP
     rank draws the masks of its own shard, so the run equals one without CP in distribution only, not to rounding
@@ -266,6 +282,7 @@ def enable_trainer_context_parallel(
         return parallel
     model = trainer.model
     check_model_supports_context_parallel(model, parallel=parallel)
+    check_loss(trainer, parallel.cp_size)
     check_evaluation(trainer, parallel.cp_size)
     note = dropout_note(model)
     if note is not None and trainer.is_world_process_zero():

@@ -172,6 +172,53 @@ def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
     _assert_loads_without_the_plugin(workdir / "trl_cp2")
 
 
+def _trl_script(workdir: Path, name: str, script: str, data: list[dict], args: list[str],
+                cp: list[str]) -> subprocess.CompletedProcess:
+    """TRL's installed `trl/scripts/<script>.py`, unchanged, through `hf-sparse-cp launch` on `data` (JSON lines)."""
+    (workdir / f"{name}_data").mkdir(exist_ok=True)
+    (workdir / f"{name}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(workdir / "datasets_cache")}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "hf_sparse_cp.cli", "launch", *cp, "-m", f"trl.scripts.{script}",
+               "--model_name_or_path", "tiny", "--dataset_name", f"{name}_data", "--output_dir", name, *TRAIN,
+               "--bf16", "false", "--gradient_checkpointing", "false", *PATTERN, "--sparse_min_seq_len", "64", *args]
+    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _words(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    words = ["sparse", "attention", "ring", "packed", "document", "token", "block", "query", "key", "value"]
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (k,), generator=g).tolist())
+            for k in torch.randint(10, 40, (n,), generator=g).tolist()]
+
+
+@pytest.mark.parametrize("script", ["dpo", "grpo"])
+def test_trls_preference_and_rl_scripts_train_sparse_and_are_refused_at_start_under_cp(workdir, script):
+    """TRL's dpo.py and grpo.py (their Trainers compute their own losses: per-sequence log-prob sums, generated
+    completions) train with sparse attention in one process; under CP 2 they are refused before the first step,
+    naming why and the fix, where DPO crashed mid-step on a shard's logits against the whole batch's masks and GRPO
+    failed counting its batch of prompts."""
+    prompts, chosen, rejected = _words(8, 0), _words(8, 1), _words(8, 2)
+    data = ([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(prompts, chosen, rejected)]
+            if script == "dpo" else [{"prompt": p} for p in prompts])
+    # GRPO's reward: a function the script imports from the working directory (`module.function`)
+    (workdir / "length_reward.py").write_text("def reward(completions, **kwargs):\n"
+                                              "    return [float(len(c)) for c in completions]\n")
+    args = [] if script == "dpo" else ["--reward_funcs", "length_reward.reward", "--num_generations", "2",
+                                       "--max_completion_length", "8", "--per_device_train_batch_size", "2"]
+    one = _trl_script(workdir, f"{script}_one", script, data, args, [])
+    assert one.returncode == 0, one.stderr[-6000:]
+    assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
+    assert any(not torch.equal(load_file(workdir / f"{script}_one" / "model.safetensors")[name], tensor)
+               for name, tensor in load_file(workdir / "tiny" / "model.safetensors").items())  # (it trained)
+    cp2 = _trl_script(workdir, f"{script}_cp2", script, data, args, ["--nproc", "2", "--cp_size", "2"])
+    trainer = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer"}[script]
+    assert cp2.returncode != 0 and "'loss'" not in cp2.stdout  # refused before any step
+    assert f"{trainer} under context parallelism (CP 2) is not supported" in cp2.stderr
+    assert "Run without CP (drop --cp_size" in cp2.stderr
+
+
 def _assert_loads_without_the_plugin(*folders: Path) -> None:
     """The models the runs saved load and run in a process that never imports the plugin."""
     code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
