@@ -161,18 +161,30 @@ def check_evaluation(trainer: Trainer, cp_size: int) -> None:
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
     """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's DPO, KTO, reward, GRPO
-    trainers; a script's `compute_loss`): under CP each rank's forward covers only its shard of every sequence, so
-    a loss built from the outputs (per-sequence log-prob sums, a last token's score, generations) is the shard's,
-    not the sequence's; such a run crashed mid-step or trained on wrong values."""
+    trainers; a script's `compute_loss`, `compute_loss_func` or label smoothing): under CP each rank's forward
+    covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
+    token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
+    crashed mid-step or trained on wrong values."""
     method = type(trainer).compute_loss
-    if method in compat.cp_exact_losses():
+    # (the Trainer's own loss hands the logits and the rank's labels to these instead of the model's loss)
+    if trainer.label_smoother is not None:
+        what = (f"label smoothing (--label_smoothing_factor {trainer.args.label_smoothing_factor}) under context "
+                f"parallelism (CP {cp_size}) is not supported: it shifts the labels of each rank's shard")
+        fix = "drop --label_smoothing_factor, or run without CP"
+    elif trainer.compute_loss_func is not None:
+        what = (f"a compute_loss_func ({getattr(trainer.compute_loss_func, '__qualname__', 'given')}) under context "
+                f"parallelism (CP {cp_size}) is not supported: it gets the outputs and labels of each rank's shard")
+        fix = "drop compute_loss_func, or run without CP"
+    elif method in compat.cp_exact_losses():
         return
-    owner = method.__qualname__.rsplit(".", 1)[0]
-    raise ValueError(f"{owner} under context parallelism (CP {cp_size}) is not supported: its compute_loss "
-                     f"({method.__module__}) builds its loss from the model's outputs, and each CP rank's outputs "
-                     "cover only its shard of every sequence. CP trains the loss of transformers' Trainer and TRL's "
-                     "SFTTrainer. Run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1): sparse "
-                     "attention alone trains it, on one process or with data parallelism.")
+    else:
+        what = (f"{method.__qualname__.rsplit('.', 1)[0]} under context parallelism (CP {cp_size}) is not supported: "
+                f"its compute_loss ({method.__module__}) builds its loss from the model's outputs")
+        fix = "run without CP"
+    raise ValueError(f"{what}, and each CP rank's outputs cover only its shard of every sequence. CP trains the "
+                     "model's own causal-LM loss (the Trainer's and TRL SFTTrainer's compute_loss). Fix: "
+                     f"{fix} (drop --cp_size; a --cp_schedule keeps every stage at CP 1): sparse attention alone "
+                     "trains it, on one process or with data parallelism.")
 
 
 def dropout_note(model: torch.nn.Module) -> str | None:

@@ -125,16 +125,22 @@ class PluginArgumentsMixin:
     def context_parallel_config(self) -> ContextParallelConfig:
         return from_prefixed(self, ContextParallelConfig)
 
-    def check_launch(self, env: Mapping[str, str] = os.environ) -> None:
-        """`mesh.check_launched` for the run's CP degrees (`--cp_size`, or each stage's of `--cp_schedule`, whose
-        refusal names the stage) in a launch described by `env` (WORLD_SIZE)."""
+    def cp_degrees(self) -> list[tuple[str, int]]:
+        """The run's CP degrees, each with where it is set as a message starts: `--cp_size`'s (''), or each
+        `--cp_schedule` stage's ('--cp_schedule stage 1 (2:512:2): ')."""
         if not self.cp_schedule:
-            check_launched([self.cp_size], env)
-        for i, stage in enumerate(parse_schedule(self.cp_schedule) if self.cp_schedule else ()):
+            return [("", self.cp_size)]
+        return [(f"--cp_schedule stage {i} ({stage.text}): ", stage.cp_size)
+                for i, stage in enumerate(parse_schedule(self.cp_schedule))]
+
+    def check_launch(self, env: Mapping[str, str] = os.environ) -> None:
+        """`mesh.check_launched` for the run's CP degrees (`cp_degrees`; a refusal names the stage) in a launch
+        described by `env` (WORLD_SIZE)."""
+        for where, cp_size in self.cp_degrees():
             try:
-                check_launched([stage.cp_size], env)
+                check_launched([cp_size], env)
             except ValueError as e:
-                raise ValueError(f"--cp_schedule stage {i} ({stage.text}): {e}") from None
+                raise ValueError(f"{where}{e}") from None
 
     def smet_arguments(self) -> SMETArguments:
         return from_prefixed(self, SMETArguments)
@@ -199,6 +205,11 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                 known = self.sparse_attention and self.sparse_config is None
                 check_schedule_flags(self.cp_schedule, self.sparse_attention_config() if known else None,
                                      self.max_steps)
+            if self.label_smoothing_factor and max(cp_size for _, cp_size in self.cp_degrees()) > 1:
+                raise ValueError(f"--label_smoothing_factor {self.label_smoothing_factor} with context parallelism: "
+                                 "the label smoother shifts the labels of each rank's shard of the sequence. Drop "
+                                 "--label_smoothing_factor, or run without CP (drop --cp_size / keep every "
+                                 "--cp_schedule stage at CP 1).")
 
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class

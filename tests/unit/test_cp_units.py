@@ -330,3 +330,45 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     assert "4 dropout modules" in note and "lora_dropout.default (p=0.05)" in note and "--lora_dropout 0" in note
     assert dropout_note(lora(0.0)) is None
     assert dropout_note(AutoModelForCausalLM.from_config(tiny_config("llama"))) is None
+
+
+@pytest.mark.parametrize("setting, refusal", [
+    ({"label_smoothing_factor": 0.1}, r"label smoothing \(--label_smoothing_factor 0.1\).*drop --label_smoothing"),
+    ({"compute_loss_func": "mine"}, r"a compute_loss_func \(.*_mine\).*drop compute_loss_func"),
+    ({"subclass": True}, r"Weighted under context parallelism \(CP 2\).*its compute_loss"),
+    ({}, None)])
+def test_a_loss_the_trainer_builds_from_the_shards_outputs_is_refused_under_cp(tmp_path, setting, refusal):
+    """Label smoothing and a compute_loss_func get each rank's logits and labels (the label smoother shifts the
+    labels within the shard: under CP 2 it failed on the lean loss's missing logits), a subclass's compute_loss its
+    outputs: refused, naming the setting; the Trainer's own loss is CP's."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.context_parallel import check_loss
+
+    def _mine(outputs, labels, num_items_in_batch=None):
+        return outputs.logits.sum()
+
+    class Weighted(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[],
+                             label_smoothing_factor=setting.get("label_smoothing_factor", 0.0))
+    trainer = (Weighted if setting.get("subclass") else Trainer)(
+        model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+        compute_loss_func=_mine if setting.get("compute_loss_func") else None)
+    if refusal is None:
+        check_loss(trainer, 2)
+        return
+    with pytest.raises(ValueError, match=refusal):
+        check_loss(trainer, 2)
+
+
+@pytest.mark.parametrize("cp", [{"cp_size": 2}, {"cp_schedule": "0:256:1,2:512:2", "max_steps": 4}])
+def test_label_smoothing_with_cp_is_refused_as_the_flags_parse(tmp_path, cp):
+    from hf_sparse_cp import SparseTrainingArguments
+
+    with pytest.raises(ValueError, match=r"--label_smoothing_factor 0.1 with context parallelism.*Drop "):
+        SparseTrainingArguments(str(tmp_path), use_cpu=True, label_smoothing_factor=0.1, **cp)
+    SparseTrainingArguments(str(tmp_path), use_cpu=True, label_smoothing_factor=0.1)
