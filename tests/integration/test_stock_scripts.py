@@ -216,7 +216,7 @@ def test_trls_preference_and_rl_scripts_train_sparse_and_are_refused_at_start_un
     trainer = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer"}[script]
     assert cp2.returncode != 0 and "'loss'" not in cp2.stdout  # refused before any step
     assert f"{trainer} under context parallelism (CP 2) is not supported" in cp2.stderr
-    assert "Run without CP (drop --cp_size" in cp2.stderr
+    assert "Fix: run without CP (drop --cp_size" in cp2.stderr
 
 
 def _assert_loads_without_the_plugin(*folders: Path) -> None:
