@@ -60,7 +60,8 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
-    if compat.dp_data_loader_options(acc)["dispatch_batches"]:
+    options = compat.dp_data_loader_options(acc)
+    if options["dispatch_batches"]:
         raise ValueError(
             f"dispatch_batches=True (--accelerator_config) under context parallelism (CP {parallel.cp_size}): "
             "rank 0 would read the batches and split them over all processes, so the ranks of a CP group would "
@@ -75,7 +76,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             process_index=parallel.dp_rank,
             put_on_device=acc.device_placement if device_placement is None else device_placement,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
-            **{**compat.dp_data_loader_options(acc), "dispatch_batches": False},
+            **{**options, "dispatch_batches": False},
         )
         compat.track_data_loader(acc, prepared)
         return prepared
