@@ -60,6 +60,10 @@ class PretrainedModel:
         folder = _package_dir(self.module, self.distribution)
         if (folder / self.gguf).is_file():
             return folder / self.gguf
+        missing = [part for part in self.parts if importlib.util.find_spec(part.replace("-", "_")) is None]
+        if missing:
+            raise ImportError(f"{self.distribution} assembles {self.gguf} from the packages {missing}, which are "
+                              f"not installed; run {_INSTALL}.")
         assemble = getattr(importlib.import_module(self.module), "assemble", None)
         if assemble is None:
             raise FileNotFoundError(f"{folder / self.gguf} is missing from the installed {self.distribution}; "
@@ -138,7 +142,7 @@ def model_file(name: str = DEFAULT_MODEL) -> Path:
 
 def _require(name: str) -> PretrainedModel:
     missing = missing_eval_packages(name)
-    if {"gguf", model_spec(name).distribution, *model_spec(name).parts} & set(missing):
+    if "gguf" in missing or model_spec(name).distribution in missing:
         raise ImportError(f"loading {name} needs {missing}; run {_INSTALL}.")
     return model_spec(name)
 

@@ -54,8 +54,9 @@ def test_a_missing_chunk_package_is_named_before_anything_loads(chunked, monkeyp
     (packages / "fake_gguf_part1" / "__init__.py").unlink()
     (packages / "fake_gguf_part1").rmdir()
     assert "fake-gguf-part1" in pretrained.missing_eval_packages("fake")
-    with pytest.raises(ImportError, match=r"loading fake needs \[.*'fake-gguf-part1'.*\]; run pip install"):
-        pretrained.converted("fake")
+    with pytest.raises(ImportError, match=r"fake-gguf assembles fake.gguf from the packages \['fake-gguf-part1'\], "
+                                          "which are not installed; run pip install"):
+        spec.gguf_file()
 
 
 def test_an_interrupted_assembly_leaves_no_file_and_the_next_call_writes_a_whole_one(chunked):
