@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
@@ -48,6 +48,20 @@ _CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=Fa
 def is_registered() -> bool:
     """Whether transformers knows `attn_implementation="sparse_cp"` (by `patch()`, or anyone's registration)."""
     return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
+
+
+def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                   attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask function registered with the backend: transformers' flash-attention one, which hands over the 2D
+    padding mask of the tokens seen (None when none is padded); that mask is shorter than the keys when a cache has
+    more key slots than tokens (a StaticCache: `kv_length` counts its slots). Where it would be None there, a mask
+    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none."""
+    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                                **kwargs)
+    held = None if mask is not None else int(q_offset) + q_length - kv_offset
+    if held is not None and held < kv_length:
+        mask = torch.ones(batch_size, held, dtype=torch.bool, device=kwargs.get("device"))
+    return mask
 
 
 class ProbedCall(NamedTuple):
@@ -374,11 +388,23 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     if q_len == k_len:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
-    # Decoding with a KV cache: the queries are the last q_len positions; attend densely (not counted).
-    k_meta = token_meta_from_kwargs(b, k_len, query.device, attention_mask, {})
-    q_meta = TokenMeta(k_meta.index[:, -q_len:], k_meta.segment[:, -q_len:])
+    # Through a KV cache (decoding, a chunk of prefill): the queries are the last q_len of the tokens the cache holds,
+    # its first `held` key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and are padding here);
+    # attend densely (not counted).
+    k_meta = token_meta_from_kwargs(b, k_len, query.device, _cache_slots_mask(attention_mask, k_len), {})
+    held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
+    q_meta = TokenMeta(k_meta.index[:, held - q_len:held], k_meta.segment[:, held - q_len:held])
     layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                     sliding_window=sliding_window, check_layout=False,
                                     implementation=cfg.attention_engine)
     return out, None
+
+
+def _cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
+    """The 2D mask of a call's `k_len` cache slots: its last `k_len` columns, or the whole mask followed by zeros for
+    the slots a StaticCache has not filled yet (the mask covers the tokens it holds)."""
+    if attention_mask is None or attention_mask.shape[-1] >= k_len:
+        return attention_mask
+    unfilled = attention_mask.new_zeros(attention_mask.shape[0], k_len - attention_mask.shape[-1])
+    return torch.cat([attention_mask, unfilled], -1)

@@ -1,9 +1,10 @@
 """`patch()` / `unpatch()`: register the `sparse_cp` backend with transformers, reversibly; `configure()`.
 
 Registration goes through the public `AttentionInterface.register` and
-`AttentionMaskInterface.register`. The mask function is transformers' own flash-style one: it
-hands the backend the 2D padding mask (or None) instead of a [S, S] mask, and the backend applies
-causality and document boundaries itself. `patch()` registers the backend and nothing else; the
+`AttentionMaskInterface.register`. The mask function is transformers' flash-style one
+(`backend.sparse_cp_mask`, which adds a mask of ones where a StaticCache holds fewer tokens than key
+slots): it hands the backend the 2D padding mask (or None) instead of a [S, S] mask, and the backend
+applies causality and document boundaries itself. `patch()` registers the backend and nothing else; the
 memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`).
 """
 
@@ -15,11 +16,11 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from . import compat
-from .backend import is_registered, sparse_cp_attention_forward
+from .backend import is_registered, sparse_cp_attention_forward, sparse_cp_mask
 from .models import check_attention_routed
 from .patching import PatchSet
 
@@ -54,7 +55,7 @@ def patch() -> None:
     patches = PatchSet()
     try:
         _register(patches, AttentionInterface, sparse_cp_attention_forward)
-        _register(patches, AttentionMaskInterface, flash_attention_mask)
+        _register(patches, AttentionMaskInterface, sparse_cp_mask)
     except BaseException:
         patches.undo()  # leave transformers as it was
         raise
