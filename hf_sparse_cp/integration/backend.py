@@ -290,6 +290,17 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
         )
 
 
+def _refuse_attention_weights(module: torch.nn.Module, kwargs) -> None:
+    """Refuse `output_attentions=True`: sparse_cp never forms the attention weights (the model would return an empty
+    tuple of them)."""
+    if kwargs.get("output_attentions"):
+        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise ValueError(
+            f"sparse_cp does not compute attention weights (output_attentions=True, model type '{model_type}'); for "
+            "them, switch the model to eager attention first: model.set_attn_implementation('eager') (and back with "
+            "model.set_attn_implementation('sparse_cp')).")
+
+
 def _all_key_blocks(batch: int, q_len: int, k_len: int, block_size: int, device) -> SparseLayout:
     """Every query block lists every key block (visibility comes from the token metadata)."""
     nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)
@@ -337,6 +348,7 @@ def sparse_cp_attention_forward(
             "without context parallelism."
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
+    _refuse_attention_weights(module, kwargs)
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
     _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs))
     query, key, value = autocast_inputs(query, key, value)

@@ -75,3 +75,16 @@ def test_greedy_generation_of_a_left_padded_batch_matches_sdpa(cache_implementat
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
               cache_implementation=cache_implementation)
     assert torch.equal(ours.generate(prompt, **kw), ref.generate(prompt, **kw))
+
+
+def test_attention_weights_are_refused_naming_eager_and_eager_gives_them_after_the_switch():
+    """output_attentions=True returned an empty tuple of weights, silently."""
+    ref, ours = _pair()
+    ids = torch.randint(3, 259, (1, 40))
+    with pytest.raises(ValueError, match=r"output_attentions=True.*set_attn_implementation\('eager'\)"):
+        ours(ids, output_attentions=True)
+    ours.set_attn_implementation("eager")
+    weights = ours(ids, output_attentions=True).attentions
+    assert len(weights) == 2 and weights[0].shape == (1, 4, 40, 40)
+    ours.set_attn_implementation("sparse_cp")
+    assert rel_rms(ours(ids).logits, ref(ids).logits) <= TOLERANCE[torch.float32]
