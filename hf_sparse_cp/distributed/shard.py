@@ -47,5 +47,6 @@ class CPShard:
         if query.shape[2] != key.shape[2]:
             raise ValueError(
                 f"under context parallelism queries and keys must be this rank's same part of the sequence (got "
-                f"{query.shape[2]} queries, {key.shape[2]} keys): decoding with a KV cache is not sharded; run "
-                "generation without cp_shard.")
+                f"{query.shape[2]} queries, {key.shape[2]} keys): decoding with a KV cache is not sharded, so run "
+                "generation without cp_shard; a PEFT prefix-tuning model adds its virtual keys to every layer, so "
+                "train it without context parallelism.")

@@ -293,6 +293,20 @@ def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
         )
 
 
+def _refuse_virtual_tokens(model: torch.nn.Module) -> None:
+    """Refuse a PEFT prompt-learning model (prompt tuning, p-tuning, prefix tuning): its forward adds virtual tokens
+    (embeddings before the inputs, or keys and values before every layer's) to the tokens it is given, which under
+    context parallelism are each rank's shard: every rank would add them to its own part of the sequence."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if getattr(peft_config, "is_prompt_learning", False):
+        kind = getattr(peft_config.peft_type, "value", peft_config.peft_type)
+        raise ValueError(
+            f"{type(model).__name__} is a PEFT {kind} model: it adds {peft_config.num_virtual_tokens} virtual tokens "
+            "to the tokens it is given, which under context parallelism are each rank's shard of the sequence, so "
+            "the ranks would not share one sequence. Train it without context parallelism (--cp_size 1), or train an "
+            "adapter that adds no tokens (LoRA, DoRA, IA3) with it.")
+
+
 def check_model_supports_context_parallel(
     model: torch.nn.Module, backend: str = BACKEND_NAME, *, parallel: ParallelDims | None = None
 ) -> None:
@@ -311,6 +325,7 @@ def check_model_supports_context_parallel(
     if config is None:
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
     check_model_supports_sparse_attention(model)
+    _refuse_virtual_tokens(model)
     sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
     if sub:
         raise ValueError(

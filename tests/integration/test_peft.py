@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 import hf_sparse_cp
@@ -280,3 +280,38 @@ def test_smet_with_lora_trains_the_base_weights_that_were_unfrozen_sparsely():
             assert delta.float().mean() > 0.9, name
         else:
             assert not delta.any(), name
+
+
+# ---- PEFT prompt learning (virtual tokens) under CP ----
+
+_PROMPT_LEARNING = {
+    "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8),
+    "p_tuning": lambda: PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=8, encoder_hidden_size=32),
+    "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PROMPT_LEARNING))
+def test_a_prompt_learning_model_is_refused_for_context_parallelism_and_trains_in_one_process(kind):
+    """Prompt tuning, p-tuning and prefix tuning add virtual tokens to the tokens the model gets (each rank's shard
+    under CP): the set-up check passed them, and the first forward failed deep in the ring ('this rank's shard has
+    80 tokens but q has 88', or 'decoding with a KV cache is not sharded'). Refused before training, naming the
+    setting and the fix; in one process, with every block kept, a padded batch computes what sdpa does."""
+    base = _base(dtype=torch.float64)
+    hf_sparse_cp.configure(base, SparseAttentionConfig(block_size=BS, min_seq_len=0, vertical_topk=10**4,
+                                                       slash_topk=10**4, dense_first_layers=0))
+    torch.manual_seed(1)
+    model = get_peft_model(base, _PROMPT_LEARNING[kind]())
+    with pytest.raises(ValueError, match=r"PEFT \w+ model: it adds 8 virtual tokens.*without context parallelism "
+                                         r"\(--cp_size 1\)"):
+        check_model_supports_context_parallel(model)
+    ids = _rows(2)
+    mask = torch.ones_like(ids)
+    mask[1, -40:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    sparse = model(input_ids=ids, attention_mask=mask, labels=labels)
+    base.set_attn_implementation("sdpa")
+    dense = model(input_ids=ids, attention_mask=mask, labels=labels)
+    real = mask.bool() if kind == "prefix_tuning" else torch.cat([torch.ones(2, 8, dtype=torch.bool), mask.bool()], 1)
+    assert rel_rms(sparse.logits[real], dense.logits[real]) <= 1e-6  # (the stock loss casts logits to fp32)
+    assert abs(sparse.loss.item() - dense.loss.item()) <= 1e-6 * dense.loss.item()

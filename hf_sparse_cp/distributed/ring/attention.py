@@ -334,7 +334,9 @@ def ring_sparse_attention(
     local_len = plan.local_len_of(shard.rank)
     if s != local_len:
         raise ValueError(f"this rank's shard has {local_len} tokens but q has {s}: pass the tensors of the "
-                         "sharded inputs (see prepare_context_parallel_inputs).")
+                         "sharded inputs (see prepare_context_parallel_inputs), to a model that adds no tokens to them "
+                         "(a PEFT prompt-tuning or p-tuning model adds virtual tokens: train it without context "
+                         "parallelism).")
     if shard.meta.index.shape[0] != b:
         raise ValueError(f"the shard's TokenMeta has {shard.meta.index.shape[0]} rows but q has {b}.")
     check_global_layout(layout, plan)
