@@ -95,6 +95,18 @@ def apply_padding_mask(segment: torch.Tensor, attention_mask: torch.Tensor) -> t
     return torch.where(attention_mask.bool(), segment, torch.full_like(segment, PAD_SEGMENT))
 
 
+def padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
+    """The first row of a 2D padding mask [B, S] that pads between two of its tokens (a 0 after a 1 and before
+    another 1: left padding after PEFT prompt tuning's virtual tokens), or None. Documents are runs of tokens
+    (`run_starts`), so such padding would cut its document in two."""
+    if attention_mask is None:
+        return None
+    real = attention_mask.bool()
+    runs = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0]
+    rows = (runs > 1).nonzero()
+    return int(rows[0, 0]) if rows.numel() else None
+
+
 def run_starts(segment: torch.Tensor) -> torch.Tensor:
     """bool [B, S]: the tokens that begin a run of one segment id in their row (documents and padding
     runs alike; every row's first token)."""

@@ -31,7 +31,7 @@ from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
-from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_kwargs
+from ..attention.tokens import BatchDocumentExtents, TokenMeta, padding_between_tokens, token_meta_from_kwargs
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
@@ -397,13 +397,15 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     if shard is not None:
         result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
         return result.out, result.kept_fraction
-    if q_len == k_len:
+    if q_len == k_len and padding_between_tokens(attention_mask) is None:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
-    # Through a KV cache (decoding, a chunk of prefill): the queries are the last q_len of the tokens the cache holds,
-    # its first `held` key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and are padding here);
-    # attend densely (not counted).
-    k_meta = token_meta_from_kwargs(b, k_len, query.device, _cache_slots_mask(attention_mask, k_len), {})
+    # Through a KV cache (decoding, a chunk of prefill), or with padding between a row's tokens, which the pattern's
+    # documents cannot hold (`padding_between_tokens`): attend densely over every key block, each pair's visibility
+    # from its tokens (not counted). The queries are the last q_len of the tokens the cache holds, its first `held`
+    # key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and are padding here).
+    k_meta = token_meta_from_kwargs(b, k_len, query.device, _cache_slots_mask(attention_mask, k_len),
+                                    kwargs if q_len == k_len else {})
     held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
     q_meta = TokenMeta(k_meta.index[:, held - q_len:held], k_meta.segment[:, held - q_len:held])
     layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)

@@ -296,7 +296,8 @@ def test_a_prompt_learning_model_is_refused_for_context_parallelism_and_trains_i
     """Prompt tuning, p-tuning and prefix tuning add virtual tokens to the tokens the model gets (each rank's shard
     under CP): the set-up check passed them, and the first forward failed deep in the ring ('this rank's shard has
     80 tokens but q has 88', or 'decoding with a KV cache is not sharded'). Refused before training, naming the
-    setting and the fix; in one process, with every block kept, a padded batch computes what sdpa does."""
+    setting and the fix; in one process, with every block kept, a padded batch computes what sdpa does (left padding
+    after prompt tuning's virtual tokens: padding between a row's tokens, which cut its document in two)."""
     base = _base(dtype=torch.float64)
     hf_sparse_cp.configure(base, SparseAttentionConfig(block_size=BS, min_seq_len=0, vertical_topk=10**4,
                                                        slash_topk=10**4, dense_first_layers=0))
@@ -307,8 +308,10 @@ def test_a_prompt_learning_model_is_refused_for_context_parallelism_and_trains_i
         check_model_supports_context_parallel(model)
     ids = _rows(2)
     mask = torch.ones_like(ids)
-    mask[1, -40:] = 0
+    mask[0, -30:] = 0
+    mask[1, :40] = 0  # left padding: between the virtual tokens and the row's tokens
     labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 40] = -100  # (its logit is a padding position's)
     sparse = model(input_ids=ids, attention_mask=mask, labels=labels)
     base.set_attn_implementation("sdpa")
     dense = model(input_ids=ids, attention_mask=mask, labels=labels)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...attention.tokens import PAD_SEGMENT, TokenMeta, token_meta_from_kwargs
+from ...attention.tokens import PAD_SEGMENT, TokenMeta, padding_between_tokens, token_meta_from_kwargs
 from ...config import check_block_size
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
@@ -294,6 +294,12 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
     if ids is None:
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`) to know the sequence length.")
     b, s = ids.shape[:2]
+    row = padding_between_tokens(inputs.get("attention_mask"))
+    if row is not None:
+        raise ValueError(
+            f"attention_mask pads between the tokens of row {row} (a 0 between two 1s, e.g. left padding after PEFT "
+            "prompt tuning's virtual tokens); context parallelism takes padding at the start or the end of a row "
+            "only: pad on one side (tokenizer.padding_side), or train without context parallelism (--cp_size 1).")
     return token_meta_from_kwargs(b, s, ids.device, inputs.get("attention_mask"), dict(inputs))
 
 
