@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -397,7 +398,7 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     if shard is not None:
         result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
         return result.out, result.kept_fraction
-    if q_len == k_len and padding_between_tokens(attention_mask) is None:
+    if q_len == k_len and _padding_between_tokens(attention_mask) is None:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
     # Through a KV cache (decoding, a chunk of prefill), or with padding between a row's tokens, which the pattern's
@@ -422,3 +423,19 @@ def _cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.
         return attention_mask
     unfilled = attention_mask.new_zeros(attention_mask.shape[0], k_len - attention_mask.shape[-1])
     return torch.cat([attention_mask, unfilled], -1)
+
+
+_last_mask: tuple[weakref.ref, int, int | None] | None = None
+
+
+def _padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
+    """`tokens.padding_between_tokens`, read once per mask: transformers hands every layer of a forward the same
+    mask tensor, and the answer is read back to the host (one read per forward, not one per layer)."""
+    global _last_mask
+    if attention_mask is None:
+        return None
+    if _last_mask is not None and _last_mask[0]() is attention_mask and _last_mask[1] == attention_mask._version:
+        return _last_mask[2]
+    row = padding_between_tokens(attention_mask)
+    _last_mask = (weakref.ref(attention_mask), attention_mask._version, row)
+    return row

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.tokens import mask_positions as _mask_positions
+from hf_sparse_cp.attention.tokens import padding_between_tokens as tokens_gap
 from hf_sparse_cp.backends import is_available
 from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
@@ -138,6 +139,35 @@ def test_padding_mask_is_honoured(side):
     a, b = ours(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits
     assert rel_rms(a[real], b[real]) <= TOLERANCE[torch.float32]
     assert torch.isfinite(a).all()
+
+
+def test_a_padded_batch_reads_its_mask_back_once_per_forward(monkeypatch):
+    """Whether a mask pads between a row's tokens is read back to the host once per forward (every layer gets the
+    same mask tensor), not once per layer; every forward's mask is read (each forward hands its layers a new one)."""
+    from hf_sparse_cp.integration import backend
+
+    reads = []
+    monkeypatch.setattr(backend, "padding_between_tokens", lambda mask: reads.append(1) or tokens_gap(mask))
+    _, ours = _pair("llama")
+    assert ours.config.num_hidden_layers > 1
+    ids = torch.randint(3, 259, (2, S))
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[0, :7] = 0
+    ours(input_ids=ids, attention_mask=mask)
+    assert len(reads) == 1
+    ours(input_ids=ids, attention_mask=mask.clone())
+    assert len(reads) == 2
+    mask[1, 50:60] = 0  # now padding between tokens
+    ours(input_ids=ids, attention_mask=mask)
+    assert len(reads) == 3
+    ref, _ = _pair("llama")
+    real = mask.bool()
+    assert rel_rms(ours(input_ids=ids, attention_mask=mask).logits[real],
+                   ref(input_ids=ids, attention_mask=mask).logits[real]) <= TOLERANCE[torch.float32]
+    one = torch.ones(1, 8, dtype=torch.long)  # a mask changed in place between two calls is read again
+    assert backend._padding_between_tokens(one) is None
+    one[0, 3] = 0
+    assert backend._padding_between_tokens(one) == 0
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen3", "qwen2_moe"])
