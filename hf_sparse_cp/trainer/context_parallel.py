@@ -151,6 +151,20 @@ def predictions_refused(what: str, cp_size: int) -> str:
             "--cp_size.")
 
 
+def check_training_arguments(args, cp_size: int) -> None:
+    """Raise ValueError, naming the setting and the fix, for a setting of the Trainer's arguments `args` that cannot run
+    under CP `cp_size` as it runs in one process. Checked as the plugin's arguments parse (`SparseArgumentsMixin`) and
+    at CP's start (`enable_trainer_context_parallel`, a curriculum's), for arguments built in code."""
+    fix = "or run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1)"
+    alpha = getattr(args, "neftune_noise_alpha", None)
+    if alpha is not None:
+        raise ValueError(
+            f"--neftune_noise_alpha {alpha} under context parallelism (CP {cp_size}): NEFTune scales the noise it adds "
+            "to the embeddings by 1/sqrt(length x hidden size) of the tensor the embedding layer returns, and under CP "
+            f"that is each rank's shard of the sequence: the noise would be about sqrt({cp_size}) times what one "
+            f"process adds. Drop --neftune_noise_alpha, {fix}.")
+
+
 def check_evaluation(trainer: Trainer, cp_size: int) -> None:
     """Raise ValueError, naming the fix, when the Trainer would evaluate with `compute_metrics` under CP (run_clm.py
     --do_eval sets it): the evaluation would be refused after training (`report_cp_group_losses`), so refuse now."""
@@ -297,6 +311,7 @@ def enable_trainer_context_parallel(
     check_model_supports_context_parallel(model, parallel=parallel)
     check_loss(trainer, parallel.cp_size)
     check_evaluation(trainer, parallel.cp_size)
+    check_training_arguments(trainer.args, parallel.cp_size)
     note = dropout_note(model)
     if note is not None and trainer.is_world_process_zero():
         logger.warning(note)

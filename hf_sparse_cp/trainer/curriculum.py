@@ -49,6 +49,7 @@ from ..integration.models import attention_layers, check_model_supports_context_
 from ..integration.patching import PatchSet, record_on, undo_recorded
 from .context_parallel import (
     check_loss,
+    check_training_arguments,
     count_once_per_cp_group,
     dp_data_loader,
     first_batch_of_each_run,
@@ -450,6 +451,7 @@ def enable_curriculum(
     if any(s.cp_size > 1 for s in schedule.stages):
         check_model_supports_context_parallel(model)
         check_loss(trainer, max(s.cp_size for s in schedule.stages))
+        check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
     configs = []
     for i, stage in enumerate(schedule.stages):
         try:

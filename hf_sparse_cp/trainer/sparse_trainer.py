@@ -55,6 +55,7 @@ from .arguments import (
     from_prefixed,
 )
 from .attach import attach_to_trainer, enable_sparse_attention
+from .context_parallel import check_training_arguments
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, check_schedule_flags, parse_schedule
 from .smet import install_smet
@@ -205,7 +206,10 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                 known = self.sparse_attention and self.sparse_config is None
                 check_schedule_flags(self.cp_schedule, self.sparse_attention_config() if known else None,
                                      self.max_steps)
-            if self.label_smoothing_factor and max(cp_size for _, cp_size in self.cp_degrees()) > 1:
+            cp_size = max(cp_size for _, cp_size in self.cp_degrees())
+            if cp_size > 1:
+                check_training_arguments(self, cp_size)
+            if self.label_smoothing_factor and cp_size > 1:
                 raise ValueError(f"--label_smoothing_factor {self.label_smoothing_factor} with context parallelism: "
                                  "the label smoother shifts the labels of each rank's shard of the sequence. Drop "
                                  "--label_smoothing_factor, or run without CP (drop --cp_size / keep every "
