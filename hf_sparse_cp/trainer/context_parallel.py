@@ -163,6 +163,12 @@ def check_training_arguments(args, cp_size: int) -> None:
             "to the embeddings by 1/sqrt(length x hidden size) of the tensor the embedding layer returns, and under CP "
             f"that is each rank's shard of the sequence: the noise would be about sqrt({cp_size}) times what one "
             f"process adds. Drop --neftune_noise_alpha, {fix}.")
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise ValueError(
+            f"--train_sampling_strategy batch_rebalance under context parallelism (CP {cp_size}): transformers' "
+            "BatchRebalanceSampler deals each batch's rows over every process (its world_size), so the ranks of a CP "
+            "group, which must share every row, would hold different ones. Use --train_sampling_strategy "
+            f"group_by_length (batches of similar lengths, exact under CP), {fix}.")
 
 
 def check_evaluation(trainer: Trainer, cp_size: int) -> None:

@@ -405,3 +405,15 @@ def test_neftune_with_cp_is_refused_as_the_flags_parse_and_at_start(tmp_path, cp
     with pytest.raises(ValueError, match=refusal):  # arguments built in code, checked as CP starts
         check_training_arguments(TrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0), 2)
     check_training_arguments(TrainingArguments(str(tmp_path), use_cpu=True), 2)
+
+
+def test_batch_rebalance_sampling_with_cp_is_refused_as_the_flags_parse(tmp_path):
+    """transformers' BatchRebalanceSampler deals rows over every process: under CP 2 a stock script with
+    --train_sampling_strategy batch_rebalance stopped at its first step with the same-batch check's error, which blamed
+    the script's data; group_by_length, named as the fix, trains exact."""
+    from hf_sparse_cp import SparseTrainingArguments
+
+    with pytest.raises(ValueError, match=r"batch_rebalance under context parallelism \(CP 2\).*group_by_length"):
+        SparseTrainingArguments(str(tmp_path), use_cpu=True, train_sampling_strategy="batch_rebalance", cp_size=2)
+    SparseTrainingArguments(str(tmp_path), use_cpu=True, train_sampling_strategy="group_by_length", cp_size=2)
+    SparseTrainingArguments(str(tmp_path), use_cpu=True, train_sampling_strategy="batch_rebalance")
