@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.utils import parse_flag_from_env
 from transformers import Trainer
 
 from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
@@ -163,6 +164,13 @@ def check_training_arguments(args, cp_size: int) -> None:
             "to the embeddings by 1/sqrt(length x hidden size) of the tensor the embedding layer returns, and under CP "
             f"that is each rank's shard of the sequence: the noise would be about sqrt({cp_size}) times what one "
             f"process adds. Drop --neftune_noise_alpha, {fix}.")
+    # (`accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED, without --deepspeed)
+    if getattr(args, "deepspeed", None) or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        raise ValueError(
+            f"DeepSpeed (--deepspeed {getattr(args, 'deepspeed', None) or '<the accelerate config>'}) under context "
+            f"parallelism (CP {cp_size}) is not supported: the plugin's CP is tested under DDP and FSDP2 only. Shard "
+            "with FSDP2 instead (--fsdp 'full_shard auto_wrap' --fsdp_config '{\"fsdp_version\": 2}', or an "
+            f"accelerate config with fsdp_version: 2), {fix}.")
     if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
         raise ValueError(
             f"--train_sampling_strategy batch_rebalance under context parallelism (CP {cp_size}): transformers' "

@@ -417,3 +417,23 @@ def test_batch_rebalance_sampling_with_cp_is_refused_as_the_flags_parse(tmp_path
         SparseTrainingArguments(str(tmp_path), use_cpu=True, train_sampling_strategy="batch_rebalance", cp_size=2)
     SparseTrainingArguments(str(tmp_path), use_cpu=True, train_sampling_strategy="group_by_length", cp_size=2)
     SparseTrainingArguments(str(tmp_path), use_cpu=True, train_sampling_strategy="batch_rebalance")
+
+
+def test_deepspeed_with_cp_is_refused_naming_fsdp2(tmp_path, monkeypatch):
+    """DeepSpeed (--deepspeed, or accelerate launch with a DeepSpeed config, which sets ACCELERATE_USE_DEEPSPEED) is
+    refused under CP, naming FSDP2 as the fix: CP is tested under DDP and FSDP2 only (DeepSpeed is not installed
+    here; under CP 2 a stock script with --deepspeed stopped on transformers' missing-package error)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    from hf_sparse_cp.trainer.context_parallel import check_training_arguments
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True)
+    check_training_arguments(args, 2)
+    with pytest.raises(ValueError, match=r"DeepSpeed \(--deepspeed ds.json\) under context parallelism \(CP 2\).*"
+                                         r"--fsdp 'full_shard auto_wrap'"):
+        check_training_arguments(SimpleNamespace(deepspeed="ds.json"), 2)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match=r"DeepSpeed \(--deepspeed <the accelerate config>\) under context"):
+        check_training_arguments(args, 2)
