@@ -1,9 +1,11 @@
 """The Trainer's `--fsdp` with FSDP2 on CPU processes (gloo).
 
 accelerate turns an FSDP plugin into its FSDP run type only on accelerator devices: on CPU processes
-(`use_cpu`, `MULTI_CPU`) it drops the plugin and the Trainer wraps the model in DDP, so `--fsdp` asks
-for sharding and silently trains replicas. `enable_cpu_fsdp2` gives accelerate's state the run type
-and plugin it would have chosen on a GPU (the plugin built from the same `TrainingArguments`), so
+(`use_cpu`, `MULTI_CPU`) it drops the plugin and the Trainer wraps the model in DDP, so `--fsdp` (or an
+accelerate config of FSDP, which `accelerate launch` passes on as `ACCELERATE_USE_FSDP` and `FSDP_*`
+variables) asks for sharding and silently trains replicas. `enable_cpu_fsdp2` gives accelerate's state the
+run type and plugin it would have chosen on a GPU (the plugin built from the same `TrainingArguments`, or
+from accelerate's variables), so
 `train()` takes the Trainer's own FSDP2 path: `fully_shard` through `accelerator.prepare`, the
 optimizer built on the sharded parameters, sharded checkpoints through `torch.distributed.checkpoint`.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from accelerate import PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
 from transformers import Trainer
 
 from ..integration.patching import record_on, undo_recorded
@@ -29,13 +31,16 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     Call after building the Trainer and before `train()`.
 
     Args:
-        trainer: a Trainer whose arguments ask for FSDP (`--fsdp ... --fsdp_config '{"fsdp_version": 2}'`).
+        trainer: a Trainer whose arguments ask for FSDP (`--fsdp ... --fsdp_config '{"fsdp_version": 2}'`), or
+            launched by `accelerate launch` with an FSDP config (`fsdp_version: 2`).
 
     Returns:
         True when it switched accelerate to FSDP2 (CPU processes, FSDP asked for, accelerate running
         DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
     """
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
+    if plugin_args is None and parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        plugin_args = {}  # the plugin reads accelerate's FSDP_* variables itself
     if (plugin_args is None or getattr(state, "fsdp_plugin", None) is not None
             or state.distributed_type != DistributedType.MULTI_CPU):
         return False
@@ -49,7 +54,7 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     patches.set_attr(state, "distributed_type", DistributedType.FSDP)
     patches.set_attr(state, "fsdp_plugin", plugin)
     patches.set_attr(trainer, "is_fsdp_enabled", True)
-    logger.info("--fsdp on %d CPU processes: FSDP2 (accelerate's FSDP run type) instead of DDP.",
+    logger.info("FSDP on %d CPU processes: FSDP2 (accelerate's FSDP run type) instead of DDP.",
                 trainer.accelerator.num_processes)
     return True
 

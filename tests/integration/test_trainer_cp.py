@@ -196,7 +196,8 @@ def _patch_round_trip(rank: int, world: int) -> dict:
 
 def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
     """In a 2-process gloo group: `--fsdp` with FSDP2 on CPU processes, which accelerate alone runs as DDP;
-    `accelerator.prepare` then shards the model with `fully_shard`, and disabling restores DDP."""
+    `accelerator.prepare` then shards the model with `fully_shard`, and disabling restores DDP. An accelerate config
+    of FSDP2 (its launcher's variables, no --fsdp), which ran DDP under `accelerate launch`, shards too."""
     import tempfile
 
     from accelerate import PartialState
@@ -224,16 +225,24 @@ def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
         sharded = isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
         disable_cpu_fsdp2(t)
         after = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled)
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")  # what `accelerate launch` sets
+        try:
+            t = trainer(None)
+            from_config = enable_cpu_fsdp2(t) and t.accelerator.is_fsdp2
+            disable_cpu_fsdp2(t)
+        finally:
+            del os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"]
     cpu, fsdp = DistributedType.MULTI_CPU, DistributedType.FSDP
     return {"plain": plain, "enabled": enabled, "sharded": sharded, "before": before == (cpu, cpu, False),
-            "after": after == before, "during": during == (fsdp, fsdp, True, True)}
+            "after": after == before, "during": during == (fsdp, fsdp, True, True), "from_config": from_config}
 
 
 def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp():
     from hf_sparse_cp.testing.spawn import run_gloo
 
     for r in run_gloo(_cpu_fsdp2_round_trip, 2, timeout_s=300):
-        assert r == {"plain": False, "enabled": True, "sharded": True, "before": True, "after": True, "during": True}
+        assert r == {"plain": False, "enabled": True, "sharded": True, "before": True, "after": True, "during": True,
+                     "from_config": True}
 
 
 def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
