@@ -241,12 +241,24 @@ def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], Par
     CP, so each of those values is exact. The gradients are untouched (the backward runs inside the step).
     `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
     training_step, prediction_step = trainer.training_step, trainer.prediction_step
+    in_step = [False]  # (`_gather_metrics_once_per_cp_group`: a gather inside a step is the stock one)
+
+    @contextlib.contextmanager
+    def stepping():
+        in_step[0] = True
+        try:
+            yield
+        finally:
+            in_step[0] = False
 
     def step(model, inputs, *rest, **kwargs):
-        return _cp_group_mean(training_step(model, inputs, *rest, **kwargs), parallel())
+        with stepping():
+            loss = training_step(model, inputs, *rest, **kwargs)
+        return _cp_group_mean(loss, parallel())
 
     def predict(model, inputs, *rest, **kwargs):
-        loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
+        with stepping():
+            loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
         if parallel().cp_size > 1 and outputs and outputs[0] is not None:
             raise ValueError(predictions_refused("Trainer.predict (or evaluate with compute_metrics)",
                                                  parallel().cp_size))
@@ -254,17 +266,20 @@ def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], Par
 
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
-    _gather_metrics_once_per_cp_group(trainer, patches, parallel)
+    _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0])
 
 
-def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],
+                                      in_step: Callable[[], bool]) -> None:
     """Make `gather_for_metrics` (the evaluation loop's gather of losses) keep each CP group's values once.
 
     Every rank of a CP group evaluates the same batch, so accelerate's gather over all processes holds each value
     cp_size times, interleaved by rank, and its truncation of the last batch (`remainder`, counted over the
     data-parallel ranks that `dp_data_loader` shards over) keeps the wrong ones: a short last batch skews
     `eval_loss`. The wrapper keeps the values of each CP group's first rank, in data-parallel order, then truncates
-    as accelerate does."""
+    as accelerate does. A gather inside a training or prediction step (`in_step()`) is the stock one: what a step
+    gathers is computed from each rank's own shard (TRL's sums of token entropy, correct top-1 tokens and label
+    tokens), so the sum over every process is the batch's, where the first rank's alone logged its shard's."""
     from accelerate.utils import gather_object, recursively_apply
 
     acc = trainer.accelerator
@@ -272,7 +287,7 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
 
     def gather(input_data, use_gather_object=False):
         par = parallel()
-        if par.cp_size == 1 or par.world_size == 1:
+        if par.cp_size == 1 or par.world_size == 1 or in_step():
             return gather_for_metrics(input_data, use_gather_object=use_gather_object)
         cp_ranks = torch.zeros(par.world_size, dtype=torch.long, device=acc.device)  # (NCCL reduces device tensors)
         cp_ranks[par.rank] = par.cp_rank
