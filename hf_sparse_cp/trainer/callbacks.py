@@ -81,7 +81,8 @@ class StepMetricsCallback(TrainerCallback):
     users read them: `tokens_per_second`, the real (non-padding) tokens trained per second of wall time over all
     processes, each sequence counted once however many context-parallel ranks split it; `peak_memory_gib`, the
     largest peak of any process (`peak_memory_bytes`). Under CP it also replaces TRL's `num_tokens` (counted on
-    each rank's padded shard) by the total of real tokens, as one process counts them.
+    each rank's padded shard) by the total of real tokens, as one process counts them, in the training logs and as
+    `eval_num_tokens` (the training tokens so far) in an evaluation's.
 
     `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch); a
     trainer whose batches are not tokens (TRL GRPO's prompts, which it completes in the step) logs no tokens/s.
@@ -109,12 +110,16 @@ class StepMetricsCallback(TrainerCallback):
             torch.cuda.reset_peak_memory_stats(args.device)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs:  # (training logs only: every rank writes them)
+        # (every rank writes the training and evaluation logs)
+        if logs is not None and "eval_num_tokens" in logs and self.cp_size > 1:
+            total = self._counts(args.device)[0]
+            torch.distributed.all_reduce(total)
+            add_to_log(state, logs, {"eval_num_tokens": float(round(total.item()))})
+        if logs is None or "loss" not in logs:  # (training logs only from here on)
             return
         peak = peak_memory_bytes(args.device)
-        counts = [x if x is not None else torch.zeros((), dtype=torch.float64) for x in (self.total, self.since_log)]
-        stats = torch.stack([*(x.to(args.device) for x in counts),
-                             torch.tensor(float(peak or 0), dtype=torch.float64, device=args.device)])
+        stats = torch.cat([self._counts(args.device),
+                           torch.tensor([float(peak or 0)], dtype=torch.float64, device=args.device)])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats[:2])
             torch.distributed.all_reduce(stats[2:], op=torch.distributed.ReduceOp.MAX)
@@ -129,6 +134,11 @@ class StepMetricsCallback(TrainerCallback):
         self.since_log, self._last_log = None, now
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
+
+    def _counts(self, device: torch.device) -> torch.Tensor:
+        """float64 [2] on `device`: this rank's shares of the real tokens trained, in all and since the last log."""
+        return torch.stack([x.to(device) if x is not None else torch.zeros((), dtype=torch.float64, device=device)
+                            for x in (self.total, self.since_log)])
 
 
 class SMETCallback(TrainerCallback):

@@ -58,6 +58,7 @@ def workdir(tmp_path_factory):
     (work / "corpus.txt").write_text("\n".join(texts) + "\n")
     (work / "sft_data").mkdir()
     (work / "sft_data" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (work / "sft_data" / "test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:4]))
     return work
 
 
@@ -72,7 +73,8 @@ def _run(workdir: Path, launcher: list[str], script: str, args: list[str], befor
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     output = workdir / _output_dir(args)
     logs = json.loads((output / "trainer_state.json").read_text())["log_history"]
-    return {"steps": [log for log in logs if "loss" in log], "output": output, "stderr": done.stderr}
+    return {"steps": [log for log in logs if "loss" in log], "evals": [log for log in logs if "eval_loss" in log],
+            "output": output, "stderr": done.stderr}
 
 
 def _output_dir(args: list[str]) -> str:
@@ -119,7 +121,7 @@ def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
 
 
 def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
-    plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
+    plugin = [*PATTERN, "--sparse_min_seq_len", "64", "--eval_strategy", "steps", "--eval_steps", "3"]
     one = _run(workdir, [sys.executable, *RUN], "sft_shaped.py", [*_sft_args("sft_one"), *plugin])
     torchrun = _run(workdir, [*TORCHRUN, *RUN], "sft_shaped.py", [*_sft_args("sft_torchrun"), *plugin, "--cp_size",
                                                                   "2"])
@@ -130,6 +132,10 @@ def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
         # entropy and token accuracy are the batch's (they logged the first CP rank's shard: accuracy 0.016 for 0.008)
         _assert_equal_runs(run, one, keys=("loss", "sparse/kept_fraction", "num_tokens", "entropy",
                                            "mean_token_accuracy"))
+        # and so are the evaluation's (eval_num_tokens, the training tokens so far, logged 768 padded for 701)
+        assert len(run["evals"]) == len(one["evals"]) == 1
+        for key in ("eval_loss", "eval_num_tokens", "eval_entropy", "eval_mean_token_accuracy"):
+            assert run["evals"][0][key] == pytest.approx(one["evals"][0][key], rel=1e-4), (key, run["evals"])
     _assert_loads_without_the_plugin(accelerate["output"])
 
 
