@@ -68,13 +68,14 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 class ProbedCall(NamedTuple):
     """One attention call of a probe forward: the attention module, whether the probe arrived in place of
     the CP shard, the dimensions of the mask it got (None: none; the registered mask function gives
-    None or the 2D padding mask, so anything else is a mask the model built itself) and the sliding window it
-    passed."""
+    None or the 2D padding mask, so anything else is a mask the model built itself), the sliding window it
+    passed and what it asked that sparse_cp does not implement (`unsupported_feature`)."""
 
     module: torch.nn.Module
     reached: bool
     mask_dims: int | None
     sliding_window: int | None = None
+    unsupported: str | None = None
 
 
 class AttentionProbe:
@@ -257,6 +258,27 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
+def unsupported_feature(module: torch.nn.Module, softcap, kwargs) -> str | None:
+    """What a call of `module` asks of attention that sparse_cp does not implement (the sentence of its refusal,
+    naming the model type and the fix), or None: soft-capping, a keyword of `_UNSUPPORTED_KWARGS`, or a bidirectional
+    layer (the module's `is_causal`, or `is_causal=False` passed to the call). A probe forward records it
+    (`ProbedCall.unsupported`), so that the model checks refuse it before training."""
+    model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    if softcap is not None:
+        return (f"sparse_cp does not implement attention logit soft-capping (softcap={softcap}, model type "
+                f"'{model_type}'); load this model with attn_implementation='eager' or 'sdpa' (--sparse_attention "
+                "false).")
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            return (f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
+                    "attn_implementation='eager' (--sparse_attention false).")
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
+                f"type '{model_type}' is bidirectional; use attn_implementation='sdpa' for it (--sparse_attention "
+                "false).")
+    return None
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if dropout and dropout > 0:
@@ -267,22 +289,9 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
             f"{f' from {held[0]}' if held else ''} for model type '{model_type}'); "
             f"{dropout_fix(getattr(module, 'config', None))}"
         )
-    if softcap is not None:
-        raise ValueError(
-            f"sparse_cp does not implement attention logit soft-capping (softcap={softcap}, model type "
-            f"'{model_type}'); load this model with attn_implementation='eager' or 'sdpa'."
-        )
-    for name, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
-                "attn_implementation='eager' (--sparse_attention false)."
-            )
-    if not getattr(module, "is_causal", True):
-        raise ValueError(
-            f"sparse_cp only computes causal self-attention, but this layer of model type '{model_type}' is "
-            "bidirectional; use attn_implementation='sdpa' for it."
-        )
+    unsupported = unsupported_feature(module, softcap, kwargs)
+    if unsupported:
+        raise ValueError(unsupported)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             f"sparse_cp received a {attention_mask.dim()}D attention mask; it takes the 2D padding mask that its "
@@ -339,7 +348,7 @@ def sparse_cp_attention_forward(
     probe = _PROBE.get()
     if probe is not None:
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
-                                      sliding_window))
+                                      sliding_window, unsupported_feature(module, softcap, kwargs)))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if shard is None and _CP_FORWARD.get():
         raise RuntimeError(

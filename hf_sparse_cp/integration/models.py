@@ -21,7 +21,8 @@ AttentionInterface (bloom, mpt, xglm: transformers keeps eager attention) or tha
 its own (doge) would otherwise train without the sparse pattern, or fail at its first forward.
 
 An architecture is refused only for one of these named causes (or those of the sparse backend:
-soft-capping, attention dropout, bidirectional attention). The architecture table
+soft-capping, learned sinks, attention dropout, bidirectional attention; the probe forward finds what a layer
+passes to attention, so those are refused before training too). The architecture table
 (`architectures.ARCHITECTURES`) says which model types were tested exact under CP against one process
 (tests/distributed/test_cp_models.py checks each); another architecture that passes the checks trains,
 and the log says it is outside the table.
@@ -158,10 +159,14 @@ _NO_CP_FIX = "Train it without context parallelism (--cp_size 1; it needs the sp
 def _check_calls(model: torch.nn.Module, impl: str | None, calls: list[tuple[str, ProbedCall]] | None,
                  fix: str) -> None:
     """Raise ValueError, naming the architecture, the cause and `fix`, when the model switched to the backend runs
-    `impl` instead, no attention call of its probe forward (`calls`; None: not probed) reached the backend, or a
-    layer got an attention mask the model built itself."""
+    `impl` instead, no attention call of its probe forward (`calls`; None: not probed) reached the backend, a call
+    asked for what the backend does not implement (soft-capping, attention sinks, a bidirectional layer: the
+    backend's own refusal, which names the dense fix) or a layer got an attention mask the model built itself."""
     if impl != BACKEND_NAME or calls == []:
         _refuse_unrouted(model, impl, fix)
+    unsupported = next((f"{layer}: {call.unsupported}" for layer, call in calls or () if call.unsupported), None)
+    if unsupported:
+        raise ValueError(f"{type(model).__name__} cannot train with sparse_cp. {unsupported}")
     own = sorted({(layer, call.mask_dims) for layer, call in calls or () if call.mask_dims not in (None, 2)})
     if own:
         model_type = getattr(model.config, "model_type", type(model).__name__)

@@ -151,3 +151,24 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
         tiny_config("gpt_neo")
     with pytest.raises(SystemExit, match="error: tiny model type 'no_such_type' is not a transformers model type"):
         main(["--tiny_model_type", "no_such_type", "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("model_type, overrides, cause", [
+    ("gpt_oss", {"sliding_window": 48}, r"GptOssDecoderLayer: sparse_cp does not implement learned attention sinks "
+                                        r"\(s_aux, model type 'gpt_oss'\)"),
+], ids=["gpt_oss-sinks"])
+def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the_cp_check(model_type, overrides, cause):
+    """GPT-OSS passes its learned sinks (`s_aux`) to the attention function: configure() took the model and its first
+    forward failed, and under CP the check passed it into the first step. The probe forward finds what the backend
+    refuses, so the switch and the CP check refuse it, naming the architecture and --sparse_attention false."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="sparse_cp")
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
+            check_model_supports_context_parallel(model)
+    finally:
+        hf_sparse_cp.unpatch()

@@ -393,6 +393,9 @@ def test_unsupported_features_are_refused_with_the_fix():
             fn(layer, x, kv, kv, None, **{name: value})
     with pytest.raises(ValueError, match="4D attention mask"):
         fn(layer, x, kv, kv, torch.ones(1, 1, 32, 32, dtype=torch.bool))
+    # A call that asks for bidirectional attention (a vision tower's is_causal=False) was computed causally
+    with pytest.raises(ValueError, match=r"only computes causal.*LlamaAttention.*'llama' is bidirectional"):
+        fn(layer, x, kv, kv, None, is_causal=False)
 
 
 def test_under_autocast_mixed_input_dtypes_compute_like_sdpa():
