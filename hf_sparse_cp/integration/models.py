@@ -121,8 +121,14 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False) -> list[t
     try:
         return _probe(model, next(model.parameters()).device, with_shard)
     except Exception as e:
-        raise ProbeFailed(f"could not check that every attention layer of {type(model).__name__} calls the "
-                          f"sparse_cp backend: its probe forward failed ({e}).") from e
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        raise ProbeFailed(
+            f"{type(model).__name__} (model type {model_type!r}) does not run with attn_implementation="
+            f"'{BACKEND_NAME}': a forward of it with the backend failed outside attention ({type(e).__name__}: {e}), "
+            "e.g. a layer that reads the attention mask as the 4D mask eager and sdpa get (DeepSeek-V3.2's "
+            "sparse-attention indexer), where sparse_cp hands over the 2D padding mask. Train it with dense attention "
+            "(--sparse_attention false; context parallelism needs sparse_cp)."
+        ) from e
 
 
 def _check_architecture(model: torch.nn.Module, fix: str) -> None:
@@ -183,15 +189,12 @@ def check_attention_routed(model: torch.nn.Module) -> None:
     """Raise ValueError, naming the architecture, the cause and the fix, unless `model`, switched to the
     `sparse_cp` backend, computes its attention through it: transformers keeps another implementation for an
     architecture that does not follow its AttentionInterface (e.g. bloom), and a probe forward of the
-    architecture (on the meta device) must reach the backend from its attention layers with no mask of its own
-    (e.g. doge's 4D mask). Called after `configure` and `enable_sparse_attention` switch the model."""
-    impl, calls = compat.attn_implementation(model.config), None
-    if impl == BACKEND_NAME:
-        try:
-            calls = _attention_calls(model)
-        except ProbeFailed as e:  # (transformers took the switch; the backend refuses a mask of the model at its call)
-            logger.warning("%s Training goes on: transformers selected sparse_cp for it.", e)
-    _check_calls(model, impl, calls, _DENSE_FIX)
+    architecture (on the meta device, or of the model itself) must run, and reach the backend from its attention
+    layers with no mask of its own (e.g. doge's 4D mask). Called after `configure` and `enable_sparse_attention`
+    switch the model."""
+    impl = compat.attn_implementation(model.config)
+    # (a probe forward that fails is refused: training would fail the same way at its first forward)
+    _check_calls(model, impl, _attention_calls(model) if impl == BACKEND_NAME else None, _DENSE_FIX)
 
 
 def sliding_window_layers(config) -> list[int]:

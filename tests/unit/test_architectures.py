@@ -153,14 +153,19 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
         main(["--tiny_model_type", "no_such_type", "--output_dir", str(tmp_path)])
 
 
-@pytest.mark.parametrize("model_type, overrides, cause", [
+@pytest.mark.parametrize("model_type, overrides, cause, cp_cause", [
     ("gpt_oss", {"sliding_window": 48}, r"GptOssDecoderLayer: sparse_cp does not implement learned attention sinks "
-                                        r"\(s_aux, model type 'gpt_oss'\)"),
-], ids=["gpt_oss-sinks"])
-def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the_cp_check(model_type, overrides, cause):
-    """GPT-OSS passes its learned sinks (`s_aux`) to the attention function: configure() took the model and its first
-    forward failed, and under CP the check passed it into the first step. The probe forward finds what the backend
-    refuses, so the switch and the CP check refuse it, naming the architecture and --sparse_attention false."""
+                                        r"\(s_aux, model type 'gpt_oss'\)", None),
+    ("deepseek_v4", {"sliding_window": 48}, r"DeepseekV4DecoderLayer: sparse_cp does not implement learned attention "
+                                            r"sinks \(s_aux, model type 'deepseek_v4'\)",
+     r"mixes tokens outside attention \(layer type 'heavily_compressed_attention'"),
+], ids=["gpt_oss-sinks", "deepseek_v4-sinks"])
+def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the_cp_check(model_type, overrides, cause,
+                                                                                          cp_cause):
+    """GPT-OSS and DeepSeek-V4 pass learned sinks (`s_aux`) to the attention function: configure() took the model and
+    its first forward failed, and under CP GPT-OSS passed the check into the first step. The probe forward finds what
+    the backend refuses, so the switch and the CP check refuse it (`cp_cause`: what the CP check finds first), naming
+    the architecture and --sparse_attention false."""
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
@@ -168,7 +173,30 @@ def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the
             hf_sparse_cp.configure(model)
         assert compat.attn_implementation(model.config) != "sparse_cp"
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="sparse_cp")
+        with pytest.raises(ValueError, match=cp_cause or cause + r".*--sparse_attention false"):
+            check_model_supports_context_parallel(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_a_model_whose_forward_fails_with_the_backend_is_refused_at_the_switch():
+    """DeepSeek-V3.2's sparse-attention indexer reads the attention mask as eager's 4D mask: with sparse_cp (the 2D
+    padding mask, or None) its forward fails before attention. configure() took the model with a warning and the
+    first forward failed in the indexer (TypeError: 'NoneType' object is not subscriptable); now the switch is
+    refused, naming the architecture and the fix, the model left as it was."""
+    mla = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=48, kv_lora_rank=32,
+               q_lora_rank=32, index_topk=64, index_head_dim=32, index_n_heads=2)
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32", **mla))
+        before = compat.attn_implementation(model.config)
+        cause = (r"DeepseekV32ForCausalLM \(model type 'deepseek_v32'\) does not run with attn_implementation="
+                 r"'sparse_cp': a forward of it with the backend failed outside attention \(TypeError")
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+        model.set_attn_implementation("sparse_cp")
+        with pytest.raises(ValueError, match="DeepseekV32ForCausalLM mixes tokens outside attention"):
             check_model_supports_context_parallel(model)
     finally:
         hf_sparse_cp.unpatch()
