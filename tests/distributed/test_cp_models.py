@@ -29,7 +29,10 @@ PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=
 # with its gradient, per process).
 OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
                 for t in ("gemma3_text", "cohere2")},
-             **{t: {"max_position_embeddings": 4 * SEQ} for t in ("opt", "gpt2")}}
+             **{t: {"max_position_embeddings": 4 * SEQ} for t in ("opt", "gpt2")},
+             # Multi-head latent attention with values narrower than queries and keys (the engines pad them)
+             "deepseek_v3": {"num_key_value_heads": 4, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 48,
+                             "kv_lora_rank": 32, "q_lora_rank": None}}
 
 
 def _model(model_type: str, **overrides) -> torch.nn.Module:
