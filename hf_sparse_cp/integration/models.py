@@ -270,10 +270,11 @@ def _attention_layer_dropout(model: torch.nn.Module) -> str | None:
                  if (p := dropout_probability(module, attr))), None)
 
 
-def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
+def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: bool = True) -> None:
     """Raise ValueError, naming the cause and the fix, when the `sparse_cp` backend would refuse `model`'s
     attention at its first call (see `backend._refuse_unsupported`): checked from the model before
-    training, not after everything is built."""
+    training, not after everything is built. Attention dropout is refused only with `training` (a model in eval
+    mode passes dropout 0)."""
     config = getattr(model, "config", None)
     name = type(model).__name__
     if config is None:
@@ -288,8 +289,8 @@ def check_model_supports_sparse_attention(model: torch.nn.Module) -> None:
                          "'eager' or 'sdpa' (--sparse_attention false).")
     dropout = config_dropout(config)
     held = next((f"{n}.{attr}={p}" for n, m in model.named_modules() for attr in ("attention_dropout", "attn_dropout")
-                 if (p := dropout_probability(m, attr))), None) or _attention_layer_dropout(model)
-    if dropout or held:
+                 if (p := dropout_probability(m, attr))), None) or _attention_layer_dropout(model) if training else None
+    if training and (dropout or held):
         where = f"{dropout[0]}={dropout[1]}" if dropout else f"attention layers built with dropout ({held})"
         raise ValueError(f"{name} (model type {model_type!r}) has {where}, attention dropout, which sparse_cp does "
                          f"not implement: {dropout_fix(config)}")

@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from . import compat
 from .backend import is_registered, sparse_cp_attention_forward, sparse_cp_mask
-from .models import check_attention_routed
+from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
 
 _active: PatchSet | None = None
@@ -85,13 +85,17 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
         select: also switch the model to `attn_implementation="sparse_cp"` (needs `patch()` first; a
             forward after `unpatch()` then raises an error that says so, `guard_registration`). An
             architecture whose attention does not run through the backend once switched is refused
-            (`select_backend`), the model left as it was.
+            (`select_backend`), the model left as it was, and so is one whose config or layers ask for what the
+            backend does not implement (`models.check_model_supports_sparse_attention`; attention dropout is
+            refused at a training call).
     """
     if select and not is_registered():
         raise ValueError("configure(model) switches the model to attn_implementation='sparse_cp', which is not "
                          "registered with transformers: call hf_sparse_cp.patch() first (or configure(model, "
                          "select=False) to store the settings only).")
     config = SparseAttentionConfig() if config is None else config
+    if select:  # (what the backend refuses in the model's config and layers, before its settings are read)
+        check_model_supports_sparse_attention(model, training=False)
     config.check_layers(model.config.num_hidden_layers)
     if select:
         select_backend(model)

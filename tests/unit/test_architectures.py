@@ -200,3 +200,26 @@ def test_a_model_whose_forward_fails_with_the_backend_is_refused_at_the_switch()
             check_model_supports_context_parallel(model)
     finally:
         hf_sparse_cp.unpatch()
+
+
+def test_a_multimodal_model_with_a_bidirectional_tower_is_refused_by_configure_naming_the_cause():
+    """Gemma 3 with its vision tower (in transformers' causal-LM mapping): configure() failed with AttributeError
+    ('Gemma3Config' object has no attribute 'num_hidden_layers') before any check; now it refuses the tower's
+    bidirectional attention, as the Trainer glue does, the model left as it was."""
+    from transformers import Gemma3Config
+
+    text = tiny_config("gemma3_text", vocab_size=300).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+        before = compat.attn_implementation(model.config)
+        with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration has bidirectional attention layers "
+                                             r"\(model.vision_tower"):
+            hf_sparse_cp.configure(model)
+        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+    finally:
+        hf_sparse_cp.unpatch()
