@@ -56,7 +56,18 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """The mask function registered with the backend: transformers' flash-attention one, which hands over the 2D
     padding mask of the tokens seen (None when none is padded); that mask is shorter than the keys when a cache has
     more key slots than tokens (a StaticCache: `kv_length` counts its slots). Where it would be None there, a mask
-    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none."""
+    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none.
+
+    A mask that transformers combines from the causal one and a model's own overlay (`or_mask_function` /
+    `and_mask_function`, for which it sets `use_vmap`, or a block overlay: bidirectional image tokens, a bidirectional
+    text model) is refused: the backend computes causal attention, documents, windows and padding only."""
+    if kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", None) == "or_mask":
+        config = kwargs.get("config")
+        raise ValueError(
+            f"sparse_cp computes causal attention only, but this model (type "
+            f"'{getattr(config, 'model_type', 'unknown')}') overlays its own mask on the causal one (an or/and mask "
+            "function: e.g. bidirectional attention over image tokens, or a bidirectional text model); load it with "
+            "attn_implementation='sdpa' (--sparse_attention false).")
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
     held = None if mask is not None else int(q_offset) + q_length - kv_offset

@@ -1,0 +1,48 @@
+"""The mask function registered with `sparse_cp`: transformers' causal mask, windows and packed positions pass on to
+the backend; a model's own overlay on the causal mask (an or/and mask function, a block overlay of bidirectional
+image tokens), which the backend cannot compute, is refused naming the fix."""
+
+import pytest
+import torch
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+import hf_sparse_cp
+from hf_sparse_cp.testing.tiny_models import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _patched():
+    hf_sparse_cp.patch()
+    yield
+    hf_sparse_cp.unpatch()
+
+
+def _config(model_type="llama", **overrides):
+    config = tiny_config(model_type, **overrides)
+    config._attn_implementation = "sparse_cp"
+    return config
+
+
+def _mask(make=create_causal_mask, config=None, attention_mask=None, **kwargs):
+    embeds = torch.zeros(2, 40, 8)
+    return make(config=config or _config(), inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
+                position_ids=torch.arange(40)[None].expand(2, 40), **kwargs)
+
+
+def test_causal_windows_and_padding_pass_on_as_the_2d_padding_mask():
+    assert _mask() is None
+    assert _mask(create_sliding_window_causal_mask, config=_config("mistral", sliding_window=16)) is None
+    padding = torch.ones(2, 40, dtype=torch.long)
+    padding[1, :5] = 0
+    assert torch.equal(_mask(attention_mask=padding).long(), padding)
+
+
+@pytest.mark.parametrize("overlay", [
+    {"or_mask_function": lambda b, h, q, k: k < 4},  # e.g. a prefix every token sees
+    {"and_mask_function": lambda b, h, q, k: q - k < 8},
+    {"block_sequence_ids": torch.tensor([[-1] * 10 + [0] * 10 + [-1] * 20] * 2)},  # bidirectional image tokens
+], ids=["or", "and", "block"])
+def test_a_models_own_overlay_on_the_causal_mask_is_refused_naming_sdpa(overlay):
+    with pytest.raises(ValueError, match=r"overlays its own mask on the causal one .*attn_implementation='sdpa' "
+                                         r"\(--sparse_attention false\)"):
+        _mask(**overlay)
