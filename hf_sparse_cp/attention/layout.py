@@ -217,14 +217,18 @@ class SparseLayout:
         With `meta` (the tokens the layout was built for), the dense blocks are those holding a visible pair
         (causal, within a document, inside `sliding_window`; `dense_blocks`): packed documents count their
         own triangles only, and padding (right padding, or the blocks a context-parallel split adds) nothing,
-        so a batch gets the same value in one process and under any CP split. Without it, the causal
-        triangle of every query block. A 0-d float64 tensor on the layout's device (reading it with float()
-        synchronizes).
+        so a batch gets the same value in one process and under any CP split; a row of padding only (an empty
+        text padded to the batch's length) has no such block and is left out of the mean (1.0 when every row
+        is). Without it, the causal triangle of every query block. A 0-d float64 tensor on the layout's device
+        (reading it with float() synchronizes).
         """
         if meta is None:
             n = self.num_q_blocks
             return self.num_computed_blocks().mean() / (n * (n + 1) / 2)
-        return (self.num_computed_blocks().mean(1) / dense_blocks(meta, self.block_size, sliding_window)).mean()
+        dense = dense_blocks(meta, self.block_size, sliding_window)
+        rows = dense > 0
+        kept = (self.num_computed_blocks().mean(1) / dense.clamp_min(1) * rows).sum()
+        return torch.where(rows.any(), kept / rows.sum().clamp_min(1), 1.0)
 
     def to_mask(self, num_q_heads: int, q_len: int, k_len: int) -> torch.Tensor:
         """Dense boolean [B, Hq, q_len, k_len] mask of the listed keys (for tests and baselines)."""
@@ -269,11 +273,10 @@ def first_visible_keys(meta: TokenMeta, block_size: int, sliding_window: int | N
 
 def dense_blocks(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
     """float64 [B]: the blocks a dense computation of each row visits, those holding a visible pair (causal,
-    same document, inside the window): what `dense_layout` lists. At least one, so that a row of padding only
-    divides by 1."""
+    same document, inside the window): what `dense_layout` lists (0 for a row of padding only)."""
     lo = first_visible_keys(meta, block_size, sliding_window)[3]
     listed = (torch.arange(lo.shape[-1], device=lo.device) - lo + 1).clamp_min(0)
-    return listed.double().sum(-1).clamp_min(1)
+    return listed.double().sum(-1)
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

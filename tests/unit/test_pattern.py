@@ -8,7 +8,7 @@ from hf_sparse_cp.attention.build import build_layout, dense_layout, offsets_to_
 from hf_sparse_cp.attention.estimate import estimate_layout, select_vertical_slash
 from hf_sparse_cp.attention.layout import dense_blocks
 from hf_sparse_cp.attention.scoring import score_vertical_slash
-from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.layouts import PLANTED_LOGIT, local_qk, planted_qk
 
 from oracle import visible
@@ -202,9 +202,30 @@ def test_the_kept_fraction_counts_the_blocks_a_dense_run_computes(trial):
     kw = _random_build_inputs(trial, torch.Generator().manual_seed(100 + trial))
     meta, bs, window = kw["meta"], kw["block_size"], kw["sliding_window"]
     dense = dense_layout(meta, bs, window)
-    listed = dense.block_cnt.sum((1, 2)).double().clamp_min(1)
+    listed = dense.block_cnt.sum((1, 2)).double()
     assert torch.equal(dense_blocks(meta, bs, window), listed)
     assert float(dense.kept_fraction(meta, window)) == 1.0
+
+
+@pytest.mark.parametrize("pattern", ["dense", "sparse"])
+def test_a_row_of_padding_only_does_not_count_in_the_kept_fraction(pattern):
+    """A batch whose second row is all padding (an empty text padded to the batch's length) keeps what its first
+    row keeps: 1.0 for a dense layout, the first row's own fraction for a sparse one (it counted as 0 and halved
+    the mean); a batch of padding only keeps 1.0."""
+    s, bs = 256, 16
+    row = TokenMeta.from_segments(torch.zeros(1, s, dtype=torch.int32))
+    batch = TokenMeta.from_segments(torch.tensor([[0] * s, [PAD_SEGMENT] * s], dtype=torch.int32))
+    if pattern == "dense":
+        one, both = dense_layout(row, bs), dense_layout(batch, bs)
+    else:
+        q, k = (torch.randn(2, 2, s, 16, generator=torch.Generator().manual_seed(i)) for i in (1, 2))
+        cfg = SparseAttentionConfig(block_size=bs, min_seq_len=64, vertical_topk=2, slash_topk=2, sink_tokens=2,
+                                    local_window=4, last_q=16)
+        one, both = estimate_layout(q[:1], k[:1], cfg, row), estimate_layout(q, k, cfg, batch)
+    assert float(one.kept_fraction(row)) < 1.0 or pattern == "dense"
+    assert float(both.kept_fraction(batch)) == float(one.kept_fraction(row))
+    padding = TokenMeta.from_segments(torch.full((1, s), PAD_SEGMENT, dtype=torch.int32))
+    assert float(dense_layout(padding, bs).kept_fraction(padding)) == 1.0
 
 
 def test_packed_documents_kept_whole_keep_one_not_half():
