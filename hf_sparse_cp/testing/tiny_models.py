@@ -30,9 +30,10 @@ def _field_of(config_class: type, name: str) -> bool:
 
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
-    window; a mixture of experts: `TINY_EXPERTS`); any field can be overridden. A field the architecture derives
-    from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that
-    names it, and so is a config transformers refuses to build from these fields."""
+    window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
+    the window then unused; a mixture of experts: `TINY_EXPERTS`); any field can be overridden. A field the
+    architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise
+    is a ValueError that names it, and so is a config transformers refuses to build from these fields."""
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -68,6 +69,12 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                          f"model's fields ({type(e).__name__}: {' '.join(line.strip() for line in cause[:2])}); train "
                          "another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of this type from "
                          "--model_name_or_path.") from e
+    layer_types = getattr(config, "layer_types", None) or ()
+    if config.sliding_window is None and "sliding_attention" in layer_types and "layer_types" not in overrides:
+        # Gemma 2/3, Cohere 2, OLMo 3 default to sliding layers, and build a sliding mask even when no layer reads
+        # it, which transformers cannot do without a window: every layer full, and a window no layer uses.
+        config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in layer_types]
+        config.sliding_window = config.max_position_embeddings
     for name in sorted(derived & set(overrides)):
         if getattr(config, name) != overrides[name]:
             raise ValueError(f"{model_type}: {name}={overrides[name]} cannot be set, {config_class.__name__} derives "

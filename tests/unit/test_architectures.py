@@ -223,3 +223,18 @@ def test_a_multimodal_model_with_a_bidirectional_tower_is_refused_by_configure_n
         assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
     finally:
         hf_sparse_cp.unpatch()
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2", "gemma2", "olmo3"])
+def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_type):
+    """Families whose layer_types default to sliding layers (Gemma 2/3, Cohere 2, OLMo 3): without a window the
+    tiny model's layers are all full attention, and its forward runs (`--tiny_model_type gemma3_text` crashed at
+    its first step in transformers' mask: 'Could not find a `sliding_window` argument in the config'); with a
+    window given, its layer_types stay the architecture's."""
+    config = tiny_config(model_type)
+    assert set(config.layer_types) == {"full_attention"}
+    model = AutoModelForCausalLM.from_config(config)
+    assert not any(getattr(m, "sliding_window", None) for m in model.modules() if m is not model.config)
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert model(input_ids=ids).logits.isfinite().all()
+    assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
