@@ -594,9 +594,11 @@ class _Step:
             copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
             cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
             saved = self.layer_recompute()
-            tape.alloc("gradients", const=arch.layer_params * w / s.fsdp + (arch.layer_params * w if s.fsdp > 1 else 0))
+            tape.alloc("gradients", const=arch.layer_params * w / s.fsdp)
+            # FSDP2: the layer's unsharded gradient, freed once reduce-scattered into the shard as its backward ends
+            unsharded = tape.alloc("gradients", const=arch.layer_params * w) if s.fsdp > 1 else None
             grad = self.layer_backward(saved, grad)
-            tape.free(copied, cast, floor[layer])
+            tape.free(copied, cast, floor[layer], unsharded)
         tape.transient("gradients", const=arch.embedding_params * 4)  # the embedding's dense gradient
         tape.free(grad)
 
