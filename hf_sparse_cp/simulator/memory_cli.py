@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
               f"{margin:,} tokens." + (" (That band was measured with the ring: the head groups' all-to-all terms "
                                        "are counted on the code, not yet measured.)" if head_size > 1 else ""))
     else:
-        print(f"Not even {1024 * args.cp:,} tokens fit: the constant terms alone exceed {_gb(budget)}; shard them "
-              "(--fsdp) or use a larger GPU.")
+        fixes = [f"shard them over more ranks (--fsdp {2 * args.fsdp})"] + (
+            ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
+        print(f"Not even {1024 * args.cp:,} tokens fit: the constant terms alone exceed {_gb(budget)}"
+              f"; {', '.join(fixes)} or use a larger GPU.")
     for n, r in report["lengths"].items():
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
