@@ -200,3 +200,27 @@ def test_the_claim_that_cp_equals_one_process_names_its_precision_and_what_bf16_
     section = page[page.index("### Precision"):]
     assert "holds in fp32" in section and "--bf16 true" in section and "--summary_file" in section
     assert f"at most {bf16.group(2)}" in section
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (lowercased, punctuation dropped, spaces as hyphens)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug + (f"-{seen[slug]}" if slug in seen else "")] = seen.get(slug, 0) + 1
+    return set(seen)
+
+
+def test_every_relative_link_and_anchor_of_the_docs_resolves():
+    """docs/benchmarks.md linked `results/README.md#...` and docs/scaling.md showed its figure from
+    `benchmarks/results/...`, both relative to docs/ where no such file is: a reader got a 404."""
+    for page in [*PAGES, ROOT / "CONTRIBUTING.md"]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            assert target.exists(), f"{page.relative_to(ROOT)}: ({link}) names no file"
+            if anchor and target.suffix == ".md":
+                assert anchor in _anchors(target), f"{page.relative_to(ROOT)}: ({link}) names no heading"
