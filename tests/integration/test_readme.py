@@ -224,3 +224,26 @@ def test_every_relative_link_and_anchor_of_the_docs_resolves():
             assert target.exists(), f"{page.relative_to(ROOT)}: ({link}) names no file"
             if anchor and target.suffix == ".md":
                 assert anchor in _anchors(target), f"{page.relative_to(ROOT)}: ({link}) names no heading"
+
+
+@pytest.mark.parametrize("page, block", _blocks("yaml"), ids=[f"{p}-{i}" for i, (p, _) in enumerate(_blocks("yaml"))])
+def test_each_yaml_block_loads_as_a_sparse_config_file(page, block, tmp_path):
+    """A `--sparse_config` file shown in the docs loads as written and sets every value it holds."""
+    import yaml
+    from transformers import HfArgumentParser
+
+    (tmp_path / "pattern.yaml").write_text(block)
+    (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--sparse_config", str(tmp_path / "pattern.yaml")])
+    config = args.sparse_attention_config()
+
+    def leaves(tree, obj):
+        for key, value in tree.items():
+            got = getattr(obj, key)
+            yield from leaves(value, got) if isinstance(value, dict) else [(key, got, value)]
+
+    shown = yaml.safe_load(block)
+    budget = shown.pop("budget", {})
+    assert type(config.budget).__name__.lower().startswith(budget.pop("mode", "")), (page, config.budget)
+    for key, got, want in [*leaves(budget, config.budget), *leaves(shown, config)]:
+        assert got == want, f"{page}: {key}: {got} != {want}"
