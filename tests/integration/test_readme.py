@@ -76,19 +76,40 @@ def test_each_snippet_runs_as_written(page, snippet, tmp_path, monkeypatch):
         hf_sparse_cp.unpatch()
 
 
-def test_every_command_of_the_example_parses():
+def _launched_processes(command: str) -> int:
+    """How many processes a shown command starts: `--nproc N`, `--nproc_per_node N`, or the `num_processes` of
+    the shipped accelerate config it names; one otherwise."""
+    from hf_sparse_cp.config.files import read_mapping
+    from hf_sparse_cp.recipes import recipe_path
+
+    if nproc := re.search(r"--nproc(?:_per_node)? (\d+)", command):
+        return int(nproc.group(1))
+    if config := re.search(r"recipes --path (\w+)", command):
+        return read_mapping(recipe_path(config.group(1)))["num_processes"]
+    return 1
+
+
+def test_every_command_of_the_example_parses_and_launches_the_processes_its_cp_degree_needs():
+    """A command shown for the example parses and starts as many processes as its CP degrees (a recipe's
+    included) need: the README showed `hf-sparse-cp train --recipe qwen2.5-3b_32k --max_steps 10`, which stops
+    at once (`cp_size=8 splits each sequence over 8 processes, and this one runs alone`)."""
     shown = [(page, command) for page, command in COMMANDS if any(how in command for how in EXAMPLE)]
     assert len(shown) >= 5
     for page, command in shown:
         how = next(how for how in EXAMPLE if how in command)
         argv = shlex.split(command.split(how, 1)[1])
-        if "--nproc" in argv:  # the launcher's own flag
-            i = argv.index("--nproc")
-            argv = argv[:i] + argv[i + 2:]
+        for launcher_flag in ("--nproc", "--config_file"):  # the launcher's own flags
+            if launcher_flag in argv:
+                i = argv.index(launcher_flag)
+                argv = argv[:i] + argv[i + 2:]
         try:
-            parse_args(argv)  # exits, naming the flag, on a stale one
+            parsed = parse_args(argv)  # exits, naming the flag, on a stale one
         except SystemExit:
             pytest.fail(f"{page}: `{command}` does not parse")
+        try:
+            parsed.training.check_launch({"WORLD_SIZE": str(_launched_processes(command))})
+        except ValueError as e:
+            pytest.fail(f"{page}: `{command}`: {e}")
 
 
 def test_every_flag_shown_for_a_training_script_exists():
