@@ -8,8 +8,8 @@ given to override the defaults, and a recipe (`flag: value` pairs of `SparseTrai
 shipped one by name, see `hf-sparse-cp recipes`, or a file) can come first, e.g.
 
     python examples/train_long_context.py --sparse_max_length 8192 --max_steps 20 --sparse_slash_topk 512
-    python examples/train_long_context.py --recipe qwen2.5-3b_32k --max_steps 10
-    python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config cfg.yaml
+    torchrun --nproc_per_node 8 examples/train_long_context.py --recipe qwen2.5-3b_32k --max_steps 10  # its CP 8
+    python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config trial
 
 The demo job's settings (`DEMO_DEFAULTS`) are the defaults only without a recipe and without
 `--model_name_or_path`; a recipe or a pretrained model gets the library defaults for every flag it

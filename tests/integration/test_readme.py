@@ -14,13 +14,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainingArguments
+from hf_sparse_cp.examples import train_long_context
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.examples.train_long_context import ScriptArguments, parse_args
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-EXAMPLE = ("hf-sparse-cp train", "-m hf_sparse_cp.examples.train_long_context")
+EXAMPLE = ("hf-sparse-cp train", "-m hf_sparse_cp.examples.train_long_context", "examples/train_long_context.py")
 
 
 def _blocks(language: str) -> list[tuple[str, str]]:
@@ -33,9 +34,11 @@ SNIPPETS = _blocks("python")
 
 
 def _commands() -> list[tuple[str, str]]:
-    """Every shell command of the bash blocks, continuation lines joined, comments dropped."""
+    """Every shell command of the bash blocks, and of the example's docstring (its indented lines), continuation
+    lines joined, comments dropped."""
     out = []
-    for page, block in _blocks("bash"):
+    shown = "\n".join(line.strip() for line in train_long_context.__doc__.splitlines() if line.startswith("    "))
+    for page, block in [*_blocks("bash"), ("examples/train_long_context.py", shown + "\n")]:
         for command in block.replace("\\\n", " ").splitlines():
             command = command.split(" #", 1)[0].strip()
             if command:
@@ -116,10 +119,10 @@ def test_every_flag_shown_for_a_training_script_exists():
     known = {f.name for cls in (SparseTrainingArguments, ScriptArguments) for f in dataclasses.fields(cls)}
     known |= {"recipe", "nproc"}
     for page, command in COMMANDS:
-        if "train.py" in command or any(how in command for how in EXAMPLE):
-            script_args = command.split("train.py", 1)[-1] if "train.py" in command else command
-            for flag in re.findall(r"(?<![\w-])--(\w+)", script_args.split("--config_file")[-1]):
-                assert flag in known or flag in ("path",), f"{page}: --{flag} in `{command}`"
+        if how := next((how for how in (*EXAMPLE, "train.py") if how in command), None):
+            script_args = re.sub(r'--config_file "\$\([^)]*\)"', "", command.split(how, 1)[1])  # (the launcher's)
+            for flag in re.findall(r"(?<![\w-])--(\w+)", script_args):
+                assert flag in known, f"{page}: --{flag} in `{command}`"
 
 
 # Runs a README snippet as a script of its own under a launcher: the named model replaced by a tiny one of its family.
