@@ -34,11 +34,14 @@ SNIPPETS = _blocks("python")
 
 
 def _commands() -> list[tuple[str, str]]:
-    """Every shell command of the bash blocks, and of the example's docstring (its indented lines), continuation
-    lines joined, comments dropped."""
+    """Every shell command of the bash blocks, of the example's docstring (its indented lines) and of the recipes'
+    comments, continuation lines joined, comments dropped."""
     out = []
     shown = "\n".join(line.strip() for line in train_long_context.__doc__.splitlines() if line.startswith("    "))
-    for page, block in [*_blocks("bash"), ("examples/train_long_context.py", shown + "\n")]:
+    recipes = [(path.relative_to(ROOT).as_posix(), "".join(line[4:] + "\n" for line in path.read_text().splitlines()
+                                                          if line.startswith("#   ")))
+               for path in sorted((ROOT / "recipes").glob("*/*.yaml"))]  # (the commands in their comments)
+    for page, block in [*_blocks("bash"), ("examples/train_long_context.py", shown + "\n"), *recipes]:
         for command in block.replace("\\\n", " ").splitlines():
             command = command.split(" #", 1)[0].strip()
             if command:
