@@ -39,7 +39,7 @@ class BenchSMETArguments:
     num_key_value_heads: int = field(default=5, metadata={"help": "Key/value heads."})
     vocab_size: int = field(
         default=8192,
-        metadata={"help": "Vocabulary (dense embeddings and lm_head; with the defaults they hold 28% of the weights, "
+        metadata={"help": "Vocabulary (dense embeddings and lm_head; with the defaults they hold 28%% of the weights, "
                   "about the share of a 1B Llama)."},
     )
     block_size: int = field(default=16, metadata={"help": "SMET block size."})

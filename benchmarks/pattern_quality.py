@@ -204,7 +204,7 @@ class PatternQualityArguments:
                                  "length of --retrieval_lengths, each asking for one needle at each of "
                                  "--retrieval_depths (`retrieval.needle_row`), the same rows scored with exact dense "
                                  "attention and with each of --retrieval_settings through sparse_cp; exact match per "
-                                 "question, Wilson 95% intervals."})
+                                 "question, Wilson 95%% intervals."})
     retrieval_lengths: list[int] = field(default_factory=lambda: [16384, 32768],
                                          metadata={"help": "Retrieval: prompt lengths (within the model's context)."})
     retrieval_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
