@@ -99,6 +99,23 @@ def test_a_recipe_for_more_processes_says_so_before_building_its_data(monkeypatc
         example.main(["--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
 
 
+def test_a_gpu_accelerate_config_on_a_machine_without_gpus_names_the_cpu_one_before_building_its_data(monkeypatch,
+                                                                                                      capsys):
+    """`accelerate launch --config_file "$(hf-sparse-cp recipes --path fsdp2_cp8_1node)" -m ...train_long_context
+    --recipe qwen2.5-3b_128k` (the README's GPU line) on a CPU machine built 131K-token data on all 8 processes,
+    then each printed accelerate's `ParallelismConfig is only compatible ... but got DistributedType.MULTI_CPU`."""
+    from hf_sparse_cp.trainer import sparse_trainer
+
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")  # what accelerate launch sets from that file
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(example, "passkey_train_data", lambda *a, **k: pytest.fail("built the data first"))
+    with pytest.raises(SystemExit):
+        example.main(["--recipe", "qwen2.5-3b_128k", "--max_steps", "1"])
+    assert re.search(r"cp_size 8\).*no GPU.*recipes --path cpu_2proc_cp2", capsys.readouterr().err)
+
+
 def test_recipes_and_command_lines_of_earlier_releases_still_run(tmp_path):
     """`max_length` (the sequence length before every plugin flag was prefixed) in a recipe or on the command
     line is read as --sparse_max_length, with a warning that names the new name."""
