@@ -8,9 +8,11 @@ import math
 import torch
 
 from ..config import SparseAttentionConfig
+from .build import dense_layout
 from .dense import dense_backend, flash_dense_attention, sdpa_dense_attention
 from .estimate import estimate_layout, pattern_documents
 from .ops import block_sparse_attention
+from .sinks import with_sinks
 from .tokens import TokenMeta
 
 
@@ -23,6 +25,7 @@ def sequence_attention(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's pattern estimated on the call's sequences, then exact attention over it (a dense
     call goes to flash-attn where it is installed, or to SDPA for plain causal rows: `dense`).
@@ -31,6 +34,8 @@ def sequence_attention(
         query: [B, Hq, S, D]; key, value: [B, Hkv, S, D] (after RoPE), Hq a multiple of Hkv.
         meta: the tokens' documents and padding [B, S]; cfg: the layer's pattern settings.
         scale: softmax scale (default 1 / sqrt(D)); sliding_window: the layer's window, or None.
+        sinks: the layer's learned sink logits [Hq] (`sinks.with_sinks`), or None. A dense call with sinks runs
+            the kernels over the dense layout: the dense libraries do not return the log-sum-exp the sinks need.
 
     Returns:
         (out [B, Hq, S, D], the kept fraction of attention blocks, of those a dense run of the batch computes:
@@ -39,7 +44,7 @@ def sequence_attention(
     b, _, s, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     docs = pattern_documents(cfg, meta, b, s, sliding_window)
-    library = "kernels" if any(docs) else dense_backend(query, key, meta, sliding_window)
+    library = "kernels" if any(docs) or sinks is not None else dense_backend(query, key, meta, sliding_window)
     if library != "kernels":  # a dense call that a library kernel computes
         if library == "sdpa":
             out = sdpa_dense_attention(query, key, value, scale=scale)
@@ -47,9 +52,12 @@ def sequence_attention(
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
         # (dense: every block a dense run of the batch computes)
         return out.transpose(1, 2), torch.ones((), dtype=torch.float64, device=query.device)
-    with torch.no_grad():
-        layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-    out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=meta, k_meta=meta,
-                                    sliding_window=sliding_window, check_layout=False,
-                                    implementation=cfg.attention_engine)
-    return out, layout.kept_fraction(meta, sliding_window)
+    if any(docs):
+        with torch.no_grad():
+            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
+    else:
+        layout = dense_layout(meta, cfg.block_size, sliding_window)
+    out, lse = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=meta, k_meta=meta,
+                                      sliding_window=sliding_window, check_layout=False,
+                                      implementation=cfg.attention_engine)
+    return with_sinks(out, lse, sinks), layout.kept_fraction(meta, sliding_window)

@@ -41,9 +41,13 @@ ARCHITECTURES: dict[str, Support] = {
     **{model_type: Support(cp_tested=True) for model_type in (
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-        "deepseek_v3")},
+        "deepseek_v3", "gpt_oss")},
 }
 
+
+# Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise, or attends over
+# keys of its own making, such as DeepSeek-V4's compressed ones).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 # Config fields that set attention dropout (the Llama family's, GPT-2's and GPT-BigCode's, BERT-style), which the
 # backend refuses (it computes attention without dropout) and the tiny models set to 0.

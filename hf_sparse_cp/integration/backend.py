@@ -32,11 +32,12 @@ from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
+from ..attention.sinks import sink_shape_error, with_sinks
 from ..attention.tokens import BatchDocumentExtents, TokenMeta, padding_between_tokens, token_meta_from_kwargs
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
-from .architectures import CONFIG_DROPOUTS
+from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -260,29 +261,39 @@ def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, 
 
 # Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
 # implement (a call that carries one is refused rather than computed without it).
+# (`s_aux`, the learned sinks of GPT-OSS and others, is computed: `attention.sinks`; Inkling 2's are per token.)
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "learned attention sinks",  # GPT-OSS and others
-    "sinks": "learned attention sinks",  # Inkling 2
+    "sinks": "learned attention sinks per token",  # Inkling 2
     "position_bias": "an additive bias on the attention logits",  # Inkling's relative logits, T5-style models
     "indices": "a selection of key indices per query",  # DeepSeek-V3.2's sparse attention (DSA)
     "block_indices": "a selection of key blocks per query",
 }
 
 
-def unsupported_feature(module: torch.nn.Module, softcap, kwargs) -> str | None:
-    """What a call of `module` asks of attention that sparse_cp does not implement (the sentence of its refusal,
-    naming the model type and the fix), or None: soft-capping, a keyword of `_UNSUPPORTED_KWARGS`, or a bidirectional
-    layer (the module's `is_causal`, or `is_causal=False` passed to the call). A probe forward records it
-    (`ProbedCall.unsupported`), so that the model checks refuse it before training."""
+def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) -> str | None:
+    """What a call of `module` with `heads` query heads asks of attention that sparse_cp does not implement (the
+    sentence of its refusal, naming the model type and the fix), or None: soft-capping, a keyword of
+    `_UNSUPPORTED_KWARGS`, learned sinks (`s_aux`) of another shape than one per query head or in a layer whose
+    `config.layer_types` entry is not a plain attention layer (DeepSeek-V4's compressed layers append keys of their
+    own making, which sparse_cp would take for a KV cache), or a bidirectional layer (the module's `is_causal`, or
+    `is_causal=False` passed to the call). A probe forward records it (`ProbedCall.unsupported`), so that the model
+    checks refuse it before training."""
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if softcap is not None:
         return (f"sparse_cp does not implement attention logit soft-capping (softcap={softcap}, model type "
                 f"'{model_type}'); load this model with attn_implementation='eager' or 'sdpa' (--sparse_attention "
                 "false).")
-    for name, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            return (f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
-                    "attn_implementation='eager' (--sparse_attention false).")
+    found = next(((name, what) for name, what in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None), None)
+    sinks, layer_type = kwargs.get("s_aux"), _layer_type(module)
+    if sinks is not None and layer_type not in (None, *ATTENTION_LAYER_TYPES):
+        found = "s_aux", (f"learned attention sinks in a layer of type '{layer_type}' (it computes them in "
+                          f"{', '.join(ATTENTION_LAYER_TYPES)} layers)")
+    elif sinks is not None and sink_shape_error(sinks, heads):
+        found = "s_aux", sink_shape_error(sinks, heads)
+    if found:
+        name, what = found
+        return (f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
+                "attn_implementation='eager' (--sparse_attention false).")
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is bidirectional; use attn_implementation='sdpa' for it (--sparse_attention "
@@ -290,7 +301,8 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs) -> str | None:
     return None
 
 
-def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs) -> None:
+def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
+                        ) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if dropout and dropout > 0:
         held = [f"{type(module).__name__}.{name}" for name in MODULE_DROPOUTS
@@ -300,7 +312,7 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
             f"{f' from {held[0]}' if held else ''} for model type '{model_type}'); "
             f"{dropout_fix(getattr(module, 'config', None))}"
         )
-    unsupported = unsupported_feature(module, softcap, kwargs)
+    unsupported = unsupported_feature(module, softcap, kwargs, heads)
     if unsupported:
         raise ValueError(unsupported)
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -350,7 +362,7 @@ def sparse_cp_attention_forward(
         attention_mask: the 2D padding mask from the registered mask function, or None.
         dropout, softcap: must be 0 / None (refused otherwise). scaling: softmax scale.
         sliding_window: the layer's window, or None. kwargs: `position_ids`, `cu_seq_lens_k` (packing),
-            `cp_shard` (context parallelism).
+            `cp_shard` (context parallelism), `s_aux` (learned sink logits [Hq]: `attention.sinks`).
 
     Returns:
         (attention output [B, S, Hq, D], None).
@@ -359,7 +371,7 @@ def sparse_cp_attention_forward(
     probe = _PROBE.get()
     if probe is not None:
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
-                                      sliding_window, unsupported_feature(module, softcap, kwargs)))
+                                      sliding_window, unsupported_feature(module, softcap, kwargs, query.shape[1])))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if shard is None and _CP_FORWARD.get():
         raise RuntimeError(
@@ -368,7 +380,7 @@ def sparse_cp_attention_forward(
             "the attention keyword arguments on, so it would attend within this rank's shard only. Train this model "
             "without context parallelism."
         )
-    _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs)
+    _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     _refuse_attention_weights(module, kwargs)
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
     _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs))
@@ -415,12 +427,15 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     b, _, q_len, d = query.shape
     k_len = key.shape[2]
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    sinks = kwargs.get("s_aux")
     if shard is not None:
-        result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window)
+        result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window,
+                                            sinks=sinks)
         return result.out, result.kept_fraction
     if q_len == k_len and _padding_between_tokens(attention_mask) is None:
         meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
-        return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window)
+        return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window,
+                                  sinks=sinks)
     # Through a KV cache (decoding, a chunk of prefill), or with padding between a row's tokens, which the pattern's
     # documents cannot hold (`padding_between_tokens`): attend densely over every key block, each pair's visibility
     # from its tokens (not counted). The queries are the last q_len of the tokens the cache holds, its first `held`
@@ -430,10 +445,10 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
     q_meta = TokenMeta(k_meta.index[:, held - q_len:held], k_meta.segment[:, held - q_len:held])
     layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
-    out, _ = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
-                                    sliding_window=sliding_window, check_layout=False,
-                                    implementation=cfg.attention_engine)
-    return out, None
+    out, lse = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
+                                      sliding_window=sliding_window, check_layout=False,
+                                      implementation=cfg.attention_engine)
+    return with_sinks(out, lse, sinks), None
 
 
 def _cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ import torch
 from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
-from .architectures import cp_tested_model_types
+from .architectures import ATTENTION_LAYER_TYPES, cp_tested_model_types
 from .backend import (
     MODULE_DROPOUTS,
     AttentionProbe,
@@ -61,8 +61,6 @@ logger = logging.getLogger(__name__)
 
 # RoPE types whose frequencies depend on the positions of the call (the longest one seen).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-# Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise).
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def _rope_types(config) -> set[str]:

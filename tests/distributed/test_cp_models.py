@@ -28,7 +28,7 @@ PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=
 # learned table of positions one long enough for the test (the tiny models' 2**20 rows: 1 GiB in float64, twice
 # with its gradient, per process).
 OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
-                for t in ("gemma3_text", "cohere2")},
+                for t in ("gemma3_text", "cohere2", "gpt_oss")},
              **{t: {"max_position_embeddings": 4 * SEQ} for t in ("opt", "gpt2")},
              # Multi-head latent attention with values narrower than queries and keys (the engines pad them)
              "deepseek_v3": {"num_key_value_heads": 4, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 48,
@@ -40,18 +40,23 @@ def _model(model_type: str, **overrides) -> torch.nn.Module:
     config = tiny_config(model_type, vocab_size=97, **{**OVERRIDES.get(model_type, {}), **overrides})
     # The experts of MoE models loop in eager code: torch's grouped matmul takes no float64.
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").double().eval()
+    for module in model.modules():  # learned sinks (GPT-OSS) that change the output visibly (their init is ~0.02)
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, 0.0, 2.0)
     hf_sparse_cp.configure(model, PATTERN)
     return model
 
 
-def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...]) -> dict:
+def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...], flags: tuple = ()) -> dict:
+    """Each model type's errors under CP 2 with the `ContextParallelConfig` flags (name, value) against one
+    process."""
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
     from hf_sparse_cp.distributed.loss import global_mean_loss, global_num_items, rank_loss
     from hf_sparse_cp.integration.backend import guard_context_parallel
     from hf_sparse_cp.integration.stats import pop_kept_fractions
 
     hf_sparse_cp.patch()
-    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, **dict(flags)))
     ids = torch.randint(3, 97, (1, SEQ), generator=torch.Generator().manual_seed(1))
     results = {}
     for model_type in model_types:
@@ -79,16 +84,18 @@ def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...]) -> 
             grad = torch.zeros_like(ref_grad) if grad is None else grad.clone()
             dist.all_reduce(grad)
             grad_error = max(grad_error, float((grad - ref_grad).norm() / torch.maximum(ref_grad.norm(), floor)))
-        local = out.logits.detach()
+        plan = inputs["cp_shard"].plan
+        lengths = [plan.local_len_of(r) for r in range(world)]  # (unequal under the document sharding)
+        local = F.pad(out.logits.detach(), (0, 0, 0, max(lengths) - out.logits.shape[1]))
         shards = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(shards, local.contiguous())
-        full = inputs["cp_shard"].plan.unshard(shards)[:, :SEQ]
+        full = plan.unshard([shard[:, :n] for shard, n in zip(shards, lengths)])[:, :SEQ]
         kept = pop_kept_fractions(model)
         results[model_type] = {
             "logits": rel_rms(full, ref.logits.detach()), "grads": grad_error,
             "loss": abs(float(global_mean_loss(loss_sum.detach(), num_items)) - float(ref_loss)) / float(ref_loss),
             "kept": max(abs(kept[i] - ref_kept[i]) for i in ref_kept), "sparse": min(ref_kept.values()) < 1.0}
-    if model_types != GROUPS[0]:
+    if model_types != GROUPS[0] or flags:
         return results
     # A decoder layer that drops the shard, forced past the model check: the backend refuses the call.
     model = _model("stablelm")
@@ -132,6 +139,18 @@ def test_every_registered_architecture_equals_one_process_under_cp2(model_type):
         # (sums over the tokens, split otherwise under CP) agree to fp32 rounding.
         assert result["grads"] < 1e-6, result
         assert result["kept"] < 1e-12, result  # the kept fraction counts real tokens only: no padding effect
+
+
+@pytest.mark.parametrize("flags", [(("cp_sharding", "zigzag"),), (("cp_sharding", "document"),),
+                                   (("cp_mode", "ulysses"),)], ids=["zigzag", "document", "ulysses"])
+def test_learned_sinks_equal_one_process_under_every_cp2_layout(flags):
+    """GPT-OSS passes learned sinks (`s_aux`), which the ring applies once to each query's merged result and
+    ulysses to its share of the heads: under the shardings and modes besides the table's striped ring, the logits,
+    loss and gradients (the sinks' among them) equal one process's too."""
+    for rank in run_gloo(_registry_under_cp2, 2, ("gpt_oss",), flags, timeout_s=600):
+        result = rank["gpt_oss"]
+        assert result["sparse"] and result["logits"] < 1e-10 and result["loss"] < 1e-10, result
+        assert result["grads"] < 1e-6 and result["kept"] < 1e-12, result
 
 
 def test_an_attention_call_without_the_shard_during_a_cp_forward_is_an_error():

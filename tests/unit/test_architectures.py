@@ -154,18 +154,19 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
 
 
 @pytest.mark.parametrize("model_type, overrides, cause, cp_cause", [
-    ("gpt_oss", {"sliding_window": 48}, r"GptOssDecoderLayer: sparse_cp does not implement learned attention sinks "
-                                        r"\(s_aux, model type 'gpt_oss'\)", None),
     ("deepseek_v4", {"sliding_window": 48}, r"DeepseekV4DecoderLayer: sparse_cp does not implement learned attention "
-                                            r"sinks \(s_aux, model type 'deepseek_v4'\)",
+                                            r"sinks in a layer of type 'heavily_compressed_attention' \(it computes "
+                                            r"them in full_attention, sliding_attention, chunked_attention layers\) "
+                                            r"\(s_aux, model type 'deepseek_v4'\)",
      r"mixes tokens outside attention \(layer type 'heavily_compressed_attention'"),
-], ids=["gpt_oss-sinks", "deepseek_v4-sinks"])
+], ids=["deepseek_v4-compressed-sinks"])
 def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the_cp_check(model_type, overrides, cause,
                                                                                           cp_cause):
-    """GPT-OSS and DeepSeek-V4 pass learned sinks (`s_aux`) to the attention function: configure() took the model and
-    its first forward failed, and under CP GPT-OSS passed the check into the first step. The probe forward finds what
-    the backend refuses, so the switch and the CP check refuse it (`cp_cause`: what the CP check finds first), naming
-    the architecture and --sparse_attention false."""
+    """DeepSeek-V4 passes learned sinks (`s_aux`) to the attention function in layers that append compressed keys of
+    their own making (the backend would take them for a KV cache; GPT-OSS's sinks in plain attention layers are
+    computed: tests/unit/test_sinks.py): configure() took the model and its first forward failed. The probe forward
+    finds what the backend refuses, so the switch and the CP check refuse it (`cp_cause`: what the CP check finds
+    first), naming the architecture and --sparse_attention false."""
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))

@@ -382,10 +382,12 @@ def test_unsupported_features_are_refused_with_the_fix():
     fn = sparse_cp_attention_forward
     with pytest.raises(ValueError, match="soft-capping.*'llama'"):
         fn(layer, x, kv, kv, None, softcap=30.0)
-    with pytest.raises(ValueError, match="learned attention sinks"):
-        fn(layer, x, kv, kv, None, s_aux=torch.zeros(4))
+    # Learned sinks (`s_aux`) are computed as one logit per query head (tests/unit/test_sinks.py); another shape is not
+    with pytest.raises(ValueError, match=r"learned attention sinks of shape \[2, 4\] \(it computes one sink logit per "
+                                         r"query head, shape \[4\].*\(s_aux, model type 'llama'\)"):
+        fn(layer, x, kv, kv, None, s_aux=torch.zeros(2, 4))
     # What Inkling 2, Inkling and DeepSeek-V3.2 pass besides: computed without them before, silently
-    for name, value, cause in [("sinks", torch.zeros(4), "learned attention sinks"),
+    for name, value, cause in [("sinks", torch.zeros(1, 4, 32, 1), "learned attention sinks per token"),
                                ("position_bias", torch.zeros(1, 4, 32, 32), "an additive bias on the attention logits"),
                                ("indices", torch.zeros(1, 32, 8, dtype=torch.long), "a selection of key indices")]:
         with pytest.raises(ValueError, match=rf"does not implement {cause}.*\({name}, model type 'llama'\).*"

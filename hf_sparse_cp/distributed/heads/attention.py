@@ -21,12 +21,15 @@ from ..shard import CPShard
 from .all_to_all import HeadExchange
 from .split import HeadSplit
 
-# The attention of a rank's heads on the head split: (q, k, v) -> (out, kept fraction over those heads).
-HeadAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# The attention of a rank's heads on the head split: (q, k, v, the sink logits of those heads or None) -> (out, kept
+# fraction over those heads).
+HeadAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                         tuple[torch.Tensor, torch.Tensor]]
 
 
 def head_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: CPShard,
-                            attend: HeadAttention, *, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
+                            attend: HeadAttention, *, sinks: torch.Tensor | None = None, stats=None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a sequence split over a head-parallel layout. Collective over the head group.
 
     Args:
@@ -34,7 +37,9 @@ def head_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             (`prepare_context_parallel_inputs` under a mode with head groups).
         shard: this rank's `CPShard`.
         attend: the mode's attention on the head split (q, k, v of this rank's heads over every piece of its head
-            group, in the split's global order) -> (out in the same layout, kept fraction over these heads).
+            group, in the split's global order, and the sink logits of its heads) -> (out in the same layout, kept
+            fraction over these heads).
+        sinks: the layer's learned sink logits [Hq], or None.
         stats: if given, a `RingStats` that accumulates the bytes this rank sends in the all-to-alls.
         Under autocast, q, k, v are cast to the autocast dtype and attention runs with autocast off.
 
@@ -49,8 +54,8 @@ def head_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     first = parallel.cp_rank - parallel.head_rank  # the head group's first CP position
     lengths = [plan.local_len_of(first + i) for i in range(parallel.head_size)]
     exchange = HeadExchange(split, lengths, parallel.head_rank, parallel.head_group, stats)
-    with torch.autocast(query.device.type, enabled=False):
-        out, kept = attend(*exchange.to_heads(query, key, value))
-        out = exchange.to_sequence(out.to(query.dtype))
     lo, hi = split.q_range(parallel.head_rank)
+    with torch.autocast(query.device.type, enabled=False):
+        out, kept = attend(*exchange.to_heads(query, key, value), None if sinks is None else sinks[lo:hi])
+        out = exchange.to_sequence(out.to(query.dtype))
     return out, over_head_group(kept, (hi - lo) / split.q_heads, parallel)

@@ -95,7 +95,7 @@ class CPMode(ABC):
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: CPShard,
                   cfg: SparseAttentionConfig, *, scale: float | None, sliding_window: int | None,
-                  stats: RingStats | None) -> CPAttention:
+                  sinks: torch.Tensor | None, stats: RingStats | None) -> CPAttention:
         """This rank's attention output for its shard (see `context_parallel_attention`). Collective."""
 
     @abstractmethod
@@ -133,6 +133,7 @@ def context_parallel_attention(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
     stats: RingStats | None = None,
 ) -> CPAttention:
     """Sparse attention of a sequence split over a CP group, by the group's mode: what the attention backend
@@ -144,14 +145,17 @@ def context_parallel_attention(
         shard: this rank's `CPShard` (its `parallel.mode` runs the call); cfg: the layer's pattern config (and its
             `attention_engine`).
         scale: softmax scale (default 1 / sqrt(D)); sliding_window: the layer's window, or None.
+        sinks: the layer's learned sink logits [Hq] (`attention.sinks`), applied once to each query's final
+            result, or None.
         stats: if given, a `RingStats` accumulating this rank's ring steps and the bytes it sends.
         Under autocast, q, k, v are cast to the autocast dtype and attention runs with autocast off.
 
     Returns:
         `CPAttention`: out [B, Hq, S_local, D] in q's dtype, equal to single-process attention over the whole
         sequence sliced to this rank's tokens (zeros for padding), differentiable in q, k, v; where the mode has
-        them, lse and the global layout; and the kept fraction one process reports for the call.
+        them, lse (over the keys, without the sinks) and the global layout; and the kept fraction one process
+        reports for the call.
     """
     shard.check_no_kv_cache(query, key)
     return shard.parallel.mode.attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window,
-                                         stats=stats)
+                                         sinks=sinks, stats=stats)

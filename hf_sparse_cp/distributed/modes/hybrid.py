@@ -40,14 +40,15 @@ class HybridMode(HeadGroupMode):
         ring = ShardPlan(sharding, parallel.ring_size, block_size, meta.index.shape[1], pieces=parallel.head_size)
         return NestedSplit(ring, parallel.head_size)
 
-    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, stats) -> CPAttention:
+    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
         ring_shard = CPShard(shard.parallel.ring, shard.plan.outer, shard.meta)  # this rank's ring and its split
 
-        def over_the_ring(q, k, v):
-            result = RING.attention(q, k, v, ring_shard, cfg, scale=scale, sliding_window=sliding_window, stats=stats)
+        def over_the_ring(q, k, v, head_sinks):
+            result = RING.attention(q, k, v, ring_shard, cfg, scale=scale, sliding_window=sliding_window,
+                                    sinks=head_sinks, stats=stats)
             return result.out, result.kept_fraction
 
-        out, kept = head_parallel_attention(query, key, value, shard, over_the_ring, stats=stats)
+        out, kept = head_parallel_attention(query, key, value, shard, over_the_ring, sinks=sinks, stats=stats)
         return CPAttention(out, None, None, kept)
 
     def describe(self, parallel) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...attention.sinks import with_sinks
 from ..kept_fraction import reported_kept_fraction
 from ..ring.attention import ring_sparse_attention
 from ..ring.estimation import estimate_cp
@@ -24,15 +25,16 @@ class RingMode(CPMode):
             return plan_row(meta.to("cpu"), sparse_config, parallel.cp_size, planner_costs)
         return ShardPlan(sharding, parallel.cp_size, block_size, meta.index.shape[1])
 
-    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, stats) -> CPAttention:
-        """The layer's global layout estimated from every rank's shard (`estimate_cp`), then the ring."""
+    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
+        """The layer's global layout estimated from every rank's shard (`estimate_cp`), then the ring; the sinks
+        join each query's merged result."""
         with torch.no_grad():
             estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
             kept = reported_kept_fraction(estimate, shard, cfg, sliding_window)
         out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
                                          sliding_window=sliding_window, stats=stats, check_layout=False,
                                          implementation=cfg.attention_engine)
-        return CPAttention(out, lse, estimate.layout, kept)
+        return CPAttention(with_sinks(out, lse, sinks), lse, estimate.layout, kept)
 
     def describe(self, parallel) -> str:
         return f"{parallel.sharding} sharding, {ring_shape(parallel)}"

@@ -40,16 +40,16 @@ class UlyssesMode(HeadGroupMode):
         whole = ShardPlan("contiguous", 1, block_size, meta.index.shape[1], pieces=parallel.head_size)
         return NestedSplit(whole, parallel.head_size)
 
-    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, stats) -> CPAttention:
+    def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
         plan, n = shard.plan, shard.plan.seq_len
 
-        def whole_sequence(q, k, v):  # one process's call on its tokens, padded at the sequence's end
+        def whole_sequence(q, k, v, head_sinks):  # one process's call on its tokens, padded at the sequence's end
             meta = TokenMeta(shard.meta.index[:, :n], shard.meta.segment[:, :n])
             out, kept = sequence_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], meta, cfg, scale=scale,
-                                           sliding_window=sliding_window)
+                                           sliding_window=sliding_window, sinks=head_sinks)
             return F.pad(out, (0, 0, 0, plan.padded_len - n)), kept
 
-        out, kept = head_parallel_attention(query, key, value, shard, whole_sequence, stats=stats)
+        out, kept = head_parallel_attention(query, key, value, shard, whole_sequence, sinks=sinks, stats=stats)
         return CPAttention(out, None, None, kept)
 
 
