@@ -1,7 +1,7 @@
 """Learned attention sinks (`s_aux`, GPT-OSS): the op's output normalised with one extra logit per head in the
 softmax's denominator equals an explicit fp64 softmax over the visible keys and the sink logit, forward and backward
-(q, k, v and the sinks), on the dense and the sparse path; tiny GPT-OSS through the backend equals its eager
-attention."""
+(q, k, v and the sinks), on the dense and the sparse path; tiny GPT-OSS, GraniteSWA and Flint through the
+backend equal their eager attention."""
 
 import pytest
 import torch
@@ -80,20 +80,27 @@ def _loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_tiny_gpt_oss_equals_eager_and_trains_with_a_sparse_budget():
-    """GPT-OSS (layers alternately sliding and full) with sinks at a visible scale: a pattern that keeps every block
-    gives eager's loss and gradients (the sinks' among them) in fp32; a real budget skips blocks, its loss finite."""
+def _with_visible_sinks(model):
+    """`model` with its learned sinks drawn at scale 2 (their init is ~0.02 or 0), so that they change the output."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa", "flint"])
+def test_tiny_models_with_sinks_equal_eager_and_train_with_a_sparse_budget(model_type):
+    """GPT-OSS (layers alternately sliding and full), GraniteSWA and Flint pass their sinks as `s_aux`: a pattern
+    that keeps every block gives eager's loss and gradients (the sinks' among them) in fp32; a real budget skips
+    blocks, its loss and gradients finite."""
     hf_sparse_cp.patch()
     try:
         torch.manual_seed(0)
-        config = tiny_config("gpt_oss", sliding_window=48)
-        assert config.layer_types == ["sliding_attention", "full_attention"]
-        ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-        with torch.no_grad():
-            for layer in ref.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 2.0)
+        ref = _with_visible_sinks(AutoModelForCausalLM.from_config(tiny_config(model_type, sliding_window=48),
+                                                                   attn_implementation="eager"))
         # (a config of its own: configure() switches the config it is given)
-        ours = AutoModelForCausalLM.from_config(tiny_config("gpt_oss", sliding_window=48))
+        ours = AutoModelForCausalLM.from_config(tiny_config(model_type, sliding_window=48))
         ours.load_state_dict(ref.state_dict())
         ids = torch.randint(3, 259, (2, 150), generator=torch.Generator().manual_seed(1))
         ref_loss, ref_grads = _loss_and_grads(ref, ids)
@@ -107,8 +114,7 @@ def test_tiny_gpt_oss_equals_eager_and_trains_with_a_sparse_budget():
                                                            slash_topk=2, local_window=16, dense_first_layers=0))
         loss, grads = _loss_and_grads(ours, ids)
         assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
-        kept = pop_kept_fractions(ours)
-        assert min(kept.values()) < 1.0  # the budget skipped blocks
+        assert min(pop_kept_fractions(ours).values()) < 1.0  # the budget skipped blocks
     finally:
         hf_sparse_cp.unpatch()
 
@@ -119,10 +125,8 @@ def test_tiny_gpt_oss_decoding_through_a_kv_cache_equals_eager():
     hf_sparse_cp.patch()
     try:
         torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(tiny_config("gpt_oss", sliding_window=48), attn_implementation="eager")
-        with torch.no_grad():
-            for layer in ref.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 2.0)
+        ref = _with_visible_sinks(AutoModelForCausalLM.from_config(tiny_config("gpt_oss", sliding_window=48),
+                                                                   attn_implementation="eager"))
         ours = AutoModelForCausalLM.from_config(tiny_config("gpt_oss", sliding_window=48))
         ours.load_state_dict(ref.state_dict())
         hf_sparse_cp.configure(ours, SparseAttentionConfig(pattern="dense", block_size=32))
