@@ -21,7 +21,7 @@ stay dense. Scoring (`scoring.py`) runs in PyTorch by tiles, exactly (`hf_sparse
 each query-key score exact to its two vectors, each sum an int64 fixed-point sum, so that any tiling and
 any context-parallel split give the same scores to the bit and exact ties from equal inputs stay ties;
 the budget reads them as fp64 (one process on CUDA scores in the Triton kernels instead). Host
-synchronizations per call: the batch's documents (none without token metadata), the window of kept
+synchronizations per call: the batch's documents (once per metadata object, `TokenMeta.documents`), the window of kept
 columns a query block can see, and the layout's padded widths.
 """
 
@@ -40,7 +40,7 @@ from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_t
 from .exact import FixedPoint
 from .layout import SparseLayout
 from .scoring import Sampling, fixed_vertical_slash
-from .tokens import PAD_SEGMENT, TokenMeta, run_starts
+from .tokens import PAD_SEGMENT, TokenMeta
 
 # Score sets beyond this many bytes per call (causal chunks, a long sequence) earn a warning naming the fix.
 SCORE_SET_WARN_BYTES = 1 << 30
@@ -49,28 +49,10 @@ SCORE_SET_WARN_BYTES = 1 << 30
 # ------------------------------------------------------------------------------------------ documents
 
 
-def _document_table(segment: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """(start, end) of the non-padding documents of every row of [B, S] segment ids, read with one
-    device-to-host copy."""
-    b, s = segment.shape
-    if s == 0:
-        return [[] for _ in range(b)]
-    flat = run_starts(segment).flatten().nonzero().flatten()
-    rows = [[] for _ in range(b)]
-    starts, ids = torch.stack([flat, segment.flatten()[flat].to(flat.dtype)]).tolist()
-    for i, (pos, doc) in enumerate(zip(starts, ids)):
-        row, start = divmod(pos, s)
-        nxt = starts[i + 1] if i + 1 < len(starts) else b * s
-        end = min(nxt - row * s, s)
-        if doc != PAD_SEGMENT:
-            rows[row].append((start, end))
-    return rows
-
-
 def long_documents(meta: TokenMeta, cfg: SparseAttentionConfig) -> list[list[tuple[int, int]]]:
     """Per batch row, the documents long enough (>= min_seq_len) for a sparse pattern."""
     shortest = max(cfg.min_seq_len, 1)
-    return [[(st, en) for st, en in row if en - st >= shortest] for row in _document_table(meta.segment)]
+    return [[(st, en) for st, en in row if en - st >= shortest] for row in meta.documents]
 
 
 class EstimationSegment(NamedTuple):

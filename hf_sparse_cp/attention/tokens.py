@@ -11,7 +11,9 @@ attention function (packing by `cu_seq_lens_k` or restarting `position_ids`, the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy
 import torch
 
 PAD_SEGMENT = -1
@@ -27,6 +29,13 @@ class TokenMeta:
 
     index: torch.Tensor
     segment: torch.Tensor
+
+    @cached_property
+    def documents(self) -> list[list[tuple[int, int]]]:
+        """`document_table(segment)`, read from the device once per metadata object: every layer of a forward
+        shares the batch's metadata (the backend's `batch_token_meta`, a context-parallel shard's `meta`), so the
+        batch's documents cost one host read per forward, not one per layer."""
+        return document_table(self.segment)
 
     @classmethod
     def contiguous(cls, batch: int, seq_len: int, device: torch.device | str | None = None) -> TokenMeta:
@@ -105,6 +114,25 @@ def padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
     runs = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0]
     rows = (runs > 1).nonzero()
     return int(rows[0, 0]) if rows.numel() else None
+
+
+def document_table(segment: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """(start, end) of the non-padding documents (runs of one segment id) of every row of [B, S] segment ids, read
+    with one device-to-host copy of the segment ids (B x S int32) and found on the host."""
+    b, s = segment.shape
+    rows = [[] for _ in range(b)]
+    if s == 0:
+        return rows
+    host = segment.cpu().numpy()
+    starts = numpy.flatnonzero(numpy.concatenate([numpy.ones((b, 1), bool), host[:, 1:] != host[:, :-1]], 1))
+    ids = host.reshape(-1)[starts]
+    starts, ids = starts.tolist(), ids.tolist()
+    for i, (pos, doc) in enumerate(zip(starts, ids)):
+        row, start = divmod(pos, s)
+        nxt = starts[i + 1] if i + 1 < len(starts) else b * s
+        if doc != PAD_SEGMENT:
+            rows[row].append((start, min(nxt - row * s, s)))
+    return rows
 
 
 def run_starts(segment: torch.Tensor) -> torch.Tensor:

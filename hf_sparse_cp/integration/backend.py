@@ -408,7 +408,7 @@ def _call_documents(query: torch.Tensor, key: torch.Tensor, attention_mask: torc
     if q_len != key.shape[2]:
         return key.shape[2], None
     return q_len, lambda: BatchDocumentExtents(
-        token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs), attention_mask, kwargs)()
+        _batch_token_meta(b, q_len, query.device, attention_mask, kwargs), attention_mask, kwargs)()
 
 
 def _same_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -433,7 +433,7 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
                                             sinks=sinks)
         return result.out, result.kept_fraction
     if q_len == k_len and _padding_between_tokens(attention_mask) is None:
-        meta = token_meta_from_kwargs(b, q_len, query.device, attention_mask, kwargs)
+        meta = _batch_token_meta(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window,
                                   sinks=sinks)
     # Through a KV cache (decoding, a chunk of prefill), or with padding between a row's tokens, which the pattern's
@@ -474,3 +474,22 @@ def _padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
     row = padding_between_tokens(attention_mask)
     _last_mask = (weakref.ref(attention_mask), attention_mask._version, row)
     return row
+
+
+_last_meta: tuple[tuple, tuple, TokenMeta] | None = None
+
+
+def _batch_token_meta(batch: int, seq_len: int, device: torch.device, attention_mask: torch.Tensor | None,
+                      kwargs: dict) -> TokenMeta:
+    """`token_meta_from_kwargs`, one object per batch: transformers hands every layer of a forward the same mask,
+    `position_ids` and `cu_seq_lens_k` tensors, so the layers share the metadata built from them, and with it the
+    documents it reads back to the host once (`TokenMeta.documents`), not once per layer."""
+    global _last_meta
+    sources = (attention_mask, kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids"))
+    key = (batch, seq_len, device, tuple(None if t is None else (id(t), t._version) for t in sources))
+    if _last_meta is not None and _last_meta[0] == key and all(
+            (ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(_last_meta[1], sources)):
+        return _last_meta[2]
+    meta = token_meta_from_kwargs(batch, seq_len, device, attention_mask, kwargs)
+    _last_meta = (key, tuple(None if t is None else weakref.ref(t) for t in sources), meta)
+    return meta

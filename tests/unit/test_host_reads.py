@@ -1,0 +1,73 @@
+"""Reads of tensor data back to the host in a training step (`testing.host_reads`): on a GPU each one stalls the
+host until the device's queue drains. A sparse one-process step reads the batch's documents once per forward and
+two layout sizes per sparse layer; a regression (a read per layer where one per batch does) fails here."""
+
+import collections
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.testing.host_reads import count_host_reads
+from hf_sparse_cp.testing.tiny_models import tiny_config
+
+LAYERS, SEQ = 4, 512
+
+
+def test_the_counter_sees_each_kind_of_read_and_restores_torch():
+    x = torch.arange(6.0)
+    item, getitem = torch.Tensor.item, torch.Tensor.__getitem__
+    with count_host_reads() as reads:
+        x.sum().item()
+        x[x > 2].sum()
+        torch.repeat_interleave(x, torch.tensor([1, 0, 2, 1, 1, 1]))
+        torch.repeat_interleave(x, torch.tensor([1, 0, 2, 1, 1, 1]), output_size=6)  # sized: no read
+        bool(x.any())
+        x.cpu().numpy()  # one copy, one read
+        x[1:3] + x.nonzero().float().sum()
+    kinds = collections.Counter(kind for _, kind in reads.sites.elements())
+    assert kinds == {"item": 1, "bool-mask index": 1, "repeat_interleave": 1, "bool": 1, "cpu": 1, "nonzero": 1}
+    assert all(site.startswith("tests/unit/test_host_reads.py:") for site, _ in reads.sites)
+    assert torch.Tensor.item is item and torch.Tensor.__getitem__ is getitem
+
+
+def _reads_by_function(mode: str, attention_mask: bool) -> collections.Counter:
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, num_hidden_layers=LAYERS,
+                                                         hidden_size=64, head_dim=16))
+    budget = {"mass": dict(mass_target=0.3), "topk": dict(vertical_topk=6, slash_topk=6)}[mode]
+    hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=64, budget_mode=mode, sink_tokens=2,
+                                                        local_window=8, last_q=16, dense_first_layers=1, **budget))
+    ids = torch.randint(3, 97, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    left_padded = torch.arange(SEQ).ge(5).long().unsqueeze(0)  # (an all-ones mask reaches no layer)
+    mask = {"attention_mask": left_padded} if attention_mask else {}
+    with count_host_reads() as reads:
+        out = model(input_ids=ids, **mask)
+        F.cross_entropy(out.logits[0, :-1], ids[0, 1:]).backward()
+    by_function = collections.Counter()
+    for (site, _), n in reads.sites.items():
+        if site.startswith("hf_sparse_cp/"):
+            path, function = site.split(" ")
+            by_function[f"{path.split(':')[0]} {function}"] += n
+    return by_function
+
+
+def test_a_sparse_step_reads_the_documents_once_and_two_sizes_per_sparse_layer():
+    for mode in ("mass", "topk"):
+        assert _reads_by_function(mode, attention_mask=False) == {
+            "hf_sparse_cp/attention/tokens.py document_table": 1,  # the batch's documents, once per forward
+            # per sparse layer the widest window of kept key columns (only a vertical-slash estimate has columns: the
+            # sparse path ran); per layer the layout's widths
+            "hf_sparse_cp/attention/build.py build_layout": (LAYERS - 1) + LAYERS,
+        }, mode
+
+
+def test_a_padding_mask_adds_one_read_per_forward():
+    assert _reads_by_function("mass", attention_mask=True) == {
+        "hf_sparse_cp/attention/tokens.py document_table": 1,
+        "hf_sparse_cp/attention/tokens.py padding_between_tokens": 1,  # once per mask (`_padding_between_tokens`)
+        "hf_sparse_cp/attention/build.py build_layout": (LAYERS - 1) + LAYERS,
+    }
