@@ -3,8 +3,9 @@ device's queue drains, so the kernels after it cannot be queued ahead. Counted o
 patching the Python entry points that read a tensor's values or make a shape depend on them: `item`, `tolist`,
 `numpy`, `cpu`, `bool()` / `int()` / `float()` / `index()` of a tensor, `nonzero` / `argwhere` / one-argument
 `where`, `unique` / `unique_consecutive`, `masked_select`, `bincount`, a tensor-valued `repeat_interleave` without
-`output_size`, and indexing with a boolean tensor. Reads inside C++ (a size given as a tensor) are not seen; nor
-is the first read of the host copy a counted `cpu()` made (`x.cpu().numpy()` is one read).
+`output_size`, and indexing with a boolean tensor, of a tensor that would be on the device on a GPU run
+(`_HostTensors`: the host copies and what is computed from them read nothing). Reads inside C++ (a size given as a
+tensor) are not seen.
 
 Each read is recorded at the innermost Python frame outside torch and this module (`file:line function`), so a
 table says which line of the plugin, of transformers or of a test asked for it."""
@@ -21,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.abspath(__file__)
@@ -37,7 +40,6 @@ class HostReads:
     repository (absolute outside it)."""
 
     sites: collections.Counter = field(default_factory=collections.Counter)
-    copies: dict = field(default_factory=dict)  # the host copies made by cpu(), until their first use
 
     @property
     def total(self) -> int:
@@ -66,22 +68,68 @@ def _is_bool_tensor(index) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
-def _recording(original, kind: str, reads: HostReads, reads_if=None):
+def _device_given(func, args, kwargs) -> str | None:
+    """Where an op is told to put its result: "host" for the device named "cpu" in a string (code that means the
+    host), "device" for any other device or a `torch.device` (code that means the data's device: on a CPU run that
+    is "cpu" too), None when not told."""
+    given = "cuda" if func.__name__ == "cuda" else kwargs.get("device")
+    if given is None and func.__name__ == "to":
+        given = next((a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor))), None)
+    if given is None:
+        return None
+    return "host" if isinstance(given, str) and torch.device(given).type == "cpu" else "device"
+
+
+class _HostTensors(TorchFunctionMode):
+    """Tells the tensors that live on the host on a GPU run apart from those on the device, on any device: a tensor
+    is on the host when `cpu()` made it (always a copy here, as from a GPU), an op given the device "cpu" by name
+    (a string) made it, or an op made it from host tensors only and was given no device (a factory without one included,
+    `torch.arange(n)`; `to(dtype)`); an op given a `torch.device` (the data's) or another device makes a device tensor.
+    Reading a host tensor reads nothing back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._host: dict[int, weakref.ref] = {}
+
+    def holds(self, t) -> bool:
+        """Whether `t`, or the tensor it views, is on the host (a view made where the mode does not reach, as in a
+        custom autograd function's backward, is known by its base)."""
+        for x in (t, getattr(t, "_base", None)):
+            ref = self._host.get(id(x))
+            if ref is not None and ref() is x:
+                return True
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.__name__ == "cpu" and isinstance(args[0], torch.Tensor):  # (the method, patched or not)
+            out = func(*args, **kwargs)
+            out = out.clone() if out is args[0] else out
+            host = True
+        else:
+            out = func(*args, **kwargs)
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            target = _device_given(func, args, kwargs)
+            host = (target is None and all(self.holds(t) for t in tensors)) or target == "host"
+        if host:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._host[id(t)] = weakref.ref(t)
+        return out
+
+
+def _recording(original, kind: str, reads: HostReads, host: _HostTensors, reads_if=None):
     def wrapper(*args, **kwargs):
-        if getattr(_state, "busy", False):
+        if getattr(_state, "busy", False) or (kind != "cpu" and host.holds(args[0])):
             return original(*args, **kwargs)
         _state.busy = True
         try:
-            copy = reads.copies.pop(id(args[0]), None)  # (the first use of a counted copy: one read, not two)
-            host_copy = copy is not None and copy() is args[0]
-            if not host_copy and (reads_if is None or reads_if(*args, **kwargs)):
+            if reads_if is None or reads_if(*args, **kwargs):
                 reads.sites[(_site(), kind)] += 1
-            result = original(*args, **kwargs)
-            if kind == "cpu":
-                reads.copies[id(result)] = weakref.ref(result)
-            return result
+            return original(*args, **kwargs)
         finally:
             _state.busy = False
+    wrapper.__name__ = original.__name__
     return wrapper
 
 
@@ -97,13 +145,13 @@ def _one_argument_where(condition, *args, **kwargs) -> bool:
 def count_host_reads() -> Iterator[HostReads]:
     """Within the block, every host read of a tensor's data (see the module) is counted in the yielded `HostReads`;
     everything patched is restored on exit. One thread counts: the patches are process-wide."""
-    reads = HostReads()
+    reads, host = HostReads(), _HostTensors()
     saved: list[tuple[object, str, object]] = []
 
     def patch(owner, name: str, kind: str, reads_if=None) -> None:
         original = getattr(owner, name)
         saved.append((owner, name, original))
-        setattr(owner, name, _recording(original, kind, reads, reads_if))
+        setattr(owner, name, _recording(original, kind, reads, host, reads_if))
 
     for name in _METHODS:
         patch(torch.Tensor, name, name.strip("_"))
@@ -115,7 +163,8 @@ def count_host_reads() -> Iterator[HostReads]:
     patch(torch.Tensor, "__getitem__", "bool-mask index", lambda self, index: _is_bool_tensor(index))
     patch(torch.Tensor, "__setitem__", "bool-mask assign", lambda self, index, value: _is_bool_tensor(index))
     try:
-        yield reads
+        with host:
+            yield reads
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)

@@ -25,7 +25,8 @@ def test_the_counter_sees_each_kind_of_read_and_restores_torch():
         torch.repeat_interleave(x, torch.tensor([1, 0, 2, 1, 1, 1]))
         torch.repeat_interleave(x, torch.tensor([1, 0, 2, 1, 1, 1]), output_size=6)  # sized: no read
         bool(x.any())
-        x.cpu().numpy()  # one copy, one read
+        host = x.cpu()  # one copy, one read; what is computed from it on the host reads nothing
+        host.numpy(), host[host > 2].tolist(), int(host.nonzero().max()), torch.arange(3).tolist()
         x[1:3] + x.nonzero().float().sum()
     kinds = collections.Counter(kind for _, kind in reads.sites.elements())
     assert kinds == {"item": 1, "bool-mask index": 1, "repeat_interleave": 1, "bool": 1, "cpu": 1, "nonzero": 1}
