@@ -6,6 +6,7 @@ its CP group, which the `sparse_cp` attention backend receives as the keyword `c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,14 @@ class CPShard:
     @property
     def rank(self) -> int:
         return self.parallel.cp_rank
+
+    @cached_property
+    def unpadded_meta(self) -> TokenMeta:
+        """`meta` without the split's padding at the sequence's end (its first `plan.seq_len` tokens), one object per
+        batch: the layers that attend the whole sequence share it, and with it the documents it reads back to the host
+        once (`TokenMeta.documents`)."""
+        n = self.plan.seq_len
+        return TokenMeta(self.meta.index[:, :n], self.meta.segment[:, :n])
 
     @staticmethod
     def check_no_kv_cache(query: torch.Tensor, key: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
-from ..distributed.ring.plan import TransferSets, column_tokens, pair_work, slot_ops
+from ..distributed.ring.plan import TransferSets, column_tokens, pair_work, read_matrix, slot_ops
 from ..distributed.split.blocks import BlockSplit
 
 
@@ -136,7 +136,7 @@ class PlanTraffic:
 def plan_traffic(layout: SparseLayout, plan: BlockSplit, topology: RingTopology, *, kv_heads: int, head_dim: int,
                  kv_bytes: int = 2, acc_bytes: int = 4) -> PlanTraffic:
     """The ring's transfers for `layout`: K/V at `kv_bytes` per element (bf16), dK/dV at `acc_bytes` (fp32)."""
-    sets = TransferSets(layout, plan, topology)
+    sets = TransferSets(read_matrix(layout, plan), plan, topology)
     row = layout.batch * kv_heads * head_dim * 2  # K and V elements of one token
     block = row * plan.block_size
     fwd = [slot_sends(sets, p, block, backward=False, kv_bytes=kv_bytes, acc_bytes=acc_bytes)

@@ -1,6 +1,6 @@
-"""Host reads of a sparse CP 2 training step (`testing.host_reads`), per rank: the batch's documents are read once
-per step under the ring (the shard's metadata is the batch's); the other reads are pinned at their measured counts
-(the ring's plan and candidate exchange read per layer and ring step), so that a new one fails here."""
+"""Host reads of a sparse CP 2 training step (`testing.host_reads`), per rank and site: the batch's documents once per
+step, and per layer what only the device knows (the sizes of data-dependent layouts, what the ring plans its
+transfers from), so that a new read fails here."""
 
 import collections
 
@@ -40,16 +40,14 @@ def _step_reads(rank: int, world: int, cp_mode: str) -> dict:
     return dict(by_function)
 
 
-A, R = "hf_sparse_cp/attention/", "hf_sparse_cp/distributed/ring/"
-# Per rank, 4 layers (3 sparse), one step. Ring: the documents once; per layer the layout's sizes (build_layout: one
-# per layer, one more per sparse layer); per sparse layer the exchanged candidates' sizes (estimation); per layer and
-# ring step the plan's block lists and transfer sizes (plan, compact_sorted).
+A = "hf_sparse_cp/attention/"
+# Per rank, 4 layers (3 sparse), one step. Ring: the documents once; per layer the layout's widths (build_layout; a
+# sparse layer one more: the widest window of kept columns), one copy of what the ring plans from (the read matrix,
+# the shared and the rank's own columns: RingPlan) and per ring step the width of that step's blocks (compact_sorted).
 RING = {f"{A}tokens.py document_table": 1, f"{A}build.py build_layout": 7, f"{A}layout.py compact_sorted": 8,
-        f"{R}estimation.py _sharded_scores": 15, f"{R}estimation.py _candidates_of_every_rank": 6,
-        f"{R}plan.py blocks": 44, f"{R}plan.py read_matrix": 8, f"{R}plan.py column_tokens": 8,
-        f"{R}plan.py _bar_step": 4, f"{R}plan.py slot_ops": 16}
-# Ulysses: each sparse layer's gathered metadata reads its documents (one per sparse layer), and the layout's sizes.
-ULYSSES = {f"{A}tokens.py document_table": 3, f"{A}build.py build_layout": 7}
+        "hf_sparse_cp/distributed/ring/plan.py __init__": 4}
+# Ulysses: the documents once, and the layout's sizes.
+ULYSSES = {f"{A}tokens.py document_table": 1, f"{A}build.py build_layout": 7}
 
 
 def test_host_reads_of_a_cp2_step_are_pinned():

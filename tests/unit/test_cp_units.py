@@ -18,7 +18,7 @@ from hf_sparse_cp.distributed import (
     shift_labels,
 )
 from hf_sparse_cp.distributed.mesh import ring_shape
-from hf_sparse_cp.distributed.ring.plan import RingPlan, TransferSets, slot_ops
+from hf_sparse_cp.distributed.ring.plan import RingPlan, TransferSets, read_matrix, slot_ops
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
@@ -270,7 +270,7 @@ def test_every_send_has_a_matching_receive(sharding, nodes, per_node):
     plan = ShardPlan(sharding, topo.size, 16, 200)
     _, layouts = _layouts(plan, seed=nodes * 10 + per_node)
     for name, layout in layouts.items():
-        sets = TransferSets(layout, plan, topo)
+        sets = TransferSets(read_matrix(layout, plan), plan, topo)
         for backward in (False, True):
             ops = [slot_ops(sets, p, backward=backward) for p in range(topo.size)]
             for p in range(topo.size):
@@ -288,7 +288,7 @@ def test_held_blocks_cover_every_read_and_only_what_downstream_reads(sharding):
     plan = ShardPlan(sharding, 4, 16, 200)
     meta, layouts = _layouts(plan, seed=4)
     for name, layout in layouts.items():
-        sets = TransferSets(layout, plan, topo)
+        sets = TransferSets(read_matrix(layout, plan), plan, topo)
         assert not bool((sets.read & ~sets.held).any()), name
         for p in range(4):
             ring_plan = RingPlan(layout, plan, meta, topo, p)
@@ -298,7 +298,7 @@ def test_held_blocks_cover_every_read_and_only_what_downstream_reads(sharding):
                     step.layout.validate(4 if name == "sparse" else 1, plan.local_len, step.held.numel() * 16,
                                          strict=True)
     if sharding == "contiguous":
-        sets = TransferSets(layouts["dense"], plan, RingTopology(1, 4))
+        sets = TransferSets(read_matrix(layouts["dense"], plan), plan, RingTopology(1, 4))
         for s in range(4):
             for i in range(1, 4):
                 if (s + i) % 4 < s:  # causal: K/V never travel to earlier ranks

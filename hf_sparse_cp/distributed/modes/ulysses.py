@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ...attention.sequence import sequence_attention
-from ...attention.tokens import TokenMeta
 from ..heads.attention import head_parallel_attention
 from ..split.blocks import NestedSplit, ShardPlan
 from .base import CPAttention
@@ -44,9 +43,8 @@ class UlyssesMode(HeadGroupMode):
         plan, n = shard.plan, shard.plan.seq_len
 
         def whole_sequence(q, k, v, head_sinks):  # one process's call on its tokens, padded at the sequence's end
-            meta = TokenMeta(shard.meta.index[:, :n], shard.meta.segment[:, :n])
-            out, kept = sequence_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], meta, cfg, scale=scale,
-                                           sliding_window=sliding_window, sinks=head_sinks)
+            out, kept = sequence_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], shard.unpadded_meta, cfg,
+                                           scale=scale, sliding_window=sliding_window, sinks=head_sinks)
             return F.pad(out, (0, 0, 0, plan.padded_len - n)), kept
 
         out, kept = head_parallel_attention(query, key, value, shard, whole_sequence, sinks=sinks, stats=stats)

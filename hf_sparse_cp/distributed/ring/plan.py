@@ -52,16 +52,23 @@ def check_global_layout(layout: SparseLayout, plan: BlockSplit) -> None:
         )
 
 
-def read_matrix(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
-    """bool [cp_size, num_blocks] on the CPU: rank r's queries list global key block kb (columns excluded)."""
+def read_flags(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
+    """bool [cp_size * num_blocks] on the layout's device: entry r * num_blocks + kb says that rank r's queries list
+    global key block kb (columns excluded)."""
     check_global_layout(layout, plan)
     dev = layout.block_idx.device
     w, nb = plan.cp_size, plan.num_blocks
     qowner = plan.block_owner.to(dev).view(1, 1, -1, 1)
-    reads = torch.zeros(w * nb, dtype=torch.bool, device=dev)
+    # Unused slots mark a spare last flag: no boolean index, whose size the host would have to read.
+    reads = torch.zeros(w * nb + 1, dtype=torch.bool, device=dev)
     flat = qowner * nb + layout.block_idx.long().clamp_min(0)
-    reads[flat[layout.valid_blocks().expand_as(flat)]] = True
-    return reads.view(w, nb).cpu()
+    reads[torch.where(layout.valid_blocks(), flat, w * nb)] = True
+    return reads[:-1]
+
+
+def read_matrix(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
+    """bool [cp_size, num_blocks] on the CPU: rank r's queries list global key block kb (columns excluded)."""
+    return read_flags(layout, plan).view(plan.cp_size, plan.num_blocks).cpu()
 
 
 def pair_work(layout: SparseLayout, plan: BlockSplit) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,17 +90,22 @@ def pair_work(layout: SparseLayout, plan: BlockSplit) -> tuple[torch.Tensor, tor
     return blocks.view(w, w).cpu(), cols.cpu()
 
 
-def column_tokens(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
-    """Global key tokens listed as columns by a rank that does not hold them: the bar buffer's
-    tokens (int64, ascending, unique, CPU). Marks a flag per token instead of sorting the listed
-    columns: linear in the layout's size (tens of millions of entries at 128K tokens)."""
+def column_flags(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
+    """bool [padded_len] on the layout's device: the global key tokens listed as columns by a rank that does not
+    hold them. Marks a flag per token instead of sorting the listed columns: linear in the layout's size (tens of
+    millions of entries at 128K tokens)."""
     num_tokens = plan.padded_len
     owner = plan.block_owner.to(layout.col_idx.device)
     key_owner = owner[layout.col_idx.long().clamp_min(0) // plan.block_size]
     shared = layout.valid_cols() & (key_owner != owner.view(1, 1, -1, 1))  # listed by a query block of another rank
     listed = torch.zeros(num_tokens + 1, dtype=torch.bool, device=layout.col_idx.device)
     listed[torch.where(shared, layout.col_idx, num_tokens).flatten()] = True  # unused slots mark the spare flag
-    return listed[:num_tokens].nonzero().flatten().cpu()
+    return listed[:num_tokens]
+
+
+def column_tokens(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
+    """The tokens of `column_flags` (int64, ascending, CPU): the bar buffer's shared tokens."""
+    return column_flags(layout, plan).cpu().nonzero().flatten()
 
 
 def _suffix_any(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -118,12 +130,13 @@ class TransferSets:
     last_outer int [W]: last node step >= 1 that reads (0: none), where the outer accumulator turns home.
     """
 
-    def __init__(self, layout: SparseLayout, plan: BlockSplit, topology: RingTopology) -> None:
+    def __init__(self, reads: torch.Tensor, plan: BlockSplit, topology: RingTopology) -> None:
+        """reads: `read_matrix` of the global layout (bool [W, num_blocks], CPU)."""
         if topology.size != plan.cp_size:
             raise ValueError(f"the ring has {topology.size} ranks but the sequence is split over {plan.cp_size}.")
         self.topology, self.plan = topology, plan
         w, n, l = plan.cp_size, topology.num_nodes, topology.node_size
-        reads = torch.nn.functional.pad(read_matrix(layout, plan), (0, 1))  # the last column: no block, never read
+        reads = torch.nn.functional.pad(reads, (0, 1))  # the last column: no block, never read
         by_source = reads[:, plan.padded_rank_blocks]  # [reader, source, nkb]
         read = by_source[topology.holders(), torch.arange(w).view(-1, 1, 1)]  # [W, N, L, nkb]
         node_read = read.any(2)  # [W, N, nkb]
@@ -265,15 +278,16 @@ class BarStep:
         return max(o.numel() for o in self.owned)
 
 
-def _bar_step(layout: SparseLayout, mine: SparseLayout, plan: BlockSplit, meta: TokenMeta) -> BarStep | None:
-    """The bar step of the rank whose query blocks' layout is `mine` (`layout` the global one)."""
+def _bar_step(shared: torch.Tensor, listed: torch.Tensor, mine: SparseLayout, plan: BlockSplit, meta: TokenMeta
+              ) -> BarStep | None:
+    """The bar step of the rank whose query blocks' layout is `mine`, from the global layout's `column_tokens`
+    (`shared`) and `mine.listed_columns` on the host (`listed`, which becomes the buffer's flags)."""
     bs = plan.block_size
-    shared = column_tokens(layout, plan)
-    listed = mine.listed_columns(plan.padded_len)
+    dev = mine.col_idx.device
     if not shared.numel() and not bool(listed.any()):
         return None
-    listed[shared.to(listed.device)] = True
-    tokens = listed.nonzero().flatten().cpu()  # the buffer: shared tokens and this rank's own columns
+    listed[shared] = True
+    tokens = listed.nonzero().flatten()  # the buffer: shared tokens and this rank's own columns
     owner = plan.block_owner[shared // bs]
     local_row = plan.block_local_index[shared // bs] * bs + shared % bs
     owned = [(owner == r).nonzero().flatten() for r in range(plan.cp_size)]
@@ -283,7 +297,7 @@ def _bar_step(layout: SparseLayout, mine: SparseLayout, plan: BlockSplit, meta: 
     own_pos = (~is_shared).nonzero().flatten()
     own = tokens[own_pos]
     own_rows = plan.block_local_index[own // bs] * bs + own % bs
-    tok = tokens.to(listed.device)
+    tok = tokens.to(dev)
     return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows,
                    mine.columns_into(tokens), TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
 
@@ -300,11 +314,15 @@ class RingPlan:
     def __init__(self, layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, topology: RingTopology,
                  position: int) -> None:
         self.topology, self.plan, self.position = topology, plan, position
-        self.sets = TransferSets(layout, plan, topology)
         meta = meta.pad_to(plan.padded_len)
         dev = layout.block_idx.device
         bs = plan.block_size
         mine = layout.select(plan.blocks_of(position))  # this rank's query blocks
+        # What the host plans from, read back in one copy: the read matrix, the shared and this rank's columns.
+        w, nb, n = plan.cp_size, plan.num_blocks, plan.padded_len
+        reads, shared, listed = torch.cat([read_flags(layout, plan), column_flags(layout, plan),
+                                           mine.listed_columns(n)]).cpu().split([w * nb, n, n])
+        self.sets = TransferSets(reads.view(w, nb), plan, topology)
         self.q_meta = plan.shard_meta(meta, position)
         self.steps: list[RingStep] = []
         for o in range(topology.num_nodes):
@@ -316,7 +334,7 @@ class RingPlan:
                 tok = ((plan.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
                 k_meta = TokenMeta(meta.index[:, tok], meta.segment[:, tok])
                 self.steps.append(RingStep(o, i, s, held, read, step_layout, k_meta))
-        self.bar = _bar_step(layout, mine, plan, meta)
+        self.bar = _bar_step(shared.nonzero().flatten(), listed, mine, plan, meta)
         self.bar_work = self.bar is not None and bool((self.bar.layout.col_cnt > 0).any())
         self.forward_ops = slot_ops(self.sets, position, backward=False)
         self.backward_ops = slot_ops(self.sets, position, backward=True)
