@@ -24,12 +24,15 @@ Documents are the contiguous runs of one segment id in a row, padding left out (
 
 from __future__ import annotations
 
+import itertools
+
+import numpy
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..backends import choose_backend, is_available
-from .tokens import PAD_SEGMENT, TokenMeta, run_starts
+from .tokens import TokenMeta
 
 DENSE_BACKEND_ENV = "HF_SPARSE_CP_DENSE_BACKEND"
 DENSE_BACKENDS = ("auto", "kernels", "flash_attn", "sdpa")
@@ -53,9 +56,11 @@ def library_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def plain_causal_rows(meta: TokenMeta, sliding_window: int | None) -> bool:
     """Whether attention over these tokens is plain causal attention per row: one document per row, no
-    padding, no sliding window shorter than the row. One host synchronization."""
+    padding, no sliding window shorter than the row. From the batch's documents (`TokenMeta.documents`, read back
+    once per batch, not once per layer)."""
     s = meta.segment.shape[-1]
-    return (sliding_window is None or sliding_window >= s) and not bool(meta.segment.any())
+    whole_row = [(0, s)] if s else []
+    return (sliding_window is None or sliding_window >= s) and all(row == whole_row for row in meta.documents)
 
 
 def dense_backend(q: torch.Tensor, k: torch.Tensor, meta: TokenMeta, sliding_window: int | None = None,
@@ -113,16 +118,18 @@ def varlen_documents(meta: TokenMeta) -> tuple[torch.Tensor | None, torch.Tensor
 
     Returns (keep, cu_seqlens, longest): keep, int64 indices of the non-padding tokens in the
     flattened [B * S] batch (None when there is no padding); cu_seqlens, int32 [N + 1] document
-    boundaries among the kept tokens; longest, the longest document. Two host synchronizations.
+    boundaries among the kept tokens; longest, the longest document. Built on the host from the batch's documents
+    (`TokenMeta.documents`, read back once per batch) and copied to the device: no read per layer.
     """
-    seg = meta.segment
-    b, s = seg.shape
-    valid = (seg != PAD_SEGMENT).flatten()
-    keep = valid.nonzero().squeeze(1)
-    bounds = [*run_starts(seg).flatten()[keep].nonzero().squeeze(1).tolist(), keep.numel()]
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=seg.device)
-    longest = max((hi - lo for lo, hi in zip(bounds, bounds[1:])), default=0)
-    return (None if keep.numel() == b * s else keep), cu_seqlens, longest
+    b, s = meta.segment.shape
+    docs = [(row * s + start, row * s + end) for row, row_docs in enumerate(meta.documents) for start, end in row_docs]
+    lengths = [end - start for start, end in docs]
+    bounds = list(itertools.accumulate(lengths, initial=0))
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=meta.segment.device)
+    if bounds[-1] == b * s:
+        return None, cu_seqlens, max(lengths, default=0)
+    keep = numpy.concatenate([numpy.arange(start, end) for start, end in docs] or [numpy.zeros(0, numpy.int64)])
+    return torch.from_numpy(keep).to(meta.segment.device), cu_seqlens, max(lengths, default=0)
 
 
 def flash_dense_attention(

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention import dense
+from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.testing.host_reads import count_host_reads
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
@@ -72,3 +74,16 @@ def test_a_padding_mask_adds_one_read_per_forward():
         "hf_sparse_cp/attention/tokens.py padding_between_tokens": 1,  # once per mask (`_padding_between_tokens`)
         "hf_sparse_cp/attention/build.py build_layout": (LAYERS - 1) + LAYERS,
     }
+
+
+def test_dense_layers_read_nothing_past_the_batchs_documents():
+    """The flash-attn and SDPA paths of a dense layer (CUDA only) find their documents from `TokenMeta.documents`:
+    the batch's one read, then none per layer."""
+    meta = TokenMeta.from_segments(torch.tensor([[0] * 5 + [1] * 4 + [-1] * 3, [-1] * 2 + [0] * 4 + [1] * 6]))
+    with count_host_reads() as reads:
+        for _ in range(LAYERS):
+            keep, cu_seqlens, longest = dense.varlen_documents(meta)
+            assert not dense.plain_causal_rows(meta, None)
+    (site, kind), = reads.sites.elements()  # one read in all
+    assert kind == "cpu" and site.startswith("hf_sparse_cp/attention/tokens.py:") and "document_table" in site
+    assert keep.tolist() == [*range(9), *range(14, 24)] and cu_seqlens.tolist() == [0, 5, 9, 13, 19] and longest == 6
