@@ -1,6 +1,8 @@
 """What transformers calls, and the one place that names its private members.
 
 * `backend.py`: `sparse_cp_attention_forward`, the function transformers calls per layer;
+* `call_tokens.py`: `sparse_cp_mask`, the mask function registered with it, and the token metadata a forward's
+  layers share;
 * `registration.py`: `patch`, `unpatch`, `configure`;
 * `lean_loss.py`: `enable_lean_loss` / `disable_lean_loss` (causal-LM loss without full logits);
 * `models.py`: which models context parallelism supports;

@@ -19,25 +19,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.layout import SparseLayout
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.sinks import sink_shape_error, with_sinks
-from ..attention.tokens import BatchDocumentExtents, TokenMeta, padding_between_tokens, token_meta_from_kwargs
+from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_kwargs
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS
+from .call_tokens import batch_token_meta, cache_slots_mask, padding_between_tokens_once
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -50,31 +50,6 @@ _CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=Fa
 def is_registered() -> bool:
     """Whether transformers knows `attn_implementation="sparse_cp"` (by `patch()`, or anyone's registration)."""
     return BACKEND_NAME in AttentionInterface() and BACKEND_NAME in AttentionMaskInterface()
-
-
-def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
-                   attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """The mask function registered with the backend: transformers' flash-attention one, which hands over the 2D
-    padding mask of the tokens seen (None when none is padded); that mask is shorter than the keys when a cache has
-    more key slots than tokens (a StaticCache: `kv_length` counts its slots). Where it would be None there, a mask
-    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none.
-
-    A mask that transformers combines from the causal one and a model's own overlay (`or_mask_function` /
-    `and_mask_function`, for which it sets `use_vmap`, or a block overlay: bidirectional image tokens, a bidirectional
-    text model) is refused: the backend computes causal attention, documents, windows and padding only."""
-    if kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", None) == "or_mask":
-        config = kwargs.get("config")
-        raise ValueError(
-            f"sparse_cp computes causal attention only, but this model (type "
-            f"'{getattr(config, 'model_type', 'unknown')}') overlays its own mask on the causal one (an or/and mask "
-            "function: e.g. bidirectional attention over image tokens, or a bidirectional text model); load it with "
-            "attn_implementation='sdpa' (--sparse_attention false).")
-    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
-                                **kwargs)
-    held = None if mask is not None else int(q_offset) + q_length - kv_offset
-    if held is not None and held < kv_length:
-        mask = torch.ones(batch_size, held, dtype=torch.bool, device=kwargs.get("device"))
-    return mask
 
 
 class ProbedCall(NamedTuple):
@@ -408,7 +383,7 @@ def _call_documents(query: torch.Tensor, key: torch.Tensor, attention_mask: torc
     if q_len != key.shape[2]:
         return key.shape[2], None
     return q_len, lambda: BatchDocumentExtents(
-        _batch_token_meta(b, q_len, query.device, attention_mask, kwargs), attention_mask, kwargs)()
+        batch_token_meta(b, q_len, query.device, attention_mask, kwargs), attention_mask, kwargs)()
 
 
 def _same_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -432,15 +407,15 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
         result = context_parallel_attention(query, key, value, shard, cfg, scale=scale, sliding_window=sliding_window,
                                             sinks=sinks)
         return result.out, result.kept_fraction
-    if q_len == k_len and _padding_between_tokens(attention_mask) is None:
-        meta = _batch_token_meta(b, q_len, query.device, attention_mask, kwargs)
+    if q_len == k_len and padding_between_tokens_once(attention_mask) is None:
+        meta = batch_token_meta(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window,
                                   sinks=sinks)
     # Through a KV cache (decoding, a chunk of prefill), or with padding between a row's tokens, which the pattern's
     # documents cannot hold (`padding_between_tokens`): attend densely over every key block, each pair's visibility
     # from its tokens (not counted). The queries are the last q_len of the tokens the cache holds, its first `held`
     # key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and are padding here).
-    k_meta = token_meta_from_kwargs(b, k_len, query.device, _cache_slots_mask(attention_mask, k_len),
+    k_meta = token_meta_from_kwargs(b, k_len, query.device, cache_slots_mask(attention_mask, k_len),
                                     kwargs if q_len == k_len else {})
     held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
     q_meta = TokenMeta(k_meta.index[:, held - q_len:held], k_meta.segment[:, held - q_len:held])
@@ -449,47 +424,3 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
                                       sliding_window=sliding_window, check_layout=False,
                                       implementation=cfg.attention_engine)
     return with_sinks(out, lse, sinks), None
-
-
-def _cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
-    """The 2D mask of a call's `k_len` cache slots: its last `k_len` columns, or the whole mask followed by zeros for
-    the slots a StaticCache has not filled yet (the mask covers the tokens it holds)."""
-    if attention_mask is None or attention_mask.shape[-1] >= k_len:
-        return attention_mask
-    unfilled = attention_mask.new_zeros(attention_mask.shape[0], k_len - attention_mask.shape[-1])
-    return torch.cat([attention_mask, unfilled], -1)
-
-
-_last_mask: tuple[weakref.ref, int, int | None] | None = None
-
-
-def _padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
-    """`tokens.padding_between_tokens`, read once per mask: transformers hands every layer of a forward the same
-    mask tensor, and the answer is read back to the host (one read per forward, not one per layer)."""
-    global _last_mask
-    if attention_mask is None:
-        return None
-    if _last_mask is not None and _last_mask[0]() is attention_mask and _last_mask[1] == attention_mask._version:
-        return _last_mask[2]
-    row = padding_between_tokens(attention_mask)
-    _last_mask = (weakref.ref(attention_mask), attention_mask._version, row)
-    return row
-
-
-_last_meta: tuple[tuple, tuple, TokenMeta] | None = None
-
-
-def _batch_token_meta(batch: int, seq_len: int, device: torch.device, attention_mask: torch.Tensor | None,
-                      kwargs: dict) -> TokenMeta:
-    """`token_meta_from_kwargs`, one object per batch: transformers hands every layer of a forward the same mask,
-    `position_ids` and `cu_seq_lens_k` tensors, so the layers share the metadata built from them, and with it the
-    documents it reads back to the host once (`TokenMeta.documents`), not once per layer."""
-    global _last_meta
-    sources = (attention_mask, kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids"))
-    key = (batch, seq_len, device, tuple(None if t is None else (id(t), t._version) for t in sources))
-    if _last_meta is not None and _last_meta[0] == key and all(
-            (ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(_last_meta[1], sources)):
-        return _last_meta[2]
-    meta = token_meta_from_kwargs(batch, seq_len, device, attention_mask, kwargs)
-    _last_meta = (key, tuple(None if t is None else weakref.ref(t) for t in sources), meta)
-    return meta

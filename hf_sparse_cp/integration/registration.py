@@ -2,7 +2,7 @@
 
 Registration goes through the public `AttentionInterface.register` and
 `AttentionMaskInterface.register`. The mask function is transformers' flash-style one
-(`backend.sparse_cp_mask`, which adds a mask of ones where a StaticCache holds fewer tokens than key
+(`call_tokens.sparse_cp_mask`, which adds a mask of ones where a StaticCache holds fewer tokens than key
 slots): it hands the backend the 2D padding mask (or None) instead of a [S, S] mask, and the backend
 applies causality and document boundaries itself. `patch()` registers the backend and nothing else; the
 memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`).
@@ -20,7 +20,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from . import compat
-from .backend import is_registered, sparse_cp_attention_forward, sparse_cp_mask
+from .backend import is_registered, sparse_cp_attention_forward
+from .call_tokens import sparse_cp_mask
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
 

@@ -75,7 +75,7 @@ def test_a_sparse_step_reads_the_documents_once_and_two_sizes_per_sparse_layer()
 def test_a_padding_mask_adds_one_read_per_forward():
     assert _reads_by_function("mass", attention_mask=True) == {
         "hf_sparse_cp/attention/tokens.py document_table": 1,
-        "hf_sparse_cp/attention/tokens.py padding_between_tokens": 1,  # once per mask (`_padding_between_tokens`)
+        "hf_sparse_cp/attention/tokens.py padding_between_tokens": 1,  # once per mask (`padding_between_tokens_once`)
         "hf_sparse_cp/attention/build.py build_layout": (LAYERS - 1) + LAYERS,
     }
 

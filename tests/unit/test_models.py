@@ -144,10 +144,10 @@ def test_padding_mask_is_honoured(side):
 def test_a_padded_batch_reads_its_mask_back_once_per_forward(monkeypatch):
     """Whether a mask pads between a row's tokens is read back to the host once per forward (every layer gets the
     same mask tensor), not once per layer; every forward's mask is read (each forward hands its layers a new one)."""
-    from hf_sparse_cp.integration import backend
+    from hf_sparse_cp.integration import call_tokens
 
     reads = []
-    monkeypatch.setattr(backend, "padding_between_tokens", lambda mask: reads.append(1) or tokens_gap(mask))
+    monkeypatch.setattr(call_tokens, "padding_between_tokens", lambda mask: reads.append(1) or tokens_gap(mask))
     _, ours = _pair("llama")
     assert ours.config.num_hidden_layers > 1
     ids = torch.randint(3, 259, (2, S))
@@ -165,9 +165,9 @@ def test_a_padded_batch_reads_its_mask_back_once_per_forward(monkeypatch):
     assert rel_rms(ours(input_ids=ids, attention_mask=mask).logits[real],
                    ref(input_ids=ids, attention_mask=mask).logits[real]) <= TOLERANCE[torch.float32]
     one = torch.ones(1, 8, dtype=torch.long)  # a mask changed in place between two calls is read again
-    assert backend._padding_between_tokens(one) is None
+    assert call_tokens.padding_between_tokens_once(one) is None
     one[0, 3] = 0
-    assert backend._padding_between_tokens(one) == 0
+    assert call_tokens.padding_between_tokens_once(one) == 0
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen3", "qwen2_moe"])
