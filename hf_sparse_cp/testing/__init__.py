@@ -8,6 +8,4 @@
 * `hidden.py`: installed packages hidden from imports (`$HF_SPARSE_CP_TEST_HIDE=triton`: a machine without Triton);
 * `pretrained.py`: SmolLM2-135M-Instruct and a public-domain text from installed packages (`eval` extra);
 * `pattern_quality.py`: what a sparse pattern keeps of a model's real dense attention (recall, error).
-* `host_reads.py`: `count_host_reads`, the reads of tensor data back to the host in a block (each stalls a GPU's
-  queue), by site.
 """

@@ -1,4 +1,4 @@
-"""Host reads of a sparse CP 2 training step (`testing.host_reads`), per rank and site: the batch's documents once per
+"""Host reads of a sparse CP 2 training step (`tests/host_reads.py`), per rank and site: the batch's documents once per
 step, and per layer what only the device knows (the sizes of data-dependent layouts, what the ring plans its
 transfers from), so that a new read fails here."""
 
@@ -10,9 +10,10 @@ from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.testing.host_reads import count_host_reads
 from hf_sparse_cp.testing.spawn import run_gloo
 from hf_sparse_cp.testing.tiny_models import tiny_config
+
+from host_reads import count_host_reads
 
 SEQ, BLOCK = 512, 32
 

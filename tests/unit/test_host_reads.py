@@ -1,4 +1,4 @@
-"""Reads of tensor data back to the host in a training step (`testing.host_reads`): on a GPU each one stalls the
+"""Reads of tensor data back to the host in a training step (`tests/host_reads.py`): on a GPU each one stalls the
 host until the device's queue drains. A sparse one-process step reads the batch's documents once per forward and
 two layout sizes per sparse layer; a regression (a read per layer where one per batch does) fails here."""
 
@@ -13,8 +13,9 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import dense
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.integration.stats import pop_kept_fractions
-from hf_sparse_cp.testing.host_reads import count_host_reads
 from hf_sparse_cp.testing.tiny_models import tiny_config
+
+from host_reads import count_host_reads
 
 LAYERS, SEQ = 4, 512
 

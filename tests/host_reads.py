@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.abspath(__file__)
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(_HERE))) + os.sep
+_REPO = os.path.dirname(os.path.dirname(_HERE)) + os.sep
 
 _METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
             "unique", "unique_consecutive", "masked_select", "bincount")
