@@ -157,6 +157,11 @@ def check_training_arguments(args, cp_size: int) -> None:
     under CP `cp_size` as it runs in one process. Checked as the plugin's arguments parse (`SparseArgumentsMixin`) and
     at CP's start (`enable_trainer_context_parallel`, a curriculum's), for arguments built in code."""
     fix = "or run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1)"
+    smoothing = getattr(args, "label_smoothing_factor", 0.0)
+    if smoothing:  # (at start `check_loss` names it first, from the Trainer's label smoother)
+        raise ValueError(
+            f"--label_smoothing_factor {smoothing} with context parallelism (CP {cp_size}): the label smoother shifts "
+            f"the labels of each rank's shard of the sequence. Drop --label_smoothing_factor, {fix}.")
     alpha = getattr(args, "neftune_noise_alpha", None)
     if alpha is not None:
         raise ValueError(

@@ -218,11 +218,6 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             cp_size = max(cp_size for _, cp_size in self.cp_degrees())
             if cp_size > 1:
                 check_training_arguments(self, cp_size)
-            if self.label_smoothing_factor and cp_size > 1:
-                raise ValueError(f"--label_smoothing_factor {self.label_smoothing_factor} with context parallelism: "
-                                 "the label smoother shifts the labels of each rank's shard of the sequence. Drop "
-                                 "--label_smoothing_factor, or run without CP (drop --cp_size / keep every "
-                                 "--cp_schedule stage at CP 1).")
 
     def __reduce__(self):
         # The class is generated: pickle (the Trainer saves its arguments in every checkpoint) by its base class
