@@ -285,13 +285,15 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
         raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
                          f"{softcap}), which the sparse kernels do not implement: train it with attn_implementation="
                          "'eager' or 'sdpa' (--sparse_attention false).")
-    dropout = config_dropout(config)
-    held = next((f"{n}.{attr}={p}" for n, m in model.named_modules() for attr in ("attention_dropout", "attn_dropout")
-                 if (p := dropout_probability(m, attr))), None) or _attention_layer_dropout(model) if training else None
-    if training and (dropout or held):
-        where = f"{dropout[0]}={dropout[1]}" if dropout else f"attention layers built with dropout ({held})"
-        raise ValueError(f"{name} (model type {model_type!r}) has {where}, attention dropout, which sparse_cp does "
-                         f"not implement: {dropout_fix(config)}")
+    if training:
+        dropout = config_dropout(config)
+        held = next((f"{n}.{attr}={p}" for n, m in model.named_modules()
+                     for attr in ("attention_dropout", "attn_dropout") if (p := dropout_probability(m, attr))),
+                    None) or _attention_layer_dropout(model)
+        if dropout or held:
+            where = f"{dropout[0]}={dropout[1]}" if dropout else f"attention layers built with dropout ({held})"
+            raise ValueError(f"{name} (model type {model_type!r}) has {where}, attention dropout, which sparse_cp "
+                             f"does not implement: {dropout_fix(config)}")
     bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
     if bidirectional:
         raise ValueError(
