@@ -19,3 +19,14 @@ def _one_process(monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("starts a subprocess"))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("starts a process"))
     monkeypatch.setattr("hf_sparse_cp.testing.pretrained.model_file", _refuse("loads the pretrained model"))
+
+
+@pytest.fixture
+def patched():
+    """The `sparse_cp` backend registered with transformers for the test, unregistered after it (a module that needs
+    it in every test: `pytestmark = pytest.mark.usefixtures("patched")`)."""
+    import hf_sparse_cp
+
+    hf_sparse_cp.patch()
+    yield
+    hf_sparse_cp.unpatch()

@@ -16,11 +16,7 @@ FULL = SparseAttentionConfig(block_size=32, min_seq_len=0, vertical_topk=10**4, 
                              dense_first_layers=0)
 
 
-@pytest.fixture(autouse=True)
-def _patched():
-    hf_sparse_cp.patch()
-    yield
-    hf_sparse_cp.unpatch()
+pytestmark = pytest.mark.usefixtures("patched")
 
 
 def _pair(model_type="qwen2", **overrides):

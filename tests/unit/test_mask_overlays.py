@@ -6,15 +6,9 @@ import pytest
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-import hf_sparse_cp
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
-
-@pytest.fixture(autouse=True)
-def _patched():
-    hf_sparse_cp.patch()
-    yield
-    hf_sparse_cp.unpatch()
+pytestmark = pytest.mark.usefixtures("patched")
 
 
 def _config(model_type="llama", **overrides):

@@ -20,11 +20,7 @@ S = 150
 DENSE = SparseAttentionConfig(pattern="dense", block_size=32)
 
 
-@pytest.fixture(autouse=True)
-def _patched():
-    hf_sparse_cp.patch()
-    yield
-    hf_sparse_cp.unpatch()
+pytestmark = pytest.mark.usefixtures("patched")
 
 
 def _pair(model_type, dtype=torch.float32, config=DENSE, **overrides):
