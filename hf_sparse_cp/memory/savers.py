@@ -35,7 +35,8 @@ class MemorySavers:
 
     def __post_init__(self) -> None:
         if self.tile_tokens < 1:
-            raise ValueError(f"tile_tokens={self.tile_tokens} must be >= 1; e.g. 8192.")
+            raise ValueError(f"tile_tokens={self.tile_tokens} (--sparse_token_tile_size; `hf-sparse-cp memory "
+                             "--token-tile-size`) must be >= 1; e.g. 8192.")
 
     @property
     def active(self) -> bool:

@@ -183,7 +183,7 @@ def test_enable_sparse_attention_tiles_from_the_threshold_and_its_undo_restores(
 
 
 @pytest.mark.parametrize("bad, message", [(dict(sparse_token_tiling_min_length=-1), "must be >= 0"),
-                                          (dict(sparse_token_tile_size=0), "tile_tokens=0")])
+                                          (dict(sparse_token_tile_size=0), r"tile_tokens=0 \(--sparse_token_tile_size")])
 def test_bad_saver_flags_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SparseCPArguments(**bad)
