@@ -37,7 +37,7 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS
-from .call_tokens import batch_token_meta, cache_slots_mask, padding_between_tokens_once
+from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -276,6 +276,27 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
     return None
 
 
+def own_keys_refusal(module: torch.nn.Module, q_len: int, k_len: int, attention_mask, under_cp: bool) -> str | None:
+    """The refusal of a call with more (or fewer) keys than queries that no KV cache explains, or None. sparse_cp reads
+    the keys beyond the queries as the earlier tokens a transformers Cache holds (decoding, a chunk of prefill, PEFT's
+    prefix tuning), placed before the queries; it knows a cache call by the mask its mask function built for the
+    cache's key length (`call_tokens.cache_key_length`). Keys a layer makes itself without a Cache (memory tokens,
+    learned register keys, compressed keys) have no place it could know, so their attention would be computed with
+    a guessed alignment; under context parallelism no call goes through a cache."""
+    cached = None if under_cp else cache_key_length(attention_mask)
+    if k_len == q_len or k_len == cached:
+        return None
+    model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    source = ("the call is under context parallelism, where there is no KV cache" if under_cp else
+              "no KV cache of this forward gives them" if cached is None else
+              f"this forward's KV cache gives {cached}")
+    return (f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}, model type '{model_type}') handed "
+            f"sparse_cp {k_len} keys for {q_len} queries, but {source}: the layer adds keys of its own (memory tokens, "
+            "learned or compressed keys), and sparse_cp only places keys beyond the queries as a transformers Cache's "
+            "earlier tokens (pass past keys as a Cache: cache= / past_key_values=). Load this model with "
+            "attn_implementation='sdpa' or 'eager' (--sparse_attention false).")
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
                         ) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -345,8 +366,10 @@ def sparse_cp_attention_forward(
     shard = kwargs.get(CP_SHARD_KWARG)
     probe = _PROBE.get()
     if probe is not None:
+        unsupported = unsupported_feature(module, softcap, kwargs, query.shape[1]) or own_keys_refusal(
+            module, query.shape[2], key.shape[2], attention_mask, shard is probe)
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
-                                      sliding_window, unsupported_feature(module, softcap, kwargs, query.shape[1])))
+                                      sliding_window, unsupported))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if shard is None and _CP_FORWARD.get():
         raise RuntimeError(
@@ -356,6 +379,9 @@ def sparse_cp_attention_forward(
             "without context parallelism."
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
+    own_keys = own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is not None)
+    if own_keys:
+        raise ValueError(own_keys)
     _refuse_attention_weights(module, kwargs)
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
     _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs))

@@ -1,6 +1,7 @@
 """What the backend reads from the masks and token tensors transformers hands an attention call: the mask function
-registered with the backend (`sparse_cp_mask`), a StaticCache's unfilled slots, and the token metadata every layer
-of a forward shares, read back to the host once per forward (`PerForward`)."""
+registered with the backend (`sparse_cp_mask`), the key length a KV cache gives the call (`cache_key_length`), a
+StaticCache's unfilled slots, and the token metadata every layer of a forward shares, read back to the host once per
+forward (`PerForward`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """The mask function registered with the backend: transformers' flash-attention one, which hands over the 2D
     padding mask of the tokens seen (None when none is padded); that mask is shorter than the keys when a cache has
     more key slots than tokens (a StaticCache: `kv_length` counts its slots). Where it would be None there, a mask
-    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none.
+    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none, and
+    wherever the cache gives the keys of earlier tokens (`kv_length` above `q_length`) the mask is returned, and the
+    key length it was built for is kept for the backend (`cache_key_length`).
 
     A mask that transformers combines from the causal one and a model's own overlay (`or_mask_function` /
     `and_mask_function`, for which it sets `use_vmap`, or a block overlay: bidirectional image tokens, a bidirectional
@@ -32,10 +35,26 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             "attn_implementation='sdpa' (--sparse_attention false).")
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
-    held = None if mask is not None else int(q_offset) + q_length - kv_offset
-    if held is not None and held < kv_length:
+    if mask is None and kv_length != q_length:
+        held = min(int(q_offset) + q_length - kv_offset, kv_length)
         mask = torch.ones(batch_size, held, dtype=torch.bool, device=kwargs.get("device"))
+    if kv_length != q_length:
+        key = id(mask)
+        _CACHE_KEYS[key] = weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length
     return mask
+
+
+# The key length of each mask `sparse_cp_mask` built for a call through a KV cache, by the mask's id (a weak reference
+# checks that the mask is the same object; the entry goes with it).
+_CACHE_KEYS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def cache_key_length(attention_mask: torch.Tensor | None) -> int | None:
+    """The number of keys the KV cache gives the attention calls that receive `attention_mask` (the `kv_length` that
+    transformers built the mask for from the cache), or None when the mask was not built for a call through a cache
+    (no cache, or one that holds no earlier token)."""
+    ref, kv_length = _CACHE_KEYS.get(id(attention_mask), (None, None))
+    return kv_length if ref is not None and ref() is attention_mask else None
 
 
 def cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:

@@ -3,7 +3,9 @@ transformers offers (a StaticCache holds more key slots than tokens: the unfille
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
@@ -84,3 +86,63 @@ def test_attention_weights_are_refused_naming_eager_and_eager_gives_them_after_t
     assert len(weights) == 2 and weights[0].shape == (1, 4, 40, 40)
     ours.set_attn_implementation("sparse_cp")
     assert rel_rms(ours(ids).logits, ref(ids).logits) <= TOLERANCE[torch.float32]
+
+
+class _MemoryKeyAttention(LlamaAttention):
+    """Llama attention with 4 learned keys and values in front of the tokens' (memory tokens), made by the layer
+    itself, not held in a KV cache."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        shape = (1, config.num_key_value_heads, 4, self.head_dim)
+        self.memory_keys, self.memory_values = (torch.nn.Parameter(torch.randn(shape)) for _ in range(2))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        batch = q.shape[0]
+        k = torch.cat([self.memory_keys.expand(batch, -1, -1, -1), k], 2)
+        v = torch.cat([self.memory_values.expand(batch, -1, -1, -1), v], 2)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+class _MemoryKeyLlama(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = _MemoryKeyAttention(config, i)
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "dynamic_cache"])
+def test_a_layer_that_appends_its_own_keys_is_refused_naming_sdpa(use_cache):
+    """A layer that puts 4 keys of its own in front of the tokens' (no Cache holds them) was read as a KV cache call:
+    configure passed and the logits were 0.54 (rel. RMS) from sdpa's, computed with an alignment guessed for it.
+    Refused by the set-up probe when the model builds such layers, and at the first call when they are put in after."""
+    expected = r"\d+ keys for \d+ queries.*adds keys of its own.*attn_implementation='sdpa'"
+    torch.manual_seed(0)
+    model = _MemoryKeyLlama(tiny_config("llama")).eval()
+    with pytest.raises(ValueError, match=expected):
+        hf_sparse_cp.configure(model, FULL)
+    ref, ours = _pair("llama")
+    for i, layer in enumerate(ours.model.layers):
+        layer.self_attn = _MemoryKeyAttention(ours.config, i)
+    with pytest.raises(ValueError, match="68 keys for 64 queries.*adds keys of its own"):
+        ours(input_ids=torch.randint(3, 259, (2, 64)), use_cache=use_cache)
+
+
+def test_prefix_keys_given_as_a_cache_are_computed_as_sdpa_computes_them():
+    """Keys of earlier tokens that come in a Cache (what PEFT's prefix tuning passes) are placed before the queries
+    and computed exactly; only keys no cache explains are refused."""
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, 259, (2, 72), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for model in (ours, ref):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :8], cache=cache, use_cache=True)
+        logits.append(model(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)
+    assert rel_rms(logits[0], logits[1]) <= TOLERANCE[torch.float32]
