@@ -41,8 +41,20 @@ ARCHITECTURES: dict[str, Support] = {
     **{model_type: Support(cp_tested=True) for model_type in (
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-        "deepseek_v3", "gpt_oss")},
+        "deepseek_v3", "gpt_oss", "llama4_text")},
 }
+
+
+def length_counted_query_scale(module) -> int | None:
+    """The `floor_scale` of an attention layer that scales its queries by their positions counted from the length of
+    the tensor it gets, not from `position_ids` (Llama 4's temperature tuning in its no-RoPE layers:
+    log1p(floor((i + 1) / floor_scale)) * attn_scale + 1 for the i-th token of the call), else None. Under CP the
+    tensor is a rank's shard, so its scales equal one process's only while every position is below floor_scale - 1
+    (all scales 1)."""
+    floor_scale = getattr(module, "floor_scale", None)
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True) and floor_scale:
+        return int(floor_scale)
+    return None
 
 
 # Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise, or attends over

@@ -36,7 +36,7 @@ from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG
-from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS
+from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scale
 from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
 from .stats import record_kept_fraction
 
@@ -297,6 +297,21 @@ def own_keys_refusal(module: torch.nn.Module, q_len: int, k_len: int, attention_
             "attn_implementation='sdpa' or 'eager' (--sparse_attention false).")
 
 
+def _refuse_shard_counted_scales(module: torch.nn.Module, length: int) -> None:
+    """Refuse a CP call of a layer whose query scales count positions from the shard's length
+    (`architectures.length_counted_query_scale`) where the row (`length` tokens, padded) reaches positions whose
+    scale is not 1: each rank would scale its tokens as if its shard began the row."""
+    floor_scale = length_counted_query_scale(module)
+    if floor_scale is not None and length >= floor_scale:
+        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}, model type '{model_type}') scales "
+            f"its queries by their positions (attn_temperature_tuning, floor_scale={floor_scale}) counted from the "
+            f"length of the tensor it gets, each rank's shard under context parallelism: in a row of {length} tokens "
+            f"the positions from {floor_scale - 1} on would get their shard's scales, not the row's. Train rows of "
+            f"fewer than {floor_scale} tokens under context parallelism, or this model without it (--cp_size 1).")
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
                         ) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -379,6 +394,8 @@ def sparse_cp_attention_forward(
             "without context parallelism."
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
+    if shard is not None:
+        _refuse_shard_counted_scales(module, shard.meta.index.shape[-1])
     own_keys = own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is not None)
     if own_keys:
         raise ValueError(own_keys)
