@@ -58,6 +58,7 @@ from .attach import attach_to_trainer, enable_sparse_attention
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import CurriculumArguments, check_schedule_flags, parse_schedule
+from .reference import attend_like_trained_model
 from .smet import install_smet
 
 logger = logging.getLogger(__name__)
@@ -413,10 +414,24 @@ class SparseTrainerMixin:
         disable_cpu_fsdp2(self)  # a hyperparameter search builds the accelerator again
         enable_cpu_fsdp2(self)
 
+    def _attend_like_trained_model(self) -> None:
+        """TRL's reference model, loaded in the Trainer subclass's `__init__` after the plugin's part of it, attends
+        with the trained model's pattern (`reference.py`); before anything runs it."""
+        attend_like_trained_model(self, self.args.plugin_arguments(), self.max_length)
+
     def train(self, *args, **kwargs):
+        self._attend_like_trained_model()
         result = super().train(*args, **kwargs)
         _tear_down_at_exit()  # only after a finished run: every rank then reaches the exit barrier
         return result
+
+    def evaluate(self, *args, **kwargs):
+        self._attend_like_trained_model()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._attend_like_trained_model()
+        return super().predict(*args, **kwargs)
 
     def create_model_card(self, **kwargs):
         """The Trainer class's own card, amended and merged with the plugin's section: versions, the

@@ -4,8 +4,10 @@ under `python -m hf_sparse_cp.run` in one process, under torchrun and under acce
 CP runs equal the one-process run: the loss of every step, the kept fraction, TRL's token count and the saved
 weights. The saved models load without the plugin, and a script run without the launcher is stock."""
 
+import ast
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -220,11 +222,19 @@ def test_trls_preference_and_rl_scripts_train_sparse_and_are_refused_at_start_un
     assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
     assert any(not torch.equal(load_file(workdir / f"{script}_one" / "model.safetensors")[name], tensor)
                for name, tensor in load_file(workdir / "tiny" / "model.safetensors").items())  # (it trained)
+    if script == "dpo":  # the reference model attends as the policy does: at step 1 they are one model
+        first = _first_log(one.stdout)
+        assert (first["rewards/chosen"], first["rewards/rejected"], first["loss"]) == ("0", "0", "0.6931"), first
     cp2 = _trl_script(workdir, f"{script}_cp2", script, data, args, ["--nproc", "2", "--cp_size", "2"])
     trainer = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer"}[script]
     assert cp2.returncode != 0 and "'loss'" not in cp2.stdout  # refused before any step
     assert f"{trainer} under context parallelism (CP 2) is not supported" in cp2.stderr
     assert "Fix: run without CP (drop --cp_size" in cp2.stderr
+
+
+def _first_log(stdout: str) -> dict:
+    """The first training log a TRL script printed (its values as TRL prints them: text, 4 significant digits)."""
+    return ast.literal_eval(re.search(r"\{'loss': [^{}]*\}", stdout).group(0))
 
 
 def _assert_loads_without_the_plugin(*folders: Path) -> None:

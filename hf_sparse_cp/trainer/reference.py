@@ -1,0 +1,51 @@
+"""The reference model a TRL Trainer keeps beside the model it trains attends as that model does.
+
+TRL's DPO, KTO, GRPO and RLOO trainers compare the trained model's log-probabilities with those of a frozen
+reference (`trainer.ref_model`), the model as it was before training. Without PEFT, TRL loads that reference
+again from the model's path, after the Trainer's `__init__` where the plugin switched the trained model to
+`sparse_cp`: the reference then attends with the model's stock implementation. The two would differ by the
+sparse pattern's approximation before any step (DPO's rewards and loss at step 1 away from 0 and log 2), a
+bias in every reward, where TRL's reference under PEFT (the trained model with its adapters disabled) attends
+with the pattern. So before the Trainer runs, the reference gets the trained model's pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from transformers import Trainer
+
+from ..config import BACKEND_NAME
+from ..integration import compat
+from ..integration.backend import model_config_for
+from .arguments import SparseCPArguments
+from .attach import enable_sparse_attention
+
+logger = logging.getLogger(__name__)
+
+# The attribute TRL's trainers keep their reference model in (None under PEFT, or with precomputed log-probs).
+REFERENCE_MODEL = "ref_model"
+
+
+def attend_like_trained_model(trainer: Trainer, sparse_args: SparseCPArguments, max_length: int | None) -> None:
+    """Switch `trainer.ref_model` (when it has one) to `sparse_cp` with the pattern of the model it trains, when
+    that model runs `sparse_cp` and the reference does not yet; `disable_sparse_attention(trainer.ref_model)` undoes
+    it. `sparse_args`, `max_length`: the plugin's switches and the sequence length of the trained model (the fused
+    ops and token tiles run on the reference alike; its `--sparse_config` is already read into the trained model's
+    pattern, and a model that never runs backward offloads nothing for it)."""
+    reference = getattr(trainer, REFERENCE_MODEL, None)
+    if not isinstance(reference, torch.nn.Module):
+        return
+    reference, trained = trainer.accelerator.unwrap_model(reference), trainer.accelerator.unwrap_model(trainer.model)
+    if (compat.attn_implementation(getattr(trained, "config", None)) != BACKEND_NAME
+            or compat.attn_implementation(reference.config) == BACKEND_NAME):
+        return
+    previous = compat.attn_implementation(reference.config)
+    switches = dataclasses.replace(sparse_args, sparse_config=None, sparse_offload_layer_inputs=False)
+    enable_sparse_attention(reference, switches, model_config_for(trained), trainer.args, max_length)
+    if trainer.is_world_process_zero():
+        logger.warning("%s.%s (the frozen reference it compares the trained model with) attends with sparse_cp and "
+                       "the trained model's pattern, not %r: the two are one model before the first step.",
+                       type(trainer).__name__, REFERENCE_MODEL, previous)
