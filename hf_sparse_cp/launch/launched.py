@@ -1,7 +1,8 @@
 """A stock script, unchanged, with the plugin: what `hf_sparse_cp.run` changes while the script runs.
 
-`launched(plugin)` makes two changes to transformers' classes, recorded and undone when the block ends
-(outside it, and in any process that never enters it, transformers is stock):
+`launched(plugin)` registers `attn_implementation="sparse_cp"` (a script may load its model with it before it
+builds its Trainer: TRL's `--attn_implementation sparse_cp`) and makes two changes to transformers' classes, all
+recorded and undone when the block ends (outside it, and in any process that never enters it, transformers is stock):
 
 * `HfArgumentParser.__init__` (transformers', and the copy that TRL's `TrlParser` derives from): a parser built
   with `TrainingArguments` or a subclass of it (TRL's `SFTConfig`, the script's own) is built with
@@ -37,6 +38,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
+from ..integration.registration import is_patched, patch, unpatch
 from ..trainer.arguments import did_you_mean, explicit_fields, is_flag_error
 from ..trainer.attach import LAUNCHED
 from ..trainer.sparse_trainer import (
@@ -182,6 +184,9 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)
 
     try:
+        if not is_patched():  # a script loads its model before its Trainer (TRL's with --attn_implementation sparse_cp)
+            patch()
+            patches.on_undo(unpatch)
         for parser_class in compat.argument_parser_classes():
             extend(parser_class)
         patches.set_attr(Trainer, "__init__", init_trainer)

@@ -554,3 +554,18 @@ def test_a_bad_flag_of_the_example_prints_a_short_usage_not_every_flag(monkeypat
     assert err.splitlines() == [f"usage: {prog} [FLAGS] ({prog} --help lists them)",
                                 f"{prog}: error: argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int "
                                 "value: 'abc'"], err
+
+
+def test_a_script_loads_its_model_with_attn_implementation_sparse_cp():
+    """TRL's scripts load the model before the Trainer, with their --attn_implementation: `sparse_cp` loads under
+    hf_sparse_cp.run (transformers refused it as not supported, the backend registered only in the Trainer's
+    __init__), and is unregistered again when the script ends."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.integration.registration import is_patched, unpatch
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    unpatch()
+    with launched(PluginArguments()):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+    assert model.config._attn_implementation == "sparse_cp" and not is_patched()
