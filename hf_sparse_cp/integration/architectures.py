@@ -7,8 +7,10 @@ tests read it; a model type outside it still trains with the `sparse_cp` attenti
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -45,16 +47,18 @@ ARCHITECTURES: dict[str, Support] = {
 }
 
 
-def length_counted_query_scale(module) -> int | None:
-    """The `floor_scale` of an attention layer that scales its queries by their positions counted from the length of
-    the tensor it gets, not from `position_ids` (Llama 4's temperature tuning in its no-RoPE layers:
-    log1p(floor((i + 1) / floor_scale)) * attn_scale + 1 for the i-th token of the call), else None. Under CP the
-    tensor is a rank's shard, so its scales equal one process's only while every position is below floor_scale - 1
-    (all scales 1)."""
+def length_counted_query_scales(module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For an attention layer that scales its queries by their positions counted from the length of the tensor it
+    gets, not from `position_ids` (Llama 4's temperature tuning in its no-RoPE layers: log1p(floor((i + 1) /
+    floor_scale)) * attn_scale + 1 for the i-th token of the call), the function that gives the float32 scales of
+    the tokens at int64 `positions` as the layer computes them; else None. Under CP that tensor is a rank's shard:
+    the backend moves its queries from the scales of the shard's positions to those of the tokens' positions in the
+    row."""
     floor_scale = getattr(module, "floor_scale", None)
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True) and floor_scale:
-        return int(floor_scale)
-    return None
+    tuned = getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+    if not (tuned and floor_scale):
+        return None
+    return lambda positions: torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * module.attn_scale + 1.0
 
 
 # Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise, or attends over

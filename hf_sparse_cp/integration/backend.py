@@ -35,8 +35,8 @@ from ..attention.sinks import sink_shape_error, with_sinks
 from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_kwargs
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
-from ..distributed.shard import CP_SHARD_KWARG
-from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scale
+from ..distributed.shard import CP_SHARD_KWARG, CPShard
+from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales
 from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
 from .stats import record_kept_fraction
 
@@ -297,19 +297,18 @@ def own_keys_refusal(module: torch.nn.Module, q_len: int, k_len: int, attention_
             "attn_implementation='sdpa' or 'eager' (--sparse_attention false).")
 
 
-def _refuse_shard_counted_scales(module: torch.nn.Module, length: int) -> None:
-    """Refuse a CP call of a layer whose query scales count positions from the shard's length
-    (`architectures.length_counted_query_scale`) where the row (`length` tokens, padded) reaches positions whose
-    scale is not 1: each rank would scale its tokens as if its shard began the row."""
-    floor_scale = length_counted_query_scale(module)
-    if floor_scale is not None and length >= floor_scale:
-        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
-        raise ValueError(
-            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}, model type '{model_type}') scales "
-            f"its queries by their positions (attn_temperature_tuning, floor_scale={floor_scale}) counted from the "
-            f"length of the tensor it gets, each rank's shard under context parallelism: in a row of {length} tokens "
-            f"the positions from {floor_scale - 1} on would get their shard's scales, not the row's. Train rows of "
-            f"fewer than {floor_scale} tokens under context parallelism, or this model without it (--cp_size 1).")
+def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    """`query` [B, H, L, D] of a CP call, where the layer scales its queries by positions counted from the tensor's
+    length (`architectures.length_counted_query_scales`), moved from the scales of this rank's shard positions to
+    those of the tokens' positions in the row, as one process scales them (to the rounding of a division and a
+    product); any other layer's as they are."""
+    scales = length_counted_query_scales(module)
+    if scales is None:
+        return query
+    plan = shard.plan
+    row = plan.source[plan.token_index(shard.rank)].clamp_min(0).to(query.device)  # (padding: any position)
+    shard_positions = torch.arange(query.shape[2], device=query.device)
+    return query * (scales(row).to(query.dtype) / scales(shard_positions).to(query.dtype))[:, None]
 
 
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
@@ -395,7 +394,7 @@ def sparse_cp_attention_forward(
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     if shard is not None:
-        _refuse_shard_counted_scales(module, shard.meta.index.shape[-1])
+        query = _row_scaled_queries(module, query, shard)
     own_keys = own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is not None)
     if own_keys:
         raise ValueError(own_keys)
