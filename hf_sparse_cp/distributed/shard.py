@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.tokens import BatchDocumentExtents, TokenMeta
+from .comm import all_gather_rows
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
@@ -49,6 +50,31 @@ class CPShard:
         once (`TokenMeta.documents`)."""
         n = self.plan.seq_len
         return TokenMeta(self.meta.index[:, :n], self.meta.segment[:, :n])
+
+    def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch's tensor over its whole sequence, from every CP rank's tensor over its shard (an all-gather over
+        the CP group: every rank receives it).
+
+        Args:
+            x: this rank's per-token output (a forward's logits or hidden states), [B, local_len, ...].
+
+        Returns:
+            [B, plan.seq_len, ...]: the positions of the batch as it was passed in, in its order (the split's padding
+            dropped, a document plan's re-ordering undone). Memory: the gathered tensor ([CP x B, longest shard, ...])
+            and the result, each about B x seq_len x the rest.
+        """
+        plan, cp = self.plan, self.parallel.cp_size
+        b, longest = x.shape[0], plan.max_local_blocks * plan.block_size
+        if x.shape[1] == longest:
+            mine = x.contiguous()
+        else:  # (a document plan's shorter shard)
+            mine = x.new_zeros((b, longest, *x.shape[2:]))
+            mine[:, : x.shape[1]] = x
+        gathered = x.new_empty((cp * b, *mine.shape[1:]))
+        all_gather_rows(gathered, mine, self.parallel.cp_group)
+        rank, index = (t.to(x.device) for t in plan.original_in_shards)
+        rows = torch.arange(b, device=x.device)[:, None]
+        return gathered.view(cp, *mine.shape)[rank[None], rows, index[None]]
 
     @staticmethod
     def check_no_kv_cache(query: torch.Tensor, key: torch.Tensor) -> None:

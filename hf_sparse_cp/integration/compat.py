@@ -109,8 +109,9 @@ PATCHES = (
           "group's mean, which the Trainer keeps for train_loss after the last log", _CP_UNDO,
           ("self", "model", "inputs", "num_items_in_batch")),
     Patch(_TRAINER, "prediction_step", "replaces", "a CP rank's loss is its shard's share: the wrapper returns the "
-          "CP group's mean, of which gather_for_metrics may keep rank 0's alone for eval_loss; logits (a rank's cover "
-          "its shard only) are refused, naming the fix", _CP_UNDO,
+          "CP group's mean, of which gather_for_metrics may keep rank 0's alone for eval_loss; a rank's logits cover "
+          "its shard only: the wrapper gathers them over the CP group into the whole sequence, in the batch's order",
+          _CP_UNDO,
           ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
     Patch(_TRAINER, "gather_function", "sets", "the evaluation loop gathers with the gather_for_metrics it bound at "
           "set-up: the CP wrapper's, which keeps each CP group's values once", _CP_UNDO, on_instances=True),

@@ -9,11 +9,12 @@ own the CP mesh (CPU / gloo runs with `--cp_size`), the patch also makes the dat
 over data-parallel ranks only (every rank of a CP group gets the same batch). Either way the
 Trainer's token count, flops, batch size and the loss's token count (and TRL's logged `num_tokens`) count
 each CP group's batch once, the losses a step or an evaluation batch returns (which the Trainer logs, keeps for
-`train_loss` and gathers for `eval_loss`) are the CP group's, and an attention call that arrives without the shard
-during a CP forward is an error.
+`train_loss` and gathers for `eval_loss`) are the CP group's, the logits an evaluation or prediction step returns
+(for `compute_metrics`, `predict()`) are the whole sequence's in the batch's order, and an attention call that arrives
+without the shard during a CP forward is an error.
 `disable_trainer_context_parallel` undoes all of it. The pieces a curriculum of CP degrees reuses
 (`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`,
-`first_batch_of_each_run`, `report_cp_group_losses`.
+`first_batch_of_each_run`, `cp_group_steps`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from accelerate.utils import parse_flag_from_env
 from transformers import Trainer
 
-from ..distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
+from ..distributed import CP_SHARD_KWARG, ContextParallelConfig, CPShard, ParallelDims, prepare_context_parallel_inputs
 from ..distributed.comm import all_reduce
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
@@ -142,16 +143,6 @@ def _cp_group_mean(loss: torch.Tensor | None, parallel: ParallelDims) -> torch.T
     return total / parallel.cp_size
 
 
-def predictions_refused(what: str, cp_size: int) -> str:
-    """Why `what` (an evaluation or prediction that returns logits) cannot run under CP, and the fix a user of an
-    unchanged script can apply."""
-    return (f"{what} under context parallelism (CP {cp_size}): each CP rank's logits cover only its shard of the "
-            "sequence, so they are not the batch's predictions that compute_metrics reads. Pass "
-            "--prediction_loss_only (TrainingArguments(prediction_loss_only=True)): evaluation then reports "
-            "eval_loss, exact under CP, without calling compute_metrics; or evaluate or predict in a run without "
-            "--cp_size.")
-
-
 def check_training_arguments(args, cp_size: int) -> None:
     """Raise ValueError, naming the setting and the fix, for a setting of the Trainer's arguments `args` that cannot run
     under CP `cp_size` as it runs in one process. Checked as the plugin's arguments parse (`SparseArgumentsMixin`) and
@@ -182,15 +173,6 @@ def check_training_arguments(args, cp_size: int) -> None:
             "BatchRebalanceSampler deals each batch's rows over every process (its world_size), so the ranks of a CP "
             "group, which must share every row, would hold different ones. Use --train_sampling_strategy "
             f"group_by_length (batches of similar lengths, exact under CP), {fix}.")
-
-
-def check_evaluation(trainer: Trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the fix, when the Trainer would evaluate with `compute_metrics` under CP (run_clm.py
-    --do_eval sets it): the evaluation would be refused after training (`report_cp_group_losses`), so refuse now."""
-    args = trainer.args
-    if trainer.compute_metrics is not None and trainer.eval_dataset is not None and not args.prediction_loss_only:
-        raise ValueError(predictions_refused("Evaluating with compute_metrics (this Trainer has an eval_dataset and "
-                                             "compute_metrics)", cp_size))
 
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
@@ -235,26 +217,63 @@ def dropout_note(model: torch.nn.Module) -> str | None:
             "config's dropout fields).")
 
 
-def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
-    """Make `training_step` and `prediction_step` return the loss of the CP group's batch on each of its ranks.
+def whole_sequence_outputs(outputs: Any, shard: CPShard) -> Any:
+    """The per-token outputs a prediction step returns (logits, a tensor or nested tuples of them: hidden states),
+    each over the batch's whole sequence in its order, on every rank of the CP group (`CPShard.whole_sequence`), as
+    one process returns them. Raises ValueError, naming the output and the fix, for a tensor that is not per token
+    ([B, this rank's shard length, ...]: a MoE's auxiliary loss or router logits), which a rank computes from its
+    shard alone."""
+    from accelerate.utils import recursively_apply
 
-    A CP rank's loss is its shard's share (its token losses over the batch's count, times the ranks whose gradients
-    are averaged): only the mean over the ranks is the batch's loss. The Trainer gathers that mean for the losses it
-    logs, but keeps rank 0's own value for the steps after the last log (in `train_loss`), and `gather_for_metrics`
-    drops the losses of the ranks past the last sample of an evaluation set smaller than a gathered batch (rank 0's
-    kept alone for `eval_loss`). Averaged over the CP group, every rank holds what a data-parallel rank holds without
-    CP, so each of those values is exact. The gradients are untouched (the backward runs inside the step).
-    `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
+    batch, length = shard.meta.index.shape[0], shard.plan.local_len_of(shard.rank)
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or tuple(x.shape[:2]) != (batch, length):
+            raise ValueError(
+                f"a prediction step under context parallelism (CP {shard.parallel.cp_size}) returned an output of "
+                f"shape {tuple(x.shape)}: only per-token outputs ([batch {batch}, this rank's {length} tokens, ...]: "
+                "logits, hidden states) are gathered over the sequence, and this one each rank computes from its shard "
+                "of the sequence alone. Leave it out of the predictions (ignore_keys=[its name] in evaluate() or "
+                "predict(), or the model config's keys_to_ignore_at_inference), or pass --prediction_loss_only for "
+                "eval_loss alone, or evaluate without --cp_size.")
+        return shard.whole_sequence(x)
+
+    return recursively_apply(whole, outputs)
+
+
+def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],
+                   prepare: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Make the Trainer shard each batch with `prepare`, and its `training_step` and `prediction_step` return on every
+    rank of a CP group what one process returns for the group's batch.
+
+    `prepare(batch)` is this rank's model inputs for the batch, with its `CPShard` (the batch itself where the step in
+    progress runs without CP). A CP rank's loss is its shard's share (its token losses over the batch's count, times
+    the ranks whose gradients are averaged): only the mean over the ranks is the batch's loss. The Trainer gathers that
+    mean for the losses it logs, but keeps rank 0's own value for the steps after the last log (in `train_loss`), and
+    `gather_for_metrics` drops the losses of the ranks past the last sample of an evaluation set smaller than a
+    gathered batch (rank 0's kept alone for `eval_loss`). Averaged over the CP group, every rank holds what a
+    data-parallel rank holds without CP, so each of those values is exact. The gradients are untouched (the backward
+    runs inside the step). A prediction step's logits (and any other per-token output) are gathered over the CP
+    group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its labels are the batch's
+    (the stock step reads them before sharding): `preprocess_logits_for_metrics`, `compute_metrics` and `predict()`
+    see what one process gives them. `parallel()` is the CP layout of the step in progress (constant, or a
+    curriculum's stage)."""
     training_step, prediction_step = trainer.training_step, trainer.prediction_step
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: a gather inside a step is the stock one)
+    shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
+
+    def prepare_inputs(_model, inputs: dict[str, Any]):
+        prepared = prepare(inputs)
+        shard[0] = prepared.get(CP_SHARD_KWARG)
+        return contextlib.nullcontext, prepared
 
     @contextlib.contextmanager
     def stepping():
-        in_step[0] = True
+        in_step[0], shard[0] = True, None
         try:
             yield
         finally:
-            in_step[0] = False
+            in_step[0], shard[0] = False, None
 
     def step(model, inputs, *rest, **kwargs):
         with stepping():
@@ -264,11 +283,12 @@ def report_cp_group_losses(trainer: Trainer, patches, parallel: Callable[[], Par
     def predict(model, inputs, *rest, **kwargs):
         with stepping():
             loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
-        if parallel().cp_size > 1 and outputs and outputs[0] is not None:
-            raise ValueError(predictions_refused("Trainer.predict (or evaluate with compute_metrics)",
-                                                 parallel().cp_size))
+            # (a batch without labels runs unsharded in the stock step: each rank computes the whole sequence)
+            if shard[0] is not None and outputs and outputs[0] is not None:
+                outputs[0] = whole_sequence_outputs(outputs[0], shard[0])
         return (_cp_group_mean(loss, parallel()), *outputs)
 
+    patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
     _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0])
@@ -344,7 +364,6 @@ def enable_trainer_context_parallel(
     model = trainer.model
     check_model_supports_context_parallel(model, parallel=parallel)
     check_loss(trainer, parallel.cp_size)
-    check_evaluation(trainer, parallel.cp_size)
     check_training_arguments(trainer.args, parallel.cp_size)
     note = dropout_note(model)
     if note is not None and trainer.is_world_process_zero():
@@ -356,18 +375,17 @@ def enable_trainer_context_parallel(
 
     first_batch = first_batch_of_each_run(trainer)
 
-    def prepare_inputs(_model, inputs: dict[str, Any]):
-        return contextlib.nullcontext, prepare_context_parallel_inputs(
+    def prepare_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+        return prepare_context_parallel_inputs(
             inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config, verify_same_batch=first_batch(),
         )
 
-    patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
     count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
-    report_cp_group_losses(trainer, patches, lambda: parallel)
+    cp_group_steps(trainer, patches, lambda: parallel, prepare_inputs)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead

@@ -51,10 +51,10 @@ from .context_parallel import (
     check_loss,
     check_training_arguments,
     count_once_per_cp_group,
+    cp_group_steps,
     dp_data_loader,
     first_batch_of_each_run,
     pad_token_id,
-    report_cp_group_losses,
 )
 
 logger = logging.getLogger(__name__)
@@ -473,25 +473,24 @@ def enable_curriculum(
     checked_stages: set[int] = set()  # the stages whose first batch was checked, in this train() call
     first_batch = first_batch_of_each_run(trainer)
 
-    def prepare_inputs(_model, inputs: dict[str, Any]):
+    def prepare_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
         parallel = curriculum.parallel()
         if parallel.cp_size == 1:
-            return contextlib.nullcontext, inputs
+            return inputs
         if first_batch():
             checked_stages.clear()
         stage = curriculum.schedule.index_at(trainer.state.global_step)
         verify = stage not in checked_stages  # (each stage's first batch: its CP groups are new)
         checked_stages.add(stage)
         sparse_config = model_config_for(model)
-        return contextlib.nullcontext, prepare_context_parallel_inputs(
+        return prepare_context_parallel_inputs(
             inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
             sparse_config=sparse_config, verify_same_batch=verify)
 
-    patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
-    report_cp_group_losses(trainer, patches, curriculum.parallel)
+    cp_group_steps(trainer, patches, curriculum.parallel, prepare_inputs)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
                      lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))

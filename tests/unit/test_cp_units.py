@@ -9,6 +9,7 @@ from hf_sparse_cp.attention.merge import merge_attention
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,
+    NestedSplit,
     ParallelDims,
     RingTopology,
     ShardPlan,
@@ -100,6 +101,27 @@ def test_shards_partition_the_padded_sequence_in_whole_ascending_blocks(sharding
     shards = [plan.shard(x, r, dim=2, pad_value=7.0) for r in range(world)]
     full = plan.unshard(shards, dim=2)
     assert torch.equal(full[:, :, :203], x) and bool((full[:, :, 203:] == 7.0).all())
+
+
+@pytest.mark.parametrize("split", ["striped", "zigzag", "contiguous", "nested", "document"])
+def test_original_in_shards_finds_every_original_position_in_its_rank_s_shard(split):
+    """The inverse that gathers a forward's outputs back into the batch's order (`CPShard.whole_sequence`): every
+    original position read from the shard and index it names is the original entry, under every split (a document
+    plan re-orders the row's documents and pads between them)."""
+    from hf_sparse_cp.distributed.split.documents import DENSE, SPARSE, plan_documents
+
+    if split == "nested":
+        plan = NestedSplit(ShardPlan("striped", 2, 16, 203, pieces=2), 2)
+    elif split == "document":
+        plan = plan_documents([90, 23, 60, 30], [SPARSE, DENSE, DENSE, SPARSE], 2, 16)
+        assert not plan.keeps_order
+    else:
+        plan = ShardPlan(split, 3, 16, 203)
+    x = torch.randn(2, 203, 5)
+    shards = [plan.shard(x, r) for r in range(plan.cp_size)]
+    rank, index = plan.original_in_shards
+    assert rank.shape == index.shape == (203,)
+    assert torch.equal(torch.stack([shards[r][:, i] for r, i in zip(rank.tolist(), index.tolist())], 1), x)
 
 
 def test_layouts_assign_the_documented_blocks():
@@ -326,6 +348,18 @@ def test_models_the_ring_cannot_shard_are_refused():
     model.model.layers[1].self_attn.is_causal = False
     with pytest.raises(ValueError, match="bidirectional"):
         check_model_supports_context_parallel(model)
+
+
+@pytest.mark.parametrize("shape", [(), (2, 80, 4)])
+def test_a_prediction_output_that_is_not_per_token_is_refused_naming_ignore_keys(shape):
+    """Only per-token outputs ([B, the shard's tokens, ...]) are gathered over the sequence for compute_metrics and
+    predict(); a MoE's auxiliary loss (a scalar) or router logits (tokens flattened) are each rank's shard's."""
+    from hf_sparse_cp.trainer.context_parallel import whole_sequence_outputs
+
+    ids = torch.randint(3, 100, (2, 40))
+    shard = prepare_context_parallel_inputs({"input_ids": ids}, ParallelDims.single(), block_size=16)["cp_shard"]
+    with pytest.raises(ValueError, match=r"ignore_keys=\[its name\].*--prediction_loss_only"):
+        whole_sequence_outputs((torch.randn(shape), torch.randn(2, 48, 7)), shard)
 
 
 def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():

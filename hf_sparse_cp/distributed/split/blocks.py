@@ -151,6 +151,16 @@ class BlockSplit:
         return full
 
     @functools.cached_property
+    def original_in_shards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 [seq_len] twice: for each original position, the rank holding it and its index in that rank's
+        shard (the inverse of `shard`, without the split's padding)."""
+        real = self.source >= 0
+        position = torch.empty(self.seq_len, dtype=torch.long)
+        position[self.source[real]] = real.nonzero().flatten()
+        block = position // self.block_size
+        return self.block_owner[block], self.block_local_index[block] * self.block_size + position % self.block_size
+
+    @functools.cached_property
     def keeps_order(self) -> bool:
         """Whether the global order is the original one (padding only at the end)."""
         real = self.source[: self.seq_len]
