@@ -122,6 +122,22 @@ def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
     _assert_loads_without_the_plugin(torchrun["output"])
 
 
+def test_run_clm_shaped_script_evaluates_with_compute_metrics_under_cp2_as_one_process(workdir):
+    """run_clm.py's --do_eval (compute_metrics: the accuracy of preprocess_logits_for_metrics' argmax; the last of the
+    validation blocks alone in its batch of 2) under torchrun with CP 2 reports one process's metrics."""
+    args = [*PATTERN, "--sparse_min_seq_len", "128", "--validation_file", "validation.txt", "--do_train", "--do_eval",
+            "--per_device_eval_batch_size", "2"]
+    (workdir / "validation.txt").write_text((workdir / "corpus.txt").read_text()[:1400])
+    one = _run(workdir, [sys.executable, *RUN], "run_clm_shaped.py", [*_clm_args("clm_eval_one"), *args])
+    cp = _run(workdir, [*TORCHRUN, *RUN], "run_clm_shaped.py", [*_clm_args("clm_eval_cp"), *args, "--cp_size", "2"])
+    _assert_equal_runs(cp, one)
+    want, got = (json.loads((run["output"] / "eval_results.json").read_text()) for run in (one, cp))
+    assert want["eval_samples"] % 2 == 1 and 0 < want["eval_accuracy"] < 1
+    assert got["eval_samples"] == want["eval_samples"]
+    assert got["eval_accuracy"] == want["eval_accuracy"]
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+
+
 def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
     plugin = [*PATTERN, "--sparse_min_seq_len", "64", "--eval_strategy", "steps", "--eval_steps", "3"]
     one = _run(workdir, [sys.executable, *RUN], "sft_shaped.py", [*_sft_args("sft_one"), *plugin])

@@ -1,8 +1,9 @@
 """A causal-LM fine-tuning script shaped like transformers' examples/pytorch/language-modeling/run_clm.py
 (written for these tests, not a copy): its own ModelArguments and DataTrainingArguments (the sequence length is
 `--block_size`), one HfArgumentParser with TrainingArguments, a text file tokenized and cut into blocks, the
-stock Trainer. It knows nothing of hf-sparse-cp: the tests run it unchanged, directly and under
-`python -m hf_sparse_cp.run`."""
+stock Trainer; with --do_eval, run_clm.py's evaluation (the accuracy of the argmax predictions against the shifted
+labels, through preprocess_logits_for_metrics and compute_metrics). It knows nothing of hf-sparse-cp: the tests run
+it unchanged, directly and under `python -m hf_sparse_cp.run`."""
 
 import logging
 import math
@@ -43,6 +44,7 @@ class ModelArguments:
 @dataclass
 class DataTrainingArguments:
     train_file: str | None = field(default=None, metadata={"help": "A text file to train on."})
+    validation_file: str | None = field(default=None, metadata={"help": "A text file to evaluate on (--do_eval)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep this many blocks at most."})
     block_size: int | None = field(default=None, metadata={"help": "Tokens per training block."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenizing."})
@@ -67,8 +69,10 @@ def main():
     logger.info(f"Training parameters {training_args}")
 
     set_seed(training_args.seed)
-    raw = datasets.load_dataset("text", data_files={"train": data_args.train_file},
-                                keep_linebreaks=data_args.keep_linebreaks)
+    files = {"train": data_args.train_file}
+    if training_args.do_eval:
+        files["validation"] = data_args.validation_file
+    raw = datasets.load_dataset("text", data_files=files, keep_linebreaks=data_args.keep_linebreaks)
 
     if model_args.config_name:
         config = AutoConfig.from_pretrained(model_args.config_name)
@@ -111,8 +115,22 @@ def main():
     if data_args.max_train_samples is not None:
         train_dataset = train_dataset.select(range(min(len(train_dataset), data_args.max_train_samples)))
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer,
-                      data_collator=default_data_collator)
+    eval_dataset = lm_datasets["validation"] if training_args.do_eval else None
+
+    def preprocess_logits_for_metrics(logits, labels):
+        if isinstance(logits, tuple):  # the model's other outputs (past_key_values)
+            logits = logits[0]
+        return logits.argmax(dim=-1)
+
+    def compute_metrics(eval_preds):  # the accuracy of the next-token predictions
+        preds, labels = eval_preds
+        labels, preds = labels[:, 1:].reshape(-1), preds[:, :-1].reshape(-1)
+        return {"accuracy": float((preds == labels).mean())}
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      processing_class=tokenizer, data_collator=default_data_collator,
+                      compute_metrics=compute_metrics if training_args.do_eval else None,
+                      preprocess_logits_for_metrics=preprocess_logits_for_metrics if training_args.do_eval else None)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     metrics = result.metrics
@@ -121,6 +139,12 @@ def main():
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     trainer.save_state()
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(eval_dataset)
+        metrics["perplexity"] = math.exp(min(metrics["eval_loss"], 50))
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
     trainer.create_model_card(finetuned_from=model_args.model_name_or_path, tasks="text-generation")
 
 
