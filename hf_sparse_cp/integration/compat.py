@@ -113,6 +113,10 @@ PATCHES = (
           "its shard only: the wrapper gathers them over the CP group into the whole sequence, in the batch's order",
           _CP_UNDO,
           ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Patch(_TRAINER, "compute_loss", "replaces", "a prediction_step of a trainer's own (TRL SFTTrainer's) hands "
+          "compute_loss the whole batch, without the Trainer's CP input preparation: the wrapper shards it there, "
+          "with the batch's label count, as the stock step does", _CP_UNDO,
+          ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     Patch(_TRAINER, "gather_function", "sets", "the evaluation loop gathers with the gather_for_metrics it bound at "
           "set-up: the CP wrapper's, which keeps each CP group's values once", _CP_UNDO, on_instances=True),
     Patch(_TRAINER, "get_train_dataloader", "replaces", "a cp_schedule's batches follow the stage of each step "

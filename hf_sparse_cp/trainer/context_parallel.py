@@ -253,13 +253,15 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     `gather_for_metrics` drops the losses of the ranks past the last sample of an evaluation set smaller than a
     gathered batch (rank 0's kept alone for `eval_loss`). Averaged over the CP group, every rank holds what a
     data-parallel rank holds without CP, so each of those values is exact. The gradients are untouched (the backward
-    runs inside the step). A prediction step's logits (and any other per-token output) are gathered over the CP
-    group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its labels are the batch's
-    (the stock step reads them before sharding): `preprocess_logits_for_metrics`, `compute_metrics` and `predict()`
-    see what one process gives them. `parallel()` is the CP layout of the step in progress (constant, or a
-    curriculum's stage)."""
-    training_step, prediction_step = trainer.training_step, trainer.prediction_step
-    in_step = [False]  # (`_gather_metrics_once_per_cp_group`: a gather inside a step is the stock one)
+    runs inside the step). A prediction step that hands `compute_loss` the whole batch (TRL SFTTrainer's) has it
+    sharded there, with the batch's label count. A prediction step's logits (and any other per-token output) are
+    gathered over the CP group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its
+    labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
+    `compute_metrics` and `predict()` see what one process gives them. `parallel()` is the CP layout of the step in
+    progress (constant, or a curriculum's stage)."""
+    training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
+    in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
+    predicting = [False]
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
 
     def prepare_inputs(_model, inputs: dict[str, Any]):
@@ -268,20 +270,29 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
         return contextlib.nullcontext, prepared
 
     @contextlib.contextmanager
-    def stepping():
-        in_step[0], shard[0] = True, None
+    def stepping(prediction: bool):
+        in_step[0], predicting[0], shard[0] = True, prediction, None
         try:
             yield
         finally:
-            in_step[0], shard[0] = False, None
+            in_step[0], predicting[0], shard[0] = False, False, None
 
     def step(model, inputs, *rest, **kwargs):
-        with stepping():
+        with stepping(False):
             loss = training_step(model, inputs, *rest, **kwargs)
         return _cp_group_mean(loss, parallel())
 
+    def loss_of_shards(model, inputs, return_outputs=False, num_items_in_batch=None):
+        if predicting[0] and shard[0] is None and parallel().cp_size > 1:
+            # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it,
+            # with the batch's label count, as the stock step does
+            if num_items_in_batch is None:
+                num_items_in_batch = getattr(trainer, compat.TRAINER_COUNT_ITEMS)([inputs], trainer.args.device)
+            _, inputs = prepare_inputs(model, inputs)
+        return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
     def predict(model, inputs, *rest, **kwargs):
-        with stepping():
+        with stepping(True):
             loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
             # (a batch without labels runs unsharded in the stock step: each rank computes the whole sequence)
             if shard[0] is not None and outputs and outputs[0] is not None:
@@ -291,6 +302,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
+    patches.set_attr(trainer, "compute_loss", loss_of_shards)
     _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0])
 
 
@@ -302,27 +314,37 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
     cp_size times, interleaved by rank, and its truncation of the last batch (`remainder`, counted over the
     data-parallel ranks that `dp_data_loader` shards over) keeps the wrong ones: a short last batch skews
     `eval_loss`. The wrapper keeps the values of each CP group's first rank, in data-parallel order, then truncates
-    as accelerate does. A gather inside a training or prediction step (`in_step()`) is the stock one: what a step
-    gathers is computed from each rank's own shard (TRL's sums of token entropy, correct top-1 tokens and label
-    tokens), so the sum over every process is the batch's, where the first rank's alone logged its shard's."""
+    as accelerate does. What a training or prediction step gathers (`in_step()`) is computed from each rank's own
+    shard (TRL's sums of token entropy, correct top-1 tokens and label tokens): the wrapper first sums such tensors over
+    the CP group, which makes them the batch's, and then keeps them once per group the same way (the stock gather's
+    truncation of a short last batch kept the first rank's shard alone)."""
     from accelerate.utils import gather_object, recursively_apply
 
     acc = trainer.accelerator
     gather_for_metrics = acc.gather_for_metrics
 
+    def cp_group_sum(t: torch.Tensor) -> torch.Tensor:
+        total = t.detach().clone()
+        all_reduce(total, parallel().cp_group, "the all-reduce of a step's metrics over the CP group")
+        return total
+
     def gather(input_data, use_gather_object=False):
         par = parallel()
-        if par.cp_size == 1 or par.world_size == 1 or in_step():
+        if par.cp_size == 1 or par.world_size == 1:
             return gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        cp_ranks = torch.zeros(par.world_size, dtype=torch.long, device=acc.device)  # (NCCL reduces device tensors)
-        cp_ranks[par.rank] = par.cp_rank
-        all_reduce(cp_ranks, None, "the all-reduce of the CP ranks for gather_for_metrics")
-        keep = (cp_ranks == 0).nonzero().flatten().cpu()
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             all_tensors = True
         except TypeError:
             all_tensors = False
+        if in_step():
+            if use_gather_object or not all_tensors:
+                return gather_for_metrics(input_data, use_gather_object=use_gather_object)
+            input_data = recursively_apply(cp_group_sum, input_data)
+        cp_ranks = torch.zeros(par.world_size, dtype=torch.long, device=acc.device)  # (NCCL reduces device tensors)
+        cp_ranks[par.rank] = par.cp_rank
+        all_reduce(cp_ranks, None, "the all-reduce of the CP ranks for gather_for_metrics")
+        keep = (cp_ranks == 0).nonzero().flatten().cpu()
         if use_gather_object or not all_tensors:
             data = gather_object(input_data)
             n = len(data) // par.world_size

@@ -145,3 +145,49 @@ def test_saving_the_final_model_writes_a_card_the_hubs_parser_accepts(one_proces
         in text
     assert text.count("Quick start") == 1 and f'from_pretrained("{tmp_path}")' in text
     assert "tokens/s (measured" in text and "peak memory" in text
+
+
+def _evaluate(rank: int, world: int, output_dir: str) -> dict:
+    """SFT's evaluation with run_clm.py's compute_metrics (the argmax of preprocess_logits_for_metrics against the
+    shifted labels) after one step, on 7 packed eval documents in batches of 2. Records the length of every evaluation
+    forward."""
+    from hf_sparse_cp import SparseSFTConfig as SFTConfig
+    from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+
+    def compute_metrics(prediction):
+        preds, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+        return {"accuracy": float((preds == labels)[labels != -100].mean()), "targets": int((labels != -100).sum())}
+
+    plugin = {"cp_size": world} if world > 1 else {}
+    args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": 1}, **PATTERN, **plugin,
+                     per_device_eval_batch_size=2)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
+                         eval_dataset=datasets.Dataset.from_dict({"text": _texts(7)}), processing_class=tokenizer,
+                         compute_metrics=compute_metrics,
+                         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    trainer.train()
+    lengths = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    metrics = trainer.evaluate()
+    hook.remove()
+    return {"metrics": metrics, "lengths": lengths}
+
+
+def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one_process(tmp_path):
+    """TRL's prediction_step hands compute_loss the whole batch, without the Trainer's CP preparation: under CP 2
+    each rank's evaluation forwards take its shard (half the row), and eval_loss, TRL's eval_entropy and
+    eval_mean_token_accuracy (sums over every rank's shard) and compute_metrics' accuracy are one process's."""
+    one = run_gloo(_evaluate, 1, str(tmp_path / "one"), timeout_s=300)[0]
+    assert len(one["lengths"]) == 4  # two batches (the last short), two forwards each (TRL's, then the logits)
+    assert 0 < one["metrics"]["eval_accuracy"] < 1
+    for rank in run_gloo(_evaluate, 2, str(tmp_path / "cp2"), timeout_s=300):
+        assert all(n < m for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
+        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
+            assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6), key
