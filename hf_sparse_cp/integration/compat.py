@@ -117,6 +117,12 @@ PATCHES = (
           "compute_loss the whole batch, without the Trainer's CP input preparation: the wrapper shards it there, "
           "with the batch's label count, as the stock step does", _CP_UNDO,
           ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    Patch(_TRAINER, "label_smoother", "sets", "label smoothing under CP: the Trainer's smoother shifts the labels it "
+          "gets and counts a rank's targets; the wrapper hands it the shard's shifted targets unshifted and the CP "
+          "group's count", _CP_UNDO, on_instances=True),
+    Patch("transformers.trainer_pt_utils.LabelSmoother", "__call__", "calls", "the CP label smoothing wrapper calls "
+          "the stock smoother on a rank's shard", parameters=("self", "model_output", "labels", "shift_labels",
+                                                               "num_items_in_batch")),
     Patch(_TRAINER, "gather_function", "sets", "the evaluation loop gathers with the gather_for_metrics it bound at "
           "set-up: the CP wrapper's, which keeps each CP group's values once", _CP_UNDO, on_instances=True),
     Patch(_TRAINER, "get_train_dataloader", "replaces", "a cp_schedule's batches follow the stage of each step "

@@ -30,6 +30,7 @@ from transformers import Trainer
 
 from ..distributed import CP_SHARD_KWARG, ContextParallelConfig, CPShard, ParallelDims, prepare_context_parallel_inputs
 from ..distributed.comm import all_reduce
+from ..distributed.loss import global_num_items, rank_loss
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
@@ -148,11 +149,6 @@ def check_training_arguments(args, cp_size: int) -> None:
     under CP `cp_size` as it runs in one process. Checked as the plugin's arguments parse (`SparseArgumentsMixin`) and
     at CP's start (`enable_trainer_context_parallel`, a curriculum's), for arguments built in code."""
     fix = "or run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1)"
-    smoothing = getattr(args, "label_smoothing_factor", 0.0)
-    if smoothing:  # (at start `check_loss` names it first, from the Trainer's label smoother)
-        raise ValueError(
-            f"--label_smoothing_factor {smoothing} with context parallelism (CP {cp_size}): the label smoother shifts "
-            f"the labels of each rank's shard of the sequence. Drop --label_smoothing_factor, {fix}.")
     alpha = getattr(args, "neftune_noise_alpha", None)
     if alpha is not None:
         raise ValueError(
@@ -177,17 +173,14 @@ def check_training_arguments(args, cp_size: int) -> None:
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
     """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's DPO, KTO, reward, GRPO
-    trainers; a script's `compute_loss`, `compute_loss_func` or label smoothing): under CP each rank's forward
+    trainers; a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
     token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
     crashed mid-step or trained on wrong values."""
     method = type(trainer).compute_loss
-    # (the Trainer's own loss hands the logits and the rank's labels to these instead of the model's loss)
-    if trainer.label_smoother is not None:
-        what = (f"label smoothing (--label_smoothing_factor {trainer.args.label_smoothing_factor}) under context "
-                f"parallelism (CP {cp_size}) is not supported: it shifts the labels of each rank's shard")
-        fix = "drop --label_smoothing_factor, or run without CP"
-    elif trainer.compute_loss_func is not None:
+    # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
+    # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`)
+    if trainer.compute_loss_func is not None:
         what = (f"a compute_loss_func ({getattr(trainer.compute_loss_func, '__qualname__', 'given')}) under context "
                 f"parallelism (CP {cp_size}) is not supported: it gets the outputs and labels of each rank's shard")
         fix = "drop compute_loss_func, or run without CP"
@@ -215,6 +208,41 @@ def dropout_note(model: torch.nn.Module) -> str | None:
             "draws the masks of its own shard, so this run equals a run without CP in distribution, not to rounding. "
             "For a run that must compare with one process, set them to 0 (LoRA: --lora_dropout 0; else the model "
             "config's dropout fields).")
+
+
+def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+    """Make the Trainer's label smoothing (`--label_smoothing_factor`) under CP what it is in one process.
+
+    The Trainer hands its label smoother the logits and `labels` of the step's inputs, which it shifts; under CP
+    those are a rank's shard, and the targets are shifted before sharding (`shift_labels`). So the CP inputs hand it
+    the shard's shifted targets as `labels` (without `shift_labels`, so that the model computes no loss of its
+    own), and the smoother, told not to shift, computes the stock per-token loss (1 - eps) nll + eps mean(-log p)
+    on them. Its normalization is the CP group's: `num_items_in_batch`, the batch's count that the Trainer already
+    takes once per CP group, where the Trainer passes it; else the loss sum over the group's count (`rank_loss`,
+    `global_num_items`), as the model's loss. `parallel()` is the CP layout of the step in progress (constant, or a
+    curriculum's stage); a stage at CP 1 runs the stock smoother."""
+    smoother, prepare = trainer.label_smoother, getattr(trainer, compat.TRAINER_CP_INPUTS)
+    if smoother is None:
+        return
+
+    def prepare_targets(model, inputs: dict[str, Any]):
+        context, inputs = prepare(model, inputs)
+        if parallel().cp_size > 1 and "shift_labels" in inputs:
+            inputs = {**inputs, "labels": inputs["shift_labels"]}
+            del inputs["shift_labels"]
+        return context, inputs
+
+    def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
+        par = parallel()
+        if par.cp_size == 1:
+            return smoother(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is not None:
+            return smoother(model_output, labels, num_items_in_batch=num_items_in_batch)
+        loss_sum = smoother(model_output, labels, num_items_in_batch=1)
+        return rank_loss(loss_sum, global_num_items(labels, par.cp_group, smoother.ignore_index), par.cp_size)
+
+    patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_targets)
+    patches.set_attr(trainer, "label_smoother", smooth)
 
 
 def whole_sequence_outputs(outputs: Any, shard: CPShard) -> Any:
@@ -257,8 +285,9 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     sharded there, with the batch's label count. A prediction step's logits (and any other per-token output) are
     gathered over the CP group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its
     labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
-    `compute_metrics` and `predict()` see what one process gives them. `parallel()` is the CP layout of the step in
-    progress (constant, or a curriculum's stage)."""
+    `compute_metrics` and `predict()` see what one process gives them; label smoothing is the CP group's
+    (`smooth_labels_over_cp_group`). `parallel()` is the CP layout of the step in progress (constant, or a
+    curriculum's stage)."""
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
     predicting = [False]
@@ -303,6 +332,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
     patches.set_attr(trainer, "compute_loss", loss_of_shards)
+    smooth_labels_over_cp_group(trainer, patches, parallel)
     _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0])
 
 

@@ -22,6 +22,8 @@ from hf_sparse_cp.trainer.context_parallel import (
     enable_trainer_context_parallel,
 )
 
+from oracle import rel_rms
+
 # A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
 JOB = ["--sparse_max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
        "--sparse_block_size", "64", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "32",
@@ -375,3 +377,62 @@ def test_train_loss_and_eval_loss_under_cp2_are_those_of_one_process():
         assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
         assert r["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+
+
+def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> dict:
+    """Label-smoothed training (`--label_smoothing_factor 0.1`, SGD, rows with different numbers of targets in each
+    half) and evaluation through the Trainer, in one process or under CP `world` with `cp_flags`: the losses it logs,
+    its eval_loss and the weights after training."""
+    import tempfile
+
+    from transformers import default_data_collator
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    ids = torch.arange(6 * 300).remainder(97).add(3).view(6, 300)
+    labels = ids.clone()
+    for i in range(6):
+        labels[i, : 40 * i + 20] = -100
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        for name, value in {"max_steps": 2, "per_device_train_batch_size": 1, "learning_rate": 0.5, "optim": "sgd",
+                            "logging_steps": 1, "train_sampling_strategy": "sequential", "label_smoothing_factor": 0.1,
+                            **steps}.items():  # (model_accepts_loss_kwargs: the Trainer's, not an argument)
+            setattr(trainer.args if hasattr(trainer.args, name) else trainer, name, value)
+        trainer.label_smoother = LabelSmoother(epsilon=0.1)  # (what the Trainer builds from the flag)
+        trainer.train_dataset, trainer.eval_dataset, trainer.data_collator = rows[:4], rows[4:], default_data_collator
+        trainer._train_batch_size = 1
+        initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                          ContextParallelConfig(cp_size=world, **dict(cp_flags)))
+        trainer.train()
+        return {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+                "eval_loss": trainer.evaluate()["eval_loss"],
+                "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
+
+
+@pytest.mark.parametrize("cp_flags, steps", [
+    ((), {"gradient_accumulation_steps": 2}),
+    ((("cp_sharding", "zigzag"),), {}),
+    ((("cp_mode", "ulysses"),), {}),
+    ((("cp_sharding", "document"),), {}),
+    ((), {"gradient_accumulation_steps": 2, "average_tokens_across_devices": False}),
+    ((), {"gradient_accumulation_steps": 2, "model_accepts_loss_kwargs": False}),
+], ids=["striped-ga2", "zigzag", "ulysses", "document", "ga2-per-device-tokens", "ga2-no-token-count"])
+def test_label_smoothing_under_cp2_equals_one_process(cp_flags, steps):
+    """--label_smoothing_factor was refused under CP (the Trainer's smoother shifts the labels it gets, a rank's
+    shard, and divides by a rank's count). Now the loss it logs, eval_loss and the weights after SGD steps (the
+    gradients) equal one process's under the ring's shardings, ulysses and with gradient accumulation, whether the
+    Trainer counts the batch's targets (num_items_in_batch, over all devices or per device) or not (a model whose
+    forward takes no loss keywords: each micro-batch's mean)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    (one,) = run_gloo(_label_smoothed_run, 1, (), steps, timeout_s=300)
+    for r in run_gloo(_label_smoothed_run, 2, cp_flags, steps, timeout_s=300):
+        assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
+        assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+        assert rel_rms(r["update"], one["update"]) < 1e-5

@@ -382,14 +382,13 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
 
 
 @pytest.mark.parametrize("setting, refusal", [
-    ({"label_smoothing_factor": 0.1}, r"label smoothing \(--label_smoothing_factor 0.1\).*drop --label_smoothing"),
     ({"compute_loss_func": "mine"}, r"a compute_loss_func \(.*_mine\).*drop compute_loss_func"),
     ({"subclass": True}, r"Weighted under context parallelism \(CP 2\).*its compute_loss"),
+    ({"label_smoothing_factor": 0.1}, None),
     ({}, None)])
 def test_a_loss_the_trainer_builds_from_the_shards_outputs_is_refused_under_cp(tmp_path, setting, refusal):
-    """Label smoothing and a compute_loss_func get each rank's logits and labels (the label smoother shifts the
-    labels within the shard: under CP 2 it failed on the lean loss's missing logits), a subclass's compute_loss its
-    outputs: refused, naming the setting; the Trainer's own loss is CP's."""
+    """A compute_loss_func gets each rank's logits and labels, a subclass's compute_loss its outputs: refused, naming
+    the setting; the Trainer's own loss is CP's, and so is its label smoothing (`smooth_labels_over_cp_group`)."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -415,12 +414,10 @@ def test_a_loss_the_trainer_builds_from_the_shards_outputs_is_refused_under_cp(t
 
 
 @pytest.mark.parametrize("cp", [{"cp_size": 2}, {"cp_schedule": "0:256:1,2:512:2", "max_steps": 4}])
-def test_label_smoothing_with_cp_is_refused_as_the_flags_parse(tmp_path, cp):
+def test_label_smoothing_with_cp_parses(tmp_path, cp):
     from hf_sparse_cp import SparseTrainingArguments
 
-    with pytest.raises(ValueError, match=r"--label_smoothing_factor 0.1 with context parallelism.*Drop "):
-        SparseTrainingArguments(str(tmp_path), use_cpu=True, label_smoothing_factor=0.1, **cp)
-    SparseTrainingArguments(str(tmp_path), use_cpu=True, label_smoothing_factor=0.1)
+    assert SparseTrainingArguments(str(tmp_path), use_cpu=True, label_smoothing_factor=0.1, **cp).cp_degrees()
 
 
 @pytest.mark.parametrize("cp", [{"cp_size": 2}, {"cp_schedule": "0:256:1,2:512:2", "max_steps": 4}])

@@ -182,8 +182,9 @@ def test_enable_sparse_attention_tiles_from_the_threshold_and_its_undo_restores(
     assert "forward" not in model.model.layers[0].mlp.__dict__ and "forward" not in model.model.layers[0].__dict__
 
 
-@pytest.mark.parametrize("bad, message", [(dict(sparse_token_tiling_min_length=-1), "must be >= 0"),
-                                          (dict(sparse_token_tile_size=0), r"tile_tokens=0 \(--sparse_token_tile_size")])
+@pytest.mark.parametrize("bad, message", [
+    (dict(sparse_token_tiling_min_length=-1), "must be >= 0"),
+    (dict(sparse_token_tile_size=0), r"tile_tokens=0 \(--sparse_token_tile_size")])
 def test_bad_saver_flags_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SparseCPArguments(**bad)
