@@ -407,8 +407,11 @@ def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> 
         trainer.train_dataset, trainer.eval_dataset, trainer.data_collator = rows[:4], rows[4:], default_data_collator
         trainer._train_batch_size = 1
         initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        flags = dict(cp_flags)
+        schedule = flags.pop("cp_schedule", None)  # (a curriculum's stages: {world} is the run's CP degree)
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
-                          ContextParallelConfig(cp_size=world, **dict(cp_flags)))
+                          ContextParallelConfig(cp_size=1 if schedule else world, **flags),
+                          cp_schedule=schedule and schedule.format(world=world))
         trainer.train()
         return {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
                 "eval_loss": trainer.evaluate()["eval_loss"],
@@ -422,7 +425,8 @@ def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> 
     ((("cp_sharding", "document"),), {}),
     ((), {"gradient_accumulation_steps": 2, "average_tokens_across_devices": False}),
     ((), {"gradient_accumulation_steps": 2, "model_accepts_loss_kwargs": False}),
-], ids=["striped-ga2", "zigzag", "ulysses", "document", "ga2-per-device-tokens", "ga2-no-token-count"])
+    ((("cp_schedule", "0:256:{world}"),), {}),
+], ids=["striped-ga2", "zigzag", "ulysses", "document", "ga2-per-device-tokens", "ga2-no-token-count", "cp_schedule"])
 def test_label_smoothing_under_cp2_equals_one_process(cp_flags, steps):
     """--label_smoothing_factor was refused under CP (the Trainer's smoother shifts the labels it gets, a rank's
     shard, and divides by a rank's count). Now the loss it logs, eval_loss and the weights after SGD steps (the
@@ -431,7 +435,8 @@ def test_label_smoothing_under_cp2_equals_one_process(cp_flags, steps):
     forward takes no loss keywords: each micro-batch's mean)."""
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    (one,) = run_gloo(_label_smoothed_run, 1, (), steps, timeout_s=300)
+    schedule = tuple(flag for flag in cp_flags if flag[0] == "cp_schedule")  # (the rows it crops, at CP 1)
+    (one,) = run_gloo(_label_smoothed_run, 1, schedule, steps, timeout_s=300)
     for r in run_gloo(_label_smoothed_run, 2, cp_flags, steps, timeout_s=300):
         assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
