@@ -43,8 +43,9 @@ from .stats import record_kept_fraction
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
 _GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
 
-# True while a model forward under context parallelism runs (see `guard_context_parallel`).
-_CP_FORWARD: ContextVar[bool] = ContextVar("hf_sparse_cp_cp_forward", default=False)
+# The CP shard of the model forward under context parallelism in progress, None outside one (see
+# `guard_context_parallel`).
+_CP_FORWARD: ContextVar = ContextVar("hf_sparse_cp_cp_forward", default=None)
 
 
 def is_registered() -> bool:
@@ -97,13 +98,19 @@ def guard_context_parallel(model: torch.nn.Module) -> list:
 
 def _enter_cp_forward(module: torch.nn.Module, args, kwargs) -> None:
     if kwargs.get(CP_SHARD_KWARG) is not None:
-        module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(True))
+        module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(kwargs[CP_SHARD_KWARG]))
 
 
 def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
     tokens = module.__dict__.get(_GUARD_TOKENS)
     if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
         _CP_FORWARD.reset(tokens.pop())
+
+
+def cp_forward_shard():
+    """The `CPShard` of the forward under context parallelism in progress of a model `guard_context_parallel` hooks,
+    or None outside one."""
+    return _CP_FORWARD.get()
 
 
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
@@ -385,7 +392,7 @@ def sparse_cp_attention_forward(
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
                                       sliding_window, unsupported))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-    if shard is None and _CP_FORWARD.get():
+    if shard is None and _CP_FORWARD.get() is not None:
         raise RuntimeError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without the "
             "context-parallel shard while the model runs under context parallelism: its decoder layer does not pass "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ from ..distributed import CP_SHARD_KWARG, ContextParallelConfig, CPShard, Parall
 from ..distributed.comm import all_reduce
 from ..distributed.loss import global_num_items, rank_loss
 from ..integration import compat
-from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, undo_recorded
 
@@ -149,13 +150,6 @@ def check_training_arguments(args, cp_size: int) -> None:
     under CP `cp_size` as it runs in one process. Checked as the plugin's arguments parse (`SparseArgumentsMixin`) and
     at CP's start (`enable_trainer_context_parallel`, a curriculum's), for arguments built in code."""
     fix = "or run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1)"
-    alpha = getattr(args, "neftune_noise_alpha", None)
-    if alpha is not None:
-        raise ValueError(
-            f"--neftune_noise_alpha {alpha} under context parallelism (CP {cp_size}): NEFTune scales the noise it adds "
-            "to the embeddings by 1/sqrt(length x hidden size) of the tensor the embedding layer returns, and under CP "
-            f"that is each rank's shard of the sequence: the noise would be about sqrt({cp_size}) times what one "
-            f"process adds. Drop --neftune_noise_alpha, {fix}.")
     # (`accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED, without --deepspeed)
     if getattr(args, "deepspeed", None) or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         raise ValueError(
@@ -245,6 +239,30 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
     patches.set_attr(trainer, "label_smoother", smooth)
 
 
+def neftune_over_cp_group(trainer: Trainer, patches) -> None:
+    """Make NEFTune (`--neftune_noise_alpha`) under CP add noise of one process's scale.
+
+    transformers' NEFTune hook adds to the embeddings uniform noise of magnitude alpha / sqrt(L x d), L the length of
+    the tensor the embedding layer returns, which under CP is a rank's shard: sqrt(CP) times one process's noise.
+    A forward pre-hook on the input embeddings sets the `neftune_noise_alpha` that hook reads, for each forward under
+    CP, to alpha x sqrt(shard length / sequence length), so that its magnitude is alpha / sqrt(L x d) with L the
+    whole sequence (the CP split's padding not counted), and to alpha outside CP. The noise itself is drawn on each
+    rank for its shard: equal to one process's in distribution, not to the bit (as dropout)."""
+    alpha = trainer.neftune_noise_alpha
+    if alpha is None:
+        return
+    model = trainer.model
+    embeddings = (model.get_base_model() if hasattr(model, "get_base_model") else model).get_input_embeddings()
+
+    def scale_noise(module: torch.nn.Module, args) -> None:
+        if hasattr(module, "neftune_noise_alpha"):  # (set while the Trainer trains with NEFTune)
+            shard = cp_forward_shard()
+            module.neftune_noise_alpha = alpha if shard is None else alpha * math.sqrt(
+                args[0].shape[-1] / shard.plan.seq_len)
+
+    patches.on_undo(embeddings.register_forward_pre_hook(scale_noise).remove)
+
+
 def whole_sequence_outputs(outputs: Any, shard: CPShard) -> Any:
     """The per-token outputs a prediction step returns (logits, a tensor or nested tuples of them: hidden states),
     each over the batch's whole sequence in its order, on every rank of the CP group (`CPShard.whole_sequence`), as
@@ -286,8 +304,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     gathered over the CP group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its
     labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
     `compute_metrics` and `predict()` see what one process gives them; label smoothing is the CP group's
-    (`smooth_labels_over_cp_group`). `parallel()` is the CP layout of the step in progress (constant, or a
-    curriculum's stage)."""
+    (`smooth_labels_over_cp_group`), and NEFTune's noise of one process's scale (`neftune_over_cp_group`).
+    `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
     predicting = [False]
@@ -333,6 +351,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     patches.set_attr(trainer, "prediction_step", predict)
     patches.set_attr(trainer, "compute_loss", loss_of_shards)
     smooth_labels_over_cp_group(trainer, patches, parallel)
+    neftune_over_cp_group(trainer, patches)
     _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0])
 
 

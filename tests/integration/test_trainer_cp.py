@@ -441,3 +441,40 @@ def test_label_smoothing_under_cp2_equals_one_process(cp_flags, steps):
         assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
         assert rel_rms(r["update"], one["update"]) < 1e-5
+
+
+def _neftune_noise(rank: int, world: int) -> float:
+    """The largest NEFTune noise (alpha 5) on the embeddings of this rank's shard of a 512-token row, over NEFTune's
+    bound alpha / sqrt(L x d) with L the whole row, in a training forward through the Trainer's CP inputs."""
+    import tempfile
+
+    from transformers.integrations.neftune import activate_neftune
+
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    ids = torch.arange(512).remainder(97).add(3).view(1, 512)
+    torch.manual_seed(rank)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(tmp, "sparse_cp")
+        trainer.args.neftune_noise_alpha = trainer.neftune_noise_alpha = 5.0
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=world))
+        model = trainer.model.train()
+        activate_neftune(model, 5.0)  # (what Trainer.train does first)
+        embeddings, noisy = model.get_input_embeddings(), []
+        embeddings.register_forward_hook(lambda module, args, output: noisy.append(output - module.weight[args[0]]))
+        _, inputs = trainer._prepare_context_parallel_inputs(model, {"input_ids": ids, "labels": ids})
+        with torch.no_grad():
+            model(**inputs)
+    return float(noisy[0].abs().max() / (5.0 / (512 * model.config.hidden_size) ** 0.5))
+
+
+def test_neftune_noise_under_cp2_has_the_scale_of_one_process():
+    """NEFTune scales its noise by the length of the embedded tensor, a rank's shard under CP: the noise was
+    sqrt(CP) times one process's (1.414 of its bound here; --neftune_noise_alpha was refused). Each rank's noise now
+    stays within one process's bound alpha / sqrt(L x d), L the whole row, and reaches it (the largest of 32,768
+    uniform draws per rank)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for ratio in run_gloo(_neftune_noise, 1, timeout_s=300) + run_gloo(_neftune_noise, 2, timeout_s=300):
+        assert 0.99 < ratio <= 1.0, ratio

@@ -421,21 +421,16 @@ def test_label_smoothing_with_cp_parses(tmp_path, cp):
 
 
 @pytest.mark.parametrize("cp", [{"cp_size": 2}, {"cp_schedule": "0:256:1,2:512:2", "max_steps": 4}])
-def test_neftune_with_cp_is_refused_as_the_flags_parse_and_at_start(tmp_path, cp):
-    """NEFTune scales its noise by the length of the embedded tensor, each rank's shard under CP: under CP 2 a stock
-    script with --neftune_noise_alpha 5 trained with noise sqrt(2) times larger (losses 1.4e-1 apart at step 2)."""
+def test_neftune_with_cp_parses_and_starts(tmp_path, cp):
+    """--neftune_noise_alpha was refused under CP (its noise was sqrt(CP) times one process's); the noise scale is
+    now the whole sequence's (`test_trainer_cp.test_neftune_noise_under_cp2_has_the_scale_of_one_process`)."""
     from transformers import TrainingArguments
 
     from hf_sparse_cp import SparseTrainingArguments
     from hf_sparse_cp.trainer.context_parallel import check_training_arguments
 
-    refusal = r"--neftune_noise_alpha 5.0 under context parallelism \(CP 2\).*Drop --neftune_noise_alpha"
-    with pytest.raises(ValueError, match=refusal):
-        SparseTrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0, **cp)
-    SparseTrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0)
-    with pytest.raises(ValueError, match=refusal):  # arguments built in code, checked as CP starts
-        check_training_arguments(TrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0), 2)
-    check_training_arguments(TrainingArguments(str(tmp_path), use_cpu=True), 2)
+    assert SparseTrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0, **cp).cp_degrees()
+    check_training_arguments(TrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0), 2)
 
 
 def test_batch_rebalance_sampling_with_cp_is_refused_as_the_flags_parse(tmp_path):
