@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from transformers import HfArgumentParser
 
 from hf_sparse_cp.launch.command import check_command, split_command
-from hf_sparse_cp.launch.launched import launched
+from hf_sparse_cp.launch.launched import launched, plugin_flags_in
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
 
@@ -75,8 +75,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags)  # (--help exits here)
-    with launched(plugin):
+    with launched(plugin) as run:
         run_target(target, is_module, args)
+    if not run.trainers_built and os.environ.get("RANK", "0") == "0":
+        before = [f"--{name}" for name in sorted(plugin.explicit_flags or ())]
+        given = before + [flag for flag in plugin_flags_in(args) if flag not in before]
+        sys.stderr.write(
+            f"{PROG}: warning: {target} ended without building a transformers Trainer, so the plugin never reached it: "
+            "it ran as python runs it, with the model's own attention and without context parallelism"
+            + (f" (the plugin's flags {', '.join(given)} were not used)" if given else "")
+            + ". The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a training loop of its "
+            "own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: docs/usage.md).\n")
 
 
 if __name__ == "__main__":

@@ -78,15 +78,26 @@ def _with_plugin_classes(dataclass_types) -> list:
             and not issubclass(t, SparseArgumentsMixin) else t for t in types]
 
 
+@dataclasses.dataclass
+class LaunchedRun:
+    """What a launched script did with the plugin: the Trainers it built (each trains with the plugin)."""
+
+    trainers_built: int = 0
+
+
 @contextlib.contextmanager
-def launched(plugin: PluginArguments) -> Iterator[None]:
+def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
     """While the block runs, scripts parse the plugin's flags and train with the plugin (see the module's doc).
 
     Args:
         plugin: the plugin's settings given outside the script's own arguments (`hf_sparse_cp.run`'s flags
             before the script path): the defaults of the flags the script's parser adds, and the settings of
             arguments the script builds in code. Its `explicit_flags` names the ones given.
+
+    Yields:
+        The run's `LaunchedRun`: a script that builds no Trainer ran without the plugin.
     """
+    run = LaunchedRun()
     patches = PatchSet()
     trainer_init = Trainer.__init__
     given = set(plugin.explicit_flags or ())
@@ -167,6 +178,7 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
             raise
 
     def set_up_trainer(self, model=None, args=None, *rest, **kwargs):
+        run.trainers_built += 1
         if isinstance(self, SparseTrainerMixin):  # the plugin's class: named by the script, or given below
             return trainer_init(self, model, args, *rest, **kwargs)
         if not isinstance(args, TrainingArguments):
@@ -190,6 +202,6 @@ def launched(plugin: PluginArguments) -> Iterator[None]:
         for parser_class in compat.argument_parser_classes():
             extend(parser_class)
         patches.set_attr(Trainer, "__init__", init_trainer)
-        yield
+        yield run
     finally:
         patches.undo()

@@ -569,3 +569,19 @@ def test_a_script_loads_its_model_with_attn_implementation_sparse_cp():
     with launched(PluginArguments()):
         model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
     assert model.config._attn_implementation == "sparse_cp" and not is_patched()
+
+
+def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp_path, monkeypatch, capsys):
+    """A training loop of its own (transformers' run_clm_no_trainer.py) under hf_sparse_cp.run trained with stock
+    attention and without CP, silently, whatever plugin flags it was given; it is now told when it ends."""
+    (tmp_path / "own_loop.py").write_text("print('trained')\n")
+    monkeypatch.chdir(tmp_path)
+    run(["--cp_size", "2", "--sparse_block_size", "32", "own_loop.py"])
+    err = capsys.readouterr().err
+    assert "own_loop.py ended without building a transformers Trainer" in err
+    assert "--cp_size, --sparse_block_size" in err and "functional API" in err
+    (tmp_path / "record_run.py").write_text(RECORDER)  # a script that parses the flags but trains nothing: told too
+    run(["record_run.py", "--output_dir", "out", "--sparse_min_seq_len", "64"])
+    err = capsys.readouterr().err
+    assert "record_run.py ended without building a transformers Trainer" in err
+    assert "flags --sparse_min_seq_len were not used" in err
