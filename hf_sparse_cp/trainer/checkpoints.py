@@ -202,8 +202,9 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
         hint = ""
         if key in _RESHARDABLE:
             hint = (f" Another {_RESHARDABLE[key]} resumes only from a checkpoint saved with FSDP2 (--fsdp "
-                    "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state) into a run with "
-                    "FSDP2.")
+                    "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state, on 2 processes or "
+                    f"more) into a run with FSDP2; or start a new run from its weights (--model_name_or_path "
+                    f"{folder}: the optimizer and the schedule start over).")
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
                          f"{key}={value!r}: resume with the settings it was saved with (a different "
                          f"parallel layout or SMET topology cannot continue it exactly).{hint}")

@@ -72,7 +72,8 @@ def test_an_intact_checkpoint_resumes_exactly(saved, tmp_path):
     ("in_progress", "is incomplete: the run ended while it was being saved"),
     ("truncated", "is damaged: model.safetensors is"),
     ("missing", "is damaged: optimizer.pt is missing"),
-    ("other_cp", "was saved with cp_size=2, but this run has cp_size=1"),
+    ("other_cp", "was saved with cp_size=2, but this run has cp_size=1.*on 2 processes or more.*or start a new run "
+                 "from its weights \\(--model_name_or_path .*checkpoint-2: the optimizer and the schedule start over"),
     ("other_dp", "data_parallel_size=2, but this run has data_parallel_size=1.*"
                  "only from a checkpoint saved with FSDP2"),
     ("other_batch", "global batch of 8 sequences per step, but this run has 2.*"
