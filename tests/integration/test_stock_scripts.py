@@ -222,7 +222,8 @@ def _words(n: int, seed: int) -> list[str]:
 @pytest.mark.parametrize("script", ["dpo", "grpo"])
 def test_trls_preference_and_rl_scripts_train_sparse_and_are_refused_at_start_under_cp(workdir, script):
     """TRL's dpo.py and grpo.py (their Trainers compute their own losses: per-sequence log-prob sums, generated
-    completions) train with sparse attention in one process; under CP 2 they are refused before the first step,
+    completions) train with sparse attention in one process, DPO's reference model attending as the policy does (it
+    logged rewards of 0.024 at step 1 with a stock reference); under CP 2 they are refused before the first step,
     naming why and the fix, where DPO crashed mid-step on a shard's logits against the whole batch's masks and GRPO
     failed counting its batch of prompts."""
     prompts, chosen, rejected = _words(8, 0), _words(8, 1), _words(8, 2)
