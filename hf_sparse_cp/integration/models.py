@@ -278,8 +278,11 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
     if config is None:
         raise ValueError(f"{name} has no transformers config; the sparse_cp backend trains transformers models.")
     model_type = getattr(config, "model_type", name)
+    stock = ("train it with its own attention: --sparse_attention false (sparse_attention=False in the training "
+             "arguments), or run the script without hf_sparse_cp.run.")
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only.")
+        raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only: "
+                         f"{stock}")
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
@@ -298,7 +301,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
     if bidirectional:
         raise ValueError(
             f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); sparse_cp computes causal "
-            "self-attention only."
+            f"self-attention only: {stock}"
         )
 
 

@@ -239,3 +239,23 @@ def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_ty
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
     assert model(input_ids=ids).logits.isfinite().all()
     assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
+
+
+@pytest.mark.parametrize("family", ["bert", "bart"])
+def test_a_bidirectional_or_encoder_decoder_model_is_refused_naming_the_fix(family):
+    """A run_mlm.py-shaped script (BERT) or a seq2seq one (BART) under hf_sparse_cp.run was refused naming the cause
+    only; the refusal now names the way to train it: its stock attention."""
+    from transformers import AutoModelForMaskedLM, AutoModelForSeq2SeqLM, BartConfig, BertConfig
+
+    from hf_sparse_cp.integration.models import check_model_supports_sparse_attention
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    if family == "bert":
+        model = AutoModelForMaskedLM.from_config(BertConfig(**sizes, attention_probs_dropout_prob=0.0))
+    else:
+        model = AutoModelForSeq2SeqLM.from_config(BartConfig(vocab_size=64, d_model=32, encoder_layers=1,
+                                                             decoder_layers=1, encoder_attention_heads=2,
+                                                             decoder_attention_heads=2, encoder_ffn_dim=64,
+                                                             decoder_ffn_dim=64, attention_dropout=0.0))
+    with pytest.raises(ValueError, match=r"(bidirectional|encoder-decoder).*causal.*only.*--sparse_attention false"):
+        check_model_supports_sparse_attention(model)
