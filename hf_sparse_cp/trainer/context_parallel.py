@@ -29,7 +29,14 @@ import torch
 from accelerate.utils import parse_flag_from_env
 from transformers import Trainer
 
-from ..distributed import CP_SHARD_KWARG, ContextParallelConfig, CPShard, ParallelDims, prepare_context_parallel_inputs
+from ..distributed import (
+    CP_SHARD_KWARG,
+    ContextParallelConfig,
+    CPShard,
+    ParallelDims,
+    global_num_items,
+    prepare_context_parallel_inputs,
+)
 from ..distributed.comm import all_reduce
 from ..distributed.loss import global_num_items, rank_loss
 from ..integration import compat
@@ -287,6 +294,19 @@ def whole_sequence_outputs(outputs: Any, shard: CPShard) -> Any:
     return recursively_apply(whole, outputs)
 
 
+def _count_for_batch_mean(trainer: Trainer, shift_labels: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
+    """The label count to hand `compute_loss` with a rank's shard of a batch that its trainer's prediction step passes
+    without one (TRL SFTTrainer's), so that the CP group's mean of the shards' losses (`_cp_group_mean`) is the batch's
+    token mean, which compute_loss returns without a count and without CP. It is the CP group's own count (its
+    `shift_labels` summed over the group), never the other data-parallel groups' (the Trainer's count gathers every
+    rank's: with DP 2 x CP 2 each group's loss was weighed by the other group's rows), over the CP degree, times the
+    processes (dp x cp) that compute_loss multiplies a counted loss by under `average_tokens_across_devices`."""
+    count = global_num_items(shift_labels, parallel.cp_group)
+    if trainer.args.average_tokens_across_devices:
+        return count * parallel.dp_size
+    return count / parallel.cp_size
+
+
 def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],
                    prepare: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Make the Trainer shard each batch with `prepare`, and its `training_step` and `prediction_step` return on every
@@ -300,7 +320,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     gathered batch (rank 0's kept alone for `eval_loss`). Averaged over the CP group, every rank holds what a
     data-parallel rank holds without CP, so each of those values is exact. The gradients are untouched (the backward
     runs inside the step). A prediction step that hands `compute_loss` the whole batch (TRL SFTTrainer's) has it
-    sharded there, with the batch's label count. A prediction step's logits (and any other per-token output) are
+    sharded there, with the CP group's label count. A prediction step's logits (and any other per-token output) are
     gathered over the CP group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its
     labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
     `compute_metrics` and `predict()` see what one process gives them; label smoothing is the CP group's
@@ -331,11 +351,10 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
 
     def loss_of_shards(model, inputs, return_outputs=False, num_items_in_batch=None):
         if predicting[0] and shard[0] is None and parallel().cp_size > 1:
-            # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it,
-            # with the batch's label count, as the stock step does
-            if num_items_in_batch is None:
-                num_items_in_batch = getattr(trainer, compat.TRAINER_COUNT_ITEMS)([inputs], trainer.args.device)
+            # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it
             _, inputs = prepare_inputs(model, inputs)
+            if num_items_in_batch is None:
+                num_items_in_batch = _count_for_batch_mean(trainer, inputs["shift_labels"], parallel())
         return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):

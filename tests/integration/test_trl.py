@@ -147,10 +147,10 @@ def test_saving_the_final_model_writes_a_card_the_hubs_parser_accepts(one_proces
     assert "tokens/s (measured" in text and "peak memory" in text
 
 
-def _evaluate(rank: int, world: int, output_dir: str) -> dict:
+def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_size: int = 2, steps: int = 1) -> dict:
     """SFT's evaluation with run_clm.py's compute_metrics (the argmax of preprocess_logits_for_metrics against the
-    shifted labels) after one step, on 7 packed eval documents in batches of 2. Records the length of every evaluation
-    forward."""
+    shifted labels) after `steps` steps, on 7 packed eval documents in batches of `eval_batch_size`. Records the length
+    of every evaluation forward."""
     from hf_sparse_cp import SparseSFTConfig as SFTConfig
     from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
 
@@ -164,14 +164,15 @@ def _evaluate(rank: int, world: int, output_dir: str) -> dict:
         preds, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
         return {"accuracy": float((preds == labels)[labels != -100].mean()), "targets": int((labels != -100).sum())}
 
-    plugin = {"cp_size": world} if world > 1 else {}
-    args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": 1}, **PATTERN, **plugin,
-                     per_device_eval_batch_size=2)
+    plugin = {"cp_size": cp_size} if cp_size > 1 else {}
+    args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": max(steps, 1)}, **PATTERN, **plugin,
+                     per_device_eval_batch_size=eval_batch_size)
     trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
                          eval_dataset=datasets.Dataset.from_dict({"text": _texts(7)}), processing_class=tokenizer,
                          compute_metrics=compute_metrics,
                          preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
-    trainer.train()
+    if steps:
+        trainer.train()
     lengths = []
     hook = trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
@@ -184,10 +185,23 @@ def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one
     """TRL's prediction_step hands compute_loss the whole batch, without the Trainer's CP preparation: under CP 2
     each rank's evaluation forwards take its shard (half the row), and eval_loss, TRL's eval_entropy and
     eval_mean_token_accuracy (sums over every rank's shard) and compute_metrics' accuracy are one process's."""
-    one = run_gloo(_evaluate, 1, str(tmp_path / "one"), timeout_s=300)[0]
+    one = run_gloo(_evaluate, 1, str(tmp_path / "one"), 1, timeout_s=300)[0]
     assert len(one["lengths"]) == 4  # two batches (the last short), two forwards each (TRL's, then the logits)
     assert 0 < one["metrics"]["eval_accuracy"] < 1
-    for rank in run_gloo(_evaluate, 2, str(tmp_path / "cp2"), timeout_s=300):
+    for rank in run_gloo(_evaluate, 2, str(tmp_path / "cp2"), 2, timeout_s=300):
         assert all(n < m for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
             assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6), key
+
+
+def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path):
+    """Four processes, DP 2 x CP 2: the two CP groups evaluate different packed rows (one each per step, the last step
+    short), with TRL's own loss (the rank's token mean, computed without a label count). eval_loss, TRL's eval_entropy
+    and eval_mean_token_accuracy and compute_metrics' accuracy are those of DP 2 without CP: the CP group's label count
+    alone divides its shards' losses, never the other group's (eval_loss was 5.058 instead of 5.602 when the groups'
+    rows held different counts). Evaluated before training."""
+    two = run_gloo(_evaluate, 2, str(tmp_path / "dp2"), 1, 1, 0, timeout_s=300)[0]
+    assert 0 < two["metrics"]["eval_accuracy"] < 1
+    for rank in run_gloo(_evaluate, 4, str(tmp_path / "dp2cp2"), 2, 1, 0, timeout_s=300):
+        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
+            assert rank["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-6), key
