@@ -38,7 +38,7 @@ from ..distributed import (
     prepare_context_parallel_inputs,
 )
 from ..distributed.comm import all_reduce
-from ..distributed.loss import global_num_items, rank_loss
+from ..distributed.loss import rank_loss
 from ..integration import compat
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
