@@ -180,11 +180,19 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
     crashed mid-step or trained on wrong values."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
-    # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`)
+    # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
+    # own compute_loss: TRL SFTTrainer's also computes its token accuracy from the labels it is handed, which that
+    # wrapper replaces by the shard's targets)
     if trainer.compute_loss_func is not None:
         what = (f"a compute_loss_func ({getattr(trainer.compute_loss_func, '__qualname__', 'given')}) under context "
                 f"parallelism (CP {cp_size}) is not supported: it gets the outputs and labels of each rank's shard")
         fix = "drop compute_loss_func, or run without CP"
+    elif trainer.label_smoother is not None and method is not Trainer.compute_loss:
+        what = (f"label smoothing (--label_smoothing_factor {trainer.args.label_smoothing_factor}) with "
+                f"{method.__qualname__.rsplit('.', 1)[0]}'s own compute_loss under context parallelism (CP {cp_size}) "
+                "is not supported: it reads the labels of each rank's shard beside the smoothed loss (TRL "
+                "SFTTrainer's token accuracy; the Trainer's own compute_loss smooths exactly under CP)")
+        fix = "drop --label_smoothing_factor (TRL deprecates it in SFTTrainer), or run without CP"
     elif method in compat.cp_exact_losses():
         return
     else:
@@ -351,10 +359,13 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
 
     def loss_of_shards(model, inputs, return_outputs=False, num_items_in_batch=None):
         if predicting[0] and shard[0] is None and parallel().cp_size > 1:
-            # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it
-            _, inputs = prepare_inputs(model, inputs)
+            # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it,
+            # as the Trainer's step does (through label smoothing's wrapper where it is on, which hands the smoother
+            # the shard's targets as `labels`)
+            _, inputs = getattr(trainer, compat.TRAINER_CP_INPUTS)(model, inputs)
             if num_items_in_batch is None:
-                num_items_in_batch = _count_for_batch_mean(trainer, inputs["shift_labels"], parallel())
+                targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"]
+                num_items_in_batch = _count_for_batch_mean(trainer, targets, parallel())
         return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):

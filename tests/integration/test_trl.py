@@ -147,7 +147,8 @@ def test_saving_the_final_model_writes_a_card_the_hubs_parser_accepts(one_proces
     assert "tokens/s (measured" in text and "peak memory" in text
 
 
-def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_size: int = 2, steps: int = 1) -> dict:
+def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_size: int = 2, steps: int = 1,
+              label_smoothing: float = 0.0) -> dict:
     """SFT's evaluation with run_clm.py's compute_metrics (the argmax of preprocess_logits_for_metrics against the
     shifted labels) after `steps` steps, on 7 packed eval documents in batches of `eval_batch_size`. Records the length
     of every evaluation forward."""
@@ -166,7 +167,7 @@ def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_s
 
     plugin = {"cp_size": cp_size} if cp_size > 1 else {}
     args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": max(steps, 1)}, **PATTERN, **plugin,
-                     per_device_eval_batch_size=eval_batch_size)
+                     per_device_eval_batch_size=eval_batch_size, label_smoothing_factor=label_smoothing)
     trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
                          eval_dataset=datasets.Dataset.from_dict({"text": _texts(7)}), processing_class=tokenizer,
                          compute_metrics=compute_metrics,
@@ -192,6 +193,16 @@ def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one
         assert all(n < m for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
             assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6), key
+
+
+def test_sft_with_label_smoothing_under_cp2_is_refused_at_start_naming_the_fix(tmp_path):
+    """TRL's SFTTrainer computes its token accuracy from the labels it is handed beside the smoothed loss; under CP
+    the smoothing wrapper hands the smoother the shard's targets in their place, so the logged accuracy would be
+    the shard's re-shifted targets' (eval_mean_token_accuracy 0.01063 against one process's 0.01162, the loss equal):
+    refused before training, naming the flag. The Trainer's own loss smooths exactly under CP (test_trainer_cp.py)."""
+    with pytest.raises(Exception, match=r"label smoothing \(--label_smoothing_factor 0.1\) with SFTTrainer's own "
+                                        r"compute_loss.*drop --label_smoothing_factor"):
+        run_gloo(_evaluate, 2, str(tmp_path / "cp2"), 2, 2, 1, 0.1, timeout_s=300)
 
 
 def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path):
