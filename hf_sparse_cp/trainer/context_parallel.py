@@ -420,17 +420,14 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
             if use_gather_object or not all_tensors:
                 return gather_for_metrics(input_data, use_gather_object=use_gather_object)
             input_data = recursively_apply(cp_group_sum, input_data)
-        cp_ranks = torch.zeros(par.world_size, dtype=torch.long, device=acc.device)  # (NCCL reduces device tensors)
-        cp_ranks[par.rank] = par.cp_rank
-        all_reduce(cp_ranks, None, "the all-reduce of the CP ranks for gather_for_metrics")
-        keep = (cp_ranks == 0).nonzero().flatten().cpu()
+        keep = par.cp_leaders
         if use_gather_object or not all_tensors:
             data = gather_object(input_data)
             n = len(data) // par.world_size
-            data = [x for r in keep.tolist() for x in data[r * n:(r + 1) * n]]
+            data = [x for r in keep for x in data[r * n:(r + 1) * n]]
         else:
             def once(t):
-                return t.reshape(par.world_size, -1, *t.shape[1:])[keep.to(t.device)].flatten(0, 1)
+                return t.reshape(par.world_size, -1, *t.shape[1:])[list(keep)].flatten(0, 1)
 
             data = recursively_apply(once, acc.gather(input_data))
         state = acc.gradient_state
