@@ -54,6 +54,22 @@ def _windowed(query, key, value, scale: float | None, window: int) -> torch.Tens
 
 
 @contextlib.contextmanager
+def _attention_backend(model: torch.nn.Module, name: str, attend) -> Iterator[None]:
+    """Run `model` with `attend` registered as its attention backend `name` (unpadded rows: no mask built), and
+    its own backend again afterwards."""
+    previous = model.config._attn_implementation
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    try:
+        model.set_attn_implementation(name)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        compat.unregister(AttentionInterface, name)
+        compat.unregister(AttentionMaskInterface, name)
+
+
+@contextlib.contextmanager
 def exact_dense(model: torch.nn.Module, store: dict[int, tuple] | None = None) -> Iterator[None]:
     """Run `model` with exact dense attention: causal SDPA on layers without a sliding window (recording their
     (q, k, v, scale) in `store` when given), and sliding-window layers exactly over their window (the block
@@ -71,16 +87,8 @@ def exact_dense(model: torch.nn.Module, store: dict[int, tuple] | None = None) -
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 
-    previous = model.config._attn_implementation
-    AttentionInterface.register(CAPTURE_BACKEND, capture)
-    AttentionMaskInterface.register(CAPTURE_BACKEND, flash_attention_mask)
-    try:
-        model.set_attn_implementation(CAPTURE_BACKEND)
+    with _attention_backend(model, CAPTURE_BACKEND, capture):
         yield
-    finally:
-        model.set_attn_implementation(previous)
-        compat.unregister(AttentionInterface, CAPTURE_BACKEND)
-        compat.unregister(AttentionMaskInterface, CAPTURE_BACKEND)
 
 
 @contextlib.contextmanager
@@ -102,16 +110,8 @@ def fixed_layouts(model: torch.nn.Module, layouts: dict[int, SparseLayout]) -> I
         out, _ = block_sparse_attention(query, key, value, layout, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
-    previous = model.config._attn_implementation
-    AttentionInterface.register(FIXED_LAYOUT_BACKEND, attend)
-    AttentionMaskInterface.register(FIXED_LAYOUT_BACKEND, flash_attention_mask)
-    try:
-        model.set_attn_implementation(FIXED_LAYOUT_BACKEND)
+    with _attention_backend(model, FIXED_LAYOUT_BACKEND, attend):
         yield
-    finally:
-        model.set_attn_implementation(previous)
-        compat.unregister(AttentionInterface, FIXED_LAYOUT_BACKEND)
-        compat.unregister(AttentionMaskInterface, FIXED_LAYOUT_BACKEND)
 
 
 def global_layers(model: torch.nn.Module) -> list[int]:
