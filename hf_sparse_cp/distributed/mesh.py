@@ -132,9 +132,9 @@ class ParallelDims:
     its defaults); mode (the `CPMode` this layout runs; None for `single()` without one), head_size (ranks
     of a head group, 1 without head groups), head_group / head_rank (this rank's head group and its place
     in it), ring (with head groups and a ring across them: the ring's view, a `ParallelDims` whose CP
-    fields are the ring's ranks and groups; None otherwise), cp_leaders (the global rank of every CP group's
-    first member, ascending: whose values a gather over all ranks keeps once per group). With head groups, topology,
-    inner_group and outer_group describe the ring's view.
+    fields are the ring's ranks and groups; None otherwise), cp_groups (the global ranks of every CP group, in
+    data-parallel order: how a gather over all ranks maps to the groups). With head groups, topology, inner_group
+    and outer_group describe the ring's view.
     """
 
     def __init__(
@@ -153,7 +153,7 @@ class ParallelDims:
         head_size: int = 1,
         head_group=None,
         ring: ParallelDims | None = None,
-        cp_leaders: tuple[int, ...] | None = None,
+        cp_groups: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -173,7 +173,8 @@ class ParallelDims:
         self.mode, self.head_size, self.head_group, self.ring = mode, head_size, head_group, ring
         self.head_rank = self.cp_rank % head_size
         # (None: CP groups of consecutive ranks, as `from_config` builds them)
-        self.cp_leaders = cp_leaders or tuple(range(0, world_size, self.cp_size))
+        self.cp_groups = cp_groups or tuple(tuple(range(r, r + self.cp_size))
+                                            for r in range(0, world_size, self.cp_size))
 
     def __repr__(self) -> str:
         t = self.topology
@@ -297,13 +298,13 @@ class ParallelDims:
                 created.append(ring_group)
                 ring = cls(cp_ranks=tuple(next(r for r in rings if rank in r)), cp_group=ring_group,
                            topology=topology, inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
-                           cp_leaders=tuple(sorted(r[0] for r in rings)), **common)
+                           cp_groups=tuple(sorted(map(tuple, rings))), **common)
                 ring.dp_size, ring.dp_rank = world // w, rank // w
                 sharding = config.cp_sharding
         created += [inner, outer]
         layout = cls(cp_ranks=tuple(mine), cp_group=cp_group, topology=topology, inner_group=inner,
                      outer_group=outer, sharding=sharding, mode=mode, head_size=h, head_group=head_group, ring=ring,
-                     cp_leaders=tuple(sorted(g[0] for g in cp_groups)), **common)
+                     cp_groups=tuple(sorted(map(tuple, cp_groups))), **common)
         for group in {id(g): g for g in created if g is not None}.values():
             warm_up(group)
         logger.info("%s", layout)

@@ -394,18 +394,14 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
     data-parallel ranks that `dp_data_loader` shards over) keeps the wrong ones: a short last batch skews
     `eval_loss`. The wrapper keeps the values of each CP group's first rank, in data-parallel order, then truncates
     as accelerate does. What a training or prediction step gathers (`in_step()`) is computed from each rank's own
-    shard (TRL's sums of token entropy, correct top-1 tokens and label tokens): the wrapper first sums such tensors over
-    the CP group, which makes them the batch's, and then keeps them once per group the same way (the stock gather's
-    truncation of a short last batch kept the first rank's shard alone)."""
+    shard (TRL's sums of token entropy, correct top-1 tokens and label tokens, its MoE auxiliary loss, which it
+    averages): the wrapper keeps every rank's, grouped by sample over the CP group (each sample's cp_size shard
+    values together), and truncates a short last batch by whole samples, so that a sum over them is the batch's
+    and a mean the mean over its shards (the stock truncation kept the first rank's shard alone)."""
     from accelerate.utils import gather_object, recursively_apply
 
     acc = trainer.accelerator
     gather_for_metrics = acc.gather_for_metrics
-
-    def cp_group_sum(t: torch.Tensor) -> torch.Tensor:
-        total = t.detach().clone()
-        all_reduce(total, parallel().cp_group, "the all-reduce of a step's metrics over the CP group")
-        return total
 
     def gather(input_data, use_gather_object=False):
         par = parallel()
@@ -416,26 +412,25 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
             all_tensors = True
         except TypeError:
             all_tensors = False
-        if in_step():
-            if use_gather_object or not all_tensors:
-                return gather_for_metrics(input_data, use_gather_object=use_gather_object)
-            input_data = recursively_apply(cp_group_sum, input_data)
-        keep = par.cp_leaders
+        if in_step() and (use_gather_object or not all_tensors):
+            return gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        state = acc.gradient_state
+        cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
         if use_gather_object or not all_tensors:
             data = gather_object(input_data)
             n = len(data) // par.world_size
-            data = [x for r in keep for x in data[r * n:(r + 1) * n]]
+            return [x for g in par.cp_groups for x in data[g[0] * n:(g[0] + 1) * n]][:cut]
+        # [data-parallel group, CP rank] -> global rank
+        ranks = torch.tensor(par.cp_groups)
+        if in_step():
+            def grouped(t):  # [dp x n samples x cp, ...]: each sample's shard values together
+                by_rank = t.reshape(par.world_size, -1, *t.shape[1:])[ranks.to(t.device)]
+                return by_rank.movedim(1, 2).flatten(0, 1)[:cut].flatten(0, 1)
         else:
-            def once(t):
-                return t.reshape(par.world_size, -1, *t.shape[1:])[list(keep)].flatten(0, 1)
+            def grouped(t):  # [dp x n samples, ...]: each CP group's first rank's
+                return t.reshape(par.world_size, -1, *t.shape[1:])[ranks[:, 0].to(t.device)].flatten(0, 1)[:cut]
 
-            data = recursively_apply(once, acc.gather(input_data))
-        state = acc.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            if use_gather_object or not all_tensors:
-                return data[: state.remainder]
-            return recursively_apply(lambda t: t[: state.remainder], data)
-        return data
+        return recursively_apply(grouped, acc.gather(input_data))
 
     patches.set_attr(acc, "gather_for_metrics", gather)
     patches.set_attr(trainer, "gather_function", gather)

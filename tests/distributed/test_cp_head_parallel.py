@@ -115,8 +115,9 @@ def _layouts(world: int, rank: int) -> dict:
         out["hybrid", "hierarchical"] = ParallelDims.from_config(ContextParallelConfig(
             cp_size=4, cp_mode="hybrid", cp_ulysses_size=2, cp_ring="hierarchical", cp_node_size=2))
         assert out["hybrid", "hierarchical"].ring.topology.num_nodes == 2  # the ring's hops go between nodes
-        # head groups (0 1) (2 3), rings (0 2) (1 3): one CP group led by rank 0; the rings by ranks 0 and 1
-        assert (out["hybrid", "striped"].cp_leaders, out["hybrid", "striped"].ring.cp_leaders) == ((0,), (0, 1))
+        # head groups (0 1) (2 3), rings (0 2) (1 3): one CP group; the ring view's groups are the rings
+        assert out["hybrid", "striped"].cp_groups == ((0, 1, 2, 3),)
+        assert out["hybrid", "striped"].ring.cp_groups == ((0, 2), (1, 3))
         out["accelerate"] = _from_accelerate_mesh(rank)
     return out
 

@@ -252,7 +252,7 @@ def _from_accelerate_mesh(rank: int, world: int) -> dict:
     par = ParallelDims.from_accelerator(fake, ContextParallelConfig())
     errs = _ring_case(Case("striped", "sparse", 250, packed=True), par, par.cp_rank)
     errs["cp_ranks_ok"] = float(par.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and par.dp_size == 2
-                              and par.cp_leaders == (0, 2))
+                              and par.cp_groups == ((0, 1), (2, 3)))
     return errs
 
 

@@ -36,7 +36,7 @@ def _texts(n: int = 12) -> list[str]:
     return out
 
 
-def _train(output_dir: str, **plugin) -> tuple[object, dict]:
+def _train(output_dir: str, model_type: str = "llama", **plugin) -> tuple[object, dict]:
     """A stock SFT script, switched: the two class names are the plugin's."""
     from hf_sparse_cp import SparseSFTConfig as SFTConfig
     from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
@@ -44,7 +44,7 @@ def _train(output_dir: str, **plugin) -> tuple[object, dict]:
     os.environ.update(HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=len(tokenizer)))
     args = SFTConfig(output_dir=output_dir, **SFT, **PATTERN, **plugin)
     trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
                          processing_class=tokenizer)
@@ -52,12 +52,13 @@ def _train(output_dir: str, **plugin) -> tuple[object, dict]:
     logs = [log for log in trainer.state.log_history if "loss" in log]
     weights = {name: p.detach().double().sum().item() for name, p in trainer.model.named_parameters()}
     return trainer, {"loss": [log["loss"] for log in logs], "grad_norm": [log["grad_norm"] for log in logs],
-                     "weights": weights, "kept": [log.get("sparse/kept_fraction") for log in logs]}
+                     "weights": weights, "kept": [log.get("sparse/kept_fraction") for log in logs],
+                     **{key: [log.get(key) for log in logs] for key in ("aux_loss", "entropy", "mean_token_accuracy")}}
 
 
-def _cp2(rank: int, world: int, output_dir: str, mode: str = "ring") -> dict:
+def _cp2(rank: int, world: int, output_dir: str, mode: str = "ring", model_type: str = "llama") -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    trainer, result = _train(output_dir, cp_size=2, cp_mode=mode)
+    trainer, result = _train(output_dir, model_type, cp_size=2, cp_mode=mode)
     trainer.create_model_card()
     return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode.name}
 
@@ -94,6 +95,22 @@ def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path, mode):
     card = (tmp_path / "README.md").read_text()
     assert "CP 2 x DP 1" in card and "2 CPU processes (gloo)" in card
     assert ("head-parallel (Ulysses) over 2 ranks" in card) == (mode == "ulysses")
+
+
+def test_moe_sft_metrics_gathered_in_the_step_under_cp2_are_one_processs(tmp_path):
+    """A MoE model (Mixtral), whose router auxiliary loss TRL adds and logs by default: the metrics TRL gathers in its
+    step are each rank's shard's, and the CP gather keeps every rank's, so that TRL's sums (token entropy, correct
+    tokens) are the batch's and its mean of the auxiliary loss the mean over the shards (it was their sum, 2x at
+    CP 2)."""
+    trainer, one = _train(str(tmp_path / "one"), "mixtral")
+    assert trainer.aux_loss_enabled and all(value > 0 for value in one["aux_loss"])
+    for rank in run_gloo(_cp2, 2, str(tmp_path / "cp2"), "ring", "mixtral", timeout_s=400):
+        # (the auxiliary loss is computed per shard, near one process's, not equal: so is the update; the first
+        # step's metrics are compared)
+        assert rank["loss"][0] == pytest.approx(one["loss"][0], rel=1e-5)
+        for key in ("entropy", "mean_token_accuracy"):
+            assert rank[key][0] == pytest.approx(one[key][0], rel=1e-5), key
+        assert rank["aux_loss"][0] == pytest.approx(one["aux_loss"][0], rel=2e-2)
 
 
 def _front_matter(card: str) -> dict:
