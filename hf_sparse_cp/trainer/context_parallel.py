@@ -20,6 +20,7 @@ without the shard during a CP forward is an error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -269,13 +270,15 @@ def neftune_over_cp_group(trainer: Trainer, patches) -> None:
     model = trainer.model
     embeddings = (model.get_base_model() if hasattr(model, "get_base_model") else model).get_input_embeddings()
 
-    def scale_noise(module: torch.nn.Module, args) -> None:
-        if hasattr(module, "neftune_noise_alpha"):  # (set while the Trainer trains with NEFTune)
-            shard = cp_forward_shard()
-            module.neftune_noise_alpha = alpha if shard is None else alpha * math.sqrt(
-                args[0].shape[-1] / shard.plan.seq_len)
+    # (a module-level function: the hook stays on the trained model, which must pickle)
+    patches.on_undo(embeddings.register_forward_pre_hook(functools.partial(_scale_neftune_noise, alpha)).remove)
 
-    patches.on_undo(embeddings.register_forward_pre_hook(scale_noise).remove)
+
+def _scale_neftune_noise(alpha: float, module: torch.nn.Module, args) -> None:
+    if hasattr(module, "neftune_noise_alpha"):  # (set while the Trainer trains with NEFTune)
+        shard = cp_forward_shard()
+        module.neftune_noise_alpha = alpha if shard is None else alpha * math.sqrt(
+            args[0].shape[-1] / shard.plan.seq_len)
 
 
 def whole_sequence_outputs(outputs: Any, shard: CPShard) -> Any:

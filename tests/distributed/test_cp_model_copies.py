@@ -1,4 +1,4 @@
-"""A model trained by `SparseTrainer` under CP 2 (with SMET and token tiles) pickles (`torch.save`) and
+"""A model trained by `SparseTrainer` under CP 2 (with SMET, token tiles and NEFTune) pickles (`torch.save`) and
 deep-copies, and the copy gives the trained model's logits in one process (issue #41 item 4: the CP
 guard's hooks and the registration guard were local functions, which pickle refuses)."""
 
@@ -17,7 +17,8 @@ FLAGS = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--learning_r
          "--use_cpu", "--save_strategy", "no", "--seed", "0", "--cp_size", "2", "--smet", "--smet_density", "0.5",
          "--sparse_token_tiling_min_length", "128", "--sparse_token_tile_size", "48", "--sparse_block_size", "32",
          "--sparse_min_seq_len", "128", "--sparse_vertical_topk", "8", "--sparse_slash_topk", "8",
-         "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "16"]
+         "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "16",
+         "--neftune_noise_alpha", "5"]
 
 
 def _train_under_cp2_then_copy(rank: int, world: int) -> dict:
