@@ -30,12 +30,14 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
 from transformers import Trainer, TrainingArguments
 
+from ..config import BACKEND_NAME
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
 from ..integration.registration import is_patched, patch, unpatch
@@ -50,6 +52,8 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def plugin_flag_names() -> frozenset[str]:
@@ -80,9 +84,22 @@ def _with_plugin_classes(dataclass_types) -> list:
 
 @dataclasses.dataclass
 class LaunchedRun:
-    """What a launched script did with the plugin: the Trainers it built (each trains with the plugin)."""
+    """What a launched script did with the plugin: the Trainers it built (each trains with the plugin), and the
+    attention implementation its command line named (`--attn_implementation`, TRL's `ModelConfig`), if any."""
 
     trainers_built: int = 0
+    attention_asked: str | None = None
+
+
+def attention_replaced(asked: str, args: SparseArgumentsMixin) -> str:
+    """The line saying that the script's `--attn_implementation asked` trains as sparse_cp, and how to keep it:
+    `--sparse_attention false`, and without context parallelism, which runs only through sparse_cp."""
+    keep = f"pass --sparse_attention false to keep {asked}"
+    if max(cp_size for _, cp_size in args.cp_degrees()) > 1:
+        flag = "--cp_schedule" if args.cp_schedule else "--cp_size"
+        keep += f" and drop {flag} (context parallelism runs only through {BACKEND_NAME})"
+    return (f"The script's --attn_implementation {asked} is replaced by {BACKEND_NAME}: hf_sparse_cp.run trains with "
+            f"sparse attention unless told otherwise; {keep}.")
 
 
 @contextlib.contextmanager
@@ -144,6 +161,9 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 # the script's --dataset_name (run_clm's, TRL's) names the card's dataset unless the flag does
                 named = [name for out in outputs if not isinstance(out, SparseArgumentsMixin)
                          for name in [getattr(out, "dataset_name", None)] if isinstance(name, str) and name]
+                if "attn_implementation" in explicit:
+                    run.attention_asked = next((out.attn_implementation for out in outputs
+                                                if isinstance(getattr(out, "attn_implementation", None), str)), None)
                 for out in ours:
                     out.explicit_flags = explicit
                     if named and "sparse_card_datasets" not in explicit:
@@ -194,6 +214,10 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             args = with_plugin_arguments(args, plugin)
         record_on(self, LAUNCHED).set_attr(self, "__class__", sparse_trainer_class(type(self)))
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)
+        asked = run.attention_asked
+        if (asked not in (None, BACKEND_NAME) and "sparse_attention" not in (args.explicit_flags or ())
+                and compat.attn_implementation(self.model.config) == BACKEND_NAME and self.is_world_process_zero()):
+            logger.warning(attention_replaced(asked, args))
 
     try:
         if not is_patched():  # a script loads its model before its Trainer (TRL's with --attn_implementation sparse_cp)

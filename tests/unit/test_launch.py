@@ -16,7 +16,7 @@ from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
 from hf_sparse_cp.distributed import check_launched
 from hf_sparse_cp.integration.compat import argument_parser_classes
 from hf_sparse_cp.launch.command import split_command
-from hf_sparse_cp.launch.launched import launched, plugin_flags_in
+from hf_sparse_cp.launch.launched import attention_replaced, launched, plugin_flags_in
 from hf_sparse_cp.run import main as run
 from hf_sparse_cp.run import parse_plugin_flags
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments, SparseArgumentsMixin
@@ -585,3 +585,52 @@ def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp
     err = capsys.readouterr().err
     assert "record_run.py ended without building a transformers Trainer" in err
     assert "flags --sparse_min_seq_len were not used" in err
+
+
+ATTENTION_SCRIPT = textwrap.dedent("""
+    from dataclasses import dataclass
+    import torch
+    from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    @dataclass
+    class ModelArguments:  # TRL's ModelConfig's field
+        attn_implementation: str | None = None
+
+    model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=model_args.attn_implementation)
+    rows = [{"input_ids": torch.arange(3, 40), "labels": torch.arange(3, 40)}]
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    print("attention:", trainer.model.config._attn_implementation)
+""")
+
+
+@pytest.mark.parametrize("flags, runs, says", [
+    (["--attn_implementation", "eager"], "sparse_cp", True),
+    (["--attn_implementation", "sdpa", "--cp_size", "1"], "sparse_cp", True),
+    (["--attn_implementation", "eager", "--sparse_attention", "false"], "eager", False),
+    (["--attn_implementation", "eager", "--sparse_attention", "true"], "sparse_cp", False),
+    (["--attn_implementation", "sparse_cp"], "sparse_cp", False),
+    ([], "sparse_cp", False),
+], ids=["eager", "sdpa", "eager-kept", "sparse-asked", "sparse_cp", "default"])
+def test_an_attention_implementation_the_script_was_given_says_what_replaced_it_and_how_to_keep_it(
+        tmp_path, capsys, caplog, flags, runs, says):
+    """A stock script given `--attn_implementation eager` trains, launched, with sparse attention (the launcher's
+    default): one line on the main process names the implementation asked for, the one that replaced it and the flag
+    that keeps it; `--sparse_attention false` keeps it, and nothing is said where nothing the user chose was
+    replaced (no --attn_implementation, sparse_cp itself, or --sparse_attention true given beside it)."""
+    script = tmp_path / "train.py"
+    script.write_text(ATTENTION_SCRIPT)
+    with caplog.at_level("WARNING", logger="hf_sparse_cp"):
+        run([str(script), "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--use_cpu", *flags])
+    assert f"attention: {runs}" in capsys.readouterr().out
+    replaced = [r.getMessage() for r in caplog.records if "--attn_implementation" in r.getMessage()]
+    if not says:
+        assert replaced == []
+        return
+    asked = flags[1]
+    assert replaced == [f"The script's --attn_implementation {asked} is replaced by sparse_cp: hf_sparse_cp.run trains "
+                        f"with sparse attention unless told otherwise; pass --sparse_attention false to keep {asked}."]
+    args = SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, cp_size=2)
+    assert attention_replaced(asked, args).endswith(
+        f"to keep {asked} and drop --cp_size (context parallelism runs only through sparse_cp).")
