@@ -51,8 +51,8 @@ def _model(model_type: str, **overrides) -> torch.nn.Module:
 
 
 def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...], flags: tuple = ()) -> dict:
-    """Each model type's errors under CP 2 with the `ContextParallelConfig` flags (name, value) against one
-    process."""
+    """Each model type's errors under CP over the `world` ranks (2 in the table's test) with the
+    `ContextParallelConfig` flags (name, value) against one process."""
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
     from hf_sparse_cp.distributed.loss import global_mean_loss, global_num_items, rank_loss
     from hf_sparse_cp.integration.backend import guard_context_parallel
@@ -155,17 +155,25 @@ def test_every_registered_architecture_equals_one_process_under_cp2(model_type):
         assert result["kept"] < 1e-12, result  # the kept fraction counts real tokens only: no padding effect
 
 
-@pytest.mark.parametrize("flags", [(("cp_sharding", "zigzag"),), (("cp_sharding", "document"),),
-                                   (("cp_mode", "ulysses"),)], ids=["zigzag", "document", "ulysses"])
-def test_position_dependent_queries_and_sinks_equal_one_process_under_every_cp2_layout(flags):
+HYBRID = (("cp_mode", "hybrid"), ("cp_ulysses_size", 2), ("cp_sharding", "zigzag"))
+
+
+@pytest.mark.parametrize("world, flags, model_types", [
+    (2, (("cp_sharding", "zigzag"),), ("gpt_oss", "llama4_text")),
+    (2, (("cp_sharding", "document"),), ("gpt_oss", "llama4_text")),
+    (2, (("cp_mode", "ulysses"),), ("gpt_oss", "llama4_text")),
+    (4, HYBRID, ("gpt_oss", "llama4_text", "gemma3_text")),
+], ids=["zigzag", "document", "ulysses", "hybrid-cp4"])
+def test_position_dependent_queries_sinks_and_windows_equal_one_process_under_every_cp_layout(world, flags,
+                                                                                               model_types):
     """GPT-OSS passes learned sinks (`s_aux`), which the ring applies once to each query's merged result and
     ulysses to its share of the heads; Llama 4's no-RoPE layer scales its queries by positions it counts from the
     length of the tensor it gets (a rank's shard), which the backend moves to the tokens' positions in the row
     (without it the hidden states after the first layer were 3.4e-2 from one process's). Under the shardings and
-    modes besides the table's striped ring, the logits, loss and gradients (the sinks' among them) equal one
+    modes besides the table's striped ring, the hybrid's heads over 2 ranks x a zigzag ring of 2 among them (with
+    Gemma 3's sliding-window and global layers), the logits, loss and gradients (the sinks' among them) equal one
     process's too."""
-    model_types = ("gpt_oss", "llama4_text")
-    for rank in run_gloo(_registry_under_cp2, 2, model_types, flags, timeout_s=600):
+    for rank in run_gloo(_registry_under_cp2, world, model_types, flags, timeout_s=600):
         for model_type in model_types:
             result, bound = rank[model_type], FLOAT32_ROUNDED.get(model_type, 1e-10)
             assert result["sparse"] and result["logits"] < bound and result["loss"] < bound, result
