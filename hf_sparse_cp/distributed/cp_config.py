@@ -7,7 +7,7 @@ groups from them.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 from ..config.files import check_field_types
@@ -112,3 +112,11 @@ class ContextParallelConfig:
         """The document planner's cost model with these flags' weights."""
         return PlannerCosts(linear_per_token=self.cp_planner_linear_per_token,
                             comm_per_token=self.cp_planner_comm_per_token)
+
+    def group_settings(self) -> list[str]:
+        """The settings of how a CP group shares its sequences that this config moves from their defaults (every
+        field but the CP degree and the former opt-in flag), as `--name value`: what a run whose CP degree is 1
+        would ignore."""
+        unread = ("cp_size", "cp_allow_untested_model")
+        return [f"--{f.name} {getattr(self, f.name)}" for f in fields(self)
+                if f.name not in unread and getattr(self, f.name) != f.default]

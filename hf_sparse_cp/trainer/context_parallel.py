@@ -44,6 +44,7 @@ from ..integration import compat
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, undo_recorded
+from .arguments import flag_errors
 
 logger = logging.getLogger(__name__)
 
@@ -439,6 +440,20 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
     patches.set_attr(trainer, "gather_function", gather)
 
 
+def _refuse_group_settings(cp_config: ContextParallelConfig, world_size: int) -> None:
+    """Refuse, naming them and the fix, the settings of how a CP group shares its sequences (`--cp_mode ulysses`)
+    in a run without context parallelism, which would ignore them: `torchrun --nproc_per_node 2 train.py --cp_mode
+    ulysses` (the CP degree forgotten) would train data-parallel without a word."""
+    given = cp_config.group_settings()
+    if given:
+        with flag_errors():
+            processes = f"{world_size} process" + ("es" if world_size > 1 else "")
+            raise ValueError(
+                f"{', '.join(given)}: {'they' if len(given) > 1 else 'it'} would be ignored: this run has no context "
+                f"parallelism (a CP degree of 1 over {processes}). Add --cp_size N to split each sequence over N "
+                f"processes (N dividing the processes launched), or drop {'them' if len(given) > 1 else 'it'}.")
+
+
 def enable_trainer_context_parallel(
     trainer: Trainer, cp_config: ContextParallelConfig | None = None
 ) -> ParallelDims:
@@ -454,8 +469,10 @@ def enable_trainer_context_parallel(
     Returns:
         The `ParallelDims` in use; with a CP size of 1 nothing is patched.
     """
-    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config or ContextParallelConfig())
+    cp_config = cp_config or ContextParallelConfig()
+    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
     if parallel.cp_size == 1:
+        _refuse_group_settings(cp_config, parallel.world_size)
         return parallel
     model = trainer.model
     check_model_supports_context_parallel(model, parallel=parallel)

@@ -60,11 +60,11 @@ def test_the_switch_trains_like_a_plain_trainer_on_the_dense_pattern(tmp_path):
 
 
 def test_the_flags_carry_every_plugin_setting(tmp_path):
-    args = _args(tmp_path, *PATTERN, "--cp_sharding", "zigzag", "--smet", "--smet_density", "0.5",
-                 "--sparse_max_length", "512")
+    args = _args(tmp_path, *PATTERN, "--smet", "--smet_density", "0.5", "--sparse_max_length", "512")
     assert args.sparse_attention  # on by default: the class is the switch
     assert args.sparse_attention_config().budget.vertical_topk == 8 and args.sparse_attention_config().block_size == 32
-    assert args.context_parallel_config().cp_sharding == "zigzag"
+    # (a Trainer in one process, without CP, refuses it: test_bad_inputs.py)
+    assert _args(tmp_path, "--cp_sharding", "zigzag").context_parallel_config().cp_sharding == "zigzag"
     assert args.smet_optimizer_config().density == 0.5 and args.sparse_max_length == 512
     with pytest.raises(ValueError, match=r"block_size \(--sparse_block_size\)=48 must be a power of two"):
         _args(tmp_path, "--sparse_block_size", "48")

@@ -367,3 +367,30 @@ def test_a_layer_override_past_the_models_layers_is_refused_naming_the_layer_cou
     with pytest.raises(ValueError, match=r"cp_schedule stage 0 .*" + refused):
         build_schedule(stages, world_size=1, sparse_config=SparseAttentionConfig(), max_steps=4, n_layers=2)
     hf_sparse_cp.configure(_tiny(), SparseAttentionConfig(layer_overrides={"0-1": {"pattern": "dense"}}))
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"cp_mode": "ulysses"}, "--cp_mode ulysses"),
+    ({"cp_sharding": "zigzag", "cp_ring": "hierarchical"}, "--cp_sharding zigzag, --cp_ring hierarchical"),
+])
+def test_cp_settings_in_a_run_without_cp_are_refused_naming_cp_size(tmp_path, flags, named):
+    """`torchrun --nproc_per_node 2 train.py --cp_mode ulysses` (the CP degree forgotten) trained data-parallel, the
+    setting ignored without a word: a setting of how a CP group shares its sequences, in a run whose CP degree is 1,
+    is refused naming it and --cp_size; the defaults given explicitly (--cp_mode ring) are not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    rows = [{"input_ids": torch.arange(3, 40), "labels": torch.arange(3, 40)}]
+
+    def build(**cp):
+        args = SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=1, use_cpu=True, **cp)
+        return SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                             train_dataset=rows)
+
+    with pytest.raises(ValueError, match=rf"^{re.escape(named)}: (it|they) would be ignored: this run has no context "
+                                         r"parallelism \(a CP degree of 1 over 1 process\)\. Add --cp_size N"):
+        build(**flags)
+    assert build(cp_mode="ring", cp_sharding="striped").parallel.cp_size == 1
