@@ -165,10 +165,10 @@ def test_saving_the_final_model_writes_a_card_the_hubs_parser_accepts(one_proces
 
 
 def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_size: int = 2, steps: int = 1,
-              label_smoothing: float = 0.0) -> dict:
+              label_smoothing: float = 0.0, average_tokens: bool = True) -> dict:
     """SFT's evaluation with run_clm.py's compute_metrics (the argmax of preprocess_logits_for_metrics against the
-    shifted labels) after `steps` steps, on 7 packed eval documents in batches of `eval_batch_size`. Records the length
-    of every evaluation forward."""
+    shifted labels) after `steps` steps, on 7 packed eval documents in batches of `eval_batch_size`, the token counts
+    averaged across devices or not (`average_tokens`). Records the length of every evaluation forward."""
     from hf_sparse_cp import SparseSFTConfig as SFTConfig
     from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
 
@@ -184,7 +184,8 @@ def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_s
 
     plugin = {"cp_size": cp_size} if cp_size > 1 else {}
     args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": max(steps, 1)}, **PATTERN, **plugin,
-                     per_device_eval_batch_size=eval_batch_size, label_smoothing_factor=label_smoothing)
+                     per_device_eval_batch_size=eval_batch_size, label_smoothing_factor=label_smoothing,
+                     average_tokens_across_devices=average_tokens)
     trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
                          eval_dataset=datasets.Dataset.from_dict({"text": _texts(7)}), processing_class=tokenizer,
                          compute_metrics=compute_metrics,
@@ -199,14 +200,18 @@ def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_s
     return {"metrics": metrics, "lengths": lengths}
 
 
-def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one_process(tmp_path):
+@pytest.mark.parametrize("average_tokens", [True, False], ids=["tokens-across-devices", "tokens-per-device"])
+def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one_process(tmp_path, average_tokens):
     """TRL's prediction_step hands compute_loss the whole batch, without the Trainer's CP preparation: under CP 2
     each rank's evaluation forwards take its shard (half the row), and eval_loss, TRL's eval_entropy and
-    eval_mean_token_accuracy (sums over every rank's shard) and compute_metrics' accuracy are one process's."""
-    one = run_gloo(_evaluate, 1, str(tmp_path / "one"), 1, timeout_s=300)[0]
+    eval_mean_token_accuracy (sums over every rank's shard) and compute_metrics' accuracy are one process's, after a
+    training step, with the token counts averaged across devices (TRL's default) or per device (--
+    average_tokens_across_devices false: compute_loss then does not multiply the shards' losses by the processes)."""
+    settings = (2, 1, 0.0, average_tokens)  # eval batches of 2, one step, no label smoothing
+    one = run_gloo(_evaluate, 1, str(tmp_path / "one"), 1, *settings, timeout_s=300)[0]
     assert len(one["lengths"]) == 4  # two batches (the last short), two forwards each (TRL's, then the logits)
     assert 0 < one["metrics"]["eval_accuracy"] < 1
-    for rank in run_gloo(_evaluate, 2, str(tmp_path / "cp2"), 2, timeout_s=300):
+    for rank in run_gloo(_evaluate, 2, str(tmp_path / "cp2"), 2, *settings, timeout_s=300):
         assert all(n < m for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
             assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6), key
