@@ -85,21 +85,37 @@ def _with_plugin_classes(dataclass_types) -> list:
 @dataclasses.dataclass
 class LaunchedRun:
     """What a launched script did with the plugin: the Trainers it built (each trains with the plugin), and the
-    attention implementation its command line named (`--attn_implementation`, TRL's `ModelConfig`), if any."""
+    attention implementation its command line named, with the flag that named it (`attention_asked`), if any."""
 
     trainers_built: int = 0
-    attention_asked: str | None = None
+    attention_asked: tuple[str, str] | None = None
 
 
-def attention_replaced(asked: str, args: SparseArgumentsMixin) -> str:
-    """The line saying that the script's `--attn_implementation asked` trains as sparse_cp, and how to keep it:
-    `--sparse_attention false`, and without context parallelism, which runs only through sparse_cp."""
+def attention_asked(outputs: Sequence, explicit: set[str]) -> tuple[str, str] | None:
+    """The attention implementation that the flags `explicit` of a script's parsed `outputs` name, with the flag:
+    `--attn_implementation eager` (TRL's `ModelConfig`, a script's own field) or, in TRL's `--model_init_kwargs`, an
+    `attn_implementation` key (which TRL's scripts load the model with, before the former); None when none does."""
+    for out in outputs:
+        kwargs = getattr(out, "model_init_kwargs", None) if "model_init_kwargs" in explicit else None
+        if isinstance(kwargs, dict) and isinstance(kwargs.get("attn_implementation"), str):
+            return "--model_init_kwargs", kwargs["attn_implementation"]
+    for out in outputs:
+        value = getattr(out, "attn_implementation", None) if "attn_implementation" in explicit else None
+        if isinstance(value, str):
+            return "--attn_implementation", value
+    return None
+
+
+def attention_replaced(flag: str, asked: str, args: SparseArgumentsMixin) -> str:
+    """The line saying that the attention implementation `asked` that the script's `flag` names trains as sparse_cp,
+    and how to keep it: `--sparse_attention false`, and without context parallelism, which runs only through
+    sparse_cp."""
     keep = f"pass --sparse_attention false to keep {asked}"
     if max(cp_size for _, cp_size in args.cp_degrees()) > 1:
-        flag = "--cp_schedule" if args.cp_schedule else "--cp_size"
-        keep += f" and drop {flag} (context parallelism runs only through {BACKEND_NAME})"
-    return (f"The script's --attn_implementation {asked} is replaced by {BACKEND_NAME}: hf_sparse_cp.run trains with "
-            f"sparse attention unless told otherwise; {keep}.")
+        cp_flag = "--cp_schedule" if args.cp_schedule else "--cp_size"
+        keep += f" and drop {cp_flag} (context parallelism runs only through {BACKEND_NAME})"
+    return (f"The script's {flag} asks for attn_implementation {asked}, which {BACKEND_NAME} replaces: "
+            f"hf_sparse_cp.run trains with sparse attention unless told otherwise; {keep}.")
 
 
 @contextlib.contextmanager
@@ -161,9 +177,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 # the script's --dataset_name (run_clm's, TRL's) names the card's dataset unless the flag does
                 named = [name for out in outputs if not isinstance(out, SparseArgumentsMixin)
                          for name in [getattr(out, "dataset_name", None)] if isinstance(name, str) and name]
-                if "attn_implementation" in explicit:
-                    run.attention_asked = next((out.attn_implementation for out in outputs
-                                                if isinstance(getattr(out, "attn_implementation", None), str)), None)
+                run.attention_asked = attention_asked(outputs, explicit) or run.attention_asked
                 for out in ours:
                     out.explicit_flags = explicit
                     if named and "sparse_card_datasets" not in explicit:
@@ -214,10 +228,10 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             args = with_plugin_arguments(args, plugin)
         record_on(self, LAUNCHED).set_attr(self, "__class__", sparse_trainer_class(type(self)))
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)
-        asked = run.attention_asked
-        if (asked not in (None, BACKEND_NAME) and "sparse_attention" not in (args.explicit_flags or ())
+        flag, asked = run.attention_asked or (None, BACKEND_NAME)
+        if (asked != BACKEND_NAME and "sparse_attention" not in (args.explicit_flags or ())
                 and compat.attn_implementation(self.model.config) == BACKEND_NAME and self.is_world_process_zero()):
-            logger.warning(attention_replaced(asked, args))
+            logger.warning(attention_replaced(flag, asked, args))
 
     try:
         if not is_patched():  # a script loads its model before its Trainer (TRL's with --attn_implementation sparse_cp)

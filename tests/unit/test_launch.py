@@ -16,7 +16,7 @@ from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
 from hf_sparse_cp.distributed import check_launched
 from hf_sparse_cp.integration.compat import argument_parser_classes
 from hf_sparse_cp.launch.command import split_command
-from hf_sparse_cp.launch.launched import attention_replaced, launched, plugin_flags_in
+from hf_sparse_cp.launch.launched import attention_asked, attention_replaced, launched, plugin_flags_in
 from hf_sparse_cp.run import main as run
 from hf_sparse_cp.run import parse_plugin_flags
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments, SparseArgumentsMixin
@@ -629,8 +629,26 @@ def test_an_attention_implementation_the_script_was_given_says_what_replaced_it_
         assert replaced == []
         return
     asked = flags[1]
-    assert replaced == [f"The script's --attn_implementation {asked} is replaced by sparse_cp: hf_sparse_cp.run trains "
-                        f"with sparse attention unless told otherwise; pass --sparse_attention false to keep {asked}."]
+    assert replaced == [f"The script's --attn_implementation asks for attn_implementation {asked}, which sparse_cp "
+                        "replaces: hf_sparse_cp.run trains with sparse attention unless told otherwise; pass "
+                        f"--sparse_attention false to keep {asked}."]
     args = SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, cp_size=2)
-    assert attention_replaced(asked, args).endswith(
+    assert attention_replaced("--attn_implementation", asked, args).endswith(
         f"to keep {asked} and drop --cp_size (context parallelism runs only through sparse_cp).")
+
+
+def test_trls_model_init_kwargs_naming_an_attention_implementation_are_named_as_the_flag_that_asked(tmp_path):
+    """TRL's scripts load the model with `--model_init_kwargs` over `--attn_implementation`: an implementation either
+    names is the one the replacement line names, with its flag."""
+    trl = pytest.importorskip("trl")
+    with launched(PluginArguments()):
+        parser = trl.TrlParser((trl.SFTConfig, trl.ModelConfig))
+        argv = ["--output_dir", str(tmp_path), "--bf16", "false", "--attn_implementation", "sdpa"]
+        config, model = parser.parse_args_into_dataclasses(
+            [*argv, "--model_init_kwargs", '{"attn_implementation": "eager"}'])
+        explicit = set(config.explicit_flags)
+        assert attention_asked([config, model], explicit) == ("--model_init_kwargs", "eager")
+        config, model = parser.parse_args_into_dataclasses(argv)
+        assert attention_asked([config, model], set(config.explicit_flags)) == ("--attn_implementation", "sdpa")
+        config, model = parser.parse_args_into_dataclasses(argv[:4])
+        assert attention_asked([config, model], set(config.explicit_flags)) is None
