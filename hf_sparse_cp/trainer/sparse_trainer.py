@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..config.files import check_field_types
 from ..distributed import ContextParallelConfig, check_launched, quiesce_process_groups
 from ..integration import compat
@@ -225,6 +225,19 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
         return _rebuild_arguments, (self._sparse_base, self.__dict__.copy())
 
 
+def _refuse_sparse_model_with_switch_off(model: Any) -> None:
+    """Refuse, naming both ways out, a model that runs `sparse_cp` in a run with `--sparse_attention false`: it would
+    train sparse with the pattern it holds (or the backend's default), never configured from the run's flags."""
+    config = getattr(model, "config", None)
+    if config is not None and compat.attn_implementation(config) == BACKEND_NAME:
+        with flag_errors():
+            raise ValueError(
+                f"--sparse_attention false, but {type(model).__name__} runs attn_implementation='{BACKEND_NAME}' (it "
+                "was loaded or configured with it), so it would train sparse, its pattern not the run's flags: load it "
+                "with attn_implementation='sdpa' or 'eager' (the script's --attn_implementation) to train dense, or "
+                "drop --sparse_attention false to train sparse.")
+
+
 def check_sequence_length(name: str, value: Any) -> None:
     """Raise ValueError, naming the flag and the fix, for a training sequence length below 2 tokens (a causal LM
     learns from at least 2: the first predicts the second); None (unset) passes."""
@@ -384,7 +397,9 @@ class SparseTrainerMixin:
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
         if args.sparse_attention and not loaded_here:
             self._enable_sparse_attention(model, args, kwargs.get("data_collator"))
-        elif not args.sparse_attention and getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
+        elif not args.sparse_attention and not loaded_here:
+            _refuse_sparse_model_with_switch_off(model)
+        if not args.sparse_attention and getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
             logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
                            "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
                            "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
@@ -397,6 +412,8 @@ class SparseTrainerMixin:
         trainer_init(model, args, *rest, **kwargs)
         if args.sparse_attention and loaded_here:
             self._enable_sparse_attention(self.model, args, self.data_collator)
+        elif loaded_here:
+            _refuse_sparse_model_with_switch_off(self.model)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()

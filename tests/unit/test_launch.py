@@ -652,3 +652,23 @@ def test_trls_model_init_kwargs_naming_an_attention_implementation_are_named_as_
         assert attention_asked([config, model], set(config.explicit_flags)) == ("--attn_implementation", "sdpa")
         config, model = parser.parse_args_into_dataclasses(argv[:4])
         assert attention_asked([config, model], set(config.explicit_flags)) is None
+
+
+def test_sparse_attention_off_with_a_model_loaded_as_sparse_cp_is_refused(tmp_path, capsys):
+    """`--attn_implementation sparse_cp --sparse_attention false` (a dense baseline asked for, the script's model loaded
+    sparse) trained sparse, with the backend's default pattern: `--sparse_block_size 32` ran as block 128, without a
+    word. Refused, naming both ways out; an sdpa model with the switch off trains dense, as before."""
+    script = tmp_path / "train.py"
+    script.write_text(ATTENTION_SCRIPT)
+    common = [str(script), "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--use_cpu",
+              "--sparse_attention", "false"]
+    with pytest.raises(SystemExit) as refused:
+        run([*common, "--attn_implementation", "sparse_cp", "--sparse_block_size", "32"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert ("train.py: error: --sparse_attention false, but LlamaForCausalLM runs attn_implementation='sparse_cp' (it "
+            "was loaded or configured with it), so it would train sparse, its pattern not the run's flags: load it "
+            "with attn_implementation='sdpa' or 'eager' (the script's --attn_implementation) to train dense, or drop "
+            "--sparse_attention false to train sparse.") in err, err
+    run([*common, "--attn_implementation", "sdpa"])
+    assert "attention: sdpa" in capsys.readouterr().out
