@@ -61,6 +61,18 @@ def length_counted_query_scales(module) -> Callable[[torch.Tensor], torch.Tensor
     return lambda positions: torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * module.attn_scale + 1.0
 
 
+def moved_query_scales(query: torch.Tensor, scales: Callable[[torch.Tensor], torch.Tensor],
+                       positions: torch.Tensor) -> torch.Tensor:
+    """`query` [B, H, L, D], which its layer scaled by `scales` of the positions 0 .. L-1 of its tensor, scaled by
+    those of `positions` [L] instead (the tokens' positions in their row), as one process scales them: the ratio in
+    float32 (or the query's wider dtype) and one rounding to the query's dtype (a ratio in bf16 or fp16
+    put 3x to 8x one process's error into the scale of each query)."""
+    wide = torch.promote_types(query.dtype, torch.float32)
+    counted = torch.arange(query.shape[2], device=query.device)
+    ratio = scales(positions).to(wide) / scales(counted).to(wide)
+    return (query.to(wide) * ratio[:, None]).to(query.dtype)
+
+
 # Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise, or attends over
 # keys of its own making, such as DeepSeek-V4's compressed ones).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

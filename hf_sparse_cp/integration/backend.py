@@ -36,7 +36,7 @@ from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
-from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales
+from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales, moved_query_scales
 from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
 from .stats import record_kept_fraction
 
@@ -314,8 +314,7 @@ def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPS
         return query
     plan = shard.plan
     row = plan.source[plan.token_index(shard.rank)].clamp_min(0).to(query.device)  # (padding: any position)
-    shard_positions = torch.arange(query.shape[2], device=query.device)
-    return query * (scales(row).to(query.dtype) / scales(shard_positions).to(query.dtype))[:, None]
+    return moved_query_scales(query, scales, row)
 
 
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
