@@ -409,7 +409,10 @@ class SparseTrainerMixin:
             # (the Trainer's default without gradient checkpointing searches the graph after every backward, and
             # DDP warns at every run that it found nothing)
             args.ddp_find_unused_parameters = False
-        trainer_init(model, args, *rest, **kwargs)
+        if rest:  # (positional as the caller gave them)
+            trainer_init(model, args, *rest, **kwargs)
+        else:  # by name: a Trainer class's second parameter may be another (TRL DPOTrainer's is ref_model)
+            trainer_init(model, args=args, **kwargs)
         if args.sparse_attention and loaded_here:
             self._enable_sparse_attention(self.model, args, self.data_collator)
         elif loaded_here:
