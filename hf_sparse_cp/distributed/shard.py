@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.tokens import BatchDocumentExtents, TokenMeta
-from .comm import all_gather_rows
+from .comm import all_gather_rows, all_reduce
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
@@ -53,16 +53,23 @@ class CPShard:
 
     def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The batch's tensor over its whole sequence, from every CP rank's tensor over its shard (an all-gather over
-        the CP group: every rank receives it).
+        the CP group: every rank receives it). Differentiable: the backward sums the gradient of the whole sequence
+        over the CP group and hands each rank that of its own positions, so that a loss every rank of the group
+        computes from the whole sequence, its gradients averaged over the ranks (DDP, FSDP2), trains as in one
+        process.
 
         Args:
-            x: this rank's per-token output (a forward's logits or hidden states), [B, local_len, ...].
+            x: this rank's per-token output (a forward's logits, hidden states, per-token log-probabilities),
+                [B, local_len, ...].
 
         Returns:
             [B, plan.seq_len, ...]: the positions of the batch as it was passed in, in its order (the split's padding
             dropped, a document plan's re-ordering undone). Memory: the gathered tensor ([CP x B, longest shard, ...])
             and the result, each about B x seq_len x the rest.
         """
+        return _WholeSequence.apply(x, self)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
         plan, cp = self.plan, self.parallel.cp_size
         b, longest = x.shape[0], plan.max_local_blocks * plan.block_size
         if x.shape[1] == longest:
@@ -85,3 +92,21 @@ class CPShard:
                 f"{query.shape[2]} queries, {key.shape[2]} keys): decoding with a KV cache is not sharded, so run "
                 "generation without cp_shard; a PEFT prefix-tuning model adds its virtual keys to every layer, so "
                 "train it without context parallelism.")
+
+
+class _WholeSequence(torch.autograd.Function):
+    """`CPShard.whole_sequence` with its gradient: forward, the all-gather of the shards into the whole sequence;
+    backward, the sum over the CP group of every rank's gradient of the whole sequence, of which each rank keeps the
+    positions of its own shard (the split's padding gets none)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: CPShard) -> torch.Tensor:
+        ctx.shard = shard
+        return shard._gather(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard = ctx.shard
+        total = grad.contiguous().clone()
+        all_reduce(total, shard.parallel.cp_group, "the all-reduce of a whole-sequence output's gradient")
+        return shard.plan.shard(total, shard.rank, pad_value=0), None

@@ -179,6 +179,13 @@ PATCHES = (
     Patch("transformers.Trainer", "compute_loss", "reads", "under CP, a Trainer whose loss is not the Trainer's or "
           "TRL SFTTrainer's (which the plugin shards exactly) is refused at start (`cp_exact_losses`)",
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    Patch("trl.DPOTrainer", "compute_loss", "reads", "under CP, TRL's DPOTrainer gets its batches whole, each forward "
+          "of its model and reference sharded and its per-token outputs gathered back into whole rows "
+          "(`cp_whole_row_losses`, trainer/whole_rows.py)",
+          parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    Patch("trl.trainer.utils", "FusedCausalLMOutput", "reads", "under CP, the whole-row hooks gather the per-token "
+          "fields of TRL's fused LM head's output, drop the last position of a head given `labels` (it shifts them) "
+          "and recompute its loss (the sum of -log_probs over the label tokens' count) from the whole rows"),
     Patch("trl", "SFTTrainer", "reads", "TRL's SFTTrainer logs num_tokens, counted on the inputs it trains on (under "
           "CP, each rank's padded shard): the plugin logs what one process counts instead"),
     # -- the Accelerator and accelerate's process-wide state --
@@ -400,6 +407,13 @@ def cp_exact_losses() -> tuple[Callable, ...]:
 
     trl = sys.modules.get("trl")  # (imported wherever such a trainer exists)
     return (Trainer.compute_loss,) + ((trl.SFTTrainer.compute_loss,) if trl is not None else ())
+
+
+def cp_whole_row_losses() -> tuple[Callable, ...]:
+    """The `compute_loss` methods built from the per-token outputs of whole rows that CP reproduces to rounding by
+    gathering each forward's outputs over the CP group (`trainer/whole_rows.py`): TRL DPOTrainer's."""
+    trl = sys.modules.get("trl")
+    return (trl.DPOTrainer.compute_loss,) if trl is not None else ()
 
 
 def logs_trained_tokens(trainer: Any) -> bool:

@@ -45,6 +45,7 @@ from ..integration.backend import cp_forward_shard, guard_context_parallel, mode
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, undo_recorded
 from .arguments import flag_errors
+from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +176,12 @@ def check_training_arguments(args, cp_size: int) -> None:
 
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's DPO, KTO, reward, GRPO
+    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's KTO, reward, GRPO
     trainers; a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
     token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
-    crashed mid-step or trained on wrong values."""
+    crashed mid-step or trained on wrong values. TRL's DPOTrainer, whose forwards' per-token outputs are gathered into
+    whole rows (`whole_rows.py`), passes, unless a setting of it cannot (`check_whole_row_trainer`)."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
     # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
@@ -196,6 +198,9 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                 "SFTTrainer's token accuracy; the Trainer's own compute_loss smooths exactly under CP)")
         fix = "drop --label_smoothing_factor (TRL deprecates it in SFTTrainer), or run without CP"
     elif method in compat.cp_exact_losses():
+        return
+    elif method in compat.cp_whole_row_losses():
+        check_whole_row_trainer(trainer, cp_size)
         return
     else:
         what = (f"{method.__qualname__.rsplit('.', 1)[0]} under context parallelism (CP {cp_size}) is not supported: "
@@ -282,30 +287,6 @@ def _scale_neftune_noise(alpha: float, module: torch.nn.Module, args) -> None:
             args[0].shape[-1] / shard.plan.seq_len)
 
 
-def whole_sequence_outputs(outputs: Any, shard: CPShard) -> Any:
-    """The per-token outputs a prediction step returns (logits, a tensor or nested tuples of them: hidden states),
-    each over the batch's whole sequence in its order, on every rank of the CP group (`CPShard.whole_sequence`), as
-    one process returns them. Raises ValueError, naming the output and the fix, for a tensor that is not per token
-    ([B, this rank's shard length, ...]: a MoE's auxiliary loss or router logits), which a rank computes from its
-    shard alone."""
-    from accelerate.utils import recursively_apply
-
-    batch, length = shard.meta.index.shape[0], shard.plan.local_len_of(shard.rank)
-
-    def whole(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or tuple(x.shape[:2]) != (batch, length):
-            raise ValueError(
-                f"a prediction step under context parallelism (CP {shard.parallel.cp_size}) returned an output of "
-                f"shape {tuple(x.shape)}: only per-token outputs ([batch {batch}, this rank's {length} tokens, ...]: "
-                "logits, hidden states) are gathered over the sequence, and this one each rank computes from its shard "
-                "of the sequence alone. Leave it out of the predictions (ignore_keys=[its name] in evaluate() or "
-                "predict(), or the model config's keys_to_ignore_at_inference), or pass --prediction_loss_only for "
-                "eval_loss alone, or evaluate without --cp_size.")
-        return shard.whole_sequence(x)
-
-    return recursively_apply(whole, outputs)
-
-
 def _count_for_batch_mean(trainer: Trainer, shift_labels: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
     """The label count to hand `compute_loss` with a rank's shard of a batch that its trainer's prediction step passes
     without one (TRL SFTTrainer's), so that the CP group's mean of the shards' losses (`_cp_group_mean`) is the batch's
@@ -337,13 +318,21 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
     `compute_metrics` and `predict()` see what one process gives them; label smoothing is the CP group's
     (`smooth_labels_over_cp_group`), and NEFTune's noise of one process's scale (`neftune_over_cp_group`).
+    A trainer whose loss is built from the per-token outputs of whole rows (TRL's DPOTrainer,
+    `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model and reference model in a
+    step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so its loss and the metrics it
+    gathers are the batch's on every rank of the group.
     `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
     predicting = [False]
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
+    whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
+    hook_forwards = hook_whole_row_forwards(trainer, patches, parallel, prepare, lambda: in_step[0])
 
     def prepare_inputs(_model, inputs: dict[str, Any]):
+        if whole_rows:  # (its model's forwards shard themselves)
+            return contextlib.nullcontext, inputs
         prepared = prepare(inputs)
         shard[0] = prepared.get(CP_SHARD_KWARG)
         return contextlib.nullcontext, prepared
@@ -351,6 +340,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     @contextlib.contextmanager
     def stepping(prediction: bool):
         in_step[0], predicting[0], shard[0] = True, prediction, None
+        if whole_rows:
+            hook_forwards()
         try:
             yield
         finally:
@@ -362,7 +353,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
         return _cp_group_mean(loss, parallel())
 
     def loss_of_shards(model, inputs, return_outputs=False, num_items_in_batch=None):
-        if predicting[0] and shard[0] is None and parallel().cp_size > 1:
+        if predicting[0] and shard[0] is None and parallel().cp_size > 1 and not whole_rows:
             # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it,
             # as the Trainer's step does (through label smoothing's wrapper where it is on, which hands the smoother
             # the shard's targets as `labels`)
@@ -386,7 +377,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     patches.set_attr(trainer, "compute_loss", loss_of_shards)
     smooth_labels_over_cp_group(trainer, patches, parallel)
     neftune_over_cp_group(trainer, patches)
-    _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0])
+    # (what a whole-row trainer's step gathers is already the batch's)
+    _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0] and not whole_rows)
 
 
 def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],

@@ -451,6 +451,10 @@ def enable_curriculum(
     if any(s.cp_size > 1 for s in schedule.stages):
         check_model_supports_context_parallel(model)
         check_loss(trainer, max(s.cp_size for s in schedule.stages))
+        if type(trainer).compute_loss in compat.cp_whole_row_losses():
+            raise ValueError(f"a cp_schedule with {type(trainer).__name__}: a stage crops each sample's input_ids to "
+                             "its length, and a preference pair's prompt and completions are kept whole. Train it "
+                             "under CP with --cp_size (a single CP degree) instead of --cp_schedule.")
         check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
     configs = []
     for i, stage in enumerate(schedule.stages):

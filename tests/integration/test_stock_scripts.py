@@ -219,39 +219,59 @@ def _words(n: int, seed: int) -> list[str]:
             for k in torch.randint(10, 40, (n,), generator=g).tolist()]
 
 
-@pytest.mark.parametrize("script", ["dpo", "grpo"])
-def test_trls_preference_and_rl_scripts_train_sparse_and_are_refused_at_start_under_cp(workdir, script):
-    """TRL's dpo.py and grpo.py (their Trainers compute their own losses: per-sequence log-prob sums, generated
-    completions) train with sparse attention in one process, DPO's reference model attending as the policy does (it
-    logged rewards of 0.024 at step 1 with a stock reference); under CP 2 they are refused before the first step,
-    naming why and the fix, where DPO crashed mid-step on a shard's logits against the whole batch's masks and GRPO
-    failed counting its batch of prompts."""
+def test_trls_dpo_script_under_cp2_equals_one_process(workdir):
+    """TRL's dpo.py trains with sparse attention, its reference model attending as the policy does (it logged rewards
+    of 0.024 at step 1 with a stock reference), and under CP 2, where it was refused at start (before that it crashed
+    mid-step on a shard's log-probs against the whole batch's masks), as one process does: the loss, rewards and
+    log-probs of every step and the saved weights (SGD: the update is the gradient's)."""
     prompts, chosen, rejected = _words(8, 0), _words(8, 1), _words(8, 2)
-    data = ([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(prompts, chosen, rejected)]
-            if script == "dpo" else [{"prompt": p} for p in prompts])
+    data = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(prompts, chosen, rejected)]
+    sgd = ["--optim", "sgd", "--learning_rate", "0.05"]
+    one = _trl_script(workdir, "dpo_one", "dpo", data, sgd, [])
+    assert one.returncode == 0, one.stderr[-6000:]
+    assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
+    first = _logs(one.stdout)[0]  # the reference model attends as the policy does: at step 1 they are one model
+    assert (first["rewards/chosen"], first["rewards/rejected"], first["loss"]) == ("0", "0", "0.6931"), first
+    cp2 = _trl_script(workdir, "dpo_cp2", "dpo", data, sgd, ["--nproc", "2", "--cp_size", "2"])
+    assert cp2.returncode == 0, cp2.stderr[-6000:]
+    assert "context parallelism: CP 2 x DP 1" in cp2.stderr + cp2.stdout
+    logs, reference = _logs(cp2.stdout), _logs(one.stdout)
+    assert len(logs) == len(reference) == 3 and logs[0]["loss"] != logs[2]["loss"]
+    for got, want in zip(logs, reference):  # (as TRL prints them: 4 significant digits)
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
+    weights, trained = load_file(workdir / "dpo_cp2" / "model.safetensors"), load_file(
+        workdir / "dpo_one" / "model.safetensors")
+    for name, tensor in trained.items():
+        assert torch.allclose(weights[name], tensor, rtol=1e-5, atol=1e-6), name
+    assert any(not torch.equal(trained[name], tensor) for name, tensor in load_file(
+        workdir / "tiny" / "model.safetensors").items())  # (it trained)
+
+
+def test_trls_grpo_script_trains_sparse_and_is_refused_at_start_under_cp(workdir):
+    """TRL's grpo.py (its Trainer completes the prompts it gets and computes its own loss) trains with sparse attention
+    in one process; under CP 2 it is refused before the first step, naming why and the fix, where it failed counting
+    its batch of prompts."""
+    data = [{"prompt": p} for p in _words(8, 0)]
     # GRPO's reward: a function the script imports from the working directory (`module.function`)
     (workdir / "length_reward.py").write_text("def reward(completions, **kwargs):\n"
                                               "    return [float(len(c)) for c in completions]\n")
-    args = [] if script == "dpo" else ["--reward_funcs", "length_reward.reward", "--num_generations", "2",
-                                       "--max_completion_length", "8", "--per_device_train_batch_size", "2"]
-    one = _trl_script(workdir, f"{script}_one", script, data, args, [])
+    args = ["--reward_funcs", "length_reward.reward", "--num_generations", "2", "--max_completion_length", "8",
+            "--per_device_train_batch_size", "2"]
+    one = _trl_script(workdir, "grpo_one", "grpo", data, args, [])
     assert one.returncode == 0, one.stderr[-6000:]
     assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
-    assert any(not torch.equal(load_file(workdir / f"{script}_one" / "model.safetensors")[name], tensor)
+    assert any(not torch.equal(load_file(workdir / "grpo_one" / "model.safetensors")[name], tensor)
                for name, tensor in load_file(workdir / "tiny" / "model.safetensors").items())  # (it trained)
-    if script == "dpo":  # the reference model attends as the policy does: at step 1 they are one model
-        first = _first_log(one.stdout)
-        assert (first["rewards/chosen"], first["rewards/rejected"], first["loss"]) == ("0", "0", "0.6931"), first
-    cp2 = _trl_script(workdir, f"{script}_cp2", script, data, args, ["--nproc", "2", "--cp_size", "2"])
-    trainer = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer"}[script]
+    cp2 = _trl_script(workdir, "grpo_cp2", "grpo", data, args, ["--nproc", "2", "--cp_size", "2"])
     assert cp2.returncode != 0 and "'loss'" not in cp2.stdout  # refused before any step
-    assert f"{trainer} under context parallelism (CP 2) is not supported" in cp2.stderr
+    assert "GRPOTrainer under context parallelism (CP 2) is not supported" in cp2.stderr
     assert "Fix: run without CP (drop --cp_size" in cp2.stderr
 
 
-def _first_log(stdout: str) -> dict:
-    """The first training log a TRL script printed (its values as TRL prints them: text, 4 significant digits)."""
-    return ast.literal_eval(re.search(r"\{'loss': [^{}]*\}", stdout).group(0))
+def _logs(stdout: str) -> list[dict]:
+    """The training logs a TRL script printed (their values as TRL prints them: text, 4 significant digits)."""
+    return [ast.literal_eval(log) for log in re.findall(r"\{'loss': [^{}]*\}", stdout)]
 
 
 def _assert_loads_without_the_plugin(*folders: Path) -> None:

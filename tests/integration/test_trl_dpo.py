@@ -1,10 +1,16 @@
-"""TRL's DPOTrainer with the plugin's class (`sparse_trainer_class(DPOTrainer)`)."""
+"""TRL's DPOTrainer under context parallelism: each rank's forward (the policy's and the reference's) takes its shard
+of every row, and the per-token log-probabilities come back whole on every rank of the CP group (an all-gather that
+hands each rank the gradient of its own positions), so TRL's own loss, rewards and metrics run on whole rows. The
+logged loss, rewards and metrics and the parameters after the steps are one process's."""
+
+import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing.spawn import run_gloo
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 trl = pytest.importorskip("trl")
@@ -18,6 +24,8 @@ DPO = dict(max_length=256, max_steps=2, per_device_train_batch_size=2, optim="sg
 # a pattern sparse at these lengths: rows of 64 tokens or more get vertical-slash attention
 PATTERN = dict(sparse_block_size=32, sparse_min_seq_len=64, sparse_vertical_topk=8, sparse_slash_topk=8,
                sparse_local_window=32, sparse_sink_tokens=4, sparse_last_q=16)
+LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+          "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens")
 
 
 def _words(n: int, seed: int, low: int, high: int) -> list[str]:
@@ -27,9 +35,68 @@ def _words(n: int, seed: int, low: int, high: int) -> list[str]:
             for k in torch.randint(low, high, (n,), generator=g).tolist()]
 
 
-def _pairs(n: int = 8) -> dict[str, list[str]]:
+def _pairs(n: int = 8, seed: int = 0) -> dict[str, list[str]]:
     """Prompts of 60 to 170 bytes, completions of different lengths: rows of about 100 to 250 tokens."""
-    return {"prompt": _words(n, 0, 10, 25), "chosen": _words(n, 1, 2, 12), "rejected": _words(n, 2, 2, 12)}
+    return {"prompt": _words(n, seed, 10, 25), "chosen": _words(n, seed + 1, 2, 12),
+            "rejected": _words(n, seed + 2, 2, 12)}
+
+
+def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict) -> dict:
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
+                                                         intermediate_size=128, head_dim=16))
+    ref_model = AutoModelForCausalLM.from_config(model.config)
+    ref_model.load_state_dict(model.state_dict())
+    args = sparse_arguments_class(DPOConfig)(output_dir=output_dir, **DPO, **PATTERN, **cp, **dpo)
+    trainer = sparse_trainer_class(DPOTrainer)(model=model, ref_model=ref_model, args=args,
+                                               train_dataset=datasets.Dataset.from_dict(_pairs()),
+                                               eval_dataset=datasets.Dataset.from_dict(_pairs(3, seed=3)),
+                                               processing_class=tokenizer)
+    lengths = []
+    hook = trainer.model.model.embed_tokens.register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]))
+    trainer.train()
+    hook.remove()
+    evaluation = trainer.evaluate()  # (its prediction step also returns the logits: a plain forward's outputs)
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    return {"logs": [{key: log[key] for key in LOGGED} for log in logs], "lengths": lengths,
+            "eval": {key: evaluation[f"eval_{key}"] for key in LOGGED if key not in ("grad_norm", "num_tokens")},
+            "kept": [log.get("sparse/kept_fraction") for log in logs],
+            "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
+
+
+def _assert_equal(run: dict, one: dict) -> None:
+    for got, want in zip([*run["logs"], run["eval"]], [*one["logs"], one["eval"]], strict=True):
+        # rewards are differences of sums of ~200 per-token log-probabilities (about -250): float32 rounds those
+        # sums, whatever the order of the ring's additions, to about 1e-5
+        rounding = 1e-6 * max(abs(want["logps/chosen"]), abs(want["logps/rejected"]))
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=rounding), (key, got[key], want[key])
+    for name, want in one["weights"].items():  # after two optimizer steps on those gradients
+        assert torch.allclose(run["weights"][name], want, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize(("cp", "dpo"), [
+    ({"cp_size": 2}, {}),  # the sparse ring, striped
+    ({"cp_size": 2, "cp_mode": "ulysses"}, {"loss_type": ["ipo"]}),  # normalized by completion lengths
+    ({"cp_size": 2, "cp_sharding": "zigzag"}, {"ld_alpha": 0.5, "loss_type": ["sigmoid", "sft"],
+                                               "loss_weights": [1.0, 0.5]}),  # completion_mask's cumsum
+], ids=["ring-striped-sigmoid", "ulysses-ipo", "ring-zigzag-ld_alpha-sft"])
+def test_dpo_under_cp2_equals_one_process(tmp_path, cp, dpo):
+    """Losses, rewards, TRL's metrics and the weights after two steps under CP 2 are one process's; each rank's
+    forwards took half of every row."""
+    one = run_gloo(_train, 1, str(tmp_path / "one"), {}, dpo, timeout_s=300)[0]
+    assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
+    assert any(0 < kept < 1 for kept in one["kept"])  # the sparse path ran
+    for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), cp, dpo, timeout_s=300):
+        _assert_equal(rank, one)
+        assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
 
 
 def test_the_switched_dpo_trainer_takes_its_arguments_and_reference_by_name(tmp_path):
@@ -49,3 +116,26 @@ def test_the_switched_dpo_trainer_takes_its_arguments_and_reference_by_name(tmp_
                                                    processing_class=tokenizer, **reference)
         assert trainer.args is args and trainer.beta == DPO["beta"]
         assert isinstance(trainer.ref_model, type(ref_model)) and (not reference or trainer.ref_model is ref_model)
+
+
+def test_dpo_with_a_moe_load_balancing_loss_is_refused_under_cp_naming_the_flag(tmp_path):
+    """A MoE's load-balancing loss multiplies means over all the batch's tokens, which no CP rank's shard gives: DPO
+    with it (TRL's router_aux_loss_coef) is refused at start, naming the flag; without it, DPO passes."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_sparse_cp.trainer.context_parallel import check_loss
+
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("mixtral", vocab_size=len(tokenizer)))
+    data = datasets.Dataset.from_dict(_pairs(2))
+    for coef in (0.01, 0.0):  # (and the model config's output_router_logits, which TRL's fused head reads)
+        args = DPOConfig(output_dir=str(tmp_path), **DPO, router_aux_loss_coef=coef, use_cpu=True)
+        trainer = DPOTrainer(model=model, ref_model=AutoModelForCausalLM.from_config(model.config), args=args,
+                             train_dataset=data, processing_class=tokenizer)
+        if coef:
+            refusal = (r"DPOTrainer with a MoE's load-balancing loss \(router_aux_loss_coef 0.01, output_router_logits "
+                       r"False\) under context parallelism \(CP 2\).*--router_aux_loss_coef 0")
+            with pytest.raises(ValueError, match=refusal):
+                check_loss(trainer, 2)
+        else:
+            check_loss(trainer, 2)

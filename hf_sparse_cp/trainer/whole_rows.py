@@ -1,0 +1,175 @@
+"""Context parallelism for a trainer whose loss is built from the per-token outputs of whole rows (TRL's
+DPOTrainer: per-sequence sums of per-token log-probabilities, of the trained model and of its reference).
+
+Such a loss is not a sum over tokens that each CP rank could take its share of, so the batch is not sharded before
+the trainer's `compute_loss`: each forward of the trained model and of the reference model inside a training or
+prediction step takes the whole rows, as in one process, and hooks on the model make it a CP forward. A forward
+pre-hook shards its inputs (`input_ids`, `attention_mask`, `position_ids`, the labels, shifted before sharding, as the
+Trainer's CP input preparation does); a forward hook gathers every per-token output (TRL's fused LM head's
+`log_probs`, `entropy`, `mean_logits`, ...; a plain forward's logits) into the whole rows on every rank of the CP
+group (`CPShard.whole_sequence`), in the one-process shape: a fused head called with `labels` scores each position's
+next token, so its outputs drop the last position. The trainer's own code (every DPO loss type, `ld_alpha`, the IPO
+normalization by completion length, rewards and metrics) then runs on whole rows, the same on every rank of the
+group. `whole_sequence`'s backward sums the group's gradients of the whole rows and hands each rank its own
+positions': averaged over the ranks (DDP, FSDP2), the gradients are one process's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims
+from ..integration.backend import guard_context_parallel
+
+# The inputs of a forward that the CP input preparation shards (or moves into the CPShard) along the sequence.
+SHARDED_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
+# The reference model TRL's trainers keep beside the trained one (None under PEFT or with precomputed log-probs).
+REFERENCE_MODEL = "ref_model"
+_FIX = ("run this trainer without CP (drop --cp_size): sparse attention alone trains it, on one process or with data "
+        "parallelism")
+
+
+# What a prediction step does with an output that is not per token (`whole_sequence_outputs`).
+_PREDICTION_FIX = ("Leave it out of the predictions (ignore_keys=[its name] in evaluate() or predict(), or the model "
+                   "config's keys_to_ignore_at_inference), or pass --prediction_loss_only for eval_loss alone, or "
+                   "evaluate without --cp_size")
+
+
+def whole_sequence_outputs(outputs: Any, shard: CPShard, what: str = "a prediction step",
+                           fix: str = _PREDICTION_FIX) -> Any:
+    """The per-token outputs of `what` (a prediction step's logits; a forward's outputs: a tensor, or nested tuples or
+    dicts of them), each over the batch's whole sequence in its order, on every rank of the CP group
+    (`CPShard.whole_sequence`, differentiable), as one process returns them. Raises ValueError, naming the output and
+    `fix`, for a tensor that is not per token ([B, this rank's shard length, ...]: a MoE's auxiliary loss or router
+    logits), which a rank computes from its shard alone."""
+    from accelerate.utils import recursively_apply
+
+    batch, length = shard.meta.index.shape[0], shard.plan.local_len_of(shard.rank)
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or tuple(x.shape[:2]) != (batch, length):
+            raise ValueError(
+                f"{what} under context parallelism (CP {shard.parallel.cp_size}) returned an output of "
+                f"shape {tuple(x.shape)}: only per-token outputs ([batch {batch}, this rank's {length} tokens, ...]: "
+                "logits, hidden states) are gathered over the sequence, and this one each rank computes from its shard "
+                f"of the sequence alone. {fix}.")
+        return shard.whole_sequence(x)
+
+    return recursively_apply(whole, outputs)
+
+
+def check_whole_row_trainer(trainer, cp_size: int) -> None:
+    """Raise ValueError, naming the setting and the fix, for a setting of a whole-row trainer (TRL's DPOTrainer) that
+    CP cannot run as one process does: a MoE's load-balancing loss (TRL's `aux_loss_enabled`, or a model config that
+    asks for router logits, which TRL's fused head then adds to its loss): it multiplies means over all the tokens of
+    the batch, which no rank's shard gives."""
+    config = getattr(trainer.model, "config", None)
+    routed = config is not None and getattr(config.get_text_config(), "output_router_logits", False)
+    if getattr(trainer, "aux_loss_enabled", False) or routed:
+        raise ValueError(
+            f"{type(trainer).__name__} with a MoE's load-balancing loss (router_aux_loss_coef "
+            f"{getattr(trainer, 'router_aux_loss_coef', None)}, output_router_logits {routed}) under context "
+            f"parallelism (CP {cp_size}) is not supported: that loss multiplies means over all the tokens of the "
+            "batch, and each CP rank's router logits cover its shard alone. Fix: --router_aux_loss_coef 0 (TRL's "
+            "DPOConfig) and output_router_logits=False in the model config, or run without CP (drop --cp_size).")
+
+
+def hook_whole_row_forwards(trainer, patches, parallel: Callable[[], ParallelDims],
+                            prepare: Callable[[dict[str, Any]], dict[str, Any]],
+                            active: Callable[[], bool]) -> Callable[[], None]:
+    """A function that makes the forwards of `trainer.model` and of its reference model (`trainer.ref_model`, when it
+    has one) CP forwards over whole rows while `active()` (a training or prediction step runs) and the step's layout
+    `parallel()` has a CP degree above 1: each forward's inputs are sharded by `prepare` (the CP input preparation),
+    its per-token outputs gathered back into the whole rows. Call it at every step: it hooks the models it has not
+    hooked yet (TRL builds its reference model after the Trainer's `__init__`, where a launched script's CP starts).
+    `patches` removes the hooks."""
+    hooked: set[int] = set()
+
+    def hook() -> None:
+        for model in (trainer.model, getattr(trainer, REFERENCE_MODEL, None)):
+            if isinstance(model, torch.nn.Module) and id(model) not in hooked:
+                hooked.add(id(model))
+                _hook(model, patches, parallel, prepare, active)
+
+    return hook
+
+
+def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
+    # the shards of the forwards this hook sharded, each with whether the forward got `labels` (which a fused head
+    # shifts itself); weak: a forward that raised leaves nothing behind
+    sharded_here: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    for handle in guard_context_parallel(model):  # (they see the inputs the pre-hook below, run first, shards)
+        patches.on_undo(handle.remove)
+
+    def shard(module, args, kwargs):
+        if not active() or parallel().cp_size == 1 or kwargs.get(CP_SHARD_KWARG) is not None:
+            return None
+        inputs = _sharded_inputs(type(module).__name__, args, kwargs, prepare)
+        sharded_here[inputs[CP_SHARD_KWARG]] = kwargs.get("labels") is not None and kwargs.get("shift_labels") is None
+        return (), inputs
+
+    def gather(module, args, kwargs, output):
+        cp_shard = kwargs.get(CP_SHARD_KWARG)
+        shifted_by_head = None if cp_shard is None else sharded_here.pop(cp_shard, None)
+        if shifted_by_head is None:
+            return None
+        return _whole_row_outputs(type(module).__name__, output, kwargs, shifted_by_head)
+
+    patches.on_undo(model.register_forward_pre_hook(shard, with_kwargs=True, prepend=True).remove)
+    patches.on_undo(model.register_forward_hook(gather, with_kwargs=True).remove)
+
+
+def _sharded_inputs(model: str, args: tuple, kwargs: dict[str, Any], prepare) -> dict[str, Any]:
+    """This rank's keyword inputs for a forward of `model` called with whole rows (`kwargs`): the CP input preparation
+    of its sequence inputs, with the other keywords as given. Raises ValueError, naming the input and the fix, for
+    positional inputs, for a per-token input the preparation does not shard, and for labels handed to a forward
+    without TRL's fused LM head (the model's own loss would be this rank's shard's)."""
+    if args:
+        raise ValueError(f"a forward of {model} under context parallelism got {len(args)} positional inputs: the "
+                         "plugin shards the keyword inputs of a whole-row forward (input_ids=..., attention_mask=...); "
+                         f"pass them by name, or {_FIX}.")
+    batch = {key: kwargs[key] for key in SHARDED_INPUTS if kwargs.get(key) is not None}
+    rest = {key: value for key, value in kwargs.items() if key not in SHARDED_INPUTS}
+    rows = batch.get("input_ids", batch.get("inputs_embeds"))
+    if rows is None:
+        raise ValueError(f"a forward of {model} under context parallelism got neither input_ids nor inputs_embeds, "
+                         f"which the plugin shards along the sequence: {_FIX}.")
+    for key, value in rest.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == rows.shape[:2]:
+            raise ValueError(
+                f"a forward of {model} under context parallelism got `{key}` of shape {tuple(value.shape)}, an input "
+                f"per token that the plugin does not shard (it shards {', '.join(SHARDED_INPUTS)}): each rank would "
+                f"pair this rank's tokens with the whole sequence's `{key}`. Drop it from the batch, or {_FIX}.")
+    fused = bool(rest.get("fused_lm_head"))
+    if not fused and ("labels" in batch or "shift_labels" in batch):
+        raise ValueError(
+            f"a forward of {model} under context parallelism got labels without TRL's fused LM head "
+            "(fused_lm_head=True): the model's own loss would be each rank's shard's, not the rows'. Compute the loss "
+            f"from the gathered per-token outputs, or {_FIX}.")
+    sharded = prepare(batch)
+    del sharded["labels"]  # (the fused head scores the shifted targets of this rank's positions)
+    if not fused:
+        sharded.pop("shift_labels", None)
+    return {**rest, **sharded}
+
+
+def _whole_row_outputs(model: str, output, kwargs: dict[str, Any], shifted_by_head: bool):
+    """`output` of a CP forward of `model` as one process returns it for the whole rows: every per-token output
+    gathered over the CP group (`whole_sequence_outputs`), without the last position where TRL's fused head was
+    given `labels` (it shifts them: one process scores seq_len - 1 positions), and the fused head's loss (its mean
+    over the label tokens, or their sum over `num_items_in_batch`) recomputed from the whole rows."""
+    shard = kwargs[CP_SHARD_KWARG]
+    fix = (f"Fix: {_FIX}; a MoE's load-balancing loss (`aux_loss`), not a sum over tokens, is left out with TRL's "
+           "--router_aux_loss_coef 0 and the model config's output_router_logits=False")
+    fields = {key: value for key, value in output.items() if key != "loss"}
+    whole = whole_sequence_outputs(fields, shard, f"a forward of {model}", fix)
+    if shifted_by_head:
+        whole = {key: value[:, :-1] for key, value in whole.items()}
+    if kwargs.get("fused_lm_head"):
+        count = kwargs.get("num_items_in_batch")
+        whole["loss"] = -whole["log_probs"].sum() / (whole["label_mask"].sum().clamp(min=1) if count is None else count)
+    return type(output)(**whole)
