@@ -24,6 +24,8 @@ DPO = dict(max_length=256, max_steps=2, per_device_train_batch_size=2, optim="sg
 # a pattern sparse at these lengths: rows of 64 tokens or more get vertical-slash attention
 PATTERN = dict(sparse_block_size=32, sparse_min_seq_len=64, sparse_vertical_topk=8, sparse_slash_topk=8,
                sparse_local_window=32, sparse_sink_tokens=4, sparse_last_q=16)
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2,
+                                                           "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
           "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens")
 
@@ -41,7 +43,8 @@ def _pairs(n: int = 8, seed: int = 0) -> dict[str, list[str]]:
             "rejected": _words(n, seed + 2, 2, 12)}
 
 
-def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict) -> dict:
+def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bool = False) -> dict:
+    """Two DPO steps and an evaluation; with `lora`, of a LoRA adapter, the reference being the model without it."""
     from trl import DPOConfig, DPOTrainer
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
@@ -52,15 +55,21 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict) -> dict:
     tokenizer = byte_tokenizer()
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
                                                          intermediate_size=128, head_dim=16))
-    ref_model = AutoModelForCausalLM.from_config(model.config)
-    ref_model.load_state_dict(model.state_dict())
+    if lora:
+        from peft import LoraConfig
+
+        reference = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                               lora_dropout=0.0)}
+    else:
+        reference = {"ref_model": AutoModelForCausalLM.from_config(model.config)}
+        reference["ref_model"].load_state_dict(model.state_dict())
     args = sparse_arguments_class(DPOConfig)(output_dir=output_dir, **DPO, **PATTERN, **cp, **dpo)
-    trainer = sparse_trainer_class(DPOTrainer)(model=model, ref_model=ref_model, args=args,
+    trainer = sparse_trainer_class(DPOTrainer)(model=model, args=args, **reference,
                                                train_dataset=datasets.Dataset.from_dict(_pairs()),
                                                eval_dataset=datasets.Dataset.from_dict(_pairs(3, seed=3)),
                                                processing_class=tokenizer)
     lengths = []
-    hook = trainer.model.model.embed_tokens.register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]))
+    hook = trainer.model.get_input_embeddings().register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]))
     trainer.train()
     hook.remove()
     evaluation = trainer.evaluate()  # (its prediction step also returns the logits: a plain forward's outputs)
@@ -68,7 +77,8 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict) -> dict:
     return {"logs": [{key: log[key] for key in LOGGED} for log in logs], "lengths": lengths,
             "eval": {key: evaluation[f"eval_{key}"] for key in LOGGED if key not in ("grad_norm", "num_tokens")},
             "kept": [log.get("sparse/kept_fraction") for log in logs],
-            "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
+            "weights": {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # (FSDP2's)
+                        for name, p in trainer.model.named_parameters()}}
 
 
 def _assert_equal(run: dict, one: dict) -> None:
@@ -82,19 +92,19 @@ def _assert_equal(run: dict, one: dict) -> None:
         assert torch.allclose(run["weights"][name], want, rtol=1e-5, atol=1e-6), name
 
 
-@pytest.mark.parametrize(("cp", "dpo"), [
-    ({"cp_size": 2}, {}),  # the sparse ring, striped
-    ({"cp_size": 2, "cp_mode": "ulysses"}, {"loss_type": ["ipo"]}),  # normalized by completion lengths
-    ({"cp_size": 2, "cp_sharding": "zigzag"}, {"ld_alpha": 0.5, "loss_type": ["sigmoid", "sft"],
-                                               "loss_weights": [1.0, 0.5]}),  # completion_mask's cumsum
-], ids=["ring-striped-sigmoid", "ulysses-ipo", "ring-zigzag-ld_alpha-sft"])
-def test_dpo_under_cp2_equals_one_process(tmp_path, cp, dpo):
-    """Losses, rewards, TRL's metrics and the weights after two steps under CP 2 are one process's; each rank's
-    forwards took half of every row."""
-    one = run_gloo(_train, 1, str(tmp_path / "one"), {}, dpo, timeout_s=300)[0]
+@pytest.mark.parametrize(("cp", "dpo", "lora"), [
+    ({"cp_size": 2}, {}, False),  # the sparse ring, striped
+    ({"cp_size": 2, "cp_mode": "ulysses"}, {"loss_type": ["ipo"]}, True),  # normalized by completion lengths
+    ({"cp_size": 2, "cp_sharding": "zigzag", **FSDP2},  # sharded parameters; the reference too (TRL's prepare_fsdp)
+     {"ld_alpha": 0.5, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, False),  # completion_mask's cumsum
+], ids=["ring-striped-sigmoid", "ulysses-ipo-lora", "fsdp2-ring-zigzag-ld_alpha-sft"])
+def test_dpo_under_cp2_equals_one_process(tmp_path, cp, dpo, lora):
+    """Losses, rewards, TRL's metrics, an evaluation's and the weights after two steps under CP 2 are one process's;
+    each rank's forwards took half of every row."""
+    one = run_gloo(_train, 1, str(tmp_path / "one"), {}, dpo, lora, timeout_s=300)[0]
     assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
     assert any(0 < kept < 1 for kept in one["kept"])  # the sparse path ran
-    for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), cp, dpo, timeout_s=300):
+    for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), cp, dpo, lora, timeout_s=300):
         _assert_equal(rank, one)
         assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
 
