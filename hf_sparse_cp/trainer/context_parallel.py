@@ -176,12 +176,12 @@ def check_training_arguments(args, cp_size: int) -> None:
 
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's KTO, reward, GRPO
+    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's reward, GRPO
     trainers; a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
     token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
-    crashed mid-step or trained on wrong values. TRL's DPOTrainer, whose forwards' per-token outputs are gathered into
-    whole rows (`whole_rows.py`), passes, unless a setting of it cannot (`check_whole_row_trainer`)."""
+    crashed mid-step or trained on wrong values. TRL's DPOTrainer and KTOTrainer, whose forwards' per-token outputs
+    are gathered into whole rows (`whole_rows.py`), pass, unless a setting of it cannot (`check_whole_row_trainer`)."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
     # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
@@ -318,7 +318,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
     `compute_metrics` and `predict()` see what one process gives them; label smoothing is the CP group's
     (`smooth_labels_over_cp_group`), and NEFTune's noise of one process's scale (`neftune_over_cp_group`).
-    A trainer whose loss is built from the per-token outputs of whole rows (TRL's DPOTrainer,
+    A trainer whose loss is built from the per-token outputs of whole rows (TRL's DPOTrainer and KTOTrainer,
     `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model and reference model in a
     step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so its loss and the metrics it
     gathers are the batch's on every rank of the group.

@@ -453,7 +453,7 @@ def enable_curriculum(
         check_loss(trainer, max(s.cp_size for s in schedule.stages))
         if type(trainer).compute_loss in compat.cp_whole_row_losses():
             raise ValueError(f"a cp_schedule with {type(trainer).__name__}: a stage crops each sample's input_ids to "
-                             "its length, and a preference pair's prompt and completions are kept whole. Train it "
+                             "its length, and a preference sample's prompt and completions are kept whole. Train it "
                              "under CP with --cp_size (a single CP degree) instead of --cp_schedule.")
         check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
     configs = []

@@ -1,5 +1,6 @@
 """Context parallelism for a trainer whose loss is built from the per-token outputs of whole rows (TRL's
-DPOTrainer: per-sequence sums of per-token log-probabilities, of the trained model and of its reference).
+DPOTrainer and KTOTrainer: per-sequence sums of per-token log-probabilities, of the trained model and of its
+reference).
 
 Such a loss is not a sum over tokens that each CP rank could take its share of, so the batch is not sharded before
 the trainer's `compute_loss`: each forward of the trained model and of the reference model inside a training or
@@ -9,9 +10,9 @@ Trainer's CP input preparation does); a forward hook gathers every per-token out
 `log_probs`, `entropy`, `mean_logits`, ...; a plain forward's logits) into the whole rows on every rank of the CP
 group (`CPShard.whole_sequence`), in the one-process shape: a fused head called with `labels` scores each position's
 next token, so its outputs drop the last position. The trainer's own code (every DPO loss type, `ld_alpha`, the IPO
-normalization by completion length, rewards and metrics) then runs on whole rows, the same on every rank of the
-group. `whole_sequence`'s backward sums the group's gradients of the whole rows and hands each rank its own
-positions': averaged over the ranks (DDP, FSDP2), the gradients are one process's.
+normalization by completion length, KTO's KL estimate, rewards and metrics) then runs on whole rows, the same on every
+rank of the group. `whole_sequence`'s backward sums the group's gradients of the whole rows and hands each rank its
+own positions': averaged over the ranks (DDP, FSDP2), the gradients are one process's.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def whole_sequence_outputs(outputs: Any, shard: CPShard, what: str = "a predicti
 
 
 def check_whole_row_trainer(trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the setting and the fix, for a setting of a whole-row trainer (TRL's DPOTrainer) that
+    """Raise ValueError, naming the setting and the fix, for a setting of a whole-row trainer (TRL's DPO, KTO) that
     CP cannot run as one process does: a MoE's load-balancing loss (TRL's `aux_loss_enabled`, or a model config that
     asks for router logits, which TRL's fused head then adds to its loss): it multiplies means over all the tokens of
     the batch, which no rank's shard gives."""
@@ -75,7 +76,8 @@ def check_whole_row_trainer(trainer, cp_size: int) -> None:
             f"{getattr(trainer, 'router_aux_loss_coef', None)}, output_router_logits {routed}) under context "
             f"parallelism (CP {cp_size}) is not supported: that loss multiplies means over all the tokens of the "
             "batch, and each CP rank's router logits cover its shard alone. Fix: --router_aux_loss_coef 0 (TRL's "
-            "DPOConfig) and output_router_logits=False in the model config, or run without CP (drop --cp_size).")
+            "DPOConfig, KTOConfig) and output_router_logits=False in the model config, or run without CP (drop "
+            "--cp_size).")
 
 
 def hook_whole_row_forwards(trainer, patches, parallel: Callable[[], ParallelDims],

@@ -1,7 +1,7 @@
-"""TRL's DPOTrainer under context parallelism: each rank's forward (the policy's and the reference's) takes its shard
-of every row, and the per-token log-probabilities come back whole on every rank of the CP group (an all-gather that
-hands each rank the gradient of its own positions), so TRL's own loss, rewards and metrics run on whole rows. The
-logged loss, rewards and metrics and the parameters after the steps are one process's."""
+"""TRL's DPOTrainer and KTOTrainer under context parallelism: each rank's forward (the policy's and the reference's)
+takes its shard of every row, and the per-token log-probabilities come back whole on every rank of the CP group (an
+all-gather that hands each rank the gradient of its own positions), so TRL's own loss, rewards and metrics run on whole
+rows. The logged loss, rewards and metrics and the parameters after the steps are one process's."""
 
 import os
 
@@ -27,7 +27,9 @@ PATTERN = dict(sparse_block_size=32, sparse_min_seq_len=64, sparse_vertical_topk
 FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2,
                                                            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-          "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens")
+          "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "num_tokens")
+# each trainer's own logs beside those
+OWN_LOGS = {"dpo": ("mean_token_accuracy",), "kto": ("kl",)}
 
 
 def _words(n: int, seed: int, low: int, high: int) -> list[str]:
@@ -43,11 +45,22 @@ def _pairs(n: int = 8, seed: int = 0) -> dict[str, list[str]]:
             "rejected": _words(n, seed + 2, 2, 12)}
 
 
-def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bool = False) -> dict:
-    """Two DPO steps and an evaluation; with `lora`, of a LoRA adapter, the reference being the model without it."""
-    from trl import DPOConfig, DPOTrainer
+def _unpaired(pairs: dict[str, list[str]]) -> dict[str, list]:
+    """KTO's data: each pair's completions apart, labelled desirable (chosen) or not (rejected)."""
+    n = len(pairs["prompt"])
+    return {"prompt": pairs["prompt"] * 2, "completion": pairs["chosen"] + pairs["rejected"],
+            "label": [True] * n + [False] * n}
+
+
+def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bool = False, kind: str = "dpo") -> dict:
+    """Two steps of TRL's DPO (`kind` "dpo") or KTO ("kto") and an evaluation; with `lora`, of a LoRA adapter, the
+    reference being the model without it."""
+    import trl
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+
+    config, trainer_class = {"dpo": (trl.DPOConfig, trl.DPOTrainer), "kto": (trl.KTOConfig, trl.KTOTrainer)}[kind]
+    data = {"dpo": _pairs, "kto": lambda *a, **k: _unpaired(_pairs(*a, **k))}[kind]
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
@@ -63,19 +76,21 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bo
     else:
         reference = {"ref_model": AutoModelForCausalLM.from_config(model.config)}
         reference["ref_model"].load_state_dict(model.state_dict())
-    args = sparse_arguments_class(DPOConfig)(output_dir=output_dir, **DPO, **PATTERN, **cp, **dpo)
-    trainer = sparse_trainer_class(DPOTrainer)(model=model, args=args, **reference,
-                                               train_dataset=datasets.Dataset.from_dict(_pairs()),
-                                               eval_dataset=datasets.Dataset.from_dict(_pairs(3, seed=3)),
-                                               processing_class=tokenizer)
+    args = sparse_arguments_class(config)(output_dir=output_dir, **DPO, **PATTERN, **cp, **dpo)
+    trainer = sparse_trainer_class(trainer_class)(model=model, args=args, **reference,
+                                                  train_dataset=datasets.Dataset.from_dict(data()),
+                                                  eval_dataset=datasets.Dataset.from_dict(data(3, seed=3)),
+                                                  processing_class=tokenizer)
     lengths = []
     hook = trainer.model.get_input_embeddings().register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]))
     trainer.train()
     hook.remove()
     evaluation = trainer.evaluate()  # (its prediction step also returns the logits: a plain forward's outputs)
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    return {"logs": [{key: log[key] for key in LOGGED} for log in logs], "lengths": lengths,
-            "eval": {key: evaluation[f"eval_{key}"] for key in LOGGED if key not in ("grad_norm", "num_tokens")},
+    logged = LOGGED + OWN_LOGS[kind]
+    # (KTO logs the chosen or rejected metrics of a step whose batch holds such completions)
+    return {"logs": [{key: log[key] for key in logged if key in log} for log in logs], "lengths": lengths,
+            "eval": {key: evaluation[f"eval_{key}"] for key in logged if f"eval_{key}" in evaluation},
             "kept": [log.get("sparse/kept_fraction") for log in logs],
             "weights": {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # (FSDP2's)
                         for name, p in trainer.model.named_parameters()}}
@@ -85,7 +100,8 @@ def _assert_equal(run: dict, one: dict) -> None:
     for got, want in zip([*run["logs"], run["eval"]], [*one["logs"], one["eval"]], strict=True):
         # rewards are differences of sums of ~200 per-token log-probabilities (about -250): float32 rounds those
         # sums, whatever the order of the ring's additions, to about 1e-5
-        rounding = 1e-6 * max(abs(want["logps/chosen"]), abs(want["logps/rejected"]))
+        rounding = 1e-6 * max(abs(want[key]) for key in ("logps/chosen", "logps/rejected") if key in want)
+        assert got.keys() == want.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=rounding), (key, got[key], want[key])
     for name, want in one["weights"].items():  # after two optimizer steps on those gradients
@@ -149,3 +165,12 @@ def test_dpo_with_a_moe_load_balancing_loss_is_refused_under_cp_naming_the_flag(
                 check_loss(trainer, 2)
         else:
             check_loss(trainer, 2)
+
+
+def test_kto_under_cp2_equals_one_process(tmp_path):
+    """TRL's KTOTrainer (unpaired completions; a KL estimate from mismatched prompt-completion pairs, two more forwards
+    of the model and its reference) under CP 2, ring striped: as one process."""
+    one = run_gloo(_train, 1, str(tmp_path / "one"), {}, {}, False, "kto", timeout_s=300)[0]
+    assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"]) and one["logs"][1]["kl"] > 0
+    for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), {"cp_size": 2}, {}, False, "kto", timeout_s=300):
+        _assert_equal(rank, one)
