@@ -174,3 +174,15 @@ def test_kto_under_cp2_equals_one_process(tmp_path):
     assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"]) and one["logs"][1]["kl"] > 0
     for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), {"cp_size": 2}, {}, False, "kto", timeout_s=300):
         _assert_equal(rank, one)
+
+
+def _with_schedule(rank: int, world: int, output_dir: str) -> None:
+    _train(rank, world, output_dir, {"cp_schedule": "0:256:1,1:256:2"}, {})
+
+
+def test_dpo_with_a_cp_schedule_is_refused_at_start_naming_cp_size(tmp_path):
+    """A --cp_schedule crops each sample's input_ids to its stage's length, and DPO's samples are a prompt and two
+    completions: refused before training, naming --cp_size."""
+    with pytest.raises(Exception, match=r"a cp_schedule with SparseDPOTrainer: a stage crops each sample's input_ids"
+                                        r".*with --cp_size"):
+        run_gloo(_with_schedule, 2, str(tmp_path), timeout_s=120)
