@@ -24,10 +24,12 @@ from typing import Any
 import torch
 
 from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims
+from ..distributed.split.blocks import CONSUMED_KEYS
 from ..integration.backend import guard_context_parallel
 
-# The inputs of a forward that the CP input preparation shards (or moves into the CPShard) along the sequence.
-SHARDED_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
+# The inputs of a forward that the CP input preparation shards along the sequence, or folds into the CPShard (the
+# attention mask, flattened packing's sequence lengths).
+SHARDED_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", *CONSUMED_KEYS)
 # The reference model TRL's trainers keep beside the trained one (None under PEFT or with precomputed log-probs).
 REFERENCE_MODEL = "ref_model"
 _FIX = ("run this trainer without CP (drop --cp_size): sparse attention alone trains it, on one process or with data "

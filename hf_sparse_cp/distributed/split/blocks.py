@@ -314,7 +314,7 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
 
 
 # Keys describing the whole sequence that are folded into the TokenMeta instead of being sharded.
-_CONSUMED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+CONSUMED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def shard_inputs(
@@ -341,7 +341,7 @@ def shard_inputs(
     b, s = ref.shape[:2]
     if s != plan.seq_len:
         raise ValueError(f"the batch has {s} tokens per row but the shard plan was made for {plan.seq_len}.")
-    out = {k: v for k, v in inputs.items() if k not in _CONSUMED_KEYS}
+    out = {k: v for k, v in inputs.items() if k not in CONSUMED_KEYS}
     if ids is not None:
         out["input_ids"] = plan.shard(ids, rank, pad_value=pad_token_id)
     if inputs.get("inputs_embeds") is not None:

@@ -1,0 +1,41 @@
+"""The inputs of a whole-row forward under CP (TRL DPO's and KTO's, `trainer/whole_rows.py`): the CP input preparation
+takes the sequence inputs, the other keywords pass as given, and what it cannot shard is refused naming the input."""
+
+import pytest
+import torch
+
+from hf_sparse_cp.distributed import ParallelDims, prepare_context_parallel_inputs
+from hf_sparse_cp.trainer.whole_rows import _sharded_inputs
+
+
+def _prepare(batch):
+    return prepare_context_parallel_inputs(batch, ParallelDims.single(), block_size=16)
+
+
+def _rows():
+    ids = torch.arange(2 * 40).reshape(2, 40) % 50 + 3
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(ids < 20, -100)}
+
+
+def test_a_fused_forward_gets_the_shard_s_shifted_targets_and_its_own_keywords():
+    rows = _rows()
+    inputs = _sharded_inputs("M", (), {**rows, "fused_lm_head": True, "use_cache": False}, _prepare)
+    assert inputs["use_cache"] is False and inputs["fused_lm_head"] is True
+    assert "labels" not in inputs and "attention_mask" not in inputs  # (the mask is the CPShard's)
+    assert torch.equal(inputs["shift_labels"][:, :39], rows["labels"][:, 1:])  # shifted before sharding
+    assert inputs["cp_shard"].plan.seq_len == 40
+
+
+@pytest.mark.parametrize(("kwargs", "refusal"), [
+    ({"fused_lm_head": True, "token_type_ids": torch.zeros(2, 40, dtype=torch.long)},
+     r"got `token_type_ids` of shape \(2, 40\), an input per token that the plugin does not shard"),
+    ({}, r"got labels without TRL's fused LM head \(fused_lm_head=True\): the model's own loss would be each rank's"),
+])
+def test_what_the_preparation_cannot_shard_is_refused_naming_it(kwargs, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        _sharded_inputs("M", (), {**_rows(), **kwargs}, _prepare)
+
+
+def test_positional_inputs_are_refused():
+    with pytest.raises(ValueError, match=r"got 1 positional inputs.*pass them by name"):
+        _sharded_inputs("M", (_rows()["input_ids"],), {}, _prepare)
