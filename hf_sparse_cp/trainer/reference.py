@@ -22,11 +22,10 @@ from ..integration import compat
 from ..integration.backend import model_config_for
 from .arguments import SparseCPArguments
 from .attach import enable_sparse_attention
+from .whole_rows import REFERENCE_MODEL
 
 logger = logging.getLogger(__name__)
 
-# The attribute TRL's trainers keep their reference model in (None under PEFT, or with precomputed log-probs).
-REFERENCE_MODEL = "ref_model"
 
 
 def attend_like_trained_model(trainer: Trainer, sparse_args: SparseCPArguments, max_length: int | None) -> None:

@@ -94,10 +94,15 @@ def hook_whole_row_forwards(trainer, patches, parallel: Callable[[], ParallelDim
     hooked: set[int] = set()
 
     def hook() -> None:
-        for model in (trainer.model, getattr(trainer, REFERENCE_MODEL, None)):
-            if isinstance(model, torch.nn.Module) and id(model) not in hooked:
-                hooked.add(id(model))
-                _hook(model, patches, parallel, prepare, active)
+        reference = getattr(trainer, REFERENCE_MODEL, None)
+        if id(trainer.model) not in hooked:  # (its CP guard is CP's own, `guard_context_parallel`)
+            hooked.add(id(trainer.model))
+            _hook(trainer.model, patches, parallel, prepare, active)
+        if isinstance(reference, torch.nn.Module) and id(reference) not in hooked:
+            hooked.add(id(reference))
+            for handle in guard_context_parallel(reference):  # (they see the inputs the pre-hook, run first, shards)
+                patches.on_undo(handle.remove)
+            _hook(reference, patches, parallel, prepare, active)
 
     return hook
 
@@ -106,8 +111,6 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
     # the shards of the forwards this hook sharded, each with whether the forward got `labels` (which a fused head
     # shifts itself); weak: a forward that raised leaves nothing behind
     sharded_here: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    for handle in guard_context_parallel(model):  # (they see the inputs the pre-hook below, run first, shards)
-        patches.on_undo(handle.remove)
 
     def shard(module, args, kwargs):
         if not active() or parallel().cp_size == 1 or kwargs.get(CP_SHARD_KWARG) is not None:
@@ -123,6 +126,7 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
             return None
         return _whole_row_outputs(type(module).__name__, output, kwargs, shifted_by_head)
 
+    # (first: the CP guard's pre-hook then sees the shard, and NEFTune's scale the forward's CPShard)
     patches.on_undo(model.register_forward_pre_hook(shard, with_kwargs=True, prepend=True).remove)
     patches.on_undo(model.register_forward_hook(gather, with_kwargs=True).remove)
 
