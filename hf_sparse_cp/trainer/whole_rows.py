@@ -22,8 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims
+from ..distributed.comm import all_reduce
 from ..distributed.split.blocks import CONSUMED_KEYS
 from ..integration.backend import guard_context_parallel
 
@@ -51,18 +53,24 @@ def whole_sequence_outputs(outputs: Any, shard: CPShard, what: str = "a predicti
     logits), which a rank computes from its shard alone."""
     from accelerate.utils import recursively_apply
 
-    batch, length = shard.meta.index.shape[0], shard.plan.local_len_of(shard.rank)
-
-    def whole(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or tuple(x.shape[:2]) != (batch, length):
-            raise ValueError(
-                f"{what} under context parallelism (CP {shard.parallel.cp_size}) returned an output of "
-                f"shape {tuple(x.shape)}: only per-token outputs ([batch {batch}, this rank's {length} tokens, ...]: "
-                "logits, hidden states) are gathered over the sequence, and this one each rank computes from its shard "
-                f"of the sequence alone. {fix}.")
-        return shard.whole_sequence(x)
-
-    return recursively_apply(whole, outputs)
+    plan, cp = shard.plan, shard.parallel.cp_size
+    batch, length = shard.meta.index.shape[0], plan.local_len_of(shard.rank)
+    shapes: list[torch.Size] = []
+    recursively_apply(lambda x: shapes.append(x.shape), outputs)
+    per_token = torch.tensor([len(shape) >= 2 and tuple(shape[:2]) == (batch, length) for shape in shapes],
+                             dtype=torch.int32, device=shard.meta.index.device)
+    if len({plan.local_len_of(rank) for rank in range(cp)}) > 1:
+        # Shards of different lengths (a document plan): an output whose shape does not depend on the rank may match
+        # this rank's length and not another's. The ranks agree before gathering, so that all raise or none waits.
+        all_reduce(per_token, shard.parallel.cp_group, "the check of per-token outputs", op=dist.ReduceOp.MIN)
+    if not bool(per_token.all()):
+        shape = shapes[int((per_token == 0).nonzero()[0])]
+        raise ValueError(
+            f"{what} under context parallelism (CP {cp}) returned an output of shape {tuple(shape)}: only per-token "
+            f"outputs ([batch {batch}, this rank's {length} tokens, ...]: logits, hidden states) are gathered over "
+            "the sequence, and this one each rank computes from its shard of the sequence alone (or a rank of the "
+            f"group found it so). {fix}.")
+    return recursively_apply(shard.whole_sequence, outputs)
 
 
 def check_whole_row_trainer(trainer, cp_size: int) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.trainer.whole_rows import whole_sequence_outputs
 
 LENGTH, BLOCK = 203, 16
 LAYOUTS = {"striped": {}, "zigzag": {"cp_sharding": "zigzag"}, "ulysses": {"cp_mode": "ulysses"},
@@ -35,6 +36,20 @@ def _grads(rank: int, world: int) -> dict:
                      "bool": shard.whole_sequence(shard.plan.shard(top1, shard.rank)),
                      "int": shard.whole_sequence(shard.plan.shard(ids, shard.rank)),
                      "index": shard.plan.token_index(shard.rank), "source": shard.plan.source}
+    # An output whose shape does not follow the rank's shard (a MoE's router statistics) may match one rank's shard
+    # length alone under a document plan's unequal shards (three documents: 112 and 96 tokens): every rank refuses
+    # it, none waits in the gather.
+    assert parallel.sharding == "document"
+    three = torch.cat([torch.arange(30), torch.arange(30), torch.arange(LENGTH - 60)]).expand(2, -1)
+    shard = prepare_context_parallel_inputs({"input_ids": ids, "position_ids": three}, parallel,
+                                            block_size=BLOCK)["cp_shard"]
+    lengths = [shard.plan.local_len_of(r) for r in range(world)]
+    try:
+        whole_sequence_outputs({"per_row": torch.zeros(2, lengths[0])}, shard)
+        refused = False
+    except ValueError:
+        refused = True
+    out["unequal"] = {"lengths": lengths, "refused": refused}
     return out
 
 
@@ -58,3 +73,5 @@ def test_whole_sequence_gradient_is_one_process_s_under_every_split():
             assert not got["grad"][:, ~real].any(), name  # the split's padding gets no gradient
             averaged[:, source[real]] += got["grad"][:, real] / len(ranks)
         assert torch.allclose(averaged, x.grad, rtol=1e-12, atol=1e-12), name
+    for rank in ranks:
+        assert len(set(rank["unequal"]["lengths"])) > 1 and rank["unequal"]["refused"], rank["unequal"]
