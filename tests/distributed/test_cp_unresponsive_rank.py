@@ -17,9 +17,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-TIMEOUT_S = 20  # the job's timeout: long enough for the set-up's collectives on a busy machine
+# The job's timeout: the set-up's collectives (the group joined, two CP groups built, a barrier) start once both
+# ranks have imported and built their model (`_meet`), so they take a second or two even on a busy machine.
+TIMEOUT_S = 10
 SETUP_LIMIT_S = 900  # spawning, importing and joining two processes, on a busy machine
 EXIT_LIMIT_S = 6 * TIMEOUT_S + 60  # from the stop to the survivor's exit: two timeouts, the errors, the exit
+
+
+def _meet(rank: int, workdir: str) -> None:
+    """Wait (up to SETUP_LIMIT_S) until the other rank gets here too: their imports end seconds apart on a busy
+    machine, which the group's short timeout must not have to cover."""
+    Path(workdir, f"ready{rank}").touch()
+    deadline = time.monotonic() + SETUP_LIMIT_S
+    while not Path(workdir, f"ready{1 - rank}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {1 - rank} did not start within {SETUP_LIMIT_S} s")
+        time.sleep(0.05)
 
 
 def _rank(rank: int, workdir: str) -> None:
@@ -40,6 +53,7 @@ def _rank(rank: int, workdir: str) -> None:
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97)).eval()
     hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0))
     ids = torch.randint(3, 97, (1, 135), generator=torch.Generator().manual_seed(1))
+    _meet(rank, workdir)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     forward_dims, ring_dims = (ParallelDims.from_config(ContextParallelConfig(cp_size=2)) for _ in range(2))
