@@ -105,33 +105,37 @@ def _sft_args(out: str) -> list[str]:
             "--packing", "--padding_free", "true", "--bf16", "false", "--gradient_checkpointing", "false", *TRAIN]
 
 
-def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
+@pytest.fixture(scope="module")
+def clm(workdir):
+    """The run_clm-shaped script in one process and under torchrun with CP 2, both with run_clm.py's --do_eval
+    (compute_metrics: the accuracy of preprocess_logits_for_metrics' argmax; the last of the validation blocks alone in
+    its batch of 2), and under accelerate launch with CP 2 (training only)."""
     plugin = [*PATTERN, "--sparse_min_seq_len", "128"]
-    one = _run(workdir, [sys.executable, *RUN], "run_clm_shaped.py", [*_clm_args("clm_one"), *plugin])
+    evaluation = ["--validation_file", "validation.txt", "--do_train", "--do_eval", "--per_device_eval_batch_size", "2"]
+    (workdir / "validation.txt").write_text((workdir / "corpus.txt").read_text()[:1400])
+    one = _run(workdir, [sys.executable, *RUN], "run_clm_shaped.py", [*_clm_args("clm_one"), *plugin, *evaluation])
     torchrun = _run(workdir, [*TORCHRUN, *RUN], "run_clm_shaped.py", [*_clm_args("clm_torchrun"), *plugin,
-                                                                      "--cp_size", "2"])
+                                                                      *evaluation, "--cp_size", "2"])
     accelerate = _run(workdir, [*_accelerate(), *RUN], "run_clm_shaped.py", [*_clm_args("clm_accelerate"), *plugin,
                                                                           "--cp_size", "2"])
-    for run in (torchrun, accelerate):
-        _assert_equal_runs(run, one)
-    assert "CP 2 x DP 1" in (torchrun["output"] / "README.md").read_text()
+    return {"one": one, "torchrun": torchrun, "accelerate": accelerate}
+
+
+def test_run_clm_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2(workdir, clm):
+    for run in (clm["torchrun"], clm["accelerate"]):
+        _assert_equal_runs(run, clm["one"])
+    assert "CP 2 x DP 1" in (clm["torchrun"]["output"] / "README.md").read_text()
     stock = _run(workdir, [sys.executable], "run_clm_shaped.py", _clm_args("clm_stock"))  # no launcher: stock
     assert "sparse_attention" not in json.loads((stock["output"] / "config.json").read_text())
     assert not any(key.startswith("sparse/") for step in stock["steps"] for key in step)
     assert "hf-sparse-cp" not in (stock["output"] / "README.md").read_text()
-    _assert_loads_without_the_plugin(torchrun["output"])
+    _assert_loads_without_the_plugin(clm["torchrun"]["output"])
 
 
-def test_run_clm_shaped_script_evaluates_with_compute_metrics_under_cp2_as_one_process(workdir):
-    """run_clm.py's --do_eval (compute_metrics: the accuracy of preprocess_logits_for_metrics' argmax; the last of the
-    validation blocks alone in its batch of 2) under torchrun with CP 2 reports one process's metrics."""
-    args = [*PATTERN, "--sparse_min_seq_len", "128", "--validation_file", "validation.txt", "--do_train", "--do_eval",
-            "--per_device_eval_batch_size", "2"]
-    (workdir / "validation.txt").write_text((workdir / "corpus.txt").read_text()[:1400])
-    one = _run(workdir, [sys.executable, *RUN], "run_clm_shaped.py", [*_clm_args("clm_eval_one"), *args])
-    cp = _run(workdir, [*TORCHRUN, *RUN], "run_clm_shaped.py", [*_clm_args("clm_eval_cp"), *args, "--cp_size", "2"])
-    _assert_equal_runs(cp, one)
-    want, got = (json.loads((run["output"] / "eval_results.json").read_text()) for run in (one, cp))
+def test_run_clm_shaped_script_evaluates_with_compute_metrics_under_cp2_as_one_process(clm):
+    """run_clm.py's --do_eval under torchrun with CP 2 reports one process's metrics (the `clm` runs)."""
+    _assert_equal_runs(clm["torchrun"], clm["one"])
+    want, got = (json.loads((clm[run]["output"] / "eval_results.json").read_text()) for run in ("one", "torchrun"))
     assert want["eval_samples"] % 2 == 1 and 0 < want["eval_accuracy"] < 1
     assert got["eval_samples"] == want["eval_samples"]
     assert got["eval_accuracy"] == want["eval_accuracy"]
