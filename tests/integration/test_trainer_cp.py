@@ -382,13 +382,14 @@ def test_train_loss_and_eval_loss_under_cp2_are_those_of_one_process():
 def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> dict:
     """Label-smoothed training (`--label_smoothing_factor 0.1`, SGD, rows with different numbers of targets in each
     half) and evaluation through the Trainer, in one process or under CP `world` with `cp_flags`: the losses it logs,
-    its eval_loss and the weights after training."""
+    its eval_loss, the weights after training and the layout it trained in."""
     import tempfile
 
     from transformers import default_data_collator
     from transformers.trainer_pt_utils import LabelSmoother
 
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+    from hf_sparse_cp.integration.patching import attached_patches
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     ids = torch.arange(6 * 300).remainder(97).add(3).view(6, 300)
@@ -409,38 +410,74 @@ def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> 
         initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         flags = dict(cp_flags)
         schedule = flags.pop("cp_schedule", None)  # (a curriculum's stages: {world} is the run's CP degree)
-        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
-                          ContextParallelConfig(cp_size=1 if schedule else world, **flags),
-                          cp_schedule=schedule and schedule.format(world=world))
+        parallel = attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                                     ContextParallelConfig(cp_size=1 if schedule else world, **flags),
+                                     cp_schedule=schedule and schedule.format(world=world))
         trainer.train()
-        return {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-                "eval_loss": trainer.evaluate()["eval_loss"],
-                "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
+        result = {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+                  "eval_loss": trainer.evaluate()["eval_loss"],
+                  "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial,
+                  "layout": parallel.describe() if parallel.cp_size > 1 else "one process",
+                  "curriculum": attached_patches(trainer, "curriculum") is not None}
+        detach_from_trainer(trainer)  # (the next configuration trains a new Trainer in this process)
+        return result
 
 
-@pytest.mark.parametrize("cp_flags, steps", [
-    ((), {"gradient_accumulation_steps": 2}),
-    ((("cp_sharding", "zigzag"),), {}),
-    ((("cp_mode", "ulysses"),), {}),
-    ((("cp_sharding", "document"),), {}),
-    ((), {"gradient_accumulation_steps": 2, "average_tokens_across_devices": False}),
-    ((), {"gradient_accumulation_steps": 2, "model_accepts_loss_kwargs": False}),
-    ((("cp_schedule", "0:256:{world}"),), {}),
-], ids=["striped-ga2", "zigzag", "ulysses", "document", "ga2-per-device-tokens", "ga2-no-token-count", "cp_schedule"])
-def test_label_smoothing_under_cp2_equals_one_process(cp_flags, steps):
+def _label_smoothed_runs(rank: int, world: int, configurations: tuple) -> list[dict]:
+    """`_label_smoothed_run` of each (cp_flags, steps) in `configurations`, one after the other in these processes."""
+    return [_label_smoothed_run(rank, world, cp_flags, steps) for cp_flags, steps in configurations]
+
+
+LABEL_SMOOTHING = {
+    "striped-ga2": ((), {"gradient_accumulation_steps": 2}),
+    "zigzag": ((("cp_sharding", "zigzag"),), {}),
+    "ulysses": ((("cp_mode", "ulysses"),), {}),
+    "document": ((("cp_sharding", "document"),), {}),
+    "ga2-per-device-tokens": ((), {"gradient_accumulation_steps": 2, "average_tokens_across_devices": False}),
+    "ga2-no-token-count": ((), {"gradient_accumulation_steps": 2, "model_accepts_loss_kwargs": False}),
+    "cp_schedule": ((("cp_schedule", "0:256:{world}"),), {}),
+}
+
+
+def _reference_of(cp_flags: tuple, steps: dict) -> tuple:
+    """The one-process run a configuration compares with: its steps, and a schedule's stages (the rows it crops)."""
+    return tuple(flag for flag in cp_flags if flag[0] == "cp_schedule"), steps
+
+
+@pytest.fixture(scope="module")
+def label_smoothed():
+    """Every LABEL_SMOOTHING configuration under CP 2, and each distinct one-process reference, each world size
+    spawned once: {id: (one process's result, the CP ranks' results)}."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    references = []  # (distinct, in order)
+    for config in LABEL_SMOOTHING.values():
+        if _reference_of(*config) not in references:
+            references.append(_reference_of(*config))
+    (ones,) = run_gloo(_label_smoothed_runs, 1, tuple(references), timeout_s=600)
+    per_rank = run_gloo(_label_smoothed_runs, 2, tuple(LABEL_SMOOTHING.values()), timeout_s=900)
+    return {name: (ones[references.index(_reference_of(*config))], [runs[i] for runs in per_rank])
+            for i, (name, config) in enumerate(LABEL_SMOOTHING.items())}
+
+
+@pytest.mark.parametrize("name", LABEL_SMOOTHING)
+def test_label_smoothing_under_cp2_equals_one_process(label_smoothed, name):
     """--label_smoothing_factor was refused under CP (the Trainer's smoother shifts the labels it gets, a rank's
     shard, and divides by a rank's count). Now the loss it logs, eval_loss and the weights after SGD steps (the
     gradients) equal one process's under the ring's shardings, ulysses and with gradient accumulation, whether the
     Trainer counts the batch's targets (num_items_in_batch, over all devices or per device) or not (a model whose
     forward takes no loss keywords: each micro-batch's mean)."""
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    schedule = tuple(flag for flag in cp_flags if flag[0] == "cp_schedule")  # (the rows it crops, at CP 1)
-    (one,) = run_gloo(_label_smoothed_run, 1, schedule, steps, timeout_s=300)
-    for r in run_gloo(_label_smoothed_run, 2, cp_flags, steps, timeout_s=300):
+    one, per_rank = label_smoothed[name]
+    cp_flags = dict(LABEL_SMOOTHING[name][0])
+    assert one["layout"] == "one process"
+    for r in per_rank:
         assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
         assert rel_rms(r["update"], one["update"]) < 1e-5
+        # (each configuration trained as set: the processes trained the others before it)
+        assert r["layout"].startswith("CP 2 x DP 1") and r["curriculum"] == ("cp_schedule" in cp_flags), r["layout"]
+        for value in {k: v for k, v in cp_flags.items() if k != "cp_schedule"}.values():
+            assert value in r["layout"].lower(), (value, r["layout"])
 
 
 def _neftune_noise(rank: int, world: int) -> float:
