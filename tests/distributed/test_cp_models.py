@@ -155,17 +155,26 @@ def test_every_registered_architecture_equals_one_process_under_cp2(model_type):
         assert result["kept"] < 1e-12, result  # the kept fraction counts real tokens only: no padding effect
 
 
+LAYOUTS = {"zigzag": (("cp_sharding", "zigzag"),), "document": (("cp_sharding", "document"),),
+           "ulysses": (("cp_mode", "ulysses"),)}
+POSITION_DEPENDENT = ("gpt_oss", "llama4_text")
 HYBRID = (("cp_mode", "hybrid"), ("cp_ulysses_size", 2), ("cp_sharding", "zigzag"))
 
 
-@pytest.mark.parametrize("world, flags, model_types", [
-    (2, (("cp_sharding", "zigzag"),), ("gpt_oss", "llama4_text")),
-    (2, (("cp_sharding", "document"),), ("gpt_oss", "llama4_text")),
-    (2, (("cp_mode", "ulysses"),), ("gpt_oss", "llama4_text")),
-    (4, HYBRID, ("gpt_oss", "llama4_text", "gemma3_text")),
-], ids=["zigzag", "document", "ulysses", "hybrid-cp4"])
-def test_position_dependent_queries_sinks_and_windows_equal_one_process_under_every_cp_layout(world, flags,
-                                                                                               model_types):
+def _registry_under_cp2_layouts(rank: int, world: int, model_types: tuple[str, ...], layouts: tuple) -> list[dict]:
+    """`_registry_under_cp2` under each of `layouts` (flags), one after the other in these processes."""
+    return [_registry_under_cp2(rank, world, model_types, flags) for flags in layouts]
+
+
+@pytest.fixture(scope="module")
+def position_dependent_runs():
+    """{layout: per-rank results} of POSITION_DEPENDENT under every one of LAYOUTS, spawned once."""
+    per_rank = run_gloo(_registry_under_cp2_layouts, 2, POSITION_DEPENDENT, tuple(LAYOUTS.values()), timeout_s=900)
+    return {name: [runs[i] for runs in per_rank] for i, name in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "hybrid-cp4"])
+def test_position_dependent_queries_sinks_and_windows_equal_one_process_under_every_cp_layout(request, layout):
     """GPT-OSS passes learned sinks (`s_aux`), which the ring applies once to each query's merged result and
     ulysses to its share of the heads; Llama 4's no-RoPE layer scales its queries by positions it counts from the
     length of the tensor it gets (a rank's shard), which the backend moves to the tokens' positions in the row
@@ -173,7 +182,12 @@ def test_position_dependent_queries_sinks_and_windows_equal_one_process_under_ev
     modes besides the table's striped ring, the hybrid's heads over 2 ranks x a zigzag ring of 2 among them (with
     Gemma 3's sliding-window and global layers), the logits, loss and gradients (the sinks' among them) equal one
     process's too."""
-    for rank in run_gloo(_registry_under_cp2, world, model_types, flags, timeout_s=600):
+    if layout == "hybrid-cp4":  # (4 processes: heads over 2 ranks x a zigzag ring of 2)
+        model_types = (*POSITION_DEPENDENT, "gemma3_text")
+        ranks = run_gloo(_registry_under_cp2, 4, model_types, HYBRID, timeout_s=600)
+    else:
+        model_types, ranks = POSITION_DEPENDENT, request.getfixturevalue("position_dependent_runs")[layout]
+    for rank in ranks:
         for model_type in model_types:
             result, bound = rank[model_type], FLOAT32_ROUNDED.get(model_type, 1e-10)
             assert result["sparse"] and result["logits"] < bound and result["loss"] < bound, result
