@@ -41,6 +41,11 @@ def _step_reads(rank: int, world: int, cp_mode: str) -> dict:
     return dict(by_function)
 
 
+def _reads_of_each_mode(rank: int, world: int, cp_modes: tuple[str, ...]) -> dict:
+    """`_step_reads` of each of `cp_modes`, one after the other in these processes."""
+    return {cp_mode: _step_reads(rank, world, cp_mode) for cp_mode in cp_modes}
+
+
 A = "hf_sparse_cp/attention/"
 # Per rank, 4 layers (3 sparse), one step. Ring: the documents once; per layer the layout's widths (build_layout; a
 # sparse layer one more: the widest window of kept columns), one copy of what the ring plans from (the read matrix,
@@ -52,5 +57,5 @@ ULYSSES = {f"{A}tokens.py document_table": 1, f"{A}build.py build_layout": 7}
 
 
 def test_host_reads_of_a_cp2_step_are_pinned():
-    assert run_gloo(_step_reads, 2, "ring", timeout_s=300) == [RING, RING]
-    assert run_gloo(_step_reads, 2, "ulysses", timeout_s=300) == [ULYSSES, ULYSSES]
+    assert run_gloo(_reads_of_each_mode, 2, ("ring", "ulysses"), timeout_s=600) == [{"ring": RING,
+                                                                                      "ulysses": ULYSSES}] * 2
