@@ -169,9 +169,27 @@ def _lora_step_under_cp(rank: int, world: int, mode: str = "ring") -> dict:
             "grad_norm": float(torch.stack([g.norm() for g in ref_grads]).min())}
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_lora_under_cp2_equals_one_process(mode):
-    for r in run_gloo(_lora_step_under_cp, 2, mode, timeout_s=300):
+def _lora_under_cp(rank: int, world: int, modes: tuple[str, ...]) -> dict:
+    """`_lora_step_under_cp`, then `_train_lora`, under each of `modes`, one after the other in these processes."""
+    steps = {mode: _lora_step_under_cp(rank, world, mode) for mode in modes}
+    return {"step": steps, "trainer": {mode: _train_lora(rank, world, mode) for mode in modes}}
+
+
+MODES = ("ring", "ulysses")
+
+
+@pytest.fixture(scope="module")
+def under_cp2():
+    """{"step" | "trainer": {mode: per-rank results}} under CP 2 (one spawned pair for all), and "one": the
+    one-process Trainer run."""
+    per_rank = run_gloo(_lora_under_cp, 2, MODES, timeout_s=900)
+    runs = {kind: {mode: [r[kind][mode] for r in per_rank] for mode in MODES} for kind in ("step", "trainer")}
+    return {**runs, "one": _train_lora()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_under_cp2_equals_one_process(under_cp2, mode):
+    for r in under_cp2["step"][mode]:
         assert r["lora_params"] == 8 and r["sparse"] and r["grad_norm"] > 0  # A and B of q, v in 2 layers
         for errs in r["errors"].values():
             # fp64 model; the stock loss casts the logits to fp32, hence fp32 rounding
@@ -207,13 +225,13 @@ def _train_lora(rank: int | None = None, world: int = 1, mode: str = "ring") -> 
             "weights": {n: p.detach().clone() for n, p in model.named_parameters() if n in changed}}
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_lora_through_the_trainer_with_cp2_equals_one_process(mode):
-    ref = _train_lora()
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_through_the_trainer_with_cp2_equals_one_process(under_cp2, mode):
+    ref = under_cp2["one"]
     assert ref["cp"] == 1 and len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]
     assert ref["changed"] and all(".lora_A." in n or ".lora_B." in n for n in ref["changed"])
     assert max(ref["kept"]) < 0.9  # (the mean over layers)
-    for run in run_gloo(_train_lora, 2, mode, timeout_s=300):
+    for run in under_cp2["trainer"][mode]:
         assert (run["cp"], run["mode"]) == (2, mode) and run["changed"] == ref["changed"]
         for got, want in zip(run["losses"], ref["losses"]):
             assert abs(got - want) <= 1e-6 * want, (run["losses"], ref["losses"])
