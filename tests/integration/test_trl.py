@@ -3,6 +3,7 @@
 process does, and TRL's own model card is kept with the plugin's section merged into it."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -81,18 +82,19 @@ def test_the_switched_sft_trainer_is_trls_and_trains_sparse(one_process):
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_packed_sft_under_cp2_equals_one_process(one_process, tmp_path, mode):
+def test_packed_sft_under_cp2_equals_one_process(one_process, on_two_processes, mode):
     """Padding-free packed rows (position_ids restarting per document) under the sparse ring and under
     head parallelism: TRL's losses, gradient norms, kept fractions and weights of one process."""
     _, one, _ = one_process
-    for rank in run_gloo(_cp2, 2, str(tmp_path), mode, timeout_s=400):
+    runs, folder = on_two_processes
+    for rank in (r[mode] for r in runs):
         assert (rank["cp_size"], rank["mode"]) == (2, mode)
         assert rank["loss"] == pytest.approx(one["loss"], rel=1e-4)
         assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         assert rank["kept"] == pytest.approx(one["kept"], rel=1e-4)
         for name, total in one["weights"].items():  # after two optimizer steps on those gradients
             assert rank["weights"][name] == pytest.approx(total, rel=1e-4, abs=1e-4), name
-    card = (tmp_path / "README.md").read_text()
+    card = (folder / mode / "README.md").read_text()
     assert "CP 2 x DP 1" in card and "2 CPU processes (gloo)" in card
     assert ("head-parallel (Ulysses) over 2 ranks" in card) == (mode == "ulysses")
 
@@ -200,8 +202,33 @@ def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_s
     return {"metrics": metrics, "lengths": lengths}
 
 
+def _on_two_processes(rank: int, world: int, output_dir: str) -> dict:
+    """What the tests read from two processes, one after the other in the same pair: the evaluation under DP 2 before
+    training (`_evaluate`), TRL's packed SFT under CP 2 with the ring and with ulysses (`_cp2`), the evaluation under CP
+    2 (after a step, with --average_tokens_across_devices true and false), and label smoothing under CP 2 (refused:
+    the error's text)."""
+    runs = {"dp2": _evaluate(rank, world, f"{output_dir}/dp2", 1, 1, 0)}
+    runs |= {mode: _cp2(rank, world, f"{output_dir}/{mode}", mode) for mode in ("ring", "ulysses")}
+    runs["evaluate"] = {flag: _evaluate(rank, world, f"{output_dir}/cp2-{flag}", 2, 2, 1, 0.0, flag)
+                        for flag in (True, False)}
+    try:
+        _evaluate(rank, world, f"{output_dir}/label_smoothing", 2, 2, 1, 0.1)
+        runs["label_smoothing"] = "not refused"
+    except Exception as e:  # (the refusal's type is TRL's path's; its text is what the test reads)
+        runs["label_smoothing"] = f"{type(e).__name__}: {e}"
+    return runs
+
+
+@pytest.fixture(scope="module")
+def on_two_processes(tmp_path_factory):
+    """(`_on_two_processes`'s per-rank results, their folder), spawned once for the module."""
+    folder = tmp_path_factory.mktemp("two_processes")
+    return run_gloo(_on_two_processes, 2, str(folder), timeout_s=900), folder
+
+
 @pytest.mark.parametrize("average_tokens", [True, False], ids=["tokens-across-devices", "tokens-per-device"])
-def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one_process(tmp_path, average_tokens):
+def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one_process(tmp_path, on_two_processes,
+                                                                                         average_tokens):
     """TRL's prediction_step hands compute_loss the whole batch, without the Trainer's CP preparation: under CP 2
     each rank's evaluation forwards take its shard (half the row), and eval_loss, TRL's eval_entropy and
     eval_mean_token_accuracy (sums over every rank's shard) and compute_metrics' accuracy are one process's, after a
@@ -211,29 +238,29 @@ def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one
     one = run_gloo(_evaluate, 1, str(tmp_path / "one"), 1, *settings, timeout_s=300)[0]
     assert len(one["lengths"]) == 4  # two batches (the last short), two forwards each (TRL's, then the logits)
     assert 0 < one["metrics"]["eval_accuracy"] < 1
-    for rank in run_gloo(_evaluate, 2, str(tmp_path / "cp2"), 2, *settings, timeout_s=300):
+    for rank in (r["evaluate"][average_tokens] for r in on_two_processes[0]):
         assert all(n < m for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
             assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6), key
 
 
-def test_sft_with_label_smoothing_under_cp2_is_refused_at_start_naming_the_fix(tmp_path):
+def test_sft_with_label_smoothing_under_cp2_is_refused_at_start_naming_the_fix(on_two_processes):
     """TRL's SFTTrainer computes its token accuracy from the labels it is handed beside the smoothed loss; under CP
     the smoothing wrapper hands the smoother the shard's targets in their place, so the logged accuracy would be
     the shard's re-shifted targets' (eval_mean_token_accuracy 0.01063 against one process's 0.01162, the loss equal):
     refused before training, naming the flag. The Trainer's own loss smooths exactly under CP (test_trainer_cp.py)."""
-    with pytest.raises(Exception, match=r"label smoothing \(--label_smoothing_factor 0.1\) with SFTTrainer's own "
-                                        r"compute_loss.*drop --label_smoothing_factor"):
-        run_gloo(_evaluate, 2, str(tmp_path / "cp2"), 2, 2, 1, 0.1, timeout_s=300)
+    for rank in on_two_processes[0]:
+        assert re.search(r"label smoothing \(--label_smoothing_factor 0.1\) with SFTTrainer's own compute_loss.*"
+                         r"drop --label_smoothing_factor", rank["label_smoothing"]), rank["label_smoothing"]
 
 
-def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path):
+def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path, on_two_processes):
     """Four processes, DP 2 x CP 2: the two CP groups evaluate different packed rows (one each per step, the last step
     short), with TRL's own loss (the rank's token mean, computed without a label count). eval_loss, TRL's eval_entropy
     and eval_mean_token_accuracy and compute_metrics' accuracy are those of DP 2 without CP: the CP group's label count
     alone divides its shards' losses, never the other group's (eval_loss was 5.058 instead of 5.602 when the groups'
     rows held different counts). Evaluated before training."""
-    two = run_gloo(_evaluate, 2, str(tmp_path / "dp2"), 1, 1, 0, timeout_s=300)[0]
+    two = on_two_processes[0][0]["dp2"]
     assert 0 < two["metrics"]["eval_accuracy"] < 1
     for rank in run_gloo(_evaluate, 4, str(tmp_path / "dp2cp2"), 2, 1, 0, timeout_s=300):
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
