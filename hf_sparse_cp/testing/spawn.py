@@ -6,7 +6,7 @@ import os
 import pickle
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -55,6 +55,22 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> 
             with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _each(rank: int, world_size: int, calls: dict[str, tuple[Callable, tuple]]) -> dict[str, Any]:
+    return {name: fn(rank, world_size, *args) for name, (fn, args) in calls.items()}
+
+
+def run_gloo_each(calls: Mapping[str, tuple[Callable, tuple]], world_size: int, *,
+                  timeout_s: float = 600.0) -> dict[str, list[Any]]:
+    """Call each `fn(rank, world_size, *args)` of `calls` ({name: (fn, args)}), one after the other in order, in the
+    same `world_size` spawned processes (`run_gloo`: their start, most of a small test's time, paid once); returns
+    {name: every rank's return value in rank order}.
+
+    The calls share the processes: each leaves them as a fresh process would be for the next (what it attached
+    detached, what it enabled disabled), or comes last."""
+    per_rank = run_gloo(_each, world_size, dict(calls), timeout_s=timeout_s)
+    return {name: [results[name] for results in per_rank] for name in calls}
 
 
 def gloo_runs_by_world(fn: Callable, *, timeout_s: float = 600.0) -> Callable[[int], list[Any]]:

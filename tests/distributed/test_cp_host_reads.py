@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import run_gloo_each
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from host_reads import count_host_reads
@@ -41,11 +41,6 @@ def _step_reads(rank: int, world: int, cp_mode: str) -> dict:
     return dict(by_function)
 
 
-def _reads_of_each_mode(rank: int, world: int, cp_modes: tuple[str, ...]) -> dict:
-    """`_step_reads` of each of `cp_modes`, one after the other in these processes."""
-    return {cp_mode: _step_reads(rank, world, cp_mode) for cp_mode in cp_modes}
-
-
 A = "hf_sparse_cp/attention/"
 # Per rank, 4 layers (3 sparse), one step. Ring: the documents once; per layer the layout's widths (build_layout; a
 # sparse layer one more: the widest window of kept columns), one copy of what the ring plans from (the read matrix,
@@ -57,5 +52,5 @@ ULYSSES = {f"{A}tokens.py document_table": 1, f"{A}build.py build_layout": 7}
 
 
 def test_host_reads_of_a_cp2_step_are_pinned():
-    assert run_gloo(_reads_of_each_mode, 2, ("ring", "ulysses"), timeout_s=600) == [{"ring": RING,
-                                                                                      "ulysses": ULYSSES}] * 2
+    reads = run_gloo_each({mode: (_step_reads, (mode,)) for mode in ("ring", "ulysses")}, 2, timeout_s=600)
+    assert reads == {"ring": [RING, RING], "ulysses": [ULYSSES, ULYSSES]}

@@ -15,7 +15,7 @@ import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.integration.architectures import cp_tested_model_types
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import run_gloo, run_gloo_each
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import rel_rms
@@ -161,16 +161,11 @@ POSITION_DEPENDENT = ("gpt_oss", "llama4_text")
 HYBRID = (("cp_mode", "hybrid"), ("cp_ulysses_size", 2), ("cp_sharding", "zigzag"))
 
 
-def _registry_under_cp2_layouts(rank: int, world: int, model_types: tuple[str, ...], layouts: tuple) -> list[dict]:
-    """`_registry_under_cp2` under each of `layouts` (flags), one after the other in these processes."""
-    return [_registry_under_cp2(rank, world, model_types, flags) for flags in layouts]
-
-
 @pytest.fixture(scope="module")
 def position_dependent_runs():
     """{layout: per-rank results} of POSITION_DEPENDENT under every one of LAYOUTS, spawned once."""
-    per_rank = run_gloo(_registry_under_cp2_layouts, 2, POSITION_DEPENDENT, tuple(LAYOUTS.values()), timeout_s=900)
-    return {name: [runs[i] for runs in per_rank] for i, name in enumerate(LAYOUTS)}
+    return run_gloo_each({name: (_registry_under_cp2, (POSITION_DEPENDENT, flags)) for name, flags in LAYOUTS.items()},
+                         2, timeout_s=900)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "hybrid-cp4"])

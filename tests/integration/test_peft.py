@@ -25,7 +25,7 @@ from hf_sparse_cp.integration.models import check_model_supports_context_paralle
 from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import run_gloo_each
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import rel_rms
@@ -169,27 +169,21 @@ def _lora_step_under_cp(rank: int, world: int, mode: str = "ring") -> dict:
             "grad_norm": float(torch.stack([g.norm() for g in ref_grads]).min())}
 
 
-def _lora_under_cp(rank: int, world: int, modes: tuple[str, ...]) -> dict:
-    """`_lora_step_under_cp`, then `_train_lora`, under each of `modes`, one after the other in these processes."""
-    steps = {mode: _lora_step_under_cp(rank, world, mode) for mode in modes}
-    return {"step": steps, "trainer": {mode: _train_lora(rank, world, mode) for mode in modes}}
-
-
 MODES = ("ring", "ulysses")
 
 
 @pytest.fixture(scope="module")
 def under_cp2():
-    """{"step" | "trainer": {mode: per-rank results}} under CP 2 (one spawned pair for all), and "one": the
-    one-process Trainer run."""
-    per_rank = run_gloo(_lora_under_cp, 2, MODES, timeout_s=900)
-    runs = {kind: {mode: [r[kind][mode] for r in per_rank] for mode in MODES} for kind in ("step", "trainer")}
-    return {**runs, "one": _train_lora()}
+    """{"step MODE" (`_lora_step_under_cp`) | "trainer MODE" (`_train_lora`): per-rank results} under CP 2, one
+    spawned pair for all, and "one": the one-process Trainer run."""
+    calls = {f"{kind} {mode}": (fn, (mode,)) for kind, fn in (("step", _lora_step_under_cp), ("trainer", _train_lora))
+             for mode in MODES}
+    return {**run_gloo_each(calls, 2, timeout_s=900), "one": _train_lora()}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_lora_under_cp2_equals_one_process(under_cp2, mode):
-    for r in under_cp2["step"][mode]:
+    for r in under_cp2[f"step {mode}"]:
         assert r["lora_params"] == 8 and r["sparse"] and r["grad_norm"] > 0  # A and B of q, v in 2 layers
         for errs in r["errors"].values():
             # fp64 model; the stock loss casts the logits to fp32, hence fp32 rounding
@@ -231,7 +225,7 @@ def test_lora_through_the_trainer_with_cp2_equals_one_process(under_cp2, mode):
     assert ref["cp"] == 1 and len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]
     assert ref["changed"] and all(".lora_A." in n or ".lora_B." in n for n in ref["changed"])
     assert max(ref["kept"]) < 0.9  # (the mean over layers)
-    for run in under_cp2["trainer"][mode]:
+    for run in under_cp2[f"trainer {mode}"]:
         assert (run["cp"], run["mode"]) == (2, mode) and run["changed"] == ref["changed"]
         for got, want in zip(run["losses"], ref["losses"]):
             assert abs(got - want) <= 1e-6 * want, (run["losses"], ref["losses"])

@@ -423,11 +423,6 @@ def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> 
         return result
 
 
-def _label_smoothed_runs(rank: int, world: int, configurations: tuple) -> list[dict]:
-    """`_label_smoothed_run` of each (cp_flags, steps) in `configurations`, one after the other in these processes."""
-    return [_label_smoothed_run(rank, world, cp_flags, steps) for cp_flags, steps in configurations]
-
-
 LABEL_SMOOTHING = {
     "striped-ga2": ((), {"gradient_accumulation_steps": 2}),
     "zigzag": ((("cp_sharding", "zigzag"),), {}),
@@ -448,16 +443,16 @@ def _reference_of(cp_flags: tuple, steps: dict) -> tuple:
 def label_smoothed():
     """Every LABEL_SMOOTHING configuration under CP 2, and each distinct one-process reference, each world size
     spawned once: {id: (one process's result, the CP ranks' results)}."""
-    from hf_sparse_cp.testing.spawn import run_gloo
+    from hf_sparse_cp.testing.spawn import run_gloo_each
 
-    references = []  # (distinct, in order)
-    for config in LABEL_SMOOTHING.values():
-        if _reference_of(*config) not in references:
-            references.append(_reference_of(*config))
-    (ones,) = run_gloo(_label_smoothed_runs, 1, tuple(references), timeout_s=600)
-    per_rank = run_gloo(_label_smoothed_runs, 2, tuple(LABEL_SMOOTHING.values()), timeout_s=900)
-    return {name: (ones[references.index(_reference_of(*config))], [runs[i] for runs in per_rank])
-            for i, (name, config) in enumerate(LABEL_SMOOTHING.items())}
+    references = {}  # each distinct reference: the first configuration's name that compares with it, and the reference
+    for name, config in LABEL_SMOOTHING.items():
+        references.setdefault(repr(_reference_of(*config)), (name, _reference_of(*config)))
+    ones = run_gloo_each({name: (_label_smoothed_run, ref) for name, ref in references.values()}, 1, timeout_s=600)
+    runs = run_gloo_each({name: (_label_smoothed_run, config) for name, config in LABEL_SMOOTHING.items()}, 2,
+                         timeout_s=900)
+    return {name: (ones[references[repr(_reference_of(*config))][0]][0], runs[name])
+            for name, config in LABEL_SMOOTHING.items()}
 
 
 @pytest.mark.parametrize("name", LABEL_SMOOTHING)

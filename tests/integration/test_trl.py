@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import run_gloo, run_gloo_each
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 trl = pytest.importorskip("trl")
@@ -87,7 +87,7 @@ def test_packed_sft_under_cp2_equals_one_process(one_process, on_two_processes, 
     head parallelism: TRL's losses, gradient norms, kept fractions and weights of one process."""
     _, one, _ = one_process
     runs, folder = on_two_processes
-    for rank in (r[mode] for r in runs):
+    for rank in runs[mode]:
         assert (rank["cp_size"], rank["mode"]) == (2, mode)
         assert rank["loss"] == pytest.approx(one["loss"], rel=1e-4)
         assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
@@ -202,28 +202,28 @@ def _evaluate(rank: int, world: int, output_dir: str, cp_size: int, eval_batch_s
     return {"metrics": metrics, "lengths": lengths}
 
 
-def _on_two_processes(rank: int, world: int, output_dir: str) -> dict:
-    """What the tests read from two processes, one after the other in the same pair: the evaluation under DP 2 before
-    training (`_evaluate`), TRL's packed SFT under CP 2 with the ring and with ulysses (`_cp2`), the evaluation under CP
-    2 (after a step, with --average_tokens_across_devices true and false), and label smoothing under CP 2 (refused:
-    the error's text)."""
-    runs = {"dp2": _evaluate(rank, world, f"{output_dir}/dp2", 1, 1, 0)}
-    runs |= {mode: _cp2(rank, world, f"{output_dir}/{mode}", mode) for mode in ("ring", "ulysses")}
-    runs["evaluate"] = {flag: _evaluate(rank, world, f"{output_dir}/cp2-{flag}", 2, 2, 1, 0.0, flag)
-                        for flag in (True, False)}
+def _label_smoothing_refusal(rank: int, world: int, output_dir: str) -> str:
+    """The error `_evaluate` under CP 2 with label smoothing ends with (its type and text), or "not refused"."""
     try:
-        _evaluate(rank, world, f"{output_dir}/label_smoothing", 2, 2, 1, 0.1)
-        runs["label_smoothing"] = "not refused"
+        _evaluate(rank, world, output_dir, 2, 2, 1, 0.1)
     except Exception as e:  # (the refusal's type is TRL's path's; its text is what the test reads)
-        runs["label_smoothing"] = f"{type(e).__name__}: {e}"
-    return runs
+        return f"{type(e).__name__}: {e}"
+    return "not refused"
 
 
 @pytest.fixture(scope="module")
 def on_two_processes(tmp_path_factory):
-    """(`_on_two_processes`'s per-rank results, their folder), spawned once for the module."""
+    """({name: per-rank results}, their folder) of what the tests run on two processes, one after the other in one
+    spawned pair: the evaluation under DP 2 before training, TRL's packed SFT under CP 2 with the ring and with
+    ulysses, the evaluation under CP 2 after a step (--average_tokens_across_devices true and false), and label
+    smoothing under CP 2 (refused)."""
     folder = tmp_path_factory.mktemp("two_processes")
-    return run_gloo(_on_two_processes, 2, str(folder), timeout_s=900), folder
+    calls = {"dp2": (_evaluate, (f"{folder}/dp2", 1, 1, 0)), "ring": (_cp2, (f"{folder}/ring", "ring")),
+             "ulysses": (_cp2, (f"{folder}/ulysses", "ulysses")),
+             **{f"evaluate-{flag}": (_evaluate, (f"{folder}/cp2-{flag}", 2, 2, 1, 0.0, flag))
+                for flag in (True, False)},
+             "label_smoothing": (_label_smoothing_refusal, (f"{folder}/label_smoothing",))}
+    return run_gloo_each(calls, 2, timeout_s=900), folder
 
 
 @pytest.mark.parametrize("average_tokens", [True, False], ids=["tokens-across-devices", "tokens-per-device"])
@@ -238,7 +238,7 @@ def test_sft_evaluation_with_compute_metrics_under_cp2_is_sharded_and_equals_one
     one = run_gloo(_evaluate, 1, str(tmp_path / "one"), 1, *settings, timeout_s=300)[0]
     assert len(one["lengths"]) == 4  # two batches (the last short), two forwards each (TRL's, then the logits)
     assert 0 < one["metrics"]["eval_accuracy"] < 1
-    for rank in (r["evaluate"][average_tokens] for r in on_two_processes[0]):
+    for rank in on_two_processes[0][f"evaluate-{average_tokens}"]:
         assert all(n < m for n, m in zip(rank["lengths"], one["lengths"], strict=True)), rank["lengths"]
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
             assert rank["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6), key
@@ -249,9 +249,9 @@ def test_sft_with_label_smoothing_under_cp2_is_refused_at_start_naming_the_fix(o
     the smoothing wrapper hands the smoother the shard's targets in their place, so the logged accuracy would be
     the shard's re-shifted targets' (eval_mean_token_accuracy 0.01063 against one process's 0.01162, the loss equal):
     refused before training, naming the flag. The Trainer's own loss smooths exactly under CP (test_trainer_cp.py)."""
-    for rank in on_two_processes[0]:
+    for refusal in on_two_processes[0]["label_smoothing"]:
         assert re.search(r"label smoothing \(--label_smoothing_factor 0.1\) with SFTTrainer's own compute_loss.*"
-                         r"drop --label_smoothing_factor", rank["label_smoothing"]), rank["label_smoothing"]
+                         r"drop --label_smoothing_factor", refusal), refusal
 
 
 def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path, on_two_processes):
@@ -260,7 +260,7 @@ def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path, on_two_processes):
     and eval_mean_token_accuracy and compute_metrics' accuracy are those of DP 2 without CP: the CP group's label count
     alone divides its shards' losses, never the other group's (eval_loss was 5.058 instead of 5.602 when the groups'
     rows held different counts). Evaluated before training."""
-    two = on_two_processes[0][0]["dp2"]
+    two = on_two_processes[0]["dp2"][0]
     assert 0 < two["metrics"]["eval_accuracy"] < 1
     for rank in run_gloo(_evaluate, 4, str(tmp_path / "dp2cp2"), 2, 1, 0, timeout_s=300):
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
