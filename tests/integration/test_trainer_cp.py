@@ -153,6 +153,22 @@ def test_cp_without_a_process_group_says_how_to_launch(tmp_path):
     disable_trainer_context_parallel(trainer)  # nothing enabled: a no-op
 
 
+@pytest.fixture(scope="module")
+def spawned():
+    """What the Trainer tests below run in gloo processes, one after the other in one spawned process ("one") and one
+    spawned pair ("cp2", under CP 2), each Trainer detached after (`run_gloo_each`): {"one" | "cp2": {name: per-rank
+    results}}."""
+    from hf_sparse_cp.testing.spawn import run_gloo_each
+
+    one = {"losses": (_reported_losses, ()), "neftune": (_neftune_noise, ()),
+           **{f"label smoothing {name}": (_label_smoothed_run, _reference_of(*config))
+              for name, config in LABEL_SMOOTHING.items() if _reference_name(name) == name}}
+    cp2 = {"patch": (_patch_round_trip, ()), "losses": (_reported_losses, ()), "neftune": (_neftune_noise, ()),
+           **{f"label smoothing {name}": (_label_smoothed_run, config) for name, config in LABEL_SMOOTHING.items()},
+           "no_targets": (_step_without_targets_under_cp2, ())}  # (last: its lean loss is process-wide)
+    return {"one": run_gloo_each(one, 1, timeout_s=900), "cp2": run_gloo_each(cp2, 2, timeout_s=1200)}
+
+
 def _patch_round_trip(rank: int, world: int) -> dict:
     """In a 2-process gloo group: what the patch changes on a Trainer, and that disabling restores it."""
     import tempfile
@@ -282,11 +298,8 @@ def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change()
         assert r["changed"] == [True, False, False] and all(r["restored"])
 
 
-def test_enable_patches_the_trainer_instance_and_disable_restores_it():
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    results = run_gloo(_patch_round_trip, 2, timeout_s=300)
-    for rank, r in enumerate(results):
+def test_enable_patches_the_trainer_instance_and_disable_restores_it(spawned):
+    for rank, r in enumerate(spawned["cp2"]["patch"]):
         assert r["cp"] == (2, rank) and r["shard"]
         local, planned, padded = r["lens"]
         assert local == planned == padded // 2 and padded >= 300 and padded % 128 == 0  # whole blocks, nothing cut
@@ -303,7 +316,13 @@ def _step_without_targets_under_cp2(rank: int, world: int) -> dict:
 
     from transformers import TrainerCallback, default_data_collator
 
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, enable_lean_loss
+    from hf_sparse_cp import (
+        SparseCPArguments,
+        attach_to_trainer,
+        detach_from_trainer,
+        disable_lean_loss,
+        enable_lean_loss,
+    )
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     enable_lean_loss()
@@ -326,16 +345,16 @@ def _step_without_targets_under_cp2(rank: int, world: int) -> dict:
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=2))
         trainer.add_callback(Snapshot())
         trainer.train()
+        detach_from_trainer(trainer)
+    disable_lean_loss()
     finite = all(bool(torch.isfinite(w).all()) for step in weights for w in step)
     unchanged = all(torch.equal(a, b) for a, b in zip(initial, weights[0]))
     trained = any(not torch.equal(a, b) for a, b in zip(weights[0], weights[1]))
     return {"finite": finite, "unchanged": unchanged, "trained": trained}
 
 
-def test_a_batch_without_targets_leaves_the_weights_unchanged_under_cp2():
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    for r in run_gloo(_step_without_targets_under_cp2, 2, timeout_s=300):
+def test_a_batch_without_targets_leaves_the_weights_unchanged_under_cp2(spawned):
+    for r in spawned["cp2"]["no_targets"]:
         assert r == {"finite": True, "unchanged": True, "trained": True}
 
 
@@ -346,7 +365,7 @@ def _reported_losses(rank: int, world: int) -> dict:
 
     from transformers import default_data_collator
 
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     ids = torch.arange(6 * 300).remainder(97).add(3).view(6, 300)
@@ -364,16 +383,16 @@ def _reported_losses(rank: int, world: int) -> dict:
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=world))
         result = trainer.train()
         logged = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-        return {"logged": logged, "train_loss": result.training_loss, "eval_loss": trainer.evaluate()["eval_loss"]}
+        eval_loss = trainer.evaluate()["eval_loss"]
+        detach_from_trainer(trainer)
+        return {"logged": logged, "train_loss": result.training_loss, "eval_loss": eval_loss}
 
 
-def test_train_loss_and_eval_loss_under_cp2_are_those_of_one_process():
+def test_train_loss_and_eval_loss_under_cp2_are_those_of_one_process(spawned):
     """A CP rank's loss is its shard's share: the unlogged steps' part of `train_loss` and an `eval_loss` that
     `gather_for_metrics` takes from rank 0 alone are the whole batch's, as in one process."""
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    (one,) = run_gloo(_reported_losses, 1, timeout_s=300)
-    for r in run_gloo(_reported_losses, 2, timeout_s=300):
+    (one,) = spawned["one"]["losses"]
+    for r in spawned["cp2"]["losses"]:
         assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
         assert r["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
@@ -439,30 +458,21 @@ def _reference_of(cp_flags: tuple, steps: dict) -> tuple:
     return tuple(flag for flag in cp_flags if flag[0] == "cp_schedule"), steps
 
 
-@pytest.fixture(scope="module")
-def label_smoothed():
-    """Every LABEL_SMOOTHING configuration under CP 2, and each distinct one-process reference, each world size
-    spawned once: {id: (one process's result, the CP ranks' results)}."""
-    from hf_sparse_cp.testing.spawn import run_gloo_each
-
-    references = {}  # each distinct reference: the first configuration's name that compares with it, and the reference
-    for name, config in LABEL_SMOOTHING.items():
-        references.setdefault(repr(_reference_of(*config)), (name, _reference_of(*config)))
-    ones = run_gloo_each({name: (_label_smoothed_run, ref) for name, ref in references.values()}, 1, timeout_s=600)
-    runs = run_gloo_each({name: (_label_smoothed_run, config) for name, config in LABEL_SMOOTHING.items()}, 2,
-                         timeout_s=900)
-    return {name: (ones[references[repr(_reference_of(*config))][0]][0], runs[name])
-            for name, config in LABEL_SMOOTHING.items()}
+def _reference_name(name: str) -> str:
+    """The first configuration of LABEL_SMOOTHING whose one-process reference is `name`'s (the one that runs it)."""
+    return next(other for other, config in LABEL_SMOOTHING.items()
+                if _reference_of(*config) == _reference_of(*LABEL_SMOOTHING[name]))
 
 
 @pytest.mark.parametrize("name", LABEL_SMOOTHING)
-def test_label_smoothing_under_cp2_equals_one_process(label_smoothed, name):
+def test_label_smoothing_under_cp2_equals_one_process(spawned, name):
     """--label_smoothing_factor was refused under CP (the Trainer's smoother shifts the labels it gets, a rank's
     shard, and divides by a rank's count). Now the loss it logs, eval_loss and the weights after SGD steps (the
     gradients) equal one process's under the ring's shardings, ulysses and with gradient accumulation, whether the
     Trainer counts the batch's targets (num_items_in_batch, over all devices or per device) or not (a model whose
     forward takes no loss keywords: each micro-batch's mean)."""
-    one, per_rank = label_smoothed[name]
+    (one,) = spawned["one"][f"label smoothing {_reference_name(name)}"]
+    per_rank = spawned["cp2"][f"label smoothing {name}"]
     cp_flags = dict(LABEL_SMOOTHING[name][0])
     assert one["layout"] == "one process"
     for r in per_rank:
@@ -482,7 +492,7 @@ def _neftune_noise(rank: int, world: int) -> float:
 
     from transformers.integrations.neftune import activate_neftune
 
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     ids = torch.arange(512).remainder(97).add(3).view(1, 512)
@@ -498,15 +508,14 @@ def _neftune_noise(rank: int, world: int) -> float:
         _, inputs = trainer._prepare_context_parallel_inputs(model, {"input_ids": ids, "labels": ids})
         with torch.no_grad():
             model(**inputs)
+        detach_from_trainer(trainer)
     return float(noisy[0].abs().max() / (5.0 / (512 * model.config.hidden_size) ** 0.5))
 
 
-def test_neftune_noise_under_cp2_has_the_scale_of_one_process():
+def test_neftune_noise_under_cp2_has_the_scale_of_one_process(spawned):
     """NEFTune scales its noise by the length of the embedded tensor, a rank's shard under CP: the noise was
     sqrt(CP) times one process's (1.414 of its bound here; --neftune_noise_alpha was refused). Each rank's noise now
     stays within one process's bound alpha / sqrt(L x d), L the whole row, and reaches it (the largest of 32,768
     uniform draws per rank)."""
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    for ratio in run_gloo(_neftune_noise, 1, timeout_s=300) + run_gloo(_neftune_noise, 2, timeout_s=300):
+    for ratio in spawned["one"]["neftune"] + spawned["cp2"]["neftune"]:
         assert 0.99 < ratio <= 1.0, ratio
