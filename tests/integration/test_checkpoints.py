@@ -255,7 +255,9 @@ def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every
     same = _cli(tmp_path / "same", 4, *steps, "--resume_from_checkpoint", checkpoint)  # the saved layout: exact
     assert same.returncode == 0, same.stderr[-3000:]
     assert json.loads((tmp_path / "same" / "summary.json").read_text())["losses"] == want
-    without_fsdp = _cli(tmp_path / "ddp", 4, *steps[:-len(FSDP2)], "--resume_from_checkpoint", checkpoint)
+    # (2 processes with the batch that fits them: only the missing FSDP2 differs)
+    without_fsdp = _cli(tmp_path / "ddp", 2, *steps[:-len(FSDP2)], "--per_device_train_batch_size", "2",
+                        "--resume_from_checkpoint", checkpoint)
     assert without_fsdp.returncode != 0 and "only a run with FSDP2 loads it" in without_fsdp.stderr
     refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
     assert refused.returncode != 0
