@@ -165,7 +165,8 @@ def spawned():
               for name, config in LABEL_SMOOTHING.items() if _reference_name(name) == name}}
     cp2 = {"patch": (_patch_round_trip, ()), "losses": (_reported_losses, ()), "neftune": (_neftune_noise, ()),
            **{f"label smoothing {name}": (_label_smoothed_run, config) for name, config in LABEL_SMOOTHING.items()},
-           "no_targets": (_step_without_targets_under_cp2, ())}  # (last: its lean loss is process-wide)
+           "no_targets": (_step_without_targets_under_cp2, ()), "fsdp2": (_cpu_fsdp2_round_trip, ()),
+           "accelerate_cp": (_patch_under_accelerate_cp, ())}  # (last: it sets accelerate's process-wide state)
     return {"one": run_gloo_each(one, 1, timeout_s=900), "cp2": run_gloo_each(cp2, 2, timeout_s=1200)}
 
 
@@ -255,10 +256,8 @@ def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
             "after": after == before, "during": during == (fsdp, fsdp, True, True), "from_config": from_config}
 
 
-def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp():
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    for r in run_gloo(_cpu_fsdp2_round_trip, 2, timeout_s=300):
+def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp(spawned):
+    for r in spawned["cp2"]["fsdp2"]:
         assert r == {"plain": False, "enabled": True, "sharded": True, "before": True, "after": True, "during": True,
                      "from_config": True}
 
@@ -290,10 +289,8 @@ def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
                 "restored": [a == b for a, b in zip(before, after)]}
 
 
-def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change():
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    for rank, r in enumerate(run_gloo(_patch_under_accelerate_cp, 2, timeout_s=300)):
+def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change(spawned):
+    for rank, r in enumerate(spawned["cp2"]["accelerate_cp"]):
         assert r["cp"] == (2, rank, (0, 1)) and r["bypassed"]
         assert r["changed"] == [True, False, False] and all(r["restored"])
 
