@@ -82,10 +82,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         given = before + [flag for flag in plugin_flags_in(args) if flag not in before]
         sys.stderr.write(
             f"{PROG}: warning: {target} ended without building a transformers Trainer, so the plugin never reached it: "
-            "it ran as python runs it, with the model's own attention and without context parallelism"
+            "it ran as python runs it, without context parallelism"
             + (f" (the plugin's flags {', '.join(given)} were not used)" if given else "")
-            + ". The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a training loop of its "
-            "own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: docs/usage.md).\n")
+            + '; a model it loaded with attn_implementation="sparse_cp" attended with the pattern of its own config '
+            "(SparseAttentionConfig's defaults unless the script called hf_sparse_cp.configure), any other with its "
+            "own attention. The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a training "
+            "loop of its own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: "
+            "docs/usage.md).\n")
 
 
 if __name__ == "__main__":

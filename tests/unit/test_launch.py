@@ -580,6 +580,8 @@ def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp
     err = capsys.readouterr().err
     assert "own_loop.py ended without building a transformers Trainer" in err
     assert "--cp_size, --sparse_block_size" in err and "functional API" in err
+    # (a model the script loads with attn_implementation="sparse_cp" attends sparse: the warning said it did not)
+    assert "model's own attention" not in err and 'attn_implementation="sparse_cp" attended' in err
     (tmp_path / "record_run.py").write_text(RECORDER)  # a script that parses the flags but trains nothing: told too
     run(["record_run.py", "--output_dir", "out", "--sparse_min_seq_len", "64"])
     err = capsys.readouterr().err
