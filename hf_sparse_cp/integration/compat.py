@@ -97,8 +97,10 @@ PATCHES = (
           "shards each batch for the sparse ring", _CP_UNDO, ("self", "model", "inputs")),
     Patch(_TRAINER, TRAINER_TRACK_TOKENS, "replaces", "under CP every rank of a group counts the same batch: the "
           "wrapper counts it once", _CP_UNDO, ("self", "inputs")),
-    Patch(_TRAINER, TRAINER_COUNT_ITEMS, "replaces", "before transformers 5.19 the loss's token count divides by "
-          "the CP degree only when accelerate's ParallelismConfig sets one: the wrapper divides by ours", _CP_UNDO,
+    Patch(_TRAINER, TRAINER_COUNT_ITEMS, "replaces", "the loss's token count, under CP, takes the form of "
+          "--average_tokens_across_devices' (without the flag: the CP group's count times the DP degree, not a "
+          "fractional count that TRL clamps to 1); before transformers 5.19 it divides by the CP degree only when "
+          "accelerate's ParallelismConfig sets one: the wrapper divides by ours", _CP_UNDO,
           ("self", "batch_samples", "device")),
     Patch(_TRAINER, "get_cp_size", "replaces", "the Trainer reads the CP degree (batch size, token count) from "
           "accelerate's ParallelismConfig only; ours comes from --cp_size or the curriculum's stage", _CP_UNDO,

@@ -115,24 +115,55 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
     return first
 
 
-def count_once_per_cp_group(trainer: Trainer, patches, cp_size: Callable[[], int], owns_cp: bool) -> None:
+@contextlib.contextmanager
+def _seen_as(owner: Any, name: str, value: Any):
+    """`owner.name` reads `value` inside the block (an attribute of the instance, restored after it)."""
+    had, previous = name in vars(owner), vars(owner).get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, previous)
+        else:
+            delattr(owner, name)
+
+
+def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
-    flop and batch-size accounting count that batch once per group, as without CP. `cp_size()` is the
-    CP degree of the step in progress (constant, or a curriculum's stage)."""
+    flop and batch-size accounting count that batch once per group, as without CP. `parallel()` is the
+    CP layout of the step in progress (constant, or a curriculum's stage).
+
+    The loss's token count (`num_items_in_batch`) is, under CP, always in the form the Trainer gives with
+    `average_tokens_across_devices`, which compute_loss multiplies by the number of processes (dp x cp):
+    without the flag, it is the CP group's whole count times the DP degree (`cp_group_steps` runs compute_loss
+    with the flag seen on), so a rank's loss is cp x its shard's sum over its group's count, whose mean over the
+    ranks is each DP group's batch mean as without CP. The Trainer's own count without the flag, the group's
+    count over the CP degree, is fractional: TRL's loss clamps it to 1 (`num_tokens.clamp(min=1)`), which halved
+    the loss of a batch with one target under CP 2."""
+    def cp_size() -> int:
+        return parallel().cp_size
+
     if not owns_cp:
         # transformers reads the CP degree from accelerate's ParallelismConfig only; with it, the
         # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
         patches.set_attr(trainer, "get_cp_size", cp_size)
-        if not compat.token_count_divides_by_get_cp_size():
-            compat.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
-            count = getattr(trainer, compat.TRAINER_COUNT_ITEMS)
+    divides = owns_cp or compat.token_count_divides_by_get_cp_size()
+    compat.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
+    count = getattr(trainer, compat.TRAINER_COUNT_ITEMS)
 
-            def count_once(batch_samples, device):
-                # the gathered count holds each CP group's batch cp_size times (exactly)
+    def count_once(batch_samples, device):
+        if cp_size() == 1:
+            return count(batch_samples, device)
+        if not trainer.args.average_tokens_across_devices:
+            with _seen_as(trainer, "get_cp_size", lambda: 1):  # the rank's count: its CP group's batch's
                 items = count(batch_samples, device)
-                return items if items is None else items // cp_size()
+            return items if items is None else items * parallel().dp_size
+        # the gathered count holds each CP group's batch cp_size times (exactly)
+        items = count(batch_samples, device)
+        return items if items is None or divides else items // cp_size()
 
-            patches.set_attr(trainer, compat.TRAINER_COUNT_ITEMS, count_once)
+    patches.set_attr(trainer, compat.TRAINER_COUNT_ITEMS, count_once)
     flops = trainer.floating_point_ops
     patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size())
     compat.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
@@ -287,17 +318,14 @@ def _scale_neftune_noise(alpha: float, module: torch.nn.Module, args) -> None:
             args[0].shape[-1] / shard.plan.seq_len)
 
 
-def _count_for_batch_mean(trainer: Trainer, shift_labels: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
+def _count_for_batch_mean(shift_labels: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
     """The label count to hand `compute_loss` with a rank's shard of a batch that its trainer's prediction step passes
     without one (TRL SFTTrainer's), so that the CP group's mean of the shards' losses (`_cp_group_mean`) is the batch's
     token mean, which compute_loss returns without a count and without CP. It is the CP group's own count (its
     `shift_labels` summed over the group), never the other data-parallel groups' (the Trainer's count gathers every
-    rank's: with DP 2 x CP 2 each group's loss was weighed by the other group's rows), over the CP degree, times the
-    processes (dp x cp) that compute_loss multiplies a counted loss by under `average_tokens_across_devices`."""
-    count = global_num_items(shift_labels, parallel.cp_group)
-    if trainer.args.average_tokens_across_devices:
-        return count * parallel.dp_size
-    return count / parallel.cp_size
+    rank's: with DP 2 x CP 2 each group's loss was weighed by the other group's rows), times the DP degree: compute_loss
+    multiplies a counted loss by the processes (dp x cp), `average_tokens_across_devices` seen on (`cp_group_steps`)."""
+    return global_num_items(shift_labels, parallel.cp_group) * parallel.dp_size
 
 
 def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],
@@ -360,8 +388,11 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             _, inputs = getattr(trainer, compat.TRAINER_CP_INPUTS)(model, inputs)
             if num_items_in_batch is None:
                 targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"]
-                num_items_in_batch = _count_for_batch_mean(trainer, targets, parallel())
-        return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+                num_items_in_batch = _count_for_batch_mean(targets, parallel())
+        averaged = trainer.args.average_tokens_across_devices or num_items_in_batch is None or parallel().cp_size == 1
+        # (a count under CP takes the flag's form: `count_once_per_cp_group`)
+        with contextlib.nullcontext() if averaged else _seen_as(trainer.args, "average_tokens_across_devices", True):
+            return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):
         with stepping(True):
@@ -489,7 +520,7 @@ def enable_trainer_context_parallel(
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
-    count_once_per_cp_group(trainer, patches, lambda: parallel.cp_size, owns_cp)
+    count_once_per_cp_group(trainer, patches, lambda: parallel, owns_cp)
     cp_group_steps(trainer, patches, lambda: parallel, prepare_inputs)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's

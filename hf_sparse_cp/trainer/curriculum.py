@@ -493,7 +493,7 @@ def enable_curriculum(
 
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
-    count_once_per_cp_group(trainer, patches, lambda: curriculum.parallel().cp_size, owns_cp=False)
+    count_once_per_cp_group(trainer, patches, curriculum.parallel, owns_cp=False)
     cp_group_steps(trainer, patches, curriculum.parallel, prepare_inputs)
     # evaluation batches: sharded over the DP ranks of the stage in progress
     patches.set_attr(trainer.accelerator, "prepare_data_loader",

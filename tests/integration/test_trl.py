@@ -265,3 +265,47 @@ def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path, on_two_processes):
     for rank in run_gloo(_evaluate, 4, str(tmp_path / "dp2cp2"), 2, 1, 0, timeout_s=300):
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_accuracy", "eval_targets"):
             assert rank["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-6), key
+
+
+def _one_target_per_row(rank: int, world: int, output_dir: str, cp_size: int) -> dict:
+    """SFT without `average_tokens_across_devices` (each process's batch its own mean) on rows with one target each
+    (the token at position 40; a prompt-completion row whose completion is its EOS), batches of one row: one training
+    step, then evaluation."""
+    from hf_sparse_cp import SparseSFTConfig as SFTConfig
+    from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+    rows = datasets.Dataset.from_dict({"input_ids": [tokenizer(text)["input_ids"] for text in _texts(3)]})
+
+    def collate(batch):
+        lengths = torch.tensor([len(row["input_ids"]) for row in batch])
+        ids = torch.tensor([row["input_ids"] + [0] * (int(lengths.max()) - len(row["input_ids"])) for row in batch])
+        labels = torch.full_like(ids, -100)
+        labels[:, 40] = ids[:, 40]
+        mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    plugin = {"cp_size": cp_size} if cp_size > 1 else {}
+    args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": 1, "packing": False, "padding_free": False},
+                     **PATTERN, **plugin, average_tokens_across_devices=False, per_device_eval_batch_size=1,
+                     dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tokenizer,
+                         data_collator=collate)
+    trainer.train()
+    (log,) = [log for log in trainer.state.log_history if "loss" in log]
+    return {"loss": log["loss"], "grad_norm": log["grad_norm"], "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def test_sft_without_averaging_tokens_across_devices_under_cp2_equals_one_process_on_a_single_target(tmp_path):
+    """Without --average_tokens_across_devices a CP rank's label count was the CP group's over the CP degree: half a
+    token for a batch with one target under CP 2, which TRL's loss clamps to 1 (`num_tokens.clamp(min=1)`), so the
+    loss was halved (eval_loss 2.7836 against one process's 5.5672; the step's loss and grad_norm 2.835 / 7.44
+    against 5.669 / 14.88). The count is now the group's whole count, as with the flag on."""
+    one = run_gloo(_one_target_per_row, 1, str(tmp_path / "one"), 1, timeout_s=300)[0]
+    for rank in run_gloo(_one_target_per_row, 2, str(tmp_path / "cp2"), 2, timeout_s=300):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            assert rank[key] == pytest.approx(one[key], rel=1e-5), key
