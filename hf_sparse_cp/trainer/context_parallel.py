@@ -257,36 +257,64 @@ def dropout_note(model: torch.nn.Module) -> str | None:
             "config's dropout fields).")
 
 
-def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
-    """Make the Trainer's label smoothing (`--label_smoothing_factor`) under CP what it is in one process.
+def _causal_lm_loss(model_output, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch=None):
+    """The loss a causal LM computes of its labels (transformers' `ForCausalLMLoss`: the cross-entropy in fp32, each
+    position predicting the next one's label where `shift_labels`), called as the Trainer calls its label smoother:
+    the sum over `num_items_in_batch`, else the mean over the targets."""
+    logits = model_output["logits"] if isinstance(model_output, dict) else model_output[0]
+    if shift_labels:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    labels = labels.to(logits.device)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
+    return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
 
-    The Trainer hands its label smoother the logits and `labels` of the step's inputs, which it shifts; under CP
-    those are a rank's shard, and the targets are shifted before sharding (`shift_labels`). So the CP inputs hand it
-    the shard's shifted targets as `labels` (without `shift_labels`, so that the model computes no loss of its
-    own), and the smoother, told not to shift, computes the stock per-token loss (1 - eps) nll + eps mean(-log p)
-    on them. Its normalization is the CP group's: `num_items_in_batch`, the batch's count that the Trainer already
-    takes once per CP group, where the Trainer passes it; else the loss sum over the group's count (`rank_loss`,
-    `global_num_items`), as the model's loss. `parallel()` is the CP layout of the step in progress (constant, or a
-    curriculum's stage); a stage at CP 1 runs the stock smoother."""
+
+def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+    """Make the Trainer's label smoothing (`--label_smoothing_factor`), and the loss of a model whose forward takes no
+    loss keywords, under CP what they are in one process.
+
+    The Trainer hands its label smoother the logits and `labels` of the step's inputs, which it shifts (for a model
+    class in transformers' causal-LM mapping; others' labels it smooths as given); under CP those are a rank's shard,
+    and the targets are shifted before sharding (`shift_labels`). So the CP inputs hand it the shard's shifted targets
+    as `labels` (without `shift_labels`, so that the model computes no loss of its own), and the smoother, told not to
+    shift, computes the stock per-token loss (1 - eps) nll + eps mean(-log p) on them; where the Trainer smooths
+    unshifted labels, on the shard's unshifted labels (the batch's, sharded as its input_ids). Its normalization is the
+    CP group's: `num_items_in_batch`, the batch's count that the Trainer already takes once per CP group, where the
+    Trainer passes it; else the loss sum over the group's count (`rank_loss`, `global_num_items`), as the model's loss.
+    A model whose forward takes no loss keywords (`model_accepts_loss_kwargs` False: remote code without **kwargs)
+    computes its loss itself, as the mean over its shard's tokens, whose mean over the CP group is not the batch's:
+    with the Trainer's own compute_loss it computes logits only, and the causal-LM loss of the shard's targets
+    (`_causal_lm_loss`) takes the smoother's place, over the group's count. `parallel()` is the CP layout of the step
+    in progress (constant, or a curriculum's stage); a stage at CP 1 runs the stock smoother (the model's loss)."""
     smoother, prepare = trainer.label_smoother, getattr(trainer, compat.TRAINER_CP_INPUTS)
+    own_loss = (smoother is None and not trainer.model_accepts_loss_kwargs
+                and type(trainer).compute_loss is Trainer.compute_loss)
+    if own_loss:
+        smoother = _causal_lm_loss
     if smoother is None:
         return
+    ignore_index = getattr(smoother, "ignore_index", -100)
+    unshifted: list[torch.Tensor | None] = [None]  # the step's shard's labels, unshifted
 
     def prepare_targets(model, inputs: dict[str, Any]):
         context, inputs = prepare(model, inputs)
         if parallel().cp_size > 1 and "shift_labels" in inputs:
+            unshifted[0] = inputs.get("labels")
             inputs = {**inputs, "labels": inputs["shift_labels"]}
             del inputs["shift_labels"]
         return context, inputs
 
     def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
         par = parallel()
+        shift = shift_labels or own_loss  # (a causal LM's own loss shifts whatever its class's name)
         if par.cp_size == 1:
-            return smoother(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+            return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
+        if not shift:  # the Trainer smooths the labels as given
+            labels = unshifted[0]
         if num_items_in_batch is not None:
             return smoother(model_output, labels, num_items_in_batch=num_items_in_batch)
         loss_sum = smoother(model_output, labels, num_items_in_batch=1)
-        return rank_loss(loss_sum, global_num_items(labels, par.cp_group, smoother.ignore_index), par.cp_size)
+        return rank_loss(loss_sum, global_num_items(labels, par.cp_group, ignore_index), par.cp_size)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_targets)
     patches.set_attr(trainer, "label_smoother", smooth)

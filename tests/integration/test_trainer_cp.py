@@ -161,10 +161,10 @@ def spawned():
     from hf_sparse_cp.testing.spawn import run_gloo_each
 
     one = {"losses": (_reported_losses, ()), "neftune": (_neftune_noise, ()),
-           **{f"label smoothing {name}": (_label_smoothed_run, _reference_of(*config))
-              for name, config in LABEL_SMOOTHING.items() if _reference_name(name) == name}}
+           **{f"loss {name}": (_label_smoothed_run, _reference_of(*config))
+              for name, config in RUNS.items() if _reference_name(name) == name}}
     cp2 = {"patch": (_patch_round_trip, ()), "losses": (_reported_losses, ()), "neftune": (_neftune_noise, ()),
-           **{f"label smoothing {name}": (_label_smoothed_run, config) for name, config in LABEL_SMOOTHING.items()},
+           **{f"loss {name}": (_label_smoothed_run, config) for name, config in RUNS.items()},
            "no_targets": (_step_without_targets_under_cp2, ()), "fsdp2": (_cpu_fsdp2_round_trip, ()),
            "accelerate_cp": (_patch_under_accelerate_cp, ())}  # (last: it sets accelerate's process-wide state)
     return {"one": run_gloo_each(one, 1, timeout_s=900), "cp2": run_gloo_each(cp2, 2, timeout_s=1200)}
@@ -414,13 +414,18 @@ def _label_smoothed_run(rank: int, world: int, cp_flags: tuple, steps: dict) -> 
         labels[i, : 40 * i + 20] = -100
     rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
     torch.manual_seed(0)
+    steps = dict(steps)
+    unmapped = steps.pop("unmapped_model_class", False)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(tmp, "sparse_cp")
+        if unmapped:  # (a class outside MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: the Trainer smooths unshifted labels)
+            trainer.model.__class__ = type("LlamaSubclass", (type(trainer.model),), {})
         for name, value in {"max_steps": 2, "per_device_train_batch_size": 1, "learning_rate": 0.5, "optim": "sgd",
                             "logging_steps": 1, "train_sampling_strategy": "sequential", "label_smoothing_factor": 0.1,
                             **steps}.items():  # (model_accepts_loss_kwargs: the Trainer's, not an argument)
             setattr(trainer.args if hasattr(trainer.args, name) else trainer, name, value)
-        trainer.label_smoother = LabelSmoother(epsilon=0.1)  # (what the Trainer builds from the flag)
+        factor = trainer.args.label_smoothing_factor  # (the smoother the Trainer builds from the flag)
+        trainer.label_smoother = LabelSmoother(epsilon=factor) if factor else None
         trainer.train_dataset, trainer.eval_dataset, trainer.data_collator = rows[:4], rows[4:], default_data_collator
         trainer._train_batch_size = 1
         initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
@@ -447,7 +452,17 @@ LABEL_SMOOTHING = {
     "ga2-per-device-tokens": ((), {"gradient_accumulation_steps": 2, "average_tokens_across_devices": False}),
     "ga2-no-token-count": ((), {"gradient_accumulation_steps": 2, "model_accepts_loss_kwargs": False}),
     "cp_schedule": ((("cp_schedule", "0:256:{world}"),), {}),
+    # a model class outside transformers' causal-LM mapping (a subclass of one): the Trainer smooths unshifted labels
+    "unshifted-labels": ((), {"gradient_accumulation_steps": 2, "unmapped_model_class": True}),
+    "unshifted-labels-no-token-count": ((), {"gradient_accumulation_steps": 2, "unmapped_model_class": True,
+                                             "model_accepts_loss_kwargs": False}),
 }
+# Without label smoothing: a model whose forward takes no loss keywords (its own loss, a mean over its tokens)
+NO_LOSS_KEYWORDS = {
+    f"no-loss-keywords {name}": ((), {"gradient_accumulation_steps": 2, "model_accepts_loss_kwargs": False,
+                                      "label_smoothing_factor": 0.0, **steps})
+    for name, steps in (("causal-lm-class", {}), ("unmapped-class", {"unmapped_model_class": True}))}
+RUNS = LABEL_SMOOTHING | NO_LOSS_KEYWORDS
 
 
 def _reference_of(cp_flags: tuple, steps: dict) -> tuple:
@@ -456,9 +471,8 @@ def _reference_of(cp_flags: tuple, steps: dict) -> tuple:
 
 
 def _reference_name(name: str) -> str:
-    """The first configuration of LABEL_SMOOTHING whose one-process reference is `name`'s (the one that runs it)."""
-    return next(other for other, config in LABEL_SMOOTHING.items()
-                if _reference_of(*config) == _reference_of(*LABEL_SMOOTHING[name]))
+    """The first configuration of RUNS whose one-process reference is `name`'s (the one that runs it)."""
+    return next(other for other, config in RUNS.items() if _reference_of(*config) == _reference_of(*RUNS[name]))
 
 
 @pytest.mark.parametrize("name", LABEL_SMOOTHING)
@@ -467,10 +481,16 @@ def test_label_smoothing_under_cp2_equals_one_process(spawned, name):
     shard, and divides by a rank's count). Now the loss it logs, eval_loss and the weights after SGD steps (the
     gradients) equal one process's under the ring's shardings, ulysses and with gradient accumulation, whether the
     Trainer counts the batch's targets (num_items_in_batch, over all devices or per device) or not (a model whose
-    forward takes no loss keywords: each micro-batch's mean)."""
-    (one,) = spawned["one"][f"label smoothing {_reference_name(name)}"]
-    per_rank = spawned["cp2"][f"label smoothing {name}"]
-    cp_flags = dict(LABEL_SMOOTHING[name][0])
+    forward takes no loss keywords: each micro-batch's mean), and for a model class outside transformers' causal-LM
+    mapping (a subclass of one), whose labels the Trainer smooths unshifted (the loss it logged was 5.5693 under CP,
+    smoothed over the shifted targets, against one process's 4.5121)."""
+    _assert_cp2_equals_one_process(spawned, name)
+
+
+def _assert_cp2_equals_one_process(spawned, name: str) -> None:
+    (one,) = spawned["one"][f"loss {_reference_name(name)}"]
+    per_rank = spawned["cp2"][f"loss {name}"]
+    cp_flags = dict(RUNS[name][0])
     assert one["layout"] == "one process"
     for r in per_rank:
         assert r["logged"] == pytest.approx(one["logged"], rel=1e-5)
@@ -480,6 +500,16 @@ def test_label_smoothing_under_cp2_equals_one_process(spawned, name):
         assert r["layout"].startswith("CP 2 x DP 1") and r["curriculum"] == ("cp_schedule" in cp_flags), r["layout"]
         for value in {k: v for k, v in cp_flags.items() if k != "cp_schedule"}.values():
             assert value in r["layout"].lower(), (value, r["layout"])
+
+
+@pytest.mark.parametrize("name", NO_LOSS_KEYWORDS)
+def test_a_model_whose_forward_takes_no_loss_keywords_under_cp2_equals_one_process(spawned, name):
+    """A model whose forward takes no loss keywords (`model_accepts_loss_kwargs` False: remote code without
+    **kwargs) computes its loss itself, as the mean over the tokens it is given: under CP each rank's shard's, whose
+    mean over the CP group is not the batch's (the logged loss 5.569465 against one process's 5.569110, the update
+    1.6% off, eval_loss 5.58141 against 5.58190). The loss it logs, eval_loss and the weights after SGD steps with
+    gradient accumulation now equal one process's, whatever the model's class name."""
+    _assert_cp2_equals_one_process(spawned, name)
 
 
 def _neftune_noise(rank: int, world: int) -> float:
