@@ -369,15 +369,15 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     gathered batch (rank 0's kept alone for `eval_loss`). Averaged over the CP group, every rank holds what a
     data-parallel rank holds without CP, so each of those values is exact. The gradients are untouched (the backward
     runs inside the step). A prediction step that hands `compute_loss` the whole batch (TRL SFTTrainer's) has it
-    sharded there, with the CP group's label count. A prediction step's logits (and any other per-token output) are
-    gathered over the CP group into the whole sequence, in the batch's order (`whole_sequence_outputs`), and its
-    labels are the batch's (the stock step and TRL's read them before sharding): `preprocess_logits_for_metrics`,
-    `compute_metrics` and `predict()` see what one process gives them; label smoothing is the CP group's
-    (`smooth_labels_over_cp_group`), and NEFTune's noise of one process's scale (`neftune_over_cp_group`).
-    A trainer whose loss is built from the per-token outputs of whole rows (TRL's DPOTrainer and KTOTrainer,
-    `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model and reference model in a
-    step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so its loss and the metrics it
-    gathers are the batch's on every rank of the group.
+    sharded there, and TRL's loss, handed no label count, the CP group's. A prediction step's logits (and any other
+    per-token output) are gathered over the CP group into the whole sequence, in the batch's order
+    (`whole_sequence_outputs`), and its labels are the batch's (the stock step and TRL's read them before sharding):
+    `preprocess_logits_for_metrics`, `compute_metrics` and `predict()` see what one process gives them; label
+    smoothing is the CP group's (`smooth_labels_over_cp_group`), and NEFTune's noise of one process's scale
+    (`neftune_over_cp_group`). A trainer whose loss is built from the per-token outputs of whole rows (TRL's
+    DPOTrainer and KTOTrainer, `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model
+    and reference model in a step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so
+    its loss and the metrics it gathers are the batch's on every rank of the group.
     `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
@@ -408,18 +408,29 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             loss = training_step(model, inputs, *rest, **kwargs)
         return _cp_group_mean(loss, parallel())
 
+    # (TRL SFTTrainer's loss divides by the count it is handed, else by its inputs' targets, a shard's; the Trainer's
+    # own, handed none, is the model's or the smoother's: `smooth_labels_over_cp_group`)
+    counts_inputs = type(trainer).compute_loss is not Trainer.compute_loss
+
     def loss_of_shards(model, inputs, return_outputs=False, num_items_in_batch=None):
-        if predicting[0] and shard[0] is None and parallel().cp_size > 1 and not whole_rows:
+        if parallel().cp_size == 1 or whole_rows:  # (a whole-row trainer's forwards shard themselves)
+            return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if predicting[0] and shard[0] is None:
             # a prediction step of the trainer's own (TRL SFTTrainer's) hands compute_loss the whole batch: shard it,
             # as the Trainer's step does (through label smoothing's wrapper where it is on, which hands the smoother
             # the shard's targets as `labels`)
             _, inputs = getattr(trainer, compat.TRAINER_CP_INPUTS)(model, inputs)
-            if num_items_in_batch is None:
-                targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"]
+        targets = inputs.get("shift_labels", inputs.get("labels"))
+        with contextlib.ExitStack() as seen:
+            if num_items_in_batch is None and counts_inputs and targets is not None:
+                # handed no count (an evaluation; a model whose forward takes no loss keywords, in training), TRL's loss
+                # is its shard's mean: hand it the CP group's count, with its scaling of a counted loss's MoE aux term
+                # for gradient accumulation undone (the Trainer divides the step's loss by it, as without a count)
                 num_items_in_batch = _count_for_batch_mean(targets, parallel())
-        averaged = trainer.args.average_tokens_across_devices or num_items_in_batch is None or parallel().cp_size == 1
-        # (a count under CP takes the flag's form: `count_once_per_cp_group`)
-        with contextlib.nullcontext() if averaged else _seen_as(trainer.args, "average_tokens_across_devices", True):
+                seen.enter_context(_seen_as(trainer, "current_gradient_accumulation_steps", 1))
+            if num_items_in_batch is not None and not trainer.args.average_tokens_across_devices:
+                # (a count under CP takes the flag's form: `count_once_per_cp_group`)
+                seen.enter_context(_seen_as(trainer.args, "average_tokens_across_devices", True))
             return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):

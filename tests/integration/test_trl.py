@@ -267,10 +267,11 @@ def test_sft_evaluation_under_dp2_x_cp2_equals_dp2(tmp_path, on_two_processes):
             assert rank["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-6), key
 
 
-def _one_target_per_row(rank: int, world: int, output_dir: str, cp_size: int) -> dict:
+def _one_target_per_row(rank: int, world: int, output_dir: str, cp_size: int, loss_kwargs: bool = True) -> dict:
     """SFT without `average_tokens_across_devices` (each process's batch its own mean) on rows with one target each
     (the token at position 40; a prompt-completion row whose completion is its EOS), batches of one row: one training
-    step, then evaluation."""
+    step, then evaluation. Without `loss_kwargs`, the model is taken for one whose forward takes no loss keywords
+    (`model_accepts_loss_kwargs` False: the Trainer counts no targets), with two accumulated batches a step."""
     from hf_sparse_cp import SparseSFTConfig as SFTConfig
     from hf_sparse_cp import SparseSFTTrainer as SFTTrainer
 
@@ -292,9 +293,11 @@ def _one_target_per_row(rank: int, world: int, output_dir: str, cp_size: int) ->
     plugin = {"cp_size": cp_size} if cp_size > 1 else {}
     args = SFTConfig(output_dir=output_dir, **{**SFT, "max_steps": 1, "packing": False, "padding_free": False},
                      **PATTERN, **plugin, average_tokens_across_devices=False, per_device_eval_batch_size=1,
+                     gradient_accumulation_steps=1 if loss_kwargs else 2,
                      dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tokenizer,
                          data_collator=collate)
+    trainer.model_accepts_loss_kwargs = loss_kwargs
     trainer.train()
     (log,) = [log for log in trainer.state.log_history if "loss" in log]
     return {"loss": log["loss"], "grad_norm": log["grad_norm"], "eval_loss": trainer.evaluate()["eval_loss"]}
@@ -307,5 +310,16 @@ def test_sft_without_averaging_tokens_across_devices_under_cp2_equals_one_proces
     against 5.669 / 14.88). The count is now the group's whole count, as with the flag on."""
     one = run_gloo(_one_target_per_row, 1, str(tmp_path / "one"), 1, timeout_s=300)[0]
     for rank in run_gloo(_one_target_per_row, 2, str(tmp_path / "cp2"), 2, timeout_s=300):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            assert rank[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+def test_sft_of_a_model_whose_forward_takes_no_loss_keywords_under_cp2_equals_one_process(tmp_path):
+    """For a model whose forward takes no loss keywords the Trainer counts no targets, and TRL's loss divided each
+    rank's shard's sum by the shard's own count: a shard's mean, whose mean over the CP group is not the batch's (a
+    row's one target on one rank: half its loss). The step's loss and grad_norm, with two accumulated batches, and
+    eval_loss now equal one process's."""
+    one = run_gloo(_one_target_per_row, 1, str(tmp_path / "one"), 1, False, timeout_s=300)[0]
+    for rank in run_gloo(_one_target_per_row, 2, str(tmp_path / "cp2"), 2, False, timeout_s=300):
         for key in ("loss", "grad_norm", "eval_loss"):
             assert rank[key] == pytest.approx(one[key], rel=1e-5), key
