@@ -138,6 +138,19 @@ def sparse_attention() -> Iterator:
         disable_sparse_attention(model)
 
 
+def settings_during_a_call() -> Iterator:
+    """What CP's compute_loss wrapper has the Trainer read during one call (`patching.temporarily`): the token count's
+    form (--average_tokens_across_devices on), and TRL's accumulation steps for its MoE aux term (1)."""
+    from hf_sparse_cp.integration.patching import temporarily
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(model=torch.nn.Linear(2, 2), args=_args(tmp, average_tokens_across_devices=False))
+        yield [(trainer.args, "average_tokens_across_devices"), (trainer, "current_gradient_accumulation_steps")]
+        with temporarily(trainer.args, "average_tokens_across_devices", True), \
+                temporarily(trainer, "current_gradient_accumulation_steps", 1):
+            yield
+
+
 def liger_kernel_flag() -> Iterator:
     """--use_liger_kernel with sparse attention on a (pretended) CUDA machine: the plugin applies liger-kernel
     itself (only its module replacement runs here) and turns the Trainer's own application off."""
@@ -209,6 +222,8 @@ ONE_PROCESS = {
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
     ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,
+    ("transformers.TrainingArguments.average_tokens_across_devices",
+     "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
     ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")

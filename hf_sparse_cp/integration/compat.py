@@ -234,6 +234,15 @@ PATCHES = (
     Patch("transformers.PretrainedConfig", "sparse_attention", "sets", "a model's sparse-attention settings are "
           "stored on its config (saved with it)", "disable_sparse_attention(model) / disable_curriculum(trainer)",
           added=True),
+    Patch("transformers.TrainingArguments", "average_tokens_across_devices", "sets", "under CP the loss's token "
+          "count takes the flag's form (without the flag: the CP group's count times the DP degree, never a fraction "
+          "that TRL clamps to 1), which compute_loss multiplies by the processes only with the flag: it reads the flag "
+          "on during that call", "the end of the call (patching.temporarily)"),
+    Patch(_TRAINER, "current_gradient_accumulation_steps", "sets", "TRL SFTTrainer, handed a label count where the "
+          "Trainer gave none (a model whose forward takes no loss keywords, under CP), divides its MoE aux term by the "
+          "accumulation steps as for a counted loss: it reads 1 during that call, as without a count (the training "
+          "loop sets the attribute; an instance outside it has none to check)",
+          "the end of the call (patching.temporarily)", added=True),
     Patch("transformers.TrainingArguments", "gradient_checkpointing", "sets", "long sequences turn gradient "
           "checkpointing on (--sparse_gradient_checkpointing_min_length)", "disable_sparse_attention(model)",
           alternatives=("activation_checkpointing",)),

@@ -15,10 +15,11 @@ of a record are therefore picklable: module-level functions, `functools.partial`
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 from .compat import replacement_for
@@ -107,6 +108,17 @@ class PatchSet:
         while self._undo:
             action, _ = self._undo.pop()
             action()
+
+
+@contextlib.contextmanager
+def temporarily(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name` is `value` inside the block (a change `compat.PATCHES` lists), and what it was after it."""
+    patches = PatchSet()
+    patches.set_attr(owner, name, value)
+    try:
+        yield
+    finally:
+        patches.undo()
 
 
 def _restore_attr(owner: Any, name: str, previous: Any, value: Any) -> None:

@@ -43,7 +43,7 @@ from ..distributed.loss import rank_loss
 from ..integration import compat
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
-from ..integration.patching import record_on, undo_recorded
+from ..integration.patching import record_on, temporarily, undo_recorded
 from .arguments import flag_errors
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
@@ -115,20 +115,6 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
     return first
 
 
-@contextlib.contextmanager
-def _seen_as(owner: Any, name: str, value: Any):
-    """`owner.name` reads `value` inside the block (an attribute of the instance, restored after it)."""
-    had, previous = name in vars(owner), vars(owner).get(name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(owner, name, previous)
-        else:
-            delattr(owner, name)
-
-
 def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
     flop and batch-size accounting count that batch once per group, as without CP. `parallel()` is the
@@ -156,7 +142,7 @@ def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], Pa
         if cp_size() == 1:
             return count(batch_samples, device)
         if not trainer.args.average_tokens_across_devices:
-            with _seen_as(trainer, "get_cp_size", lambda: 1):  # the rank's count: its CP group's batch's
+            with temporarily(trainer, "get_cp_size", lambda: 1):  # the rank's count: its CP group's batch's
                 items = count(batch_samples, device)
             return items if items is None else items * parallel().dp_size
         # the gathered count holds each CP group's batch cp_size times (exactly)
@@ -427,10 +413,10 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
                 # is its shard's mean: hand it the CP group's count, with its scaling of a counted loss's MoE aux term
                 # for gradient accumulation undone (the Trainer divides the step's loss by it, as without a count)
                 num_items_in_batch = _count_for_batch_mean(targets, parallel())
-                seen.enter_context(_seen_as(trainer, "current_gradient_accumulation_steps", 1))
+                seen.enter_context(temporarily(trainer, "current_gradient_accumulation_steps", 1))
             if num_items_in_batch is not None and not trainer.args.average_tokens_across_devices:
                 # (a count under CP takes the flag's form: `count_once_per_cp_group`)
-                seen.enter_context(_seen_as(trainer.args, "average_tokens_across_devices", True))
+                seen.enter_context(temporarily(trainer.args, "average_tokens_across_devices", True))
             return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):
