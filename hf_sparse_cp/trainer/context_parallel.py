@@ -255,6 +255,34 @@ def _causal_lm_loss(model_output, labels: torch.Tensor, shift_labels: bool = Fal
     return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
 
 
+def router_aux_loss_note(trainer: Trainer) -> str | None:
+    """A warning when the trained model computes a MoE router load-balancing loss (Mixtral's `output_router_logits`
+    with a non-zero `router_aux_loss_coef`; TRL SFTTrainer's `aux_loss_enabled`, on by default for MoE models): each
+    CP rank computes it from the router logits of its own shard, and it is not a sum over tokens (the product of
+    per-expert means), so the loss, its logged `aux_loss` and the update differ from one process's. None without it."""
+    config = trainer.model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(config, "router_aux_loss_coef", None)
+    enabled = getattr(trainer, "aux_loss_enabled", None)
+    if enabled is None:
+        enabled = bool(getattr(config, "output_router_logits", False)) and coef != 0
+    if not enabled:
+        return None
+    return ("context parallelism: the model adds a MoE router load-balancing loss (output_router_logits, "
+            f"router_aux_loss_coef {coef}): each CP rank computes it from the router logits of its own shard of every "
+            "sequence, and it is not a sum over tokens, so this loss, its logged aux_loss and the update are near a "
+            "run without CP, not equal to it. For a run that must compare with one process, turn it off "
+            "(--router_aux_loss_coef 0 with TRL; else the model config's output_router_logits false or "
+            "router_aux_loss_coef 0), or run without CP.")
+
+
+def warn_inexact(trainer: Trainer) -> None:
+    """Rank 0 logs, at CP start, what of the run CP computes near one process only (dropout, a MoE router loss)."""
+    for note in (dropout_note(trainer.model), router_aux_loss_note(trainer)):
+        if note is not None and trainer.is_world_process_zero():
+            logger.warning(note)
+
+
 def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
     """Make the Trainer's label smoothing (`--label_smoothing_factor`), and the loss of a model whose forward takes no
     loss keywords, under CP what they are in one process.
@@ -526,9 +554,7 @@ def enable_trainer_context_parallel(
     check_model_supports_context_parallel(model, parallel=parallel)
     check_loss(trainer, parallel.cp_size)
     check_training_arguments(trainer.args, parallel.cp_size)
-    note = dropout_note(model)
-    if note is not None and trainer.is_world_process_zero():
-        logger.warning(note)
+    warn_inexact(trainer)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
     pad_id = pad_token_id(trainer, model)

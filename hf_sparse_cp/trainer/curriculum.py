@@ -55,6 +55,7 @@ from .context_parallel import (
     dp_data_loader,
     first_batch_of_each_run,
     pad_token_id,
+    warn_inexact,
 )
 
 logger = logging.getLogger(__name__)
@@ -456,6 +457,7 @@ def enable_curriculum(
                              "its length, and a preference sample's prompt and completions are kept whole. Train it "
                              "under CP with --cp_size (a single CP degree) instead of --cp_schedule.")
         check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
+        warn_inexact(trainer)
     configs = []
     for i, stage in enumerate(schedule.stages):
         try:

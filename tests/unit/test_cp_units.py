@@ -381,6 +381,34 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     assert dropout_note(AutoModelForCausalLM.from_config(tiny_config("llama"))) is None
 
 
+@pytest.mark.parametrize("fields, trl_enabled, warned", [
+    ({"output_router_logits": True}, None, True),  # the model adds coef x aux to its loss (stock Trainer)
+    ({"output_router_logits": False}, None, False),
+    ({"output_router_logits": True, "router_aux_loss_coef": 0.0}, None, False),  # adds 0: exact
+    ({"output_router_logits": False}, True, True),  # TRL asks for it (its --router_aux_loss_coef)
+    ({"output_router_logits": True}, False, False),  # TRL's --router_aux_loss_coef 0
+])
+def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fields, trl_enabled, warned):
+    """A MoE model's load-balancing loss is computed per CP shard and is not a sum over tokens: the start-up warning
+    says so, with the settings that turn it off, whenever the model or TRL computes it, and only then."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
+
+    trainer = SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config("mixtral", **fields)))
+    if trl_enabled is not None:
+        trainer.aux_loss_enabled = trl_enabled
+    note = router_aux_loss_note(trainer)
+    assert (note is not None) == warned
+    if warned:
+        assert "router load-balancing loss" in note and "--router_aux_loss_coef 0" in note
+        assert "output_router_logits false" in note and "without CP" in note
+    assert router_aux_loss_note(SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config("llama")))) is None
+
+
 @pytest.mark.parametrize("setting, refusal", [
     ({"compute_loss_func": "mine"}, r"a compute_loss_func \(.*_mine\).*drop compute_loss_func"),
     ({"subclass": True}, r"Weighted under context parallelism \(CP 2\).*its compute_loss"),
