@@ -259,7 +259,7 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
     """A warning when the trained model computes a MoE router load-balancing loss (Mixtral's `output_router_logits`
     with a non-zero `router_aux_loss_coef`; TRL SFTTrainer's `aux_loss_enabled`, on by default for MoE models): each
     CP rank computes it from the router logits of its own shard, and it is not a sum over tokens (the product of
-    per-expert means), so the loss, its logged `aux_loss` and the update differ from one process's. None without it."""
+    per-expert means), so the update and the logged losses differ from one process's. None without it."""
     config = trainer.model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     coef = getattr(config, "router_aux_loss_coef", None)
@@ -270,8 +270,9 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
         return None
     return ("context parallelism: the model adds a MoE router load-balancing loss (output_router_logits, "
             f"router_aux_loss_coef {coef}): each CP rank computes it from the router logits of its own shard of every "
-            "sequence, and it is not a sum over tokens, so this loss, its logged aux_loss and the update are near a "
-            "run without CP, not equal to it. For a run that must compare with one process, turn it off "
+            "sequence, and it is not a sum over tokens, so the update and TRL's logged aux_loss differ from a run "
+            "without CP, and the loss the stock Trainer logs (--average_tokens_across_devices, the default) counts it "
+            "once per CP rank. For a run that must compare with one process, turn it off "
             "(--router_aux_loss_coef 0 with TRL; else the model config's output_router_logits false or "
             "router_aux_loss_coef 0), or run without CP.")
 

@@ -409,6 +409,23 @@ def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fie
     assert router_aux_loss_note(SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config("llama")))) is None
 
 
+def test_the_start_of_cp_warns_on_rank_0_only(caplog):
+    """`warn_inexact`, which CP's start (fixed degree or cp_schedule) calls: rank 0 logs the MoE router note."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.context_parallel import warn_inexact
+
+    model = AutoModelForCausalLM.from_config(tiny_config("mixtral", output_router_logits=True))
+    for zero in (False, True):
+        with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.context_parallel"):
+            warn_inexact(SimpleNamespace(model=model, is_world_process_zero=lambda zero=zero: zero))
+        assert ("router load-balancing loss" in caplog.text) == zero
+        caplog.clear()
+
+
 @pytest.mark.parametrize("setting, refusal", [
     ({"compute_loss_func": "mine"}, r"a compute_loss_func \(.*_mine\).*drop compute_loss_func"),
     ({"subclass": True}, r"Weighted under context parallelism \(CP 2\).*its compute_loss"),
