@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp.integration.architectures import lean_loss_model_types, rowwise_classes
+from hf_sparse_cp.integration.architectures import lean_loss_model_types, router_loss_modules, rowwise_classes
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 _MISSING = object()
@@ -210,6 +210,21 @@ def launched_trainer() -> Iterator:
         detach_from_trainer(trainer)
 
 
+def router_loss() -> Iterator:
+    import sys
+
+    from hf_sparse_cp.integration.architectures import ROUTER_LOSS_MODEL_TYPES
+    from hf_sparse_cp.integration.patching import PatchSet
+    from hf_sparse_cp.trainer.router_loss import router_loss_over_cp_group
+
+    models = torch.nn.ModuleList(AutoModelForCausalLM.from_config(tiny_config(t)) for t in ROUTER_LOSS_MODEL_TYPES)
+    yield [(sys.modules[name], "load_balancing_loss_func") for name in router_loss_modules()]
+    patches = PatchSet()
+    router_loss_over_cp_group(models, patches)
+    yield
+    patches.undo()
+
+
 ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
      "transformers.Trainer.training_step", "transformers.trainer_callback.CallbackHandler.callbacks"): attach,
@@ -229,6 +244,7 @@ ONE_PROCESS = {
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
        for name in ("__init__", "parse_args_into_dataclasses", "error")), "transformers.Trainer.__init__"): launch,
     ("transformers.Trainer.__class__",): launched_trainer,
+    tuple(f"{module}.load_balancing_loss_func" for module in router_loss_modules()): router_loss,
 }
 
 

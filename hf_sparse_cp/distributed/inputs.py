@@ -107,5 +107,5 @@ def prepare_context_parallel_inputs(
                       planner_costs=planner_costs or parallel.planner_costs or PlannerCosts())
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     documents = BatchDocumentExtents(meta, inputs.get("attention_mask"), dict(inputs))
-    out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents)
+    out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents, inputs.get("attention_mask"))
     return out

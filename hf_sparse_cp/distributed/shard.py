@@ -31,13 +31,15 @@ class CPShard:
     identical on every rank, from which any rank's shard metadata follows; documents: the extents of the whole
     batch's documents in the positions transformers' masks compare (`tokens.BatchDocumentExtents`, computed when
     first called), by which the backend checks a window or chunk that only the model's mask carries (None: unknown,
-    the padded length is checked instead).
+    the padded length is checked instead); attention_mask: the whole batch's 2D padding mask [B, plan.seq_len] as the
+    batch carried it (None without one), which the CP router loss hands the model's function with the gathered tokens.
     """
 
     parallel: ParallelDims
     plan: BlockSplit
     meta: TokenMeta
     documents: BatchDocumentExtents | None = None
+    attention_mask: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:

@@ -47,6 +47,15 @@ ARCHITECTURES: dict[str, Support] = {
 }
 
 
+# The MoE model types whose modeling module's `load_balancing_loss_func` (the router loss their causal LM adds with
+# `output_router_logits`) the plugin computes over the CP group (`trainer/router_loss.py`): those tested under CP.
+ROUTER_LOSS_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+
+
+def router_loss_modules() -> tuple[str, ...]:
+    return tuple(f"transformers.models.{t}.modeling_{t}" for t in ROUTER_LOSS_MODEL_TYPES)
+
+
 def length_counted_query_scales(module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """For an attention layer that scales its queries by their positions counted from the length of the tensor it
     gets, not from `position_ids` (Llama 4's temperature tuning in its no-RoPE layers: log1p(floor((i + 1) /

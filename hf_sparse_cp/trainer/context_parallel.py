@@ -41,10 +41,12 @@ from ..distributed import (
 from ..distributed.comm import all_reduce
 from ..distributed.loss import rank_loss
 from ..integration import compat
+from ..integration.architectures import router_loss_modules
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
 from .arguments import flag_errors
+from .router_loss import loss_share, router_loss_over_cp_group
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
 logger = logging.getLogger(__name__)
@@ -256,10 +258,13 @@ def _causal_lm_loss(model_output, labels: torch.Tensor, shift_labels: bool = Fal
 
 
 def router_aux_loss_note(trainer: Trainer) -> str | None:
-    """A warning when the trained model computes a MoE router load-balancing loss (Mixtral's `output_router_logits`
-    with a non-zero `router_aux_loss_coef`; TRL SFTTrainer's `aux_loss_enabled`, on by default for MoE models): each
-    CP rank computes it from the router logits of its own shard, and it is not a sum over tokens (the product of
-    per-expert means), so the update and the logged losses differ from one process's. None without it."""
+    """A warning when the trained model computes a MoE router load-balancing loss (`output_router_logits` with a
+    non-zero `router_aux_loss_coef`; TRL SFTTrainer's `aux_loss_enabled`, on by default for MoE models) that CP does
+    not compute over the CP group (`router_loss.py`: the architectures of `ROUTER_LOSS_MODEL_TYPES`): each CP rank
+    computes it from the router logits of its own shard, and it is not a sum over tokens (the product of per-expert
+    means), so the update and the logged losses differ from one process's. None without it."""
+    if {type(m).__module__ for m in trainer.model.modules()} & set(router_loss_modules()):
+        return None
     config = trainer.model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     coef = getattr(config, "router_aux_loss_coef", None)
@@ -446,6 +451,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             if num_items_in_batch is not None and not trainer.args.average_tokens_across_devices:
                 # (a count under CP takes the flag's form: `count_once_per_cp_group`)
                 seen.enter_context(temporarily(trainer.args, "average_tokens_across_devices", True))
+            # (the MoE router loss's value on each rank follows what this compute_loss does with the loss)
+            seen.enter_context(loss_share(trainer, num_items_in_batch, parallel().cp_size))
             return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):
@@ -460,6 +467,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
     patches.set_attr(trainer, "compute_loss", loss_of_shards)
+    router_loss_over_cp_group(trainer.model, patches)
     smooth_labels_over_cp_group(trainer, patches, parallel)
     neftune_over_cp_group(trainer, patches)
     # (what a whole-row trainer's step gathers is already the batch's)

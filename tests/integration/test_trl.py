@@ -103,16 +103,15 @@ def test_moe_sft_metrics_gathered_in_the_step_under_cp2_are_one_processs(tmp_pat
     """A MoE model (Mixtral), whose router auxiliary loss TRL adds and logs by default: the metrics TRL gathers in its
     step are each rank's shard's, and the CP gather keeps every rank's, so that TRL's sums (token entropy, correct
     tokens) are the batch's and its mean of the auxiliary loss the mean over the shards (it was their sum, 2x at
-    CP 2)."""
+    CP 2). The auxiliary loss is computed over the CP group (`router_loss.py`): every rank logs one process's, and
+    the update is one process's (it was each shard's: step-2 loss 5.206497 against 5.207169)."""
     trainer, one = _train(str(tmp_path / "one"), "mixtral")
     assert trainer.aux_loss_enabled and all(value > 0 for value in one["aux_loss"])
     for rank in run_gloo(_cp2, 2, str(tmp_path / "cp2"), "ring", "mixtral", timeout_s=400):
-        # (the auxiliary loss is computed per shard, near one process's, not equal: so is the update; the first
-        # step's metrics are compared)
-        assert rank["loss"][0] == pytest.approx(one["loss"][0], rel=1e-5)
-        for key in ("entropy", "mean_token_accuracy"):
-            assert rank[key][0] == pytest.approx(one[key][0], rel=1e-5), key
-        assert rank["aux_loss"][0] == pytest.approx(one["aux_loss"][0], rel=2e-2)
+        for key in ("loss", "grad_norm", "aux_loss", "entropy", "mean_token_accuracy"):
+            assert rank[key] == pytest.approx(one[key], rel=1e-5), key
+        for name, total in one["weights"].items():  # after two optimizer steps on those gradients
+            assert rank["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-5), name
 
 
 def _front_matter(card: str) -> dict:

@@ -389,8 +389,10 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     ({"output_router_logits": True}, False, False),  # TRL's --router_aux_loss_coef 0
 ])
 def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fields, trl_enabled, warned):
-    """A MoE model's load-balancing loss is computed per CP shard and is not a sum over tokens: the start-up warning
-    says so, with the settings that turn it off, whenever the model or TRL computes it, and only then."""
+    """A MoE model's load-balancing loss that CP does not gather (PhiMoE's: not in ROUTER_LOSS_MODEL_TYPES) is
+    computed per CP shard and is not a sum over tokens: the start-up warning says so, with the settings that turn it
+    off, whenever the model or TRL computes it, and only then; Mixtral's, which CP computes over the CP group, gets
+    none."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -398,10 +400,14 @@ def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fie
     from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
 
-    trainer = SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config("mixtral", **fields)))
-    if trl_enabled is not None:
-        trainer.aux_loss_enabled = trl_enabled
-    note = router_aux_loss_note(trainer)
+    def trainer(model_type):
+        built = SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config(model_type, **fields)))
+        if trl_enabled is not None:
+            built.aux_loss_enabled = trl_enabled
+        return built
+
+    assert router_aux_loss_note(trainer("mixtral")) is None
+    note = router_aux_loss_note(trainer("phimoe"))
     assert (note is not None) == warned
     if warned:
         assert "router load-balancing loss" in note and "--router_aux_loss_coef 0" in note
@@ -410,7 +416,8 @@ def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fie
 
 
 def test_the_start_of_cp_warns_on_rank_0_only(caplog):
-    """`warn_inexact`, which CP's start (fixed degree or cp_schedule) calls: rank 0 logs the MoE router note."""
+    """`warn_inexact`, which CP's start (fixed degree or cp_schedule) calls: rank 0 logs the MoE router note (PhiMoE's
+    loss, which CP computes per shard)."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -418,7 +425,7 @@ def test_the_start_of_cp_warns_on_rank_0_only(caplog):
     from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.context_parallel import warn_inexact
 
-    model = AutoModelForCausalLM.from_config(tiny_config("mixtral", output_router_logits=True))
+    model = AutoModelForCausalLM.from_config(tiny_config("phimoe", output_router_logits=True))
     for zero in (False, True):
         with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.context_parallel"):
             warn_inexact(SimpleNamespace(model=model, is_world_process_zero=lambda zero=zero: zero))
