@@ -77,7 +77,7 @@ def check_whole_row_trainer(trainer, cp_size: int) -> None:
     """Raise ValueError, naming the setting and the fix, for a setting of a whole-row trainer (TRL's DPO, KTO) that
     CP cannot run as one process does: a MoE's load-balancing loss (TRL's `aux_loss_enabled`, or a model config that
     asks for router logits, which TRL's fused head then adds to its loss): it multiplies means over all the tokens of
-    the batch, which no rank's shard gives."""
+    the batch, which no rank's shard gives, and these trainers are not tested with `router_loss.py`'s gather."""
     config = getattr(trainer.model, "config", None)
     routed = config is not None and getattr(config.get_text_config(), "output_router_logits", False)
     if getattr(trainer, "aux_loss_enabled", False) or routed:
@@ -85,7 +85,9 @@ def check_whole_row_trainer(trainer, cp_size: int) -> None:
             f"{type(trainer).__name__} with a MoE's load-balancing loss (router_aux_loss_coef "
             f"{getattr(trainer, 'router_aux_loss_coef', None)}, output_router_logits {routed}) under context "
             f"parallelism (CP {cp_size}) is not supported: that loss multiplies means over all the tokens of the "
-            "batch, and each CP rank's router logits cover its shard alone. Fix: --router_aux_loss_coef 0 (TRL's "
+            "batch, and this trainer's whole-row forwards are not tested with the router loss gathered over the CP "
+            "group (the Trainer's and SFTTrainer's are, for Mixtral, Qwen2/3-MoE, OLMoE and GPT-OSS; other models' "
+            "router logits cover each rank's shard alone). Fix: --router_aux_loss_coef 0 (TRL's "
             "DPOConfig, KTOConfig) and output_router_logits=False in the model config, or run without CP (drop "
             "--cp_size).")
 
