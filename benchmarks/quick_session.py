@@ -246,8 +246,9 @@ def format_summary(report: dict) -> str:
         shown = (f"{r['tokens_per_s']:.0f} tokens/s, {r['peak_gib']:.1f} GiB" if r["status"] == "ok" else r["status"])
         lines.append(f"  e2e {r['model']} {r['variant']:<11} {r['seq_len'] // 1024}K: {shown}")
     for f in h["fit"]:
+        # An out-of-memory step has its peak but no time: the status and its reason are shown instead.
         shown = (f"{f['step_s']:.1f} s, {f['peak_gib']:.1f} GiB (predicted {f['predicted_peak_gib']:.1f})"
-                 if f.get("peak_gib") is not None else f"{f['status']}: {f.get('reason') or ''}"[:100])
+                 if f["status"] == "ok" else f"{f['status']}: {f.get('reason') or ''}"[:100])
         lines.append(f"  fit {f['model']} {f['variant']} {f['seq_len'] // 1024}K: {shown}")
     for f in h["first_layer"]:
         share = "-" if f["dense_first_layer_share"] is None else f"{100 * f['dense_first_layer_share']:.1f}%"

@@ -109,6 +109,14 @@ def test_verdicts_keep_each_target_once_the_measured_entry_first(quick):
     assert got == {"0.5b sparse_cp trains at 1024K": True, "0.5b 128K: ratio": True}
 
 
+def test_the_summary_of_a_gpu_session_with_an_out_of_memory_step(quick):
+    """The H200 session of 2026-11-29 ended in a TypeError printing its 1M row (a peak, no step time)."""
+    path = BENCHMARKS / "results" / "quick-session_nvidia-h200_20261129-221239.json"
+    summary = quick.format_summary(json.loads(path.read_text()))
+    assert "fit 0.5b sparse_cp 1024K: oom: CUDA out of memory" in summary
+    assert "fit 0.5b sparse_cp 512K: 24.0 s, 57.0 GiB (predicted 32.4)" in summary
+
+
 def test_first_layer_cost_from_the_two_e2e_files(quick):
     run = lambda step: {"results": [{"variant": "sparse_cp", "seq_len": 131072, "status": "ok", "step_s": step}]}
     (cost,) = quick.first_layer_cost(run(4.0), run(3.6))
