@@ -106,7 +106,7 @@ def _cells(r: dict | None) -> str:
         return f"{'(unchanged)':<52}"
     t = r["tiles"]
     tiles = (f"{t['block_m']}x{t['block_n']}/{t['block_c']}{'s' if t.get('separate_columns') else ''}"
-             f"{'w' if t.get('warp_specialize') else ''}{'*' if r.get('launched') else ''}")
+             f"{'*' if r.get('launched') else ''}")
     if "error" in r:
         return f"{tiles:<12} {r['error']}"[:52].ljust(52)
     shapes = " ".join(f"{s.split('k')[0]}:{n}" for s, n in r["wgmma_shapes"].items())
@@ -116,8 +116,7 @@ def _cells(r: dict | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """One line per build: kernel, head_dim, then tiles (m x n / column step, 's' for a separate
-    column pass, 'w' for the forward's warp-specialized full-block launch, '*' for the tiles launched, in a
-    sweep), warps and stages, registers, stack bytes,
+    column pass, '*' for the tiles launched, in a sweep), warps and stages, registers, stack bytes,
     shared KB and wgmma shapes; with `previous` entries, the tiles launched before beside the current
     ones."""
     side = any("previous" in r for r in rows)

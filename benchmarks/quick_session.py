@@ -19,8 +19,7 @@ scripts write theirs as soon as they have a number:
 (d) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (b)'s
     128K run with it dense (the default): what the dense first layer costs;
 (e) tiles: `tune_tiles.py --shortlist --kernels dq dkdv forward` at 32K: the dq and dk/dv kernels' few
-    candidates, then the forward's (dq's and the forward's full key blocks warp-specialized among them), each
-    checked against the launched tiles' result.
+    candidates, then the forward's, each checked against the launched tiles' result.
 
 The caps add up to more than the budget on purpose: by the H100 session's timings (the e2e runs' start-up of
 about 20-30 s each, 8.8 s per sdpa + liger step at 128K) the first three stages take about 6 minutes and the

@@ -53,17 +53,12 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # head_dim 128, 8 warps: those whose sm_90 builds on the GPU image's Triton (3.6) keep every register in registers
 # and fit shared memory (kernel-candidates_triton-3.6.0_*.json; dq with column gradients, its heaviest variant),
 # the launched tiles (the dk/dv one keeps 56 B of stack there), and for the forward and dq the same tiles with
-# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`, built spill-free, never timed); and their
-# full key blocks in a warp-specialized launch (`Tiles.warp_specialize`: split into a TMA producer and a consumer
-# warpgroup, spill-free; the forward's by Triton 3.6 at 128 and 64 query rows, by 3.9 at 64, where it fails to build
-# the 128-row one, a row with its error; dq's at 64 rows by both).
+# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`; on the H200 at 32K no faster: dq 3.68 vs
+# 3.67 ms, the forward 1.73 vs 1.54, tiles_nvidia-h200_20261129-221239.json).
 SHORTLIST = {
-    "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
-                Tiles(128, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True),
-                Tiles(64, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)],
+    "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True)],
     "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
-           Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3),
-           Tiles(64, 64, 64, 4, 3, kv_descriptors=True, warp_specialize=True)],
+           Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3)],
     "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
 }
 # Largest relative RMS difference from the current tiles' result that still counts as the same
@@ -120,15 +115,15 @@ def rank(rows: list[dict]) -> list[dict]:
 
 
 def format_table(kernel: str, rows: list[dict]) -> str:
-    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'ws':>3} "
-              f"{'ms':>9} {'x current':>9}  note")
+    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'ms':>9} "
+              f"{'x current':>9}  note")
     lines = [header, "-" * len(header)]
     base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
     for r in rank(rows):
         t = r["tiles"]
         cells = (f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} "
                  f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3} "
-                 f"{'yes' if t.get('kv_descriptors') else '':>3} {'yes' if t.get('warp_specialize') else '':>3}")
+                 f"{'yes' if t.get('kv_descriptors') else '':>3}")
         if r["status"] == "ok":
             speedup = f"{base / r['ms']:9.2f}" if base else " " * 9
             note = "current" if r["current"] else ""

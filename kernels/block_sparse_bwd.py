@@ -28,10 +28,7 @@ in a second pass over the columns after dq is stored: p and ds are recomputed (2
 per column step), but the dq accumulator is no longer live beside the column gradient tiles.
 
 With `Tiles.kv_descriptors` the dq kernel's key-block loop loads its K/V tiles through TMA tensor
-descriptors, as the forward's does. With `Tiles.warp_specialize` (a tuning candidate, as the forward's)
-dq's full key blocks run in a launch of their own (`KEY_BLOCKS="full"`: Q, dout, K and V through
-descriptors, no mask, no columns: the loop shape Triton warp-specializes on sm_90, at 64 query rows),
-whose fp32 sums seed the launch of the partial blocks and the columns ("rest", the launched tiles).
+descriptors, as the forward's does.
 
 Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
 (`indexing.LayoutSplit`; in the transposed CSR, each key block's full entries first), and the dq
@@ -54,10 +51,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .block_sparse_fwd import descriptors_fit, dot_precision, kv_descriptors, placeholder_if_empty
-from .configs import FP_FUSION, Tiles, compiled, dkdv_tiles, dq_tiles, launched_dq_tiles
+from .block_sparse_fwd import dot_precision, kv_descriptors, placeholder_if_empty
+from .configs import FP_FUSION, compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
@@ -154,7 +150,7 @@ def _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, 
 
 @triton.jit
 def _dq_kernel(
-    Q, QDesc, K, V, KDesc, VDesc, DOut, DODesc, Lse2, Delta, DQ, DQFull, ColDK, ColDV,
+    Q, K, V, KDesc, VDesc, DOut, Lse2, Delta, DQ, ColDK, ColDV,
     BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
@@ -167,7 +163,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
-    KV_DESCRIPTORS: tl.constexpr, KEY_BLOCKS: tl.constexpr,
+    KV_DESCRIPTORS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     n_tiles = tl.num_programs(1)
@@ -177,89 +173,71 @@ def _dq_kernel(
     )
     q_mask = m_ok[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DOut + b * stride_db + h64 * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask, other=0.0)
     row = (b * num_q_heads + h64) * q_len + offs_m
-    # the full launch's dq sums (fp32, unscaled), contiguous [B, Hq, Sq, HEAD_DIM]
-    full_ptr = DQFull + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
-    if KEY_BLOCKS == "full":
-        q = QDesc.load([b.to(tl.int32), h64.to(tl.int32), tile * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = DODesc.load([b.to(tl.int32), h64.to(tl.int32), tile * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
-    else:
-        q = tl.load(Q + b * stride_qb + h64 * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DOut + b * stride_db + h64 * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask,
-                     other=0.0)
-        q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
-        q_seg = query_segments(q_seg)
     lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+    q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
+    q_seg = query_segments(q_seg)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     k_index = KIndex + b * k_len
     k_segment = KSegment + b * k_len
-    if KEY_BLOCKS == "rest":
-        dq = tl.load(full_ptr, mask=q_mask, other=0.0)
-    else:
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
     n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
-    # full key blocks first (no mask, no token metadata), then partial ones (`indexing.split_full_blocks`)
-    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
-    if KEY_BLOCKS == "full":  # the full blocks alone, in the loop shape Triton warp-specializes (as the forward's)
-        steps_lo, steps_hi, n_cols = 0, n_full, 0
-    else:
-        steps_lo, steps_hi = (n_full if KEY_BLOCKS == "rest" else 0), n_blocks * SUB
-        n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
-        # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
-        bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
+    # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    # full key blocks first (no mask, no token metadata), then partial ones (`indexing.split_full_blocks`);
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
-    for i in tl.range(steps_lo, steps_hi, warp_specialize=KEY_BLOCKS == "full"):
+    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
+    for i in range(n_blocks * SUB):
         kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
                                                      KDesc, VDesc, b.to(tl.int32), kvh.to(tl.int32), k_len,
                                                      num_k_blocks, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D,
                                                      KV_DESCRIPTORS)
+        bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
-        if KEY_BLOCKS != "full":
-            bad = bad | kb_bad
-            if i >= n_full:
-                k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
-                vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
-                p = tl.where(vis, p, 0.0)
+        if i >= n_full:
+            k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    if KEY_BLOCKS == "full":  # (an invalid row is found by the rest launch, which reads its whole layout row)
-        tl.store(full_ptr, dq, mask=q_mask)
-    else:
-        full_lo, full_hi = full_columns(ColFull, lay, n_cols)
-        for c0 in range(0, n_cols, BLOCK_C):
-            offs_c, col, kv_mask, k, p, ds = _column_step(
-                q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base, v_base,
-                stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
-                PRECISION)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-            if COLUMN_GRADS != 0:
-                if not SEPARATE_COLUMNS:
-                    _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads,
-                                      k_len, pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
-                                      PRECISION)
-
-        dq_ptr = DQ + b * stride_gb + h64 * stride_gh + rows * stride_gs + offs_d[None, :]
-        dq = dq * (scale + tl.where(bad, float("nan"), 0.0))
-        tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=q_mask)
-
+    full_lo, full_hi = full_columns(ColFull, lay, n_cols)
+    for c0 in range(0, n_cols, BLOCK_C):
+        offs_c, col, kv_mask, k, p, ds = _column_step(
+            q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base, v_base,
+            stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
+            PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
-            if SEPARATE_COLUMNS:
-                # a second pass over the columns once dq is stored and its accumulator is dead
-                for c0 in range(0, n_cols, BLOCK_C):
-                    offs_c, col, kv_mask, k, p, ds = _column_step(
-                        q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
-                        v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
-                        HAS_WINDOW, BLOCK_C, PRECISION)
-                    _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads,
-                                      k_len, pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
-                                      PRECISION)
+            if not SEPARATE_COLUMNS:
+                _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
+                                  pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
+                                  PRECISION)
+
+    dq_ptr = DQ + b * stride_gb + h64 * stride_gh + rows * stride_gs + offs_d[None, :]
+    dq = dq * (scale + tl.where(bad, float("nan"), 0.0))
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+    if COLUMN_GRADS != 0:
+        if SEPARATE_COLUMNS:
+            # a second pass over the columns once dq is stored and its accumulator is dead
+            for c0 in range(0, n_cols, BLOCK_C):
+                offs_c, col, kv_mask, k, p, ds = _column_step(
+                    q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
+                    v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
+                    HAS_WINDOW, BLOCK_C, PRECISION)
+                _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
+                                  pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
+                                  PRECISION)
 
 
 @triton.jit
@@ -445,14 +423,14 @@ def backward(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
     )
 
-    def launch_dq(tiles: Tiles, key_blocks: str, first_tile: int, count: int, mode: int, col_dk: torch.Tensor,
-                  col_dv: torch.Tensor) -> None:
-        descriptors = tiles.kv_descriptors or key_blocks == "full"
-        k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if descriptors else (k, v)
-        q_desc, do_desc = ((TensorDescriptor.from_tensor(x, [1, 1, tiles.block_m, block_d]) for x in (q, dout))
-                           if key_blocks == "full" else (q, dout))
+    tiles = dq_tiles(block_size, d, on_gpu)
+    n_tiles = triton.cdiv(sq, tiles.block_m)
+
+    k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
+
+    def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
         _dq_kernel[(b * hq, count)](
-            q, q_desc, k, v, k_desc, v_desc, dout, do_desc, lse2, delta, dq, dq_full, col_dk, col_dv,
+            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, col_dk, col_dv,
             block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt, col_full,
             q_index, q_segment, k_index, k_segment,
             *strides, dq.stride(0), dq.stride(1), dq.stride(2),
@@ -461,25 +439,14 @@ def backward(
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
-            PRECISION=precision, KV_DESCRIPTORS=k_desc is not k, KEY_BLOCKS=key_blocks,
+            PRECISION=precision, KV_DESCRIPTORS=k_desc is not k,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 
-    tiles, key_blocks = dq_tiles(block_size, d, on_gpu), "all"
-    if tiles.warp_specialize and not descriptors_fit(q, k, v, dout):
-        tiles = launched_dq_tiles(block_size, d, on_gpu)
-    dq_full = dq  # (not read unless the full key blocks run in a launch of their own)
-    if tiles.warp_specialize:
-        # the full key blocks in a warp-specialized launch of their own (its dq sums in fp32), the rest seeded with them
-        dq_full = torch.empty(b, hq, sq, d, dtype=torch.float32, device=dev)
-        launch_dq(tiles, "full", 0, triton.cdiv(sq, tiles.block_m), _NO_COLUMNS, dq_full, dq_full)
-        tiles, key_blocks = launched_dq_tiles(block_size, d, on_gpu), "rest"
-    n_tiles = triton.cdiv(sq, tiles.block_m)
-
     if not has_cols:
-        launch_dq(tiles, key_blocks, 0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
+        launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
     elif not deterministic:
-        launch_dq(tiles, key_blocks, 0, n_tiles, _ATOMIC, col_dk, col_dv)
+        launch_dq(0, n_tiles, _ATOMIC, col_dk, col_dv)
     else:
         per_tile = b * hq * max_cols * d * 4 * 2
         chunk = max(1, min(n_tiles, DETERMINISTIC_PARTIAL_BYTES // per_tile))
@@ -487,7 +454,7 @@ def backward(
         part_dv = torch.empty_like(part_dk)
         for t0 in range(0, n_tiles, chunk):
             count = min(chunk, n_tiles - t0)
-            launch_dq(tiles, key_blocks, t0, count, _PARTIAL, part_dk, part_dv)
+            launch_dq(t0, count, _PARTIAL, part_dk, part_dv)
             tile_blocks = torch.arange(t0, t0 + count, device=dev) * tiles.block_m // block_size
             sorted_row, order, seg_end, invalid = column_targets(col_idx, col_cnt, tile_blocks, hq, hk, sk)
             _column_sum_kernel[(sorted_row.numel(),)](

@@ -16,11 +16,7 @@ load, no store, no rounding).
 
 With `Tiles.kv_descriptors` (off in the launched tiles until timed on a GPU) the key-block loop
 loads its K/V tiles through TMA tensor descriptors (one bulk copy per tile on sm_90) where the
-tensors allow it (`descriptors_fit`); the columns keep their gathers. With `Tiles.warp_specialize`
-(off too) the launcher splits the work in two launches of this kernel (`KEY_BLOCKS`): the full key
-blocks alone ("full": Q/K/V through descriptors, no mask, no columns, the loop shape Triton splits into
-producer and consumer warpgroups on sm_90) into an fp32 result, then the partial blocks and the
-columns ("rest") merged into it; "all" is the one launch otherwise.
+tensors allow it (`descriptors_fit`); the columns keep their gathers.
 
 A layout row's full key blocks (every pair visible) run before its partial ones, and column steps
 inside the row's run of fully visible columns skip the mask too (`indexing.LayoutSplit`, computed
@@ -37,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import FP_FUSION, Tiles, compiled, forward_tiles, launched_forward_tiles
+from .configs import FP_FUSION, compiled, forward_tiles
 from .tiles import (
     LN2,
     LOG2E,
@@ -84,7 +80,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(
-    Q, QDesc, K, V, KDesc, VDesc, Out, Lse,
+    Q, K, V, KDesc, VDesc, Out, Lse,
     BlockIdx, BlockCnt, FullCnt, ColIdx, ColCnt, ColFull,
     QIndex, QSegment, KIndex, KSegment,
     stride_qb, stride_qh, stride_qs,
@@ -96,7 +92,6 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
-    KEY_BLOCKS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -104,29 +99,16 @@ def _forward_kernel(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
     n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
-    # listed key blocks, `SUB` steps of BLOCK_N rows each: first the full ones (every pair visible),
-    # then the partial ones (`indexing.split_full_blocks` ordered them so)
-    SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
-    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
-    if KEY_BLOCKS == "full":
-        # the full blocks alone, in the one shape of loop Triton splits into producer and consumer warpgroups on
-        # sm_90: descriptor loads, no mask, no other loop (benchmarks/warp_specialize_probe.py)
-        steps_lo, steps_hi, n_cols, bad = 0, n_full, 0, blocks_bad
-    else:
-        steps_lo, steps_hi = (n_full if KEY_BLOCKS == "rest" else 0), n_blocks * SUB
-        n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
-        # an invalid layout row (a count outside its slots, an index out of range): its queries come out NaN
-        bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
+    # an invalid layout row (a count outside its slots, an index out of range): its queries come out NaN
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
     if MERGE:
-        if (steps_hi - steps_lo + n_cols == 0) & ~bad:
+        if (n_blocks + n_cols == 0) & ~bad:
             return  # nothing to add (a ring step without work here): the running result stays as it is, bit for bit
-    if KEY_BLOCKS == "full":
-        q = QDesc.load([b.to(tl.int32), h.to(tl.int32), tile * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
-    else:
-        q_rows = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
-        q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
-        q_seg = query_segments(q_seg)
+    q_rows = Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs
+    q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_idx, q_seg = load_meta(QIndex + b * q_len, QSegment + b * q_len, offs_m, m_ok)
+    q_seg = query_segments(q_seg)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -137,35 +119,37 @@ def _forward_kernel(
     k_index = KIndex + b * k_len
     k_segment = KSegment + b * k_len
 
-    # Full steps run no mask and load no token metadata. One loop with a branch on the step: two loops (full,
-    # partial) lost their multi-stage pipelining on sm_90 (Triton 3.9, benchmarks/results/README.md).
-    for i in tl.range(steps_lo, steps_hi, warp_specialize=KEY_BLOCKS == "full"):
+    # listed key blocks, `SUB` steps of BLOCK_N rows each: first the full ones (every pair visible),
+    # then the partial ones (`indexing.split_full_blocks` ordered them so); full steps run no mask and
+    # load no token metadata. One loop with a branch on the step: two loops (full, partial) lost their
+    # multi-stage pipelining on sm_90 (Triton 3.9, benchmarks/results/README.md).
+    SUB: tl.constexpr = LAYOUT_BLOCK // BLOCK_N
+    n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
+    for i in range(n_blocks * SUB):
         kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
                                                      KDesc, VDesc, b.to(tl.int32), kvh.to(tl.int32), k_len,
                                                      num_k_blocks, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D,
                                                      KV_DESCRIPTORS)
         bad = bad | kb_bad
         s = _scores(q, k, qk_scale, PRECISION)
-        if KEY_BLOCKS != "full":
-            if i >= n_full:
-                k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
-                vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
-                s = tl.where(vis, s, float("-inf"))
+        if i >= n_full:
+            k_idx, k_seg = load_meta(k_index, k_segment, offs_n, n_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     # vertical columns, gathered by token index; steps inside the row's run of fully visible columns
     # run no mask and load no token metadata
-    if KEY_BLOCKS != "full":
-        full_lo, full_hi = full_columns(ColFull, lay, n_cols)
-        for c0 in range(0, n_cols, BLOCK_C):
-            _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
-                                                     stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
-            s = _scores(q, k, qk_scale, PRECISION)
-            if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
-                k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
-                vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
-                s = tl.where(vis, s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    full_lo, full_hi = full_columns(ColFull, lay, n_cols)
+    for c0 in range(0, n_cols, BLOCK_C):
+        _, c_ok, col, _, k, v = load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base,
+                                                 stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
+        s = _scores(q, k, qk_scale, PRECISION)
+        if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
+            k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+            vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
+            s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     # Output pointers are built only here, after the loops: a [BLOCK_M, BLOCK_D] pointer tensor live
     # across them would cost two registers per element (the merge reads the previous result here too).
@@ -236,46 +220,27 @@ def forward(
     hk, sk = k.shape[1], k.shape[2]
     if sq == 0 or b == 0:
         return
-    on_gpu = compiled(q.device)
-    tiles = forward_tiles(block_size, d, on_gpu)
+    tiles = forward_tiles(block_size, d, compiled(q.device))
+    grid = (b * hq, triton.cdiv(sq, tiles.block_m))
     block_d = triton.next_power_of_2(max(d, 16))
-
-    def launch(tiles: Tiles, key_blocks: str, out: torch.Tensor, merge: bool) -> None:
-        grid = (b * hq, triton.cdiv(sq, tiles.block_m))
-        descriptors = tiles.kv_descriptors or key_blocks == "full"
-        k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if descriptors else (k, v)
-        q_desc = TensorDescriptor.from_tensor(q, [1, 1, tiles.block_m, block_d]) if key_blocks == "full" else q
-        _forward_kernel[grid](
-            q, q_desc, k, v, k_desc, v_desc, out, lse,
-            placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt, col_full,
-            q_index, q_segment, k_index, k_segment,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hk, block_idx.shape[1], sq, sk, block_idx.shape[2], triton.cdiv(sk, block_size),
-            block_idx.shape[3], col_idx.shape[3],
-            scale * LOG2E.value, window or 0,
-            HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
-            HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
-            KV_DESCRIPTORS=k_desc is not k, KEY_BLOCKS=key_blocks,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
-        )
-
-    if tiles.warp_specialize and not descriptors_fit(q, k, v):
-        tiles = launched_forward_tiles(block_size, d, on_gpu)
-    if not tiles.warp_specialize:
-        launch(tiles, "all", out, merge)
-        return
-    # The full key blocks in a warp-specialized launch of their own, into an fp32 result (the caller's running
-    # result when merging); the partial blocks and the columns, with the launched tiles, merge into it.
-    acc = out if merge or out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32,
-                                                                      device=out.device)
-    launch(tiles, "full", acc, merge)
-    launch(launched_forward_tiles(block_size, d, on_gpu), "rest", acc, True)
-    if acc is not out:
-        out.copy_(acc)
+    k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
+    _forward_kernel[grid](
+        q, k, v, k_desc, v_desc, out, lse,
+        placeholder_if_empty(block_idx), block_cnt, full_cnt, placeholder_if_empty(col_idx), col_cnt, col_full,
+        q_index, q_segment, k_index, k_segment,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hk, block_idx.shape[1], sq, sk, block_idx.shape[2], triton.cdiv(sk, block_size),
+        block_idx.shape[3], col_idx.shape[3],
+        scale * LOG2E.value, window or 0,
+        HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
+        HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
+        KV_DESCRIPTORS=k_desc is not k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
+    )
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> tuple:

@@ -35,13 +35,6 @@ class Tiles:
         descriptors (one bulk copy per tile on sm_90; the columns keep their gathers), where the
         tensors allow it (`block_sparse_fwd.descriptors_fit`), else through pointers. Off in the
         launched tiles until a GPU has timed it; builds for sm_90 (tests/kernels/test_kernels_compile.py).
-    warp_specialize: forward and dq: the full key blocks run in a launch of their own with these tiles,
-        whose loop Triton splits into a TMA producer warpgroup and a consumer one on sm_90 (Q, K and V, and
-        dout for dq, through descriptors, no mask, no columns: the one loop shape its pass splits,
-        benchmarks/results/README.md; 4 warps), into an fp32 result that the partial blocks and the columns,
-        run with the launched tiles, merge into (forward; an fp32 copy of the output while it runs) or add
-        to (dq). Where descriptors cannot address the tensors, one launch with the launched tiles. Off until
-        a GPU has timed it.
     """
 
     block_m: int
@@ -51,7 +44,6 @@ class Tiles:
     num_stages: int
     separate_columns: bool = False
     kv_descriptors: bool = False
-    warp_specialize: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
@@ -85,9 +77,7 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     """The tiles worth timing for `kernel` ("forward", "dq", "dkdv"): wgmma-sized products (64 rows
     on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
-    descriptors (`Tiles.kv_descriptors`), for the forward and dq their full key blocks warp-specialized
-    (`Tiles.warp_specialize`, 4 warps, 2 or 3 stages; dq at 64 query rows); sizes above the layout block
-    are dropped.
+    descriptors (`Tiles.kv_descriptors`); sizes above the layout block are dropped.
 
     Warps (unless given): 8 only above head_dim 64, where every 4-warp build spilled more (see
     benchmarks/results/README.md); 4 and 8 at head_dim 64 and below."""
@@ -101,11 +91,6 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
         grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True))
     tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
-    if kernel != "dkdv":  # the full key blocks in a warp-specialized launch: Triton splits only 4-warp loops (dq's
-        # only at 64 query rows: benchmarks/results/README.md)
-        split = itertools.product((64, 128) if kernel == "forward" else (64,), (64, 128), (2, 3))
-        tiles += [Tiles(m, n, 64, 4, st, kv_descriptors=True, warp_specialize=True)
-                  for m, n, st in split if m <= block_size and n <= block_size]
     return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
 
 
@@ -142,12 +127,8 @@ def compiled(device) -> bool:
 
 
 def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    return _overridden("forward", block_size) or launched_forward_tiles(block_size, head_dim, on_gpu)
-
-
-def launched_forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    """The forward's tiles without an override (with a warp-specialized override, its partial blocks and
-    columns run with these)."""
+    if t := _overridden("forward", block_size):
+        return t
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
     if head_dim <= 64:
@@ -158,12 +139,8 @@ def launched_forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tile
 
 
 def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    return _overridden("dq", block_size) or launched_dq_tiles(block_size, head_dim, on_gpu)
-
-
-def launched_dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    """dq's tiles without an override (with a warp-specialized override, its partial blocks and columns run
-    with these)."""
+    if t := _overridden("dq", block_size):
+        return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
     # The columns' dk/dv stay in the dq loop: with the launch's divisibility hints that builds without

@@ -131,8 +131,8 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
     bwd = lambda cols: record(block_sparse_bwd.backward, q, k, v, out, lse, dout, None, block_idx, cnt, cnt, partial,
                               cols, cnt, col_full, *tokens, *tokens, deterministic=False, grads_in_input_dtype=True,
                               **common)
-    # (preprocess, dq, dk/dv) each; with a warp-specialized dq, its full-block launch comes first of two
-    (_, dq, *_, dkdv_no_cols), (_, dq_cols, *_, dkdv) = bwd(no_cols), bwd(col_idx)
+    _, dq, dkdv_no_cols = bwd(no_cols)
+    _, dq_cols, dkdv = bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)
     row_stats, scores = record(vertical_slash.vertical_slash_scores, q_rows, k[0], d ** -0.5)
     return {"forward": fwd(False)[0], "forward_merge": fwd(True)[0], "dq": dq, "dq_column_grads": dq_cols,
@@ -165,8 +165,7 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
 def _tiles_of(kwargs: dict) -> Tiles:
     return Tiles(kwargs.get("BLOCK_M", kwargs.get("BLOCK", 0)), kwargs.get("BLOCK_N", kwargs.get("BLOCK", 0)),
                  kwargs.get("BLOCK_C", 0), kwargs["num_warps"], kwargs["num_stages"],
-                 kwargs.get("SEPARATE_COLUMNS", False), kwargs.get("KV_DESCRIPTORS", False),
-                 kwargs.get("KEY_BLOCKS") == "full")
+                 kwargs.get("SEPARATE_COLUMNS", False), kwargs.get("KV_DESCRIPTORS", False))
 
 
 def build(name: str, tiles: Tiles | None = None, launch: Launch | None = None):

@@ -115,35 +115,3 @@ def test_warp_specialize_probe_builds_every_case(tmp_path):
         assert "error" in r or (r["registers"] > 0 and r["shared_bytes"] > 0), r
     assert (tmp_path / "probe.json").exists() and len(table.splitlines()) == 2 + len(rows)
 
-
-def _warp_specialized(build) -> tuple[str, object]:
-    """'split' (Triton made producer and consumer warpgroups), 'unsplit', or 'failed' (the pass gave up)."""
-    try:
-        b = build()
-    except RuntimeError:
-        return "failed", None
-    return ("split" if sm90.usage(b).warp_specialized else "unsplit"), b
-
-
-@pytest.mark.parametrize("kernel", ["forward", "dq"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_full_key_block_launch_is_split_where_the_probe_loop_is(kernel, head_dim, block_m):
-    """The full-key-block launch of the forward and of dq (`Tiles.warp_specialize`) keeps the one loop shape
-    Triton's pass splits on sm_90: with the installed Triton it is split exactly when the probe's reference
-    loop (4 warps, every tile through descriptors, no mask, no other loop) is (the forward's: Triton 3.6, the
-    GPU image's, at 64 and 128 query rows, 3.9 at 64, its pass failing on both at 128; dq's: both at 64 rows,
-    neither at 128), and where split it builds without spilling, in shared memory, on full-width wgmma."""
-    stages = 3 if kernel == "forward" else 2
-    with load_benchmark("warp_specialize_probe") as probe:
-        reference, _ = _warp_specialized(
-            lambda: probe.build(True, False, False, 4, block_m, head_dim=head_dim) if kernel == "forward"
-            else probe.build_dq(4, block_m, head_dim=head_dim))
-    tiles = Tiles(block_m, 64, 64, 4, stages, kv_descriptors=True, warp_specialize=True)
-    ours, build = _warp_specialized(lambda: sm90.build(kernel, tiles, sm90.launch_for(head_dim))[1])
-    assert ours == reference
-    if build is not None:
-        use = sm90.usage(build)
-        assert use.stack_bytes == 0 and use.shared_bytes <= sm90.H100_SHARED_BYTES, use
-        assert use.mma_sync == 0 and use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, use
-        assert "cp.async.bulk.tensor" in build.asm["ptx"]

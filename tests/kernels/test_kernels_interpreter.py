@@ -350,15 +350,10 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
     assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dq_tiles", [
-    configs.Tiles(32, 16, 16, 1, 1),
-    configs.Tiles(32, 16, 16, 1, 1, separate_columns=True),
-    configs.Tiles(16, 16, 16, 1, 1, kv_descriptors=True, warp_specialize=True),
-], ids=["columns-in-dq-loop", "separate-column-pass", "warp-specialized-full-blocks"])
-def test_deterministic_mode_matches_reference(interp, dq_tiles):
+@pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
+def test_deterministic_mode_matches_reference(interp, separate_columns):
     """Column gradients through per-tile partials summed per key row in a fixed order, in one chunk of
-    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests);
-    with dq's full key blocks in a launch of their own, the chunks of the rest start from its sums."""
+    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests)."""
     s, bs = 160, 32
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=13)
     meta = TokenMeta.contiguous(1, s)
@@ -372,6 +367,7 @@ def test_deterministic_mode_matches_reference(interp, dq_tiles):
                              dlse=dlse.double())
     tile_bytes = 4 * layout.col_idx.shape[-1] * 16 * 4 * 2  # one query tile's partials (5 tiles in all)
     for budget in (2 * tile_bytes, 1 << 30):
+        dq_tiles = configs.Tiles(32, 16, 16, 1, 1, separate_columns=separate_columns)
         grads = interp.apply(_deterministic_backward, (budget, args, kwargs, dq_tiles))
         for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
             assert rel_rms(a, r) <= 2 * TOLERANCE[torch.float32], (name, budget)
@@ -498,14 +494,7 @@ def test_adversarial_layouts_match_reference(interp, s):
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
 
 
-def _ws_forward_result(call, **kwargs):
-    """The forward with the full key blocks in a warp-specialized launch of their own (Tiles.warp_specialize)."""
-    with configs.tiles_override(forward=configs.Tiles(16, 16, 16, 1, 1, kv_descriptors=True, warp_specialize=True)):
-        return kernel_forward(call, **kwargs)
-
-
-@pytest.mark.parametrize("forward", [kernel_forward, _ws_forward_result], ids=["one-launch", "warp-specialized"])
-def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(interp, forward):
+def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(interp):
     """Key blocks past the keys or negative, columns past the keys or negative, a block count above
     the slots and a negative column count (no host check runs on the kernels' path): the query rows
     of those layout rows come out NaN (forward and dq), every other row, and dk/dv, are what the
@@ -532,7 +521,7 @@ def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(inter
     meta = TokenMeta.contiguous(1, s)
     scale = 0.25
     ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), clean, scale, meta, meta))
-    out, lse = interp.apply(forward, (AttentionCall(q, k, v, invalid, scale, meta, meta),), {})
+    out, lse = interp.apply(kernel_forward, (AttentionCall(q, k, v, invalid, scale, meta, meta),), {})
     rows = torch.zeros(2, s, dtype=torch.bool)
     for h, qb in bad:
         rows[h, qb * bs:(qb + 1) * bs] = True
@@ -909,122 +898,3 @@ def test_tensor_descriptors_only_where_the_tensors_allow_them():
     assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 8, 20).half())  # rows of 40 bytes
     assert not block_sparse_fwd.descriptors_fit(torch.randn(1 * 2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16))  # base + 4 B
     assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 0, 16))
-
-
-# ---- the full key blocks in a warp-specialized launch of their own (#50, behind Tiles.warp_specialize) --
-
-WS_TILES = configs.Tiles(32, 16, 16, 1, 1, kv_descriptors=True, warp_specialize=True)
-
-
-def _key_block_launches(worker, *args, **kwargs):
-    """`worker(*args, **kwargs)`, the forward launches it made ((KEY_BLOCKS, MERGE, output dtype) each, and their
-    key steps, BLOCK_N, apart) and the dq launches' KEY_BLOCKS."""
-    forward, dq = block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel
-    seen, steps, dq_seen = [], [], []
-
-    def spy(*a, _run=forward.run, **kw):
-        seen.append((kw["KEY_BLOCKS"], kw["MERGE"], a[6].dtype))
-        steps.append(kw["BLOCK_N"])
-        return _run(*a, **kw)
-
-    forward.run = spy
-    dq.run = lambda *a, _run=dq.run, **kw: dq_seen.append(kw["KEY_BLOCKS"]) or _run(*a, **kw)
-    try:
-        result = worker(*args, **kwargs)
-    finally:
-        del forward.run, dq.run
-    return result, seen, steps, dq_seen
-
-
-def _full_blocks(layout, q_meta, k_meta, window=None) -> int:
-    """How many (row, key block) pairs of `layout` are full: what the warp-specialized launch computes."""
-    summary = lambda meta: block_summary(meta.index, meta.segment, layout.block_size)
-    return int(split_full_blocks(layout.block_idx, layout.block_cnt, summary(q_meta), summary(k_meta), window)[1].sum())
-
-
-def _ws_fwd_bwd(*args, tiles):
-    result, seen, _, dq_seen = _key_block_launches(_kernel_fwd_bwd, *args, tiles=tiles)
-    assert seen == [("full", False, torch.float32), ("rest", True, torch.float32)], seen
-    assert dq_seen == ["full", "rest"], dq_seen
-    return result
-
-
-@pytest.mark.parametrize("d,dtype,window", [(48, torch.float32, None), (16, torch.float16, 40)],
-                         ids=["d48-fp32", "d16-fp16-window"])
-def test_warp_specialized_full_blocks_match_reference(interp, d, dtype, window):
-    """The full key blocks in their own launch (Q/K/V, and dout for dq, through descriptors, no mask), the
-    partial blocks and the columns merged into its result (forward) or added to its sums (dq): packed
-    documents, padding, rows that see nothing, GQA; forward and backward equal the reference."""
-    s, bs = 150, 16
-    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, d, dtype, seed=131)
-    meta = _random_docs(1, s, seed=132, pad=3, cuts=1)
-    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=4, num_verticals=8, meta=meta,
-                                          generator=torch.Generator().manual_seed(133))
-    assert 0 < _full_blocks(layout, meta, meta, window) < int(layout.block_cnt.sum())
-    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=window,
-                             tiles={"forward": WS_TILES, "dq": WS_TILES}, worker=_ws_fwd_bwd)
-
-
-def _ws_public_function(q, k, v, layout):
-    with configs.tiles_override(forward=WS_TILES, dq=WS_TILES):
-        return _key_block_launches(_public_function_fwd_bwd, q, k, v, layout)
-
-
-def test_warp_specialized_split_writes_the_input_dtype_through_an_fp32_result(interp):
-    """Half-precision output and gradients: both forward launches write an fp32 result, copied into the input
-    dtype at the end; dq's rest launch writes the input dtype from the full launch's fp32 sums."""
-    q, k, v, _, _ = _inputs(1, 4, 2, 48, 48, 32, torch.float16, seed=134)
-    layout = random_layout(1, 4, 48, 48, 16, 0.5, 0.1, generator=torch.Generator().manual_seed(135))
-    dense = TokenMeta.from_segments(torch.zeros(1, 48, dtype=torch.int32))
-    assert 0 < _full_blocks(layout, dense, dense) < int(layout.block_cnt.sum())
-    (out, _, _, grads), seen, _, dq_seen = interp.apply(_ws_public_function, (q, k, v, layout))
-    assert seen == [("full", False, torch.float32), ("rest", True, torch.float32)], seen
-    assert dq_seen == ["full", "rest"], dq_seen
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = block_sparse_attention(*ref, layout, implementation="reference")
-    (ref_out * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
-    assert out.dtype == torch.float16 and rel_rms(out, ref_out) <= TOLERANCE[torch.float16]
-    for got, r in zip(grads, ref):
-        assert rel_rms(got, r.grad) <= 2 * TOLERANCE[torch.float16]
-
-
-def _ws_forward(call, **kwargs):
-    with configs.tiles_override(forward=WS_TILES):
-        return _key_block_launches(kernel_forward, call, **kwargs)
-
-
-def test_warp_specialized_split_merges_into_a_running_result(interp):
-    """A ring step with the split: both launches merge into the caller's running (out, lse), and two key
-    halves so merged equal the whole."""
-    s, bs, scale = 96, 16, 0.3
-    q, k, v, _, _ = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=136)
-    meta = _random_docs(1, s, seed=137, pad=4, cuts=1)
-    full = random_layout(1, 4, s, s, bs, 0.6, 0.1, generator=torch.Generator().manual_seed(138))
-    halves = [(lo, hi, key_range(full, lo, hi), TokenMeta(meta.index[:, lo:hi], meta.segment[:, lo:hi]))
-              for lo, hi in ((0, 48), (48, s))]
-    assert all(_full_blocks(lay, meta, km) > 0 for _, _, lay, km in halves)
-    call = lambda lo, hi, lay, km: AttentionCall(q, k[:, :, lo:hi], v[:, :, lo:hi], lay, scale, meta, km)
-    (out, lse), first, _, _ = interp.apply(_ws_forward, (call(*halves[0]),), {})
-    (out, lse), second, _, _ = interp.apply(_ws_forward, (call(*halves[1]),), dict(out=out, lse=lse))
-    assert first == [("full", False, torch.float32), ("rest", True, torch.float32)], first
-    assert second == [("full", True, torch.float32), ("rest", True, torch.float32)], second
-    ref_out, ref_lse = reference_forward(AttentionCall(q.double(), k.double(), v.double(), full, scale, meta, meta))
-    seen = torch.isfinite(ref_lse)
-    assert not bool(seen.all()) and torch.equal(torch.isfinite(lse), seen)
-    assert rel_rms(out, ref_out) <= TOLERANCE[torch.float32]
-    assert rel_rms(lse, ref_lse, seen) <= TOLERANCE[torch.float32]
-    assert bool((out[~seen] == 0).all())
-
-
-def test_warp_specialized_split_only_where_descriptors_address_the_tensors(interp):
-    """Rows of 40 bytes (head_dim 20, fp16) cannot be addressed by descriptors: one launch of every key
-    block and the columns, with the launched tiles (32-key steps here, where the override has 16), as without
-    the split."""
-    q, k, v, dout, dlse = _inputs(1, 2, 1, 80, 80, 20, torch.float16, seed=139)
-    layout = random_layout(1, 2, 80, 80, 32, 0.5, 0.1, generator=torch.Generator().manual_seed(140))
-    meta = _random_docs(1, 80, seed=141, cuts=1)
-    call = AttentionCall(q, k, v, layout, 20 ** -0.5, meta, meta)
-    (out, _), seen, steps, _ = interp.apply(_ws_forward, (call,), {})
-    assert seen == [("all", False, torch.float32)] and steps == [32] != [WS_TILES.block_n], (seen, steps)
-    ref_out, _ = reference_forward(AttentionCall(q.double(), k.double(), v.double(), layout, 20 ** -0.5, meta, meta))
-    assert rel_rms(out, ref_out) <= TOLERANCE[torch.float16]
