@@ -14,9 +14,10 @@ dq candidates come in pairs: the columns' dk/dv inside the dq loop, or in a sepa
 (`Tiles.separate_columns`, column "sep").
 
 Each candidate's result is compared with the current tiles' (relative RMS of out, or of dq, dk,
-dv): tiles that compute something else are reported as "wrong" and never picked. Candidates that
-fail to build (e.g. shared memory) are reported with their error. Prints one table per kernel,
-fastest first, with the speed-up over the current tiles, and writes JSON to benchmarks/results/.
+dv): tiles that compute something else (a NaN or inf included) are reported as "wrong" and never
+picked. Candidates that fail to build (e.g. shared memory) are reported with their error. Prints one
+table per kernel, fastest first, with the speed-up over the current tiles, and writes JSON to
+benchmarks/results/.
 
     python benchmarks/tune_tiles.py
     python benchmarks/tune_tiles.py --kernels dkdv --seq_len 131072 --density 0.1
@@ -30,6 +31,7 @@ and the table (`rank`, `format_table`) run anywhere. The candidates are `configs
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -101,6 +103,13 @@ class TuneTilesArguments:
             raise ValueError(f"density must be in (0, 1]; got {self.density}.")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads.")
+
+
+def same_result(err: float) -> bool:
+    """Whether a candidate whose result is `err` (relative RMS) from the current tiles' computes the same: finite
+    and within SAME_RESULT_RTOL. A NaN or inf in either result makes `err` NaN or inf; a NaN compares false with
+    any bound, so a bare `err > bound` would let it through."""
+    return math.isfinite(err) and err <= SAME_RESULT_RTOL
 
 
 def current_tiles(kernel: str, block_size: int, head_dim: int, on_gpu: bool = True) -> Tiles:
@@ -185,7 +194,7 @@ class Tuner:
             try:
                 with configs.tiles_override(**{kernel: tiles}):
                     err = rel_rms(result(), reference)
-                    if err > SAME_RESULT_RTOL:
+                    if not same_result(err):
                         row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
                     else:
                         row.update(status="ok", rel_rms=err, ms=time_ms(step, a.warmup, a.repeats, self.device))

@@ -99,6 +99,31 @@ def test_rank_puts_the_fastest_correct_tiles_first_and_failures_last(tune):
     assert "shared memory" in table and "wrong" in table
 
 
+
+def test_a_result_with_nan_or_inf_is_wrong_never_ok(tune):
+    """A candidate whose result holds a NaN (its relative RMS is NaN, which passes no bound and fails none) or an
+    inf is "wrong": not timed, never ranked (the H200's warp-specialized dq candidate was recorded "ok" with a
+    NaN). The forward step here is a stand-in whose output depends on the tiles in force, no kernel runs."""
+    args = tune.TuneTilesArguments(seq_len=64, num_verticals=4, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                                   block_size=32, warmup=0, repeats=1)
+    tuner = tune.Tuner(args, device="cpu")
+    current = tune.current_tiles("forward", 32, 16, on_gpu=False)
+    poisoned = {Tiles(16, 32, 32, 1, 1): float("nan"), Tiles(32, 16, 16, 1, 1): float("inf")}
+    ok = Tiles(16, 16, 16, 1, 1)
+    assert current not in poisoned and ok != current
+
+    def forward():
+        out = torch.ones(1, 2, 64, 16)
+        out[0, 1, 5, 3] = poisoned.get(configs.forward_tiles(32, 16, on_gpu=False), 1.0)
+        return out, torch.zeros(1, 2, 64)
+
+    tuner.forward = forward
+    rows = tuner.run_kernel("forward", [current, *poisoned, ok])
+    assert [r["status"] for r in rows] == ["ok", "wrong", "wrong", "ok"], rows
+    assert "nan" in rows[1]["reason"] and "inf" in rows[2]["reason"]
+    assert all("ms" not in r for r in rows[1:3]) and rows[3]["rel_rms"] == 0.0
+    assert [r["status"] for r in tune.rank(rows)] == ["ok", "ok", "wrong", "wrong"]
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_tuning_refuses_without_gpu(tune):
     with pytest.raises(SystemExit, match="GPU benchmark"):
