@@ -10,7 +10,10 @@ full blocks) or steps past a count masked from token metadata loaded through poi
 blocks); with or without a second loop over gathered key columns after it (our vertical columns). Then
 the dq kernel's loop over full key blocks (probabilities recomputed from lse, dq accumulated; Q, dout,
 K and V through descriptors) at query tiles of 64 and 128 rows. Each row says whether the loop was
-partitioned, with registers, stack bytes and shared memory of the build.
+partitioned, with registers, stack bytes and shared memory of the build, and how many of its TMA copies
+overfill their buffer (a host descriptor's box of more rows than the shared buffer the copy lands in: each
+such copy writes past its buffer and delivers more bytes than its mbarrier expects, the miscompile behind an
+illegal memory access on the H200, benchmarks/results/README.md).
 Nothing here ran or was timed; see benchmarks/results/README.md for what the rows decided.
 
     python benchmarks/warp_specialize_probe.py
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -128,15 +132,27 @@ def build(q_descriptor: bool, masked_steps: bool, column_loop: bool, num_warps: 
     return _compile(_probe_kernel, sig, constants, num_warps, num_stages)
 
 
+def overfilled_copies(ttgir: str, tensordesc_meta: list[dict] | None) -> int:
+    """How many TMA copies of a build (`ttng.async_tma_copy_global_to_local` in its TTGIR) land in a shared
+    buffer of fewer rows than their host descriptor's box (`tensordesc_meta`, one entry per descriptor argument
+    in the order of the kernel's signature), which is what the copy writes."""
+    signature = re.search(r"tt\.func public @.*", ttgir).group(0)
+    names = re.findall(r"%(\w+): !tt\.tensordesc", signature)
+    box_rows = {n: m["block_size"][-2] for n, m in zip(names, tensordesc_meta or [])}
+    copies = re.findall(r"async_tma_copy_global_to_local %(\w+)\[.*-> !ttg\.memdesc<((?:\d+x)+)", ttgir)
+    return sum(int(shape.split("x")[-3]) < box_rows[name] for name, shape in copies)
+
+
 def _row(case: dict, make) -> dict:
-    """`case` with what the build `make()` gives: whether its loop was partitioned, and its resources, or the
-    compiler's error."""
+    """`case` with what the build `make()` gives: whether its loop was partitioned, its resources and overfilled
+    TMA copies, or the compiler's error."""
     row = dict(case)
     try:
         b = make()
         u = sm90.usage(b)
         row.update(partitioned=u.warp_specialized, setmaxnreg=b.asm["ptx"].count("setmaxnreg"),
-                   registers=u.registers, stack_bytes=u.stack_bytes, shared_bytes=u.shared_bytes)
+                   registers=u.registers, stack_bytes=u.stack_bytes, shared_bytes=u.shared_bytes,
+                   overfilled_copies=overfilled_copies(b.asm["ttgir"], b.metadata.tensordesc_meta))
     except Exception as e:  # an assertion inside the pass surfaces as a failed pass pipeline
         row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
     print(row, flush=True)
@@ -163,7 +179,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         result = r.get("error") or (
             f"{'PARTITIONED' if r['partitioned'] else 'not partitioned'}, {r['registers']} regs, "
-            f"{r['stack_bytes']} B stack, {r['shared_bytes'] / 1024:.0f} KB shared, setmaxnreg x{r['setmaxnreg']}")
+            f"{r['stack_bytes']} B stack, {r['shared_bytes'] / 1024:.0f} KB shared, setmaxnreg x{r['setmaxnreg']}, "
+            f"{r['overfilled_copies']} TMA copies overfill their buffer")
         case = (f"{r['loop']:<7} {r['block_m']:>3} {r['num_warps']:>5} {r['q']:<10} {str(r['masked_steps']):<6} "
                 f"{str(r['column_loop']):<7}")
         lines.append(f"{case}  {result}")

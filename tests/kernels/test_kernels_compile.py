@@ -112,6 +112,26 @@ def test_warp_specialize_probe_builds_every_case(tmp_path):
     assert sum(r["loop"] == "dq" for r in rows) == 2
     for r in rows:
         assert ("error" in r) != ("partitioned" in r), r
-        assert "error" in r or (r["registers"] > 0 and r["shared_bytes"] > 0), r
+        assert "error" in r or (r["registers"] > 0 and r["shared_bytes"] > 0 and r["overfilled_copies"] >= 0), r
     assert (tmp_path / "probe.json").exists() and len(table.splitlines()) == 2 + len(rows)
+
+
+def test_probe_counts_tma_copies_whose_box_overfills_their_buffer():
+    """A copy overfills its shared buffer when its host descriptor's box (`tensordesc_meta`, in the order of the
+    signature's descriptors) has more rows than the buffer: Triton 3.6's split of a 128-row query tile into two
+    64-row consumer halves kept the 128-row box (the copies of its TTGIR, abridged)."""
+    def copy(desc: str, buffer: str) -> str:
+        return (f"ttng.async_tma_copy_global_to_local %{desc}[%c0_i32, %c0_i32] %62, %61, %true : "
+                f"!tt.tensordesc<tensor<128x128xbf16, #shared>>, !ttg.memdesc<1xi64, #shared1, #smem, mutable> -> "
+                f"!ttg.memdesc<{buffer}xbf16, #shared2, #smem, mutable>")
+
+    ttgir = "\n".join([
+        "tt.func public @k(%q_src: !tt.tensordesc<tensor<128x128xbf16, #shared>>, %n: i32, "
+        "%k_desc: !tt.tensordesc<tensor<64x128xbf16, #shared>>) {",
+        copy("q_src", "64x128"), copy("q_src", "64x128"), copy("k_desc", "1x64x128")])
+    meta = lambda q_rows: [{"block_size": [q_rows, 64]}, {"block_size": [64, 64]}]
+    with load_benchmark("warp_specialize_probe") as probe:
+        assert probe.overfilled_copies(ttgir, meta(128)) == 2
+        assert probe.overfilled_copies(ttgir, meta(64)) == 0
+        assert probe.overfilled_copies(ttgir.replace("64x128xbf16, #shared2", "128x128xbf16, #shared2"), meta(128)) == 0
 
