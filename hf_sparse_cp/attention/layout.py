@@ -66,7 +66,7 @@ class SparseLayout:
         if torch.compiler.is_compiling():
             with torch.no_grad():
                 return compute()
-        tensors = (self.block_idx, self.block_cnt, self.col_idx, self.col_cnt, *inputs)
+        tensors = (*self.tensors(), *inputs)
         # Tensor._version counts in-place writes (autograd's own check of saved tensors relies on it)
         versions = tuple(t._version for t in tensors)
         entry = self._derived.get(name)
@@ -75,8 +75,29 @@ class SparseLayout:
             return entry[3]
         with torch.no_grad():
             value = compute()
-        self._derived[name] = (key, tensors, versions, value)
+        self._keep(name, inputs, key, value)
         return value
+
+    def _keep(self, name: str, inputs: tuple[torch.Tensor, ...], key: Hashable, value: Any) -> None:
+        tensors = (*self.tensors(), *inputs)
+        self._derived[name] = (key, tensors, tuple(t._version for t in tensors), value)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.block_idx, self.block_cnt, self.col_idx, self.col_cnt
+
+    def take_apart(self) -> tuple[tuple[torch.Tensor, ...], LayoutSkeleton]:
+        """(its tensors and those of what `derived` keeps, what puts them back together): for an autograd
+        Function to save the layout through `ctx.save_for_backward` rather than keep the object. Under gradient
+        checkpointing saved tensors are dropped after the forward and recomputed for the backward, while an
+        object kept on `ctx` lives until the layer's backward: with a budget that grows with S (col_idx is
+        [B, H, NQB, columns]) every layer's layout held at once grew the step's memory as S^2. Only derived
+        values that are tuples of tensors travel; others are computed again when asked for."""
+        tensors, entries = list(self.tensors()), []
+        for name, (key, used, _, value) in self._derived.items():
+            if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
+                entries.append((name, key, used[4:], type(value), len(value)))
+                tensors.extend(value)
+        return tuple(tensors), LayoutSkeleton(self.block_size, tuple(entries))
 
     @property
     def batch(self) -> int:
@@ -246,6 +267,25 @@ class SparseLayout:
         tok = tok | cols[..., :k_len]
         mask = tok.repeat_interleave(bs, dim=2)[:, :, :q_len]
         return mask[:, self.head_index(num_q_heads).to(dev)]
+
+
+@dataclass(frozen=True)
+class LayoutSkeleton:
+    """What `SparseLayout.take_apart` keeps besides the tensors: the block size and, per derived value, its
+    name, key, the input tensors it was computed from, its type and number of tensors."""
+
+    block_size: int
+    entries: tuple
+
+    def restore(self, tensors: tuple[torch.Tensor, ...]) -> SparseLayout:
+        """The layout from the tensors `take_apart` gave (or their saved copies), its derived values kept."""
+        layout = SparseLayout(*tensors[:4], self.block_size)
+        at = 4
+        for name, key, inputs, kind, n in self.entries:
+            value = tensors[at : at + n]
+            layout._keep(name, inputs, key, value if kind is tuple else kind(*value))
+            at += n
+        return layout
 
 
 # "No such block / token" in the integer arithmetic of layouts.

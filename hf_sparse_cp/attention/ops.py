@@ -90,17 +90,20 @@ class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rest, engine):
         out, lse = ENGINES[engine].forward(AttentionCall(q, k, v, *rest), out_in_input_dtype=True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (rest, engine)
+        # the layout (and the kernels' split of it) goes with the saved tensors, not on ctx: gradient
+        # checkpointing drops those after the forward (`SparseLayout.take_apart`)
+        layout_tensors, skeleton = rest[0].take_apart()
+        ctx.save_for_backward(q, k, v, out, lse, *layout_tensors)
+        ctx.args = (skeleton, rest[1:], engine)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        rest, engine = ctx.args
+        q, k, v, out, lse, *layout_tensors = ctx.saved_tensors
+        skeleton, rest, engine = ctx.args
+        call = AttentionCall(q, k, v, skeleton.restore(tuple(layout_tensors)), *rest)
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
-            dq, dk, dv = ENGINES[engine].backward(AttentionCall(q, k, v, *rest), out, lse, dout, dlse,
-                                                  grads_in_input_dtype=True)
+            dq, dk, dv = ENGINES[engine].backward(call, out, lse, dout, dlse, grads_in_input_dtype=True)
         return dq, dk, dv, None, None
 
 

@@ -1,0 +1,81 @@
+"""What a sparse attention layer allocates and holds as S grows (`hf_sparse_cp.testing.allocations`).
+
+The H200 session of 2026-11-29 measured a 0.5B training step at 12.1, 24.1 and 57.0 GiB for 128K, 256K and 512K
+tokens and ran out of memory at 1M: with a budget that grows with S, every checkpointed layer's layout
+(col_idx [B, H, NQB, columns]) stayed on its autograd node from the forward to its backward, 23 of them at once."""
+
+import gc
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention import estimate_layout
+from hf_sparse_cp.attention.sequence import sequence_attention
+from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.testing.allocations import AllocationRecorder
+
+
+def test_the_recorder_counts_fresh_storages_and_their_lives():
+    with AllocationRecorder() as rec:
+        a = torch.zeros(1000)  # 4000 bytes
+        a.view(10, 100).add_(1)  # a view and an in-place write: nothing new
+        b = a * 2
+        del a
+        c = torch.ones(3000)
+    assert [x.op for x in rec.allocations] == ["zeros", "mul", "ones"]
+    assert rec.peak_bytes == 4000 + 12000 and rec.largest == 12000  # a was gone before c came
+    assert [x.nbytes for x in rec.at_peak] == [12000, 4000]
+    del b, c
+
+
+def _inputs(s: int, hq: int = 4, hk: int = 2, d: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, h, s, d, generator=g, requires_grad=True) for h in (hq, hk, hk)]
+
+
+def _held_after_forward(q, k, v, meta, cfg, window):
+    """Bytes that a checkpointed attention call allocated and still holds after its forward, besides its output."""
+    with AllocationRecorder(with_sites=False) as rec:
+        out = checkpoint(lambda *x: sequence_attention(*x, meta, cfg, sliding_window=window)[0], q, k, v,
+                         use_reentrant=False)
+        gc.collect()
+        held = sum(a.nbytes for a in rec._live.values()) - out.untyped_storage().nbytes()
+    return out, held
+
+
+@pytest.mark.parametrize(("documents", "window"), [(None, None), ((400, 200, 424), None), (None, 128)])
+def test_a_checkpointed_layer_holds_no_layout_between_forward_and_backward(documents, window):
+    """Nothing but the output outlives the forward of a checkpointed call (its layout lists up to 272 columns per
+    query block); the backward, from the recomputed layout, gives the gradients of a call without checkpointing to
+    the bit (GQA, packed documents, a sliding-window layer)."""
+    s = 1024
+    meta = (TokenMeta.contiguous(1, s) if documents is None else
+            TokenMeta.from_segments(torch.repeat_interleave(torch.arange(len(documents)),
+                                                            torch.tensor(documents)).unsqueeze(0)))
+    cfg = SparseAttentionConfig(budget_mode="topk", vertical_topk=256, slash_topk=2, min_seq_len=256, block_size=32,
+                                sink_tokens=16, local_window=32, attention_engine="masked")
+    q, k, v = _inputs(s)
+    out, held = _held_after_forward(q, k, v, meta, cfg, window)
+    assert held == 0
+    out.square().sum().backward()
+    grads = [x.grad for x in (q, k, v)]
+    q, k, v = _inputs(s)
+    sequence_attention(q, k, v, meta, cfg, sliding_window=window)[0].square().sum().backward()
+    assert all(torch.equal(a, x.grad) for a, x in zip(grads, (q, k, v)))
+
+
+def _estimation_bytes(s: int) -> tuple[int, int]:
+    q, k, _ = (x.detach() for x in _inputs(s, hq=14, hk=2, d=64))
+    cfg = SparseAttentionConfig(budget_mode="topk", vertical_topk=200, slash_topk=4, min_seq_len=256, block_size=64)
+    with AllocationRecorder(with_sites=False) as rec:
+        estimate_layout(q, k, cfg)
+    return rec.peak_bytes, rec.largest
+
+
+def test_estimation_and_layout_grow_linearly_in_s_for_a_fixed_budget():
+    """With the budget fixed, no tensor of estimation and layout construction (0.5B's heads: 14 query heads, 2
+    key/value heads, head_dim 64) grows faster than S: no dense [heads, blocks, blocks] anywhere."""
+    (peak1, largest1), (peak2, largest2) = _estimation_bytes(4096), _estimation_bytes(8192)
+    assert peak2 / peak1 <= 2.2 and largest2 / largest1 <= 2.2
