@@ -682,8 +682,8 @@ def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
 
 def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None) -> dict[str, float]:
     """Bytes one decoder layer saves for its backward when the checkpoint recomputes it, by the module
-    whose backward reads them ('norm1', 'attention', 'norm2', 'mlp'); the attention's layout (kept
-    outside autograd's saved tensors) as 'layout'. The layer's input is not counted (the checkpoint
+    whose backward reads them ('norm1', 'attention', 'norm2', 'mlp'); the attention's layout (saved with
+    them: `SparseLayout.take_apart`) apart, as 'layout'. The layer's input is not counted (the checkpoint
     holds it: 'saved layer inputs')."""
     step = _Step(arch, seq_len, settings or StepSettings())
     groups = step.layer_recompute()
