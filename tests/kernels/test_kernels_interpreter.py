@@ -757,6 +757,38 @@ def test_a_training_step_computes_the_split_once(interp):
     assert interp.apply(_split_calls_of_a_training_step, (q, k, v, layout)) == (1, 0)
 
 
+def _checkpointed_step(q, k, v, layout):
+    """(split computations, gradients) of a step through the public function under gradient checkpointing, and
+    the gradients of the same step without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    from hf_sparse_cp.kernels import indexing
+
+    meta = TokenMeta.contiguous(1, q.shape[2])
+    attend = lambda *x: block_sparse_attention(*x, layout, q_meta=meta, k_meta=meta, implementation="triton")[0]  # noqa: E731
+    calls, real = [], indexing.split_layout
+    indexing.split_layout = _counting_split_layout(calls)
+    try:
+        grads = []
+        for wrap in (lambda *x: checkpoint(attend, *x, use_reentrant=False), attend):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            wrap(*x).square().sum().backward()
+            grads.append([t.grad for t in x])
+        return len(calls), grads
+    finally:
+        indexing.split_layout = real
+
+
+def test_a_checkpointed_step_restores_the_split_saved_with_the_layout(interp):
+    """The layout and its split travel with the saved tensors (`SparseLayout.take_apart`): the backward of a
+    checkpointed call computes no split of its own and gives the gradients of a call without checkpointing."""
+    q, k, v, _, _ = _inputs(1, 2, 1, 48, 48, 16, torch.float32, seed=94)
+    layout = random_layout(1, 2, 48, 48, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(95))
+    calls, (checkpointed, plain) = interp.apply(_checkpointed_step, (q, k, v, layout))
+    assert calls == 1  # kept on the layout object the forward, its recomputation and the plain step share
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed, plain))
+
+
 def test_the_split_kept_on_a_layout_follows_what_it_was_computed_from(monkeypatch):
     """Kept per layout, token tensors and window; computed again after an in-place write to the layout
     or its tokens, for other tokens or another window, and for a layout built again; nothing kept
