@@ -152,6 +152,37 @@ def _ring_case(case: Case, par: ParallelDims, rank: int, stats: RingStats | None
     return _errors(rank, plan, local, full, real)
 
 
+def _checkpointed_ring(par: ParallelDims, rank: int) -> dict:
+    """A ring call under gradient checkpointing: what it allocated in layout code and still holds after its
+    forward (its plan's layouts travel with the saved tensors), and whether its gradients equal those of the
+    call without checkpointing."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    from hf_sparse_cp.testing.allocations import AllocationRecorder
+
+    g = torch.Generator().manual_seed(11)
+    plan = ShardPlan("zigzag", par.cp_size, BS, 256)
+    meta = _documents(1, 256, False, g).pad_to(plan.padded_len)
+    layout = random_vertical_slash_layout(1, 4, plan.padded_len, BS, num_diagonals=3, num_verticals=24, meta=meta,
+                                          generator=g)
+    shard = CPShard(par, plan, meta)
+    x = [plan.shard(torch.randn(1, h, plan.padded_len, D, generator=g, dtype=torch.float64), rank, dim=2)
+         for h in (4, 2, 2)]
+    attend = lambda *t: ring_sparse_attention(*t, layout, shard)[0]  # noqa: E731
+    grads, held = [], None
+    for wrap in (lambda *t: checkpoint(attend, *t, use_reentrant=False), attend):
+        inputs = [t.clone().requires_grad_() for t in x]
+        with AllocationRecorder() as rec:
+            out = wrap(*inputs)
+            gc.collect()
+            held = [a.site for a in rec._live.values() if "attention/layout.py" in a.site] if held is None else held
+        out.square().sum().backward()
+        grads.append([t.grad for t in inputs])
+    return {"held_layout_sites": held, "same_grads": all(torch.equal(a, b) for a, b in zip(*grads))}
+
+
 def _estimation_case(sharding: str, par: ParallelDims, rank: int) -> dict:
     """Estimated layout under CP == single-process layout, the same on every rank; attention matches."""
     g = torch.Generator().manual_seed(11)
@@ -328,6 +359,7 @@ def _worker(rank: int, world: int) -> dict:
     for sharding in ESTIMATION_CASES:
         results[("estimation", sharding)] = _estimation_case(sharding, flat, rank)
     if world == 2:
+        results["checkpointed"] = _checkpointed_ring(flat, rank)
         for case in FLEX_CASES:
             results[("flex", case.id)] = _ring_case(case, flat, rank, implementation="flex")
     results["errors"] = _errors_raised(world)
@@ -425,6 +457,11 @@ def test_empty_steps_are_skipped_and_unread_kv_is_not_sent(spawned, world):
     assert contiguous[-1].forward_bytes == 0  # nobody reads the last rank's K/V
     assert sum(s.forward_bytes for s in contiguous) < sum(s.forward_bytes for s in striped)
     assert all(st.forward_steps == world for st in striped)  # striped: every step has work
+
+
+def test_a_checkpointed_ring_call_holds_no_layout_between_forward_and_backward(spawned):
+    for r in spawned(2):
+        assert r["checkpointed"] == {"held_layout_sites": [], "same_grads": True}
 
 
 @WORLDS

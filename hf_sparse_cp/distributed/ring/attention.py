@@ -261,6 +261,11 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
     return dq, home.data[0], home.data[1], steps[0]
 
 
+def _layout_holders(ring_plan: RingPlan) -> list:
+    """The plan's steps and bar step that hold a layout (each one's `layout`)."""
+    return [h for h in (*ring_plan.steps, ring_plan.bar) if h is not None and h.layout is not None]
+
+
 class _RingSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, scale, window, stats, engine):
@@ -270,14 +275,24 @@ class _RingSparseAttention(torch.autograd.Function):
         if stats is not None:
             stats.forward_steps += steps
             stats.forward_bytes += ring.bytes_sent - sent
-        ctx.save_for_backward(q, k, v, out, lse, bar_kv)
-        ctx.args = (ring, scale, window, stats, engine)
+        # the plan's layouts go with the saved tensors, not on ctx: gradient checkpointing drops those after the
+        # forward (`SparseLayout.take_apart`); the backward puts the saved (or recomputed) ones back
+        holders = _layout_holders(ring.ring_plan)
+        parts = [h.layout.take_apart() for h in holders]
+        for h in holders:
+            h.layout = None
+        ctx.save_for_backward(q, k, v, out, lse, bar_kv, *(t for tensors, _ in parts for t in tensors))
+        ctx.args = (ring, scale, window, stats, engine, holders, [(len(tensors), sk) for tensors, sk in parts])
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, bar_kv = ctx.saved_tensors
-        ring, scale, window, stats, engine = ctx.args
+        q, k, v, out, lse, bar_kv, *layout_tensors = ctx.saved_tensors
+        ring, scale, window, stats, engine, holders, skeletons = ctx.args
+        at = 0
+        for h, (n, skeleton) in zip(holders, skeletons):
+            h.layout = skeleton.restore(tuple(layout_tensors[at : at + n]))
+            at += n
         sent = ring.bytes_sent
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
             dq, dk, dv, steps = _ring_backward(ring, q, k, v, out, lse, dout.contiguous(), dlse, bar_kv, scale,
