@@ -30,21 +30,22 @@ PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_laye
                                 sink_tokens=16, local_window=64, last_q=32)
 
 
-def _saved_bytes(layer, x, position_embeddings) -> int:
+def _saved_bytes(layer, x, position_embeddings) -> tuple[int, int]:
     """Bytes of the distinct storages autograd saves in one forward of `layer` with grad, besides those
-    that existed before (the input, the parameters, the rotary tables)."""
+    that existed before (the input, the parameters, the rotary tables): (activations, the attention's layout,
+    whose tensors are the only int32 ones saved)."""
     before = {t.untyped_storage().data_ptr() for t in (x, *position_embeddings, *layer.parameters())}
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple[int, bool]] = {}
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in before:
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen[storage.data_ptr()] = storage.nbytes(), t.dtype == torch.int32
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, position_embeddings=position_embeddings)
-    return sum(seen.values())
+    return tuple(sum(n for n, is_layout in seen.values() if is_layout == part) for part in (False, True))
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["stock", "tiled"])
@@ -61,13 +62,14 @@ def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
     x = torch.randn(1, s, config.hidden_size, dtype=torch.bfloat16, requires_grad=True) * 1.0
     positions = torch.arange(s).unsqueeze(0)
     cos_sin = model.model.rotary_emb(x, positions)
-    measured = _saved_bytes(model.model.layers[0], x, cos_sin)
+    measured, layout = _saved_bytes(model.model.layers[0], x, cos_sin)
 
     arch = Architecture.from_config(config)
     predicted = recomputed_layer_bytes(arch, s, StepSettings(device="cpu", pattern=PATTERN,
                                                              savers=MemorySavers(tiled=tiled, tile_tokens=96)))
     assert predicted["mlp"] == (0 if tiled else 4 * s * config.intermediate_size * 2)
     assert measured == sum(v for k, v in predicted.items() if k != "layout")
+    assert 0 < layout <= predicted["layout"]  # the model sizes it at the budget's bound
 
 
 def test_token_tiles_and_offload_cut_what_the_model_says():
