@@ -520,6 +520,8 @@ def combine(paths: list[str], output: str | None) -> dict:
     reports = [json.loads(Path(p).read_text()) for p in paths]
     if any("frontier" in r for r in reports):
         return combine_frontier(reports, [Path(p).name for p in paths], output)
+    if any("windows" in r for r in reports):
+        return combine_layer0(reports, [Path(p).name for p in paths], output)
     report = {**reports[0], "lengths": {}, "combined_from": [Path(p).name for p in paths]}
     for r in reports:
         report["lengths"].update(r["lengths"])
@@ -866,9 +868,10 @@ def layer0_summary(windows: dict[str, dict]) -> dict[str, dict]:
 def layer0_targets(report: dict) -> list[dict]:
     """For reference (no target): per length and budget, the worst window's perplexity change of making layer 0
     sparse against keeping it dense."""
-    return [{"target": f"S={s}, {budget}: layer 0 sparse against dense, perplexity (worst of {len(p['perplexity_gap'])}"
-             f" windows; attention work {p['work_change']:+.1%}, layer 0 keeps {p['layer0_sparse']['layer0_kept']:.3f}"
-             f" of its blocks at recall {p['layer0_sparse']['layer0_recall']:.4f})", "required": "none",
+    return [{"target": f"S={s}, {budget}: layer 0 sparse against dense, perplexity {max(p['perplexity_gap']):+.3%} "
+             f"(worst of {len(p['perplexity_gap'])} windows; attention work {p['work_change']:+.1%}, layer 0 keeps "
+             f"{p['layer0_sparse']['layer0_kept']:.3f} of its blocks at recall "
+             f"{p['layer0_sparse']['layer0_recall']:.4f})", "required": "none",
              "measured": max(p["perplexity_gap"]), "pass": None}
             for s, per_budget in report["summary"].items() for budget, p in per_budget.items()]
 
@@ -912,6 +915,37 @@ def plot_layer0(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def combine_layer0(reports: list[dict], names: list[str], output: str | None) -> dict:
+    """One --layer0 report from several of one model (e.g. windows measured in parallel processes, or a run cut
+    off): the first one's environment, every report's measured settings per window and length (one measured twice
+    is refused); complete when every window and length holds every setting of the budgets measured."""
+    if not all("windows" in r for r in reports) or len({r["model"] for r in reports}) != 1:
+        raise ValueError("--combine takes --layer0 reports of one model only.")
+    report = {**reports[0], "windows": {}, "combined_from": names,
+              "settings_per_report": [r["settings"] for r in reports]}
+    for r in reports:
+        report["patterns"] = {**report["patterns"], **r["patterns"]}
+        for start, window in r["windows"].items():
+            for s, length in window.items():
+                if not length.get("settings"):
+                    continue
+                into = report["windows"].setdefault(start, {}).setdefault(s, {**length, "settings": {}})
+                twice = sorted(set(into["settings"]) & set(length["settings"]))
+                if twice:
+                    raise ValueError(f"window {start}, S={s}: {twice} measured in two reports.")
+                into["settings"].update(length["settings"])
+    report["windows"] = dict(sorted(report["windows"].items(), key=lambda kv: int(kv[0])))
+    report["summary"] = layer0_summary(report["windows"])
+    report["targets"] = layer0_targets(report)
+    report["complete"] = all(set(length["settings"]) == set(report["patterns"]) for window in report["windows"].values()
+                             for length in window.values())
+    print(format_layer0(report))
+    print(format_targets(report["targets"]))
+    path = write_report(report, RESULTS_DIR, "pattern-layer0", output)
+    plot_layer0(report, path.with_suffix(".png"))
+    return report
 
 
 def layer0_run(args: PatternQualityArguments) -> dict:
