@@ -78,9 +78,14 @@ class SparseLayout:
         self._keep(name, inputs, key, value)
         return value
 
-    def _keep(self, name: str, inputs: tuple[torch.Tensor, ...], key: Hashable, value: Any) -> None:
+    def _keep(self, name: str, inputs: tuple[torch.Tensor, ...], key: Hashable, value: Any,
+              input_versions: tuple[int, ...] | None = None) -> None:
+        """Keeps `value` for this layout's tensors as they are and `inputs` at `input_versions` (default: now)."""
         tensors = (*self.tensors(), *inputs)
-        self._derived[name] = (key, tensors, tuple(t._version for t in tensors), value)
+        versions = tuple(t._version for t in tensors)
+        if input_versions is not None:
+            versions = versions[:4] + input_versions
+        self._derived[name] = (key, tensors, versions, value)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.block_idx, self.block_cnt, self.col_idx, self.col_cnt
@@ -91,11 +96,14 @@ class SparseLayout:
         checkpointing saved tensors are dropped after the forward and recomputed for the backward, while an
         object kept on `ctx` lives until the layer's backward: with a budget that grows with S (col_idx is
         [B, H, NQB, columns]) every layer's layout held at once grew the step's memory as S^2. Only derived
-        values that are tuples of tensors travel; others are computed again when asked for."""
+        values that are tuples of tensors and still hold travel (with their inputs' versions: one written in
+        place before the backward is computed again there); others are computed again when asked for. Under
+        torch.compile none travel (`derived` reads and keeps nothing there)."""
         tensors, entries = list(self.tensors()), []
-        for name, (key, used, _, value) in self._derived.items():
-            if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
-                entries.append((name, key, used[4:], type(value), len(value)))
+        for name, (key, used, versions, value) in () if torch.compiler.is_compiling() else self._derived.items():
+            if (isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value)
+                    and versions == tuple(t._version for t in used)):
+                entries.append((name, key, used[4:], versions[4:], type(value), len(value)))
                 tensors.extend(value)
         return tuple(tensors), LayoutSkeleton(self.block_size, tuple(entries))
 
@@ -272,7 +280,7 @@ class SparseLayout:
 @dataclass(frozen=True)
 class LayoutSkeleton:
     """What `SparseLayout.take_apart` keeps besides the tensors: the block size and, per derived value, its
-    name, key, the input tensors it was computed from, its type and number of tensors."""
+    name, key, the input tensors it was computed from and their versions then, its type and number of tensors."""
 
     block_size: int
     entries: tuple
@@ -281,9 +289,9 @@ class LayoutSkeleton:
         """The layout from the tensors `take_apart` gave (or their saved copies), its derived values kept."""
         layout = SparseLayout(*tensors[:4], self.block_size)
         at = 4
-        for name, key, inputs, kind, n in self.entries:
+        for name, key, inputs, input_versions, kind, n in self.entries:
             value = tensors[at : at + n]
-            layout._keep(name, inputs, key, value if kind is tuple else kind(*value))
+            layout._keep(name, inputs, key, value if kind is tuple else kind(*value), input_versions)
             at += n
         return layout
 

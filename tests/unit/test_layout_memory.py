@@ -79,3 +79,32 @@ def test_estimation_and_layout_grow_linearly_in_s_for_a_fixed_budget():
     key/value heads, head_dim 64) grows faster than S: no dense [heads, blocks, blocks] anywhere."""
     (peak1, largest1), (peak2, largest2) = _estimation_bytes(4096), _estimation_bytes(8192)
     assert peak2 / peak1 <= 2.2 and largest2 / largest1 <= 2.2
+
+
+def test_a_restored_layout_keeps_only_derived_values_that_still_hold():
+    """`take_apart` / `restore` keep the contract of `SparseLayout.derived`: a value whose layout tensors or inputs
+    were written in place since it was computed, before the layout was taken apart or between that and its use
+    (a token tensor written between a forward and its backward), is computed again, never reused stale."""
+    from hf_sparse_cp.testing.layouts import random_layout
+
+    tokens = torch.arange(64)
+    calls = []
+
+    def doubled(layout):
+        return layout.derived("doubled", (tokens,), None, lambda: calls.append(1) or (tokens * 2,))
+
+    layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(3))
+    doubled(layout)
+    tensors, skeleton = layout.take_apart()
+    assert len(tensors) == 5  # the value travels while it holds
+    assert doubled(skeleton.restore(tensors))[0] is tensors[4] and len(calls) == 1
+    tokens.add_(1)  # after take_apart: the restored value no longer holds
+    assert torch.equal(doubled(skeleton.restore(tensors))[0], tokens * 2) and len(calls) == 2
+
+    layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(4))
+    doubled(layout)
+    layout.block_cnt[0, 0, 0] = 0  # before take_apart: the kept value is stale, it does not travel
+    tensors, skeleton = layout.take_apart()
+    assert len(tensors) == 4
+    doubled(skeleton.restore(tensors))
+    assert len(calls) == 4
