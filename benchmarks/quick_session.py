@@ -245,9 +245,14 @@ def format_summary(report: dict) -> str:
         shown = (f"{r['tokens_per_s']:.0f} tokens/s, {r['peak_gib']:.1f} GiB" if r["status"] == "ok" else r["status"])
         lines.append(f"  e2e {r['model']} {r['variant']:<11} {r['seq_len'] // 1024}K: {shown}")
     for f in h["fit"]:
-        # An out-of-memory step has its peak but no time: the status and its reason are shown instead.
-        shown = (f"{f['step_s']:.1f} s, {f['peak_gib']:.1f} GiB (predicted {f['predicted_peak_gib']:.1f})"
-                 if f["status"] == "ok" else f"{f['status']}: {f.get('reason') or ''}"[:100])
+        # A step that did not finish has no time: its memory prediction row (no reason) shows the peak it reached,
+        # its result row the reason.
+        if f["status"] == "ok":
+            shown = f"{f['step_s']:.1f} s, {f['peak_gib']:.1f} GiB (predicted {f['predicted_peak_gib']:.1f})"
+        elif f.get("peak_gib") is not None:
+            shown = f"{f['status']} at {f['peak_gib']:.1f} GiB (predicted {f['predicted_peak_gib']:.1f})"
+        else:
+            shown = f"{f['status']}: {f.get('reason') or ''}"[:100]
         lines.append(f"  fit {f['model']} {f['variant']} {f['seq_len'] // 1024}K: {shown}")
     for f in h["first_layer"]:
         share = "-" if f["dense_first_layer_share"] is None else f"{100 * f['dense_first_layer_share']:.1f}%"

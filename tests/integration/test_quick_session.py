@@ -113,6 +113,8 @@ def test_the_summary_of_a_gpu_session_with_an_out_of_memory_step(quick):
     path = BENCHMARKS / "results" / "quick-session_nvidia-h200_20261129-221239.json"
     summary = quick.format_summary(json.loads(path.read_text()))
     assert "fit 0.5b sparse_cp 1024K: oom: CUDA out of memory" in summary
+    assert "fit 0.5b sparse_cp 1024K: oom at 137.4 GiB (predicted 63.6)" in summary  # not a row with no reason
+    assert "1024K: oom: \n" not in summary
     assert "fit 0.5b sparse_cp 512K: 24.0 s, 57.0 GiB (predicted 32.4)" in summary
 
 
