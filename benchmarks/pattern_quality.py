@@ -531,11 +531,12 @@ def combine(paths: list[str], output: str | None) -> dict:
     return finish(report, output)
 
 
-def finish(report: dict, output: str | None) -> dict:
-    print(format_table(report))
+def finish(report: dict, output: str | None, name: str = "pattern-quality", table=None, plot_report=None) -> dict:
+    """Print a report's table and targets, write its JSON (`name`) and its plot beside it."""
+    print((table or format_table)(report))
     print(format_targets(report["targets"]))
-    path = write_report(report, RESULTS_DIR, "pattern-quality", output)
-    plot(report, path.with_suffix(".png"))
+    path = write_report(report, RESULTS_DIR, name, output)
+    (plot_report or plot)(report, path.with_suffix(".png"))
     return report
 
 
@@ -941,11 +942,7 @@ def combine_layer0(reports: list[dict], names: list[str], output: str | None) ->
     report["targets"] = layer0_targets(report)
     report["complete"] = all(set(length["settings"]) == set(report["patterns"]) for window in report["windows"].values()
                              for length in window.values())
-    print(format_layer0(report))
-    print(format_targets(report["targets"]))
-    path = write_report(report, RESULTS_DIR, "pattern-layer0", output)
-    plot_layer0(report, path.with_suffix(".png"))
-    return report
+    return finish(report, output, "pattern-layer0", format_layer0, plot_layer0)
 
 
 def layer0_run(args: PatternQualityArguments) -> dict:
@@ -1239,11 +1236,7 @@ def combine_frontier(reports: list[dict], names: list[str], output: str | None) 
     report["frontier"] = dict(sorted(report["frontier"].items(), key=lambda kv: int(kv[0])))
     report["targets"] = frontier_targets(report)
     report["complete"] = all(r.get("complete") for r in reports)
-    print(format_frontier(report))
-    print(format_targets(report["targets"]))
-    path = write_report(report, RESULTS_DIR, "pattern-frontier", output)
-    plot_frontier(report, path.with_suffix(".png"))
-    return report
+    return finish(report, output, "pattern-frontier", format_frontier, plot_frontier)
 
 
 def format_frontier(report: dict) -> str:
