@@ -157,7 +157,8 @@ def build_layout(
     # Columns of (head, query block): kept columns up to the end of the query block, visible from it, outside
     # its listed blocks. A query block can only see the kept columns in [its first visible key, its end): a
     # window of the sorted column list (one document's columns, not the whole row's), found by binary search.
-    # The mask over that window is built in head chunks and compacted once its width is known.
+    # The mask over that window is built in head chunks; once its width is known, each chunk's mask is compacted
+    # into its slice of col_idx and dropped (only a bool per window slot is held across chunks, no values).
     col_masks, col_widths, heads = [], [], heads_b
     any_vertical = torch.zeros((), dtype=torch.bool, device=dev)
     # With several sets, set j's column c is entry j * S + c of one ascending list, and a query block searches
@@ -171,22 +172,22 @@ def build_layout(
         any_vertical = verticals.any()
         n_all = verticals.shape[-1]
         nv = int(verticals.sum(-1).max()) if max_verticals is None else max_verticals
-        v_list = _compact(torch.arange(n_all, device=dev), verticals, min(nv, n_all)).long()  # ascending, then -1
+        v_list = _compact(torch.arange(n_all, device=dev), verticals, min(nv, n_all))  # ascending, then -1
         heads = max(heads_b, verticals.shape[1])
-        v_sorted = torch.where(v_list >= 0, v_list, FAR)
+        v_sorted = torch.where(v_list >= 0, v_list.long(), FAR)
         ends = (col_base + (qb + 1) * bs).unsqueeze(1).expand(b, v_list.shape[1], nqb).contiguous()
         first = torch.searchsorted(v_sorted, (col_base + lo_tok).unsqueeze(1).expand_as(ends).contiguous())
         span = (torch.searchsorted(v_sorted, ends) - first).clamp_min(0)
+        del v_sorted, ends
         if vertical_set is not None:
             span = torch.where((vertical_set >= 0).unsqueeze(1), span, 0)
         window = int(span.max()) if span.numel() else 0
-        for row in range(b):
-            for hs in head_chunks(heads, nqb * max(window, 1), LAYOUT_ELEMENTS):
-                values, mask = _column_mask(v_list[row], first[row], span[row], window, col_base[row], diagonals,
-                                            diagonal_start, row, hs.start, hs.stop, qb, dense_lo[row], bs,
-                                            sliding_window)
-                col_masks.append((values, mask))
-                col_widths.append(mask.sum(-1).amax() if mask.numel() else torch.zeros((), device=dev))
+        col_chunks = [(row, hs) for row in range(b) for hs in head_chunks(heads, nqb * max(window, 1), LAYOUT_ELEMENTS)]
+        for row, hs in col_chunks:
+            mask = _column_mask(v_list[row], first[row], span[row], window, col_base[row], diagonals, diagonal_start,
+                                row, hs.start, hs.stop, qb, dense_lo[row], bs, sliding_window)
+            col_masks.append(mask)
+            col_widths.append(mask.sum(-1, dtype=torch.int32).amax() if mask.numel() else torch.zeros((), device=dev))
     sizes = torch.stack([block_cnt.amax() if block_cnt.numel() else torch.zeros((), device=dev, dtype=torch.int32),
                          *(w.to(torch.int32) for w in col_widths), any_vertical.to(torch.int32)]).tolist()
     block_width, col_width, has_columns = sizes[0], max(sizes[1:-1], default=0), bool(sizes[-1])
@@ -207,47 +208,66 @@ def build_layout(
 
     col_idx = torch.empty(b, heads, nqb, col_width, dtype=torch.int32, device=dev)
     col_cnt = torch.empty(b, heads, nqb, dtype=torch.int32, device=dev)
-    masks = iter(col_masks)
-    for row in range(b):
-        for hs in head_chunks(heads, nqb * max(window, 1), LAYOUT_ELEMENTS):
-            values, mask = next(masks)
-            col_idx[row, hs] = _compact(values, mask, col_width)
-            col_cnt[row, hs] = mask.sum(-1, dtype=torch.int32)
+    col_masks.reverse()
+    slot = torch.arange(window, device=dev, dtype=torch.int32)  # col_width <= window
+    for row, hs in col_chunks:
+        mask = col_masks.pop()  # the last reference: freed with this chunk
+        # compact the kept window positions, then gather the columns at them straight into col_idx: no window-wide
+        # values are kept from the mask's pass, and this one reads only col_width of them
+        at = _compact(slot, mask, col_width)
+        cnt = col_cnt[row, hs] = mask.sum(-1, dtype=torch.int32)
+        del mask
+        out = col_idx[row, hs]
+        _window_columns(v_row=v_list[row], first=first[row], at=at.clamp_min_(0), col_base=col_base[row], h0=hs.start,
+                        h1=hs.stop, out=out)
+        del at
+        out.masked_fill_(slot[:col_width] >= cnt.unsqueeze(-1), -1)
     if heads_b != heads:
         block_idx = block_idx.expand(b, heads, nqb, -1).contiguous()
         block_cnt = block_cnt.expand(b, heads, nqb).contiguous()
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
 
 
+def _window_columns(v_row, first, at, col_base, h0, h1, out=None) -> torch.Tensor:
+    """int32 [n, NQB, width] (into `out` if given): for heads h0:h1 (n = h1 - h0, or 1 with one shared head
+    everywhere), the kept column (v_row [Hv, NV], ascending, -1 padded) at position `at` ([n or 1, NQB, width]) of
+    each query block's window that starts at `first` ([Hv, NQB]), less the block's `col_base` (what tells the sets
+    apart in v_row)."""
+    nqb = first.shape[-1]
+    vr = _one_or_range(v_row, h0, h1)
+    at = (_one_or_range(first, h0, h1).unsqueeze(-1) + at).clamp_max_(max(vr.shape[-1] - 1, 0))
+    if vr.shape[-1]:
+        v = torch.gather(vr.unsqueeze(1).expand(at.shape[0], nqb, -1), -1, at, out=out)
+    else:
+        v = at.int() if out is None else out.copy_(at)
+    return v.sub_(col_base.int().view(1, nqb, 1))
+
+
 def _column_mask(v_row, first, span, window, col_base, diagonals, diagonal_start, row, h0, h1, qb, dense_lo, bs,
-                 sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 columns [n or 1, NQB, window], bool [h1 - h0, NQB, window]): for each query block of heads
-    h0:h1, the window of kept columns (v_row [Hv, NV], ascending, -1 padded) starting at `first`
-    with `span` entries, less the block's `col_base` (what tells the sets apart in v_row), and which
-    of them it lists as token columns."""
+                 sliding_window) -> torch.Tensor:
+    """bool [h1 - h0, NQB, window]: for each query block of heads h0:h1, which of the kept columns of its window
+    (`_window_columns`, `span` entries from `first`) it lists as token columns."""
     nqb, n = qb.shape[0], h1 - h0
     slot = torch.arange(window, device=v_row.device, dtype=torch.int32)
-    vr = _one_or_range(v_row, h0, h1)
-    at = (_one_or_range(first, h0, h1).unsqueeze(-1) + slot).clamp_max(max(vr.shape[-1] - 1, 0))
-    v = vr.unsqueeze(1).expand(-1, nqb, -1).gather(-1, at) if vr.shape[-1] else at  # [n or 1, NQB, window]
     # int32 from here: these [heads, NQB, window] temporaries are what layout construction spends its time on
-    v = v.int() - col_base.int().view(1, nqb, 1)
+    v = _window_columns(v_row, first, slot, col_base, h0, h1)  # [n or 1, NQB, window]
     qbx = qb.int().view(1, nqb, 1)
+    keep = slot < _one_or_range(span, h0, h1).unsqueeze(-1)
+    if sliding_window is not None:
+        keep &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
     cb = v >> (bs.bit_length() - 1)  # bs is a power of two
+    del v
     # The binary search put exactly the columns the block can see in its span, so what is left to drop is those
     # inside a listed block: in the dense range, or on a kept block diagonal (a block before the first visible
     # one can only hold columns that the sliding window drops below).
-    listed = cb >= dense_lo.clamp_max(nqb).int().view(1, nqb, 1)  # (FAR: no dense range)
+    keep &= cb < dense_lo.clamp_max(nqb).int().view(1, nqb, 1)  # (FAR: no dense range)
     if diagonals is not None:
         t = diagonals.shape[-1]
         start = diagonal_start[row].view(1, nqb, 1)
         diag = _one_or_range(diagonals[row], h0, h1).unsqueeze(1).expand(n, nqb, -1)
-        at = (start.clamp_min(0) + (qbx - cb).clamp_min(0)).clamp_max(t - 1).expand(n, nqb, -1)
-        listed = listed | (diag.gather(-1, at.long()) & (start >= 0))
-    keep = (slot < _one_or_range(span, h0, h1).unsqueeze(-1)) & ~listed
-    if sliding_window is not None:
-        keep &= v > qbx * bs - sliding_window  # seen by the first query of the block (the widest window)
-    return v, keep.expand(n, nqb, -1)
+        at = torch.sub(qbx, cb, out=cb).clamp_min_(0).add_(start.clamp_min(0).int()).clamp_max_(t - 1)
+        keep = keep & ~(diag.gather(-1, at.long().expand(n, nqb, -1)) & (start >= 0))
+    return keep.expand(n, nqb, -1)
 
 
 def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = None) -> SparseLayout:

@@ -108,3 +108,35 @@ def test_a_restored_layout_keeps_only_derived_values_that_still_hold():
     assert len(tensors) == 4
     doubled(skeleton.restore(tensors))
     assert len(calls) == 4
+
+
+def _bench_shaped_inputs(s: int, bs: int = 64, heads: int = 14, seed: int = 0) -> dict:
+    """bench_e2e's pattern for 0.5B scaled to S: 14 query heads, 0.01 * S kept columns per head (sinks included),
+    about 0.02 * NB kept block diagonals per head, blocks of 64."""
+    g = torch.Generator().manual_seed(seed)
+    nb = s // bs
+    verticals = torch.zeros(1, heads, s, dtype=torch.bool)
+    verticals[..., :64] = True
+    verticals.scatter_(-1, torch.rand(1, heads, s, generator=g).argsort(-1)[..., : s // 100], True)
+    diagonals = torch.zeros(1, heads, nb, dtype=torch.bool)
+    diagonals[..., :2] = True
+    diagonals.scatter_(-1, torch.rand(1, heads, nb, generator=g).argsort(-1)[..., : nb // 50], True)
+    return dict(meta=TokenMeta.contiguous(1, s), block_size=bs, diagonals=diagonals, verticals=verticals,
+                max_verticals=int(verticals.sum(-1).max()))
+
+
+def test_building_a_layout_peaks_below_twice_its_size(monkeypatch):
+    """With bench_e2e's budget, from 512K tokens on a head's [NQB, window] column window exceeds
+    build.LAYOUT_ELEMENTS and the columns are built one head at a time (set here at S = 16K): each head's column
+    mask is compacted into its slice of col_idx, so the build holds col_idx, a bool per window slot and one head's
+    temporaries. It held every head's window values and masks until one compaction: 2.5x the layout."""
+    from hf_sparse_cp.attention import build
+
+    monkeypatch.setattr(build, "LAYOUT_ELEMENTS", 1)
+    with AllocationRecorder(with_sites=False) as rec:
+        layout = build.build_layout(**_bench_shaped_inputs(16384))
+    final = sum(x.untyped_storage().nbytes() for x in (layout.block_idx, layout.block_cnt, layout.col_idx,
+                                                         layout.col_cnt))
+    assert layout.col_idx.shape[-1] > 200  # the columns are most of it
+    assert rec.peak_bytes <= 2.0 * final
+
