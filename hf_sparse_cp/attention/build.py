@@ -175,7 +175,8 @@ def build_layout(
         v_list = _compact(torch.arange(n_all, device=dev), verticals, min(nv, n_all))  # ascending, then -1
         heads = max(heads_b, verticals.shape[1])
         v_sorted = torch.where(v_list >= 0, v_list.long(), FAR)
-        ends = (col_base + (qb + 1) * bs).unsqueeze(1).expand(b, v_list.shape[1], nqb).contiguous()
+        # a partial last block's window ends at S, not inside the next set
+        ends = (col_base + ((qb + 1) * bs).clamp_max(s)).unsqueeze(1).expand(b, v_list.shape[1], nqb).contiguous()
         first = torch.searchsorted(v_sorted, (col_base + lo_tok).unsqueeze(1).expand_as(ends).contiguous())
         span = (torch.searchsorted(v_sorted, ends) - first).clamp_min(0)
         del v_sorted, ends

@@ -13,8 +13,10 @@ from torch.utils.checkpoint import checkpoint
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import estimate_layout
 from hf_sparse_cp.attention.sequence import sequence_attention
-from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.allocations import AllocationRecorder
+
+from oracle import visible
 
 
 def test_the_recorder_counts_fresh_storages_and_their_lives():
@@ -140,3 +142,54 @@ def test_building_a_layout_peaks_below_twice_its_size(monkeypatch):
     assert layout.col_idx.shape[-1] > 200  # the columns are most of it
     assert rec.peak_bytes <= 2.0 * final
 
+
+def _listed_columns(kw: dict, layout) -> torch.Tensor:
+    """col_idx from the definition: the kept columns of each query block's set (none for set -1), ascending, that a
+    query of the block sees and that lie outside the block's listed key blocks, padded with -1."""
+    meta, bs = kw["meta"], kw["block_size"]
+    b, s = meta.segment.shape
+    nb = -(-s // bs)
+    heads = layout.col_idx.shape[1]
+    seen = torch.nn.functional.pad(visible(meta, meta, window=kw["sliding_window"]), (0, 0, 0, nb * bs - s))
+    seen = seen.view(b, 1, nb, bs, s).any(3).expand(b, heads, nb, s)  # [B, H, NQB, S]
+    sets = kw["vertical_set"]
+    kept = kw["verticals"].expand(b, heads, -1, s).gather(2, sets.clamp_min(0).view(b, 1, nb, 1).expand(
+        b, heads, nb, s)) & (sets >= 0).view(b, 1, nb, 1)
+    listed = torch.zeros(b, heads, nb, nb + 1, dtype=torch.bool)
+    valid = torch.arange(layout.block_idx.shape[-1]) < layout.block_cnt.unsqueeze(-1)
+    listed.scatter_(-1, torch.where(valid, layout.block_idx.long(), nb), True)
+    columns = kept & seen & ~listed[..., torch.arange(s) // bs]
+    width = int(columns.sum(-1).max())
+    order = torch.where(columns, torch.arange(s), s).sort(-1).values[..., :width]
+    return torch.where(order < s, order, -1).int()
+
+
+@pytest.mark.parametrize("trial", range(24))
+def test_the_columns_of_a_layout_are_those_of_the_definition(trial, monkeypatch):
+    """Packed documents (a padded tail in some), sliding windows, kept columns shared by all heads (one key/value
+    head's) or per head, several column sets: col_idx and col_cnt are the definition's to the bit, built in one
+    head chunk or one head at a time. (With several sets, the window of a partial last query block ran past S into
+    the next set and listed its first columns as keys S, S + 1, ...)"""
+    from hf_sparse_cp.attention import build
+
+    if trial % 2:
+        monkeypatch.setattr(build, "LAYOUT_ELEMENTS", 1)
+    g = torch.Generator().manual_seed(trial)
+    b, s, bs, heads, sets = 2, int(torch.randint(100, 400, (1,), generator=g)), (16, 32)[trial % 3 == 0], 4, 3
+    seg = torch.zeros(b, s, dtype=torch.int32)
+    for row in range(b):
+        for i, cut in enumerate(sorted(torch.randint(1, s, (trial % 3,), generator=g).tolist())):
+            seg[row, cut:] = i + 1
+        if trial % 4 == 0:
+            seg[row, s - s // 5 :] = PAD_SEGMENT
+    nb = -(-s // bs)
+    kw = dict(meta=TokenMeta.from_segments(seg), block_size=bs,
+              diagonals=torch.rand(b, heads, nb, generator=g) < 0.2,
+              verticals=torch.rand(b, heads if trial % 4 < 2 else 1, sets, s, generator=g) < 0.15,
+              vertical_set=torch.randint(-1, sets, (b, nb), generator=g),
+              dense_tokens=torch.rand(b, s, generator=g) < 0.1,
+              sliding_window=int(torch.randint(20, 150, (1,), generator=g)) if trial % 3 == 1 else None)
+    layout = build.build_layout(**kw)
+    expected = _listed_columns(kw, layout)
+    assert torch.equal(layout.col_idx, expected)
+    assert torch.equal(layout.col_cnt, (expected >= 0).sum(-1, dtype=torch.int32))
