@@ -323,6 +323,9 @@ class PatternQualityArguments:
             raise ValueError(f"--retrieval_depths {self.retrieval_depths} must lie in [0, 1].")
         if self.resume and not self.output:
             raise ValueError("--resume continues the report at --output; name it.")
+        modes = [f"--{name}" for name in ("frontier", "curve", "retrieval", "layer0") if getattr(self, name)]
+        if len(modes) > 1:  # main runs the first of them only: the others would be silently dropped
+            raise ValueError(f"{' and '.join(modes)} are separate reports: run one at a time.")
         bad = [n for n in self.lengths if n % self.block_size or n > context]
         if bad:
             raise ValueError(f"lengths {bad} must be multiples of block_size={self.block_size} and at most "

@@ -78,6 +78,8 @@ def test_layer0_flags_are_checked(pq):
     with pytest.raises(ValueError, match="at most smollm2-135m's context, 8192"):
         pq.PatternQualityArguments(layer0=True, layer0_lengths=[16384])
     assert pq.PatternQualityArguments(layer0=True, layer0_lengths=[4096, 8192]).layer0_windows[0] == 0
+    with pytest.raises(ValueError, match="--curve and --layer0 are separate reports"):
+        pq.PatternQualityArguments(layer0=True, curve=True)
 
 
 def test_combine_merges_the_windows_of_several_runs(pq, tmp_path, monkeypatch):
