@@ -17,7 +17,9 @@ head_dim 128), bf16 (`--dtype`), causal, one document. For every S (32K, 64K, 12
   backend (`kernel_options={"BACKEND": "FLASH"}`; an error row with torch's reason where the installed
   torch and flash-attn do not provide it). Raw `flex` cannot gather single key columns, so the
   layout's vertical columns are left out for it: ours computes that extra work (its share is the
-  `cols` column of the table) and is still counted against Flex;
+  `cols` column of the table) and is still counted against Flex; `ours_blocks` is ours on that same
+  layout without its columns, the pairs Flex computes: it compares the two kernels on equal work, and
+  `ours` minus it is what the columns cost (the "columns" section);
 * dense causal: `ours`, `flex_engine` and `auto` on the dense layout, `flex` with a causal BlockMask,
   SDPA with the cuDNN and the flash backends (K/V expanded to 16 heads beforehand, outside the
   timing: their GQA support differs between backends), and flash-attn's own `flash_attn_func` when
@@ -49,8 +51,9 @@ on each layout without its columns, must agree within bf16 rounding (`CHECK_RTOL
 pass, FAIL or error per layout and comparison. Flex is only ever timed compiled (`_flex`, and the
 engine's own guard): past dynamo's recompile limit it would silently run its unfused eager path.
 
-Prints a table (ours and auto against every baseline measured, `ratios` in the JSON), the estimation
-section, the kernel profiles and the issues' targets (measured value and pass/fail: at 128K and ~5% kept
+Prints a table (ours, ours_blocks and auto against every baseline measured, `ratios` in the JSON), the
+columns' cost (`column_costs`: per sparse layout, ours minus ours_blocks, and the TFLOP/s of the column
+pairs and of the block pairs beside Flex's on the same blocks), the estimation section, the kernel profiles and the issues' targets (measured value and pass/fail: at 128K and ~5% kept
 blocks, fwd+bwd >= 1.7x compiled Flex on the same blocks (Triton backend, and flash backend where
 measured), >= 12.5x dense cuDNN, >= 350 TFLOP/s on the computed pairs (#50); >= 1.3x Flex at ~10%, dense
 within 1.25x of Flex dense, estimation < 10%; and #32's engine targets against the flex engine, with
@@ -111,7 +114,10 @@ from hf_sparse_cp.testing.benchmarking import (
 from hf_sparse_cp.testing.layouts import planted_qk
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-VARIANTS = ("ours", "flex_engine", "auto", "flex", "flex_flash", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+VARIANTS = ("ours", "ours_blocks", "flex_engine", "auto", "flex", "flex_flash", "sdpa_cudnn", "sdpa_flash",
+            "flash_attn")
+# The rows compared with every baseline (`baseline_ratios`).
+COMPARED = ("ours", "ours_blocks", "auto")
 # What ours (and auto) are compared with, fwd+bwd time over theirs, by column of the table: on the same layout the
 # flex engine, compiled Flex on a BlockMask of the kept blocks (Triton backend, and Flex's flash backend where the
 # torch provides it), on the dense causal layout of the same S cuDNN and flash SDPA and flash-attn.
@@ -485,6 +491,9 @@ class Bench:
         col_share = 1.0 - computed_pairs(layout, a.num_q_heads, include_columns=False) / pairs
         self.engine_cases(seq_len, name, layout, pairs, density, col_share, tensors, dout, estimation_ms, variants)
         flex_pairs = computed_pairs(layout, a.num_q_heads, include_columns=False)
+        if "ours_blocks" in variants and col_share > 0:
+            self.record(seq_len, name, "ours_blocks", flex_pairs, density, 0.0,
+                        functools.partial(_engine, columns_removed(layout), self.ours), tensors, dout)
         self.flex_cases(seq_len, name, layout, flex_pairs, density, tensors, dout, variants)
 
     def flex_cases(self, seq_len: int, name: str, layout: SparseLayout, pairs: float, density: float, tensors, dout,
@@ -621,12 +630,12 @@ class Bench:
 
 
 def baseline_ratios(rows: list[dict]) -> list[dict]:
-    """For every ours and auto row, each baseline's fwd+bwd time over the row's (`BASELINES`: the Flex variants on
+    """For every `COMPARED` row, each baseline's fwd+bwd time over the row's (`BASELINES`: the Flex variants on
     the same layout, the dense ones on the dense layout of the same S), None where the baseline was not measured."""
     ok = _ok_rows(rows)
     out = []
     for r in ok.values():
-        if r["variant"] not in ("ours", "auto"):
+        if r["variant"] not in COMPARED:
             continue
         against = {}
         for baseline, (_, dense_only) in BASELINES.items():
@@ -637,7 +646,7 @@ def baseline_ratios(rows: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per row; on ours and auto rows one `x <name>` column per baseline (`BASELINES`): its fwd+bwd
+    """One line per row; on `COMPARED` rows one `x <name>` column per baseline (`BASELINES`): its fwd+bwd
     time over the row's (fxe: the flex engine, flex / fflash: compiled Flex on the same blocks, Triton / flash
     backend, cudnn / flash / fa2: dense SDPA cuDNN, SDPA flash, flash-attn at the same S); an auto row names the
     engine it picked (auto:flex)."""
@@ -665,6 +674,41 @@ def format_table(rows: list[dict]) -> str:
 
 def _ok_rows(rows: list[dict]) -> dict[tuple[int, str, str], dict]:
     return {(r["seq_len"], r["layout"], r["variant"]): r for r in rows if r["status"] == "ok"}
+
+
+def column_costs(rows: list[dict], head_dim: int) -> list[dict]:
+    """Per (S, layout) where ours ran with and without the layout's columns: the columns' fwd+bwd time (ours minus
+    ours_blocks) and share of ours, the TFLOP/s of the column pairs alone and of the block pairs (ours_blocks),
+    beside compiled Flex's on the same blocks where it ran."""
+    ok = _ok_rows(rows)
+    out = []
+    for (seq_len, layout, variant), blocks in ok.items():
+        whole = ok.get((seq_len, layout, "ours"))
+        if variant != "ours_blocks" or whole is None:
+            continue
+        flex = ok.get((seq_len, layout, "flex"))
+        columns_ms = whole["fwd_bwd_ms"] - blocks["fwd_bwd_ms"]
+        column_flops = 3.5 * 4.0 * head_dim * (whole["pairs"] - blocks["pairs"])
+        out.append({"seq_len": seq_len, "layout": layout, "column_share": whole["column_share"],
+                    "ours_ms": whole["fwd_bwd_ms"], "blocks_ms": blocks["fwd_bwd_ms"], "columns_ms": columns_ms,
+                    "columns_time_share": columns_ms / whole["fwd_bwd_ms"],
+                    # a difference of two timings: None when the columns cost nothing measurable
+                    "columns_tflops": column_flops / columns_ms / 1e9 if columns_ms > 0 else None,
+                    "blocks_tflops": blocks["fwd_bwd_tflops"], "flex_tflops": flex["fwd_bwd_tflops"] if flex else None})
+    return out
+
+
+def format_column_costs(costs: list[dict]) -> str:
+    header = (f"{'S':>5} {'layout':<14} {'cols':>5} {'ours ms':>8} {'blocks':>8} {'columns':>8} {'% time':>6} "
+              f"{'TF/s cols':>9} {'TF/s blocks':>11} {'TF/s flex':>9}")
+    lines = ["columns' cost: ours minus ours on the same layout without its columns (fwd+bwd)", header,
+             "-" * len(header)]
+    for c in costs:
+        tf = lambda x, w: f"{x:{w}.0f}" if x is not None else " " * w
+        lines.append(f"{c['seq_len'] // 1024:>4}K {c['layout']:<14} {c['column_share']:5.2f} {c['ours_ms']:8.2f} "
+                     f"{c['blocks_ms']:8.2f} {c['columns_ms']:8.2f} {100 * c['columns_time_share']:6.1f} "
+                     f"{tf(c['columns_tflops'], 9)} {tf(c['blocks_tflops'], 11)} {tf(c['flex_tflops'], 9)}")
+    return "\n".join(lines)
 
 
 def estimation_report(rows: list[dict], estimation: list[dict]) -> list[dict]:
@@ -789,6 +833,7 @@ def build_report(bench: Bench, env: dict, complete: bool, command: list[str] | N
         "checks": bench.checks,
         "estimation": estimation_report(bench.rows, bench.estimation),
         "ratios": baseline_ratios(bench.rows),
+        "column_costs": column_costs(bench.rows, a.head_dim),
         "targets": issue_targets(bench.rows, bench.estimation),
         "engine_targets": engine_targets(bench.rows),
     }
@@ -806,6 +851,9 @@ def print_report(report: dict) -> None:
         elif c["status"] == "FAIL":
             print(f"CHECK FAIL: S={c['seq_len']} {c['layout']}: ours vs {c['against']} rel. RMS {c['rel_rms']:.2e} "
                   f"> {c['rtol']:g}")
+    if report["column_costs"]:
+        print()
+        print(format_column_costs(report["column_costs"]))
     if report["estimation"]:
         print()
         print(format_estimation(report["estimation"]))

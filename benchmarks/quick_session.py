@@ -8,7 +8,7 @@ scripts write theirs as soon as they have a number:
 
 (a) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5%
     kept and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the
-    same blocks (Triton and flash backends), cuDNN and flash SDPA dense, forward + backward, each ratio; an
+    same blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and flash SDPA dense, forward + backward, each ratio; an
     estimated layout (our kernels only) with the pattern estimation's time as a share of that attention; the
     engine table `auto` reads;
 (b) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
@@ -92,8 +92,8 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
     """The stages, their commands at full (GPU) or tiny (--dry-run) sizes."""
     py = sys.executable
     attention = [py, "benchmarks/bench_attention.py", "--densities", "0.05", "--estimated_budgets", "1000:256",
-                 "--estimated_variants", "ours", "--variants", "ours", "auto", "flex_engine", "flex", "flex_flash",
-                 "sdpa_cudnn", "sdpa_flash", "--time_forward", "false", "--profile_seq_lens", "0",
+                 "--estimated_variants", "ours", "--variants", "ours", "ours_blocks", "auto", "flex_engine", "flex",
+                 "flex_flash", "sdpa_cudnn", "sdpa_flash", "--time_forward", "false", "--profile_seq_lens", "0",
                  "--output", str(out / "attention.json"), "--engine_table", str(out / "engine_table.json")]
     e2e = [py, "benchmarks/bench_e2e.py", "--profile_seq_lens", "0", "--warmup_steps", "1", "--timed_steps", "1"]
     headline = ["--variants", "sparse_cp", "sdpa+liger", "--output", str(out / "e2e.json")]
@@ -203,7 +203,7 @@ def verdicts(*reports: dict) -> list[dict]:
 
 def headline(out: Path) -> dict:
     """The figures the README's tables take, from the stages' JSON: attention fwd+bwd ms per (S, layout, variant)
-    and ours over every baseline, the estimation's share, e2e tokens/s and peak memory per (variant, S) with the
+    and ours over every baseline, the columns' cost, the estimation's share, e2e tokens/s and peak memory per (variant, S) with the
     speed-ups, the fit runs with their predicted peaks, the dense first layer's cost, the tiles timed best per
     kernel, and every target's verdict."""
     attention, e2e, fit, layer0, tiles = (_read(out / name) or {} for name in (
@@ -212,6 +212,7 @@ def headline(out: Path) -> dict:
         "attention_fwd_bwd_ms": _rows(attention, "seq_len", "layout", "variant", "density", "status", "fwd_bwd_ms",
                                       "fwd_bwd_tflops", "auto_engine"),
         "attention_ratios": attention.get("ratios", []),
+        "column_costs": attention.get("column_costs", []),
         "estimation": [{k: e.get(k) for k in ("seq_len", "layout", "total_ms", "share_of_fwd_bwd")}
                        for e in attention.get("estimation", [])],
         "e2e": _rows(e2e, "model", "variant", "seq_len", "status", "tokens_per_s", "peak_gib", "kept_fraction",
@@ -240,6 +241,11 @@ def format_summary(report: dict) -> str:
     for e in h["attention_ratios"]:
         over = ", ".join(f"{b} {x:.2f}x" for b, x in e["over"].items() if x is not None)
         lines.append(f"  {e['variant']} {e['seq_len'] // 1024}K {e['layout']} over: {over or '-'}")
+    for c in h.get("column_costs", []):  # (absent from sessions before it was measured)
+        lines.append(f"  columns {c['seq_len'] // 1024}K {c['layout']}: {c['columns_ms']:.2f} of {c['ours_ms']:.2f} ms "
+                     f"({100 * c['columns_time_share']:.1f}% of the time for {100 * c['column_share']:.1f}% of the "
+                     f"pairs); block pairs {c['blocks_tflops']:.0f} TFLOP/s"
+                     + (f" (Flex on them {c['flex_tflops']:.0f})" if c["flex_tflops"] is not None else ""))
     for e in h["estimation"]:
         share = "-" if e["share_of_fwd_bwd"] is None else f"{100 * e['share_of_fwd_bwd']:.1f}% of our fwd+bwd"
         lines.append(f"  estimation {e['seq_len'] // 1024}K {e['layout']}: {e['total_ms']:.2f} ms, {share}")

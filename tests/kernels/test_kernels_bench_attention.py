@@ -285,3 +285,33 @@ def test_engine_table_and_targets_from_the_rows(bench):
     assert five["measured"] == pytest.approx(59.4 / 30) and five["pass"] is True
     assert dense["measured"] == pytest.approx(715 / 700) and dense["pass"] is True
     assert auto["measured"] == pytest.approx(31 / 30) and auto["pass"] is True
+
+
+def test_ours_on_the_blocks_alone_runs_on_the_pairs_flex_computes_and_gives_the_columns_cost(bench):
+    """`ours_blocks` is ours on the layout without its columns: timed on the sparse layout (which has columns), never
+    on the dense one; its pairs are the column-free count; `column_costs` splits ours into blocks and columns."""
+    sweep = bench.Bench(_small_args(bench, seq_lens=[256], estimated_budgets=[], profile_seq_lens=[],
+                                    variants=["ours", "ours_blocks"], time_forward=False), device="cpu")
+    sweep.run()
+    rows = {(r["layout"], r["variant"]): r for r in sweep.rows}
+    assert set(rows) == {("vs@20%", "ours"), ("vs@20%", "ours_blocks"), ("dense", "ours")}
+    whole, blocks = rows[("vs@20%", "ours")], rows[("vs@20%", "ours_blocks")]
+    assert blocks["status"] == "ok" and blocks["column_share"] == 0.0
+    assert blocks["pairs"] == pytest.approx(whole["pairs"] * (1 - whole["column_share"]))
+    assert blocks["pairs"] < whole["pairs"]
+    assert {e["variant"] for e in bench.baseline_ratios(sweep.rows)} == {"ours", "ours_blocks"}
+
+    def row(variant, ms, pairs, share=0.0):
+        return {"seq_len": 131072, "layout": "vs@5%", "variant": variant, "status": "ok", "fwd_bwd_ms": ms,
+                "pairs": pairs, "column_share": share, "fwd_bwd_tflops": 3.5 * 4 * 128 * pairs / ms / 1e9}
+
+    (cost,) = bench.column_costs([row("ours", 40.0, 7e9, 1 / 7), row("ours_blocks", 30.0, 6e9), row("flex", 25.0, 6e9)],
+                                 head_dim=128)
+    assert cost["columns_ms"] == pytest.approx(10.0) and cost["columns_time_share"] == pytest.approx(0.25)
+    assert cost["columns_tflops"] == pytest.approx(3.5 * 4 * 128 * 1e9 / 10.0 / 1e9)
+    assert cost["flex_tflops"] > cost["blocks_tflops"]
+    assert "25.0" in bench.format_column_costs([cost])
+    # columns that cost nothing measurable (ours no slower than ours_blocks): no TFLOP/s from a non-positive time
+    (free,) = bench.column_costs([row("ours", 30.0, 7e9, 1 / 7), row("ours_blocks", 30.5, 6e9)], head_dim=128)
+    assert free["columns_tflops"] is None and free["flex_tflops"] is None
+    assert "columns' cost" in bench.format_column_costs([free])
