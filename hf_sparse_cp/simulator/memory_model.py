@@ -244,11 +244,45 @@ class _AttentionGeometry:
     """Sizes of one attention call's layout and of the buffers built around it (bytes)."""
 
     layout_per_token: float  # the layout (and the kernels' split of it), per query token of the rank
-    construction: tuple[float, float]  # layout construction's temporaries at their peak: (per token, constant)
+    construction: tuple[float, float]  # layout construction at its peak, its output included: (per token, constant)
     estimation: tuple[float, float]  # the estimation's buffers at their peak: (per token, constant)
     workspace_forward: float  # the reference's chunk temporaries (0 on the Triton path)
     workspace_backward: float
     width: str  # where the layout's width comes from
+
+
+def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, columns: int,
+                              block_size: int) -> tuple[float, float]:
+    """The peak of `build.build_layout` over its inputs, its output included, for one row of `heads` heads and
+    `query_blocks` query blocks that list up to `block_width` key blocks and read a window of up to `columns` kept
+    columns (0: none): (bytes per token held for every head, bytes of one head chunk's temporaries). Counted on
+    the code; tests/unit/test_layout_memory.py checks it against `AllocationRecorder`."""
+    n, tokens = heads * query_blocks, query_blocks * block_size
+
+    def chunk(width: int, last: bool = False) -> int:  # elements of a [chunk heads, NQB, width] tensor (`head_chunks`)
+        step = max(1, min(heads, build.LAYOUT_ELEMENTS // max(1, query_blocks * width)))
+        return (heads - step * ((heads - 1) // step) if last else step) * query_blocks * width
+
+    # First the document starts of `first_visible_keys` (three int64 per token); with columns, then their listing
+    # (`_compact` over [heads, S]: int32 positions and their int64 copy per head and token, an int64 arange per
+    # token) beside the masked copy of the kept columns and the diagonals' counts (below).
+    first = ((n * 44 + (13 * heads + 8) * tokens) / tokens if columns else 24.0, 0.0)
+    # Held from the block pass on: block_idx and block_cnt (int32), five int64 per (head, query block) (the kept
+    # diagonals' prefix counts and list, each block's base, rank and count); with columns also each window's start
+    # and span (int64), the masked copy of the kept columns (bool [heads, S]) and every head's column mask (a bool
+    # per window slot).
+    held = n * (4 * block_width + 4 + 40) + (n * (16 + columns) + heads * tokens if columns else 0)
+    # The block pass peaks at six int64 and a bool per element of its chunk (dense and diagonal key blocks, ranks,
+    # the gathered diagonals, the two `where`s).
+    blocks = (held / tokens, 49.0 * chunk(block_width))
+    phases = [first, blocks]
+    # The column pass peaks in its first chunk's compaction: col_idx (int32, at most the window wide) and col_cnt,
+    # `_compact`'s int32 window positions and their int64 copy; the block pass's last chunk keeps four int64 per
+    # element alive (the loop's variables) until the build returns.
+    if columns:
+        phases.append(((held + n * (4 * columns + 4)) / tokens,
+                       12.0 * chunk(columns) + 32.0 * chunk(block_width, last=True)))
+    return max(phases, key=lambda bytes_: bytes_[0] * tokens + bytes_[1])
 
 
 def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int, heads: int,
@@ -281,9 +315,7 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
-    # construction: head-chunked int64 temporaries (three of at most build.LAYOUT_ELEMENTS) and the
-    # column masks of every head (an int64 value and a bool flag per column slot)
-    construction = (hq * cols * 9 / bs, 3 * 8 * min(build.LAYOUT_ELEMENTS, hq * nqb * width)) if sparse else (0, 0)
+    construction = layout_construction_bytes(hq, nqb, width, cols, bs) if sparse else (0.0, 0.0)
     estimation = (0.0, 0.0)
     if sparse:
         # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the

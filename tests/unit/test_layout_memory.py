@@ -112,14 +112,14 @@ def test_a_restored_layout_keeps_only_derived_values_that_still_hold():
     assert len(calls) == 4
 
 
-def _bench_shaped_inputs(s: int, bs: int = 64, heads: int = 14, seed: int = 0) -> dict:
-    """bench_e2e's pattern for 0.5B scaled to S: 14 query heads, 0.01 * S kept columns per head (sinks included),
-    about 0.02 * NB kept block diagonals per head, blocks of 64."""
+def _bench_shaped_inputs(s: int, bs: int = 64, heads: int = 14, seed: int = 0, columns: int | None = None) -> dict:
+    """bench_e2e's pattern for 0.5B scaled to S: 14 query heads, 0.01 * S kept columns per head (or `columns`, and 64
+    sinks), about 0.02 * NB kept block diagonals per head, blocks of 64."""
     g = torch.Generator().manual_seed(seed)
     nb = s // bs
     verticals = torch.zeros(1, heads, s, dtype=torch.bool)
     verticals[..., :64] = True
-    verticals.scatter_(-1, torch.rand(1, heads, s, generator=g).argsort(-1)[..., : s // 100], True)
+    verticals.scatter_(-1, torch.rand(1, heads, s, generator=g).argsort(-1)[..., : columns or s // 100], True)
     diagonals = torch.zeros(1, heads, nb, dtype=torch.bool)
     diagonals[..., :2] = True
     diagonals.scatter_(-1, torch.rand(1, heads, nb, generator=g).argsort(-1)[..., : nb // 50], True)
@@ -141,6 +141,31 @@ def test_building_a_layout_peaks_below_twice_its_size(monkeypatch):
                                                          layout.col_cnt))
     assert layout.col_idx.shape[-1] > 200  # the columns are most of it
     assert rec.peak_bytes <= 2.0 * final
+
+
+@pytest.mark.parametrize("s", [4096, 16384])
+@pytest.mark.parametrize("columns", [None, 256, 0], ids=["1%", "256", "none"])
+@pytest.mark.parametrize("chunk_heads", [None, 1, 3], ids=["every-head", "one-head", "three-block-heads"])
+def test_the_memory_model_counts_the_peak_of_building_a_layout(s, columns, chunk_heads, monkeypatch):
+    """`layout_construction_bytes` (the memory model's term) is the build's recorded peak within 6%, with 0.01 * S,
+    256 or no kept columns per head: every head in one chunk, one head at a time (the columns from 512K), or the key
+    blocks three heads at a time (a last chunk of two). The old term (an int64 value and a bool per column slot,
+    three int64 per block slot of a chunk) was about 1.5x the peak with columns built one head at a time and 0.5x
+    with every head in one chunk."""
+    from hf_sparse_cp.attention import build
+    from hf_sparse_cp.simulator.memory_model import layout_construction_bytes
+
+    kw = _bench_shaped_inputs(s, columns=columns)
+    if columns == 0:
+        del kw["verticals"], kw["max_verticals"]
+    block_width = build.build_layout(**kw).block_idx.shape[-1]
+    if chunk_heads is not None:
+        monkeypatch.setattr(build, "LAYOUT_ELEMENTS", chunk_heads * (s // 64) * block_width)
+    with AllocationRecorder(with_sites=False) as rec:
+        layout = build.build_layout(**kw)
+    window = kw.get("max_verticals", 0)  # the last query block's window holds every kept column of its head
+    per_token, chunk = layout_construction_bytes(14, s // 64, layout.block_idx.shape[-1], window, 64)
+    assert 0.94 <= (per_token * s + chunk) / rec.peak_bytes <= 1.06
 
 
 def _listed_columns(kw: dict, layout) -> torch.Tensor:
