@@ -91,34 +91,37 @@ class Stage:
 def stages(args: QuickArguments, out: Path) -> list[Stage]:
     """The stages, their commands at full (GPU) or tiny (--dry-run) sizes."""
     py = sys.executable
-    attention = [py, "benchmarks/bench_attention.py", "--densities", "0.05", "--estimated_budgets", "1000:256",
-                 "--estimated_variants", "ours", "--variants", "ours", "ours_blocks", "auto", "flex_engine", "flex",
-                 "flex_flash", "sdpa_cudnn", "sdpa_flash", "--time_forward", "false", "--profile_seq_lens", "0",
+    attention = [py, "benchmarks/bench_attention.py", "--densities", "0.05", "--estimated_variants", "ours",
+                 "--variants", "ours", "ours_blocks", "auto", "flex_engine", "flex", "flex_flash",
+                 "sdpa_cudnn", "sdpa_flash", "--time_forward", "false", "--profile_seq_lens", "0",
                  "--output", str(out / "attention.json"), "--engine_table", str(out / "engine_table.json")]
-    e2e = [py, "benchmarks/bench_e2e.py", "--profile_seq_lens", "0", "--warmup_steps", "1", "--timed_steps", "1"]
-    headline = ["--variants", "sparse_cp", "sdpa+liger", "--output", str(out / "e2e.json")]
+    e2e = [py, "benchmarks/bench_e2e.py", "--profile_seq_lens", "0", "--timed_steps", "1"]
+    headline = ["--variants", "sparse_cp", "sdpa+liger", "--warmup_steps", "1", "--output", str(out / "e2e.json")]
     fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
-    layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--output", str(out / "e2e-layer0.json")]
+    layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--warmup_steps", "1",
+              "--output", str(out / "e2e-layer0.json")]
     tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "dq", "dkdv", "forward",
              "--output", str(out / "tiles.json")]
     if args.dry_run:
         attention += ["--dry_run", "--seq_lens", "128", "--block_size", "32", "--num_q_heads", "2",
                       "--num_kv_heads", "1", "--head_dim", "16", "--num_verticals", "4", "--dtype", "float16",
                       "--warmup", "0", "--repeats", "1", "--estimated_budgets", "8:2"]
-        e2e += ["--tiny", "--device", "cpu", "--timeout_s", "120"]
-        lengths = {"headline": ("256", "512"), "fit": ("1024", "2048"), "layer0": ("256", "256")}
+        e2e += ["--tiny", "--device", "cpu"]
+        # (first length, last length, per-run timeout in seconds) of each e2e stage
+        runs = {"headline": ("256", "512", "120"), "fit": ("1024", "2048", "120"), "layer0": ("256", "256", "120")}
         tiles += ["--dry_run", "--seq_len", "96", "--block_size", "16", "--num_q_heads", "2", "--num_kv_heads", "1",
                   "--head_dim", "16", "--num_verticals", "4", "--density", "0.3", "--warmup", "0", "--repeats", "1"]
         interpreted = {"TRITON_INTERPRET": "1"}
     else:
-        attention += ["--seq_lens", "131072", "--warmup", "1", "--repeats", "5"]
-        e2e += ["--models", "0.5b", "--timeout_s", "150"]
-        lengths = {"headline": ("131072", "262144"), "fit": ("524288", "1048576"), "layer0": ("131072", "131072")}
+        attention += ["--seq_lens", "131072", "--warmup", "1", "--repeats", "5", "--estimated_budgets", "1000:256"]
+        e2e += ["--models", "0.5b"]
+        # the H200's 1M step took about 135 s with its start-up (2026-11-29): the fit stage's runs get 190 s
+        runs = {"headline": ("131072", "262144", "150"), "fit": ("524288", "1048576", "190"),
+                "layer0": ("131072", "131072", "150")}
         tiles += ["--seq_len", "32768", "--warmup", "1", "--repeats", "3"]
         interpreted = {}
-    run = {name: [*e2e, "--min_seq", first, "--max_seq", last] for name, (first, last) in lengths.items()}
-    if not args.dry_run:  # the H200's 1M step took about 135 s with its start-up (2026-11-29): past e2e's 150 s cap
-        run["fit"] += ["--timeout_s", "190"]
+    run = {name: [*e2e, "--min_seq", first, "--max_seq", last, "--timeout_s", timeout]
+           for name, (first, last, timeout) in runs.items()}
     from hf_sparse_cp.attention.engines import TABLE_ENV
 
     table = {TABLE_ENV: str(out / "engine_table.json")}

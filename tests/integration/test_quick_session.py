@@ -79,6 +79,22 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     print(f"quick --dry-run: {wall:.0f} s wall")
 
 
+@pytest.mark.parametrize("dry_run", [False, True], ids=["full-size", "dry-run"])
+def test_no_stage_command_repeats_an_option(quick, tmp_path, dry_run):
+    """Each option once per command (argparse keeps the last of a repeated one: the fit stage passed e2e's
+    --timeout_s 150 and --warmup_steps 1, then its own 190 and 0; the dry run's attention stage two
+    --estimated_budgets); each e2e stage sets its runs' timeout and warm-up steps."""
+    stages = quick.stages(quick.QuickArguments(dry_run=dry_run), tmp_path)
+    for stage in stages:
+        options = [a for a in stage.command if a.startswith("--")]
+        assert len(options) == len(set(options)), stage.name
+    timeouts = {s.name: s.command[s.command.index("--timeout_s") + 1] for s in stages if "--timeout_s" in s.command}
+    assert timeouts == ({"e2e": "120", "fit": "120", "layer0": "120"} if dry_run else
+                        {"e2e": "150", "fit": "190", "layer0": "150"})
+    warmups = {s.name: s.command[s.command.index("--warmup_steps") + 1] for s in stages[1:4]}
+    assert warmups == {"e2e": "1", "fit": "0", "layer0": "1"}
+
+
 def test_a_stage_past_its_cap_is_killed_with_its_children(quick, tmp_path):
     """SIGTERM to the stage's whole process group at the cap (a child it started dies too)."""
     marker = tmp_path / "child-alive"
