@@ -21,6 +21,7 @@ builds in code. `--help` before the script path lists them, the common ones firs
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -30,7 +31,8 @@ from transformers import HfArgumentParser
 
 from hf_sparse_cp.launch.command import check_command, split_command
 from hf_sparse_cp.launch.launched import launched, plugin_flags_in
-from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
+from hf_sparse_cp.launch.refusals import end_refused
+from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups, is_flag_error
 from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
 
 PROG = "python -m hf_sparse_cp.run"
@@ -70,13 +72,25 @@ def run_target(target: str, is_module: bool, args: Sequence[str]) -> None:
         sys.path[0] = saved_path
 
 
+def script_name(target: str, is_module: bool) -> str:
+    """The name a script's own errors go by (argparse's prog: its file's name, `sft.py` for `-m trl.scripts.sft`)."""
+    spec = importlib.util.find_spec(target) if is_module else None
+    return os.path.basename(spec.origin if spec is not None and spec.origin else target)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hf_sparse_cp.run`: see the module's doc."""
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags)  # (--help exits here)
     with launched(plugin) as run:
-        run_target(target, is_module, args)
+        try:
+            run_target(target, is_module, args)
+        except (ValueError, TypeError, OSError) as e:
+            if not is_flag_error(e):  # (a bug keeps its traceback)
+                raise
+            # a setting refused against the script's model, data or Trainer, naming the fix: as a bad flag, once
+            end_refused(script_name(target, is_module), e)
     if not run.trainers_built and os.environ.get("RANK", "0") == "0":
         before = [f"--{name}" for name in sorted(plugin.explicit_flags or ())]
         given = before + [flag for flag in plugin_flags_in(args) if flag not in before]

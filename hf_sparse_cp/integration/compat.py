@@ -276,6 +276,8 @@ PATCHES = (
           "default group's timeout on CPU processes too, where transformers does not pass it to accelerate (a stopped "
           "rank then stops the job within it, not gloo's 30 min)", "detach_from_trainer (the previous timeout)",
           parameters=("timeout", "group")),
+    Patch("torch.distributed.distributed_c10d", "_get_default_store", "calls", "a refusal is printed once by the "
+          "first rank to refuse (a counter in the store, which waits on no other rank: launch/refusals.py)"),
     Patch("torch.nn.modules.conv", "_ConvNd", "reads", "convolutions mix tokens outside attention: such models "
           "are refused under CP"),
     Patch("triton.runtime.jit", "JITFunction", "reads", "whether the kernels were decorated for Triton's "
@@ -493,6 +495,14 @@ def set_process_group_timeout(timeout: timedelta) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout)
+
+
+def default_store() -> Any:
+    """The default process group's store (torch's private `_get_default_store`; no public getter)."""
+    require("torch.distributed.distributed_c10d._get_default_store")
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -41,7 +41,7 @@ from ..config import BACKEND_NAME
 from ..integration import compat
 from ..integration.patching import PatchSet, record_on
 from ..integration.registration import is_patched, patch, unpatch
-from ..trainer.arguments import did_you_mean, explicit_fields, is_flag_error
+from ..trainer.arguments import did_you_mean, explicit_fields, flag_errors, is_flag_error
 from ..trainer.attach import LAUNCHED
 from ..trainer.sparse_trainer import (
     PluginArguments,
@@ -203,28 +203,22 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: --help: the script built its Trainer without "
                              "a parser that reads --help, so it has none to print; nothing was launched.\n")
             sys.exit(2)
-        try:
-            set_up_trainer(self, model, args, *rest, **kwargs)
-        except (ValueError, TypeError, OSError) as e:
-            if is_flag_error(e):  # a setting refused against the script's model or data, naming the fix: as a bad flag
-                sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {e}\n")
-                sys.exit(2)
-            raise
-
-    def set_up_trainer(self, model=None, args=None, *rest, **kwargs):
         run.trainers_built += 1
         if isinstance(self, SparseTrainerMixin):  # the plugin's class: named by the script, or given below
             return trainer_init(self, model, args, *rest, **kwargs)
         if not isinstance(args, TrainingArguments):
-            raise ValueError(f"{type(self).__name__} got args={args!r}: under hf_sparse_cp.run the Trainer trains "
-                             "with the plugin, which reads its settings from the training arguments; pass them.")
+            with flag_errors():
+                raise ValueError(f"{type(self).__name__} got args={args!r}: under hf_sparse_cp.run the Trainer trains "
+                                 "with the plugin, which reads its settings from the training arguments; pass them.")
         if not isinstance(args, SparseArgumentsMixin):
             stray = plugin_flags_in(sys.argv[1:])
             if stray:
-                raise ValueError(
-                    f"{', '.join(stray)} reach the script, which builds its {type(args).__name__} in code and so "
-                    "never reads them: give the plugin's flags before the script path (python -m hf_sparse_cp.run "
-                    f"{' '.join(stray)} ... script.py ...), or pattern settings in a --sparse_config file there.")
+                with flag_errors():
+                    raise ValueError(
+                        f"{', '.join(stray)} reach the script, which builds its {type(args).__name__} in code and "
+                        "so never reads them: give the plugin's flags before the script path (python -m "
+                        f"hf_sparse_cp.run {' '.join(stray)} ... script.py ...), or pattern settings in a "
+                        "--sparse_config file there.")
             args = with_plugin_arguments(args, plugin)
         record_on(self, LAUNCHED).set_attr(self, "__class__", sparse_trainer_class(type(self)))
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)

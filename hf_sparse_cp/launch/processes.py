@@ -16,8 +16,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 RUN_MODULE = "hf_sparse_cp.run"
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
-ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
+# torchrun and accelerate launch, each run as its own command runs it but ending a refused run with the message alone
+# (`refusals.py`)
+_LAUNCHER = (sys.executable, "-m", "hf_sparse_cp.launch.refusals")
+TORCHRUN = (*_LAUNCHER, "torchrun", "--standalone")
+ACCELERATE_LAUNCH = (*_LAUNCHER, "accelerate")
 # What torchrun itself stops its workers on (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 OPTIONS_HELP = ("--nproc N: N local processes (torchrun; gloo on CPU), default 1; --config_file CONFIG: an accelerate "

@@ -43,13 +43,14 @@ from ..smet.config import check_values, module_names
 
 
 @contextlib.contextmanager
-def flag_errors():
-    """Mark an error raised inside the block (a plugin flag's value, or the config file it names, refused with the
-    field and the fix) as the user's: `hf_sparse_cp.run` prints its message alone, as argparse prints a bad
-    flag's, instead of a traceback through the script. The exception itself is unchanged."""
+def flag_errors(kinds: tuple[type[Exception], ...] = (ValueError, TypeError, OSError)):
+    """Mark an error of `kinds` raised inside the block (a plugin flag's value, the config file it names, or a setup
+    the plugin cannot run, refused naming the fix) as the user's: `hf_sparse_cp.run` ends with its message alone,
+    once, as argparse ends a bad flag, instead of a traceback through the script from every rank
+    (`launch/refusals.py`). The exception itself is unchanged: a library caller catches it as before."""
     try:
         yield
-    except (ValueError, TypeError, OSError) as e:
+    except kinds as e:
         e.hf_sparse_cp_flag_error = True  # (an exception of this call: nothing of anyone else's changes)
         raise
 

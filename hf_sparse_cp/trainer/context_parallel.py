@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import parse_flag_from_env
 from transformers import Trainer
 
+from ..config import SparseAttentionConfig
 from ..distributed import (
     CP_SHARD_KWARG,
     ContextParallelConfig,
@@ -539,6 +540,17 @@ def _refuse_group_settings(cp_config: ContextParallelConfig, world_size: int) ->
                 f"processes (N dividing the processes launched), or drop {'them' if len(given) > 1 else 'it'}.")
 
 
+def step_inputs(inputs: dict[str, Any], parallel: ParallelDims, sparse_config: SparseAttentionConfig, pad_id: int,
+                verify_same_batch: bool) -> dict[str, Any]:
+    """This rank's share of a training batch (`prepare_context_parallel_inputs`); a batch that CP cannot split,
+    refused naming the fix (padding between a row's tokens, rows that differ across the CP group), is the user's
+    (`flag_errors`)."""
+    with flag_errors((ValueError,)):
+        return prepare_context_parallel_inputs(inputs, parallel, block_size=sparse_config.block_size,
+                                               pad_token_id=pad_id, sparse_config=sparse_config,
+                                               verify_same_batch=verify_same_batch)
+
+
 def enable_trainer_context_parallel(
     trainer: Trainer, cp_config: ContextParallelConfig | None = None
 ) -> ParallelDims:
@@ -560,9 +572,10 @@ def enable_trainer_context_parallel(
         _refuse_group_settings(cp_config, parallel.world_size)
         return parallel
     model = trainer.model
-    check_model_supports_context_parallel(model, parallel=parallel)
-    check_loss(trainer, parallel.cp_size)
-    check_training_arguments(trainer.args, parallel.cp_size)
+    with flag_errors():  # (what CP cannot compute exactly, naming the fix: a launched script ends with the message)
+        check_model_supports_context_parallel(model, parallel=parallel)
+        check_loss(trainer, parallel.cp_size)
+        check_training_arguments(trainer.args, parallel.cp_size)
     warn_inexact(trainer)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
@@ -572,10 +585,7 @@ def enable_trainer_context_parallel(
     first_batch = first_batch_of_each_run(trainer)
 
     def prepare_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
-        return prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
-            sparse_config=sparse_config, verify_same_batch=first_batch(),
-        )
+        return step_inputs(inputs, parallel, sparse_config, pad_id, first_batch())
 
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)

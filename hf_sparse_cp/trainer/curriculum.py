@@ -42,11 +42,12 @@ from transformers import Trainer, TrainerCallback
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..config.files import check_field_types
-from ..distributed import ContextParallelConfig, ParallelDims, check_sizes, prepare_context_parallel_inputs
+from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
+from .arguments import flag_errors
 from .context_parallel import (
     check_loss,
     check_training_arguments,
@@ -55,6 +56,7 @@ from .context_parallel import (
     dp_data_loader,
     first_batch_of_each_run,
     pad_token_id,
+    step_inputs,
     warn_inexact,
 )
 
@@ -449,22 +451,24 @@ def enable_curriculum(
                          "a cp_schedule builds its own groups: drop parallelism_config_cp_size from the accelerate "
                          "config.")
     model = trainer.model
-    if any(s.cp_size > 1 for s in schedule.stages):
-        check_model_supports_context_parallel(model)
-        check_loss(trainer, max(s.cp_size for s in schedule.stages))
-        if type(trainer).compute_loss in compat.cp_whole_row_losses():
-            raise ValueError(f"a cp_schedule with {type(trainer).__name__}: a stage crops each sample's input_ids to "
-                             "its length, and a preference sample's prompt and completions are kept whole. Train it "
-                             "under CP with --cp_size (a single CP degree) instead of --cp_schedule.")
-        check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
-        warn_inexact(trainer)
-    configs = []
-    for i, stage in enumerate(schedule.stages):
-        try:
-            configs.append(stage.cp_config(cp_config))
-            configs[-1].check_model(model.config)  # the stage's layout, before its groups are built
-        except ValueError as error:
-            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
+    with flag_errors():  # (what CP cannot compute exactly, naming the fix: a launched script ends with the message)
+        if any(s.cp_size > 1 for s in schedule.stages):
+            check_model_supports_context_parallel(model)
+            check_loss(trainer, max(s.cp_size for s in schedule.stages))
+            if type(trainer).compute_loss in compat.cp_whole_row_losses():
+                raise ValueError(f"a cp_schedule with {type(trainer).__name__}: a stage crops each sample's "
+                                 "input_ids to its length, and a preference sample's prompt and completions are kept "
+                                 "whole. Train it under CP with --cp_size (a single CP degree) instead of "
+                                 "--cp_schedule.")
+            check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
+            warn_inexact(trainer)
+        configs = []
+        for i, stage in enumerate(schedule.stages):
+            try:
+                configs.append(stage.cp_config(cp_config))
+                configs[-1].check_model(model.config)  # the stage's layout, before its groups are built
+            except ValueError as error:
+                raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:
@@ -489,9 +493,7 @@ def enable_curriculum(
         verify = stage not in checked_stages  # (each stage's first batch: its CP groups are new)
         checked_stages.add(stage)
         sparse_config = model_config_for(model)
-        return prepare_context_parallel_inputs(
-            inputs, parallel, block_size=sparse_config.block_size, pad_token_id=pad_id,
-            sparse_config=sparse_config, verify_same_batch=verify)
+        return step_inputs(inputs, parallel, sparse_config, pad_id, verify)
 
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)

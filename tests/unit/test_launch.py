@@ -274,6 +274,11 @@ def test_launcher_flags_have_the_defaults_and_help_of_the_switch(tmp_path):
             assert getattr(plugin, f.name) == getattr(switch, f.name) and f.metadata["help"] == helps[f.name], f.name
 
 
+# torchrun and accelerate launch, through the module that ends a refused run quietly (`launch/refusals.py`)
+TORCHRUN = [sys.executable, "-m", "hf_sparse_cp.launch.refusals", "torchrun", "--standalone"]
+ACCELERATE = [sys.executable, "-m", "hf_sparse_cp.launch.refusals", "accelerate"]
+
+
 def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, tmp_path, capsys):
     from hf_sparse_cp import cli
     from hf_sparse_cp.launch import processes
@@ -291,22 +296,20 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
     monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
-    assert started[-1] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "hf_sparse_cp.run", "--cp_size", "2", "train.py", "--config_file", "own.json"]
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "train.py",
+                           "--config_file", "own.json"]
     assert cli.main(["launch", "--config_file", "cpu_2proc_cp2", "-m", "trl.scripts.sft", "--cp_size", "2"]) == 0
-    assert started[-1] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(recipe_path("cpu_2proc_cp2")), "-m", "hf_sparse_cp.run", "-m", "trl.scripts.sft",
-                           "--cp_size", "2"]
+    assert started[-1] == [*ACCELERATE, "--config_file", str(recipe_path("cpu_2proc_cp2")), "-m", "hf_sparse_cp.run",
+                           "-m", "trl.scripts.sft", "--cp_size", "2"]
     with pytest.raises(SystemExit):
         cli.main(["launch", "--nproc", "2", "--config_file", "cpu_2proc_cp2", "train.py"])
     # the example, through the same launcher: its module as the script, the launcher's options taken from anywhere
     assert cli.main(["train", "--cp_size", "2", "--nproc", "2", "--max_steps", "1"]) == 0
-    assert started[-1] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2", "--max_steps", "1"]
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE,
+                           "--cp_size", "2", "--max_steps", "1"]
     assert cli.main(["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "2"]) == 0
-    assert started[-1][:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                               str(recipe_path("cpu_2proc_cp2"))]
-    assert started[-1][5:] == ["-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
+    assert started[-1][:6] == [*ACCELERATE, "--config_file", str(recipe_path("cpu_2proc_cp2"))]
+    assert started[-1][6:] == ["-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
 
 
 def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):

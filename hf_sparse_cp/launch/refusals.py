@@ -1,0 +1,79 @@
+"""How a launched run ends when the plugin refuses a setting it cannot run (an error marked by
+`trainer.arguments.flag_errors`, whose message names the fix): the message alone, once, exit status `REFUSED`.
+
+* `end_refused`, in each process (`hf_sparse_cp.run`): prints `prog: error: MESSAGE` as argparse prints a bad flag,
+  tears the process group down and exits. Under CP every rank of a group refuses alike, so the first rank to
+  refuse with a message prints it and the others stay silent: not rank 0 alone, because the launcher stops the
+  other ranks as soon as one exits (rank 0 may never get to print), and because ranks of different data-parallel
+  groups can refuse different batches (each different message is printed, once).
+* `python -m hf_sparse_cp.launch.refusals (torchrun | accelerate) ARGS`, the launcher `hf-sparse-cp launch` starts:
+  torchrun or accelerate launch as their commands run them, except that a run whose processes ended refused (the
+  others stopped by the launcher) ends with `REFUSED` and without their traceback and failure summary, which
+  only repeat the message's process's exit status. Any other failure keeps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+from typing import NoReturn
+
+# argparse's status for a bad flag (an uncaught exception ends a process with 1)
+REFUSED = 2
+LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
+
+
+def first_to_report(message: str) -> bool:
+    """Whether this process is the first of its launched group to report `message` (counted in the default
+    process group's store, without waiting on any other rank); True without a process group, or when the store
+    does not answer (a message printed twice beats one lost)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    from ..integration import compat
+
+    try:
+        store = compat.default_store()
+        return store.add(f"hf_sparse_cp/refused/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
+    except RuntimeError:  # (the store's host gone: torch raises DistError, a RuntimeError)
+        return True
+
+
+def end_refused(prog: str, error: BaseException) -> NoReturn:
+    """Exit with `REFUSED` after printing `prog: error: <error>` (if `first_to_report` it) and destroying the
+    default process group, if any."""
+    import torch.distributed as dist
+
+    message = str(error)
+    if first_to_report(message):
+        sys.stderr.write(f"{prog}: error: {message}\n")
+        sys.stderr.flush()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(REFUSED)
+
+
+def refused_run(exit_codes: list[int]) -> bool:
+    """Whether the launched processes that failed with `exit_codes` ended on a refusal: one at least with
+    `REFUSED`, the others with it or stopped by a signal (the launcher stops the rest once one exits)."""
+    return REFUSED in exit_codes and all(code == REFUSED or code < 0 for code in exit_codes)
+
+
+def main(argv: list[str]) -> None:
+    """Run the launcher `argv[0]` (a key of `LAUNCHERS`) with the arguments `argv[1:]` (see the module's doc)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    name, args = argv[0], argv[1:]
+    sys.argv[:] = [name, *args]  # (both launchers parse sys.argv)
+    try:
+        importlib.import_module(LAUNCHERS[name]).main()
+    except ChildFailedError as e:
+        if refused_run([failure.exitcode for failure in e.failures.values()]):
+            sys.exit(REFUSED)
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
