@@ -12,7 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..attention.tokens import PAD_SEGMENT
-from ..distributed.split.blocks import sequence_meta
+from ..distributed.split.blocks import batch_meta
 from ..integration.stats import LOG_KEY, PEAK_MEMORY, TOKENS_PER_SECOND, layer_log_key, pop_kept_fractions
 from ..smet import unwrap_smet
 
@@ -99,7 +99,7 @@ class StepMetricsCallback(TrainerCallback):
     def count(self, inputs: Mapping[str, Any] | list, cp_size: int) -> None:
         if not isinstance(inputs, Mapping):  # TRL GRPO's batch of prompts: it generates the tokens it trains on
             return
-        tokens = (sequence_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
+        tokens = (batch_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
         self.total = tokens if self.total is None else self.total + tokens
         self.since_log = tokens if self.since_log is None else self.since_log + tokens
         self.cp_size = cp_size

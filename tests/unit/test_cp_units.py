@@ -189,6 +189,18 @@ def test_padding_between_the_tokens_of_a_row_is_refused_naming_the_row_and_the_f
                                     ParallelDims.single(), block_size=16)
 
 
+def test_the_tokens_per_second_count_takes_padding_between_tokens_which_only_cp_refuses():
+    """Without CP such a row trains (its attention calls run dense); the tokens/s counter of every run refused it as
+    context parallelism does, naming --cp_size 1 to a run that had it."""
+    from hf_sparse_cp.trainer.callbacks import StepMetricsCallback
+
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, 10:30] = 0
+    metrics = StepMetricsCallback()
+    metrics.count({"input_ids": torch.ones(2, 60, dtype=torch.long), "attention_mask": mask}, cp_size=1)
+    assert float(metrics.total) == 120 - 20
+
+
 
 # --- configuration and sizes -----------------------------------------------------------------
 

@@ -294,23 +294,28 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
-def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
+def batch_meta(inputs: Mapping[str, Any]) -> TokenMeta:
     """Documents and padding of a full (unsharded) batch, as the attention backend derives them:
     from `cu_seq_lens_k` (flattened packing, one row), restarting `position_ids`, and the 2D
-    `attention_mask`."""
+    `attention_mask` (padding anywhere in a row)."""
     ids = inputs.get("input_ids")
     if ids is None:
         ids = inputs.get("inputs_embeds")
     if ids is None:
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`) to know the sequence length.")
     b, s = ids.shape[:2]
+    return token_meta_from_kwargs(b, s, ids.device, inputs.get("attention_mask"), dict(inputs))
+
+
+def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
+    """`batch_meta` of a batch that context parallelism splits, which refuses padding between a row's tokens."""
     row = padding_between_tokens(inputs.get("attention_mask"))
     if row is not None:
         raise ValueError(
             f"attention_mask pads between the tokens of row {row} (a 0 between two 1s, e.g. left padding after PEFT "
             "prompt tuning's virtual tokens); context parallelism takes padding at the start or the end of a row "
             "only: pad on one side (tokenizer.padding_side), or train without context parallelism (--cp_size 1).")
-    return token_meta_from_kwargs(b, s, ids.device, inputs.get("attention_mask"), dict(inputs))
+    return batch_meta(inputs)
 
 
 # Keys describing the whole sequence that are folded into the TokenMeta instead of being sharded.
