@@ -1,0 +1,60 @@
+"""A stock script whose setup the plugin refuses under context parallelism, launched as a user launches it (2 gloo CPU
+processes through `hf-sparse-cp launch --nproc 2`, i.e. torchrun): it ends with the refusal's message, printed once,
+exit status 2, and no traceback, whether refused as the Trainer starts (a compute_loss_func) or at the first batch
+(padding between a row's tokens); a bug of the script keeps its traceback and torchrun's failure report."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import os
+    import torch
+    from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+    case = os.environ["REFUSAL_CASE"]
+    ids = torch.arange(3, 67)
+    # padding between the tokens of the row: CP takes it at a row's start or end only
+    mask = torch.ones_like(ids) if case != "padding" else torch.cat([torch.ones(8), torch.zeros(4), torch.ones(52)])
+    rows = [{"input_ids": ids, "attention_mask": mask.long(), "labels": ids}] * 4
+    loss = (lambda outputs, labels, **kwargs: outputs.loss) if case == "loss" else None
+    trainer = Trainer(model=model, args=args, train_dataset=rows, compute_loss_func=loss)
+    if case == "bug":
+        raise RuntimeError("a bug of the script")
+    trainer.train()
+""")
+
+
+def _launch(tmp_path, case: str) -> subprocess.CompletedProcess:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "REFUSAL_CASE": case}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "hf_sparse_cp.cli", "launch", "--nproc", "2", "train.py", "--output_dir", "out",
+               "--max_steps", "2", "--report_to", "none", "--save_strategy", "no", "--cp_size", "2"]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("loss", "train.py: error: a compute_loss_func (<lambda>) under context parallelism (CP 2) is not supported"),
+    ("padding", "train.py: error: attention_mask pads between the tokens of row 0"),
+])
+def test_a_refused_setup_ends_the_launched_run_with_its_message_once_and_no_traceback(tmp_path, case, message):
+    done = _launch(tmp_path, case)
+    assert done.returncode == 2, done.stderr[-6000:]
+    assert done.stderr.count(message) == 1, done.stderr[-6000:]
+    assert "Traceback" not in done.stderr + done.stdout and "ChildFailedError" not in done.stderr, done.stderr[-6000:]
+
+
+def test_a_bug_in_a_launched_script_keeps_its_traceback_and_the_launchers_report(tmp_path):
+    done = _launch(tmp_path, "bug")
+    assert done.returncode == 1, done.stderr[-6000:]
+    assert "RuntimeError: a bug of the script" in done.stderr and "Traceback" in done.stderr
+    assert "ChildFailedError" in done.stderr, done.stderr[-6000:]

@@ -1,0 +1,46 @@
+"""How a launched run ends on a refusal (`hf_sparse_cp/launch/refusals.py`): the message once, exit status 2, a
+launcher that only repeats it quiet, anything else left as it was."""
+
+import pytest
+import torch.distributed as dist
+
+from hf_sparse_cp.launch.refusals import REFUSED, counted_first, end_refused, first_to_report, refused_run
+from hf_sparse_cp.run import script_name
+
+
+def test_each_message_is_reported_by_the_first_rank_to_count_it():
+    store = dist.HashStore()  # (what the ranks share: the default process group's store)
+    assert counted_first(store, "a compute_loss_func under CP")
+    assert not counted_first(store, "a compute_loss_func under CP")  # another rank, the same refusal: silent
+    assert counted_first(store, "row 3 pads between its tokens")  # a refusal of other data: printed too
+    assert not counted_first(store, "row 3 pads between its tokens")
+
+
+def test_a_process_without_a_process_group_reports_its_refusal():
+    assert not dist.is_initialized()
+    assert first_to_report("anything")
+
+
+def test_a_refusal_ends_with_its_message_and_status_2(capsys):
+    with pytest.raises(SystemExit) as ended:
+        end_refused("train.py", ValueError("--cp_size 2 with DeepSpeed: shard with FSDP2 instead."))
+    assert ended.value.code == REFUSED == 2
+    assert capsys.readouterr().err == "train.py: error: --cp_size 2 with DeepSpeed: shard with FSDP2 instead.\n"
+
+
+@pytest.mark.parametrize("exit_codes, refused", [
+    ([2], True),
+    ([2, 2], True),  # every rank refused
+    ([2, -15], True),  # one refused, the launcher stopped the other (SIGTERM)
+    ([1], False),  # a crash
+    ([2, 1], False),  # a refusal beside a crash: the crash's report stays
+    ([-9], False),  # killed (out of memory): nothing refused
+    ([-15, -15], False),
+])
+def test_a_run_ended_by_a_refusal_is_told_from_a_failure(exit_codes, refused):
+    assert refused_run(exit_codes) is refused
+
+
+def test_a_script_goes_by_its_files_name_as_its_own_parser_names_it():
+    assert script_name("/some/where/train.py", False) == "train.py"
+    assert script_name("hf_sparse_cp.examples.train_long_context", True) == "train_long_context.py"
