@@ -294,7 +294,8 @@ def attach_to_trainer(
         refuses an incomplete, damaged or mismatched one (`checkpoints.py`). The trainer's `--ddp_timeout`
         becomes the process group's timeout (`apply_ddp_timeout`).
     """
-    check_launch(trainer)
+    with flag_errors():  # (the processes launched against the Trainer's view: a launched script ends with the message)
+        check_launch(trainer)
     if attached_patches(trainer, _DDP_TIMEOUT) is None:
         apply_ddp_timeout(trainer, record_on(trainer, _DDP_TIMEOUT))
     if attached_patches(trainer, _STEP_METRICS) is None:
@@ -307,7 +308,8 @@ def attach_to_trainer(
         parallel = enable_trainer_context_parallel(trainer, cp_config)
     else:
         if cp_config is not None and cp_config.cp_size != 1:
-            raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
+            with flag_errors():
+                raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
         schedule = schedule_for(trainer, parse_schedule(cp_schedule))
         curriculum = enable_curriculum(trainer, schedule, cp_config)
         parallel = curriculum.dims[0]

@@ -446,12 +446,12 @@ def enable_curriculum(
     """
     cp_config = ContextParallelConfig() if cp_config is None else cp_config
     pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and pc.cp_size > 1:
-        raise ValueError(f"accelerate's ParallelismConfig(cp_size={pc.cp_size}) fixes the CP degree for the whole run; "
-                         "a cp_schedule builds its own groups: drop parallelism_config_cp_size from the accelerate "
-                         "config.")
     model = trainer.model
     with flag_errors():  # (what CP cannot compute exactly, naming the fix: a launched script ends with the message)
+        if pc is not None and pc.cp_size > 1:
+            raise ValueError(f"accelerate's ParallelismConfig(cp_size={pc.cp_size}) fixes the CP degree for the whole "
+                             "run; a cp_schedule builds its own groups: drop parallelism_config_cp_size from the "
+                             "accelerate config.")
         if any(s.cp_size > 1 for s in schedule.stages):
             check_model_supports_context_parallel(model)
             check_loss(trainer, max(s.cp_size for s in schedule.stages))
