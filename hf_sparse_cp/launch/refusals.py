@@ -35,10 +35,14 @@ def first_to_report(message: str) -> bool:
     from ..integration import compat
 
     try:
-        store = compat.default_store()
-        return store.add(f"hf_sparse_cp/refused/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
+        return counted_first(compat.default_store(), message)
     except RuntimeError:  # (the store's host gone: torch raises DistError, a RuntimeError)
         return True
+
+
+def counted_first(store, message: str) -> bool:
+    """Count `message` in `store` (a `torch.distributed.Store`, shared by the ranks); whether it was the first."""
+    return store.add(f"hf_sparse_cp/refused/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
 
 
 def end_refused(prog: str, error: BaseException) -> NoReturn:
