@@ -4,7 +4,8 @@
   plugin's flags, its Trainer trains with the plugin), undone when the script ends;
 * `processes`: the one path that starts the processes: `hf_sparse_cp.run` in this process, or under torchrun
   (`--nproc N`) or accelerate launch (`--config_file`), with the signals of this process passed on to them.
-  `hf-sparse-cp launch` (any script) and `hf-sparse-cp train` (the long-context example) both take it.
+  `hf-sparse-cp launch` (any script) and `hf-sparse-cp train` (the long-context example) both take it;
+* `refusals`: a setup the plugin refuses ends a launched run with its message once, exit status 2, no traceback.
 
 This file imports nothing, so that the command line's light commands stay light.
 """
