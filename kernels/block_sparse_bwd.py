@@ -37,7 +37,8 @@ mask and load no token metadata. A layout entry out of range is never read throu
 (block 0 stands in, column gathers and atomics are masked) and turns its row's dq into NaN.
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
-default. `deterministic=True` instead stores each query tile's column gradients in a partial
+default, or (a tuning candidate, `configs.column_tiles`) by a key-major kernel after the dq kernel,
+which then leaves them out (`column_bwd`: one atomic flush per chunk of columns and query segment). `deterministic=True` instead stores each query tile's column gradients in a partial
 buffer (query tiles taken in chunks to bound its memory) and sums them per key row in a fixed
 order (`_column_sum_kernel`): bitwise reproducible, at the price of the partial traffic. Block
 gradients and dq are deterministic in both modes. Accumulation is fp32 throughout; dq, dk, dv
@@ -53,7 +54,8 @@ import triton
 import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, kv_descriptors, placeholder_if_empty
-from .configs import FP_FUSION, compiled, dkdv_tiles, dq_tiles
+from .column_bwd import column_grads
+from .configs import FP_FUSION, column_tiles, compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
@@ -445,6 +447,11 @@ def backward(
 
     if not has_cols:
         launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
+    elif not deterministic and (key_major := column_tiles(block_size)) is not None:
+        launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)  # the columns' dq only
+        column_grads(q, k, v, dout, lse2, delta, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
+                     col_dk, col_dv, qk_scale=qk_scale, block_size=block_size, window=window, precision=precision,
+                     tiles=key_major)
     elif not deterministic:
         launch_dq(0, n_tiles, _ATOMIC, col_dk, col_dv)
     else:

@@ -35,6 +35,8 @@ class Tiles:
         descriptors (one bulk copy per tile on sm_90; the columns keep their gathers), where the
         tensors allow it (`block_sparse_fwd.descriptors_fit`), else through pointers. Off in the
         launched tiles until a GPU has timed it; builds for sm_90 (tests/kernels/test_kernels_compile.py).
+    query_steps: columns only: the query tiles (block_m rows each) one program walks for every chunk of
+        block_c column tokens (`column_bwd`); the columns kernel takes no block_n.
     """
 
     block_m: int
@@ -44,18 +46,21 @@ class Tiles:
     num_stages: int
     separate_columns: bool = False
     kv_descriptors: bool = False
+    query_steps: int = 1
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
 _overrides: dict[str, Tiles] = {}
-KERNELS = ("forward", "dq", "dkdv")
+KERNELS = ("forward", "dq", "dkdv", "columns")
 
 
 @contextlib.contextmanager
 def tiles_override(**tiles: Tiles) -> Iterator[None]:
-    """Launch the named kernels ("forward", "dq", "dkdv") with these tiles inside the block, on any
-    device (`benchmarks/tune_tiles.py` times candidates this way); block_m/block_n are capped at
-    the layout block size. Tile sizes must be powers of two."""
+    """Launch the named kernels ("forward", "dq", "dkdv", "columns") with these tiles inside the block, on
+    any device (`benchmarks/tune_tiles.py` times candidates this way); block_m/block_n are capped at
+    the layout block size. Tile sizes must be powers of two. "columns" has no tiles otherwise: with
+    them, the columns' dk/dv come from the key-major kernel (`column_bwd`) instead of the dq kernel's
+    atomics (the deterministic mode keeps its partial sums)."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; use {KERNELS}.")
@@ -157,6 +162,12 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     # m64n64 or wider; at head_dim 128 the hinted build holds its dk/dv accumulators in 250 registers
     # without spilling (64 keys x 32 rows issued m64n16 for half its products).
     return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
+
+
+def column_tiles(block_size: int) -> Tiles | None:
+    """Tiles of the key-major column kernel, only where overridden: the dq kernel's atomics stay the
+    default until a GPU has timed both (`benchmarks/tune_tiles.py`)."""
+    return _overridden("columns", block_size)
 
 
 @dataclass(frozen=True)

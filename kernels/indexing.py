@@ -15,6 +15,8 @@
   never with NQB x NKB, so it stays small at 512K tokens and beyond.
 * `column_targets`: where the per-query-tile column gradients of the deterministic mode go,
   sorted by target key row so that each key row is summed by one program in a fixed order.
+* `column_union`: per (batch, layout head) the sorted union of the listed columns, and each layout
+  row's span in it, for the key-major column kernel (`column_bwd`).
 """
 
 from __future__ import annotations
@@ -239,3 +241,40 @@ def column_targets(
     sorted_row, order = torch.sort(rows, stable=True)
     seg_end = torch.searchsorted(sorted_row, sorted_row, right=True).to(torch.int32)
     return sorted_row, order, seg_end, invalid
+
+
+class ColumnUnion(NamedTuple):
+    """The columns of each (batch row, layout head) as the key-major column kernel walks them.
+
+    tokens: int32 [B, Hl, Sk], the key tokens some layout row of the head lists, ascending (then
+        unused slots); count: int32 [B, Hl], how many.
+    span: int32 [B, Hl, NQB, 2], the positions in `tokens` of each row's first and last listed column
+        ([Sk, -1] for a row without any).
+    """
+
+    tokens: torch.Tensor
+    count: torch.Tensor
+    span: torch.Tensor
+
+
+def column_union(col_idx: torch.Tensor, col_cnt: torch.Tensor, k_len: int) -> ColumnUnion:
+    """`ColumnUnion` of a layout's columns (col_idx [B, Hl, NQB, MC] with MC > 0, col_cnt [B, Hl, NQB];
+    k_len > 0) from a flag per key token: memory and time linear in the layout and Sk, static shapes,
+    no host synchronization. Slots out of use and tokens outside [0, k_len) are left out (the dq
+    kernel flags them)."""
+    b, hl, nqb, mc = col_idx.shape
+    dev = col_idx.device
+    valid = (torch.arange(mc, device=dev) < col_cnt.unsqueeze(-1)) & (col_idx >= 0) & (col_idx < k_len)
+    col = torch.where(valid, col_idx, k_len).long()  # unused slots flag the spare token k_len
+    flags = torch.zeros(b, hl, k_len + 1, dtype=torch.bool, device=dev)
+    flags.scatter_(-1, col.flatten(2), True)
+    flags[..., k_len] = False
+    rank = flags.cumsum(-1, dtype=torch.int32)  # a listed token's position in the union, plus one
+    pos = torch.where(flags, rank.long() - 1, k_len)  # tokens not listed land in the spare slot
+    tokens = torch.zeros(b, hl, k_len + 1, dtype=torch.int32, device=dev)
+    tokens.scatter_(-1, pos, torch.arange(k_len + 1, dtype=torch.int32, device=dev).expand_as(pos))
+    any_col = valid.any(-1)
+    first = rank.gather(-1, torch.where(valid, col, k_len).amin(-1)) - 1
+    last = rank.gather(-1, torch.where(valid, col, 0).amax(-1)) - 1
+    span = torch.stack([torch.where(any_col, first, k_len), torch.where(any_col, last, -1)], -1)
+    return ColumnUnion(tokens[..., :k_len].contiguous(), rank[..., k_len].contiguous(), span.to(torch.int32))
