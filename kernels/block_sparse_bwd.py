@@ -38,7 +38,8 @@ mask and load no token metadata. A layout entry out of range is never read throu
 
 Column dk/dv (a column token is listed by many query tiles) are added with fp32 atomics by
 default, or (a tuning candidate, `configs.column_tiles`) by a key-major kernel after the dq kernel,
-which then leaves them out (`column_bwd`: one atomic flush per chunk of columns and query segment). `deterministic=True` instead stores each query tile's column gradients in a partial
+which then leaves them out (`column_bwd`: one atomic flush per chunk of columns and query
+segment). `deterministic=True` instead stores each query tile's column gradients in a partial
 buffer (query tiles taken in chunks to bound its memory) and sums them per key row in a fixed
 order (`_column_sum_kernel`): bitwise reproducible, at the price of the partial traffic. Block
 gradients and dq are deterministic in both modes. Accumulation is fp32 throughout; dq, dk, dv

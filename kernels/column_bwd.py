@@ -83,7 +83,7 @@ def _column_kernel(
             if (tl.sum(tl.where(here, span_lo, 0)) < c0 + BLOCK_C) & (tl.sum(tl.where(here, span_hi, 0)) >= c0):
                 tile = t_lo + i
                 row_lay = head + tile * BLOCK_M // LAYOUT_BLOCK
-                n_cols, _ = layout_count(ColCnt, row_lay, max_cols)
+                n_cols = layout_count(ColCnt, row_lay, max_cols)[0]
                 s0 = tl.sum(tl.where(here, cursor, 0))
                 slots = s0 + tl.arange(0, BLOCK_C)
                 # the row's next BLOCK_C slots hold all its listed tokens of this chunk (ascending, and every

@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
 from ..env import environment
-from ..kernels import block_sparse_bwd, block_sparse_fwd, configs, vertical_slash
+from ..kernels import block_sparse_bwd, block_sparse_fwd, column_bwd, configs, vertical_slash
 from ..kernels.configs import Tiles
 
 H100_SHARED_BYTES = 227 * 1024
@@ -47,8 +47,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 # The kernel variants a training run launches, and the `configs` kernel whose tiles each one takes.
 VARIANTS = ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv", "dkdv_no_columns", "scoring_row_stats",
             "scoring_scores")
+# Variants launched only under a tile override (`configs.OPTIONAL_KERNELS`): `build` takes them with tiles.
+OPTIONAL_VARIANTS = ("columns",)
 TUNED_KERNEL = {"forward": "forward", "forward_merge": "forward", "dq": "dq", "dq_column_grads": "dq", "dkdv": "dkdv",
-                "dkdv_no_columns": "dkdv"}
+                "dkdv_no_columns": "dkdv", "columns": "columns"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def launch_for(head_dim: int, dtype: str = "bf16", block_size: int = 128) -> Lau
 def _recorded(calls: list) -> Iterator[None]:
     """Kernel launches inside the block append (kernel, args, kwargs) to `calls` instead of running."""
     kernels = (block_sparse_fwd._forward_kernel, block_sparse_bwd._preprocess_kernel, block_sparse_bwd._dq_kernel,
-               block_sparse_bwd._dkdv_kernel, block_sparse_bwd._column_sum_kernel,
+               block_sparse_bwd._dkdv_kernel, block_sparse_bwd._column_sum_kernel, column_bwd._column_kernel,
                vertical_slash._row_stats_kernel, vertical_slash._scores_kernel)
 
     def recorder(kernel):
@@ -100,7 +102,7 @@ def _recorded(calls: list) -> Iterator[None]:
 
 def recorded_launches(launch: Launch) -> dict[str, tuple]:
     """Variant name -> (kernel, args, kwargs) of the launches the launchers make for `launch`, on meta
-    tensors (nothing is allocated or run)."""
+    tensors (nothing is allocated or run); "columns" only under its tile override."""
     meta = torch.device("meta")
     b, s, hq, hk, d, bs = 1, launch.seq_len, launch.q_heads, launch.kv_heads, launch.head_dim, launch.block_size
     nqb = -(-s // bs)
@@ -132,11 +134,12 @@ def recorded_launches(launch: Launch) -> dict[str, tuple]:
                               cols, cnt, col_full, *tokens, *tokens, deterministic=False, grads_in_input_dtype=True,
                               **common)
     _, dq, dkdv_no_cols = bwd(no_cols)
-    _, dq_cols, dkdv = bwd(col_idx)
+    _, dq_cols, *key_major, dkdv = bwd(col_idx)
     q_rows = torch.empty(hq, launch.scoring_rows, d, dtype=launch.dtype, device=meta)
     row_stats, scores = record(vertical_slash.vertical_slash_scores, q_rows, k[0], d ** -0.5)
     return {"forward": fwd(False)[0], "forward_merge": fwd(True)[0], "dq": dq, "dq_column_grads": dq_cols,
-            "dkdv": dkdv, "dkdv_no_columns": dkdv_no_cols, "scoring_row_stats": row_stats, "scoring_scores": scores}
+            "dkdv": dkdv, "dkdv_no_columns": dkdv_no_cols, "scoring_row_stats": row_stats, "scoring_scores": scores,
+            **dict(zip(OPTIONAL_VARIANTS, key_major))}
 
 
 def compile_launch(kernel, args: tuple, kwargs: dict):
@@ -165,14 +168,15 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
 def _tiles_of(kwargs: dict) -> Tiles:
     return Tiles(kwargs.get("BLOCK_M", kwargs.get("BLOCK", 0)), kwargs.get("BLOCK_N", kwargs.get("BLOCK", 0)),
                  kwargs.get("BLOCK_C", 0), kwargs["num_warps"], kwargs["num_stages"],
-                 kwargs.get("SEPARATE_COLUMNS", False), kwargs.get("KV_DESCRIPTORS", False))
+                 kwargs.get("SEPARATE_COLUMNS", False), kwargs.get("KV_DESCRIPTORS", False), kwargs.get("STEPS", 1))
 
 
 def build(name: str, tiles: Tiles | None = None, launch: Launch | None = None):
-    """Build variant `name` (one of `VARIANTS`) of `launch` (default `Launch()`) for sm_90, with the
-    launchers' tiles or, for the tuned kernels, with `tiles`. Returns (tiles, build)."""
-    if name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r}; use {VARIANTS}.")
+    """Build variant `name` (one of `VARIANTS`, or of `OPTIONAL_VARIANTS` with `tiles`) of `launch` (default
+    `Launch()`) for sm_90, with the launchers' tiles or, for the tuned kernels, with `tiles`. Returns (tiles,
+    build)."""
+    if name not in VARIANTS + OPTIONAL_VARIANTS or (name in OPTIONAL_VARIANTS and tiles is None):
+        raise ValueError(f"unknown variant {name!r}; use {VARIANTS}, or {OPTIONAL_VARIANTS} with tiles.")
     override = {}
     if tiles is not None:
         if name not in TUNED_KERNEL:

@@ -5,21 +5,30 @@ atomics). Every run checks that the dq kernel left the columns' dk/dv out and th
 
 import pytest
 import torch
+from test_kernels_interpreter import _check_against_reference, _inputs, _kernel_fwd_bwd, _random_docs
 
+from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout
+from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.kernels import block_sparse_bwd, column_bwd, configs
 from hf_sparse_cp.kernels.indexing import column_union
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
+from hf_sparse_cp.testing.interpreter import interpreter_pool
 from hf_sparse_cp.testing.layouts import random_layout
 
-from oracle import TOLERANCE, rel_rms
-from test_kernels_interpreter import _check_against_reference, _inputs, _kernel_fwd_bwd, _random_docs, interp  # noqa: F401
+from oracle import TOLERANCE, kernel_backward, rel_rms
 
 # Tiles under the interpreter: query steps of half a 32-token block, chunks of 16 columns, 2 or 4 steps a
 # program, so that rows span several chunks, programs several segments, and layout rows several steps.
 KEY_MAJOR = configs.Tiles(16, 16, 16, 1, 1, query_steps=2)
 WIDE = configs.Tiles(16, 16, 32, 1, 1, query_steps=4)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    with interpreter_pool() as pool:
+        yield pool
 
 
 def _union_by_hand(layout: SparseLayout, k_len: int):
@@ -125,3 +134,46 @@ def test_key_major_columns_match_reference_and_the_atomic_path(interp, name, til
     atomic = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse))[2:]
     for label, got, ref in zip(("dq", "dk", "dv"), grads, atomic):
         assert rel_rms(got, ref) <= TOLERANCE[q.dtype] / 4, label
+
+
+def _both_backward_paths(call, out, lse, dout, dlse):
+    """dq, dk, dv of the default path, then of the key-major column kernel."""
+    with configs.tiles_override(columns=KEY_MAJOR):
+        key_major = kernel_backward(call, out, lse, dout, dlse=dlse)
+    return kernel_backward(call, out, lse, dout, dlse=dlse), key_major
+
+
+def test_entries_out_of_range_are_not_read_through(interp):
+    """Ascending rows that list a negative token first or a token past the keys last, and a negative count:
+    as in the default path, those rows' dq come out NaN and every other dq row, and dk/dv, equal the fp64
+    reference on the layout without the invalid entries (nothing outside the tensors read or written)."""
+    s, bs = 64, 16
+    q, k, v, dout, dlse = _inputs(1, 2, 1, s, s, 16, torch.float32, seed=61)
+    base = random_layout(1, 2, s, s, bs, 0.4, 0.2, generator=torch.Generator().manual_seed(62))
+    col, ccnt = torch.nn.functional.pad(base.col_idx, (0, 1), value=-1), base.col_cnt.clone()
+    n = int(ccnt[0, 0, 3])
+    assert n > 0 and int(ccnt[0, 1, 2]) > 0
+    col[0, 0, 3, 1:n + 1] = base.col_idx[0, 0, 3, :n].clone()
+    col[0, 0, 3, 0] = -1
+    col[0, 1, 2, ccnt[0, 1, 2]] = s + 3
+    ccnt[0, 0, 3] += 1
+    ccnt[0, 1, 2] += 1
+    ccnt[0, 1, 1] = -2
+    clean_cnt = base.col_cnt.clone()
+    clean_cnt[0, 1, 1] = 0
+    clean = SparseLayout(base.block_idx, base.block_cnt, base.col_idx, clean_cnt, bs)
+    meta = TokenMeta.contiguous(1, s)
+    f64 = AttentionCall(q.double(), k.double(), v.double(), clean, 0.25, meta, meta)
+    ref_out, ref_lse = reference_forward(f64)
+    out, lse = ref_out.float(), ref_lse.float()
+    call = AttentionCall(q, k, v, SparseLayout(base.block_idx, base.block_cnt, col, ccnt, bs), 0.25, meta, meta)
+    default, key_major = interp.apply(_both_backward_paths, (call, out, lse, dout, dlse))
+    ref = reference_backward(f64, out.double(), lse.double(), dout.double(), dlse=dlse.double())
+    rows = torch.zeros(2, s, dtype=torch.bool)
+    for h, qb in ((0, 3), (1, 2), (1, 1)):
+        rows[h, qb * bs:(qb + 1) * bs] = True
+    for dq, dk, dv in (default, key_major):
+        assert bool(dq[0][rows].isnan().all()) and not bool(dq[0][~rows].isnan().any())
+        assert rel_rms(dq[0][~rows], ref[0][0][~rows]) <= 2 * TOLERANCE[torch.float32]
+        for got, r in ((dk, ref[1]), (dv, ref[2])):
+            assert rel_rms(got, r) <= 2 * TOLERANCE[torch.float32]
