@@ -10,9 +10,10 @@ shared memory per program, wgmma instructions by shape, mma.sync count, hinted a
 machine; nothing here is a GPU timing.
 
 `--candidates` builds instead every tile candidate of the tuned kernels (`configs.tile_candidates`
-at 4 and 8 warps; dq with column gradients, its heaviest variant), the evidence behind which
-candidates `benchmarks/tune_tiles.py` times; `--warps_stages` builds only the launchers' tile shapes
-at 4 and 8 warps and 2 to 4 pipeline stages (a short sweep behind the warps and stages in `configs`).
+at 4 and 8 warps; dq with column gradients, its heaviest variant; the key-major column kernel), the
+evidence behind which candidates `benchmarks/tune_tiles.py` times; `--warps_stages` builds only the
+launchers' tile shapes at 4 and 8 warps and 2 to 4 pipeline stages (a short sweep behind the warps and
+stages in `configs`).
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --candidates --head_dims 128
@@ -62,8 +63,9 @@ def measure(head_dims=(64, 128), dtype: str = "bf16") -> list[dict]:
     return rows
 
 
-# The variant built for each tuned kernel's candidates.
-CANDIDATE_VARIANTS = {"forward": "forward", "dq": "dq_column_grads", "dkdv": "dkdv"}
+# The variant built for each tuned kernel's candidates (and the key-major column kernel's, launched only under
+# its override).
+CANDIDATE_VARIANTS = {"forward": "forward", "dq": "dq_column_grads", "dkdv": "dkdv", "columns": "columns"}
 LAUNCHED_TILES = {"forward": configs.forward_tiles, "dq": configs.dq_tiles, "dkdv": configs.dkdv_tiles}
 
 
@@ -82,11 +84,11 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
     for head_dim in head_dims:
         launch = sm90.launch_for(head_dim, dtype, block_size)
         for kernel, variant in CANDIDATE_VARIANTS.items():
+            launched = LAUNCHED_TILES[kernel](block_size, head_dim, True) if kernel in LAUNCHED_TILES else None
             if warps_stages_only:
-                candidates = warps_stages_candidates(kernel, block_size, head_dim)
+                candidates = warps_stages_candidates(kernel, block_size, head_dim) if launched else []
             else:
                 candidates = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
-            launched = LAUNCHED_TILES[kernel](block_size, head_dim, True)
             for tiles in candidates:
                 row = {"kernel": variant, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
                        "launched": tiles == launched}

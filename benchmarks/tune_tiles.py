@@ -11,7 +11,9 @@ one kernel through `configs.tiles_override`, the other kernels keeping their cur
   between candidates are this kernel's).
 
 dq candidates come in pairs: the columns' dk/dv inside the dq loop, or in a separate pass
-(`Tiles.separate_columns`, column "sep").
+(`Tiles.separate_columns`, column "sep"). `--kernels columns` times the whole backward with the
+columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`, column "steps": query tiles per
+program) against the launched path (the dq kernel's atomics, the "current" row, shown with the dq tiles).
 
 Each candidate's result is compared with the current tiles' (relative RMS of out, or of dq, dk,
 dv): tiles that compute something else (a NaN or inf included) are reported as "wrong" and never
@@ -62,6 +64,7 @@ SHORTLIST = {
     "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
            Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3)],
     "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
+    "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32)],
 }
 # Largest relative RMS difference from the current tiles' result that still counts as the same
 # function: only the fp32 accumulation order changes with the tiles.
@@ -74,7 +77,8 @@ class TuneTilesArguments:
     density: float = field(default=0.05, metadata={"help": "Approximate kept-block fraction of the random layout."})
     num_verticals: int = field(default=1000, metadata={"help": "Random key columns per head."})
     kernels: list[str] = field(default_factory=lambda: list(configs.KERNELS),
-                               metadata={"help": f"Kernels to tune, from {configs.KERNELS}."})
+                               metadata={"help": "Kernels to tune, from "
+                                         f"{configs.KERNELS + configs.OPTIONAL_KERNELS}."})
     num_q_heads: int = field(default=16, metadata={"help": "Query heads."})
     num_kv_heads: int = field(default=2, metadata={"help": "Key/value heads."})
     head_dim: int = field(default=128, metadata={"help": "Head dimension."})
@@ -96,9 +100,9 @@ class TuneTilesArguments:
     output: str | None = field(default=None, metadata={"help": "JSON path; default benchmarks/results/."})
 
     def __post_init__(self) -> None:
-        unknown = set(self.kernels) - set(configs.KERNELS)
+        unknown = set(self.kernels) - set(configs.KERNELS + configs.OPTIONAL_KERNELS)
         if unknown:
-            raise ValueError(f"unknown kernels {sorted(unknown)}; use {configs.KERNELS}.")
+            raise ValueError(f"unknown kernels {sorted(unknown)}; use {configs.KERNELS + configs.OPTIONAL_KERNELS}.")
         if not 0 < self.density <= 1:
             raise ValueError(f"density must be in (0, 1]; got {self.density}.")
         if self.num_q_heads % self.num_kv_heads:
@@ -113,7 +117,9 @@ def same_result(err: float) -> bool:
 
 
 def current_tiles(kernel: str, block_size: int, head_dim: int, on_gpu: bool = True) -> Tiles:
-    pick = {"forward": configs.forward_tiles, "dq": configs.dq_tiles, "dkdv": configs.dkdv_tiles}[kernel]
+    """The launched tiles of `kernel`; for "columns", whose work the dq kernel does today, the dq tiles."""
+    pick = {"forward": configs.forward_tiles, "dq": configs.dq_tiles, "dkdv": configs.dkdv_tiles,
+            "columns": configs.dq_tiles}[kernel]
     return pick(block_size, head_dim, on_gpu)
 
 
@@ -124,18 +130,20 @@ def rank(rows: list[dict]) -> list[dict]:
 
 
 def format_table(kernel: str, rows: list[dict]) -> str:
-    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'ms':>9} "
-              f"{'x current':>9}  note")
+    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'steps':>5} "
+              f"{'ms':>9} {'x current':>9}  note")
     lines = [header, "-" * len(header)]
     base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
     for r in rank(rows):
         t = r["tiles"]
         cells = (f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} "
                  f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3} "
-                 f"{'yes' if t.get('kv_descriptors') else '':>3}")
+                 f"{'yes' if t.get('kv_descriptors') else '':>3} "
+                 f"{t.get('query_steps', 1) if kernel == 'columns' and not r['current'] else '':>5}")
         if r["status"] == "ok":
             speedup = f"{base / r['ms']:9.2f}" if base else " " * 9
-            note = "current" if r["current"] else ""
+            note = ("current" + (" (the dq kernel's atomics)" if kernel in configs.OPTIONAL_KERNELS else "")
+                    if r["current"] else "")
             lines.append(f"{cells} {r['ms']:9.3f} {speedup}  {note}".rstrip())
         else:
             lines.append(f"{cells} {'':9} {'':9}  {r['status']}: {r.get('reason', '')}"[:160])
@@ -189,10 +197,12 @@ class Tuner:
         rows = []
         candidates = tiles_list or (SHORTLIST[kernel] if a.shortlist else
                                     configs.tile_candidates(kernel, a.block_size, a.head_dim))
+        if kernel in configs.OPTIONAL_KERNELS:  # timed against the launched path: no override (None)
+            candidates = [None, *candidates]
         for i, tiles in enumerate(candidates, 1):
-            row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles), "current": tiles == now}
+            row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles or now), "current": tiles in (None, now)}
             try:
-                with configs.tiles_override(**{kernel: tiles}):
+                with configs.tiles_override(**({kernel: tiles} if tiles else {})):
                     err = rel_rms(result(), reference)
                     if not same_result(err):
                         row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
@@ -203,7 +213,7 @@ class Tuner:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
             shown = f"{row['ms']:.3f} ms" if row["status"] == "ok" else row["reason"]
-            print(f"[{kernel} {i}/{len(candidates)} {tiles}] {row['status']}: {shown}", flush=True)
+            print(f"[{kernel} {i}/{len(candidates)} {tiles or 'launched'}] {row['status']}: {shown}", flush=True)
             rows.append(row)
             self.rows.append(row)
             if after_each is not None:

@@ -81,20 +81,24 @@ def _overridden(kernel: str, block_size: int) -> Tiles | None:
 
 
 def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[int, ...] | None = None) -> list[Tiles]:
-    """The tiles worth timing for `kernel` ("forward", "dq", "dkdv"): wgmma-sized products (64 rows
-    on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
+    """The tiles worth timing for `kernel` ("forward", "dq", "dkdv", "columns"): wgmma-sized products (64
+    rows on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
-    descriptors (`Tiles.kv_descriptors`); sizes above the layout block are dropped.
+    descriptors (`Tiles.kv_descriptors`); sizes above the layout block are dropped. The columns kernel:
+    chunks of 64 columns, 64- or 128-row query steps, 16 or 32 steps a program, 2 stages (its inner loop
+    is not pipelined: its sm_90 builds are the same at 1 to 3).
 
     Warps (unless given): 8 only above head_dim 64, where every 4-warp build spilled more (see
     benchmarks/results/README.md); 4 and 8 at head_dim 64 and below."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; use {KERNELS}.")
+    if kernel not in KERNELS + OPTIONAL_KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; use {KERNELS + OPTIONAL_KERNELS}.")
     if warps is None:
         warps = (8,) if head_dim > 64 else (4, 8)
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
         grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate, (False,))
+    elif kernel == "columns":  # block_c: column tokens of a chunk (M side); block_m: query rows of a step
+        grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
         grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True))
     tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
@@ -115,9 +119,11 @@ def narrowest_wgmma_n(kernel: str, tiles: Tiles, head_dim: int) -> int:
     sm_90: each warpgroup (4 warps) takes 64-row slices of a product's M side, and warpgroups left
     over split its N side. Products as (M, N): forward and dq (query rows, key step / head_dim /
     column step), dq's column gradients (column step, head_dim); dk/dv (keys, query-row step /
-    head_dim)."""
+    head_dim); columns (column chunk, query-row step / head_dim)."""
     if kernel == "dkdv":
         products = [(tiles.block_n, tiles.block_m), (tiles.block_n, head_dim)]
+    elif kernel == "columns":
+        products = [(tiles.block_c, tiles.block_m), (tiles.block_c, head_dim)]
     else:
         products = [(tiles.block_m, tiles.block_n), (tiles.block_m, head_dim), (tiles.block_m, tiles.block_c)]
         if kernel == "dq":

@@ -76,9 +76,9 @@ def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
         monkeypatch.setattr(kr.configs, "tile_candidates", candidates)
         rows = kr.measure_candidates(head_dims=(64,))
         table = kr.format_table(rows)
-    assert [r["kernel"] for r in rows] == ["forward", "forward", "dq_column_grads", "dkdv"]
+    assert [r["kernel"] for r in rows] == ["forward", "forward", "dq_column_grads", "dkdv", "columns"]
     built = [r for r in rows if "error" not in r]
-    assert len(built) == 3 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
+    assert len(built) == 4 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
     assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"]
     assert len(table.splitlines()) == 2 + len(rows)
 
@@ -135,3 +135,22 @@ def test_probe_counts_tma_copies_whose_box_overfills_their_buffer():
         assert probe.overfilled_copies(ttgir, meta(64)) == 0
         assert probe.overfilled_copies(ttgir.replace("64x128xbf16, #shared2", "128x128xbf16, #shared2"), meta(128)) == 0
 
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_key_major_column_kernel_builds_on_full_wgmma(head_dim):
+    """The key-major column kernel (`column_bwd`, launched only under a "columns" override) with its short-list
+    tiles (chunks of 64 columns on the M side of every product, 64-row query steps, 8 warps) builds for sm_90
+    from a launch's arguments: hinted, 16-byte loads, every product on wgmma at least 32 wide as the tile model
+    predicts, shared memory under the H100's. Not yet spill-free at head_dim 128 (Triton 3.9: 255 registers and
+    40 B of stack; 237 registers and none at 64): a candidate for a GPU to time, not a launched kernel."""
+    tiles = Tiles(64, 0, 64, 8, 2, query_steps=16)
+    with configs.tiles_override(columns=tiles):
+        kernel, args, kwargs = sm90.recorded_launches(sm90.launch_for(head_dim))["columns"]
+    assert "columns" not in sm90.recorded_launches(sm90.launch_for(head_dim))  # not launched by default
+    use = sm90.usage(sm90.compile_launch(kernel, args, kwargs))
+    assert kwargs["STEPS"] == 16 and kwargs["BLOCK_C"] == 64 and kwargs["BLOCK_M"] == 64
+    assert use.hinted_args == _hints_of_a_launch(args) > 0 and use.wide_loads > 0, use
+    assert use.wgmma > 0 and use.mma_sync == 0, use
+    assert use.narrowest_wgmma_n() == configs.narrowest_wgmma_n("columns", tiles, head_dim) >= configs.MIN_WGMMA_N
+    assert use.shared_bytes <= sm90.H100_SHARED_BYTES, use

@@ -130,9 +130,8 @@ def test_tuning_refuses_without_gpu(tune):
         tune.main(["--seq_len", "1024"])
 
 
-def _tune_on_cpu(module_path: str):
-    """In the interpreter worker: the tuner's runs at toy size, each kernel with the current tiles
-    and one other candidate."""
+def _toy_tuner(module_path: str):
+    """In the interpreter worker: benchmarks/tune_tiles.py loaded from `module_path`, and its tuner at toy size."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tune_tiles", module_path)
@@ -141,7 +140,13 @@ def _tune_on_cpu(module_path: str):
     spec.loader.exec_module(tune)
     args = tune.TuneTilesArguments(seq_len=160, density=0.3, num_verticals=12, num_q_heads=4, num_kv_heads=2,
                                    head_dim=16, block_size=32, warmup=0, repeats=1)
-    tuner = tune.Tuner(args, device="cpu")
+    return tune, tune.Tuner(args, device="cpu")
+
+
+def _tune_on_cpu(module_path: str):
+    """In the interpreter worker: the tuner's runs at toy size, each kernel with the current tiles
+    and one other candidate."""
+    tune, tuner = _toy_tuner(module_path)
     others = {"forward": Tiles(16, 32, 32, 1, 1), "dq": Tiles(16, 32, 32, 1, 1, separate_columns=True),
               "dkdv": Tiles(32, 16, 16, 1, 1)}
     saved = []  # what main would write after each candidate: (results so far, kernels with a best)
@@ -164,3 +169,37 @@ def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune):
         assert r["status"] == "ok", r
         assert r["ms"] > 0 and r["rel_rms"] <= tune.SAME_RESULT_RTOL
     assert "current" in tune.format_table("dq", rows[2:4])
+
+
+def _tune_columns_on_cpu(module_path: str):
+    """In the interpreter worker: the columns kernel's tuning run at toy size with one candidate, its rows
+    and table."""
+    tune, tuner = _toy_tuner(module_path)
+    rows = tuner.run_kernel("columns", [Tiles(16, 0, 16, 1, 1, query_steps=2)])
+    return rows, tune.format_table("columns", rows)
+
+
+def test_the_columns_kernel_is_timed_against_the_dq_kernels_atomics(tune):
+    """`--kernels columns`: the launched backward (the dq kernel's column atomics, the "current" row with the dq
+    tiles) first, then each key-major candidate, checked to compute the same and timed."""
+    from hf_sparse_cp.testing.interpreter import interpreter_pool
+
+    with interpreter_pool() as pool:
+        rows, table = pool.apply(_tune_columns_on_cpu, (tune.__file__,))
+    assert [r["kernel"] for r in rows] == ["columns"] * 2 and [r["current"] for r in rows] == [True, False]
+    assert rows[0]["tiles"] == dataclasses.asdict(tune.current_tiles("dq", 32, 16, on_gpu=False))
+    assert rows[1]["tiles"]["query_steps"] == 2
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ms"] > 0 and r["rel_rms"] <= tune.SAME_RESULT_RTOL
+    assert rows[0]["rel_rms"] == 0.0 < rows[1]["rel_rms"]  # the candidate's sums differ in order only
+    assert "atomics" in table and len(table.splitlines()) == 4
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_columns_candidates_are_full_width_and_hold_the_short_list(tune, head_dim):
+    cands = configs.tile_candidates("columns", 128, head_dim)
+    assert len(set(cands)) == len(cands) >= 4 and {t.block_c for t in cands} == {64}
+    assert all(configs.narrowest_wgmma_n("columns", t, head_dim) >= configs.MIN_WGMMA_N for t in cands)
+    assert set(tune.SHORTLIST["columns"]) <= set(configs.tile_candidates("columns", 128, 128))
+    assert configs.column_tiles(128) is None  # launched only under an override
