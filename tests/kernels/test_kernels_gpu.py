@@ -1,8 +1,8 @@
 """The compiled Triton kernels on a GPU, at realistic sizes, against the fp64 PyTorch reference.
 
 Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd lengths included),
-per-head vertical-slash layouts with columns (their gradients in the dq loop and in their own
-pass), sliding windows, packed documents with padding (some with rows mostly masked, through
+per-head vertical-slash layouts with columns (their gradients in the dq loop, in their own
+pass and from the key-major column kernel), sliding windows, packed documents with padding (some with rows mostly masked, through
 blocks and through columns), merging into an existing result (and the backward of each part),
 bitwise reproducibility, the dispatch of `hf_sparse_cp.attention.ops` (and its warned fallback to the
 reference), torch.compile of the custom ops, and the `sparse_cp` model backend on CUDA (against
@@ -115,15 +115,18 @@ def test_kernels_match_the_reference(case):
     _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
 
 
-@pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
-def test_both_forms_of_the_column_gradients_match_the_reference(separate_columns):
-    """The dq kernel with the columns' dk/dv inside its loop and in their own pass (tuning may pick
-    either), head_dim 128, bf16, per-head columns."""
+@pytest.mark.parametrize("override", [
+    {"dq": configs.Tiles(128, 64, 64, 8, 3)}, {"dq": configs.Tiles(128, 64, 64, 8, 3, separate_columns=True)},
+    {"columns": configs.Tiles(64, 0, 64, 8, 2, query_steps=16)}],
+    ids=["columns-in-dq-loop", "separate-column-pass", "key-major-column-kernel"])
+def test_every_form_of_the_column_gradients_matches_the_reference(override):
+    """The columns' dk/dv inside the dq loop, in their own pass of the dq kernel, and from the key-major
+    column kernel (`column_bwd`; tuning may pick any), head_dim 128, bf16, per-head columns."""
     s = SIZES["long"]
     q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=9)
     layout = _layout("vertical_slash", 1, 16, s, seed=10)
     assert int(layout.col_cnt.sum()) > 0
-    with configs.tiles_override(dq=configs.Tiles(128, 64, 64, 8, 3, separate_columns=separate_columns)):
+    with configs.tiles_override(**override):
         _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, DEVICE))
 
 
