@@ -259,22 +259,29 @@ class ColumnUnion(NamedTuple):
 
 def column_union(col_idx: torch.Tensor, col_cnt: torch.Tensor, k_len: int) -> ColumnUnion:
     """`ColumnUnion` of a layout's columns (col_idx [B, Hl, NQB, MC] with MC > 0, col_cnt [B, Hl, NQB];
-    k_len > 0) from a flag per key token: memory and time linear in the layout and Sk, static shapes,
-    no host synchronization. Slots out of use and tokens outside [0, k_len) are left out (the dq
-    kernel flags them)."""
+    k_len > 0) from a flag per key token: memory and time linear in the layout and Sk (the layout's
+    int64 temporaries in head chunks), static shapes, no host synchronization. Slots out of use and
+    tokens outside [0, k_len) are left out (the dq kernel flags them)."""
     b, hl, nqb, mc = col_idx.shape
     dev = col_idx.device
-    valid = (torch.arange(mc, device=dev) < col_cnt.unsqueeze(-1)) & (col_idx >= 0) & (col_idx < k_len)
-    col = torch.where(valid, col_idx, k_len).long()  # unused slots flag the spare token k_len
-    flags = torch.zeros(b, hl, k_len + 1, dtype=torch.bool, device=dev)
-    flags.scatter_(-1, col.flatten(2), True)
+    flags = torch.zeros(b, hl, k_len + 1, dtype=torch.bool, device=dev)  # k_len: the spare flag of unused slots
+    first = torch.empty(b, hl, nqb, dtype=torch.int32, device=dev)
+    last = torch.empty_like(first)
+    slot = torch.arange(mc, device=dev)
+    step = max(1, _CHUNK_ELEMENTS // (b * nqb * mc))
+    for h0 in range(0, hl, step):
+        col = col_idx[:, h0:h0 + step]
+        valid = (slot < col_cnt[:, h0:h0 + step].unsqueeze(-1)) & (col >= 0) & (col < k_len)
+        listed = torch.where(valid, col, k_len)
+        flags[:, h0:h0 + step].scatter_(-1, listed.long().flatten(2), True)
+        first[:, h0:h0 + step] = listed.amin(-1)
+        last[:, h0:h0 + step] = torch.where(valid, col, -1).amax(-1)
     flags[..., k_len] = False
     rank = flags.cumsum(-1, dtype=torch.int32)  # a listed token's position in the union, plus one
     pos = torch.where(flags, rank.long() - 1, k_len)  # tokens not listed land in the spare slot
     tokens = torch.zeros(b, hl, k_len + 1, dtype=torch.int32, device=dev)
     tokens.scatter_(-1, pos, torch.arange(k_len + 1, dtype=torch.int32, device=dev).expand_as(pos))
-    any_col = valid.any(-1)
-    first = rank.gather(-1, torch.where(valid, col, k_len).amin(-1)) - 1
-    last = rank.gather(-1, torch.where(valid, col, 0).amax(-1)) - 1
-    span = torch.stack([torch.where(any_col, first, k_len), torch.where(any_col, last, -1)], -1)
+    any_col = last >= 0
+    span = torch.stack([torch.where(any_col, rank.gather(-1, first.long()) - 1, k_len),
+                        torch.where(any_col, rank.gather(-1, last.clamp_min(0).long()) - 1, -1)], -1)
     return ColumnUnion(tokens[..., :k_len].contiguous(), rank[..., k_len].contiguous(), span.to(torch.int32))

@@ -11,7 +11,7 @@ from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.kernels import block_sparse_bwd, column_bwd, configs
+from hf_sparse_cp.kernels import block_sparse_bwd, column_bwd, configs, indexing
 from hf_sparse_cp.kernels.indexing import column_union
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.interpreter import interpreter_pool
@@ -47,10 +47,13 @@ def _union_by_hand(layout: SparseLayout, k_len: int):
     return unions, spans
 
 
+@pytest.mark.parametrize("one_head_a_chunk", [False, True], ids=["one-chunk", "head-chunks"])
 @pytest.mark.parametrize("heads,k_len", [(3, 70), (1, 40)], ids=["per-head", "shared-keys-shorter"])
-def test_column_union_is_the_sorted_set_of_listed_columns(heads, k_len):
-    """Tokens, count and spans equal a Python walk; slots past the count, tokens outside [0, Sk) and
-    an over-long count (clamped to the slots) are left out; an empty row spans [Sk, -1]."""
+def test_column_union_is_the_sorted_set_of_listed_columns(monkeypatch, heads, k_len, one_head_a_chunk):
+    """Tokens, count and spans equal a Python walk, in one pass or one head at a time; slots past the
+    count and tokens outside [0, Sk) are left out; an empty row spans [Sk, -1]."""
+    if one_head_a_chunk:
+        monkeypatch.setattr(indexing, "_CHUNK_ELEMENTS", 1)
     layout = random_layout(2, heads, 64, k_len, 16, 0.3, 0.15, causal=False,
                            generator=torch.Generator().manual_seed(heads))
     col_idx = torch.nn.functional.pad(layout.col_idx, (0, 2), value=-1)
