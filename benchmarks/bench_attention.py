@@ -52,13 +52,13 @@ pass, FAIL or error per layout and comparison. Flex is only ever timed compiled 
 engine's own guard): past dynamo's recompile limit it would silently run its unfused eager path.
 
 Prints a table (ours, ours_blocks and auto against every baseline measured, `ratios` in the JSON), the
-columns' cost (`column_costs`: per sparse layout, ours minus ours_blocks, and the TFLOP/s of the column
-pairs and of the block pairs beside Flex's on the same blocks), the estimation section, the kernel profiles and the issues' targets (measured value and pass/fail: at 128K and ~5% kept
-blocks, fwd+bwd >= 1.7x compiled Flex on the same blocks (Triton backend, and flash backend where
-measured), >= 12.5x dense cuDNN, >= 350 TFLOP/s on the computed pairs (#50); >= 1.3x Flex at ~10%, dense
-within 1.25x of Flex dense, estimation < 10%; and #32's engine targets against the flex engine, with
-auto within 5% of the faster engine), and writes JSON (GPU, versions, settings, the command, results,
-ratios, checks, estimation, targets) to benchmarks/results/.
+columns' cost (`column_costs`: per sparse layout, ours minus ours_blocks, and the TFLOP/s of the column pairs
+and of the block pairs beside Flex's on the same blocks), the estimation section, the kernel profiles and the
+issues' targets (measured value and pass/fail: at 128K and ~5% kept blocks, fwd+bwd >= 1.7x compiled Flex on
+the same blocks (Triton backend, and flash backend where measured), >= 12.5x dense cuDNN, >= 350 TFLOP/s on
+the computed pairs (#50); >= 1.3x Flex at ~10%, dense within 1.25x of Flex dense, estimation < 10%; and #32's
+engine targets against the flex engine, with auto within 5% of the faster engine), and writes JSON (GPU,
+versions, settings, the command, results, ratios, checks, estimation, targets) to benchmarks/results/.
 The JSON is rewritten after every S ("complete": false until the end), and an S whose set-up fails
 (out of memory at 256K, say) is listed under "skipped", so a late failure or a timeout loses no
 earlier result.

@@ -10,7 +10,7 @@
 # included): the attention benchmark at 128K against every baseline (Flex on the same blocks, its flash backend,
 # the flex engine, cuDNN and flash SDPA) with the estimation's share, the 0.5B training step at 128K and 256K
 # (sparse_cp with the plugin's fused ops against sdpa + liger-kernel), sparse_cp at 512K and 1M beside the memory
-# model's prediction, sparse_cp at 128K with the first layer sparse, and the dq / dk-dv / forward tile short list; see
+# model's prediction, sparse_cp at 128K with the first layer sparse, and the columns / dq / dk-dv / forward tile short list; see
 # benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's `carry`): liger-kernel
 # is both the baseline's kernels and the fused ops of sparse_cp.
 #

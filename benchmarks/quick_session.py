@@ -6,11 +6,11 @@ with its own cap, under one global deadline (`--budget_s`, 540 s by default, cou
 the shell wrapper set it, i.e. before its installs), and writes its JSON after every stage; the stages' own
 scripts write theirs as soon as they have a number:
 
-(a) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5%
-    kept and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the
-    same blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and flash SDPA dense, forward + backward, each ratio; an
-    estimated layout (our kernels only) with the pattern estimation's time as a share of that attention; the
-    engine table `auto` reads;
+(a) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
+    and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the same
+    blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and
+    flash SDPA dense, forward + backward, each ratio; an estimated layout (our kernels only) with the pattern
+    estimation's time as a share of that attention; the engine table `auto` reads;
 (b) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
     checkpointing) at 128K then 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm
     and SwiGLU where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one
@@ -18,13 +18,14 @@ scripts write theirs as soon as they have a number:
 (c) fit: sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction;
 (d) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (b)'s
     128K run with it dense (the default): what the dense first layer costs;
-(e) tiles: `tune_tiles.py --shortlist --kernels dq dkdv forward` at 32K: the dq and dk/dv kernels' few
-    candidates, then the forward's, each checked against the launched tiles' result.
+(e) tiles: `tune_tiles.py --shortlist --kernels columns dq dkdv forward` at 32K: the whole backward with the
+    columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq kernel's atomics, then the
+    dq and dk/dv kernels' few candidates, then the forward's, each checked against the launched tiles' result.
 
 The caps add up to more than the budget on purpose. On the H200 (2026-11-29) the stages took 78, 173, 72 (512K;
 1M then ran out of memory, since fixed: 1M alone about 135 s with its start-up), 24 and 27 s, about 8 minutes
 with the 1M step; a stage the deadline skips is rerun in a call of its own (`gpu_session.sh tune
---shortlist --kernels dq dkdv forward`, `gpu_session.sh e2e ...`).
+--shortlist --kernels columns dq dkdv forward`, `gpu_session.sh e2e ...`).
 
 A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at most 8 come
 back from a GPU call): quick-session.json (device, versions, the command, settings, each stage's status, cap,
@@ -100,7 +101,7 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
     fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
     layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--warmup_steps", "1",
               "--output", str(out / "e2e-layer0.json")]
-    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "dq", "dkdv", "forward",
+    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "dkdv", "forward",
              "--output", str(out / "tiles.json")]
     if args.dry_run:
         attention += ["--dry_run", "--seq_lens", "128", "--block_size", "32", "--num_q_heads", "2",
@@ -206,9 +207,9 @@ def verdicts(*reports: dict) -> list[dict]:
 
 def headline(out: Path) -> dict:
     """The figures the README's tables take, from the stages' JSON: attention fwd+bwd ms per (S, layout, variant)
-    and ours over every baseline, the columns' cost, the estimation's share, e2e tokens/s and peak memory per (variant, S) with the
-    speed-ups, the fit runs with their predicted peaks, the dense first layer's cost, the tiles timed best per
-    kernel, and every target's verdict."""
+    and ours over every baseline, the columns' cost, the estimation's share, e2e tokens/s and peak memory per
+    (variant, S) with the speed-ups, the fit runs with their predicted peaks, the dense first layer's cost, the
+    tiles timed best per kernel, and every target's verdict."""
     attention, e2e, fit, layer0, tiles = (_read(out / name) or {} for name in (
         "attention.json", "e2e.json", "e2e-fit.json", "e2e-layer0.json", "tiles.json"))
     return {

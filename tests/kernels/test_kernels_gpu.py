@@ -1,12 +1,12 @@
 """The compiled Triton kernels on a GPU, at realistic sizes, against the fp64 PyTorch reference.
 
 Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd lengths included),
-per-head vertical-slash layouts with columns (their gradients in the dq loop, in their own
-pass and from the key-major column kernel), sliding windows, packed documents with padding (some with rows mostly masked, through
-blocks and through columns), merging into an existing result (and the backward of each part),
-bitwise reproducibility, the dispatch of `hf_sparse_cp.attention.ops` (and its warned fallback to the
-reference), torch.compile of the custom ops, and the `sparse_cp` model backend on CUDA (against
-sdpa, and against its own reference path).
+per-head vertical-slash layouts with columns (their gradients in the dq loop, in their own pass and
+from the key-major column kernel), sliding windows, packed documents with padding (some with rows
+mostly masked, through blocks and through columns), merging into an existing result (and the
+backward of each part), bitwise reproducibility, the dispatch of `hf_sparse_cp.attention.ops` (and
+its warned fallback to the reference), torch.compile of the custom ops, and the `sparse_cp` model
+backend on CUDA (against sdpa, and against its own reference path).
 Estimation: the scoring kernels against their reference, reproducible to the bit, and the layout
 `estimate_layout` builds on CUDA equal to the one it builds on CPU.
 
