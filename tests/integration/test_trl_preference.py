@@ -52,9 +52,10 @@ def _unpaired(pairs: dict[str, list[str]]) -> dict[str, list]:
             "label": [True] * n + [False] * n}
 
 
-def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bool = False, kind: str = "dpo") -> dict:
-    """Two steps of TRL's DPO (`kind` "dpo") or KTO ("kto") and an evaluation; with `lora`, of a LoRA adapter, the
-    reference being the model without it."""
+def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bool = False, kind: str = "dpo",
+           eval_rows: int = 3) -> dict:
+    """Two steps of TRL's DPO (`kind` "dpo") or KTO ("kto") and an evaluation on `eval_rows` pairs; with `lora`, of a
+    LoRA adapter, the reference being the model without it."""
     import trl
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
@@ -76,10 +77,10 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bo
     else:
         reference = {"ref_model": AutoModelForCausalLM.from_config(model.config)}
         reference["ref_model"].load_state_dict(model.state_dict())
-    args = sparse_arguments_class(config)(output_dir=output_dir, **DPO, **PATTERN, **cp, **dpo)
+    args = sparse_arguments_class(config)(output_dir=output_dir, **{**DPO, **dpo}, **PATTERN, **cp)
     trainer = sparse_trainer_class(trainer_class)(model=model, args=args, **reference,
                                                   train_dataset=datasets.Dataset.from_dict(data()),
-                                                  eval_dataset=datasets.Dataset.from_dict(data(3, seed=3)),
+                                                  eval_dataset=datasets.Dataset.from_dict(data(eval_rows, seed=3)),
                                                   processing_class=tokenizer)
     lengths = []
     hook = trainer.model.get_input_embeddings().register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]))
@@ -174,6 +175,29 @@ def test_kto_under_cp2_equals_one_process(tmp_path):
     assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"]) and one["logs"][1]["kl"] > 0
     for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), {"cp_size": 2}, {}, False, "kto", timeout_s=300):
         _assert_equal(rank, one)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_dp2_x_cp2_equals_the_whole_batch_without_cp(tmp_path, kind):
+    """Four processes, DP 2 x CP 2: each CP group trains on its half of every batch, each rank's forwards on half of
+    each of its rows. DPO's losses, rewards, metrics, evaluation and weights after two steps are one process's on the
+    whole batch (4 rows a step). KTO's are DP 2's without CP: TRL pairs its KL completions within each process's batch
+    and averages the processes' KL estimates, which no one process reproduces."""
+    # 4 pairs evaluated in batches of 2 a process: DP 2 pads a shorter set with repeated rows on a rank, which TRL's
+    # loss and metrics (means over each process's batch) count, and one process does not
+    batches = {"per_device_train_batch_size": 2, "per_device_eval_batch_size": 2}
+    if kind == "dpo":  # one process takes the DP groups' batches together
+        reference = run_gloo(_train, 1, str(tmp_path / "one"), {}, {key: 2 * n for key, n in batches.items()}, False,
+                             kind, 4, timeout_s=300)
+    else:
+        reference = run_gloo(_train, 2, str(tmp_path / "dp2"), {}, batches, False, kind, 4, timeout_s=300)
+    assert reference[0]["logs"][0]["loss"] != pytest.approx(reference[0]["logs"][1]["loss"])  # (it trained)
+    # the reference's forwards' lengths, the longest over its processes: the whole batch's padded rows
+    longest = [max(lengths) for lengths in zip(*(rank["lengths"] for rank in reference), strict=True)]
+    for rank in run_gloo(_train, 4, str(tmp_path / "dp2cp2"), {"cp_size": 2}, batches, False, kind, 4, timeout_s=300):
+        _assert_equal(rank, reference[0])
+        assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"], longest, strict=True)), rank["lengths"]
+        assert any(0 < kept < 1 for kept in rank["kept"])  # the sparse path ran on the shards
 
 
 def _with_schedule(rank: int, world: int, output_dir: str) -> None:
