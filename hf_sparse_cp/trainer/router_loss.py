@@ -49,16 +49,19 @@ def _over_cp_group(original: Callable) -> Callable:
         if shard is None or _GATHERED.get() or not isinstance(layers, tuple):
             return original(*args, **kwargs)
         b, n = shard.meta.index.shape[0], shard.plan.max_local_blocks * shard.plan.block_size
-        whole = []
+        rows = layers[0].shape[0] // b  # (this rank's shard tokens: every layer routes the same tokens)
         for logits in layers:
-            rows = logits.shape[0] // b
             if logits.dim() != 2 or rows * b != logits.shape[0] or rows > n:
                 raise ValueError(f"{original.__module__}.load_balancing_loss_func under context parallelism got router "
                                  f"logits of shape {tuple(logits.shape)}, not [batch x shard tokens, experts] of a "
-                                 f"batch of {b} rows: the plugin cannot gather them into the whole sequence. Set "
-                                 "router_aux_loss_coef 0 (or output_router_logits false), or run without CP.")
-            whole.append(shard.whole_sequence(logits.view(b, rows, -1)).flatten(0, 1))
-        bound.arguments["gate_logits"] = tuple(whole)
+                                 f"batch of {b} rows like every layer's: the plugin cannot gather them into the whole "
+                                 "sequence. Set router_aux_loss_coef 0 (or output_router_logits false), or run without "
+                                 "CP.")
+        # One all-gather for all the layers (not one per layer): their logits side by side along the experts, on the
+        # device the model's function computes on. Its transient peak holds every layer's gathered logits at once.
+        joined = torch.cat([logits.view(b, rows, -1).to(layers[0].device) for logits in layers], dim=-1)
+        whole = shard.whole_sequence(joined).flatten(0, 1)
+        bound.arguments["gate_logits"] = whole.split([logits.shape[-1] for logits in layers], dim=-1)
         bound.arguments["attention_mask"] = shard.attention_mask
         token = _GATHERED.set(True)
         try:

@@ -90,3 +90,72 @@ def test_the_router_loss_under_cp2_trains_as_one_process(runs, name):
         assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
         for key, weight in reference["weights"].items():
             torch.testing.assert_close(got["weights"][key], weight, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _router_loss_collectives(rank: int, world: int) -> dict:
+    """The CP router loss of three layers' logits of 2 rows of 203 tokens (the second right-padded under the striped
+    split; three documents, shards of unequal lengths, under the document plan), with its gradient: the collectives it
+    ran, and the per-layer gathers' value and gradient beside it."""
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
+    from hf_sparse_cp.distributed import shard as shard_module
+    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.trainer.router_loss import _over_cp_group
+
+    rows, length, experts = 2, 203, 4
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(rows, length, experts, generator=g) for _ in range(3)]
+    ids = torch.randint(5, 100, (rows, length), generator=g)
+    mask = (torch.arange(length) < torch.tensor([[length], [150]])).long()
+    documents = torch.cat([torch.arange(30), torch.arange(30), torch.arange(length - 60)]).expand(rows, -1)
+    inputs = {"striped": {"input_ids": ids, "attention_mask": mask},
+              "document": {"input_ids": ids, "position_ids": documents}}
+    loss_func = _over_cp_group(mixtral.load_balancing_loss_func)
+
+    class Routed(torch.nn.Module):  # a CP forward (the shard in its keywords), in which the wrapper gathers
+        def forward(self, logits, cp_shard=None):
+            return loss_func(logits, experts, 2, None)
+
+    routed = Routed()
+    guard_context_parallel(routed)
+    calls = []
+    for name in ("all_gather_rows", "all_reduce"):
+        collective = getattr(shard_module, name)
+        setattr(shard_module, name, lambda *a, _name=name, _c=collective, **k: (calls.append(_name), _c(*a, **k))[1])
+    out = {}
+    for sharding, batch in inputs.items():
+        parallel = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_sharding=sharding))
+        shard = prepare_context_parallel_inputs(batch, parallel, block_size=16)["cp_shard"]
+        mine = [shard.plan.shard(x, shard.rank).requires_grad_() for x in layers]
+        calls.clear()
+        loss = routed(tuple(x.flatten(0, 1) for x in mine), cp_shard=shard)
+        loss.backward()
+        got = {"calls": list(calls), "loss": loss.detach(), "grads": [x.grad for x in mine],
+               "lengths": [shard.plan.local_len_of(r) for r in range(world)]}
+        for x in mine:
+            x.grad = None
+        # each layer gathered on its own, as before
+        each = tuple(shard.whole_sequence(x).flatten(0, 1) for x in mine)
+        loss = mixtral.load_balancing_loss_func(each, experts, 2, shard.attention_mask)
+        loss.backward()
+        out[sharding] = {"got": got, "each": {"loss": loss.detach(), "grads": [x.grad for x in mine]},
+                         "one": float(mixtral.load_balancing_loss_func(
+                             tuple(x.flatten(0, 1) for x in layers), experts, 2, batch.get("attention_mask")))}
+    return out
+
+
+def test_the_router_loss_gathers_every_layer_in_one_collective():
+    """The CP router loss gathers all the MoE layers' router logits in one all-gather (its backward in one
+    all-reduce), not one per layer, under even and uneven shards: its value and gradient are bitwise those of the
+    per-layer gathers, and the value one process's."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for rank in run_gloo(_router_loss_collectives, 2, timeout_s=120):
+        assert len(set(rank["document"]["got"]["lengths"])) > 1  # (the document plan's shards are unequal)
+        for sharding, run in rank.items():
+            assert run["got"]["calls"] == ["all_gather_rows", "all_reduce"], (sharding, run["got"]["calls"])
+            assert torch.equal(run["got"]["loss"], run["each"]["loss"]), sharding
+            assert run["got"]["loss"].item() == pytest.approx(run["one"], rel=1e-6), sharding
+            for got, want in zip(run["got"]["grads"], run["each"]["grads"], strict=True):
+                assert got is not None and got.abs().sum() > 0 and torch.equal(got, want), sharding
