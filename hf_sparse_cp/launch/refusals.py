@@ -9,7 +9,8 @@
 * `python -m hf_sparse_cp.launch.refusals (torchrun | accelerate) ARGS`, the launcher `hf-sparse-cp launch` starts:
   torchrun or accelerate launch as their commands run them, except that a run whose processes ended refused (the
   others stopped by the launcher) ends with `REFUSED` and without their traceback and failure summary, which
-  only repeat the message's process's exit status. Any other failure keeps them.
+  only repeat the message's process's exit status (as torchrun's ChildFailedError, or as the CalledProcessError
+  accelerate launch raises for a config of one process). Any other failure keeps them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def refused_run(exit_codes: list[int]) -> bool:
 
 def main(argv: list[str]) -> None:
     """Run the launcher `argv[0]` (a key of `LAUNCHERS`) with the arguments `argv[1:]` (see the module's doc)."""
+    import subprocess
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     name, args = argv[0], argv[1:]
@@ -75,6 +78,10 @@ def main(argv: list[str]) -> None:
         importlib.import_module(LAUNCHERS[name]).main()
     except ChildFailedError as e:
         if refused_run([failure.exitcode for failure in e.failures.values()]):
+            sys.exit(REFUSED)
+        raise
+    except subprocess.CalledProcessError as e:  # accelerate launch's one-process launcher (`simple_launcher`)
+        if e.returncode == REFUSED:
             sys.exit(REFUSED)
         raise
 

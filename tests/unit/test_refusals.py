@@ -44,3 +44,29 @@ def test_a_run_ended_by_a_refusal_is_told_from_a_failure(exit_codes, refused):
 def test_a_script_goes_by_its_files_name_as_its_own_parser_names_it():
     assert script_name("/some/where/train.py", False) == "train.py"
     assert script_name("hf_sparse_cp.examples.train_long_context", True) == "train_long_context.py"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("status, ends_with", [(REFUSED, REFUSED), (1, None), (-9, None)])
+def test_a_launcher_of_one_process_ends_a_refused_run_quietly(monkeypatch, launcher, status, ends_with):
+    """accelerate launch runs a config of one process (`simple_launcher`) as a plain child and raises
+    CalledProcessError on its exit status: a refusal (status 2) ends quietly with it, any other status keeps the
+    launcher's exception."""
+    import subprocess
+    import types
+
+    from hf_sparse_cp.launch import refusals
+
+    def child_failed():
+        raise subprocess.CalledProcessError(returncode=status, cmd=["python", "-m", "hf_sparse_cp.run", "train.py"])
+
+    monkeypatch.setitem(refusals.LAUNCHERS, launcher, "fake_launcher")
+    monkeypatch.setitem(__import__("sys").modules, "fake_launcher", types.SimpleNamespace(main=child_failed))
+    monkeypatch.setattr("sys.argv", ["refusals.py"])
+    if ends_with is None:
+        with pytest.raises(subprocess.CalledProcessError):
+            refusals.main([launcher, "--config_file", "one.yaml"])
+    else:
+        with pytest.raises(SystemExit) as ended:
+            refusals.main([launcher, "--config_file", "one.yaml"])
+        assert ended.value.code == ends_with
