@@ -572,7 +572,8 @@ def enable_trainer_context_parallel(
         _refuse_group_settings(cp_config, parallel.world_size)
         return parallel
     model = trainer.model
-    with flag_errors():  # (what CP cannot compute exactly, naming the fix: a launched script ends with the message)
+    with flag_errors((ValueError,)):  # (what CP cannot compute exactly, naming the fix: a launched script ends
+        # with the message; a TypeError of the probe forward through the model is a bug and keeps its traceback)
         check_model_supports_context_parallel(model, parallel=parallel)
         check_loss(trainer, parallel.cp_size)
         check_training_arguments(trainer.args, parallel.cp_size)

@@ -447,7 +447,8 @@ def enable_curriculum(
     cp_config = ContextParallelConfig() if cp_config is None else cp_config
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     model = trainer.model
-    with flag_errors():  # (what CP cannot compute exactly, naming the fix: a launched script ends with the message)
+    with flag_errors((ValueError,)):  # (what CP cannot compute exactly, naming the fix: a launched script ends
+        # with the message; a TypeError of the probe forward through the model is a bug and keeps its traceback)
         if pc is not None and pc.cp_size > 1:
             raise ValueError(f"accelerate's ParallelismConfig(cp_size={pc.cp_size}) fixes the CP degree for the whole "
                              "run; a cp_schedule builds its own groups: drop parallelism_config_cp_size from the "

@@ -70,3 +70,29 @@ def test_a_launcher_of_one_process_ends_a_refused_run_quietly(monkeypatch, launc
         with pytest.raises(SystemExit) as ended:
             refusals.main([launcher, "--config_file", "one.yaml"])
         assert ended.value.code == ends_with
+
+
+@pytest.mark.parametrize("error, marked", [
+    (ValueError("a RoPE type whose frequencies depend on the longest position"), True),  # a refusal naming the fix
+    (TypeError("forward() got an unexpected keyword argument 'cache_position'"), False),  # a bug: keeps its traceback
+    (OSError("disk full"), False),
+])
+def test_only_the_refusals_of_cps_model_checks_are_the_users(monkeypatch, error, marked):
+    """CP's start checks the model with a probe forward of the user's architecture: their refusals are ValueErrors
+    naming the fix (a launched script ends with the message alone); a TypeError or OSError raised in there is a bug
+    of the model's code or of the probe, which must keep its traceback (`hf_sparse_cp.run` ends marked errors only)."""
+    import types
+
+    from hf_sparse_cp.distributed import ParallelDims
+    from hf_sparse_cp.trainer import context_parallel
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    def probe(model, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ParallelDims, "from_accelerator", classmethod(lambda cls, *a, **k: types.SimpleNamespace(
+        cp_size=2, world_size=2)))
+    monkeypatch.setattr(context_parallel, "check_model_supports_context_parallel", probe)
+    with pytest.raises(type(error)) as raised:
+        context_parallel.enable_trainer_context_parallel(types.SimpleNamespace(accelerator=None, model=object()))
+    assert raised.value is error and is_flag_error(raised.value) is marked
