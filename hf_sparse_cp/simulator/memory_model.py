@@ -315,7 +315,13 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
-    construction = layout_construction_bytes(hq, nqb, width, cols, bs) if sparse else (0.0, 0.0)
+    construction = (0.0, 0.0)
+    if sparse:
+        # the build, over the whole sequence under the ring (every rank builds the one-process layout:
+        # distributed/ring/estimation.py), counted per token of this call
+        built = nqb_global if ring else nqb
+        per_token, constant = layout_construction_bytes(hq, built, width, cols, bs)
+        construction = (per_token * built * bs / tokens if ring else per_token, constant)
     estimation = (0.0, 0.0)
     if sparse:
         # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the

@@ -218,3 +218,20 @@ def test_the_columns_of_a_layout_are_those_of_the_definition(trial, monkeypatch)
     expected = _listed_columns(kw, layout)
     assert torch.equal(layout.col_idx, expected)
     assert torch.equal(layout.col_cnt, (expected >= 0).sum(-1, dtype=torch.int32))
+
+
+
+@pytest.mark.parametrize("s", [1 << 15, 1 << 17])
+def test_under_the_ring_every_rank_builds_the_whole_sequences_layout(s):
+    """Under the ring every rank builds the one-process layout of the whole sequence (`estimate_layout_cp`: the
+    global layout, over `CPShard.meta` of the whole batch): the memory model's construction term is the same build's
+    bytes at CP 8 as in one process, not an eighth of it."""
+    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, _Step
+
+    built = {}
+    for cp in (1, 8):
+        step = _Step(PRESETS["qwen2.5-0.5b"], s, StepSettings(cp=cp))
+        assert step.ring == (cp > 1) and step.sparse and step.hq_att == PRESETS["qwen2.5-0.5b"].shape.heads
+        per_token, constant = step.geometry.construction
+        built[cp] = per_token * step.t + constant
+    assert built[8] == pytest.approx(built[1], rel=1e-9)
