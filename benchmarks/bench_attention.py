@@ -676,7 +676,7 @@ def _ok_rows(rows: list[dict]) -> dict[tuple[int, str, str], dict]:
     return {(r["seq_len"], r["layout"], r["variant"]): r for r in rows if r["status"] == "ok"}
 
 
-def column_costs(rows: list[dict], head_dim: int) -> list[dict]:
+def column_costs(rows: list[dict]) -> list[dict]:
     """Per (S, layout) where ours ran with and without the layout's columns: the columns' fwd+bwd time (ours minus
     ours_blocks) and share of ours, the TFLOP/s of the column pairs alone and of the block pairs (ours_blocks),
     beside compiled Flex's on the same blocks where it ran."""
@@ -688,12 +688,13 @@ def column_costs(rows: list[dict], head_dim: int) -> list[dict]:
             continue
         flex = ok.get((seq_len, layout, "flex"))
         columns_ms = whole["fwd_bwd_ms"] - blocks["fwd_bwd_ms"]
-        column_flops = 3.5 * 4.0 * head_dim * (whole["pairs"] - blocks["pairs"])
+        # the column pairs' work, from the rows' own counts (TFLOP/s x ms = GFLOP), as `record` counted it
+        column_gflop = whole["fwd_bwd_tflops"] * whole["fwd_bwd_ms"] - blocks["fwd_bwd_tflops"] * blocks["fwd_bwd_ms"]
         out.append({"seq_len": seq_len, "layout": layout, "column_share": whole["column_share"],
                     "ours_ms": whole["fwd_bwd_ms"], "blocks_ms": blocks["fwd_bwd_ms"], "columns_ms": columns_ms,
                     "columns_time_share": columns_ms / whole["fwd_bwd_ms"],
                     # a difference of two timings: None when the columns cost nothing measurable
-                    "columns_tflops": column_flops / columns_ms / 1e9 if columns_ms > 0 else None,
+                    "columns_tflops": column_gflop / columns_ms if columns_ms > 0 else None,
                     "blocks_tflops": blocks["fwd_bwd_tflops"], "flex_tflops": flex["fwd_bwd_tflops"] if flex else None})
     return out
 
@@ -833,7 +834,7 @@ def build_report(bench: Bench, env: dict, complete: bool, command: list[str] | N
         "checks": bench.checks,
         "estimation": estimation_report(bench.rows, bench.estimation),
         "ratios": baseline_ratios(bench.rows),
-        "column_costs": column_costs(bench.rows, a.head_dim),
+        "column_costs": column_costs(bench.rows),
         "targets": issue_targets(bench.rows, bench.estimation),
         "engine_targets": engine_targets(bench.rows),
     }

@@ -305,13 +305,12 @@ def test_ours_on_the_blocks_alone_runs_on_the_pairs_flex_computes_and_gives_the_
         return {"seq_len": 131072, "layout": "vs@5%", "variant": variant, "status": "ok", "fwd_bwd_ms": ms,
                 "pairs": pairs, "column_share": share, "fwd_bwd_tflops": 3.5 * 4 * 128 * pairs / ms / 1e9}
 
-    (cost,) = bench.column_costs([row("ours", 40.0, 7e9, 1 / 7), row("ours_blocks", 30.0, 6e9), row("flex", 25.0, 6e9)],
-                                 head_dim=128)
+    (cost,) = bench.column_costs([row("ours", 40.0, 7e9, 1 / 7), row("ours_blocks", 30.0, 6e9), row("flex", 25.0, 6e9)])
     assert cost["columns_ms"] == pytest.approx(10.0) and cost["columns_time_share"] == pytest.approx(0.25)
     assert cost["columns_tflops"] == pytest.approx(3.5 * 4 * 128 * 1e9 / 10.0 / 1e9)
     assert cost["flex_tflops"] > cost["blocks_tflops"]
     assert "25.0" in bench.format_column_costs([cost])
     # columns that cost nothing measurable (ours no slower than ours_blocks): no TFLOP/s from a non-positive time
-    (free,) = bench.column_costs([row("ours", 30.0, 7e9, 1 / 7), row("ours_blocks", 30.5, 6e9)], head_dim=128)
+    (free,) = bench.column_costs([row("ours", 30.0, 7e9, 1 / 7), row("ours_blocks", 30.5, 6e9)])
     assert free["columns_tflops"] is None and free["flex_tflops"] is None
     assert "columns' cost" in bench.format_column_costs([free])
