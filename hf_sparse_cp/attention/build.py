@@ -125,33 +125,21 @@ def build_layout(
         dt = torch.nn.functional.pad(dense_tokens, (0, s_pad - s)).view(b, nqb, bs) & valid_q
         dense_lo = torch.where(dt, start // bs, FAR).amin(-1)
     dense_lo = torch.maximum(dense_lo, lo)
+    del valid_q, start  # (token-sized)
 
     # Listed key blocks of (head, query block): {qb - d : d kept, lo <= qb - d < dense_lo} (ascending,
     # i.e. kept diagonals d in (qb - dense_lo, qb - lo] taken in descending order), then the dense
     # range [dense_lo, qb]. The diagonals are a slice of the head's sorted kept list, found by counting.
     n_dense = (qb - dense_lo + 1).clamp_min(0).unsqueeze(1)  # [B, 1, NQB]
     if diagonals is None:
-        heads_b, d_list, i_hi, n_diag, set_base = 1, None, None, torch.zeros_like(n_dense), None
+        heads_b, diagonal_list = 1, None
+        n_diag = torch.zeros_like(n_dense)
     else:
-        heads_b, t = diagonals.shape[1], diagonals.shape[-1]
-        if diagonal_start is None:
+        heads_b, one_set = diagonals.shape[1], diagonal_start is None
+        if one_set:
             diagonal_start = torch.zeros(b, nqb, dtype=torch.long, device=dev)
-            d_value = torch.arange(t, device=dev)
-        else:  # the diagonal d each entry stands for: its distance from the start of its set
-            d_value = torch.arange(t, device=dev) - torch.zeros(b, t + 1, dtype=torch.long, device=dev).scatter_(
-                1, diagonal_start.clamp_min(0), diagonal_start.clamp_min(0)).cummax(-1).values[:, :t].unsqueeze(1)
-        has_set = (diagonal_start >= 0).unsqueeze(1)  # [B, 1, NQB]
-        start = diagonal_start.clamp_min(0).unsqueeze(1).expand(b, heads_b, nqb)
-        kept_upto = torch.nn.functional.pad(diagonals.cumsum(-1), (1, 0))  # [B, H, T + 1]: #kept entries < x
-        set_base = kept_upto.gather(-1, start)  # kept entries before each block's set
-        d_list = _compact(d_value, diagonals, t).long()
-
-        def kept_at_most(x):  # [B, heads_b, NQB]: kept diagonals d <= x in each query block's set
-            at = (start + (x + 1).unsqueeze(1)).clamp(0, t)
-            return torch.where(has_set, kept_upto.gather(-1, at) - set_base, 0)
-
-        i_hi = kept_at_most(qb - lo)
-        n_diag = (i_hi - kept_at_most((qb - dense_lo).clamp(-1, nqb - 1))).clamp_min(0)
+        diagonal_list = _kept_diagonals(diagonals, diagonal_start, one_set, qb - lo, (qb - dense_lo).clamp(-1, nqb - 1))
+        n_diag = diagonal_list[3]
     block_cnt = (n_diag + n_dense).to(torch.int32)  # [B, heads_b, NQB]
 
     # Columns of (head, query block): kept columns up to the end of the query block, visible from it, outside
@@ -193,17 +181,8 @@ def build_layout(
                          *(w.to(torch.int32) for w in col_widths), any_vertical.to(torch.int32)]).tolist()
     block_width, col_width, has_columns = sizes[0], max(sizes[1:-1], default=0), bool(sizes[-1])
 
-    slot = torch.arange(block_width, device=dev)
-    block_idx = torch.empty(b, heads_b, nqb, block_width, dtype=torch.int32, device=dev)
-    for row in range(b):
-        for hs in head_chunks(heads_b, nqb * block_width, LAYOUT_ELEMENTS):
-            dense_kb = dense_lo[row].view(1, nqb, 1) + slot - n_diag[row, hs].unsqueeze(-1)
-            kb = torch.where(slot < block_cnt[row, hs].unsqueeze(-1), dense_kb, -1)
-            if d_list is not None:
-                rank = set_base[row, hs].unsqueeze(-1) + i_hi[row, hs].unsqueeze(-1) - 1 - slot
-                d = d_list[row, hs].unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank.clamp(0, t - 1))
-                kb = torch.where(slot < n_diag[row, hs].unsqueeze(-1), qb.view(1, nqb, 1) - d, kb)
-            block_idx[row, hs] = kb
+    block_idx = _list_blocks(block_cnt, diagonal_list, dense_lo, qb, block_width)
+    del diagonal_list, n_diag  # (the column pass below is the build's peak with columns: nothing of the blocks' left)
     if not has_columns:
         return SparseLayout.from_blocks(block_idx, block_cnt, bs)
 
@@ -227,6 +206,56 @@ def build_layout(
         block_idx = block_idx.expand(b, heads, nqb, -1).contiguous()
         block_cnt = block_cnt.expand(b, heads, nqb).contiguous()
     return SparseLayout(block_idx, block_cnt, col_idx, col_cnt, bs)
+
+
+def _kept_diagonals(diagonals: torch.Tensor, diagonal_start: torch.Tensor, one_set: bool, upper: torch.Tensor,
+                    lower: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Where each (head, query block) finds its listed kept diagonals (those d with lower < d <= upper, [NQB] each)
+    in the sorted lists of `build_layout`'s `diagonals` / `diagonal_start`: (d_list [B, H, T] int64, the kept
+    diagonals of each row in order (-1 padded); base and i_hi [B, H, NQB]: the list entries before the block's set
+    and before its first diagonal above `upper`; n_diag [B, H, NQB]: how many it lists). Its prefix counts
+    ([B, H, T + 1] int64) end here. `one_set`: every block reads the one set of its row (diagonal_start all 0)."""
+    b, heads, t = diagonals.shape
+    nqb, dev = diagonal_start.shape[1], diagonals.device
+    if one_set:  # entry d is diagonal d
+        d_value = torch.arange(t, device=dev)
+    else:  # the diagonal d each entry stands for: its distance from the start of its set
+        d_value = torch.arange(t, device=dev) - torch.zeros(b, t + 1, dtype=torch.long, device=dev).scatter_(
+            1, diagonal_start.clamp_min(0), diagonal_start.clamp_min(0)).cummax(-1).values[:, :t].unsqueeze(1)
+    has_set = (diagonal_start >= 0).unsqueeze(1)  # [B, 1, NQB]
+    start = diagonal_start.clamp_min(0).unsqueeze(1).expand(b, heads, nqb)
+    kept_upto = torch.nn.functional.pad(diagonals.cumsum(-1), (1, 0))  # [B, H, T + 1]: #kept entries < x
+    base = kept_upto.gather(-1, start)  # kept entries before each block's set
+
+    def kept_at_most(x):  # [B, H, NQB]: kept diagonals d <= x in each query block's set
+        at = (start + (x + 1).unsqueeze(1)).clamp(0, t)
+        return torch.where(has_set, kept_upto.gather(-1, at) - base, 0)
+
+    i_hi = kept_at_most(upper)
+    n_diag = (i_hi - kept_at_most(lower)).clamp_min(0)
+    return _compact(d_value, diagonals, t).long(), base, i_hi, n_diag
+
+
+def _list_blocks(block_cnt: torch.Tensor, diagonal_list: tuple[torch.Tensor, ...] | None, dense_lo: torch.Tensor,
+                 qb: torch.Tensor, width: int) -> torch.Tensor:
+    """block_idx int32 [B, H, NQB, width]: each (head, query block)'s listed kept diagonals' key blocks (ascending,
+    from `_kept_diagonals`), then its dense range from `dense_lo`, -1 padded; built a chunk of heads at a time,
+    whose temporaries end with the call."""
+    b, heads, nqb = block_cnt.shape
+    slot = torch.arange(width, device=block_cnt.device)
+    block_idx = torch.empty(b, heads, nqb, width, dtype=torch.int32, device=block_cnt.device)
+    for row in range(b):
+        for hs in head_chunks(heads, nqb * width, LAYOUT_ELEMENTS):
+            n_diag = 0 if diagonal_list is None else diagonal_list[3][row, hs].unsqueeze(-1)
+            dense_kb = dense_lo[row].view(1, nqb, 1) + slot - n_diag
+            kb = torch.where(slot < block_cnt[row, hs].unsqueeze(-1), dense_kb, -1)
+            if diagonal_list is not None:
+                d_list, base, i_hi, _ = (x[row, hs] for x in diagonal_list)
+                rank = base.unsqueeze(-1) + i_hi.unsqueeze(-1) - 1 - slot
+                d = d_list.unsqueeze(1).expand(-1, nqb, -1).gather(-1, rank.clamp(0, d_list.shape[-1] - 1))
+                kb = torch.where(slot < n_diag, qb.view(1, nqb, 1) - d, kb)
+            block_idx[row, hs] = kb
+    return block_idx
 
 
 def _window_columns(v_row, first, at, col_base, h0, h1, out=None) -> torch.Tensor:

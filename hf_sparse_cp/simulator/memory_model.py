@@ -259,29 +259,24 @@ def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, c
     the code; tests/unit/test_layout_memory.py checks it against `AllocationRecorder`."""
     n, tokens = heads * query_blocks, query_blocks * block_size
 
-    def chunk(width: int, last: bool = False) -> int:  # elements of a [chunk heads, NQB, width] tensor (`head_chunks`)
-        step = max(1, min(heads, build.LAYOUT_ELEMENTS // max(1, query_blocks * width)))
-        return (heads - step * ((heads - 1) // step) if last else step) * query_blocks * width
+    def chunk(width: int) -> int:  # elements of a [chunk heads, NQB, width] tensor (`head_chunks`)
+        return max(1, min(heads, build.LAYOUT_ELEMENTS // max(1, query_blocks * width))) * query_blocks * width
 
-    # First the document starts of `first_visible_keys` (three int64 per token); with columns, then their listing
+    # First the document starts of `first_visible_keys` (three int64 and a bool per token); with columns, then their listing
     # (`_compact` over [heads, S]: int32 positions and their int64 copy per head and token, an int64 arange per
     # token) beside the masked copy of the kept columns and the diagonals' counts (below).
-    first = ((n * 44 + (13 * heads + 8) * tokens) / tokens if columns else 24.0, 0.0)
-    # Held from the block pass on: block_idx and block_cnt (int32), five int64 per (head, query block) (the kept
-    # diagonals' prefix counts and list, each block's base, rank and count); with columns also each window's start
-    # and span (int64), the masked copy of the kept columns (bool [heads, S]) and every head's column mask (a bool
-    # per window slot).
-    held = n * (4 * block_width + 4 + 40) + (n * (16 + columns) + heads * tokens if columns else 0)
+    first = ((n * 44 + (13 * heads + 8) * tokens) / tokens if columns else 25.0, 0.0)
+    # Held through the block pass: block_idx and block_cnt (int32), four int64 per (head, query block) (the kept
+    # diagonals' list, each block's base, rank and count); with columns also each window's start and span (int64),
+    # the masked copy of the kept columns (bool [heads, S]) and every head's column mask (a bool per window slot).
+    blocks_held = n * (4 * block_width + 4) + (n * (16 + columns) + heads * tokens if columns else 0)
     # The block pass peaks at six int64 and a bool per element of its chunk (dense and diagonal key blocks, ranks,
     # the gathered diagonals, the two `where`s).
-    blocks = (held / tokens, 49.0 * chunk(block_width))
-    phases = [first, blocks]
+    phases = [first, ((blocks_held + 32 * n) / tokens, 49.0 * chunk(block_width))]
     # The column pass peaks in its first chunk's compaction: col_idx (int32, at most the window wide) and col_cnt,
-    # `_compact`'s int32 window positions and their int64 copy; the block pass's last chunk keeps four int64 per
-    # element alive (the loop's variables) until the build returns.
+    # `_compact`'s int32 window positions and their int64 copy (nothing of the block pass is left).
     if columns:
-        phases.append(((held + n * (4 * columns + 4)) / tokens,
-                       12.0 * chunk(columns) + 32.0 * chunk(block_width, last=True)))
+        phases.append(((blocks_held + n * (4 * columns + 4)) / tokens, 12.0 * chunk(columns)))
     return max(phases, key=lambda bytes_: bytes_[0] * tokens + bytes_[1])
 
 
