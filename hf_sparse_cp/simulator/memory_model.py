@@ -262,9 +262,9 @@ def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, c
     def chunk(width: int) -> int:  # elements of a [chunk heads, NQB, width] tensor (`head_chunks`)
         return max(1, min(heads, build.LAYOUT_ELEMENTS // max(1, query_blocks * width))) * query_blocks * width
 
-    # First the document starts of `first_visible_keys` (three int64 and a bool per token); with columns, then their listing
-    # (`_compact` over [heads, S]: int32 positions and their int64 copy per head and token, an int64 arange per
-    # token) beside the masked copy of the kept columns and the diagonals' counts (below).
+    # First the document starts of `first_visible_keys` (three int64 and a bool per token); with columns, then
+    # their listing (`_compact` over [heads, S]: int32 positions and their int64 copy per head and token, an int64
+    # arange per token) beside the masked copy of the kept columns and the diagonals' counts (below).
     first = ((n * 44 + (13 * heads + 8) * tokens) / tokens if columns else 25.0, 0.0)
     # Held through the block pass: block_idx and block_cnt (int32), four int64 per (head, query block) (the kept
     # diagonals' list, each block's base, rank and count); with columns also each window's start and span (int64),
