@@ -103,7 +103,8 @@ def enable_sparse_attention(
         arguments stay the original's to undo (`patching.PatchSet`).
     """
     config = sparse_args.attention_config(attention_config, explicit)
-    check_model_supports_sparse_attention(model)
+    with flag_errors((ValueError,)):  # (what the kernels do not compute, naming the fix: the message alone)
+        check_model_supports_sparse_attention(model)
     with flag_errors():  # (the user's settings against this model: a launched script ends with the message alone)
         config.check_layers(model.config.num_hidden_layers)
     if max_length is not None:
@@ -112,7 +113,8 @@ def enable_sparse_attention(
     patches = record_on(model, _SPARSE_ATTENTION)
     try:
         _switch(model, patches, sparse_args, config, training_args, max_length)
-        check_model_supports_sparse_attention(model)  # (again, switched: the attention layers are probed now)
+        with flag_errors((ValueError,)):  # (again, switched: the attention layers are probed now)
+            check_model_supports_sparse_attention(model)
         if max_length is not None:
             check_mask_only_locality(model, max_length, packed_documents)
     except BaseException:

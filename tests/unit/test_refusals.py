@@ -96,3 +96,26 @@ def test_only_the_refusals_of_cps_model_checks_are_the_users(monkeypatch, error,
     with pytest.raises(type(error)) as raised:
         context_parallel.enable_trainer_context_parallel(types.SimpleNamespace(accelerator=None, model=object()))
     assert raised.value is error and is_flag_error(raised.value) is marked
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model_type="gemma2", attn_logit_softcapping=50.0), "soft-caps attention logits"),
+    (dict(model_type="llama", attention_dropout=0.1), "attention dropout"),
+])
+def test_a_model_the_kernels_cannot_compute_is_refused_as_the_users(overrides, message):
+    """A model whose attention the sparse kernels do not compute (soft-capped logits, attention dropout) is refused
+    when the plugin attaches, naming the fix, marked as the user's (a launched script ends with the message alone,
+    not a traceback from every rank), and nothing of the switch stays on the model."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.arguments import SparseCPArguments, is_flag_error
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    model_type = overrides.pop("model_type")
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=message) as raised:
+        enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), training_args=TrainingArguments("out"))
+    assert is_flag_error(raised.value)
+    assert model.config._attn_implementation == before
