@@ -1,4 +1,4 @@
-"""The one switch for TRL's `SFTTrainer`: `SparseSFTConfig` and `SparseSFTTrainer`.
+"""The one switch for TRL's trainers: `SparseSFTConfig` / `SparseSFTTrainer`, and the same for DPO and KTO.
 
 A stock SFT script changes the two class names, as a Trainer script does:
 
@@ -8,14 +8,21 @@ A stock SFT script changes the two class names, as a Trainer script does:
 `SparseSFTTrainer` is `SFTTrainer` with what `SparseTrainer` adds (`sparse_trainer.SparseTrainerMixin`).
 Packed SFT (`packing=True`, or `padding_free=True`: one flattened row with restarting position_ids)
 keeps its document boundaries under sparse attention and context parallelism. The card TRL writes is
-kept, with the plugin's section merged into it. Needs `pip install trl`.
+kept, with the plugin's section merged into it. `SparseDPOConfig` / `SparseDPOTrainer` and `SparseKTOConfig` /
+`SparseKTOTrainer` are TRL's preference trainers switched alike: under context parallelism their per-token
+log-probabilities come back whole on every rank, so TRL's losses, rewards and metrics are one process's. Needs
+`pip install trl`.
 """
 
 from __future__ import annotations
 
-from trl import SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
 from .sparse_trainer import sparse_arguments_class, sparse_trainer_class
 
 SparseSFTConfig = sparse_arguments_class(SFTConfig)
 SparseSFTTrainer = sparse_trainer_class(SFTTrainer)
+SparseDPOConfig = sparse_arguments_class(DPOConfig)
+SparseDPOTrainer = sparse_trainer_class(DPOTrainer)
+SparseKTOConfig = sparse_arguments_class(KTOConfig)
+SparseKTOTrainer = sparse_trainer_class(KTOTrainer)

@@ -58,9 +58,12 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bo
     LoRA adapter, the reference being the model without it."""
     import trl
 
-    from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+    import hf_sparse_cp
 
-    config, trainer_class = {"dpo": (trl.DPOConfig, trl.DPOTrainer), "kto": (trl.KTOConfig, trl.KTOTrainer)}[kind]
+    # (the public names of the switched classes: the plugin's classes over TRL's, and its flags)
+    config, trainer_class = (getattr(hf_sparse_cp, f"Sparse{kind.upper()}{part}") for part in ("Config", "Trainer"))
+    assert issubclass(trainer_class, getattr(trl, f"{kind.upper()}Trainer"))
+    assert "cp_size" in config.__dataclass_fields__
     data = {"dpo": _pairs, "kto": lambda *a, **k: _unpaired(_pairs(*a, **k))}[kind]
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -77,8 +80,8 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bo
     else:
         reference = {"ref_model": AutoModelForCausalLM.from_config(model.config)}
         reference["ref_model"].load_state_dict(model.state_dict())
-    args = sparse_arguments_class(config)(output_dir=output_dir, **{**DPO, **dpo}, **PATTERN, **cp)
-    trainer = sparse_trainer_class(trainer_class)(model=model, args=args, **reference,
+    args = config(output_dir=output_dir, **{**DPO, **dpo}, **PATTERN, **cp)
+    trainer = trainer_class(model=model, args=args, **reference,
                                                   train_dataset=datasets.Dataset.from_dict(data()),
                                                   eval_dataset=datasets.Dataset.from_dict(data(eval_rows, seed=3)),
                                                   processing_class=tokenizer)
