@@ -60,12 +60,14 @@ OPTIONAL_KERNELS = ("columns",)
 def tiles_override(**tiles: Tiles) -> Iterator[None]:
     """Launch the named kernels ("forward", "dq", "dkdv", "columns") with these tiles inside the block, on
     any device (`benchmarks/tune_tiles.py` times candidates this way); block_m/block_n are capped at
-    the layout block size. Tile sizes must be powers of two. "columns" has no tiles otherwise: with
+    the layout block size. Tiles are checked first (`check_tiles`). "columns" has no tiles otherwise: with
     them, the columns' dk/dv come from the key-major kernel (`column_bwd`) instead of the dq kernel's
     atomics (the deterministic mode keeps its partial sums)."""
     unknown = set(tiles) - set(KERNELS + OPTIONAL_KERNELS)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; use {KERNELS + OPTIONAL_KERNELS}.")
+    for kernel, t in tiles.items():
+        check_tiles(kernel, t)
     previous = dict(_overrides)
     _overrides.update(tiles)
     try:
@@ -73,6 +75,29 @@ def tiles_override(**tiles: Tiles) -> Iterator[None]:
     finally:
         _overrides.clear()
         _overrides.update(previous)
+
+
+# Tile fields a kernel does not read, which may be 0: the columns kernel takes no key step (its candidates say
+# block_n 0), the dk/dv kernel no column step.
+UNREAD_FIELDS = {"columns": ("block_n",), "dkdv": ("block_c",)}
+
+
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
+
+
+def check_tiles(kernel: str, tiles: Tiles) -> None:
+    """Raise a ValueError naming the kernel, field and value unless block_m, block_n, block_c and query_steps
+    are powers of two (Triton's tl.arange lengths; 0 for a field the kernel does not read, `UNREAD_FIELDS`),
+    num_warps is a power of two and num_stages at least 1."""
+    for name in ("block_m", "block_n", "block_c", "query_steps", "num_warps"):
+        value = getattr(tiles, name)
+        unread = name in UNREAD_FIELDS.get(kernel, ())
+        if not (_power_of_two(value) or (unread and value == 0)):
+            allowed = "a power of two" + (" or 0 (the kernel does not read it)" if unread else "")
+            raise ValueError(f"{kernel} tiles: {name}={value!r}; it must be {allowed}.")
+    if not (isinstance(tiles.num_stages, int) and tiles.num_stages >= 1):
+        raise ValueError(f"{kernel} tiles: num_stages={tiles.num_stages!r}; it must be an integer of at least 1.")
 
 
 def _overridden(kernel: str, block_size: int) -> Tiles | None:

@@ -66,8 +66,8 @@ def test_quarter_width_wgmma_is_caught():
 
 
 def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
-    """kernel_resources --candidates: one row per candidate tile, usage where it builds, the
-    compiler's error where it does not (a 48-row tile is no power of two)."""
+    """kernel_resources --candidates: one row per candidate tile, usage where it builds, the error
+    where it does not (a 48-row tile is no power of two: `configs.tiles_override` refuses it)."""
     def candidates(kernel, block_size, head_dim, warps):
         assert warps == (4, 8)
         return [Tiles(64, 64, 64, 8, 2)] + ([Tiles(48, 64, 64, 8, 2)] if kernel == "forward" else [])
@@ -79,7 +79,7 @@ def test_candidate_sweep_records_each_build_and_each_failure(monkeypatch):
     assert [r["kernel"] for r in rows] == ["forward", "forward", "dq_column_grads", "dkdv", "columns"]
     built = [r for r in rows if "error" not in r]
     assert len(built) == 4 and all(r["wgmma"] > 0 and r["registers"] > 0 for r in built)
-    assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"]
+    assert rows[1]["tiles"]["block_m"] == 48 and rows[1]["error"].startswith("ValueError: forward tiles: block_m=48;")
     assert len(table.splitlines()) == 2 + len(rows)
 
 

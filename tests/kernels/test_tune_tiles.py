@@ -44,6 +44,45 @@ def test_override_refuses_unknown_kernels():
         pass
 
 
+@pytest.mark.parametrize("kernel,tiles,field,allowed", [
+    ("forward", Tiles(48, 64, 64, 8, 2), "block_m=48", "a power of two."),
+    ("dq", Tiles(64, 96, 64, 8, 2), "block_n=96", "a power of two."),
+    ("forward", Tiles(64, 0, 64, 8, 2), "block_n=0", "a power of two."),  # 0 only where the kernel does not read it
+    ("dq", Tiles(64, 64, 24, 8, 2), "block_c=24", "a power of two."),
+    ("columns", Tiles(64, 0, 0, 8, 2, query_steps=16), "block_c=0", "a power of two."),
+    ("columns", Tiles(64, 48, 64, 8, 2, query_steps=16), "block_n=48", "a power of two or 0"),
+    ("dkdv", Tiles(64, 128, 12, 8, 3), "block_c=12", "a power of two or 0"),
+    ("columns", Tiles(64, 0, 64, 8, 2, query_steps=3), "query_steps=3", "a power of two."),
+    ("columns", Tiles(64, 0, 64, 8, 2, query_steps=0), "query_steps=0", "a power of two."),
+    ("dq", Tiles(64, 64, 64, 8, 2, query_steps=-2), "query_steps=-2", "a power of two."),
+    ("forward", Tiles(64, 64, 64, 6, 2), "num_warps=6", "a power of two."),
+    ("dkdv", Tiles(64, 128, 64, 8, 0), "num_stages=0", "an integer of at least 1."),
+])
+def test_override_refuses_tiles_a_kernel_cannot_launch(kernel, tiles, field, allowed):
+    """The refusal names the kernel, the field and its value, and what is allowed; nothing is overridden, not
+    even the valid tiles given beside (dk/dv's, unless those are the refused ones)."""
+    default = configs.dkdv_tiles(128, 128, on_gpu=True)
+    with pytest.raises(ValueError) as refused, configs.tiles_override(**({"dkdv": Tiles(32, 64, 0, 4, 2)} |
+                                                                          {kernel: tiles})):
+        pass
+    assert str(refused.value).startswith(f"{kernel} tiles: {field};") and allowed in str(refused.value)
+    assert configs.dkdv_tiles(128, 128, on_gpu=True) == default
+    assert configs.column_tiles(128) is None
+
+
+@pytest.mark.parametrize("kernel", configs.KERNELS + configs.OPTIONAL_KERNELS)
+def test_every_candidate_passes_the_override_checks(kernel):
+    """Every tile candidate, at each layout block and head_dim, with 4 and 8 warps, is accepted as an override
+    (the columns' with block_n 0, which that kernel does not read)."""
+    cands = {t for bs in (64, 128) for d in (64, 128) for t in configs.tile_candidates(kernel, bs, d, warps=(4, 8))}
+    assert cands
+    for t in cands:
+        with configs.tiles_override(**{kernel: t}):
+            pass
+    if kernel == "columns":
+        assert {t.block_n for t in cands} == {0}
+
+
 @pytest.mark.parametrize("kernel", configs.KERNELS)
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("head_dim", [64, 128])
