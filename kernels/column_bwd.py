@@ -11,9 +11,10 @@ atomic add per element: the atomics shrink by about the number of query tiles pe
 Which chunk tokens a query tile's layout row lists: the row's columns are ascending (the layout
 contract, `SparseLayout`), so a cursor per tile (slots consumed so far) gives the row's first slot
 that can meet the chunk; BLOCK_C slots from there hold every listed token of the chunk, matched
-against the chunk's tokens. A tile whose row's span in the union (`ColumnUnion.span`) misses the
-chunk is skipped on two scalars. Pairs are masked as the dq kernel's column steps mask them
-(membership and token visibility; no visibility mask inside the row's fully visible columns).
+against the chunk's tokens. Only the tiles whose row's span in the union (`ColumnUnion.span`) meets
+the chunk are walked, in order, found from the segment's span vectors. Pairs are masked as the dq
+kernel's column steps mask them (membership and token visibility; no visibility mask inside the
+row's fully visible columns).
 Slots out of use and tokens out of range are never read through (nothing of them is in the union;
 the dq kernel turns such rows' dq into NaN).
 """
@@ -57,7 +58,6 @@ def _column_kernel(
     span_lo = tl.load(Span + 2 * lays, mask=s_ok, other=k_len)
     span_hi = tl.load(Span + 2 * lays + 1, mask=s_ok, other=-1)
     cursor = tl.zeros([STEPS], dtype=tl.int32)  # slots of each tile's row consumed by earlier chunks
-    n_steps = tl.minimum(n_tiles - t_lo, STEPS)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -75,46 +75,55 @@ def _column_kernel(
         rows = tok.to(tl.int64)[:, None]
         k = tl.load(k_base + rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        k_idx, k_seg = load_meta(k_index, k_segment, tok, u_ok)
         dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-        for i in range(n_steps):
+        # Only the steps whose row meets the chunk, in order (steps past the tiles never meet it). The step
+        # comes from a reduction rather than a counter, which also keeps LLVM from strength-reducing every
+        # address of a step into an induction pointer of its own, live over the loop (spills in sm_90 builds).
+        meets = (span_lo < c0 + BLOCK_C) & (span_hi >= c0)
+        i = tl.min(tl.where(meets, steps, STEPS), 0)
+        while i < STEPS:
             here = steps == i
-            if (tl.sum(tl.where(here, span_lo, 0)) < c0 + BLOCK_C) & (tl.sum(tl.where(here, span_hi, 0)) >= c0):
-                tile = t_lo + i
-                row_lay = head + tile * BLOCK_M // LAYOUT_BLOCK
-                n_cols = layout_count(ColCnt, row_lay, max_cols)[0]
-                s0 = tl.sum(tl.where(here, cursor, 0))
-                slots = s0 + tl.arange(0, BLOCK_C)
-                # the row's next BLOCK_C slots hold all its listed tokens of this chunk (ascending, and every
-                # listed token is in the union); an invalid token before them is consumed, never matched
-                listed = tl.load(ColIdx + row_lay * max_cols + slots, mask=slots < n_cols, other=INT32_MAX)
-                taken = tl.sum((listed <= last).to(tl.int32), 0)
-                cursor = tl.where(here, cursor + taken, cursor)
-                member = (tl.max((tok[:, None] == listed[None, :]).to(tl.int32), 1) != 0) & u_ok
-                if taken > 0:
-                    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-                    m_ok = offs_m < q_len
-                    q_mask = m_ok[:, None] & d_ok[None, :]
-                    q_rows = offs_m.to(tl.int64)[:, None]
-                    q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qs + offs_d[None, :],
-                                mask=q_mask, other=0.0)
-                    do = tl.load(DOut + b * stride_db + h * stride_dh + q_rows * stride_ds + offs_d[None, :],
-                                 mask=q_mask, other=0.0)
-                    row = (b * num_q_heads + h) * q_len + offs_m
-                    lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
-                    delta = tl.load(Delta + row, mask=m_ok, other=0.0)
-                    p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
-                    p_t = tl.where(member[:, None], p_t, 0.0)
-                    full_lo, full_hi = full_columns(ColFull, row_lay, n_cols)
-                    if (s0 < full_lo) | (s0 + taken > full_hi):
-                        q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)
-                        vis = visible(q_idx[None, :], query_segments(q_seg)[None, :], k_idx[:, None], k_seg[:, None],
-                                      window, HAS_WINDOW)
-                        p_t = tl.where(vis, p_t, 0.0)
-                    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-                    ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
-                    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            tile = t_lo + i
+            row_lay = head + tile * BLOCK_M // LAYOUT_BLOCK
+            n_cols = layout_count(ColCnt, row_lay, max_cols)[0]
+            s0 = tl.sum(tl.where(here, cursor, 0))
+            slots = s0 + tl.arange(0, BLOCK_C)
+            # the row's next BLOCK_C slots hold all its listed tokens of this chunk (ascending, and every
+            # listed token is in the union); an invalid token before them is consumed, never matched
+            listed = tl.load(ColIdx + row_lay * max_cols + slots, mask=slots < n_cols, other=INT32_MAX)
+            taken = tl.sum((listed <= last).to(tl.int32), 0)
+            cursor = tl.where(here, cursor + taken, cursor)
+            member = (tl.max((tok[:, None] == listed[None, :]).to(tl.int32), 1) != 0) & u_ok
+            if taken > 0:
+                offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < q_len
+                q_mask = m_ok[:, None] & d_ok[None, :]
+                q_rows = offs_m.to(tl.int64)[:, None]
+                q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qs + offs_d[None, :],
+                            mask=q_mask, other=0.0)
+                do = tl.load(DOut + b * stride_db + h * stride_dh + q_rows * stride_ds + offs_d[None, :],
+                             mask=q_mask, other=0.0)
+                row = (b * num_q_heads + h) * q_len + offs_m
+                lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
+                delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+                p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+                p_t = tl.where(member[:, None], p_t, 0.0)
+                # ds before the visibility mask, masked with p inside the branch: a product whose result reaches
+                # another product only through a branch is spread over both warpgroups on sm_90; reaching dk's
+                # product directly, dp was computed whole by each warpgroup (32 more registers; spilled at D 128)
+                ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+                full_lo, full_hi = full_columns(ColFull, row_lay, n_cols)
+                if (s0 < full_lo) | (s0 + taken > full_hi):
+                    q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)
+                    k_idx, k_seg = load_meta(k_index, k_segment, tok, u_ok)  # here: not live over the steps
+                    vis = visible(q_idx[None, :], query_segments(q_seg)[None, :], k_idx[:, None], k_seg[:, None],
+                                  window, HAS_WINDOW)
+                    p_t = tl.where(vis, p_t, 0.0)
+                    ds_t = tl.where(vis, ds_t, 0.0)
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+                dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            i = tl.min(tl.where(meets & (steps > i), steps, STEPS), 0)
         # dk without the softmax scale, like the dq kernel's column sums (the dk/dv kernel applies it)
         dst = ((b * num_kv_heads + kvh) * k_len + rows) * HEAD_DIM + offs_d[None, :]
         tl.atomic_add(ColDK + dst, dk, mask=kv_mask, sem="relaxed")

@@ -180,3 +180,33 @@ def test_entries_out_of_range_are_not_read_through(interp):
         assert rel_rms(dq[0][~rows], ref[0][0][~rows]) <= 2 * TOLERANCE[torch.float32]
         for got, r in ((dk, ref[1]), (dv, ref[2])):
             assert rel_rms(got, r) <= 2 * TOLERANCE[torch.float32]
+
+
+def test_steps_that_miss_a_chunk_between_steps_that_meet_it(interp):
+    """A program walks only the query steps whose row meets a chunk: here chunk 0 of head 0 meets layout rows 0
+    and 2 but not row 1 between them, chunk 0 of head 1 rows 1 and 3; row 2 of head 0 keeps its cursor over
+    the chunk it skips part of; the last program holds one query tile of eight steps (the others never meet a
+    chunk). dq, dk, dv equal the fp64 reference and the default path's."""
+    sq, sk, bs = 144, 96, 32  # 5 query blocks (the last of 16 rows) after 96 keys, all visible (a ring step)
+    rows = {0: [[*range(12), *range(40, 48)], [*range(50, 56)], [3, 5, 60, 61], [], [7, 44]],
+            1: [[], [1, 2], [], [1, 62], []]}
+    col_idx = torch.full((1, 2, 5, 20), -1, dtype=torch.int32)
+    for h, cols in rows.items():
+        for qb, c in enumerate(cols):
+            col_idx[0, h, qb, :len(c)] = torch.tensor(c, dtype=torch.int32)
+    col_cnt = torch.tensor([[[len(c) for c in rows[h]] for h in (0, 1)]], dtype=torch.int32)
+    block_idx = torch.full((1, 2, 5, 1), 2, dtype=torch.int32)  # keys 64-95, beside the columns
+    layout = SparseLayout(block_idx, torch.ones(1, 2, 5, dtype=torch.int32), col_idx, col_cnt, bs)
+    span = column_union(col_idx, col_cnt, sk).span[0]
+    assert span[0, :3].tolist() == [[0, 19], [20, 25], [3, 27]] and span[1, :4].tolist() == [[sk, -1], [0, 1],
+                                                                                               [sk, -1], [0, 2]]
+    index = torch.arange(sk + sq).unsqueeze(0)
+    seg = torch.zeros(1, sk + sq, dtype=torch.int32)
+    q_meta, k_meta = TokenMeta(index[:, sk:], seg[:, sk:]), TokenMeta(index[:, :sk], seg[:, :sk])
+    q, k, v, dout, dlse = _inputs(1, 2, 1, sq, sk, 16, torch.float32, seed=63)
+    tiles = configs.Tiles(16, 16, 16, 1, 1, query_steps=8)
+    _, _, *grads = _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, tiles=tiles,
+                                            worker=_run_key_major)
+    atomic = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, 16 ** -0.5, None, dout, dlse))[2:]
+    for label, got, ref in zip(("dq", "dk", "dv"), grads, atomic):
+        assert rel_rms(got, ref) <= TOLERANCE[q.dtype] / 4, label

@@ -137,20 +137,22 @@ def test_probe_counts_tma_copies_whose_box_overfills_their_buffer():
 
 
 
+@pytest.mark.parametrize("steps", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_key_major_column_kernel_builds_on_full_wgmma(head_dim):
+def test_key_major_column_kernel_builds_on_full_wgmma_without_spilling(head_dim, steps):
     """The key-major column kernel (`column_bwd`, launched only under a "columns" override) with its short-list
-    tiles (chunks of 64 columns on the M side of every product, 64-row query steps, 8 warps) builds for sm_90
-    from a launch's arguments: hinted, 16-byte loads, every product on wgmma at least 32 wide as the tile model
-    predicts, shared memory under the H100's. Not yet spill-free at head_dim 128 (Triton 3.9: 255 registers and
-    40 B of stack; 237 registers and none at 64): a candidate for a GPU to time, not a launched kernel."""
-    tiles = Tiles(64, 0, 64, 8, 2, query_steps=16)
+    tiles (chunks of 64 columns on the M side of every product, 64-row query steps, 8 warps, 16 or 32 steps)
+    builds for sm_90 from a launch's arguments: hinted, 16-byte loads, every product on wgmma at least 32 wide
+    as the tile model predicts, shared memory under the H100's, and no spilled register (Triton 3.9: 218 / 216
+    registers at head_dim 128, 200 / 194 at 64; 40 and 48 B of stack at 128 before #50 restructured its step
+    loop). A candidate for a GPU to time, not a launched kernel."""
+    tiles = Tiles(64, 0, 64, 8, 2, query_steps=steps)
     with configs.tiles_override(columns=tiles):
         kernel, args, kwargs = sm90.recorded_launches(sm90.launch_for(head_dim))["columns"]
     assert "columns" not in sm90.recorded_launches(sm90.launch_for(head_dim))  # not launched by default
     use = sm90.usage(sm90.compile_launch(kernel, args, kwargs))
-    assert kwargs["STEPS"] == 16 and kwargs["BLOCK_C"] == 64 and kwargs["BLOCK_M"] == 64
+    assert kwargs["STEPS"] == steps and kwargs["BLOCK_C"] == 64 and kwargs["BLOCK_M"] == 64
     assert use.hinted_args == _hints_of_a_launch(args) > 0 and use.wide_loads > 0, use
     assert use.wgmma > 0 and use.mma_sync == 0, use
     assert use.narrowest_wgmma_n() == configs.narrowest_wgmma_n("columns", tiles, head_dim) >= configs.MIN_WGMMA_N
-    assert use.shared_bytes <= sm90.H100_SHARED_BYTES, use
+    assert use.shared_bytes <= sm90.H100_SHARED_BYTES and use.stack_bytes == 0, use
