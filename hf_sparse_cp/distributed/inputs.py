@@ -35,10 +35,13 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
         return
     x = inputs.get("input_ids")
     x = inputs["inputs_embeds"] if x is None else x
-    weights = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=torch.float64)
-    flat = x.double().reshape(*x.shape[:2], -1).sum(-1)
-    fingerprint = torch.stack([torch.tensor(float(x.numel()), device=x.device, dtype=torch.float64),
-                               (flat * weights).sum()])
+    flat = x.double().reshape(-1)
+    # A weight per element, the same on every rank (seeded): weights by position alone (the same in every row) summed
+    # rows swapped, or a position's tokens swapped between rows, to the same value.
+    weights = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    shape = [float(n) for n in (*x.shape[:2], x.numel())]
+    fingerprint = torch.tensor([*shape, float((flat * weights.to(x.device)).sum())], device=x.device,
+                               dtype=torch.float64)
     lo, hi = fingerprint.clone(), fingerprint.clone()
     all_reduce(lo, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MIN)
     all_reduce(hi, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MAX)

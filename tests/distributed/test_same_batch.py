@@ -60,3 +60,31 @@ def test_the_cp_ranks_batches_are_checked_at_the_first_step_of_each_run_and_diff
         assert rank["checked"] == 3  # the third run stopped at its first step
         assert "hold different rows of tokens" in rank["refused"]
         assert "build it identically on every process" in rank["refused"] and "seed it" in rank["refused"]
+
+
+def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
+    """The same tokens in another arrangement on rank 1 (rows swapped, tokens of one position swapped between rows,
+    two tokens of a row swapped): each is another batch, which splitting over the group would mix."""
+    from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, check_same_batch
+
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    ids = torch.randint(3, 259, (2, 64), generator=torch.Generator().manual_seed(0))
+    ids[1] = ids[0].flip(0)  # rows of the same tokens: equal sums
+    swapped_column = ids.clone()
+    swapped_column[:, 5] = swapped_column[:, 5].flip(0)
+    swapped_pair = ids.clone()
+    swapped_pair[0, [3, 9]] = swapped_pair[0, [9, 3]]
+    swapped_pair[1, [3, 9]] = swapped_pair[1, [9, 3]]
+    refused = {}
+    for name, other in {"same": ids, "rows": ids.flip(0), "column": swapped_column, "pairs": swapped_pair}.items():
+        try:
+            check_same_batch({"input_ids": other if rank == 1 else ids}, par)
+            refused[name] = False
+        except ValueError as e:
+            refused[name] = "hold different rows of tokens" in str(e)
+    return refused
+
+
+def test_the_same_tokens_arranged_otherwise_on_one_rank_are_refused_as_another_batch():
+    for rank in run_gloo(_refusals_of_rearranged_rows, 2, timeout_s=300):
+        assert rank == {"same": False, "rows": True, "column": True, "pairs": True}
