@@ -243,14 +243,21 @@ def build_schedule(
     return Schedule(tuple(stages), _starts(stages, max_steps, samples_per_step, num_samples), tuple(configs))
 
 
-def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None, max_steps: int) -> None:
+def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None, max_steps: int,
+                         cp_config: ContextParallelConfig | None = None) -> None:
     """Raise `build_schedule`'s ValueError for what the flags alone decide, as they parse (before a launch starts
     processes that would each refuse them): with the run's pattern `sparse_config` (None: not known yet) each
-    stage's fields and whole blocks per CP rank, and with --max_steps and no epoch start (resolved from the data)
-    the starts. The world size, the model and the data are checked once the run has them."""
+    stage's fields and whole blocks per CP rank, with the run's CP flags `cp_config` (None: the defaults) each
+    stage's CP layout (`enable_curriculum` builds the same), and with --max_steps and no epoch start (resolved from
+    the data) the starts. The world size, the model and the data are checked once the run has them."""
     stages = parse_schedule(text)
-    for i, stage in enumerate(stages if sparse_config is not None else ()):
-        _stage_config(i, stage, sparse_config)
+    for i, stage in enumerate(stages):
+        try:
+            stage.cp_config(cp_config or ContextParallelConfig())
+        except ValueError as error:
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
+        if sparse_config is not None:
+            _stage_config(i, stage, sparse_config)
     if max_steps > 0 and all(stage.from_step is not None for stage in stages[1:]):
         _starts(stages, max_steps)
 

@@ -215,7 +215,7 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                 # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
                 known = self.sparse_attention and self.sparse_config is None
                 check_schedule_flags(self.cp_schedule, self.sparse_attention_config() if known else None,
-                                     self.max_steps)
+                                     self.max_steps, self.context_parallel_config())
             cp_size = max(cp_size for _, cp_size in self.cp_degrees())
             if cp_size > 1:
                 check_training_arguments(self, cp_size)

@@ -88,6 +88,12 @@ def test_a_schedule_needs_max_steps():
     (dict(cp_schedule="0:256:1,2:500:2"), r"stage 1 \(2:500:2\): seq_len=500 does not split into whole blocks of 32 "
                                           r"tokens over 2 CP ranks .*use seq_len=448 or 512"),
     (dict(cp_schedule="0:256:1,2:512:2:vertical_top=4"), r"\['vertical_top'\] are not sparse-pattern fields"),
+    # a stage's CP fields, alone or with the run's CP flags (they were refused only once the processes had built
+    # their data and model)
+    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=bogus"), r"stage 1 \(2:512:2:cp_mode=bogus\): .*'bogus'"),
+    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=ulysses:cp_sharding=zigzag"),
+     r"stage 1 .*--cp_sharding zigzag would be ignored under --cp_mode ulysses"),
+    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=hybrid"), r"stage 1 .*--cp_mode hybrid needs --cp_ulysses_size"),
 ])
 def test_what_the_flags_alone_decide_is_refused_when_they_parse(tmp_path, flags, match):
     """`hf-sparse-cp train --nproc 2 --cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, which
