@@ -35,9 +35,9 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
         return
     x = inputs.get("input_ids")
     x = inputs["inputs_embeds"] if x is None else x
-    flat = x.double().reshape(-1)
-    # A weight per element, the same on every rank (seeded): weights by position alone (the same in every row) summed
-    # rows swapped, or a position's tokens swapped between rows, to the same value.
+    flat = x.double().reshape(x.shape[0] * x.shape[1], -1).sum(-1)  # per token (an embedding: its sum)
+    # A weight per token of the batch, the same on every rank (seeded): weights by position alone (the same in every
+    # row) summed rows swapped, or a position's tokens swapped between rows, to the same value.
     weights = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     shape = [float(n) for n in (*x.shape[:2], x.numel())]
     fingerprint = torch.tensor([*shape, float((flat * weights.to(x.device)).sum())], device=x.device,

@@ -64,7 +64,8 @@ def test_the_cp_ranks_batches_are_checked_at_the_first_step_of_each_run_and_diff
 
 def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
     """The same tokens in another arrangement on rank 1 (rows swapped, tokens of one position swapped between rows,
-    two tokens of a row swapped): each is another batch, which splitting over the group would mix."""
+    two tokens of a row swapped; embeddings' rows swapped): each is another batch, which splitting over the group
+    would mix."""
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, check_same_batch
 
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
@@ -75,10 +76,14 @@ def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
     swapped_pair = ids.clone()
     swapped_pair[0, [3, 9]] = swapped_pair[0, [9, 3]]
     swapped_pair[1, [3, 9]] = swapped_pair[1, [9, 3]]
+    embeds = torch.nn.functional.embedding(ids, torch.randn(259, 8, generator=torch.Generator().manual_seed(1)))
+    cases = {"same": ("input_ids", ids, ids), "rows": ("input_ids", ids, ids.flip(0)),
+             "column": ("input_ids", ids, swapped_column), "pairs": ("input_ids", ids, swapped_pair),
+             "embeds_same": ("inputs_embeds", embeds, embeds), "embeds_rows": ("inputs_embeds", embeds, embeds.flip(0))}
     refused = {}
-    for name, other in {"same": ids, "rows": ids.flip(0), "column": swapped_column, "pairs": swapped_pair}.items():
+    for name, (key, mine, other) in cases.items():
         try:
-            check_same_batch({"input_ids": other if rank == 1 else ids}, par)
+            check_same_batch({key: other if rank == 1 else mine}, par)
             refused[name] = False
         except ValueError as e:
             refused[name] = "hold different rows of tokens" in str(e)
@@ -87,4 +92,5 @@ def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
 
 def test_the_same_tokens_arranged_otherwise_on_one_rank_are_refused_as_another_batch():
     for rank in run_gloo(_refusals_of_rearranged_rows, 2, timeout_s=300):
-        assert rank == {"same": False, "rows": True, "column": True, "pairs": True}
+        assert rank == {"same": False, "rows": True, "column": True, "pairs": True, "embeds_same": False,
+                        "embeds_rows": True}
