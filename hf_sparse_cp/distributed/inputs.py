@@ -90,6 +90,9 @@ def prepare_context_parallel_inputs(
         before sharding) and sharded `labels` (so stock forwards compute a loss), global
         position_ids, each [B, plan.local_len]; the attention mask and packing keys go into the
         `CPShard` under `cp_shard`. The sequence is padded to whole blocks per rank, never truncated.
+        A stock forward's loss on them is this rank's mean over its own targets (NaN on a shard without
+        any); the batch's loss is `rank_loss(model(**inputs, num_items_in_batch=1).loss,
+        global_num_items(inputs["shift_labels"]), ranks averaging gradients)` (`distributed.loss`).
     """
     if verify_same_batch:
         check_same_batch(inputs, parallel)
