@@ -148,3 +148,50 @@ def test_a_resumed_run_continues_as_if_uninterrupted(ranks):
     # ... and the ranks still hold one model.
     assert _same(ranks[0]["resume"]["full_weights"], ranks[1]["resume"]["full_weights"])
     assert _same(ranks[0]["resume"]["full_masks"], ranks[1]["resume"]["full_masks"])
+
+
+class TwoBranches(torch.nn.Module):
+    """Two sparse matrices; `use_v` False leaves v_proj out of the forward (an MoE expert no token reached)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj = torch.nn.Linear(32, 16, bias=False)
+        self.v_proj = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x, use_v: bool):
+        out = self.q_proj(x).square().sum()
+        return out + self.v_proj(x).pow(3).sum() if use_v else out
+
+
+def _branch_masks(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Two steps (a gradient-regrowth update at the second) of DDP over `TwoBranches`, rank 1 never using v_proj;
+    in one process, the mean of both ranks' losses."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_sparse_cp.smet import create_smet_optimizer
+
+    config = SMETConfig(density=0.5, block_size=8, update_interval=2, prune_rate=0.5, regrowth="gradient",
+                        target_modules=["q_proj", "v_proj"])
+    model = TwoBranches()
+    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(1))
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2)
+    opt.attach()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else None
+    for step in range(2):
+        opt.zero_grad()
+        loss = ddp(x[rank] + step, rank == 0) if ddp else (model(x[0] + step, True) + model(x[1] + step, False)) / 2
+        loss.backward()
+        opt.step()
+    assert opt.topology_updates == 1
+    return {name: opt.state[param]["block_index"].clone() for name, param in model.named_parameters()}
+
+
+def test_gradient_regrowth_under_ddp_with_a_matrix_one_rank_never_used_decides_as_one_process():
+    """A rank whose batch never reached a sparse matrix ran no gradient hook: its part of the regrowth scores is
+    zeros. It averaged one tensor fewer than the other rank (the collectives paired up wrongly: a hang); now every
+    rank chooses the blocks one process chooses on both batches."""
+    (one,) = run_gloo(_branch_masks, 1, timeout_s=120)
+    for rank in run_gloo(_branch_masks, WORLD, timeout_s=120):
+        assert rank.keys() == one.keys()
+        assert all(torch.equal(rank[name], one[name]) for name in one)
