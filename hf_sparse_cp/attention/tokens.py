@@ -116,6 +116,18 @@ def padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
     return int(rows[0, 0]) if rows.numel() else None
 
 
+def padding_queries_see_prior_tokens(meta: TokenMeta) -> TokenMeta:
+    """`meta` with every padding token after a real one in the document of the last real token before it, for use as
+    the queries of a dense call: SDPA and eager mask padding keys only, so such a padding query attends to the real
+    tokens before it, and the stock loss reads its logits where padding sits between a row's tokens (the last padding
+    position predicts the first token after the gap). Its key twin stays padding; padding before a row's first real
+    token sees nothing, as in SDPA."""
+    segment = meta.segment
+    position = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
+    last_real = torch.where(segment != PAD_SEGMENT, position, -1).cummax(dim=1).values
+    return TokenMeta(meta.index, segment.gather(1, last_real.clamp_min(0)).masked_fill(last_real < 0, PAD_SEGMENT))
+
+
 def document_table(segment: torch.Tensor) -> list[list[tuple[int, int]]]:
     """(start, end) of the non-padding documents (runs of one segment id) of every row of [B, S] segment ids, read
     with one device-to-host copy of the segment ids (B x S int32) and found on the host."""

@@ -32,7 +32,7 @@ from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.sinks import sink_shape_error, with_sinks
-from ..attention.tokens import BatchDocumentExtents, TokenMeta, token_meta_from_kwargs
+from ..attention.tokens import BatchDocumentExtents, TokenMeta, padding_queries_see_prior_tokens, token_meta_from_kwargs
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
@@ -466,7 +466,8 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     k_meta = token_meta_from_kwargs(b, k_len, query.device, cache_slots_mask(attention_mask, k_len),
                                     kwargs if q_len == k_len else {})
     held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
-    q_meta = TokenMeta(k_meta.index[:, held - q_len:held], k_meta.segment[:, held - q_len:held])
+    seen = padding_queries_see_prior_tokens(k_meta)  # (padding queries as SDPA's: the loss may read them)
+    q_meta = TokenMeta(seen.index[:, held - q_len:held], seen.segment[:, held - q_len:held])
     layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
     out, lse = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                       sliding_window=sliding_window, check_layout=False,

@@ -18,7 +18,7 @@ from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
-from hf_sparse_cp.attention.tokens import TokenMeta
+from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta, padding_queries_see_prior_tokens
 from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
 from hf_sparse_cp.kernels.indexing import (
     block_summary,
@@ -268,6 +268,24 @@ def test_queries_that_see_nothing_get_zero_and_no_nan(interp):
     blind = lse == float("-inf")
     assert int(blind.sum()) >= s  # the whole second document of both heads
     assert bool((dq[blind] == 0).all())
+
+
+def test_padding_queries_that_see_the_tokens_before_them(interp):
+    """The dense call of a row padded between its tokens: its padding queries read the real keys before them (as
+    SDPA's), not their own padding key; padding before a row's first token and past a narrow window sees nothing."""
+    s, bs = 70, 16
+    q, k, v, dout, dlse = _inputs(2, 4, 2, s, s, 32, torch.float32, seed=11)
+    mask = torch.ones(2, s, dtype=torch.bool)
+    mask[0, 5:40] = False
+    mask[1, :9] = False
+    k_meta = TokenMeta.from_segments(torch.zeros(2, s, dtype=torch.int32).masked_fill(~mask, PAD_SEGMENT))
+    q_meta = padding_queries_see_prior_tokens(k_meta)
+    assert bool((q_meta.segment[0, 5:40] == 0).all()) and bool((q_meta.segment[1, :9] == PAD_SEGMENT).all())
+    blocks = -(-s // bs)
+    layout = SparseLayout.from_blocks(torch.arange(blocks, dtype=torch.int32).expand(2, 1, blocks, blocks),
+                                      torch.full((2, 1, blocks), blocks, dtype=torch.int32), bs)
+    for window in (None, 24):
+        _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=window)
 
 
 def test_non_finite_inputs_give_nan_rows_not_zeros(interp):
