@@ -197,6 +197,11 @@ class SMETAdam(torch.optim.Optimizer):
             self._masked_grads[id(param)] = masked if previous is None else previous.add_(masked)
         grad.masked_fill_(~active, 0)
 
+    def discard_masked_gradients(self) -> None:
+        """Forget the gradients the hooks masked away since the last step: call it when a step was skipped (a
+        GradScaler step that found inf or NaN), whose gradient must not reach the next update's regrowth scores."""
+        self._masked_grads.clear()
+
     # ---- the update ----
 
     @torch.no_grad()

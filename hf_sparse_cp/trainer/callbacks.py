@@ -145,7 +145,7 @@ class SMETCallback(TrainerCallback):
     """Attaches SMET when training begins (after accelerate has prepared the model and a checkpoint was
     loaded), sets the prune-rate decay horizon from `max_steps`, and logs `smet/density`,
     `smet/topology_updates` and `smet/replaced_fraction` (share of active blocks replaced at the last
-    topology update)."""
+    topology update). A step the loss scaler skipped leaves no masked gradient to the next update."""
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         smet = unwrap_smet(optimizer)
@@ -155,6 +155,12 @@ class SMETCallback(TrainerCallback):
         if smet.config.prune_decay_steps is None:
             smet.schedule_horizon = state.max_steps
         smet.attach()
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # a step the loss scaler skipped (fp16: an inf or NaN gradient) kept its masked gradient for the next one
+        smet = unwrap_smet(optimizer)
+        if smet is not None and getattr(optimizer, "step_was_skipped", False):
+            smet.discard_masked_gradients()
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         smet = unwrap_smet(optimizer)

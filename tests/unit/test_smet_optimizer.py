@@ -303,3 +303,34 @@ def test_factory_rejects_unsupported_optimizers_and_arguments():
         create_smet_optimizer(tiny_llama(), config=SMETConfig(block_size=48))
     opt = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, fused=True, lr=1e-3)
     assert opt.param_groups[0]["lr"] == 1e-3 and opt.decoupled_weight_decay
+
+
+def test_a_step_the_loss_scaler_skipped_leaves_no_masked_gradient_to_the_next_regrowth():
+    """Before a gradient-regrowth update the hooks keep what they mask away. A step skipped by the loss scaler (fp16:
+    an inf or NaN gradient) kept it for the next step, whose scores added it: the SMET callback forgets it at such a
+    step, so the update chooses what a run without the skipped backward chooses."""
+    from types import SimpleNamespace
+
+    from hf_sparse_cp.trainer.callbacks import SMETCallback
+
+    config = SMETConfig(density=0.5, block_size=8, update_interval=2, prune_rate=0.5, regrowth="gradient")
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(32, 64, generator=gen) for _ in range(2)]
+    spike = torch.randn(32, 64, generator=gen) * 1e6  # the skipped step's gradient
+
+    def run(skipped: bool) -> torch.Tensor:
+        model = OneMatrix()
+        opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2)
+        weight = model.q_proj.weight
+        for step, grad in enumerate(grads):
+            for g in (spike, grad) if skipped and step == 1 else (grad,):
+                opt.zero_grad()
+                (weight * g).sum().backward()  # the hooks mask the gradient, keeping its inactive part
+                if g is spike:  # the scaler skips the step; the Trainer calls the callbacks as after any step
+                    SMETCallback().on_optimizer_step(None, None, None, optimizer=SimpleNamespace(
+                        optimizer=opt, step_was_skipped=True))
+            opt.step()
+        assert opt.topology_updates == 1
+        return opt.state[weight]["block_index"]
+
+    assert torch.equal(run(skipped=True), run(skipped=False))
