@@ -34,14 +34,7 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
     if parallel.cp_size == 1:
         return
     x = inputs.get("input_ids")
-    x = inputs["inputs_embeds"] if x is None else x
-    flat = x.double().reshape(x.shape[0] * x.shape[1], -1).sum(-1)  # per token (an embedding: its sum)
-    # A weight per token of the batch, the same on every rank (seeded): weights by position alone (the same in every
-    # row) summed rows swapped, or a position's tokens swapped between rows, to the same value.
-    weights = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    shape = [float(n) for n in (*x.shape[:2], x.numel())]
-    fingerprint = torch.tensor([*shape, float((flat * weights.to(x.device)).sum())], device=x.device,
-                               dtype=torch.float64)
+    fingerprint = batch_fingerprint(inputs["inputs_embeds"] if x is None else x)
     lo, hi = fingerprint.clone(), fingerprint.clone()
     all_reduce(lo, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MIN)
     all_reduce(hi, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MAX)
@@ -54,6 +47,24 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
             "Trainer's data loader then hands every CP rank the same rows. Outside the Trainer, also shard the data "
             "over the data-parallel ranks only (num_replicas=dp_size, rank=dp_rank)."
         )
+
+
+# Elements of `x` one step of `batch_fingerprint` widens to float64 (bounds its transient memory).
+FINGERPRINT_ELEMENTS = 1 << 22
+
+
+def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """float64 [4] on x's device: the shape of a batch's input_ids [B, S] or inputs_embeds [B, S, ...] and the sum of
+    its tokens (an embedding: the sum of its elements) each times a seeded random weight, the same on every rank:
+    weights by position alone (the same in every row) summed rows swapped, or a position's tokens swapped between
+    rows, to the same value. Embeddings are widened a slice of tokens at a time: B x S x hidden float64 numbers at
+    once would be four times a bf16 inputs_embeds (a [1, 1M, 4096] batch: 32 GiB)."""
+    rows = x.reshape(x.shape[0] * x.shape[1], -1)
+    step = max(1, FINGERPRINT_ELEMENTS // max(1, rows.shape[1]))
+    flat = torch.cat([rows[i:i + step].double().sum(-1) for i in range(0, rows.shape[0], step)])
+    weights = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    shape = [float(n) for n in (*x.shape[:2], x.numel())]
+    return torch.tensor([*shape, float((flat * weights.to(x.device)).sum())], device=x.device, dtype=torch.float64)
 
 
 def prepare_context_parallel_inputs(
