@@ -16,13 +16,24 @@ log-probabilities come back whole on every rank, so TRL's losses, rewards and me
 
 from __future__ import annotations
 
-from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
+import trl
+from trl import SFTConfig, SFTTrainer
 
 from .sparse_trainer import sparse_arguments_class, sparse_trainer_class
 
 SparseSFTConfig = sparse_arguments_class(SFTConfig)
 SparseSFTTrainer = sparse_trainer_class(SFTTrainer)
-SparseDPOConfig = sparse_arguments_class(DPOConfig)
-SparseDPOTrainer = sparse_trainer_class(DPOTrainer)
-SparseKTOConfig = sparse_arguments_class(KTOConfig)
-SparseKTOTrainer = sparse_trainer_class(KTOTrainer)
+
+
+# DPO's and KTO's switched classes, by name: TRL's class and the switch for it
+_PREFERENCE = {f"Sparse{kind}{part}": (f"{kind}{part}", switch) for kind in ("DPO", "KTO")
+               for part, switch in (("Config", sparse_arguments_class), ("Trainer", sparse_trainer_class))}
+
+
+def __getattr__(name: str) -> type:
+    """`SparseDPOConfig`, `SparseDPOTrainer`, `SparseKTOConfig`, `SparseKTOTrainer`, switched at first use (the same
+    class every time): a TRL that moved its preference trainers leaves the SFT names working."""
+    if name not in _PREFERENCE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    base, switch = _PREFERENCE[name]
+    return switch(getattr(trl, base))
