@@ -121,7 +121,7 @@ def padding_queries_see_prior_tokens(meta: TokenMeta) -> TokenMeta:
     the queries of a dense call: SDPA and eager mask padding keys only, so such a padding query attends to the real
     tokens before it, and the stock loss reads its logits where padding sits between a row's tokens (the last padding
     position predicts the first token after the gap). Its key twin stays padding; padding before a row's first real
-    token sees nothing, as in SDPA."""
+    token sees nothing (output 0, which no loss reads; eager spreads such a row over every key instead)."""
     segment = meta.segment
     position = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
     last_real = torch.where(segment != PAD_SEGMENT, position, -1).cummax(dim=1).values
