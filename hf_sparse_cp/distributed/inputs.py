@@ -64,7 +64,8 @@ def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
     flat = torch.cat([rows[i:i + step].double().sum(-1) for i in range(0, rows.shape[0], step)])
     weights = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     shape = [float(n) for n in (*x.shape[:2], x.numel())]
-    return torch.tensor([*shape, float((flat * weights.to(x.device)).sum())], device=x.device, dtype=torch.float64)
+    total = (flat * weights.to(x.device)).sum().view(1)  # (on the device: no host read)
+    return torch.cat([torch.tensor(shape, device=x.device, dtype=torch.float64), total])
 
 
 def prepare_context_parallel_inputs(
