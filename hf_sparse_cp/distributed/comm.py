@@ -31,6 +31,13 @@ class UnresponsiveRankError(RuntimeError):
     timeout (stopped, hung, or exited)."""
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank in the default process group and the group's size; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def group_timeout(group=None) -> timedelta:
     """The timeout of `group`'s operations (default: the default group's, `init_process_group(timeout=...)`, which
     the Trainer sets from `--ddp_timeout`). torch gives a new group its backend's default instead (30 min for

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..distributed.comm import rank_and_world
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def dtensor_boxes(tensor: torch.Tensor) -> dict[int, Box]:
     """`shard_boxes` of a DTensor; a plain tensor is held whole by every rank of the default group."""
     if isinstance(tensor, DTensor):
         return shard_boxes(tensor.shape, tensor.device_mesh.mesh, tensor.placements)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, world = rank_and_world()
     return dict.fromkeys(range(world), Box.whole(tensor.shape))
 
 

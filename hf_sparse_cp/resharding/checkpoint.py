@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..distributed.comm import rank_and_world
 from .boxes import Box, TargetLayout, dtensor_boxes, plan_transfers
 
 LAYOUT_FILE = "layout.json"
@@ -49,8 +50,7 @@ def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathL
     """
     from safetensors.torch import save_file
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = rank_and_world()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layout, pieces = {}, {}
@@ -124,8 +124,7 @@ def load_sharded_state(
     from safetensors import safe_open
 
     counter = counter if counter is not None else ReadCounter()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = rank_and_world()
     saved_world, tensors = read_layout(folder)
     files: dict[int, object] = {}
 

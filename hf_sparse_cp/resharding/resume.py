@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
+from ..distributed.comm import rank_and_world
 from ..integration import compat
 from ..integration.patching import PatchSet
 from .boxes import TargetLayout
@@ -112,7 +112,7 @@ def _targets(model: torch.nn.Module, optimizer, world: int):
 def load_resharded(folder: str | os.PathLike, model: torch.nn.Module, optimizer) -> None:
     """Load the sharded state of checkpoint `folder` (saved by any number of processes) into this run's
     FSDP2 `model` and `optimizer`; call on every rank."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, world = rank_and_world()
     loaded = load_sharded_state(Path(folder) / SHARDED_STATE, _targets(model, optimizer, world))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -22,7 +22,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
-from ..distributed.comm import group_timeout
+from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import compat
 from ..integration.backend import model_config_for
 from ..integration.fused_ops import (
@@ -198,8 +198,7 @@ def check_launch(trainer: Trainer) -> None:
     """Raise ValueError, naming the fix, when the processes launched and the Trainer's view of them
     disagree: e.g. torchrun on CPU without `--use_cpu` starts N processes that accelerate then runs
     as N independent single-process jobs, each training its own model with no gradient sync."""
-    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    launched = max(launched, int(os.environ.get("WORLD_SIZE", "1")))
+    launched = max(rank_and_world()[1], int(os.environ.get("WORLD_SIZE", "1")))
     running = trainer.accelerator.num_processes
     if launched != running:
         raise ValueError(
