@@ -1,4 +1,8 @@
-"""Run a function in a few local gloo processes (tests and CPU experiments of the distributed code)."""
+"""Run a function in a few local gloo processes (tests and CPU experiments of the distributed code).
+
+The processes fork from a server that imported torch, transformers and the Trainer once (`preload.py`), where
+spawning each one fresh would import them again: seconds a process, most of a small test's time on a CPU.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,17 @@ import torch.multiprocessing as mp
 
 from ..distributed.mesh import quiesce_process_groups
 
+# Where the platform has no fork server (Windows), each process starts fresh.
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+PRELOAD = "hf_sparse_cp.testing.preload"
 
-def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: float, args: tuple) -> None:
+
+def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: float, args: tuple,
+            environ: dict[str, str]) -> None:
+    # The fork server's environment is the one of its start: each process gets its caller's of now, as spawned
+    # processes would (what the preloaded packages read at their import stays the server's).
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank, world_size=world_size,
@@ -39,9 +52,11 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> 
     `fn` must be importable by the children (a module-level function). A rank that raises makes
     this raise; processes still running after `timeout_s` are killed and a TimeoutError raised.
     """
+    if START_METHOD == "forkserver":
+        mp.set_forkserver_preload([PRELOAD])  # (read when the server starts: the first call of a process)
     with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.start_processes(_worker, args=(fn, world_size, workdir, timeout_s, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(fn, world_size, workdir, timeout_s, args, dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
