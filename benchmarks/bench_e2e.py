@@ -394,7 +394,52 @@ def worker_main(spec_json: str, result_path: str) -> None:
 # --------------------------------------------------------------------------------- sweep (parent)
 
 
+# What a CPU run's worker imports, imported once in the parent it forks from (a fresh interpreter importing
+# them again took most of a tiny run's time on a CPU).
+CPU_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "hf_sparse_cp.env", "hf_sparse_cp.loss",
+               "hf_sparse_cp.testing.benchmarking", "hf_sparse_cp.integration.fused_ops",
+               "hf_sparse_cp.integration.memory_savers", "hf_sparse_cp.integration.stats",
+               "hf_sparse_cp.simulator.memory_model")
+
+
+def _forked_worker(spec_json: str, result_path: str, log_path: str) -> None:
+    with open(log_path, "w") as log:  # its output read as a subprocess's would be
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    worker_main(spec_json, result_path)
+
+
+def run_forked(spec: dict, timeout_s: int) -> dict:
+    """`run_in_subprocess` on the CPU: the worker is a process of its own as there (a fresh address space, an
+    out-of-memory kill its own), forked from this one instead of importing torch and transformers again."""
+    import importlib
+    import multiprocessing
+
+    for name in CPU_PRELOAD:
+        importlib.import_module(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path, log_path = Path(tmp) / "result.json", Path(tmp) / "log"
+        base = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"]}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        proc = multiprocessing.get_context("fork").Process(
+            target=_forked_worker, args=(json.dumps(spec), str(result_path), str(log_path)))
+        proc.start()
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            return {**base, "status": "timeout", "reason": f"exceeded {timeout_s} s"}
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        status = "oom" if proc.exitcode == -9 else "error"
+        stderr = log_path.read_text()[-2000:] if log_path.exists() else ""
+        return {**base, "status": status, "reason": f"worker exited with {proc.exitcode}: {stderr}"}
+
+
 def run_in_subprocess(spec: dict, timeout_s: int) -> dict:
+    if spec["device"] == "cpu" and os.name == "posix":
+        return run_forked(spec, timeout_s)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), str(result_path)]
