@@ -3,9 +3,10 @@ OOM.
 
 One training step is forward, backward and AdamW on one sequence of S tokens (B = 1) of a Qwen2.5-0.5B- or
 1.5B-shaped model (random init, bf16 weights, gradient checkpointing, loss from `model(input_ids,
-labels=...)`). Every (model, variant, S) runs in a fresh subprocess, so an out-of-memory error cannot leave
-fragments behind for the next; every variant runs at a length before the next length (a sweep cut off by a
-time limit keeps the comparisons at the shorter lengths), and a variant stops doubling at its first failure.
+labels=...)`). Every (model, variant, S) runs in a fresh subprocess (on the CPU forked from the sweep's process,
+which imported torch once), so an out-of-memory error cannot leave fragments behind for the next; every variant
+runs at a length before the next length (a sweep cut off by a time limit keeps the comparisons at the shorter
+lengths), and a variant stops doubling at its first failure.
 Reported: median step time of the timed steps after warm-up, tokens/s, peak memory
 (`torch.cuda.max_memory_allocated` on GPU, the process's peak RSS on CPU), and for `sparse_cp` the mean kept
 fraction of attention blocks it actually ran and its tokens/s over `sdpa` + liger-kernel and over `sdpa` at
