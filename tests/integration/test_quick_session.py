@@ -58,10 +58,10 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
 
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["complete"] and {(r["variant"], r["seq_len"], r["status"]) for r in e2e["results"]} == {
-        ("sparse_cp", 256, "ok"), ("sdpa+liger", 256, "skipped"), ("sparse_cp", 512, "ok")}
+        ("sparse_cp", 128, "ok"), ("sdpa+liger", 128, "skipped"), ("sparse_cp", 256, "ok")}
     assert {r["fused_ops"]["choice"] for r in e2e["results"] if r["variant"] == "sparse_cp"} == {"off"}  # CPU
     fit = json.loads((tmp_path / "e2e-fit.json").read_text())
-    assert [(r["seq_len"], r["status"]) for r in fit["results"]] == [(1024, "ok"), (2048, "ok")]
+    assert [(r["seq_len"], r["status"]) for r in fit["results"]] == [(512, "ok"), (1024, "ok")]
     assert all(r["predicted_peak_gib"] > 0 for r in fit["results"])  # the memory model's peak beside each run
     layer0 = json.loads((tmp_path / "e2e-layer0.json").read_text())
     assert layer0["sparse_attention"]["dense_first_layers"] == 0 and e2e["sparse_attention"]["dense_first_layers"] == 1
@@ -72,7 +72,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     headline = session["headline"]
     assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"])
     (first_layer,) = headline["first_layer"]
-    assert first_layer["seq_len"] == 256 and first_layer["dense_first_layer_share"] is not None
+    assert first_layer["seq_len"] == 128 and first_layer["dense_first_layer_share"] is not None
     names = [t["target"] for t in headline["verdicts"]]
     assert len(names) == len(set(names)) and "0.5b sparse_cp trains at 1024K" in names
     assert "stage attention ok" in " ".join(proc.stdout.split())
