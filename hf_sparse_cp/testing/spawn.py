@@ -42,7 +42,8 @@ def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: f
             pickle.dump(result, f)
         quiesce_process_groups()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (a run the plugin refused tore it down itself: `launch.refusals.end_refused`)
+            dist.destroy_process_group()
 
 
 def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:

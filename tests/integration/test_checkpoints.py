@@ -137,34 +137,69 @@ def _cli(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _cli_process(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    """One of the processes torchrun starts for `hf-sparse-cp train --nproc WORLD ARGV`: its environment, so the
+    command runs the example here; (exit status, stderr) as python would end it."""
+    import contextlib
+    import io
+    import traceback
+
+    from hf_sparse_cp.cli import main
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            status = main(argv)
+        except SystemExit as e:  # (a refused run: `end_refused`)
+            status = e.code
+        except Exception:  # (an error the run does not mark as a refusal: its traceback)
+            traceback.print_exc()
+            status = 1
+    return status, stderr.getvalue()
+
+
+def _cli_forked(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
+    """`_cli` without the launch: the command in processes forked from run_gloo's server (no interpreter start,
+    ~10 s a process here); for the runs a test does not launch for the launcher's sake. stderr: every rank's."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    argv = ["train", "--nproc", str(nproc), *JOB, *flags, "--output_dir", str(out), "--summary_file",
+            str(out / "summary.json")]
+    ranks = run_gloo(_cli_process, nproc, argv, timeout_s=600)
+    status = next((code for code, _ in ranks if code), 0)
+    return subprocess.CompletedProcess(argv, status, "", "".join(err for _, err in ranks))
+
+
 def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
-    full = _cli(tmp_path / "full", 2, "--cp_size", "2", "--max_steps", "4")
+    full = _cli_forked(tmp_path / "full", 2, "--cp_size", "2", "--max_steps", "4")
     assert full.returncode == 0, full.stderr[-3000:]
     checkpoint = str(tmp_path / "full" / "checkpoint-2")
+    # the resume as launched (torchrun): the command line's one real launch here
     resumed = _cli(tmp_path / "resumed", 2, "--cp_size", "2", "--max_steps", "4",
                    "--resume_from_checkpoint", checkpoint)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # `hf-sparse-cp train` ends with the model card: how the run trained, counting distinct sequences
-    card = (tmp_path / "full" / "README.md").read_text()
+    card = (tmp_path / "resumed" / "README.md").read_text()
     for stated in ("| sequence length | 256 tokens |", "CP 2 x DP 1", "SMET (sparse_weights, density 0.5",
                    "total_train_batch_size: 1 (distinct sequences", "vertical-slash (MTraining)", "- hf-sparse-cp"):
         assert stated in card, stated
-    assert (tmp_path / "full" / "sparse_kept_fraction.png").is_file()
+    assert (tmp_path / "resumed" / "sparse_kept_fraction.png").is_file()
     want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
     got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
     assert len(got) == len(want) == 4
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-6, (got, want)
     # the training state does not depend on how the CP group shares attention: a ring checkpoint resumes
     # under head parallelism
-    heads = _cli(tmp_path / "heads", 2, "--cp_size", "2", "--cp_mode", "ulysses", "--max_steps", "4",
-                 "--resume_from_checkpoint", checkpoint)
+    heads = _cli_forked(tmp_path / "heads", 2, "--cp_size", "2", "--cp_mode", "ulysses", "--max_steps", "4",
+                        "--resume_from_checkpoint", checkpoint)
     assert heads.returncode == 0, heads.stderr[-3000:]
     got = json.loads((tmp_path / "heads" / "summary.json").read_text())["losses"]
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-6, (got, want)
-    one = _cli(tmp_path / "one", 1, "--max_steps", "4", "--resume_from_checkpoint", checkpoint)
+    one = _cli_forked(tmp_path / "one", 1, "--max_steps", "4", "--resume_from_checkpoint", checkpoint)
     assert one.returncode != 0 and "saved with cp_size=2, but this run has cp_size=1" in one.stderr
-    density = _cli(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
-                   "--resume_from_checkpoint", checkpoint)
+    density = _cli_forked(tmp_path / "density", 2, "--cp_size", "2", "--max_steps", "4", "--smet_density", "0.25",
+                          "--resume_from_checkpoint", checkpoint)
     assert density.returncode != 0 and "was saved with smet=" in density.stderr and "'density': 0.5" in density.stderr
 
 
@@ -199,18 +234,18 @@ def test_fsdp2_smet_checkpoints_resume_from_4_processes_on_2_and_on_cp_2_with_th
     from hf_sparse_cp.resharding.resume import SHARDED_STATE
 
     steps = ("--max_steps", "6", "--num_samples", "24", *FSDP2)
-    full = _cli(tmp_path / "full", 4, *steps)
+    full = _cli_forked(tmp_path / "full", 4, *steps)
     assert full.returncode == 0, full.stderr[-3000:]
     # the state once, as each rank holds it (plus the portable model.safetensors): no gathered copies
     saved = {p.name for p in (tmp_path / "full" / "checkpoint-2").iterdir()}
     assert {SHARDED_STATE, "model.safetensors", "scheduler.pt"} <= saved, saved
     assert not saved & {"optimizer.bin", "pytorch_model_fsdp.bin", "optimizer.pt"}, saved
-    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
-                "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
+    on_2 = _cli_forked(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
+                       "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
     assert on_2.returncode == 0, on_2.stderr[-3000:]
     assert read_layout(tmp_path / "on_2" / "checkpoint-4" / SHARDED_STATE)[0] == 2
-    on_4 = _cli(tmp_path / "on_4", 4, *steps, "--cp_size", "2", "--per_device_train_batch_size", "2",
-                "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
+    on_4 = _cli_forked(tmp_path / "on_4", 4, *steps, "--cp_size", "2", "--per_device_train_batch_size", "2",
+                       "--resume_from_checkpoint", str(tmp_path / "on_2" / "checkpoint-4"))
     assert on_4.returncode == 0, on_4.stderr[-3000:]
     want = json.loads((tmp_path / "full" / "summary.json").read_text())
     for run, world, cp, resumed_at in (("on_2", 2, 1, 2), ("on_4", 4, 2, 4)):
@@ -238,12 +273,12 @@ def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every
     from safetensors.torch import load_file
 
     steps = ("--max_steps", "6", "--num_samples", "24", "--cp_schedule", "0:128:1,3:256:2", *FSDP2)
-    full = _cli(tmp_path / "full", 4, *steps)
+    full = _cli_forked(tmp_path / "full", 4, *steps)
     assert full.returncode == 0, full.stderr[-3000:]
     checkpoint = str(tmp_path / "full" / "checkpoint-4")
     assert json.loads((tmp_path / "full" / "checkpoint-4" / MARKER).read_text())["settings"]["world_batch_size"] == 4
-    on_2 = _cli(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
-                checkpoint)
+    on_2 = _cli_forked(tmp_path / "on_2", 2, *steps, "--per_device_train_batch_size", "2",
+                       "--resume_from_checkpoint", checkpoint)
     assert on_2.returncode == 0, on_2.stderr[-3000:]
     want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
     got = json.loads((tmp_path / "on_2" / "summary.json").read_text())["losses"]
@@ -252,14 +287,14 @@ def test_an_fsdp2_curriculum_checkpoint_resumes_on_another_world_size_with_every
     final, ref = (load_file(tmp_path / name / "checkpoint-6" / "model.safetensors") for name in ("on_2", "full"))
     for name, weight in ref.items():
         torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-6, msg=name)
-    same = _cli(tmp_path / "same", 4, *steps, "--resume_from_checkpoint", checkpoint)  # the saved layout: exact
+    same = _cli_forked(tmp_path / "same", 4, *steps, "--resume_from_checkpoint", checkpoint)  # the saved layout: exact
     assert same.returncode == 0, same.stderr[-3000:]
     assert json.loads((tmp_path / "same" / "summary.json").read_text())["losses"] == want
     # (2 processes with the batch that fits them: only the missing FSDP2 differs)
-    without_fsdp = _cli(tmp_path / "ddp", 2, *steps[:-len(FSDP2)], "--per_device_train_batch_size", "2",
-                        "--resume_from_checkpoint", checkpoint)
+    without_fsdp = _cli_forked(tmp_path / "ddp", 2, *steps[:-len(FSDP2)], "--per_device_train_batch_size", "2",
+                               "--resume_from_checkpoint", checkpoint)
     assert without_fsdp.returncode != 0 and "only a run with FSDP2 loads it" in without_fsdp.stderr
-    refused = _cli(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
+    refused = _cli_forked(tmp_path / "refused", 2, *steps, "--resume_from_checkpoint", checkpoint)
     assert refused.returncode != 0
     assert "was saved with 4 sequences per step at CP 1" in refused.stderr, refused.stderr[-3000:]
     assert "Set --per_device_train_batch_size 2 --gradient_accumulation_steps 1" in refused.stderr
