@@ -47,8 +47,9 @@ def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: f
 
 
 def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:
-    """Call `fn(rank, world_size, *args)` in `world_size` spawned processes joined in a gloo group
-    (rendezvous through a temporary file, no port); returns every rank's return value in rank order.
+    """Call `fn(rank, world_size, *args)` in `world_size` new processes joined in a gloo group (rendezvous
+    through a temporary file, no port; each with this process's environment of now, as a spawned one would
+    have); returns every rank's return value in rank order.
 
     `fn` must be importable by the children (a module-level function). A rank that raises makes
     this raise; processes still running after `timeout_s` are killed and a TimeoutError raised.
