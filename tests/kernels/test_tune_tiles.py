@@ -177,7 +177,8 @@ def _toy_tuner(module_path: str):
     tune = importlib.util.module_from_spec(spec)
     sys.modules["tune_tiles"] = tune
     spec.loader.exec_module(tune)
-    args = tune.TuneTilesArguments(seq_len=160, density=0.3, num_verticals=12, num_q_heads=4, num_kv_heads=2,
+    # 3 layout blocks, one diagonal beside the main one (round(0.5 * 3) - 1), 2 query heads on 1
+    args = tune.TuneTilesArguments(seq_len=96, density=0.5, num_verticals=12, num_q_heads=2, num_kv_heads=1,
                                    head_dim=16, block_size=32, warmup=0, repeats=1)
     return tune, tune.Tuner(args, device="cpu")
 
@@ -195,11 +196,17 @@ def _tune_on_cpu(module_path: str):
     return rows, saved
 
 
-def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune):
+@pytest.fixture(scope="module")
+def interp():
+    """One interpreter worker for the module's tuning runs."""
     from hf_sparse_cp.testing.interpreter import interpreter_pool
 
     with interpreter_pool() as pool:
-        rows, saved = pool.apply(_tune_on_cpu, (tune.__file__,))
+        yield pool
+
+
+def test_tuner_times_each_candidate_and_checks_it_computes_the_same(tune, interp):
+    rows, saved = interp.apply(_tune_on_cpu, (tune.__file__,))
     assert [n for n, _ in saved] == [1, 2, 3, 4, 5, 6]  # a report after every candidate
     assert saved[1][1] == ["forward"] and saved[-1][1] == ["dkdv", "dq", "forward"]
     assert [r["kernel"] for r in rows] == ["forward", "forward", "dq", "dq", "dkdv", "dkdv"]
@@ -218,13 +225,10 @@ def _tune_columns_on_cpu(module_path: str):
     return rows, tune.format_table("columns", rows)
 
 
-def test_the_columns_kernel_is_timed_against_the_dq_kernels_atomics(tune):
+def test_the_columns_kernel_is_timed_against_the_dq_kernels_atomics(tune, interp):
     """`--kernels columns`: the launched backward (the dq kernel's column atomics, the "current" row with the dq
     tiles) first, then each key-major candidate, checked to compute the same and timed."""
-    from hf_sparse_cp.testing.interpreter import interpreter_pool
-
-    with interpreter_pool() as pool:
-        rows, table = pool.apply(_tune_columns_on_cpu, (tune.__file__,))
+    rows, table = interp.apply(_tune_columns_on_cpu, (tune.__file__,))
     assert [r["kernel"] for r in rows] == ["columns"] * 2 and [r["current"] for r in rows] == [True, False]
     assert rows[0]["tiles"] == dataclasses.asdict(tune.current_tiles("dq", 32, 16, on_gpu=False))
     assert rows[1]["tiles"]["query_steps"] == 2
