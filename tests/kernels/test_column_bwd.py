@@ -92,6 +92,22 @@ def _run_key_major(*args, tiles):
     return result
 
 
+def _key_major_then_atomic(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, tiles):
+    """`_run_key_major`'s out, lse, dq, dk, dv, then the default path's (the dq kernel's column atomics)
+    dq, dk, dv from the same forward: one interpreter call for both backward paths."""
+    out, lse, *grads = _run_key_major(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, tiles=tiles)
+    call = AttentionCall(q, k, v, layout, scale, q_meta, k_meta, window)
+    modes = []
+    dq_kernel = block_sparse_bwd._dq_kernel
+    dq_kernel.run = lambda *a, _run=dq_kernel.run, **kw: modes.append(kw["COLUMN_GRADS"]) or _run(*a, **kw)
+    try:
+        atomic = kernel_backward(call, out.to(q.dtype), lse, dout, dlse=dlse)
+    finally:
+        del dq_kernel.run
+    assert modes == [block_sparse_bwd._ATOMIC], modes  # the dq kernel did the columns, by atomics
+    return (out, lse, *grads, *atomic)
+
+
 def _scenario(name):
     """(q, k, v, dout, dlse, layout, q_meta, k_meta, window) of a named case."""
     if name == "gqa-per-head-vertical-slash":
@@ -131,10 +147,9 @@ def test_key_major_columns_match_reference_and_the_atomic_path(interp, name, til
     q, k, v, dout, dlse, layout, q_meta, k_meta, window = _scenario(name)
     counts = layout.col_cnt
     assert int((counts == 0).sum()) > 0 and int((counts >= 2).sum()) > 0  # rows without columns, and with several
-    _, _, *grads = _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=window,
-                                            tiles=tiles, worker=_run_key_major)
-    scale = q.shape[-1] ** -0.5
-    atomic = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse))[2:]
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=window,
+                                   tiles=tiles, worker=_key_major_then_atomic)
+    grads, atomic = res[2:5], res[5:]
     for label, got, ref in zip(("dq", "dk", "dv"), grads, atomic):
         assert rel_rms(got, ref) <= TOLERANCE[q.dtype] / 4, label
 
@@ -205,8 +220,8 @@ def test_steps_that_miss_a_chunk_between_steps_that_meet_it(interp):
     q_meta, k_meta = TokenMeta(index[:, sk:], seg[:, sk:]), TokenMeta(index[:, :sk], seg[:, :sk])
     q, k, v, dout, dlse = _inputs(1, 2, 1, sq, sk, 16, torch.float32, seed=63)
     tiles = configs.Tiles(16, 16, 16, 1, 1, query_steps=8)
-    _, _, *grads = _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, tiles=tiles,
-                                            worker=_run_key_major)
-    atomic = interp.apply(_kernel_fwd_bwd, (q, k, v, layout, q_meta, k_meta, 16 ** -0.5, None, dout, dlse))[2:]
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, tiles=tiles,
+                                   worker=_key_major_then_atomic)
+    grads, atomic = res[2:5], res[5:]
     for label, got, ref in zip(("dq", "dk", "dv"), grads, atomic):
         assert rel_rms(got, ref) <= TOLERANCE[q.dtype] / 4, label

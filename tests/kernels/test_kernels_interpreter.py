@@ -154,10 +154,11 @@ def _random_docs(b, s, seed, pad=0, cuts=3):
 def _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=None, scale=None,
                              tiles=None, worker=_kernel_fwd_bwd):
     """Kernel forward and backward (with `tiles` overriding the launchers' tiles; run by `worker`, which
-    takes `_kernel_fwd_bwd`'s arguments) equal the fp64 reference; returns the kernel results."""
+    takes `_kernel_fwd_bwd`'s arguments and returns out, lse, dq, dk, dv, then anything more it computed in
+    the same call) equal the fp64 reference; returns the worker's results."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     res = interp.apply(worker, (q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse), {"tiles": tiles})
-    out, lse, dq, dk, dv = res
+    out, lse, dq, dk, dv = res[:5]
     f64 = [x.double() for x in (q, k, v)]
     ref_out, ref_lse = reference_forward(AttentionCall(*f64, layout, scale, q_meta, k_meta, window))
     tol = TOLERANCE[q.dtype]
