@@ -125,8 +125,8 @@ def _scenario(name):
     if name == "window-partial-block-fp16":
         s = 133
         meta = _random_docs(1, s, seed=45, pad=4, cuts=1)
-        layout = random_layout(1, 4, s, s, 32, 0.3, 0.12, generator=torch.Generator().manual_seed(46))
-        return (*_inputs(1, 4, 2, s, s, 64, torch.float16, seed=47), layout, meta, meta, 50)
+        layout = random_layout(1, 2, s, s, 32, 0.3, 0.12, generator=torch.Generator().manual_seed(46))
+        return (*_inputs(1, 2, 1, s, s, 64, torch.float16, seed=47), layout, meta, meta, 50)
     assert name == "key-shard-longer-than-queries"  # a ring step: 77 queries after 100 keys
     sq, sk = 77, 100
     seg = torch.zeros(1, sq + sk, dtype=torch.int32)
