@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..distributed.comm import rank_and_world
 from .config import SMETConfig
 from .dtensor import like_param, local, local_rows_of
 from .masks import BlockGrid, active_mask, block_l1, expand_index
@@ -256,7 +255,7 @@ class SMETAdam(torch.optim.Optimizer):
             held = self._masked_grads.pop(id(param), None)
             if not self._regrowth_scores_needed(int(self.state[param]["step"].item()) + 1, grid):
                 continue
-            if not isinstance(param, DTensor) and rank_and_world()[1] > 1:
+            if not isinstance(param, DTensor) and _ranks() > 1:
                 # every rank averages the same list: a rank whose batch never reached this weight (an MoE expert,
                 # a branch of its own) ran no hook and masked nothing away, which is zeros, not a missing entry
                 held = torch.zeros_like(grid.blocks(local(param.grad))) if held is None else held
@@ -539,10 +538,16 @@ def _export(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return like_param(param, value)
 
 
+def _ranks() -> int:
+    """Processes of the default process group (1 without one). (smet sits below `distributed` in the layers, whose
+    `comm.rank_and_world` says the same.)"""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _mean_over_ranks(tensors: list[torch.Tensor]) -> None:
     """Average every tensor in place over all ranks of the default process group, as DDP averages
     gradients (a no-op in one process); the collectives run concurrently, in the same order on every rank."""
-    if not tensors or rank_and_world()[1] == 1:
+    if not tensors or _ranks() == 1:
         return
     for work in [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]:
         work.wait()
