@@ -410,50 +410,53 @@ def _forked_worker(spec_json: str, result_path: str, log_path: str) -> None:
     worker_main(spec_json, result_path)
 
 
-def run_forked(spec: dict, timeout_s: int) -> dict:
-    """`run_in_subprocess` on the CPU: the worker is a process of its own as there (a fresh address space, an
-    out-of-memory kill its own), forked from this one instead of importing torch and transformers again."""
+def _forked(spec: dict, result_path: Path, timeout_s: int) -> tuple[int, str] | None:
+    """The worker forked from this process (on the CPU: a process of its own as a fresh one, its address space and
+    an out-of-memory kill its own, without importing torch and transformers again); (exit status, stderr), None
+    past the timeout."""
     import importlib
     import multiprocessing
 
     for name in CPU_PRELOAD:
         importlib.import_module(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path, log_path = Path(tmp) / "result.json", Path(tmp) / "log"
-        base = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"]}
-        sys.stdout.flush()
-        sys.stderr.flush()
-        proc = multiprocessing.get_context("fork").Process(
-            target=_forked_worker, args=(json.dumps(spec), str(result_path), str(log_path)))
-        proc.start()
-        proc.join(timeout_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            return {**base, "status": "timeout", "reason": f"exceeded {timeout_s} s"}
-        if result_path.exists():
-            return json.loads(result_path.read_text())
-        status = "oom" if proc.exitcode == -9 else "error"
-        stderr = log_path.read_text()[-2000:] if log_path.exists() else ""
-        return {**base, "status": status, "reason": f"worker exited with {proc.exitcode}: {stderr}"}
+    log_path = result_path.with_name("log")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    proc = multiprocessing.get_context("fork").Process(
+        target=_forked_worker, args=(json.dumps(spec), str(result_path), str(log_path)))
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return None
+    return proc.exitcode, log_path.read_text() if log_path.exists() else ""
+
+
+def _fresh(spec: dict, result_path: Path, timeout_s: int) -> tuple[int, str] | None:
+    """The worker in a fresh interpreter; (exit status, stderr), None past the timeout."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), str(result_path)]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    return proc.returncode, proc.stderr
 
 
 def run_in_subprocess(spec: dict, timeout_s: int) -> dict:
-    if spec["device"] == "cpu" and os.name == "posix":
-        return run_forked(spec, timeout_s)
+    base = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"]}
+    run = _forked if spec["device"] == "cpu" and os.name == "posix" else _fresh
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), str(result_path)]
-        base = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"]}
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
+        ended = run(spec, result_path, timeout_s)
+        if ended is None:
             return {**base, "status": "timeout", "reason": f"exceeded {timeout_s} s"}
         if result_path.exists():
             return json.loads(result_path.read_text())
         # No result file: the process died (a SIGKILL is usually the kernel's out-of-memory killer).
-        status = "oom" if proc.returncode == -9 else "error"
-        return {**base, "status": status, "reason": f"worker exited with {proc.returncode}: {proc.stderr[-2000:]}"}
+        returncode, stderr = ended
+        status = "oom" if returncode == -9 else "error"
+        return {**base, "status": status, "reason": f"worker exited with {returncode}: {stderr[-2000:]}"}
 
 
 def memory_check(results: list[dict]) -> list[dict]:

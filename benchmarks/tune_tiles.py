@@ -206,20 +206,17 @@ class Tuner:
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles or now), "current": tiles in (None, now)}
             try:
                 with configs.tiles_override(**({kernel: tiles} if tiles else {})):
-                    ms = None
-                    if self.device != "cuda" and a.warmup == 0 and a.repeats == 1:
-                        # the interpreter (a dry run): the checked call is the timed one, each candidate run once
-                        start = time.perf_counter()
-                        got = result()
-                        ms = 1e3 * (time.perf_counter() - start)
-                    else:
-                        got = result()
+                    start = time.perf_counter()
+                    got = result()
+                    checked_ms = 1e3 * (time.perf_counter() - start)
                     err = rel_rms(got, reference)
                     if not same_result(err):
                         row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
                     else:
+                        # the interpreter once, untimed warm-up free (a dry run): the checked call is the timed one
+                        once = self.device != "cuda" and a.warmup == 0 and a.repeats == 1
                         row.update(status="ok", rel_rms=err,
-                                   ms=ms if ms is not None else time_ms(step, a.warmup, a.repeats, self.device))
+                                   ms=checked_ms if once else time_ms(step, a.warmup, a.repeats, self.device))
             except Exception as e:  # a candidate that does not build is data, not the end of the run
                 row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
             if self.device == "cuda":
