@@ -329,3 +329,21 @@ def test_a_prompt_learning_model_is_refused_for_context_parallelism_and_trains_i
     real = mask.bool() if kind == "prefix_tuning" else torch.cat([torch.ones(2, 8, dtype=torch.bool), mask.bool()], 1)
     assert rel_rms(sparse.logits[real], dense.logits[real]) <= 1e-6  # (the stock loss casts logits to fp32)
     assert abs(sparse.loss.item() - dense.loss.item()) <= 1e-6 * dense.loss.item()
+
+
+@pytest.mark.parametrize("kind", sorted(_PROMPT_LEARNING))
+def test_a_prompt_learning_model_generates_the_tokens_sdpa_generates(kind):
+    """generate() on a left-padded batch through the virtual tokens (prefix tuning: virtual keys and values in the
+    cache from the first call on; prompt tuning: virtual embeddings before the padding) gives SDPA's tokens."""
+    base = _base(dtype=torch.float64)
+    hf_sparse_cp.configure(base, SparseAttentionConfig(block_size=BS, min_seq_len=0, vertical_topk=10**4,
+                                                       slash_topk=10**4, dense_first_layers=0))
+    torch.manual_seed(1)
+    model = get_peft_model(base, _PROMPT_LEARNING[kind]()).eval()
+    ids = _rows(2)[:, :40]
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    sparse = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    base.set_attn_implementation("sdpa")
+    dense = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert sparse.shape == (2, 46) and torch.equal(sparse, dense)
