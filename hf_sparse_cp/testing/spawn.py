@@ -6,10 +6,14 @@ spawning each one fresh would import them again: seconds a process, most of a sm
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
+import subprocess
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -101,3 +105,30 @@ def gloo_runs_by_world(fn: Callable, *, timeout_s: float = 600.0) -> Callable[[i
         return cache[world_size]
 
     return get
+
+
+def _cli_process(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    """One of the processes torchrun starts for `hf-sparse-cp ARGV` on WORLD processes: its environment, so the
+    command runs here; (exit status, stderr) as python would end it."""
+    from ..cli import main
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            status = main(argv)
+        except SystemExit as e:  # (a refused run: `launch.refusals.end_refused`)
+            status = e.code
+        except Exception:  # (an error the run does not mark as a refusal: its traceback)
+            traceback.print_exc()
+            status = 1
+    return status, stderr.getvalue()
+
+
+def run_cli(argv: list[str], nproc: int, *, timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+    """`hf-sparse-cp ARGV` (e.g. `train --nproc NPROC ...`) as torchrun's NPROC processes would run it, in processes
+    forked by `run_gloo` (no interpreter start, no launcher: seconds a process on a CPU): for tests whose subject is
+    the run, not the launch. Returns the first nonzero exit status (else 0) and every rank's stderr."""
+    ranks = run_gloo(_cli_process, nproc, list(argv), timeout_s=timeout_s)
+    status = next((code for code, _ in ranks if code), 0)
+    return subprocess.CompletedProcess(list(argv), status, "", "".join(err for _, err in ranks))

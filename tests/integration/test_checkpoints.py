@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+from hf_sparse_cp.testing.spawn import run_cli
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.checkpoints import MARKER, CheckpointMarkerCallback
 
@@ -137,38 +138,11 @@ def _cli(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _cli_process(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
-    """One of the processes torchrun starts for `hf-sparse-cp train --nproc WORLD ARGV`: its environment, so the
-    command runs the example here; (exit status, stderr) as python would end it."""
-    import contextlib
-    import io
-    import traceback
-
-    from hf_sparse_cp.cli import main
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            status = main(argv)
-        except SystemExit as e:  # (a refused run: `end_refused`)
-            status = e.code
-        except Exception:  # (an error the run does not mark as a refusal: its traceback)
-            traceback.print_exc()
-            status = 1
-    return status, stderr.getvalue()
-
-
 def _cli_forked(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
-    """`_cli` without the launch: the command in processes forked from run_gloo's server (no interpreter start,
-    ~10 s a process here); for the runs a test does not launch for the launcher's sake. stderr: every rank's."""
-    from hf_sparse_cp.testing.spawn import run_gloo
-
+    """`_cli` without the launch (`run_cli`), for the runs a test does not launch for the launcher's sake."""
     argv = ["train", "--nproc", str(nproc), *JOB, *flags, "--output_dir", str(out), "--summary_file",
             str(out / "summary.json")]
-    ranks = run_gloo(_cli_process, nproc, argv, timeout_s=600)
-    status = next((code for code, _ in ranks if code), 0)
-    return subprocess.CompletedProcess(argv, status, "", "".join(err for _, err in ranks))
+    return run_cli(argv, nproc)
 
 
 def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):

@@ -4,10 +4,7 @@ defaults: the demo's only for the demo, `--help` shows what a command uses, and 
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 import warnings
 from itertools import pairwise
 from pathlib import Path
@@ -31,6 +28,7 @@ from hf_sparse_cp.examples.train_long_context import (
 from hf_sparse_cp.integration.compat import attn_implementation
 from hf_sparse_cp.recipes import recipe_names, recipe_path
 from hf_sparse_cp.smet import SMETConfig
+from hf_sparse_cp.testing.spawn import run_cli
 from hf_sparse_cp.trainer.arguments import PATTERN_PREFIX, unprefixed
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -289,11 +287,8 @@ def test_each_smet_recipe_trains_one_step(tmp_path, monkeypatch, single_thread, 
 
 def test_a_recipe_runs_with_cp2_on_two_processes(tmp_path):
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", "2", "--recipe", STAGE1.stem, *TINY,
-           "--cp_size", "2", "--output_dir", str(tmp_path / "out"), "--summary_file", str(summary)]
-    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
+    done = run_cli(["train", "--nproc", "2", "--recipe", STAGE1.stem, *TINY, "--cp_size", "2",
+                    "--output_dir", str(tmp_path / "out"), "--summary_file", str(summary)], 2)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(summary.read_text())
     assert (result["world_size"], result["cp_size"]) == (2, 2)
@@ -305,12 +300,8 @@ def test_the_hybrid_recipe_runs_on_four_processes(tmp_path):
     assert (shipped.cp.cp_mode, shipped.cp.cp_size, shipped.cp.cp_ulysses_size) == ("hybrid", 32, 8)
     assert shipped.cp.head_size(shipped.cp.cp_size) == 8 and 16 % 8 == 0  # Qwen2.5-3B's 16 query heads
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", "4", "--recipe", "hybrid_qwen2.5-3b_1m",
-           *TINY, "--cp_size", "4", "--cp_ulysses_size", "2", "--output_dir", str(tmp_path / "out"),
-           "--summary_file", str(summary)]
-    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    done = run_cli(["train", "--nproc", "4", "--recipe", "hybrid_qwen2.5-3b_1m", *TINY, "--cp_size", "4",
+                    "--cp_ulysses_size", "2", "--output_dir", str(tmp_path / "out"), "--summary_file", str(summary)], 4)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(summary.read_text())
     assert (result["world_size"], result["cp_size"]) == (4, 4)

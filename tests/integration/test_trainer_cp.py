@@ -1,8 +1,8 @@
 """Sparse context parallelism through the stock Trainer: the example script under torchrun (gloo).
 
-Runs are launched the way a user launches them (`hf-sparse-cp train --nproc N --cp_size C`, which
-starts torchrun) and compared with the single-process run on the same data: losses per step must
-agree to fp32 rounding, since the CP layout estimation and the ring are exact.
+Runs of `hf-sparse-cp train --nproc N --cp_size C` (one launched as a user launches it, which starts torchrun; the
+others in processes forked as torchrun's, `run_cli`) are compared with the single-process run on the same data:
+losses per step must agree to fp32 rounding, since the CP layout estimation and the ring are exact.
 """
 
 import json
@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.testing.spawn import run_cli
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.context_parallel import (
     disable_trainer_context_parallel,
@@ -30,13 +31,19 @@ JOB = ["--sparse_max_length", "512", "--max_steps", "4", "--num_samples", "8", "
        "--sparse_local_window", "32", "--sparse_sink_tokens", "4", "--sparse_last_q", "32"]
 
 
-def _train(tmp_path, name: str, nproc: int, *flags: str) -> dict:
+def _train(tmp_path, name: str, nproc: int, *flags: str, launch: bool = False) -> dict:
+    """`hf-sparse-cp train --nproc NPROC` with the job and `flags`; its summary. Launched (torchrun) with `launch`,
+    else in processes forked as torchrun's would run (`run_cli`: the run is the subject, not the launcher)."""
     summary = tmp_path / f"{name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", str(nproc), *JOB, *flags,
-           "--output_dir", str(tmp_path / name), "--summary_file", str(summary)]
-    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    argv = ["train", "--nproc", str(nproc), *JOB, *flags, "--output_dir", str(tmp_path / name),
+            "--summary_file", str(summary)]
+    if launch:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("WORLD_SIZE", None)
+        done = subprocess.run([sys.executable, "-m", "hf_sparse_cp.cli", *argv], check=False, env=env,
+                              capture_output=True, text=True, timeout=600)
+    else:
+        done = run_cli(argv, nproc)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(summary.read_text())
 
@@ -61,7 +68,7 @@ def _assert_same_losses(run: dict, ref: dict, same_rows: bool = True, sparse_bel
 
 
 def test_trainer_with_cp2_matches_cp1(tmp_path, reference):
-    run = _train(tmp_path, "cp2", 2, "--cp_size", "2")
+    run = _train(tmp_path, "cp2", 2, "--cp_size", "2", launch=True)  # as a user launches it
     assert (run["world_size"], run["cp_size"]) == (2, 2)
     _assert_same_losses(run, reference[1])
 
