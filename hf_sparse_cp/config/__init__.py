@@ -9,7 +9,13 @@
 """
 
 from .files import FileConfig, check_field_types, read_mapping
-from .sparse_attention import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, check_block_size
+from .sparse_attention import (
+    BACKEND_NAME,
+    MODEL_CONFIG_ATTRIBUTE,
+    SparseAttentionConfig,
+    check_block_size,
+    pattern_holders,
+)
 
 __all__ = [
     "BACKEND_NAME",
@@ -18,5 +24,6 @@ __all__ = [
     "SparseAttentionConfig",
     "check_block_size",
     "check_field_types",
+    "pattern_holders",
     "read_mapping",
 ]

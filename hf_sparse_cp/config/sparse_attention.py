@@ -36,6 +36,13 @@ _WARNED_UNREAD: set[tuple[str, str]] = set()
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 _SECTIONS = ("budget", "scoring")
+
+
+def pattern_holders(model_config: Any) -> list[Any]:
+    """The configs that must hold a model's `MODEL_CONFIG_ATTRIBUTE`: the model's and, for a composite model (Fuyu:
+    a language model under a multimodal config), its text config, which its attention layers read as their own."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return [model_config] if text is model_config else [model_config, text]
 # How messages name the pattern's block size: a run_clm-style script has a `--block_size` of its own (its sequence
 # length), so the plugin's flag is named beside the field.
 BLOCK_SIZE = "block_size (--sparse_block_size)"

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, pattern_holders
 from . import compat
 from .backend import is_registered, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
@@ -97,12 +97,22 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
     config = SparseAttentionConfig() if config is None else config
     if select:  # (what the backend refuses in the model's config and layers, before its settings are read)
         check_model_supports_sparse_attention(model, training=False)
-    config.check_layers(model.config.num_hidden_layers)
+    config.check_layers(pattern_holders(model.config)[-1].num_hidden_layers)  # (the language model's)
     if select:
         select_backend(model)
-    setattr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
+    store_pattern(model, config.to_dict())
     if select:
         guard_registration(model)
+
+
+def store_pattern(model: torch.nn.Module, value: dict | None, patches: PatchSet | None = None) -> None:
+    """Put the pattern's settings `value` (`SparseAttentionConfig.to_dict()`, or None) on every config the model's
+    attention layers read (`pattern_holders`), each change recorded in `patches` when given."""
+    for holder in pattern_holders(model.config):
+        if patches is None:
+            setattr(holder, MODEL_CONFIG_ATTRIBUTE, value)
+        else:
+            patches.set_attr(holder, MODEL_CONFIG_ATTRIBUTE, value)
 
 
 def select_backend(model: torch.nn.Module) -> str | None:

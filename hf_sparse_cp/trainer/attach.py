@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import BACKEND_NAME, SparseAttentionConfig
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import compat
@@ -41,7 +41,14 @@ from ..integration.models import (
     sliding_window_layers,
 )
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
-from ..integration.registration import guard_registration, is_patched, patch, select_backend, unpatch
+from ..integration.registration import (
+    guard_registration,
+    is_patched,
+    patch,
+    select_backend,
+    store_pattern,
+    unpatch,
+)
 from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
@@ -133,7 +140,7 @@ def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArgu
         enable_lean_loss()
         patches.on_undo(disable_lean_loss, outside=True)
     previous = select_backend(model)
-    patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, config.to_dict())
+    store_pattern(model, config.to_dict(), patches)
     if previous is not None and previous != BACKEND_NAME:
         patches.on_undo(functools.partial(_set_attn_implementation, model, previous))
     remove_guard = guard_registration(model)

@@ -47,6 +47,7 @@ from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
+from ..integration.registration import store_pattern
 from .arguments import flag_errors
 from .context_parallel import (
     check_loss,
@@ -392,7 +393,7 @@ class Curriculum:
     def finish(self) -> None:
         """At the end of training, the model's own pattern back on it (recorded): the model saved after
         the run carries the run's pattern, not the last stage's."""
-        self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE, self.pattern)
+        store_pattern(self.trainer.model, self.pattern, self.patches)
         self.index = None
 
     def stage(self) -> int:
@@ -401,8 +402,7 @@ class Curriculum:
         if index != self.index:
             self.index = index
             stage = self.schedule.stages[index]
-            self.patches.set_attr(self.trainer.model.config, MODEL_CONFIG_ATTRIBUTE,
-                                  self.schedule.configs[index].to_dict())
+            store_pattern(self.trainer.model, self.schedule.configs[index].to_dict(), self.patches)
             dims = self.dims[index]
             logger.info("cp_schedule stage %d from step %d: %d-token samples, CP %d (%s) x DP %d.", index,
                         self.trainer.state.global_step, stage.seq_len, dims.cp_size, dims.mode.name, dims.dp_size)
@@ -486,7 +486,7 @@ def enable_curriculum(
     pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
-    patches.set_attr(model.config, MODEL_CONFIG_ATTRIBUTE, schedule.configs[0].to_dict())
+    store_pattern(model, schedule.configs[0].to_dict(), patches)
 
     checked_stages: set[int] = set()  # the stages whose first batch was checked, in this train() call
     first_batch = first_batch_of_each_run(trainer)

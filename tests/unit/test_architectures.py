@@ -226,6 +226,40 @@ def test_a_multimodal_model_with_a_bidirectional_tower_is_refused_by_configure_n
         hf_sparse_cp.unpatch()
 
 
+def test_a_language_model_under_a_multimodal_config_takes_the_pattern_configured_on_the_model():
+    """Fuyu (a Persimmon language model under a multimodal config, no vision tower): configure() failed with
+    AttributeError ('FuyuConfig' object has no attribute 'num_hidden_layers'), and the settings it stored on the
+    model's config would not have reached the layers, which read the text config. Now both configs hold them: the
+    dense pattern gives sdpa's logits, and a narrower local window keeps fewer blocks in every layer."""
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.integration.stats import pop_kept_fractions
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("fuyu", vocab_size=97), attn_implementation="sdpa").eval()
+    assert model.config.get_text_config() is not model.config
+    ids = torch.randint(3, 97, (1, 256), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sdpa = model(input_ids=ids).logits
+    pattern = dict(block_size=16, min_seq_len=0, vertical_topk=2, slash_topk=2, sink_tokens=0, dense_first_layers=0)
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, SparseAttentionConfig(**{**pattern, "vertical_topk": 10**4, "slash_topk": 10**4}))
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, sdpa, rtol=1e-4, atol=1e-5)
+        kept = {}
+        for window in (16, 128):
+            hf_sparse_cp.configure(model, SparseAttentionConfig(**pattern, local_window=window))
+            assert model.config.get_text_config().sparse_attention == model.config.sparse_attention
+            pop_kept_fractions(model)
+            with torch.no_grad():
+                model(input_ids=ids)
+            kept[window] = pop_kept_fractions(model)
+        assert sorted(kept[16]) == sorted(kept[128]) == [0, 1]
+        assert all(kept[16][layer] < 0.6 * kept[128][layer] for layer in (0, 1)), kept
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 @pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2", "gemma2", "olmo3"])
 def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_type):
     """Families whose layer_types default to sliding layers (Gemma 2/3, Cohere 2, OLMo 3): without a window the
