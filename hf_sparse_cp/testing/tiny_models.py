@@ -21,6 +21,10 @@ def _derived(config_class: type, name: str) -> bool:
 # 128 experts of 768): few, small experts, every one reached by a short sequence.
 TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                     shared_expert_intermediate_size=128)
+# Multi-head latent attention (DeepSeek V2/V3, MiniCPM3, GLM-4 MoE Lite): small ranks, one key/value head per query
+# head, queries and keys of 48 (16 of them rotary, the config's head_dim) and values of 32.
+TINY_MLA = dict(num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, kv_lora_rank=32,
+                q_lora_rank=64)
 
 
 def _field_of(config_class: type, name: str) -> bool:
@@ -31,9 +35,10 @@ def _field_of(config_class: type, name: str) -> bool:
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
-    the window then unused; a mixture of experts: `TINY_EXPERTS`); any field can be overridden. A field the
-    architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise
-    is a ValueError that names it, and so is a config transformers refuses to build from these fields."""
+    the window then unused; a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`); any field can be
+    overridden. A field the architecture derives from others (Falcon's `head_dim`) is left to it; an override of
+    one it derives otherwise is a ValueError that names it, and so is a config transformers refuses to build from
+    these fields."""
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -58,7 +63,12 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     fields.update({name: value for name, value in TINY_EXPERTS.items() if _field_of(config_class, name)})
     # No attention dropout under any of its names (GPT-2's attn_pdrop is 0.1 by default): sparse_cp refuses it.
     fields.update({name: 0.0 for name in CONFIG_DROPOUTS if _field_of(config_class, name)})
+    mla = _field_of(config_class, "kv_lora_rank")
+    if mla:
+        fields.update(TINY_MLA)
     fields.update(overrides)
+    if mla and "head_dim" not in overrides:
+        fields["head_dim"] = fields["qk_rope_head_dim"]
     derived = {name for name in fields if _derived(config_class, name)}
     given = {name: value for name, value in fields.items() if name not in derived}
     try:

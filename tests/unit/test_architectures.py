@@ -275,6 +275,31 @@ def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_ty
     assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "minicpm3"])
+def test_a_tiny_model_of_a_latent_attention_family_runs_and_sparse_cp_computes_its_attention(model_type):
+    """Multi-head latent attention: the tiny config's head_dim 32 against the family's rotary width of 64 made a
+    model that failed its first forward under any attention ('The size of tensor a (32) must match the size of
+    tensor b (16)'); `TINY_MLA` makes one that runs, and sparse_cp with every block kept gives sdpa's logits
+    (queries and keys of 48, values of 32)."""
+    from hf_sparse_cp import SparseAttentionConfig
+
+    config = tiny_config(model_type, vocab_size=97)
+    assert config.head_dim == config.qk_rope_head_dim and config.qk_nope_head_dim + config.qk_rope_head_dim == 48
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sdpa = model(input_ids=ids).logits
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
+                                                            slash_topk=10**4, dense_first_layers=0))
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, sdpa, rtol=1e-4, atol=1e-5)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 @pytest.mark.parametrize("family", ["bert", "bart"])
 def test_a_bidirectional_or_encoder_decoder_model_is_refused_naming_the_fix(family):
     """A run_mlm.py-shaped script (BERT) or a seq2seq one (BART) under hf_sparse_cp.run was refused naming the cause
