@@ -3,6 +3,7 @@ demo's default model (`--tiny_model_type`)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
@@ -15,6 +16,11 @@ def _derived(config_class: type, name: str) -> bool:
     `head_dim`), so that it cannot be given."""
     member = inspect.getattr_static(config_class, name, None)
     return isinstance(member, property) and member.fset is None
+
+
+def _attends(layer_types) -> bool:
+    """Whether a config's `layer_types` include an attention layer (not a linear-attention, recurrent or conv one)."""
+    return any("attention" in kind and kind != "linear_attention" for kind in layer_types)
 
 
 # A mixture of experts' sizes, for the architectures whose config has them (their defaults are a real model's: Qwen3-MoE
@@ -80,6 +86,14 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                          "another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of this type from "
                          "--model_name_or_path.") from e
     layer_types = getattr(config, "layer_types", None) or ()
+    if layer_types and not _attends(layer_types) and "layer_types" not in overrides:
+        # Hybrids (Qwen3-Next, Qwen3.5, LFM 3, RecurrentGemma) place attention every few layers, none among two: the
+        # last layer takes the family's attention kind (from its pattern at more layers), so that the model attends
+        kinds = [t for t in getattr(AutoConfig.for_model(model_type, **{**given, "num_hidden_layers": 8}),
+                                    "layer_types", None) or () if _attends([t])]
+        with contextlib.suppress(AttributeError):  # (a family that derives its layer types: left as it builds them)
+            if kinds:
+                config.layer_types = layer_types = [*layer_types[:-1], kinds[0]]
     if config.sliding_window is None and "sliding_attention" in layer_types and "layer_types" not in overrides:
         # Gemma 2/3, Cohere 2, OLMo 3 default to sliding layers, and build a sliding mask even when no layer reads
         # it, which transformers cannot do without a window: every layer full, and a window no layer uses.

@@ -275,16 +275,20 @@ def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_ty
     assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "minicpm3"])
-def test_a_tiny_model_of_a_latent_attention_family_runs_and_sparse_cp_computes_its_attention(model_type):
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "minicpm3", "qwen3_next", "qwen3_5_text", "lfm3"])
+def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_computes_its_attention(model_type):
     """Multi-head latent attention: the tiny config's head_dim 32 against the family's rotary width of 64 made a
     model that failed its first forward under any attention ('The size of tensor a (32) must match the size of
-    tensor b (16)'); `TINY_MLA` makes one that runs, and sparse_cp with every block kept gives sdpa's logits
-    (queries and keys of 48, values of 32)."""
+    tensor b (16)'); `TINY_MLA` makes one that runs (queries and keys of 48, values of 32). Hybrids place attention
+    every few layers, none among the tiny model's two ('get_seq_length can only be called on Attention layers'):
+    the last layer attends. sparse_cp with every block kept gives sdpa's logits."""
     from hf_sparse_cp import SparseAttentionConfig
 
     config = tiny_config(model_type, vocab_size=97)
-    assert config.head_dim == config.qk_rope_head_dim and config.qk_nope_head_dim + config.qk_rope_head_dim == 48
+    if hasattr(config, "kv_lora_rank"):
+        assert config.head_dim == config.qk_rope_head_dim and config.qk_nope_head_dim + config.qk_rope_head_dim == 48
+    else:
+        assert config.layer_types[0] != config.layer_types[1] == "full_attention"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(1))
