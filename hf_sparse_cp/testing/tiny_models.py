@@ -87,7 +87,7 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                          "--model_name_or_path.") from e
     layer_types = getattr(config, "layer_types", None) or ()
     if layer_types and not _attends(layer_types) and "layer_types" not in overrides:
-        # Hybrids (Qwen3-Next, Qwen3.5, LFM 3, RecurrentGemma) place attention every few layers, none among two: the
+        # Hybrids (Qwen3-Next, Qwen3.5, LFM 3) place attention every few layers, none among two of them: the
         # last layer takes the family's attention kind (from its pattern at more layers), so that the model attends
         kinds = [t for t in getattr(AutoConfig.for_model(model_type, **{**given, "num_hidden_layers": 8}),
                                     "layer_types", None) or () if _attends([t])]
