@@ -14,6 +14,7 @@ from .sparse_attention import (
     MODEL_CONFIG_ATTRIBUTE,
     SparseAttentionConfig,
     check_block_size,
+    language_config,
     pattern_holders,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "SparseAttentionConfig",
     "check_block_size",
     "check_field_types",
+    "language_config",
     "pattern_holders",
     "read_mapping",
 ]

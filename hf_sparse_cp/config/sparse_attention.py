@@ -38,10 +38,16 @@ MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 _SECTIONS = ("budget", "scoring")
 
 
+def language_config(model_config: Any) -> Any:
+    """The config of a model's decoder layers (their count, `layer_types`): its text config for a composite model
+    (Fuyu: a language model under a multimodal config), else the model's own."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
 def pattern_holders(model_config: Any) -> list[Any]:
-    """The configs that must hold a model's `MODEL_CONFIG_ATTRIBUTE`: the model's and, for a composite model (Fuyu:
-    a language model under a multimodal config), its text config, which its attention layers read as their own."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    """The configs that must hold a model's `MODEL_CONFIG_ATTRIBUTE`: the model's and, for a composite model, its
+    text config (`language_config`), which its attention layers read as their own."""
+    text = language_config(model_config)
     return [model_config] if text is model_config else [model_config, text]
 # How messages name the pattern's block size: a run_clm-style script has a `--block_size` of its own (its sequence
 # length), so the plugin's flag is named beside the field.

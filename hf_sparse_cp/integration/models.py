@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import BACKEND_NAME
+from ..config import BACKEND_NAME, language_config
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
 from .architectures import ATTENTION_LAYER_TYPES, cp_tested_model_types
@@ -196,14 +196,15 @@ def check_attention_routed(model: torch.nn.Module) -> None:
 
 
 def sliding_window_layers(config) -> list[int]:
-    """The indices of the layers whose `config.layer_types` entry is sliding-window attention."""
-    return [i for i, t in enumerate(getattr(config, "layer_types", None) or ()) if t == "sliding_attention"]
+    """The indices of the layers whose `layer_types` entry is sliding-window attention (`config`: a model's)."""
+    types = getattr(language_config(config), "layer_types", None) or ()
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
 def attention_layers(config) -> list[int]:
     """The layers that run the sparse pattern unless it says dense: all but the sliding-window ones."""
     sliding = set(sliding_window_layers(config))
-    return [i for i in range(config.num_hidden_layers) if i not in sliding]
+    return [i for i in range(language_config(config).num_hidden_layers) if i not in sliding]
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ProbedCall]]:

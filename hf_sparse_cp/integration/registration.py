@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, pattern_holders
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
 from . import compat
 from .backend import is_registered, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
@@ -97,7 +97,7 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
     config = SparseAttentionConfig() if config is None else config
     if select:  # (what the backend refuses in the model's config and layers, before its settings are read)
         check_model_supports_sparse_attention(model, training=False)
-    config.check_layers(pattern_holders(model.config)[-1].num_hidden_layers)  # (the language model's)
+    config.check_layers(language_config(model.config).num_hidden_layers)
     if select:
         select_backend(model)
     store_pattern(model, config.to_dict())

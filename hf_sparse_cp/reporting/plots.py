@@ -23,7 +23,7 @@ from ..attention import sequence
 from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..backends import require_matplotlib
-from ..config import SparseAttentionConfig
+from ..config import SparseAttentionConfig, language_config
 from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
 from ..recipes import pattern_path
@@ -300,7 +300,7 @@ def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
     try:
         model = load_sparse_model(model_path, sparse_config)
         # refused before the forward, not after it
-        _check_choice(layers or [], range(model.config.num_hidden_layers), "layers", "--layers")
+        _check_choice(layers or [], range(language_config(model.config).num_hidden_layers), "layers", "--layers")
         _check_choice(heads or [], range(model.config.num_attention_heads), "heads", "--heads")
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from ..config import BACKEND_NAME, SparseAttentionConfig
+from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import compat
@@ -113,7 +113,7 @@ def enable_sparse_attention(
     with flag_errors((ValueError,)):  # (what the kernels do not compute, naming the fix: the message alone)
         check_model_supports_sparse_attention(model)
     with flag_errors():  # (the user's settings against this model: a launched script ends with the message alone)
-        config.check_layers(model.config.num_hidden_layers)
+        config.check_layers(language_config(model.config).num_hidden_layers)
     if max_length is not None:
         config.check_sparse_at(max_length, attention_layers(model.config))
     undo_recorded(model, _SPARSE_ATTENTION)
@@ -232,7 +232,7 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     """One line on how the model's layers attend: sparse or dense, and why."""
     config = model.config
     cfg = model_config_for(model)
-    n = config.num_hidden_layers
+    n = language_config(config).num_hidden_layers
     sliding = sliding_window_layers(config)
     dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
     sparse = [i for i in range(n) if i not in dense and i not in sliding]

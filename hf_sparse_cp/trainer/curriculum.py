@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config
 from ..config.files import check_field_types
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
 from ..integration import compat
@@ -431,7 +431,7 @@ def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
                           max_steps=args.max_steps, samples_per_step=per_step,
                           num_samples=len(dataset) if hasattr(dataset, "__len__") else None,
                           layers=attention_layers(trainer.model.config),
-                          n_layers=trainer.model.config.num_hidden_layers)
+                          n_layers=language_config(trainer.model.config).num_hidden_layers)
 
 
 def enable_curriculum(

@@ -258,6 +258,22 @@ def test_a_language_model_under_a_multimodal_config_takes_the_pattern_configured
         assert all(kept[16][layer] < 0.6 * kept[128][layer] for layer in (0, 1)), kept
     finally:
         hf_sparse_cp.unpatch()
+    # the Trainer's path (SparseTrainer, `hf_sparse_cp.run`): the same, and undone on both configs
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
+
+    del model.config.sparse_attention, model.config.get_text_config().sparse_attention
+    model.set_attn_implementation("sdpa")
+    enable_sparse_attention(model, SparseCPArguments(sparse_attention=True),
+                            SparseAttentionConfig(**pattern, local_window=16), max_length=256)
+    try:
+        pop_kept_fractions(model)
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert pop_kept_fractions(model) == kept[16]
+    finally:
+        disable_sparse_attention(model)
+    assert not any(hasattr(c, "sparse_attention") for c in (model.config, model.config.get_text_config()))
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2", "gemma2", "olmo3"])
