@@ -301,7 +301,7 @@ def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
         model = load_sparse_model(model_path, sparse_config)
         # refused before the forward, not after it
         _check_choice(layers or [], range(language_config(model.config).num_hidden_layers), "layers", "--layers")
-        _check_choice(heads or [], range(model.config.num_attention_heads), "heads", "--heads")
+        _check_choice(heads or [], range(language_config(model.config).num_attention_heads), "heads", "--heads")
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         except (OSError, ValueError) as e:
