@@ -213,7 +213,7 @@ class Tuner:
                     if not same_result(err):
                         row.update(status="wrong", reason=f"rel. RMS {err:.2e} from the current tiles' result")
                     else:
-                        # the interpreter once, untimed warm-up free (a dry run): the checked call is the timed one
+                        # a dry run (off CUDA, no warm-up, one repeat): the checked call is the timed one
                         once = self.device != "cuda" and a.warmup == 0 and a.repeats == 1
                         row.update(status="ok", rel_rms=err,
                                    ms=checked_ms if once else time_ms(step, a.warmup, a.repeats, self.device))
