@@ -50,6 +50,14 @@ def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: f
             dist.destroy_process_group()
 
 
+def process_context():
+    """The multiprocessing context of `run_gloo`'s processes (its fork server, which preloads the packages), for a
+    test that starts processes of its own."""
+    if START_METHOD == "forkserver":
+        mp.set_forkserver_preload([PRELOAD])  # (read when the server starts: the first call of a process)
+    return mp.get_context(START_METHOD)
+
+
 def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:
     """Call `fn(rank, world_size, *args)` in `world_size` new processes joined in a gloo group (rendezvous
     through a temporary file, no port; each with this process's environment of now, as a spawned one would
@@ -58,8 +66,7 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> 
     `fn` must be importable by the children (a module-level function). A rank that raises makes
     this raise; processes still running after `timeout_s` are killed and a TimeoutError raised.
     """
-    if START_METHOD == "forkserver":
-        mp.set_forkserver_preload([PRELOAD])  # (read when the server starts: the first call of a process)
+    process_context()
     with tempfile.TemporaryDirectory() as workdir:
         ctx = mp.start_processes(_worker, args=(fn, world_size, workdir, timeout_s, args, dict(os.environ)),
                                  nprocs=world_size, join=False, start_method=START_METHOD)

@@ -6,7 +6,6 @@ transformers does not pass the Trainer's --ddp_timeout to the process group at a
 
 import datetime
 import json
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -80,7 +79,9 @@ def _rank(rank: int, workdir: str) -> None:
 
 
 def test_a_stopped_rank_makes_the_other_exit_naming_it_within_the_timeout():
-    ctx = multiprocessing.get_context("spawn")
+    from hf_sparse_cp.testing.spawn import process_context
+
+    ctx = process_context()  # (its processes have imported transformers already)
     with tempfile.TemporaryDirectory() as workdir:
         ranks = [ctx.Process(target=_rank, args=(rank, workdir)) for rank in range(2)]
         for p in ranks:
