@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
+from hf_sparse_cp.testing.spawn import run_gloo
 
-from smet_common import free_port, fsdp2_smet, lm_loss, markov_tokens, tiny_llama
+from smet_common import fsdp2_smet, lm_loss, markov_tokens, tiny_llama
 
 WORLD = 2
 STEPS, SAVE_AT = 10, 5
@@ -90,7 +90,7 @@ def _fsdp_plugin(kind: str):
     return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, world, out_dir):
     from accelerate import PartialState
     from accelerate.utils.fsdp_utils import (
         load_fsdp_model,
@@ -104,72 +104,65 @@ def _worker(rank, port, out_dir):
     )
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     PartialState(cpu=True)  # accelerate's checkpoint helpers log through it
     accelerator = SimpleNamespace(process_index=rank, num_processes=WORLD, is_fsdp2=True,
                                   is_main_process=rank == 0, wait_for_everyone=dist.barrier)
     results = {}
-    try:
-        for name, (config, model_kw) in SCENARIOS.items():
-            sharded = _fsdp_plugin("SHARDED_STATE_DICT")
-            ckpt = os.path.join(out_dir, name)
-            model, opt = _sharded_model_and_optimizer(config, model_kw, seed=0)
-            batches = _batches(model.config.vocab_size)
-            head = _train(model, opt, batches[:SAVE_AT], rank)
-            save_fsdp_model(sharded, accelerator, model, ckpt)
-            save_fsdp_optimizer(sharded, accelerator, opt, model, ckpt)
-            full_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-            tail = _train(model, opt, batches[SAVE_AT:], rank)
-            final = {n: p.full_tensor() for n, p in model.named_parameters()}
-            local_rows = {n: opt.state[p]["block_index"].shape[0] for n, p in model.named_parameters()
-                          if "block_index" in opt.state[p]}
+    for name, (config, model_kw) in SCENARIOS.items():
+        sharded = _fsdp_plugin("SHARDED_STATE_DICT")
+        ckpt = os.path.join(out_dir, name)
+        model, opt = _sharded_model_and_optimizer(config, model_kw, seed=0)
+        batches = _batches(model.config.vocab_size)
+        head = _train(model, opt, batches[:SAVE_AT], rank)
+        save_fsdp_model(sharded, accelerator, model, ckpt)
+        save_fsdp_optimizer(sharded, accelerator, opt, model, ckpt)
+        full_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        tail = _train(model, opt, batches[SAVE_AT:], rank)
+        final = {n: p.full_tensor() for n, p in model.named_parameters()}
+        local_rows = {n: opt.state[p]["block_index"].shape[0] for n, p in model.named_parameters()
+                      if "block_index" in opt.state[p]}
 
-            # Resume from the sharded checkpoint into a differently initialised model.
-            model2, opt2 = _sharded_model_and_optimizer(config, model_kw, seed=1, attach=False)
-            load_fsdp_model(sharded, accelerator, model2, ckpt)
-            load_fsdp_optimizer(sharded, accelerator, opt2, model2, ckpt)
-            opt2.attach()
-            resumed = _train(model2, opt2, batches[SAVE_AT:], rank)
-            resumed_final = {n: p.full_tensor() for n, p in model2.named_parameters()}
+        # Resume from the sharded checkpoint into a differently initialised model.
+        model2, opt2 = _sharded_model_and_optimizer(config, model_kw, seed=1, attach=False)
+        load_fsdp_model(sharded, accelerator, model2, ckpt)
+        load_fsdp_optimizer(sharded, accelerator, opt2, model2, ckpt)
+        opt2.attach()
+        resumed = _train(model2, opt2, batches[SAVE_AT:], rank)
+        resumed_final = {n: p.full_tensor() for n, p in model2.named_parameters()}
 
-            # Full state dict through accelerate (gathered to rank 0, broadcast on load) restores every shard.
-            full = _fsdp_plugin("FULL_STATE_DICT")
-            save_fsdp_optimizer(full, accelerator, opt2, model2, ckpt + "-full")
-            opt3 = create_smet_optimizer(model2, torch.optim.AdamW, config, lr=LR, attach=False)
-            load_fsdp_optimizer(full, accelerator, opt3, model2, ckpt + "-full")
-            for param in model2.parameters():
-                for key, value in opt2.state[param].items():
-                    assert torch.equal(opt3.state[param][key], value), key
-
-            # The full (gathered) optimizer state dict holds every row once, as plain tensors.
-            full_index = {
-                k.split(".block_index")[0]: v for k, v in _flatten(full_state["state"]).items()
-                if k.endswith("block_index")
-            }
-            assert all(not isinstance(v, DTensor) for v in full_index.values())
-            results[name] = dict(head=head, tail=tail, resumed=resumed, final=final, resumed_final=resumed_final,
-                                 local_rows=local_rows, full_index=full_index)
-
-        # A full checkpoint of another density is refused by name. Saved with one active block per row
-        # (4-block attention rows at density 0.25), its states would broadcast into the two slots of
-        # density 0.5 without an error from torch (every row's two slots holding the same block).
-        sparser = SMETConfig(density=0.25, block_size=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-        model, opt = _sharded_model_and_optimizer(sparser, {}, seed=0)
+        # Full state dict through accelerate (gathered to rank 0, broadcast on load) restores every shard.
         full = _fsdp_plugin("FULL_STATE_DICT")
-        save_fsdp_optimizer(full, accelerator, opt, model, os.path.join(out_dir, "sparser"))
-        denser = create_smet_optimizer(model, torch.optim.AdamW, dataclasses.replace(sparser, density=0.5), lr=LR,
-                                       attach=False)
-        try:
-            load_fsdp_optimizer(full, accelerator, denser, model, os.path.join(out_dir, "sparser"))
-        except ValueError as error:
-            results["other_density"] = str(error)
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, "results.pt"))
-    finally:
-        dist.destroy_process_group()
+        save_fsdp_optimizer(full, accelerator, opt2, model2, ckpt + "-full")
+        opt3 = create_smet_optimizer(model2, torch.optim.AdamW, config, lr=LR, attach=False)
+        load_fsdp_optimizer(full, accelerator, opt3, model2, ckpt + "-full")
+        for param in model2.parameters():
+            for key, value in opt2.state[param].items():
+                assert torch.equal(opt3.state[param][key], value), key
+
+        # The full (gathered) optimizer state dict holds every row once, as plain tensors.
+        full_index = {
+            k.split(".block_index")[0]: v for k, v in _flatten(full_state["state"]).items()
+            if k.endswith("block_index")
+        }
+        assert all(not isinstance(v, DTensor) for v in full_index.values())
+        results[name] = dict(head=head, tail=tail, resumed=resumed, final=final, resumed_final=resumed_final,
+                             local_rows=local_rows, full_index=full_index)
+
+    # A full checkpoint of another density is refused by name. Saved with one active block per row
+    # (4-block attention rows at density 0.25), its states would broadcast into the two slots of
+    # density 0.5 without an error from torch (every row's two slots holding the same block).
+    sparser = SMETConfig(density=0.25, block_size=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model, opt = _sharded_model_and_optimizer(sparser, {}, seed=0)
+    full = _fsdp_plugin("FULL_STATE_DICT")
+    save_fsdp_optimizer(full, accelerator, opt, model, os.path.join(out_dir, "sparser"))
+    denser = create_smet_optimizer(model, torch.optim.AdamW, dataclasses.replace(sparser, density=0.5), lr=LR,
+                                   attach=False)
+    try:
+        load_fsdp_optimizer(full, accelerator, denser, model, os.path.join(out_dir, "sparser"))
+    except ValueError as error:
+        results["other_density"] = str(error)
+    return results if rank == 0 else None
 
 
 def _flatten(state):
@@ -177,8 +170,7 @@ def _flatten(state):
 
 
 def test_fsdp2_matches_one_process_and_resumes_from_sharded_checkpoints(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    results = torch.load(tmp_path / "results.pt", weights_only=False)
+    results = run_gloo(_worker, WORLD, str(tmp_path), timeout_s=600)[0]
     for name, (config, model_kw) in SCENARIOS.items():
         got = results[name]
         losses, weights, snapshot = _single_process(config, model_kw)
