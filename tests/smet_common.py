@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -75,12 +73,6 @@ def markov_tokens(num: int, length: int = 32, seed: int = 0, vocab: int = VOCAB)
         choice = torch.multinomial(probs.expand(num, 3), 1, generator=gen).squeeze(1)
         tokens[:, t] = successors[tokens[:, t - 1], choice]
     return tokens
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fsdp2_smet(model: torch.nn.Module, config, world: int, *, lr: float, attach: bool = True):
