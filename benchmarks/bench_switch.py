@@ -99,7 +99,7 @@ def _worker(role: str, stop_at: int, report: str, flags: list[str]) -> None:
     from hf_sparse_cp.examples.train_long_context import build_trainer, parse_args
     from hf_sparse_cp.resharding.resume import training_state
     from hf_sparse_cp.testing.benchmarking import peak_rss
-    from hf_sparse_cp.trainer.curriculum import parse_schedule
+    from hf_sparse_cp.trainer.schedule import parse_schedule
 
     out = {"role": role, "imported": time.time(), "start_peak_rss": peak_rss(), "step_end": {}, "peak_rss": {},
            "loss": {}, "cp_size": {}}

@@ -68,7 +68,7 @@ from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
-from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS
+from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS
 
 logger = logging.getLogger(__name__)
 

@@ -147,7 +147,7 @@ def _launch(argv: list[str]) -> int:
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
-        from hf_sparse_cp.run import parse_plugin_flags
+        from hf_sparse_cp.launch.command import parse_plugin_flags
 
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
         cp_flags = launched_cp_flags(plugin, args)

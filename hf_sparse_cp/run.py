@@ -20,40 +20,19 @@ builds in code. `--help` before the script path lists them, the common ones firs
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import runpy
 import sys
 from collections.abc import Sequence
 
-from transformers import HfArgumentParser
-
-from hf_sparse_cp.launch.command import check_command, split_command
+from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
 from hf_sparse_cp.launch.launched import launched, plugin_flags_in
 from hf_sparse_cp.launch.refusals import end_refused
-from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups, is_flag_error
-from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS, PluginArguments
+from hf_sparse_cp.trainer.arguments import is_flag_error
 
 PROG = "python -m hf_sparse_cp.run"
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written (its command lines), and every flag's default."""
-
-
-def parse_plugin_flags(flags: Sequence[str], *, prog: str = PROG, usage: str = USAGE) -> PluginArguments:
-    """The plugin flags given before the script path (help and errors as argparse's, as `prog`)."""
-    parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=prog, usage=usage,
-                              description=__doc__, formatter_class=_HelpFormatter)  # (--help: the common flags first)
-    try:
-        common, other = parser.parse_args_into_dataclasses(list(flags))
-        plugin = PluginArguments(**vars(common), **vars(other))
-    except (OSError, ValueError) as e:  # (a --sparse_config / --smet_config file that is not there names it)
-        parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
-    plugin.explicit_flags = explicit_fields(parser, flags)
-    return plugin
 
 
 def run_target(target: str, is_module: bool, args: Sequence[str]) -> None:
@@ -82,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hf_sparse_cp.run`: see the module's doc."""
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
-    plugin = parse_plugin_flags(flags)  # (--help exits here)
+    plugin = parse_plugin_flags(flags, prog=PROG, usage=USAGE, description=__doc__)  # (--help exits here)
     with launched(plugin) as run:
         try:
             run_target(target, is_module, args)

@@ -186,7 +186,7 @@ def capturing_layouts() -> Iterator:
 def launch() -> Iterator:
     from hf_sparse_cp.integration.compat import argument_parser_classes
     from hf_sparse_cp.launch.launched import launched
-    from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+    from hf_sparse_cp.trainer.plugin_arguments import PluginArguments
 
     parsers = argument_parser_classes()
     yield [*((parser, name) for parser in parsers for name in ("__init__", "parse_args_into_dataclasses", "error")),
@@ -198,7 +198,7 @@ def launch() -> Iterator:
 def launched_trainer() -> Iterator:
     from hf_sparse_cp import detach_from_trainer
     from hf_sparse_cp.launch.launched import launched
-    from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+    from hf_sparse_cp.trainer.plugin_arguments import PluginArguments
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = object.__new__(Trainer)  # (what `Trainer(...)` creates before its __init__ runs)

@@ -1,7 +1,8 @@
 """The grammar of a launch command (`python -m hf_sparse_cp.run`, `hf-sparse-cp launch`): the plugin's flags, then
 the script (a path, or `-m module`), then the script's own arguments. The script is found as python finds it on
 its own command line: the first argument that is neither a flag nor a flag's value, which the plugin's argument
-classes decide (so this module imports them: the launcher's light options are read before, in `processes.py`)."""
+classes decide (so this module imports them, without the Trainer: `trainer.plugin_arguments`; the launcher's light
+options are read before, in `processes.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from collections.abc import Sequence
 
 from transformers import HfArgumentParser
 
-from hf_sparse_cp.trainer.arguments import did_you_mean
-from hf_sparse_cp.trainer.sparse_trainer import PluginArguments
+from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
+from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments
 
 
 class _Refused(Exception):
@@ -38,6 +39,25 @@ class _SplitParser(HfArgumentParser):
             return not self.parse_known_args(list(argv))[1]
         except _Refused:
             return False
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its command lines), and every flag's default."""
+
+
+def parse_plugin_flags(flags: Sequence[str], *, prog: str | None = None, usage: str | None = None,
+                       description: str | None = None) -> PluginArguments:
+    """The plugin flags given before the script path (help and errors as argparse's, as `prog`; `--help` lists the
+    common flags first, after `description`)."""
+    parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=prog, usage=usage,
+                              description=description, formatter_class=_HelpFormatter)
+    try:
+        common, other = parser.parse_args_into_dataclasses(list(flags))
+        plugin = PluginArguments(**vars(common), **vars(other))
+    except (OSError, ValueError) as e:  # (a --sparse_config / --smet_config file that is not there names it)
+        parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
+    plugin.explicit_flags = explicit_fields(parser, flags)
+    return plugin
 
 
 class _Quiet(argparse.ArgumentParser):

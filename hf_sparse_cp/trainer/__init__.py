@@ -2,9 +2,11 @@
 
 * `sparse_trainer.py`: `SparseTrainingArguments` and `SparseTrainer`, the one switch for a Trainer script;
 * `arguments.py`: `SparseCPArguments`, `SMETArguments`, `explicit_fields` (flags for `HfArgumentParser`);
+* `plugin_arguments.py`: every plugin flag as a field, and `PluginArguments` (those alone), without the Trainer;
 * `attach.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
-* `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`);
+* `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`), whose
+  stages `schedule.py` reads;
 * `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints;
 * `cpu_fsdp.py`: `--fsdp` as FSDP2 on CPU processes; `smet.py`: `install_smet` / `uninstall_smet`;
 * `callbacks.py`: kept-fraction and SMET logging; `packing.py`: the block-aligned packing collator.

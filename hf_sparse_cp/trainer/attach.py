@@ -53,7 +53,8 @@ from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
-from .curriculum import disable_curriculum, enable_curriculum, parse_schedule, schedule_for
+from .curriculum import disable_curriculum, enable_curriculum, schedule_for
+from .schedule import parse_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ def attach_to_trainer(
             `ParallelismConfig`) the trainer switches to sparse context parallelism.
         max_length: the training sequence length, when known: the start-up line then says whether
             any document reaches `min_seq_len`.
-        cp_schedule: a context-length curriculum (`curriculum.parse_schedule`): the stages' CP degrees
+        cp_schedule: a context-length curriculum (`schedule.parse_schedule`): the stages' CP degrees
             replace `cp_config.cp_size`, switched online at step boundaries (`curriculum.py`).
 
     Returns:

@@ -29,19 +29,16 @@ the sampler begins at the resumed step).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config
-from ..config.files import check_field_types
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
@@ -60,116 +57,11 @@ from .context_parallel import (
     step_inputs,
     warn_inexact,
 )
+from .schedule import Stage, parse_schedule
 
 logger = logging.getLogger(__name__)
 
 _FEATURE = "curriculum"
-_EPOCH_SUFFIX = "ep"
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage: from optimizer step `from_step` (or data epoch `from_epoch`) on, samples of
-    `seq_len` tokens on CP groups of `cp_size` ranks, with the sparse-pattern fields in `sparse` and the
-    CP fields in `cp` (`ContextParallelConfig`: cp_mode, cp_ulysses_size, ...) changed."""
-
-    seq_len: int
-    cp_size: int
-    from_step: int | None = None
-    from_epoch: float | None = None
-    sparse: Mapping[str, Any] = field(default_factory=dict)
-    cp: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if (self.from_step is None) == (self.from_epoch is None):
-            raise ValueError(f"a stage starts at a step or at an epoch (got from_step={self.from_step}, from_epoch="
-                             f"{self.from_epoch}): write `100:...` or `1.5ep:...`.")
-        if self.seq_len < 1 or self.cp_size < 1:
-            raise ValueError(f"stage seq_len={self.seq_len} and cp_size={self.cp_size} must be >= 1.")
-        start = self.from_step if self.from_step is not None else self.from_epoch
-        if start < 0:
-            raise ValueError(f"a stage starts at step or epoch {start}: use a value >= 0.")
-
-    @property
-    def text(self) -> str:
-        start = str(self.from_step) if self.from_step is not None else f"{self.from_epoch:g}{_EPOCH_SUFFIX}"
-        fields = [f"{k}.{n}={x}" if isinstance(v, Mapping) else f"{k}={v}" for k, v in self.sparse.items()
-                  for n, x in (v.items() if isinstance(v, Mapping) else [(None, v)])]
-        fields += [f"{k}={v}" for k, v in self.cp.items()]
-        return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
-
-    def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
-        """The run's CP flags `base` with this stage's degree and CP fields."""
-        return dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
-
-
-def _value(text: str) -> Any:
-    """A `key=value` value as the type it reads as (int, float, bool, else the text)."""
-    for parse in (int, float):
-        with contextlib.suppress(ValueError):
-            return parse(text)
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-# The stage fields that change the CP layout rather than the pattern.
-_CP_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParallelConfig)) - {"cp_size"}
-
-
-def parse_schedule(text: str) -> tuple[Stage, ...]:
-    """Stages from `FROM:SEQ_LEN:CP_SIZE[:field=value...]` items separated by commas; FROM is an
-    optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
-    (`mass_threshold=0.005`), a section's (`budget.mode=mass`, `scoring.last_q=64`) or a CP field
-    (`ContextParallelConfig`, e.g. `cp_mode=ulysses`)."""
-    stages = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        head, *extra = item.split(":")
-        parts = [head, *extra]
-        if len(parts) < 3 or any("=" in p for p in parts[:3]) or any("=" not in p for p in parts[3:]):
-            raise ValueError(f"cp_schedule stage {item!r} must read FROM:SEQ_LEN:CP_SIZE[:field=value...], e.g. "
-                             "'0:4096:1' or '2ep:16384:2:mass_threshold=0.005'.")
-        try:
-            start = (dict(from_epoch=float(parts[0].removesuffix(_EPOCH_SUFFIX))) if parts[0].endswith(_EPOCH_SUFFIX)
-                     else dict(from_step=int(parts[0])))
-            seq_len, cp_size = int(parts[1]), int(parts[2])
-        except ValueError:
-            raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
-                             "and CP_SIZE whole numbers.") from None
-        given = [(k, _value(v)) for k, v in (p.split("=", 1) for p in parts[3:])]
-        if any(k == "cp_size" for k, _ in given):
-            raise ValueError(f"cp_schedule stage {item!r}: the CP degree is the stage's third field (FROM:SEQ_LEN:"
-                             "CP_SIZE), not cp_size=.")
-        cp = {k: v for k, v in given if k in _CP_FIELDS}
-        sparse: dict[str, Any] = {}
-        for key, value in given:
-            if key not in _CP_FIELDS:
-                section, _, name = key.rpartition(".")
-                (sparse.setdefault(section, {}) if section else sparse)[name] = value
-        stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
-    if not stages:
-        raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
-    return tuple(stages)
-
-
-@dataclass
-class CurriculumArguments:
-    """The flag of a context-length curriculum (`--cp_schedule`)."""
-
-    COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_schedule",)
-
-    cp_schedule: str | None = field(
-        default=None,
-        metadata={"help": "Context-length curriculum in one run, switched online without a restart: comma-separated "
-                  "stages FROM:SEQ_LEN:CP_SIZE[:field=value...], FROM an optimizer step (100) or a data epoch "
-                  "(1.5ep), e.g. '0:4096:1,100:16384:2,300:65536:4:mass_threshold=0.005:cp_mode=ulysses' (a pattern "
-                  "field, a section's field: budget.mode=topk, or a CP field: cp_mode, cp_ulysses_size). Samples are "
-                  "cropped to their stage's SEQ_LEN (so they must be at least as long, one sample per row); needs "
-                  "--max_steps; replaces --cp_size."},
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if self.cp_schedule is not None:
-            parse_schedule(self.cp_schedule)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from typing import Any
 
 from ..distributed import ContextParallelConfig
 from .arguments import SMETArguments, SparseAttentionFlags, SparseCPArguments
-from .curriculum import CurriculumArguments
-from .sparse_trainer import COMMON_FLAGS, LENGTH_FIELD, SparseTrainingArguments
+from .plugin_arguments import COMMON_FLAGS, LENGTH_FIELD
+from .schedule import CurriculumArguments
+from .sparse_trainer import SparseTrainingArguments
 
 # (title, what the group does, the dataclass of its flags)
 GROUPS = (

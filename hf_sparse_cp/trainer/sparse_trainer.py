@@ -31,126 +31,41 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..config.files import check_field_types
-from ..distributed import ContextParallelConfig, check_launched, quiesce_process_groups
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
+from ..distributed import quiesce_process_groups
 from ..integration import compat
 from ..integration.architectures import uses_every_parameter
 from ..reporting.model_card import write_sparse_model_card
-from ..smet import SMETConfig
-from ..smet.config import module_names
 from .arguments import (
-    SMETArguments,
-    SparseAttentionFlags,
-    SparseCPArguments,
-    copied_fields,
     flag_errors,
-    from_prefixed,
 )
 from .attach import attach_to_trainer, enable_sparse_attention
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
-from .curriculum import CurriculumArguments, check_schedule_flags, parse_schedule
+from .curriculum import check_schedule_flags
+from .plugin_arguments import (
+    LENGTH_FIELD,
+    RENAMED_FIELDS,
+    PluginArguments,
+    PluginArgumentsMixin,
+    class_namespace,
+    plugin_fields,
+)
 from .reference import attend_like_trained_model
+from .schedule import parse_schedule
 from .smet import install_smet
 
 logger = logging.getLogger(__name__)
 
-# The dataclasses whose fields (command-line flags) the generated arguments carry.
-_PARTS = (SparseCPArguments, SparseAttentionFlags, ContextParallelConfig, CurriculumArguments, SMETArguments)
-# One switch: the class itself asks for sparse attention, so its flag defaults to on here.
-_DEFAULTS = {"sparse_attention": True}
-# Not a flag (init=False): the fields the command line or a recipe gave, set by the script that parsed them
-# (`arguments.explicit_fields`); they beat --sparse_config / --smet_config whatever their value.
-_EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=False)
-# The sequence length, for argument classes that have none (TRL's configs have `max_length`, with the same meaning,
-# and the plugin reads theirs).
-LENGTH_FIELD = "sparse_max_length"
-_MAX_LENGTH = dataclasses.field(default=None, metadata={
-    "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
-            "--sparse_gradient_checkpointing_min_length and decides which documents reach --sparse_min_seq_len; "
-            "default: the length of the training set's first sample (TRL's SFTConfig: its own --max_length)."})
-# Fields of earlier releases under their names now: arguments saved by them (a checkpoint's training_args.bin)
-# load with the new names.
-RENAMED_FIELDS = {"max_length": LENGTH_FIELD}
-# The flags a user sets first (`--help` and docs/flags.md list them first): each part's `COMMON_FLAGS`.
-COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_FLAGS))
-
-
 def _has_accelerator() -> bool:
     return torch.accelerator.is_available()
-
-
-class PluginArgumentsMixin:
-    """The plugin's fields on a generated dataclass (`sparse_arguments_class`, `PluginArguments`): their checks
-    and the configs they make up."""
-
-    _sparse_fields: frozenset[str]  # the plugin's fields (type-checked at construction)
-    _length_field: str  # the field that holds the sequence length: LENGTH_FIELD, or the base's `max_length`
-
-    def _check_plugin_fields(self) -> None:
-        """The plugin's fields, whatever built them (the command line, a YAML/JSON file or a dict through
-        HfArgumentParser, direct construction), before anything reads them: text in a switch would be true."""
-        self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
-        check_field_types(self, self._sparse_fields)
-
-    def _validate_plugin_fields(self) -> None:
-        for part in _PARTS:  # each part validates its own fields, naming them
-            from_prefixed(self, part)
-        self.sparse_attention_config()
-        self.smet_optimizer_config()  # (its --smet_config file)
-        check_sequence_length(self._length_field, self.sequence_length)
-
-    @property
-    def sequence_length(self) -> int | None:
-        """Tokens per training sequence as the arguments give it (`--sparse_max_length`, or TRL's `--max_length`)."""
-        return getattr(self, self._length_field)
-
-    def plugin_arguments(self) -> SparseCPArguments:
-        return from_prefixed(self, SparseCPArguments)
-
-    def pattern_flags(self) -> SparseAttentionFlags:
-        """The pattern flags as given, before `--sparse_config` is read."""
-        return from_prefixed(self, SparseAttentionFlags)
-
-    def sparse_attention_config(self) -> SparseAttentionConfig:
-        """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
-        return self.plugin_arguments().attention_config(self.pattern_flags(), self.explicit_flags)
-
-    def context_parallel_config(self) -> ContextParallelConfig:
-        return from_prefixed(self, ContextParallelConfig)
-
-    def cp_degrees(self) -> list[tuple[str, int]]:
-        """The run's CP degrees, each with where it is set as a message starts: `--cp_size`'s (''), or each
-        `--cp_schedule` stage's ('--cp_schedule stage 1 (2:512:2): ')."""
-        if not self.cp_schedule:
-            return [("", self.cp_size)]
-        return [(f"--cp_schedule stage {i} ({stage.text}): ", stage.cp_size)
-                for i, stage in enumerate(parse_schedule(self.cp_schedule))]
-
-    def check_launch(self, env: Mapping[str, str] = os.environ) -> None:
-        """`mesh.check_launched` for the run's CP degrees (`cp_degrees`; a refusal names the stage) in a launch
-        described by `env` (WORLD_SIZE)."""
-        for where, cp_size in self.cp_degrees():
-            try:
-                check_launched([cp_size], env)
-            except ValueError as e:
-                raise ValueError(f"{where}{e}") from None
-
-    def smet_arguments(self) -> SMETArguments:
-        return from_prefixed(self, SMETArguments)
-
-    def smet_optimizer_config(self) -> SMETConfig | None:
-        """The SMET settings when `--smet` is on, else None."""
-        flags = self.smet_arguments()
-        return flags.to_config(self.explicit_flags) if flags.smet else None
 
 
 # True while a launcher parses a script's flags once before starting its processes (`parsing_for_launch`).
@@ -177,7 +92,7 @@ def is_parsing_for_launch() -> bool:
 
 class SparseArgumentsMixin(PluginArgumentsMixin):
     """The methods of the generated argument classes (`sparse_arguments_class`); their fields are
-    generated from `_PARTS`."""
+    generated from `plugin_arguments.plugin_fields`."""
 
     _sparse_base: type[TrainingArguments]
 
@@ -238,14 +153,6 @@ def _refuse_sparse_model_with_switch_off(model: Any) -> None:
                 "drop --sparse_attention false to train sparse.")
 
 
-def check_sequence_length(name: str, value: Any) -> None:
-    """Raise ValueError, naming the flag and the fix, for a training sequence length below 2 tokens (a causal LM
-    learns from at least 2: the first predicts the second); None (unset) passes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value < 2:
-        raise ValueError(f"--{name} {value}: a training sequence needs at least 2 tokens; e.g. --{name} 4096 (or "
-                         "leave it unset).")
-
-
 def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> SparseArgumentsMixin:
     cls = sparse_arguments_class(base)
     for old, new in RENAMED_FIELDS.items():  # saved by an earlier release
@@ -254,27 +161,6 @@ def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> 
     args = object.__new__(cls)
     args.__dict__.update(state)
     return args
-
-
-def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.Field]]:
-    """The plugin's fields as `make_dataclass` takes them: `sparse_max_length` (unless `base` has its own
-    `max_length`), `explicit_flags` (not a flag) and every field of `_PARTS` under its command-line name."""
-    base_fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
-    fields = [] if "max_length" in base_fields else [(LENGTH_FIELD, int | None, _MAX_LENGTH)]
-    fields.append(("explicit_flags", Collection[str] | None, _EXPLICIT))
-    for part in _PARTS:
-        fields += copied_fields(part, defaults=_DEFAULTS)
-    clash = {name for name, _, _ in fields} & base_fields
-    if clash:
-        raise TypeError(f"plugin flags {sorted(clash)} collide with fields of {base.__name__}; rename them.")
-    return fields
-
-
-def _namespace(fields: list[tuple[str, Any, dataclasses.Field]], **extra: Any) -> dict[str, Any]:
-    """The class attributes of a generated class with the plugin's `fields`."""
-    names = {name for name, _, f in fields if f.init}
-    return {"__module__": __name__, "_sparse_fields": frozenset(names),
-            "_length_field": LENGTH_FIELD if LENGTH_FIELD in names else "max_length", **extra}
 
 
 @functools.cache
@@ -294,22 +180,8 @@ def sparse_arguments_class(base: type[TrainingArguments]) -> type:
     fields = plugin_fields(base)
     return dataclasses.make_dataclass(
         f"Sparse{base.__name__}", fields, bases=(SparseArgumentsMixin, base),
-        namespace=_namespace(fields, _sparse_base=base,
+        namespace=class_namespace(fields, __module__=__name__, _sparse_base=base,
                              __doc__=f"`{base.__name__}` plus the plugin's flags (`sparse_arguments_class`)."))
-
-
-class _PluginOnly(PluginArgumentsMixin):
-    def __post_init__(self) -> None:
-        self._check_plugin_fields()
-        self._validate_plugin_fields()
-
-
-_PLUGIN_FIELDS = plugin_fields()
-# The plugin's flags alone, with the defaults of `SparseTrainingArguments`: what `hf_sparse_cp.run` reads before
-# the script path, for the arguments a script builds in code.
-PluginArguments = dataclasses.make_dataclass(
-    "PluginArguments", _PLUGIN_FIELDS, bases=(_PluginOnly,),
-    namespace=_namespace(_PLUGIN_FIELDS, __doc__="The plugin's flags alone (those of `sparse_arguments_class`)."))
 
 
 def with_plugin_arguments(args: TrainingArguments, plugin: PluginArguments) -> SparseArgumentsMixin:

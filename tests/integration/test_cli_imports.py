@@ -30,6 +30,19 @@ def test_light_commands_import_neither_torch_nor_transformers(argv):
     assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
 
 
+def test_launchers_checks_before_any_process_starts_import_no_trainer(tmp_path):
+    """`hf-sparse-cp launch --nproc N` checks the plugin's flags once, before it starts the processes (each of which
+    imports the Trainer and the model code itself): that check reads them without either, seconds sooner."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('not run: the launch is refused before')\n")
+    heavy = ("transformers.trainer", "transformers.modeling_utils")
+    argv = ["launch", "--nproc", "2", "--sparse_block_size", "64", "--cp_schedule", "0:128:1,2:256:4", str(script)]
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=heavy)], capture_output=True,
+                          text=True, timeout=300)
+    assert "--cp_schedule stage 1 (2:256:4): cp_size=4 does not divide the world size 2" in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
+
+
 def test_version_names_the_package_version(capsys):
     from hf_sparse_cp.cli import main
 

@@ -15,12 +15,8 @@ from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER
-from hf_sparse_cp.trainer.curriculum import (
-    StageBatchSampler,
-    StageSamples,
-    build_schedule,
-    parse_schedule,
-)
+from hf_sparse_cp.trainer.curriculum import StageBatchSampler, StageSamples, build_schedule
+from hf_sparse_cp.trainer.schedule import parse_schedule
 
 SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32:cp_mode=hybrid:cp_ulysses_size=2"
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=256, vertical_topk=16, slash_topk=32, local_window=32,

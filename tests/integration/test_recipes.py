@@ -325,7 +325,7 @@ def test_the_run_trains_with_the_flags_given_over_the_config_files(tmp_path, mon
 def test_help_lists_the_common_flags_first(capsys, monkeypatch):
     """`hf-sparse-cp train --help`: the common flags (each class's COMMON_FLAGS) in their own group, before the
     example's own flags and every other flag."""
-    from hf_sparse_cp.trainer.sparse_trainer import COMMON_FLAGS
+    from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS
 
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
