@@ -11,6 +11,7 @@ import io
 import os
 import pickle
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -139,3 +140,29 @@ def run_cli(argv: list[str], nproc: int, *, timeout_s: float = 600.0) -> subproc
     ranks = run_gloo(_cli_process, nproc, list(argv), timeout_s=timeout_s)
     status = next((code for code, _ in ranks if code), 0)
     return subprocess.CompletedProcess(list(argv), status, "", "".join(err for _, err in ranks))
+
+
+# `hf-sparse-cp` as a user starts it (the console script runs this module's `main`).
+CLI = (sys.executable, "-m", "hf_sparse_cp.cli")
+
+
+# What a launcher sets in its processes' environment: none of it where a user types a command.
+_LAUNCHED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment as a shell's where a user starts a command: outside any launched group (no
+    WORLD_SIZE, RANK, ...), one thread per process (several share the CPU cores), with `extra` on top."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    for name in _LAUNCHED:
+        env.pop(name, None)
+    return env
+
+
+def launch_cli(argv: list[str], *, cwd: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+               timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+    """`hf-sparse-cp ARGV` launched for real (a new interpreter, torchrun and its workers for `--nproc N`) in `cwd`
+    with `launch_env(**env)`: for tests whose subject is the launch; `run_cli` runs the same command without it.
+    Output captured as text."""
+    return subprocess.run([*CLI, *argv], cwd=cwd, env=launch_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout_s, check=False)

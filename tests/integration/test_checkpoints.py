@@ -6,7 +6,6 @@ FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, thro
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
-from hf_sparse_cp.testing.spawn import run_cli
+from hf_sparse_cp.testing.spawn import launch_cli, run_cli
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.checkpoints import MARKER, CheckpointMarkerCallback
 
@@ -130,19 +129,18 @@ JOB = ["--sparse_max_length", "256", "--num_samples", "8", "--sparse_min_seq_len
        "--save_strategy", "steps", "--save_steps", "2"]
 
 
+def _argv(out, nproc: int, *flags: str) -> list[str]:
+    return ["train", "--nproc", str(nproc), *JOB, *flags, "--output_dir", str(out), "--summary_file",
+            str(out / "summary.json")]
+
+
 def _cli(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "hf_sparse_cp.cli", "train", "--nproc", str(nproc), *JOB, *flags,
-           "--output_dir", str(out), "--summary_file", str(out / "summary.json")]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return launch_cli(_argv(out, nproc, *flags))
 
 
 def _cli_forked(out, nproc: int, *flags: str) -> subprocess.CompletedProcess:
     """`_cli` without the launch (`run_cli`), for the runs a test does not launch for the launcher's sake."""
-    argv = ["train", "--nproc", str(nproc), *JOB, *flags, "--output_dir", str(out), "--summary_file",
-            str(out / "summary.json")]
-    return run_cli(argv, nproc)
+    return run_cli(_argv(out, nproc, *flags), nproc)
 
 
 def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):

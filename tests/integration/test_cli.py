@@ -17,6 +17,7 @@ import pytest
 
 from hf_sparse_cp.cli import EXAMPLE_MODULE
 from hf_sparse_cp.launch.processes import run_forwarding_signals
+from hf_sparse_cp.testing.spawn import CLI, launch_env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from Linux's /proc")
 
@@ -147,14 +148,10 @@ def training_run(tmp_path):
     """A launcher running `hf-sparse-cp train --nproc 2 --cp_size 2`, returned once both workers train:
     (launcher, {pid: start time} of torchrun and the workers, {rank: worker pid}, seconds it took to get there).
     Whatever is left of it at the end is killed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
     log = tmp_path / "log.txt"
     with log.open("w") as out:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "hf_sparse_cp.cli", "train", *JOB, "--output_dir", str(tmp_path / "out")],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )
+        launcher = subprocess.Popen([*CLI, "train", *JOB, "--output_dir", str(tmp_path / "out")], stdout=out,
+                                    stderr=subprocess.STDOUT, env=launch_env())
     run: dict[int, str] = {}
     start = time.monotonic()
     try:

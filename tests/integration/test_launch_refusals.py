@@ -3,12 +3,12 @@ processes through `hf-sparse-cp launch --nproc 2`, i.e. torchrun): it ends with 
 exit status 2, and no traceback, whether refused as the Trainer starts (a compute_loss_func) or at the first batch
 (padding between a row's tokens); a bug of the script keeps its traceback and torchrun's failure report."""
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from hf_sparse_cp.testing.spawn import launch_cli
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -34,12 +34,9 @@ SCRIPT = textwrap.dedent("""
 
 def _launch(tmp_path, case: str) -> subprocess.CompletedProcess:
     (tmp_path / "train.py").write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "REFUSAL_CASE": case}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    command = [sys.executable, "-m", "hf_sparse_cp.cli", "launch", "--nproc", "2", "train.py", "--output_dir", "out",
-               "--max_steps", "2", "--report_to", "none", "--save_strategy", "no", "--cp_size", "2"]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    argv = ["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--max_steps", "2", "--report_to", "none",
+            "--save_strategy", "no", "--cp_size", "2"]
+    return launch_cli(argv, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1", "REFUSAL_CASE": case})
 
 
 @pytest.mark.parametrize("case, message", [

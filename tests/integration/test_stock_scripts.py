@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.recipes import recipe_path
+from hf_sparse_cp.testing.spawn import CLI, launch_env
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 pytest.importorskip("trl")
@@ -68,11 +69,8 @@ def workdir(tmp_path_factory):
 
 
 def _env(workdir: Path) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(workdir / "datasets_cache"), "HF_HUB_DISABLE_TELEMETRY": "1"}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
+    return launch_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(workdir / "datasets_cache"),
+                      HF_HUB_DISABLE_TELEMETRY="1")
 
 
 _STARTED: list[subprocess.Popen] = []
@@ -221,7 +219,7 @@ def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
 
 def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_and_accelerate_cp2(workdir):
     plugin = [*PATTERN, "--sparse_min_seq_len", "128"]
-    hf_sparse_cp = [sys.executable, "-m", "hf_sparse_cp.cli", "launch"]
+    hf_sparse_cp = [*CLI, "launch"]
     # the script writes to out_in_code in its working directory: the runs that start together each get their own
     folders = [workdir / "in_code" / name for name in ("one", "accelerate", "refused")]
     for folder in folders:
@@ -250,12 +248,9 @@ def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_an
 def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
     """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand: the weights
     after three steps under CP 2 are those of one process."""
-    launch = [sys.executable, "-m", "hf_sparse_cp.cli", "launch"]
     plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(workdir / "datasets_cache")}
-    env.pop("WORLD_SIZE", None)
-    runs = {name: _start([*launch, *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp], workdir, env)
+    runs = {name: _start([*CLI, "launch", *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp], workdir,
+                         _env(workdir))
             for name, extra, cp in (("trl_one", [], []), ("trl_cp2", ["--nproc", "2"], ["--cp_size", "2"]))}
     outputs = []
     for name, result in runs.items():
@@ -276,13 +271,10 @@ def _trl_script(workdir: Path, name: str, script: str, data: list[dict], args: l
     lines); the returned call waits for it."""
     (workdir / f"{name}_data").mkdir(exist_ok=True)
     (workdir / f"{name}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in data))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(workdir / "datasets_cache")}
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "hf_sparse_cp.cli", "launch", *cp, "-m", f"trl.scripts.{script}",
+    command = [*CLI, "launch", *cp, "-m", f"trl.scripts.{script}",
                "--model_name_or_path", "tiny", "--dataset_name", f"{name}_data", "--output_dir", name, *TRAIN,
                "--bf16", "false", "--gradient_checkpointing", "false", *PATTERN, "--sparse_min_seq_len", "64", *args]
-    return _start(command, workdir, env, timeout=600)
+    return _start(command, workdir, _env(workdir), timeout=600)
 
 
 def _words(n: int, seed: int) -> list[str]:

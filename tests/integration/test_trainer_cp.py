@@ -7,8 +7,6 @@ losses per step must agree to fp32 rounding, since the CP layout estimation and 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.testing.spawn import run_cli
+from hf_sparse_cp.testing.spawn import launch_cli, run_cli
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.context_parallel import (
     disable_trainer_context_parallel,
@@ -37,13 +35,7 @@ def _train(tmp_path, name: str, nproc: int, *flags: str, launch: bool = False) -
     summary = tmp_path / f"{name}.json"
     argv = ["train", "--nproc", str(nproc), *JOB, *flags, "--output_dir", str(tmp_path / name),
             "--summary_file", str(summary)]
-    if launch:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.pop("WORLD_SIZE", None)
-        done = subprocess.run([sys.executable, "-m", "hf_sparse_cp.cli", *argv], check=False, env=env,
-                              capture_output=True, text=True, timeout=600)
-    else:
-        done = run_cli(argv, nproc)
+    done = launch_cli(argv) if launch else run_cli(argv, nproc)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(summary.read_text())
 
