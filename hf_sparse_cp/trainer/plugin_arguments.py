@@ -135,7 +135,8 @@ def plugin_fields(base: type | None = None) -> list[tuple[str, Any, dataclasses.
 
 
 def class_namespace(fields: list[tuple[str, Any, dataclasses.Field]], **extra: Any) -> dict[str, Any]:
-    """The class attributes of a generated class with the plugin's `fields`."""
+    """The class attributes of a generated class with the plugin's `fields` (and `extra`: `__module__`, where the
+    class is generated elsewhere)."""
     names = {name for name, _, f in fields if f.init}
     return {"__module__": __name__, "_sparse_fields": frozenset(names),
             "_length_field": LENGTH_FIELD if LENGTH_FIELD in names else "max_length", **extra}
