@@ -195,6 +195,13 @@ def with_plugin_arguments(args: TrainingArguments, plugin: PluginArguments) -> S
     out.__dict__.update(vars(args))
     out.__dict__.update({name: getattr(plugin, name) for name in cls._sparse_fields})
     out.explicit_flags = plugin.explicit_flags
+    if not out.use_cpu and not _has_accelerator():
+        # as `SparseArgumentsMixin.__post_init__` does (else launched CPU processes would each train alone); the
+        # base's __post_init__ set the devices up without it: set them up again now, before the Trainer builds its
+        # Accelerator on them (a later first read would reset accelerate's state under it)
+        out.use_cpu = True
+        out.__dict__.pop("_setup_devices", None)
+        _ = out.device
     out._check_plugin_fields()
     out._validate_plugin_fields()
     return out

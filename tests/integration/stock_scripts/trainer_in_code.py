@@ -1,6 +1,7 @@
 """A training script that builds its TrainingArguments in code, with its own Trainer subclass (written for these
 tests): a small Llama-shaped model from a config, seeded random rows built in code (the same on every process),
-output to a folder relative to the working directory. It knows nothing of hf-sparse-cp. It writes what it saw
+output to a folder relative to the working directory, and no use_cpu (as written for a GPU). It knows nothing of
+hf-sparse-cp. It writes what it saw
 of how it was run (`__name__`, `__file__`, sys.argv, sys.path[0]) to run_record.json in its output folder."""
 
 import json
@@ -28,7 +29,7 @@ def main():
     model = AutoModelForCausalLM.from_config(config)
     rows = torch.randint(3, 260, (8, 256), generator=torch.Generator().manual_seed(0))
     args = TrainingArguments(output_dir=OUTPUT_DIR, max_steps=3, per_device_train_batch_size=1, learning_rate=1e-3,
-                             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+                             logging_steps=1, report_to="none", save_strategy="no", seed=0,
                              train_sampling_strategy="sequential")
     trainer = LoggingTrainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
     trainer.train()
