@@ -97,6 +97,7 @@ class ContextParallelConfig:
         if self.cp_ulysses_size is not None and self.cp_ulysses_size < 1:
             raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} must be >= 1.")
         self.mode.check_flags(self)
+        self.mode.resolve(self, self.cp_size)  # (its head groups split the CP degree)
 
     def head_size(self, cp_size: int) -> int:
         """Ranks of one head group for a CP group of `cp_size` ranks (1: no head parallelism)."""

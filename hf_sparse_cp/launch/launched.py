@@ -52,6 +52,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+from .refusals import exit_refused
 
 logger = logging.getLogger(__name__)
 
@@ -162,15 +163,16 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 outputs = parse(self, args, *rest, **kwargs)
             except (ValueError, TypeError, OSError) as e:
                 if is_flag_error(e):  # a plugin flag's value refused, naming the fix: the message, as argparse's
-                    self.exit(2, f"{self.prog}: error: {e}\n")
+                    exit_refused(f"{self.prog}: error: {e}\n")
                 if not isinstance(e, ValueError):
                     raise
-                # (HfArgumentParser's error for unknown flags names them, without a guess)
+                # (HfArgumentParser's error for unknown flags names them, without a guess: with one, a mistyped
+                # flag, it ends as argparse ends a bad flag)
                 unknown = self.parse_known_args(sys.argv[1:] if args is None else list(args))[1]
                 hint = did_you_mean(self, unknown)
                 if not hint:
                     raise
-                raise ValueError(f"{e}{hint}") from None
+                exit_refused(f"{self.prog}: error: {e}{hint}\n")
             ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
             if ours:
                 explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
@@ -185,14 +187,14 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                     try:
                         out.check_launch()  # before the script builds its data
                     except ValueError as e:
-                        self.exit(2, f"{self.prog}: error: {e}\n")
+                        exit_refused(f"{self.prog}: error: {e}\n")
             return outputs
 
         def error(self, message: str):
             short = getattr(self, "usage_on_error", None)
             if short is None:
                 return parser_error(self, message)
-            self.exit(2, f"usage: {short}\n{self.prog}: error: {message}\n")
+            exit_refused(f"usage: {short}\n{self.prog}: error: {message}\n")
 
         patches.set_attr(parser_class, "__init__", init_parser)
         patches.set_attr(parser_class, "error", error)

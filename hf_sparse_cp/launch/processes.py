@@ -13,7 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
+
+from .refusals import REPORTS_ENV
 
 RUN_MODULE = "hf_sparse_cp.run"
 # torchrun and accelerate launch, each run as its own command runs it but ending a refused run with the message alone
@@ -111,13 +114,15 @@ def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[
     else:
         here(list(run_args))
         return 0
-    return run_forwarding_signals([*command, *run_args])
+    with tempfile.TemporaryDirectory(prefix="hf-sparse-cp-reports-") as reports:  # (`refusals.first_to_report`)
+        return run_forwarding_signals([*command, *run_args], env={**os.environ, REPORTS_ENV: reports})
 
 
-def run_forwarding_signals(command: list[str]) -> int:
-    """Run `command` (torchrun, accelerate launch) as a child and end with it: SIGINT, SIGTERM, SIGHUP or SIGQUIT
-    sent to this process (Ctrl-C, `kill`, a scheduler) is passed on to the child's process group, and this returns
-    only once the child is gone, with 128 + the signal number; otherwise with the child's exit status.
+def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:
+    """Run `command` (torchrun, accelerate launch) as a child (in `env`, default this process's) and end with it:
+    SIGINT, SIGTERM, SIGHUP or SIGQUIT sent to this process (Ctrl-C, `kill`, a scheduler) is passed on to the child's
+    process group, and this returns only once the child is gone, with 128 + the signal number; otherwise with the
+    child's exit status.
 
     torchrun, on the first such signal, passes it to its workers and waits for them (SIGKILL after 30 s).
     It runs in its own session so that a terminal's Ctrl-C reaches it once, through us: a second signal
@@ -144,7 +149,7 @@ def run_forwarding_signals(command: list[str]) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
     try:
-        child = subprocess.Popen(command, start_new_session=True)
+        child = subprocess.Popen(command, env=env, start_new_session=True)
         forward_first()  # a signal that came while the child was starting
         returncode = child.wait()
     finally:

@@ -5,7 +5,9 @@
   tears the process group down and exits. Under CP every rank of a group refuses alike, so the first rank to
   refuse with a message prints it and the others stay silent: not rank 0 alone, because the launcher stops the
   other ranks as soon as one exits (rank 0 may never get to print), and because ranks of different data-parallel
-  groups can refuse different batches (each different message is printed, once).
+  groups can refuse different batches (each different message is printed, once). The ranks count a message in the
+  process group's store or, before there is one (a script's flags refused as its parser reads them), in the folder
+  `hf-sparse-cp launch` gives its processes (`REPORTS_ENV`): once per machine.
 * `python -m hf_sparse_cp.launch.refusals (torchrun | accelerate) ARGS`, the launcher `hf-sparse-cp launch` starts:
   torchrun or accelerate launch as their commands run them, except that a run whose processes ended refused (the
   others stopped by the launcher) ends with `REFUSED` and without their traceback and failure summary, which
@@ -17,33 +19,61 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import sys
 from typing import NoReturn
 
 # argparse's status for a bad flag (an uncaught exception ends a process with 1)
 REFUSED = 2
 LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
+# A folder the launcher's processes share on one machine (made and removed by `hf-sparse-cp launch`), where the
+# first to report a message before any process group exists marks it
+REPORTS_ENV = "HF_SPARSE_CP_REPORTS"
 
 
 def first_to_report(message: str) -> bool:
-    """Whether this process is the first of its launched group to report `message` (counted in the default
-    process group's store, without waiting on any other rank); True without a process group, or when the store
-    does not answer (a message printed twice beats one lost)."""
+    """Whether this process is the first of its launched group to report `message`: counted in the default
+    process group's store (without waiting on any other rank), else in the launcher's folder (`REPORTS_ENV`);
+    True in a process alone, or where neither answers (a message printed twice beats one lost)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return True
-    from ..integration import compat
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() == 1:
+            return True
+        from ..integration import compat
 
-    try:
-        return counted_first(compat.default_store(), message)
-    except RuntimeError:  # (the store's host gone: torch raises DistError, a RuntimeError)
+        try:
+            return counted_first(compat.default_store(), message)
+        except RuntimeError:  # (the store's host gone: torch raises DistError, a RuntimeError)
+            return True
+    folder = os.environ.get(REPORTS_ENV)
+    if not folder or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return True
+    try:
+        os.close(os.open(os.path.join(folder, _key(message)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # (the folder gone)
+        return True
+    return True
 
 
 def counted_first(store, message: str) -> bool:
     """Count `message` in `store` (a `torch.distributed.Store`, shared by the ranks); whether it was the first."""
-    return store.add(f"hf_sparse_cp/refused/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
+    return store.add(f"hf_sparse_cp/refused/{_key(message)}", 1) == 1
+
+
+def _key(message: str) -> str:
+    return hashlib.sha1(message.encode()).hexdigest()
+
+
+def exit_refused(text: str) -> NoReturn:
+    """Exit with `REFUSED` after writing `text` (argparse's usage and error lines) to stderr if `first_to_report`
+    it: what a launched script's parser does with a bad flag, which each process reads alike."""
+    if first_to_report(text):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    sys.exit(REFUSED)
 
 
 def end_refused(prog: str, error: BaseException) -> NoReturn:

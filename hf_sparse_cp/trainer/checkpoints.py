@@ -39,6 +39,7 @@ from ..distributed import ParallelDims
 from ..integration.patching import PatchSet
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
+from .arguments import flag_errors
 
 try:
     import resource  # (POSIX: the file-size limit)
@@ -254,8 +255,10 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
         if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
             folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
         try:
-            if folder and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
-                                           reshardable=runs_fsdp2(trainer)):
+            with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
+                reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
+                                                            reshardable=runs_fsdp2(trainer))
+            if reshard:
                 with resharded_loading(trainer, folder):
                     return train(resume_from_checkpoint, *args, **kwargs)
             return train(resume_from_checkpoint, *args, **kwargs)

@@ -1,7 +1,8 @@
 """A stock script whose setup the plugin refuses under context parallelism, launched as a user launches it (2 gloo CPU
 processes through `hf-sparse-cp launch --nproc 2`, i.e. torchrun): it ends with the refusal's message, printed once,
-exit status 2, and no traceback, whether refused as the Trainer starts (a compute_loss_func) or at the first batch
-(padding between a row's tokens); a bug of the script keeps its traceback and torchrun's failure report."""
+exit status 2, and no traceback, whether refused as its parser reads its flags (a mistyped one), as the Trainer
+starts (a compute_loss_func) or at the first batch (padding between a row's tokens); a bug of the script keeps its
+traceback and torchrun's failure report."""
 
 import subprocess
 import textwrap
@@ -32,10 +33,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(tmp_path, case: str) -> subprocess.CompletedProcess:
+def _launch(tmp_path, case: str, *flags: str) -> subprocess.CompletedProcess:
     (tmp_path / "train.py").write_text(SCRIPT)
     argv = ["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--max_steps", "2", "--report_to", "none",
-            "--save_strategy", "no", "--cp_size", "2"]
+            "--save_strategy", "no", "--cp_size", "2", *flags]
     return launch_cli(argv, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1", "REFUSAL_CASE": case})
 
 
@@ -48,6 +49,15 @@ def test_a_refused_setup_ends_the_launched_run_with_its_message_once_and_no_trac
     assert done.returncode == 2, done.stderr[-6000:]
     assert done.stderr.count(message) == 1, done.stderr[-6000:]
     assert "Traceback" not in done.stderr + done.stdout and "ChildFailedError" not in done.stderr, done.stderr[-6000:]
+
+
+def test_a_mistyped_plugin_flag_ends_the_launched_run_before_any_process_group_once_naming_the_flag(tmp_path):
+    """Every process's parser refuses it alike, before the Trainer joins them in a group: the launcher's folder
+    tells the first to print (`refusals.first_to_report`); it was a ValueError's traceback from every rank."""
+    done = _launch(tmp_path, "loss", "--sparse_max_lenght", "300")
+    assert done.returncode == 2, done.stderr[-6000:]
+    assert done.stderr.count("did you mean --sparse_max_length for --sparse_max_lenght?") == 1, done.stderr[-6000:]
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr[-6000:]
 
 
 def test_a_bug_in_a_launched_script_keeps_its_traceback_and_the_launchers_report(tmp_path):

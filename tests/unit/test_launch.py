@@ -293,7 +293,7 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
         "hf-sparse-cp launch: error: -m needs the module to run after it (e.g. -m trl.scripts.sft).\n")
     (tmp_path / "train.py").write_text("")
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
     assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "train.py",
@@ -316,10 +316,12 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
     err = _refused(capsys, ["--sparse_vertical_top_k", "8", "train.py"])  # before the script path: the grammar
     assert err.startswith("usage: python -m hf_sparse_cp.run ") and err.endswith(
         "; did you mean --sparse_vertical_topk for --sparse_vertical_top_k?\n"), err
-    with launched(PluginArguments()), pytest.raises(ValueError, match="did you mean --sparse_block_size for "
-                                                                       "--sparse_blocksize"):
-        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(  # the script's parser
+    with launched(PluginArguments()), pytest.raises(SystemExit) as ended:  # the script's parser: as a bad flag
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--sparse_blocksize", "64"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and ": error: Some specified arguments are not used" in err
+    assert err.endswith("did you mean --sparse_block_size for --sparse_blocksize?\n"), err
 
 
 @pytest.mark.parametrize("flags, file, message", [
@@ -377,7 +379,7 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as refused:
         cli.main(argv)
@@ -396,7 +398,7 @@ def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(monke
     from hf_sparse_cp.launch import processes
 
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as refused:
         cli.main(["train", "--nproc", "2", "--cp_schedule", "0:256:1,4:512:2", "--max_steps", "4"])
@@ -412,7 +414,7 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
         cli.main(["launch", "--nproc", "2", "--sparse_block_size", "48", "train.py"])
@@ -508,7 +510,7 @@ def test_help_under_several_processes_prints_once_before_any_starts(monkeypatch,
     (tmp_path / "train.py").write_text(HELP_SCRIPT)
     monkeypatch.setenv("COLUMNS", "200")
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     printed = []
     for command in (here, argv):
@@ -531,7 +533,7 @@ def test_a_script_that_reads_no_help_is_not_run_alone_for_it(monkeypatch, tmp_pa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model=None, args=None)\n")
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = _refused(capsys, ["launch", "--nproc", "2", "train.py", "--help"], cli.main)
     assert not started
@@ -549,7 +551,7 @@ def test_a_bad_flag_of_the_example_prints_a_short_usage_not_every_flag(monkeypat
 
     monkeypatch.chdir(tmp_path)
     started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command: started.append(command) or 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = _refused(capsys, ["train", "--nproc", nproc, "--sparse_vertical_topk", "abc"], cli.main)
     assert not started

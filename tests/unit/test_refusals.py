@@ -4,7 +4,15 @@ launcher that only repeats it quiet, anything else left as it was."""
 import pytest
 import torch.distributed as dist
 
-from hf_sparse_cp.launch.refusals import REFUSED, counted_first, end_refused, first_to_report, refused_run
+from hf_sparse_cp.launch.refusals import (
+    REFUSED,
+    REPORTS_ENV,
+    counted_first,
+    end_refused,
+    exit_refused,
+    first_to_report,
+    refused_run,
+)
 from hf_sparse_cp.run import script_name
 
 
@@ -19,6 +27,25 @@ def test_each_message_is_reported_by_the_first_rank_to_count_it():
 def test_a_process_without_a_process_group_reports_its_refusal():
     assert not dist.is_initialized()
     assert first_to_report("anything")
+
+
+def test_before_a_process_group_each_message_is_reported_once_per_launch_folder(tmp_path, monkeypatch, capsys):
+    """A script's parser refuses a flag in every launched process alike, before any process group: the first of
+    them to mark the message in the launcher's folder prints it."""
+    monkeypatch.setenv(REPORTS_ENV, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in range(2):  # (two processes of the launch, one after the other)
+        with pytest.raises(SystemExit) as ended:
+            exit_refused("usage: train.py [FLAGS]\ntrain.py: error: argument --cp_mode: invalid choice: 'foo'\n")
+        assert ended.value.code == REFUSED
+        assert capsys.readouterr().err == ("" if rank else "usage: train.py [FLAGS]\ntrain.py: error: argument "
+                                           "--cp_mode: invalid choice: 'foo'\n")
+    assert first_to_report("another message")  # (each different message once)
+    monkeypatch.setenv(REPORTS_ENV, str(tmp_path / "gone"))
+    assert first_to_report("another message") and first_to_report("another message")  # no folder: every time
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(REPORTS_ENV, str(tmp_path))
+    assert first_to_report("another message")  # a process alone reports whatever was marked
 
 
 def test_a_refusal_ends_with_its_message_and_status_2(capsys):
