@@ -89,7 +89,9 @@ def test_cp_flags_a_mode_would_ignore_or_cannot_run_are_refused(flags, match):
 
 
 def test_head_groups_must_divide_the_cp_degree():
-    config = ContextParallelConfig(cp_size=6, cp_mode="hybrid", cp_ulysses_size=4)
+    with pytest.raises(ValueError, match=r"cp_ulysses_size=4 does not divide cp_size=6.*\[1, 2, 3, 6\]"):
+        ContextParallelConfig(cp_size=6, cp_mode="hybrid", cp_ulysses_size=4)  # (as the flags parse)
+    config = ContextParallelConfig(cp_mode="hybrid", cp_ulysses_size=4)  # (the CP degree set elsewhere: accelerate's)
     with pytest.raises(ValueError, match=r"cp_ulysses_size=4 does not divide cp_size=6.*\[1, 2, 3, 6\]"):
         config.head_size(6)
     assert ContextParallelConfig(cp_size=6, cp_mode="ulysses").head_size(6) == 6
