@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -72,6 +73,27 @@ def read_config(path: str):
         return AutoConfig.for_model(model_type, **data)
     except ValueError as e:
         raise ValueError(f"--config {path}: {e}") from None
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse an output file that could not be written, before the command computes anything (ValueError naming
+    the path and the fix): a folder, or a file whose folder lies under a file or is not writable. A missing folder
+    is no reason: `write_output` creates it (as `plot --out_dir` does)."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give the path of a file (in it, or anywhere else).")
+    existing = next(folder for folder in target.parents if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder; give a path in a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the folder {existing} is not writable; give a path in a folder you can "
+                         "write to.")
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write an output file, creating its folder when missing (after `check_output_file`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def model_name(args: argparse.Namespace) -> str:

@@ -152,6 +152,22 @@ def test_the_memory_command_names_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_the_memory_commands_json_goes_where_asked_or_is_refused_before_computing(tmp_path, capsys):
+    """--json in a folder that does not exist yet creates it (as `simulate` and `plot --out_dir` do); a path that
+    cannot be written (under a file, or a folder) is refused as argparse refuses a flag, not with a traceback."""
+    out = tmp_path / "missing" / "fit.json"
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["longest_fitting_tokens"] == int(capsys.readouterr().out)
+    (tmp_path / "a_file").write_text("")
+    for path, message in ((tmp_path / "a_file" / "x.json", f"{tmp_path / 'a_file'} is a file, not a folder"),
+                          (tmp_path, "is a folder; give the path of a file")):
+        with pytest.raises(SystemExit) as refused:
+            cli_main(["memory", "--model", "qwen2.5-0.5b", "--json", str(path), "--quiet"])
+        out, err = capsys.readouterr()
+        assert refused.value.code == 2 and out == "" and f"hf-sparse-cp memory: error: --json {path}" in err
+        assert message in err and "Traceback" not in err
+
+
 def test_memory_sizes_parse_in_their_units():
     assert parse_memory("80GB") == 80 * 10**9
     assert parse_memory("80 GiB") == 80 * 2**30

@@ -292,7 +292,13 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
     from hf_sparse_cp.simulator import simulate_cli
 
     (tmp_path / "bad.json").write_text("{}")
+    (tmp_path / "a_file").write_text("")
     for argv, message in [
+        # an output path that cannot be written: refused before minutes of simulation, not a traceback after them
+        (["--seq", "8192", "--cp", "2", "--png", str(tmp_path / "a_file" / "x.png")],
+         f"--png {tmp_path / 'a_file' / 'x.png'}: {tmp_path / 'a_file'} is a file, not a folder"),
+        (["--seq", "8192", "--cp", "2", "--json", str(tmp_path)], f"--json {tmp_path} is a folder; give the path of a "
+                                                                  "file"),
         (["--seq", "1000", "--cp", "2"], "--seq 1000 must be a multiple of 512 (whole zigzag chunks of 128-token "
                                          "blocks at --cp 2): e.g. --seq 512 or --seq 1024."),
         (["--seq", "8192", "65000", "--cp", "2", "32"],
