@@ -14,6 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
+
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
 from .shapes import ModelShape
@@ -54,7 +56,8 @@ def read_config(path: str):
     """The transformers config of a `config.json` file, or of a folder holding one.
 
     Raises:
-        ValueError: no such file, not JSON, or no known `model_type`; the message names the path and the fix.
+        ValueError: no such file, not JSON, no known `model_type`, or not a causal language model's; the message
+            names the path and the fix.
     """
     from transformers import AutoConfig
 
@@ -69,10 +72,32 @@ def read_config(path: str):
         raise ValueError(f"--config {path}: no model_type; a transformers config.json names its model_type "
                          "(e.g. \"llama\").")
     model_type = data.pop("model_type")
+    _check_causal_lm(path, model_type, data)
     try:
         return AutoConfig.for_model(model_type, **data)
     except ValueError as e:
         raise ValueError(f"--config {path}: {e}") from None
+    except StrictDataclassError as e:  # the config class's own checks (a shape it refuses), their error the cause
+        raise ValueError(f"--config {path}: {e.__cause__ or e} Give the fields of the model's own config.json, or a "
+                         "preset (--model).") from None
+
+
+def _check_causal_lm(path: str, model_type: str, data: dict[str, Any]) -> None:
+    """Refuse a model type that is no causal language model (ValueError naming it and the fix): one outside
+    transformers' causal-LM mapping (T5, an encoder), or an encoder that the mapping lists only to run as a decoder
+    (BERT's family, also masked LMs: transformers runs them causally only with `is_decoder: true`)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    fix = "give a causal (decoder-only) language model's config.json, e.g. a Llama's, or a preset (--model)"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"--config {path}: model_type {model_type!r} is not a causal language model (transformers "
+                         f"has no causal-LM class for it); {fix}.")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not data.get("is_decoder"):
+        raise ValueError(f"--config {path}: model_type {model_type!r} is an encoder (a masked language model), "
+                         f"causal only as a decoder: set \"is_decoder\": true in the config if it is one, or {fix}.")
 
 
 def check_output_file(path: str, flag: str) -> None:

@@ -219,6 +219,33 @@ def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(
     assert "num_local_experts=8: a mixture of experts" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "bert", "hidden_size": 64}, "model_type 'bert' is an encoder (a masked language model), causal "
+                                                "only as a decoder: set \"is_decoder\": true"),
+    ({"model_type": "t5"}, "model_type 't5' is not a causal language model"),
+    ({"hidden_size": 64}, "no model_type"),
+    # BERT's defaults filled in: 12 heads over a hidden size of 64
+    ({"model_type": "bert", "hidden_size": 64, "is_decoder": True}, "hidden_size 64 is not divisible by "
+                                                                    "num_attention_heads 12"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 12}, "The hidden size (64) is not a multiple "
+                                                                            "of the number of attention heads (12)"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3},
+     "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+], ids=["bert", "t5", "no_model_type", "bert_decoder_defaults", "llama_heads", "llama_kv_heads"])
+def test_the_memory_command_refuses_a_config_that_is_no_causal_lm_or_no_consistent_shape(config, message, tmp_path,
+                                                                                          capsys):
+    """`--config bert.json` was answered as a causal decoder with BERT's defaults (12 heads over a hidden size of 64):
+    a model type that is no causal LM (or an encoder not set as a decoder), and a shape whose heads do not divide, are
+    refused naming what is wrong and the fix."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--config", str(path), "--quiet"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and "hf-sparse-cp memory: error: " in err, err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
     """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49), resolved by the mode objects: the answer names
     the mode; the step holds a ring's buffers only where a ring runs (the ring, hybrid's across its head groups; not

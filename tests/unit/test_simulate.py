@@ -293,6 +293,7 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
 
     (tmp_path / "bad.json").write_text("{}")
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "bert.json").write_text('{"model_type": "bert", "hidden_size": 64}')
     for argv, message in [
         # an output path that cannot be written: refused before minutes of simulation, not a traceback after them
         (["--seq", "8192", "--cp", "2", "--png", str(tmp_path / "a_file" / "x.png")],
@@ -310,6 +311,8 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
          f"--kept-curve {tmp_path / 'missing.json'}: "),
         (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bad.json")],
          f"--config {tmp_path / 'bad.json'}: no model_type"),
+        (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bert.json")],  # (one reader: memory's, simulate's)
+         f"--config {tmp_path / 'bert.json'}: model_type 'bert' is an encoder"),
     ]:
         with pytest.raises(SystemExit) as refused:
             simulate_cli.main([*argv, "--no-mtraining"], prog="hf-sparse-cp simulate")
