@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,36 @@ from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written (its command lines), and every flag's default after its help."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An `ArgumentParser` that takes every long flag in both spellings, dashes or underscores between its words
+    (`--cp-mode` for `--cp_mode`, `--seq_len` for `--seq-len`): the commands' own flags mix the two (the CP flags
+    are training's), so no spelling is wrong. `--help` shows the documented one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("epilog", "Every flag is also taken with underscores for its dashes, or dashes for its "
+                          "underscores (--cp-mode for --cp_mode).")
+        super().__init__(*args, **kwargs)
+
+    def _known(self, flag: str) -> bool:
+        """Whether `flag` is a flag of this parser, or the start of one (argparse takes an unambiguous prefix)."""
+        return any(option.startswith(flag) for option in self._option_string_actions)
+
+    def _documented(self, arg: str) -> str:
+        """`arg` (a command-line word) with a flag in the other spelling replaced by the documented one."""
+        flag, sep, value = arg.partition("=")
+        if not flag.startswith("--") or self._known(flag):
+            return arg
+        for other in (flag[:2] + flag[2:].replace("-", "_"), flag[:2] + flag[2:].replace("_", "-")):
+            if self._known(other):
+                return other + sep + value
+        return arg
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        end = args.index("--") if "--" in args else len(args)  # (words after `--` are values, never flags)
+        return super().parse_known_args([*map(self._documented, args[:end]), *args[end:]], namespace)
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:

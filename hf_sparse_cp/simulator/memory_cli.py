@@ -20,6 +20,7 @@ from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
 from .arguments import (
+    FlagParser,
     HelpFormatter,
     add_cp_mode_arguments,
     add_model_arguments,
@@ -64,7 +65,7 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")

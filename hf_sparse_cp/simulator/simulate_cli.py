@@ -54,6 +54,7 @@ from ..distributed.modes import CPMode
 from ..distributed.split.documents import kept_blocks_per_row, row_runs
 from ..env import environment
 from .arguments import (
+    FlagParser,
     HelpFormatter,
     add_cluster_arguments,
     add_cp_mode_arguments,
@@ -126,7 +127,7 @@ DEFAULT_CONFIGS = ("dense ring", "striped sparse")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     add_model_arguments(p, MODELS, default="qwen2.5-3b")
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
