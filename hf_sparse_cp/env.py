@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 # Packages the report lists besides torch (import names); None when not installed.
-PACKAGES = ("transformers", "accelerate", "peft", "datasets", "triton", "liger_kernel", "flash_attn")
+PACKAGES = ("transformers", "accelerate", "peft", "trl", "datasets", "triton", "liger_kernel", "flash_attn")
 
 
 def _version(module: str) -> str | None:

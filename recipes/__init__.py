@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import difflib
 from importlib.resources import as_file, files
 from pathlib import Path
 
@@ -43,18 +44,30 @@ def recipe_path(name_or_path: str, kinds: tuple[str, ...] = KINDS) -> Path:
     for kind in kinds:
         if name in recipe_names(kind):
             return _folder(kind) / f"{name}{SUFFIX}"
-    shipped = ", ".join(name for kind in kinds for name in recipe_names(kind))
-    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({shipped}); "
-                            "`hf-sparse-cp recipes` lists them.")
+    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe "
+                            f"{_shipped(name_or_path, kinds)}")
+
+
+def _shipped(name_or_path: str, kinds: tuple[str, ...]) -> str:
+    """The end of the refusal of a name that is no file and no shipped recipe of `kinds`: the shipped names, and
+    the one closest to it (a typo's fix)."""
+    shipped = [name for kind in kinds for name in recipe_names(kind)]
+    close = difflib.get_close_matches(name_or_path.removesuffix(SUFFIX), shipped, n=1)
+    return (f"({', '.join(shipped)})" + (f"; did you mean {close[0]!r}?" if close else ";")
+            + " `hf-sparse-cp recipes` lists them.")
 
 
 def pattern_path(name_or_path: str) -> str:
-    """What `--sparse_config` reads: the shipped pattern of that name (`trial`) unless a file has the name, else
-    `name_or_path` as given (whose reader names it when it is missing)."""
+    """What `--sparse_config` reads: a file of that name, else the shipped pattern of that name (`trial`).
+
+    Raises:
+        FileNotFoundError: neither; the message lists the shipped patterns and the closest name.
+    """
     try:
         return str(recipe_path(name_or_path, ("pattern",)))
     except FileNotFoundError:
-        return name_or_path
+        raise FileNotFoundError(f"Config file {name_or_path!r} does not exist, nor is it a shipped pattern "
+                                f"{_shipped(name_or_path, ('pattern',))}") from None
 
 
 def recipe_summary(path: Path) -> str:

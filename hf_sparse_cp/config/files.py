@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config file") -> dict[str, Any]:
     """The mapping stored in a .yaml/.yml or .json file; clear errors, naming the file (as `kind`), for a
-    missing file, another suffix, a syntax error, or content that is not a mapping (`what` names the
-    expected keys in that error)."""
+    missing file, another suffix, a syntax error, an empty file (or one of comments only: a mistake, which
+    read as every default), or content that is not a mapping (`what` names the expected keys in those errors)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{kind} {str(path)!r} does not exist.")
@@ -30,9 +30,15 @@ def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config fil
         raise ValueError(f"{kind} {str(path)!r} must end in .yaml, .yml or .json.")
     try:
         with path.open() as stream:  # (a stream, so that YAML's error marks name the file and line)
-            data = json.load(stream) if path.suffix == ".json" else (yaml.safe_load(stream) or {})
+            if path.suffix != ".json":
+                data = yaml.safe_load(stream)
+            else:
+                data = json.load(stream) if path.stat().st_size else None
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
+    if data is None:
+        raise ValueError(f"{kind} {str(path)!r} is empty (or holds only comments): write the {what} it should set in "
+                         "it ({} to keep every default), or do not pass it.")
     if not isinstance(data, dict):
         raise ValueError(f"{kind} {str(path)!r} must hold a mapping of {what}.")
     return data

@@ -15,7 +15,8 @@ section that states only what the run did: base model and data when known, seque
 pattern, the distributed set-up (CPU/gloo or GPU/NCCL processes, FSDP), context parallelism and SMET when
 used, batch size, optimizer, throughput, the losses per logging step (and eval losses), the mean kept
 fraction per layer (with a plot saved beside the card), the versions of the packages that trained it, and
-how to load the model.
+how to load the model (a PEFT run saves only its adapter: the card then holds the pattern and loads the adapter
+onto its base model).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,10 @@ _VERSION_NAMES = {"transformers": "Transformers", "torch": "Pytorch", "accelerat
                   "peft": "PEFT"}
 # Arguments of `create_model_card` (the stock one's, TRL's, the plugin's) that name the training data.
 _DATASET_KEYS = ("datasets", "dataset_tags", "dataset_name", "dataset")
+# Files of a saved tokenizer (`save_pretrained` writes the config; fast tokenizers also tokenizer.json).
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+# PEFT's tag naming an adapter's base model (written with an empty name for a base model built from a config).
+_ADAPTER_TAG = "base_model:adapter:"
 # Model sources that are files, never Hub ids.
 _FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 
@@ -222,7 +228,7 @@ def _versions(trainer: Trainer) -> dict[str, str]:
     names = ["hf-sparse-cp", "transformers", "accelerate", "torch"]
     if any(cls.__module__.startswith("trl.") for cls in type(trainer).__mro__):
         names.append("trl")
-    if type(trainer.model).__module__.startswith("peft."):
+    if _peft_model(trainer) is not None:
         names.append("peft")
     return {name: importlib.metadata.version(name) for name in names}
 
@@ -250,14 +256,80 @@ def _model_name(trainer: Trainer) -> str:
     return trainer.args.hub_model_id or trainer.args.output_dir
 
 
-def _quick_start(trainer: Trainer) -> str:
+def _peft_model(trainer: Trainer) -> Any:
+    """The trained PEFT model (the Trainer then saves only its adapter: adapter_config.json and the adapter's
+    weights, no config.json), or None. A model is a PEFT model only where `peft` was imported."""
+    peft = sys.modules.get("peft")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return model if peft is not None and isinstance(model, peft.PeftModel) else None
+
+
+def _saves_tokenizer(trainer: Trainer, output_dir: Path) -> bool:
+    """Whether a tokenizer is saved beside the model: its files are in `output_dir`, or the Trainer saves one with
+    the model (its processing class, else its collator's tokenizer, as `Trainer._save` does)."""
+    if any((output_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return True
+    return trainer.processing_class is not None or getattr(trainer.data_collator, "tokenizer", None) is not None
+
+
+def _generate_lines(tokenizer: str | None) -> list[str]:
+    if tokenizer is None:
+        return ["# no tokenizer was saved with the model: tokenize with the one it was trained with"]
+    return [f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer}")',
+            'inputs = tokenizer("Once upon a time", return_tensors="pt")',
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))"]
+
+
+def _imports(model: bool, tokenizer: str | None) -> str:
+    return ", ".join(["AutoModelForCausalLM"] * model + ["AutoTokenizer"] * (tokenizer is not None))
+
+
+def _load_base(base: str | None, extra: str = "") -> str:
+    if not base:
+        return "base = ...  # the base model the adapter was trained on (adapter_config.json names none)"
+    return f'base = AutoModelForCausalLM.from_pretrained("{base}"{extra})'
+
+
+def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttentionConfig | None,
+                         tokenizer: str | None) -> list[str]:
+    """How to load a PEFT adapter onto its base model (the one adapter_config.json names, or the user's when it
+    names none: a base model built from a config) and generate, and how to train on with the sparse pattern."""
+    name, base = _model_name(trainer), peft_model.active_peft_config.base_model_name_or_path
+    where = f"its base model, `{base}` (named in adapter_config.json)" if base else \
+        "the base model it was trained on (adapter_config.json names none)"
+    lines = [f"This folder holds a PEFT adapter (adapter_config.json and its weights), not a whole model: load it onto "
+             f"{where} with `peft`. It loads and generates without `hf-sparse-cp`, with any attention "
+             "implementation:", "", "```python", "from peft import PeftModel",
+             *([f"from transformers import {_imports(bool(base), tokenizer)}"] if base or tokenizer else []), "",
+             _load_base(base), f'model = PeftModel.from_pretrained(base, "{name}")', *_generate_lines(tokenizer),
+             "```", ""]
+    if sparse is not None:
+        lines += ["To train on with the sparse pattern, load the base model with `attn_implementation=\"sparse_cp\"`, "
+                  "configure the pattern on it (the one above: an adapter saves no config.json to hold it) and add "
+                  "the adapter:", "", "```python", "import hf_sparse_cp", "from peft import PeftModel",
+                  *(["from transformers import AutoModelForCausalLM"] if base else []), "", "hf_sparse_cp.patch()",
+                  _load_base(base, ', attn_implementation="sparse_cp"'),
+                  f"hf_sparse_cp.configure(base, hf_sparse_cp.SparseAttentionConfig.from_dict({sparse.given()!r}))",
+                  f'model = PeftModel.from_pretrained(base, "{name}", is_trainable=True)', "```", ""]
+    return lines
+
+
+def _quick_start(trainer: Trainer, sparse: SparseAttentionConfig | None, output_dir: Path) -> list[str]:
+    """The card's "Quick start": how to load the saved model (a whole model, or a PEFT adapter onto its base
+    model) and generate, and how to train on with the sparse pattern."""
     name = _model_name(trainer)
-    return "\n".join([
-        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
-        'inputs = tokenizer("Once upon a time", return_tensors="pt")',
-        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))", "```"])
+    tokenizer = name if _saves_tokenizer(trainer, output_dir) else None
+    peft_model = _peft_model(trainer)
+    if peft_model is not None:
+        return _adapter_quick_start(trainer, peft_model, sparse, tokenizer)
+    lines = ["The weights are a standard transformers checkpoint: the model loads and generates without "
+             "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
+             "```python", f"from transformers import {_imports(True, tokenizer)}", "",
+             f'model = AutoModelForCausalLM.from_pretrained("{name}")', *_generate_lines(tokenizer), "```", ""]
+    if sparse is not None:
+        lines += ["To train on with the sparse pattern, call `hf_sparse_cp.patch()` and load it with "
+                  "`attn_implementation=\"sparse_cp\"`.", ""]
+    return lines
 
 
 def _throughput(trainer: Trainer, max_length: int | None) -> str:
@@ -348,18 +420,14 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
         lines += ["Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
 
     if sparse is not None:
-        lines += ["Sparse attention config (saved in config.json as `sparse_attention`):", "", "```yaml",
+        saved = ("not saved with the adapter: it has no config.json; this card holds it" if _peft_model(trainer)
+                 else "saved in config.json as `sparse_attention`")
+        lines += [f"Sparse attention config ({saved}):", "", "```yaml",
                   yaml.safe_dump(sparse.to_dict(), sort_keys=False).rstrip(), "```", ""]
     if smet is not None:
         lines += ["SMET config:", "", "```yaml", yaml.safe_dump(_smet_settings(smet), sort_keys=False).rstrip(), "```",
                   ""]
-    lines += ["### Quick start", "",
-              "The weights are a standard transformers checkpoint: the model loads and generates without "
-              "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
-              _quick_start(trainer), ""]
-    if sparse is not None:
-        lines += ["To train on with the sparse pattern, call `hf_sparse_cp.patch()` and load it with "
-                  "`attn_implementation=\"sparse_cp\"`.", ""]
+    lines += ["### Quick start", "", *_quick_start(trainer, sparse, output_dir)]
     return "\n".join(lines)
 
 
@@ -375,7 +443,8 @@ def _as_list(value: Any) -> list:
 
 
 def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
-    """`card` with YAML front matter that a Hub page accepts: `TAGS` added to its tags; `license` (given, or the
+    """`card` with YAML front matter that a Hub page accepts: `TAGS` added to its tags (PEFT's adapter tag only with
+    a Hub id); `license` (given, or the
     card's) as a lowercase license id; `base_model` only a Hub id (given as `base_model` or `finetuned_from`, or
     the card's, or the model's origin), omitted for a local model; `datasets` only Hub ids (given as `datasets`,
     `dataset_tags`, `dataset_name` or `dataset`, or the card's). The stock card's sentence that links a local
@@ -390,8 +459,12 @@ def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
     base = (given.get("base_model") or given.get("finetuned_from") or metadata.get("base_model")
             or recorded_base_model(getattr(getattr(trainer.model, "config", None), "_name_or_path", None)))
     metadata.pop("base_model", None)
+    # PEFT's tag names the adapter's base model (empty for one built from a config): as `base_model`, a Hub id or none
+    metadata["tags"] = [tag for tag in metadata["tags"] if not str(tag).startswith(_ADAPTER_TAG)]
     if is_hub_id(base):
         metadata["base_model"] = base
+        if _peft_model(trainer) is not None:
+            metadata["tags"].append(f"{_ADAPTER_TAG}{base}")
         body = body.replace(_TRL_NONE_LINK, f"[{base}](https://huggingface.co/{base})")
     elif isinstance(base, str) and base:
         body = body.replace(f"[{base}](https://huggingface.co/{base})", f"a local model (`{base}`)")

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from huggingface_hub.errors import StrictDataclassError
 
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
@@ -22,6 +26,36 @@ from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written (its command lines), and every flag's default after its help."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An `ArgumentParser` that takes every long flag in both spellings, dashes or underscores between its words
+    (`--cp-mode` for `--cp_mode`, `--seq_len` for `--seq-len`): the commands' own flags mix the two (the CP flags
+    are training's), so no spelling is wrong. `--help` shows the documented one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("epilog", "Every flag is also taken with underscores for its dashes, or dashes for its "
+                          "underscores (--cp-mode for --cp_mode).")
+        super().__init__(*args, **kwargs)
+
+    def _known(self, flag: str) -> bool:
+        """Whether `flag` is a flag of this parser, or the start of one (argparse takes an unambiguous prefix)."""
+        return any(option.startswith(flag) for option in self._option_string_actions)
+
+    def _documented(self, arg: str) -> str:
+        """`arg` (a command-line word) with a flag in the other spelling replaced by the documented one."""
+        flag, sep, value = arg.partition("=")
+        if not flag.startswith("--") or self._known(flag):
+            return arg
+        for other in (flag[:2] + flag[2:].replace("-", "_"), flag[:2] + flag[2:].replace("_", "-")):
+            if self._known(other):
+                return other + sep + value
+        return arg
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        end = args.index("--") if "--" in args else len(args)  # (words after `--` are values, never flags)
+        return super().parse_known_args([*map(self._documented, args[:end]), *args[end:]], namespace)
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:
@@ -53,7 +87,8 @@ def read_config(path: str):
     """The transformers config of a `config.json` file, or of a folder holding one.
 
     Raises:
-        ValueError: no such file, not JSON, or no known `model_type`; the message names the path and the fix.
+        ValueError: no such file, not JSON, no known `model_type`, or not a causal language model's; the message
+            names the path and the fix.
     """
     from transformers import AutoConfig
 
@@ -68,10 +103,53 @@ def read_config(path: str):
         raise ValueError(f"--config {path}: no model_type; a transformers config.json names its model_type "
                          "(e.g. \"llama\").")
     model_type = data.pop("model_type")
+    _check_causal_lm(path, model_type, data)
     try:
         return AutoConfig.for_model(model_type, **data)
     except ValueError as e:
         raise ValueError(f"--config {path}: {e}") from None
+    except StrictDataclassError as e:  # the config class's own checks (a shape it refuses), their error the cause
+        raise ValueError(f"--config {path}: {e.__cause__ or e} Give the fields of the model's own config.json, or a "
+                         "preset (--model).") from None
+
+
+def _check_causal_lm(path: str, model_type: str, data: dict[str, Any]) -> None:
+    """Refuse a model type that is no causal language model (ValueError naming it and the fix): one outside
+    transformers' causal-LM mapping (T5, an encoder), or an encoder that the mapping lists only to run as a decoder
+    (BERT's family, also masked LMs: transformers runs them causally only with `is_decoder: true`)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    fix = "give a causal (decoder-only) language model's config.json, e.g. a Llama's, or a preset (--model)"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"--config {path}: model_type {model_type!r} is not a causal language model (transformers "
+                         f"has no causal-LM class for it); {fix}.")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not data.get("is_decoder"):
+        raise ValueError(f"--config {path}: model_type {model_type!r} is an encoder (a masked language model), "
+                         f"causal only as a decoder: set \"is_decoder\": true in the config if it is one, or {fix}.")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse an output file that could not be written, before the command computes anything (ValueError naming
+    the path and the fix): a folder, or a file whose folder lies under a file or is not writable. A missing folder
+    is no reason: `write_output` creates it (as `plot --out_dir` does)."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give the path of a file (in it, or anywhere else).")
+    existing = next(folder for folder in target.parents if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder; give a path in a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the folder {existing} is not writable; give a path in a folder you can "
+                         "write to.")
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write an output file, creating its folder when missing (after `check_output_file`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def model_name(args: argparse.Namespace) -> str:

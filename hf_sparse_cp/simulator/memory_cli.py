@@ -19,7 +19,17 @@ from pathlib import Path
 from ..config import SparseAttentionConfig
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
-from .arguments import HelpFormatter, add_cp_mode_arguments, add_model_arguments, cp_layout, model_name, read_config
+from .arguments import (
+    FlagParser,
+    HelpFormatter,
+    add_cp_mode_arguments,
+    add_model_arguments,
+    check_output_file,
+    cp_layout,
+    model_name,
+    read_config,
+    write_output,
+)
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .memory_model import GIB, PRESETS, Architecture, StepSettings, longest_fitting_length, predict_step_memory
 
@@ -55,7 +65,7 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
@@ -99,7 +109,8 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, nargs="*", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")
     p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
-    p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file (default: none).")
+    p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file (default: none; a "
+                   "missing folder is created).")
     return p
 
 
@@ -210,6 +221,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     args = parser.parse_args(argv)
     _check(args, parser)
     try:
+        if args.json:
+            check_output_file(args.json, "--json")
         _check_read(args, parser, given_flags(argv, prog), _pattern(args))
         capacity = parse_memory(args.gpu_memory)
         capacity = device_memory() if capacity is None else capacity
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     report = predict(args, capacity)
     budget, longest = report["usable_bytes"], report["longest_fitting_tokens"]
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_output(Path(args.json), json.dumps(report, indent=2) + "\n")
     if args.quiet:
         print(longest)
         return report

@@ -38,8 +38,9 @@ class ModelShape:
         MLP's width and the vocabulary.
 
         Raises:
-            ValueError: a field the predictions need is missing, or the model routes its tokens to experts; the
-                message names the field and the fix.
+            ValueError: a field the predictions need is missing, the heads do not divide the hidden size (or the
+                key/value heads the query heads), or the model routes its tokens to experts; the message names
+                the field and the fix.
         """
         where = name or getattr(config, "model_type", "the config")
         experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
@@ -53,10 +54,19 @@ class ModelShape:
             raise ValueError(f"{where}: no {', '.join(missing)} in the config; the predictions need a decoder's "
                              f"{', '.join(needed)} (a Llama-style config.json): add the missing field(s), or give a "
                              "preset (--model).")
-        heads = config.num_attention_heads
-        return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads,
-                   getattr(config, "num_key_value_heads", None) or heads,
-                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
+        heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        # (a field the file leaves out takes its model type's default: BERT's 12 heads over a hidden size of 64)
+        if head_dim is None and config.hidden_size % heads:
+            raise ValueError(f"{where}: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
+                             f"{heads}, and no head_dim says how wide a head is; give the config's own "
+                             "num_attention_heads (or head_dim).")
+        if heads % kv_heads:
+            raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads} (each key/value head serves a group of query heads); give the config's "
+                             "own head counts.")
+        return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
+                   head_dim or config.hidden_size // heads, config.intermediate_size,
                    config.vocab_size, f"config.json of model_type {config.model_type!r}")
 
     def linear_flops(self, *, recompute: bool) -> tuple[float, float]:

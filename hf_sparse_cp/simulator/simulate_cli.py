@@ -54,15 +54,18 @@ from ..distributed.modes import CPMode
 from ..distributed.split.documents import kept_blocks_per_row, row_runs
 from ..env import environment
 from .arguments import (
+    FlagParser,
     HelpFormatter,
     add_cluster_arguments,
     add_cp_mode_arguments,
     add_model_arguments,
+    check_output_file,
     cluster_of,
     cp_layout,
     custom_parts,
     model_name,
     model_shape,
+    write_output,
 )
 from .head_parallel import head_parallel_setup, predict_head_parallel_step
 from .kept_curve import DEFAULT_CURVE, KeptAt, KeptCurve
@@ -124,7 +127,7 @@ DEFAULT_CONFIGS = ("dense ring", "striped sparse")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     add_model_arguments(p, MODELS, default="qwen2.5-3b")
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
@@ -167,8 +170,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Seed of the synthetic layouts and packed rows.")
     p.add_argument("--json", default=None,
                    help="Output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
-                   "the current directory, benchmarks/results for benchmarks/simulate_cluster.py).")
-    p.add_argument("--png", default=None, help="Plot file (default: next to the JSON).")
+                   "the current directory, benchmarks/results for benchmarks/simulate_cluster.py; a missing folder is "
+                   "created).")
+    p.add_argument("--png", default=None, help="Plot file (default: next to the JSON; a missing folder is created).")
     return p
 
 
@@ -212,7 +216,10 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
             p.error(f"--cp {cp} --cp_mode {args.cp_mode}: {e}")
     try:
         require_matplotlib()  # (the plot: before minutes of simulation, not after)
-    except ImportError as e:
+        for flag, path in (("--json", args.json), ("--png", args.png)):
+            if path:
+                check_output_file(path, flag)
+    except (ImportError, ValueError) as e:
         p.error(str(e))
     return args
 
@@ -510,9 +517,9 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     cluster_tag = args.cluster + ("_custom" if custom_parts(args) else "")
     file_name = f"simulate-cluster_{name}_{cluster_tag}" + (f"_{args.mix}" if args.mix else "") + ".json"
     out = Path(args.json) if args.json else (results or Path.cwd()) / file_name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_output(out, json.dumps(report, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, png, f"{name} on {cluster.name}" + (f", rows packed with the {args.mix} mix" if args.mix else ""))
     print(f"wrote {out} and {png}")
     return report

@@ -343,3 +343,70 @@ def test_a_folder_an_earlier_run_saved_names_its_recorded_base_model(tmp_path):
     assert recorded_base_model("Qwen/Qwen2.5-3B") == "Qwen/Qwen2.5-3B"
     (tmp_path / "README.md").write_text("# a card without metadata\n")
     assert recorded_base_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_a_card_without_a_saved_tokenizer_loads_no_tokenizer(smet_run, tmp_path, monkeypatch):
+    """The quick start names a tokenizer only where one is saved with the model (files in the folder, or the
+    Trainer's processing class, which it saves with the model)."""
+    trainer, parallel, _ = smet_run
+    monkeypatch.setattr(trainer.args, "output_dir", str(tmp_path))
+    monkeypatch.setattr(trainer, "processing_class", None)
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path}")' in card and "AutoTokenizer" not in card
+    assert "Sparse attention config (saved in config.json as `sparse_attention`)" in card
+    byte_tokenizer().save_pretrained(str(tmp_path))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert f'tokenizer = AutoTokenizer.from_pretrained("{tmp_path}")' in card
+
+
+def _python_blocks(card: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", card, re.MULTILINE | re.DOTALL)
+
+
+def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path):
+    """A LoRA run saves an adapter (adapter_config.json and its weights, no config.json): its card keeps the pattern
+    itself, loads the adapter onto its base model (both quick-start snippets run as written, the second one with the
+    trained pattern), loads the tokenizer saved beside it, and names no empty adapter base in its tags."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    base_dir, out = tmp_path / "base", tmp_path / "adapter"
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(str(base_dir))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base_dir)),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    args = SparseTrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=1, report_to="none",
+                                   save_strategy="no", use_cpu=True, sparse_block_size=32, sparse_min_seq_len=128,
+                                   sparse_vertical_topk=8, sparse_slash_topk=16)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=passkey_dataset(tok, 1, 256),
+                            data_collator=default_data_collator, processing_class=tok)
+    try:
+        trainer.train()
+        trainer.save_model()  # writes the card
+        pattern = SparseAttentionConfig.stored_on(trainer.model.config)
+    finally:
+        disable_sparse_attention(trainer.model)
+    assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
+    card = (out / "README.md").read_text()
+    assert "config.json as `sparse_attention`" not in card and "AutoModelForCausalLM.from_pretrained(\"" + str(
+        out) not in card
+    assert "not saved with the adapter: it has no config.json; this card holds it" in card
+    assert not [tag for tag in _front_matter(card)["tags"] if tag.startswith("base_model:adapter:")]  # a local base
+    load, train_on = _python_blocks(card)
+    assert f'AutoModelForCausalLM.from_pretrained("{base_dir}")' in load
+    loaded = {}
+    exec(load, loaded)  # generates with the saved tokenizer
+    assert isinstance(loaded["model"], PeftModel)
+    exec(train_on, loaded)
+    model = loaded["model"]
+    try:
+        assert model.config._attn_implementation == "sparse_cp"
+        assert SparseAttentionConfig.stored_on(model.config) == pattern and pattern.budget.slash_topk == 16
+        assert any(p.requires_grad for name, p in model.named_parameters() if "lora_" in name)
+    finally:
+        disable_sparse_attention(model)
+    # a Hub base model is named by the adapter tag, as by base_model
+    card = write_sparse_model_card(trainer, base_model="Qwen/Qwen2.5-0.5B").read_text()
+    assert "base_model:adapter:Qwen/Qwen2.5-0.5B" in _front_matter(card)["tags"]

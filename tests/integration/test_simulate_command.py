@@ -72,6 +72,17 @@ def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch, c
     assert refused.value.code == 2 and out == "" and "no intermediate_size" in err
 
 
+def test_simulate_writes_into_folders_that_do_not_exist_yet(tmp_path):
+    """--json and --png in missing folders: created (they ended with a FileNotFoundError after the simulation)."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    pytest.importorskip("matplotlib")
+    json_path, png = tmp_path / "new" / "a.json", tmp_path / "other" / "deeper" / "a.png"
+    simulate_cli.main(["--model", "qwen2.5-0.5b", "--seq", "8192", "--cp", "2", "--layout-heads", "1",
+                       "--no-mtraining", "--configs", "dense ring", "--json", str(json_path), "--png", str(png)])
+    assert json_path.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("command", ["simulate", "memory"])
 def test_every_help_entry_has_text_and_its_default(command, monkeypatch):
     from hf_sparse_cp.simulator import memory_cli, simulate_cli

@@ -1,3 +1,5 @@
+import importlib.metadata
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
@@ -107,6 +109,9 @@ def test_cli_env(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "transformers" in out and hf_sparse_cp.__version__ in out and torch.__version__ in out
+    rows = dict(line.split(maxsplit=1) for line in out.splitlines())
+    for package in ("trl", "peft"):  # (TRL was not listed)
+        assert rows[package] == importlib.metadata.version(package), out
 
 
 def test_a_packed_run_whose_layers_all_run_dense_keeps_one_and_the_done_line_states_real_losses(

@@ -152,6 +152,22 @@ def test_the_memory_command_names_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_the_memory_commands_json_goes_where_asked_or_is_refused_before_computing(tmp_path, capsys):
+    """--json in a folder that does not exist yet creates it (as `simulate` and `plot --out_dir` do); a path that
+    cannot be written (under a file, or a folder) is refused as argparse refuses a flag, not with a traceback."""
+    out = tmp_path / "missing" / "fit.json"
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["longest_fitting_tokens"] == int(capsys.readouterr().out)
+    (tmp_path / "a_file").write_text("")
+    for path, message in ((tmp_path / "a_file" / "x.json", f"{tmp_path / 'a_file'} is a file, not a folder"),
+                          (tmp_path, "is a folder; give the path of a file")):
+        with pytest.raises(SystemExit) as refused:
+            cli_main(["memory", "--model", "qwen2.5-0.5b", "--json", str(path), "--quiet"])
+        out, err = capsys.readouterr()
+        assert refused.value.code == 2 and out == "" and f"hf-sparse-cp memory: error: --json {path}" in err
+        assert message in err and "Traceback" not in err
+
+
 def test_memory_sizes_parse_in_their_units():
     assert parse_memory("80GB") == 80 * 10**9
     assert parse_memory("80 GiB") == 80 * 2**30
@@ -201,6 +217,33 @@ def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(
     with pytest.raises(SystemExit):
         cli_main(base[:-1])
     assert "num_local_experts=8: a mixture of experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "bert", "hidden_size": 64}, "model_type 'bert' is an encoder (a masked language model), causal "
+                                                "only as a decoder: set \"is_decoder\": true"),
+    ({"model_type": "t5"}, "model_type 't5' is not a causal language model"),
+    ({"hidden_size": 64}, "no model_type"),
+    # BERT's defaults filled in: 12 heads over a hidden size of 64
+    ({"model_type": "bert", "hidden_size": 64, "is_decoder": True}, "hidden_size 64 is not divisible by "
+                                                                    "num_attention_heads 12"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 12}, "The hidden size (64) is not a multiple "
+                                                                            "of the number of attention heads (12)"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3},
+     "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+], ids=["bert", "t5", "no_model_type", "bert_decoder_defaults", "llama_heads", "llama_kv_heads"])
+def test_the_memory_command_refuses_a_config_that_is_no_causal_lm_or_no_consistent_shape(config, message, tmp_path,
+                                                                                          capsys):
+    """`--config bert.json` was answered as a causal decoder with BERT's defaults (12 heads over a hidden size of 64):
+    a model type that is no causal LM (or an encoder not set as a decoder), and a shape whose heads do not divide, are
+    refused naming what is wrong and the fix."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--config", str(path), "--quiet"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and "hf-sparse-cp memory: error: " in err, err
+    assert message in err and "Traceback" not in err, err
 
 
 def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):

@@ -1,5 +1,7 @@
 """The cluster simulator counts what the ring executes and times its schedule as the analytic answers say."""
 
+import re
+
 import pytest
 import torch
 
@@ -292,7 +294,14 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
     from hf_sparse_cp.simulator import simulate_cli
 
     (tmp_path / "bad.json").write_text("{}")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "bert.json").write_text('{"model_type": "bert", "hidden_size": 64}')
     for argv, message in [
+        # an output path that cannot be written: refused before minutes of simulation, not a traceback after them
+        (["--seq", "8192", "--cp", "2", "--png", str(tmp_path / "a_file" / "x.png")],
+         f"--png {tmp_path / 'a_file' / 'x.png'}: {tmp_path / 'a_file'} is a file, not a folder"),
+        (["--seq", "8192", "--cp", "2", "--json", str(tmp_path)], f"--json {tmp_path} is a folder; give the path of a "
+                                                                  "file"),
         (["--seq", "1000", "--cp", "2"], "--seq 1000 must be a multiple of 512 (whole zigzag chunks of 128-token "
                                          "blocks at --cp 2): e.g. --seq 512 or --seq 1024."),
         (["--seq", "8192", "65000", "--cp", "2", "32"],
@@ -304,6 +313,8 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
          f"--kept-curve {tmp_path / 'missing.json'}: "),
         (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bad.json")],
          f"--config {tmp_path / 'bad.json'}: no model_type"),
+        (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bert.json")],  # (one reader: memory's, simulate's)
+         f"--config {tmp_path / 'bert.json'}: model_type 'bert' is an encoder"),
     ]:
         with pytest.raises(SystemExit) as refused:
             simulate_cli.main([*argv, "--no-mtraining"], prog="hf-sparse-cp simulate")
@@ -315,3 +326,32 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
     out, err = capsys.readouterr()
     assert refused.value.code == 2 and out == ""
     assert "usage: hf-sparse-cp simulate" in err and "hf-sparse-cp simulate: error: --seq 1000 must be" in err
+
+
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+def test_every_flag_is_taken_in_both_spellings_and_help_shows_the_documented_one(command, capsys):
+    """`memory` took `--gpu-memory` but refused `--cp-mode` (its flag is training's `--cp_mode`): every long flag of
+    `memory` and `simulate` is taken with dashes or underscores between its words (a prefix too, as argparse takes
+    one); --help lists the documented spelling only."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    parser = {"memory": memory_cli, "simulate": simulate_cli}[command].build_parser()
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    others = {other for flag in flags for other in (flag.replace("_", "-"), "--" + flag[2:].replace("-", "_"))}
+    for flag in flags:
+        for other in (flag.replace("_", "-"), "--" + flag[2:].replace("-", "_")):
+            assert parser._documented(other) == flag and parser._documented(f"{other}=1") == f"{flag}=1", other
+    assert parser._documented("--cp-mod") == "--cp_mod"  # (a prefix, which argparse completes)
+    listed = set(re.findall(r"[\[ ](--[\w-]+)", parser.format_help()))  # (the usage and the flag list)
+    assert "--cp_mode" in listed and set(flags) <= listed and not (others - set(flags)) & listed
+    if command == "memory":
+        assert {"--gpu-memory", "--no-master-weights"} <= listed and "--gpu_memory" not in listed
+        answers = []
+        for argv in (["--cp_mode", "ulysses", "--gpu-memory", "40GB", "--no-master-weights", "--seq-len", "8192"],
+                     ["--cp-mode", "ulysses", "--gpu_memory", "40GB", "--no_master_weights", "--seq_len", "8192"]):
+            cli.main(["memory", "--model", "qwen2.5-0.5b", "--cp", "2", *argv, "--quiet"])
+            answers.append(capsys.readouterr().out)
+        assert answers[0] == answers[1] and int(answers[0]) > 0
+    spelt = [["--model", "qwen2.5-0.5b", f"--cp{sep}mode", "ulysses", f"--cp{sep}ulysses{sep}size=2"] for sep in "-_"]
+    assert parser.parse_args(spelt[0]) == parser.parse_args(spelt[1])

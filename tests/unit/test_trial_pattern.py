@@ -3,10 +3,13 @@
 of the causal blocks while the defaults keep them all (on real weights at 1K: tests/integration/test_pretrained.py).
 """
 
+import re
+
+import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig, estimate_layout
-from hf_sparse_cp.recipes import pattern_path, recipe_names
+from hf_sparse_cp.recipes import pattern_path, recipe_names, recipe_path
 from hf_sparse_cp.testing.layouts import planted_qk
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
 
@@ -17,7 +20,35 @@ def test_the_trial_pattern_is_shipped_and_read_by_name(tmp_path):
     assert config.min_seq_len == 0 and config.budget.mode == "topk"
     own = tmp_path / "trial"  # a file of that name is the user's file
     own.write_text("block_size: 32\n")
-    assert pattern_path(str(own)) == str(own) and pattern_path("missing.yaml") == "missing.yaml"
+    assert pattern_path(str(own)) == str(own)
+
+
+def test_a_pattern_that_is_no_file_and_no_shipped_name_is_refused_with_the_closest_name(tmp_path):
+    """`--sparse_config trail` said only "Config file 'trail' does not exist.": the refusal lists the shipped patterns
+    and the closest one (as `hf-sparse-cp recipes --path` does, by the same code)."""
+    with pytest.raises(FileNotFoundError, match=r"^Config file 'trail' does not exist, nor is it a shipped pattern "
+                                                r"\(trial\); did you mean 'trial'\? `hf-sparse-cp recipes` lists them"):
+        SparseCPArguments(sparse_config="trail").attention_config()
+    with pytest.raises(FileNotFoundError, match=r"'missing.yaml' does not exist, nor is it a shipped pattern "
+                                                r"\(trial\); `hf-sparse-cp recipes`"):
+        pattern_path("missing.yaml")  # (nothing close: no guess)
+    with pytest.raises(FileNotFoundError, match="neither a file nor a shipped recipe .*; did you mean 'trial'"):
+        recipe_path("trail")
+
+
+@pytest.mark.parametrize("name, text", [("empty.yaml", ""), ("comments.yaml", "# block_size: 32\n"),
+                                        ("empty.json", "")])
+def test_an_empty_pattern_file_is_refused_naming_it_and_the_fix(tmp_path, name, text):
+    """An empty --sparse_config file (or one of comments only) read as every default, silently: refused, naming the
+    file and the fix; `{}` still stands for the defaults."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^Config file '{re.escape(str(path))}' is empty \(or holds only comments\): "
+                                         r"write the sparse attention fields it should set in it \(\{\} to keep every "
+                                         r"default\), or do not pass it"):
+        SparseCPArguments(sparse_config=str(path)).attention_config()
+    path.write_text("{}\n")
+    assert SparseCPArguments(sparse_config=str(path)).attention_config() == SparseAttentionConfig()
 
 
 def test_the_trial_pattern_is_sparse_at_4k_where_the_defaults_are_dense():
