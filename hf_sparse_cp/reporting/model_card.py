@@ -61,7 +61,7 @@ _VERSION_NAMES = {"transformers": "Transformers", "torch": "Pytorch", "accelerat
 # Arguments of `create_model_card` (the stock one's, TRL's, the plugin's) that name the training data.
 _DATASET_KEYS = ("datasets", "dataset_tags", "dataset_name", "dataset")
 # Files of a saved tokenizer (`save_pretrained` writes the config; fast tokenizers also tokenizer.json).
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 # PEFT's tag naming an adapter's base model (written with an empty name for a base model built from a config).
 _ADAPTER_TAG = "base_model:adapter:"
 # Model sources that are files, never Hub ids.
@@ -267,7 +267,7 @@ def _peft_model(trainer: Trainer) -> Any:
 def _saves_tokenizer(trainer: Trainer, output_dir: Path) -> bool:
     """Whether a tokenizer is saved beside the model: its files are in `output_dir`, or the Trainer saves one with
     the model (its processing class, else its collator's tokenizer, as `Trainer._save` does)."""
-    if any((output_dir / name).is_file() for name in _TOKENIZER_FILES):
+    if any((output_dir / name).is_file() for name in TOKENIZER_FILES):
         return True
     return trainer.processing_class is not None or getattr(trainer.data_collator, "tokenizer", None) is not None
 

@@ -28,7 +28,7 @@ from ..integration.patching import PatchSet
 from ..integration.registration import configure, is_patched, patch, unpatch
 from ..recipes import pattern_path
 from .kept_fraction_figure import kept_fraction_figure, new_figure, read_log_history
-from .model_card import KEPT_FRACTION_PLOT
+from .model_card import KEPT_FRACTION_PLOT, TOKENIZER_FILES
 
 LAYOUTS_PLOT = "sparse_block_layouts.png"
 PICTURES = ("kept_fraction", "layouts")
@@ -302,11 +302,17 @@ def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
         # refused before the forward, not after it
         _check_choice(layers or [], range(language_config(model.config).num_hidden_layers), "layers", "--layers")
         _check_choice(heads or [], range(language_config(model.config).num_attention_heads), "heads", "--heads")
+        fix = ("save it with the model (Trainer(processing_class=tokenizer) saves it with every checkpoint), or draw "
+               "the kept fraction alone with --only kept_fraction")
+        folder = Path(str(model_path))
+        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            # (transformers would build an empty tokenizer of the model's type, which encodes nothing)
+            raise FileNotFoundError(f"No tokenizer with the model in {str(model_path)!r} (no "
+                                    f"{' or '.join(TOKENIZER_FILES)}); {fix}.")
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"No tokenizer with the model in {str(model_path)!r} ({e}); save it with the model "
-                                    "(Trainer(processing_class=tokenizer) saves it with every checkpoint).") from None
+            raise FileNotFoundError(f"No tokenizer with the model in {str(model_path)!r} ({e}); {fix}.") from None
         pattern = SparseAttentionConfig.stored_on(model.config)
         if text_file is None and seq_len is None:
             seq_len = max(4096, pattern.min_seq_len)

@@ -2,6 +2,7 @@
 one forward, checked through the matplotlib figures, not only the files."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -161,3 +162,15 @@ def test_plot_refuses_layers_the_model_does_not_have(run_dir, tmp_path, capsys):
               str(tmp_path)])
     assert "layers [5] do not exist: the model has layers 0 to 1; choose them with --layers" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_plot_of_a_model_saved_without_its_tokenizer_names_both_ways_out(run_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    copy = tmp_path / "run" / "checkpoint-3"
+    shutil.copytree(run_dir / "checkpoint-3", copy)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (copy / name).unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        main(["plot", str(copy.parent), "--only", "layouts", "--max_length", "256", "--out_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "No tokenizer with the model" in err and "--only kept_fraction" in err, err
