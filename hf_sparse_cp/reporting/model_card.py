@@ -372,11 +372,21 @@ def _packs_documents(trainer: Trainer) -> bool:
     return isinstance(collator, DataCollatorWithFlattening) or bool(getattr(collator, "padding_free", False))
 
 
-def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, cp_size: int,
-             smet: SMETConfig | None, optimizer_line: str, output_dir: Path, card_kwargs: dict[str, Any],
-             license_: str | None) -> str:
+def _sequence_length(max_length: int | None, longest_trained: int | None) -> str:
+    """The card's sequence length: the one the run was set to, and the longest it trained where they differ (a
+    length set above the data's is not what the model saw)."""
+    if longest_trained is None or longest_trained == max_length:
+        return "not recorded" if max_length is None else f"{max_length:,} tokens"
+    if max_length is None:
+        return f"{longest_trained:,} tokens (the longest sequence trained)"
+    return f"{max_length:,} tokens set; the longest sequence trained held {longest_trained:,}"
+
+
+def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, longest_trained: int | None,
+             cp_size: int, smet: SMETConfig | None, optimizer_line: str, output_dir: Path,
+             card_kwargs: dict[str, Any], license_: str | None) -> str:
     sparse = _sparse_config(trainer)
-    length = "not recorded" if max_length is None else f"{max_length:,} tokens"
+    length = _sequence_length(max_length, longest_trained)
     if _packs_documents(trainer):
         length += " (documents packed into each sequence, attention within each document only)"
     used = (["dynamic sparse attention"] if sparse is not None else []) + (
@@ -506,6 +516,7 @@ def write_sparse_model_card(
     *,
     parallel: ParallelDims | None = None,
     max_length: int | None = None,
+    longest_trained: int | None = None,
     create_card: Callable[..., Any] | None = None,
     **create_model_card_kwargs: Any,
 ) -> Path | None:
@@ -517,6 +528,8 @@ def write_sparse_model_card(
             Trainer reports, without sharding and ring).
         max_length: tokens per training sequence (the packed length when a flattening collator packs
             documents); None: not stated, and no throughput estimate.
+        longest_trained: the most tokens of any sequence the run trained (`StepMetricsCallback.longest_trained`),
+            stated beside `max_length` where they differ.
         create_card: writes the stock card, called with `create_model_card_kwargs`; default
             `Trainer.create_model_card` (the base method: a subclass that overrides `create_model_card` to
             call this function passes `super().create_model_card`).
@@ -557,7 +570,7 @@ def write_sparse_model_card(
     card = _hub_metadata(card, trainer, create_model_card_kwargs)
     license_ = _split_front_matter(card)[0].get("license")
     card = _merge_versions(card, _versions(trainer))
-    card += "\n" + _section(trainer, parallel, max_length, cp_size, smet, optimizer_line, output_dir,
+    card += "\n" + _section(trainer, parallel, max_length, longest_trained, cp_size, smet, optimizer_line, output_dir,
                             create_model_card_kwargs, license_)
     path.write_text(card, encoding="utf-8")
     return path

@@ -87,22 +87,38 @@ class StepMetricsCallback(TrainerCallback):
     `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch); a
     trainer whose batches are not tokens (TRL GRPO's prompts, which it completes in the step) logs no tokens/s.
     Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
+    It also keeps `longest_trained`, the most real tokens of any training sequence (row) of any process so far, as
+    of the last training log or the end of training (the model card states it).
     """
 
     def __init__(self) -> None:
         # this rank's share of the real tokens trained (its batches' over the CP degree): in all, and since the last log
         self.total: torch.Tensor | None = None
         self.since_log: torch.Tensor | None = None
+        self.longest: torch.Tensor | None = None  # this rank's longest row (a tensor: no device sync per step)
+        self.longest_trained: int | None = None
         self.cp_size = 1
         self._last_log = time.perf_counter()
 
     def count(self, inputs: Mapping[str, Any] | list, cp_size: int) -> None:
         if not isinstance(inputs, Mapping):  # TRL GRPO's batch of prompts: it generates the tokens it trains on
             return
-        tokens = (batch_meta(inputs).segment != PAD_SEGMENT).sum().double() / cp_size
+        per_row = (batch_meta(inputs).segment != PAD_SEGMENT).sum(-1)
+        tokens = per_row.sum().double() / cp_size
         self.total = tokens if self.total is None else self.total + tokens
         self.since_log = tokens if self.since_log is None else self.since_log + tokens
+        longest = per_row.max() if per_row.numel() else None
+        if longest is not None:
+            self.longest = longest if self.longest is None else torch.maximum(self.longest, longest)
         self.cp_size = cp_size
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # (every rank ends training: the longest row of all of them, for a run that logged no step since its last)
+        if self.longest is not None:
+            longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+            self.longest_trained = int(longest.item())
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.since_log, self._last_log = None, time.perf_counter()
@@ -118,12 +134,16 @@ class StepMetricsCallback(TrainerCallback):
         if logs is None or "loss" not in logs:  # (training logs only from here on)
             return
         peak = peak_memory_bytes(args.device)
+        longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1) if self.longest is not None \
+            else torch.zeros(1, dtype=torch.float64, device=args.device)
         stats = torch.cat([self._counts(args.device),
-                           torch.tensor([float(peak or 0)], dtype=torch.float64, device=args.device)])
+                           torch.tensor([float(peak or 0)], dtype=torch.float64, device=args.device), longest])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(stats[:2])
             torch.distributed.all_reduce(stats[2:], op=torch.distributed.ReduceOp.MAX)
-        total, since_log, peak_all = stats.tolist()
+        total, since_log, peak_all, longest_all = stats.tolist()
+        if self.longest is not None:
+            self.longest_trained = int(longest_all)
         now = time.perf_counter()
         extra = {} if self.total is None else {TOKENS_PER_SECOND: round(since_log / max(now - self._last_log, 1e-9), 1)}
         if peak is not None:

@@ -47,6 +47,7 @@ from .arguments import (
     flag_errors,
 )
 from .attach import attach_to_trainer, enable_sparse_attention
+from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import check_schedule_flags
@@ -338,7 +339,9 @@ class SparseTrainerMixin:
         losses, tokens/s (`model_card.write_sparse_model_card`). Metadata not given here comes from the
         `--sparse_card_*` flags."""
         given = {name: value for name, value in kwargs.items() if value is not None}
+        metrics = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)), None)
         return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
+                                       longest_trained=getattr(metrics, "longest_trained", None),
                                        create_card=super().create_model_card,
                                        **(self.args.plugin_arguments().card_metadata() | given))
 

@@ -410,3 +410,20 @@ def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path):
     # a Hub base model is named by the adapter tag, as by base_model
     card = write_sparse_model_card(trainer, base_model="Qwen/Qwen2.5-0.5B").read_text()
     assert "base_model:adapter:Qwen/Qwen2.5-0.5B" in _front_matter(card)["tags"]
+
+
+def test_a_length_set_above_the_data_is_stated_beside_the_longest_sequence_trained(tmp_path):
+    """--sparse_max_length 4096 on 200-token rows: the card said "4,096 tokens", a length the model never saw."""
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (2, 200)).unbind()]
+    args = SparseTrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
+                                   report_to="none", save_strategy="no", use_cpu=True, logging_steps=5,
+                                   sparse_max_length=4096, sparse_block_size=32, sparse_min_seq_len=128)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows)
+    trainer.train()  # (no training log before its end: the longest row is gathered as training ends)
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "| sequence length | 4,096 tokens set; the longest sequence trained held 200 |" in card, card
