@@ -106,7 +106,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    "of its rows (no run can exceed it).")
     p.add_argument("--kept-curve", help="A `benchmarks/pattern_quality.py --curve` report ('defaults' setting) for "
                    f"--layout-width curve (default: the shipped measurement, {DEFAULT_CURVE.source}).")
-    p.add_argument("--seq-len", type=int, nargs="*", default=[],
+    p.add_argument("--seq-len", type=int, nargs="+", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")
     p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
     p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file (default: none; a "

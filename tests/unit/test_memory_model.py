@@ -143,6 +143,7 @@ def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
     (["--model", "qwen2.5-0.5b", "--usable-fraction", "1.5"], "must be in (0, 1]"),
     (["--model", "gpt-9"], "invalid choice"),
     (["--model", "qwen2.5-0.5b", "--seq-len", "0"], "must be >= 1 token"),
+    (["--model", "qwen2.5-0.5b", "--seq-len"], "expected at least one argument"),  # (it was ignored)
     # more head-parallel ranks than the model's 14 query heads: refused naming the fix, not a traceback
     (["--model", "qwen2.5-0.5b", "--cp", "64", "--cp_mode", "ulysses"], "at most 14 (balanced: [1, 2, 7, 14])"),
 ])
