@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import os
 import sys
 from typing import NoReturn
@@ -96,12 +97,20 @@ def refused_run(exit_codes: list[int]) -> bool:
     return REFUSED in exit_codes and all(code == REFUSED or code < 0 for code in exit_codes)
 
 
+def drops_refused_failure(record: logging.LogRecord) -> bool:
+    """A logging filter: False for torchrun's line on a worker that ended with `REFUSED` (`failed (exitcode: 2) ...`),
+    which only repeats the status of the refusal printed above it; its summary of a run that failed otherwise still
+    names every failure."""
+    return not (str(record.msg).startswith("failed (exitcode") and bool(record.args) and record.args[0] == REFUSED)
+
+
 def main(argv: list[str]) -> None:
     """Run the launcher `argv[0]` (a key of `LAUNCHERS`) with the arguments `argv[1:]` (see the module's doc)."""
     import subprocess
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(drops_refused_failure)
     name, args = argv[0], argv[1:]
     sys.argv[:] = [name, *args]  # (both launchers parse sys.argv)
     try:

@@ -49,6 +49,7 @@ def test_a_refused_setup_ends_the_launched_run_with_its_message_once_and_no_trac
     assert done.returncode == 2, done.stderr[-6000:]
     assert done.stderr.count(message) == 1, done.stderr[-6000:]
     assert "Traceback" not in done.stderr + done.stdout and "ChildFailedError" not in done.stderr, done.stderr[-6000:]
+    assert "failed (exitcode: 2)" not in done.stderr, done.stderr[-6000:]  # (torchrun's line repeating the status)
 
 
 def test_a_mistyped_plugin_flag_ends_the_launched_run_before_any_process_group_once_naming_the_flag(tmp_path):
@@ -64,4 +65,4 @@ def test_a_bug_in_a_launched_script_keeps_its_traceback_and_the_launchers_report
     done = _launch(tmp_path, "bug")
     assert done.returncode == 1, done.stderr[-6000:]
     assert "RuntimeError: a bug of the script" in done.stderr and "Traceback" in done.stderr
-    assert "ChildFailedError" in done.stderr, done.stderr[-6000:]
+    assert "ChildFailedError" in done.stderr and "failed (exitcode: 1)" in done.stderr, done.stderr[-6000:]

@@ -1,6 +1,8 @@
 """How a launched run ends on a refusal (`hf_sparse_cp/launch/refusals.py`): the message once, exit status 2, a
 launcher that only repeats it quiet, anything else left as it was."""
 
+import logging
+
 import pytest
 import torch.distributed as dist
 
@@ -8,6 +10,7 @@ from hf_sparse_cp.launch.refusals import (
     REFUSED,
     REPORTS_ENV,
     counted_first,
+    drops_refused_failure,
     end_refused,
     exit_refused,
     first_to_report,
@@ -146,3 +149,14 @@ def test_a_model_the_kernels_cannot_compute_is_refused_as_the_users(overrides, m
         enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), training_args=TrainingArguments("out"))
     assert is_flag_error(raised.value)
     assert model.config._attn_implementation == before
+
+
+def test_torchruns_line_on_a_refused_worker_is_dropped_and_any_other_kept():
+    def record(msg, *args):
+        return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1, msg,
+                                 args, None)
+
+    failed = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    assert not drops_refused_failure(record(failed, 2, 0, 123, "python"))
+    assert drops_refused_failure(record(failed, 1, 0, 123, "python"))  # a crash: its line stays
+    assert drops_refused_failure(record("Sending process %s closing signal %s", 2, "SIGTERM"))
