@@ -136,7 +136,11 @@ def test_trls_card_is_kept_and_ours_merged_into_it(one_process):
     assert card.count("### Framework versions") == 1 and f"- TRL: {trl.__version__}\n" in card
     assert "- hf-sparse-cp: " in card and "- Accelerate: " in card
     assert "base_model" not in _front_matter(card)  # trained from a config: no Hub model to name
-    assert "| sequence length | 256 tokens (documents packed into each sequence" in card
+    # (TRL's packing fills each row up to its max_length: the longest packed row, stated beside it, stays below)
+    row = card[card.index("| sequence length |"):].split("\n", 1)[0]
+    held = int(re.search(r"256 tokens set; the longest sequence trained held (\d+) \(documents packed into each "
+                         r"sequence", row).group(1))
+    assert 200 < held < 256, row
 
 
 def test_saving_the_final_model_writes_a_card_the_hubs_parser_accepts(one_process, tmp_path, monkeypatch):
