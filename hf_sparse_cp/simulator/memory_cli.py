@@ -31,7 +31,15 @@ from .arguments import (
     write_output,
 )
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .memory_model import GIB, PRESETS, Architecture, StepSettings, longest_fitting_length, predict_step_memory
+from .memory_model import (
+    GIB,
+    PRESETS,
+    SEARCH_LIMIT,
+    Architecture,
+    StepSettings,
+    longest_fitting_length,
+    predict_step_memory,
+)
 
 # The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
 DEFAULT_TILING_MIN_LENGTH = 32768
@@ -201,8 +209,8 @@ def predict(args: argparse.Namespace, capacity: float) -> dict:
     arch = architecture(args)
     settings = settings_for_length(args)
     budget = args.usable_fraction * capacity
-    longest = longest_fitting_length(arch, budget, settings, granularity=1024)
-    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=1024)
+    longest = longest_fitting_length(arch, budget, settings, granularity=1024, limit=SEARCH_LIMIT)
+    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=1024, limit=SEARCH_LIMIT)
     report = {"model": model_name(args), "parameters": arch.params, "gpu_memory_bytes": capacity,
               "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
@@ -250,7 +258,11 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     low, high = MEASURED_BAND
     if longest:
         margin = report["longest_fitting_tokens_at_band_top"]
-        print(f"Longest sequence that fits: {longest:,} tokens ({longest // args.cp:,} per rank). Measured peaks were "
+        # An answer within one step of the search's limit is bounded by the limit, not by the memory: say so.
+        bounded = longest + 1024 * args.cp > SEARCH_LIMIT
+        head = (f"At least {longest:,} tokens fit (the search stops at {SEARCH_LIMIT:,})" if bounded else
+                f"Longest sequence that fits: {longest:,} tokens")
+        print(f"{head} ({longest // args.cp:,} per rank). Measured peaks were "
               f"{1 - low:.0%} below to {high - 1:.0%} above these predictions (docs/memory.md): with that margin, "
               f"{margin:,} tokens." + (" (That band was measured with the ring: the head groups' all-to-all terms "
                                        "are counted on the code, not yet measured.)" if head_size > 1 else ""))

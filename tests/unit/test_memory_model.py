@@ -14,6 +14,7 @@ from hf_sparse_cp import SparseAttentionConfig, configure
 from hf_sparse_cp.cli import main as cli_main
 from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
+from hf_sparse_cp.simulator import memory_cli
 from hf_sparse_cp.simulator.memory_cli import parse_memory
 from hf_sparse_cp.simulator.memory_model import (
     PRESETS,
@@ -115,6 +116,23 @@ def test_the_longest_fitting_length_fits_and_the_next_does_not():
     assert predict_step_memory(arch, n, settings).peak_bytes <= budget
     assert predict_step_memory(arch, n + 8192, settings).peak_bytes > budget
     assert longest_fitting_length(arch, 1e9, settings) == 0  # the weights and AdamW state alone need more
+
+
+def test_the_longest_fitting_length_is_not_cut_at_a_power_of_two_below_the_search_limit(capsys, monkeypatch):
+    """`hf-sparse-cp memory --model qwen2.5-0.5b --cp 64 --fsdp 64 --gpu-memory 141GB --sparse-config trial` said
+    "Longest sequence that fits: 67,108,864 tokens" (a peak of 70.7 GB of 126.9 usable): the search stopped at 2^26
+    tokens and answered the last power of two below it. The search now bisects up to its limit, the limit is far
+    beyond any GPU, and an answer bounded by it says 'at least'."""
+    arch, settings = PRESETS["qwen2.5-0.5b"], with_savers(StepSettings(), tiled=True)
+    assert longest_fitting_length(arch, 80e9, settings, granularity=1024, limit=3 * 8192) == 3 * 8192
+    argv = ["memory", "--model", "qwen2.5-0.5b", "--cp", "64", "--fsdp", "64", "--gpu-memory", "141GB",
+            "--sparse-config", "trial"]
+    longest = memory_cli.main(argv[1:])["longest_fitting_tokens"]
+    assert longest > 1 << 26
+    assert f"Longest sequence that fits: {longest:,} tokens" in capsys.readouterr().out
+    monkeypatch.setattr(memory_cli, "SEARCH_LIMIT", 1 << 26)
+    memory_cli.main(argv[1:])
+    assert "At least 67,108,864 tokens fit (the search stops at 67,108,864)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(cp=0), dict(fsdp=0), dict(smet_density=0.0),
