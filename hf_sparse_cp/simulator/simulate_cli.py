@@ -209,6 +209,9 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
         model = model_shape(args, MODELS)
     except ValueError as e:  # (a --config it cannot read, naming the file and the field)
         p.error(str(e))
+    if args.dense_first_layers > model.layers:  # (predict_step refuses it, as a traceback, after the first rows)
+        p.error(f"--dense-first-layers {args.dense_first_layers}: {model_name(args)} has {model.layers} layers; give "
+                f"at most {model.layers} (all of them dense).")
     for cp in args.cp:  # (the model's heads bound the head groups)
         try:
             HeadSplit(model.heads, model.kv_heads, cp_layout(args, cp)[1])

@@ -309,6 +309,9 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
          "--seq 57344 or --seq 65536."),
         (["--model", "qwen2.5-0.5b", "--seq", "65536", "--cp", "64", "--cp_mode", "ulysses"],
          "--cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads"),
+        # more dense first layers than the model has: a traceback after the first rows of the table, before
+        (["--model", "qwen2.5-0.5b", "--seq", "8192", "--cp", "2", "--dense-first-layers", "1000"],
+         "--dense-first-layers 1000: qwen2.5-0.5b has 24 layers; give at most 24 (all of them dense)."),
         (["--seq", "8192", "--cp", "2", "--kept-curve", str(tmp_path / "missing.json")],
          f"--kept-curve {tmp_path / 'missing.json'}: "),
         (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bad.json")],
