@@ -38,7 +38,7 @@ from ..config import SparseAttentionConfig
 from .budgets import Entries
 from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_to_block_diagonals
 from .exact import FixedPoint
-from .layout import SparseLayout
+from .layout import SparseLayout, check_tensors
 from .scoring import Sampling, fixed_vertical_slash
 from .tokens import PAD_SEGMENT, TokenMeta
 
@@ -328,7 +328,19 @@ def estimate_layout(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
     Returns:
         The `SparseLayout` [B, Hq, NQB, ...] (one shared head when every document is dense), the same for
         the same inputs on every rank.
+
+    Raises:
+        ValueError: q and k are not of these shapes (one length S: the pattern is estimated over a whole
+            sequence, queries and keys at the same positions), or `meta` is not [B, S]; naming the shapes.
     """
+    check_tensors(q, k, k)
+    b, _, s, _ = q.shape
+    if k.shape[2] != s:  # (a layout of another length: silently wrong, or an IndexError in attention)
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same length S: a layout is "
+                         "estimated over one whole sequence, its queries and keys at the same positions.")
+    if meta is not None and (meta.index.shape != (b, s) or meta.segment.shape != (b, s)):
+        raise ValueError(f"meta must hold index and segment of shape [B, S] = {(b, s)}; got "
+                         f"{tuple(meta.index.shape)} and {tuple(meta.segment.shape)}.")
     return estimate_whole_rows(q, k, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs).layout
 
 

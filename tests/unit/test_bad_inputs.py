@@ -396,3 +396,24 @@ def test_cp_settings_in_a_run_without_cp_are_refused_naming_cp_size(tmp_path, fl
                                          r"parallelism \(a CP degree of 1 over 1 process\)\. Add --cp_size N"):
         build(**flags)
     assert build(cp_mode="ring", cp_sharding="striped").parallel.cp_size == 1
+
+
+def test_estimate_layout_names_queries_and_keys_it_cannot_estimate_over():
+    """`hf_sparse_cp.estimate_layout(q, k, cfg)` with k shorter than q returned a layout (of q's length, listing key
+    blocks k does not have), which `block_sparse_attention` then failed on with an IndexError; 3 query heads over 2
+    key/value heads failed inside with torch's reshape error. Both are refused at the call, naming the shapes."""
+    import torch
+
+    from hf_sparse_cp import SparseAttentionConfig, TokenMeta, estimate_layout
+
+    cfg = SparseAttentionConfig(vertical_topk=64, slash_topk=64, block_size=64, min_seq_len=0)
+    q, k = torch.randn(1, 4, 128, 32), torch.randn(1, 2, 128, 32)
+    assert estimate_layout(q, k, cfg).block_idx.shape[:3] == (1, 4, 2)
+    for q_, k_, meta, message in [
+        (q, k[:, :, :64], None, "q (1, 4, 128, 32) and k (1, 2, 64, 32) must have the same length S"),
+        (q[:, :3], k, None, "query heads (3) must be a multiple of key/value heads (2)"),
+        (q, k[..., :16], None, "k and v must be [B, Hkv, Sk, 32] with q's batch 1"),
+        (q, k, TokenMeta.contiguous(1, 64, q.device), "meta must hold index and segment of shape [B, S] = (1, 128)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            estimate_layout(q_, k_, cfg, meta)
