@@ -319,7 +319,8 @@ def attach_to_trainer(
         if cp_config is not None and cp_config.cp_size != 1:
             with flag_errors():
                 raise ValueError(f"--cp_schedule sets the CP degree of each stage; drop --cp_size {cp_config.cp_size}.")
-        schedule = schedule_for(trainer, parse_schedule(cp_schedule))
+        with flag_errors():  # (the stages against this Trainer's data, batch and max_steps: epochs out of order)
+            schedule = schedule_for(trainer, parse_schedule(cp_schedule))
         curriculum = enable_curriculum(trainer, schedule, cp_config)
         parallel = curriculum.dims[0]
         cp_schedule = schedule.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -36,8 +37,8 @@ class Stage:
         if self.seq_len < 1 or self.cp_size < 1:
             raise ValueError(f"stage seq_len={self.seq_len} and cp_size={self.cp_size} must be >= 1.")
         start = self.from_step if self.from_step is not None else self.from_epoch
-        if start < 0:
-            raise ValueError(f"a stage starts at step or epoch {start}: use a value >= 0.")
+        if not 0 <= start < math.inf:  # (NaN and inf too: a start no step reaches, refused as the flags parse)
+            raise ValueError(f"a stage starts at step or epoch {start}: use a finite value >= 0.")
 
     @property
     def text(self) -> str:

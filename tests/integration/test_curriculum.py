@@ -42,6 +42,9 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
     ("0:128", "FROM:SEQ_LEN:CP_SIZE"),
     ("0:128:1:vertical_topk", "FROM:SEQ_LEN:CP_SIZE"),
     ("x:128:1", "FROM must be a step"),
+    # an epoch no step reaches: was accepted, then 'cannot convert float NaN to integer' from every launched rank
+    ("0:128:1,nanep:256:2", "a stage starts at step or epoch nan: use a finite value >= 0"),
+    ("0:128:1,infep:256:2", "a stage starts at step or epoch inf: use a finite value >= 0"),
     ("", "empty"),
 ])
 def test_malformed_schedules_are_refused(text, match):
@@ -405,6 +408,17 @@ def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_
                                          r"the data collator turns 2 samples .* without packing"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_epoch_starts_out_of_order_are_refused_as_a_bad_flag(tmp_path):
+    """`hf-sparse-cp train --nproc 2 --cp_schedule 0:256:1,0.5ep:512:2,0.25ep:512:1` printed the refusal from every
+    rank, then torchrun's traceback, exit status 1: a schedule the Trainer's data decide was refused as a bug. It
+    is a refusal of the user's flag now (`flag_errors`), which a launched run ends with once, exit status 2."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    with pytest.raises(ValueError, match=re.escape("cp_schedule stage 2 (0.25ep:128:1) starts at step")) as refused:
+        _one_process(tmp_path, "0:128:1,0.5ep:128:1,0.25ep:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    assert is_flag_error(refused.value)
 
 
 def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_path):
