@@ -64,6 +64,7 @@ from hf_sparse_cp.config.files import check_field_types, read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.launch.refusals import end_refused
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
@@ -413,8 +414,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         trainer = build_trainer(script, training, callbacks=[LogFirstAndLastStep()])
-    except ValueError as e:  # a setting this model or data cannot run with; the message names the fix
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:  # a setting this model or data cannot run with; the message names the fix: as a bad
+        end_refused(Path(__file__).name, e)  # flag ends, once (not from every rank), exit status 2, no traceback
     parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:

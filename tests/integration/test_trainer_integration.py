@@ -137,13 +137,14 @@ def test_a_packed_run_whose_layers_all_run_dense_keeps_one_and_the_done_line_sta
     (["--sparse_layer_overrides", '{"5-10": {"pattern": "dense"}}'], "reaches past the model's 1 layers"),
     (["--cp_size", "2"], "launch it with `torchrun --nproc_per_node N`"),
 ])
-def test_a_setting_the_model_cannot_run_with_ends_in_one_line(tmp_path, flags, message):
+def test_a_setting_the_model_cannot_run_with_ends_in_one_line(tmp_path, capsys, flags, message):
     """Refusals that depend on the model or the length (not on the flags alone, which argparse checks) end the
-    demo with the refusal's one line, naming the fix, and no traceback."""
+    demo with the refusal's one line, naming the fix, and no traceback: as a bad flag ends (exit status 2)."""
     from hf_sparse_cp.examples.train_long_context import main
 
     job = ["--sparse_max_length", "256", "--max_steps", "1", "--num_samples", "1", "--tiny_num_layers", "1",
            "--output_dir", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
         main([*job, *flags])
-    assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "train_long_context.py: error: " in err and message in err, err

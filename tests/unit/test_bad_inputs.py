@@ -417,3 +417,18 @@ def test_estimate_layout_names_queries_and_keys_it_cannot_estimate_over():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             estimate_layout(q_, k_, cfg, meta)
+
+
+def test_the_example_ends_a_setting_its_trainer_refuses_as_a_bad_flag(tmp_path, capsys, monkeypatch):
+    """The example ended what its Trainer refused with `SystemExit("error: ...")`: exit status 1, which a launched run
+    reports as a crash (the message from every rank, then torchrun's traceback). It ends as a refused flag now:
+    `train_long_context.py: error: MESSAGE` once, exit status 2 (`launch.refusals.end_refused`)."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    with pytest.raises(SystemExit) as ended:
+        main(["--output_dir", str(tmp_path / "out"), "--sparse_max_length", "512", "--max_steps", "4", "--num_samples",
+              "8", "--cp_schedule", "0:256:1,0.5ep:512:1,0.25ep:512:1"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("train_long_context.py: error: cp_schedule stage 2 (0.25ep:512:1) starts at step") == 1, err
