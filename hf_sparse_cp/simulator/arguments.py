@@ -104,13 +104,59 @@ def read_config(path: str):
                          "(e.g. \"llama\").")
     model_type = data.pop("model_type")
     _check_causal_lm(path, model_type, data)
-    try:
-        return AutoConfig.for_model(model_type, **data)
+    try:  # (the floats JSON has no literal for, as transformers writes them: {"__float__": "Infinity"})
+        config = AutoConfig.for_model(model_type, **_special_floats(data))
     except ValueError as e:
         raise ValueError(f"--config {path}: {e}") from None
     except StrictDataclassError as e:  # the config class's own checks (a shape it refuses), their error the cause
         raise ValueError(f"--config {path}: {e.__cause__ or e} Give the fields of the model's own config.json, or a "
                          "preset (--model).") from None
+    _check_attention_only(path, config)
+    return config
+
+
+def _special_floats(value: Any) -> Any:
+    """`value` read from a config.json with transformers' encoding of the floats JSON lacks (`{"__float__":
+    "Infinity"}`, also `-Infinity` and `NaN`) decoded, as `PretrainedConfig.from_pretrained` decodes them."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and isinstance(value["__float__"], str):
+            return float(value["__float__"])
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
+
+
+# The layer types that are attention (`integration.architectures.ATTENTION_LAYER_TYPES`, which training checks).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _check_attention_only(path: str, config) -> None:
+    """Refuse (ValueError naming the layers and the fix) a model whose layers mix tokens outside attention
+    (state-space, recurrent, linear-attention or convolution layers: Mamba, Jamba, Zamba2, Falcon-H1,
+    RecurrentGemma), found as training finds them (`integration.models`: layer types other than attention,
+    convolutions over more than one position) on the architecture built on the meta device: the predictions
+    count attention and one MLP in every layer. An architecture that does not build there is left to the shape's
+    own checks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # (not buildable from the config alone: nothing to learn about its layers here)
+        return
+    mixers = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
+              if t not in _ATTENTION_LAYER_TYPES]
+    convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    mixers += [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"
+               for name, module in model.named_modules()
+               if isinstance(module, convolutions) and any(k > 1 for k in module.kernel_size)]
+    if mixers:
+        shown = ", ".join(mixers[:3]) + (f" and {len(mixers) - 3} more" if len(mixers) > 3 else "")
+        raise ValueError(f"--config {path}: model_type {config.model_type!r} mixes tokens outside attention ({shown}), "
+                         "which the predictions do not model (they count attention and one MLP in every layer); give "
+                         "an attention-only decoder's config.json, or a preset (--model).")
 
 
 def _check_causal_lm(path: str, model_type: str, data: dict[str, Any]) -> None:

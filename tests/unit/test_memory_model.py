@@ -326,3 +326,27 @@ def test_fsdp_shards_the_gradients_each_unsharded_layer_gradient_is_freed_after_
     sharded = predict_step_memory(arch, 4096, StepSettings(fsdp=4))
     assert sharded.terms("optimizer")["gradients"] == pytest.approx(whole.terms("optimizer")["gradients"] / 4)
     assert sharded.peak_bytes < whole.peak_bytes / 2
+
+
+def test_a_config_of_layers_that_mix_tokens_outside_attention_is_refused_and_special_floats_read(tmp_path, capsys):
+    """`memory --config` of a config.json transformers wrote for Mamba2 or Falcon-H1 failed on their
+    `time_step_limit` (transformers writes inf as {"__float__": "Infinity"}); Zamba2's, Jamba's or RecurrentGemma's
+    were predicted as if every layer were attention and an MLP. Special floats now read as transformers reads them,
+    and a model with state-space, recurrent or convolution layers is refused, naming them (as training finds them)."""
+    from transformers import FalconH1Config, LlamaConfig, Zamba2Config
+
+    from hf_sparse_cp.integration.architectures import ATTENTION_LAYER_TYPES
+    from hf_sparse_cp.simulator import arguments
+
+    assert arguments._ATTENTION_LAYER_TYPES == ATTENTION_LAYER_TYPES  # (the simulator's copy of training's)
+    for name, config in [("falcon_h1", FalconH1Config(num_hidden_layers=2)), ("zamba2", Zamba2Config())]:
+        config.save_pretrained(tmp_path / name)
+        with pytest.raises(SystemExit):
+            memory_cli.main(["--config", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert f"model_type '{name}' mixes tokens outside attention (" in err and "Conv1d of kernel (4,)" in err, err
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        vocab_size=100).to_dict()
+    (tmp_path / "llama.json").write_text(json.dumps({**llama, "a_limit": {"__float__": "Infinity"}}))
+    assert arguments.read_config(str(tmp_path / "llama.json")).a_limit == float("inf")
+    assert memory_cli.main(["--config", str(tmp_path / "llama.json"), "--quiet"])["longest_fitting_tokens"] > 0
