@@ -90,11 +90,13 @@ def test_recipes_use_no_form_transformers_deprecates(path):
         parse_args([str(path)])
 
 
-def test_a_recipe_for_more_processes_says_so_before_building_its_data(monkeypatch):
+def test_a_recipe_for_more_processes_says_so_before_building_its_data(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(example, "passkey_train_data", lambda *a, **k: pytest.fail("built the data first"))
-    with pytest.raises(SystemExit, match="cp_size=8 splits each sequence over 8 processes, and this one runs alone"):
+    with pytest.raises(SystemExit) as ended:  # (as a bad flag ends: status 2)
         example.main(["--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
+    assert ended.value.code == 2
+    assert "cp_size=8 splits each sequence over 8 processes, and this one runs alone" in capsys.readouterr().err
 
 
 def test_a_gpu_accelerate_config_on_a_machine_without_gpus_names_the_cpu_one_before_building_its_data(monkeypatch,

@@ -133,7 +133,8 @@ def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():
         hf_sparse_cp.unpatch()
 
 
-def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_names_what_it_cannot_build(tmp_path):
+def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_names_what_it_cannot_build(
+        tmp_path, capsys):
     """Falcon computes head_dim from hidden_size / num_attention_heads (a property without a setter): the tiny
     builder leaves it to it instead of crashing on the assignment; an override it would derive otherwise, an
     unknown model type and a config transformers refuses are ValueErrors naming the model type, which the demo
@@ -149,8 +150,10 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
     with pytest.raises(ValueError, match="tiny model type 'gpt_neo': transformers does not build its config from the "
                                          "tiny model's fields .*another --tiny_model_type"):
         tiny_config("gpt_neo")
-    with pytest.raises(SystemExit, match="error: tiny model type 'no_such_type' is not a transformers model type"):
+    with pytest.raises(SystemExit) as ended:  # (as a bad flag ends: status 2)
         main(["--tiny_model_type", "no_such_type", "--output_dir", str(tmp_path)])
+    assert ended.value.code == 2
+    assert "error: tiny model type 'no_such_type' is not a transformers model type" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model_type, overrides, cause, cp_cause", [
