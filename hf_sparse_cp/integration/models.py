@@ -70,7 +70,7 @@ def _rope_types(config) -> set[str]:
     return {p.get("rope_type") or p.get("type") or "default" for p in per_layer}
 
 
-def _token_mixers(model: torch.nn.Module) -> list[str]:
+def token_mixers(model: torch.nn.Module) -> list[str]:
     """Layer types and modules of `model` that mix tokens outside attention: layer types other than attention,
     and convolutions over more than one position."""
     found = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
@@ -363,7 +363,7 @@ def check_model_supports_context_parallel(
             "under context parallelism every rank would choose them from its own shard. Train with a static "
             "RoPE type ('default', 'linear', 'yarn', 'llama3') or without context parallelism."
         )
-    mixers = _token_mixers(model)
+    mixers = token_mixers(model)
     if mixers:
         raise ValueError(
             f"{name} mixes tokens outside attention ({', '.join(mixers[:3])}{', ...' if len(mixers) > 3 else ''}): "

@@ -127,31 +127,23 @@ def _special_floats(value: Any) -> Any:
     return value
 
 
-# The layer types that are attention (`integration.architectures.ATTENTION_LAYER_TYPES`, which training checks).
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
 def _check_attention_only(path: str, config) -> None:
     """Refuse (ValueError naming the layers and the fix) a model whose layers mix tokens outside attention
     (state-space, recurrent, linear-attention or convolution layers: Mamba, Jamba, Zamba2, Falcon-H1,
-    RecurrentGemma), found as training finds them (`integration.models`: layer types other than attention,
-    convolutions over more than one position) on the architecture built on the meta device: the predictions
-    count attention and one MLP in every layer. An architecture that does not build there is left to the shape's
-    own checks."""
+    RecurrentGemma), found as training finds them (`integration.models.token_mixers`) on the architecture built on
+    the meta device: the predictions count attention and one MLP in every layer. An architecture that does not
+    build there is left to the shape's own checks."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from ..integration.models import token_mixers
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # (not buildable from the config alone: nothing to learn about its layers here)
         return
-    mixers = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
-              if t not in _ATTENTION_LAYER_TYPES]
-    convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    mixers += [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"
-               for name, module in model.named_modules()
-               if isinstance(module, convolutions) and any(k > 1 for k in module.kernel_size)]
+    mixers = token_mixers(model)
     if mixers:
         shown = ", ".join(mixers[:3]) + (f" and {len(mixers) - 3} more" if len(mixers) > 3 else "")
         raise ValueError(f"--config {path}: model_type {config.model_type!r} mixes tokens outside attention ({shown}), "

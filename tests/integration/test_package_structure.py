@@ -34,6 +34,10 @@ ALLOWED = {
     # the predictions on paper: step time and memory (which reads the memory savers' settings)
     "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.memory"),
     "hf_sparse_cp.simulator.shapes": (),  # the model shapes both predictions take: a leaf
+    # the command lines' arguments: a --config's architecture is checked as training checks it (`token_mixers`)
+    "hf_sparse_cp.simulator.arguments": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention",
+                                         "hf_sparse_cp.memory", "hf_sparse_cp.simulator",
+                                         "hf_sparse_cp.integration.models"),
     # the memory savers that run (token tiles, host offload)
     "hf_sparse_cp.memory": (*BASE, "hf_sparse_cp.attention"),
     "hf_sparse_cp.integration": MODEL_PATH,

@@ -18,7 +18,7 @@ from hf_sparse_cp.integration.architectures import (
 )
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
 from hf_sparse_cp.integration.memory_savers import rowwise_modules
-from hf_sparse_cp.integration.models import _token_mixers, check_model_supports_context_parallel
+from hf_sparse_cp.integration.models import check_model_supports_context_parallel, token_mixers
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
@@ -56,10 +56,10 @@ def test_a_convolution_mixes_tokens_when_its_kernel_spans_positions(kernel, mixe
     the positions it spans, whatever its class is named."""
     hf_sparse_cp.patch()
     model = _gpt2()
-    assert _token_mixers(model) == []
+    assert token_mixers(model) == []
     check_model_supports_context_parallel(model)
     model.transformer.h[0].add_module("short_conv", torch.nn.Conv1d(64, 64, kernel_size=kernel, groups=64))
-    found = _token_mixers(model)
+    found = token_mixers(model)
     assert bool(found) == mixes and (not found or "transformer.h.0.short_conv" in found[0])
     if mixes:
         with pytest.raises(ValueError, match="mixes tokens outside attention \\(Conv1d of kernel \\(4,\\)"):
