@@ -203,8 +203,8 @@ class SparseLayout:
     def validate(self, num_q_heads: int, q_len: int, k_len: int, strict: bool = False) -> None:
         """Raise ValueError when the layout cannot drive attention over these sizes.
 
-        The cheap checks (`check_fits`, counts) always run; `strict` also checks the index
-        contents (range, order, columns disjoint from blocks), which reads the whole layout.
+        The checks of sizes, counts and index ranges (a layout built for more keys than k holds) always run;
+        `strict` also checks the order of the indices and that columns lie outside the listed blocks.
         """
         self.check_fits(num_q_heads, q_len)
         bs = self.block_size
@@ -213,14 +213,15 @@ class SparseLayout:
             raise ValueError("layout.block_cnt is outside [0, block_idx.shape[-1]].")
         if bool((self.col_cnt < 0).any() or (self.col_cnt > self.col_idx.shape[3]).any()):
             raise ValueError("layout.col_cnt is outside [0, col_idx.shape[-1]].")
-        if not strict:
-            return
         blk_valid, col_valid = self.valid_blocks(), self.valid_cols()
         blk, col = self.block_idx.long(), self.col_idx.long()
         if bool(((blk < 0) | (blk >= nkb))[blk_valid].any()):
-            raise ValueError(f"layout.block_idx holds key blocks outside [0, {nkb}).")
+            raise ValueError(f"layout.block_idx holds key blocks outside [0, {nkb}) (the {k_len} keys given in blocks "
+                             f"of {bs}): a layout built for other keys.")
         if bool(((col < 0) | (col >= k_len))[col_valid].any()):
-            raise ValueError(f"layout.col_idx holds key tokens outside [0, {k_len}).")
+            raise ValueError(f"layout.col_idx holds key tokens outside [0, {k_len}): a layout built for other keys.")
+        if not strict:
+            return
         if not _strictly_ascending(blk, blk_valid) or not _strictly_ascending(col, col_valid):
             raise ValueError("layout indices must be strictly ascending within each query block.")
         # a column inside a listed block of the same query block would be counted twice

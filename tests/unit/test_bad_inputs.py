@@ -421,6 +421,28 @@ def test_estimate_layout_names_queries_and_keys_it_cannot_estimate_over():
             estimate_layout(q_, k_, cfg, meta)
 
 
+def test_block_sparse_attention_refuses_a_layout_built_for_more_keys_than_it_is_given():
+    """A layout of 128 queries and keys over 64 keys (more queries than keys, default metas) listed key blocks and
+    columns k lacks: an IndexError inside the engine. The layout's ranges are checked at the call (`check_layout`)."""
+    import torch
+
+    from hf_sparse_cp import SparseAttentionConfig, block_sparse_attention, estimate_layout
+
+    cfg = SparseAttentionConfig(vertical_topk=64, slash_topk=64, block_size=32, min_seq_len=0)
+    q, k = torch.randn(1, 2, 128, 16), torch.randn(1, 1, 128, 16)
+    layout = estimate_layout(q, k, cfg)
+    assert int(layout.block_idx.max()) == 3 and int(layout.block_cnt.sum()) > 0
+    with pytest.raises(ValueError, match=re.escape("layout.block_idx holds key blocks outside [0, 2) (the 64 keys")):
+        block_sparse_attention(q, k[:, :, :64], k[:, :, :64], layout)
+    only_columns = dataclasses.replace(layout, block_cnt=torch.zeros_like(layout.block_cnt),
+                                       col_idx=torch.full((*layout.col_cnt.shape, 1), 100, dtype=torch.int32),
+                                       col_cnt=torch.ones_like(layout.col_cnt))
+    with pytest.raises(ValueError, match=re.escape("layout.col_idx holds key tokens outside [0, 64)")):
+        block_sparse_attention(q, k[:, :, :64], k[:, :, :64], only_columns)
+    out, _ = block_sparse_attention(q, k, k, layout)  # (the keys it was built for)
+    assert out.shape == q.shape
+
+
 def test_the_example_ends_a_setting_its_trainer_refuses_as_a_bad_flag(tmp_path, capsys, monkeypatch):
     """The example ended what its Trainer refused with `SystemExit("error: ...")`: exit status 1, which a launched run
     reports as a crash (the message from every rank, then torchrun's traceback). It ends as a refused flag now:
