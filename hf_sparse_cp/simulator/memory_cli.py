@@ -223,6 +223,29 @@ def predict(args: argparse.Namespace, capacity: float) -> dict:
     return report
 
 
+# The terms of the model's state, which sharding (--fsdp) and bf16 weights (--no-master-weights) shrink.
+MODEL_STATE_TERMS = ("weights", "gradients", "optimizer state", "optimizer step temporaries", "autocast weight copies")
+
+
+def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
+    """Why not even the shortest length tried (1024 tokens per rank) fits, from its prediction: the model's state
+    (FSDP shards it), or the terms of the sequence (at a high CP degree the shortest length is long: attention
+    layouts span every key block of it)."""
+    shortest = 1024 * args.cp
+    est = predict_step_memory(arch, shortest, settings_for_length(args)(shortest))
+    terms = est.terms()
+    state = sum(b for t, b in terms.items() if t in MODEL_STATE_TERMS)
+    largest = ", ".join(f"{t} {_gb(b)}" for t, b in list(terms.items())[:3])
+    head = (f"Not even {shortest:,} tokens ({shortest // args.cp:,} per rank, the shortest length tried) fit: the "
+            f"peak there is {_gb(est.peak_bytes)} of the {_gb(budget)} usable (largest terms: {largest})")
+    if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
+        fixes = [f"shard the model's state over more ranks (--fsdp {2 * args.fsdp})"] + (
+            ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
+        return f"{head}; {', '.join(fixes)} or use a larger GPU."
+    fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
+    return f"{head}, mostly for the sequence; {fewer}use a larger GPU."
+
+
 def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> dict:
     """Run the command; returns what it printed as a dict (also written with --json)."""
     parser = build_parser(prog)
@@ -267,10 +290,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
               f"{margin:,} tokens." + (" (That band was measured with the ring: the head groups' all-to-all terms "
                                        "are counted on the code, not yet measured.)" if head_size > 1 else ""))
     else:
-        fixes = [f"shard them over more ranks (--fsdp {2 * args.fsdp})"] + (
-            ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
-        print(f"Not even {1024 * args.cp:,} tokens fit: the constant terms alone exceed {_gb(budget)}"
-              f"; {', '.join(fixes)} or use a larger GPU.")
+        print(_nothing_fits(args, arch, budget))
     for n, r in report["lengths"].items():
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "

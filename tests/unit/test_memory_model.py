@@ -231,7 +231,8 @@ def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(
     assert "fp32 weights + bfloat16 autocast" in printed and "2% below to 26% above" in printed
     cli_main(["memory", "--config", str(path), "--gpu-memory", "40GB", "--cp", "4", "--fsdp", "4"])
     refused = capsys.readouterr().out  # fp32 weights, gradients and AdamW state do not fit 40 GB over 4 ranks
-    assert "Not even 4,096 tokens fit" in refused and "--no-master-weights" in refused and "--fsdp 8" in refused
+    assert "Not even 4,096 tokens (1,024 per rank, the shortest length tried) fit" in refused
+    assert "--no-master-weights" in refused and "--fsdp 8" in refused and "largest terms: optimizer state" in refused
     path.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
     with pytest.raises(SystemExit):
         cli_main(base[:-1])
@@ -348,3 +349,13 @@ def test_a_config_of_layers_that_mix_tokens_outside_attention_is_refused_and_spe
     (tmp_path / "llama.json").write_text(json.dumps({**llama, "a_limit": {"__float__": "Infinity"}}))
     assert arguments.read_config(str(tmp_path / "llama.json")).a_limit == float("inf")
     assert memory_cli.main(["--config", str(tmp_path / "llama.json"), "--quiet"])["longest_fitting_tokens"] > 0
+
+
+def test_nothing_fitting_at_a_high_cp_degree_names_the_sequences_terms_not_the_models_state(capsys):
+    """At CP 65536 the shortest length tried is 67M tokens, whose attention layouts need ~388 GB: the command said
+    "the constant terms alone exceed 72 GB" and advised --fsdp and --no-master-weights, which shrink 8 GB of it."""
+    cli_main(["memory", "--model", "qwen2.5-0.5b", "--cp", "65536"])
+    said = capsys.readouterr().out.splitlines()[1]  # (the first line describes the set-up)
+    assert "Not even 67,108,864 tokens (1,024 per rank, the shortest length tried) fit" in said
+    assert "largest terms: attention layouts" in said and "mostly for the sequence" in said
+    assert "fewer CP ranks (--cp 32768)" in said and "--fsdp" not in said and "--no-master-weights" not in said
