@@ -19,7 +19,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
-from .shapes import ModelShape
+from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
 from .simulate import Cluster, Link
 from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
 
@@ -104,6 +104,7 @@ def read_config(path: str):
                          "(e.g. \"llama\").")
     model_type = data.pop("model_type")
     _check_causal_lm(path, model_type, data)
+    check_decoder_sizes(f"--config {path}", {f: data[f] for f in DECODER_FIELDS if f in data})
     try:  # (the floats JSON has no literal for, as transformers writes them: {"__float__": "Infinity"})
         config = AutoConfig.for_model(model_type, **_special_floats(data))
     except ValueError as e:

@@ -11,6 +11,19 @@ from typing import Any
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+# The fields of a decoder's config the predictions read (transformers' standard names).
+DECODER_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:
+    """ValueError naming the `DECODER_FIELDS` among `sizes` below 1 (a config of 0 layers was predicted as a model
+    of 0 parameters; 0 heads fail inside transformers' own checks with a division by zero)."""
+    empty = [f"{field}={value}" for field, value in sizes.items() if isinstance(value, int) and value < 1]
+    if empty:
+        raise ValueError(f"{where}: {', '.join(empty)} in the config; a decoder has at least one of each: give the "
+                         "model's own config.json, or a preset (--model).")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder's shape (Qwen2Config fields)."""
@@ -48,12 +61,12 @@ class ModelShape:
             raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
                              "predictions do not model (they count one dense MLP per layer); give a dense model's "
                              "config.json, or a preset (--model).")
-        needed = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-        missing = [field for field in needed if getattr(config, field, None) is None]
+        missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None]
         if missing:
             raise ValueError(f"{where}: no {', '.join(missing)} in the config; the predictions need a decoder's "
-                             f"{', '.join(needed)} (a Llama-style config.json): add the missing field(s), or give a "
-                             "preset (--model).")
+                             f"{', '.join(DECODER_FIELDS)} (a Llama-style config.json): add the missing field(s), or "
+                             "give a preset (--model).")
+        check_decoder_sizes(where, {field: getattr(config, field) for field in DECODER_FIELDS})
         heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         # (a field the file leaves out takes its model type's default: BERT's 12 heads over a hidden size of 64)

@@ -359,3 +359,16 @@ def test_nothing_fitting_at_a_high_cp_degree_names_the_sequences_terms_not_the_m
     assert "Not even 67,108,864 tokens (1,024 per rank, the shortest length tried) fit" in said
     assert "largest terms: attention layouts" in said and "mostly for the sequence" in said
     assert "fewer CP ranks (--cp 32768)" in said and "--fsdp" not in said and "--no-master-weights" not in said
+
+
+def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):
+    """A config.json of num_hidden_layers 0 was predicted (a model of 0.00B parameters fitting 38M tokens)."""
+    from transformers import LlamaConfig
+
+    for field in ("num_hidden_layers", "num_attention_heads", "vocab_size"):
+        config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000).to_dict()
+        (tmp_path / "config.json").write_text(json.dumps({**config, field: 0}))
+        with pytest.raises(SystemExit):
+            cli_main(["memory", "--config", str(tmp_path / "config.json")])
+        assert f"config.json: {field}=0 in the config; a decoder has at least one of each" in capsys.readouterr().err
