@@ -263,8 +263,8 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if softcap is not None:
         return (f"sparse_cp does not implement attention logit soft-capping (softcap={softcap}, model type "
-                f"'{model_type}'); load this model with attn_implementation='eager' or 'sdpa' (--sparse_attention "
-                "false).")
+                f"'{model_type}'); load this model with attn_implementation='eager', which computes it "
+                "(--sparse_attention false; SDPA does not soft-cap).")
     found = next(((name, what) for name, what in _UNSUPPORTED_KWARGS.items() if kwargs.get(name) is not None), None)
     sinks, layer_type = kwargs.get("s_aux"), _layer_type(module)
     if sinks is not None and layer_type not in (None, *ATTENTION_LAYER_TYPES):

@@ -288,7 +288,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
     if softcap is not None:
         raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
                          f"{softcap}), which the sparse kernels do not implement: train it with attn_implementation="
-                         "'eager' or 'sdpa' (--sparse_attention false).")
+                         "'eager', which computes it (--sparse_attention false; SDPA does not soft-cap).")
     if training:
         dropout = config_dropout(config)
         held = next((f"{n}.{attr}={p}" for n, m in model.named_modules()

@@ -208,7 +208,8 @@ def test_a_model_the_backend_refuses_is_refused_before_training():
 
     model = _tiny("gemma2")
     with pytest.raises(ValueError, match=r"soft-caps attention logits \(attn_logit_softcapping=50.0\).*"
-                                         r"attn_implementation='eager' or 'sdpa' \(--sparse_attention false\)"):
+                                         r"attn_implementation='eager', which computes it \(--sparse_attention false; "
+                                         r"SDPA does not soft-cap\)"):
         enable_sparse_attention(model, SparseCPArguments())
     with pytest.raises(ValueError, match=r"attention_dropout=0.1.*build the model with attention_dropout=0.0 "
                                          r"\(e.g. from_pretrained\(..., attention_dropout=0.0\)"):
