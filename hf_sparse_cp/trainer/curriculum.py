@@ -281,16 +281,24 @@ class Curriculum:
         self.index: int | None = None
         # The model's own pattern: a stage's is a training setting, like its CP degree (see `finish`).
         self.pattern = getattr(trainer.model.config, MODEL_CONFIG_ATTRIBUTE, None)
+        self.finished = False  # training ended (`finish`); a new train() begins it again
 
     def finish(self) -> None:
         """At the end of training, the model's own pattern back on it (recorded): the model saved after
-        the run carries the run's pattern, not the last stage's."""
+        the run carries the run's pattern, not the last stage's; so does one saved after an evaluation or
+        prediction of the trained model (`stage`)."""
         store_pattern(self.trainer.model, self.pattern, self.patches)
         self.index = None
+        self.finished = True
 
     def stage(self) -> int:
-        """The stage of the step being taken; on entering a stage, its sparse pattern goes onto the model."""
+        """The stage of the step being taken; on entering a stage in training, its sparse pattern goes onto the
+        model. After training (an evaluation of the trained model, whose CP layout is its last step's stage's) the
+        model keeps its own pattern: put back on it, the last stage's went into a model saved after the evaluation
+        (stock run_clm's push_to_hub comes after its evaluation)."""
         index = self.schedule.index_at(self.trainer.state.global_step)
+        if self.finished:
+            return index
         if index != self.index:
             self.index = index
             stage = self.schedule.stages[index]
@@ -305,10 +313,13 @@ class Curriculum:
 
 
 class _FinishCurriculum(TrainerCallback):
-    """Calls `Curriculum.finish` when training ends (before the script saves the model)."""
+    """Calls `Curriculum.finish` when training ends (before the script saves the model), and marks a `train()` begun."""
 
     def __init__(self, curriculum: Curriculum) -> None:
         self.curriculum = curriculum
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.curriculum.finished = False
 
     def on_train_end(self, args, state, control, **kwargs):
         self.curriculum.finish()

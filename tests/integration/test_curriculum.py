@@ -426,6 +426,21 @@ def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_p
     assert getattr(model.config, "sparse_attention", None) is None  # as before the run
 
 
+def test_an_evaluation_after_training_leaves_the_run_s_own_pattern_on_the_model(tmp_path):
+    """An evaluation after train() put the last stage's pattern back on the model and left it there, so a model saved
+    after it (stock run_clm's push_to_hub, which follows its evaluation) carried vertical_topk 32, not the run's 16."""
+    trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    trainer.eval_dataset = _stage_data(_samples(), 0, 2, 128)
+    seen = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config.sparse_attention["budget"]["vertical_topk"]))
+    trainer.train()
+    assert seen == [16, 32]  # each step ran its stage's pattern
+    assert "eval_loss" in trainer.evaluate()
+    assert seen[2:] == [16]  # the trained model (one batch of 2 rows), as it is saved
+    assert trainer.model.config.sparse_attention == PATTERN.to_dict()
+
+
 def test_a_resume_that_replays_no_batches_trains_each_step_in_its_stage(tmp_path):
     """`--ignore_data_skip` resumed at step 2 of `0:128:1,2:256:1:...` trained steps 3-4 on stage 0's batches (the
     sampler began at step 0); under CP the ranks of a group then held different rows and stopped, blamed on data
