@@ -18,6 +18,7 @@ it is undone. Nothing else names these members:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -122,6 +123,11 @@ PATCHES = (
     Patch(_TRAINER, "label_smoother", "sets", "label smoothing under CP: the Trainer's smoother shifts the labels it "
           "gets and counts a rank's targets; the wrapper hands it the shard's shifted targets unshifted and the CP "
           "group's count", _CP_UNDO, on_instances=True),
+    Patch("transformers.trainer_utils", "seed_worker", "reads", "the Trainer seeds its training loader's workers by "
+          "the process index (`partial(seed_worker, rank=process_index)`), so under CP the ranks of a group, which "
+          "take the same samples, drew different random numbers in their workers (a dataset's random crops): the CP "
+          "data loader seeds them by the data-parallel rank (`seed_workers_by`)",
+          parameters=("worker_id", "num_workers", "rank")),
     Patch("transformers.trainer_pt_utils.LabelSmoother", "__call__", "calls", "the CP label smoothing wrapper calls "
           "the stock smoother on a rank's shard", parameters=("self", "model_output", "labels", "shift_labels",
                                                                "num_items_in_batch")),
@@ -515,6 +521,17 @@ def track_data_loader(accelerator: Any, data_loader: Any) -> None:
     state of the data loaders it tracks with checkpoints."""
     require("accelerate.Accelerator._dataloaders", accelerator)
     accelerator._dataloaders.append(data_loader)
+
+
+def seed_workers_by(worker_init_fn: Any, rank: int) -> Any:
+    """The Trainer's `worker_init_fn` (`partial(transformers.trainer_utils.seed_worker, ..., rank=...)`) seeding the
+    workers as process `rank` would; any other function (or None) as given."""
+    from transformers.trainer_utils import seed_worker
+
+    if isinstance(worker_init_fn, functools.partial) and worker_init_fn.func is seed_worker \
+            and "rank" in worker_init_fn.keywords:
+        return functools.partial(seed_worker, *worker_init_fn.args, **{**worker_init_fn.keywords, "rank": rank})
+    return worker_init_fn
 
 
 # `accelerate.data_loader.prepare_data_loader` arguments a DP-only data loader sets itself; every other one

@@ -197,6 +197,17 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
             raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
                              "checkpoint.")
     saved = content["settings"]
+    if ("cp_schedule" in saved) != ("cp_schedule" in settings):
+        # (their settings name other quantities: compared key by key, a curriculum's checkpoint under FSDP2 resumed
+        # without its schedule skipped every check, the global batch among them)
+        def run(s: dict) -> str:
+            return f"--cp_schedule {s['cp_schedule']!r}" if "cp_schedule" in s else "no --cp_schedule"
+
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved by a run with {run(saved)}, but this run has "
+                         f"{run(settings)}: a curriculum takes each step's samples by its stage, so the step counter, "
+                         "schedule and data position of one cannot continue the other. Resume with the flags it was "
+                         f"saved with, or start a new run from its weights (--model_name_or_path {folder}: the "
+                         "optimizer and the schedule start over).")
     for key, value in settings.items():
         if key in _BATCHES or saved.get(key) == value or (key in _RESHARDABLE and sharded):
             continue

@@ -95,6 +95,11 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             slice_fn_for_dispatch=slice_fn_for_dispatch,
             **{**options, "dispatch_batches": False},
         )
+        # the ranks of a CP group take the same samples: their workers draw the same random numbers (the Trainer
+        # seeds a worker by the process index, which differs within the group; accelerate's loader iterates the
+        # torch loader it wraps, `base_dataloader`)
+        loader = getattr(prepared, "base_dataloader", prepared)
+        loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
         compat.track_data_loader(acc, prepared)
         return prepared
 

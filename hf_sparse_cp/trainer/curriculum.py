@@ -281,16 +281,24 @@ class Curriculum:
         self.index: int | None = None
         # The model's own pattern: a stage's is a training setting, like its CP degree (see `finish`).
         self.pattern = getattr(trainer.model.config, MODEL_CONFIG_ATTRIBUTE, None)
+        self.finished = False  # training ended (`finish`); a new train() begins it again
 
     def finish(self) -> None:
         """At the end of training, the model's own pattern back on it (recorded): the model saved after
-        the run carries the run's pattern, not the last stage's."""
+        the run carries the run's pattern, not the last stage's; so does one saved after an evaluation or
+        prediction of the trained model (`stage`)."""
         store_pattern(self.trainer.model, self.pattern, self.patches)
         self.index = None
+        self.finished = True
 
     def stage(self) -> int:
-        """The stage of the step being taken; on entering a stage, its sparse pattern goes onto the model."""
+        """The stage of the step being taken; on entering a stage in training, its sparse pattern goes onto the
+        model. After training (an evaluation of the trained model, whose CP layout is its last step's stage's) the
+        model keeps its own pattern: put back on it, the last stage's went into a model saved after the evaluation
+        (stock run_clm's push_to_hub comes after its evaluation)."""
         index = self.schedule.index_at(self.trainer.state.global_step)
+        if self.finished:
+            return index
         if index != self.index:
             self.index = index
             stage = self.schedule.stages[index]
@@ -305,10 +313,13 @@ class Curriculum:
 
 
 class _FinishCurriculum(TrainerCallback):
-    """Calls `Curriculum.finish` when training ends (before the script saves the model)."""
+    """Calls `Curriculum.finish` when training ends (before the script saves the model), and marks a `train()` begun."""
 
     def __init__(self, curriculum: Curriculum) -> None:
         self.curriculum = curriculum
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.curriculum.finished = False
 
     def on_train_end(self, args, state, control, **kwargs):
         self.curriculum.finish()
@@ -399,9 +410,9 @@ def enable_curriculum(
         patches.on_undo(handle.remove)
     count_once_per_cp_group(trainer, patches, curriculum.parallel, owns_cp=False)
     cp_group_steps(trainer, patches, curriculum.parallel, prepare_inputs)
-    # evaluation batches: sharded over the DP ranks of the stage in progress
+    # evaluation batches: sharded over the DP ranks of the stage in progress, whenever the loader is used
     patches.set_attr(trainer.accelerator, "prepare_data_loader",
-                     lambda *args, **kwargs: dp_data_loader(trainer, curriculum.parallel())(*args, **kwargs))
+                     lambda *args, **kwargs: StageDataLoader(trainer, curriculum, args, kwargs))
 
     def get_train_dataloader():
         return _train_data_loader(trainer, curriculum)
@@ -411,6 +422,39 @@ def enable_curriculum(
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _FinishCurriculum(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
+
+
+class StageDataLoader:
+    """A data loader the accelerator prepares while a curriculum runs (evaluation, prediction), sharded over the
+    data-parallel ranks of the stage in progress each time it is used, not of the stage in which it was prepared: the
+    Trainer keeps its evaluation loaders across evaluations (`--dataloader_persistent_workers`), and a loader
+    prepared at CP 1 x DP 2 handed the two ranks of a later CP 2 group different rows (a wrong eval_loss, or a
+    refusal blaming data built differently per process). Re-prepared from the same data loader when the stage's
+    DP degree or rank differs; anything else is the prepared loader's."""
+
+    def __init__(self, trainer: Trainer, curriculum: Curriculum, args: tuple, kwargs: dict) -> None:
+        self._trainer, self._curriculum, self._args, self._kwargs = trainer, curriculum, args, kwargs
+        self._layout: tuple[int, int] | None = None
+        self._loader = self._current()
+
+    def _current(self):
+        parallel = self._curriculum.parallel()
+        layout = (parallel.dp_size, parallel.dp_rank)
+        if layout != self._layout:
+            self._loader = dp_data_loader(self._trainer, parallel)(*self._args, **self._kwargs)
+            self._layout = layout
+        return self._loader
+
+    def __iter__(self):
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_trainer", "_curriculum", "_args", "_kwargs", "_layout", "_loader"):
+            raise AttributeError(name)  # (not set yet: copy and pickle look for them before __init__ runs)
+        return getattr(self._current(), name)
 
 
 def _train_data_loader(trainer: Trainer, curriculum: Curriculum):

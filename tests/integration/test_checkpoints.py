@@ -5,6 +5,7 @@ FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, thro
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -192,6 +193,29 @@ def test_the_sharded_training_state_names_weights_and_optimizer_tensors_and_refu
     opt.state[model.bias]["note"] = 1.0  # not a tensor: it could not be laid out for other processes
     with pytest.raises(TypeError, match="optimizer state 'note' of parameter 1 is a float"):
         training_state(model, opt)
+
+
+@pytest.mark.parametrize("saved_schedule", [True, False], ids=["curriculum_saved", "curriculum_resumed"])
+def test_a_curriculum_checkpoint_and_a_plain_one_do_not_resume_each_other(tmp_path, saved_schedule):
+    """A curriculum's FSDP2 checkpoint resumed by a run without --cp_schedule was accepted whatever its global batch:
+    the two runs record other settings (world size and batch vs CP and DP degrees and global batch), and compared key
+    by key under a sharded state every one was skipped, so the step counter went on over another data order."""
+    from hf_sparse_cp.resharding.resume import SHARDED_STATE
+    from hf_sparse_cp.trainer.checkpoints import check_checkpoint
+
+    curriculum = {"cp_schedule": "0:128:1,3:256:2", "world_size": 4, "smet": None, "world_batch_size": 4}
+    plain = {"cp_size": 1, "data_parallel_size": 2, "smet": None, "global_batch_size": 6}
+    saved, resumed = (curriculum, plain) if saved_schedule else (plain, curriculum)
+    folder = tmp_path / "checkpoint-4"
+    (folder / SHARDED_STATE).mkdir(parents=True)
+    (folder / SHARDED_STATE / "layout.json").write_text("{}")
+    (folder / MARKER).write_text(json.dumps({"complete": True, "step": 4, "settings": saved, "files": {}}))
+    assert check_checkpoint(folder, saved, reshardable=True)  # (its own settings resume through the sharded state)
+    schedule = "--cp_schedule '0:128:1,3:256:2'"
+    cause = (f"was saved by a run with {schedule}, but this run has no --cp_schedule" if saved_schedule
+             else f"was saved by a run with no --cp_schedule, but this run has {schedule}")
+    with pytest.raises(ValueError, match=re.escape(cause)):
+        check_checkpoint(folder, resumed, reshardable=True)
 
 
 FSDP2 = ("--fsdp",

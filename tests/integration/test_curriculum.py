@@ -440,6 +440,21 @@ def test_the_pattern_a_stage_changed_is_undone_at_the_end_and_by_disabling(tmp_p
     assert getattr(model.config, "sparse_attention", None) is None  # as before the run
 
 
+def test_an_evaluation_after_training_leaves_the_run_s_own_pattern_on_the_model(tmp_path):
+    """An evaluation after train() put the last stage's pattern back on the model and left it there, so a model saved
+    after it (stock run_clm's push_to_hub, which follows its evaluation) carried vertical_topk 32, not the run's 16."""
+    trainer = _one_process(tmp_path, "0:128:1,1:128:1:vertical_topk=32", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    trainer.eval_dataset = _stage_data(_samples(), 0, 2, 128)
+    seen = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config.sparse_attention["budget"]["vertical_topk"]))
+    trainer.train()
+    assert seen == [16, 32]  # each step ran its stage's pattern
+    assert "eval_loss" in trainer.evaluate()
+    assert seen[2:] == [16]  # the trained model (one batch of 2 rows), as it is saved
+    assert trainer.model.config.sparse_attention == PATTERN.to_dict()
+
+
 def test_a_resume_that_replays_no_batches_trains_each_step_in_its_stage(tmp_path):
     """`--ignore_data_skip` resumed at step 2 of `0:128:1,2:256:1:...` trained steps 3-4 on stage 0's batches (the
     sampler began at step 0); under CP the ranks of a group then held different rows and stopped, blamed on data
@@ -522,3 +537,40 @@ def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(tmp_pa
         assert kept < 1.0  # (step 2 runs sparse: its kept fraction tells the blocks selected)
         # one process with batch 2 trains samples 4 and 5 at step 2: another batch, another loss and kept fraction
         assert abs(loss - other_loss) > 1e-5 * other_loss and abs(kept - other_kept) > 1e-3
+
+
+# ---- 2 gloo processes: evaluation loaders follow the stage ----
+
+
+def _eval_rows_by_stage(rank: int, world: int, out: str) -> list[list[int]]:
+    """The first token of every evaluation row this rank gets in stage 0 (CP 1 x DP 2) and stage 1 (CP 2 x DP 1), the
+    Trainer keeping its evaluation loader (persistent workers)."""
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.manual_seed(0)
+    args = _args(out, False, cp_schedule=SWITCH, max_steps=3, per_device_eval_batch_size=1,
+                 dataloader_num_workers=1, dataloader_persistent_workers=True)
+    evals = [{"input_ids": torch.full((SWITCH_LEN,), 10 + i), "labels": torch.full((SWITCH_LEN,), 10 + i)}
+             for i in range(4)]
+    trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                            train_dataset=_random_samples(), eval_dataset=evals, data_collator=default_data_collator)
+    seen = []
+    for step in (0, 2):  # an evaluation in each stage, as the Trainer runs one at a step's end
+        trainer.state.global_step = step
+        seen.append([int(batch["input_ids"][0, 0]) for batch in trainer.get_eval_dataloader()])
+    return seen
+
+
+def test_an_evaluation_loader_kept_across_stages_follows_the_stage(tmp_path):
+    """With --dataloader_persistent_workers the Trainer keeps its evaluation loader: prepared at CP 1 x DP 2 it kept
+    handing each rank half the rows at CP 2 x DP 1, so the two ranks of the CP group split different rows (eval_loss
+    5.6638 where one process gives 5.6687, or a refusal blaming data built differently per process)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    ranks = run_gloo(_eval_rows_by_stage, 2, str(tmp_path), timeout_s=300)
+    assert sorted(ranks[0][0] + ranks[1][0]) == [10, 11, 12, 13]  # DP 2: each rank half of the rows
+    assert ranks[0][1] == ranks[1][1] == [10, 11, 12, 13]  # CP 2 x DP 1: both ranks every row, in order

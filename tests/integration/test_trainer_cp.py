@@ -547,3 +547,43 @@ def test_neftune_noise_under_cp2_has_the_scale_of_one_process(spawned):
     uniform draws per rank)."""
     for ratio in spawned["one"]["neftune"] + spawned["cp2"]["neftune"]:
         assert 0.99 < ratio <= 1.0, ratio
+
+
+class _RandomCrops(torch.utils.data.Dataset):
+    """Each item a random 64-token window of one seeded document: a dataset that draws random numbers per item."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        doc = torch.arange(1024).remainder(251).add(3)
+        start = int(torch.randint(0, 1024 - 64, (1,)))
+        return {"input_ids": doc[start:start + 64], "labels": doc[start:start + 64]}
+
+
+def _first_batch_with_a_worker(rank: int, world: int) -> list[list[int]]:
+    import tempfile
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, per_device_train_batch_size=2,
+                                 dataloader_num_workers=1, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=_RandomCrops())
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=world))
+        batch = next(iter(trainer.get_train_dataloader()))
+        disable_trainer_context_parallel(trainer)
+    return batch["input_ids"][:, 0].tolist()
+
+
+def test_the_ranks_of_a_cp_group_draw_the_same_random_numbers_in_their_data_workers():
+    """The Trainer seeds its loader's workers by the process index: with --dataloader_num_workers 1 a dataset that
+    crops its items at random handed the two ranks of a CP group different rows, and training stopped at its first
+    batch blaming data built differently per process (it trained with the workers off)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    first, second = run_gloo(_first_batch_with_a_worker, 2, timeout_s=300)
+    assert first == second
