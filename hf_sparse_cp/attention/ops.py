@@ -131,7 +131,7 @@ def block_sparse_attention(
             queries and keys at the same positions).
         sliding_window: keys `sliding_window` or more tokens before the query are invisible
             (transformers' convention).
-        check_layout: also check the layout's counts (reads them: one device synchronization); the
+        check_layout: also check the layout's counts and index ranges (reads it: device synchronizations); the
             attention backend, whose layouts are correct by construction, turns it off.
         Under autocast, q, k, v are cast to the autocast dtype (as SDPA takes them) and the
         computation itself runs with autocast off, in the compute dtype.

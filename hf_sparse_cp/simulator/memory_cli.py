@@ -41,6 +41,8 @@ from .memory_model import (
     predict_step_memory,
 )
 
+# The answers are lengths of a multiple of this many tokens per rank (the shortest one tried).
+GRANULARITY = 1024
 # The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
 DEFAULT_TILING_MIN_LENGTH = 32768
 DEFAULT_TILE_TOKENS = MemorySavers().tile_tokens
@@ -209,8 +211,9 @@ def predict(args: argparse.Namespace, capacity: float) -> dict:
     arch = architecture(args)
     settings = settings_for_length(args)
     budget = args.usable_fraction * capacity
-    longest = longest_fitting_length(arch, budget, settings, granularity=1024, limit=SEARCH_LIMIT)
-    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=1024, limit=SEARCH_LIMIT)
+    longest = longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
+    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=GRANULARITY,
+                                    limit=SEARCH_LIMIT)
     report = {"model": model_name(args), "parameters": arch.params, "gpu_memory_bytes": capacity,
               "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
@@ -228,10 +231,10 @@ MODEL_STATE_TERMS = ("weights", "gradients", "optimizer state", "optimizer step 
 
 
 def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
-    """Why not even the shortest length tried (1024 tokens per rank) fits, from its prediction: the model's state
-    (FSDP shards it), or the terms of the sequence (at a high CP degree the shortest length is long: attention
+    """Why not even the shortest length tried (`GRANULARITY` tokens per rank) fits, from its prediction: the model's
+    state (FSDP shards it), or the terms of the sequence (at a high CP degree the shortest length is long: attention
     layouts span every key block of it)."""
-    shortest = 1024 * args.cp
+    shortest = GRANULARITY * args.cp
     est = predict_step_memory(arch, shortest, settings_for_length(args)(shortest))
     terms = est.terms()
     state = sum(b for t, b in terms.items() if t in MODEL_STATE_TERMS)
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     if longest:
         margin = report["longest_fitting_tokens_at_band_top"]
         # An answer within one step of the search's limit is bounded by the limit, not by the memory: say so.
-        bounded = longest + 1024 * args.cp > SEARCH_LIMIT
+        bounded = longest + GRANULARITY * args.cp > SEARCH_LIMIT
         head = (f"At least {longest:,} tokens fit (the search stops at {SEARCH_LIMIT:,})" if bounded else
                 f"Longest sequence that fits: {longest:,} tokens")
         print(f"{head} ({longest // args.cp:,} per rank). Measured peaks were "
