@@ -264,7 +264,7 @@ def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp(spawned)
 def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
     """With accelerate owning the CP layout (a ParallelismConfig with cp_size, as on GPUs): the
     layout comes from its device mesh, its SDPA model hooks are bypassed, and its dataloader
-    sharding (already CP-aware) is left alone. Its token count is wrapped: without
+    sharding (already CP-aware) is left alone (its workers seeded by the DP rank). Its token count is wrapped: without
     --average_tokens_across_devices it divides the CP group's count by the CP degree, a fraction that TRL's
     loss clamps to 1, and under CP the plugin hands the count in the flag's form instead."""
     import tempfile
@@ -293,7 +293,7 @@ def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
 def test_under_accelerate_cp_only_the_input_preparation_and_model_hooks_change(spawned):
     for rank, r in enumerate(spawned["cp2"]["accelerate_cp"]):
         assert r["cp"] == (2, rank, (0, 1)) and r["bypassed"]
-        assert r["changed"] == [True, False, True] and all(r["restored"])
+        assert all(r["changed"]) and all(r["restored"])
 
 
 def test_enable_patches_the_trainer_instance_and_disable_restores_it(spawned):
@@ -561,8 +561,12 @@ class _RandomCrops(torch.utils.data.Dataset):
         return {"input_ids": doc[start:start + 64], "labels": doc[start:start + 64]}
 
 
-def _first_batch_with_a_worker(rank: int, world: int) -> list[list[int]]:
+def _first_batch_with_a_worker(rank: int, world: int, accelerate_cp: bool) -> list[list[int]]:
+    """The first batch of a CP 2 Trainer's loader with one worker: the plugin's CP group, or (`accelerate_cp`)
+    accelerate's, as on GPUs."""
     import tempfile
+
+    from accelerate.parallelism_config import ParallelismConfig
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     hf_sparse_cp.patch()
@@ -573,17 +577,23 @@ def _first_batch_with_a_worker(rank: int, world: int) -> list[list[int]]:
         args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, per_device_train_batch_size=2,
                                  dataloader_num_workers=1, seed=0)
         trainer = Trainer(model=model, args=args, train_dataset=_RandomCrops())
-        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=world))
+        if accelerate_cp:
+            state, pc = trainer.accelerator.state, ParallelismConfig(cp_size=world)
+            state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1 if accelerate_cp else world))
         batch = next(iter(trainer.get_train_dataloader()))
         disable_trainer_context_parallel(trainer)
     return batch["input_ids"][:, 0].tolist()
 
 
-def test_the_ranks_of_a_cp_group_draw_the_same_random_numbers_in_their_data_workers():
+@pytest.mark.parametrize("accelerate_cp", [False, True], ids=["plugin_cp", "accelerate_cp"])
+def test_the_ranks_of_a_cp_group_draw_the_same_random_numbers_in_their_data_workers(accelerate_cp):
     """The Trainer seeds its loader's workers by the process index: with --dataloader_num_workers 1 a dataset that
     crops its items at random handed the two ranks of a CP group different rows, and training stopped at its first
-    batch blaming data built differently per process (it trained with the workers off)."""
+    batch blaming data built differently per process (it trained with the workers off). So did accelerate's own CP
+    group (a ParallelismConfig with cp_size, as on GPUs), whose loaders shard over the DP ranks but seed as the
+    Trainer does."""
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    first, second = run_gloo(_first_batch_with_a_worker, 2, timeout_s=300)
+    first, second = run_gloo(_first_batch_with_a_worker, 2, accelerate_cp, timeout_s=300)
     assert first == second
