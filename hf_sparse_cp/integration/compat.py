@@ -126,8 +126,7 @@ PATCHES = (
     Patch("transformers.trainer_utils", "seed_worker", "reads", "the Trainer seeds its training loader's workers by "
           "the process index (`partial(seed_worker, rank=process_index)`), so under CP the ranks of a group, which "
           "take the same samples, drew different random numbers in their workers (a dataset's random crops): the CP "
-          "data loader (the plugin's, or accelerate's under its own CP group) seeds them by the data-parallel rank "
-          "(`seed_workers_by`)",
+          "data loader (under accelerate's own CP group too) seeds them by the data-parallel rank (`seed_workers_by`)",
           parameters=("worker_id", "num_workers", "rank")),
     Patch("transformers.trainer_pt_utils.LabelSmoother", "__call__", "calls", "the CP label smoothing wrapper calls "
           "the stock smoother on a rank's shard", parameters=("self", "model_output", "labels", "shift_labels",
@@ -205,8 +204,8 @@ PATCHES = (
           "for SDPA; the sparse ring reads the CP shard instead", _CP_UNDO, ("self", "*args")),
     Patch(_ACCELERATOR, "prepare_data_loader", "replaces", "CP ranks of one group take the same batch: the data "
           "loader shards over the data-parallel ranks only (accelerate's settings are read from the "
-          "accelerator, see `dp_data_loader_options`); under accelerate's own CP group, its loader with the "
-          "workers seeded by the data-parallel rank", _CP_UNDO,
+          "accelerator, see `dp_data_loader_options`), under accelerate's own CP group too, whose loader dispatches an "
+          "iterable dataset's batches over all processes", _CP_UNDO,
           ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
     Patch(_ACCELERATOR, "gather_for_metrics", "replaces", "every rank of a CP group evaluates the same batch: the "
           "gather keeps each CP group's values once, before truncating a short last batch", _CP_UNDO,

@@ -95,20 +95,15 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             slice_fn_for_dispatch=slice_fn_for_dispatch,
             **{**options, "dispatch_batches": False},
         )
+        # the ranks of a CP group take the same samples: their workers draw the same random numbers (the Trainer
+        # seeds a worker by the process index, which differs within the group; accelerate's loader iterates the
+        # torch loader it wraps, `base_dataloader`)
+        loader = getattr(prepared, "base_dataloader", prepared)
+        loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
         compat.track_data_loader(acc, prepared)
-        return _seeded_by_dp_rank(prepared, parallel)
+        return prepared
 
     return prepare
-
-
-def _seeded_by_dp_rank(prepared: Any, parallel: ParallelDims) -> Any:
-    """`prepared` (a data loader accelerate prepared) with its workers seeded by the data-parallel rank: the ranks of
-    a CP group take the same samples, and their workers must draw the same random numbers too (the Trainer seeds a
-    worker by the process index, which differs within the group; accelerate's loader iterates the torch loader it
-    wraps, `base_dataloader`)."""
-    loader = getattr(prepared, "base_dataloader", prepared)
-    loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
-    return prepared
 
 
 def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
@@ -608,12 +603,9 @@ def enable_trainer_context_parallel(
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead
         compat.require(f"accelerate.Accelerator.{compat.ACCELERATOR_PREPARE_CP}")
         patches.set_attr(trainer.accelerator, compat.ACCELERATOR_PREPARE_CP, lambda *args: args)
-        # its data loaders shard over the DP ranks already; their workers are seeded by the process index
-        prepare = trainer.accelerator.prepare_data_loader
-        patches.set_attr(trainer.accelerator, "prepare_data_loader",
-                         lambda *args, **kwargs: _seeded_by_dp_rank(prepare(*args, **kwargs), parallel))
-    else:
-        patches.set_attr(trainer.accelerator, "prepare_data_loader", dp_data_loader(trainer, parallel))
+    # (under accelerate's CP group too: its loaders shard a map-style dataset over the DP ranks, but dispatch an
+    # iterable one's batches over all processes, and seed their workers by the process index)
+    patches.set_attr(trainer.accelerator, "prepare_data_loader", dp_data_loader(trainer, parallel))
     logger.info("Sparse context parallelism on: %s", parallel)
     return parallel
 

@@ -262,9 +262,9 @@ def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp(spawned)
 
 
 def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
-    """With accelerate owning the CP layout (a ParallelismConfig with cp_size, as on GPUs): the
-    layout comes from its device mesh, its SDPA model hooks are bypassed, and its dataloader
-    sharding (already CP-aware) is left alone (its workers seeded by the DP rank). Its token count is wrapped: without
+    """With accelerate owning the CP layout (a ParallelismConfig with cp_size, as on GPUs): the layout comes from
+    its device mesh, its SDPA model hooks are bypassed, and its data loaders are the plugin's (sharded over the DP
+    ranks, as accelerate's shard a map-style dataset, but never dispatched). Its token count is wrapped: without
     --average_tokens_across_devices it divides the CP group's count by the CP degree, a fraction that TRL's
     loss clamps to 1, and under CP the plugin hands the count in the flag's form instead."""
     import tempfile
@@ -597,3 +597,42 @@ def test_the_ranks_of_a_cp_group_draw_the_same_random_numbers_in_their_data_work
 
     first, second = run_gloo(_first_batch_with_a_worker, 2, accelerate_cp, timeout_s=300)
     assert first == second
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Rows 0, 1, 2, ... in order: an iterable dataset (a streaming `datasets` one, TRL's packed iterable)."""
+
+    def __iter__(self):
+        for i in range(16):
+            yield {"input_ids": torch.arange(16) + 100 * i, "labels": torch.arange(16) + 100 * i}
+
+
+def _first_batch_of_a_stream_under_accelerate_cp(rank: int, world: int) -> list[int]:
+    import tempfile
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, per_device_train_batch_size=2,
+                                 max_steps=2)
+        trainer = Trainer(model=model, args=args, train_dataset=_Stream())
+        state, pc = trainer.accelerator.state, ParallelismConfig(cp_size=world)
+        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
+        batch = next(iter(trainer.get_train_dataloader()))
+        disable_trainer_context_parallel(trainer)
+    return batch["input_ids"][:, 0].tolist()
+
+
+def test_under_accelerate_cp_the_ranks_of_a_cp_group_read_the_same_rows_of_an_iterable_dataset():
+    """accelerate's loader dispatches an iterable dataset: rank 0 reads one batch per process and hands each its
+    own, which under its CP group gave the two ranks of a group rows [0, 100] and [200, 300] (its device mesh shards
+    only map-style datasets by the DP rank). The plugin's loader reads the stream on every rank, sharded over the DP
+    ranks (here one): both ranks hold rows 0 and 1."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    assert run_gloo(_first_batch_of_a_stream_under_accelerate_cp, 2, timeout_s=300) == [[0, 100]] * 2
