@@ -65,6 +65,12 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bo
     assert issubclass(trainer_class, getattr(trl, f"{kind.upper()}Trainer"))
     assert "cp_size" in config.__dataclass_fields__
     data = {"dpo": _pairs, "kto": lambda *a, **k: _unpaired(_pairs(*a, **k))}[kind]
+    if "parallelism_config" in cp:
+        # accelerate's own CP group, as on GPUs: it accepts a ParallelismConfig under FSDP2 or on GPU processes only
+        # (these are MULTI_CPU), a check this process bypasses so that the plugin's GPU path runs on gloo
+        from accelerate.parallelism_config import ParallelismConfig
+
+        ParallelismConfig._validate_accelerator = lambda self, accelerator: None
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
@@ -112,16 +118,31 @@ def _assert_equal(run: dict, one: dict) -> None:
         assert torch.allclose(run["weights"][name], want, rtol=1e-5, atol=1e-6), name
 
 
+@pytest.fixture(scope="module")
+def one_dpo(tmp_path_factory) -> dict:
+    """One process's DPO run with TRL's default loss, the reference of several CP runs."""
+    return run_gloo(_train, 1, str(tmp_path_factory.mktemp("one")), {}, {}, False, timeout_s=300)[0]
+
+
+def _accelerates_cp2() -> dict:
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return {"parallelism_config": ParallelismConfig(cp_size=2)}
+
+
 @pytest.mark.parametrize(("cp", "dpo", "lora"), [
     ({"cp_size": 2}, {}, False),  # the sparse ring, striped
+    (None, {}, False),  # accelerate's CP group (its ParallelismConfig, as on GPUs), the plugin's ring over it
     ({"cp_size": 2, "cp_mode": "ulysses"}, {"loss_type": ["ipo"]}, True),  # normalized by completion lengths
     ({"cp_size": 2, "cp_sharding": "zigzag", **FSDP2},  # sharded parameters; the reference too (TRL's prepare_fsdp)
      {"ld_alpha": 0.5, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, False),  # completion_mask's cumsum
-], ids=["ring-striped-sigmoid", "ulysses-ipo-lora", "fsdp2-ring-zigzag-ld_alpha-sft"])
-def test_dpo_under_cp2_equals_one_process(tmp_path, cp, dpo, lora):
+], ids=["ring-striped-sigmoid", "accelerate-cp-ring", "ulysses-ipo-lora", "fsdp2-ring-zigzag-ld_alpha-sft"])
+def test_dpo_under_cp2_equals_one_process(tmp_path, request, cp, dpo, lora):
     """Losses, rewards, TRL's metrics, an evaluation's and the weights after two steps under CP 2 are one process's;
     each rank's forwards took half of every row."""
-    one = run_gloo(_train, 1, str(tmp_path / "one"), {}, dpo, lora, timeout_s=300)[0]
+    cp = cp or _accelerates_cp2()
+    one = (request.getfixturevalue("one_dpo") if not (dpo or lora)
+           else run_gloo(_train, 1, str(tmp_path / "one"), {}, dpo, lora, timeout_s=300)[0])
     assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
     assert any(0 < kept < 1 for kept in one["kept"])  # the sparse path ran
     for rank in run_gloo(_train, 2, str(tmp_path / "cp2"), cp, dpo, lora, timeout_s=300):
