@@ -636,3 +636,53 @@ def test_under_accelerate_cp_the_ranks_of_a_cp_group_read_the_same_rows_of_an_it
     from hf_sparse_cp.testing.spawn import run_gloo
 
     assert run_gloo(_first_batch_of_a_stream_under_accelerate_cp, 2, timeout_s=300) == [[0, 100]] * 2
+
+
+def _under_accelerates_parallelism_config(rank: int, world: int) -> dict:
+    """Two SGD steps of the plugin's Trainer on 8 rows of 512 tokens, sparse from 256 on: one process with batch 2, or
+    (world 4) accelerate's own layout, ParallelismConfig(dp_shard_size=2, cp_size=2) under FSDP2 with batch 1 a
+    process, as `accelerate launch` with a CP recipe runs it on GPUs."""
+    import tempfile
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = torch.randint(3, 90, (8, 512), generator=torch.Generator().manual_seed(1))
+    layout = {}
+    if world > 1:
+        # accelerate accepts a ParallelismConfig under FSDP2 or on GPU processes only (these are MULTI_CPU until the
+        # Trainer's FSDP2 set-up), a check this process bypasses so that the plugin's GPU path runs on gloo
+        ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+        layout = {"parallelism_config": ParallelismConfig(dp_shard_size=2, cp_size=2), "fsdp": "full_shard auto_wrap",
+                  "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SparseTrainingArguments(
+            output_dir=tmp, report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=2 if world == 1 else 1,
+            logging_steps=1, optim="sgd", learning_rate=0.05, save_strategy="no", train_sampling_strategy="sequential",
+            sparse_max_length=512, sparse_min_seq_len=256, sparse_block_size=64, sparse_vertical_topk=4,
+            sparse_slash_topk=4, sparse_local_window=64, sparse_sink_tokens=4, sparse_last_q=32, **layout)
+        trainer = SparseTrainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+        trainer.train()
+        logs = [log for log in trainer.state.log_history if "loss" in log]
+        return {"losses": [log["loss"] for log in logs], "kept": [log["sparse/kept_fraction"] for log in logs],
+                "cp": trainer.get_cp_size(), "sharded": trainer.is_fsdp_enabled,
+                "weights": torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+                                      for p in trainer.model.parameters()])}
+
+
+def test_under_accelerates_fsdp2_dp2_x_cp2_training_equals_one_process():
+    """accelerate's own CP group (its ParallelismConfig, the GPU recipes' path) with FSDP2 over 4 processes, DP 2 x
+    CP 2: the sparse ring over its CP groups, the DP groups' halves of each batch, the losses and the weights after two
+    steps are one process's on the whole batch."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    (one,) = run_gloo(_under_accelerates_parallelism_config, 1, timeout_s=300)
+    assert one["losses"][0] != pytest.approx(one["losses"][1]) and all(0 < kept < 1 for kept in one["kept"])
+    for rank in run_gloo(_under_accelerates_parallelism_config, 4, timeout_s=600):
+        assert (rank["cp"], rank["sharded"]) == (2, True)
+        assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5) and rank["kept"] == pytest.approx(one["kept"])
+        assert rel_rms(rank["weights"], one["weights"]) < 1e-5
