@@ -326,6 +326,31 @@ def cpu_fsdp2() -> Iterator:
         disable_cpu_fsdp2(trainer)
 
 
+def trl_packing_under_accelerates_cp() -> Iterator:
+    """TRL's SFTTrainer built with packing under accelerate's CP group (accelerate accepts a ParallelismConfig under
+    FSDP2 or on GPU processes only, and these are MULTI_CPU: a check bypassed here); its arguments hide packing
+    while an accelerator is built inside the window the Trainer's `__init__` holds open, which the scenario opens."""
+    import datasets
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_sparse_cp import SparseSFTConfig, SparseSFTTrainer
+    from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+
+    ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = byte_tokenizer()
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+        args = SparseSFTConfig(output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True, packing=True,
+                               max_length=64, dataset_num_proc=None, parallelism_config=ParallelismConfig(cp_size=2))
+        trainer = SparseSFTTrainer(model=model, args=args, processing_class=tokenizer,
+                                   train_dataset=datasets.Dataset.from_dict({"text": ["sparse ring"] * 4}))
+        yield [(args, "packing"), (args, "eval_packing")]
+        with trainer._packing_kept_under_accelerates_cp(args):
+            trainer.create_accelerator_and_postprocess()
+            yield
+        trainer.accelerator.state.parallelism_config = trainer.accelerator.state.device_mesh = None
+
+
 TWO_PROCESSES = {
     ("transformers.Trainer._prepare_context_parallel_inputs", "transformers.Trainer._track_num_input_tokens",
      "transformers.Trainer._get_num_items_in_batch", "transformers.Trainer.get_cp_size",
@@ -339,6 +364,7 @@ TWO_PROCESSES = {
     ("transformers.Trainer.is_fsdp_enabled", "accelerate.PartialState.distributed_type",
      "accelerate.state.AcceleratorState.distributed_type", "accelerate.state.AcceleratorState.fsdp_plugin"):
         cpu_fsdp2,
+    ("trl.SFTConfig.packing", "trl.SFTConfig.eval_packing"): trl_packing_under_accelerates_cp,  # (last: see above)
 }
 
 

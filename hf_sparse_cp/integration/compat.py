@@ -199,6 +199,10 @@ PATCHES = (
           "and recompute its loss (the sum of -log_probs over the label tokens' count) from the whole rows"),
     Patch("trl", "SFTTrainer", "reads", "TRL's SFTTrainer logs num_tokens, counted on the inputs it trains on (under "
           "CP, each rank's padded shard): the plugin logs what one process counts instead"),
+    *(Patch("trl.SFTConfig", name, "sets", "TRL's SFTTrainer refuses packing under accelerate's CP group (its "
+            "attention drops the mask that keeps packed documents apart; the sparse ring keeps them apart): in its "
+            "__init__, after its datasets are packed, its check sees packing off", "the end of the Trainer's __init__")
+      for name in ("packing", "eval_packing")),
     # -- the Accelerator and accelerate's process-wide state --
     Patch(_ACCELERATOR, ACCELERATOR_PREPARE_CP, "replaces", "accelerate's CP model hooks drop the attention mask "
           "for SDPA; the sparse ring reads the CP shard instead", _CP_UNDO, ("self", "*args")),

@@ -42,6 +42,7 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
 from ..distributed import quiesce_process_groups
 from ..integration import compat
 from ..integration.architectures import uses_every_parameter
+from ..integration.patching import PatchSet
 from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
     flag_errors,
@@ -235,6 +236,10 @@ def _refuse_empty_datasets(trainer: str, kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{trainer}: {name} is empty (0 samples): {fix}.")
 
 
+# TRL SFTConfig's packing settings (`_packing_kept_under_accelerates_cp`)
+_TRL_PACKING = ("packing", "eval_packing")
+
+
 def _packs_documents(collator, args) -> bool:
     """Whether training rows pack several documents: transformers' flattening collator, a padding-free one, or TRL's
     `packing` / `padding_free`."""
@@ -289,10 +294,11 @@ class SparseTrainerMixin:
             # (the Trainer's default without gradient checkpointing searches the graph after every backward, and
             # DDP warns at every run that it found nothing)
             args.ddp_find_unused_parameters = False
-        if rest:  # (positional as the caller gave them)
-            trainer_init(model, args, *rest, **kwargs)
-        else:  # by name: a Trainer class's second parameter may be another (TRL DPOTrainer's is ref_model)
-            trainer_init(model, args=args, **kwargs)
+        with self._packing_kept_under_accelerates_cp(args):
+            if rest:  # (positional as the caller gave them)
+                trainer_init(model, args, *rest, **kwargs)
+            else:  # by name: a Trainer class's second parameter may be another (TRL DPOTrainer's is ref_model)
+                trainer_init(model, args=args, **kwargs)
         if args.sparse_attention and loaded_here:
             self._enable_sparse_attention(self.model, args, self.data_collator)
         elif loaded_here:
@@ -308,11 +314,30 @@ class SparseTrainerMixin:
         enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
                                 explicit=args.explicit_flags, packed_documents=_packs_documents(collator, args))
 
+    @contextlib.contextmanager
+    def _packing_kept_under_accelerates_cp(self, args: SparseArgumentsMixin) -> Iterator[None]:
+        """The Trainer class's `__init__` inside: TRL's SFTTrainer refuses packing under accelerate's CP group, whose
+        attention drops the mask that keeps packed documents apart; the sparse ring keeps them apart (it reads each
+        token's document), so its check, after the accelerator is built and the datasets packed, sees packing off
+        (`create_accelerator_and_postprocess`), and the arguments say it again after it."""
+        packs = args.sparse_attention and any(getattr(args, name, None) for name in _TRL_PACKING)
+        self._packing_hidden = PatchSet() if packs else None
+        try:
+            yield
+        finally:
+            if self._packing_hidden is not None:
+                self._packing_hidden.undo()
+            self._packing_hidden = None
+
     def create_accelerator_and_postprocess(self) -> None:
         """The stock accelerator, with `--fsdp` running FSDP2 on CPU processes too (`cpu_fsdp.py`)."""
         super().create_accelerator_and_postprocess()
         disable_cpu_fsdp2(self)  # a hyperparameter search builds the accelerator again
         enable_cpu_fsdp2(self)
+        hidden, pc = getattr(self, "_packing_hidden", None), self.accelerator.parallelism_config
+        if hidden is not None and pc is not None and pc.cp_size > 1:
+            for name in _TRL_PACKING:
+                hidden.set_attr(self.args, name, False)
 
     def _attend_like_trained_model(self) -> None:
         """TRL's reference model, loaded in the Trainer subclass's `__init__` after the plugin's part of it, attends

@@ -661,7 +661,7 @@ def _under_accelerates_parallelism_config(rank: int, world: int) -> dict:
                   "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     with tempfile.TemporaryDirectory() as tmp:
         args = SparseTrainingArguments(
-            output_dir=tmp, report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=2 if world == 1 else 1,
+            output_dir=tmp, report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=1 + (world == 1),
             logging_steps=1, optim="sgd", learning_rate=0.05, save_strategy="no", train_sampling_strategy="sequential",
             sparse_max_length=512, sparse_min_seq_len=256, sparse_block_size=64, sparse_vertical_topk=4,
             sparse_slash_topk=4, sparse_local_window=64, sparse_sink_tokens=4, sparse_last_q=32, **layout)

@@ -64,6 +64,19 @@ def _cp2(rank: int, world: int, output_dir: str, mode: str = "ring", model_type:
     return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode.name}
 
 
+def _under_accelerates_cp2(rank: int, world: int, output_dir: str) -> dict:
+    """TRL's packed SFT under accelerate's own CP group (a ParallelismConfig, as the GPU recipes set; accelerate
+    accepts one under FSDP2 or on GPU processes only, and these are MULTI_CPU: a check this process bypasses)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+    trainer, result = _train(output_dir, parallelism_config=ParallelismConfig(cp_size=2))
+    trainer.create_model_card()
+    return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode.name,
+                     "packing": (trainer.args.packing, trainer.args.eval_packing)}
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft_one")
@@ -81,14 +94,17 @@ def test_the_switched_sft_trainer_is_trls_and_trains_sparse(one_process):
     assert result["loss"][1] < result["loss"][0] + 1.0 and all(torch.isfinite(torch.tensor(result["loss"])))
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("mode", ["ring", "ulysses", "accelerate"])
 def test_packed_sft_under_cp2_equals_one_process(one_process, on_two_processes, mode):
-    """Padding-free packed rows (position_ids restarting per document) under the sparse ring and under
-    head parallelism: TRL's losses, gradient norms, kept fractions and weights of one process."""
+    """Padding-free packed rows (position_ids restarting per document) under the sparse ring, under head
+    parallelism and under accelerate's own CP group: TRL's losses, gradient norms, kept fractions and weights of one
+    process. TRL refuses packing under accelerate's CP group, whose attention drops the mask that keeps documents
+    apart: the sparse ring keeps them apart, and its check saw packing off, the arguments say it again after."""
     _, one, _ = one_process
     runs, folder = on_two_processes
     for rank in runs[mode]:
-        assert (rank["cp_size"], rank["mode"]) == (2, mode)
+        assert (rank["cp_size"], rank["mode"]) == (2, "ring" if mode == "accelerate" else mode)
+        assert rank.get("packing", (True, None)) == (True, None)
         assert rank["loss"] == pytest.approx(one["loss"], rel=1e-4)
         assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         assert rank["kept"] == pytest.approx(one["kept"], rel=1e-4)
@@ -218,14 +234,16 @@ def _label_smoothing_refusal(rank: int, world: int, output_dir: str) -> str:
 def on_two_processes(tmp_path_factory):
     """({name: per-rank results}, their folder) of what the tests run on two processes, one after the other in one
     spawned pair: the evaluation under DP 2 before training, TRL's packed SFT under CP 2 with the ring and with
-    ulysses, the evaluation under CP 2 after a step (--average_tokens_across_devices true and false), and label
-    smoothing under CP 2 (refused)."""
+    ulysses, the evaluation under CP 2 after a step (--average_tokens_across_devices true and false), label
+    smoothing under CP 2 (refused), and the packed SFT under accelerate's CP group."""
     folder = tmp_path_factory.mktemp("two_processes")
     calls = {"dp2": (_evaluate, (f"{folder}/dp2", 1, 1, 0)), "ring": (_cp2, (f"{folder}/ring", "ring")),
              "ulysses": (_cp2, (f"{folder}/ulysses", "ulysses")),
              **{f"evaluate-{flag}": (_evaluate, (f"{folder}/cp2-{flag}", 2, 2, 1, 0.0, flag))
                 for flag in (True, False)},
-             "label_smoothing": (_label_smoothing_refusal, (f"{folder}/label_smoothing",))}
+             "label_smoothing": (_label_smoothing_refusal, (f"{folder}/label_smoothing",)),
+             # (last: it sets accelerate's process-wide state)
+             "accelerate": (_under_accelerates_cp2, (f"{folder}/accelerate",))}
     return run_gloo_each(calls, 2, timeout_s=900), folder
 
 
