@@ -88,7 +88,8 @@ class StepMetricsCallback(TrainerCallback):
     trainer whose batches are not tokens (TRL GRPO's prompts, which it completes in the step) logs no tokens/s.
     Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
     It also keeps `longest_trained`, the most real tokens of any training sequence (row) of any process so far, as
-    of the last training log or the end of training (the model card states it).
+    of the last training log, checkpoint or the end of training (the model card states it); a checkpoint's marker
+    records it, and a resume from it continues from there (`resume_longest`).
     """
 
     def __init__(self) -> None:
@@ -112,8 +113,21 @@ class StepMetricsCallback(TrainerCallback):
             self.longest = longest if self.longest is None else torch.maximum(self.longest, longest)
         self.cp_size = cp_size
 
+    def resume_longest(self, longest: int) -> None:
+        """Continue a run whose checkpoint says its rows held up to `longest` real tokens (the checkpoint's marker,
+        `checkpoints.py`): the rows trained before the resume count."""
+        held = torch.tensor(longest)
+        self.longest = held if self.longest is None else torch.maximum(self.longest, held)
+
     def on_train_end(self, args, state, control, **kwargs):
         # (every rank ends training: the longest row of all of them, for a run that logged no step since its last)
+        self._gather_longest(args)
+
+    def on_save(self, args, state, control, **kwargs):
+        # (every rank saves, before the checkpoint's marker records `longest_trained`: it runs after this callback)
+        self._gather_longest(args)
+
+    def _gather_longest(self, args) -> None:
         if self.longest is not None:
             longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1)
             if torch.distributed.is_initialized():

@@ -6,7 +6,8 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
 
 * written as "in progress" before the Trainer starts saving (the step at which it will save);
 * rewritten as complete, with every file's size and the run's settings (CP degree, data-parallel
-  degree, SMET's density, block size and mode), once every rank has finished saving.
+  degree, SMET's density, block size and mode), once every rank has finished saving; with it the longest
+  row trained so far, which a resume carries on (the model card states it).
 
 `train(resume_from_checkpoint=...)` then checks the checkpoint before anything is loaded: a marker
 still in progress, a missing or resized file, or settings that differ from this run's are an error
@@ -40,6 +41,7 @@ from ..integration.patching import PatchSet
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
+from .callbacks import StepMetricsCallback
 
 try:
     import resource  # (POSIX: the file-size limit)
@@ -102,9 +104,26 @@ class CheckpointMarkerCallback(TrainerCallback):
             folder = self._folder(args, state)
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                      if p.is_file() and p.name != MARKER}
+            metrics = _step_metrics(self.trainer)
+            longest = None if metrics is None else metrics.longest_trained  # (gathered by its on_save, just before)
             _write(folder / MARKER, {"complete": True, "step": state.global_step,
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
-                                     "files": files})
+                                     "files": files, "longest_trained": longest})
+
+
+def _step_metrics(trainer: Trainer) -> StepMetricsCallback | None:
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)), None)
+
+
+def resume_step_metrics(trainer: Trainer, folder: str | Path) -> None:
+    """Carry what the checkpoint `folder`'s marker says of the rows trained before it (`longest_trained`) into
+    `trainer`'s step metrics, which the model card reads: they count only the rows this process trains."""
+    metrics, marker = _step_metrics(trainer), Path(folder) / MARKER
+    if metrics is None or not marker.is_file():  # (without shared storage, only the first node has the marker)
+        return
+    longest = json.loads(marker.read_text()).get("longest_trained")
+    if longest is not None:
+        metrics.resume_longest(longest)
 
 
 class CheckpointSaveError(OSError):
@@ -269,6 +288,8 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
                 reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
                                                             reshardable=runs_fsdp2(trainer))
+            if folder:
+                resume_step_metrics(trainer, folder)
             if reshard:
                 with resharded_loading(trainer, folder):
                     return train(resume_from_checkpoint, *args, **kwargs)
