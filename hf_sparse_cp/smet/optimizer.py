@@ -289,7 +289,7 @@ class SMETAdam(torch.optim.Optimizer):
     ) -> None:
         cfg = self.config
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        lr = lr * cfg.lr_scale
+        lr = lr * cfg.lr_scale_at(grid.density)  # (the density this weight trains at: whole blocks per row)
         weights = grid.blocks(local(param))
         where = expand_index(state["block_index"], grid.block_size)
         compute = torch.promote_types(param.dtype, torch.float32)
