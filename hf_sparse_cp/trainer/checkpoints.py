@@ -72,9 +72,15 @@ def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | No
             "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * parallel.dp_size}
 
 
+def _is_marker(path: Path) -> bool:
+    """The marker, or a temporary file of it (another node's, being written on shared storage)."""
+    return path.name == MARKER or (path.name.startswith(Path(MARKER).stem + ".") and path.suffix == ".tmp")
+
+
 def _write(path: Path, content: dict) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_suffix(".tmp")
+    """Write JSON so that a reader sees the old file or the new one, never half of one (a temporary file per process:
+    with save_on_each_node on shared storage, every node's first process writes the same file)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(content, indent=2) + "\n")
     os.replace(tmp, path)
 
@@ -91,7 +97,7 @@ class CheckpointMarkerCallback(TrainerCallback):
         return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
     def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save and state.is_world_process_zero:
+        if control.should_save and args.should_save:  # (every node's first process with save_on_each_node)
             folder = self._folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             _write(folder / MARKER, {"complete": False, "step": state.global_step})
@@ -100,10 +106,10 @@ class CheckpointMarkerCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
-        if state.is_world_process_zero:
+        if args.should_save:  # (each node marks what it saved, with save_on_each_node: its own files)
             folder = self._folder(args, state)
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                     if p.is_file() and p.name != MARKER}
+                     if p.is_file() and not _is_marker(p)}
             metrics = _step_metrics(self.trainer)
             longest = None if metrics is None else metrics.longest_trained  # (gathered by its on_save, just before)
             _write(folder / MARKER, {"complete": True, "step": state.global_step,

@@ -399,3 +399,27 @@ def test_the_longest_row_trained_survives_a_resume(tmp_path):
     resumed = trainer(tmp_path / "resumed")
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert _longest_trained(resumed) == 64
+
+
+def test_every_node_that_saves_marks_its_checkpoint(tmp_path):
+    """With save_on_each_node, the first process of every node saves the checkpoint into its node's folder (the
+    Trainer's `should_save`); only global rank 0 wrote the marker, so a second node without shared storage resumed
+    its checkpoint unchecked ("not written by an hf-sparse-cp run")."""
+    from types import SimpleNamespace
+
+    trainer = _trainer(tmp_path)
+    marker = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CheckpointMarkerCallback))
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "checkpoint-2" / MARKER).with_suffix(".123.tmp").write_text("{")  # (another node's, being written)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)  # a second node's first process
+    state = SimpleNamespace(global_step=2, is_world_process_zero=False)
+    marker.on_step_end(args, state, SimpleNamespace(should_save=True))
+    assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text()) == {"complete": False, "step": 2}
+    marker.on_save(args, state, None)
+    written = json.loads((tmp_path / "checkpoint-2" / MARKER).read_text())
+    assert written["complete"] and written["files"] == {"model.safetensors": 10}
+    args.should_save = False  # (the node's other processes)
+    os.remove(tmp_path / "checkpoint-2" / MARKER)
+    marker.on_save(args, state, None)
+    assert not (tmp_path / "checkpoint-2" / MARKER).exists()
