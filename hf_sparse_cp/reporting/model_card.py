@@ -29,9 +29,9 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -93,6 +93,31 @@ def smet_config_of(trainer: Trainer) -> SMETConfig | None:
         return smet.config
     factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
     return kwargs["config"] if factory is SMETOptimizerFactory else None
+
+
+class CardStage(NamedTuple):
+    """A stage of a context-length curriculum (`--cp_schedule`) as the card states it: from optimizer step
+    `from_step` on, samples of `seq_len` tokens on the CP layout `parallel`."""
+
+    from_step: int
+    seq_len: int
+    parallel: ParallelDims
+
+
+def _stage_batches(trainer: Trainer, stages: Sequence[CardStage], unit: str = "") -> str:
+    """Distinct sequences per optimizer step of every stage: '2 from step 0, 1 from step 2' (`unit` after the first
+    number)."""
+    per_group = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    return ", ".join(f"{per_group * s.parallel.dp_size}{unit if i == 0 else ''} from step {s.from_step}"
+                     for i, s in enumerate(stages))
+
+
+def _describe_stages(schedule: str | None, stages: Sequence[CardStage]) -> str:
+    def layout(p: ParallelDims) -> str:
+        return f"without CP (DP {p.dp_size})" if p.cp_size == 1 else f"on {p.describe()}"
+
+    return f"--cp_schedule {schedule}: " + "; ".join(
+        f"from step {s.from_step}, {s.seq_len}-token samples {layout(s.parallel)}" for s in stages)
 
 
 def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
@@ -384,13 +409,15 @@ def _sequence_length(max_length: int | None, longest_trained: int | None) -> str
 
 def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, longest_trained: int | None,
              cp_size: int, smet: SMETConfig | None, optimizer_line: str, output_dir: Path,
-             card_kwargs: dict[str, Any], license_: str | None) -> str:
+             card_kwargs: dict[str, Any], license_: str | None, cp_schedule: str | None = None,
+             cp_stages: Sequence[CardStage] = ()) -> str:
     sparse = _sparse_config(trainer)
     length = _sequence_length(max_length, longest_trained)
     if _packs_documents(trainer):
         length += " (documents packed into each sequence, attention within each document only)"
+    over = f"up to {cp_size} ranks (a context-length curriculum)" if cp_stages else f"{cp_size} ranks"
     used = (["dynamic sparse attention"] if sparse is not None else []) + (
-        [f"context parallelism over {cp_size} ranks"] if cp_size > 1 else []) + (
+        [f"context parallelism over {over}"] if cp_size > 1 else []) + (
         ["the SMET sparse optimizer"] if smet is not None else [])
     data = _training_data(trainer, card_kwargs.get("dataset_tags") or card_kwargs.get("dataset_name")
                           or card_kwargs.get("dataset"))
@@ -399,9 +426,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
             ("attention", "dense (the sparse_cp backend was not used)" if sparse is None
              else f"`sparse_cp`: {_describe_pattern(sparse)}"),
             ("distributed set-up", _describe_setup(trainer, cp_size)),
-            ("context parallelism", _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
-            ("total train batch size", f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per "
-             "optimizer step"),
+            ("context parallelism", _describe_stages(cp_schedule, cp_stages) if cp_stages
+             else _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
+            ("total train batch size", _stage_batches(trainer, cp_stages, " distinct sequences per optimizer step")
+             if cp_stages else f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per optimizer step"),
             ("optimizer", optimizer_line),
             ("throughput", _throughput(trainer, max_length)),
             ("license", license_)]
@@ -517,6 +545,8 @@ def write_sparse_model_card(
     parallel: ParallelDims | None = None,
     max_length: int | None = None,
     longest_trained: int | None = None,
+    cp_schedule: str | None = None,
+    cp_stages: Sequence[CardStage] = (),
     create_card: Callable[..., Any] | None = None,
     **create_model_card_kwargs: Any,
 ) -> Path | None:
@@ -530,6 +560,8 @@ def write_sparse_model_card(
             documents); None: not stated, and no throughput estimate.
         longest_trained: the most tokens of any sequence the run trained (`StepMetricsCallback.longest_trained`),
             stated beside `max_length` where they differ.
+        cp_schedule, cp_stages: a context-length curriculum's schedule (its `--cp_schedule` text) and its stages
+            (`CardStage`: each its start step, sample length and CP layout), stated in place of `parallel`'s.
         create_card: writes the stock card, called with `create_model_card_kwargs`; default
             `Trainer.create_model_card` (the base method: a subclass that overrides `create_model_card` to
             call this function passes `super().create_model_card`).
@@ -550,7 +582,11 @@ def write_sparse_model_card(
     card = path.read_text(encoding="utf-8")
     card = card.split(f"\n{SECTION_TITLE}\n", 1)[0].rstrip("\n") + "\n"  # a card amended before: amend anew
     cp_size = parallel.cp_size if parallel is not None else trainer.get_cp_size()
-    if cp_size > 1:
+    if cp_stages:  # (a curriculum: each stage its own CP degree and distinct sequences per step)
+        cp_size = max(s.parallel.cp_size for s in cp_stages)
+        totals = f"{_stage_batches(trainer, cp_stages)} (distinct sequences per optimizer step, by cp_schedule stage)"
+        card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {totals}", card)
+    elif cp_size > 1:
         total = distinct_train_batch_size(trainer, cp_size)
         note = f" (distinct sequences; each is split over {cp_size} context-parallel ranks)"
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {total}{note}", card)
@@ -571,6 +607,6 @@ def write_sparse_model_card(
     license_ = _split_front_matter(card)[0].get("license")
     card = _merge_versions(card, _versions(trainer))
     card += "\n" + _section(trainer, parallel, max_length, longest_trained, cp_size, smet, optimizer_line, output_dir,
-                            create_model_card_kwargs, license_)
+                            create_model_card_kwargs, license_, cp_schedule, cp_stages)
     path.write_text(card, encoding="utf-8")
     return path
