@@ -187,8 +187,13 @@ def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_si
     return parallel.describe()
 
 
-def _describe_smet(config: SMETConfig, optim: str, args) -> str:
-    return (f"SMET ({config.mode}, density {config.density}, blocks of {config.block_size} columns, topology update "
+def _describe_smet(config: SMETConfig, optim: str, args, trained: float | None = None) -> str:
+    """SMET's settings; `trained`: the density its weights train at, stated where whole blocks per row move it."""
+    density = f"density {config.density}, blocks of {config.block_size} columns"
+    if trained is not None and abs(trained - config.density) > 1e-6 * config.density:
+        density = (f"density {config.density} asked, {trained:.3g} trained (whole blocks of {config.block_size} "
+                   "columns per row, at least one)")
+    return (f"SMET ({config.mode}, {density}, topology update "
             f"every {config.update_interval} steps, {config.regrowth_rule} regrowth) over {optim} with "
             f"betas=({args.adam_beta1},{args.adam_beta2}) and epsilon={args.adam_epsilon}")
 
@@ -594,7 +599,9 @@ def write_sparse_model_card(
         card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {total_eval}", card)
     smet = smet_config_of(trainer)
     optim = getattr(trainer.args.optim, "value", trainer.args.optim)
-    optimizer_line = optim if smet is None else _describe_smet(smet, optim, trainer.args)
+    built = unwrap_smet(trainer.optimizer)
+    trained = None if built is None else built.trained_density()
+    optimizer_line = optim if smet is None else _describe_smet(smet, optim, trainer.args, trained)
     if smet is not None:
         card = _OPTIMIZER.sub(lambda _: f"- optimizer: {optimizer_line}", card)
     world, kind, backend = _processes(trainer)
