@@ -39,7 +39,8 @@ class SparsityLoggingCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
             return
-        per_layer = pop_kept_fractions(model)
+        # (a training log its steps' calls, any other log, an evaluation's, its forwards')
+        per_layer = pop_kept_fractions(model, training="loss" in logs)
         if "loss" in logs and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             per_layer = _mean_over_processes(per_layer, model, args.device)  # (training logs: every rank writes them)
         if not per_layer:
