@@ -129,10 +129,13 @@ class StepMetricsCallback(TrainerCallback):
         self._gather_longest(args)
 
     def _gather_longest(self, args) -> None:
-        if self.longest is not None:
-            longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1)
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        # (every rank takes part, also one that knows no row yet: a resume without shared storage gives the
+        # checkpoint's longest to the first node alone, and one at the last step trains no row)
+        longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1) if self.longest is not None \
+            else torch.full((1,), -1.0, dtype=torch.float64, device=args.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        if longest.item() >= 0:
             self.longest_trained = int(longest.item())
 
     def on_train_begin(self, args, state, control, **kwargs):
