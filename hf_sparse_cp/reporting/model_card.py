@@ -263,8 +263,9 @@ def _versions(trainer: Trainer) -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in names}
 
 
-def _results(log_history: list[dict]) -> list[str]:
-    """The losses per logging step, the final loss and the eval losses, from the Trainer's log history."""
+def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
+    """The losses per logging step, the final loss and the eval losses, from the Trainer's log history. The Trainer's
+    final loss is the mean over the steps of its last `train()` call: after `first_step` where it resumed there."""
     train = [log for log in log_history if "loss" in log]
     evals = [log for log in log_history if "eval_loss" in log]
     final = next((log for log in reversed(log_history) if "train_loss" in log), None)
@@ -273,7 +274,9 @@ def _results(log_history: list[dict]) -> list[str]:
     lines = ["| step | epoch | training loss |", "|---|---|---|",
              *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)]
     if final is not None:
-        lines += ["", f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after "
+        over = "the run" if not first_step else (f"steps {first_step + 1}-{final['step']}, trained after resuming "
+                                                 f"from step {first_step}")
+        lines += ["", f"Final training loss (mean over {over}): **{final['train_loss']:.4f}** after "
                   f"{final['step']} steps."]
     if evals:
         lines += ["", "| step | eval loss |", "|---|---|",
@@ -415,7 +418,7 @@ def _sequence_length(max_length: int | None, longest_trained: int | None) -> str
 def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, longest_trained: int | None,
              cp_size: int, smet: SMETConfig | None, optimizer_line: str, output_dir: Path,
              card_kwargs: dict[str, Any], license_: str | None, cp_schedule: str | None = None,
-             cp_stages: Sequence[CardStage] = ()) -> str:
+             cp_stages: Sequence[CardStage] = (), first_step: int = 0) -> str:
     sparse = _sparse_config(trainer)
     length = _sequence_length(max_length, longest_trained)
     if _packs_documents(trainer):
@@ -443,7 +446,7 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     lines = [SECTION_TITLE, "",
              f"Trained with `hf-sparse-cp` ({', '.join(used) or 'no plugin feature on'}) under the `{trainer_name}`.",
              "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows if value is not None), "",
-             "### Training results", "", *_results(trainer.state.log_history), ""]
+             "### Training results", "", *_results(trainer.state.log_history, first_step), ""]
 
     means = mean_kept_fraction_per_layer(trainer.state.log_history)
     lines += ["### Kept fraction of attention blocks", ""]
@@ -552,6 +555,7 @@ def write_sparse_model_card(
     longest_trained: int | None = None,
     cp_schedule: str | None = None,
     cp_stages: Sequence[CardStage] = (),
+    first_step: int = 0,
     create_card: Callable[..., Any] | None = None,
     **create_model_card_kwargs: Any,
 ) -> Path | None:
@@ -567,6 +571,8 @@ def write_sparse_model_card(
             stated beside `max_length` where they differ.
         cp_schedule, cp_stages: a context-length curriculum's schedule (its `--cp_schedule` text) and its stages
             (`CardStage`: each its start step, sample length and CP layout), stated in place of `parallel`'s.
+        first_step: the step the last `train()` call started from (`StepMetricsCallback.first_step`: a resume's
+            checkpoint step), whose steps alone the Trainer's final training loss averages.
         create_card: writes the stock card, called with `create_model_card_kwargs`; default
             `Trainer.create_model_card` (the base method: a subclass that overrides `create_model_card` to
             call this function passes `super().create_model_card`).
@@ -614,6 +620,6 @@ def write_sparse_model_card(
     license_ = _split_front_matter(card)[0].get("license")
     card = _merge_versions(card, _versions(trainer))
     card += "\n" + _section(trainer, parallel, max_length, longest_trained, cp_size, smet, optimizer_line, output_dir,
-                            create_model_card_kwargs, license_, cp_schedule, cp_stages)
+                            create_model_card_kwargs, license_, cp_schedule, cp_stages, first_step)
     path.write_text(card, encoding="utf-8")
     return path

@@ -99,6 +99,7 @@ class StepMetricsCallback(TrainerCallback):
         self.since_log: torch.Tensor | None = None
         self.longest: torch.Tensor | None = None  # this rank's longest row (a tensor: no device sync per step)
         self.longest_trained: int | None = None
+        self.first_step = 0  # the step this train() call started from (a resume's checkpoint step; the card says it)
         self.cp_size = 1
         self._last_log = time.perf_counter()
 
@@ -139,7 +140,8 @@ class StepMetricsCallback(TrainerCallback):
             self.longest_trained = int(longest.item())
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.since_log, self._last_log = None, time.perf_counter()
+        # (the Trainer has loaded a resumed checkpoint's state by now)
+        self.since_log, self._last_log, self.first_step = None, time.perf_counter(), state.global_step
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 

@@ -344,6 +344,7 @@ class SparseTrainerMixin:
         return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
                                        longest_trained=getattr(metrics, "longest_trained", None),
                                        cp_schedule=schedule, cp_stages=stages,
+                                       first_step=getattr(metrics, "first_step", 0),
                                        create_card=super().create_model_card,
                                        **(self.args.plugin_arguments().card_metadata() | given))
 

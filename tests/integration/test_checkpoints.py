@@ -158,6 +158,9 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
                    "total_train_batch_size: 1 (distinct sequences", "vertical-slash (MTraining)", "- hf-sparse-cp"):
         assert stated in card, stated
     assert (tmp_path / "resumed" / "sparse_kept_fraction.png").is_file()
+    # the Trainer's final loss of a resumed run averages the steps after the resume (said 'mean over the run')
+    assert "Final training loss (mean over steps 3-4, trained after resuming from step 2): **" in card
+    assert "Final training loss (mean over the run): **" in (tmp_path / "full" / "README.md").read_text()
     want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
     got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
     assert len(got) == len(want) == 4
