@@ -39,8 +39,9 @@ class SparsityLoggingCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
             return
-        # (a training log its steps' calls, any other log, an evaluation's, its forwards')
-        per_layer = pop_kept_fractions(model, training="loss" in logs)
+        # (a training log its steps' calls, an evaluation's its forwards', another log (the end of training's) both)
+        mode = True if "loss" in logs else False if any(key.startswith("eval_") for key in logs) else None
+        per_layer = pop_kept_fractions(model, training=mode)
         if "loss" in logs and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             per_layer = _mean_over_processes(per_layer, model, args.device)  # (training logs: every rank writes them)
         if not per_layer:

@@ -69,3 +69,8 @@ def test_training_and_evaluation_logs_keep_their_own_calls():
     callback.on_log(args, TrainerState(), None, logs=training, model=attention)
     assert abs(evaluation["sparse/kept_fraction"] - 0.9) < 1e-9
     assert abs(training["sparse/kept_fraction"] - 0.3) < 1e-9
+    # the end of training's log takes the steps after the last training log, as it did
+    record_kept_fraction(attention, torch.tensor(0.5))
+    summary = {"train_runtime": 1.0, "train_loss": 1.0}
+    callback.on_log(args, TrainerState(), None, logs=summary, model=attention)
+    assert abs(summary["sparse/kept_fraction"] - 0.5) < 1e-9
