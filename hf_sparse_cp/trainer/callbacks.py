@@ -114,7 +114,8 @@ class StepMetricsCallback(TrainerCallback):
         longest = per_row.max() if per_row.numel() else None
         if longest is not None:
             self.longest = longest if self.longest is None else torch.maximum(self.longest, longest)
-        self.cp_size = cp_size
+        # (the largest so far: TRL's own count holds every CP stage's shards, also in a curriculum's later CP 1 stage)
+        self.cp_size = max(self.cp_size, cp_size)
 
     def resume_longest(self, longest: int) -> None:
         """Continue a run whose checkpoint says its rows held up to `longest` real tokens (the checkpoint's marker,
