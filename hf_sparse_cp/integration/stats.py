@@ -12,6 +12,9 @@ import re
 import torch
 
 _ATTR = "_hf_sparse_cp_kept"
+# The running sums of calls in evaluation mode (`module.training` False): an evaluation's log shows them, not the
+# training steps before it, and a training log its own steps.
+_EVAL_ATTR = "_hf_sparse_cp_kept_eval"
 # The Trainer log keys of the kept fraction: the mean over layers, and each layer's.
 LOG_KEY = "sparse/kept_fraction"
 LAYER_LOG_KEY = re.compile(rf"^{LOG_KEY}/layer_(-?\d+)$")
@@ -27,17 +30,24 @@ def layer_log_key(layer: int) -> str:
 
 def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor) -> None:
     """Add one call's kept fraction (`SparseLayout.kept_fraction`: of the blocks a dense run of the same batch
-    computes) to the module's running sum."""
-    total, count = getattr(module, _ATTR, (None, 0))
+    computes) to the module's running sum of its mode (training or evaluation)."""
+    attr = _ATTR if module.training else _EVAL_ATTR
+    total, count = getattr(module, attr, (None, 0))
     value = value.detach().double()
-    module.__dict__[_ATTR] = (value if total is None else total + value, count + 1)
+    module.__dict__[attr] = (value if total is None else total + value, count + 1)
 
 
-def pop_kept_fractions(model: torch.nn.Module) -> dict[int, float]:
-    """Mean kept fraction per layer index since the last call; resets the running sums."""
+def pop_kept_fractions(model: torch.nn.Module, training: bool | None = None) -> dict[int, float]:
+    """Mean kept fraction per layer index since the last call, of the calls in training mode (`training` True), in
+    evaluation mode (False) or both (None); resets those running sums."""
+    attrs = {True: (_ATTR,), False: (_EVAL_ATTR,), None: (_ATTR, _EVAL_ATTR)}[training]
     per_layer: dict[int, list[float]] = {}
     for module in model.modules():
-        total, count = module.__dict__.pop(_ATTR, (None, 0))
+        total, count = None, 0
+        for attr in attrs:
+            part, n = module.__dict__.pop(attr, (None, 0))
+            if part is not None:
+                total, count = part if total is None else total + part, count + n
         if total is None or not count:
             continue
         layer = getattr(module, "layer_idx", None)

@@ -31,10 +31,13 @@ def kept_fraction_series(log_history: list[dict[str, Any]]) -> dict[int, tuple[l
         log_history: a Trainer's `state.log_history` (or the `log_history` of a trainer_state.json).
 
     Returns:
-        layer index -> (steps, kept fractions), layers in ascending order; empty when nothing was logged.
+        layer index -> (steps, kept fractions), layers in ascending order; empty when nothing was logged. The logs of
+        training only: an evaluation's (its `eval_` keys) holds the kept fraction of its own forwards.
     """
     series: dict[int, tuple[list[int], list[float]]] = {}
     for entry in log_history:
+        if any(key.startswith("eval_") for key in entry):
+            continue
         for key, value in entry.items():
             match = LAYER_LOG_KEY.match(key)
             if match:

@@ -29,9 +29,9 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -93,6 +93,31 @@ def smet_config_of(trainer: Trainer) -> SMETConfig | None:
         return smet.config
     factory, kwargs = trainer.optimizer_cls_and_kwargs or (None, {})
     return kwargs["config"] if factory is SMETOptimizerFactory else None
+
+
+class CardStage(NamedTuple):
+    """A stage of a context-length curriculum (`--cp_schedule`) as the card states it: from optimizer step
+    `from_step` on, samples of `seq_len` tokens on the CP layout `parallel`."""
+
+    from_step: int
+    seq_len: int
+    parallel: ParallelDims
+
+
+def _stage_batches(trainer: Trainer, stages: Sequence[CardStage], unit: str = "") -> str:
+    """Distinct sequences per optimizer step of every stage: '2 from step 0, 1 from step 2' (`unit` after the first
+    number)."""
+    per_group = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    return ", ".join(f"{per_group * s.parallel.dp_size}{unit if i == 0 else ''} from step {s.from_step}"
+                     for i, s in enumerate(stages))
+
+
+def _describe_stages(schedule: str | None, stages: Sequence[CardStage]) -> str:
+    def layout(p: ParallelDims) -> str:
+        return f"without CP (DP {p.dp_size})" if p.cp_size == 1 else f"on {p.describe()}"
+
+    return f"--cp_schedule {schedule}: " + "; ".join(
+        f"from step {s.from_step}, {s.seq_len}-token samples {layout(s.parallel)}" for s in stages)
 
 
 def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
@@ -162,8 +187,13 @@ def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_si
     return parallel.describe()
 
 
-def _describe_smet(config: SMETConfig, optim: str, args) -> str:
-    return (f"SMET ({config.mode}, density {config.density}, blocks of {config.block_size} columns, topology update "
+def _describe_smet(config: SMETConfig, optim: str, args, trained: float | None = None) -> str:
+    """SMET's settings; `trained`: the density its weights train at, stated where whole blocks per row move it."""
+    density = f"density {config.density}, blocks of {config.block_size} columns"
+    if trained is not None and abs(trained - config.density) > 1e-6 * config.density:
+        density = (f"density {config.density} asked, {trained:.3g} trained (whole blocks of {config.block_size} "
+                   "columns per row, at least one)")
+    return (f"SMET ({config.mode}, {density}, topology update "
             f"every {config.update_interval} steps, {config.regrowth_rule} regrowth) over {optim} with "
             f"betas=({args.adam_beta1},{args.adam_beta2}) and epsilon={args.adam_epsilon}")
 
@@ -233,8 +263,9 @@ def _versions(trainer: Trainer) -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in names}
 
 
-def _results(log_history: list[dict]) -> list[str]:
-    """The losses per logging step, the final loss and the eval losses, from the Trainer's log history."""
+def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
+    """The losses per logging step, the final loss and the eval losses, from the Trainer's log history. The Trainer's
+    final loss is the mean over the steps of its last `train()` call: after `first_step` where it resumed there."""
     train = [log for log in log_history if "loss" in log]
     evals = [log for log in log_history if "eval_loss" in log]
     final = next((log for log in reversed(log_history) if "train_loss" in log), None)
@@ -243,7 +274,9 @@ def _results(log_history: list[dict]) -> list[str]:
     lines = ["| step | epoch | training loss |", "|---|---|---|",
              *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)]
     if final is not None:
-        lines += ["", f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after "
+        over = "the run" if not first_step else (f"steps {first_step + 1}-{final['step']}, trained after resuming "
+                                                 f"from step {first_step}")
+        lines += ["", f"Final training loss (mean over {over}): **{final['train_loss']:.4f}** after "
                   f"{final['step']} steps."]
     if evals:
         lines += ["", "| step | eval loss |", "|---|---|",
@@ -384,13 +417,15 @@ def _sequence_length(max_length: int | None, longest_trained: int | None) -> str
 
 def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, longest_trained: int | None,
              cp_size: int, smet: SMETConfig | None, optimizer_line: str, output_dir: Path,
-             card_kwargs: dict[str, Any], license_: str | None) -> str:
+             card_kwargs: dict[str, Any], license_: str | None, cp_schedule: str | None = None,
+             cp_stages: Sequence[CardStage] = (), first_step: int = 0) -> str:
     sparse = _sparse_config(trainer)
     length = _sequence_length(max_length, longest_trained)
     if _packs_documents(trainer):
         length += " (documents packed into each sequence, attention within each document only)"
+    over = f"up to {cp_size} ranks (a context-length curriculum)" if cp_stages else f"{cp_size} ranks"
     used = (["dynamic sparse attention"] if sparse is not None else []) + (
-        [f"context parallelism over {cp_size} ranks"] if cp_size > 1 else []) + (
+        [f"context parallelism over {over}"] if cp_size > 1 else []) + (
         ["the SMET sparse optimizer"] if smet is not None else [])
     data = _training_data(trainer, card_kwargs.get("dataset_tags") or card_kwargs.get("dataset_name")
                           or card_kwargs.get("dataset"))
@@ -399,9 +434,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
             ("attention", "dense (the sparse_cp backend was not used)" if sparse is None
              else f"`sparse_cp`: {_describe_pattern(sparse)}"),
             ("distributed set-up", _describe_setup(trainer, cp_size)),
-            ("context parallelism", _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
-            ("total train batch size", f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per "
-             "optimizer step"),
+            ("context parallelism", _describe_stages(cp_schedule, cp_stages) if cp_stages
+             else _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
+            ("total train batch size", _stage_batches(trainer, cp_stages, " distinct sequences per optimizer step")
+             if cp_stages else f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per optimizer step"),
             ("optimizer", optimizer_line),
             ("throughput", _throughput(trainer, max_length)),
             ("license", license_)]
@@ -410,7 +446,7 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     lines = [SECTION_TITLE, "",
              f"Trained with `hf-sparse-cp` ({', '.join(used) or 'no plugin feature on'}) under the `{trainer_name}`.",
              "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows if value is not None), "",
-             "### Training results", "", *_results(trainer.state.log_history), ""]
+             "### Training results", "", *_results(trainer.state.log_history, first_step), ""]
 
     means = mean_kept_fraction_per_layer(trainer.state.log_history)
     lines += ["### Kept fraction of attention blocks", ""]
@@ -517,6 +553,9 @@ def write_sparse_model_card(
     parallel: ParallelDims | None = None,
     max_length: int | None = None,
     longest_trained: int | None = None,
+    cp_schedule: str | None = None,
+    cp_stages: Sequence[CardStage] = (),
+    first_step: int = 0,
     create_card: Callable[..., Any] | None = None,
     **create_model_card_kwargs: Any,
 ) -> Path | None:
@@ -530,6 +569,10 @@ def write_sparse_model_card(
             documents); None: not stated, and no throughput estimate.
         longest_trained: the most tokens of any sequence the run trained (`StepMetricsCallback.longest_trained`),
             stated beside `max_length` where they differ.
+        cp_schedule, cp_stages: a context-length curriculum's schedule (its `--cp_schedule` text) and its stages
+            (`CardStage`: each its start step, sample length and CP layout), stated in place of `parallel`'s.
+        first_step: the step the last `train()` call started from (`StepMetricsCallback.first_step`: a resume's
+            checkpoint step), whose steps alone the Trainer's final training loss averages.
         create_card: writes the stock card, called with `create_model_card_kwargs`; default
             `Trainer.create_model_card` (the base method: a subclass that overrides `create_model_card` to
             call this function passes `super().create_model_card`).
@@ -550,7 +593,11 @@ def write_sparse_model_card(
     card = path.read_text(encoding="utf-8")
     card = card.split(f"\n{SECTION_TITLE}\n", 1)[0].rstrip("\n") + "\n"  # a card amended before: amend anew
     cp_size = parallel.cp_size if parallel is not None else trainer.get_cp_size()
-    if cp_size > 1:
+    if cp_stages:  # (a curriculum: each stage its own CP degree and distinct sequences per step)
+        cp_size = max(s.parallel.cp_size for s in cp_stages)
+        totals = f"{_stage_batches(trainer, cp_stages)} (distinct sequences per optimizer step, by cp_schedule stage)"
+        card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {totals}", card)
+    elif cp_size > 1:
         total = distinct_train_batch_size(trainer, cp_size)
         note = f" (distinct sequences; each is split over {cp_size} context-parallel ranks)"
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {total}{note}", card)
@@ -558,7 +605,9 @@ def write_sparse_model_card(
         card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {total_eval}", card)
     smet = smet_config_of(trainer)
     optim = getattr(trainer.args.optim, "value", trainer.args.optim)
-    optimizer_line = optim if smet is None else _describe_smet(smet, optim, trainer.args)
+    built = unwrap_smet(trainer.optimizer)
+    trained = None if built is None else built.trained_density()
+    optimizer_line = optim if smet is None else _describe_smet(smet, optim, trainer.args, trained)
     if smet is not None:
         card = _OPTIMIZER.sub(lambda _: f"- optimizer: {optimizer_line}", card)
     world, kind, backend = _processes(trainer)
@@ -571,6 +620,6 @@ def write_sparse_model_card(
     license_ = _split_front_matter(card)[0].get("license")
     card = _merge_versions(card, _versions(trainer))
     card += "\n" + _section(trainer, parallel, max_length, longest_trained, cp_size, smet, optimizer_line, output_dir,
-                            create_model_card_kwargs, license_)
+                            create_model_card_kwargs, license_, cp_schedule, cp_stages, first_step)
     path.write_text(card, encoding="utf-8")
     return path

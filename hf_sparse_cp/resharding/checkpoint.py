@@ -38,15 +38,20 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathLike) -> None:
+def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathLike, *,
+                       writes_layout: bool | None = None) -> None:
     """Write `state` as this rank holds it; call on every rank of the default group with the same keys.
 
     Args:
         state: {name: DTensor (FSDP2 parameters, their AdamW moments, SMET's per-row state), or a
-            plain tensor every rank holds whole (written by rank 0 only, e.g. AdamW's `step`)}.
+            plain tensor every rank holds whole (written by every rank, e.g. AdamW's `step`: a folder
+            that only its own ranks wrote, on storage other nodes do not share, holds it)}.
             Layouts are those `boxes.shard_boxes` describes: `Shard(d)` and `Replicate()`.
         folder: created if needed; gets one `shard-RANK-of-WORLD.safetensors` per rank that holds a
-            non-empty piece, and `layout.json` (written by rank 0 once every rank has written).
+            non-empty piece, and `layout.json` once every rank has written.
+        writes_layout: whether this rank writes `layout.json` (default: rank 0). The Trainer's first
+            process of every node with `save_on_each_node` (`TrainingArguments.should_save`), so that a
+            node without shared storage resumes from its own folder with the same processes.
     """
     from safetensors.torch import save_file
 
@@ -55,7 +60,7 @@ def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathL
     folder.mkdir(parents=True, exist_ok=True)
     layout, pieces = {}, {}
     for name, tensor in state.items():
-        boxes = dtensor_boxes(tensor) if isinstance(tensor, DTensor) else {0: Box.whole(tensor.shape)}
+        boxes = dtensor_boxes(tensor)  # (a plain tensor: whole on every rank)
         held = {r: b for r, b in boxes.items() if b.numel}
         layout[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "boxes": {str(r): [list(b.start), list(b.stop)] for r, b in held.items()}}
@@ -66,8 +71,10 @@ def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathL
         save_file(pieces, str(folder / shard_file(rank, world)))
     if dist.is_initialized():
         dist.barrier()  # every file is complete before the layout says the checkpoint is
-    if rank == 0:
-        tmp = folder / (LAYOUT_FILE + ".tmp")
+    if writes_layout is None:
+        writes_layout = rank == 0
+    if writes_layout:
+        tmp = folder / f"{LAYOUT_FILE}.{rank}.tmp"  # (several writers share a folder on shared storage)
         tmp.write_text(json.dumps({"world_size": world, "tensors": layout}))
         os.replace(tmp, folder / LAYOUT_FILE)
 
@@ -86,7 +93,8 @@ def read_layout(folder: str | os.PathLike) -> tuple[int, dict[str, SavedTensor]]
     path = Path(folder) / LAYOUT_FILE
     if not path.is_file():
         raise ValueError(f"{str(folder)!r} holds no {LAYOUT_FILE}: it is not a complete sharded state (written by "
-                         "save_sharded_state, whose rank 0 writes the layout last).")
+                         "save_sharded_state, whose rank 0 writes the layout last; with save_on_each_node, every "
+                         "node's first process).")
     content = json.loads(path.read_text())
     tensors = {name: SavedTensor(torch.Size(t["shape"]), _dtype(t["dtype"]),
                                  {int(r): Box(tuple(a), tuple(b)) for r, (a, b) in t["boxes"].items()})

@@ -82,7 +82,7 @@ def sharded_saving(trainer: Trainer, patches: PatchSet) -> None:
                            "degrees: %s.", output_dir, e)
             return original(output_dir)
         folder = Path(output_dir) / SHARDED_STATE
-        save_sharded_state(tensors, folder)
+        save_sharded_state(tensors, folder, writes_layout=trainer.args.should_save)  # (each node's, save_on_each_node)
         if trainer.args.should_save:
             groups = [{k: v for k, v in g.items() if k != "params"}
                       for g in trainer.optimizer.state_dict()["param_groups"]]

@@ -90,7 +90,8 @@ class SMETConfig(FileConfig):
     )
     density_lr_scaling: bool = field(
         default=True,
-        metadata={"help": "Multiply the learning rate of sparse matrices by density**(-lr_density_exponent)."},
+        metadata={"help": "Multiply the learning rate of sparse matrices by density**(-lr_density_exponent), at the "
+                  "density each trains at (whole blocks per row)."},
     )
     lr_density_exponent: float = field(
         default=0.5,
@@ -117,8 +118,13 @@ class SMETConfig(FileConfig):
 
     @property
     def lr_scale(self) -> float:
-        """Learning-rate multiplier of the sparse matrices."""
-        return self.density ** -self.lr_density_exponent if self.density_lr_scaling else 1.0
+        """Learning-rate multiplier of a sparse matrix that trains at the density asked (`lr_scale_at`)."""
+        return self.lr_scale_at(self.density)
+
+    def lr_scale_at(self, density: float) -> float:
+        """Learning-rate multiplier of a sparse matrix whose rows keep `density` of their blocks: the density it
+        trains at (whole blocks per row, `rounding.kept_blocks`), which may differ from the one asked."""
+        return density ** -self.lr_density_exponent if self.density_lr_scaling else 1.0
 
     def naive(self) -> SMETConfig:
         """The same topology schedule with every cold-start cure off (plain dynamic sparse Adam)."""

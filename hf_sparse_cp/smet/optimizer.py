@@ -289,7 +289,7 @@ class SMETAdam(torch.optim.Optimizer):
     ) -> None:
         cfg = self.config
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        lr = lr * cfg.lr_scale
+        lr = lr * cfg.lr_scale_at(grid.density)  # (the density this weight trains at: whole blocks per row)
         weights = grid.blocks(local(param))
         where = expand_index(state["block_index"], grid.block_size)
         compute = torch.promote_types(param.dtype, torch.float32)
@@ -482,6 +482,17 @@ class SMETAdam(torch.optim.Optimizer):
         """Topology updates done so far (counted from the step, so also right after a resume)."""
         steps = [int(self.state[p]["step"]) for _, g, p, _ in self._named_params() if g["smet"] and self.state.get(p)]
         return max(steps, default=0) // self.config.update_interval
+
+    def trained_density(self) -> float:
+        """Active fraction of the whole sparse weights (all ranks' shards; 1.0 when there are none): the density asked,
+        moved by whole blocks per row (`rounding.kept_blocks`). No communication."""
+        active = total = 0
+        for _, group, param, _ in self._named_params():
+            if group["smet"]:
+                grid = self._grid(param)
+                active += grid.global_rows * grid.k * grid.block_size
+                total += param.numel()  # (a DTensor's: the whole weight's)
+        return active / total if total else 1.0
 
     def density(self) -> float:
         """Active fraction of the local sparse weights (1.0 when there are none)."""

@@ -39,7 +39,9 @@ class SparsityLoggingCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
             return
-        per_layer = pop_kept_fractions(model)
+        # (a training log its steps' calls, an evaluation's its forwards', another log (the end of training's) both)
+        mode = True if "loss" in logs else False if any(key.startswith("eval_") for key in logs) else None
+        per_layer = pop_kept_fractions(model, training=mode)
         if "loss" in logs and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             per_layer = _mean_over_processes(per_layer, model, args.device)  # (training logs: every rank writes them)
         if not per_layer:
@@ -88,7 +90,8 @@ class StepMetricsCallback(TrainerCallback):
     trainer whose batches are not tokens (TRL GRPO's prompts, which it completes in the step) logs no tokens/s.
     Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
     It also keeps `longest_trained`, the most real tokens of any training sequence (row) of any process so far, as
-    of the last training log or the end of training (the model card states it).
+    of the last training log, checkpoint or the end of training (the model card states it); a checkpoint's marker
+    records it, and a resume from it continues from there (`resume_longest`).
     """
 
     def __init__(self) -> None:
@@ -97,6 +100,7 @@ class StepMetricsCallback(TrainerCallback):
         self.since_log: torch.Tensor | None = None
         self.longest: torch.Tensor | None = None  # this rank's longest row (a tensor: no device sync per step)
         self.longest_trained: int | None = None
+        self.first_step = 0  # the step this train() call started from (a resume's checkpoint step; the card says it)
         self.cp_size = 1
         self._last_log = time.perf_counter()
 
@@ -110,18 +114,36 @@ class StepMetricsCallback(TrainerCallback):
         longest = per_row.max() if per_row.numel() else None
         if longest is not None:
             self.longest = longest if self.longest is None else torch.maximum(self.longest, longest)
-        self.cp_size = cp_size
+        # (the largest so far: TRL's own count holds every CP stage's shards, also in a curriculum's later CP 1 stage)
+        self.cp_size = max(self.cp_size, cp_size)
+
+    def resume_longest(self, longest: int) -> None:
+        """Continue a run whose checkpoint says its rows held up to `longest` real tokens (the checkpoint's marker,
+        `checkpoints.py`): the rows trained before the resume count."""
+        held = torch.tensor(longest)
+        self.longest = held if self.longest is None else torch.maximum(self.longest, held)
 
     def on_train_end(self, args, state, control, **kwargs):
         # (every rank ends training: the longest row of all of them, for a run that logged no step since its last)
-        if self.longest is not None:
-            longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1)
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        self._gather_longest(args)
+
+    def on_save(self, args, state, control, **kwargs):
+        # (every rank saves, before the checkpoint's marker records `longest_trained`: it runs after this callback)
+        self._gather_longest(args)
+
+    def _gather_longest(self, args) -> None:
+        # (every rank takes part, also one that knows no row yet: a resume without shared storage gives the
+        # checkpoint's longest to the first node alone, and one at the last step trains no row)
+        longest = self.longest.to(device=args.device, dtype=torch.float64).reshape(1) if self.longest is not None \
+            else torch.full((1,), -1.0, dtype=torch.float64, device=args.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        if longest.item() >= 0:
             self.longest_trained = int(longest.item())
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.since_log, self._last_log = None, time.perf_counter()
+        # (the Trainer has loaded a resumed checkpoint's state by now)
+        self.since_log, self._last_log, self.first_step = None, time.perf_counter(), state.global_step
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 

@@ -6,7 +6,8 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
 
 * written as "in progress" before the Trainer starts saving (the step at which it will save);
 * rewritten as complete, with every file's size and the run's settings (CP degree, data-parallel
-  degree, SMET's density, block size and mode), once every rank has finished saving.
+  degree, SMET's density, block size and mode), once every rank has finished saving; with it the longest
+  row trained so far, which a resume carries on (the model card states it).
 
 `train(resume_from_checkpoint=...)` then checks the checkpoint before anything is loaded: a marker
 still in progress, a missing or resized file, or settings that differ from this run's are an error
@@ -40,6 +41,7 @@ from ..integration.patching import PatchSet
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
+from .callbacks import StepMetricsCallback
 
 try:
     import resource  # (POSIX: the file-size limit)
@@ -70,9 +72,15 @@ def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | No
             "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * parallel.dp_size}
 
 
+def _is_marker(path: Path) -> bool:
+    """The marker, or a temporary file of it (another node's, being written on shared storage)."""
+    return path.name == MARKER or (path.name.startswith(Path(MARKER).stem + ".") and path.suffix == ".tmp")
+
+
 def _write(path: Path, content: dict) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_suffix(".tmp")
+    """Write JSON so that a reader sees the old file or the new one, never half of one (a temporary file per process:
+    with save_on_each_node on shared storage, every node's first process writes the same file)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(content, indent=2) + "\n")
     os.replace(tmp, path)
 
@@ -89,7 +97,7 @@ class CheckpointMarkerCallback(TrainerCallback):
         return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
     def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save and state.is_world_process_zero:
+        if control.should_save and args.should_save:  # (every node's first process with save_on_each_node)
             folder = self._folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             _write(folder / MARKER, {"complete": False, "step": state.global_step})
@@ -98,13 +106,30 @@ class CheckpointMarkerCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
-        if state.is_world_process_zero:
+        if args.should_save:  # (each node marks what it saved, with save_on_each_node: its own files)
             folder = self._folder(args, state)
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                     if p.is_file() and p.name != MARKER}
+                     if p.is_file() and not _is_marker(p)}
+            metrics = _step_metrics(self.trainer)
+            longest = None if metrics is None else metrics.longest_trained  # (gathered by its on_save, just before)
             _write(folder / MARKER, {"complete": True, "step": state.global_step,
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
-                                     "files": files})
+                                     "files": files, "longest_trained": longest})
+
+
+def _step_metrics(trainer: Trainer) -> StepMetricsCallback | None:
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)), None)
+
+
+def resume_step_metrics(trainer: Trainer, folder: str | Path) -> None:
+    """Carry what the checkpoint `folder`'s marker says of the rows trained before it (`longest_trained`) into
+    `trainer`'s step metrics, which the model card reads: they count only the rows this process trains."""
+    metrics, marker = _step_metrics(trainer), Path(folder) / MARKER
+    if metrics is None or not marker.is_file():  # (without shared storage, only the first node has the marker)
+        return
+    longest = json.loads(marker.read_text()).get("longest_trained")
+    if longest is not None:
+        metrics.resume_longest(longest)
 
 
 class CheckpointSaveError(OSError):
@@ -269,6 +294,8 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
                 reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
                                                             reshardable=runs_fsdp2(trainer))
+            if folder:
+                resume_step_metrics(trainer, folder)
             if reshard:
                 with resharded_loading(trainer, folder):
                     return train(resume_from_checkpoint, *args, **kwargs)

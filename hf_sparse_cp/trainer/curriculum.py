@@ -45,6 +45,7 @@ from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
 from ..integration.registration import store_pattern
+from ..reporting.model_card import CardStage
 from .arguments import flag_errors
 from .context_parallel import (
     check_loss,
@@ -310,6 +311,18 @@ class Curriculum:
 
     def parallel(self) -> ParallelDims:
         return self.dims[self.stage()]
+
+
+def card_stages(trainer: Trainer) -> tuple[str | None, list[CardStage]]:
+    """The `--cp_schedule` text and stages (`CardStage`) of `trainer`'s curriculum, as its model card states them;
+    (None, []) without one."""
+    found = next((cb.curriculum for cb in trainer.callback_handler.callbacks if isinstance(cb, _FinishCurriculum)),
+                 None)
+    if found is None:
+        return None, []
+    schedule = found.schedule
+    return schedule.text, [CardStage(start, stage.seq_len, dims)
+                           for start, stage, dims in zip(schedule.starts, schedule.stages, found.dims)]
 
 
 class _FinishCurriculum(TrainerCallback):

@@ -51,7 +51,7 @@ from .attach import attach_to_trainer, enable_sparse_attention
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
-from .curriculum import check_schedule_flags
+from .curriculum import card_stages, check_schedule_flags
 from .plugin_arguments import (
     LENGTH_FIELD,
     RENAMED_FIELDS,
@@ -365,8 +365,11 @@ class SparseTrainerMixin:
         `--sparse_card_*` flags."""
         given = {name: value for name, value in kwargs.items() if value is not None}
         metrics = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)), None)
+        schedule, stages = card_stages(self)
         return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
                                        longest_trained=getattr(metrics, "longest_trained", None),
+                                       cp_schedule=schedule, cp_stages=stages,
+                                       first_step=getattr(metrics, "first_step", 0),
                                        create_card=super().create_model_card,
                                        **(self.args.plugin_arguments().card_metadata() | given))
 

@@ -27,6 +27,7 @@ def _logged(rank: int, world: int) -> tuple[dict, dict]:
         record_kept_fraction(model[1], torch.tensor(0.8))
     training = {"loss": 1.0}
     SparsityLoggingCallback().on_log(args, TrainerState(), None, logs=training, model=model)
+    model.eval()  # (as the Trainer evaluates)
     record_kept_fraction(model[0], torch.tensor(0.1 + rank))  # an evaluation log: each process's own
     evaluation = {"eval_loss": 1.0}
     SparsityLoggingCallback().on_log(args, TrainerState(), None, logs=evaluation, model=model)
@@ -40,3 +41,36 @@ def test_a_training_log_shows_the_kept_fraction_of_every_process():
     assert abs(train0["sparse/kept_fraction/layer_01"] - 0.8) < 1e-9  # the one process that ran it
     assert abs(train0["sparse/kept_fraction"] - 0.625) < 1e-9
     assert abs(eval0["sparse/kept_fraction"] - 0.1) < 1e-9 and abs(eval1["sparse/kept_fraction"] - 1.1) < 1e-9
+
+
+def test_training_and_evaluation_logs_keep_their_own_calls():
+    """An evaluation between two training logs (--eval_steps 1, --logging_steps 2) popped the training step before it
+    with its own forwards: its log showed (0.2 + 0.9) / 2 = 0.55 where the evaluation kept 0.9, and the next training
+    log 0.4 where its steps kept (0.2 + 0.4) / 2."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import TrainerState
+
+    from hf_sparse_cp.integration.stats import record_kept_fraction
+    from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
+
+    attention = torch.nn.Module()
+    attention.layer_idx = 0
+    args, callback = SimpleNamespace(device=torch.device("cpu")), SparsityLoggingCallback()
+    record_kept_fraction(attention, torch.tensor(0.2))  # training step 1
+    attention.eval()
+    record_kept_fraction(attention, torch.tensor(0.9))  # the evaluation after it
+    evaluation = {"eval_loss": 1.0}
+    callback.on_log(args, TrainerState(), None, logs=evaluation, model=attention)
+    attention.train()
+    record_kept_fraction(attention, torch.tensor(0.4))  # training step 2
+    training = {"loss": 1.0}
+    callback.on_log(args, TrainerState(), None, logs=training, model=attention)
+    assert abs(evaluation["sparse/kept_fraction"] - 0.9) < 1e-9
+    assert abs(training["sparse/kept_fraction"] - 0.3) < 1e-9
+    # the end of training's log takes the steps after the last training log, as it did
+    record_kept_fraction(attention, torch.tensor(0.5))
+    summary = {"train_runtime": 1.0, "train_loss": 1.0}
+    callback.on_log(args, TrainerState(), None, logs=summary, model=attention)
+    assert abs(summary["sparse/kept_fraction"] - 0.5) < 1e-9

@@ -171,3 +171,27 @@ def test_a_layout_for_other_ranks_or_a_missing_file_is_refused(tmp_path):
     (tmp_path / "layout.json").unlink()
     with pytest.raises(ValueError, match="not a complete sharded state"):
         load_sharded_state(tmp_path, lambda *_: whole)
+
+
+def _node_worker(rank: int, world: int, folder: str) -> dict:
+    """Each rank a node of its own without shared storage (`save_on_each_node`): it saves into its own folder, which
+    only it reads back, the layout written by every node's first process."""
+    model, opt = _build("adamw", world, seed=0)
+    _step("adamw", model, opt, rank, world, 0)
+    own = f"{folder}/node{rank}"
+    save_sharded_state(_state(model, opt), own, writes_layout=True)
+    want = {name: (v.to_local() if hasattr(v, "to_local") else v).clone() for name, v in _state(model, opt).items()}
+    fresh, fresh_opt = _build("adamw", world, seed=1)
+    _step("adamw", fresh, fresh_opt, rank, world, 0)  # (the optimizer state exists)
+    loaded = load_sharded_state(own, _target(fresh, fresh_opt, world))
+    got = {name: (v.to_local() if hasattr(v, "to_local") else v) for name, v in loaded.items()}
+    return {"same": sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)}
+
+
+def test_every_node_resumes_from_its_own_folder_without_shared_storage(tmp_path):
+    """With `save_on_each_node` and no shared storage, rank 0 alone wrote layout.json and the step counters: the
+    second node's folder was no sharded state (a resume there refused the checkpoint as saved without FSDP)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for result in run_gloo(_node_worker, 2, str(tmp_path), timeout_s=300):
+        assert result["same"]

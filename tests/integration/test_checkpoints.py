@@ -33,8 +33,8 @@ def _trainer(out, **kw) -> Trainer:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     hf_sparse_cp.configure(model)
-    kw = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **kw}
-    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, logging_steps=1, report_to="none",
+    kw = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "logging_steps": 1, **kw}
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, report_to="none",
                              use_cpu=True, seed=0, **kw)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=default_data_collator)
     attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
@@ -158,6 +158,9 @@ def test_cp2_smet_resume_continues_exactly_and_mismatches_are_refused(tmp_path):
                    "total_train_batch_size: 1 (distinct sequences", "vertical-slash (MTraining)", "- hf-sparse-cp"):
         assert stated in card, stated
     assert (tmp_path / "resumed" / "sparse_kept_fraction.png").is_file()
+    # the Trainer's final loss of a resumed run averages the steps after the resume (said 'mean over the run')
+    assert "Final training loss (mean over steps 3-4, trained after resuming from step 2): **" in card
+    assert "Final training loss (mean over the run): **" in (tmp_path / "full" / "README.md").read_text()
     want = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
     got = json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"]
     assert len(got) == len(want) == 4
@@ -367,3 +370,59 @@ def test_a_save_stopped_by_a_full_disk_names_it(tmp_path, monkeypatch):
     with pytest.raises(CheckpointSaveError, match=r"checkpoint-1' failed: the disk holding it is full \(4,096 bytes "
                                                   r"free\) \(the last file written: \S+\): free space"):
         trainer.train()
+
+
+class LongRowsFirst(torch.utils.data.IterableDataset):
+    """Rows in order (no sampler): the first four hold 64 real tokens, the rest 24 (then padding)."""
+
+    def __iter__(self):
+        for i in range(16):
+            ids = torch.arange(64).add(i).remainder(250).add(3)
+            mask = torch.arange(64) < (64 if i < 4 else 24)
+            yield {"input_ids": ids, "labels": torch.where(mask, ids, -100), "attention_mask": mask.long()}
+
+
+def _longest_trained(trainer) -> int | None:
+    from hf_sparse_cp.trainer.callbacks import StepMetricsCallback
+
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)).longest_trained
+
+
+def test_the_longest_row_trained_survives_a_resume(tmp_path):
+    """The model card's longest sequence trained restarted at a resume: a run whose 64-token rows came before its
+    checkpoint and 24-token rows after it said 24 when resumed (the uninterrupted run: 64)."""
+    def trainer(out):
+        t = _trainer(out, logging_steps=3)  # (no training log at the checkpoint's step)
+        t.train_dataset = LongRowsFirst()
+        return t
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    assert _longest_trained(full) == 64
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert _longest_trained(resumed) == 64
+
+
+def test_every_node_that_saves_marks_its_checkpoint(tmp_path):
+    """With save_on_each_node, the first process of every node saves the checkpoint into its node's folder (the
+    Trainer's `should_save`); only global rank 0 wrote the marker, so a second node without shared storage resumed
+    its checkpoint unchecked ("not written by an hf-sparse-cp run")."""
+    from types import SimpleNamespace
+
+    trainer = _trainer(tmp_path)
+    marker = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CheckpointMarkerCallback))
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "checkpoint-2" / MARKER).with_suffix(".123.tmp").write_text("{")  # (another node's, being written)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)  # a second node's first process
+    state = SimpleNamespace(global_step=2, is_world_process_zero=False)
+    marker.on_step_end(args, state, SimpleNamespace(should_save=True))
+    assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text()) == {"complete": False, "step": 2}
+    marker.on_save(args, state, None)
+    written = json.loads((tmp_path / "checkpoint-2" / MARKER).read_text())
+    assert written["complete"] and written["files"] == {"model.safetensors": 10}
+    args.should_save = False  # (the node's other processes)
+    os.remove(tmp_path / "checkpoint-2" / MARKER)
+    marker.on_save(args, state, None)
+    assert not (tmp_path / "checkpoint-2" / MARKER).exists()

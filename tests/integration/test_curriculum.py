@@ -502,6 +502,8 @@ def _switch_and_one_process(rank: int, world: int, out: str) -> dict:
                             callbacks=[Snapshot()])
     trainer.train()
     logged = [(log["loss"], log[LOG_KEY]) for log in trainer.state.log_history if "loss" in log]
+    trainer.create_model_card()
+    card = open(os.path.join(out, "README.md")).read() if rank == 0 else None
 
     def one_process(weights, first: int, count: int, seq_len: int) -> tuple[float, float]:
         rows = torch.stack([s["input_ids"][:seq_len] for s in samples[first:first + count]])
@@ -516,18 +518,23 @@ def _switch_and_one_process(rank: int, world: int, out: str) -> dict:
     batches = [(0, 2, 256), (2, 2, 256), (4, 1, 512)]
     return {"logged": logged,
             "one_process": [one_process(w, *batch) for w, batch in zip(entering, batches)],
-            "batch_2": one_process(entering[2], 4, 2, 512)}
+            "batch_2": one_process(entering[2], 4, 2, 512), "card": card}
 
 
-def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(tmp_path):
+@pytest.fixture(scope="module")
+def switched(tmp_path_factory):
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    return run_gloo(_switch_and_one_process, 2, str(tmp_path_factory.mktemp("switch")), timeout_s=300)
+
+
+def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(switched):
     """Pins why `--cp_schedule 0:256:1,2:512:2` on 2 processes logs another step-2 loss than one process with batch
     2 and `0:256:1,2:512:1`: at CP 2 the DP degree is 1, so the step trains one 512-token sample (the tokens per
     step stay 2 x 256), the one-process run two. Each step's loss is one process's on the samples that step took,
     from the weights it started from, to fp32 rounding (the DP mean and the ring's merge sum in another order);
     the batch-2 run's samples give another loss and kept fraction."""
-    from hf_sparse_cp.testing.spawn import run_gloo
-
-    results = run_gloo(_switch_and_one_process, 2, str(tmp_path), timeout_s=300)
+    results = switched
     assert results[0]["logged"] == results[1]["logged"] and len(results[0]["logged"]) == 3
     for r in results:
         for (loss, kept), (want_loss, want_kept) in zip(r["logged"], r["one_process"]):
@@ -537,6 +544,19 @@ def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(tmp_pa
         assert kept < 1.0  # (step 2 runs sparse: its kept fraction tells the blocks selected)
         # one process with batch 2 trains samples 4 and 5 at step 2: another batch, another loss and kept fraction
         assert abs(loss - other_loss) > 1e-5 * other_loss and abs(kept - other_kept) > 1e-3
+
+
+def test_the_model_card_of_a_cp_switch_states_every_stage(switched):
+    """The card of `--cp_schedule 0:256:1,2:512:2` on 2 processes described the first stage alone: no context
+    parallelism ('data parallel (DDP)'), 2 distinct sequences per step (the CP 2 stage's steps take 1)."""
+    card = switched[0]["card"]
+    section = card.split("## Sparse long-context training", 1)[1]
+    assert "context parallelism over up to 2 ranks (a context-length curriculum)" in section
+    assert ("| context parallelism | --cp_schedule 0:256:1,2:512:2: from step 0, 256-token samples without CP "
+            "(DP 2); from step 2, 512-token samples on CP 2 x DP 1 (2 processes): each sequence split over 2 ranks"
+            in section)
+    assert "| total train batch size | 2 distinct sequences per optimizer step from step 0, 1 from step 2 |" in section
+    assert "- total_train_batch_size: 2 from step 0, 1 from step 2 (distinct sequences" in card
 
 
 # ---- 2 gloo processes: evaluation loaders follow the stage ----

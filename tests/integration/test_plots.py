@@ -174,3 +174,15 @@ def test_plot_of_a_model_saved_without_its_tokenizer_names_both_ways_out(run_dir
         main(["plot", str(copy.parent), "--only", "layouts", "--max_length", "256", "--out_dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert "No tokenizer with the model" in err and "--only kept_fraction" in err, err
+
+
+def test_the_kept_fraction_of_training_leaves_the_evaluations_out():
+    """An evaluation's log carries the kept fraction of its forwards (evaluation rows, the first process's alone): the
+    card's per-layer means and the figure "during training" counted it as a training step (layer 1: (0.4 + 0.9) / 2
+    where training kept 0.4)."""
+    history = [{"loss": 2.0, "step": 1, "sparse/kept_fraction/layer_01": 0.4},
+               {"eval_loss": 2.1, "step": 1, "sparse/kept_fraction/layer_01": 0.9},
+               {"loss": 1.9, "step": 2, "sparse/kept_fraction/layer_01": 0.2},
+               {"train_loss": 1.95, "step": 2, "sparse/kept_fraction/layer_01": 0.3}]  # (steps after the last log)
+    assert kept_fraction_series(history) == {1: ([1, 2, 2], [0.4, 0.2, 0.3])}
+    assert mean_kept_fraction_per_layer(history) == {1: pytest.approx(0.3)}

@@ -686,3 +686,55 @@ def test_under_accelerates_fsdp2_dp2_x_cp2_training_equals_one_process():
         assert (rank["cp"], rank["sharded"]) == (2, True)
         assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5) and rank["kept"] == pytest.approx(one["kept"])
         assert rel_rms(rank["weights"], one["weights"]) < 1e-5
+
+
+def _dp_cp_step(rank: int, world: int, cp: int, average_tokens: bool, pick: tuple[int, ...]) -> dict:
+    """One SGD step (no clipping) of batch 1 per device over `pick`'s rows, which hold different numbers of targets,
+    accumulated over 4 // (world // cp) micro-batches, under CP `cp`: the loss logged and the update."""
+    import tempfile
+
+    from transformers import default_data_collator
+
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    ids = torch.arange(8 * 300).remainder(97).add(3).view(8, 300)
+    labels = ids.clone()
+    for i in range(8):
+        labels[i, : 35 * i + 20] = -100
+    torch.manual_seed(0)
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        # (the accumulation given to the arguments, not set after: the Trainer's accelerator takes it when built)
+        args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, max_steps=1, learning_rate=0.5,
+                                 per_device_train_batch_size=1, gradient_accumulation_steps=4 * cp // world,
+                                 optim="sgd", max_grad_norm=0.0, logging_steps=1, train_sampling_strategy="sequential",
+                                 average_tokens_across_devices=average_tokens)
+        trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": ids[i], "labels": labels[i]}
+                                                                 for i in pick], data_collator=default_data_collator)
+        initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=cp))
+        trainer.train()
+        result = {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+                  "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
+        detach_from_trainer(trainer)
+    return result
+
+
+@pytest.mark.parametrize("average_tokens", [True, False], ids=["tokens-over-devices", "tokens-per-device"])
+def test_dp2_x_cp2_with_accumulation_and_uneven_targets_equals_one_process(average_tokens):
+    """CP 2 x DP 2 with 2 accumulated micro-batches of rows holding different numbers of targets: the logged loss and
+    the update are one process's, accumulating the 4 rows (the token mean over all of them), or with per-device
+    counts the mean of the two DP ranks' runs (rows 0, 2 and 1, 3: each its own token mean)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    if average_tokens:
+        (want,) = run_gloo(_dp_cp_step, 1, 1, True, (0, 1, 2, 3), timeout_s=300)
+    else:
+        halves = [run_gloo(_dp_cp_step, 1, 1, False, rows, timeout_s=300)[0] for rows in ((0, 2), (1, 3))]
+        want = {"logged": [sum(h["logged"][0] for h in halves) / 2], "update": sum(h["update"] for h in halves) / 2}
+    for got in run_gloo(_dp_cp_step, 4, 2, average_tokens, tuple(range(8)), timeout_s=600):
+        assert got["logged"] == pytest.approx(want["logged"], rel=1e-5)
+        assert rel_rms(got["update"], want["update"]) < 1e-5

@@ -201,6 +201,25 @@ def test_the_tokens_per_second_count_takes_padding_between_tokens_which_only_cp_
     assert float(metrics.total) == 120 - 20
 
 
+def test_the_token_count_replaces_trl_s_after_a_cp_stage_also_in_a_stage_without_cp():
+    """TRL's `num_tokens` counts each rank's padded shard under CP; a curriculum's stage at CP 1 after one at CP 2
+    logged TRL's count again, which holds the CP stage's shards (here 999), not the tokens trained (60 + 60)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from hf_sparse_cp.trainer.callbacks import StepMetricsCallback
+
+    metrics = StepMetricsCallback()
+    row = {"input_ids": torch.ones(1, 60, dtype=torch.long)}
+    metrics.count(row, cp_size=2)  # (each rank of the CP group: its share)
+    metrics.count(row, cp_size=2)
+    metrics.count(row, cp_size=1)  # the next stage, one rank per row
+    logs = {"loss": 1.0, "num_tokens": 999.0}
+    metrics.on_log(SimpleNamespace(device=torch.device("cpu")), TrainerState(), None, logs=logs)
+    assert logs["num_tokens"] == 60 / 2 * 2 + 60
+
+
 
 # --- configuration and sizes -----------------------------------------------------------------
 

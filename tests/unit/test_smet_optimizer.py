@@ -334,3 +334,23 @@ def test_a_step_the_loss_scaler_skipped_leaves_no_masked_gradient_to_the_next_re
         return opt.state[weight]["block_index"]
 
     assert torch.equal(run(skipped=True), run(skipped=False))
+
+
+@pytest.mark.parametrize("density", [0.1, 0.5])
+def test_the_learning_rate_scales_with_the_density_a_weight_trains_at(density):
+    """The density-aware learning rate of a weight whose rows keep whole blocks: 0.1 asked of 4 blocks a row keeps one
+    (0.25), whose scale is 0.25**-0.5 = 2; it was scaled as 0.1**-0.5 = 3.16."""
+    config = SMETConfig(density=density, block_size=16, update_interval=1000)
+    model = OneMatrix(rows=32, cols=64)
+    lr = 1e-3
+    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=lr, betas=BETAS, eps=1e-14, weight_decay=0.0)
+    weight = model.q_proj.weight
+    before = weight.detach().clone()
+    weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+    model.q_proj.bias.grad = torch.zeros_like(model.q_proj.bias)
+    opt.step()
+    moved = (weight.detach() - before).abs()
+    kept = (moved > 0).float().mean().item()
+    assert kept == max(1, round(density * 4)) / 4  # (the density this weight trains at)
+    # the first Adam step of a coordinate is a sign step: |update| = lr x the scale
+    torch.testing.assert_close(moved[moved > 0] / lr, torch.full_like(moved[moved > 0], kept**-0.5), rtol=1e-4, atol=0)
