@@ -141,7 +141,10 @@ def load_sharded_state(
             path = Path(folder) / shard_file(saved_rank, saved_world)
             if not path.is_file():
                 raise ValueError(f"{str(folder)!r} lacks {path.name}, which {LAYOUT_FILE} lists: the sharded state is "
-                                 "incomplete; resume from another checkpoint.")
+                                 "incomplete, or saved on nodes without shared storage (save_on_each_node), where each "
+                                 "node's folder holds its own processes' files, and a resume on other processes reads "
+                                 "any of them: copy every node's shard-* files into one folder, or resume from another "
+                                 "checkpoint.")
             files[saved_rank] = safe_open(str(path), framework="pt")
         return files[saved_rank]
 
