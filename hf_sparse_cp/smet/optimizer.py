@@ -494,16 +494,6 @@ class SMETAdam(torch.optim.Optimizer):
                 total += param.numel()  # (a DTensor's: the whole weight's)
         return active / total if total else 1.0
 
-    def density(self) -> float:
-        """Active fraction of the local sparse weights (1.0 when there are none)."""
-        active = total = 0
-        for _, group, param, _ in self._named_params():
-            if group["smet"]:
-                grid = self._grid(param)
-                active += grid.rows * grid.k * grid.block_size
-                total += local(param).numel()
-        return active / total if total else 1.0
-
 
 # Module names that wrappers insert in parameter names (torch.compile, FSDP1, activation checkpointing): a
 # checkpoint saved with one of them names the same weights.

@@ -185,7 +185,7 @@ class StepMetricsCallback(TrainerCallback):
 
 class SMETCallback(TrainerCallback):
     """Attaches SMET when training begins (after accelerate has prepared the model and a checkpoint was
-    loaded), sets the prune-rate decay horizon from `max_steps`, and logs `smet/density`,
+    loaded), sets the prune-rate decay horizon from `max_steps`, and logs `smet/density` (the whole model's),
     `smet/topology_updates` and `smet/replaced_fraction` (share of active blocks replaced at the last
     topology update). A step the loss scaler skipped leaves no masked gradient to the next update."""
 
@@ -209,7 +209,7 @@ class SMETCallback(TrainerCallback):
         if logs is None or smet is None:
             return
         add_to_log(state, logs, {
-            "smet/density": round(smet.density(), 5),
+            "smet/density": round(smet.trained_density(), 5),
             "smet/topology_updates": smet.topology_updates,
             "smet/replaced_fraction": round(smet.last_replaced_fraction, 5),
         })

@@ -181,7 +181,7 @@ def test_optimizer_state_at_density_0_1_is_at_most_15_percent_of_adamw():
     params = dict(adam_model.named_parameters())
     sparse_bytes = state_nbytes(opt, [p for g in opt.param_groups if g["smet"] for p in g["params"]])
     adam_bytes = state_nbytes(adam, [params[n] for n in names])
-    assert opt.density() == pytest.approx(0.1)
+    assert opt.trained_density() == pytest.approx(0.1)
     ratio = sparse_bytes / adam_bytes
     assert 0.1 < ratio <= 0.15, ratio  # 0.1 of the moments + int16 index + int32 step counter per block
 
@@ -275,7 +275,7 @@ def _warnings_of_set_up(caplog, config: SMETConfig, model=OneMatrix) -> tuple[li
         caplog.clear()
         create_smet_optimizer(model(), config=config, attach=False)
         opt = create_smet_optimizer(model(), config=config)
-    return [record.getMessage() for record in caplog.records], opt.density()
+    return [record.getMessage() for record in caplog.records], opt.trained_density()
 
 
 def test_a_density_whole_blocks_move_far_is_said_once_at_set_up_with_what_comes_closer(caplog):
