@@ -197,9 +197,14 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
     sharded = has_sharded_state(folder)
     if sharded and not reshardable:
+        fsdp = "--fsdp with --fsdp_config '{\"fsdp_version\": 2}'"
+        weights = (f"start a new run from its weights (--model_name_or_path {folder}: the optimizer and the schedule "
+                   "start over)")
+        world = settings.get("world_size", settings.get("cp_size", 1) * settings.get("data_parallel_size", 1))
+        fix = (f"FSDP2 shards over 2 processes or more, and this run is one: resume on several with {fsdp}, or "
+               f"{weights}" if world == 1 else f"Resume with {fsdp}, or {weights}")
         raise ValueError(f"Checkpoint {str(folder)!r} was saved by an FSDP2 run, which keeps the optimizer state as "
-                         "each rank held it (hf_sparse_cp_sharded_state/); only a run with FSDP2 loads it: resume "
-                         "with --fsdp 'full_shard auto_wrap' --fsdp_config '{\"fsdp_version\": 2, ...}'.")
+                         f"each rank held it (hf_sparse_cp_sharded_state/); only a run with FSDP2 loads it. {fix}.")
     if reshardable and not sharded and not any(p.name.startswith(FSDP_MODEL_NAME) for p in folder.iterdir()):
         raise ValueError(f"Checkpoint {str(folder)!r} was saved by a run without FSDP: it holds no FSDP state (neither "
                          f"{SHARDED_STATE}/ nor accelerate's {FSDP_MODEL_NAME}*), which this FSDP2 run loads the model "

@@ -457,3 +457,21 @@ def test_the_example_ends_a_setting_its_trainer_refuses_as_a_bad_flag(tmp_path, 
     assert ended.value.code == 2
     err = capsys.readouterr().err
     assert err.count("train_long_context.py: error: cp_schedule stage 2 (0.25ep:512:1) starts at step") == 1, err
+
+
+def test_an_fsdp2_checkpoint_resumed_by_one_process_names_a_fix_that_runs_there(tmp_path):
+    """Its refusal said only "resume with --fsdp ...", which one process refuses in turn ("--fsdp shards the model
+    over processes, and this one runs alone"): a dead end. It names the weights, which one process loads."""
+    from hf_sparse_cp.resharding.resume import SHARDED_STATE
+    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint
+
+    saved = {"cp_size": 2, "data_parallel_size": 1, "smet": None, "global_batch_size": 1}
+    (tmp_path / SHARDED_STATE).mkdir()
+    (tmp_path / SHARDED_STATE / "layout.json").write_text("{}")
+    (tmp_path / MARKER).write_text(json.dumps({"complete": True, "step": 2, "settings": saved, "files": {}}))
+    alone = {"cp_size": 1, "data_parallel_size": 1, "smet": None, "global_batch_size": 1}
+    with pytest.raises(ValueError, match="this run is one: resume on several with --fsdp.*or start a new run from its "
+                                         f"weights \\(--model_name_or_path {tmp_path}"):
+        check_checkpoint(tmp_path, alone, reshardable=False)
+    with pytest.raises(ValueError, match="only a run with FSDP2 loads it. Resume with --fsdp with --fsdp_config"):
+        check_checkpoint(tmp_path, {**alone, "data_parallel_size": 2}, reshardable=False)
