@@ -10,9 +10,10 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
   row trained so far, which a resume carries on (the model card states it).
 
 `train(resume_from_checkpoint=...)` then checks the checkpoint before anything is loaded: a marker
-still in progress, a missing or resized file, or settings that differ from this run's are an error
-that names the cause. A checkpoint without a marker (written without the plugin) is loaded as the
-Trainer would, with a warning that nothing could be checked.
+still in progress, a missing or resized file, a checkpoint of `--save_only_model` (no optimizer, schedule or
+random state to continue from), or settings that differ from this run's are an error that names the cause. A
+checkpoint without a marker (written without the plugin) is loaded as the Trainer would, with a warning that
+nothing could be checked.
 
 Some differences are resumed rather than refused: another data-parallel or context-parallel degree (under
 a curriculum, another world size), when both runs train with FSDP2 (the checkpoint then holds its
@@ -114,7 +115,8 @@ class CheckpointMarkerCallback(TrainerCallback):
             longest = None if metrics is None else metrics.longest_trained  # (gathered by its on_save, just before)
             _write(folder / MARKER, {"complete": True, "step": state.global_step,
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
-                                     "files": files, "longest_trained": longest})
+                                     "files": files, "longest_trained": longest,
+                                     "model_only": bool(args.save_only_model)})
 
 
 def _step_metrics(trainer: Trainer) -> StepMetricsCallback | None:
@@ -226,6 +228,12 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
             found = "missing" if not path.is_file() else f"{path.stat().st_size} bytes, saved with {size}"
             raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
                              "checkpoint.")
+    if content.get("model_only"):
+        raise ValueError(f"Checkpoint {str(folder)!r} was saved with --save_only_model: it holds the weights and the "
+                         "step, not the optimizer, learning-rate schedule and random state, so a resume would go on "
+                         "with a new optimizer and a restarted schedule. Start a new run from its weights "
+                         f"(--model_name_or_path {folder}), or resume from a checkpoint saved without "
+                         "--save_only_model.")
     saved = content["settings"]
     if ("cp_schedule" in saved) != ("cp_schedule" in settings):
         # (their settings name other quantities: compared key by key, a curriculum's checkpoint under FSDP2 resumed

@@ -104,6 +104,20 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
 
 
+def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
+    """--save_only_model keeps no optimizer, scheduler or RNG state; the resume went on silently with a new AdamW and
+    a restarted schedule (the CP 2 demo's step 4: loss 4.565 where the run trained 4.335)."""
+    trainer = _trainer(tmp_path / "run", save_only_model=True)
+    trainer.train()
+    assert json.loads((tmp_path / "run" / "checkpoint-2" / MARKER).read_text())["model_only"]
+    resumed = _trainer(tmp_path / "resume")
+    before = [p.detach().clone() for p in resumed.model.parameters()]
+    with pytest.raises(ValueError, match="was saved with --save_only_model: .* not the optimizer, learning-rate "
+                                         "schedule and random state.*--model_name_or_path .*checkpoint-2"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed.model.parameters()))  # nothing was loaded
+
+
 def test_the_newest_checkpoint_is_checked_when_resume_is_true(saved, tmp_path):
     out, _ = saved
     subprocess.run(["cp", "-r", str(out), str(tmp_path / "run")], check=True)
