@@ -255,6 +255,8 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
                     "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state, on 2 processes or "
                     f"more) into a run with FSDP2; or start a new run from its weights (--model_name_or_path "
                     f"{folder}: the optimizer and the schedule start over).")
+        elif key == "smet":
+            hint = _smet_flags(saved.get(key))
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
                          f"{key}={value!r}: resume with the settings it was saved with (a different "
                          f"parallel layout or SMET topology cannot continue it exactly).{hint}")
@@ -284,6 +286,14 @@ def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> s
         return text + f"No per-device batch gives {saved} at {degree} {dp}: launch with {launch} that divides {saved}."
     return text + (f"Set --per_device_train_batch_size {saved // dp} --gradient_accumulation_steps 1 (or any "
                    f"pair whose product is {saved // dp}).")
+
+
+def _smet_flags(saved: dict | None) -> str:
+    """The flags that give a resume the SMET settings a checkpoint was saved with."""
+    if saved is None:
+        return " It was saved without SMET: drop --smet (and --smet_config)."
+    return (f" Resume with --smet --smet_mode {saved['mode']} --smet_density {saved['density']} --smet_block_size "
+            f"{saved['block_size']} (flags beat a --smet_config file).")
 
 
 def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,

@@ -77,6 +77,8 @@ def test_an_intact_checkpoint_resumes_exactly(saved, tmp_path):
                  "from its weights \\(--model_name_or_path .*checkpoint-2: the optimizer and the schedule start over"),
     ("other_dp", "data_parallel_size=2, but this run has data_parallel_size=1.*"
                  "only from a checkpoint saved with FSDP2"),
+    ("other_smet", "was saved with smet=.*but this run has smet=None: .*Resume with --smet --smet_mode sparse_update "
+                   "--smet_density 0.5 --smet_block_size 8 \\(flags beat a --smet_config file\\)"),
     ("other_batch", "global batch of 8 sequences per step, but this run has 2.*"
                     "Set --per_device_train_batch_size 8 --gradient_accumulation_steps 1"),
 ])
@@ -94,6 +96,7 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp
         os.remove(folder / "optimizer.pt")
     else:
         key, value = {"other_cp": ("cp_size", 2), "other_dp": ("data_parallel_size", 2),
+                      "other_smet": ("smet", {"mode": "sparse_update", "density": 0.5, "block_size": 8}),
                       "other_batch": ("global_batch_size", 8)}[damage]
         marker["settings"][key] = value
         (folder / MARKER).write_text(json.dumps(marker))
