@@ -121,6 +121,17 @@ def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, resumed.model.parameters()))  # nothing was loaded
 
 
+def test_an_output_folder_given_as_the_checkpoint_is_refused_naming_its_newest_checkpoint(saved, tmp_path):
+    """--resume_from_checkpoint OUTPUT_DIR (the run's folder, not a checkpoint in it): a warning that it was not
+    written by an hf-sparse-cp run, then the Trainer's "Can't find a valid checkpoint" traceback from every rank."""
+    out, _ = saved
+    trainer = _trainer(tmp_path)
+    with pytest.raises(ValueError, match="is a run's output folder, not a checkpoint: it holds checkpoints "
+                                         "\\(checkpoint-2, checkpoint-4\\). Resume from one of them, e.g. the newest: "
+                                         f"--resume_from_checkpoint {out / 'checkpoint-4'}"):
+        trainer.train(resume_from_checkpoint=str(out))
+
+
 def test_the_newest_checkpoint_is_checked_when_resume_is_true(saved, tmp_path):
     out, _ = saved
     subprocess.run(["cp", "-r", str(out), str(tmp_path / "run")], check=True)
