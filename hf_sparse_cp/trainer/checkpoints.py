@@ -303,6 +303,27 @@ def _smet_flags(saved: dict | None) -> str:
             f"{saved['block_size']} (flags beat a --smet_config file).")
 
 
+def check_weights_fit(folder: Path, model: Any) -> None:
+    """Raise ValueError, naming a weight and both shapes, when the checkpoint `folder`'s `model.safetensors` holds a
+    weight of another shape than `model`'s of the same name: a checkpoint of another model, which the Trainer's load
+    refuses only with a traceback from every rank. (A checkpoint without that file, e.g. a PEFT adapter's, is left
+    to the Trainer.)"""
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        return
+    from safetensors import safe_open
+
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    with safe_open(str(path), framework="pt") as saved:
+        for name in saved.keys():
+            shape = tuple(saved.get_slice(name).get_shape())
+            if name in shapes and shapes[name] != shape:
+                raise ValueError(f"Checkpoint {str(folder)!r} was saved by another model: its {name} is "
+                                 f"{list(shape)}, this model's {list(shapes[name])}. Resume with the model it was "
+                                 f"trained with (its config.json), or start a new run from its weights "
+                                 f"(--model_name_or_path {folder}).")
+
+
 def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
                         cp_schedule: str | None = None) -> None:
     """Mark the checkpoints `trainer` saves (with FSDP2, adding their sharded state) and check a checkpoint
@@ -324,6 +345,8 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
                 reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
                                                             reshardable=runs_fsdp2(trainer))
+                if folder:
+                    check_weights_fit(Path(folder), trainer.model)
             if folder:
                 resume_step_metrics(trainer, folder)
             if reshard:

@@ -28,10 +28,10 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _trainer(out, **kw) -> Trainer:
+def _trainer(out, model_config: dict | None = None, **kw) -> Trainer:
     hf_sparse_cp.patch()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **(model_config or {})))
     hf_sparse_cp.configure(model)
     kw = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "logging_steps": 1, **kw}
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, report_to="none",
@@ -130,6 +130,18 @@ def test_an_output_folder_given_as_the_checkpoint_is_refused_naming_its_newest_c
                                          "\\(checkpoint-2, checkpoint-4\\). Resume from one of them, e.g. the newest: "
                                          f"--resume_from_checkpoint {out / 'checkpoint-4'}"):
         trainer.train(resume_from_checkpoint=str(out))
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_a_weight_and_its_shapes(saved, tmp_path):
+    """The Trainer's load_state_dict raised "size mismatch" with a traceback from every rank (torchrun: exit 1)."""
+    out, _ = saved
+    trainer = _trainer(tmp_path, model_config={"intermediate_size": 96})
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match="checkpoint-2' was saved by another model: its model.layers.0.mlp.down_proj"
+                                         ".weight is \\[128, 256\\], this model's \\[128, 96\\]. Resume with the "
+                                         "model it was trained with.*--model_name_or_path"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
 
 
 def test_the_newest_checkpoint_is_checked_when_resume_is_true(saved, tmp_path):
