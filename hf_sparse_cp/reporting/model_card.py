@@ -274,8 +274,9 @@ def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
     lines = ["| step | epoch | training loss |", "|---|---|---|",
              *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)]
     if final is not None:
-        over = "the run" if not first_step else (f"steps {first_step + 1}-{final['step']}, trained after resuming "
-                                                 f"from step {first_step}")
+        steps = f"step {final['step']}" if final["step"] == first_step + 1 else \
+            f"steps {first_step + 1}-{final['step']}"
+        over = "the run" if not first_step else f"{steps}, trained after resuming from step {first_step}"
         lines += ["", f"Final training loss (mean over {over}): **{final['train_loss']:.4f}** after "
                   f"{final['step']} steps."]
     if evals:

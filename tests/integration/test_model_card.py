@@ -446,3 +446,16 @@ def test_the_card_states_the_density_smet_trains_at_where_whole_blocks_move_it(t
     assert optimizer[0].startswith(f"SMET (sparse_weights, density 0.1 asked, {kept:.3g} trained (whole blocks of "
                                    "16 columns per row, at least one)")
     disable_sparse_attention(trainer.model)
+
+
+@pytest.mark.parametrize(("first_step", "wanted"), [
+    (0, "mean over the run"), (2, "mean over steps 3-5, trained after resuming from step 2"),
+    (4, "mean over step 5, trained after resuming from step 4")])
+def test_the_final_loss_line_names_the_steps_the_trainer_averaged(first_step, wanted):
+    """The Trainer's train_loss averages the steps of its last train() call: after a resume, those since its checkpoint
+    (one step where transformers trains one past max_steps after a resume from the final checkpoint)."""
+    from hf_sparse_cp.reporting.model_card import _results
+
+    logs = [{"loss": 2.0 - step / 10, "step": step, "epoch": step / 5} for step in range(1, 6)]
+    (line,) = [line for line in _results([*logs, {"train_loss": 1.6, "step": 5}], first_step) if "Final" in line]
+    assert f"Final training loss ({wanted}): **1.6000** after 5 steps." == line
