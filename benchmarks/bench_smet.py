@@ -121,7 +121,7 @@ def measure(args: BenchSMETArguments, device: torch.device, density: float | Non
     row = {
         "optimizer": "adamw" if density is None else "smet",
         "density": None if density is None else density,
-        "active_fraction": 1.0 if density is None else optimizer.density(),
+        "active_fraction": 1.0 if density is None else optimizer.trained_density(),
         "state_bytes": state_nbytes(optimizer),
         "optimizer_step_ms": 1e3 * statistics.median(step_times),
         "train_step_ms": 1e3 * statistics.median(train_times),
