@@ -196,7 +196,10 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
     an FSDP2 run one saved without FSDP (nothing there for FSDP to load)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"Checkpoint {str(folder)!r} does not exist.")
+        near = get_last_checkpoint(str(folder.parent)) if folder.parent.is_dir() else None
+        fix = (f"resume from one that does, e.g. the newest there: --resume_from_checkpoint {near}" if near else
+               "give a checkpoint-N folder that a run saved in its --output_dir")
+        raise ValueError(f"Checkpoint {str(folder)!r} does not exist: {fix}.")
     sharded = has_sharded_state(folder)
     if sharded and not reshardable:
         fsdp = "--fsdp with --fsdp_config '{\"fsdp_version\": 2}'"

@@ -132,6 +132,18 @@ def test_an_output_folder_given_as_the_checkpoint_is_refused_naming_its_newest_c
         trainer.train(resume_from_checkpoint=str(out))
 
 
+def test_a_checkpoint_that_does_not_exist_is_refused_naming_one_that_does(saved, tmp_path):
+    """A mistyped checkpoint: named with the newest of its folder's checkpoints, or how to give one."""
+    out, _ = saved
+    trainer = _trainer(tmp_path)
+    with pytest.raises(ValueError, match="'.*checkpoint-3' does not exist: resume from one that does, e.g. the newest "
+                                         f"there: --resume_from_checkpoint {out / 'checkpoint-4'}"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    with pytest.raises(ValueError, match="does not exist: give a checkpoint-N folder that a run saved in its "
+                                         "--output_dir"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere" / "checkpoint-3"))
+
+
 def test_a_checkpoint_of_another_model_is_refused_naming_a_weight_and_its_shapes(saved, tmp_path):
     """The Trainer's load_state_dict raised "size mismatch" with a traceback from every rank (torchrun: exit 1)."""
     out, _ = saved
