@@ -113,6 +113,34 @@ def cp_forward_shard():
     return _CP_FORWARD.get()
 
 
+# The keyword under which a configured model's forward passes its `position_ids` on to the attention calls
+# (`pass_positions_on`), as `cp_shard` reaches them: through the decoder layers' keyword arguments.
+POSITIONS_KWARG = "sparse_cp_position_ids"
+
+
+def pass_positions_on(module: torch.nn.Module, args, kwargs):
+    """Forward pre-hook (with kwargs) of a configured model: its `position_ids` (given without an attention mask, where
+    they pack documents) go on to the attention calls under `POSITIONS_KWARG` too. Some decoder layers keep
+    `position_ids` from their attention call (Llama 4's: only its mask packs documents by them), which would then
+    attend across the documents. Keyword arguments reach the layers' gradient-checkpoint recomputation as well."""
+    positions = kwargs.get("position_ids")
+    if (positions is None or kwargs.get("attention_mask") is not None or kwargs.get(POSITIONS_KWARG) is not None
+            or kwargs.get(CP_SHARD_KWARG) is not None):
+        return None
+    return args, {**kwargs, POSITIONS_KWARG: positions}
+
+
+def with_forward_positions(kwargs: dict, seq_len: int) -> dict:
+    """An attention call's keyword arguments, with the model forward's `position_ids` (`pass_positions_on`) where the
+    call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len])."""
+    positions = kwargs.get(POSITIONS_KWARG)
+    if positions is None or kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return kwargs
+    if positions.dim() > 2 or positions.shape[-1] != seq_len:
+        return kwargs
+    return {**kwargs, "position_ids": positions if positions.dim() == 2 else positions[None]}
+
+
 def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
     """The sparse config stored on the module's model config (see `hf_sparse_cp.configure`), or the default."""
     return SparseAttentionConfig.stored_on(getattr(module, "config", None)) or SparseAttentionConfig()
@@ -401,6 +429,8 @@ def sparse_cp_attention_forward(
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     if shard is not None:
         query = _row_scaled_queries(module, query, shard)
+    elif query.shape[2] == key.shape[2]:
+        kwargs = with_forward_positions(kwargs, query.shape[2])
     own_keys = own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is not None)
     if own_keys:
         raise ValueError(own_keys)

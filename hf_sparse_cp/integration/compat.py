@@ -484,6 +484,19 @@ def can_return_tuple(func):
     return decorator(func)
 
 
+def slice_logits_to_keep(hidden: Any, logits_to_keep: Any) -> Any:
+    """The hidden states a causal LM's `lm_head` gets for `logits_to_keep`, as this release's models slice them:
+    transformers' `slice_logits_to_keep` where it exists (5.24 adds 2D tensors: positions per row, or a boolean mask
+    whose kept positions come out flattened to [N, H]), else the last `n` positions of an int or the positions of a
+    1D tensor."""
+    from transformers import modeling_utils
+
+    stock = getattr(modeling_utils, "slice_logits_to_keep", None)
+    if stock is not None:
+        return stock(hidden, logits_to_keep)
+    return hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
+
+
 def cache_field() -> str:
     """The name of the KV-cache field of transformers' causal-LM outputs in this release."""
     from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -70,7 +70,7 @@ def _forward_with_lean_loss(model, *, labels=None, logits_to_keep=0, shift_label
                             ignore_index=-100, **base_inputs) -> CausalLMOutputWithPast:
     outputs = model.model(**base_inputs)
     hidden = outputs.last_hidden_state
-    hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
+    hidden = compat.slice_logits_to_keep(hidden, logits_to_keep)
     if shift_labels is None:
         # Position i predicts token i + 1; the last position has no target.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]

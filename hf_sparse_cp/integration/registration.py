@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
 from . import compat
-from .backend import is_registered, sparse_cp_attention_forward
+from .backend import is_registered, pass_positions_on, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
@@ -135,14 +135,19 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     """Make a forward of `model` while it selects `sparse_cp` and the backend is not registered (after
     `unpatch()`) raise an error that names the fix, instead of transformers' KeyError from inside a
     layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
-    or the model uses another implementation. The hook is a module-level function, so the guard goes
-    with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes it, or None when
-    the model already has one."""
+    or the model uses another implementation. With it, a pre-hook on its decoder passes the decoder's `position_ids`
+    on to the attention calls (`backend.pass_positions_on`). The hooks are module-level
+    functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes
+    them, or None when the model already has them."""
     if model.__dict__.get(_GUARD):
         return None
-    handle = model.register_forward_pre_hook(_check_registration, with_kwargs=True)
+    # (the decoder's position_ids on to attention, past decoder layers that keep them; on the decoder, which PEFT's
+    # wrappers reach through the causal LM's forward called directly, without the causal LM's hooks)
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    handles = [model.register_forward_pre_hook(_check_registration, with_kwargs=True),
+               decoder.register_forward_pre_hook(pass_positions_on, with_kwargs=True)]
     model.__dict__[_GUARD] = True
-    return functools.partial(_remove_guard, model, handle)
+    return functools.partial(_remove_guard, model, handles)
 
 
 def _check_registration(module: torch.nn.Module, args, kwargs) -> None:
@@ -155,6 +160,7 @@ def _check_registration(module: torch.nn.Module, args, kwargs) -> None:
         )
 
 
-def _remove_guard(model: torch.nn.Module, handle: RemovableHandle) -> None:
-    handle.remove()
+def _remove_guard(model: torch.nn.Module, handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
     model.__dict__.pop(_GUARD, None)

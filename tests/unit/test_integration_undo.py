@@ -57,7 +57,7 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     assert not hf_sparse_cp.is_patched() and not is_lean_loss_enabled()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     training = _args(tmp_path)
-    hooks = dict(model._forward_pre_hooks)
+    hooks, decoder_hooks = dict(model._forward_pre_hooks), dict(model.model._forward_pre_hooks)
     sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=7), training, max_length=4096)
     assert hf_sparse_cp.is_patched() and is_lean_loss_enabled()
@@ -67,8 +67,9 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=9), training, max_length=4096)  # replaces
     assert model.config.sparse_attention["budget"]["slash_topk"] == 9
     assert len(model._forward_pre_hooks) == len(hooks) + 1  # the guard that names patch() after unpatch()
+    assert len(model.model._forward_pre_hooks) == len(decoder_hooks) + 1  # position_ids on to attention
     disable_sparse_attention(model)
-    assert model._forward_pre_hooks == hooks
+    assert model._forward_pre_hooks == hooks and model.model._forward_pre_hooks == decoder_hooks
     assert not hf_sparse_cp.is_patched() and not is_lean_loss_enabled()
     assert compat.attn_implementation(model.config) == "sdpa" and not hasattr(model.config, "sparse_attention")
     assert not checkpointing_enabled(training)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, modeling_utils
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_sparse_cp
@@ -395,6 +395,27 @@ def test_patched_honours_num_items_shift_labels_and_logits_to_keep():
             _assert_same(*_loss_and_grads(model, input_ids=ids, **lean), *ref)
         with pytest.raises(ValueError, match="logits_to_keep"):
             model(input_ids=ids, labels=labels, logits_to_keep=5)
+    finally:
+        disable_lean_loss()
+
+
+@pytest.mark.skipif(not hasattr(modeling_utils, "slice_logits_to_keep"),
+                    reason="2D logits_to_keep tensors came with transformers' slice_logits_to_keep (5.24)")
+def test_patched_honours_2d_logits_to_keep_as_the_stock_forward_slices_it():
+    """transformers 5.24 keeps per-row positions (2D integers) or a boolean mask (kept positions flattened): the lean
+    path trains the same loss and gradients on them (before: a misleading error, and an IndexError for the mask)."""
+    model = _tiny_model("llama")
+    ids, _ = _batch()
+    g = torch.Generator().manual_seed(3)
+    positions = torch.stack([torch.randperm(ids.shape[1], generator=g)[:8].sort().values for _ in range(2)])
+    mask = torch.rand(ids.shape, generator=g) > 0.5
+    cases = [dict(logits_to_keep=positions, labels=torch.take_along_dim(ids, positions, 1)),
+             dict(logits_to_keep=mask, labels=ids[mask])]
+    refs = [_loss_and_grads(model, input_ids=ids, **case) for case in cases]
+    enable_lean_loss()
+    try:
+        for case, ref in zip(cases, refs):
+            _assert_same(*_loss_and_grads(model, input_ids=ids, **case), *ref)
     finally:
         disable_lean_loss()
 

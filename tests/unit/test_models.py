@@ -100,7 +100,9 @@ def _docs(lengths, seed=2):
     return [torch.randint(3, 259, (n,), generator=g) for n in lengths]
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+# Llama 4's decoder layer keeps `position_ids` from its attention call (only its mask packs by them): the backend
+# takes them from the model's forward (`backend.forward_positions`); before, it attended across the documents.
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "llama4_text"])
 def test_packed_documents_by_position_ids(model_type):
     ref, ours = _pair(model_type)
     docs = _docs([40, 71, 39])
@@ -109,6 +111,22 @@ def test_packed_documents_by_position_ids(model_type):
     packed = ours(input_ids=ids, position_ids=pos).logits[0]
     alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
     assert rel_rms(packed, alone) <= TOLERANCE[torch.float32]
+
+
+def test_packed_documents_of_a_layer_that_keeps_position_ids_train_like_sdpa_under_gradient_checkpointing():
+    """The decoder layer's position_ids reach its attention calls in the checkpoint's recomputation too (the layer's
+    hooks run inside it): the gradients are SDPA's on the packed batch, whose mask packs by them."""
+    ref, ours = _pair("llama4_text")
+    docs = _docs([40, 71, 39])
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    grads = []
+    for model in (ref, ours):
+        model.gradient_checkpointing_enable()
+        model.train()
+        grads.append(_loss_and_grads(model, input_ids=ids, position_ids=pos, use_cache=False)[1])
+    for name, g in grads[1].items():
+        assert rel_rms(g, grads[0][name]) <= 4 * TOLERANCE[torch.float32], name
 
 
 def test_packed_documents_by_flattening_collator():
