@@ -467,7 +467,8 @@ def test_every_node_that_saves_marks_its_checkpoint(tmp_path):
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"x" * 10)
     (tmp_path / "checkpoint-2" / MARKER).with_suffix(".123.tmp").write_text("{")  # (another node's, being written)
-    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)  # a second node's first process
+    # a second node's first process
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_only_model=False)
     state = SimpleNamespace(global_step=2, is_world_process_zero=False)
     marker.on_step_end(args, state, SimpleNamespace(should_save=True))
     assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text()) == {"complete": False, "step": 2}
