@@ -117,6 +117,11 @@ class StepMetricsCallback(TrainerCallback):
         # (the largest so far: TRL's own count holds every CP stage's shards, also in a curriculum's later CP 1 stage)
         self.cp_size = max(self.cp_size, cp_size)
 
+    @classmethod
+    def of(cls, trainer) -> StepMetricsCallback | None:
+        """The instance among `trainer`'s callbacks (`attach_to_trainer` adds it), or None."""
+        return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
+
     def resume_longest(self, longest: int) -> None:
         """Continue a run whose checkpoint says its rows held up to `longest` real tokens (the checkpoint's marker,
         `checkpoints.py`): the rows trained before the resume count."""

@@ -111,7 +111,7 @@ class CheckpointMarkerCallback(TrainerCallback):
             folder = self._folder(args, state)
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                      if p.is_file() and not _is_marker(p)}
-            metrics = _step_metrics(self.trainer)
+            metrics = StepMetricsCallback.of(self.trainer)
             longest = None if metrics is None else metrics.longest_trained  # (gathered by its on_save, just before)
             _write(folder / MARKER, {"complete": True, "step": state.global_step,
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
@@ -119,14 +119,10 @@ class CheckpointMarkerCallback(TrainerCallback):
                                      "model_only": bool(args.save_only_model)})
 
 
-def _step_metrics(trainer: Trainer) -> StepMetricsCallback | None:
-    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)), None)
-
-
 def resume_step_metrics(trainer: Trainer, folder: str | Path) -> None:
     """Carry what the checkpoint `folder`'s marker says of the rows trained before it (`longest_trained`) into
     `trainer`'s step metrics, which the model card reads: they count only the rows this process trains."""
-    metrics, marker = _step_metrics(trainer), Path(folder) / MARKER
+    metrics, marker = StepMetricsCallback.of(trainer), Path(folder) / MARKER
     if metrics is None or not marker.is_file():  # (without shared storage, only the first node has the marker)
         return
     longest = json.loads(marker.read_text()).get("longest_trained")

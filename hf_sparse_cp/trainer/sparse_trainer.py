@@ -364,7 +364,7 @@ class SparseTrainerMixin:
         losses, tokens/s (`model_card.write_sparse_model_card`). Metadata not given here comes from the
         `--sparse_card_*` flags."""
         given = {name: value for name, value in kwargs.items() if value is not None}
-        metrics = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)), None)
+        metrics = StepMetricsCallback.of(self)
         schedule, stages = card_stages(self)
         return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
                                        longest_trained=getattr(metrics, "longest_trained", None),
