@@ -116,11 +116,6 @@ class SMETConfig(FileConfig):
             return self.regrowth
         return "random" if self.mode == "sparse_weights" else "gradient"
 
-    @property
-    def lr_scale(self) -> float:
-        """Learning-rate multiplier of a sparse matrix that trains at the density asked (`lr_scale_at`)."""
-        return self.lr_scale_at(self.density)
-
     def lr_scale_at(self, density: float) -> float:
         """Learning-rate multiplier of a sparse matrix whose rows keep `density` of their blocks: the density it
         trains at (whole blocks per row, `rounding.kept_blocks`), which may differ from the one asked."""

@@ -55,7 +55,7 @@ def _first_regrown_update(config: SMETConfig, steps_before: int = 3000):
     random_step()
     after = weight.detach().view(32, -1, config.block_size)
     delta = (after - before).gather(1, index.unsqueeze(-1).expand(-1, -1, config.block_size)).abs()
-    unit = lr * config.lr_scale
+    unit = lr * config.lr_scale_at(config.density)
     return delta[regrown] / unit, delta[~regrown] / unit, steps_before + 1
 
 
