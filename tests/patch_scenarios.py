@@ -276,20 +276,17 @@ def context_parallel() -> Iterator:
 
 
 def accelerate_owns_cp() -> Iterator:
-    from accelerate.parallelism_config import ParallelismConfig
-
     from hf_sparse_cp import ContextParallelConfig, disable_trainer_context_parallel, enable_trainer_context_parallel
+    from hf_sparse_cp.testing.accelerate_cp import give_accelerate_cp, take_accelerate_cp
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp)
-        state = trainer.accelerator.state
-        pc = ParallelismConfig(cp_size=2)
-        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        give_accelerate_cp(trainer, cp_size=2)
         yield [(trainer.accelerator, "_prepare_cp")]
         enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
         yield
         disable_trainer_context_parallel(trainer)
-        state.parallelism_config, state.device_mesh = None, None
+        take_accelerate_cp(trainer)
 
 
 def curriculum() -> Iterator:
@@ -327,16 +324,16 @@ def cpu_fsdp2() -> Iterator:
 
 
 def trl_packing_under_accelerates_cp() -> Iterator:
-    """TRL's SFTTrainer built with packing under accelerate's CP group (accelerate accepts a ParallelismConfig under
-    FSDP2 or on GPU processes only, and these are MULTI_CPU: a check bypassed here); its arguments hide packing
-    while an accelerator is built inside the window the Trainer's `__init__` holds open, which the scenario opens."""
+    """TRL's SFTTrainer built with packing under accelerate's CP group; its arguments hide packing while an
+    accelerator is built inside the window the Trainer's `__init__` holds open, which the scenario opens."""
     import datasets
     from accelerate.parallelism_config import ParallelismConfig
 
     from hf_sparse_cp import SparseSFTConfig, SparseSFTTrainer
     from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+    from hf_sparse_cp.testing.accelerate_cp import allow_parallelism_config_on_cpu, take_accelerate_cp
 
-    ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+    allow_parallelism_config_on_cpu()
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = byte_tokenizer()
         model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
@@ -348,7 +345,7 @@ def trl_packing_under_accelerates_cp() -> Iterator:
         with trainer._packing_kept_under_accelerates_cp(args):
             trainer.create_accelerator_and_postprocess()
             yield
-        trainer.accelerator.state.parallelism_config = trainer.accelerator.state.device_mesh = None
+        take_accelerate_cp(trainer)
 
 
 TWO_PROCESSES = {

@@ -9,6 +9,7 @@
   compiled without a GPU, and what each uses;
 * `allocations.py`: the tensors a piece of code allocates and holds (what grows as S^2, without a GPU);
 * `benchmarking.py`: timing, profiles and the JSON reports of the benchmarks;
+* `accelerate_cp.py`: accelerate's own CP layout (a `ParallelismConfig`, the GPU recipes' path) in CPU test processes;
 * `hidden.py`: installed packages hidden from imports (`$HF_SPARSE_CP_TEST_HIDE=triton`: a machine without Triton);
 * `pretrained.py`: SmolLM2-135M-Instruct, Gemma 3 270M and a public-domain text from installed packages (`eval`
   extra);

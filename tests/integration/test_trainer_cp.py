@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp.distributed import ContextParallelConfig
+from hf_sparse_cp.testing.accelerate_cp import allow_parallelism_config_on_cpu, give_accelerate_cp
 from hf_sparse_cp.testing.spawn import launch_cli, run_cli
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.context_parallel import (
@@ -269,13 +270,9 @@ def _patch_under_accelerate_cp(rank: int, world: int) -> dict:
     loss clamps to 1, and under CP the plugin hands the count in the flag's form instead."""
     import tempfile
 
-    from accelerate.parallelism_config import ParallelismConfig
-
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(tmp, "sparse_cp")
-        state = trainer.accelerator.state
-        pc = ParallelismConfig(cp_size=2)
-        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        give_accelerate_cp(trainer, cp_size=2)
         acc = trainer.accelerator
         before = (acc._prepare_cp, acc.prepare_data_loader, trainer._get_num_items_in_batch)
         parallel = enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
@@ -566,8 +563,6 @@ def _first_batch_with_a_worker(rank: int, world: int, accelerate_cp: bool) -> li
     accelerate's, as on GPUs."""
     import tempfile
 
-    from accelerate.parallelism_config import ParallelismConfig
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     hf_sparse_cp.patch()
     torch.manual_seed(0)
@@ -578,8 +573,7 @@ def _first_batch_with_a_worker(rank: int, world: int, accelerate_cp: bool) -> li
                                  dataloader_num_workers=1, seed=0)
         trainer = Trainer(model=model, args=args, train_dataset=_RandomCrops())
         if accelerate_cp:
-            state, pc = trainer.accelerator.state, ParallelismConfig(cp_size=world)
-            state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+            give_accelerate_cp(trainer, cp_size=world)
         enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1 if accelerate_cp else world))
         batch = next(iter(trainer.get_train_dataloader()))
         disable_trainer_context_parallel(trainer)
@@ -610,8 +604,6 @@ class _Stream(torch.utils.data.IterableDataset):
 def _first_batch_of_a_stream_under_accelerate_cp(rank: int, world: int) -> list[int]:
     import tempfile
 
-    from accelerate.parallelism_config import ParallelismConfig
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
@@ -620,8 +612,7 @@ def _first_batch_of_a_stream_under_accelerate_cp(rank: int, world: int) -> list[
         args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, per_device_train_batch_size=2,
                                  max_steps=2)
         trainer = Trainer(model=model, args=args, train_dataset=_Stream())
-        state, pc = trainer.accelerator.state, ParallelismConfig(cp_size=world)
-        state.parallelism_config, state.device_mesh = pc, pc.build_device_mesh("cpu")
+        give_accelerate_cp(trainer, cp_size=world)
         enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=1))
         batch = next(iter(trainer.get_train_dataloader()))
         disable_trainer_context_parallel(trainer)
@@ -654,9 +645,7 @@ def _under_accelerates_parallelism_config(rank: int, world: int) -> dict:
     rows = torch.randint(3, 90, (8, 512), generator=torch.Generator().manual_seed(1))
     layout = {}
     if world > 1:
-        # accelerate accepts a ParallelismConfig under FSDP2 or on GPU processes only (these are MULTI_CPU until the
-        # Trainer's FSDP2 set-up), a check this process bypasses so that the plugin's GPU path runs on gloo
-        ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+        allow_parallelism_config_on_cpu()
         layout = {"parallelism_config": ParallelismConfig(dp_shard_size=2, cp_size=2), "fsdp": "full_shard auto_wrap",
                   "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -65,12 +65,13 @@ def _cp2(rank: int, world: int, output_dir: str, mode: str = "ring", model_type:
 
 
 def _under_accelerates_cp2(rank: int, world: int, output_dir: str) -> dict:
-    """TRL's packed SFT under accelerate's own CP group (a ParallelismConfig, as the GPU recipes set; accelerate
-    accepts one under FSDP2 or on GPU processes only, and these are MULTI_CPU: a check this process bypasses)."""
+    """TRL's packed SFT under accelerate's own CP group (a ParallelismConfig, as the GPU recipes set)."""
     from accelerate.parallelism_config import ParallelismConfig
 
+    from hf_sparse_cp.testing.accelerate_cp import allow_parallelism_config_on_cpu
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+    allow_parallelism_config_on_cpu()
     trainer, result = _train(output_dir, parallelism_config=ParallelismConfig(cp_size=2))
     trainer.create_model_card()
     return result | {"cp_size": trainer.parallel.cp_size, "mode": trainer.parallel.mode.name,

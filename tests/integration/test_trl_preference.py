@@ -65,12 +65,10 @@ def _train(rank: int, world: int, output_dir: str, cp: dict, dpo: dict, lora: bo
     assert issubclass(trainer_class, getattr(trl, f"{kind.upper()}Trainer"))
     assert "cp_size" in config.__dataclass_fields__
     data = {"dpo": _pairs, "kto": lambda *a, **k: _unpaired(_pairs(*a, **k))}[kind]
-    if "parallelism_config" in cp:
-        # accelerate's own CP group, as on GPUs: it accepts a ParallelismConfig under FSDP2 or on GPU processes only
-        # (these are MULTI_CPU), a check this process bypasses so that the plugin's GPU path runs on gloo
-        from accelerate.parallelism_config import ParallelismConfig
+    if "parallelism_config" in cp:  # (accelerate's own CP group, as on GPUs)
+        from hf_sparse_cp.testing.accelerate_cp import allow_parallelism_config_on_cpu
 
-        ParallelismConfig._validate_accelerator = lambda self, accelerator: None
+        allow_parallelism_config_on_cpu()
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
