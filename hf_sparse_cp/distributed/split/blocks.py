@@ -336,8 +336,9 @@ def shard_inputs(
         first and returned as `shift_labels` (padding ignored), with `labels` kept as the sharded
         unshifted labels only so that stock forwards still compute a loss; the global position_ids
         (an arange when absent). The attention mask and flattened-packing keys describe the whole
-        sequence: they go into the shard's `TokenMeta` (see `sequence_meta`), not the model. Other
-        entries pass through unchanged.
+        sequence: they go into the shard's `TokenMeta` (see `sequence_meta`), not the model. A
+        `logits_to_keep` mask becomes the shard's part, with the labels of its kept positions
+        (`kept_positions_of_shard`). Other entries pass through unchanged.
     """
     ids = inputs.get("input_ids")
     ref = ids if ids is not None else inputs.get("inputs_embeds")
@@ -347,6 +348,9 @@ def shard_inputs(
     if s != plan.seq_len:
         raise ValueError(f"the batch has {s} tokens per row but the shard plan was made for {plan.seq_len}.")
     out = {k: v for k, v in inputs.items() if k not in CONSUMED_KEYS}
+    kept = kept_positions_of_shard(inputs, plan, rank, b, s, ignore_index)
+    if kept is not None:
+        out.update(kept)
     if ids is not None:
         out["input_ids"] = plan.shard(ids, rank, pad_value=pad_token_id)
     if inputs.get("inputs_embeds") is not None:
@@ -355,12 +359,56 @@ def shard_inputs(
     shifted = inputs.get("shift_labels")
     if shifted is None and labels is not None:
         shifted = shift_labels(labels, ignore_index)
-    if shifted is not None:
+    if shifted is not None and kept is None:
         out["shift_labels"] = plan.shard(shifted, rank, pad_value=ignore_index)
-    if labels is not None:
+    if labels is not None and kept is None:
         out["labels"] = plan.shard(labels, rank, pad_value=ignore_index)
     position_ids = inputs.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(s, device=ref.device).expand(b, s)
     out["position_ids"] = plan.shard(position_ids.expand(b, s), rank, pad_value=0)
+    return out
+
+
+def kept_positions_of_shard(inputs: Mapping[str, Any], plan: BlockSplit, rank: int, b: int, s: int,
+                            ignore_index: int) -> dict[str, Any] | None:
+    """`rank`'s part of a batch's `logits_to_keep` (None when it keeps every position: absent or 0), with the labels
+    of the kept positions of its shard.
+
+    The positions of `logits_to_keep` count in the whole sequence, of which a rank holds a shard. A boolean mask
+    [B, S] (transformers' form for packed training) is exact: the rank keeps the mask's part over its shard, whose
+    kept positions its forward returns flattened ([N_rank, ...]) as one process returns the batch's ([N, ...]); the
+    labels (or shift_labels) of the N kept positions, in the mask's order, are shifted as the model's loss shifts
+    them, and the rank keeps those of its own kept positions. Any other form (the last n positions, a 1D tensor of
+    positions, per-row positions [B, n]) returns a [B, n, ...] block whose positions lie on several ranks, in no
+    shape a rank's part can take: refused, naming the mask."""
+    keep = inputs.get("logits_to_keep")
+    if keep is None or (isinstance(keep, int) and keep == 0):
+        return None
+    if not (isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and tuple(keep.shape) == (b, s)):
+        form = (f"a {keep.dim()}D {keep.dtype} tensor of shape {tuple(keep.shape)}"
+                if isinstance(keep, torch.Tensor) else repr(keep))
+        raise ValueError(
+            f"logits_to_keep={form} under context parallelism: its positions count in the whole sequence, which each "
+            "rank holds only a shard of, and the logits it asks for, one block [B, n], lie on several ranks. Pass "
+            f"logits_to_keep as a boolean mask [B, S] ({b}, {s}) of the positions to keep (each rank keeps those of "
+            "its shard and returns their logits flattened, with the labels of the kept positions in the mask's order), "
+            "or logits_to_keep=0 (every position; labels of -100 leave positions out of the loss).")
+    n = int(keep.sum())
+    ordinal = torch.full((b, s), -1, dtype=torch.long, device=keep.device)
+    ordinal[keep] = torch.arange(n, device=keep.device)  # (the order `hidden[keep]` takes them in)
+    mine = plan.shard(keep, rank, pad_value=False)
+    out = {"logits_to_keep": mine}
+    labels, shifted = inputs.get("labels"), inputs.get("shift_labels")
+    if shifted is None and labels is not None:
+        shifted = shift_labels(labels, ignore_index)  # (as `ForCausalLMLoss` shifts the kept positions' labels)
+    for name, targets in (("labels", labels), ("shift_labels", shifted)):
+        if targets is None:
+            continue
+        if targets.numel() != n:
+            raise ValueError(
+                f"{name} of shape {tuple(targets.shape)} with a logits_to_keep mask keeping {n} "
+                "positions: pass the labels of exactly the kept positions, in the mask's order (labels[mask] of "
+                "labels over the whole sequence), as the model's loss reads them without context parallelism.")
+        out[name] = targets.reshape(-1)[plan.shard(ordinal, rank, pad_value=-1)[mine].to(targets.device)]
     return out
