@@ -141,13 +141,36 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     them, or None when the model already has them."""
     if model.__dict__.get(_GUARD):
         return None
-    # (the decoder's position_ids on to attention, past decoder layers that keep them; on the decoder, which PEFT's
-    # wrappers reach through the causal LM's forward called directly, without the causal LM's hooks)
-    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
-    handles = [model.register_forward_pre_hook(_check_registration, with_kwargs=True),
-               decoder.register_forward_pre_hook(pass_positions_on, with_kwargs=True)]
+    handles = [model.register_forward_pre_hook(_check_registration, with_kwargs=True)]
+    decoder = positions_owner(model)
+    if decoder is not None:
+        handles.append(decoder.register_forward_pre_hook(pass_positions_on, with_kwargs=True))
     model.__dict__[_GUARD] = True
     return functools.partial(_remove_guard, model, handles)
+
+
+def positions_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module of `model` whose forward runs its decoder layers, which `pass_positions_on` hooks: the decoder
+    (`get_decoder()`), or, where that is a model with a head (Llama4ForCausalLM's, whose `base_model_prefix` names no
+    submodule, is the causal LM itself), the one transformers model inside it. The hook's keyword goes on through the
+    decoder layers' keyword arguments to the attention calls; a head's forward would also hand it to its loss function
+    (a model's own `loss_function` may take no **kwargs). None where no such module is found (no hook then). The hook
+    sits on the decoder, not the model, as PEFT's wrappers reach it through the causal LM's forward called directly,
+    without the causal LM's hooks."""
+    from transformers import PreTrainedModel
+
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    while _has_head(decoder):
+        inner = [m for m in decoder.children() if isinstance(m, PreTrainedModel)]
+        if len(inner) != 1:
+            return None
+        decoder = inner[0]
+    return decoder
+
+
+def _has_head(module: torch.nn.Module) -> bool:
+    get_head = getattr(module, "get_output_embeddings", None)
+    return callable(get_head) and get_head() is not None
 
 
 def _check_registration(module: torch.nn.Module, args, kwargs) -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import hf_sparse_cp
@@ -127,6 +128,28 @@ def test_packed_documents_of_a_layer_that_keeps_position_ids_train_like_sdpa_und
         grads.append(_loss_and_grads(model, input_ids=ids, position_ids=pos, use_cache=False)[1])
     for name, g in grads[1].items():
         assert rel_rms(g, grads[0][name]) <= 4 * TOLERANCE[torch.float32], name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "llama4_text"])
+def test_the_forward_positions_reach_attention_only_not_a_loss_function_without_kwargs(model_type):
+    """The model's position_ids go on to the attention calls from a pre-hook on the module that runs the decoder
+    layers: never the causal LM's forward, which hands its keyword arguments to its loss function too. Llama 4's causal
+    LM is its own `get_decoder()` (its base_model_prefix names no submodule): a `loss_function` without **kwargs got
+    `sparse_cp_position_ids` (TypeError) in a packed forward."""
+    ref, ours = _pair(model_type)
+    docs = _docs([40, 71, 39])
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    seen = []
+
+    def loss_function(logits, labels, vocab_size):  # (a model's own loss, taking no **kwargs)
+        seen.append(logits)
+        return F.cross_entropy(logits[0, :-1].float(), labels[0, 1:])
+
+    ours.loss_function = loss_function
+    out = ours(input_ids=ids, position_ids=pos, labels=ids)
+    alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    assert len(seen) == 1 and rel_rms(out.logits[0], alone) <= TOLERANCE[torch.float32]  # (documents still apart)
 
 
 def test_packed_documents_by_flattening_collator():
