@@ -38,7 +38,7 @@ from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales, moved_query_scales
 from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
-from .stats import record_kept_fraction
+from .stats import pop_kept_fractions, record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
 _GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
@@ -105,6 +105,8 @@ def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
     tokens = module.__dict__.get(_GUARD_TOKENS)
     if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
         _CP_FORWARD.reset(tokens.pop())
+        if not tokens:  # (the outermost forward: nothing stays on the module)
+            del module.__dict__[_GUARD_TOKENS]
 
 
 def cp_forward_shard():
@@ -155,6 +157,14 @@ def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
         cached = (raw, model_config_for(module).for_layer(getattr(module, "layer_idx", None)))
         module.__dict__[_LAYER_CONFIG] = cached
     return cached[1]
+
+
+def forget_layer_state(model: torch.nn.Module) -> None:
+    """Drop what the backend's calls keep on `model`'s attention modules (each layer's parsed config, its kept
+    fractions no log has read): undoing the switch to the backend leaves the modules as they were."""
+    pop_kept_fractions(model)
+    for module in model.modules():
+        module.__dict__.pop(_LAYER_CONFIG, None)
 
 
 # The attributes attention layers copy their config's attention dropout (`architectures.CONFIG_DROPOUTS`) into when

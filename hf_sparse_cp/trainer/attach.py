@@ -24,7 +24,7 @@ from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import compat
-from ..integration.backend import model_config_for
+from ..integration.backend import forget_layer_state, model_config_for
 from ..integration.fused_ops import (
     describe_fused_ops,
     disable_fused_ops,
@@ -142,6 +142,7 @@ def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArgu
         patches.on_undo(disable_lean_loss, outside=True)
     previous = select_backend(model)
     store_pattern(model, config.to_dict(), patches)
+    patches.on_undo(functools.partial(forget_layer_state, model))
     if previous is not None and previous != BACKEND_NAME:
         patches.on_undo(functools.partial(_set_attn_implementation, model, previous))
     remove_guard = guard_registration(model)

@@ -131,3 +131,41 @@ def test_the_backend_hot_path_parses_the_config_once_and_validates_no_layout(mon
     hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16))  # new settings: parsed again
     model(ids)
     assert len(parsed) == 2 * model.config.num_hidden_layers
+
+
+def _plugin_state(model) -> dict:
+    return {(name, key) for name, module in model.named_modules() for key in module.__dict__
+            if key.startswith("_hf_sparse_cp")}
+
+
+def test_disable_leaves_the_modules_without_what_the_backend_kept_on_them(tmp_path):
+    """The backend keeps on the attention modules each layer's parsed config and its kept fractions until a log reads
+    them, and on a model under CP the forward's shard: none stays after the undo (before: every attention module kept
+    `_hf_sparse_cp_layer_config` and the unread `_hf_sparse_cp_kept*`, the model an empty
+    `_hf_sparse_cp_cp_forward`)."""
+    from hf_sparse_cp.integration.backend import guard_context_parallel
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert not _plugin_state(model)
+    pattern = SparseAttentionConfig(block_size=16, min_seq_len=32, vertical_topk=2, slash_topk=2, local_window=16)
+    enable_sparse_attention(model, SparseCPArguments(sparse_attention=True, sparse_fused_loss=False), pattern)
+    ids = torch.randint(3, 259, (1, 96))
+    model.train()
+    model(ids)
+    model.eval()
+    model(ids)
+    kept = {key for _, key in _plugin_state(model)}
+    assert {"_hf_sparse_cp_layer_config", "_hf_sparse_cp_kept", "_hf_sparse_cp_kept_eval"} <= kept
+    disable_sparse_attention(model)
+    assert not _plugin_state(model)
+
+    class Forward(torch.nn.Module):  # (a forward under CP: its shard in the keyword arguments)
+        def forward(self, x, **kwargs):
+            return x
+
+    guarded = Forward()
+    handles = guard_context_parallel(guarded)
+    guarded(ids, cp_shard=object())
+    for handle in handles:
+        handle.remove()
+    assert not _plugin_state(guarded)
