@@ -103,6 +103,7 @@ class StepMetricsCallback(TrainerCallback):
         self.first_step = 0  # the step this train() call started from (a resume's checkpoint step; the card says it)
         self.cp_size = 1
         self._last_log = time.perf_counter()
+        self._clock_from_first_step = False
 
     def count(self, inputs: Mapping[str, Any] | list, cp_size: int) -> None:
         if not isinstance(inputs, Mapping):  # TRL GRPO's batch of prompts: it generates the tokens it trains on
@@ -149,8 +150,15 @@ class StepMetricsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         # (the Trainer has loaded a resumed checkpoint's state by now)
         self.since_log, self._last_log, self.first_step = None, time.perf_counter(), state.global_step
+        # A resume first skips the batches its checkpoint trained (an iterable dataset's are fetched and dropped):
+        # its first interval starts at its first trained step.
+        self._clock_from_first_step = state.global_step > 0
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._clock_from_first_step:
+            self._last_log, self._clock_from_first_step = time.perf_counter(), False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         # (every rank writes the training and evaluation logs)

@@ -226,3 +226,39 @@ def test_every_training_log_has_tokens_per_second_and_peak_memory(tmp_path):
     assert len(logs) == 3 and all(log["tokens_per_second"] > 0 and log["peak_memory_gib"] > 0 for log in logs)
     metrics = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "StepMetricsCallback")
     assert float(metrics.total) == 192 + 256 + 192  # three steps of one row (rows 0, 1, 2): the real tokens
+
+
+def test_the_first_tokens_per_second_after_a_resume_leaves_out_the_skipped_batches(tmp_path, monkeypatch):
+    """A resume skips the batches its checkpoint trained (an iterable dataset's are fetched and dropped): the first
+    log's tokens/s counts from the first trained step, not over the skip as well (before: the skipped rows' fetch time
+    in the interval, here 2000 s of a clock that the fetch of a skipped row moves by 1000 s)."""
+    from hf_sparse_cp.trainer import callbacks
+
+    clock = [0.0]
+
+    def perf_counter():  # (every read a second later: no interval is empty)
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(callbacks, "time", type("Clock", (), {"perf_counter": staticmethod(perf_counter)}))
+    slow = []
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i, row in enumerate(_rows()):
+                if i in slow:
+                    clock[0] += 1000.0
+                yield row
+
+    def train(max_steps, resume):
+        args = _args(tmp_path, *PATTERN, "--max_steps", str(max_steps), "--save_strategy", "steps", "--save_steps",
+                     "2", "--sparse_max_length", "256")
+        trainer = SparseTrainer(model=_model(), args=args, train_dataset=Rows())
+        trainer.train(resume_from_checkpoint=resume or None)
+        return [log for log in trainer.state.log_history if "loss" in log and log["step"] > max_steps - 2]
+
+    train(2, False)
+    slow[:] = [0, 1]  # the rows the resume skips
+    first, second = train(4, True)
+    assert first["step"] == 3 and first["tokens_per_second"] > 256 / 100, first
+    assert second["tokens_per_second"] > 256 / 100
