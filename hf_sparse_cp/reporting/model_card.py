@@ -104,10 +104,12 @@ class CardStage(NamedTuple):
     parallel: ParallelDims
 
 
-def _stage_batches(trainer: Trainer, stages: Sequence[CardStage], unit: str = "") -> str:
+def _stage_batches(trainer: Trainer, stages: Sequence[CardStage], unit: str = "", evaluation: bool = False) -> str:
     """Distinct sequences per optimizer step of every stage: '2 from step 0, 1 from step 2' (`unit` after the first
-    number)."""
-    per_group = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    number); with `evaluation`, per evaluation batch (the evaluation loader follows the stage's data-parallel
+    degree)."""
+    per_group = trainer.args.eval_batch_size if evaluation else \
+        trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
     return ", ".join(f"{per_group * s.parallel.dp_size}{unit if i == 0 else ''} from step {s.from_step}"
                      for i, s in enumerate(stages))
 
@@ -598,6 +600,9 @@ def write_sparse_model_card(
         cp_size = max(s.parallel.cp_size for s in cp_stages)
         totals = f"{_stage_batches(trainer, cp_stages)} (distinct sequences per optimizer step, by cp_schedule stage)"
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {totals}", card)
+        evals = (f"{_stage_batches(trainer, cp_stages, evaluation=True)} (distinct sequences per evaluation batch, by "
+                 "cp_schedule stage)")
+        card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {evals}", card)
     elif cp_size > 1:
         total = distinct_train_batch_size(trainer, cp_size)
         note = f" (distinct sequences; each is split over {cp_size} context-parallel ranks)"

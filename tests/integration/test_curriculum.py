@@ -548,7 +548,8 @@ def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(switch
 
 def test_the_model_card_of_a_cp_switch_states_every_stage(switched):
     """The card of `--cp_schedule 0:256:1,2:512:2` on 2 processes described the first stage alone: no context
-    parallelism ('data parallel (DDP)'), 2 distinct sequences per step (the CP 2 stage's steps take 1)."""
+    parallelism ('data parallel (DDP)'), 2 distinct sequences per step (the CP 2 stage's steps take 1), and the stock
+    total_eval_batch_size, which counts each sequence of the CP 2 stage twice."""
     card = switched[0]["card"]
     section = card.split("## Sparse long-context training", 1)[1]
     assert "context parallelism over up to 2 ranks (a context-length curriculum)" in section
@@ -557,6 +558,8 @@ def test_the_model_card_of_a_cp_switch_states_every_stage(switched):
             in section)
     assert "| total train batch size | 2 distinct sequences per optimizer step from step 0, 1 from step 2 |" in section
     assert "- total_train_batch_size: 2 from step 0, 1 from step 2 (distinct sequences" in card
+    # (the stock line said 16, eval batch 8 x 2 processes: the CP 2 stage evaluates 8 distinct sequences a batch)
+    assert "- total_eval_batch_size: 16 from step 0, 8 from step 2 (distinct sequences per evaluation batch" in card
 
 
 # ---- 2 gloo processes: evaluation loaders follow the stage ----
