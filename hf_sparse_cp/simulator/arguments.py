@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -52,24 +53,70 @@ class FlagParser(argparse.ArgumentParser):
                 return other + sep + value
         return arg
 
+    def _with_dashed_values(self, args: list[str]) -> list[str]:
+        """`args` with a value that starts with a dash joined to its flag (`--gpu-memory -5GB` -> `--gpu-memory=-5GB`):
+        argparse takes a word like -5GB for a flag and says only 'expected one argument', while the flag's own check
+        names the valid form. Negative numbers argparse takes as values already; a flag's word stays a flag."""
+        out = []
+        for word in args:
+            action = self._option_string_actions.get(out[-1]) if out else None
+            if (action is not None and action.nargs != 0 and word.startswith("-") and word != "--"
+                    and not self._negative_number_matcher.match(word) and not self._known(word.partition("=")[0])):
+                out[-1] = f"{out[-1]}={word}"
+            else:
+                out.append(word)
+        return out
+
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         end = args.index("--") if "--" in args else len(args)  # (words after `--` are values, never flags)
-        return super().parse_known_args([*map(self._documented, args[:end]), *args[end:]], namespace)
+        return super().parse_known_args([*self._with_dashed_values([*map(self._documented, args[:end])]),
+                                         *args[end:]], namespace)
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:
-    """An argparse type: a number of `kind` above 0."""
-    def parse(text: str):
+    """An argparse type: a number of `kind` above 0 (a whole number: `at_least(1)`)."""
+    if kind is int:
+        return at_least(1)
+
+    def parse(text: str) -> float:
         try:
-            value = kind(text)
+            value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one above 0, without a unit (the "
+                                             "flag's help names its unit)") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0 and finite")
         return value
 
     return parse
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= {low} in digits alone "
+                                             "(no unit or suffix: 131072, not 128k)") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in (0, 1], e.g. 0.063 for "
+                                         "6.3%") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1], a fraction (e.g. 0.063 for 6.3%)")
+    return value
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, presets: Iterable[str], default: str | None) -> None:

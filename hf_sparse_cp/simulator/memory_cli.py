@@ -24,8 +24,10 @@ from .arguments import (
     HelpFormatter,
     add_cp_mode_arguments,
     add_model_arguments,
+    at_least,
     check_output_file,
     cp_layout,
+    fraction,
     model_name,
     read_config,
     write_output,
@@ -79,12 +81,12 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
-    p.add_argument("--usable-fraction", type=float, default=0.9,
+    p.add_argument("--usable-fraction", type=fraction, default=0.9,
                    help="Share of the GPU's memory a step may fill; the rest covers the CUDA context and the "
                    "allocator's fragmentation (default 0.9: 72 GB of 80).")
-    p.add_argument("--cp", type=int, default=1, help="Context-parallel ranks sharing one sequence.")
+    p.add_argument("--cp", type=at_least(1), default=1, help="Context-parallel ranks sharing one sequence.")
     add_cp_mode_arguments(p)
-    p.add_argument("--fsdp", type=int, default=1,
+    p.add_argument("--fsdp", type=at_least(1), default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
                    "on 8 GPUs.")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -96,14 +98,14 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "smet", "none"),
                    help="The optimizer's state: torch AdamW (two moments per weight), SMET (the plugin's --smet: "
                    "compact state) or none.")
-    p.add_argument("--smet-density", type=float, default=0.25,
+    p.add_argument("--smet-density", type=fraction, default=0.25,
                    help="With --optimizer smet: SMET's active fraction of the layer matrices (--smet_density).")
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
-    p.add_argument("--token-tiling-min-length", type=int, default=DEFAULT_TILING_MIN_LENGTH,
+    p.add_argument("--token-tiling-min-length", type=at_least(0), default=DEFAULT_TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
                    "--sparse_token_tiling_min_length (0: never).")
-    p.add_argument("--token-tile-size", type=int, default=DEFAULT_TILE_TOKENS,
+    p.add_argument("--token-tile-size", type=at_least(1), default=DEFAULT_TILE_TOKENS,
                    help="Tokens per tile of --token-tiling-min-length (the plugin's --sparse_token_tile_size).")
     p.add_argument("--offload-layer-inputs", action="store_true",
                    help="Saved layer inputs in host memory (the plugin's --sparse_offload_layer_inputs).")
@@ -116,7 +118,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    "of its rows (no run can exceed it).")
     p.add_argument("--kept-curve", help="A `benchmarks/pattern_quality.py --curve` report ('defaults' setting) for "
                    f"--layout-width curve (default: the shipped measurement, {DEFAULT_CURVE.source}).")
-    p.add_argument("--seq-len", type=int, nargs="+", default=[],
+    p.add_argument("--seq-len", type=at_least(1), nargs="+", default=[],
                    help="Also report the predicted peak and its terms at these lengths.")
     p.add_argument("--quiet", action="store_true", help="Print only the longest length that fits.")
     p.add_argument("--json", help="Write the answer and the per-length terms to this JSON file (default: none; a "
@@ -176,19 +178,10 @@ def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern:
 
 
 def _check(args, parser: argparse.ArgumentParser) -> None:
-    if args.cp < 1 or args.fsdp < 1:
-        parser.error(f"--cp {args.cp} and --fsdp {args.fsdp} must be >= 1.")
-    if not 0.0 < args.usable_fraction <= 1.0:
-        parser.error(f"--usable-fraction {args.usable_fraction} must be in (0, 1]; 0.9 leaves 10% to the CUDA "
-                     "context and fragmentation.")
-    if args.token_tiling_min_length < 0 or args.token_tile_size < 1:
-        parser.error("--token-tiling-min-length must be >= 0 (0: never) and --token-tile-size >= 1.")
     if args.kept_curve and args.layout_width == "bound":  # a file named and never read would be silently ignored
         parser.error(f"--kept-curve {args.kept_curve} would not be read: --layout-width bound sizes every layout at "
                      "all the blocks of its rows; drop --layout-width bound to size them from the curve, or drop "
                      "--kept-curve.")
-    if any(n < 1 for n in args.seq_len):
-        parser.error(f"--seq-len {args.seq_len}: every length must be >= 1 token.")
 
 
 # How far measured peaks were from the predictions (docs/memory.md, "Validation"): within 2% below on CPU processes

@@ -59,10 +59,12 @@ from .arguments import (
     add_cluster_arguments,
     add_cp_mode_arguments,
     add_model_arguments,
+    at_least,
     check_output_file,
     cluster_of,
     cp_layout,
     custom_parts,
+    fraction,
     model_name,
     model_shape,
     write_output,
@@ -96,31 +98,6 @@ BOUNDS = ("block-only",)  # the kernels of KERNELS whose rows are bounds
 PEAK_BYTES_PER_BLOCK_PAIR, PEAK_BYTES_PER_BLOCK_PAIR_AND_HEAD = 46, 6.5
 
 
-def _at_least(low: int):
-    """An argparse type: a whole number >= `low`."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1], a fraction (e.g. 0.063 for 6.3%)")
-    return value
-
-
 # The rows of the question (the default): the dense ring, and the sparse ring as the plugin runs it by default
 # (--cp_sharding striped, --cp_ring flat); `--all` adds every configuration, the bounds and MTraining's setting.
 DEFAULT_CONFIGS = ("dense ring", "striped sparse")
@@ -131,10 +108,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_model_arguments(p, MODELS, default="qwen2.5-3b")
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
-    p.add_argument("--seq", type=_at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
+    p.add_argument("--seq", type=at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
                    help="Sequence lengths in tokens (one sequence per CP group per step), each a multiple of 256 x "
                    "the largest --cp (whole zigzag chunks of 128-token blocks).")
-    p.add_argument("--cp", type=_at_least(1), nargs="+", default=[8, 16, 32, 64],
+    p.add_argument("--cp", type=at_least(1), nargs="+", default=[8, 16, 32, 64],
                    help="CP sizes: GPUs that split one sequence.")
     p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGURATIONS),
                    help="Configurations to predict (default: 'dense ring' and 'striped sparse', the plugin's default "
@@ -146,25 +123,25 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="Also predict MTraining's published setting (Qwen2.5-3B, 512K, 32 A100s; default: with --all).")
     p.add_argument("--dense-kernel", default="cudnn", choices=["cudnn", "fa2"],
                    help="The dense ring's kernel (SDPA cuDNN or FlashAttention-2, both measured in anchors.md).")
-    p.add_argument("--density", type=_fraction, default=None,
+    p.add_argument("--density", type=fraction, default=None,
                    help="Kept fraction of the causal blocks of the sparse layouts at every length (default: the "
                    "kept-curve's at each length).")
     p.add_argument("--kept-curve", default=None,
                    help="A `benchmarks/pattern_quality.py --curve` report whose 'defaults' setting gives the kept "
                    f"fraction at each length (default: the shipped measurement, {DEFAULT_CURVE.source}).")
-    p.add_argument("--dense-first-layers", type=_at_least(0), default=SparseAttentionConfig().dense_first_layers,
+    p.add_argument("--dense-first-layers", type=at_least(0), default=SparseAttentionConfig().dense_first_layers,
                    help="Layers kept dense at the start of the model (the plugin's --sparse_dense_first_layers).")
-    p.add_argument("--spread", type=_fraction, default=1.0,
+    p.add_argument("--spread", type=fraction, default=1.0,
                    help="Random diagonals lie among the nearest SPREAD fraction of block diagonals (1: anywhere).")
-    p.add_argument("--verticals", type=_at_least(0), default=1000,
+    p.add_argument("--verticals", type=at_least(0), default=1000,
                    help="Key columns of the synthetic sparse layouts (MTraining's budget).")
-    p.add_argument("--sink", type=_at_least(0), default=32, help="Sink tokens of the synthetic sparse layouts.")
-    p.add_argument("--layout-heads", type=_at_least(1), default=4,
+    p.add_argument("--sink", type=at_least(0), default=32, help="Sink tokens of the synthetic sparse layouts.")
+    p.add_argument("--layout-heads", type=at_least(1), default=4,
                    help="Heads of the synthetic layout (work is scaled to the model's heads).")
     p.add_argument("--mix", default=None, choices=MIXES,
                    help="Pack each row with documents of this length mix (hf_sparse_cp.simulator.workloads) instead of "
                    "one sequence.")
-    p.add_argument("--estimation-chunk", type=_at_least(BLOCK), default=None,
+    p.add_argument("--estimation-chunk", type=at_least(BLOCK), default=None,
                    help="Charge the estimation of estimation='causal_chunks' with this chunk (default: each "
                    "document's last queries); a packed row is charged as one sequence (an upper bound).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the synthetic layouts and packed rows.")

@@ -157,6 +157,12 @@ def test_the_example_names_the_model_path_it_cannot_load(tmp_path, capsys):
         (["--density", "5"], "argument --density: 5.0 must be in (0, 1]"),
         (["--seq", "-8"], "argument --seq: -8 must be >= 1"),
         (["--estimation-chunk", "64"], "argument --estimation-chunk: 64 must be >= 128"),
+        # a value starting with a dash reaches the flag's check (argparse took it for a flag: 'expected one argument')
+        (["--seq", "-128k"], "argument --seq: '-128k' is not a whole number; give one >= 1 in digits alone"),
+        (["--spread", "-1x"], "argument --spread: '-1x' is not a number; give a fraction in (0, 1]"),
+        (["--intra-node-gbps", "-100GB"], "argument --intra-node-gbps: '-100GB' is not a number; give one above 0"),
+        (["--gpu-tflops", "0"], "argument --gpu-tflops: 0.0 must be > 0"),
+        (["--gpus-per-node", "2.5"], "argument --gpus-per-node: '2.5' is not a whole number"),
     ],
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):

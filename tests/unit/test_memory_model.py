@@ -160,8 +160,25 @@ def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
     (["--model", "qwen2.5-0.5b", "--cp", "0"], "must be >= 1"),
     (["--model", "qwen2.5-0.5b", "--usable-fraction", "1.5"], "must be in (0, 1]"),
     (["--model", "gpt-9"], "invalid choice"),
-    (["--model", "qwen2.5-0.5b", "--seq-len", "0"], "must be >= 1 token"),
+    (["--model", "qwen2.5-0.5b", "--seq-len", "0"], "argument --seq-len: 0 must be >= 1"),
     (["--model", "qwen2.5-0.5b", "--seq-len"], "expected at least one argument"),  # (it was ignored)
+    # A value starting with a dash reaches the flag's own check (argparse took -5GB for a flag: 'expected one
+    # argument'), and a number with a unit or of the wrong kind is refused naming the valid form
+    (["--model", "qwen2.5-0.5b", "--gpu-memory", "-5GB"], "--gpu-memory '-5GB': give a positive size like 80GB"),
+    (["--model", "qwen2.5-0.5b", "--gpu-memory", "0GB"], "--gpu-memory '0GB': give a positive size like 80GB"),
+    (["--model", "qwen2.5-0.5b", "--usable-fraction", "-0.5x"],
+     "argument --usable-fraction: '-0.5x' is not a number; give a fraction in (0, 1]"),
+    (["--model", "qwen2.5-0.5b", "--usable-fraction", "0"], "argument --usable-fraction: 0.0 must be in (0, 1]"),
+    (["--model", "qwen2.5-0.5b", "--fsdp", "-2"], "argument --fsdp: -2 must be >= 1"),
+    (["--model", "qwen2.5-0.5b", "--cp", "two"], "argument --cp: 'two' is not a whole number; give one >= 1"),
+    (["--model", "qwen2.5-0.5b", "--seq-len", "128k"], "argument --seq-len: '128k' is not a whole number"),
+    (["--model", "qwen2.5-0.5b", "--seq-len", "-8k"], "argument --seq-len: '-8k' is not a whole number"),
+    (["--model", "qwen2.5-0.5b", "--token-tile-size", "0"], "argument --token-tile-size: 0 must be >= 1"),
+    (["--model", "qwen2.5-0.5b", "--token-tiling-min-length", "-1"],
+     "argument --token-tiling-min-length: -1 must be >= 0"),
+    (["--model", "qwen2.5-0.5b", "--optimizer", "smet", "--smet-density", "1.5"],
+     "argument --smet-density: 1.5 must be in (0, 1]"),
+    (["--model", "qwen2.5-0.5b", "--gpu-memory", "--quiet"], "argument --gpu-memory: expected one argument"),
     # more head-parallel ranks than the model's 14 query heads: refused naming the fix, not a traceback
     (["--model", "qwen2.5-0.5b", "--cp", "64", "--cp_mode", "ulysses"], "at most 14 (balanced: [1, 2, 7, 14])"),
 ])
