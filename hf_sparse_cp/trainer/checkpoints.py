@@ -212,13 +212,15 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
                          "and optimizer from. Resume it without --fsdp, as it was saved, or start a new FSDP2 run from "
                          f"its weights (--model_name_or_path {folder}).")
     marker = folder / MARKER
-    newest = None if marker.is_file() else get_last_checkpoint(str(folder))
-    if newest is not None:  # (the Trainer's own error, raised on every rank, names no fix)
-        steps = sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(PREFIX_CHECKPOINT_DIR + "-*")
-                       if p.name.rsplit("-", 1)[1].isdigit())
+    # (the checkpoint folders as get_last_checkpoint finds them: folders checkpoint-N)
+    steps = [] if marker.is_file() else sorted(
+        int(p.name.rsplit("-", 1)[1]) for p in folder.glob(PREFIX_CHECKPOINT_DIR + "-*")
+        if p.name.rsplit("-", 1)[1].isdigit() and p.is_dir())
+    if steps:  # (the Trainer's own error, raised on every rank, names no fix)
         raise ValueError(f"{str(folder)!r} is a run's output folder, not a checkpoint: it holds checkpoints "
                          f"({', '.join(f'{PREFIX_CHECKPOINT_DIR}-{step}' for step in steps)}). Resume from one of "
-                         f"them, e.g. the newest: --resume_from_checkpoint {newest}.")
+                         f"them, e.g. the newest: --resume_from_checkpoint "
+                         f"{folder / f'{PREFIX_CHECKPOINT_DIR}-{steps[-1]}'}.")
     if not marker.is_file():
         logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
                        "that it is complete and fits this run.", folder, MARKER)

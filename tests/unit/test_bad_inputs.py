@@ -231,6 +231,20 @@ def test_a_cut_off_trainer_state_is_named(tmp_path):
         read_log_history(tmp_path)
 
 
+def test_an_output_folder_is_refused_naming_its_checkpoint_folders_alone(tmp_path):
+    """The refusal listed every name checkpoint-N (a file among them, which is no checkpoint) beside the newest
+    checkpoint folder that transformers' get_last_checkpoint named, listing the folder a second time."""
+    from hf_sparse_cp.trainer.checkpoints import check_checkpoint
+
+    for step in (2, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-30").write_text("a stray file")
+    with pytest.raises(ValueError, match=re.escape("it holds checkpoints (checkpoint-2, checkpoint-10). Resume from "
+                                                   "one of them, e.g. the newest: --resume_from_checkpoint "
+                                                   f"{tmp_path / 'checkpoint-10'}.")):
+        check_checkpoint(tmp_path, {}, reshardable=False)
+
+
 def test_a_checkpoint_saved_without_fsdp_is_refused_by_an_fsdp2_run(tmp_path):
     """Issue #31: it passed the check, then rank 0 died on pytorch_model_fsdp.bin and rank 1 on a closed
     connection."""
