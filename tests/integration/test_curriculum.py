@@ -46,6 +46,11 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
     ("0:128:1,nanep:256:2", "a stage starts at step or epoch nan: use a finite value >= 0"),
     ("0:128:1,infep:256:2", "a stage starts at step or epoch inf: use a finite value >= 0"),
     ("", "empty"),
+    # a field given twice in one stage: the last value was taken silently
+    ("0:128:1,2:256:2:vertical_topk=4:vertical_topk=8", r"'2:256:2:vertical_topk=4:vertical_topk=8' gives "
+                                                        r"vertical_topk more than once: give each field once"),
+    ("0:128:2:cp_mode=ring:budget.mode=mass:cp_mode=ulysses:budget.mode=topk",
+     "gives budget.mode, cp_mode more than once"),
 ])
 def test_malformed_schedules_are_refused(text, match):
     with pytest.raises(ValueError, match=match):
