@@ -222,7 +222,8 @@ class StageSamples(torch.utils.data.Dataset):
 
 
 def _is_sequence(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) or (torch.is_tensor(value) and value.dim() > 0)
+    """A list, or an array with dimensions (a tensor, a numpy array: a `datasets` format's), not a scalar."""
+    return isinstance(value, (list, tuple)) or len(getattr(value, "shape", ())) > 0
 
 
 class StageBatchSampler(torch.utils.data.Sampler):

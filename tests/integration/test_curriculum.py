@@ -8,6 +8,7 @@ process; and 2 processes through a CP switch, each step against one process on t
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +167,13 @@ def test_stage_samples_crop_every_token_field():
     item = StageSamples(data)[(0, 4)]
     assert item["input_ids"].tolist() == item["labels"] == [0, 1, 2, 3]
     assert item["source"] == "doc" and item["weights"].shape == (3,)
+    # numpy arrays (a datasets.Dataset in numpy format) too: they were kept whole, and the stage then refused its
+    # rows as packed ('the data collator turns 1 samples of up to 4 tokens into longer rows')
+    data = [{"input_ids": np.arange(10), "attention_mask": np.ones(10, dtype=np.int64), "weights": np.ones(3),
+             "score": np.float32(1.0)}]
+    item = StageSamples(data)[(0, 4)]
+    assert item["input_ids"].tolist() == [0, 1, 2, 3] and item["attention_mask"].shape == (4,)
+    assert item["weights"].shape == (3,) and item["score"] == 1.0
 
 
 # ---- 4 gloo processes through the Trainer ----
