@@ -222,7 +222,8 @@ class StageSamples(torch.utils.data.Dataset):
 
 
 def _is_sequence(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) or (torch.is_tensor(value) and value.dim() > 0)
+    """A list, or an array with dimensions (a tensor, a numpy array: a `datasets` format's), not a scalar."""
+    return isinstance(value, (list, tuple)) or len(getattr(value, "shape", ())) > 0
 
 
 class StageBatchSampler(torch.utils.data.Sampler):
@@ -474,12 +475,13 @@ def _train_data_loader(trainer: Trainer, curriculum: Curriculum):
     """The run's training data loader: `StageSamples` in `StageBatchSampler` order, prepared without
     further sharding (the sampler already gives this rank its own batches)."""
     args, dataset = trainer.args, trainer.train_dataset
-    if dataset is None or not hasattr(dataset, "__len__"):
-        raise ValueError("a cp_schedule needs a train_dataset with a length (a map-style dataset).")
     collator = trainer.data_collator
     if args.remove_unused_columns:
         compat.require(f"transformers.Trainer.{compat.TRAINER_COLLATOR_WITHOUT_UNUSED}")
         collator = getattr(trainer, compat.TRAINER_COLLATOR_WITHOUT_UNUSED)(collator, description="training")
+    if dataset is None or not hasattr(dataset, "__len__"):
+        with flag_errors((ValueError,)):  # (the flag against the run's data: a launched run ends with the message)
+            raise ValueError("a cp_schedule needs a train_dataset with a length (a map-style dataset).")
     check_row_lengths(curriculum.schedule, dataset, collator, args.train_batch_size)
     seed = None if args.train_sampling_strategy == "sequential" else (
         args.data_seed if args.data_seed is not None else args.seed)
@@ -498,7 +500,8 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
     """Raise ValueError, naming the fix, unless a micro-batch of every stage, cropped and collated as
     training will, has rows of the stage's length: samples shorter than a stage are never extended, and
     a collator that packs a micro-batch into one row (`DataCollatorWithFlattening`) makes rows longer
-    than the cropped samples."""
+    than the cropped samples. The refusal is the user's (`flag_errors`); an error of the collator keeps its
+    traceback."""
     samples, n = StageSamples(dataset), min(batch_size, len(dataset))
     for i, stage in enumerate(schedule.stages):
         batch = collator([samples[(k, stage.seq_len)] for k in range(n)])
@@ -513,8 +516,9 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
                f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
                "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
                "each sample, not the row: train a curriculum with one sample per row, without packing")
-        raise ValueError(f"cp_schedule stage {i} ({stage.text}) would train rows of {row} tokens, not {stage.seq_len}: "
-                         f"{why}.")
+        with flag_errors((ValueError,)):  # (a launched run ends with the message alone, not a traceback per rank)
+            raise ValueError(f"cp_schedule stage {i} ({stage.text}) would train rows of {row} tokens, not "
+                             f"{stage.seq_len}: {why}.")
 
 
 def disable_curriculum(trainer: Trainer) -> None:

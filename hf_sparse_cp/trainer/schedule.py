@@ -85,7 +85,12 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
             raise ValueError(f"cp_schedule stage {item!r}: FROM must be a step (100) or an epoch (1.5ep), SEQ_LEN "
                              "and CP_SIZE whole numbers.") from None
         given = [(k, _value(v)) for k, v in (p.split("=", 1) for p in parts[3:])]
-        if any(k == "cp_size" for k, _ in given):
+        keys = [k for k, _ in given]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:  # (the last value won silently)
+            raise ValueError(f"cp_schedule stage {item!r} gives {', '.join(twice)} more than once: give each field "
+                             "once.")
+        if "cp_size" in keys:
             raise ValueError(f"cp_schedule stage {item!r}: the CP degree is the stage's third field (FROM:SEQ_LEN:"
                              "CP_SIZE), not cp_size=.")
         cp = {k: v for k, v in given if k in _CP_FIELDS}

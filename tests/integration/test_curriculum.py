@@ -8,6 +8,7 @@ process; and 2 processes through a CP switch, each step against one process on t
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,11 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
     ("0:128:1,nanep:256:2", "a stage starts at step or epoch nan: use a finite value >= 0"),
     ("0:128:1,infep:256:2", "a stage starts at step or epoch inf: use a finite value >= 0"),
     ("", "empty"),
+    # a field given twice in one stage: the last value was taken silently
+    ("0:128:1,2:256:2:vertical_topk=4:vertical_topk=8", r"'2:256:2:vertical_topk=4:vertical_topk=8' gives "
+                                                        r"vertical_topk more than once: give each field once"),
+    ("0:128:2:cp_mode=ring:budget.mode=mass:cp_mode=ulysses:budget.mode=topk",
+     "gives budget.mode, cp_mode more than once"),
 ])
 def test_malformed_schedules_are_refused(text, match):
     with pytest.raises(ValueError, match=match):
@@ -161,6 +167,13 @@ def test_stage_samples_crop_every_token_field():
     item = StageSamples(data)[(0, 4)]
     assert item["input_ids"].tolist() == item["labels"] == [0, 1, 2, 3]
     assert item["source"] == "doc" and item["weights"].shape == (3,)
+    # numpy arrays (a datasets.Dataset in numpy format) too: they were kept whole, and the stage then refused its
+    # rows as packed ('the data collator turns 1 samples of up to 4 tokens into longer rows')
+    data = [{"input_ids": np.arange(10), "attention_mask": np.ones(10, dtype=np.int64), "weights": np.ones(3),
+             "score": np.float32(1.0)}]
+    item = StageSamples(data)[(0, 4)]
+    assert item["input_ids"].tolist() == [0, 1, 2, 3] and item["attention_mask"].shape == (4,)
+    assert item["weights"].shape == (3,) and item["score"] == 1.0
 
 
 # ---- 4 gloo processes through the Trainer ----
@@ -390,24 +403,47 @@ def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, ba
 
 def test_a_stage_longer_than_the_samples_is_refused_before_training(tmp_path):
     """`--sparse_max_length 512 --cp_schedule 0:256:1,2:1024:1` trained its "1024" stage on 512-token samples."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
     trainer = _one_process(tmp_path, "0:128:1,1:256:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
     with pytest.raises(ValueError, match=re.escape(
             "cp_schedule stage 1 (1:256:1) would train rows of 128 tokens, not 256: the samples hold 128 tokens, and "
-            "a stage crops samples to its length but never extends them: give samples of at least 256 tokens")):
+            "a stage crops samples to its length but never extends them: give samples of at least 256 tokens")
+    ) as refused:
         trainer.train()
     assert trainer.state.global_step == 0
+    # the user's data against the flag: a launched run ends with the message alone, exit status 2 (it printed a
+    # traceback from every rank, then torchrun's ChildFailedError, exit status 1)
+    assert is_flag_error(refused.value)
 
 
 def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_path):
     """With --pack_documents the stage length cropped each document: rows were pack x stage length."""
     from transformers import DataCollatorWithFlattening
 
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
     trainer = _one_process(tmp_path, "0:128:1,1:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128),
                            DataCollatorWithFlattening(return_flash_attn_kwargs=True), batch=2)
     with pytest.raises(ValueError, match=r"cp_schedule stage 0 \(0:128:1\) would train rows of 256 tokens, not 128: "
-                                         r"the data collator turns 2 samples .* without packing"):
+                                         r"the data collator turns 2 samples .* without packing") as refused:
         trainer.train()
-    assert trainer.state.global_step == 0
+    assert trainer.state.global_step == 0 and is_flag_error(refused.value)
+
+
+def test_a_dataset_without_a_length_is_refused_as_a_bad_flag(tmp_path):
+    """A cp_schedule over an iterable dataset (no length: no global sample order to continue across stages) was
+    refused with a traceback from every rank (exit status 1); it is the user's flag against the data (exit 2)."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(_stage_data(_samples(), 0, NUM_SAMPLES, 128))
+
+    trainer = _one_process(tmp_path, "0:128:1", Stream())
+    with pytest.raises(ValueError, match="a cp_schedule needs a train_dataset with a length") as refused:
+        trainer.train()
+    assert trainer.state.global_step == 0 and is_flag_error(refused.value)
 
 
 def test_epoch_starts_out_of_order_are_refused_as_a_bad_flag(tmp_path):
