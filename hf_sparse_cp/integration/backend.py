@@ -132,9 +132,12 @@ def pass_positions_on(module: torch.nn.Module, args, kwargs):
 
 def with_forward_positions(kwargs: dict, seq_len: int) -> dict:
     """An attention call's keyword arguments, with the model forward's `position_ids` (`pass_positions_on`) where the
-    call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len])."""
+    call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len]). A call
+    that carries `position_ids=None` is left as it is: its layer was told there are none, and so was the model's mask
+    (Qwen2-VL's text model hands its layers and `create_causal_mask` the text row of [4, B, S] positions only, None
+    for 2D ones, which it expands to its three RoPE rows: transformers does not pack documents by those)."""
     positions = kwargs.get(POSITIONS_KWARG)
-    if positions is None or kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_k") is not None:
+    if positions is None or "position_ids" in kwargs or kwargs.get("cu_seq_lens_k") is not None:
         return kwargs
     if positions.dim() > 2 or positions.shape[-1] != seq_len:
         return kwargs

@@ -129,6 +129,28 @@ def test_packed_documents_of_a_layer_that_keeps_position_ids_train_like_sdpa_und
         assert rel_rms(g, grads[0][name]) <= 4 * TOLERANCE[torch.float32], name
 
 
+@pytest.mark.parametrize("rows", [None, 3, 4], ids=["2D", "3D", "4D"])
+def test_multimodal_rope_text_models_pack_documents_as_transformers_does(rows):
+    """Qwen2-VL's text model packs documents by the text row of [4, B, S] position_ids only: 2D ones it expands to its
+    three RoPE rows and hands neither its mask nor its layers (position_ids=None), and every transformers attention
+    attends across their restarts. sparse_cp took the 2D ones from the decoder's forward (`pass_positions_on`) and
+    packed by them: 0.67 from sdpa (rel. RMS of the hidden states); now it follows the call's position_ids."""
+    from transformers import AutoModel
+
+    config = tiny_config("qwen2_vl_text", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [4, 6, 6]})
+    torch.manual_seed(0)
+    ref = AutoModel.from_config(config, attn_implementation="sdpa")
+    ours = AutoModel.from_config(tiny_config("qwen2_vl_text", rope_parameters=dict(config.rope_parameters)))
+    ours.load_state_dict(ref.state_dict())
+    hf_sparse_cp.configure(ours, DENSE)
+    ids = torch.randint(3, 259, (1, 96), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(40), torch.arange(56)])[None]
+    pos = pos if rows is None else pos[None].expand(rows, 1, 96)
+    hidden = [m(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state for m in (ref, ours)]
+    assert rel_rms(hidden[1], hidden[0]) <= TOLERANCE[torch.float32]
+
+
 def test_packed_documents_by_flattening_collator():
     ref, ours = _pair("qwen3")
     docs = _docs([33, 90, 27])
