@@ -335,6 +335,22 @@ def own_keys_refusal(module: torch.nn.Module, q_len: int, k_len: int, attention_
             "attn_implementation='sdpa' or 'eager' (--sparse_attention false).")
 
 
+def positions_refusal(module: torch.nn.Module, shard: CPShard, kwargs) -> str | None:
+    """The refusal of a call under CP whose layer hands it `position_ids=None` while the batch packs documents by its
+    position_ids (`CPShard.packed_by_positions`), or None: such a model does not pack by them (Qwen2-VL's text model
+    expands 2D position_ids to its three RoPE rows and attends across their restarts, as one process then does:
+    `with_forward_positions`), but the batch was split into those documents."""
+    if not shard.packed_by_positions or "position_ids" not in kwargs or kwargs["position_ids"] is not None:
+        return None
+    model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    return (f"{type(module).__name__} (model type '{model_type}') gets position_ids=None from its layer, so the model "
+            "does not pack documents by the batch's restarting position_ids (its mask attends across them; Qwen2-VL "
+            "packs by the text row of [4, batch, seq] position_ids only), but context parallelism split the batch into "
+            "those documents. Pass position_ids of shape [4, batch, seq] with the text positions first to pack "
+            "documents, or flattened packing's cu_seq_lens (DataCollatorWithFlattening(return_flash_attn_kwargs="
+            "True)), or position_ids that do not restart.")
+
+
 def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """`query` [B, H, L, D] of a CP call, where the layer scales its queries by positions counted from the tensor's
     length (`architectures.length_counted_query_scales`), moved from the scales of this rank's shard positions to
@@ -431,6 +447,9 @@ def sparse_cp_attention_forward(
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     if shard is not None:
+        refused = positions_refusal(module, shard, kwargs)
+        if refused:
+            raise ValueError(refused)
         query = _row_scaled_queries(module, query, shard)
     elif query.shape[2] == key.shape[2]:
         kwargs = with_forward_positions(kwargs, query.shape[2])
