@@ -32,7 +32,13 @@ from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.sinks import sink_shape_error, with_sinks
-from ..attention.tokens import BatchDocumentExtents, TokenMeta, padding_queries_see_prior_tokens, token_meta_from_kwargs
+from ..attention.tokens import (
+    BatchDocumentExtents,
+    TokenMeta,
+    packing_positions,
+    padding_queries_see_prior_tokens,
+    token_meta_from_kwargs,
+)
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
@@ -135,11 +141,16 @@ def with_forward_positions(kwargs: dict, seq_len: int) -> dict:
     call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len]). A call
     that carries `position_ids=None` is left as it is: its layer was told there are none, and so was the model's mask
     (Qwen2-VL's text model hands its layers and `create_causal_mask` the text row of [4, B, S] positions only, None
-    for 2D ones, which it expands to its three RoPE rows: transformers does not pack documents by those)."""
-    positions = kwargs.get(POSITIONS_KWARG)
-    if positions is None or "position_ids" in kwargs or kwargs.get("cu_seq_lens_k") is not None:
+    for 2D ones, which it expands to its three RoPE rows: transformers does not pack documents by those). A call
+    that carries multimodal RoPE rows [R, B, S] takes the documents of the forward's [R', B, S] ones
+    (`tokens.packing_positions`): GLM-4V's text model hands its mask the text row of [4, B, S] positions and its
+    layers the three rows after it."""
+    positions, call = kwargs.get(POSITIONS_KWARG), kwargs.get("position_ids")
+    if positions is None or kwargs.get("cu_seq_lens_k") is not None or positions.shape[-1] != seq_len:
         return kwargs
-    if positions.dim() > 2 or positions.shape[-1] != seq_len:
+    if call is not None and call.dim() > 2 and positions.dim() > 2:
+        return {**kwargs, "position_ids": packing_positions(positions)}
+    if "position_ids" in kwargs or positions.dim() > 2:
         return kwargs
     return {**kwargs, "position_ids": positions if positions.dim() == 2 else positions[None]}
 

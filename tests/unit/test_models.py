@@ -130,24 +130,27 @@ def test_packed_documents_of_a_layer_that_keeps_position_ids_train_like_sdpa_und
 
 
 @pytest.mark.parametrize("rows", [None, 3, 4], ids=["2D", "3D", "4D"])
-def test_multimodal_rope_text_models_pack_documents_as_transformers_does(rows):
-    """Qwen2-VL's text model packs documents by the text row of [4, B, S] position_ids only: 2D ones it expands to its
-    three RoPE rows and hands neither its mask nor its layers (position_ids=None), and every transformers attention
-    attends across their restarts. sparse_cp took the 2D ones from the decoder's forward (`pass_positions_on`) and
-    packed by them: 0.67 from sdpa (rel. RMS of the hidden states); now it follows the call's position_ids."""
+@pytest.mark.parametrize("model_type", ["qwen2_vl_text", "glm4v_moe_text"])
+def test_multimodal_rope_text_models_pack_documents_as_transformers_does(model_type, rows):
+    """Multimodal RoPE text models pack documents by the text row of [4, B, S] position_ids only (row 0, handed to
+    their mask). Qwen2-VL expands 2D ones to its three RoPE rows and hands neither its mask nor its layers any
+    (position_ids=None): every transformers attention attends across their restarts, but sparse_cp took the 2D ones
+    from the decoder's forward (`pass_positions_on`) and packed by them (0.67 from sdpa, rel. RMS of the hidden
+    states). GLM-4V-MoE hands its layers the three rows after the text row, which sparse_cp failed to read as [B, S]
+    (an expand error; read as rotary rows, 0.52 from sdpa). Now the documents are those of the mask."""
     from transformers import AutoModel
 
-    config = tiny_config("qwen2_vl_text", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                             "mrope_section": [4, 6, 6]})
+    # (sections of the 16 rotary frequencies of head_dim 32; GLM-4V rotates half of each head by default)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6], "partial_rotary_factor": 1.0}
     torch.manual_seed(0)
-    ref = AutoModel.from_config(config, attn_implementation="sdpa")
-    ours = AutoModel.from_config(tiny_config("qwen2_vl_text", rope_parameters=dict(config.rope_parameters)))
+    ref = AutoModel.from_config(tiny_config(model_type, rope_parameters=dict(rope)), attn_implementation="sdpa")
+    ours = AutoModel.from_config(tiny_config(model_type, rope_parameters=dict(rope)))
     ours.load_state_dict(ref.state_dict())
     hf_sparse_cp.configure(ours, DENSE)
     ids = torch.randint(3, 259, (1, 96), generator=torch.Generator().manual_seed(1))
-    pos = torch.cat([torch.arange(40), torch.arange(56)])[None]
-    pos = pos if rows is None else pos[None].expand(rows, 1, 96)
-    hidden = [m(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state for m in (ref, ours)]
+    text = torch.cat([torch.arange(40), torch.arange(56)])[None]
+    pos = {None: text, 3: text[None].expand(3, 1, 96), 4: torch.cat([text[None], text[None].expand(3, 1, 96) + 7])}
+    hidden = [m(input_ids=ids, position_ids=pos[rows], use_cache=False).last_hidden_state for m in (ref, ours)]
     assert rel_rms(hidden[1], hidden[0]) <= TOLERANCE[torch.float32]
 
 
