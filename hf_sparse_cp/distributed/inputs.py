@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..attention.tokens import BatchDocumentExtents, packing_positions
+from ..attention.tokens import BatchDocumentExtents
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
 from .modes import RING
@@ -126,9 +126,9 @@ def prepare_context_parallel_inputs(
                       planner_costs=planner_costs or parallel.planner_costs or PlannerCosts())
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     documents = BatchDocumentExtents(meta, inputs.get("attention_mask"), dict(inputs))
+    positions = inputs.get("position_ids")
     by_positions = (inputs.get("cu_seq_lens_k") is None and inputs.get("attention_mask") is None
-                    and packing_positions(inputs.get("position_ids")) is not None
-                    and any(len(row) > 1 for row in meta.documents))
+                    and positions is not None and positions.dim() <= 2 and any(len(row) > 1 for row in meta.documents))
     out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents, inputs.get("attention_mask"),
                                   by_positions)
     return out

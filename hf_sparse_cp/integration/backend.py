@@ -347,19 +347,22 @@ def own_keys_refusal(module: torch.nn.Module, q_len: int, k_len: int, attention_
 
 
 def positions_refusal(module: torch.nn.Module, shard: CPShard, kwargs) -> str | None:
-    """The refusal of a call under CP whose layer hands it `position_ids=None` while the batch packs documents by its
-    position_ids (`CPShard.packed_by_positions`), or None: such a model does not pack by them (Qwen2-VL's text model
-    expands 2D position_ids to its three RoPE rows and attends across their restarts, as one process then does:
-    `with_forward_positions`), but the batch was split into those documents."""
-    if not shard.packed_by_positions or "position_ids" not in kwargs or kwargs["position_ids"] is not None:
+    """The refusal of a call under CP whose layer hands it `position_ids=None` or multimodal RoPE rows [R, B, S] while
+    the batch packs documents by its [B, S] position_ids (`CPShard.packed_by_positions`), or None: such a model expands
+    them to its rotary rows without packing by them (Qwen2-VL's and GLM-4V's text models attend across their restarts,
+    as one process then does: `with_forward_positions`), but the batch was split into those documents."""
+    call = kwargs.get("position_ids")
+    if not shard.packed_by_positions or "position_ids" not in kwargs or (call is not None and call.dim() <= 2):
         return None
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
-    return (f"{type(module).__name__} (model type '{model_type}') gets position_ids=None from its layer, so the model "
-            "does not pack documents by the batch's restarting position_ids (its mask attends across them; Qwen2-VL "
-            "packs by the text row of [4, batch, seq] position_ids only), but context parallelism split the batch into "
-            "those documents. Pass position_ids of shape [4, batch, seq] with the text positions first to pack "
-            "documents, or flattened packing's cu_seq_lens (DataCollatorWithFlattening(return_flash_attn_kwargs="
-            "True)), or position_ids that do not restart.")
+    return (f"{type(module).__name__} (model type '{model_type}') gets "
+            f"{'position_ids=None' if call is None else f'multimodal RoPE position_ids of {call.dim()} dimensions'} "
+            "from its layer: the model expands the batch's restarting [batch, seq] position_ids to its RoPE rows and "
+            "does not pack documents by them (its mask attends across them; it packs by the text row of "
+            "[4, batch, seq] position_ids only), but context parallelism split the batch into those documents. Pass "
+            "position_ids of shape [4, batch, seq] with the text positions first to pack documents, or flattened "
+            "packing's cu_seq_lens (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or position_ids that "
+            "do not restart.")
 
 
 def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPShard) -> torch.Tensor:
