@@ -43,7 +43,13 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales, moved_query_scales
-from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
+from .call_tokens import (
+    PerForward,
+    batch_token_meta,
+    cache_key_length,
+    cache_slots_mask,
+    padding_between_tokens_once,
+)
 from .stats import record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -136,6 +142,9 @@ def pass_positions_on(module: torch.nn.Module, args, kwargs):
     return args, {**kwargs, POSITIONS_KWARG: positions}
 
 
+_TEXT_ROWS = PerForward()
+
+
 def with_forward_positions(kwargs: dict, seq_len: int) -> dict:
     """An attention call's keyword arguments, with the model forward's `position_ids` (`pass_positions_on`) where the
     call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len]). A call
@@ -148,8 +157,9 @@ def with_forward_positions(kwargs: dict, seq_len: int) -> dict:
     positions, call = kwargs.get(POSITIONS_KWARG), kwargs.get("position_ids")
     if positions is None or kwargs.get("cu_seq_lens_k") is not None or positions.shape[-1] != seq_len:
         return kwargs
-    if call is not None and call.dim() > 2 and positions.dim() > 2:
-        return {**kwargs, "position_ids": packing_positions(positions)}
+    if call is not None and call.dim() > 2 and positions.dim() > 2:  # (one text row object per forward: its
+        # documents are then read back once, `batch_token_meta`)
+        return {**kwargs, "position_ids": _TEXT_ROWS.get((), (positions,), lambda: packing_positions(positions))}
     if "position_ids" in kwargs or positions.dim() > 2:
         return kwargs
     return {**kwargs, "position_ids": positions if positions.dim() == 2 else positions[None]}
