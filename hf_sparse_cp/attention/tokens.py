@@ -76,6 +76,15 @@ def segments_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return new_doc.cumsum(dim=1).to(torch.int32) - 1
 
 
+def packing_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The `position_ids` by which transformers' masks pack documents ([B, S], [1, S] or [S]): those given, or of
+    multimodal RoPE's [R, B, S] (Qwen2-VL, Qwen3-VL, Qwen3.5: one row per rotary axis) the text row of [4, B, S] ones
+    (row 0, which those models hand their mask and layers) and None for [3, B, S] ones (they pack none by them)."""
+    if position_ids is None or position_ids.dim() <= 2:
+        return position_ids
+    return position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else None
+
+
 def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """Document ids from cumulative sequence lengths (DataCollatorWithFlattening's `cu_seq_lens_k`).
 
@@ -180,7 +189,7 @@ def token_meta_from_kwargs(
         `TokenMeta` [batch, seq_len] with local indices (0..seq_len-1) and padding marked.
     """
     cu = kwargs.get("cu_seq_lens_k")
-    position_ids = kwargs.get("position_ids")
+    position_ids = packing_positions(kwargs.get("position_ids"))
     if cu is not None:
         segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
     elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
@@ -200,8 +209,8 @@ def mask_positions(
     mask's indices to them, `remap_positions_for_packed_sequence`), else each token's index in its row less the
     row's left padding (`create_chunked_causal_mask` starts the chunks there; a window compares differences only);
     with `cu_seq_lens_k` and no `position_ids` (a layer that does not pass them on), each token's index in its
-    document, as flattened packing numbers them."""
-    position_ids = kwargs.get("position_ids")
+    document, as flattened packing numbers them. Multimodal RoPE's [R, B, S] position_ids: `packing_positions`."""
+    position_ids = packing_positions(kwargs.get("position_ids"))
     if attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
         positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, seq_len)
         if bool((segments_from_position_ids(positions)[:, -1] > 0).any()):  # (transformers' packed detection)

@@ -100,7 +100,8 @@ def prepare_context_parallel_inputs(
     Returns:
         The model inputs of this rank: input_ids (or inputs_embeds), `shift_labels` (labels shifted
         before sharding) and sharded `labels` (so stock forwards compute a loss), global
-        position_ids, each [B, plan.local_len]; the attention mask and packing keys go into the
+        position_ids, each [B, plan.local_len] (multimodal RoPE's position_ids [R, B, plan.local_len], their documents
+        by `tokens.packing_positions`); the attention mask and packing keys go into the
         `CPShard` under `cp_shard`. The sequence is padded to whole blocks per rank, never truncated.
         A stock forward's loss on them is this rank's mean over its own targets (NaN on a shard without
         any); the batch's loss is `rank_loss(model(**inputs, num_items_in_batch=1).loss,
@@ -125,5 +126,9 @@ def prepare_context_parallel_inputs(
                       planner_costs=planner_costs or parallel.planner_costs or PlannerCosts())
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     documents = BatchDocumentExtents(meta, inputs.get("attention_mask"), dict(inputs))
-    out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents, inputs.get("attention_mask"))
+    positions = inputs.get("position_ids")
+    by_positions = (inputs.get("cu_seq_lens_k") is None and inputs.get("attention_mask") is None
+                    and positions is not None and positions.dim() <= 2 and any(len(row) > 1 for row in meta.documents))
+    out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents, inputs.get("attention_mask"),
+                                  by_positions)
     return out

@@ -32,7 +32,9 @@ class CPShard:
     batch's documents in the positions transformers' masks compare (`tokens.BatchDocumentExtents`, computed when
     first called), by which the backend checks a window or chunk that only the model's mask carries (None: unknown,
     the padded length is checked instead); attention_mask: the whole batch's 2D padding mask [B, plan.seq_len] as the
-    batch carried it (None without one), which the CP router loss hands the model's function with the gathered tokens.
+    batch carried it (None without one), which the CP router loss hands the model's function with the gathered tokens;
+    packed_by_positions: whether `meta`'s documents come from the batch's restarting [B, S] position_ids, which a
+    multimodal RoPE model expands to its rotary rows without packing by them (the backend refuses that).
     """
 
     parallel: ParallelDims
@@ -40,6 +42,7 @@ class CPShard:
     meta: TokenMeta
     documents: BatchDocumentExtents | None = None
     attention_mask: torch.Tensor | None = None
+    packed_by_positions: bool = False
 
     @property
     def rank(self) -> int:

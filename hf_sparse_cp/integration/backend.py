@@ -32,12 +32,24 @@ from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.sinks import sink_shape_error, with_sinks
-from ..attention.tokens import BatchDocumentExtents, TokenMeta, padding_queries_see_prior_tokens, token_meta_from_kwargs
+from ..attention.tokens import (
+    BatchDocumentExtents,
+    TokenMeta,
+    packing_positions,
+    padding_queries_see_prior_tokens,
+    token_meta_from_kwargs,
+)
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales, moved_query_scales
-from .call_tokens import batch_token_meta, cache_key_length, cache_slots_mask, padding_between_tokens_once
+from .call_tokens import (
+    PerForward,
+    batch_token_meta,
+    cache_key_length,
+    cache_slots_mask,
+    padding_between_tokens_once,
+)
 from .stats import pop_kept_fractions, record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -132,13 +144,25 @@ def pass_positions_on(module: torch.nn.Module, args, kwargs):
     return args, {**kwargs, POSITIONS_KWARG: positions}
 
 
+_TEXT_ROWS = PerForward()
+
+
 def with_forward_positions(kwargs: dict, seq_len: int) -> dict:
     """An attention call's keyword arguments, with the model forward's `position_ids` (`pass_positions_on`) where the
-    call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len])."""
-    positions = kwargs.get(POSITIONS_KWARG)
-    if positions is None or kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_k") is not None:
+    call got neither them nor `cu_seq_lens_k` and they are one per token ([B or 1, seq_len] or [seq_len]). A call
+    that carries `position_ids=None` is left as it is: its layer was told there are none, and so was the model's mask
+    (Qwen2-VL's text model hands its layers and `create_causal_mask` the text row of [4, B, S] positions only, None
+    for 2D ones, which it expands to its three RoPE rows: transformers does not pack documents by those). A call
+    that carries multimodal RoPE rows [R, B, S] takes the documents of the forward's [R', B, S] ones
+    (`tokens.packing_positions`): GLM-4V's text model hands its mask the text row of [4, B, S] positions and its
+    layers the three rows after it."""
+    positions, call = kwargs.get(POSITIONS_KWARG), kwargs.get("position_ids")
+    if positions is None or kwargs.get("cu_seq_lens_k") is not None or positions.shape[-1] != seq_len:
         return kwargs
-    if positions.dim() > 2 or positions.shape[-1] != seq_len:
+    if call is not None and call.dim() > 2 and positions.dim() > 2:  # (one text row object per forward: its
+        # documents are then read back once, `batch_token_meta`)
+        return {**kwargs, "position_ids": _TEXT_ROWS.get((), (positions,), lambda: packing_positions(positions))}
+    if "position_ids" in kwargs or positions.dim() > 2:
         return kwargs
     return {**kwargs, "position_ids": positions if positions.dim() == 2 else positions[None]}
 
@@ -342,6 +366,25 @@ def own_keys_refusal(module: torch.nn.Module, q_len: int, k_len: int, attention_
             "attn_implementation='sdpa' or 'eager' (--sparse_attention false).")
 
 
+def positions_refusal(module: torch.nn.Module, shard: CPShard, kwargs) -> str | None:
+    """The refusal of a call under CP whose layer hands it `position_ids=None` or multimodal RoPE rows [R, B, S] while
+    the batch packs documents by its [B, S] position_ids (`CPShard.packed_by_positions`), or None: such a model expands
+    them to its rotary rows without packing by them (Qwen2-VL's and GLM-4V's text models attend across their restarts,
+    as one process then does: `with_forward_positions`), but the batch was split into those documents."""
+    call = kwargs.get("position_ids")
+    if not shard.packed_by_positions or "position_ids" not in kwargs or (call is not None and call.dim() <= 2):
+        return None
+    model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    return (f"{type(module).__name__} (model type '{model_type}') gets "
+            f"{'position_ids=None' if call is None else f'multimodal RoPE position_ids of {call.dim()} dimensions'} "
+            "from its layer: the model expands the batch's restarting [batch, seq] position_ids to its RoPE rows and "
+            "does not pack documents by them (its mask attends across them; it packs by the text row of "
+            "[4, batch, seq] position_ids only), but context parallelism split the batch into those documents. Pass "
+            "position_ids of shape [4, batch, seq] with the text positions first to pack documents, or flattened "
+            "packing's cu_seq_lens (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or position_ids that "
+            "do not restart.")
+
+
 def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """`query` [B, H, L, D] of a CP call, where the layer scales its queries by positions counted from the tensor's
     length (`architectures.length_counted_query_scales`), moved from the scales of this rank's shard positions to
@@ -438,6 +481,9 @@ def sparse_cp_attention_forward(
         )
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     if shard is not None:
+        refused = positions_refusal(module, shard, kwargs)
+        if refused:
+            raise ValueError(refused)
         query = _row_scaled_queries(module, query, shard)
     elif query.shape[2] == key.shape[2]:
         kwargs = with_forward_positions(kwargs, query.shape[2])

@@ -25,8 +25,10 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
     A mask that transformers combines from the causal one and a model's own overlay (`or_mask_function` /
     `and_mask_function`, for which it sets `use_vmap`, or a block overlay: bidirectional image tokens, a bidirectional
-    text model) is refused: the backend computes causal attention, documents, windows and padding only."""
-    if kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", None) == "or_mask":
+    text model) is refused: the backend computes causal attention, documents, windows and padding only. So is one
+    that lets a query see the key after it (`_sees_next_key`): a block overlay under packing."""
+    if (kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", None) == "or_mask"
+            or _sees_next_key(kwargs.get("mask_function"), batch_size, q_length, kv_length, kwargs.get("device"))):
         config = kwargs.get("config")
         raise ValueError(
             f"sparse_cp computes causal attention only, but this model (type "
@@ -42,6 +44,18 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         key = id(mask)
         _CACHE_KEYS[key] = weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length
     return mask
+
+
+def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, device) -> bool:
+    """Whether transformers' index-based `mask_function` of a packed batch (an `and_mask` of the causal mask and the
+    documents: the or-mask of a block overlay, HRM's bidirectional prefix, is then inside it) lets some query see the
+    key right after it, which no causal mask does. Evaluated, as transformers' SDPA mask evaluates it by broadcasting,
+    on those B x (S - 1) pairs only, once per mask (a forward)."""
+    if getattr(mask_function, "__name__", None) != "and_mask" or q_length != kv_length or q_length < 2:
+        return False
+    batch = torch.arange(batch_size, device=device)[:, None]
+    query = torch.arange(q_length - 1, device=device)[None, :]
+    return bool(torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, query + 1)).any())
 
 
 # The key length of each mask `sparse_cp_mask` built for a call through a KV cache, by the mask's id (a weak reference

@@ -166,6 +166,25 @@ def test_packed_documents_and_padding_reach_the_token_meta():
     assert torch.equal(meta.segment[0, :60], torch.cat([torch.zeros(25), torch.ones(35)]).int())
     assert bool((meta.segment[0, 60:] == -1).all())
     assert torch.equal(local["position_ids"][0, :60], position_ids[0])  # RoPE keeps per-document positions
+    assert local["cp_shard"].packed_by_positions
+
+
+@pytest.mark.parametrize("rows, packed", [(4, True), (3, False)])
+def test_multimodal_rope_position_ids_are_sharded_by_row_and_pack_by_their_text_row(rows, packed):
+    """Qwen2-VL's position_ids [R, B, S] (one row per rotary axis): the preparation failed in an expand of them to
+    [B, S]. Each row is sharded along the sequence; the documents are those of the text row of [4, B, S] ones (row 0,
+    which transformers packs by), none of [3, B, S] ones (it packs none by them); the shard tells the backend that
+    they do not come from [B, S] ones, which such a model would not pack by."""
+    ids = torch.randint(5, 100, (1, 60))
+    text = torch.cat([torch.arange(25), torch.arange(35)])
+    position_ids = torch.stack([text + 100 * r for r in range(rows)])[:, None]  # (the RoPE rows restart elsewhere)
+    position_ids[:, 0, :25] = text[:25]
+    local = prepare_context_parallel_inputs({"input_ids": ids, "position_ids": position_ids}, ParallelDims.single(),
+                                            block_size=16)
+    shard = local["cp_shard"]
+    assert torch.equal(local["position_ids"][..., :60], position_ids) and local["position_ids"].shape == (rows, 1, 64)
+    assert torch.equal(shard.meta.segment[0, :60], (torch.arange(60) >= 25).int() if packed else torch.zeros(60).int())
+    assert not shard.packed_by_positions
 
 
 def test_flattened_packing_with_several_rows_is_refused():

@@ -17,10 +17,11 @@ def _config(model_type="llama", **overrides):
     return config
 
 
-def _mask(make=create_causal_mask, config=None, attention_mask=None, **kwargs):
+def _mask(make=create_causal_mask, config=None, attention_mask=None, position_ids=None, **kwargs):
     embeds = torch.zeros(2, 40, 8)
+    position_ids = torch.arange(40)[None].expand(2, 40) if position_ids is None else position_ids
     return make(config=config or _config(), inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
-                position_ids=torch.arange(40)[None].expand(2, 40), **kwargs)
+                position_ids=position_ids, **kwargs)
 
 
 def test_causal_windows_and_padding_pass_on_as_the_2d_padding_mask():
@@ -40,3 +41,16 @@ def test_a_models_own_overlay_on_the_causal_mask_is_refused_naming_sdpa(overlay)
     with pytest.raises(ValueError, match=r"overlays its own mask on the causal one .*attn_implementation='sdpa' "
                                          r"\(--sparse_attention false\)"):
         _mask(**overlay)
+
+
+def test_a_block_overlay_of_a_packed_batch_is_refused_and_its_documents_pass_on():
+    """Under packing (restarting position_ids, no attention mask) transformers puts a block overlay (HRM's bidirectional
+    prefix-LM prefix, block_sequence_ids) inside the and-mask of the documents, which the or-mask check did not see: a
+    tiny hrm_text with a prefix gave sdpa's logits to 0.009 and gradients to 0.85 (rel.), its prefix attended causally.
+    The packed documents alone still pass on."""
+    packed = torch.cat([torch.arange(25), torch.arange(15)])[None].expand(2, 40)
+    with pytest.raises(ValueError, match=r"overlays its own mask on the causal one .*attn_implementation='sdpa'"):
+        _mask(position_ids=packed, block_sequence_ids=torch.tensor([[0] * 10 + [-1] * 30] * 2))
+    assert _mask(position_ids=packed) is None
+    window = _config("mistral", sliding_window=16)
+    assert _mask(create_sliding_window_causal_mask, config=window, position_ids=packed) is None

@@ -152,6 +152,59 @@ def test_the_forward_positions_reach_attention_only_not_a_loss_function_without_
     assert len(seen) == 1 and rel_rms(out.logits[0], alone) <= TOLERANCE[torch.float32]  # (documents still apart)
 
 
+@pytest.mark.parametrize("rows", [None, 3, 4], ids=["2D", "3D", "4D"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl_text", "glm4v_moe_text"])
+def test_multimodal_rope_text_models_pack_documents_as_transformers_does(model_type, rows):
+    """Multimodal RoPE text models pack documents by the text row of [4, B, S] position_ids only (row 0, handed to
+    their mask). Qwen2-VL expands 2D ones to its three RoPE rows and hands neither its mask nor its layers any
+    (position_ids=None): every transformers attention attends across their restarts, but sparse_cp took the 2D ones
+    from the decoder's forward (`pass_positions_on`) and packed by them (0.67 from sdpa, rel. RMS of the hidden
+    states). GLM-4V-MoE hands its layers the three rows after the text row, which sparse_cp failed to read as [B, S]
+    (an expand error; read as rotary rows, 0.52 from sdpa). Now the documents are those of the mask."""
+    ref, ours = _text_model_pair(model_type)
+    ids = torch.randint(3, 259, (1, 96), generator=torch.Generator().manual_seed(1))
+    pos = _packed_rope_rows(rows)
+    hidden = [m(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state for m in (ref, ours)]
+    assert rel_rms(hidden[1], hidden[0]) <= TOLERANCE[torch.float32]
+
+
+def test_the_documents_of_multimodal_rope_rows_are_read_back_once_per_forward(monkeypatch):
+    """GLM-4V's layers get the RoPE rows; their documents come from the forward's text row, one tensor per forward (a
+    new view of it per layer was read back to the host in every layer)."""
+    from hf_sparse_cp.attention import tokens
+
+    reads = []
+    monkeypatch.setattr(tokens, "document_table", lambda segment: reads.append(1) or [[(0, 40), (40, 96)]])
+    keep_all = SparseAttentionConfig(block_size=32, min_seq_len=0, vertical_topk=10**4, slash_topk=10**4,
+                                     dense_first_layers=0)
+    _, ours = _text_model_pair("glm4v_moe_text", keep_all)  # (the sparse pattern reads the documents)
+    assert ours.config.num_hidden_layers > 1
+    ours(input_ids=torch.randint(3, 259, (1, 96)), position_ids=_packed_rope_rows(4), use_cache=False)
+    assert len(reads) == 1
+
+
+def _text_model_pair(model_type: str, config: SparseAttentionConfig = DENSE):
+    """(sdpa, sparse_cp) text models of a multimodal RoPE architecture, equal weights."""
+    from transformers import AutoModel
+
+    # (sections of the 16 rotary frequencies of head_dim 32; GLM-4V rotates half of each head by default)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6], "partial_rotary_factor": 1.0}
+    torch.manual_seed(0)
+    ref = AutoModel.from_config(tiny_config(model_type, rope_parameters=dict(rope)), attn_implementation="sdpa")
+    ours = AutoModel.from_config(tiny_config(model_type, rope_parameters=dict(rope)))
+    ours.load_state_dict(ref.state_dict())
+    hf_sparse_cp.configure(ours, config)
+    return ref, ours
+
+
+def _packed_rope_rows(rows: int | None) -> torch.Tensor:
+    """Two documents (40 + 56 tokens) as [1, 96] position_ids (rows None), or [rows, 1, 96]: 4 rows are the text row
+    and three RoPE rows that restart elsewhere."""
+    text = torch.cat([torch.arange(40), torch.arange(56)])[None]
+    rope_rows = text[None].expand(3, 1, 96)
+    return {None: text, 3: rope_rows, 4: torch.cat([text[None], rope_rows + 7])}[rows]
+
+
 def test_packed_documents_by_flattening_collator():
     ref, ours = _pair("qwen3")
     docs = _docs([33, 90, 27])

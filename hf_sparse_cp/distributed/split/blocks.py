@@ -366,7 +366,8 @@ def shard_inputs(
     position_ids = inputs.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(s, device=ref.device).expand(b, s)
-    out["position_ids"] = plan.shard(position_ids.expand(b, s), rank, pad_value=0)
+    position_ids = position_ids.expand(*position_ids.shape[:-2], b, s)  # (multimodal RoPE's [R, B, S]: R rows kept)
+    out["position_ids"] = plan.shard(position_ids, rank, dim=position_ids.dim() - 1, pad_value=0)
     return out
 
 
