@@ -89,6 +89,7 @@ class LaunchedRun:
     attention implementation its command line named, with the flag that named it (`attention_asked`), if any."""
 
     trainers_built: int = 0
+    plugin_parsers: int = 0  # parsers built over a TrainingArguments class, so taking the plugin's flags
     attention_asked: tuple[str, str] | None = None
 
 
@@ -155,6 +156,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 # argparse's errors print the usage of every flag, the plugin's ~60 among them: its prog and --help
                 self.usage_on_error = f"{self.prog} [FLAGS] ({self.prog} --help lists them)"
             if plugin_types:
+                run.plugin_parsers += 1
                 names = set().union(*(t._sparse_fields for t in plugin_types))
                 self.set_defaults(**{name: value for name, value in defaults.items() if name in names})
 

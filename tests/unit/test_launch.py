@@ -594,6 +594,38 @@ def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp
     assert "flags --sparse_min_seq_len were not used" in err
 
 
+OWN_PARSER = textwrap.dedent("""
+    import argparse
+    parser = argparse.ArgumentParser(description="a training loop of its own, as run_clm_no_trainer.py")
+    parser.add_argument("--model_name_or_path")
+    parser.add_argument("--output_dir")
+    print(parser.parse_args())
+""")
+
+
+def test_plugin_flags_refused_by_a_scripts_own_argparse_are_explained(tmp_path, monkeypatch, capsys):
+    """transformers' run_clm_no_trainer.py parses its flags with argparse: `hf-sparse-cp launch --nproc 2
+    run_clm_no_trainer.py ... --cp_size 2` ended on its 'unrecognized arguments: --cp_size 2' alone, as if the
+    plugin had no such flag; a note now says why and what to do. A script whose parser takes the plugin's flags gets
+    no note for its own refusals."""
+    (tmp_path / "own_parser.py").write_text(OWN_PARSER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        run(["own_parser.py", "--model_name_or_path", "m", "--cp_size", "2", "--sparse_block_size=32"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "unrecognized arguments: --cp_size 2 --sparse_block_size=32" in err
+    assert "note: own_parser.py parses its command line with a parser of its own" in err
+    assert "(--cp_size, --sparse_block_size)" in err and "before its path" in err and "functional API" in err
+    with pytest.raises(SystemExit):  # its own flag refused, no plugin flag given: argparse's message alone
+        run(["own_parser.py", "--bogus", "1"])
+    assert "note:" not in capsys.readouterr().err
+    (tmp_path / "record_run.py").write_text(RECORDER)  # a parser over TrainingArguments: its refusal says enough
+    with pytest.raises(SystemExit):
+        run(["record_run.py", "--output_dir", "out", "--cp_size", "0"])
+    assert "note:" not in capsys.readouterr().err
+
+
 ATTENTION_SCRIPT = textwrap.dedent("""
     from dataclasses import dataclass
     import torch
