@@ -168,13 +168,12 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                     exit_refused(f"{self.prog}: error: {e}\n")
                 if not isinstance(e, ValueError):
                     raise
-                # (HfArgumentParser's error for unknown flags names them, without a guess: with one, a mistyped
-                # flag, it ends as argparse ends a bad flag)
+                # (HfArgumentParser's error for unknown flags, TRL's copy's too, names them without a guess: it ends
+                # as argparse ends a bad flag, with the nearest flag to each where one is close)
                 unknown = self.parse_known_args(sys.argv[1:] if args is None else list(args))[1]
-                hint = did_you_mean(self, unknown)
-                if not hint:
+                if not unknown or not all(token in str(e) for token in unknown):  # (the script's own refusal)
                     raise
-                exit_refused(f"{self.prog}: error: {e}{hint}\n")
+                exit_refused(f"{self.prog}: error: {e}{did_you_mean(self, unknown)}\n")
             ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
             if ours:
                 explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given

@@ -324,6 +324,34 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
     assert err.endswith("did you mean --sparse_block_size for --sparse_blocksize?\n"), err
 
 
+@pytest.mark.parametrize("trl_parser", [False, True])
+def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsys, trl_parser):
+    """`--torch_dtype bfloat16` given to run_clm.py (whose flag is --dtype) or to TRL's sft.py (TRL's own copy of
+    HfArgumentParser) under hf-sparse-cp launch raised HfArgumentParser's ValueError with a traceback from every
+    rank and exit status 1: only a flag with a near one ended as argparse ends a bad flag, once, exit status 2. A
+    ValueError of the script's own (a dataclass's __post_init__) keeps its traceback."""
+    parser_class = HfArgumentParser
+    if trl_parser:
+        parser_class = pytest.importorskip("trl").TrlParser
+    with launched(PluginArguments()), pytest.raises(SystemExit) as ended:
+        parser_class(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--torch_dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "error: Some specified arguments are not used" in err and "torch_dtype" in err
+    assert "did you mean" not in err
+
+    @dataclass
+    class Data:
+        train_file: str | None = None
+
+        def __post_init__(self):
+            if self.train_file is None:
+                raise ValueError("Need a training file.")
+
+    with launched(PluginArguments()), pytest.raises(ValueError, match="Need a training file"):
+        parser_class((Data, TrainingArguments)).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+
+
 @pytest.mark.parametrize("flags, file, message", [
     (["--sparse_config", "{dir}/typo.yaml"], "vertical_top_k: 8\n",
      "typo.yaml': Unknown sparse attention config keys ['vertical_top_k']"),
