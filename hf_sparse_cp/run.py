@@ -62,11 +62,11 @@ def _explain_refused_plugin_flags(target: str, run: LaunchedRun, args: Sequence[
     transformers' run_clm_no_trainer.py) exited refusing the plugin's flags after its path: its parser names them
     unrecognized, as if the plugin had no such flags."""
     stray = plugin_flags_in(args)
-    if run.trainers_built or run.plugin_parsers or not stray or os.environ.get("RANK", "0") != "0":
+    if run.trainers_built or run.hf_parsers or not stray or os.environ.get("RANK", "0") != "0":
         return
     sys.stderr.write(
-        f"{PROG}: note: {target} parses its command line with a parser of its own, not HfArgumentParser or TRL's "
-        f"TrlParser over TrainingArguments, so the plugin's flags after its path ({', '.join(stray)}) reached that "
+        f"{PROG}: note: {target} parses its command line with a parser of its own, not HfArgumentParser (or TRL's "
+        f"TrlParser), so the plugin's flags after its path ({', '.join(stray)}) reached that "
         "parser, which does not know them. A script that builds its TrainingArguments in code and trains with a "
         f"Trainer takes them before its path ({PROG} {' '.join(stray)} ... {target} ...); a training loop of its "
         "own (transformers' run_clm_no_trainer.py) runs without the plugin: drop them, or train it through the "

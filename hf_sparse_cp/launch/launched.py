@@ -89,7 +89,7 @@ class LaunchedRun:
     attention implementation its command line named, with the flag that named it (`attention_asked`), if any."""
 
     trainers_built: int = 0
-    plugin_parsers: int = 0  # parsers built over a TrainingArguments class, so taking the plugin's flags
+    hf_parsers: int = 0  # HfArgumentParsers built (transformers' or TRL's): they take or name the plugin's flags
     attention_asked: tuple[str, str] | None = None
 
 
@@ -145,6 +145,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
 
         def init_parser(self, dataclass_types=None, **kwargs):
             types = _with_plugin_classes(dataclass_types)
+            run.hf_parsers += 1
             try:
                 parser_init(self, types, **kwargs)
             except argparse.ArgumentError as e:  # a field of the script named like a plugin flag
@@ -156,7 +157,6 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 # argparse's errors print the usage of every flag, the plugin's ~60 among them: its prog and --help
                 self.usage_on_error = f"{self.prog} [FLAGS] ({self.prog} --help lists them)"
             if plugin_types:
-                run.plugin_parsers += 1
                 names = set().union(*(t._sparse_fields for t in plugin_types))
                 self.set_defaults(**{name: value for name, value in defaults.items() if name in names})
 
