@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
-from hf_sparse_cp.launch.launched import launched, plugin_flags_in
+from hf_sparse_cp.launch.launched import LaunchedRun, launched, plugin_flags_in
 from hf_sparse_cp.launch.refusals import end_refused
 from hf_sparse_cp.trainer.arguments import is_flag_error
 
@@ -57,6 +57,22 @@ def script_name(target: str, is_module: bool) -> str:
     return os.path.basename(spec.origin if spec is not None and spec.origin else target)
 
 
+def _explain_refused_plugin_flags(target: str, run: LaunchedRun, args: Sequence[str]) -> None:
+    """Say why a script that parses its command line without `HfArgumentParser` (argparse of its own, as
+    transformers' run_clm_no_trainer.py) exited refusing the plugin's flags after its path: its parser names them
+    unrecognized, as if the plugin had no such flags."""
+    stray = plugin_flags_in(args)
+    if run.trainers_built or run.hf_parsers or not stray or os.environ.get("RANK", "0") != "0":
+        return
+    sys.stderr.write(
+        f"{PROG}: note: {target} parses its command line with a parser of its own, not HfArgumentParser (or TRL's "
+        f"TrlParser), so the plugin's flags after its path ({', '.join(stray)}) reached that "
+        "parser, which does not know them. A script that builds its TrainingArguments in code and trains with a "
+        f"Trainer takes them before its path ({PROG} {' '.join(stray)} ... {target} ...); a training loop of its "
+        "own (transformers' run_clm_no_trainer.py) runs without the plugin: drop them, or train it through the "
+        "functional API (hf_sparse_cp.configure, enable_sparse_attention: docs/usage.md).\n")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hf_sparse_cp.run`: see the module's doc."""
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
@@ -65,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with launched(plugin) as run:
         try:
             run_target(target, is_module, args)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                _explain_refused_plugin_flags(target, run, args)
+            raise
         except (ValueError, TypeError, OSError) as e:
             if not is_flag_error(e):  # (a bug keeps its traceback)
                 raise

@@ -89,6 +89,7 @@ class LaunchedRun:
     attention implementation its command line named, with the flag that named it (`attention_asked`), if any."""
 
     trainers_built: int = 0
+    hf_parsers: int = 0  # HfArgumentParsers built (transformers' or TRL's): they take or name the plugin's flags
     attention_asked: tuple[str, str] | None = None
 
 
@@ -144,6 +145,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
 
         def init_parser(self, dataclass_types=None, **kwargs):
             types = _with_plugin_classes(dataclass_types)
+            run.hf_parsers += 1
             try:
                 parser_init(self, types, **kwargs)
             except argparse.ArgumentError as e:  # a field of the script named like a plugin flag
@@ -166,13 +168,12 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                     exit_refused(f"{self.prog}: error: {e}\n")
                 if not isinstance(e, ValueError):
                     raise
-                # (HfArgumentParser's error for unknown flags names them, without a guess: with one, a mistyped
-                # flag, it ends as argparse ends a bad flag)
+                # (HfArgumentParser's error for unknown flags, TRL's copy's too, names them without a guess: it ends
+                # as argparse ends a bad flag, with the nearest flag to each where one is close)
                 unknown = self.parse_known_args(sys.argv[1:] if args is None else list(args))[1]
-                hint = did_you_mean(self, unknown)
-                if not hint:
+                if not unknown or not all(token in str(e) for token in unknown):  # (the script's own refusal)
                     raise
-                exit_refused(f"{self.prog}: error: {e}{hint}\n")
+                exit_refused(f"{self.prog}: error: {e}{did_you_mean(self, unknown)}\n")
             ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
             if ours:
                 explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given

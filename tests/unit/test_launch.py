@@ -324,6 +324,34 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
     assert err.endswith("did you mean --sparse_block_size for --sparse_blocksize?\n"), err
 
 
+@pytest.mark.parametrize("trl_parser", [False, True])
+def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsys, trl_parser):
+    """`--torch_dtype bfloat16` given to run_clm.py (whose flag is --dtype) or to TRL's sft.py (TRL's own copy of
+    HfArgumentParser) under hf-sparse-cp launch raised HfArgumentParser's ValueError with a traceback from every
+    rank and exit status 1: only a flag with a near one ended as argparse ends a bad flag, once, exit status 2. A
+    ValueError of the script's own (a dataclass's __post_init__) keeps its traceback."""
+    parser_class = HfArgumentParser
+    if trl_parser:
+        parser_class = pytest.importorskip("trl").TrlParser
+    with launched(PluginArguments()), pytest.raises(SystemExit) as ended:
+        parser_class(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--torch_dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "error: Some specified arguments are not used" in err and "torch_dtype" in err
+    assert "did you mean" not in err
+
+    @dataclass
+    class Data:
+        train_file: str | None = None
+
+        def __post_init__(self):
+            if self.train_file is None:
+                raise ValueError("Need a training file.")
+
+    with launched(PluginArguments()), pytest.raises(ValueError, match="Need a training file"):
+        parser_class((Data, TrainingArguments)).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+
+
 @pytest.mark.parametrize("flags, file, message", [
     (["--sparse_config", "{dir}/typo.yaml"], "vertical_top_k: 8\n",
      "typo.yaml': Unknown sparse attention config keys ['vertical_top_k']"),
@@ -592,6 +620,38 @@ def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp
     err = capsys.readouterr().err
     assert "record_run.py ended without building a transformers Trainer" in err
     assert "flags --sparse_min_seq_len were not used" in err
+
+
+OWN_PARSER = textwrap.dedent("""
+    import argparse
+    parser = argparse.ArgumentParser(description="a training loop of its own, as run_clm_no_trainer.py")
+    parser.add_argument("--model_name_or_path")
+    parser.add_argument("--output_dir")
+    print(parser.parse_args())
+""")
+
+
+def test_plugin_flags_refused_by_a_scripts_own_argparse_are_explained(tmp_path, monkeypatch, capsys):
+    """transformers' run_clm_no_trainer.py parses its flags with argparse: `hf-sparse-cp launch --nproc 2
+    run_clm_no_trainer.py ... --cp_size 2` ended on its 'unrecognized arguments: --cp_size 2' alone, as if the
+    plugin had no such flag; a note now says why and what to do. A script whose parser takes the plugin's flags gets
+    no note for its own refusals."""
+    (tmp_path / "own_parser.py").write_text(OWN_PARSER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        run(["own_parser.py", "--model_name_or_path", "m", "--cp_size", "2", "--sparse_block_size=32"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "unrecognized arguments: --cp_size 2 --sparse_block_size=32" in err
+    assert "note: own_parser.py parses its command line with a parser of its own" in err
+    assert "(--cp_size, --sparse_block_size)" in err and "before its path" in err and "functional API" in err
+    with pytest.raises(SystemExit):  # its own flag refused, no plugin flag given: argparse's message alone
+        run(["own_parser.py", "--bogus", "1"])
+    assert "note:" not in capsys.readouterr().err
+    (tmp_path / "record_run.py").write_text(RECORDER)  # a parser over TrainingArguments: its refusal says enough
+    with pytest.raises(SystemExit):
+        run(["record_run.py", "--output_dir", "out", "--cp_size", "0"])
+    assert "note:" not in capsys.readouterr().err
 
 
 ATTENTION_SCRIPT = textwrap.dedent("""
