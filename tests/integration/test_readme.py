@@ -99,6 +99,36 @@ def test_each_snippet_runs_as_written(page, snippet, tmp_path, monkeypatch):
         hf_sparse_cp.unpatch()
 
 
+def test_the_switch_snippet_runs_with_the_flags_the_readme_launches_it_with(tmp_path, monkeypatch):
+    """The README launches its train.py as `torchrun --nproc_per_node 2 train.py --output_dir out --cp_size 2`,
+    without `--sparse_max_length` (unset: None, the data's first row's length): the snippet built its rows of
+    `args.sparse_max_length` tokens and stopped with randint's TypeError. Its data and Trainer build from each
+    README command's own flags (CP and FSDP aside: one process here; the launch itself is tested above)."""
+    snippet = next(block for page, block in SNIPPETS if page == "README.md" and "SparseTrainer(" in block)
+    built = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda name, **kwargs: AutoModelForCausalLM.from_config(tiny_config("qwen2"), **kwargs))
+    monkeypatch.setattr(hf_sparse_cp.SparseTrainer, "train",
+                        lambda self, *args, **kwargs: built.append(self.train_dataset))
+    shown = [command for page, command in COMMANDS if page == "README.md" and " train.py " in command]
+    assert len(shown) >= 5
+    for command in shown:
+        argv = shlex.split(command.split(" train.py ", 1)[1])
+        for flag in ("--cp_size", "--cp_mode", "--cp_ulysses_size", "--fsdp_config", "--fsdp"):  # (one process)
+            if flag in argv:
+                i = argv.index(flag)
+                argv = argv[:i] + argv[i + (1 if flag == "--fsdp" else 2):]
+        argv = [str(tmp_path) if arg == "out" else arg for arg in argv]
+        monkeypatch.setattr(sys, "argv", ["train.py", *argv, "--report_to", "none"])
+        try:
+            exec(compile(snippet, "README.md snippet", "exec"), {"__name__": "__main__"})
+        except Exception as e:
+            pytest.fail(f"README.md: the snippet as `{command}` runs it: {type(e).__name__}: {e}")
+        finally:
+            hf_sparse_cp.disable_lean_loss()
+            hf_sparse_cp.unpatch()
+        assert len(built[-1]) == 8
+
 def _launched_processes(command: str) -> int:
     """How many processes a shown command starts: `--nproc N`, `--nproc_per_node N`, or the `num_processes` of
     the shipped accelerate config it names; one otherwise."""
