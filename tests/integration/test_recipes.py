@@ -50,6 +50,24 @@ def test_the_recipes_are_there_and_the_package_names_them():
         recipe_path("qwen-3b")
 
 
+def test_the_listing_describes_each_recipe_in_a_whole_sentence(capsys):
+    """`hf-sparse-cp recipes` printed each recipe's first comment line, which broke off mid-sentence for most
+    ("... hybrid context parallelism: the 16 heads split over the 8", "... (16K tokens per GPU),"): each summary is
+    now the comment's first sentence, wrapped beside its name."""
+    from hf_sparse_cp.cli import main
+    from hf_sparse_cp.recipes import recipe_summary
+
+    for path in sorted(RECIPES.glob("*/*.yaml")):
+        summary = recipe_summary(path)
+        comment = " ".join(line.lstrip("# ").strip() for line in path.read_text().splitlines()
+                           if line.startswith("#"))
+        assert summary.endswith(".") and comment.startswith(summary.rstrip(".")), (path.name, summary)
+    assert main(["recipes"]) == 0
+    listing = capsys.readouterr().out
+    assert max(map(len, listing.splitlines())) <= 120
+    assert "hierarchical ring." in " ".join(listing.split())
+
+
 @pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.stem)
 def test_every_training_recipe_is_one_schema_any_trainer_script_reads(path):
     """A recipe is `SparseTrainingArguments` flags: a stock HfArgumentParser reads it with no key left over
