@@ -211,6 +211,17 @@ def test_the_demo_defaults_apply_only_to_the_demo():
     assert not parse_args(["--model_name_or_path", "m", "--sparse_attention", "false"]).sparse.sparse_attention
 
 
+def test_the_final_line_says_whose_choice_no_checkpoints_was():
+    """The run's last line said "no checkpoints (the demo's default; ...)" after a recipe run given
+    `--save_strategy no`: the demo's default is named only where it applied."""
+    from hf_sparse_cp.examples.train_long_context import checkpoints_note
+
+    assert "the demo's default" in checkpoints_note(parse_args([]).training)
+    for argv in (["--save_strategy", "no"], [str(STAGE1), "--save_strategy", "no"]):
+        assert checkpoints_note(parse_args(argv).training) == "no checkpoints (--save_strategy no)"
+    assert checkpoints_note(parse_args(["--save_steps", "2"]).training).startswith("checkpoints in ")
+
+
 def _help_defaults(capsys, monkeypatch, argv: list[str]) -> dict[str, str]:
     """flag name -> the default `--help` prints for it."""
     monkeypatch.setenv("COLUMNS", "400")  # one line per help text
