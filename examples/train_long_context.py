@@ -267,6 +267,16 @@ def asks_for_checkpoints(explicit: set[str]) -> bool:
     return any(name.startswith("save_") and name != "save_final_model" for name in explicit)
 
 
+def checkpoints_note(training: SparseTrainingArguments) -> str:
+    """Where the run's checkpoints went, for its final line; without any, whose choice that was: the demo's
+    default, or a `--save_strategy no` of the command line or the recipe."""
+    if training.save_strategy != "no":
+        return f"checkpoints in {training.output_dir}"
+    if "save_strategy" in getattr(training, "explicit_flags", ()):
+        return "no checkpoints (--save_strategy no)"
+    return "no checkpoints (the demo's default; --save_steps N saves every N steps)"
+
+
 def recipe_flags(path: str) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/). Raises ValueError
     for an accelerate launch config (`compute_environment`, which accelerate writes in every one), naming its use."""
@@ -443,8 +453,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero():
         if script.summary_file:
             Path(script.summary_file).write_text(json.dumps(summary, indent=2))
-        saved = (f"checkpoints in {training.output_dir}" if training.save_strategy != "no"
-                 else "no checkpoints (the demo's default; --save_steps N saves every N steps)")
+        saved = checkpoints_note(training)
         loss = (f"loss {summary['first_loss']:.4f} (step {summary['first_loss_step']}) -> {summary['final_loss']:.4f} "
                 f"(step {summary['final_loss_step']})" if logged else "no step trained")
         # a curriculum's length and CP degree change by stage: its schedule says them

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from hf_sparse_cp.version import __version__
 
@@ -89,9 +90,10 @@ def _recipes(args, parser: argparse.ArgumentParser) -> int:
                                  "\"$(hf-sparse-cp recipes --path NAME)\"", "--sparse_config NAME")):
         names = recipe_names(kind)
         print(f"{kind} ({how}):")
-        width = max(map(len, names))
-        for name in names:
-            print(f"  {name:<{width}}  {recipe_summary(recipe_path(name))}")
+        width = max(map(len, names)) + 4
+        for name in names:  # (each summary wrapped beside its name)
+            print(textwrap.fill(recipe_summary(recipe_path(name)), 120, initial_indent=f"  {name:<{width - 2}}",
+                                subsequent_indent=" " * width, break_on_hyphens=False))
     return 0
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from importlib.resources import as_file, files
 from pathlib import Path
 
@@ -71,8 +72,13 @@ def pattern_path(name_or_path: str) -> str:
 
 
 def recipe_summary(path: Path) -> str:
-    """The recipe's first comment line (what it is for)."""
+    """The first sentence of the recipe's leading comment (what it is for), joined over the lines it spans; one
+    that introduces a command (`...model:` then the command) ends with a full stop."""
+    lines = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#") or line.startswith("#   "):  # (its end, or a command shown indented)
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    end = re.search(r"\.(?:\s+(?=[A-Z(`])|$)", text)  # (a full stop: not the one of 2.5, nor of e.g. before a word)
+    return text[:end.start() + 1] if end else text.rstrip(":") + "."

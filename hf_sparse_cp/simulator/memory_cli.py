@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
                  f"{args.dtype})" if args.master_weights else f"all {args.dtype} (a model loaded in {args.dtype})")
     print(f"{report['model']} ({arch.params / 1e9:.2f}B parameters), {precision}, {args.optimizer}, {where}, one GPU "
-          f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.memory, not measurements.")
+          f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
+          "measurements.")
     low, high = MEASURED_BAND
     if longest:
         margin = report["longest_fitting_tokens_at_band_top"]

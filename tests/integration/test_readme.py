@@ -33,10 +33,27 @@ def _blocks(language: str) -> list[tuple[str, str]]:
 SNIPPETS = _blocks("python")
 
 
+def _spans(page: Path) -> list[str]:
+    """The inline code spans of a page (outside its fenced blocks), each joined onto one line."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", text)]
+
+
+# A command shown inline in the prose: one of the launchers, and no placeholder (`...`, `[--optional]`, `RUN_DIR`).
+INLINE = ("hf-sparse-cp train ", "hf-sparse-cp launch ", "hf-sparse-cp memory ", "hf-sparse-cp simulate ",
+          "python -m hf_sparse_cp.run ", "torchrun ", "accelerate launch ")
+
+
+def _inline_commands() -> list[tuple[str, str]]:
+    return [(page.relative_to(ROOT).as_posix(), span) for page in PAGES for span in _spans(page)
+            if span.startswith(INLINE) and "..." not in span and "[" not in span
+            and not re.search(r"\b[A-Z][A-Z_]+\b", span)]
+
+
 def _commands() -> list[tuple[str, str]]:
-    """Every shell command of the bash blocks, of the example's docstring (its indented lines) and of the recipes'
-    comments, continuation lines joined, comments dropped."""
-    out = []
+    """Every shell command of the bash blocks, of the prose's inline code, of the example's docstring (its indented
+    lines) and of the recipes' comments, continuation lines joined, comments dropped."""
+    out = list(_inline_commands())
     shown = "\n".join(line.strip() for line in train_long_context.__doc__.splitlines() if line.startswith("    "))
     recipes = [(path.relative_to(ROOT).as_posix(), "".join(line[4:] + "\n" for line in path.read_text().splitlines()
                                                           if line.startswith("#   ")))
@@ -81,6 +98,36 @@ def test_each_snippet_runs_as_written(page, snippet, tmp_path, monkeypatch):
         hf_sparse_cp.disable_lean_loss()
         hf_sparse_cp.unpatch()
 
+
+def test_the_switch_snippet_runs_with_the_flags_the_readme_launches_it_with(tmp_path, monkeypatch):
+    """The README launches its train.py as `torchrun --nproc_per_node 2 train.py --output_dir out --cp_size 2`,
+    without `--sparse_max_length` (unset: None, the data's first row's length): the snippet built its rows of
+    `args.sparse_max_length` tokens and stopped with randint's TypeError. Its data and Trainer build from each
+    README command's own flags (CP and FSDP aside: one process here; the launch itself is tested above)."""
+    snippet = next(block for page, block in SNIPPETS if page == "README.md" and "SparseTrainer(" in block)
+    built = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda name, **kwargs: AutoModelForCausalLM.from_config(tiny_config("qwen2"), **kwargs))
+    monkeypatch.setattr(hf_sparse_cp.SparseTrainer, "train",
+                        lambda self, *args, **kwargs: built.append(self.train_dataset))
+    shown = [command for page, command in COMMANDS if page == "README.md" and " train.py " in command]
+    assert len(shown) >= 5
+    for command in shown:
+        argv = shlex.split(command.split(" train.py ", 1)[1])
+        for flag in ("--cp_size", "--cp_mode", "--cp_ulysses_size", "--fsdp_config", "--fsdp"):  # (one process)
+            if flag in argv:
+                i = argv.index(flag)
+                argv = argv[:i] + argv[i + (1 if flag == "--fsdp" else 2):]
+        argv = [str(tmp_path) if arg == "out" else arg for arg in argv]
+        monkeypatch.setattr(sys, "argv", ["train.py", *argv, "--report_to", "none"])
+        try:
+            exec(compile(snippet, "README.md snippet", "exec"), {"__name__": "__main__"})
+        except Exception as e:
+            pytest.fail(f"README.md: the snippet as `{command}` runs it: {type(e).__name__}: {e}")
+        finally:
+            hf_sparse_cp.disable_lean_loss()
+            hf_sparse_cp.unpatch()
+        assert len(built[-1]) == 8
 
 def _launched_processes(command: str) -> int:
     """How many processes a shown command starts: `--nproc N`, `--nproc_per_node N`, or the `num_processes` of
@@ -274,3 +321,73 @@ def test_each_yaml_block_loads_as_a_sparse_config_file(page, block, tmp_path):
     assert type(config.budget).__name__.lower().startswith(budget.pop("mode", "")), (page, config.budget)
     for key, got, want in [*leaves(budget, config.budget), *leaves(shown, config)]:
         assert got == want, f"{page}: {key}: {got} != {want}"
+
+
+def test_every_memory_and_simulate_command_shown_parses():
+    """`hf-sparse-cp memory` / `simulate` as the pages show them (in blocks and inline) take the flags shown."""
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    shown = [(page, command) for page, command in COMMANDS if re.match(r"hf-sparse-cp (memory|simulate) ", command)]
+    assert any("memory" in command for _, command in shown) and any("simulate" in command for _, command in shown)
+    for page, command in shown:
+        cli, argv = shlex.split(command)[1], shlex.split(command)[2:]
+        try:
+            (memory_cli if cli == "memory" else simulate_cli).build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{page}: `{command}` does not parse")
+
+
+def _resolve(name: str):
+    """The object a dotted `hf_sparse_cp....` name names: the longest importable module, then attributes."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(name)
+
+
+def test_every_python_name_and_repository_file_the_pages_name_exists():
+    """An inline `hf_sparse_cp.x.y` resolves and a repository path (`hf_sparse_cp/...`, `tests/...`, a package's
+    `trainer/x.py`; globs matched) names a file: docs/usage.md named `hf_sparse_cp.integration.write_sparse_model_card`
+    and docs/context-parallelism.md `hf_sparse_cp.integration.enable_trainer_context_parallel`, both exported by
+    `hf_sparse_cp` itself, and docs/memory.md `hf_sparse_cp.memory.predict_step_memory` (the simulator's)."""
+    packages = {path.name for path in (ROOT / "hf_sparse_cp").iterdir() if path.is_dir()}
+    tops = {"hf_sparse_cp", "tests", "benchmarks", "examples", "recipes", "kernels", "docs", *packages}
+    names = paths = 0
+    for page in [*PAGES, ROOT / "CONTRIBUTING.md"]:
+        where = page.relative_to(ROOT).as_posix()
+        for span in _spans(page):
+            for name in re.findall(r"(?<![\w/.])(hf_sparse_cp(?:\.\w+)+)", span):
+                names += 1
+                try:
+                    _resolve(name)
+                except (ImportError, AttributeError) as e:
+                    pytest.fail(f"{where}: `{name}` does not resolve ({e})")
+            for path in re.findall(r"(?<![\w/.-])((?:[\w.-]+/)+[\w.*{},-]*)", span):
+                if path.split("/")[0] not in tops:
+                    continue
+                paths += 1
+                globs = [path.replace("{json,png}", suffix) for suffix in ("json", "png")] if "{" in path else [path]
+                for glob in globs:
+                    assert any(next(base.glob(glob), None) for base in (ROOT, ROOT / "hf_sparse_cp")), (
+                        f"{where}: `{path}` names no file")
+    assert names > 20 and paths > 20
+
+
+def test_the_memory_command_names_modules_that_exist(capsys):
+    """`hf-sparse-cp memory` said its predictions were `hf_sparse_cp.memory`'s, a package of the memory savers that
+    predicts nothing: every module its report names exists and holds the prediction."""
+    from hf_sparse_cp.simulator import memory_cli
+
+    memory_cli.main(["--model", "qwen2.5-0.5b", "--gpu-memory", "80GB", "--seq-len", "32768"])
+    named = re.findall(r"\bhf_sparse_cp(?:\.\w+)+", capsys.readouterr().out)
+    assert named
+    for name in named:
+        assert hasattr(_resolve(name), "predict_step_memory"), name

@@ -50,6 +50,24 @@ def test_the_recipes_are_there_and_the_package_names_them():
         recipe_path("qwen-3b")
 
 
+def test_the_listing_describes_each_recipe_in_a_whole_sentence(capsys):
+    """`hf-sparse-cp recipes` printed each recipe's first comment line, which broke off mid-sentence for most
+    ("... hybrid context parallelism: the 16 heads split over the 8", "... (16K tokens per GPU),"): each summary is
+    now the comment's first sentence, wrapped beside its name."""
+    from hf_sparse_cp.cli import main
+    from hf_sparse_cp.recipes import recipe_summary
+
+    for path in sorted(RECIPES.glob("*/*.yaml")):
+        summary = recipe_summary(path)
+        comment = " ".join(line.lstrip("# ").strip() for line in path.read_text().splitlines()
+                           if line.startswith("#"))
+        assert summary.endswith(".") and comment.startswith(summary.rstrip(".")), (path.name, summary)
+    assert main(["recipes"]) == 0
+    listing = capsys.readouterr().out
+    assert max(map(len, listing.splitlines())) <= 120
+    assert "hierarchical ring." in " ".join(listing.split())
+
+
 @pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.stem)
 def test_every_training_recipe_is_one_schema_any_trainer_script_reads(path):
     """A recipe is `SparseTrainingArguments` flags: a stock HfArgumentParser reads it with no key left over
@@ -191,6 +209,17 @@ def test_the_demo_defaults_apply_only_to_the_demo():
     assert pretrained.training.max_steps == -1 and pretrained.training.save_strategy == "steps"
     assert pretrained.sparse.sparse_attention  # the example's backend, in every run (--sparse_attention false: off)
     assert not parse_args(["--model_name_or_path", "m", "--sparse_attention", "false"]).sparse.sparse_attention
+
+
+def test_the_final_line_says_whose_choice_no_checkpoints_was():
+    """The run's last line said "no checkpoints (the demo's default; ...)" after a recipe run given
+    `--save_strategy no`: the demo's default is named only where it applied."""
+    from hf_sparse_cp.examples.train_long_context import checkpoints_note
+
+    assert "the demo's default" in checkpoints_note(parse_args([]).training)
+    for argv in (["--save_strategy", "no"], [str(STAGE1), "--save_strategy", "no"]):
+        assert checkpoints_note(parse_args(argv).training) == "no checkpoints (--save_strategy no)"
+    assert checkpoints_note(parse_args(["--save_steps", "2"]).training).startswith("checkpoints in ")
 
 
 def _help_defaults(capsys, monkeypatch, argv: list[str]) -> dict[str, str]:
