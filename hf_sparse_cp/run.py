@@ -27,11 +27,17 @@ import sys
 from collections.abc import Sequence
 
 from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
-from hf_sparse_cp.launch.launched import LaunchedRun, launched, plugin_flags_in
+from hf_sparse_cp.launch.launched import (
+    PROG,
+    LaunchedRun,
+    flags_given,
+    launched,
+    no_trainer_warning,
+    plugin_flags_in,
+)
 from hf_sparse_cp.launch.refusals import end_refused
 from hf_sparse_cp.trainer.arguments import is_flag_error
 
-PROG = "python -m hf_sparse_cp.run"
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
 
 
@@ -90,19 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise
             # a setting refused against the script's model, data or Trainer, naming the fix: as a bad flag, once
             end_refused(script_name(target, is_module), e)
-    if not run.trainers_built and os.environ.get("RANK", "0") == "0":
-        before = [f"--{name}" for name in sorted(plugin.explicit_flags or ())]
-        given = before + [flag for flag in plugin_flags_in(args) if flag not in before]
-        sys.stderr.write(
-            f"{PROG}: warning: {target} ended without building a transformers Trainer, so the plugin never reached it: "
-            "it ran as python runs it, without context parallelism"
-            + (f" (the plugin's flags {', '.join(given)} were not used)" if given else "")
-            + '; a model it loaded with attn_implementation="sparse_cp" attended with the pattern of its own config '
-            "(SparseAttentionConfig's defaults unless the script called hf_sparse_cp.configure), any other with its "
-            "own attention. The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a training "
-            "loop of its own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: "
-            "docs/usage.md).\n")
-
+    if not run.trainers_built and not run.told_no_trainer and os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"{PROG}: {no_trainer_warning(target, flags_given(plugin, args), 'ended')}\n")
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ tests/distributed/test_patch_registry_cp.py; that every changing entry has a sce
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +32,7 @@ def _value(owner, name: str):
     if name == "__class__":
         return type(owner)
     value = owner.get(name, _MISSING) if isinstance(owner, Mapping) else vars(owner).get(name, _MISSING)
-    return tuple(value) if isinstance(value, list) else value
+    return tuple(value) if isinstance(value, list) else tuple(value.items()) if isinstance(value, dict) else value
 
 
 def _same(a, b) -> bool:
@@ -190,7 +191,8 @@ def launch() -> Iterator:
 
     parsers = argument_parser_classes()
     yield [*((parser, name) for parser in parsers for name in ("__init__", "parse_args_into_dataclasses", "error")),
-           (Trainer, "__init__")]
+           (Trainer, "__init__"),
+           (importlib.import_module("torch.optim.optimizer"), "_global_optimizer_pre_hooks")]
     with launched(PluginArguments()):
         yield
 
@@ -242,7 +244,8 @@ ONE_PROCESS = {
     ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
-       for name in ("__init__", "parse_args_into_dataclasses", "error")), "transformers.Trainer.__init__"): launch,
+       for name in ("__init__", "parse_args_into_dataclasses", "error")), "transformers.Trainer.__init__",
+     "torch.optim.optimizer._global_optimizer_pre_hooks"): launch,
     ("transformers.Trainer.__class__",): launched_trainer,
     tuple(f"{module}.load_balancing_loss_func" for module in router_loss_modules()): router_loss,
 }

@@ -184,6 +184,10 @@ PATCHES = (
         Patch(parser, "error", "replaces", "argparse's error for a launched script's parser prints a short usage (its "
               "prog and --help), not every flag, the plugin's ~60 among them, unless the script wrote its own usage",
               _LAUNCH_UNDO, ("self", "message")))),
+    Patch("torch.optim.optimizer", "_global_optimizer_pre_hooks", "inserts into", "a launched script's first "
+          "optimizer step outside a Trainer (a training loop of its own, which the plugin never reaches) is refused "
+          "when the script was given plugin flags, else warned about (torch's public "
+          "register_optimizer_step_pre_hook; the hook removes itself at its first call)", _LAUNCH_UNDO),
     Patch("transformers.Trainer", "compute_loss", "reads", "under CP, a Trainer whose loss is not the Trainer's or "
           "TRL SFTTrainer's (which the plugin shards exactly) is refused at start (`cp_exact_losses`)",
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),

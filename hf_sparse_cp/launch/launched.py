@@ -35,6 +35,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
@@ -55,6 +56,8 @@ from ..trainer.sparse_trainer import (
 from .refusals import exit_refused
 
 logger = logging.getLogger(__name__)
+
+PROG = "python -m hf_sparse_cp.run"
 
 
 def plugin_flag_names() -> frozenset[str]:
@@ -91,6 +94,25 @@ class LaunchedRun:
     trainers_built: int = 0
     hf_parsers: int = 0  # HfArgumentParsers built (transformers' or TRL's): they take or name the plugin's flags
     attention_asked: tuple[str, str] | None = None
+    told_no_trainer: bool = False  # the script was told at its first optimizer step that the plugin never reaches it
+
+
+def flags_given(plugin: PluginArguments, script_args: Sequence[str]) -> list[str]:
+    """The plugin flags a launched script was given: before its path (`plugin`), then among its own arguments."""
+    before = [f"--{name}" for name in sorted(plugin.explicit_flags or ())]
+    return before + [flag for flag in plugin_flags_in(script_args) if flag not in before]
+
+
+def no_trainer_warning(script: str, given: Sequence[str], when: str) -> str:
+    """The warning that `script` trains `when` (its first step, its end) without a Trainer: without the plugin."""
+    return (f"warning: {script} {when} without building a transformers Trainer, so the plugin never reached it: "
+            "it ran as python runs it, without context parallelism"
+            + (f" (the plugin's flags {', '.join(given)} were not used)" if given else "")
+            + '; a model it loaded with attn_implementation="sparse_cp" attended with the pattern of its own config '
+            "(SparseAttentionConfig's defaults unless the script called hf_sparse_cp.configure), any other with its "
+            "own attention. The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a training "
+            "loop of its own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: "
+            "docs/usage.md).")
 
 
 def attention_asked(outputs: Sequence, explicit: set[str]) -> tuple[str, str] | None:
@@ -230,7 +252,30 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 and compat.attn_implementation(self.model.config) == BACKEND_NAME and self.is_world_process_zero()):
             logger.warning(attention_replaced(flag, asked, args))
 
+    def step_outside_a_trainer(optimizer, args, kwargs) -> None:
+        """The first optimizer step of the script: one of its own training loop if it has built no Trainer, which the
+        plugin never reaches. Its flags would go unused for the whole run: refused before this step changes a
+        weight; without flags, the warning the end of the run gives comes now, not after the training."""
+        first_step.remove()
+        if run.trainers_built:
+            return
+        script = os.path.basename(sys.argv[0])
+        given = flags_given(plugin, sys.argv[1:])
+        if given:
+            with flag_errors():
+                raise ValueError(f"{script} takes an optimizer step without having built a transformers Trainer (a "
+                                 f"training loop of its own), which the plugin's flags ({', '.join(given)}) never "
+                                 "reach: it would train without them. Nothing was trained; drop them to run it as "
+                                 "python runs it, or train through the functional API (hf_sparse_cp.configure, "
+                                 "enable_sparse_attention: docs/usage.md).")
+        run.told_no_trainer = True
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{PROG}: {no_trainer_warning(script, given, 'takes its first optimizer step')}\n")
+
     try:
+        # (a process-wide hook, public torch API, removed at its first call and at the block's end)
+        first_step = register_optimizer_step_pre_hook(step_outside_a_trainer)
+        patches.on_undo(first_step.remove)
         if not is_patched():  # a script loads its model before its Trainer (TRL's with --attn_implementation sparse_cp)
             patch()
             patches.on_undo(unpatch)

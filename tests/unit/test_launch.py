@@ -10,6 +10,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 import pytest
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
@@ -622,6 +623,38 @@ def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp
     assert "flags --sparse_min_seq_len were not used" in err
 
 
+OWN_LOOP = textwrap.dedent("""
+    import torch
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    for step in range(2):
+        weight.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print(f"step {step}: {weight.tolist()}")
+""")
+
+
+def test_a_training_loop_of_its_own_is_told_at_its_first_step_and_refused_with_plugin_flags(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A script's own training loop (no Trainer) under hf_sparse_cp.run trained its whole run without the plugin and
+    heard so at its end; given plugin flags (before its path or among its own), which it would train without, it is
+    now refused at its first optimizer step, before a weight changes; without flags it is warned then, once."""
+    (tmp_path / "own_loop.py").write_text(OWN_LOOP)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        run(["--cp_size", "2", "own_loop.py"])
+    captured = capsys.readouterr()
+    assert refused.value.code == 2 and "step 0" not in captured.out
+    assert "own_loop.py takes an optimizer step without having built a transformers Trainer" in captured.err
+    assert "(--cp_size) never reach" in captured.err and "Nothing was trained" in captured.err
+    run(["own_loop.py"])
+    captured = capsys.readouterr()
+    assert "step 1: [0.0, 0.0]" in captured.out  # (it trains as python runs it)
+    assert captured.err.count("without building a transformers Trainer") == 1
+    assert "own_loop.py takes its first optimizer step without building a transformers Trainer" in captured.err
+    assert not _global_optimizer_pre_hooks  # (the hook is gone with the script)
 OWN_PARSER = textwrap.dedent("""
     import argparse
     parser = argparse.ArgumentParser(description="a training loop of its own, as run_clm_no_trainer.py")
