@@ -75,3 +75,17 @@ def data_parallel_grad_error(model, loss, ref_grads, world_size: int, *, fsdp2: 
         worst = max(worst, rel_rms(grad / world_size, ref_grad))
     return worst
 
+
+
+def column_rows_to_send(layout: SparseLayout, block_owner: torch.Tensor, rank: int) -> tuple[int, int]:
+    """The fewest key-column rows a CP rank can send, counted one column slot at a time from the global layout
+    (`block_owner`: the rank of every block): (forward: rows it holds, once to each other rank whose queries list
+    them; backward: rows it lists and another rank holds, their dK/dV once to the holder)."""
+    bs = layout.block_size
+    pairs = set()  # (reader, token) with the token held elsewhere
+    for b, h, qb, c in layout.valid_cols().nonzero().tolist():
+        token = int(layout.col_idx[b, h, qb, c])
+        if int(block_owner[qb]) != int(block_owner[token // bs]):
+            pairs.add((int(block_owner[qb]), token))
+    forward = sum(int(block_owner[token // bs]) == rank for _, token in pairs)
+    return forward, sum(reader == rank for reader, _ in pairs)

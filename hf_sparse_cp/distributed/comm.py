@@ -145,8 +145,8 @@ class Pending:
     """Transfers in flight: `wait()` blocks until they are done (or a peer did not answer within the group's
     timeout: `UnresponsiveRankError`). Holds the tensors until then."""
 
-    def __init__(self, works: list, transfers: list[Transfer], group=None) -> None:
-        self._works, self._transfers, self._group = works, transfers, group
+    def __init__(self, works: list, transfers: list[Transfer], group=None, what: str = "the ring transfer") -> None:
+        self._works, self._transfers, self._group, self._what = works, transfers, group, what
 
     def wait(self) -> None:
         # one work per transfer (gloo), or one for the whole batch (NCCL coalesces it): name the peers it waits on
@@ -154,7 +154,7 @@ class Pending:
         for work, transfers in zip(self._works, per_work):
             sends = sorted({t.peer for t in transfers if t.send})
             receives = sorted({t.peer for t in transfers if not t.send})
-            what = "the ring transfer " + " and ".join(
+            what = f"{self._what} " + " and ".join(
                 ([f"to rank(s) {sends}"] if sends else []) + ([f"from rank(s) {receives}"] if receives else []))
             wait(work, self._group, what, peers=sends + receives)
         self._works, self._transfers = [], []
@@ -167,8 +167,9 @@ class P2PComm:
         self.group = group
         self.bytes_sent = 0
 
-    def post(self, transfers: list[Transfer]) -> Pending:
-        """Start every transfer of the batch (posting nothing for an empty one)."""
+    def post(self, transfers: list[Transfer], what: str = "the ring transfer") -> Pending:
+        """Start every transfer of the batch (posting nothing for an empty one); `what` names them should a peer
+        not answer."""
         if not transfers:
             return Pending([], [], self.group)
         ops = []
@@ -178,7 +179,7 @@ class P2PComm:
             ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, group=self.group))
             if t.send:
                 self.bytes_sent += t.tensor.numel() * t.tensor.element_size()
-        return Pending(dist.batch_isend_irecv(ops), transfers, self.group)
+        return Pending(dist.batch_isend_irecv(ops), transfers, self.group, what)
 
 
 def group_device(group=None) -> torch.device:

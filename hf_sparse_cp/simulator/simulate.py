@@ -14,8 +14,8 @@ while a rank computes, when both have finished computing) and lasts latency + by
 of its link; sends of one rank in one slot over one kind of link go one after the other. A rank
 leaves a slot when it has computed and every transfer it takes part in is done, so a step costs
 max(compute, transfer) plus what cannot hide, and a slow rank holds up its neighbours. The
-columns' all-gather (forward) and all-reduce (backward) are ring collectives overlapped with the
-ring as the code posts them.
+key columns' transfers (rows to their readers forward, dK/dV back backward) are posted before the
+ring, as the code posts them, and awaited after it.
 
 A configuration (split, ring shape, layout kind) is one entry of `CONFIGURATIONS`: a function of a
 `Workload` (a row's documents and its layouts in any split's order) returning the `RingSetup` to
@@ -35,7 +35,7 @@ from ..distributed.comm import RingTopology
 from ..distributed.ring.plan import check_global_layout
 from ..distributed.split.blocks import BlockSplit, ShardPlan
 from ..distributed.split.documents import plan_documents
-from .traffic import PlanTraffic
+from .traffic import COLUMNS, PlanTraffic
 
 
 @dataclass(frozen=True)
@@ -200,14 +200,10 @@ def simulate_ring(step_seconds: torch.Tensor, traffic: PlanTraffic, topology: Ri
     w, n, l = topology.size, topology.num_nodes, topology.node_size
     sends = traffic.backward if backward else traffic.forward
     bar = step_seconds[:, -1]
-    link = cluster.group_link(w)
     t = torch.zeros(w, dtype=torch.float64)
-    if backward:  # the columns' dK/dV first, then their all-reduce runs beside the ring
+    if backward:  # the columns' dK/dV first, then their transfers run beside the ring
         t = t + bar
-        coll_bytes, coll_time = traffic.bar_reduce_bytes, all_reduce_time(traffic.bar_reduce_bytes, w, link)
-    else:  # the columns' all-gather runs beside the ring, the bar step after it
-        coll_bytes, coll_time = traffic.bar_gather_bytes, all_gather_time(traffic.bar_gather_bytes, w, link)
-    coll_post = float(t.max())
+    columns_post = t.clone()  # forward: the columns' transfers run beside the ring, the bar step after them
     steps = n * l
     step_compute = step_seconds[:, :steps].amax(0)
     step_transfer = torch.zeros(steps, dtype=torch.float64)
@@ -226,9 +222,8 @@ def simulate_ring(step_seconds: torch.Tensor, traffic: PlanTraffic, topology: Ri
                     step_time[o * l + i] = float((t - post).max())
         done, _ = _slot(("outer", o), sends, post_outer, t, cluster)
         t = torch.maximum(t, done)
-    if coll_bytes:
-        start = coll_post if cluster.overlap else float(t.max())
-        t = torch.clamp_min(t, start + coll_time)
+    done, _ = _slot(COLUMNS, sends, columns_post, t, cluster)
+    t = torch.maximum(t, done)
     if not backward:
         t = t + bar
     return RingTimeline(t, step_seconds.sum(1), step_compute, step_transfer, step_time)

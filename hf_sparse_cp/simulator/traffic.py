@@ -2,10 +2,11 @@
 
 For a global layout, a sharding and a ring topology: the computed work of every rank at every
 ring step plus the final column ("bar") step (block units: listed key blocks, and key columns /
-block_size, summed over batch rows and heads), and the bytes every rank sends forward (K/V blocks
-and the columns' all-gather) and backward (K/V blocks again, dK/dV accumulators, the columns'
-all-reduce), counted from the transfers `ring_plan.slot_ops` schedules, i.e. without the blocks that
-nobody downstream reads. Collectives are counted as ring algorithms send them.
+block_size, summed over batch rows and heads), and the bytes every rank sends forward (K/V blocks,
+and the key columns' rows to the ranks that list them) and backward (K/V blocks again, dK/dV
+accumulators, and the columns' dK/dV back to their holders), counted from the transfers
+`ring_plan.slot_ops` schedules, i.e. without the blocks that nobody downstream reads, and from
+`ring_plan.column_reads`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
-from ..distributed.ring.plan import TransferSets, column_tokens, pair_work, read_matrix, slot_ops
+from ..distributed.ring.plan import TransferSets, column_reads, pair_work, read_matrix, slot_ops
 from ..distributed.split.blocks import BlockSplit
+
+COLUMNS = ("columns",)  # the slot of the key columns' transfers (`PlanTraffic`)
 
 
 @dataclass
@@ -60,13 +63,15 @@ def pipelined_time(work: torch.Tensor, topology: RingTopology,
     transfers each position posts per slot; both ends post a transfer when they start the step
     of its slot (a node step's outer transfers: when they start its inner ring) and wait for it
     before the next, so each end starts the next step only after the other has started this one.
-    Ranks that exchange nothing do not wait for each other. The columns' all-gather was posted
+    Ranks that exchange nothing do not wait for each other. The columns' transfers were posted
     before the ring, so a rank's column step follows its own last step."""
     n, l, w = topology.num_nodes, topology.node_size, topology.size
     inner: dict[int, set[tuple[int, int]]] = {}  # step t -> (p, q): p starts t + 1 after q started t
     outer: dict[int, set[tuple[int, int]]] = {}  # node step o -> (p, q): p starts node step o + 1 after q started o
     for p, slots in enumerate(sends):
         for slot, peers in slots.items():
+            if slot == COLUMNS:  # posted before the ring, awaited after it
+                continue
             kind, key = (inner, slot[1] * l + slot[2]) if slot[0] == "inner" else (outer, slot[1])
             for q, _ in peers:
                 kind.setdefault(key, set()).update({(p, q), (q, p)})
@@ -114,23 +119,17 @@ def ring_cost(
 @dataclass
 class PlanTraffic:
     """What every rank sends: per position, per slot, (peer position, bytes) in forward and backward
-    (`slot_ops`' slots); the columns' collectives: all-gather chunk per rank (forward) and
-    all-reduce size (backward); block_bytes: K and V elements of one block."""
+    (`slot_ops`' slots, and COLUMNS: the key columns' rows from their holder to each reader, forward,
+    their dK/dV back, backward, posted before the ring); block_bytes: K and V elements of one block."""
 
     forward: list[dict[tuple, list[tuple[int, int]]]]
     backward: list[dict[tuple, list[tuple[int, int]]]]
-    bar_gather_bytes: int
-    bar_reduce_bytes: int
     block_bytes: int
 
     def total(self, backward: bool) -> torch.Tensor:
-        """int64 [W]: bytes each rank sends in one pass, collectives counted as ring algorithms send them."""
+        """int64 [W]: bytes each rank sends in one pass."""
         sends = self.backward if backward else self.forward
-        w = len(sends)
-        out = torch.tensor([sum(n for slot in s.values() for _, n in slot) for s in sends], dtype=torch.int64)
-        if w > 1:
-            out += 2 * (w - 1) * self.bar_reduce_bytes // w if backward else (w - 1) * self.bar_gather_bytes
-        return out
+        return torch.tensor([sum(n for slot in s.values() for _, n in slot) for s in sends], dtype=torch.int64)
 
 
 def plan_traffic(layout: SparseLayout, plan: BlockSplit, topology: RingTopology, *, kv_heads: int, head_dim: int,
@@ -143,15 +142,21 @@ def plan_traffic(layout: SparseLayout, plan: BlockSplit, topology: RingTopology,
            for p in range(plan.cp_size)]
     bwd = [slot_sends(sets, p, block, backward=True, kv_bytes=kv_bytes, acc_bytes=acc_bytes)
            for p in range(plan.cp_size)]
-    tokens = column_tokens(layout, plan)  # the columns some rank lists without holding them
-    gather = bar_gather_rows(tokens, plan) * row * kv_bytes if tokens.numel() else 0
-    return PlanTraffic(fwd, bwd, gather, tokens.numel() * row * acc_bytes, block)
+    rows = column_rows(layout, plan)
+    for reader, holder in rows.nonzero().tolist():
+        n = int(rows[reader, holder]) * row
+        fwd[holder].setdefault(COLUMNS, []).append((reader, n * kv_bytes))
+        bwd[reader].setdefault(COLUMNS, []).append((holder, n * acc_bytes))
+    return PlanTraffic(fwd, bwd, block)
 
 
-def bar_gather_rows(tokens: torch.Tensor, plan: BlockSplit) -> int:
-    """Rows every rank contributes to the columns' all-gather: the most column tokens one rank owns
-    (`tokens` from `column_tokens`; the ring's `BarStep.max_owned`)."""
-    return int(torch.bincount(plan.block_owner[tokens // plan.block_size], minlength=plan.cp_size).max())
+def column_rows(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
+    """int64 [W, W] on the CPU: [r, s] the key columns rank r's queries list that rank s holds (r != s; the
+    diagonal is 0), the rows s sends r (the ring's `BarStep.send` / `recv`)."""
+    reads = column_reads(layout, plan).cpu().long()  # [W, padded_len]
+    rows = torch.zeros(plan.cp_size, plan.cp_size, dtype=torch.int64)
+    rows.index_add_(1, plan.block_owner.repeat_interleave(plan.block_size), reads)
+    return rows.fill_diagonal_(0)
 
 
 def slot_sends(sets: TransferSets, position: int, block_bytes: int, *, backward: bool, kv_bytes: int = 2,

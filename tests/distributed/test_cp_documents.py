@@ -25,11 +25,11 @@ from hf_sparse_cp.distributed import (
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.cp_config import PlannerCosts
 from hf_sparse_cp.distributed.split.documents import plan_documents, plan_row
-from hf_sparse_cp.simulator.traffic import pipelined_time, ring_cost
+from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
-from oracle import TOLERANCE, rel_rms
+from oracle import TOLERANCE, column_rows_to_send, rel_rms
 
 BS, D = 16, 16
 CFG = SparseAttentionConfig(block_size=BS, min_seq_len=64, local_window=4, sink_tokens=2, vertical_topk=6,
@@ -287,6 +287,13 @@ def _ring_case(par: ParallelDims, rank: int, lengths: list[int], sparse: bool) -
         errs[name] = rel_rms(got, mine(want))
     errs["bytes"] = stats.forward_bytes + stats.backward_bytes
     errs["split"] = plan.split
+    if sparse:  # what the key columns cost, against the fewest rows that can reach their readers, and the simulator
+        row = k.shape[0] * k.shape[1] * D * 2 * k.element_size()  # K and V of one token (dK/dV: fp64 too)
+        errs["columns"] = (stats.forward_column_bytes, stats.backward_column_bytes)
+        errs["column_minimum"] = tuple(n * row for n in column_rows_to_send(layout, plan.block_owner, rank))
+        traffic = plan_traffic(layout, plan, par.topology, kv_heads=k.shape[1], head_dim=D, kv_bytes=8, acc_bytes=8)
+        errs["predicted"] = (int(traffic.total(False)[rank]), int(traffic.total(True)[rank]))
+        errs["measured"] = (stats.forward_bytes, stats.backward_bytes)
     return errs
 
 
@@ -449,6 +456,19 @@ def test_the_planner_logs_at_every_layer_what_one_process_logs_on_the_block_alig
             gaps = {layer: abs(r["planner"][layer] - r["aligned"][layer]) for layer in r["aligned"]}
             assert max(gaps.values()) < 1e-12, (estimation, r)
             assert any(abs(r["unaligned"][layer] - r["aligned"][layer]) > 1e-3 for layer in r["aligned"]), r
+
+
+@WORLDS
+def test_key_columns_go_only_to_the_ranks_that_list_them(spawned, world):
+    """Each key column another rank lists leaves its holder once per such rank (no all-gather to every rank), its
+    dK/dV once back; the simulator predicts every byte the ring sends."""
+    for case in ("sparse", "hier") if world == 4 else ("sparse",):
+        per_rank = [r[case] for r in spawned(world)]
+        if world == 4:  # the row's cut documents list columns on other ranks (at 2 ranks all stay home)
+            assert sum(sum(errs["column_minimum"]) for errs in per_rank) > 0, case
+        for errs in per_rank:
+            assert errs["columns"] == errs["column_minimum"], (case, errs)
+            assert errs["predicted"] == errs["measured"], (case, errs)
 
 
 def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):

@@ -44,7 +44,7 @@ def _step_reads(rank: int, world: int, cp_mode: str) -> dict:
 A = "hf_sparse_cp/attention/"
 # Per rank, 4 layers (3 sparse), one step. Ring: the documents once; per layer the layout's widths (build_layout; a
 # sparse layer one more: the widest window of kept columns), one copy of what the ring plans from (the read matrix,
-# the shared and the rank's own columns: RingPlan) and per ring step the width of that step's blocks (compact_sorted).
+# its columns, its rows' readers: RingPlan) and per ring step the width of that step's blocks (compact_sorted).
 RING = {f"{A}tokens.py document_table": 1, f"{A}build.py build_layout": 7, f"{A}layout.py compact_sorted": 8,
         "hf_sparse_cp/distributed/ring/plan.py __init__": 4}
 # Ulysses: the documents once, and the layout's sizes.

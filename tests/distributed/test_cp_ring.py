@@ -35,7 +35,7 @@ from hf_sparse_cp.distributed.comm import P2PComm, Transfer
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
-from oracle import TOLERANCE, data_parallel_grad_error, rel_rms
+from oracle import TOLERANCE, column_rows_to_send, data_parallel_grad_error, rel_rms
 
 BS, D = 16, 16
 
@@ -149,7 +149,13 @@ def _ring_case(case: Case, par: ParallelDims, rank: int, stats: RingStats | None
     else:
         local = _attend_and_grad(ring, *mine, plan.shard(dout, rank, dim=2), plan.shard(dlse, rank, dim=2))
     real = plan.token_index(rank) < case.seq
-    return _errors(rank, plan, local, full, real)
+    errs = _errors(rank, plan, local, full, real)
+    if stats is not None and case.pattern == "sparse":
+        row = batch * hk * D * 2  # K and V elements of one token; dK/dV accumulate in fp64 for fp64, else fp32
+        fwd, bwd = column_rows_to_send(layout, plan.block_owner, rank)
+        errs["column_minimum"] = (fwd * row * k.element_size(), bwd * row * (8 if case.dtype == torch.float64 else 4))
+        errs["columns"] = (stats.forward_column_bytes, stats.backward_column_bytes)
+    return errs
 
 
 def _checkpointed_ring(par: ParallelDims, rank: int) -> dict:
@@ -368,7 +374,7 @@ def _worker(rank: int, world: int) -> dict:
         hier = ParallelDims.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2))
         results["hierarchical"] = hier.hierarchical
         for case in HIER_CASES:
-            results[("hier", case.id)] = _ring_case(case, hier, rank)
+            results[("hier", case.id)] = _ring_case(case, hier, rank, RingStats())
         results["model"] = _model_step(ParallelDims.from_config(ContextParallelConfig(cp_size=2)), rank)
         results["model_fsdp2"] = _model_step(ParallelDims.from_config(ContextParallelConfig(cp_size=2)), rank,
                                              fsdp2=True)
@@ -434,6 +440,20 @@ def test_hierarchical_ring_2_nodes_x_2(spawned, case):
     results = spawned(4)
     assert all(r["hierarchical"] for r in results)
     _assert_close([r[("hier", case.id)] for r in results], case.dtype)
+
+
+@WORLDS
+def test_key_columns_go_only_to_the_ranks_that_list_them(spawned, world):
+    """Each key column another rank lists leaves its holder once per such rank, its dK/dV once back (flat and,
+    at 4 ranks, hierarchical rings; every sparse case)."""
+    runs = [("flat", c) for c in FLAT_CASES] + ([("hier", c) for c in HIER_CASES] if world == 4 else [])
+    checked = 0
+    for ring, case in runs:
+        for errs in (r[(ring, case.id)] for r in spawned(world)):
+            if "columns" in errs:
+                assert errs["columns"] == errs["column_minimum"], (ring, case.id, errs)
+                checked += sum(errs["column_minimum"])
+    assert checked > 0
 
 
 @WORLDS

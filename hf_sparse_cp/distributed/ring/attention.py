@@ -11,13 +11,13 @@ merges the partial (out, lse) in fp32 (`merge_attention`). Transfers for the nex
 before the current step computes and awaited after it (double buffering); the outer ring's
 transfer is posted before the whole inner ring of a node and awaited after it. Steps with nothing
 to compute are skipped, and K/V blocks that no rank downstream reads are never sent. The K/V rows
-of the layout's key columns are all-gathered once (overlapped with the ring) and attended in one
-more local step.
+of the layout's key columns go from their holder to each rank that lists them, once, point to point
+(overlapped with the ring), and are attended in one more local step.
 
 Backward re-circulates K/V the same way, calls `attention_backward` per step with the final
 out/lse, and sends partial dK/dV (accumulated in fp32, fp64 for fp64 inputs) around a second ring
-back to the rank that owns the keys; the columns' dK/dV are all-reduced (overlapped with the ring)
-and each owner keeps its rows.
+back to the rank that owns the keys; each reader sends its dK/dV of the columns back to their holder
+(overlapped with the ring), which sums them in a fixed order.
 """
 
 from __future__ import annotations
@@ -26,26 +26,28 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ...attention.call import AttentionCall
 from ...attention.engines import resolve_engine
 from ...attention.layout import SparseLayout, check_tensors
 from ...attention.ops import attention_backward, attention_forward
 from ...attention.precision import autocast_inputs, compute_dtype
-from ..comm import P2PComm, Pending, Transfer, wait
+from ..comm import P2PComm, Pending, Transfer
 from ..shard import CPShard
 from .plan import RingPlan, check_global_layout
 
 
 @dataclass
 class RingStats:
-    """What one rank did in ring attention calls (accumulated over calls): steps computed and bytes sent."""
+    """What one rank did in ring attention calls (accumulated over calls): steps computed and bytes sent (of which
+    those of the key columns)."""
 
     forward_steps: int = 0
     backward_steps: int = 0
     forward_bytes: int = 0
     backward_bytes: int = 0
+    forward_column_bytes: int = 0  # of which the key columns' rows (to their readers)
+    backward_column_bytes: int = 0  # of which the key columns' dK/dV (to their holders)
 
 
 class _BlockBuffer:
@@ -68,62 +70,62 @@ class _BlockBuffer:
         self.data.index_add_(3, self.rows(blocks), data)
 
 
+def _rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[2, B, H, len(rows), D]: K and V at `rows` of the sequence dimension."""
+    return torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
+
+
 class _Ring:
-    """A rank's plan plus the communicators of its inner and outer rings."""
+    """A rank's plan plus the communicators of its inner and outer rings and of its key columns (the CP group)."""
 
     def __init__(self, ring_plan: RingPlan, shard: CPShard) -> None:
         self.ring_plan = ring_plan
         self.parallel = shard.parallel
         self.inner = P2PComm(shard.parallel.inner_group)
         self.outer = P2PComm(shard.parallel.outer_group)
-        self.collective_bytes = 0
+        self.columns = P2PComm(shard.parallel.cp_group)  # key columns: holder <-> reader, any two ranks
 
     @property
     def bytes_sent(self) -> int:
-        return self.inner.bytes_sent + self.outer.bytes_sent + self.collective_bytes
+        return self.inner.bytes_sent + self.outer.bytes_sent + self.columns.bytes_sent
 
-    def gather_bars(self, k: torch.Tensor, v: torch.Tensor):
-        """Start the all-gather of the shared column K/V rows; returns a function giving this rank's
-        bar buffer [2, B, Hkv, n_cols, D] (the gathered rows and its own columns)."""
-        bar, me, w = self.ring_plan.bar, self.ring_plan.position, self.parallel.cp_size
-        dev = k.device
-        rows = bar.rows[me].to(dev)
-        mine = torch.zeros(2, *k.shape[:2], bar.max_owned, k.shape[3], dtype=k.dtype, device=dev)
-        mine[:, :, :, : rows.numel()] = torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
-        chunks = [mine] if w == 1 else [torch.empty_like(mine) for _ in range(w)]
-        work = None
-        if w > 1 and bar.shared.numel():
-            work = dist.all_gather(chunks, mine, group=self.parallel.cp_group, async_op=True)
-            self.collective_bytes += (w - 1) * mine.numel() * mine.element_size()
+    def exchange_bars(self, k: torch.Tensor, v: torch.Tensor):
+        """Post the column K/V rows this rank's readers list (to each reader) and the receives of those its
+        queries list from other ranks (from each holder); returns a function giving this rank's bar buffer
+        [2, B, Hkv, n_cols, D] (its own rows and the received ones)."""
+        bar, dev = self.ring_plan.bar, k.device
+        transfers = [Transfer(self.parallel.global_rank(r), _rows(k, v, rows.to(dev)), True)
+                     for r, rows in bar.send.items()]
+        received = [(pos.to(dev), torch.empty(2, *k.shape[:2], pos.numel(), k.shape[3], dtype=k.dtype, device=dev))
+                    for pos in bar.recv.values()]
+        transfers += [Transfer(self.parallel.global_rank(o), t, False) for o, (_, t) in zip(bar.recv, received)]
+        pending = self.columns.post(transfers, "the column K/V transfer")
 
         def result() -> torch.Tensor:
-            full = torch.empty(*mine.shape[:3], bar.tokens.numel(), mine.shape[4], dtype=k.dtype, device=dev)
-            own = bar.own_rows.to(dev)
-            full[:, :, :, bar.own_pos.to(dev)] = torch.stack([k.index_select(2, own), v.index_select(2, own)])
-            if work is not None:
-                wait(work, self.parallel.cp_group, "the all-gather of the shared column K/V")
-            for owned, chunk in zip(bar.owned, chunks):
-                full[:, :, :, bar.shared_pos[owned].to(dev)] = chunk[:, :, :, : owned.numel()]
+            full = torch.empty(2, *k.shape[:2], bar.tokens.numel(), k.shape[3], dtype=k.dtype, device=dev)
+            full[:, :, :, bar.own_pos.to(dev)] = _rows(k, v, bar.own_rows.to(dev))
+            pending.wait()
+            for pos, rows in received:
+                full[:, :, :, pos] = rows
             return full
 
         return result
 
-    def reduce_bar_grads(self, grad: torch.Tensor):
-        """Start summing every rank's dK/dV of the shared columns (grad: over this rank's bar buffer);
-        returns a function giving (rows of this rank's shard, their dK/dV)."""
-        bar, me, w = self.ring_plan.bar, self.ring_plan.position, self.parallel.cp_size
-        dev = grad.device
-        shared = grad[:, :, :, bar.shared_pos.to(dev)]
-        work = None
-        if w > 1 and bar.shared.numel():
-            work = dist.all_reduce(shared, group=self.parallel.cp_group, async_op=True)
-            self.collective_bytes += 2 * (w - 1) * shared.numel() * shared.element_size() // w
+    def return_bar_grads(self, grad: torch.Tensor):
+        """Post this rank's dK/dV of the columns it received (grad: over its bar buffer) to their holders and
+        the receives of its readers' dK/dV of its own rows; returns a function giving [(rows of this rank's
+        shard, their dK/dV)]: its own columns', then each reader's in ascending rank, the order they are summed."""
+        bar, dev = self.ring_plan.bar, grad.device
+        transfers = [Transfer(self.parallel.global_rank(o), grad.index_select(3, pos.to(dev)), True)
+                     for o, pos in bar.recv.items()]
+        received = [(rows.to(dev), torch.empty(*grad.shape[:3], rows.numel(), grad.shape[4], dtype=grad.dtype,
+                                                device=dev)) for rows in bar.send.values()]
+        transfers += [Transfer(self.parallel.global_rank(r), t, False) for r, (_, t) in zip(bar.send, received)]
+        pending = self.columns.post(transfers, "the column dK/dV transfer")
 
-        def result() -> tuple[torch.Tensor, torch.Tensor]:
-            if work is not None:
-                wait(work, self.parallel.cp_group, "the all-reduce of the shared columns' dK/dV")
-            rows = torch.cat([bar.rows[me], bar.own_rows]).to(dev)
-            return rows, torch.cat([shared[:, :, :, bar.owned[me].to(dev)], grad[:, :, :, bar.own_pos.to(dev)]], 3)
+        def result() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            pending.wait()
+            return [(bar.own_rows.to(dev), grad.index_select(3, bar.own_pos.to(dev))), *received]
 
         return result
 
@@ -201,7 +203,7 @@ def _ring_forward(ring: _Ring, q, k, v, scale: float, window: int | None, engine
         )
         state["steps"] += 1
 
-    bars = ring.gather_bars(k, v) if ring_plan.bar is not None else None
+    bars = ring.exchange_bars(k, v) if ring_plan.bar is not None else None
     _run(ring, k, v, ring_plan.forward_ops, lambda step, buf: attend(buf.data[0], buf.data[1], step.layout,
                                                                     step.k_meta))
     bar_kv = bars() if bars is not None else None
@@ -253,11 +255,11 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse, bar_kv, scale: fl
         grad = torch.zeros(2, *k.shape[:2], ring_plan.bar.tokens.numel(), k.shape[3], dtype=dtype, device=k.device)
         if ring_plan.bar_work:
             grad = attend_grad(bar_kv[0], bar_kv[1], ring_plan.bar.layout, ring_plan.bar.k_meta)
-        bar_grads = ring.reduce_bar_grads(grad)
+        bar_grads = ring.return_bar_grads(grad)
     _run(ring, k, v, ring_plan.backward_ops, step_fn, acc_of, dtype)
     if bar_grads is not None:
-        rows, mine = bar_grads()
-        home.data.index_add_(3, rows, mine)
+        for rows, part in bar_grads():  # one index_add_ each: rows repeat across parts, not within one
+            home.data.index_add_(3, rows, part)
     return dq, home.data[0], home.data[1], steps[0]
 
 
@@ -269,12 +271,13 @@ def _layout_holders(ring_plan: RingPlan) -> list:
 class _RingSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, scale, window, stats, engine):
-        sent = ring.bytes_sent
+        sent, columns = ring.bytes_sent, ring.columns.bytes_sent
         out, lse, steps, bar_kv = _ring_forward(ring, q, k, v, scale, window, engine)
         out = out.to(q.dtype)
         if stats is not None:
             stats.forward_steps += steps
             stats.forward_bytes += ring.bytes_sent - sent
+            stats.forward_column_bytes += ring.columns.bytes_sent - columns
         # the plan's layouts go with the saved tensors, not on ctx: gradient checkpointing drops those after the
         # forward (`SparseLayout.take_apart`); the backward puts the saved (or recomputed) ones back
         holders = _layout_holders(ring.ring_plan)
@@ -293,13 +296,14 @@ class _RingSparseAttention(torch.autograd.Function):
         for h, (n, skeleton) in zip(holders, skeletons):
             h.layout = skeleton.restore(tuple(layout_tensors[at : at + n]))
             at += n
-        sent = ring.bytes_sent
+        sent, columns = ring.bytes_sent, ring.columns.bytes_sent
         with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast computes as forward did
             dq, dk, dv, steps = _ring_backward(ring, q, k, v, out, lse, dout.contiguous(), dlse, bar_kv, scale,
                                                window, engine)
         if stats is not None:
             stats.backward_steps += steps
             stats.backward_bytes += ring.bytes_sent - sent
+            stats.backward_column_bytes += ring.columns.bytes_sent - columns
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

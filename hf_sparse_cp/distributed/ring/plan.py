@@ -14,11 +14,13 @@ the ring with the K/V and the last reader sends the sum home.
 
 Key *columns* (verticals) do not travel the ring: shipping a column's whole block to every
 reader would cost a block per column, and all sink columns live on one shard, which would load
-one ring step of every rank. The K/V rows of the columns that ranks other than their holder
-list are all-gathered once into a compact "bar" buffer, to which every rank adds the rows of the
-columns only it lists (those never travel: the whole documents of a document-aware split keep all
-their K/V home), and attended in one extra step; the dK/dV of the gathered rows are all-reduced
-and each holder keeps its rows (MTraining's bar buffer).
+one ring step of every rank. Each rank gathers the K/V rows of the columns its own query blocks
+list into a compact "bar" buffer (MTraining's bar buffer), attended in one extra step: the rows it
+holds from its shard, every other row from its holder, point to point and once per reader
+(`column_reads`: who lists which token, from the global layout, so both ends know every transfer's
+size). The backward sends each reader's dK/dV of those rows back to their holder only, which adds
+its readers' partials in ascending rank order. Columns only their holder lists never travel (the
+whole documents of a document-aware split keep all their K/V home).
 
 `RingPlan` is one rank's part: per ring step, the layout of its query blocks against the blocks it
 holds (indices re-numbered into the received buffer) and the key metadata of that buffer; the bar
@@ -90,22 +92,37 @@ def pair_work(layout: SparseLayout, plan: BlockSplit) -> tuple[torch.Tensor, tor
     return blocks.view(w, w).cpu(), cols.cpu()
 
 
-def column_flags(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
-    """bool [padded_len] on the layout's device: the global key tokens listed as columns by a rank that does not
-    hold them. Marks a flag per token instead of sorting the listed columns: linear in the layout's size (tens of
-    millions of entries at 128K tokens)."""
-    num_tokens = plan.padded_len
-    owner = plan.block_owner.to(layout.col_idx.device)
-    key_owner = owner[layout.col_idx.long().clamp_min(0) // plan.block_size]
-    shared = layout.valid_cols() & (key_owner != owner.view(1, 1, -1, 1))  # listed by a query block of another rank
-    listed = torch.zeros(num_tokens + 1, dtype=torch.bool, device=layout.col_idx.device)
-    listed[torch.where(shared, layout.col_idx, num_tokens).flatten()] = True  # unused slots mark the spare flag
-    return listed[:num_tokens]
+def column_reads(layout: SparseLayout, plan: BlockSplit, source: int | None = None) -> torch.Tensor:
+    """bool [cp_size, K] on the layout's device: entry [r, t] says that rank r's queries list key token t as a
+    column, t a global token (K = padded_len) or, given `source`, a row of that rank's shard (K = its
+    local_len: who reads the rows it holds). Marks a flag per entry instead of sorting the listed columns: linear
+    in the layout's size (tens of millions of entries at 128K tokens)."""
+    dev = layout.col_idx.device
+    w, bs = plan.cp_size, plan.block_size
+    owner = plan.block_owner.to(dev)
+    col = layout.col_idx.long().clamp_min(0)
+    listed = layout.valid_cols()
+    if source is None:
+        key, size = col, plan.padded_len
+    else:
+        listed = listed & (owner[col // bs] == source)
+        key, size = plan.block_local_index.to(dev)[col // bs] * bs + col % bs, plan.local_len_of(source)
+    flags = torch.zeros(w * size + 1, dtype=torch.bool, device=dev)
+    flags[torch.where(listed, owner.view(1, 1, -1, 1) * size + key, w * size)] = True  # unused slots: the spare flag
+    return flags[:-1].view(w, size)
 
 
-def column_tokens(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
-    """The tokens of `column_flags` (int64, ascending, CPU): the bar buffer's shared tokens."""
-    return column_flags(layout, plan).cpu().nonzero().flatten()
+def _pack_rows(flags: torch.Tensor) -> torch.Tensor:
+    """uint8 [ceil(R / 8), K]: bool [R, K] flags, 8 rows a byte (bit j of byte i: row 8 i + j)."""
+    rows, k = flags.shape
+    flags = torch.cat([flags, flags.new_zeros(-rows % 8, k)]).view(-1, 8, k).to(torch.uint8)
+    return (flags << torch.arange(8, dtype=torch.uint8, device=flags.device).view(1, 8, 1)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """bool [rows, K] from `_pack_rows`' bytes (on the host)."""
+    bits = (packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    return bits.flatten(0, 1)[:rows].bool()
 
 
 def _suffix_any(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -255,51 +272,42 @@ def _shard_into_buffer(plan: BlockSplit, source: int, held: torch.Tensor) -> tor
 class BarStep:
     """The columns this rank's queries list, attended in one step over a compact buffer.
 
-    shared: the global key tokens some rank lists without holding them (ascending, identical on
-    every rank), all-gathered: owned[r] are the positions in `shared` held by rank r, rows[r] their
-    rows in r's shard. tokens: this rank's buffer (ascending): the shared tokens and the columns
-    only this rank lists among its own, at positions shared_pos and own_pos (own_rows: their rows
-    in this rank's shard). layout: this rank's query blocks against the buffer (columns only);
-    k_meta: metadata of the buffer's tokens.
+    tokens: the buffer, the global key tokens its queries list as columns (ascending); own_pos:
+    the buffer positions of those it holds, own_rows their rows in its shard; recv: holder position
+    -> buffer positions of the tokens it receives from that rank (ascending tokens, as the holder
+    sends them); send: reader position -> rows of this rank's shard that reader lists (ascending),
+    sent to it. recv and send cover other ranks only, ascending positions (the backward sends dK/dV
+    the other way). layout: this rank's query blocks against the buffer (columns only); k_meta:
+    metadata of the buffer's tokens.
     """
 
-    shared: torch.Tensor
-    owned: list[torch.Tensor]
-    rows: list[torch.Tensor]
     tokens: torch.Tensor
-    shared_pos: torch.Tensor
     own_pos: torch.Tensor
     own_rows: torch.Tensor
+    recv: dict[int, torch.Tensor]
+    send: dict[int, torch.Tensor]
     layout: SparseLayout
     k_meta: TokenMeta
 
-    @property
-    def max_owned(self) -> int:
-        return max(o.numel() for o in self.owned)
 
-
-def _bar_step(shared: torch.Tensor, listed: torch.Tensor, mine: SparseLayout, plan: BlockSplit, meta: TokenMeta
-              ) -> BarStep | None:
-    """The bar step of the rank whose query blocks' layout is `mine`, from the global layout's `column_tokens`
-    (`shared`) and `mine.listed_columns` on the host (`listed`, which becomes the buffer's flags)."""
+def _bar_step(listed: torch.Tensor, readers: torch.Tensor, mine: SparseLayout, plan: BlockSplit, meta: TokenMeta,
+              position: int) -> BarStep | None:
+    """The bar step of the rank at `position`, whose query blocks' layout is `mine`, from host copies of
+    `mine.listed_columns` (`listed`) and `column_reads(..., position)` (`readers`); None when it neither
+    lists nor sends a column."""
     bs = plan.block_size
-    dev = mine.col_idx.device
-    if not shared.numel() and not bool(listed.any()):
+    tokens = listed.nonzero().flatten()
+    send = {r: rows for r in range(plan.cp_size) if r != position and (rows := readers[r].nonzero().flatten()).numel()}
+    if not tokens.numel() and not send:
         return None
-    listed[shared] = True
-    tokens = listed.nonzero().flatten()  # the buffer: shared tokens and this rank's own columns
-    owner = plan.block_owner[shared // bs]
-    local_row = plan.block_local_index[shared // bs] * bs + shared % bs
-    owned = [(owner == r).nonzero().flatten() for r in range(plan.cp_size)]
-    shared_pos = torch.searchsorted(tokens, shared)
-    is_shared = torch.zeros(tokens.numel(), dtype=torch.bool)
-    is_shared[shared_pos] = True
-    own_pos = (~is_shared).nonzero().flatten()
+    owner = plan.block_owner[tokens // bs]
+    recv = {o: pos for o in range(plan.cp_size) if o != position and (pos := (owner == o).nonzero().flatten()).numel()}
+    own_pos = (owner == position).nonzero().flatten()
     own = tokens[own_pos]
     own_rows = plan.block_local_index[own // bs] * bs + own % bs
-    tok = tokens.to(dev)
-    return BarStep(shared, owned, [local_row[o] for o in owned], tokens, shared_pos, own_pos, own_rows,
-                   mine.columns_into(tokens), TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
+    tok = tokens.to(mine.col_idx.device)
+    return BarStep(tokens, own_pos, own_rows, recv, send, mine.columns_into(tokens),
+                   TokenMeta(meta.index[:, tok], meta.segment[:, tok]))
 
 
 class RingPlan:
@@ -307,8 +315,8 @@ class RingPlan:
 
     layout: the global layout (identical on every rank); plan: the sequence split; meta: the
     whole padded sequence's `TokenMeta` [B, padded_len]; position: this rank's ring position.
-    `bar` is None when the layout lists no column (then no rank gathers bars); `bar_work` says
-    whether this rank's queries list any column.
+    `bar` is None when this rank neither lists a column nor holds one another rank lists; `bar_work`
+    says whether its queries list any column.
     """
 
     def __init__(self, layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, topology: RingTopology,
@@ -318,11 +326,14 @@ class RingPlan:
         dev = layout.block_idx.device
         bs = plan.block_size
         mine = layout.select(plan.blocks_of(position))  # this rank's query blocks
-        # What the host plans from, read back in one copy: the read matrix, the shared and this rank's columns.
-        w, nb, n = plan.cp_size, plan.num_blocks, plan.padded_len
-        reads, shared, listed = torch.cat([read_flags(layout, plan), column_flags(layout, plan),
-                                           mine.listed_columns(n)]).cpu().split([w * nb, n, n])
-        self.sets = TransferSets(reads.view(w, nb), plan, topology)
+        # What the host plans from, read back in one copy: the read matrix, this rank's columns (a flag per token)
+        # and the readers of the rows it holds, a bit per rank: padded_len + ceil(W / 8) x local_len bytes, not a
+        # [W, padded_len] reader matrix (32 MB at 1M tokens and CP 32), and no more for a ragged shard's long one.
+        w, nb, n, ln = plan.cp_size, plan.num_blocks, plan.padded_len, plan.local_len_of(position)
+        readers = _pack_rows(column_reads(layout, plan, position))
+        flags = [f.view(torch.uint8) for f in (read_flags(layout, plan), mine.listed_columns(n))] + [readers.flatten()]
+        reads, listed, readers = torch.cat(flags).cpu().split([w * nb, n, readers.numel()])
+        self.sets = TransferSets(reads.view(torch.bool).view(w, nb), plan, topology)
         self.q_meta = plan.shard_meta(meta, position)
         self.steps: list[RingStep] = []
         for o in range(topology.num_nodes):
@@ -334,8 +345,9 @@ class RingPlan:
                 tok = ((plan.blocks_of(s)[held] * bs).unsqueeze(1) + torch.arange(bs)).flatten().to(dev)
                 k_meta = TokenMeta(meta.index[:, tok], meta.segment[:, tok])
                 self.steps.append(RingStep(o, i, s, held, read, step_layout, k_meta))
-        self.bar = _bar_step(shared.nonzero().flatten(), listed, mine, plan, meta)
-        self.bar_work = self.bar is not None and bool((self.bar.layout.col_cnt > 0).any())
+        self.bar = _bar_step(listed.view(torch.bool), _unpack_rows(readers.view(-1, ln), w), mine, plan, meta,
+                             position)
+        self.bar_work = self.bar is not None and bool(self.bar.tokens.numel())
         self.forward_ops = slot_ops(self.sets, position, backward=False)
         self.backward_ops = slot_ops(self.sets, position, backward=True)
 
