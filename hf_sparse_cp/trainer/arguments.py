@@ -3,8 +3,8 @@
 `SMETArguments` (the SMET optimizer), and `explicit_fields` (which flags a command line gives, so
 that they beat a config file).
 
-Every plugin flag starts with `sparse_`, `cp_` or `smet_`, so that it never meets a flag of the script
-it joins (run_clm's `--block_size` is its sequence length; TRL's configs have their own fields): each
+Every plugin flag starts with `sparse_`, `cp_` or `smet` (`--smet`, `--smet_*`), so that it never meets a flag of
+the script it joins (run_clm's `--block_size` is its sequence length; TRL's configs have their own fields): each
 flat key `<f>` of `SparseAttentionConfig` is the flag `--sparse_<f>` (`--sparse_block_size`; its
 sections' fields flat: `--sparse_budget_mode`, `--sparse_vertical_topk`, `--sparse_last_q`), each
 `SMETConfig` field `--smet_<f>`; the config classes and their YAML/JSON files keep the plain names.

@@ -57,7 +57,8 @@ def flag_reference() -> str:
              "docs/flags.md`; do not edit by hand.", "",
              "`SparseTrainingArguments` (and `SparseSFTConfig`) are the Trainer's (or TRL's `SFTConfig`'s) arguments "
              "plus the flags below, so a recipe file, `HfArgumentParser` and `accelerate launch` take them as any "
-             "Trainer flag. Every plugin flag starts with `sparse_`, `cp_` or `smet_`. The defaults are "
+             "Trainer flag. Every plugin flag starts with `sparse_`, `cp_` or `smet` (`--smet`, `--smet_*`). The "
+             "defaults are "
              "`SparseTrainingArguments`' (`--sparse_attention` is on there: the class is the switch).", "",
              "## Common flags", "",
              "The few flags a run usually sets (each argument class names its own in `COMMON_FLAGS`). Every other "

@@ -9,7 +9,7 @@ A script written for `TrainingArguments` and `Trainer` changes the two class nam
 
 `SparseTrainingArguments` carries the plugin's settings as fields with help text (the sparse
 attention switches, the pattern, context parallelism and SMET: `--sparse_vertical_topk 1024`,
-`--cp_size 2`, `--smet`; every plugin flag starts with `sparse_`, `cp_` or `smet_`), so
+`--cp_size 2`, `--smet`; every plugin flag starts with `sparse_`, `cp_` or `smet`), so
 `HfArgumentParser`, YAML recipes and `accelerate launch` work as for any `TrainingArguments`.
 `SparseTrainer` does what the functional API (`enable_sparse_attention`, `attach_to_trainer`,
 `install_smet`) does by hand: it registers and configures the backend, opts into the lean loss, turns
