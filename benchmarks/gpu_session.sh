@@ -7,11 +7,12 @@
 #   bash benchmarks/gpu_session.sh quick --dry-run   # the same on the CPU at tiny sizes (no installs)
 #
 # `quick` (benchmarks/quick_session.py) runs, each stage capped, under one deadline counted from here (installs
-# included): the attention benchmark at 128K against every baseline (Flex on the same blocks, its flash backend,
-# the flex engine, cuDNN and flash SDPA) with the estimation's share, the 0.5B training step at 128K and 256K
-# (sparse_cp with the plugin's fused ops against sdpa + liger-kernel), sparse_cp at 512K and 1M beside the memory
-# model's prediction, sparse_cp at 128K with the first layer sparse, and the columns / dq / dk-dv / forward tile short list; see
-# benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's `carry`): liger-kernel
+# included): the columns / dq / forward tile short list at 128K (its chosen tiles, where faster than the launched
+# ones, are the tile table the later stages launch: $HF_SPARSE_CP_TILES), the attention benchmark at 128K against
+# every baseline (Flex on the same blocks, its flash backend, the flex engine, cuDNN and flash SDPA) with the
+# estimation's share, the 0.5B training step at 128K and 256K (sparse_cp with the plugin's fused ops against
+# sdpa + liger-kernel), sparse_cp at 512K and 1M beside the memory model's prediction, and sparse_cp at 128K with
+# the first layer sparse; see benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's `carry`): liger-kernel
 # is both the baseline's kernels and the fused ops of sparse_cp.
 #
 # The single stages, each meant to fit one 10-minute call (split with arguments if not); arguments after

@@ -9,7 +9,8 @@ shared memory per program, wgmma instructions by shape, mma.sync count, hinted a
 16-byte loads. Prints a side-by-side table and writes JSON to benchmarks/results/. Runs on any
 machine; nothing here is a GPU timing.
 
-`--candidates` builds instead every tile candidate of the tuned kernels (`configs.tile_candidates`
+`--shortlist` builds the quick GPU call's candidates (`configs.SHORTLIST`, what `tune_tiles.py --shortlist`
+times). `--candidates` builds instead every tile candidate of the tuned kernels (`configs.tile_candidates`
 at 4 and 8 warps; dq with column gradients, its heaviest variant; the key-major column kernel), the
 evidence behind which candidates `benchmarks/tune_tiles.py` times; `--warps_stages` builds only the
 launchers' tile shapes at 4 and 8 warps and 2 to 4 pipeline stages (a short sweep behind the warps and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -75,11 +77,18 @@ def warps_stages_candidates(kernel: str, block_size: int, head_dim: int) -> list
     return [dataclasses.replace(launched, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)]
 
 
+# The variants built for each kernel's short list: dq also without column gradients, as it is launched when the
+# key-major column kernel (a short-list candidate too) takes the columns' dk/dv.
+SHORTLIST_VARIANTS = {"forward": ("forward",), "dq": ("dq_column_grads", "dq"), "dkdv": ("dkdv",),
+                      "columns": ("columns",)}
+
+
 def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 128,
-                       warps_stages_only: bool = False) -> list[dict]:
+                       warps_stages_only: bool = False, shortlist: bool = False) -> list[dict]:
     """Every tile candidate of the tuned kernels at 4 and 8 warps (or, with `warps_stages_only`, the
-    launchers' tile shapes at 4 and 8 warps and 2-4 stages, each row saying whether it is the one
-    launched); a build that fails is a row with its error."""
+    launchers' tile shapes at 4 and 8 warps and 2-4 stages; with `shortlist`, the quick GPU call's candidates,
+    `configs.SHORTLIST`, dq with and without column gradients), each row saying whether it is the one launched;
+    a build that fails is a row with its error."""
     rows = []
     for head_dim in head_dims:
         launch = sm90.launch_for(head_dim, dtype, block_size)
@@ -87,16 +96,19 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
             launched = LAUNCHED_TILES[kernel](block_size, head_dim, True) if kernel in LAUNCHED_TILES else None
             if warps_stages_only:
                 candidates = warps_stages_candidates(kernel, block_size, head_dim) if launched else []
+            elif shortlist:
+                candidates = configs.SHORTLIST[kernel]
             else:
                 candidates = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
-            for tiles in candidates:
-                row = {"kernel": variant, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
+            variants = SHORTLIST_VARIANTS[kernel] if shortlist else (variant,)
+            for tiles, name in itertools.product(candidates, variants):
+                row = {"kernel": name, "head_dim": head_dim, "dtype": dtype, "tiles": dataclasses.asdict(tiles),
                        "launched": tiles == launched}
                 try:
-                    row.update(dataclasses.asdict(sm90.usage(sm90.build(variant, tiles, launch)[1])))
+                    row.update(dataclasses.asdict(sm90.usage(sm90.build(name, tiles, launch)[1])))
                 except Exception as e:  # a tile shape the compiler rejects is a finding, not the end of the sweep
                     row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-                print(f"[{variant} d={head_dim} {tiles}] {row.get('error') or row['stack_bytes']} stack B",
+                print(f"[{name} d={head_dim} {tiles}] {row.get('error') or row['stack_bytes']} stack B",
                       flush=True)
                 rows.append(row)
     return rows
@@ -108,6 +120,7 @@ def _cells(r: dict | None) -> str:
         return f"{'(unchanged)':<52}"
     t = r["tiles"]
     tiles = (f"{t['block_m']}x{t['block_n']}/{t['block_c']}{'s' if t.get('separate_columns') else ''}"
+             f"{'T' if t.get('kv_descriptors') else ''}{'M' if t.get('tile_major') else ''}"
              f"{'*' if r.get('launched') else ''}")
     if "error" in r:
         return f"{tiles:<12} {r['error']}"[:52].ljust(52)
@@ -118,9 +131,9 @@ def _cells(r: dict | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """One line per build: kernel, head_dim, then tiles (m x n / column step, 's' for a separate
-    column pass, '*' for the tiles launched, in a sweep), warps and stages, registers, stack bytes,
-    shared KB and wgmma shapes; with `previous` entries, the tiles launched before beside the current
-    ones."""
+    column pass, 'T' for TMA key blocks, 'M' for the tile-major grid, '*' for the tiles launched, in a
+    sweep), warps and stages, registers, stack bytes, shared KB and wgmma shapes; with `previous` entries,
+    the tiles launched before beside the current ones."""
     side = any("previous" in r for r in rows)
     cols = "tiles        warps regs stack shared wgmma m64nN:count"
     header = f"{'kernel':<18} {'d':>4}  " + (f"{'previous: ' + cols:<52}  current: {cols}" if side else cols)
@@ -137,6 +150,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Build every tile candidate of the tuned kernels instead of the launchers' tiles.")
     p.add_argument("--warps_stages", action="store_true",
                    help="Build the launchers' tile shapes at 4 and 8 warps and 2-4 pipeline stages.")
+    p.add_argument("--shortlist", action="store_true",
+                   help="Build the quick GPU call's candidates (configs.SHORTLIST; dq with and without column "
+                   "gradients).")
     p.add_argument("--head_dims", type=int, nargs="+", default=[64, 128], help="Head dims to build for.")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="Input dtype of the builds.")
     p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/.")
@@ -145,12 +161,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
-    if args.candidates or args.warps_stages:
-        rows = measure_candidates(args.head_dims, args.dtype, warps_stages_only=args.warps_stages)
+    if args.candidates or args.warps_stages or args.shortlist:
+        rows = measure_candidates(args.head_dims, args.dtype, warps_stages_only=args.warps_stages,
+                                  shortlist=args.shortlist)
     else:
         rows = measure(args.head_dims, args.dtype)
     kind = ("kernel-warps-stages" if args.warps_stages else "kernel-candidates" if args.candidates
-            else "kernel-resources")
+            else "kernel-shortlist" if args.shortlist else "kernel-resources")
     report = sm90.build_report(
         kind.replace("-", "_"), rows,
         launch={k: v for k, v in dataclasses.asdict(sm90.Launch()).items() if k not in ("head_dim", "dtype")},

@@ -6,26 +6,32 @@ with its own cap, under one global deadline (`--budget_s`, 540 s by default, cou
 the shell wrapper set it, i.e. before its installs), and writes its JSON after every stage; the stages' own
 scripts write theirs as soon as they have a number:
 
-(a) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
+(a) tiles: `tune_tiles.py --shortlist --kernels columns dq forward` at 128K (the attention stage's geometry): the
+    whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
+    kernel's atomics, then dq's few candidates, then the forward's (FlexAttention's grid order, TMA), each checked
+    against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles. Its `chosen`
+    tiles (a candidate at least 2% faster than the launched tiles and computing their result; none otherwise) are
+    the tile table every later stage launches from (`$HF_SPARSE_CP_TILES`, set only when tiles.json exists;
+    applied only on this GPU at head_dim 128, layout block 128, bf16: the attention stage, not the 0.5B model's
+    head_dim 64); every JSON records the variable;
+(b) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
     and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the same
     blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and
     flash SDPA dense, forward + backward, each ratio; an estimated layout (our kernels only) with the pattern
     estimation's time as a share of that attention; the engine table `auto` reads;
-(b) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
+(c) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
     checkpointing) at 128K then 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm
     and SwiGLU where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one
-    warm-up and one timed step each; sparse_cp's 'auto' engine reads the table of stage (a);
-(c) fit: sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction;
-(d) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (b)'s
-    128K run with it dense (the default): what the dense first layer costs;
-(e) tiles: `tune_tiles.py --shortlist --kernels columns dq dkdv forward` at 32K: the whole backward with the
-    columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq kernel's atomics, then the
-    dq and dk/dv kernels' few candidates, then the forward's, each checked against the launched tiles' result.
+    warm-up and one timed step each; sparse_cp's 'auto' engine reads the table of stage (b);
+(d) fit: sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction;
+(e) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (c)'s
+    128K run with it dense (the default): what the dense first layer costs.
 
 The caps add up to more than the budget on purpose. On the H200 (2026-11-29) the stages took 78, 173, 72 (512K;
-1M then ran out of memory, since fixed: 1M alone about 135 s with its start-up), 24 and 27 s, about 8 minutes
-with the 1M step; a stage the deadline skips is rerun in a call of its own (`gpu_session.sh tune
---shortlist --kernels columns dq dkdv forward`, `gpu_session.sh e2e ...`).
+1M then ran out of memory, since fixed: 1M alone about 135 s with its start-up), 24 and 27 s (tiles, then last,
+at 32K with 11 candidates), about 8 minutes with the 1M step; a stage the deadline skips is rerun in a call of
+its own (`gpu_session.sh tune --shortlist`, `gpu_session.sh e2e ...`). dk/dv's candidates are left to
+`gpu_session.sh tune --shortlist`: the H200 timed its launched tiles fastest of four (benchmarks/results/README.md).
 
 A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at most 8 come
 back from a GPU call): quick-session.json (device, versions, the command, settings, each stage's status, cap,
@@ -71,11 +77,11 @@ class QuickArguments:
     )
     budget_s: float = field(default=540.0, metadata={"help": "Global deadline in seconds, from $QUICK_START if set."})
     out: str | None = field(default=None, metadata={"help": "Output folder; default $OUT, else benchmarks/results/."})
-    attention_cap_s: float = field(default=110.0, metadata={"help": "Cap of stage (a), the attention benchmark."})
-    e2e_cap_s: float = field(default=200.0, metadata={"help": "Cap of stage (b), the training steps at 128K/256K."})
-    fit_cap_s: float = field(default=210.0, metadata={"help": "Cap of stage (c), the 512K and 1M steps."})
-    layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of stage (d), the first layer sparse."})
-    tiles_cap_s: float = field(default=90.0, metadata={"help": "Cap of stage (e), the tile short list."})
+    attention_cap_s: float = field(default=110.0, metadata={"help": "Cap of stage (b), the attention benchmark."})
+    e2e_cap_s: float = field(default=200.0, metadata={"help": "Cap of stage (c), the training steps at 128K/256K."})
+    fit_cap_s: float = field(default=210.0, metadata={"help": "Cap of stage (d), the 512K and 1M steps."})
+    layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of stage (e), the first layer sparse."})
+    tiles_cap_s: float = field(default=60.0, metadata={"help": "Cap of stage (a), the tile short list."})
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
     fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
     layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--warmup_steps", "1",
               "--output", str(out / "e2e-layer0.json")]
-    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "dkdv", "forward",
+    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "forward",
              "--output", str(out / "tiles.json")]
     if args.dry_run:
         attention += ["--dry_run", "--seq_lens", "128", "--block_size", "32", "--num_q_heads", "2",
@@ -120,19 +126,22 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
         # the H200's 1M step took about 135 s with its start-up (2026-11-29): the fit stage's runs get 190 s
         runs = {"headline": ("131072", "262144", "150"), "fit": ("524288", "1048576", "190"),
                 "layer0": ("131072", "131072", "150")}
-        tiles += ["--seq_len", "32768", "--warmup", "1", "--repeats", "3"]
+        tiles += ["--seq_len", "131072", "--warmup", "1", "--repeats", "3"]
         interpreted = {}
     run = {name: [*e2e, "--min_seq", first, "--max_seq", last, "--timeout_s", timeout]
            for name, (first, last, timeout) in runs.items()}
     from hf_sparse_cp.attention.engines import TABLE_ENV
+    from hf_sparse_cp.kernels.configs import TILES_ENV
 
-    table = {TABLE_ENV: str(out / "engine_table.json")}
+    tile_table = {TILES_ENV: str(out / "tiles.json")}
+    table = {TABLE_ENV: str(out / "engine_table.json"), **tile_table}
     return [
-        Stage("attention", args.attention_cap_s, attention, ["attention.json", "engine_table.json"], interpreted),
+        Stage("tiles", args.tiles_cap_s, tiles, ["tiles.json"], interpreted),
+        Stage("attention", args.attention_cap_s, attention, ["attention.json", "engine_table.json"], interpreted,
+              env_files=tile_table),
         Stage("e2e", args.e2e_cap_s, run["headline"] + headline, ["e2e.json"], env_files=table),
         Stage("fit", args.fit_cap_s, run["fit"] + fit, ["e2e-fit.json"], env_files=table),
         Stage("layer0", args.layer0_cap_s, run["layer0"] + layer0, ["e2e-layer0.json"], env_files=table),
-        Stage("tiles", args.tiles_cap_s, tiles, ["tiles.json"], interpreted),
     ]
 
 

@@ -10,6 +10,14 @@ one kernel through `configs.tiles_override`, the other kernels keeping their cur
 * dq, dkdv: the time of the whole backward op (the other backward kernel fixed, so differences
   between candidates are this kernel's).
 
+Kernels are tuned in the order given, each with the kernels before it launched with their chosen tiles,
+so that the chosen tiles are a combination that was timed together. A kernel's chosen tiles are its fastest
+candidate that computed the current tiles' result, where at least `MIN_GAIN` faster than the current tiles
+(else none: the current tiles stay); the JSON's `chosen` holds them with the GPU, head_dim, layout block and
+dtype they were measured on, the tile table that `$HF_SPARSE_CP_TILES` (`configs.TILES_ENV`) makes later
+launches on that GPU and geometry use (benchmarks/gpu_session.sh quick: its later stages). The run itself
+times the launchers' own tiles as the current ones, whatever that variable says.
+
 dq candidates come in pairs: the columns' dk/dv inside the dq loop, or in a separate pass
 (`Tiles.separate_columns`, column "sep"). `--kernels columns` times the whole backward with the
 columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`, column "steps": query tiles per
@@ -27,7 +35,7 @@ benchmarks/results/.
 This is a GPU benchmark: without CUDA it refuses to run, except `--dry_run` (CPU, the kernels in Triton's
 interpreter at the sizes given; benchmarks/gpu_session.sh quick --dry-run). The candidate grids, the ranking
 and the table (`rank`, `format_table`) run anywhere. The candidates are `configs.tile_candidates`, or with
-`--shortlist` the few of `SHORTLIST` (the quick GPU session's).
+`--shortlist` the few of `configs.SHORTLIST` (the quick GPU session's).
 """
 
 from __future__ import annotations
@@ -54,24 +62,12 @@ from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.benchmarking import ReportFile, parse_gpu_benchmark_args, rel_rms, time_ms
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# `--shortlist`: the few candidates per kernel that one short GPU call times (benchmarks/gpu_session.sh quick), at
-# head_dim 128, 8 warps: those whose sm_90 builds on the GPU image's Triton (3.6) keep every register in registers
-# and fit shared memory (kernel-candidates_triton-3.6.0_*.json; dq with column gradients, its heaviest variant),
-# the launched tiles (the dk/dv one keeps 56 B of stack there), and for the forward and dq the same tiles with
-# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`; on the H200 at 32K no faster: dq 3.68 vs
-# 3.67 ms, the forward 1.73 vs 1.54, tiles_nvidia-h200_20261129-221239.json).
-SHORTLIST = {
-    "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True)],
-    "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
-           Tiles(128, 64, 64, 8, 3, separate_columns=True), Tiles(128, 32, 64, 8, 3)],
-    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
-    # (128-row steps: no spill at head_dim 128 since the kernel's rework, benchmarks/results/README.md)
-    "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32),
-                Tiles(128, 0, 64, 8, 2, query_steps=16)],
-}
 # Largest relative RMS difference from the current tiles' result that still counts as the same
 # function: only the fp32 accumulation order changes with the tiles.
 SAME_RESULT_RTOL = 1e-3
+# How much faster than the current tiles (a fraction of their time) a candidate must be to be chosen: the launched
+# tiles stay on a tie within timing noise.
+MIN_GAIN = 0.02
 
 
 @dataclass
@@ -91,7 +87,7 @@ class TuneTilesArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the layout and inputs."})
     shortlist: bool = field(
         default=False,
-        metadata={"help": "Time only `SHORTLIST`'s candidates (a short GPU call) instead of every candidate of "
+        metadata={"help": "Time only `configs.SHORTLIST`'s candidates (a short GPU call) instead of every candidate of "
                   "configs.tile_candidates."},
     )
     dry_run: bool = field(
@@ -132,16 +128,27 @@ def rank(rows: list[dict]) -> list[dict]:
     return ok + [r for r in rows if r["status"] != "ok"]
 
 
+def choose(rows: list[dict], min_gain: float = MIN_GAIN) -> dict | None:
+    """The row of one kernel whose tiles to launch instead of the current ones: the fastest candidate that computed
+    the current tiles' result, when the current tiles were timed too and it took at most (1 - min_gain) of their
+    time; else None."""
+    current = next((r for r in rows if r["current"] and r["status"] == "ok"), None)
+    best = rank(rows)[0] if rows else None
+    if current is None or best is None or best["status"] != "ok" or best["current"]:
+        return None
+    return best if best["ms"] <= (1 - min_gain) * current["ms"] else None
+
+
 def format_table(kernel: str, rows: list[dict]) -> str:
-    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'steps':>5} "
-              f"{'ms':>9} {'x current':>9}  note")
+    header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'tm':>3} "
+              f"{'steps':>5} {'ms':>9} {'x current':>9}  note")
     lines = [header, "-" * len(header)]
     base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
     for r in rank(rows):
         t = r["tiles"]
         cells = (f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} "
                  f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3} "
-                 f"{'yes' if t.get('kv_descriptors') else '':>3} "
+                 f"{'yes' if t.get('kv_descriptors') else '':>3} {'yes' if t.get('tile_major') else '':>3} "
                  f"{t.get('query_steps', 1) if kernel == 'columns' and not r['current'] else '':>5}")
         if r["status"] == "ok":
             speedup = f"{base / r['ms']:9.2f}" if base else " " * 9
@@ -175,7 +182,10 @@ class Tuner:
         self.q, self.k, self.v = make(a.num_q_heads), make(a.num_kv_heads), make(a.num_kv_heads)
         self.dout = make(a.num_q_heads)
         self.scale = a.head_dim**-0.5
+        self.dtype = dtype
         self.rows: list[dict] = []
+        # kernel -> the tiles chosen for it (`choose`), launched while the kernels after it are tuned
+        self.chosen: dict[str, Tiles] = {}
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         return attention_forward(AttentionCall(self.q, self.k, self.v, self.layout, self.scale, self.meta, self.meta),
@@ -187,25 +197,28 @@ class Tuner:
 
     def run_kernel(self, kernel: str, tiles_list: list[Tiles] | None = None,
                    after_each: Callable[[], None] | None = None) -> list[dict]:
-        """Time `tiles_list` (default: `configs.tile_candidates`) for `kernel`; returns and keeps the rows.
-        `after_each` is called after every candidate (main rewrites the JSON there)."""
+        """Time `tiles_list` (default: `configs.tile_candidates`) for `kernel`, the kernels tuned before it with their
+        chosen tiles; returns and keeps the rows, and chooses (`choose`). `after_each` is called after every
+        candidate (main rewrites the JSON there)."""
         a = self.args
-        out, lse = self.forward()
+        with configs.tiles_override(**self.chosen):
+            out, lse = self.forward()
         out = out.to(self.q.dtype)
         step = self.forward if kernel == "forward" else (lambda: self.backward(out, lse))
         # what the step computes, as one vector (out, or dq, dk, dv), compared outside the timing
         result = lambda: torch.cat([t.flatten() for t in step()[: 1 if kernel == "forward" else 3]])
-        reference = result()
+        with configs.tiles_override(**self.chosen):
+            reference = result()
         now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        candidates = tiles_list or (SHORTLIST[kernel] if a.shortlist else
+        candidates = tiles_list or (configs.SHORTLIST[kernel] if a.shortlist else
                                     configs.tile_candidates(kernel, a.block_size, a.head_dim))
         if kernel in configs.OPTIONAL_KERNELS:  # timed against the launched path: no override (None)
             candidates = [None, *candidates]
         for i, tiles in enumerate(candidates, 1):
             row = {"kernel": kernel, "tiles": dataclasses.asdict(tiles or now), "current": tiles in (None, now)}
             try:
-                with configs.tiles_override(**({kernel: tiles} if tiles else {})):
+                with configs.tiles_override(**self.chosen, **({kernel: tiles} if tiles else {})):
                     start = time.perf_counter()
                     got = result()
                     checked_ms = 1e3 * (time.perf_counter() - start)
@@ -227,6 +240,8 @@ class Tuner:
             self.rows.append(row)
             if after_each is not None:
                 after_each()
+        if (pick := choose(rows)) is not None:
+            self.chosen[kernel] = Tiles(**pick["tiles"])
         return rows
 
 
@@ -242,6 +257,10 @@ def build_report(tuner: Tuner, env: dict, complete: bool) -> dict:
         "settings": {**dataclasses.asdict(a), "kept_fraction": float(tuner.layout.kept_fraction())},
         "results": tuner.rows,
         "best": {k: rank([r for r in tuner.rows if r["kernel"] == k])[0] for k in tuned},
+        # the tile table (configs.TILES_ENV): the kernels whose chosen tiles beat the launched ones, so far
+        "chosen": {"applies_to": {"device": env.get("device"), "head_dim": a.head_dim, "block_size": a.block_size,
+                                  "dtype": str(tuner.dtype).removeprefix("torch.")},
+                   "min_gain": MIN_GAIN, "tiles": {k: dataclasses.asdict(t) for k, t in tuner.chosen.items()}},
     }
 
 
@@ -250,6 +269,7 @@ def main(argv: list[str]) -> dict:
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("tune_tiles.py --dry_run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1.")
     device = "cpu" if args.dry_run else "cuda"
+    os.environ.pop(configs.TILES_ENV, None)  # the current tiles are the launchers' own, never an earlier table's
     tuner = Tuner(args, device)
     env = environment(torch.device(device))
     out = ReportFile(RESULTS_DIR, "tiles", args.output)
@@ -261,6 +281,8 @@ def main(argv: list[str]) -> dict:
     for table in tables:
         print()
         print(table)
+    chosen = report["chosen"]["tiles"] or "none: the launched tiles stay"
+    print(f"\nchosen (the tile table, ${configs.TILES_ENV}): {chosen}")
     out.write(report)
     return report
 

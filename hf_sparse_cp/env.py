@@ -53,4 +53,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, str | Non
         "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         **{name: _version(name) for name in PACKAGES},
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        # the tile table the kernels launch from (`hf_sparse_cp.kernels.configs.TILES_ENV`; named here, not
+        # imported: this report works without Triton)
+        "HF_SPARSE_CP_TILES": os.environ.get("HF_SPARSE_CP_TILES"),
     }

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_fwd import dot_precision, kv_descriptors, placeholder_if_empty
+from .block_sparse_fwd import dot_precision, kv_descriptors, launch_grid, placeholder_if_empty
 from .column_bwd import column_grads
 from .configs import FP_FUSION, column_tiles, compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
@@ -69,6 +69,7 @@ from .tiles import (
     load_block_step,
     load_column_step,
     load_meta,
+    program_tile,
     query_segments,
     query_tile,
     visible,
@@ -166,11 +167,10 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
-    KV_DESCRIPTORS: tl.constexpr,
+    KV_DESCRIPTORS: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    n_tiles = tl.num_programs(1)
-    tile = tile_offset + n_tiles - 1 - tl.program_id(1)
+    pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
+    tile += tile_offset
     b, h64, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
@@ -426,13 +426,13 @@ def backward(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
     )
 
-    tiles = dq_tiles(block_size, d, on_gpu)
+    tiles = dq_tiles(block_size, d, on_gpu, q.dtype)
     n_tiles = triton.cdiv(sq, tiles.block_m)
 
     k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
 
     def launch_dq(first_tile: int, count: int, mode: int, col_dk: torch.Tensor, col_dv: torch.Tensor) -> None:
-        _dq_kernel[(b * hq, count)](
+        _dq_kernel[launch_grid(b * hq, count, tiles)](
             q, k, v, k_desc, v_desc, dout, lse2, delta, dq, col_dk, col_dv,
             block_idx_p, block_cnt, full_cnt, col_idx_p, col_cnt, col_full,
             q_index, q_segment, k_index, k_segment,
@@ -442,13 +442,13 @@ def backward(
             HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
-            PRECISION=precision, KV_DESCRIPTORS=k_desc is not k,
+            PRECISION=precision, KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 
     if not has_cols:
         launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)
-    elif not deterministic and (key_major := column_tiles(block_size)) is not None:
+    elif not deterministic and (key_major := column_tiles(block_size, d, on_gpu, q.dtype)) is not None:
         launch_dq(0, n_tiles, _NO_COLUMNS, col_dk, col_dv)  # the columns' dq only
         column_grads(q, k, v, dout, lse2, delta, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
                      col_dk, col_dv, qk_scale=qk_scale, block_size=block_size, window=window, precision=precision,
@@ -470,7 +470,7 @@ def backward(
                 HEAD_DIM=d, BLOCK_D=block_d,
             )
 
-    kv_tiles = dkdv_tiles(block_size, d, on_gpu)
+    kv_tiles = dkdv_tiles(block_size, d, on_gpu, q.dtype)
     row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb)
     _dkdv_kernel[(b * hk, triton.cdiv(sk, kv_tiles.block_n))](
         q, k, v, dout, lse2, delta, col_dk, col_dv, dk, dv,

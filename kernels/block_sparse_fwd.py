@@ -4,8 +4,9 @@ One program computes one tile of `block_m` query rows of one (batch row, query h
 the key blocks its layout row lists (in `block_n`-row steps) and then the vertical key columns
 (gathered by index, `block_c` at a time), keeping an online softmax in fp32 registers. Query
 heads of a GQA group read their shared key/value head directly (no replication). Programs of
-the same query tile and consecutive heads run next to each other, so a group's K/V tiles are
-served from L2; query tiles run last-first, which puts the longest causal rows first.
+the same query tile and consecutive heads run next to each other (with `Tiles.tile_major`, a tuning
+candidate, consecutive query tiles of one head: `tiles.program_tile`); query tiles run last-first,
+which puts the longest causal rows first.
 
 The kernel can start from an existing (out, lse) pair instead of from nothing ("merge" mode): the
 previous result is folded in after the loops as one more online-softmax term (max = its lse, sum =
@@ -44,6 +45,7 @@ from .tiles import (
     load_block_step,
     load_column_step,
     load_meta,
+    program_tile,
     query_segments,
     query_tile,
     visible,
@@ -92,9 +94,9 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
+    TILE_MAJOR: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
@@ -181,6 +183,12 @@ def placeholder_if_empty(t: torch.Tensor) -> torch.Tensor:
     return t if t.numel() else torch.full((1,), -1, dtype=t.dtype, device=t.device)
 
 
+def launch_grid(heads: int, n_tiles: int, tiles) -> tuple[int, int]:
+    """The grid of a query-major launch (`tiles.program_tile`): (B x Hq, tiles), or (tiles, B x Hq) with
+    `Tiles.tile_major`."""
+    return (n_tiles, heads) if tiles.tile_major else (heads, n_tiles)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 products (the reference's precision), not tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -220,8 +228,8 @@ def forward(
     hk, sk = k.shape[1], k.shape[2]
     if sq == 0 or b == 0:
         return
-    tiles = forward_tiles(block_size, d, compiled(q.device))
-    grid = (b * hq, triton.cdiv(sq, tiles.block_m))
+    tiles = forward_tiles(block_size, d, compiled(q.device), q.dtype)
+    grid = launch_grid(b * hq, triton.cdiv(sq, tiles.block_m), tiles)
     block_d = triton.next_power_of_2(max(d, 16))
     k_desc, v_desc = kv_descriptors(k, v, tiles.block_n, block_d) if tiles.kv_descriptors else (k, v)
     _forward_kernel[grid](
@@ -238,7 +246,7 @@ def forward(
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
         HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
-        KV_DESCRIPTORS=k_desc is not k,
+        KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
 

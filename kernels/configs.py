@@ -6,18 +6,23 @@ The CUDA choices were made without a GPU, from sm_90 builds with the arguments o
 divisibility hints included (`sm90`, `benchmarks/kernel_resources.py`): every choice keeps all
 matrix products on wgmma at least 32 wide (no m64n16; column tiles are 64 rows: transposed column
 products need M >= 64), shared memory under 227 KB and no spilled register; the builds behind each
-choice are in `benchmarks/results/README.md`. None of this has been timed yet: `benchmarks/tune_tiles.py`
-times the candidates on a GPU through `tiles_override`, and its winners belong here. Under
-Triton's interpreter (CPU tensors) tiles are small so that the tests cover the sub-tiling loops.
-The kernels stop at head_dim 128 (`limits.MAX_HEAD_DIM`); larger heads use the reference.
+choice are in `benchmarks/results/README.md`. `benchmarks/tune_tiles.py` times the candidates on a GPU
+through `tiles_override`; its winners belong here once measured, and until then a GPU run can launch
+them from its report (the tile table, `TILES_ENV`). Under Triton's interpreter (CPU tensors) tiles are
+small so that the tests cover the sub-tiling loops. The kernels stop at head_dim 128
+(`limits.MAX_HEAD_DIM`); larger heads use the reference.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,11 @@ class Tiles:
         launched tiles until a GPU has timed it; builds for sm_90 (tests/kernels/test_kernels_compile.py).
     query_steps: columns only: the query tiles (block_m rows each) one program walks for every chunk of
         block_c column tokens (`column_bwd`); the columns kernel takes no block_n.
+    tile_major: forward and dq: the grid runs the query tiles of one head next to each other (FlexAttention's
+        order) instead of the heads of one query tile (`tiles.program_tile`). Along a layout's diagonals the
+        tiles in flight then read the key blocks their neighbours read a step before, from L2 rather than
+        HBM; the same result bit for bit (each program computes what it did). Off in the launched tiles
+        until a GPU has timed it.
     """
 
     block_m: int
@@ -47,6 +57,7 @@ class Tiles:
     separate_columns: bool = False
     kv_descriptors: bool = False
     query_steps: int = 1
+    tile_major: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
@@ -105,11 +116,61 @@ def _overridden(kernel: str, block_size: int) -> Tiles | None:
     return t and replace(t, block_m=min(t.block_m, block_size), block_n=min(t.block_n, block_size))
 
 
+# The tile table: the JSON report of a `benchmarks/tune_tiles.py` run on a GPU. Its `chosen` tiles (per kernel, the
+# fastest candidate that computed the launched tiles' result and beat their time by the run's `min_gain`) are
+# launched in place of the tiles below, but only on the GPU model, head_dim, layout block and dtype that run
+# measured (`chosen.applies_to`); anywhere else, and without the variable, the tiles below.
+TILES_ENV = "HF_SPARSE_CP_TILES"
+
+
+@functools.cache
+def _read_tile_table(path: str, version: tuple[int, int]) -> tuple[tuple, dict[str, Tiles]]:
+    del version  # (modification time, size): part of the cache key only, so that a rewritten file is read again
+    try:
+        chosen = json.loads(Path(path).read_text())["chosen"]
+        where = chosen["applies_to"]
+        key = (str(where["device"]), int(where["head_dim"]), int(where["block_size"]), str(where["dtype"]))
+        tiles = {kernel: Tiles(**t) for kernel, t in chosen["tiles"].items()}
+        for kernel, t in tiles.items():
+            if kernel not in KERNELS + OPTIONAL_KERNELS:
+                raise ValueError(f"unknown kernel {kernel!r}")
+            check_tiles(kernel, t)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # (json's decode error is a ValueError)
+        raise ValueError(f"${TILES_ENV}={path!r} is not a tile table ({type(e).__name__}: {e}); point it at the JSON "
+                         "that benchmarks/tune_tiles.py writes, or unset it.") from None
+    return key, tiles
+
+
+def _tabled(kernel: str, block_size: int, head_dim: int, dtype) -> Tiles | None:
+    """The tile table's tiles of `kernel` for a launch of this layout block, head_dim and dtype (a torch dtype) on
+    the current CUDA device, or None (no table, no entry for the kernel, another geometry or GPU)."""
+    path = os.environ.get(TILES_ENV)
+    if not path or dtype is None:
+        return None
+    if not Path(path).is_file():
+        raise ValueError(f"${TILES_ENV}={path!r} does not exist; point it at the JSON that benchmarks/tune_tiles.py "
+                         "writes, or unset it.")
+    stat = Path(path).stat()
+    (device, dim, block, dtype_name), tiles = _read_tile_table(path, (stat.st_mtime_ns, stat.st_size))
+    t = tiles.get(kernel)
+    if t is None or (dim, block, dtype_name) != (head_dim, block_size, str(dtype).removeprefix("torch.")):
+        return None
+    import torch
+
+    return t if torch.cuda.is_available() and torch.cuda.get_device_name() == device else None
+
+
+def _chosen(kernel: str, block_size: int, head_dim: int, on_gpu: bool, dtype) -> Tiles | None:
+    """Tiles from `tiles_override`, else (compiled launches only) from the tile table, else None."""
+    return _overridden(kernel, block_size) or (_tabled(kernel, block_size, head_dim, dtype) if on_gpu else None)
+
+
 def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[int, ...] | None = None) -> list[Tiles]:
     """The tiles worth timing for `kernel` ("forward", "dq", "dkdv", "columns"): wgmma-sized products (64
     rows on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
-    descriptors (`Tiles.kv_descriptors`); sizes above the layout block are dropped. The columns kernel:
+    descriptors (`Tiles.kv_descriptors`) and either grid order (`Tiles.tile_major`); sizes above the layout
+    block are dropped. The columns kernel:
     chunks of 64 columns, 64- or 128-row query steps, 16 or 32 steps a program, 2 stages (its inner loop
     is not pipelined: its sm_90 builds are the same at 1 to 3).
 
@@ -125,11 +186,32 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     elif kernel == "columns":  # block_c: column tokens of a chunk (M side); block_m: query rows of a step
         grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
-        grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True))
+        grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True), (1,),
+                                 (False, True))
     tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
     return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
 
 
+# The few candidates per kernel that one short GPU call times (`benchmarks/tune_tiles.py --shortlist`, benchmarks/
+# gpu_session.sh quick), at
+# head_dim 128, 8 warps: those whose sm_90 builds on the GPU image's Triton (3.6) keep every register in registers
+# and fit shared memory (kernel-candidates_triton-3.6.0_*.json; dq with column gradients, its heaviest variant),
+# the launched tiles (the dk/dv one keeps 56 B of stack there), and for the forward and dq the same tiles with
+# their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`; on the H200 at 32K no faster: dq 3.68 vs
+# 3.67 ms, the forward 1.73 vs 1.54, tiles_nvidia-h200_20261129-221239.json).
+# Since then (benchmarks/results/README.md): the forward and dq in FlexAttention's grid order (`Tiles.tile_major`,
+# with and without TMA) replace the candidates the H200 timed slower (dq's separate column pass and 128 x 32, the
+# forward's TMA alone); dq's TMA alone, a tie there, stays.
+SHORTLIST = {
+    "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, tile_major=True),
+                Tiles(128, 64, 64, 8, 3, kv_descriptors=True, tile_major=True)],
+    "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
+           Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 64, 64, 8, 3, kv_descriptors=True, tile_major=True)],
+    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
+    # (128-row steps: no spill at head_dim 128 since the kernel's rework, benchmarks/results/README.md)
+    "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32),
+                Tiles(128, 0, 64, 8, 2, query_steps=16)],
+}
 # Every launch asks for FP fusion (a * b + c contracted to one FMA, one rounding) explicitly: Triton 3.10 turns it
 # off by default (3.9 warns that it will); the kernels' accuracy and their sm_90 builds were checked with it on.
 FP_FUSION = True
@@ -164,8 +246,8 @@ def compiled(device) -> bool:
     return device.type != "cpu"
 
 
-def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    if t := _overridden("forward", block_size):
+def forward_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tiles:
+    if t := _chosen("forward", block_size, head_dim, on_gpu, dtype):
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
@@ -176,8 +258,8 @@ def forward_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
 
 
-def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    if t := _overridden("dq", block_size):
+def dq_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tiles:
+    if t := _chosen("dq", block_size, head_dim, on_gpu, dtype):
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
@@ -186,8 +268,8 @@ def dq_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
 
 
-def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
-    if t := _overridden("dkdv", block_size):
+def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tiles:
+    if t := _chosen("dkdv", block_size, head_dim, on_gpu, dtype):
         return t
     if not on_gpu:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
@@ -197,10 +279,10 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool) -> Tiles:
     return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
 
 
-def column_tiles(block_size: int) -> Tiles | None:
-    """Tiles of the key-major column kernel, only where overridden: the dq kernel's atomics stay the
-    default until a GPU has timed both (`benchmarks/tune_tiles.py`)."""
-    return _overridden("columns", block_size)
+def column_tiles(block_size: int, head_dim: int = 0, on_gpu: bool = False, dtype=None) -> Tiles | None:
+    """Tiles of the key-major column kernel, only where overridden or in the tile table: the dq kernel's
+    atomics stay the default until a GPU has timed both (`benchmarks/tune_tiles.py`)."""
+    return _chosen("columns", block_size, head_dim, on_gpu, dtype)
 
 
 @dataclass(frozen=True)

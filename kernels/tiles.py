@@ -50,6 +50,25 @@ def visible(q_idx, q_seg, k_idx, k_seg, window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
+def program_tile(TILE_MAJOR: tl.constexpr):
+    """A query-major program's (batch row x query head) index, its query tile counted from the launch's last
+    one, and the launch's number of query tiles. The grid is (B x Hq, tiles): the heads of one query tile run
+    next to each other; or with TILE_MAJOR (tiles, B x Hq): the query tiles of one head run next to each other
+    (FlexAttention's order), so that the tiles in flight at once walk the same layout diagonals a few key
+    blocks apart and read each other's K/V tiles from L2. Either way the last tiles (the longest causal rows)
+    start first."""
+    if TILE_MAJOR:
+        pid_bh = tl.program_id(1)
+        n_tiles = tl.num_programs(0)
+        tile = n_tiles - 1 - tl.program_id(0)
+    else:
+        pid_bh = tl.program_id(0)
+        n_tiles = tl.num_programs(1)
+        tile = n_tiles - 1 - tl.program_id(1)
+    return pid_bh, tile, n_tiles
+
+
+@triton.jit
 def query_tile(pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len,
                BLOCK_M: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Where a query-major program works: batch row b and query head h (int64 for addressing),

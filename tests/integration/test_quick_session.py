@@ -34,7 +34,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     session = json.loads((tmp_path / "quick-session.json").read_text())
     assert session["complete"] and session["settings"]["dry_run"] and session["device_type"] == "cpu"
     assert [(s["name"], s["status"]) for s in session["stages"]] == [
-        ("attention", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok"), ("tiles", "ok")]
+        ("tiles", "ok"), ("attention", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok")]
     assert session["wall_s"] <= session["settings"]["budget_s"] <= 540 and wall < 900
 
     attention = json.loads((tmp_path / "attention.json").read_text())
@@ -66,8 +66,12 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     layer0 = json.loads((tmp_path / "e2e-layer0.json").read_text())
     assert layer0["sparse_attention"]["dense_first_layers"] == 0 and e2e["sparse_attention"]["dense_first_layers"] == 1
     tiles = json.loads((tmp_path / "tiles.json").read_text())
-    assert tiles["settings"]["shortlist"] and set(tiles["best"]) == {"columns", "dq", "dkdv", "forward"}
+    assert tiles["settings"]["shortlist"] and set(tiles["best"]) == {"columns", "dq", "forward"}
     assert all(r["status"] == "ok" for r in tiles["results"])  # each candidate computes the launched tiles' result
+    # the tile table the later stages were given (never applied off CUDA), and each JSON recording it
+    assert tiles["chosen"]["applies_to"] == {"device": tiles["device"], "head_dim": 16, "block_size": 16,
+                                             "dtype": "float32"}
+    assert tiles["HF_SPARSE_CP_TILES"] is None and attention["HF_SPARSE_CP_TILES"] == str(tmp_path / "tiles.json")
 
     headline = session["headline"]
     assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"])
@@ -91,8 +95,24 @@ def test_no_stage_command_repeats_an_option(quick, tmp_path, dry_run):
     timeouts = {s.name: s.command[s.command.index("--timeout_s") + 1] for s in stages if "--timeout_s" in s.command}
     assert timeouts == ({"e2e": "120", "fit": "120", "layer0": "120"} if dry_run else
                         {"e2e": "150", "fit": "190", "layer0": "150"})
-    warmups = {s.name: s.command[s.command.index("--warmup_steps") + 1] for s in stages[1:4]}
+    warmups = {s.name: s.command[s.command.index("--warmup_steps") + 1]
+               for s in stages if "--warmup_steps" in s.command}
     assert warmups == {"e2e": "1", "fit": "0", "layer0": "1"}
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["full-size", "dry-run"])
+def test_the_tile_stage_runs_first_and_every_later_stage_launches_its_choice(quick, tmp_path, dry_run):
+    """The tile short list at the attention stage's length comes first; its tiles.json is the tile table
+    (`configs.TILES_ENV`) of every later stage, the 128K attention included."""
+    from hf_sparse_cp.kernels.configs import TILES_ENV
+
+    stages = quick.stages(quick.QuickArguments(dry_run=dry_run), tmp_path)
+    assert [s.name for s in stages] == ["tiles", "attention", "e2e", "fit", "layer0"]
+    assert TILES_ENV not in stages[0].env_files and stages[0].outputs == ["tiles.json"]
+    assert all(s.env_files[TILES_ENV] == str(tmp_path / "tiles.json") for s in stages[1:])
+    tiles, attention = stages[0].command, stages[1].command
+    length = lambda cmd, option: cmd[cmd.index(option) + 1]
+    assert length(tiles, "--seq_len") == ("96" if dry_run else length(attention, "--seq_lens"))
 
 
 def test_a_stage_past_its_cap_is_killed_with_its_children(quick, tmp_path):

@@ -99,6 +99,17 @@ def test_key_blocks_with_tensor_descriptors_build_tma_copies(variant, head_dim):
     assert "cp.async.bulk.tensor" not in pointer_build.asm["ptx"]
 
 
+@pytest.mark.parametrize("variant", ["forward", "dq_column_grads"])
+def test_the_tile_major_grid_builds_as_the_launched_one(variant):
+    """`Tiles.tile_major` only swaps which program id counts the query tiles: the sm_90 build keeps the launched
+    build's registers, stack, shared memory and wgmma (head_dim 128), reading the tile from the grid's x axis."""
+    launched = configs.forward_tiles(128, 128, True) if variant == "forward" else configs.dq_tiles(128, 128, True)
+    tiles, build = sm90.build(variant, dataclasses.replace(launched, tile_major=True))
+    _, base = sm90.build(variant, launched)
+    assert tiles.tile_major and sm90.usage(build) == sm90.usage(base)
+    assert "tt.get_num_programs x" in build.asm["ttir"] and "tt.get_num_programs y" in base.asm["ttir"]
+
+
 def test_warp_specialize_probe_builds_every_case(tmp_path):
     """warp_specialize_probe: one row per case (the forward's loop by query load, masked steps, column loop;
     dq's loop by query tile), each a build with whether Triton split the loop into warpgroups, or the

@@ -130,6 +130,19 @@ def test_every_form_of_the_column_gradients_matches_the_reference(override):
         _check(q, k, v, dout, dlse, layout, TokenMeta.contiguous(1, s, DEVICE))
 
 
+@pytest.mark.parametrize("kv_descriptors", [False, True], ids=["pointer-loads", "tma"])
+def test_the_tile_major_grid_matches_the_reference(kv_descriptors):
+    """The forward and dq in FlexAttention's grid order (`Tiles.tile_major`, the quick call's candidates), with the
+    key-major column kernel as tuning may pair them: head_dim 128, bf16, per-head columns, packed documents."""
+    s = SIZES["long"]
+    q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=11)
+    meta = _docs(s, seed=12)
+    layout = _layout("vertical_slash", 1, 16, s, seed=13, meta=meta)
+    tiles = configs.Tiles(128, 64, 64, 8, 3, kv_descriptors=kv_descriptors, tile_major=True)
+    with configs.tiles_override(forward=tiles, dq=tiles, columns=configs.Tiles(64, 0, 64, 8, 2, query_steps=16)):
+        _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
+
+
 def test_sliding_window_batch_of_two_d64_bf16():
     s = SIZES["odd"]
     q, k, v, dout, dlse = _inputs(2, 4, 2, s, 64, torch.bfloat16, seed=2)

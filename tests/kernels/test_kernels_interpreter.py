@@ -8,6 +8,8 @@ queries that see nothing, non-finite inputs, merging into an existing result, an
 fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests marked gpu).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -369,10 +371,12 @@ def test_merge_into_existing_result(interp, hq, hk, s, d, dtype):
     assert rel_rms(dq_sum, ref_dq) <= 2 * TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("separate_columns", [False, True], ids=["columns-in-dq-loop", "separate-column-pass"])
-def test_deterministic_mode_matches_reference(interp, separate_columns):
+@pytest.mark.parametrize("separate_columns,tile_major", [(False, False), (True, False), (False, True)],
+                         ids=["columns-in-dq-loop", "separate-column-pass", "tile-major-grid"])
+def test_deterministic_mode_matches_reference(interp, separate_columns, tile_major):
     """Column gradients through per-tile partials summed per key row in a fixed order, in one chunk of
-    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests)."""
+    query tiles and in three (bitwise reproducibility needs a GPU's atomics to mean anything: gpu tests);
+    a tile-major grid (`Tiles.tile_major`) writes each tile's partials where the sums read them."""
     s, bs = 160, 32
     hq = 2
     q, k, v, dout, dlse = _inputs(1, hq, 1, s, s, 16, torch.float32, seed=13)
@@ -388,7 +392,7 @@ def test_deterministic_mode_matches_reference(interp, separate_columns):
                              dlse=dlse.double())
     tile_bytes = hq * layout.col_idx.shape[-1] * 16 * 4 * 2  # one query tile's partials (5 tiles in all)
     for budget in (2 * tile_bytes, 1 << 30):
-        dq_tiles = configs.Tiles(32, 16, 16, 1, 1, separate_columns=separate_columns)
+        dq_tiles = configs.Tiles(32, 16, 16, 1, 1, separate_columns=separate_columns, tile_major=tile_major)
         grads = interp.apply(_deterministic_backward, (budget, args, kwargs, dq_tiles))
         for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
             assert rel_rms(a, r) <= 2 * TOLERANCE[torch.float32], (name, budget)
@@ -951,3 +955,41 @@ def test_tensor_descriptors_only_where_the_tensors_allow_them():
     assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 8, 20).half())  # rows of 40 bytes
     assert not block_sparse_fwd.descriptors_fit(torch.randn(1 * 2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16))  # base + 4 B
     assert not block_sparse_fwd.descriptors_fit(torch.randn(1, 2, 0, 16))
+
+
+# ---- a tile-major grid for the forward and dq (Flex's program order, behind Tiles.tile_major) -------
+
+def _kernels_in_tile_major_order(*args, tiles):
+    """`_kernel_fwd_bwd` with `tiles`, then again with the same tiles in the launchers' grid order; returns the
+    first results, the (TILE_MAJOR, grid) of the first run's forward and dq launches, and the second run's out,
+    lse, dq."""
+    seen, kernels = [], (block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel)
+    for kernel in kernels:
+        kernel.run = lambda *a, _run=kernel.run, **kw: seen.append((kw["TILE_MAJOR"], kw["grid"])) or _run(*a, **kw)
+    try:
+        result = _kernel_fwd_bwd(*args, tiles=tiles)
+    finally:
+        for kernel in kernels:
+            del kernel.run
+    out, lse, dq, *_ = _kernel_fwd_bwd(*args, tiles={k: replace(t, tile_major=False) for k, t in tiles.items()})
+    return (*result, seen, (out, lse, dq))
+
+
+def test_tile_major_grid_computes_the_same_function(interp):
+    """Forward and dq launched with the query tiles of one head next to each other (grid (tiles, B x Hq)):
+    forward and backward equal the reference, and out, lse and dq are bitwise those of the launchers' grid
+    (B x Hq, tiles) with the same tiles, each program computing what it did; packed documents, padding,
+    columns, GQA 2."""
+    s, bs = 100, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=101)
+    meta = _random_docs(1, s, seed=102, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
+                                          generator=torch.Generator().manual_seed(103))
+    assert int(layout.col_cnt.sum()) > 0
+    tiles = configs.Tiles(16, 16, 16, 1, 1, tile_major=True)
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta,
+                                   tiles={"forward": tiles, "dq": tiles}, worker=_kernels_in_tile_major_order)
+    n_tiles = -(-s // 16)
+    assert res[5] == [(True, (n_tiles, 4)), (True, (n_tiles, 4))]
+    for name, got, launched in zip(("out", "lse", "dq"), (res[0], res[1], res[2]), res[6]):
+        assert torch.equal(got, launched), name

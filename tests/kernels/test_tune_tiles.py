@@ -2,6 +2,7 @@
 benchmarks/tune_tiles.py: its candidate grids, ranking and table; the tuning itself needs a GPU."""
 
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -100,6 +101,7 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
     assert separate == ({False, True} if kernel == "dq" else {False})
     # the key blocks through TMA descriptors where the kernel has them (forward, dq)
     assert {t.kv_descriptors for t in cands} == ({False} if kernel == "dkdv" else {False, True})
+    assert {t.tile_major for t in cands} == ({False} if kernel == "dkdv" else {False, True})
     both = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
     assert set(cands) <= set(both) and {t.num_warps for t in both} == {4, 8}
 
@@ -107,7 +109,7 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
 @pytest.mark.parametrize("kernel", configs.KERNELS)
 def test_the_short_list_holds_the_launched_tiles_among_the_candidates(tune, kernel):
     """`--shortlist` (the quick GPU call) times the launched tiles against a few other candidates."""
-    short = tune.SHORTLIST[kernel]
+    short = configs.SHORTLIST[kernel]
     assert tune.current_tiles(kernel, 128, 128) in short and len(set(short)) == len(short) >= 2
     assert set(short) <= set(configs.tile_candidates(kernel, 128, 128))
 
@@ -244,5 +246,114 @@ def test_columns_candidates_are_full_width_and_hold_the_short_list(tune, head_di
     cands = configs.tile_candidates("columns", 128, head_dim)
     assert len(set(cands)) == len(cands) >= 4 and {t.block_c for t in cands} == {64}
     assert all(configs.narrowest_wgmma_n("columns", t, head_dim) >= configs.MIN_WGMMA_N for t in cands)
-    assert set(tune.SHORTLIST["columns"]) <= set(configs.tile_candidates("columns", 128, 128))
+    assert set(configs.SHORTLIST["columns"]) <= set(configs.tile_candidates("columns", 128, 128))
     assert configs.column_tiles(128) is None  # launched only under an override
+
+
+# ---- the tile table: a tuning run's chosen tiles, launched where they were measured (configs.TILES_ENV) --------
+
+def _table(path, tiles, device="NVIDIA H200", head_dim=128, block_size=128, dtype="bfloat16"):
+    chosen = {"applies_to": {"device": device, "head_dim": head_dim, "block_size": block_size, "dtype": dtype},
+              "min_gain": 0.02, "tiles": {k: dataclasses.asdict(t) for k, t in tiles.items()}}
+    path.write_text(json.dumps({"benchmark": "tune_tiles", "chosen": chosen}))
+    return path
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    """The current CUDA device reads as an H200 (configs checks the GPU a table was measured on)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+
+
+def test_the_tile_table_applies_only_to_the_gpu_and_geometry_it_was_measured_on(tmp_path, monkeypatch, on_h200):
+    fwd, cols = Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(64, 0, 64, 8, 2, query_steps=16)
+    default = configs.forward_tiles(128, 128, True, torch.bfloat16)
+    monkeypatch.setenv(configs.TILES_ENV, str(_table(tmp_path / "tiles.json", {"forward": fwd, "columns": cols})))
+    assert configs.forward_tiles(128, 128, True, torch.bfloat16) == fwd
+    assert configs.column_tiles(128, 128, True, torch.bfloat16) == cols
+    assert configs.dq_tiles(128, 128, True, torch.bfloat16) == configs.dq_tiles(128, 128, True)  # not in the table
+    for other in ((128, 64, True, torch.bfloat16), (64, 128, True, torch.bfloat16), (128, 128, True, torch.float16),
+                  (128, 128, True, torch.float32), (128, 128, True, None)):
+        assert configs.forward_tiles(*other) == configs.forward_tiles(*other[:3]), other
+    assert configs.forward_tiles(128, 128, False, torch.bfloat16) == configs.forward_tiles(128, 128, False)
+    assert configs.column_tiles(128) is None
+    with configs.tiles_override(forward=Tiles(64, 64, 64, 4, 2)):  # an override (a tuning run) comes first
+        assert configs.forward_tiles(128, 128, True, torch.bfloat16) == Tiles(64, 64, 64, 4, 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    assert configs.forward_tiles(128, 128, True, torch.bfloat16) == default
+    monkeypatch.delenv(configs.TILES_ENV)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    assert configs.forward_tiles(128, 128, True, torch.bfloat16) == default
+
+
+def test_the_launchers_launch_the_tile_tables_tiles(tmp_path, monkeypatch, on_h200):
+    """The forward and backward launchers pass their dtype: a launch recorded on meta tensors (bf16, head_dim 128,
+    layout block 128) takes the table's tiles, the key-major column kernel included."""
+    from hf_sparse_cp.testing import sm90
+
+    tm = Tiles(128, 64, 64, 8, 3, tile_major=True)
+    cols = Tiles(64, 0, 64, 8, 2, query_steps=16)
+    monkeypatch.setenv(configs.TILES_ENV, str(_table(tmp_path / "t.json", {"forward": tm, "dq": tm, "columns": cols})))
+    launches = sm90.recorded_launches(sm90.Launch())
+    for name in ("forward", "forward_merge", "dq", "dq_column_grads"):
+        _, _, kwargs = launches[name]
+        assert kwargs["TILE_MAJOR"] and sm90._tiles_of(kwargs) == tm, name
+    assert "columns" in launches and sm90._tiles_of(launches["columns"][2]).query_steps == 16
+    monkeypatch.delenv(configs.TILES_ENV)
+    launches = sm90.recorded_launches(sm90.Launch())
+    assert not launches["forward"][2]["TILE_MAJOR"] and "columns" not in launches
+
+
+@pytest.mark.parametrize("content", ["{", '{"chosen": {}}', '{"chosen": {"applies_to": {"device": "x", "head_dim": '
+                                     '128, "block_size": 128, "dtype": "bfloat16"}, "tiles": {"fwd": {}}}}'],
+                         ids=["not-json", "no-geometry", "unknown-kernel"])
+def test_a_tile_table_that_is_not_one_is_refused_naming_the_variable(tmp_path, monkeypatch, on_h200, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    monkeypatch.setenv(configs.TILES_ENV, str(path))
+    with pytest.raises(ValueError, match="HF_SPARSE_CP_TILES.*not a tile table"):
+        configs.forward_tiles(128, 128, True, torch.bfloat16)
+    monkeypatch.setenv(configs.TILES_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="does not exist"):
+        configs.forward_tiles(128, 128, True, torch.bfloat16)
+
+
+def test_a_candidate_is_chosen_only_when_correct_and_faster_by_the_margin(tune):
+    cur, a, b = Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 32, 64, 8, 3)
+    rows = lambda ms_a, status_b="wrong": [_row("dq", cur, "ok", 10.0, current=True), _row("dq", a, "ok", ms_a),
+                                          _row("dq", b, status_b, 1.0) if status_b == "ok" else _row("dq", b, status_b)]
+    assert tune.choose(rows(9.0))["tiles"] == dataclasses.asdict(a)
+    assert tune.choose(rows(9.9)) is None  # within the margin: the launched tiles stay
+    assert tune.choose(rows(11.0)) is None
+    assert tune.choose(rows(9.0, "ok"))["tiles"] == dataclasses.asdict(b)  # the fastest correct one
+    assert tune.choose(rows(9.0)[1:]) is None  # the launched tiles were not timed: nothing to beat
+    failed = [_row("dq", cur, "error", current=True, reason="x"), _row("dq", a, "ok", 1.0)]
+    assert tune.choose(failed) is None
+
+
+def test_each_kernel_is_tuned_with_the_earlier_kernels_chosen_tiles(tune, monkeypatch):
+    """The dq candidates run (checked and timed) with the forward's chosen tiles in force, and the fastest correct
+    one becomes dq's choice; the report's `chosen` holds both with the geometry they were measured on. Stand-in
+    steps, no kernel runs: the timing reads the tiles in force."""
+    args = tune.TuneTilesArguments(seq_len=64, num_verticals=4, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                                   block_size=32, warmup=0, repeats=2)  # (2: timed through time_ms, the stand-in)
+    tuner = tune.Tuner(args, device="cpu")
+    fwd = Tiles(16, 16, 16, 1, 1, tile_major=True)
+    current, faster = tune.current_tiles("dq", 32, 16, on_gpu=False), Tiles(16, 16, 16, 1, 1, tile_major=True)
+    tuner.chosen = {"forward": fwd}
+    seen = []
+
+    def backward(out, lse):
+        seen.append(configs.forward_tiles(32, 16, on_gpu=False))
+        return torch.ones(1, 2, 64, 16), torch.ones(1, 1, 64, 16), torch.ones(1, 1, 64, 16)
+
+    tuner.forward = lambda: (torch.ones(1, 2, 64, 16), torch.zeros(1, 2, 64))
+    tuner.backward = backward
+    monkeypatch.setattr(tune, "time_ms", lambda *a: 1.0 if configs.dq_tiles(32, 16, on_gpu=False) == faster else 2.0)
+    rows = tuner.run_kernel("dq", [current, faster])
+    assert [r["status"] for r in rows] == ["ok", "ok"] and set(seen) == {fwd}
+    assert tuner.chosen == {"forward": fwd, "dq": faster}
+    report = tune.build_report(tuner, {"device": "CPU x"}, complete=True)
+    assert report["chosen"]["applies_to"] == {"device": "CPU x", "head_dim": 16, "block_size": 32, "dtype": "float32"}
+    assert report["chosen"]["tiles"] == {"forward": dataclasses.asdict(fwd), "dq": dataclasses.asdict(faster)}
