@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_session.sh quick --dry-run   # the same on the CPU at tiny sizes (no installs)
 #
 # `quick` (benchmarks/quick_session.py) runs, each stage capped, under one deadline counted from here (installs
-# included): the columns / dq / forward tile short list at 128K (its chosen tiles, where faster than the launched
+# included): the columns / dq / forward / dk-dv tile short list at 128K (its chosen tiles, where faster than the launched
 # ones, are the tile table the later stages launch: $HF_SPARSE_CP_TILES), the attention benchmark at 128K against
 # every baseline (Flex on the same blocks, its flash backend, the flex engine, cuDNN and flash SDPA) with the
 # estimation's share, the 0.5B training step at 128K and 256K (sparse_cp with the plugin's fused ops against

@@ -6,14 +6,14 @@ with its own cap, under one global deadline (`--budget_s`, 540 s by default, cou
 the shell wrapper set it, i.e. before its installs), and writes its JSON after every stage; the stages' own
 scripts write theirs as soon as they have a number:
 
-(a) tiles: `tune_tiles.py --shortlist --kernels columns dq forward` at 128K (the attention stage's geometry): the
-    whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
-    kernel's atomics, then dq's few candidates, then the forward's (FlexAttention's grid order, TMA), each checked
-    against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles. Its `chosen`
-    tiles (a candidate at least 2% faster than the launched tiles and computing their result; none otherwise) are
-    the tile table every later stage launches from (`$HF_SPARSE_CP_TILES`, set only when tiles.json exists;
-    applied only on this GPU at head_dim 128, layout block 128, bf16: the attention stage, not the 0.5B model's
-    head_dim 64); every JSON records the variable;
+(a) tiles: `tune_tiles.py --shortlist --kernels columns dq forward dkdv` at 128K (the attention stage's geometry):
+    the whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
+    kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA),
+    each checked against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles.
+    Its `chosen` tiles (a candidate at least 2% faster than the launched tiles and computing their result; none
+    otherwise) are the tile table every later stage launches from (`$HF_SPARSE_CP_TILES`, set only when
+    tiles.json exists; applied only on this GPU at head_dim 128, layout block 128, bf16: the attention stage, not
+    the 0.5B model's head_dim 64); every JSON records the variable;
 (b) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
     and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the same
     blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and
@@ -29,9 +29,9 @@ scripts write theirs as soon as they have a number:
 
 The caps add up to more than the budget on purpose. On the H200 (2026-11-29) the stages took 78, 173, 72 (512K;
 1M then ran out of memory, since fixed: 1M alone about 135 s with its start-up), 24 and 27 s (tiles, then last,
-at 32K with 11 candidates), about 8 minutes with the 1M step; a stage the deadline skips is rerun in a call of
-its own (`gpu_session.sh tune --shortlist`, `gpu_session.sh e2e ...`). dk/dv's candidates are left to
-`gpu_session.sh tune --shortlist`: the H200 timed its launched tiles fastest of four (benchmarks/results/README.md).
+at 32K with 11 candidates), about 8 minutes with the 1M step; the tile stage now first, 14 candidates at 128K,
+may leave the last stage (layer0, measured on the H200 already) to the deadline: a stage the deadline skips is
+rerun in a call of its own (`gpu_session.sh tune --shortlist`, `gpu_session.sh e2e ...`).
 
 A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at most 8 come
 back from a GPU call): quick-session.json (device, versions, the command, settings, each stage's status, cap,
@@ -81,7 +81,7 @@ class QuickArguments:
     e2e_cap_s: float = field(default=200.0, metadata={"help": "Cap of stage (c), the training steps at 128K/256K."})
     fit_cap_s: float = field(default=210.0, metadata={"help": "Cap of stage (d), the 512K and 1M steps."})
     layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of stage (e), the first layer sparse."})
-    tiles_cap_s: float = field(default=60.0, metadata={"help": "Cap of stage (a), the tile short list."})
+    tiles_cap_s: float = field(default=70.0, metadata={"help": "Cap of stage (a), the tile short list."})
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def stages(args: QuickArguments, out: Path) -> list[Stage]:
     fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
     layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--warmup_steps", "1",
               "--output", str(out / "e2e-layer0.json")]
-    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "forward",
+    tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "forward", "dkdv",
              "--output", str(out / "tiles.json")]
     if args.dry_run:
         attention += ["--dry_run", "--seq_lens", "128", "--block_size", "32", "--num_q_heads", "2",

@@ -257,12 +257,17 @@ def _dkdv_kernel(
     qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):
-    pid_bk = tl.program_id(0)
+    if TILE_MAJOR:  # grid (key tiles, B x Hkv): the key tiles of one kv head next to each other
+        pid_bk = tl.program_id(1)
+        key_tile = tl.program_id(0)
+    else:  # grid (B x Hkv, key tiles)
+        pid_bk = tl.program_id(0)
+        key_tile = tl.program_id(1)
     b = (pid_bk // num_kv_heads).to(tl.int64)
     kvh = pid_bk % num_kv_heads
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -273,7 +278,7 @@ def _dkdv_kernel(
     v = tl.load(V + b * stride_vb + kvh.to(tl.int64) * stride_vh + kv_rows * stride_vs + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     k_idx, k_seg = load_meta(KIndex + b * k_len, KSegment + b * k_len, offs_n, n_ok)
-    kb = tl.program_id(1) * BLOCK_N // LAYOUT_BLOCK
+    kb = key_tile * BLOCK_N // LAYOUT_BLOCK
 
     # a shared layout's entries stand for every head of the group: `rep` heads per entry
     rep = tl.where(shared_layout != 0, group, 1)
@@ -472,7 +477,7 @@ def backward(
 
     kv_tiles = dkdv_tiles(block_size, d, on_gpu, q.dtype)
     row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb)
-    _dkdv_kernel[(b * hk, triton.cdiv(sk, kv_tiles.block_n))](
+    _dkdv_kernel[launch_grid(b * hk, triton.cdiv(sk, kv_tiles.block_n), kv_tiles)](
         q, k, v, dout, lse2, delta, col_dk, col_dv, dk, dv,
         row_ptr, placeholder_if_empty(entries),
         q_index, q_segment, k_index, k_segment,
@@ -481,7 +486,7 @@ def backward(
         qk_scale, scale, window or 0,
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=kv_tiles.block_m, BLOCK_N=kv_tiles.block_n,
-        HAS_WINDOW=window is not None, HAS_COLUMNS=has_cols, PRECISION=precision,
+        HAS_WINDOW=window is not None, HAS_COLUMNS=has_cols, PRECISION=precision, TILE_MAJOR=kv_tiles.tile_major,
         num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
     return dq, dk, dv

@@ -184,8 +184,9 @@ def placeholder_if_empty(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch_grid(heads: int, n_tiles: int, tiles) -> tuple[int, int]:
-    """The grid of a query-major launch (`tiles.program_tile`): (B x Hq, tiles), or (tiles, B x Hq) with
-    `Tiles.tile_major`."""
+    """The grid of a launch over (batch rows x heads, tiles): (B x H, tiles), or with `Tiles.tile_major` (tiles,
+    B x H), the tiles of one head next to each other (the query-major kernels read it with
+    `tiles.program_tile`)."""
     return (n_tiles, heads) if tiles.tile_major else (heads, n_tiles)
 
 

@@ -43,10 +43,10 @@ class Tiles:
     query_steps: columns only: the query tiles (block_m rows each) one program walks for every chunk of
         block_c column tokens (`column_bwd`); the columns kernel takes no block_n.
     tile_major: forward and dq: the grid runs the query tiles of one head next to each other (FlexAttention's
-        order) instead of the heads of one query tile (`tiles.program_tile`). Along a layout's diagonals the
-        tiles in flight then read the key blocks their neighbours read a step before, from L2 rather than
-        HBM; the same result bit for bit (each program computes what it did). Off in the launched tiles
-        until a GPU has timed it.
+        order) instead of the heads of one query tile (`tiles.program_tile`); dk/dv: the key tiles of one kv head
+        instead of alternating kv heads. Along a layout's diagonals the tiles in flight then read the K/V (Q/dO)
+        tiles their neighbours read a step before, from L2 rather than HBM; each program computes what it did.
+        Off in the launched tiles until a GPU has timed it.
     """
 
     block_m: int
@@ -169,8 +169,8 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     """The tiles worth timing for `kernel` ("forward", "dq", "dkdv", "columns"): wgmma-sized products (64
     rows on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
-    descriptors (`Tiles.kv_descriptors`) and either grid order (`Tiles.tile_major`); sizes above the layout
-    block are dropped. The columns kernel:
+    descriptors (`Tiles.kv_descriptors`), for these and dk/dv either grid order (`Tiles.tile_major`); sizes
+    above the layout block are dropped. The columns kernel:
     chunks of 64 columns, 64- or 128-row query steps, 16 or 32 steps a program, 2 stages (its inner loop
     is not pipelined: its sm_90 builds are the same at 1 to 3).
 
@@ -182,7 +182,8 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
         warps = (8,) if head_dim > 64 else (4, 8)
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
-        grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate, (False,))
+        grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate, (False,), (1,),
+                                 (False, True))
     elif kernel == "columns":  # block_c: column tokens of a chunk (M side); block_m: query rows of a step
         grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
@@ -199,15 +200,15 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
 # the launched tiles (the dk/dv one keeps 56 B of stack there), and for the forward and dq the same tiles with
 # their key blocks through TMA tensor descriptors (`Tiles.kv_descriptors`; on the H200 at 32K no faster: dq 3.68 vs
 # 3.67 ms, the forward 1.73 vs 1.54, tiles_nvidia-h200_20261129-221239.json).
-# Since then (benchmarks/results/README.md): the forward and dq in FlexAttention's grid order (`Tiles.tile_major`,
-# with and without TMA) replace the candidates the H200 timed slower (dq's separate column pass and 128 x 32, the
-# forward's TMA alone); dq's TMA alone, a tie there, stays.
+# Since then (benchmarks/results/README.md): the kernels in FlexAttention's grid order (`Tiles.tile_major`; the forward
+# and dq with and without TMA) replace the candidates the H200 timed slowest (dq's separate column pass and 128 x 32,
+# the forward's TMA alone, dk/dv at 2 stages and 64 x 64); dq's TMA alone, a tie there, stays.
 SHORTLIST = {
     "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, tile_major=True),
                 Tiles(128, 64, 64, 8, 3, kv_descriptors=True, tile_major=True)],
     "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
            Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 64, 64, 8, 3, kv_descriptors=True, tile_major=True)],
-    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 2), Tiles(32, 128, 64, 8, 3), Tiles(64, 64, 64, 8, 3)],
+    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 3, tile_major=True), Tiles(32, 128, 64, 8, 3)],
     # (128-row steps: no spill at head_dim 128 since the kernel's rework, benchmarks/results/README.md)
     "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32),
                 Tiles(128, 0, 64, 8, 2, query_steps=16)],

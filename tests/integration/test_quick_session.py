@@ -66,7 +66,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     layer0 = json.loads((tmp_path / "e2e-layer0.json").read_text())
     assert layer0["sparse_attention"]["dense_first_layers"] == 0 and e2e["sparse_attention"]["dense_first_layers"] == 1
     tiles = json.loads((tmp_path / "tiles.json").read_text())
-    assert tiles["settings"]["shortlist"] and set(tiles["best"]) == {"columns", "dq", "forward"}
+    assert tiles["settings"]["shortlist"] and set(tiles["best"]) == {"columns", "dq", "forward", "dkdv"}
     assert all(r["status"] == "ok" for r in tiles["results"])  # each candidate computes the launched tiles' result
     # the tile table the later stages were given (never applied off CUDA), and each JSON recording it
     assert tiles["chosen"]["applies_to"] == {"device": tiles["device"], "head_dim": 16, "block_size": 16,

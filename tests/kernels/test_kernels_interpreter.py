@@ -961,9 +961,9 @@ def test_tensor_descriptors_only_where_the_tensors_allow_them():
 
 def _kernels_in_tile_major_order(*args, tiles):
     """`_kernel_fwd_bwd` with `tiles`, then again with the same tiles in the launchers' grid order; returns the
-    first results, the (TILE_MAJOR, grid) of the first run's forward and dq launches, and the second run's out,
-    lse, dq."""
-    seen, kernels = [], (block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel)
+    first results, the (TILE_MAJOR, grid) of the first run's forward, dq and dk/dv launches, and the second run's
+    out, lse, dq."""
+    seen, kernels = [], (block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel, block_sparse_bwd._dkdv_kernel)
     for kernel in kernels:
         kernel.run = lambda *a, _run=kernel.run, **kw: seen.append((kw["TILE_MAJOR"], kw["grid"])) or _run(*a, **kw)
     try:
@@ -976,10 +976,11 @@ def _kernels_in_tile_major_order(*args, tiles):
 
 
 def test_tile_major_grid_computes_the_same_function(interp):
-    """Forward and dq launched with the query tiles of one head next to each other (grid (tiles, B x Hq)):
-    forward and backward equal the reference, and out, lse and dq are bitwise those of the launchers' grid
-    (B x Hq, tiles) with the same tiles, each program computing what it did; packed documents, padding,
-    columns, GQA 2."""
+    """Forward and dq launched with the query tiles of one head next to each other (grid (tiles, B x Hq)), dk/dv
+    with the key tiles of one kv head (grid (key tiles, B x Hkv)): forward and backward equal the reference, and
+    out, lse and dq are bitwise those of the launchers' grid (B x Hq, tiles) with the same tiles, each program
+    computing what it did (dk/dv take the columns' atomic sums, whose order the dq grid changes); packed
+    documents, padding, columns, GQA 2."""
     s, bs = 100, 32
     q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=101)
     meta = _random_docs(1, s, seed=102, pad=3)
@@ -987,9 +988,10 @@ def test_tile_major_grid_computes_the_same_function(interp):
                                           generator=torch.Generator().manual_seed(103))
     assert int(layout.col_cnt.sum()) > 0
     tiles = configs.Tiles(16, 16, 16, 1, 1, tile_major=True)
-    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta,
-                                   tiles={"forward": tiles, "dq": tiles}, worker=_kernels_in_tile_major_order)
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, worker=_kernels_in_tile_major_order,
+                                   tiles={"forward": tiles, "dq": tiles, "dkdv": configs.Tiles(16, 32, 16, 1, 1,
+                                                                                               tile_major=True)})
     n_tiles = -(-s // 16)
-    assert res[5] == [(True, (n_tiles, 4)), (True, (n_tiles, 4))]
+    assert res[5] == [(True, (n_tiles, 4)), (True, (n_tiles, 4)), (True, (-(-s // 32), 2))]
     for name, got, launched in zip(("out", "lse", "dq"), (res[0], res[1], res[2]), res[6]):
         assert torch.equal(got, launched), name

@@ -101,7 +101,7 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
     assert separate == ({False, True} if kernel == "dq" else {False})
     # the key blocks through TMA descriptors where the kernel has them (forward, dq)
     assert {t.kv_descriptors for t in cands} == ({False} if kernel == "dkdv" else {False, True})
-    assert {t.tile_major for t in cands} == ({False} if kernel == "dkdv" else {False, True})
+    assert {t.tile_major for t in cands} == {False, True}  # either grid order
     both = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
     assert set(cands) <= set(both) and {t.num_warps for t in both} == {4, 8}
 
@@ -292,13 +292,15 @@ def test_the_launchers_launch_the_tile_tables_tiles(tmp_path, monkeypatch, on_h2
     layout block 128) takes the table's tiles, the key-major column kernel included."""
     from hf_sparse_cp.testing import sm90
 
-    tm = Tiles(128, 64, 64, 8, 3, tile_major=True)
+    tm, kv = Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(64, 128, 64, 8, 3, tile_major=True)
     cols = Tiles(64, 0, 64, 8, 2, query_steps=16)
-    monkeypatch.setenv(configs.TILES_ENV, str(_table(tmp_path / "t.json", {"forward": tm, "dq": tm, "columns": cols})))
+    table = {"forward": tm, "dq": tm, "dkdv": kv, "columns": cols}
+    monkeypatch.setenv(configs.TILES_ENV, str(_table(tmp_path / "t.json", table)))
     launches = sm90.recorded_launches(sm90.Launch())
-    for name in ("forward", "forward_merge", "dq", "dq_column_grads"):
+    for name in ("forward", "forward_merge", "dq", "dq_column_grads", "dkdv", "dkdv_no_columns"):
         _, _, kwargs = launches[name]
-        assert kwargs["TILE_MAJOR"] and sm90._tiles_of(kwargs) == tm, name
+        expected = dataclasses.replace(kv, block_c=0) if "dkdv" in name else tm  # (dk/dv take no column step)
+        assert kwargs["TILE_MAJOR"] and sm90._tiles_of(kwargs) == expected, name
     assert "columns" in launches and sm90._tiles_of(launches["columns"][2]).query_steps == 16
     monkeypatch.delenv(configs.TILES_ENV)
     launches = sm90.recorded_launches(sm90.Launch())
