@@ -24,7 +24,7 @@ from hf_sparse_cp.distributed import (
 )
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.cp_config import PlannerCosts
-from hf_sparse_cp.distributed.split.documents import plan_documents, plan_row
+from hf_sparse_cp.distributed.split.documents import plan_documents, plan_row, row_runs
 from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
@@ -170,11 +170,19 @@ def test_the_split_sweep_reaches_every_document():
     assert list(_split_counts(0, 0, 8)) == [0] and list(_split_counts(5, 3, 8)) == []
 
 
-def test_rows_with_different_documents_are_refused():
-    seg = torch.zeros(2, 40, dtype=torch.int32)
-    seg[1, 20:] = 1
-    with pytest.raises(ValueError, match="pack each batch into one row"):
-        plan_row(TokenMeta.from_segments(seg), CFG, 2)
+def test_rows_with_different_documents_are_planned_as_the_runs_no_document_crosses():
+    """A padded batch of unpacked rows: one run of text and the padding every row shares; packed rows: their common
+    boundaries, a document crossing another row's boundary joining the runs (was refused: #50)."""
+    seg = torch.full((3, 100), PAD_SEGMENT, dtype=torch.int32)
+    seg[0, :90], seg[1, :20], seg[2, :70] = 0, 0, 0
+    assert row_runs(TokenMeta.from_segments(seg), CFG) == ([90, 10], ["sparse", "pad"])
+    seg = torch.zeros(2, 100, dtype=torch.int32)
+    seg[0, 30:], seg[1, 30:50], seg[1, 50:] = 1, 1, 2  # row 0: 30 | 70, row 1: 30 | 20 | 50
+    assert row_runs(TokenMeta.from_segments(seg), CFG) == ([30, 70], ["dense", "sparse"])
+    seg[1, 30:] = 1  # every row 30 | 70, a single row's runs
+    assert row_runs(TokenMeta.from_segments(seg), CFG) == row_runs(TokenMeta.from_segments(seg[:1]), CFG)
+    seg[0, 50:] = 2  # row 0: 30 | 20 | 50, row 1: 30 | 70: the 20 and 50 are one run (row 1's 70 spans them)
+    assert row_runs(TokenMeta.from_segments(seg), CFG.replace(pattern="dense")) == ([30, 70], ["dense", "dense"])
 
 
 # ------------------------------------------------------------------------------ per-document patterns
@@ -348,6 +356,49 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
             "grads": worst}
 
 
+def _rows_case(par: ParallelDims) -> dict:
+    """A causal-LM loss and gradients under the planner on batches whose rows hold different documents (#50: refused
+    when attention ran, so an eval set or a later batch failed a run), against one process: right-padded rows of
+    different lengths (attention_mask), and rows packed differently (restarting position_ids) whose runs start on
+    block boundaries, so that the planner's block-aligned runs are what one process computes."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
+    hf_sparse_cp.configure(model, CFG)
+    ids = torch.randint(3, 64, (3, 160), generator=torch.Generator().manual_seed(5))
+    mask = (torch.arange(160) < torch.tensor([[131], [97], [40]])).long()
+    padded = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    docs = ([48, 40, 72], [48, 112])
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    labels = ids[:2].clone()
+    labels[position_ids == 0] = -100  # no target across a document boundary
+    packed = {"input_ids": ids[:2], "position_ids": position_ids, "labels": labels}
+    results = {}
+    for name, batch in (("padded", padded), ("packed", packed)):
+        ref = model(**batch)
+        ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+        inputs = prepare_context_parallel_inputs(batch, par, block_size=BS, sharding="document", sparse_config=CFG)
+        plan = inputs["cp_shard"].plan
+        num_items = global_num_items(inputs["shift_labels"])
+        loss_sum = model(**inputs, num_items_in_batch=1).loss
+        grads = torch.autograd.grad(rank_loss(loss_sum, num_items, par.world_size), list(model.parameters()))
+        worst = 0.0
+        for grad, ref_grad in zip(grads, ref_grads):
+            grad = grad.clone()
+            dist.all_reduce(grad)
+            worst = max(worst, rel_rms(grad / par.world_size, ref_grad))
+        got = float(global_mean_loss(loss_sum.detach(), num_items))
+        results[name] = {"loss": abs(got - float(ref.loss)) / float(ref.loss), "grads": worst,
+                         "runs": (plan.lengths, plan.kinds)}
+    return results
+
+
 def _kept_fraction_case(par: ParallelDims) -> dict:
     """The kept fraction each layer of a 4-layer model logs for a packed row of documents that do not start on
     block boundaries: under the planner (which computes them block aligned), in one process on the same documents
@@ -393,6 +444,7 @@ def _worker(rank: int, world: int) -> dict:
         "whole": _ring_case(flat, rank, [7, 20, 3, 31, 12, 1] * world, sparse=False),
         "estimated": _estimated_case(flat, rank),
         "llama": _model_case(flat, rank, "llama"),
+        "rows": _rows_case(flat),
     }
     if world == 2:
         results["gemma3_text"] = _model_case(flat, rank, "gemma3_text")
@@ -443,6 +495,16 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
         for model_type in ("llama", "gemma3_text"):
             if model_type in errs:
                 assert errs[model_type]["loss"] <= 1e-6 and errs[model_type]["grads"] <= 1e-5, errs[model_type]
+
+
+@WORLDS
+def test_rows_with_different_documents_under_the_planner_equal_one_process(spawned, world):
+    for errs in spawned(world):
+        rows = errs["rows"]
+        assert rows["padded"]["runs"] == ((131, 29), ("sparse", "pad"))
+        assert rows["packed"]["runs"] == ((48, 112), ("dense", "sparse"))
+        for case in rows.values():
+            assert case["loss"] <= 1e-6 and case["grads"] <= 1e-5, rows
 
 
 def test_the_planner_logs_at_every_layer_what_one_process_logs_on_the_block_aligned_documents(spawned):

@@ -18,7 +18,9 @@ although only its own queries read them. The planner instead:
   fewest whose busiest rank is within `PlannerCosts.balance_slack` of the best one tried.
 
 It runs on the CPU per batch and is a pure function of the document lengths, so every rank of a
-CP group derives the same plan without communicating. The plan re-orders the row: split
+CP group derives the same plan without communicating. A batch of several rows with different documents is
+planned as one row of runs, each a stretch that no row's document crosses (`row_runs`; a padded batch of
+unpacked sequences: one run of text and one of padding at the end). The plan re-orders the row: split
 documents first, then every rank's whole documents, each document contiguous and in order, a
 document with a sparse pattern starting on a block boundary (its pattern then does not depend on
 what else was packed), padding only between documents and never trained on. Attention results do
@@ -437,26 +439,36 @@ def _materialize(at: _Placement, lengths, kinds, w: int, bs: int) -> DocumentPla
 
 
 def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], list[str]]:
-    """The runs of a batch's rows (documents and padding, the same in every row) and their kinds."""
-    seg = meta.segment
-    if seg.shape[0] > 1 and not bool((seg == seg[:1]).all()):
-        raise ValueError(
-            "document sharding plans one packed row, but the rows of this batch have different documents: pack "
-            "each batch into one row (DataCollatorWithFlattening, or --pack_documents) or use "
-            "--cp_sharding striped."
-        )
-    starts = run_starts(seg[:1])[0].nonzero().flatten().tolist() + [seg.shape[1]]
-    ids = seg[0, starts[:-1]].tolist()
-    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    """The runs of a batch [B, S] the planner places, and their kinds: the stretches between the positions that no
+    row's document crosses, consecutive positions that are padding in every row forming one padding run.
+
+    A row's documents and padding runs, for one row or rows with the same documents. Rows with different documents
+    (a padded batch of unpacked sequences, an eval set) share a run wherever one row's document spans another's
+    boundary: a run holds no part of a document that another run holds, in any row, so moving runs moves whole
+    documents. A run is padding if every row pads it, sparse if any row's document in it is long enough for a
+    pattern (`min_seq_len`), else dense."""
+    seg = meta.segment.cpu()
+    b, s = seg.shape
+    pad = seg == PAD_SEGMENT
+    first = run_starts(seg)
+    crossed = ~first & ~pad  # a document goes on from the position before
+    all_pad = pad.all(0)
+    cut = ~crossed.any(0)
+    cut[1:] &= ~(all_pad[1:] & all_pad[:-1])
+    starts = cut.nonzero().flatten().tolist() + [s]
+    lengths = [hi - lo for lo, hi in zip(starts, starts[1:])]
+    run = first.long().cumsum(1) - 1 + torch.arange(b)[:, None] * s  # each token's document, numbered over rows
+    doc_len = torch.bincount(run.flatten(), minlength=b * s)[run]
+    long_enough = (~pad & (doc_len >= max(cfg.min_seq_len, 1))).any(0).tolist()
     sparse_ok = cfg.pattern != "dense"
-    kinds = [PAD if d == PAD_SEGMENT else SPARSE if sparse_ok and n >= max(cfg.min_seq_len, 1) else DENSE
-             for d, n in zip(ids, lengths)]
+    kinds = [PAD if bool(all_pad[lo]) else SPARSE if sparse_ok and any(long_enough[lo:hi]) else DENSE
+             for lo, hi in zip(starts, starts[1:])]
     return lengths, kinds
 
 
 def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None
              ) -> DocumentPlan:
-    """`plan_documents` for the documents of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
+    """`plan_documents` for the runs (`row_runs`) of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
     lengths, kinds = row_runs(meta, cfg)
     kept = kept_blocks_per_row(cfg) if cfg.pattern != "dense" else None
     return plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs)
