@@ -14,7 +14,8 @@ packed with `BlockAlignedFlattening` (`--align_documents`), which pads after eve
 boundary, at every layer. (A padding run that packing adds is a document of its own to the planner, counted in
 a block of its own: the planner aligns unaligned documents itself.) In a batch whose rows hold different
 documents, the planner's runs are the stretches that no row's document crosses (`documents.row_runs`), and every
-run, not every document, is in blocks of its own.
+run, not every document, is in blocks of its own. Documents of padding tokens without targets, which the planner
+places as padding (`documents.idle_documents_as_padding`), are not counted, as padding is not.
 """
 
 from __future__ import annotations

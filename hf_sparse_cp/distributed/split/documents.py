@@ -466,6 +466,26 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     return lengths, kinds
 
 
+def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted: torch.Tensor, pad_token_id: int,
+                              ignore_index: int = -100) -> TokenMeta:
+    """`meta` [B, S] with every document whose tokens are all `pad_token_id` and have no target (`shifted`, the labels
+    shifted, all `ignore_index`) marked padding: for the planner, which then places such runs whole on one rank and
+    plans them as one run, not as documents (a padding tail that only flattening boundaries delimit: TRL's padding-free
+    rows padded to a multiple, every pad token a document of its own; `BlockAlignedFlattening`'s gaps). Only the plan
+    reads it: attention still takes those tokens' documents from the batch, so that their outputs, and whatever reads
+    them (a MoE router's loss over every token), stay what one process computes. A batch of one row (a flattened
+    one) only: there the planner's runs are the row's documents, so a padding run holds whole documents, which
+    another row's boundary could cut (`row_runs`); `meta` of other batches is returned as it is."""
+    seg = meta.segment
+    b, s = seg.shape
+    if b != 1:
+        return meta
+    busy = ((input_ids != pad_token_id) | (shifted != ignore_index)).to(seg.device).flatten()
+    doc = (run_starts(seg).long().cumsum(1) - 1 + torch.arange(b, device=seg.device)[:, None] * s).flatten()
+    idle = (torch.bincount(doc, weights=busy.double(), minlength=b * s)[doc] == 0).view(b, s)
+    return TokenMeta(meta.index, torch.where(idle, torch.full_like(seg, PAD_SEGMENT), seg))
+
+
 def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None
              ) -> DocumentPlan:
     """`plan_documents` for the runs (`row_runs`) of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
@@ -479,5 +499,5 @@ def balance_ratio(plan: DocumentPlan) -> float:
     return max(plan.work) / (sum(plan.work) / len(plan.work)) if any(plan.work) else 1.0
 
 
-__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "kept_blocks_per_row", "plan_documents",
-           "plan_row", "row_runs", "split_every_document"]
+__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "idle_documents_as_padding", "kept_blocks_per_row",
+           "plan_documents", "plan_row", "row_runs", "split_every_document"]
