@@ -121,9 +121,19 @@ class CheckpointMarkerCallback(TrainerCallback):
 
 def read_marker(folder: str | Path) -> dict[str, Any] | None:
     """What the checkpoint `folder`'s marker says (None without one: not saved by an hf-sparse-cp run, or on a node
-    without shared storage, which only the first node's folder holds it on)."""
+    without shared storage, which only the first node's folder holds it on). ValueError, naming the checkpoint, for
+    a marker that is not JSON (runs write it whole: damaged since)."""
     marker = Path(folder) / MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else None
+    if not marker.is_file():
+        return None
+    try:
+        content = json.loads(marker.read_text())
+    except ValueError as e:
+        content = e
+    if not isinstance(content, dict):
+        raise ValueError(f"Checkpoint {str(folder)!r} is damaged: its {MARKER} is not the JSON object a run writes "
+                         f"({content}). Resume from another checkpoint.")
+    return content
 
 
 def resume_step_metrics(trainer: Trainer, marker: dict[str, Any] | None) -> None:

@@ -245,6 +245,18 @@ def test_an_output_folder_is_refused_naming_its_checkpoint_folders_alone(tmp_pat
         check_checkpoint(tmp_path, {}, read_marker(tmp_path), reshardable=False)
 
 
+@pytest.mark.parametrize("text", ["{\"complete\": tr", "[1, 2]"], ids=["cut", "list"])
+def test_a_damaged_checkpoint_marker_is_refused_naming_the_checkpoint(tmp_path, text):
+    """A marker that is no JSON object failed with json's own message ("Expecting value ...") or an AttributeError,
+    naming neither the file nor the checkpoint."""
+    from hf_sparse_cp.trainer.checkpoints import MARKER, read_marker
+
+    (tmp_path / MARKER).write_text(text)
+    with pytest.raises(ValueError, match=f"Checkpoint .* is damaged: its {MARKER} is not the JSON object a run "
+                                         "writes .*Resume from another checkpoint"):
+        read_marker(tmp_path)
+
+
 def test_a_checkpoint_saved_without_fsdp_is_refused_by_an_fsdp2_run(tmp_path):
     """Issue #31: it passed the check, then rank 0 died on pytorch_model_fsdp.bin and rank 1 on a closed
     connection."""
