@@ -11,11 +11,11 @@ boundaries: it starts every sparse document on one, so each document's result is
 the layers after the first see those hidden states. Its count is that aligned computation's own, with every
 document of the row in blocks of its own (`aligned_order`): the count one process logs on the same documents
 packed with `BlockAlignedFlattening` (`--align_documents`), which pads after every document to the next block
-boundary, at every layer. (A padding run that packing adds is a document of its own to the planner, counted in
-a block of its own: the planner aligns unaligned documents itself.) In a batch whose rows hold different
+boundary, at every layer. (A padding run that packing adds, pad tokens without targets, is padding to the
+planner and not counted, as padding is not (`documents.idle_documents_as_padding`); a batch without the labels to
+tell has it a document of its own, counted in a block of its own.) In a batch whose rows hold different
 documents, the planner's runs are the stretches that no row's document crosses (`documents.row_runs`), and every
-run, not every document, is in blocks of its own. Documents of padding tokens without targets, which the planner
-places as padding (`documents.idle_documents_as_padding`), are not counted, as padding is not.
+run, not every document, is in blocks of its own.
 """
 
 from __future__ import annotations
@@ -33,16 +33,6 @@ from .split.documents import PAD
 if TYPE_CHECKING:
     from .mesh import ParallelDims
     from .shard import CPShard
-    from .split.blocks import BlockSplit
-
-
-def to_original_order(plan: BlockSplit, x: torch.Tensor, fill) -> torch.Tensor:
-    """`x` [..., plan.padded_len] in the split's global order, as [..., plan.seq_len] in the original
-    order (the split's padding dropped; `fill` where the original has no token of the split)."""
-    real = (plan.source >= 0).nonzero().flatten()
-    out = x.new_full((*x.shape[:-1], plan.seq_len), fill)
-    out[..., plan.source[real].to(x.device)] = x[..., real.to(x.device)]
-    return out
 
 
 def aligned_order(lengths: tuple[int, ...], kinds: tuple[str, ...], block_size: int) -> tuple[torch.Tensor, int]:
