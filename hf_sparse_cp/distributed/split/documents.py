@@ -447,23 +447,23 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     boundary: a run holds no part of a document that another run holds, in any row, so moving runs moves whole
     documents. A run is padding if every row pads it, sparse if any row's document in it is long enough for a
     pattern (`min_seq_len`), else dense."""
-    seg = meta.segment.cpu()
+    seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
     b, s = seg.shape
     pad = seg == PAD_SEGMENT
-    first = run_starts(seg)
-    crossed = ~first & ~pad  # a document goes on from the position before
+    first = np.ones_like(pad)
+    first[:, 1:] = seg[:, 1:] != seg[:, :-1]
     all_pad = pad.all(0)
-    cut = ~crossed.any(0)
+    cut = ~(~first & ~pad).any(0)  # no row's document goes on from the position before
     cut[1:] &= ~(all_pad[1:] & all_pad[:-1])
-    starts = cut.nonzero().flatten().tolist() + [s]
-    lengths = [hi - lo for lo, hi in zip(starts, starts[1:])]
-    run = first.long().cumsum(1) - 1 + torch.arange(b)[:, None] * s  # each token's document, numbered over rows
-    doc_len = torch.bincount(run.flatten(), minlength=b * s)[run]
-    long_enough = (~pad & (doc_len >= max(cfg.min_seq_len, 1))).any(0).tolist()
-    sparse_ok = cfg.pattern != "dense"
-    kinds = [PAD if bool(all_pad[lo]) else SPARSE if sparse_ok and any(long_enough[lo:hi]) else DENSE
-             for lo, hi in zip(starts, starts[1:])]
-    return lengths, kinds
+    starts = np.flatnonzero(cut)
+    lengths = np.diff(np.append(starts, s))
+    sparse = np.zeros(len(starts), dtype=bool)
+    for r in range(b) if cfg.pattern != "dense" else ():  # the runs holding a document long enough for a pattern
+        doc = np.flatnonzero(first[r])
+        long = (np.diff(np.append(doc, s)) >= max(cfg.min_seq_len, 1)) & ~pad[r, doc]
+        sparse[np.searchsorted(starts, doc[long], side="right") - 1] = True  # (a document lies in one run)
+    kinds = [PAD if p else SPARSE if sp else DENSE for p, sp in zip(all_pad[starts].tolist(), sparse.tolist())]
+    return lengths.tolist(), kinds
 
 
 def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted: torch.Tensor, pad_token_id: int,
