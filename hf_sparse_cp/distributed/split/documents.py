@@ -480,9 +480,15 @@ def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted:
     b, s = seg.shape
     if b != 1:
         return meta
-    busy = ((input_ids != pad_token_id) | (shifted != ignore_index)).to(seg.device).flatten()
-    doc = (run_starts(seg).long().cumsum(1) - 1 + torch.arange(b, device=seg.device)[:, None] * s).flatten()
-    idle = (torch.bincount(doc, weights=busy.double(), minlength=b * s)[doc] == 0).view(b, s)
+    busy = ((input_ids != pad_token_id) | (shifted != ignore_index)).to(seg.device).long()
+    before = torch.nn.functional.pad(busy.cumsum(1), (1, 0))  # busy tokens before each position
+    pos = torch.arange(s, device=seg.device).expand(b, s)
+    first = run_starts(seg)
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.cummax(torch.where(first, pos, 0), dim=1).values  # each token's document: its first token
+    end = torch.cummin(torch.where(last, pos, s).flip(1), dim=1).values.flip(1)  # and its last
+    idle = before.gather(1, end + 1) == before.gather(1, start)  # (scans, no atomics: deterministic on CUDA)
     return TokenMeta(meta.index, torch.where(idle, torch.full_like(seg, PAD_SEGMENT), seg))
 
 
