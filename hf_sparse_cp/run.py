@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # a setting refused against the script's model, data or Trainer, naming the fix: as a bad flag, once
             end_refused(script_name(target, is_module), e)
     if not run.trainers_built and not run.told_no_trainer and os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(f"{PROG}: {no_trainer_warning(target, flags_given(plugin, args), 'ended')}\n")
+        sys.stderr.write(f"{PROG}: {no_trainer_warning(target, flags_given(plugin, args), ended=True)}\n")
 
 if __name__ == "__main__":
     main()

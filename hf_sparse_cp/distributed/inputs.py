@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..attention.tokens import BatchDocumentExtents
+from ..attention.tokens import BatchDocumentExtents, TokenMeta
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
 from .modes import RING
 from .shard import CP_SHARD_KWARG, CPShard
-from .split.blocks import sequence_meta, shard_inputs
-from .split.documents import PlannerCosts
+from .split.blocks import sequence_meta, shard_inputs, shift_labels
+from .split.documents import PlannerCosts, idle_documents_as_padding
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
@@ -66,6 +66,19 @@ def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
     shape = [float(n) for n in (*x.shape[:2], x.numel())]
     total = (flat * weights.to(x.device)).sum().view(1)  # (on the device: no host read)
     return torch.cat([torch.tensor(shape, device=x.device, dtype=torch.float64), total])
+
+
+def planned_meta(inputs: Mapping[str, Any], meta: TokenMeta, sharding: str, pad_token_id: int, ignore_index: int
+                 ) -> TokenMeta:
+    """The documents the split is planned from: for the document planner, the batch's `meta` with its documents of
+    padding tokens without targets marked padding (`documents.idle_documents_as_padding`), where the batch has the
+    input_ids and the labels of every position to tell; else `meta`."""
+    ids, labels, shifted = inputs.get("input_ids"), inputs.get("labels"), inputs.get("shift_labels")
+    if shifted is None and labels is not None:
+        shifted = shift_labels(labels, ignore_index)
+    if sharding != "document" or ids is None or shifted is None or shifted.shape != ids.shape:
+        return meta  # (labels of a logits_to_keep mask's positions only: [N])
+    return idle_documents_as_padding(meta, ids, shifted, pad_token_id, ignore_index)
 
 
 def prepare_context_parallel_inputs(
@@ -122,7 +135,9 @@ def prepare_context_parallel_inputs(
         )
     meta = sequence_meta(inputs)
     mode = parallel.mode or RING  # one process (`ParallelDims.single`): a ring of one rank
-    plan = mode.split(parallel, sharding or parallel.sharding, block_size, meta, sparse_config=sparse_config,
+    sharding = sharding or parallel.sharding
+    planned = planned_meta(inputs, meta, sharding, pad_token_id, ignore_index)
+    plan = mode.split(parallel, sharding, block_size, planned, sparse_config=sparse_config,
                       planner_costs=planner_costs or parallel.planner_costs or PlannerCosts())
     out = shard_inputs(inputs, plan, parallel.cp_rank, pad_token_id=pad_token_id, ignore_index=ignore_index)
     documents = BatchDocumentExtents(meta, inputs.get("attention_mask"), dict(inputs))

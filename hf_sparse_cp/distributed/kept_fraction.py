@@ -11,8 +11,11 @@ boundaries: it starts every sparse document on one, so each document's result is
 the layers after the first see those hidden states. Its count is that aligned computation's own, with every
 document of the row in blocks of its own (`aligned_order`): the count one process logs on the same documents
 packed with `BlockAlignedFlattening` (`--align_documents`), which pads after every document to the next block
-boundary, at every layer. (A padding run that packing adds is a document of its own to the planner, counted in
-a block of its own: the planner aligns unaligned documents itself.)
+boundary, at every layer. (A padding run that packing adds, pad tokens without targets, is padding to the
+planner and not counted, as padding is not (`documents.idle_documents_as_padding`); a batch without the labels to
+tell has it a document of its own, counted in a block of its own.) In a batch whose rows hold different
+documents, the planner's runs are the stretches that no row's document crosses (`documents.row_runs`), and every
+run, not every document, is in blocks of its own.
 """
 
 from __future__ import annotations
@@ -22,36 +25,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.estimate import Estimate, KeptEntries, estimation_segments, layout_from_kept, long_documents
-from ..attention.tokens import PAD_SEGMENT, TokenMeta, run_starts
+from ..attention.tokens import PAD_SEGMENT, TokenMeta
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
+from .split.documents import PAD
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
     from .shard import CPShard
-    from .split.blocks import BlockSplit
 
 
-def to_original_order(plan: BlockSplit, x: torch.Tensor, fill) -> torch.Tensor:
-    """`x` [..., plan.padded_len] in the split's global order, as [..., plan.seq_len] in the original
-    order (the split's padding dropped; `fill` where the original has no token of the split)."""
-    real = (plan.source >= 0).nonzero().flatten()
-    out = x.new_full((*x.shape[:-1], plan.seq_len), fill)
-    out[..., plan.source[real].to(x.device)] = x[..., real.to(x.device)]
-    return out
-
-
-def aligned_order(segment: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
-    """Where each token of a row [S] (documents and padding runs, in their order) goes when every document
-    starts on a block boundary and the padding is dropped: (positions [S], -1 for padding; the aligned length,
-    a multiple of `block_size`)."""
-    starts = run_starts(segment[None])[0].nonzero().flatten().tolist() + [segment.numel()]
-    position = torch.full((segment.numel(),), -1, dtype=torch.long)
-    used = 0
-    for lo, hi in zip(starts, starts[1:]):
-        if int(segment[lo]) != PAD_SEGMENT:
-            position[lo:hi] = torch.arange(used, used + hi - lo)
-            used += -(-(hi - lo) // block_size) * block_size
+def aligned_order(lengths: tuple[int, ...], kinds: tuple[str, ...], block_size: int) -> tuple[torch.Tensor, int]:
+    """Where each token of a row (runs of `lengths` tokens and `kinds`, in their order: a document plan's) goes when
+    every run starts on a block boundary and the padding runs are dropped: (positions [sum(lengths)], -1 for
+    padding; the aligned length, a multiple of `block_size`)."""
+    position = torch.full((sum(lengths),), -1, dtype=torch.long)
+    lo = used = 0
+    for n, kind in zip(lengths, kinds):
+        if kind != PAD:
+            position[lo:lo + n] = torch.arange(used, used + n)
+            used += -(-n // block_size) * block_size
+        lo += n
     return position, used
 
 
@@ -78,8 +72,7 @@ def reported_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAttent
         return torch.ones((), dtype=torch.float64, device=estimate.layout.block_cnt.device)
     if plan.keeps_order:
         return estimate.layout.kept_fraction(shard.meta, sliding_window)
-    segment = to_original_order(plan, shard.meta.segment, PAD_SEGMENT)
-    aligned, length = aligned_order(segment[0].cpu(), cfg.block_size)  # (the planner's rows are one row repeated)
+    aligned, length = aligned_order(plan.lengths, plan.kinds, cfg.block_size)
     source = torch.where(plan.source >= 0, aligned[plan.source.clamp_min(0)], -1)  # split order -> aligned order
     meta = TokenMeta.from_segments(_to_positions(shard.meta.segment, source, length, PAD_SEGMENT))
     # (each document is contiguous in every order, so its offsets, kept at its own positions, move with it)

@@ -103,15 +103,20 @@ def flags_given(plugin: PluginArguments, script_args: Sequence[str]) -> list[str
     return before + [flag for flag in plugin_flags_in(script_args) if flag not in before]
 
 
-def no_trainer_warning(script: str, given: Sequence[str], when: str) -> str:
-    """The warning that `script` trains `when` (its first step, its end) without a Trainer: without the plugin."""
-    return (f"warning: {script} {when} without building a transformers Trainer, so the plugin never reached it: "
-            "it ran as python runs it, without context parallelism"
-            + (f" (the plugin's flags {', '.join(given)} were not used)" if given else "")
-            + '; a model it loaded with attn_implementation="sparse_cp" attended with the pattern of its own config '
-            "(SparseAttentionConfig's defaults unless the script called hf_sparse_cp.configure), any other with its "
-            "own attention. The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a training "
-            "loop of its own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: "
+def no_trainer_warning(script: str, given: Sequence[str], *, ended: bool) -> str:
+    """The warning that `script` trains without a Trainer, so without the plugin: at its first optimizer step (what
+    it is about to run) or, `ended`, at its end (what it ran)."""
+    if ended:
+        when, reached, ran, used, attended = "ended", "reached", "ran", "were", "attended"
+    else:
+        when, reached, ran, used, attended = "takes its first optimizer step", "reaches", "runs", "are", "attends"
+    return (f"warning: {script} {when} without building a transformers Trainer, so the plugin never {reached} it: "
+            f"it {ran} as python runs it, without context parallelism"
+            + (f" (the plugin's flags {', '.join(given)} {used} not used)" if given else "")
+            + f'; a model it loaded with attn_implementation="sparse_cp" {attended} with the pattern of its own '
+            "config (SparseAttentionConfig's defaults unless the script called hf_sparse_cp.configure), any other "
+            "with its own attention. The plugin trains what a Trainer trains (transformers', TRL's, a subclass); a "
+            "training loop of its own takes the functional API (hf_sparse_cp.configure, enable_sparse_attention: "
             "docs/usage.md).")
 
 
@@ -270,7 +275,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                                  "enable_sparse_attention: docs/usage.md).")
         run.told_no_trainer = True
         if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"{PROG}: {no_trainer_warning(script, given, 'takes its first optimizer step')}\n")
+            sys.stderr.write(f"{PROG}: {no_trainer_warning(script, given, ended=False)}\n")
 
     try:
         # (a process-wide hook, public torch API, removed at its first call and at the block's end)

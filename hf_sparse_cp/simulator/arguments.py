@@ -151,11 +151,13 @@ def read_config(path: str):
                          "(e.g. \"llama\").")
     model_type = data.pop("model_type")
     _check_causal_lm(path, model_type, data)
-    check_decoder_sizes(f"--config {path}", {f: data[f] for f in DECODER_FIELDS if f in data})
     try:  # (the floats JSON has no literal for, as transformers writes them: {"__float__": "Infinity"})
         config = AutoConfig.for_model(model_type, **_special_floats(data))
     except ValueError as e:
         raise ValueError(f"--config {path}: {e}") from None
+    except ZeroDivisionError:  # (a config class dividing by a head count of 0: the shape's check, which it preempts)
+        check_decoder_sizes(f"--config {path}", {f: data[f] for f in DECODER_FIELDS if f in data})
+        raise
     except StrictDataclassError as e:  # the config class's own checks (a shape it refuses), their error the cause
         raise ValueError(f"--config {path}: {e.__cause__ or e} Give the fields of the model's own config.json, or a "
                          "preset (--model).") from None

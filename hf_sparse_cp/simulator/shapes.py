@@ -17,7 +17,8 @@ DECODER_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "in
 
 def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:
     """ValueError naming the `DECODER_FIELDS` among `sizes` below 1 (a config of 0 layers was predicted as a model
-    of 0 parameters; 0 heads fail inside transformers' own checks with a division by zero)."""
+    of 0 parameters): `ModelShape.from_config`'s check, run on a config.json's fields where transformers' config
+    class divides by a head count of 0 before it (`arguments.read_config`)."""
     empty = [f"{field}={value}" for field, value in sizes.items() if isinstance(value, int) and value < 1]
     if empty:
         raise ValueError(f"{where}: {', '.join(empty)} in the config; a decoder has at least one of each: give the "

@@ -119,14 +119,29 @@ class CheckpointMarkerCallback(TrainerCallback):
                                      "model_only": bool(args.save_only_model)})
 
 
-def resume_step_metrics(trainer: Trainer, folder: str | Path) -> None:
-    """Carry what the checkpoint `folder`'s marker says of the rows trained before it (`longest_trained`) into
+def read_marker(folder: str | Path) -> dict[str, Any] | None:
+    """What the checkpoint `folder`'s marker says (None without one: not saved by an hf-sparse-cp run, or on a node
+    without shared storage, which only the first node's folder holds it on). ValueError, naming the checkpoint, for
+    a marker that is not JSON (runs write it whole: damaged since)."""
+    marker = Path(folder) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        content = json.loads(marker.read_text())
+    except ValueError as e:
+        content = e
+    if not isinstance(content, dict):
+        raise ValueError(f"Checkpoint {str(folder)!r} is damaged: its {MARKER} is not the JSON object a run writes "
+                         f"({content}). Resume from another checkpoint.")
+    return content
+
+
+def resume_step_metrics(trainer: Trainer, marker: dict[str, Any] | None) -> None:
+    """Carry what a checkpoint's `marker` (`read_marker`) says of the rows trained before it (`longest_trained`) into
     `trainer`'s step metrics, which the model card reads: they count only the rows this process trains."""
-    metrics, marker = StepMetricsCallback.of(trainer), Path(folder) / MARKER
-    if metrics is None or not marker.is_file():  # (without shared storage, only the first node has the marker)
-        return
-    longest = json.loads(marker.read_text()).get("longest_trained")
-    if longest is not None:
+    metrics = StepMetricsCallback.of(trainer)
+    longest = None if marker is None else marker.get("longest_trained")
+    if metrics is not None and longest is not None:
         metrics.resume_longest(longest)
 
 
@@ -179,9 +194,10 @@ _RESHARDABLE = {"data_parallel_size": "DP degree", "cp_size": "CP degree", "worl
 _BATCHES = ("global_batch_size", "world_batch_size")
 
 
-def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardable: bool = False) -> bool:
+def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[str, Any] | None, *,
+                     reshardable: bool = False) -> bool:
     """Raise ValueError, naming the cause, unless `folder` is a complete checkpoint saved with
-    `settings`; warn when it has no marker (nothing can be checked).
+    `settings`, as its `marker` (`read_marker`) says; warn when it has none (nothing can be checked).
 
     Returns whether the checkpoint loads from its sharded state (`resharding.resume.resharded_loading`):
     it holds one and this run trains with FSDP2 (`reshardable`). Such a checkpoint may then have been
@@ -211,9 +227,8 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
                          f"{SHARDED_STATE}/ nor accelerate's {FSDP_MODEL_NAME}*), which this FSDP2 run loads the model "
                          "and optimizer from. Resume it without --fsdp, as it was saved, or start a new FSDP2 run from "
                          f"its weights (--model_name_or_path {folder}).")
-    marker = folder / MARKER
     # (the checkpoint folders as get_last_checkpoint finds them: folders checkpoint-N)
-    steps = [] if marker.is_file() else sorted(
+    steps = [] if marker is not None else sorted(
         int(p.name.rsplit("-", 1)[1]) for p in folder.glob(PREFIX_CHECKPOINT_DIR + "-*")
         if p.name.rsplit("-", 1)[1].isdigit() and p.is_dir())
     if steps:  # (the Trainer's own error, raised on every rank, names no fix)
@@ -221,28 +236,27 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], *, reshardabl
                          f"({', '.join(f'{PREFIX_CHECKPOINT_DIR}-{step}' for step in steps)}). Resume from one of "
                          f"them, e.g. the newest: --resume_from_checkpoint "
                          f"{folder / f'{PREFIX_CHECKPOINT_DIR}-{steps[-1]}'}.")
-    if not marker.is_file():
+    if marker is None:
         logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
                        "that it is complete and fits this run.", folder, MARKER)
         return sharded
-    content = json.loads(marker.read_text())
-    if not content.get("complete"):
+    if not marker.get("complete"):
         raise ValueError(f"Checkpoint {str(folder)!r} is incomplete: the run ended while it was being saved. Resume "
                          "from an earlier checkpoint (or delete this one to let resume_from_checkpoint=True pick the "
                          "one before it).")
-    for name, size in content["files"].items():
+    for name, size in marker["files"].items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != size:
             found = "missing" if not path.is_file() else f"{path.stat().st_size} bytes, saved with {size}"
             raise ValueError(f"Checkpoint {str(folder)!r} is damaged: {name} is {found}. Resume from another "
                              "checkpoint.")
-    if content.get("model_only"):
+    if marker.get("model_only"):
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with --save_only_model: it holds the weights and the "
                          "step, not the optimizer, learning-rate schedule and random state, so a resume would go on "
                          "with a new optimizer and a restarted schedule. Start a new run from its weights "
                          f"(--model_name_or_path {folder}), or resume from a checkpoint saved without "
                          "--save_only_model.")
-    saved = content["settings"]
+    saved = marker["settings"]
     if ("cp_schedule" in saved) != ("cp_schedule" in settings):
         # (their settings name other quantities: compared key by key, a curriculum's checkpoint under FSDP2 resumed
         # without its schedule skipped every check, the global batch among them)
@@ -344,12 +358,13 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
         try:
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
+                marker = read_marker(folder) if folder else None  # (read once: checked, then resumed from)
                 reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
-                                                            reshardable=runs_fsdp2(trainer))
+                                                            marker, reshardable=runs_fsdp2(trainer))
                 if folder:
                     check_weights_fit(Path(folder), trainer.model)
             if folder:
-                resume_step_metrics(trainer, folder)
+                resume_step_metrics(trainer, marker)
             if reshard:
                 with resharded_loading(trainer, folder):
                     return train(resume_from_checkpoint, *args, **kwargs)

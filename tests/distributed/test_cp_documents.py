@@ -12,7 +12,7 @@ from hf_sparse_cp.attention import dense_layout, estimate_layout
 from hf_sparse_cp.attention.estimate import select_vertical_slash
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.scoring import score_vertical_slash
-from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
+from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta, segments_from_position_ids
 from hf_sparse_cp.distributed import (
     ContextParallelConfig,
     CPShard,
@@ -24,7 +24,13 @@ from hf_sparse_cp.distributed import (
 )
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.cp_config import PlannerCosts
-from hf_sparse_cp.distributed.split.documents import plan_documents, plan_row
+from hf_sparse_cp.distributed.split.blocks import shift_labels
+from hf_sparse_cp.distributed.split.documents import (
+    idle_documents_as_padding,
+    plan_documents,
+    plan_row,
+    row_runs,
+)
 from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
@@ -170,11 +176,52 @@ def test_the_split_sweep_reaches_every_document():
     assert list(_split_counts(0, 0, 8)) == [0] and list(_split_counts(5, 3, 8)) == []
 
 
-def test_rows_with_different_documents_are_refused():
-    seg = torch.zeros(2, 40, dtype=torch.int32)
-    seg[1, 20:] = 1
-    with pytest.raises(ValueError, match="pack each batch into one row"):
-        plan_row(TokenMeta.from_segments(seg), CFG, 2)
+def test_rows_with_different_documents_are_planned_as_the_runs_no_document_crosses():
+    """A padded batch of unpacked rows: one run of text and the padding every row shares; packed rows: their common
+    boundaries, a document crossing another row's boundary joining the runs (was refused: #50)."""
+    seg = torch.full((3, 100), PAD_SEGMENT, dtype=torch.int32)
+    seg[0, :90], seg[1, :20], seg[2, :70] = 0, 0, 0
+    assert row_runs(TokenMeta.from_segments(seg), CFG) == ([90, 10], ["sparse", "pad"])
+    seg = torch.zeros(2, 100, dtype=torch.int32)
+    seg[0, 30:], seg[1, 30:50], seg[1, 50:] = 1, 1, 2  # row 0: 30 | 70, row 1: 30 | 20 | 50
+    assert row_runs(TokenMeta.from_segments(seg), CFG) == ([30, 70], ["dense", "sparse"])
+    seg[1, 30:] = 1  # every row 30 | 70, a single row's runs
+    assert row_runs(TokenMeta.from_segments(seg), CFG) == row_runs(TokenMeta.from_segments(seg[:1]), CFG)
+    seg[0, 50:] = 2  # row 0: 30 | 20 | 50, row 1: 30 | 70: the 20 and 50 are one run (row 1's 70 spans them)
+    assert row_runs(TokenMeta.from_segments(seg), CFG.replace(pattern="dense")) == ([30, 70], ["dense", "dense"])
+
+
+def _flattened_with_padding(lengths: list[int], tail: list[int]) -> tuple[TokenMeta, torch.Tensor, torch.Tensor]:
+    """A flattened row (restarting position_ids) of documents of `lengths` then of padding documents of `tail` (pad
+    token 0, no targets; TRL's padding-free rows padded to a multiple: a document per pad token): (meta, ids, shifted
+    labels)."""
+    ids = torch.cat([torch.randint(3, 64, (sum(lengths),), generator=torch.Generator().manual_seed(2)),
+                     torch.zeros(sum(tail), dtype=torch.long)])[None]
+    positions = torch.cat([torch.arange(n) for n in [*lengths, *tail]])[None]
+    labels = ids.masked_fill(positions == 0, -100)
+    labels[0, sum(lengths):] = -100
+    return TokenMeta.from_segments(segments_from_position_ids(positions)), ids, shift_labels(labels)
+
+
+def test_documents_of_padding_without_targets_are_planned_as_one_padding_run():
+    """A padding tail that only flattening boundaries delimit was planned as documents (#50): a long one split over
+    the ring, its K/V sent; every pad token of TRL's padded rows a document to place. Now one padding run, placed
+    whole; documents of pad tokens that have a target, or real tokens, stay documents, and so does every batch of
+    several rows (another row's boundary could cut such a document)."""
+    meta, ids, shifted = _flattened_with_padding([40, 70, 9], [200] + [1] * 12)
+    planned = idle_documents_as_padding(meta, ids, shifted, pad_token_id=0)
+    before, after = plan_row(meta, CFG, 4), plan_row(planned, CFG, 4)
+    assert len(before.lengths) == 16 and before.lengths.index(200) in before.split
+    assert (after.lengths, after.kinds) == ((40, 70, 9, 212), ("dense", "sparse", "dense", "pad"))
+    assert 3 not in after.split and sum(after.work) < sum(before.work)
+    placed = after.source[after.source >= 0]  # every token once
+    assert torch.equal(placed.sort().values, torch.arange(meta.segment.shape[1]))
+    trained = shifted.clone()
+    trained[0, -1 - 12] = 5  # the last token of the 200 pad tokens predicts something: that document is trained
+    assert plan_row(idle_documents_as_padding(meta, ids, trained, 0), CFG, 4).lengths[3:5] == (200, 12)
+    assert torch.equal(idle_documents_as_padding(meta, ids, shifted, pad_token_id=1).segment, meta.segment)  # no 1s
+    two = TokenMeta.from_segments(meta.segment.expand(2, -1))
+    assert idle_documents_as_padding(two, ids.expand(2, -1), shifted.expand(2, -1), 0) is two
 
 
 # ------------------------------------------------------------------------------ per-document patterns
@@ -348,6 +395,60 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
             "grads": worst}
 
 
+def _rows_case(par: ParallelDims) -> dict:
+    """A causal-LM loss and gradients under the planner on batches whose rows hold different documents (#50: refused
+    when attention ran, so an eval set or a later batch failed a run), against one process: right-padded rows of
+    different lengths (attention_mask), and rows packed differently (restarting position_ids) whose runs start on
+    block boundaries, so that the planner's block-aligned runs are what one process computes."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.distributed import global_mean_loss, global_num_items, prepare_context_parallel_inputs, rank_loss
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64)).double()
+    hf_sparse_cp.configure(model, CFG)
+    ids = torch.randint(3, 64, (3, 160), generator=torch.Generator().manual_seed(5))
+    mask = (torch.arange(160) < torch.tensor([[131], [97], [40]])).long()
+    padded = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    docs = ([48, 40, 72], [48, 112])
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    labels = ids[:2].clone()
+    labels[position_ids == 0] = -100  # no target across a document boundary
+    packed = {"input_ids": ids[:2], "position_ids": position_ids, "labels": labels}
+    # one flattened row padded after its documents by a padding document and a document per pad token (TRL's
+    # padding-free rows padded to a multiple); the planner places them as one padding run, attention computes them
+    tail = [48, 80, 32, 100, *[1] * 20]  # (the sparse document on a block boundary, as the planner starts it)
+    flat = torch.cat([ids[0, :160], torch.zeros(120, dtype=torch.long)])[None]
+    flat_positions = torch.cat([torch.arange(n) for n in tail])[None]
+    flat_labels = flat.masked_fill(flat_positions == 0, -100)
+    flat_labels[0, 160:] = -100
+    padded_tail = {"input_ids": flat, "position_ids": flat_positions, "labels": flat_labels}
+    results = {}
+    for name, batch in (("padded", padded), ("packed", packed), ("tail", padded_tail)):
+        ref = model(**batch)
+        ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+        inputs = prepare_context_parallel_inputs(batch, par, block_size=BS, sharding="document", sparse_config=CFG)
+        plan = inputs["cp_shard"].plan
+        num_items = global_num_items(inputs["shift_labels"])
+        out = model(**inputs, num_items_in_batch=1)
+        loss_sum = out.loss
+        logits = inputs["cp_shard"].whole_sequence(out.logits.detach())  # (every position, the padding's too)
+        grads = torch.autograd.grad(rank_loss(loss_sum, num_items, par.world_size), list(model.parameters()))
+        worst = 0.0
+        for grad, ref_grad in zip(grads, ref_grads):
+            grad = grad.clone()
+            dist.all_reduce(grad)
+            worst = max(worst, rel_rms(grad / par.world_size, ref_grad))
+        got = float(global_mean_loss(loss_sum.detach(), num_items))
+        results[name] = {"loss": abs(got - float(ref.loss)) / float(ref.loss), "grads": worst,
+                         "logits": rel_rms(logits, ref.logits.detach()), "runs": (plan.lengths, plan.kinds),
+                         "split": plan.split}
+    return results
+
+
 def _kept_fraction_case(par: ParallelDims) -> dict:
     """The kept fraction each layer of a 4-layer model logs for a packed row of documents that do not start on
     block boundaries: under the planner (which computes them block aligned), in one process on the same documents
@@ -393,6 +494,7 @@ def _worker(rank: int, world: int) -> dict:
         "whole": _ring_case(flat, rank, [7, 20, 3, 31, 12, 1] * world, sparse=False),
         "estimated": _estimated_case(flat, rank),
         "llama": _model_case(flat, rank, "llama"),
+        "rows": _rows_case(flat),
     }
     if world == 2:
         results["gemma3_text"] = _model_case(flat, rank, "gemma3_text")
@@ -443,6 +545,20 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
         for model_type in ("llama", "gemma3_text"):
             if model_type in errs:
                 assert errs[model_type]["loss"] <= 1e-6 and errs[model_type]["grads"] <= 1e-5, errs[model_type]
+
+
+@WORLDS
+def test_rows_with_different_documents_under_the_planner_equal_one_process(spawned, world):
+    """Also a flattened row with a padding tail, planned as padding: loss, gradients and the logits of every position
+    (the padding's too: attention still computes its documents) equal one process."""
+    for errs in spawned(world):
+        rows = errs["rows"]
+        assert rows["padded"]["runs"] == ((131, 29), ("sparse", "pad"))
+        assert rows["packed"]["runs"] == ((48, 112), ("dense", "sparse"))
+        assert rows["tail"]["runs"] == ((48, 80, 32, 120), ("dense", "sparse", "dense", "pad"))
+        assert 3 not in rows["tail"]["split"]  # (the padding whole on one rank: its K/V never sent)
+        for case in rows.values():
+            assert case["loss"] <= 1e-6 and case["grads"] <= 1e-5 and case["logits"] <= 1e-10, rows
 
 
 def test_the_planner_logs_at_every_layer_what_one_process_logs_on_the_block_aligned_documents(spawned):

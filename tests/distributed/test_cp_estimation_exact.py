@@ -60,9 +60,18 @@ def _inputs(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 INPUTS = ("constant keys", "repeated tokens", "equal run")
 
 
+def _to_original_order(plan, x: torch.Tensor, fill) -> torch.Tensor:
+    """`x` [..., plan.padded_len] in the split's global order, as [..., plan.seq_len] in the original
+    order (the split's padding dropped; `fill` where the original has no token of the split)."""
+    real = (plan.source >= 0).nonzero().flatten()
+    out = x.new_full((*x.shape[:-1], plan.seq_len), fill)
+    out[..., plan.source[real].to(x.device)] = x[..., real.to(x.device)]
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan
-    from hf_sparse_cp.distributed.kept_fraction import reported_kept_fraction, to_original_order
+    from hf_sparse_cp.distributed.kept_fraction import reported_kept_fraction
     from hf_sparse_cp.distributed.ring.estimation import estimate_cp
     from hf_sparse_cp.distributed.split.documents import plan_row
 
@@ -88,7 +97,7 @@ def _worker(rank: int, world: int) -> dict:
                     dist.all_gather_object(every, [getattr(est.layout, f) for f in FIELDS], group=par.cp_group)
                     # one process on the documents packed block-aligned (BlockAlignedFlattening: each document,
                     # then a run of its own to the next block boundary), the computation the planner runs
-                    qo, ko = (to_original_order(plan, x, 0.0) for x in (qd.movedim(2, -1), kd.movedim(2, -1)))
+                    qo, ko = (_to_original_order(plan, x, 0.0) for x in (qd.movedim(2, -1), kd.movedim(2, -1)))
                     qa, ka = (x[..., ALIGNED_PLACE].movedim(-1, 2) for x in (qo, ko))
                     alone = estimate_layout(qa, ka, cfg, ALIGNED_META)
                     out[(kind, sharding, dtype, mode)] = {

@@ -4,7 +4,8 @@ that `compute_metrics` receives (run_clm.py's: the argmax of `preprocess_logits_
 shifted labels; with `include_for_metrics` inputs and losses) and `predict()`'s logits and label_ids, in the same
 shapes and order. The rows (5, eval batch size 2: the last batch is short) are not a multiple of the CP split's
 length; under the block shardings they are right-padded to each batch's longest, so the Trainer pads the predictions
-between batches; document sharding takes packed rows (two documents each, which its plan re-orders). The model runs in
+between batches; document sharding takes packed rows (two documents each, which its plan re-orders) and the padded
+ones (an eval set: its text over the ring, the padding the rows share whole). The model runs in
 float64, so that the argmax of nearly tied logits cannot differ by rounding (transformers' loss is float32's), with
 blocks of 16 tokens: the rows' long documents run sparse."""
 
@@ -22,6 +23,8 @@ MODES = {
     "zigzag": ({"cp_size": 2, "cp_sharding": "zigzag"}, "padded"),
     "ulysses": ({"cp_size": 2, "cp_mode": "ulysses"}, "padded"),
     "document": ({"cp_size": 2, "cp_sharding": "document"}, "packed"),
+    # an eval set of padded rows of different lengths: refused when attention ran, after the training (#50)
+    "document padded": ({"cp_size": 2, "cp_sharding": "document"}, "padded"),
 }
 # four processes: each layout, with the rows it takes and its reference (DP 2 without CP, or one process)
 FOUR = {

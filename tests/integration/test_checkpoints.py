@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,7 +257,7 @@ def test_a_curriculum_checkpoint_and_a_plain_one_do_not_resume_each_other(tmp_pa
     the two runs record other settings (world size and batch vs CP and DP degrees and global batch), and compared key
     by key under a sharded state every one was skipped, so the step counter went on over another data order."""
     from hf_sparse_cp.resharding.resume import SHARDED_STATE
-    from hf_sparse_cp.trainer.checkpoints import check_checkpoint
+    from hf_sparse_cp.trainer.checkpoints import check_checkpoint, read_marker
 
     curriculum = {"cp_schedule": "0:128:1,3:256:2", "world_size": 4, "smet": None, "world_batch_size": 4}
     plain = {"cp_size": 1, "data_parallel_size": 2, "smet": None, "global_batch_size": 6}
@@ -265,12 +266,13 @@ def test_a_curriculum_checkpoint_and_a_plain_one_do_not_resume_each_other(tmp_pa
     (folder / SHARDED_STATE).mkdir(parents=True)
     (folder / SHARDED_STATE / "layout.json").write_text("{}")
     (folder / MARKER).write_text(json.dumps({"complete": True, "step": 4, "settings": saved, "files": {}}))
-    assert check_checkpoint(folder, saved, reshardable=True)  # (its own settings resume through the sharded state)
+    # (its own settings resume through the sharded state)
+    assert check_checkpoint(folder, saved, read_marker(folder), reshardable=True)
     schedule = "--cp_schedule '0:128:1,3:256:2'"
     cause = (f"was saved by a run with {schedule}, but this run has no --cp_schedule" if saved_schedule
              else f"was saved by a run with no --cp_schedule, but this run has {schedule}")
     with pytest.raises(ValueError, match=re.escape(cause)):
-        check_checkpoint(folder, resumed, reshardable=True)
+        check_checkpoint(folder, resumed, read_marker(folder), reshardable=True)
 
 
 FSDP2 = ("--fsdp",
@@ -440,9 +442,12 @@ def _longest_trained(trainer) -> int | None:
     return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepMetricsCallback)).longest_trained
 
 
-def test_the_longest_row_trained_survives_a_resume(tmp_path):
+def test_the_longest_row_trained_survives_a_resume(tmp_path, monkeypatch):
     """The model card's longest sequence trained restarted at a resume: a run whose 64-token rows came before its
-    checkpoint and 24-token rows after it said 24 when resumed (the uninterrupted run: 64)."""
+    checkpoint and 24-token rows after it said 24 when resumed (the uninterrupted run: 64). The resume reads the
+    checkpoint's marker once, for its checks and for this (#50: twice)."""
+    from hf_sparse_cp.trainer.checkpoints import MARKER
+
     def trainer(out):
         t = _trainer(out, logging_steps=3)  # (no training log at the checkpoint's step)
         t.train_dataset = LongRowsFirst()
@@ -452,8 +457,11 @@ def test_the_longest_row_trained_survives_a_resume(tmp_path):
     full.train()
     assert _longest_trained(full) == 64
     resumed = trainer(tmp_path / "resumed")
+    reads, read_text = [], Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(self.name), read_text(self, *a, **k))[1])
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert _longest_trained(resumed) == 64
+    assert reads.count(MARKER) == 1
 
 
 def test_every_node_that_saves_marks_its_checkpoint(tmp_path):

@@ -234,7 +234,7 @@ def test_a_cut_off_trainer_state_is_named(tmp_path):
 def test_an_output_folder_is_refused_naming_its_checkpoint_folders_alone(tmp_path):
     """The refusal listed every name checkpoint-N (a file among them, which is no checkpoint) beside the newest
     checkpoint folder that transformers' get_last_checkpoint named, listing the folder a second time."""
-    from hf_sparse_cp.trainer.checkpoints import check_checkpoint
+    from hf_sparse_cp.trainer.checkpoints import check_checkpoint, read_marker
 
     for step in (2, 10):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -242,24 +242,36 @@ def test_an_output_folder_is_refused_naming_its_checkpoint_folders_alone(tmp_pat
     with pytest.raises(ValueError, match=re.escape("it holds checkpoints (checkpoint-2, checkpoint-10). Resume from "
                                                    "one of them, e.g. the newest: --resume_from_checkpoint "
                                                    f"{tmp_path / 'checkpoint-10'}.")):
-        check_checkpoint(tmp_path, {}, reshardable=False)
+        check_checkpoint(tmp_path, {}, read_marker(tmp_path), reshardable=False)
+
+
+@pytest.mark.parametrize("text", ["{\"complete\": tr", "[1, 2]"], ids=["cut", "list"])
+def test_a_damaged_checkpoint_marker_is_refused_naming_the_checkpoint(tmp_path, text):
+    """A marker that is no JSON object failed with json's own message ("Expecting value ...") or an AttributeError,
+    naming neither the file nor the checkpoint."""
+    from hf_sparse_cp.trainer.checkpoints import MARKER, read_marker
+
+    (tmp_path / MARKER).write_text(text)
+    with pytest.raises(ValueError, match=f"Checkpoint .* is damaged: its {MARKER} is not the JSON object a run "
+                                         "writes .*Resume from another checkpoint"):
+        read_marker(tmp_path)
 
 
 def test_a_checkpoint_saved_without_fsdp_is_refused_by_an_fsdp2_run(tmp_path):
     """Issue #31: it passed the check, then rank 0 died on pytorch_model_fsdp.bin and rank 1 on a closed
     connection."""
-    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint
+    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint, read_marker
 
     settings = {"cp_size": 1, "data_parallel_size": 2, "smet": None, "global_batch_size": 4}
     for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
         (tmp_path / name).write_text("x")
     files = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
     (tmp_path / MARKER).write_text(json.dumps({"complete": True, "step": 2, "settings": settings, "files": files}))
-    assert check_checkpoint(tmp_path, settings, reshardable=False) is False  # as it was saved: fine
+    assert check_checkpoint(tmp_path, settings, read_marker(tmp_path), reshardable=False) is False  # as saved: fine
     with pytest.raises(ValueError, match="was saved by a run without FSDP.*Resume it without --fsdp, as it was saved"):
-        check_checkpoint(tmp_path, settings, reshardable=True)
+        check_checkpoint(tmp_path, settings, read_marker(tmp_path), reshardable=True)
     (tmp_path / "pytorch_model_fsdp.bin").write_text("x")  # accelerate's FSDP save: the Trainer loads it
-    assert check_checkpoint(tmp_path, settings, reshardable=True) is False
+    assert check_checkpoint(tmp_path, settings, read_marker(tmp_path), reshardable=True) is False
 
 
 def _argument_class(kind: str):
@@ -483,7 +495,7 @@ def test_an_fsdp2_checkpoint_resumed_by_one_process_names_a_fix_that_runs_there(
     """Its refusal said only "resume with --fsdp ...", which one process refuses in turn ("--fsdp shards the model
     over processes, and this one runs alone"): a dead end. It names the weights, which one process loads."""
     from hf_sparse_cp.resharding.resume import SHARDED_STATE
-    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint
+    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint, read_marker
 
     saved = {"cp_size": 2, "data_parallel_size": 1, "smet": None, "global_batch_size": 1}
     (tmp_path / SHARDED_STATE).mkdir()
@@ -492,6 +504,6 @@ def test_an_fsdp2_checkpoint_resumed_by_one_process_names_a_fix_that_runs_there(
     alone = {"cp_size": 1, "data_parallel_size": 1, "smet": None, "global_batch_size": 1}
     with pytest.raises(ValueError, match="this run is one: resume on several with --fsdp.*or start a new run from its "
                                          f"weights \\(--model_name_or_path {tmp_path}"):
-        check_checkpoint(tmp_path, alone, reshardable=False)
+        check_checkpoint(tmp_path, alone, read_marker(tmp_path), reshardable=False)
     with pytest.raises(ValueError, match="only a run with FSDP2 loads it. Resume with --fsdp with --fsdp_config"):
-        check_checkpoint(tmp_path, {**alone, "data_parallel_size": 2}, reshardable=False)
+        check_checkpoint(tmp_path, {**alone, "data_parallel_size": 2}, read_marker(tmp_path), reshardable=False)

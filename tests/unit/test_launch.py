@@ -616,6 +616,7 @@ def test_a_script_that_builds_no_trainer_is_told_the_plugin_never_reached_it(tmp
     assert "--cp_size, --sparse_block_size" in err and "functional API" in err
     # (a model the script loads with attn_implementation="sparse_cp" attends sparse: the warning said it did not)
     assert "model's own attention" not in err and 'attn_implementation="sparse_cp" attended' in err
+    assert "never reached it: it ran as python runs it" in err
     (tmp_path / "record_run.py").write_text(RECORDER)  # a script that parses the flags but trains nothing: told too
     run(["record_run.py", "--output_dir", "out", "--sparse_min_seq_len", "64"])
     err = capsys.readouterr().err
@@ -654,6 +655,9 @@ def test_a_training_loop_of_its_own_is_told_at_its_first_step_and_refused_with_p
     assert "step 1: [0.0, 0.0]" in captured.out  # (it trains as python runs it)
     assert captured.err.count("without building a transformers Trainer") == 1
     assert "own_loop.py takes its first optimizer step without building a transformers Trainer" in captured.err
+    # (told before it trains: what it runs, not what it ran, as the end of a run says: #50)
+    assert "never reaches it: it runs as python runs it" in captured.err and " ran " not in captured.err
+    assert 'attn_implementation="sparse_cp" attends with' in captured.err
     assert not _global_optimizer_pre_hooks  # (the hook is gone with the script)
 OWN_PARSER = textwrap.dedent("""
     import argparse

@@ -388,4 +388,25 @@ def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):
         (tmp_path / "config.json").write_text(json.dumps({**config, field: 0}))
         with pytest.raises(SystemExit):
             cli_main(["memory", "--config", str(tmp_path / "config.json")])
-        assert f"config.json: {field}=0 in the config; a decoder has at least one of each" in capsys.readouterr().err
+        assert f": {field}=0 in the config; a decoder has at least one of each" in capsys.readouterr().err
+
+
+def test_a_config_is_checked_for_sizes_of_0_once(tmp_path, monkeypatch):
+    """The check ran twice on a --config file (on its fields, then on the config transformers built from them); it
+    runs once, in ModelShape.from_config, which also refuses a config built in code."""
+    from transformers import LlamaConfig
+
+    from hf_sparse_cp.simulator import arguments, shapes
+    from hf_sparse_cp.simulator.shapes import ModelShape
+
+    calls, check = [], shapes.check_decoder_sizes
+    counted = lambda *a: (calls.append(a), check(*a))[1]  # noqa: E731
+    monkeypatch.setattr(shapes, "check_decoder_sizes", counted)
+    monkeypatch.setattr(arguments, "check_decoder_sizes", counted)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    ModelShape.from_config(arguments.read_config(str(tmp_path / "config.json")))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="num_hidden_layers=0 in the config"):
+        ModelShape.from_config(LlamaConfig(num_hidden_layers=0))

@@ -18,7 +18,9 @@ although only its own queries read them. The planner instead:
   fewest whose busiest rank is within `PlannerCosts.balance_slack` of the best one tried.
 
 It runs on the CPU per batch and is a pure function of the document lengths, so every rank of a
-CP group derives the same plan without communicating. The plan re-orders the row: split
+CP group derives the same plan without communicating. A batch of several rows with different documents is
+planned as one row of runs, each a stretch that no row's document crosses (`row_runs`; a padded batch of
+unpacked sequences: one run of text and one of padding at the end). The plan re-orders the row: split
 documents first, then every rank's whole documents, each document contiguous and in order, a
 document with a sparse pattern starting on a block boundary (its pattern then does not depend on
 what else was packed), padding only between documents and never trained on. Attention results do
@@ -437,26 +439,62 @@ def _materialize(at: _Placement, lengths, kinds, w: int, bs: int) -> DocumentPla
 
 
 def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], list[str]]:
-    """The runs of a batch's rows (documents and padding, the same in every row) and their kinds."""
+    """The runs of a batch [B, S] the planner places, and their kinds: the stretches between the positions that no
+    row's document crosses, consecutive positions that are padding in every row forming one padding run.
+
+    A row's documents and padding runs, for one row or rows with the same documents. Rows with different documents
+    (a padded batch of unpacked sequences, an eval set) share a run wherever one row's document spans another's
+    boundary: a run holds no part of a document that another run holds, in any row, so moving runs moves whole
+    documents. A run is padding if every row pads it, sparse if any row's document in it is long enough for a
+    pattern (`min_seq_len`), else dense."""
+    seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
+    b, s = seg.shape
+    pad = seg == PAD_SEGMENT
+    first = np.ones_like(pad)
+    first[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    all_pad = pad.all(0)
+    cut = ~(~first & ~pad).any(0)  # no row's document goes on from the position before
+    cut[1:] &= ~(all_pad[1:] & all_pad[:-1])
+    starts = np.flatnonzero(cut)
+    lengths = np.diff(np.append(starts, s))
+    sparse = np.zeros(len(starts), dtype=bool)
+    for r in range(b) if cfg.pattern != "dense" else ():  # the runs holding a document long enough for a pattern
+        doc = np.flatnonzero(first[r])
+        long = (np.diff(np.append(doc, s)) >= max(cfg.min_seq_len, 1)) & ~pad[r, doc]
+        sparse[np.searchsorted(starts, doc[long], side="right") - 1] = True  # (a document lies in one run)
+    kinds = [PAD if p else SPARSE if sp else DENSE for p, sp in zip(all_pad[starts].tolist(), sparse.tolist())]
+    return lengths.tolist(), kinds
+
+
+def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted: torch.Tensor, pad_token_id: int,
+                              ignore_index: int = -100) -> TokenMeta:
+    """`meta` [B, S] with every document whose tokens are all `pad_token_id` and have no target (`shifted`, the labels
+    shifted, all `ignore_index`) marked padding: for the planner, which then places such runs whole on one rank and
+    plans them as one run, not as documents (a padding tail that only flattening boundaries delimit: TRL's padding-free
+    rows padded to a multiple, every pad token a document of its own; `BlockAlignedFlattening`'s gaps). Only the plan
+    reads it: attention still takes those tokens' documents from the batch, so that their outputs, and whatever reads
+    them (a MoE router's loss over every token), stay what one process computes. A batch of one row (a flattened
+    one) only: there the planner's runs are the row's documents, so a padding run holds whole documents, which
+    another row's boundary could cut (`row_runs`); `meta` of other batches is returned as it is."""
     seg = meta.segment
-    if seg.shape[0] > 1 and not bool((seg == seg[:1]).all()):
-        raise ValueError(
-            "document sharding plans one packed row, but the rows of this batch have different documents: pack "
-            "each batch into one row (DataCollatorWithFlattening, or --pack_documents) or use "
-            "--cp_sharding striped."
-        )
-    starts = run_starts(seg[:1])[0].nonzero().flatten().tolist() + [seg.shape[1]]
-    ids = seg[0, starts[:-1]].tolist()
-    lengths = [b - a for a, b in zip(starts, starts[1:])]
-    sparse_ok = cfg.pattern != "dense"
-    kinds = [PAD if d == PAD_SEGMENT else SPARSE if sparse_ok and n >= max(cfg.min_seq_len, 1) else DENSE
-             for d, n in zip(ids, lengths)]
-    return lengths, kinds
+    b, s = seg.shape
+    if b != 1:
+        return meta
+    busy = ((input_ids != pad_token_id) | (shifted != ignore_index)).to(seg.device).long()
+    before = torch.nn.functional.pad(busy.cumsum(1), (1, 0))  # busy tokens before each position
+    pos = torch.arange(s, device=seg.device).expand(b, s)
+    first = run_starts(seg)
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.cummax(torch.where(first, pos, 0), dim=1).values  # each token's document: its first token
+    end = torch.cummin(torch.where(last, pos, s).flip(1), dim=1).values.flip(1)  # and its last
+    idle = before.gather(1, end + 1) == before.gather(1, start)  # (scans, no atomics: deterministic on CUDA)
+    return TokenMeta(meta.index, torch.where(idle, torch.full_like(seg, PAD_SEGMENT), seg))
 
 
 def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None
              ) -> DocumentPlan:
-    """`plan_documents` for the documents of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
+    """`plan_documents` for the runs (`row_runs`) of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
     lengths, kinds = row_runs(meta, cfg)
     kept = kept_blocks_per_row(cfg) if cfg.pattern != "dense" else None
     return plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs)
@@ -467,5 +505,5 @@ def balance_ratio(plan: DocumentPlan) -> float:
     return max(plan.work) / (sum(plan.work) / len(plan.work)) if any(plan.work) else 1.0
 
 
-__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "kept_blocks_per_row", "plan_documents",
-           "plan_row", "row_runs", "split_every_document"]
+__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "idle_documents_as_padding", "kept_blocks_per_row",
+           "plan_documents", "plan_row", "row_runs", "split_every_document"]
