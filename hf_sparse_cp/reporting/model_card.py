@@ -457,7 +457,8 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
         overall = sum(means.values()) / len(means)
         aligned = (" Under document sharding every document is computed, and counted, in blocks of its own (the "
                    "planner starts each on a block boundary): the count one process logs on the same documents "
-                   "packed with `BlockAlignedFlattening` (`--align_documents`), not on the unaligned row."
+                   "packed with `BlockAlignedFlattening` (`--align_documents`), not on the unaligned row (in a batch "
+                   "whose rows hold different documents: every stretch that no row's document crosses)."
                    if parallel is not None and cp_size > 1 and parallel.sharding == "document" else "")
         lines += [f"Computed blocks over the blocks dense attention computes on the same batches (1.0: dense; "
                   "packed documents and sliding windows count only the blocks dense attention visits), logged by "

@@ -242,7 +242,8 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
     # which count the kept fraction is: the document planner's says it (#51), a block sharding's is one process's
     aligned = ("Under document sharding every document is computed, and counted, in blocks of its own (the planner "
                "starts each on a block boundary): the count one process logs on the same documents packed with "
-               "`BlockAlignedFlattening` (`--align_documents`), not on the unaligned row.")
+               "`BlockAlignedFlattening` (`--align_documents`), not on the unaligned row (in a batch whose rows hold "
+               "different documents: every stretch that no row's document crosses).")
     assert aligned not in card and aligned in runs["cp"]["card"] and "document sharding" in runs["cp"]["card"]
     assert set(TAGS) <= set(_front_matter(card)["tags"])
 
