@@ -21,7 +21,7 @@ from ..config import SparseAttentionConfig
 from .comm import all_reduce
 from .modes import RING
 from .shard import CP_SHARD_KWARG, CPShard
-from .split.blocks import sequence_meta, shard_inputs
+from .split.blocks import check_per_token_shapes, sequence_meta, shard_inputs
 from .split.documents import PlannerCosts
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ def prepare_context_parallel_inputs(
             f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
             "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
         )
+    check_per_token_shapes(inputs)
     meta = sequence_meta(inputs)
     mode = parallel.mode or RING  # one process (`ParallelDims.single`): a ring of one rank
     plan = mode.split(parallel, sharding or parallel.sharding, block_size, meta, sparse_config=sparse_config,
