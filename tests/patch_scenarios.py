@@ -262,10 +262,10 @@ def context_parallel() -> Iterator:
     from hf_sparse_cp.integration import compat
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _sparse_trainer(tmp, label_smoothing_factor=0.1)
+        trainer = _sparse_trainer(tmp, label_smoothing_factor=0.1, neftune_noise_alpha=5.0)
         names = ("_prepare_context_parallel_inputs", "_track_num_input_tokens", "_get_num_items_in_batch",
                  "get_cp_size", "floating_point_ops", "training_step", "prediction_step", "gather_function",
-                 "label_smoother")
+                 "label_smoother", "neftune_noise_alpha")
         yield [*((trainer, n) for n in names), (trainer.accelerator, "prepare_data_loader"),
                (trainer.accelerator, "gather_for_metrics")]
         divides = compat.token_count_divides_by_get_cp_size
@@ -357,7 +357,7 @@ TWO_PROCESSES = {
      "transformers.Trainer.floating_point_ops", "transformers.Trainer.training_step",
      "transformers.Trainer.prediction_step", "transformers.Trainer.compute_loss",
      "transformers.Trainer.gather_function", "transformers.Trainer.label_smoother",
-     "accelerate.Accelerator.prepare_data_loader",
+     "transformers.Trainer.neftune_noise_alpha", "accelerate.Accelerator.prepare_data_loader",
      "accelerate.Accelerator.gather_for_metrics"): context_parallel,
     ("accelerate.Accelerator._prepare_cp",): accelerate_owns_cp,
     ("transformers.Trainer.get_train_dataloader",): curriculum,

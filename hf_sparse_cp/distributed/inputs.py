@@ -21,7 +21,7 @@ from ..config import SparseAttentionConfig
 from .comm import all_reduce
 from .modes import RING
 from .shard import CP_SHARD_KWARG, CPShard
-from .split.blocks import sequence_meta, shard_inputs, shift_labels
+from .split.blocks import check_per_token_shapes, sequence_meta, shard_inputs, shift_labels
 from .split.documents import PlannerCosts, idle_documents_as_padding
 
 if TYPE_CHECKING:
@@ -133,6 +133,7 @@ def prepare_context_parallel_inputs(
             f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
             "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
         )
+    check_per_token_shapes(inputs)
     meta = sequence_meta(inputs)
     mode = parallel.mode or RING  # one process (`ParallelDims.single`): a ring of one rank
     sharding = sharding or parallel.sharding

@@ -131,10 +131,11 @@ PATCHES = (
     Patch("transformers.trainer_pt_utils.LabelSmoother", "__call__", "calls", "the CP label smoothing wrapper calls "
           "the stock smoother on a rank's shard", parameters=("self", "model_output", "labels", "shift_labels",
                                                                "num_items_in_batch")),
-    Patch("transformers.integrations.neftune", "neftune_post_forward_hook", "reads", "NEFTune under CP: the hook "
-          "scales its noise by the length of the embedded tensor (a rank's shard) and reads the embedding layer's "
-          "neftune_noise_alpha at each call, which a pre-hook of the plugin sets per CP forward to give one process's "
-          "scale", _CP_UNDO, parameters=("module", "input", "output")),
+    Patch(_TRAINER, "neftune_noise_alpha", "sets", "NEFTune under CP: the Trainer's hook "
+          "(transformers.integrations.neftune's neftune_post_forward_hook, added by train() while this is set) draws "
+          "its noise in the shape of the embedded tensor, a rank's shard, so neither its scale nor its draws were one "
+          "process's; unset on the trainer, the hook is never added, and the plugin's draws the whole sequence's noise "
+          "and adds the rank's shard of it", _CP_UNDO, on_instances=True),
     Patch(_TRAINER, "gather_function", "sets", "the evaluation loop gathers with the gather_for_metrics it bound at "
           "set-up: the CP wrapper's, which keeps each CP group's values once", _CP_UNDO, on_instances=True),
     Patch(_TRAINER, "get_train_dataloader", "replaces", "a cp_schedule's batches follow the stage of each step "

@@ -136,6 +136,10 @@ class SparseCPArguments:
         if self.sparse_token_tiling_min_length < 0:
             raise ValueError(f"--sparse_token_tiling_min_length {self.sparse_token_tiling_min_length} must be >= 0 "
                              "(0: never tile).")
+        threshold = self.sparse_gradient_checkpointing_min_length
+        if threshold < 0:  # (a negative one turned checkpointing on at any length)
+            raise ValueError(f"--sparse_gradient_checkpointing_min_length {threshold} must be >= 0 (0: never switch "
+                             "gradient checkpointing on; --gradient_checkpointing turns it on at every length).")
         MemorySavers(tile_tokens=self.sparse_token_tile_size)  # validates the tile
 
     def card_metadata(self) -> dict[str, Any]:

@@ -20,9 +20,7 @@ without the shard during a CP forward is an error.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -346,30 +344,44 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
     patches.set_attr(trainer, "label_smoother", smooth)
 
 
-def neftune_over_cp_group(trainer: Trainer, patches) -> None:
-    """Make NEFTune (`--neftune_noise_alpha`) under CP add noise of one process's scale.
+def neftune_over_cp_group(trainer: Trainer, patches) -> NEFTuneNoise | None:
+    """Make NEFTune (`--neftune_noise_alpha`) under CP add one process's noise, to the bit.
 
     transformers' NEFTune hook adds to the embeddings uniform noise of magnitude alpha / sqrt(L x d), L the length of
-    the tensor the embedding layer returns, which under CP is a rank's shard: sqrt(CP) times one process's noise.
-    A forward pre-hook on the input embeddings sets the `neftune_noise_alpha` that hook reads, for each forward under
-    CP, to alpha x sqrt(shard length / sequence length), so that its magnitude is alpha / sqrt(L x d) with L the
-    whole sequence (the CP split's padding not counted), and to alpha outside CP. The noise itself is drawn on each
-    rank for its shard: equal to one process's in distribution, not to the bit (as dropout)."""
+    the tensor the embedding layer returns, drawn in that tensor's shape: under CP a rank's shard, so the noise was
+    sqrt(CP) times one process's, and once scaled, still other draws than one process's (the run equalled one process
+    in distribution only). The Trainer's hook is kept off (its `neftune_noise_alpha` unset on this trainer), and the
+    plugin's (`NEFTuneNoise`, on in training steps) draws the noise of the whole batch [B, S, d] as one process does
+    and adds its rank's shard of it: the ranks of a CP group, seeded alike, draw what one process draws. None
+    without NEFTune."""
     alpha = trainer.neftune_noise_alpha
     if alpha is None:
-        return
+        return None
     model = trainer.model
     embeddings = (model.get_base_model() if hasattr(model, "get_base_model") else model).get_input_embeddings()
+    noise = NEFTuneNoise(alpha)
+    patches.set_attr(trainer, "neftune_noise_alpha", None)  # (the Trainer then never adds its hook)
+    patches.on_undo(embeddings.register_forward_hook(noise).remove)
+    return noise
 
-    # (a module-level function: the hook stays on the trained model, which must pickle)
-    patches.on_undo(embeddings.register_forward_pre_hook(functools.partial(_scale_neftune_noise, alpha)).remove)
 
+class NEFTuneNoise:
+    """NEFTune's noise on the input embeddings' output (transformers' `neftune_post_forward_hook`) while `on` (in a
+    training step) and the layer trains, drawn over the whole sequence of a CP forward and sharded as its tokens are
+    (`neftune_over_cp_group`). A picklable object: the hook stays on the trained model, which must pickle."""
 
-def _scale_neftune_noise(alpha: float, module: torch.nn.Module, args) -> None:
-    if hasattr(module, "neftune_noise_alpha"):  # (set while the Trainer trains with NEFTune)
+    def __init__(self, alpha: float):
+        self.alpha, self.on = alpha, False
+
+    def __call__(self, module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if not (self.on and module.training):
+            return output
         shard = cp_forward_shard()
-        module.neftune_noise_alpha = alpha if shard is None else alpha * math.sqrt(
-            args[0].shape[-1] / shard.plan.seq_len)
+        length = output.size(1) if shard is None else shard.plan.seq_len
+        # (transformers' magnitude, in its dtype: alpha over a float32 square root)
+        magnitude = self.alpha / torch.sqrt(torch.tensor(length * output.size(2)))
+        noise = output.new_zeros(output.size(0), length, *output.shape[2:]).uniform_(-magnitude, magnitude)
+        return output + (noise if shard is None else shard.plan.shard(noise, shard.rank, pad_value=0.0))
 
 
 def _count_for_batch_mean(shift_labels: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
@@ -399,7 +411,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     per-token output) are gathered over the CP group into the whole sequence, in the batch's order
     (`whole_sequence_outputs`), and its labels are the batch's (the stock step and TRL's read them before sharding):
     `preprocess_logits_for_metrics`, `compute_metrics` and `predict()` see what one process gives them; label
-    smoothing is the CP group's (`smooth_labels_over_cp_group`), and NEFTune's noise of one process's scale
+    smoothing is the CP group's (`smooth_labels_over_cp_group`), and NEFTune's noise one process's
     (`neftune_over_cp_group`). A trainer whose loss is built from the per-token outputs of whole rows (TRL's
     DPOTrainer and KTOTrainer, `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model
     and reference model in a step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so
@@ -429,9 +441,17 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
         finally:
             in_step[0], predicting[0], shard[0] = False, False, None
 
+    noise = neftune_over_cp_group(trainer, patches)
+
     def step(model, inputs, *rest, **kwargs):
         with stepping(False):
-            loss = training_step(model, inputs, *rest, **kwargs)
+            if noise is not None:
+                noise.on = True
+            try:
+                loss = training_step(model, inputs, *rest, **kwargs)
+            finally:
+                if noise is not None:
+                    noise.on = False
         return _cp_group_mean(loss, parallel())
 
     # (TRL SFTTrainer's loss divides by the count it is handed, else by its inputs' targets, a shard's; the Trainer's
@@ -475,7 +495,6 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     patches.set_attr(trainer, "compute_loss", loss_of_shards)
     router_loss_over_cp_group(trainer.model, patches)
     smooth_labels_over_cp_group(trainer, patches, parallel)
-    neftune_over_cp_group(trainer, patches)
     # (what a whole-row trainer's step gathers is already the batch's)
     _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0] and not whole_rows)
 

@@ -525,7 +525,7 @@ def test_label_smoothing_with_cp_parses(tmp_path, cp):
 @pytest.mark.parametrize("cp", [{"cp_size": 2}, {"cp_schedule": "0:256:1,2:512:2", "max_steps": 4}])
 def test_neftune_with_cp_parses_and_starts(tmp_path, cp):
     """--neftune_noise_alpha was refused under CP (its noise was sqrt(CP) times one process's); the noise scale is
-    now the whole sequence's (`test_trainer_cp.test_neftune_noise_under_cp2_has_the_scale_of_one_process`)."""
+    now one process's (`test_trainer_cp.test_neftune_under_cp2_adds_the_noise_of_one_process`)."""
     from transformers import TrainingArguments
 
     from hf_sparse_cp import SparseTrainingArguments
@@ -565,3 +565,26 @@ def test_deepspeed_with_cp_is_refused_naming_fsdp2(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match=r"DeepSpeed \(--deepspeed <the accelerate config>\) under context"):
         check_training_arguments(args, 2)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("labels", torch.zeros(2, 202, dtype=torch.long)),  # one shorter than the ids
+    ("labels", torch.zeros(1, 203, dtype=torch.long)),  # one row for two
+    ("shift_labels", torch.zeros(2, 204, dtype=torch.long)),
+    ("position_ids", torch.arange(200).expand(2, 200)),
+    ("position_ids", torch.arange(203).expand(3, 203)),
+])
+def test_a_per_token_tensor_that_does_not_match_the_ids_is_refused_naming_it(key, value):
+    """Labels one shorter than the ids were refused under CP only as 'a tensor of shape (2, 299) has 299 positions;
+    this plan shards sequences of 300 tokens', naming neither the key nor the fix (one process's loss names the
+    labels); a labels, shift_labels or position_ids tensor that does not hold one entry per token is now refused
+    naming it, its shape and the fix, and position_ids broadcast over the batch ([S], [1, S]) still shard."""
+    ids = torch.randint(5, 100, (2, 203), generator=torch.Generator().manual_seed(0))
+    shape = rf"\({value.shape[0]}, {value.shape[1]}\)"
+    with pytest.raises(ValueError, match=rf"the batch's {key} has shape {shape}, but its input_ids holds 2 rows of 203 "
+                                         r"tokens: .*one entry per token \(\[2, 203\]"):
+        prepare_context_parallel_inputs({"input_ids": ids, key: value}, ParallelDims.single(), block_size=16)
+    for positions in (torch.arange(203), torch.arange(203).unsqueeze(0)):
+        local = prepare_context_parallel_inputs({"input_ids": ids, "labels": ids, "position_ids": positions},
+                                                ParallelDims.single(), block_size=16)
+        assert torch.equal(local["position_ids"][:, :203], torch.arange(203).expand(2, 203))

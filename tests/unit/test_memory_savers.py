@@ -184,6 +184,9 @@ def test_enable_sparse_attention_tiles_from_the_threshold_and_its_undo_restores(
 
 @pytest.mark.parametrize("bad, message", [
     (dict(sparse_token_tiling_min_length=-1), "must be >= 0"),
+    # (it was taken, and turned gradient checkpointing on at any length)
+    (dict(sparse_gradient_checkpointing_min_length=-1),
+     r"--sparse_gradient_checkpointing_min_length -1 must be >= 0 \(0: never .*--gradient_checkpointing"),
     (dict(sparse_token_tile_size=0), r"tile_tokens=0 \(--sparse_token_tile_size")])
 def test_bad_saver_flags_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):

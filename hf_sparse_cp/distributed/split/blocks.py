@@ -348,6 +348,7 @@ def shard_inputs(
     if s != plan.seq_len:
         raise ValueError(f"the batch has {s} tokens per row but the shard plan was made for {plan.seq_len}.")
     out = {k: v for k, v in inputs.items() if k not in CONSUMED_KEYS}
+    check_per_token_shapes(inputs)
     kept = kept_positions_of_shard(inputs, plan, rank, b, s, ignore_index)
     if kept is not None:
         out.update(kept)
@@ -369,6 +370,30 @@ def shard_inputs(
     position_ids = position_ids.expand(*position_ids.shape[:-2], b, s)  # (multimodal RoPE's [R, B, S]: R rows kept)
     out["position_ids"] = plan.shard(position_ids, rank, dim=position_ids.dim() - 1, pad_value=0)
     return out
+
+
+def check_per_token_shapes(inputs: Mapping[str, Any]) -> None:
+    """Raise ValueError, naming the key and the fix, for a `labels`, `shift_labels` or `position_ids` of a batch that
+    does not hold one entry per token of its [B, S] input_ids (or inputs_embeds): a shard of it would cut other
+    positions than the tokens' (labels one shorter than the ids were refused only as 'a tensor of 299 positions' the
+    plan could not shard). With a `logits_to_keep` mask the labels are the kept positions' (`kept_positions_of_shard`
+    checks them)."""
+    ref_name = "input_ids" if inputs.get("input_ids") is not None else "inputs_embeds"
+    b, s = inputs[ref_name].shape[:2]
+    keep = inputs.get("logits_to_keep")
+    masked = isinstance(keep, torch.Tensor) or bool(keep)
+    for key in ("position_ids",) if masked else ("labels", "shift_labels", "position_ids"):
+        x = inputs.get(key)
+        if not isinstance(x, torch.Tensor):
+            continue
+        # (position_ids may be [S], [1, S] or multimodal RoPE's [R, B, S]: they are broadcast over the batch)
+        batch_ok = x.dim() == 1 or x.shape[-2] in (1, b) if key == "position_ids" else x.dim() == 2 and x.shape[0] == b
+        if x.shape[-1] != s or not batch_ok:
+            raise ValueError(
+                f"the batch's {key} has shape {tuple(x.shape)}, but its {ref_name} holds {b} rows of {s} tokens: "
+                f"under context parallelism each rank takes the same positions of every per-token tensor, so {key} "
+                f"needs one entry per token ([{b}, {s}]; the data collator pads {key} with {ref_name} to the same "
+                "length).")
 
 
 def kept_positions_of_shard(inputs: Mapping[str, Any], plan: BlockSplit, rank: int, b: int, s: int,
