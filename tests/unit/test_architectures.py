@@ -387,14 +387,15 @@ def test_queries_moved_to_their_row_positions_scales_are_as_precise_as_one_proce
 # positions, multi-query attention, partial rotary with QK layer norms, differential attention (two softmaxes a layer),
 # cross-layer KV sharing (Gemma 3n's and Gemma 4's last layers attend over an earlier layer's keys and values), mixtures
 # of experts, and hybrids whose attention layers sit between Mamba or linear-attention ones.
+_MAMBA = dict(mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_chunk_size=16)  # (128 heads of 256 states)
 _KV_SHARING = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers=2,
                    layer_types=["sliding_attention", "full_attention"] * 2)
 SWEPT = {
-    "gpt_bigcode": {"max_position_embeddings": 512}, "ctrl": {}, "biogpt": {"max_position_embeddings": 512},
-    "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING,
-    "gemma4_text": _KV_SHARING, "jetmoe": {}, "phimoe": {}, "glm4_moe": {}, "exaone_moe": {},
-    "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2}, "bamba": {"attn_layer_indices": [1]},
-    "falcon_h1": {}, "nemotron_h": {}, "granitemoehybrid": {"layer_types": ["mamba", "attention"]}, "minimax": {},
+    "gpt_bigcode": {"max_position_embeddings": 512}, "ctrl": {"max_position_embeddings": 512, "dff": 256},
+    "biogpt": {"max_position_embeddings": 512},
+    "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING, "jetmoe": {},
+    "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
 }
 
 
@@ -418,8 +419,8 @@ def test_an_architecture_of_the_sweep_trains_with_sparse_cp_as_with_sdpa(model_t
     ours = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, **SWEPT[model_type]),
                                             experts_implementation="eager").double()
     ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(3, 97, (1, 96), generator=torch.Generator().manual_seed(1))
-    pos = torch.cat([torch.arange(40), torch.arange(56)])[None]
+    ids = torch.randint(3, 97, (1, 48), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(20), torch.arange(28)])[None]
     hf_sparse_cp.patch()
     try:
         hf_sparse_cp.configure(ours.eval(), SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
