@@ -67,6 +67,8 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                          "config.json): give one such as qwen2, llama or gpt2.")
     config_class = CONFIG_MAPPING[model_type]
     fields.update({name: value for name, value in TINY_EXPERTS.items() if _field_of(config_class, name)})
+    if _field_of(config_class, "vocab_size_per_layer_input"):  # (Gemma 3n, Gemma 4: a per-layer embedding table of
+        fields["vocab_size_per_layer_input"] = vocab_size  # 262144 rows by default, GiBs in the tiny model)
     # No attention dropout under any of its names (GPT-2's attn_pdrop is 0.1 by default): sparse_cp refuses it.
     fields.update({name: 0.0 for name in CONFIG_DROPOUTS if _field_of(config_class, name)})
     mla = _field_of(config_class, "kv_lora_rank")
@@ -77,8 +79,15 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
         fields["head_dim"] = fields["qk_rope_head_dim"]
     derived = {name for name in fields if _derived(config_class, name)}
     given = {name: value for name, value in fields.items() if name not in derived}
+    unwindowed = False
     try:
-        config = AutoConfig.for_model(model_type, **given)
+        try:
+            config = AutoConfig.for_model(model_type, **given)
+        except Exception as e:  # (EXAONE-MoE, Laguna: an int window only) one no layer reaches, as below
+            if "sliding_window" in overrides or "'sliding_window'" not in str(e):
+                raise
+            unwindowed, given["sliding_window"] = True, fields["max_position_embeddings"]
+            config = AutoConfig.for_model(model_type, **given)
     except Exception as e:  # transformers' own checks of this architecture's fields
         cause = str(e).strip().splitlines()
         raise ValueError(f"tiny model type {model_type!r}: transformers does not build its config from the tiny "
@@ -94,7 +103,8 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
         with contextlib.suppress(AttributeError):  # (a family that derives its layer types: left as it builds them)
             if kinds:
                 config.layer_types = layer_types = [*layer_types[:-1], kinds[0]]
-    if config.sliding_window is None and "sliding_attention" in layer_types and "layer_types" not in overrides:
+    no_window = config.sliding_window is None or unwindowed
+    if no_window and "sliding_attention" in layer_types and "layer_types" not in overrides:
         # Gemma 2/3, Cohere 2, OLMo 3 default to sliding layers, and build a sliding mask even when no layer reads
         # it, which transformers cannot do without a window: every layer full, and a window no layer uses.
         config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in layer_types]

@@ -21,6 +21,8 @@ from hf_sparse_cp.integration.memory_savers import rowwise_modules
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel, token_mixers
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
+from oracle import rel_rms
+
 
 def test_the_table_is_what_the_lean_loss_the_tiles_and_compat_read():
     stock = {name: getattr(transformers, name).forward for name in lean_loss_classes()}
@@ -294,6 +296,17 @@ def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_ty
     assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
 
 
+@pytest.mark.parametrize("model_type", ["exaone_moe", "laguna"])
+def test_a_tiny_model_of_a_family_that_takes_no_window_of_none_has_one_no_layer_reaches(model_type):
+    """EXAONE-MoE's and Laguna's configs take an int window only: their tiny config was refused ("Field
+    'sliding_window' expected int, got NoneType"); it now has full-attention layers and a window longer than any
+    sequence, and its forward runs."""
+    config = tiny_config(model_type)
+    assert set(config.layer_types) == {"full_attention"} and config.sliding_window >= config.max_position_embeddings
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert AutoModelForCausalLM.from_config(config)(input_ids=ids).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "minicpm3", "qwen3_next", "qwen3_5_text", "lfm3"])
 def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_computes_its_attention(model_type):
     """Multi-head latent attention: the tiny config's head_dim 32 against the family's rotary width of 64 made a
@@ -367,3 +380,67 @@ def test_queries_moved_to_their_row_positions_scales_are_as_precise_as_one_proce
     moved = moved_query_scales(shard, scales, row)
     assert moved.dtype == dtype
     assert scale_error(moved) <= 1.5 * scale_error(one_process)
+
+
+# Architectures outside the table that a sweep of transformers' causal LMs found sparse_cp computes as sdpa does, one
+# of each kind (their tiny configs: where the family's defaults build no model that runs): learned or sinusoidal
+# positions, multi-query attention, partial rotary with QK layer norms, differential attention (two softmaxes a layer),
+# cross-layer KV sharing (Gemma 3n's and Gemma 4's last layers attend over an earlier layer's keys and values), mixtures
+# of experts, and hybrids whose attention layers sit between Mamba or linear-attention ones.
+_MAMBA = dict(mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_chunk_size=16)  # (128 heads of 256 states)
+_KV_SHARING = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers=2,
+                   layer_types=["sliding_attention", "full_attention"] * 2)
+SWEPT = {
+    "gpt_bigcode": {"max_position_embeddings": 512}, "ctrl": {"max_position_embeddings": 512, "dff": 256},
+    "biogpt": {"max_position_embeddings": 512},
+    "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING, "jetmoe": {},
+    "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
+}
+
+
+# Models whose mask is built without the position_ids (their sdpa attends across restarts; sparse_cp packs by them, as
+# it does for every model that hands its layers none: `backend.with_forward_positions`).
+UNPACKED_BY_THE_MASK = ("biogpt", "granitemoehybrid")
+
+
+@pytest.mark.parametrize("model_type", list(SWEPT))
+def test_an_architecture_of_the_sweep_trains_with_sparse_cp_as_with_sdpa(model_type):
+    """Every block kept, the sparse path gives sdpa's logits and gradients (float64: to its rounding); with documents
+    packed by restarting position_ids, the logits of sdpa on the same packed row where the model's own mask packs
+    by them (a hybrid's recurrent layers run across the documents in both)."""
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.integration.stats import pop_kept_fractions
+
+    config = tiny_config(model_type, vocab_size=97, **SWEPT[model_type])
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation="eager")
+    ref = ref.double().eval()  # (eager experts: torch's grouped matmul takes no float64)
+    ours = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, **SWEPT[model_type]),
+                                            experts_implementation="eager").double()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, 97, (1, 48), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(20), torch.arange(28)])[None]
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(ours.eval(), SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
+                                                                  slash_topk=10**4, dense_first_layers=0))
+        results = []
+        for model in (ref, ours):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            with torch.no_grad():
+                packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}, packed))
+        assert pop_kept_fractions(ours)  # (the sparse path ran)
+    finally:
+        hf_sparse_cp.unpatch()
+    (ref_logits, ref_grads, ref_packed), (logits, grads, packed) = results
+    assert rel_rms(logits, ref_logits) <= 1e-10
+    # (each gradient to its own size, or to a millionth of the whole where it is zero but for rounding: a key bias's)
+    floor = 1e-6 * torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm()
+    for name, grad in grads.items():
+        assert (grad is None) == (ref_grads[name] is None), name
+        assert grad is None or (grad - ref_grads[name]).norm() <= 1e-9 * torch.maximum(ref_grads[name].norm(), floor)
+    if model_type not in UNPACKED_BY_THE_MASK:
+        assert rel_rms(packed, ref_packed) <= 1e-10
