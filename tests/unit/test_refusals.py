@@ -171,6 +171,13 @@ def test_an_encoder_is_refused_for_its_attention_with_a_fix_that_runs(context_pa
     check = check_model_supports_context_parallel if context_parallel else check_model_supports_sparse_attention
     with pytest.raises(ValueError, match=r"BertForMaskedLM has bidirectional attention layers.*" + fix):
         check(model)
+    # (as the plugin's Trainer switches the model, before CP's own checks: `--cp_size 2` given)
+    from hf_sparse_cp import SparseCPArguments, SparseTrainingArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    args = SparseTrainingArguments("out", use_cpu=True, report_to=[], cp_size=2 if context_parallel else 1)
+    with pytest.raises(ValueError, match=r"BertForMaskedLM has bidirectional attention layers.*" + fix):
+        enable_sparse_attention(model, SparseCPArguments(), training_args=args)
 
 
 def test_a_fix_named_under_cp_runs_under_cp():
