@@ -212,15 +212,16 @@ def config_dropout(config) -> tuple[str, float] | None:
     return None
 
 
-def dropout_fix(config) -> str:
+def dropout_fix(config, context_parallel: bool = False) -> str:
     """How to train without attention dropout: build the model with its config's field at 0 (its attention layers
-    copy the value when they are built, so a change of `model.config` afterwards does not reach them)."""
+    copy the value when they are built, so a change of `model.config` afterwards does not reach them); dense
+    attention, the other fix, `context_parallel` runs without CP (whose ring needs the sparse backend)."""
     found = config_dropout(config) if config is not None else None
     field = found[0] if found else next((n for n in CONFIG_DROPOUTS if hasattr(config, n)), "attention_dropout")
     return (f"build the model with {field}=0.0 (e.g. from_pretrained(..., {field}=0.0), or its config's {field} set "
             f"to 0.0 before from_config): its attention layers copy the value when they are built, so setting "
             f"model.config.{field} afterwards does not reach them. Or train with dense attention (--sparse_attention "
-            "false).")
+            f"false{', without --cp_size' if context_parallel else ''}).")
 
 
 def _layer_type(module: torch.nn.Module) -> str | None:

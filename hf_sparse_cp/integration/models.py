@@ -269,26 +269,36 @@ def _attention_layer_dropout(model: torch.nn.Module) -> str | None:
                  if (p := dropout_probability(module, attr))), None)
 
 
-def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: bool = True) -> None:
+def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: bool = True,
+                                         context_parallel: bool = False) -> None:
     """Raise ValueError, naming the cause and the fix, when the `sparse_cp` backend would refuse `model`'s
     attention at its first call (see `backend._refuse_unsupported`): checked from the model before
     training, not after everything is built. Attention dropout is refused only with `training` (a model in eval
-    mode passes dropout 0)."""
+    mode passes dropout 0). What no setting of the model fixes (encoder-decoder, bidirectional attention) is refused
+    first; with `context_parallel` (the CP check) the fixes drop CP too, whose ring needs the sparse backend."""
     config = getattr(model, "config", None)
     name = type(model).__name__
     if config is None:
         raise ValueError(f"{name} has no transformers config; the sparse_cp backend trains transformers models.")
     model_type = getattr(config, "model_type", name)
-    stock = ("train it with its own attention: --sparse_attention false (sparse_attention=False in the training "
+    cp = "without context parallelism (drop --cp_size) and " if context_parallel else ""
+    stock = (f"train it {cp}with its own attention: --sparse_attention false (sparse_attention=False in the training "
              "arguments), or run the script without hf_sparse_cp.run.")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only: "
                          f"{stock}")
+    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise ValueError(
+            f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); sparse_cp computes causal "
+            f"self-attention only: {stock}"
+        )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
                          f"{softcap}), which the sparse kernels do not implement: train it with attn_implementation="
-                         "'eager', which computes it (--sparse_attention false; SDPA does not soft-cap).")
+                         f"'eager', which computes it (--sparse_attention false{', without --cp_size' if cp else ''}; "
+                         "SDPA does not soft-cap).")
     if training:
         dropout = config_dropout(config)
         held = next((f"{n}.{attr}={p}" for n, m in model.named_modules()
@@ -297,13 +307,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
         if dropout or held:
             where = f"{dropout[0]}={dropout[1]}" if dropout else f"attention layers built with dropout ({held})"
             raise ValueError(f"{name} (model type {model_type!r}) has {where}, attention dropout, which sparse_cp "
-                             f"does not implement: {dropout_fix(config)}")
-    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
-    if bidirectional:
-        raise ValueError(
-            f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); sparse_cp computes causal "
-            f"self-attention only: {stock}"
-        )
+                             f"does not implement: {dropout_fix(config, context_parallel)}")
 
 
 def _refuse_virtual_tokens(model: torch.nn.Module) -> None:
@@ -337,7 +341,7 @@ def check_model_supports_context_parallel(
     name = type(model).__name__
     if config is None:
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
-    check_model_supports_sparse_attention(model)
+    check_model_supports_sparse_attention(model, context_parallel=True)
     _refuse_virtual_tokens(model)
     sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
     if sub:

@@ -111,8 +111,10 @@ def enable_sparse_attention(
         arguments stay the original's to undo (`patching.PatchSet`).
     """
     config = sparse_args.attention_config(attention_config, explicit)
+    # (a fix under CP drops it: its ring needs this backend)
+    cp = max(d for _, d in training_args.cp_degrees()) > 1 if hasattr(training_args, "cp_degrees") else False
     with flag_errors((ValueError,)):  # (what the kernels do not compute, naming the fix: the message alone)
-        check_model_supports_sparse_attention(model)
+        check_model_supports_sparse_attention(model, context_parallel=cp)
     with flag_errors():  # (the user's settings against this model: a launched script ends with the message alone)
         config.check_layers(language_config(model.config).num_hidden_layers)
     if max_length is not None:
@@ -122,7 +124,7 @@ def enable_sparse_attention(
     try:
         _switch(model, patches, sparse_args, config, training_args, max_length)
         with flag_errors((ValueError,)):  # (again, switched: the attention layers are probed now)
-            check_model_supports_sparse_attention(model)
+            check_model_supports_sparse_attention(model, context_parallel=cp)
         if max_length is not None:
             check_mask_only_locality(model, max_length, packed_documents)
     except BaseException:

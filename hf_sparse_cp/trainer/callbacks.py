@@ -87,7 +87,8 @@ class StepMetricsCallback(TrainerCallback):
     `eval_num_tokens` (the training tokens so far) in an evaluation's.
 
     `count(inputs, cp_size)` is called with every training batch (each rank of a CP group sees the whole batch); a
-    trainer whose batches are not tokens (TRL GRPO's prompts, which it completes in the step) logs no tokens/s.
+    trainer whose batches hold no `input_ids` (TRL GRPO's prompts, which it completes in the step; ORPO's and CPO's
+    chosen and rejected ids) logs no tokens/s.
     Like the sparsity logging, it must run before the reporting callbacks: `attach_to_trainer` puts it first.
     It also keeps `longest_trained`, the most real tokens of any training sequence (row) of any process so far, as
     of the last training log, checkpoint or the end of training (the model card states it); a checkpoint's marker
@@ -106,7 +107,9 @@ class StepMetricsCallback(TrainerCallback):
         self._clock_from_first_step = False
 
     def count(self, inputs: Mapping[str, Any] | list, cp_size: int) -> None:
-        if not isinstance(inputs, Mapping):  # TRL GRPO's batch of prompts: it generates the tokens it trains on
+        if not isinstance(inputs, Mapping) or (inputs.get("input_ids") is None and inputs.get("inputs_embeds") is None):
+            # (TRL GRPO's batch of prompts, which it completes in the step; ORPO's and CPO's batches, which hold
+            # `chosen_input_ids` and `rejected_input_ids`, concatenated in their own forward)
             return
         per_row = (batch_meta(inputs).segment != PAD_SEGMENT).sum(-1)
         tokens = per_row.sum().double() / cp_size

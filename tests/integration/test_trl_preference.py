@@ -232,3 +232,29 @@ def test_dpo_with_a_cp_schedule_is_refused_at_start_naming_cp_size(tmp_path):
     with pytest.raises(Exception, match=r"a cp_schedule with SparseDPOTrainer: a stage crops each sample's input_ids"
                                         r".*with --cp_size"):
         run_gloo(_with_schedule, 2, str(tmp_path), timeout_s=120)
+
+
+@pytest.mark.parametrize("name", ["orpo", "cpo"])
+def test_orpo_and_cpo_train_with_sparse_attention_without_cp(tmp_path, name):
+    """TRL's experimental ORPO and CPO trainers batch `chosen_input_ids` and `rejected_input_ids`, no `input_ids`: the
+    plugin's tokens/s count raised 'context-parallel inputs need `input_ids`' at the first step of a run without CP.
+    They train with sparse attention (no tokens/s logged) as the stock trainer does; under CP they stay refused."""
+    import importlib
+
+    from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+    from hf_sparse_cp.trainer.context_parallel import check_loss
+
+    module = importlib.import_module(f"trl.experimental.{name}")
+    config, trainer_class = (getattr(module, f"{name.upper()}{kind}") for kind in ("Config", "Trainer"))
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+    args = sparse_arguments_class(config)(output_dir=str(tmp_path), max_length=256, max_steps=1,
+                                          per_device_train_batch_size=2, report_to="none", save_strategy="no",
+                                          bf16=False, logging_steps=1, **PATTERN)
+    trainer = sparse_trainer_class(trainer_class)(model=model, args=args, train_dataset=datasets.Dataset.from_dict(
+        _pairs(2)), processing_class=tokenizer)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert torch.isfinite(torch.tensor(logged["loss"])) and "tokens_per_second" not in logged
+    with pytest.raises(ValueError, match=f"{name.upper()}Trainer under context parallelism"):
+        check_loss(trainer, 2)

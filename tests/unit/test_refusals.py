@@ -151,6 +151,50 @@ def test_a_model_the_kernels_cannot_compute_is_refused_as_the_users(overrides, m
     assert model.config._attn_implementation == before
 
 
+@pytest.mark.parametrize("context_parallel", [False, True])
+def test_an_encoder_is_refused_for_its_attention_with_a_fix_that_runs(context_parallel):
+    """run_mlm.py's BERT (attention dropout 0.1, bidirectional) was refused for its dropout first, naming a fix (build
+    it with dropout 0) after which it was refused again for its bidirectional attention; under CP every refusal named
+    --sparse_attention false, which CP refuses in turn. The cause no setting fixes comes first, and under CP the fix
+    drops --cp_size."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_sparse_cp.integration.models import (
+        check_model_supports_context_parallel,
+        check_model_supports_sparse_attention,
+    )
+
+    model = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=32))
+    fix = r"train it without context parallelism \(drop --cp_size\) and with its own attention: --sparse_attention " \
+        if context_parallel else r"train it with its own attention: --sparse_attention false"
+    check = check_model_supports_context_parallel if context_parallel else check_model_supports_sparse_attention
+    with pytest.raises(ValueError, match=r"BertForMaskedLM has bidirectional attention layers.*" + fix):
+        check(model)
+    # (as the plugin's Trainer switches the model, before CP's own checks: `--cp_size 2` given)
+    from hf_sparse_cp import SparseCPArguments, SparseTrainingArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    args = SparseTrainingArguments("out", use_cpu=True, report_to=[], cp_size=2 if context_parallel else 1)
+    with pytest.raises(ValueError, match=r"BertForMaskedLM has bidirectional attention layers.*" + fix):
+        enable_sparse_attention(model, SparseCPArguments(), training_args=args)
+
+
+def test_a_fix_named_under_cp_runs_under_cp():
+    """Under CP, a soft-capping or attention-dropout refusal's dense fix says it runs without --cp_size (CP's ring
+    needs the sparse backend: --sparse_attention false under CP is refused)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.integration.models import check_model_supports_context_parallel
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    for overrides, message in ((dict(model_type="gemma2", attn_logit_softcapping=50.0), "soft-caps"),
+                               (dict(model_type="llama", attention_dropout=0.1), "attention dropout")):
+        model = AutoModelForCausalLM.from_config(tiny_config(overrides.pop("model_type"), **overrides))
+        with pytest.raises(ValueError, match=message + r".*--sparse_attention false, without --cp_size"):
+            check_model_supports_context_parallel(model)
+
+
 def test_torchruns_line_on_a_refused_worker_is_dropped_and_any_other_kept():
     def record(msg, *args):
         return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1, msg,
