@@ -42,7 +42,7 @@ from ..distributed import (
 from ..distributed.comm import all_reduce
 from ..distributed.loss import rank_loss
 from ..integration import compat
-from ..integration.architectures import ROUTER_LOSS_PARAMETERS, model_router_loss_modules
+from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_loss, model_router_loss_modules
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
@@ -281,14 +281,19 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
     if not enabled:
         return None
     modules = {sys.modules.get(type(m).__module__) for m in trainer.model.modules()}
-    functions = {f"{f.__module__}.load_balancing_loss_func({', '.join(inspect.signature(f).parameters)})" for f in
-                 (getattr(module, "load_balancing_loss_func", None) for module in modules) if callable(f)}
+    functions = [f for f in (getattr(module, "load_balancing_loss_func", None) for module in modules) if callable(f)]
     if not functions and coef is None:
         return None  # (no router loss: DeepSeek-V3's, Hunyuan-MoE's output_router_logits only return the logits)
-    why = (f"its {', '.join(sorted(functions))} is not the form the plugin gathers over the CP group (every layer's "
-           f"router logits of the batch's tokens, then ({', '.join(ROUTER_LOSS_PARAMETERS[1:])})), so"
-           if functions else "it is not computed by a modeling module's load_balancing_loss_func the plugin gathers "
-           "over the CP group, so")
+    named = ", ".join(sorted(f"{f.__module__}.load_balancing_loss_func({', '.join(inspect.signature(f).parameters)})"
+                             for f in functions))
+    if any(gathered_router_loss(f) for f in functions):  # (remote code: not a module compat.PATCHES lists)
+        why = f"its {named} is outside the installed transformers, whose modules only the plugin patches, so"
+    elif functions:
+        why = (f"its {named} is not the form the plugin gathers over the CP group (every layer's router logits of "
+               f"the batch's tokens, then {', '.join(ROUTER_LOSS_PARAMETERS[1:])}), so")
+    else:
+        why = ("it is not computed by a modeling module's load_balancing_loss_func the plugin gathers over the CP "
+               "group, so")
     return ("context parallelism: the model adds a MoE router load-balancing loss (output_router_logits, "
             f"router_aux_loss_coef {coef}) and {why} each CP rank computes it from the router logits of its own "
             "shard of every sequence; it is not a sum over tokens, so the update and TRL's logged aux_loss differ "

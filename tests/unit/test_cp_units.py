@@ -469,6 +469,31 @@ def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fie
     assert router_aux_loss_note(SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config("llama")))) is None
 
 
+def test_a_remote_code_router_loss_of_the_gathered_form_is_named_outside_transformers(monkeypatch):
+    """A model's own modeling module (remote code) with Mixtral's `load_balancing_loss_func`: not a module the plugin
+    patches (compat.PATCHES lists the installed transformers' only), so CP's start warns, saying why."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return mixtral.load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)
+
+    remote = types.ModuleType("transformers_modules.mine.modeling_mine")
+    remote.load_balancing_loss_func = load_balancing_loss_func
+    load_balancing_loss_func.__module__ = remote.__name__
+    monkeypatch.setitem(sys.modules, remote.__name__, remote)
+    model = type("MineForCausalLM", (torch.nn.Module,), {"__module__": remote.__name__})()
+    model.config = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.01)
+    note = router_aux_loss_note(SimpleNamespace(model=model))
+    assert "modeling_mine.load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)" in note
+    assert "outside the installed transformers" in note and "--router_aux_loss_coef 0" in note
+
+
 def test_the_start_of_cp_warns_on_rank_0_only(caplog):
     """`warn_inexact`, which CP's start (fixed degree or cp_schedule) calls: rank 0 logs the MoE router note (Doge's
     loss, which CP computes per shard)."""
