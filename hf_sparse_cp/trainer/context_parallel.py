@@ -292,9 +292,9 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
         why = (f"its {named} is not the form the plugin gathers over the CP group (every layer's router logits of "
                f"the batch's tokens, then {', '.join(ROUTER_LOSS_PARAMETERS[1:])}), so")
     else:
-        why = ("it is not computed by a modeling module's load_balancing_loss_func the plugin gathers over the CP "
-               "group, so")
-    return ("context parallelism: the model adds a MoE router load-balancing loss (output_router_logits, "
+        why = ("the plugin finds no load_balancing_loss_func in its modeling modules to gather over the CP group (a "
+               "model computing it otherwise, or not at all: Llama 4), so if it adds one")
+    return ("context parallelism: the model is set to add a MoE router load-balancing loss (output_router_logits, "
             f"router_aux_loss_coef {coef}) and {why} each CP rank computes it from the router logits of its own "
             "shard of every sequence; it is not a sum over tokens, so the update and TRL's logged aux_loss differ "
             "from a run without CP, and the loss the stock Trainer logs (--average_tokens_across_devices, the "
