@@ -7,6 +7,11 @@ tests read it; a model type outside it still trains with the `sparse_cp` attenti
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+import inspect
+import pathlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -48,13 +53,51 @@ ARCHITECTURES: dict[str, Support] = {
 }
 
 
-# The MoE model types whose modeling module's `load_balancing_loss_func` (the router loss their causal LM adds with
-# `output_router_logits`) the plugin computes over the CP group (`trainer/router_loss.py`): those tested under CP.
-ROUTER_LOSS_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+# The parameters of the router load-balancing loss the plugin computes over the CP group (`trainer/router_loss.py`):
+# a modeling module's `load_balancing_loss_func` (the loss its MoE causal LM adds with `output_router_logits`) that
+# takes every layer's router logits of the batch's tokens and the batch's padding mask, which the CP wrapper gathers
+# into the whole batch's. Another form (Doge's product-key router `num_keys`, SwitchTransformers' `router_probs`) is
+# left as it is, and CP's start warns (`context_parallel.router_aux_loss_note`).
+ROUTER_LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+_ROUTER_LOSS = "load_balancing_loss_func"
 
 
+def gathered_router_loss(function) -> bool:
+    """Whether `function` (a modeling module's `load_balancing_loss_func`) has the form CP gathers."""
+    return callable(function) and tuple(inspect.signature(function).parameters) == ROUTER_LOSS_PARAMETERS
+
+
+def _signature_of(source: str) -> tuple[str, ...]:
+    """The parameter names of the module-level `def load_balancing_loss_func(...)` in `source` (unimported)."""
+    lines = source[source.index(f"\ndef {_ROUTER_LOSS}(") + 1:].splitlines()
+    for end in range(1, len(lines) + 1):  # (the def's lines up to its colon: the first prefix that parses)
+        try:
+            tree = ast.parse("\n".join(lines[:end]) + "\n    pass")
+        except SyntaxError:
+            continue
+        arguments = tree.body[0].args
+        return tuple(a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs))
+    return ()
+
+
+@functools.cache
 def router_loss_modules() -> tuple[str, ...]:
-    return tuple(f"transformers.models.{t}.modeling_{t}" for t in ROUTER_LOSS_MODEL_TYPES)
+    """Every installed transformers modeling module whose `load_balancing_loss_func` has the form CP gathers: found
+    in their source, not imported (`compat.PATCHES` lists each; the unit tests check it against the imported
+    functions)."""
+    spec = importlib.util.find_spec("transformers")
+    models = pathlib.Path(spec.submodule_search_locations[0]) / "models"
+    found = []
+    for path in sorted(models.glob("*/modeling_*.py")):
+        source = path.read_text(encoding="utf-8")
+        if f"\ndef {_ROUTER_LOSS}(" in source and _signature_of(source) == ROUTER_LOSS_PARAMETERS:
+            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return tuple(found)
+
+
+def model_router_loss_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """The modeling modules of `model`'s classes whose router loss CP gathers (`router_loss_modules`)."""
+    return tuple(sorted({type(m).__module__ for m in model.modules()} & set(router_loss_modules())))
 
 
 def length_counted_query_scales(module) -> Callable[[torch.Tensor], torch.Tensor] | None:

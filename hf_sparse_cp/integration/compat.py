@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from .architectures import router_loss_modules, rowwise_classes
+from .architectures import ROUTER_LOSS_PARAMETERS, router_loss_modules, rowwise_classes
 
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
@@ -238,8 +238,8 @@ PATCHES = (
       for name, (module, argument) in rowwise_classes().items()),
     *(Patch(module, "load_balancing_loss_func", "replaces", "a MoE router's load-balancing loss is not a sum over "
             "tokens: under CP the wrapper computes it from the router logits gathered over the CP group, as one "
-            "process (trainer/router_loss.py; process-wide, while CP is on)", _CP_UNDO,
-            ("gate_logits", "num_experts", "top_k", "attention_mask"))
+            "process (trainer/router_loss.py; process-wide, while CP is on; every installed modeling module whose "
+            "function has this form, found in their source)", _CP_UNDO, ROUTER_LOSS_PARAMETERS)
       for module in router_loss_modules()),
     Patch("transformers.modeling_layers.GradientCheckpointingLayer", "forward", "replaces", "host offload: a "
           "decoder layer runs inside hooks that move what its checkpoint saves (its inputs) to host memory "

@@ -20,7 +20,9 @@ without the shard during a CP forward is an error.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +42,7 @@ from ..distributed import (
 from ..distributed.comm import all_reduce
 from ..distributed.loss import rank_loss
 from ..integration import compat
-from ..integration.architectures import router_loss_modules
+from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_loss, model_router_loss_modules
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
@@ -286,10 +288,11 @@ def _causal_lm_loss(model_output, labels: torch.Tensor, shift_labels: bool = Fal
 def router_aux_loss_note(trainer: Trainer) -> str | None:
     """A warning when the trained model computes a MoE router load-balancing loss (`output_router_logits` with a
     non-zero `router_aux_loss_coef`; TRL SFTTrainer's `aux_loss_enabled`, on by default for MoE models) that CP does
-    not compute over the CP group (`router_loss.py`: the architectures of `ROUTER_LOSS_MODEL_TYPES`): each CP rank
-    computes it from the router logits of its own shard, and it is not a sum over tokens (the product of per-expert
-    means), so the update and the logged losses differ from one process's. None without it."""
-    if {type(m).__module__ for m in trainer.model.modules()} & set(router_loss_modules()):
+    not compute over the CP group (`router_loss.py`: a modeling module's `load_balancing_loss_func` of another form
+    than `architectures.ROUTER_LOSS_PARAMETERS`, or none): each CP rank computes it from the router logits of its own
+    shard, and it is not a sum over tokens (the product of per-expert means), so the update and the logged losses
+    differ from one process's. None without it."""
+    if model_router_loss_modules(trainer.model):
         return None
     config = trainer.model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -299,11 +302,25 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
         enabled = bool(getattr(config, "output_router_logits", False)) and coef != 0
     if not enabled:
         return None
-    return ("context parallelism: the model adds a MoE router load-balancing loss (output_router_logits, "
-            f"router_aux_loss_coef {coef}): each CP rank computes it from the router logits of its own shard of every "
-            "sequence, and it is not a sum over tokens, so the update and TRL's logged aux_loss differ from a run "
-            "without CP, and the loss the stock Trainer logs (--average_tokens_across_devices, the default) counts it "
-            "once per CP rank. For a run that must compare with one process, turn it off "
+    modules = {sys.modules.get(type(m).__module__) for m in trainer.model.modules()}
+    functions = [f for f in (getattr(module, "load_balancing_loss_func", None) for module in modules) if callable(f)]
+    if not functions and coef is None:
+        return None  # (no router loss: DeepSeek-V3's, Hunyuan-MoE's output_router_logits only return the logits)
+    named = ", ".join(sorted(f"{f.__module__}.load_balancing_loss_func({', '.join(inspect.signature(f).parameters)})"
+                             for f in functions))
+    if any(gathered_router_loss(f) for f in functions):  # (remote code: not a module compat.PATCHES lists)
+        why = f"its {named} is outside the installed transformers, whose modules only the plugin patches, so"
+    elif functions:
+        why = (f"its {named} is not the form the plugin gathers over the CP group (every layer's router logits of "
+               f"the batch's tokens, then {', '.join(ROUTER_LOSS_PARAMETERS[1:])}), so")
+    else:
+        why = ("the plugin finds no load_balancing_loss_func in its modeling modules to gather over the CP group (a "
+               "model computing it otherwise, or not at all: Llama 4), so if it adds one")
+    return ("context parallelism: the model is set to add a MoE router load-balancing loss (output_router_logits, "
+            f"router_aux_loss_coef {coef}) and {why} each CP rank computes it from the router logits of its own "
+            "shard of every sequence; it is not a sum over tokens, so the update and TRL's logged aux_loss differ "
+            "from a run without CP, and the loss the stock Trainer logs (--average_tokens_across_devices, the "
+            "default) counts it once per CP rank. For a run that must compare with one process, turn it off "
             "(--router_aux_loss_coef 0 with TRL; else the model config's output_router_logits false or "
             "router_aux_loss_coef 0), or run without CP.")
 

@@ -1,11 +1,11 @@
 """A MoE router's load-balancing loss under context parallelism, as one process computes it.
 
-transformers' `load_balancing_loss_func` (Mixtral's, Qwen2-MoE's, ...: the module-level function each MoE causal LM
-calls when `output_router_logits`) averages the top-k assignments and the router probabilities over the tokens, then
-sums their product: not a sum over tokens, so a CP rank's shard gives another value. Inside a CP forward the wrapper
-gathers each layer's router logits over the CP group into the whole batch (`CPShard.whole_sequence`, the split's
-padding dropped) and hands them, with the whole batch's attention mask, to the model's own function: every rank
-computes one process's value L.
+transformers' `load_balancing_loss_func` (Mixtral's, PhiMoE's, Jamba's, ...: the module-level function each MoE causal
+LM calls when `output_router_logits`; every one taking `architectures.ROUTER_LOSS_PARAMETERS`) averages the top-k
+assignments and the router probabilities over the tokens, then sums their product: not a sum over tokens, so a CP rank's
+shard gives another value. Inside a CP forward the wrapper gathers each layer's router logits over the CP group into the
+whole batch (`CPShard.whole_sequence`, the split's padding dropped) and hands them, with the whole batch's attention
+mask, to the model's own function: every rank computes one process's value L.
 
 The gradient: every rank holds the same L, and its backward hands each rank the CP group's sum of the gradients of its
 own positions (the ranks' upstream gradients are equal: cp_size x its positions' gradient). The ranks' gradients are
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from ..integration.architectures import router_loss_modules
+from ..integration.architectures import model_router_loss_modules
 from ..integration.backend import cp_forward_shard
 
 _SHARE: contextvars.ContextVar[float] = contextvars.ContextVar("router_loss_share", default=1.0)
@@ -72,10 +72,11 @@ def _over_cp_group(original: Callable) -> Callable:
     return load_balancing_loss_func
 
 
-def router_loss_over_cp_group(model: torch.nn.Module, patches) -> list[str]:
-    """Replace the `load_balancing_loss_func` of the modeling modules of `model`'s classes that
-    `architectures.router_loss_modules` names by the CP group's (recorded in `patches`). Returns those modules."""
-    names = sorted({type(m).__module__ for m in model.modules()} & set(router_loss_modules()))
+def router_loss_over_cp_group(model: torch.nn.Module, patches) -> tuple[str, ...]:
+    """Replace the `load_balancing_loss_func` of the modeling modules of `model`'s classes whose function has the
+    form CP gathers (`architectures.model_router_loss_modules`) by the CP group's (recorded in `patches`). Returns
+    those modules."""
+    names = model_router_loss_modules(model)
     for name in names:
         module = sys.modules[name]
         patches.set_attr(module, "load_balancing_loss_func", _over_cp_group(module.load_balancing_loss_func))

@@ -11,9 +11,13 @@ import hf_sparse_cp
 from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.architectures import (
     ARCHITECTURES,
+    ROUTER_LOSS_PARAMETERS,
     cp_tested_model_types,
+    gathered_router_loss,
     lean_loss_classes,
     lean_loss_model_types,
+    model_router_loss_modules,
+    router_loss_modules,
     rowwise_classes,
 )
 from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss
@@ -444,3 +448,33 @@ def test_an_architecture_of_the_sweep_trains_with_sparse_cp_as_with_sdpa(model_t
         assert grad is None or (grad - ref_grads[name]).norm() <= 1e-9 * torch.maximum(ref_grads[name].norm(), floor)
     if model_type not in UNPACKED_BY_THE_MASK:
         assert rel_rms(packed, ref_packed) <= 1e-10
+
+
+def test_the_router_losses_cp_gathers_are_every_installed_one_of_that_form():
+    """`router_loss_modules` (read from the sources, unimported) is every installed modeling module whose imported
+    `load_balancing_loss_func` takes `ROUTER_LOSS_PARAMETERS`, and none of another form (Doge's `num_keys`,
+    SwitchTransformers' `router_probs, expert_indices`); compat.PATCHES lists each with that signature; a model's
+    own are those of its classes' modules."""
+    import importlib
+    import pathlib
+
+    models = pathlib.Path(transformers.models.__path__[0])
+    imported = {}
+    for path in models.glob("*/modeling_*.py"):
+        if "load_balancing_loss_func" in path.read_text(encoding="utf-8"):
+            module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+            if hasattr(module, "load_balancing_loss_func"):
+                imported[module.__name__] = module.load_balancing_loss_func
+    gathered = {name for name, function in imported.items() if gathered_router_loss(function)}
+    assert set(router_loss_modules()) == gathered
+    others = set(imported) - gathered
+    assert {"transformers.models.doge.modeling_doge",
+            "transformers.models.switch_transformers.modeling_switch_transformers"} <= others
+    for model_type in ("mixtral", "phimoe", "jetmoe", "granitemoe", "jamba", "qwen3_next", "minimax", "flex_olmo"):
+        assert f"transformers.models.{model_type}.modeling_{model_type}" in gathered, model_type
+    listed = {p.qualified: p.parameters for p in compat.PATCHES}
+    assert all(listed[f"{name}.load_balancing_loss_func"] == ROUTER_LOSS_PARAMETERS for name in gathered)
+    assert not any(f"{name}.load_balancing_loss_func" in listed for name in others)
+    phimoe = AutoModelForCausalLM.from_config(tiny_config("phimoe"))
+    assert model_router_loss_modules(phimoe) == ("transformers.models.phimoe.modeling_phimoe",)
+    assert model_router_loss_modules(AutoModelForCausalLM.from_config(tiny_config("doge", is_moe=True))) == ()

@@ -439,10 +439,11 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     ({"output_router_logits": True}, False, False),  # TRL's --router_aux_loss_coef 0
 ])
 def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fields, trl_enabled, warned):
-    """A MoE model's load-balancing loss that CP does not gather (PhiMoE's: not in ROUTER_LOSS_MODEL_TYPES) is
-    computed per CP shard and is not a sum over tokens: the start-up warning says so, with the settings that turn it
-    off, whenever the model or TRL computes it, and only then; Mixtral's, which CP computes over the CP group, gets
-    none."""
+    """A MoE model's load-balancing loss that CP does not gather (Doge's: its function takes a product-key router's
+    `num_keys` and logits of another shape, not `ROUTER_LOSS_PARAMETERS`) is computed per CP shard and is not a sum
+    over tokens: the start-up warning says so, naming the function and the settings that turn it off, whenever the
+    model or TRL computes it, and only then; a model whose function CP gathers (Mixtral's, PhiMoE's, Jamba's: found
+    by the signature, not a list) gets none, nor one whose output_router_logits adds no loss (DeepSeek-V3's)."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -450,23 +451,51 @@ def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fie
     from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
 
-    def trainer(model_type):
-        built = SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config(model_type, **fields)))
+    def trainer(model_type, **more):
+        built = SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config(model_type, **fields, **more)))
         if trl_enabled is not None:
             built.aux_loss_enabled = trl_enabled
         return built
 
-    assert router_aux_loss_note(trainer("mixtral")) is None
-    note = router_aux_loss_note(trainer("phimoe"))
+    for gathered in ("mixtral", "phimoe", "jamba", "deepseek_v3"):
+        assert router_aux_loss_note(trainer(gathered)) is None, gathered
+    note = router_aux_loss_note(trainer("doge", is_moe=True))
     assert (note is not None) == warned
     if warned:
         assert "router load-balancing loss" in note and "--router_aux_loss_coef 0" in note
         assert "output_router_logits false" in note and "without CP" in note
+        assert ("modeling_doge.load_balancing_loss_func(gate_logits, num_experts, num_keys, top_k, attention_mask)"
+                in note)
     assert router_aux_loss_note(SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config("llama")))) is None
 
 
+def test_a_remote_code_router_loss_of_the_gathered_form_is_named_outside_transformers(monkeypatch):
+    """A model's own modeling module (remote code) with Mixtral's `load_balancing_loss_func`: not a module the plugin
+    patches (compat.PATCHES lists the installed transformers' only), so CP's start warns, saying why."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return mixtral.load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)
+
+    remote = types.ModuleType("transformers_modules.mine.modeling_mine")
+    remote.load_balancing_loss_func = load_balancing_loss_func
+    load_balancing_loss_func.__module__ = remote.__name__
+    monkeypatch.setitem(sys.modules, remote.__name__, remote)
+    model = type("MineForCausalLM", (torch.nn.Module,), {"__module__": remote.__name__})()
+    model.config = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.01)
+    note = router_aux_loss_note(SimpleNamespace(model=model))
+    assert "modeling_mine.load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)" in note
+    assert "outside the installed transformers" in note and "--router_aux_loss_coef 0" in note
+
+
 def test_the_start_of_cp_warns_on_rank_0_only(caplog):
-    """`warn_inexact`, which CP's start (fixed degree or cp_schedule) calls: rank 0 logs the MoE router note (PhiMoE's
+    """`warn_inexact`, which CP's start (fixed degree or cp_schedule) calls: rank 0 logs the MoE router note (Doge's
     loss, which CP computes per shard)."""
     from types import SimpleNamespace
 
@@ -475,7 +504,7 @@ def test_the_start_of_cp_warns_on_rank_0_only(caplog):
     from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.context_parallel import warn_inexact
 
-    model = AutoModelForCausalLM.from_config(tiny_config("phimoe", output_router_logits=True))
+    model = AutoModelForCausalLM.from_config(tiny_config("doge", is_moe=True, output_router_logits=True))
     for zero in (False, True):
         with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.context_parallel"):
             warn_inexact(SimpleNamespace(model=model, is_world_process_zero=lambda zero=zero: zero))
