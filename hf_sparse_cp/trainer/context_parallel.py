@@ -273,6 +273,25 @@ def dropout_note(model: torch.nn.Module) -> str | None:
             "config's dropout fields).")
 
 
+def random_routing_note(model: torch.nn.Module) -> str | None:
+    """A warning when `model`'s MoE routing draws random numbers in training: a config's `*jitter_noise` above 0
+    (Mixtral's, PhiMoE's, MiniMax's: router logits or inputs scaled by uniform noise) or a modeling module with
+    PhiMoE's `sparsemixer` (it samples the experts while training, whatever the jitter). Each CP rank draws for its
+    own shard, as with dropout, so the run equals one without CP in distribution only. None without them."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fields = [f"{name}={value}" for name, value in sorted(vars(config).items() if config is not None else ())
+              if name.endswith("jitter_noise") and isinstance(value, (int, float)) and value > 0]
+    samplers = sorted({f"{type(m).__module__}.sparsemixer" for m in model.modules()
+                       if callable(getattr(sys.modules.get(type(m).__module__), "sparsemixer", None))})
+    if not fields and not samplers:
+        return None
+    return (f"context parallelism: the model's MoE routing is random in training ({', '.join(fields + samplers)}): "
+            "each CP rank draws for its own shard, so this run equals a run without CP in distribution, not to "
+            "rounding. For a run that must compare with one process, set the config's jitter fields to 0"
+            + (" (the sampling of sparsemixer stays: run without CP)." if samplers else "."))
+
+
 def _causal_lm_loss(model_output, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch=None):
     """The loss a causal LM computes of its labels (transformers' `ForCausalLMLoss`: the cross-entropy in fp32, each
     position predicting the next one's label where `shift_labels`), called as the Trainer calls its label smoother:
@@ -326,8 +345,9 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
 
 
 def warn_inexact(trainer: Trainer) -> None:
-    """Rank 0 logs, at CP start, what of the run CP computes near one process only (dropout, a MoE router loss)."""
-    for note in (dropout_note(trainer.model), router_aux_loss_note(trainer)):
+    """Rank 0 logs, at CP start, what of the run CP computes near one process only (dropout, random MoE routing, a MoE
+    router loss)."""
+    for note in (dropout_note(trainer.model), random_routing_note(trainer.model), router_aux_loss_note(trainer)):
         if note is not None and trainer.is_world_process_zero():
             logger.warning(note)
 

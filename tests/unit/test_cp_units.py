@@ -431,6 +431,25 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     assert dropout_note(AutoModelForCausalLM.from_config(tiny_config("llama"))) is None
 
 
+@pytest.mark.parametrize("model_type, fields, named", [
+    ("phimoe", {"router_jitter_noise": 0.0}, "modeling_phimoe.sparsemixer"),  # samples experts in training
+    ("phimoe", {}, "router_jitter_noise=0.01"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ("mixtral", {}, None),
+    ("llama", {}, None),
+])
+def test_random_moe_routing_under_cp_is_named(model_type, fields, named):
+    """A MoE whose routing draws random numbers in training (jitter noise, PhiMoE's sampled experts): under CP each
+    rank draws for its shard, and the start-up warning names the cause; exact routing gets none."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.context_parallel import random_routing_note
+
+    note = random_routing_note(AutoModelForCausalLM.from_config(tiny_config(model_type, **fields)))
+    assert (note is None) == (named is None) and (named is None or named in note)
+
+
 @pytest.mark.parametrize("fields, trl_enabled, warned", [
     ({"output_router_logits": True}, None, True),  # the model adds coef x aux to its loss (stock Trainer)
     ({"output_router_logits": False}, None, False),
