@@ -73,10 +73,12 @@ def planned_meta(inputs: Mapping[str, Any], meta: TokenMeta, sharding: str, pad_
     """The documents the split is planned from: for the document planner, the batch's `meta` with its documents of
     padding tokens without targets marked padding (`documents.idle_documents_as_padding`), where the batch has the
     input_ids and the labels of every position to tell; else `meta`."""
+    if sharding != "document":
+        return meta
     ids, labels, shifted = inputs.get("input_ids"), inputs.get("labels"), inputs.get("shift_labels")
     if shifted is None and labels is not None:
         shifted = shift_labels(labels, ignore_index)
-    if sharding != "document" or ids is None or shifted is None or shifted.shape != ids.shape:
+    if ids is None or shifted is None or shifted.shape != ids.shape:
         return meta  # (labels of a logits_to_keep mask's positions only: [N])
     return idle_documents_as_padding(meta, ids, shifted, pad_token_id, ignore_index)
 
