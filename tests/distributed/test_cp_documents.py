@@ -220,8 +220,81 @@ def test_documents_of_padding_without_targets_are_planned_as_one_padding_run():
     trained[0, -1 - 12] = 5  # the last token of the 200 pad tokens predicts something: that document is trained
     assert plan_row(idle_documents_as_padding(meta, ids, trained, 0), CFG, 4).lengths[3:5] == (200, 12)
     assert torch.equal(idle_documents_as_padding(meta, ids, shifted, pad_token_id=1).segment, meta.segment)  # no 1s
-    two = TokenMeta.from_segments(meta.segment.expand(2, -1))
-    assert idle_documents_as_padding(two, ids.expand(2, -1), shifted.expand(2, -1), 0) is two
+
+
+def _flattened_rows(rows: list[tuple[list[int], list[int]]]) -> tuple[TokenMeta, torch.Tensor, torch.Tensor]:
+    """`_flattened_with_padding` of each (lengths, tail), the rows of one batch (the same length)."""
+    built = [_flattened_with_padding(lengths, tail) for lengths, tail in rows]
+    seg, ids, shifted = (torch.cat([b[i] for b in built]) for i in (1, 1, 2))
+    return TokenMeta.from_segments(torch.cat([b[0].segment for b in built])), ids, shifted
+
+
+def test_padding_tails_of_a_batch_of_several_rows_are_planned_as_one_padding_run():
+    """Rows each padded by documents of pad tokens without targets (TRL's padding-free rows, a document per pad token,
+    after a padding document in row 0): their common tail was planned as 56 one-token documents spread over the ring
+    (#50: detected in one-row batches only); now one padding run placed whole on one rank. Row 0's padding document
+    (160-200) holds row 1's boundary (168): it is cut only at its edges, as attention still computes it (not at 168,
+    where padding alone, every row's, would let the runs part)."""
+    meta, ids, shifted = _flattened_rows([([48, 80, 32], [40] + [1] * 56), ([48, 96, 24], [1] * 88)])
+    planned = idle_documents_as_padding(meta, ids, shifted, pad_token_id=0)
+    before, after = plan_row(meta, CFG, 4), plan_row(planned, CFG, 4)
+    assert (before.lengths, before.kinds) == ((48, 152, *[1] * 56), ("dense", "sparse", *["dense"] * 56))
+    assert len({r for r in range(4) for run, _, _ in before.segments(r) if run >= 2}) == 4  # tail over every rank
+    assert (after.lengths, after.kinds) == ((48, 152, 56), ("dense", "sparse", "pad"))
+    assert len({r for r in range(4) for run, _, _ in after.segments(r) if run == 2}) == 1  # whole on one rank
+    assert sum(after.work) < sum(before.work)
+    placed = after.source[after.source >= 0]  # every token once
+    assert torch.equal(placed.sort().values, torch.arange(meta.segment.shape[1]))
+    assert row_runs(planned, CFG.replace(pattern="dense")) == ([48, 152, 56], ["dense", "dense", "pad"])
+    one = _flattened_with_padding([48, 80, 32], [40] + [1] * 56)  # rows alike: a single row's runs
+    two = _flattened_rows([([48, 80, 32], [40] + [1] * 56)] * 2)
+    assert row_runs(idle_documents_as_padding(*two, 0), CFG) == row_runs(idle_documents_as_padding(*one, 0), CFG) \
+        == ([48, 80, 32, 96], ["dense", "sparse", "dense", "pad"])
+
+
+
+def _random_rows(rng, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(segments, input_ids, shifted labels) [b, s]: rows of documents (some with targets), documents of pad tokens
+    without targets (one token or several), padding runs of pad tokens and of other tokens."""
+    rows = []
+    for _ in range(b):
+        seg, ids, shifted, doc = [], [], [], 0
+        while len(seg) < s:
+            kind, n = rng.choice(["text", "text", "idle", "idle1", "pad", "masked"]), rng.choice([1, 1, 2, 5, 17, 40])
+            for _ in range(n):
+                seg.append(-1 if kind in ("pad", "masked") else doc)
+                ids.append(5 if kind in ("text", "masked") else 0)
+                shifted.append(3 if kind == "text" and rng.random() < 0.5 else -100)
+                doc += kind == "idle1"
+            doc += 1
+        rows.append((seg[:s], ids[:s], shifted[:s]))
+    if rng.random() < 0.3:
+        rows = rows[:1] * b
+    return tuple(torch.tensor([row[i] for row in rows]) for i in range(3))
+
+
+def test_the_runs_of_random_batches_keep_every_document_whole_and_pad_only_idle_stretches():
+    """On random batches: no run boundary falls inside a document (idle ones too: attention computes them), a run is
+    padding exactly when every row pads all of it (idle or padding), no two padding runs touch, and rows alike give
+    a single row's runs."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(150):
+        b, s = rng.choice([1, 2, 3]), rng.choice([20, 64, 150])
+        seg, ids, shifted = _random_rows(rng, b, s)
+        planned = idle_documents_as_padding(TokenMeta.from_segments(seg), ids, shifted, pad_token_id=0)
+        for cfg in (CFG, CFG.replace(min_seq_len=1), CFG.replace(pattern="dense")):
+            lengths, kinds = row_runs(planned, cfg)
+            starts = torch.tensor([0, *lengths]).cumsum(0)
+            assert int(starts[-1]) == s and all(a != "pad" or b != "pad" for a, b in zip(kinds, kinds[1:]))
+            for p in starts[1:-1].tolist():
+                assert bool(((seg[:, p] == PAD_SEGMENT) | (seg[:, p] != seg[:, p - 1])).all()), (seg, p)
+            for lo, hi, kind in zip(starts[:-1].tolist(), starts[1:].tolist(), kinds):
+                assert (kind == "pad") == bool((planned.segment[:, lo:hi] < 0).all())
+            if bool((seg == seg[:1]).all()) and bool((ids == ids[:1]).all()) and bool((shifted == shifted[:1]).all()):
+                one = idle_documents_as_padding(TokenMeta.from_segments(seg[:1]), ids[:1], shifted[:1], 0)
+                assert (lengths, kinds) == row_runs(one, cfg)
 
 
 # ------------------------------------------------------------------------------ per-document patterns
@@ -426,8 +499,15 @@ def _rows_case(par: ParallelDims) -> dict:
     flat_labels = flat.masked_fill(flat_positions == 0, -100)
     flat_labels[0, 160:] = -100
     padded_tail = {"input_ids": flat, "position_ids": flat_positions, "labels": flat_labels}
+    # two such rows, their tails of different lengths, row 0's padding document holding row 1's boundary (168)
+    tails = [[48, 80, 32, 40, *[1] * 56], [48, 96, 24, *[1] * 88]]
+    texts = torch.tensor([[160], [168]])
+    two_ids = ids[:2, :160].repeat(1, 2)[:, :256].masked_fill(torch.arange(256) >= texts, 0)
+    two_positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in tails])
+    two_labels = two_ids.masked_fill((two_positions == 0) | (torch.arange(256) >= texts), -100)
+    two_tails = {"input_ids": two_ids, "position_ids": two_positions, "labels": two_labels}
     results = {}
-    for name, batch in (("padded", padded), ("packed", packed), ("tail", padded_tail)):
+    for name, batch in (("padded", padded), ("packed", packed), ("tail", padded_tail), ("tails", two_tails)):
         ref = model(**batch)
         ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
         inputs = prepare_context_parallel_inputs(batch, par, block_size=BS, sharding="document", sparse_config=CFG)
@@ -549,14 +629,16 @@ def test_model_loss_and_gradients_under_the_planner_equal_one_process(spawned, w
 
 @WORLDS
 def test_rows_with_different_documents_under_the_planner_equal_one_process(spawned, world):
-    """Also a flattened row with a padding tail, planned as padding: loss, gradients and the logits of every position
-    (the padding's too: attention still computes its documents) equal one process."""
+    """Also a flattened row with a padding tail, and two rows with tails of different lengths, planned as padding:
+    loss, gradients and the logits of every position (the padding's too: attention still computes its documents)
+    equal one process."""
     for errs in spawned(world):
         rows = errs["rows"]
         assert rows["padded"]["runs"] == ((131, 29), ("sparse", "pad"))
         assert rows["packed"]["runs"] == ((48, 112), ("dense", "sparse"))
         assert rows["tail"]["runs"] == ((48, 80, 32, 120), ("dense", "sparse", "dense", "pad"))
         assert 3 not in rows["tail"]["split"]  # (the padding whole on one rank: its K/V never sent)
+        assert rows["tails"]["runs"] == ((48, 152, 56), ("dense", "sparse", "pad")) and 2 not in rows["tails"]["split"]
         for case in rows.values():
             assert case["loss"] <= 1e-6 and case["grads"] <= 1e-5 and case["logits"] <= 1e-10, rows
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...attention.tokens import PAD_SEGMENT, TokenMeta, run_starts
+from ...attention.tokens import PAD_SEGMENT, TokenMeta
 from ...config import SparseAttentionConfig, check_block_size
 from .blocks import BlockSplit
 
@@ -445,51 +445,54 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     A row's documents and padding runs, for one row or rows with the same documents. Rows with different documents
     (a padded batch of unpacked sequences, an eval set) share a run wherever one row's document spans another's
     boundary: a run holds no part of a document that another run holds, in any row, so moving runs moves whole
-    documents. A run is padding if every row pads it, sparse if any row's document in it is long enough for a
-    pattern (`min_seq_len`), else dense."""
+    documents. A run is padding if every row pads all of it, sparse if any row's document in it is long enough for a
+    pattern (`min_seq_len`), else dense. Padding is `PAD_SEGMENT`, which a run may cut anywhere, and the idle
+    documents `idle_documents_as_padding` marks (segment ids below it), which are padding to the planner but, being
+    documents attention still computes, are cut only at their edges."""
     seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
     b, s = seg.shape
-    pad = seg == PAD_SEGMENT
+    pad = seg < 0
     first = np.ones_like(pad)
     first[:, 1:] = seg[:, 1:] != seg[:, :-1]
     all_pad = pad.all(0)
-    cut = ~(~first & ~pad).any(0)  # no row's document goes on from the position before
-    cut[1:] &= ~(all_pad[1:] & all_pad[:-1])
+    cut = (first | (seg == PAD_SEGMENT)).all(0)  # no row's document (idle ones too) goes on from the position before
+    # a stretch that every row pads is one run from its first cut on (an idle document may delay that cut)
+    stretch = np.maximum.accumulate(np.where(all_pad & ~np.append(False, all_pad[:-1]), np.arange(s), 0))
+    before = np.cumsum(cut) - cut  # the cuts before each position
+    cut &= ~(all_pad & (before > before[stretch]))
     starts = np.flatnonzero(cut)
     lengths = np.diff(np.append(starts, s))
     sparse = np.zeros(len(starts), dtype=bool)
-    for r in range(b) if cfg.pattern != "dense" else ():  # the runs holding a document long enough for a pattern
-        doc = np.flatnonzero(first[r])
-        long = (np.diff(np.append(doc, s)) >= max(cfg.min_seq_len, 1)) & ~pad[r, doc]
-        sparse[np.searchsorted(starts, doc[long], side="right") - 1] = True  # (a document lies in one run)
-    kinds = [PAD if p else SPARSE if sp else DENSE for p, sp in zip(all_pad[starts].tolist(), sparse.tolist())]
+    if cfg.pattern != "dense":  # the runs holding a document long enough for a pattern (a document lies in one run)
+        doc = np.flatnonzero(first)  # every row's runs, flat (a row's first token starts one)
+        long = (np.diff(np.append(doc, b * s)) >= max(cfg.min_seq_len, 1)) & ~pad.reshape(-1)[doc]
+        sparse[np.searchsorted(starts, doc[long] % s, side="right") - 1] = True
+    padding = np.logical_and.reduceat(all_pad, starts)  # (a run from an idle stretch may go on past it)
+    kinds = [PAD if p else SPARSE if sp else DENSE for p, sp in zip(padding.tolist(), sparse.tolist())]
     return lengths.tolist(), kinds
 
 
 def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted: torch.Tensor, pad_token_id: int,
                               ignore_index: int = -100) -> TokenMeta:
-    """`meta` [B, S] with every document whose tokens are all `pad_token_id` and have no target (`shifted`, the labels
-    shifted, all `ignore_index`) marked padding: for the planner, which then places such runs whole on one rank and
-    plans them as one run, not as documents (a padding tail that only flattening boundaries delimit: TRL's padding-free
-    rows padded to a multiple, every pad token a document of its own; `BlockAlignedFlattening`'s gaps). Only the plan
-    reads it: attention still takes those tokens' documents from the batch, so that their outputs, and whatever reads
-    them (a MoE router's loss over every token), stay what one process computes. A batch of one row (a flattened
-    one) only: there the planner's runs are the row's documents, so a padding run holds whole documents, which
-    another row's boundary could cut (`row_runs`); `meta` of other batches is returned as it is."""
-    seg = meta.segment
+    """For the planner, on the host: `meta` [B, S] with every document whose tokens are all `pad_token_id` and have no
+    target (`shifted`, the labels shifted, all `ignore_index`) marked idle, a segment id below `PAD_SEGMENT`, one per
+    such document (`row_runs` plans idle stretches as padding: placed whole on one rank as one run, not as documents;
+    a padding tail that only flattening boundaries delimit: TRL's padding-free rows padded to a multiple, every pad
+    token a document of its own; `BlockAlignedFlattening`'s gaps). Only the plan reads it: attention still takes those
+    tokens' documents from the batch, so that their outputs, and whatever reads them (a MoE router's loss over every
+    token), stay what one process computes; for that the planner cuts an idle document only at its edges (in a
+    batch of several rows another row's boundary may fall inside it). (numpy: one bool per token leaves the device,
+    and the host's scans of a million tokens take milliseconds, torch's on the CPU hundreds.)"""
+    busy = ((input_ids != pad_token_id) | (shifted != ignore_index)).cpu().numpy()
+    seg = meta.segment.cpu().numpy()
     b, s = seg.shape
-    if b != 1:
-        return meta
-    busy = ((input_ids != pad_token_id) | (shifted != ignore_index)).to(seg.device).long()
-    before = torch.nn.functional.pad(busy.cumsum(1), (1, 0))  # busy tokens before each position
-    pos = torch.arange(s, device=seg.device).expand(b, s)
-    first = run_starts(seg)
-    last = torch.ones_like(first)
-    last[:, :-1] = first[:, 1:]
-    start = torch.cummax(torch.where(first, pos, 0), dim=1).values  # each token's document: its first token
-    end = torch.cummin(torch.where(last, pos, s).flip(1), dim=1).values.flip(1)  # and its last
-    idle = before.gather(1, end + 1) == before.gather(1, start)  # (scans, no atomics: deterministic on CUDA)
-    return TokenMeta(meta.index, torch.where(idle, torch.full_like(seg, PAD_SEGMENT), seg))
+    first = np.ones((b, s), dtype=bool)
+    first[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    runs = np.flatnonzero(first)  # every row's runs, flat (a row's first token starts one)
+    idle = ~np.logical_or.reduceat(busy.reshape(-1), runs)
+    idle = np.repeat(idle, np.diff(np.append(runs, b * s))).reshape(b, s)
+    marked = np.where(idle, PAD_SEGMENT - 1 - seg, seg)  # (true padding, -1, stays -1)
+    return TokenMeta(meta.index.cpu(), torch.from_numpy(marked.astype(np.int32)))
 
 
 def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None
