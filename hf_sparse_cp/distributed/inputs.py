@@ -71,8 +71,8 @@ def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
 def planned_meta(inputs: Mapping[str, Any], meta: TokenMeta, sharding: str, pad_token_id: int, ignore_index: int
                  ) -> TokenMeta:
     """The documents the split is planned from: for the document planner, the batch's `meta` with its documents of
-    padding tokens without targets marked padding (`documents.idle_documents_as_padding`), where the batch has the
-    input_ids and the labels of every position to tell; else `meta`."""
+    padding tokens without targets marked idle, padding to the planner (`documents.idle_documents_as_padding`, on the
+    host), where the batch has the input_ids and the labels of every position to tell; else `meta`."""
     if sharding != "document":
         return meta
     ids, labels, shifted = inputs.get("input_ids"), inputs.get("labels"), inputs.get("shift_labels")
