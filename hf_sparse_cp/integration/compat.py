@@ -214,7 +214,8 @@ PATCHES = (
     Patch(_ACCELERATOR, "prepare_data_loader", "replaces", "CP ranks of one group take the same batch: the data "
           "loader shards over the data-parallel ranks only (accelerate's settings are read from the "
           "accelerator, see `dp_data_loader_options`), under accelerate's own CP group too, whose loader dispatches an "
-          "iterable dataset's batches over all processes", _CP_UNDO,
+          "iterable dataset's batches over all processes; its collate_fn checks the token ids on the host "
+          "(`trainer.token_ids`: an id past the vocabulary failed on one CP rank while the others waited)", _CP_UNDO,
           ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
     Patch(_ACCELERATOR, "gather_for_metrics", "replaces", "every rank of a CP group evaluates the same batch: the "
           "gather keeps each CP group's values once, before truncating a short last batch", _CP_UNDO,

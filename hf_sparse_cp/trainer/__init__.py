@@ -5,6 +5,7 @@
 * `plugin_arguments.py`: every plugin flag as a field, and `PluginArguments` (those alone), without the Trainer;
 * `attach.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
+* `token_ids.py`: the CP data loader's check of token ids against the model's vocabulary, on the host;
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`), whose
   stages `schedule.py` reads;
 * `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints;

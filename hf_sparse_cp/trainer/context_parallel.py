@@ -48,6 +48,7 @@ from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
 from .arguments import flag_errors
 from .router_loss import loss_share, router_loss_over_cp_group
+from .token_ids import CheckedCollate, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,9 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     """`Accelerator.prepare_data_loader` sharding over the data-parallel ranks only, each process reading its own
     batches. accelerate's default for an iterable dataset (`run_clm.py --streaming`) is to dispatch: rank 0 reads
     a batch per process and splits them over all processes, whatever `num_processes` says, which hands the ranks
-    of a CP group different rows. Raises ValueError, naming the fix, for a `dispatch_batches` the user set."""
+    of a CP group different rows. Raises ValueError, naming the fix, for a `dispatch_batches` the user set. Its
+    batches' token ids are checked against the model's vocabulary where they are built, on the host
+    (`token_ids.CheckedCollate`): every rank of the group refuses a bad one together."""
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
@@ -84,6 +87,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             "rank 0 would read the batches and split them over all processes, so the ranks of a CP group would "
             "hold different rows. Drop it (or set '{\"dispatch_batches\": false}'): every process then reads "
             "the data itself, as it must build the same data (the same files, or seeded).")
+    vocabulary = vocabulary_of(trainer.model)
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
         prepared = prepare_data_loader(
@@ -100,6 +104,8 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         # torch loader it wraps, `base_dataloader`)
         loader = getattr(prepared, "base_dataloader", prepared)
         loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
+        if vocabulary is not None:
+            loader.collate_fn = CheckedCollate(loader.collate_fn, *vocabulary)
         compat.track_data_loader(acc, prepared)
         return prepared
 

@@ -1,0 +1,45 @@
+"""The CP data loader's check of token ids against the model's vocabulary (`trainer/token_ids.py`)."""
+
+import pickle
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from hf_sparse_cp.testing.tiny_models import tiny_config
+from hf_sparse_cp.trainer.token_ids import CheckedCollate, check_token_ids, vocabulary_of
+
+
+def _collate(rows):
+    return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+def test_ids_outside_the_vocabulary_are_refused_naming_the_id_the_vocabulary_and_the_fix():
+    ok = torch.tensor([[0, 5, 9]])
+    check_token_ids({"input_ids": ok}, 10)
+    for bad, where in ((10, [0, 2]), (-1, [0, 0]), (1 << 40, [0, 1])):
+        ids = ok.clone()
+        ids[tuple(where)] = bad
+        with pytest.raises(ValueError, match=rf"token id {bad} at input_ids\{where}.*10 rows.*resize_token_embeddings"):
+            check_token_ids({"input_ids": ids}, 10)
+    with pytest.raises(ValueError, match="chosen_input_ids"):  # (TRL's preference batches)
+        check_token_ids({"prompt_input_ids": ok, "chosen_input_ids": ok + 8}, 10)
+    check_token_ids({"labels": ok + 20, "attention_mask": ok, "input_ids": ok.float() + 20}, 10)  # not token ids
+    check_token_ids({"input_ids": torch.tensor([[3, 12]])}, 10, frozenset({12}))  # replaced by the model
+
+
+def test_the_vocabulary_is_the_input_embedding_and_the_special_ids_past_it():
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64))
+    assert vocabulary_of(model) == (64, frozenset())
+    model.config.image_token_id = 70  # (PaliGemma, Gemma 3: an image token past the vocabulary, swapped before lookup)
+    model.config.text_config = PretrainedConfig(boi_token_index=[-5, 3])
+    assert vocabulary_of(model) == (64, frozenset({70, -5}))
+    assert vocabulary_of(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_checked_collate_checks_every_batch_and_pickles_for_worker_processes():
+    collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, 10, frozenset())))
+    batch = collate([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3, 4])}])
+    assert batch["input_ids"].tolist() == [[1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="token id 11 at input_ids"):
+        collate([{"input_ids": torch.tensor([1, 11])}])
