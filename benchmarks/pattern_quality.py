@@ -213,7 +213,8 @@ class PatternQualityArguments:
                                  "length of --retrieval_lengths, each asking for one needle at each of "
                                  "--retrieval_depths (`retrieval.needle_row`), the same rows scored with exact dense "
                                  "attention and with each of --retrieval_settings through sparse_cp; exact match per "
-                                 "question, Wilson 95%% intervals."})
+                                 "question, Wilson 95%% intervals; each setting's verdict from the paired comparison "
+                                 "with dense on the same needles (see --retrieval_margin)."})
     retrieval_lengths: list[int] = field(default_factory=lambda: [16384, 32768],
                                          metadata={"help": "Retrieval: prompt lengths (within the model's context)."})
     retrieval_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
@@ -224,6 +225,12 @@ class PatternQualityArguments:
     retrieval_distractors: int = field(default=3, metadata={"help": "Retrieval: needles of other names per prompt."})
     retrieval_settings: list[str] = field(default_factory=lambda: ["defaults"],
                                           metadata={"help": f"Retrieval: sparse settings, of {list(CURVE_SETTINGS)}."})
+    retrieval_margin: float = field(
+        default=0.1, metadata={"help": "Retrieval: the accuracy a sparse setting may lose against dense, as a share of "
+                               "the needles. Its verdict at a length comes from the 95%% interval of its accuracy "
+                               "minus dense's on the same needles (paired: Newcombe's score interval): pass above "
+                               "-margin, fail below, inconclusive across it (with the same answers as dense, 18 to "
+                               "35 needles a length decide at 0.1)."})
     seed: int = field(default=0, metadata={"help": "Retrieval: seed of the needles, keys and positions."})
     layer0: bool = field(
         default=False, metadata={"help": "Measure the dense first layer instead (#50): for each budget of "
@@ -321,6 +328,8 @@ class PatternQualityArguments:
                              f"{self.model}'s context, {context}.")
         if any(not 0.0 <= d <= 1.0 for d in self.retrieval_depths):
             raise ValueError(f"--retrieval_depths {self.retrieval_depths} must lie in [0, 1].")
+        if not 0.0 < self.retrieval_margin < 1.0:  # (refused before the run, not at its verdict)
+            raise ValueError(f"--retrieval_margin {self.retrieval_margin} must lie in (0, 1).")
         if self.resume and not self.output:
             raise ValueError("--resume continues the report at --output; name it.")
         modes = [f"--{name}" for name in ("frontier", "curve", "retrieval", "layer0") if getattr(self, name)]
@@ -766,19 +775,23 @@ def retrieval_run(args: PatternQualityArguments) -> dict:
 
 
 def retrieval_targets(report: dict) -> list[dict]:
-    """#53's retrieval target: at every length, each sparse setting's accuracy inside (or above) the dense
-    accuracy's Wilson 95% interval, on the same prompts."""
+    """#53's retrieval target: at every length, each sparse setting loses at most --retrieval_margin of the needles
+    against dense, judged on the same needles (`retrieval.paired_verdict`: the 95% interval of its accuracy minus
+    dense's; inconclusive where it straddles the margin, as a few needles do). (It was: the setting's accuracy
+    inside dense's Wilson interval, which a setting losing 3 of dense's 7 of 10 needles met.)"""
+    margin = report["settings"].get("retrieval_margin", 0.1)
     rows = []
-    dense = report["scores"]["dense"]["per_length"]
-    for name, got in report["scores"].items():
-        if name == "dense":
-            continue
-        for s, cell in got["per_length"].items():
-            lo, hi = dense[s]["wilson95"]
-            rows.append({"target": f"S={s}: {name}'s retrieval accuracy ({cell['correct']}/{cell['prompts']}) against "
-                         f"dense's Wilson 95% interval [{lo:.3f}, {hi:.3f}] "
-                         f"({dense[s]['correct']}/{dense[s]['prompts']})",
-                         "required": f">= {lo:.3f}", "measured": cell["accuracy"], "pass": cell["accuracy"] >= lo})
+    for name in [n for n in report["scores"] if n != "dense"]:
+        for s in report["scores"][name]["per_length"]:
+            pairs = [(d, x) for r in report["rows"] if str(r["seq_len"]) == s
+                     for d, x in zip(r["hits"]["dense"], r["hits"][name])]
+            got = retrieval.paired_verdict([d for d, _ in pairs], [x for _, x in pairs], margin)
+            lo, hi = got["interval95"]
+            rows.append({"target": f"S={s}: {name} vs dense on the same {len(pairs)} needles ({got['both']} both, "
+                         f"{got['reference_only']} dense only, {got['candidate_only']} {name} only): accuracy change, "
+                         f"95% interval [{lo:+.3f}, {hi:+.3f}]", "required": f"interval above {-margin:+.2f}",
+                         "measured": got["difference"], "pass": {"pass": True, "fail": False}.get(got["verdict"]),
+                         **({"verdict": "INCONCLUSIVE"} if got["verdict"] == "inconclusive" else {})})
     return rows
 
 

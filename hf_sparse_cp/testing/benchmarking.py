@@ -43,11 +43,11 @@ def spawned_allocator(kind: str) -> Iterator[str | None]:
 def format_targets(targets: list[dict]) -> str:
     """One line per target of a report ({target, required, measured, pass}): the measured value and
     PASS, MISS or "not measured" (pass None: the run did not measure it; with a measured value, a figure
-    reported for reference, no target)."""
+    reported for reference, no target), or the target's own `verdict` where it has one (INCONCLUSIVE)."""
     lines = []
     for t in targets:
-        verdict = (("not measured" if t["measured"] is None else "for reference") if t["pass"] is None
-                   else ("PASS" if t["pass"] else "MISS"))
+        verdict = t.get("verdict") or (("not measured" if t["measured"] is None else "for reference")
+                                       if t["pass"] is None else ("PASS" if t["pass"] else "MISS"))
         value = t["measured"]
         shown = "" if value is None else (f"{value:.3f} " if isinstance(value, float) else f"{value} ")
         lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")

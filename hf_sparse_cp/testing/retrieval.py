@@ -14,7 +14,8 @@ length asked for and the answer's tokens are known.
 * `needle_row`: a window asking for several needles (one per depth), an `AnswerRow` (any row with
   answer spans, as `kv_recall` builds too); `answer_hits` scores each of its answers the same way in
   one forward (several questions per long forward: what makes retrieval at 32K affordable on a CPU).
-* `wilson_interval`, `accuracy`, `scores`: 95% confidence intervals of accuracies.
+* `wilson_interval`, `accuracy`, `scores`: 95% confidence intervals of accuracies; `paired_difference_interval`,
+  `paired_verdict`: two settings compared on the same questions.
 """
 
 from __future__ import annotations
@@ -262,3 +263,46 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference_interval(both: int, first_only: int, second_only: int, neither: int,
+                               z: float = 1.959964) -> tuple[float, float]:
+    """95% interval (the default z) of p_second - p_first, two accuracies measured on the same questions, from the
+    counts of questions both answer, the first only, the second only and neither: Newcombe's (1998, Statistics in
+    Medicine 17:2635, method 10) score interval for paired proportions, the Wilson intervals of the two joined with
+    the pairs' correlation; (-1, 1) for no questions."""
+    counts = (both, first_only, second_only, neither)
+    if min(counts) < 0:
+        raise ValueError(f"paired counts {counts} must be >= 0.")
+    n = sum(counts)
+    if n == 0:
+        return -1.0, 1.0
+    a, b, c, d = counts
+    p1, p2 = (a + b) / n, (a + c) / n
+    (l1, u1), (l2, u2) = wilson_interval(a + b, n, z), wilson_interval(a + c, n, z)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    cross = a * d - b * c
+    phi = 0.0 if margins == 0 else (max(cross - n / 2, 0.0) if cross > 0 else cross) / math.sqrt(margins)
+    below = math.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
+    above = math.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
+    return max(-1.0, p2 - p1 - below), min(1.0, p2 - p1 + above)
+
+
+def paired_verdict(reference: list[bool], candidate: list[bool], margin: float) -> dict:
+    """Whether `candidate` keeps `reference`'s accuracy on the same questions (hits in the same order), to within
+    `margin` (a fraction of the questions), from the 95% interval of candidate - reference accuracy
+    (`paired_difference_interval`): 'pass' where it lies above -margin (the candidate loses less than the margin),
+    'fail' where it lies below (it loses more), else 'inconclusive' (too few questions, or a loss near the margin,
+    to tell). Returns the counts (both right, the reference's alone, the candidate's alone, neither), the
+    difference, the interval and the verdict."""
+    if len(reference) != len(candidate):
+        raise ValueError(f"paired hits must be of the same questions: {len(reference)} and {len(candidate)}.")
+    if not 0 < margin < 1:
+        raise ValueError(f"margin={margin} must lie in (0, 1).")
+    pairs = list(zip(reference, candidate))
+    counts = [pairs.count(p) for p in ((True, True), (True, False), (False, True), (False, False))]
+    lo, hi = paired_difference_interval(*counts)
+    n = len(pairs)
+    verdict = "pass" if lo > -margin else "fail" if hi < -margin else "inconclusive"
+    return {"both": counts[0], "reference_only": counts[1], "candidate_only": counts[2], "neither": counts[3],
+            "difference": (counts[2] - counts[1]) / n if n else None, "interval95": [lo, hi], "verdict": verdict}

@@ -114,6 +114,8 @@ def test_unknown_settings_and_lengths_are_refused(pq):
         pq.PatternQualityArguments(frontier_lengths=[1000])
     with pytest.raises(ValueError, match="unknown limit families"):
         pq.PatternQualityArguments(limit_families=["diagonal"])
+    with pytest.raises(ValueError, match="--retrieval_margin 0.0 must lie in"):
+        pq.PatternQualityArguments(retrieval_margin=0.0)
     # lengths within the model's context: SmolLM2's 8K by default, Gemma's 32K; retrieval lengths when retrieving
     with pytest.raises(ValueError, match="at most smollm2-135m's context, 8192"):
         pq.PatternQualityArguments(frontier_lengths=[16384])
@@ -182,12 +184,20 @@ def test_curve_and_retrieval_targets(pq):
                                                              "65536": length(65536, 0.5, beyond=True)}}
     (row,) = pq.curve_targets(report)
     assert "S=32768" in row["target"] and row["measured"] == 0.004 and row["pass"]
-    scores = {"dense": {"per_length": {"16384": {"correct": 8, "prompts": 10, "accuracy": 0.8,
-                                                 "wilson95": [0.49, 0.94]}}},
-              "defaults": {"per_length": {"16384": {"correct": 5, "prompts": 10, "accuracy": 0.5,
-                                                    "wilson95": [0.24, 0.76]}}}}
-    (row,) = pq.retrieval_targets({"scores": scores})
-    assert row["measured"] == 0.5 and row["pass"] and "[0.490, 0.940]" in row["target"]
+    # the verdict pairs the settings' hits on the same needles, per length (#50: a count inside dense's Wilson
+    # interval passed, as 5/10 against dense's 8/10 did)
+    rows = [{"seq_len": 16384, "hits": {"dense": [True] * 4 + [False], "defaults": [True, True, False, False, False]}},
+            {"seq_len": 16384, "hits": {"dense": [True] * 4 + [False], "defaults": [True] + [False] * 4}},
+            {"seq_len": 32768, "hits": {"dense": [True] * 30 + [False] * 10, "defaults": [True] * 30 + [False] * 10}}]
+    scores = {name: {"per_length": {"16384": {}, "32768": {}}} for name in ("dense", "defaults")}
+    short, long = pq.retrieval_targets({"scores": scores, "rows": rows, "settings": {}})
+    assert "S=16384" in short["target"] and "10 needles (3 both, 5 dense only, 0 defaults only)" in short["target"]
+    assert short["measured"] == -0.5 and short["pass"] is None and short["verdict"] == "INCONCLUSIVE"
+    assert "INCONCLUSIVE" in pq.format_targets([short])
+    assert long["measured"] == 0.0 and long["pass"] is True and "verdict" not in long  # 40 needles, the same answers
+    (strict,) = pq.retrieval_targets({"scores": {"dense": scores["dense"], "defaults": {"per_length": {"32768": {}}}},
+                                      "rows": rows, "settings": {"retrieval_margin": 0.01}})
+    assert strict["pass"] is None and "above -0.01" in strict["required"]
 
 
 def test_a_completed_report_holds_its_verdicts_and_is_written_and_drawn(pq, tmp_path, capsys):

@@ -157,3 +157,54 @@ def test_scores_count_per_length_and_depth():
     assert (got["correct"], got["prompts"]) == (3, 4)
     assert got["per_length"]["1024"]["accuracy"] == 1.0 and got["per_cell"]["512@0.9"]["correct"] == 0
     assert got["per_length"]["512"]["wilson95"] == pytest.approx(list(retrieval.wilson_interval(1, 2)))
+
+
+@pytest.mark.parametrize("counts,lo,hi", [((36, 2, 12, 0), 0.0569, 0.3404), ((263, 3, 15, 21), 0.0117, 0.0707),
+                                          ((2, 1, 1, 14), -0.2075, 0.2075)])
+def test_paired_difference_interval_matches_newcombes_examples(counts, lo, hi):
+    # Newcombe (1998), Statistics in Medicine 17:2635, method 10, its three examples (both, first only, second only,
+    # neither): the second accuracy minus the first
+    assert retrieval.paired_difference_interval(*counts) == pytest.approx((lo, hi), abs=5e-4)
+
+
+def test_paired_difference_interval_is_antisymmetric_and_holds_the_difference():
+    for counts in ((6, 1, 0, 3), (4, 3, 0, 3), (0, 5, 2, 3), (10, 0, 0, 0), (0, 0, 0, 7), (3, 0, 9, 1)):
+        a, b, c, d = counts
+        lo, hi = retrieval.paired_difference_interval(*counts)
+        assert lo <= (c - b) / sum(counts) <= hi and -1 <= lo and hi <= 1
+        assert retrieval.paired_difference_interval(a, c, b, d) == pytest.approx((-hi, -lo))
+    assert retrieval.paired_difference_interval(0, 0, 0, 0) == (-1.0, 1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        retrieval.paired_difference_interval(1, -1, 0, 0)
+
+
+def _hits(both: int, reference_only: int, candidate_only: int, neither: int) -> tuple[list[bool], list[bool]]:
+    pairs = [(True, True)] * both + [(True, False)] * reference_only + [(False, True)] * candidate_only \
+        + [(False, False)] * neither
+    return [r for r, _ in pairs], [c for _, c in pairs]
+
+
+@pytest.mark.parametrize("counts,verdict", [
+    ((6, 1, 0, 3), "inconclusive"),  # the 4K report: defaults 6/10 against dense 7/10
+    ((4, 3, 0, 3), "inconclusive"),  # the tight budget 4/10: it was a 'pass' (4/10 inside dense's Wilson interval)
+    ((7, 0, 0, 3), "inconclusive"),  # the same answers as dense, 10 needles: too few to tell
+    ((28, 0, 0, 12), "pass"),  # the same answers, 40 needles
+    ((52, 2, 2, 24), "pass"),  # as many lost as gained, 80 needles
+    ((20, 4, 12, 4), "pass"),  # better than dense
+    ((40, 40, 0, 20), "fail"),  # loses 40 of 100
+    ((14, 14, 0, 12), "fail"),  # loses 14 of 40
+    ((20, 6, 0, 14), "inconclusive"),  # loses 6 of 40 (0.15): the interval straddles the margin
+])
+def test_the_paired_verdict_decides_only_where_the_needles_tell(counts, verdict):
+    got = retrieval.paired_verdict(*_hits(*counts), margin=0.1)
+    assert got["verdict"] == verdict, got
+    assert [got[k] for k in ("both", "reference_only", "candidate_only", "neither")] == list(counts)
+    assert got["difference"] == pytest.approx((counts[2] - counts[1]) / sum(counts))
+    assert got["interval95"] == pytest.approx(list(retrieval.paired_difference_interval(*counts)))
+
+
+def test_the_paired_verdict_refuses_unpaired_hits_and_a_margin_outside_0_1():
+    with pytest.raises(ValueError, match="same questions"):
+        retrieval.paired_verdict([True], [True, False], 0.1)
+    with pytest.raises(ValueError, match="margin"):
+        retrieval.paired_verdict([True], [True], 0.0)
