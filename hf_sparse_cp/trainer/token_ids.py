@@ -21,7 +21,10 @@ def vocabulary_of(model: torch.nn.Module) -> tuple[int, frozenset[int]] | None:
     where the input embedding is not an `nn.Embedding` (nothing to check against). The ids replaced are the special
     token ids its config names (`*_token_id`, `*_token_index`, sub-configs too) outside the rows: PaliGemma and
     Gemma 3 swap an image token id at or past the vocabulary for a valid one before embedding."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # (transformers raises the latter for a model without one)
+        return None
     if not isinstance(embedding, torch.nn.Embedding):
         return None
     rows = embedding.num_embeddings

@@ -615,7 +615,7 @@ def _first_batch_of_a_stream_under_accelerate_cp(rank: int, world: int) -> list[
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     hf_sparse_cp.patch()
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=1600))  # (every id of the stream)
     hf_sparse_cp.configure(model)
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, per_device_train_batch_size=2,

@@ -36,6 +36,12 @@ def test_the_vocabulary_is_the_input_embedding_and_the_special_ids_past_it():
     assert vocabulary_of(model) == (64, frozenset({70, -5}))
     assert vocabulary_of(torch.nn.Linear(2, 2)) is None
 
+    class NoEmbedding(torch.nn.Module):
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+    assert vocabulary_of(NoEmbedding()) is None
+
 
 def test_the_checked_collate_checks_every_batch_and_pickles_for_worker_processes():
     collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, 10, frozenset())))
