@@ -85,10 +85,10 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
     decayed = None if decay_names is None else set(decay_names(model))
     groups = {(smet, decay): [] for smet in (True, False) for decay in (True, False)}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            decay = param.dim() >= 2 if decayed is None else name in decayed
-            groups[id(param) in sparse, decay].append((name, param))
+    dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
+    for name, param in [*sparse.values(), *dense]:
+        decay = param.dim() >= 2 if decayed is None else name in decayed
+        groups[id(param) in sparse, decay].append((name, param))
     return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0)
             for (smet, decay), named in groups.items() if named]
 
