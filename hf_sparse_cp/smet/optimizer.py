@@ -66,13 +66,14 @@ class SMETAdam(torch.optim.Optimizer):
         config: SMETConfig | None = None,
         decoupled_weight_decay: bool = True,
     ) -> None:
-        if lr < 0:
+        # (written so that NaN fails them too, as torch's AdamW refuses it)
+        if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0.")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas} must both be in [0, 1), e.g. (0.9, 0.999).")
-        if eps <= 0:
+        if not eps > 0:
             raise ValueError(f"eps={eps} must be > 0, e.g. 1e-8.")
-        if weight_decay < 0:
+        if not weight_decay >= 0:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0.")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, smet=False)
         super().__init__(params, defaults)
