@@ -308,8 +308,8 @@ class SMETAdam(torch.optim.Optimizer):
 
         local_step = block_step.to(compute).unsqueeze(-1)
         if cfg.local_bias_correction:
-            bias_correction1 = 1 - torch.pow(beta1, local_step)
-            bias_correction2 = 1 - torch.pow(beta2, local_step)
+            bias_correction1 = _bias_correction(beta1, local_step)
+            bias_correction2 = _bias_correction(beta2, local_step)
         else:
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
@@ -555,6 +555,14 @@ def _mean_over_ranks(tensors: list[torch.Tensor]) -> None:
         work.wait()
     for t in tensors:
         t.div_(dist.get_world_size())
+
+
+def _bias_correction(beta: float, steps: torch.Tensor) -> torch.Tensor:
+    """`1 - beta**steps` to the precision of `steps`' dtype: as `-expm1(steps * ln beta)`, since in float32
+    `1 - beta**t` cancels away the digits that matter (beta2=0.999: the step size 7e-6 off Adam's, 0.99999: 7e-4)."""
+    if beta == 0:
+        return torch.ones_like(steps)
+    return -torch.expm1(steps * math.log(beta))
 
 
 def _grad_hook(optimizer: SMETAdam):
