@@ -8,6 +8,7 @@ through YAML or JSON, and invalid values raise a `ValueError` that says how to f
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -17,11 +18,14 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 
 
 def module_names(value: Any) -> Any:
-    """`target_modules` as a list: comma-separated text ("q_proj,v_proj") split, a tuple listed; any
-    other value as given (the type check then names it)."""
+    """`target_modules` as a list: comma-separated text ("q_proj,v_proj") split, also where it is an item of a
+    list or tuple (the flag `--smet_target_modules q_proj,v_proj` parses as ['q_proj,v_proj']); any other value
+    as given (the type check then names it)."""
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
-    return list(value) if isinstance(value, tuple) else value
+    if isinstance(value, (list, tuple)):
+        return [name for item in value for name in (module_names(item) if isinstance(item, str) else [item])]
+    return value
 
 
 @dataclass
@@ -76,8 +80,8 @@ class SMETConfig(FileConfig):
     )
     target_modules: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
-        metadata={"help": "Names (last component) of the linear modules whose weights are sparse; everything "
-                  "else (embeddings, lm_head, norms, biases) stays dense."},
+        metadata={"help": "Names (last component) of the linear modules whose weights are sparse, space- or "
+                  "comma-separated (q_proj,v_proj); everything else (embeddings, lm_head, norms, biases) stays dense."},
     )
     local_bias_correction: bool = field(
         default=True,
@@ -148,8 +152,8 @@ def check_values(values: Any, prefix: str = "") -> None:
         raise ValueError(f"{prefix}prune_decay_steps={values.prune_decay_steps} must be >= 1 (or unset).")
     if values.regrow_warmup_steps < 0:
         raise ValueError(f"{prefix}regrow_warmup_steps={values.regrow_warmup_steps} must be >= 0 (0 turns it off).")
-    if values.lr_density_exponent < 0:
-        raise ValueError(f"{prefix}lr_density_exponent={values.lr_density_exponent} must be >= 0 (0 disables "
-                         "scaling).")
+    if not 0 <= values.lr_density_exponent < math.inf:  # (NaN or inf made every sparse weight NaN or inf)
+        raise ValueError(f"{prefix}lr_density_exponent={values.lr_density_exponent} must be finite and >= 0 (0 "
+                         "disables scaling).")
     if not values.target_modules:
         raise ValueError(f"{prefix}target_modules is empty; e.g. {list(DEFAULT_TARGET_MODULES)}.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -31,10 +32,13 @@ def _adapter_prefixes(model: nn.Module) -> tuple[str, ...]:
     )
 
 
-def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float) -> list[dict[str, Any]]:
+def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
+                      decay_names: Callable[[nn.Module], Collection[str]] | None = None) -> list[dict[str, Any]]:
     """Parameter groups of `model`: the trainable weights of `config.target_modules` linears (sparse,
-    `smet=True`), then the other trainable parameters, with weight decay for those of 2+ dims (not
-    biases, norms). A density that whole blocks per row move far is said here (`rounding.warn_if_rounded`).
+    `smet=True`), then the other trainable parameters, each split into those with weight decay and those
+    without: the names `decay_names(model)` lists decay (the Trainer passes its `get_decay_parameter_names`, so
+    SMET decays what the stock optimizer it stands in for decays), by default those of 2+ dims (not biases,
+    norms). A density that whole blocks per row move far is said here (`rounding.warn_if_rounded`).
     A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is an error, and so
     is a target list that reaches only frozen weights (LoRA freezes the base model)."""
     targets = set(config.target_modules)
@@ -79,17 +83,14 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float)
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
     grids = [BlockGrid.of(param, config.density, config.block_size, name) for name, param in sparse.values()]
     warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad or id(param) in sparse:
-            continue
-        (decay if param.dim() >= 2 else no_decay).append((name, param))
-    groups = [
-        _group(list(sparse.values()), smet=True, weight_decay=weight_decay),
-        _group(decay, smet=False, weight_decay=weight_decay),
-        _group(no_decay, smet=False, weight_decay=0.0),
-    ]
-    return [g for g in groups if g["params"]]
+    decayed = None if decay_names is None else set(decay_names(model))
+    groups = {(smet, decay): [] for smet in (True, False) for decay in (True, False)}
+    dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
+    for name, param in [*sparse.values(), *dense]:
+        decay = param.dim() >= 2 if decayed is None else name in decayed
+        groups[id(param) in sparse, decay].append((name, param))
+    return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0)
+            for (smet, decay), named in groups.items() if named]
 
 
 def _group(named: list[tuple[str, torch.Tensor]], smet: bool, weight_decay: float) -> dict[str, Any]:
@@ -107,6 +108,7 @@ def create_smet_optimizer(
     config: SMETConfig | None = None,
     *,
     attach: bool = True,
+    decay_names: Callable[[nn.Module], Collection[str]] | None = None,
     **optimizer_kwargs: Any,
 ) -> SMETAdam:
     """A SMET optimizer for `model` that behaves like `optimizer_cls(**optimizer_kwargs)` on the dense
@@ -118,6 +120,8 @@ def create_smet_optimizer(
         config: the SMET settings (default: `SMETConfig()`).
         attach: create and apply the masks right away; the Trainer integration passes False and
             attaches once accelerate has swapped in the sharded parameters.
+        decay_names: the names of the parameters weight decay applies to, given the model (`smet_param_groups`;
+            the Trainer integration passes the Trainer's `get_decay_parameter_names`); default: those of 2+ dims.
         optimizer_kwargs: the stock class's (`lr`, `betas`, `eps`, `weight_decay`; `fused` /
             `foreach` are accepted and ignored); unset ones take the stock class's defaults.
 
@@ -143,7 +147,7 @@ def create_smet_optimizer(
         raise ValueError(f"Unknown optimizer arguments {sorted(unknown)}; SMET takes {list(_HYPERPARAMETERS)}.")
     defaults = inspect.signature(optimizer_cls.__init__).parameters
     hyper = {name: kwargs.get(name, defaults[name].default) for name in _HYPERPARAMETERS}
-    groups = smet_param_groups(model, config, float(hyper.pop("weight_decay")))
+    groups = smet_param_groups(model, config, float(hyper.pop("weight_decay")), decay_names)
     optimizer = SMETAdam(
         groups,
         lr=float(hyper["lr"]),

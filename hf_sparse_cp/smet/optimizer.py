@@ -66,13 +66,14 @@ class SMETAdam(torch.optim.Optimizer):
         config: SMETConfig | None = None,
         decoupled_weight_decay: bool = True,
     ) -> None:
-        if lr < 0:
+        # (written so that NaN fails them too, as torch's AdamW refuses it)
+        if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0.")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas} must both be in [0, 1), e.g. (0.9, 0.999).")
-        if eps <= 0:
+        if not eps > 0:
             raise ValueError(f"eps={eps} must be > 0, e.g. 1e-8.")
-        if weight_decay < 0:
+        if not weight_decay >= 0:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0.")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, smet=False)
         super().__init__(params, defaults)
@@ -307,8 +308,8 @@ class SMETAdam(torch.optim.Optimizer):
 
         local_step = block_step.to(compute).unsqueeze(-1)
         if cfg.local_bias_correction:
-            bias_correction1 = 1 - torch.pow(beta1, local_step)
-            bias_correction2 = 1 - torch.pow(beta2, local_step)
+            bias_correction1 = _bias_correction(beta1, local_step)
+            bias_correction2 = _bias_correction(beta2, local_step)
         else:
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
@@ -554,6 +555,14 @@ def _mean_over_ranks(tensors: list[torch.Tensor]) -> None:
         work.wait()
     for t in tensors:
         t.div_(dist.get_world_size())
+
+
+def _bias_correction(beta: float, steps: torch.Tensor) -> torch.Tensor:
+    """`1 - beta**steps` to the precision of `steps`' dtype: as `-expm1(steps * ln beta)`, since in float32
+    `1 - beta**t` cancels away the digits that matter (beta2=0.999: the step size 7e-6 off Adam's, 0.99999: 7e-4)."""
+    if beta == 0:
+        return torch.ones_like(steps)
+    return -torch.expm1(steps * math.log(beta))
 
 
 def _grad_hook(optimizer: SMETAdam):

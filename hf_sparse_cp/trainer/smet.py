@@ -4,8 +4,10 @@ FSDP2 sharded, the model lives in `callbacks.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
+from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..integration.patching import record_on, undo_recorded
@@ -17,10 +19,13 @@ _FEATURE = "smet"
 
 
 def smet_optimizer_cls_and_kwargs(
-    training_args: TrainingArguments, config: SMETConfig
+    training_args: TrainingArguments, config: SMETConfig,
+    decay_names: Callable[[nn.Module], Collection[str]] | None = None,
 ) -> tuple[type, dict[str, Any]]:
     """What to pass as `Trainer(optimizer_cls_and_kwargs=...)`: a SMET factory standing in for the
-    stock optimizer `--optim` selects, with its learning rate, betas, epsilon and weight decay."""
+    stock optimizer `--optim` selects, with its learning rate, betas, epsilon and weight decay, applied to the
+    parameters `decay_names(model)` lists (a Trainer's `get_decay_parameter_names`: not to norms and biases,
+    as the stock optimizer; default: `smet_param_groups`')."""
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
     if optimizer_cls not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
@@ -28,7 +33,8 @@ def smet_optimizer_cls_and_kwargs(
             f"{[c.__name__ for c in SUPPORTED_OPTIMIZERS]} only: use --optim adamw_torch or adamw_torch_fused."
         )
     kwargs = dict(kwargs, weight_decay=training_args.weight_decay)
-    return SMETOptimizerFactory, {"optimizer_cls": optimizer_cls, "config": config, **kwargs}
+    return SMETOptimizerFactory, {"optimizer_cls": optimizer_cls, "config": config, "decay_names": decay_names,
+                                  **kwargs}
 
 
 def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
@@ -52,7 +58,8 @@ def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
     smet_param_groups(trainer.model, config, weight_decay=0.0)
     undo_recorded(trainer, _FEATURE)
     patches = record_on(trainer, _FEATURE)
-    patches.set_attr(trainer, "optimizer_cls_and_kwargs", smet_optimizer_cls_and_kwargs(trainer.args, config))
+    patches.set_attr(trainer, "optimizer_cls_and_kwargs", smet_optimizer_cls_and_kwargs(
+        trainer.args, config, trainer.get_decay_parameter_names))
     patches.insert(trainer.callback_handler, "callbacks", 0, SMETCallback())
     return trainer
 

@@ -5,7 +5,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
 
 from hf_sparse_cp import SMETArguments, SMETCallback, install_smet, uninstall_smet
-from hf_sparse_cp.smet import SMETAdam, unwrap_smet
+from hf_sparse_cp.smet import SMETAdam, SMETConfig, unwrap_smet
 from hf_sparse_cp.smet.masks import active_mask
 
 from smet_common import TokenRows, markov_tokens, tiny_llama
@@ -91,3 +91,48 @@ def test_resuming_with_other_smet_settings_is_refused_by_name(tmp_path):
         other, _ = _trainer(tmp_path / "other", max_steps=2, flags=FLAGS + change)
         with pytest.raises(ValueError, match=named):
             other.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-1"))
+
+
+def _trained_with_weight_decay(out_dir, model, smet: bool):
+    args = TrainingArguments(output_dir=str(out_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=5e-3,
+                             weight_decay=0.1, max_grad_norm=0.5, report_to="none", use_cpu=True, seed=0,
+                             save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=TokenRows(markov_tokens(6, 16)),
+                      data_collator=default_data_collator)
+    if smet:
+        install_smet(trainer, SMETConfig(density=1.0, block_size=16, update_interval=2))
+    trainer.train()
+    return dict(trainer.model.named_parameters())
+
+
+def test_smet_decays_the_parameters_the_trainer_s_adamw_decays(tmp_path):
+    """`--smet` stands in for `--optim adamw_torch`, but decayed every parameter of 2+ dims and no other, where the
+    Trainer decays what `get_decay_parameter_names` lists: GPT-OSS's attention sinks (1-D) were not decayed, its
+    experts' biases (2-D) were. At density 1 SMET trains as the stock AdamW does (fp64)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    def gpt_oss():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(tiny_config(
+            "gpt_oss", vocab_size=64, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_hidden_layers=1, experts_implementation="eager")).double()
+
+    stock = _trained_with_weight_decay(tmp_path / "stock", gpt_oss(), smet=False)
+    ours = _trained_with_weight_decay(tmp_path / "smet", gpt_oss(), smet=True)
+    assert any(name.endswith("sinks") for name in ours) and any(name.endswith("proj_bias") for name in ours)
+    for name, param in stock.items():
+        torch.testing.assert_close(ours[name], param, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_sparse_weight_the_decay_rule_leaves_out_is_trained_without_weight_decay():
+    from hf_sparse_cp.smet import smet_param_groups
+
+    model = tiny_llama()
+    groups = smet_param_groups(model, SMETConfig(block_size=16), 0.1,
+                               lambda m: [n for n, _ in m.named_parameters() if "q_proj" not in n])
+    by_kind = {(g["smet"], g["weight_decay"]): set(g["param_names"]) for g in groups}
+    assert set(by_kind) == {(True, 0.1), (True, 0.0), (False, 0.1)}
+    assert all("q_proj" in n for n in by_kind[True, 0.0]) and len(by_kind[True, 0.0]) == 2
+    assert "model.norm.weight" in by_kind[False, 0.1]  # (this rule decays it; the default one would not)

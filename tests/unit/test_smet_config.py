@@ -24,6 +24,10 @@ from hf_sparse_cp.trainer.arguments import SparseCPArguments
         ({"regrow_warmup_steps": -1}, "0 turns it off"),
         ({"prune_decay_steps": 0}, "must be >= 1"),
         ({"target_modules": []}, "target_modules is empty"),
+        ({"target_modules": [""]}, "target_modules is empty"),  # (it matched no module, refused at set-up only)
+        # NaN or inf made the sparse weights' learning rate NaN or inf: every sparse weight NaN after one step
+        ({"lr_density_exponent": float("nan")}, "lr_density_exponent=nan must be finite and >= 0"),
+        ({"lr_density_exponent": float("inf")}, "lr_density_exponent=inf must be finite and >= 0"),
         # wrong types: refused by name with what to write, not a TypeError from a comparison
         ({"density": "high"}, "density='high' (str) is not valid: use a number, e.g. density=0.25"),
         ({"block_size": 16.0}, "block_size=16.0 (float) is not valid: use a whole number"),
@@ -96,6 +100,7 @@ def test_smet_settings_without_smet_are_refused(flags, refused):
     (["--smet_update_interval", "-5"], "--smet_update_interval=-5 must be >= 2"),
     (["--smet_prune_rate_final", "1.5"], "--smet_prune_rate_final=1.5 must be in [0, 1]"),
     (["--smet_regrow_warmup_steps=-1"], "--smet_regrow_warmup_steps=-1 must be >= 0"),
+    (["--smet_lr_density_exponent", "nan"], "--smet_lr_density_exponent=nan must be finite and >= 0"),
 ])
 def test_bad_smet_flags_are_refused_when_parsed_naming_the_flag(tmp_path, flags, refused):
     """Not when the Trainer builds the optimizer, after the script built its model; a bad value in a --smet_config
@@ -143,3 +148,27 @@ def test_smet_flags_given_beat_the_file_whatever_their_value(tmp_path):
     assert (cfg.update_interval, cfg.density, cfg.block_size) == (100, 0.2, 32)
     legacy = args.to_config()  # without `explicit`: only flags that differ from the defaults
     assert (legacy.update_interval, legacy.density, legacy.block_size) == (50, 0.2, 32)
+
+
+@pytest.mark.parametrize("flags", [["q_proj,v_proj"], ["q_proj, v_proj"], ["q_proj", "v_proj"], ["q_proj,", "v_proj"]])
+def test_target_modules_flag_takes_comma_separated_names(flags):
+    """`--smet_target_modules q_proj,v_proj` (the form the plugin's own messages suggest) parsed as ['q_proj,v_proj'],
+    a name no module has: refused at set-up, and beside another name (`q_proj,v_proj down_proj`) silently left q_proj
+    and v_proj dense."""
+    (args,) = HfArgumentParser(SMETArguments).parse_args_into_dataclasses(args=["--smet", "--smet_target_modules",
+                                                                                 *flags])
+    assert args.to_config().target_modules == ["q_proj", "v_proj"]
+    assert SMETConfig(target_modules=flags).target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("kwargs", [{"lr": float("nan")}, {"eps": float("nan")}, {"weight_decay": float("nan")}])
+def test_smet_adam_refuses_nan_hyperparameters_as_torch_adamw_does(kwargs):
+    import torch
+
+    from hf_sparse_cp.smet import SMETAdam
+
+    params = [torch.nn.Parameter(torch.ones(2, 2))]
+    with pytest.raises(ValueError):
+        torch.optim.AdamW(params, **kwargs)
+    with pytest.raises(ValueError, match="must be"):
+        SMETAdam(params, **kwargs)
