@@ -56,6 +56,7 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
         if name.startswith(adapters):
             adapter[name] = target
         elif weight.requires_grad:
+            _check_linear(module, module_name)
             sparse[id(weight)] = (name, weight)
         else:
             frozen[name] = None
@@ -91,6 +92,19 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
         groups[id(param) in sparse, decay].append((name, param))
     return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0)
             for (smet, decay), named in groups.items() if named]
+
+
+def _check_linear(module: nn.Module, name: str) -> None:
+    """Refuse a target module whose weight is not an `nn.Linear`'s [out, in]: SMET keeps whole blocks of each
+    output's input columns, and a weight laid out otherwise (GPT-2's Conv1D stores [in, out]; an embedding's rows are
+    tokens) would train a pattern other than the one documented, silently."""
+    layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module  # (a PEFT layer's base)
+    if not isinstance(layer, nn.Linear):
+        raise ValueError(
+            f"target module {name} ({type(layer).__name__}) is not an nn.Linear: SMET keeps whole blocks of each "
+            "output's input columns of a weight laid out [out, in] as nn.Linear's is, which "
+            f"{type(layer).__name__}'s weight {tuple(layer.weight.shape)} is not (GPT-2's Conv1D stores [in, out]). "
+            "Target the model's nn.Linear modules (--smet_target_modules), or train this model without --smet.")
 
 
 def _group(named: list[tuple[str, torch.Tensor]], smet: bool, weight_decay: float) -> dict[str, Any]:

@@ -323,6 +323,21 @@ def test_factory_rejects_unsupported_optimizers_and_arguments():
     assert opt.param_groups[0]["lr"] == 1e-3 and opt.decoupled_weight_decay
 
 
+def test_target_modules_whose_weight_is_not_laid_out_as_a_linear_s_are_refused():
+    """SMET keeps blocks of each output's input columns of an [out, in] weight: GPT-2's Conv1D ([in, out]) and an
+    embedding (rows are tokens) were accepted and trained another pattern than the documented one."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn \(Conv1D\) is not an nn.Linear.*\[in, out\]"):
+        create_smet_optimizer(gpt2, config=SMETConfig(target_modules=["c_attn"]))
+    with pytest.raises(ValueError, match=r"model.embed_tokens \(Embedding\) is not an nn.Linear"):
+        create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["embed_tokens"], block_size=16))
+    create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["lm_head"], block_size=16))
+
+
 def test_a_step_the_loss_scaler_skipped_leaves_no_masked_gradient_to_the_next_regrowth():
     """Before a gradient-regrowth update the hooks keep what they mask away. A step skipped by the loss scaler (fp16:
     an inf or NaN gradient) kept it for the next step, whose scores added it: the SMET callback forgets it at such a
