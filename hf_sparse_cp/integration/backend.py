@@ -440,6 +440,10 @@ def _all_key_blocks(batch: int, q_len: int, k_len: int, block_size: int, device)
     return SparseLayout.from_blocks(blk, cnt, block_size)
 
 
+# Outside any graph torch.compile traces (a stock script's --torch_compile compiles the whole model): the layout is
+# estimated from tensors read back to the host, with per-forward caches and per-layer statistics a trace cannot hold
+# (dynamo failed on the layout build once shapes went dynamic). The rest of the model compiles around the call.
+@torch.compiler.disable
 def sparse_cp_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

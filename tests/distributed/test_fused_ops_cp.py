@@ -1,7 +1,10 @@
 """--sparse_fused_ops compile under context parallelism: with every decoder layer's MLP and RMSNorms compiled
 (inductor on the CPU, a float64 model) and a sequence split over 2 gloo ranks by the sparse ring, the logits, the
-loss and every weight's gradient are one unfused process's."""
+loss and every weight's gradient are one unfused process's. So are they with the whole model compiled, as a stock
+script's --torch_compile has the Trainer compile it (the sparse attention calls, the ring's or Ulysses' exchanges
+with them, run outside the compiled graphs), under the ring and Ulysses."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,7 +22,7 @@ PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=
                                 local_window=8, last_q=16, dense_first_layers=0)
 
 
-def _compiled_under_cp2(rank: int, world: int) -> dict:
+def _compiled_under_cp2(rank: int, world: int, whole_model: bool = False, mode: str = "ring") -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
     from hf_sparse_cp.distributed.loss import global_mean_loss, global_num_items, rank_loss
     from hf_sparse_cp.integration.fused_ops import enable_fused_ops, fused_modules
@@ -34,12 +37,17 @@ def _compiled_under_cp2(rank: int, world: int) -> dict:
     ref_loss = F.cross_entropy(ref.logits[0, :-1], ids[0, 1:])
     ref_grads = torch.autograd.grad(ref_loss, params)
 
-    enable_fused_ops(model, "compile")
-    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    if whole_model:
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+    else:
+        enable_fused_ops(model, "compile")
+        compiled = model
+    par = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_mode=mode))
     inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": ids}, par, block_size=BLOCK)
     targets = inputs.pop("shift_labels")
     del inputs["labels"]
-    out = model(**inputs)
+    out = compiled(**inputs)
     loss_sum = F.cross_entropy(out.logits[0], targets[0], reduction="sum")  # -100: padding, ignored
     num_items = global_num_items(targets)
     grads = torch.autograd.grad(rank_loss(loss_sum, num_items, 1), params)
@@ -61,5 +69,13 @@ def test_compiled_mlps_and_norms_under_cp2_equal_one_unfused_process():
         assert result["compiled"] == 3 * 2 + 1  # two layers' MLP and two norms, the final norm
         # Qwen2's RMSNorm computes in float32 whatever the model's dtype, and inductor's fused kernel rounds its
         # float32 steps in another order than eager PyTorch: agreement to float32 rounding, not float64's
+        assert result["logits"] < 1e-6 and result["loss"] < 1e-6, result
+        assert result["grads"] < 1e-5, result
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_a_model_compiled_whole_under_cp2_equals_one_uncompiled_process(mode):
+    for result in run_gloo(_compiled_under_cp2, 2, True, mode, timeout_s=900):
+        assert result["compiled"] is None  # (no module compiled on its own: the whole model is)
         assert result["logits"] < 1e-6 and result["loss"] < 1e-6, result
         assert result["grads"] < 1e-5, result

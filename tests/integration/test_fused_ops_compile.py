@@ -1,7 +1,9 @@
 """--sparse_fused_ops compile through the stock-shaped Trainer script: the MLPs and RMSNorms run through
 torch.compile (inductor, on the CPU here), inside the token tiles, and the run's losses and weights (SGD, so that they
-move by the gradients themselves) are the unfused run's (fp32 rounding); the start-up line says what runs fused. Under
-CP 2: tests/distributed/test_fused_ops_cp.py."""
+move by the gradients themselves) are the unfused run's (fp32 rounding); the start-up line says what runs fused. So
+are a stock --torch_compile run's (the Trainer compiles the whole model; the sparse attention calls run outside its
+graphs), alone and with the fused ops, token tiles and gradient checkpointing. Under CP 2:
+tests/distributed/test_fused_ops_cp.py."""
 
 import pytest
 import torch
@@ -29,15 +31,47 @@ def _train(out, *flags):
     return trainer
 
 
-def test_compiled_mlps_and_norms_train_like_the_unfused_step(tmp_path, caplog, single_thread):
-    stock = _train(tmp_path / "off", "--sparse_fused_ops", "off")
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(tmp_path_factory.mktemp("off"), "--sparse_fused_ops", "off")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_trained_alike(run, stock):
+    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (run, stock)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[0]) == 2
+    for (name, p), q in zip(run.model.named_parameters(), stock.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_mlps_and_norms_train_like_the_unfused_step(tmp_path, caplog, single_thread, stock):
     with caplog.at_level("WARNING"):
         fused = _train(tmp_path / "compile", "--sparse_fused_ops", "compile", "--sparse_token_tiling_min_length", "128",
                        "--sparse_token_tile_size", "96")
     layers = fused.model.config.num_hidden_layers
     assert fused_modules(fused.model) == {"compiled": 3 * layers + 1} and fused_modules(stock.model) == {}
     assert f"fused ops: torch.compile on {3 * layers + 1} MLP / RMSNorm modules" in caplog.text
-    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (fused, stock)]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[0]) == 2
-    for (name, p), q in zip(fused.model.named_parameters(), stock.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_trained_alike(fused, stock)
+
+
+@pytest.mark.parametrize("flags", [
+    (),
+    ("--sparse_fused_ops", "compile", "--sparse_token_tiling_min_length", "128", "--sparse_token_tile_size", "96",
+     "--gradient_checkpointing", "true"),
+], ids=["alone", "fused_tiled_checkpointed"])
+def test_torch_compile_trains_like_the_uncompiled_step(tmp_path, single_thread, stock, flags):
+    torch._dynamo.reset()
+    try:
+        run = _train(tmp_path, "--torch_compile", "true", *flags)
+    finally:
+        torch._dynamo.reset()
+    assert isinstance(run.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)  # the Trainer compiled it
+    assert run.model.is_gradient_checkpointing == ("--gradient_checkpointing" in flags)
+    kept = [log["sparse/kept_fraction"] for log in run.state.log_history if "loss" in log]
+    assert kept == pytest.approx([log["sparse/kept_fraction"] for log in stock.state.log_history if "loss" in log])
+    assert kept[0] < 1  # (the sparse path ran, outside the compiled graphs)
+    _assert_trained_alike(run, stock)
