@@ -16,6 +16,7 @@ from peft import (
     LoKrConfig,
     LoraConfig,
     MultitaskPromptTuningConfig,
+    PeftModel,
     PrefixTuningConfig,
     PromptEncoderConfig,
     PromptTuningConfig,
@@ -211,19 +212,22 @@ _ADAPTERS = {
                 ("ring", "document")),
 }
 
+_SAVED = ("dora", "adalora")  # (saved by their CP ring runs: AdaLoRA's saved ranks are its allocator's)
+
 
 @pytest.fixture(scope="module")
-def under_cp2():
+def under_cp2(tmp_path_factory):
     """{"step MODE" (`_lora_step_under_cp`) | "trainer MODE" (`_train_lora`) | "ADAPTER MODE" (`_train_adapter`):
     per-rank results} under CP 2, one spawned pair for all, and the one-process Trainer runs: "one" (LoRA),
-    "one ADAPTER" and "one ADAPTER packed"."""
+    "one ADAPTER" and "one ADAPTER packed"; "saved": {ADAPTER: the folder its CP ring run saved it in}."""
     calls = {f"{kind} {mode}": (fn, (mode,)) for kind, fn in (("step", _lora_step_under_cp), ("trainer", _train_lora))
              for mode in MODES}
-    calls.update({f"{name} {mode}": (_train_adapter, (mode, name)) for name, (_, modes) in _ADAPTERS.items()
-                  for mode in modes})
+    saved = {name: str(tmp_path_factory.mktemp(name)) for name in _SAVED}
+    calls.update({f"{name} {mode}": (_train_adapter, (mode, name, saved.get(name) if mode == "ring" else None))
+                  for name, (_, modes) in _ADAPTERS.items() for mode in modes})
     one = {f"one {name}{' packed' * packed}": _train_adapter(None, 1, "document" if packed else "ring", name)
            for name, (_, modes) in _ADAPTERS.items() for packed in {mode == "document" for mode in modes}}
-    return {**run_gloo_each(calls, 2, timeout_s=900), "one": _train_lora(), **one}
+    return {**run_gloo_each(calls, 2, timeout_s=900), "one": _train_lora(), **one, "saved": saved}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -256,10 +260,11 @@ class _AllocateRanks(TrainerCallback):
         model.base_model.update_and_allocate(state.global_step)
 
 
-def _trainer_run(model: torch.nn.Module, world: int, mode: str, rows: torch.utils.data.Dataset, **arguments) -> dict:
+def _trainer_run(model: torch.nn.Module, world: int, mode: str, rows: torch.utils.data.Dataset,
+                 save_to: str | None = None, **arguments) -> dict:
     """Train `model` through `enable_sparse_attention` and `attach_to_trainer` (CP `world` in `mode`: 'ring',
-    'ulysses', or 'document': the ring with document sharding) with Trainer `arguments`: the losses and the trained
-    weights, before and after."""
+    'ulysses', or 'document': the ring with document sharding) with Trainer `arguments`, then save it in `save_to`
+    (`trainer.save_model`) if given: the losses and the trained weights, before and after."""
     from hf_sparse_cp import disable_sparse_attention, enable_sparse_attention
 
     sparse = SparseCPArguments(sparse_attention=True)
@@ -278,6 +283,8 @@ def _trainer_run(model: torch.nn.Module, world: int, mode: str, rows: torch.util
                               callbacks=callbacks)
             parallel = attach_to_trainer(trainer, sparse, cp)
             trainer.train()
+            if save_to is not None:
+                trainer.save_model(save_to)
     finally:
         disable_sparse_attention(model)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
@@ -300,15 +307,29 @@ def _train_lora(rank: int | None = None, world: int = 1, mode: str = "ring") -> 
     return _trainer_run(model, world, mode, TokenRows(_rows(3)), max_steps=3, learning_rate=1e-2)
 
 
-def _train_adapter(rank: int | None, world: int, mode: str, name: str) -> dict:
+def _adapter_base() -> torch.nn.Module:
+    return _base(dtype=torch.float64, tie_word_embeddings=False)
+
+
+def _train_adapter(rank: int | None, world: int, mode: str, name: str, save_to: str | None = None) -> dict:
     """Two Trainer steps (SGD: the update is the gradient, which AdamW's normalization would blur) of the adapter
-    `name` of `_ADAPTERS` on a model with untied embeddings; packed rows in the 'document' mode."""
+    `name` of `_ADAPTERS` on a model with untied embeddings; packed rows in the 'document' mode. With `save_to`: the
+    adapter saved there, and the trained model's logits on `_probe()` with sdpa."""
     _launched(rank, world)
-    base = _base(dtype=torch.float64, tie_word_embeddings=False)
+    base = _adapter_base()
     torch.manual_seed(1)
     model = get_peft_model(base, _ADAPTERS[name][0]())
     rows = (_PackedRows if mode == "document" else TokenRows)(_rows(2))
-    return _trainer_run(model, world, mode, rows, max_steps=2, learning_rate=0.5, optim="sgd")
+    run = _trainer_run(model, world, mode, rows, save_to, max_steps=2, learning_rate=0.5, optim="sgd")
+    if save_to is not None:
+        base.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            run["logits"] = model(input_ids=_probe()).logits
+    return run
+
+
+def _probe() -> torch.Tensor:
+    return markov_tokens(2, SEQ, seed=5, vocab=VOCAB)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -345,6 +366,22 @@ def test_adapters_through_the_trainer_with_cp2_equal_one_process(under_cp2, name
             assert rel_rms(weight - run["initial"][n], ref["weights"][n] - ref["initial"][n]) <= 1e-6, n
     if name == "adalora":  # the allocator ran: ranks masked to 0 in the trained weights
         assert any(w.eq(0).any() for n, w in ref["weights"].items() if ".lora_E." in n)
+
+
+@pytest.mark.parametrize("name", _SAVED)
+def test_an_adapter_trained_under_cp2_loads_and_merges_without_the_plugin(under_cp2, name):
+    """The adapter the Trainer saved under CP 2 loads onto a fresh model with sdpa (no plugin) and gives the trained
+    model's logits; merged into the weights (`merge_and_unload`) it gives them too."""
+    run = under_cp2[f"{name} ring"][0]
+    base = _adapter_base()
+    base.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        plain = base(input_ids=_probe()).logits
+        model = PeftModel.from_pretrained(base, under_cp2["saved"][name])
+        loaded = model(input_ids=_probe()).logits
+        merged = model.merge_and_unload()(input_ids=_probe()).logits
+    assert rel_rms(run["logits"], plain) > 1e-9  # (the adapter changes them)
+    assert rel_rms(loaded, run["logits"]) <= 1e-12 and rel_rms(merged, run["logits"]) <= 1e-12
 
 
 # ---- SMET on a PEFT model ----
