@@ -11,6 +11,7 @@ import pytest
 import torch
 from peft import (
     AdaLoraConfig,
+    AdaptionPromptConfig,
     IA3Config,
     LoHaConfig,
     LoKrConfig,
@@ -20,6 +21,7 @@ from peft import (
     PrefixTuningConfig,
     PromptEncoderConfig,
     PromptTuningConfig,
+    ShadowConfig,
     VeraConfig,
     get_peft_model,
 )
@@ -109,9 +111,9 @@ def test_lora_trains_with_sparse_attention_and_only_lora_weights_change(model_ty
 
 
 def test_the_context_parallel_check_probes_a_lora_model_quickly():
-    """A PeftModel does not build from its config on the meta device: the check probes the model itself
-    (one 8-token forward whose attention calls compute nothing), fast, and still finds the layers the CP
-    shard does not reach through the LoRA wrapper."""
+    """The check probes a PeftModel itself, not its base architecture on the meta device (an adapter may run attention
+    layers of its own): one 8-token forward whose attention calls compute nothing, fast, and it still finds the
+    layers the CP shard does not reach through the LoRA wrapper."""
     model = _lora(_base("qwen2"))
     start = time.perf_counter()
     check_model_supports_context_parallel(model)
@@ -206,6 +208,9 @@ _ADAPTERS = {
                                 init_weights=False), ("document",)),
     "vera": (lambda: VeraConfig(task_type="CAUSAL_LM", r=8, target_modules=["q_proj", "v_proj"], init_weights=False),
              ("ulysses",)),
+    # (its adapted attention modules wrap the model's, and attend to its adaption prompts from every query)
+    "adaption_prompt": (lambda: AdaptionPromptConfig(task_type="CAUSAL_LM", adapter_len=8, adapter_layers=2),
+                        ("ring",)),
     # (its rank allocator masks ranks from the second step on: `_AllocateRanks`)
     "adalora": (lambda: AdaLoraConfig(task_type="CAUSAL_LM", init_r=6, target_r=2, tinit=0, tfinal=0, deltaT=1,
                                       total_step=3, target_modules=["q_proj", "v_proj"], lora_alpha=8),
@@ -349,7 +354,8 @@ def test_lora_through_the_trainer_with_cp2_equals_one_process(under_cp2, mode):
 
 @pytest.mark.parametrize(("name", "mode"), [(n, m) for n, (_, modes) in _ADAPTERS.items() for m in modes])
 def test_adapters_through_the_trainer_with_cp2_equal_one_process(under_cp2, name, mode):
-    """DoRA, rsLoRA, IA3, LoHa, LoKr, VeRA, AdaLoRA, LoRA on the embeddings with a trained copy of the head: two
+    """DoRA, rsLoRA, IA3, LoHa, LoKr, VeRA, AdaLoRA, llama-adapter's adaption prompts, LoRA on the embeddings with a
+    trained copy of the head: two
     steps under CP 2 give one process's losses and updates (fp64; the logged losses are fp32). AdaLoRA adds its
     orthogonal regularizer to the loss on every rank: the CP group counted it twice (the loss 22% above one
     process's, the updates 100% apart), now once (`trainer/adapter_loss.py`), its rank allocator masking the
@@ -382,6 +388,17 @@ def test_an_adapter_trained_under_cp2_loads_and_merges_without_the_plugin(under_
         merged = model.merge_and_unload()(input_ids=_probe()).logits
     assert rel_rms(run["logits"], plain) > 1e-9  # (the adapter changes them)
     assert rel_rms(loaded, run["logits"]) <= 1e-12 and rel_rms(merged, run["logits"]) <= 1e-12
+
+
+def test_an_adapter_with_attention_layers_of_its_own_is_refused_for_context_parallelism():
+    """SHADOW runs a network of its own (decoder layers beside the base model's) on the model's inputs: the check
+    probed the base architecture, which lacks it, and passed; under CP each rank would run that network on its own
+    shard. A PEFT model is now probed itself, and refused, naming the adapter, the layer and the fix."""
+    model = get_peft_model(_base(), ShadowConfig(task_type="CAUSAL_LM", r=4, shadow_dropout=0.0,
+                                                 shadow_num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"PEFT SHADOW model whose adapter runs attention layers of its own "
+                                         r"\(base_model\.shadow_backbone\..*--cp_size 1"):
+        check_model_supports_context_parallel(model)
 
 
 # ---- SMET on a PEFT model ----
