@@ -390,6 +390,27 @@ def test_an_adapter_trained_under_cp2_loads_and_merges_without_the_plugin(under_
     assert rel_rms(loaded, run["logits"]) <= 1e-12 and rel_rms(merged, run["logits"]) <= 1e-12
 
 
+@pytest.mark.parametrize("name", sorted(_ADAPTERS))
+def test_adapters_with_every_block_kept_compute_what_sdpa_computes(name):
+    """In one process, with a pattern that keeps every block, an adapter's loss and gradients are sdpa's."""
+    base = _adapter_base()
+    hf_sparse_cp.configure(base, SparseAttentionConfig(block_size=BS, min_seq_len=0, vertical_topk=10**4,
+                                                       slash_topk=10**4, dense_first_layers=0))
+    torch.manual_seed(1)
+    model = get_peft_model(base, _ADAPTERS[name][0]())
+    params = list(_trainable(model).values())
+    ids = _rows(2)
+    results = []
+    for implementation in ("sparse_cp", "sdpa"):
+        base.set_attn_implementation(implementation)
+        loss = model(input_ids=ids, labels=ids).loss
+        results.append((loss.item(), torch.autograd.grad(loss, params)))
+    (loss, grads), (sdpa_loss, sdpa_grads) = results
+    assert abs(loss - sdpa_loss) <= 1e-6 * sdpa_loss  # (the stock loss casts the logits to fp32)
+    assert max(rel_rms(g, want) for g, want in zip(grads, sdpa_grads)) <= 1e-6
+    assert any(g.abs().max() > 0 for g in sdpa_grads)
+
+
 def test_an_adapter_with_attention_layers_of_its_own_is_refused_for_context_parallelism():
     """SHADOW runs a network of its own (decoder layers beside the base model's) on the model's inputs: the check
     probed the base architecture, which lacks it, and passed; under CP each rank would run that network on its own
