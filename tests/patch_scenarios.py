@@ -152,6 +152,19 @@ def settings_during_a_call() -> Iterator:
             yield
 
 
+def adapter_regularizer() -> Iterator:
+    """AdaLoRA's regularizer weight during one compute_loss under CP: the rank's share of it (`adapter_loss.py`)."""
+    peft = pytest.importorskip("peft")
+    from hf_sparse_cp.trainer.adapter_loss import regularizer_share
+
+    base = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    config = peft.AdaLoraConfig(task_type="CAUSAL_LM", total_step=4, target_modules=["q_proj"])
+    model = peft.get_peft_model(base, config)
+    yield [(model.peft_config["default"], "orth_reg_weight")]
+    with regularizer_share(model, 0.5):
+        yield
+
+
 def liger_kernel_flag() -> Iterator:
     """--use_liger_kernel with sparse attention on a (pretended) CUDA machine: the plugin applies liger-kernel
     itself (only its module replacement runs here) and turns the Trainer's own application off."""
@@ -244,6 +257,7 @@ ONE_PROCESS = {
     ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,
     ("transformers.TrainingArguments.average_tokens_across_devices",
      "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
+    ("peft.AdaLoraConfig.orth_reg_weight",): adapter_regularizer,
     ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")

@@ -33,7 +33,8 @@ from .architectures import ROUTER_LOSS_PARAMETERS, router_loss_modules, rowwise_
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
 TESTED_VERSIONS = {"transformers": ("5.0", "5.24"), "accelerate": ("1.10", "1.15"), "torch": ("2.13", "2.13"),
-                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "liger_kernel": ("0.8.5", "0.8.5")}
+                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "liger_kernel": ("0.8.5", "0.8.5"),
+                   "peft": ("0.21", "0.21")}
 
 # Names of the private methods the plugin replaces or calls on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
@@ -265,6 +266,10 @@ PATCHES = (
           "accumulation steps as for a counted loss: it reads 1 during that call, as without a count (the training "
           "loop sets the attribute; an instance outside it has none to check)",
           "the end of the call (patching.temporarily)", added=True),
+    Patch("peft.AdaLoraConfig", "orth_reg_weight", "sets", "AdaLoRA's model adds orth_reg_weight x its orthogonal "
+          "regularizer to the loss on every CP rank, which the Trainer's compute_loss multiplies by the processes: "
+          "during that call under CP the weight is the rank's share, so the CP group counts the regularizer once "
+          "(trainer/adapter_loss.py)", "the end of the call (patching.temporarily)"),
     Patch("transformers.TrainingArguments", "gradient_checkpointing", "sets", "long sequences turn gradient "
           "checkpointing on (--sparse_gradient_checkpointing_min_length)", "disable_sparse_attention(model)",
           alternatives=("activation_checkpointing",)),

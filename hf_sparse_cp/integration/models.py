@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -108,14 +108,21 @@ class ProbeFailed(ValueError):
     """The probe forward of a model ran neither on the meta device nor on the model itself."""
 
 
+def _peft_config(model: torch.nn.Module) -> Any:
+    """The active adapter's config of a PEFT model, else None."""
+    return getattr(model, "active_peft_config", None)
+
+
 def _attention_calls(model: torch.nn.Module, with_shard: bool = False) -> list[tuple[str, ProbedCall]]:
     """`_probe` of the model's architecture on the meta device, or of the model itself where the architecture
-    does not build or run there. Raises `ProbeFailed` when neither runs."""
-    try:
-        return _probe(_architecture(model), "meta", with_shard)
-    except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
-        logger.info("Probing %s itself: its architecture does not run on the meta device (%s).", type(model).__name__,
-                    e)
+    does not build or run there, and for a PEFT model, whose adapter may run attention layers of its own that its
+    base architecture lacks (SHADOW's network). Raises `ProbeFailed` when neither runs."""
+    if _peft_config(model) is None:
+        try:
+            return _probe(_architecture(model), "meta", with_shard)
+        except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
+            logger.info("Probing %s itself: its architecture does not run on the meta device (%s).",
+                        type(model).__name__, e)
     try:
         return _probe(model, next(model.parameters()).device, with_shard)
     except Exception as e:
@@ -314,7 +321,7 @@ def _refuse_virtual_tokens(model: torch.nn.Module) -> None:
     """Refuse a PEFT prompt-learning model (prompt tuning, p-tuning, prefix tuning): its forward adds virtual tokens
     (embeddings before the inputs, or keys and values before every layer's) to the tokens it is given, which under
     context parallelism are each rank's shard: every rank would add them to its own part of the sequence."""
-    peft_config = getattr(model, "active_peft_config", None)
+    peft_config = _peft_config(model)
     if getattr(peft_config, "is_prompt_learning", False):
         kind = getattr(peft_config.peft_type, "value", peft_config.peft_type)
         raise ValueError(
@@ -322,6 +329,22 @@ def _refuse_virtual_tokens(model: torch.nn.Module) -> None:
             "to the tokens it is given, which under context parallelism are each rank's shard of the sequence, so "
             "the ranks would not share one sequence. Train it without context parallelism (--cp_size 1), or train an "
             "adapter that adds no tokens (LoRA, DoRA, IA3) with it.")
+
+
+def _refuse_adapter_attention(model: torch.nn.Module, missed: list[torch.nn.Module]) -> None:
+    """Refuse a PEFT model whose adapter runs attention layers of its own (SHADOW's network, outside the base model)
+    among the `missed` ones that the CP shard does not reach: each rank would run them on its own shard."""
+    names = {id(module): name for name, module in model.named_modules()}
+    base = {id(module) for module in model.get_base_model().modules()}
+    own = sorted(names[id(module)] for module in missed if id(module) not in base and id(module) in names)
+    if own:
+        config = _peft_config(model)
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        raise ValueError(
+            f"{type(model).__name__} is a PEFT {kind} model whose adapter runs attention layers of its own ({own[0]}"
+            f"{', ...' if len(own) > 1 else ''}) that the context-parallel shard does not reach: under context "
+            "parallelism each rank would run them on its own shard of the sequence only. Train it without context "
+            "parallelism (--cp_size 1), or train an adapter that adds no attention layers (LoRA, DoRA, IA3) with it.")
 
 
 def check_model_supports_context_parallel(
@@ -377,6 +400,8 @@ def check_model_supports_context_parallel(
     calls = _attention_calls(model, with_shard=True)
     _check_calls(model, impl, calls, _NO_CP_FIX)
     missed = sorted({layer for layer, call in calls if not call.reached})
+    if missed and _peft_config(model) is not None:
+        _refuse_adapter_attention(model, [call.module for _, call in calls if not call.reached])
     if missed:
         where = ", ".join(missed)
         raise ValueError(

@@ -46,8 +46,9 @@ from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
+from .adapter_loss import regularizer_share
 from .arguments import flag_errors
-from .router_loss import loss_share, router_loss_over_cp_group
+from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
 from .token_ids import CheckedCollate, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
@@ -542,8 +543,11 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             if num_items_in_batch is not None and not trainer.args.average_tokens_across_devices:
                 # (a count under CP takes the flag's form: `count_once_per_cp_group`)
                 seen.enter_context(temporarily(trainer.args, "average_tokens_across_devices", True))
-            # (the MoE router loss's value on each rank follows what this compute_loss does with the loss)
-            seen.enter_context(loss_share(trainer, num_items_in_batch, parallel().cp_size))
+            # (the MoE router loss's and an adapter regularizer's value on each rank follow what this compute_loss
+            # does with the loss)
+            share = model_loss_share(trainer, num_items_in_batch, parallel().cp_size)
+            seen.enter_context(loss_share(share))
+            seen.enter_context(regularizer_share(model, share))
             return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def predict(model, inputs, *rest, **kwargs):

@@ -14,7 +14,7 @@ SFTTrainer: `router_aux_loss_coef * aux_loss`, outside its multiplication by the
 gets one process's update. The Trainer's own loss with a token count (the model adds coef x L to its loss, which the
 Trainer multiplies by the number of processes, the CP ranks among them, with `average_tokens_across_devices`, which
 under CP it reads on during the call: `cp_group_steps`) gets the rank's share L / cp_size instead, whose CP group sum
-the Trainer's report of the loss and the update take: `loss_share` tells which, around each compute_loss.
+the Trainer's report of the loss and the update take: `model_loss_share` tells which, around each compute_loss.
 """
 
 from __future__ import annotations
@@ -83,14 +83,19 @@ def router_loss_over_cp_group(model: torch.nn.Module, patches) -> tuple[str, ...
     return names
 
 
-@contextlib.contextmanager
-def loss_share(trainer: Trainer, num_items_in_batch: Any, cp_size: int) -> Iterator[None]:
-    """Around a compute_loss under CP: the value of the router loss on each rank, L / cp_size where the Trainer's own
-    compute_loss multiplies the model's loss (which holds coef x L) by the number of processes, else L."""
+def model_loss_share(trainer: Trainer, num_items_in_batch: Any, cp_size: int) -> float:
+    """A CP rank's share of a term of the model's loss that every rank of the group computes alike: 1 / cp_size where
+    the Trainer's own compute_loss multiplies the model's loss by the number of processes, else 1."""
     args = trainer.args
     scaled = (type(trainer).compute_loss is Trainer.compute_loss and args.average_tokens_across_devices
               and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func) and num_items_in_batch is not None)
-    token = _SHARE.set(1.0 / cp_size if scaled else 1.0)
+    return 1.0 / cp_size if scaled else 1.0
+
+
+@contextlib.contextmanager
+def loss_share(share: float) -> Iterator[None]:
+    """Around a compute_loss under CP: the value of the router loss on each rank, L x `share` (`model_loss_share`)."""
+    token = _SHARE.set(share)
     try:
         yield
     finally:
