@@ -64,7 +64,7 @@ from hf_sparse_cp.config.files import check_field_types, read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.launch.refusals import end_refused
+from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
@@ -226,10 +226,16 @@ ACCELERATE_CONFIG_KEY = "compute_environment"
 
 class _Parser(HfArgumentParser):
     """argparse's own errors (a value of the wrong type, a missing value) print the prog and a pointer to --help
-    before the error, not the usage of every flag (~190 lines)."""
+    before the error, not the usage of every flag (~190 lines); every refusal is printed once by the processes
+    `hf-sparse-cp launch` starts, each of which parses the same flags (`refusals.exit_refused`)."""
 
     def error(self, message: str):
         self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}\n")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if status == REFUSED and message:
+            exit_refused(message)
+        super().exit(status, message)
 
 
 def _refuse(parser: HfArgumentParser, message: str) -> None:
