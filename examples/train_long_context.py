@@ -64,6 +64,7 @@ from hf_sparse_cp.config.files import check_field_types, read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
 from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -221,7 +222,6 @@ RENAMED = {"--seq_len": "--sparse_max_length", "--fused_loss": "--sparse_fused_l
 # written for the releases that had them run as they did.
 DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
-ACCELERATE_CONFIG_KEY = "compute_environment"
 
 
 class _Parser(HfArgumentParser):
@@ -283,11 +283,15 @@ def checkpoints_note(training: SparseTrainingArguments) -> str:
     return "no checkpoints (the demo's default; --save_steps N saves every N steps)"
 
 
-def recipe_flags(path: str) -> list[str]:
+def recipe_flags(path: str, given: str | None = None) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/). Raises ValueError
-    for an accelerate launch config (`compute_environment`, which accelerate writes in every one), naming its use."""
+    for an accelerate launch config or a sparse pattern (`recipe_kind`), naming its use (`given`: the recipe's name
+    or path as the user gave it)."""
     mapping = read_mapping(path, "flag names to values, e.g. `sparse_max_length: 32768`")
-    if ACCELERATE_CONFIG_KEY in mapping:
+    kind = recipe_kind(mapping)
+    if kind == "pattern":
+        raise ValueError(wrong_kind(given or path, path, mapping, "train"))
+    if kind == "accelerate":
         raise ValueError(
             f"{path} is a launch config for `accelerate launch --config_file`, not a training recipe of flags: run "
             f"`accelerate launch --config_file {path} -m hf_sparse_cp.examples.train_long_context [flags]`, or give "
@@ -323,7 +327,7 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     try:
         argv, recipe = take_recipe(list(argv))
         if recipe is not None:
-            argv = recipe_flags(str(recipe_path(recipe))) + argv
+            argv = recipe_flags(str(recipe_path(recipe)), recipe) + argv
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
         _refuse(parser, str(e))
     renamed = [f"{arg} is now {RENAMED[arg]}" for arg in argv if arg in RENAMED]
