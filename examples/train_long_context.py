@@ -327,7 +327,11 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     try:
         argv, recipe = take_recipe(list(argv))
         if recipe is not None:
-            argv = recipe_flags(str(recipe_path(recipe)), recipe) + argv
+            try:
+                path = recipe_path(recipe)
+            except FileNotFoundError:  # (named among the shipped training recipes alone, the kind it takes)
+                path = recipe_path(recipe, ("train",))
+            argv = recipe_flags(str(path), recipe) + argv
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
         _refuse(parser, str(e))
     renamed = [f"{arg} is now {RENAMED[arg]}" for arg in argv if arg in RENAMED]

@@ -81,8 +81,11 @@ def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str])
         given = options.config_file
         try:
             options.config_file = str(recipe_path(given))
-        except FileNotFoundError as e:
-            parser.error(str(e))
+        except FileNotFoundError:  # (named among the shipped launch configs alone, the kind it takes)
+            try:
+                recipe_path(given, ("accelerate",))
+            except FileNotFoundError as e:
+                parser.error(f"--config_file: {e}")
         try:  # (a training recipe or a pattern here ended in accelerate's traceback on its missing distributed_type)
             mistake = wrong_kind(given, options.config_file, read_mapping(options.config_file), "accelerate")
         except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)

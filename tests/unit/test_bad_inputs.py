@@ -381,6 +381,12 @@ def test_a_recipe_of_another_kind_is_named_with_the_flag_that_takes_it(capsys, t
         assert re.search(rf"^hf-sparse-cp train: error: --config_file {re.escape(given)}: \S+ is {what}, not a launch "
                          rf"config for `accelerate launch --config_file`: give it as `{use} {re.escape(given)}`\.$",
                          err, re.MULTILINE), err
+    # a name of none: the shipped names of the kind the flag takes (they listed every kind)
+    err = _train_command_error(capsys, ["--recipe", "nosuch"])
+    assert "qwen2.5-3b_32k" in err and "cpu_2proc_cp2" not in err and "trial" not in err, err
+    err = _train_command_error(capsys, ["--config_file", "nosuch.yaml"])
+    assert "error: --config_file: recipe 'nosuch.yaml' is neither a file nor a shipped recipe (cpu_2proc_cp2" in err
+    assert "qwen2.5-3b_32k" not in err and "trial" not in err, err
 
 
 @pytest.mark.parametrize("value", ["yes", [1, 2], 3])
