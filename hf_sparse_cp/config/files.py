@@ -155,7 +155,7 @@ class FileConfig:
         """Load from a .yaml/.yml or .json file (the fields may sit under a top-level `FILE_SECTION` key)."""
         data = read_mapping(path, f"{cls.KIND} fields")
         section = data.get(cls.FILE_SECTION, data)
-        if not isinstance(section, Mapping) and len(data) > 1:  # (`smet: true` beside other flags: a recipe's)
+        if isinstance(section, bool) and len(data) > 1:  # (`smet: true` beside other flags: a recipe's switch)
             others = sorted(set(data) - {cls.FILE_SECTION})
             raise ValueError(f"Config file {str(path)!r} holds flags, as a training recipe does (`{cls.FILE_SECTION}: "
                              f"{json.dumps(section)}` is the flag --{cls.FILE_SECTION}; {', '.join(others[:3])}"
