@@ -64,7 +64,8 @@ from hf_sparse_cp.config.files import check_field_types, read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.launch.refusals import end_refused
+from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
+from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
@@ -221,15 +222,20 @@ RENAMED = {"--seq_len": "--sparse_max_length", "--fused_loss": "--sparse_fused_l
 # written for the releases that had them run as they did.
 DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
-ACCELERATE_CONFIG_KEY = "compute_environment"
 
 
 class _Parser(HfArgumentParser):
     """argparse's own errors (a value of the wrong type, a missing value) print the prog and a pointer to --help
-    before the error, not the usage of every flag (~190 lines)."""
+    before the error, not the usage of every flag (~190 lines); every refusal is printed once by the processes
+    `hf-sparse-cp launch` starts, each of which parses the same flags (`refusals.exit_refused`)."""
 
     def error(self, message: str):
         self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}\n")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if status == REFUSED and message:
+            exit_refused(message)
+        super().exit(status, message)
 
 
 def _refuse(parser: HfArgumentParser, message: str) -> None:
@@ -277,11 +283,15 @@ def checkpoints_note(training: SparseTrainingArguments) -> str:
     return "no checkpoints (the demo's default; --save_steps N saves every N steps)"
 
 
-def recipe_flags(path: str) -> list[str]:
+def recipe_flags(path: str, given: str | None = None) -> list[str]:
     """Command-line flags from a YAML/JSON recipe of `flag: value` pairs (see recipes/train/). Raises ValueError
-    for an accelerate launch config (`compute_environment`, which accelerate writes in every one), naming its use."""
+    for an accelerate launch config or a sparse pattern (`recipe_kind`), naming its use (`given`: the recipe's name
+    or path as the user gave it)."""
     mapping = read_mapping(path, "flag names to values, e.g. `sparse_max_length: 32768`")
-    if ACCELERATE_CONFIG_KEY in mapping:
+    kind = recipe_kind(mapping)
+    if kind == "pattern":
+        raise ValueError(wrong_kind(given or path, path, mapping, "train"))
+    if kind == "accelerate":
         raise ValueError(
             f"{path} is a launch config for `accelerate launch --config_file`, not a training recipe of flags: run "
             f"`accelerate launch --config_file {path} -m hf_sparse_cp.examples.train_long_context [flags]`, or give "
@@ -317,7 +327,11 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     try:
         argv, recipe = take_recipe(list(argv))
         if recipe is not None:
-            argv = recipe_flags(str(recipe_path(recipe))) + argv
+            try:
+                path = recipe_path(recipe)
+            except FileNotFoundError:  # (named among the shipped training recipes alone, the kind it takes)
+                path = recipe_path(recipe, ("train",))
+            argv = recipe_flags(str(path), recipe) + argv
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
         _refuse(parser, str(e))
     renamed = [f"{arg} is now {RENAMED[arg]}" for arg in argv if arg in RENAMED]

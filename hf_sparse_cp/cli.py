@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("simulate", add_help=False,
                    help="Predict training-step time, tokens/s and speedup of context parallelism on a GPU cluster from "
                    "the ring's own plans, for a preset or any config.json (`hf-sparse-cp simulate --help` lists its "
-                   "flags; writes JSON and a plot).")
+                   "flags; writes JSON, and a plot where matplotlib is installed).")
     sub.add_parser("memory", add_help=False,
                    help="Predict how long a sequence fits on a GPU for a preset or any config.json (with CP, FSDP, "
                    "token tiles, offload) and which terms its memory holds (`hf-sparse-cp memory --help` lists its "

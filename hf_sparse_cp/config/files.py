@@ -154,7 +154,14 @@ class FileConfig:
     def from_file(cls, path: str | Path):
         """Load from a .yaml/.yml or .json file (the fields may sit under a top-level `FILE_SECTION` key)."""
         data = read_mapping(path, f"{cls.KIND} fields")
-        return cls.from_section(data.get(cls.FILE_SECTION, data), f"Config file {str(path)!r}")
+        section = data.get(cls.FILE_SECTION, data)
+        if isinstance(section, bool) and len(data) > 1:  # (`smet: true` beside other flags: a recipe's switch)
+            others = sorted(set(data) - {cls.FILE_SECTION})
+            raise ValueError(f"Config file {str(path)!r} holds flags, as a training recipe does (`{cls.FILE_SECTION}: "
+                             f"{json.dumps(section)}` is the flag --{cls.FILE_SECTION}; {', '.join(others[:3])}"
+                             f"{', ...' if len(others) > 3 else ''}), not the {cls.KIND} fields: give it as "
+                             f"`hf-sparse-cp train --recipe {path}`, and here a file of {cls.KIND} fields.")
+        return cls.from_section(section, f"Config file {str(path)!r}")
 
     @classmethod
     def from_section(cls, value: Any, where: str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -113,8 +114,9 @@ def _trl_command(target: str, is_module: bool) -> bool:
 def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (), *,
                   usage: str, prog: str, args: Sequence[str] = ()) -> None:
     """Exit as argparse ends a bad flag (`usage`, `prog: error: ...`, status 2) naming what the launcher expected
-    when `split_command` found no script, the script's path is not a file, or it is TRL's command line, which would
-    train without the plugin (nothing to check with `--help`, which lists the flags)."""
+    when `split_command` found no script, the script's path is not a file, the module's package is not installed,
+    or it is TRL's command line, which would train without the plugin (nothing to check with `--help`, which lists
+    the flags)."""
     if {"-h", "--help"} & set(flags):
         return
     if target is not None and _trl_command(target, is_module):
@@ -136,6 +138,9 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
             why = f"{e}"
     elif not is_module and not os.path.isfile(target):
         why = f"can't open file {os.path.abspath(target)!r}: no such file"
+    elif is_module and importlib.util.find_spec(package := target.split(".")[0]) is None:
+        # (the top-level package only: finding a submodule imports its parents, before the plugin's changes)
+        why = f"no module named {package!r} (of -m {target}): install it, or check the name"
     else:
         return
     # as argparse ends a bad flag: the usage, then `prog: error: ...` on stderr, exit status 2

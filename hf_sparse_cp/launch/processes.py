@@ -32,6 +32,13 @@ OPTIONS_HELP = ("--nproc N: N local processes (torchrun; gloo on CPU), default 1
 
 
 LAUNCHER_OPTIONS = ("--nproc", "--config_file")  # each takes one value
+# What a recipe file of each kind (`recipes.KINDS`) is, and where it goes ({}: its name or path), for one given where
+# another kind goes
+KIND_USES = {"train": ("a training recipe of flags", "`hf-sparse-cp train --recipe {}`"),
+             "accelerate": ("a launch config for `accelerate launch --config_file`", "`--config_file {}`"),
+             "pattern": ("a sparse pattern (SparseAttentionConfig fields)", "`--sparse_config {}`")}
+# The keys accelerate writes in every launch config (`compute_environment`) or requires (`distributed_type`)
+ACCELERATE_KEYS = frozenset(("compute_environment", "distributed_type"))
 
 
 def launcher_options(prog: str, usage: str) -> argparse.ArgumentParser:
@@ -68,13 +75,47 @@ def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str])
         parser.error(f"--nproc {options.nproc} with --config_file {options.config_file}: the accelerate config sets "
                      "the processes (its num_processes); drop --nproc, or drop --config_file to launch with torchrun.")
     if options.config_file:
+        from hf_sparse_cp.config.files import read_mapping
         from hf_sparse_cp.recipes import recipe_path
 
+        given = options.config_file
         try:
-            options.config_file = str(recipe_path(options.config_file))
-        except FileNotFoundError as e:
-            parser.error(str(e))
+            options.config_file = str(recipe_path(given))
+        except FileNotFoundError:  # (named among the shipped launch configs alone, the kind it takes)
+            try:
+                recipe_path(given, ("accelerate",))
+            except FileNotFoundError as e:
+                parser.error(f"--config_file: {e}")
+        try:  # (a training recipe or a pattern here ended in accelerate's traceback on its missing distributed_type)
+            mistake = wrong_kind(given, options.config_file, read_mapping(options.config_file), "accelerate")
+        except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)
+            mistake = None
+        if mistake:
+            parser.error(f"--config_file {given}: {mistake}")
     return options, rest
+
+
+def recipe_kind(mapping: Mapping) -> str:
+    """The kind (of `recipes.KINDS`) of a recipe file's `mapping`: 'accelerate' with accelerate's keys, 'pattern'
+    when it holds only the keys of a `SparseAttentionConfig` (flat, in sections, or under its file section), else
+    'train'."""
+    from hf_sparse_cp.config import SparseAttentionConfig
+
+    if ACCELERATE_KEYS & set(mapping):
+        return "accelerate"
+    if mapping and set(mapping) <= {*SparseAttentionConfig.keys(), SparseAttentionConfig.FILE_SECTION}:
+        return "pattern"
+    return "train"
+
+
+def wrong_kind(given: str, path: str, mapping: Mapping, wanted: str) -> str | None:
+    """Where the file `given` (found at `path`, holding `mapping`) goes when it is a recipe of another kind than
+    `wanted` (a message naming the flag that takes it); None when it is of that kind."""
+    kind = recipe_kind(mapping)
+    if kind == wanted:
+        return None
+    what, use = KIND_USES[kind]
+    return f"{path} is {what}, not {KIND_USES[wanted][0]}: give it as {use.format(given)}."
 
 
 def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.environ) -> int | None:

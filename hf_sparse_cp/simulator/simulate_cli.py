@@ -47,7 +47,7 @@ import torch
 
 from ..attention.build import dense_layout
 from ..attention.tokens import TokenMeta
-from ..backends import require_matplotlib
+from ..backends import PLOT_EXTRA, require_matplotlib
 from ..config import SparseAttentionConfig
 from ..distributed.heads.split import HeadSplit
 from ..distributed.modes import CPMode
@@ -149,7 +149,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="Output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
                    "the current directory, benchmarks/results for benchmarks/simulate_cluster.py; a missing folder is "
                    "created).")
-    p.add_argument("--png", default=None, help="Plot file (default: next to the JSON; a missing folder is created).")
+    p.add_argument("--png", default=None, help="Plot file (default: next to the JSON, when matplotlib is installed; a "
+                   "missing folder is created).")
     return p
 
 
@@ -195,7 +196,8 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--cp {cp} --cp_mode {args.cp_mode}: {e}")
     try:
-        require_matplotlib()  # (the plot: before minutes of simulation, not after)
+        if args.png:  # (a plot asked for by name: refused before minutes of simulation, not after)
+            require_matplotlib()
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
                 check_output_file(path, flag)
@@ -498,6 +500,11 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     file_name = f"simulate-cluster_{name}_{cluster_tag}" + (f"_{args.mix}" if args.mix else "") + ".json"
     out = Path(args.json) if args.json else (results or Path.cwd()) / file_name
     write_output(out, json.dumps(report, indent=1) + "\n")
+    try:
+        require_matplotlib()
+    except ImportError:  # (only the default plot gets here: the JSON holds every row it would draw)
+        print(f"wrote {out} (no plot: drawing it needs matplotlib, {PLOT_EXTRA})")
+        return report
     png = Path(args.png) if args.png else out.with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, png, f"{name} on {cluster.name}" + (f", rows packed with the {args.mix} mix" if args.mix else ""))

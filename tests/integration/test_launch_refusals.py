@@ -66,3 +66,17 @@ def test_a_bug_in_a_launched_script_keeps_its_traceback_and_the_launchers_report
     assert done.returncode == 1, done.stderr[-6000:]
     assert "RuntimeError: a bug of the script" in done.stderr and "Traceback" in done.stderr
     assert "ChildFailedError" in done.stderr and "failed (exitcode: 1)" in done.stderr, done.stderr[-6000:]
+
+
+def test_the_examples_refusal_under_launch_is_printed_once(tmp_path):
+    """Issue #50: the long-context example's own refusals (a bad value, a mistyped flag) went through argparse's exit,
+    so `hf-sparse-cp launch --nproc N examples/train_long_context.py` printed them once per process; they now go
+    through the launcher's folder as a stock script's parser's do."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_long_context.py"
+    done = launch_cli(["launch", "--nproc", "2", str(example), "--sparse_max_length", "0"], cwd=tmp_path,
+                      env={"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-6000:]
+    assert done.stderr.count("--sparse_max_length 0: a training sequence needs at least") == 1, done.stderr[-6000:]
+    assert "Traceback" not in done.stderr, done.stderr[-6000:]

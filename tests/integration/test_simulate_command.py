@@ -1,7 +1,9 @@
 """`hf-sparse-cp simulate` and benchmarks/simulate_cluster.py end to end (tiny sizes): the report, its
 sources and the plot."""
 
+import json
 import re
+import sys
 
 import pytest
 
@@ -197,3 +199,24 @@ def test_simulate_answers_for_the_cp_mode_asked(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--seq", "32768", "--cp", "8", "--cp_mode", "hybrid"])
     assert "--cp_mode hybrid needs --cp_ulysses_size" in capsys.readouterr().err
+
+
+def test_simulate_without_matplotlib_writes_its_json_and_refuses_only_a_plot_asked_for(tmp_path, monkeypatch, capsys):
+    """Issue #50: on the README's install (`.[demo]`, no matplotlib) `hf-sparse-cp simulate` with no flags was
+    refused for its default plot, a file nobody asked for: it now writes the JSON and says how to get the plot;
+    `--png FILE` is still refused before the simulation, naming the extra."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    for name in ("matplotlib", "matplotlib.figure"):  # (as on a machine without it)
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "qwen2.5-0.5b", "--seq", "8192", "--cp", "2", "--layout-heads", "1", "--no-mtraining"]
+    report = simulate_cli.main(args)
+    out = tmp_path / "simulate-cluster_qwen2.5-0.5b_8xH100-IB400.json"
+    assert json.loads(out.read_text())["rows"] == report["rows"] and report["rows"]
+    assert not list(tmp_path.glob("*.png"))
+    assert f"wrote {out} (no plot: drawing it needs matplotlib, pip install 'hf-sparse-cp[plot]')" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        simulate_cli.main([*args, "--png", str(tmp_path / "a.png")])
+    assert refused.value.code == 2 and "needs matplotlib: pip install 'hf-sparse-cp[plot]'" in capsys.readouterr().err

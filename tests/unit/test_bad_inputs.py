@@ -357,6 +357,38 @@ def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys,
         assert "unrecognized arguments" not in err
 
 
+def test_a_recipe_of_another_kind_is_named_with_the_flag_that_takes_it(capsys, tmp_path):
+    """Issue #50: `hf-sparse-cp train --recipe trial` (a shipped pattern, which `hf-sparse-cp recipes` lists beside
+    the training recipes) was refused with '--min_seq_len is now --sparse_min_seq_len; ...', flags the user never
+    typed; a training recipe or a pattern given as --config_file ended in accelerate's traceback on its missing
+    distributed_type. Each now names what the file is and the flag it goes to (own files too)."""
+    own = tmp_path / "pattern.yaml"
+    own.write_text("sparse_attention:\n  block_size: 64\n  budget: {mode: topk, vertical_topk: 32}\n")
+    flat = tmp_path / "flat.json"
+    flat.write_text('{"vertical_topk": 32, "min_seq_len": 0}')
+    for given in ("trial", str(own), str(flat)):
+        err = _train_command_error(capsys, ["--recipe", given])
+        expected = (r"^\S+: error: \S+ is a sparse pattern \(SparseAttentionConfig fields\), not a training recipe of "
+                    rf"flags: give it as `--sparse_config {re.escape(given)}`\.$")
+        assert re.search(expected, err, re.MULTILINE), err
+        assert "is now" not in err
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("sparse_max_length: 512\ncp_size: 2\n")
+    for given, what, use in (("qwen2.5-3b_32k", "a training recipe of flags", "hf-sparse-cp train --recipe"),
+                             (str(recipe), "a training recipe of flags", "hf-sparse-cp train --recipe"),
+                             ("trial", r"a sparse pattern \(SparseAttentionConfig fields\)", "--sparse_config")):
+        err = _train_command_error(capsys, ["--config_file", given])
+        assert re.search(rf"^hf-sparse-cp train: error: --config_file {re.escape(given)}: \S+ is {what}, not a launch "
+                         rf"config for `accelerate launch --config_file`: give it as `{use} {re.escape(given)}`\.$",
+                         err, re.MULTILINE), err
+    # a name of none: the shipped names of the kind the flag takes (they listed every kind)
+    err = _train_command_error(capsys, ["--recipe", "nosuch"])
+    assert "qwen2.5-3b_32k" in err and "cpu_2proc_cp2" not in err and "trial" not in err, err
+    err = _train_command_error(capsys, ["--config_file", "nosuch.yaml"])
+    assert "error: --config_file: recipe 'nosuch.yaml' is neither a file nor a shipped recipe (cpu_2proc_cp2" in err
+    assert "qwen2.5-3b_32k" not in err and "trial" not in err, err
+
+
 @pytest.mark.parametrize("value", ["yes", [1, 2], 3])
 def test_a_saved_model_whose_sparse_attention_key_is_not_a_mapping_is_named(tmp_path, value):
     """Issue #41 item 7: 'dictionary update sequence element #0 ...' at the first forward."""

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,21 @@ def test_a_budget_mode_given_over_a_file_of_another_mode_replaces_its_budget_who
     assert config.budget == TopK(512, 8) and not caplog.records
     with pytest.raises(ValueError, match="pass --sparse_budget_mode mass"):  # a field of another mode, no mode
         SparseAttentionConfig.from_file_and_flags(topk, {"mass_target": 0.5}, explicit={"mass_target"})
+
+
+def test_a_training_recipe_given_as_a_config_file_is_named_one(tmp_path):
+    """Issue #50: a file of flags (a training recipe, whose `sparse_attention: true` / `smet: true` is a flag) given as
+    --sparse_config / --smet_config was refused as "key 'sparse_attention' holds True; it must hold a mapping": it
+    now says it is a recipe and where it goes."""
+    from hf_sparse_cp.smet import SMETConfig
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("sparse_attention: true\nsparse_max_length: 4096\nsmet: true\nsmet_density: 0.5\n")
+    for cls, section in ((SparseAttentionConfig, "sparse_attention"), (SMETConfig, "smet")):
+        with pytest.raises(ValueError, match=rf"^Config file '{re.escape(str(recipe))}' holds flags, as a training "
+                                             rf"recipe does \(`{section}: true` is the flag --{section}; .*\), not the "
+                                             rf"{cls.KIND} fields: give it as `hf-sparse-cp train --recipe "):
+            cls.from_file(recipe)
+    (tmp_path / "alone.yaml").write_text("sparse_attention: true\n")  # (the section alone: the mapping it must hold)
+    with pytest.raises(ValueError, match="key 'sparse_attention' holds True; it must hold a mapping"):
+        SparseAttentionConfig.from_file(tmp_path / "alone.yaml")

@@ -153,6 +153,10 @@ def test_only_plugin_flags_go_before_the_script_path(capsys):
     assert _refused(capsys, ["--cp_size", "1"]) == error + "name the script to run (a .py file, or -m module).\n"
     err = _refused(capsys, ["missing_script.py"])
     assert re.fullmatch(re.escape(error) + "can't open file '.*missing_script.py': no such file.\n", err), err
+    # (#50: a module not installed was a traceback from every launched process)
+    err = _refused(capsys, ["--cp_size", "1", "-m", "no_such_package.train", "--output_dir", "out"])
+    assert err == error + ("no module named 'no_such_package' (of -m no_such_package.train): install it, or check "
+                           "the name.\n")
     # a bad value of a plugin flag before the script path: argparse's message, as the script's parser gives it after
     err = _refused(capsys, ["--sparse_vertical_topk", "abc", __file__])
     assert err == error + "argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int value: 'abc'.\n"
