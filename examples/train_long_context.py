@@ -468,14 +468,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if script.summary_file:
             Path(script.summary_file).write_text(json.dumps(summary, indent=2))
         saved = checkpoints_note(training)
-        loss = (f"loss {summary['first_loss']:.4f} (step {summary['first_loss_step']}) -> {summary['final_loss']:.4f} "
-                f"(step {summary['final_loss_step']})" if logged else "no step trained")
+        if not logged:
+            loss = "no step trained"
+        elif summary["first_loss_step"] == summary["final_loss_step"]:  # (one logged loss: nothing to compare)
+            loss = f"loss {summary['final_loss']:.4f} (step {summary['final_loss_step']})"
+        else:
+            loss = (f"loss {summary['first_loss']:.4f} (step {summary['first_loss_step']}) -> "
+                    f"{summary['final_loss']:.4f} (step {summary['final_loss_step']})")
         # a curriculum's length and CP degree change by stage: its schedule says them
         shape = (f"on {parallel.world_size} process(es), cp_schedule {training.cp_schedule}" if training.cp_schedule
                  else f"at {training.sparse_max_length} tokens on {parallel.world_size} process(es), "
                  f"CP={parallel.cp_size}")
+        steps = trainer.state.global_step
         print(
-            f"done: {trainer.state.global_step} steps {shape} | {loss} | mean kept fraction "
+            f"done: {steps} step{'s' if steps != 1 else ''} {shape} | {loss} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"
         )
     return summary

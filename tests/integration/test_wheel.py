@@ -63,4 +63,6 @@ def test_the_installed_package_lists_and_runs_a_recipe(installed):
     out = _run(cli, "train", "--recipe", "qwen2.5-3b_32k", "--sparse_max_length", "256", "--sparse_min_seq_len", "128",
                "--num_samples", "1", "--max_steps", "1", "--tiny_num_layers", "1", "--cp_size", "1",
                "--output_dir", tmp / "run", "--save_strategy", "no", cwd=tmp)
-    assert "done: 1 steps at 256 tokens on 1 process(es), CP=1" in out
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert done.startswith("done: 1 step at 256 tokens on 1 process(es), CP=1 | loss ")
+    assert "->" not in done.split("|")[1]  # (one logged loss: no first -> last)
