@@ -320,7 +320,8 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
     sentence of its refusal, naming the model type and the fix), or None: soft-capping, a keyword of
     `_UNSUPPORTED_KWARGS`, learned sinks (`s_aux`) of another shape than one per query head or in a layer whose
     `config.layer_types` entry is not a plain attention layer (DeepSeek-V4's compressed layers append keys of their
-    own making, which sparse_cp would take for a KV cache), or a bidirectional layer (the module's `is_causal`, or
+    own making, which sparse_cp would take for a KV cache), a cross-attention layer (Mllama's: transformers' name
+    for it, or its `is_cross_attention`), or a bidirectional layer (the module's `is_causal`, or
     `is_causal=False` passed to the call). A probe forward records it (`ProbedCall.unsupported`), so that the model
     checks refuse it before training."""
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -339,6 +340,11 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
         name, what = found
         return (f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
                 "attn_implementation='eager' (--sparse_attention false).")
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+        return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
+                f"type '{model_type}' is cross-attention: its queries attend to the keys of another sequence (an "
+                "image's features). Load the model with attn_implementation='sdpa' (--sparse_attention false), or "
+                "train it on batches without the cross-attention inputs (its text-only forward skips those layers).")
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is bidirectional; use attn_implementation='sdpa' for it (--sparse_attention "
