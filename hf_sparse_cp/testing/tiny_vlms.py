@@ -39,9 +39,9 @@ def tiny_vlm_config(model_type: str, vocab_size: int = 300) -> PretrainedConfig:
                       attention_heads=2, image_size=16, patch_size=8, max_num_tiles=1, intermediate_layers_indices=[0],
                       vision_output_dim=64, supported_aspect_ratios=[[1, 1]])
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_index=ids["image"])
+    rope = dict(_MROPE, **({"mrope_interleaved": True} if model_type == "qwen3_vl" else {}))
     text = tiny_config(text_type, vocab_size=vocab_size,
-                       **({"rope_parameters": dict(_MROPE, mrope_interleaved=model_type == "qwen3_vl")}
-                          if model_type.startswith("qwen") else {})).to_dict()
+                       **({"rope_parameters": rope} if model_type.startswith("qwen") else {})).to_dict()
     siglip = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8)
     if model_type.startswith("qwen"):
         vision = {"qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=128, num_heads=2, patch_size=4, mlp_ratio=2),
