@@ -1,7 +1,9 @@
-"""Multimodal RoPE position_ids ([3, B, S] and [4, B, S]: one row per rotary axis, the text row first in the 4-row
-form) in Trainer batches under CP 2 (ring and Ulysses) against one process, and a vision-language model refused at the
-start of CP."""
+"""Inputs beside the token ids under CP 2 against one process: multimodal RoPE position_ids ([3, B, S] and [4, B, S]:
+one row per rotary axis, the text row first in the 4-row form) in Trainer batches (ring and Ulysses), other per-token
+tensors (GPT-2's token_type_ids), and a vision-language model (its tower's inputs are the whole batch's) refused at
+the start of CP."""
 
+import copy
 import os
 import tempfile
 
@@ -106,10 +108,47 @@ def _refused_vision_language_model(rank: int, world: int) -> str:
     return "not refused"
 
 
+def _token_types(rank: int, world: int) -> dict:
+    """GPT-2's logits with token_type_ids (embedded per token) under CP `world` against one process's (sdpa), for
+    sequences whose shards pad (100 tokens) or hold as many positions as the sequence (32 tokens, zigzag: 4 blocks of
+    16 for 2 ranks)."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
+    from hf_sparse_cp.integration.backend import guard_context_parallel
+
+    hf_sparse_cp.patch()
+    keep_all = SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4, slash_topk=10**4)
+    config = tiny_config("gpt2", vocab_size=97, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    model = copy.deepcopy(ref)
+    hf_sparse_cp.configure(model, keep_all)
+    guard_context_parallel(model)
+    errors = {}
+    for sharding, seq in (("zigzag", 32), ("striped", 100)):
+        parallel = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_sharding=sharding))
+        ids = torch.randint(3, 97, (2, seq), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": ids, "token_type_ids": (torch.arange(seq) >= seq // 3).long().expand(2, seq) + 5}
+        with torch.no_grad():
+            full = ref(**batch).logits
+            local = prepare_context_parallel_inputs(batch, parallel, block_size=16, sparse_config=keep_all)
+            try:
+                out = local["cp_shard"].whole_sequence(model(**local).logits)
+            except RuntimeError as e:
+                errors[sharding, seq] = str(e)
+                continue
+        errors[sharding, seq] = rel_rms(out, full)
+    return errors
+
+
 @pytest.fixture(scope="module")
 def runs():
     calls = {(mode, rows): (_train, (mode, rows)) for mode in ("ring", "ulysses") for rows in (3, 4)}
     calls["refusal"] = (_refused_vision_language_model, ())
+    calls["token_types"] = (_token_types, ())
     one = run_gloo_each({**{rows: (_train, ("one", rows)) for rows in (3, 4)}, "text": (_train, ("one", 1))}, 1,
                         timeout_s=900)
     return one, run_gloo_each(calls, 2, timeout_s=1200)
@@ -132,3 +171,12 @@ def test_a_vision_language_model_is_refused_at_the_start_of_cp_naming_the_fix(ru
     for refusal in runs[1]["refusal"]:
         assert "Qwen2VLForConditionalGeneration has non-text towers (vision_config)" in refusal, refusal
         assert "--cp_size 1; sparse attention then runs in its language model" in refusal, refusal
+
+
+def test_per_token_tensors_beside_the_ids_are_sharded_with_them(runs):
+    """GPT-2's token_type_ids passed whole to every rank: a shard of as many positions as the sequence (zigzag, 32
+    tokens) added the token types of the sequence's first positions to its tokens (logits 0.47 from one process's),
+    a padded one failed in GPT-2's forward ("shape '[-1, 64]' is invalid for input of size 200"). They are sharded as
+    the ids are now."""
+    for errors in runs[1]["token_types"]:
+        assert all(isinstance(e, float) and e <= 1e-12 for e in errors.values()), errors
