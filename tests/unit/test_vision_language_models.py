@@ -102,16 +102,18 @@ def test_a_prefix_lm_language_model_is_refused_by_configure():
 
 
 def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone():
-    """A model loaded with attn_implementation='sparse_cp' everywhere (its tower refused at its first image batch):
-    enable_sparse_attention keeps the language model on it and moves the tower to sdpa; the undo restores each
-    sub-config's implementation."""
+    """A model loaded with attn_implementation='sparse_cp' everywhere: its tower is refused at its first image batch,
+    naming configure (Mllama's tower, which has no `is_causal`, was refused as 'a 4D attention mask ... call
+    hf_sparse_cp.patch() before building the model'); enable_sparse_attention keeps the language model on it and
+    moves the tower to sdpa; the undo restores each sub-config's implementation."""
     from hf_sparse_cp import SparseCPArguments
     from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
     hf_sparse_cp.patch()
     model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"), attn_implementation="sparse_cp")
     batch = with_image(model.config, torch.randint(3, 290, (1, 64)))
-    with pytest.raises(ValueError, match=r"this layer \(CLIPAttention\) of model type 'clip_vision_model' is bidir"):
+    with pytest.raises(ValueError, match=r"this layer \(CLIPAttention, model type 'clip_vision_model'\) is in the "
+                                         r"model's vision tower.*hf_sparse_cp.configure\(model\)"):
         model(**batch)
     enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), KEEP_ALL)
     assert compat.attn_implementation(model.config.vision_config) == "sdpa"
@@ -128,3 +130,13 @@ def test_context_parallelism_refuses_a_vision_language_model_naming_the_fix():
     with pytest.raises(ValueError, match=r"Qwen2VLForConditionalGeneration has non-text towers \(vision_config\).*"
                                          r"pixel_values.*--cp_size 1; sparse attention then runs in its language"):
         check_model_supports_context_parallel(model)
+
+
+def test_a_tower_without_is_causal_on_the_backend_is_refused_as_a_tower():
+    """Mllama's vision attention has no `is_causal`: loaded on sparse_cp, its image batch was refused as 'a 4D
+    attention mask ... call hf_sparse_cp.patch() before building the model'; now as a layer of its vision tower."""
+    hf_sparse_cp.patch()
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("mllama"), attn_implementation="sparse_cp")
+    with pytest.raises(ValueError, match=r"\(MllamaVisionAttention, model type 'mllama_vision_model'\) is in the "
+                                         r"model's vision tower"):
+        model(**with_image(model.config, torch.randint(3, 290, (1, 64))))
