@@ -6,6 +6,7 @@
 * `registration.py`: `patch`, `unpatch`, `configure`;
 * `lean_loss.py`: `enable_lean_loss` / `disable_lean_loss` (causal-LM loss without full logits);
 * `models.py`: which models context parallelism supports;
+* `composite.py`: the backend selected for a composite model's language model, its towers keeping their attention;
 * `stats.py`: the per-layer kept fraction the backend records;
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;
 * `compat.py`: every private transformers / accelerate / torch / Triton member we use, and every

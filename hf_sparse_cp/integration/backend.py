@@ -307,6 +307,9 @@ def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, 
 # Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
 # implement (a call that carries one is refused rather than computed without it).
 # (`s_aux`, the learned sinks of GPT-OSS and others, is computed: `attention.sinks`; Inkling 2's are per token.)
+# The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
+TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
+
 _UNSUPPORTED_KWARGS = {
     "sinks": "learned attention sinks per token",  # Inkling 2
     "position_bias": "an additive bias on the attention logits",  # Inkling's relative logits, T5-style models
@@ -320,7 +323,9 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
     sentence of its refusal, naming the model type and the fix), or None: soft-capping, a keyword of
     `_UNSUPPORTED_KWARGS`, learned sinks (`s_aux`) of another shape than one per query head or in a layer whose
     `config.layer_types` entry is not a plain attention layer (DeepSeek-V4's compressed layers append keys of their
-    own making, which sparse_cp would take for a KV cache), or a bidirectional layer (the module's `is_causal`, or
+    own making, which sparse_cp would take for a KV cache), a layer of a composite model's vision or audio tower
+    (its config's `base_config_key`), a cross-attention layer (Mllama's: transformers' name for it, or its
+    `is_cross_attention`), or a bidirectional layer (the module's `is_causal`, or
     `is_causal=False` passed to the call). A probe forward records it (`ProbedCall.unsupported`), so that the model
     checks refuse it before training."""
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -339,6 +344,19 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
         name, what = found
         return (f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
                 "attn_implementation='eager' (--sparse_attention false).")
+    tower = getattr(getattr(module, "config", None), "base_config_key", None)
+    if tower in TOWER_CONFIG_KEYS:  # (a composite model switched whole: `composite.backend_selection` keeps it out)
+        return (f"sparse_cp computes a language model's causal self-attention, but this layer "
+                f"({type(module).__name__}, model type '{model_type}') is in the model's "
+                f"{tower.removesuffix('_config')} tower, which attends over its own inputs as a whole; switch "
+                "the language model alone: hf_sparse_cp.configure(model) or "
+                "--sparse_attention (its towers keep their attention), or load the model with attn_implementation="
+                f"{{'text_config': 'sparse_cp', '{tower}': 'sdpa'}}.")
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+        return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
+                f"type '{model_type}' is cross-attention: its queries attend to the keys of another sequence (an "
+                "image's features). Load the model with attn_implementation='sdpa' (--sparse_attention false), or "
+                "train it on batches without the cross-attention inputs (its text-only forward skips those layers).")
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is bidirectional; use attn_implementation='sdpa' for it (--sparse_attention "

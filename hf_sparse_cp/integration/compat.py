@@ -285,7 +285,8 @@ PATCHES = (
           "returns the KV cache under this release's field name (5.24 renamed it)",
           alternatives=("past_key_values",)),
     Patch("transformers.PretrainedConfig", "_attn_implementation", "reads", "the attention implementation a "
-          "model uses (model checks under CP)"),
+          "model uses (model checks under CP), and each sub-config's, which a composite model's towers keep and the "
+          "undo restores (integration/composite.py)"),
     # -- torch and Triton --
     Patch("torch.Tensor", "_version", "reads", "a layout's derived tensors are reused only while nothing wrote "
           "its tensors in place (autograd's own saved-tensor check)"),

@@ -53,6 +53,7 @@ from .backend import (
     masked_locality,
     probing,
 )
+from .composite import backend_selection, in_tower, tower_names
 
 if TYPE_CHECKING:
     from ..distributed.mesh import ParallelDims
@@ -99,8 +100,7 @@ def _architecture(model: torch.nn.Module) -> torch.nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.device("meta"):
         shadow = type(base)(copy.deepcopy(base.config))
-    if compat.attn_implementation(shadow.config) != BACKEND_NAME:
-        shadow.set_attn_implementation(BACKEND_NAME)
+    shadow.set_attn_implementation(backend_selection(shadow.config, BACKEND_NAME))
     return shadow
 
 
@@ -294,7 +294,9 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only: "
                          f"{stock}")
-    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]
+    towers = tower_names(model)  # (they keep their own attention: `composite`)
+    bidirectional = [n for n, m in model.named_modules()
+                     if getattr(m, "is_causal", True) is False and not in_tower(n, towers)]
     if bidirectional:
         raise ValueError(
             f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); sparse_cp computes causal "
@@ -369,8 +371,11 @@ def check_model_supports_context_parallel(
     sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
     if sub:
         raise ValueError(
-            f"{name} has non-text towers ({', '.join(sub)}) whose attention is not sharded; sparse context "
-            "parallelism supports text-only causal language models."
+            f"{name} has non-text towers ({', '.join(sub)}), which context parallelism does not split: each rank "
+            "would hold a shard of the tokens while the towers' inputs (pixel_values, image_grid_thw, ...) and the "
+            "positions of their outputs in the sequence are the whole batch's. Train it without context parallelism "
+            "(--cp_size 1; sparse attention then runs in its language model, the towers keep their own attention), "
+            "or train its language model alone under context parallelism."
         )
     impl = compat.attn_implementation(config)
     if impl != backend:

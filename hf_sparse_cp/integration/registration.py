@@ -22,6 +22,7 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from . import compat
 from .backend import is_registered, pass_positions_on, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
+from .composite import backend_selection, implementations
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
 
@@ -115,17 +116,19 @@ def store_pattern(model: torch.nn.Module, value: dict | None, patches: PatchSet 
             patches.set_attr(holder, MODEL_CONFIG_ATTRIBUTE, value)
 
 
-def select_backend(model: torch.nn.Module) -> str | None:
+def select_backend(model: torch.nn.Module) -> str | dict | None:
     """Switch `model` to `attn_implementation="sparse_cp"` and check that its attention now runs through it
     (`models.check_attention_routed`: transformers keeps another implementation for an architecture outside its
-    AttentionInterface). Raises ValueError, naming the architecture and the fix, with the model's implementation
-    left as it was. Returns the implementation the model had."""
-    previous = compat.attn_implementation(model.config)
-    model.set_attn_implementation(BACKEND_NAME)
+    AttentionInterface). A composite model switches its language model only, its towers keeping their attention
+    (`composite.backend_selection`). Raises ValueError, naming the architecture and the fix, with the model's
+    implementations left as they were. Returns the implementations the model had (`composite.implementations`: the
+    name alone for a model without sub-configs)."""
+    previous = implementations(model.config)
+    model.set_attn_implementation(backend_selection(model.config, BACKEND_NAME))
     try:
         check_attention_routed(model)
     except ValueError:
-        if previous is not None and compat.attn_implementation(model.config) != previous:
+        if previous is not None and implementations(model.config) != previous:
             model.set_attn_implementation(previous)
         raise
     return previous

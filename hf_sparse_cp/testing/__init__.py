@@ -1,6 +1,7 @@
 """Helpers for tests and benchmarks, never imported by the training path.
 
 * `tiny_models.py`: a small random-init config of any architecture (tests, smoke benchmarks, the demo's model);
+  `tiny_vlms.py`: small vision-language models and batches with an image per row;
 * `layouts.py`: random layouts (the one generator of random vertical-slash layouts) and q/k with
   planted vertical-slash structure;
 * `spawn.py`: `run_gloo`, a function run in a few local gloo processes (forked from a server that imported what

@@ -195,7 +195,7 @@ def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,
     return resolve_fused_ops(setting, on_cuda)
 
 
-def _set_attn_implementation(model: torch.nn.Module, implementation: str) -> None:
+def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict) -> None:
     model.set_attn_implementation(implementation)
 
 

@@ -212,25 +212,34 @@ def test_a_model_whose_forward_fails_with_the_backend_is_refused_at_the_switch()
         hf_sparse_cp.unpatch()
 
 
-def test_a_multimodal_model_with_a_bidirectional_tower_is_refused_by_configure_naming_the_cause():
+def test_a_multimodal_model_with_a_bidirectional_tower_switches_its_language_model_only():
     """Gemma 3 with its vision tower (in transformers' causal-LM mapping): configure() failed with AttributeError
-    ('Gemma3Config' object has no attribute 'num_hidden_layers') before any check; now it refuses the tower's
-    bidirectional attention, as the Trainer glue does, the model left as it was."""
+    ('Gemma3Config' object has no attribute 'num_hidden_layers') before any check, then refused the tower's
+    bidirectional attention. The tower keeps its own attention now (`integration.composite`): configure switches the
+    language model, and still refuses a bidirectional language model (use_bidirectional_attention), the model left
+    as it was."""
     from transformers import Gemma3Config
 
     text = tiny_config("gemma3_text", vocab_size=300).to_dict()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                   patch_size=8)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
-                          boi_token_index=297, eoi_token_index=298)
     hf_sparse_cp.patch()
     try:
-        model = AutoModelForCausalLM.from_config(config)
-        before = compat.attn_implementation(model.config)
-        with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration has bidirectional attention layers "
-                                             r"\(model.vision_tower"):
+        for bidirectional in (False, True):
+            config = Gemma3Config(text_config=dict(text, use_bidirectional_attention=bidirectional),
+                                  vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                                  boi_token_index=297, eoi_token_index=298)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            if bidirectional:
+                with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration has bidirectional attention "
+                                                     r"layers \(model.language_model.layers.0.self_attn"):
+                    hf_sparse_cp.configure(model)
+                assert compat.attn_implementation(model.config) == "sdpa"
+                assert not hasattr(model.config, "sparse_attention")
+                continue
             hf_sparse_cp.configure(model)
-        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+            assert compat.attn_implementation(model.config.text_config) == "sparse_cp"
+            assert compat.attn_implementation(model.config.vision_config) == "sdpa"
     finally:
         hf_sparse_cp.unpatch()
 

@@ -320,6 +320,8 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
 
 # Keys describing the whole sequence that are folded into the TokenMeta instead of being sharded.
 CONSUMED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# Keys `shard_inputs` shards (or reads) by what they are; any other per-token tensor is sharded as the ids are.
+_SHARDED_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "logits_to_keep")
 
 
 def shard_inputs(
@@ -338,7 +340,11 @@ def shard_inputs(
         (an arange when absent). The attention mask and flattened-packing keys describe the whole
         sequence: they go into the shard's `TokenMeta` (see `sequence_meta`), not the model. A
         `logits_to_keep` mask becomes the shard's part, with the labels of its kept positions
-        (`kept_positions_of_shard`). Other entries pass through unchanged.
+        (`kept_positions_of_shard`). Any other tensor of one entry per token ([B, S, ...] or [1, S, ...]:
+        GPT-2's `token_type_ids`, TRL's `seq_idx`) is sharded as the ids are (padding 0 / False): the rank's
+        forward holds its shard's tokens, with which a whole-sequence tensor would not line up (GPT-2 added the
+        token types of the sequence's first positions to a shard of as many tokens). Other entries pass through
+        unchanged.
     """
     ids = inputs.get("input_ids")
     ref = ids if ids is not None else inputs.get("inputs_embeds")
@@ -348,6 +354,10 @@ def shard_inputs(
     if s != plan.seq_len:
         raise ValueError(f"the batch has {s} tokens per row but the shard plan was made for {plan.seq_len}.")
     out = {k: v for k, v in inputs.items() if k not in CONSUMED_KEYS}
+    for key, value in out.items():
+        if key not in _SHARDED_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 2 \
+                and value.shape[0] in (1, b) and value.shape[1] == s:
+            out[key] = plan.shard(value, rank, pad_value=False if value.dtype == torch.bool else 0)
     check_per_token_shapes(inputs)
     kept = kept_positions_of_shard(inputs, plan, rank, b, s, ignore_index)
     if kept is not None:

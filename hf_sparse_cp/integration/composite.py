@@ -1,0 +1,76 @@
+"""What the backend takes in a composite model (a vision-language model: a language model beside vision or audio
+towers): the language model only. The towers (SigLIP, CLIP, Qwen2-VL's vision transformer, Mllama's vision model)
+attend bidirectionally over their patches, which sparse_cp does not compute; transformers selects an attention
+implementation per sub-config (`PreTrainedModel.set_attn_implementation` with a dict), so they keep theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import language_config
+
+# What a tower that was on the backend itself runs instead (the backend computes causal attention only).
+TOWER_FALLBACK = "sdpa"
+
+
+def _sub_configs(config: Any) -> dict[str, Any]:
+    """The sub-configs `config` holds (its `sub_configs` keys that are set), by key."""
+    keys = getattr(config, "sub_configs", None) or {}
+    return {key: sub for key in keys if (sub := getattr(config, key, None)) is not None and sub is not config}
+
+
+def _holds(config: Any, text: Any) -> bool:
+    """Whether `config` is the text config `text` or holds it among its sub-configs (at any depth)."""
+    return config is text or any(_holds(sub, text) for sub in _sub_configs(config).values())
+
+
+def backend_selection(config: Any, backend: str) -> str | dict:
+    """The argument of `set_attn_implementation` that selects `backend` for a model of `config` and its language
+    model (`language_config`), each tower keeping its implementation ('sdpa' for one that was on `backend`): the
+    name itself for a model without towers."""
+    text = language_config(config)
+    return _selection(config, text, backend) if config is not text and _holds(config, text) else backend
+
+
+def _selection(config: Any, text: Any, backend: str) -> str | dict:
+    """`backend_selection` of `config`, which holds the text config `text`."""
+    if config is text:
+        return backend
+    selection: dict[str, Any] = {"": backend}
+    for key, sub in _sub_configs(config).items():
+        if _holds(sub, text):
+            selection[key] = _selection(sub, text, backend)
+        else:
+            impl = getattr(sub, "_attn_implementation", None)
+            selection[key] = TOWER_FALLBACK if impl == backend else impl
+    return selection
+
+
+def implementations(config: Any) -> str | dict | None:
+    """The argument of `set_attn_implementation` that restores the implementation of `config` and of each of its
+    sub-configs (the name alone for a config without sub-configs)."""
+    subs = {key: implementations(sub) for key, sub in _sub_configs(config).items()}
+    own = getattr(config, "_attn_implementation", None)
+    return {"": own, **subs} if subs else own
+
+
+def tower_names(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s towers: the transformers models inside it whose config neither is the model's nor
+    holds its text config (their modules keep their own attention)."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    text = language_config(config)
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, PreTrainedModel) and module.config is not config
+            and not _holds(module.config, text)]
+
+
+def in_tower(name: str, towers: list[str]) -> bool:
+    """Whether the module `name` (of the model `tower_names` read) is one of the towers or inside one."""
+    return any(name == tower or name.startswith(f"{tower}.") for tower in towers)

@@ -1,0 +1,142 @@
+"""Vision-language models (a language model beside a vision tower): sparse_cp runs in the language model, the towers
+keep their own attention; what the language model's attention is not (bidirectional image blocks, a prefix-LM
+prefix, cross-attention) is refused, naming the fix."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+import hf_sparse_cp
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration.models import check_model_supports_context_parallel
+from hf_sparse_cp.integration.stats import pop_kept_fractions
+from hf_sparse_cp.testing.tiny_vlms import tiny_vlm_config, with_image
+
+from oracle import rel_rms
+
+PATTERN = dict(block_size=16, min_seq_len=0, sink_tokens=0, dense_first_layers=0)
+KEEP_ALL = SparseAttentionConfig(**PATTERN, vertical_topk=10**4, slash_topk=10**4)  # (sdpa's attention, sparse path)
+
+
+def _pair(model_type: str):
+    """(sdpa model, its float64 copy configured with the backend), equal weights, in training mode."""
+    torch.manual_seed(0)
+    ref = AutoModelForImageTextToText.from_config(tiny_vlm_config(model_type), attn_implementation="sdpa")
+    ref = ref.double().train()
+    model = copy.deepcopy(ref)
+    hf_sparse_cp.patch()
+    hf_sparse_cp.configure(model, KEEP_ALL)
+    return ref, model
+
+
+def _batch(config, image: bool) -> dict:
+    ids = torch.randint(3, 290, (2, 64), generator=torch.Generator().manual_seed(1))
+    batch = with_image(config, ids, torch.Generator().manual_seed(2)) if image else {"input_ids": ids}
+    return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def _errors(ref, model, batch) -> tuple[float, float]:
+    """The relative errors of `model`'s logits and gradients (the largest of any parameter) from `ref`'s."""
+    out = {}
+    for name, m in (("ref", ref), ("model", model)):
+        result = m(**batch, labels=batch["input_ids"])
+        grads = torch.autograd.grad(result.loss, list(m.parameters()), allow_unused=True)
+        out[name] = result.logits.detach(), grads
+    grads = [rel_rms(g, r) for g, r in zip(out["model"][1], out["ref"][1]) if r is not None and r.norm() > 0]
+    return rel_rms(out["model"][0], out["ref"][0]), max(grads)
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next", "idefics3"])
+def test_a_vision_language_model_trains_sparse_attention_in_its_language_model_as_sdpa_does(model_type, image):
+    """configure() refused every vision-language model ('has bidirectional attention layers (model.visual...)'): its
+    vision tower's attention, which transformers selects apart. Now the language model runs sparse_cp and the tower
+    keeps sdpa: logits and gradients equal sdpa's, with batches of text and of images (Qwen2/2.5/3-VL: multimodal
+    RoPE positions of the image tokens; Qwen3-VL: deepstack features added in the language model's layers)."""
+    ref, model = _pair(model_type)
+    implementations = {type(m).__name__: m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+    towers = {type(m).__name__ for m in model.modules() if getattr(m, "config", None) is model.config.vision_config}
+    assert towers and {implementations[t] for t in towers} == {"sdpa"}
+    assert compat.attn_implementation(model.config.get_text_config()) == "sparse_cp"
+    logits, grads = _errors(ref, model, _batch(model.config, image))
+    assert logits <= 1e-12 and grads <= 1e-10, (logits, grads)
+    assert len(pop_kept_fractions(model)) == model.config.get_text_config().num_hidden_layers  # (every layer sparse)
+
+
+def test_the_pattern_runs_in_the_language_model_of_an_image_batch():
+    """A narrow pattern keeps fewer blocks of the image batch's language model than all, and changes its logits."""
+    ref, model = _pair("qwen2_vl")
+    batch = _batch(model.config, image=True)
+    hf_sparse_cp.configure(model, SparseAttentionConfig(**PATTERN, vertical_topk=1, slash_topk=1, local_window=16))
+    with torch.no_grad():
+        logits = model(**batch).logits
+        assert rel_rms(logits, ref(**batch).logits) > 1e-3
+    assert all(kept < 0.9 for kept in pop_kept_fractions(model).values())
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "mllama"])
+def test_image_blocks_and_cross_attention_are_refused_at_the_call_and_text_batches_stay_exact(model_type):
+    """Gemma 3's bidirectional attention over an image's tokens (an or-mask over the causal one) and Mllama's
+    cross-attention layers (keys of the image's features; Mllama's was refused as 'a 4D attention mask ... call
+    hf_sparse_cp.patch() before building the model') are refused, naming the cause; their text batches, which have
+    neither, equal sdpa's."""
+    ref, model = _pair(model_type)
+    logits, grads = _errors(ref, model, _batch(model.config, image=False))
+    assert logits <= 1e-12 and grads <= 1e-10, (logits, grads)
+    cause = {"gemma3": "overlays its own mask on the causal one",
+             "mllama": r"MllamaTextCrossAttention\) of model type 'mllama_text_model' is cross-attention"}[model_type]
+    with pytest.raises(ValueError, match=cause + r".*attn_implementation='sdpa' \(--sparse_attention false\)"):
+        model(**_batch(model.config, image=True))
+
+
+def test_a_prefix_lm_language_model_is_refused_by_configure():
+    """PaliGemma's language model attends bidirectionally over its prefix: configure() names its layer."""
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("paligemma"), attn_implementation="sdpa")
+    hf_sparse_cp.patch()
+    with pytest.raises(ValueError, match=r"bidirectional attention layers \(model.language_model.layers.0.self_attn"):
+        hf_sparse_cp.configure(model)
+    assert compat.attn_implementation(model.config) == "sdpa"
+
+
+def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone():
+    """A model loaded with attn_implementation='sparse_cp' everywhere: its tower is refused at its first image batch,
+    naming configure (Mllama's tower, which has no `is_causal`, was refused as 'a 4D attention mask ... call
+    hf_sparse_cp.patch() before building the model'); enable_sparse_attention keeps the language model on it and
+    moves the tower to sdpa; the undo restores each sub-config's implementation."""
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
+
+    hf_sparse_cp.patch()
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"), attn_implementation="sparse_cp")
+    batch = with_image(model.config, torch.randint(3, 290, (1, 64)))
+    with pytest.raises(ValueError, match=r"this layer \(CLIPAttention, model type 'clip_vision_model'\) is in the "
+                                         r"model's vision tower.*hf_sparse_cp.configure\(model\)"):
+        model(**batch)
+    enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), KEEP_ALL)
+    assert compat.attn_implementation(model.config.vision_config) == "sdpa"
+    assert compat.attn_implementation(model.config.text_config) == "sparse_cp"
+    model(**batch)
+    disable_sparse_attention(model)
+    assert compat.attn_implementation(model.config.vision_config) == "sparse_cp"
+
+
+def test_context_parallelism_refuses_a_vision_language_model_naming_the_fix():
+    """Under CP a rank would hold a shard of the tokens, while the tower's inputs and the places of its outputs are
+    the whole batch's: refused before training, naming --cp_size 1 (sparse attention in the language model)."""
+    _, model = _pair("qwen2_vl")
+    with pytest.raises(ValueError, match=r"Qwen2VLForConditionalGeneration has non-text towers \(vision_config\).*"
+                                         r"pixel_values.*--cp_size 1; sparse attention then runs in its language"):
+        check_model_supports_context_parallel(model)
+
+
+def test_a_tower_without_is_causal_on_the_backend_is_refused_as_a_tower():
+    """Mllama's vision attention has no `is_causal`: loaded on sparse_cp, its image batch was refused as 'a 4D
+    attention mask ... call hf_sparse_cp.patch() before building the model'; now as a layer of its vision tower."""
+    hf_sparse_cp.patch()
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("mllama"), attn_implementation="sparse_cp")
+    with pytest.raises(ValueError, match=r"\(MllamaVisionAttention, model type 'mllama_vision_model'\) is in the "
+                                         r"model's vision tower"):
+        model(**with_image(model.config, torch.randint(3, 290, (1, 64))))
