@@ -174,3 +174,28 @@ def test_decoding_past_an_attention_chunk_is_refused_and_within_it_matches_sdpa(
     assert torch.equal(ours.generate(prompt, max_new_tokens=13, **kw), ref.generate(prompt, max_new_tokens=13, **kw))
     with pytest.raises(ValueError, match=r"chunked attention.*spans 33 tokens \(through a KV cache\).*at most 32"):
         ours.generate(prompt, max_new_tokens=14, **kw)
+
+
+@pytest.mark.parametrize("mode", ["beam_search", "prompt_lookup", "assisted", "sampling"])
+def test_decoding_strategies_through_the_cache_give_sdpas_tokens(mode):
+    """Beam search reorders the cache, prompt-lookup and assisted decoding verify several candidate tokens per call (a
+    query chunk against the cache) and crop it back; seeded sampling draws from the same logits."""
+    ref, ours = _pair("mistral", sliding_window=48)
+    prompt = torch.randint(3, 259, (1, 40), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([prompt, prompt], 1)  # (repeats, for the prompt lookup to find)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    if mode == "beam_search":
+        kw.update(num_beams=3, num_return_sequences=2)
+    elif mode == "prompt_lookup":
+        kw.update(prompt_lookup_num_tokens=4)
+    elif mode == "sampling":
+        kw.update(do_sample=True, top_k=0)
+    tokens = []
+    for model in (ours, ref):
+        if mode == "assisted":
+            torch.manual_seed(1)
+            kw["assistant_model"] = AutoModelForCausalLM.from_config(
+                tiny_config("mistral", sliding_window=48, num_hidden_layers=1), attn_implementation="sdpa").eval()
+        torch.manual_seed(5)
+        tokens.append(model.generate(prompt, **kw))
+    assert torch.equal(*tokens)
