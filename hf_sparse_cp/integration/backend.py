@@ -48,6 +48,7 @@ from .call_tokens import (
     batch_token_meta,
     cache_key_length,
     cache_slots_mask,
+    cache_tokens_held,
     padding_between_tokens_once,
 )
 from .stats import pop_kept_fractions, record_kept_fraction
@@ -277,18 +278,26 @@ def locality_refusal(module: torch.nn.Module, locality: tuple[str, int], what: s
 
 
 def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, length: int,
-                            extents: Callable[[], torch.Tensor] | None) -> None:
+                            extents: Callable[[], torch.Tensor] | None, attention_mask: torch.Tensor | None) -> None:
     """Refuse a call in which a query would see a key of its own document that the window or chunk the model put
     into its attention mask only (`masked_locality`) hides: sparse_cp gets the 2D padding mask, so it would attend
     past them. `length`: the keys of the call (its padded length under CP); `extents`: the least and greatest
-    position of each document (`tokens.document_extents`), None where unknown (the length is checked)."""
+    position of each document (`tokens.document_extents`), None where unknown (the length is checked). Through a KV
+    cache, a chunk is checked on the tokens the cache holds with the queries (`call_tokens.cache_tokens_held`): a
+    sliding cache of a chunked layer holds fewer keys than a chunk, but they may lie in the chunk before the
+    queries' (transformers refuses flash-attention so)."""
     locality = masked_locality(module, unseen_window)
+    if locality is not None and locality[0] == "chunk" and extents is None:
+        length = max(length, cache_tokens_held(attention_mask) or 0)
     if locality is None or length <= locality[1]:
         return
     kind, size = locality
     if extents is None:
-        raise locality_refusal(module, locality, f"this call spans {length} tokens",
-                               f"train sequences of at most {size} tokens")
+        through_cache = cache_key_length(attention_mask) is not None
+        raise locality_refusal(
+            module, locality, f"this call spans {length} tokens{' (through a KV cache)' if through_cache else ''}",
+            f"keep the prompt and the generated tokens to at most {size} tokens" if through_cache else
+            f"train sequences of at most {size} tokens")
     low, high = extents().unbind(-1)
     longest = int((high - low + 1).max()) if low.numel() else 0
     if longest > size:
@@ -515,7 +524,8 @@ def sparse_cp_attention_forward(
         raise ValueError(own_keys)
     _refuse_attention_weights(module, kwargs)
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
-    _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs))
+    _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs),
+                            attention_mask)
     query, key, value = autocast_inputs(query, key, value)
     value_dim = value.shape[-1]
     if value_dim != query.shape[-1]:  # (multi-head latent attention: DeepSeek-V3's values are narrower than q and k)

@@ -41,8 +41,11 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         held = min(int(q_offset) + q_length - kv_offset, kv_length)
         mask = torch.ones(batch_size, held, dtype=torch.bool, device=kwargs.get("device"))
     if kv_length != q_length:
+        # (contiguous: `generate` makes a compileable cache's masks contiguous, which would copy the column slice of a
+        # sliding layer's mask, and the copy would not be the object recorded here)
+        mask = mask.contiguous()
         key = id(mask)
-        _CACHE_KEYS[key] = weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length
+        _CACHE_KEYS[key] = weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length, q_offset + q_length
     return mask
 
 
@@ -58,17 +61,29 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     return bool(torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, query + 1)).any())
 
 
-# The key length of each mask `sparse_cp_mask` built for a call through a KV cache, by the mask's id (a weak reference
-# checks that the mask is the same object; the entry goes with it).
-_CACHE_KEYS: dict[int, tuple[weakref.ref, int]] = {}
+# The key length and the tokens held (`cache_tokens_held`: an int, or a StaticCache's offset tensor plus an int, read
+# only when asked for) of each mask `sparse_cp_mask` built for a call through a KV cache, by the mask's id (a weak
+# reference checks that the mask is the same object; the entry goes with it).
+_CACHE_KEYS: dict[int, tuple[weakref.ref, int, object]] = {}
 
 
 def cache_key_length(attention_mask: torch.Tensor | None) -> int | None:
     """The number of keys the KV cache gives the attention calls that receive `attention_mask` (the `kv_length` that
     transformers built the mask for from the cache), or None when the mask was not built for a call through a cache
     (no cache, or one that holds no earlier token)."""
-    ref, kv_length = _CACHE_KEYS.get(id(attention_mask), (None, None))
-    return kv_length if ref is not None and ref() is attention_mask else None
+    return _cache_entry(attention_mask)[0]
+
+
+def cache_tokens_held(attention_mask: torch.Tensor | None) -> int | None:
+    """The number of tokens (padding included) the KV cache holds once it has taken the queries of the calls that
+    receive `attention_mask` (the queries' offset in the cache plus their number), or None as `cache_key_length`."""
+    held = _cache_entry(attention_mask)[1]
+    return None if held is None else int(held)
+
+
+def _cache_entry(attention_mask: torch.Tensor | None) -> tuple:
+    ref, kv_length, held = _CACHE_KEYS.get(id(attention_mask), (None, None, None))
+    return (kv_length, held) if ref is not None and ref() is attention_mask else (None, None)
 
 
 def cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:

@@ -146,3 +146,56 @@ def test_prefix_keys_given_as_a_cache_are_computed_as_sdpa_computes_them():
         model(input_ids=ids[:, :8], cache=cache, use_cache=True)
         logits.append(model(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)
     assert rel_rms(logits[0], logits[1]) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2],
+                         ids=["mixed", "sliding"])
+def test_static_cache_generation_of_a_left_padded_batch_past_the_window_matches_sdpa(layer_types):
+    """A StaticCache's sliding layer holds the window's slots: once the tokens pass it with padding still inside it,
+    its mask is a column slice, which `generate` copies to make it contiguous; the copy was not the mask recorded for
+    the cache call and the step was refused as a layer adding keys of its own ('24 keys for 1 queries')."""
+    ref, ours = _pair("gemma3_text", sliding_window=24, layer_types=layer_types)
+    prompt = torch.randint(3, 259, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :7] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(ours.generate(prompt, **kw), ref.generate(prompt, **kw))
+
+
+@pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
+def test_decoding_past_an_attention_chunk_is_refused_and_within_it_matches_sdpa(cache_implementation):
+    """Llama 4's chunked layers keep fewer keys than a chunk in their cache, but from a chunk the queries' no longer
+    sees: decoding 30 tokens from a 20-token prompt attended to them past the 32-token chunk, silently (17 of the 60
+    tokens unlike sdpa's, the logits 0.68 off from the first step past it). Refused there, as transformers refuses
+    flash-attention."""
+    ref, ours = _pair("llama4_text", attention_chunk_size=32)
+    prompt = torch.randint(3, 259, (2, 20), generator=torch.Generator().manual_seed(3))
+    kw = dict(do_sample=False, pad_token_id=0, cache_implementation=cache_implementation)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=13, **kw), ref.generate(prompt, max_new_tokens=13, **kw))
+    with pytest.raises(ValueError, match=r"chunked attention.*spans 33 tokens \(through a KV cache\).*at most 32"):
+        ours.generate(prompt, max_new_tokens=14, **kw)
+
+
+@pytest.mark.parametrize("mode", ["beam_search", "prompt_lookup", "assisted", "sampling"])
+def test_decoding_strategies_through_the_cache_give_sdpas_tokens(mode):
+    """Beam search reorders the cache, prompt-lookup and assisted decoding verify several candidate tokens per call (a
+    query chunk against the cache) and crop it back; seeded sampling draws from the same logits."""
+    ref, ours = _pair("mistral", sliding_window=48)
+    prompt = torch.randint(3, 259, (1, 40), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([prompt, prompt], 1)  # (repeats, for the prompt lookup to find)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    if mode == "beam_search":
+        kw.update(num_beams=3, num_return_sequences=2)
+    elif mode == "prompt_lookup":
+        kw.update(prompt_lookup_num_tokens=4)
+    elif mode == "sampling":
+        kw.update(do_sample=True, top_k=0)
+    tokens = []
+    for model in (ours, ref):
+        if mode == "assisted":
+            torch.manual_seed(1)
+            kw["assistant_model"] = AutoModelForCausalLM.from_config(
+                tiny_config("mistral", sliding_window=48, num_hidden_layers=1), attn_implementation="sdpa").eval()
+        torch.manual_seed(5)
+        tokens.append(model.generate(prompt, **kw))
+    assert torch.equal(*tokens)
