@@ -313,12 +313,12 @@ def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, 
                 f"{size} tokens")
 
 
-# Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
-# implement (a call that carries one is refused rather than computed without it).
-# (`s_aux`, the learned sinks of GPT-OSS and others, is computed: `attention.sinks`; Inkling 2's are per token.)
 # The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
 TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
 
+# Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
+# implement (a call that carries one is refused rather than computed without it).
+# (`s_aux`, the learned sinks of GPT-OSS and others, is computed: `attention.sinks`; Inkling 2's are per token.)
 _UNSUPPORTED_KWARGS = {
     "sinks": "learned attention sinks per token",  # Inkling 2
     "position_bias": "an additive bias on the attention logits",  # Inkling's relative logits, T5-style models
