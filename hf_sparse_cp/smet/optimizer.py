@@ -46,7 +46,8 @@ REPLACED_KEY = "smet_last_replaced_fraction"
 
 
 class SMETAdam(torch.optim.Optimizer):
-    """Adam (`decoupled_weight_decay=False`) or AdamW with SMET block-sparse groups.
+    """Adam (`decoupled_weight_decay=False`) or AdamW with SMET block-sparse groups. `weight_decay` left unset is
+    the stock class's default: 1e-2 for AdamW, 0 for Adam (the factory passes its own in every group).
 
     Build it with `hf_sparse_cp.smet.create_smet_optimizer`, which finds the sparse matrices of a
     model. Call `attach()` before the first forward (the factory and the Trainer callback do): it
@@ -61,7 +62,7 @@ class SMETAdam(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        weight_decay: float | None = None,
         *,
         config: SMETConfig | None = None,
         decoupled_weight_decay: bool = True,
@@ -73,6 +74,8 @@ class SMETAdam(torch.optim.Optimizer):
             raise ValueError(f"betas={betas} must both be in [0, 1), e.g. (0.9, 0.999).")
         if not eps > 0:
             raise ValueError(f"eps={eps} must be > 0, e.g. 1e-8.")
+        if weight_decay is None:
+            weight_decay = 1e-2 if decoupled_weight_decay else 0.0
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0.")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, smet=False)

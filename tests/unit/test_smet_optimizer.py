@@ -121,6 +121,26 @@ def test_density_one_in_float32_steps_as_adamw_does_to_rounding(betas):
         torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("stock_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_built_directly_without_weight_decay_it_decays_as_the_stock_class_does(stock_cls):
+    """`SMETAdam(..., decoupled_weight_decay=False)` stands for torch's Adam, whose weight decay defaults to 0, but
+    decayed by 1e-2 (AdamW's default) unless told: its steps left Adam's. Each mode's default is now its stock
+    class's, and at density 1 it steps as that class does."""
+    torch.manual_seed(0)
+    ours, ref = (nn.Parameter(w) for w in torch.randn(2, 32, 64, dtype=torch.float64))
+    ref.data.copy_(ours.data)
+    opt = SMETAdam([{"params": [ours], "smet": True}], lr=1e-2, config=SMETConfig(density=1.0, block_size=16),
+                   decoupled_weight_decay=stock_cls is torch.optim.AdamW).attach()
+    ref_opt = stock_cls([ref], lr=1e-2, foreach=False)
+    assert opt.defaults["weight_decay"] == ref_opt.defaults["weight_decay"]
+    for _ in range(3):
+        grad = torch.randn(32, 64, dtype=torch.float64)
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-12, atol=1e-14)
+
+
 def test_sparse_weights_keep_inactive_weights_zero_and_mask_gradients_before_clipping():
     config = SMETConfig(density=0.25, block_size=8, update_interval=3, regrowth="gradient")
     model = tiny_llama()
