@@ -121,6 +121,7 @@ def _launch(argv: list[str]) -> int:
         launcher_options,
         leading_options,
         parse_launcher_options,
+        refuse_missing_accelerators,
         refuse_unlaunchable,
     )
 
@@ -146,6 +147,7 @@ def _launch(argv: list[str]) -> int:
         with parsing_for_launch():
             _run_here(run_args)
         return 0
+    refuse_missing_accelerators(parser, options)
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
@@ -167,6 +169,7 @@ def _train(argv: list[str]) -> int:
         launched_processes,
         launcher_options,
         parse_launcher_options,
+        refuse_missing_accelerators,
         refuse_unlaunchable,
     )
 
@@ -183,6 +186,7 @@ def _train(argv: list[str]) -> int:
 
         with parsing_for_launch():
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
+        refuse_missing_accelerators(parser, options)
         refuse_unlaunchable(parser, parsed.training, processes)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 

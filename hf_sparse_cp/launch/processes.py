@@ -133,6 +133,57 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
     return options.nproc if options.nproc > 1 and "WORLD_SIZE" not in env else None
 
 
+# accelerate's distributed types whose processes each take one accelerator of their machine (MULTI_CPU and NO run on
+# CPUs; XLA's TPUs are not torch.accelerator's)
+ACCELERATOR_TYPES = frozenset(("MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU",
+                               "MULTI_MUSA", "MULTI_SDAA", "MULTI_HPU"))
+
+
+def accelerator_count() -> int:
+    """The accelerators this process sees: `torch.accelerator.device_count()` where torch has it, else CUDA's."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "device_count"):
+        return accelerator.device_count()
+    return torch.cuda.device_count()
+
+
+def refuse_missing_accelerators(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """Exit as argparse ends a bad flag when the accelerate config of `options` starts more processes on this machine
+    (its num_processes / num_machines), each on an accelerator of its own, than this machine has, before any starts
+    (each process refused alone after the others had started). Without any accelerator, such a config's processes
+    run on the CPU (gloo, `cpu_2proc_cp2`), unless it sets a parallelism_config, which accelerate runs on
+    accelerators only."""
+    from hf_sparse_cp.config.files import read_mapping
+
+    if not options.config_file:
+        return
+    try:
+        config = read_mapping(options.config_file)
+    except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)
+        return
+    kind = config.get("distributed_type")
+    if config.get("use_cpu") or kind not in ACCELERATOR_TYPES:
+        return
+    count, machines = config.get("num_processes"), config.get("num_machines", 1)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (count, machines)):
+        return  # (accelerate launch names what is wrong with its numbers)
+    per_machine, found = count // machines, accelerator_count()  # (accelerate's nproc_per_node)
+    if found >= per_machine or not (found or config.get("parallelism_config")):
+        return
+    spread = f"{count} processes over {machines} machines, {per_machine} per machine" if machines > 1 else (
+        f"{count} processes")
+    if found:
+        fix = (f"launch on machines with {per_machine} accelerators each, or set its num_processes to "
+               f"{found * machines} (and its parallelism sizes to match)")
+    else:
+        fix = ("its parallelism_config runs only on accelerators. Launch CPU processes instead: `--config_file "
+               "cpu_2proc_cp2` (its num_processes set to N) or `--nproc N`, with the CP degree as --cp_size N")
+    parser.error(f"--config_file {options.config_file} starts {spread} ({kind}), each on an accelerator of its own, "
+                 f"and this machine has {found} (torch.accelerator.device_count()): {fix}.")
+
+
 def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: int) -> None:
     """Exit as argparse ends a bad flag (`parser`'s usage and prog) when `processes` launched processes cannot run
     the CP degrees of `arguments` (the plugin's, `PluginArgumentsMixin`), each of which would refuse them

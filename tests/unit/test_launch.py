@@ -18,6 +18,7 @@ from hf_sparse_cp.distributed import check_launched
 from hf_sparse_cp.integration.compat import argument_parser_classes
 from hf_sparse_cp.launch.command import parse_plugin_flags, split_command
 from hf_sparse_cp.launch.launched import attention_asked, attention_replaced, launched, plugin_flags_in
+from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.run import main as run
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments
 from hf_sparse_cp.trainer.sparse_trainer import SparseArgumentsMixin
@@ -299,6 +300,7 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
     (tmp_path / "train.py").write_text("")
     started = []
     monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)  # (the CPU recipe's machine)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
     assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "train.py",
@@ -315,6 +317,55 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
     assert cli.main(["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "2"]) == 0
     assert started[-1][:6] == [*ACCELERATE, "--config_file", str(recipe_path("cpu_2proc_cp2"))]
     assert started[-1][6:] == ["-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
+
+
+@pytest.mark.parametrize("accelerators", [0, 2])
+def test_a_gpu_config_with_more_processes_per_machine_than_accelerators_is_refused_before_any_starts(
+        monkeypatch, tmp_path, capsys, accelerators):
+    """`hf-sparse-cp train --config_file fsdp2_cp8_1node` on a machine without 8 accelerators started all 8
+    processes (30 s here), each then refusing the ParallelismConfig on CPU (with accelerators, the processes past
+    the last one have no device): refused once, before any starts, naming the config, the processes per machine,
+    the accelerators found and the fix. A config whose processes run on the CPU, or that names no count, still
+    launches."""
+    import torch
+
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: accelerators)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    (tmp_path / "train.py").write_text("")
+    usage = {"launch": f"usage: {cli.LAUNCH_USAGE}\n", "train": f"usage: {cli.TRAIN_USAGE}\n"}
+    fix = {0: "its parallelism_config runs only on accelerators. Launch CPU processes instead: `--config_file "
+              "cpu_2proc_cp2` (its num_processes set to N) or `--nproc N`, with the CP degree as --cp_size N.",
+           2: "launch on machines with 8 accelerators each, or set its num_processes to 2 (and its parallelism sizes "
+              "to match)."}[accelerators]
+    for command, args in (("launch", ["train.py"]), ("train", ["--max_steps", "1"])):
+        err = _refused(capsys, [command, "--config_file", "fsdp2_cp8_1node", *args], cli.main)
+        assert err == usage[command] + (
+            f"hf-sparse-cp {command}: error: --config_file {recipe_path('fsdp2_cp8_1node')} starts 8 processes "
+            f"(FSDP), each on an accelerator of its own, and this machine has {accelerators} "
+            f"(torch.accelerator.device_count()): {fix}\n"), err
+    assert "32 processes over 4 machines, 8 per machine (FSDP)" in _refused(
+        capsys, ["launch", "--config_file", "fsdp2_cp32_4nodes_hierarchical", "train.py"], cli.main)
+    assert not started
+    # what still launches: the CPU recipe without accelerators (its processes train on the CPU), a use_cpu or
+    # MULTI_CPU config, one without num_processes, and a GPU config on a machine with its accelerators
+    configs = {"use_cpu": {"distributed_type": "MULTI_GPU", "num_processes": 4, "use_cpu": True},
+               "multi_cpu": {"distributed_type": "MULTI_CPU", "num_processes": 4},
+               "no_count": {"distributed_type": "FSDP"}}
+    for name, config in configs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"compute_environment": "LOCAL_MACHINE", **config}))
+        assert cli.main(["launch", "--config_file", f"{name}.json", "train.py"]) == 0
+    if not accelerators:
+        assert cli.main(["launch", "--config_file", "cpu_2proc_cp2", "train.py"]) == 0
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 8)
+    assert cli.main(["launch", "--config_file", "fsdp2_cp8_1node", "train.py"]) == 0
+    assert cli.main(["launch", "--config_file", "fsdp2_cp32_4nodes_hierarchical", "train.py"]) == 0
+    assert len(started) == len(configs) + (not accelerators) + 2
 
 
 def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
