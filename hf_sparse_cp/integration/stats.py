@@ -15,6 +15,10 @@ _ATTR = "_hf_sparse_cp_kept"
 # The running sums of calls in evaluation mode (`module.training` False): an evaluation's log shows them, not the
 # training steps before it, and a training log its own steps.
 _EVAL_ATTR = "_hf_sparse_cp_kept_eval"
+# The running sums of calls in training mode with gradients off: not a training step's forward (a trainer's
+# generation, e.g. TRL GRPO's, which generates in training mode; a reference model's log-probabilities), so a
+# training log drops them.
+_NO_GRAD_ATTR = "_hf_sparse_cp_kept_no_grad"
 # The Trainer log keys of the kept fraction: the mean over layers, and each layer's.
 LOG_KEY = "sparse/kept_fraction"
 LAYER_LOG_KEY = re.compile(rf"^{LOG_KEY}/layer_(-?\d+)$")
@@ -30,23 +34,26 @@ def layer_log_key(layer: int) -> str:
 
 def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor) -> None:
     """Add one call's kept fraction (`SparseLayout.kept_fraction`: of the blocks a dense run of the same batch
-    computes) to the module's running sum of its mode (training or evaluation)."""
-    attr = _ATTR if module.training else _EVAL_ATTR
+    computes) to the module's running sum of its mode (training, with gradients or without, or evaluation)."""
+    attr = (_ATTR if torch.is_grad_enabled() else _NO_GRAD_ATTR) if module.training else _EVAL_ATTR
     total, count = getattr(module, attr, (None, 0))
     value = value.detach().double()
     module.__dict__[attr] = (value if total is None else total + value, count + 1)
 
 
-def pop_kept_fractions(model: torch.nn.Module, training: bool | None = None) -> dict[int, float]:
+def pop_kept_fractions(model: torch.nn.Module, training: bool | None = None, without_grad: bool = True
+                       ) -> dict[int, float]:
     """Mean kept fraction per layer index since the last call, of the calls in training mode (`training` True), in
-    evaluation mode (False) or both (None); resets those running sums."""
-    attrs = {True: (_ATTR,), False: (_EVAL_ATTR,), None: (_ATTR, _EVAL_ATTR)}[training]
+    evaluation mode (False) or both (None); resets those running sums. The calls in training mode with gradients off
+    count only with `without_grad` (the sparsity log passes False: a step's generation is no part of its training
+    forward); reset with the training calls either way."""
+    attrs = {True: (_ATTR, _NO_GRAD_ATTR), False: (_EVAL_ATTR,), None: (_ATTR, _NO_GRAD_ATTR, _EVAL_ATTR)}[training]
     per_layer: dict[int, list[float]] = {}
     for module in model.modules():
         total, count = None, 0
         for attr in attrs:
             part, n = module.__dict__.pop(attr, (None, 0))
-            if part is not None:
+            if part is not None and (without_grad or attr != _NO_GRAD_ATTR):
                 total, count = part if total is None else total + part, count + n
         if total is None or not count:
             continue

@@ -32,16 +32,18 @@ class SparsityLoggingCallback(TrainerCallback):
 
     Keys: `sparse/kept_fraction` (mean over layers) and `sparse/kept_fraction/layer_NN`; in a training log of several
     processes, the mean over the processes (each process's batches are its own under data parallelism; the ranks of
-    a CP group hold the same value). The callback must run before the reporting callbacks (TensorBoard, W&B) so they
-    see the keys: `attach_to_trainer` puts it first.
+    a CP group hold the same value). A training log shows the calls with gradients only: not a trainer's generation
+    in training mode (TRL GRPO's prompts) nor a reference model's log-probabilities. The callback must run before the
+    reporting callbacks (TensorBoard, W&B) so they see the keys: `attach_to_trainer` puts it first.
     """
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
             return
-        # (a training log its steps' calls, an evaluation's its forwards', another log (the end of training's) both)
+        # (a training log its steps' calls, an evaluation's its forwards', another log (the end of training's) both;
+        # never the calls in training mode without gradients, which TRL's generation in a step makes)
         mode = True if "loss" in logs else False if any(key.startswith("eval_") for key in logs) else None
-        per_layer = pop_kept_fractions(model, training=mode)
+        per_layer = pop_kept_fractions(model, training=mode, without_grad=False)
         if "loss" in logs and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             per_layer = _mean_over_processes(per_layer, model, args.device)  # (training logs: every rank writes them)
         if not per_layer:

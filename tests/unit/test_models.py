@@ -486,6 +486,43 @@ def test_greedy_generation_matches_sdpa():
     assert torch.equal(ours.generate(prompt, **kw), ref.generate(prompt, **kw))
 
 
+def test_a_training_log_shows_its_steps_forward_not_the_generation_in_training_mode():
+    """TRL's GRPO generates with the model in training mode: the prompt prefills were averaged into the step's
+    logged kept fraction. Calls in training mode without gradients are now left out of a training log (the step's
+    forward and backward, gradient checkpointing's recomputation included, are what it shows); an evaluation's
+    forwards, without gradients in evaluation mode, still make the evaluation's log."""
+    from transformers import TrainerState
+
+    from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
+
+    cfg = SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2, local_window=16,
+                                sink_tokens=2, dense_first_layers=0)
+    _, ours = _pair("llama", config=cfg)
+    ids, prompt = torch.randint(3, 259, (1, 256)), torch.randint(3, 259, (1, 64))
+    ours.train()
+    ours(ids).logits.sum().backward()
+    step = pop_kept_fractions(ours)
+    with torch.no_grad():
+        ours(prompt)
+    prefill = pop_kept_fractions(ours)
+    assert step.keys() == prefill.keys() == {0, 1} and all(abs(step[i] - prefill[i]) > 0.05 for i in step)
+
+    def logged(logs: dict) -> dict:
+        SparsityLoggingCallback().on_log(None, TrainerState(), None, logs=logs, model=ours)
+        return {key: value for key, value in logs.items() if key.startswith("sparse/kept_fraction/")}
+
+    # (reentrant checkpointing: the forward runs without gradients, its recomputation with)
+    ours.activation_checkpointing_enable({"use_reentrant": True})
+    ours(ids).logits.sum().backward()
+    ours.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)  # (in training mode, as TRL does)
+    assert logged({"loss": 1.0}) == {f"sparse/kept_fraction/layer_0{i}": round(step[i], 5) for i in step}
+    ours.eval()
+    with torch.no_grad():
+        ours(prompt)
+    assert logged({"eval_loss": 1.0}) == {f"sparse/kept_fraction/layer_0{i}": round(prefill[i], 5) for i in step}
+    assert pop_kept_fractions(ours) == {}
+
+
 def test_unsupported_features_are_refused_with_the_fix():
     _, ours = _pair("llama", attention_dropout=0.1)
     ours.train()
