@@ -44,7 +44,7 @@ def test_the_vocabulary_is_the_input_embedding_and_the_special_ids_past_it():
 
 
 def test_the_checked_collate_checks_every_batch_and_pickles_for_worker_processes():
-    collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, 10, frozenset())))
+    collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, (10, frozenset()))))
     batch = collate([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3, 4])}])
     assert batch["input_ids"].tolist() == [[1, 2], [3, 4]]
     with pytest.raises(ValueError, match="token id 11 at input_ids"):
