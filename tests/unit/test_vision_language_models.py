@@ -161,3 +161,13 @@ def test_a_tower_without_is_causal_on_the_backend_is_refused_as_a_tower():
     with pytest.raises(ValueError, match=r"\(MllamaVisionAttention, model type 'mllama_vision_model'\) is in the "
                                          r"model's vision tower"):
         model(**with_image(model.config, torch.randint(3, 290, (1, 64))))
+
+
+def test_head_parallel_modes_check_a_vision_language_model_by_its_language_model_heads():
+    """Ulysses read `num_attention_heads` off the composite config, which has none (AttributeError at CP attach):
+    now its language model's heads, 4 query heads of the tiny model over at most 4 ranks."""
+    from hf_sparse_cp.distributed import ContextParallelConfig
+
+    ContextParallelConfig(cp_size=2, cp_mode="ulysses").check_model(tiny_vlm_config("qwen2_vl"))
+    with pytest.raises(ValueError, match="needs at least 8 query heads, but the model has 4"):
+        ContextParallelConfig(cp_size=8, cp_mode="ulysses").check_model(tiny_vlm_config("gemma3"))
