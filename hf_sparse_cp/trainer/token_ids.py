@@ -10,13 +10,13 @@ a CP group builds the same batches, so all of them refuse the same one, before i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
-from ..distributed.inputs import check_text_only
+from ..distributed.inputs import TOKEN_TYPE_KEYS, check_text_only
 
 
 def vocabulary_of(model: torch.nn.Module) -> tuple[int, frozenset[int]] | None:
@@ -69,8 +69,8 @@ def check_token_ids(batch: Any, rows: int, replaced: frozenset[int] = frozenset(
 
 class CheckedCollate:
     """A data loader's `collate_fn` whose batches pass `check_token_ids` against `vocabulary` (`vocabulary_of`; None:
-    nothing to check) and, for a composite model (`towers`), `check_text_only` with their token types (a class, not a
-    closure: the loader's worker processes may pickle it)."""
+    nothing to check) and, for a composite model (`towers`), `check_text_only` with their token types, which, all
+    zero then, are dropped (a class, not a closure: the loader's worker processes may pickle it)."""
 
     def __init__(self, collate_fn: Callable, vocabulary: tuple[int, frozenset[int]] | None, towers: bool = False
                  ) -> None:
@@ -79,6 +79,11 @@ class CheckedCollate:
     def __call__(self, samples):
         batch = self.collate_fn(samples)
         check_text_only(batch, token_types=self.towers)
+        if self.towers and isinstance(batch, MutableMapping):
+            # all-zero token types (a processor's, for text) mark no image tokens, but Gemma 3 overlays its image
+            # mask whenever they are given, which the backend refuses: without them its attention is the same
+            for key in [k for k in TOKEN_TYPE_KEYS if isinstance(batch.get(k), torch.Tensor)]:
+                del batch[key]
         if self.vocabulary is not None:
             check_token_ids(batch, *self.vocabulary)
         return batch

@@ -1,7 +1,8 @@
 """Vision-language models under CP 2 (#50): every model with a vision tower was refused at attach ("non-text towers
 ... --cp_size 1"), though long-context checkpoints ship as such (Gemma 3, Mistral Small 3.1, Qwen2.5-VL). Their
 text-only batches now train under CP as in one process (Qwen-VL's multimodal RoPE from the global position_ids the
-split passes, Gemma 3's sliding layers, Mllama's cross-attention layers skipped without an image); a batch that
+split passes, Gemma 3's sliding layers and the all-zero token types of its processor's text batches, Mllama's
+cross-attention layers skipped without an image, Mistral 3's Pixtral tower beside Mistral); a batch that
 carries the towers' inputs is refused on every rank together, on the host before its step, naming the key and
 --cp_size 1."""
 
@@ -16,7 +17,7 @@ from hf_sparse_cp.testing.spawn import run_gloo_each
 from oracle import rel_rms
 
 SEQ, ROWS, VOCAB = 128, 4, 300
-MODEL_TYPES = ("qwen2_vl", "qwen3_vl", "gemma3", "mllama", "llava")
+MODEL_TYPES = ("qwen2_vl", "qwen3_vl", "gemma3", "mllama", "llava", "mistral3")
 MODES = {"one": {}, "ring": {}, "ulysses": {"cp_mode": "ulysses"}}
 
 
@@ -60,7 +61,15 @@ def _trainer(rank: int, world: int, model, tmp: str, rows: list[dict], collator=
     return Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
 
 
-def _train(rank: int, world: int, model_type: str, mode: str) -> dict:
+def _with_zero_token_types(rows: list[dict]) -> dict:
+    """The default collation with all-zero token_type_ids, as Gemma 3's processor gives a text batch."""
+    from transformers import default_data_collator
+
+    batch = default_data_collator(rows)
+    return {**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}
+
+
+def _train(rank: int, world: int, model_type: str, mode: str, zero_token_types: bool = False) -> dict:
     """Two SGD steps of text-only batches of 2 through the Trainer, in one process or under CP 2: the losses it logs
     and the update of the weights."""
     from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
@@ -68,7 +77,7 @@ def _train(rank: int, world: int, model_type: str, mode: str) -> dict:
 
     model = _model(model_type)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _trainer(rank, world, model, tmp, _rows())
+        trainer = _trainer(rank, world, model, tmp, _rows(), _with_zero_token_types if zero_token_types else None)
         initial = torch.cat([p.detach().flatten() for p in model.parameters()])
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
                           ContextParallelConfig(cp_size=world, **MODES[mode]))
@@ -131,6 +140,7 @@ def _refused_direct(rank: int, world: int) -> str:
 def runs():
     one = run_gloo_each({t: (_train, (t, "one")) for t in MODEL_TYPES}, 1, timeout_s=900)
     calls = {(t, mode): (_train, (t, mode)) for t in MODEL_TYPES for mode in ("ring", "ulysses")}
+    calls["gemma3", "ring", "zero token types"] = (_train, ("gemma3", "ring", True))
     calls.update({("refused", t, tokens): (_refused, (t, tokens))
                   for t, tokens in (("qwen2_vl", False), ("mllama", False), ("gemma3", True))})
     calls["direct"] = (_refused_direct, ())
@@ -144,6 +154,16 @@ def test_text_batches_of_a_vision_language_model_under_cp2_equal_one_process(run
     (ref,) = one[model_type]
     for r in cp2[model_type, mode]:
         # (float64 weights, float32 losses: transformers' causal-LM loss takes the logits .float())
+        assert r["logged"] == pytest.approx(ref["logged"], rel=1e-6)
+        assert rel_rms(r["update"], ref["update"]) <= 1e-6, rel_rms(r["update"], ref["update"])
+
+
+def test_all_zero_token_types_of_a_text_batch_train_as_one_process_does_without_them(runs):
+    """Gemma 3's processor gives a text batch all-zero token_type_ids, for which Gemma 3 overlays its image mask (no
+    image token: the causal mask), refused by the backend at the call; the CP loader drops them."""
+    one, cp2 = runs
+    (ref,) = one["gemma3"]
+    for r in cp2["gemma3", "ring", "zero token types"]:
         assert r["logged"] == pytest.approx(ref["logged"], rel=1e-6)
         assert rel_rms(r["update"], ref["update"]) <= 1e-6, rel_rms(r["update"], ref["update"])
 
