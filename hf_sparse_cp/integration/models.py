@@ -39,7 +39,7 @@ import torch
 from ..config import BACKEND_NAME, language_config
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
-from .architectures import ATTENTION_LAYER_TYPES, cp_tested_model_types
+from .architectures import ATTENTION_LAYER_TYPES, CP_TESTED_VISION_LANGUAGE_TYPES, cp_tested_model_types
 from .backend import (
     MODULE_DROPOUTS,
     AttentionProbe,
@@ -410,6 +410,6 @@ def check_model_supports_context_parallel(
             "Train this model without context parallelism."
         )
     model_type = getattr(config, "model_type", None)
-    if model_type not in cp_tested_model_types():
+    if model_type not in cp_tested_model_types() + CP_TESTED_VISION_LANGUAGE_TYPES:
         logger.warning("Model type %r is outside the architectures tested exact under context parallelism; it "
                        "passed the checks for shard reach, RoPE and token mixing.", model_type)

@@ -12,12 +12,13 @@ import tempfile
 import pytest
 import torch
 
+from hf_sparse_cp.integration.architectures import CP_TESTED_VISION_LANGUAGE_TYPES
 from hf_sparse_cp.testing.spawn import run_gloo_each
 
 from oracle import rel_rms
 
 SEQ, ROWS, VOCAB = 128, 4, 300
-MODEL_TYPES = ("qwen2_vl", "qwen3_vl", "gemma3", "mllama", "llava", "mistral3")
+MODEL_TYPES = CP_TESTED_VISION_LANGUAGE_TYPES
 MODES = {"one": {}, "ring": {}, "ulysses": {"cp_mode": "ulysses"}}
 
 
@@ -35,7 +36,7 @@ def _rows() -> list[dict]:
     return rows
 
 
-def _model(model_type: str):
+def _model(model_type: str, sliding: bool = False):
     from transformers import AutoModelForImageTextToText
 
     import hf_sparse_cp
@@ -44,7 +45,11 @@ def _model(model_type: str):
 
     hf_sparse_cp.patch()
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(tiny_vlm_config(model_type, VOCAB), attn_implementation="sdpa")
+    config = tiny_vlm_config(model_type, VOCAB)
+    if sliding:  # (Gemma 3's layers: sliding windows of 32 tokens beside full attention)
+        text = config.get_text_config()
+        text.sliding_window, text.layer_types = 32, ["sliding_attention", "full_attention"]
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
     model = model.double()
     hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
                                                         slash_topk=10**4))  # (sdpa's attention, sparse path)
@@ -69,13 +74,14 @@ def _with_zero_token_types(rows: list[dict]) -> dict:
     return {**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}
 
 
-def _train(rank: int, world: int, model_type: str, mode: str, zero_token_types: bool = False) -> dict:
+def _train(rank: int, world: int, model_type: str, mode: str, zero_token_types: bool = False, sliding: bool = False
+           ) -> dict:
     """Two SGD steps of text-only batches of 2 through the Trainer, in one process or under CP 2: the losses it logs
     and the update of the weights."""
     from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
     from hf_sparse_cp.distributed import ContextParallelConfig
 
-    model = _model(model_type)
+    model = _model(model_type, sliding)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(rank, world, model, tmp, _rows(), _with_zero_token_types if zero_token_types else None)
         initial = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -138,8 +144,10 @@ def _refused_direct(rank: int, world: int) -> str:
 
 @pytest.fixture(scope="module")
 def runs():
-    one = run_gloo_each({t: (_train, (t, "one")) for t in MODEL_TYPES}, 1, timeout_s=900)
+    one = run_gloo_each({**{t: (_train, (t, "one")) for t in MODEL_TYPES},
+                         "gemma3 sliding": (_train, ("gemma3", "one", False, True))}, 1, timeout_s=900)
     calls = {(t, mode): (_train, (t, mode)) for t in MODEL_TYPES for mode in ("ring", "ulysses")}
+    calls.update({("gemma3 sliding", mode): (_train, ("gemma3", mode, False, True)) for mode in ("ring", "ulysses")})
     calls["gemma3", "ring", "zero token types"] = (_train, ("gemma3", "ring", True))
     calls.update({("refused", t, tokens): (_refused, (t, tokens))
                   for t, tokens in (("qwen2_vl", False), ("mllama", False), ("gemma3", True))})
@@ -148,7 +156,7 @@ def runs():
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", [*MODEL_TYPES, "gemma3 sliding"])
 def test_text_batches_of_a_vision_language_model_under_cp2_equal_one_process(runs, model_type, mode):
     one, cp2 = runs
     (ref,) = one[model_type]
@@ -156,6 +164,11 @@ def test_text_batches_of_a_vision_language_model_under_cp2_equal_one_process(run
         # (float64 weights, float32 losses: transformers' causal-LM loss takes the logits .float())
         assert r["logged"] == pytest.approx(ref["logged"], rel=1e-6)
         assert rel_rms(r["update"], ref["update"]) <= 1e-6, rel_rms(r["update"], ref["update"])
+
+
+def test_gemma3s_sliding_windows_matter_in_its_text_batches(runs):
+    one = runs[0]
+    assert rel_rms(one["gemma3 sliding"][0]["update"], one["gemma3"][0]["update"]) > 1e-3
 
 
 def test_all_zero_token_types_of_a_text_batch_train_as_one_process_does_without_them(runs):
