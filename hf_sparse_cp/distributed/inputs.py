@@ -49,6 +49,38 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
         )
 
 
+# Batch keys (by prefix) that feed a composite model's vision or audio towers: pixel_values(_videos),
+# pixel_attention_mask, image_grid_thw, image_sizes, video_grid_thw, aspect_ratio_ids/_mask (Mllama),
+# cross_attention_mask, input_features (audio), feature_attention_mask, second_per_grid_ts, spatial_shapes, ...
+TOWER_INPUT_PREFIXES = ("pixel_", "image_", "video_", "audio_", "aspect_ratio_", "cross_attention_mask",
+                        "input_features", "feature_attention_mask", "second_per_grid_ts", "spatial_shapes")
+# Token types that mark the image or audio tokens of a sequence (non-zero there): Gemma 3's token_type_ids,
+# Qwen-VL's mm_token_type_ids.
+TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
+
+
+def check_text_only(inputs: Mapping[str, Any], *, token_types: bool = False) -> None:
+    """Raise ValueError, naming the key and the fix, for a batch that carries a vision or audio tower's inputs
+    (`TOWER_INPUT_PREFIXES`), or with `token_types` (a composite model's batch, read on the host) token types marking
+    image or audio tokens (a non-zero `TOKEN_TYPE_KEYS` entry). Under context parallelism each rank holds a shard of
+    the tokens, while the towers' inputs and the places of their outputs in the sequence are the whole batch's: every
+    rank of the group, holding the same batch, refuses it here, before any collective."""
+    if not isinstance(inputs, Mapping):
+        return
+    keys = [k for k, v in inputs.items() if v is not None and isinstance(k, str) and k.startswith(TOWER_INPUT_PREFIXES)]
+    if token_types:
+        keys += [k for k in TOKEN_TYPE_KEYS if isinstance(v := inputs.get(k), torch.Tensor) and bool(v.any())]
+    if keys:
+        raise ValueError(
+            f"the batch carries {', '.join(keys)}: inputs of the model's vision or audio towers (or token types "
+            "marking their tokens), which context parallelism does not split: each rank holds a shard of the "
+            "tokens, while the towers' inputs and the places of their outputs in the sequence are the whole batch's. "
+            "Under context parallelism a vision-language model trains on text-only batches (drop the images from the "
+            "data, or tokenize with the tokenizer rather than the processor); train on images without context "
+            "parallelism (--cp_size 1; sparse attention then runs in its language model, the towers keep their own "
+            "attention).")
+
+
 # Elements of `x` one step of `batch_fingerprint` widens to float64 (bounds its transient memory).
 FINGERPRINT_ELEMENTS = 1 << 22
 
@@ -122,6 +154,7 @@ def prepare_context_parallel_inputs(
         any); the batch's loss is `rank_loss(model(**inputs, num_items_in_batch=1).loss,
         global_num_items(inputs["shift_labels"]), ranks averaging gradients)` (`distributed.loss`).
     """
+    check_text_only(inputs)  # (keys only: no host read of the device's tensors)
     if verify_same_batch:
         check_same_batch(inputs, parallel)
     ref = inputs.get("input_ids")

@@ -169,6 +169,11 @@ def cp_tested_model_types() -> tuple[str, ...]:
     return tuple(model_type for model_type, s in ARCHITECTURES.items() if s.cp_tested)
 
 
+# Vision-language models whose text-only batches under context parallelism equal one process
+# (tests/distributed/test_cp_vision_language_models.py).
+CP_TESTED_VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "mllama", "llava", "mistral3")
+
+
 def lean_loss_model_types() -> tuple[str, ...]:
     """The model types whose causal LM trains through the lean loss (the single-process tests cover each)."""
     return tuple(model_type for model_type, s in ARCHITECTURES.items() if s.causal_lm)

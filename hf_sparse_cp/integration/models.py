@@ -39,7 +39,7 @@ import torch
 from ..config import BACKEND_NAME, language_config
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
-from .architectures import ATTENTION_LAYER_TYPES, cp_tested_model_types
+from .architectures import ATTENTION_LAYER_TYPES, CP_TESTED_VISION_LANGUAGE_TYPES, cp_tested_model_types
 from .backend import (
     MODULE_DROPOUTS,
     AttentionProbe,
@@ -72,14 +72,18 @@ def _rope_types(config) -> set[str]:
 
 
 def token_mixers(model: torch.nn.Module) -> list[str]:
-    """Layer types and modules of `model` that mix tokens outside attention: layer types other than attention,
-    and convolutions over more than one position."""
-    found = [f"layer type '{t}'" for t in sorted(set(getattr(model.config, "layer_types", None) or ()))
+    """Layer types and modules of `model`'s language model that mix tokens outside attention: layer types other than
+    attention, and convolutions over more than one position. A composite model's towers (a vision tower's patch
+    convolution) are not part of it: they run on the whole batch's images, not on a shard of the tokens."""
+    text = language_config(model.config)
+    found = [f"layer type '{t}'" for t in sorted(set(getattr(text, "layer_types", None) or ()))
              if t not in ATTENTION_LAYER_TYPES]
     convolution = compat.convolution_class()
+    towers = tower_names(model)
     return found + [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"
                     for name, module in model.named_modules()
-                    if isinstance(module, convolution) and any(k > 1 for k in module.kernel_size)]
+                    if isinstance(module, convolution) and any(k > 1 for k in module.kernel_size)
+                    and not in_tower(name, towers)]
 
 
 def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool) -> list[tuple[str, ProbedCall]]:
@@ -368,15 +372,6 @@ def check_model_supports_context_parallel(
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
     check_model_supports_sparse_attention(model, context_parallel=True)
     _refuse_virtual_tokens(model)
-    sub = [k for k in ("vision_config", "audio_config", "encoder_config") if getattr(config, k, None) is not None]
-    if sub:
-        raise ValueError(
-            f"{name} has non-text towers ({', '.join(sub)}), which context parallelism does not split: each rank "
-            "would hold a shard of the tokens while the towers' inputs (pixel_values, image_grid_thw, ...) and the "
-            "positions of their outputs in the sequence are the whole batch's. Train it without context parallelism "
-            "(--cp_size 1; sparse attention then runs in its language model, the towers keep their own attention), "
-            "or train its language model alone under context parallelism."
-        )
     impl = compat.attn_implementation(config)
     if impl != backend:
         _check_architecture(model, _NO_CP_FIX)  # (what it cannot run is refused first: no fix below would work)
@@ -415,6 +410,6 @@ def check_model_supports_context_parallel(
             "Train this model without context parallelism."
         )
     model_type = getattr(config, "model_type", None)
-    if model_type not in cp_tested_model_types():
+    if model_type not in cp_tested_model_types() + CP_TESTED_VISION_LANGUAGE_TYPES:
         logger.warning("Model type %r is outside the architectures tested exact under context parallelism; it "
                        "passed the checks for shard reach, RoPE and token mixing.", model_type)

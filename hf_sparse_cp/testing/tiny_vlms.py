@@ -12,7 +12,7 @@ from .tiny_models import tiny_config
 VLM_TEXT_TYPES = {
     "qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text",
     "gemma3": "gemma3_text", "paligemma": "gemma", "llava": "llama", "llava_next": "llama", "idefics3": "llama",
-    "smolvlm": "llama", "mllama": "mllama_text_model",
+    "smolvlm": "llama", "mllama": "mllama_text_model", "mistral3": "mistral",
 }
 # Multimodal RoPE over the tiny head_dim 32 (16 frequencies: 4 temporal, 6 height, 6 width).
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
@@ -60,6 +60,10 @@ def tiny_vlm_config(model_type: str, vocab_size: int = 300) -> PretrainedConfig:
         return AutoConfig.for_model(model_type, text_config=text, vision_config=dict(siglip, image_size=16,
                                                                                      projection_dim=128),
                                     image_token_index=ids["image"], projection_dim=128, hidden_size=128)
+    if model_type == "mistral3":  # (Pixtral: 4x4 patches of 16x16 pixels, merged 2x2)
+        pixtral = dict(siglip, image_size=16, patch_size=4, head_dim=16)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=pixtral, image_token_index=ids["image"],
+                                    vision_feature_layer=-1)
     if model_type in ("llava", "llava_next"):
         clip = dict(siglip, model_type="clip_vision_model", num_hidden_layers=2, image_size=16, projection_dim=32)
         extra = {"image_grid_pinpoints": [[16, 16]]} if model_type == "llava_next" else {}
@@ -109,6 +113,10 @@ def with_image(config: PretrainedConfig, input_ids: torch.Tensor, generator: tor
     if model_type == "llava_next":  # the base image's 4 tokens, one 16x16 crop's 4 and a newline after each row of 2
         input_ids[:, start:start + 10] = ids["image"]
         return {"input_ids": input_ids, "pixel_values": pixels(b, 2, 3, 16, 16),
+                "image_sizes": torch.tensor([[16, 16]] * b)}
+    if model_type == "mistral3":
+        input_ids[:, start:start + 4] = ids["image"]
+        return {"input_ids": input_ids, "pixel_values": pixels(b, 3, 16, 16),
                 "image_sizes": torch.tensor([[16, 16]] * b)}
     input_ids[:, start:start + 4] = ids["image"]  # llava: 2x2 patches; idefics3, smolvlm: 4x4 merged 2x2
     shape = (b, 3, 16, 16) if model_type == "llava" else (b, 1, 3, 16, 16)

@@ -44,6 +44,7 @@ from ..distributed.loss import rank_loss
 from ..integration import compat
 from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_loss, model_router_loss_modules
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
+from ..integration.composite import tower_names
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
 from .adapter_loss import regularizer_share
@@ -76,8 +77,9 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     batches. accelerate's default for an iterable dataset (`run_clm.py --streaming`) is to dispatch: rank 0 reads
     a batch per process and splits them over all processes, whatever `num_processes` says, which hands the ranks
     of a CP group different rows. Raises ValueError, naming the fix, for a `dispatch_batches` the user set. Its
-    batches' token ids are checked against the model's vocabulary where they are built, on the host
-    (`token_ids.CheckedCollate`): every rank of the group refuses a bad one together."""
+    batches' token ids are checked against the model's vocabulary where they are built, on the host, and a composite
+    model's batches for its towers' inputs (`token_ids.CheckedCollate`): every rank of the group refuses a bad one
+    together."""
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
@@ -89,6 +91,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             "hold different rows. Drop it (or set '{\"dispatch_batches\": false}'): every process then reads "
             "the data itself, as it must build the same data (the same files, or seeded).")
     vocabulary = vocabulary_of(trainer.model)
+    towers = bool(tower_names(trainer.model))
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
         prepared = prepare_data_loader(
@@ -105,8 +108,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         # torch loader it wraps, `base_dataloader`)
         loader = getattr(prepared, "base_dataloader", prepared)
         loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
-        if vocabulary is not None:
-            loader.collate_fn = CheckedCollate(loader.collate_fn, *vocabulary)
+        loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers)
         compat.track_data_loader(acc, prepared)
         return prepared
 

@@ -1,4 +1,5 @@
-"""Token ids outside the model's vocabulary, refused on the host before a context-parallel step.
+"""Token ids outside the model's vocabulary, and a composite model's image or audio inputs, refused on the host before
+a context-parallel step.
 
 Under CP a rank embeds its shard of the tokens only: an id at or past the input embedding's rows (or negative) fails
 in one rank's embedding while the others wait for it in the ring until the launcher ends them (on CUDA a device-side
@@ -9,11 +10,13 @@ a CP group builds the same batches, so all of them refuse the same one, before i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
+
+from ..distributed.inputs import TOKEN_TYPE_KEYS, check_text_only
 
 
 def vocabulary_of(model: torch.nn.Module) -> tuple[int, frozenset[int]] | None:
@@ -65,13 +68,22 @@ def check_token_ids(batch: Any, rows: int, replaced: frozenset[int] = frozenset(
 
 
 class CheckedCollate:
-    """A data loader's `collate_fn` whose batches pass `check_token_ids` (a class, not a closure: the loader's worker
-    processes may pickle it)."""
+    """A data loader's `collate_fn` whose batches pass `check_token_ids` against `vocabulary` (`vocabulary_of`; None:
+    nothing to check) and, for a composite model (`towers`), `check_text_only` with their token types, which, all
+    zero then, are dropped (a class, not a closure: the loader's worker processes may pickle it)."""
 
-    def __init__(self, collate_fn: Callable, rows: int, replaced: frozenset[int]) -> None:
-        self.collate_fn, self.rows, self.replaced = collate_fn, rows, replaced
+    def __init__(self, collate_fn: Callable, vocabulary: tuple[int, frozenset[int]] | None, towers: bool = False
+                 ) -> None:
+        self.collate_fn, self.vocabulary, self.towers = collate_fn, vocabulary, towers
 
     def __call__(self, samples):
         batch = self.collate_fn(samples)
-        check_token_ids(batch, self.rows, self.replaced)
+        check_text_only(batch, token_types=self.towers)
+        if self.towers and isinstance(batch, MutableMapping):
+            # all-zero token types (a processor's, for text) mark no image tokens, but Gemma 3 overlays its image
+            # mask whenever they are given, which the backend refuses: without them its attention is the same
+            for key in [k for k in TOKEN_TYPE_KEYS if isinstance(batch.get(k), torch.Tensor)]:
+                del batch[key]
+        if self.vocabulary is not None:
+            check_token_ids(batch, *self.vocabulary)
         return batch

@@ -1,7 +1,6 @@
 """Inputs beside the token ids under CP 2 against one process: multimodal RoPE position_ids ([3, B, S] and [4, B, S]:
 one row per rotary axis, the text row first in the 4-row form) in Trainer batches (ring and Ulysses), other per-token
-tensors (GPT-2's token_type_ids), and a vision-language model (its tower's inputs are the whole batch's) refused at
-the start of CP."""
+tensors (GPT-2's token_type_ids). Vision-language models: test_cp_vision_language_models.py."""
 
 import copy
 import os
@@ -86,28 +85,6 @@ def _train(rank: int, world: int, mode: str, rope_rows: int) -> dict:
     return result
 
 
-def _refused_vision_language_model(rank: int, world: int) -> str:
-    """The refusal of Qwen2-VL (a vision tower beside its language model) when CP 2 is attached to its Trainer."""
-    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
-
-    import hf_sparse_cp
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer
-    from hf_sparse_cp.distributed import ContextParallelConfig
-    from hf_sparse_cp.testing.tiny_vlms import tiny_vlm_config
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    hf_sparse_cp.patch()
-    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("qwen2_vl"))
-    hf_sparse_cp.configure(model)  # (its language model: the tower keeps its attention)
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(model=model, args=TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True))
-        try:
-            attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=world))
-        except ValueError as e:
-            return str(e)
-    return "not refused"
-
-
 def _token_types(rank: int, world: int) -> dict:
     """GPT-2's logits with token_type_ids (embedded per token) under CP `world` against one process's (sdpa), for
     sequences whose shards pad (100 tokens) or hold as many positions as the sequence (32 tokens, zigzag: 4 blocks of
@@ -147,7 +124,6 @@ def _token_types(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     calls = {(mode, rows): (_train, (mode, rows)) for mode in ("ring", "ulysses") for rows in (3, 4)}
-    calls["refusal"] = (_refused_vision_language_model, ())
     calls["token_types"] = (_token_types, ())
     one = run_gloo_each({**{rows: (_train, ("one", rows)) for rows in (3, 4)}, "text": (_train, ("one", 1))}, 1,
                         timeout_s=900)
@@ -165,12 +141,6 @@ def test_multimodal_rope_position_ids_in_trainer_batches_under_cp2_equal_one_pro
         assert rel_rms(r["update"], ref["update"]) <= 1e-6, rel_rms(r["update"], ref["update"])
     # (the height and width rows matter: the update of text positions in every row is another)
     assert rel_rms(one["text"][0]["update"], ref["update"]) > 1e-3, rel_rms(one["text"][0]["update"], ref["update"])
-
-
-def test_a_vision_language_model_is_refused_at_the_start_of_cp_naming_the_fix(runs):
-    for refusal in runs[1]["refusal"]:
-        assert "Qwen2VLForConditionalGeneration has non-text towers (vision_config)" in refusal, refusal
-        assert "--cp_size 1; sparse attention then runs in its language model" in refusal, refusal
 
 
 def test_per_token_tensors_beside_the_ids_are_sharded_with_them(runs):

@@ -1,4 +1,5 @@
-"""The CP data loader's check of token ids against the model's vocabulary (`trainer/token_ids.py`)."""
+"""The CP data loader's checks of its batches: token ids against the model's vocabulary, a composite model's image
+inputs (`trainer/token_ids.py`)."""
 
 import pickle
 
@@ -44,8 +45,23 @@ def test_the_vocabulary_is_the_input_embedding_and_the_special_ids_past_it():
 
 
 def test_the_checked_collate_checks_every_batch_and_pickles_for_worker_processes():
-    collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, 10, frozenset())))
+    collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, (10, frozenset()))))
     batch = collate([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3, 4])}])
     assert batch["input_ids"].tolist() == [[1, 2], [3, 4]]
     with pytest.raises(ValueError, match="token id 11 at input_ids"):
         collate([{"input_ids": torch.tensor([1, 11])}])
+
+
+def test_a_composite_models_collate_refuses_image_inputs_and_drops_all_zero_token_types():
+    """For a model with towers (`towers`), the CP loader refuses the towers' inputs and token types marking image
+    tokens on the host, and drops all-zero token types (a processor's text batch), which mark nothing; a text
+    model's token types (GPT-2's) and a vocabulary of None pass as they were."""
+    rows = [{"input_ids": torch.tensor([1, 2]), "token_type_ids": torch.tensor([0, 0])}]
+    collate = pickle.loads(pickle.dumps(CheckedCollate(_collate, None, towers=True)))
+    assert set(collate(rows)) == {"input_ids"}
+    with pytest.raises(ValueError, match=r"the batch carries token_type_ids: .*--cp_size 1"):
+        collate([{**rows[0], "token_type_ids": torch.tensor([0, 1])}])
+    with pytest.raises(ValueError, match=r"the batch carries pixel_values: .*--cp_size 1"):
+        collate([{**rows[0], "pixel_values": torch.zeros(3)}])
+    text = CheckedCollate(_collate, None)
+    assert text([{**rows[0], "token_type_ids": torch.tensor([0, 1])}])["token_type_ids"].tolist() == [[0, 1]]

@@ -50,7 +50,7 @@ def _errors(ref, model, batch) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next", "idefics3"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next", "idefics3", "mistral3"])
 def test_a_vision_language_model_trains_sparse_attention_in_its_language_model_as_sdpa_does(model_type, image):
     """configure() refused every vision-language model ('has bidirectional attention layers (model.visual...)'): its
     vision tower's attention, which transformers selects apart. Now the language model runs sparse_cp and the tower
@@ -123,13 +123,34 @@ def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone():
     assert compat.attn_implementation(model.config.vision_config) == "sparse_cp"
 
 
-def test_context_parallelism_refuses_a_vision_language_model_naming_the_fix():
-    """Under CP a rank would hold a shard of the tokens, while the tower's inputs and the places of its outputs are
-    the whole batch's: refused before training, naming --cp_size 1 (sparse attention in the language model)."""
+def test_context_parallelism_takes_a_vision_language_model_whose_towers_mix_tokens_outside_attention():
+    """Under CP every vision-language model was refused ('has non-text towers'), and, the towers set aside, their patch
+    convolutions (Qwen2-VL's Conv3d) were refused as token mixers of the sequence: they run on the batch's images,
+    not on a shard of the tokens. The check now passes; the towers' inputs are refused with the batch instead."""
     _, model = _pair("qwen2_vl")
-    with pytest.raises(ValueError, match=r"Qwen2VLForConditionalGeneration has non-text towers \(vision_config\).*"
-                                         r"pixel_values.*--cp_size 1; sparse attention then runs in its language"):
-        check_model_supports_context_parallel(model)
+    check_model_supports_context_parallel(model)
+
+
+@pytest.mark.parametrize(("batch", "token_types", "refused"), [
+    ({"pixel_values": torch.zeros(1), "image_grid_thw": torch.ones(1, 3)}, False, "pixel_values, image_grid_thw"),
+    ({"input_features": torch.zeros(1), "pixel_values": None}, False, "input_features"),
+    ({"aspect_ratio_ids": torch.ones(1), "cross_attention_mask": torch.ones(1)}, False,
+     "aspect_ratio_ids, cross_attention_mask"),
+    ({"token_type_ids": torch.tensor([[0, 1]])}, True, "token_type_ids"),
+    ({"mm_token_type_ids": torch.tensor([[0, 2]])}, True, "mm_token_type_ids"),
+    ({"token_type_ids": torch.tensor([[0, 1]])}, False, None),  # (GPT-2's token types: no towers)
+    ({"token_type_ids": torch.zeros(1, 2), "mm_token_type_ids": torch.zeros(1, 2)}, True, None),  # (text)
+])
+def test_a_batch_carrying_the_towers_inputs_is_refused_naming_the_key_and_the_fix(batch, token_types, refused):
+    from hf_sparse_cp.distributed.inputs import check_text_only
+
+    batch = {"input_ids": torch.ones(1, 2, dtype=torch.long), **batch}
+    if refused is None:
+        check_text_only(batch, token_types=token_types)
+        return
+    with pytest.raises(ValueError, match=rf"the batch carries {refused}: inputs of the model's vision or audio "
+                                         r"towers.*--cp_size 1"):
+        check_text_only(batch, token_types=token_types)
 
 
 def test_a_tower_without_is_causal_on_the_backend_is_refused_as_a_tower():
@@ -140,3 +161,13 @@ def test_a_tower_without_is_causal_on_the_backend_is_refused_as_a_tower():
     with pytest.raises(ValueError, match=r"\(MllamaVisionAttention, model type 'mllama_vision_model'\) is in the "
                                          r"model's vision tower"):
         model(**with_image(model.config, torch.randint(3, 290, (1, 64))))
+
+
+def test_head_parallel_modes_check_a_vision_language_model_by_its_language_model_heads():
+    """Ulysses read `num_attention_heads` off the composite config, which has none (AttributeError at CP attach):
+    now its language model's heads, 4 query heads of the tiny model over at most 4 ranks."""
+    from hf_sparse_cp.distributed import ContextParallelConfig
+
+    ContextParallelConfig(cp_size=2, cp_mode="ulysses").check_model(tiny_vlm_config("qwen2_vl"))
+    with pytest.raises(ValueError, match="needs at least 8 query heads, but the model has 4"):
+        ContextParallelConfig(cp_size=8, cp_mode="ulysses").check_model(tiny_vlm_config("gemma3"))

@@ -3,6 +3,7 @@ description."""
 
 from __future__ import annotations
 
+from ...config import language_config
 from ..heads.split import HeadSplit
 from .base import CPMode
 
@@ -11,6 +12,7 @@ class HeadGroupMode(CPMode):
     """A mode whose head groups split the attention heads (`heads/`)."""
 
     def check_model(self, model_config, head_size: int) -> None:
+        model_config = language_config(model_config)  # (a composite model's heads are its language model's)
         heads = model_config.num_attention_heads
         HeadSplit(heads, getattr(model_config, "num_key_value_heads", None) or heads, head_size)
 
