@@ -63,7 +63,15 @@ def test_combine_merges_arms_and_refuses_other_settings(bench, tmp_path):
                          str(tmp_path / "ab.json")])
     assert list(merged["arms"]) == ["start", "dense", "default"]
     assert merged["arms"]["dense"] == a["arms"]["dense"]
-    assert [r["pass"] for r in merged["targets"]] != [] and all(isinstance(r["pass"], bool) for r in merged["targets"])
+    perplexity, needles = merged["targets"]  # the default held to both; 4 prompts cannot tell the needles' change
+    assert isinstance(perplexity["pass"], bool) and needles["pass"] is None and needles["verdict"] == "INCONCLUSIVE"
+    assert "on the same 4:" in needles["target"] and merged["settings"]["retrieval_margin"] == 0.1
+    # every arm's hit of every prompt, in the same order: what the verdict pairs
+    assert [len(merged["arms"][n]["retrieval_dense"]["hits"]) for n in merged["arms"]] == [4, 4, 4]
+    looser = bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--retrieval_margin",
+                           "0.9", "--output", str(tmp_path / "ab9.json")])  # re-judged from the stored hits
+    assert looser["settings"]["retrieval_margin"] == 0.9 and looser["targets"][1]["required"] == \
+        "interval above -0.90"
     bench.main(TINY + ["--arms", "default", "--no_start", "--seed", "1", "--output", str(tmp_path / "c.json")])
     with pytest.raises(ValueError, match="other settings"):
         bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
