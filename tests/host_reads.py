@@ -32,6 +32,10 @@ _REPO = os.path.dirname(os.path.dirname(_HERE)) + os.sep
 _METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
             "unique", "unique_consecutive", "masked_select", "bincount")
 _FUNCTIONS = ("nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount")
+# Indexing with a boolean tensor, counted by the torch-function mode rather than patched onto torch.Tensor: a
+# __getitem__ set on the Python class (even once deleted again) leaves CPython's sequence slot filled, so every tensor,
+# a 0-d one included, passes for a sequence (torch.tensor([t0, t1]) then asks a 0-d tensor for its len()).
+_MASK_INDEXING = {torch.Tensor.__getitem__: "bool-mask index", torch.Tensor.__setitem__: "bool-mask assign"}
 
 
 @dataclass
@@ -87,9 +91,10 @@ class _HostTensors(TorchFunctionMode):
     `torch.arange(n)`; `to(dtype)`); an op given a `torch.device` (the data's) or another device makes a device tensor.
     Reading a host tensor reads nothing back."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads: HostReads) -> None:
         super().__init__()
         self._host: dict[int, weakref.ref] = {}
+        self._reads = reads
 
     def holds(self, t) -> bool:
         """Whether `t`, or the tensor it views, is on the host (a view made where the mode does not reach, as in a
@@ -102,6 +107,9 @@ class _HostTensors(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kind = _MASK_INDEXING.get(func)
+        if kind and _is_bool_tensor(args[1]) and not self.holds(args[0]) and not getattr(_state, "busy", False):
+            self._reads.sites[(_site(), kind)] += 1
         if func.__name__ == "cpu" and isinstance(args[0], torch.Tensor):  # (the method, patched or not)
             out = func(*args, **kwargs)
             out = out.clone() if out is args[0] else out
@@ -145,12 +153,13 @@ def _one_argument_where(condition, *args, **kwargs) -> bool:
 def count_host_reads() -> Iterator[HostReads]:
     """Within the block, every host read of a tensor's data (see the module) is counted in the yielded `HostReads`;
     everything patched is restored on exit. One thread counts: the patches are process-wide."""
-    reads, host = HostReads(), _HostTensors()
-    saved: list[tuple[object, str, object]] = []
+    reads = HostReads()
+    host = _HostTensors(reads)
+    saved: list[tuple[object, str, object, bool]] = []
 
     def patch(owner, name: str, kind: str, reads_if=None) -> None:
         original = getattr(owner, name)
-        saved.append((owner, name, original))
+        saved.append((owner, name, original, name in vars(owner)))
         setattr(owner, name, _recording(original, kind, reads, host, reads_if))
 
     for name in _METHODS:
@@ -160,11 +169,13 @@ def count_host_reads() -> Iterator[HostReads]:
     patch(torch, "where", "where(condition)", _one_argument_where)
     patch(torch.Tensor, "repeat_interleave", "repeat_interleave", _unsized_repeats)
     patch(torch, "repeat_interleave", "repeat_interleave", _unsized_repeats)
-    patch(torch.Tensor, "__getitem__", "bool-mask index", lambda self, index: _is_bool_tensor(index))
-    patch(torch.Tensor, "__setitem__", "bool-mask assign", lambda self, index, value: _is_bool_tensor(index))
     try:
         with host:
             yield reads
     finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+        # (an attribute the class only inherited, as torch.Tensor's item from TensorBase, is deleted, not left set)
+        for owner, name, original, own in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
