@@ -89,3 +89,17 @@ def column_rows_to_send(layout: SparseLayout, block_owner: torch.Tensor, rank: i
             pairs.add((int(block_owner[qb]), token))
     forward = sum(int(block_owner[token // bs]) == rank for _, token in pairs)
     return forward, sum(reader == rank for reader, _ in pairs)
+
+
+def trained_under(trainer, cp_config) -> dict:
+    """Train `trainer` with the plugin attached (sparse attention, `cp_config`), then detach it: the losses it
+    logged and the update of the weights (flattened in parameter order)."""
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+
+    initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), cp_config)
+    trainer.train()
+    result = {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+              "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
+    detach_from_trainer(trainer)
+    return result

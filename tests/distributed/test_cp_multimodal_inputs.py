@@ -12,7 +12,7 @@ import torch
 from hf_sparse_cp.testing.spawn import run_gloo_each
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
-from oracle import rel_rms
+from oracle import rel_rms, trained_under
 
 SEQ, ROWS = 256, 4
 MODES = {"one": {}, "ring": {}, "ulysses": {"cp_mode": "ulysses"}}
@@ -62,7 +62,7 @@ def _train(rank: int, world: int, mode: str, rope_rows: int) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import hf_sparse_cp
-    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, attach_to_trainer, detach_from_trainer
+    from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.distributed import ContextParallelConfig
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
@@ -75,14 +75,7 @@ def _train(rank: int, world: int, mode: str, rope_rows: int) -> dict:
                                  optim="sgd", per_device_train_batch_size=2, logging_steps=1,
                                  train_sampling_strategy="sequential")
         trainer = Trainer(model=model, args=args, train_dataset=_rows(rope_rows), data_collator=_collate)
-        initial = torch.cat([p.detach().flatten() for p in model.parameters()])
-        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
-                          ContextParallelConfig(cp_size=world, **MODES[mode]))
-        trainer.train()
-        result = {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-                  "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
-        detach_from_trainer(trainer)
-    return result
+        return trained_under(trainer, ContextParallelConfig(cp_size=world, **MODES[mode]))
 
 
 def _token_types(rank: int, world: int) -> dict:

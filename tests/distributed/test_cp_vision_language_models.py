@@ -15,7 +15,7 @@ import torch
 from hf_sparse_cp.integration.architectures import CP_TESTED_VISION_LANGUAGE_TYPES
 from hf_sparse_cp.testing.spawn import run_gloo_each
 
-from oracle import rel_rms
+from oracle import rel_rms, trained_under
 
 SEQ, ROWS, VOCAB = 128, 4, 300
 MODEL_TYPES = CP_TESTED_VISION_LANGUAGE_TYPES
@@ -78,20 +78,12 @@ def _train(rank: int, world: int, model_type: str, mode: str, zero_token_types: 
            ) -> dict:
     """Two SGD steps of text-only batches of 2 through the Trainer, in one process or under CP 2: the losses it logs
     and the update of the weights."""
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
     from hf_sparse_cp.distributed import ContextParallelConfig
 
     model = _model(model_type, sliding)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(rank, world, model, tmp, _rows(), _with_zero_token_types if zero_token_types else None)
-        initial = torch.cat([p.detach().flatten() for p in model.parameters()])
-        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
-                          ContextParallelConfig(cp_size=world, **MODES[mode]))
-        trainer.train()
-        result = {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-                  "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
-        detach_from_trainer(trainer)
-    return result
+        return trained_under(trainer, ContextParallelConfig(cp_size=world, **MODES[mode]))
 
 
 class _WithImages:
