@@ -22,7 +22,7 @@ from hf_sparse_cp.trainer.context_parallel import (
     enable_trainer_context_parallel,
 )
 
-from oracle import rel_rms
+from oracle import rel_rms, trained_under
 
 # A short job: 512-token sequences in 64-token blocks, sparse from 256 tokens on.
 JOB = ["--sparse_max_length", "512", "--max_steps", "4", "--num_samples", "8", "--sparse_min_seq_len", "256",
@@ -693,8 +693,6 @@ def _dp_cp_step(rank: int, world: int, cp: int, average_tokens: bool, pick: tupl
 
     from transformers import default_data_collator
 
-    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     ids = torch.arange(8 * 300).remainder(97).add(3).view(8, 300)
     labels = ids.clone()
@@ -712,13 +710,7 @@ def _dp_cp_step(rank: int, world: int, cp: int, average_tokens: bool, pick: tupl
                                  average_tokens_across_devices=average_tokens)
         trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": ids[i], "labels": labels[i]}
                                                                  for i in pick], data_collator=default_data_collator)
-        initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True), ContextParallelConfig(cp_size=cp))
-        trainer.train()
-        result = {"logged": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-                  "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
-        detach_from_trainer(trainer)
-    return result
+        return trained_under(trainer, ContextParallelConfig(cp_size=cp))
 
 
 @pytest.mark.parametrize("average_tokens", [True, False], ids=["tokens-over-devices", "tokens-per-device"])
