@@ -117,6 +117,10 @@ def _train(rank: int, world: int) -> dict:
             trainer = Trainer(model=model, args=args, train_dataset=rows[:4], eval_dataset=rows[4:],
                               data_collator=default_data_collator)
             initial = torch.cat([p.detach().flatten() for p in model.parameters()])
+            # (the forward hooks of the model and its head's layer: transformers adds its own to the layers that
+            # record hidden states)
+            watched = [model, *(m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("score", "qa_outputs"))]
+            hooks = [list(m._forward_hooks) for m in watched]
             parallel = attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
                                          ContextParallelConfig(cp_size=world, **flags) if world > 1 else None)
             trainer.train()
@@ -126,6 +130,7 @@ def _train(rank: int, world: int) -> dict:
                              "update": torch.cat([p.detach().flatten() for p in model.parameters()]) - initial,
                              "layout": parallel.describe() if world > 1 else "one process"}
             detach_from_trainer(trainer)
+            results[name]["hooks restored"] = [list(m._forward_hooks) for m in watched] == hooks
     return results
 
 
@@ -144,7 +149,7 @@ def test_a_classification_head_under_cp2_trains_as_one_process(runs, name):
     reference = one[_reference(name)]
     for rank in ranks:
         got = rank[name]
-        assert got["layout"].startswith("CP 2 x DP 1")
+        assert got["layout"].startswith("CP 2 x DP 1") and got["hooks restored"]
         for value in RUNS[name][2].values():
             assert value in got["layout"].lower(), (value, got["layout"])
         assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
