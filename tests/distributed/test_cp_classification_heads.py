@@ -4,9 +4,10 @@ mean over the targets), a sequence-classification head (run_glue / run_classific
 row pooled on the rank holding it; single-label with a -100 row, regression, multi-label, label smoothing, left
 padding, hidden states in the predictions, a LoRA adapter) and a question-answering head (run_qa: start and end logits
 gathered over the whole row, an answer past the row's end) on tiny Llama and Qwen2 models, under the ring (striped,
-zigzag, document sharding) and ulysses: the losses logged, eval_loss, the weights after 2 SGD steps and `predict()`'s
-logits. Before, all were refused at CP start; a sequence-classification head had crashed sharding its per-row labels,
-a token-classification head trained on its shard's mean (2.269 logged against 1.134 for one process)."""
+zigzag, document sharding), ulysses and a curriculum of CP degrees: the losses logged, eval_loss, the weights after 2
+SGD steps and `predict()`'s logits. Before, all were refused at CP start; a sequence-classification head had crashed
+sharding its per-row labels, a token-classification head trained on its shard's mean (2.269 logged against 1.134 for
+one process)."""
 
 import os
 import tempfile
@@ -27,6 +28,7 @@ RUNS = {
     "qwen2 sequence document hidden states": ("qwen2", SEQUENCE, {"cp_sharding": "document"}, {"hidden": True}),
     "qwen2 sequence ulysses own counts": ("qwen2", SEQUENCE, {"cp_mode": "ulysses"}, {"average": False}),
     "llama sequence lora": ("llama", SEQUENCE, {}, {"lora": True}),
+    "qwen2 sequence cp_schedule": ("qwen2", SEQUENCE, {"cp_schedule": "0:160:2"}, {}),
     "llama sequence zigzag left-padded smoothed": ("llama", SEQUENCE, {"cp_sharding": "zigzag"},
                                                    {"side": "left", "smoothing": 0.1}),
     "llama regression fp64": ("llama", REGRESSION, {}, {"dtype": torch.float64}),
@@ -121,8 +123,11 @@ def _train(rank: int, world: int) -> dict:
             # record hidden states)
             watched = [model, *(m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("score", "qa_outputs"))]
             hooks = [list(m._forward_hooks) for m in watched]
+            flags = dict(flags)
+            schedule = flags.pop("cp_schedule", None)  # (a curriculum of CP degrees: one stage, at CP 2)
             parallel = attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
-                                         ContextParallelConfig(cp_size=world, **flags) if world > 1 else None)
+                                         ContextParallelConfig(cp_size=1 if schedule else world, **flags)
+                                         if world > 1 else None, cp_schedule=schedule if world > 1 else None)
             trainer.train()
             results[name] = {"loss": [log["loss"] for log in trainer.state.log_history if "loss" in log],
                              "eval_loss": trainer.evaluate()["eval_loss"],
@@ -150,8 +155,8 @@ def test_a_classification_head_under_cp2_trains_as_one_process(runs, name):
     for rank in ranks:
         got = rank[name]
         assert got["layout"].startswith("CP 2 x DP 1") and got["hooks restored"]
-        for value in RUNS[name][2].values():
-            assert value in got["layout"].lower(), (value, got["layout"])
+        for key, value in RUNS[name][2].items():
+            assert key == "cp_schedule" or value in got["layout"].lower(), (value, got["layout"])
         assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
         outputs = (2 if RUNS[name][1] == ANSWERS else 1) + (3 if "hidden" in name else 0)  # (and 3 hidden states)
