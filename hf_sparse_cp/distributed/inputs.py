@@ -181,5 +181,5 @@ def prepare_context_parallel_inputs(
     by_positions = (inputs.get("cu_seq_lens_k") is None and inputs.get("attention_mask") is None
                     and positions is not None and positions.dim() <= 2 and any(len(row) > 1 for row in meta.documents))
     out[CP_SHARD_KWARG] = CPShard(parallel, plan, plan.global_meta(meta), documents, inputs.get("attention_mask"),
-                                  by_positions)
+                                  by_positions, inputs.get("input_ids"))
     return out

@@ -34,7 +34,9 @@ class CPShard:
     the padded length is checked instead); attention_mask: the whole batch's 2D padding mask [B, plan.seq_len] as the
     batch carried it (None without one), which the CP router loss hands the model's function with the gathered tokens;
     packed_by_positions: whether `meta`'s documents come from the batch's restarting [B, S] position_ids, which a
-    multimodal RoPE model expands to its rotary rows without packing by them (the backend refuses that).
+    multimodal RoPE model expands to its rotary rows without packing by them (the backend refuses that);
+    input_ids: the whole batch's token ids [B, plan.seq_len] (None: it came as inputs_embeds), by which a
+    sequence-classification head finds the token it pools (`integration/heads.py`).
     """
 
     parallel: ParallelDims
@@ -43,6 +45,7 @@ class CPShard:
     documents: BatchDocumentExtents | None = None
     attention_mask: torch.Tensor | None = None
     packed_by_positions: bool = False
+    input_ids: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -73,6 +76,21 @@ class CPShard:
             and the result, each about B x seq_len x the rest.
         """
         return _WholeSequence.apply(x, self)
+
+    def at_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's entry at one position of the batch's sequence, from every CP rank's tensor over its shard: taken
+        on the rank holding it and summed over the CP group (an all-reduce of [B, ...]: every rank receives it).
+        Differentiable as `whole_sequence`: the backward sums the gradient over the CP group and hands it to the
+        rank holding the position.
+
+        Args:
+            x: this rank's per-token output, [B, local_len, ...].
+            positions: int64 [B] on x's device, a position of each row in the batch as it was passed in.
+
+        Returns:
+            [B, ...]: `whole_sequence(x)[arange(B), positions]`, without gathering the whole sequence.
+        """
+        return _AtPositions.apply(x, self, positions)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         plan, cp = self.plan, self.parallel.cp_size
@@ -115,3 +133,30 @@ class _WholeSequence(torch.autograd.Function):
         total = grad.contiguous().clone()
         all_reduce(total, shard.parallel.cp_group, "the all-reduce of a whole-sequence output's gradient")
         return shard.plan.shard(total, shard.rank, pad_value=0), None
+
+
+class _AtPositions(torch.autograd.Function):
+    """`CPShard.at_positions` with its gradient: forward, each row's entry at its position on the rank holding it,
+    zeros elsewhere, summed over the CP group; backward, the sum over the CP group of every rank's gradient, which
+    the holder of each row's position keeps there (the other positions, and the other ranks, get none)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: CPShard, positions: torch.Tensor) -> torch.Tensor:
+        owner, local = (t.to(x.device)[positions] for t in shard.plan.original_in_shards)
+        mine = owner == shard.rank
+        rows = torch.arange(x.shape[0], device=x.device)
+        local = local.clamp(max=x.shape[1] - 1)  # (another rank's index may lie past a shorter shard)
+        picked = torch.where(mine.view(-1, *[1] * (x.dim() - 2)), x[rows, local], 0).contiguous()
+        all_reduce(picked, shard.parallel.cp_group, "the all-reduce of the entries of a position of each row")
+        ctx.shard, ctx.shape = shard, x.shape
+        ctx.save_for_backward(rows[mine], local[mine])
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, local = ctx.saved_tensors
+        total = grad.contiguous().clone()
+        all_reduce(total, ctx.shard.parallel.cp_group, "the all-reduce of the gradient of a position of each row")
+        out = total.new_zeros(ctx.shape)
+        out[rows, local] = total[rows]
+        return out, None, None

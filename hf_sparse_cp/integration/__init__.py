@@ -6,6 +6,8 @@
 * `registration.py`: `patch`, `unpatch`, `configure`;
 * `lean_loss.py`: `enable_lean_loss` / `disable_lean_loss` (causal-LM loss without full logits);
 * `models.py`: which models context parallelism supports;
+* `heads.py`: the head a model has, and the hook that gives a sequence-classification or question-answering head the
+  batch's outputs under context parallelism;
 * `composite.py`: the backend selected for a composite model's language model, its towers keeping their attention;
 * `stats.py`: the per-layer kept fraction the backend records;
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;

@@ -277,6 +277,19 @@ PATCHES = (
           "unregister"),
     Patch("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", "reads", "unpatch(): there is "
           "no public unregister"),
+    Patch("transformers.modeling_layers.GenericForSequenceClassification", "forward", "reads", "under CP a "
+          "sequence-classification head with this forward (Llama, Qwen2, Mistral, ...) trains: it pools one position "
+          "of each row of its score layer's output, which a forward hook makes the row's pooled logits at every "
+          "position, taken over the CP group, and computes its loss from them (integration/heads.py); a class with "
+          "a forward of its own is refused"),
+    Patch("transformers.modeling_layers.GenericForTokenClassification", "forward", "reads", "under CP a "
+          "token-classification head with this forward trains: it scores every token on its own and its loss (a "
+          "mean over its shard's labels, the loss keywords dropped) is replaced by the CP group's "
+          "(trainer/context_parallel.py `smooth_labels_over_cp_group`); a class with a forward of its own is refused"),
+    Patch("transformers.modeling_layers.GenericForQuestionAnswering", "forward", "reads", "under CP a "
+          "question-answering head with this forward trains: a forward hook makes its qa_outputs layer's output the "
+          "whole row's, gathered over the CP group, from which it computes its start and end logits and loss "
+          "(integration/heads.py); a class with a forward of its own is refused"),
     Patch("transformers.loss.loss_utils", "LOSS_MAPPING", "reads", "the lean loss applies only where a model uses "
           "the stock causal-LM loss"),
     Patch("transformers.utils.generic", "can_return_tuple", "calls", "the lean-loss forward honours "

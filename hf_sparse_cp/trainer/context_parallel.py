@@ -45,6 +45,14 @@ from ..integration import compat
 from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_loss, model_router_loss_modules
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.composite import tower_names
+from ..integration.heads import (
+    BATCH_OUTPUT_HEADS,
+    LANGUAGE_MODEL,
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+    model_head,
+    pool_over_cp_group,
+)
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
 from .adapter_loss import regularizer_share
@@ -232,10 +240,10 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                 "SFTTrainer's token accuracy; the Trainer's own compute_loss smooths exactly under CP)")
         fix = "drop --label_smoothing_factor (TRL deprecates it in SFTTrainer), or run without CP"
     elif method in compat.cp_exact_losses():
-        _check_lm_head(trainer.model, cp_size)
+        _check_head(trainer.model, cp_size, whole_rows=False, own_loss=method is Trainer.compute_loss)
         return
     elif method in compat.cp_whole_row_losses():
-        _check_lm_head(trainer.model, cp_size)
+        _check_head(trainer.model, cp_size, whole_rows=True, own_loss=False)
         check_whole_row_trainer(trainer, cp_size)
         return
     else:
@@ -248,24 +256,32 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                      "trains it, on one process or with data parallelism.")
 
 
-def _check_lm_head(model: torch.nn.Module, cp_size: int) -> None:
-    """Refuse a model without a language-model head (`get_output_embeddings()` None: transformers' sequence- and
-    token-classification, question-answering heads): CP makes a causal LM's next-token loss the CP group's (the
-    targets shifted before sharding, each rank's sum over the group's count), which such heads do not compute. A
-    head that pools one token of the row (on one rank) crashed at the first step sharding its per-row labels; a
-    token-classification head took the mean of its shard's labels, which no count makes the row's (measured,
-    run_ner-style: 2.269 logged at step 1 under CP 2 against 1.134 for one process)."""
-    head = getattr(model, "get_output_embeddings", None)
-    if head is not None and head() is not None:
+def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_loss: bool) -> None:
+    """Refuse a head that CP does not train as one process (`heads.model_head`). A language-model head trains under
+    the trainers of `compat.cp_exact_losses` and `cp_whole_row_losses`; a token- or sequence-classification or a
+    question-answering head under the Trainer's own compute_loss (`own_loss`), whose loss CP makes the group's
+    (`smooth_labels_over_cp_group`, `cp_group_steps`). Before, a head that pools the row's last token crashed at the
+    first step sharding its per-row labels, and a token-classification head took its shard's mean (2.269 logged at step
+    1 under CP 2 against 1.134 for one process)."""
+    head = model_head(model)
+    if head == LANGUAGE_MODEL or (head is not None and own_loss):
         return
+    name = type(model).__name__
+    if head is not None:
+        trainer = ("a whole-row trainer (TRL DPO, KTO: a language model's loss)" if whole_rows else
+                   "a trainer whose compute_loss is its own (TRL SFTTrainer: a language model's loss)")
+        what = (f"its {head} head under {trainer} is not trained under CP as one process: CP computes a "
+                "classification or question-answering head's loss through the Trainer's own compute_loss (run_glue, "
+                "run_ner, run_classification, run_qa). Fix: train it with transformers' Trainer, or run without CP")
+    else:
+        what = ("it has neither a language-model head nor transformers' generic token-classification, "
+                "sequence-classification or question-answering head (GenericForTokenClassification, "
+                "GenericForSequenceClassification, GenericForQuestionAnswering: Llama, Qwen2, Mistral, ...), which CP "
+                f"trains as one process: {name}.forward is its architecture's own, whose pooling or loss CP does not "
+                "reproduce. Fix: run without CP")
     raise ValueError(
-        f"{type(model).__name__} under context parallelism (CP {cp_size}) is not supported: it has no language-model "
-        "head (get_output_embeddings() is None: a sequence-classification, token-classification or "
-        "question-answering head). CP trains a causal LM's next-token loss, each rank its shard's share of the "
-        "group's: a head that pools one token of the row (the last, on one rank) or averages its own shard's token "
-        "labels would not train as one process. Fix: run without CP (drop "
-        "--cp_size; a --cp_schedule keeps every stage at CP 1): sparse attention alone trains it, on one process or "
-        "with data parallelism.")
+        f"{name} under context parallelism (CP {cp_size}) is not supported: {what} (drop --cp_size; a --cp_schedule "
+        "keeps every stage at CP 1): sparse attention alone trains it, on one process or with data parallelism.")
 
 
 def dropout_note(model: torch.nn.Module) -> str | None:
@@ -301,10 +317,11 @@ def random_routing_note(model: torch.nn.Module) -> str | None:
             + (" (the sampling of sparsemixer stays: run without CP)." if samplers else "."))
 
 
-def _causal_lm_loss(model_output, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch=None):
-    """The loss a causal LM computes of its labels (transformers' `ForCausalLMLoss`: the cross-entropy in fp32, each
-    position predicting the next one's label where `shift_labels`), called as the Trainer calls its label smoother:
-    the sum over `num_items_in_batch`, else the mean over the targets."""
+def _token_loss(model_output, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch=None):
+    """The loss a causal LM or a token-classification head computes of its labels (transformers' `ForCausalLMLoss`,
+    `ForTokenClassification`: the cross-entropy in fp32, each position predicting the next one's label where
+    `shift_labels`), called as the Trainer calls its label smoother: the sum over `num_items_in_batch`, else the mean
+    over the targets."""
     logits = model_output["logits"] if isinstance(model_output, dict) else model_output[0]
     if shift_labels:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
@@ -363,7 +380,7 @@ def warn_inexact(trainer: Trainer) -> None:
 
 def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
     """Make the Trainer's label smoothing (`--label_smoothing_factor`), and the loss of a model whose forward takes no
-    loss keywords, under CP what they are in one process.
+    loss keywords or of a token-classification head, under CP what they are in one process.
 
     The Trainer hands its label smoother the logits and `labels` of the step's inputs, which it shifts (for a model
     class in transformers' causal-LM mapping; others' labels it smooths as given); under CP those are a rank's shard,
@@ -376,13 +393,20 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
     A model whose forward takes no loss keywords (`model_accepts_loss_kwargs` False: remote code without **kwargs)
     computes its loss itself, as the mean over its shard's tokens, whose mean over the CP group is not the batch's:
     with the Trainer's own compute_loss it computes logits only, and the causal-LM loss of the shard's targets
-    (`_causal_lm_loss`) takes the smoother's place, over the group's count. `parallel()` is the CP layout of the step
-    in progress (constant, or a curriculum's stage); a stage at CP 1 runs the stock smoother (the model's loss)."""
+    (`_token_loss`) takes the smoother's place, over the group's count. So does a token-classification head's
+    (`heads.TOKEN_CLASSIFICATION`: transformers' forward drops the loss keywords, its loss is its shard's mean), on the
+    shard's unshifted labels. A sequence-classification head's pooled logits and row labels are the batch's on every
+    rank (`heads.BATCH_OUTPUT_HEADS`): the stock smoother smooths them (`cp_group_steps` takes the rank's share).
+    `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage); a stage at CP 1 runs the
+    stock smoother (the model's loss)."""
     smoother, prepare = trainer.label_smoother, getattr(trainer, compat.TRAINER_CP_INPUTS)
-    own_loss = (smoother is None and not trainer.model_accepts_loss_kwargs
-                and type(trainer).compute_loss is Trainer.compute_loss)
+    head = model_head(trainer.model)
+    # (a token-classification head's forward drops the loss keywords whatever its signature: its loss is its shard's
+    # mean; a sequence-classification head's loss is every rank's alike, `cp_group_steps` takes its share)
+    own_loss = smoother is None and type(trainer).compute_loss is Trainer.compute_loss and (
+        head == TOKEN_CLASSIFICATION or (head == LANGUAGE_MODEL and not trainer.model_accepts_loss_kwargs))
     if own_loss:
-        smoother = _causal_lm_loss
+        smoother = _token_loss
     if smoother is None:
         return
     ignore_index = getattr(smoother, "ignore_index", -100)
@@ -398,8 +422,9 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
 
     def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
         par = parallel()
-        shift = shift_labels or own_loss  # (a causal LM's own loss shifts whatever its class's name)
-        if par.cp_size == 1:
+        # (a causal LM's own loss shifts whatever its class's name)
+        shift = shift_labels or (own_loss and head == LANGUAGE_MODEL)
+        if par.cp_size == 1 or head in BATCH_OUTPUT_HEADS:  # (its pooled logits and row labels: the batch's)
             return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
         if not shift:  # the Trainer smooths the labels as given
             labels = unshifted[0]
@@ -483,7 +508,10 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     (`neftune_over_cp_group`). A trainer whose loss is built from the per-token outputs of whole rows (TRL's
     DPOTrainer and KTOTrainer, `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model
     and reference model in a step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so
-    its loss and the metrics it gathers are the batch's on every rank of the group.
+    its loss and the metrics it gathers are the batch's on every rank of the group. A sequence-classification or
+    question-answering head (`heads.BATCH_OUTPUT_HEADS`) computes the batch's outputs on every rank of a CP forward
+    (`heads.pool_over_cp_group`, hooked here) and the batch's loss from them: the step takes the rank's share of it
+    (`model_loss_share`), and a prediction step returns those outputs as they are (hidden states after them gathered).
     `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
@@ -491,6 +519,11 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
     whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
     hook_forwards = hook_whole_row_forwards(trainer, patches, parallel, prepare, lambda: in_step[0])
+    # (a sequence-classification or question-answering head's outputs and loss are the batch's on every rank: how
+    # many outputs of a prediction step are its)
+    batch_outputs = BATCH_OUTPUT_HEADS.get(model_head(trainer.model), 0)
+    if batch_outputs:
+        patches.on_undo(pool_over_cp_group(trainer.model).remove)
 
     def prepare_inputs(_model, inputs: dict[str, Any]):
         if whole_rows:  # (its model's forwards shard themselves)
@@ -548,16 +581,24 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             # (the MoE router loss's and an adapter regularizer's value on each rank follow what this compute_loss
             # does with the loss)
             share = model_loss_share(trainer, num_items_in_batch, parallel().cp_size)
-            seen.enter_context(loss_share(share))
-            seen.enter_context(regularizer_share(model, share))
-            return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            # (a sequence-classification or question-answering head's loss, of its outputs, is the batch's on every
+            # rank, and so are those terms: the rank's share of the whole loss is taken below)
+            seen.enter_context(loss_share(1.0 if batch_outputs else share))
+            seen.enter_context(regularizer_share(model, 1.0 if batch_outputs else share))
+            result = compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not batch_outputs:
+            return result
+        return (result[0] * share, result[1]) if return_outputs else result * share
 
     def predict(model, inputs, *rest, **kwargs):
         with stepping(True):
             loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
             # (a batch without labels runs unsharded in the stock step: each rank computes the whole sequence)
-            if shard[0] is not None and outputs and outputs[0] is not None:
-                outputs[0] = whole_sequence_outputs(outputs[0], shard[0])
+            logits = outputs[0] if shard[0] is not None and outputs else None
+            if logits is not None and not batch_outputs:
+                outputs[0] = whole_sequence_outputs(logits, shard[0])
+            elif isinstance(logits, tuple) and len(logits) > batch_outputs:  # (the head's outputs, then hidden states)
+                outputs[0] = (*logits[:batch_outputs], *whole_sequence_outputs(logits[batch_outputs:], shard[0]))
         return (_cp_group_mean(loss, parallel()), *outputs)
 
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
@@ -636,14 +677,16 @@ def _refuse_group_settings(cp_config: ContextParallelConfig, world_size: int) ->
 
 
 def step_inputs(inputs: dict[str, Any], parallel: ParallelDims, sparse_config: SparseAttentionConfig, pad_id: int,
-                verify_same_batch: bool) -> dict[str, Any]:
+                verify_same_batch: bool, labels_per_row: bool = False) -> dict[str, Any]:
     """This rank's share of a training batch (`prepare_context_parallel_inputs`); a batch that CP cannot split,
     refused naming the fix (padding between a row's tokens, rows that differ across the CP group), is the user's
-    (`flag_errors`)."""
+    (`flag_errors`). With `labels_per_row` (a sequence-classification head's: [B], or [B, labels] multi-label) the
+    labels are the batch's on every rank, neither sharded nor shifted."""
+    rows = {"labels": inputs["labels"]} if labels_per_row and "labels" in inputs else {}
     with flag_errors((ValueError,)):
-        return prepare_context_parallel_inputs(inputs, parallel, block_size=sparse_config.block_size,
-                                               pad_token_id=pad_id, sparse_config=sparse_config,
-                                               verify_same_batch=verify_same_batch)
+        return prepare_context_parallel_inputs({k: v for k, v in inputs.items() if k not in rows}, parallel,
+                                               block_size=sparse_config.block_size, pad_token_id=pad_id,
+                                               sparse_config=sparse_config, verify_same_batch=verify_same_batch) | rows
 
 
 def enable_trainer_context_parallel(
@@ -681,7 +724,8 @@ def enable_trainer_context_parallel(
     first_batch = first_batch_of_each_run(trainer)
 
     def prepare_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
-        return step_inputs(inputs, parallel, sparse_config, pad_id, first_batch())
+        return step_inputs(inputs, parallel, sparse_config, pad_id, first_batch(),
+                           model_head(model) == SEQUENCE_CLASSIFICATION)
 
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)

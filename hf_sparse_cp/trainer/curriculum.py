@@ -42,6 +42,7 @@ from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_con
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
 from ..integration.registration import store_pattern
@@ -418,7 +419,8 @@ def enable_curriculum(
         verify = stage not in checked_stages  # (each stage's first batch: its CP groups are new)
         checked_stages.add(stage)
         sparse_config = model_config_for(model)
-        return step_inputs(inputs, parallel, sparse_config, pad_id, verify)
+        return step_inputs(inputs, parallel, sparse_config, pad_id, verify,
+                           model_head(model) == SEQUENCE_CLASSIFICATION)
 
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)

@@ -565,12 +565,14 @@ def test_a_loss_the_trainer_builds_from_the_shards_outputs_is_refused_under_cp(t
 
 @pytest.mark.parametrize("head", ["AutoModelForSequenceClassification", "AutoModelForTokenClassification",
                                   "AutoModelForQuestionAnswering"])
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_a_model_without_a_language_model_head_is_refused_under_cp(tmp_path, head, model_type):
-    """run_classification / run_glue (the last token pooled: on one rank, an IndexError at the first step) and run_ner
-    (each rank's loss its shard's mean: 2.269 under CP 2 against 1.134 for one process) on a decoder trained with
-    the Trainer's own loss under CP; now refused at start, naming the fix; the causal LM of the same config passes."""
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_a_head_cp_does_not_train_as_one_process_is_refused_under_cp(tmp_path, head, model_type):
+    """Under CP a classification or question-answering head with transformers' generic forward (Llama, Qwen2) trains
+    through the Trainer's own loss (test_cp_classification_heads.py); an architecture's own head forward (GPT-2's) and
+    such a head under a trainer whose loss is a language model's (TRL SFTTrainer's, DPOTrainer's) are refused at start,
+    naming the fix; the causal LM of the same config passes."""
     import transformers
+    import trl
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -579,9 +581,19 @@ def test_a_model_without_a_language_model_head_is_refused_under_cp(tmp_path, hea
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
     config = tiny_config(model_type, pad_token_id=0)
     trainer = Trainer(model=getattr(transformers, head).from_config(config), args=args)
-    with pytest.raises(ValueError, match=r"For\w+ under context parallelism \(CP 2\) is not supported: it has no "
-                                         r"language-model head.*Fix: run without CP \(drop --cp_size"):
+    if model_type == "gpt2":
+        with pytest.raises(ValueError, match=r"For\w+ under context parallelism \(CP 2\) is not supported: it has "
+                                             r"neither a language-model head nor .*: GPT2For\w+\.forward is its "
+                                             r"architecture's own.*Fix: run without CP \(drop --cp_size"):
+            check_loss(trainer, 2)
+    else:
         check_loss(trainer, 2)
+        for other in (trl.SFTTrainer, trl.DPOTrainer):  # (a language model's loss: refused before anything else)
+            trainer.__class__ = type("Other", (Trainer,), {"compute_loss": other.compute_loss})
+            with pytest.raises(ValueError, match=r"(classification|answering) head under a (whole-row trainer|"
+                                                 r"trainer whose compute_loss is its own).*Fix: train it with "
+                                                 r"transformers' Trainer"):
+                check_loss(trainer, 2)
     check_loss(Trainer(model=AutoModelForCausalLM.from_config(config), args=args), 2)
 
 

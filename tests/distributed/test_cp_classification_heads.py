@@ -1,0 +1,167 @@
+"""Classification heads under CP 2 with the stock Trainer equal one process (`integration/heads.py`): a token-
+classification head (run_ner: per-token labels, unshifted, -100 on padding and some tokens; its loss the CP group's
+mean over the targets), a sequence-classification head (run_glue / run_classification: the last non-pad token of each
+row pooled on the rank holding it; single-label with a -100 row, regression, multi-label, label smoothing, left
+padding, hidden states in the predictions, a LoRA adapter) and a question-answering head (run_qa: start and end logits
+gathered over the whole row, an answer past the row's end) on tiny Llama and Qwen2 models, under the ring (striped,
+zigzag, document sharding), ulysses and a curriculum of CP degrees: the losses logged, eval_loss, the weights after 2
+SGD steps and `predict()`'s logits. Before, all were refused at CP start; a sequence-classification head had crashed
+sharding its per-row labels, a token-classification head trained on its shard's mean (2.269 logged against 1.134 for
+one process)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+TOKEN, SEQUENCE, REGRESSION, MULTI_LABEL, ANSWERS = "token", "sequence", "regression", "multi-label", "qa"
+LABELS = 3
+# name -> (model type, head, CP flags, settings: average_tokens_across_devices, label_smoothing_factor, padding_side,
+# dtype)
+RUNS = {
+    "llama token": ("llama", TOKEN, {}, {}),
+    "llama token document": ("llama", TOKEN, {"cp_sharding": "document"}, {}),
+    "llama token ulysses own counts": ("llama", TOKEN, {"cp_mode": "ulysses"}, {"average": False}),
+    "qwen2 token smoothed": ("qwen2", TOKEN, {}, {"smoothing": 0.1}),
+    "qwen2 sequence": ("qwen2", SEQUENCE, {}, {}),
+    "qwen2 sequence document hidden states": ("qwen2", SEQUENCE, {"cp_sharding": "document"}, {"hidden": True}),
+    "qwen2 sequence ulysses own counts": ("qwen2", SEQUENCE, {"cp_mode": "ulysses"}, {"average": False}),
+    "llama sequence lora": ("llama", SEQUENCE, {}, {"lora": True}),
+    "qwen2 sequence cp_schedule": ("qwen2", SEQUENCE, {"cp_schedule": "0:160:2"}, {}),
+    "llama sequence zigzag left-padded smoothed": ("llama", SEQUENCE, {"cp_sharding": "zigzag"},
+                                                   {"side": "left", "smoothing": 0.1}),
+    "llama regression fp64": ("llama", REGRESSION, {}, {"dtype": torch.float64}),
+    "qwen2 multi-label ulysses": ("qwen2", MULTI_LABEL, {"cp_mode": "ulysses"}, {}),
+    "llama qa": ("llama", ANSWERS, {}, {}),
+    "qwen2 qa ulysses hidden states": ("qwen2", ANSWERS, {"cp_mode": "ulysses"}, {"hidden": True}),
+}
+
+
+def _reference(name: str) -> str:
+    """The first run of RUNS that one process runs for `name`'s (the CP flags and the token count aside)."""
+    model_type, head, _, settings = RUNS[name]
+    key = (model_type, head, {k: v for k, v in settings.items() if k != "average"})
+    return next(other for other, (m, h, _, s) in RUNS.items()
+                if (m, h, {k: v for k, v in s.items() if k != "average"}) == key)
+
+
+def _rows(head: str, side: str) -> list[dict]:
+    """6 rows of 90 to 160 tokens padded to 160 (pad id 0, on `side`), labels as `head` takes them."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i, n in enumerate([160, 120, 90, 150, 140, 100]):
+        real = torch.arange(160) < n if side == "right" else torch.arange(160) >= 160 - n
+        ids = torch.where(real, torch.randint(3, 259, (160,), generator=g), 0)
+        row = {"input_ids": ids, "attention_mask": real.long()}
+        if head == TOKEN:
+            labels = torch.randint(0, LABELS, (160,), generator=g)
+            labels[~real | (torch.arange(160) % 7 == i)] = -100
+        elif head == SEQUENCE:
+            labels = torch.tensor(-100 if i == 1 else i % LABELS)
+        elif head == REGRESSION:
+            labels = torch.randn((), generator=g)
+        elif head == MULTI_LABEL:
+            labels = (torch.rand(LABELS, generator=g) > 0.5).float()
+        else:  # (an answer past the row's end: left out of the loss, as transformers clamps it)
+            start = torch.nonzero(real)[0, 0] + 7 * i
+            row.update(start_positions=start, end_positions=start + 5 if i != 2 else torch.tensor(500))
+            rows.append(row)
+            continue
+        rows.append({**row, "labels": labels})
+    return rows
+
+
+def _flat(predictions) -> list[torch.Tensor]:
+    """`predict()`'s predictions (the logits, then any hidden states: nested tuples of arrays) as a list of tensors."""
+    if isinstance(predictions, tuple):
+        return [x for p in predictions for x in _flat(p)]
+    return [torch.as_tensor(predictions)]
+
+
+def _train(rank: int, world: int) -> dict:
+    import transformers
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, attach_to_trainer, detach_from_trainer
+    from hf_sparse_cp.distributed import ContextParallelConfig
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    results = {}
+    for name, (model_type, head, flags, settings) in RUNS.items():
+        if world == 1 and _reference(name) != name:
+            continue
+        torch.manual_seed(0)
+        problem = {REGRESSION: "regression", MULTI_LABEL: "multi_label_classification"}.get(head)
+        config = tiny_config(model_type, num_labels=1 if head == REGRESSION else LABELS, classifier_dropout=0.0,
+                             problem_type=problem, output_hidden_states=settings.get("hidden", False))
+        auto = {TOKEN: "AutoModelForTokenClassification", ANSWERS: "AutoModelForQuestionAnswering"}.get(
+            head, "AutoModelForSequenceClassification")
+        model = getattr(transformers, auto).from_config(config).to(settings.get("dtype", torch.float32))
+        hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2,
+                                                            slash_topk=2, local_window=16, sink_tokens=4, last_q=16))
+        if settings.get("lora"):  # (the score layer trained beside the adapter: PEFT wraps it, modules_to_save)
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        rows = _rows(head, settings.get("side", "right"))
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, save_strategy="no",
+                                     per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=2,
+                                     optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", logging_steps=1,
+                                     average_tokens_across_devices=settings.get("average", True),
+                                     label_smoothing_factor=settings.get("smoothing", 0.0),
+                                     train_sampling_strategy="sequential")
+            trainer = Trainer(model=model, args=args, train_dataset=rows[:4], eval_dataset=rows[4:],
+                              data_collator=default_data_collator)
+            initial = torch.cat([p.detach().flatten() for p in model.parameters()])
+            # (the forward hooks of the model and its head's layer: transformers adds its own to the layers that
+            # record hidden states)
+            watched = [model, *(m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("score", "qa_outputs"))]
+            hooks = [list(m._forward_hooks) for m in watched]
+            flags = dict(flags)
+            schedule = flags.pop("cp_schedule", None)  # (a curriculum of CP degrees: one stage, at CP 2)
+            parallel = attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                                         ContextParallelConfig(cp_size=1 if schedule else world, **flags)
+                                         if world > 1 else None, cp_schedule=schedule if world > 1 else None)
+            trainer.train()
+            results[name] = {"loss": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+                             "eval_loss": trainer.evaluate()["eval_loss"],
+                             "predictions": _flat(trainer.predict(rows[4:]).predictions),
+                             "update": torch.cat([p.detach().flatten() for p in model.parameters()]) - initial,
+                             "layout": parallel.describe() if world > 1 else "one process"}
+            detach_from_trainer(trainer)
+            results[name]["hooks restored"] = [list(m._forward_hooks) for m in watched] == hooks
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    return run_gloo(_train, 1, timeout_s=600)[0], run_gloo(_train, 2, timeout_s=900)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_classification_head_under_cp2_trains_as_one_process(runs, name):
+    from oracle import rel_rms
+
+    one, ranks = runs
+    reference = one[_reference(name)]
+    for rank in ranks:
+        got = rank[name]
+        assert got["layout"].startswith("CP 2 x DP 1") and got["hooks restored"]
+        for key, value in RUNS[name][2].items():
+            assert key == "cp_schedule" or value in got["layout"].lower(), (value, got["layout"])
+        assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+        outputs = (2 if RUNS[name][1] == ANSWERS else 1) + (3 if "hidden" in name else 0)  # (and 3 hidden states)
+        assert len(got["predictions"]) == len(reference["predictions"]) == outputs
+        for x, want in zip(got["predictions"], reference["predictions"]):
+            torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+        assert rel_rms(got["update"], reference["update"]) < 1e-5
+        assert reference["update"].abs().max() > 0
