@@ -246,12 +246,14 @@ def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_an
 
 
 def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
-    """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand: the weights
-    after three steps under CP 2 are those of one process."""
+    """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand, and under CP 2
+    through `hf-sparse-cp train` (which runs a script it is given as `launch` does: it ended in the example's
+    'unrecognized arguments'): the weights after three steps under CP 2 are those of one process."""
     plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
-    runs = {name: _start([*CLI, "launch", *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp], workdir,
+    runs = {name: _start([*CLI, command, *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp], workdir,
                          _env(workdir))
-            for name, extra, cp in (("trl_one", [], []), ("trl_cp2", ["--nproc", "2"], ["--cp_size", "2"]))}
+            for name, command, extra, cp in (("trl_one", "launch", [], []),
+                                             ("trl_cp2", "train", ["--nproc", "2"], ["--cp_size", "2"]))}
     outputs = []
     for name, result in runs.items():
         done = result()
