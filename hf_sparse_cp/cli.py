@@ -163,12 +163,14 @@ def _launch(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     """`hf-sparse-cp train`: the long-context example (`hf_sparse_cp.examples.train_long_context`) through the same
     launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's. A
-    script's path (or `-m module`) where `launch` takes one runs that script instead, as `launch` runs it (the
-    example takes no such argument: it ended in the example's 'unrecognized arguments: run_clm.py')."""
+    `.py` script's path (or `-m module`) where `launch` takes one runs that script instead, as `launch` runs it (the
+    example takes no such argument: it ended in the example's 'unrecognized arguments: run_clm.py'; a recipe's
+    YAML/JSON file first stays the example's)."""
     from hf_sparse_cp.launch.command import split_command
     from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS
 
-    if split_command(argv, LAUNCHER_OPTIONS)[1] is not None:
+    _, target, is_module, _ = split_command(argv, LAUNCHER_OPTIONS)
+    if is_module or (target or "").endswith(".py"):
         return _launch(argv)
     from hf_sparse_cp.backends import is_available
     from hf_sparse_cp.launch.processes import (
