@@ -338,6 +338,22 @@ def test_trls_grpo_script_trains_sparse_and_is_refused_at_start_under_cp(workdir
     assert "Fix: run without CP (drop --cp_size" in cp2.stderr
 
 
+def test_trls_reward_script_trains_sparse_and_is_refused_at_start_under_cp(workdir):
+    """TRL's reward.py (a sequence-classification head scoring each row's last token, its own pairwise loss) trains
+    with sparse attention in one process; under CP 2 it is refused before the first step, naming the fix."""
+    prompts, chosen, rejected = _words(6, 0), _words(6, 1), _words(6, 2)
+    data = [{"chosen": f"{p} {c}", "rejected": f"{p} {r}"} for p, c, r in zip(prompts, chosen, rejected)]
+    one, cp2 = (_trl_script(workdir, f"reward_{name}", "reward", data, [], cp)
+                for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
+    one, cp2 = one(), cp2()
+    assert one.returncode == 0, one.stderr[-6000:]
+    logs = _logs(one.stdout)
+    assert len(logs) == 3 and any(float(log["sparse/kept_fraction"]) < 0.95 for log in logs), logs
+    assert cp2.returncode == 2 and "'loss'" not in cp2.stdout and "Traceback" not in cp2.stderr, cp2.stderr[-6000:]
+    assert cp2.stderr.count("reward.py: error: RewardTrainer under context parallelism (CP 2) is not supported") == 1
+    assert "Fix: run without CP (drop --cp_size" in cp2.stderr
+
+
 def _logs(stdout: str) -> list[dict]:
     """The training logs a TRL script printed (their values as TRL prints them: text, 4 significant digits)."""
     return [ast.literal_eval(log) for log in re.findall(r"\{'loss': [^{}]*\}", stdout)]
