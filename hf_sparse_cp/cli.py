@@ -162,7 +162,16 @@ def _launch(argv: list[str]) -> int:
 
 def _train(argv: list[str]) -> int:
     """`hf-sparse-cp train`: the long-context example (`hf_sparse_cp.examples.train_long_context`) through the same
-    launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's."""
+    launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's. A
+    `.py` script's path (or `-m module`) where `launch` takes one runs that script instead, as `launch` runs it (the
+    example takes no such argument: it ended in the example's 'unrecognized arguments: run_clm.py'; a recipe's
+    YAML/JSON file first stays the example's)."""
+    from hf_sparse_cp.launch.command import split_command
+    from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS
+
+    _, target, is_module, _ = split_command(argv, LAUNCHER_OPTIONS)
+    if is_module or (target or "").endswith(".py"):
+        return _launch(argv)
     from hf_sparse_cp.backends import is_available
     from hf_sparse_cp.launch.processes import (
         launch,
@@ -211,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "train", add_help=False,
         help="Run the long-context Trainer example (tiny model, passkey data) through the same launcher: `--nproc N` "
         "(torchrun) or `--config_file RECIPE` (accelerate launch); every other flag is the example's "
-        "(`--recipe NAME_OR_PATH` first reads a recipe's flags; `hf-sparse-cp train --help` lists them).")
+        "(`--recipe NAME_OR_PATH` first reads a recipe's flags; `hf-sparse-cp train --help` lists them); given a "
+        "script path or -m module, it runs that script as `launch` does.")
     plot = _add_plot_parser(sub)
     sub.add_parser("simulate", add_help=False,
                    help="Predict training-step time, tokens/s and speedup of context parallelism on a GPU cluster from "

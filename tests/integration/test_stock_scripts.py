@@ -246,12 +246,14 @@ def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_an
 
 
 def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
-    """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand: the weights
-    after three steps under CP 2 are those of one process."""
+    """TRL's installed `trl.scripts.sft` itself (`-m`), through the `hf-sparse-cp launch` shorthand, and under CP 2
+    through `hf-sparse-cp train` (which runs a script it is given as `launch` does: it ended in the example's
+    'unrecognized arguments'): the weights after three steps under CP 2 are those of one process."""
     plugin = [*PATTERN, "--sparse_min_seq_len", "64"]
-    runs = {name: _start([*CLI, "launch", *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp], workdir,
+    runs = {name: _start([*CLI, command, *extra, "-m", "trl.scripts.sft", *_sft_args(name), *plugin, *cp], workdir,
                          _env(workdir))
-            for name, extra, cp in (("trl_one", [], []), ("trl_cp2", ["--nproc", "2"], ["--cp_size", "2"]))}
+            for name, command, extra, cp in (("trl_one", "launch", [], []),
+                                             ("trl_cp2", "train", ["--nproc", "2"], ["--cp_size", "2"]))}
     outputs = []
     for name, result in runs.items():
         done = result()
@@ -333,6 +335,22 @@ def test_trls_grpo_script_trains_sparse_and_is_refused_at_start_under_cp(workdir
                for name, tensor in load_file(workdir / "tiny" / "model.safetensors").items())  # (it trained)
     assert cp2.returncode != 0 and "'loss'" not in cp2.stdout  # refused before any step
     assert "GRPOTrainer under context parallelism (CP 2) is not supported" in cp2.stderr
+    assert "Fix: run without CP (drop --cp_size" in cp2.stderr
+
+
+def test_trls_reward_script_trains_sparse_and_is_refused_at_start_under_cp(workdir):
+    """TRL's reward.py (a sequence-classification head scoring each row's last token, its own pairwise loss) trains
+    with sparse attention in one process; under CP 2 it is refused before the first step, naming the fix."""
+    prompts, chosen, rejected = _words(6, 0), _words(6, 1), _words(6, 2)
+    data = [{"chosen": f"{p} {c}", "rejected": f"{p} {r}"} for p, c, r in zip(prompts, chosen, rejected)]
+    one, cp2 = (_trl_script(workdir, f"reward_{name}", "reward", data, [], cp)
+                for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
+    one, cp2 = one(), cp2()
+    assert one.returncode == 0, one.stderr[-6000:]
+    logs = _logs(one.stdout)
+    assert len(logs) == 3 and any(float(log["sparse/kept_fraction"]) < 0.95 for log in logs), logs
+    assert cp2.returncode == 2 and "'loss'" not in cp2.stdout and "Traceback" not in cp2.stderr, cp2.stderr[-6000:]
+    assert cp2.stderr.count("reward.py: error: RewardTrainer under context parallelism (CP 2) is not supported") == 1
     assert "Fix: run without CP (drop --cp_size" in cp2.stderr
 
 

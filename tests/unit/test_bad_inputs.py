@@ -357,6 +357,16 @@ def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys,
         assert "unrecognized arguments" not in err
 
 
+def test_train_given_a_script_runs_it_as_launch_does(capsys, tmp_path):
+    """Issue #50: `hf-sparse-cp train run_clm.py ...` ended in the example's 'unrecognized arguments: run_clm.py'; a
+    `.py` path (or -m module) is the script `launch` runs (here a missing one, refused as `launch` refuses it)."""
+    for argv in (["--nproc", "2", str(tmp_path / "run_clm.py"), "--cp_size", "2"], ["--sparse_block_size", "32", "-m"]):
+        err = _train_command_error(capsys, argv)
+        assert "hf-sparse-cp launch: error: " in err and "unrecognized arguments" not in err, err
+    assert f"can't open file {str(tmp_path / 'run_clm.py')!r}: no such file" in _train_command_error(
+        capsys, [str(tmp_path / "run_clm.py")])
+
+
 def test_a_recipe_of_another_kind_is_named_with_the_flag_that_takes_it(capsys, tmp_path):
     """Issue #50: `hf-sparse-cp train --recipe trial` (a shipped pattern, which `hf-sparse-cp recipes` lists beside
     the training recipes) was refused with '--min_seq_len is now --sparse_min_seq_len; ...', flags the user never

@@ -24,6 +24,7 @@ from hf_sparse_cp.integration.fused_ops import (
 )
 from hf_sparse_cp.integration.memory_savers import ReplacedForward
 from hf_sparse_cp.testing.tiny_models import tiny_config
+from hf_sparse_cp.trainer.arguments import is_flag_error
 from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
 PATTERN = SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0, vertical_topk=8, slash_topk=4,
@@ -128,16 +129,19 @@ def test_the_trainers_use_liger_kernel_is_applied_before_the_token_tiles_and_und
 def test_use_liger_kernel_with_another_fused_ops_setting_is_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_liger_kernel=True)
     with pytest.raises(ValueError, match="--use_liger_kernel asks for liger-kernel's kernels and --sparse_fused_ops "
-                                         "compile"):
+                                         "compile") as refused:
         enable_sparse_attention(_model(), SparseCPArguments(sparse_attention=True, sparse_fused_ops="compile"),
                                 PATTERN, args)
+    assert is_flag_error(refused.value)  # (a launched script ends with the message alone, not a traceback)
 
 
 def test_use_liger_kernel_on_cpu_is_refused_naming_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_liger_kernel=True)
-    with pytest.raises(ValueError, match="need a CUDA GPU; on CPU use --sparse_fused_ops compile or off"):
+    with pytest.raises(ValueError, match="need a CUDA GPU; on CPU use --sparse_fused_ops compile or off") as refused:
         enable_sparse_attention(_model(), SparseCPArguments(sparse_attention=True), PATTERN, args)
+    # (run_clm.py --use_liger_kernel on CPU under hf_sparse_cp.run ended in this message under a traceback)
+    assert is_flag_error(refused.value)
 
 
 def test_compile_wraps_exactly_the_rowwise_modules_and_undoes():
