@@ -235,6 +235,18 @@ def test_other_tiles_compute_the_same_function(interp):
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=tiles)
 
 
+def test_the_fp32_tiles_compute_the_same_function(interp):
+    """The tiles CUDA launches take for fp32 inputs (`configs.FP32_TILES`: 64-row query tiles in 32-key steps, dk/dv
+    in 64-key programs of 32-row steps) inside 64-token layout blocks, with columns, documents and padding."""
+    s, bs = 200, 64
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=21)
+    meta = _random_docs(1, s, seed=23, pad=5)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=1, num_verticals=10, meta=meta,
+                                          generator=torch.Generator().manual_seed(22))
+    assert int(layout.col_cnt.sum()) > 0
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=configs.FP32_TILES)
+
+
 def test_fp16_head_dim_128_gqa8_packed_documents(interp):
     """The model-sized head (d 128) in fp16 with 8 query heads per key/value head, per-head vertical-slash
     layouts with columns, packed documents with padding, a length that is not a block multiple."""
