@@ -326,10 +326,14 @@ class ScoringTiles:
     stats_stages: int
 
 
-def scoring_tiles(on_gpu: bool) -> ScoringTiles:
+def scoring_tiles(on_gpu: bool, dtype=None) -> ScoringTiles:
     # 64-row tiles hold MTraining's default 64 scoring queries in one tile and keep the skewed
     # [64, 64] tile (gathered through shared memory) small; both kernels' products stay on wgmma
     # (checked by compiling for sm_90). Under the interpreter tiles are tiny so tests cover every loop.
+    # fp32 inputs above head_dim 128 (Gemma 3's 256) needed 320 KB of shared memory for the row statistics' three
+    # stages of 128 keys (the launch failed): 64-key steps in two stages.
     if not on_gpu:
         return ScoringTiles(16, 16, 16, 48, 1, 1)
+    if _four_byte(dtype):
+        return ScoringTiles(64, 64, 64, 4096, 4, 2)
     return ScoringTiles(64, 64, 128, 4096, 4, 3)

@@ -149,7 +149,7 @@ def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -
     q_rows = q_rows if q_rows.stride(-1) == 1 else q_rows.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     dev = q_rows.device
-    tiles = scoring_tiles(compiled(dev))
+    tiles = scoring_tiles(compiled(dev), q_rows.dtype)
     block, per_split = tiles.block, tiles.keys_per_split
     block_d = triton.next_power_of_2(max(d, 16))
     qk_scale = scale * LOG2E.value
