@@ -8,7 +8,8 @@ matrix products on wgmma at least 32 wide (no m64n16; column tiles are 64 rows: 
 products need M >= 64), shared memory under 227 KB and no spilled register; the builds behind each
 choice are in `benchmarks/results/README.md`. `benchmarks/tune_tiles.py` times the candidates on a GPU
 through `tiles_override`; its winners belong here once measured, and until then a GPU run can launch
-them from its report (the tile table, `TILES_ENV`). Under Triton's interpreter (CPU tensors) tiles are
+them from its report (the tile table, `TILES_ENV`). fp32 inputs (FMA products, no wgmma) take small tiles of
+their own (`FP32_TILES`: shared memory). Under Triton's interpreter (CPU tensors) tiles are
 small so that the tests cover the sub-tiling loops. The kernels stop at head_dim 128
 (`limits.MAX_HEAD_DIM`); larger heads use the reference.
 """
@@ -113,7 +114,7 @@ def check_tiles(kernel: str, tiles: Tiles) -> None:
 
 def _overridden(kernel: str, block_size: int) -> Tiles | None:
     t = _overrides.get(kernel)
-    return t and replace(t, block_m=min(t.block_m, block_size), block_n=min(t.block_n, block_size))
+    return t and _capped(t, block_size)
 
 
 # The tile table: the JSON report of a `benchmarks/tune_tiles.py` run on a GPU. Its `chosen` tiles (per kernel, the
@@ -247,11 +248,29 @@ def compiled(device) -> bool:
     return device.type != "cpu"
 
 
+# fp32 inputs (exact "ieee" products: FMA loops, no tensor cores) stage 4-byte tiles in shared memory, where the
+# 16-bit inputs' tiles below needed up to 295 KB at head_dim 64 to 128 (the forward at 64, dq and dk/dv at 128: over
+# the H100's 227 KB, so the launch failed). These need 74-115 KB at head_dim 128 (sm_90 builds,
+# tests/kernels/test_kernels_compile.py), as FlexAttention also takes small tiles for fp32.
+FP32_TILES = {"forward": Tiles(64, 32, 32, 4, 2), "dq": Tiles(64, 32, 32, 4, 2), "dkdv": Tiles(32, 64, 0, 4, 2)}
+
+
+def _four_byte(dtype) -> bool:
+    """Whether a launch's inputs have 4-byte elements (fp32); None (no dtype given) counts as 16-bit."""
+    return dtype is not None and dtype.itemsize == 4
+
+
+def _capped(tiles: Tiles, block_size: int) -> Tiles:
+    return replace(tiles, block_m=min(tiles.block_m, block_size), block_n=min(tiles.block_n, block_size))
+
+
 def forward_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tiles:
     if t := _chosen("forward", block_size, head_dim, on_gpu, dtype):
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
+    if _four_byte(dtype):
+        return _capped(FP32_TILES["forward"], block_size)
     if head_dim <= 64:
         # 4 stages: 210 registers and no spill, where 3 stages sit at 253 of the 255 (hinted builds of the
         # warps/stages sweep, benchmarks/results/README.md); loads four steps ahead, 144 KB of shared memory
@@ -264,6 +283,8 @@ def dq_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tiles:
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
+    if _four_byte(dtype):
+        return _capped(FP32_TILES["dq"], block_size)
     # The columns' dk/dv stay in the dq loop: with the launch's divisibility hints that builds without
     # spilling at head_dim 128 too (a separate pass recomputes two products per column step).
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
@@ -274,6 +295,8 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tile
         return t
     if not on_gpu:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
+    if _four_byte(dtype):
+        return _capped(FP32_TILES["dkdv"], block_size)
     # 128 keys per program in 64-row query steps (FlexAttention's backward class): every product is
     # m64n64 or wider; at head_dim 128 the hinted build holds its dk/dv accumulators in 250 registers
     # without spilling (64 keys x 32 rows issued m64n16 for half its products).
@@ -303,10 +326,14 @@ class ScoringTiles:
     stats_stages: int
 
 
-def scoring_tiles(on_gpu: bool) -> ScoringTiles:
+def scoring_tiles(on_gpu: bool, dtype=None) -> ScoringTiles:
     # 64-row tiles hold MTraining's default 64 scoring queries in one tile and keep the skewed
     # [64, 64] tile (gathered through shared memory) small; both kernels' products stay on wgmma
     # (checked by compiling for sm_90). Under the interpreter tiles are tiny so tests cover every loop.
+    # fp32 inputs above head_dim 128 (Gemma 3's 256) needed 320 KB of shared memory for the row statistics' three
+    # stages of 128 keys (the launch failed): 64-key steps in two stages.
     if not on_gpu:
         return ScoringTiles(16, 16, 16, 48, 1, 1)
+    if _four_byte(dtype):
+        return ScoringTiles(64, 64, 64, 4096, 4, 2)
     return ScoringTiles(64, 64, 128, 4096, 4, 3)

@@ -18,8 +18,25 @@ def outside_limits(q: torch.Tensor) -> str | None:
     return None
 
 
+# Shared memory per block the launched tiles take at most (sm_90 builds: dk/dv of 16-bit inputs at head_dim 128, 161 KB;
+# tests/kernels/test_kernels_compile.py). An A100 (163 KB) or H100 (227 KB) has it; sm_86/sm_89 GPUs (A10, L4, RTX 30
+# and 40: 99 KB) do not, and a launch there fails (Triton's OutOfResources).
+MIN_SHARED_BYTES = 161 * 1024
+
+
+def shared_memory_shortfall(device: torch.device) -> str | None:
+    """Why the GPU `device` cannot launch the kernels' tiles (too little shared memory per block), or None (enough,
+    or a torch that does not report it)."""
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    if shared is None or shared >= MIN_SHARED_BYTES:
+        return None
+    return (f"{props.name} ({shared // 1024} KB of shared memory per block; the kernels' tiles take up to "
+            f"{MIN_SHARED_BYTES // 1024} KB: an A100, H100 or newer)")
+
+
 def unsupported(q: torch.Tensor) -> str | None:
-    """Why the compiled kernels cannot take these queries (and k, v of the same dtype), or None."""
+    """Why the compiled kernels cannot take these queries (and k, v of the same dtype) on their GPU, or None."""
     if not q.is_cuda:
         return f"{q.device.type} tensors (the kernels are compiled for CUDA)"
-    return outside_limits(q)
+    return outside_limits(q) or shared_memory_shortfall(q.device)

@@ -28,7 +28,7 @@ import torch
 
 from . import block_sparse_bwd, block_sparse_fwd
 from .indexing import LayoutSplit, split_layout
-from .limits import outside_limits
+from .limits import outside_limits, shared_memory_shortfall
 
 
 def kernels_are_interpreted() -> bool:
@@ -131,6 +131,10 @@ def _check(q: torch.Tensor) -> None:
     if reason is not None:
         raise ValueError(f"the Triton kernels cannot take {reason}; use implementation='reference' (fp64, larger "
                          "heads) or cast q, k, v.")
+    reason = shared_memory_shortfall(q.device) if q.is_cuda else None
+    if reason is not None:
+        raise ValueError(f"the Triton kernels cannot run on {reason}; use implementation='flex' or 'auto' "
+                         "(--sparse_attention_engine), which computes these calls with FlexAttention.")
 
 
 def triton_forward(

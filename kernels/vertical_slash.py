@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .block_sparse_fwd import dot_precision
 from .configs import FP_FUSION, compiled, scoring_tiles
+from .limits import shared_memory_shortfall
 from .tiles import LOG2E
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -124,9 +125,10 @@ def _scores_kernel(
 
 
 def supports(q_rows: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the compiled kernels take these inputs (CUDA, one dtype among fp16/bf16/fp32, D <= 256)."""
+    """Whether the compiled kernels take these inputs (CUDA, one dtype among fp16/bf16/fp32, D <= 256) on their GPU
+    (`limits.shared_memory_shortfall`)."""
     return (q_rows.is_cuda and q_rows.dtype in SUPPORTED_DTYPES and k.dtype == q_rows.dtype
-            and q_rows.shape[-1] <= MAX_HEAD_DIM)
+            and q_rows.shape[-1] <= MAX_HEAD_DIM and shared_memory_shortfall(q_rows.device) is None)
 
 
 def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +151,7 @@ def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -
     q_rows = q_rows if q_rows.stride(-1) == 1 else q_rows.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     dev = q_rows.device
-    tiles = scoring_tiles(compiled(dev))
+    tiles = scoring_tiles(compiled(dev), q_rows.dtype)
     block, per_split = tiles.block, tiles.keys_per_split
     block_d = triton.next_power_of_2(max(d, 16))
     qk_scale = scale * LOG2E.value

@@ -10,7 +10,8 @@ project's one override mechanism, `hf_sparse_cp.backends.choose_backend`). 'auto
 
 * the kernels and Flex decline tensors off CUDA, and CUDA inputs the kernels cannot take (fp64,
   head_dim above 128), which then run the PyTorch reference (on CUDA with a warning); Flex also declines
-  when this torch has no FlexAttention;
+  when this torch has no FlexAttention, the kernels on a GPU with less shared memory than their tiles take
+  (`kernels.limits.shared_memory_shortfall`: A10, L4, RTX 30/40), where Flex takes their calls;
 * a layout that lists key columns (a vertical-slash layer) runs the Triton kernels: the flex engine
   computes columns as 128-key tiles of a gathered buffer under a per-element mask, which was measured
   slower than the kernels on every such layout and slower than dense Flex on a 5%-kept one
@@ -162,8 +163,8 @@ class FlexEngine(Engine):
         if not q.is_cuda:
             return f"{q.device.type} tensors (Flex trains on CUDA only: torch has no Flex backward elsewhere)"
         # 'auto' offers Flex the calls the kernels could take (it weighs the two by their measured times; without
-        # Triton, Flex takes them in the kernels' place)
-        return self.missing() or _kernels_unsupported(q)
+        # Triton, or on a GPU without the kernels' shared memory, Flex takes them in the kernels' place)
+        return self.missing() or _kernels_unsupported(q, on_this_gpu=False)
 
     def part(self, call):
         call.check()
@@ -314,11 +315,12 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
     return _chosen(able[0], f"auto; {passed}" if passed else "auto")
 
 
-def _kernels_unsupported(q: torch.Tensor) -> str | None:
-    """Why the kernels cannot take CUDA queries `q` (their dtype, head_dim), else None."""
-    from ..kernels.limits import unsupported
+def _kernels_unsupported(q: torch.Tensor, on_this_gpu: bool = True) -> str | None:
+    """Why the kernels cannot take CUDA queries `q` (their dtype, head_dim; with `on_this_gpu`, also their GPU's
+    shared memory), else None."""
+    from ..kernels.limits import outside_limits, unsupported
 
-    return unsupported(q)
+    return unsupported(q) if on_this_gpu else outside_limits(q)
 
 
 @functools.cache

@@ -73,11 +73,11 @@ class Launch:
     scoring_rows: int = 64
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def launch_for(head_dim: int, dtype: str = "bf16", block_size: int = 128) -> Launch:
-    """The default `Launch` with this head_dim, dtype name ("bf16", "fp16") and layout block."""
+    """The default `Launch` with this head_dim, dtype name ("bf16", "fp16", "fp32") and layout block."""
     return Launch(head_dim=head_dim, dtype=_DTYPES[dtype], block_size=block_size)
 
 

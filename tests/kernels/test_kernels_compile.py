@@ -57,6 +57,18 @@ def test_launched_builds_are_hinted_spill_free_and_on_full_wgmma(head_dim, dtype
             assert use.copies_in_flight > 0, (name, tiles, use)
 
 
+@pytest.mark.parametrize("variant,head_dim", [("forward", 64), ("dq_column_grads", 128), ("dkdv", 128),
+                                              ("scoring_row_stats", 256)])
+def test_fp32_launches_fit_the_shared_memory_of_an_h100(variant, head_dim):
+    """fp32 inputs (a model trained without bf16/fp16) take their own small tiles: with the 16-bit inputs' tiles
+    these builds needed 288-320 KB of shared memory (the H100 has 227 KB), so the launch failed on the GPU (the
+    scoring's at Gemma 3's head_dim 256)."""
+    tiles, build = sm90.build(variant, launch=sm90.launch_for(head_dim, "fp32"))
+    assert sm90.usage(build).shared_bytes <= sm90.H100_SHARED_BYTES, tiles
+    if variant in sm90.TUNED_KERNEL:
+        assert tiles == configs.FP32_TILES[sm90.TUNED_KERNEL[variant]]
+
+
 def test_quarter_width_wgmma_is_caught():
     """The dk/dv tile launched before the hinted builds (64 keys x 32 query rows at head_dim 128)
     issues m64n16 wgmma: the build shows it, the tile model predicts it, and the candidates leave it out."""

@@ -102,6 +102,16 @@ def _public_function_fwd_bwd(q, k, v, layout):
     return out.detach(), in_layout, lse.detach(), [t.grad.transpose(1, 2) for t in leaves]
 
 
+def _public_function_as_transformers_calls_it(q, k, v, layout, q_meta, k_meta, scale, window, dout, dlse, tiles=None):
+    """`_kernel_fwd_bwd` through `block_sparse_attention` and autograd, on [B, H, S, D] views of [B, S, H, D]
+    tensors; results in fp32 ([B, H, S, D])."""
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    out, lse = block_sparse_attention(*(t.transpose(1, 2) for t in leaves), layout, scale=scale, q_meta=q_meta,
+                                      k_meta=k_meta, sliding_window=window, implementation="triton")
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    return (out.detach().float(), lse.detach(), *(g.transpose(1, 2).float() for g in grads))
+
+
 def _opcheck_ops():
     b, hq, hk, s, d, bs = 1, 2, 1, 40, 16, 16
     g = torch.Generator().manual_seed(0)
@@ -225,6 +235,18 @@ def test_other_tiles_compute_the_same_function(interp):
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=tiles)
 
 
+def test_the_fp32_tiles_compute_the_same_function(interp):
+    """The tiles CUDA launches take for fp32 inputs (`configs.FP32_TILES`: 64-row query tiles in 32-key steps, dk/dv
+    in 64-key programs of 32-row steps) inside 64-token layout blocks, with columns, documents and padding."""
+    s, bs = 200, 64
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 32, torch.float32, seed=21)
+    meta = _random_docs(1, s, seed=23, pad=5)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=1, num_verticals=10, meta=meta,
+                                          generator=torch.Generator().manual_seed(22))
+    assert int(layout.col_cnt.sum()) > 0
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=configs.FP32_TILES)
+
+
 def test_fp16_head_dim_128_gqa8_packed_documents(interp):
     """The model-sized head (d 128) in fp16 with 8 query heads per key/value head, per-head vertical-slash
     layouts with columns, packed documents with padding, a length that is not a block multiple."""
@@ -328,6 +350,23 @@ def test_non_finite_inputs_give_nan_rows_not_zeros(interp):
     assert bool(dq[0][affected].isnan().all())  # NaN lse gives NaN probabilities, not zero gradients
     assert not bool(dk[0, 0, 0].isfinite().any()) and not bool(dv[0, 0, 0].isfinite().any())
     assert not bool(dk[0, 1, 33].isfinite().any()) and not bool(dv[0, 1, 33].isfinite().any())
+
+
+@pytest.mark.parametrize("hq,hk,d,s,bs,dtype,window,scale", [
+    (7, 1, 80, 40, 32, torch.float32, 5, 1.0), (4, 1, 112, 1, 64, torch.float16, None, None),
+    (6, 2, 96, 47, 16, torch.float32, 20, 0.05)], ids=["gqa7-d80-window5", "mqa-d112-fp16-S1", "gqa3-d96-window20"])
+def test_model_shapes_through_the_public_function(interp, hq, hk, d, s, bs, dtype, window, scale):
+    """Shapes of transformers models beyond the ones above: a group of 7 query heads and MQA, head_dims 80, 96 and
+    112 (masked lanes of a 128-wide tile), a single token, lengths off the block, a window shorter than a block,
+    scales other than 1/sqrt(d), two rows padded differently (left and right): the public function and its
+    autograd, on [B, S, H, D] memory as transformers passes it, equal the fp64 reference."""
+    q, k, v, dout, dlse = _inputs(2, hq, hk, s, s, d, dtype, seed=hq + d)
+    seg = torch.zeros(2, s, dtype=torch.int32)
+    seg[0, s - s // 8:], seg[1, : s // 5] = PAD_SEGMENT, PAD_SEGMENT
+    meta = TokenMeta.from_segments(seg)
+    layout = random_layout(2, hq, s, s, bs, 0.5, 0.1, generator=torch.Generator().manual_seed(d))
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=window, scale=scale,
+                             worker=_public_function_as_transformers_calls_it)
 
 
 @pytest.mark.parametrize(

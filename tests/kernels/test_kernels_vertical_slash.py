@@ -36,6 +36,21 @@ def _scores_twice(q_rows, k, scale):
     return first, all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+def _scores_with_the_fp32_tiles(q_rows, k, scale):
+    """The scores with the tiles CUDA launches for fp32 inputs (`configs.scoring_tiles`), key splits of 128."""
+    from dataclasses import replace
+
+    from hf_sparse_cp.kernels import configs
+
+    tiles = vs.scoring_tiles
+    vs.scoring_tiles = lambda on_gpu, dtype=None: replace(configs.scoring_tiles(True, torch.float32),
+                                                           keys_per_split=128)
+    try:
+        return vs.vertical_slash_scores(q_rows, k, scale)
+    finally:
+        vs.scoring_tiles = tiles
+
+
 def _with_kernels(fn, *args):
     """Call an estimation or scoring function with the CUDA dispatch of the scores pointed at the (interpreted)
     kernels."""
@@ -73,6 +88,16 @@ def test_scores_match_the_reference(interp, hq, hk, r, l, d, dtype):
     assert torch.allclose(vertical.double().sum(-1), torch.full((hq,), float(r), dtype=torch.float64), rtol=1e-5)
     assert torch.allclose(slash.double().sum(-1), torch.full((hq,), float(r), dtype=torch.float64), rtol=1e-5)
     assert reproducible  # no atomics: the same inputs give the same bits
+
+
+def test_the_fp32_scoring_tiles_compute_the_same_scores(interp):
+    """The row statistics in 64-key steps (the fp32 tiles on CUDA: `configs.scoring_tiles`) over several key splits,
+    a partial last row tile and a head_dim that is not a power of two."""
+    g = torch.Generator().manual_seed(7)
+    q_rows, k = 2 * torch.randn(4, 70, 40, generator=g), torch.randn(2, 300, 40, generator=g)
+    vertical, slash = interp.apply(_scores_with_the_fp32_tiles, (q_rows, k, 40**-0.5))
+    ref_v, ref_s = reference_vertical_slash(q_rows.double(), k.double(), 40**-0.5)
+    assert rel_rms(vertical, ref_v) <= TOLERANCE[torch.float32] and rel_rms(slash, ref_s) <= TOLERANCE[torch.float32]
 
 
 def test_packed_row_scores_equal_the_pytorch_path(interp):

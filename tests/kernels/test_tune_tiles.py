@@ -269,13 +269,15 @@ def on_h200(monkeypatch):
 def test_the_tile_table_applies_only_to_the_gpu_and_geometry_it_was_measured_on(tmp_path, monkeypatch, on_h200):
     fwd, cols = Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(64, 0, 64, 8, 2, query_steps=16)
     default = configs.forward_tiles(128, 128, True, torch.bfloat16)
+    others = ((128, 64, True, torch.bfloat16), (64, 128, True, torch.bfloat16), (128, 128, True, torch.float16),
+              (128, 128, True, torch.float32), (128, 128, True, None))
+    untabled = [configs.forward_tiles(*other) for other in others]
     monkeypatch.setenv(configs.TILES_ENV, str(_table(tmp_path / "tiles.json", {"forward": fwd, "columns": cols})))
     assert configs.forward_tiles(128, 128, True, torch.bfloat16) == fwd
     assert configs.column_tiles(128, 128, True, torch.bfloat16) == cols
     assert configs.dq_tiles(128, 128, True, torch.bfloat16) == configs.dq_tiles(128, 128, True)  # not in the table
-    for other in ((128, 64, True, torch.bfloat16), (64, 128, True, torch.bfloat16), (128, 128, True, torch.float16),
-                  (128, 128, True, torch.float32), (128, 128, True, None)):
-        assert configs.forward_tiles(*other) == configs.forward_tiles(*other[:3]), other
+    for other, tiles in zip(others, untabled):
+        assert configs.forward_tiles(*other) == tiles, other
     assert configs.forward_tiles(128, 128, False, torch.bfloat16) == configs.forward_tiles(128, 128, False)
     assert configs.column_tiles(128) is None
     with configs.tiles_override(forward=Tiles(64, 64, 64, 4, 2)):  # an override (a tuning run) comes first

@@ -1,6 +1,8 @@
 """Triton is optional (issue #52): where it is not installed, 'auto' computes CUDA calls with FlexAttention, the
 scoring runs in PyTorch, and asking for our kernels explicitly is an error that names the install."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -44,3 +46,24 @@ def test_the_kernels_asked_for_without_triton_name_the_install(no_triton):
     call = AttentionCall(q, q, q, layout, 0.25, TokenMeta.contiguous(1, 64), TokenMeta.contiguous(1, 64), None)
     with pytest.raises(ImportError, match=r"engine 'triton'.*needs Triton.*hf-sparse-cp\[cuda\].*auto"):
         engines.ENGINES["triton"].forward(call)
+
+
+@pytest.mark.parametrize("shared,engine", [(101376, "flex"), (166912, "triton")], ids=["L4", "A100"])
+def test_auto_leaves_a_gpu_without_the_kernels_shared_memory_to_flex(monkeypatch, shared, engine):
+    """The kernels' tiles take up to 161 KB of shared memory per block: on a GPU with 99 KB (sm_86/sm_89: A10, L4,
+    RTX 30/40) their launch failed with Triton's OutOfResources. 'auto' gives Flex those calls, the kernels named
+    explicitly say so and name the fix, the pattern's scoring runs in PyTorch; an A100 runs the kernels."""
+    monkeypatch.delenv(engines.ENGINE_ENV, raising=False)
+    monkeypatch.delenv(engines.TABLE_ENV, raising=False)
+    monkeypatch.setattr(engines, "is_flex_available", lambda: True)
+    monkeypatch.setattr(engines, "is_available", lambda module, attribute=None: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(name="GPU X", shared_memory_per_block_optin=shared))
+    q = torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16).as_subclass(_CudaLike)
+    assert engines.resolve_engine(q, dense_layout(TokenMeta.contiguous(1, 64), 32)) == engine
+    if engine == "flex" and backends.is_available("triton"):
+        from hf_sparse_cp.kernels import ops, vertical_slash
+
+        with pytest.raises(ValueError, match=r"cannot run on GPU X \(99 KB of shared memory.*implementation='flex'"):
+            ops._check(q)
+        assert not vertical_slash.supports(q, q)
