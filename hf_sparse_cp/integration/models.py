@@ -39,7 +39,12 @@ import torch
 from ..config import BACKEND_NAME, language_config
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
-from .architectures import ATTENTION_LAYER_TYPES, CP_TESTED_VISION_LANGUAGE_TYPES, cp_tested_model_types
+from .architectures import (
+    ATTENTION_LAYER_TYPES,
+    CP_TESTED_VISION_LANGUAGE_TYPES,
+    PER_TOKEN_LAYER_TYPES,
+    cp_tested_model_types,
+)
 from .backend import (
     MODULE_DROPOUTS,
     AttentionProbe,
@@ -77,7 +82,7 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
     convolution) are not part of it: they run on the whole batch's images, not on a shard of the tokens."""
     text = language_config(model.config)
     found = [f"layer type '{t}'" for t in sorted(set(getattr(text, "layer_types", None) or ()))
-             if t not in ATTENTION_LAYER_TYPES]
+             if t not in ATTENTION_LAYER_TYPES + PER_TOKEN_LAYER_TYPES]
     convolution = compat.convolution_class()
     towers = tower_names(model)
     return found + [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"

@@ -491,3 +491,21 @@ def test_the_router_losses_cp_gathers_are_every_installed_one_of_that_form():
     phimoe = AutoModelForCausalLM.from_config(tiny_config("phimoe"))
     assert model_router_loss_modules(phimoe) == ("transformers.models.phimoe.modeling_phimoe",)
     assert model_router_loss_modules(AutoModelForCausalLM.from_config(tiny_config("doge", is_moe=True))) == ()
+
+
+@pytest.mark.parametrize("layer_types, mixer", [(["full_attention", "mlp"], None), (["moe", "full_attention"], None),
+                                                (["linear_attention", "full_attention"], "linear_attention")])
+def test_mlp_and_expert_layer_types_do_not_mix_tokens(layer_types, mixer):
+    """Nemotron-H names its MLP and mixture-of-experts layers in `config.layer_types` ('mlp', 'moe'): the CP check
+    took them for token mixers and refused a model of attention and MLP layers ('mixes tokens outside attention
+    (layer type 'mlp')'), which the sweep measured equal to one process under CP 2 (logits to the bit); a Mamba
+    layer is still refused, naming it alone."""
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("nemotron_h", vocab_size=97, layer_types=layer_types))
+    hf_sparse_cp.configure(model)
+    if mixer is None:
+        assert token_mixers(model) == []
+        check_model_supports_context_parallel(model)
+    else:
+        with pytest.raises(ValueError, match=rf"mixes tokens outside attention \(layer type '{mixer}', Conv1d"):
+            check_model_supports_context_parallel(model)
