@@ -91,6 +91,15 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
                     and not in_tower(name, towers)]
 
 
+def input_counted_positions(model: torch.nn.Module) -> list[str]:
+    """The learned position tables of `model` with a padding index (RoBERTa's and XLM-RoBERTa's embeddings): such a
+    model counts its positions from the input tokens (from padding_idx + 1, skipping padding) when it gets no
+    position_ids, where context parallelism hands every rank its shard's positions counted from 0."""
+    return [f"{name}.position_embeddings" for name, module in model.named_modules()
+            if isinstance(table := getattr(module, "position_embeddings", None), torch.nn.Embedding)
+            and table.padding_idx is not None]
+
+
 def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool) -> list[tuple[str, ProbedCall]]:
     """(decoder layer class, the call) for every attention call of one forward of `target`, with a probe in
     place of the CP shard when `with_shard`."""
@@ -402,6 +411,13 @@ def check_model_supports_context_parallel(
             "under context parallelism such layers would see only this rank's shard. Train it without context "
             "parallelism."
         )
+    counted = input_counted_positions(model)
+    if counted:
+        raise ValueError(
+            f"{name} (model type {getattr(config, 'model_type', name)!r}) counts its positions from the input tokens "
+            f"({counted[0]} has a padding index: positions start after it and skip padding), while context "
+            "parallelism gives every rank the positions of its shard counted from 0, so its position embeddings "
+            "would not be one process's. Train it without context parallelism (--cp_size 1).")
     calls = _attention_calls(model, with_shard=True)
     _check_calls(model, impl, calls, _NO_CP_FIX)
     missed = sorted({layer for layer, call in calls if not call.reached})
