@@ -49,7 +49,7 @@ ARCHITECTURES: dict[str, Support] = {
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
         "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "codegen", "persimmon", "diffllama", "gemma3n_text",
-        "jetmoe")},
+        "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus")},
 }
 
 

@@ -10,6 +10,8 @@ on the length a rank sees:
   shard reaches every attention call, and names the layers it does not reach;
 * RoPE whose frequencies depend on the sequence length (`dynamic`, `longrope`): each rank would
   pick them from its own shard's positions;
+* positions a model counts from its input tokens (RoBERTa's position table with a padding index): each rank
+  would count them over its own shard;
 * layers that mix tokens outside attention: they would see only their shard. Found by what they do:
   `config.layer_types` other than attention (recurrent, state-space, linear attention, short
   convolutions), and convolutions whose kernel spans more than one position (a kernel of width 1, or
