@@ -118,8 +118,7 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
         if _field_of(config_class, "layer_types"):
             config = AutoConfig.for_model(model_type, **{**given, **full})
         else:
-            for name, value in full.items():
-                setattr(config, name, value)
+            config.layer_types, config.sliding_window = full["layer_types"], full["sliding_window"]
     for name in sorted(derived & set(overrides)):
         if getattr(config, name) != overrides[name]:
             raise ValueError(f"{model_type}: {name}={overrides[name]} cannot be set, {config_class.__name__} derives "
