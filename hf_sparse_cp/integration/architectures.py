@@ -49,7 +49,7 @@ ARCHITECTURES: dict[str, Support] = {
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
         "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "codegen", "persimmon", "diffllama", "gemma3n_text",
-        "jetmoe")},
+        "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus")},
 }
 
 
@@ -129,6 +129,9 @@ def moved_query_scales(query: torch.Tensor, scales: Callable[[torch.Tensor], tor
 # Values of `config.layer_types` that are attention layers (anything else mixes tokens otherwise, or attends over
 # keys of its own making, such as DeepSeek-V4's compressed ones).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# Values of `config.layer_types` whose layers treat every token on its own (Nemotron-H's MLP and mixture-of-experts
+# layers, between its Mamba and attention ones): no token mixer.
+PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
 
 # Config fields that set attention dropout (the Llama family's, GPT-2's and GPT-BigCode's, BERT-style), which the
 # backend refuses (it computes attention without dropout) and the tiny models set to 0.

@@ -49,11 +49,13 @@ def _selection(config: Any, text: Any, backend: str) -> str | dict:
     return selection
 
 
-def implementations(config: Any) -> str | dict | None:
+def implementations(config: Any, inherited: str | None = None) -> str | dict | None:
     """The argument of `set_attn_implementation` that restores the implementation of `config` and of each of its
-    sub-configs (the name alone for a config without sub-configs)."""
-    subs = {key: implementations(sub) for key, sub in _sub_configs(config).items()}
-    own = getattr(config, "_attn_implementation", None)
+    sub-configs (the name alone for a config without sub-configs). A sub-config that has none (MPT's attn_config,
+    which no module of the model reads) takes its parent's: transformers refuses to restore None ('Specified
+    `attn_implementation="None"` is not supported'), which hid the refusal of the switch it undid."""
+    own = getattr(config, "_attn_implementation", None) or inherited
+    subs = {key: implementations(sub, own) for key, sub in _sub_configs(config).items()}
     return {"": own, **subs} if subs else own
 
 

@@ -10,6 +10,8 @@ on the length a rank sees:
   shard reaches every attention call, and names the layers it does not reach;
 * RoPE whose frequencies depend on the sequence length (`dynamic`, `longrope`): each rank would
   pick them from its own shard's positions;
+* positions a model counts from its input tokens (RoBERTa's position table with a padding index): each rank
+  would count them over its own shard;
 * layers that mix tokens outside attention: they would see only their shard. Found by what they do:
   `config.layer_types` other than attention (recurrent, state-space, linear attention, short
   convolutions), and convolutions whose kernel spans more than one position (a kernel of width 1, or
@@ -39,7 +41,12 @@ import torch
 from ..config import BACKEND_NAME, language_config
 from ..distributed.shard import CP_SHARD_KWARG
 from . import compat
-from .architectures import ATTENTION_LAYER_TYPES, CP_TESTED_VISION_LANGUAGE_TYPES, cp_tested_model_types
+from .architectures import (
+    ATTENTION_LAYER_TYPES,
+    CP_TESTED_VISION_LANGUAGE_TYPES,
+    PER_TOKEN_LAYER_TYPES,
+    cp_tested_model_types,
+)
 from .backend import (
     MODULE_DROPOUTS,
     AttentionProbe,
@@ -77,13 +84,22 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
     convolution) are not part of it: they run on the whole batch's images, not on a shard of the tokens."""
     text = language_config(model.config)
     found = [f"layer type '{t}'" for t in sorted(set(getattr(text, "layer_types", None) or ()))
-             if t not in ATTENTION_LAYER_TYPES]
+             if t not in ATTENTION_LAYER_TYPES + PER_TOKEN_LAYER_TYPES]
     convolution = compat.convolution_class()
     towers = tower_names(model)
     return found + [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"
                     for name, module in model.named_modules()
                     if isinstance(module, convolution) and any(k > 1 for k in module.kernel_size)
                     and not in_tower(name, towers)]
+
+
+def input_counted_positions(model: torch.nn.Module) -> list[str]:
+    """The learned position tables of `model` with a padding index (RoBERTa's and XLM-RoBERTa's embeddings): such a
+    model counts its positions from the input tokens (from padding_idx + 1, skipping padding) when it gets no
+    position_ids, where context parallelism hands every rank its shard's positions counted from 0."""
+    return [f"{name}.position_embeddings" for name, module in model.named_modules()
+            if isinstance(table := getattr(module, "position_embeddings", None), torch.nn.Embedding)
+            and table.padding_idx is not None]
 
 
 def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool) -> list[tuple[str, ProbedCall]]:
@@ -397,6 +413,13 @@ def check_model_supports_context_parallel(
             "under context parallelism such layers would see only this rank's shard. Train it without context "
             "parallelism."
         )
+    counted = input_counted_positions(model)
+    if counted:
+        raise ValueError(
+            f"{name} (model type {getattr(config, 'model_type', name)!r}) counts its positions from the input tokens "
+            f"({counted[0]} has a padding index: positions start after it and skip padding), while context "
+            "parallelism gives every rank the positions of its shard counted from 0, so its position embeddings "
+            "would not be one process's. Train it without context parallelism (--cp_size 1).")
     calls = _attention_calls(model, with_shard=True)
     _check_calls(model, impl, calls, _NO_CP_FIX)
     missed = sorted({layer for layer, call in calls if not call.reached})

@@ -83,11 +83,14 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     try:
         try:
             config = AutoConfig.for_model(model_type, **given)
-        except Exception as e:  # (EXAONE-MoE, Laguna: an int window only) one no layer reaches, as below
-            if "sliding_window" in overrides or "'sliding_window'" not in str(e):
+        except Exception as e:  # (EXAONE-MoE, Laguna: an int window only; EXAONE 4, Kolibri: sliding layers need one)
+            if "sliding_window" in overrides:  # one no layer reaches, as below
                 raise
             unwindowed, given["sliding_window"] = True, fields["max_position_embeddings"]
-            config = AutoConfig.for_model(model_type, **given)
+            try:
+                config = AutoConfig.for_model(model_type, **given)
+            except Exception:  # (not the window: the first cause is the one to name)
+                raise e from None
     except Exception as e:  # transformers' own checks of this architecture's fields
         cause = str(e).strip().splitlines()
         raise ValueError(f"tiny model type {model_type!r}: transformers does not build its config from the tiny "
@@ -107,8 +110,15 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     if no_window and "sliding_attention" in layer_types and "layer_types" not in overrides:
         # Gemma 2/3, Cohere 2, OLMo 3 default to sliding layers, and build a sliding mask even when no layer reads
         # it, which transformers cannot do without a window: every layer full, and a window no layer uses.
-        config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in layer_types]
-        config.sliding_window = config.max_position_embeddings
+        # Built again with them where the config takes them: what it derives per layer type (Dory's RoPE
+        # parameters, Gemma 4's per-layer settings) then follows them (set afterwards, it did not: KeyError
+        # 'full_attention' at the model's build).
+        full = {"layer_types": ["full_attention" if t == "sliding_attention" else t for t in layer_types],
+                "sliding_window": config.max_position_embeddings}
+        if _field_of(config_class, "layer_types"):
+            config = AutoConfig.for_model(model_type, **{**given, **full})
+        else:
+            config.layer_types, config.sliding_window = full["layer_types"], full["sliding_window"]
     for name in sorted(derived & set(overrides)):
         if getattr(config, name) != overrides[name]:
             raise ValueError(f"{model_type}: {name}={overrides[name]} cannot be set, {config_class.__name__} derives "

@@ -29,7 +29,8 @@ PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=
 # with its gradient, per process).
 OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
                 for t in ("gemma3_text", "cohere2", "gpt_oss")},
-             **{t: {"max_position_embeddings": 4 * SEQ} for t in ("opt", "gpt2", "gpt_bigcode")},
+             **{t: {"max_position_embeddings": 4 * SEQ} for t in ("opt", "gpt2", "gpt_bigcode", "biogpt")},
+             "ctrl": {"max_position_embeddings": 4 * SEQ, "dff": 256},  # (sinusoidal positions; 8192-wide MLP)
              # Partial rotary (CodeGen rotates 16 of a head's 32 dimensions, interleaved; the default 64 fits no head)
              "codegen": {"rotary_dim": 16},
              # Cross-layer KV sharing: Gemma 3n's last two layers attend over the keys and values of earlier layers

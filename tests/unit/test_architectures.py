@@ -81,12 +81,13 @@ def test_the_plugin_knows_when_every_parameter_gets_a_gradient():
     assert not uses_every_parameter(AutoConfig.for_model("bert"))  # not a tested causal LM
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "xglm"])
+@pytest.mark.parametrize("model_type", ["bloom", "xglm", "mpt"])
 def test_an_architecture_outside_attention_interface_is_refused_naming_it_and_left_as_it_was(model_type):
     """transformers keeps eager attention for an architecture that does not follow its AttentionInterface: the
     switch is checked, and refused naming the model type and the fixes, the model left as it was; the CP check
     names the same cause (not `configure`, which cannot help it), and so does the Trainer glue, which undoes what
-    it did."""
+    it did. (MPT's attn_config, a sub-config without an implementation: undoing the switch raised transformers'
+    'Specified `attn_implementation="None"` is not supported for attn_config' in place of the refusal.)"""
     from hf_sparse_cp.trainer.arguments import SparseCPArguments
     from hf_sparse_cp.trainer.attach import enable_sparse_attention
 
@@ -294,12 +295,14 @@ def test_a_language_model_under_a_multimodal_config_takes_the_pattern_configured
     assert not any(hasattr(c, "sparse_attention") for c in (model.config, model.config.get_text_config()))
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2", "gemma2", "olmo3"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2", "gemma2", "olmo3", "dory", "gemma4_text"])
 def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_type):
     """Families whose layer_types default to sliding layers (Gemma 2/3, Cohere 2, OLMo 3): without a window the
     tiny model's layers are all full attention, and its forward runs (`--tiny_model_type gemma3_text` crashed at
     its first step in transformers' mask: 'Could not find a `sliding_window` argument in the config'); with a
-    window given, its layer_types stay the architecture's."""
+    window given, its layer_types stay the architecture's. The config is built with those layer types, so what it
+    derives per layer type follows them (Dory's RoPE parameters: KeyError 'full_attention' at the model's build;
+    Gemma 4's per-layer settings: 'not homogeneous across layers')."""
     config = tiny_config(model_type)
     assert set(config.layer_types) == {"full_attention"}
     model = AutoModelForCausalLM.from_config(config)
@@ -309,11 +312,12 @@ def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_ty
     assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
 
 
-@pytest.mark.parametrize("model_type", ["exaone_moe", "laguna"])
+@pytest.mark.parametrize("model_type", ["exaone_moe", "laguna", "exaone4", "kolibri1"])
 def test_a_tiny_model_of_a_family_that_takes_no_window_of_none_has_one_no_layer_reaches(model_type):
     """EXAONE-MoE's and Laguna's configs take an int window only: their tiny config was refused ("Field
-    'sliding_window' expected int, got NoneType"); it now has full-attention layers and a window longer than any
-    sequence, and its forward runs."""
+    'sliding_window' expected int, got NoneType"); so were EXAONE 4's and Kolibri's, whose default sliding layers
+    need one (ZeroDivisionError; "Sliding-attention layers need a positive `sliding_window`"). Each now has
+    full-attention layers and a window longer than any sequence, and its forward runs."""
     config = tiny_config(model_type)
     assert set(config.layer_types) == {"full_attention"} and config.sliding_window >= config.max_position_embeddings
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -487,3 +491,39 @@ def test_the_router_losses_cp_gathers_are_every_installed_one_of_that_form():
     phimoe = AutoModelForCausalLM.from_config(tiny_config("phimoe"))
     assert model_router_loss_modules(phimoe) == ("transformers.models.phimoe.modeling_phimoe",)
     assert model_router_loss_modules(AutoModelForCausalLM.from_config(tiny_config("doge", is_moe=True))) == ()
+
+
+@pytest.mark.parametrize("layer_types, mixer", [(["full_attention", "mlp"], None), (["moe", "full_attention"], None),
+                                                (["linear_attention", "full_attention"], "linear_attention")])
+def test_mlp_and_expert_layer_types_do_not_mix_tokens(layer_types, mixer):
+    """Nemotron-H names its MLP and mixture-of-experts layers in `config.layer_types` ('mlp', 'moe'): the CP check
+    took them for token mixers and refused a model of attention and MLP layers ('mixes tokens outside attention
+    (layer type 'mlp')'), which the sweep measured equal to one process under CP 2 (logits to the bit); a Mamba
+    layer is still refused, naming it alone."""
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("nemotron_h", vocab_size=97, layer_types=layer_types))
+    hf_sparse_cp.configure(model)
+    if mixer is None:
+        assert token_mixers(model) == []
+        check_model_supports_context_parallel(model)
+    else:
+        with pytest.raises(ValueError, match=rf"mixes tokens outside attention \(layer type '{mixer}', Conv1d"):
+            check_model_supports_context_parallel(model)
+
+
+@pytest.mark.parametrize("model_type, counted", [("roberta", True), ("xlm-roberta-xl", True), ("roc_bert", False)])
+def test_a_model_that_counts_positions_from_its_input_tokens_is_refused_under_cp(model_type, counted):
+    """RoBERTa-style decoders (a position table with a padding index) count positions from padding_idx + 1 over the
+    input tokens when given no position_ids; under CP 2 they passed the checks and their logits were 0.6 to 0.8
+    (rel. RMS) from one process's (the sweep: roberta, roberta-prelayernorm, xlm-roberta, xlm-roberta-xl). Refused,
+    naming the table and the fix; RoCBert's table, without a padding index, equal under CP 2, passes."""
+    hf_sparse_cp.patch()
+    config = tiny_config(model_type, vocab_size=97, is_decoder=True, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config)
+    hf_sparse_cp.configure(model)
+    if not counted:
+        check_model_supports_context_parallel(model)
+        return
+    with pytest.raises(ValueError, match=rf"\(model type '{model_type}'\) counts its positions from the input tokens "
+                                         r"\(.*embeddings.position_embeddings has a padding index.*--cp_size 1"):
+        check_model_supports_context_parallel(model)
