@@ -130,6 +130,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads = ctx.saved_tensors
+        if torch.compiler.is_compiling():  # (a host read would break the graph: --torch_compile warned at each one)
+            return (*(None if g is None else (g.float() * grad_loss.float()).to(g.dtype) for g in grads),
+                    None, None, None, None, None)
         # One host read per step (as in liger-kernel): scaling by exactly 1, the usual case, is skipped,
         # and any other factor is applied as a Python scalar so bf16 gradients are scaled in fp32.
         factor = float(grad_loss)

@@ -119,6 +119,22 @@ def test_custom_ignore_index_and_scaled_upstream_gradient():
     assert _rel_err(h.grad, h_ref.grad) < 1e-5 and _rel_err(w.grad, w_ref.grad) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_whole_graph_scales_the_gradient_as_eager(dtype):
+    """Under torch.compile (a stock script's --torch_compile) the backward's host read of the incoming gradient broke
+    the graph, with a 30-line warning at every compilation: compiled it scales by the tensor, in fp32 as eager does,
+    and a whole-graph compile (fullgraph, which refuses any break) gives eager's gradients."""
+    hidden, weight, _, labels = _problem(dtype)
+    targets = _shift(labels).reshape(-1)
+    grads = []
+    for fn in (lambda h, w: 3.5 * chunked_linear_cross_entropy(h, w, targets, chunk_size=10),) * 2:
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager") if grads else fn
+        h, w = hidden.reshape(-1, HIDDEN).clone().requires_grad_(), weight.clone().requires_grad_()
+        fn(h, w).backward()
+        grads.append((h.grad, w.grad))
+    assert all(torch.equal(c, e) for c, e in zip(grads[1], grads[0], strict=True))
+
+
 def test_no_grad_computes_the_same_loss():
     hidden, weight, _, labels = _problem(torch.float32)
     args = (hidden.reshape(-1, HIDDEN), weight.requires_grad_(), _shift(labels).reshape(-1))
