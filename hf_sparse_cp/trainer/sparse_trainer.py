@@ -50,7 +50,7 @@ from .arguments import (
 from .attach import attach_to_trainer, enable_sparse_attention
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
-from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
+from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import card_stages, check_schedule_flags
 from .plugin_arguments import (
     LENGTH_FIELD,
@@ -126,6 +126,8 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             self._check_plugin_fields()
         super().__post_init__()
         with flag_errors():
+            if not _has_accelerator():
+                check_cpu_fsdp_version(self)
             self._validate_plugin_fields()
             if self.cp_schedule:
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
