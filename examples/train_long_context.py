@@ -351,8 +351,8 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         training = SparseTrainingArguments(**vars(first), **vars(rest))
         script.check(training.sparse_max_length)
-    except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
-        _refuse(parser, str(e))
+    except (OSError, ValueError) as e:  # a value the dataclasses refuse, a file a flag names that is not there: one
+        _refuse(parser, str(e))  # line, like argparse's own errors (no usage)
     if unused:
         late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
         _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "

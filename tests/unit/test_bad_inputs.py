@@ -31,6 +31,9 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "layer_overrides key '1-0' is a reversed range"),
         (["--block_size", "64", "--seq_len", "8"], "--block_size is now --sparse_block_size; --seq_len is now "
          "--sparse_max_length."),
+        # a file a flag names that is not there: a traceback from the launcher's parse (`hf-sparse-cp train --nproc`)
+        (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
+         "(trial); `hf-sparse-cp recipes` lists them."),
     ],
 )
 def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
@@ -40,6 +43,25 @@ def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
     err = capsys.readouterr().err
     assert re.search(r"^\S+: error: " + re.escape(refused), err, re.MULTILINE), err
     assert "usage:" not in err  # one line, not the Trainer's hundreds of flags
+
+
+def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train --nproc 2` parses the example's flags before starting the processes: a --sparse_config or
+    --fsdp_config that is not there ended that parse in a FileNotFoundError's traceback."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    for flags, named in ((["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist"),
+                         (["--fsdp", "full_shard", "--fsdp_config", "missing.json"], "'missing.json'")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["train", "--nproc", "2", *flags])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("train_long_context.py: error: ") and named in err, err
+    assert not started
 
 
 def test_the_example_takes_packed_documents_that_divide_the_sequence():
