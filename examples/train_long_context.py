@@ -126,7 +126,7 @@ class ScriptArguments:
 
     def check(self, max_length: int) -> None:
         """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens (at least 2, as
-        `SparseTrainingArguments` checks)."""
+        `SparseTrainingArguments` checks) and the tiny default model (without --model_name_or_path) of its type."""
         if self.pack_documents < 1:
             raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
         if max_length // self.pack_documents < 2:
@@ -143,6 +143,8 @@ class ScriptArguments:
                 f"shorter. Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a "
                 f"--sparse_max_length that is a multiple of {self.pack_documents}."
             )
+        if not self.model_name_or_path:  # (a type transformers cannot build refused here, before any process starts)
+            tiny_config(self.tiny_model_type, num_hidden_layers=self.tiny_num_layers)
 
 
 def check_model_source(source: str) -> None:
