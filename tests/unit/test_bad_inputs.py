@@ -603,3 +603,34 @@ def test_the_python_api_names_a_config_of_the_wrong_kind():
                            rf"value; {{}} for the defaults\), not {type(data).__name__} .*; for a file, use "
                            rf"{cls.__name__}.from_file\(path\)"):
             cls.from_dict(data)
+
+
+def test_the_attention_functions_refuse_inputs_they_would_answer_wrongly_or_deep_inside():
+    """`block_sparse_attention` with sliding_window 0 (or below) returned zeros for every query without a word (no
+    key visible, not even its own); a head_dim of 0 ended in a ZeroDivisionError, a list for q, a layout or a config
+    of the wrong kind in AttributeErrors deep inside. Each is refused at the call, naming the fix."""
+    import torch
+
+    from hf_sparse_cp import SparseAttentionConfig, block_sparse_attention, estimate_layout
+
+    cfg = SparseAttentionConfig(vertical_topk=64, slash_topk=64, block_size=64, min_seq_len=0)
+    q = k = v = torch.randn(1, 2, 128, 16)
+    layout = estimate_layout(q, k, cfg)
+    window = "sliding_window=0 must be a whole number >= 1 (keys sliding_window or more tokens before a query are"
+    for call, error, message in [
+        (lambda: block_sparse_attention(q, k, v, layout, sliding_window=0), ValueError, window),
+        (lambda: block_sparse_attention(q, k, v, layout, sliding_window=-4), ValueError, "sliding_window=-4 must"),
+        (lambda: estimate_layout(q, k, cfg, sliding_window=0), ValueError, window),
+        (lambda: block_sparse_attention(q[..., :0], k[..., :0], v[..., :0], layout), ValueError,
+         "q, k, v have head_dim 0: attention needs at least 1"),
+        (lambda: block_sparse_attention(q.tolist(), k, v, layout), TypeError,
+         "q, k, v must be torch.Tensors [batch, heads, seq, head_dim]; got list, Tensor, Tensor"),
+        (lambda: block_sparse_attention(q, k, v, None), TypeError,
+         "layout must be a SparseLayout (from estimate_layout, build_layout or dense_layout); got NoneType."),
+        (lambda: estimate_layout(q, k, {"block_size": 64}), TypeError, "cfg must be a SparseAttentionConfig"),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            call()
+    out, lse = block_sparse_attention(q, k, v, layout, sliding_window=1)  # (each query sees itself alone)
+    torch.testing.assert_close(out, v)
+    torch.testing.assert_close(lse, (q * k).sum(-1) / 4)
