@@ -82,7 +82,7 @@ def _gpu_ids_mistake(config: Mapping, per_machine: int | None, found: int, env: 
     fix = f"list {wanted} ids, e.g. gpu_ids: \"{','.join(map(str, range(wanted)))}\", or gpu_ids: all"
     if "" in ids:
         return f"has an empty id in {listed}: {fix}"
-    kind, machines = config.get("distributed_type", ""), config.get("num_machines", 1)
+    kind, machines = str(config.get("distributed_type") or ""), config.get("num_machines", 1)
     if len(ids) < 2 and kind.startswith("MULTI_") and kind != "MULTI_CPU" and machines == 1:
         return (f"runs on accelerate's multi-GPU launcher ({kind}), which refuses fewer than two gpu_ids on one "
                 f"machine, and {listed} names one: {fix}")
@@ -107,7 +107,8 @@ def _fsdp_mistake(config: Mapping, found: int) -> str | None:
     and FSDP1 then refuses a CPU device), where the plugin runs FSDP2 on CPU processes (`trainer/cpu_fsdp.py`)."""
     if config.get("distributed_type") != "FSDP" or found:
         return None
-    version = str((config.get("fsdp_config") or {}).get("fsdp_version", 1))
+    fsdp = config.get("fsdp_config")
+    version = str(fsdp.get("fsdp_version", 1) if isinstance(fsdp, Mapping) else 1)
     if version == "2":
         return None
     return (f"runs FSDP version {version} (its fsdp_config's fsdp_version; accelerate's default is 1), which "

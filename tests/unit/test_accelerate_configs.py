@@ -174,3 +174,6 @@ def test_a_config_accelerate_launch_names_the_fault_of_is_left_to_it():
                    {**MULTI_GPU, "num_machines": 0}):
         assert config_mistake(config, 0) is None
     assert config_mistake({**MULTI_GPU, "num_processes": None, "gpu_ids": 1}, 0).startswith("sets gpu_ids: 1")
+    for config in ({**MULTI_GPU, "distributed_type": None, "gpu_ids": "0"},  # (accelerate names a missing type)
+                   {**MULTI_GPU, "gpu_ids": "GPU-8d2f,GPU-11ab"}):  # (devices by UUID: no index to check)
+        assert config_mistake(config, 2) is None
