@@ -126,7 +126,7 @@ class ScriptArguments:
 
     def check(self, max_length: int) -> None:
         """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens (at least 2, as
-        `SparseTrainingArguments` checks)."""
+        `SparseTrainingArguments` checks) and the tiny default model (without --model_name_or_path) of its type."""
         if self.pack_documents < 1:
             raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
         if max_length // self.pack_documents < 2:
@@ -143,6 +143,8 @@ class ScriptArguments:
                 f"shorter. Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a "
                 f"--sparse_max_length that is a multiple of {self.pack_documents}."
             )
+        if not self.model_name_or_path:  # (a type transformers cannot build refused here, before any process starts)
+            tiny_config(self.tiny_model_type, num_hidden_layers=self.tiny_num_layers)
 
 
 def check_model_source(source: str) -> None:
@@ -351,8 +353,8 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         training = SparseTrainingArguments(**vars(first), **vars(rest))
         script.check(training.sparse_max_length)
-    except ValueError as e:  # a value the dataclasses refuse: one line, like argparse's own errors (no usage)
-        _refuse(parser, str(e))
+    except (OSError, ValueError) as e:  # a value the dataclasses refuse, a file a flag names that is not there: one
+        _refuse(parser, str(e))  # line, like argparse's own errors (no usage)
     if unused:
         late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
         _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "

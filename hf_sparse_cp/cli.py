@@ -121,18 +121,19 @@ def _launch(argv: list[str]) -> int:
         launcher_options,
         leading_options,
         parse_launcher_options,
-        refuse_missing_accelerators,
         refuse_unlaunchable,
+        refuse_unrunnable_config,
     )
 
     parser = launcher_options("hf-sparse-cp launch", LAUNCH_USAGE)
-    parse_launcher_options(parser, leading_options(argv))  # (a bad process count, named before the slow imports)
+    leading = leading_options(argv)
+    given, _ = parse_launcher_options(parser, leading)  # (a bad process count, named before the slow imports)
     from hf_sparse_cp.launch.command import check_command, launched_cp_flags, split_command
 
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
     check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch",
                   args=args)
-    options, plugin_flags = parse_launcher_options(parser, flags)
+    options, plugin_flags = parse_launcher_options(parser, flags[len(leading):], given)
     run_args = [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args]
     if {"-h", "--help"} & set(plugin_flags):  # once, here, not once per launched process
         print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
@@ -147,7 +148,6 @@ def _launch(argv: list[str]) -> int:
         with parsing_for_launch():
             _run_here(run_args)
         return 0
-    refuse_missing_accelerators(parser, options)
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
@@ -156,7 +156,8 @@ def _launch(argv: list[str]) -> int:
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
         cp_flags = launched_cp_flags(plugin, args)
         if cp_flags is not None:
-            refuse_unlaunchable(parser, cp_flags, processes)
+            refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
+    refuse_unrunnable_config(parser, options)
     return launch(options, run_args, _run_here)
 
 
@@ -178,8 +179,8 @@ def _train(argv: list[str]) -> int:
         launched_processes,
         launcher_options,
         parse_launcher_options,
-        refuse_missing_accelerators,
         refuse_unlaunchable,
+        refuse_unrunnable_config,
     )
 
     parser = launcher_options("hf-sparse-cp train", TRAIN_USAGE)
@@ -195,8 +196,8 @@ def _train(argv: list[str]) -> int:
 
         with parsing_for_launch():
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
-        refuse_missing_accelerators(parser, options)
-        refuse_unlaunchable(parser, parsed.training, processes)
+        refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
+        refuse_unrunnable_config(parser, options)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 

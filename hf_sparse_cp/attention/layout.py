@@ -328,9 +328,26 @@ def dense_blocks(meta: TokenMeta, block_size: int, sliding_window: int | None = 
     return listed.double().sum(-1)
 
 
+def check_tensor_types(q: Any, k: Any, v: Any) -> None:
+    """Raise TypeError unless q, k and v are tensors (before anything reads their attributes)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise TypeError(f"q, k, v must be torch.Tensors [batch, heads, seq, head_dim]; got {type(q).__name__}, "
+                        f"{type(k).__name__}, {type(v).__name__} (convert them with torch.as_tensor).")
+
+
+def check_window(sliding_window: Any) -> None:
+    """Raise ValueError unless `sliding_window` is None (no window) or at least 1: below 1, no query would see any
+    key, not even itself (every output 0)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r} must be a whole number >= 1 (keys sliding_window or more "
+                         "tokens before a query are invisible, transformers' convention; below 1 no query sees any "
+                         "key), or None for no window.")
+
+
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
-    floating dtype on one device, with Hq a multiple of Hkv."""
+    floating dtype on one device, with Hq a multiple of Hkv and D at least 1."""
+    check_tensor_types(q, k, v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (transformers' layout: transpose [B, S, H, D] "
@@ -341,6 +358,8 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"v {tuple(v.shape)}.")
     if hq % k.shape[1]:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
+    if d < 1:
+        raise ValueError(f"q, k, v have head_dim {d}: attention needs at least 1 (the last dimension of [B, H, S, D]).")
     if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast k and v "
                          "with .to(q.dtype)).")

@@ -17,7 +17,7 @@ import torch
 
 from .call import AttentionCall
 from .engines import ENGINES, resolve_engine
-from .layout import SparseLayout, check_tensors
+from .layout import SparseLayout, check_tensor_types, check_tensors, check_window
 from .precision import autocast_inputs
 from .tokens import TokenMeta
 
@@ -145,6 +145,11 @@ def block_sparse_attention(
         no key get out = 0 and lse = -inf; a query with a non-finite score on a key it sees (NaN/Inf in
         q or in that key) gets NaN out and lse, never zeros. Gradients flow to q, k, v, also through lse.
     """
+    check_tensor_types(q, k, v)
+    if not isinstance(layout, SparseLayout):
+        raise TypeError(f"layout must be a SparseLayout (from estimate_layout, build_layout or dense_layout); got "
+                        f"{type(layout).__name__}.")
+    check_window(sliding_window)
     q, k, v = autocast_inputs(q, k, v)
     check_tensors(q, k, v)
     b, hq, sq, d = q.shape

@@ -144,11 +144,20 @@ class FileConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
         """Build from a mapping; unknown keys are an error that lists the known ones."""
+        cls._check_mapping(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"Unknown {cls.KIND} config keys {sorted(unknown)}; known keys: {sorted(known)}.")
         return cls(**data)
+
+    @classmethod
+    def _check_mapping(cls, data: Any) -> None:
+        """Raise TypeError, naming the fix, when `data` (given to `from_dict`) is not a mapping of fields."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{cls.__name__}.from_dict takes a mapping of {cls.KIND} fields (name -> value; {{}} for "
+                            f"the defaults), not {type(data).__name__} {data!r}; for a file, use "
+                            f"{cls.__name__}.from_file(path).")
 
     @classmethod
     def from_file(cls, path: str | Path):

@@ -254,6 +254,7 @@ class SparseAttentionConfig(FileConfig):
     def from_dict(cls, data: Mapping[str, Any]) -> SparseAttentionConfig:
         """Build from a stored mapping (a saved model's config, a file): nested sections or the flat keys of
         any earlier version, which load as they ran (`sections.nested` with `stored`)."""
+        cls._check_mapping(data)
         return cls(**nested(data, stored=True))
 
     @classmethod

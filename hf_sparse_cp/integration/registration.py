@@ -96,6 +96,10 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
                          "registered with transformers: call hf_sparse_cp.patch() first (or configure(model, "
                          "select=False) to store the settings only).")
     config = SparseAttentionConfig() if config is None else config
+    if not isinstance(config, SparseAttentionConfig):
+        raise TypeError(f"configure(model, config): config must be a SparseAttentionConfig, not "
+                        f"{type(config).__name__}: build it with SparseAttentionConfig(**fields), "
+                        "SparseAttentionConfig.from_dict(mapping) or SparseAttentionConfig.from_file(path).")
     if select:  # (what the backend refuses in the model's config and layers, before its settings are read)
         check_model_supports_sparse_attention(model, training=False)
     config.check_layers(language_config(model.config).num_hidden_layers)

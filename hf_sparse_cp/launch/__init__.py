@@ -5,6 +5,8 @@
 * `processes`: the one path that starts the processes: `hf_sparse_cp.run` in this process, or under torchrun
   (`--nproc N`) or accelerate launch (`--config_file`), with the signals of this process passed on to them.
   `hf-sparse-cp launch` (any script) and `hf-sparse-cp train` (the long-context example) both take it;
+* `accelerate_config`: what an accelerate config (`--config_file`) asks of this machine, refused before any process
+  starts where it cannot run there (too few accelerators, gpu_ids, FSDP1 or DeepSpeed where they cannot run);
 * `refusals`: a setup the plugin refuses ends a launched run with its message once, exit status 2, no traceback.
 
 This file imports nothing, so that the command line's light commands stay light.

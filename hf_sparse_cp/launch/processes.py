@@ -46,6 +46,9 @@ def launcher_options(prog: str, usage: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, usage=usage, add_help=False, allow_abbrev=False)
     parser.add_argument(LAUNCHER_OPTIONS[0], type=int, default=1)
     parser.add_argument(LAUNCHER_OPTIONS[1])
+    # the --config_file's mapping, read once by `parse_launcher_options`; None without one, or where accelerate
+    # launch names what is wrong with the file
+    parser.set_defaults(accelerate_config=None)
     return parser
 
 
@@ -64,34 +67,38 @@ def leading_options(argv: Sequence[str]) -> list[str]:
     return taken
 
 
-def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace,
-                                                                                          list[str]]:
+def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str],
+                           given: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
     """(the launcher's options, the other arguments in their order); a process count that cannot run is argparse's
-    error, naming the fix."""
-    options, rest = parser.parse_known_args(list(argv))
+    error, naming the fix. `given`: the options parsed before from the arguments that came before `argv` (`launch`
+    parses its leading ones first), kept unless `argv` gives them again. The accelerate config is read here, once,
+    and held on the options (`accelerate_config`)."""
+    options, rest = parser.parse_known_args(list(argv), argparse.Namespace(**vars(given)) if given else None)
     if options.nproc < 1:
         parser.error(f"--nproc {options.nproc}: give at least 1 process.")
     if options.nproc > 1 and options.config_file:
         parser.error(f"--nproc {options.nproc} with --config_file {options.config_file}: the accelerate config sets "
                      "the processes (its num_processes); drop --nproc, or drop --config_file to launch with torchrun.")
-    if options.config_file:
+    if options.config_file and options.config_file != getattr(given, "config_file", None):
         from hf_sparse_cp.config.files import read_mapping
         from hf_sparse_cp.recipes import recipe_path
 
-        given = options.config_file
+        name = options.config_file
         try:
-            options.config_file = str(recipe_path(given))
+            options.config_file = str(recipe_path(name))
         except FileNotFoundError:  # (named among the shipped launch configs alone, the kind it takes)
             try:
-                recipe_path(given, ("accelerate",))
+                recipe_path(name, ("accelerate",))
             except FileNotFoundError as e:
                 parser.error(f"--config_file: {e}")
         try:  # (a training recipe or a pattern here ended in accelerate's traceback on its missing distributed_type)
-            mistake = wrong_kind(given, options.config_file, read_mapping(options.config_file), "accelerate")
+            options.accelerate_config = read_mapping(options.config_file)
         except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)
-            mistake = None
+            options.accelerate_config = None
+        mistake = options.accelerate_config and wrong_kind(name, options.config_file, options.accelerate_config,
+                                                           "accelerate")
         if mistake:
-            parser.error(f"--config_file {given}: {mistake}")
+            parser.error(f"--config_file {name}: {mistake}")
     return options, rest
 
 
@@ -123,20 +130,9 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
     `num_processes` (all machines'); None when the run stays in this process (it checks its own flags there, with
     no launcher to report a failure) or the config does not say."""
     if options.config_file:
-        from hf_sparse_cp.config.files import read_mapping
-
-        try:
-            count = read_mapping(options.config_file).get("num_processes", 1)
-        except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)
-            return None
+        count = (options.accelerate_config or {}).get("num_processes", 1)
         return count if isinstance(count, int) and not isinstance(count, bool) and count >= 1 else None
     return options.nproc if options.nproc > 1 and "WORLD_SIZE" not in env else None
-
-
-# accelerate's distributed types whose processes each take one accelerator of their machine (MULTI_CPU and NO run on
-# CPUs; XLA's TPUs are not torch.accelerator's)
-ACCELERATOR_TYPES = frozenset(("MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU",
-                               "MULTI_MUSA", "MULTI_SDAA", "MULTI_HPU"))
 
 
 def accelerator_count() -> int:
@@ -149,47 +145,35 @@ def accelerator_count() -> int:
     return torch.cuda.device_count()
 
 
-def refuse_missing_accelerators(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
-    """Exit as argparse ends a bad flag when the accelerate config of `options` starts more processes on this machine
-    (its num_processes / num_machines), each on an accelerator of its own, than this machine has, before any starts
-    (each process refused alone after the others had started). Without any accelerator, such a config's processes
-    run on the CPU (gloo, `cpu_2proc_cp2`), unless it sets a parallelism_config, which accelerate runs on
-    accelerators only."""
-    from hf_sparse_cp.config.files import read_mapping
+def refuse_unrunnable_config(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """Exit as argparse ends a bad flag, before any process starts, when the accelerate config of `options` cannot run
+    on this machine (`accelerate_config.config_mistake`: more processes per machine than accelerators, gpu_ids that
+    leave a process without one, FSDP1 or a parallelism_config without any, DeepSpeed not installed), naming the
+    fix."""
+    from .accelerate_config import config_mistake
 
-    if not options.config_file:
+    if options.accelerate_config is None:
         return
-    try:
-        config = read_mapping(options.config_file)
-    except (OSError, ValueError):  # (accelerate launch names what is wrong with its file)
-        return
-    kind = config.get("distributed_type")
-    if config.get("use_cpu") or kind not in ACCELERATOR_TYPES:
-        return
-    count, machines = config.get("num_processes"), config.get("num_machines", 1)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (count, machines)):
-        return  # (accelerate launch names what is wrong with its numbers)
-    per_machine, found = count // machines, accelerator_count()  # (accelerate's nproc_per_node)
-    if found >= per_machine or not (found or config.get("parallelism_config")):
-        return
-    spread = f"{count} processes over {machines} machines, {per_machine} per machine" if machines > 1 else (
-        f"{count} processes")
-    if found:
-        fix = (f"launch on machines with {per_machine} accelerators each, or set its num_processes to "
-               f"{found * machines} (and its parallelism sizes to match)")
-    else:
-        fix = ("its parallelism_config runs only on accelerators. Launch CPU processes instead: `--config_file "
-               "cpu_2proc_cp2` (its num_processes set to N) or `--nproc N`, with the CP degree as --cp_size N")
-    parser.error(f"--config_file {options.config_file} starts {spread} ({kind}), each on an accelerator of its own, "
-                 f"and this machine has {found} (torch.accelerator.device_count()): {fix}.")
+    mistake = config_mistake(options.accelerate_config, accelerator_count())
+    if mistake:
+        parser.error(f"--config_file {options.config_file} {mistake}.")
 
 
-def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: int) -> None:
+def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: int,
+                        config: Mapping | None = None) -> None:
     """Exit as argparse ends a bad flag (`parser`'s usage and prog) when `processes` launched processes cannot run
     the CP degrees of `arguments` (the plugin's, `PluginArgumentsMixin`), each of which would refuse them
-    (`check_launch`), before any starts."""
+    (`check_launch`; under the accelerate `config`, `check_training_arguments` too: a DeepSpeed config), before any
+    starts."""
+    env = {"WORLD_SIZE": str(processes)}  # (what the launcher sets in each process)
     try:
-        arguments.check_launch({"WORLD_SIZE": str(processes)})
+        arguments.check_launch(env)
+        cp_size = max(cp_size for _, cp_size in arguments.cp_degrees())
+        if cp_size > 1 and config and config.get("distributed_type") == "DEEPSPEED":
+            # (imports the Trainer, which the launcher's checks otherwise do without)
+            from hf_sparse_cp.trainer.context_parallel import check_training_arguments
+
+            check_training_arguments(arguments, cp_size, {**env, "ACCELERATE_USE_DEEPSPEED": "true"})
     except ValueError as e:
         parser.error(str(e))
 

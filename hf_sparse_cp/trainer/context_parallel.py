@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from accelerate.utils import parse_flag_from_env
+from accelerate.utils import str_to_bool
 from transformers import Trainer
 
 from ..config import SparseAttentionConfig
@@ -197,13 +198,15 @@ def _cp_group_mean(loss: torch.Tensor | None, parallel: ParallelDims) -> torch.T
     return total / parallel.cp_size
 
 
-def check_training_arguments(args, cp_size: int) -> None:
+def check_training_arguments(args, cp_size: int, env: Mapping[str, str] | None = None) -> None:
     """Raise ValueError, naming the setting and the fix, for a setting of the Trainer's arguments `args` that cannot run
     under CP `cp_size` as it runs in one process. Checked as the plugin's arguments parse (`SparseArgumentsMixin`) and
-    at CP's start (`enable_trainer_context_parallel`, a curriculum's), for arguments built in code."""
+    at CP's start (`enable_trainer_context_parallel`, a curriculum's), for arguments built in code, and by the
+    launcher before it starts the processes, in `env`: theirs as their launcher sets it (default this process's)."""
     fix = "or run without CP (drop --cp_size; a --cp_schedule keeps every stage at CP 1)"
     # (`accelerate launch` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED, without --deepspeed)
-    if getattr(args, "deepspeed", None) or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+    if getattr(args, "deepspeed", None) or str_to_bool((os.environ if env is None else env).get(
+            "ACCELERATE_USE_DEEPSPEED", "false")):
         raise ValueError(
             f"DeepSpeed (--deepspeed {getattr(args, 'deepspeed', None) or '<the accelerate config>'}) under context "
             f"parallelism (CP {cp_size}) is not supported: the plugin's CP is tested under DDP and FSDP2 only. Shard "

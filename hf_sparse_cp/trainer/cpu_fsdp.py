@@ -13,10 +13,12 @@ optimizer built on the sharded parameters, sharded checkpoints through `torch.di
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 
 from accelerate import PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
-from transformers import Trainer
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env, str_to_bool
+from transformers import Trainer, TrainingArguments
 
 from ..integration.patching import record_on, undo_recorded
 
@@ -57,6 +59,24 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     logger.info("FSDP on %d CPU processes: FSDP2 (accelerate's FSDP run type) instead of DDP.",
                 trainer.accelerator.num_processes)
     return True
+
+
+def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.environ) -> None:
+    """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables in
+    `env`) ask for FSDP version 1 on CPU processes: accelerate's FSDP1 plugin finds no device there (and FSDP1 refuses
+    a CPU one), which each process met only as its Trainer built the accelerator, after the data. Call it on a
+    machine without accelerator."""
+    if args.fsdp_plugin_args is not None:
+        version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
+        fix = "--fsdp_config '{\"fsdp_version\": 2}'"
+    elif str_to_bool(env.get("ACCELERATE_USE_FSDP", "false")):
+        version, where = env.get("FSDP_VERSION", "1"), "the accelerate config's fsdp_version; accelerate's default is 1"
+        fix = "fsdp_version: 2 in the accelerate config's fsdp_config"
+    else:
+        return
+    if str(version) != "2":
+        raise ValueError(f"FSDP version {version} ({where}) runs only on accelerators, and this machine has none: set "
+                         f"{fix} (FSDP2, which the plugin runs on CPU processes over gloo).")
 
 
 def disable_cpu_fsdp2(trainer: Trainer) -> None:

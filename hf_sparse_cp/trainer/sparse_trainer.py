@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -50,7 +51,7 @@ from .arguments import (
 from .attach import attach_to_trainer, enable_sparse_attention
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
-from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
+from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import card_stages, check_schedule_flags
 from .plugin_arguments import (
     LENGTH_FIELD,
@@ -68,6 +69,27 @@ logger = logging.getLogger(__name__)
 
 def _has_accelerator() -> bool:
     return torch.accelerator.is_available()
+
+
+# Trainer arguments that transformers takes as given and whose bad values failed only once the run trained, after
+# the data and the model were built: deep in torch (a sampler's batch_size=0) or as NaN weights (a NaN learning rate)
+_AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+_NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")
+
+
+def check_trainer_numbers(args: TrainingArguments) -> None:
+    """Raise ValueError, naming the flag and its default, for a batch size or accumulation below 1, or a NaN (or,
+    but for max_grad_norm, whose infinity clips nothing, an infinite) optimizer setting."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    for name in _AT_LEAST_ONE:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"--{name} {value} must be >= 1; e.g. --{name} {defaults[name]} (the default).")
+    for name in _NUMBERS:
+        value = getattr(args, name, None)
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and name != "max_grad_norm")):
+            raise ValueError(f"--{name} {value} is not a finite number; e.g. --{name} {defaults[name]} (the "
+                             "default).")
 
 
 # True while a launcher parses a script's flags once before starting its processes (`parsing_for_launch`).
@@ -123,9 +145,12 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                 "drop --fsdp."
             )
         with flag_errors():
+            check_trainer_numbers(self)
             self._check_plugin_fields()
         super().__post_init__()
         with flag_errors():
+            if not _has_accelerator():
+                check_cpu_fsdp_version(self)
             self._validate_plugin_fields()
             if self.cp_schedule:
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of

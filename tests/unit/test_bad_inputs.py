@@ -31,6 +31,11 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "layer_overrides key '1-0' is a reversed range"),
         (["--block_size", "64", "--seq_len", "8"], "--block_size is now --sparse_block_size; --seq_len is now "
          "--sparse_max_length."),
+        # a file a flag names that is not there: a traceback from the launcher's parse (`hf-sparse-cp train --nproc`)
+        # a tiny model type transformers does not build: refused by each process as it built the model
+        (["--tiny_model_type", "foo"], "tiny model type 'foo' is not a transformers model type"),
+        (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
+         "(trial); `hf-sparse-cp recipes` lists them."),
     ],
 )
 def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
@@ -40,6 +45,25 @@ def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
     err = capsys.readouterr().err
     assert re.search(r"^\S+: error: " + re.escape(refused), err, re.MULTILINE), err
     assert "usage:" not in err  # one line, not the Trainer's hundreds of flags
+
+
+def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train --nproc 2` parses the example's flags before starting the processes: a --sparse_config or
+    --fsdp_config that is not there ended that parse in a FileNotFoundError's traceback."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    for flags, named in ((["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist"),
+                         (["--fsdp", "full_shard", "--fsdp_config", "missing.json"], "'missing.json'")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["train", "--nproc", "2", *flags])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("train_long_context.py: error: ") and named in err, err
+    assert not started
 
 
 def test_the_example_takes_packed_documents_that_divide_the_sequence():
@@ -299,6 +323,24 @@ def test_the_argument_classes_refuse_a_sequence_length_below_2_tokens(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_the_argument_classes_refuse_batch_sizes_below_1_and_nan_optimizer_settings(tmp_path, kind):
+    """transformers takes them as given: a batch size of 0 ended in torch's sampler after the data and the model were
+    built (a traceback from each rank), a NaN learning rate trained NaN weights."""
+    cls = _argument_class(kind)
+    refused = {"per_device_train_batch_size": (0, "must be >= 1; e.g. --per_device_train_batch_size 8"),
+               "per_device_eval_batch_size": (-1, "must be >= 1; e.g. --per_device_eval_batch_size 8"),
+               "gradient_accumulation_steps": (0, "must be >= 1; e.g. --gradient_accumulation_steps 1"),
+               "learning_rate": (float("nan"), "is not a finite number; e.g. --learning_rate 5e-05"),
+               "adam_epsilon": (float("inf"), "is not a finite number; e.g. --adam_epsilon 1e-08"),
+               "max_grad_norm": (float("nan"), "is not a finite number; e.g. --max_grad_norm 1.0")}
+    for name, (value, message) in refused.items():
+        with pytest.raises(ValueError, match=f"^--{name} {value} {re.escape(message)}"):
+            cls(output_dir=str(tmp_path), report_to="none", **{name: value})
+    cls(output_dir=str(tmp_path), report_to="none", max_grad_norm=float("inf"), learning_rate=-1e-5)  # (no clipping;
+    # gradient ascent)
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
 def test_the_trainers_name_an_empty_dataset(tmp_path, kind):
     """Issue #41 item 5: TRL's SFTTrainer stopped in a bare StopIteration, the Trainer in its sampler."""
     import torch
@@ -549,3 +591,56 @@ def test_an_fsdp2_checkpoint_resumed_by_one_process_names_a_fix_that_runs_there(
         check_checkpoint(tmp_path, alone, read_marker(tmp_path), reshardable=False)
     with pytest.raises(ValueError, match="only a run with FSDP2 loads it. Resume with --fsdp with --fsdp_config"):
         check_checkpoint(tmp_path, {**alone, "data_parallel_size": 2}, read_marker(tmp_path), reshardable=False)
+
+
+def test_the_python_api_names_a_config_of_the_wrong_kind():
+    """`configure(model, {"vertical_topk": 3})` ended in an AttributeError ('dict' has no check_layers) and
+    `SparseAttentionConfig.from_dict(None)` in a TypeError of the key flattening: both name what to pass."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import ContextParallelConfig, SparseAttentionConfig, configure
+    from hf_sparse_cp.smet import SMETConfig
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    for config in ({"vertical_topk": 3}, ContextParallelConfig()):
+        with pytest.raises(TypeError, match=rf"^configure\(model, config\): config must be a SparseAttentionConfig, "
+                           rf"not {type(config).__name__}: build it with SparseAttentionConfig\(\*\*fields\), "
+                           r"SparseAttentionConfig.from_dict\(mapping\)"):
+            configure(model, config, select=False)
+    for cls, data in ((SparseAttentionConfig, None), (SparseAttentionConfig, [1]), (SMETConfig, "density: 0.5")):
+        with pytest.raises(TypeError, match=rf"^{cls.__name__}.from_dict takes a mapping of .* fields \(name -> "
+                           rf"value; {{}} for the defaults\), not {type(data).__name__} .*; for a file, use "
+                           rf"{cls.__name__}.from_file\(path\)"):
+            cls.from_dict(data)
+
+
+def test_the_attention_functions_refuse_inputs_they_would_answer_wrongly_or_deep_inside():
+    """`block_sparse_attention` with sliding_window 0 (or below) returned zeros for every query without a word (no
+    key visible, not even its own); a head_dim of 0 ended in a ZeroDivisionError, a list for q, a layout or a config
+    of the wrong kind in AttributeErrors deep inside. Each is refused at the call, naming the fix."""
+    import torch
+
+    from hf_sparse_cp import SparseAttentionConfig, block_sparse_attention, estimate_layout
+
+    cfg = SparseAttentionConfig(vertical_topk=64, slash_topk=64, block_size=64, min_seq_len=0)
+    q = k = v = torch.randn(1, 2, 128, 16)
+    layout = estimate_layout(q, k, cfg)
+    window = "sliding_window=0 must be a whole number >= 1 (keys sliding_window or more tokens before a query are"
+    for call, error, message in [
+        (lambda: block_sparse_attention(q, k, v, layout, sliding_window=0), ValueError, window),
+        (lambda: block_sparse_attention(q, k, v, layout, sliding_window=-4), ValueError, "sliding_window=-4 must"),
+        (lambda: estimate_layout(q, k, cfg, sliding_window=0), ValueError, window),
+        (lambda: block_sparse_attention(q[..., :0], k[..., :0], v[..., :0], layout), ValueError,
+         "q, k, v have head_dim 0: attention needs at least 1"),
+        (lambda: block_sparse_attention(q.tolist(), k, v, layout), TypeError,
+         "q, k, v must be torch.Tensors [batch, heads, seq, head_dim]; got list, Tensor, Tensor"),
+        (lambda: block_sparse_attention(q, k, v, None), TypeError,
+         "layout must be a SparseLayout (from estimate_layout, build_layout or dense_layout); got NoneType."),
+        (lambda: estimate_layout(q, k, {"block_size": 64}), TypeError, "cfg must be a SparseAttentionConfig"),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            call()
+    out, lse = block_sparse_attention(q, k, v, layout, sliding_window=1)  # (each query sees itself alone)
+    torch.testing.assert_close(out, v)
+    torch.testing.assert_close(lse, (q * k).sum(-1) / 4)

@@ -368,6 +368,28 @@ def test_a_gpu_config_with_more_processes_per_machine_than_accelerators_is_refus
     assert len(started) == len(configs) + (not accelerators) + 2
 
 
+def test_the_launcher_reads_the_accelerate_config_once(monkeypatch, tmp_path):
+    """The launcher read its --config_file for its kind, then for its process count, then for its accelerators (and
+    `launch` each time for its leading options too): read once, held on the parsed options."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.config import files
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: 0)
+    reads, read = [], files.read_mapping
+    monkeypatch.setattr(files, "read_mapping", lambda path, *a, **k: reads.append(str(path)) or read(path, *a, **k))
+    (tmp_path / "train.py").write_text("")
+    config = str(recipe_path("cpu_2proc_cp2"))
+    for argv in (["launch", "--config_file", "cpu_2proc_cp2", "--cp_size", "2", "train.py"],
+                 ["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "2", "--max_steps", "1"]):
+        reads.clear()
+        assert cli.main(argv) == 0
+        assert reads.count(config) == 1, (argv, reads)
+
+
 def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
     err = _refused(capsys, ["--sparse_vertical_top_k", "8", "train.py"])  # before the script path: the grammar
     assert err.startswith("usage: python -m hf_sparse_cp.run ") and err.endswith(
