@@ -115,7 +115,11 @@ def test_sparse_cp_with_the_dense_pattern_gives_sdpa_perplexity(smollm2):
 def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_path, single_thread):
     """`--model_name_or_path` takes the GGUF file (what `make demo-pretrained` runs, there with CP 2): the
     weights load dequantized and the Trainer takes a sparse step on them (it refuses models still marked
-    quantized)."""
+    quantized). The fine-tuned model it saves loads with plain transformers (sdpa) and with the plugin
+    (`sparse_cp`) to the same weights, its architecture's config fields as the model's and its pattern kept."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.config import MODEL_CONFIG_ATTRIBUTE
     from hf_sparse_cp.examples import train_long_context as example
 
     summary = example.main(["--model_name_or_path", str(pretrained.model_file()), "--sparse_max_length", "256",
@@ -123,9 +127,28 @@ def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_pat
                             "--sparse_block_size", "32", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "16",
                             "--sparse_local_window", "32", "--sparse_sink_tokens", "4",
                             "--sparse_dense_first_layers", "0", "--logging_steps", "1", "--report_to", "none",
-                            "--save_strategy", "no", "--output_dir", str(tmp_path)])
+                            "--save_strategy", "no", "--save_final_model", "true", "--output_dir", str(tmp_path)])
     assert len(summary["losses"]) == 1 and 0 < summary["final_loss"] < 10.8  # below chance: real weights
     assert summary["mean_kept_fraction"] < 1.0
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    hf_sparse_cp.patch()
+    with_plugin = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
+    hf_sparse_cp.unpatch()
+    assert (plain.config._attn_implementation, with_plugin.config._attn_implementation) == ("sdpa", "sparse_cp")
+    source = smollm2[1].config.to_dict()
+    for config in (plain.config, with_plugin.config):
+        saved = config.to_dict()
+        assert saved[MODEL_CONFIG_ATTRIBUTE] == SparseAttentionConfig(
+            min_seq_len=0, block_size=32, vertical_topk=16, slash_topk=16, local_window=32, sink_tokens=4,
+            dense_first_layers=0).to_dict()
+        for key in ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "hidden_size", "vocab_size", "max_position_embeddings", "rope_parameters", "rms_norm_eps",
+                    "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+            assert saved[key] == source[key], key
+    weights, original = plain.state_dict(), smollm2[1].state_dict()
+    assert all(torch.equal(t, weights[n]) for n, t in with_plugin.state_dict().items())
+    assert weights.keys() == original.keys() and any(not torch.equal(t, weights[n]) for n, t in original.items())
 
 
 @pytest.mark.parametrize("flags, dtype", [([], torch.float32), (["--bf16", "true"], torch.bfloat16),
