@@ -308,8 +308,8 @@ def _gemma_loss_under_cp(rank: int, world: int) -> dict:
 def test_gemma_under_cp2_gives_one_process_loss_and_gradients_with_its_global_layers_sparse(gemma):
     """Real weights under the sparse ring: CP 2 over 1,024 tokens of Gemma 3 270M (15 sliding-window layers across
     the shard boundary, 3 sparse global ones) gives one process's loss, kept fractions and, through a backward, the
-    gradient of every trained weight, the sliding layers' and the global layers' (measured: loss 1.9e-8 relative,
-    the same kept fractions, gradients ... at most)."""
+    gradient of every trained weight, the sliding layers' and the global layers' (measured, fp32: the same loss and
+    kept fractions, the 235 gradients within 1.2e-5 of one process's, relative; the global layers kept 27-41%)."""
     from hf_sparse_cp.testing.spawn import run_gloo
 
     for rank in run_gloo(_gemma_loss_under_cp, 2, timeout_s=1800):
