@@ -62,7 +62,7 @@ from hf_sparse_cp import (
 )
 from hf_sparse_cp.config.files import check_field_types, read_mapping
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.examples.passkey import passkey_dataset
+from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
 from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
@@ -143,6 +143,7 @@ class ScriptArguments:
                 f"shorter. Use a divisor of {max_length}{f' (e.g. {divisors})' if divisors else ''}, or a "
                 f"--sparse_max_length that is a multiple of {self.pack_documents}."
             )
+        check_buildable(max_length // self.pack_documents)
         if not self.model_name_or_path:  # (a type transformers cannot build refused here, before any process starts)
             tiny_config(self.tiny_model_type, num_hidden_layers=self.tiny_num_layers)
 

@@ -36,6 +36,9 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--tiny_model_type", "foo"], "tiny model type 'foo' is not a transformers model type"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
          "(trial); `hf-sparse-cp recipes` lists them."),
+        # data no machine can build: a MemoryError traceback in every process, after they started
+        (["--sparse_max_length", "99999999999"], "a passkey sequence of 99999999999 tokens takes at least 18626 GiB of "
+         "memory to build (200 bytes per token), more than this machine's"),
     ],
 )
 def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
