@@ -69,8 +69,10 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
     if args.fsdp_plugin_args is not None:
         version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
         fix = "--fsdp_config '{\"fsdp_version\": 2}'"
-    elif str_to_bool(env.get("ACCELERATE_USE_FSDP", "false")):
-        version, where = env.get("FSDP_VERSION", "1"), "the accelerate config's fsdp_version; accelerate's default is 1"
+    elif str_to_bool(env.get("ACCELERATE_USE_FSDP", "false")) and "FSDP_VERSION" in env:
+        # (`accelerate launch` sets both, FSDP_VERSION 1 for a config without fsdp_version; an Accelerator built with
+        # an FSDP plugin sets ACCELERATE_USE_FSDP alone in its process, which later arguments there must not misread)
+        version, where = env["FSDP_VERSION"], "the accelerate config's fsdp_version; accelerate's default is 1"
         fix = "fsdp_version: 2 in the accelerate config's fsdp_config"
     else:
         return

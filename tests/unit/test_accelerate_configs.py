@@ -129,6 +129,8 @@ def test_fsdp1_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tm
                 ["--output_dir", str(tmp_path), "--report_to", "none", *flags])
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    parse()  # (alone: what an Accelerator built with an FSDP plugin leaves in its process, not a launch's config)
+    monkeypatch.setenv("FSDP_VERSION", "1")  # (`accelerate launch` of a config without fsdp_version)
     with pytest.raises(ValueError, match=r"^FSDP version 1 \(the accelerate config's fsdp_version; accelerate's "
                        r"default is 1\) runs only on accelerators, and this machine has none: set fsdp_version: 2 in "
                        "the accelerate config's fsdp_config") as refused:
