@@ -246,8 +246,8 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,d,reason",
-                         [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 256, "head_dim 256")],
-                         ids=["fp64", "d256"])
+                         [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 288, "head_dim 288")],
+                         ids=["fp64", "d288"])
 def test_inputs_the_kernels_cannot_take_use_the_reference_and_say_so(dtype, d, reason):
     s = SIZES["short"] // 4
     q, k, v, _, _ = _inputs(1, 4, 2, s, d, dtype, seed=12)
