@@ -270,7 +270,7 @@ WIDE_HEAD_TILES = {"forward": Tiles(64, 64, 64, 8, 2), "dq": Tiles(64, 64, 64, 8
                    "dkdv": Tiles(64, 64, 0, 8, 2)}
 # fp32 inputs at head_dim 256: `FP32_TILES` fit (136-208 KB) but spill 1-35 KB per thread (ptxas gave dq and dk/dv
 # 32 registers and the rest on the stack). With 8 warps and 32 rows (dq: 16) every launched build keeps its registers
-# (sm_90: 80-132 KB, 111-204 registers, no stack).
+# (sm_90: 65-132 KB, 76-204 registers, no stack; benchmarks/results/README.md).
 FP32_WIDE_HEAD_TILES = {"forward": Tiles(32, 32, 32, 8, 2), "dq": Tiles(16, 16, 16, 8, 2),
                         "dkdv": Tiles(32, 32, 0, 8, 2)}
 
