@@ -10,8 +10,8 @@ choice are in `benchmarks/results/README.md`. `benchmarks/tune_tiles.py` times t
 through `tiles_override`; its winners belong here once measured, and until then a GPU run can launch
 them from its report (the tile table, `TILES_ENV`). fp32 inputs (FMA products, no wgmma) take small tiles of
 their own (`FP32_TILES`: shared memory). Under Triton's interpreter (CPU tensors) tiles are
-small so that the tests cover the sub-tiling loops. The kernels stop at head_dim 128
-(`limits.MAX_HEAD_DIM`); larger heads use the reference.
+small so that the tests cover the sub-tiling loops. Heads above 128 lanes (up to `limits.MAX_HEAD_DIM`,
+256: Gemma) take tiles of their own (`WIDE_HEAD_TILES`, `FP32_WIDE_HEAD_TILES`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .limits import NARROW_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,32 @@ def compiled(device) -> bool:
 FP32_TILES = {"forward": Tiles(64, 32, 32, 4, 2), "dq": Tiles(64, 32, 32, 4, 2), "dkdv": Tiles(32, 64, 0, 4, 2)}
 
 
+# Heads above 128 lanes (160 to 256, all of them 256-lane tiles: `BLOCK_D` is the next power of two) hold
+# accumulators and staged K/V/Q/dO rows twice as wide, so the tiles above overflow shared memory (dq with column
+# gradients 256-260 KB at 2-3 stages, the forward 232 KB at 3) or spill hundreds of bytes. sm_90 builds at head_dim
+# 256 (benchmarks/results/README.md, tests/kernels/test_kernels_compile.py), 16-bit inputs: the forward in 64 x 64
+# tiles at 2 stages (168 KB, 212 registers, no spill; m64n32 and wider), dq in 64 x 64 with the columns' dk/dv in
+# their own pass at 1 stage (132 KB; 56 B of stack without columns, 224-232 with), dk/dv in 64-key programs of
+# 64-row steps at 2 stages (200.5 KB; 200-216 B of stack without columns, 320-344 with: the two 64 x 256 fp32
+# accumulators alone take 128 of a thread's 255 registers). 16 warps cap registers at 128 (spilling 0.5-1 KB); 4
+# warps spill more. Timing these against other tiles waits for a GPU (`benchmarks/tune_tiles.py`).
+WIDE_HEAD_TILES = {"forward": Tiles(64, 64, 64, 8, 2), "dq": Tiles(64, 64, 64, 8, 1, separate_columns=True),
+                   "dkdv": Tiles(64, 64, 0, 8, 2)}
+# fp32 inputs at head_dim 256: `FP32_TILES` fit (136-208 KB) but spill 1-35 KB per thread (ptxas gave dq and dk/dv
+# 32 registers and the rest on the stack). With 8 warps and 32 rows (dq: 16) every launched build keeps its registers
+# (sm_90: 65-132 KB, 76-204 registers, no stack; benchmarks/results/README.md).
+FP32_WIDE_HEAD_TILES = {"forward": Tiles(32, 32, 32, 8, 2), "dq": Tiles(16, 16, 16, 8, 2),
+                        "dkdv": Tiles(32, 32, 0, 8, 2)}
+
+
+def _fixed(kernel: str, block_size: int, head_dim: int, dtype) -> Tiles | None:
+    """The fixed tiles of a compiled launch of fp32 inputs or of a head above `NARROW_HEAD_DIM`, else None."""
+    wide = head_dim > NARROW_HEAD_DIM
+    if _four_byte(dtype):
+        return _capped((FP32_WIDE_HEAD_TILES if wide else FP32_TILES)[kernel], block_size)
+    return _capped(WIDE_HEAD_TILES[kernel], block_size) if wide else None
+
+
 def _four_byte(dtype) -> bool:
     """Whether a launch's inputs have 4-byte elements (fp32); None (no dtype given) counts as 16-bit."""
     return dtype is not None and dtype.itemsize == 4
@@ -269,8 +297,8 @@ def forward_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> T
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), min(block_size, 32), 16, 1, 1)
-    if _four_byte(dtype):
-        return _capped(FP32_TILES["forward"], block_size)
+    if t := _fixed("forward", block_size, head_dim, dtype):
+        return t
     if head_dim <= 64:
         # 4 stages: 210 registers and no spill, where 3 stages sit at 253 of the 255 (hinted builds of the
         # warps/stages sweep, benchmarks/results/README.md); loads four steps ahead, 144 KB of shared memory
@@ -283,8 +311,8 @@ def dq_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tiles:
         return t
     if not on_gpu:
         return Tiles(min(block_size, 32), 16, 16, 1, 1)
-    if _four_byte(dtype):
-        return _capped(FP32_TILES["dq"], block_size)
+    if t := _fixed("dq", block_size, head_dim, dtype):
+        return t
     # The columns' dk/dv stay in the dq loop: with the launch's divisibility hints that builds without
     # spilling at head_dim 128 too (a separate pass recomputes two products per column step).
     return Tiles(min(block_size, 128), min(block_size, 64), 64, 8, 3)
@@ -295,8 +323,8 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tile
         return t
     if not on_gpu:
         return Tiles(16, min(block_size, 32), 16, 1, 1)
-    if _four_byte(dtype):
-        return _capped(FP32_TILES["dkdv"], block_size)
+    if t := _fixed("dkdv", block_size, head_dim, dtype):
+        return t
     # 128 keys per program in 64-row query steps (FlexAttention's backward class): every product is
     # m64n64 or wider; at head_dim 128 the hinted build holds its dk/dv accumulators in 250 registers
     # without spilling (64 keys x 32 rows issued m64n16 for half its products).

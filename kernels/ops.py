@@ -131,7 +131,7 @@ def _check(q: torch.Tensor) -> None:
     if reason is not None:
         raise ValueError(f"the Triton kernels cannot take {reason}; use implementation='reference' (fp64, larger "
                          "heads) or cast q, k, v.")
-    reason = shared_memory_shortfall(q.device) if q.is_cuda else None
+    reason = shared_memory_shortfall(q.device, q.shape[-1]) if q.is_cuda else None
     if reason is not None:
         raise ValueError(f"the Triton kernels cannot run on {reason}; use implementation='flex' or 'auto' "
                          "(--sparse_attention_engine), which computes these calls with FlexAttention.")

@@ -128,7 +128,7 @@ def supports(q_rows: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the compiled kernels take these inputs (CUDA, one dtype among fp16/bf16/fp32, D <= 256) on their GPU
     (`limits.shared_memory_shortfall`)."""
     return (q_rows.is_cuda and q_rows.dtype in SUPPORTED_DTYPES and k.dtype == q_rows.dtype
-            and q_rows.shape[-1] <= MAX_HEAD_DIM and shared_memory_shortfall(q_rows.device) is None)
+            and q_rows.shape[-1] <= MAX_HEAD_DIM and shared_memory_shortfall(q_rows.device, q_rows.shape[-1]) is None)
 
 
 def vertical_slash_scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,10 @@ attention functions) names one, or 'auto'; `$HF_SPARSE_CP_ATTENTION_ENGINE` repl
 project's one override mechanism, `hf_sparse_cp.backends.choose_backend`). 'auto' walks the registry:
 
 * the kernels and Flex decline tensors off CUDA, and CUDA inputs the kernels cannot take (fp64,
-  head_dim above 128), which then run the PyTorch reference (on CUDA with a warning); Flex also declines
+  head_dim above 256), which then run the PyTorch reference (on CUDA with a warning); Flex also declines
   when this torch has no FlexAttention, the kernels on a GPU with less shared memory than their tiles take
-  (`kernels.limits.shared_memory_shortfall`: A10, L4, RTX 30/40), where Flex takes their calls;
+  (`kernels.limits.shared_memory_shortfall`: A10, L4, RTX 30/40; an A100 above head_dim 128), where Flex takes
+  their calls;
 * a layout that lists key columns (a vertical-slash layer) runs the Triton kernels: the flex engine
   computes columns as 128-key tiles of a gathered buffer under a per-element mask, which was measured
   slower than the kernels on every such layout and slower than dense Flex on a 5%-kept one

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from hf_sparse_cp.kernels import configs
+from hf_sparse_cp.kernels import configs, limits
 from hf_sparse_cp.kernels.configs import Tiles
 from hf_sparse_cp.testing import sm90
 
@@ -67,6 +67,33 @@ def test_fp32_launches_fit_the_shared_memory_of_an_h100(variant, head_dim):
     assert sm90.usage(build).shared_bytes <= sm90.H100_SHARED_BYTES, tiles
     if variant in sm90.TUNED_KERNEL:
         assert tiles == configs.FP32_TILES[sm90.TUNED_KERNEL[variant]]
+
+
+# Stack bytes per thread of the 16-bit launches above 128 lanes (`configs.WIDE_HEAD_TILES`, Triton 3.9): dk/dv's two
+# 64 x 256 fp32 accumulators take 128 registers of the 255 (320 B at head_dim 256 with the columns' seed, 344 at 160
+# and 192; 200-216 without), dq's column pass 224-232 B, dq alone 56; the forward none. Every other tile built
+# spilled as much or more, or overflowed shared memory.
+WIDE_HEAD_MAX_STACK_BYTES = 344
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(256, "bf16"), (160, "fp16"), (256, "fp32")])
+def test_heads_above_128_lanes_fit_the_shared_memory_of_an_h100(head_dim, dtype):
+    """Gemma's head_dim 256 (and 160 or 192: the same 256-lane tiles) takes its own tiles: with the narrower heads'
+    tiles dq with column gradients needed 256 KB and the forward at 3 stages 232 KB (the H100 has 227 KB). Every
+    launched variant builds within `limits.WIDE_HEAD_SHARED_BYTES`, the 16-bit ones on wgmma at least 32 wide; the
+    forward and the fp32 launches keep every register, the 16-bit backward spills a bounded few hundred bytes."""
+    for name, (tiles, build) in sm90.launcher_builds(head_dim, dtype).items():
+        use = sm90.usage(build)
+        assert use.shared_bytes <= limits.WIDE_HEAD_SHARED_BYTES <= sm90.H100_SHARED_BYTES, (name, tiles, use)
+        if name in sm90.TUNED_KERNEL:
+            wide = configs.FP32_WIDE_HEAD_TILES if dtype == "fp32" else configs.WIDE_HEAD_TILES
+            assert dataclasses.replace(tiles, block_c=wide[sm90.TUNED_KERNEL[name]].block_c) == wide[
+                sm90.TUNED_KERNEL[name]], name
+            assert use.stack_bytes <= (0 if dtype == "fp32" or name.startswith("forward") else
+                                       WIDE_HEAD_MAX_STACK_BYTES), (name, tiles, use)
+        if dtype != "fp32" and not name.startswith("scoring"):
+            assert use.wgmma > 0 and use.mma_sync == 0, (name, tiles, use)
+            assert use.narrowest_wgmma_n() >= configs.MIN_WGMMA_N, (name, tiles, use)
 
 
 def test_quarter_width_wgmma_is_caught():

@@ -101,6 +101,10 @@ CASES = {  # query heads, key/value heads, size, head_dim, dtype, layout, packed
     "gqa2-8191-d64-bf16-random": (8, 4, "odd", 64, torch.bfloat16, "random", False),
     "mha-8191-d64-fp16-vs": (8, 8, "odd", 64, torch.float16, "vertical_slash", False),
     "mha-8K-d128-bf16-random-docs": (4, 4, "mid", 128, torch.bfloat16, "random", True),
+    # heads above 128 lanes (configs.WIDE_HEAD_TILES): Gemma 3's 4/1 heads of 256, a 160-lane head, fp32's own tiles
+    "gqa4-8191-d256-bf16-vs-docs": (4, 1, "odd", 256, torch.bfloat16, "vertical_slash", True),
+    "gqa2-4K-d160-fp16-vs": (4, 2, "short", 160, torch.float16, "vertical_slash", False),
+    "gqa4-4K-d256-fp32-vs-docs": (4, 1, "short", 256, torch.float32, "vertical_slash", True),
 }
 
 
@@ -246,8 +250,8 @@ def test_public_function_dispatches_to_the_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,d,reason",
-                         [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 256, "head_dim 256")],
-                         ids=["fp64", "d256"])
+                         [(torch.float64, 64, "dtype torch.float64"), (torch.bfloat16, 288, "head_dim 288")],
+                         ids=["fp64", "d288"])
 def test_inputs_the_kernels_cannot_take_use_the_reference_and_say_so(dtype, d, reason):
     s = SIZES["short"] // 4
     q, k, v, _, _ = _inputs(1, 4, 2, s, d, dtype, seed=12)

@@ -259,6 +259,22 @@ def test_fp16_head_dim_128_gqa8_packed_documents(interp):
     _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta)
 
 
+@pytest.mark.parametrize("d,tiles", [(256, None), (256, "16-bit"), (256, "fp32"), (160, "16-bit")])
+def test_heads_above_128_lanes_with_columns_documents_and_padding(interp, d, tiles):
+    """Gemma's head (d 256; `limits.MAX_HEAD_DIM`) and a 160-lane one (masked lanes of a 256-wide tile) in fp16, 2
+    query heads on 1 key/value head, a vertical-slash layout with columns in 64-token blocks, packed documents with
+    padding: with the interpreter's tiles and with the tiles CUDA launches above 128 lanes (`configs.WIDE_HEAD_TILES`,
+    `FP32_WIDE_HEAD_TILES`: the same function)."""
+    s, bs = 256, 64
+    q, k, v, dout, dlse = _inputs(1, 2, 1, s, s, d, torch.float16, seed=41)
+    meta = _random_docs(1, s, seed=42, pad=9)
+    layout = random_vertical_slash_layout(1, 2, s, bs, num_diagonals=1, num_verticals=12, meta=meta,
+                                          generator=torch.Generator().manual_seed(43))
+    assert int(layout.col_cnt.sum()) > 0
+    wide = {None: None, "16-bit": configs.WIDE_HEAD_TILES, "fp32": configs.FP32_WIDE_HEAD_TILES}[tiles]
+    _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=wide)
+
+
 def test_packed_documents_padding_and_shared_layout(interp):
     """Batch of 2 rows with 4 documents each and 7 padding tokens; one layout for all heads."""
     q, k, v, dout, dlse = _inputs(2, 4, 2, 150, 150, 32, torch.float32, seed=3)

@@ -48,22 +48,24 @@ def test_the_kernels_asked_for_without_triton_name_the_install(no_triton):
         engines.ENGINES["triton"].forward(call)
 
 
-@pytest.mark.parametrize("shared,engine", [(101376, "flex"), (166912, "triton")], ids=["L4", "A100"])
-def test_auto_leaves_a_gpu_without_the_kernels_shared_memory_to_flex(monkeypatch, shared, engine):
+@pytest.mark.parametrize("shared,d,engine", [(101376, 16, "flex"), (166912, 16, "triton"), (166912, 256, "flex"),
+                                             (232448, 256, "triton")], ids=["L4", "A100", "A100-d256", "H100-d256"])
+def test_auto_leaves_a_gpu_without_the_kernels_shared_memory_to_flex(monkeypatch, shared, d, engine):
     """The kernels' tiles take up to 161 KB of shared memory per block: on a GPU with 99 KB (sm_86/sm_89: A10, L4,
     RTX 30/40) their launch failed with Triton's OutOfResources. 'auto' gives Flex those calls, the kernels named
-    explicitly say so and name the fix, the pattern's scoring runs in PyTorch; an A100 runs the kernels."""
+    explicitly say so and name the fix, the pattern's scoring runs in PyTorch; an A100 runs the kernels. Heads above
+    128 lanes (Gemma's 256) take up to 224 KB (`limits.WIDE_HEAD_SHARED_BYTES`): an H100 runs them, an A100 not."""
     monkeypatch.delenv(engines.ENGINE_ENV, raising=False)
     monkeypatch.delenv(engines.TABLE_ENV, raising=False)
     monkeypatch.setattr(engines, "is_flex_available", lambda: True)
     monkeypatch.setattr(engines, "is_available", lambda module, attribute=None: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(name="GPU X", shared_memory_per_block_optin=shared))
-    q = torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16).as_subclass(_CudaLike)
+    q = torch.zeros(1, 2, 64, d, dtype=torch.bfloat16).as_subclass(_CudaLike)
     assert engines.resolve_engine(q, dense_layout(TokenMeta.contiguous(1, 64), 32)) == engine
     if engine == "flex" and backends.is_available("triton"):
         from hf_sparse_cp.kernels import ops, vertical_slash
 
-        with pytest.raises(ValueError, match=r"cannot run on GPU X \(99 KB of shared memory.*implementation='flex'"):
+        with pytest.raises(ValueError, match=rf"cannot run on GPU X \({shared // 1024} KB of shared memory.*'flex'"):
             ops._check(q)
         assert not vertical_slash.supports(q, q)
