@@ -165,3 +165,59 @@ def test_a_classification_head_under_cp2_trains_as_one_process(runs, name):
             torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
         assert rel_rms(got["update"], reference["update"]) < 1e-5
         assert reference["update"].abs().max() > 0
+
+
+# Data parallelism x CP: the model types the heads are tried on
+DP_HEADS = {TOKEN: "llama", SEQUENCE: "qwen2", ANSWERS: "qwen2"}
+
+
+def _train_dp(rank: int, world: int, head: str, cp: int) -> dict:
+    import transformers
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, attach_to_trainer, detach_from_trainer
+    from hf_sparse_cp.distributed import ContextParallelConfig
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    auto = {TOKEN: "AutoModelForTokenClassification", ANSWERS: "AutoModelForQuestionAnswering"}.get(
+        head, "AutoModelForSequenceClassification")
+    model = getattr(transformers, auto).from_config(tiny_config(DP_HEADS[head], num_labels=LABELS,
+                                                                classifier_dropout=0.0)).double()
+    hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=64, vertical_topk=2, slash_topk=2,
+                                                        local_window=16, sink_tokens=4, last_q=16))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, save_strategy="no",
+                                 per_device_train_batch_size=2 // min(world, 2), max_steps=2, optim="sgd",
+                                 learning_rate=0.5,
+                                 lr_scheduler_type="constant", logging_steps=1, train_sampling_strategy="sequential")
+        trainer = Trainer(model=model, args=args, train_dataset=_rows(head, "right")[:4],
+                          data_collator=default_data_collator)
+        initial = torch.cat([p.detach().flatten() for p in model.parameters()])
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                          ContextParallelConfig(cp_size=cp) if cp > 1 else None)
+        trainer.train()
+        result = {"loss": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+                  "update": torch.cat([p.detach().flatten() for p in model.parameters()]) - initial}
+        detach_from_trainer(trainer)
+    return result
+
+
+@pytest.mark.parametrize("head", list(DP_HEADS))
+def test_a_classification_head_under_dp2_x_cp2_trains_as_one_process_or_as_dp2(head):
+    """Under data parallelism x CP (4 processes: DP 2 x CP 2, a row per DP rank) a token-classification head trains
+    as one process with both rows (its loss the group's token mean), and a sequence-classification or
+    question-answering head as data parallelism alone (DP 2, no CP: the stock Trainer's run, whose loss transformers
+    scales by the processes): the losses logged and the update after 2 SGD steps. (Stock DP 2 trains the
+    token-classification head otherwise: its logged loss twice one process's.)"""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    from oracle import rel_rms
+
+    (want, *_) = run_gloo(_train_dp, 1 if head == TOKEN else 2, head, 1, timeout_s=600)
+    for rank in run_gloo(_train_dp, 4, head, 2, timeout_s=900):
+        assert rank["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert rel_rms(rank["update"], want["update"]) < 1e-9
