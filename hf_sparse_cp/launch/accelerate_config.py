@@ -26,7 +26,8 @@ CPU_LAUNCH = ("Launch CPU processes instead: `--config_file cpu_2proc_cp2` (its 
               "N`, with the CP degree as --cp_size N")
 
 
-def _count(value) -> int | None:
+def positive_count(value) -> int | None:
+    """`value` when it is a count accelerate launch takes (an int of at least 1, not a bool), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
@@ -34,7 +35,7 @@ def config_mistake(config: Mapping, found: int, env: Mapping[str, str] = os.envi
     """What keeps the accelerate `config` from running on this machine, which has `found` accelerators (a message
     that follows `--config_file PATH ` and names the fix); None where it runs, or where accelerate launch names what
     is wrong itself (a missing or odd process count)."""
-    count, machines = _count(config.get("num_processes")), _count(config.get("num_machines", 1))
+    count, machines = positive_count(config.get("num_processes")), positive_count(config.get("num_machines", 1))
     if count is None or machines is None:
         return _gpu_ids_mistake(config, None, found, env) or _package_mistake(config)
     per_machine = count // machines  # (accelerate's nproc_per_node)

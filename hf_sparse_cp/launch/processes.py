@@ -130,8 +130,9 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
     `num_processes` (all machines'); None when the run stays in this process (it checks its own flags there, with
     no launcher to report a failure) or the config does not say."""
     if options.config_file:
-        count = (options.accelerate_config or {}).get("num_processes", 1)
-        return count if isinstance(count, int) and not isinstance(count, bool) and count >= 1 else None
+        from .accelerate_config import positive_count
+
+        return positive_count((options.accelerate_config or {}).get("num_processes", 1))
     return options.nproc if options.nproc > 1 and "WORLD_SIZE" not in env else None
 
 
