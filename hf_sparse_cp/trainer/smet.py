@@ -16,6 +16,25 @@ from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory, smet_para
 from .callbacks import SMETCallback
 
 _FEATURE = "smet"
+# The --optim values that select an optimizer SMET stands in for (torch's AdamW; the fused kernel changes no maths).
+SMET_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+def _optim_name(training_args: TrainingArguments) -> str:
+    """`--optim` as typed (the arguments hold an `OptimizerNames`, whose str() is 'OptimizerNames.ADAFACTOR')."""
+    return getattr(training_args.optim, "value", training_args.optim)
+
+
+def check_smet_optim(training_args: TrainingArguments) -> None:
+    """Raise ValueError, naming the flag as typed and the fix, unless `--optim` selects an optimizer SMET stands in
+    for; by name, so that an --optim whose package is missing (bitsandbytes' adamw_8bit) is refused as SMET's, not
+    answered with an ImportError asking to install a package whose optimizer would then be refused."""
+    optim = _optim_name(training_args)
+    if optim not in SMET_OPTIMS:
+        raise ValueError(
+            f"--optim {optim} with --smet: SMET is an AdamW of its own and stands in for torch's AdamW only: use "
+            f"--optim {' or '.join(SMET_OPTIMS)} (or leave --optim unset), or train without --smet."
+        )
 
 
 def smet_optimizer_cls_and_kwargs(
@@ -26,10 +45,11 @@ def smet_optimizer_cls_and_kwargs(
     stock optimizer `--optim` selects, with its learning rate, betas, epsilon and weight decay, applied to the
     parameters `decay_names(model)` lists (a Trainer's `get_decay_parameter_names`: not to norms and biases,
     as the stock optimizer; default: `smet_param_groups`')."""
+    check_smet_optim(training_args)
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
-    if optimizer_cls not in SUPPORTED_OPTIMIZERS:
+    if optimizer_cls not in SUPPORTED_OPTIMIZERS:  # (a transformers release that maps these names elsewhere)
         raise ValueError(
-            f"--optim {training_args.optim} selects {optimizer_cls.__name__}; SMET stands in for "
+            f"--optim {_optim_name(training_args)} selects {optimizer_cls.__name__}; SMET stands in for "
             f"{[c.__name__ for c in SUPPORTED_OPTIMIZERS]} only: use --optim adamw_torch or adamw_torch_fused."
         )
     kwargs = dict(kwargs, weight_decay=training_args.weight_decay)

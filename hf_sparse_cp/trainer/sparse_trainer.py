@@ -63,7 +63,7 @@ from .plugin_arguments import (
 )
 from .reference import attend_like_trained_model
 from .schedule import parse_schedule
-from .smet import install_smet
+from .smet import check_smet_optim, install_smet
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             if not _has_accelerator():
                 check_cpu_fsdp_version(self)
             self._validate_plugin_fields()
+            if self.smet:  # (before the processes build their data and model, as the other flags)
+                check_smet_optim(self)
             if self.cp_schedule:
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
                 # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).

@@ -136,3 +136,22 @@ def test_a_sparse_weight_the_decay_rule_leaves_out_is_trained_without_weight_dec
     assert set(by_kind) == {(True, 0.1), (True, 0.0), (False, 0.1)}
     assert all("q_proj" in n for n in by_kind[True, 0.0]) and len(by_kind[True, 0.0]) == 2
     assert "model.norm.weight" in by_kind[False, 0.1]  # (this rule decays it; the default one would not)
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adamw_8bit"])
+def test_an_optim_smet_does_not_stand_in_for_is_refused_by_its_name_when_the_arguments_parse(tmp_path, optim):
+    """`--smet --optim adafactor` was refused naming `--optim OptimizerNames.ADAFACTOR`, once every process had built
+    its data and model; `--optim adamw_8bit` without bitsandbytes asked to install it (ImportError), whose optimizer
+    SMET would then refuse. Both are refused by the name typed: as the plugin's arguments parse, and by install_smet."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    refused = rf"--optim {optim} with --smet: .* use --optim adamw_torch or adamw_torch_fused"
+    with pytest.raises(ValueError, match=refused) as error:
+        SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, smet=True, optim=optim)
+    assert is_flag_error(error.value)
+    SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, optim=optim)  # (without --smet: the Trainer's)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, optim=optim, report_to="none")
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenRows(markov_tokens(4, 16)))
+    with pytest.raises(ValueError, match=refused):
+        install_smet(trainer, SMETConfig())
