@@ -143,8 +143,9 @@ def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None,
     """Raise `build_schedule`'s ValueError for what the flags alone decide, as they parse (before a launch starts
     processes that would each refuse them): with the run's pattern `sparse_config` (None: not known yet) each
     stage's fields and whole blocks per CP rank, with the run's CP flags `cp_config` (None: the defaults) each
-    stage's CP layout (`enable_curriculum` builds the same), and with --max_steps and no epoch start (resolved from
-    the data) the starts. The world size, the model and the data are checked once the run has them."""
+    stage's CP layout (`enable_curriculum` builds the same), and with --max_steps the starts (with an epoch start,
+    resolved from the data, what the starts given alone decide: `_check_given_starts`). The world size, the model and
+    the data are checked once the run has them."""
     stages = parse_schedule(text)
     for i, stage in enumerate(stages):
         try:
@@ -155,6 +156,27 @@ def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None,
             _stage_config(i, stage, sparse_config)
     if max_steps > 0 and all(stage.from_step is not None for stage in stages[1:]):
         _starts(stages, max_steps)
+    elif max_steps > 0:
+        _check_given_starts(stages, max_steps)
+
+
+def _check_given_starts(stages: Sequence[Stage], max_steps: int) -> None:
+    """Raise `_starts`' ValueError for what a schedule with epoch starts decides before the data resolve them: the
+    first stage at 0, the step starts and the epoch starts each increasing (the stages follow one another, and an
+    epoch is reached at a later step than an earlier one), no step start at or after max_steps."""
+    if stages[0].from_step or stages[0].from_epoch:
+        raise ValueError(_FIRST_START.format(stages[0].text))
+    for unit, kind in (("step", "from_step"), ("epoch", "from_epoch")):
+        # (the first stage, at 0, is at step 0 and at epoch 0)
+        given = [(0, 0)] + [(i, getattr(stage, kind)) for i, stage in enumerate(stages[1:], 1)
+                            if getattr(stage, kind) is not None]
+        for (j, earlier), (i, start) in zip(given, given[1:]):
+            if start <= earlier:
+                raise ValueError(_ORDER.format(i=i, text=stages[i].text, unit=unit, start=f"{start:g}", j=j,
+                                               earlier=f"{earlier:g}"))
+    last = max((stage.from_step for stage in stages if stage.from_step is not None), default=0)
+    if last >= max_steps:
+        raise ValueError(_LAST_START.format(last, max_steps))
 
 
 def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) -> SparseAttentionConfig:
@@ -192,17 +214,22 @@ def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[
             need = stage.from_epoch * num_samples - consumed
             start = starts[-1] + max(0, math.ceil(need / samples_per_step[i - 1]))
         if i and start <= starts[-1]:
-            raise ValueError(f"cp_schedule stage {i} ({stage.text}) starts at step {start}, not after stage {i - 1} "
-                             f"(step {starts[-1]}): order the stages by their start.")
+            raise ValueError(_ORDER.format(i=i, text=stage.text, unit="step", start=start, j=i - 1, earlier=starts[-1]))
         if i and samples_per_step is not None:
             consumed += (start - starts[-1]) * samples_per_step[i - 1]
         starts.append(start)
     if starts[0] != 0:
-        raise ValueError(f"cp_schedule starts at step {starts[0]}: the first stage must start at 0 (or 0ep).")
+        raise ValueError(_FIRST_START.format(stages[0].text))
     if starts[-1] >= max_steps:
-        raise ValueError(f"cp_schedule's last stage starts at step {starts[-1]}, at or after --max_steps {max_steps}: "
-                         "raise --max_steps or start the stage earlier.")
+        raise ValueError(_LAST_START.format(starts[-1], max_steps))
     return tuple(starts)
+
+
+_ORDER = ("cp_schedule stage {i} ({text}) starts at {unit} {start}, not after stage {j} ({unit} {earlier}): order the "
+          "stages by their start.")
+_FIRST_START = "cp_schedule's first stage ({}) must start at 0 (or 0ep)."
+_LAST_START = ("cp_schedule's last stage starts at step {}, at or after --max_steps {}: raise --max_steps or start the "
+               "stage earlier.")
 
 
 class StageSamples(torch.utils.data.Dataset):

@@ -35,7 +35,7 @@ class Stage:
             raise ValueError(f"a stage starts at a step or at an epoch (got from_step={self.from_step}, from_epoch="
                              f"{self.from_epoch}): write `100:...` or `1.5ep:...`.")
         if self.seq_len < 1 or self.cp_size < 1:
-            raise ValueError(f"stage seq_len={self.seq_len} and cp_size={self.cp_size} must be >= 1.")
+            raise ValueError(f"SEQ_LEN {self.seq_len} and CP_SIZE {self.cp_size} must both be >= 1, e.g. '0:4096:1'.")
         start = self.from_step if self.from_step is not None else self.from_epoch
         if not 0 <= start < math.inf:  # (NaN and inf too: a start no step reaches, refused as the flags parse)
             raise ValueError(f"a stage starts at step or epoch {start}: use a finite value >= 0.")
@@ -99,7 +99,10 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
             if key not in _CP_FIELDS:
                 section, _, name = key.rpartition(".")
                 (sparse.setdefault(section, {}) if section else sparse)[name] = value
-        stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
+        try:
+            stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
+        except ValueError as error:  # (which stage, in a schedule of several)
+            raise ValueError(f"cp_schedule stage {item!r}: {error}") from None
     if not stages:
         raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
     return tuple(stages)

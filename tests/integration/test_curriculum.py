@@ -46,6 +46,9 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
     # an epoch no step reaches: was accepted, then 'cannot convert float NaN to integer' from every launched rank
     ("0:128:1,nanep:256:2", "a stage starts at step or epoch nan: use a finite value >= 0"),
     ("0:128:1,infep:256:2", "a stage starts at step or epoch inf: use a finite value >= 0"),
+    # which stage, in a schedule of several (the message named none)
+    ("0:128:1,2:256:0", r"cp_schedule stage '2:256:0': SEQ_LEN 256 and CP_SIZE 0 must both be >= 1, e.g. '0:4096:1'"),
+    ("0:128:1,-2:256:2", r"cp_schedule stage '-2:256:2': a stage starts at step or epoch -2"),
     ("", "empty"),
     # a field given twice in one stage: the last value was taken silently
     ("0:128:1,2:256:2:vertical_topk=4:vertical_topk=8", r"'2:256:2:vertical_topk=4:vertical_topk=8' gives "
@@ -99,6 +102,15 @@ def test_a_schedule_needs_max_steps():
     (dict(cp_schedule="0:256:1,2:512:2:cp_mode=ulysses:cp_sharding=zigzag"),
      r"stage 1 .*--cp_sharding zigzag would be ignored under --cp_mode ulysses"),
     (dict(cp_schedule="0:256:1,2:512:2:cp_mode=hybrid"), r"stage 1 .*--cp_mode hybrid needs --cp_ulysses_size"),
+    # with an epoch start (the data resolve it) what the other starts decide: they were refused only once every
+    # process had built its data and model
+    (dict(cp_schedule="0:256:1,1ep:512:2,0.5ep:512:1"), re.escape(
+        "cp_schedule stage 2 (0.5ep:512:1) starts at epoch 0.5, not after stage 1 (epoch 1): order the stages")),
+    (dict(cp_schedule="0:256:1,3:512:2,1ep:512:1,2:256:1"), re.escape(
+        "cp_schedule stage 3 (2:256:1) starts at step 2, not after stage 1 (step 3): order the stages")),
+    (dict(cp_schedule="0:256:1,0ep:512:2"), re.escape("stage 1 (0ep:512:2) starts at epoch 0, not after stage 0")),
+    (dict(cp_schedule="0.5ep:256:1,1ep:512:2"), re.escape("first stage (0.5ep:256:1) must start at 0 (or 0ep)")),
+    (dict(cp_schedule="0:256:1,1ep:512:2,4:512:1"), r"last stage starts at step 4, at or after --max_steps 4"),
 ])
 def test_what_the_flags_alone_decide_is_refused_when_they_parse(tmp_path, flags, match):
     """`hf-sparse-cp train --nproc 2 --cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, which
@@ -108,7 +120,8 @@ def test_what_the_flags_alone_decide_is_refused_when_they_parse(tmp_path, flags,
     with pytest.raises(ValueError, match=match):
         SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, sparse_block_size=32, **flags)
     # what the world size, the model or the data decide waits for them: CP 4 on 2 processes, an epoch start
-    SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, cp_schedule="0:256:1,1ep:512:4")
+    for schedule in ("0:256:1,1ep:512:4", "0:256:1,3:512:4,1ep:512:1"):
+        SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, cp_schedule=schedule)
 
 
 def test_epoch_starts_resolve_to_the_step_that_completes_them():
@@ -447,13 +460,15 @@ def test_a_dataset_without_a_length_is_refused_as_a_bad_flag(tmp_path):
 
 
 def test_epoch_starts_out_of_order_are_refused_as_a_bad_flag(tmp_path):
-    """`hf-sparse-cp train --nproc 2 --cp_schedule 0:256:1,0.5ep:512:2,0.25ep:512:1` printed the refusal from every
+    """`hf-sparse-cp train --nproc 2 --cp_schedule 0:256:1,1:512:2,0.01ep:512:1` printed the refusal from every
     rank, then torchrun's traceback, exit status 1: a schedule the Trainer's data decide was refused as a bug. It
     is a refusal of the user's flag now (`flag_errors`), which a launched run ends with once, exit status 2."""
     from hf_sparse_cp.trainer.arguments import is_flag_error
 
-    with pytest.raises(ValueError, match=re.escape("cp_schedule stage 2 (0.25ep:128:1) starts at step")) as refused:
-        _one_process(tmp_path, "0:128:1,0.5ep:128:1,0.25ep:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    # 16 samples, one a step: the first (1/16 of an epoch) is consumed at step 1, where stage 1 starts
+    with pytest.raises(ValueError, match=re.escape("cp_schedule stage 2 (0.0625ep:128:1) starts at step 1, not after "
+                                                   "stage 1 (step 1)")) as refused:
+        _one_process(tmp_path, "0:128:1,1:128:1,0.0625ep:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
     assert is_flag_error(refused.value)
 
 

@@ -572,10 +572,10 @@ def test_the_example_ends_a_setting_its_trainer_refuses_as_a_bad_flag(tmp_path, 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     with pytest.raises(SystemExit) as ended:
         main(["--output_dir", str(tmp_path / "out"), "--sparse_max_length", "512", "--max_steps", "4", "--num_samples",
-              "8", "--cp_schedule", "0:256:1,0.5ep:512:1,0.25ep:512:1"])
+              "8", "--cp_schedule", "0:256:1,1:512:1,0.01ep:512:1"])
     assert ended.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("train_long_context.py: error: cp_schedule stage 2 (0.25ep:512:1) starts at step") == 1, err
+    assert err.count("train_long_context.py: error: cp_schedule stage 2 (0.01ep:512:1) starts at step 1") == 1, err
 
 
 def test_an_fsdp2_checkpoint_resumed_by_one_process_names_a_fix_that_runs_there(tmp_path):
