@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -14,6 +16,8 @@ from .dtensor import local
 from .masks import BlockGrid
 from .optimizer import SMETAdam
 from .rounding import warn_if_rounded
+
+logger = logging.getLogger(__name__)
 
 # Stock classes SMET can stand in for, with the weight decay each applies (decoupled or L2).
 SUPPORTED_OPTIMIZERS: dict[type[torch.optim.Optimizer], bool] = {torch.optim.AdamW: True, torch.optim.Adam: False}
@@ -84,6 +88,7 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
     grids = [BlockGrid.of(param, config.density, config.block_size, name) for name, param in sparse.values()]
     warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
+    _warn_if_named_but_dense(model, targets, sparse, adapters)
     decayed = None if decay_names is None else set(decay_names(model))
     groups = {(smet, decay): [] for smet in (True, False) for decay in (True, False)}
     dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
@@ -92,6 +97,35 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
         groups[id(param) in sparse, decay].append((name, param))
     return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0)
             for (smet, decay), named in groups.items() if named]
+
+
+def _warn_if_named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int],
+                             adapters: tuple[str, ...]) -> None:
+    """Warn when trainable matrices that `target_modules` names stay dense: parameters of their own, not an nn.Linear
+    module's weight, whose name is a target or ends in one (an MoE's fused experts in transformers 5: Mixtral's and
+    Qwen3-MoE's `experts.gate_up_proj` and `experts.down_proj`, [experts, ., .]), often most of the model. SMET cuts
+    nn.Linear weights only ([out, in]; such a parameter's layout differs between models: GPT-OSS stores [in, out])."""
+    named = tuple((name, param.numel()) for name, param in model.named_parameters()
+                  if param.requires_grad and param.dim() >= 2 and id(param) not in sparse
+                  and not name.startswith(adapters) and _names_a_target(name.rsplit(".", 1)[-1], targets))
+    if named:
+        _warn_dense(named, sum(p.numel() for p in model.parameters() if p.requires_grad), tuple(sorted(targets)))
+
+
+def _names_a_target(leaf: str, targets: set[str]) -> bool:
+    """Whether a parameter's own name is a target's or a fused one ending in it (`gate_up_proj`: `up_proj`)."""
+    return any(leaf == target or leaf.endswith(f"_{target}") for target in targets)
+
+
+@functools.cache  # (once per set-up: a Trainer builds the parameter groups twice)
+def _warn_dense(named: tuple[tuple[str, int], ...], trainable: int, targets: tuple[str, ...]) -> None:
+    kept = [t for t in targets if not any(_names_a_target(name.rsplit(".", 1)[-1], {t}) for name, _ in named)]
+    logger.warning(
+        "SMET trains %d matrices that target_modules names dense, with AdamW's whole optimizer state (%s, ...: %.0f%% "
+        "of the trainable parameters): they are parameters of their own (an MoE's fused experts), not nn.Linear "
+        "weights, which SMET cuts into blocks of input columns; smet/density counts the sparse weights only. To train "
+        "them dense knowingly, leave their names out: --smet_target_modules %s.", len(named), named[0][0],
+        100 * sum(n for _, n in named) / trainable, ",".join(kept) or "NAMES")
 
 
 def _check_linear(module: nn.Module, name: str) -> None:
