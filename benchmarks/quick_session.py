@@ -1,49 +1,60 @@
-"""Every headline figure in one short GPU call (`bash benchmarks/gpu_session.sh quick`, issues #32, #50).
+"""The GPU figures still missing in one short call (`bash benchmarks/gpu_session.sh quick`, issues #32, #50), the rest
+in a second (`gpu_session.sh quick2`).
 
-GPU calls here are rare and short (one H200 for about 15 minutes of machine time, its start included), so one
-call must bring back everything that matters. This script runs its stages in order of value, each a subprocess
-with its own cap, under one global deadline (`--budget_s`, 540 s by default, counted from `$QUICK_START` when
-the shell wrapper set it, i.e. before its installs), and writes its JSON after every stage; the stages' own
-scripts write theirs as soon as they have a number:
+GPU calls here are rare and short (one H200 for about 15 minutes of machine time, its start included: one call of
+at most 9 minutes per lent session), so one call must bring back what matters most. This script runs the stages of
+`--call` in order of value, each a subprocess with its own cap, under one global deadline (`--budget_s`, 540 s by
+default, counted from `$QUICK_START` when the shell wrapper set it, i.e. before its installs), and writes its JSON
+after every stage; the stages' own scripts write theirs as soon as they have a number. `quick`:
 
-(a) tiles: `tune_tiles.py --shortlist --kernels columns dq forward dkdv` at 128K (the attention stage's geometry):
-    the whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
-    kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA),
-    each checked against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles.
-    Its `chosen` tiles (a candidate at least 2% faster than the launched tiles and computing their result; none
-    otherwise) are the tile table every later stage launches from (`$HF_SPARSE_CP_TILES`, set only when
-    tiles.json exists; applied only on this GPU at head_dim 128, layout block 128, bf16: the attention stage, not
-    the 0.5B model's head_dim 64); every JSON records the variable;
-(b) attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
-    and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the same
-    blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and
-    flash SDPA dense, forward + backward, each ratio; an estimated layout (our kernels only) with the pattern
-    estimation's time as a share of that attention; the engine table `auto` reads;
-(c) e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
-    checkpointing) at 128K then 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm
-    and SwiGLU where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one
-    warm-up and one timed step each; sparse_cp's 'auto' engine reads the table of stage (b);
-(d) fit: sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction;
-(e) layer0: sparse_cp at 128K with the first layer sparse (`--sparse_dense_first_layers 0`), against (c)'s
-    128K run with it dense (the default): what the dense first layer costs.
+- tiles: `tune_tiles.py --shortlist --kernels columns dq forward dkdv` at 128K (the attention stage's geometry):
+  the whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
+  kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA), each
+  checked against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles. Its
+  `chosen` tiles (a candidate at least 2% faster than the launched tiles and computing their result; none
+  otherwise) are the tile table the later stages launch from (`$HF_SPARSE_CP_TILES`, set only when tiles.json
+  exists; applied only on this GPU at head_dim 128, layout block 128, bf16: the attention stage, not the 0.5B
+  model's head_dim 64 nor the head_dim-256 stages); every JSON records the variable;
+- attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
+  and the dense causal layout: our kernels, auto, the flex engine, compiled Flex on a BlockMask of the same
+  blocks (Triton and flash backends), our kernels on those blocks alone (what the columns cost), cuDNN and
+  flash SDPA dense, forward + backward, each ratio; an estimated layout (our kernels only) with the pattern
+  estimation's time as a share of that attention; the engine table `auto` reads;
+- wide_tests: the gpu-marked kernel tests of heads above 128 lanes (160, 256) and of fp32 inputs (their own tiles,
+  `configs.WIDE_HEAD_TILES`, `FP32_TILES`, `FP32_WIDE_HEAD_TILES`) against the fp64 reference; pytest's report is
+  folded into the session's JSON;
+- wide_attention: `bench_attention.py` at head_dim 256 (Gemma's), 32K, GQA 16/2, ~5% kept and dense: ours and
+  auto against Flex on the same blocks (and the check that both compute the same), cuDNN and flash SDPA dense;
+- e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
+  checkpointing) at 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm and SwiGLU
+  where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one warm-up and
+  one timed step each; sparse_cp's 'auto' engine reads the attention stage's table;
+- compile: the same sparse_cp step with the whole model compiled as a stock script's `--torch_compile` has the
+  Trainer do (`bench_e2e.py --torch_compile`), one warm-up (the compilation) and one timed step, against e2e's.
 
-The caps add up to more than the budget on purpose. On the H200 (2026-11-29) the stages took 78, 173, 72 (512K;
-1M then ran out of memory, since fixed: 1M alone about 135 s with its start-up), 24 and 27 s (tiles, then last,
-at 32K with 11 candidates), about 8 minutes with the 1M step; the tile stage now first, 14 candidates at 128K,
-may leave the last stage (layer0, measured on the H200 already) to the deadline: a stage the deadline skips is
-rerun in a call of its own (`gpu_session.sh tune --shortlist`, `gpu_session.sh e2e ...`).
+`quick2`: wide_tiles (the tile short list at head_dim 256, 32K: `configs.WIDE_HEAD_SHORTLIST`), e2e at 128K,
+fit (sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction) and layer0
+(sparse_cp at 128K with the first layer sparse, `--sparse_dense_first_layers 0`, against e2e's 128K run with it
+dense, the default: what the dense first layer costs).
+
+The caps add up to more than the budget on purpose; benchmarks/results/README.md estimates each stage's time
+from the earlier GPU sessions' JSON. A stage the deadline skips is rerun in a call of its own
+(`gpu_session.sh tune --shortlist`, `gpu_session.sh e2e ...`).
 
 A stage that fails or is cut off by its cap does not stop the next; what it wrote stays. Files (at most 8 come
-back from a GPU call): quick-session.json (device, versions, the command, settings, each stage's status, cap,
-time and outputs, the headline figures and verdicts), quick.log (every stage's output), attention.json,
-engine_table.json, e2e.json, e2e-fit.json, e2e-layer0.json, tiles.json, in `$OUT` or `--out`, else
-benchmarks/results/. `benchmarks/results/README.md` says how to read them.
+back from a GPU call), in `$OUT` or `--out`, else benchmarks/results/: `<call>-session.json` (device, versions,
+the command, settings, each stage's status, cap, time and outputs, the headline figures and verdicts),
+`<call>.log` (every stage's output), and the stages' JSON: `quick` attention.json, engine_table.json,
+attention-d256.json, e2e.json, e2e-compile.json, tiles.json; `quick2` tiles-d256.json, e2e.json, e2e-fit.json,
+e2e-layer0.json. `benchmarks/results/README.md` says how to read them.
 
 `--dry-run` runs the same stages with the same JSON on the CPU at tiny sizes (our kernels in Triton's
-interpreter), so the script cannot rot between GPU runs: tests/integration/test_quick_session.py runs it.
+interpreter, the gpu-marked tests skipped), so the script cannot rot between GPU runs:
+tests/integration/test_quick_session.py runs both calls.
 
     bash benchmarks/gpu_session.sh quick               # on the lent GPU machine
     python benchmarks/quick_session.py --dry-run --out /tmp/quick
+    python benchmarks/quick_session.py --call quick2 --dry-run --out /tmp/quick2
 """
 
 from __future__ import annotations
@@ -266,13 +277,18 @@ def compiled_step(e2e: dict, compiled: dict) -> list[dict]:
             continue
         seq_len, step = r["seq_len"], _step_s(compiled, "sparse_cp", r["seq_len"])
         eager, liger = _step_s(e2e, "sparse_cp", seq_len), _step_s(e2e, "sdpa+liger", seq_len)
-        eager_peak = next((x.get("peak_gib") for x in e2e.get("results", [])
-                           if x["variant"] == "sparse_cp" and x["seq_len"] == seq_len and x["status"] == "ok"), None)
+        uncompiled = next((x for x in e2e.get("results", [])
+                           if x["variant"] == "sparse_cp" and x["seq_len"] == seq_len and x["status"] == "ok"), {})
+        # the same steps on the same tokens from the same init: the losses say whether the compiled model computes
+        # what the uncompiled one does (to bf16 rounding)
+        losses = list(zip(r.get("losses", []), uncompiled.get("losses", [])))
         out.append({"seq_len": seq_len, "status": r["status"], "compiled_step_s": step, "eager_step_s": eager,
                     "speedup": eager / step if eager and step else None,
                     "compiled_over_liger": liger / step if liger and step else None,
                     "first_step_s": (r.get("warmup_times_s") or [None])[0], "peak_gib": r.get("peak_gib"),
-                    "eager_peak_gib": eager_peak, "reason": r.get("reason")})
+                    "eager_peak_gib": uncompiled.get("peak_gib"),
+                    "loss_rel_diff": max((abs(a - b) / abs(b) for a, b in losses), default=None),
+                    "reason": r.get("reason")})
     return out
 
 
@@ -402,9 +418,11 @@ def format_summary(report: dict) -> str:
             lines.append(f"  compiled step {c['seq_len'] // 1024}K: {c['status']} {c.get('reason') or ''}"[:140])
             continue
         ratio = lambda x: "-" if x is None else f"{x:.2f}x"
+        same = "-" if c["loss_rel_diff"] is None else f"{c['loss_rel_diff']:.1e}"
         lines.append(f"  compiled step {c['seq_len'] // 1024}K: {c['compiled_step_s']:.2f} s (first step "
                      f"{c['first_step_s']:.0f} s), {ratio(c['speedup'])} over uncompiled, "
-                     f"{ratio(c['compiled_over_liger'])} over sdpa + liger, {c['peak_gib']:.1f} GiB")
+                     f"{ratio(c['compiled_over_liger'])} over sdpa + liger, {c['peak_gib']:.1f} GiB, losses "
+                     f"{same} from uncompiled")
     for f in h["fit"]:
         # A step that did not finish has no time: its memory prediction row (no reason) shows the peak it reached,
         # its result row the reason.

@@ -95,6 +95,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     assert tests["skipped"] == len(tests["tests"]) >= 5 and tests["passed"] == tests["failed"] == 0
     (step,) = headline["compiled_step"]
     assert step["seq_len"] == 256 and step["speedup"] > 0 and step["compiled_over_liger"] is None
+    assert step["loss_rel_diff"] < 1e-4  # the compiled model trains as the uncompiled one (same init and tokens)
     assert headline["first_layer"] == [] and headline["wide_tiles_best"] == {}  # quick2's
     verdicts = {t["target"]: t for t in headline["verdicts"]}
     assert len(verdicts) == len(headline["verdicts"]) and "0.5b sparse_cp trains at 1024K" in verdicts
@@ -235,3 +236,37 @@ def test_first_layer_cost_from_the_two_e2e_files(quick):
     assert cost["dense_first_layer_share"] == pytest.approx(0.1)
     (missing,) = quick.first_layer_cost({"results": []}, run(3.6))
     assert missing["dense_first_layer_share"] is None
+
+
+def test_the_kernel_tests_report_and_its_verdict(quick, tmp_path):
+    """The wide_tests stage's pytest report (JUnit XML, in the scratch folder) folded into the session's JSON: a failed
+    test fails the verdict, skipped ones alone (no GPU) leave it unmeasured, no report (pytest cut off) too."""
+    report = tmp_path / "report.xml"
+    report.write_text('<testsuites><testsuite name="pytest"><testcase name="a[d256]" time="1.5"/>'
+                      '<testcase name="b[d160]"><failure message="rel_rms 0.3 &gt; 0.02">trace</failure></testcase>'
+                      '<testcase name="c[fp32]"><skipped message="needs a CUDA GPU"/></testcase>'
+                      '</testsuite></testsuites>')
+    tests = quick.test_outcomes(report)
+    assert (tests["passed"], tests["failed"], tests["error"], tests["skipped"]) == (1, 1, 0, 1)
+    assert tests["tests"][1] == {"test": "b[d160]", "outcome": "failed", "time_s": 0.0, "message": "rel_rms 0.3 > 0.02"}
+    flex = {"checks": [{"against": "flex", "status": "FAIL", "rel_rms": 0.5}]}
+    kernels, against_flex = quick.correctness_verdicts(tests, flex)
+    assert kernels["pass"] is False and kernels["measured"] == "1 passed, 1 failed, 1 skipped"
+    assert against_flex["pass"] is False and against_flex["measured"] == 0.5
+    skipped = {**tests, "passed": 0, "failed": 0}
+    assert [v["pass"] for v in quick.correctness_verdicts(skipped, {})] == [None, None]
+    assert quick.test_outcomes(tmp_path / "absent.xml") is None
+    assert quick.correctness_verdicts(None, {})[0]["measured"] is None
+
+
+def test_the_compiled_step_against_the_uncompiled_one(quick):
+    row = lambda variant, step, **kw: {"variant": variant, "seq_len": 262144, "status": "ok", "step_s": step, **kw}
+    e2e = {"results": [row("sparse_cp", 7.0, losses=[12.0, 11.0], peak_gib=17.5), row("sdpa+liger", 33.6)]}
+    compiled = {"results": [row("sparse_cp", 5.6, losses=[12.0, 11.011], peak_gib=18.0, warmup_times_s=[80.0])]}
+    (step,) = quick.compiled_step(e2e, compiled)
+    assert step["speedup"] == pytest.approx(1.25) and step["compiled_over_liger"] == pytest.approx(6.0)
+    assert step["first_step_s"] == 80.0 and step["eager_peak_gib"] == 17.5
+    assert step["loss_rel_diff"] == pytest.approx(1e-3)
+    failed = {"results": [{"variant": "sparse_cp", "seq_len": 262144, "status": "timeout", "reason": "exceeded"}]}
+    (step,) = quick.compiled_step(e2e, failed)
+    assert step["compiled_step_s"] is None and step["speedup"] is None and step["reason"] == "exceeded"
