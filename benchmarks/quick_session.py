@@ -358,7 +358,8 @@ def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
         "attention_fwd_bwd_ms": _rows(attention, *attention_rows),
         "attention_ratios": attention.get("ratios", []),
         "column_costs": attention.get("column_costs", []),
-        "estimation": [{k: e.get(k) for k in ("seq_len", "layout", "total_ms", "share_of_fwd_bwd")}
+        "estimation": [{k: e.get(k) for k in ("seq_len", "layout", "total_ms", "share_of_fwd_bwd", "peak_mib",
+                                              "layout_mib", "peak_over_layout")}
                        for e in attention.get("estimation", [])],
         "wide_tests": tests,
         "wide_attention_fwd_bwd_ms": _rows(wide, *attention_rows),
@@ -409,7 +410,9 @@ def format_summary(report: dict) -> str:
                      + (f" (Flex on them {c['flex_tflops']:.0f})" if c["flex_tflops"] is not None else ""))
     for e in h["estimation"]:
         share = "-" if e["share_of_fwd_bwd"] is None else f"{100 * e['share_of_fwd_bwd']:.1f}% of our fwd+bwd"
-        lines.append(f"  estimation {e['seq_len'] // 1024}K {e['layout']}: {e['total_ms']:.2f} ms, {share}")
+        memory = "" if e.get("peak_mib") is None else (f"; peak {e['peak_mib']:.0f} MiB, {e['peak_over_layout']:.2f}x "
+                                                        f"the layout's {e['layout_mib']:.0f}")
+        lines.append(f"  estimation {e['seq_len'] // 1024}K {e['layout']}: {e['total_ms']:.2f} ms, {share}{memory}")
     for r in h["e2e"]:
         shown = (f"{r['tokens_per_s']:.0f} tokens/s, {r['peak_gib']:.1f} GiB" if r["status"] == "ok" else r["status"])
         lines.append(f"  e2e {r['model']} {r['variant']:<11} {r['seq_len'] // 1024}K: {shown}")

@@ -57,6 +57,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     assert {v for (layout, v) in rows if layout.startswith("est ")} == {"ours"}  # --estimated_variants
     (estimation,) = attention["estimation"]  # the pattern estimation's share of the attention it serves
     assert estimation["share_of_fwd_bwd"] > 0 and estimation["share_of_fwd"] is None
+    assert estimation["peak_mib"] > 0 and estimation["peak_over_layout"] >= 1  # its memory beside the layout
     assert [(c["against"], c["status"]) for c in attention["checks"]] == [("flex_engine", "pass"), ("flex", "pass")]
     assert {"flex", "flex_flash", "sdpa_cudnn"} <= set(attention["ratios"][0]["over"])
     assert len(attention["engine_targets"]) == 3 and len(attention["targets"]) == 7
@@ -90,6 +91,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     headline = session["headline"]
     assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"])
     assert len(headline["wide_attention_fwd_bwd_ms"]) == len(wide["results"])
+    assert headline["estimation"][0]["peak_mib"] == estimation["peak_mib"]
     # the gpu-marked tests at head_dim 160/256 and fp32 ran (skipped without a GPU), their report folded in here
     tests = headline["wide_tests"]
     assert tests["skipped"] == len(tests["tests"]) >= 5 and tests["passed"] == tests["failed"] == 0
