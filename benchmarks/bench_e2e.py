@@ -376,6 +376,11 @@ def run_one(spec: dict) -> dict:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         kept = pop_kept_fractions(model) if sparse else None
+        if spec["torch_compile"]:  # what dynamo made of the model: graphs, graph breaks and their reasons, recompiles
+            from torch._dynamo.utils import counters
+
+            names = {"stats": "stats", "frames": "frames", "recompiles": "recompiles", "graph_breaks": "graph_break"}
+            result["dynamo"] = {name: dict(counters[key]) for name, key in names.items()}
         if seq_len in spec["profile_seq_lens"]:
             result["kernels"] = kernel_profile(train_step, device.type, top=12, warmup=0)
     except (torch.OutOfMemoryError, RuntimeError) as e:
