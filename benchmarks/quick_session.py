@@ -282,12 +282,15 @@ def compiled_step(e2e: dict, compiled: dict) -> list[dict]:
         # the same steps on the same tokens from the same init: the losses say whether the compiled model computes
         # what the uncompiled one does (to bf16 rounding)
         losses = list(zip(r.get("losses", []), uncompiled.get("losses", [])))
+        dynamo = r.get("dynamo") or {}
         out.append({"seq_len": seq_len, "status": r["status"], "compiled_step_s": step, "eager_step_s": eager,
                     "speedup": eager / step if eager and step else None,
                     "compiled_over_liger": liger / step if liger and step else None,
                     "first_step_s": (r.get("warmup_times_s") or [None])[0], "peak_gib": r.get("peak_gib"),
                     "eager_peak_gib": uncompiled.get("peak_gib"),
                     "loss_rel_diff": max((abs(a - b) / abs(b) for a, b in losses), default=None),
+                    "unique_graphs": dynamo.get("stats", {}).get("unique_graphs"),
+                    "graph_breaks": sum(dynamo.get("graph_breaks", {}).values()) if dynamo else None,
                     "reason": r.get("reason")})
     return out
 
@@ -425,7 +428,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  compiled step {c['seq_len'] // 1024}K: {c['compiled_step_s']:.2f} s (first step "
                      f"{c['first_step_s']:.0f} s), {ratio(c['speedup'])} over uncompiled, "
                      f"{ratio(c['compiled_over_liger'])} over sdpa + liger, {c['peak_gib']:.1f} GiB, losses "
-                     f"{same} from uncompiled")
+                     f"{same} from uncompiled; {c['unique_graphs']} graphs, {c['graph_breaks']} graph breaks")
     for f in h["fit"]:
         # A step that did not finish has no time: its memory prediction row (no reason) shows the peak it reached,
         # its result row the reason.
