@@ -143,7 +143,8 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
     wide_attention = [py, "benchmarks/bench_attention.py", *sparse_attention, "--head_dim", "256",
                       "--estimated_budgets", "", "--variants", "ours", "auto", "flex", "sdpa_cudnn", "sdpa_flash",
                       "--output", str(out / WIDE_ATTENTION), "--engine_table", str(scratch / "engine_table-d256.json")]
-    wide_tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/kernels/test_kernels_gpu.py",
+    # (-v: the log names each outcome as it comes, for a run its cap cuts before pytest writes the report)
+    wide_tests = [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "tests/kernels/test_kernels_gpu.py",
                   "-k", WIDE_TESTS, "--junitxml", str(scratch / WIDE_TESTS_XML)]
     e2e = [py, "benchmarks/bench_e2e.py", "--profile_seq_lens", "0", "--timed_steps", "1"]
     headline = ["--variants", "sparse_cp", "sdpa+liger", "--warmup_steps", "1", "--output", str(out / "e2e.json")]
