@@ -39,7 +39,8 @@ SDPA/flash), and 3.5x that for forward + backward.
 Estimation: for every estimated layout, the time of one attention call's pattern estimation and
 layout construction, as `hf_sparse_cp.attention` runs it (`estimate_layout` with the tokens'
 metadata), in total and by stage (reading the documents, scoring, selection + layout build), and
-as a share of our forward + backward on that layout (the issue's target: under 10% at 128K).
+as a share of our forward + backward on that layout (the issue's target: under 10% at 128K); and the
+call's transient memory peak beside the layout it builds (`estimation_memory`).
 
 Profile: at `--profile_seq_lens` (128K by default) every case's forward + backward step is also run
 once under torch.profiler and its GPU time split by kernel (our forward, dq, dk/dv, preprocessing
@@ -101,6 +102,7 @@ from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
+from hf_sparse_cp.testing.allocations import AllocationRecorder
 from hf_sparse_cp.testing.benchmarking import (
     ReportFile,
     device_slug,
@@ -359,6 +361,29 @@ def time_estimation(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
         return {name: time_ms(fn, warmup, repeats, q.device.type) for name, fn in stages.items()}
 
 
+def estimation_memory(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig, meta: TokenMeta) -> dict:
+    """The memory of one `estimate_layout` call (pattern estimation + layout build) beyond its inputs, in MiB: its
+    transient peak (`peak_mib`: CUDA's allocator peak above what was allocated before; on a CPU the most bytes of
+    the call's own tensors alive at once, `AllocationRecorder`) beside the layout it returns (`layout_mib`: the
+    block and column lists and their counts) and their ratio."""
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)
+            before = torch.cuda.memory_allocated(q.device)
+            torch.cuda.reset_peak_memory_stats(q.device)
+            layout = estimate_layout(q, k, cfg, meta, scale=scale)
+            torch.cuda.synchronize(q.device)
+            peak = torch.cuda.max_memory_allocated(q.device) - before
+        else:
+            with AllocationRecorder(with_sites=False) as recorder:
+                layout = estimate_layout(q, k, cfg, meta, scale=scale)
+            peak = recorder.peak_bytes
+    held = sum(t.untyped_storage().nbytes() for t in (layout.block_idx, layout.block_cnt, layout.col_idx,
+                                                        layout.col_cnt))
+    return {"peak_mib": peak / 2**20, "layout_mib": held / 2**20, "peak_over_layout": peak / held}
+
+
 def steps(attend, tensors, dout):
     """The two timed steps of attend(*tensors) -> out: (forward without autograd, forward + backward)."""
 
@@ -615,11 +640,13 @@ class Bench:
                               a.estimated_variants or a.variants))
                 timing = time_estimation(q_est, k_est, estimation_config(vt, st, a.block_size), meta, a.warmup,
                                          a.repeats)
-                self.estimation.append({"seq_len": seq_len, "layout": name, **timing})
+                memory = estimation_memory(q_est, k_est, estimation_config(vt, st, a.block_size), meta)
+                self.estimation.append({"seq_len": seq_len, "layout": name, **timing, **memory})
                 est_ms[name] = timing["total_ms"]
                 print(f"[S={seq_len} {name}] estimation {timing['total_ms']:.2f} ms (documents "
                       f"{timing['documents_ms']:.2f}, scoring {timing['scoring_ms']:.2f}, layout "
-                      f"{timing['layout_ms']:.2f})", flush=True)
+                      f"{timing['layout_ms']:.2f}); peak {memory['peak_mib']:.1f} MiB for a layout of "
+                      f"{memory['layout_mib']:.1f}", flush=True)
         for name, layout, inputs, grad, variants in cases:
             for against in ("flex_engine", "flex"):
                 if check and against in variants:
@@ -731,14 +758,15 @@ def estimation_report(rows: list[dict], estimation: list[dict]) -> list[dict]:
 
 def format_estimation(report: list[dict]) -> str:
     header = (f"{'S':>5} {'layout':<14} {'kept':>6} {'est ms':>7} {'docs':>6} {'score':>6} {'layout':>7} "
-              f"{'ours f+b':>9} {'% f+b':>6}")
+              f"{'ours f+b':>9} {'% f+b':>6} {'peak MiB':>9} {'x layout':>8}")
     lines = [header, "-" * len(header)]
     for e in report:
         kept = f"{e['kept_fraction']:6.3f}" if e["kept_fraction"] is not None else " " * 6
         attn = (f"{e['ours_fwd_bwd_ms']:9.2f} {100 * e['share_of_fwd_bwd']:6.1f}" if e["ours_fwd_bwd_ms"] is not None
                 else f"{'':9} {'':6}")
+        memory = (f" {e['peak_mib']:9.1f} {e['peak_over_layout']:8.2f}" if e.get("peak_mib") is not None else "")
         lines.append(f"{e['seq_len'] // 1024:>4}K {e['layout']:<14} {kept} {e['total_ms']:7.2f} "
-                     f"{e['documents_ms']:6.2f} {e['scoring_ms']:6.2f} {e['layout_ms']:7.2f} {attn}")
+                     f"{e['documents_ms']:6.2f} {e['scoring_ms']:6.2f} {e['layout_ms']:7.2f} {attn}{memory}")
     return "\n".join(lines)
 
 

@@ -22,7 +22,9 @@ The sparse variants run as the plugin's Trainer path does, their `--sparse_fused
 its default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA where liger-kernel is installed, the
 baseline's fused kernels outside attention and ours for attention), `sparse_cp+compile` the MLPs and RMSNorms
 through torch.compile, `sparse_cp+unfused` stock PyTorch around attention; each row records what ran
-(`fused_ops`). The lean loss takes liger-kernel's fused linear cross-entropy when it is installed. MLPs and
+(`fused_ops`). `--torch_compile` compiles the whole model of every run as a stock script's --torch_compile does
+(the sparse attention calls stay outside its graphs); the warm-up steps' times (`warmup_times_s`) then include the
+compilation. The lean loss takes liger-kernel's fused linear cross-entropy when it is installed. MLPs and
 RMSNorms run in token tiles from `--token_tiling_min_length` (32K; the plugin's
 `--sparse_token_tiling_min_length`) on, saved layer inputs in host memory with `--offload_layer_inputs`. Each
 sparse row also carries the memory model's prediction of its peak (`predicted_peak_gib`,
@@ -141,6 +143,12 @@ class BenchArguments:
         default=False,
         metadata={"help": "sparse_cp: the saved layer inputs in pinned host memory (the plugin's "
                   "--sparse_offload_layer_inputs)."},
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={"help": "Compile the whole model with torch.compile (inductor) after the plugin's set-up, as a stock "
+                  "script's --torch_compile has the Trainer do; the warm-up steps include the compilation "
+                  "(`warmup_times_s`)."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
     output: str | None = field(
@@ -345,9 +353,12 @@ def run_one(spec: dict) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         generator = torch.Generator().manual_seed(spec["seed"])
         input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator).to(device)
+        # accelerate's prepare does this for a Trainer with --torch_compile (its TorchDynamoPlugin: inductor, no mode)
+        step_model = torch.compile(model, backend="inductor") if spec["torch_compile"] else model
+        result["torch_compile"] = spec["torch_compile"]
 
         def train_step() -> float:
-            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss = step_model(input_ids=input_ids, labels=input_ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -365,6 +376,11 @@ def run_one(spec: dict) -> dict:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         kept = pop_kept_fractions(model) if sparse else None
+        if spec["torch_compile"]:  # what dynamo made of the model: graphs, graph breaks and their reasons, recompiles
+            from torch._dynamo.utils import counters
+
+            names = {"stats": "stats", "frames": "frames", "recompiles": "recompiles", "graph_breaks": "graph_break"}
+            result["dynamo"] = {name: dict(counters[key]) for name, key in names.items()}
         if seq_len in spec["profile_seq_lens"]:
             result["kernels"] = kernel_profile(train_step, device.type, top=12, warmup=0)
     except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -374,8 +390,8 @@ def run_one(spec: dict) -> dict:
 
     timed = times[spec["warmup_steps"]:]
     step_s = statistics.median(timed)
-    result.update(status="ok", step_s=step_s, tokens_per_s=seq_len / step_s, step_times_s=timed, losses=losses,
-                  **_peak_gib(device))
+    result.update(status="ok", step_s=step_s, tokens_per_s=seq_len / step_s, step_times_s=timed,
+                  warmup_times_s=times[:spec["warmup_steps"]], losses=losses, **_peak_gib(device))
     if sparse:
         result["kept_fraction"] = sum(kept.values()) / len(kept) if kept else None
         result["kept_fraction_per_layer"] = kept
@@ -613,7 +629,7 @@ def main(argv: list[str]) -> dict:
                 "warmup_steps": warmup_steps, "timed_steps": timed_steps, "seed": args.seed,
                 "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
                 "token_tiling_min_length": args.token_tiling_min_length,
-                "offload_layer_inputs": args.offload_layer_inputs}
+                "offload_layer_inputs": args.offload_layer_inputs, "torch_compile": args.torch_compile}
         reason = skip_reason(variant, device)
         if reason is not None:  # known without starting a process
             r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}

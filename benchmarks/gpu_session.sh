@@ -3,17 +3,21 @@
 # device image) and no network.
 #
 #   bash benchmarks/gpu_session.sh wheels            # HERE, before the call: the wheels the device lacks into .whl/
-#   bash benchmarks/gpu_session.sh quick             # ONE call, at most 9 minutes: every headline figure
+#   bash benchmarks/gpu_session.sh quick             # ONE call, at most 9 minutes: the figures still missing
 #   bash benchmarks/gpu_session.sh quick --dry-run   # the same on the CPU at tiny sizes (no installs)
+#   bash benchmarks/gpu_session.sh quick2            # a second lent machine: the rest (also --dry-run)
 #
 # `quick` (benchmarks/quick_session.py) runs, each stage capped, under one deadline counted from here (installs
-# included): the columns / dq / forward / dk-dv tile short list at 128K (its chosen tiles, where faster than the launched
-# ones, are the tile table the later stages launch: $HF_SPARSE_CP_TILES), the attention benchmark at 128K against
-# every baseline (Flex on the same blocks, its flash backend, the flex engine, cuDNN and flash SDPA) with the
-# estimation's share, the 0.5B training step at 128K and 256K (sparse_cp with the plugin's fused ops against
-# sdpa + liger-kernel), sparse_cp at 512K and 1M beside the memory model's prediction, and sparse_cp at 128K with
-# the first layer sparse; see benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's `carry`): liger-kernel
-# is both the baseline's kernels and the fused ops of sparse_cp.
+# included), in order of value: the columns / dq / forward / dk-dv tile short list at 128K (its chosen tiles, where
+# faster than the launched ones, are the tile table the later stages launch: $HF_SPARSE_CP_TILES), the attention
+# benchmark at 128K against every baseline (Flex on the same blocks, its flash backend, the flex engine, cuDNN and
+# flash SDPA) with the columns' cost and the estimation's share, the gpu-marked kernel tests at head_dim 160/256 and
+# fp32, the attention benchmark at head_dim 256 (32K: ours, Flex on the same blocks, cuDNN, flash), the 0.5B training
+# step at 256K (sparse_cp with the plugin's fused ops against sdpa + liger-kernel), and the same sparse_cp step
+# compiled whole (a stock script's --torch_compile). `quick2`: the tile short list at head_dim 256, the 0.5B step at
+# 128K against sdpa + liger, sparse_cp at 512K and 1M beside the memory model's prediction, and sparse_cp at 128K with
+# the first layer sparse. See benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's
+# `carry`): liger-kernel is both the baseline's kernels and the fused ops of sparse_cp.
 #
 # The single stages, each meant to fit one 10-minute call (split with arguments if not); arguments after
 # the stage go to the stage's script and override its defaults here:
@@ -47,16 +51,16 @@ cd "$(dirname "$0")/.."
 # image). Flex's flash backend would need flash-attn-4 and nvidia-cutlass-dsl, whose CUDA library wheel alone is
 # about 90 MB, over what a call carries (64 MiB with the working tree): its row reports torch's reason instead.
 GPU_WHEELS=(liger-kernel==0.8.5)
-export QUICK_START="${QUICK_START:-$(date +%s)}"  # quick's deadline counts from here
+export QUICK_START="${QUICK_START:-$(date +%s)}"  # quick's (quick2's) deadline counts from here
 stage="${1:-}"
 case "$stage" in
-    quick|tests|tune|attention|e2e|finetune) shift ;;
+    quick|quick2|tests|tune|attention|e2e|finetune) shift ;;
     wheels)  # on this machine, with a package registry: what the device image lacks, for its python 3.12
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             -d .whl "${GPU_WHEELS[@]}"
         ls -l .whl; exit 0 ;;
-    *) echo "usage: gpu_session.sh wheels|quick|tests|tune|attention|e2e|finetune [arguments for that stage]" >&2
+    *) echo "usage: gpu_session.sh wheels|quick|quick2|tests|tune|attention|e2e|finetune [arguments for that stage]" >&2
        exit 2 ;;
 esac
 out="${OUT:-benchmarks/results}"
@@ -79,8 +83,8 @@ fi
                                    'torch', torch.__version__, 'triton', triton.__version__)"
 
 case "$stage" in
-    quick)
-        "$py" benchmarks/quick_session.py --out "$out" "$@" ;;
+    quick|quick2)
+        "$py" benchmarks/quick_session.py --call "$stage" --out "$out" "$@" ;;
     tests)
         "$py" -m pytest -q -m gpu "$@" tests 2>&1 | tee "$out/gpu-tests.log" ;;
     tune)

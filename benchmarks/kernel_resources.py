@@ -9,12 +9,12 @@ shared memory per program, wgmma instructions by shape, mma.sync count, hinted a
 16-byte loads. Prints a side-by-side table and writes JSON to benchmarks/results/. Runs on any
 machine; nothing here is a GPU timing.
 
-`--shortlist` builds the quick GPU call's candidates (`configs.SHORTLIST`, what `tune_tiles.py --shortlist`
-times). `--candidates` builds instead every tile candidate of the tuned kernels (`configs.tile_candidates`
-at 4 and 8 warps; dq with column gradients, its heaviest variant; the key-major column kernel), the
-evidence behind which candidates `benchmarks/tune_tiles.py` times; `--warps_stages` builds only the
-launchers' tile shapes at 4 and 8 warps and 2 to 4 pipeline stages (a short sweep behind the warps and
-stages in `configs`).
+`--shortlist` builds the quick GPU calls' candidates (`configs.shortlist`, what `tune_tiles.py
+--shortlist` times; their own above head_dim 128). `--candidates` builds instead every tile candidate of
+the tuned kernels (`configs.tile_candidates` at 4 and 8 warps; dq with column gradients, its heaviest
+variant; the key-major column kernel), the evidence behind which candidates `benchmarks/tune_tiles.py`
+times; `--warps_stages` builds only the launchers' tile shapes at 4 and 8 warps and 2 to 4 pipeline
+stages (a short sweep behind the warps and stages in `configs`).
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --candidates --head_dims 128
@@ -87,7 +87,7 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
                        warps_stages_only: bool = False, shortlist: bool = False) -> list[dict]:
     """Every tile candidate of the tuned kernels at 4 and 8 warps (or, with `warps_stages_only`, the
     launchers' tile shapes at 4 and 8 warps and 2-4 stages; with `shortlist`, the quick GPU call's candidates,
-    `configs.SHORTLIST`, dq with and without column gradients), each row saying whether it is the one launched;
+    `configs.shortlist`, dq with and without column gradients), each row saying whether it is the one launched;
     a build that fails is a row with its error."""
     rows = []
     for head_dim in head_dims:
@@ -97,7 +97,7 @@ def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 
             if warps_stages_only:
                 candidates = warps_stages_candidates(kernel, block_size, head_dim) if launched else []
             elif shortlist:
-                candidates = configs.SHORTLIST[kernel]
+                candidates = configs.shortlist(kernel, head_dim)
             else:
                 candidates = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
             variants = SHORTLIST_VARIANTS[kernel] if shortlist else (variant,)
@@ -151,7 +151,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warps_stages", action="store_true",
                    help="Build the launchers' tile shapes at 4 and 8 warps and 2-4 pipeline stages.")
     p.add_argument("--shortlist", action="store_true",
-                   help="Build the quick GPU call's candidates (configs.SHORTLIST; dq with and without column "
+                   help="Build the quick GPU calls' candidates (configs.shortlist; dq with and without column "
                    "gradients).")
     p.add_argument("--head_dims", type=int, nargs="+", default=[64, 128], help="Head dims to build for.")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="Input dtype of the builds.")

@@ -35,7 +35,8 @@ benchmarks/results/.
 This is a GPU benchmark: without CUDA it refuses to run, except `--dry_run` (CPU, the kernels in Triton's
 interpreter at the sizes given; benchmarks/gpu_session.sh quick --dry-run). The candidate grids, the ranking
 and the table (`rank`, `format_table`) run anywhere. The candidates are `configs.tile_candidates`, or with
-`--shortlist` the few of `configs.SHORTLIST` (the quick GPU session's).
+`--shortlist` the few of `configs.shortlist` (the quick GPU calls': `SHORTLIST`, `WIDE_HEAD_SHORTLIST` above head_dim
+128).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class TuneTilesArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the layout and inputs."})
     shortlist: bool = field(
         default=False,
-        metadata={"help": "Time only `configs.SHORTLIST`'s candidates (a short GPU call) instead of every candidate of "
-                  "configs.tile_candidates."},
+        metadata={"help": "Time only the few candidates of `configs.shortlist` (a short GPU call; their own above "
+                  "head_dim 128) instead of every candidate of configs.tile_candidates."},
     )
     dry_run: bool = field(
         default=False,
@@ -211,7 +212,7 @@ class Tuner:
             reference = result()
         now = current_tiles(kernel, a.block_size, a.head_dim, self.device == "cuda")
         rows = []
-        candidates = tiles_list or (configs.SHORTLIST[kernel] if a.shortlist else
+        candidates = tiles_list or (configs.shortlist(kernel, a.head_dim) if a.shortlist else
                                     configs.tile_candidates(kernel, a.block_size, a.head_dim))
         if kernel in configs.OPTIONAL_KERNELS:  # timed against the launched path: no override (None)
             candidates = [None, *candidates]

@@ -216,6 +216,25 @@ SHORTLIST = {
     "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32),
                 Tiles(128, 0, 64, 8, 2, query_steps=16)],
 }
+# Above head_dim 128 (`NARROW_HEAD_DIM`; the 16-bit `WIDE_HEAD_TILES`, sm_90 builds only, benchmarks/results/README.md,
+# heads above 128 lanes): the launched tiles, the same in FlexAttention's grid order, and the builds that fit shared
+# memory with a little stack: the forward's 128-row tiles (192 KB, 16 B), dq with the columns' dk/dv in its loop
+# (512-576 B); and the key-major column kernel at 16 steps (136 KB, 192 B).
+WIDE_HEAD_SHORTLIST = {
+    "forward": [Tiles(64, 64, 64, 8, 2), Tiles(64, 64, 64, 8, 2, tile_major=True), Tiles(128, 64, 64, 8, 2)],
+    "dq": [Tiles(64, 64, 64, 8, 1, separate_columns=True), Tiles(64, 64, 64, 8, 1, separate_columns=True,
+                                                                 tile_major=True), Tiles(64, 64, 64, 8, 1)],
+    "dkdv": [Tiles(64, 64, 0, 8, 2), Tiles(64, 64, 0, 8, 2, tile_major=True)],
+    "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16)],
+}
+
+
+def shortlist(kernel: str, head_dim: int) -> list[Tiles]:
+    """The candidates of `kernel` that a short GPU call times at `head_dim` (`tune_tiles.py --shortlist`):
+    `SHORTLIST` up to `NARROW_HEAD_DIM` lanes, `WIDE_HEAD_SHORTLIST` above."""
+    return (WIDE_HEAD_SHORTLIST if head_dim > NARROW_HEAD_DIM else SHORTLIST)[kernel]
+
+
 # Every launch asks for FP fusion (a * b + c contracted to one FMA, one rounding) explicitly: Triton 3.10 turns it
 # off by default (3.9 warns that it will); the kernels' accuracy and their sm_90 builds were checked with it on.
 FP_FUSION = True

@@ -2,6 +2,7 @@
 GPU run, at tiny sizes, our kernels in Triton's interpreter), so the script cannot rot between GPU
 runs; and the orchestration's parts: the caps, the deadline, the verdicts gathered from the stages' files."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,23 +20,29 @@ def quick():
         yield module
 
 
-def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+def _dry_run(call: str, out) -> tuple[dict, float, str]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("QUICK_START", None)
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "quick", "--dry-run"], capture_output=True,
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), call, "--dry-run"], capture_output=True,
                           text=True, timeout=900, env=env, check=False)
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    files = {p.name for p in tmp_path.iterdir()}
-    assert files == {"quick-session.json", "quick.log", "attention.json", "engine_table.json", "e2e.json",
-                     "e2e-fit.json", "e2e-layer0.json", "tiles.json"}
-    assert len(files) <= 8  # what a GPU call brings back
-    session = json.loads((tmp_path / "quick-session.json").read_text())
+    session = json.loads((out / f"{call}-session.json").read_text())
     assert session["complete"] and session["settings"]["dry_run"] and session["device_type"] == "cpu"
+    assert session["settings"]["call"] == call and session["wall_s"] <= session["settings"]["budget_s"] <= 540
+    assert wall < 900 and len(list(out.iterdir())) <= 8  # what a GPU call brings back
+    return session, wall, " ".join(proc.stdout.split())
+
+
+def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
+    session, wall, stdout = _dry_run("quick", tmp_path)
+    files = {p.name for p in tmp_path.iterdir()}
+    assert files == {"quick-session.json", "quick.log", "attention.json", "engine_table.json", "attention-d256.json",
+                     "e2e.json", "e2e-compile.json", "tiles.json"}
     assert [(s["name"], s["status"]) for s in session["stages"]] == [
-        ("tiles", "ok"), ("attention", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok")]
-    assert session["wall_s"] <= session["settings"]["budget_s"] <= 540 and wall < 900
+        ("tiles", "ok"), ("attention", "ok"), ("wide_tests", "ok"), ("wide_attention", "ok"), ("e2e", "ok"),
+        ("compile", "ok")]
 
     attention = json.loads((tmp_path / "attention.json").read_text())
     assert attention["complete"] and attention["command"] and attention["settings"]["dry_run"]
@@ -50,21 +57,29 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     assert {v for (layout, v) in rows if layout.startswith("est ")} == {"ours"}  # --estimated_variants
     (estimation,) = attention["estimation"]  # the pattern estimation's share of the attention it serves
     assert estimation["share_of_fwd_bwd"] > 0 and estimation["share_of_fwd"] is None
+    assert estimation["peak_mib"] > 0 and estimation["peak_over_layout"] >= 1  # its memory beside the layout
     assert [(c["against"], c["status"]) for c in attention["checks"]] == [("flex_engine", "pass"), ("flex", "pass")]
     assert {"flex", "flex_flash", "sdpa_cudnn"} <= set(attention["ratios"][0]["over"])
     assert len(attention["engine_targets"]) == 3 and len(attention["targets"]) == 7
     table = json.loads((tmp_path / "engine_table.json").read_text())
     assert table["kind"] == "hf_sparse_cp engine table" and table["rows"] == []  # no flex fwd+bwd on CPU
 
+    # head_dim 256: our kernels (their wide tiles, interpreted) beside Flex and the dense SDPA backends
+    wide = json.loads((tmp_path / "attention-d256.json").read_text())
+    assert wide["settings"]["head_dim"] == 256 and wide["estimation"] == []
+    rows = {(r["layout"], r["variant"]): r for r in wide["results"]}
+    assert rows[("vs@5%", "ours")]["status"] == rows[("dense", "ours")]["status"] == "ok"
+    assert {v for _, v in rows} == {"ours", "auto", "flex", "sdpa_cudnn", "sdpa_flash"}
+    assert [(c["against"], c["status"]) for c in wide["checks"]] == [("flex", "pass")]
+
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["complete"] and {(r["variant"], r["seq_len"], r["status"]) for r in e2e["results"]} == {
-        ("sparse_cp", 128, "ok"), ("sdpa+liger", 128, "skipped"), ("sparse_cp", 256, "ok")}
+        ("sparse_cp", 256, "ok"), ("sdpa+liger", 256, "skipped")}
     assert {r["fused_ops"]["choice"] for r in e2e["results"] if r["variant"] == "sparse_cp"} == {"off"}  # CPU
-    fit = json.loads((tmp_path / "e2e-fit.json").read_text())
-    assert [(r["seq_len"], r["status"]) for r in fit["results"]] == [(512, "ok"), (1024, "ok")]
-    assert all(r["predicted_peak_gib"] > 0 for r in fit["results"])  # the memory model's peak beside each run
-    layer0 = json.loads((tmp_path / "e2e-layer0.json").read_text())
-    assert layer0["sparse_attention"]["dense_first_layers"] == 0 and e2e["sparse_attention"]["dense_first_layers"] == 1
+    compiled = json.loads((tmp_path / "e2e-compile.json").read_text())
+    (step,) = compiled["results"]
+    assert step["status"] == "ok" and step["torch_compile"] and compiled["settings"]["torch_compile"]
+    assert len(step["warmup_times_s"]) == 1 and not e2e["settings"]["torch_compile"]
     tiles = json.loads((tmp_path / "tiles.json").read_text())
     assert tiles["settings"]["shortlist"] and set(tiles["best"]) == {"columns", "dq", "forward", "dkdv"}
     assert all(r["status"] == "ok" for r in tiles["results"])  # each candidate computes the launched tiles' result
@@ -75,12 +90,54 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
 
     headline = session["headline"]
     assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"])
+    assert len(headline["wide_attention_fwd_bwd_ms"]) == len(wide["results"])
+    assert headline["estimation"][0]["peak_mib"] == estimation["peak_mib"]
+    # the gpu-marked tests at head_dim 160/256 and fp32 ran (skipped without a GPU), their report folded in here
+    tests = headline["wide_tests"]
+    assert tests["skipped"] == len(tests["tests"]) >= 5 and tests["passed"] == tests["failed"] == 0
+    (step,) = headline["compiled_step"]
+    assert step["seq_len"] == 256 and step["speedup"] > 0 and step["compiled_over_liger"] is None
+    assert step["loss_rel_diff"] < 1e-4  # the compiled model trains as the uncompiled one (same init and tokens)
+    assert step["unique_graphs"] >= 1 and step["graph_breaks"] >= 1  # (one: the sparse attention runs outside)
+    assert headline["first_layer"] == [] and headline["wide_tiles_best"] == {}  # quick2's
+    verdicts = {t["target"]: t for t in headline["verdicts"]}
+    assert len(verdicts) == len(headline["verdicts"]) and "0.5b sparse_cp trains at 1024K" in verdicts
+    (kernels,) = [t for name, t in verdicts.items() if name.startswith("kernels at head_dim 160/256")]
+    assert kernels["pass"] is None and kernels["measured"].startswith("0 passed, 0 failed")
+    assert verdicts["head_dim 256: ours computes Flex's result on the same blocks (rel. RMS within rtol)"]["pass"]
+    assert "stage wide_attention ok" in stdout and "compiled step 0K" in stdout
+    print(f"quick --dry-run: {wall:.0f} s wall")
+
+
+def test_the_second_call_dry_run_runs_the_rest(tmp_path):
+    """`quick2`: the head_dim-256 tile short list, the 128K step against sdpa + liger, the fit runs, layer 0 sparse."""
+    session, wall, stdout = _dry_run("quick2", tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"quick2-session.json", "quick2.log", "tiles-d256.json", "e2e.json",
+                                                    "e2e-fit.json", "e2e-layer0.json"}
+    assert [(s["name"], s["status"]) for s in session["stages"]] == [
+        ("wide_tiles", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok")]
+    tiles = json.loads((tmp_path / "tiles-d256.json").read_text())
+    assert tiles["chosen"]["applies_to"]["head_dim"] == 256 and set(tiles["best"]) == {"columns", "dq", "forward",
+                                                                                       "dkdv"}
+    assert all(r["status"] == "ok" for r in tiles["results"])
+    from hf_sparse_cp.kernels import configs
+
+    assert len(tiles["results"]) == sum(len(configs.WIDE_HEAD_SHORTLIST[k]) for k in tiles["best"]) + 1  # + launched
+    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    assert {(r["variant"], r["seq_len"], r["status"]) for r in e2e["results"]} == {
+        ("sparse_cp", 128, "ok"), ("sdpa+liger", 128, "skipped")}
+    fit = json.loads((tmp_path / "e2e-fit.json").read_text())
+    assert [(r["seq_len"], r["status"]) for r in fit["results"]] == [(512, "ok"), (1024, "ok")]
+    assert all(r["predicted_peak_gib"] > 0 for r in fit["results"])  # the memory model's peak beside each run
+    layer0 = json.loads((tmp_path / "e2e-layer0.json").read_text())
+    assert layer0["sparse_attention"]["dense_first_layers"] == 0 and e2e["sparse_attention"]["dense_first_layers"] == 1
+    headline = session["headline"]
     (first_layer,) = headline["first_layer"]
     assert first_layer["seq_len"] == 128 and first_layer["dense_first_layer_share"] is not None
-    names = [t["target"] for t in headline["verdicts"]]
-    assert len(names) == len(set(names)) and "0.5b sparse_cp trains at 1024K" in names
-    assert "stage attention ok" in " ".join(proc.stdout.split())
-    print(f"quick --dry-run: {wall:.0f} s wall")
+    assert set(headline["wide_tiles_best"]) == set(tiles["best"]) and headline["tiles_best"] == {}
+    assert headline["wide_tests"] is None and headline["compiled_step"] == []  # quick's
+    assert "stage wide_tiles ok" in stdout
+    print(f"quick2 --dry-run: {wall:.0f} s wall")
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["full-size", "dry-run"])
@@ -88,16 +145,37 @@ def test_no_stage_command_repeats_an_option(quick, tmp_path, dry_run):
     """Each option once per command (argparse keeps the last of a repeated one: the fit stage passed e2e's
     --timeout_s 150 and --warmup_steps 1, then its own 190 and 0; the dry run's attention stage two
     --estimated_budgets); each e2e stage sets its runs' timeout and warm-up steps."""
-    stages = quick.stages(quick.QuickArguments(dry_run=dry_run), tmp_path)
+    stages = [stage for call in quick.CALLS
+              for stage in quick.stages(quick.QuickArguments(call=call, dry_run=dry_run), tmp_path)]
     for stage in stages:
         options = [a for a in stage.command if a.startswith("--")]
         assert len(options) == len(set(options)), stage.name
-    timeouts = {s.name: s.command[s.command.index("--timeout_s") + 1] for s in stages if "--timeout_s" in s.command}
-    assert timeouts == ({"e2e": "120", "fit": "120", "layer0": "120"} if dry_run else
-                        {"e2e": "150", "fit": "190", "layer0": "150"})
+    timeouts = {(s.name, s.command[s.command.index("--min_seq") + 1]): s.command[s.command.index("--timeout_s") + 1]
+                for s in stages if "--timeout_s" in s.command}
+    assert timeouts == ({("e2e", "256"): "120", ("compile", "256"): "240", ("e2e", "128"): "120",
+                         ("fit", "512"): "120", ("layer0", "128"): "120"} if dry_run else
+                        {("e2e", "262144"): "150", ("compile", "262144"): "135", ("e2e", "131072"): "150",
+                         ("fit", "524288"): "190", ("layer0", "131072"): "150"})
     warmups = {s.name: s.command[s.command.index("--warmup_steps") + 1]
                for s in stages if "--warmup_steps" in s.command}
-    assert warmups == {"e2e": "1", "fit": "0", "layer0": "1"}
+    assert warmups == {"e2e": "1", "compile": "1", "fit": "0", "layer0": "1"}
+
+
+def test_each_call_writes_at_most_eight_files_and_the_caps_fit_its_budget(quick, tmp_path):
+    """A GPU call brings back at most 8 files: each call's stages write at most 6 besides its session JSON and log
+    (the kernel tests' report and the head_dim-256 engine table go to the scratch folder, folded into the session's
+    JSON); each stage's cap fits the 540 s budget, and every stage of both calls has a cap of its own."""
+    args = quick.QuickArguments()
+    seen = []
+    for call, names in quick.CALLS.items():
+        stages = quick.stages(quick.QuickArguments(call=call), tmp_path / "out", tmp_path / "scratch")
+        outputs = [o for s in stages for o in s.outputs]
+        assert len(outputs) == len(set(outputs)) <= 6 and [s.name for s in stages] == list(names)
+        assert all(str(tmp_path / "out") not in " ".join(s.command) for s in stages if not s.outputs)
+        assert all(s.cap_s == getattr(args, f"{s.name}_cap_s") < args.budget_s for s in stages)
+        seen += names
+    fields = {f.name.removesuffix("_cap_s") for f in dataclasses.fields(args) if f.name.endswith("_cap_s")}
+    assert fields == set(seen)
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["full-size", "dry-run"])
@@ -107,9 +185,10 @@ def test_the_tile_stage_runs_first_and_every_later_stage_launches_its_choice(qui
     from hf_sparse_cp.kernels.configs import TILES_ENV
 
     stages = quick.stages(quick.QuickArguments(dry_run=dry_run), tmp_path)
-    assert [s.name for s in stages] == ["tiles", "attention", "e2e", "fit", "layer0"]
+    assert [s.name for s in stages] == ["tiles", "attention", "wide_tests", "wide_attention", "e2e", "compile"]
     assert TILES_ENV not in stages[0].env_files and stages[0].outputs == ["tiles.json"]
-    assert all(s.env_files[TILES_ENV] == str(tmp_path / "tiles.json") for s in stages[1:])
+    # (the head_dim-256 stages: a table of head_dim 128 would not apply there)
+    assert all(s.env_files[TILES_ENV] == str(tmp_path / "tiles.json") for s in stages[1:] if "wide" not in s.name)
     tiles, attention = stages[0].command, stages[1].command
     length = lambda cmd, option: cmd[cmd.index(option) + 1]
     assert length(tiles, "--seq_len") == ("96" if dry_run else length(attention, "--seq_lens"))
@@ -131,7 +210,7 @@ def test_a_stage_past_its_cap_is_killed_with_its_children(quick, tmp_path):
 def test_stages_past_the_deadline_are_skipped_and_reported(quick, tmp_path, monkeypatch):
     monkeypatch.setenv("QUICK_START", str(time.time() - 1000))  # the budget is spent before the first stage
     report = quick.main(["--dry-run", "--out", str(tmp_path)])
-    assert report["complete"] and [s["status"] for s in report["stages"]] == ["skipped"] * 5
+    assert report["complete"] and [s["status"] for s in report["stages"]] == ["skipped"] * len(quick.CALLS["quick"])
     assert json.loads((tmp_path / "quick-session.json").read_text())["stages"][0]["reason"].endswith("deadline")
 
 
@@ -160,3 +239,39 @@ def test_first_layer_cost_from_the_two_e2e_files(quick):
     assert cost["dense_first_layer_share"] == pytest.approx(0.1)
     (missing,) = quick.first_layer_cost({"results": []}, run(3.6))
     assert missing["dense_first_layer_share"] is None
+
+
+def test_the_kernel_tests_report_and_its_verdict(quick, tmp_path):
+    """The wide_tests stage's pytest report (JUnit XML, in the scratch folder) folded into the session's JSON: a failed
+    test fails the verdict, skipped ones alone (no GPU) leave it unmeasured, no report (pytest cut off) too."""
+    report = tmp_path / "report.xml"
+    report.write_text('<testsuites><testsuite name="pytest"><testcase name="a[d256]" time="1.5"/>'
+                      '<testcase name="b[d160]"><failure message="rel_rms 0.3 &gt; 0.02">trace</failure></testcase>'
+                      '<testcase name="c[fp32]"><skipped message="needs a CUDA GPU"/></testcase>'
+                      '</testsuite></testsuites>')
+    tests = quick.test_outcomes(report)
+    assert (tests["passed"], tests["failed"], tests["error"], tests["skipped"]) == (1, 1, 0, 1)
+    assert tests["tests"][1] == {"test": "b[d160]", "outcome": "failed", "time_s": 0.0, "message": "rel_rms 0.3 > 0.02"}
+    flex = {"checks": [{"against": "flex", "status": "FAIL", "rel_rms": 0.5}]}
+    kernels, against_flex = quick.correctness_verdicts(tests, flex)
+    assert kernels["pass"] is False and kernels["measured"] == "1 passed, 1 failed, 1 skipped"
+    assert against_flex["pass"] is False and against_flex["measured"] == 0.5
+    skipped = {**tests, "passed": 0, "failed": 0}
+    assert [v["pass"] for v in quick.correctness_verdicts(skipped, {})] == [None, None]
+    assert quick.test_outcomes(tmp_path / "absent.xml") is None
+    assert quick.correctness_verdicts(None, {})[0]["measured"] is None
+
+
+def test_the_compiled_step_against_the_uncompiled_one(quick):
+    row = lambda variant, step, **kw: {"variant": variant, "seq_len": 262144, "status": "ok", "step_s": step, **kw}
+    e2e = {"results": [row("sparse_cp", 7.0, losses=[12.0, 11.0], peak_gib=17.5), row("sdpa+liger", 33.6)]}
+    dynamo = {"stats": {"unique_graphs": 3}, "graph_breaks": {"disable()d function": 24, "Tensor.item()": 2}}
+    compiled = {"results": [row("sparse_cp", 5.6, losses=[12.0, 11.011], peak_gib=18.0, warmup_times_s=[80.0],
+                                dynamo=dynamo)]}
+    (step,) = quick.compiled_step(e2e, compiled)
+    assert step["speedup"] == pytest.approx(1.25) and step["compiled_over_liger"] == pytest.approx(6.0)
+    assert step["first_step_s"] == 80.0 and step["eager_peak_gib"] == 17.5
+    assert step["loss_rel_diff"] == pytest.approx(1e-3) and (step["unique_graphs"], step["graph_breaks"]) == (3, 26)
+    failed = {"results": [{"variant": "sparse_cp", "seq_len": 262144, "status": "timeout", "reason": "exceeded"}]}
+    (step,) = quick.compiled_step(e2e, failed)
+    assert step["compiled_step_s"] is None and step["speedup"] is None and step["reason"] == "exceeded"

@@ -106,6 +106,20 @@ def test_time_estimation_runs_on_cpu_and_times_every_stage(bench):
     assert all(v > 0 for v in timing.values())  # (no ordering of the times: stages and total are noisy medians)
 
 
+def test_the_estimation_memory_is_its_peak_beside_the_layout_it_builds(bench):
+    """One estimate_layout call's transient peak (on a CPU the recorder's, of the call's own tensors) and the layout it
+    returns: the peak holds at least the layout, and the layout's bytes are its four lists'. (At this size the
+    scoring's tiles, not the layout, set the peak: about 200x.)"""
+    q, k = bench.planted_inputs(2048, 4, 2, 64, seed=5)
+    cfg, meta = bench.estimation_config(32, 8, 64), TokenMeta.contiguous(1, 2048)
+    memory = bench.estimation_memory(q, k, cfg, meta)
+    layout = bench.estimate_layout(q, k, cfg, meta, scale=64**-0.5)
+    lists = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt)
+    assert memory["layout_mib"] == sum(t.untyped_storage().nbytes() for t in lists) / 2**20 > 0
+    assert memory["peak_over_layout"] == pytest.approx(memory["peak_mib"] / memory["layout_mib"])
+    assert memory["peak_over_layout"] >= 1
+
+
 def _rows(seq_len=131072):
     def row(layout, variant, fwd_bwd, density=0.05):
         return {"seq_len": seq_len, "layout": layout, "variant": variant, "density": density, "column_share": 0.1,

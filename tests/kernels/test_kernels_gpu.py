@@ -1,6 +1,7 @@
 """The compiled Triton kernels on a GPU, at realistic sizes, against the fp64 PyTorch reference.
 
-Attention: bf16 and fp16, head_dim 64 and 128, GQA 1/2/8, 8K-32K tokens (odd lengths included),
+Attention: bf16 and fp16, head_dim 64 and 128 (160 and 256: their own tiles), fp32 at 128 and 256, GQA 1/2/4/8,
+4K-32K tokens (odd lengths included),
 per-head vertical-slash layouts with columns (their gradients in the dq loop, in their own pass and
 from the key-major column kernel), sliding windows, packed documents with padding (some with rows
 mostly masked, through blocks and through columns), merging into an existing result (and the
@@ -101,10 +102,11 @@ CASES = {  # query heads, key/value heads, size, head_dim, dtype, layout, packed
     "gqa2-8191-d64-bf16-random": (8, 4, "odd", 64, torch.bfloat16, "random", False),
     "mha-8191-d64-fp16-vs": (8, 8, "odd", 64, torch.float16, "vertical_slash", False),
     "mha-8K-d128-bf16-random-docs": (4, 4, "mid", 128, torch.bfloat16, "random", True),
-    # heads above 128 lanes (configs.WIDE_HEAD_TILES): Gemma 3's 4/1 heads of 256, a 160-lane head, fp32's own tiles
+    # heads above 128 lanes (configs.WIDE_HEAD_TILES): Gemma 3's 4/1 heads of 256, a 160-lane head; fp32's own tiles
     "gqa4-8191-d256-bf16-vs-docs": (4, 1, "odd", 256, torch.bfloat16, "vertical_slash", True),
     "gqa2-4K-d160-fp16-vs": (4, 2, "short", 160, torch.float16, "vertical_slash", False),
     "gqa4-4K-d256-fp32-vs-docs": (4, 1, "short", 256, torch.float32, "vertical_slash", True),
+    "gqa8-8191-d128-fp32-vs-docs": (16, 2, "odd", 128, torch.float32, "vertical_slash", True),  # configs.FP32_TILES
 }
 
 

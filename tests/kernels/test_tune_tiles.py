@@ -114,6 +114,22 @@ def test_the_short_list_holds_the_launched_tiles_among_the_candidates(tune, kern
     assert set(short) <= set(configs.tile_candidates(kernel, 128, 128))
 
 
+@pytest.mark.parametrize("kernel", configs.KERNELS + configs.OPTIONAL_KERNELS)
+def test_heads_above_128_lanes_have_a_short_list_of_their_own(tune, kernel):
+    """`--shortlist` at head_dim 160-256 times the wide-head tiles (`WIDE_HEAD_TILES`, the launched ones) and a few
+    others that pass the override checks, not the head_dim-128 list (whose 16-bit tiles need 256-321 KB of shared
+    memory there); up to 128 lanes the list is `SHORTLIST`."""
+    for head_dim in (160, 256):
+        short = configs.shortlist(kernel, head_dim)
+        assert short is configs.WIDE_HEAD_SHORTLIST[kernel] and len(set(short)) == len(short) >= 1
+        if kernel in configs.KERNELS:
+            assert tune.current_tiles(kernel, 128, head_dim) in short and len(short) >= 2
+        for tiles in short:
+            configs.check_tiles(kernel, tiles)
+            assert configs.narrowest_wgmma_n(kernel, tiles, head_dim) >= configs.MIN_WGMMA_N
+    assert configs.shortlist(kernel, 128) is configs.SHORTLIST[kernel] is configs.shortlist(kernel, 64)
+
+
 def test_candidates_refuse_unknown_kernels():
     with pytest.raises(ValueError, match="unknown kernel"):
         configs.tile_candidates("fwd", 128, 128)
