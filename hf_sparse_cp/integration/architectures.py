@@ -28,11 +28,16 @@ class Support:
     cp_tested: its result under context parallelism equals one process (tests/distributed/test_cp_models.py);
         an architecture outside the table trains under CP when it passes the model checks
         (`models.check_model_supports_context_parallel`), which name what they refuse.
+    seq2seq_decoder: its causal LM is the decoder of an encoder-decoder family: it holds parameters its forward
+        leaves without a gradient (the cross-attention, which a decoder-only forward never calls), and its forward
+        computes its loss itself, the mean cross-entropy of its labels unshifted (each position predicts its own
+        label), not through `loss_function` with the loss keywords.
     """
 
     causal_lm: str | None = None
     rowwise: Mapping[str, str] = field(default_factory=dict)
     cp_tested: bool = False
+    seq2seq_decoder: bool = False
 
 
 def _llama_like(family: str) -> Support:
@@ -50,6 +55,11 @@ ARCHITECTURES: dict[str, Support] = {
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
         "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "codegen", "persimmon", "diffllama", "gemma3n_text",
         "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus")},
+    # The decoders of encoder-decoder families, trained decoder-only (`*ForCausalLM` without encoder_hidden_states:
+    # their cross-attention is never called, and refused at a call that gets them). The BART family's decoders count
+    # their positions from their input's length (`positions.hook_length_counted_tables`); Whisper's takes position_ids.
+    **{model_type: Support(cp_tested=True, seq2seq_decoder=True) for model_type in (
+        "bart", "mbart", "plbart", "blenderbot", "blenderbot-small", "marian", "pegasus", "whisper")},
 }
 
 
@@ -143,8 +153,18 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 def uses_every_parameter(config) -> bool:
     """Whether every trainable parameter of a model of this transformers config gets a gradient at every step: a
-    tested architecture that routes no tokens to experts (a mixture of experts may leave an expert unused)."""
-    return config.model_type in ARCHITECTURES and not any(getattr(config, name, 0) for name in _EXPERT_COUNTS)
+    tested architecture that routes no tokens to experts (a mixture of experts may leave an expert unused) and holds
+    no unused parameters (`Support.seq2seq_decoder`)."""
+    support = ARCHITECTURES.get(config.model_type)
+    return (support is not None and not support.seq2seq_decoder
+            and not any(getattr(config, name, 0) for name in _EXPERT_COUNTS))
+
+
+def computes_unshifted_loss(config) -> bool:
+    """Whether the causal LM of this transformers config computes its own loss of unshifted labels
+    (`Support.seq2seq_decoder`)."""
+    support = ARCHITECTURES.get(getattr(config, "model_type", None))
+    return support is not None and support.seq2seq_decoder
 
 
 def lean_loss_classes() -> tuple[str, ...]:

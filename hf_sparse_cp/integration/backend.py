@@ -327,14 +327,28 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
+# The names transformers gives a decoder layer's cross-attention module (BART, Marian, Pegasus, Whisper and their kin:
+# `encoder_attn`; BERT-style decoders: `crossattention`), which a forward without encoder states never calls.
+CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
+
+
+def is_cross_attention(module: torch.nn.Module, name: str = "") -> bool:
+    """Whether `module` (called `name` in its model, where known) is a cross-attention layer: its `is_cross_attention`
+    (Mllama's) or class name says so, it is a decoder's attention built non-causal (BART's `encoder_attn`:
+    `is_decoder` and not `is_causal`), or `name` passes through one of `CROSS_ATTENTION_NAMES`."""
+    return (getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__
+            or (getattr(module, "is_decoder", False) and getattr(module, "is_causal", True) is False)
+            or any(part in CROSS_ATTENTION_NAMES for part in name.split(".")))
+
+
 def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) -> str | None:
     """What a call of `module` with `heads` query heads asks of attention that sparse_cp does not implement (the
     sentence of its refusal, naming the model type and the fix), or None: soft-capping, a keyword of
     `_UNSUPPORTED_KWARGS`, learned sinks (`s_aux`) of another shape than one per query head or in a layer whose
     `config.layer_types` entry is not a plain attention layer (DeepSeek-V4's compressed layers append keys of their
     own making, which sparse_cp would take for a KV cache), a layer of a composite model's vision or audio tower
-    (its config's `base_config_key`), a cross-attention layer (Mllama's: transformers' name for it, or its
-    `is_cross_attention`), or a bidirectional layer (the module's `is_causal`, or
+    (its config's `base_config_key`), a cross-attention layer (`is_cross_attention`: Mllama's, BART's
+    `encoder_attn`), or a bidirectional layer (the module's `is_causal`, or
     `is_causal=False` passed to the call). A probe forward records it (`ProbedCall.unsupported`), so that the model
     checks refuse it before training."""
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -361,11 +375,12 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
                 "the language model alone: hf_sparse_cp.configure(model) or "
                 "--sparse_attention (its towers keep their attention), or load the model with attn_implementation="
                 f"{{'text_config': 'sparse_cp', '{tower}': 'sdpa'}}.")
-    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+    if is_cross_attention(module):
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is cross-attention: its queries attend to the keys of another sequence (an "
-                "image's features). Load the model with attn_implementation='sdpa' (--sparse_attention false), or "
-                "train it on batches without the cross-attention inputs (its text-only forward skips those layers).")
+                "image's features, an encoder's output). Load the model with attn_implementation='sdpa' "
+                "(--sparse_attention false), or train it on batches without the cross-attention inputs (images, "
+                "encoder_hidden_states: its text-only, decoder-only forward skips those layers).")
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is bidirectional; use attn_implementation='sdpa' for it (--sparse_attention "

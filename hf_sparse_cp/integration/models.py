@@ -54,6 +54,7 @@ from .backend import (
     config_dropout,
     dropout_fix,
     dropout_probability,
+    is_cross_attention,
     is_registered,
     locality_refusal,
     mask_only_window,
@@ -61,11 +62,15 @@ from .backend import (
     probing,
 )
 from .composite import backend_selection, in_tower, tower_names
+from .positions import unhooked_length_counted_tables
 
 if TYPE_CHECKING:
     from ..distributed.mesh import ParallelDims
 
 logger = logging.getLogger(__name__)
+
+# Config fields of LayerDrop (a decoder layer skipped at random in training: BART's family, Whisper, MusicGen).
+LAYERDROPS = ("decoder_layerdrop", "layerdrop")
 
 # RoPE types whose frequencies depend on the positions of the call (the longest one seen).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -315,8 +320,11 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
         raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only: "
                          f"{stock}")
     towers = tower_names(model)  # (they keep their own attention: `composite`)
+    # (a decoder's cross-attention runs only on encoder states, which a decoder-only forward has none of: the backend
+    # refuses its call, `backend.unsupported_feature`)
     bidirectional = [n for n, m in model.named_modules()
-                     if getattr(m, "is_causal", True) is False and not in_tower(n, towers)]
+                     if getattr(m, "is_causal", True) is False and not in_tower(n, towers)
+                     and not is_cross_attention(m, n)]
     if bidirectional:
         raise ValueError(
             f"{name} has bidirectional attention layers ({bidirectional[0]}, ...); sparse_cp computes causal "
@@ -420,6 +428,20 @@ def check_model_supports_context_parallel(
             f"({counted[0]} has a padding index: positions start after it and skip padding), while context "
             "parallelism gives every rank the positions of its shard counted from 0, so its position embeddings "
             "would not be one process's. Train it without context parallelism (--cp_size 1).")
+    unhooked = unhooked_length_counted_tables(model)
+    if unhooked:
+        raise ValueError(
+            f"{name}: its decoder counts the positions of its position table ({unhooked[0]}) from the length of its "
+            "input, a rank's shard under context parallelism, and the table has not the hook that gives it the row's "
+            "positions: switch the model with hf_sparse_cp.configure(model) (the Trainer integration does), not by "
+            "setting attn_implementation='sparse_cp' alone.")
+    layerdrop = next(((n, p) for n in LAYERDROPS if (p := getattr(config, n, 0) or 0) > 0), None)
+    if layerdrop:
+        raise ValueError(
+            f"{name} (model type {getattr(config, 'model_type', name)!r}) has {layerdrop[0]}={layerdrop[1]}: in "
+            "training its forward skips layers at random, each rank of a context-parallel group drawing for itself, "
+            "so the ranks would not run the same layers (their ring exchanges would not match). Set it to 0 in the "
+            "model config to train under context parallelism, or train without it (--cp_size 1).")
     calls = _attention_calls(model, with_shard=True)
     _check_calls(model, impl, calls, _NO_CP_FIX)
     missed = sorted({layer for layer, call in calls if not call.reached})

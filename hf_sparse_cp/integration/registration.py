@@ -25,6 +25,7 @@ from .call_tokens import sparse_cp_mask
 from .composite import backend_selection, implementations
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
+from .positions import hook_length_counted_tables, unhook
 
 _active: PatchSet | None = None
 _GUARD = "_hf_sparse_cp_registration_guard"
@@ -143,15 +144,17 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     `unpatch()`) raise an error that names the fix, instead of transformers' KeyError from inside a
     layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
     or the model uses another implementation. With it, a pre-hook on its decoder passes the decoder's `position_ids`
-    on to the attention calls (`backend.pass_positions_on`). The hooks are module-level
-    functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes
-    them, or None when the model already has them."""
+    on to the attention calls (`backend.pass_positions_on`), and one on each position table fed positions counted
+    from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`). The hooks
+    are module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that
+    removes them, or None when the model already has them."""
     if model.__dict__.get(_GUARD):
         return None
     handles = [model.register_forward_pre_hook(_check_registration, with_kwargs=True)]
     decoder = positions_owner(model)
     if decoder is not None:
         handles.append(decoder.register_forward_pre_hook(pass_positions_on, with_kwargs=True))
+    handles += hook_length_counted_tables(model)
     model.__dict__[_GUARD] = True
     return functools.partial(_remove_guard, model, handles)
 
@@ -193,4 +196,5 @@ def _check_registration(module: torch.nn.Module, args, kwargs) -> None:
 def _remove_guard(model: torch.nn.Module, handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
+    unhook(model)
     model.__dict__.pop(_GUARD, None)

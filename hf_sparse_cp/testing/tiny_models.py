@@ -33,6 +33,12 @@ TINY_MLA = dict(num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=32,
                 q_lora_rank=64)
 
 
+# A decoder's own sizes in the configs that size it apart from the encoder (BART, Marian, Pegasus, Whisper: their
+# `*ForCausalLM` builds the decoder alone), taken from the tiny model's fields of the same meaning.
+TINY_DECODER = dict(decoder_layers="num_hidden_layers", decoder_attention_heads="num_attention_heads",
+                    decoder_ffn_dim="intermediate_size")
+
+
 def _field_of(config_class: type, name: str) -> bool:
     """Whether `config_class` takes a field `name` (an argument of its constructor)."""
     return name in inspect.signature(config_class.__init__).parameters
@@ -41,7 +47,8 @@ def _field_of(config_class: type, name: str) -> bool:
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
-    the window then unused; a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`); any field can be
+    the window then unused; a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a decoder sized
+    apart from its encoder: `TINY_DECODER`); any field can be
     overridden. A field the architecture derives from others (Falcon's `head_dim`) is left to it; an override of
     one it derives otherwise is a ValueError that names it, and so is a config transformers refuses to build from
     these fields."""
@@ -75,6 +82,8 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     if mla:
         fields.update(TINY_MLA)
     fields.update(overrides)
+    fields.update({name: fields[source] for name, source in TINY_DECODER.items()
+                   if _field_of(config_class, name) and name not in overrides})
     if mla and "head_dim" not in overrides:
         fields["head_dim"] = fields["qk_rope_head_dim"]
     derived = {name for name in fields if _derived(config_class, name)}

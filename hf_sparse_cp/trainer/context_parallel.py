@@ -43,7 +43,12 @@ from ..distributed import (
 from ..distributed.comm import all_reduce
 from ..distributed.loss import rank_loss
 from ..integration import compat
-from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_loss, model_router_loss_modules
+from ..integration.architectures import (
+    ROUTER_LOSS_PARAMETERS,
+    computes_unshifted_loss,
+    gathered_router_loss,
+    model_router_loss_modules,
+)
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.composite import tower_names
 from ..integration.heads import (
@@ -242,6 +247,14 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                 "is not supported: it reads the labels of each rank's shard beside the smoothed loss (TRL "
                 "SFTTrainer's token accuracy; the Trainer's own compute_loss smooths exactly under CP)")
         fix = "drop --label_smoothing_factor (TRL deprecates it in SFTTrainer), or run without CP"
+    elif method in compat.cp_exact_losses() and trainer.label_smoother is None and computes_unshifted_loss(
+            trainer.model.config):
+        # (with label smoothing the Trainer smooths the logits, shifted, instead of the model's loss: exact)
+        what = (f"{type(trainer.model).__name__}'s forward computes its loss itself, the mean cross-entropy of the "
+                "labels it is given, unshifted (each position predicts its own label), not through transformers' "
+                f"loss_function with the loss keywords: under context parallelism (CP {cp_size}) that is each rank's "
+                "mean over its shard, which the Trainer's count and scaling do not make one process's")
+        fix = "run without CP"
     elif method in compat.cp_exact_losses():
         _check_head(trainer.model, cp_size, whole_rows=False, own_loss=method is Trainer.compute_loss)
         return
@@ -287,12 +300,20 @@ def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_l
         "keeps every stage at CP 1): sparse attention alone trains it, on one process or with data parallelism.")
 
 
+# Attributes under which a module holds the probability of a dropout its forward applies as a function.
+FUNCTIONAL_DROPOUTS = ("dropout", "activation_dropout")
+
+
 def dropout_note(model: torch.nn.Module) -> str | None:
     """A warning when `model` has dropout modules that drop something (TRL's LoRA: `--lora_dropout 0.05`): each CP
     rank draws the masks of its own shard, so the run equals one without CP in distribution only, not to rounding
     as the docs promise for fp32. None without them."""
     active = [f"{name} (p={module.p})" for name, module in model.named_modules()
               if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    # (functional dropout of a probability a module holds: the BART family's decoder and layers, `dropout` and
+    # `activation_dropout`)
+    active += [f"{name}.{attr} (p={p})" for name, module in model.named_modules() for attr in FUNCTIONAL_DROPOUTS
+               if isinstance(p := getattr(module, attr, None), float) and p > 0]
     if not active:
         return None
     return (f"context parallelism: {len(active)} dropout modules drop activations (e.g. {active[0]}): each CP rank "

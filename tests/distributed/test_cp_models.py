@@ -29,7 +29,9 @@ PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=
 # with its gradient, per process).
 OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
                 for t in ("gemma3_text", "cohere2", "gpt_oss")},
-             **{t: {"max_position_embeddings": 4 * SEQ} for t in ("opt", "gpt2", "gpt_bigcode", "biogpt")},
+             **{t: {"max_position_embeddings": 4 * SEQ} for t in (
+                 "opt", "gpt2", "gpt_bigcode", "biogpt", "bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
+                 "marian", "pegasus")},
              "ctrl": {"max_position_embeddings": 4 * SEQ, "dff": 256},  # (sinusoidal positions; 8192-wide MLP)
              # Partial rotary (CodeGen rotates 16 of a head's 32 dimensions, interleaved; the default 64 fits no head)
              "codegen": {"rotary_dim": 16},
@@ -163,7 +165,7 @@ def test_every_registered_architecture_equals_one_process_under_cp2(model_type):
 
 LAYOUTS = {"zigzag": (("cp_sharding", "zigzag"),), "document": (("cp_sharding", "document"),),
            "ulysses": (("cp_mode", "ulysses"),)}
-POSITION_DEPENDENT = ("gpt_oss", "llama4_text")
+POSITION_DEPENDENT = ("gpt_oss", "llama4_text", "bart", "marian")
 HYBRID = (("cp_mode", "hybrid"), ("cp_ulysses_size", 2), ("cp_sharding", "zigzag"))
 
 
@@ -179,7 +181,10 @@ def test_position_dependent_queries_sinks_and_windows_equal_one_process_under_ev
     """GPT-OSS passes learned sinks (`s_aux`), which the ring applies once to each query's merged result and
     ulysses to its share of the heads; Llama 4's no-RoPE layer scales its queries by positions it counts from the
     length of the tensor it gets (a rank's shard), which the backend moves to the tokens' positions in the row
-    (without it the hidden states after the first layer were 3.4e-2 from one process's). Under the shardings and
+    (without it the hidden states after the first layer were 3.4e-2 from one process's); BART's and Marian's decoders
+    count the positions of their learned (offset 2) or sinusoidal table from their input's length, a shard's, which
+    a hook moves to the row's positions (without it the logits were 0.74 and 1.03 from one process's, striped). Under
+    the shardings and
     modes besides the table's striped ring, the hybrid's heads over 2 ranks x a zigzag ring of 2 among them (with
     Gemma 3's sliding-window and global layers), the logits, loss and gradients (the sinks' among them) equal one
     process's too."""

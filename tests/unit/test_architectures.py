@@ -79,6 +79,7 @@ def test_the_plugin_knows_when_every_parameter_gets_a_gradient():
     assert uses_every_parameter(tiny_config("llama")) and uses_every_parameter(tiny_config("qwen2"))
     assert not uses_every_parameter(tiny_config("mixtral"))  # an expert may get no token
     assert not uses_every_parameter(AutoConfig.for_model("bert"))  # not a tested causal LM
+    assert not uses_every_parameter(tiny_config("bart"))  # its decoder's cross-attention gets no gradient
 
 
 @pytest.mark.parametrize("model_type", ["bloom", "xglm", "mpt"])
@@ -403,7 +404,9 @@ def test_queries_moved_to_their_row_positions_scales_are_as_precise_as_one_proce
 # of each kind (their tiny configs: where the family's defaults build no model that runs): learned or sinusoidal
 # positions, multi-query attention, partial rotary with QK layer norms, differential attention (two softmaxes a layer),
 # cross-layer KV sharing (Gemma 3n's and Gemma 4's last layers attend over an earlier layer's keys and values), mixtures
-# of experts, and hybrids whose attention layers sit between Mamba or linear-attention ones.
+# of experts, and hybrids whose attention layers sit between Mamba or linear-attention ones. With them, the decoders of
+# encoder-decoder families trained decoder-only (in the table: their cross-attention, never called, was refused as a
+# bidirectional layer), with learned (offset 2 or none) or sinusoidal positions, scaled embeddings, post-norm layers.
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_chunk_size=16)  # (128 heads of 256 states)
 _KV_SHARING = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers=2,
                    layer_types=["sliding_attention", "full_attention"] * 2)
@@ -413,12 +416,16 @@ SWEPT = {
     "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING, "jetmoe": {},
     "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
+    **{t: {"max_position_embeddings": 512} for t in ("bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
+                                                     "marian", "pegasus", "whisper")},
 }
 
 
 # Models whose mask is built without the position_ids (their sdpa attends across restarts; sparse_cp packs by them, as
-# it does for every model that hands its layers none: `backend.with_forward_positions`).
-UNPACKED_BY_THE_MASK = ("biogpt", "granitemoehybrid")
+# it does for every model that hands its layers none: `backend.with_forward_positions`), among them the BART family's
+# decoders, which take position_ids through their keyword arguments only.
+UNPACKED_BY_THE_MASK = ("biogpt", "granitemoehybrid", "bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
+                        "marian", "pegasus")
 
 
 @pytest.mark.parametrize("model_type", list(SWEPT))
@@ -526,4 +533,44 @@ def test_a_model_that_counts_positions_from_its_input_tokens_is_refused_under_cp
         return
     with pytest.raises(ValueError, match=rf"\(model type '{model_type}'\) counts its positions from the input tokens "
                                          r"\(.*embeddings.position_embeddings has a padding index.*--cp_size 1"):
+        check_model_supports_context_parallel(model)
+
+
+def _tiny_decoder(model_type: str = "bart", **overrides) -> torch.nn.Module:
+    config = tiny_config(model_type, vocab_size=97, max_position_embeddings=256, **overrides)
+    assert (config.decoder_layers, config.decoder_attention_heads, config.decoder_ffn_dim) == (2, 4, 256)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["bart", "marian"])
+def test_a_decoder_with_cross_attention_trains_decoder_only_and_a_call_with_encoder_states_is_refused(model_type):
+    """The BART family's causal LMs were refused at the switch and the CP check ('bidirectional attention layers
+    (model.decoder.layers.0.encoder_attn, ...)'), though a decoder-only forward never calls their cross-attention. They
+    pass both; a forward given encoder_hidden_states is refused at its cross-attention call, naming the fix."""
+    hf_sparse_cp.patch()
+    model = _tiny_decoder(model_type)
+    hf_sparse_cp.configure(model)
+    check_model_supports_context_parallel(model)
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"\(\w+Attention\) of model type '\w+' is cross-attention.*an encoder's output"
+                                         r".*--sparse_attention false.*encoder_hidden_states"):
+        model(input_ids=ids, encoder_hidden_states=torch.randn(1, 12, model.config.hidden_size))
+
+
+def test_a_decoder_that_counts_positions_from_its_input_needs_the_switch_and_no_layerdrop_under_cp():
+    """BART's decoder counts the positions of its table from the length of its input (a rank's shard under CP):
+    `configure` hooks the table to the row's positions (tests/distributed/test_cp_models.py), and a model switched
+    by its attn_implementation alone, without the hook, is refused under CP, naming the fix. LayerDrop, which each
+    rank would draw for itself (the ranks then running different layers), is refused too."""
+    hf_sparse_cp.patch()
+    model = _tiny_decoder()
+    model.set_attn_implementation("sparse_cp")
+    with pytest.raises(ValueError, match=r"position table \(model.decoder.embed_positions\) from the length of its "
+                                         r"input.*hf_sparse_cp.configure\(model\)"):
+        check_model_supports_context_parallel(model)
+    model = _tiny_decoder(decoder_layerdrop=0.1)
+    hf_sparse_cp.configure(model)
+    with pytest.raises(ValueError, match=r"decoder_layerdrop=0.1: in training its forward skips layers at random.*"
+                                         r"Set it to 0"):
         check_model_supports_context_parallel(model)

@@ -78,7 +78,9 @@ def test_a_nested_split_refuses_shards_that_do_not_cut_evenly():
     (dict(cp_mode="hybrid"), "--cp_mode hybrid needs --cp_ulysses_size"),
     (dict(cp_mode="hybrid", cp_ulysses_size=2, cp_sharding="document"), "not available under --cp_mode hybrid"),
     (dict(cp_mode="ring", cp_ulysses_size=2), "--cp_ulysses_size 2 is the head-group size of --cp_mode hybrid"),
-    (dict(cp_mode="ulysses", cp_sharding="zigzag"), "--cp_sharding zigzag would be ignored under --cp_mode ulysses"),
+    (dict(cp_mode="ulysses", cp_sharding="zigzag"),
+     r"--cp_sharding zigzag would be ignored under --cp_mode ulysses: a sharding balances a ring's causal attention.*"
+     r"every rank attends the whole sequence for its share of the heads"),
     (dict(cp_mode="ulysses", cp_ring="hierarchical"), "--cp_ring hierarchical would be ignored"),
     (dict(cp_mode="heads"), "cp_mode"),
     (dict(cp_mode="hybrid", cp_ulysses_size=0), "cp_ulysses_size=0 must be >= 1"),
