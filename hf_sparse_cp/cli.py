@@ -164,15 +164,24 @@ def _launch(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     """`hf-sparse-cp train`: the long-context example (`hf_sparse_cp.examples.train_long_context`) through the same
     launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's. A
-    `.py` script's path (or `-m module`) where `launch` takes one runs that script instead, as `launch` runs it (the
-    example takes no such argument: it ended in the example's 'unrecognized arguments: run_clm.py'; a recipe's
-    YAML/JSON file first stays the example's)."""
+    script's path (a `.py` file, or any file: an executable script) or `-m module` where `launch` takes one runs that
+    script instead, as `launch` runs it (the example takes no such argument: it ended in the example's 'unrecognized
+    arguments: run_clm.py'); a path that is no file is refused as no such script; a recipe's YAML/JSON file first
+    stays the example's."""
     from hf_sparse_cp.launch.command import split_command
     from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS
+    from hf_sparse_cp.recipes import RECIPE_SUFFIXES
 
     _, target, is_module, _ = split_command(argv, LAUNCHER_OPTIONS)
-    if is_module or (target or "").endswith(".py"):
+    if is_module or (target or "").endswith(".py") or (target is not None and os.path.isfile(target)
+                                                        and not target.endswith(RECIPE_SUFFIXES)):
         return _launch(argv)
+    if target is not None and not target.endswith(RECIPE_SUFFIXES):
+        sys.stderr.write(f"usage: {TRAIN_USAGE}\nhf-sparse-cp train: error: no such script: {target!r} "
+                         f"({os.path.abspath(target)} is not a file). `hf-sparse-cp train` runs the long-context "
+                         "example, which takes flags only, or the script at a file's path (or -m module) with its "
+                         "arguments, as `hf-sparse-cp launch` does.\n")
+        return 2
     from hf_sparse_cp.backends import is_available
     from hf_sparse_cp.launch.processes import (
         launch,

@@ -34,6 +34,12 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         # a file a flag names that is not there: a traceback from the launcher's parse (`hf-sparse-cp train --nproc`)
         # a tiny model type transformers does not build: refused by each process as it built the model
         (["--tiny_model_type", "foo"], "tiny model type 'foo' is not a transformers model type"),
+        # a type without a causal LM, or one sparse_cp refuses: refused by each process after it built the data
+        (["--tiny_model_type", "t5"], "--tiny_model_type t5: transformers has no causal language model of this type "
+         "(AutoModelForCausalLM), which the example trains; give one the plugin is tested with: llama, mistral"),
+        (["--tiny_model_type", "bert"], "--tiny_model_type bert: BertLMHeadModel has bidirectional attention layers"),
+        (["--tiny_model_type", "gemma2", "--cp_size", "1"], "--tiny_model_type gemma2: Gemma2ForCausalLM (model type "
+         "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
          "(trial); `hf-sparse-cp recipes` lists them."),
         # data no machine can build: a MemoryError traceback in every process, after they started

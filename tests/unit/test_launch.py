@@ -853,3 +853,29 @@ def test_sparse_attention_off_with_a_model_loaded_as_sparse_cp_is_refused(tmp_pa
             "--sparse_attention false to train sparse.") in err, err
     run([*common, "--attn_implementation", "sdpa"])
     assert "attention: sdpa" in capsys.readouterr().out
+
+
+def test_train_runs_a_script_at_a_path_without_py_and_names_a_missing_one(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train path/to/script` (an executable file, no .py) went to the example, which ended in
+    'unrecognized arguments: path/to/script': a file is the script, run as `launch` runs it; a path that is no
+    file is refused as no such script, before anything starts; a recipe file first stays the example's."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "train").write_text("")
+    assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "bin/train", "--output_dir", "out"]) == 0
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "bin/train",
+                           "--output_dir", "out"]
+    for missing in (["bin/trian"], ["--nproc", "2", "--sparse_max_length", "512", "trian", "--max_steps", "1"]):
+        started.clear()
+        assert cli.main(["train", *missing]) == 2 and not started
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: {cli.TRAIN_USAGE}\nhf-sparse-cp train: error: no such script: ") and (
+            "is not a file" in err and "unrecognized arguments" not in err), err
+    assert cli.main(["train", "--nproc", "2", "--sparse_max_length", "512", "--max_steps", "1"]) == 0
+    assert started[-1][-6:] == ["-m", cli.EXAMPLE_MODULE, "--sparse_max_length", "512", "--max_steps", "1"]
