@@ -32,6 +32,7 @@ from ..integration.fused_ops import (
     liger_settings,
     resolve_fused_ops,
 )
+from ..integration.given import require_model, require_trainer
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import (
@@ -72,6 +73,9 @@ _CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
 def checkpointing_enabled(training_args: TrainingArguments) -> bool:
     """Whether the Trainer will checkpoint activations (under either name of the flag)."""
+    if not isinstance(training_args, TrainingArguments):
+        raise TypeError(f"checkpointing_enabled(training_args): training_args must be TrainingArguments (or a "
+                        f"subclass: trainer.args), not {type(training_args).__name__}.")
     return bool(getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing)
 
 
@@ -110,6 +114,7 @@ def enable_sparse_attention(
         `disable_sparse_attention(copy)` restores those on the copy; the registrations and the training
         arguments stay the original's to undo (`patching.PatchSet`).
     """
+    require_model(model, "enable_sparse_attention(model, ...)")
     config = sparse_args.attention_config(attention_config, explicit)
     # (a fix under CP drops it: its ring needs this backend)
     cp = max(d for _, d in training_args.cp_degrees()) > 1 if hasattr(training_args, "cp_degrees") else False
@@ -203,6 +208,7 @@ def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict)
 def disable_sparse_attention(model: torch.nn.Module) -> None:
     """Undo `enable_sparse_attention(model, ...)`: the model's attention implementation and stored
     settings, the training arguments it changed, and the registrations it made (no-op when not enabled)."""
+    require_model(model, "disable_sparse_attention(model)")
     undo_recorded(model, _SPARSE_ATTENTION)
 
 
@@ -307,6 +313,7 @@ def attach_to_trainer(
         refuses an incomplete, damaged or mismatched one (`checkpoints.py`). The trainer's `--ddp_timeout`
         becomes the process group's timeout (`apply_ddp_timeout`).
     """
+    require_trainer(trainer, "attach_to_trainer(trainer, ...)")
     with flag_errors():  # (the processes launched against the Trainer's view: a launched script ends with the message)
         check_launch(trainer)
     if attached_patches(trainer, _DDP_TIMEOUT) is None:
@@ -345,6 +352,7 @@ def attach_to_trainer(
 def detach_from_trainer(trainer: Trainer) -> None:
     """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism, and for a
     Trainer a script built under `hf_sparse_cp.run`, its class (no-op when not attached)."""
+    require_trainer(trainer, "detach_from_trainer(trainer)")
     disable_curriculum(trainer)
     disable_trainer_context_parallel(trainer)
     undo_recorded(trainer, _CHECKPOINTS)

@@ -46,6 +46,7 @@ from ..integration import compat
 from ..integration.architectures import ROUTER_LOSS_PARAMETERS, gathered_router_loss, model_router_loss_modules
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.composite import tower_names
+from ..integration.given import require_trainer
 from ..integration.heads import (
     BATCH_OUTPUT_HEADS,
     LANGUAGE_MODEL,
@@ -707,6 +708,7 @@ def enable_trainer_context_parallel(
     Returns:
         The `ParallelDims` in use; with a CP size of 1 nothing is patched.
     """
+    require_trainer(trainer, "enable_trainer_context_parallel(trainer, ...)")
     cp_config = cp_config or ContextParallelConfig()
     parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
     if parallel.cp_size == 1:
@@ -749,4 +751,5 @@ def enable_trainer_context_parallel(
 
 def disable_trainer_context_parallel(trainer: Trainer) -> None:
     """Undo `enable_trainer_context_parallel` on `trainer` (no-op when it is not enabled)."""
+    require_trainer(trainer, "disable_trainer_context_parallel(trainer)")
     undo_recorded(trainer, _FEATURE)

@@ -43,6 +43,7 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
 from ..distributed import quiesce_process_groups
 from ..integration import compat
 from ..integration.architectures import uses_every_parameter
+from ..integration.given import require_subclass
 from ..integration.patching import PatchSet
 from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
@@ -190,7 +191,6 @@ def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> 
     return args
 
 
-@functools.cache
 def sparse_arguments_class(base: type[TrainingArguments]) -> type:
     """`base` (`TrainingArguments` or a subclass, e.g. TRL's `SFTConfig`) plus the plugin's flags.
 
@@ -204,6 +204,12 @@ def sparse_arguments_class(base: type[TrainingArguments]) -> type:
         `--smet_density`, ...) and `--sparse_max_length` (unless the base has its own `max_length`). The same
         class for the same base.
     """
+    require_subclass(base, TrainingArguments, "sparse_arguments_class(base)", "e.g. TRL's SFTConfig")
+    return _sparse_arguments_class(base)
+
+
+@functools.cache
+def _sparse_arguments_class(base: type[TrainingArguments]) -> type:
     fields = plugin_fields(base)
     return dataclasses.make_dataclass(
         f"Sparse{base.__name__}", fields, bases=(SparseArgumentsMixin, base),
@@ -417,10 +423,15 @@ class SparseTrainer(SparseTrainerMixin, Trainer):
     """
 
 
-@functools.cache
 def sparse_trainer_class(base: type[Trainer]) -> type:
     """`base` (a `Trainer` subclass, e.g. TRL's `SFTTrainer`) that trains with the plugin: the class
     `Sparse<base name>`, taking arguments from `sparse_arguments_class` (the same class for the same base)."""
+    require_subclass(base, Trainer, "sparse_trainer_class(base)", "e.g. TRL's SFTTrainer")
+    return _sparse_trainer_class(base)
+
+
+@functools.cache
+def _sparse_trainer_class(base: type[Trainer]) -> type:
     if base is Trainer:
         return SparseTrainer
     return type(f"Sparse{base.__name__}", (SparseTrainerMixin, base),
