@@ -150,13 +150,19 @@ def _launch(argv: list[str]) -> int:
         return 0
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
-        # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
+        # the flags before the script path, which each parses alone, a CP degree the processes cannot run
         from hf_sparse_cp.launch.command import parse_plugin_flags
+        from hf_sparse_cp.launch.known_scripts import script_refusal
 
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
         cp_flags = launched_cp_flags(plugin, args)
         if cp_flags is not None:
             refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
+        # and what the script's source says it builds: a TRL trainer CP or this machine cannot run
+        cp_size = max(cp_size for _, cp_size in cp_flags.cp_degrees()) if cp_flags is not None else 1
+        refusal = script_refusal(target, is_module, cp_size, plugin, args)
+        if refusal is not None:
+            parser.error(refusal)
     refuse_unrunnable_config(parser, options)
     return launch(options, run_args, _run_here)
 

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
+from hf_sparse_cp.launch.known_scripts import trl_trainers
 from hf_sparse_cp.launch.launched import (
     PROG,
     LaunchedRun,
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags, prog=PROG, usage=USAGE, description=__doc__)  # (--help exits here)
-    with launched(plugin) as run:
+    with launched(plugin, trl_trainers(target, is_module)) as run:
         try:
             run_target(target, is_module, args)
         except SystemExit as e:

@@ -53,6 +53,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+from .known_scripts import trainers_refusal
 from .refusals import exit_refused
 
 logger = logging.getLogger(__name__)
@@ -148,13 +149,15 @@ def attention_replaced(flag: str, asked: str, args: SparseArgumentsMixin) -> str
 
 
 @contextlib.contextmanager
-def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
+def launched(plugin: PluginArguments, trainers: Sequence[type] | None = None) -> Iterator[LaunchedRun]:
     """While the block runs, scripts parse the plugin's flags and train with the plugin (see the module's doc).
 
     Args:
         plugin: the plugin's settings given outside the script's own arguments (`hf_sparse_cp.run`'s flags
             before the script path): the defaults of the flags the script's parser adds, and the settings of
             arguments the script builds in code. Its `explicit_flags` names the ones given.
+        trainers: the TRL trainer classes the script builds, read from its source (`known_scripts.trl_trainers`):
+            a CP degree that each of them refuses is refused as the script's flags parse, before its data.
 
     Yields:
         The run's `LaunchedRun`: a script that builds no Trainer ran without the plugin.
@@ -216,6 +219,9 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                         out.check_launch()  # before the script builds its data
                     except ValueError as e:
                         exit_refused(f"{self.prog}: error: {e}\n")
+                    refusal = trainers_refusal(trainers, max(cp_size for _, cp_size in out.cp_degrees()))
+                    if refusal is not None:
+                        exit_refused(f"{self.prog}: error: {refusal}\n")
             return outputs
 
         def error(self, message: str):

@@ -185,20 +185,24 @@ def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArgu
 
 def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,
                      training_args: TrainingArguments | None) -> str:
-    """'liger', 'compile' or 'off' (`integration.fused_ops`): `--sparse_fused_ops`, where the Trainer's
-    `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the Trainer
-    trains there (the model's device without training arguments)."""
-    setting = sparse_args.sparse_fused_ops
+    """'liger', 'compile' or 'off' (`integration.fused_ops`): `training_fused_ops` with training arguments, else
+    `--sparse_fused_ops` on CUDA where the model is."""
+    if training_args is not None:
+        return training_fused_ops(sparse_args.sparse_fused_ops, training_args)
+    return resolve_fused_ops(sparse_args.sparse_fused_ops, any(p.is_cuda for p in model.parameters()))
+
+
+def training_fused_ops(setting: str, training_args: TrainingArguments) -> str:
+    """'liger', 'compile' or 'off' for `--sparse_fused_ops setting` in a Trainer of `training_args`: the
+    Trainer's `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the
+    Trainer trains there. Raises ValueError, naming the fix, for what this machine cannot run (also checked as the
+    plugin's arguments parse, before a script builds its data)."""
     if getattr(training_args, "use_liger_kernel", False):
         if setting not in ("auto", "liger"):
             raise ValueError(f"--use_liger_kernel asks for liger-kernel's kernels and --sparse_fused_ops {setting} "
                              "for something else; drop one of the two.")
         setting = "liger"
-    if training_args is not None:
-        on_cuda = torch.cuda.is_available() and not training_args.use_cpu
-    else:
-        on_cuda = any(p.is_cuda for p in model.parameters())
-    return resolve_fused_ops(setting, on_cuda)
+    return resolve_fused_ops(setting, torch.cuda.is_available() and not training_args.use_cpu)
 
 
 def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict) -> None:

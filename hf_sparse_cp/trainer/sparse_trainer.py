@@ -49,7 +49,7 @@ from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
     flag_errors,
 )
-from .attach import attach_to_trainer, enable_sparse_attention
+from .attach import attach_to_trainer, enable_sparse_attention, training_fused_ops
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
@@ -153,6 +153,8 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             if not _has_accelerator():
                 check_cpu_fsdp_version(self)
             self._validate_plugin_fields()
+            if self.sparse_attention:  # (what the Trainer refuses, once the script has built its data)
+                training_fused_ops(self.sparse_fused_ops, self)
             if self.cp_schedule:
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
                 # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
