@@ -999,3 +999,34 @@ def test_use_liger_kernel_on_cpu_for_a_trl_script_is_refused_before_the_processe
     # a script whose trainer the source does not name is left to its processes (they refuse it as they parse)
     (tmp_path / "train.py").write_text(DATA_SCRIPT)
     assert cli.main(["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--use_liger_kernel"]) == 0
+
+
+def test_a_file_python_cannot_run_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """A shell script, a binary or a script with a syntax error, given as the script (`hf-sparse-cp train run.sh`
+    now runs a file as the script), ended in each launched process in a SyntaxError under runpy's traceback; the
+    launcher names it once. What python runs (source, a zip with __main__.py) is left to it."""
+    import zipfile
+
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    (tmp_path / "run.sh").write_text("#!/bin/bash\npython train.py \"$@\"\n")
+    (tmp_path / "broken.py").write_text("def main(:\n    pass\n")
+    (tmp_path / "binary").write_bytes(b"\x7fELF\x00\x01")
+    for command, script, message in (
+            ("train", "run.sh", "run.sh is a script of /bin/bash, not Python: the launcher runs a Python script"),
+            ("launch", "broken.py", "python cannot run broken.py: invalid syntax (line 1); correct it"),
+            ("launch", "binary", "python cannot run binary: source code string cannot contain null bytes")):
+        with pytest.raises(SystemExit) as refused:
+            cli.main([command, "--nproc", "2", script, "--output_dir", "out"])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and not started and f"hf-sparse-cp launch: error: {message}" in err, err
+    (tmp_path / "train.py").write_text("import sys\n")
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as archive:
+        archive.writestr("__main__.py", "import sys\n")
+    for script in ("train.py", "app.zip"):
+        assert cli.main(["launch", "--nproc", "2", script]) == 0 and started[-1][-1] == script
