@@ -151,29 +151,46 @@ class ScriptArguments:
 
 
 def check_tiny_model(model_type: str, num_layers: int, training: SparseTrainingArguments) -> None:
-    """Raise ValueError, naming the types to use, when the tiny model of `model_type` cannot train here: transformers
-    does not build its config, it has no causal LM (T5, CLIP), or `training`'s sparse attention refuses it
-    (`models.check_model_supports_sparse_attention`: an encoder such as BERT, soft-capped logits). Each was refused
-    only by the processes, once they had built the passkey data; the model is built on the meta device here."""
+    """Raise ValueError, naming the types that train here, when the tiny model of `model_type` cannot train under
+    `training`: transformers does not build its config, it has no causal LM (T5, CLIP) or does not build it from the
+    tiny config (Reformer), or sparse attention refuses it (`models.check_model_supports_sparse_attention`: an
+    encoder such as BERT, soft-capped logits). Each but the first was refused only by the processes, once they had
+    built the passkey data; the model is built on the meta device here."""
+    from hf_sparse_cp.integration.architectures import ARCHITECTURES
+
+    tiny_config(model_type, num_hidden_layers=num_layers)  # (a type transformers does not build: its own message)
+    sparse, cp = training.sparse_attention, max(cp_size for _, cp_size in training.cp_degrees()) > 1
+    why = _tiny_model_refusal(model_type, num_layers, sparse, cp)
+    if why is None:
+        return
+    usable = [t for t in ARCHITECTURES if t != model_type and _tiny_model_refusal(t, num_layers, sparse, cp) is None]
+    raise ValueError(f"--tiny_model_type {model_type}: {why.rstrip('.')}. Or give a type the plugin is tested with "
+                     f"that trains here at --tiny_num_layers {num_layers}: {', '.join(usable)}.")
+
+
+def _tiny_model_refusal(model_type: str, num_layers: int, sparse: bool, cp: bool) -> str | None:
+    """Why the tiny model of `model_type` (`num_layers` layers) cannot train as the example trains it, with sparse
+    attention (`sparse`) and context parallelism (`cp`) or without; None when it can."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hf_sparse_cp.integration.architectures import ARCHITECTURES
     from hf_sparse_cp.integration.models import check_model_supports_sparse_attention
 
-    usable = f"give one the plugin is tested with: {', '.join(ARCHITECTURES)}"
-    config = tiny_config(model_type, num_hidden_layers=num_layers)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"--tiny_model_type {model_type}: transformers has no causal language model of this type "
-                         f"(AutoModelForCausalLM), which the example trains; {usable}.")
-    if not training.sparse_attention:
-        return
-    with torch.device("meta"):  # (the modules and config alone: no memory, no initialization)
-        model = AutoModelForCausalLM.from_config(config)
-    cp = max(cp_size for _, cp_size in training.cp_degrees()) > 1
     try:
-        check_model_supports_sparse_attention(model, context_parallel=cp)
-    except ValueError as e:
-        raise ValueError(f"--tiny_model_type {model_type}: {e} Or {usable}.") from None
+        config = tiny_config(model_type, num_hidden_layers=num_layers)
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return ("transformers has no causal language model of this type (AutoModelForCausalLM), which the example "
+                    "trains")
+        with torch.device("meta"):  # (the modules and config alone: no memory, no initialization)
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # (transformers' own checks of the config: Reformer's assert on is_decoder)
+        return (f"transformers does not build its causal language model from the tiny model's config "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    if sparse:
+        try:
+            check_model_supports_sparse_attention(model, context_parallel=cp)
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 def check_model_source(source: str) -> None:

@@ -36,7 +36,10 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--tiny_model_type", "foo"], "tiny model type 'foo' is not a transformers model type"),
         # a type without a causal LM, or one sparse_cp refuses: refused by each process after it built the data
         (["--tiny_model_type", "t5"], "--tiny_model_type t5: transformers has no causal language model of this type "
-         "(AutoModelForCausalLM), which the example trains; give one the plugin is tested with: llama, mistral"),
+         "(AutoModelForCausalLM), which the example trains. Or give a type the plugin is tested with that trains here "
+         "at --tiny_num_layers 2: llama, mistral, qwen2"),
+        (["--tiny_model_type", "reformer"], "--tiny_model_type reformer: transformers does not build its causal "
+         "language model from the tiny model's config (AssertionError: If you want to use `ReformerModelWithLMHead`"),
         (["--tiny_model_type", "bert"], "--tiny_model_type bert: BertLMHeadModel has bidirectional attention layers"),
         (["--tiny_model_type", "gemma2", "--cp_size", "1"], "--tiny_model_type gemma2: Gemma2ForCausalLM (model type "
          "'gemma2') soft-caps attention logits"),
