@@ -15,7 +15,7 @@ import importlib.util
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser
 
 from ..trainer.plugin_arguments import PluginArguments
 
@@ -87,6 +87,8 @@ def _training_flags(plugin: PluginArguments, args: Sequence[str]) -> SimpleNames
     """--use_liger_kernel, --use_cpu, --sparse_attention and --sparse_fused_ops as a TRL script's parser reads them
     from `args` (the plugin's before the script path, `plugin`, as their defaults); None where that parser alone can
     say (a value it will refuse)."""
+    from transformers import TrainingArguments  # (here: the launcher's other checks import no model code)
+
     class Quiet(argparse.ArgumentParser):
         def error(self, message: str):
             raise ValueError(message)
