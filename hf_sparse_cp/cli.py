@@ -205,13 +205,18 @@ def _train(argv: list[str]) -> int:
     processes = launched_processes(options)
     if processes is not None:
         # the example's flags as each process parses them first (its refusals, and --help, once, before any starts),
-        # and a CP degree the processes cannot run (a recipe's too)
+        # a CP degree the processes cannot run (a recipe's too) and a model they cannot load
         from hf_sparse_cp.examples import train_long_context as example
         from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
 
         with parsing_for_launch():
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
         refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
+        if parsed.script.model_name_or_path:  # (each process checks it as it loads the model: a folder not there)
+            try:
+                example.check_model_source(parsed.script.model_name_or_path)
+            except ValueError as e:
+                parser.error(str(e))
         refuse_unrunnable_config(parser, options)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 

@@ -1030,3 +1030,22 @@ def test_a_file_python_cannot_run_is_refused_before_the_processes_start(monkeypa
         archive.writestr("__main__.py", "import sys\n")
     for script in ("train.py", "app.zip"):
         assert cli.main(["launch", "--nproc", "2", script]) == 0 and started[-1][-1] == script
+
+
+def test_the_examples_model_folder_not_there_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train --nproc 2 --model_name_or_path ./missing` started both processes (20-40 s here), each then
+    refusing the folder as it loaded the model; the launcher refuses it once, before any starts."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--nproc", "2", "--model_name_or_path", "./missing", "--max_steps", "1"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and not started, err
+    assert "hf-sparse-cp train: error: --model_name_or_path ./missing: no such folder" in err, err
+    # a Hub id is left to the processes (they load it)
+    assert cli.main(["train", "--nproc", "2", "--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--max_steps", "1"]) == 0
