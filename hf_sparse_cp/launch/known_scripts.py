@@ -27,7 +27,7 @@ def _source(target: str, is_module: bool) -> str | None:
             path = spec.origin if spec is not None else None
         else:
             path = target
-        if not path or not path.endswith(".py"):
+        if not path or path.endswith(".pyc"):
             return None
         with open(path, encoding="utf-8") as file:
             return file.read()
@@ -43,7 +43,7 @@ def trl_trainers(target: str, is_module: bool) -> list[type] | None:
     source = _source(target, is_module)
     try:
         tree = ast.parse(source) if source is not None else None
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # (python says why when it runs it)
         return None
     if tree is None:
         return None
