@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags, prog=PROG, usage=USAGE, description=__doc__)  # (--help exits here)
-    with launched(plugin, trl_trainers(target, is_module)) as run:
+    with launched(plugin) as run:
+        run.trainers = trl_trainers(target, is_module)  # (here: finding a module imports its parents, under the plugin)
         try:
             run_target(target, is_module, args)
         except SystemExit as e:

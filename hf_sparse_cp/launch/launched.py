@@ -96,6 +96,9 @@ class LaunchedRun:
     hf_parsers: int = 0  # HfArgumentParsers built (transformers' or TRL's): they take or name the plugin's flags
     attention_asked: tuple[str, str] | None = None
     told_no_trainer: bool = False  # the script was told at its first optimizer step that the plugin never reaches it
+    # the TRL trainer classes the script builds, read from its source (`known_scripts.trl_trainers`): a CP degree that
+    # each of them refuses is refused as the script's flags parse, before its data
+    trainers: Sequence[type] | None = None
 
 
 def flags_given(plugin: PluginArguments, script_args: Sequence[str]) -> list[str]:
@@ -149,15 +152,13 @@ def attention_replaced(flag: str, asked: str, args: SparseArgumentsMixin) -> str
 
 
 @contextlib.contextmanager
-def launched(plugin: PluginArguments, trainers: Sequence[type] | None = None) -> Iterator[LaunchedRun]:
+def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
     """While the block runs, scripts parse the plugin's flags and train with the plugin (see the module's doc).
 
     Args:
         plugin: the plugin's settings given outside the script's own arguments (`hf_sparse_cp.run`'s flags
             before the script path): the defaults of the flags the script's parser adds, and the settings of
             arguments the script builds in code. Its `explicit_flags` names the ones given.
-        trainers: the TRL trainer classes the script builds, read from its source (`known_scripts.trl_trainers`):
-            a CP degree that each of them refuses is refused as the script's flags parse, before its data.
 
     Yields:
         The run's `LaunchedRun`: a script that builds no Trainer ran without the plugin.
@@ -219,7 +220,7 @@ def launched(plugin: PluginArguments, trainers: Sequence[type] | None = None) ->
                         out.check_launch()  # before the script builds its data
                     except ValueError as e:
                         exit_refused(f"{self.prog}: error: {e}\n")
-                    refusal = trainers_refusal(trainers, max(cp_size for _, cp_size in out.cp_degrees()))
+                    refusal = trainers_refusal(run.trainers, max(cp_size for _, cp_size in out.cp_degrees()))
                     if refusal is not None:
                         exit_refused(f"{self.prog}: error: {refusal}\n")
             return outputs

@@ -970,9 +970,11 @@ def test_each_process_refuses_the_trl_trainer_its_script_builds_as_its_flags_par
 
     monkeypatch.setattr(PluginArgumentsMixin, "check_launch", lambda self, env=None: None)  # (as under 2 processes)
     argv = ["--output_dir", str(tmp_path), "--cp_size", "2", "--report_to", "none"]
-    with launched(PluginArguments(), [trl.SFTTrainer]):
+    with launched(PluginArguments()) as run:
+        run.trainers = [trl.SFTTrainer]
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
-    with launched(PluginArguments(), [trl.RewardTrainer]), pytest.raises(SystemExit) as refused:
+    with launched(PluginArguments()) as run, pytest.raises(SystemExit) as refused:
+        run.trainers = [trl.RewardTrainer]
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
     assert refused.value.code == 2
     assert "error: RewardTrainer under context parallelism (CP 2) is not supported" in capsys.readouterr().err
