@@ -152,13 +152,15 @@ def _launch(argv: list[str]) -> int:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, a CP degree the processes cannot run
         from hf_sparse_cp.launch.command import parse_plugin_flags
-        from hf_sparse_cp.launch.known_scripts import script_refusal
+        from hf_sparse_cp.launch.known_scripts import module_found, script_refusal
 
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
         cp_flags = launched_cp_flags(plugin, args)
         if cp_flags is not None:
             refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
         # and what the script's source says it builds: a TRL trainer CP or this machine cannot run
+        if is_module and not module_found(target):
+            parser.error(f"no module named {target!r} (of -m {target}): check the name.")
         cp_size = max(cp_size for _, cp_size in cp_flags.cp_degrees()) if cp_flags is not None else 1
         refusal = script_refusal(target, is_module, cp_size, plugin, args)
         if refusal is not None:

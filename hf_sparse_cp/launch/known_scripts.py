@@ -20,6 +20,15 @@ from transformers import HfArgumentParser
 from ..trainer.plugin_arguments import PluginArguments
 
 
+def module_found(name: str) -> bool:
+    """Whether python finds the module `name` (`-m name`): its parents are imported to look, which the launcher does
+    where the script never runs (each process ended in runpy's ImportError traceback for a misspelled one)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _source(target: str, is_module: bool) -> str | None:
     try:
         if is_module:

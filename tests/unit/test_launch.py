@@ -1051,3 +1051,21 @@ def test_the_examples_model_folder_not_there_is_refused_before_the_processes_sta
     assert "hf-sparse-cp train: error: --model_name_or_path ./missing: no such folder" in err, err
     # a Hub id is left to the processes (they load it)
     assert cli.main(["train", "--nproc", "2", "--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--max_steps", "1"]) == 0
+
+
+def test_a_module_that_is_not_there_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """`-m trl.scripts.stf` (its package installed, the module misspelled) passed the launcher's check of the top-level
+    package and ended in each process in runpy's ImportError traceback and torchrun's failure report."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "--nproc", "2", "-m", "hf_sparse_cp.examples.no_such_example", "--output_dir", "out"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and not started, err
+    assert ("hf-sparse-cp launch: error: no module named 'hf_sparse_cp.examples.no_such_example' (of -m "
+            "hf_sparse_cp.examples.no_such_example): check the name.") in err, err
+    assert cli.main(["launch", "--nproc", "2", "-m", "hf_sparse_cp.examples.train_long_context"]) == 0 and started
