@@ -159,7 +159,7 @@ def _launch(argv: list[str]) -> int:
         if cp_flags is not None:
             refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
         # and what the script's source says it builds: a TRL trainer CP or this machine cannot run
-        if is_module and not module_found(target):
+        if is_module and not module_found(target):  # (`hf_sparse_cp.run` refuses it too, once per launch)
             parser.error(f"no module named {target!r} (of -m {target}): check the name.")
         cp_size = max(cp_size for _, cp_size in cp_flags.cp_degrees()) if cp_flags is not None else 1
         refusal = script_refusal(target, is_module, cp_size, plugin, args)

@@ -1069,3 +1069,8 @@ def test_a_module_that_is_not_there_is_refused_before_the_processes_start(monkey
     assert ("hf-sparse-cp launch: error: no module named 'hf_sparse_cp.examples.no_such_example' (of -m "
             "hf_sparse_cp.examples.no_such_example): check the name.") in err, err
     assert cli.main(["launch", "--nproc", "2", "-m", "hf_sparse_cp.examples.train_long_context"]) == 0 and started
+    with pytest.raises(SystemExit) as refused:  # (in one process, or under a launcher of the user's)
+        run(["-m", "hf_sparse_cp.examples.no_such_example"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "python -m hf_sparse_cp.run: error: no module named " in err, err
+    assert "Traceback" not in err, err
