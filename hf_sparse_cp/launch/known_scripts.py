@@ -4,7 +4,7 @@ name, as TRL's examples/scripts/orpo.py), whose refusals come, without it, only 
 tokenized the script's data: a trainer whose loss CP does not reproduce (`context_parallel.own_loss_refusal`), and
 `--use_liger_kernel` on a machine without CUDA (`attach.training_fused_ops`). Where the source does not say for
 sure (a trainer of another package or of the script's own, one built through an attribute, a name bound twice, no
-source), nothing is refused here, and the processes refuse as before."""
+source), nothing is refused here, and the processes refuse as before. `module_found`: whether `-m name` is there."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from ..trainer.plugin_arguments import PluginArguments
 
 
 def module_found(name: str) -> bool:
-    """Whether python finds the module `name` (`-m name`): its parents are imported to look, which the launcher does
-    where the script never runs (each process ended in runpy's ImportError traceback for a misspelled one)."""
+    """Whether python finds the module `name` (`-m name`; a misspelled one ended each process in runpy's ImportError
+    traceback). Its parents are imported to look: by the launcher, where the script never runs, and by
+    `hf_sparse_cp.run` under the plugin's changes, as running the module imports them."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
