@@ -66,7 +66,7 @@ from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
 from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
-from hf_sparse_cp.recipes import recipe_path
+from hf_sparse_cp.recipes import RECIPE_SUFFIXES, recipe_path
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
@@ -124,9 +124,11 @@ class ScriptArguments:
                              "is 1 (one document per sequence) so it would do nothing: add --pack_documents N (N > 1), "
                              "or drop --align_documents.")
 
-    def check(self, max_length: int) -> None:
-        """Raise ValueError, naming the fix, unless the data can be built at `max_length` tokens (at least 2, as
-        `SparseTrainingArguments` checks) and the tiny default model (without --model_name_or_path) of its type."""
+    def check(self, training: SparseTrainingArguments) -> None:
+        """Raise ValueError, naming the fix, unless the data can be built at `training`'s sequence length (at least 2,
+        as `SparseTrainingArguments` checks) and the tiny default model (without --model_name_or_path) of its type
+        trains under its settings (`check_tiny_model`)."""
+        max_length = training.sparse_max_length
         if self.pack_documents < 1:
             raise ValueError(f"--pack_documents {self.pack_documents} must be >= 1 (1: one document per sequence).")
         if max_length // self.pack_documents < 2:
@@ -144,8 +146,51 @@ class ScriptArguments:
                 f"--sparse_max_length that is a multiple of {self.pack_documents}."
             )
         check_buildable(max_length // self.pack_documents)
-        if not self.model_name_or_path:  # (a type transformers cannot build refused here, before any process starts)
-            tiny_config(self.tiny_model_type, num_hidden_layers=self.tiny_num_layers)
+        if not self.model_name_or_path:  # (refused here, before any process starts and builds its data)
+            check_tiny_model(self.tiny_model_type, self.tiny_num_layers, training)
+
+
+def check_tiny_model(model_type: str, num_layers: int, training: SparseTrainingArguments) -> None:
+    """Raise ValueError, naming the types that train here, when the tiny model of `model_type` cannot train under
+    `training`: transformers does not build its config, it has no causal LM (T5, CLIP) or does not build it from the
+    tiny config (Reformer), or sparse attention refuses it (`models.check_model_supports_sparse_attention`: an
+    encoder such as BERT, soft-capped logits). Each but the first was refused only by the processes, once they had
+    built the passkey data; the model is built on the meta device here."""
+    from hf_sparse_cp.integration.architectures import ARCHITECTURES
+
+    tiny_config(model_type, num_hidden_layers=num_layers)  # (a type transformers does not build: its own message)
+    sparse, cp = training.sparse_attention, max(cp_size for _, cp_size in training.cp_degrees()) > 1
+    why = _tiny_model_refusal(model_type, num_layers, sparse, cp)
+    if why is None:
+        return
+    usable = [t for t in ARCHITECTURES if t != model_type and _tiny_model_refusal(t, num_layers, sparse, cp) is None]
+    raise ValueError(f"--tiny_model_type {model_type}: {why.rstrip('.')}. Or give a type the plugin is tested with "
+                     f"that trains here at --tiny_num_layers {num_layers}: {', '.join(usable)}.")
+
+
+def _tiny_model_refusal(model_type: str, num_layers: int, sparse: bool, cp: bool) -> str | None:
+    """Why the tiny model of `model_type` (`num_layers` layers) cannot train as the example trains it, with sparse
+    attention (`sparse`) and context parallelism (`cp`) or without; None when it can."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hf_sparse_cp.integration.models import check_model_supports_sparse_attention
+
+    try:
+        config = tiny_config(model_type, num_hidden_layers=num_layers)
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return ("transformers has no causal language model of this type (AutoModelForCausalLM), which the example "
+                    "trains")
+        with torch.device("meta"):  # (the modules and config alone: no memory, no initialization)
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # (transformers' own checks of the config: Reformer's assert on is_decoder)
+        return (f"transformers does not build its causal language model from the tiny model's config "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    if sparse:
+        try:
+            check_model_supports_sparse_attention(model, context_parallel=cp)
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 def check_model_source(source: str) -> None:
@@ -224,7 +269,6 @@ RENAMED = {"--seq_len": "--sparse_max_length", "--fused_loss": "--sparse_fused_l
 # Flags renamed since, still read under their new names (with a warning) so that recipes and command lines
 # written for the releases that had them run as they did.
 DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
-RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 class _Parser(HfArgumentParser):
@@ -353,7 +397,7 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     try:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         training = SparseTrainingArguments(**vars(first), **vars(rest))
-        script.check(training.sparse_max_length)
+        script.check(training)
     except (OSError, ValueError) as e:  # a value the dataclasses refuse, a file a flag names that is not there: one
         _refuse(parser, str(e))  # line, like argparse's own errors (no usage)
     if unused:

@@ -150,13 +150,21 @@ def _launch(argv: list[str]) -> int:
         return 0
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
-        # the flags before the script path, which each parses alone, and a CP degree the processes cannot run
+        # the flags before the script path, which each parses alone, a CP degree the processes cannot run
         from hf_sparse_cp.launch.command import parse_plugin_flags
+        from hf_sparse_cp.launch.known_scripts import module_found, script_refusal
 
         plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
         cp_flags = launched_cp_flags(plugin, args)
         if cp_flags is not None:
             refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
+        # and what the script's source says it builds: a TRL trainer CP or this machine cannot run
+        if is_module and not module_found(target):  # (`hf_sparse_cp.run` refuses it too, once per launch)
+            parser.error(f"no module named {target!r} (of -m {target}): check the name.")
+        cp_size = max(cp_size for _, cp_size in cp_flags.cp_degrees()) if cp_flags is not None else 1
+        refusal = script_refusal(target, is_module, cp_size, plugin, args)
+        if refusal is not None:
+            parser.error(refusal)
     refuse_unrunnable_config(parser, options)
     return launch(options, run_args, _run_here)
 
@@ -164,15 +172,24 @@ def _launch(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     """`hf-sparse-cp train`: the long-context example (`hf_sparse_cp.examples.train_long_context`) through the same
     launcher as `launch`; the launcher's options may come anywhere, every other argument is the example's. A
-    `.py` script's path (or `-m module`) where `launch` takes one runs that script instead, as `launch` runs it (the
-    example takes no such argument: it ended in the example's 'unrecognized arguments: run_clm.py'; a recipe's
-    YAML/JSON file first stays the example's)."""
+    script's path (a `.py` file, or any file: an executable script) or `-m module` where `launch` takes one runs that
+    script instead, as `launch` runs it (the example takes no such argument: it ended in the example's 'unrecognized
+    arguments: run_clm.py'); a path that is no file is refused as no such script; a recipe's YAML/JSON file first
+    stays the example's."""
     from hf_sparse_cp.launch.command import split_command
     from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS
+    from hf_sparse_cp.recipes import RECIPE_SUFFIXES
 
     _, target, is_module, _ = split_command(argv, LAUNCHER_OPTIONS)
-    if is_module or (target or "").endswith(".py"):
+    if is_module or (target or "").endswith(".py") or (target is not None and os.path.isfile(target)
+                                                        and not target.endswith(RECIPE_SUFFIXES)):
         return _launch(argv)
+    if target is not None and not target.endswith(RECIPE_SUFFIXES):
+        sys.stderr.write(f"usage: {TRAIN_USAGE}\nhf-sparse-cp train: error: no such script: {target!r} "
+                         f"({os.path.abspath(target)} is not a file). `hf-sparse-cp train` runs the long-context "
+                         "example, which takes flags only, or the script at a file's path (or -m module) with its "
+                         "arguments, as `hf-sparse-cp launch` does.\n")
+        return 2
     from hf_sparse_cp.backends import is_available
     from hf_sparse_cp.launch.processes import (
         launch,
@@ -190,13 +207,18 @@ def _train(argv: list[str]) -> int:
     processes = launched_processes(options)
     if processes is not None:
         # the example's flags as each process parses them first (its refusals, and --help, once, before any starts),
-        # and a CP degree the processes cannot run (a recipe's too)
+        # a CP degree the processes cannot run (a recipe's too) and a model they cannot load
         from hf_sparse_cp.examples import train_long_context as example
         from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
 
         with parsing_for_launch():
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
         refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
+        if parsed.script.model_name_or_path:  # (each process checks it as it loads the model: a folder not there)
+            try:
+                example.check_model_source(parsed.script.model_name_or_path)
+            except ValueError as e:
+                parser.error(str(e))
         refuse_unrunnable_config(parser, options)
     return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
+from hf_sparse_cp.launch.known_scripts import module_found, trl_trainers
 from hf_sparse_cp.launch.launched import (
     PROG,
     LaunchedRun,
@@ -35,7 +36,7 @@ from hf_sparse_cp.launch.launched import (
     no_trainer_warning,
     plugin_flags_in,
 )
-from hf_sparse_cp.launch.refusals import end_refused
+from hf_sparse_cp.launch.refusals import end_refused, exit_refused
 from hf_sparse_cp.trainer.arguments import is_flag_error
 
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
@@ -85,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags, prog=PROG, usage=USAGE, description=__doc__)  # (--help exits here)
     with launched(plugin) as run:
+        # (here: finding a module imports its parents, under the plugin's changes as the script's own import would)
+        if is_module and not module_found(target):  # (else runpy's ImportError traceback, in every process)
+            exit_refused(f"usage: {USAGE}\n{PROG}: error: no module named {target!r} (of -m {target}): check the "
+                         "name.\n")
+        run.trainers = trl_trainers(target, is_module)
         try:
             run_target(target, is_module, args)
         except SystemExit as e:

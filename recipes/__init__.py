@@ -17,6 +17,8 @@ from pathlib import Path
 
 KINDS = ("train", "accelerate", "pattern")
 SUFFIX = ".yaml"
+# The files a recipe of flags may be (`hf-sparse-cp train RECIPE_FILE ...`, `--recipe FILE`).
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def _folder(kind: str) -> Path:

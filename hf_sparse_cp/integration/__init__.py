@@ -10,6 +10,7 @@
   batch's outputs under context parallelism;
 * `composite.py`: the backend selected for a composite model's language model, its towers keeping their attention;
 * `stats.py`: the per-layer kept fraction the backend records;
+* `given.py`: the public entry points' first argument checked for its type (a TypeError naming what to pass);
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;
 * `compat.py`: every private transformers / accelerate / torch / Triton member we use, and every
   replacement we make, with why, the tested versions and the undo.

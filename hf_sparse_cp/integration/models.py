@@ -62,6 +62,7 @@ from .backend import (
     probing,
 )
 from .composite import backend_selection, in_tower, tower_names
+from .given import require_model
 from .positions import unhooked_length_counted_tables
 
 if TYPE_CHECKING:
@@ -390,6 +391,7 @@ def check_model_supports_context_parallel(
         parallel: the layout it will train in, whose mode checks the model too (its heads split over the
             head groups: at least one query head per rank).
     """
+    require_model(model, "check_model_supports_context_parallel(model, ...)")
     config = getattr(model, "config", None)
     name = type(model).__name__
     if config is None:

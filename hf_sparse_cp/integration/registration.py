@@ -23,6 +23,7 @@ from . import compat
 from .backend import is_registered, pass_positions_on, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
 from .composite import backend_selection, implementations
+from .given import require_model
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
 from .positions import hook_length_counted_tables, unhook
@@ -92,6 +93,7 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
             backend does not implement (`models.check_model_supports_sparse_attention`; attention dropout is
             refused at a training call).
     """
+    require_model(model, "configure(model, ...)")
     if select and not is_registered():
         raise ValueError("configure(model) switches the model to attn_implementation='sparse_cp', which is not "
                          "registered with transformers: call hf_sparse_cp.patch() first (or configure(model, "

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import zipfile
 from collections.abc import Sequence
 
 from transformers import HfArgumentParser
@@ -111,12 +112,35 @@ def _trl_command(target: str, is_module: bool) -> bool:
     return os.path.basename(target) == "trl"
 
 
+def _not_python(path: str) -> str | None:
+    """Why the file at `path` is no Python script that python would run (a shell script, a binary, a syntax error),
+    as each launched process would fail on it with a SyntaxError under the launcher's traceback; None when it is one
+    (or cannot be read here: python says why)."""
+    if path.endswith(".pyc") or zipfile.is_zipfile(path):  # (python runs these too: bytecode, a zip's __main__.py)
+        return None
+    try:
+        with open(path, "rb") as file:
+            source = file.read()
+        compile(source, path, "exec", dont_inherit=True)
+    except OSError:
+        return None
+    except (SyntaxError, ValueError) as e:  # (ValueError: null bytes, a binary)
+        first = source.split(b"\n", 1)[0].decode(errors="replace").strip()
+        if first.startswith("#!") and "python" not in first:
+            return (f"{path} is a script of {first[2:].strip()}, not Python: the launcher runs a Python script (a "
+                    "Trainer or TRL script, or -m module) in each process; give the Python script it starts, with its "
+                    "arguments")
+        where = f"{e.msg}{f' (line {e.lineno})' if e.lineno else ''}" if isinstance(e, SyntaxError) else str(e)
+        return f"python cannot run {path}: {where}; correct it (each launched process would end on it)"
+    return None
+
+
 def check_command(flags: Sequence[str], target: str | None, is_module: bool, options: Sequence[str] = (), *,
                   usage: str, prog: str, args: Sequence[str] = ()) -> None:
     """Exit as argparse ends a bad flag (`usage`, `prog: error: ...`, status 2) naming what the launcher expected
-    when `split_command` found no script, the script's path is not a file, the module's package is not installed,
-    or it is TRL's command line, which would train without the plugin (nothing to check with `--help`, which lists
-    the flags)."""
+    when `split_command` found no script, the script's path is not a file or not Python (`_not_python`), the module's
+    package is not installed, or it is TRL's command line, which would train without the plugin (nothing to check
+    with `--help`, which lists the flags)."""
     if {"-h", "--help"} & set(flags):
         return
     if target is not None and _trl_command(target, is_module):
@@ -138,6 +162,8 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
             why = f"{e}"
     elif not is_module and not os.path.isfile(target):
         why = f"can't open file {os.path.abspath(target)!r}: no such file"
+    elif not is_module and (not_python := _not_python(target)):
+        why = not_python
     elif is_module and importlib.util.find_spec(package := target.split(".")[0]) is None:
         # (the top-level package only: finding a submodule imports its parents, before the plugin's changes)
         why = f"no module named {package!r} (of -m {target}): install it, or check the name"

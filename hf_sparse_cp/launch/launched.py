@@ -53,6 +53,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+from .known_scripts import trainers_refusal
 from .refusals import exit_refused
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class LaunchedRun:
     hf_parsers: int = 0  # HfArgumentParsers built (transformers' or TRL's): they take or name the plugin's flags
     attention_asked: tuple[str, str] | None = None
     told_no_trainer: bool = False  # the script was told at its first optimizer step that the plugin never reaches it
+    # the TRL trainer classes the script builds, read from its source (`known_scripts.trl_trainers`): a CP degree that
+    # each of them refuses is refused as the script's flags parse, before its data
+    trainers: Sequence[type] | None = None
 
 
 def flags_given(plugin: PluginArguments, script_args: Sequence[str]) -> list[str]:
@@ -216,6 +220,9 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                         out.check_launch()  # before the script builds its data
                     except ValueError as e:
                         exit_refused(f"{self.prog}: error: {e}\n")
+                    refusal = trainers_refusal(run.trainers, max(cp_size for _, cp_size in out.cp_degrees()))
+                    if refusal is not None:
+                        exit_refused(f"{self.prog}: error: {refusal}\n")
             return outputs
 
         def error(self, message: str):

@@ -42,6 +42,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims
+from ..integration.given import require_trainer
 from ..integration.stats import PEAK_MEMORY, TOKENS_PER_SECOND
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
@@ -588,6 +589,7 @@ def write_sparse_model_card(
         The path of README.md on the main process (`sparse_kept_fraction.png` beside it when the kept
         fraction was logged and matplotlib is installed), None on the other processes, which write nothing.
     """
+    require_trainer(trainer, "write_sparse_model_card(trainer, ...)")
     create_card = functools.partial(Trainer.create_model_card, trainer) if create_card is None else create_card
     create_card(**_accepted(create_card, create_model_card_kwargs))
     if not trainer.is_world_process_zero():

@@ -372,6 +372,10 @@ def explicit_fields(parser: argparse.ArgumentParser, args: Sequence[str]) -> set
 
     `args` must parse (this parses them, twice); `-h`/`--help` are skipped, unknown arguments ignored.
     """
+    if not isinstance(parser, argparse.ArgumentParser) or isinstance(args, str):
+        raise TypeError("explicit_fields(parser, args) takes the parser (an HfArgumentParser) and the command line "
+                        f"as a list of strings (e.g. sys.argv[1:]), not {type(parser).__name__} and "
+                        f"{type(args).__name__}.")
     args = [arg for arg in args if arg not in ("-h", "--help")]
     names = vars(parser.parse_known_args(args)[0])
     unset = argparse.Namespace(**dict.fromkeys(names, _NOT_GIVEN))

@@ -32,6 +32,7 @@ from ..integration.fused_ops import (
     liger_settings,
     resolve_fused_ops,
 )
+from ..integration.given import require_model, require_trainer
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import (
@@ -72,6 +73,9 @@ _CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
 def checkpointing_enabled(training_args: TrainingArguments) -> bool:
     """Whether the Trainer will checkpoint activations (under either name of the flag)."""
+    if not isinstance(training_args, TrainingArguments):
+        raise TypeError(f"checkpointing_enabled(training_args): training_args must be TrainingArguments (or a "
+                        f"subclass: trainer.args), not {type(training_args).__name__}.")
     return bool(getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing)
 
 
@@ -110,6 +114,7 @@ def enable_sparse_attention(
         `disable_sparse_attention(copy)` restores those on the copy; the registrations and the training
         arguments stay the original's to undo (`patching.PatchSet`).
     """
+    require_model(model, "enable_sparse_attention(model, ...)")
     config = sparse_args.attention_config(attention_config, explicit)
     # (a fix under CP drops it: its ring needs this backend)
     cp = max(d for _, d in training_args.cp_degrees()) > 1 if hasattr(training_args, "cp_degrees") else False
@@ -180,20 +185,24 @@ def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArgu
 
 def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,
                      training_args: TrainingArguments | None) -> str:
-    """'liger', 'compile' or 'off' (`integration.fused_ops`): `--sparse_fused_ops`, where the Trainer's
-    `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the Trainer
-    trains there (the model's device without training arguments)."""
-    setting = sparse_args.sparse_fused_ops
+    """'liger', 'compile' or 'off' (`integration.fused_ops`): `training_fused_ops` with training arguments, else
+    `--sparse_fused_ops` on CUDA where the model is."""
+    if training_args is not None:
+        return training_fused_ops(sparse_args.sparse_fused_ops, training_args)
+    return resolve_fused_ops(sparse_args.sparse_fused_ops, any(p.is_cuda for p in model.parameters()))
+
+
+def training_fused_ops(setting: str, training_args: TrainingArguments) -> str:
+    """'liger', 'compile' or 'off' for `--sparse_fused_ops setting` in a Trainer of `training_args`: the
+    Trainer's `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the
+    Trainer trains there. Raises ValueError, naming the fix, for what this machine cannot run (also checked as the
+    plugin's arguments parse, before a script builds its data)."""
     if getattr(training_args, "use_liger_kernel", False):
         if setting not in ("auto", "liger"):
             raise ValueError(f"--use_liger_kernel asks for liger-kernel's kernels and --sparse_fused_ops {setting} "
                              "for something else; drop one of the two.")
         setting = "liger"
-    if training_args is not None:
-        on_cuda = torch.cuda.is_available() and not training_args.use_cpu
-    else:
-        on_cuda = any(p.is_cuda for p in model.parameters())
-    return resolve_fused_ops(setting, on_cuda)
+    return resolve_fused_ops(setting, torch.cuda.is_available() and not training_args.use_cpu)
 
 
 def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict) -> None:
@@ -203,6 +212,7 @@ def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict)
 def disable_sparse_attention(model: torch.nn.Module) -> None:
     """Undo `enable_sparse_attention(model, ...)`: the model's attention implementation and stored
     settings, the training arguments it changed, and the registrations it made (no-op when not enabled)."""
+    require_model(model, "disable_sparse_attention(model)")
     undo_recorded(model, _SPARSE_ATTENTION)
 
 
@@ -307,6 +317,7 @@ def attach_to_trainer(
         refuses an incomplete, damaged or mismatched one (`checkpoints.py`). The trainer's `--ddp_timeout`
         becomes the process group's timeout (`apply_ddp_timeout`).
     """
+    require_trainer(trainer, "attach_to_trainer(trainer, ...)")
     with flag_errors():  # (the processes launched against the Trainer's view: a launched script ends with the message)
         check_launch(trainer)
     if attached_patches(trainer, _DDP_TIMEOUT) is None:
@@ -345,6 +356,7 @@ def attach_to_trainer(
 def detach_from_trainer(trainer: Trainer) -> None:
     """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism, and for a
     Trainer a script built under `hf_sparse_cp.run`, its class (no-op when not attached)."""
+    require_trainer(trainer, "detach_from_trainer(trainer)")
     disable_curriculum(trainer)
     disable_trainer_context_parallel(trainer)
     undo_recorded(trainer, _CHECKPOINTS)

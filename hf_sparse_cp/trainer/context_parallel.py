@@ -51,6 +51,7 @@ from ..integration.architectures import (
 )
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.composite import tower_names
+from ..integration.given import require_trainer
 from ..integration.heads import (
     BATCH_OUTPUT_HEADS,
     LANGUAGE_MODEL,
@@ -263,13 +264,28 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
         check_whole_row_trainer(trainer, cp_size)
         return
     else:
-        what = (f"{method.__qualname__.rsplit('.', 1)[0]} under context parallelism (CP {cp_size}) is not supported: "
-                f"its compute_loss ({method.__module__}) builds its loss from the model's outputs")
-        fix = "run without CP"
-    raise ValueError(f"{what}, and each CP rank's outputs cover only its shard of every sequence. CP trains the "
-                     "model's own causal-LM loss (the Trainer's and TRL SFTTrainer's compute_loss). Fix: "
-                     f"{fix} (drop --cp_size; a --cp_schedule keeps every stage at CP 1): sparse attention alone "
-                     "trains it, on one process or with data parallelism.")
+        raise ValueError(own_loss_refusal(type(trainer), cp_size))
+    raise ValueError(_loss_refusal(what, fix))
+
+
+def own_loss_refusal(trainer_class: type[Trainer], cp_size: int) -> str | None:
+    """`check_loss`'s refusal of every Trainer of `trainer_class` under CP `cp_size`: its compute_loss is none that
+    CP reproduces (TRL's reward, GRPO, RLOO, ORPO trainers); None when it is one of them (a Trainer of it may still
+    be refused for its settings or model). The launcher asks it of the TRL trainer a script builds
+    (`launch.known_scripts`), before any process starts and builds the script's data."""
+    method = trainer_class.compute_loss
+    if method in compat.cp_exact_losses() or method in compat.cp_whole_row_losses():
+        return None
+    return _loss_refusal(f"{method.__qualname__.rsplit('.', 1)[0]} under context parallelism (CP {cp_size}) is not "
+                         f"supported: its compute_loss ({method.__module__}) builds its loss from the model's "
+                         "outputs", "run without CP")
+
+
+def _loss_refusal(what: str, fix: str) -> str:
+    return (f"{what}, and each CP rank's outputs cover only its shard of every sequence. CP trains the model's own "
+            f"causal-LM loss (the Trainer's and TRL SFTTrainer's compute_loss). Fix: {fix} (drop --cp_size; a "
+            "--cp_schedule keeps every stage at CP 1): sparse attention alone trains it, on one process or with data "
+            "parallelism.")
 
 
 def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_loss: bool) -> None:
@@ -728,6 +744,7 @@ def enable_trainer_context_parallel(
     Returns:
         The `ParallelDims` in use; with a CP size of 1 nothing is patched.
     """
+    require_trainer(trainer, "enable_trainer_context_parallel(trainer, ...)")
     cp_config = cp_config or ContextParallelConfig()
     parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
     if parallel.cp_size == 1:
@@ -770,4 +787,5 @@ def enable_trainer_context_parallel(
 
 def disable_trainer_context_parallel(trainer: Trainer) -> None:
     """Undo `enable_trainer_context_parallel` on `trainer` (no-op when it is not enabled)."""
+    require_trainer(trainer, "disable_trainer_context_parallel(trainer)")
     undo_recorded(trainer, _FEATURE)

@@ -20,6 +20,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env, str_to_bool
 from transformers import Trainer, TrainingArguments
 
+from ..integration.given import require_trainer
 from ..integration.patching import record_on, undo_recorded
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         True when it switched accelerate to FSDP2 (CPU processes, FSDP asked for, accelerate running
         DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
     """
+    require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
     if plugin_args is None and parse_flag_from_env("ACCELERATE_USE_FSDP"):
         plugin_args = {}  # the plugin reads accelerate's FSDP_* variables itself
@@ -83,4 +85,5 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
 
 def disable_cpu_fsdp2(trainer: Trainer) -> None:
     """Undo `enable_cpu_fsdp2` (no-op when it is not enabled)."""
+    require_trainer(trainer, "disable_cpu_fsdp2(trainer)")
     undo_recorded(trainer, _FEATURE)

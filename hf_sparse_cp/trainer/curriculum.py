@@ -42,6 +42,7 @@ from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_con
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.given import require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
@@ -396,6 +397,7 @@ def enable_curriculum(
     Returns:
         The `Curriculum`; the trainer's data loader, CP input preparation and token counting follow it.
     """
+    require_trainer(trainer, "enable_curriculum(trainer, ...)")
     cp_config = ContextParallelConfig() if cp_config is None else cp_config
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     model = trainer.model
@@ -552,4 +554,5 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
 
 def disable_curriculum(trainer: Trainer) -> None:
     """Undo `enable_curriculum` on `trainer` (no-op when it is not enabled)."""
+    require_trainer(trainer, "disable_curriculum(trainer)")
     undo_recorded(trainer, _FEATURE)

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
+from ..integration.given import require_trainer
 from ..integration.patching import record_on, undo_recorded
 from ..smet import SMETConfig
 from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory, smet_param_groups
@@ -71,6 +72,7 @@ def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
         weight in `config.target_modules`, e.g. a LoRA model, whose base weights are frozen; or targets
         that reach a PEFT adapter's weights) is refused here, not when `train()` builds the optimizer.
     """
+    require_trainer(trainer, "install_smet(trainer, ...)")
     if trainer.optimizer is not None:
         raise ValueError(
             "The Trainer already has an optimizer; build it without `optimizers=` and let install_smet create SMET."
@@ -86,4 +88,5 @@ def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
 
 def uninstall_smet(trainer: Trainer) -> None:
     """Undo `install_smet` (the optimizer choice and the callback); a no-op when it is not installed."""
+    require_trainer(trainer, "uninstall_smet(trainer)")
     undo_recorded(trainer, _FEATURE)

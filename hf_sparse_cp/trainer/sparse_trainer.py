@@ -43,12 +43,13 @@ from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
 from ..distributed import quiesce_process_groups
 from ..integration import compat
 from ..integration.architectures import uses_every_parameter
+from ..integration.given import require_subclass
 from ..integration.patching import PatchSet
 from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
     flag_errors,
 )
-from .attach import attach_to_trainer, enable_sparse_attention
+from .attach import attach_to_trainer, enable_sparse_attention, training_fused_ops
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
@@ -154,6 +155,8 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             self._validate_plugin_fields()
             if self.smet:  # (before the processes build their data and model, as the other flags)
                 check_smet_optim(self)
+            if self.sparse_attention:  # (what the Trainer refuses, once the script has built its data)
+                training_fused_ops(self.sparse_fused_ops, self)
             if self.cp_schedule:
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
                 # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
@@ -192,7 +195,6 @@ def _rebuild_arguments(base: type[TrainingArguments], state: dict[str, Any]) -> 
     return args
 
 
-@functools.cache
 def sparse_arguments_class(base: type[TrainingArguments]) -> type:
     """`base` (`TrainingArguments` or a subclass, e.g. TRL's `SFTConfig`) plus the plugin's flags.
 
@@ -206,6 +208,12 @@ def sparse_arguments_class(base: type[TrainingArguments]) -> type:
         `--smet_density`, ...) and `--sparse_max_length` (unless the base has its own `max_length`). The same
         class for the same base.
     """
+    require_subclass(base, TrainingArguments, "sparse_arguments_class(base)", "e.g. TRL's SFTConfig")
+    return _sparse_arguments_class(base)
+
+
+@functools.cache
+def _sparse_arguments_class(base: type[TrainingArguments]) -> type:
     fields = plugin_fields(base)
     return dataclasses.make_dataclass(
         f"Sparse{base.__name__}", fields, bases=(SparseArgumentsMixin, base),
@@ -419,10 +427,15 @@ class SparseTrainer(SparseTrainerMixin, Trainer):
     """
 
 
-@functools.cache
 def sparse_trainer_class(base: type[Trainer]) -> type:
     """`base` (a `Trainer` subclass, e.g. TRL's `SFTTrainer`) that trains with the plugin: the class
     `Sparse<base name>`, taking arguments from `sparse_arguments_class` (the same class for the same base)."""
+    require_subclass(base, Trainer, "sparse_trainer_class(base)", "e.g. TRL's SFTTrainer")
+    return _sparse_trainer_class(base)
+
+
+@functools.cache
+def _sparse_trainer_class(base: type[Trainer]) -> type:
     if base is Trainer:
         return SparseTrainer
     return type(f"Sparse{base.__name__}", (SparseTrainerMixin, base),

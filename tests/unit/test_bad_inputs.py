@@ -34,6 +34,15 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         # a file a flag names that is not there: a traceback from the launcher's parse (`hf-sparse-cp train --nproc`)
         # a tiny model type transformers does not build: refused by each process as it built the model
         (["--tiny_model_type", "foo"], "tiny model type 'foo' is not a transformers model type"),
+        # a type without a causal LM, or one sparse_cp refuses: refused by each process after it built the data
+        (["--tiny_model_type", "t5"], "--tiny_model_type t5: transformers has no causal language model of this type "
+         "(AutoModelForCausalLM), which the example trains. Or give a type the plugin is tested with that trains here "
+         "at --tiny_num_layers 2: llama, mistral, qwen2"),
+        (["--tiny_model_type", "reformer"], "--tiny_model_type reformer: transformers does not build its causal "
+         "language model from the tiny model's config (AssertionError: If you want to use `ReformerModelWithLMHead`"),
+        (["--tiny_model_type", "bert"], "--tiny_model_type bert: BertLMHeadModel has bidirectional attention layers"),
+        (["--tiny_model_type", "gemma2", "--cp_size", "1"], "--tiny_model_type gemma2: Gemma2ForCausalLM (model type "
+         "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
          "(trial); `hf-sparse-cp recipes` lists them."),
         # data no machine can build: a MemoryError traceback in every process, after they started
@@ -647,3 +656,86 @@ def test_the_attention_functions_refuse_inputs_they_would_answer_wrongly_or_deep
     out, lse = block_sparse_attention(q, k, v, layout, sliding_window=1)  # (each query sees itself alone)
     torch.testing.assert_close(out, v)
     torch.testing.assert_close(lse, (q * k).sum(-1) / 4)
+
+
+# Every public entry point of `hf_sparse_cp.__all__` whose first argument is a model, a Trainer, a class or a text,
+# called with what it does not take; (entry point, the call with the wrong value, what the message names).
+_MODEL, _TRAINER = "model must be a transformers model", "trainer must be a transformers Trainer"
+_WRONG_FIRST = {
+    "configure": (lambda h, x: h.configure(x), _MODEL),
+    "enable_sparse_attention": (lambda h, x: h.enable_sparse_attention(x, h.SparseCPArguments()), _MODEL),
+    "disable_sparse_attention": (lambda h, x: h.disable_sparse_attention(x), _MODEL),
+    "check_model_supports_context_parallel": (lambda h, x: h.check_model_supports_context_parallel(x), _MODEL),
+    "attach_to_trainer": (lambda h, x: h.attach_to_trainer(x, h.SparseCPArguments()), _TRAINER),
+    "detach_from_trainer": (lambda h, x: h.detach_from_trainer(x), _TRAINER),
+    "enable_trainer_context_parallel": (lambda h, x: h.enable_trainer_context_parallel(x), _TRAINER),
+    "disable_trainer_context_parallel": (lambda h, x: h.disable_trainer_context_parallel(x), _TRAINER),
+    "enable_cpu_fsdp2": (lambda h, x: h.enable_cpu_fsdp2(x), _TRAINER),
+    "disable_cpu_fsdp2": (lambda h, x: h.disable_cpu_fsdp2(x), _TRAINER),
+    "enable_curriculum": (lambda h, x: h.enable_curriculum(x, h.parse_schedule("0:256:1")), _TRAINER),
+    "disable_curriculum": (lambda h, x: h.disable_curriculum(x), _TRAINER),
+    "install_smet": (lambda h, x: h.install_smet(x, h.SMETArguments(smet=True).to_config()), _TRAINER),
+    "uninstall_smet": (lambda h, x: h.uninstall_smet(x), _TRAINER),
+    "write_sparse_model_card": (lambda h, x: h.write_sparse_model_card(x), _TRAINER),
+    "checkpointing_enabled": (lambda h, x: h.checkpointing_enabled(x), "training_args must be TrainingArguments"),
+    "sparse_arguments_class": (lambda h, x: h.sparse_arguments_class(x), "base must be TrainingArguments or a class "
+                               "derived from it"),
+    "sparse_trainer_class": (lambda h, x: h.sparse_trainer_class(x), "base must be Trainer or a class derived from"),
+    "parse_schedule": (lambda h, x: h.parse_schedule(x), "text must be a --cp_schedule string"),
+    "explicit_fields": (lambda h, x: h.explicit_fields(x, []), "takes the parser (an HfArgumentParser)"),
+    "estimate_layout": (lambda h, x: h.estimate_layout(x, x, h.SparseAttentionConfig()), "must be torch.Tensors"),
+    "block_sparse_attention": (lambda h, x: h.block_sparse_attention(x, x, x, None), "must be torch.Tensors"),
+}
+# taking no argument, or transformers' attention interface's (called by the model, never by the user)
+_NO_FIRST = {"patch", "unpatch", "is_patched", "enable_lean_loss", "disable_lean_loss", "is_lean_loss_enabled",
+             "sparse_cp_attention_forward"}
+
+
+def test_every_public_function_is_checked_for_a_wrong_first_argument():
+    import inspect
+
+    import hf_sparse_cp
+
+    functions = {name for name in hf_sparse_cp.__all__ if inspect.isfunction(getattr(hf_sparse_cp, name))}
+    assert functions - _NO_FIRST == set(_WRONG_FIRST), "a public function without a case below"
+
+
+@pytest.mark.parametrize("name", sorted(_WRONG_FIRST))
+@pytest.mark.parametrize("wrong", ["hub id", "None", "torch module", "model config", "int"])
+def test_a_wrong_first_argument_is_a_type_error_naming_what_to_pass(name, wrong):
+    """Issue #50: `hf_sparse_cp.configure("some string")` raised an AttributeError deep inside ('str' object has no
+    attribute 'config'; with select=True a ValueError about patch()); attach_to_trainer(model), enable_curriculum(None),
+    sparse_trainer_class(a config) and the others likewise (AttributeError, 'unhashable type'), and the undo functions
+    did nothing when given a torch module. Each is a TypeError that names the call's argument and what to pass."""
+    import torch
+
+    import hf_sparse_cp
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    if name == "parse_schedule" and wrong == "hub id":
+        pytest.skip("its argument is a text (a malformed one is a ValueError naming the stage)")
+    value = {"hub id": "Qwen/Qwen2.5-0.5B", "None": None, "torch module": torch.nn.Linear(2, 2),
+             "model config": tiny_config("llama"), "int": 3}[wrong]
+    call, named = _WRONG_FIRST[name]
+    with pytest.raises(TypeError, match=re.escape(named)) as raised:
+        call(hf_sparse_cp, value)
+    message = str(raised.value)
+    if named in (_MODEL, _TRAINER):
+        assert message.startswith(f"{name}("), message
+    if named == _MODEL and wrong == "hub id":
+        assert "AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B')" in message, message
+    if named == _MODEL and wrong == "model config":
+        assert "AutoModelForCausalLM.from_config(config)" in message, message
+
+
+def test_a_trainer_given_where_the_model_goes_names_its_model():
+    from transformers import Trainer, TrainingArguments
+
+    import hf_sparse_cp
+
+    trainer = Trainer(model=_tiny(), args=TrainingArguments(output_dir="unused", report_to="none", use_cpu=True))
+    with pytest.raises(TypeError, match=r"configure\(model, \.\.\.\): model must be a transformers model, not a "
+                                        r"Trainer: pass the Trainer's model \(trainer.model\)"):
+        hf_sparse_cp.configure(trainer)
+    with pytest.raises(TypeError, match=r"pass its class, type\(\.\.\.\)"):
+        hf_sparse_cp.sparse_arguments_class(trainer.args)

@@ -853,3 +853,224 @@ def test_sparse_attention_off_with_a_model_loaded_as_sparse_cp_is_refused(tmp_pa
             "--sparse_attention false to train sparse.") in err, err
     run([*common, "--attn_implementation", "sdpa"])
     assert "attention: sdpa" in capsys.readouterr().out
+
+
+def test_train_runs_a_script_at_a_path_without_py_and_names_a_missing_one(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train path/to/script` (an executable file, no .py) went to the example, which ended in
+    'unrecognized arguments: path/to/script': a file is the script, run as `launch` runs it; a path that is no
+    file is refused as no such script, before anything starts; a recipe file first stays the example's."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "train").write_text("")
+    assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "bin/train", "--output_dir", "out"]) == 0
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "bin/train",
+                           "--output_dir", "out"]
+    for missing in (["bin/trian"], ["--nproc", "2", "--sparse_max_length", "512", "trian", "--max_steps", "1"]):
+        started.clear()
+        assert cli.main(["train", *missing]) == 2 and not started
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: {cli.TRAIN_USAGE}\nhf-sparse-cp train: error: no such script: ") and (
+            "is not a file" in err and "unrecognized arguments" not in err), err
+    assert cli.main(["train", "--nproc", "2", "--sparse_max_length", "512", "--max_steps", "1"]) == 0
+    assert started[-1][-6:] == ["-m", cli.EXAMPLE_MODULE, "--sparse_max_length", "512", "--max_steps", "1"]
+
+
+DATA_SCRIPT = textwrap.dedent("""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    raise AssertionError("the script went on to build its data")
+""")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger-kernel runs on CUDA")
+def test_use_liger_kernel_on_cpu_is_refused_as_the_scripts_flags_parse(tmp_path, capsys):
+    """--use_liger_kernel on CPU was refused only when the Trainer was built, after the script had loaded and
+    tokenized its data (minutes on a real dataset): the plugin's arguments refuse it as they parse."""
+    script = tmp_path / "train.py"
+    script.write_text(DATA_SCRIPT)
+    with pytest.raises(SystemExit) as refused:
+        run([str(script), "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--use_liger_kernel"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert ("train.py: error: --sparse_fused_ops liger (or --use_liger_kernel): liger-kernel's Triton kernels need a "
+            "CUDA GPU") in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="--use_liger_kernel asks for liger-kernel's kernels and --sparse_fused_ops"):
+        SparseTrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, sparse_fused_ops="compile")
+    # without sparse attention the plugin applies nothing (the Trainer's own liger-kernel set-up runs)
+    SparseTrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, sparse_attention=False)
+
+
+TRL_SCRIPT = textwrap.dedent("""
+    from trl import ModelConfig, TrlParser{imports}
+
+    if __name__ == "__main__":
+        parser = TrlParser((ORPOConfig, ModelConfig))
+        args, model_args = parser.parse_args_and_config()
+        {body}
+""")
+
+
+@pytest.mark.parametrize("script, refused", [
+    (["-m", "trl.scripts.reward"], "RewardTrainer"),
+    (["-m", "trl.scripts.grpo"], "GRPOTrainer"),
+    (["-m", "trl.scripts.dpo"], None),  # (CP gathers its whole rows)
+    (["-m", "trl.scripts.sft"], None),
+    # TRL's examples/scripts/orpo.py builds TRL's ORPOTrainer by name
+    ([("\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer", "trainer = ORPOTrainer(model=None, args=args)")],
+     "ORPOTrainer"),
+    # what the source does not say for sure is left to the processes: a trainer of the script's own, one of two
+    ([("\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer\nclass Mine(ORPOTrainer): pass",
+       "trainer = Mine(model=None, args=args)")], None),
+    ([("\nfrom trl import SFTTrainer\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer",
+       "trainer = (ORPOTrainer if args.seed else SFTTrainer)(model=None, args=args)")], None),
+    ([("\nfrom trl import SFTTrainer\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer",
+       "trainer = ORPOTrainer(model=None, args=args) if args.seed else SFTTrainer(model=None, args=args)")], None),
+])
+def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys,
+                                                                                    script, refused):
+    """TRL's reward, GRPO and ORPO trainers under CP were refused only once every process had built its Trainer,
+    after loading and tokenizing the data: the launcher reads which trainer the script builds from its source
+    (`-m trl.scripts.reward`, a script that builds TRL's ORPOTrainer) and refuses with the same message before any
+    process starts; where the source does not say for sure, the processes refuse as before. Each process refuses it
+    too as its flags parse (`launched`), for a launch that does not go through `hf-sparse-cp launch`."""
+    pytest.importorskip("trl")
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    if isinstance(script[0], tuple):
+        (tmp_path / "orpo.py").write_text(TRL_SCRIPT.format(imports=script[0][0], body=script[0][1]))
+        script = ["orpo.py"]
+    argv = ["launch", "--nproc", "2", *script, "--output_dir", "out", "--cp_size", "2"]
+    if refused is None:
+        assert cli.main(argv) == 0 and started
+        return
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and not started, err
+    assert (f"hf-sparse-cp launch: error: {refused} under context parallelism (CP 2) is not supported: its "
+            "compute_loss") in err and "Fix: run without CP (drop --cp_size" in err, err
+    assert cli.main(argv[:-2]) == 0 and started  # (without CP it trains)
+
+
+def test_each_process_refuses_the_trl_trainer_its_script_builds_as_its_flags_parse(monkeypatch, tmp_path, capsys):
+    trl = pytest.importorskip("trl")
+    from hf_sparse_cp.trainer.plugin_arguments import PluginArgumentsMixin
+
+    monkeypatch.setattr(PluginArgumentsMixin, "check_launch", lambda self, env=None: None)  # (as under 2 processes)
+    argv = ["--output_dir", str(tmp_path), "--cp_size", "2", "--report_to", "none"]
+    with launched(PluginArguments()) as run:
+        run.trainers = [trl.SFTTrainer]
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
+    with launched(PluginArguments()) as run, pytest.raises(SystemExit) as refused:
+        run.trainers = [trl.RewardTrainer]
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
+    assert refused.value.code == 2
+    assert "error: RewardTrainer under context parallelism (CP 2) is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger-kernel runs on CUDA")
+def test_use_liger_kernel_on_cpu_for_a_trl_script_is_refused_before_the_processes_start(monkeypatch, tmp_path,
+                                                                                        capsys):
+    pytest.importorskip("trl")
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["launch", "--nproc", "2", "-m", "trl.scripts.sft", "--output_dir", "out", "--use_liger_kernel"])
+    assert stopped.value.code == 2 and not started
+    assert ("hf-sparse-cp launch: error: --sparse_fused_ops liger (or --use_liger_kernel): liger-kernel's Triton "
+            "kernels need a CUDA GPU") in capsys.readouterr().err
+    for flags in (["--use_liger_kernel", "false"], ["--use_liger_kernel", "--sparse_attention", "false"]):
+        assert cli.main(["launch", "--nproc", "2", "-m", "trl.scripts.sft", "--output_dir", "out", *flags]) == 0
+    # a script whose trainer the source does not name is left to its processes (they refuse it as they parse)
+    (tmp_path / "train.py").write_text(DATA_SCRIPT)
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--use_liger_kernel"]) == 0
+
+
+def test_a_file_python_cannot_run_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """A shell script, a binary or a script with a syntax error, given as the script (`hf-sparse-cp train run.sh`
+    now runs a file as the script), ended in each launched process in a SyntaxError under runpy's traceback; the
+    launcher names it once. What python runs (source, a zip with __main__.py) is left to it."""
+    import zipfile
+
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    (tmp_path / "run.sh").write_text("#!/bin/bash\npython train.py \"$@\"\n")
+    (tmp_path / "broken.py").write_text("def main(:\n    pass\n")
+    (tmp_path / "binary").write_bytes(b"\x7fELF\x00\x01")
+    for command, script, message in (
+            ("train", "run.sh", "run.sh is a script of /bin/bash, not Python: the launcher runs a Python script"),
+            ("launch", "broken.py", "python cannot run broken.py: invalid syntax (line 1); correct it"),
+            ("launch", "binary", "python cannot run binary: source code string cannot contain null bytes")):
+        with pytest.raises(SystemExit) as refused:
+            cli.main([command, "--nproc", "2", script, "--output_dir", "out"])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and not started and f"hf-sparse-cp launch: error: {message}" in err, err
+    (tmp_path / "train.py").write_text("import sys\n")
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as archive:
+        archive.writestr("__main__.py", "import sys\n")
+    for script in ("train.py", "app.zip"):
+        assert cli.main(["launch", "--nproc", "2", script]) == 0 and started[-1][-1] == script
+
+
+def test_the_examples_model_folder_not_there_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train --nproc 2 --model_name_or_path ./missing` started both processes (20-40 s here), each then
+    refusing the folder as it loaded the model; the launcher refuses it once, before any starts."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--nproc", "2", "--model_name_or_path", "./missing", "--max_steps", "1"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and not started, err
+    assert "hf-sparse-cp train: error: --model_name_or_path ./missing: no such folder" in err, err
+    # a Hub id is left to the processes (they load it)
+    assert cli.main(["train", "--nproc", "2", "--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--max_steps", "1"]) == 0
+
+
+def test_a_module_that_is_not_there_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+    """`-m trl.scripts.stf` (its package installed, the module misspelled) passed the launcher's check of the top-level
+    package and ended in each process in runpy's ImportError traceback and torchrun's failure report."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "--nproc", "2", "-m", "hf_sparse_cp.examples.no_such_example", "--output_dir", "out"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and not started, err
+    assert ("hf-sparse-cp launch: error: no module named 'hf_sparse_cp.examples.no_such_example' (of -m "
+            "hf_sparse_cp.examples.no_such_example): check the name.") in err, err
+    assert cli.main(["launch", "--nproc", "2", "-m", "hf_sparse_cp.examples.train_long_context"]) == 0 and started
+    with pytest.raises(SystemExit) as refused:  # (in one process, or under a launcher of the user's)
+        run(["-m", "hf_sparse_cp.examples.no_such_example"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "python -m hf_sparse_cp.run: error: no module named " in err, err
+    assert "Traceback" not in err, err

@@ -1,0 +1,156 @@
+"""What the launcher reads in a script's source before it starts any process: the TRL Trainer classes the script
+builds (`trl_trainers`: TRL's own scripts, `-m trl.scripts.reward`, and any script that builds TRL's trainers by
+name, as TRL's examples/scripts/orpo.py), whose refusals come, without it, only once every process has loaded and
+tokenized the script's data: a trainer whose loss CP does not reproduce (`context_parallel.own_loss_refusal`), and
+`--use_liger_kernel` on a machine without CUDA (`attach.training_fused_ops`). Where the source does not say for
+sure (a trainer of another package or of the script's own, one built through an attribute, a name bound twice, no
+source), nothing is refused here, and the processes refuse as before. `module_found`: whether `-m name` is there."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+from transformers import HfArgumentParser
+
+from ..trainer.plugin_arguments import PluginArguments
+
+
+def module_found(name: str) -> bool:
+    """Whether python finds the module `name` (`-m name`; a misspelled one ended each process in runpy's ImportError
+    traceback). Its parents are imported to look: by the launcher, where the script never runs, and by
+    `hf_sparse_cp.run` under the plugin's changes, as running the module imports them."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _source(target: str, is_module: bool) -> str | None:
+    try:
+        if is_module:
+            spec = importlib.util.find_spec(target)  # (imports the module's parents: trl's, for trl.scripts.X)
+            path = spec.origin if spec is not None else None
+        else:
+            path = target
+        if not path or path.endswith(".pyc"):
+            return None
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (ImportError, OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def trl_trainers(target: str, is_module: bool) -> list[type] | None:
+    """The TRL Trainer classes that the script `target` (a path, or a module's name) builds, read from its source:
+    every call of a name ending in `Trainer` is of a class the script imports from `trl` (`from trl import
+    RewardTrainer`, `from trl.experimental.orpo import ORPOTrainer`) and binds nowhere else. None when the source
+    does not say for sure: no call of a Trainer, one of another origin, or through an attribute (`trl.X(...)`)."""
+    source = _source(target, is_module)
+    try:
+        tree = ast.parse(source) if source is not None else None
+    except (SyntaxError, ValueError):  # (python says why when it runs it)
+        return None
+    if tree is None:
+        return None
+    imported: dict[str, tuple[str, str]] = {}
+    bound: list[str] = []  # (every name the script binds otherwise: a class, a function, an assignment)
+    called: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trl" and node.level == 0:
+            imported.update({alias.asname or alias.name: (node.module, alias.name) for alias in node.names})
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound += [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            bound.append(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.append(node.id)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name.endswith("Trainer"):
+                if not isinstance(func, ast.Name):
+                    return None
+                called.add(name)
+    if not called or any(name not in imported or name in bound for name in called):
+        return None
+    from transformers import Trainer
+
+    classes = []
+    for name in sorted(called):
+        module, attribute = imported[name]
+        try:
+            found = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError):
+            return None
+        if not (isinstance(found, type) and issubclass(found, Trainer)):
+            return None
+        classes.append(found)
+    return classes
+
+
+def _training_flags(plugin: PluginArguments, args: Sequence[str]) -> SimpleNamespace | None:
+    """--use_liger_kernel, --use_cpu, --sparse_attention and --sparse_fused_ops as a TRL script's parser reads them
+    from `args` (the plugin's before the script path, `plugin`, as their defaults); None where that parser alone can
+    say (a value it will refuse)."""
+    from transformers import TrainingArguments  # (here: the launcher's other checks import no model code)
+
+    class Quiet(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise ValueError(message)
+
+    parser = Quiet(add_help=False, allow_abbrev=False)
+    for source, names in ((HfArgumentParser(TrainingArguments), ("use_liger_kernel", "use_cpu")),
+                          (HfArgumentParser(PluginArguments), ("sparse_attention", "sparse_fused_ops"))):
+        for action in source._actions:
+            if action.dest not in names or not action.option_strings:
+                continue
+            if action.nargs == 0:  # (`--no_sparse_attention`)
+                parser.add_argument(*action.option_strings, dest=action.dest, action="store_const", const=action.const)
+            else:
+                parser.add_argument(*action.option_strings, dest=action.dest, nargs=action.nargs, const=action.const,
+                                    type=action.type, choices=action.choices)
+            parser.set_defaults(**{action.dest: getattr(plugin, action.dest, action.default)})
+    try:
+        return SimpleNamespace(**vars(parser.parse_known_args(list(args))[0]))
+    except (ValueError, TypeError):
+        return None
+
+
+def script_refusal(target: str, is_module: bool, cp_size: int, plugin: PluginArguments,
+                   args: Sequence[str]) -> str | None:
+    """What every process of the script `target` would refuse, with the same message, once it had built its data,
+    when the launcher knows it from the source and the command line: the TRL trainer it builds (`trl_trainers`)
+    under CP `cp_size` (a compute_loss CP does not reproduce), or `--use_liger_kernel` (with sparse attention) on this
+    machine, as the script's parser reads the flags `args` (the plugin's before the script path, `plugin`). None
+    otherwise."""
+    trainers = trl_trainers(target, is_module)
+    if trainers is None:
+        return None
+    from ..trainer.attach import training_fused_ops
+
+    refusal = trainers_refusal(trainers, cp_size)
+    if refusal is not None:
+        return refusal
+    flags = _training_flags(plugin, args)
+    if flags is not None and flags.sparse_attention:
+        try:
+            training_fused_ops(flags.sparse_fused_ops, flags)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def trainers_refusal(trainers: Sequence[type] | None, cp_size: int) -> str | None:
+    """The refusal (`context_parallel.own_loss_refusal`) that a script building `trainers` (`trl_trainers`) meets
+    under CP `cp_size` whichever it builds; None when one of them (or CP 1) trains."""
+    if not trainers or cp_size == 1:
+        return None
+    from ..trainer.context_parallel import own_loss_refusal
+
+    refusals = [own_loss_refusal(trainer, cp_size) for trainer in trainers]
+    return refusals[0] if all(refusals) else None
