@@ -243,9 +243,9 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     sparse = [i for i in range(n) if i not in dense and i not in sliding]
     parts = [f"{len(sparse)} of {n} layers vertical-slash (block {cfg.block_size})"]
     if dense:
-        parts.append(f"layers {_ranges(dense)} dense (pattern)")
+        parts.append(f"{_ranges(dense)} dense (pattern)")
     if sliding:
-        parts.append(f"layers {_ranges(sliding)} sliding-window (dense within the window)")
+        parts.append(f"{_ranges(sliding)} sliding-window (dense within the window)")
     line = "sparse_cp: " + "; ".join(parts)
     if sparse and max_length is not None and max_length < cfg.min_seq_len:
         line += (f". At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
@@ -255,13 +255,13 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
 
 
 def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
+    """[0, 1, 2, 5] -> 'layers 0-2, 5'; [0] -> 'layer 0'."""
     runs, start = [], layers[0]
     for a, b in zip(layers, [*layers[1:], None]):
         if b != a + 1:
             runs.append(f"{start}-{a}" if a > start else str(a))
             start = b
-    return ", ".join(runs)
+    return ("layers " if len(layers) > 1 else "layer ") + ", ".join(runs)
 
 
 def count_step_metrics(trainer: Trainer, patches: PatchSet) -> StepMetricsCallback:
