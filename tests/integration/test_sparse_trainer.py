@@ -92,8 +92,9 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
         SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",
                                                  "8192"), train_dataset=_rows())
     assert "layer 0 dense (pattern)" in caplog.text
-    assert "At 256 tokens no document reaches min_seq_len=8192: every layer runs dense. For a trial run that shows "\
-           "sparsity at this length, give --sparse_config trial" in caplog.text
+    # the note ends the line, after what the line says of the layers, the fused ops and CP
+    assert ("context parallelism: off. At 256 tokens no document reaches min_seq_len=8192: every layer runs dense. "
+            "For a trial run that shows sparsity at this length, give --sparse_config trial" in caplog.text)
     caplog.clear()
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "2"),
