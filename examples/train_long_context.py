@@ -454,7 +454,7 @@ def build_trainer(
                                               pad_token_id=pad_id)
         else:
             collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-        if training.per_device_train_batch_size != script.pack_documents:
+        if training.per_device_train_batch_size != script.pack_documents and training.should_log:  # (once a node)
             logger.warning("--pack_documents %d: each device batch is %d documents flattened into one sequence "
                            "(per_device_train_batch_size set to %d).", script.pack_documents,
                            script.pack_documents, script.pack_documents)

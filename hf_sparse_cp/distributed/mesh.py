@@ -57,13 +57,15 @@ def _launch_hint(env: Mapping[str, str]) -> str:
 def check_sizes(world_size: int, cp_size: int) -> None:
     """Raise a ValueError that says how to fix it when `cp_size` does not divide `world_size`."""
     if cp_size < 1 or world_size % cp_size:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        # the sizes that divide it as '1 or 3' ('[1, 3]' read as a range, holding a refused 2)
+        *first, last = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        divisors = f"{', '.join(map(str, first))} or {last}" if first else str(last)
         multiple = max(1, -(-world_size // max(cp_size, 1))) * max(cp_size, 1)
         raise ValueError(
             f"cp_size={cp_size} does not divide the world size {world_size} (the number of processes): the ranks "
-            f"must split into data-parallel groups of cp_size. Use a cp_size in {divisors}, or launch a multiple "
-            f"of {cp_size} processes (e.g. {multiple}: torchrun --nproc_per_node {multiple}, accelerate launch "
-            f"--num_processes {multiple}, hf-sparse-cp launch --nproc {multiple})."
+            f"must split into data-parallel groups of cp_size. Use a cp_size that divides it ({divisors}), or launch "
+            f"a multiple of {cp_size} processes (e.g. {multiple}: torchrun --nproc_per_node {multiple}, accelerate "
+            f"launch --num_processes {multiple}, hf-sparse-cp launch --nproc {multiple})."
         )
 
 

@@ -243,8 +243,9 @@ def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
         patches.on_undo(functools.partial(compat.set_process_group_timeout, previous), outside=True)
 
 
-def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
-    """One line on how the model's layers attend: sparse or dense, and why."""
+def describe_layers(model: torch.nn.Module, max_length: int | None) -> tuple[str, str]:
+    """How the model's layers attend (sparse or dense, and why), and a note when `max_length` leaves them all
+    dense ('' otherwise): the start-up line's first part and its ending."""
     config = model.config
     cfg = model_config_for(model)
     n = language_config(config).num_hidden_layers
@@ -253,25 +254,25 @@ def describe_layers(model: torch.nn.Module, max_length: int | None) -> str:
     sparse = [i for i in range(n) if i not in dense and i not in sliding]
     parts = [f"{len(sparse)} of {n} layers vertical-slash (block {cfg.block_size})"]
     if dense:
-        parts.append(f"layers {_ranges(dense)} dense (pattern)")
+        parts.append(f"{_ranges(dense)} dense (pattern)")
     if sliding:
-        parts.append(f"layers {_ranges(sliding)} sliding-window (dense within the window)")
-    line = "sparse_cp: " + "; ".join(parts)
+        parts.append(f"{_ranges(sliding)} sliding-window (dense within the window)")
+    note = ""
     if sparse and max_length is not None and max_length < cfg.min_seq_len:
-        line += (f". At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
-                 "dense. For a trial run that shows sparsity at this length, give --sparse_config trial (a shipped "
-                 "pattern sparse at 1K-4K tokens); --sparse_min_seq_len alone keeps nearly every block there")
-    return line
+        note = (f" At {max_length} tokens no document reaches min_seq_len={cfg.min_seq_len}: every layer runs "
+                "dense. For a trial run that shows sparsity at this length, give --sparse_config trial (a shipped "
+                "pattern sparse at 1K-4K tokens); --sparse_min_seq_len alone keeps nearly every block there.")
+    return "sparse_cp: " + "; ".join(parts), note
 
 
 def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
+    """[0, 1, 2, 5] -> 'layers 0-2, 5'; [0] -> 'layer 0'."""
     runs, start = [], layers[0]
     for a, b in zip(layers, [*layers[1:], None]):
         if b != a + 1:
             runs.append(f"{start}-{a}" if a > start else str(a))
             start = b
-    return ", ".join(runs)
+    return ("layers " if len(layers) > 1 else "layer ") + ", ".join(runs)
 
 
 def count_step_metrics(trainer: Trainer, patches: PatchSet) -> StepMetricsCallback:
@@ -348,8 +349,8 @@ def attach_to_trainer(
             how = parallel.describe()
         else:
             how = "off"
-        logger.warning("%s; %s; context parallelism: %s.", describe_layers(trainer.model, max_length),
-                       describe_fused_ops(trainer.model), how)
+        layers, note = describe_layers(trainer.model, max_length)
+        logger.warning("%s; %s; context parallelism: %s.%s", layers, describe_fused_ops(trainer.model), how, note)
     return parallel
 
 

@@ -79,7 +79,7 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=_rows())
     # the first layer dense by default
-    assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layers 0 dense (pattern); fused ops: off (stock "
+    assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layer 0 dense (pattern); fused ops: off (stock "
             "PyTorch around attention); context parallelism: off" in caplog.text)
     caplog.clear()
     with caplog.at_level("WARNING"):
@@ -91,9 +91,15 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
     with caplog.at_level("WARNING"):
         SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",
                                                  "8192"), train_dataset=_rows())
-    assert "layers 0 dense (pattern)" in caplog.text
-    assert "At 256 tokens no document reaches min_seq_len=8192: every layer runs dense. For a trial run that shows "\
-           "sparsity at this length, give --sparse_config trial" in caplog.text
+    assert "layer 0 dense (pattern)" in caplog.text
+    # the note ends the line, after what the line says of the layers, the fused ops and CP
+    assert ("context parallelism: off. At 256 tokens no document reaches min_seq_len=8192: every layer runs dense. "
+            "For a trial run that shows sparsity at this length, give --sparse_config trial" in caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "2"),
+                      train_dataset=_rows())
+    assert "sparse_cp: 0 of 2 layers vertical-slash (block 32); layers 0-1 dense (pattern);" in caplog.text
 
 
 def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):

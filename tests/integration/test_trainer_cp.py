@@ -38,7 +38,7 @@ def _train(tmp_path, name: str, nproc: int, *flags: str, launch: bool = False) -
             "--summary_file", str(summary)]
     done = launch_cli(argv) if launch else run_cli(argv, nproc)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(summary.read_text())
+    return {**json.loads(summary.read_text()), "stderr": done.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,8 @@ def test_packed_documents_with_cp2_match_cp1(tmp_path, packed_reference):
     position_ids); the CP shards carry the document boundaries and no attention crosses them."""
     run = _train(tmp_path, "packed_cp2", 2, "--cp_size", "2", *PACKED)
     _assert_same_losses(run, packed_reference, sparse_below=0.99)
+    # the note on the batch size, once (each rank printed it)
+    assert run["stderr"].count("--pack_documents 2: each device batch is 2 documents") == 1, run["stderr"][-4000:]
 
 
 def test_document_sharding_with_packed_documents_cp2_matches_cp1(tmp_path, packed_reference):

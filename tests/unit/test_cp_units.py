@@ -245,7 +245,10 @@ def test_the_token_count_replaces_trl_s_after_a_cp_stage_also_in_a_stage_without
 
 def test_sizes_that_do_not_divide_say_how_to_fix_them():
     check_sizes(8, 4)
-    with pytest.raises(ValueError, match=r"cp_size=3 does not divide the world size 4.*\[1, 2, 4\].*torchrun "
+    # the sizes that divide it, not a list that reads as a range holding the size refused ([1, 3] for cp_size 2)
+    with pytest.raises(ValueError, match=r"cp_size=2 does not divide the world size 3.*divides it \(1 or 3\), "):
+        check_sizes(3, 2)
+    with pytest.raises(ValueError, match=r"cp_size=3 does not divide the world size 4.*\(1, 2 or 4\).*torchrun "
                                          "--nproc_per_node 6, accelerate launch --num_processes 6, hf-sparse-cp "
                                          "launch --nproc 6"):
         check_sizes(4, 3)
