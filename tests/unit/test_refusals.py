@@ -123,8 +123,12 @@ def test_only_the_refusals_of_cps_model_checks_are_the_users(monkeypatch, error,
     monkeypatch.setattr(ParallelDims, "from_accelerator", classmethod(lambda cls, *a, **k: types.SimpleNamespace(
         cp_size=2, world_size=2)))
     monkeypatch.setattr(context_parallel, "check_model_supports_context_parallel", probe)
+    from transformers import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # (a Trainer as far as the entry point's type check goes; nothing else is read)
+    trainer.accelerator, trainer.model = None, object()
     with pytest.raises(type(error)) as raised:
-        context_parallel.enable_trainer_context_parallel(types.SimpleNamespace(accelerator=None, model=object()))
+        context_parallel.enable_trainer_context_parallel(trainer)
     assert raised.value is error and is_flag_error(raised.value) is marked
 
 
