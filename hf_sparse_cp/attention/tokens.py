@@ -191,6 +191,12 @@ def token_meta_from_kwargs(
     cu = kwargs.get("cu_seq_lens_k")
     position_ids = packing_positions(kwargs.get("position_ids"))
     if cu is not None:
+        cu_q = kwargs.get("cu_seq_lens_q")
+        # (queries and keys are the same tokens: other query documents would be ignored, as the keys' pack them)
+        if cu_q is not None and cu_q is not cu and not torch.equal(cu_q.to(cu.device, cu.dtype), cu):
+            raise ValueError(f"cu_seq_lens_q {cu_q.tolist()} and cu_seq_lens_k {cu.tolist()} differ, but the queries "
+                             "and keys of this call are the same tokens, packed into one set of documents: pass the "
+                             "same boundaries in both (as DataCollatorWithFlattening does).")
         segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
     elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
         segment = segments_from_position_ids(position_ids.to(device).expand(batch, seq_len))
