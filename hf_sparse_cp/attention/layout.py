@@ -355,11 +355,13 @@ def check_scale(scale: Any) -> None:
                         "1 / math.sqrt(head_dim)) or None for 1 / sqrt(head_dim).")
 
 
-def check_meta(name: str, meta: Any) -> None:
-    """Raise TypeError unless `meta` is None (the default) or a `TokenMeta` (before anything reads its tensors)."""
-    if meta is not None and not isinstance(meta, TokenMeta):
+def check_meta(name: str, meta: Any, optional: bool = True) -> None:
+    """Raise TypeError unless `meta` is a `TokenMeta`, or None (the default) where `optional` (before anything reads
+    its tensors)."""
+    if not isinstance(meta, TokenMeta) and not (optional and meta is None):
         raise TypeError(f"{name} must be a TokenMeta (TokenMeta.contiguous(batch, seq_len), TokenMeta.from_segments("
-                        f"segment ids [B, S])) or None (one causal document per row); got {type(meta).__name__}.")
+                        f"segment ids [B, S])){' or None (one causal document per row)' if optional else ''}; got "
+                        f"{type(meta).__name__}.")
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

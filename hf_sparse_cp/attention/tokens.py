@@ -45,6 +45,17 @@ class TokenMeta:
 
     @classmethod
     def from_segments(cls, segment: torch.Tensor) -> TokenMeta:
+        """Tokens in order, in the documents `segment` ([B, S] integers: a document id per token, `PAD_SEGMENT` for
+        padding) gives."""
+        # (fractions were truncated to other documents; [S] passed here and was refused later by its shape; whole
+        # numbers in a floating tensor are taken, read on the host)
+        if not isinstance(segment, torch.Tensor) or segment.dim() != 2 or segment.is_complex() or (
+                segment.is_floating_point() and not bool((segment == segment.round()).all())):
+            what = (f"a {tuple(segment.shape)} {segment.dtype} tensor" if isinstance(segment, torch.Tensor) else
+                    type(segment).__name__)
+            raise (ValueError if isinstance(segment, torch.Tensor) else TypeError)(
+                f"TokenMeta.from_segments takes the document id of every token as an integer tensor [batch, seq] "
+                f"({PAD_SEGMENT} for padding; one row: segment[None]); got {what}.")
         index = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
         return cls(index, segment.to(torch.int32))
 

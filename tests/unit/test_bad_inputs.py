@@ -761,3 +761,41 @@ def test_cu_seq_lens_q_other_than_cu_seq_lens_k_is_refused():
                                                    "but the queries and keys of this call are the same tokens")):
         meta([0, 30, 64], [0, 20, 64])
     assert meta([0, 20, 64], [0, 20, 64]).segment[0, 19:21].tolist() == [0, 1]
+
+
+def test_layouts_metadata_and_merges_refuse_inputs_they_would_build_wrongly():
+    """`merge_attention` of a part of 1 head into one of 2 broadcast it: a result for other queries, without a word.
+    `dense_layout(meta, 100)` built a layout of 100-token blocks that only the attention call refused, block_size 0
+    ended in a ZeroDivisionError, sliding_window 0 built a layout of what no query sees, meta None an AttributeError;
+    `TokenMeta.from_segments` truncated fractional document ids (0.5 -> document 0; whole ones in a float tensor
+    are taken) and took [S] for [B, S]."""
+    import torch
+
+    from hf_sparse_cp import TokenMeta
+    from hf_sparse_cp.attention import dense_layout, merge_attention
+
+    meta = TokenMeta.contiguous(1, 128)
+    out, lse = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128)
+    ids = "TokenMeta.from_segments takes the document id of every token as an integer tensor [batch, seq] (-1 for "
+    for call, error, message in [
+        (lambda: merge_attention(out, lse, out[:, :1], lse[:, :1]), ValueError,
+         "merge_attention takes two parts of the same queries: out and out_part [..., S, D], lse and lse_part [..., "
+         "S]; got out (1, 2, 128, 16), lse (1, 2, 128), out_part (1, 1, 128, 16), lse_part (1, 1, 128)."),
+        (lambda: merge_attention(out, lse[..., :64], out, lse[..., :64]), ValueError, "merge_attention takes two"),
+        (lambda: dense_layout(meta, 100), ValueError, "block_size=100 must be a power of two >= 16; use 64 or 128."),
+        (lambda: dense_layout(meta, 0), ValueError, "block_size=0 must be a power of two >= 16"),
+        (lambda: dense_layout(meta, 64, sliding_window=0), ValueError, "sliding_window=0 must be a whole number >= 1"),
+        (lambda: dense_layout(None, 64), TypeError, "meta must be a TokenMeta (TokenMeta.contiguous(batch, seq_len), "
+                                                    "TokenMeta.from_segments(segment ids [B, S])); got NoneType."),
+        (lambda: TokenMeta.from_segments(torch.tensor([[0.0, 0.5, 1.0]])), ValueError,
+         f"{ids}padding; one row: segment[None]); got a (1, 3) torch.float32 tensor."),
+        (lambda: TokenMeta.from_segments(torch.tensor([0, 0, 1])), ValueError,
+         f"{ids}padding; one row: segment[None]); got a (3,) torch.int64"),
+        (lambda: TokenMeta.from_segments([[0, 0, 1]]), TypeError, f"{ids}padding; one row: segment[None]); got list."),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            call()
+    assert TokenMeta.from_segments(torch.tensor([[0, 0, -1]], dtype=torch.int16)).documents == [[(0, 2)]]
+    assert TokenMeta.from_segments(torch.tensor([[0.0, 1.0, -1.0]])).documents == [[(0, 1), (1, 2)]]
+    merged, _ = merge_attention(out, lse, out, torch.full_like(lse, float("-inf")))
+    torch.testing.assert_close(merged, out)
