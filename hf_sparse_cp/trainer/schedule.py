@@ -70,6 +70,9 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
     optimizer step (`100`) or a data epoch (`1.5ep`); a field is a flat key of the pattern
     (`mass_threshold=0.005`), a section's (`budget.mode=mass`, `scoring.last_q=64`) or a CP field
     (`ContextParallelConfig`, e.g. `cp_mode=ulysses`)."""
+    if not isinstance(text, str):  # (an AttributeError on .split)
+        raise TypeError(f"cp_schedule must be text FROM:SEQ_LEN:CP_SIZE[,...], e.g. '0:4096:1,2ep:16384:2'; got "
+                        f"{type(text).__name__} {text!r}.")
     stages = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         head, *extra = item.split(":")

@@ -799,3 +799,15 @@ def test_layouts_metadata_and_merges_refuse_inputs_they_would_build_wrongly():
     assert TokenMeta.from_segments(torch.tensor([[0.0, 1.0, -1.0]])).documents == [[(0, 1), (1, 2)]]
     merged, _ = merge_attention(out, lse, out, torch.full_like(lse, float("-inf")))
     torch.testing.assert_close(merged, out)
+
+
+@pytest.mark.parametrize("schedule", [None, 4096, ["0:4096:1"]])
+def test_parse_schedule_names_a_schedule_that_is_not_text(schedule):
+    """`hf_sparse_cp.parse_schedule(None)` (a --cp_schedule read from a config that lacks it) ended in an AttributeError
+    on .split; it names the form the schedule takes."""
+    from hf_sparse_cp import parse_schedule
+
+    with pytest.raises(TypeError, match=re.escape(f"cp_schedule must be text FROM:SEQ_LEN:CP_SIZE[,...], e.g. "
+                                                  f"'0:4096:1,2ep:16384:2'; got {type(schedule).__name__} "
+                                                  f"{schedule!r}.")):
+        parse_schedule(schedule)
