@@ -364,14 +364,20 @@ def check_meta(name: str, meta: Any, optional: bool = True) -> None:
                         f"{type(meta).__name__}.")
 
 
-def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
-    floating dtype on one device, with Hq a multiple of Hkv and D at least 1."""
+def check_dims(q: Any, k: Any, v: Any) -> None:
+    """Raise TypeError / ValueError unless q, k and v are 4-D tensors (what `check_tensors` checks first; the attention
+    backend checks it before reading their shapes, and the rest after autocast casts them)."""
     check_tensor_types(q, k, v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (transformers' layout: transpose [B, S, H, D] "
                          "with .transpose(1, 2)).")
+
+
+def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
+    floating dtype on one device, with Hq a multiple of Hkv and D at least 1."""
+    check_dims(q, k, v)
     b, hq, sq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] with q's batch {b}; got k {tuple(k.shape)}, "

@@ -106,6 +106,12 @@ def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int)
             f"cu_seq_lens describe one flattened row, but the batch has {batch} rows; use "
             "DataCollatorWithFlattening, which packs the batch into a single row."
         )
+    # (fractions were truncated; [1, N] ended in "only one element tensors can be converted to Python scalars")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_complex() or (
+            cu_seqlens.is_floating_point() and not bool((cu_seqlens == cu_seqlens.round()).all())):
+        raise ValueError(f"cu_seq_lens must be a 1-D tensor of whole token offsets [0, ..., total] (as "
+                         f"DataCollatorWithFlattening gives them); got a {tuple(cu_seqlens.shape)} {cu_seqlens.dtype} "
+                         f"tensor {cu_seqlens.tolist()}.")
     cu = cu_seqlens.to(torch.int64)
     if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seq_len:
         raise ValueError(f"cu_seq_lens must rise from 0 to at most the sequence length {seq_len}; got {cu.tolist()}.")

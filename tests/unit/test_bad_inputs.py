@@ -811,3 +811,31 @@ def test_parse_schedule_names_a_schedule_that_is_not_text(schedule):
                                                   f"'0:4096:1,2ep:16384:2'; got {type(schedule).__name__} "
                                                   f"{schedule!r}.")):
         parse_schedule(schedule)
+
+
+def test_the_backend_names_cu_seq_lens_of_the_wrong_form_and_3d_queries(patched):
+    """cu_seq_lens of fractions ([0, 32.5, 64]) were truncated to other documents without a word, [1, N] ones ended in
+    "only one element tensors can be converted to Python scalars"; `sparse_cp_attention_forward` called with 3-D
+    query / key / value in "not enough values to unpack". Each is named; whole offsets in a float tensor pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import sparse_cp_attention_forward
+    from hf_sparse_cp.attention.tokens import token_meta_from_kwargs
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    cu = "cu_seq_lens must be a 1-D tensor of whole token offsets [0, ..., total] (as DataCollatorWithFlattening gives "
+    for offsets, got in [(torch.tensor([0.0, 32.5, 64.0]), "a (3,) torch.float32 tensor [0.0, 32.5, 64.0]."),
+                         (torch.tensor([[0, 32, 64]]), "a (1, 3) torch.int64 tensor [[0, 32, 64]].")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(cu)}them\\); got {re.escape(got)}$"):
+            token_meta_from_kwargs(1, 64, torch.device("cpu"), None, {"cu_seq_lens_k": offsets})
+    whole = token_meta_from_kwargs(1, 64, torch.device("cpu"), None, {"cu_seq_lens_k": torch.tensor([0.0, 32, 64])})
+    assert whole.segment[0, 31:33].tolist() == [0, 1]
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+    q, k = torch.randn(4, 64, 32), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=re.escape("q, k, v must be 4-D [batch, heads, seq, head_dim]; got "
+                                                   "(4, 64, 32), (2, 64, 32), (2, 64, 32)")):
+        sparse_cp_attention_forward(model.model.layers[0].self_attn, q, k, k, None)
+    out, _ = sparse_cp_attention_forward(model.model.layers[0].self_attn, q[None], k[None], k[None], None)
+    assert out.shape == (1, 64, 4, 32)
