@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config import check_block_size
 from .chunks import head_chunks
-from .layout import FAR, SparseLayout, first_visible_keys
+from .layout import FAR, SparseLayout, check_meta, check_window, first_visible_keys
 from .tokens import PAD_SEGMENT, TokenMeta
 
 # Elements of one [heads, query blocks, candidates] tile of layout construction (bounds its temporaries).
@@ -110,6 +111,9 @@ def build_layout(
         The `SparseLayout` ([B, H, NQB, ...], H = 1 without per-head inputs). Blocks that hold no
         visible pair (other documents, outside the sliding window, padding only) are never listed.
     """
+    check_meta("meta", meta, optional=False)
+    check_block_size(block_size, "block_size")  # (0: a ZeroDivisionError; 100: refused only by the attention call)
+    check_window(sliding_window)
     bs = block_size
     b, s = meta.segment.shape
     dev = meta.segment.device
@@ -311,4 +315,5 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
         A `SparseLayout` [B, 1, NQB, ...] shared by all heads that lists every block holding a
         visible pair (causal, same document, inside the window), and no columns.
     """
+    check_meta("meta", meta, optional=False)
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)

@@ -38,7 +38,7 @@ from ..config import SparseAttentionConfig
 from .budgets import Entries
 from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_to_block_diagonals
 from .exact import FixedPoint
-from .layout import SparseLayout, check_tensors, check_window
+from .layout import SparseLayout, check_meta, check_scale, check_tensors, check_window
 from .scoring import Sampling, fixed_vertical_slash
 from .tokens import PAD_SEGMENT, TokenMeta
 
@@ -335,10 +335,14 @@ def estimate_layout(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
     """
     check_tensors(q, k, k)
     check_window(sliding_window)
+    check_scale(scale)
+    check_meta("meta", meta)
     if not isinstance(cfg, SparseAttentionConfig):
         raise TypeError(f"cfg must be a SparseAttentionConfig (a layer's: config.for_layer(i)); got "
                         f"{type(cfg).__name__}.")
-    b, _, s, _ = q.shape
+    b, hq, s, _ = q.shape
+    if hq == 0:  # (a reshape's RuntimeError inside)
+        raise ValueError(f"q has 0 heads ({tuple(q.shape)}): a layout is estimated per query head; give at least 1.")
     if k.shape[2] != s:  # (a layout of another length: silently wrong, or an IndexError in attention)
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same length S: a layout is "
                          "estimated over one whole sequence, its queries and keys at the same positions.")

@@ -27,6 +27,7 @@ without reading device memory.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -336,26 +337,53 @@ def check_tensor_types(q: Any, k: Any, v: Any) -> None:
 
 
 def check_window(sliding_window: Any) -> None:
-    """Raise ValueError unless `sliding_window` is None (no window) or at least 1: below 1, no query would see any
-    key, not even itself (every output 0)."""
-    if sliding_window is not None and sliding_window < 1:
+    """Raise ValueError unless `sliding_window` is None (no window) or a whole number of at least 1: below 1, no
+    query would see any key, not even itself (every output 0); a fraction or True was taken for another window
+    (2.5 as 3, True as 1), and text ended in a comparison's TypeError."""
+    whole = isinstance(sliding_window, (numbers.Integral, torch.SymInt)) and not isinstance(sliding_window, bool)
+    if sliding_window is not None and (not whole or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be a whole number >= 1 (keys sliding_window or more "
                          "tokens before a query are invisible, transformers' convention; below 1 no query sees any "
                          "key), or None for no window.")
 
 
-def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
-    floating dtype on one device, with Hq a multiple of Hkv and D at least 1."""
+def check_scale(scale: Any) -> None:
+    """Raise TypeError unless the softmax `scale` is None (1 / sqrt(head_dim)) or a real number, as SDPA takes it
+    (text ended in a TypeError deep inside an engine)."""
+    if scale is not None and (not isinstance(scale, (numbers.Real, torch.SymFloat)) or isinstance(scale, bool)):
+        raise TypeError(f"scale={scale!r} ({type(scale).__name__}) must be a float (the softmax scale, e.g. "
+                        "1 / math.sqrt(head_dim)) or None for 1 / sqrt(head_dim).")
+
+
+def check_meta(name: str, meta: Any, optional: bool = True) -> None:
+    """Raise TypeError unless `meta` is a `TokenMeta`, or None (the default) where `optional` (before anything reads
+    its tensors)."""
+    if not isinstance(meta, TokenMeta) and not (optional and meta is None):
+        raise TypeError(f"{name} must be a TokenMeta (TokenMeta.contiguous(batch, seq_len), TokenMeta.from_segments("
+                        f"segment ids [B, S])){' or None (one causal document per row)' if optional else ''}; got "
+                        f"{type(meta).__name__}.")
+
+
+def check_dims(q: Any, k: Any, v: Any) -> None:
+    """Raise TypeError / ValueError unless q, k and v are 4-D tensors (what `check_tensors` checks first; the attention
+    backend checks it before reading their shapes, and the rest after autocast casts them)."""
     check_tensor_types(q, k, v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (transformers' layout: transpose [B, S, H, D] "
                          "with .transpose(1, 2)).")
+
+
+def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
+    floating dtype on one device, with Hq a multiple of Hkv and D at least 1."""
+    check_dims(q, k, v)
     b, hq, sq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k and v must be [B, Hkv, Sk, {d}] with q's batch {b}; got k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}.")
+    if k.shape[1] == 0:  # (Hq % 0: a ZeroDivisionError)
+        raise ValueError(f"k and v have 0 key/value heads ({tuple(k.shape)}): attention needs at least 1.")
     if hq % k.shape[1]:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
     if d < 1:

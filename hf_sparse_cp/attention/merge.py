@@ -32,6 +32,11 @@ def merge_attention(
         (out [..., S, D], lse [..., S]) of the union of the key sets, in the compute dtype (fp32 at
         least; fp64 when either part is fp64).
     """
+    # (shapes that broadcast, e.g. a part of 1 head merged into 2, gave a result of the wrong queries silently)
+    if out.shape != out_part.shape or lse.shape != lse_part.shape or out.shape[:-1] != lse.shape:
+        raise ValueError(f"merge_attention takes two parts of the same queries: out and out_part [..., S, D], lse and "
+                         f"lse_part [..., S]; got out {tuple(out.shape)}, lse {tuple(lse.shape)}, out_part "
+                         f"{tuple(out_part.shape)}, lse_part {tuple(lse_part.shape)}.")
     dtype = compute_dtype(out.dtype, out_part.dtype)
     out, out_part = out.to(dtype), out_part.to(dtype)
     lse, lse_part = lse.to(dtype), lse_part.to(dtype)

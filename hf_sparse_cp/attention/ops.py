@@ -17,7 +17,7 @@ import torch
 
 from .call import AttentionCall
 from .engines import ENGINES, resolve_engine
-from .layout import SparseLayout, check_tensor_types, check_tensors, check_window
+from .layout import SparseLayout, check_meta, check_scale, check_tensor_types, check_tensors, check_window
 from .precision import autocast_inputs
 from .tokens import TokenMeta
 
@@ -150,6 +150,9 @@ def block_sparse_attention(
         raise TypeError(f"layout must be a SparseLayout (from estimate_layout, build_layout or dense_layout); got "
                         f"{type(layout).__name__}.")
     check_window(sliding_window)
+    check_scale(scale)
+    check_meta("q_meta", q_meta)
+    check_meta("k_meta", k_meta)
     q, k, v = autocast_inputs(q, k, v)
     check_tensors(q, k, v)
     b, hq, sq, d = q.shape

@@ -45,6 +45,17 @@ class TokenMeta:
 
     @classmethod
     def from_segments(cls, segment: torch.Tensor) -> TokenMeta:
+        """Tokens in order, in the documents `segment` ([B, S] integers: a document id per token, `PAD_SEGMENT` for
+        padding) gives."""
+        # (fractions were truncated to other documents; [S] passed here and was refused later by its shape; whole
+        # numbers in a floating tensor are taken, read on the host)
+        if not isinstance(segment, torch.Tensor) or segment.dim() != 2 or segment.is_complex() or (
+                segment.is_floating_point() and not bool((segment == segment.round()).all())):
+            what = (f"a {tuple(segment.shape)} {segment.dtype} tensor" if isinstance(segment, torch.Tensor) else
+                    type(segment).__name__)
+            raise (ValueError if isinstance(segment, torch.Tensor) else TypeError)(
+                f"TokenMeta.from_segments takes the document id of every token as an integer tensor [batch, seq] "
+                f"({PAD_SEGMENT} for padding; one row: segment[None]); got {what}.")
         index = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
         return cls(index, segment.to(torch.int32))
 
@@ -95,6 +106,12 @@ def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int)
             f"cu_seq_lens describe one flattened row, but the batch has {batch} rows; use "
             "DataCollatorWithFlattening, which packs the batch into a single row."
         )
+    # (fractions were truncated; [1, N] ended in "only one element tensors can be converted to Python scalars")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_complex() or (
+            cu_seqlens.is_floating_point() and not bool((cu_seqlens == cu_seqlens.round()).all())):
+        raise ValueError(f"cu_seq_lens must be a 1-D tensor of whole token offsets [0, ..., total] (as "
+                         f"DataCollatorWithFlattening gives them); got a {tuple(cu_seqlens.shape)} {cu_seqlens.dtype} "
+                         f"tensor {cu_seqlens.tolist()}.")
     cu = cu_seqlens.to(torch.int64)
     if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seq_len:
         raise ValueError(f"cu_seq_lens must rise from 0 to at most the sequence length {seq_len}; got {cu.tolist()}.")
@@ -191,6 +208,12 @@ def token_meta_from_kwargs(
     cu = kwargs.get("cu_seq_lens_k")
     position_ids = packing_positions(kwargs.get("position_ids"))
     if cu is not None:
+        cu_q = kwargs.get("cu_seq_lens_q")
+        # (queries and keys are the same tokens: other query documents would be ignored, as the keys' pack them)
+        if cu_q is not None and cu_q is not cu and not torch.equal(cu_q.to(cu.device, cu.dtype), cu):
+            raise ValueError(f"cu_seq_lens_q {cu_q.tolist()} and cu_seq_lens_k {cu.tolist()} differ, but the queries "
+                             "and keys of this call are the same tokens, packed into one set of documents: pass the "
+                             "same boundaries in both (as DataCollatorWithFlattening does).")
         segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
     elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
         segment = segments_from_position_ids(position_ids.to(device).expand(batch, seq_len))

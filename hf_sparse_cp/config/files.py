@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import json
 import logging
@@ -123,6 +124,20 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
+    """' (did you mean 'a' for 'b'?)' for the keys among `unknown` that are close to one of `known` (a typo such as
+    verticle_topk, densty; those as close as the closest, joined by 'or': slash_top is slash_topk or slash_topp),
+    '' for none: what an unknown-key error says after naming the keys."""
+    guesses = []
+    for key in sorted(unknown, key=str):
+        ratios = {name: difflib.SequenceMatcher(None, str(key), name).ratio() for name in known}
+        best = max(ratios.values(), default=0.0)
+        if best >= 0.75:
+            close = " or ".join(repr(name) for name in known if ratios[name] == best)
+            guesses.append(f"{close} for {key!r}" if len(unknown) > 1 else close)
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
 class FileConfig:
     """Mixin for config dataclasses: dict and YAML/JSON round trips with unknown keys refused, and the one
     rule by which command-line flags meet a config file (`from_file_and_flags`).
@@ -148,7 +163,8 @@ class FileConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"Unknown {cls.KIND} config keys {sorted(unknown)}; known keys: {sorted(known)}.")
+            raise ValueError(f"Unknown {cls.KIND} config keys {sorted(unknown)}{close_keys(unknown, known)}; "
+                             f"known keys: {sorted(known)}.")
         return cls(**data)
 
     @classmethod

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .files import FileConfig, check_field_types
+from .files import FileConfig, check_field_types, close_keys
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
@@ -186,9 +186,11 @@ def scoring_from(section: Mapping[str, Any] | Scoring, budget: BudgetSection) ->
 
 def refuse_unknown(section: str, names: Iterable[str], known: Iterable[str]) -> None:
     """Raise ValueError naming the first of `names` that the `section` does not have, and listing those it has."""
+    known = list(known)
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"Unknown {section} key {unknown[0]!r}; the {section} section's keys: {list(known)}.")
+        raise ValueError(f"Unknown {section} key {unknown[0]!r}{close_keys(unknown[:1], known)}; the {section} "
+                         f"section's keys: {list(known)}.")
 
 
 def given_sections(budget: BudgetSection, scoring: Scoring) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .files import FileConfig, check_field_types, read_mapping
+from .files import FileConfig, check_field_types, close_keys, read_mapping
 from .flat_keys import nested
 from .sections import (
     BudgetSection,
@@ -149,7 +149,8 @@ class SparseAttentionConfig(FileConfig):
         values = nested(values)
         unknown = set(values) - {f.name for f in dataclasses.fields(self)}
         if unknown:
-            raise ValueError(f"Unknown {self.KIND} config keys {sorted(unknown)}; known keys: {sorted(self.keys())}.")
+            raise ValueError(f"Unknown {self.KIND} config keys {sorted(unknown)}{close_keys(unknown, self.keys())}; "
+                             f"known keys: {sorted(self.keys())}.")
         budget = budget_from(values.get("budget", {}))
         self.__dict__.update({f.name: values.get(f.name, f.default) for f in dataclasses.fields(self)},
                              budget=budget, scoring=scoring_from(values.get("scoring", {}), budget))

@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.layout import SparseLayout
+from ..attention.layout import SparseLayout, check_dims
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
@@ -511,6 +511,7 @@ def sparse_cp_attention_forward(
     Returns:
         (attention output [B, S, Hq, D], None).
     """
+    check_dims(query, key, value)  # (before anything unpacks their shapes: "not enough values to unpack")
     shard = kwargs.get(CP_SHARD_KWARG)
     probe = _PROBE.get()
     if probe is not None:

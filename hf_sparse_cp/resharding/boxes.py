@@ -73,6 +73,9 @@ def shard_boxes(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: Sequ
         if type(p) not in (Shard, Replicate):
             raise ValueError(f"placement {p} cannot be resharded: only Shard(dim) and Replicate() are laid out in "
                              "one coordinate space (reduce a Partial first, e.g. with DTensor.redistribute).")
+        if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):  # (an IndexError inside)
+            raise ValueError(f"placement {p} shards dimension {p.dim} of a tensor of shape {tuple(shape)}, which has "
+                             f"{len(shape)}: shard one of its dimensions, or Replicate() it.")
     return _shard_boxes(tuple(int(s) for s in shape), tuple(mesh_ranks.reshape(-1).tolist()),
                         tuple(mesh_ranks.shape), tuple(placements))
 

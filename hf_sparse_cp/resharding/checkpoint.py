@@ -95,11 +95,15 @@ def read_layout(folder: str | os.PathLike) -> tuple[int, dict[str, SavedTensor]]
         raise ValueError(f"{str(folder)!r} holds no {LAYOUT_FILE}: it is not a complete sharded state (written by "
                          "save_sharded_state, whose rank 0 writes the layout last; with save_on_each_node, every "
                          "node's first process).")
-    content = json.loads(path.read_text())
-    tensors = {name: SavedTensor(torch.Size(t["shape"]), _dtype(t["dtype"]),
-                                 {int(r): Box(tuple(a), tuple(b)) for r, (a, b) in t["boxes"].items()})
-               for name, t in content["tensors"].items()}
-    return content["world_size"], tensors
+    try:  # (a damaged file ended in a JSONDecodeError or KeyError that named neither it nor the checkpoint)
+        content = json.loads(path.read_text())
+        tensors = {name: SavedTensor(torch.Size(t["shape"]), _dtype(t["dtype"]),
+                                     {int(r): Box(tuple(a), tuple(b)) for r, (a, b) in t["boxes"].items()})
+                   for name, t in content["tensors"].items()}
+        return int(content["world_size"]), tensors
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{str(path)!r} is damaged ({type(e).__name__}: {e}), so the sharded state it describes "
+                         "cannot be read: resume from another checkpoint.") from None
 
 
 @dataclass

@@ -182,7 +182,14 @@ def create_smet_optimizer(
             f"{getattr(optimizer_cls, '__name__', optimizer_cls)}; use --optim adamw_torch (or adamw_torch_fused) "
             "with the Trainer."
         )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"create_smet_optimizer(model, ...): model must be the torch.nn.Module to train (SMET finds "
+                        f"its target_modules by name), not {type(model).__name__}.")
     config = config if config is not None else SMETConfig()
+    if not isinstance(config, SMETConfig):
+        raise TypeError(f"create_smet_optimizer(..., config=...): config must be an SMETConfig, not "
+                        f"{type(config).__name__}: build it with SMETConfig(**fields) or "
+                        "SMETConfig.from_dict(mapping).")
     kwargs = dict(optimizer_kwargs)
     decoupled = kwargs.pop("decoupled_weight_decay", SUPPORTED_OPTIMIZERS[optimizer_cls])
     for name in ("amsgrad", "maximize"):
@@ -199,7 +206,7 @@ def create_smet_optimizer(
     optimizer = SMETAdam(
         groups,
         lr=float(hyper["lr"]),
-        betas=tuple(hyper["betas"]),
+        betas=hyper["betas"],
         eps=float(hyper["eps"]),
         config=config,
         decoupled_weight_decay=decoupled,

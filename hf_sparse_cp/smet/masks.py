@@ -39,6 +39,9 @@ class BlockGrid:
                 "module from target_modules."
             )
         cols = param.shape[1]
+        if param.numel() == 0:  # (no block to keep: a division by zero when its density is counted)
+            raise ValueError(f"{name} has shape {tuple(param.shape)}: an empty weight has no blocks to train "
+                             "sparsely. Remove its module from target_modules.")
         if cols % block_size:
             raise ValueError(
                 f"{name} has {cols} input columns, not a multiple of block_size={block_size}; pick a block size "

@@ -70,8 +70,13 @@ class SMETAdam(torch.optim.Optimizer):
         # (written so that NaN fails them too, as torch's AdamW refuses it)
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0.")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas={betas} must both be in [0, 1), e.g. (0.9, 0.999).")
+        try:  # (a pair of numbers: a third beta was ignored, a single one ended in a TypeError)
+            pair = tuple(float(b) for b in betas)
+        except (TypeError, ValueError):
+            pair = ()
+        if not (len(pair) == 2 and 0.0 <= pair[0] < 1.0 and 0.0 <= pair[1] < 1.0):
+            raise ValueError(f"betas={betas} must be two numbers, both in [0, 1), e.g. (0.9, 0.999).")
+        betas = pair
         if not eps > 0:
             raise ValueError(f"eps={eps} must be > 0, e.g. 1e-8.")
         if weight_decay is None:
@@ -470,7 +475,8 @@ class SMETAdam(torch.optim.Optimizer):
             if tuple(value.shape) != tuple(shape):
                 raise ValueError(
                     f"Saved SMET state {name!r} has local shape {tuple(value.shape)}, expected {tuple(shape)}: the "
-                    "checkpoint was written with another density or block_size; resume with the same SMET config."
+                    "checkpoint was written for weights of other shapes, or with another density or block_size; "
+                    "resume with the same model and SMET config."
                 )
             state[name] = value.to(device=shard.device, dtype=dtype)
         if sparse and state["block_index"].numel():

@@ -77,7 +77,8 @@ def _build(text, world=4, max_steps=6, **kw):
     # a section's unknown key, listing the known ones; one field given twice in one stage
     ("0:128:1:budget.bogus=1", r"stage 0 \(0:128:1:budget.bogus=1\): Unknown budget key 'bogus'; the budget "
                                r"section's keys: \['mode', "),
-    ("0:128:1:scoring.last_qq=1", r"Unknown scoring key 'last_qq'; the scoring section's keys: \['last_q', "),
+    ("0:128:1:scoring.last_qq=1", r"Unknown scoring key 'last_qq' \(did you mean 'last_q'\?\); the scoring section's "
+                                  r"keys: \['last_q', "),
     ("0:128:1:mass_threshold=0.01:budget.mass_threshold=0.02", r"mass_threshold=0.01 and budget: "
                                                                r"\{mass_threshold: 0.02\} give one field two values"),
 ])

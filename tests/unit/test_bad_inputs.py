@@ -739,3 +739,183 @@ def test_a_trainer_given_where_the_model_goes_names_its_model():
         hf_sparse_cp.configure(trainer)
     with pytest.raises(TypeError, match=r"pass its class, type\(\.\.\.\)"):
         hf_sparse_cp.sparse_arguments_class(trainer.args)
+
+
+def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_would_misread():
+    """`block_sparse_attention` took sliding_window=2.5 as a window of 3 and True as 1, and ended a window of text in a
+    comparison's TypeError; a scale of text ended in a TypeError inside the reference engine; q_meta / meta of the wrong
+    kind in AttributeErrors; k and v of 0 heads in a ZeroDivisionError and estimate_layout's q of 0 heads in a reshape's
+    RuntimeError. Each is refused at the call, naming the fix; whole numbers of any integer type still pass."""
+    import numpy
+    import torch
+
+    from hf_sparse_cp import SparseAttentionConfig, TokenMeta, block_sparse_attention, estimate_layout
+    from hf_sparse_cp.attention import dense_layout
+
+    cfg = SparseAttentionConfig(vertical_topk=64, slash_topk=64, block_size=64, min_seq_len=0)
+    q = k = v = torch.randn(1, 2, 128, 16)
+    layout = dense_layout(TokenMeta.contiguous(1, 128), 64)
+    window = "must be a whole number >= 1 (keys sliding_window or more tokens before a query are invisible"
+    scale = "must be a float (the softmax scale, e.g. 1 / math.sqrt(head_dim)) or None for 1 / sqrt(head_dim)."
+    meta = "must be a TokenMeta (TokenMeta.contiguous(batch, seq_len), TokenMeta.from_segments(segment ids [B, S])) or "
+    for call, error, message in [
+        (lambda: block_sparse_attention(q, k, v, layout, sliding_window=2.5), ValueError,
+         f"sliding_window=2.5 {window}"),
+        (lambda: block_sparse_attention(q, k, v, layout, sliding_window=True), ValueError,
+         f"sliding_window=True {window}"),
+        (lambda: estimate_layout(q, k, cfg, sliding_window="4"), ValueError, f"sliding_window='4' {window}"),
+        (lambda: block_sparse_attention(q, k, v, layout, scale="0.25"), TypeError, f"scale='0.25' (str) {scale}"),
+        (lambda: estimate_layout(q, k, cfg, scale=torch.tensor(0.25)), TypeError, "scale=tensor(0.2500) (Tensor)"),
+        (lambda: block_sparse_attention(q, k, v, layout, q_meta={"segment": None}), TypeError, f"q_meta {meta}"),
+        (lambda: block_sparse_attention(q, k, v, layout, k_meta=torch.zeros(1, 128)), TypeError, f"k_meta {meta}"),
+        (lambda: estimate_layout(q, k, cfg, torch.zeros(1, 128)), TypeError, f"meta {meta}"),
+        (lambda: block_sparse_attention(q[:, :0], k[:, :0], v[:, :0], layout), ValueError,
+         "k and v have 0 key/value heads ((1, 0, 128, 16)): attention needs at least 1."),
+        (lambda: estimate_layout(q[:, :0], k, cfg), ValueError, "q has 0 heads ((1, 0, 128, 16)): a layout is "
+                                                                "estimated per query head; give at least 1."),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            call()
+    out, _ = block_sparse_attention(q, k, v, layout, sliding_window=numpy.int64(3), scale=numpy.float32(0.5))
+    torch.testing.assert_close(out, block_sparse_attention(q, k, v, layout, sliding_window=3, scale=0.5)[0])
+    assert block_sparse_attention(q[:, :0], k, v, layout)[0].shape == (1, 0, 128, 16)  # (no query head: as SDPA)
+
+
+@pytest.mark.parametrize("build, named", [
+    (lambda c: c.SparseAttentionConfig(verticle_topk=8), "keys ['verticle_topk'] (did you mean 'vertical_topk'?); "
+                                                         "known keys: ['attention_engine', "),
+    (lambda c: c.SparseAttentionConfig.from_dict({"sink_token": 8, "colour": 1}),
+     "keys ['colour', 'sink_token'] (did you mean 'sink_tokens' for 'sink_token'?); known keys:"),
+    (lambda c: c.SparseAttentionConfig(budget={"mode": "topk", "slash_top": 8}),
+     "Unknown budget key 'slash_top' (did you mean 'slash_topk' or 'slash_topp'?); the budget section's keys: "),
+    (lambda c: c.SMETConfig.from_dict({"densty": 0.1}), "Unknown SMET config keys ['densty'] (did you mean "
+                                                        "'density'?); known keys: "),
+])
+def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, named):
+    """An unknown key listed the 25 known ones and left the reader to find `vertical_topk` among them for
+    `verticle_topk`: the close keys are named beside it (all of those as close: `slash_top` may be either)."""
+    import types
+
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.smet import SMETConfig
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig))
+
+
+def test_create_smet_optimizer_refuses_a_model_config_betas_or_weight_it_cannot_use():
+    """`create_smet_optimizer` with a dict for config or a list for the model ended in AttributeErrors inside, betas of
+    3 values trained with the first 2 (torch's Adam refuses them at its step), one beta ended in a TypeError, and a
+    target weight with no elements (a Linear of 0 inputs) in a ZeroDivisionError: each is refused naming the fix."""
+    import torch
+    from torch import nn
+
+    from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
+
+    class Model(nn.Module):
+        def __init__(self, inputs=32):
+            super().__init__()
+            self.q_proj = nn.Linear(inputs, 32)
+
+    config = SMETConfig(density=0.5, target_modules=["q_proj"])
+    for call, error, message in [
+        (lambda: create_smet_optimizer(Model(), config={"density": 0.5}), TypeError,
+         "create_smet_optimizer(..., config=...): config must be an SMETConfig, not dict: build it with "
+         "SMETConfig(**fields) or SMETConfig.from_dict(mapping)."),
+        (lambda: create_smet_optimizer(list(Model().parameters()), config=config), TypeError,
+         "create_smet_optimizer(model, ...): model must be the torch.nn.Module to train"),
+        (lambda: create_smet_optimizer(Model(), config=config, betas=(0.9, 0.99, 0.9)), ValueError,
+         "betas=(0.9, 0.99, 0.9) must be two numbers, both in [0, 1), e.g. (0.9, 0.999)."),
+        (lambda: create_smet_optimizer(Model(), config=config, betas=0.9), ValueError, "betas=0.9 must be two numbers"),
+        (lambda: create_smet_optimizer(Model(0), config=config), ValueError,
+         "q_proj.weight has shape (32, 0): an empty weight has no blocks to train sparsely. Remove its module from "
+         "target_modules."),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            call()
+    optimizer = create_smet_optimizer(Model(), config=config, betas=[0.8, torch.tensor(0.9)])
+    assert optimizer.param_groups[0]["betas"] == pytest.approx((0.8, 0.9))
+
+
+def test_cu_seq_lens_q_other_than_cu_seq_lens_k_is_refused():
+    """A packed batch whose cu_seq_lens_q ([0, 30, 64]) differ from its cu_seq_lens_k ([0, 20, 64]) was attended by the
+    keys' documents alone, the queries' ignored without a word; queries and keys of a call are the same tokens, so the
+    two must agree. Equal boundaries in separate tensors (as DataCollatorWithFlattening gives them) pass."""
+    import torch
+
+    from hf_sparse_cp.attention.tokens import token_meta_from_kwargs
+
+    def meta(q, k):
+        return token_meta_from_kwargs(1, 64, torch.device("cpu"), None, {
+            "cu_seq_lens_q": torch.tensor(q, dtype=torch.int32), "cu_seq_lens_k": torch.tensor(k, dtype=torch.int32)})
+
+    with pytest.raises(ValueError, match=re.escape("cu_seq_lens_q [0, 30, 64] and cu_seq_lens_k [0, 20, 64] differ, "
+                                                   "but the queries and keys of this call are the same tokens")):
+        meta([0, 30, 64], [0, 20, 64])
+    assert meta([0, 20, 64], [0, 20, 64]).segment[0, 19:21].tolist() == [0, 1]
+
+
+def test_layouts_metadata_and_merges_refuse_inputs_they_would_build_wrongly():
+    """`merge_attention` of a part of 1 head into one of 2 broadcast it: a result for other queries, without a word.
+    `dense_layout(meta, 100)` built a layout of 100-token blocks that only the attention call refused, block_size 0
+    ended in a ZeroDivisionError, sliding_window 0 built a layout of what no query sees, meta None an AttributeError;
+    `TokenMeta.from_segments` truncated fractional document ids (0.5 -> document 0; whole ones in a float tensor
+    are taken) and took [S] for [B, S]."""
+    import torch
+
+    from hf_sparse_cp import TokenMeta
+    from hf_sparse_cp.attention import dense_layout, merge_attention
+
+    meta = TokenMeta.contiguous(1, 128)
+    out, lse = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128)
+    ids = "TokenMeta.from_segments takes the document id of every token as an integer tensor [batch, seq] (-1 for "
+    for call, error, message in [
+        (lambda: merge_attention(out, lse, out[:, :1], lse[:, :1]), ValueError,
+         "merge_attention takes two parts of the same queries: out and out_part [..., S, D], lse and lse_part [..., "
+         "S]; got out (1, 2, 128, 16), lse (1, 2, 128), out_part (1, 1, 128, 16), lse_part (1, 1, 128)."),
+        (lambda: merge_attention(out, lse[..., :64], out, lse[..., :64]), ValueError, "merge_attention takes two"),
+        (lambda: dense_layout(meta, 100), ValueError, "block_size=100 must be a power of two >= 16; use 64 or 128."),
+        (lambda: dense_layout(meta, 0), ValueError, "block_size=0 must be a power of two >= 16"),
+        (lambda: dense_layout(meta, 64, sliding_window=0), ValueError, "sliding_window=0 must be a whole number >= 1"),
+        (lambda: dense_layout(None, 64), TypeError, "meta must be a TokenMeta (TokenMeta.contiguous(batch, seq_len), "
+                                                    "TokenMeta.from_segments(segment ids [B, S])); got NoneType."),
+        (lambda: TokenMeta.from_segments(torch.tensor([[0.0, 0.5, 1.0]])), ValueError,
+         f"{ids}padding; one row: segment[None]); got a (1, 3) torch.float32 tensor."),
+        (lambda: TokenMeta.from_segments(torch.tensor([0, 0, 1])), ValueError,
+         f"{ids}padding; one row: segment[None]); got a (3,) torch.int64"),
+        (lambda: TokenMeta.from_segments([[0, 0, 1]]), TypeError, f"{ids}padding; one row: segment[None]); got list."),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            call()
+    assert TokenMeta.from_segments(torch.tensor([[0, 0, -1]], dtype=torch.int16)).documents == [[(0, 2)]]
+    assert TokenMeta.from_segments(torch.tensor([[0.0, 1.0, -1.0]])).documents == [[(0, 1), (1, 2)]]
+    merged, _ = merge_attention(out, lse, out, torch.full_like(lse, float("-inf")))
+    torch.testing.assert_close(merged, out)
+
+
+def test_the_backend_names_cu_seq_lens_of_the_wrong_form_and_3d_queries(patched):
+    """cu_seq_lens of fractions ([0, 32.5, 64]) were truncated to other documents without a word, [1, N] ones ended in
+    "only one element tensors can be converted to Python scalars"; `sparse_cp_attention_forward` called with 3-D
+    query / key / value in "not enough values to unpack". Each is named; whole offsets in a float tensor pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import sparse_cp_attention_forward
+    from hf_sparse_cp.attention.tokens import token_meta_from_kwargs
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    cu = "cu_seq_lens must be a 1-D tensor of whole token offsets [0, ..., total] (as DataCollatorWithFlattening gives "
+    for offsets, got in [(torch.tensor([0.0, 32.5, 64.0]), "a (3,) torch.float32 tensor [0.0, 32.5, 64.0]."),
+                         (torch.tensor([[0, 32, 64]]), "a (1, 3) torch.int64 tensor [[0, 32, 64]].")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(cu)}them\\); got {re.escape(got)}$"):
+            token_meta_from_kwargs(1, 64, torch.device("cpu"), None, {"cu_seq_lens_k": offsets})
+    whole = token_meta_from_kwargs(1, 64, torch.device("cpu"), None, {"cu_seq_lens_k": torch.tensor([0.0, 32, 64])})
+    assert whole.segment[0, 31:33].tolist() == [0, 1]
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+    q, k = torch.randn(4, 64, 32), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=re.escape("q, k, v must be 4-D [batch, heads, seq, head_dim]; got "
+                                                   "(4, 64, 32), (2, 64, 32), (2, 64, 32)")):
+        sparse_cp_attention_forward(model.model.layers[0].self_attn, q, k, k, None)
+    out, _ = sparse_cp_attention_forward(model.model.layers[0].self_attn, q[None], k[None], k[None], None)
+    assert out.shape == (1, 64, 4, 32)

@@ -215,7 +215,8 @@ def test_one_mapping_that_gives_a_field_twice_is_refused_naming_both(tmp_path, g
 @pytest.mark.parametrize("given, match", [
     ({"budget": {"bogus": 1}}, r"Unknown budget key 'bogus'; the budget section's keys: \['mode', 'vertical_topk'"),
     ({"budget": {"mode": "topk", "bogus": 1}}, r"Unknown budget key 'bogus'; the budget section's keys: \['mode'"),
-    ({"scoring": {"last_qq": 64}}, r"Unknown scoring key 'last_qq'; the scoring section's keys: \['last_q', "
+    ({"scoring": {"last_qq": 64}}, r"Unknown scoring key 'last_qq' \(did you mean 'last_q'\?\); the scoring "
+                                   r"section's keys: \['last_q', "
                                    r"'sample_groups', 'sample_group_size'\]"),
 ])
 def test_an_unknown_key_in_a_section_is_named_with_the_known_ones(tmp_path, given, match):

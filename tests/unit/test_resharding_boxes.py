@@ -82,3 +82,22 @@ def test_a_source_that_does_not_tile_the_tensor_is_refused():
         from torch.distributed.tensor import Partial
 
         shard_boxes((4,), torch.arange(2), [Partial()])
+
+
+def test_a_shard_of_a_dimension_the_tensor_lacks_and_a_damaged_layout_file_are_named(tmp_path):
+    """A target layout that shards dimension 5 of a 2-D tensor ended in an IndexError inside the box arithmetic; a
+    sharded state whose layout.json is damaged (cut off, or without its tensors) in a JSONDecodeError or a KeyError
+    that named neither the file nor what to do. Both are ValueErrors naming them; Shard(-1), as DTensor takes it,
+    still lays out the last dimension."""
+    from hf_sparse_cp.resharding.checkpoint import LAYOUT_FILE, read_layout
+
+    with pytest.raises(ValueError, match=r"^placement S\(5\) shards dimension 5 of a tensor of shape \(6, 4\), which "
+                                         r"has 2: shard one of its dimensions, or Replicate\(\) it\.$"):
+        shard_boxes((6, 4), torch.arange(2), [Shard(5)])
+    assert shard_boxes((6, 4), torch.arange(2), [Shard(-1)])[1] == Box((0, 2), (6, 4))
+    for text, cause in [('{"world_size": 2, "tens', "JSONDecodeError: "), ("{}", "KeyError: 'tensors'"),
+                        ('{"world_size": 1, "tensors": {"w": {"shape": [2]}}}', "KeyError: 'dtype'")]:
+        (tmp_path / LAYOUT_FILE).write_text(text)
+        with pytest.raises(ValueError, match=rf"^'{tmp_path / LAYOUT_FILE}' is damaged \({cause}.*\), so the sharded "
+                                             r"state it describes cannot be read: resume from another checkpoint\.$"):
+            read_layout(tmp_path)
