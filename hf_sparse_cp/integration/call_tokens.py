@@ -89,7 +89,7 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     query = (torch.arange(q_length, device=device) + q_offset)[None, :]
     key = (query + 1).clamp(kv_offset, kv_offset + kv_length - 1)  # (no key after the last: `key > query` below)
     sees = torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, key))
-    return sees.device.type != "meta" and bool((sees & (key > query)).any())
+    return sees.device.type != "meta" and bool((sees & (key > query).to(sees.device)).any())
 
 
 # The key length and the tokens held (`cache_tokens_held`: an int, or a StaticCache's offset tensor plus an int, read

@@ -66,7 +66,7 @@ def test_a_block_overlay_of_a_packed_batch_is_refused_and_its_documents_pass_on(
 def test_a_bidirectional_mask_is_refused_as_such():
     """transformers' bidirectional mask (`create_bidirectional_mask`: an encoder's, cross-attention's over encoder
     states, a decoder's built with config.is_causal=False) passed on as the 2D padding mask, so that a layer that does
-    not say `is_causal=False` (Splinter's, ALIGN's and CLAP's text encoders, LightGlue's) attended causally
+    not say `is_causal=False` (Splinter's, ALIGN's and CLAP's text encoders) attended causally
     (tests/unit/test_bidirectional_models.py); a bidirectional window (an and-mask) is found by evaluating it."""
     embeds = torch.zeros(2, 40, 8)
     with pytest.raises(NonCausalMask, match=r"type 'llama'\) builds a bidirectional attention mask .*create_bidirec"
