@@ -436,9 +436,11 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
         raise ValueError(unsupported)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
-            f"sparse_cp received a {attention_mask.dim()}D attention mask; it takes the 2D padding mask that its "
-            "registered mask function produces. Call hf_sparse_cp.patch() before building the model, and do not pass "
-            "custom 4D masks."
+            f"sparse_cp received a {attention_mask.dim()}D attention mask (model type '{model_type}'); it takes the 2D "
+            "padding mask that its registered mask function produces. A model that builds its own mask (LayoutLM's, "
+            "MarkupLM's) cannot run on it: load it with attn_implementation='sdpa' or 'eager' (--sparse_attention "
+            "false). Otherwise pass the 2D padding mask rather than a custom 4D one, and call hf_sparse_cp.patch() "
+            "before building the model."
         )
 
 

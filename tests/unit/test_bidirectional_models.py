@@ -88,3 +88,15 @@ def test_a_causal_decoder_of_an_encoder_family_trains_as_sdpa_does():
     torch.testing.assert_close(logits, logits_ref, rtol=1e-12, atol=1e-12)
     for g, r in zip(grads, grads_ref):  # (the keys' bias gets no gradient but rounding: compared absolutely)
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["LayoutLM", "MarkupLM"])
+def test_an_encoder_that_builds_its_own_4d_mask_loaded_on_the_backend_is_refused_naming_a_fix_that_runs(name):
+    """LayoutLM's and MarkupLM's encoders build their own 4D mask: loaded on the backend they were refused with the
+    fix 'call hf_sparse_cp.patch() before building the model', which changes nothing for them."""
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}Model")(getattr(transformers, f"{name}Config")(**SMALL)).eval()
+    model.set_attn_implementation("sparse_cp")
+    with pytest.raises(ValueError, match=r"4D attention mask \(model type '[a-z]+'\).*builds its own mask.*: load it "
+                                         r"with attn_implementation='sdpa' or 'eager'"):
+        model(input_ids=torch.randint(3, 60, (2, 24)))
