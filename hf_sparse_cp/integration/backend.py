@@ -51,6 +51,7 @@ from .call_tokens import (
     cache_tokens_held,
     padding_between_tokens_once,
 )
+from .composite import tower_refusal
 from .stats import pop_kept_fractions, record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
@@ -313,9 +314,6 @@ def _refuse_masked_locality(module: torch.nn.Module, unseen_window: int | None, 
                 f"{size} tokens")
 
 
-# The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
-TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
-
 # Keyword arguments of transformers' attention calls that change what attention computes, which sparse_cp does not
 # implement (a call that carries one is refused rather than computed without it).
 # (`s_aux`, the learned sinks of GPT-OSS and others, is computed: `attention.sinks`; Inkling 2's are per token.)
@@ -367,14 +365,10 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
         name, what = found
         return (f"sparse_cp does not implement {what} ({name}, model type '{model_type}'); load this model with "
                 "attn_implementation='eager' (--sparse_attention false).")
-    tower = getattr(getattr(module, "config", None), "base_config_key", None)
-    if tower in TOWER_CONFIG_KEYS:  # (a composite model switched whole: `composite.backend_selection` keeps it out)
-        return (f"sparse_cp computes a language model's causal self-attention, but this layer "
-                f"({type(module).__name__}, model type '{model_type}') is in the model's "
-                f"{tower.removesuffix('_config')} tower, which attends over its own inputs as a whole; switch "
-                "the language model alone: hf_sparse_cp.configure(model) or "
-                "--sparse_attention (its towers keep their attention), or load the model with attn_implementation="
-                f"{{'text_config': 'sparse_cp', '{tower}': 'sdpa'}}.")
+    tower = tower_refusal(getattr(module, "config", None), f"this layer ({type(module).__name__}, model type "
+                                                            f"'{model_type}')")
+    if tower:  # (a composite model switched whole: `composite.backend_selection` keeps it out)
+        return tower
     if is_cross_attention(module):
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is cross-attention: its queries attend to the keys of another sequence (an "
@@ -457,9 +451,11 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
         raise ValueError(unsupported)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
-            f"sparse_cp received a {attention_mask.dim()}D attention mask; it takes the 2D padding mask that its "
-            "registered mask function produces. Call hf_sparse_cp.patch() before building the model, and do not pass "
-            "custom 4D masks."
+            f"sparse_cp received a {attention_mask.dim()}D attention mask (model type '{model_type}'); it takes the 2D "
+            "padding mask that its registered mask function produces. A model that builds its own mask (LayoutLM's, "
+            "MarkupLM's) cannot run on it: load it with attn_implementation='sdpa' or 'eager' (--sparse_attention "
+            "false). Otherwise pass the 2D padding mask rather than a custom 4D one, and call hf_sparse_cp.patch() "
+            "before building the model."
         )
 
 

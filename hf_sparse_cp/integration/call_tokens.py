@@ -9,9 +9,34 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from transformers.masking_utils import flash_attention_mask
+from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, flash_attention_mask
 
 from ..attention.tokens import TokenMeta, padding_between_tokens, token_meta_from_kwargs
+from .composite import tower_refusal
+
+# What a mask `sparse_cp_mask` refuses holds (`NonCausalMask`): a model's overlay on the causal mask, transformers'
+# bidirectional mask, or a mask that lets a query see the key after it (either).
+_NON_CAUSAL = {
+    "overlay": "overlays its own mask on the causal one (an or/and mask function: e.g. bidirectional attention over "
+               "image tokens, or a bidirectional text model)",
+    "bidirectional": "builds a bidirectional attention mask (transformers' create_bidirectional_mask: an encoder, "
+                     "cross-attention, or a text model with config.is_causal=False)",
+    "next key": "lets tokens see later ones in its attention mask: it overlays its own mask on the causal one (e.g. "
+                "a bidirectional prefix of packed documents), or it is bidirectional",
+}
+
+
+class NonCausalMask(ValueError):
+    """The refusal of a mask that lets a query see a later key (`sparse_cp_mask`; `cause`: a key of `_NON_CAUSAL`):
+    the backend computes causal attention only. `config`: the model's (its type is named), `fix`: how to train it
+    instead; `refusal` is the message without the fix (a tower's names its own)."""
+
+    def __init__(self, config, cause: str,
+                 fix: str = "load it with attn_implementation='sdpa' or 'eager' (--sparse_attention false)"):
+        model_type = getattr(config, "model_type", "unknown")
+        self.refusal = tower_refusal(config, f"this model (type '{model_type}')") or (
+            f"sparse_cp computes causal attention only, but this model (type '{model_type}') {_NON_CAUSAL[cause]}")
+        super().__init__(self.refusal if self.refusal.endswith(".") else f"{self.refusal}; {fix}.")
 
 
 def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -23,18 +48,19 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     wherever the cache gives the keys of earlier tokens (`kv_length` above `q_length`) the mask is returned, and the
     key length it was built for is kept for the backend (`cache_key_length`).
 
-    A mask that transformers combines from the causal one and a model's own overlay (`or_mask_function` /
-    `and_mask_function`, for which it sets `use_vmap`, or a block overlay: bidirectional image tokens, a bidirectional
-    text model) is refused: the backend computes causal attention, documents, windows and padding only. So is one
-    that lets a query see the key after it (`_sees_next_key`): a block overlay under packing."""
-    if (kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", None) == "or_mask"
-            or _sees_next_key(kwargs.get("mask_function"), batch_size, q_length, kv_length, kwargs.get("device"))):
-        config = kwargs.get("config")
-        raise ValueError(
-            f"sparse_cp computes causal attention only, but this model (type "
-            f"'{getattr(config, 'model_type', 'unknown')}') overlays its own mask on the causal one (an or/and mask "
-            "function: e.g. bidirectional attention over image tokens, or a bidirectional text model); load it with "
-            "attn_implementation='sdpa' (--sparse_attention false).")
+    A mask the backend cannot compute raises `NonCausalMask`, naming the fix: one that transformers combines from the
+    causal one and a model's own overlay (`or_mask_function` / `and_mask_function`, for which it sets `use_vmap`, or
+    a block overlay: bidirectional image tokens), its bidirectional one (`create_bidirectional_mask`: an encoder's,
+    cross-attention's, a decoder's with `config.is_causal=False`; the attention layers of some models, e.g.
+    Splinter's, do not say `is_causal=False`, so only the mask shows it), and any other that lets a query see the key
+    after it (`_sees_next_key`: a block overlay under packing, a bidirectional window)."""
+    function = kwargs.get("mask_function")
+    if kwargs.get("use_vmap") or getattr(function, "__name__", None) == "or_mask":
+        raise NonCausalMask(kwargs.get("config"), "overlay")
+    if function is bidirectional_mask_function:
+        raise NonCausalMask(kwargs.get("config"), "bidirectional")
+    if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device")):
+        raise NonCausalMask(kwargs.get("config"), "next key")
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
     if mask is None and kv_length != q_length:
@@ -49,16 +75,21 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     return mask
 
 
-def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, device) -> bool:
-    """Whether transformers' index-based `mask_function` of a packed batch (an `and_mask` of the causal mask and the
-    documents: the or-mask of a block overlay, HRM's bidirectional prefix, is then inside it) lets some query see the
-    key right after it, which no causal mask does. Evaluated, as transformers' SDPA mask evaluates it by broadcasting,
-    on those B x (S - 1) pairs only, once per mask (a forward)."""
-    if getattr(mask_function, "__name__", None) != "and_mask" or q_length != kv_length or q_length < 2:
+def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset: int,
+                   device) -> bool:
+    """Whether transformers' index-based `mask_function` lets some query see the key right after it (its position
+    plus one, among the call's keys), which no causal mask does. transformers' causal function is known not to; any
+    other (a window's or a packed batch's and-mask, a model's own) is evaluated, as transformers' SDPA
+    mask evaluates it by broadcasting, on those B x q_length pairs only, once per mask (a forward). A probe forward on
+    the meta device evaluates it on the CPU; a function of meta tensors (a packed batch's documents) is not read."""
+    if mask_function is None or mask_function is causal_mask_function:
         return False
+    device = torch.device("cpu" if device is None or torch.device(device).type == "meta" else device)
     batch = torch.arange(batch_size, device=device)[:, None]
-    query = torch.arange(q_length - 1, device=device)[None, :]
-    return bool(torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, query + 1)).any())
+    query = (torch.arange(q_length, device=device) + q_offset)[None, :]
+    key = (query + 1).clamp(kv_offset, kv_offset + kv_length - 1)  # (no key after the last: `key > query` below)
+    sees = torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, key))
+    return sees.device.type != "meta" and bool((sees & (key > query).to(sees.device)).any())
 
 
 # The key length and the tokens held (`cache_tokens_held`: an int, or a StaticCache's offset tensor plus an int, read

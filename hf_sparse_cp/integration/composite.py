@@ -15,6 +15,23 @@ from ..config import language_config
 # What a tower that was on the backend itself runs instead (the backend computes causal attention only).
 TOWER_FALLBACK = "sdpa"
 
+# The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
+TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
+
+
+def tower_refusal(config: Any, what: str) -> str | None:
+    """The refusal of `what` (e.g. 'this layer (CLIPAttention, model type 'clip_vision_model')') of a composite
+    model's vision or audio tower on the backend (its config's `base_config_key`), naming the switch that keeps the
+    towers off it; None for another config."""
+    tower = getattr(config, "base_config_key", None)
+    if tower not in TOWER_CONFIG_KEYS:
+        return None
+    return (f"sparse_cp computes a language model's causal self-attention, but {what} is in the model's "
+            f"{tower.removesuffix('_config')} tower, which attends over its own inputs as a whole; switch the "
+            "language model alone: hf_sparse_cp.configure(model) or --sparse_attention (its towers keep their "
+            f"attention), or load the model with attn_implementation={{'text_config': 'sparse_cp', '{tower}': "
+            "'sdpa'} (a tower loaded alone: attn_implementation='sdpa').")
+
 
 def _sub_configs(config: Any) -> dict[str, Any]:
     """The sub-configs `config` holds (its `sub_configs` keys that are set), by key."""

@@ -61,6 +61,7 @@ from .backend import (
     masked_locality,
     probing,
 )
+from .call_tokens import NonCausalMask
 from .composite import backend_selection, in_tower, tower_names
 from .given import require_model
 from .positions import unhooked_length_counted_tables
@@ -139,18 +140,26 @@ def _peft_config(model: torch.nn.Module) -> Any:
     return getattr(model, "active_peft_config", None)
 
 
-def _attention_calls(model: torch.nn.Module, with_shard: bool = False) -> list[tuple[str, ProbedCall]]:
+def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_parallel: bool | None = None
+                     ) -> list[tuple[str, ProbedCall]]:
     """`_probe` of the model's architecture on the meta device, or of the model itself where the architecture
     does not build or run there, and for a PEFT model, whose adapter may run attention layers of its own that its
-    base architecture lacks (SHADOW's network). Raises `ProbeFailed` when neither runs."""
+    base architecture lacks (SHADOW's network). Raises `ProbeFailed` when neither runs, and the refusal of a model
+    whose mask lets tokens see later ones (`non_causal_refusal`) where its mask function refused it; under CP
+    (`context_parallel`, by default `with_shard`) its fix drops CP too."""
+    context_parallel = with_shard if context_parallel is None else context_parallel
     if _peft_config(model) is None:
         try:
             return _probe(_architecture(model), "meta", with_shard)
+        except NonCausalMask as e:
+            raise non_causal_refusal(model, e, context_parallel) from None
         except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
             logger.info("Probing %s itself: its architecture does not run on the meta device (%s).",
                         type(model).__name__, e)
     try:
         return _probe(model, next(model.parameters()).device, with_shard)
+    except NonCausalMask as e:
+        raise non_causal_refusal(model, e, context_parallel) from None
     except Exception as e:
         model_type = getattr(model.config, "model_type", type(model).__name__)
         raise ProbeFailed(
@@ -162,12 +171,30 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False) -> list[t
         ) from e
 
 
+def non_causal_refusal(model: torch.nn.Module, refused: NonCausalMask, context_parallel: bool) -> ValueError:
+    """The refusal of `model`, whose forward on the backend built a mask that lets tokens see later ones (`refused`,
+    raised by the mask function): its attention layers may not say so (Splinter's and ALIGN's text encoders have no
+    `is_causal`), so only the mask shows it. The fix: dense attention, without CP under `context_parallel`."""
+    fix = "" if refused.refusal.endswith(".") else f": {own_attention_fix(context_parallel)}"
+    return ValueError(f"{type(model).__name__} cannot train with sparse_cp. {refused.refusal}{fix}")
+
+
+def own_attention_fix(context_parallel: bool) -> str:
+    """How to train a model whose attention sparse_cp cannot compute (bidirectional, encoder-decoder): with its own
+    attention, and without CP (whose ring needs sparse_cp) under `context_parallel`."""
+    cp = "without context parallelism (drop --cp_size) and " if context_parallel else ""
+    return (f"train it {cp}with its own attention: --sparse_attention false (sparse_attention=False in the training "
+            "arguments; in code, without hf_sparse_cp.configure(model)), or run the script without hf_sparse_cp.run.")
+
+
 def _check_architecture(model: torch.nn.Module, fix: str) -> None:
     """`check_attention_routed` on `model`'s architecture switched to the backend, for a model not switched yet
     (nothing to check where the architecture does not build and run on the meta device)."""
     try:
         shadow = _architecture(model)
         calls = _probe(shadow, "meta", with_shard=False)
+    except NonCausalMask as e:
+        raise non_causal_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
     except Exception:  # the switch itself (configure, enable_sparse_attention) checks the model then
         return
     _check_calls(model, compat.attn_implementation(shadow.config), calls, fix)
@@ -216,16 +243,18 @@ def _check_calls(model: torch.nn.Module, impl: str | None, calls: list[tuple[str
         )
 
 
-def check_attention_routed(model: torch.nn.Module) -> None:
+def check_attention_routed(model: torch.nn.Module, context_parallel: bool = False) -> None:
     """Raise ValueError, naming the architecture, the cause and the fix, unless `model`, switched to the
     `sparse_cp` backend, computes its attention through it: transformers keeps another implementation for an
     architecture that does not follow its AttentionInterface (e.g. bloom), and a probe forward of the
     architecture (on the meta device, or of the model itself) must run, and reach the backend from its attention
     layers with no mask of its own (e.g. doge's 4D mask). Called after `configure` and `enable_sparse_attention`
-    switch the model."""
+    switch the model; with `context_parallel` (a switch for CP training) a fix that needs dense attention drops CP
+    too."""
     impl = compat.attn_implementation(model.config)
     # (a probe forward that fails is refused: training would fail the same way at its first forward)
-    _check_calls(model, impl, _attention_calls(model) if impl == BACKEND_NAME else None, _DENSE_FIX)
+    calls = _attention_calls(model, context_parallel=context_parallel) if impl == BACKEND_NAME else None
+    _check_calls(model, impl, calls, _DENSE_FIX)
 
 
 def sliding_window_layers(config) -> list[int]:
@@ -314,9 +343,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
     if config is None:
         raise ValueError(f"{name} has no transformers config; the sparse_cp backend trains transformers models.")
     model_type = getattr(config, "model_type", name)
-    cp = "without context parallelism (drop --cp_size) and " if context_parallel else ""
-    stock = (f"train it {cp}with its own attention: --sparse_attention false (sparse_attention=False in the training "
-             "arguments), or run the script without hf_sparse_cp.run.")
+    stock = own_attention_fix(context_parallel)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; sparse_cp computes causal decoder self-attention only: "
                          f"{stock}")
@@ -333,9 +360,10 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
         )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
+        without_cp = ", without --cp_size" if context_parallel else ""
         raise ValueError(f"{name} (model type {model_type!r}) soft-caps attention logits (attn_logit_softcapping="
                          f"{softcap}), which the sparse kernels do not implement: train it with attn_implementation="
-                         f"'eager', which computes it (--sparse_attention false{', without --cp_size' if cp else ''}; "
+                         f"'eager', which computes it (--sparse_attention false{without_cp}; "
                          "SDPA does not soft-cap).")
     if training:
         dropout = config_dropout(config)

@@ -123,17 +123,18 @@ def store_pattern(model: torch.nn.Module, value: dict | None, patches: PatchSet 
             patches.set_attr(holder, MODEL_CONFIG_ATTRIBUTE, value)
 
 
-def select_backend(model: torch.nn.Module) -> str | dict | None:
+def select_backend(model: torch.nn.Module, context_parallel: bool = False) -> str | dict | None:
     """Switch `model` to `attn_implementation="sparse_cp"` and check that its attention now runs through it
     (`models.check_attention_routed`: transformers keeps another implementation for an architecture outside its
     AttentionInterface). A composite model switches its language model only, its towers keeping their attention
     (`composite.backend_selection`). Raises ValueError, naming the architecture and the fix, with the model's
-    implementations left as they were. Returns the implementations the model had (`composite.implementations`: the
-    name alone for a model without sub-configs)."""
+    implementations left as they were (with `context_parallel`, a switch for CP training, a fix that needs dense
+    attention drops CP too). Returns the implementations the model had (`composite.implementations`: the name alone
+    for a model without sub-configs)."""
     previous = implementations(model.config)
     model.set_attn_implementation(backend_selection(model.config, BACKEND_NAME))
     try:
-        check_attention_routed(model)
+        check_attention_routed(model, context_parallel)
     except ValueError:
         if previous is not None and implementations(model.config) != previous:
             model.set_attn_implementation(previous)

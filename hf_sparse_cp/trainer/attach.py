@@ -127,7 +127,7 @@ def enable_sparse_attention(
     undo_recorded(model, _SPARSE_ATTENTION)
     patches = record_on(model, _SPARSE_ATTENTION)
     try:
-        _switch(model, patches, sparse_args, config, training_args, max_length)
+        _switch(model, patches, sparse_args, config, training_args, max_length, cp)
         with flag_errors((ValueError,)):  # (again, switched: the attention layers are probed now)
             check_model_supports_sparse_attention(model, context_parallel=cp)
         if max_length is not None:
@@ -139,15 +139,16 @@ def enable_sparse_attention(
 
 
 def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArguments, config: SparseAttentionConfig,
-            training_args: TrainingArguments | None, max_length: int | None) -> None:
-    """What `enable_sparse_attention` changes, each change recorded in `patches`."""
+            training_args: TrainingArguments | None, max_length: int | None, context_parallel: bool) -> None:
+    """What `enable_sparse_attention` changes, each change recorded in `patches` (`context_parallel`: training
+    under CP, whose refusals' dense fixes drop it)."""
     if not is_patched():
         patch()
         patches.on_undo(unpatch, outside=True)
     if sparse_args.sparse_fused_loss and not is_lean_loss_enabled():
         enable_lean_loss()
         patches.on_undo(disable_lean_loss, outside=True)
-    previous = select_backend(model)
+    previous = select_backend(model, context_parallel)
     store_pattern(model, config.to_dict(), patches)
     patches.on_undo(functools.partial(forget_layer_state, model))
     if previous is not None and previous != BACKEND_NAME:

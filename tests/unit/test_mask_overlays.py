@@ -1,11 +1,18 @@
 """The mask function registered with `sparse_cp`: transformers' causal mask, windows and packed positions pass on to
 the backend; a model's own overlay on the causal mask (an or/and mask function, a block overlay of bidirectional
-image tokens), which the backend cannot compute, is refused naming the fix."""
+image tokens) and transformers' bidirectional mask, which the backend cannot compute, are refused naming the fix."""
 
 import pytest
 import torch
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    sliding_window_bidirectional_mask_function,
+    sliding_window_causal_mask_function,
+)
 
+from hf_sparse_cp.integration.call_tokens import NonCausalMask, sparse_cp_mask
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 pytestmark = pytest.mark.usefixtures("patched")
@@ -38,8 +45,8 @@ def test_causal_windows_and_padding_pass_on_as_the_2d_padding_mask():
     {"block_sequence_ids": torch.tensor([[-1] * 10 + [0] * 10 + [-1] * 20] * 2)},  # bidirectional image tokens
 ], ids=["or", "and", "block"])
 def test_a_models_own_overlay_on_the_causal_mask_is_refused_naming_sdpa(overlay):
-    with pytest.raises(ValueError, match=r"overlays its own mask on the causal one .*attn_implementation='sdpa' "
-                                         r"\(--sparse_attention false\)"):
+    with pytest.raises(ValueError, match=r"overlays its own mask on the causal one .*attn_implementation='sdpa' or "
+                                         r"'eager' \(--sparse_attention false\)"):
         _mask(**overlay)
 
 
@@ -54,3 +61,33 @@ def test_a_block_overlay_of_a_packed_batch_is_refused_and_its_documents_pass_on(
     assert _mask(position_ids=packed) is None
     window = _config("mistral", sliding_window=16)
     assert _mask(create_sliding_window_causal_mask, config=window, position_ids=packed) is None
+
+
+def test_a_bidirectional_mask_is_refused_as_such():
+    """transformers' bidirectional mask (`create_bidirectional_mask`: an encoder's, cross-attention's over encoder
+    states, a decoder's built with config.is_causal=False) passed on as the 2D padding mask, so that a layer that does
+    not say `is_causal=False` (Splinter's, ALIGN's and CLAP's text encoders) attended causally
+    (tests/unit/test_bidirectional_models.py); a bidirectional window (an and-mask) is found by evaluating it."""
+    embeds = torch.zeros(2, 40, 8)
+    with pytest.raises(NonCausalMask, match=r"type 'llama'\) builds a bidirectional attention mask .*create_bidirec"
+                                            r"tional_mask.*attn_implementation='sdpa' or 'eager'"):
+        create_bidirectional_mask(config=_config(), inputs_embeds=embeds, attention_mask=None)
+    with pytest.raises(NonCausalMask, match="builds a bidirectional attention mask"):  # (40 queries, 10 keys)
+        create_bidirectional_mask(config=_config(), inputs_embeds=embeds, attention_mask=None,
+                                  encoder_hidden_states=torch.zeros(2, 10, 8))
+    with pytest.raises(NonCausalMask, match="lets tokens see later ones"):
+        sparse_cp_mask(2, 40, 40, mask_function=sliding_window_bidirectional_mask_function(4), device="meta")
+
+
+@pytest.mark.parametrize("q_offset", [24, torch.tensor(24)], ids=["int", "tensor"])
+def test_causal_masks_through_a_cache_pass_on_and_bidirectional_ones_are_refused(q_offset):
+    """Through a KV cache (16 queries after 24 tokens: a chunk of prefill; a StaticCache gives its offset as a tensor)
+    the keys after each query are the cache's later tokens: a causal window passes on, a bidirectional one does not."""
+    mask = sparse_cp_mask(2, 16, 40, q_offset, 0, mask_function=sliding_window_causal_mask_function(8), device="cpu")
+    assert mask.shape == (2, 40) and bool(mask.all())
+    with pytest.raises(NonCausalMask, match="lets tokens see later ones"):
+        sparse_cp_mask(2, 16, 40, q_offset, 0, mask_function=sliding_window_bidirectional_mask_function(8),
+                       device="cpu")
+    # (the last query sees the last key: no key after it, which a bidirectional window would see)
+    assert sparse_cp_mask(2, 1, 40, 39, 0, mask_function=sliding_window_bidirectional_mask_function(8),
+                          device="cpu").shape == (2, 40)
