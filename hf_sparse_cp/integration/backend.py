@@ -44,11 +44,13 @@ from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales, moved_query_scales
 from .call_tokens import (
+    NonCausalMask,
     PerForward,
     batch_token_meta,
     cache_key_length,
     cache_slots_mask,
     cache_tokens_held,
+    is_bidirectional_mask,
     padding_between_tokens_once,
 )
 from .composite import tower_refusal
@@ -508,6 +510,8 @@ def sparse_cp_attention_forward(
         (attention output [B, S, Hq, D], None).
     """
     check_dims(query, key, value)  # (before anything unpacks their shapes: "not enough values to unpack")
+    if is_bidirectional_mask(attention_mask) and not is_cross_attention(module):  # (cross-attention's own refusal)
+        raise NonCausalMask(getattr(module, "config", None), "bidirectional")
     shard = kwargs.get(CP_SHARD_KWARG)
     probe = _PROBE.get()
     if probe is not None:

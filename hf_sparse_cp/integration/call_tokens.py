@@ -50,15 +50,23 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
     A mask the backend cannot compute raises `NonCausalMask`, naming the fix: one that transformers combines from the
     causal one and a model's own overlay (`or_mask_function` / `and_mask_function`, for which it sets `use_vmap`, or
-    a block overlay: bidirectional image tokens), its bidirectional one (`create_bidirectional_mask`: an encoder's,
-    cross-attention's, a decoder's with `config.is_causal=False`; the attention layers of some models, e.g.
-    Splinter's, do not say `is_causal=False`, so only the mask shows it), and any other that lets a query see the key
-    after it (`_sees_next_key`: a block overlay under packing, a bidirectional window)."""
+    a block overlay: bidirectional image tokens), and any other that lets a query see the key after it
+    (`_sees_next_key`: a block overlay under packing, a bidirectional window). transformers' bidirectional mask
+    (`create_bidirectional_mask`: an encoder's, cross-attention's, a decoder's with `config.is_causal=False`; the
+    attention layers of some models, e.g. Splinter's, do not say `is_causal=False`, so only the mask shows it) is
+    returned marked (`is_bidirectional_mask`), for the attention call handed it to refuse."""
     function = kwargs.get("mask_function")
     if kwargs.get("use_vmap") or getattr(function, "__name__", None) == "or_mask":
         raise NonCausalMask(kwargs.get("config"), "overlay")
     if function is bidirectional_mask_function:
-        raise NonCausalMask(kwargs.get("config"), "bidirectional")
+        mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                    attention_mask=attention_mask, **kwargs)
+        # (a mask of its own, never the caller's tensor, which a causal call may be handed too)
+        mask = (torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device")) if mask is None
+                else mask.clone())
+        key = id(mask)
+        _BIDIRECTIONAL[key] = weakref.ref(mask, lambda _: _BIDIRECTIONAL.pop(key, None))
+        return mask
     if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device")):
         raise NonCausalMask(kwargs.get("config"), "next key")
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
@@ -90,6 +98,20 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     key = (query + 1).clamp(kv_offset, kv_offset + kv_length - 1)  # (no key after the last: `key > query` below)
     sees = torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, key))
     return sees.device.type != "meta" and bool((sees & (key > query).to(sees.device)).any())
+
+
+# The masks `sparse_cp_mask` built from transformers' bidirectional mask function, by id (a weak reference checks
+# that the mask is the same object). The attention call handed one refuses it (`is_bidirectional_mask`), not the mask
+# function: a BART-family decoder builds its cross-attention's mask at every forward, which a decoder-only forward
+# never hands to a layer.
+_BIDIRECTIONAL: dict[int, weakref.ref] = {}
+
+
+def is_bidirectional_mask(attention_mask: torch.Tensor | None) -> bool:
+    """Whether `attention_mask` is one `sparse_cp_mask` built for transformers' bidirectional mask (an encoder's,
+    cross-attention's, a decoder's with `config.is_causal=False`)."""
+    ref = _BIDIRECTIONAL.get(id(attention_mask))
+    return ref is not None and ref() is attention_mask
 
 
 # The key length and the tokens held (`cache_tokens_held`: an int, or a StaticCache's offset tensor plus an int, read

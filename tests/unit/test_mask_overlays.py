@@ -68,13 +68,27 @@ def test_a_bidirectional_mask_is_refused_as_such():
     states, a decoder's built with config.is_causal=False) passed on as the 2D padding mask, so that a layer that does
     not say `is_causal=False` (Splinter's, ALIGN's and CLAP's text encoders) attended causally
     (tests/unit/test_bidirectional_models.py); a bidirectional window (an and-mask) is found by evaluating it."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
+    from hf_sparse_cp.integration.call_tokens import is_bidirectional_mask
+
     embeds = torch.zeros(2, 40, 8)
-    with pytest.raises(NonCausalMask, match=r"type 'llama'\) builds a bidirectional attention mask .*create_bidirec"
-                                            r"tional_mask.*attn_implementation='sdpa' or 'eager'"):
-        create_bidirectional_mask(config=_config(), inputs_embeds=embeds, attention_mask=None)
-    with pytest.raises(NonCausalMask, match="builds a bidirectional attention mask"):  # (40 queries, 10 keys)
-        create_bidirectional_mask(config=_config(), inputs_embeds=embeds, attention_mask=None,
-                                  encoder_hidden_states=torch.zeros(2, 10, 8))
+    layer = AutoModelForCausalLM.from_config(_config()).model.layers[0].self_attn
+    q = torch.zeros(2, 4, 40, 8)
+    padding = torch.ones(2, 40, dtype=torch.long)
+    for given in (None, padding):
+        mask = create_bidirectional_mask(config=_config(), inputs_embeds=embeds, attention_mask=given)
+        # (the call handed it refuses it, not the mask function: a decoder-only BART forward builds its
+        # cross-attention's mask and never uses it; never the caller's tensor, which a causal call may get too)
+        assert is_bidirectional_mask(mask) and mask.shape == (2, 40) and mask is not given
+        with pytest.raises(NonCausalMask, match=r"type 'llama'\) builds a bidirectional attention mask .*create_bidi"
+                                                r"rectional_mask.*attn_implementation='sdpa' or 'eager'"):
+            sparse_cp_attention_forward(layer, q, q, q, mask)
+    cross = create_bidirectional_mask(config=_config(), inputs_embeds=embeds, attention_mask=None,
+                                      encoder_hidden_states=torch.zeros(2, 10, 8))  # (40 queries, 10 keys)
+    assert is_bidirectional_mask(cross) and cross.shape == (2, 10)
+    assert not is_bidirectional_mask(cross.clone()) and not is_bidirectional_mask(None)
     with pytest.raises(NonCausalMask, match="lets tokens see later ones"):
         sparse_cp_mask(2, 40, 40, mask_function=sliding_window_bidirectional_mask_function(4), device="meta")
 
