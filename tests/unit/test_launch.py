@@ -36,6 +36,16 @@ def _stock_members() -> dict:
             for name in ("__init__", "parse_args_into_dataclasses") if name in vars(cls)}
 
 
+@pytest.fixture
+def started(monkeypatch):
+    """The commands the launcher starts, recorded instead (`processes.run_forwarding_signals` answers 0)."""
+    from hf_sparse_cp.launch import processes
+
+    commands = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: commands.append(command) or 0)
+    return commands
+
+
 def test_the_scripts_parser_takes_the_plugins_flags_beside_its_own(tmp_path):
     stock = _stock_members()
     plugin = parse_plugin_flags(["--sparse_block_size", "64", "--cp_sharding", "zigzag"])
@@ -285,7 +295,7 @@ TORCHRUN = [sys.executable, "-m", "hf_sparse_cp.launch.refusals", "torchrun", "-
 ACCELERATE = [sys.executable, "-m", "hf_sparse_cp.launch.refusals", "accelerate"]
 
 
-def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, tmp_path, capsys):
+def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(started, monkeypatch, tmp_path, capsys):
     from hf_sparse_cp import cli
     from hf_sparse_cp.launch import processes
     from hf_sparse_cp.recipes import recipe_path
@@ -298,8 +308,6 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
     assert _refused(capsys, ["launch", "--nproc", "2", "-m"], cli.main) == usage + (
         "hf-sparse-cp launch: error: -m needs the module to run after it (e.g. -m trl.scripts.sft).\n")
     (tmp_path / "train.py").write_text("")
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.setattr(processes, "accelerator_count", lambda: 0)  # (the CPU recipe's machine)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
@@ -321,7 +329,7 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(monkeypatch, 
 
 @pytest.mark.parametrize("accelerators", [0, 2])
 def test_a_gpu_config_with_more_processes_per_machine_than_accelerators_is_refused_before_any_starts(
-        monkeypatch, tmp_path, capsys, accelerators):
+        started, monkeypatch, tmp_path, capsys, accelerators):
     """`hf-sparse-cp train --config_file fsdp2_cp8_1node` on a machine without 8 accelerators started all 8
     processes (30 s here), each then refusing the ParallelismConfig on CPU (with accelerators, the processes past
     the last one have no device): refused once, before any starts, naming the config, the processes per machine,
@@ -330,13 +338,10 @@ def test_a_gpu_config_with_more_processes_per_machine_than_accelerators_is_refus
     import torch
 
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: accelerators)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     (tmp_path / "train.py").write_text("")
     usage = {"launch": f"usage: {cli.LAUNCH_USAGE}\n", "train": f"usage: {cli.TRAIN_USAGE}\n"}
     fix = {0: "its parallelism_config runs only on accelerators. Launch CPU processes instead: `--config_file "
@@ -475,17 +480,15 @@ def test_a_bad_plugin_flag_of_a_launched_script_is_refused_with_its_message_alon
     ["train", "--nproc", "2", "--cp_size", "3", "--fsdp", "full_shard", "--fsdp_config",
      '{"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}'],
 ])
-def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_start(monkeypatch, tmp_path, capsys,
+def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_start(started, monkeypatch,
+                                                                                    tmp_path, capsys,
                                                                                        argv):
     """`--nproc 2 --cp_size 3`: every process would refuse it, then torchrun would print its own failure; the
     launcher refuses it first, as argparse refuses a flag (exit 2), and starts nothing."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as refused:
         cli.main(argv)
@@ -497,14 +500,11 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
 
-def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(monkeypatch, capsys):
+def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(started, monkeypatch, capsys):
     """`--cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, each refusing it once it had built its
     data and model; the launcher's parse of the example's flags refuses it, once, and starts nothing."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as refused:
         cli.main(["train", "--nproc", "2", "--cp_schedule", "0:256:1,4:512:2", "--max_steps", "4"])
@@ -513,14 +513,12 @@ def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(monke
             "the stage earlier.") in capsys.readouterr().err
 
 
-def test_the_launcher_refuses_what_every_launched_process_would_before_starting_them(monkeypatch, tmp_path, capsys):
+def test_the_launcher_refuses_what_every_launched_process_would_before_starting_them(
+        started, monkeypatch, tmp_path, capsys):
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
         cli.main(["launch", "--nproc", "2", "--sparse_block_size", "48", "train.py"])
@@ -605,18 +603,15 @@ HELP_SCRIPT = textwrap.dedent("""
     (["launch", "--nproc", "2", "train.py", "--help"], ["launch", "train.py", "--help"]),
     (["launch", "--config_file", "cpu_2proc_cp2", "train.py", "--cp_size", "2", "-h"], ["launch", "train.py", "-h"]),
 ])
-def test_help_under_several_processes_prints_once_before_any_starts(monkeypatch, tmp_path, capsys, argv, here):
+def test_help_under_several_processes_prints_once_before_any_starts(started, monkeypatch, tmp_path, capsys, argv, here):
     """`hf-sparse-cp train --nproc 2 --help` printed the example's help once per launched process: it prints it
     once, here, as one process does, and exits 0 without starting them (`launch`: the plugin's flags before a
     script path, or the script's own help, with the plugin's flags, after it)."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text(HELP_SCRIPT)
     monkeypatch.setenv("COLUMNS", "200")
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     printed = []
     for command in (here, argv):
@@ -629,17 +624,14 @@ def test_help_under_several_processes_prints_once_before_any_starts(monkeypatch,
     assert out == one
 
 
-def test_a_script_that_reads_no_help_is_not_run_alone_for_it(monkeypatch, tmp_path, capsys):
+def test_a_script_that_reads_no_help_is_not_run_alone_for_it(started, monkeypatch, tmp_path, capsys):
     """The help of a script to launch in several processes comes from its run here, up to its parser: a script that
     builds its Trainer without a parser that reads --help is stopped there, naming why, with nothing launched (it
     would otherwise train here, in one process)."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model=None, args=None)\n")
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = _refused(capsys, ["launch", "--nproc", "2", "train.py", "--help"], cli.main)
     assert not started
@@ -648,16 +640,13 @@ def test_a_script_that_reads_no_help_is_not_run_alone_for_it(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_a_bad_flag_of_the_example_prints_a_short_usage_not_every_flag(monkeypatch, tmp_path, capsys, nproc):
+def test_a_bad_flag_of_the_example_prints_a_short_usage_not_every_flag(started, monkeypatch, tmp_path, capsys, nproc):
     """`hf-sparse-cp train --sparse_vertical_topk abc` printed the usage of every flag (~190 lines) before the
     error: the example's parser prints its prog and a pointer to --help, then argparse's error, exit 2 (in this
     process, and before launching several)."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = _refused(capsys, ["train", "--nproc", nproc, "--sparse_vertical_topk", "abc"], cli.main)
     assert not started
@@ -855,17 +844,14 @@ def test_sparse_attention_off_with_a_model_loaded_as_sparse_cp_is_refused(tmp_pa
     assert "attention: sdpa" in capsys.readouterr().out
 
 
-def test_train_runs_a_script_at_a_path_without_py_and_names_a_missing_one(monkeypatch, tmp_path, capsys):
+def test_train_runs_a_script_at_a_path_without_py_and_names_a_missing_one(started, monkeypatch, tmp_path, capsys):
     """`hf-sparse-cp train path/to/script` (an executable file, no .py) went to the example, which ended in
     'unrecognized arguments: path/to/script': a file is the script, run as `launch` runs it; a path that is no
     file is refused as no such script, before anything starts; a recipe file first stays the example's."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "train").write_text("")
     assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "bin/train", "--output_dir", "out"]) == 0
@@ -933,7 +919,8 @@ TRL_SCRIPT = textwrap.dedent("""
     ([("\nfrom trl import SFTTrainer\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer",
        "trainer = ORPOTrainer(model=None, args=args) if args.seed else SFTTrainer(model=None, args=args)")], None),
 ])
-def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys,
+def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_start(started, monkeypatch,
+                                                                                   tmp_path, capsys,
                                                                                     script, refused):
     """TRL's reward, GRPO and ORPO trainers under CP were refused only once every process had built its Trainer,
     after loading and tokenizing the data: the launcher reads which trainer the script builds from its source
@@ -942,12 +929,9 @@ def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_sta
     too as its flags parse (`launched`), for a launch that does not go through `hf-sparse-cp launch`."""
     pytest.importorskip("trl")
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     if isinstance(script[0], tuple):
         (tmp_path / "orpo.py").write_text(TRL_SCRIPT.format(imports=script[0][0], body=script[0][1]))
         script = ["orpo.py"]
@@ -981,16 +965,13 @@ def test_each_process_refuses_the_trl_trainer_its_script_builds_as_its_flags_par
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger-kernel runs on CUDA")
-def test_use_liger_kernel_on_cpu_for_a_trl_script_is_refused_before_the_processes_start(monkeypatch, tmp_path,
+def test_use_liger_kernel_on_cpu_for_a_trl_script_is_refused_before_the_processes_start(started, monkeypatch, tmp_path,
                                                                                         capsys):
     pytest.importorskip("trl")
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     with pytest.raises(SystemExit) as stopped:
         cli.main(["launch", "--nproc", "2", "-m", "trl.scripts.sft", "--output_dir", "out", "--use_liger_kernel"])
     assert stopped.value.code == 2 and not started
@@ -1003,19 +984,16 @@ def test_use_liger_kernel_on_cpu_for_a_trl_script_is_refused_before_the_processe
     assert cli.main(["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--use_liger_kernel"]) == 0
 
 
-def test_a_file_python_cannot_run_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+def test_a_file_python_cannot_run_is_refused_before_the_processes_start(started, monkeypatch, tmp_path, capsys):
     """A shell script, a binary or a script with a syntax error, given as the script (`hf-sparse-cp train run.sh`
     now runs a file as the script), ended in each launched process in a SyntaxError under runpy's traceback; the
     launcher names it once. What python runs (source, a zip with __main__.py) is left to it."""
     import zipfile
 
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     (tmp_path / "run.sh").write_text("#!/bin/bash\npython train.py \"$@\"\n")
     (tmp_path / "broken.py").write_text("def main(:\n    pass\n")
     (tmp_path / "binary").write_bytes(b"\x7fELF\x00\x01")
@@ -1034,16 +1012,14 @@ def test_a_file_python_cannot_run_is_refused_before_the_processes_start(monkeypa
         assert cli.main(["launch", "--nproc", "2", script]) == 0 and started[-1][-1] == script
 
 
-def test_the_examples_model_folder_not_there_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+def test_the_examples_model_folder_not_there_is_refused_before_the_processes_start(
+        started, monkeypatch, tmp_path, capsys):
     """`hf-sparse-cp train --nproc 2 --model_name_or_path ./missing` started both processes (20-40 s here), each then
     refusing the folder as it loaded the model; the launcher refuses it once, before any starts."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     with pytest.raises(SystemExit) as refused:
         cli.main(["train", "--nproc", "2", "--model_name_or_path", "./missing", "--max_steps", "1"])
     err = capsys.readouterr().err
@@ -1053,15 +1029,12 @@ def test_the_examples_model_folder_not_there_is_refused_before_the_processes_sta
     assert cli.main(["train", "--nproc", "2", "--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--max_steps", "1"]) == 0
 
 
-def test_a_module_that_is_not_there_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
+def test_a_module_that_is_not_there_is_refused_before_the_processes_start(started, monkeypatch, tmp_path, capsys):
     """`-m trl.scripts.stf` (its package installed, the module misspelled) passed the launcher's check of the top-level
     package and ended in each process in runpy's ImportError traceback and torchrun's failure report."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    started = []
-    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     with pytest.raises(SystemExit) as refused:
         cli.main(["launch", "--nproc", "2", "-m", "hf_sparse_cp.examples.no_such_example", "--output_dir", "out"])
     err = capsys.readouterr().err
