@@ -790,17 +790,31 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
      "Unknown budget key 'slash_top' (did you mean 'slash_topk' or 'slash_topp'?); the budget section's keys: "),
     (lambda c: c.SMETConfig.from_dict({"densty": 0.1}), "Unknown SMET config keys ['densty'] (did you mean "
                                                         "'density'?); known keys: "),
+    # the constructors of the typed configs too (they raised Python's "unexpected keyword argument" alone)
+    (lambda c: c.SMETConfig(densty=0.1), "Unknown SMET config keys ['densty'] (did you mean 'density'?); known "),
+    (lambda c: c.ContextParallelConfig(mode="ring"), "Unknown context parallel config keys ['mode'] (did you mean "
+                                                     "'cp_mode'?); known keys: ['cp_allow_untested_model', "),
+    (lambda c: c.Scoring(last_qs=8), "Unknown scoring config keys ['last_qs'] (did you mean 'last_q'?)"),
+    (lambda c: c.TopK(slash_top=8), "Unknown budget config keys ['slash_top'] (did you mean 'slash_topk'?)"),
 ])
 def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, named):
     """An unknown key listed the 25 known ones and left the reader to find `vertical_topk` among them for
-    `verticle_topk`: the close keys are named beside it (all of those as close: `slash_top` may be either)."""
+    `verticle_topk`: the close keys are named beside it (all of those as close: `slash_top` may be either), in
+    a file, a mapping or a constructor's keyword."""
     import types
 
     from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.attention.budgets import TopK
+    from hf_sparse_cp.config.sections import Scoring
+    from hf_sparse_cp.distributed.cp_config import ContextParallelConfig
     from hf_sparse_cp.smet import SMETConfig
 
     with pytest.raises(ValueError, match=re.escape(named)):
-        build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig))
+        build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig,
+                                    ContextParallelConfig=ContextParallelConfig, Scoring=Scoring, TopK=TopK))
+    # a constructor's bad keyword is still a TypeError (what its callers catch), as Python's was
+    with pytest.raises(TypeError, match=re.escape("(did you mean 'density'?)")):
+        SMETConfig(densty=0.1)
 
 
 def test_create_smet_optimizer_refuses_a_model_config_betas_or_weight_it_cannot_use():
