@@ -691,6 +691,44 @@ _NO_FIRST = {"patch", "unpatch", "is_patched", "enable_lean_loss", "disable_lean
              "sparse_cp_attention_forward"}
 
 
+# The public functions' other required arguments, given None or a mapping: (the call, what the message names).
+_WRONG_OTHER = {
+    "install_smet": (lambda h, t, m, x: h.install_smet(t, x), "install_smet(trainer, config): config must be a "
+                     "SMETConfig, not "),
+    "attach_to_trainer": (lambda h, t, m, x: h.attach_to_trainer(t, x), "attach_to_trainer(trainer, sparse_args, "
+                          "...): sparse_args must be a SparseCPArguments, not "),
+    "attach_to_trainer cp_config": (lambda h, t, m, x: h.attach_to_trainer(t, h.SparseCPArguments(), x or 2),
+                                    "cp_config must be a ContextParallelConfig, not "),
+    "enable_sparse_attention": (lambda h, t, m, x: h.enable_sparse_attention(m, x), "enable_sparse_attention(model, "
+                                "sparse_args, ...): sparse_args must be a SparseCPArguments, not "),
+    "enable_curriculum": (lambda h, t, m, x: h.enable_curriculum(t, x), "enable_curriculum(trainer, schedule, ...): "
+                          "schedule must be a Schedule, not "),
+    "enable_trainer_context_parallel": (lambda h, t, m, x: h.enable_trainer_context_parallel(t, x or 2),
+                                        "cp_config must be a ContextParallelConfig, not "),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_WRONG_OTHER))
+@pytest.mark.parametrize("wrong", [None, {"density": 0.1}])
+def test_a_wrong_config_or_arguments_object_is_a_type_error_naming_what_to_pass(name, wrong, tmp_path):
+    """Issue #50: install_smet(trainer, None) ended in an AttributeError ('NoneType' object has no attribute
+    'target_modules'), as did attach_to_trainer / enable_sparse_attention without their SparseCPArguments and
+    enable_curriculum without a schedule: each is a TypeError naming the argument and what to pass (a mapping:
+    the config's from_dict)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hf_sparse_cp
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
+    call, named = _WRONG_OTHER[name]
+    with pytest.raises(TypeError, match=re.escape(named)) as raised:
+        call(hf_sparse_cp, trainer, model, wrong)
+    if name == "install_smet" and wrong is not None:
+        assert "build it from the mapping with SMETConfig.from_dict(...)" in str(raised.value)
+
+
 def test_every_public_function_is_checked_for_a_wrong_first_argument():
     import inspect
 
