@@ -33,6 +33,7 @@ from ..integration.fused_ops import (
     resolve_fused_ops,
 )
 from ..integration.given import require_instance, require_model, require_trainer
+from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import (
@@ -42,14 +43,7 @@ from ..integration.models import (
     sliding_window_layers,
 )
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
-from ..integration.registration import (
-    guard_registration,
-    is_patched,
-    patch,
-    select_backend,
-    store_pattern,
-    unpatch,
-)
+from ..integration.registration import guard_registration, select_backend, store_pattern
 from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
