@@ -834,6 +834,16 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
                                                      "'cp_mode'?); known keys: ['cp_allow_untested_model', "),
     (lambda c: c.Scoring(last_qs=8), "Unknown scoring config keys ['last_qs'] (did you mean 'last_q'?)"),
     (lambda c: c.TopK(slash_top=8), "Unknown budget config keys ['slash_top'] (did you mean 'slash_topk'?)"),
+    # and the flag dataclasses of a Trainer script, built in code
+    (lambda c: c.h.SparseCPArguments(sparse_atention=True), "Unknown plugin config keys ['sparse_atention'] (did "
+                                                             "you mean 'sparse_attention'?)"),
+    (lambda c: c.h.SMETArguments(smet_densty=0.1), "Unknown SMET flag config keys ['smet_densty'] (did you mean "
+                                                   "'smet_density'?)"),
+    (lambda c: c.h.CurriculumArguments(schedule="0:128:1"), "Unknown curriculum config keys ['schedule'] (did you "
+                                                            "mean 'cp_schedule'?)"),
+    (lambda c: c.h.SparseAttentionFlags(sparse_verticle_topk=8), "Unknown sparse attention flag config keys "
+                                                                 "['sparse_verticle_topk'] (did you mean "
+                                                                 "'sparse_vertical_topk'?)"),
 ])
 def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, named):
     """An unknown key listed the 25 known ones and left the reader to find `vertical_topk` among them for
@@ -841,6 +851,7 @@ def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, name
     a file, a mapping or a constructor's keyword."""
     import types
 
+    import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.attention.budgets import TopK
     from hf_sparse_cp.config.sections import Scoring
@@ -849,7 +860,8 @@ def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, name
 
     with pytest.raises(ValueError, match=re.escape(named)):
         build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig,
-                                    ContextParallelConfig=ContextParallelConfig, Scoring=Scoring, TopK=TopK))
+                                    ContextParallelConfig=ContextParallelConfig, Scoring=Scoring, TopK=TopK,
+                                    h=hf_sparse_cp))
     # a constructor's bad keyword is still a TypeError (what its callers catch), as Python's was
     with pytest.raises(TypeError, match=re.escape("(did you mean 'density'?)")):
         SMETConfig(densty=0.1)
