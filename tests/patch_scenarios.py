@@ -311,14 +311,13 @@ def accelerate_owns_cp() -> Iterator:
 
 def curriculum() -> Iterator:
     from hf_sparse_cp import disable_curriculum, enable_curriculum, parse_schedule
-    from hf_sparse_cp.trainer.curriculum import schedule_for
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp, max_steps=4)
         trainer.train_dataset = [{"input_ids": torch.arange(3, 259)}] * 8
         yield [(trainer, "get_train_dataloader"), (trainer.model.config, "sparse_attention")]
-        curriculum = enable_curriculum(trainer, schedule_for(trainer, parse_schedule(
-            "0:128:1,2:256:2:mass_threshold=0.01")))
+        # (the parsed stages: enable_curriculum resolves them for the trainer)
+        curriculum = enable_curriculum(trainer, parse_schedule("0:128:1,2:256:2:mass_threshold=0.01"))
         curriculum.stage()
         trainer.state.global_step = 2
         curriculum.stage()  # the second stage's pattern goes onto the model

@@ -126,11 +126,15 @@ def _is_number(text: str) -> bool:
 
 def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
     """' (did you mean 'a' for 'b'?)' for the keys among `unknown` that are close to one of `known` (a typo such as
-    verticle_topk, densty; those as close as the closest, joined by 'or': slash_top is slash_topk or slash_topp),
-    '' for none: what an unknown-key error says after naming the keys."""
+    verticle_topk, densty; or the key without its first word: mode for cp_mode; those as close as the closest,
+    joined by 'or': slash_top is slash_topk or slash_topp), '' for none: what an unknown-key error says after
+    naming the keys."""
+    def ratio(key: str, name: str) -> float:
+        return max(difflib.SequenceMatcher(None, key, text).ratio() for text in (name, name.partition("_")[2]))
+
     guesses = []
     for key in sorted(unknown, key=str):
-        ratios = {name: difflib.SequenceMatcher(None, str(key), name).ratio() for name in known}
+        ratios = {name: ratio(str(key), name) for name in known}
         best = max(ratios.values(), default=0.0)
         if best >= 0.75:
             close = " or ".join(repr(name) for name in known if ratios[name] == best)
@@ -138,7 +142,33 @@ def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
 
-class FileConfig:
+class UnknownKeyError(TypeError, ValueError):
+    """A key that a config does not have: a TypeError, as Python's for an unexpected keyword argument, and a
+    ValueError, as for an unknown key in a file or mapping."""
+
+
+class KnownKeywords:
+    """Mixin for the plugin's config dataclasses: a keyword argument that is not one of `keywords()` is refused,
+    naming the close keys (`close_keys`) and the known ones, where the generated `__init__` would only call it
+    unexpected (`SMETConfig(densty=0.1)`). `KIND`: the config's name in the error."""
+
+    KIND: ClassVar[str]
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        known = cls.keywords()
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise UnknownKeyError(f"Unknown {cls.KIND} config keys {sorted(unknown)}{close_keys(unknown, known)}; "
+                                  f"known keys: {sorted(known)}.")
+        return super().__new__(cls)
+
+    @classmethod
+    def keywords(cls) -> list[str]:
+        """The keyword arguments the constructor takes: the fields it sets."""
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+class FileConfig(KnownKeywords):
     """Mixin for config dataclasses: dict and YAML/JSON round trips with unknown keys refused, and the one
     rule by which command-line flags meet a config file (`from_file_and_flags`).
 
@@ -158,14 +188,9 @@ class FileConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
-        """Build from a mapping; unknown keys are an error that lists the known ones."""
+        """Build from a mapping; unknown keys are an error that names the close ones and lists the known ones."""
         cls._check_mapping(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"Unknown {cls.KIND} config keys {sorted(unknown)}{close_keys(unknown, known)}; "
-                             f"known keys: {sorted(known)}.")
-        return cls(**data)
+        return cls(**data)  # (unknown keys are refused by name: `KnownKeywords`)
 
     @classmethod
     def _check_mapping(cls, data: Any) -> None:

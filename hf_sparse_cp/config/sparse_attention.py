@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .files import FileConfig, check_field_types, close_keys, read_mapping
+from .files import FileConfig, check_field_types, read_mapping
 from .flat_keys import nested
 from .sections import (
     BudgetSection,
@@ -146,11 +146,7 @@ class SparseAttentionConfig(FileConfig):
     )
 
     def __init__(self, **values: Any) -> None:
-        values = nested(values)
-        unknown = set(values) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"Unknown {self.KIND} config keys {sorted(unknown)}{close_keys(unknown, self.keys())}; "
-                             f"known keys: {sorted(self.keys())}.")
+        values = nested(values)  # (unknown keys were refused by name: `KnownKeywords`, of `keys()`)
         budget = budget_from(values.get("budget", {}))
         self.__dict__.update({f.name: values.get(f.name, f.default) for f in dataclasses.fields(self)},
                              budget=budget, scoring=scoring_from(values.get("scoring", {}), budget))
@@ -177,6 +173,8 @@ class SparseAttentionConfig(FileConfig):
         """Every key a mapping of this config may hold: the fields, and the sections' flat keys."""
         return [f.name for f in dataclasses.fields(cls)] + ["budget_mode", *budget_field_names(),
                                                             *(f.name for f in dataclasses.fields(Scoring))]
+
+    keywords = keys  # (the constructor takes the flat keys too: `KnownKeywords`)
 
     def _parsed_overrides(self) -> list[tuple[int, int, dict[str, Any]]]:
         """Overrides as (first_layer, last_layer, fields), validated."""

@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
-from ..config.files import check_field_types
+from ..config.files import KnownKeywords, check_field_types
 from .modes import CPMode, cp_mode_named, cp_modes
 from .split.documents import PlannerCosts
 
@@ -18,9 +18,10 @@ CP_MODES = tuple(mode.name for mode in cp_modes())
 
 
 @dataclass
-class ContextParallelConfig:
+class ContextParallelConfig(KnownKeywords):
     """How the sequence is split over ranks and how K/V travel between them."""
 
+    KIND: ClassVar[str] = "context parallel"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_mode", "cp_sharding")
 
     cp_size: int = field(

@@ -3,7 +3,7 @@
 * `backend.py`: `sparse_cp_attention_forward`, the function transformers calls per layer;
 * `call_tokens.py`: `sparse_cp_mask`, the mask function registered with it, and the token metadata a forward's
   layers share;
-* `registration.py`: `patch`, `unpatch`, `configure`;
+* `interfaces.py`: `patch`, `unpatch` (the backend registered with transformers); `registration.py`: `configure`;
 * `lean_loss.py`: `enable_lean_loss` / `disable_lean_loss` (causal-LM loss without full logits);
 * `models.py`: which models context parallelism supports;
 * `heads.py`: the head a model has, and the hook that gives a sequence-classification or question-answering head the

@@ -1,10 +1,11 @@
-"""The first argument of a public entry point checked for its type, before anything reads it: a wrong one
-(a hub id, None, a model's config, a torch module without a transformers config, a model where a Trainer goes)
-raised an AttributeError or a ValueError deep inside (`'str' object has no attribute 'config'`); it is a TypeError
-naming what to pass."""
+"""The arguments of a public entry point checked for their type, before anything reads them: a wrong one
+(a hub id, None, a model's config, a torch module without a transformers config, a model where a Trainer goes,
+None or a mapping where a config goes) raised an AttributeError or a ValueError deep inside (`'str' object has
+no attribute 'config'`); it is a TypeError naming what to pass."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,9 +13,10 @@ from transformers import PretrainedConfig
 
 
 def _what(value: Any) -> str:
-    if value is None:
-        return "None"
-    name = type(value).__name__
+    return "None" if value is None else _a(type(value).__name__)
+
+
+def _a(name: str) -> str:
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
@@ -59,3 +61,14 @@ def require_subclass(base: Any, parent: type, call: str, example: str) -> None:
     got = (f"an instance of {type(base).__name__}: pass its class, type(...)" if isinstance(base, parent) else
            f"the class {base.__name__}" if isinstance(base, type) else _what(base))
     raise TypeError(f"{call}: base must be {parent.__name__} or a class derived from it ({example}), not {got}.")
+
+
+def require_instance(value: Any, expected: type, call: str, name: str, example: str) -> None:
+    """Raise TypeError, naming what to pass (`example`, e.g. 'SMETConfig(density=0.1)'), unless `value`, the
+    argument `name` of `call`, is an `expected` (a config or the plugin's arguments)."""
+    if isinstance(value, expected):
+        return
+    fix = f"pass one, e.g. {example}"
+    if isinstance(value, Mapping) and hasattr(expected, "from_dict"):
+        fix = f"build it from the mapping with {expected.__name__}.from_dict(...)"
+    raise TypeError(f"{call}: {name} must be {_a(expected.__name__)}, not {_what(value)}: {fix}.")

@@ -62,8 +62,9 @@ from .backend import (
     probing,
 )
 from .call_tokens import NonCausalMask
-from .composite import backend_selection, in_tower, tower_names
+from .composite import backend_selection, implementations, in_tower, tower_names
 from .given import require_model
+from .interfaces import patch, unpatch
 from .positions import unhooked_length_counted_tables
 
 if TYPE_CHECKING:
@@ -188,16 +189,42 @@ def own_attention_fix(context_parallel: bool) -> str:
 
 
 def _check_architecture(model: torch.nn.Module, fix: str) -> None:
-    """`check_attention_routed` on `model`'s architecture switched to the backend, for a model not switched yet
-    (nothing to check where the architecture does not build and run on the meta device)."""
+    """`check_attention_routed` on `model`'s architecture switched to the backend, for a model not switched yet:
+    on the meta device, or where the architecture does not build or run there (Splinter's padding check reads a
+    value) the model itself, switched for one probe forward (`_probe_switched`); the backend is registered for the
+    probe if it was not (without it a bidirectional encoder that only its mask shows was told to switch to
+    sparse_cp). Nothing to check where neither runs: the switch itself (configure, enable_sparse_attention) checks
+    the model then."""
+    registered = is_registered()
+    if not registered:
+        patch()
     try:
-        shadow = _architecture(model)
-        calls = _probe(shadow, "meta", with_shard=False)
+        try:
+            shadow = _architecture(model)
+            impl, calls = compat.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
+        except NonCausalMask:
+            raise
+        except Exception:
+            impl, calls = _probe_switched(model)
     except NonCausalMask as e:
         raise non_causal_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
-    except Exception:  # the switch itself (configure, enable_sparse_attention) checks the model then
+    except Exception:
         return
-    _check_calls(model, compat.attn_implementation(shadow.config), calls, fix)
+    finally:
+        if not registered:
+            unpatch()
+    _check_calls(model, impl, calls, fix)
+
+
+def _probe_switched(model: torch.nn.Module) -> tuple[str | None, list[tuple[str, ProbedCall]]]:
+    """(the implementation it switched to, `_probe`) of `model` itself switched to the backend for one forward on
+    its device, its implementations restored after."""
+    previous = implementations(model.config)
+    model.set_attn_implementation(backend_selection(model.config, BACKEND_NAME))
+    try:
+        return compat.attn_implementation(model.config), _probe(model, next(model.parameters()).device, False)
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None:

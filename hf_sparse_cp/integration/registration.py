@@ -1,12 +1,5 @@
-"""`patch()` / `unpatch()`: register the `sparse_cp` backend with transformers, reversibly; `configure()`.
-
-Registration goes through the public `AttentionInterface.register` and
-`AttentionMaskInterface.register`. The mask function is transformers' flash-style one
-(`call_tokens.sparse_cp_mask`, which adds a mask of ones where a StaticCache holds fewer tokens than key
-slots): it hands the backend the 2D padding mask (or None) instead of a [S, S] mask, and the backend
-applies causality and document boundaries itself. `patch()` registers the backend and nothing else; the
-memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`).
-"""
+"""`configure()`: the sparse attention settings stored on a model and the backend selected (registered with
+transformers by `interfaces.patch()`)."""
 
 from __future__ import annotations
 
@@ -15,69 +8,17 @@ from collections.abc import Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
 from . import compat
-from .backend import is_registered, pass_positions_on, sparse_cp_attention_forward
-from .call_tokens import sparse_cp_mask
+from .backend import is_registered, pass_positions_on
 from .composite import backend_selection, implementations
 from .given import require_model
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
 from .positions import hook_length_counted_tables, unhook
 
-_active: PatchSet | None = None
 _GUARD = "_hf_sparse_cp_registration_guard"
-
-
-def _register(patches: PatchSet, interface: type, fn) -> None:
-    registry = interface()
-    previous = registry[BACKEND_NAME] if BACKEND_NAME in registry else None
-
-    def restore() -> None:
-        if BACKEND_NAME not in interface() or interface()[BACKEND_NAME] is not fn:
-            return  # registered anew after us: leave it
-        if previous is not None:
-            interface.register(BACKEND_NAME, previous)
-        else:
-            compat.unregister(interface, BACKEND_NAME)
-
-    interface.register(BACKEND_NAME, fn)
-    patches.on_undo(restore)
-
-
-def patch() -> None:
-    """Register `attn_implementation="sparse_cp"` with transformers (attention and mask functions).
-
-    Idempotent: a second call does nothing. `unpatch()` restores the previous registrations.
-    """
-    global _active
-    if _active is not None:
-        return
-    patches = PatchSet()
-    try:
-        _register(patches, AttentionInterface, sparse_cp_attention_forward)
-        _register(patches, AttentionMaskInterface, sparse_cp_mask)
-    except BaseException:
-        patches.undo()  # leave transformers as it was
-        raise
-    _active = patches
-
-
-def unpatch() -> None:
-    """Undo what `patch()` did (a registration made by someone else after it stays); a no-op when
-    not patched."""
-    global _active
-    if _active is None:
-        return
-    _active.undo()
-    _active = None
-
-
-def is_patched() -> bool:
-    return _active is not None
 
 
 def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = None, *, select: bool = True) -> None:

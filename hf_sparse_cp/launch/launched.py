@@ -40,8 +40,8 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
 from ..integration import compat
+from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
-from ..integration.registration import is_patched, patch, unpatch
 from ..trainer.arguments import did_you_mean, explicit_fields, flag_errors, is_flag_error
 from ..trainer.attach import LAUNCHED
 from ..trainer.sparse_trainer import (

@@ -24,8 +24,9 @@ from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig, language_config
+from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet
-from ..integration.registration import configure, is_patched, patch, unpatch
+from ..integration.registration import configure
 from ..recipes import pattern_path
 from .kept_fraction_figure import kept_fraction_figure, new_figure, read_log_history
 from .model_card import KEPT_FRACTION_PLOT, TOKENIZER_FILES

@@ -52,9 +52,13 @@ def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathL
         writes_layout: whether this rank writes `layout.json` (default: rank 0). The Trainer's first
             process of every node with `save_on_each_node` (`TrainingArguments.should_save`), so that a
             node without shared storage resumes from its own folder with the same processes.
+
+    Raises TypeError, naming the key, for a key that is not a string or a value that is not a tensor (a step
+    counter as an int: `torch.tensor(step)`), before any file is written.
     """
     from safetensors.torch import save_file
 
+    _check_state(state)
     rank, world = rank_and_world()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,6 +81,23 @@ def save_sharded_state(state: Mapping[str, torch.Tensor], folder: str | os.PathL
         tmp = folder / f"{LAYOUT_FILE}.{rank}.tmp"  # (several writers share a folder on shared storage)
         tmp.write_text(json.dumps({"world_size": world, "tensors": layout}))
         os.replace(tmp, folder / LAYOUT_FILE)
+
+
+def _check_state(state: Mapping[str, torch.Tensor]) -> None:
+    """Raise TypeError, naming the key and the fix, unless `state` maps names to tensors (a file holds only those;
+    anything else ended in an AttributeError at its `.shape`, or safetensors' error naming no key)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"save_sharded_state takes a mapping of names to tensors, not {type(state).__name__}.")
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"save_sharded_state: key {name!r} ({type(name).__name__}) must be a string (the tensor's "
+                            f"name in the files), e.g. {str(name)!r}.")
+        if not isinstance(value, torch.Tensor):
+            fix = (f"store it as a tensor, e.g. torch.tensor({value!r})" if isinstance(value, (bool, int, float)) else
+                   "keep only tensors in the sharded state (DTensors, or plain tensors every rank holds whole) and "
+                   "save the rest another way")
+            raise TypeError(f"save_sharded_state: {name!r} is {'None' if value is None else type(value).__name__}, not "
+                            f"a tensor: {fix}.")
 
 
 @dataclass(frozen=True)
@@ -155,6 +176,11 @@ def load_sharded_state(
     loaded = {}
     for name, saved in tensors.items():
         layout = target(name, torch.empty(saved.shape, dtype=saved.dtype, device="meta"))
+        if not isinstance(layout, TargetLayout):  # (it ended in an AttributeError at `.boxes`)
+            raise TypeError(f"load_sharded_state: target({name!r}, ...) returned {type(layout).__name__}, not a "
+                            "TargetLayout: return one for every saved tensor, e.g. TargetLayout(mesh.mesh, "
+                            "param.placements, mesh) of the parameter it belongs to, or TargetLayout(torch.arange("
+                            "world), (Replicate(),)) for a tensor whole on every rank.")
         goal = layout.boxes(saved.shape)
         outside = sorted(r for r in goal if not 0 <= r < world)
         if outside:

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
-from ..config.files import check_field_types
+from ..config.files import KnownKeywords, check_field_types
 from ..config.sections import (
     DEFAULT_MODE,
     Scoring,
@@ -61,9 +61,10 @@ def is_flag_error(error: BaseException) -> bool:
 
 
 @dataclass
-class SparseCPArguments:
+class SparseCPArguments(KnownKeywords):
     """Plugin switches for a Trainer script (`--sparse_attention`, `--sparse_config PATH`, ...)."""
 
+    KIND: ClassVar[str] = "plugin"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("sparse_attention", "sparse_config")
 
     sparse_attention: bool = field(
@@ -262,8 +263,10 @@ def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     return out
 
 
-class _PatternFlags:
+class _PatternFlags(KnownKeywords):
     """The methods of `SparseAttentionFlags` (its fields are generated from `SparseAttentionConfig`)."""
+
+    KIND: ClassVar[str] = "sparse attention flag"
 
     def __post_init__(self) -> None:
         self.to_config()  # the config validates the values, naming the field
@@ -289,8 +292,9 @@ SparseAttentionFlags = dataclasses.make_dataclass(
                "COMMON_FLAGS": tuple(PATTERN_PREFIX + name for cls in (SparseAttentionConfig, *map(budget_class,
                                                                                                  budget_modes()))
                                      for name in cls.COMMON_FLAGS)})
-SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX), namespace={
-    "COMMON_FLAGS": tuple(FLAG_PREFIX + name for name in SMETConfig.COMMON_FLAGS)})
+SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX), bases=(KnownKeywords,),
+                                       namespace={"KIND": "SMET flag", "COMMON_FLAGS": tuple(
+                                           FLAG_PREFIX + name for name in SMETConfig.COMMON_FLAGS)})
 SMETFlags.__module__ = __name__
 
 

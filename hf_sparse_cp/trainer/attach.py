@@ -32,7 +32,8 @@ from ..integration.fused_ops import (
     liger_settings,
     resolve_fused_ops,
 )
-from ..integration.given import require_model, require_trainer
+from ..integration.given import require_instance, require_model, require_trainer
+from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
 from ..integration.models import (
@@ -42,14 +43,7 @@ from ..integration.models import (
     sliding_window_layers,
 )
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
-from ..integration.registration import (
-    guard_registration,
-    is_patched,
-    patch,
-    select_backend,
-    store_pattern,
-    unpatch,
-)
+from ..integration.registration import guard_registration, select_backend, store_pattern
 from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
@@ -115,6 +109,8 @@ def enable_sparse_attention(
         arguments stay the original's to undo (`patching.PatchSet`).
     """
     require_model(model, "enable_sparse_attention(model, ...)")
+    require_instance(sparse_args, SparseCPArguments, "enable_sparse_attention(model, sparse_args, ...)",
+                     "sparse_args", "SparseCPArguments(sparse_attention=True)")
     config = sparse_args.attention_config(attention_config, explicit)
     # (a fix under CP drops it: its ring needs this backend)
     cp = max(d for _, d in training_args.cp_degrees()) > 1 if hasattr(training_args, "cp_degrees") else False
@@ -320,6 +316,11 @@ def attach_to_trainer(
         becomes the process group's timeout (`apply_ddp_timeout`).
     """
     require_trainer(trainer, "attach_to_trainer(trainer, ...)")
+    require_instance(sparse_args, SparseCPArguments, "attach_to_trainer(trainer, sparse_args, ...)", "sparse_args",
+                     "SparseCPArguments(sparse_attention=True)")
+    if cp_config is not None:
+        require_instance(cp_config, ContextParallelConfig, "attach_to_trainer(trainer, sparse_args, cp_config)",
+                         "cp_config", "ContextParallelConfig(cp_size=2)")
     with flag_errors():  # (the processes launched against the Trainer's view: a launched script ends with the message)
         check_launch(trainer)
     if attached_patches(trainer, _DDP_TIMEOUT) is None:

@@ -51,7 +51,7 @@ from ..integration.architectures import (
 )
 from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
 from ..integration.composite import tower_names
-from ..integration.given import require_trainer
+from ..integration.given import require_instance, require_trainer
 from ..integration.heads import (
     BATCH_OUTPUT_HEADS,
     LANGUAGE_MODEL,
@@ -745,6 +745,9 @@ def enable_trainer_context_parallel(
         The `ParallelDims` in use; with a CP size of 1 nothing is patched.
     """
     require_trainer(trainer, "enable_trainer_context_parallel(trainer, ...)")
+    if cp_config is not None:
+        require_instance(cp_config, ContextParallelConfig, "enable_trainer_context_parallel(trainer, cp_config)",
+                         "cp_config", "ContextParallelConfig(cp_size=2)")
     cp_config = cp_config or ContextParallelConfig()
     parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
     if parallel.cp_size == 1:

@@ -42,7 +42,7 @@ from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_con
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
-from ..integration.given import require_trainer
+from ..integration.given import require_instance, require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
@@ -381,7 +381,7 @@ def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
 
 
 def enable_curriculum(
-    trainer: Trainer, schedule: Schedule, cp_config: ContextParallelConfig | None = None
+    trainer: Trainer, schedule: Schedule | Sequence[Stage], cp_config: ContextParallelConfig | None = None
 ) -> Curriculum:
     """Train `trainer` through the stages of `schedule`; `disable_curriculum(trainer)` undoes it.
 
@@ -390,7 +390,8 @@ def enable_curriculum(
 
     Args:
         trainer: the Trainer (its `train_dataset` has a length; `max_steps` set).
-        schedule: from `build_schedule`.
+        schedule: from `build_schedule`, or the stages of `parse_schedule` (resolved for this Trainer by
+            `schedule_for`).
         cp_config: the CP flags other than the degree (sharding, ring, mode); the stages set `cp_size` and
             may change the others.
 
@@ -398,6 +399,13 @@ def enable_curriculum(
         The `Curriculum`; the trainer's data loader, CP input preparation and token counting follow it.
     """
     require_trainer(trainer, "enable_curriculum(trainer, ...)")
+    if isinstance(schedule, (tuple, list)) and schedule and all(isinstance(s, Stage) for s in schedule):
+        schedule = schedule_for(trainer, schedule)
+    require_instance(schedule, Schedule, "enable_curriculum(trainer, schedule, ...)", "schedule",
+                     "the stages of parse_schedule('0:4096:1,200:16384:2')")
+    if cp_config is not None:
+        require_instance(cp_config, ContextParallelConfig, "enable_curriculum(trainer, schedule, cp_config)",
+                         "cp_config", "ContextParallelConfig(cp_sharding='zigzag')")
     cp_config = ContextParallelConfig() if cp_config is None else cp_config
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     model = trainer.model

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..config.files import check_field_types
+from ..config.files import KnownKeywords, check_field_types
 from ..distributed import ContextParallelConfig
 
 _EPOCH_SUFFIX = "ep"
@@ -112,9 +112,10 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
 
 
 @dataclass
-class CurriculumArguments:
+class CurriculumArguments(KnownKeywords):
     """The flag of a context-length curriculum (`--cp_schedule`)."""
 
+    KIND: ClassVar[str] = "curriculum"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_schedule",)
 
     cp_schedule: str | None = field(

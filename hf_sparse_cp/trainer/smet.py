@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from ..integration.given import require_trainer
+from ..integration.given import require_instance, require_trainer
 from ..integration.patching import record_on, undo_recorded
 from ..smet import SMETConfig
 from ..smet.factory import SUPPORTED_OPTIMIZERS, SMETOptimizerFactory, smet_param_groups
@@ -73,6 +73,8 @@ def install_smet(trainer: Trainer, config: SMETConfig) -> Trainer:
         that reach a PEFT adapter's weights) is refused here, not when `train()` builds the optimizer.
     """
     require_trainer(trainer, "install_smet(trainer, ...)")
+    require_instance(config, SMETConfig, "install_smet(trainer, config)", "config",
+                     "SMETConfig(density=0.1), or SMETArguments(...).to_config()")
     if trainer.optimizer is not None:
         raise ValueError(
             "The Trainer already has an optimizer; build it without `optimizers=` and let install_smet create SMET."

@@ -3,6 +3,8 @@
 resumes on 4 (what the 2 processes resumed, saved again; AdamW), each continuing as the uninterrupted run
 does (losses and final weights, fp64)."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -172,6 +174,30 @@ def test_a_layout_for_other_ranks_or_a_missing_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a complete sharded state"):
         load_sharded_state(tmp_path, lambda *_: whole)
 
+
+
+@pytest.mark.parametrize("state, named", [
+    ({"step": 4}, "'step' is int, not a tensor: store it as a tensor, e.g. torch.tensor(4)."),
+    ({"w": None}, "'w' is None, not a tensor: keep only tensors in the sharded state"),
+    ({"w": [1.0, 2.0]}, "'w' is list, not a tensor"),
+    ({3: torch.zeros(2)}, "key 3 (int) must be a string (the tensor's name in the files), e.g. '3'."),
+])
+def test_a_state_of_other_values_than_named_tensors_is_refused_naming_the_key(tmp_path, state, named):
+    """Issue #50: a non-tensor value ended in an AttributeError ('int' object has no attribute 'shape'), a key that is
+    no string in safetensors' error naming neither; each is a TypeError naming the key and the fix, before any file
+    is written."""
+    with pytest.raises(TypeError, match=re.escape(named)):
+        save_sharded_state({"x": torch.zeros(2), **state}, tmp_path / "state")
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_target_that_returns_no_layout_is_refused_naming_the_tensor(tmp_path):
+    """Issue #50: a target function returning None (one that forgot a tensor) ended in an AttributeError at
+    `.boxes`; it is a TypeError naming the tensor and what to return."""
+    save_sharded_state({"w": torch.zeros(2, 3)}, tmp_path)
+    with pytest.raises(TypeError, match=re.escape("target('w', ...) returned NoneType, not a TargetLayout: return one "
+                                                  "for every saved tensor")):
+        load_sharded_state(tmp_path, lambda name, tensor: None)
 
 def _node_worker(rank: int, world: int, folder: str) -> dict:
     """Each rank a node of its own without shared storage (`save_on_each_node`): it saves into its own folder, which

@@ -691,6 +691,44 @@ _NO_FIRST = {"patch", "unpatch", "is_patched", "enable_lean_loss", "disable_lean
              "sparse_cp_attention_forward"}
 
 
+# The public functions' other required arguments, given None or a mapping: (the call, what the message names).
+_WRONG_OTHER = {
+    "install_smet": (lambda h, t, m, x: h.install_smet(t, x), "install_smet(trainer, config): config must be a "
+                     "SMETConfig, not "),
+    "attach_to_trainer": (lambda h, t, m, x: h.attach_to_trainer(t, x), "attach_to_trainer(trainer, sparse_args, "
+                          "...): sparse_args must be a SparseCPArguments, not "),
+    "attach_to_trainer cp_config": (lambda h, t, m, x: h.attach_to_trainer(t, h.SparseCPArguments(), x or 2),
+                                    "cp_config must be a ContextParallelConfig, not "),
+    "enable_sparse_attention": (lambda h, t, m, x: h.enable_sparse_attention(m, x), "enable_sparse_attention(model, "
+                                "sparse_args, ...): sparse_args must be a SparseCPArguments, not "),
+    "enable_curriculum": (lambda h, t, m, x: h.enable_curriculum(t, x), "enable_curriculum(trainer, schedule, ...): "
+                          "schedule must be a Schedule, not "),
+    "enable_trainer_context_parallel": (lambda h, t, m, x: h.enable_trainer_context_parallel(t, x or 2),
+                                        "cp_config must be a ContextParallelConfig, not "),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_WRONG_OTHER))
+@pytest.mark.parametrize("wrong", [None, {"density": 0.1}])
+def test_a_wrong_config_or_arguments_object_is_a_type_error_naming_what_to_pass(name, wrong, tmp_path):
+    """Issue #50: install_smet(trainer, None) ended in an AttributeError ('NoneType' object has no attribute
+    'target_modules'), as did attach_to_trainer / enable_sparse_attention without their SparseCPArguments and
+    enable_curriculum without a schedule: each is a TypeError naming the argument and what to pass (a mapping:
+    the config's from_dict)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hf_sparse_cp
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
+    call, named = _WRONG_OTHER[name]
+    with pytest.raises(TypeError, match=re.escape(named)) as raised:
+        call(hf_sparse_cp, trainer, model, wrong)
+    if name == "install_smet" and wrong is not None:
+        assert "build it from the mapping with SMETConfig.from_dict(...)" in str(raised.value)
+
+
 def test_every_public_function_is_checked_for_a_wrong_first_argument():
     import inspect
 
@@ -790,17 +828,43 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
      "Unknown budget key 'slash_top' (did you mean 'slash_topk' or 'slash_topp'?); the budget section's keys: "),
     (lambda c: c.SMETConfig.from_dict({"densty": 0.1}), "Unknown SMET config keys ['densty'] (did you mean "
                                                         "'density'?); known keys: "),
+    # the constructors of the typed configs too (they raised Python's "unexpected keyword argument" alone)
+    (lambda c: c.SMETConfig(densty=0.1), "Unknown SMET config keys ['densty'] (did you mean 'density'?); known "),
+    (lambda c: c.ContextParallelConfig(mode="ring"), "Unknown context parallel config keys ['mode'] (did you mean "
+                                                     "'cp_mode'?); known keys: ['cp_allow_untested_model', "),
+    (lambda c: c.Scoring(last_qs=8), "Unknown scoring config keys ['last_qs'] (did you mean 'last_q'?)"),
+    (lambda c: c.TopK(slash_top=8), "Unknown budget config keys ['slash_top'] (did you mean 'slash_topk'?)"),
+    # and the flag dataclasses of a Trainer script, built in code
+    (lambda c: c.h.SparseCPArguments(sparse_atention=True), "Unknown plugin config keys ['sparse_atention'] (did "
+                                                             "you mean 'sparse_attention'?)"),
+    (lambda c: c.h.SMETArguments(smet_densty=0.1), "Unknown SMET flag config keys ['smet_densty'] (did you mean "
+                                                   "'smet_density'?)"),
+    (lambda c: c.h.CurriculumArguments(schedule="0:128:1"), "Unknown curriculum config keys ['schedule'] (did you "
+                                                            "mean 'cp_schedule'?)"),
+    (lambda c: c.h.SparseAttentionFlags(sparse_verticle_topk=8), "Unknown sparse attention flag config keys "
+                                                                 "['sparse_verticle_topk'] (did you mean "
+                                                                 "'sparse_vertical_topk'?)"),
 ])
 def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, named):
     """An unknown key listed the 25 known ones and left the reader to find `vertical_topk` among them for
-    `verticle_topk`: the close keys are named beside it (all of those as close: `slash_top` may be either)."""
+    `verticle_topk`: the close keys are named beside it (all of those as close: `slash_top` may be either), in
+    a file, a mapping or a constructor's keyword."""
     import types
 
+    import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.attention.budgets import TopK
+    from hf_sparse_cp.config.sections import Scoring
+    from hf_sparse_cp.distributed.cp_config import ContextParallelConfig
     from hf_sparse_cp.smet import SMETConfig
 
     with pytest.raises(ValueError, match=re.escape(named)):
-        build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig))
+        build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig,
+                                    ContextParallelConfig=ContextParallelConfig, Scoring=Scoring, TopK=TopK,
+                                    h=hf_sparse_cp))
+    # a constructor's bad keyword is still a TypeError (what its callers catch), as Python's was
+    with pytest.raises(TypeError, match=re.escape("(did you mean 'density'?)")):
+        SMETConfig(densty=0.1)
 
 
 def test_create_smet_optimizer_refuses_a_model_config_betas_or_weight_it_cannot_use():

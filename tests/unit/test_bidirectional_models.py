@@ -71,6 +71,27 @@ def test_under_cp_the_refusal_of_an_encoder_without_is_causal_drops_cp():
         check_model_supports_context_parallel(model)
 
 
+
+@pytest.mark.parametrize("registered", [True, False], ids=["patched", "unpatched"])
+@pytest.mark.parametrize("name", list(ENCODERS))
+def test_the_cp_check_of_an_encoder_not_switched_refuses_it_as_bidirectional(name, registered):
+    """Such an encoder loaded with eager attention and given to the CP check directly (not switched first) was told
+    to train with --sparse_attention true, which then refuses it: its architecture does not run on the meta device
+    (Splinter's padding check reads a value), so nothing probed it. The check probes the model itself switched for
+    one forward (the backend registered for it when it is not) and refuses it for what it is, leaving it as it was."""
+    from hf_sparse_cp.integration.backend import is_registered
+    from hf_sparse_cp.integration.models import check_model_supports_context_parallel
+
+    if not registered:
+        hf_sparse_cp.unpatch()
+    model = _encoder(name)
+    with pytest.raises(ValueError, match=rf"{type(model).__name__} cannot train with sparse_cp\. .*builds a "
+                                         r"bidirectional attention mask.*: train it without context parallelism "
+                                         r"\(drop --cp_size\) and with its own attention") as refused:
+        check_model_supports_context_parallel(model)
+    assert "--sparse_attention true" not in str(refused.value)
+    assert compat.attn_implementation(model.config) == "eager" and is_registered() == registered
+
 def test_a_causal_decoder_of_an_encoder_family_trains_as_sdpa_does():
     """BERT with is_decoder=True (BertLMHeadModel, causal self-attention: its layers' `is_causal`) on the backend:
     logits and gradients equal sdpa's in float64."""

@@ -662,7 +662,7 @@ def test_a_script_loads_its_model_with_attn_implementation_sparse_cp():
     __init__), and is unregistered again when the script ends."""
     from transformers import AutoModelForCausalLM
 
-    from hf_sparse_cp.integration.registration import is_patched, unpatch
+    from hf_sparse_cp.integration.interfaces import is_patched, unpatch
     from hf_sparse_cp.testing.tiny_models import tiny_config
 
     unpatch()
