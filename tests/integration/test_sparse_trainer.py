@@ -75,31 +75,28 @@ def test_the_flags_carry_every_plugin_setting(tmp_path):
         SparseTrainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path)))
 
 
-def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(tmp_path, caplog):
+def _start_up_line(caplog, tmp_path, *flags) -> str:
+    """What a SparseTrainer built with `flags` logs at WARNING (its start-up line among it)."""
+    caplog.clear()
     with caplog.at_level("WARNING"):
-        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=_rows())
+        SparseTrainer(model=_model(), args=_args(tmp_path, *flags), train_dataset=_rows())
+    return caplog.text
+
+
+def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(tmp_path, caplog):
     # the first layer dense by default
     assert ("sparse_cp: 1 of 2 layers vertical-slash (block 32); layer 0 dense (pattern); fused ops: off (stock "
-            "PyTorch around attention); context parallelism: off" in caplog.text)
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "0"),
-                      train_dataset=_rows())
+            "PyTorch around attention); context parallelism: off" in _start_up_line(caplog, tmp_path, *PATTERN))
     assert ("sparse_cp: 2 of 2 layers vertical-slash (block 32); fused ops: off (stock PyTorch around attention); "
-            "context parallelism: off" in caplog.text)
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len",
-                                                 "8192"), train_dataset=_rows())
-    assert "layer 0 dense (pattern)" in caplog.text
+            "context parallelism: off" in _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_dense_first_layers",
+                                                          "0"))
+    text = _start_up_line(caplog, tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len", "8192")
+    assert "layer 0 dense (pattern)" in text
     # the note ends the line, after what the line says of the layers, the fused ops and CP
     assert ("context parallelism: off. At 256 tokens no document reaches min_seq_len=8192: every layer runs dense. "
-            "For a trial run that shows sparsity at this length, give --sparse_config trial" in caplog.text)
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN, "--sparse_dense_first_layers", "2"),
-                      train_dataset=_rows())
-    assert "sparse_cp: 0 of 2 layers vertical-slash (block 32); layers 0-1 dense (pattern);" in caplog.text
+            "For a trial run that shows sparsity at this length, give --sparse_config trial" in text)
+    assert ("sparse_cp: 0 of 2 layers vertical-slash (block 32); layers 0-1 dense (pattern);"
+            in _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_dense_first_layers", "2"))
 
 
 def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
