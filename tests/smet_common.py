@@ -95,3 +95,16 @@ def fsdp2_smet(model: torch.nn.Module, config, world: int, *, lr: float, attach:
     if attach:
         opt.attach()
     return opt
+
+
+def tiny_moe(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """A mixture of experts of transformers model type `arch` (Mixtral, Qwen3-MoE, GPT-OSS) sized as `tiny_llama`,
+    one layer of 4 experts (`TINY_EXPERTS`, each 2 a token) of width 64 by default, eager experts (torch's grouped
+    matmul takes no float64), random init from `seed`."""
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+                  max_position_embeddings=64, tie_word_embeddings=False, experts_implementation="eager")
+    fields.update(overrides)
+    config = tiny_config(arch, **fields)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype)

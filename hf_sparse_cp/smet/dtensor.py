@@ -21,7 +21,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def row_offset(param: torch.Tensor) -> int:
-    """Global index of the first row of `param`'s local shard.
+    """Global index of the first row of `param`'s local shard (of a 3-D stack of matrices: its first matrix).
 
     Supports the layouts FSDP2 and HSDP produce: `Shard(0)` on at most one mesh dimension, `Replicate`
     on the others. Shards follow `torch.chunk` (every shard but the last ones has ceil(rows / n) rows).

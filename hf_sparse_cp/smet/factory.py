@@ -38,32 +38,36 @@ def _adapter_prefixes(model: nn.Module) -> tuple[str, ...]:
 
 def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
                       decay_names: Callable[[nn.Module], Collection[str]] | None = None) -> list[dict[str, Any]]:
-    """Parameter groups of `model`: the trainable weights of `config.target_modules` linears (sparse,
-    `smet=True`), then the other trainable parameters, each split into those with weight decay and those
-    without: the names `decay_names(model)` lists decay (the Trainer passes its `get_decay_parameter_names`, so
-    SMET decays what the stock optimizer it stands in for decays), by default those of 2+ dims (not biases,
-    norms). A density that whole blocks per row move far is said here (`rounding.warn_if_rounded`).
-    A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is an error, and so
-    is a target list that reaches only frozen weights (LoRA freezes the base model)."""
+    """Parameter groups of `model`: the trainable weights of `config.target_modules` linears and the fused expert
+    stacks those names reach (`_expert_stacks`) (sparse, `smet=True`), then the other trainable parameters, each
+    split into those with weight decay and those without: the names `decay_names(model)` lists decay (the Trainer
+    passes its `get_decay_parameter_names`, so SMET decays what the stock optimizer it stands in for decays), by
+    default those of 2+ dims (not biases, norms). A density that whole blocks per row move far is said here
+    (`rounding.warn_if_rounded`). A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is
+    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model)."""
     targets = set(config.target_modules)
     names = {id(p): n for n, p in model.named_parameters()}
     adapters = _adapter_prefixes(model)
     sparse: dict[int, tuple[str, torch.Tensor]] = {}
+    transposed: dict[int, bool] = {}  # a sparse expert stack's: stored [experts, in, out]
     frozen: dict[str, None] = {}  # parameter names in model order, each once
     adapter: dict[str, str] = {}  # parameter name -> the target name that reached it
     for module_name, module in model.named_modules():
         target = module_name.rsplit(".", 1)[-1]
         weight = getattr(module, "weight", None)  # (a PEFT layer's is its base layer's)
-        if target not in targets or not isinstance(weight, nn.Parameter):
-            continue
-        name = names[id(weight)]
-        if name.startswith(adapters):
-            adapter[name] = target
-        elif weight.requires_grad:
-            _check_linear(module, module_name)
-            sparse[id(weight)] = (name, weight)
-        else:
-            frozen[name] = None
+        found = [(target, weight, None)] if target in targets and isinstance(weight, nn.Parameter) else []
+        for leaf, stack, layout in found + _expert_stacks(module, targets):
+            name = names[id(stack)]
+            if name.startswith(adapters):
+                adapter[name] = leaf
+            elif not stack.requires_grad:
+                frozen[name] = None
+            elif layout is None:
+                _check_linear(module, module_name)
+                sparse[id(stack)] = (name, stack)
+            else:
+                sparse[id(stack)] = (name, stack)
+                transposed[id(stack)] = layout
     if adapter:
         raise ValueError(
             f"target_modules={config.target_modules} reaches PEFT adapter weights ({next(iter(adapter))}, "
@@ -78,38 +82,53 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
             "updates, without get_peft_model) or with LoRA (without --smet / install_smet), or unfreeze the "
             "weights SMET should train (requires_grad_(True))."
         )
+    uncut = _named_but_dense(model, targets, sparse, adapters)
     if not sparse:
         examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                            if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)})
         raise ValueError(
             f"No module of the model matches target_modules={config.target_modules}; linear modules here are named "
-            f"{examples[:12]}."
+            f"{examples[:12]}." + (f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into "
+                                   "blocks: not an nn.Linear weight, nor a stack of experts whose module says how it "
+                                   "is stored (transformers' `is_transposed`)." if uncut else "")
         )
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
-    grids = [BlockGrid.of(param, config.density, config.block_size, name) for name, param in sparse.values()]
+    grids = [BlockGrid.of(param, config.density, config.block_size, name, transposed.get(id(param), False))
+             for name, param in sparse.values()]
     warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
-    _warn_if_named_but_dense(model, targets, sparse, adapters)
+    if uncut:
+        _warn_dense(uncut, sum(p.numel() for p in model.parameters() if p.requires_grad), tuple(sorted(targets)))
     decayed = None if decay_names is None else set(decay_names(model))
     groups = {(smet, decay): [] for smet in (True, False) for decay in (True, False)}
     dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
     for name, param in [*sparse.values(), *dense]:
         decay = param.dim() >= 2 if decayed is None else name in decayed
         groups[id(param) in sparse, decay].append((name, param))
-    return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0)
+    return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0, transposed=transposed)
             for (smet, decay), named in groups.items() if named]
 
 
-def _warn_if_named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int],
-                             adapters: tuple[str, ...]) -> None:
-    """Warn when trainable matrices that `target_modules` names stay dense: parameters of their own, not an nn.Linear
-    module's weight, whose name is a target or ends in one (an MoE's fused experts in transformers 5: Mixtral's and
-    Qwen3-MoE's `experts.gate_up_proj` and `experts.down_proj`, [experts, ., .]), often most of the model. SMET cuts
-    nn.Linear weights only ([out, in]; such a parameter's layout differs between models: GPT-OSS stores [in, out])."""
-    named = tuple((name, param.numel()) for name, param in model.named_parameters()
-                  if param.requires_grad and param.dim() >= 2 and id(param) not in sparse
-                  and not name.startswith(adapters) and _names_a_target(name.rsplit(".", 1)[-1], targets))
-    if named:
-        _warn_dense(named, sum(p.numel() for p in model.parameters() if p.requires_grad), tuple(sorted(targets)))
+def _expert_stacks(module: nn.Module, targets: set[str]) -> list[tuple[str, nn.Parameter, bool]]:
+    """(name, parameter, transposed) of the 3-D parameters of `module` whose own name a target names (`gate_up_proj`,
+    `down_proj`: transformers 5's fused experts) when the module says how their matrices are stored: transformers'
+    experts carry `is_transposed` (False: [experts, out, in], Mixtral's, Qwen-MoE's; True: [experts, in, out],
+    GPT-OSS's). A stack without it (Llama 4's experts) stays dense, with a warning (`_named_but_dense`)."""
+    layout = getattr(module, "is_transposed", None)
+    if not isinstance(layout, bool):
+        return []
+    return [(leaf, param, layout) for leaf, param in module.named_parameters(recurse=False)
+            if param.dim() == 3 and _names_a_target(leaf, targets)]
+
+
+def _named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int],
+                     adapters: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """(name, size) of the trainable matrices that `target_modules` names but that stay dense (set-up warns,
+    `_warn_dense`): parameters of their own, not an nn.Linear module's weight, whose name is a target or ends in one,
+    and that are no expert stack SMET can cut (`_expert_stacks`): Llama 4's fused experts, [experts, in, out], whose
+    module does not say so, often most of the model."""
+    return tuple((name, param.numel()) for name, param in model.named_parameters()
+                 if param.requires_grad and param.dim() >= 2 and id(param) not in sparse
+                 and not name.startswith(adapters) and _names_a_target(name.rsplit(".", 1)[-1], targets))
 
 
 def _names_a_target(leaf: str, targets: set[str]) -> bool:
@@ -122,9 +141,10 @@ def _warn_dense(named: tuple[tuple[str, int], ...], trainable: int, targets: tup
     kept = [t for t in targets if not any(_names_a_target(name.rsplit(".", 1)[-1], {t}) for name, _ in named)]
     logger.warning(
         "SMET trains %d matrices that target_modules names dense, with AdamW's whole optimizer state (%s, ...: %.0f%% "
-        "of the trainable parameters): they are parameters of their own (an MoE's fused experts), not nn.Linear "
-        "weights, which SMET cuts into blocks of input columns; smet/density counts the sparse weights only. To train "
-        "them dense knowingly, leave their names out: --smet_target_modules %s.", len(named), named[0][0],
+        "of the trainable parameters): SMET cuts into blocks of input columns nn.Linear weights and 3-D stacks of "
+        "expert matrices whose module says how they are stored (transformers' `is_transposed`: [experts, out, in] or "
+        "[experts, in, out]), which these are not; smet/density counts the sparse weights only. To train them dense "
+        "knowingly, leave their names out: --smet_target_modules %s.", len(named), named[0][0],
         100 * sum(n for _, n in named) / trainable, ",".join(kept) or "NAMES")
 
 
@@ -141,13 +161,13 @@ def _check_linear(module: nn.Module, name: str) -> None:
             "Target the model's nn.Linear modules (--smet_target_modules), or train this model without --smet.")
 
 
-def _group(named: list[tuple[str, torch.Tensor]], smet: bool, weight_decay: float) -> dict[str, Any]:
-    return {
-        "params": [p for _, p in named],
-        "param_names": [n for n, _ in named],
-        "smet": smet,
-        "weight_decay": weight_decay,
-    }
+def _group(named: list[tuple[str, torch.Tensor]], smet: bool, weight_decay: float,
+           transposed: dict[int, bool]) -> dict[str, Any]:
+    group = {"params": [p for _, p in named], "param_names": [n for n, _ in named], "smet": smet,
+             "weight_decay": weight_decay}
+    if smet:  # (how each stack is stored, see `SMETAdam`; False for a 2-D weight)
+        group["transposed"] = [transposed.get(id(p), False) for _, p in named]
+    return group
 
 
 def create_smet_optimizer(

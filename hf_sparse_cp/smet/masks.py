@@ -2,7 +2,8 @@
 
 A sparse matrix `[rows, cols]` is cut into `blocks_per_row = cols / block_size` blocks per row; every
 row keeps `k` active blocks (`rounding.py`), listed in an index `[rows, k]` (int16 when it fits). The compact views
-`[rows, k, block_size]` of weights, gradients and Adam moments are gathered/scattered through it.
+`[rows, k, block_size]` of weights, gradients and Adam moments are gathered/scattered through it. A 3-D weight (an
+MoE's fused experts) is a stack of such matrices whose rows are numbered one after the other (`BlockGrid`).
 """
 
 from __future__ import annotations
@@ -22,23 +23,46 @@ _MIX2 = 0x2C1B3C6D
 
 @dataclass(frozen=True)
 class BlockGrid:
-    """How the local shard of one sparse weight is cut into blocks."""
+    """How the local shard of one sparse weight is cut into blocks.
 
-    rows: int  # local rows
+    A 2-D weight is one slice `[out, in]` (nn.Linear's layout); a 3-D one (an MoE's fused experts, `[experts, ., .]`)
+    is a stack of slices, each its own matrix, stored `[out, in]` or, `transposed`, `[in, out]`. The rows of all local
+    slices are numbered one after the other (slice after slice): every per-row state is `[rows, ...]`, and every row,
+    whatever its slice, keeps `k` blocks of `block_size` consecutive inputs, as a 2-D weight's rows do.
+    """
+
+    rows: int  # local rows, all local slices'
     blocks_per_row: int
     block_size: int
     k: int  # active blocks per row
     row_offset: int  # global index of the first local row
     global_rows: int
+    slices: int  # local slices (experts); 1 for a 2-D weight
+    slice_rows: int  # rows of a slice (a 2-D weight's: `rows`)
+    stacked: bool  # a 3-D weight: its per-row states are saved `[slices, rows per slice, ...]`
+    transposed: bool  # slices stored `[in, out]`: the inputs of a row run along dim -2
 
     @classmethod
-    def of(cls, param: torch.Tensor, density: float, block_size: int, name: str = "parameter") -> BlockGrid:
-        if param.dim() != 2:
+    def of(cls, param: torch.Tensor, density: float, block_size: int, name: str = "parameter",
+           transposed: bool | None = False) -> BlockGrid:
+        """The grid of `param`; `transposed` says how a 3-D one's slices are stored (None: unknown, refused)."""
+        if param.dim() not in (2, 3):
             raise ValueError(
-                f"{name} has shape {tuple(param.shape)}; SMET makes only 2-D (linear) weights sparse. Remove its "
-                "module from target_modules."
+                f"{name} has shape {tuple(param.shape)}; SMET makes only 2-D (linear) weights and 3-D stacks of them "
+                "(an MoE's fused experts) sparse. Remove its module from target_modules."
             )
-        cols = param.shape[1]
+        if param.dim() == 3 and transposed is None:
+            raise ValueError(
+                f"{name} has shape {tuple(param.shape)}, a stack of matrices stored [out, in] or [in, out]: say which "
+                "in its parameter group's 'transposed' list (create_smet_optimizer reads it from the experts "
+                "module's `is_transposed`), or remove it from target_modules."
+            )
+        if param.dim() == 2 and transposed:  # (its rows, which FSDP2 shards, would be its inputs)
+            raise ValueError(f"{name}: a 2-D sparse weight must be laid out [out, in] as nn.Linear's is, not "
+                             "transposed.")
+        transposed = bool(transposed)
+        out_dim, in_dim = (-1, -2) if transposed else (-2, -1)  # (a 2-D weight: nn.Linear's [out, in])
+        cols = param.shape[in_dim]
         if param.numel() == 0:  # (no block to keep: a division by zero when its density is counted)
             raise ValueError(f"{name} has shape {tuple(param.shape)}: an empty weight has no blocks to train "
                              "sparsely. Remove its module from target_modules.")
@@ -48,8 +72,14 @@ class BlockGrid:
                 f"that divides {cols} (e.g. {_largest_divisor(cols, block_size)})."
             )
         blocks_per_row = cols // block_size
-        return cls(local(param).shape[0], blocks_per_row, block_size, kept_blocks(blocks_per_row, density),
-                   row_offset(param), param.shape[0])
+        k = kept_blocks(blocks_per_row, density)
+        if param.dim() == 2:
+            rows = local(param).shape[0]
+            return cls(rows, blocks_per_row, block_size, k, row_offset(param), param.shape[0], 1, rows, False, False)
+        # FSDP2 shards a stack by whole slices (Shard(0) on the experts): its rows follow slice by slice
+        slices, slice_rows = local(param).shape[0], param.shape[out_dim]
+        return cls(slices * slice_rows, blocks_per_row, block_size, k, row_offset(param) * slice_rows,
+                   param.shape[0] * slice_rows, slices, slice_rows, True, transposed)
 
     @property
     def density(self) -> float:
@@ -60,13 +90,39 @@ class BlockGrid:
         return torch.int16 if self.blocks_per_row <= torch.iinfo(torch.int16).max else torch.int32
 
     def blocks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`[rows, blocks_per_row, block_size]` view of a local weight-shaped tensor."""
+        """`[slices, rows per slice, blocks_per_row, block_size]` view of a local weight-shaped tensor (strided, not
+        contiguous, for a `transposed` one)."""
         if not tensor.is_contiguous():
             raise ValueError("SMET needs contiguous weights and gradients to view them as blocks.")
-        return tensor.view(self.rows, self.blocks_per_row, self.block_size)
+        if self.transposed:
+            return tensor.view(self.slices, self.blocks_per_row, self.block_size, self.slice_rows).permute(0, 3, 1, 2)
+        return tensor.view(self.slices, self.slice_rows, self.blocks_per_row, self.block_size)
+
+    def per_slice(self, rows: torch.Tensor) -> torch.Tensor:
+        """A per-row `[rows, ...]` tensor as `[slices, rows per slice, ...]` (a view)."""
+        return rows.view(self.slices, self.slice_rows, *rows.shape[1:])
+
+    def gather(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The blocks `index` `[rows, k]` lists of a local weight-shaped tensor, as `[rows, k, block_size]`."""
+        return self.blocks(tensor).gather(2, self._where(index)).reshape(self.rows, index.shape[1], self.block_size)
+
+    def scatter_(self, tensor: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values` `[rows, k, block_size]` into the blocks `index` lists of a local weight-shaped tensor."""
+        self.blocks(tensor).scatter_(2, self._where(index), self.per_slice(values))
+
+    def inactive(self, index: torch.Tensor) -> torch.Tensor:
+        """Boolean mask of the blocks `index` does not list, broadcastable to `blocks()`."""
+        return ~self.per_slice(active_mask(index, self.blocks_per_row)).unsqueeze(-1)
+
+    def block_l1(self, blocks: torch.Tensor) -> torch.Tensor:
+        """`[rows, blocks_per_row]` float32 L1 norms of the blocks of a `blocks()`-shaped tensor."""
+        return block_l1(blocks).reshape(self.rows, self.blocks_per_row)
+
+    def _where(self, index: torch.Tensor) -> torch.Tensor:
+        return self.per_slice(index.long()).unsqueeze(-1).expand(-1, -1, -1, self.block_size)
 
     def global_block_ids(self, device: torch.device) -> torch.Tensor:
-        """`[rows, blocks_per_row]` int64 ids of the local blocks in the whole (unsharded) matrix."""
+        """`[rows, blocks_per_row]` int64 ids of the local blocks in the whole (unsharded) weight."""
         rows = torch.arange(self.rows, device=device, dtype=torch.int64) + self.row_offset
         cols = torch.arange(self.blocks_per_row, device=device, dtype=torch.int64)
         return rows[:, None] * self.blocks_per_row + cols[None, :]
@@ -108,11 +164,6 @@ def active_mask(index: torch.Tensor, blocks_per_row: int, keep: torch.Tensor | N
     slots where `keep` `[rows, k]` is True, when given)."""
     mask = torch.zeros(index.shape[0], blocks_per_row, dtype=torch.bool, device=index.device)
     return mask.scatter_(1, index.long(), True if keep is None else keep)
-
-
-def expand_index(index: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[rows, k]` block index -> int64 `[rows, k, block_size]` index for gather/scatter on block views."""
-    return index.long().unsqueeze(-1).expand(-1, -1, block_size)
 
 
 def block_l1(blocks: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """`SMETAdam`: Adam/AdamW with compact state for block-sparse matrices and a cure for cold starts.
 
-Parameter groups flagged `smet=True` hold 2-D weights that are block-sparse row by row (see
+Parameter groups flagged `smet=True` hold 2-D weights (and 3-D stacks of them, an MoE's fused experts, whose
+`transposed` list in the group says which are stored `[experts, in, out]`) that are block-sparse row by row (see
 `masks.py`); the other groups are plain dense Adam/AdamW. For a sparse weight the optimizer keeps,
 per local row, the index of its `k` active blocks, their Adam moments `[rows, k, block_size]` and a
 step counter per block. Every `update_interval` steps it prunes and regrows blocks (`topology.py`).
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import SMETConfig
 from .dtensor import like_param, local, local_rows_of
-from .masks import BlockGrid, active_mask, block_l1, expand_index
+from .masks import BlockGrid, block_l1
 from .topology import initial_blocks, prune_rate, prune_slots, regrow
 
 logger = logging.getLogger(__name__)
@@ -106,12 +107,25 @@ class SMETAdam(torch.optim.Optimizer):
                 yield key, group, param, name or f"parameter {key}"
                 key += 1
 
-    def _grid(self, param: torch.Tensor, name: str = "parameter") -> BlockGrid:
+    def _grid(self, param: torch.Tensor) -> BlockGrid:
         cached = self._grids.get(id(param))
         if cached is None or cached[0] is not param:
-            cached = (param, BlockGrid.of(param, self.config.density, self.config.block_size, name))
+            cached = (param, self._new_grid(param))
             self._grids[id(param)] = cached
         return cached[1]
+
+    def _new_grid(self, param: torch.Tensor) -> BlockGrid:
+        """The grid of a sparse parameter; its group's `transposed` list (parallel to `params`, optional for 2-D
+        weights) says how a 3-D one's slices are stored."""
+        for group in self.param_groups:
+            for position, candidate in enumerate(group["params"]):
+                if candidate is param:
+                    names, layouts = group.get("param_names"), group.get("transposed")
+                    # (a stack's layout unsaid: None, which BlockGrid.of refuses naming the fix)
+                    transposed = layouts[position] if layouts else None if param.dim() == 3 else False
+                    return BlockGrid.of(param, self.config.density, self.config.block_size,
+                                        names[position] if names else "parameter", transposed)
+        raise KeyError("SMET: a parameter of no parameter group.")
 
     def _is_attached(self) -> bool:
         for _, group, param, _ in self._named_params():
@@ -129,19 +143,18 @@ class SMETAdam(torch.optim.Optimizer):
         Call it again if the parameters in `param_groups` are replaced (accelerate swaps them for
         FSDP2 shards after the optimizer is built; the Trainer callback attaches after that)."""
         current = set()
-        for key, group, param, name in self._named_params():
+        for key, group, param, _ in self._named_params():
             current.add(id(param))
             state = self.state[param]
             if not group["smet"]:
                 if not state:
                     state.update(self._new_dense_state(param))
                 continue
-            grid = self._grid(param, name)
+            grid = self._grid(param)
             if not state:
                 state.update(self._new_sparse_state(param, grid, key))
             if self.config.mode == "sparse_weights":
-                weights = grid.blocks(local(param))
-                weights.masked_fill_(~active_mask(state["block_index"], grid.blocks_per_row).unsqueeze(-1), 0)
+                grid.blocks(local(param)).masked_fill_(grid.inactive(state["block_index"]), 0)
             if param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
                 self._hooks[id(param)] = (param, param.register_post_accumulate_grad_hook(_grad_hook(self)))
         for pid in [pid for pid in self._hooks if pid not in current]:
@@ -164,8 +177,8 @@ class SMETAdam(torch.optim.Optimizer):
         return state
 
     def _new_sparse_state(self, param: torch.Tensor, grid: BlockGrid, key: int) -> dict[str, torch.Tensor]:
-        weights = grid.blocks(local(param))
-        magnitude = block_l1(weights) if self.config.mode == "sparse_weights" else None
+        weights = local(param)
+        magnitude = grid.block_l1(grid.blocks(weights)) if self.config.mode == "sparse_weights" else None
         index = initial_blocks(grid.global_block_ids(weights.device), grid.k, self.config.seed, key, magnitude)
         shape = (grid.rows, grid.k, grid.block_size)
         state = {
@@ -199,12 +212,12 @@ class SMETAdam(torch.optim.Optimizer):
             return
         grid = self._grid(param)
         grad = grid.blocks(local(param.grad))
-        active = active_mask(state["block_index"], grid.blocks_per_row).unsqueeze(-1)
+        inactive = grid.inactive(state["block_index"])
         if self._regrowth_scores_needed(int(state["step"].item()) + 1, grid):
-            masked = grad.masked_fill(active, 0)
+            masked = grad.masked_fill(~inactive, 0).contiguous()  # (contiguous: it may be all-reduced)
             previous = self._masked_grads.get(id(param))
             self._masked_grads[id(param)] = masked if previous is None else previous.add_(masked)
-        grad.masked_fill_(~active, 0)
+        grad.masked_fill_(inactive, 0)
 
     def discard_masked_gradients(self) -> None:
         """Forget the gradients the hooks masked away since the last step: call it when a step was skipped (a
@@ -265,17 +278,21 @@ class SMETAdam(torch.optim.Optimizer):
             if not self._regrowth_scores_needed(int(self.state[param]["step"].item()) + 1, grid):
                 continue
             if not isinstance(param, DTensor) and _ranks() > 1:
-                # every rank averages the same list: a rank whose batch never reached this weight (an MoE expert,
-                # a branch of its own) ran no hook and masked nothing away, which is zeros, not a missing entry
-                held = torch.zeros_like(grid.blocks(local(param.grad))) if held is None else held
+                # every rank averages the same list: a rank whose batch never reached this weight (an MoE expert of
+                # its own module, a branch of its own) ran no hook and masked nothing away, which is zeros, not a
+                # missing entry (a fused experts stack's hook runs once any expert is reached; an expert no token was
+                # routed to holds zeros in its slice of the gradient, as a stock AdamW sees it)
+                grad = local(param.grad)
+                held = grad.new_zeros(grid.blocks(grad).shape) if held is None else held
                 replicated.append(held)
             masked[id(param)] = (param, held)
         _mean_over_ranks(replicated)
         scores = {}
         for key, (param, held) in masked.items():
             # (no hook saw this gradient when attach() came after the backward: it is still unmasked, whole)
-            grad = self._grid(param).blocks(local(param.grad))
-            scores[key] = block_l1(grad if held is None else grad + held)
+            grid = self._grid(param)
+            grad = grid.blocks(local(param.grad))
+            scores[key] = grid.block_l1(grad if held is None else grad + held)
         return scores
 
     def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
@@ -299,11 +316,10 @@ class SMETAdam(torch.optim.Optimizer):
         cfg = self.config
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         lr = lr * cfg.lr_scale_at(grid.density)  # (the density this weight trains at: whole blocks per row)
-        weights = grid.blocks(local(param))
-        where = expand_index(state["block_index"], grid.block_size)
+        weights, index = local(param), state["block_index"]
         compute = torch.promote_types(param.dtype, torch.float32)
-        old = weights.gather(1, where).to(compute)
-        grad = grid.blocks(local(param.grad)).gather(1, where).to(compute)
+        old = grid.gather(weights, index).to(compute)
+        grad = grid.gather(local(param.grad), index).to(compute)
         if decay and not self.decoupled_weight_decay:
             grad = grad.add(old, alpha=decay)
 
@@ -334,7 +350,7 @@ class SMETAdam(torch.optim.Optimizer):
         new = new - step_size * update
         if "update_magnitude" in state:
             state["update_magnitude"].add_(block_l1(new - old))
-        weights.scatter_(1, where, new.to(weights.dtype))
+        grid.scatter_(weights, index, new.to(weights.dtype))
 
     @torch.no_grad()
     def _update_topology(
@@ -352,16 +368,15 @@ class SMETAdam(torch.optim.Optimizer):
         if rate <= 0 or grid.rows == 0:
             return 0
         index = state["block_index"]
-        weights = grid.blocks(local(param))
-        where = expand_index(index, grid.block_size)
+        weights = local(param)
         if cfg.mode == "sparse_weights":
-            scores = block_l1(weights.gather(1, where))
+            scores = block_l1(grid.gather(weights, index))
         else:
             scores = state["update_magnitude"]
         device = weights.device
         pruned = prune_slots(scores, rate, grid.global_row_ids(device), cfg.seed, key, step)
         if cfg.mode == "sparse_weights":
-            weights.scatter_(1, where, weights.gather(1, where).masked_fill_(pruned.unsqueeze(-1), 0))
+            grid.scatter_(weights, index, grid.gather(weights, index).masked_fill_(pruned.unsqueeze(-1), 0))
         if cfg.regrowth_rule == "random":
             gradient_score = None
         elif gradient_score is None:
@@ -392,10 +407,11 @@ class SMETAdam(torch.optim.Optimizer):
             packed["params"] = [positions.setdefault(id(p), len(positions)) for p in group["params"]]
             groups.append(packed)
         state = {}
-        for _, _, param, _ in self._named_params():
+        for _, group, param, _ in self._named_params():
             saved = self.state.get(param)
             if saved:
-                state[positions[id(param)]] = {name: _export(param, value) for name, value in saved.items()}
+                grid = self._grid(param) if group["smet"] else None
+                state[positions[id(param)]] = {name: _export(param, value, grid) for name, value in saved.items()}
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
@@ -452,15 +468,17 @@ class SMETAdam(torch.optim.Optimizer):
         shard = local(param)
         if sparse:
             grid = self._grid(param)
-            block_shape = (grid.rows, grid.k, grid.block_size)
+            # (as saved: a stack's per-row states `[slices, rows per slice, ...]`, see `_export`)
+            rows = (grid.slices, grid.slice_rows) if grid.stacked else (grid.rows,)
+            block_shape = (*rows, grid.k, grid.block_size)
             expected = {
                 "exp_avg": (block_shape, param.dtype),
                 "exp_avg_sq": (block_shape, param.dtype),
-                "block_index": (block_shape[:2], grid.index_dtype),
-                "block_step": (block_shape[:2], torch.int32),
+                "block_index": (block_shape[:-1], grid.index_dtype),
+                "block_step": (block_shape[:-1], torch.int32),
             }
             if self.config.mode == "sparse_update":
-                expected["update_magnitude"] = (block_shape[:2], torch.float32)
+                expected["update_magnitude"] = (block_shape[:-1], torch.float32)
         else:
             expected = {name: (tuple(shard.shape), param.dtype) for name in DENSE_STATE}
         missing = set(expected) - set(saved)
@@ -479,6 +497,8 @@ class SMETAdam(torch.optim.Optimizer):
                     "resume with the same model and SMET config."
                 )
             state[name] = value.to(device=shard.device, dtype=dtype)
+            if sparse and grid.stacked:
+                state[name] = state[name].reshape(grid.rows, *shape[2:])
         if sparse and state["block_index"].numel():
             index = state["block_index"]
             if int(index.min()) < 0 or int(index.max()) >= grid.blocks_per_row:
@@ -530,8 +550,10 @@ def _check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]
             continue
         for old, new in zip(saved["param_names"], group["param_names"]):
             if not _same_weight(old, new):
-                targets = sorted({name.rsplit(".", 2)[-2] for s in saved_groups if s.get("smet")
-                                  for name in s.get("param_names") or () if "." in name})
+                # (a module's name for its `.weight`; a fused experts stack's own: `gate_up_proj`)
+                targets = sorted({parts[-2] if parts[-1] == "weight" else parts[-1] for s in saved_groups
+                                  if s.get("smet") for parts in [n.split(".") for n in s.get("param_names") or ()]
+                                  if len(parts) > 1})
                 raise ValueError(
                     f"The checkpoint's optimizer state was saved for {old} where this run has {new} "
                     f"({'sparse' if group['smet'] else 'dense'} parameters): resume with the same target_modules "
@@ -540,12 +562,16 @@ def _check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]
                 )
 
 
-def _export(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _export(param: torch.Tensor, value: torch.Tensor, grid: BlockGrid | None) -> torch.Tensor:
+    """A state tensor as saved: laid out like `param` (`like_param`); a sparse stack's (`grid.stacked`) per-row
+    states `[slices, rows per slice, ...]`, so that they shard as the stack does, by whole slices."""
     if value.dim() == 0:
         return value
     if value.dtype == torch.int16:
         # Collectives (gloo, NCCL) have no int16: checkpoints carry the block index as int32.
         value = value.to(torch.int32)
+    if grid is not None and grid.stacked:
+        value = grid.per_slice(value)
     return like_param(param, value)
 
 

@@ -4,10 +4,12 @@ The ranks follow the Trainer's FSDP2 order: the optimizer is built on the unshar
 parameters are then swapped for their shards (as accelerate does) and SMET attaches afterwards.
 Checkpoints go through accelerate's `save_fsdp_*` / `load_fsdp_*` (the Trainer's FSDP2 path) with
 sharded and full state dicts. Everything runs in float64 so sharded and single-process runs agree to
-rounding and choose the same blocks.
+rounding and choose the same blocks. An MoE's fused experts ([experts, ., .], sharded by whole experts) train
+sparse as the Llama's linear weights do.
 """
 
 import dataclasses
+import math
 import os
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 from hf_sparse_cp.smet.masks import active_mask
 from hf_sparse_cp.testing.spawn import run_gloo
 
-from smet_common import fsdp2_smet, lm_loss, markov_tokens, tiny_llama
+from smet_common import fsdp2_smet, lm_loss, markov_tokens, tiny_llama, tiny_moe
 
 WORLD = 2
 STEPS, SAVE_AT = 10, 5
@@ -36,6 +38,23 @@ SCENARIOS = {
         dict(),
     ),
 }
+# Three experts: uneven shards by whole experts (2/1), in both layouts ([experts, out, in]: Mixtral; [experts, in,
+# out]: GPT-OSS); intermediate size 48 (block size 8): experts of 12 or 6 blocks a row, every 2-D weight of 8.
+EXPERT_SCENARIOS = {
+    "mixtral-sparse_weights-gradient": (
+        dataclasses.replace(SCENARIOS["sparse_weights-gradient"][0], block_size=8),
+        dict(arch="mixtral", num_local_experts=3, intermediate_size=48, vocab_size=65),
+    ),
+    "gpt_oss-sparse_update-random": (
+        SCENARIOS["sparse_update-random"][0], dict(arch="gpt_oss", num_local_experts=3, intermediate_size=48),
+    ),
+}
+
+
+def _model(model_kw: dict, seed: int = 0):
+    kw = dict(model_kw)
+    arch = kw.pop("arch", None)
+    return tiny_llama(seed, torch.float64, **kw) if arch is None else tiny_moe(arch, seed, torch.float64, **kw)
 
 
 def _batches(vocab: int) -> list[torch.Tensor]:
@@ -44,7 +63,7 @@ def _batches(vocab: int) -> list[torch.Tensor]:
 
 def _single_process(config: SMETConfig, model_kw: dict):
     """Reference: one process, full batches. Returns losses, final weights and the state after SAVE_AT."""
-    model = tiny_llama(dtype=torch.float64, **model_kw)
+    model = _model(model_kw)
     opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=LR)
     losses, snapshot = [], None
     for step, tokens in enumerate(_batches(model.config.vocab_size), start=1):
@@ -60,7 +79,7 @@ def _single_process(config: SMETConfig, model_kw: dict):
 
 
 def _sharded_model_and_optimizer(config, model_kw, seed, attach=True):
-    model = tiny_llama(seed=seed, dtype=torch.float64, **model_kw)
+    model = _model(model_kw, seed)
     return model, fsdp2_smet(model, config, WORLD, lr=LR, attach=attach)
 
 
@@ -73,8 +92,12 @@ def _train(model, opt, batches, rank):
             for param in group["params"] if group["smet"] else ():
                 # The hooks masked the local gradient shards before clipping (FSDP2 runs them).
                 index = opt.state[param]["block_index"]
-                grad = param.grad.to_local().view(index.shape[0], -1, opt.config.block_size)
-                assert grad[~active_mask(index, grad.shape[1])].abs().sum() == 0
+                if param.dim() == 2:
+                    grad = param.grad.to_local().view(index.shape[0], -1, opt.config.block_size)
+                    assert grad[~active_mask(index, grad.shape[1])].abs().sum() == 0
+                else:  # (an expert stack, [experts, out, in] or [experts, in, out]: its grid says which)
+                    grid = opt._grid(param)
+                    assert grid.blocks(param.grad.to_local()).masked_select(grid.inactive(index)).abs().sum() == 0
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -90,7 +113,7 @@ def _fsdp_plugin(kind: str):
     return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
 
 
-def _worker(rank, world, out_dir):
+def _worker(rank, world, out_dir, names):
     from accelerate import PartialState
     from accelerate.utils.fsdp_utils import (
         load_fsdp_model,
@@ -109,7 +132,8 @@ def _worker(rank, world, out_dir):
     accelerator = SimpleNamespace(process_index=rank, num_processes=WORLD, is_fsdp2=True,
                                   is_main_process=rank == 0, wait_for_everyone=dist.barrier)
     results = {}
-    for name, (config, model_kw) in SCENARIOS.items():
+    for name in names:
+        config, model_kw = {**SCENARIOS, **EXPERT_SCENARIOS}[name]
         sharded = _fsdp_plugin("SHARDED_STATE_DICT")
         ckpt = os.path.join(out_dir, name)
         model, opt = _sharded_model_and_optimizer(config, model_kw, seed=0)
@@ -148,6 +172,8 @@ def _worker(rank, world, out_dir):
         assert all(not isinstance(v, DTensor) for v in full_index.values())
         results[name] = dict(head=head, tail=tail, resumed=resumed, final=final, resumed_final=resumed_final,
                              local_rows=local_rows, full_index=full_index)
+    if names != list(SCENARIOS):
+        return results if rank == 0 else None
 
     # A full checkpoint of another density is refused by name. Saved with one active block per row
     # (4-block attention rows at density 0.25), its states would broadcast into the two slots of
@@ -169,23 +195,41 @@ def _flatten(state):
     return {f"{param}.{key}": value for param, entries in state.items() for key, value in entries.items()}
 
 
-def test_fsdp2_matches_one_process_and_resumes_from_sharded_checkpoints(tmp_path):
-    results = run_gloo(_worker, WORLD, str(tmp_path), timeout_s=600)[0]
-    for name, (config, model_kw) in SCENARIOS.items():
+def _check(results, scenarios):
+    for name, (config, model_kw) in scenarios.items():
         got = results[name]
         losses, weights, snapshot = _single_process(config, model_kw)
         # Sharded training (masks chosen per shard, no mask communication) equals one process.
         torch.testing.assert_close(got["head"] + got["tail"], losses, rtol=1e-10, atol=0)
         for param, value in weights.items():
             torch.testing.assert_close(got["final"][param], value, rtol=1e-9, atol=1e-12, msg=f"{name} {param}")
-        # Shards really were uneven and local: rank 0 held only its rows of each sparse matrix.
-        full_rows = {n: w.shape[0] for n, w in weights.items()}
-        assert all(rows == (full_rows[n] + 1) // 2 for n, rows in got["local_rows"].items())
-        # The gathered full state dict holds the single-process masks after SAVE_AT steps.
+        # Shards really were uneven and local: rank 0 held only its rows of each sparse matrix (an expert stack's:
+        # of its first experts, every row of an expert after the other).
+        for param, rows in got["local_rows"].items():
+            slices, total = weights[param].shape[0], snapshot[param]["block_index"].shape[0]
+            assert rows == math.ceil(slices / 2) * (total // slices), f"{name} {param}"
+        # The gathered full state dict holds the single-process masks after SAVE_AT steps (an expert stack's saved
+        # [experts, rows of an expert, ...]).
         for param, index in got["full_index"].items():
-            assert torch.equal(index.long(), snapshot[param]["block_index"].long()), f"{name} {param}"
+            expected = snapshot[param]["block_index"].long()
+            assert torch.equal(index.long().reshape(expected.shape), expected), f"{name} {param}"
         # Resuming from the sharded checkpoint continues exactly as if uninterrupted.
         assert got["resumed"] == got["tail"], name
         for param, value in got["final"].items():
             assert torch.equal(got["resumed_final"][param], value), f"{name} {param}"
+
+
+def test_fsdp2_matches_one_process_and_resumes_from_sharded_checkpoints(tmp_path):
+    results = run_gloo(_worker, WORLD, str(tmp_path), list(SCENARIOS), timeout_s=600)[0]
+    _check(results, SCENARIOS)
     assert "density=0.25 (this run: 0.5)" in results.get("other_density", "loaded without an error")
+
+
+def test_fsdp2_trains_fused_experts_sparse_as_one_process_does(tmp_path):
+    """The experts' stacks (Shard(0): whole experts a rank) were trained dense; sparse, sharded training and its
+    resumes equal one process as for linear weights."""
+    results = run_gloo(_worker, WORLD, str(tmp_path), list(EXPERT_SCENARIOS), timeout_s=600)[0]
+    for name in EXPERT_SCENARIOS:
+        assert {n for n in results[name]["full_index"] if "experts" in n} == {
+            "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}, name
+    _check(results, EXPERT_SCENARIOS)

@@ -330,35 +330,6 @@ def test_a_density_whole_blocks_move_far_is_said_once_at_set_up_with_what_comes_
     assert _warnings_of_set_up(caplog, SMETConfig(density=0.75, block_size=16)) == ([], 0.75)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_fused_expert_weights_the_targets_name_are_said_to_train_dense_at_set_up(caplog, arch):
-    """An MoE's experts in transformers 5 are 3-D parameters of their own (`experts.gate_up_proj`, `experts.down_proj`),
-    not nn.Linear modules: with the default targets (gate_proj, up_proj, down_proj among them) SMET trained them, most
-    of the model, dense with AdamW's whole state, and logged smet/density 0.25 without a word."""
-    from transformers import AutoModelForCausalLM
-
-    from hf_sparse_cp.smet import factory
-    from hf_sparse_cp.testing.tiny_models import tiny_config
-
-    def moe():
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(tiny_config(
-            arch, vocab_size=64, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_hidden_layers=1))
-
-    factory._warn_dense.cache_clear()  # (said once per set-up: another test may have built this one)
-    warned, trained = _warnings_of_set_up(caplog, SMETConfig(block_size=16), moe)
-    assert trained == 0.25 and len(warned) == 1, warned
-    assert re.fullmatch(
-        r"SMET trains 2 matrices that target_modules names dense, with AdamW's whole optimizer state \(model\.layers\.0"
-        r"\.mlp\.experts\.gate_up_proj, \.\.\.: \d\d% of the trainable parameters\): .* not nn\.Linear weights, .* "
-        r"leave their names out: --smet_target_modules gate_proj,k_proj,o_proj,q_proj,v_proj\.", warned[0])
-    # the targets it names: nothing to say; nor for a model whose targets are all nn.Linear modules
-    targets = warned[0].rsplit(" ", 1)[-1].rstrip(".").split(",")
-    assert _warnings_of_set_up(caplog, SMETConfig(block_size=16, target_modules=targets), moe)[0] == []
-    assert _warnings_of_set_up(caplog, SMETConfig(block_size=16), tiny_llama)[0] == []
-
-
 def test_factory_rejects_unsupported_optimizers_and_arguments():
     with pytest.raises(ValueError, match="SMET supports"):
         create_smet_optimizer(tiny_llama(), torch.optim.SGD)

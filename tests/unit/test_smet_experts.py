@@ -1,0 +1,146 @@
+"""SMET on an MoE's fused experts (transformers 5: `experts.gate_up_proj` / `experts.down_proj`, [experts, ., .]):
+every expert's matrix is sparse as a 2-D nn.Linear weight is, in the layout its family stores it."""
+
+import io
+import logging
+
+import pytest
+import torch
+
+from hf_sparse_cp.smet import SMETAdam, SMETConfig, create_smet_optimizer
+
+from smet_common import fit, markov_tokens, tiny_moe
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# Where each expert's inputs run, read off transformers 5.24's eager experts: Mixtral and Qwen3-MoE apply
+# `F.linear(x, W[e])` ([experts, out, in]), GPT-OSS `x @ W[e]` ([experts, in, out]).
+INPUT_DIM = {"mixtral": 2, "qwen3_moe": 2, "gpt_oss": 1}
+STACKS = ("gate_up_proj", "down_proj")
+
+
+def _experts(model):
+    return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in STACKS and p.dim() == 3}
+
+
+def _per_expert_matrices(arch, stack):
+    """The stack's experts as [experts, out, in]."""
+    return stack if INPUT_DIM[arch] == 2 else stack.transpose(1, 2)
+
+
+@pytest.mark.parametrize("arch", list(INPUT_DIM))
+def test_fused_experts_train_sparse_at_the_density_asked_in_every_expert_row(arch):
+    """The experts (70-85% of an MoE's parameters) were trained dense with AdamW's whole state, only a warning at
+    set-up; now every output row of every expert keeps density x blocks of consecutive inputs, the others stay zero
+    through steps and topology updates, and the optimizer state holds the active weights only."""
+    block, density = 16, 0.5
+    model = tiny_moe(arch)
+    opt = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=density, block_size=block,
+                                                                     update_interval=2), lr=1e-2)
+    stacks = _experts(model)
+    assert len(stacks) == 2
+    sparse = {n for g in opt.param_groups if g["smet"] for n in g["param_names"]}
+    assert set(stacks) <= sparse
+    first = {n: opt.state[p]["block_index"].clone() for n, p in stacks.items()}
+    # (7 steps: the blocks regrown at the third topology update, step 6, hold zeros until they train)
+    fit(model, opt, [markov_tokens(4, 16, seed=s) for s in range(7)])
+    assert opt.topology_updates == 3
+    moved = 0
+    for name, stack in stacks.items():
+        matrices = _per_expert_matrices(arch, stack.detach())
+        experts, rows, cols = matrices.shape
+        kept = matrices.reshape(experts, rows, cols // block, block).abs().sum(-1) != 0
+        # every row of every expert: exactly half its blocks, the rest exactly zero
+        assert (kept.sum(-1) == int(density * cols // block)).all(), name
+        state = opt.state[stack]
+        active = state["exp_avg"].numel()
+        assert active == state["exp_avg_sq"].numel() == int(density * stack.numel()) == int(stack.count_nonzero())
+        moved += int((state["block_index"] != first[name]).sum())
+    assert moved > 0  # (the topology moved in the experts too)
+    assert opt.trained_density() == density
+    # smet/density counts the experts: here they are all the sparse weights (the MLP is the experts)
+    only = create_smet_optimizer(tiny_moe(arch), config=SMETConfig(density=0.25, block_size=16,
+                                                                   target_modules=["up_proj", "down_proj"]))
+    assert [n for g in only.param_groups if g["smet"] for n in g["param_names"]] == list(stacks)
+    assert only.trained_density() == 0.25
+
+
+@pytest.mark.parametrize("arch, mode", [("mixtral", "sparse_weights"), ("qwen3_moe", "sparse_update"),
+                                        ("gpt_oss", "sparse_weights")])
+def test_fused_experts_resume_bit_identically_from_a_state_dict_saved_by_expert(arch, mode):
+    config = SMETConfig(mode=mode, density=0.5, block_size=16, update_interval=3, regrowth="gradient",
+                        regrow_warmup_steps=4, prune_decay_steps=20)
+    batches = [markov_tokens(4, 16, seed=s) for s in range(10)]
+    model = tiny_moe(arch)
+    uninterrupted = fit(model, create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3), batches)
+
+    first = tiny_moe(arch)
+    opt1 = create_smet_optimizer(first, torch.optim.AdamW, config, lr=5e-3)
+    head = fit(first, opt1, batches[:5])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    # saved expert by expert (as FSDP2 shards the stack): [experts, rows of an expert, active blocks]
+    positions = {n: i for g in opt1.state_dict()["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    for name, stack in _experts(first).items():
+        index = saved["optimizer"]["state"][positions[name]]["block_index"]
+        assert index.shape == (4, _per_expert_matrices(arch, stack).shape[1], 2), name
+
+    resumed = tiny_moe(arch, seed=1)
+    resumed.load_state_dict(saved["model"])
+    opt2 = create_smet_optimizer(resumed, torch.optim.AdamW, config, lr=5e-3, attach=False)
+    opt2.load_state_dict(saved["optimizer"])
+    opt2.attach()
+    tail = fit(resumed, opt2, batches[5:])
+    assert head + tail == uninterrupted
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_expert_stacks_whose_layout_the_module_does_not_say_stay_dense_with_a_warning_naming_them(caplog):
+    """Llama 4's experts ([experts, in, out]) carry no `is_transposed`: SMET cannot tell their inputs from their
+    outputs, so they stay dense and set-up says so, naming them; Mixtral's and GPT-OSS's are sparse, nothing said."""
+    from hf_sparse_cp.smet import factory
+
+    def warnings(model):
+        factory._warn_dense.cache_clear()  # (said once per set-up: another test may have built this one)
+        with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
+            caplog.clear()
+            create_smet_optimizer(model, config=SMETConfig(block_size=16))
+        return [r.getMessage() for r in caplog.records if "dense" in r.getMessage()]
+
+    said = warnings(tiny_moe("llama4_text", intermediate_size_mlp=64))
+    assert len(said) == 1 and said[0].startswith(
+        "SMET trains 2 matrices that target_modules names dense, with AdamW's whole optimizer state "
+        "(model.layers.0.feed_forward.experts.gate_up_proj, ...: "), said
+    assert "which these are not" in said[0] and said[0].endswith("--smet_target_modules gate_proj,k_proj,o_proj,"
+                                                                "q_proj,v_proj.")
+    assert warnings(tiny_moe("mixtral")) == warnings(tiny_moe("gpt_oss")) == []
+    # targeting only such stacks: refused, naming them (not "no module matches" alone)
+    with pytest.raises(ValueError, match=r"It names model\.layers\.0\.feed_forward\.experts\.gate_up_proj \(1 in "
+                                         r"all\), which SMET cannot cut into blocks"):
+        create_smet_optimizer(tiny_moe("llama4_text", intermediate_size_mlp=64),
+                              config=SMETConfig(block_size=16, target_modules=["gate_up_proj"]))
+
+
+def test_a_stack_in_a_group_that_does_not_say_its_layout_is_refused():
+    """SMETAdam built by hand cannot know whether a 3-D weight's matrices are [out, in] or [in, out]: it asks."""
+    stack = torch.nn.Parameter(torch.randn(2, 8, 16))
+    with pytest.raises(ValueError, match=r"stored \[out, in\] or \[in, out\]: say which in its parameter group's "
+                                         r"'transposed' list"):
+        SMETAdam([{"params": [stack], "smet": True}], config=SMETConfig(block_size=8)).attach()
+    opt = SMETAdam([{"params": [stack], "smet": True, "transposed": [True]}],
+                   config=SMETConfig(block_size=4, density=0.5)).attach()
+    assert opt.state[stack]["block_index"].shape == (2 * 16, 1)  # (16 outputs an expert, 2 of 4 input blocks)
+
+
+def test_a_checkpoint_of_other_expert_targets_is_refused_naming_the_targets_it_was_saved_with():
+    """The refusal named a stack's module (`--smet_target_modules experts`, which reaches nothing), not the stack."""
+    saved = create_smet_optimizer(tiny_moe("mixtral"), config=SMETConfig(block_size=16, target_modules=["down_proj"]))
+    other = create_smet_optimizer(tiny_moe("mixtral"), config=SMETConfig(block_size=16, target_modules=["up_proj"]),
+                                  attach=False)
+    with pytest.raises(ValueError, match=r"saved for model\.layers\.0\.mlp\.experts\.down_proj where this run has "
+                                         r"model\.layers\.0\.mlp\.experts\.gate_up_proj .* --smet_target_modules "
+                                         r"down_proj, or"):
+        other.load_state_dict(saved.state_dict())
