@@ -81,7 +81,9 @@ class SMETConfig(FileConfig):
     target_modules: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
         metadata={"help": "Names (last component) of the linear modules whose weights are sparse, space- or "
-                  "comma-separated (q_proj,v_proj); everything else (embeddings, lm_head, norms, biases) stays dense."},
+                  "comma-separated (q_proj,v_proj); they also reach an MoE's fused experts named so or ending so "
+                  "(up_proj: experts.gate_up_proj), each expert sparse; everything else (embeddings, lm_head, norms, "
+                  "biases) stays dense."},
     )
     local_bias_correction: bool = field(
         default=True,
