@@ -4,7 +4,8 @@
     optimizer = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=0.1), lr=1e-3)
 
 * `config.py`: `SMETConfig`;
-* `masks.py`: `BlockGrid` (how a weight is cut into blocks), masks and the hashed random numbers;
+* `masks.py`: `BlockGrid` (how a weight, or an MoE's stack of experts' matrices, is cut into blocks), masks and the
+  hashed random numbers;
 * `rounding.py`: the density as whole blocks per row, and the warning when they move it far;
 * `topology.py`: which blocks start active, are pruned and are regrown;
 * `optimizer.py`: `SMETAdam`, the compact optimizer state and the cold-start cure of regrown blocks;
