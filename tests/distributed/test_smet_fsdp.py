@@ -48,6 +48,11 @@ EXPERT_SCENARIOS = {
     "gpt_oss-sparse_update-random": (
         SCENARIOS["sparse_update-random"][0], dict(arch="gpt_oss", num_local_experts=3, intermediate_size=48),
     ),
+    # one expert: rank 1 holds none of it
+    "mixtral-one-expert": (
+        dataclasses.replace(SCENARIOS["sparse_weights-gradient"][0], block_size=8),
+        dict(arch="mixtral", num_local_experts=1, num_experts_per_tok=1, intermediate_size=48),
+    ),
 }
 
 
