@@ -1,4 +1,4 @@
-"""Shared helpers of the SMET tests (tiny Llama, learnable synthetic token data); no tests here."""
+"""Shared helpers of the SMET tests (tiny Llama and mixture of experts, learnable token data); no tests here."""
 
 from __future__ import annotations
 
