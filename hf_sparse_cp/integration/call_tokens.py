@@ -109,17 +109,22 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     return bool(sees)
 
 
-# transformers' compositions of mask functions (masking_utils), by qualified name: the closure variable that holds
+# transformers' compositions of mask functions (masking_utils), by qualified name, and the closure variable that holds
 # their parts. (An and-mask sees a pair only where each part does; positions remapped per packed document compare
 # positions, which restart at each document.)
-_COMPOSITIONS = {"and_masks.<locals>.and_mask": "mask_functions",
-                 "remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function"}
+_AND, _AND_PARTS = "and_masks.<locals>.and_mask", "mask_functions"
+_REMAPPED, _REMAPPED_PART = "remap_positions_for_packed_sequence.<locals>.inner_mask", "mask_function"
 _PACKED_DOCUMENTS = "packed_sequence_mask_function.<locals>.inner_mask"
 
 
+def _masking_utils_name(function) -> str | None:
+    """The qualified name of a function of transformers' masking_utils, None for any other."""
+    return getattr(function, "__qualname__", None) if getattr(function, "__module__", None) == \
+        "transformers.masking_utils" else None
+
+
 def _closure_value(function, name: str):
-    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
-    names = getattr(code, "co_freevars", ())
+    names, cells = getattr(function.__code__, "co_freevars", ()), function.__closure__ or ()
     return cells[names.index(name)].cell_contents if name in names else None
 
 
@@ -131,17 +136,13 @@ def _causal_composition(function) -> str | None:
     and-mask is then causal); None for anything else (evaluated)."""
     if function is causal_mask_function:
         return "causal"
-    if getattr(function, "__module__", None) != "transformers.masking_utils":
-        return None
-    name = getattr(function, "__qualname__", None)
-    parts = _closure_value(function, _COMPOSITIONS[name]) if name in _COMPOSITIONS else None
-    if name == "and_masks.<locals>.and_mask" and isinstance(parts, tuple):
+    name = _masking_utils_name(function)
+    if name == _AND and isinstance(parts := _closure_value(function, _AND_PARTS), tuple):
         kinds = [_causal_composition(part) for part in parts]
-        packed = any(getattr(part, "__qualname__", None) == _PACKED_DOCUMENTS
-                     and getattr(part, "__module__", None) == "transformers.masking_utils" for part in parts)
+        packed = any(_masking_utils_name(part) == _PACKED_DOCUMENTS for part in parts)
         return "causal" if "causal" in kinds or ("within documents" in kinds and packed) else None
-    if name == "remap_positions_for_packed_sequence.<locals>.inner_mask" and callable(parts):
-        return "within documents" if _causal_composition(parts) == "causal" else None
+    if name == _REMAPPED and _causal_composition(_closure_value(function, _REMAPPED_PART)) == "causal":
+        return "within documents"
     return None
 
 
