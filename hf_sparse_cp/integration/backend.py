@@ -50,6 +50,7 @@ from .call_tokens import (
     cache_key_length,
     cache_slots_mask,
     cache_tokens_held,
+    check_deferred_masks,
     is_bidirectional_mask,
     padding_between_tokens_once,
 )
@@ -510,6 +511,7 @@ def sparse_cp_attention_forward(
         (attention output [B, S, Hq, D], None).
     """
     check_dims(query, key, value)  # (before anything unpacks their shapes: "not enough values to unpack")
+    check_deferred_masks()
     if is_bidirectional_mask(attention_mask) and not is_cross_attention(module):  # (cross-attention's own refusal)
         raise NonCausalMask(getattr(module, "config", None), "bidirectional")
     shard = kwargs.get(CP_SHARD_KWARG)

@@ -67,7 +67,8 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         key = id(mask)
         _BIDIRECTIONAL[key] = weakref.ref(mask, lambda _: _BIDIRECTIONAL.pop(key, None))
         return mask
-    if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device")):
+    if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"),
+                      kwargs.get("config")):
         raise NonCausalMask(kwargs.get("config"), "next key")
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
@@ -84,20 +85,80 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
 
 def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset: int,
-                   device) -> bool:
+                   device, config=None) -> bool:
     """Whether transformers' index-based `mask_function` lets some query see the key right after it (its position
-    plus one, among the call's keys), which no causal mask does. transformers' causal function is known not to; any
-    other (a window's or a packed batch's and-mask, a model's own) is evaluated, as transformers' SDPA
-    mask evaluates it by broadcasting, on those B x q_length pairs only, once per mask (a forward). A probe forward on
-    the meta device evaluates it on the CPU; a function of meta tensors (a packed batch's documents) is not read."""
-    if mask_function is None or mask_function is causal_mask_function:
+    plus one, among the call's keys), which no causal mask does. transformers' causal function and its compositions
+    that keep it (`_causal_composition`) are known not to; any other (a model's own) is evaluated, as transformers'
+    SDPA mask evaluates it by broadcasting, on those B x q_length pairs only, once per mask (a forward). A probe
+    forward on the meta device evaluates it on the CPU; a function of meta tensors is not read. Under torch.compile
+    (which cannot read a closure) the evaluation stays in the graph and its answer is read by the forward's first
+    attention call, outside the graph (`check_deferred_masks`): reading it here would break the graph."""
+    if mask_function is None or (not torch.compiler.is_compiling() and _causal_composition(mask_function) == "causal"):
         return False
     device = torch.device("cpu" if device is None or torch.device(device).type == "meta" else device)
     batch = torch.arange(batch_size, device=device)[:, None]
     query = (torch.arange(q_length, device=device) + q_offset)[None, :]
     key = (query + 1).clamp(kv_offset, kv_offset + kv_length - 1)  # (no key after the last: `key > query` below)
     sees = torch.as_tensor(mask_function(batch, torch.zeros_like(batch), query, key))
-    return sees.device.type != "meta" and bool((sees & (key > query).to(sees.device)).any())
+    if sees.device.type == "meta":
+        return False
+    sees = (sees & (key > query).to(sees.device)).any()
+    if torch.compiler.is_compiling():
+        _DEFERRED.append((sees, config))
+        return False
+    return bool(sees)
+
+
+# transformers' compositions of mask functions (masking_utils), by qualified name, and the closure variable that holds
+# their parts. (An and-mask sees a pair only where each part does; positions remapped per packed document compare
+# positions, which restart at each document.)
+_AND, _AND_PARTS = "and_masks.<locals>.and_mask", "mask_functions"
+_REMAPPED, _REMAPPED_PART = "remap_positions_for_packed_sequence.<locals>.inner_mask", "mask_function"
+_PACKED_DOCUMENTS = "packed_sequence_mask_function.<locals>.inner_mask"
+
+
+def _masking_utils_name(function) -> str | None:
+    """The qualified name of a function of transformers' masking_utils, None for any other."""
+    return getattr(function, "__qualname__", None) if getattr(function, "__module__", None) == \
+        "transformers.masking_utils" else None
+
+
+def _closure_value(function, name: str):
+    names, cells = getattr(function.__code__, "co_freevars", ()), function.__closure__ or ()
+    return cells[names.index(name)].cell_contents if name in names else None
+
+
+def _causal_composition(function) -> str | None:
+    """What is known of a mask function without evaluating it: 'causal' for transformers' causal function and an
+    and-mask of transformers' that has a causal part (a window's, a chunk's, a packed batch's: it never sees a later
+    key); 'within documents' for the causal function on positions remapped per packed document (it sees the first key
+    of the next document, which transformers always ands with the documents' own mask of the same positions: the
+    and-mask is then causal); None for anything else (evaluated)."""
+    if function is causal_mask_function:
+        return "causal"
+    name = _masking_utils_name(function)
+    if name == _AND and isinstance(parts := _closure_value(function, _AND_PARTS), tuple):
+        kinds = [_causal_composition(part) for part in parts]
+        packed = any(_masking_utils_name(part) == _PACKED_DOCUMENTS for part in parts)
+        return "causal" if "causal" in kinds or ("within documents" in kinds and packed) else None
+    if name == _REMAPPED and _causal_composition(_closure_value(function, _REMAPPED_PART)) == "causal":
+        return "within documents"
+    return None
+
+
+# The answers of mask functions evaluated inside a compiled graph (`_sees_next_key`): (whether some query sees the key
+# after it, the model config), read by the next attention call.
+_DEFERRED: list[tuple[torch.Tensor, object]] = []
+
+
+def check_deferred_masks() -> None:
+    """Refuse (`NonCausalMask`) a mask a compiled forward built that lets a query see a later key; called by every
+    attention call, outside the compiled graphs (one read per mask a forward built under torch.compile)."""
+    while _DEFERRED:
+        sees, config = _DEFERRED.pop()
+        if bool(sees):
+            _DEFERRED.clear()
+            raise NonCausalMask(config, "next key")
 
 
 # The masks `sparse_cp_mask` built from transformers' bidirectional mask function, by id (a weak reference checks

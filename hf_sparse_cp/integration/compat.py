@@ -277,6 +277,13 @@ PATCHES = (
           "unregister"),
     Patch("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", "reads", "unpatch(): there is "
           "no public unregister"),
+    Patch("transformers.masking_utils", "and_masks", "reads", "the mask function knows an and-mask with the causal "
+          "function among its parts (closure `mask_functions`) never lets a query see a later key, without "
+          "evaluating it (integration/call_tokens.py `_causal_composition`; another closure is evaluated)",
+          parameters=("*mask_functions",)),
+    Patch("transformers.masking_utils", "remap_positions_for_packed_sequence", "reads", "the causal function on a "
+          "packed batch's positions (closure `mask_function`), and-ed with the documents' mask, is known causal "
+          "(integration/call_tokens.py `_causal_composition`)", parameters=("mask_function", "position_ids")),
     Patch("transformers.modeling_layers.GenericForSequenceClassification", "forward", "reads", "under CP a "
           "sequence-classification head with this forward (Llama, Qwen2, Mistral, ...) trains: it pools one position "
           "of each row of its score layer's output, which a forward hook makes the row's pooled logits at every "

@@ -7,6 +7,7 @@ import torch
 from transformers.masking_utils import (
     create_bidirectional_mask,
     create_causal_mask,
+    create_chunked_causal_mask,
     create_sliding_window_causal_mask,
     sliding_window_bidirectional_mask_function,
     sliding_window_causal_mask_function,
@@ -105,3 +106,50 @@ def test_causal_masks_through_a_cache_pass_on_and_bidirectional_ones_are_refused
     # (the last query sees the last key: no key after it, which a bidirectional window would see)
     assert sparse_cp_mask(2, 1, 40, 39, 0, mask_function=sliding_window_bidirectional_mask_function(8),
                           device="cpu").shape == (2, 40)
+
+
+def _packed(length=40):
+    return torch.cat([torch.arange(25), torch.arange(length - 25)])[None].expand(2, length)
+
+
+@pytest.mark.parametrize("make, model_type, extra", [
+    (create_causal_mask, "llama", {}),
+    (create_sliding_window_causal_mask, "mistral", {"sliding_window": 16}),
+    (create_chunked_causal_mask, "llama4_text", {"attention_chunk_size": 16}),
+], ids=["causal", "window", "chunked"])
+@pytest.mark.parametrize("packed", [False, True], ids=["one_document", "packed"])
+def test_transformers_own_compositions_pass_on_without_reading_the_device(make, model_type, extra, packed):
+    """transformers' window, chunk and packed-documents masks are and-masks with the causal function in them, which
+    never see a later key: known from their structure (`_causal_composition`), they are not evaluated, so no value is
+    read back (a stall per forward on a GPU; a graph break under torch.compile). Before: one read per mask."""
+    from host_reads import count_host_reads
+
+    config = _config(model_type, **extra)
+    if make is create_chunked_causal_mask:  # (transformers builds the chunked mask when the config asks for one)
+        config.layer_types = ["chunked_attention"] * config.num_hidden_layers
+    with count_host_reads() as reads:
+        mask = _mask(make, config=config, position_ids=_packed() if packed else None)
+    assert mask is None and reads.total == 0, reads.table()
+
+
+def test_a_compiled_forwards_mask_is_checked_by_its_first_attention_call_outside_the_graph():
+    """Under torch.compile the mask function's closure cannot be read, so the evaluation stays in the graph (no graph
+    break: fullgraph) and the forward's first attention call reads its answer (`check_deferred_masks`): a
+    bidirectional window is refused there, naming the fix, and a causal one passes."""
+    from hf_sparse_cp.integration.call_tokens import check_deferred_masks
+
+    def build(function, positions):
+        return sparse_cp_mask(2, 40, 40, mask_function=function(positions), device="cpu"), positions + 1
+
+    torch._dynamo.reset()
+    try:
+        for function, refused in ((sliding_window_causal_mask_function, False),
+                                  (sliding_window_bidirectional_mask_function, True)):
+            mask, _ = torch.compile(build, backend="eager", fullgraph=True)(function, torch.tensor(8))
+            assert mask is None
+            if refused:
+                with pytest.raises(NonCausalMask, match=r"lets tokens see later ones.*attn_implementation='sdpa'"):
+                    check_deferred_masks()
+            check_deferred_masks()  # (read once: nothing left)
+    finally:
+        torch._dynamo.reset()
