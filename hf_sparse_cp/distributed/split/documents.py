@@ -448,7 +448,8 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     documents. A run is padding if every row pads all of it, sparse if any row's document in it is long enough for a
     pattern (`min_seq_len`), else dense. Padding is `PAD_SEGMENT`, which a run may cut anywhere, and the idle
     documents `idle_documents_as_padding` marks (segment ids below it), which are padding to the planner but, being
-    documents attention still computes, are cut only at their edges."""
+    documents attention still computes, are cut only at their edges. A sparse run after padding starts at the block
+    boundary before it where that padding reaches it (`_from_block_boundaries`)."""
     seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
     b, s = seg.shape
     pad = seg < 0
