@@ -448,7 +448,8 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     documents. A run is padding if every row pads all of it, sparse if any row's document in it is long enough for a
     pattern (`min_seq_len`), else dense. Padding is `PAD_SEGMENT`, which a run may cut anywhere, and the idle
     documents `idle_documents_as_padding` marks (segment ids below it), which are padding to the planner but, being
-    documents attention still computes, are cut only at their edges."""
+    documents attention still computes, are cut only at their edges. A sparse run after padding starts at the block
+    boundary before it where that padding reaches it (`_from_block_boundaries`)."""
     seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
     b, s = seg.shape
     pad = seg < 0
@@ -461,15 +462,33 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     before = np.cumsum(cut) - cut  # the cuts before each position
     cut &= ~(all_pad & (before > before[stretch]))
     starts = np.flatnonzero(cut)
-    lengths = np.diff(np.append(starts, s))
     sparse = np.zeros(len(starts), dtype=bool)
     if cfg.pattern != "dense":  # the runs holding a document long enough for a pattern (a document lies in one run)
         doc = np.flatnonzero(first)  # every row's runs, flat (a row's first token starts one)
         long = (np.diff(np.append(doc, b * s)) >= max(cfg.min_seq_len, 1)) & ~pad.reshape(-1)[doc]
         sparse[np.searchsorted(starts, doc[long] % s, side="right") - 1] = True
     padding = np.logical_and.reduceat(all_pad, starts)  # (a run from an idle stretch may go on past it)
+    starts, sparse, padding = _from_block_boundaries(starts, sparse, padding, seg == PAD_SEGMENT, cfg.block_size)
+    lengths = np.diff(np.append(starts, s))
     kinds = [PAD if p else SPARSE if sp else DENSE for p, sp in zip(padding.tolist(), sparse.tolist())]
     return lengths.tolist(), kinds
+
+
+def _from_block_boundaries(starts: np.ndarray, sparse: np.ndarray, padding: np.ndarray, padded: np.ndarray,
+                           bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Start each sparse run that follows padding off a block boundary at the boundary before it, taking the padding
+    in between (`padded` [B, S]: `PAD_SEGMENT` in a row, which a run may cut anywhere) into the run; a padding run left
+    empty is dropped. The planner starts a sparse run on a block boundary, and a document's sparse pattern depends on
+    where it starts inside a block: so its documents keep the offsets inside a block they have in the batch, and the
+    run computes what one process computes on the batch (left-padded rows, whose text starts off a boundary after
+    padding every row shares)."""
+    starts = starts.copy()
+    for i in np.flatnonzero(sparse[1:] & padding[:-1]) + 1:
+        off = int(starts[i]) % bs
+        if off and starts[i] - off >= starts[i - 1] and padded[:, starts[i] - off:starts[i]].all():
+            starts[i] -= off
+    kept = np.append(starts[1:] > starts[:-1], True)  # (a padding run the sparse one after it took whole)
+    return starts[kept], sparse[kept], padding[kept]
 
 
 def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted: torch.Tensor, pad_token_id: int,
