@@ -164,6 +164,24 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
     assert "error: tiny model type 'no_such_type' is not a transformers model type" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type, text_type", [("gemma3", "gemma3_text"), ("llama4", "llama4_text"),
+                                                   ("qwen3_5", "qwen3_5_text")])
+def test_the_tiny_model_of_a_composite_type_names_its_language_models_type(model_type, text_type, tmp_path, capsys):
+    """A vision-language type keeps its language model in text_config, which the tiny fields did not reach: the
+    'tiny' model was the family's default (counted on the meta device: Gemma 3 2.7B parameters, Qwen 3.5 9.0B,
+    Llama 4 108B), which the demo's --tiny_model_type took. It is a ValueError naming the language model's type, which
+    the demo prints as one error line; that type builds tiny."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    with pytest.raises(ValueError, match=rf"tiny model type '{model_type}' keeps its language model in a sub-config "
+                                         rf"\(model type '{text_type}'\).*--tiny_model_type {text_type}"):
+        tiny_config(model_type)
+    assert tiny_config(text_type).hidden_size == 128
+    with pytest.raises(SystemExit) as ended:
+        main(["--tiny_model_type", model_type, "--output_dir", str(tmp_path)])
+    assert ended.value.code == 2 and f"--tiny_model_type {text_type}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model_type, overrides, cause, cp_cause", [
     ("deepseek_v4", {"sliding_window": 48}, r"DeepseekV4DecoderLayer: sparse_cp does not implement learned attention "
                                             r"sinks in a layer of type 'heavily_compressed_attention' \(it computes "
