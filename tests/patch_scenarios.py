@@ -20,7 +20,13 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp.integration.architectures import lean_loss_model_types, router_loss_modules, rowwise_classes
+from hf_sparse_cp.integration.architectures import (
+    KV_SHARED_SLICER,
+    kv_shared_slicers,
+    lean_loss_model_types,
+    router_loss_modules,
+    rowwise_classes,
+)
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 _MISSING = object()
@@ -243,6 +249,25 @@ def router_loss() -> Iterator:
     patches.undo()
 
 
+def kv_sharing() -> Iterator:
+    """Gemma 4's text models (and Gemma 4 Unified's) hand their KV-shared layers their inputs whole under sparse_cp."""
+    from transformers import AutoModel
+
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention, enable_sparse_attention
+    from hf_sparse_cp.integration.architectures import KV_SHARED_SLICER
+
+    shared = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers=2,
+                  layer_types=["sliding_attention", "full_attention"] * 2)
+    models = [AutoModel.from_config(tiny_config(kind, **shared), attn_implementation="sdpa")
+              for kind in (f"{owner.split('.')[2]}_text" for owner in kv_shared_slicers())]
+    yield [(model, KV_SHARED_SLICER) for model in models]
+    for model in models:
+        enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), SparseAttentionConfig())
+    yield
+    for model in models:
+        disable_sparse_attention(model)
+
+
 ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
      "transformers.Trainer.training_step", "transformers.trainer_callback.CallbackHandler.callbacks"): attach,
@@ -265,6 +290,7 @@ ONE_PROCESS = {
      "torch.optim.optimizer._global_optimizer_pre_hooks"): launch,
     ("transformers.Trainer.__class__",): launched_trainer,
     tuple(f"{module}.load_balancing_loss_func" for module in router_loss_modules()): router_loss,
+    tuple(f"{owner}.{KV_SHARED_SLICER}" for owner in kv_shared_slicers()): kv_sharing,
 }
 
 

@@ -9,6 +9,7 @@
 * `heads.py`: the head a model has, and the hook that gives a sequence-classification or question-answering head the
   batch's outputs under context parallelism;
 * `composite.py`: the backend selected for a composite model's language model, its towers keeping their attention;
+* `kv_sharing.py`: Gemma 4's KV-shared layers handed their inputs whole under sparse_cp (not sliced as 4D-masked);
 * `stats.py`: the per-layer kept fraction the backend records;
 * `given.py`: the public entry points' first argument checked for its type (a TypeError naming what to pass);
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;

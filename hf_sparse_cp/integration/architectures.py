@@ -71,6 +71,25 @@ ARCHITECTURES: dict[str, Support] = {
 ROUTER_LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 _ROUTER_LOSS = "load_balancing_loss_func"
 
+# The models that run their KV-shared layers (those reusing an earlier layer's keys and values) on the kept logits'
+# queries only, by the method that slices their inputs, with its parameters (integration/kv_sharing.py): those of the
+# installed transformers are `kv_shared_slicers()`.
+_KV_SHARED_SLICERS = {
+    "transformers.models.gemma4.modeling_gemma4.Gemma4TextModel":
+        ("self", "hidden_states", "per_layer_inputs", "position_embeddings", "causal_mask_mapping", "logits_to_keep",
+         "cache", "**kwargs"),
+    "transformers.models.gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedTextModel":
+        ("self", "hidden_states", "position_embeddings", "causal_mask_mapping", "logits_to_keep", "cache", "**kwargs"),
+}
+KV_SHARED_SLICER = "_maybe_slice_kv_shared_inputs"
+
+
+@functools.cache
+def kv_shared_slicers() -> dict[str, tuple[str, ...]]:
+    """The installed models of `_KV_SHARED_SLICERS` (Gemma 4 came with a 5.x release), found unimported."""
+    return {owner: parameters for owner, parameters in _KV_SHARED_SLICERS.items()
+            if importlib.util.find_spec(owner.rpartition(".")[0].rpartition(".")[0]) is not None}
+
 
 def gathered_router_loss(function) -> bool:
     """Whether `function` (a modeling module's `load_balancing_loss_func`) has the form CP gathers."""

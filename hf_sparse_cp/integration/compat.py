@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from .architectures import ROUTER_LOSS_PARAMETERS, router_loss_modules, rowwise_classes
+from .architectures import (
+    KV_SHARED_SLICER,
+    ROUTER_LOSS_PARAMETERS,
+    kv_shared_slicers,
+    router_loss_modules,
+    rowwise_classes,
+)
 
 # The releases the suite ran on (inclusive); torch and Triton: the CPU machine's (the kernels' sm_90
 # builds were also checked on Triton 3.6, the GPU image's).
@@ -304,6 +310,12 @@ PATCHES = (
     Patch("transformers.modeling_outputs.CausalLMOutputWithPast", "cache", "reads", "the lean-loss forward "
           "returns the KV cache under this release's field name (5.24 renamed it)",
           alternatives=("past_key_values",)),
+    *(Patch(owner, KV_SHARED_SLICER, "replaces", "a model of KV-shared layers runs them on the kept logits' queries "
+            "only, slicing each mask as sdpa's 4D one: sparse_cp's is the 2D padding mask (a padded batch: IndexError) "
+            "and its queries are its keys' (logits_to_keep > 0 was refused); under sparse_cp they get their inputs "
+            "whole, as transformers leaves them for flash attention (integration/kv_sharing.py), on the model's "
+            "instances", "configure's guard removal (registration._remove_guard)", parameters)
+      for owner, parameters in kv_shared_slicers().items()),
     Patch("transformers.PretrainedConfig", "_attn_implementation", "reads", "the attention implementation a "
           "model uses (model checks under CP), and each sub-config's, which a composite model's towers keep and the "
           "undo restores (integration/composite.py)"),

@@ -14,6 +14,7 @@ from . import compat
 from .backend import is_registered, pass_positions_on
 from .composite import backend_selection, implementations
 from .given import require_model
+from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
 from .models import check_attention_routed, check_model_supports_sparse_attention
 from .patching import PatchSet
 from .positions import hook_length_counted_tables, unhook
@@ -89,7 +90,8 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
     or the model uses another implementation. With it, a pre-hook on its decoder passes the decoder's `position_ids`
     on to the attention calls (`backend.pass_positions_on`), and one on each position table fed positions counted
-    from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`). The hooks
+    from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`), and a
+    model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`). The hooks
     are module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that
     removes them, or None when the model already has them."""
     if model.__dict__.get(_GUARD):
@@ -99,6 +101,7 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     if decoder is not None:
         handles.append(decoder.register_forward_pre_hook(pass_positions_on, with_kwargs=True))
     handles += hook_length_counted_tables(model)
+    unslice_kv_sharing(model)
     model.__dict__[_GUARD] = True
     return functools.partial(_remove_guard, model, handles)
 
@@ -141,4 +144,5 @@ def _remove_guard(model: torch.nn.Module, handles: list[RemovableHandle]) -> Non
     for handle in handles:
         handle.remove()
     unhook(model)
+    slice_kv_sharing(model)
     model.__dict__.pop(_GUARD, None)

@@ -44,14 +44,31 @@ def _field_of(config_class: type, name: str) -> bool:
     return name in inspect.signature(config_class.__init__).parameters
 
 
+def _check_language_model_sized(model_type: str, config: PretrainedConfig, hidden_size: int) -> None:
+    """Raise ValueError, naming the language model's own type, where `config` keeps its language model in a
+    sub-config that the tiny fields did not reach (Gemma 3, Llama 4, Qwen 3.5: a vision-language model's defaults,
+    2.7B to 108B parameters built for a 'tiny' model)."""
+    try:
+        text = config.get_text_config()
+    except ValueError:  # (several text sub-configs, MusicGen's text encoder and decoder: none is the one to size)
+        return
+    if text is config or getattr(text, "hidden_size", hidden_size) == hidden_size:
+        return
+    raise ValueError(f"tiny model type {model_type!r} keeps its language model in a sub-config (model type "
+                     f"{text.model_type!r}) that the tiny model's fields do not reach: it would be built at its full "
+                     f"size ({text.num_hidden_layers} layers of {text.hidden_size}, its other towers too). Give the "
+                     f"language model's type, --tiny_model_type {text.model_type} (tiny_config({text.model_type!r})), "
+                     "or for a vision-language model hf_sparse_cp.testing.tiny_vlms.tiny_vlm_config.")
+
+
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
     the window then unused; a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a decoder sized
-    apart from its encoder: `TINY_DECODER`); any field can be
-    overridden. A field the architecture derives from others (Falcon's `head_dim`) is left to it; an override of
-    one it derives otherwise is a ValueError that names it, and so is a config transformers refuses to build from
-    these fields."""
+    apart from its encoder: `TINY_DECODER`); any field can be overridden. A field the architecture derives from
+    others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that names
+    it, and so is a config transformers refuses to build from these fields, and a type that keeps its language model
+    in a sub-config these fields do not reach (a vision-language model's), naming the language model's type."""
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -106,6 +123,7 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                          f"model's fields ({type(e).__name__}: {' '.join(line.strip() for line in cause[:2])}); train "
                          "another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of this type from "
                          "--model_name_or_path.") from e
+    _check_language_model_sized(model_type, config, fields["hidden_size"])
     layer_types = getattr(config, "layer_types", None) or ()
     if layer_types and not _attends(layer_types) and "layer_types" not in overrides:
         # Hybrids (Qwen3-Next, Qwen3.5, LFM 3) place attention every few layers, none among two of them: the

@@ -164,6 +164,24 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
     assert "error: tiny model type 'no_such_type' is not a transformers model type" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type, text_type", [("gemma3", "gemma3_text"), ("llama4", "llama4_text"),
+                                                   ("qwen3_5", "qwen3_5_text")])
+def test_the_tiny_model_of_a_composite_type_names_its_language_models_type(model_type, text_type, tmp_path, capsys):
+    """A vision-language type keeps its language model in text_config, which the tiny fields did not reach: the
+    'tiny' model was the family's default (counted on the meta device: Gemma 3 2.7B parameters, Qwen 3.5 9.0B,
+    Llama 4 108B), which the demo's --tiny_model_type took. It is a ValueError naming the language model's type, which
+    the demo prints as one error line; that type builds tiny."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    with pytest.raises(ValueError, match=rf"tiny model type '{model_type}' keeps its language model in a sub-config "
+                                         rf"\(model type '{text_type}'\).*--tiny_model_type {text_type}"):
+        tiny_config(model_type)
+    assert tiny_config(text_type).hidden_size == 128
+    with pytest.raises(SystemExit) as ended:
+        main(["--tiny_model_type", model_type, "--output_dir", str(tmp_path)])
+    assert ended.value.code == 2 and f"--tiny_model_type {text_type}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model_type, overrides, cause, cp_cause", [
     ("deepseek_v4", {"sliding_window": 48}, r"DeepseekV4DecoderLayer: sparse_cp does not implement learned attention "
                                             r"sinks in a layer of type 'heavily_compressed_attention' \(it computes "
@@ -413,7 +431,8 @@ _KV_SHARING = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers
 SWEPT = {
     "gpt_bigcode": {"max_position_embeddings": 512}, "ctrl": {"max_position_embeddings": 512, "dff": 256},
     "biogpt": {"max_position_embeddings": 512},
-    "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING, "jetmoe": {},
+    "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING,
+    "gemma4_text": _KV_SHARING, "jetmoe": {},
     "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
     **{t: {"max_position_embeddings": 512} for t in ("bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
@@ -430,9 +449,10 @@ UNPACKED_BY_THE_MASK = ("biogpt", "granitemoehybrid", "bart", "mbart", "plbart",
 
 @pytest.mark.parametrize("model_type", list(SWEPT))
 def test_an_architecture_of_the_sweep_trains_with_sparse_cp_as_with_sdpa(model_type):
-    """Every block kept, the sparse path gives sdpa's logits and gradients (float64: to its rounding); with documents
-    packed by restarting position_ids, the logits of sdpa on the same packed row where the model's own mask packs
-    by them (a hybrid's recurrent layers run across the documents in both)."""
+    """Every block kept, the sparse path gives sdpa's logits and gradients (float64: to its rounding), on one row and
+    on a right-padded batch of two (Gemma 4's KV-shared layers sliced the 2D padding mask as sdpa's 4D one: IndexError
+    'too many indices'); with documents packed by restarting position_ids, the logits of sdpa on the same packed row
+    where the model's own mask packs by them (a hybrid's recurrent layers run across the documents in both)."""
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.integration.stats import pop_kept_fractions
 
@@ -443,7 +463,11 @@ def test_an_architecture_of_the_sweep_trains_with_sparse_cp_as_with_sdpa(model_t
     ours = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, **SWEPT[model_type]),
                                             experts_implementation="eager").double()
     ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(3, 97, (1, 48), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 35:] = 0
+    batches = ({"input_ids": ids[:1], "labels": ids[:1]},
+               {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     pos = torch.cat([torch.arange(20), torch.arange(28)])[None]
     hf_sparse_cp.patch()
     try:
@@ -451,23 +475,68 @@ def test_an_architecture_of_the_sweep_trains_with_sparse_cp_as_with_sdpa(model_t
                                                                   slash_topk=10**4, dense_first_layers=0))
         results = []
         for model in (ref, ours):
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
+            found = []
+            for batch in batches:
+                model.zero_grad(set_to_none=True)
+                out = model(**batch, use_cache=False)
+                out.loss.backward()
+                found.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
             with torch.no_grad():
-                packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-            results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}, packed))
+                packed = model(input_ids=ids[:1], position_ids=pos, use_cache=False).logits
+            results.append((found, packed))
         assert pop_kept_fractions(ours)  # (the sparse path ran)
     finally:
         hf_sparse_cp.unpatch()
-    (ref_logits, ref_grads, ref_packed), (logits, grads, packed) = results
-    assert rel_rms(logits, ref_logits) <= 1e-10
-    # (each gradient to its own size, or to a millionth of the whole where it is zero but for rounding: a key bias's)
-    floor = 1e-6 * torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm()
-    for name, grad in grads.items():
-        assert (grad is None) == (ref_grads[name] is None), name
-        assert grad is None or (grad - ref_grads[name]).norm() <= 1e-9 * torch.maximum(ref_grads[name].norm(), floor)
+    (ref_found, ref_packed), (found, packed) = results
+    for (ref_logits, ref_grads), (logits, grads), batch in zip(ref_found, found, batches):
+        real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()  # (padding's logits: any)
+        assert rel_rms(logits[real], ref_logits[real]) <= 1e-10
+        # (each gradient to its own size, or to a millionth of the whole where it is zero but for rounding: a key
+        # bias's)
+        floor = 1e-6 * torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm()
+        for name, grad in grads.items():
+            assert (grad is None) == (ref_grads[name] is None), name
+            assert grad is None or (grad - ref_grads[name]).norm() <= 1e-9 * torch.maximum(ref_grads[name].norm(),
+                                                                                           floor)
     if model_type not in UNPACKED_BY_THE_MASK:
         assert rel_rms(packed, ref_packed) <= 1e-10
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4_unified_text"])
+def test_kv_shared_layers_take_their_inputs_whole_and_give_sdpas_kept_positions(model_type):
+    """Gemma 4 runs its KV-shared layers on the queries of the kept logits only, slicing the masks as sdpa's 4D ones:
+    with logits_to_keep=1 sparse_cp refused them ('handed sparse_cp 48 keys for 1 queries ... adds keys of its own'),
+    with a padded batch the slice of its 2D mask ended in an IndexError. Under sparse_cp the layers get their inputs
+    whole, as under flash attention: the kept positions are sdpa's; switched to another implementation, the model slices
+    them itself again."""
+    from transformers import AutoModel
+
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.integration.architectures import KV_SHARED_SLICER
+
+    config = tiny_config(model_type, vocab_size=97, **_KV_SHARING)
+    torch.manual_seed(0)
+    ref = AutoModel.from_config(config, attn_implementation="sdpa").double().eval()
+    ours = AutoModel.from_config(tiny_config(model_type, vocab_size=97, **_KV_SHARING)).double().eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 35:] = 0
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(ours, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
+                                                           slash_topk=10**4, dense_first_layers=0))
+        with torch.no_grad():
+            kept = [m(input_ids=ids, logits_to_keep=1, use_cache=False).last_hidden_state for m in (ref, ours)]
+            padded = [m(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state for m in (ref, ours)]
+        assert rel_rms(kept[1][:, -1:], kept[0]) <= 1e-10  # (all positions come back, as under flash attention)
+        assert rel_rms(padded[1][mask.bool()], padded[0][mask.bool()]) <= 1e-10
+        assert KV_SHARED_SLICER in vars(ours)
+        ours.set_attn_implementation("sdpa")  # (another implementation: the model's own slicing)
+        with torch.no_grad():
+            assert ours(input_ids=ids, logits_to_keep=1, use_cache=False).last_hidden_state.shape[1] == 1
+    finally:
+        hf_sparse_cp.unpatch()
 
 
 def test_the_router_losses_cp_gathers_are_every_installed_one_of_that_form():
