@@ -245,6 +245,9 @@ def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None
 _DENSE_FIX = ("Train it with dense attention (--sparse_attention false; in code, without "
               "hf_sparse_cp.configure(model))")
 _NO_CP_FIX = "Train it without context parallelism (--cp_size 1; it needs the sparse_cp backend, which runs the ring)"
+# (under CP, dense attention alone is no fix: CP with --sparse_attention false is refused, the ring needing the backend)
+_DENSE_NO_CP_FIX = ("Train it without context parallelism (drop --cp_size: its ring needs the sparse_cp backend) and "
+                    "with dense attention (--sparse_attention false; in code, without hf_sparse_cp.configure(model))")
 
 
 def _check_calls(model: torch.nn.Module, impl: str | None, calls: list[tuple[str, ProbedCall]] | None,
@@ -281,7 +284,7 @@ def check_attention_routed(model: torch.nn.Module, context_parallel: bool = Fals
     impl = compat.attn_implementation(model.config)
     # (a probe forward that fails is refused: training would fail the same way at its first forward)
     calls = _attention_calls(model, context_parallel=context_parallel) if impl == BACKEND_NAME else None
-    _check_calls(model, impl, calls, _DENSE_FIX)
+    _check_calls(model, impl, calls, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)
 
 
 def sliding_window_layers(config) -> list[int]:

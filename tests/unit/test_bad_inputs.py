@@ -41,6 +41,21 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--tiny_model_type", "reformer"], "--tiny_model_type reformer: transformers does not build its causal "
          "language model from the tiny model's config (AssertionError: If you want to use `ReformerModelWithLMHead`"),
         (["--tiny_model_type", "bert"], "--tiny_model_type bert: BertLMHeadModel has bidirectional attention layers"),
+        # an architecture whose attention does not run through the backend, or under CP mixes tokens outside it:
+        # refused by each process only as it built the Trainer, after the data
+        (["--tiny_model_type", "mamba"], "--tiny_model_type mamba: MambaForCausalLM (model type 'mamba') does not "
+         "route its attention through transformers' AttentionInterface"),
+        (["--tiny_model_type", "bloom"], "--tiny_model_type bloom: BloomForCausalLM (model type 'bloom') does not "
+         "route its attention through transformers' AttentionInterface, so attn_implementation='sparse_cp' cannot take "
+         "effect (transformers kept attn_implementation='eager'). Train it with dense attention (--sparse_attention "
+         "false;"),
+        (["--tiny_model_type", "bloom", "--cp_size", "2"], "--tiny_model_type bloom: BloomForCausalLM (model type "
+         "'bloom') does not route its attention through transformers' AttentionInterface, so attn_implementation="
+         "'sparse_cp' cannot take effect (transformers kept attn_implementation='eager'). Train it without context "
+         "parallelism (drop --cp_size: its ring needs the sparse_cp backend) and with dense attention "
+         "(--sparse_attention false;"),
+        (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM mixes tokens "
+         "outside attention (layer type 'linear_attention', Conv1d of kernel (4,)"),
         (["--tiny_model_type", "gemma2", "--cp_size", "1"], "--tiny_model_type gemma2: Gemma2ForCausalLM (model type "
          "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
