@@ -159,8 +159,13 @@ class KnownKeywords:
         unknown = [name for name in kwargs if name not in known]
         if unknown:
             raise UnknownKeyError(f"Unknown {cls.KIND} config keys {sorted(unknown)}{close_keys(unknown, known)}; "
-                                  f"known keys: {sorted(known)}.")
+                                  f"known keys: {cls.known_keys(known)}.")
         return super().__new__(cls)
+
+    @classmethod
+    def known_keys(cls, known: list[str]) -> str:
+        """How the error names the `known` keys: all of them (a class with too many to read overrides it)."""
+        return str(sorted(known))
 
     @classmethod
     def keywords(cls) -> list[str]:

@@ -859,6 +859,16 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
     (lambda c: c.h.SparseAttentionFlags(sparse_verticle_topk=8), "Unknown sparse attention flag config keys "
                                                                  "['sparse_verticle_topk'] (did you mean "
                                                                  "'sparse_vertical_topk'?)"),
+    # and the Trainer argument classes generated from a TrainingArguments class and the plugin's flags (their ~260
+    # fields not listed), and the plugin's flags alone (what hf_sparse_cp.run reads)
+    (lambda c: c.h.SparseTrainingArguments(output_dir="out", sparse_atention=True), "Unknown training argument config "
+     "keys ['sparse_atention'] (did you mean 'sparse_attention'?); known keys: the fields of TrainingArguments and the "
+     "plugin's flags (docs/flags.md lists them)."),
+    (lambda c: c.h.sparse_arguments_class(c.Seq2SeqTrainingArguments)(output_dir="out", learning_rat=1e-4),
+     "Unknown training argument config keys ['learning_rat'] (did you mean 'learning_rate'?); known keys: the fields "
+     "of Seq2SeqTrainingArguments and"),
+    (lambda c: c.PluginArguments(cp_sise=2), "Unknown plugin config keys ['cp_sise'] (did you mean 'cp_size'?); known "
+     "keys: the plugin's flags (docs/flags.md lists them)."),
 ])
 def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, named):
     """An unknown key listed the 25 known ones and left the reader to find `vertical_topk` among them for
@@ -866,17 +876,21 @@ def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, name
     a file, a mapping or a constructor's keyword."""
     import types
 
+    from transformers import Seq2SeqTrainingArguments
+
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.attention.budgets import TopK
     from hf_sparse_cp.config.sections import Scoring
     from hf_sparse_cp.distributed.cp_config import ContextParallelConfig
     from hf_sparse_cp.smet import SMETConfig
+    from hf_sparse_cp.trainer.plugin_arguments import PluginArguments
 
     with pytest.raises(ValueError, match=re.escape(named)):
         build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig,
                                     ContextParallelConfig=ContextParallelConfig, Scoring=Scoring, TopK=TopK,
-                                    h=hf_sparse_cp))
+                                    h=hf_sparse_cp, Seq2SeqTrainingArguments=Seq2SeqTrainingArguments,
+                                    PluginArguments=PluginArguments))
     # a constructor's bad keyword is still a TypeError (what its callers catch), as Python's was
     with pytest.raises(TypeError, match=re.escape("(did you mean 'density'?)")):
         SMETConfig(densty=0.1)
