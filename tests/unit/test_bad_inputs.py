@@ -849,6 +849,7 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
                                                      "'cp_mode'?); known keys: ['cp_allow_untested_model', "),
     (lambda c: c.Scoring(last_qs=8), "Unknown scoring config keys ['last_qs'] (did you mean 'last_q'?)"),
     (lambda c: c.TopK(slash_top=8), "Unknown budget config keys ['slash_top'] (did you mean 'slash_topk'?)"),
+    (lambda c: c.TopK(topk=8), "Unknown budget config keys ['topk'] (did you mean 'vertical_topk' or 'slash_topk'?)"),
     # and the flag dataclasses of a Trainer script, built in code
     (lambda c: c.h.SparseCPArguments(sparse_atention=True), "Unknown plugin config keys ['sparse_atention'] (did "
                                                              "you mean 'sparse_attention'?)"),
