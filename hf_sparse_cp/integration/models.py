@@ -437,7 +437,7 @@ def _refuse_adapter_attention(model: torch.nn.Module, missed: list[torch.nn.Modu
 
 
 def check_model_supports_context_parallel(
-    model: torch.nn.Module, backend: str = BACKEND_NAME, *, parallel: ParallelDims | None = None
+    model: torch.nn.Module, backend: str | None = BACKEND_NAME, *, parallel: ParallelDims | None = None
 ) -> None:
     """Raise ValueError, naming the cause and the fix, unless sparse context parallelism computes
     `model` exactly (see the module docstring). Call it before training (the Trainer integration
@@ -445,7 +445,8 @@ def check_model_supports_context_parallel(
 
     Args:
         model: a transformers causal LM that uses the `sparse_cp` backend.
-        backend: the attention implementation every layer must use.
+        backend: the attention implementation every layer must use: 'sparse_cp' (None: the same), whose ring is
+            the only one context parallelism runs; another is refused, naming it.
         parallel: the layout it will train in, whose mode checks the model too (its heads split over the
             head groups: at least one query head per rank).
     """
@@ -454,9 +455,16 @@ def check_model_supports_context_parallel(
     name = type(model).__name__
     if config is None:
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
+    impl = compat.attn_implementation(config)
+    if backend is None:
+        backend = BACKEND_NAME
+    if backend != BACKEND_NAME:  # (it said "must go through 'None'"; 'sdpa' on an sdpa model was called unrouted)
+        raise ValueError(
+            f"check_model_supports_context_parallel(model, backend={backend!r}): context parallelism runs its ring in "
+            f"the '{BACKEND_NAME}' backend only, so every attention layer must use it ({name} uses "
+            f"attn_implementation={impl!r}): leave backend out (or pass backend='{BACKEND_NAME}').")
     check_model_supports_sparse_attention(model, context_parallel=True)
     _refuse_virtual_tokens(model)
-    impl = compat.attn_implementation(config)
     if impl != backend:
         _check_architecture(model, _NO_CP_FIX)  # (what it cannot run is refused first: no fix below would work)
         raise ValueError(

@@ -234,6 +234,22 @@ def _tiny(model_type: str = "llama", **overrides):
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
 
 
+def test_the_cp_check_names_the_one_backend_it_takes():
+    """check_model_supports_context_parallel(model, backend=None) told every layer to go through 'None', and
+    backend='sdpa' on an sdpa model called its architecture unrouted: only sparse_cp runs the ring."""
+    from hf_sparse_cp import check_model_supports_context_parallel
+
+    model = _tiny()
+    with pytest.raises(ValueError, match=r"uses attn_implementation='sdpa'; under context parallelism every attention "
+                                         r"layer must go through 'sparse_cp', which runs the ring"):
+        check_model_supports_context_parallel(model, backend=None)
+    with pytest.raises(ValueError, match=re.escape(
+            "check_model_supports_context_parallel(model, backend='sdpa'): context parallelism runs its ring in the "
+            "'sparse_cp' backend only, so every attention layer must use it (LlamaForCausalLM uses attn_implementation="
+            "'sdpa'): leave backend out (or pass backend='sparse_cp').")):
+        check_model_supports_context_parallel(model, backend="sdpa")
+
+
 def test_an_estimation_chunk_that_covers_the_sequence_is_refused():
     """Issue #31: every layer ran dense (kept 1.000) without a word."""
     from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention
