@@ -75,6 +75,14 @@ class PluginArgumentsMixin(KnownKeywords):
         self.sparse_attention_config()
         self.smet_optimizer_config()  # (its --smet_config file)
         check_sequence_length(self._length_field, self.sequence_length)
+        split = next(((where, degree) for where, degree in self.cp_degrees() if degree > 1), None)
+        if split and not self.sparse_attention:  # (the Trainer refused it only after the script built its data)
+            where, degree = split
+            raise ValueError(
+                f"{where or f'--cp_size {degree}: '}context parallelism runs its ring in the sparse_cp backend, which "
+                "--sparse_attention false turns off: drop --sparse_attention false (add --sparse_pattern dense for "
+                "exact causal attention under CP), or train without context parallelism (drop --cp_size and "
+                "--cp_schedule).")
 
     @property
     def sequence_length(self) -> int | None:

@@ -56,6 +56,12 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "(--sparse_attention false;"),
         (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM mixes tokens "
          "outside attention (layer type 'linear_attention', Conv1d of kernel (4,)"),
+        # CP with the backend that runs its ring off: refused by the Trainer after the data
+        (["--sparse_attention", "false", "--cp_size", "2"], "--cp_size 2: context parallelism runs its ring in the "
+         "sparse_cp backend, which --sparse_attention false turns off: drop --sparse_attention false (add "
+         "--sparse_pattern dense for exact causal attention under CP), or train without context parallelism"),
+        (["--sparse_attention", "false", "--cp_schedule", "0:256:1,2:512:2", "--max_steps", "4"],
+         "--cp_schedule stage 1 (2:512:2): context parallelism runs its ring in the sparse_cp backend"),
         (["--tiny_model_type", "gemma2", "--cp_size", "1"], "--tiny_model_type gemma2: Gemma2ForCausalLM (model type "
          "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
