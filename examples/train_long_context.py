@@ -153,9 +153,10 @@ class ScriptArguments:
 def check_tiny_model(model_type: str, num_layers: int, training: SparseTrainingArguments) -> None:
     """Raise ValueError, naming the types that train here, when the tiny model of `model_type` cannot train under
     `training`: transformers does not build its config, it has no causal LM (T5, CLIP) or does not build it from the
-    tiny config (Reformer), or sparse attention refuses it (`models.check_model_supports_sparse_attention`: an
-    encoder such as BERT, soft-capped logits). Each but the first was refused only by the processes, once they had
-    built the passkey data; the model is built on the meta device here."""
+    tiny config (Reformer), or sparse attention or CP refuses it (`registration.check_switchable`: an encoder such as
+    BERT, soft-capped logits, an architecture whose attention does not run through the backend such as Mamba or
+    BLOOM, under CP a token mixer outside attention). Each but the first was refused only by the processes, once they
+    had built the passkey data; the model is built on the meta device here."""
     from hf_sparse_cp.integration.architectures import ARCHITECTURES
 
     tiny_config(model_type, num_hidden_layers=num_layers)  # (a type transformers does not build: its own message)
@@ -173,7 +174,7 @@ def _tiny_model_refusal(model_type: str, num_layers: int, sparse: bool, cp: bool
     attention (`sparse`) and context parallelism (`cp`) or without; None when it can."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hf_sparse_cp.integration.models import check_model_supports_sparse_attention
+    from hf_sparse_cp.integration.registration import check_switchable
 
     try:
         config = tiny_config(model_type, num_hidden_layers=num_layers)
@@ -187,7 +188,7 @@ def _tiny_model_refusal(model_type: str, num_layers: int, sparse: bool, cp: bool
                 f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
     if sparse:
         try:
-            check_model_supports_sparse_attention(model, context_parallel=cp)
+            check_switchable(model, context_parallel=cp)
         except ValueError as e:
             return str(e)
     return None

@@ -30,11 +30,13 @@ def _env() -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    """'0,3,5' -> [0, 3, 5] (an argparse type)."""
+    """'0,3,5' -> [0, 3, 5] (an argparse type). An empty item ('0,,3', a trailing comma, '') is refused: it was
+    dropped, and an empty list drew the default layers."""
     try:
-        return [int(item) for item in text.split(",") if item.strip()]
+        return [int(item) for item in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,3") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,3 (no empty "
+                                         "item)") from None
 
 
 def _add_plot_parser(sub) -> argparse.ArgumentParser:

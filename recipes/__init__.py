@@ -47,7 +47,8 @@ def recipe_path(name_or_path: str, kinds: tuple[str, ...] = KINDS) -> Path:
     for kind in kinds:
         if name in recipe_names(kind):
             return _folder(kind) / f"{name}{SUFFIX}"
-    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe "
+    folder = " (a folder)" if path.is_dir() else ""
+    raise FileNotFoundError(f"recipe {name_or_path!r}{folder} is neither a file nor a shipped recipe "
                             f"{_shipped(name_or_path, kinds)}")
 
 
@@ -69,7 +70,9 @@ def pattern_path(name_or_path: str) -> str:
     try:
         return str(recipe_path(name_or_path, ("pattern",)))
     except FileNotFoundError:
-        raise FileNotFoundError(f"Config file {name_or_path!r} does not exist, nor is it a shipped pattern "
+        # (a folder was said not to exist)
+        there = "is a folder, not a file" if Path(name_or_path).is_dir() else "does not exist"
+        raise FileNotFoundError(f"Config file {name_or_path!r} {there}, nor is it a shipped pattern "
                                 f"{_shipped(name_or_path, ('pattern',))}") from None
 
 

@@ -11,7 +11,7 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -124,20 +124,30 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
-    """' (did you mean 'a' for 'b'?)' for the keys among `unknown` that are close to one of `known` (a typo such as
-    verticle_topk, densty; or the key without its first word: mode for cp_mode; those as close as the closest,
-    joined by 'or': slash_top is slash_topk or slash_topp), '' for none: what an unknown-key error says after
-    naming the keys."""
-    def ratio(key: str, name: str) -> float:
-        return max(difflib.SequenceMatcher(None, key, text).ratio() for text in (name, name.partition("_")[2]))
+def closest_names(key: str, known: Iterable[str], prefix: str = "") -> list[str]:
+    """The names among `known` closest to `key`, all those as close as the closest (slash_top: slash_topk and
+    slash_topp), [] for none: a typo of the name (verticle_topk, densty) or the name without its first word (mode for
+    cp_mode), at least 0.75 alike by difflib's ratio. A name as close whole beats one as close only without its first
+    word (--skip_memory_metrics, not also --no_skip_memory_metrics, for --skip_memory_metric). `prefix` goes before
+    both (a flag's '--': a short flag is then close to its longer one, --bf to --bf16)."""
+    def ratio(name: str) -> tuple[float, bool]:  # (how alike, and whether whole)
+        whole = difflib.SequenceMatcher(None, prefix + key, prefix + name).ratio()
+        part = difflib.SequenceMatcher(None, prefix + key, prefix + name.partition("_")[2]).ratio()
+        return max(whole, part), whole >= part
 
+    ratios = {name: ratio(name) for name in known}
+    best = max(ratios.values(), default=(0.0, True))
+    return [name for name, alike in ratios.items() if alike == best] if best[0] >= 0.75 else []
+
+
+def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
+    """' (did you mean 'a' for 'b'?)' for the keys among `unknown` that are close to one of `known`
+    (`closest_names`; those as close as the closest joined by 'or': slash_top is slash_topk or slash_topp), '' for
+    none: what an unknown-key error says after naming the keys."""
     guesses = []
     for key in sorted(unknown, key=str):
-        ratios = {name: ratio(str(key), name) for name in known}
-        best = max(ratios.values(), default=0.0)
-        if best >= 0.75:
-            close = " or ".join(repr(name) for name in known if ratios[name] == best)
+        close = " or ".join(map(repr, closest_names(str(key), known)))
+        if close:
             guesses.append(f"{close} for {key!r}" if len(unknown) > 1 else close)
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
@@ -159,8 +169,13 @@ class KnownKeywords:
         unknown = [name for name in kwargs if name not in known]
         if unknown:
             raise UnknownKeyError(f"Unknown {cls.KIND} config keys {sorted(unknown)}{close_keys(unknown, known)}; "
-                                  f"known keys: {sorted(known)}.")
+                                  f"known keys: {cls.known_keys(known)}.")
         return super().__new__(cls)
+
+    @classmethod
+    def known_keys(cls, known: list[str]) -> str:
+        """How the error names the `known` keys: all of them (a class with too many to read overrides it)."""
+        return str(sorted(known))
 
     @classmethod
     def keywords(cls) -> list[str]:

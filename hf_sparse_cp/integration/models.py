@@ -245,6 +245,9 @@ def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None
 _DENSE_FIX = ("Train it with dense attention (--sparse_attention false; in code, without "
               "hf_sparse_cp.configure(model))")
 _NO_CP_FIX = "Train it without context parallelism (--cp_size 1; it needs the sparse_cp backend, which runs the ring)"
+# (under CP, dense attention alone is no fix: CP with --sparse_attention false is refused, the ring needing the backend)
+_DENSE_NO_CP_FIX = ("Train it without context parallelism (drop --cp_size: its ring needs the sparse_cp backend) and "
+                    "with dense attention (--sparse_attention false; in code, without hf_sparse_cp.configure(model))")
 
 
 def _check_calls(model: torch.nn.Module, impl: str | None, calls: list[tuple[str, ProbedCall]] | None,
@@ -281,7 +284,7 @@ def check_attention_routed(model: torch.nn.Module, context_parallel: bool = Fals
     impl = compat.attn_implementation(model.config)
     # (a probe forward that fails is refused: training would fail the same way at its first forward)
     calls = _attention_calls(model, context_parallel=context_parallel) if impl == BACKEND_NAME else None
-    _check_calls(model, impl, calls, _DENSE_FIX)
+    _check_calls(model, impl, calls, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)
 
 
 def sliding_window_layers(config) -> list[int]:
@@ -434,7 +437,7 @@ def _refuse_adapter_attention(model: torch.nn.Module, missed: list[torch.nn.Modu
 
 
 def check_model_supports_context_parallel(
-    model: torch.nn.Module, backend: str = BACKEND_NAME, *, parallel: ParallelDims | None = None
+    model: torch.nn.Module, backend: str | None = BACKEND_NAME, *, parallel: ParallelDims | None = None
 ) -> None:
     """Raise ValueError, naming the cause and the fix, unless sparse context parallelism computes
     `model` exactly (see the module docstring). Call it before training (the Trainer integration
@@ -442,7 +445,8 @@ def check_model_supports_context_parallel(
 
     Args:
         model: a transformers causal LM that uses the `sparse_cp` backend.
-        backend: the attention implementation every layer must use.
+        backend: the attention implementation every layer must use: 'sparse_cp' (None: the same), whose ring is
+            the only one context parallelism runs; another is refused, naming it.
         parallel: the layout it will train in, whose mode checks the model too (its heads split over the
             head groups: at least one query head per rank).
     """
@@ -451,9 +455,16 @@ def check_model_supports_context_parallel(
     name = type(model).__name__
     if config is None:
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
+    impl = compat.attn_implementation(config)
+    if backend is None:
+        backend = BACKEND_NAME
+    if backend != BACKEND_NAME:  # (it said "must go through 'None'"; 'sdpa' on an sdpa model was called unrouted)
+        raise ValueError(
+            f"check_model_supports_context_parallel(model, backend={backend!r}): context parallelism runs its ring in "
+            f"the '{BACKEND_NAME}' backend only, so every attention layer must use it ({name} uses "
+            f"attn_implementation={impl!r}): leave backend out (or pass backend='{BACKEND_NAME}').")
     check_model_supports_sparse_attention(model, context_parallel=True)
     _refuse_virtual_tokens(model)
-    impl = compat.attn_implementation(config)
     if impl != backend:
         _check_architecture(model, _NO_CP_FIX)  # (what it cannot run is refused first: no fix below would work)
         raise ValueError(

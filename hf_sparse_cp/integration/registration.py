@@ -3,8 +3,9 @@ transformers by `interfaces.patch()`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -14,8 +15,14 @@ from . import compat
 from .backend import is_registered, pass_positions_on
 from .composite import backend_selection, implementations
 from .given import require_model
+from .interfaces import patch, unpatch
 from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
-from .models import check_attention_routed, check_model_supports_sparse_attention
+from .models import (
+    ProbeFailed,
+    check_attention_routed,
+    check_model_supports_context_parallel,
+    check_model_supports_sparse_attention,
+)
 from .patching import PatchSet
 from .positions import hook_length_counted_tables, unhook
 
@@ -82,6 +89,50 @@ def select_backend(model: torch.nn.Module, context_parallel: bool = False) -> st
             model.set_attn_implementation(previous)
         raise
     return previous
+
+
+def check_switchable(model: torch.nn.Module, context_parallel: bool = False) -> None:
+    """Raise ValueError, naming the cause and the fix, when training would refuse `model` switched to the backend
+    (with `context_parallel`, for CP training), before anything else is built for it: what its config and layers ask
+    for (`check_model_supports_sparse_attention`), then the model switched as `configure` switches it
+    (`select_backend`, `guard_registration`) and under CP checked as CP checks it
+    (`check_model_supports_context_parallel`), its implementations and hooks restored after. The backend is
+    registered for the check where it is not. A model on the meta device (the example's tiny model, refused at its
+    flags' parse, before the processes make their data) whose probe forward does not run there (`ProbeFailed`: a
+    layer reads a value) passes what the probe checks: the Trainer probes it with its weights."""
+    check_model_supports_sparse_attention(model, context_parallel=context_parallel)
+    registered = is_registered()
+    if not registered:
+        patch()
+    previous = implementations(model.config)
+    try:
+        model.set_attn_implementation(backend_selection(model.config, BACKEND_NAME))
+        unguard = guard_registration(model)
+        try:
+            with _unless_meta_probe_fails(model):
+                check_attention_routed(model, context_parallel)
+            if context_parallel:
+                with _unless_meta_probe_fails(model):
+                    check_model_supports_context_parallel(model)
+        finally:
+            if unguard is not None:
+                unguard()
+    finally:
+        if previous is not None and implementations(model.config) != previous:
+            model.set_attn_implementation(previous)
+        if not registered:
+            unpatch()
+
+
+@contextlib.contextmanager
+def _unless_meta_probe_fails(model: torch.nn.Module) -> Iterator[None]:
+    """Let a `ProbeFailed` of `model` pass where its parameters are on the meta device: its forward failed there,
+    which says nothing of the model with its weights."""
+    try:
+        yield
+    except ProbeFailed:
+        if next(model.parameters()).device.type != "meta":
+            raise
 
 
 def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from ..config import SparseAttentionConfig
-from ..config.files import check_field_types
+from ..config.files import KnownKeywords, check_field_types
 from ..distributed import ContextParallelConfig, check_launched
 from ..smet import SMETConfig
 from ..smet.config import module_names
@@ -47,9 +47,18 @@ RENAMED_FIELDS = {"max_length": LENGTH_FIELD}
 COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_FLAGS))
 
 
-class PluginArgumentsMixin:
+class PluginArgumentsMixin(KnownKeywords):
     """The plugin's fields on a generated dataclass (`sparse_arguments_class`, `PluginArguments`): their checks
-    and the configs they make up."""
+    and the configs they make up. A keyword argument it does not take is refused naming the close one
+    (`KnownKeywords`)."""
+
+    KIND: ClassVar[str] = "plugin"
+
+    @classmethod
+    def known_keys(cls, known: list[str]) -> str:
+        # (some 60 flags, with a Trainer's some 200 fields: too many to read in a message)
+        base = getattr(cls, "_sparse_base", None)
+        return (f"the fields of {base.__name__} and " if base else "") + "the plugin's flags (docs/flags.md lists them)"
 
     _sparse_fields: frozenset[str]  # the plugin's fields (type-checked at construction)
     _length_field: str  # the field that holds the sequence length: LENGTH_FIELD, or the base's `max_length`
@@ -66,6 +75,14 @@ class PluginArgumentsMixin:
         self.sparse_attention_config()
         self.smet_optimizer_config()  # (its --smet_config file)
         check_sequence_length(self._length_field, self.sequence_length)
+        split = next(((where, degree) for where, degree in self.cp_degrees() if degree > 1), None)
+        if split and not self.sparse_attention:  # (the Trainer refused it only after the script built its data)
+            where, degree = split
+            raise ValueError(
+                f"{where or f'--cp_size {degree}: '}context parallelism runs its ring in the sparse_cp backend, which "
+                "--sparse_attention false turns off: drop --sparse_attention false (add --sparse_pattern dense for "
+                "exact causal attention under CP), or train without context parallelism (drop --cp_size and "
+                "--cp_schedule).")
 
     @property
     def sequence_length(self) -> int | None:

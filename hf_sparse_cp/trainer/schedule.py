@@ -73,8 +73,16 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
     if not isinstance(text, str):
         raise TypeError(f"parse_schedule(text): text must be a --cp_schedule string, e.g. '0:4096:1,2ep:16384:2', "
                         f"not {type(text).__name__}.")
+    items = [part.strip() for part in text.split(",")]
+    if not any(items):
+        raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
+    if not all(items):  # (it was skipped: a stage lost to a stray comma went unnoticed)
+        where = items.index("")
+        raise ValueError(f"cp_schedule {text!r}: stage {where + 1} of {len(items)} is empty (two commas in a row, or "
+                         "one at an end): remove the stray comma, or give the stage there, e.g. "
+                         "'0:4096:1,2ep:16384:2'.")
     stages = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
+    for item in items:
         head, *extra = item.split(":")
         parts = [head, *extra]
         if len(parts) < 3 or any("=" in p for p in parts[:3]) or any("=" not in p for p in parts[3:]):
@@ -106,8 +114,6 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
             stages.append(Stage(seq_len, cp_size, sparse=sparse, cp=cp, **start))
         except ValueError as error:  # (which stage, in a schedule of several)
             raise ValueError(f"cp_schedule stage {item!r}: {error}") from None
-    if not stages:
-        raise ValueError("cp_schedule is empty: give at least one stage, e.g. '0:4096:1'.")
     return tuple(stages)
 
 

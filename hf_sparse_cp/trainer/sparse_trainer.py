@@ -34,7 +34,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -120,6 +120,7 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
     generated from `plugin_arguments.plugin_fields`."""
 
     _sparse_base: type[TrainingArguments]
+    KIND: ClassVar[str] = "training argument"
 
     def __post_init__(self) -> None:
         if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true" and not _has_accelerator():

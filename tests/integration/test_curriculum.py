@@ -50,6 +50,12 @@ def test_parse_reads_steps_epochs_and_sparse_fields():
     ("0:128:1,2:256:0", r"cp_schedule stage '2:256:0': SEQ_LEN 256 and CP_SIZE 0 must both be >= 1, e.g. '0:4096:1'"),
     ("0:128:1,-2:256:2", r"cp_schedule stage '-2:256:2': a stage starts at step or epoch -2"),
     ("", "empty"),
+    (" , ", "cp_schedule is empty: give at least one stage"),
+    # a stray comma: the empty stage was skipped, the schedule taken as if it were not there
+    ("0:128:1,,2:256:2", r"cp_schedule '0:128:1,,2:256:2': stage 2 of 3 is empty \(two commas in a row, or one at an "
+                         r"end\): remove the stray comma, or give the stage there"),
+    ("0:128:1,2:256:2,", r"stage 3 of 3 is empty"),
+    (",0:128:1", r"stage 1 of 2 is empty"),
     # a field given twice in one stage: the last value was taken silently
     ("0:128:1,2:256:2:vertical_topk=4:vertical_topk=8", r"'2:256:2:vertical_topk=4:vertical_topk=8' gives "
                                                         r"vertical_topk more than once: give each field once"),

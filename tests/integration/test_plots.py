@@ -155,6 +155,18 @@ def test_plot_names_the_fix_for_a_directory_without_logs_or_model(tmp_path, caps
     assert fix in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("layers", ["0,,3", "0,", ""])
+def test_plot_refuses_an_empty_item_of_its_lists(tmp_path, capsys, layers):
+    """An empty item of --layers or --heads was dropped ('0,,3' drew layers 0 and 3), and an empty list drew the
+    default layers."""
+    for flag in ("--layers", "--heads"):
+        with pytest.raises(SystemExit) as refused:
+            main(["plot", str(tmp_path), flag, layers])
+        assert refused.value.code == 2
+        assert (f"error: argument {flag}: {layers!r} is not a comma-separated list of integers, e.g. 0,3 (no empty "
+                "item)") in capsys.readouterr().err
+
+
 def test_plot_refuses_layers_the_model_does_not_have(run_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     with pytest.raises(SystemExit):

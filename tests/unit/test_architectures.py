@@ -2,6 +2,8 @@
 changes (`compat.PATCHES`) and the CP checks read; and layers that mix tokens outside attention found by what
 they do, not by their class name."""
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -122,6 +124,24 @@ def test_architectures_that_route_attention_through_the_interface_pass_the_check
         assert compat.attn_implementation(model.config) == "sparse_cp"
     finally:
         hf_sparse_cp.unpatch()
+
+
+@pytest.mark.parametrize("model_type, refused", [("qwen2", None), ("gpt2", None), ("bloom", "does not route"),
+                                                  ("jamba", "mixes tokens outside attention")])
+def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_type, refused):
+    """`check_switchable` refuses, before the data are made, what the Trainer refused once it had switched the model
+    (the example's --tiny_model_type mamba/bloom after its data), on the meta device too (GPT-2's forward reads a
+    value there: its probe is left to the Trainer), and leaves the model, the registration and its hooks as they
+    were."""
+    from hf_sparse_cp.integration.registration import check_switchable
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    before = compat.attn_implementation(model.config)
+    with pytest.raises(ValueError, match=refused) if refused else contextlib.nullcontext():
+        check_switchable(model, context_parallel=True)
+    assert compat.attn_implementation(model.config) == before and not hf_sparse_cp.is_patched()
+    assert not any(m._forward_pre_hooks for m in model.modules())
 
 
 def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():

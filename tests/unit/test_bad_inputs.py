@@ -41,6 +41,27 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--tiny_model_type", "reformer"], "--tiny_model_type reformer: transformers does not build its causal "
          "language model from the tiny model's config (AssertionError: If you want to use `ReformerModelWithLMHead`"),
         (["--tiny_model_type", "bert"], "--tiny_model_type bert: BertLMHeadModel has bidirectional attention layers"),
+        # an architecture whose attention does not run through the backend, or under CP mixes tokens outside it:
+        # refused by each process only as it built the Trainer, after the data
+        (["--tiny_model_type", "mamba"], "--tiny_model_type mamba: MambaForCausalLM (model type 'mamba') does not "
+         "route its attention through transformers' AttentionInterface"),
+        (["--tiny_model_type", "bloom"], "--tiny_model_type bloom: BloomForCausalLM (model type 'bloom') does not "
+         "route its attention through transformers' AttentionInterface, so attn_implementation='sparse_cp' cannot take "
+         "effect (transformers kept attn_implementation='eager'). Train it with dense attention (--sparse_attention "
+         "false;"),
+        (["--tiny_model_type", "bloom", "--cp_size", "2"], "--tiny_model_type bloom: BloomForCausalLM (model type "
+         "'bloom') does not route its attention through transformers' AttentionInterface, so attn_implementation="
+         "'sparse_cp' cannot take effect (transformers kept attn_implementation='eager'). Train it without context "
+         "parallelism (drop --cp_size: its ring needs the sparse_cp backend) and with dense attention "
+         "(--sparse_attention false;"),
+        (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM mixes tokens "
+         "outside attention (layer type 'linear_attention', Conv1d of kernel (4,)"),
+        # CP with the backend that runs its ring off: refused by the Trainer after the data
+        (["--sparse_attention", "false", "--cp_size", "2"], "--cp_size 2: context parallelism runs its ring in the "
+         "sparse_cp backend, which --sparse_attention false turns off: drop --sparse_attention false (add "
+         "--sparse_pattern dense for exact causal attention under CP), or train without context parallelism"),
+        (["--sparse_attention", "false", "--cp_schedule", "0:256:1,2:512:2", "--max_steps", "4"],
+         "--cp_schedule stage 1 (2:512:2): context parallelism runs its ring in the sparse_cp backend"),
         (["--tiny_model_type", "gemma2", "--cp_size", "1"], "--tiny_model_type gemma2: Gemma2ForCausalLM (model type "
          "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
@@ -217,6 +238,22 @@ def _tiny(model_type: str = "llama", **overrides):
     from hf_sparse_cp.testing.tiny_models import tiny_config
 
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+
+
+def test_the_cp_check_names_the_one_backend_it_takes():
+    """check_model_supports_context_parallel(model, backend=None) told every layer to go through 'None', and
+    backend='sdpa' on an sdpa model called its architecture unrouted: only sparse_cp runs the ring."""
+    from hf_sparse_cp import check_model_supports_context_parallel
+
+    model = _tiny()
+    with pytest.raises(ValueError, match=r"uses attn_implementation='sdpa'; under context parallelism every attention "
+                                         r"layer must go through 'sparse_cp', which runs the ring"):
+        check_model_supports_context_parallel(model, backend=None)
+    with pytest.raises(ValueError, match=re.escape(
+            "check_model_supports_context_parallel(model, backend='sdpa'): context parallelism runs its ring in the "
+            "'sparse_cp' backend only, so every attention layer must use it (LlamaForCausalLM uses attn_implementation="
+            "'sdpa'): leave backend out (or pass backend='sparse_cp').")):
+        check_model_supports_context_parallel(model, backend="sdpa")
 
 
 def test_an_estimation_chunk_that_covers_the_sequence_is_refused():
@@ -834,6 +871,7 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
                                                      "'cp_mode'?); known keys: ['cp_allow_untested_model', "),
     (lambda c: c.Scoring(last_qs=8), "Unknown scoring config keys ['last_qs'] (did you mean 'last_q'?)"),
     (lambda c: c.TopK(slash_top=8), "Unknown budget config keys ['slash_top'] (did you mean 'slash_topk'?)"),
+    (lambda c: c.TopK(topk=8), "Unknown budget config keys ['topk'] (did you mean 'vertical_topk' or 'slash_topk'?)"),
     # and the flag dataclasses of a Trainer script, built in code
     (lambda c: c.h.SparseCPArguments(sparse_atention=True), "Unknown plugin config keys ['sparse_atention'] (did "
                                                              "you mean 'sparse_attention'?)"),
@@ -844,6 +882,16 @@ def test_the_attention_functions_refuse_a_scale_window_metadata_or_heads_they_wo
     (lambda c: c.h.SparseAttentionFlags(sparse_verticle_topk=8), "Unknown sparse attention flag config keys "
                                                                  "['sparse_verticle_topk'] (did you mean "
                                                                  "'sparse_vertical_topk'?)"),
+    # and the Trainer argument classes generated from a TrainingArguments class and the plugin's flags (their ~260
+    # fields not listed), and the plugin's flags alone (what hf_sparse_cp.run reads)
+    (lambda c: c.h.SparseTrainingArguments(output_dir="out", sparse_atention=True), "Unknown training argument config "
+     "keys ['sparse_atention'] (did you mean 'sparse_attention'?); known keys: the fields of TrainingArguments and the "
+     "plugin's flags (docs/flags.md lists them)."),
+    (lambda c: c.h.sparse_arguments_class(c.Seq2SeqTrainingArguments)(output_dir="out", learning_rat=1e-4),
+     "Unknown training argument config keys ['learning_rat'] (did you mean 'learning_rate'?); known keys: the fields "
+     "of Seq2SeqTrainingArguments and"),
+    (lambda c: c.PluginArguments(cp_sise=2), "Unknown plugin config keys ['cp_sise'] (did you mean 'cp_size'?); known "
+     "keys: the plugin's flags (docs/flags.md lists them)."),
 ])
 def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, named):
     """An unknown key listed the 25 known ones and left the reader to find `vertical_topk` among them for
@@ -851,17 +899,21 @@ def test_an_unknown_config_key_is_named_with_the_key_it_is_a_typo_of(build, name
     a file, a mapping or a constructor's keyword."""
     import types
 
+    from transformers import Seq2SeqTrainingArguments
+
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.attention.budgets import TopK
     from hf_sparse_cp.config.sections import Scoring
     from hf_sparse_cp.distributed.cp_config import ContextParallelConfig
     from hf_sparse_cp.smet import SMETConfig
+    from hf_sparse_cp.trainer.plugin_arguments import PluginArguments
 
     with pytest.raises(ValueError, match=re.escape(named)):
         build(types.SimpleNamespace(SparseAttentionConfig=SparseAttentionConfig, SMETConfig=SMETConfig,
                                     ContextParallelConfig=ContextParallelConfig, Scoring=Scoring, TopK=TopK,
-                                    h=hf_sparse_cp))
+                                    h=hf_sparse_cp, Seq2SeqTrainingArguments=Seq2SeqTrainingArguments,
+                                    PluginArguments=PluginArguments))
     # a constructor's bad keyword is still a TypeError (what its callers catch), as Python's was
     with pytest.raises(TypeError, match=re.escape("(did you mean 'density'?)")):
         SMETConfig(densty=0.1)

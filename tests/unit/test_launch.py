@@ -407,6 +407,27 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
     assert err.endswith("did you mean --sparse_block_size for --sparse_blocksize?\n"), err
 
 
+@pytest.mark.parametrize("flag, named", [
+    # all the flags as close as the closest, as the config keys are named (it named --sparse_slash_topp alone: the
+    # last of a tie in the alphabet)
+    ("--sparse_slash_top", "--sparse_slash_topk or --sparse_slash_topp for --sparse_slash_top"),
+    ("--adam_beta", "--adam_beta1 or --adam_beta2 for --adam_beta"),
+    # a flag without its first word, as close to two (it named --smet_block_size alone)
+    ("--vertical_topk", "--sparse_vertical_topk for --vertical_topk"),
+    ("--block_size", "--sparse_block_size or --smet_block_size for --block_size"),
+    # a close whole flag beats its --no_ twin, and a short flag still finds its longer one; dashes read as underscores
+    ("--skip_memory_metric", "--skip_memory_metrics for --skip_memory_metric"),
+    ("--bf", "--bf16 for --bf"),
+    ("--sparse-blocksize=64", "--sparse_block_size for --sparse-blocksize"),
+])
+def test_an_unknown_flag_is_named_with_every_flag_as_close_as_the_config_keys_are(flag, named):
+    """The flags and the config keys had two matchers: a flag got one guess, the last of a tie in the alphabet, and
+    none for a flag without its first word, which a config key gets (mode for cp_mode). One matcher serves both."""
+    from hf_sparse_cp.trainer.arguments import did_you_mean
+
+    assert did_you_mean(HfArgumentParser(SparseTrainingArguments), [flag]) == f"; did you mean {named}?"
+
+
 @pytest.mark.parametrize("trl_parser", [False, True])
 def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsys, trl_parser):
     """`--torch_dtype bfloat16` given to run_clm.py (whose flag is --dtype) or to TRL's sft.py (TRL's own copy of

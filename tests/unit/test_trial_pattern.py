@@ -36,6 +36,15 @@ def test_a_pattern_that_is_no_file_and_no_shipped_name_is_refused_with_the_close
         recipe_path("trail")
 
 
+def test_a_folder_given_for_a_pattern_or_recipe_file_is_named_a_folder(tmp_path):
+    """`--sparse_config DIR` said the folder did not exist."""
+    with pytest.raises(FileNotFoundError, match=re.escape(f"Config file '{tmp_path}' is a folder, not a file, nor is "
+                                                          "it a shipped pattern (trial)")):
+        SparseCPArguments(sparse_config=str(tmp_path)).attention_config()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"recipe '{tmp_path}' (a folder) is neither a file nor")):
+        recipe_path(str(tmp_path))
+
+
 @pytest.mark.parametrize("name, text", [("empty.yaml", ""), ("comments.yaml", "# block_size: 32\n"),
                                         ("empty.json", "")])
 def test_an_empty_pattern_file_is_refused_naming_it_and_the_fix(tmp_path, name, text):
