@@ -75,8 +75,8 @@ _OPTIMIZER = re.compile(r"^- optimizer: .*$", re.MULTILINE)
 _DISTRIBUTED_TYPE = re.compile(r"^- distributed_type: multi-GPU$", re.MULTILINE)
 # Sentences of the stock card that are wrong for a model built from a config (its `_name_or_path` is "": an
 # empty base-model link) and for an in-memory dataset (no builder name: "the None dataset").
-_STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on",
-                 "This model was trained from scratch on"),
+_FROM_SCRATCH = "This model was trained from scratch on"
+_STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on", _FROM_SCRATCH),
                 (" on the None dataset.", " on an unknown dataset."))
 # TRL's card, for a run without a Hub base model or Hub id: its base-model link, title and quick start name None
 # (the quick start, a `pipeline(model="None")`, is dropped: the plugin's section has one that names the model).
@@ -499,7 +499,8 @@ def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
     card's) as a lowercase license id; `base_model` only a Hub id (given as `base_model` or `finetuned_from`, or
     the card's, or the model's origin), omitted for a local model; `datasets` only Hub ids (given as `datasets`,
     `dataset_tags`, `dataset_name` or `dataset`, or the card's). The stock card's sentence that links a local
-    base model to the Hub names it as local instead."""
+    base model to the Hub names it as local instead, and the one that calls a model loaded from a local folder (the
+    stock card links Hub ids only) trained from scratch names the model it was fine-tuned from."""
     metadata, body = _split_front_matter(card)
     tags = _as_list(metadata.get("tags"))
     metadata["tags"] = list(dict.fromkeys([*tags, *_as_list(given.get("tags")), *TAGS]))
@@ -517,9 +518,13 @@ def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
         if _peft_model(trainer) is not None:
             metadata["tags"].append(f"{_ADAPTER_TAG}{base}")
         body = body.replace(_TRL_NONE_LINK, f"[{base}](https://huggingface.co/{base})")
+        named = f"[{base}](https://huggingface.co/{base})"
     elif isinstance(base, str) and base:
         body = body.replace(f"[{base}](https://huggingface.co/{base})", f"a local model (`{base}`)")
         body = body.replace(_TRL_NONE_LINK, f"a local model (`{base}`)")
+        named = f"a local model (`{base}`)"
+    if isinstance(base, str) and base:  # the stock card calls a model from a local folder trained from scratch
+        body = body.replace(_FROM_SCRATCH, f"This model is a fine-tuned version of {named} on")
     body = body.replace(f"This model is a fine-tuned version of {_TRL_NONE_LINK}", "This model was trained from "
                         "scratch")
     body = _TRL_NONE_TITLE.sub(f"# Model Card for {Path(_model_name(trainer)).name}", body)

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from transformers.utils import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
 
 from ..attention import sequence
 from ..attention.dense import DENSE_BACKEND_ENV
@@ -198,10 +199,11 @@ def find_model(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     last = get_last_checkpoint(str(run_dir)) if run_dir.is_dir() else None
     for folder in (run_dir, Path(last) if last else None):
-        if folder is not None and (folder / "config.json").is_file():
+        if folder is not None and any((folder / name).is_file() for name in ("config.json", ADAPTER_CONFIG)):
             return folder
     raise FileNotFoundError(
-        f"No saved model (config.json) in {str(run_dir)!r} or its checkpoints: save it (trainer.save_model(), "
+        f"No saved model (config.json, or a PEFT adapter's {ADAPTER_CONFIG}) in {str(run_dir)!r} or its checkpoints: "
+        "save it (trainer.save_model(), "
         "`hf-sparse-cp train --save_final_model`, or --save_steps N), pass --model PATH_OR_HUB_ID, or draw the kept "
         "fraction alone with --only kept_fraction."
     )
@@ -211,7 +213,9 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
     """A causal LM from `path` (a directory or hub id) selecting `sparse_cp`, in eval mode.
 
     Args:
-        path: where the model is; the pattern it was trained with is in its config.json.
+        path: where the model is; the pattern it was trained with is in its config.json. A folder holding a
+            PEFT adapter loads its base model with the adapter (transformers reads adapter_config.json), and needs
+            `sparse_config`: an adapter saves no pattern.
         sparse_config: a YAML/JSON `SparseAttentionConfig` to draw instead (a model saved without one gets
             the defaults).
 
@@ -220,6 +224,11 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
     """
     from transformers import AutoModelForCausalLM
 
+    if sparse_config is None and (Path(str(path)) / ADAPTER_CONFIG).is_file():
+        # (the base model's config.json holds no pattern, or that of the run that saved the base: not this one's)
+        raise ValueError(f"{str(path)!r} holds a PEFT adapter ({ADAPTER_CONFIG}), which saves no sparse pattern: "
+                         "save the pattern the run's model card (README.md) states, its YAML block, to a file and "
+                         "pass it with --sparse_config FILE.")
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sparse_cp")
     if sparse_config is not None:
         configure(model, SparseAttentionConfig.from_file(pattern_path(str(sparse_config))))

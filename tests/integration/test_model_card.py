@@ -395,6 +395,9 @@ def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path):
         out) not in card
     assert "not saved with the adapter: it has no config.json; this card holds it" in card
     assert not [tag for tag in _front_matter(card)["tags"] if tag.startswith("base_model:adapter:")]  # a local base
+    # the stock card links Hub ids only and called a model from a local folder trained from scratch
+    assert f"This model is a fine-tuned version of a local model (`{base_dir}`) on" in card
+    assert "from scratch" not in card
     load, train_on = _python_blocks(card)
     assert f'AutoModelForCausalLM.from_pretrained("{base_dir}")' in load
     loaded = {}
@@ -411,6 +414,8 @@ def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path):
     # a Hub base model is named by the adapter tag, as by base_model
     card = write_sparse_model_card(trainer, base_model="Qwen/Qwen2.5-0.5B").read_text()
     assert "base_model:adapter:Qwen/Qwen2.5-0.5B" in _front_matter(card)["tags"]
+    hub_link = "[Qwen/Qwen2.5-0.5B](https://huggingface.co/Qwen/Qwen2.5-0.5B)"
+    assert f"This model is a fine-tuned version of {hub_link} on" in card
 
 
 def test_a_length_set_above_the_data_is_stated_beside_the_longest_sequence_trained(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
+import hf_sparse_cp
 from hf_sparse_cp import (
     SparseAttentionConfig,
     attach_to_trainer,
@@ -198,3 +199,35 @@ def test_the_kept_fraction_of_training_leaves_the_evaluations_out():
                {"train_loss": 1.95, "step": 2, "sparse/kept_fraction/layer_01": 0.3}]  # (steps after the last log)
     assert kept_fraction_series(history) == {1: ([1, 2, 2], [0.4, 0.2, 0.3])}
     assert mean_kept_fraction_per_layer(history) == {1: pytest.approx(0.3)}
+
+
+def test_plot_of_a_saved_lora_adapter_draws_the_base_with_the_adapter_and_the_pattern_given(run_dir, tmp_path, capsys):
+    """A LoRA run saves an adapter (adapter_config.json, no config.json), which saves no pattern: its layouts load
+    the base model with the adapter under the pattern given with --sparse_config, and are refused without one,
+    naming the flag and the card that holds the pattern (they were refused as no saved model at all)."""
+    pytest.importorskip("matplotlib")
+    from peft import LoraConfig, get_peft_model
+
+    base = run_dir / "checkpoint-3"
+    adapter = tmp_path / "run"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)),
+                           LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    model.save_pretrained(str(adapter))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(adapter))
+    assert not (adapter / "config.json").exists()
+    args = ["plot", str(adapter), "--only", "layouts", "--max_length", "256", "--out_dir", str(tmp_path / "png")]
+    with pytest.raises(SystemExit):
+        main(args)
+    err = capsys.readouterr().err
+    assert "holds a PEFT adapter" in err and "--sparse_config FILE" in err and "README.md" in err, err
+    pattern = tmp_path / "pattern.yaml"
+    pattern.write_text("block_size: 32\nmin_seq_len: 128\nlocal_window: 32\nsink_tokens: 4\ndense_first_layers: 0\n")
+    assert main([*args, "--sparse_config", str(pattern)]) == 0
+    assert (tmp_path / "png" / LAYOUTS_PLOT).read_bytes()[:8] == PNG
+    hf_sparse_cp.patch()  # (the suite's fixture unregisters it)
+    loaded = load_sparse_model(adapter, pattern)
+    try:
+        assert any("lora_A" in name for name, _ in loaded.named_parameters())
+        assert SparseAttentionConfig.stored_on(loaded.config).min_seq_len == 128
+    finally:
+        disable_sparse_attention(loaded)
