@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -58,6 +60,33 @@ def fit(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[flo
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def assert_resumes_exactly(build, config, batches, split: int, saved_check=None) -> None:
+    """Training `build()` (a fresh model of seed 0; `build(seed=1)` another init) with SMET on `batches` in one go
+    equals stopping after `split` batches, saving model and optimizer, and resuming a model of another init from the
+    save: the same losses and bit-identical weights. `saved_check(model, optimizer, saved)` inspects the save."""
+    from hf_sparse_cp.smet import create_smet_optimizer
+
+    model = build()
+    uninterrupted = fit(model, create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3), batches)
+    first = build()
+    opt1 = create_smet_optimizer(first, torch.optim.AdamW, config, lr=5e-3)
+    head = fit(first, opt1, batches[:split])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    if saved_check is not None:
+        saved_check(first, opt1, saved)
+    resumed = build(seed=1)  # (a different init: everything must come from the save)
+    resumed.load_state_dict(saved["model"])
+    opt2 = create_smet_optimizer(resumed, torch.optim.AdamW, config, lr=5e-3, attach=False)
+    opt2.load_state_dict(saved["optimizer"])
+    opt2.attach()
+    assert head + fit(resumed, opt2, batches[split:]) == uninterrupted
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
 
 
 def markov_tokens(num: int, length: int = 32, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """SMET on an MoE's fused experts (transformers 5: `experts.gate_up_proj` / `experts.down_proj`, [experts, ., .]):
 every expert's matrix is sparse as a 2-D nn.Linear weight is, in the layout its family stores it."""
 
-import io
 import logging
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 from hf_sparse_cp.smet import SMETAdam, SMETConfig, create_smet_optimizer
 
-from smet_common import fit, markov_tokens, tiny_moe
+from smet_common import assert_resumes_exactly, fit, markov_tokens, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -71,31 +70,15 @@ def test_fused_experts_resume_bit_identically_from_a_state_dict_saved_by_expert(
     config = SMETConfig(mode=mode, density=0.5, block_size=16, update_interval=3, regrowth="gradient",
                         regrow_warmup_steps=4, prune_decay_steps=20)
     batches = [markov_tokens(4, 16, seed=s) for s in range(10)]
-    model = tiny_moe(arch)
-    uninterrupted = fit(model, create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3), batches)
 
-    first = tiny_moe(arch)
-    opt1 = create_smet_optimizer(first, torch.optim.AdamW, config, lr=5e-3)
-    head = fit(first, opt1, batches[:5])
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    # saved expert by expert (as FSDP2 shards the stack): [experts, rows of an expert, active blocks]
-    positions = {n: i for g in opt1.state_dict()["param_groups"] for i, n in zip(g["params"], g["param_names"])}
-    for name, stack in _experts(first).items():
-        index = saved["optimizer"]["state"][positions[name]]["block_index"]
-        assert index.shape == (4, _per_expert_matrices(arch, stack).shape[1], 2), name
+    def saved_by_expert(first, opt1, saved):
+        # saved expert by expert (as FSDP2 shards the stack): [experts, rows of an expert, active blocks]
+        positions = {n: i for g in opt1.state_dict()["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        for name, stack in _experts(first).items():
+            index = saved["optimizer"]["state"][positions[name]]["block_index"]
+            assert index.shape == (4, _per_expert_matrices(arch, stack).shape[1], 2), name
 
-    resumed = tiny_moe(arch, seed=1)
-    resumed.load_state_dict(saved["model"])
-    opt2 = create_smet_optimizer(resumed, torch.optim.AdamW, config, lr=5e-3, attach=False)
-    opt2.load_state_dict(saved["optimizer"])
-    opt2.attach()
-    tail = fit(resumed, opt2, batches[5:])
-    assert head + tail == uninterrupted
-    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), name
+    assert_resumes_exactly(lambda seed=0: tiny_moe(arch, seed=seed), config, batches, 5, saved_by_expert)
 
 
 def test_expert_stacks_whose_layout_the_module_does_not_say_stay_dense_with_a_warning_naming_them(caplog):

@@ -1,7 +1,6 @@
 """SMET optimizer: cold-start cure, equivalence to AdamW, masks, sparse updates, memory, checkpoints."""
 
 import dataclasses
-import io
 import logging
 import math
 import re
@@ -13,7 +12,7 @@ from torch import nn
 from hf_sparse_cp.smet import SMETAdam, SMETConfig, create_smet_optimizer, state_nbytes
 from hf_sparse_cp.smet.masks import active_mask
 
-from smet_common import fit, markov_tokens, tiny_llama
+from smet_common import assert_resumes_exactly, fit, markov_tokens, tiny_llama
 
 BETAS = (0.9, 0.999)
 
@@ -229,28 +228,7 @@ def test_state_dict_round_trip_resumes_exactly(mode):
     config = SMETConfig(mode=mode, density=0.5, block_size=8, update_interval=3, regrowth="gradient",
                         regrow_warmup_steps=4, prune_decay_steps=20)
     batches = [markov_tokens(4, 16, seed=s) for s in range(12)]
-
-    model = tiny_llama()
-    opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=5e-3)
-    uninterrupted = fit(model, opt, batches)
-
-    first = tiny_llama()
-    opt1 = create_smet_optimizer(first, torch.optim.AdamW, config, lr=5e-3)
-    head = fit(first, opt1, batches[:7])
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-
-    resumed = tiny_llama(seed=1)  # different init: everything must come from the checkpoint
-    resumed.load_state_dict(saved["model"])
-    opt2 = create_smet_optimizer(resumed, torch.optim.AdamW, config, lr=5e-3, attach=False)
-    opt2.load_state_dict(saved["optimizer"])
-    opt2.attach()
-    tail = fit(resumed, opt2, batches[7:])
-    assert head + tail == uninterrupted
-    for a, b in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
+    assert_resumes_exactly(tiny_llama, config, batches, 7)
 
 
 @pytest.mark.parametrize("change, named", [
