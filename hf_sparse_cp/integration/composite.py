@@ -6,6 +6,8 @@ implementation per sub-config (`PreTrainedModel.set_attn_implementation` with a 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,19 @@ def implementations(config: Any, inherited: str | None = None) -> str | dict | N
     own = getattr(config, "_attn_implementation", None) or inherited
     subs = {key: implementations(sub, own) for key, sub in _sub_configs(config).items()}
     return {"": own, **subs} if subs else own
+
+
+@contextlib.contextmanager
+def switched_to(model: torch.nn.Module, backend: str) -> Iterator[None]:
+    """`model` switched to `backend` inside the block as `backend_selection` switches it, its implementations
+    (`implementations`) restored after."""
+    previous = implementations(model.config)
+    model.set_attn_implementation(backend_selection(model.config, backend))
+    try:
+        yield
+    finally:
+        if previous is not None and implementations(model.config) != previous:
+            model.set_attn_implementation(previous)
 
 
 def tower_names(model: torch.nn.Module) -> list[str]:

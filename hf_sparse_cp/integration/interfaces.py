@@ -11,12 +11,15 @@ memory-lean causal-LM loss is its own opt-in (`hf_sparse_cp.enable_lean_loss()`)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BACKEND_NAME
 from . import compat
-from .backend import sparse_cp_attention_forward
+from .backend import is_registered, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
 from .patching import PatchSet
 
@@ -69,3 +72,17 @@ def unpatch() -> None:
 
 def is_patched() -> bool:
     return _active is not None
+
+
+@contextlib.contextmanager
+def registered_for_a_check() -> Iterator[None]:
+    """The backend registered with transformers inside the block (`patch()`) where it is not, and unregistered after
+    (a model check's probe, before the user has called `patch()`)."""
+    registered = is_registered()
+    if not registered:
+        patch()
+    try:
+        yield
+    finally:
+        if not registered:
+            unpatch()

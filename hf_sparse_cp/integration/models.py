@@ -62,9 +62,9 @@ from .backend import (
     probing,
 )
 from .call_tokens import NonCausalMask
-from .composite import backend_selection, implementations, in_tower, tower_names
+from .composite import backend_selection, in_tower, switched_to, tower_names
 from .given import require_model
-from .interfaces import patch, unpatch
+from .interfaces import registered_for_a_check
 from .positions import unhooked_length_counted_tables
 
 if TYPE_CHECKING:
@@ -195,36 +195,27 @@ def _check_architecture(model: torch.nn.Module, fix: str) -> None:
     probe if it was not (without it a bidirectional encoder that only its mask shows was told to switch to
     sparse_cp). Nothing to check where neither runs: the switch itself (configure, enable_sparse_attention) checks
     the model then."""
-    registered = is_registered()
-    if not registered:
-        patch()
-    try:
+    with registered_for_a_check():
         try:
-            shadow = _architecture(model)
-            impl, calls = compat.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
-        except NonCausalMask:
-            raise
+            try:
+                shadow = _architecture(model)
+                impl, calls = compat.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
+            except NonCausalMask:
+                raise
+            except Exception:
+                impl, calls = _probe_switched(model)
+        except NonCausalMask as e:
+            raise non_causal_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
         except Exception:
-            impl, calls = _probe_switched(model)
-    except NonCausalMask as e:
-        raise non_causal_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
-    except Exception:
-        return
-    finally:
-        if not registered:
-            unpatch()
+            return
     _check_calls(model, impl, calls, fix)
 
 
 def _probe_switched(model: torch.nn.Module) -> tuple[str | None, list[tuple[str, ProbedCall]]]:
     """(the implementation it switched to, `_probe`) of `model` itself switched to the backend for one forward on
     its device, its implementations restored after."""
-    previous = implementations(model.config)
-    model.set_attn_implementation(backend_selection(model.config, BACKEND_NAME))
-    try:
+    with switched_to(model, BACKEND_NAME):
         return compat.attn_implementation(model.config), _probe(model, next(model.parameters()).device, False)
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None:

@@ -13,9 +13,9 @@ from torch.utils.hooks import RemovableHandle
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
 from . import compat
 from .backend import is_registered, pass_positions_on
-from .composite import backend_selection, implementations
+from .composite import backend_selection, implementations, switched_to
 from .given import require_model
-from .interfaces import patch, unpatch
+from .interfaces import registered_for_a_check
 from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
 from .models import (
     ProbeFailed,
@@ -101,12 +101,7 @@ def check_switchable(model: torch.nn.Module, context_parallel: bool = False) -> 
     flags' parse, before the processes make their data) whose probe forward does not run there (`ProbeFailed`: a
     layer reads a value) passes what the probe checks: the Trainer probes it with its weights."""
     check_model_supports_sparse_attention(model, context_parallel=context_parallel)
-    registered = is_registered()
-    if not registered:
-        patch()
-    previous = implementations(model.config)
-    try:
-        model.set_attn_implementation(backend_selection(model.config, BACKEND_NAME))
+    with registered_for_a_check(), switched_to(model, BACKEND_NAME):
         unguard = guard_registration(model)
         try:
             with _unless_meta_probe_fails(model):
@@ -117,11 +112,6 @@ def check_switchable(model: torch.nn.Module, context_parallel: bool = False) -> 
         finally:
             if unguard is not None:
                 unguard()
-    finally:
-        if previous is not None and implementations(model.config) != previous:
-            model.set_attn_implementation(previous)
-        if not registered:
-            unpatch()
 
 
 @contextlib.contextmanager
