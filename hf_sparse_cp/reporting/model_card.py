@@ -513,18 +513,19 @@ def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
     metadata.pop("base_model", None)
     # PEFT's tag names the adapter's base model (empty for one built from a config): as `base_model`, a Hub id or none
     metadata["tags"] = [tag for tag in metadata["tags"] if not str(tag).startswith(_ADAPTER_TAG)]
-    if is_hub_id(base):
-        metadata["base_model"] = base
-        if _peft_model(trainer) is not None:
-            metadata["tags"].append(f"{_ADAPTER_TAG}{base}")
-        body = body.replace(_TRL_NONE_LINK, f"[{base}](https://huggingface.co/{base})")
-        named = f"[{base}](https://huggingface.co/{base})"
-    elif isinstance(base, str) and base:
-        body = body.replace(f"[{base}](https://huggingface.co/{base})", f"a local model (`{base}`)")
-        body = body.replace(_TRL_NONE_LINK, f"a local model (`{base}`)")
-        named = f"a local model (`{base}`)"
-    if isinstance(base, str) and base:  # the stock card calls a model from a local folder trained from scratch
-        body = body.replace(_FROM_SCRATCH, f"This model is a fine-tuned version of {named} on")
+    if isinstance(base, str) and base:
+        link = f"[{base}](https://huggingface.co/{base})"
+        if is_hub_id(base):
+            metadata["base_model"] = base
+            if _peft_model(trainer) is not None:
+                metadata["tags"].append(f"{_ADAPTER_TAG}{base}")
+            base_named = link
+        else:
+            base_named = f"a local model (`{base}`)"
+            body = body.replace(link, base_named)
+        body = body.replace(_TRL_NONE_LINK, base_named)
+        # (the stock card calls a model loaded from a local folder trained from scratch)
+        body = body.replace(_FROM_SCRATCH, f"This model is a fine-tuned version of {base_named} on")
     body = body.replace(f"This model is a fine-tuned version of {_TRL_NONE_LINK}", "This model was trained from "
                         "scratch")
     body = _TRL_NONE_TITLE.sub(f"# Model Card for {Path(_model_name(trainer)).name}", body)
