@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple
 
 import torch
+import transformers
 from datasets import Dataset
 from torch.distributed.fsdp import FSDPModule
 from transformers import (
@@ -164,7 +165,14 @@ def check_tiny_model(model_type: str, num_layers: int, training: SparseTrainingA
     why = _tiny_model_refusal(model_type, num_layers, sparse, cp)
     if why is None:
         return
-    usable = [t for t in ARCHITECTURES if t != model_type and _tiny_model_refusal(t, num_layers, sparse, cp) is None]
+    # (building ~45 tiny models to list them: transformers' warnings about their configs are not the user's concern)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        usable = [t for t in ARCHITECTURES
+                  if t != model_type and _tiny_model_refusal(t, num_layers, sparse, cp) is None]
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     raise ValueError(f"--tiny_model_type {model_type}: {why.rstrip('.')}. Or give a type the plugin is tested with "
                      f"that trains here at --tiny_num_layers {num_layers}: {', '.join(usable)}.")
 

@@ -80,6 +80,20 @@ def test_the_example_refuses_what_it_would_not_honour(capsys, flags, refused):
     assert "usage:" not in err  # one line, not the Trainer's hundreds of flags
 
 
+def test_the_types_listed_after_a_refused_tiny_type_are_probed_quietly(capfd):
+    """The refusal of a tiny type lists the types that train, found by building each tiny model: transformers' warnings
+    on those models' configs (Marian's and Whisper's start tokens, YaRN factors) came before the one-line error."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny_model_type", "t5"])
+    err = capfd.readouterr().err
+    assert "--tiny_model_type t5: transformers has no causal language model" in err
+    assert "[transformers]" not in err and "start_token_id" not in err, err
+    assert transformers.logging.get_verbosity() == verbosity
+
+
 def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monkeypatch, tmp_path, capsys):
     """`hf-sparse-cp train --nproc 2` parses the example's flags before starting the processes: a --sparse_config or
     --fsdp_config that is not there ended that parse in a FileNotFoundError's traceback."""
