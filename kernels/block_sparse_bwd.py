@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, kv_descriptors, launch_grid, placeholder_if_empty
 from .column_bwd import column_grads
-from .configs import FP_FUSION, column_tiles, compiled, dkdv_tiles, dq_tiles
+from .configs import FP_FUSION, column_check_chunk, column_tiles, compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
@@ -167,7 +167,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
-    KV_DESCRIPTORS: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    KV_DESCRIPTORS: tl.constexpr, TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr,
 ):
     pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     tile += tile_offset
@@ -194,7 +194,7 @@ def _dq_kernel(
     n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
     n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
     # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
-    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, CHECK_CHUNK)
     # full key blocks first (no mask, no token metadata), then partial ones (`indexing.split_full_blocks`);
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
@@ -448,6 +448,7 @@ def backward(
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
             PRECISION=precision, KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
+            CHECK_CHUNK=column_check_chunk(on_gpu, tiles.block_c),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 

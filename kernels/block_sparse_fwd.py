@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import FP_FUSION, compiled, forward_tiles
+from .configs import FP_FUSION, column_check_chunk, compiled, forward_tiles
 from .tiles import (
     LN2,
     LOG2E,
@@ -94,7 +94,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
-    TILE_MAJOR: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr,
 ):
     pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
@@ -103,7 +103,7 @@ def _forward_kernel(
     n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
     n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
     # an invalid layout row (a count outside its slots, an index out of range): its queries come out NaN
-    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, CHECK_CHUNK)
     if MERGE:
         if (n_blocks + n_cols == 0) & ~bad:
             return  # nothing to add (a ring step without work here): the running result stays as it is, bit for bit
@@ -248,6 +248,7 @@ def forward(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
         HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
         KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
+        CHECK_CHUNK=column_check_chunk(compiled(q.device), tiles.block_c),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
 

@@ -350,6 +350,19 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tile
     return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
 
 
+# Column slots the forward and dq kernels read per load in the range check before their column loops
+# (`tiles.columns_out_of_range`): each load is waited for before the next (a loop at the program's start, with
+# one program per SM), so at the column step's 64 slots a row of n columns cost n / 64 round trips to memory
+# (8 at the ~500 columns a row of bench_attention's 128K layout lists) before the first product; 1024 slots (4
+# per thread at 8 warps) read such a row in one. Under the interpreter the column step's slots, so that tests
+# cover several passes.
+COLUMN_CHECK_CHUNK = 1024
+
+
+def column_check_chunk(on_gpu: bool, block_c: int) -> int:
+    return COLUMN_CHECK_CHUNK if on_gpu else block_c
+
+
 def column_tiles(block_size: int, head_dim: int = 0, on_gpu: bool = False, dtype=None) -> Tiles | None:
     """Tiles of the key-major column kernel, only where overridden or in the tile table: the dq kernel's
     atomics stay the default until a GPU has timed both (`benchmarks/tune_tiles.py`)."""

@@ -29,7 +29,7 @@ from hf_sparse_cp.kernels.indexing import (
     split_full_blocks,
     split_layout,
 )
-from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
+from hf_sparse_cp.kernels.tiles import columns_out_of_range, key_block_entry, key_block_steps
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.testing.layouts import random_layout
@@ -618,6 +618,37 @@ def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(inter
     assert rel_rms(dq[0][~rows], ref_dq[0][~rows]) <= 2 * TOLERANCE[torch.float32]
     for got, ref in ((dk, ref_dk), (dv, ref_dv)):
         assert rel_rms(got, ref) <= 2 * TOLERANCE[torch.float32]
+
+
+@triton.jit
+def _columns_out_of_range_probe(ColIdx, ColCnt, Out, max_cols, k_len, CHUNK: tl.constexpr):
+    """The column range check of layout row `program_id` as the forward and dq kernels run it, written out."""
+    lay = tl.program_id(0)
+    tl.store(Out + lay, columns_out_of_range(ColIdx, lay, max_cols, tl.load(ColCnt + lay), k_len, CHUNK).to(tl.int32))
+
+
+def _columns_out_of_range_flags(col_idx, col_cnt, k_len, chunk):
+    out = torch.full(col_cnt.shape, -1, dtype=torch.int32)
+    _columns_out_of_range_probe[(col_cnt.numel(),)](col_idx, col_cnt, out, col_idx.shape[-1], k_len, chunk)
+    return out.tolist()
+
+
+def test_the_column_range_check_flags_the_same_rows_in_wide_and_narrow_loads(interp):
+    """Compiled launches check a row's columns in `configs.COLUMN_CHECK_CHUNK`-slot loads (one round trip for a
+    row of up to that many; the column step's 64 slots took one per 64), the interpreter's in the column step's:
+    both flag exactly the rows listing a token outside [0, k_len) among their counted slots, wherever it sits
+    (first slot, past the first narrow chunk, last counted slot), and never the slots past the count."""
+    k_len, max_cols = 4096, 1100
+    col_idx = torch.randint(0, k_len, (6, max_cols), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    col_cnt = torch.tensor([1100, 1100, 1100, 700, 0, 1025], dtype=torch.int32)
+    col_idx[0, 0] = -1  # first slot
+    col_idx[1, 1099] = k_len  # the last counted slot, past the first wide chunk
+    col_idx[2, 70] = k_len + 9  # past the first narrow chunk
+    col_idx[3, 700:] = -5  # slots past the count: never read
+    col_idx[4, :] = k_len  # nothing counted
+    expected = [1, 1, 1, 0, 0, 0]
+    for chunk in (16, 64, configs.COLUMN_CHECK_CHUNK):
+        assert interp.apply(_columns_out_of_range_flags, (col_idx, col_cnt, k_len, chunk)) == expected, chunk
 
 
 @triton.jit
