@@ -143,6 +143,20 @@ def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_k
 
 
 @triton.jit
+def column_step_meta(ColIdx, lay, max_cols, n_cols, c0, col, c_ok, k_len, k_index, k_segment, BLOCK_C: tl.constexpr,
+                     RELOAD: tl.constexpr):
+    """Token metadata (`load_meta`) of a masked column step's columns: from the step's tokens `col` and their bounds
+    `c_ok` (`load_column_step`), or with RELOAD from the row's slots read again here (`Tiles.column_meta_reload`),
+    so that the unmasked steps hold the tokens in the K/V gather's layout alone."""
+    if RELOAD:
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        in_use = offs_c < n_cols
+        col = tl.load(ColIdx + lay * max_cols + offs_c, mask=in_use, other=0)
+        c_ok = in_use & (col >= 0) & (col < k_len)
+    return load_meta(k_index, k_segment, col, c_ok)
+
+
+@triton.jit
 def full_columns(ColFull, lay, n_cols):
     """The slot range [lo, hi) of layout row `lay`'s fully visible columns (`indexing.full_column_range`),
     kept inside the row's slots in use."""

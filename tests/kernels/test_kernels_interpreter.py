@@ -1081,3 +1081,31 @@ def test_tile_major_grid_computes_the_same_function(interp):
     assert res[5] == [(True, (n_tiles, 4)), (True, (n_tiles, 4)), (True, (-(-s // 32), 2))]
     for name, got, launched in zip(("out", "lse", "dq"), (res[0], res[1], res[2]), res[6]):
         assert torch.equal(got, launched), name
+
+
+# ---- masked column steps reading their slots again (Tiles.column_meta_reload) -------------------------------
+
+def _kernels_with_and_without_meta_reload(*args, tiles):
+    """`_kernel_fwd_bwd` with `tiles`, then its out, lse, dq, dk, dv with the same tiles without
+    `column_meta_reload`."""
+    result = _kernel_fwd_bwd(*args, tiles=tiles)
+    plain = {k: replace(t, column_meta_reload=False) for k, t in tiles.items()}
+    return (*result, _kernel_fwd_bwd(*args, tiles=plain)[:5])
+
+
+def test_masked_column_steps_reading_their_slots_again_compute_the_same_function(interp):
+    """With `Tiles.column_meta_reload` a masked column step takes its keys' token metadata from the row's slots read
+    again, not from the tokens its K/V gather loaded: forward and backward equal the reference, and are bitwise
+    those of the launchers' column steps (the same tokens, the same arithmetic). Packed documents, padding and a
+    sliding window make most column steps masked; slots past the row's count and partly used last steps too."""
+    s, bs = 100, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=111)
+    meta = _random_docs(1, s, seed=112, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=12, meta=meta,
+                                          generator=torch.Generator().manual_seed(113))
+    assert int(layout.col_cnt.sum()) > 0
+    tiles = configs.Tiles(16, 16, 16, 1, 1, column_meta_reload=True)
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=40,
+                                   worker=_kernels_with_and_without_meta_reload, tiles={"forward": tiles, "dq": tiles})
+    for name, got, plain in zip(("out", "lse", "dq", "dk", "dv"), res[:5], res[-1]):
+        assert torch.equal(got, plain), name
