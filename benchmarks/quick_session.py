@@ -9,7 +9,8 @@ after every stage; the stages' own scripts write theirs as soon as they have a n
 
 - tiles: `tune_tiles.py --shortlist --kernels columns dq forward dkdv` at 128K (the attention stage's geometry):
   the whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
-  kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA), each
+  kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA, column
+  steps that read their tokens once: `Tiles.column_meta_reload`), each
   checked against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles. Its
   `chosen` tiles (a candidate at least 2% faster than the launched tiles and computing their result; none
   otherwise) are the tile table the later stages launch from (`$HF_SPARSE_CP_TILES`, set only when tiles.json

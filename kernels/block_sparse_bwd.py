@@ -56,11 +56,12 @@ import triton.language as tl
 
 from .block_sparse_fwd import dot_precision, kv_descriptors, launch_grid, placeholder_if_empty
 from .column_bwd import column_grads
-from .configs import FP_FUSION, column_tiles, compiled, dkdv_tiles, dq_tiles
+from .configs import FP_FUSION, column_check_chunk, column_tiles, compiled, dkdv_tiles, dq_tiles
 from .indexing import column_targets, key_block_csr
 from .tiles import (
     LOG2E,
     column_step_masked,
+    column_step_meta,
     columns_out_of_range,
     full_columns,
     key_block_entry,
@@ -115,7 +116,7 @@ def _preprocess_kernel(
 @triton.jit
 def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
                  v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
-                 HAS_WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr, META_RELOAD: tl.constexpr):
     """One step over a query tile's vertical columns: the columns' slots, tokens, K/V mask (slots in
     use with a token in range) and K tile, and the probabilities p (masked unless the step lies in
     the row's fully visible columns [full_lo, full_hi)) and score gradients ds."""
@@ -123,7 +124,8 @@ def _column_step(q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols
                                                         stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
     if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
-        k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+        k_idx, k_seg = column_step_meta(ColIdx, lay, max_cols, n_cols, c0, col, c_ok, k_len, k_index, k_segment,
+                                        BLOCK_C, META_RELOAD)
         vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -167,7 +169,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
-    KV_DESCRIPTORS: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    KV_DESCRIPTORS: tl.constexpr, TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr, META_RELOAD: tl.constexpr,
 ):
     pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     tile += tile_offset
@@ -194,7 +196,7 @@ def _dq_kernel(
     n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
     n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
     # an invalid layout row (a count outside its slots, an index out of range): its dq comes out NaN
-    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, CHECK_CHUNK)
     # full key blocks first (no mask, no token metadata), then partial ones (`indexing.split_full_blocks`);
     # one loop with a branch on the step, as in the forward (two loops lost their pipelining)
     n_full = tl.minimum(tl.maximum(tl.load(FullCnt + lay), 0), n_blocks) * SUB
@@ -218,7 +220,7 @@ def _dq_kernel(
         offs_c, col, kv_mask, k, p, ds = _column_step(
             q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base, v_base,
             stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window, HAS_WINDOW, BLOCK_C,
-            PRECISION)
+            PRECISION, META_RELOAD)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if COLUMN_GRADS != 0:
             if not SEPARATE_COLUMNS:
@@ -237,7 +239,7 @@ def _dq_kernel(
                 offs_c, col, kv_mask, k, p, ds = _column_step(
                     q, do, lse2, delta, q_idx, q_seg, ColIdx, lay, max_cols, n_cols, c0, full_lo, full_hi, k_base,
                     v_base, stride_ks, stride_vs, k_len, k_index, k_segment, offs_d, d_ok, qk_scale, window,
-                    HAS_WINDOW, BLOCK_C, PRECISION)
+                    HAS_WINDOW, BLOCK_C, PRECISION, META_RELOAD)
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
@@ -448,6 +450,7 @@ def backward(
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
             PRECISION=precision, KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
+            CHECK_CHUNK=column_check_chunk(on_gpu, tiles.block_c), META_RELOAD=tiles.column_meta_reload,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 

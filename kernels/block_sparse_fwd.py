@@ -34,11 +34,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import FP_FUSION, compiled, forward_tiles
+from .configs import FP_FUSION, column_check_chunk, compiled, forward_tiles
 from .tiles import (
     LN2,
     LOG2E,
     column_step_masked,
+    column_step_meta,
     columns_out_of_range,
     full_columns,
     layout_count,
@@ -94,7 +95,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
-    TILE_MAJOR: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr, META_RELOAD: tl.constexpr,
 ):
     pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
@@ -103,7 +104,7 @@ def _forward_kernel(
     n_blocks, blocks_bad = layout_count(BlockCnt, lay, max_blocks)
     n_cols, cols_bad = layout_count(ColCnt, lay, max_cols)
     # an invalid layout row (a count outside its slots, an index out of range): its queries come out NaN
-    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C)
+    bad = blocks_bad | cols_bad | columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, CHECK_CHUNK)
     if MERGE:
         if (n_blocks + n_cols == 0) & ~bad:
             return  # nothing to add (a ring step without work here): the running result stays as it is, bit for bit
@@ -148,7 +149,8 @@ def _forward_kernel(
                                                  stride_ks, stride_vs, k_len, offs_d, d_ok, BLOCK_C)
         s = _scores(q, k, qk_scale, PRECISION)
         if column_step_masked(c0, full_lo, full_hi, BLOCK_C):
-            k_idx, k_seg = load_meta(k_index, k_segment, col, c_ok)
+            k_idx, k_seg = column_step_meta(ColIdx, lay, max_cols, n_cols, c0, col, c_ok, k_len, k_index, k_segment,
+                                            BLOCK_C, META_RELOAD)
             vis = visible(q_idx[:, None], q_seg[:, None], k_idx[None, :], k_seg[None, :], window, HAS_WINDOW)
             s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
@@ -248,6 +250,7 @@ def forward(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
         HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
         KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
+        CHECK_CHUNK=column_check_chunk(compiled(q.device), tiles.block_c), META_RELOAD=tiles.column_meta_reload,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
 

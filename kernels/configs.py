@@ -50,6 +50,13 @@ class Tiles:
         instead of alternating kv heads. Along a layout's diagonals the tiles in flight then read the K/V (Q/dO)
         tiles their neighbours read a step before, from L2 rather than HBM; each program computes what it did.
         Off in the launched tiles until a GPU has timed it.
+    column_meta_reload: forward and dq: a masked column step reads its slots again for the token metadata
+        (`tiles.column_step_meta`) instead of using the tokens its K/V gather loaded. Triton 3.6 (the GPU image's)
+        otherwise loads every step's tokens twice, in the gather's layout and in the scores' (4-byte copies, 16 a
+        thread): sm_90 builds at head_dim 128 issue 21% (forward), 26% (dq) and 15% (dq with the columns' dk/dv)
+        fewer instructions per unmasked column step, at the price of one more dependent load in a masked one (at
+        most one step a row without documents or a window: the row's last, partly used). Triton 3.9 already loads
+        them once (3-4% fewer). Off in the launched tiles until a GPU has timed it (benchmarks/results/README.md).
     """
 
     block_m: int
@@ -61,6 +68,7 @@ class Tiles:
     kv_descriptors: bool = False
     query_steps: int = 1
     tile_major: bool = False
+    column_meta_reload: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
@@ -172,8 +180,9 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     """The tiles worth timing for `kernel` ("forward", "dq", "dkdv", "columns"): wgmma-sized products (64
     rows on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
-    descriptors (`Tiles.kv_descriptors`), for these and dk/dv either grid order (`Tiles.tile_major`); sizes
-    above the layout block are dropped. The columns kernel:
+    descriptors (`Tiles.kv_descriptors`), for these and dk/dv either grid order (`Tiles.tile_major`), for the
+    forward and dq masked column steps with and without their own read of the slots (`Tiles.column_meta_reload`);
+    sizes above the layout block are dropped. The columns kernel:
     chunks of 64 columns, 64- or 128-row query steps, 16 or 32 steps a program, 2 stages (its inner loop
     is not pipelined: its sm_90 builds are the same at 1 to 3).
 
@@ -186,12 +195,12 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
         grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate, (False,), (1,),
-                                 (False, True))
+                                 (False, True), (False,))
     elif kernel == "columns":  # block_c: column tokens of a chunk (M side); block_m: query rows of a step
-        grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32))
+        grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32), (False,), (False,))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
         grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True), (1,),
-                                 (False, True))
+                                 (False, True), (False, True))
     tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
     return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
 
@@ -205,12 +214,14 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
 # 3.67 ms, the forward 1.73 vs 1.54, tiles_nvidia-h200_20261129-221239.json).
 # Since then (benchmarks/results/README.md): the kernels in FlexAttention's grid order (`Tiles.tile_major`; the forward
 # and dq with and without TMA) replace the candidates the H200 timed slowest (dq's separate column pass and 128 x 32,
-# the forward's TMA alone, dk/dv at 2 stages and 64 x 64); dq's TMA alone, a tie there, stays.
+# the forward's TMA alone, dk/dv at 2 stages and 64 x 64); dq's TMA alone, a tie there, stays. Then (2026-12-01) the
+# column steps that read their tokens once (`Tiles.column_meta_reload`: fewer instructions per column step on Triton
+# 3.6) replaced the forward's and dq's TMA with the grid order together.
 SHORTLIST = {
     "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, tile_major=True),
-                Tiles(128, 64, 64, 8, 3, kv_descriptors=True, tile_major=True)],
+                Tiles(128, 64, 64, 8, 3, column_meta_reload=True)],
     "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
-           Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 64, 64, 8, 3, kv_descriptors=True, tile_major=True)],
+           Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 64, 64, 8, 3, column_meta_reload=True)],
     "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 3, tile_major=True), Tiles(32, 128, 64, 8, 3)],
     # (128-row steps: no spill at head_dim 128 since the kernel's rework, benchmarks/results/README.md)
     "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32),
@@ -348,6 +359,19 @@ def dkdv_tiles(block_size: int, head_dim: int, on_gpu: bool, dtype=None) -> Tile
     # m64n64 or wider; at head_dim 128 the hinted build holds its dk/dv accumulators in 250 registers
     # without spilling (64 keys x 32 rows issued m64n16 for half its products).
     return Tiles(min(block_size, 64), min(block_size, 128), 64, 8, 3)
+
+
+# Column slots the forward and dq kernels read per load in the range check before their column loops
+# (`tiles.columns_out_of_range`): each load is waited for before the next (a loop at the program's start, with
+# one program per SM), so at the column step's 64 slots a row of n columns cost n / 64 round trips to memory
+# (8 at the ~500 columns a row of bench_attention's 128K layout lists) before the first product; 1024 slots (4
+# per thread at 8 warps) read such a row in one. Under the interpreter the column step's slots, so that tests
+# cover several passes.
+COLUMN_CHECK_CHUNK = 1024
+
+
+def column_check_chunk(on_gpu: bool, block_c: int) -> int:
+    return COLUMN_CHECK_CHUNK if on_gpu else block_c
 
 
 def column_tiles(block_size: int, head_dim: int = 0, on_gpu: bool = False, dtype=None) -> Tiles | None:

@@ -143,6 +143,20 @@ def load_column_step(ColIdx, lay, max_cols, n_cols, c0, k_base, v_base, stride_k
 
 
 @triton.jit
+def column_step_meta(ColIdx, lay, max_cols, n_cols, c0, col, c_ok, k_len, k_index, k_segment, BLOCK_C: tl.constexpr,
+                     RELOAD: tl.constexpr):
+    """Token metadata (`load_meta`) of a masked column step's columns: from the step's tokens `col` and their bounds
+    `c_ok` (`load_column_step`), or with RELOAD from the row's slots read again here (`Tiles.column_meta_reload`),
+    so that the unmasked steps hold the tokens in the K/V gather's layout alone."""
+    if RELOAD:
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        in_use = offs_c < n_cols
+        col = tl.load(ColIdx + lay * max_cols + offs_c, mask=in_use, other=0)
+        c_ok = in_use & (col >= 0) & (col < k_len)
+    return load_meta(k_index, k_segment, col, c_ok)
+
+
+@triton.jit
 def full_columns(ColFull, lay, n_cols):
     """The slot range [lo, hi) of layout row `lay`'s fully visible columns (`indexing.full_column_range`),
     kept inside the row's slots in use."""
@@ -158,12 +172,14 @@ def column_step_masked(c0, full_lo, full_hi, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, BLOCK_C: tl.constexpr):
-    """Whether layout row `lay` lists a column outside [0, k_len): one pass over its column slots
-    before the column loop, which keeps the check out of that loop's registers."""
-    bad = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for c0 in range(0, n_cols, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
+def columns_out_of_range(ColIdx, lay, max_cols, n_cols, k_len, CHUNK: tl.constexpr):
+    """Whether layout row `lay` lists a column outside [0, k_len): one pass over its column slots, `CHUNK`
+    per load (`configs.column_check_chunk`), before the column loop, which keeps the check out of that
+    loop's registers. Each chunk's load is waited for before the next is issued, at the program's start
+    where nothing else runs: a wide chunk reads a row in one round trip."""
+    bad = tl.zeros([CHUNK], dtype=tl.int32)
+    for c0 in range(0, n_cols, CHUNK):
+        offs_c = c0 + tl.arange(0, CHUNK)
         in_use = offs_c < n_cols
         col = tl.load(ColIdx + lay * max_cols + offs_c, mask=in_use, other=0)
         bad |= (in_use & ((col < 0) | (col >= k_len))).to(tl.int32)

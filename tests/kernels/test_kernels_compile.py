@@ -57,6 +57,17 @@ def test_launched_builds_are_hinted_spill_free_and_on_full_wgmma(head_dim, dtype
             assert use.copies_in_flight > 0, (name, tiles, use)
 
 
+@pytest.mark.parametrize("variant", ["forward", "dq_column_grads"])
+def test_the_column_range_check_reads_a_row_in_one_load(variant):
+    """The range check before the column loops (`tiles.columns_out_of_range`) waits for each of its loads before
+    issuing the next, at the start of each program (one per SM): in the column step's 64 slots a row of
+    bench_attention's 128K layout (about 500 columns) took 8 round trips to memory before the first product.
+    Launches read `configs.COLUMN_CHECK_CHUNK` slots per load: the Launch's rows of 1000 columns in one."""
+    tiles, build = sm90.build(variant)
+    first_loop = re.search(r"scf\.for %\S+ = %\S+ to %\S+ step %c(\d+)_i32", build.asm["ttgir"])
+    assert int(first_loop.group(1)) == configs.COLUMN_CHECK_CHUNK >= sm90.Launch().max_cols > tiles.block_c
+
+
 @pytest.mark.parametrize("variant,head_dim", [("forward", 64), ("dq_column_grads", 128), ("dkdv", 128),
                                               ("scoring_row_stats", 256)])
 def test_fp32_launches_fit_the_shared_memory_of_an_h100(variant, head_dim):

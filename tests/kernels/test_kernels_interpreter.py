@@ -29,7 +29,7 @@ from hf_sparse_cp.kernels.indexing import (
     split_full_blocks,
     split_layout,
 )
-from hf_sparse_cp.kernels.tiles import key_block_entry, key_block_steps
+from hf_sparse_cp.kernels.tiles import columns_out_of_range, key_block_entry, key_block_steps
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 from hf_sparse_cp.testing.interpreter import interpreter_blocker, interpreter_pool
 from hf_sparse_cp.testing.layouts import random_layout
@@ -621,6 +621,37 @@ def test_out_of_range_layout_entries_give_nan_rows_and_change_nothing_else(inter
 
 
 @triton.jit
+def _columns_out_of_range_probe(ColIdx, ColCnt, Out, max_cols, k_len, CHUNK: tl.constexpr):
+    """The column range check of layout row `program_id` as the forward and dq kernels run it, written out."""
+    lay = tl.program_id(0)
+    tl.store(Out + lay, columns_out_of_range(ColIdx, lay, max_cols, tl.load(ColCnt + lay), k_len, CHUNK).to(tl.int32))
+
+
+def _columns_out_of_range_flags(col_idx, col_cnt, k_len, chunk):
+    out = torch.full(col_cnt.shape, -1, dtype=torch.int32)
+    _columns_out_of_range_probe[(col_cnt.numel(),)](col_idx, col_cnt, out, col_idx.shape[-1], k_len, chunk)
+    return out.tolist()
+
+
+def test_the_column_range_check_flags_the_same_rows_in_wide_and_narrow_loads(interp):
+    """Compiled launches check a row's columns in `configs.COLUMN_CHECK_CHUNK`-slot loads (one round trip for a
+    row of up to that many; the column step's 64 slots took one per 64), the interpreter's in the column step's:
+    both flag exactly the rows listing a token outside [0, k_len) among their counted slots, wherever it sits
+    (first slot, past the first narrow chunk, last counted slot), and never the slots past the count."""
+    k_len, max_cols = 4096, 1100
+    col_idx = torch.randint(0, k_len, (6, max_cols), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    col_cnt = torch.tensor([1100, 1100, 1100, 700, 0, 1025], dtype=torch.int32)
+    col_idx[0, 0] = -1  # first slot
+    col_idx[1, 1099] = k_len  # the last counted slot, past the first wide chunk
+    col_idx[2, 70] = k_len + 9  # past the first narrow chunk
+    col_idx[3, 700:] = -5  # slots past the count: never read
+    col_idx[4, :] = k_len  # nothing counted
+    expected = [1, 1, 1, 0, 0, 0]
+    for chunk in (16, 64, configs.COLUMN_CHECK_CHUNK):
+        assert interp.apply(_columns_out_of_range_flags, (col_idx, col_cnt, k_len, chunk)) == expected, chunk
+
+
+@triton.jit
 def _key_block_steps_probe(RowPtr, Entries, OutEntry, OutSub, per_entry):
     """The dk/dv kernel's walk over CSR segment 0, its entries and sub-steps written out. `Entries`
     holds the segment's own entries: the walk reads them at `lo` past `Entries - lo`."""
@@ -1050,3 +1081,31 @@ def test_tile_major_grid_computes_the_same_function(interp):
     assert res[5] == [(True, (n_tiles, 4)), (True, (n_tiles, 4)), (True, (-(-s // 32), 2))]
     for name, got, launched in zip(("out", "lse", "dq"), (res[0], res[1], res[2]), res[6]):
         assert torch.equal(got, launched), name
+
+
+# ---- masked column steps reading their slots again (Tiles.column_meta_reload) -------------------------------
+
+def _kernels_with_and_without_meta_reload(*args, tiles):
+    """`_kernel_fwd_bwd` with `tiles`, then its out, lse, dq, dk, dv with the same tiles without
+    `column_meta_reload`."""
+    result = _kernel_fwd_bwd(*args, tiles=tiles)
+    plain = {k: replace(t, column_meta_reload=False) for k, t in tiles.items()}
+    return (*result, _kernel_fwd_bwd(*args, tiles=plain)[:5])
+
+
+def test_masked_column_steps_reading_their_slots_again_compute_the_same_function(interp):
+    """With `Tiles.column_meta_reload` a masked column step takes its keys' token metadata from the row's slots read
+    again, not from the tokens its K/V gather loaded: forward and backward equal the reference, and are bitwise
+    those of the launchers' column steps (the same tokens, the same arithmetic). Packed documents, padding and a
+    sliding window make most column steps masked; slots past the row's count and partly used last steps too."""
+    s, bs = 100, 32
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=111)
+    meta = _random_docs(1, s, seed=112, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=12, meta=meta,
+                                          generator=torch.Generator().manual_seed(113))
+    assert int(layout.col_cnt.sum()) > 0
+    tiles = configs.Tiles(16, 16, 16, 1, 1, column_meta_reload=True)
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=40,
+                                   worker=_kernels_with_and_without_meta_reload, tiles={"forward": tiles, "dq": tiles})
+    for name, got, plain in zip(("out", "lse", "dq", "dk", "dv"), res[:5], res[-1]):
+        assert torch.equal(got, plain), name
