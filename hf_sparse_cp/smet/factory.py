@@ -52,11 +52,14 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     transposed: dict[int, bool] = {}  # a sparse expert stack's: stored [experts, in, out]
     frozen: dict[str, None] = {}  # parameter names in model order, each once
     adapter: dict[str, str] = {}  # parameter name -> the target name that reached it
+    unknown: dict[str, str] = {}  # an expert stack's name -> why its layout is not known
+    hidden = _hidden_size(model)
     for module_name, module in model.named_modules():
         target = module_name.rsplit(".", 1)[-1]
         weight = getattr(module, "weight", None)  # (a PEFT layer's is its base layer's)
-        found = [(target, weight, None)] if target in targets and isinstance(weight, nn.Parameter) else []
-        for leaf, stack, layout in found + _expert_stacks(module, targets):
+        found = [] if target not in targets or not isinstance(weight, nn.Parameter) else [
+            (target, weight, _stack_layout(module, "weight", weight, hidden) if weight.dim() == 3 else None)]
+        for leaf, stack, layout in found + _expert_stacks(module, targets, hidden):
             name = names[id(stack)]
             if name.startswith(adapters):
                 adapter[name] = leaf
@@ -65,6 +68,8 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
             elif layout is None:
                 _check_linear(module, module_name)
                 sparse[id(stack)] = (name, stack)
+            elif isinstance(layout, str):
+                unknown[name] = layout
             else:
                 sparse[id(stack)] = (name, stack)
                 transposed[id(stack)] = layout
@@ -82,15 +87,17 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
             "updates, without get_peft_model) or with LoRA (without --smet / install_smet), or unfreeze the "
             "weights SMET should train (requires_grad_(True))."
         )
-    uncut = _named_but_dense(model, targets, sparse, adapters)
+    uncut = _named_but_dense(model, targets, sparse, adapters, unknown)
     if not sparse:
         examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                           if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)})
+                           if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)} |
+                          {n.removesuffix(".weight").rsplit(".", 1)[-1] for n, p in model.named_parameters()
+                           if p.dim() == 3})
         raise ValueError(
-            f"No module of the model matches target_modules={config.target_modules}; linear modules here are named "
+            f"No module of the model matches target_modules={config.target_modules}; linear modules and expert "
+            f"stacks here are named "
             f"{examples[:12]}." + (f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into "
-                                   "blocks: not an nn.Linear weight, nor a stack of experts whose module says how it "
-                                   "is stored (transformers' `is_transposed`)." if uncut else "")
+                                   f"blocks: {uncut[0][2]}." if uncut else "")
         )
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
     grids = [BlockGrid.of(param, config.density, config.block_size, name, transposed.get(id(param), False))
@@ -108,27 +115,72 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
             for (smet, decay), named in groups.items() if named]
 
 
-def _expert_stacks(module: nn.Module, targets: set[str]) -> list[tuple[str, nn.Parameter, bool]]:
-    """(name, parameter, transposed) of the 3-D parameters of `module` whose own name a target names (`gate_up_proj`,
-    `down_proj`: transformers 5's fused experts) when the module says how their matrices are stored: transformers'
-    experts carry `is_transposed` (False: [experts, out, in], Mixtral's, Qwen-MoE's; True: [experts, in, out],
-    GPT-OSS's). A stack without it (Llama 4's experts) stays dense, with a warning (`_named_but_dense`)."""
-    layout = getattr(module, "is_transposed", None)
-    if not isinstance(layout, bool):
-        return []
-    return [(leaf, param, layout) for leaf, param in module.named_parameters(recurse=False)
+def _expert_stacks(module: nn.Module, targets: set[str], hidden: int | None) -> list[tuple[str, nn.Parameter, Any]]:
+    """(name, parameter, layout) of the 3-D parameters of `module` whose own name a target names (`gate_up_proj`,
+    `down_proj`: transformers 5's fused experts); layout: True when stored [experts, in, out], False for [experts,
+    out, in], or why it is not known (`_stack_layout`)."""
+    return [(leaf, param, _stack_layout(module, leaf, param, hidden))
+            for leaf, param in module.named_parameters(recurse=False)
             if param.dim() == 3 and _names_a_target(leaf, targets)]
 
 
-def _named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int],
-                     adapters: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
-    """(name, size) of the trainable matrices that `target_modules` names but that stay dense (set-up warns,
-    `_warn_dense`): parameters of their own, not an nn.Linear module's weight, whose name is a target or ends in one,
-    and that are no expert stack SMET can cut (`_expert_stacks`): Llama 4's fused experts, [experts, in, out], whose
-    module does not say so, often most of the model."""
-    return tuple((name, param.numel()) for name, param in model.named_parameters()
+# A stack's own name -> whether its matrices read (True) or write (False) the hidden states (transformers' naming).
+_READS_HIDDEN = {"gate_up_proj": True, "up_proj": True, "gate_proj": True, "down_proj": False}
+
+
+def _stack_layout(module: nn.Module, leaf: str, stack: nn.Parameter, hidden: int | None) -> bool | str:
+    """Whether the expert matrices of `stack` (`module`'s parameter `leaf`, [experts, a, b]) are stored [in, out]
+    (True) or [out, in] (False), from what the module says: its `is_transposed` (transformers' experts), else its
+    `input_size` / `output_size` (JetMoE's parallel experts), else, for a stack named as transformers names an MLP's
+    projections, which of a, b is the hidden size (`hidden_size` / `hidden_dim` of the module, else the model's):
+    Llama 4's `gate_up_proj` [experts, hidden, 2 x intermediate] reads it, its `down_proj` [experts, intermediate,
+    hidden] writes it. A shape that fits both layouts (a square matrix: hidden = 2 x intermediate for a gate_up_proj)
+    or neither leaves it unknown: then the reason, in words."""
+    said = getattr(module, "is_transposed", None)
+    if isinstance(said, bool):
+        return said
+    a, b = stack.shape[1:]
+    ins, outs = getattr(module, "input_size", None), getattr(module, "output_size", None)
+    if isinstance(ins, int) and isinstance(outs, int):
+        fits, source = {True: (a, b) == (ins, outs), False: (a, b) == (outs, ins)}, (
+            f"its module's input_size={ins} and output_size={outs}")
+    else:
+        own = next((getattr(module, n) for n in ("hidden_size", "hidden_dim")
+                    if isinstance(getattr(module, n, None), int)), hidden)
+        role = next((reads for suffix, reads in _READS_HIDDEN.items() if leaf.endswith(suffix)), None)
+        if role is None or own is None:
+            return ("a stack of expert matrices whose module does not say how they are stored (transformers' "
+                    "`is_transposed`) and whose name does not say which side is the hidden size")
+        # (reading the hidden states: the inputs are the hidden size, along dim 1 when stored [in, out])
+        fits = {True: (a if role else b) == own, False: (b if role else a) == own}
+        source = f"the hidden size {own} that it {'reads' if role else 'writes'}"
+    if fits[True] != fits[False]:
+        return fits[True]
+    return (f"a stack of expert matrices {tuple(stack.shape)} whose module does not say how they are stored "
+            f"(transformers' `is_transposed`), and {source} fits{' both' if fits[True] else ' neither'} "
+            "[experts, out, in] and [experts, in, out]")
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    """The model's hidden size (its text model's, for a multimodal one), None when its config does not say."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "hidden_size", None)
+    return size if isinstance(size, int) else None
+
+
+_NOT_BLOCKS = "not an nn.Linear weight, nor a 3-D stack of expert matrices"
+
+
+def _named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int], adapters: tuple[str, ...],
+                     unknown: dict[str, str]) -> tuple[tuple[str, int, str], ...]:
+    """(name, size, why) of the trainable matrices that `target_modules` names but that stay dense (set-up warns,
+    `_warn_dense`): expert stacks whose layout is not known (`unknown`: name -> why) and other parameters of their
+    own, not an nn.Linear module's weight, whose name is a target or ends in one."""
+    return tuple((name, param.numel(), unknown.get(name, _NOT_BLOCKS)) for name, param in model.named_parameters()
                  if param.requires_grad and param.dim() >= 2 and id(param) not in sparse
-                 and not name.startswith(adapters) and _names_a_target(name.rsplit(".", 1)[-1], targets))
+                 and not name.startswith(adapters)
+                 and (name in unknown or _names_a_target(name.rsplit(".", 1)[-1], targets)))
 
 
 def _names_a_target(leaf: str, targets: set[str]) -> bool:
@@ -137,15 +189,16 @@ def _names_a_target(leaf: str, targets: set[str]) -> bool:
 
 
 @functools.cache  # (once per set-up: a Trainer builds the parameter groups twice)
-def _warn_dense(named: tuple[tuple[str, int], ...], trainable: int, targets: tuple[str, ...]) -> None:
-    kept = [t for t in targets if not any(_names_a_target(name.rsplit(".", 1)[-1], {t}) for name, _ in named)]
+def _warn_dense(named: tuple[tuple[str, int, str], ...], trainable: int, targets: tuple[str, ...]) -> None:
+    kept = [t for t in targets if not any(_names_a_target(name.rsplit(".", 1)[-1], {t}) or
+                                          _names_a_target(name.rsplit(".", 2)[-2], {t}) for name, _, _ in named)]
     logger.warning(
         "SMET trains %d matrices that target_modules names dense, with AdamW's whole optimizer state (%s, ...: %.0f%% "
         "of the trainable parameters): SMET cuts into blocks of input columns nn.Linear weights and 3-D stacks of "
-        "expert matrices whose module says how they are stored (transformers' `is_transposed`: [experts, out, in] or "
-        "[experts, in, out]), which these are not; smet/density counts the sparse weights only. To train them dense "
-        "knowingly, leave their names out: --smet_target_modules %s.", len(named), named[0][0],
-        100 * sum(n for _, n in named) / trainable, ",".join(kept) or "NAMES")
+        "expert matrices whose layout, [experts, out, in] or [experts, in, out], it knows, and %s is %s; "
+        "smet/density counts the sparse weights only. To train them dense knowingly, leave their names out: "
+        "--smet_target_modules %s.", len(named), named[0][0], 100 * sum(n for _, n, _ in named) / trainable,
+        named[0][0], named[0][2], ",".join(kept) or "NAMES")
 
 
 def _check_linear(module: nn.Module, name: str) -> None:
