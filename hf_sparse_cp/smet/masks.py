@@ -54,8 +54,8 @@ class BlockGrid:
         if param.dim() == 3 and transposed is None:
             raise ValueError(
                 f"{name} has shape {tuple(param.shape)}, a stack of matrices stored [out, in] or [in, out]: say which "
-                "in its parameter group's 'transposed' list (create_smet_optimizer reads it from the experts "
-                "module's `is_transposed`), or remove it from target_modules."
+                "in its parameter group's 'transposed' list (create_smet_optimizer reads it off the experts "
+                "module: `factory._stack_layout`), or remove it from target_modules."
             )
         if param.dim() == 2 and transposed:  # (its rows, which FSDP2 shards, would be its inputs)
             raise ValueError(f"{name}: a 2-D sparse weight must be laid out [out, in] as nn.Linear's is, not "
