@@ -48,12 +48,13 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     targets = set(config.target_modules)
     names = {id(p): n for n, p in model.named_parameters()}
     adapters = _adapter_prefixes(model)
-    sparse: dict[int, tuple[str, torch.Tensor]] = {}
+    sparse: dict[int, tuple[str, torch.Tensor, str]] = {}  # (name, parameter, the module it was reached through)
     transposed: dict[int, bool] = {}  # a sparse expert stack's: stored [experts, in, out]
     frozen: dict[str, None] = {}  # parameter names in model order, each once
     adapter: dict[str, str] = {}  # parameter name -> the target name that reached it
     unknown: dict[str, str] = {}  # an expert stack's name -> why its layout is not known
     hidden = _hidden_size(model)
+    holders: set[int] = set()  # the modules a sparse weight was reached through (a PEFT layer's: and its base)
     for module_name, module in model.named_modules():
         target = module_name.rsplit(".", 1)[-1]
         weight = getattr(module, "weight", None)  # (a PEFT layer's is its base layer's)
@@ -65,14 +66,15 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
                 adapter[name] = leaf
             elif not stack.requires_grad:
                 frozen[name] = None
-            elif layout is None:
-                _check_linear(module, module_name)
-                sparse[id(stack)] = (name, stack)
             elif isinstance(layout, str):
                 unknown[name] = layout
             else:
-                sparse[id(stack)] = (name, stack)
-                transposed[id(stack)] = layout
+                if layout is None:
+                    _check_linear(module, module_name)
+                else:
+                    transposed[id(stack)] = layout
+                sparse[id(stack)] = (name, stack, module_name)
+                holders.update((id(module), id(getattr(module, "base_layer", module))))  # (a PEFT layer's base)
     if adapter:
         raise ValueError(
             f"target_modules={config.target_modules} reaches PEFT adapter weights ({next(iter(adapter))}, "
@@ -99,16 +101,17 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
             f"{examples[:12]}." + (f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into "
                                    f"blocks: {uncut[0][2]}." if uncut else "")
         )
+    _check_not_shared(model, sparse, holders)
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
     grids = [BlockGrid.of(param, config.density, config.block_size, name, transposed.get(id(param), False))
-             for name, param in sparse.values()]
+             for name, param, _ in sparse.values()]
     warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
     if uncut:
         _warn_dense(uncut, sum(p.numel() for p in model.parameters() if p.requires_grad), tuple(sorted(targets)))
     decayed = None if decay_names is None else set(decay_names(model))
     groups = {(smet, decay): [] for smet in (True, False) for decay in (True, False)}
     dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
-    for name, param in [*sparse.values(), *dense]:
+    for name, param in [*((n, p) for n, p, _ in sparse.values()), *dense]:
         decay = param.dim() >= 2 if decayed is None else name in decayed
         groups[id(param) in sparse, decay].append((name, param))
     return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0, transposed=transposed)
@@ -199,6 +202,25 @@ def _warn_dense(named: tuple[tuple[str, int, str], ...], trainable: int, targets
         "smet/density counts the sparse weights only. To train them dense knowingly, leave their names out: "
         "--smet_target_modules %s.", len(named), named[0][0], 100 * sum(n for _, n, _ in named) / trainable,
         named[0][0], named[0][2], ",".join(kept) or "NAMES")
+
+
+def _check_not_shared(model: nn.Module, sparse: dict[int, tuple[str, torch.Tensor, str]], holders: set[int]) -> None:
+    """Refuse a sparse weight that a module `target_modules` does not reach holds too (tied word embeddings: a
+    targeted lm_head's weight is the input embedding): SMET would make it sparse there as well, silently, where the
+    documented pattern (blocks of an output's inputs) means something else. Weights shared by targeted modules (one
+    projection reused by several layers) are one sparse weight, as they are one parameter."""
+    for holder_name, holder in model.named_modules(remove_duplicate=False):
+        if id(holder) in holders:
+            continue
+        for leaf, param in holder.named_parameters(recurse=False):
+            if id(param) in sparse:
+                reached = sparse[id(param)][2]
+                target = reached.rsplit(".", 1)[-1]
+                raise ValueError(
+                    f"the weight of target module {reached} is also {holder_name}.{leaf} ({type(holder).__name__}), "
+                    "which target_modules does not name (tied weights: tie_word_embeddings ties lm_head to the input "
+                    f"embedding): SMET would make it sparse there as well. Leave {target} out of "
+                    f"target_modules (--smet_target_modules), or untie the weights (tie_word_embeddings=False).")
 
 
 def _check_linear(module: nn.Module, name: str) -> None:

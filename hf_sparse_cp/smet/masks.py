@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import MASK32 as _MASK32
 from .dtensor import local, row_offset
 from .rounding import kept_blocks
 
-_MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so a 32-bit value times one of them fits in int64 without overflow.
 _MIX1 = 0x7FEB352D
 _MIX2 = 0x2C1B3C6D
