@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import SMETConfig
+from .config import DEFAULT_TARGET_MODULES, SMETConfig
 from .dtensor import local
 from .masks import BlockGrid
 from .optimizer import SMETAdam
@@ -91,16 +91,18 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
         )
     uncut = _named_but_dense(model, targets, sparse, adapters, unknown)
     if not sparse:
-        examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                           if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)} |
-                          {n.removesuffix(".weight").rsplit(".", 1)[-1] for n, p in model.named_parameters()
-                           if p.dim() == 3})
         raise ValueError(
             f"No module of the model matches target_modules={config.target_modules}; linear modules and expert "
-            f"stacks here are named "
-            f"{examples[:12]}." + (f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into "
-                                   f"blocks: {uncut[0][2]}." if uncut else "")
-        )
+            f"stacks here are named {_target_examples(model, adapters)}." + (
+                f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into blocks: {uncut[0][2]}."
+                if uncut else ""))
+    missing = _unmatched(model, config.target_modules)
+    if missing and config.target_modules != list(DEFAULT_TARGET_MODULES):  # (the defaults: what the model has)
+        raise ValueError(
+            f"target_modules names {missing}, which no module of the model has, so it would stay dense without a "
+            "word: a target names a module by its own name, the last part (q_proj, not self_attn.q_proj), or an "
+            "expert stack named so or ending so (up_proj: gate_up_proj). Linear modules and expert stacks here are "
+            f"named {_target_examples(model, adapters)}; correct or remove {missing} (--smet_target_modules).")
     _check_not_shared(model, sparse, holders)
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
     grids = [BlockGrid.of(param, config.density, config.block_size, name, transposed.get(id(param), False))
@@ -116,6 +118,22 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
         groups[id(param) in sparse, decay].append((name, param))
     return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0, transposed=transposed)
             for (smet, decay), named in groups.items() if named]
+
+
+def _target_examples(model: nn.Module, adapters: tuple[str, ...]) -> list[str]:
+    """Up to 12 names a target could give here: the model's nn.Linear modules' and its 3-D stacks' (a JetMoE
+    expert module's, for its `weight`)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)} |
+                  {n.removesuffix(".weight").rsplit(".", 1)[-1] for n, p in model.named_parameters()
+                   if p.dim() == 3})[:12]
+
+
+def _unmatched(model: nn.Module, targets: list[str]) -> list[str]:
+    """The targets that name no module (its own name) and no parameter (its name or a fused one ending in it)."""
+    modules = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    params = {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters()}
+    return [t for t in targets if t not in modules and not any(_names_a_target(leaf, {t}) for leaf in params)]
 
 
 def _expert_stacks(module: nn.Module, targets: set[str], hidden: int | None) -> list[tuple[str, nn.Parameter, Any]]:

@@ -336,6 +336,21 @@ def test_target_modules_whose_weight_is_not_laid_out_as_a_linear_s_are_refused()
     create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["lm_head"], block_size=16))
 
 
+@pytest.mark.parametrize("wrong", ["self_attn.o_proj", "o_prj"])
+def test_a_target_name_that_matches_nothing_next_to_ones_that_do_is_refused_naming_it(wrong):
+    """A typo or a dotted path in a target list whose other names matched left that projection dense without a
+    word; the default list names what the model has (GPT-OSS, Mixtral: no gate_proj module) and stays quiet."""
+    with pytest.raises(ValueError, match=rf"target_modules names \['{re.escape(wrong)}'\], which no module of the "
+                                         r"model has, .* the last part \(q_proj, not self_attn\.q_proj\).* named "
+                                         r"\['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', "
+                                         r"'up_proj', 'v_proj'\]; correct or remove"):
+        create_smet_optimizer(tiny_llama(), config=SMETConfig(block_size=16, target_modules=["q_proj", wrong]))
+    from smet_common import tiny_moe
+
+    create_smet_optimizer(tiny_moe("gpt_oss"), config=SMETConfig(block_size=16))
+    create_smet_optimizer(tiny_moe("gpt_oss"), config=SMETConfig(block_size=16, target_modules=["up_proj"]))
+
+
 def test_a_target_weight_a_module_not_targeted_shares_is_refused_and_one_targeted_modules_share_is_one_weight():
     """With tied word embeddings a targeted lm_head's weight is the input embedding: it was made sparse (the embedding
     lost blocks of every token's vector) without a word. Refused naming the fix; a projection shared by two layers
