@@ -53,14 +53,14 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     frozen: dict[str, None] = {}  # parameter names in model order, each once
     adapter: dict[str, str] = {}  # parameter name -> the target name that reached it
     unknown: dict[str, str] = {}  # an expert stack's name -> why its layout is not known
-    hidden = _hidden_size(model)
+    sizes = _model_sizes(model)
     holders: set[int] = set()  # the modules a sparse weight was reached through (a PEFT layer's: and its base)
     for module_name, module in model.named_modules():
         target = module_name.rsplit(".", 1)[-1]
         weight = getattr(module, "weight", None)  # (a PEFT layer's is its base layer's)
         found = [] if target not in targets or not isinstance(weight, nn.Parameter) else [
-            (target, weight, _stack_layout(module, "weight", weight, hidden) if weight.dim() == 3 else None)]
-        for leaf, stack, layout in found + _expert_stacks(module, targets, hidden):
+            (target, weight, _stack_layout(module, "weight", weight, sizes) if weight.dim() == 3 else None)]
+        for leaf, stack, layout in found + _expert_stacks(module, targets, sizes):
             name = names[id(stack)]
             if name.startswith(adapters):
                 adapter[name] = leaf
@@ -136,11 +136,11 @@ def _unmatched(model: nn.Module, targets: list[str]) -> list[str]:
     return [t for t in targets if t not in modules and not any(_names_a_target(leaf, {t}) for leaf in params)]
 
 
-def _expert_stacks(module: nn.Module, targets: set[str], hidden: int | None) -> list[tuple[str, nn.Parameter, Any]]:
+def _expert_stacks(module: nn.Module, targets: set[str], sizes: _Sizes) -> list[tuple[str, nn.Parameter, Any]]:
     """(name, parameter, layout) of the 3-D parameters of `module` whose own name a target names (`gate_up_proj`,
     `down_proj`: transformers 5's fused experts); layout: True when stored [experts, in, out], False for [experts,
     out, in], or why it is not known (`_stack_layout`)."""
-    return [(leaf, param, _stack_layout(module, leaf, param, hidden))
+    return [(leaf, param, _stack_layout(module, leaf, param, sizes))
             for leaf, param in module.named_parameters(recurse=False)
             if param.dim() == 3 and _names_a_target(leaf, targets)]
 
@@ -149,14 +149,14 @@ def _expert_stacks(module: nn.Module, targets: set[str], hidden: int | None) -> 
 _READS_HIDDEN = {"gate_up_proj": True, "up_proj": True, "gate_proj": True, "down_proj": False}
 
 
-def _stack_layout(module: nn.Module, leaf: str, stack: nn.Parameter, hidden: int | None) -> bool | str:
+def _stack_layout(module: nn.Module, leaf: str, stack: nn.Parameter, sizes: _Sizes) -> bool | str:
     """Whether the expert matrices of `stack` (`module`'s parameter `leaf`, [experts, a, b]) are stored [in, out]
     (True) or [out, in] (False), from what the module says: its `is_transposed` (transformers' experts), else its
     `input_size` / `output_size` (JetMoE's parallel experts), else, for a stack named as transformers names an MLP's
-    projections, which of a, b is the hidden size (`hidden_size` / `hidden_dim` of the module, else the model's):
-    Llama 4's `gate_up_proj` [experts, hidden, 2 x intermediate] reads it, its `down_proj` [experts, intermediate,
-    hidden] writes it. A shape that fits both layouts (a square matrix: hidden = 2 x intermediate for a gate_up_proj)
-    or neither leaves it unknown: then the reason, in words."""
+    projections, from its hidden and intermediate sizes (the module's, else the model's config's, `_sizes`): Llama 4's
+    `gate_up_proj` [experts, hidden, 2 x intermediate] reads the hidden states, its `down_proj` [experts,
+    intermediate, hidden] writes them. A shape that fits both layouts (a square matrix: hidden = 2 x intermediate for
+    a gate_up_proj) or neither leaves it unknown: then the reason, in words."""
     said = getattr(module, "is_transposed", None)
     if isinstance(said, bool):
         return said
@@ -166,28 +166,41 @@ def _stack_layout(module: nn.Module, leaf: str, stack: nn.Parameter, hidden: int
         fits, source = {True: (a, b) == (ins, outs), False: (a, b) == (outs, ins)}, (
             f"its module's input_size={ins} and output_size={outs}")
     else:
-        own = next((getattr(module, n) for n in ("hidden_size", "hidden_dim")
-                    if isinstance(getattr(module, n, None), int)), hidden)
-        role = next((reads for suffix, reads in _READS_HIDDEN.items() if leaf.endswith(suffix)), None)
-        if role is None or own is None:
+        hidden, inner = _sizes(module, *sizes)
+        reads = next((reads for suffix, reads in _READS_HIDDEN.items() if leaf.endswith(suffix)), None)
+        if reads is None or hidden is None or not inner:
             return ("a stack of expert matrices whose module does not say how they are stored (transformers' "
-                    "`is_transposed`) and whose name does not say which side is the hidden size")
-        # (reading the hidden states: the inputs are the hidden size, along dim 1 when stored [in, out])
-        fits = {True: (a if role else b) == own, False: (b if role else a) == own}
-        source = f"the hidden size {own} that it {'reads' if role else 'writes'}"
+                    "`is_transposed`), nor its name and sizes which side is the hidden size")
+        # (an up/gate projection reads the hidden states into the intermediate size, or two of them, fused)
+        ins_fit = {hidden} if reads else set(inner)
+        outs_fit = {n * k for n in inner for k in (1, 2)} if reads else {hidden}
+        fits = {True: a in ins_fit and b in outs_fit, False: a in outs_fit and b in ins_fit}
+        source = (f"the hidden size {hidden} that it {'reads' if reads else 'writes'} and the intermediate size "
+                  f"{'/'.join(map(str, inner))}")
     if fits[True] != fits[False]:
         return fits[True]
     return (f"a stack of expert matrices {tuple(stack.shape)} whose module does not say how they are stored "
-            f"(transformers' `is_transposed`), and {source} fits{' both' if fits[True] else ' neither'} "
+            f"(transformers' `is_transposed`), and {source} fit{' both' if fits[True] else ' neither'} "
             "[experts, out, in] and [experts, in, out]")
 
 
-def _hidden_size(model: nn.Module) -> int | None:
-    """The model's hidden size (its text model's, for a multimodal one), None when its config does not say."""
+_Sizes = tuple[int | None, tuple[int, ...]]
+_HIDDEN = ("hidden_size", "hidden_dim")
+_INTERMEDIATE = ("intermediate_size", "expert_dim", "intermediate_dim", "moe_intermediate_size")
+
+
+def _sizes(holder: Any, hidden: int | None = None, inner: tuple[int, ...] = ()) -> _Sizes:
+    """The hidden size and the intermediate sizes `holder` (an experts module, a config) gives, where it gives
+    them, else `hidden` / `inner` (the model's)."""
+    own = [getattr(holder, n) for n in _HIDDEN if isinstance(getattr(holder, n, None), int)]
+    sizes = tuple(sorted({getattr(holder, n) for n in _INTERMEDIATE if isinstance(getattr(holder, n, None), int)}))
+    return (own[0] if own else hidden), (sizes or inner)
+
+
+def _model_sizes(model: nn.Module) -> _Sizes:
+    """The model's hidden and intermediate sizes, its text model's for a multimodal one (`_sizes`)."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    size = getattr(text, "hidden_size", None)
-    return size if isinstance(size, int) else None
+    return _sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)
 
 
 _NOT_BLOCKS = "not an nn.Linear weight, nor a 3-D stack of expert matrices"

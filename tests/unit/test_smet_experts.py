@@ -120,20 +120,27 @@ def test_expert_stacks_whose_layout_their_shape_leaves_open_stay_dense_with_a_wa
         "SMET trains 1 matrices that target_modules names dense, with AdamW's whole optimizer state "
         "(model.layers.0.feed_forward.experts.gate_up_proj, ...: "), said
     assert ("is a stack of expert matrices (4, 64, 64) whose module does not say how they are stored (transformers' "
-            "`is_transposed`), and the hidden size 64 that it reads fits both [experts, out, in] and [experts, in, "
-            "out]") in said[0]
+            "`is_transposed`), and the hidden size 64 that it reads and the intermediate size 32 fit both [experts, "
+            "out, in] and [experts, in, out]") in said[0]
     assert said[0].endswith("--smet_target_modules down_proj,gate_proj,k_proj,o_proj,q_proj,v_proj."), said
+    # the hidden size on one side is not enough: the other must be the intermediate size (or, fused, two of them)
+    odd = _moe("llama4_text")
+    experts = odd.model.layers[0].feed_forward.experts
+    experts.intermediate_size = experts.expert_dim = 80
+    said, sparse = warnings(odd, density=0.5)
+    assert sparse == set() and "reads and the intermediate size 80 fit neither" in said[0], said
     said, sparse = warnings(tiny_moe("jetmoe"), target_modules=["input_linear", "output_linear"])
     assert sparse == {"model.layers.0.mlp.input_linear.weight", "model.layers.0.self_attention.experts.input_linear"
                       ".weight", "model.layers.0.self_attention.experts.output_linear.weight"}
     assert len(said) == 1 and "(model.layers.0.mlp.output_linear.weight, ...: " in said[0], said
-    assert "its module's input_size=64 and output_size=64 fits both [experts, out, in] and [experts, in, out]" in (
+    assert "its module's input_size=64 and output_size=64 fit both [experts, out, in] and [experts, in, out]" in (
         said[0])
     assert warnings(tiny_moe("mixtral"))[0] == warnings(tiny_moe("gpt_oss"))[0] == []
     # targeting only such stacks: refused, naming them and why (not "no module matches" alone)
     with pytest.raises(ValueError, match=r"It names model\.layers\.0\.feed_forward\.experts\.gate_up_proj \(1 in "
                                          r"all\), which SMET cannot cut into blocks: a stack of expert matrices "
-                                         r"\(4, 64, 64\) .* the hidden size 64 that it reads fits both"):
+                                         r"\(4, 64, 64\) .* the hidden size 64 that it reads and the intermediate "
+                                         r"size 32 fit both"):
         create_smet_optimizer(tiny_moe("llama4_text", intermediate_size=32, intermediate_size_mlp=64),
                               config=SMETConfig(block_size=16, target_modules=["gate_up_proj"]))
 
