@@ -44,7 +44,9 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     passes its `get_decay_parameter_names`, so SMET decays what the stock optimizer it stands in for decays), by
     default those of 2+ dims (not biases, norms). A density that whole blocks per row move far is said here
     (`rounding.warn_if_rounded`). A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is
-    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model)."""
+    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model), a list of one's
+    own with a name that reaches nothing (`_unmatched`), and a target weight a module not targeted holds too
+    (`_check_not_shared`)."""
     targets = set(config.target_modules)
     names = {id(p): n for n, p in model.named_parameters()}
     adapters = _adapter_prefixes(model)
@@ -224,8 +226,9 @@ def _names_a_target(leaf: str, targets: set[str]) -> bool:
 
 @functools.cache  # (once per set-up: a Trainer builds the parameter groups twice)
 def _warn_dense(named: tuple[tuple[str, int, str], ...], trainable: int, targets: tuple[str, ...]) -> None:
-    kept = [t for t in targets if not any(_names_a_target(name.rsplit(".", 1)[-1], {t}) or
-                                          _names_a_target(name.rsplit(".", 2)[-2], {t}) for name, _, _ in named)]
+    # (a target that reaches one of them by its own name or, for JetMoE's `weight`, its module's)
+    kept = [t for t in targets if not any(_names_a_target(part, {t}) for name, _, _ in named
+                                          for part in name.split(".")[-2:])]
     logger.warning(
         "SMET trains %d matrices that target_modules names dense, with AdamW's whole optimizer state (%s, ...: %.0f%% "
         "of the trainable parameters): SMET cuts into blocks of input columns nn.Linear weights and 3-D stacks of "
