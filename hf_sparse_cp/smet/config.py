@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from ..config.files import FileConfig, check_field_types
 
+MASK32 = 0xFFFFFFFF  # (the random choices hash 32-bit values, `masks.hash_uniform`)
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -157,5 +158,8 @@ def check_values(values: Any, prefix: str = "") -> None:
     if not 0 <= values.lr_density_exponent < math.inf:  # (NaN or inf made every sparse weight NaN or inf)
         raise ValueError(f"{prefix}lr_density_exponent={values.lr_density_exponent} must be finite and >= 0 (0 "
                          "disables scaling).")
+    if not 0 <= values.seed <= MASK32:  # (the random choices hash the seed's low 32 bits: -1 drew as 2**32 - 1)
+        raise ValueError(f"{prefix}seed={values.seed} must be in [0, {MASK32}]: the random choices hash 32 bits of "
+                         f"it, so it would draw as seed={values.seed & MASK32} does; e.g. 0.")
     if not values.target_modules:
         raise ValueError(f"{prefix}target_modules is empty; e.g. {list(DEFAULT_TARGET_MODULES)}.")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import SMETConfig
+from .config import DEFAULT_TARGET_MODULES, SMETConfig
 from .dtensor import local
 from .masks import BlockGrid
 from .optimizer import SMETAdam
@@ -44,30 +44,39 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
     passes its `get_decay_parameter_names`, so SMET decays what the stock optimizer it stands in for decays), by
     default those of 2+ dims (not biases, norms). A density that whole blocks per row move far is said here
     (`rounding.warn_if_rounded`). A PEFT adapter's weights (LoRA's A and B) are never made sparse: targeting them is
-    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model)."""
+    an error, and so is a target list that reaches only frozen weights (LoRA freezes the base model), a list of one's
+    own with a name that reaches nothing (`_unmatched`), and a target weight a module not targeted holds too
+    (`_check_not_shared`)."""
     targets = set(config.target_modules)
     names = {id(p): n for n, p in model.named_parameters()}
     adapters = _adapter_prefixes(model)
-    sparse: dict[int, tuple[str, torch.Tensor]] = {}
+    sparse: dict[int, tuple[str, torch.Tensor, str]] = {}  # (name, parameter, the module it was reached through)
     transposed: dict[int, bool] = {}  # a sparse expert stack's: stored [experts, in, out]
     frozen: dict[str, None] = {}  # parameter names in model order, each once
     adapter: dict[str, str] = {}  # parameter name -> the target name that reached it
+    unknown: dict[str, str] = {}  # an expert stack's name -> why its layout is not known
+    sizes = _model_sizes(model)
+    holders: set[int] = set()  # the modules a sparse weight was reached through (a PEFT layer's: and its base)
     for module_name, module in model.named_modules():
         target = module_name.rsplit(".", 1)[-1]
         weight = getattr(module, "weight", None)  # (a PEFT layer's is its base layer's)
-        found = [(target, weight, None)] if target in targets and isinstance(weight, nn.Parameter) else []
-        for leaf, stack, layout in found + _expert_stacks(module, targets):
+        found = [] if target not in targets or not isinstance(weight, nn.Parameter) else [
+            (target, weight, _stack_layout(module, "weight", weight, sizes) if weight.dim() == 3 else None)]
+        for leaf, stack, layout in found + _expert_stacks(module, targets, sizes):
             name = names[id(stack)]
             if name.startswith(adapters):
                 adapter[name] = leaf
             elif not stack.requires_grad:
                 frozen[name] = None
-            elif layout is None:
-                _check_linear(module, module_name)
-                sparse[id(stack)] = (name, stack)
+            elif isinstance(layout, str):
+                unknown[name] = layout
             else:
-                sparse[id(stack)] = (name, stack)
-                transposed[id(stack)] = layout
+                if layout is None:
+                    _check_linear(module, module_name)
+                else:
+                    transposed[id(stack)] = layout
+                sparse[id(stack)] = (name, stack, module_name)
+                holders.update((id(module), id(getattr(module, "base_layer", module))))  # (a PEFT layer's base)
     if adapter:
         raise ValueError(
             f"target_modules={config.target_modules} reaches PEFT adapter weights ({next(iter(adapter))}, "
@@ -82,53 +91,132 @@ def smet_param_groups(model: nn.Module, config: SMETConfig, weight_decay: float,
             "updates, without get_peft_model) or with LoRA (without --smet / install_smet), or unfreeze the "
             "weights SMET should train (requires_grad_(True))."
         )
-    uncut = _named_but_dense(model, targets, sparse, adapters)
+    uncut = _named_but_dense(model, targets, sparse, adapters, unknown)
     if not sparse:
-        examples = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                           if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)})
         raise ValueError(
-            f"No module of the model matches target_modules={config.target_modules}; linear modules here are named "
-            f"{examples[:12]}." + (f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into "
-                                   "blocks: not an nn.Linear weight, nor a stack of experts whose module says how it "
-                                   "is stored (transformers' `is_transposed`)." if uncut else "")
-        )
+            f"No module of the model matches target_modules={config.target_modules}; linear modules and expert "
+            f"stacks here are named {_target_examples(model, adapters)}." + (
+                f" It names {uncut[0][0]} ({len(uncut)} in all), which SMET cannot cut into blocks: {uncut[0][2]}."
+                if uncut else ""))
+    missing = _unmatched(model, config.target_modules)
+    if missing and config.target_modules != list(DEFAULT_TARGET_MODULES):  # (the defaults: what the model has)
+        raise ValueError(
+            f"target_modules names {missing}, which no module of the model has, so it would stay dense without a "
+            "word: a target names a module by its own name, the last part (q_proj, not self_attn.q_proj), or an "
+            "expert stack named so or ending so (up_proj: gate_up_proj). Linear modules and expert stacks here are "
+            f"named {_target_examples(model, adapters)}; correct or remove {missing} (--smet_target_modules).")
+    _check_not_shared(model, sparse, holders)
     # (a weight SMET cannot cut into blocks is refused here, at set-up, not at the first step)
     grids = [BlockGrid.of(param, config.density, config.block_size, name, transposed.get(id(param), False))
-             for name, param in sparse.values()]
+             for name, param, _ in sparse.values()]
     warn_if_rounded(config.density, config.block_size, tuple((g.global_rows, g.blocks_per_row) for g in grids))
     if uncut:
         _warn_dense(uncut, sum(p.numel() for p in model.parameters() if p.requires_grad), tuple(sorted(targets)))
     decayed = None if decay_names is None else set(decay_names(model))
     groups = {(smet, decay): [] for smet in (True, False) for decay in (True, False)}
     dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
-    for name, param in [*sparse.values(), *dense]:
+    for name, param in [*((n, p) for n, p, _ in sparse.values()), *dense]:
         decay = param.dim() >= 2 if decayed is None else name in decayed
         groups[id(param) in sparse, decay].append((name, param))
     return [_group(named, smet=smet, weight_decay=weight_decay if decay else 0.0, transposed=transposed)
             for (smet, decay), named in groups.items() if named]
 
 
-def _expert_stacks(module: nn.Module, targets: set[str]) -> list[tuple[str, nn.Parameter, bool]]:
-    """(name, parameter, transposed) of the 3-D parameters of `module` whose own name a target names (`gate_up_proj`,
-    `down_proj`: transformers 5's fused experts) when the module says how their matrices are stored: transformers'
-    experts carry `is_transposed` (False: [experts, out, in], Mixtral's, Qwen-MoE's; True: [experts, in, out],
-    GPT-OSS's). A stack without it (Llama 4's experts) stays dense, with a warning (`_named_but_dense`)."""
-    layout = getattr(module, "is_transposed", None)
-    if not isinstance(layout, bool):
-        return []
-    return [(leaf, param, layout) for leaf, param in module.named_parameters(recurse=False)
+def _target_examples(model: nn.Module, adapters: tuple[str, ...]) -> list[str]:
+    """Up to 12 names a target could give here: the model's nn.Linear modules' and its 3-D stacks' (a JetMoE
+    expert module's, for its `weight`)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and not f"{n}.".startswith(adapters)} |
+                  {n.removesuffix(".weight").rsplit(".", 1)[-1] for n, p in model.named_parameters()
+                   if p.dim() == 3})[:12]
+
+
+def _unmatched(model: nn.Module, targets: list[str]) -> list[str]:
+    """The targets that name no module (its own name) and no parameter (its name or a fused one ending in it)."""
+    modules = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    params = {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters()}
+    return [t for t in targets if t not in modules and not any(_names_a_target(leaf, {t}) for leaf in params)]
+
+
+def _expert_stacks(module: nn.Module, targets: set[str], sizes: _Sizes) -> list[tuple[str, nn.Parameter, Any]]:
+    """(name, parameter, layout) of the 3-D parameters of `module` whose own name a target names (`gate_up_proj`,
+    `down_proj`: transformers 5's fused experts); layout: True when stored [experts, in, out], False for [experts,
+    out, in], or why it is not known (`_stack_layout`)."""
+    return [(leaf, param, _stack_layout(module, leaf, param, sizes))
+            for leaf, param in module.named_parameters(recurse=False)
             if param.dim() == 3 and _names_a_target(leaf, targets)]
 
 
-def _named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int],
-                     adapters: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
-    """(name, size) of the trainable matrices that `target_modules` names but that stay dense (set-up warns,
-    `_warn_dense`): parameters of their own, not an nn.Linear module's weight, whose name is a target or ends in one,
-    and that are no expert stack SMET can cut (`_expert_stacks`): Llama 4's fused experts, [experts, in, out], whose
-    module does not say so, often most of the model."""
-    return tuple((name, param.numel()) for name, param in model.named_parameters()
+# A stack's own name -> whether its matrices read (True) or write (False) the hidden states (transformers' naming).
+_READS_HIDDEN = {"gate_up_proj": True, "up_proj": True, "gate_proj": True, "down_proj": False}
+
+
+def _stack_layout(module: nn.Module, leaf: str, stack: nn.Parameter, sizes: _Sizes) -> bool | str:
+    """Whether the expert matrices of `stack` (`module`'s parameter `leaf`, [experts, a, b]) are stored [in, out]
+    (True) or [out, in] (False), from what the module says: its `is_transposed` (transformers' experts), else its
+    `input_size` / `output_size` (JetMoE's parallel experts), else, for a stack named as transformers names an MLP's
+    projections, from its hidden and intermediate sizes (the module's, else the model's config's, `_sizes`): Llama 4's
+    `gate_up_proj` [experts, hidden, 2 x intermediate] reads the hidden states, its `down_proj` [experts,
+    intermediate, hidden] writes them. A shape that fits both layouts (a square matrix: hidden = 2 x intermediate for
+    a gate_up_proj) or neither leaves it unknown: then the reason, in words."""
+    said = getattr(module, "is_transposed", None)
+    if isinstance(said, bool):
+        return said
+    a, b = stack.shape[1:]
+    ins, outs = getattr(module, "input_size", None), getattr(module, "output_size", None)
+    if isinstance(ins, int) and isinstance(outs, int):
+        fits, source = {True: (a, b) == (ins, outs), False: (a, b) == (outs, ins)}, (
+            f"its module's input_size={ins} and output_size={outs}")
+    else:
+        hidden, inner = _sizes(module, *sizes)
+        reads = next((reads for suffix, reads in _READS_HIDDEN.items() if leaf.endswith(suffix)), None)
+        if reads is None or hidden is None or not inner:
+            return ("a stack of expert matrices whose module does not say how they are stored (transformers' "
+                    "`is_transposed`), nor its name and sizes which side is the hidden size")
+        # (an up/gate projection reads the hidden states into the intermediate size, or two of them, fused)
+        ins_fit = {hidden} if reads else set(inner)
+        outs_fit = {n * k for n in inner for k in (1, 2)} if reads else {hidden}
+        fits = {True: a in ins_fit and b in outs_fit, False: a in outs_fit and b in ins_fit}
+        source = (f"the hidden size {hidden} that it {'reads' if reads else 'writes'} and the intermediate size "
+                  f"{'/'.join(map(str, inner))}")
+    if fits[True] != fits[False]:
+        return fits[True]
+    return (f"a stack of expert matrices {tuple(stack.shape)} whose module does not say how they are stored "
+            f"(transformers' `is_transposed`), and {source} fit{' both' if fits[True] else ' neither'} "
+            "[experts, out, in] and [experts, in, out]")
+
+
+_Sizes = tuple[int | None, tuple[int, ...]]
+_HIDDEN = ("hidden_size", "hidden_dim")
+_INTERMEDIATE = ("intermediate_size", "expert_dim", "intermediate_dim", "moe_intermediate_size")
+
+
+def _sizes(holder: Any, hidden: int | None = None, inner: tuple[int, ...] = ()) -> _Sizes:
+    """The hidden size and the intermediate sizes `holder` (an experts module, a config) gives, where it gives
+    them, else `hidden` / `inner` (the model's)."""
+    own = [getattr(holder, n) for n in _HIDDEN if isinstance(getattr(holder, n, None), int)]
+    sizes = tuple(sorted({getattr(holder, n) for n in _INTERMEDIATE if isinstance(getattr(holder, n, None), int)}))
+    return (own[0] if own else hidden), (sizes or inner)
+
+
+def _model_sizes(model: nn.Module) -> _Sizes:
+    """The model's hidden and intermediate sizes, its text model's for a multimodal one (`_sizes`)."""
+    config = getattr(model, "config", None)
+    return _sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+
+_NOT_BLOCKS = "not an nn.Linear weight, nor a 3-D stack of expert matrices"
+
+
+def _named_but_dense(model: nn.Module, targets: set[str], sparse: Collection[int], adapters: tuple[str, ...],
+                     unknown: dict[str, str]) -> tuple[tuple[str, int, str], ...]:
+    """(name, size, why) of the trainable matrices that `target_modules` names but that stay dense (set-up warns,
+    `_warn_dense`): expert stacks whose layout is not known (`unknown`: name -> why) and other parameters of their
+    own, not an nn.Linear module's weight, whose name is a target or ends in one."""
+    return tuple((name, param.numel(), unknown.get(name, _NOT_BLOCKS)) for name, param in model.named_parameters()
                  if param.requires_grad and param.dim() >= 2 and id(param) not in sparse
-                 and not name.startswith(adapters) and _names_a_target(name.rsplit(".", 1)[-1], targets))
+                 and not name.startswith(adapters)
+                 and (name in unknown or _names_a_target(name.rsplit(".", 1)[-1], targets)))
 
 
 def _names_a_target(leaf: str, targets: set[str]) -> bool:
@@ -137,15 +225,36 @@ def _names_a_target(leaf: str, targets: set[str]) -> bool:
 
 
 @functools.cache  # (once per set-up: a Trainer builds the parameter groups twice)
-def _warn_dense(named: tuple[tuple[str, int], ...], trainable: int, targets: tuple[str, ...]) -> None:
-    kept = [t for t in targets if not any(_names_a_target(name.rsplit(".", 1)[-1], {t}) for name, _ in named)]
+def _warn_dense(named: tuple[tuple[str, int, str], ...], trainable: int, targets: tuple[str, ...]) -> None:
+    # (a target that reaches one of them by its own name or, for JetMoE's `weight`, its module's)
+    kept = [t for t in targets if not any(_names_a_target(part, {t}) for name, _, _ in named
+                                          for part in name.split(".")[-2:])]
     logger.warning(
         "SMET trains %d matrices that target_modules names dense, with AdamW's whole optimizer state (%s, ...: %.0f%% "
         "of the trainable parameters): SMET cuts into blocks of input columns nn.Linear weights and 3-D stacks of "
-        "expert matrices whose module says how they are stored (transformers' `is_transposed`: [experts, out, in] or "
-        "[experts, in, out]), which these are not; smet/density counts the sparse weights only. To train them dense "
-        "knowingly, leave their names out: --smet_target_modules %s.", len(named), named[0][0],
-        100 * sum(n for _, n in named) / trainable, ",".join(kept) or "NAMES")
+        "expert matrices whose layout, [experts, out, in] or [experts, in, out], it knows, and %s is %s; "
+        "smet/density counts the sparse weights only. To train them dense knowingly, leave their names out: "
+        "--smet_target_modules %s.", len(named), named[0][0], 100 * sum(n for _, n, _ in named) / trainable,
+        named[0][0], named[0][2], ",".join(kept) or "NAMES")
+
+
+def _check_not_shared(model: nn.Module, sparse: dict[int, tuple[str, torch.Tensor, str]], holders: set[int]) -> None:
+    """Refuse a sparse weight that a module `target_modules` does not reach holds too (tied word embeddings: a
+    targeted lm_head's weight is the input embedding): SMET would make it sparse there as well, silently, where the
+    documented pattern (blocks of an output's inputs) means something else. Weights shared by targeted modules (one
+    projection reused by several layers) are one sparse weight, as they are one parameter."""
+    for holder_name, holder in model.named_modules(remove_duplicate=False):
+        if id(holder) in holders:
+            continue
+        for leaf, param in holder.named_parameters(recurse=False):
+            if id(param) in sparse:
+                reached = sparse[id(param)][2]
+                target = reached.rsplit(".", 1)[-1]
+                raise ValueError(
+                    f"the weight of target module {reached} is also {holder_name}.{leaf} ({type(holder).__name__}), "
+                    "which target_modules does not name (tied weights: tie_word_embeddings ties lm_head to the input "
+                    f"embedding): SMET would make it sparse there as well. Leave {target} out of "
+                    f"target_modules (--smet_target_modules), or untie the weights (tie_word_embeddings=False).")
 
 
 def _check_linear(module: nn.Module, name: str) -> None:

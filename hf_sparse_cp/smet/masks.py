@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import MASK32 as _MASK32
 from .dtensor import local, row_offset
 from .rounding import kept_blocks
 
-_MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so a 32-bit value times one of them fits in int64 without overflow.
 _MIX1 = 0x7FEB352D
 _MIX2 = 0x2C1B3C6D
@@ -54,8 +54,8 @@ class BlockGrid:
         if param.dim() == 3 and transposed is None:
             raise ValueError(
                 f"{name} has shape {tuple(param.shape)}, a stack of matrices stored [out, in] or [in, out]: say which "
-                "in its parameter group's 'transposed' list (create_smet_optimizer reads it from the experts "
-                "module's `is_transposed`), or remove it from target_modules."
+                "in its parameter group's 'transposed' list (create_smet_optimizer reads it off the experts "
+                "module: `factory._stack_layout`), or remove it from target_modules."
             )
         if param.dim() == 2 and transposed:  # (its rows, which FSDP2 shards, would be its inputs)
             raise ValueError(f"{name}: a 2-D sparse weight must be laid out [out, in] as nn.Linear's is, not "

@@ -3,6 +3,7 @@ callback."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -15,6 +16,8 @@ from ..attention.tokens import PAD_SEGMENT
 from ..distributed.split.blocks import batch_meta
 from ..integration.stats import LOG_KEY, PEAK_MEMORY, TOKENS_PER_SECOND, layer_log_key, pop_kept_fractions
 from ..smet import unwrap_smet
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 
@@ -214,6 +217,13 @@ class SMETCallback(TrainerCallback):
                                "hf_sparse_cp.install_smet(trainer, config).")
         if smet.config.prune_decay_steps is None:
             smet.schedule_horizon = state.max_steps
+        if state.is_world_process_zero and 0 < state.max_steps < smet.config.update_interval:
+            # (a short run with the default interval of 100 kept its first blocks: static sparsity, unsaid)
+            logger.warning(
+                "SMET will not change which blocks are active in this run: max_steps=%d is below "
+                "--smet_update_interval %d (prune and regrow every update_interval optimizer steps), so the blocks "
+                "chosen at set-up train throughout. For dynamic sparse training pass a smaller --smet_update_interval "
+                "(e.g. %d).", state.max_steps, smet.config.update_interval, max(2, state.max_steps // 4))
         smet.attach()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):

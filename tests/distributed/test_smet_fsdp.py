@@ -39,7 +39,7 @@ SCENARIOS = {
     ),
 }
 # Three experts: uneven shards by whole experts (2/1), in both layouts ([experts, out, in]: Mixtral; [experts, in,
-# out]: GPT-OSS); intermediate size 48 (block size 8): experts of 12 or 6 blocks a row, every 2-D weight of 8.
+# out]: GPT-OSS, Llama 4); intermediate size 48 (block size 8): experts of 12 or 6 blocks a row, every 2-D weight of 8.
 EXPERT_SCENARIOS = {
     "mixtral-sparse_weights-gradient": (
         dataclasses.replace(SCENARIOS["sparse_weights-gradient"][0], block_size=8),
@@ -47,6 +47,16 @@ EXPERT_SCENARIOS = {
     ),
     "gpt_oss-sparse_update-random": (
         SCENARIOS["sparse_update-random"][0], dict(arch="gpt_oss", num_local_experts=3, intermediate_size=48),
+    ),
+    # Llama 4's ([experts, in, out], its layout read off its shapes) and JetMoE's parallel experts ([experts, out, in],
+    # modules of their own in the MLP and the attention: their layout read off their input_size / output_size)
+    "llama4_text-sparse_weights-gradient": (
+        dataclasses.replace(SCENARIOS["sparse_weights-gradient"][0], block_size=8),
+        dict(arch="llama4_text", num_local_experts=3, intermediate_size=48, intermediate_size_mlp=64, vocab_size=65),
+    ),
+    "jetmoe-sparse_update-random": (
+        dataclasses.replace(SCENARIOS["sparse_update-random"][0], target_modules=["input_linear", "output_linear"]),
+        dict(arch="jetmoe", num_local_experts=3, intermediate_size=48),
     ),
     # one expert: rank 1 holds none of it
     "mixtral-one-expert": (
@@ -234,7 +244,7 @@ def test_fsdp2_trains_fused_experts_sparse_as_one_process_does(tmp_path):
     """The experts' stacks (Shard(0): whole experts a rank) were trained dense; sparse, sharded training and its
     resumes equal one process as for linear weights."""
     results = run_gloo(_worker, WORLD, str(tmp_path), list(EXPERT_SCENARIOS), timeout_s=600)[0]
-    for name in EXPERT_SCENARIOS:
-        assert {n for n in results[name]["full_index"] if "experts" in n} == {
-            "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}, name
+    for name in EXPERT_SCENARIOS:  # (every stack of experts sparse: the MLP's two, and JetMoE's attention's two)
+        stacks = {n for n, value in results[name]["final"].items() if value.dim() == 3}
+        assert len(stacks) == (4 if name.startswith("jetmoe") else 2) and stacks <= set(results[name]["full_index"])
     _check(results, EXPERT_SCENARIOS)

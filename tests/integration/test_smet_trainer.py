@@ -57,6 +57,24 @@ def test_trainer_trains_with_smet_from_flags_and_logs_it(tmp_path):
             assert param.detach().view(param.shape[0], -1, 8)[inactive].abs().max() == 0
 
 
+def test_a_run_shorter_than_the_update_interval_is_said_to_keep_its_first_blocks(tmp_path, caplog):
+    """max_steps below update_interval (the default 100 in a short fine-tuning run) never moved the topology: the run
+    trained its set-up blocks throughout (static sparsity) without a word."""
+    import logging
+
+    for max_steps, said in ((3, True), (4, False)):  # (update interval 4)
+        trainer, _ = _trainer(tmp_path / str(max_steps), max_steps=max_steps, save_steps=max_steps)
+        with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.trainer"):
+            caplog.clear()
+            trainer.train()
+        notes = [r.getMessage() for r in caplog.records if "will not change which blocks" in r.getMessage()]
+        assert notes == ([
+            "SMET will not change which blocks are active in this run: max_steps=3 is below --smet_update_interval 4 "
+            "(prune and regrow every update_interval optimizer steps), so the blocks chosen at set-up train "
+            "throughout. For dynamic sparse training pass a smaller --smet_update_interval (e.g. 2)."] if said else [])
+        assert unwrap_smet(trainer.optimizer).topology_updates == (0 if said else 1)
+
+
 def test_uninstall_restores_the_trainer(tmp_path):
     trainer, _ = _trainer(tmp_path)
     assert trainer.optimizer_cls_and_kwargs is not None

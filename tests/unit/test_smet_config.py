@@ -23,6 +23,10 @@ from hf_sparse_cp.trainer.arguments import SparseCPArguments
         ({"regrowth": "magnitude"}, "use one of"),
         ({"regrow_warmup_steps": -1}, "0 turns it off"),
         ({"prune_decay_steps": 0}, "must be >= 1"),
+        # the random choices hash the seed's low 32 bits: seed -1 drew as 2**32 - 1, 2**32 as 0
+        ({"seed": -1}, "seed=-1 must be in [0, 4294967295]: the random choices hash 32 bits of it, so it would draw "
+                       "as seed=4294967295 does"),
+        ({"seed": 2**32}, "would draw as seed=0 does"),
         ({"target_modules": []}, "target_modules is empty"),
         ({"target_modules": [""]}, "target_modules is empty"),  # (it matched no module, refused at set-up only)
         # NaN or inf made the sparse weights' learning rate NaN or inf: every sparse weight NaN after one step

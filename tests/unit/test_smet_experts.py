@@ -12,14 +12,28 @@ from smet_common import assert_resumes_exactly, fit, markov_tokens, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# Where each expert's inputs run, read off transformers 5.24's eager experts: Mixtral and Qwen3-MoE apply
-# `F.linear(x, W[e])` ([experts, out, in]), GPT-OSS `x @ W[e]` ([experts, in, out]).
-INPUT_DIM = {"mixtral": 2, "qwen3_moe": 2, "gpt_oss": 1}
+# Where each expert's inputs run, read off transformers 5.24's eager experts: Mixtral, Qwen3-MoE and JetMoE's parallel
+# experts apply `F.linear(x, W[e])` ([experts, out, in]), GPT-OSS `x @ W[e]` and Llama 4 `torch.bmm(x, W)` ([experts,
+# in, out]). Mixtral's, Qwen's and GPT-OSS's experts say so (`is_transposed`); JetMoE's give their `input_size` and
+# `output_size`, Llama 4's neither: its layout is read off which side of a stack is the hidden size (64).
+INPUT_DIM = {"mixtral": 2, "qwen3_moe": 2, "gpt_oss": 1, "llama4_text": 1, "jetmoe": 2}
+# Model fields (every stack's inputs a whole number of 16-blocks, 2 or more, and no square expert matrix) and targets
+# (JetMoE's experts are modules of their own, `input_linear` / `output_linear`, in its MLP and its attention).
+SETUP = {"llama4_text": (dict(intermediate_size=96, intermediate_size_mlp=64), {}),
+         "jetmoe": (dict(intermediate_size=96), dict(target_modules=["input_linear", "output_linear", "kv_proj"]))}
 STACKS = ("gate_up_proj", "down_proj")
 
 
+def _moe(arch, seed=0, dtype=torch.float32):
+    return tiny_moe(arch, seed, dtype, **SETUP.get(arch, ({}, {}))[0])
+
+
+def _config(arch, **fields):
+    return SMETConfig(**fields, **SETUP.get(arch, ({}, {}))[1])
+
+
 def _experts(model):
-    return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in STACKS and p.dim() == 3}
+    return {n: p for n, p in model.named_parameters() if p.dim() == 3}
 
 
 def _per_expert_matrices(arch, stack):
@@ -33,11 +47,11 @@ def test_fused_experts_train_sparse_at_the_density_asked_in_every_expert_row(arc
     set-up; now every output row of every expert keeps density x blocks of consecutive inputs, the others stay zero
     through steps and topology updates, and the optimizer state holds the active weights only."""
     block, density = 16, 0.5
-    model = tiny_moe(arch)
-    opt = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(density=density, block_size=block,
-                                                                     update_interval=2), lr=1e-2)
+    model = _moe(arch)
+    opt = create_smet_optimizer(model, torch.optim.AdamW, _config(arch, density=density, block_size=block,
+                                                                  update_interval=2), lr=1e-2)
     stacks = _experts(model)
-    assert len(stacks) == 2
+    assert len(stacks) == (4 if arch == "jetmoe" else 2)
     sparse = {n for g in opt.param_groups if g["smet"] for n in g["param_names"]}
     assert set(stacks) <= sparse
     first = {n: opt.state[p]["block_index"].clone() for n, p in stacks.items()}
@@ -57,17 +71,20 @@ def test_fused_experts_train_sparse_at_the_density_asked_in_every_expert_row(arc
         moved += int((state["block_index"] != first[name]).sum())
     assert moved > 0  # (the topology moved in the experts too)
     assert opt.trained_density() == density
-    # smet/density counts the experts: here they are all the sparse weights (the MLP is the experts)
-    only = create_smet_optimizer(tiny_moe(arch), config=SMETConfig(density=0.25, block_size=16,
-                                                                   target_modules=["up_proj", "down_proj"]))
-    assert [n for g in only.param_groups if g["smet"] for n in g["param_names"]] == list(stacks)
+    # smet/density counts the experts: here they are all the sparse weights
+    # (stacks of 4 blocks a row: Llama 4's down_proj has 6; its shared expert's down_proj is an nn.Linear)
+    targets = {"jetmoe": ["input_linear"], "llama4_text": ["gate_up_proj"]}.get(arch, ["up_proj", "down_proj"])
+    only = create_smet_optimizer(_moe(arch), config=SMETConfig(density=0.25, block_size=16, target_modules=targets))
+    assert [n for g in only.param_groups if g["smet"] for n in g["param_names"]] == [
+        n for n in stacks if any(t in n for t in targets)]
     assert only.trained_density() == 0.25
 
 
 @pytest.mark.parametrize("arch, mode", [("mixtral", "sparse_weights"), ("qwen3_moe", "sparse_update"),
-                                        ("gpt_oss", "sparse_weights")])
+                                        ("gpt_oss", "sparse_weights"), ("llama4_text", "sparse_update"),
+                                        ("jetmoe", "sparse_weights")])
 def test_fused_experts_resume_bit_identically_from_a_state_dict_saved_by_expert(arch, mode):
-    config = SMETConfig(mode=mode, density=0.5, block_size=16, update_interval=3, regrowth="gradient",
+    config = _config(arch, mode=mode, density=0.5, block_size=16, update_interval=3, regrowth="gradient",
                         regrow_warmup_steps=4, prune_decay_steps=20)
     batches = [markov_tokens(4, 16, seed=s) for s in range(10)]
 
@@ -76,34 +93,55 @@ def test_fused_experts_resume_bit_identically_from_a_state_dict_saved_by_expert(
         positions = {n: i for g in opt1.state_dict()["param_groups"] for i, n in zip(g["params"], g["param_names"])}
         for name, stack in _experts(first).items():
             index = saved["optimizer"]["state"][positions[name]]["block_index"]
-            assert index.shape == (4, _per_expert_matrices(arch, stack).shape[1], 2), name
+            experts, rows, cols = _per_expert_matrices(arch, stack).shape
+            assert index.shape == (experts, rows, cols // 16 // 2), name
 
-    assert_resumes_exactly(lambda seed=0: tiny_moe(arch, seed=seed), config, batches, 5, saved_by_expert)
+    assert_resumes_exactly(lambda seed=0: _moe(arch, seed=seed), config, batches, 5, saved_by_expert)
 
 
-def test_expert_stacks_whose_layout_the_module_does_not_say_stay_dense_with_a_warning_naming_them(caplog):
-    """Llama 4's experts ([experts, in, out]) carry no `is_transposed`: SMET cannot tell their inputs from their
-    outputs, so they stay dense and set-up says so, naming them; Mixtral's and GPT-OSS's are sparse, nothing said."""
+def test_expert_stacks_whose_layout_their_shape_leaves_open_stay_dense_with_a_warning_saying_why(caplog):
+    """Llama 4's and JetMoE's experts do not say how they are stored: a stack whose shape fits both layouts (Llama 4's
+    gate_up_proj [experts, 64, 2 x 32] of hidden size 64; JetMoE's output_linear of input_size = output_size) stays
+    dense and set-up says so, naming it and why; the stacks of the same models that their shapes do tell are sparse.
+    Mixtral's and GPT-OSS's say their layout: nothing said."""
     from hf_sparse_cp.smet import factory
 
-    def warnings(model):
+    def warnings(model, **fields):
         factory._warn_dense.cache_clear()  # (said once per set-up: another test may have built this one)
         with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
             caplog.clear()
-            create_smet_optimizer(model, config=SMETConfig(block_size=16))
-        return [r.getMessage() for r in caplog.records if "dense" in r.getMessage()]
+            opt = create_smet_optimizer(model, config=SMETConfig(block_size=16, **fields))
+        return [r.getMessage() for r in caplog.records if "dense" in r.getMessage()], {
+            n for g in opt.param_groups if g["smet"] for n in g["param_names"] if n in _experts(model)}
 
-    said = warnings(tiny_moe("llama4_text", intermediate_size_mlp=64))
+    said, sparse = warnings(tiny_moe("llama4_text", intermediate_size=32, intermediate_size_mlp=64))
+    assert sparse == {"model.layers.0.feed_forward.experts.down_proj"}
     assert len(said) == 1 and said[0].startswith(
-        "SMET trains 2 matrices that target_modules names dense, with AdamW's whole optimizer state "
+        "SMET trains 1 matrices that target_modules names dense, with AdamW's whole optimizer state "
         "(model.layers.0.feed_forward.experts.gate_up_proj, ...: "), said
-    assert "which these are not" in said[0] and said[0].endswith("--smet_target_modules gate_proj,k_proj,o_proj,"
-                                                                "q_proj,v_proj.")
-    assert warnings(tiny_moe("mixtral")) == warnings(tiny_moe("gpt_oss")) == []
-    # targeting only such stacks: refused, naming them (not "no module matches" alone)
+    assert ("is a stack of expert matrices (4, 64, 64) whose module does not say how they are stored (transformers' "
+            "`is_transposed`), and the hidden size 64 that it reads and the intermediate size 32 fit both [experts, "
+            "out, in] and [experts, in, out]") in said[0]
+    assert said[0].endswith("--smet_target_modules down_proj,gate_proj,k_proj,o_proj,q_proj,v_proj."), said
+    # the hidden size on one side is not enough: the other must be the intermediate size (or, fused, two of them)
+    odd = _moe("llama4_text")
+    experts = odd.model.layers[0].feed_forward.experts
+    experts.intermediate_size = experts.expert_dim = 80
+    said, sparse = warnings(odd, density=0.5)
+    assert sparse == set() and "reads and the intermediate size 80 fit neither" in said[0], said
+    said, sparse = warnings(tiny_moe("jetmoe"), target_modules=["input_linear", "output_linear"])
+    assert sparse == {"model.layers.0.mlp.input_linear.weight", "model.layers.0.self_attention.experts.input_linear"
+                      ".weight", "model.layers.0.self_attention.experts.output_linear.weight"}
+    assert len(said) == 1 and "(model.layers.0.mlp.output_linear.weight, ...: " in said[0], said
+    assert "its module's input_size=64 and output_size=64 fit both [experts, out, in] and [experts, in, out]" in (
+        said[0])
+    assert warnings(tiny_moe("mixtral"))[0] == warnings(tiny_moe("gpt_oss"))[0] == []
+    # targeting only such stacks: refused, naming them and why (not "no module matches" alone)
     with pytest.raises(ValueError, match=r"It names model\.layers\.0\.feed_forward\.experts\.gate_up_proj \(1 in "
-                                         r"all\), which SMET cannot cut into blocks"):
-        create_smet_optimizer(tiny_moe("llama4_text", intermediate_size_mlp=64),
+                                         r"all\), which SMET cannot cut into blocks: a stack of expert matrices "
+                                         r"\(4, 64, 64\) .* the hidden size 64 that it reads and the intermediate "
+                                         r"size 32 fit both"):
+        create_smet_optimizer(tiny_moe("llama4_text", intermediate_size=32, intermediate_size_mlp=64),
                               config=SMETConfig(block_size=16, target_modules=["gate_up_proj"]))
 
 

@@ -336,6 +336,47 @@ def test_target_modules_whose_weight_is_not_laid_out_as_a_linear_s_are_refused()
     create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["lm_head"], block_size=16))
 
 
+@pytest.mark.parametrize("wrong", ["self_attn.o_proj", "o_prj"])
+def test_a_target_name_that_matches_nothing_next_to_ones_that_do_is_refused_naming_it(wrong):
+    """A typo or a dotted path in a target list whose other names matched left that projection dense without a
+    word; the default list names what the model has (GPT-OSS, Mixtral: no gate_proj module) and stays quiet."""
+    with pytest.raises(ValueError, match=rf"target_modules names \['{re.escape(wrong)}'\], which no module of the "
+                                         r"model has, .* the last part \(q_proj, not self_attn\.q_proj\).* named "
+                                         r"\['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', "
+                                         r"'up_proj', 'v_proj'\]; correct or remove"):
+        create_smet_optimizer(tiny_llama(), config=SMETConfig(block_size=16, target_modules=["q_proj", wrong]))
+    from smet_common import tiny_moe
+
+    create_smet_optimizer(tiny_moe("gpt_oss"), config=SMETConfig(block_size=16))
+    create_smet_optimizer(tiny_moe("gpt_oss"), config=SMETConfig(block_size=16, target_modules=["up_proj"]))
+
+
+def test_a_target_weight_a_module_not_targeted_shares_is_refused_and_one_targeted_modules_share_is_one_weight():
+    """With tied word embeddings a targeted lm_head's weight is the input embedding: it was made sparse (the embedding
+    lost blocks of every token's vector) without a word. Refused naming the fix; a projection shared by two layers
+    (both targeted) trains as one sparse weight, every row at the density asked, in both places."""
+    tied = tiny_llama(tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"the weight of target module lm_head is also model\.embed_tokens\.weight "
+                                         r"\(Embedding\), which target_modules does not name .* Leave lm_head out of "
+                                         r"target_modules \(--smet_target_modules\), or untie the weights"):
+        create_smet_optimizer(tied, config=SMETConfig(target_modules=["lm_head", "q_proj"], block_size=16))
+    create_smet_optimizer(tied, config=SMETConfig(block_size=16))  # (lm_head not targeted: nothing shared)
+    # (the same weight under a target and a module of another name: refused too)
+    model = tiny_llama()
+    model.model.layers[0].mlp.extra = nn.Linear(128, 64, bias=False)
+    model.model.layers[0].mlp.extra.weight = model.model.layers[0].mlp.down_proj.weight
+    with pytest.raises(ValueError, match=r"target module model\.layers\.0\.mlp\.down_proj is also "
+                                         r"model\.layers\.0\.mlp\.extra\.weight \(Linear\)"):
+        create_smet_optimizer(model, config=SMETConfig(block_size=16))
+    shared = tiny_llama()
+    shared.model.layers[1].mlp.up_proj.weight = weight = shared.model.layers[0].mlp.up_proj.weight
+    opt = create_smet_optimizer(shared, config=SMETConfig(density=0.5, block_size=16, update_interval=2), lr=1e-2)
+    assert sum(p is weight for g in opt.param_groups for p in g["params"]) == 1
+    fit(shared, opt, [markov_tokens(4, 16, seed=s) for s in range(7)])  # (3 topology updates)
+    assert shared.model.layers[1].mlp.up_proj.weight is weight
+    assert ((weight.detach().view(128, 4, 16).abs().sum(-1) != 0).sum(-1) == 2).all()
+
+
 def test_a_step_the_loss_scaler_skipped_leaves_no_masked_gradient_to_the_next_regrowth():
     """Before a gradient-regrowth update the hooks keep what they mask away. A step skipped by the loss scaler (fp16:
     an inf or NaN gradient) kept it for the next step, whose scores added it: the SMET callback forgets it at such a
