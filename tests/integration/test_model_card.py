@@ -491,8 +491,9 @@ def test_a_lora_card_with_evaluations_has_one_results_section_holding_every_metr
                                    save_strategy="no", use_cpu=True, sparse_block_size=32, sparse_min_seq_len=128,
                                    sparse_vertical_topk=8, sparse_slash_topk=16)
 
-    def accuracy(prediction):
-        return {"accuracy": float((prediction.predictions.argmax(-1)[:, :-1] == prediction.label_ids[:, 1:]).mean())}
+    def accuracy(prediction):  # and a count logged as a float, as TRL's num_tokens
+        hits = prediction.predictions.argmax(-1)[:, :-1] == prediction.label_ids[:, 1:]
+        return {"accuracy": float(hits.mean()), "targets": float(hits.size)}
 
     trainer = SparseTrainer(model=model, args=args, train_dataset=passkey_dataset(tok, 2, 256),
                             eval_dataset=passkey_dataset(tok, 2, 256), compute_metrics=accuracy,
@@ -506,7 +507,7 @@ def test_a_lora_card_with_evaluations_has_one_results_section_holding_every_metr
     assert card.count("Training results") == 1 and card.index(RESULTS_TITLE) > card.index(SECTION_TITLE)
     evals = [log for log in trainer.state.log_history if "eval_loss" in log]
     assert len(evals) == 2
-    assert "| step | eval loss | eval accuracy |" in card
+    assert "| step | eval loss | eval accuracy | eval targets |" in card
     for log in evals:
-        assert f"| {log['step']} | {log['eval_loss']:.4f} | {log['eval_accuracy']:.4f} |" in card
+        assert f"| {log['step']} | {log['eval_loss']:.4f} | {log['eval_accuracy']:.4f} | 510 |" in card
     assert "eval runtime" not in card and "Validation Loss" not in card
