@@ -13,8 +13,9 @@ the plugin gets a card that misstates two things and omits the rest:
 those lines, adds the plugin's tags to the YAML front matter and appends a "Sparse long-context training"
 section that states only what the run did: base model and data when known, sequence length, the sparse
 pattern, the distributed set-up (CPU/gloo or GPU/NCCL processes, FSDP), context parallelism and SMET when
-used, batch size, optimizer, throughput, the losses per logging step (and eval losses), the mean kept
-fraction per layer (with a plot saved beside the card), the versions of the packages that trained it, and
+used, batch size, optimizer, throughput, the losses per logging step (and every evaluation's metrics: the stock
+card's "Training results" gives way to it), the mean kept fraction per layer (with a plot saved beside the card),
+the versions of the packages that trained it, and
 how to load the model (a PEFT run saves only its adapter: the card then holds the pattern and loads the adapter
 onto its base model).
 """
@@ -83,6 +84,12 @@ _STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.c
 _TRL_NONE_LINK = "[None](https://huggingface.co/None)"
 _TRL_NONE_TITLE = re.compile(r"^# Model Card for None$", re.MULTILINE)
 _OWN_QUICK_START = re.compile(r"^## Quick start\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+# The stock card's results (its table of evaluations, empty without one), up to its next heading: the plugin's section
+# states them (the losses per step, every evaluation's metrics) under the one heading of this name.
+RESULTS_TITLE = "### Training results"
+_STOCK_RESULTS = re.compile(rf"^{re.escape(RESULTS_TITLE)}\n.*?(?=^#{{1,3}} |\Z)", re.MULTILINE | re.DOTALL)
+# Keys of an evaluation's log that are no metric of the model (the stock card leaves them out of its table too).
+_EVAL_TIMINGS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "total_flos")
 # TRL writes `licence: license` (a misspelt key holding a placeholder) into every card's metadata.
 _TRL_LICENCE = "licence"
 
@@ -267,8 +274,9 @@ def _versions(trainer: Trainer) -> dict[str, str]:
 
 
 def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
-    """The losses per logging step, the final loss and the eval losses, from the Trainer's log history. The Trainer's
-    final loss is the mean over the steps of its last `train()` call: after `first_step` where it resumed there."""
+    """The losses per logging step, the final loss and every evaluation's metrics, from the Trainer's log history. The
+    Trainer's final loss is the mean over the steps of its last `train()` call: after `first_step` where it resumed
+    there."""
     train = [log for log in log_history if "loss" in log]
     evals = [log for log in log_history if "eval_loss" in log]
     final = next((log for log in reversed(log_history) if "train_loss" in log), None)
@@ -283,9 +291,20 @@ def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
         lines += ["", f"Final training loss (mean over {over}): **{final['train_loss']:.4f}** after "
                   f"{final['step']} steps."]
     if evals:
-        lines += ["", "| step | eval loss |", "|---|---|",
-                  *(f"| {log['step']} | {log['eval_loss']:.4f} |" for log in evals)]
+        # every metric an evaluation logged (the stock card's table showed them: its section gives way to this one)
+        metrics = list(dict.fromkeys(key for log in evals for key in log
+                                     if key.startswith("eval_") and key not in _EVAL_TIMINGS))
+        lines += ["", f"| step | {' | '.join(key.replace('_', ' ') for key in metrics)} |",
+                  "|---|" + "---|" * len(metrics),
+                  *(f"| {log['step']} | {' | '.join(_metric(log.get(key)) for key in metrics)} |" for log in evals)]
     return lines
+
+
+def _metric(value: Any) -> str:
+    """A logged metric for a table: 4 decimals, a count (a float holding an integer, as TRL's num_tokens) without."""
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.4f}"
+    return "" if value is None else f"{int(value):,}" if isinstance(value, float) else str(value)
 
 
 def _model_name(trainer: Trainer) -> str:
@@ -450,7 +469,7 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     lines = [SECTION_TITLE, "",
              f"Trained with `hf-sparse-cp` ({', '.join(used) or 'no plugin feature on'}) under the `{trainer_name}`.",
              "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows if value is not None), "",
-             "### Training results", "", *_results(trainer.state.log_history, first_step), ""]
+             RESULTS_TITLE, "", *_results(trainer.state.log_history, first_step), ""]
 
     means = mean_kept_fraction_per_layer(trainer.state.log_history)
     lines += ["### Kept fraction of attention blocks", ""]
@@ -631,6 +650,7 @@ def write_sparse_model_card(
             f" ({backend})" if backend else ""), card)
     for wrong, right in _STOCK_FIXES:
         card = card.replace(wrong, right)
+    card = _STOCK_RESULTS.sub("", card)  # (stated in the plugin's section, with the losses per step)
     card = _hub_metadata(card, trainer, create_model_card_kwargs)
     license_ = _split_front_matter(card)[0].get("license")
     card = _merge_versions(card, _versions(trainer))

@@ -140,6 +140,7 @@ def read_config(path: str):
     from transformers import AutoConfig
 
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    _refuse_adapter(path, file)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file (give a model's config.json, or the folder holding it).")
     try:
@@ -163,6 +164,24 @@ def read_config(path: str):
                          "preset (--model).") from None
     _check_attention_only(path, config)
     return config
+
+
+def _refuse_adapter(path: str, file: Path) -> None:
+    """Refuse a PEFT adapter's folder or adapter_config.json (what a LoRA run saves) as no model config, naming its base
+    model's config.json (which predicts full fine-tuning, not the adapter's training)."""
+    if file.is_file() and file.name != "adapter_config.json":
+        return  # a model's config (a merged adapter's too)
+    adapter = file if file.name == "adapter_config.json" else file.parent / "adapter_config.json"
+    if not adapter.is_file():
+        return
+    try:
+        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (json.JSONDecodeError, AttributeError):
+        base = None
+    named = f" (`{base}/config.json`)" if base else ""
+    raise ValueError(f"--config {path}: a PEFT adapter (adapter_config.json), not a model: give its base model's "
+                     f"config.json{named}; the prediction is then full fine-tuning's, which overstates the adapter's "
+                     "training (its frozen weights need no gradients or optimizer state).")
 
 
 def _special_floats(value: Any) -> Any:

@@ -25,7 +25,13 @@ from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.reporting.kept_fraction_figure import mean_kept_fraction_per_layer
-from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, SECTION_TITLE, TAGS, write_sparse_model_card
+from hf_sparse_cp.reporting.model_card import (
+    KEPT_FRACTION_PLOT,
+    RESULTS_TITLE,
+    SECTION_TITLE,
+    TAGS,
+    write_sparse_model_card,
+)
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
@@ -251,7 +257,7 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
 def _rows(card: str) -> dict[str, str]:
     """The plugin section's table: row name -> value."""
     section = card[card.index(SECTION_TITLE):]
-    table = section[:section.index("### Training results")]
+    table = section[:section.index(RESULTS_TITLE)]
     return {m[1]: m[2] for m in re.finditer(r"^\| ([a-z][^|]*?) \| (.*) \|$", table, re.MULTILINE)}
 
 
@@ -294,6 +300,7 @@ def _check_statements(card: str, trainer_args: dict, log_history: list[dict], *,
     final = log_history[-1]
     assert f"Final training loss (mean over the run): **{final['train_loss']:.4f}** after {final['step']} steps" in card
     assert "eval loss" not in card  # no evaluation ran
+    assert card.count(RESULTS_TITLE) == 1  # the plugin's, the stock card's (empty) given way to it
     # the versions that trained it (no TRL, no PEFT in these runs), in the stock card's one section, and how to
     # load it; metadata a Hub page accepts: no base model (trained from a config), no dataset (in memory)
     assert card.count("### Framework versions") == 1
@@ -465,3 +472,42 @@ def test_the_final_loss_line_names_the_steps_the_trainer_averaged(first_step, wa
     logs = [{"loss": 2.0 - step / 10, "step": step, "epoch": step / 5} for step in range(1, 6)]
     (line,) = [line for line in _results([*logs, {"train_loss": 1.6, "step": 5}], first_step) if "Final" in line]
     assert f"Final training loss ({wanted}): **1.6000** after 5 steps." == line
+
+
+def test_a_lora_card_with_evaluations_has_one_results_section_holding_every_metric(tmp_path):
+    """The stock card's "Training results" (its table of evaluations, empty without one) came beside the plugin's
+    section's own: two headings of that name in every card (a LoRA run's, with an evaluation, included). The card
+    has one, the plugin's, whose evaluation table holds every metric the stock one showed."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))),
+                           LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    args = SparseTrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
+                                   logging_steps=1, eval_strategy="steps", eval_steps=1, report_to="none",
+                                   save_strategy="no", use_cpu=True, sparse_block_size=32, sparse_min_seq_len=128,
+                                   sparse_vertical_topk=8, sparse_slash_topk=16)
+
+    def accuracy(prediction):  # and a count logged as a float, as TRL's num_tokens
+        hits = prediction.predictions.argmax(-1)[:, :-1] == prediction.label_ids[:, 1:]
+        return {"accuracy": float(hits.mean()), "targets": float(hits.size)}
+
+    trainer = SparseTrainer(model=model, args=args, train_dataset=passkey_dataset(tok, 2, 256),
+                            eval_dataset=passkey_dataset(tok, 2, 256), compute_metrics=accuracy,
+                            data_collator=default_data_collator, processing_class=tok)
+    try:
+        trainer.train()
+        trainer.save_model()  # writes the card
+    finally:
+        disable_sparse_attention(trainer.model)
+    card = (tmp_path / "README.md").read_text()
+    assert card.count("Training results") == 1 and card.index(RESULTS_TITLE) > card.index(SECTION_TITLE)
+    evals = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert len(evals) == 2
+    assert "| step | eval loss | eval accuracy | eval targets |" in card
+    for log in evals:
+        assert f"| {log['step']} | {log['eval_loss']:.4f} | {log['eval_accuracy']:.4f} | 510 |" in card
+    assert "eval runtime" not in card and "Validation Loss" not in card

@@ -283,6 +283,29 @@ def test_the_memory_command_refuses_a_config_that_is_no_causal_lm_or_no_consiste
     assert message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+def test_a_peft_adapters_folder_is_refused_naming_its_base_models_config(command, tmp_path, capsys):
+    """The output folder of a LoRA run (adapter_config.json, no config.json) was refused as "no such file" and its
+    adapter_config.json as having "no model_type": both are named as a PEFT adapter, with its base model's config.json
+    to give; a merged model's folder (config.json beside adapter files) is read as the model it is."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "base"}))
+    rest = ["--quiet"] if command == "memory" else ["--seq", "8192", "--cp", "2"]
+    for given in (adapter, adapter / "adapter_config.json"):
+        with pytest.raises(SystemExit) as refused:
+            cli_main([command, "--config", str(given), *rest])
+        out, err = capsys.readouterr()
+        assert refused.value.code == 2 and out == "" and "Traceback" not in err, err
+        assert (f"--config {given}: a PEFT adapter (adapter_config.json), not a model: give its base model's "
+                "config.json (`base/config.json`)") in err, err
+    (adapter / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                     "num_attention_heads": 4, "num_hidden_layers": 2,
+                                                     "vocab_size": 256}))
+    cli_main(["memory", "--config", str(adapter), "--quiet"])
+    assert capsys.readouterr().out.strip().isdigit()
+
+
 def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
     """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49), resolved by the mode objects: the answer names
     the mode; the step holds a ring's buffers only where a ring runs (the ring, hybrid's across its head groups; not
