@@ -72,6 +72,14 @@ def device_memory() -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
+def _parameters(n: float) -> str:
+    """A parameter count in its unit: 7.62B, 494.0M, 41.2K (a tiny model read 0.00B in billions)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}B" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return f"{n:,.0f}"
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
                  f"{args.dtype})" if args.master_weights else f"all {args.dtype} (a model loaded in {args.dtype})")
-    print(f"{report['model']} ({arch.params / 1e9:.2f}B parameters), {precision}, {args.optimizer}, {where}, one GPU "
+    print(f"{report['model']} ({_parameters(arch.params)} parameters), {precision}, {args.optimizer}, {where}, one GPU "
           f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
           "measurements.")
     low, high = MEASURED_BAND

@@ -4,6 +4,7 @@ moves with length, CP, FSDP and the savers; the "how long fits" answer and the c
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -433,3 +434,17 @@ def test_a_config_is_checked_for_sizes_of_0_once(tmp_path, monkeypatch):
     assert len(calls) == 1
     with pytest.raises(ValueError, match="num_hidden_layers=0 in the config"):
         ModelShape.from_config(LlamaConfig(num_hidden_layers=0))
+
+
+def test_the_parameter_count_is_printed_in_its_unit(tmp_path, capsys):
+    """A tiny model's count printed as '0.00B parameters'; counts print in billions, millions or thousands."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000)
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    cli_main(["memory", "--config", str(tmp_path / "config.json")])
+    said = capsys.readouterr().out.splitlines()[0]
+    assert re.search(r"\(\d+\.\dM parameters\)", said), said
+    cli_main(["memory", "--model", "qwen2.5-7b"])
+    assert re.search(r"\(7\.\d\dB parameters\)", capsys.readouterr().out.splitlines()[0])
