@@ -1025,7 +1025,7 @@ def test_a_file_python_cannot_run_is_refused_before_the_processes_start(started,
         with pytest.raises(SystemExit) as refused:
             cli.main([command, "--nproc", "2", script, "--output_dir", "out"])
         err = capsys.readouterr().err
-        assert refused.value.code == 2 and not started and f"hf-sparse-cp launch: error: {message}" in err, err
+        assert refused.value.code == 2 and not started and f"hf-sparse-cp {command}: error: {message}" in err, err
     (tmp_path / "train.py").write_text("import sys\n")
     with zipfile.ZipFile(tmp_path / "app.zip", "w") as archive:
         archive.writestr("__main__.py", "import sys\n")
