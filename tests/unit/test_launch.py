@@ -135,6 +135,11 @@ def test_the_command_splits_at_the_script_path():
         ["--smet_target_modules", "q", "k"], "train.py", False, [])
     assert split_command(["--cp_size", "2", "-m"]) == (["--cp_size", "2"], None, True, [])
     assert split_command(["--nproc", "2", "train.py"], ("--nproc",)) == (["--nproc", "2"], "train.py", False, [])
+    # a help flag takes no value (the path after it was taken as its value: `hf-sparse-cp train --nproc 2 --help
+    # run_clm.py` printed the long-context example's help, not the launcher's)
+    for help_flag in ("-h", "--help"):
+        assert split_command(["--nproc", "2", help_flag, "run_clm.py", "--x"], ("--nproc",)) == (
+            ["--nproc", "2", help_flag], "run_clm.py", False, ["--x"])
     assert plugin_flags_in(["--cp-size=2", "--no_sparse_fused_loss", "--lr", "--cp_sizes", "x"]) == [
         "--cp-size", "--no_sparse_fused_loss"]
 
