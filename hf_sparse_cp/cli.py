@@ -111,10 +111,10 @@ def _run_here(run_args: list[str]) -> None:
     main(run_args)
 
 
-def _launch(argv: list[str]) -> int:
+def _launch(argv: list[str], command: str = "launch") -> int:
     """`hf-sparse-cp launch`: a stock script with the plugin (`hf_sparse_cp.run`). The launcher's options come before
     the script path, so that a script's own `--config_file` stays the script's; the script is checked before any
-    process starts."""
+    process starts. Its refusals name `hf-sparse-cp COMMAND`, the command typed (`train` given a script runs this)."""
     from hf_sparse_cp.launch.processes import (
         LAUNCHER_OPTIONS,
         OPTIONS_HELP,
@@ -127,18 +127,19 @@ def _launch(argv: list[str]) -> int:
         refuse_unrunnable_config,
     )
 
-    parser = launcher_options("hf-sparse-cp launch", LAUNCH_USAGE)
+    prog = f"hf-sparse-cp {command}"
+    usage = LAUNCH_USAGE.replace("hf-sparse-cp launch", prog, 1)
+    parser = launcher_options(prog, usage)
     leading = leading_options(argv)
     given, _ = parse_launcher_options(parser, leading)  # (a bad process count, named before the slow imports)
     from hf_sparse_cp.launch.command import check_command, launched_cp_flags, split_command
 
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
-    check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=LAUNCH_USAGE, prog="hf-sparse-cp launch",
-                  args=args)
+    check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=usage, prog=prog, args=args)
     options, plugin_flags = parse_launcher_options(parser, flags[len(leading):], given)
     run_args = [*plugin_flags, *(["-m"] if is_module else []), *([target] if target else []), *args]
     if {"-h", "--help"} & set(plugin_flags):  # once, here, not once per launched process
-        print(f"usage: {LAUNCH_USAGE}\n\n{OPTIONS_HELP} The plugin's flags:\n")
+        print(f"usage: {usage}\n\n{OPTIONS_HELP} The plugin's flags:\n")
         _run_here(run_args)
         return 0
     processes = launched_processes(options)
@@ -156,7 +157,7 @@ def _launch(argv: list[str]) -> int:
         from hf_sparse_cp.launch.command import parse_plugin_flags
         from hf_sparse_cp.launch.known_scripts import module_found, script_refusal
 
-        plugin = parse_plugin_flags(plugin_flags, prog="hf-sparse-cp launch", usage=LAUNCH_USAGE)
+        plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
         cp_flags = launched_cp_flags(plugin, args)
         if cp_flags is not None:
             refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
@@ -185,7 +186,7 @@ def _train(argv: list[str]) -> int:
     _, target, is_module, _ = split_command(argv, LAUNCHER_OPTIONS)
     if is_module or (target or "").endswith(".py") or (target is not None and os.path.isfile(target)
                                                         and not target.endswith(RECIPE_SUFFIXES)):
-        return _launch(argv)
+        return _launch(argv, "train")
     if target is not None and not target.endswith(RECIPE_SUFFIXES):
         sys.stderr.write(f"usage: {TRAIN_USAGE}\nhf-sparse-cp train: error: no such script: {target!r} "
                          f"({os.path.abspath(target)} is not a file). `hf-sparse-cp train` runs the long-context "

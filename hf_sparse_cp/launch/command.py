@@ -29,6 +29,8 @@ class _SplitParser(HfArgumentParser):
 
     def __init__(self, options: Sequence[str] = ()) -> None:
         super().__init__(PluginArguments, add_help=False)
+        # (a help flag takes no value: the path after it is the script, whose run prints the help)
+        self.add_argument("-h", "--help", action="store_true")
         for option in options:  # (options of one value each, e.g. the launcher's --nproc)
             self.add_argument(option)
 

@@ -464,10 +464,13 @@ def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys,
 
 def test_train_given_a_script_runs_it_as_launch_does(capsys, tmp_path):
     """Issue #50: `hf-sparse-cp train run_clm.py ...` ended in the example's 'unrecognized arguments: run_clm.py'; a
-    `.py` path (or -m module) is the script `launch` runs (here a missing one, refused as `launch` refuses it)."""
+    `.py` path (or -m module) is the script `launch` runs (here a missing one, refused as `launch` refuses it). Its
+    refusals name the command typed, with the script form of its usage (they said `hf-sparse-cp launch: error:`)."""
+    usage = "usage: hf-sparse-cp train [--nproc N | --config_file ACCELERATE_CONFIG] [PLUGIN FLAGS] (script.py | -m "
     for argv in (["--nproc", "2", str(tmp_path / "run_clm.py"), "--cp_size", "2"], ["--sparse_block_size", "32", "-m"]):
         err = _train_command_error(capsys, argv)
-        assert "hf-sparse-cp launch: error: " in err and "unrecognized arguments" not in err, err
+        assert "hf-sparse-cp train: error: " in err and "unrecognized arguments" not in err, err
+        assert err.startswith(usage) and "hf-sparse-cp launch" not in err, err
     assert f"can't open file {str(tmp_path / 'run_clm.py')!r}: no such file" in _train_command_error(
         capsys, [str(tmp_path / "run_clm.py")])
 

@@ -135,6 +135,11 @@ def test_the_command_splits_at_the_script_path():
         ["--smet_target_modules", "q", "k"], "train.py", False, [])
     assert split_command(["--cp_size", "2", "-m"]) == (["--cp_size", "2"], None, True, [])
     assert split_command(["--nproc", "2", "train.py"], ("--nproc",)) == (["--nproc", "2"], "train.py", False, [])
+    # a help flag takes no value (the path after it was taken as its value: `hf-sparse-cp train --nproc 2 --help
+    # run_clm.py` printed the long-context example's help, not the launcher's)
+    for help_flag in ("-h", "--help"):
+        assert split_command(["--nproc", "2", help_flag, "run_clm.py", "--x"], ("--nproc",)) == (
+            ["--nproc", "2", help_flag], "run_clm.py", False, ["--x"])
     assert plugin_flags_in(["--cp-size=2", "--no_sparse_fused_loss", "--lr", "--cp_sizes", "x"]) == [
         "--cp-size", "--no_sparse_fused_loss"]
 
@@ -1025,7 +1030,7 @@ def test_a_file_python_cannot_run_is_refused_before_the_processes_start(started,
         with pytest.raises(SystemExit) as refused:
             cli.main([command, "--nproc", "2", script, "--output_dir", "out"])
         err = capsys.readouterr().err
-        assert refused.value.code == 2 and not started and f"hf-sparse-cp launch: error: {message}" in err, err
+        assert refused.value.code == 2 and not started and f"hf-sparse-cp {command}: error: {message}" in err, err
     (tmp_path / "train.py").write_text("import sys\n")
     with zipfile.ZipFile(tmp_path / "app.zip", "w") as archive:
         archive.writestr("__main__.py", "import sys\n")
