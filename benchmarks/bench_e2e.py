@@ -23,7 +23,8 @@ its default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA whe
 baseline's fused kernels outside attention and ours for attention), `sparse_cp+compile` the MLPs and RMSNorms
 through torch.compile, `sparse_cp+unfused` stock PyTorch around attention; each row records what ran
 (`fused_ops`). `--torch_compile` compiles the whole model of every run as a stock script's --torch_compile does
-(the sparse attention calls stay outside its graphs); the warm-up steps' times (`warmup_times_s`) then include the
+(the sparse attention calls inside its graphs as the plugin's custom ops, or outside them with `--traced_attention
+outside`: one graph break per layer, as before the ops); the warm-up steps' times (`warmup_times_s`) then include the
 compilation. The lean loss takes liger-kernel's fused linear cross-entropy when it is installed. MLPs and
 RMSNorms run in token tiles from `--token_tiling_min_length` (32K; the plugin's
 `--sparse_token_tiling_min_length`) on, saved layer inputs in host memory with `--offload_layer_inputs`. Each
@@ -150,6 +151,12 @@ class BenchArguments:
                   "script's --torch_compile has the Trainer do; the warm-up steps include the compilation "
                   "(`warmup_times_s`)."},
     )
+    traced_attention: str = field(
+        default="auto",
+        metadata={"help": "With --torch_compile, how the sparse attention calls are traced "
+                  "($HF_SPARSE_CP_TRACED_ATTENTION of each run): 'auto' as the plugin's custom ops inside the graphs, "
+                  "'outside' outside them (a graph break per call)."},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the random init and the random tokens."})
     output: str | None = field(
         default=None, metadata={"help": "JSON path; default benchmarks/results/e2e_<device>_<date>.json."}
@@ -170,6 +177,8 @@ class BenchArguments:
         unknown = set(self.models) - set(MODEL_SHAPES)
         if unknown:
             raise ValueError(f"Unknown models {sorted(unknown)}; use {sorted(MODEL_SHAPES)}.")
+        if self.traced_attention not in ("auto", "outside"):
+            raise ValueError(f"traced_attention={self.traced_attention!r}: use 'auto' or 'outside'.")
         unknown = set(self.variants) - set(VARIANTS)
         if unknown:
             raise ValueError(f"Unknown variants {sorted(unknown)}; use {VARIANTS}.")
@@ -356,6 +365,10 @@ def run_one(spec: dict) -> dict:
         # accelerate's prepare does this for a Trainer with --torch_compile (its TorchDynamoPlugin: inductor, no mode)
         step_model = torch.compile(model, backend="inductor") if spec["torch_compile"] else model
         result["torch_compile"] = spec["torch_compile"]
+        if spec["torch_compile"]:
+            from hf_sparse_cp.integration.compiled import TRACED_ENV
+
+            os.environ[TRACED_ENV] = result["traced_attention"] = spec["traced_attention"]  # (this run's process)
 
         def train_step() -> float:
             loss = step_model(input_ids=input_ids, labels=input_ids).loss
@@ -629,7 +642,8 @@ def main(argv: list[str]) -> dict:
                 "warmup_steps": warmup_steps, "timed_steps": timed_steps, "seed": args.seed,
                 "sparse": settings, "profile_seq_lens": args.profile_seq_lens,
                 "token_tiling_min_length": args.token_tiling_min_length,
-                "offload_layer_inputs": args.offload_layer_inputs, "torch_compile": args.torch_compile}
+                "offload_layer_inputs": args.offload_layer_inputs, "torch_compile": args.torch_compile,
+                "traced_attention": args.traced_attention}
         reason = skip_reason(variant, device)
         if reason is not None:  # known without starting a process
             r = {"model": model, "variant": variant, "seq_len": seq_len, "status": "skipped", "reason": reason}

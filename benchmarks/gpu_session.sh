@@ -29,6 +29,11 @@
 #   bash benchmarks/gpu_session.sh attention --seq_lens 65536 262144   # call, the other lengths
 #   bash benchmarks/gpu_session.sh e2e --variants sdpa+liger --max_seq 262144   # bench_e2e, Qwen2.5-0.5B,
 #   bash benchmarks/gpu_session.sh e2e --variants sparse_cp                     #   S from 128K
+#   bash benchmarks/gpu_session.sh compile               # the 0.5B sparse_cp step at 64K compiled whole (a stock
+#                                                        #   script's --torch_compile), attention as the custom ops
+#                                                        #   in the graph, against the eager step and the calls
+#                                                        #   outside the graph (--traced_attention outside); also
+#                                                        #   --dry-run (tiny, CPU); more: --min_seq/--max_seq
 #   bash benchmarks/gpu_session.sh finetune              # finetune_quality: SmolLM2-135M's context extended to
 #                                                        #   16K, dense / default / aggressive / SMET arms
 #   bash benchmarks/gpu_session.sh finetune --dry-run    # the same script on the CPU, tiny random-init model
@@ -54,13 +59,14 @@ GPU_WHEELS=(liger-kernel==0.8.5)
 export QUICK_START="${QUICK_START:-$(date +%s)}"  # quick's (quick2's) deadline counts from here
 stage="${1:-}"
 case "$stage" in
-    quick|quick2|tests|tune|attention|e2e|finetune) shift ;;
+    quick|quick2|tests|tune|attention|e2e|compile|finetune) shift ;;
     wheels)  # on this machine, with a package registry: what the device image lacks, for its python 3.12
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             -d .whl "${GPU_WHEELS[@]}"
         ls -l .whl; exit 0 ;;
-    *) echo "usage: gpu_session.sh wheels|quick|quick2|tests|tune|attention|e2e|finetune [arguments for that stage]" >&2
+    *) echo "usage: gpu_session.sh wheels|quick|quick2|tests|tune|attention|e2e|compile|finetune [arguments for that" \
+            "stage]" >&2
        exit 2 ;;
 esac
 out="${OUT:-benchmarks/results}"
@@ -95,6 +101,19 @@ case "$stage" in
     e2e)
         "$py" benchmarks/bench_e2e.py --models 0.5b --min_seq 131072 --timeout_s 300 --output "$out/e2e.json" "$@" 2>&1 \
             | tee "$out/e2e.log" ;;
+    compile)  # three runs, one JSON each: eager, compiled with the custom ops, compiled with the calls outside
+        sizes=(--models 0.5b --min_seq 65536 --max_seq 65536 --timeout_s 180)
+        if [[ "$dry_run" == true ]]; then sizes=(--tiny --device cpu --min_seq 256 --max_seq 256 --timeout_s 240); fi
+        given=()
+        for arg in "$@"; do [[ "$arg" == --dry-run || "$arg" == --dry_run ]] || given+=("$arg"); done
+        for run in "eager --torch_compile false" "ops --torch_compile true" \
+                   "outside --torch_compile true --traced_attention outside"; do
+            read -r name flags <<<"$run"
+            # shellcheck disable=SC2086  # (the flags split into words)
+            "$py" benchmarks/bench_e2e.py "${sizes[@]}" --variants sparse_cp --warmup_steps 1 --timed_steps 2 \
+                --profile_seq_lens 0 $flags --output "$out/e2e-compile-$name.json" "${given[@]}" 2>&1 \
+                | tee "$out/e2e-compile-$name.log"
+        done ;;
     finetune)  # a dry run takes the script's own tiny sizes
         sizes=(--device cuda --seq_len 16384 --steps 40 --rope_theta 200000 --eval_lengths 4096 8192 16384
                --prompts_per_cell 20 --arms dense default aggressive smet)

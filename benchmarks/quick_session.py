@@ -293,6 +293,9 @@ def compiled_step(e2e: dict, compiled: dict) -> list[dict]:
                     "loss_rel_diff": max((abs(a - b) / abs(b) for a, b in losses), default=None),
                     "unique_graphs": dynamo.get("stats", {}).get("unique_graphs"),
                     "graph_breaks": sum(dynamo.get("graph_breaks", {}).values()) if dynamo else None,
+                    # (at a call run outside the graph: the sparse attention's before its custom ops)
+                    "attention_breaks": sum(n for reason, n in dynamo.get("graph_breaks", {}).items()
+                                            if "torch.compiler.disable" in reason) if dynamo else None,
                     "reason": r.get("reason")})
     return out
 
@@ -430,7 +433,8 @@ def format_summary(report: dict) -> str:
         lines.append(f"  compiled step {c['seq_len'] // 1024}K: {c['compiled_step_s']:.2f} s (first step "
                      f"{c['first_step_s']:.0f} s), {ratio(c['speedup'])} over uncompiled, "
                      f"{ratio(c['compiled_over_liger'])} over sdpa + liger, {c['peak_gib']:.1f} GiB, losses "
-                     f"{same} from uncompiled; {c['unique_graphs']} graphs, {c['graph_breaks']} graph breaks")
+                     f"{same} from uncompiled; {c['unique_graphs']} graphs, {c['graph_breaks']} graph breaks "
+                     f"({c['attention_breaks']} at attention)")
     for f in h["fit"]:
         # A step that did not finish has no time: its memory prediction row (no reason) shows the peak it reached,
         # its result row the reason.

@@ -11,6 +11,7 @@ from ..config import SparseAttentionConfig
 from .build import dense_layout
 from .dense import dense_backend, flash_dense_attention, sdpa_dense_attention
 from .estimate import estimate_layout, pattern_documents
+from .layout import SparseLayout
 from .ops import block_sparse_attention
 from .sinks import with_sinks
 from .tokens import TokenMeta
@@ -52,12 +53,19 @@ def sequence_attention(
             out = flash_dense_attention(query, key, value, meta, scale=scale, sliding_window=sliding_window)
         # (dense: every block a dense run of the batch computes)
         return out.transpose(1, 2), torch.ones((), dtype=torch.float64, device=query.device)
-    if any(docs):
-        with torch.no_grad():
-            layout = estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
-    else:
-        layout = dense_layout(meta, cfg.block_size, sliding_window)
+    layout = sequence_layout(query, key, meta, cfg, docs, scale=scale, sliding_window=sliding_window)
     out, lse = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=meta, k_meta=meta,
                                       sliding_window=sliding_window, check_layout=False,
                                       implementation=cfg.attention_engine)
     return with_sinks(out, lse, sinks), layout.kept_fraction(meta, sliding_window)
+
+
+def sequence_layout(query: torch.Tensor, key: torch.Tensor, meta: TokenMeta, cfg: SparseAttentionConfig,
+                    docs: list[list[tuple[int, int]]], *, scale: float, sliding_window: int | None = None
+                    ) -> SparseLayout:
+    """The layout of a call whose documents with a sparse pattern are `docs` (`estimate.pattern_documents`):
+    estimated (without autograd) where there are any, else the batch's dense layout."""
+    if any(docs):
+        with torch.no_grad():
+            return estimate_layout(query, key, cfg, meta, scale=scale, sliding_window=sliding_window, docs=docs)
+    return dense_layout(meta, cfg.block_size, sliding_window)

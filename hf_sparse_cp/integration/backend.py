@@ -27,17 +27,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.layout import SparseLayout, check_dims
+from ..attention.layout import check_dims
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
 from ..attention.sinks import sink_shape_error, with_sinks
 from ..attention.tokens import (
     BatchDocumentExtents,
-    TokenMeta,
     packing_positions,
-    padding_queries_see_prior_tokens,
-    token_meta_from_kwargs,
 )
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed.modes import context_parallel_attention
@@ -48,12 +45,13 @@ from .call_tokens import (
     PerForward,
     batch_token_meta,
     cache_key_length,
-    cache_slots_mask,
     cache_tokens_held,
     check_deferred_masks,
+    every_key_call,
     is_bidirectional_mask,
     padding_between_tokens_once,
 )
+from .compiled import traced_attention, traced_call
 from .composite import tower_refusal
 from .stats import pop_kept_fractions, record_kept_fraction
 
@@ -94,14 +92,25 @@ class AttentionProbe:
 
 _PROBE: ContextVar[AttentionProbe | None] = ContextVar("hf_sparse_cp_probe", default=None)
 
+# How many probes and forwards under context parallelism are in progress in this process (the context variables
+# above, counted): while any is, calls inside a trace go outside the graph, where those are read. A trace guards on
+# this global's value (reading a context variable would break the graph).
+_IN_PROGRESS = {"probes and CP forwards": 0}
+
+
+def _count_in_progress(change: int) -> None:
+    _IN_PROGRESS["probes and CP forwards"] += change
+
 
 @contextlib.contextmanager
 def probing(probe: AttentionProbe) -> Iterator[None]:
     """Attention calls inside the block go to `probe` instead of computing."""
     token = _PROBE.set(probe)
+    _count_in_progress(1)
     try:
         yield
     finally:
+        _count_in_progress(-1)
         _PROBE.reset(token)
 
 
@@ -116,12 +125,14 @@ def guard_context_parallel(model: torch.nn.Module) -> list:
 def _enter_cp_forward(module: torch.nn.Module, args, kwargs) -> None:
     if kwargs.get(CP_SHARD_KWARG) is not None:
         module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(kwargs[CP_SHARD_KWARG]))
+        _count_in_progress(1)
 
 
 def _leave_cp_forward(module: torch.nn.Module, args, kwargs, output) -> None:
     tokens = module.__dict__.get(_GUARD_TOKENS)
     if tokens and kwargs.get(CP_SHARD_KWARG) is not None:
         _CP_FORWARD.reset(tokens.pop())
+        _count_in_progress(-1)
         if not tokens:  # (the outermost forward: nothing stays on the module)
             del module.__dict__[_GUARD_TOKENS]
 
@@ -473,18 +484,6 @@ def _refuse_attention_weights(module: torch.nn.Module, kwargs) -> None:
             "model.set_attn_implementation('sparse_cp')).")
 
 
-def _all_key_blocks(batch: int, q_len: int, k_len: int, block_size: int, device) -> SparseLayout:
-    """Every query block lists every key block (visibility comes from the token metadata)."""
-    nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)
-    blk = torch.arange(nkb, dtype=torch.int32, device=device).expand(batch, 1, nqb, nkb)
-    cnt = torch.full((batch, 1, nqb), nkb, dtype=torch.int32, device=device)
-    return SparseLayout.from_blocks(blk, cnt, block_size)
-
-
-# Outside any graph torch.compile traces (a stock script's --torch_compile compiles the whole model): the layout is
-# estimated from tensors read back to the host, with per-forward caches and per-layer statistics a trace cannot hold
-# (dynamo failed on the layout build once shapes went dynamic). The rest of the model compiles around the call.
-@torch.compiler.disable
 def sparse_cp_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -509,8 +508,59 @@ def sparse_cp_attention_forward(
 
     Returns:
         (attention output [B, S, Hq, D], None).
+
+    Inside a graph torch.compile traces (a stock script's --torch_compile compiles the whole model), a one-process
+    call runs as custom ops the graph holds (`compiled`: no graph break); the others run outside the graph, as
+    every call does eagerly.
     """
     check_dims(query, key, value)  # (before anything unpacks their shapes: "not enough values to unpack")
+    if torch.compiler.is_compiling() and traced_call(query, key, kwargs):
+        out = _traced_call(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                           kwargs)
+        if out is not None:
+            return out, None
+    return _call_outside_graphs(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                                **kwargs)
+
+
+def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs
+                 ) -> torch.Tensor | None:
+    """The output [B, S, Hq, D] of a call inside a trace through the custom ops (`compiled.traced_attention`), with
+    the eager call's checks (none reads a tensor's values), or None for a call the ops do not take
+    (`compiled.traced_call`)."""
+    window, unseen_window = mask_only_window(module, sliding_window)
+    if _IN_PROGRESS["probes and CP forwards"] or masked_locality(module, unseen_window) is not None:
+        return None
+    _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
+    kwargs = with_forward_positions(kwargs, query.shape[2])
+    _refuse_attention_weights(module, kwargs)
+    query, key, value = autocast_inputs(query, key, value)
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        query, key, value = _same_head_dim(query, key, value)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    _keep_layer_config(module)
+    cfg = layer_config(module)
+    with torch.autocast(query.device.type, enabled=False):
+        out = traced_attention(module, query, key, value, attention_mask, cfg, scale, window, kwargs)
+    return out[..., :value_dim].contiguous()
+
+
+@torch.compiler.assume_constant_result
+def _keep_layer_config(module: torch.nn.Module) -> bool:
+    """Parse the layer's config while tracing, outside the graph (`layer_config` keeps it on the module): the traced
+    `layer_config` then reads what it kept, guarded on the model config's settings object (another one traces
+    again)."""
+    return layer_config(module) is not None
+
+
+# Outside any graph torch.compile traces: the layout is estimated from tensors read back to the host, with per-forward
+# caches a trace cannot hold (dynamo failed on the layout build once shapes went dynamic); the calls `_traced_call`
+# does not take. The rest of the model compiles around the call.
+@torch.compiler.disable
+def _call_outside_graphs(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                         **kwargs) -> tuple[torch.Tensor, None]:
     check_deferred_masks()
     if is_bidirectional_mask(attention_mask) and not is_cross_attention(module):  # (cross-attention's own refusal)
         raise NonCausalMask(getattr(module, "config", None), "bidirectional")
@@ -596,16 +646,8 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
         meta = batch_token_meta(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window,
                                   sinks=sinks)
-    # Through a KV cache (decoding, a chunk of prefill), or with padding between a row's tokens, which the pattern's
-    # documents cannot hold (`padding_between_tokens`): attend densely over every key block, each pair's visibility
-    # from its tokens (not counted). The queries are the last q_len of the tokens the cache holds, its first `held`
-    # key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and are padding here).
-    k_meta = token_meta_from_kwargs(b, k_len, query.device, cache_slots_mask(attention_mask, k_len),
-                                    kwargs if q_len == k_len else {})
-    held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
-    seen = padding_queries_see_prior_tokens(k_meta)  # (padding queries as SDPA's: the loss may read them)
-    q_meta = TokenMeta(seen.index[:, held - q_len:held], seen.segment[:, held - q_len:held])
-    layout = _all_key_blocks(b, q_len, k_len, cfg.block_size, query.device)
+    # Through a KV cache, or with padding between a row's tokens: every key block (not counted)
+    q_meta, k_meta, layout = every_key_call(b, q_len, k_len, query.device, attention_mask, kwargs, cfg.block_size)
     out, lse = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,
                                       sliding_window=sliding_window, check_layout=False,
                                       implementation=cfg.attention_engine)

@@ -11,7 +11,13 @@ from collections.abc import Callable
 import torch
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, flash_attention_mask
 
-from ..attention.tokens import TokenMeta, padding_between_tokens, token_meta_from_kwargs
+from ..attention.layout import SparseLayout
+from ..attention.tokens import (
+    TokenMeta,
+    padding_between_tokens,
+    padding_queries_see_prior_tokens,
+    token_meta_from_kwargs,
+)
 from .composite import tower_refusal
 
 # What a mask `sparse_cp_mask` refuses holds (`NonCausalMask`): a model's overlay on the causal mask, transformers'
@@ -246,3 +252,21 @@ def batch_token_meta(batch: int, seq_len: int, device: torch.device, attention_m
     sources = (attention_mask, kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids"))
     return _METAS.get((batch, seq_len, device), sources,
                       lambda: token_meta_from_kwargs(batch, seq_len, device, attention_mask, kwargs))
+
+
+def every_key_call(batch: int, q_len: int, k_len: int, device: torch.device, attention_mask: torch.Tensor | None,
+                   kwargs: dict, block_size: int) -> tuple[TokenMeta, TokenMeta, SparseLayout]:
+    """(q_meta, k_meta, layout) of a call that attends densely over every key block, each pair's visibility from its
+    tokens: a call through a KV cache (decoding, a chunk of prefill), or one with padding between a row's tokens,
+    which the pattern's documents cannot hold (`padding_between_tokens`). The queries are the last q_len of the
+    tokens the cache holds, its first `held` key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and
+    are padding here); padding queries see the tokens before them, as SDPA's do (the loss may read them)."""
+    k_meta = token_meta_from_kwargs(batch, k_len, device, cache_slots_mask(attention_mask, k_len),
+                                    kwargs if q_len == k_len else {})
+    held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
+    seen = padding_queries_see_prior_tokens(k_meta)
+    q_meta = TokenMeta(seen.index[:, held - q_len:held], seen.segment[:, held - q_len:held])
+    nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)
+    blk = torch.arange(nkb, dtype=torch.int32, device=device).expand(batch, 1, nqb, nkb)
+    cnt = torch.full((batch, 1, nqb), nkb, dtype=torch.int32, device=device)
+    return q_meta, k_meta, SparseLayout.from_blocks(blk, cnt, block_size)

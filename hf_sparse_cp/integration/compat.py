@@ -335,6 +335,12 @@ PATCHES = (
           "first rank to refuse (a counter in the store, which waits on no other rank: launch/refusals.py)"),
     Patch("torch.nn.modules.conv", "_ConvNd", "reads", "convolutions mix tokens outside attention: such models "
           "are refused under CP"),
+    Patch("torch._library.fake_impl", "allocate_size", "calls", "the fake implementation of the plan op gives "
+          "the layout's data-dependent widths as unbacked sizes in any trace (torch's `new_dynamic_size` refuses them "
+          "unless torch._dynamo.config.capture_dynamic_output_shape_ops is set: a graph break at each call; "
+          "integration/compiled.py)", parameters=("shape_env", "min_val", "max_val")),
+    Patch("torch._library.fake_impl.FakeImplCtx", "_shape_env", "reads", "the shape environment `allocate_size` "
+          "creates the unbacked sizes in (integration/compiled.py)", on_instances=True),
     Patch("triton.runtime.jit", "JITFunction", "reads", "whether the kernels were decorated for Triton's "
           "interpreter (CPU tensors) or compiled (kernels/ops.py)"),
     Patch("triton._C.libtriton", "native_specialize_impl", "calls", "sm_90 builds without a GPU specialize "
@@ -555,6 +561,18 @@ def convolution_class() -> type:
     from torch.nn.modules.conv import _ConvNd
 
     return _ConvNd
+
+
+def unbacked_size(ctx: Any) -> Any:
+    """A new unbacked size (a SymInt >= 0) in the shape environment of a custom op's fake implementation `ctx`
+    (`torch.library.get_ctx()`), whether or not dynamo's capture_dynamic_output_shape_ops is set (torch's
+    `ctx.new_dynamic_size` requires it; private `allocate_size`). Without a shape environment (a plain fake tensor
+    mode), torch's own refusal."""
+    require("torch._library.fake_impl.allocate_size")
+    require("torch._library.fake_impl.FakeImplCtx._shape_env", ctx)
+    from torch._library.fake_impl import allocate_size
+
+    return ctx.new_dynamic_size() if ctx._shape_env is None else allocate_size(ctx._shape_env)
 
 
 def set_process_group_timeout(timeout: timedelta) -> None:

@@ -32,10 +32,13 @@ def layer_log_key(layer: int) -> str:
     return f"{LOG_KEY}/layer_{layer:02d}"
 
 
-def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor) -> None:
+def record_kept_fraction(module: torch.nn.Module, value: torch.Tensor, grad_enabled: bool | None = None) -> None:
     """Add one call's kept fraction (`SparseLayout.kept_fraction`: of the blocks a dense run of the same batch
-    computes) to the module's running sum of its mode (training, with gradients or without, or evaluation)."""
-    attr = (_ATTR if torch.is_grad_enabled() else _NO_GRAD_ATTR) if module.training else _EVAL_ATTR
+    computes) to the module's running sum of its mode (training, with gradients or without, or evaluation).
+    `grad_enabled`: whether the call's forward records gradients, where that is not this thread's grad mode (the
+    plan op inside a compiled forward: `compiled.sequence_plan`); default `torch.is_grad_enabled()`."""
+    grad_enabled = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
+    attr = (_ATTR if grad_enabled else _NO_GRAD_ATTR) if module.training else _EVAL_ATTR
     total, count = getattr(module, attr, (None, 0))
     value = value.detach().double()
     module.__dict__[attr] = (value if total is None else total + value, count + 1)

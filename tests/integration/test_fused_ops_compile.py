@@ -1,12 +1,13 @@
 """--sparse_fused_ops compile through the stock-shaped Trainer script: the MLPs and RMSNorms run through
 torch.compile (inductor, on the CPU here), inside the token tiles, and the run's losses and weights (SGD, so that they
 move by the gradients themselves) are the unfused run's (fp32 rounding); the start-up line says what runs fused. So
-are a stock --torch_compile run's (the Trainer compiles the whole model; the sparse attention calls run outside its
-graphs), alone and with the fused ops, token tiles and gradient checkpointing. Under CP 2:
-tests/distributed/test_fused_ops_cp.py."""
+are a stock --torch_compile run's (the Trainer compiles the whole model; the sparse attention calls are traced as the
+plugin's custom ops, no graph break at them), alone and with the fused ops, token tiles and gradient checkpointing.
+Under CP 2: tests/distributed/test_fused_ops_cp.py."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
@@ -65,13 +66,15 @@ def test_compiled_mlps_and_norms_train_like_the_unfused_step(tmp_path, caplog, s
 ], ids=["alone", "fused_tiled_checkpointed"])
 def test_torch_compile_trains_like_the_uncompiled_step(tmp_path, single_thread, stock, flags):
     torch._dynamo.reset()
+    counters.clear()
     try:
         run = _train(tmp_path, "--torch_compile", "true", *flags)
     finally:
         torch._dynamo.reset()
+    assert not [reason for reason in counters["graph_break"] if "torch.compiler.disable" in reason]  # (at attention)
     assert isinstance(run.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)  # the Trainer compiled it
     assert run.model.is_gradient_checkpointing == ("--gradient_checkpointing" in flags)
     kept = [log["sparse/kept_fraction"] for log in run.state.log_history if "loss" in log]
     assert kept == pytest.approx([log["sparse/kept_fraction"] for log in stock.state.log_history if "loss" in log])
-    assert kept[0] < 1  # (the sparse path ran, outside the compiled graphs)
+    assert kept[0] < 1  # (the sparse path ran, inside the compiled graphs)
     _assert_trained_alike(run, stock)

@@ -8,6 +8,9 @@ import pytest
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
+from torch._library.fake_impl import FakeImplCtx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from transformers import Trainer, TrainingArguments
 
 from hf_sparse_cp.integration import compat
@@ -18,7 +21,9 @@ def _instances(tmp_path) -> dict:
                       args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
     return {"accelerate.Accelerator": trainer.accelerator, "transformers.Trainer": trainer,
             "transformers.trainer_callback.CallbackHandler": trainer.callback_handler,
-            "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState()}
+            "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState(),
+            # (what `torch.library.get_ctx()` gives a fake implementation: the plan op's, integration/compiled.py)
+            "torch._library.fake_impl.FakeImplCtx": FakeImplCtx(FakeTensorMode(shape_env=ShapeEnv()), None)}
 
 
 def test_every_member_is_as_the_plugin_uses_it(tmp_path):

@@ -1,0 +1,151 @@
+"""The `sparse_cp` attention call inside a graph that torch.compile traces: two opaque custom ops, no graph break.
+
+Outside a trace the backend estimates the layout from tensors read back to the host, which a graph cannot hold, so a
+compiled model used to run each attention call outside the graph (`torch.compiler.disable`: one graph break per
+layer). Inside a trace, a one-process call (no context parallelism, as many keys as queries, a layer whose window or
+chunk transformers passes on) now goes through two ops instead, each opaque to the compiler:
+
+* `hf_sparse_cp::sequence_plan` does what the eager call does before attention, on the same tensors: the tokens'
+  documents and padding (`token_meta_from_kwargs`), the layout (`sequence.sequence_layout`: estimated for long
+  documents, else dense; with padding between a row's tokens every key block, `call_tokens.every_key_call`), and
+  records the kept fraction on the layer's module as the eager call does (at run time, inside the op: the traced
+  graph holds no side effect, which a checkpointed layer's trace would refuse). The layout's widths depend on the
+  data: its fake implementation gives them as unbacked sizes, so the graph carries the layout exactly as the eager
+  call builds it (no padding to a bound, no recompile per width);
+* `hf_sparse_cp::layout_attention` (`attention.opaque`) computes attention over that layout, and its registered
+  backward takes the same layout tensors: the gradients are exact and nothing is estimated again.
+
+Calls that a library kernel computes eagerly (a dense call: flash-attn or SDPA) run the engine over the dense layout
+here (the op's backward needs its log-sum-exp and layout). Context parallelism keeps the eager path: its ring and
+all-to-all communicate inside the call, between ranks, which one opaque op per rank would hide from the compiler's
+collectives; a call through a KV cache, a window or chunk only the mask carries, a bidirectional mask or multimodal
+RoPE rows keep it too (`traced_call`). `$HF_SPARSE_CP_TRACED_ATTENTION=outside` keeps every call outside the graphs,
+as before the ops (read while tracing; benchmarks/bench_e2e.py times both)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+from ..attention.estimate import pattern_documents
+from ..attention.opaque import layout_attention
+from ..attention.sequence import sequence_layout
+from ..attention.sinks import with_sinks
+from ..attention.tokens import padding_between_tokens, token_meta_from_kwargs
+from ..backends import choose_backend
+from ..config import SparseAttentionConfig
+from ..distributed.shard import CP_SHARD_KWARG
+from .call_tokens import _BIDIRECTIONAL, _DEFERRED, NonCausalMask, every_key_call
+from .compat import unbacked_size
+from .stats import record_kept_fraction
+
+TRACED_ENV = "HF_SPARSE_CP_TRACED_ATTENTION"
+# 'auto' and 'ops': a call the ops take goes through them; 'outside': outside the graph (a graph break per call).
+TRACED_SETTINGS = ("auto", "ops", "outside")
+
+
+@torch.compiler.assume_constant_result
+def settings_key(cfg: SparseAttentionConfig) -> str:
+    """The layer settings as the plan op takes them (JSON), computed while tracing: dynamo guards on the config
+    object the traced `layer_config` read, so another config traces again."""
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+# The attention modules a trace handed the plan op, by the key it took (`layer_key`), while they live.
+_LAYERS: dict[str, weakref.ref] = {}
+
+
+@torch.compiler.assume_constant_result
+def layer_key(module: torch.nn.Module) -> str:
+    """The key under which the plan op finds `module` to record its kept fraction, computed while tracing (dynamo
+    guards on the module it traces)."""
+    key = f"{type(module).__name__}@{id(module):x}"
+    _LAYERS[key] = weakref.ref(module, lambda _: _LAYERS.pop(key, None))
+    return key
+
+
+@functools.lru_cache(maxsize=64)
+def _settings(key: str) -> SparseAttentionConfig:
+    return SparseAttentionConfig.from_dict(json.loads(key))
+
+
+@torch.library.custom_op("hf_sparse_cp::sequence_plan", mutates_args=())
+def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
+                  cu_seq_lens_k: torch.Tensor | None, sees_next_key: torch.Tensor | None, settings: str,
+                  model_type: str, scale: float, sliding_window: int | None, layer: str, grad_enabled: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor]:
+    """(block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment) of one call of
+    q [B, Hq, S, D], k [B, Hkv, S, D] (no gradient), as the eager backend plans it from transformers' keyword
+    arguments. The call's kept fraction is recorded on the module `layer` names (`layer_key`; '' for none) as the
+    eager call's, in its module's mode with `grad_enabled` (the forward's: a compiled forward runs the op without
+    gradients); a call with padding between a row's tokens is not counted, as eagerly. `sees_next_key`: the answers
+    of the mask functions this forward evaluated in the graph (`call_tokens._sees_next_key`), refused
+    (`NonCausalMask`) when any holds."""
+    if sees_next_key is not None and bool(sees_next_key.any()):
+        raise NonCausalMask(SimpleNamespace(model_type=model_type), "next key")
+    cfg = _settings(settings)
+    b, _, s, _ = q.shape
+    kwargs = {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
+                                      ("cu_seq_lens_k", cu_seq_lens_k)) if t is not None}
+    if padding_between_tokens(attention_mask) is not None:
+        q_meta, meta, layout = every_key_call(b, s, s, q.device, attention_mask, kwargs, cfg.block_size)
+    else:
+        meta = q_meta = token_meta_from_kwargs(b, s, q.device, attention_mask, kwargs)
+        docs = pattern_documents(cfg, meta, b, s, sliding_window)
+        layout = sequence_layout(q, k, meta, cfg, docs, scale=scale, sliding_window=sliding_window)
+        module = _LAYERS[layer]() if layer in _LAYERS else None
+        if module is not None:
+            record_kept_fraction(module, layout.kept_fraction(meta, sliding_window), grad_enabled)
+    tensors = (*layout.tensors(), q_meta.index, q_meta.segment, meta.index, meta.segment)
+    # (fresh tensors: a custom op's outputs alias neither its inputs nor each other)
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in tensors)
+
+
+@sequence_plan.register_fake
+def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, sees_next_key, settings, model_type, scale,
+      sliding_window, layer, grad_enabled):
+    b, _, s, _ = q.shape
+    nqb = -(-s // _settings(settings).block_size)
+    ctx = torch.library.get_ctx()
+    heads, blocks, columns = (unbacked_size(ctx) for _ in range(3))
+    layout = [q.new_empty(b, heads, nqb, width, dtype=torch.int32) for width in (blocks, columns)]
+    counts = [q.new_empty(b, heads, nqb, dtype=torch.int32) for _ in range(2)]
+    tokens = [q.new_empty(b, s, dtype=dtype) for dtype in (torch.int64, torch.int32) * 2]
+    return layout[0], counts[0], layout[1], counts[1], *tokens
+
+
+def traced_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a call inside a trace may go through the ops (what decides reads no tensor's values, and no module:
+    a call it refuses goes outside the graph, as every call did, without guards on its layer): not set 'outside'
+    (`TRACED_ENV`), one process (no CP shard), as many keys as queries (no KV cache), no bidirectional mask built
+    (`call_tokens.is_bidirectional_mask`), position ids of at most two dimensions. (A window or chunk that only the
+    mask carries, `backend.masked_locality`, is the caller's to check.)"""
+    positions = kwargs.get("position_ids")
+    return (choose_backend("Traced attention", TRACED_ENV, TRACED_SETTINGS) != "outside"
+            and kwargs.get(CP_SHARD_KWARG) is None and query.shape[2] == key.shape[2] and not _BIDIRECTIONAL
+            and (positions is None or positions.dim() <= 2))
+
+
+def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, cfg, scale: float, sliding_window: int | None, kwargs: dict) -> torch.Tensor:
+    """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops."""
+    sees = None
+    if _DEFERRED:  # (the forward's first call reads them, as eagerly; the others mutate nothing)
+        sees = torch.stack([sees.reshape(()) for sees, _ in _DEFERRED])
+        _DEFERRED.clear()
+    plan = sequence_plan(query.detach(), key.detach(), attention_mask, kwargs.get("position_ids"),
+                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), sees, settings_key(cfg),
+                         getattr(getattr(module, "config", None), "model_type", type(module).__name__), scale,
+                         sliding_window, layer_key(module), torch.is_grad_enabled())
+    out, lse = layout_attention(query, key, value, *plan, cfg.block_size, scale, sliding_window, cfg.attention_engine)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        out = with_sinks(out.transpose(1, 2), lse, sinks).transpose(1, 2)
+    return out
+
