@@ -213,7 +213,8 @@ def cp_tested_model_types() -> tuple[str, ...]:
 
 # Vision-language models whose text-only batches under context parallelism equal one process
 # (tests/distributed/test_cp_vision_language_models.py).
-CP_TESTED_VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "mllama", "llava", "mistral3")
+CP_TESTED_VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "mllama", "llava", "llava_next",
+                                   "idefics3", "smolvlm", "mistral3")
 
 
 def lean_loss_model_types() -> tuple[str, ...]:

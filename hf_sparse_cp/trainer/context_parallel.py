@@ -248,14 +248,16 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                 "is not supported: it reads the labels of each rank's shard beside the smoothed loss (TRL "
                 "SFTTrainer's token accuracy; the Trainer's own compute_loss smooths exactly under CP)")
         fix = "drop --label_smoothing_factor (TRL deprecates it in SFTTrainer), or run without CP"
-    elif method in compat.cp_exact_losses() and trainer.label_smoother is None and computes_unshifted_loss(
-            trainer.model.config):
-        # (with label smoothing the Trainer smooths the logits, shifted, instead of the model's loss: exact)
+    elif method in compat.cp_exact_losses() and method is not Trainer.compute_loss and trainer.label_smoother is None \
+            and computes_unshifted_loss(trainer.model.config):
+        # (the Trainer's own compute_loss hands CP the model's loss, `smooth_labels_over_cp_group`; with label
+        # smoothing a trainer smooths the logits, shifted, instead of the model's loss: exact)
         what = (f"{type(trainer.model).__name__}'s forward computes its loss itself, the mean cross-entropy of the "
                 "labels it is given, unshifted (each position predicts its own label), not through transformers' "
                 f"loss_function with the loss keywords: under context parallelism (CP {cp_size}) that is each rank's "
-                "mean over its shard, which the Trainer's count and scaling do not make one process's")
-        fix = "run without CP"
+                f"mean over its shard, which {method.__qualname__.rsplit('.', 1)[0]}'s count and scaling do not make "
+                "one process's (transformers' Trainer computes it over the CP group)")
+        fix = "train it with transformers' Trainer, or run without CP"
     elif method in compat.cp_exact_losses():
         _check_head(trainer.model, cp_size, whole_rows=False, own_loss=method is Trainer.compute_loss)
         return
@@ -435,16 +437,22 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
     with the Trainer's own compute_loss it computes logits only, and the causal-LM loss of the shard's targets
     (`_token_loss`) takes the smoother's place, over the group's count. So does a token-classification head's
     (`heads.TOKEN_CLASSIFICATION`: transformers' forward drops the loss keywords, its loss is its shard's mean), on the
-    shard's unshifted labels. A sequence-classification head's pooled logits and row labels are the batch's on every
-    rank (`heads.BATCH_OUTPUT_HEADS`): the stock smoother smooths them (`cp_group_steps` takes the rank's share).
-    `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage); a stage at CP 1 runs the
-    stock smoother (the model's loss)."""
+    shard's unshifted labels, and a decoder's of an encoder-decoder family (`computes_unshifted_loss`: the mean of
+    its labels unshifted, whatever keywords it gets; it was refused under CP), over the group's count of those
+    labels, not the Trainer's count of shifted ones. A sequence-classification head's pooled logits and row labels are
+    the batch's on every rank (`heads.BATCH_OUTPUT_HEADS`): the stock smoother smooths them (`cp_group_steps` takes
+    the rank's share). `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage); a
+    stage at CP 1 runs the stock smoother (the model's loss)."""
     smoother, prepare = trainer.label_smoother, getattr(trainer, compat.TRAINER_CP_INPUTS)
     head = model_head(trainer.model)
+    # (the decoder of an encoder-decoder family: its forward's loss is the mean of its labels unshifted, whatever the
+    # loss keywords it is given)
+    unshifted_lm = head == LANGUAGE_MODEL and computes_unshifted_loss(trainer.model.config)
     # (a token-classification head's forward drops the loss keywords whatever its signature: its loss is its shard's
     # mean; a sequence-classification head's loss is every rank's alike, `cp_group_steps` takes its share)
     own_loss = smoother is None and type(trainer).compute_loss is Trainer.compute_loss and (
-        head == TOKEN_CLASSIFICATION or (head == LANGUAGE_MODEL and not trainer.model_accepts_loss_kwargs))
+        head == TOKEN_CLASSIFICATION or unshifted_lm
+        or (head == LANGUAGE_MODEL and not trainer.model_accepts_loss_kwargs))
     if own_loss:
         smoother = _token_loss
     if smoother is None:
@@ -462,12 +470,18 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
 
     def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
         par = parallel()
-        # (a causal LM's own loss shifts whatever its class's name)
-        shift = shift_labels or (own_loss and head == LANGUAGE_MODEL)
+        # (a causal LM's own loss shifts whatever its class's name, an encoder-decoder family's decoder's never)
+        shift = (head == LANGUAGE_MODEL and not unshifted_lm) if own_loss else shift_labels
         if par.cp_size == 1 or head in BATCH_OUTPUT_HEADS:  # (its pooled logits and row labels: the batch's)
             return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
         if not shift:  # the Trainer smooths the labels as given
             labels = unshifted[0]
+        if own_loss and unshifted_lm:
+            # (the model's mean over its unshifted labels, which the Trainer's count of shifted ones is not: the CP
+            # group's count of them, scaled as the Trainer scales the model's loss when it counts, by the processes)
+            count = global_num_items(labels, par.cp_group, ignore_index)
+            scaled_by_trainer = num_items_in_batch is not None and trainer.args.average_tokens_across_devices
+            num_items_in_batch = count if scaled_by_trainer else None
         if num_items_in_batch is not None:
             return smoother(model_output, labels, num_items_in_batch=num_items_in_batch)
         loss_sum = smoother(model_output, labels, num_items_in_batch=1)

@@ -675,22 +675,25 @@ def test_a_per_token_tensor_that_does_not_match_the_ids_is_refused_naming_it(key
         assert torch.equal(local["position_ids"][:, :203], torch.arange(203).expand(2, 203))
 
 
-def test_a_decoder_whose_forward_computes_its_own_unshifted_loss_is_refused_under_cp_unless_smoothed(tmp_path):
+def test_a_decoder_whose_forward_computes_its_own_unshifted_loss_is_refused_under_cp_only_by_sft(tmp_path):
     """BartForCausalLM's forward computes its own loss, the mean cross-entropy of its labels unshifted, ignoring the
     loss keywords: under CP 2 with the stock Trainer (BART, zigzag and ulysses, 3 steps) it logged 5.690, 5.418, 5.221
-    against one process's 2.846, 2.709, 2.611 (each rank's shard mean, scaled by the processes). Refused at start,
-    naming the cause; with label smoothing the Trainer smooths the shifted logits instead (CP's exact path), and its
-    functional dropout (BART's decoder `dropout` 0.1) is named by the start-up warning."""
+    against one process's 2.846, 2.709, 2.611 (each rank's shard mean, scaled by the processes), then was refused at
+    start. The Trainer's own compute_loss now takes it over the CP group (test_cp_seq2seq_decoders.py); TRL
+    SFTTrainer's, which does not, is refused naming the cause and the fix, unless it smooths the shifted logits
+    instead. BART's functional dropout (its decoder's `dropout` 0.1) is named by the start-up warning."""
+    import trl
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
     from hf_sparse_cp.trainer.context_parallel import check_loss, dropout_note
 
     model = AutoModelForCausalLM.from_config(tiny_config("bart", vocab_size=97, max_position_embeddings=256))
-    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+    check_loss(Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])), 2)
+    sft = object.__new__(trl.SFTTrainer)  # (check_loss reads its class, model, smoother and loss function)
+    sft.model, sft.label_smoother, sft.compute_loss_func = model, None, None
     with pytest.raises(ValueError, match=r"BartForCausalLM's forward computes its loss itself, the mean cross-entropy "
-                                         r"of the labels it is given, unshifted.*\(CP 2\).*Fix: run without CP"):
-        check_loss(trainer, 2)
-    smoothed = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], label_smoothing_factor=0.1)
-    check_loss(Trainer(model=model, args=smoothed), 2)
+                                         r"of the labels it is given, unshifted.*\(CP 2\).*SFTTrainer's count.*Fix: "
+                                         r"train it with transformers' Trainer, or run without CP"):
+        check_loss(sft, 2)
     assert "model.decoder.dropout (p=0.1)" in dropout_note(model)

@@ -50,7 +50,8 @@ def _errors(ref, model, batch) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next", "idefics3", "mistral3"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "idefics3",
+                                        "smolvlm", "mistral3"])
 def test_a_vision_language_model_trains_sparse_attention_in_its_language_model_as_sdpa_does(model_type, image):
     """configure() refused every vision-language model ('has bidirectional attention layers (model.visual...)'): its
     vision tower's attention, which transformers selects apart. Now the language model runs sparse_cp and the tower
