@@ -1109,3 +1109,46 @@ def test_masked_column_steps_reading_their_slots_again_compute_the_same_function
                                    worker=_kernels_with_and_without_meta_reload, tiles={"forward": tiles, "dq": tiles})
     for name, got, plain in zip(("out", "lse", "dq", "dk", "dv"), res[:5], res[-1]):
         assert torch.equal(got, plain), name
+
+
+# ---- the compiled path's custom op on the kernels (attention.opaque) ----------------------------------------
+
+def _opcheck_the_custom_ops_on_the_kernels(q, k, v, layout, meta):
+    """torch.library.opcheck of `hf_sparse_cp::layout_attention` and its backward op with the kernels as the engine;
+    returns the op's out and lse."""
+    from hf_sparse_cp.attention.opaque import layout_attention, layout_attention_backward
+
+    tensors = (layout.block_idx, layout.block_cnt, layout.col_idx, layout.col_cnt, meta.index, meta.segment,
+               meta.index, meta.segment)
+    rest = (layout.block_size, 0.25, None, "triton")
+    torch.library.opcheck(layout_attention, (q, k, v, *tensors, *rest))
+    out, lse = layout_attention(q, k, v, *tensors, *rest)
+    g = torch.Generator().manual_seed(5)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    saved = (t.detach() for t in (q, k, v, out, lse))
+    torch.library.opcheck(layout_attention_backward, (dout, dlse, *saved, *tensors, *rest))
+    return out.detach(), lse.detach()
+
+
+@pytest.mark.parametrize("memory", ["bshd", "bhsd"])
+def test_the_compiled_paths_custom_op_on_the_kernels_passes_opcheck(interp, memory):
+    """The compiled step's attention op (`attention.opaque`) declares fake outputs whose shapes and strides the
+    compiler trusts: with the kernels as its engine (the GPU's), not only the reference the CPU tests run, opcheck
+    (fake against real outputs, autograd registration, AOT dispatch) passes for the op and its backward, q, k, v in
+    transformers' [B, S, H, D] memory or contiguous; out and lse equal the fp64 reference."""
+    s, bs = 100, 32
+    q, k, v, *_ = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=121)
+    if memory == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    meta = _random_docs(1, s, seed=122, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
+                                          generator=torch.Generator().manual_seed(123))
+    assert int(layout.col_cnt.sum()) > 0
+    out, lse = interp.apply(_opcheck_the_custom_ops_on_the_kernels, (q, k, v, layout, meta))
+    assert out.shape == (1, s, 4, 16) and lse.shape == (1, 4, s)
+    want_out, want_lse = reference_forward(AttentionCall(*(t.detach().double() for t in (q, k, v)), layout, 0.25,
+                                                         meta, meta, None))
+    assert rel_rms(out.transpose(1, 2), want_out) < TOLERANCE[torch.float32]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and rel_rms(lse, want_lse, seen) < TOLERANCE[torch.float32]
