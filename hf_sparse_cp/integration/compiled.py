@@ -19,8 +19,9 @@ Calls that a library kernel computes eagerly (a dense call: flash-attn or SDPA) 
 here (the op's backward needs its log-sum-exp and layout). Context parallelism keeps the eager path: its ring and
 all-to-all communicate inside the call, between ranks, which one opaque op per rank would hide from the compiler's
 collectives; a call through a KV cache, a window or chunk only the mask carries, a bidirectional mask or multimodal
-RoPE rows keep it too (`traced_call`). `$HF_SPARSE_CP_TRACED_ATTENTION=outside` keeps every call outside the graphs,
-as before the ops (read while tracing; benchmarks/bench_e2e.py times both)."""
+RoPE rows keep it too (`traced_call`), as does a torch before 2.13 (`OPS_MIN_TORCH`).
+`$HF_SPARSE_CP_TRACED_ATTENTION=outside` keeps every call outside the graphs, as before the ops (read while tracing;
+benchmarks/bench_e2e.py times both)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import weakref
 from types import SimpleNamespace
 
 import torch
+from packaging.version import Version
 
 from ..attention.estimate import pattern_documents
 from ..attention.opaque import layout_attention
@@ -44,8 +46,13 @@ from .compat import unbacked_size
 from .stats import record_kept_fraction
 
 TRACED_ENV = "HF_SPARSE_CP_TRACED_ATTENTION"
-# 'auto' and 'ops': a call the ops take goes through them; 'outside': outside the graph (a graph break per call).
+# 'auto': a call the ops take goes through them where the torch traces them (`OPS_MIN_TORCH`); 'ops': on any torch (to
+# try one before it); 'outside': outside the graph (a graph break per call).
 TRACED_SETTINGS = ("auto", "ops", "outside")
+# The first torch release whose dynamo traces the ops' set-up (`torch.compiler.assume_constant_result` of a module and
+# of a config: torch 2.11's refuses them as non-constants, an InternalTorchDynamoError in the compiled forward).
+OPS_MIN_TORCH = (2, 13)
+TORCH_TRACES_THE_OPS = Version(torch.__version__).release >= OPS_MIN_TORCH
 
 
 @torch.compiler.assume_constant_result
@@ -123,11 +130,13 @@ def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, sees_nex
 def traced_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
     """Whether a call inside a trace may go through the ops (what decides reads no tensor's values, and no module:
     a call it refuses goes outside the graph, as every call did, without guards on its layer): not set 'outside'
-    (`TRACED_ENV`), one process (no CP shard), as many keys as queries (no KV cache), no bidirectional mask built
-    (`call_tokens.is_bidirectional_mask`), position ids of at most two dimensions. (A window or chunk that only the
-    mask carries, `backend.masked_locality`, is the caller's to check.)"""
+    (`TRACED_ENV`), a torch that traces them (`OPS_MIN_TORCH`, unless set 'ops'), one process (no CP shard), as
+    many keys as queries (no KV cache), no bidirectional mask built (`call_tokens.is_bidirectional_mask`), position ids
+    of at most two dimensions. (A window or chunk that only the mask carries, `backend.masked_locality`, is the caller's
+    to check.)"""
     positions = kwargs.get("position_ids")
-    return (choose_backend("Traced attention", TRACED_ENV, TRACED_SETTINGS) != "outside"
+    setting = choose_backend("Traced attention", TRACED_ENV, TRACED_SETTINGS)
+    return ((setting == "ops" or (setting == "auto" and TORCH_TRACES_THE_OPS))
             and kwargs.get(CP_SHARD_KWARG) is None and query.shape[2] == key.shape[2] and not _BIDIRECTIONAL
             and (positions is None or positions.dim() <= 2))
 

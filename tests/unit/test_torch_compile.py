@@ -14,11 +14,20 @@ from transformers import AutoModelForCausalLM
 
 from hf_sparse_cp import SparseAttentionConfig, configure
 from hf_sparse_cp.attention.opaque import layout_attention, layout_attention_backward
-from hf_sparse_cp.integration.compiled import TRACED_ENV, sequence_plan, settings_key
+from hf_sparse_cp.integration.compiled import (
+    OPS_MIN_TORCH,
+    TORCH_TRACES_THE_OPS,
+    TRACED_ENV,
+    sequence_plan,
+    settings_key,
+)
 from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 pytestmark = pytest.mark.usefixtures("patched")
+# (what a torch before OPS_MIN_TORCH cannot trace: its compiled calls run outside the graphs, tested below)
+traces_the_ops = pytest.mark.skipif(not TORCH_TRACES_THE_OPS, reason=f"torch < {OPS_MIN_TORCH}: the calls stay "
+                                    "outside the graphs (test_a_torch_that_cannot_trace_the_ops_...)")
 
 PATTERN = SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0, vertical_topk=4, slash_topk=4,
                                 sink_tokens=2, local_window=16, last_q=8)
@@ -78,6 +87,7 @@ def _graph_breaks_and_recompiles(model, batches, backend="eager"):
         torch._dynamo.reset()
 
 
+@traces_the_ops
 @pytest.mark.parametrize("model_type, packed, backend", [("gemma3_text", False, "eager"), ("llama", True, "aot_eager")],
                          ids=["window-eager", "packed-aot_eager"])
 def test_a_compiled_step_has_no_graph_break(single_thread, model_type, packed, backend):
@@ -118,6 +128,7 @@ def test_a_compiled_step_has_no_graph_break(single_thread, model_type, packed, b
     assert got[2] == pytest.approx(want[2], abs=1e-12)
 
 
+@traces_the_ops
 @pytest.mark.parametrize("padding", ["end", "between"])
 def test_compiled_gradients_are_the_uncompiled_ones_in_fp64(single_thread, monkeypatch, padding):
     """In fp64, through AOT autograd (backend aot_eager: the backward graph calls the backward op with the layout the
@@ -178,6 +189,7 @@ def test_the_custom_ops_pass_opcheck():
                                                       "auto"))
 
 
+@traces_the_ops
 def test_a_compiled_model_follows_a_new_config(single_thread):
     """The plan op takes the layer's settings read while tracing, and the trace guards on the config object they came
     from: configuring the compiled model again (another block size and budget) traces again, and each step keeps the
@@ -195,3 +207,39 @@ def test_a_compiled_model_follows_a_new_config(single_thread):
             assert _step(compiled, ids)[2] == pytest.approx(want, abs=1e-12) and min(want.values()) < 1
     finally:
         torch._dynamo.reset()
+
+
+def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(single_thread, monkeypatch):
+    """torch 2.11's dynamo (the GPU image's) failed the compiled forward on the ops' set-up (an
+    InternalTorchDynamoError: a module is not a constant): on a torch before `OPS_MIN_TORCH` the calls run outside
+    the graphs, one break at each, the step equal to the uncompiled one."""
+    from hf_sparse_cp.integration import compiled
+
+    monkeypatch.setattr(compiled, "TORCH_TRACES_THE_OPS", False)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
+    configure(model, PATTERN)
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    want = _step(model, ids)
+    steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}])
+    (got, breaks, _, _), = steps
+    assert any("torch.compiler.disable" in reason for reason in breaks), breaks
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert got[2] == pytest.approx(want[2], abs=1e-12)
+
+
+@traces_the_ops
+def test_the_ops_setting_takes_them_on_any_torch(single_thread, monkeypatch):
+    """$HF_SPARSE_CP_TRACED_ATTENTION=ops (to try a torch before `OPS_MIN_TORCH`): the calls go through the ops
+    whatever the version, no graph break, the step equal to the uncompiled one."""
+    from hf_sparse_cp.integration import compiled
+
+    monkeypatch.setattr(compiled, "TORCH_TRACES_THE_OPS", False)
+    monkeypatch.setenv(TRACED_ENV, "ops")
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
+    configure(model, PATTERN)
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    want = _step(model, ids)
+    steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}])
+    (got, breaks, _, _), = steps
+    assert breaks == {}, breaks
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
