@@ -65,7 +65,8 @@ class Patch:
     other releases); action: what the plugin does with it; parameters: the signature relied on, for a
     function (None: not checked); why: the reason; undo: how a change is undone (the call that undoes it);
     on_instances: the member exists only on instances (set in `__init__`); added: an attribute the plugin
-    adds (nothing of theirs to check).
+    adds (nothing of theirs to check); since: the package's release that brought the member (before it, an
+    older way the plugin does not need this for: nothing to check).
     """
 
     owner: str
@@ -77,6 +78,7 @@ class Patch:
     on_instances: bool = False
     alternatives: tuple[str, ...] = ()
     added: bool = False
+    since: tuple[int, ...] = ()
 
     @property
     def qualified(self) -> str:
@@ -289,7 +291,8 @@ PATCHES = (
           parameters=("*mask_functions",)),
     Patch("transformers.masking_utils", "remap_positions_for_packed_sequence", "reads", "the causal function on a "
           "packed batch's positions (closure `mask_function`), and-ed with the documents' mask, is known causal "
-          "(integration/call_tokens.py `_causal_composition`)", parameters=("mask_function", "position_ids")),
+          "(integration/call_tokens.py `_causal_composition`)", parameters=("mask_function", "position_ids"),
+          since=(5, 23)),
     Patch("transformers.modeling_layers.GenericForSequenceClassification", "forward", "reads", "under CP a "
           "sequence-classification head with this forward (Llama, Qwen2, Mistral, ...) trains: it pools one position "
           "of each row of its score layer's output, which a forward hook makes the row's pooled logits at every "
@@ -314,7 +317,7 @@ PATCHES = (
             "only, slicing each mask as sdpa's 4D one: sparse_cp's is the 2D padding mask (a padded batch: IndexError) "
             "and its queries are its keys' (logits_to_keep > 0 was refused); under sparse_cp they get their inputs "
             "whole, as transformers leaves them for flash attention (integration/kv_sharing.py), on the model's "
-            "instances", "configure's guard removal (registration._remove_guard)", parameters)
+            "instances", "configure's guard removal (registration._remove_guard)", parameters, since=(5, 23))
       for owner, parameters in kv_shared_slicers().items()),
     Patch("transformers.PretrainedConfig", "_attn_implementation", "reads", "the attention implementation a "
           "model uses (model checks under CP), and each sub-config's, which a composite model's towers keep and the "
@@ -378,6 +381,12 @@ def _parameters(fn: Any) -> tuple[str, ...]:
     return tuple(prefix.get(p.kind, "") + p.name for p in inspect.signature(fn).parameters.values())
 
 
+def _release(package: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(importlib.import_module(package).__version__).release
+
+
 def _versions(package: str) -> str:
     low, high = TESTED_VERSIONS.get(package, ("?", "?"))
     version = getattr(importlib.import_module(package), "__version__", "?")
@@ -401,6 +410,8 @@ def problem(patch: Patch, instance: Any = None) -> str | None:
         return None  # (ours, or an optional package that is not installed: nothing of theirs in use)
     if patch.on_instances and instance is None:
         return None
+    if patch.since and _release(patch.package) < patch.since:
+        return None  # (not yet there: that release's own way needs nothing of it)
     try:
         owner = instance if patch.on_instances else _resolve(patch.owner)
     except ModuleNotFoundError as e:

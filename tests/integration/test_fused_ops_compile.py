@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+from hf_sparse_cp.integration.compiled import TORCH_TRACES_THE_OPS
 from hf_sparse_cp.integration.fused_ops import fused_modules
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
@@ -71,7 +72,8 @@ def test_torch_compile_trains_like_the_uncompiled_step(tmp_path, single_thread, 
         run = _train(tmp_path, "--torch_compile", "true", *flags)
     finally:
         torch._dynamo.reset()
-    assert not [reason for reason in counters["graph_break"] if "torch.compiler.disable" in reason]  # (at attention)
+    if TORCH_TRACES_THE_OPS:  # (no break at an attention call; an older torch keeps the calls outside the graphs)
+        assert not [reason for reason in counters["graph_break"] if "torch.compiler.disable" in reason]
     assert isinstance(run.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)  # the Trainer compiled it
     assert run.model.is_gradient_checkpointing == ("--gradient_checkpointing" in flags)
     kept = [log["sparse/kept_fraction"] for log in run.state.log_history if "loss" in log]

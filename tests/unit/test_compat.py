@@ -101,3 +101,18 @@ def test_an_accelerate_option_we_cannot_find_is_named(monkeypatch):
     monkeypatch.setattr(accelerate.data_loader, "prepare_data_loader", prepare_data_loader)
     with pytest.raises(RuntimeError, match="'shuffle_harder'.*tested range"):
         compat.dp_data_loader_options(Accelerator(cpu=True))
+
+
+def test_a_member_newer_than_the_installed_release_is_not_missing(monkeypatch):
+    """transformers 5.17 (the GPU image's, in the tested range) has neither the packed-positions remap nor Gemma 4's
+    KV-shared slicer, both from 5.23, and does without them: check_patches said each 'no longer exists'. A member
+    with a `since` release is checked from that release on."""
+    import transformers
+    from transformers import masking_utils
+
+    monkeypatch.delattr(masking_utils, "remap_positions_for_packed_sequence", raising=False)
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert not [p for p in compat.check_patches() if "remap_positions" in p]
+    monkeypatch.setattr(transformers, "__version__", "5.23.0")
+    (problem,) = [p for p in compat.check_patches() if "remap_positions" in p]
+    assert "remap_positions_for_packed_sequence no longer exists" in problem
