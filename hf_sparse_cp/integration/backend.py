@@ -36,7 +36,7 @@ from ..attention.tokens import (
     BatchDocumentExtents,
     packing_positions,
 )
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, pattern_holders
 from ..distributed.modes import context_parallel_attention
 from ..distributed.shard import CP_SHARD_KWARG, CPShard
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS, length_counted_query_scales, moved_query_scales
@@ -51,7 +51,7 @@ from .call_tokens import (
     is_bidirectional_mask,
     padding_between_tokens_once,
 )
-from .compiled import traced_attention, traced_call
+from .compiled import layer_key, settings_key, traced_attention, traced_call
 from .composite import tower_refusal
 from .stats import pop_kept_fractions, record_kept_fraction
 
@@ -190,13 +190,41 @@ def model_config_for(module: torch.nn.Module) -> SparseAttentionConfig:
 
 def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
     """The config of this attention layer (`for_layer` of its model's config), parsed once and kept on
-    the module for as long as the model config holds the same settings object."""
+    the module for as long as the model config holds the same settings object (`parsed_layer`)."""
+    return parsed_layer(module)[1]
+
+
+def parsed_layer(module: torch.nn.Module) -> tuple:
+    """(the model config's settings object, the layer's config, its `compiled.settings_key`, the module's
+    `compiled.layer_key`), parsed when the settings object is not the one parsed last and kept on the module: a traced
+    call reads these (`fresh_parsed_layer`) rather than parse them inside the trace."""
     raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
     cached = module.__dict__.get(_LAYER_CONFIG)
     if cached is None or cached[0] is not raw:
-        cached = (raw, model_config_for(module).for_layer(getattr(module, "layer_idx", None)))
+        cfg = model_config_for(module).for_layer(getattr(module, "layer_idx", None))
+        cached = (raw, cfg, settings_key(cfg), layer_key(module))
         module.__dict__[_LAYER_CONFIG] = cached
-    return cached[1]
+    return cached
+
+
+def fresh_parsed_layer(module: torch.nn.Module) -> tuple | None:
+    """What `parsed_layer` kept on the module, or None where its model config holds settings it has not parsed. Read
+    inside a trace (dynamo guards on the settings object and the kept one: other settings trace again), where
+    parsing would take dynamo through json and the config's validation (torch 2.11's dynamo also refuses a module as
+    the argument of a function it would call at trace time, `torch.compiler.assume_constant_result`)."""
+    raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
+    cached = module.__dict__.get(_LAYER_CONFIG)
+    return None if cached is None or cached[0] is not raw else cached
+
+
+def parse_layer_configs(model: torch.nn.Module) -> None:
+    """Parse the layer config of every module of `model` whose config holds the pattern's settings (`parsed_layer`),
+    as a change of the settings (`registration.store_pattern`) does: a compiled model's next trace finds them parsed
+    (a layer it finds unparsed runs outside the graph once, `_traced_call`)."""
+    holders = [id(holder) for holder in pattern_holders(model.config)]
+    for module in model.modules():
+        if id(getattr(module, "config", None)) in holders:
+            parsed_layer(module)
 
 
 def forget_layer_state(model: torch.nn.Module) -> None:
@@ -529,7 +557,8 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
     the eager call's checks (none reads a tensor's values), or None for a call the ops do not take
     (`compiled.traced_call`)."""
     window, unseen_window = mask_only_window(module, sliding_window)
-    if _IN_PROGRESS["probes and CP forwards"] or masked_locality(module, unseen_window) is not None:
+    parsed = fresh_parsed_layer(module)  # (None: settings not parsed yet, which the call outside the graph parses)
+    if parsed is None or _IN_PROGRESS["probes and CP forwards"] or masked_locality(module, unseen_window) is not None:
         return None
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     kwargs = with_forward_positions(kwargs, query.shape[2])
@@ -540,19 +569,9 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         query, key, value = _same_head_dim(query, key, value)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    _keep_layer_config(module)
-    cfg = layer_config(module)
     with torch.autocast(query.device.type, enabled=False):
-        out = traced_attention(module, query, key, value, attention_mask, cfg, scale, window, kwargs)
+        out = traced_attention(module, query, key, value, attention_mask, parsed, scale, window, kwargs)
     return out[..., :value_dim].contiguous()
-
-
-@torch.compiler.assume_constant_result
-def _keep_layer_config(module: torch.nn.Module) -> bool:
-    """Parse the layer's config while tracing, outside the graph (`layer_config` keeps it on the module): the traced
-    `layer_config` then reads what it kept, guarded on the model config's settings object (another one traces
-    again)."""
-    return layer_config(module) is not None
 
 
 # Outside any graph torch.compile traces: the layout is estimated from tensors read back to the host, with per-forward

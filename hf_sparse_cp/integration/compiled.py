@@ -19,7 +19,7 @@ Calls that a library kernel computes eagerly (a dense call: flash-attn or SDPA) 
 here (the op's backward needs its log-sum-exp and layout). Context parallelism keeps the eager path: its ring and
 all-to-all communicate inside the call, between ranks, which one opaque op per rank would hide from the compiler's
 collectives; a call through a KV cache, a window or chunk only the mask carries, a bidirectional mask or multimodal
-RoPE rows keep it too (`traced_call`), as does a torch before 2.13 (`OPS_MIN_TORCH`).
+RoPE rows keep it too (`traced_call`), as does a torch before 2.11 (`OPS_MIN_TORCH`).
 `$HF_SPARSE_CP_TRACED_ATTENTION=outside` keeps every call outside the graphs, as before the ops (read while tracing;
 benchmarks/bench_e2e.py times both)."""
 
@@ -49,27 +49,26 @@ TRACED_ENV = "HF_SPARSE_CP_TRACED_ATTENTION"
 # 'auto': a call the ops take goes through them where the torch traces them (`OPS_MIN_TORCH`); 'ops': on any torch (to
 # try one before it); 'outside': outside the graph (a graph break per call).
 TRACED_SETTINGS = ("auto", "ops", "outside")
-# The first torch release whose dynamo traces the ops' set-up (`torch.compiler.assume_constant_result` of a module and
-# of a config: torch 2.11's refuses them as non-constants, an InternalTorchDynamoError in the compiled forward).
-OPS_MIN_TORCH = (2, 13)
+# The oldest torch release whose dynamo was checked to trace the ops (tests/unit/test_torch_compile.py on 2.11, the GPU
+# image's, and 2.13). The trace reads each layer's settings parsed beforehand (`backend.parsed_layer`): 2.11's dynamo
+# refused the module argument of the `assume_constant_result` function that parsed them while tracing.
+OPS_MIN_TORCH = (2, 11)
 TORCH_TRACES_THE_OPS = Version(torch.__version__).release >= OPS_MIN_TORCH
 
 
-@torch.compiler.assume_constant_result
 def settings_key(cfg: SparseAttentionConfig) -> str:
-    """The layer settings as the plan op takes them (JSON), computed while tracing: dynamo guards on the config
-    object the traced `layer_config` read, so another config traces again."""
+    """The layer settings as the plan op takes them (JSON), computed where the layer's config is parsed, outside any
+    trace (`backend.parsed_layer`)."""
     return json.dumps(cfg.to_dict(), sort_keys=True)
 
 
-# The attention modules a trace handed the plan op, by the key it took (`layer_key`), while they live.
+# The attention modules whose config the backend parsed, by the key the plan op takes (`layer_key`), while they live.
 _LAYERS: dict[str, weakref.ref] = {}
 
 
-@torch.compiler.assume_constant_result
 def layer_key(module: torch.nn.Module) -> str:
-    """The key under which the plan op finds `module` to record its kept fraction, computed while tracing (dynamo
-    guards on the module it traces)."""
+    """The key under which the plan op finds `module` to record its kept fraction, computed where the layer's config
+    is parsed, outside any trace (`backend.parsed_layer`)."""
     key = f"{type(module).__name__}@{id(module):x}"
     _LAYERS[key] = weakref.ref(module, lambda _: _LAYERS.pop(key, None))
     return key
@@ -142,16 +141,19 @@ def traced_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
 
 
 def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask, cfg, scale: float, sliding_window: int | None, kwargs: dict) -> torch.Tensor:
-    """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops."""
+                     attention_mask, parsed: tuple, scale: float, sliding_window: int | None, kwargs: dict
+                     ) -> torch.Tensor:
+    """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops. `parsed`: the
+    layer's config, settings key and layer key, parsed outside the trace (`backend.parsed_layer`)."""
+    _, cfg, settings, layer = parsed
     sees = None
     if _DEFERRED:  # (the forward's first call reads them, as eagerly; the others mutate nothing)
         sees = torch.stack([sees.reshape(()) for sees, _ in _DEFERRED])
         _DEFERRED.clear()
     plan = sequence_plan(query.detach(), key.detach(), attention_mask, kwargs.get("position_ids"),
-                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), sees, settings_key(cfg),
+                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), sees, settings,
                          getattr(getattr(module, "config", None), "model_type", type(module).__name__), scale,
-                         sliding_window, layer_key(module), torch.is_grad_enabled())
+                         sliding_window, layer, torch.is_grad_enabled())
     out, lse = layout_attention(query, key, value, *plan, cfg.block_size, scale, sliding_window, cfg.attention_engine)
     sinks = kwargs.get("s_aux")
     if sinks is not None:

@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
 from . import compat
-from .backend import is_registered, pass_positions_on
+from .backend import is_registered, parse_layer_configs, pass_positions_on
 from .composite import backend_selection, implementations, switched_to
 from .given import require_model
 from .interfaces import registered_for_a_check
@@ -64,12 +64,16 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
 
 def store_pattern(model: torch.nn.Module, value: dict | None, patches: PatchSet | None = None) -> None:
     """Put the pattern's settings `value` (`SparseAttentionConfig.to_dict()`, or None) on every config the model's
-    attention layers read (`pattern_holders`), each change recorded in `patches` when given."""
+    attention layers read (`pattern_holders`), each change recorded in `patches` when given; the layers' configs are
+    parsed now, outside any trace (`backend.parse_layer_configs`: a compiled model traces them without a graph
+    break)."""
     for holder in pattern_holders(model.config):
         if patches is None:
             setattr(holder, MODEL_CONFIG_ATTRIBUTE, value)
         else:
             patches.set_attr(holder, MODEL_CONFIG_ATTRIBUTE, value)
+    if value is not None:
+        parse_layer_configs(model)
 
 
 def select_backend(model: torch.nn.Module, context_parallel: bool = False) -> str | dict | None:

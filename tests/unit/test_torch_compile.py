@@ -191,9 +191,9 @@ def test_the_custom_ops_pass_opcheck():
 
 @traces_the_ops
 def test_a_compiled_model_follows_a_new_config(single_thread):
-    """The plan op takes the layer's settings read while tracing, and the trace guards on the config object they came
-    from: configuring the compiled model again (another block size and budget) traces again, and each step keeps the
-    fractions the uncompiled model keeps with the config of the moment."""
+    """The plan op takes the layer's settings parsed when they were stored (`backend.parsed_layer`), and the trace
+    guards on the config object they came from: configuring the compiled model again (another block size and budget)
+    traces again, and each step keeps the fractions the uncompiled model keeps with the config of the moment."""
     other = PATTERN.replace(block_size=32, local_window=32, budget={"mode": "topk", "vertical_topk": 8,
                                                                      "slash_topk": 2})
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
@@ -209,10 +209,34 @@ def test_a_compiled_model_follows_a_new_config(single_thread):
         torch._dynamo.reset()
 
 
+@traces_the_ops
+def test_settings_set_on_the_config_directly_are_parsed_outside_the_graph_once(single_thread):
+    """Settings put on the model config directly (not through `configure`, which parses every layer's before a trace
+    reads them) are not parsed inside a trace (torch 2.11's dynamo refused the module argument of the function that
+    did: InternalTorchDynamoError, a module is not a constant): the first compiled step runs the calls outside the
+    graph (one break each), which parses them, with the uncompiled step's kept fractions; the next step traces again
+    and takes the ops, no break."""
+    from hf_sparse_cp.config import MODEL_CONFIG_ATTRIBUTE
+
+    other = PATTERN.replace(block_size=32, local_window=32)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    configure(model, other)
+    want = _step(model, ids)
+    configure(model, PATTERN)
+    setattr(model.config, MODEL_CONFIG_ATTRIBUTE, other.to_dict())
+    steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}, {"ids": ids}])
+    (first, breaks, _, _), (second, second_breaks, _, _) = steps
+    assert any("torch.compiler.disable" in reason for reason in breaks) and second_breaks == {}, (breaks,
+                                                                                                    second_breaks)
+    for got in (first, second):
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        assert got[2] == pytest.approx(want[2], abs=1e-12) and min(want[2].values()) < 1
+
+
 def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(single_thread, monkeypatch):
-    """torch 2.11's dynamo (the GPU image's) failed the compiled forward on the ops' set-up (an
-    InternalTorchDynamoError: a module is not a constant): on a torch before `OPS_MIN_TORCH` the calls run outside
-    the graphs, one break at each, the step equal to the uncompiled one."""
+    """On a torch before `OPS_MIN_TORCH` (none checked to trace the ops) the calls run outside the graphs, one break at
+    each, the step equal to the uncompiled one."""
     from hf_sparse_cp.integration import compiled
 
     monkeypatch.setattr(compiled, "TORCH_TRACES_THE_OPS", False)
