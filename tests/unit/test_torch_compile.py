@@ -240,6 +240,7 @@ def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(si
     from hf_sparse_cp.integration import compiled
 
     monkeypatch.setattr(compiled, "TORCH_TRACES_THE_OPS", False)
+    monkeypatch.setenv(TRACED_ENV, "auto")  # (the default, whatever the environment running the tests sets)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
     configure(model, PATTERN)
     ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
