@@ -196,25 +196,26 @@ def layer_config(module: torch.nn.Module) -> SparseAttentionConfig:
 
 def parsed_layer(module: torch.nn.Module) -> tuple:
     """(the model config's settings object, the layer's config, its `compiled.settings_key`, the module's
-    `compiled.layer_key`), parsed when the settings object is not the one parsed last and kept on the module: a traced
-    call reads these (`fresh_parsed_layer`) rather than parse them inside the trace."""
-    raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
-    cached = module.__dict__.get(_LAYER_CONFIG)
-    if cached is None or cached[0] is not raw:
+    `compiled.layer_key`, the module's id), parsed where `fresh_parsed_layer` finds none and kept on the module: a
+    traced call reads these rather than parse them inside the trace."""
+    cached = fresh_parsed_layer(module)
+    if cached is None:
         cfg = model_config_for(module).for_layer(getattr(module, "layer_idx", None))
-        cached = (raw, cfg, settings_key(cfg), layer_key(module))
+        raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
+        cached = (raw, cfg, settings_key(cfg), layer_key(module), id(module))
         module.__dict__[_LAYER_CONFIG] = cached
     return cached
 
 
 def fresh_parsed_layer(module: torch.nn.Module) -> tuple | None:
-    """What `parsed_layer` kept on the module, or None where its model config holds settings it has not parsed. Read
-    inside a trace (dynamo guards on the settings object and the kept one: other settings trace again), where
-    parsing would take dynamo through json and the config's validation (torch 2.11's dynamo also refuses a module as
-    the argument of a function it would call at trace time, `torch.compiler.assume_constant_result`)."""
+    """What `parsed_layer` kept on the module, or None where its model config holds settings it has not parsed, or
+    where the module is a copy (`copy.deepcopy`) holding its original's (whose layer key names the original). Read
+    inside a trace (dynamo guards on the settings object, the kept one and the module: other settings trace again),
+    where parsing would take dynamo through json and the config's validation (torch 2.11's dynamo also refuses a
+    module as the argument of a function it would call at trace time, `torch.compiler.assume_constant_result`)."""
     raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
     cached = module.__dict__.get(_LAYER_CONFIG)
-    return None if cached is None or cached[0] is not raw else cached
+    return None if cached is None or cached[0] is not raw or cached[4] != id(module) else cached
 
 
 def parse_layer_configs(model: torch.nn.Module) -> None:

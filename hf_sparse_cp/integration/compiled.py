@@ -145,7 +145,7 @@ def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      ) -> torch.Tensor:
     """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops. `parsed`: the
     layer's config, settings key and layer key, parsed outside the trace (`backend.parsed_layer`)."""
-    _, cfg, settings, layer = parsed
+    _, cfg, settings, layer, _ = parsed
     sees = None
     if _DEFERRED:  # (the forward's first call reads them, as eagerly; the others mutate nothing)
         sees = torch.stack([sees.reshape(()) for sees, _ in _DEFERRED])

@@ -234,6 +234,25 @@ def test_settings_set_on_the_config_directly_are_parsed_outside_the_graph_once(s
         assert got[2] == pytest.approx(want[2], abs=1e-12) and min(want[2].values()) < 1
 
 
+@traces_the_ops
+def test_a_compiled_deep_copy_records_its_own_kept_fractions(single_thread):
+    """A deep copy of a configured model (TRL's reference model) holds its original's parsed layer configs, whose
+    layer keys name the original's modules: its compiled step parses its own (outside the graph once, as unparsed
+    settings) and records the kept fractions on its own modules, none on the original's."""
+    import copy
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
+    configure(model, PATTERN)
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    want = _step(model, ids)
+    twin = copy.deepcopy(model)
+    steps, _ = _graph_breaks_and_recompiles(twin, [{"ids": ids}, {"ids": ids}])
+    assert pop_kept_fractions(model) == {}
+    for got, _, _, _ in steps:
+        assert got[2] == pytest.approx(want[2], abs=1e-12) and min(want[2].values()) < 1
+    assert steps[1][1] == {}, steps[1][1]
+
+
 def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(single_thread, monkeypatch):
     """On a torch before `OPS_MIN_TORCH` (none checked to trace the ops) the calls run outside the graphs, one break at
     each, the step equal to the uncompiled one."""
