@@ -556,7 +556,7 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
                  ) -> torch.Tensor | None:
     """The output [B, S, Hq, D] of a call inside a trace through the custom ops (`compiled.traced_attention`), with
     the eager call's checks (none reads a tensor's values), or None for a call the ops do not take
-    (`compiled.traced_call`)."""
+    (`compiled.traced_call`), or of a layer whose settings are not parsed yet (`fresh_parsed_layer`)."""
     window, unseen_window = mask_only_window(module, sliding_window)
     parsed = fresh_parsed_layer(module)  # (None: settings not parsed yet, which the call outside the graph parses)
     if parsed is None or _IN_PROGRESS["probes and CP forwards"] or masked_locality(module, unseen_window) is not None:
