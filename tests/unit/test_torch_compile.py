@@ -253,37 +253,22 @@ def test_a_compiled_deep_copy_records_its_own_kept_fractions(single_thread):
     assert steps[1][1] == {}, steps[1][1]
 
 
-def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(single_thread, monkeypatch):
+@pytest.mark.parametrize("setting", ["auto", pytest.param("ops", marks=traces_the_ops)])
+def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(single_thread, monkeypatch, setting):
     """On a torch before `OPS_MIN_TORCH` (none checked to trace the ops) the calls run outside the graphs, one break at
-    each, the step equal to the uncompiled one."""
+    each; $HF_SPARSE_CP_TRACED_ATTENTION=ops (to try such a torch) takes the ops whatever the version, no break. The
+    step equals the uncompiled one either way."""
     from hf_sparse_cp.integration import compiled
 
     monkeypatch.setattr(compiled, "TORCH_TRACES_THE_OPS", False)
-    monkeypatch.setenv(TRACED_ENV, "auto")  # (the default, whatever the environment running the tests sets)
+    monkeypatch.setenv(TRACED_ENV, setting)  # ('auto', the default, whatever the environment running the tests sets)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
     configure(model, PATTERN)
     ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
     want = _step(model, ids)
     steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}])
     (got, breaks, _, _), = steps
-    assert any("torch.compiler.disable" in reason for reason in breaks), breaks
+    assert bool([reason for reason in breaks if "torch.compiler.disable" in reason]) == (setting == "auto"), breaks
+    assert setting == "auto" or breaks == {}, breaks
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert got[2] == pytest.approx(want[2], abs=1e-12)
-
-
-@traces_the_ops
-def test_the_ops_setting_takes_them_on_any_torch(single_thread, monkeypatch):
-    """$HF_SPARSE_CP_TRACED_ATTENTION=ops (to try a torch before `OPS_MIN_TORCH`): the calls go through the ops
-    whatever the version, no graph break, the step equal to the uncompiled one."""
-    from hf_sparse_cp.integration import compiled
-
-    monkeypatch.setattr(compiled, "TORCH_TRACES_THE_OPS", False)
-    monkeypatch.setenv(TRACED_ENV, "ops")
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
-    configure(model, PATTERN)
-    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
-    want = _step(model, ids)
-    steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}])
-    (got, breaks, _, _), = steps
-    assert breaks == {}, breaks
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
