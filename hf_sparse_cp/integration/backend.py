@@ -564,11 +564,7 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
     _refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
     kwargs = with_forward_positions(kwargs, query.shape[2])
     _refuse_attention_weights(module, kwargs)
-    query, key, value = autocast_inputs(query, key, value)
-    value_dim = value.shape[-1]
-    if value_dim != query.shape[-1]:
-        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        query, key, value = _same_head_dim(query, key, value)
+    query, key, value, scaling, value_dim = _engine_inputs(query, key, value, scaling)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     with torch.autocast(query.device.type, enabled=False):
         out = traced_attention(module, query, key, value, attention_mask, parsed, scale, window, kwargs)
@@ -614,11 +610,7 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
     sliding_window, unseen_window = mask_only_window(module, sliding_window)
     _refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs),
                             attention_mask)
-    query, key, value = autocast_inputs(query, key, value)
-    value_dim = value.shape[-1]
-    if value_dim != query.shape[-1]:  # (multi-head latent attention: DeepSeek-V3's values are narrower than q and k)
-        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        query, key, value = _same_head_dim(query, key, value)
+    query, key, value, scaling, value_dim = _engine_inputs(query, key, value, scaling)
     with torch.autocast(query.device.type, enabled=False):
         out, kept = _attend(query, key, value, attention_mask, layer_config(module), scaling, sliding_window, shard,
                             kwargs)
@@ -639,6 +631,19 @@ def _call_documents(query: torch.Tensor, key: torch.Tensor, attention_mask: torc
         return key.shape[2], None
     return q_len, lambda: BatchDocumentExtents(
         batch_token_meta(b, q_len, query.device, attention_mask, kwargs), attention_mask, kwargs)()
+
+
+def _engine_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None, int]:
+    """(q, k, v, scaling, the values' width) as the engines take them: in autocast's dtype (`autocast_inputs`) and of
+    one head dimension (`_same_head_dim`: multi-head latent attention, DeepSeek-V3's values narrower than q and k),
+    the scale then fixed to the unpadded q's; the output is sliced back to the values' width."""
+    query, key, value = autocast_inputs(query, key, value)
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        query, key, value = _same_head_dim(query, key, value)
+    return query, key, value, scaling, value_dim
 
 
 def _same_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
