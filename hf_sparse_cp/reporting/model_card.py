@@ -302,9 +302,11 @@ def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
 
 def _metric(value: Any) -> str:
     """A logged metric for a table: 4 decimals, a count (a float holding an integer, as TRL's num_tokens) without."""
-    if isinstance(value, float) and not value.is_integer():
-        return f"{value:.4f}"
-    return "" if value is None else f"{int(value):,}" if isinstance(value, float) else str(value)
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{int(value):,}" if value.is_integer() else f"{value:.4f}"
+    return str(value)
 
 
 def _model_name(trainer: Trainer) -> str:
