@@ -1045,6 +1045,17 @@ def test_tensor_descriptors_only_where_the_tensors_allow_them():
 
 # ---- a tile-major grid for the forward and dq (Flex's program order, behind Tiles.tile_major) -------
 
+def _packed_case_with_columns(seed, num_verticals=8):
+    """S 100 in blocks of 32, GQA 2, d 16, fp32: q, k, v, dout, dlse, packed documents with padding (their tokens'
+    metadata) and a vertical-slash layout over them with key columns; from the seeds `seed`, `seed` + 1, + 2."""
+    s = 100
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=seed)
+    meta = _random_docs(1, s, seed=seed + 1, pad=3)
+    layout = random_vertical_slash_layout(1, 4, s, 32, num_diagonals=2, num_verticals=num_verticals, meta=meta,
+                                          generator=torch.Generator().manual_seed(seed + 2))
+    assert int(layout.col_cnt.sum()) > 0
+    return q, k, v, dout, dlse, meta, layout
+
 def _kernels_in_tile_major_order(*args, tiles):
     """`_kernel_fwd_bwd` with `tiles`, then again with the same tiles in the launchers' grid order; returns the
     first results, the (TILE_MAJOR, grid) of the first run's forward, dq and dk/dv launches, and the second run's
@@ -1067,12 +1078,8 @@ def test_tile_major_grid_computes_the_same_function(interp):
     out, lse and dq are bitwise those of the launchers' grid (B x Hq, tiles) with the same tiles, each program
     computing what it did (dk/dv take the columns' atomic sums, whose order the dq grid changes); packed
     documents, padding, columns, GQA 2."""
-    s, bs = 100, 32
-    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=101)
-    meta = _random_docs(1, s, seed=102, pad=3)
-    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
-                                          generator=torch.Generator().manual_seed(103))
-    assert int(layout.col_cnt.sum()) > 0
+    q, k, v, dout, dlse, meta, layout = _packed_case_with_columns(101)
+    s = q.shape[2]
     tiles = configs.Tiles(16, 16, 16, 1, 1, tile_major=True)
     res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, worker=_kernels_in_tile_major_order,
                                    tiles={"forward": tiles, "dq": tiles, "dkdv": configs.Tiles(16, 32, 16, 1, 1,
@@ -1098,12 +1105,7 @@ def test_masked_column_steps_reading_their_slots_again_compute_the_same_function
     again, not from the tokens its K/V gather loaded: forward and backward equal the reference, and are bitwise
     those of the launchers' column steps (the same tokens, the same arithmetic). Packed documents, padding and a
     sliding window make most column steps masked; slots past the row's count and partly used last steps too."""
-    s, bs = 100, 32
-    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=111)
-    meta = _random_docs(1, s, seed=112, pad=3)
-    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=12, meta=meta,
-                                          generator=torch.Generator().manual_seed(113))
-    assert int(layout.col_cnt.sum()) > 0
+    q, k, v, dout, dlse, meta, layout = _packed_case_with_columns(111, num_verticals=12)
     tiles = configs.Tiles(16, 16, 16, 1, 1, column_meta_reload=True)
     res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, window=40,
                                    worker=_kernels_with_and_without_meta_reload, tiles={"forward": tiles, "dq": tiles})
@@ -1136,15 +1138,11 @@ def test_the_compiled_paths_custom_op_on_the_kernels_passes_opcheck(interp, memo
     compiler trusts: with the kernels as its engine (the GPU's), not only the reference the CPU tests run, opcheck
     (fake against real outputs, autograd registration, AOT dispatch) passes for the op and its backward, q, k, v in
     transformers' [B, S, H, D] memory or contiguous; out and lse equal the fp64 reference."""
-    s, bs = 100, 32
-    q, k, v, *_ = _inputs(1, 4, 2, s, s, 16, torch.float32, seed=121)
+    q, k, v, _, _, meta, layout = _packed_case_with_columns(121)
+    s = q.shape[2]
     if memory == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    meta = _random_docs(1, s, seed=122, pad=3)
-    layout = random_vertical_slash_layout(1, 4, s, bs, num_diagonals=2, num_verticals=8, meta=meta,
-                                          generator=torch.Generator().manual_seed(123))
-    assert int(layout.col_cnt.sum()) > 0
     out, lse = interp.apply(_opcheck_the_custom_ops_on_the_kernels, (q, k, v, layout, meta))
     assert out.shape == (1, s, 4, 16) and lse.shape == (1, 4, s)
     want_out, want_lse = reference_forward(AttentionCall(*(t.detach().double() for t in (q, k, v)), layout, 0.25,
