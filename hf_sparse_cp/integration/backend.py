@@ -51,7 +51,7 @@ from .call_tokens import (
     is_bidirectional_mask,
     padding_between_tokens_once,
 )
-from .compiled import layer_key, settings_key, traced_attention, traced_call
+from .compiled import layer_key, settings_key, traced_attention, traced_call, traced_setting
 from .composite import tower_refusal
 from .stats import pop_kept_fractions, record_kept_fraction
 
@@ -588,6 +588,7 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
                                       sliding_window, unsupported))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+    traced_setting()  # (a misspelt setting of the compiled path, refused in eager runs too)
     if shard is None and _CP_FORWARD.get() is not None:
         raise RuntimeError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without the "

@@ -126,6 +126,13 @@ def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, sees_nex
     return layout[0], counts[0], layout[1], counts[1], *tokens
 
 
+def traced_setting() -> str:
+    """The setting of `TRACED_ENV` ('auto' where unset); an unknown one is a ValueError listing the settings. Read by
+    the calls outside the graphs too: a trace that meets the error runs the call outside the graph, where it is
+    raised (else a misspelt setting would go unnoticed)."""
+    return choose_backend("Traced attention", TRACED_ENV, TRACED_SETTINGS)
+
+
 def traced_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
     """Whether a call inside a trace may go through the ops (what decides reads no tensor's values, and no module:
     a call it refuses goes outside the graph, as every call did, without guards on its layer): not set 'outside'
@@ -134,7 +141,7 @@ def traced_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
     of at most two dimensions. (A window or chunk that only the mask carries, `backend.masked_locality`, is the caller's
     to check.)"""
     positions = kwargs.get("position_ids")
-    setting = choose_backend("Traced attention", TRACED_ENV, TRACED_SETTINGS)
+    setting = traced_setting()
     return ((setting == "ops" or (setting == "auto" and TORCH_TRACES_THE_OPS))
             and kwargs.get(CP_SHARD_KWARG) is None and query.shape[2] == key.shape[2] and not _BIDIRECTIONAL
             and (positions is None or positions.dim() <= 2))

@@ -272,3 +272,21 @@ def test_a_torch_that_cannot_trace_the_ops_keeps_the_calls_outside_the_graphs(si
     assert setting == "auto" or breaks == {}, breaks
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert got[2] == pytest.approx(want[2], abs=1e-12)
+
+
+def test_a_misspelt_traced_attention_setting_is_refused(single_thread, monkeypatch):
+    """$HF_SPARSE_CP_TRACED_ATTENTION=outsid was ignored: read only while tracing, its error sent the call outside
+    the graph, which never read it. Refused by a compiled step and an uncompiled one, naming the settings."""
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))
+    configure(model, PATTERN)
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv(TRACED_ENV, "outsid")
+    refused = r"Traced attention backend 'outsid' is unknown .*use one of \('auto', 'ops', 'outside'\)"
+    with pytest.raises(ValueError, match=refused):
+        model(input_ids=ids)
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(ValueError, match=refused):
+            torch.compile(model, backend="eager")(input_ids=ids)
+    finally:
+        torch._dynamo.reset()
