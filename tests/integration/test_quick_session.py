@@ -5,9 +5,12 @@ runs; and the orchestration's parts: the caps, the deadline, the verdicts gather
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -20,23 +23,56 @@ def quick():
         yield module
 
 
-def _dry_run(call: str, out) -> tuple[dict, float, str]:
+def _start_dry_run(call: str, out) -> tuple[subprocess.Popen, Callable[[], tuple[dict, float, str]]]:
+    """Start `gpu_session.sh CALL --dry-run` writing to `out`: its process and the call that waits for it and checks
+    what every call's session JSON holds, returning (the session JSON, the wall time, its stdout on one line)."""
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("QUICK_START", None)
+    stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), call, "--dry-run"], capture_output=True,
-                          text=True, timeout=900, env=env, check=False)
-    wall = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    session = json.loads((out / f"{call}-session.json").read_text())
-    assert session["complete"] and session["settings"]["dry_run"] and session["device_type"] == "cpu"
-    assert session["settings"]["call"] == call and session["wall_s"] <= session["settings"]["budget_s"] <= 540
-    assert wall < 900 and len(list(out.iterdir())) <= 8  # what a GPU call brings back
-    return session, wall, " ".join(proc.stdout.split())
+    proc = subprocess.Popen(["bash", str(BENCHMARKS / "gpu_session.sh"), call, "--dry-run"], stdout=stdout,
+                            stderr=stderr, text=True, env=env, start_new_session=True)
+
+    def finish() -> tuple[dict, float, str]:
+        try:
+            proc.wait(900)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        wall = time.monotonic() - start
+        stdout.seek(0), stderr.seek(0)
+        out_text, err_text = stdout.read(), stderr.read()
+        assert proc.returncode == 0, out_text[-3000:] + err_text[-3000:]
+        session = json.loads((out / f"{call}-session.json").read_text())
+        assert session["complete"] and session["settings"]["dry_run"] and session["device_type"] == "cpu"
+        assert session["settings"]["call"] == call and session["wall_s"] <= session["settings"]["budget_s"] <= 540
+        assert wall < 900 and len(list(out.iterdir())) <= 8  # what a GPU call brings back
+        return session, wall, " ".join(out_text.split())
+
+    return proc, finish
 
 
-def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
-    session, wall, stdout = _dry_run("quick", tmp_path)
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """Both calls' dry runs, started together (each runs its stages one after the other on one thread: together
+    they take the longer one's time where the machine has two cores); {call: (the call that waits for its run,
+    its output folder)}. A run still going at the module's end (its test failed first) is stopped."""
+    runs, procs = {}, []
+    for call in ("quick", "quick2"):
+        out = tmp_path_factory.mktemp(call)
+        proc, finish = _start_dry_run(call, out)
+        runs[call] = (finish, out)
+        procs.append(proc)
+    yield runs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(dry_runs):
+    finish, tmp_path = dry_runs["quick"]
+    session, wall, stdout = finish()
     files = {p.name for p in tmp_path.iterdir()}
     assert files == {"quick-session.json", "quick.log", "attention.json", "engine_table.json", "attention-d256.json",
                      "e2e.json", "e2e-compile.json", "tiles.json"}
@@ -109,9 +145,10 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(tmp_path):
     print(f"quick --dry-run: {wall:.0f} s wall")
 
 
-def test_the_second_call_dry_run_runs_the_rest(tmp_path):
+def test_the_second_call_dry_run_runs_the_rest(dry_runs):
     """`quick2`: the head_dim-256 tile short list, the 128K step against sdpa + liger, the fit runs, layer 0 sparse."""
-    session, wall, stdout = _dry_run("quick2", tmp_path)
+    finish, tmp_path = dry_runs["quick2"]
+    session, wall, stdout = finish()
     assert {p.name for p in tmp_path.iterdir()} == {"quick2-session.json", "quick2.log", "tiles-d256.json", "e2e.json",
                                                     "e2e-fit.json", "e2e-layer0.json"}
     assert [(s["name"], s["status"]) for s in session["stages"]] == [
