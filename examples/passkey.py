@@ -106,7 +106,13 @@ def passkey_dataset(
     """
     rng = random.Random(seed)
     probe = tokenizer(FILLER * 8, add_special_tokens=False)["input_ids"]
-    chars_per_token = len(FILLER * 8) / max(1, len(probe))
+    if not probe:  # (no text could give seq_len tokens)
+        raise ValueError(
+            f"the tokenizer {tokenizer.name_or_path!r} turns text into no tokens ({len(tokenizer)} entries in its "
+            "vocabulary): a model folder without the tokenizer's files loads an empty one. Save the model's tokenizer "
+            "into that folder (tokenizer.save_pretrained(folder), as trainer.save_model() does with a "
+            "processing_class), or load one that has them.")
+    chars_per_token = len(FILLER * 8) / len(probe)
     text_len = int(seq_len * chars_per_token) + 64
     draws = [_draw(text_len, rng, margin=len(FILLER) + 64) for _ in range(num_samples)]
     fingerprint = Hasher.hash((Path(__file__).read_bytes(), Hasher.hash(tokenizer), num_samples, seq_len, seed))

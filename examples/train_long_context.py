@@ -220,7 +220,19 @@ def check_model_source(source: str) -> None:
     elif not (path / "config.json").is_file():
         raise ValueError(f"--model_name_or_path {source}: the folder holds no config.json, so it is not a saved model; "
                          "give the folder that save_pretrained / trainer.save_model() wrote (config.json, weights, "
-                         f"tokenizer){_nearby(path, '*.gguf')}.")
+                         f"tokenizer){_nearby(path, '*.gguf')}{_checkpoint_in(path)}.")
+
+
+def _checkpoint_in(path: Path) -> str:
+    """'; <path> holds ...' naming the last Trainer checkpoint in `path` that holds a saved model, if any: the run
+    of an earlier stage saved without --save_final_model has its model there."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(path))
+    if last is None or not (Path(last) / "config.json").is_file():
+        return ""
+    return (f"; {path} holds Trainer checkpoints, the last one's model loads as --model_name_or_path {last} (save a "
+            "run's final model into its output_dir with --save_final_model)")
 
 
 def _nearby(path: Path, pattern: str) -> str:

@@ -198,7 +198,7 @@ def capturing_layouts() -> Iterator:
     hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     hf_sparse_cp.configure(model)
-    yield [(sequence, "estimate_layout"), (os.environ, DENSE_BACKEND_ENV)]
+    yield [(sequence, "sequence_layout"), (os.environ, DENSE_BACKEND_ENV)]
     with capturing(model):
         yield
 
@@ -283,7 +283,7 @@ ONE_PROCESS = {
     ("transformers.TrainingArguments.average_tokens_across_devices",
      "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
     ("peft.AdaLoraConfig.orth_reg_weight",): adapter_regularizer,
-    ("hf_sparse_cp.attention.sequence.estimate_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
+    ("hf_sparse_cp.attention.sequence.sequence_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
        for name in ("__init__", "parse_args_into_dataclasses", "error")), "transformers.Trainer.__init__",

@@ -349,7 +349,7 @@ PATCHES = (
     Patch("triton._C.libtriton", "native_specialize_impl", "calls", "sm_90 builds without a GPU specialize "
           "recorded launch arguments as the JIT does (testing/sm90.py; never on the training path)"),
     # -- our own module, replaced while pictures are drawn --
-    Patch("hf_sparse_cp.attention.sequence", "estimate_layout", "replaces", "`hf-sparse-cp plot` records the "
+    Patch("hf_sparse_cp.attention.sequence", "sequence_layout", "replaces", "`hf-sparse-cp plot` records the "
           "layouts a forward builds", "the end of `capturing_layouts`"),
     Patch("os.environ", "HF_SPARSE_CP_DENSE_BACKEND", "sets", "`hf-sparse-cp plot` keeps dense calls on the "
           "block-sparse kernels so that they build a layout to draw", "the end of `capturing_layouts`", added=True),

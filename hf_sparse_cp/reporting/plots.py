@@ -13,6 +13,7 @@ returned to the caller, and `plot_run` also saves them as PNG.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -88,15 +89,15 @@ def capturing_layouts(model: torch.nn.Module) -> Iterator[dict[int, SparseLayout
     for module in model.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
-    estimate = sequence.estimate_layout
+    layout_of = sequence.sequence_layout  # (estimated, or the dense layout of a dense call: every layer's)
 
     def recording(*args, **kwargs) -> SparseLayout:
-        layout = estimate(*args, **kwargs)
+        layout = layout_of(*args, **kwargs)
         captured[running[-1] if running else len(captured)] = layout.to("cpu")
         return layout
 
     patches = PatchSet()
-    patches.set_attr(sequence, "estimate_layout", recording)
+    patches.set_attr(sequence, "sequence_layout", recording)
     # a dense call taken by flash-attn builds no layout; the documented switch keeps it on the kernels
     patches.set_item(os.environ, DENSE_BACKEND_ENV, "kernels")
     try:
@@ -301,6 +302,15 @@ def plot_run(
     return figures
 
 
+def _tokenizer_source(folder: Path) -> Path:
+    """Where the tokenizer of the model at `folder` is: the folder, or, for a PEFT adapter saved without one
+    (`model.save_pretrained` saves none), the base model that adapter_config.json names."""
+    if (folder / ADAPTER_CONFIG).is_file() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        return Path(base) if base else folder
+    return folder
+
+
 def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
     """The layout figure of one forward of the model at `model_path` (see `plot_run`)."""
     from transformers import AutoTokenizer
@@ -314,15 +324,15 @@ def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
         _check_choice(heads or [], range(language_config(model.config).num_attention_heads), "heads", "--heads")
         fix = ("save it with the model (Trainer(processing_class=tokenizer) saves it with every checkpoint), or draw "
                "the kept fraction alone with --only kept_fraction")
-        folder = Path(str(model_path))
-        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        source = _tokenizer_source(Path(str(model_path)))
+        if source.is_dir() and not any((source / name).is_file() for name in TOKENIZER_FILES):
             # (transformers would build an empty tokenizer of the model's type, which encodes nothing)
-            raise FileNotFoundError(f"No tokenizer with the model in {str(model_path)!r} (no "
+            raise FileNotFoundError(f"No tokenizer with the model in {str(source)!r} (no "
                                     f"{' or '.join(TOKENIZER_FILES)}); {fix}.")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"No tokenizer with the model in {str(model_path)!r} ({e}); {fix}.") from None
+            raise FileNotFoundError(f"No tokenizer with the model in {str(source)!r} ({e}); {fix}.") from None
         pattern = SparseAttentionConfig.stored_on(model.config)
         if text_file is None and seq_len is None:
             seq_len = max(4096, pattern.min_seq_len)

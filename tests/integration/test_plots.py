@@ -21,7 +21,7 @@ from hf_sparse_cp.cli import main
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.reporting.kept_fraction_figure import kept_fraction_series, mean_kept_fraction_per_layer
-from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, TOKENIZER_FILES
 from hf_sparse_cp.reporting.plots import (
     LAYOUTS_PLOT,
     block_coverage,
@@ -124,6 +124,22 @@ def test_the_layout_figure_draws_the_captured_layouts_per_layer_and_head(run_dir
         assert ax.get_title().endswith(f"{kept:.0%} kept") and kept < 0.95  # sparse: blocks were skipped
 
 
+def test_a_dense_layer_is_drawn_as_its_dense_layout(run_dir, tmp_path, capsys):
+    """A layer that runs dense (the default `dense_first_layers: 1`, a document below `min_seq_len`) builds the dense
+    layout, which the figure drew from no layer: `--layers 0` under such a pattern was refused as "layers [0] do
+    not exist: the model has layers 1 to 1", and the default panels left layer 0 out."""
+    pytest.importorskip("matplotlib")
+    pattern = tmp_path / "pattern.yaml"  # PATTERN with layer 0 dense
+    pattern.write_text(json.dumps({**PATTERN.to_dict(), "dense_first_layers": 1}))
+    assert main(["plot", str(run_dir), "--only", "layouts", "--max_length", str(SEQ_LEN), "--layers", "0,1", "--heads",
+                 "0", "--sparse_config", str(pattern), "--out_dir", str(tmp_path)]) == 0, capsys.readouterr().err
+    (figure,) = plot_run(run_dir, tmp_path, only="layouts", seq_len=SEQ_LEN, heads=[0],
+                         sparse_config=pattern).values()
+    titles = [ax.get_title() for ax in figure.axes if ax.images]
+    assert titles[0] == "layer 0, head 0: 100% kept" and titles[1].startswith("layer 1, head 0: "), titles
+    assert titles[1] != "layer 1, head 0: 100% kept"
+
+
 def test_block_coverage_is_the_mask_averaged_over_key_blocks():
     layout = random_layout(1, 3, 200, 200, 16, 0.3, 0.05, generator=torch.Generator().manual_seed(0))
     assert layout.col_cnt.sum() > 0
@@ -204,7 +220,9 @@ def test_the_kept_fraction_of_training_leaves_the_evaluations_out():
 def test_plot_of_a_saved_lora_adapter_draws_the_base_with_the_adapter_and_the_pattern_given(run_dir, tmp_path, capsys):
     """A LoRA run saves an adapter (adapter_config.json, no config.json), which saves no pattern: its layouts load
     the base model with the adapter under the pattern given with --sparse_config, and are refused without one,
-    naming the flag and the card that holds the pattern (they were refused as no saved model at all)."""
+    naming the flag and the card that holds the pattern (they were refused as no saved model at all). An adapter
+    saved without its tokenizer (peft's `save_pretrained`) takes its base model's: it was refused, "No tokenizer with
+    the model"."""
     pytest.importorskip("matplotlib")
     from peft import LoraConfig, get_peft_model
 
@@ -223,6 +241,11 @@ def test_plot_of_a_saved_lora_adapter_draws_the_base_with_the_adapter_and_the_pa
     pattern = tmp_path / "pattern.yaml"
     pattern.write_text("block_size: 32\nmin_seq_len: 128\nlocal_window: 32\nsink_tokens: 4\ndense_first_layers: 0\n")
     assert main([*args, "--sparse_config", str(pattern)]) == 0
+    assert (tmp_path / "png" / LAYOUTS_PLOT).read_bytes()[:8] == PNG
+    for name in TOKENIZER_FILES:  # saved as peft saves it, without the tokenizer: the base model's serves
+        (adapter / name).unlink(missing_ok=True)
+    (tmp_path / "png" / LAYOUTS_PLOT).unlink()
+    assert main([*args, "--sparse_config", str(pattern)]) == 0, capsys.readouterr().err
     assert (tmp_path / "png" / LAYOUTS_PLOT).read_bytes()[:8] == PNG
     hf_sparse_cp.patch()  # (the suite's fixture unregisters it)
     loaded = load_sparse_model(adapter, pattern)

@@ -33,6 +33,17 @@ def _blocks(language: str) -> list[tuple[str, str]]:
 SNIPPETS = _blocks("python")
 
 
+def _indented_blocks() -> list[tuple[str, str]]:
+    """(page name, block) for every indented code block (four spaces, after a blank line, outside the fenced
+    blocks) of the README and docs/, dedented: the pages show shell commands so too (docs/memory.md's)."""
+    out = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for block in re.findall(r"(?:^\n)((?:    .*\n)+)", text, flags=re.M):
+            out.append((page.relative_to(ROOT).as_posix(), "".join(line[4:] + "\n" for line in block.splitlines())))
+    return out
+
+
 def _spans(page: Path) -> list[str]:
     """The inline code spans of a page (outside its fenced blocks), each joined onto one line."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
@@ -51,14 +62,15 @@ def _inline_commands() -> list[tuple[str, str]]:
 
 
 def _commands() -> list[tuple[str, str]]:
-    """Every shell command of the bash blocks, of the prose's inline code, of the example's docstring (its indented
-    lines) and of the recipes' comments, continuation lines joined, comments dropped."""
+    """Every shell command of the bash blocks and the indented blocks, of the prose's inline code, of the example's
+    docstring (its indented lines) and of the recipes' comments, continuation lines joined, comments dropped."""
     out = list(_inline_commands())
     shown = "\n".join(line.strip() for line in train_long_context.__doc__.splitlines() if line.startswith("    "))
     recipes = [(path.relative_to(ROOT).as_posix(), "".join(line[4:] + "\n" for line in path.read_text().splitlines()
                                                           if line.startswith("#   ")))
                for path in sorted((ROOT / "recipes").glob("*/*.yaml"))]  # (the commands in their comments)
-    for page, block in [*_blocks("bash"), ("examples/train_long_context.py", shown + "\n"), *recipes]:
+    for page, block in [*_blocks("bash"), *_indented_blocks(), ("examples/train_long_context.py", shown + "\n"),
+                        *recipes]:
         for command in block.replace("\\\n", " ").splitlines():
             command = command.split(" #", 1)[0].strip()
             if command:
@@ -391,3 +403,41 @@ def test_the_memory_command_names_modules_that_exist(capsys):
     assert named
     for name in named:
         assert hasattr(_resolve(name), "predict_step_memory"), name
+
+
+class _Parsed(Exception):
+    """Raised once a benchmark's parser took its command line: the test stops there, before any work."""
+
+
+def test_every_benchmark_command_shown_parses(monkeypatch):
+    """`python benchmarks/NAME.py ARGS` as the pages show it (in fenced and indented blocks, and inline: the commands
+    docs/accuracy.md says its reports were measured with) runs NAME as python does, up to its parser, which takes
+    ARGS: a renamed or dropped flag fails here, not in a reader's shell. A loop's variable stands for its first
+    value; `$(...)`, what follows `;`, `&` or `|`, and a placeholder (`...`) are left out."""
+    import argparse
+    import runpy
+
+    shown = [(page, match.group(1), match.group(2)) for page, command in COMMANDS
+             for match in [re.search(r"python (benchmarks/\w+\.py)\b(.*)", command)] if match]
+    assert len(shown) >= 10
+    parse_known_args = argparse.ArgumentParser.parse_known_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        namespace, extras = parse_known_args(self, args, namespace)  # (exits on a bad value)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_then_stop)
+    for page, script, args in shown:
+        if "..." in args:
+            continue
+        args = re.split(r"[;&|]", re.sub(r"\$\(.*\)", "", args))[0].replace("$arm", "default")  # (one command)
+        monkeypatch.setattr(sys, "argv", [script, *shlex.split(args)])
+        try:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        except _Parsed:
+            continue
+        except SystemExit:
+            pytest.fail(f"{page}: `python {script}{args}` does not parse")
+        pytest.fail(f"{page}: `python {script}{args}` ran without parsing its command line")

@@ -221,6 +221,60 @@ def test_the_example_names_the_model_path_it_cannot_load(tmp_path, capsys):
         assert f"train_long_context.py: error: {refused}" in capsys.readouterr().err
 
 
+def test_the_example_names_the_checkpoint_of_an_output_dir_given_as_the_model(tmp_path, capsys):
+    """A recipe's next stage starts from the last one's output (`--model_name_or_path outputs/qwen2.5-3b_32k`); run
+    without --save_final_model, that folder holds only Trainer checkpoints, and the refusal said "give the folder
+    that save_pretrained / trainer.save_model() wrote" without naming the checkpoint that holds one."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+    from hf_sparse_cp.examples.train_long_context import main
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(byte_tokenizer()))).save_pretrained(checkpoint)
+    byte_tokenizer().save_pretrained(checkpoint)
+    (tmp_path / "run" / "checkpoint-2").mkdir()  # (an earlier one, not the last)
+    flags = ["--output_dir", str(tmp_path / "out"), "--sparse_max_length", "256", "--num_samples", "1", "--max_steps",
+             "1", "--report_to", "none", "--save_strategy", "no"]
+    with pytest.raises(SystemExit):
+        main(["--model_name_or_path", str(tmp_path / "run"), *flags])
+    assert (f"{tmp_path / 'run'} holds Trainer checkpoints, the last one's model loads as --model_name_or_path "
+            f"{checkpoint} (save a run's final model" in capsys.readouterr().err)
+    try:
+        main(["--model_name_or_path", str(checkpoint), *flags])  # the fix it names
+    finally:
+        import hf_sparse_cp
+
+        hf_sparse_cp.disable_lean_loss()
+        hf_sparse_cp.unpatch()
+    assert "done: 1 step at 256 tokens" in capsys.readouterr().out
+
+
+def test_the_example_names_a_model_folder_without_its_tokenizer(tmp_path, capsys):
+    """A folder of config.json and weights alone (`model.save_pretrained`) loads an empty tokenizer (transformers 5):
+    the passkey data stopped with "generated 0 tokens, fewer than seq_len=256; raise the text length", which no
+    flag does. Refused naming the tokenizer and the fix, which, followed, builds the data."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_sparse_cp.examples.passkey import passkey_dataset
+    from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+    from hf_sparse_cp.examples.train_long_context import main
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    folder = tmp_path / "run"
+    AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(byte_tokenizer()))).save_pretrained(folder)
+    with pytest.raises(SystemExit) as ended:
+        main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out"), "--sparse_max_length", "256",
+              "--num_samples", "1", "--max_steps", "1", "--sparse_config", "trial"])
+    assert ended.value.code == 2
+    assert (f"train_long_context.py: error: the tokenizer {str(folder)!r} turns text into no tokens" in
+            capsys.readouterr().err)
+    byte_tokenizer().save_pretrained(folder)  # the fix the message names
+    data = passkey_dataset(AutoTokenizer.from_pretrained(folder), 1, 256, cache_dir=tmp_path / "cache")
+    assert len(data[0]["input_ids"]) == 256
+
+
 @pytest.mark.parametrize(
     "flags, refused",
     [
