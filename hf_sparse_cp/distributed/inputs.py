@@ -115,6 +115,18 @@ def planned_meta(inputs: Mapping[str, Any], meta: TokenMeta, sharding: str, pad_
     return idle_documents_as_padding(meta, ids, shifted, pad_token_id, ignore_index)
 
 
+def without_padless_mask(inputs: Mapping[str, Any], ref: torch.Tensor) -> Mapping[str, Any]:
+    """`inputs` without an attention_mask of one entry per token of `ref` (the [B, S] ids, or the embeddings) that pads
+    none (one host read), as one process's attention calls get it: the mask function the backend registers
+    (transformers' flash-attention one) hands them None for such a mask, so that restarting position_ids mark the
+    documents. Kept, a mask of ones made the shards' documents the whole row, attended across the restarts that one
+    process keeps apart. A mask of another shape is left to `sequence_meta`'s check."""
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == ref.shape[:2] and bool(mask.all()):
+        return {k: v for k, v in inputs.items() if k != "attention_mask"}
+    return inputs
+
+
 def prepare_context_parallel_inputs(
     inputs: Mapping[str, Any],
     parallel: ParallelDims,
@@ -169,6 +181,7 @@ def prepare_context_parallel_inputs(
             "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
         )
     check_per_token_shapes(inputs)
+    inputs = without_padless_mask(inputs, ref)
     meta = sequence_meta(inputs)
     mode = parallel.mode or RING  # one process (`ParallelDims.single`): a ring of one rank
     sharding = sharding or parallel.sharding
