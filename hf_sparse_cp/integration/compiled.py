@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import weakref
-from types import SimpleNamespace
 
 import torch
 from packaging.version import Version
@@ -41,7 +40,7 @@ from ..attention.tokens import padding_between_tokens, token_meta_from_kwargs
 from ..backends import choose_backend
 from ..config import SparseAttentionConfig
 from ..distributed.shard import CP_SHARD_KWARG
-from .call_tokens import _BIDIRECTIONAL, _DEFERRED, NonCausalMask, every_key_call
+from .call_tokens import _BIDIRECTIONAL, every_key_call
 from .compat import unbacked_size
 from .stats import record_kept_fraction
 
@@ -82,19 +81,15 @@ def _settings(key: str) -> SparseAttentionConfig:
 @torch.library.custom_op("hf_sparse_cp::sequence_plan", mutates_args=())
 def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
-                  cu_seq_lens_k: torch.Tensor | None, sees_next_key: torch.Tensor | None, settings: str,
-                  model_type: str, scale: float, sliding_window: int | None, layer: str, grad_enabled: bool
+                  cu_seq_lens_k: torch.Tensor | None, settings: str, scale: float, sliding_window: int | None,
+                  layer: str, grad_enabled: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     """(block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment) of one call of
     q [B, Hq, S, D], k [B, Hkv, S, D] (no gradient), as the eager backend plans it from transformers' keyword
     arguments. The call's kept fraction is recorded on the module `layer` names (`layer_key`; '' for none) as the
     eager call's, in its module's mode with `grad_enabled` (the forward's: a compiled forward runs the op without
-    gradients); a call with padding between a row's tokens is not counted, as eagerly. `sees_next_key`: the answers
-    of the mask functions this forward evaluated in the graph (`call_tokens._sees_next_key`), refused
-    (`NonCausalMask`) when any holds."""
-    if sees_next_key is not None and bool(sees_next_key.any()):
-        raise NonCausalMask(SimpleNamespace(model_type=model_type), "next key")
+    gradients); a call with padding between a row's tokens is not counted, as eagerly."""
     cfg = _settings(settings)
     b, _, s, _ = q.shape
     kwargs = {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
@@ -114,8 +109,8 @@ def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor
 
 
 @sequence_plan.register_fake
-def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, sees_next_key, settings, model_type, scale,
-      sliding_window, layer, grad_enabled):
+def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, settings, scale, sliding_window, layer,
+      grad_enabled):
     b, _, s, _ = q.shape
     nqb = -(-s // _settings(settings).block_size)
     ctx = torch.library.get_ctx()
@@ -153,14 +148,9 @@ def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops. `parsed`: the
     layer's config, settings key and layer key, parsed outside the trace (`backend.parsed_layer`)."""
     _, cfg, settings, layer, _ = parsed
-    sees = None
-    if _DEFERRED:  # (the forward's first call reads them, as eagerly; the others mutate nothing)
-        sees = torch.stack([sees.reshape(()) for sees, _ in _DEFERRED])
-        _DEFERRED.clear()
     plan = sequence_plan(query.detach(), key.detach(), attention_mask, kwargs.get("position_ids"),
-                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), sees, settings,
-                         getattr(getattr(module, "config", None), "model_type", type(module).__name__), scale,
-                         sliding_window, layer, torch.is_grad_enabled())
+                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), settings, scale, sliding_window,
+                         layer, torch.is_grad_enabled())
     out, lse = layout_attention(query, key, value, *plan, cfg.block_size, scale, sliding_window, cfg.attention_engine)
     sinks = kwargs.get("s_aux")
     if sinks is not None:

@@ -166,6 +166,30 @@ def test_compiled_gradients_are_the_uncompiled_ones_in_fp64(single_thread, monke
         assert got[2] == pytest.approx(want[2], abs=1e-12)
 
 
+@traces_the_ops
+def test_an_activation_checkpointed_compiled_step_has_no_graph_break(single_thread):
+    """With gradient checkpointing the decoder layers run inside torch.utils.checkpoint, whose trace refuses a Python
+    side effect: the first layer's attention call took the forward's mask check off a list (`_DEFERRED`), so that
+    layer ran outside the graph (a graph break, "HOP: Unsafe side effect", at each trace). The check is an op of the
+    mask build now (`call_tokens.refuse_next_key`): no break, and the fp64 loss and gradients are the uncompiled
+    checkpointed step's."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False)).double()
+    configure(model, PATTERN)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    want = _step(model, ids)
+    assert min(want[2].values()) < 1  # the sparse path ran
+    steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}], backend="aot_eager")
+    (got, breaks, _, graphs), = steps
+    assert breaks == {} and graphs == 1, breaks
+    torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=0)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert got[2] == pytest.approx(want[2], abs=1e-12)
+
+
 def test_the_custom_ops_pass_opcheck():
     """torch.library.opcheck (schema, fake implementations against the real ones, autograd registration, AOT
     dispatch with dynamic shapes, where the plan's widths are unbacked sizes) of the plan op on a packed batch with a
@@ -176,7 +200,7 @@ def test_the_custom_ops_pass_opcheck():
     positions = torch.cat([torch.arange(70), torch.arange(30)])[None].expand(2, 100)
     mask = torch.ones(2, 100, dtype=torch.long)
     mask[1, 90:] = 0
-    plan_args = (q, k, mask, positions, None, None, None, settings_key(PATTERN), "llama", 0.3, None, "", True)
+    plan_args = (q, k, mask, positions, None, None, settings_key(PATTERN), 0.3, None, "", True)
     torch.library.opcheck(sequence_plan, plan_args)
     plan = sequence_plan(*plan_args)
     assert plan[2].shape[-1] > 0  # (columns: the layout is sparse)
