@@ -162,6 +162,13 @@ def _(q, k, position_ids, cu_seq_lens_q, cu_seq_lens_k, sliding_window, layer, g
 register_ordered_effect("hf_sparse_cp::dense_call")
 
 
+@torch.compiler.assume_constant_result
+def _flash_attn_installed() -> bool:
+    """`dense.is_flash_attn_available`, which imports flash-attn (dynamo would break the graph at the import), as a
+    constant of the trace."""
+    return is_flash_attn_available()
+
+
 def dense_sdpa(query: torch.Tensor, key: torch.Tensor, attention_mask, cfg: SparseAttentionConfig,
                sliding_window: int | None, kwargs: dict) -> str | None:
     """How a call inside a trace goes to SDPA where the eager call would (`attention.dense`), decided from what the
@@ -177,7 +184,7 @@ def dense_sdpa(query: torch.Tensor, key: torch.Tensor, attention_mask, cfg: Spar
     if kwargs.get("s_aux") is not None or attention_mask is not None:
         return None
     backend = choose_backend("Dense attention", DENSE_BACKEND_ENV, DENSE_BACKENDS)
-    if backend == "auto" and not (library_takes(query, key) and not is_flash_attn_available()
+    if backend == "auto" and not (library_takes(query, key) and not _flash_attn_installed()
                                   and not torch.are_deterministic_algorithms_enabled()):
         return None
     if backend not in ("auto", "sdpa") or any(pattern_documents(cfg, None, 1, s, sliding_window)):

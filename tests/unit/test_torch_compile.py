@@ -278,6 +278,22 @@ def test_a_traced_dense_call_goes_to_sdpa_where_the_eager_call_would(monkeypatch
     assert compiled.dense_sdpa(q, k, mask, cfg, change.get("window"), kwargs) == sdpa
 
 
+def test_the_dense_sdpa_choice_traces_without_a_graph_break(monkeypatch):
+    """`compiled.dense_sdpa` asks whether flash-attn is installed (an import, at which dynamo broke the graph) only
+    for a call the library kernels take (CUDA fp16/bf16, faked here): a constant of the trace."""
+    from hf_sparse_cp.integration import compiled
+
+    monkeypatch.setattr(compiled, "library_takes", lambda q, k: True)
+    q, k = torch.zeros(2, 4, 48, 8), torch.zeros(2, 2, 48, 8)
+    torch._dynamo.reset()
+    try:
+        traced = torch.compile(lambda q, k: compiled.dense_sdpa(q, k, None, PATTERN, None, {}), backend="eager",
+                               fullgraph=True)
+        assert traced(q, k) == compiled.dense_sdpa(q, k, None, PATTERN, None, {})
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_custom_ops_pass_opcheck():
     """torch.library.opcheck (schema, fake implementations against the real ones, autograd registration, AOT
     dispatch with dynamic shapes, where the plan's widths are unbacked sizes) of the plan op on a packed batch with a
