@@ -46,7 +46,6 @@ from .call_tokens import (
     batch_token_meta,
     cache_key_length,
     cache_tokens_held,
-    check_deferred_masks,
     every_key_call,
     is_bidirectional_mask,
     padding_between_tokens_once,
@@ -577,7 +576,6 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
 @torch.compiler.disable
 def _call_outside_graphs(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                          **kwargs) -> tuple[torch.Tensor, None]:
-    check_deferred_masks()
     if is_bidirectional_mask(attention_mask) and not is_cross_attention(module):  # (cross-attention's own refusal)
         raise NonCausalMask(getattr(module, "config", None), "bidirectional")
     shard = kwargs.get(CP_SHARD_KWARG)

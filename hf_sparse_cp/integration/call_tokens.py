@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, flash_attention_mask
@@ -18,6 +19,7 @@ from ..attention.tokens import (
     padding_queries_see_prior_tokens,
     token_meta_from_kwargs,
 )
+from .compat import register_ordered_effect
 from .composite import tower_refusal
 
 # What a mask `sparse_cp_mask` refuses holds (`NonCausalMask`): a model's overlay on the causal mask, transformers'
@@ -97,8 +99,8 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     that keep it (`_causal_composition`) are known not to; any other (a model's own) is evaluated, as transformers'
     SDPA mask evaluates it by broadcasting, on those B x q_length pairs only, once per mask (a forward). A probe
     forward on the meta device evaluates it on the CPU; a function of meta tensors is not read. Under torch.compile
-    (which cannot read a closure) the evaluation stays in the graph and its answer is read by the forward's first
-    attention call, outside the graph (`check_deferred_masks`): reading it here would break the graph."""
+    (whose dynamo before 2.13 cannot read a closure) the evaluation stays in the graph, and so does its refusal
+    (`refuse_next_key`, an op the graph keeps): reading the answer here would break the graph."""
     if mask_function is None or (not torch.compiler.is_compiling() and _causal_composition(mask_function) == "causal"):
         return False
     device = torch.device("cpu" if device is None or torch.device(device).type == "meta" else device)
@@ -110,9 +112,31 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
         return False
     sees = (sees & (key > query).to(sees.device)).any()
     if torch.compiler.is_compiling():
-        _DEFERRED.append((sees, config))
+        refuse_next_key(sees, getattr(config, "model_type", "unknown"), getattr(config, "base_config_key", None))
         return False
     return bool(sees)
+
+
+_REFUSE_NEXT_KEY = "hf_sparse_cp::refuse_next_key"
+
+
+@torch.library.custom_op(_REFUSE_NEXT_KEY, mutates_args=())
+def refuse_next_key(sees: torch.Tensor, model_type: str, base_config_key: str | None) -> None:
+    """Raise `NonCausalMask` where `sees` (a mask function's answer, `_sees_next_key`) holds, for a model of
+    `model_type` (and tower `base_config_key`, `composite.tower_refusal`). An ordered side effect of a compiled
+    forward's mask build (`compat.register_ordered_effect`: the graph keeps it though it returns nothing), which
+    before handed the answer to its first attention call on a list: a Python side effect, which the trace of an
+    activation-checkpointed layer refuses (that layer then ran outside the graph)."""
+    if bool(sees):
+        raise NonCausalMask(SimpleNamespace(model_type=model_type, base_config_key=base_config_key), "next key")
+
+
+@refuse_next_key.register_fake
+def _(sees, model_type, base_config_key):
+    return None
+
+
+register_ordered_effect(_REFUSE_NEXT_KEY)
 
 
 # transformers' compositions of mask functions (masking_utils), by qualified name, and the closure variable that holds
@@ -150,21 +174,6 @@ def _causal_composition(function) -> str | None:
     if name == _REMAPPED and _causal_composition(_closure_value(function, _REMAPPED_PART)) == "causal":
         return "within documents"
     return None
-
-
-# The answers of mask functions evaluated inside a compiled graph (`_sees_next_key`): (whether some query sees the key
-# after it, the model config), read by the next attention call.
-_DEFERRED: list[tuple[torch.Tensor, object]] = []
-
-
-def check_deferred_masks() -> None:
-    """Refuse (`NonCausalMask`) a mask a compiled forward built that lets a query see a later key; called by every
-    attention call, outside the compiled graphs (one read per mask a forward built under torch.compile)."""
-    while _DEFERRED:
-        sees, config = _DEFERRED.pop()
-        if bool(sees):
-            _DEFERRED.clear()
-            raise NonCausalMask(config, "next key")
 
 
 # The masks `sparse_cp_mask` built from transformers' bidirectional mask function, by id (a weak reference checks

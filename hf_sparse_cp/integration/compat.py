@@ -342,6 +342,12 @@ PATCHES = (
           "the layout's data-dependent widths as unbacked sizes in any trace (torch's `new_dynamic_size` refuses them "
           "unless torch._dynamo.config.capture_dynamic_output_shape_ops is set: a graph break at each call; "
           "integration/compiled.py)", parameters=("shape_env", "min_val", "max_val")),
+    Patch("torch.library", "_register_effectful_op", "calls", "the op that refuses a non-causal mask inside a "
+          "compiled forward (integration/call_tokens.py) returns nothing: registered as ordered-effectful, the graphs "
+          "keep it (a pure op whose output no one reads is dead code) in the mask build, where it needs no Python "
+          "side effect (which an activation-checkpointed layer's trace refuses)", parameters=("op", "effect", "lib")),
+    Patch("torch._library.effects", "EffectType", "reads", "the effect `_register_effectful_op` registers "
+          "(ORDERED)"),
     Patch("torch._library.fake_impl.FakeImplCtx", "_shape_env", "reads", "the shape environment `allocate_size` "
           "creates the unbacked sizes in (integration/compiled.py)", on_instances=True),
     Patch("triton.runtime.jit", "JITFunction", "reads", "whether the kernels were decorated for Triton's "
@@ -584,6 +590,18 @@ def unbacked_size(ctx: Any) -> Any:
     from torch._library.fake_impl import allocate_size
 
     return ctx.new_dynamic_size() if ctx._shape_env is None else allocate_size(ctx._shape_env)
+
+
+def register_ordered_effect(op: str) -> None:
+    """Make the custom op named `op` ('namespace::name', which returns nothing) an ordered side effect: the graphs
+    torch.compile builds keep it in its place, where they would drop a pure op whose output no one reads (torch's
+    private `_register_effectful_op`; no public way)."""
+    require("torch.library._register_effectful_op")
+    require("torch._library.effects.EffectType")
+    from torch._library.effects import EffectType
+    from torch.library import _register_effectful_op
+
+    _register_effectful_op(op, EffectType.ORDERED)
 
 
 def set_process_group_timeout(timeout: timedelta) -> None:

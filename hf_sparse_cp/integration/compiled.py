@@ -15,11 +15,17 @@ chunk transformers passes on) now goes through two ops instead, each opaque to t
 * `hf_sparse_cp::layout_attention` (`attention.opaque`) computes attention over that layout, and its registered
   backward takes the same layout tensors: the gradients are exact and nothing is estimated again.
 
-Calls that a library kernel computes eagerly (a dense call: flash-attn or SDPA) run the engine over the dense layout
-here (the op's backward needs its log-sum-exp and layout). Context parallelism keeps the eager path: its ring and
-all-to-all communicate inside the call, between ranks, which one opaque op per rank would hide from the compiler's
-collectives; a call through a KV cache, a window or chunk only the mask carries, a bidirectional mask or multimodal
-RoPE rows keep it too (`traced_call`), as does a torch before 2.11 (`OPS_MIN_TORCH`).
+A call that its layer's settings and length make dense traces as SDPA where the eager call runs SDPA and the trace
+knows its rows are plain causal ones (no padding mask, position_ids or cu_seq_lens: `dense_sdpa`), or where
+$HF_SPARSE_CP_DENSE_BACKEND=sdpa, whose refusal of packed rows `hf_sparse_cp::dense_call` applies at run time as
+eagerly; that op also records the call's kept fraction. Other dense calls run the engine over the dense layout in the
+ops: flash-attn's (its documents read back to the host), and SDPA's under 'auto' on rows that may be packed, which the
+eager call reads back to choose (a graph cannot branch on that without `torch.cond`).
+
+Context parallelism keeps the eager path: its ring and all-to-all communicate inside the call, between ranks, which
+one opaque op per rank would hide from the compiler's collectives; a call through a KV cache, a window or chunk only
+the mask carries, a bidirectional mask or multimodal RoPE rows keep it too (`traced_call`), as does a torch before
+2.11 (`OPS_MIN_TORCH`).
 `$HF_SPARSE_CP_TRACED_ATTENTION=outside` keeps every call outside the graphs, as before the ops (read while tracing;
 benchmarks/bench_e2e.py times both)."""
 
@@ -28,11 +34,18 @@ from __future__ import annotations
 import functools
 import json
 import weakref
-from types import SimpleNamespace
 
 import torch
 from packaging.version import Version
 
+from ..attention.dense import (
+    DENSE_BACKEND_ENV,
+    DENSE_BACKENDS,
+    dense_backend,
+    is_flash_attn_available,
+    library_takes,
+    sdpa_dense_attention,
+)
 from ..attention.estimate import pattern_documents
 from ..attention.opaque import layout_attention
 from ..attention.sequence import sequence_layout
@@ -41,8 +54,8 @@ from ..attention.tokens import padding_between_tokens, token_meta_from_kwargs
 from ..backends import choose_backend
 from ..config import SparseAttentionConfig
 from ..distributed.shard import CP_SHARD_KWARG
-from .call_tokens import _BIDIRECTIONAL, _DEFERRED, NonCausalMask, every_key_call
-from .compat import unbacked_size
+from .call_tokens import _BIDIRECTIONAL, every_key_call
+from .compat import register_ordered_effect, unbacked_size
 from .stats import record_kept_fraction
 
 TRACED_ENV = "HF_SPARSE_CP_TRACED_ATTENTION"
@@ -82,19 +95,15 @@ def _settings(key: str) -> SparseAttentionConfig:
 @torch.library.custom_op("hf_sparse_cp::sequence_plan", mutates_args=())
 def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
-                  cu_seq_lens_k: torch.Tensor | None, sees_next_key: torch.Tensor | None, settings: str,
-                  model_type: str, scale: float, sliding_window: int | None, layer: str, grad_enabled: bool
+                  cu_seq_lens_k: torch.Tensor | None, settings: str, scale: float, sliding_window: int | None,
+                  layer: str, grad_enabled: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     """(block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment) of one call of
     q [B, Hq, S, D], k [B, Hkv, S, D] (no gradient), as the eager backend plans it from transformers' keyword
     arguments. The call's kept fraction is recorded on the module `layer` names (`layer_key`; '' for none) as the
     eager call's, in its module's mode with `grad_enabled` (the forward's: a compiled forward runs the op without
-    gradients); a call with padding between a row's tokens is not counted, as eagerly. `sees_next_key`: the answers
-    of the mask functions this forward evaluated in the graph (`call_tokens._sees_next_key`), refused
-    (`NonCausalMask`) when any holds."""
-    if sees_next_key is not None and bool(sees_next_key.any()):
-        raise NonCausalMask(SimpleNamespace(model_type=model_type), "next key")
+    gradients); a call with padding between a row's tokens is not counted, as eagerly."""
     cfg = _settings(settings)
     b, _, s, _ = q.shape
     kwargs = {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
@@ -114,8 +123,8 @@ def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor
 
 
 @sequence_plan.register_fake
-def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, sees_next_key, settings, model_type, scale,
-      sliding_window, layer, grad_enabled):
+def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, settings, scale, sliding_window, layer,
+      grad_enabled):
     b, _, s, _ = q.shape
     nqb = -(-s // _settings(settings).block_size)
     ctx = torch.library.get_ctx()
@@ -124,6 +133,65 @@ def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, sees_nex
     counts = [q.new_empty(b, heads, nqb, dtype=torch.int32) for _ in range(2)]
     tokens = [q.new_empty(b, s, dtype=dtype) for dtype in (torch.int64, torch.int32) * 2]
     return layout[0], counts[0], layout[1], counts[1], *tokens
+
+
+@torch.library.custom_op("hf_sparse_cp::dense_call", mutates_args=())
+def dense_call(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
+               cu_seq_lens_k: torch.Tensor | None, sliding_window: int | None, layer: str, grad_enabled: bool,
+               check: bool) -> None:
+    """What the eager call does around the SDPA call of a dense call of q [B, Hq, S, D], k (no gradient) that
+    `dense_sdpa` sends there, at run time: with `check`, choose its backend as eagerly (`dense.dense_backend` on the
+    tokens of its keyword arguments: $HF_SPARSE_CP_DENSE_BACKEND=sdpa refuses packed rows, as it does eagerly);
+    then record the kept fraction of a dense call (1) on the module `layer` names, as `sequence_plan` does. An ordered
+    side effect (`compat.register_ordered_effect`: the graph keeps it though it returns nothing)."""
+    b, _, s, _ = q.shape
+    if check:
+        kwargs = {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
+                                          ("cu_seq_lens_k", cu_seq_lens_k)) if t is not None}
+        dense_backend(q, k, token_meta_from_kwargs(b, s, q.device, None, kwargs), sliding_window)
+    module = _LAYERS[layer]() if layer in _LAYERS else None
+    if module is not None:
+        record_kept_fraction(module, torch.ones((), dtype=torch.float64, device=q.device), grad_enabled)
+
+
+@dense_call.register_fake
+def _(q, k, position_ids, cu_seq_lens_q, cu_seq_lens_k, sliding_window, layer, grad_enabled, check):
+    return None
+
+
+register_ordered_effect("hf_sparse_cp::dense_call")
+
+
+@torch.compiler.assume_constant_result
+def _flash_attn_installed() -> bool:
+    """`dense.is_flash_attn_available`, which imports flash-attn (dynamo would break the graph at the import), as a
+    constant of the trace."""
+    return is_flash_attn_available()
+
+
+def dense_sdpa(query: torch.Tensor, key: torch.Tensor, attention_mask, cfg: SparseAttentionConfig,
+               sliding_window: int | None, kwargs: dict) -> str | None:
+    """How a call inside a trace goes to SDPA where the eager call would (`attention.dense`), decided from what the
+    trace knows (no tensor's values): 'plain' for a call that its layer's settings and length make dense
+    (`estimate.pattern_documents`: a dense pattern, a window, fewer tokens than min_seq_len), without sinks, whose rows
+    are plain causal ones whatever its tensors hold (no padding mask, no position_ids or cu_seq_lens, no window
+    shorter than the rows), where the eager call's backend takes SDPA (`dense.dense_backend`: 'auto' on CUDA fp16/bf16
+    without flash-attn, outside deterministic mode, or $HF_SPARSE_CP_DENSE_BACKEND=sdpa); 'checked' for one with
+    position_ids or cu_seq_lens (or a window) under $HF_SPARSE_CP_DENSE_BACKEND=sdpa, whose rows `dense_call` checks
+    as eagerly (refused where packed); None for the others (the ops: the estimated layout, or the dense one of
+    packed or padded rows, which 'auto' runs on SDPA eagerly only when the rows it reads back are plain)."""
+    s = query.shape[2]
+    if kwargs.get("s_aux") is not None or attention_mask is not None:
+        return None
+    backend = choose_backend("Dense attention", DENSE_BACKEND_ENV, DENSE_BACKENDS)
+    if backend == "auto" and not (library_takes(query, key) and not _flash_attn_installed()
+                                  and not torch.are_deterministic_algorithms_enabled()):
+        return None
+    if backend not in ("auto", "sdpa") or any(pattern_documents(cfg, None, 1, s, sliding_window)):
+        return None
+    plain = (sliding_window is None or sliding_window >= s) and all(
+        kwargs.get(name) is None for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k"))
+    return "plain" if plain else "checked" if backend == "sdpa" else None
 
 
 def traced_setting() -> str:
@@ -153,14 +221,14 @@ def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops. `parsed`: the
     layer's config, settings key and layer key, parsed outside the trace (`backend.parsed_layer`)."""
     _, cfg, settings, layer, _ = parsed
-    sees = None
-    if _DEFERRED:  # (the forward's first call reads them, as eagerly; the others mutate nothing)
-        sees = torch.stack([sees.reshape(()) for sees, _ in _DEFERRED])
-        _DEFERRED.clear()
+    sdpa = dense_sdpa(query, key, attention_mask, cfg, sliding_window, kwargs)
+    if sdpa is not None:
+        dense_call(query.detach(), key.detach(), kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"),
+                   kwargs.get("cu_seq_lens_k"), sliding_window, layer, torch.is_grad_enabled(), sdpa == "checked")
+        return sdpa_dense_attention(query, key, value, scale=scale)
     plan = sequence_plan(query.detach(), key.detach(), attention_mask, kwargs.get("position_ids"),
-                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), sees, settings,
-                         getattr(getattr(module, "config", None), "model_type", type(module).__name__), scale,
-                         sliding_window, layer, torch.is_grad_enabled())
+                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), settings, scale, sliding_window,
+                         layer, torch.is_grad_enabled())
     out, lse = layout_attention(query, key, value, *plan, cfg.block_size, scale, sliding_window, cfg.attention_engine)
     sinks = kwargs.get("s_aux")
     if sinks is not None:

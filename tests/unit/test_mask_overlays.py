@@ -132,12 +132,13 @@ def test_transformers_own_compositions_pass_on_without_reading_the_device(make, 
     assert mask is None and reads.total == 0, reads.table()
 
 
-def test_a_compiled_forwards_mask_is_checked_by_its_first_attention_call_outside_the_graph():
-    """Under torch.compile the mask function's closure cannot be read, so the evaluation stays in the graph (no graph
-    break: fullgraph) and the forward's first attention call reads its answer (`check_deferred_masks`): a
-    bidirectional window is refused there, naming the fix, and a causal one passes."""
-    from hf_sparse_cp.integration.call_tokens import check_deferred_masks
-
+def test_a_compiled_forwards_mask_is_refused_in_the_graph():
+    """Under torch.compile the mask function's closure is not read (torch 2.11's dynamo cannot), so the evaluation
+    stays in the graph (no graph break: fullgraph), and so does its refusal (`refuse_next_key`, an op the graph keeps
+    though it returns nothing; backend aot_eager drops ops whose output no one reads): a bidirectional window is
+    refused by the compiled build itself, naming the fix, and a causal one passes. Before, its answer was left on a
+    list for the forward's first attention call to read, a Python side effect that an activation-checkpointed
+    layer's trace refuses (tests/unit/test_torch_compile.py: that layer ran outside the graph)."""
     def build(function, positions):
         return sparse_cp_mask(2, 40, 40, mask_function=function(positions), device="cpu"), positions + 1
 
@@ -145,11 +146,11 @@ def test_a_compiled_forwards_mask_is_checked_by_its_first_attention_call_outside
     try:
         for function, refused in ((sliding_window_causal_mask_function, False),
                                   (sliding_window_bidirectional_mask_function, True)):
-            mask, _ = torch.compile(build, backend="eager", fullgraph=True)(function, torch.tensor(8))
-            assert mask is None
+            compiled = torch.compile(build, backend="aot_eager", fullgraph=True)
             if refused:
                 with pytest.raises(NonCausalMask, match=r"lets tokens see later ones.*attn_implementation='sdpa'"):
-                    check_deferred_masks()
-            check_deferred_masks()  # (read once: nothing left)
+                    compiled(function, torch.tensor(8))
+            else:
+                assert compiled(function, torch.tensor(8))[0] is None
     finally:
         torch._dynamo.reset()

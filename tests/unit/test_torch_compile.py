@@ -166,6 +166,134 @@ def test_compiled_gradients_are_the_uncompiled_ones_in_fp64(single_thread, monke
         assert got[2] == pytest.approx(want[2], abs=1e-12)
 
 
+@traces_the_ops
+def test_an_activation_checkpointed_compiled_step_has_no_graph_break(single_thread):
+    """With gradient checkpointing the decoder layers run inside torch.utils.checkpoint, whose trace refuses a Python
+    side effect: the first layer's attention call took the forward's mask check off a list (`_DEFERRED`), so that
+    layer ran outside the graph (a graph break, "HOP: Unsafe side effect", at each trace). The check is an op of the
+    mask build now (`call_tokens.refuse_next_key`): no break, and the fp64 loss and gradients are the uncompiled
+    checkpointed step's."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False)).double()
+    configure(model, PATTERN)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    want = _step(model, ids)
+    assert min(want[2].values()) < 1  # the sparse path ran
+    steps, _ = _graph_breaks_and_recompiles(model, [{"ids": ids}], backend="aot_eager")
+    (got, breaks, _, graphs), = steps
+    assert breaks == {} and graphs == 1, breaks
+    torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=0)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert got[2] == pytest.approx(want[2], abs=1e-12)
+
+
+def _traced_attention(model, ids, **inputs):
+    """(the attention ops of the graph dynamo traced for one compiled step of `model`, in their order, the step, the
+    graph breaks): backend aot_eager, which differentiates the graph (the backward op takes the layout)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = _step(torch.compile(model, backend=recording), ids, **inputs)
+    finally:
+        torch._dynamo.reset()
+    calls = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    ops = ["sdpa" if target is torch.nn.functional.scaled_dot_product_attention else str(target).split(".")[1]
+           for target in calls
+           if target is torch.nn.functional.scaled_dot_product_attention or str(target).startswith("hf_sparse_cp.")]
+    return ops, got, dict(counters["graph_break"])
+
+
+@traces_the_ops
+def test_dense_calls_trace_as_sdpa_where_the_eager_calls_run_it(single_thread, monkeypatch):
+    """A call that its layer's settings make dense (here the dense first layer) traces as SDPA where the eager call
+    runs SDPA ($HF_SPARSE_CP_DENSE_BACKEND=sdpa; 'auto' on CUDA fp16/bf16 without flash-attn), with an op that checks
+    the rows as the eager call does and records its kept fraction; the sparse layer keeps the ops. Before, every call
+    inside a trace ran the engine over the dense layout inside the ops. Where the eager call runs the kernels ('auto'
+    on the CPU) the trace keeps the ops. In fp64 the compiled steps' losses, gradients and kept fractions are the
+    uncompiled ones, no graph break; packed rows under 'sdpa' are refused as the eager call refuses them."""
+    from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False)).double()
+    configure(model, PATTERN.replace(dense_first_layers=1))
+    ids = torch.randint(3, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    for backend, dense_layer in (("sdpa", ["dense_call", "sdpa"]), ("auto", ["sequence_plan", "layout_attention"])):
+        monkeypatch.setenv(DENSE_BACKEND_ENV, backend)
+        want = _step(model, ids)
+        assert want[2][0] == 1 and want[2][1] < 1  # (the dense layer, the sparse one)
+        ops, got, breaks = _traced_attention(model, ids)
+        # (the mask build's check, then the dense layer's calls, then the sparse layer's)
+        assert ops == ["refuse_next_key", *dense_layer, "sequence_plan", "layout_attention"] and breaks == {}, (
+            backend, ops, breaks)
+        torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=0)
+        for g, w in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        assert got[2] == pytest.approx(want[2], abs=1e-12)
+    monkeypatch.setenv(DENSE_BACKEND_ENV, "sdpa")
+    packed = torch.cat([torch.arange(100), torch.arange(60)])[None].expand(2, 160)
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        with pytest.raises(ValueError, match=r"=sdpa computes plain causal attention only, and this batch has packed"):
+            run(input_ids=ids, position_ids=packed)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("change, sdpa", [
+    ({}, "plain"), ({"backend": "sdpa"}, "plain"), ({"backend": "kernels"}, None), ({"backend": "flash_attn"}, None),
+    ({"position_ids": True}, None), ({"position_ids": True, "backend": "sdpa"}, "checked"),
+    ({"window": 100}, "plain"), ({"window": 40}, None), ({"window": 40, "backend": "sdpa"}, "checked"),
+    ({"length": 64}, None), ({"length": 64, "pattern": "dense"}, "plain"), ({"mask": True}, None),
+    ({"sinks": True}, None), ({"flash": True}, None), ({"deterministic": True}, None), ({"cpu": True}, None),
+])
+def test_a_traced_dense_call_goes_to_sdpa_where_the_eager_call_would(monkeypatch, change, sdpa):
+    """`compiled.dense_sdpa`, from what a trace knows: a dense call (fewer tokens than min_seq_len, a dense pattern or
+    a window) goes to SDPA where the eager call's backend would ('auto': CUDA fp16/bf16, faked here, without flash-attn,
+    outside deterministic mode; or forced 'sdpa') and its rows are plain whatever its tensors hold ('plain'), or, under
+    'sdpa', checked at run time as eagerly ('checked'); a call with a padding mask, sinks, a window shorter than its
+    rows or position_ids under 'auto' (which the eager call reads back to choose) keeps the ops (None)."""
+    from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
+    from hf_sparse_cp.integration import compiled
+
+    monkeypatch.setenv(DENSE_BACKEND_ENV, change.get("backend", "auto"))
+    monkeypatch.setattr(compiled, "library_takes", lambda q, k: not change.get("cpu"))
+    monkeypatch.setattr(compiled, "is_flash_attn_available", lambda: bool(change.get("flash")))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: bool(change.get("deterministic")))
+    length = change.get("length", 48)
+    q, k = torch.zeros(2, 4, length, 8), torch.zeros(2, 2, length, 8)
+    kwargs = {"position_ids": torch.arange(length)[None]} if change.get("position_ids") else {}
+    if change.get("sinks"):
+        kwargs["s_aux"] = torch.zeros(4)
+    cfg = PATTERN.replace(pattern="dense") if change.get("pattern") else PATTERN
+    mask = torch.ones(2, length) if change.get("mask") else None
+    assert compiled.dense_sdpa(q, k, mask, cfg, change.get("window"), kwargs) == sdpa
+
+
+def test_the_dense_sdpa_choice_traces_without_a_graph_break(monkeypatch):
+    """`compiled.dense_sdpa` asks whether flash-attn is installed (an import, at which dynamo broke the graph) only
+    for a call the library kernels take (CUDA fp16/bf16, faked here): a constant of the trace."""
+    from hf_sparse_cp.integration import compiled
+
+    monkeypatch.setattr(compiled, "library_takes", lambda q, k: True)
+    q, k = torch.zeros(2, 4, 48, 8), torch.zeros(2, 2, 48, 8)
+    torch._dynamo.reset()
+    try:
+        traced = torch.compile(lambda q, k: compiled.dense_sdpa(q, k, None, PATTERN, None, {}), backend="eager",
+                               fullgraph=True)
+        assert traced(q, k) == compiled.dense_sdpa(q, k, None, PATTERN, None, {})
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_custom_ops_pass_opcheck():
     """torch.library.opcheck (schema, fake implementations against the real ones, autograd registration, AOT
     dispatch with dynamic shapes, where the plan's widths are unbacked sizes) of the plan op on a packed batch with a
@@ -176,7 +304,7 @@ def test_the_custom_ops_pass_opcheck():
     positions = torch.cat([torch.arange(70), torch.arange(30)])[None].expand(2, 100)
     mask = torch.ones(2, 100, dtype=torch.long)
     mask[1, 90:] = 0
-    plan_args = (q, k, mask, positions, None, None, None, settings_key(PATTERN), "llama", 0.3, None, "", True)
+    plan_args = (q, k, mask, positions, None, None, settings_key(PATTERN), 0.3, None, "", True)
     torch.library.opcheck(sequence_plan, plan_args)
     plan = sequence_plan(*plan_args)
     assert plan[2].shape[-1] > 0  # (columns: the layout is sparse)
