@@ -62,6 +62,7 @@ from hf_sparse_cp import (
     SparseTrainingArguments,
 )
 from hf_sparse_cp.config.files import check_field_types, read_mapping
+from hf_sparse_cp.config.sections import budget_field_names, modes_of
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
@@ -260,7 +261,8 @@ DEMO_DEFAULTS = {
     "sparse_dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
 }
 # The demo's budget: a default for a run that chooses none. A budget mode given on the command line (or a
-# --sparse_config file, which holds one) replaces it whole; a field of another mode alone is refused, naming it.
+# --sparse_config file, which holds one) replaces it whole, and so does a field that its mode does not read: given
+# without a mode, that field selects its own mode (as in any run); a field of its mode changes only that field.
 DEMO_BUDGET = {"sparse_budget_mode": "topk", "sparse_vertical_topk": 64, "sparse_slash_topk": 128}
 # The example's sequence length when neither the command line nor a recipe gives one (SparseTrainingArguments'
 # own default, None, means "the first sample's length", which the example's data takes from this).
@@ -413,7 +415,7 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, LENGTH_FIELD: MAX_LENGTH}
     if recipe is None and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
-        defaults |= {} if explicit & {"sparse_budget_mode", "sparse_config"} else DEMO_BUDGET
+        defaults |= DEMO_BUDGET if keeps_demo_budget(explicit) else {}
     parser.set_defaults(**defaults)
     try:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -429,6 +431,15 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)
+
+
+def keeps_demo_budget(explicit: set[str]) -> bool:
+    """Whether the demo's budget applies to a command line giving flags `explicit`: not when it gives a budget
+    mode, a --sparse_config file, or a budget field the demo's mode does not read."""
+    if explicit & {"sparse_budget_mode", "sparse_config"}:
+        return False
+    given = {name.removeprefix("sparse_") for name in explicit} & set(budget_field_names())
+    return all(DEMO_BUDGET["sparse_budget_mode"] in modes_of(name) for name in given)
 
 
 def passkey_train_data(

@@ -1,7 +1,7 @@
 """The budget modes as a user meets them in `hf-sparse-cp train` without a recipe (issue #40): the demo's
 top-k budget is a default, so another mode given on the command line, in a --sparse_config file, in a
-resumed run or in a --cp_schedule stage trains with that mode; a field of a mode the run does not select is
-refused, naming the mode."""
+resumed run or in a --cp_schedule stage trains with that mode, and so does a field of another mode given alone; a
+field of a mode the run does not select is refused, naming the mode."""
 
 from __future__ import annotations
 
@@ -61,9 +61,21 @@ def test_the_demo_trains_in_mass_mode_from_the_command_line(tmp_path, trained, s
     assert _pattern(trained[1]).budget == TopK(64, 128)  # the demo's own budget, unchanged
 
 
-def test_a_field_of_another_mode_is_refused_naming_the_mode(tmp_path, capsys):
+def test_a_field_alone_selects_its_mode_and_a_field_the_given_mode_does_not_read_is_refused(tmp_path, trained, capsys,
+                                                                                              single_thread):
+    """As the flags' help says: given without a budget mode, a field of another mode selects that mode (the demo's
+    budget is a default, not the user's choice), a field of the demo's own mode changes that field alone, and a field
+    that the mode given does not read is refused, naming the mode that reads it."""
+    assert cli(["train", *TINY, "--max_steps", "1", "--output_dir", str(tmp_path / "mass"),
+                "--sparse_mass_target", "0.5"]) == 0
+    pattern = _pattern(trained[0])
+    assert pattern.budget == Mass(mass_target=0.5) and (pattern.block_size, pattern.sink_tokens) == (64, 16)
+    assert cli(["train", *TINY, "--max_steps", "1", "--output_dir", str(tmp_path / "topk"),
+                "--sparse_vertical_topk", "32"]) == 0
+    assert _pattern(trained[1]).budget == TopK(32, 128)  # the demo's slash_topk stays
     with pytest.raises(SystemExit):
-        cli(["train", *TINY, "--output_dir", str(tmp_path), "--sparse_mass_target", "0.5"])
+        cli(["train", *TINY, "--output_dir", str(tmp_path), "--sparse_budget_mode", "topk", "--sparse_mass_target",
+             "0.5"])
     err = capsys.readouterr().err
     assert "mass_target=0.5 is read only in budget_mode='mass' and would do nothing with budget_mode='topk'" in err
     assert "pass --sparse_budget_mode mass" in err
