@@ -34,8 +34,9 @@ class HeadSplit:
             raise ValueError(
                 f"a head-parallel degree of {self.size} needs at least {self.size} query heads, but the model has "
                 f"{self.q_heads} (and {self.kv_heads} key/value heads): every rank must compute at least one head. Use "
-                f"a head-parallel degree of at most {self.q_heads} (balanced: {divisors}), or --cp_mode hybrid with "
-                "--cp_ulysses_size among those and the ring over the rest of the CP degree."
+                f"a head-parallel degree of at most {self.q_heads} (balanced: {divisors}): --cp_mode hybrid with "
+                "--cp_ulysses_size among those and the ring over the rest of the CP degree, or --cp_mode ring (no head "
+                "parallelism, any number of heads)."
             )
 
     @property
