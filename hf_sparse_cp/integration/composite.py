@@ -19,14 +19,30 @@ TOWER_FALLBACK = "sdpa"
 
 # The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
 TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
+# The words of transformers' tower config class names, by the key of the tower: a config a composite holds under an
+# AutoConfig sub-config has no `base_config_key` of its own (Pixtral's under Mistral 3, Gemma 3n's towers, Qwen2-Audio's
+# encoder), so only its class's name says which tower it is.
+_TOWER_CLASS_WORDS = {"Vision": "vision_config", "Audio": "audio_config"}
+
+
+def tower_key(config: Any) -> str | None:
+    """The key of the composite model's tower (one of `TOWER_CONFIG_KEYS`) whose config `config` is: its
+    `base_config_key`, or for a config without one that holds no language model, the word of its class name
+    (`PixtralVisionConfig`: 'vision_config'); None for another config (a language model's, a composite's own)."""
+    key = getattr(config, "base_config_key", None)
+    if key in TOWER_CONFIG_KEYS:
+        return key
+    if config is None or key or "text_config" in (getattr(config, "sub_configs", None) or {}):
+        return None
+    return next((tower for word, tower in _TOWER_CLASS_WORDS.items() if word in type(config).__name__), None)
 
 
 def tower_refusal(config: Any, what: str) -> str | None:
     """The refusal of `what` (e.g. 'this layer (CLIPAttention, model type 'clip_vision_model')') of a composite
-    model's vision or audio tower on the backend (its config's `base_config_key`), naming the switch that keeps the
-    towers off it; None for another config."""
-    tower = getattr(config, "base_config_key", None)
-    if tower not in TOWER_CONFIG_KEYS:
+    model's vision or audio tower on the backend (`tower_key`), naming the switch that keeps the towers off it; None
+    for another config."""
+    tower = tower_key(config)
+    if tower is None:
         return None
     return (f"sparse_cp computes a language model's causal self-attention, but {what} is in the model's "
             f"{tower.removesuffix('_config')} tower, which attends over its own inputs as a whole; switch the "

@@ -647,6 +647,24 @@ def test_a_decoder_with_cross_attention_trains_decoder_only_and_a_call_with_enco
         model(input_ids=ids, encoder_hidden_states=torch.randn(1, 12, model.config.hidden_size))
 
 
+def test_a_decoder_self_attention_built_non_causal_is_refused_as_what_it_is_not_as_cross_attention():
+    """BigBird-Pegasus's causal LM builds its decoder's self-attention with is_causal=False (causal only by the mask its
+    eager attention, the one it supports, reads): configure() and a forward of the model loaded on the backend refused
+    it as cross-attention ('its queries attend to the keys of another sequence ... encoder_hidden_states'), which its
+    decoder-only forward never calls. The refusal names the layer as what it is and eager as the fix."""
+    hf_sparse_cp.patch()
+    model = _tiny_decoder("bigbird_pegasus")
+    cause = (r"\(BigBirdPegasusDecoderAttention\) of model type 'bigbird_pegasus' is a decoder's self-attention built "
+             r"with is_causal=False.*attn_implementation='eager' \(--sparse_attention false\)")
+    with pytest.raises(ValueError, match=cause) as refused:
+        hf_sparse_cp.configure(model)
+    assert compat.attn_implementation(model.config) == "eager"
+    model.set_attn_implementation("sparse_cp")
+    with pytest.raises(ValueError, match=cause) as called:
+        model(input_ids=torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0)))
+    assert not any("cross-attention" in str(e.value) for e in (refused, called))
+
+
 def test_a_decoder_that_counts_positions_from_its_input_needs_the_switch_and_no_layerdrop_under_cp():
     """BART's decoder counts the positions of its table from the length of its input (a rank's shard under CP):
     `configure` hooks the table to the row's positions (tests/distributed/test_cp_models.py), and a model switched

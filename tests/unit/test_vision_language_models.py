@@ -103,19 +103,22 @@ def test_a_prefix_lm_language_model_is_refused_by_configure():
     assert compat.attn_implementation(model.config) == "sdpa"
 
 
-def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone():
+@pytest.mark.parametrize("model_type, layer", [("llava", "CLIPAttention, model type 'clip_vision_model'"),
+                                               ("mistral3", "PixtralAttention, model type 'pixtral'")])
+def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone(model_type, layer):
     """A model loaded with attn_implementation='sparse_cp' everywhere: its tower is refused at its first image batch,
     naming configure (Mllama's tower, which has no `is_causal`, was refused as 'a 4D attention mask ... call
-    hf_sparse_cp.patch() before building the model'); enable_sparse_attention keeps the language model on it and
-    moves the tower to sdpa; the undo restores each sub-config's implementation."""
+    hf_sparse_cp.patch() before building the model'; Mistral 3's Pixtral tower, whose config has no base_config_key,
+    as a bidirectional layer, naming sdpa only); enable_sparse_attention keeps the language model on it and moves the
+    tower to sdpa; the undo restores each sub-config's implementation."""
     from hf_sparse_cp import SparseCPArguments
     from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
     hf_sparse_cp.patch()
-    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"), attn_implementation="sparse_cp")
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config(model_type), attn_implementation="sparse_cp")
     batch = with_image(model.config, torch.randint(3, 290, (1, 64)))
-    with pytest.raises(ValueError, match=r"this layer \(CLIPAttention, model type 'clip_vision_model'\) is in the "
-                                         r"model's vision tower.*hf_sparse_cp.configure\(model\)"):
+    with pytest.raises(ValueError, match=rf"this layer \({layer}\) is in the model's vision tower.*"
+                                         r"hf_sparse_cp.configure\(model\).*'vision_config': 'sdpa'"):
         model(**batch)
     enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), KEEP_ALL)
     assert compat.attn_implementation(model.config.vision_config) == "sdpa"
