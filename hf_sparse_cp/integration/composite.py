@@ -7,6 +7,7 @@ implementation per sub-config (`PreTrainedModel.set_attn_implementation` with a 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,22 +20,37 @@ TOWER_FALLBACK = "sdpa"
 
 # The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
 TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
-# The words of transformers' tower config class names, by the key of the tower: a config a composite holds under an
-# AutoConfig sub-config has no `base_config_key` of its own (Pixtral's under Mistral 3, Gemma 3n's towers, Qwen2-Audio's
-# encoder), so only its class's name says which tower it is.
-_TOWER_CLASS_WORDS = {"Vision": "vision_config", "Audio": "audio_config"}
+# The tower (its key in `TOWER_CONFIG_KEYS`) of a model that takes each of transformers' `input_modalities`.
+_TOWER_OF_MODALITY = {"image": "vision_config", "video": "vision_config", "audio": "audio_config"}
+
+
+def _input_modalities(config: Any) -> set[str]:
+    """The `input_modalities` transformers declares for the models of `config`'s class, read from its modeling module
+    (the sibling of its configuration module, which a model built from it has imported); empty where none is."""
+    module = sys.modules.get(type(config).__module__.replace(".configuration_", ".modeling_"))
+    found: set[str] = set()
+    for value in vars(module).values() if module is not None else ():
+        if isinstance(value, type) and getattr(value, "config_class", None) is type(config):
+            modalities = getattr(value, "input_modalities", ())
+            found.update((modalities,) if isinstance(modalities, str) else modalities)
+    return found
 
 
 def tower_key(config: Any) -> str | None:
     """The key of the composite model's tower (one of `TOWER_CONFIG_KEYS`) whose config `config` is: its
-    `base_config_key`, or for a config without one that holds no language model, the word of its class name
-    (`PixtralVisionConfig`: 'vision_config'); None for another config (a language model's, a composite's own)."""
+    `base_config_key`, or for a config without one (a composite holds Pixtral's under Mistral 3, Gemma 3n's towers
+    and Voxtral's encoder under AutoConfig sub-configs, which give them none) the tower of the inputs its models take
+    (`input_modalities`: images, video or audio, no text); None for another config (a language model's, a
+    composite's own)."""
     key = getattr(config, "base_config_key", None)
     if key in TOWER_CONFIG_KEYS:
         return key
-    if config is None or key or "text_config" in (getattr(config, "sub_configs", None) or {}):
+    if config is None or key:
         return None
-    return next((tower for word, tower in _TOWER_CLASS_WORDS.items() if word in type(config).__name__), None)
+    modalities = _input_modalities(config)
+    if not modalities or "text" in modalities:
+        return None
+    return next((_TOWER_OF_MODALITY[m] for m in ("audio", "image", "video") if m in modalities), None)
 
 
 def tower_refusal(config: Any, what: str) -> str | None:

@@ -128,6 +128,25 @@ def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone(mo
     assert compat.attn_implementation(model.config.vision_config) == "sparse_cp"
 
 
+@pytest.mark.parametrize("model_type, tower", [("mistral3", "vision_config"), ("voxtral", "audio_config"),
+                                               ("qwen2_audio", "audio_config")])
+def test_a_tower_config_without_a_base_config_key_is_known_by_the_inputs_its_models_take(model_type, tower):
+    """A composite holds these towers' configs under AutoConfig sub-configs, which give them no base_config_key (Mistral
+    3's Pixtral tower was refused as a plain bidirectional layer, naming sdpa only): `tower_key` knows them by their
+    models' input_modalities, and neither the language model's config nor the composite's."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from hf_sparse_cp.integration.composite import tower_key
+
+    config = AutoConfig.for_model(model_type)
+    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")  # (as a built model has)
+    assert getattr(config, tower).base_config_key == ""
+    assert tower_key(getattr(config, tower)) == tower
+    assert tower_key(config.text_config) is None and tower_key(config) is None
+
+
 def test_context_parallelism_takes_a_vision_language_model_whose_towers_mix_tokens_outside_attention():
     """Under CP every vision-language model was refused ('has non-text towers'), and, the towers set aside, their patch
     convolutions (Qwen2-VL's Conv3d) were refused as token mixers of the sequence: they run on the batch's images,
