@@ -442,12 +442,16 @@ def test_queries_moved_to_their_row_positions_scales_are_as_precise_as_one_proce
 # of each kind (their tiny configs: where the family's defaults build no model that runs): learned or sinusoidal
 # positions, multi-query attention, partial rotary with QK layer norms, differential attention (two softmaxes a layer),
 # cross-layer KV sharing (Gemma 3n's and Gemma 4's last layers attend over an earlier layer's keys and values), mixtures
-# of experts, and hybrids whose attention layers sit between Mamba or linear-attention ones. With them, the decoders of
-# encoder-decoder families trained decoder-only (in the table: their cross-attention, never called, was refused as a
-# bidirectional layer), with learned (offset 2 or none) or sinusoidal positions, scaled embeddings, post-norm layers.
+# of experts, hybrids whose attention layers sit between Mamba or linear-attention ones, and sliding-window layers
+# beside global ones (windows of 24 tokens in rows of 48: OLMo 3's and EXAONE 4's, Gemma 3n's and Gemma 4's in their
+# KV-shared layers; the tiny configs' windows are none, or were of 512 tokens, which no row reached). With them, the
+# decoders of encoder-decoder families trained decoder-only (in the table: their cross-attention, never called, was
+# refused as a bidirectional layer), with learned (offset 2 or none) or sinusoidal positions, scaled embeddings,
+# post-norm layers.
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_chunk_size=16)  # (128 heads of 256 states)
-_KV_SHARING = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers=2,
+_KV_SHARING = dict(sliding_window=24, num_hidden_layers=4, num_kv_shared_layers=2,
                    layer_types=["sliding_attention", "full_attention"] * 2)
+_WINDOWED = dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"])
 SWEPT = {
     "gpt_bigcode": {"max_position_embeddings": 512}, "ctrl": {"max_position_embeddings": 512, "dff": 256},
     "biogpt": {"max_position_embeddings": 512},
@@ -455,6 +459,7 @@ SWEPT = {
     "gemma4_text": _KV_SHARING, "jetmoe": {},
     "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
+    "olmo3": _WINDOWED, "exaone4": _WINDOWED,
     **{t: {"max_position_embeddings": 512} for t in ("bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                                                      "marian", "pegasus", "whisper")},
 }
