@@ -38,7 +38,7 @@ def _input_modalities(config: Any) -> set[str]:
 
 def tower_key(config: Any) -> str | None:
     """The key of the composite model's tower (one of `TOWER_CONFIG_KEYS`) whose config `config` is: its
-    `base_config_key`, or for a config without one (a composite holds Pixtral's under Mistral 3, Gemma 3n's towers
+    `base_config_key`, or for a config without one (a composite holds Pixtral's under Mistral 3, Gemma 3n's audio tower
     and Voxtral's encoder under AutoConfig sub-configs, which give them none) the tower of the inputs its models take
     (`input_modalities`: images, video or audio, no text); None for another config (a language model's, a
     composite's own)."""

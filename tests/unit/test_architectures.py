@@ -656,7 +656,9 @@ def test_a_decoder_self_attention_built_non_causal_is_refused_as_what_it_is_not_
     """BigBird-Pegasus's causal LM builds its decoder's self-attention with is_causal=False (causal only by the mask its
     eager attention, the one it supports, reads): configure() and a forward of the model loaded on the backend refused
     it as cross-attention ('its queries attend to the keys of another sequence ... encoder_hidden_states'), which its
-    decoder-only forward never calls. The refusal names the layer as what it is and eager as the fix."""
+    decoder-only forward never calls. The refusal names the layer as what it is and eager as the fix; the CP check,
+    which told the model loaded on the backend to switch by configure(model) (for its position table counted from the
+    input's length) where configure refuses it, names that cause first."""
     hf_sparse_cp.patch()
     model = _tiny_decoder("bigbird_pegasus")
     cause = (r"\(BigBirdPegasusDecoderAttention\) of model type 'bigbird_pegasus' is a decoder's self-attention built "
@@ -668,6 +670,9 @@ def test_a_decoder_self_attention_built_non_causal_is_refused_as_what_it_is_not_
     with pytest.raises(ValueError, match=cause) as called:
         model(input_ids=torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0)))
     assert not any("cross-attention" in str(e.value) for e in (refused, called))
+    with pytest.raises(ValueError, match=cause) as checked:
+        check_model_supports_context_parallel(model)
+    assert "configure(model)" not in str(checked.value)
 
 
 def test_a_decoder_that_counts_positions_from_its_input_needs_the_switch_and_no_layerdrop_under_cp():
