@@ -372,23 +372,34 @@ _UNSUPPORTED_KWARGS = {
 CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
 
 
+def _decoder_attention_built_non_causal(module: torch.nn.Module) -> bool:
+    """Whether `module` is a decoder's attention built with `is_causal=False` and nothing else says it is
+    cross-attention: BART's `encoder_attn`, or BigBird-Pegasus's decoder self-attention (built so, causal by the
+    mask its eager attention reads)."""
+    return (getattr(module, "is_decoder", False) and getattr(module, "is_causal", True) is False
+            and not getattr(module, "is_cross_attention", False) and "CrossAttention" not in type(module).__name__)
+
+
 def is_cross_attention(module: torch.nn.Module, name: str = "") -> bool:
     """Whether `module` (called `name` in its model, where known) is a cross-attention layer: its `is_cross_attention`
-    (Mllama's) or class name says so, it is a decoder's attention built non-causal (BART's `encoder_attn`:
-    `is_decoder` and not `is_causal`), or `name` passes through one of `CROSS_ATTENTION_NAMES`."""
+    (Mllama's) or class name says so, it is a decoder's attention built non-causal
+    (`_decoder_attention_built_non_causal`: a call tells BART's `encoder_attn` from BigBird-Pegasus's self-attention
+    by its mask), or `name` passes through one of `CROSS_ATTENTION_NAMES`."""
     return (getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__
-            or (getattr(module, "is_decoder", False) and getattr(module, "is_causal", True) is False)
+            or _decoder_attention_built_non_causal(module)
             or any(part in CROSS_ATTENTION_NAMES for part in name.split(".")))
 
 
-def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) -> str | None:
+def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int, attention_mask=None) -> str | None:
     """What a call of `module` with `heads` query heads asks of attention that sparse_cp does not implement (the
     sentence of its refusal, naming the model type and the fix), or None: soft-capping, a keyword of
     `_UNSUPPORTED_KWARGS`, learned sinks (`s_aux`) of another shape than one per query head or in a layer whose
     `config.layer_types` entry is not a plain attention layer (DeepSeek-V4's compressed layers append keys of their
     own making, which sparse_cp would take for a KV cache), a layer of a composite model's vision or audio tower
-    (its config's `base_config_key`), a cross-attention layer (`is_cross_attention`: Mllama's, BART's
-    `encoder_attn`), or a bidirectional layer (the module's `is_causal`, or
+    (`composite.tower_key`), a cross-attention layer (`is_cross_attention`: Mllama's, BART's
+    `encoder_attn`; a decoder's attention built non-causal is cross-attention where `attention_mask` is the encoder's,
+    transformers' bidirectional one, else a self-attention that only its mask makes causal), or a bidirectional
+    layer (the module's `is_causal`, or
     `is_causal=False` passed to the call). A probe forward records it (`ProbedCall.unsupported`), so that the model
     checks refuse it before training."""
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -411,6 +422,12 @@ def unsupported_feature(module: torch.nn.Module, softcap, kwargs, heads: int) ->
                                                             f"'{model_type}')")
     if tower:  # (a composite model switched whole: `composite.backend_selection` keeps it out)
         return tower
+    if _decoder_attention_built_non_causal(module) and not is_bidirectional_mask(attention_mask):
+        return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
+                f"type '{model_type}' is a decoder's self-attention built with is_causal=False (called without an "
+                "encoder's mask): only the causal mask that eager attention reads makes it causal, and sparse_cp "
+                "takes a layer built with is_causal=False for a bidirectional one. Load the model with "
+                "attn_implementation='eager' (--sparse_attention false).")
     if is_cross_attention(module):
         return (f"sparse_cp only computes causal self-attention, but this layer ({type(module).__name__}) of model "
                 f"type '{model_type}' is cross-attention: its queries attend to the keys of another sequence (an "
@@ -488,7 +505,7 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
             f"{f' from {held[0]}' if held else ''} for model type '{model_type}'); "
             f"{dropout_fix(getattr(module, 'config', None))}"
         )
-    unsupported = unsupported_feature(module, softcap, kwargs, heads)
+    unsupported = unsupported_feature(module, softcap, kwargs, heads, attention_mask)
     if unsupported:
         raise ValueError(unsupported)
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -581,8 +598,8 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
     shard = kwargs.get(CP_SHARD_KWARG)
     probe = _PROBE.get()
     if probe is not None:
-        unsupported = unsupported_feature(module, softcap, kwargs, query.shape[1]) or own_keys_refusal(
-            module, query.shape[2], key.shape[2], attention_mask, shard is probe)
+        unsupported = (unsupported_feature(module, softcap, kwargs, query.shape[1], attention_mask)
+                       or own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is probe))
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
                                       sliding_window, unsupported))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None

@@ -7,6 +7,7 @@ implementation per sub-config (`PreTrainedModel.set_attn_implementation` with a 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,14 +20,45 @@ TOWER_FALLBACK = "sdpa"
 
 # The `base_config_key` of the sub-configs of a composite model's towers (transformers' names).
 TOWER_CONFIG_KEYS = ("vision_config", "audio_config")
+# The tower (its key in `TOWER_CONFIG_KEYS`) of a model that takes each of transformers' `input_modalities`.
+_TOWER_OF_MODALITY = {"image": "vision_config", "video": "vision_config", "audio": "audio_config"}
+
+
+def _input_modalities(config: Any) -> set[str]:
+    """The `input_modalities` transformers declares for the models of `config`'s class, read from its modeling module
+    (the sibling of its configuration module, which a model built from it has imported); empty where none is."""
+    module = sys.modules.get(type(config).__module__.replace(".configuration_", ".modeling_"))
+    found: set[str] = set()
+    for value in vars(module).values() if module is not None else ():
+        if isinstance(value, type) and getattr(value, "config_class", None) is type(config):
+            modalities = getattr(value, "input_modalities", ())
+            found.update((modalities,) if isinstance(modalities, str) else modalities)
+    return found
+
+
+def tower_key(config: Any) -> str | None:
+    """The key of the composite model's tower (one of `TOWER_CONFIG_KEYS`) whose config `config` is: its
+    `base_config_key`, or for a config without one (a composite holds Pixtral's under Mistral 3, Gemma 3n's audio tower
+    and Voxtral's encoder under AutoConfig sub-configs, which give them none) the tower of the inputs its models take
+    (`input_modalities`: images, video or audio, no text); None for another config (a language model's, a
+    composite's own)."""
+    key = getattr(config, "base_config_key", None)
+    if key in TOWER_CONFIG_KEYS:
+        return key
+    if config is None or key:
+        return None
+    modalities = _input_modalities(config)
+    if not modalities or "text" in modalities:
+        return None
+    return next((_TOWER_OF_MODALITY[m] for m in ("audio", "image", "video") if m in modalities), None)
 
 
 def tower_refusal(config: Any, what: str) -> str | None:
     """The refusal of `what` (e.g. 'this layer (CLIPAttention, model type 'clip_vision_model')') of a composite
-    model's vision or audio tower on the backend (its config's `base_config_key`), naming the switch that keeps the
-    towers off it; None for another config."""
-    tower = getattr(config, "base_config_key", None)
-    if tower not in TOWER_CONFIG_KEYS:
+    model's vision or audio tower on the backend (`tower_key`), naming the switch that keeps the towers off it; None
+    for another config."""
+    tower = tower_key(config)
+    if tower is None:
         return None
     return (f"sparse_cp computes a language model's causal self-attention, but {what} is in the model's "
             f"{tower.removesuffix('_config')} tower, which attends over its own inputs as a whole; switch the "

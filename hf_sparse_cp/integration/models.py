@@ -487,6 +487,9 @@ def check_model_supports_context_parallel(
             f"({counted[0]} has a padding index: positions start after it and skip padding), while context "
             "parallelism gives every rank the positions of its shard counted from 0, so its position embeddings "
             "would not be one process's. Train it without context parallelism (--cp_size 1).")
+    # (the calls first: a model whose attention the backend refuses is refused for that, not told to run configure)
+    calls = _attention_calls(model, with_shard=True)
+    _check_calls(model, impl, calls, _NO_CP_FIX)
     unhooked = unhooked_length_counted_tables(model)
     if unhooked:
         raise ValueError(
@@ -501,8 +504,6 @@ def check_model_supports_context_parallel(
             "training its forward skips layers at random, each rank of a context-parallel group drawing for itself, "
             "so the ranks would not run the same layers (their ring exchanges would not match). Set it to 0 in the "
             "model config to train under context parallelism, or train without it (--cp_size 1).")
-    calls = _attention_calls(model, with_shard=True)
-    _check_calls(model, impl, calls, _NO_CP_FIX)
     missed = sorted({layer for layer, call in calls if not call.reached})
     if missed and _peft_config(model) is not None:
         _refuse_adapter_attention(model, [call.module for _, call in calls if not call.reached])

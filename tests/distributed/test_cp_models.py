@@ -36,8 +36,10 @@ OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "
              # Partial rotary (CodeGen rotates 16 of a head's 32 dimensions, interleaved; the default 64 fits no head)
              "codegen": {"rotary_dim": 16},
              # Cross-layer KV sharing: Gemma 3n's last two layers attend over the keys and values of earlier layers
-             "gemma3n_text": {"sliding_window": 24, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
-                              "layer_types": ["sliding_attention", "full_attention"] * 2},
+             # (Gemma 4's too, whose KV-shared layers the backend hands their inputs whole: `integration/kv_sharing.py`)
+             **{t: {"sliding_window": 24, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2}
+                for t in ("gemma3n_text", "gemma4_text")},
              # A no-RoPE layer and a RoPE one; the no-RoPE layer's temperature tuning scales queries by their positions
              # counted from the tensor's length (a shard's under CP), by more than 1 past floor_scale (8192 by default)
              "llama4_text": {"no_rope_layers": [0, 1], "floor_scale": 16, "attn_scale": 0.5},

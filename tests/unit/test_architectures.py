@@ -442,12 +442,16 @@ def test_queries_moved_to_their_row_positions_scales_are_as_precise_as_one_proce
 # of each kind (their tiny configs: where the family's defaults build no model that runs): learned or sinusoidal
 # positions, multi-query attention, partial rotary with QK layer norms, differential attention (two softmaxes a layer),
 # cross-layer KV sharing (Gemma 3n's and Gemma 4's last layers attend over an earlier layer's keys and values), mixtures
-# of experts, and hybrids whose attention layers sit between Mamba or linear-attention ones. With them, the decoders of
-# encoder-decoder families trained decoder-only (in the table: their cross-attention, never called, was refused as a
-# bidirectional layer), with learned (offset 2 or none) or sinusoidal positions, scaled embeddings, post-norm layers.
+# of experts, hybrids whose attention layers sit between Mamba or linear-attention ones, and sliding-window layers
+# beside global ones (windows of 24 tokens in rows of 48: OLMo 3's and EXAONE 4's, Gemma 3n's and Gemma 4's in their
+# KV-shared layers; the tiny configs' windows are none, or were of 512 tokens, which no row reached). With them, the
+# decoders of encoder-decoder families trained decoder-only (in the table: their cross-attention, never called, was
+# refused as a bidirectional layer), with learned (offset 2 or none) or sinusoidal positions, scaled embeddings,
+# post-norm layers.
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_chunk_size=16)  # (128 heads of 256 states)
-_KV_SHARING = dict(sliding_window=512, num_hidden_layers=4, num_kv_shared_layers=2,
+_KV_SHARING = dict(sliding_window=24, num_hidden_layers=4, num_kv_shared_layers=2,
                    layer_types=["sliding_attention", "full_attention"] * 2)
+_WINDOWED = dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"])
 SWEPT = {
     "gpt_bigcode": {"max_position_embeddings": 512}, "ctrl": {"max_position_embeddings": 512, "dff": 256},
     "biogpt": {"max_position_embeddings": 512},
@@ -455,6 +459,7 @@ SWEPT = {
     "gemma4_text": _KV_SHARING, "jetmoe": {},
     "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
+    "olmo3": _WINDOWED, "exaone4": _WINDOWED,
     **{t: {"max_position_embeddings": 512} for t in ("bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                                                      "marian", "pegasus", "whisper")},
 }
@@ -645,6 +650,29 @@ def test_a_decoder_with_cross_attention_trains_decoder_only_and_a_call_with_enco
     with pytest.raises(ValueError, match=r"\(\w+Attention\) of model type '\w+' is cross-attention.*an encoder's output"
                                          r".*--sparse_attention false.*encoder_hidden_states"):
         model(input_ids=ids, encoder_hidden_states=torch.randn(1, 12, model.config.hidden_size))
+
+
+def test_a_decoder_self_attention_built_non_causal_is_refused_as_what_it_is_not_as_cross_attention():
+    """BigBird-Pegasus's causal LM builds its decoder's self-attention with is_causal=False (causal only by the mask its
+    eager attention, the one it supports, reads): configure() and a forward of the model loaded on the backend refused
+    it as cross-attention ('its queries attend to the keys of another sequence ... encoder_hidden_states'), which its
+    decoder-only forward never calls. The refusal names the layer as what it is and eager as the fix; the CP check,
+    which told the model loaded on the backend to switch by configure(model) (for its position table counted from the
+    input's length) where configure refuses it, names that cause first."""
+    hf_sparse_cp.patch()
+    model = _tiny_decoder("bigbird_pegasus")
+    cause = (r"\(BigBirdPegasusDecoderAttention\) of model type 'bigbird_pegasus' is a decoder's self-attention built "
+             r"with is_causal=False.*attn_implementation='eager' \(--sparse_attention false\)")
+    with pytest.raises(ValueError, match=cause) as refused:
+        hf_sparse_cp.configure(model)
+    assert compat.attn_implementation(model.config) == "eager"
+    model.set_attn_implementation("sparse_cp")
+    with pytest.raises(ValueError, match=cause) as called:
+        model(input_ids=torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0)))
+    assert not any("cross-attention" in str(e.value) for e in (refused, called))
+    with pytest.raises(ValueError, match=cause) as checked:
+        check_model_supports_context_parallel(model)
+    assert "configure(model)" not in str(checked.value)
 
 
 def test_a_decoder_that_counts_positions_from_its_input_needs_the_switch_and_no_layerdrop_under_cp():

@@ -103,19 +103,22 @@ def test_a_prefix_lm_language_model_is_refused_by_configure():
     assert compat.attn_implementation(model.config) == "sdpa"
 
 
-def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone():
+@pytest.mark.parametrize("model_type, layer", [("llava", "CLIPAttention, model type 'clip_vision_model'"),
+                                               ("mistral3", "PixtralAttention, model type 'pixtral'")])
+def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone(model_type, layer):
     """A model loaded with attn_implementation='sparse_cp' everywhere: its tower is refused at its first image batch,
     naming configure (Mllama's tower, which has no `is_causal`, was refused as 'a 4D attention mask ... call
-    hf_sparse_cp.patch() before building the model'); enable_sparse_attention keeps the language model on it and
-    moves the tower to sdpa; the undo restores each sub-config's implementation."""
+    hf_sparse_cp.patch() before building the model'; Mistral 3's Pixtral tower, whose config has no base_config_key,
+    as a bidirectional layer, naming sdpa only); enable_sparse_attention keeps the language model on it and moves the
+    tower to sdpa; the undo restores each sub-config's implementation."""
     from hf_sparse_cp import SparseCPArguments
     from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
 
     hf_sparse_cp.patch()
-    model = AutoModelForImageTextToText.from_config(tiny_vlm_config("llava"), attn_implementation="sparse_cp")
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config(model_type), attn_implementation="sparse_cp")
     batch = with_image(model.config, torch.randint(3, 290, (1, 64)))
-    with pytest.raises(ValueError, match=r"this layer \(CLIPAttention, model type 'clip_vision_model'\) is in the "
-                                         r"model's vision tower.*hf_sparse_cp.configure\(model\)"):
+    with pytest.raises(ValueError, match=rf"this layer \({layer}\) is in the model's vision tower.*"
+                                         r"hf_sparse_cp.configure\(model\).*'vision_config': 'sdpa'"):
         model(**batch)
     enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), KEEP_ALL)
     assert compat.attn_implementation(model.config.vision_config) == "sdpa"
@@ -123,6 +126,25 @@ def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone():
     model(**batch)
     disable_sparse_attention(model)
     assert compat.attn_implementation(model.config.vision_config) == "sparse_cp"
+
+
+@pytest.mark.parametrize("model_type, tower", [("mistral3", "vision_config"), ("voxtral", "audio_config"),
+                                               ("qwen2_audio", "audio_config")])
+def test_a_tower_config_without_a_base_config_key_is_known_by_the_inputs_its_models_take(model_type, tower):
+    """A composite holds these towers' configs under AutoConfig sub-configs, which give them no base_config_key (Mistral
+    3's Pixtral tower was refused as a plain bidirectional layer, naming sdpa only): `tower_key` knows them by their
+    models' input_modalities, and neither the language model's config nor the composite's."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from hf_sparse_cp.integration.composite import tower_key
+
+    config = AutoConfig.for_model(model_type)
+    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")  # (as a built model has)
+    assert getattr(config, tower).base_config_key == ""
+    assert tower_key(getattr(config, tower)) == tower
+    assert tower_key(config.text_config) is None and tower_key(config) is None
 
 
 def test_context_parallelism_takes_a_vision_language_model_whose_towers_mix_tokens_outside_attention():
