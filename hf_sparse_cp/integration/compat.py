@@ -566,6 +566,15 @@ def cache_field() -> str:
     return _holds(CausalLMOutputWithPast, _BY_NAME["transformers.modeling_outputs.CausalLMOutputWithPast.cache"])
 
 
+def checkpointing_method(action: Literal["enable", "disable"] = "enable") -> str:
+    """The model method that turns activation checkpointing on or off in this release: transformers 5.23 renamed
+    `gradient_checkpointing_*` to `activation_checkpointing_*` (the old names stay as deprecated aliases)."""
+    from transformers import PreTrainedModel
+
+    name = f"activation_checkpointing_{action}"
+    return name if hasattr(PreTrainedModel, name) else f"gradient_checkpointing_{action}"
+
+
 def convolution_class() -> type:
     """torch's base class of every convolution module (private: `torch.nn.modules.conv._ConvNd`)."""
     require("torch.nn.modules.conv._ConvNd")
