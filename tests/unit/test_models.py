@@ -9,7 +9,7 @@ import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.tokens import mask_positions as _mask_positions
 from hf_sparse_cp.attention.tokens import padding_between_tokens as tokens_gap
-from hf_sparse_cp.backends import is_available
+from hf_sparse_cp.backends import is_triton_available
 from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
@@ -60,7 +60,7 @@ def test_dense_pattern_matches_sdpa(model_type, dtype):
 def test_cpu_tensors_take_the_reference_never_the_kernels(monkeypatch):
     """On CPU the backend computes with the PyTorch reference: the Triton kernels (compiled for CUDA)
     are never called, forward or backward (without Triton installed, they cannot even be imported)."""
-    if is_available("triton"):
+    if is_triton_available():
         from hf_sparse_cp.kernels import ops as kops
 
         def refuse(*args, **kwargs):
