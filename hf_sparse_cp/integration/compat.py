@@ -405,6 +405,10 @@ def _holds(owner: Any, patch: Patch) -> str | None:
     return found[0] if found else None
 
 
+# The packages setup.cfg requires (the others' members are checked where they import).
+_REQUIRED = ("torch", "transformers", "accelerate")
+
+
 def problem(patch: Patch, instance: Any = None) -> str | None:
     """Why `patch`'s member cannot be used as the plugin uses it, or None. Instance members are checked on
     `instance` (skipped without one)."""
@@ -420,6 +424,11 @@ def problem(patch: Patch, instance: Any = None) -> str | None:
         if e.name and e.name.partition(".")[0] != patch.package:
             return None  # (installed without a package it needs, e.g. liger-kernel without Triton: unusable, so
             #             nothing of theirs is in use either)
+        return f"{patch.owner} cannot be imported ({e})"
+    except RuntimeError as e:
+        if patch.package not in _REQUIRED:
+            return None  # (an optional package whose import fails here, e.g. liger-kernel on Triton 3.2 without a
+            #             GPU, '0 active drivers': unusable, so nothing of theirs is in use)
         return f"{patch.owner} cannot be imported ({e})"
     except (ImportError, AttributeError) as e:
         return f"{patch.owner} cannot be imported ({e})"
