@@ -32,15 +32,21 @@ RECYCLING_MALLOC = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_thr
 PLOT_EXTRA = "pip install 'hf-sparse-cp[plot]'"
 # Triton is installed only where its kernels can run (torch's CUDA builds on Linux bring it); where it is missing,
 # CPU training runs the PyTorch reference and CUDA training FlexAttention, and asking for the kernels names this.
-TRITON_INSTALL = ("pip install 'hf-sparse-cp[cuda]' (Triton >= 3.2; Linux on x86_64 or aarch64 with a CUDA build of "
+TRITON_INSTALL = ("pip install 'hf-sparse-cp[cuda]' (Triton >= 3.4; Linux on x86_64 or aarch64 with a CUDA build of "
                   "torch, whose wheels usually bring it)")
+
+
+def is_triton_available() -> bool:
+    """Whether a Triton our kernels run on is installed: >= 3.4, whose host-side tensor descriptors
+    (`triton.tools.tensor_descriptor`) they use. An older one (torch 2.6's 3.2, 2.7's 3.3) counts as missing."""
+    return is_available("triton.tools.tensor_descriptor")
 
 
 def require_triton(what: str) -> None:
     """Raise ImportError, naming the install, when Triton is missing and `what` (e.g. "The attention engine
     'triton'") needs it."""
-    if not is_available("triton"):
-        raise ImportError(f"{what} needs Triton, which is not installed: {TRITON_INSTALL}; or set the attention "
+    if not is_triton_available():
+        raise ImportError(f"{what} needs Triton, not installed or too old: {TRITON_INSTALL}; or set the attention "
                           "engine to 'auto' (--sparse_attention_engine auto: FlexAttention on CUDA, the PyTorch "
                           "reference on CPU).")
 

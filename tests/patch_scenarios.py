@@ -292,6 +292,8 @@ ONE_PROCESS = {
     tuple(f"{module}.load_balancing_loss_func" for module in router_loss_modules()): router_loss,
     tuple(f"{owner}.{KV_SHARED_SLICER}" for owner in kv_shared_slicers()): kv_sharing,
 }
+# (the KV-shared models came with transformers 5.x releases: before them that scenario changes nothing)
+ONE_PROCESS = {names: scenario for names, scenario in ONE_PROCESS.items() if names}
 
 
 # ---- two gloo processes (the rank's environment as torchrun sets it) ----

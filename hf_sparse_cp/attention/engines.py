@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from ..backends import TRITON_INSTALL, choose_backend, is_available, require_triton
+from ..backends import TRITON_INSTALL, choose_backend, is_triton_available, require_triton
 from .call import AttentionCall
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout
@@ -113,7 +113,7 @@ class TritonEngine(Engine):
     name = "triton"
 
     def missing(self):
-        return None if is_available("triton") else f"needs Triton, which is not installed: {TRITON_INSTALL}"
+        return None if is_triton_available() else f"needs Triton, not installed or too old: {TRITON_INSTALL}"
 
     def declines(self, q):
         if not q.is_cuda:

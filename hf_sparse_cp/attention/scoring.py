@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import is_available
+from ..backends import is_triton_available
 from ..config import SparseAttentionConfig
 from .exact import FixedPoint, exact_scores, on_grid
 from .precision import compute_dtype
@@ -215,7 +215,7 @@ def accumulate_vertical_slash(
 
 def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
     """The Triton scoring launcher when it takes these tensors (CUDA, Triton installed), else None (PyTorch path)."""
-    if not q.is_cuda or not is_available("triton"):
+    if not q.is_cuda or not is_triton_available():
         return None
     from ..kernels import vertical_slash
 

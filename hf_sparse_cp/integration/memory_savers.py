@@ -18,6 +18,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..memory.offload import HostOffload
 from ..memory.savers import MemorySavers
 from ..memory.tiling import tiled_rows
+from . import compat
 from .architectures import tileable_classes
 from .patching import record_on, undo_recorded
 
@@ -96,7 +97,7 @@ class _OffloadingForward(ReplacedForward):
         if not layer.gradient_checkpointing:
             raise ValueError("--sparse_offload_layer_inputs keeps the inputs that gradient checkpointing saves; turn "
                              "gradient checkpointing on (--gradient_checkpointing, or "
-                             "model.activation_checkpointing_enable()).")
+                             f"model.{compat.checkpointing_method()}()).")
         with self.offload:
             return self.replaced(*args, **kwargs)
 

@@ -152,3 +152,14 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
                              f"it from its other fields ({name}={getattr(config, name)} here); change those instead "
                              "(e.g. hidden_size and num_attention_heads for head_dim).")
     return config
+
+
+def released_model_types(*model_types: str) -> list:
+    """pytest parameters of `model_types`, each skipped where this transformers has no such model type (a family
+    added in a later release)."""
+    import pytest
+    import transformers
+
+    return [pytest.param(t, marks=pytest.mark.skipif(t not in CONFIG_MAPPING, reason=f"transformers "
+                                                     f"{transformers.__version__} has no model type {t!r}"))
+            for t in model_types]

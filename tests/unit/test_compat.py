@@ -2,6 +2,7 @@
 with the parameters we rely on, a clear error naming the member when one changes, and accelerate's data
 loader settings passed on by their own names."""
 
+import importlib.util
 import inspect
 
 import pytest
@@ -41,7 +42,7 @@ def test_a_missing_member_is_named_with_the_versions(monkeypatch):
     problems = compat.check_patches()
     assert len(problems) == 1
     assert "transformers.Trainer._track_num_input_tokens no longer exists" in problems[0]
-    assert "tested 5.0 to 5.24" in problems[0]
+    assert "tested 5.15 to 5.24" in problems[0]
     with pytest.raises(RuntimeError, match="_track_num_input_tokens no longer exists.*tested range"):
         compat.require("transformers.Trainer._track_num_input_tokens")
 
@@ -116,3 +117,21 @@ def test_a_member_newer_than_the_installed_release_is_not_missing(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.23.0")
     (problem,) = [p for p in compat.check_patches() if "remap_positions" in p]
     assert "remap_positions_for_packed_sequence no longer exists" in problem
+
+
+def test_an_optional_package_that_fails_to_import_here_is_not_in_use(monkeypatch):
+    """liger-kernel 0.8 imported on Triton 3.2 without a GPU raises RuntimeError ('0 active drivers'): check_patches
+    raised it. Such a package is unusable here, so nothing of it is checked; a required one is named."""
+    resolve = compat._resolve
+
+    def failing(dotted):
+        if dotted.split(".")[0] in ("liger_kernel", "transformers"):
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+        return resolve(dotted)
+
+    monkeypatch.setattr(compat, "_resolve", failing)
+    liger = next(p for p in compat.PATCHES if p.package == "liger_kernel")
+    ours = next(p for p in compat.PATCHES if p.package == "transformers" and not p.on_instances and not p.since)
+    if importlib.util.find_spec("liger_kernel") is not None:
+        assert compat.problem(liger) is None
+    assert "cannot be imported (0 active drivers" in compat.problem(ours)

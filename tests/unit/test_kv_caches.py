@@ -1,14 +1,18 @@
 """Inference with a KV cache under `sparse_cp`: prefill, chunked prefill and decoding against SDPA, with the caches
 transformers offers (a StaticCache holds more key slots than tokens: the unfilled ones must stay unseen)."""
 
+import inspect
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache, masking_utils
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.integration import compat
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import TOLERANCE, rel_rms
@@ -16,6 +20,9 @@ from oracle import TOLERANCE, rel_rms
 # Every block kept: the sparse path computes exactly what SDPA does.
 FULL = SparseAttentionConfig(block_size=32, min_seq_len=0, vertical_topk=10**4, slash_topk=10**4,
                              dense_first_layers=0)
+# The forward's cache argument: `cache` from transformers 5.24, `past_key_values` before (where `cache=` would go
+# unread into **kwargs, and every chunk would be computed without the earlier ones).
+CACHE = compat.cache_field()
 
 
 pytestmark = pytest.mark.usefixtures("patched")
@@ -35,7 +42,7 @@ def _cached_logits(model, ids, mask, cache, chunks):
     out, done = [], 0
     for n in chunks:
         step_mask = None if mask is None else mask[:, :done + n]
-        out.append(model(input_ids=ids[:, done:done + n], attention_mask=step_mask, cache=cache,
+        out.append(model(input_ids=ids[:, done:done + n], attention_mask=step_mask, **{CACHE: cache},
                          use_cache=True).logits)
         done += n
     return torch.cat(out, 1)
@@ -143,8 +150,8 @@ def test_prefix_keys_given_as_a_cache_are_computed_as_sdpa_computes_them():
     logits = []
     for model in (ours, ref):
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :8], cache=cache, use_cache=True)
-        logits.append(model(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)
+        model(input_ids=ids[:, :8], use_cache=True, **{CACHE: cache})
+        logits.append(model(input_ids=ids[:, 8:], use_cache=True, **{CACHE: cache}).logits)
     assert rel_rms(logits[0], logits[1]) <= TOLERANCE[torch.float32]
 
 
@@ -162,7 +169,21 @@ def test_static_cache_generation_of_a_left_padded_batch_past_the_window_matches_
     assert torch.equal(ours.generate(prompt, **kw), ref.generate(prompt, **kw))
 
 
-@pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
+def _chunked_static_cache_generates() -> bool:
+    """Whether this transformers' `generate` can fill a StaticCache of chunked-attention layers: 5.16 to 5.19 pass
+    `block_sequence_ids` to every layer type's mask function but `create_chunked_causal_mask` takes it only from
+    5.20 (a TypeError for sdpa too)."""
+    def takes(fn):
+        return "block_sequence_ids" in inspect.signature(fn).parameters
+
+    return takes(masking_utils.create_chunked_causal_mask) or not takes(masking_utils.create_causal_mask)
+
+
+@pytest.mark.parametrize("cache_implementation", [
+    pytest.param("static", marks=pytest.mark.skipif(
+        not _chunked_static_cache_generates(), reason=f"transformers {transformers.__version__}'s generate cannot "
+        "fill a StaticCache of chunked-attention layers (fixed in 5.20)")),
+    "dynamic"])
 def test_decoding_past_an_attention_chunk_is_refused_and_within_it_matches_sdpa(cache_implementation):
     """Llama 4's chunked layers keep fewer keys than a chunk in their cache, but from a chunk the queries' no longer
     sees: decoding 30 tokens from a 20-token prompt attended to them past the 32-token chunk, silently (17 of the 60

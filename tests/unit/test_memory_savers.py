@@ -3,6 +3,7 @@
 `enable_memory_savers` / `disable_memory_savers` replace and restore exactly the modules' forwards."""
 
 import gc
+import re
 import weakref
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, configure
+from hf_sparse_cp.integration import compat
 from hf_sparse_cp.integration.architectures import rowwise_classes
 from hf_sparse_cp.integration.memory_savers import (
     disable_memory_savers,
@@ -110,7 +112,7 @@ def _model(seed: int = 0):
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sparse_cp",
                                              dtype=torch.float32)
     configure(model, PATTERN)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    getattr(model, compat.checkpointing_method())({"use_reentrant": False})
     return model.train()
 
 
@@ -160,13 +162,16 @@ def test_tiles_refuse_a_module_not_known_to_be_rowwise():
     assert "_hf_sparse_cp_memory_savers" not in model.__dict__
 
 
-def test_offload_without_gradient_checkpointing_is_refused():
+def test_offload_without_gradient_checkpointing_is_refused_naming_this_releases_method():
+    """The refusal named model.activation_checkpointing_enable(), which transformers has only from 5.23."""
     model = _model()
-    model.activation_checkpointing_disable()
+    getattr(model, compat.checkpointing_method("disable"))()
     enable_memory_savers(model, MemorySavers(offload_layer_inputs=True))
     ids = torch.randint(0, 259, (1, 32))
-    with pytest.raises(ValueError, match="turn gradient checkpointing on"):
+    with pytest.raises(ValueError, match=r"turn gradient checkpointing on .*model\.(\w+)\(\)") as refused:
         model(input_ids=ids, labels=ids)
+    getattr(model, re.search(r"model\.(\w+)\(\)", str(refused.value)).group(1))()
+    model(input_ids=ids, labels=ids)  # (the named method turned it on)
 
 
 def test_enable_sparse_attention_tiles_from_the_threshold_and_its_undo_restores(tmp_path):

@@ -20,8 +20,7 @@ def no_triton(monkeypatch):
     def available(module, attribute=None):
         return False if module.split(".")[0] == "triton" else real(module, attribute)
 
-    for where in (backends, engines, scoring):
-        monkeypatch.setattr(where, "is_available", available)
+    monkeypatch.setattr(backends, "is_available", available)
 
 
 class _CudaLike(torch.Tensor):
@@ -48,6 +47,17 @@ def test_the_kernels_asked_for_without_triton_name_the_install(no_triton):
         engines.ENGINES["triton"].forward(call)
 
 
+def test_a_triton_older_than_the_kernels_need_counts_as_missing(monkeypatch):
+    """torch 2.6 and 2.7 bring Triton 3.2 and 3.3, which have no `triton.tools.tensor_descriptor`: the engine took the
+    kernels there and failed importing them (ModuleNotFoundError); 'auto' now leaves such calls to FlexAttention and
+    asking for the kernels names the release they need."""
+    real = backends.is_available
+    monkeypatch.setattr(backends, "is_available", lambda module, attribute=None: module != "triton.tools."
+                        "tensor_descriptor" and real(module, attribute))
+    assert "too old: pip install 'hf-sparse-cp[cuda]' (Triton >= 3.4" in engines.ENGINES["triton"].missing()
+    assert scoring._scoring_kernel(torch.zeros(1, 2, 64, 16).as_subclass(_CudaLike), None) is None
+
+
 @pytest.mark.parametrize("shared,d,engine", [(101376, 16, "flex"), (166912, 16, "triton"), (166912, 256, "flex"),
                                              (232448, 256, "triton")], ids=["L4", "A100", "A100-d256", "H100-d256"])
 def test_auto_leaves_a_gpu_without_the_kernels_shared_memory_to_flex(monkeypatch, shared, d, engine):
@@ -58,12 +68,12 @@ def test_auto_leaves_a_gpu_without_the_kernels_shared_memory_to_flex(monkeypatch
     monkeypatch.delenv(engines.ENGINE_ENV, raising=False)
     monkeypatch.delenv(engines.TABLE_ENV, raising=False)
     monkeypatch.setattr(engines, "is_flex_available", lambda: True)
-    monkeypatch.setattr(engines, "is_available", lambda module, attribute=None: True)
+    monkeypatch.setattr(engines, "is_triton_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(name="GPU X", shared_memory_per_block_optin=shared))
     q = torch.zeros(1, 2, 64, d, dtype=torch.bfloat16).as_subclass(_CudaLike)
     assert engines.resolve_engine(q, dense_layout(TokenMeta.contiguous(1, 64), 32)) == engine
-    if engine == "flex" and backends.is_available("triton"):
+    if engine == "flex" and backends.is_triton_available():
         from hf_sparse_cp.kernels import ops, vertical_slash
 
         with pytest.raises(ValueError, match=rf"cannot run on GPU X \({shared // 1024} KB of shared memory.*'flex'"):

@@ -15,7 +15,7 @@ from hf_sparse_cp.attention.sinks import with_sinks
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.testing.layouts import random_layout
-from hf_sparse_cp.testing.tiny_models import tiny_config
+from hf_sparse_cp.testing.tiny_models import released_model_types, tiny_config
 
 from oracle import rel_rms, visible
 
@@ -89,7 +89,7 @@ def _with_visible_sinks(model):
     return model
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa", "flint"])
+@pytest.mark.parametrize("model_type", released_model_types("gpt_oss", "granite_swa", "flint"))
 def test_tiny_models_with_sinks_equal_eager_and_train_with_a_sparse_budget(model_type):
     """GPT-OSS (layers alternately sliding and full), GraniteSWA and Flint pass their sinks as `s_aux`: a pattern
     that keeps every block gives eager's loss and gradients (the sinks' among them) in fp32; a real budget skips
