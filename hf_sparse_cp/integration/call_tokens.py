@@ -111,10 +111,10 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     if sees.device.type == "meta":
         return False
     sees = (sees & (key > query).to(sees.device)).any()
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and _REFUSED_IN_GRAPHS:
         refuse_next_key(sees, getattr(config, "model_type", "unknown"), getattr(config, "base_config_key", None))
         return False
-    return bool(sees)
+    return bool(sees)  # (compiling on a torch without ordered effects: read here, a graph break)
 
 
 _REFUSE_NEXT_KEY = "hf_sparse_cp::refuse_next_key"
@@ -136,7 +136,7 @@ def _(sees, model_type, base_config_key):
     return None
 
 
-register_ordered_effect(_REFUSE_NEXT_KEY)
+_REFUSED_IN_GRAPHS = register_ordered_effect(_REFUSE_NEXT_KEY)
 
 
 # transformers' compositions of mask functions (masking_utils), by qualified name, and the closure variable that holds

@@ -96,6 +96,10 @@ class Patch:
         return self.action in _CHANGES
 
 
+# The torch release from which ops that return nothing are registered as ordered effects (`register_ordered_effect`;
+# the compiled path's ops come with it, `compiled.OPS_MIN_TORCH`; torch 2.6 has neither the registry nor its module).
+ORDERED_EFFECTS_SINCE = (2, 11)
+
 _TRAINER = "transformers.Trainer"
 _ACCELERATOR = "accelerate.Accelerator"
 # The argument parsers a script may build: transformers' own, and the copy of it that TRL's `TrlParser` derives from
@@ -348,9 +352,10 @@ PATCHES = (
     Patch("torch.library", "_register_effectful_op", "calls", "the op that refuses a non-causal mask inside a "
           "compiled forward (integration/call_tokens.py) returns nothing: registered as ordered-effectful, the graphs "
           "keep it (a pure op whose output no one reads is dead code) in the mask build, where it needs no Python "
-          "side effect (which an activation-checkpointed layer's trace refuses)", parameters=("op", "effect", "lib")),
+          "side effect (which an activation-checkpointed layer's trace refuses)", parameters=("op", "effect", "lib"),
+          since=ORDERED_EFFECTS_SINCE),
     Patch("torch._library.effects", "EffectType", "reads", "the effect `_register_effectful_op` registers "
-          "(ORDERED)"),
+          "(ORDERED)", since=ORDERED_EFFECTS_SINCE),
     Patch("torch._library.fake_impl.FakeImplCtx", "_shape_env", "reads", "the shape environment `allocate_size` "
           "creates the unbacked sizes in (integration/compiled.py)", on_instances=True),
     Patch("triton.runtime.jit", "JITFunction", "reads", "whether the kernels were decorated for Triton's "
@@ -613,16 +618,20 @@ def unbacked_size(ctx: Any) -> Any:
     return ctx.new_dynamic_size() if ctx._shape_env is None else allocate_size(ctx._shape_env)
 
 
-def register_ordered_effect(op: str) -> None:
+def register_ordered_effect(op: str) -> bool:
     """Make the custom op named `op` ('namespace::name', which returns nothing) an ordered side effect: the graphs
     torch.compile builds keep it in its place, where they would drop a pure op whose output no one reads (torch's
-    private `_register_effectful_op`; no public way)."""
+    private `_register_effectful_op`; no public way). Returns whether it did: a torch before `ORDERED_EFFECTS_SINCE`
+    has no such registry, and the caller then keeps what the op does outside the graphs."""
+    if _release("torch") < ORDERED_EFFECTS_SINCE:
+        return False
     require("torch.library._register_effectful_op")
     require("torch._library.effects.EffectType")
     from torch._library.effects import EffectType
     from torch.library import _register_effectful_op
 
     _register_effectful_op(op, EffectType.ORDERED)
+    return True
 
 
 def set_process_group_timeout(timeout: timedelta) -> None:

@@ -159,7 +159,7 @@ def _(q, k, position_ids, cu_seq_lens_q, cu_seq_lens_k, sliding_window, layer, g
     return None
 
 
-register_ordered_effect("hf_sparse_cp::dense_call")
+_DENSE_CALL_IN_GRAPHS = register_ordered_effect("hf_sparse_cp::dense_call")
 
 
 @torch.compiler.assume_constant_result
@@ -181,8 +181,8 @@ def dense_sdpa(query: torch.Tensor, key: torch.Tensor, attention_mask, cfg: Spar
     as eagerly (refused where packed); None for the others (the ops: the estimated layout, or the dense one of
     packed or padded rows, which 'auto' runs on SDPA eagerly only when the rows it reads back are plain)."""
     s = query.shape[2]
-    if kwargs.get("s_aux") is not None or attention_mask is not None:
-        return None
+    if kwargs.get("s_aux") is not None or attention_mask is not None or not _DENSE_CALL_IN_GRAPHS:
+        return None  # (a torch without ordered effects would drop `dense_call`: the ops' dense layout then)
     backend = choose_backend("Dense attention", DENSE_BACKEND_ENV, DENSE_BACKENDS)
     if backend == "auto" and not (library_takes(query, key) and not _flash_attn_installed()
                                   and not torch.are_deterministic_algorithms_enabled()):

@@ -132,6 +132,29 @@ def test_transformers_own_compositions_pass_on_without_reading_the_device(make, 
     assert mask is None and reads.total == 0, reads.table()
 
 
+def test_on_a_torch_without_ordered_effects_a_compiled_mask_build_still_refuses(monkeypatch):
+    """torch 2.6 (setup.cfg's oldest) has no registry of ordered effects: registering `refuse_next_key` as one failed
+    the plugin's import there, and unregistered the op would be dropped from the graph (its refusal lost). Without it,
+    the registration is skipped and the compiled build reads the answer itself (a graph break), refusing as before."""
+    from hf_sparse_cp.integration import call_tokens, compat
+
+    monkeypatch.setattr(compat, "_release", lambda package: (2, 6, 0))
+    assert compat.register_ordered_effect("hf_sparse_cp::refuse_next_key") is False
+    monkeypatch.setattr(call_tokens, "_REFUSED_IN_GRAPHS", False)
+
+    def build(function, positions):
+        return sparse_cp_mask(2, 40, 40, mask_function=function(positions), device="cpu"), positions + 1
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(build, backend="aot_eager")
+        with pytest.raises(NonCausalMask, match=r"lets tokens see later ones.*attn_implementation='sdpa'"):
+            compiled(sliding_window_bidirectional_mask_function, torch.tensor(8))
+        assert compiled(sliding_window_causal_mask_function, torch.tensor(8))[0] is None
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_compiled_forwards_mask_is_refused_in_the_graph():
     """Under torch.compile the mask function's closure is not read (torch 2.11's dynamo cannot), so the evaluation
     stays in the graph (no graph break: fullgraph), and so does its refusal (`refuse_next_key`, an op the graph keeps
