@@ -111,10 +111,12 @@ def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int
     if sees.device.type == "meta":
         return False
     sees = (sees & (key > query).to(sees.device)).any()
-    if torch.compiler.is_compiling() and _REFUSED_IN_GRAPHS:
-        refuse_next_key(sees, getattr(config, "model_type", "unknown"), getattr(config, "base_config_key", None))
+    if torch.compiler.is_compiling():
+        # (a torch without ordered effects would drop the op from the graph: run outside it there, a graph break)
+        refuse = refuse_next_key if _REFUSED_IN_GRAPHS else _refuse_next_key_outside_graphs
+        refuse(sees, getattr(config, "model_type", "unknown"), getattr(config, "base_config_key", None))
         return False
-    return bool(sees)  # (compiling on a torch without ordered effects: read here, a graph break)
+    return bool(sees)
 
 
 _REFUSE_NEXT_KEY = "hf_sparse_cp::refuse_next_key"
@@ -137,6 +139,11 @@ def _(sees, model_type, base_config_key):
 
 
 _REFUSED_IN_GRAPHS = register_ordered_effect(_REFUSE_NEXT_KEY)
+
+
+@torch.compiler.disable
+def _refuse_next_key_outside_graphs(sees: torch.Tensor, model_type: str, base_config_key: str | None) -> None:
+    refuse_next_key(sees, model_type, base_config_key)
 
 
 # transformers' compositions of mask functions (masking_utils), by qualified name, and the closure variable that holds

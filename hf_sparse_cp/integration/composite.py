@@ -26,10 +26,13 @@ _TOWER_OF_MODALITY = {"image": "vision_config", "video": "vision_config", "audio
 
 def _input_modalities(config: Any) -> set[str]:
     """The `input_modalities` transformers declares for the models of `config`'s class, read from its modeling module
-    (the sibling of its configuration module, which a model built from it has imported); empty where none is."""
+    (the sibling of its configuration module, which a model built from it has imported) among the names it exports
+    (its `__all__`: a trace of the attention call reads them, and dynamo breaks the graph on a module's logger);
+    empty where none is."""
     module = sys.modules.get(type(config).__module__.replace(".configuration_", ".modeling_"))
     found: set[str] = set()
-    for value in vars(module).values() if module is not None else ():
+    for name in getattr(module, "__all__", ()) if module is not None else ():
+        value = getattr(module, name, None)
         if isinstance(value, type) and getattr(value, "config_class", None) is type(config):
             modalities = getattr(value, "input_modalities", ())
             found.update((modalities,) if isinstance(modalities, str) else modalities)
