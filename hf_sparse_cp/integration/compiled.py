@@ -92,6 +92,20 @@ def _settings(key: str) -> SparseAttentionConfig:
     return SparseAttentionConfig.from_dict(json.loads(key))
 
 
+def _token_kwargs(position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
+                  cu_seq_lens_k: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The keyword arguments an op's call was given that mark its tokens, as transformers passes them (those set)."""
+    return {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
+                                    ("cu_seq_lens_k", cu_seq_lens_k)) if t is not None}
+
+
+def _record_kept(layer: str, kept: torch.Tensor, grad_enabled: bool) -> None:
+    """Record a call's kept fraction on the module `layer` names (`layer_key`), if it is still there."""
+    module = _LAYERS[layer]() if layer in _LAYERS else None
+    if module is not None:
+        record_kept_fraction(module, kept, grad_enabled)
+
+
 @torch.library.custom_op("hf_sparse_cp::sequence_plan", mutates_args=())
 def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
@@ -106,17 +120,14 @@ def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor
     gradients); a call with padding between a row's tokens is not counted, as eagerly."""
     cfg = _settings(settings)
     b, _, s, _ = q.shape
-    kwargs = {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
-                                      ("cu_seq_lens_k", cu_seq_lens_k)) if t is not None}
+    kwargs = _token_kwargs(position_ids, cu_seq_lens_q, cu_seq_lens_k)
     if padding_between_tokens(attention_mask) is not None:
         q_meta, meta, layout = every_key_call(b, s, s, q.device, attention_mask, kwargs, cfg.block_size)
     else:
         meta = q_meta = token_meta_from_kwargs(b, s, q.device, attention_mask, kwargs)
         docs = pattern_documents(cfg, meta, b, s, sliding_window)
         layout = sequence_layout(q, k, meta, cfg, docs, scale=scale, sliding_window=sliding_window)
-        module = _LAYERS[layer]() if layer in _LAYERS else None
-        if module is not None:
-            record_kept_fraction(module, layout.kept_fraction(meta, sliding_window), grad_enabled)
+        _record_kept(layer, layout.kept_fraction(meta, sliding_window), grad_enabled)
     tensors = (*layout.tensors(), q_meta.index, q_meta.segment, meta.index, meta.segment)
     # (fresh tensors: a custom op's outputs alias neither its inputs nor each other)
     return tuple(t.clone(memory_format=torch.contiguous_format) for t in tensors)
@@ -146,12 +157,9 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | No
     side effect (`compat.register_ordered_effect`: the graph keeps it though it returns nothing)."""
     b, _, s, _ = q.shape
     if check:
-        kwargs = {name: t for name, t in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
-                                          ("cu_seq_lens_k", cu_seq_lens_k)) if t is not None}
+        kwargs = _token_kwargs(position_ids, cu_seq_lens_q, cu_seq_lens_k)
         dense_backend(q, k, token_meta_from_kwargs(b, s, q.device, None, kwargs), sliding_window)
-    module = _LAYERS[layer]() if layer in _LAYERS else None
-    if module is not None:
-        record_kept_fraction(module, torch.ones((), dtype=torch.float64, device=q.device), grad_enabled)
+    _record_kept(layer, torch.ones((), dtype=torch.float64, device=q.device), grad_enabled)
 
 
 @dense_call.register_fake
