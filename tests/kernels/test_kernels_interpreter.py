@@ -113,6 +113,8 @@ def _public_function_as_transformers_calls_it(q, k, v, layout, q_meta, k_meta, s
 
 
 def _opcheck_ops():
+    import hf_sparse_cp.kernels.ops  # noqa: F401  (registers the ops: the interpreter's process may not have yet)
+
     b, hq, hk, s, d, bs = 1, 2, 1, 40, 16, 16
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hk, hk))
