@@ -20,6 +20,17 @@ import yaml
 logger = logging.getLogger(__name__)
 
 
+def adapter_base(adapter_config: str | Path) -> str | None:
+    """The base model a PEFT adapter's adapter_config.json names (`base_model_name_or_path`); None where it names
+    none or the file is not a readable JSON mapping."""
+    try:
+        data = json.loads(Path(adapter_config).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
+    return base if isinstance(base, str) and base else None
+
+
 def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config file") -> dict[str, Any]:
     """The mapping stored in a .yaml/.yml or .json file; clear errors, naming the file (as `kind`), for a
     missing file, another suffix, a syntax error, an empty file (or one of comments only: a mistake, which

@@ -13,7 +13,6 @@ returned to the caller, and `plot_run` also saves them as PNG.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..backends import require_matplotlib
 from ..config import SparseAttentionConfig, language_config
+from ..config.files import adapter_base
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet
 from ..integration.registration import configure
@@ -306,7 +306,7 @@ def _tokenizer_source(folder: Path) -> Path:
     """Where the tokenizer of the model at `folder` is: the folder, or, for a PEFT adapter saved without one
     (`model.save_pretrained` saves none), the base model that adapter_config.json names."""
     if (folder / ADAPTER_CONFIG).is_file() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        base = adapter_base(folder / ADAPTER_CONFIG)
         return Path(base) if base else folder
     return folder
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 
+from ..config.files import adapter_base
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
 from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
@@ -174,10 +175,7 @@ def _refuse_adapter(path: str, file: Path) -> None:
     adapter = file if file.name == "adapter_config.json" else file.parent / "adapter_config.json"
     if not adapter.is_file():
         return
-    try:
-        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (json.JSONDecodeError, AttributeError):
-        base = None
+    base = adapter_base(adapter)
     named = f" (`{base}/config.json`)" if base else ""
     raise ValueError(f"--config {path}: a PEFT adapter (adapter_config.json), not a model: give its base model's "
                      f"config.json{named}; the prediction is then full fine-tuning's, which overstates the adapter's "
