@@ -64,6 +64,17 @@ def script_name(target: str, is_module: bool) -> str:
     return os.path.basename(spec.origin if spec is not None and spec.origin else target)
 
 
+def _with_values(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """The plugin `flags` among `args` (as written) with the values that follow each, as the command to copy."""
+    kept, taking = [], False
+    for token in args:
+        if token.startswith("--"):
+            taking = token.split("=", 1)[0] in flags
+        if taking:
+            kept.append(token)
+    return kept
+
+
 def _explain_refused_plugin_flags(target: str, run: LaunchedRun, args: Sequence[str]) -> None:
     """Say why a script that parses its command line without `HfArgumentParser` (argparse of its own, as
     transformers' run_clm_no_trainer.py) exited refusing the plugin's flags after its path: its parser names them
@@ -75,9 +86,9 @@ def _explain_refused_plugin_flags(target: str, run: LaunchedRun, args: Sequence[
         f"{PROG}: note: {target} parses its command line with a parser of its own, not HfArgumentParser (or TRL's "
         f"TrlParser), so the plugin's flags after its path ({', '.join(stray)}) reached that "
         "parser, which does not know them. A script that builds its TrainingArguments in code and trains with a "
-        f"Trainer takes them before its path ({PROG} {' '.join(stray)} ... {target} ...); a training loop of its "
-        "own (transformers' run_clm_no_trainer.py) runs without the plugin: drop them, or train it through the "
-        "functional API (hf_sparse_cp.configure, enable_sparse_attention: docs/usage.md).\n")
+        f"Trainer takes them before its path ({PROG} {' '.join(_with_values(args, stray))} ... {target} ...); a "
+        "training loop of its own (transformers' run_clm_no_trainer.py) runs without the plugin: drop them, or train "
+        "it through the functional API (hf_sparse_cp.configure, enable_sparse_attention: docs/usage.md).\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -21,6 +21,22 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
     case = os.environ["REFUSAL_CASE"]
+    if case == "unrouted":  # attention computed in its own layers, not through transformers' AttentionInterface (as
+        # a trust_remote_code model's may be): sparse_cp cannot reach it
+        from transformers import LlamaForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class OwnAttention(LlamaAttention):
+            def forward(self, hidden_states, *args, **kwargs):
+                return self.o_proj(self.q_proj(hidden_states)), None
+
+        class OwnAttentionModel(LlamaForCausalLM):
+            def __init__(self, config):
+                super().__init__(config)
+                for i, layer in enumerate(self.model.layers):
+                    layer.self_attn = OwnAttention(config, i)
+
+        model = OwnAttentionModel(model.config)
     ids = torch.arange(3, 67)
     # padding between the tokens of the row: CP takes it at a row's start or end only
     mask = torch.ones_like(ids) if case != "padding" else torch.cat([torch.ones(8), torch.zeros(4), torch.ones(52)])
@@ -43,6 +59,9 @@ def _launch(tmp_path, case: str, *flags: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("case, flags, message", [
     ("loss", (), "train.py: error: a compute_loss_func (<lambda>) under context parallelism (CP 2) is not supported"),
     ("padding", (), "train.py: error: attention_mask pads between the tokens of row 0"),
+    # (a model refused as the Trainer switches it to sparse_cp: it ended in a traceback from every rank, exit status 1)
+    ("unrouted", (), "train.py: error: OwnAttentionModel (model type 'llama') does not route its attention through "
+                     "transformers' AttentionInterface"),
     # (a Trainer flag the plugin refuses on this machine: it ended in a traceback from every rank)
     ("liger", ("--use_liger_kernel",), "train.py: error: --sparse_fused_ops liger (or --use_liger_kernel): "
                                        "liger-kernel's Triton kernels need a CUDA GPU"),

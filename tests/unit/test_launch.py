@@ -774,6 +774,8 @@ def test_plugin_flags_refused_by_a_scripts_own_argparse_are_explained(tmp_path, 
     assert exited.value.code == 2 and "unrecognized arguments: --cp_size 2 --sparse_block_size=32" in err
     assert "note: own_parser.py parses its command line with a parser of its own" in err
     assert "(--cp_size, --sparse_block_size)" in err and "before its path" in err and "functional API" in err
+    # (the command to copy holds their values: it named the flags alone, `run --cp_size --sparse_block_size ...`)
+    assert "(python -m hf_sparse_cp.run --cp_size 2 --sparse_block_size=32 ... own_parser.py ...)" in err
     with pytest.raises(SystemExit):  # its own flag refused, no plugin flag given: argparse's message alone
         run(["own_parser.py", "--bogus", "1"])
     assert "note:" not in capsys.readouterr().err
