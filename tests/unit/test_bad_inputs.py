@@ -128,6 +128,11 @@ def test_the_example_takes_packed_documents_that_divide_the_sequence():
         ({"cp_sharding": "random"}, "cp_sharding='random' (str) is not valid: use one of 'striped', 'zigzag', "
                                     "'contiguous'"),
         ({"cp_ring": None}, "cp_ring=None (NoneType) is not valid: use one of 'flat', 'hierarchical'"),
+        # (NaN passed the `< 0` check, inf too: every rank's planned load NaN or inf, the document plan arbitrary)
+        ({"cp_planner_linear_per_token": float("nan")}, "cp_planner_linear_per_token=nan must be finite and >= 0 (a "
+                                                        "cost in attention token pairs; default 9000.0)"),
+        ({"cp_planner_comm_per_token": float("inf")}, "cp_planner_comm_per_token=inf must be finite and >= 0"),
+        ({"cp_planner_comm_per_token": -1.0}, "cp_planner_comm_per_token=-1.0 must be finite and >= 0"),
     ],
 )
 def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
@@ -1106,3 +1111,34 @@ def test_the_backend_names_cu_seq_lens_of_the_wrong_form_and_3d_queries(patched)
         sparse_cp_attention_forward(model.model.layers[0].self_attn, q, k, k, None)
     out, _ = sparse_cp_attention_forward(model.model.layers[0].self_attn, q[None], k[None], k[None], None)
     assert out.shape == (1, 64, 4, 32)
+
+
+def test_the_backend_refuses_a_head_dim_scale_mask_or_positions_it_would_misread(patched):
+    """Issue #50: `sparse_cp_attention_forward` with a head_dim of 0 ended in a ZeroDivisionError (its default scale),
+    a NaN or infinite scaling returned NaN outputs without a word, a mask given as text ended in an AttributeError, and
+    position_ids with more rows than the batch in a torch broadcasting error. Each is refused at the call, naming what
+    to pass; positions of one row for a batch of two still pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import sparse_cp_attention_forward
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    layer = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp").model.layers[0]
+    q, k = torch.randn(2, 4, 64, 32), torch.randn(2, 2, 64, 32)
+    finite = "must be finite (the softmax scale, e.g. 1 / math.sqrt(head_dim)), or None for 1 / sqrt(head_dim)."
+    for kwargs, error, message in [
+        ({"query": q[..., :0], "key": k[..., :0], "value": k[..., :0]}, ValueError,
+         "q, k, v have head_dim 0: attention needs at least 1"),
+        ({"scaling": float("nan")}, ValueError, f"scale=nan {finite}"),
+        ({"scaling": float("inf")}, ValueError, f"scale=inf {finite}"),
+        ({"attention_mask": "causal"}, TypeError, "sparse_cp takes attention_mask as a 2D padding mask tensor [batch, "
+                                                  "seq] or None, not str 'causal'"),
+        ({"position_ids": torch.arange(64).repeat(3, 1)}, ValueError, "position_ids has shape (3, 64) for a batch of 2 "
+                                                                      "rows: give one row of positions per row"),
+    ]:
+        call = {"query": q, "key": k, "value": k, "attention_mask": None, **kwargs}
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            sparse_cp_attention_forward(layer.self_attn, **call)
+    out, _ = sparse_cp_attention_forward(layer.self_attn, q, k, k, None, position_ids=torch.arange(64)[None])
+    assert out.shape == (2, 64, 4, 32)
