@@ -66,6 +66,14 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
          "(trial); `hf-sparse-cp recipes` lists them."),
+        # an empty value (an unset shell variable) read as no value: the tiny model trained, no summary written
+        (["--model_name_or_path", ""], "--model_name_or_path '' is empty (an unset shell variable?): give its value, "
+         "or drop the flag."),
+        (["--summary_file", " "], "--summary_file ' ' is empty (an unset shell variable?)"),
+        # a summary file that cannot be written: an IsADirectoryError / NotADirectoryError once the run had trained
+        (["--summary_file", "."], "--summary_file . is a folder; give the path of a file"),
+        (["--summary_file", f"{__file__}/summary.json"], f"--summary_file {__file__}/summary.json: {__file__} is a "
+         "file, not a folder; give a path in a folder."),
         # data no machine can build: a MemoryError traceback in every process, after they started
         (["--sparse_max_length", "99999999999"], "a passkey sequence of 99999999999 tokens takes at least 18626 GiB of "
          "memory to build (200 bytes per token), more than this machine's"),
