@@ -71,8 +71,14 @@ class FlagParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         end = args.index("--") if "--" in args else len(args)  # (words after `--` are values, never flags)
-        return super().parse_known_args([*self._with_dashed_values([*map(self._documented, args[:end])]),
-                                         *args[end:]], namespace)
+        parsed, rest = super().parse_known_args([*self._with_dashed_values([*map(self._documented, args[:end])]),
+                                                 *args[end:]], namespace)
+        for action in self._actions:  # ('' was read as no value: `--json ''` wrote the default file)
+            value = getattr(parsed, action.dest, None)
+            if action.option_strings and isinstance(value, str) and not value.strip():
+                self.error(f"{action.option_strings[0]} {value!r} is empty (an unset shell variable?): give its value, "
+                           "or drop the flag.")
+        return parsed, rest
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:

@@ -301,6 +301,9 @@ def test_the_example_names_a_model_folder_without_its_tokenizer(tmp_path, capsys
         (["--intra-node-gbps", "-100GB"], "argument --intra-node-gbps: '-100GB' is not a number; give one above 0"),
         (["--gpu-tflops", "0"], "argument --gpu-tflops: 0.0 must be > 0"),
         (["--gpus-per-node", "2.5"], "argument --gpus-per-node: '2.5' is not a whole number"),
+        # '' (an unset shell variable) read as no value: the default output file written, the default curve read
+        (["--json", ""], "--json '' is empty (an unset shell variable?): give its value, or drop the flag."),
+        (["--kept-curve", " "], "--kept-curve ' ' is empty (an unset shell variable?)"),
     ],
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):

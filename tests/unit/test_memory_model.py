@@ -182,6 +182,10 @@ def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
     (["--model", "qwen2.5-0.5b", "--gpu-memory", "--quiet"], "argument --gpu-memory: expected one argument"),
     # more head-parallel ranks than the model's 14 query heads: refused naming the fix, not a traceback
     (["--model", "qwen2.5-0.5b", "--cp", "64", "--cp_mode", "ulysses"], "at most 14 (balanced: [1, 2, 7, 14])"),
+    # '' (an unset shell variable) read as no value: the default pattern predicted, no JSON written, without a word
+    (["--model", "qwen2.5-0.5b", "--sparse-config", ""], "--sparse-config '' is empty (an unset shell variable?): "
+     "give its value, or drop the flag."),
+    (["--model", "qwen2.5-0.5b", "--json", ""], "--json '' is empty (an unset shell variable?)"),
 ])
 def test_the_memory_command_names_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
