@@ -275,7 +275,8 @@ def model_shape(args: argparse.Namespace, presets: dict[str, ModelShape]) -> Mod
     """The shape `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
     if args.config is None:
         return presets[args.model]
-    return ModelShape.from_config(read_config(args.config), model_name(args))
+    # (its refusals name the flag and file, not the model's name in the output: the config's folder)
+    return ModelShape.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, default: str) -> None:

@@ -416,7 +416,8 @@ def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):
         (tmp_path / "config.json").write_text(json.dumps({**config, field: 0}))
         with pytest.raises(SystemExit):
             cli_main(["memory", "--config", str(tmp_path / "config.json")])
-        assert f": {field}=0 in the config; a decoder has at least one of each" in capsys.readouterr().err
+        assert (f"error: --config {tmp_path / 'config.json'}: {field}=0 in the config; a decoder has at least one of "
+                "each") in capsys.readouterr().err  # (it named the config's folder: '{tmp_path.name}: ...')
 
 
 def test_a_config_is_checked_for_sizes_of_0_once(tmp_path, monkeypatch):
