@@ -744,6 +744,9 @@ def test_the_python_api_names_a_config_of_the_wrong_kind():
                            rf"not {type(config).__name__}: build it with SparseAttentionConfig\(\*\*fields\), "
                            r"SparseAttentionConfig.from_dict\(mapping\)"):
             configure(model, config, select=False)
+    with pytest.raises(TypeError, match=r"^configure\(model, \.\.\., select=\.\.\.\): select must be True or False, "
+                       "not str 'no'"):  # (text was true: the model was switched to sparse_cp)
+        configure(model, select="no")
     for cls, data in ((SparseAttentionConfig, None), (SparseAttentionConfig, [1]), (SMETConfig, "density: 0.5")):
         with pytest.raises(TypeError, match=rf"^{cls.__name__}.from_dict takes a mapping of .* fields \(name -> "
                            rf"value; {{}} for the defaults\), not {type(data).__name__} .*; for a file, use "
