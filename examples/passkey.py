@@ -72,9 +72,10 @@ def _tokenize(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, seq_le
 BUILD_BYTES_PER_TOKEN = 200
 
 
-def check_buildable(seq_len: int) -> None:
-    """Raise ValueError, naming the fix, when building one `seq_len`-token sequence would take more memory than the
-    machine has (it ended in a MemoryError traceback after every process started)."""
+def check_buildable(seq_len: int, flag: str = "--sparse_max_length",
+                    other_fix: str = "raise --pack_documents (documents of max_length / N tokens each)") -> None:
+    """Raise ValueError, naming the fix (lower `flag`, or `other_fix`), when building one `seq_len`-token sequence
+    would take more memory than the machine has (it ended in a MemoryError traceback after every process started)."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # (a platform without them: nothing to check against)
@@ -83,9 +84,8 @@ def check_buildable(seq_len: int) -> None:
     if need > total:
         raise ValueError(f"a passkey sequence of {seq_len} tokens takes at least {need / 2**30:.0f} GiB of memory to "
                          f"build ({BUILD_BYTES_PER_TOKEN} bytes per token), more than this machine's "
-                         f"{total / 2**30:.0f} GiB: lower --sparse_max_length (at most "
-                         f"{total // BUILD_BYTES_PER_TOKEN} here), or raise --pack_documents (documents of "
-                         "max_length / N tokens each).")
+                         f"{total / 2**30:.0f} GiB: lower {flag} (at most {total // BUILD_BYTES_PER_TOKEN} here), or "
+                         f"{other_fix}.")
 
 
 def passkey_dataset(

@@ -69,6 +69,7 @@ from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
 from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import RECIPE_SUFFIXES, recipe_path
+from hf_sparse_cp.simulator.arguments import check_output_file, write_output
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
@@ -121,6 +122,12 @@ class ScriptArguments:
         for name in ("num_samples", "tiny_num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} must be >= 1.")
+        for name in ("model_name_or_path", "summary_file"):  # ('' read as not given: the tiny model, no summary)
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"--{name} {getattr(self, name)!r} is empty (an unset shell variable?): give its "
+                                 "value, or drop the flag.")
+        if self.summary_file is not None:  # (written after training: refused now, not once the run has trained)
+            check_output_file(self.summary_file, "--summary_file")
         if self.align_documents and self.pack_documents == 1:
             raise ValueError("--align_documents pads between the documents of a packed sequence, but --pack_documents "
                              "is 1 (one document per sequence) so it would do nothing: add --pack_documents N (N > 1), "
@@ -545,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.create_model_card()  # README.md (+ the kept-fraction plot) in output_dir, on the main process
     if trainer.is_world_process_zero():
         if script.summary_file:
-            Path(script.summary_file).write_text(json.dumps(summary, indent=2))
+            write_output(Path(script.summary_file), json.dumps(summary, indent=2))
         saved = checkpoints_note(training)
         if not logged:
             loss = "no step trained"

@@ -63,11 +63,50 @@ def _add_plot_parser(sub) -> argparse.ArgumentParser:
     return plot
 
 
+# The plot flags that choose what the layouts draw (`--only kept_fraction` draws none)
+LAYOUT_FLAGS = ("model", "text_file", "max_length", "layers", "heads", "sparse_config")
+
+
+def _check_plot_flags(args, parser: argparse.ArgumentParser) -> None:
+    """Refuse, before anything loads, plot flags that would be ignored or fail only after the model's forward: a
+    layout flag with `--only kept_fraction`, an empty path, a text file or an output folder that is not there to
+    read or write, a passkey sample longer than this machine builds."""
+    from pathlib import Path
+
+    given = [f"--{name}" for name in LAYOUT_FLAGS if getattr(args, name) is not None]
+    if args.only == "kept_fraction" and given:
+        parser.error(f"{', '.join(given)} {'choose' if len(given) > 1 else 'chooses'} what the block layouts draw, "
+                     f"and --only kept_fraction draws none: drop {'them' if len(given) > 1 else 'it'}, or drop --only.")
+    for flag in ("--out_dir", "--model", "--text_file", "--sparse_config"):
+        value = getattr(args, flag[2:])
+        if value is not None and not value.strip():
+            parser.error(f"{flag} {value!r} is empty (an unset shell variable?): give its value, or drop the flag.")
+    if args.max_length is not None and args.max_length < 2:
+        parser.error(f"--max_length {args.max_length}: give at least 2 tokens.")
+    if args.text_file is not None and not Path(args.text_file).is_file():
+        parser.error(f"--text_file {args.text_file}: " + ("a folder, not a text file" if Path(args.text_file).is_dir()
+                                                           else "no such file") + "; give the file of a text.")
+    if args.text_file is None and args.max_length is not None and args.only != "kept_fraction":
+        try:
+            from hf_sparse_cp.examples.passkey import check_buildable  # (needs datasets: `plot_run` names the extra)
+
+            check_buildable(args.max_length, "--max_length", "draw the layouts of a text of yours (--text_file)")
+        except ImportError:
+            pass
+        except ValueError as e:
+            parser.error(f"--max_length {args.max_length}: {e}")
+    if args.out_dir is not None:  # (made after the drawing: a file there ended the command then, naming no flag)
+        out = Path(args.out_dir).absolute()
+        existing = next(folder for folder in (out, *out.parents) if folder.exists())
+        if not existing.is_dir():
+            parser.error(f"--out_dir {args.out_dir}: {existing} is a file, not a folder; give a folder (created when "
+                         "missing).")
+
+
 def _plot(args, parser: argparse.ArgumentParser) -> int:
     from hf_sparse_cp.reporting.plots import plot_run
 
-    if args.max_length is not None and args.max_length < 2:
-        parser.error(f"--max_length {args.max_length}: give at least 2 tokens.")
+    _check_plot_flags(args, parser)
     try:
         figures = plot_run(args.run_dir, args.out_dir, only=args.only, model=args.model, text_file=args.text_file,
                            seq_len=args.max_length, layers=args.layers, heads=args.heads,

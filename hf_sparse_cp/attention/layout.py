@@ -27,6 +27,7 @@ without reading device memory.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -349,10 +350,13 @@ def check_window(sliding_window: Any) -> None:
 
 def check_scale(scale: Any) -> None:
     """Raise TypeError unless the softmax `scale` is None (1 / sqrt(head_dim)) or a real number, as SDPA takes it
-    (text ended in a TypeError deep inside an engine)."""
+    (text ended in a TypeError deep inside an engine), and ValueError for NaN or infinity."""
     if scale is not None and (not isinstance(scale, (numbers.Real, torch.SymFloat)) or isinstance(scale, bool)):
         raise TypeError(f"scale={scale!r} ({type(scale).__name__}) must be a float (the softmax scale, e.g. "
                         "1 / math.sqrt(head_dim)) or None for 1 / sqrt(head_dim).")
+    if isinstance(scale, numbers.Real) and not math.isfinite(scale):  # (every output NaN, without a word)
+        raise ValueError(f"scale={scale!r} must be finite (the softmax scale, e.g. 1 / math.sqrt(head_dim)), or None "
+                         "for 1 / sqrt(head_dim).")
 
 
 def check_meta(name: str, meta: Any, optional: bool = True) -> None:
@@ -372,11 +376,15 @@ def check_dims(q: Any, k: Any, v: Any) -> None:
         raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (transformers' layout: transpose [B, S, H, D] "
                          "with .transpose(1, 2)).")
+    if min(q.shape[3], k.shape[3], v.shape[3]) < 1:  # (the backend's default scale 1 / sqrt(0) divided by zero)
+        dims = ", ".join(map(str, dict.fromkeys((q.shape[3], k.shape[3], v.shape[3]))))
+        raise ValueError(f"q, k, v have head_dim {dims}: attention needs at least 1 (the last dimension of [B, H, S, "
+                         "D]).")
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError, naming the fix, unless q is [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] in one
-    floating dtype on one device, with Hq a multiple of Hkv and D at least 1."""
+    floating dtype on one device, with Hq a multiple of Hkv (D at least 1: `check_dims`)."""
     check_dims(q, k, v)
     b, hq, sq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
@@ -386,8 +394,6 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v have 0 key/value heads ({tuple(k.shape)}): attention needs at least 1.")
     if hq % k.shape[1]:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]}).")
-    if d < 1:
-        raise ValueError(f"q, k, v have head_dim {d}: attention needs at least 1 (the last dimension of [B, H, S, D]).")
     if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast k and v "
                          "with .to(q.dtype)).")

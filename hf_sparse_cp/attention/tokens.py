@@ -96,6 +96,15 @@ def packing_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     return position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else None
 
 
+def check_position_rows(position_ids: torch.Tensor | None, batch: int) -> None:
+    """Raise ValueError unless `position_ids` (`packing_positions`'s) hold one row per row of the batch, or one row for
+    every row (a torch broadcasting error otherwise, from deep inside the call)."""
+    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} for a batch of {batch} rows: give one "
+                         f"row of positions per row of the batch ([{batch}, seq]), or one row for all of them ([1, "
+                         "seq] or [seq]).")
+
+
 def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """Document ids from cumulative sequence lengths (DataCollatorWithFlattening's `cu_seq_lens_k`).
 
@@ -207,6 +216,7 @@ def token_meta_from_kwargs(
     """
     cu = kwargs.get("cu_seq_lens_k")
     position_ids = packing_positions(kwargs.get("position_ids"))
+    check_position_rows(position_ids, batch)
     if cu is not None:
         cu_q = kwargs.get("cu_seq_lens_q")
         # (queries and keys are the same tokens: other query documents would be ignored, as the keys' pack them)
@@ -234,6 +244,7 @@ def mask_positions(
     with `cu_seq_lens_k` and no `position_ids` (a layer that does not pass them on), each token's index in its
     document, as flattened packing numbers them. Multimodal RoPE's [R, B, S] position_ids: `packing_positions`."""
     position_ids = packing_positions(kwargs.get("position_ids"))
+    check_position_rows(position_ids, batch)
     if attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
         positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, seq_len)
         if bool((segments_from_position_ids(positions)[:, -1] > 0).any()):  # (transformers' packed detection)

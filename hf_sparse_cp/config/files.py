@@ -35,9 +35,10 @@ def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config fil
     """The mapping stored in a .yaml/.yml or .json file; clear errors, naming the file (as `kind`), for a
     missing file, another suffix, a syntax error, an empty file (or one of comments only: a mistake, which
     read as every default), or content that is not a mapping (`what` names the expected keys in those errors)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{kind} {str(path)!r} does not exist.")
+    given, path = str(path), Path(path)
+    if not path.is_file():  # ('' is the working folder: named as given)
+        raise FileNotFoundError(f"{kind} {given!r} " + ("is a folder, not a file (give the file's path)."
+                                                        if path.is_dir() else "does not exist."))
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"{kind} {str(path)!r} must end in .yaml, .yml or .json.")
     try:

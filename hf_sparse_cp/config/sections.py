@@ -86,7 +86,7 @@ def budget_modes() -> tuple[str, ...]:
 
 
 def budget_class(mode: str) -> type[BudgetSection]:
-    if mode not in _registered():
+    if not isinstance(mode, str) or mode not in _registered():  # (a list: `in` a TypeError, unhashable)
         raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _registered()))}.")
     return _registered()[mode]
 
@@ -139,15 +139,15 @@ def budget_from(section: Mapping[str, Any] | BudgetSection) -> BudgetSection:
     if isinstance(section, BudgetSection):
         return section
     section = dict(section)
-    mode = section.pop("mode", None) or inferred_mode(section) or DEFAULT_MODE
-    cls = budget_class(mode)
+    mode = section.pop("mode", None)  # (None, YAML's `mode:` left empty: the mode its fields select; '' is refused)
+    cls = budget_class(inferred_mode(section) or DEFAULT_MODE if mode is None else mode)
     for name, value in section.items():
         if name not in field_names(cls):
             refuse_unknown("budget", [name], budget_keys())
             owners = modes_of(name)
             raise ValueError(
                 f"{name}={value!r} is read only in {mode_words(owners)} and would do nothing with "
-                f"budget_mode={mode!r}; pass --sparse_budget_mode {owners[0]} (budget_mode={owners[0]!r}) with it, "
+                f"budget_mode={cls.mode!r}; pass --sparse_budget_mode {owners[0]} (budget_mode={owners[0]!r}) with it, "
                 f"or leave {name} unset.")
     return cls(**section)
 
@@ -168,7 +168,8 @@ def merged_sections(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> dict[
     its mode's `BudgetSection.scoring` defaults take the new mode's; otherwise fields merge one by one."""
     budget, scoring = dict(lower.get("budget", {})), dict(lower.get("scoring", {}))
     top = dict(upper.get("budget", {}))
-    old = budget.get("mode") or inferred_mode(budget)
+    old = budget.get("mode")
+    old = inferred_mode({name: value for name, value in budget.items() if name != "mode"}) if old is None else old
     if top.get("mode") and old and top["mode"] != old:
         defaults = {**dataclasses.asdict(Scoring()), **budget_class(old).scoring}
         budget = {}

@@ -182,8 +182,8 @@ class SparseAttentionConfig(FileConfig):
         parsed = []
         for key, fields_ in (self.layer_overrides or {}).items():
             try:
-                lo, _, hi = str(key).partition("-")
-                first, last = int(lo), int(hi or lo)
+                lo, dash, hi = str(key).partition("-")
+                first, last = int(lo), int(hi if dash else lo)  # ('0-' read as layer 0)
             except ValueError:
                 raise ValueError(f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. "
                                  "'0-3').") from None

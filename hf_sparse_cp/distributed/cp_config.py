@@ -6,6 +6,7 @@ groups from them.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
@@ -85,8 +86,9 @@ class ContextParallelConfig(KnownKeywords):
                           "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
                           stacklevel=2)
         for name in ("cp_planner_linear_per_token", "cp_planner_comm_per_token"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (a cost in attention token pairs).")
+            if not 0 <= getattr(self, name) < math.inf:  # (NaN passed `< 0`: every rank's planned load NaN or inf)
+                raise ValueError(f"{name}={getattr(self, name)} must be finite and >= 0 (a cost in attention token "
+                                 f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")
 
     @property
     def mode(self) -> CPMode:

@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.layout import check_dims
+from ..attention.layout import check_dims, check_scale
 from ..attention.ops import block_sparse_attention
 from ..attention.precision import autocast_inputs
 from ..attention.sequence import sequence_attention
@@ -497,6 +497,9 @@ def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPS
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
                         ) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"sparse_cp takes attention_mask as a 2D padding mask tensor [batch, seq] or None, not "
+                        f"{type(attention_mask).__name__} {attention_mask!r:.60} (model type '{model_type}').")
     if dropout and dropout > 0:
         held = [f"{type(module).__name__}.{name}" for name in MODULE_DROPOUTS
                 if dropout_probability(module, name) == dropout]
@@ -559,6 +562,7 @@ def sparse_cp_attention_forward(
     every call does eagerly.
     """
     check_dims(query, key, value)  # (before anything unpacks their shapes: "not enough values to unpack")
+    check_scale(scaling)  # (a dense call's SDPA took a NaN scale without a word)
     if torch.compiler.is_compiling() and traced_call(query, key, kwargs):
         out = _traced_call(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                            kwargs)

@@ -43,6 +43,9 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
             refused at a training call).
     """
     require_model(model, "configure(model, ...)")
+    if not isinstance(select, bool):  # ('no' is true: the model was switched)
+        raise TypeError(f"configure(model, ..., select=...): select must be True or False, not "
+                        f"{type(select).__name__} {select!r}.")
     if select and not is_registered():
         raise ValueError("configure(model) switches the model to attn_implementation='sparse_cp', which is not "
                          "registered with transformers: call hf_sparse_cp.patch() first (or configure(model, "

@@ -76,6 +76,9 @@ def parse_launcher_options(parser: argparse.ArgumentParser, argv: Sequence[str],
     options, rest = parser.parse_known_args(list(argv), argparse.Namespace(**vars(given)) if given else None)
     if options.nproc < 1:
         parser.error(f"--nproc {options.nproc}: give at least 1 process.")
+    if options.config_file is not None and not options.config_file.strip():  # (read as none: launched by torchrun)
+        parser.error(f"--config_file {options.config_file!r} is empty (an unset shell variable?): give the accelerate "
+                     "config, or drop the flag.")
     if options.nproc > 1 and options.config_file:
         parser.error(f"--nproc {options.nproc} with --config_file {options.config_file}: the accelerate config sets "
                      "the processes (its num_processes); drop --nproc, or drop --config_file to launch with torchrun.")

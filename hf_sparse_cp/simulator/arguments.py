@@ -71,8 +71,14 @@ class FlagParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         end = args.index("--") if "--" in args else len(args)  # (words after `--` are values, never flags)
-        return super().parse_known_args([*self._with_dashed_values([*map(self._documented, args[:end])]),
-                                         *args[end:]], namespace)
+        parsed, rest = super().parse_known_args([*self._with_dashed_values([*map(self._documented, args[:end])]),
+                                                 *args[end:]], namespace)
+        for action in self._actions:  # ('' was read as no value: `--json ''` wrote the default file)
+            value = getattr(parsed, action.dest, None)
+            if action.option_strings and isinstance(value, str) and not value.strip():
+                self.error(f"{action.option_strings[0]} {value!r} is empty (an unset shell variable?): give its value, "
+                           "or drop the flag.")
+        return parsed, rest
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:
@@ -269,7 +275,8 @@ def model_shape(args: argparse.Namespace, presets: dict[str, ModelShape]) -> Mod
     """The shape `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
     if args.config is None:
         return presets[args.model]
-    return ModelShape.from_config(read_config(args.config), model_name(args))
+    # (its refusals name the flag and file, not the model's name in the output: the config's folder)
+    return ModelShape.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, default: str) -> None:

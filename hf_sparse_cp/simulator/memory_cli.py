@@ -202,7 +202,7 @@ def architecture(args: argparse.Namespace) -> Architecture:
     """The model `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
     if args.config is None:
         return PRESETS[args.model]
-    return Architecture.from_config(read_config(args.config), model_name(args))
+    return Architecture.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
 
 
 def predict(args: argparse.Namespace, capacity: float) -> dict:

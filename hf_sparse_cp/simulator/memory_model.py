@@ -83,11 +83,12 @@ class Architecture:
         return heads * self.embedding_params + self.shape.layers * self.layer_params + self.shape.hidden
 
     @classmethod
-    def from_config(cls, config, name: str | None = None) -> Architecture:
+    def from_config(cls, config, name: str | None = None, where: str | None = None) -> Architecture:
         """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), with
         its tied LM head and q/k/v biases (`attention_bias`; Qwen2 has them without the field)."""
         bias = bool(getattr(config, "attention_bias", config.model_type == "qwen2"))
-        return cls(ModelShape.from_config(config, name), bool(getattr(config, "tie_word_embeddings", False)), bias)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        return cls(ModelShape.from_config(config, name, where), tied, bias)
 
 
 # The size presets `--model` names: Qwen2.5 (config.json on the Hugging Face Hub), q/k/v biases; 0.5B, 1.5B and 3B

@@ -46,7 +46,7 @@ class ModelShape:
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 
     @classmethod
-    def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
+    def from_config(cls, config: Any, name: str | None = None, where: str | None = None) -> ModelShape:
         """The shape of a decoder from its transformers config (`AutoConfig`; the standard names, which
         transformers maps for GPT-2-style configs too): layers, hidden size, heads, KV heads, head_dim, the gated
         MLP's width and the vocabulary.
@@ -54,9 +54,9 @@ class ModelShape:
         Raises:
             ValueError: a field the predictions need is missing, the heads do not divide the hidden size (or the
                 key/value heads the query heads), or the model routes its tokens to experts; the message names
-                the field and the fix.
+                the field and the fix, after `where` (default: the name or model type; a command's flag and file).
         """
-        where = name or getattr(config, "model_type", "the config")
+        where = where or name or getattr(config, "model_type", "the config")
         experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
         if experts:
             raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "

@@ -172,6 +172,29 @@ def test_plot_names_the_fix_for_a_directory_without_logs_or_model(tmp_path, caps
     assert fix in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, refused", [
+    # each was ignored without a word: --only kept_fraction draws no layouts, and '' read as no value
+    (["--only", "kept_fraction", "--layers", "0"], "--layers chooses what the block layouts draw, and --only "
+     "kept_fraction draws none: drop it, or drop --only."),
+    (["--only", "kept_fraction", "--max_length", "256", "--sparse_config", "trial"], "--max_length, --sparse_config "
+     "choose what the block layouts draw, and --only kept_fraction draws none: drop them, or drop --only."),
+    (["--model", ""], "--model '' is empty (an unset shell variable?): give its value, or drop the flag."),
+    # each failed only after the model's forward, naming no flag: a FileNotFoundError, an IsADirectoryError, a
+    # FileExistsError, and a MemoryError traceback building the passkey sample
+    (["--text_file", "missing.txt"], "--text_file missing.txt: no such file; give the file of a text."),
+    (["--text_file", "."], "--text_file .: a folder, not a text file; give the file of a text."),
+    (["--out_dir", f"{__file__}/plots"], f"--out_dir {__file__}/plots: {__file__} is a file, not a folder; give a "
+     "folder (created when missing)."),
+    (["--max_length", "99999999999"], "--max_length 99999999999: a passkey sequence of 99999999999 tokens takes at "
+     "least 18626 GiB of memory to build"),
+])
+def test_plot_refuses_flags_it_would_ignore_or_fail_on_after_drawing(tmp_path, capsys, args, refused):
+    with pytest.raises(SystemExit) as stopped:
+        main(["plot", str(tmp_path), *args])
+    assert stopped.value.code == 2
+    assert f"hf-sparse-cp plot: error: {refused}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layers", ["0,,3", "0,", ""])
 def test_plot_refuses_an_empty_item_of_its_lists(tmp_path, capsys, layers):
     """An empty item of --layers or --heads was dropped ('0,,3' drew layers 0 and 3), and an empty list drew the

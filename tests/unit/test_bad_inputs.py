@@ -66,6 +66,14 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "'gemma2') soft-caps attention logits"),
         (["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist, nor is it a shipped pattern "
          "(trial); `hf-sparse-cp recipes` lists them."),
+        # an empty value (an unset shell variable) read as no value: the tiny model trained, no summary written
+        (["--model_name_or_path", ""], "--model_name_or_path '' is empty (an unset shell variable?): give its value, "
+         "or drop the flag."),
+        (["--summary_file", " "], "--summary_file ' ' is empty (an unset shell variable?)"),
+        # a summary file that cannot be written: an IsADirectoryError / NotADirectoryError once the run had trained
+        (["--summary_file", "."], "--summary_file . is a folder; give the path of a file"),
+        (["--summary_file", f"{__file__}/summary.json"], f"--summary_file {__file__}/summary.json: {__file__} is a "
+         "file, not a folder; give a path in a folder."),
         # data no machine can build: a MemoryError traceback in every process, after they started
         (["--sparse_max_length", "99999999999"], "a passkey sequence of 99999999999 tokens takes at least 18626 GiB of "
          "memory to build (200 bytes per token), more than this machine's"),
@@ -128,6 +136,11 @@ def test_the_example_takes_packed_documents_that_divide_the_sequence():
         ({"cp_sharding": "random"}, "cp_sharding='random' (str) is not valid: use one of 'striped', 'zigzag', "
                                     "'contiguous'"),
         ({"cp_ring": None}, "cp_ring=None (NoneType) is not valid: use one of 'flat', 'hierarchical'"),
+        # (NaN passed the `< 0` check, inf too: every rank's planned load NaN or inf, the document plan arbitrary)
+        ({"cp_planner_linear_per_token": float("nan")}, "cp_planner_linear_per_token=nan must be finite and >= 0 (a "
+                                                        "cost in attention token pairs; default 9000.0)"),
+        ({"cp_planner_comm_per_token": float("inf")}, "cp_planner_comm_per_token=inf must be finite and >= 0"),
+        ({"cp_planner_comm_per_token": -1.0}, "cp_planner_comm_per_token=-1.0 must be finite and >= 0"),
     ],
 )
 def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
@@ -288,6 +301,9 @@ def test_the_example_names_a_model_folder_without_its_tokenizer(tmp_path, capsys
         (["--intra-node-gbps", "-100GB"], "argument --intra-node-gbps: '-100GB' is not a number; give one above 0"),
         (["--gpu-tflops", "0"], "argument --gpu-tflops: 0.0 must be > 0"),
         (["--gpus-per-node", "2.5"], "argument --gpus-per-node: '2.5' is not a whole number"),
+        # '' (an unset shell variable) read as no value: the default output file written, the default curve read
+        (["--json", ""], "--json '' is empty (an unset shell variable?): give its value, or drop the flag."),
+        (["--kept-curve", " "], "--kept-curve ' ' is empty (an unset shell variable?)"),
     ],
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):
@@ -728,6 +744,9 @@ def test_the_python_api_names_a_config_of_the_wrong_kind():
                            rf"not {type(config).__name__}: build it with SparseAttentionConfig\(\*\*fields\), "
                            r"SparseAttentionConfig.from_dict\(mapping\)"):
             configure(model, config, select=False)
+    with pytest.raises(TypeError, match=r"^configure\(model, \.\.\., select=\.\.\.\): select must be True or False, "
+                       "not str 'no'"):  # (text was true: the model was switched to sparse_cp)
+        configure(model, select="no")
     for cls, data in ((SparseAttentionConfig, None), (SparseAttentionConfig, [1]), (SMETConfig, "density: 0.5")):
         with pytest.raises(TypeError, match=rf"^{cls.__name__}.from_dict takes a mapping of .* fields \(name -> "
                            rf"value; {{}} for the defaults\), not {type(data).__name__} .*; for a file, use "
@@ -1106,3 +1125,34 @@ def test_the_backend_names_cu_seq_lens_of_the_wrong_form_and_3d_queries(patched)
         sparse_cp_attention_forward(model.model.layers[0].self_attn, q, k, k, None)
     out, _ = sparse_cp_attention_forward(model.model.layers[0].self_attn, q[None], k[None], k[None], None)
     assert out.shape == (1, 64, 4, 32)
+
+
+def test_the_backend_refuses_a_head_dim_scale_mask_or_positions_it_would_misread(patched):
+    """Issue #50: `sparse_cp_attention_forward` with a head_dim of 0 ended in a ZeroDivisionError (its default scale),
+    a NaN or infinite scaling returned NaN outputs without a word, a mask given as text ended in an AttributeError, and
+    position_ids with more rows than the batch in a torch broadcasting error. Each is refused at the call, naming what
+    to pass; positions of one row for a batch of two still pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import sparse_cp_attention_forward
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    layer = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp").model.layers[0]
+    q, k = torch.randn(2, 4, 64, 32), torch.randn(2, 2, 64, 32)
+    finite = "must be finite (the softmax scale, e.g. 1 / math.sqrt(head_dim)), or None for 1 / sqrt(head_dim)."
+    for kwargs, error, message in [
+        ({"query": q[..., :0], "key": k[..., :0], "value": k[..., :0]}, ValueError,
+         "q, k, v have head_dim 0: attention needs at least 1"),
+        ({"scaling": float("nan")}, ValueError, f"scale=nan {finite}"),
+        ({"scaling": float("inf")}, ValueError, f"scale=inf {finite}"),
+        ({"attention_mask": "causal"}, TypeError, "sparse_cp takes attention_mask as a 2D padding mask tensor [batch, "
+                                                  "seq] or None, not str 'causal'"),
+        ({"position_ids": torch.arange(64).repeat(3, 1)}, ValueError, "position_ids has shape (3, 64) for a batch of 2 "
+                                                                      "rows: give one row of positions per row"),
+    ]:
+        call = {"query": q, "key": k, "value": k, "attention_mask": None, **kwargs}
+        with pytest.raises(error, match=f"^{re.escape(message)}"):
+            sparse_cp_attention_forward(layer.self_attn, **call)
+    out, _ = sparse_cp_attention_forward(layer.self_attn, q, k, k, None, position_ids=torch.arange(64)[None])
+    assert out.shape == (2, 64, 4, 32)

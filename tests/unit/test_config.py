@@ -134,6 +134,11 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"vertical_topp": "0.9"}, r"vertical_topp='0.9' \(str\).*write it without quotes"),
         ({"pattern": 1}, r"pattern=1 \(int\) is not valid: use one of 'vertical_slash', 'dense'"),
         ({"layer_overrides": [0]}, r"layer_overrides=\[0\] \(list\) is not valid: use a mapping"),
+        # a budget mode left empty read as budget fields ("mode are budgets of 0 modes; pass  with ..."), a list
+        # in a TypeError (unhashable); a range without its end as its first layer alone
+        ({"budget": {"mode": ""}}, r"^budget_mode='' is not valid: use one of 'topk', 'topp', 'mass'\.$"),
+        ({"budget": {"mode": ["topk"]}}, r"^budget_mode=\['topk'\] is not valid: use one of"),
+        ({"layer_overrides": {"0-": {"pattern": "dense"}}}, r"key '0-' is not a layer index or a range"),
     ],
 )
 def test_bad_values_name_the_fix(kwargs, fix):
@@ -170,6 +175,10 @@ def test_file_round_trip(tmp_path, suffix):
 def test_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         SparseAttentionConfig.from_file(tmp_path / "missing.yaml")
+    with pytest.raises(FileNotFoundError, match=f"^Config file '{tmp_path}' is a folder, not a file"):  # ('does not
+        SparseAttentionConfig.from_file(tmp_path)  # exist')
+    # a budget mode left empty (YAML's `mode:`) is the mode its fields select, as no mode (it was refused as a field)
+    assert SparseAttentionConfig(budget={"mode": None, "vertical_topk": 5}).budget == TopK(vertical_topk=5)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"slash_budget": 3}))
     with pytest.raises(ValueError, match="known keys"):

@@ -323,6 +323,11 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(started, monk
                            "-m", "trl.scripts.sft", "--cp_size", "2"]
     with pytest.raises(SystemExit):
         cli.main(["launch", "--nproc", "2", "--config_file", "cpu_2proc_cp2", "train.py"])
+    capsys.readouterr()
+    # '' (an unset shell variable) was read as no config: the run launched by torchrun (or here), not accelerate
+    assert _refused(capsys, ["launch", "--config_file", "", "train.py"], cli.main) == usage + (
+        "hf-sparse-cp launch: error: --config_file '' is empty (an unset shell variable?): give the accelerate config, "
+        "or drop the flag.\n")
     # the example, through the same launcher: its module as the script, the launcher's options taken from anywhere
     assert cli.main(["train", "--cp_size", "2", "--nproc", "2", "--max_steps", "1"]) == 0
     assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE,

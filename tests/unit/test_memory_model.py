@@ -182,6 +182,10 @@ def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
     (["--model", "qwen2.5-0.5b", "--gpu-memory", "--quiet"], "argument --gpu-memory: expected one argument"),
     # more head-parallel ranks than the model's 14 query heads: refused naming the fix, not a traceback
     (["--model", "qwen2.5-0.5b", "--cp", "64", "--cp_mode", "ulysses"], "at most 14 (balanced: [1, 2, 7, 14])"),
+    # '' (an unset shell variable) read as no value: the default pattern predicted, no JSON written, without a word
+    (["--model", "qwen2.5-0.5b", "--sparse-config", ""], "--sparse-config '' is empty (an unset shell variable?): "
+     "give its value, or drop the flag."),
+    (["--model", "qwen2.5-0.5b", "--json", ""], "--json '' is empty (an unset shell variable?)"),
 ])
 def test_the_memory_command_names_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -412,7 +416,8 @@ def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):
         (tmp_path / "config.json").write_text(json.dumps({**config, field: 0}))
         with pytest.raises(SystemExit):
             cli_main(["memory", "--config", str(tmp_path / "config.json")])
-        assert f": {field}=0 in the config; a decoder has at least one of each" in capsys.readouterr().err
+        assert (f"error: --config {tmp_path / 'config.json'}: {field}=0 in the config; a decoder has at least one of "
+                "each") in capsys.readouterr().err  # (it named the config's folder: '{tmp_path.name}: ...')
 
 
 def test_a_config_is_checked_for_sizes_of_0_once(tmp_path, monkeypatch):
