@@ -46,7 +46,7 @@ def _reference(name: str) -> str:
                 if (m, h, {k: v for k, v in s.items() if k != "average"}) == key)
 
 
-def _rows(head: str, side: str, dtype: torch.dtype) -> list[dict]:
+def _rows(head: str, side: str, dtype: torch.dtype = torch.float32) -> list[dict]:
     """6 rows of 90 to 160 tokens padded to 160 (pad id 0, on `side`), labels as `head` takes them (a regression's in
     the model's `dtype`: torch 2.11 fails mse_loss's backward on float32 targets of float64 outputs, 'Found dtype Float
     but expected Double', with or without the plugin; 2.13 promotes them)."""
