@@ -25,9 +25,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+import hf_sparse_cp
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.abspath(__file__)
-_REPO = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+# The sites are named relative to the repository, or to the folder that holds the package where it is installed
+# (not editable: site-packages), so that a plugin line reads `hf_sparse_cp/...` either way.
+_ROOTS = (os.path.dirname(os.path.dirname(_HERE)) + os.sep,
+          os.path.dirname(os.path.dirname(os.path.abspath(hf_sparse_cp.__file__))) + os.sep)
 
 _METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
             "unique", "unique_consecutive", "masked_select", "bincount")
@@ -41,7 +46,7 @@ _MASK_INDEXING = {torch.Tensor.__getitem__: "bool-mask index", torch.Tensor.__se
 @dataclass
 class HostReads:
     """The reads seen: `sites` counts them by `(site, kind)`; `site` is `path:line function` relative to the
-    repository (absolute outside it)."""
+    repository or to the installed package's folder (absolute outside them)."""
 
     sites: collections.Counter = field(default_factory=collections.Counter)
 
@@ -62,7 +67,8 @@ def _site() -> str:
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(_TORCH_DIR) and path != _HERE and not path.startswith("<"):
-            return f"{path.removeprefix(_REPO)}:{frame.f_lineno} {frame.f_code.co_name}"
+            root = next((r for r in _ROOTS if path.startswith(r)), "")
+            return f"{path.removeprefix(root)}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "<torch>"
 

@@ -32,12 +32,15 @@ class Support:
         leaves without a gradient (the cross-attention, which a decoder-only forward never calls), and its forward
         computes its loss itself, the mean cross-entropy of its labels unshifted (each position predicts its own
         label), not through `loss_function` with the loss keywords.
+    routed_since: the transformers release from which its modeling code routes attention through AttentionInterface
+        (an older one keeps eager attention: the model is refused, naming that release, and counts as untested).
     """
 
     causal_lm: str | None = None
     rowwise: Mapping[str, str] = field(default_factory=dict)
     cp_tested: bool = False
     seq2seq_decoder: bool = False
+    routed_since: tuple[int, ...] = ()
 
 
 def _llama_like(family: str) -> Support:
@@ -53,8 +56,9 @@ ARCHITECTURES: dict[str, Support] = {
     **{model_type: Support(cp_tested=True) for model_type in (
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-        "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "codegen", "persimmon", "diffllama", "gemma3n_text",
+        "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "persimmon", "diffllama", "gemma3n_text",
         "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus", "gemma4_text")},
+    "codegen": Support(cp_tested=True, routed_since=(5, 24)),  # (5.15-5.23's CodeGen computes attention itself)
     # The decoders of encoder-decoder families, trained decoder-only (`*ForCausalLM` without encoder_hidden_states:
     # their cross-attention is never called, and refused at a call that gets them). The BART family's decoders count
     # their positions from their input's length (`positions.hook_length_counted_tables`); Whisper's takes position_ids.
@@ -207,8 +211,27 @@ def tileable_classes() -> frozenset[str]:
     return frozenset({*rowwise_classes(), *LIGER_ROWWISE})
 
 
+def transformers_release() -> tuple[int, ...]:
+    """The installed transformers release, e.g. (5, 24, 0)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release
+
+
+def later_routing_release(model_type: str) -> tuple[int, ...] | None:
+    """The transformers release from which `model_type` routes its attention through AttentionInterface, where the
+    installed one is older; None otherwise (routed here, or outside the table)."""
+    support = ARCHITECTURES.get(model_type)
+    if support is None or transformers_release() >= support.routed_since:
+        return None
+    return support.routed_since
+
+
 def cp_tested_model_types() -> tuple[str, ...]:
-    return tuple(model_type for model_type, s in ARCHITECTURES.items() if s.cp_tested)
+    """The model types tested exact under CP that the installed transformers routes through the backend."""
+    return tuple(model_type for model_type, s in ARCHITECTURES.items()
+                 if s.cp_tested and later_routing_release(model_type) is None)
 
 
 # Vision-language models whose text-only batches under context parallelism equal one process

@@ -46,6 +46,8 @@ from .architectures import (
     CP_TESTED_VISION_LANGUAGE_TYPES,
     PER_TOKEN_LAYER_TYPES,
     cp_tested_model_types,
+    later_routing_release,
+    transformers_release,
 )
 from .backend import (
     MODULE_DROPOUTS,
@@ -224,12 +226,22 @@ def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None
     kept = f"transformers kept attn_implementation={impl!r}" if impl != BACKEND_NAME else \
         "its attention layers never call the selected implementation"
     tested = ", ".join(cp_tested_model_types()[:6])
+    later = later_routing_release(model_type)
+    if later is not None:  # (routed by a later release: upgrading is the fix that keeps sparse attention)
+        since = _release_name(later)
+        fix = (f"Upgrade transformers to {since} or later, whose {name} routes it (installed: "
+               f"{_release_name(transformers_release())}; pip install 'transformers>={since}'), or "
+               f"{fix[0].lower()}{fix[1:]}")
     raise ValueError(
         f"{name} (model type {model_type!r}) does not route its attention through transformers' AttentionInterface, "
         f"so attn_implementation='{BACKEND_NAME}' cannot take effect ({kept}). {fix}, or train a model whose "
         f"architecture routes attention through AttentionInterface (e.g. {tested}; docs/context-parallelism.md "
         "lists the tested ones)."
     )
+
+
+def _release_name(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
 
 
 # The fixes of `_refuse_unrouted` when sparse attention is asked for, and when context parallelism is.

@@ -38,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..distributed import ParallelDims
+from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
@@ -339,6 +340,27 @@ def check_weights_fit(folder: Path, model: Any) -> None:
                                  f"(--model_name_or_path {folder}).")
 
 
+# The transformers release whose Trainer resumes the optimizer of a run of several CPU processes: before it, it loads
+# the state to `args.device`, which accelerate makes 'cpu:0' there, a location torch.load cannot restore ("don't know
+# how to restore data location ... (tagged with cpu:0)", after the model has loaded).
+CPU_PROCESSES_RESUME_SINCE = (5, 18)
+
+
+def check_optimizer_resumable(trainer: Trainer) -> None:
+    """Raise ValueError, naming the upgrade, where the installed transformers cannot load `trainer`'s optimizer state
+    (several CPU processes before `CPU_PROCESSES_RESUME_SINCE`; FSDP loads it its own way)."""
+    device, args = trainer.args.device, trainer.args
+    if transformers_release() >= CPU_PROCESSES_RESUME_SINCE or args.world_size == 1 or device.type != "cpu" \
+            or device.index is None or getattr(trainer, "is_fsdp_enabled", False):
+        return
+    since = ".".join(map(str, CPU_PROCESSES_RESUME_SINCE))
+    raise ValueError(
+        f"transformers {'.'.join(map(str, transformers_release()))} cannot resume the optimizer of a run of "
+        f"{args.world_size} CPU processes: its Trainer loads the state to {str(device)!r}, which torch.load cannot "
+        f"restore. Upgrade transformers to {since} or later (pip install 'transformers>={since}'), resume with FSDP "
+        "(--fsdp, which loads the sharded state), or resume in one process.")
+
+
 def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
                         cp_schedule: str | None = None) -> None:
     """Mark the checkpoints `trainer` saves (with FSDP2, adding their sharded state) and check a checkpoint
@@ -363,6 +385,8 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
                                                             marker, reshardable=runs_fsdp2(trainer))
                 if folder:
                     check_weights_fit(Path(folder), trainer.model)
+                if folder and not reshard:  # (a resharded resume takes the optimizer from the sharded state)
+                    check_optimizer_resumable(trainer)
             if folder:
                 resume_step_metrics(trainer, marker)
             if reshard:

@@ -46,8 +46,10 @@ def _reference(name: str) -> str:
                 if (m, h, {k: v for k, v in s.items() if k != "average"}) == key)
 
 
-def _rows(head: str, side: str) -> list[dict]:
-    """6 rows of 90 to 160 tokens padded to 160 (pad id 0, on `side`), labels as `head` takes them."""
+def _rows(head: str, side: str, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """6 rows of 90 to 160 tokens padded to 160 (pad id 0, on `side`), labels as `head` takes them (a regression's in
+    the model's `dtype`: torch 2.11 fails mse_loss's backward on float32 targets of float64 outputs, 'Found dtype Float
+    but expected Double', with or without the plugin; 2.13 promotes them)."""
     g = torch.Generator().manual_seed(0)
     rows = []
     for i, n in enumerate([160, 120, 90, 150, 140, 100]):
@@ -60,7 +62,7 @@ def _rows(head: str, side: str) -> list[dict]:
         elif head == SEQUENCE:
             labels = torch.tensor(-100 if i == 1 else i % LABELS)
         elif head == REGRESSION:
-            labels = torch.randn((), generator=g)
+            labels = torch.randn((), generator=g).to(dtype)
         elif head == MULTI_LABEL:
             labels = (torch.rand(LABELS, generator=g) > 0.5).float()
         else:  # (an answer past the row's end: left out of the loss, as transformers clamps it)
@@ -108,7 +110,7 @@ def _train(rank: int, world: int) -> dict:
 
             model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
                                                      target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-        rows = _rows(head, settings.get("side", "right"))
+        rows = _rows(head, settings.get("side", "right"), settings.get("dtype", torch.float32))
         with tempfile.TemporaryDirectory() as tmp:
             args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, save_strategy="no",
                                      per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=2,

@@ -19,6 +19,16 @@ RUNS = {"mixtral": ("mixtral", True), "mixtral, own token counts": ("mixtral", F
         **{model_type: (model_type, True) for model_type in (
             "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "jetmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe",
             "flex_olmo", "minimax_m2")}}
+# The transformers release from which a model type records its router logits: 5.17's GraniteMoE(-Shared) records none
+# (no recorder of them), so its own forward with output_router_logits fails ('int' object has no attribute 'to'), with
+# or without the plugin. Before it the type's case is skipped, saying so.
+ROUTER_LOGITS_SINCE = {"granitemoe": (5, 18), "granitemoeshared": (5, 18)}
+
+
+def _records_router_logits(model_type: str) -> bool:
+    from hf_sparse_cp.integration.architectures import transformers_release
+
+    return transformers_release() >= ROUTER_LOGITS_SINCE.get(model_type, ())
 
 
 def _rows() -> list[dict]:
@@ -52,8 +62,8 @@ def _train(rank: int, world: int) -> dict:
     hf_sparse_cp.patch()
     results = {}
     for name, (model_type, average) in RUNS.items():
-        if world == 1 and not average:
-            continue  # (one process: the same run)
+        if (world == 1 and not average) or not _records_router_logits(model_type):
+            continue  # (one process: the same run; a type that records no router logits here)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, output_router_logits=True,
                                                              router_aux_loss_coef=0.5))
@@ -84,8 +94,10 @@ def runs():
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_the_router_loss_under_cp2_trains_as_one_process(runs, name):
-    one, ranks = runs
+def test_the_router_loss_under_cp2_trains_as_one_process(request, name):
+    if not _records_router_logits(RUNS[name][0]):
+        pytest.skip(f"transformers before {ROUTER_LOGITS_SINCE[RUNS[name][0]]} records no router logits of {name}")
+    one, ranks = request.getfixturevalue("runs")
     reference = one[RUNS[name][0]]
     for rank in ranks:
         got = rank[name]

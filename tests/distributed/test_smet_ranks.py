@@ -13,8 +13,10 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
+from hf_sparse_cp.integration.architectures import transformers_release
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.trainer.checkpoints import CPU_PROCESSES_RESUME_SINCE
 
 from smet_common import TokenRows, markov_tokens, tiny_llama
 
@@ -95,6 +97,8 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
                 runs[parallel, mode, regrowth] = dict(steps=record.steps, cp_size=cp_size,
                                                       wrapped=type(trainer.model_wrapped).__name__)
 
+    if transformers_release() < CPU_PROCESSES_RESUME_SINCE:  # (its Trainer cannot resume 2 CPU processes)
+        return dict(runs=runs, resume=None)
     # Save after step 3, resume from there into a differently initialised model (DP 2, gradient regrowth).
     config = SMETConfig(mode="sparse_weights", regrowth="gradient", **CONFIG)
     full, record, _ = _trainer(os.path.join(out_dir, "full"), config, cp=False, max_steps=RESUME_STEPS,
@@ -141,6 +145,8 @@ def test_masks_and_weights_agree_on_every_rank_after_every_step(ranks, parallel,
 
 
 def test_a_resumed_run_continues_as_if_uninterrupted(ranks):
+    if ranks[0]["resume"] is None:
+        pytest.skip(f"transformers before {CPU_PROCESSES_RESUME_SINCE} cannot resume a run of several CPU processes")
     for rank in ranks:
         got = rank["resume"]
         assert len(got["full"]) == RESUME_STEPS and got["resumed"] == got["full"]

@@ -3,6 +3,7 @@ changes (`compat.PATCHES`) and the CP checks read; and layers that mix tokens ou
 they do, not by their class name."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -110,6 +111,35 @@ def test_an_architecture_outside_attention_interface_is_refused_naming_it_and_le
     with pytest.raises(ValueError, match=cause):
         enable_sparse_attention(model, SparseCPArguments())
     assert not hf_sparse_cp.is_patched() and not hasattr(model.config, "sparse_attention")
+
+
+def test_an_architecture_routed_from_a_later_transformers_is_refused_before_it_naming_the_upgrade(monkeypatch):
+    """CodeGen routes its attention through AttentionInterface from transformers 5.24; 5.17's (the GPU image's) kept
+    eager, and test_cp_models' group holding it failed at configure. Before 5.24 it is refused naming the upgrade (the
+    real refusal there, the message as it would be here from 5.24 on) and it is out of the CP-tested types."""
+    from hf_sparse_cp.integration import architectures, models
+
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("codegen", rotary_dim=16))
+        routed = architectures.transformers_release() >= (5, 24)
+        installed = (5, 17, 0) if routed else architectures.transformers_release()
+        upgrade = (r"Upgrade transformers to 5\.24 or later, whose CodeGenForCausalLM routes it \(installed: "
+                   rf"{re.escape('.'.join(map(str, installed)))};.*--sparse_attention false")
+        if routed:
+            hf_sparse_cp.configure(model)
+            models.check_attention_routed(model)
+            assert "codegen" in cp_tested_model_types()
+            for module in (architectures, models):
+                monkeypatch.setattr(module, "transformers_release", lambda: installed)
+            with pytest.raises(ValueError, match=upgrade):
+                models._refuse_unrouted(model, "eager", models._DENSE_FIX)
+        else:
+            with pytest.raises(ValueError, match=upgrade):
+                hf_sparse_cp.configure(model)
+        assert "codegen" not in cp_tested_model_types()
+    finally:
+        hf_sparse_cp.unpatch()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2", "mistral"])
