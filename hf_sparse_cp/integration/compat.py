@@ -36,8 +36,9 @@ from .architectures import (
     rowwise_classes,
 )
 
-# The releases the suite ran on (inclusive): the whole suite on the CPU machine's newest, the unit tier on the GPU
-# image's (transformers 5.17, torch 2.11, Triton 3.6, whose kernels' sm_90 builds were checked too), the core unit
+# The releases the suite ran on (inclusive): the whole suite on the CPU machine's newest, the unit tier, most of the
+# distributed tier and a part of the integration tier on the GPU image's (transformers 5.17, torch 2.11, Triton 3.6,
+# whose kernels' sm_90 builds were checked too; its limits there are refused naming the release), the core unit
 # tests (registration, models, loss, patches) on the oldest setup.cfg allows (transformers 5.15, torch 2.6, accelerate
 # 1.10; transformers 5.0-5.3 call the mask function without q_length, 5.4-5.14's LabelSmoother takes no
 # num_items_in_batch).
