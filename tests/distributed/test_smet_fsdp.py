@@ -214,8 +214,9 @@ def _check(results, scenarios):
     for name, (config, model_kw) in scenarios.items():
         got = results[name]
         losses, weights, snapshot = _single_process(config, model_kw)
-        # Sharded training (masks chosen per shard, no mask communication) equals one process.
-        torch.testing.assert_close(got["head"] + got["tail"], losses, rtol=1e-10, atol=0)
+        # Sharded training (masks chosen per shard, no mask communication) equals one process, to fp64 rounding
+        # compounded over the steps (sums in another order: 3.2e-10 relative at loss 9 on torch 2.11).
+        torch.testing.assert_close(got["head"] + got["tail"], losses, rtol=1e-9, atol=0)
         for param, value in weights.items():
             torch.testing.assert_close(got["final"][param], value, rtol=1e-9, atol=1e-12, msg=f"{name} {param}")
         # Shards really were uneven and local: rank 0 held only its rows of each sparse matrix (an expert stack's:
