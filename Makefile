@@ -9,6 +9,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core, at most 4 (each spawns up to 4 gloo processes of its own), none on
+# one core; a test file's tests stay in one process (`--dist loadfile`: its module fixtures are built once).
+# TEST_WORKERS=0: the suite in this process.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)); print(min(4, n) if n > 1 else 0)" \
+	2>/dev/null || echo 0)
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install demo demo-pretrained docs lint test test-fast test-no-triton test-gpu bench bench-gpu clean
 
@@ -49,7 +55,7 @@ lint: install
 # The whole suite (what CI runs), with the 25 slowest tests listed at the end; then the unit tier again as on a
 # machine without Triton.
 test: lint
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(XDIST) $(PYTEST_ARGS) tests
 	$(MAKE) test-no-triton
 
 # The fast tier for iteration: tests/unit (one process, no interpreter, no pretrained weights), a few minutes.
@@ -58,7 +64,7 @@ test-fast: install
 
 # The unit tier as on a machine without Triton (macOS, Windows, a CPU-only install): Triton hidden from imports.
 test-no-triton: install
-	HF_SPARSE_CP_TEST_HIDE=triton $(PY) -m pytest -q $(PYTEST_ARGS) tests/unit
+	HF_SPARSE_CP_TEST_HIDE=triton $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests/unit
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

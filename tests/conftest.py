@@ -10,6 +10,7 @@ Each test carries its folder's marker (`-m unit`, ...); `gpu` tests are skipped 
 `make test-no-triton` runs the unit tier so).
 """
 
+import os
 from pathlib import Path
 
 from hf_sparse_cp.testing.hidden import hide_from_environment
@@ -21,6 +22,11 @@ import torch  # noqa: E402
 
 TIERS = ("unit", "kernels", "distributed", "integration")
 HERE = Path(__file__).resolve().parent
+
+# Under pytest-xdist (`make test` runs a worker per core) the workers share the cores: one intra-op thread per
+# core each, where torch's default (every core each) oversubscribes them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ import contextlib
 import io
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,18 @@ def run_cli(argv: list[str], nproc: int, *, timeout_s: float = 600.0) -> subproc
 
 # `hf-sparse-cp` as a user starts it (the console script runs this module's `main`).
 CLI = (sys.executable, "-m", "hf_sparse_cp.cli")
+
+
+def accelerate_cpu_launch() -> list[str]:
+    """`accelerate launch` with the shipped CPU recipe (2 local processes) on a free port: accelerate's default,
+    29500, fails where another run (another test's) holds it."""
+    from ..recipes import recipe_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(recipe_path("cpu_2proc_cp2")),
+            "--main_process_port", str(port)]
 
 
 # What a launcher sets in its processes' environment: none of it where a user types a command.

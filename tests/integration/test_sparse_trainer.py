@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, Traini
 import hf_sparse_cp
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
 from hf_sparse_cp.smet import unwrap_smet
-from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.spawn import accelerate_cpu_launch, run_gloo
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--logging_steps", "1",
@@ -167,11 +167,7 @@ def test_torchrun_on_cpu_with_cp_and_fsdp2_needs_no_use_cpu(tmp_path):
 
 
 def test_accelerate_launch_with_the_cpu_config_needs_no_use_cpu(tmp_path):
-    from hf_sparse_cp.recipes import recipe_path
-
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  str(recipe_path("cpu_2proc_cp2"))]
-    assert _launch(tmp_path, accelerate) == ["2", "2", "1", "0"]
+    assert _launch(tmp_path, accelerate_cpu_launch()) == ["2", "2", "1", "0"]
 
 
 def test_fsdp_in_a_process_no_launcher_started_is_refused_naming_the_launch(tmp_path, monkeypatch):
