@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,8 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.recipes import recipe_path
-from hf_sparse_cp.testing.spawn import CLI, launch_env
+from hf_sparse_cp.testing.spawn import CLI, accelerate_cpu_launch, launch_env
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 pytest.importorskip("trl")
@@ -35,15 +33,6 @@ TRAIN = ["--max_steps", "3", "--per_device_train_batch_size", "1", "--learning_r
          "--report_to", "none", "--save_strategy", "no", "--seed", "0"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 RUN = ["-m", "hf_sparse_cp.run"]
-
-
-def _accelerate() -> list[str]:
-    """`accelerate launch` with the shipped CPU recipe (2 processes) on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(recipe_path("cpu_2proc_cp2")),
-            "--main_process_port", str(port)]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +158,7 @@ def clm(workdir):
                                  [*_clm_args("clm_one"), *plugin, *evaluation]),
             "torchrun": _start_script(workdir, [*TORCHRUN, *RUN], "run_clm_shaped.py",
                                       [*_clm_args("clm_torchrun"), *plugin, *evaluation, "--cp_size", "2"]),
-            "accelerate": _start_script(workdir, [*_accelerate(), *RUN], "run_clm_shaped.py",
+            "accelerate": _start_script(workdir, [*accelerate_cpu_launch(), *RUN], "run_clm_shaped.py",
                                         [*_clm_args("clm_accelerate"), *plugin, "--cp_size", "2"])}
     return {name: result() for name, result in runs.items()}
 
@@ -201,8 +190,8 @@ def test_trl_sft_shaped_script_unchanged_one_process_torchrun_and_accelerate_cp2
     runs = (_start_script(workdir, [sys.executable, *RUN], "sft_shaped.py", [*_sft_args("sft_one"), *plugin]),
             _start_script(workdir, [*TORCHRUN, *RUN], "sft_shaped.py", [*_sft_args("sft_torchrun"), *plugin,
                                                                         "--cp_size", "2"]),
-            _start_script(workdir, [*_accelerate(), *RUN], "sft_shaped.py", [*_sft_args("sft_accelerate"), *plugin,
-                                                                            "--cp_size", "2"]))
+            _start_script(workdir, [*accelerate_cpu_launch(), *RUN], "sft_shaped.py",
+                          [*_sft_args("sft_accelerate"), *plugin, "--cp_size", "2"]))
     one, torchrun, accelerate = (result() for result in runs)
     loads = _start_loading_without_the_plugin(accelerate["output"])
     for run in (torchrun, accelerate):
@@ -227,7 +216,7 @@ def test_script_building_its_arguments_in_code_unchanged_one_process_torchrun_an
     runs = (_start_script(workdir, hf_sparse_cp, "trainer_in_code.py", [], before=plugin, cwd=folders[0]),
             _start_script(workdir, [*hf_sparse_cp, "--nproc", "2"], "trainer_in_code.py", [],
                           before=[*plugin, "--cp_size", "2"]),
-            _start_script(workdir, [*_accelerate(), *RUN], "trainer_in_code.py", [],
+            _start_script(workdir, [*accelerate_cpu_launch(), *RUN], "trainer_in_code.py", [],
                           before=[*plugin, "--cp_size", "2"], cwd=folders[1]),
             # plugin flags the script would never read
             _start_script(workdir, [sys.executable, *RUN], "trainer_in_code.py", ["--cp_size", "2"], cwd=folders[2]))
