@@ -256,7 +256,7 @@ def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path
     smet = tmp_path / "smet.yaml"
     SMETConfig(density=0.1, update_interval=50).save(smet)
     for argv, want in ((["--sparse_config", str(cfg), "--sparse_vertical_topk", "512"], 512),  # 512: the default
-                       ([str(STAGE1), "--model_name_or_path", "", "--sparse_config", str(cfg)], 1024)):  # the recipe's
+                       ([str(STAGE1), "--sparse_config", str(cfg)], 1024)):  # the recipe's
         parsed = parse_args(argv)
         assert parsed.sparse.attention_config(parsed.pattern, parsed.explicit).budget.vertical_topk == want
     # the demo's toy values are defaults, not flags: the file's settings stand
