@@ -11,8 +11,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist; each spawns up to 4 gloo processes of its own); a test file's tests stay in one
 # process (`--dist loadfile`: its module fixtures are built once). TEST_WORKERS=0: the suite in this process.
-# Off by default: a run with 2 workers failed test_smet_fsdp's fp64 weights bound (its one-process reference on
-# 1 thread) and was not faster here; `make test TEST_WORKERS=2` to try it.
+# Off by default: a 2-worker run was not faster here (measured beside other work); `make test TEST_WORKERS=2`.
 TEST_WORKERS ?= 0
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 

@@ -34,6 +34,7 @@ from .architectures import (
     kv_shared_slicers,
     router_loss_modules,
     rowwise_classes,
+    transformers_release,
 )
 
 # The releases the suite ran on (inclusive): the whole suite on the CPU machine's newest, the unit tier, most of the
@@ -511,10 +512,7 @@ def replacement_for(owner: Any, name: str) -> Patch:
 def token_count_divides_by_get_cp_size() -> bool:
     """Whether the Trainer's `num_items_in_batch` (gathered over every rank) divides by its `get_cp_size()`,
     as from transformers 5.19 on; before, by accelerate's `ParallelismConfig` sizes only."""
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__).release >= (5, 19)
+    return transformers_release() >= (5, 19)
 
 
 def cp_exact_losses() -> tuple[Callable, ...]:
