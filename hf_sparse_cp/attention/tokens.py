@@ -96,13 +96,27 @@ def packing_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     return position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else None
 
 
-def check_position_rows(position_ids: torch.Tensor | None, batch: int) -> None:
-    """Raise ValueError unless `position_ids` (`packing_positions`'s) hold one row per row of the batch, or one row for
-    every row (a torch broadcasting error otherwise, from deep inside the call)."""
-    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch):
-        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} for a batch of {batch} rows: give one "
-                         f"row of positions per row of the batch ([{batch}, seq]), or one row for all of them ([1, "
-                         "seq] or [seq]).")
+def check_position_shape(position_ids: torch.Tensor | None, batch: int, seq_len: int) -> None:
+    """Raise ValueError unless `position_ids` (`packing_positions`'s) hold one position per token of a [batch, seq_len]
+    call: one row per row of the batch, or one row for every row. Other rows ended in a torch broadcasting error from
+    deep inside the call; another length was read as one document (documents are found where positions restart)."""
+    if position_ids is None or position_ids.dim() > 2:
+        return
+    if position_ids.dim() == 0 or position_ids.shape[-1] != seq_len or (
+            position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} for a batch of {batch} rows of {seq_len} "
+                         f"tokens: give one position per token, one row per row of the batch ([{batch}, {seq_len}]), "
+                         f"or one row for all of them ([1, {seq_len}] or [{seq_len}]).")
+
+
+def check_padding_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int) -> None:
+    """Raise ValueError unless the 2D padding mask `attention_mask` has one entry per token of a [batch, seq_len] call.
+    Of a longer mask, flash-attention's convention reads the last columns, transformers' SDPA and eager the first (or
+    fail): no column choice matches them all, so none is made."""
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq_len):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} for a batch of {batch} rows of "
+                         f"{seq_len} tokens: where no KV cache holds earlier tokens, the 2D padding mask has one "
+                         f"entry per token of the input; pass a mask of the input's length ([{batch}, {seq_len}]).")
 
 
 def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -131,11 +145,8 @@ def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int)
 
 
 def apply_padding_mask(segment: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mark the tokens where a 2D attention mask is 0 as padding."""
-    if attention_mask.shape != segment.shape:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(segment.shape)} ([batch, seq])."
-        )
+    """Mark the tokens where a 2D attention mask (of `segment`'s shape, `check_padding_mask`) is 0 as padding."""
+    check_padding_mask(attention_mask, *segment.shape)
     return torch.where(attention_mask.bool(), segment, torch.full_like(segment, PAD_SEGMENT))
 
 
@@ -207,7 +218,7 @@ def token_meta_from_kwargs(
 
     Args:
         batch, seq_len: the batch's shape; device: where the metadata is built.
-        attention_mask: the 2D padding mask [B, >= seq_len] (its last seq_len columns are used) or None.
+        attention_mask: the 2D padding mask [B, seq_len] (`check_padding_mask`) or None.
         kwargs: the attention call's keyword arguments; `cu_seq_lens_k` (flattened packing, one row)
             or `position_ids` restarting per document mark the documents.
 
@@ -216,7 +227,8 @@ def token_meta_from_kwargs(
     """
     cu = kwargs.get("cu_seq_lens_k")
     position_ids = packing_positions(kwargs.get("position_ids"))
-    check_position_rows(position_ids, batch)
+    check_position_shape(position_ids, batch, seq_len)
+    check_padding_mask(attention_mask, batch, seq_len)
     if cu is not None:
         cu_q = kwargs.get("cu_seq_lens_q")
         # (queries and keys are the same tokens: other query documents would be ignored, as the keys' pack them)
@@ -225,12 +237,12 @@ def token_meta_from_kwargs(
                              "and keys of this call are the same tokens, packed into one set of documents: pass the "
                              "same boundaries in both (as DataCollatorWithFlattening does).")
         segment = segments_from_cu_seqlens(cu.to(device), batch, seq_len)
-    elif attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
+    elif attention_mask is None and position_ids is not None:
         segment = segments_from_position_ids(position_ids.to(device).expand(batch, seq_len))
     else:
         segment = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
     if attention_mask is not None:
-        segment = apply_padding_mask(segment, attention_mask[:, -seq_len:].to(device))
+        segment = apply_padding_mask(segment, attention_mask.to(device))
     return TokenMeta.from_segments(segment)
 
 
@@ -244,8 +256,9 @@ def mask_positions(
     with `cu_seq_lens_k` and no `position_ids` (a layer that does not pass them on), each token's index in its
     document, as flattened packing numbers them. Multimodal RoPE's [R, B, S] position_ids: `packing_positions`."""
     position_ids = packing_positions(kwargs.get("position_ids"))
-    check_position_rows(position_ids, batch)
-    if attention_mask is None and position_ids is not None and position_ids.shape[-1] == seq_len:
+    check_position_shape(position_ids, batch, seq_len)
+    check_padding_mask(attention_mask, batch, seq_len)
+    if attention_mask is None and position_ids is not None:
         positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, seq_len)
         if bool((segments_from_position_ids(positions)[:, -1] > 0).any()):  # (transformers' packed detection)
             return positions
@@ -256,7 +269,7 @@ def mask_positions(
                                                                                         seq_len)))
     if attention_mask is None:
         return index
-    left = (attention_mask[:, -seq_len:].to(device).bool().cumsum(-1) == 0).sum(-1, keepdim=True)
+    left = (attention_mask.to(device).bool().cumsum(-1) == 0).sum(-1, keepdim=True)
     return index - left
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -494,20 +495,26 @@ def _row_scaled_queries(module: torch.nn.Module, query: torch.Tensor, shard: CPS
     return moved_query_scales(query, scales, row)
 
 
+def _same_value(held: float | None, dropout) -> bool:
+    """Whether a module's dropout probability `held` is the call's `dropout`, NaN included."""
+    return held is not None and (held == dropout or (held != held and dropout != dropout))
+
+
 def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attention_mask, kwargs, heads: int
                         ) -> None:
     model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"sparse_cp takes attention_mask as a 2D padding mask tensor [batch, seq] or None, not "
                         f"{type(attention_mask).__name__} {attention_mask!r:.60} (model type '{model_type}').")
-    if dropout and dropout > 0:
+    # (a probability outside [0, 1) is refused as such: NaN passed `dropout > 0` as no dropout, and so did -0.1)
+    improbable = isinstance(dropout, numbers.Real) and not 0 <= dropout < 1
+    if improbable or (dropout and dropout > 0):
         held = [f"{type(module).__name__}.{name}" for name in MODULE_DROPOUTS
-                if dropout_probability(module, name) == dropout]
-        raise ValueError(
-            f"sparse_cp does not implement attention dropout (got dropout={dropout}"
-            f"{f' from {held[0]}' if held else ''} for model type '{model_type}'); "
-            f"{dropout_fix(getattr(module, 'config', None))}"
-        )
+                if _same_value(dropout_probability(module, name), dropout)]
+        got = f"dropout={dropout}{f' from {held[0]}' if held else ''} for model type '{model_type}'"
+        fix = dropout_fix(getattr(module, "config", None))
+        raise ValueError(f"attention {got} is no dropout probability (a number in [0, 1), 0.0 for none): {fix}"
+                         if improbable else f"sparse_cp does not implement attention dropout (got {got}); {fix}")
     unsupported = unsupported_feature(module, softcap, kwargs, heads, attention_mask)
     if unsupported:
         raise ValueError(unsupported)

@@ -1130,8 +1130,10 @@ def test_the_backend_names_cu_seq_lens_of_the_wrong_form_and_3d_queries(patched)
 def test_the_backend_refuses_a_head_dim_scale_mask_or_positions_it_would_misread(patched):
     """Issue #50: `sparse_cp_attention_forward` with a head_dim of 0 ended in a ZeroDivisionError (its default scale),
     a NaN or infinite scaling returned NaN outputs without a word, a mask given as text ended in an AttributeError, and
-    position_ids with more rows than the batch in a torch broadcasting error. Each is refused at the call, naming what
-    to pass; positions of one row for a batch of two still pass."""
+    position_ids with more rows than the batch in a torch broadcasting error. position_ids of another length than the
+    queries' were read as one document (two packed ones attended across), a 2D mask longer than the queries by its
+    last columns (transformers' SDPA reads the first), and a NaN or negative dropout as no dropout (NaN > 0 is False).
+    Each is refused at the call, naming what to pass; positions of one row for a batch of two still pass."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -1141,6 +1143,9 @@ def test_the_backend_refuses_a_head_dim_scale_mask_or_positions_it_would_misread
     layer = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp").model.layers[0]
     q, k = torch.randn(2, 4, 64, 32), torch.randn(2, 2, 64, 32)
     finite = "must be finite (the softmax scale, e.g. 1 / math.sqrt(head_dim)), or None for 1 / sqrt(head_dim)."
+    positions = ("for a batch of 2 rows of 64 tokens: give one position per token, one row per row of the batch ([2, "
+                 "64]), or one row for all of them ([1, 64] or [64]).")
+    improbable = "is no dropout probability (a number in [0, 1), 0.0 for none): build the model with attention_dropout"
     for kwargs, error, message in [
         ({"query": q[..., :0], "key": k[..., :0], "value": k[..., :0]}, ValueError,
          "q, k, v have head_dim 0: attention needs at least 1"),
@@ -1148,8 +1153,17 @@ def test_the_backend_refuses_a_head_dim_scale_mask_or_positions_it_would_misread
         ({"scaling": float("inf")}, ValueError, f"scale=inf {finite}"),
         ({"attention_mask": "causal"}, TypeError, "sparse_cp takes attention_mask as a 2D padding mask tensor [batch, "
                                                   "seq] or None, not str 'causal'"),
-        ({"position_ids": torch.arange(64).repeat(3, 1)}, ValueError, "position_ids has shape (3, 64) for a batch of 2 "
-                                                                      "rows: give one row of positions per row"),
+        ({"position_ids": torch.arange(64).repeat(3, 1)}, ValueError, f"position_ids has shape (3, 64) {positions}"),
+        ({"position_ids": torch.arange(32).repeat(2)[None, :60]}, ValueError, f"position_ids has shape (1, 60) "
+                                                                               f"{positions}"),
+        ({"position_ids": torch.arange(70)}, ValueError, f"position_ids has shape (70,) {positions}"),
+        ({"attention_mask": torch.cat([torch.ones(2, 64), torch.zeros(2, 16)], 1)}, ValueError,
+         "attention_mask has shape (2, 80) for a batch of 2 rows of 64 tokens: where no KV cache holds earlier tokens, "
+         "the 2D padding mask has one entry per token of the input; pass a mask of the input's length ([2, 64])."),
+        ({"dropout": float("nan")}, ValueError, f"attention dropout=nan for model type 'llama' {improbable}"),
+        ({"dropout": -0.1}, ValueError, f"attention dropout=-0.1 for model type 'llama' {improbable}"),
+        ({"dropout": 1.0}, ValueError, f"attention dropout=1.0 for model type 'llama' {improbable}"),
+        ({"dropout": 0.1}, ValueError, "sparse_cp does not implement attention dropout (got dropout=0.1 for model"),
     ]:
         call = {"query": q, "key": k, "value": k, "attention_mask": None, **kwargs}
         with pytest.raises(error, match=f"^{re.escape(message)}"):

@@ -658,12 +658,15 @@ def test_deepspeed_with_cp_is_refused_naming_fsdp2(tmp_path, monkeypatch):
     ("shift_labels", torch.zeros(2, 204, dtype=torch.long)),
     ("position_ids", torch.arange(200).expand(2, 200)),
     ("position_ids", torch.arange(203).expand(3, 203)),
+    ("attention_mask", torch.cat([torch.ones(2, 203), torch.zeros(2, 7)], 1)),  # 7 columns longer
 ])
 def test_a_per_token_tensor_that_does_not_match_the_ids_is_refused_naming_it(key, value):
     """Labels one shorter than the ids were refused under CP only as 'a tensor of shape (2, 299) has 299 positions;
     this plan shards sequences of 300 tokens', naming neither the key nor the fix (one process's loss names the
-    labels); a labels, shift_labels or position_ids tensor that does not hold one entry per token is now refused
-    naming it, its shape and the fix, and position_ids broadcast over the batch ([S], [1, S]) still shard."""
+    labels), and of a longer attention mask the last columns were read (the padding at its end marked the last tokens
+    padding); a labels, shift_labels, position_ids or attention_mask tensor that does not hold one entry per token is
+    now refused naming it, its shape and the fix, and position_ids broadcast over the batch ([S], [1, S]) still
+    shard."""
     ids = torch.randint(5, 100, (2, 203), generator=torch.Generator().manual_seed(0))
     shape = rf"\({value.shape[0]}, {value.shape[1]}\)"
     with pytest.raises(ValueError, match=rf"the batch's {key} has shape {shape}, but its input_ids holds 2 rows of 203 "

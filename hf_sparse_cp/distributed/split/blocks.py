@@ -383,16 +383,17 @@ def shard_inputs(
 
 
 def check_per_token_shapes(inputs: Mapping[str, Any]) -> None:
-    """Raise ValueError, naming the key and the fix, for a `labels`, `shift_labels` or `position_ids` of a batch that
-    does not hold one entry per token of its [B, S] input_ids (or inputs_embeds): a shard of it would cut other
-    positions than the tokens' (labels one shorter than the ids were refused only as 'a tensor of 299 positions' the
-    plan could not shard). With a `logits_to_keep` mask the labels are the kept positions' (`kept_positions_of_shard`
-    checks them)."""
+    """Raise ValueError, naming the key and the fix, for a `labels`, `shift_labels`, `position_ids` or `attention_mask`
+    of a batch that does not hold one entry per token of its [B, S] input_ids (or inputs_embeds): a shard of it would
+    cut other positions than the tokens' (labels one shorter than the ids were refused only as 'a tensor of 299
+    positions' the plan could not shard; of a longer attention mask, the last columns were read). With a
+    `logits_to_keep` mask the labels are the kept positions' (`kept_positions_of_shard` checks them)."""
     ref_name = "input_ids" if inputs.get("input_ids") is not None else "inputs_embeds"
     b, s = inputs[ref_name].shape[:2]
     keep = inputs.get("logits_to_keep")
     masked = isinstance(keep, torch.Tensor) or bool(keep)
-    for key in ("position_ids",) if masked else ("labels", "shift_labels", "position_ids"):
+    every_token = ("position_ids", "attention_mask")
+    for key in every_token if masked else ("labels", "shift_labels", *every_token):
         x = inputs.get(key)
         if not isinstance(x, torch.Tensor):
             continue
