@@ -242,8 +242,9 @@ def _cache_entry(attention_mask: torch.Tensor | None) -> tuple:
 
 
 def cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
-    """The 2D mask of a call's `k_len` cache slots: its last `k_len` columns, or the whole mask followed by zeros for
-    the slots a StaticCache has not filled yet (the mask covers the tokens it holds)."""
+    """The 2D mask of a call's `k_len` cache slots: the mask, which the mask function cut to the call's keys
+    (`sparse_cp_mask`), followed by zeros for the slots a StaticCache has not filled yet (the mask covers the tokens it
+    holds)."""
     if attention_mask is None or attention_mask.shape[-1] >= k_len:
         return attention_mask
     unfilled = attention_mask.new_zeros(attention_mask.shape[0], k_len - attention_mask.shape[-1])
