@@ -78,7 +78,6 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"),
                       kwargs.get("config")):
         raise NonCausalMask(kwargs.get("config"), "next key")
-    check_mask_covers_tokens_seen(attention_mask, q_length, q_offset)
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
     if mask is None and kv_length != q_length:
@@ -91,24 +90,6 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         key = id(mask)
         _CACHE_KEYS[key] = weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length, q_offset + q_length
     return mask
-
-
-def check_mask_covers_tokens_seen(attention_mask: torch.Tensor | None, q_length: int, q_offset) -> None:
-    """Raise ValueError where a forward's 2D padding mask has more columns than the tokens it covers: the `q_offset`
-    earlier ones a KV cache holds (none without a cache) and the `q_length` of the input. transformers' SDPA and eager
-    masks read such a mask's first columns (or fail, without a cache), flash-attention's mask function, which the
-    backend's is, its last ones: no choice matches them all. (A StaticCache's offset is a tensor, not read here: its
-    mask is aligned with the cache's slots from the first, as SDPA reads it, `cache_slots_mask`.)"""
-    if attention_mask is None or attention_mask.dim() != 2 or isinstance(q_offset, torch.Tensor):
-        return
-    seen = q_offset + q_length
-    if attention_mask.shape[-1] > seen:
-        tokens = f"{q_offset} tokens a KV cache holds and an input of {q_length}" if q_offset else \
-            f"an input of {q_length} tokens and none held in a KV cache"
-        raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns for {tokens}: the 2D padding mask has "
-                         f"one column per token (those a cache holds, then the input's), and of a longer one "
-                         f"transformers' SDPA and eager attention read the first columns, flash-attention the last. "
-                         f"Pass a mask of {seen} columns ([batch, {seen}]).")
 
 
 def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset: int,

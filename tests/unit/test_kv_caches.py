@@ -156,27 +156,32 @@ def test_prefix_keys_given_as_a_cache_are_computed_as_sdpa_computes_them():
 
 
 @pytest.mark.parametrize("cache", ["none", "empty", "8 held"])
-def test_a_padding_mask_longer_than_the_tokens_seen_is_refused_naming_their_number(cache):
-    """A 2D mask 4 columns longer than the tokens it covers (those a cache holds, then the input's) was read by its
-    last columns, flash-attention's convention: its padding at the end made the last 4 tokens padding, where
-    transformers' SDPA and eager attention read the first columns (without a cache they fail on its length):
-    logits 1.4 apart from SDPA's. Refused, naming the mask's length; a mask of that length still matches SDPA."""
+def test_a_padding_mask_longer_than_the_tokens_seen(cache):
+    """A 2D mask 4 columns longer than the tokens it covers (those a cache holds, then the input's). Without a cache,
+    transformers' SDPA and eager attention fail on its length and flash-attention reads its last columns: refused,
+    naming the input's length (it was read by its last columns: padding at its end made the last 4 tokens padding,
+    logits 1.4 apart from SDPA's). Through a cache its last columns are the tokens' (PEFT's prefix tuning puts its
+    virtual tokens' columns first, which the cache does not count: test_peft), as flash-attention reads them."""
     ref, ours = _pair("llama")
     ids = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(5))
     held = 8 if cache == "8 held" else 0
-    logits = []
-    for model in (ours, ref):
+
+    def step(model) -> dict:  # (a cache of its own per call, holding the first `held` tokens)
         kv = None if cache == "none" else DynamicCache(config=model.config)
         if held:
             model(input_ids=ids[:, :held], use_cache=True, **{CACHE: kv})
-        step = {"input_ids": ids[:, held:], "use_cache": kv is not None, CACHE: kv}
-        if model is ours:
-            longer = torch.cat([torch.ones(2, 24), torch.zeros(2, 4)], 1)
-            with pytest.raises(ValueError, match=r"^attention_mask has 28 columns for .*Pass a mask of 24 columns "
-                                                 r"\(\[batch, 24\]\)\.$"):
-                model(attention_mask=longer, **step)
-        logits.append(model(attention_mask=torch.ones(2, 24), **step).logits)
-    assert rel_rms(logits[0], logits[1]) <= TOLERANCE[torch.float32]
+        return {"input_ids": ids[:, held:], "use_cache": kv is not None, CACHE: kv}
+
+    if cache == "none":
+        with pytest.raises(ValueError, match=r"^attention_mask has shape \(2, 28\) for a batch of 2 rows of 24 "
+                                             r"tokens: .*pass a mask of the input's length \(\[2, 24\]\)\.$"):
+            ours(attention_mask=torch.cat([torch.ones(2, 24), torch.zeros(2, 4)], 1), **step(ours))
+        logits = []
+    else:
+        logits = [ours(attention_mask=torch.cat([torch.zeros(2, 4), torch.ones(2, 24)], 1), **step(ours)).logits]
+    logits += [model(attention_mask=torch.ones(2, 24), **step(model)).logits for model in (ours, ref)]
+    for got in logits[:-1]:
+        assert rel_rms(got, logits[-1]) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2],
