@@ -231,6 +231,32 @@ class SparseAttentionConfig(FileConfig):
             f"e.g. {fix}), or estimation='last_queries'."
         )
 
+    def layer_configs(self) -> list[SparseAttentionConfig]:
+        """The distinct configs this config's layers run (`for_layer`), whatever the model's layer count: one for
+        each run of layers that `dense_first_layers` and the `layer_overrides` ranges bound."""
+        starts = {0, self.dense_first_layers}
+        starts.update(edge for first, last, _ in self._parsed_overrides() for edge in (first, last + 1))
+        configs: list[SparseAttentionConfig] = []
+        for config in map(self.for_layer, sorted(starts)):
+            if config not in configs:
+                configs.append(config)
+        return configs
+
+    @classmethod
+    def read_only_with(cls, key: str) -> dict[str, str]:
+        """The settings under which a layer reads flat key `key` (field -> value; {}: always): the budget's and the
+        scoring's keys choose a 'vertical_slash' pattern, `estimation_chunk` cuts its 'causal_chunks' estimation."""
+        vertical_slash = {"pattern": "vertical_slash"}
+        if key == "estimation_chunk":
+            return {**vertical_slash, "estimation": "causal_chunks"}
+        if key in ("budget_mode", *budget_field_names(), *(f.name for f in dataclasses.fields(Scoring))):
+            return vertical_slash
+        return {}
+
+    def reads(self, key: str) -> bool:
+        """Whether a layer that runs this config reads flat key `key` (`read_only_with`)."""
+        return all(getattr(self, name) == value for name, value in self.read_only_with(key).items())
+
     def for_layer(self, layer_idx: int | None) -> SparseAttentionConfig:
         """The config one decoder layer uses, with `dense_first_layers` and `layer_overrides` applied."""
         if layer_idx is None or (not self.dense_first_layers and not self.layer_overrides):
