@@ -128,14 +128,14 @@ class SparseAttentionConfig(FileConfig):
     )
     attention_engine: Literal["auto", "triton", "flex", "reference", "masked"] = field(
         default="auto",
-        metadata={"help": "What computes attention over the layout: 'triton' (our kernels), 'flex' (FlexAttention, "
-                  "compiled, CUDA for training), 'reference' (PyTorch, any device), 'masked' (PyTorch, any device: "
-                  "dense arithmetic with the layout as a mask, no work saved; faster than the reference on a CPU "
-                  "at a few thousand tokens; named only) or 'auto': on CUDA the kernels for layouts with key columns "
-                  "(vertical-slash), and for those without the faster of the kernels and Flex from the timing table "
-                  "$HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one; Flex where Triton is not installed); the "
-                  "reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
-                  "Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
+        metadata={"help": "What computes attention over the layout: 'triton' (our kernels, CUDA), 'flex' "
+                  "(FlexAttention, compiled, CUDA for training), 'reference' (PyTorch, any device), 'masked' "
+                  "(PyTorch, any device: dense arithmetic with the layout as a mask, no work saved; faster than the "
+                  "reference on a CPU at a few thousand tokens; named only) or 'auto': on CUDA the kernels for "
+                  "layouts with key columns (vertical-slash), and for those without the faster of the kernels and "
+                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one; Flex where "
+                  "Triton is not installed); the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces "
+                  "'auto'. Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
                   "($HF_SPARSE_CP_DENSE_BACKEND)."},
     )
     layer_overrides: dict | str | None = field(
