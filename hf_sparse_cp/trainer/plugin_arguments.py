@@ -156,15 +156,19 @@ class PluginArgumentsMixin(KnownKeywords):
         if not unread:
             return
         needed = SparseAttentionConfig.read_only_with(unread[0])
-        field, value = next((name, value) for name, value in needed.items()
-                            if all(getattr(pattern, name) != value for pattern in patterns))
+        # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
+        missing = [(name, value) for name, value in needed.items()
+                   if all(getattr(pattern, name) != value for pattern in patterns)]
+        running = "; ".join(f"{name}={' / '.join(sorted({repr(getattr(pattern, name)) for pattern in patterns}))}"
+                            for name, _ in missing)
         same = [key for key in unread if SparseAttentionConfig.read_only_with(key) == needed]
         given = ", ".join(f"--{PATTERN_PREFIX}{key} {typed[key]}" for key in same)
         them = "them" if len(same) > 1 else "it"
-        running = sorted({str(getattr(pattern, field)) for pattern in patterns})
-        raise ValueError(f"{given} would be ignored: only a layer with {field}={value!r} reads {them}, and no layer of "
-                         f"this run has it ({field}={' / '.join(map(repr, running))}): drop {them}, or add "
-                         f"--{PATTERN_PREFIX}{field} {value}.")
+        settings = " and ".join(f"{name}={setting!r}" for name, setting in needed.items())
+        fix = " ".join(f"--{PATTERN_PREFIX}{name} {value}" for name, value in missing or list(needed.items())[:1])
+        raise ValueError(f"{given} would be ignored: only a layer with {settings} reads {them}, and no layer of this "
+                         f"run has {'it' if len(needed) == 1 else 'them all'}{f' ({running})' if running else ''}: "
+                         f"drop {them}, or add {fix}.")
 
     def _note_unread_pattern_flags(self) -> None:
         """Warn, once per run (the launcher's parse before its processes and ranks other than 0 stay silent), that

@@ -76,8 +76,8 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "file, not a folder; give a path in a folder."),
         # flags no layer reads (issue #50): accepted without a word
         (["--sparse_estimation_chunk", "256"], "--sparse_estimation_chunk 256 would be ignored: only a layer with "
-         "estimation='causal_chunks' reads it, and no layer of this run has it (estimation='last_queries'): drop it, "
-         "or add --sparse_estimation causal_chunks."),
+         "pattern='vertical_slash' and estimation='causal_chunks' reads it, and no layer of this run has them all "
+         "(estimation='last_queries'): drop it, or add --sparse_estimation causal_chunks."),
         (["--sparse_pattern", "dense", "--sparse_vertical_topk", "8", "--sparse_last_q", "16"],
          "--sparse_vertical_topk 8, --sparse_last_q 16 would be ignored: only a layer with pattern='vertical_slash' "
          "reads them, and no layer of this run has it (pattern='dense'): drop them, or add --sparse_pattern "
