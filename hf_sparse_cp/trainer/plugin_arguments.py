@@ -120,7 +120,7 @@ class PluginArgumentsMixin(KnownKeywords):
         if not self.sparse_attention:
             self._note_unread_pattern_flags()
             return
-        patterns = self.run_patterns()
+        patterns = self._run_patterns()
         self._refuse_unread_pattern_flags(patterns)
         for engine in dict.fromkeys(pattern.attention_engine for pattern in patterns):
             check_engine_trains_on(engine, self._device_type())
@@ -134,7 +134,7 @@ class PluginArgumentsMixin(KnownKeywords):
         """The pattern flags typed, by flat key (`vertical_topk`)."""
         return self._typed(self.pattern_flags().values(), SparseAttentionConfig.flag_defaults(), PATTERN_PREFIX)
 
-    def run_patterns(self) -> list[SparseAttentionConfig]:
+    def _run_patterns(self) -> list[SparseAttentionConfig]:
         """The patterns the run's layers may train with: each layer's (`layer_configs`) of the pattern and of each
         `--cp_schedule` stage's (its fields over the pattern)."""
         pattern = self.sparse_attention_config()
