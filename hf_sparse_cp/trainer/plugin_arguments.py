@@ -121,7 +121,7 @@ class PluginArgumentsMixin(KnownKeywords):
             self._note_unread_pattern_flags()
             return
         patterns = self._run_patterns()
-        self._refuse_unread_pattern_flags(patterns)
+        self._check_unread_pattern_flags(patterns)
         for engine in dict.fromkeys(pattern.attention_engine for pattern in patterns):
             check_engine_trains_on(engine, self._device_type())
 
@@ -148,12 +148,19 @@ class PluginArgumentsMixin(KnownKeywords):
                 configs.append(config)
         return configs
 
-    def _refuse_unread_pattern_flags(self, patterns: list[SparseAttentionConfig]) -> None:
-        """Refuse, naming the fix, pattern flags typed that no layer of `patterns` reads (a budget with a dense
-        pattern, an estimation chunk without causal-chunk estimation): they would be ignored without a word."""
+    def _check_unread_pattern_flags(self, patterns: list[SparseAttentionConfig]) -> None:
+        """Pattern flags typed that no layer of `patterns` reads: where every layer is dense, a warning that they have
+        no effect (a recipe's dense baseline under CP is the recipe with --sparse_pattern dense); else a refusal
+        naming the fix (an estimation chunk without causal-chunk estimation), as they would be ignored without a
+        word."""
         typed = self._typed_pattern_flags()
         unread = [key for key in typed if not any(pattern.reads(key) for pattern in patterns)]
         if not unread:
+            return
+        if all(pattern.pattern == "dense" for pattern in patterns):
+            them = "them" if len(unread) > 1 else "it"
+            self._note_no_effect([f"--{PATTERN_PREFIX}{key}" for key in unread], f"only a vertical_slash pattern "
+                                 f"reads {them}, and every layer of this run is dense (--sparse_pattern dense)")
             return
         needed = SparseAttentionConfig.read_only_with(unread[0])
         # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
@@ -171,15 +178,20 @@ class PluginArgumentsMixin(KnownKeywords):
                          f"drop {them}, or add {fix}.")
 
     def _note_unread_pattern_flags(self) -> None:
-        """Warn, once per run (the launcher's parse before its processes and ranks other than 0 stay silent), that
-        the pattern flags typed have no effect with --sparse_attention false: not refused, so that a recipe's dense
-        baseline is the recipe with --sparse_attention false."""
+        """Warn that the pattern flags typed have no effect with --sparse_attention false: not refused, so that a
+        recipe's dense baseline is the recipe with --sparse_attention false."""
         given = [f"--{PATTERN_PREFIX}{key}" for key in self._typed_pattern_flags()]
         given += ["--sparse_config"] if self.sparse_config is not None else []
-        if not given or is_parsing_for_launch() or os.environ.get("RANK", "0") != "0":
+        self._note_no_effect(given, "--sparse_attention false turns the sparse_cp backend off, so the model trains "
+                             "with its own attention")
+
+    @staticmethod
+    def _note_no_effect(flags: list[str], why: str) -> None:
+        """Warn, once per run (the launcher's parse before its processes and ranks other than 0 stay silent), that
+        `flags` (none: nothing to say) have no effect, and `why`."""
+        if not flags or is_parsing_for_launch() or os.environ.get("RANK", "0") != "0":
             return
-        message = (f"{', '.join(given)} {'have' if len(given) > 1 else 'has'} no effect: --sparse_attention false "
-                   "turns the sparse_cp backend off, so the model trains with its own attention.")
+        message = f"{', '.join(flags)} {'have' if len(flags) > 1 else 'has'} no effect: {why}."
         if message not in _WARNED:
             _WARNED.add(message)
             logger.warning(message)

@@ -216,21 +216,26 @@ def test_the_demo_defaults_apply_only_to_the_demo():
     assert parse_args(["--sparse_attention", "false"]).pattern == parse_args(["--model_name_or_path", "m"]).pattern
 
 
-def test_a_recipes_dense_baseline_keeps_its_pattern_flags_and_says_once_they_have_no_effect(monkeypatch, caplog):
-    """`--recipe NAME --sparse_attention false` (the recipe's dense baseline) keeps the recipe's pattern flags, which
-    then do nothing: accepted, with one line naming them (a refusal would break every recipe's baseline)."""
+@pytest.mark.parametrize("flags, why", [
+    (["--sparse_attention", "false", "--cp_size", "1"], "--sparse_vertical_topk, --sparse_slash_topk, "
+     "--sparse_dense_first_layers have no effect: --sparse_attention false turns the sparse_cp backend off"),
+    (["--sparse_pattern", "dense"], "--sparse_vertical_topk, --sparse_slash_topk have no effect: only a vertical_slash "
+     "pattern reads them, and every layer of this run is dense"),  # (under the recipe's CP: exact causal attention)
+], ids=["no backend", "dense pattern"])
+def test_a_recipes_dense_baseline_keeps_its_pattern_flags_and_says_once_they_have_no_effect(monkeypatch, caplog,
+                                                                                          flags, why):
+    """`--recipe NAME --sparse_attention false` or `--sparse_pattern dense` (the recipe's dense baseline) keeps the
+    recipe's budget flags, which then do nothing: accepted, with one line naming them (a refusal would break every
+    recipe's baseline). (Those that move a value from its default: the arguments check them as they are built,
+    before the names typed are known.)"""
     from hf_sparse_cp.trainer import plugin_arguments
 
     monkeypatch.setattr(plugin_arguments, "_WARNED", set())
     for _ in range(2):
-        parsed = parse_args(["--recipe", STAGE1.stem, "--sparse_attention", "false", "--cp_size", "1"])
-    assert not parsed.sparse.sparse_attention and parsed.pattern.sparse_vertical_topk == 1024
+        parsed = parse_args(["--recipe", STAGE1.stem, *flags])
+    assert parsed.pattern.sparse_vertical_topk == 1024
     lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
-    # (those that move a value from its default: the arguments check them as they are built, before the names typed
-    # are known)
-    assert lines == ["--sparse_vertical_topk, --sparse_slash_topk, --sparse_dense_first_layers have no effect: "
-                     "--sparse_attention false turns the sparse_cp backend off, so the model trains with its own "
-                     "attention."], lines
+    assert len(lines) == 1 and lines[0].startswith(why), lines
 
 
 def test_the_final_line_says_whose_choice_no_checkpoints_was():

@@ -78,13 +78,8 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--sparse_estimation_chunk", "256"], "--sparse_estimation_chunk 256 would be ignored: only a layer with "
          "pattern='vertical_slash' and estimation='causal_chunks' reads it, and no layer of this run has them all "
          "(estimation='last_queries'): drop it, or add --sparse_estimation causal_chunks."),
-        (["--sparse_pattern", "dense", "--sparse_vertical_topk", "8", "--sparse_last_q", "16"],
-         "--sparse_vertical_topk 8, --sparse_last_q 16 would be ignored: only a layer with pattern='vertical_slash' "
-         "reads them, and no layer of this run has it (pattern='dense'): drop them, or add --sparse_pattern "
-         "vertical_slash."),
-        (["--sparse_pattern", "dense", "--sparse_layer_overrides", '{"0": {"pattern": "dense"}}',
-          "--sparse_budget_mode", "mass"],
-         "--sparse_budget_mode mass would be ignored: only a layer with pattern='vertical_slash'"),
+        (["--sparse_estimation_chunk", "256", "--sparse_layer_overrides", '{"0": {"pattern": "dense"}}'],
+         "--sparse_estimation_chunk 256 would be ignored"),
         (["--cp_planner_comm_per_token", "5"], "--cp_planner_comm_per_token 5.0 would be ignored: the document planner "
          "of --cp_sharding document reads it, and this run shards with --cp_sharding striped: drop it, or add "
          "--cp_sharding document."),
@@ -167,6 +162,28 @@ def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monke
 def test_the_example_takes_flags_a_layer_or_stage_reads(flags, caplog):
     parse_args(flags)
     assert "no effect" not in caplog.text
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--sparse_pattern", "dense", "--sparse_vertical_topk", "8", "--sparse_last_q", "16"],
+     "--sparse_vertical_topk, --sparse_last_q have no effect: only a vertical_slash pattern reads them, and every "
+     "layer of this run is dense (--sparse_pattern dense)."),
+    (["--sparse_pattern", "dense", "--sparse_layer_overrides", '{"0": {"pattern": "dense"}}', "--sparse_budget_mode",
+      "mass"], "--sparse_budget_mode has no effect: only a vertical_slash pattern reads it"),
+    (["--sparse_attention", "false", "--sparse_sink_tokens", "8"], "--sparse_sink_tokens has no effect: "
+     "--sparse_attention false turns the sparse_cp backend off, so the model trains with its own attention."),
+])
+def test_flags_a_dense_run_does_not_read_are_taken_and_said_once_to_have_no_effect(flags, said, caplog, monkeypatch):
+    """A budget on a dense pattern, or any pattern flag without the backend (issue #50): accepted without a word
+    before; taken with one line (not refused: a recipe's dense baseline is the recipe with --sparse_pattern dense, or
+    --sparse_attention false without CP), printed once however often the arguments are built."""
+    from hf_sparse_cp.trainer import plugin_arguments
+
+    monkeypatch.setattr(plugin_arguments, "_WARNED", set())
+    parse_args(flags)
+    parse_args(flags)
+    assert [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()] == [
+        next(r.getMessage() for r in caplog.records if said in r.getMessage())]
 
 
 def test_the_example_takes_packed_documents_that_divide_the_sequence():

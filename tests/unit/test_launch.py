@@ -553,7 +553,7 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    for flags in (["--sparse_block_size", "48"], ["--sparse_pattern", "dense", "--sparse_vertical_topk", "8"]):
+    for flags in (["--sparse_block_size", "48"], ["--sparse_estimation_chunk", "256"]):
         with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
             cli.main(["launch", "--nproc", "2", *flags, "train.py"])
         assert refused.value.code == 2 and not started
