@@ -11,10 +11,11 @@ shipped one by name, see `hf-sparse-cp recipes`, or a file) can come first, e.g.
     torchrun --nproc_per_node 8 examples/train_long_context.py --recipe qwen2.5-3b_32k --max_steps 10  # its CP 8
     python examples/train_long_context.py --model_name_or_path Qwen/Qwen2.5-0.5B --sparse_config trial
 
-The demo job's settings (`DEMO_DEFAULTS`) are the defaults only without a recipe and without
-`--model_name_or_path`; a recipe or a pretrained model gets the library defaults for every flag it
-does not set. `--help` shows the defaults of the command line it is given. Flags given on the
-command line or in the recipe beat `--sparse_config` / `--smet_config` files, whatever their value.
+The demo job's settings (`DEMO_DEFAULTS`; its pattern, `DEMO_PATTERN` and `DEMO_BUDGET`, where a layer
+reads them) are the defaults only without a recipe and without `--model_name_or_path`; a recipe or a
+pretrained model gets the library defaults for every flag it does not set. `--help` shows the defaults
+of the command line it is given. Flags given on the command line or in the recipe beat `--sparse_config`
+/ `--smet_config` files, whatever their value.
 
 The demo writes no checkpoints unless asked: `--save_steps N` (or any other `--save_*` flag of
 `TrainingArguments`) checkpoints into `--output_dir` as in any Trainer script.
@@ -36,7 +37,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import transformers
@@ -261,15 +262,20 @@ DEMO_DEFAULTS = {
     "lr_scheduler_type": "constant",
     "logging_steps": 1,
     "report_to": "none",
+}
+# The demo's pattern, for a run that trains with the sparse_cp backend (with --sparse_attention false the model keeps
+# its own attention, which reads none of it).
+DEMO_PATTERN = {
     "sparse_block_size": 64,
     "sparse_min_seq_len": 1024,
     "sparse_local_window": 64,
     "sparse_sink_tokens": 16,
     "sparse_dense_first_layers": 0,  # the toy model's two random-init layers: both sparse
 }
-# The demo's budget: a default for a run that chooses none. A budget mode given on the command line (or a
-# --sparse_config file, which holds one) replaces it whole, and so does a field that its mode does not read: given
-# without a mode, that field selects its own mode (as in any run); a field of its mode changes only that field.
+# The demo's budget: a default for a run that chooses none, on a vertical-slash pattern (a dense one reads no budget).
+# A budget mode given on the command line (or a --sparse_config file, which holds one) replaces it whole, and so does
+# a field that its mode does not read: given without a mode, that field selects its own mode (as in any run); a field
+# of its mode changes only that field.
 DEMO_BUDGET = {"sparse_budget_mode": "topk", "sparse_vertical_topk": 64, "sparse_slash_topk": 128}
 # The example's sequence length when neither the command line nor a recipe gives one (SparseTrainingArguments'
 # own default, None, means "the first sample's length", which the example's data takes from this).
@@ -422,7 +428,10 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     defaults = {"sparse_attention": True, "ddp_find_unused_parameters": False, LENGTH_FIELD: MAX_LENGTH}
     if recipe is None and "model_name_or_path" not in explicit:
         defaults |= DEMO_DEFAULTS | ({} if asks_for_checkpoints(explicit) else NO_CHECKPOINTS)
-        defaults |= DEMO_BUDGET if keeps_demo_budget(explicit) else {}
+        chosen = chosen_values(parser, argv, explicit & {"sparse_attention", "sparse_pattern"})
+        if chosen.get("sparse_attention", True):  # (flags no layer reads are refused, or warned of: not the demo's)
+            defaults |= DEMO_PATTERN
+            defaults |= DEMO_BUDGET if chosen.get("sparse_pattern") != "dense" and keeps_demo_budget(explicit) else {}
     parser.set_defaults(**defaults)
     try:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -438,6 +447,14 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)
+
+
+def chosen_values(parser: HfArgumentParser, argv: list[str], names: set[str]) -> dict[str, Any]:
+    """The values `argv` gives the fields `names` (none given: {}, without parsing), before the demo's defaults."""
+    if not names:
+        return {}
+    values = vars(parser.parse_known_args([arg for arg in argv if arg not in ("-h", "--help")])[0])
+    return {name: values[name] for name in names}
 
 
 def keeps_demo_budget(explicit: set[str]) -> bool:

@@ -185,7 +185,7 @@ def _launch(argv: list[str], command: str = "launch") -> int:
     if processes is not None and {"-h", "--help"} & set(args):
         # the script's help, once, here: the script runs up to its parser, which prints it and exits (a Trainer it
         # builds before is refused, not trained in this one process)
-        from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
+        from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
         with parsing_for_launch():
             _run_here(run_args)
@@ -195,8 +195,10 @@ def _launch(argv: list[str], command: str = "launch") -> int:
         # the flags before the script path, which each parses alone, a CP degree the processes cannot run
         from hf_sparse_cp.launch.command import parse_plugin_flags
         from hf_sparse_cp.launch.known_scripts import module_found, script_refusal
+        from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
-        plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
+        with parsing_for_launch():  # (as one of the processes, which say what the flags do themselves)
+            plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
         cp_flags = launched_cp_flags(plugin, args)
         if cp_flags is not None:
             refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
@@ -251,7 +253,7 @@ def _train(argv: list[str]) -> int:
         # the example's flags as each process parses them first (its refusals, and --help, once, before any starts),
         # a CP degree the processes cannot run (a recipe's too) and a model they cannot load
         from hf_sparse_cp.examples import train_long_context as example
-        from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
+        from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
         with parsing_for_launch():
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)

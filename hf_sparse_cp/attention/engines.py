@@ -75,6 +75,10 @@ class Engine:
         it may), the installation's reason first."""
         return self.missing()
 
+    def device_refusal(self, device_type: str) -> str | None:
+        """Why this engine cannot train on `device_type` devices ('cuda', 'cpu', ...; None: it can)."""
+        return None
+
     def forward(self, call: AttentionCall, out=None, lse=None, out_in_input_dtype: bool = False):
         part = self.part(call)
         if out is not None:
@@ -119,6 +123,11 @@ class TritonEngine(Engine):
         if not q.is_cuda:
             return f"{q.device.type} tensors (the kernels train on CUDA; elsewhere they run in Triton's interpreter)"
         return self.missing() or _kernels_unsupported(q)
+
+    def device_refusal(self, device_type):
+        if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter: tests, debugging)
+            return None
+        return "Triton's kernels train on CUDA GPUs (Triton's interpreter, a test tool, runs them elsewhere)"
 
     def forward(self, call, out=None, lse=None, out_in_input_dtype=False):
         require_triton("The attention engine 'triton' (our kernels)")
@@ -166,6 +175,11 @@ class FlexEngine(Engine):
         # 'auto' offers Flex the calls the kernels could take (it weighs the two by their measured times; without
         # Triton, or on a GPU without the kernels' shared memory, Flex takes them in the kernels' place)
         return self.missing() or _kernels_unsupported(q, on_this_gpu=False)
+
+    def device_refusal(self, device_type):
+        if device_type == "cuda":
+            return None
+        return "FlexAttention trains on CUDA only (torch has no Flex backward elsewhere)"
 
     def part(self, call):
         call.check()
@@ -314,6 +328,21 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
         warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for "
                       f"{declined[DEFAULT_ENGINE]} ({passed}).", stacklevel=3)
     return _chosen(able[0], f"auto; {passed}" if passed else "auto")
+
+
+def check_engine_trains_on(setting: str, device_type: str) -> None:
+    """Raise ValueError, naming the fix, when the engine `setting` names (for 'auto': the one `$ENGINE_ENV` names,
+    if set) cannot train on `device_type` devices (`Engine.device_refusal`): what its first call would refuse, once
+    the processes have built their model and data."""
+    name = choose_backend("Attention engine", ENGINE_ENV, SETTINGS, None if setting == "auto" else setting)
+    reason = None if name == "auto" else ENGINES[name].device_refusal(device_type)
+    if reason is None:
+        return
+    where = "the CPU (--use_cpu, or no GPU here)" if device_type == "cpu" else f"{device_type!r} devices"
+    given, fix = ((f"--sparse_attention_engine {name}", "use --sparse_attention_engine auto (the PyTorch reference off "
+                   "CUDA) or reference") if setting != "auto" else
+                  (f"${ENGINE_ENV}={name}", f"unset ${ENGINE_ENV} (auto: the PyTorch reference off CUDA)"))
+    raise ValueError(f"{given}: {reason}, and this run trains on {where}: {fix}, or train on a CUDA GPU.")
 
 
 def _kernels_unsupported(q: torch.Tensor, on_this_gpu: bool = True) -> str | None:

@@ -164,6 +164,15 @@ def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
 
+def typed_flags(flags: Mapping[str, Any], defaults: Mapping[str, Any],
+                explicit: Collection[str] | None = None) -> dict[str, Any]:
+    """The `flags` (name -> value) the user typed: those `explicit` names (whatever their value), or without it
+    (None: not known) those whose value differs from `defaults` (a name missing there defaults to unset, None)."""
+    if explicit is None:
+        return {name: value for name, value in flags.items() if value != defaults.get(name)}
+    return {name: value for name, value in flags.items() if name in explicit}
+
+
 class UnknownKeyError(TypeError, ValueError):
     """A key that a config does not have: a TypeError, as Python's for an unexpected keyword argument, and a
     ValueError, as for an unknown key in a file or mapping."""
@@ -276,11 +285,7 @@ class FileConfig(KnownKeywords):
         the flags that differ from their defaults (`flag_defaults`) count as typed: a flag set to its default
         value cannot be told from one not given.
         """
-        if explicit is None:
-            defaults = cls.flag_defaults()
-            typed = {name: value for name, value in flags.items() if value != defaults.get(name)}
-        else:
-            typed = {name: value for name, value in flags.items() if name in explicit}
+        typed = typed_flags(flags, cls.flag_defaults(), explicit)
         if path is None:
             return cls.layered({name: value for name, value in flags.items() if name not in typed}, typed)
         config = cls.from_file(path)

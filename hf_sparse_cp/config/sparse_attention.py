@@ -128,14 +128,14 @@ class SparseAttentionConfig(FileConfig):
     )
     attention_engine: Literal["auto", "triton", "flex", "reference", "masked"] = field(
         default="auto",
-        metadata={"help": "What computes attention over the layout: 'triton' (our kernels), 'flex' (FlexAttention, "
-                  "compiled, CUDA for training), 'reference' (PyTorch, any device), 'masked' (PyTorch, any device: "
-                  "dense arithmetic with the layout as a mask, no work saved; faster than the reference on a CPU "
-                  "at a few thousand tokens; named only) or 'auto': on CUDA the kernels for layouts with key columns "
-                  "(vertical-slash), and for those without the faster of the kernels and Flex from the timing table "
-                  "$HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one; Flex where Triton is not installed); the "
-                  "reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces 'auto'. "
-                  "Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
+        metadata={"help": "What computes attention over the layout: 'triton' (our kernels, CUDA), 'flex' "
+                  "(FlexAttention, compiled, CUDA for training), 'reference' (PyTorch, any device), 'masked' "
+                  "(PyTorch, any device: dense arithmetic with the layout as a mask, no work saved; faster than the "
+                  "reference on a CPU at a few thousand tokens; named only) or 'auto': on CUDA the kernels for "
+                  "layouts with key columns (vertical-slash), and for those without the faster of the kernels and "
+                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one; Flex where "
+                  "Triton is not installed); the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces "
+                  "'auto'. Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
                   "($HF_SPARSE_CP_DENSE_BACKEND)."},
     )
     layer_overrides: dict | str | None = field(
@@ -230,6 +230,32 @@ class SparseAttentionConfig(FileConfig):
             f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of {BLOCK_SIZE}={cfg.block_size}, "
             f"e.g. {fix}), or estimation='last_queries'."
         )
+
+    def layer_configs(self) -> list[SparseAttentionConfig]:
+        """The distinct configs this config's layers run (`for_layer`), whatever the model's layer count: one for
+        each run of layers that `dense_first_layers` and the `layer_overrides` ranges bound."""
+        starts = {0, self.dense_first_layers}
+        starts.update(edge for first, last, _ in self._parsed_overrides() for edge in (first, last + 1))
+        configs: list[SparseAttentionConfig] = []
+        for config in map(self.for_layer, sorted(starts)):
+            if config not in configs:
+                configs.append(config)
+        return configs
+
+    @classmethod
+    def read_only_with(cls, key: str) -> dict[str, str]:
+        """The settings under which a layer reads flat key `key` (field -> value; {}: always): the budget's and the
+        scoring's keys choose a 'vertical_slash' pattern, `estimation_chunk` cuts its 'causal_chunks' estimation."""
+        vertical_slash = {"pattern": "vertical_slash"}
+        if key == "estimation_chunk":
+            return {**vertical_slash, "estimation": "causal_chunks"}
+        if key in ("budget_mode", *budget_field_names(), *(f.name for f in dataclasses.fields(Scoring))):
+            return vertical_slash
+        return {}
+
+    def reads(self, key: str) -> bool:
+        """Whether a layer that runs this config reads flat key `key` (`read_only_with`)."""
+        return all(getattr(self, name) == value for name, value in self.read_only_with(key).items())
 
     def for_layer(self, layer_idx: int | None) -> SparseAttentionConfig:
         """The config one decoder layer uses, with `dense_first_layers` and `layer_overrides` applied."""

@@ -24,6 +24,8 @@ class ContextParallelConfig(KnownKeywords):
 
     KIND: ClassVar[str] = "context parallel"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_mode", "cp_sharding")
+    # The document planner's weights: read only under --cp_sharding document (`plans_documents`).
+    PLANNER_FIELDS: ClassVar[tuple[str, ...]] = ("cp_planner_linear_per_token", "cp_planner_comm_per_token")
 
     cp_size: int = field(
         default=1,
@@ -85,7 +87,7 @@ class ContextParallelConfig(KnownKeywords):
             warnings.warn("--cp_allow_untested_model is no longer needed and has no effect: every architecture that "
                           "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
                           stacklevel=2)
-        for name in ("cp_planner_linear_per_token", "cp_planner_comm_per_token"):
+        for name in self.PLANNER_FIELDS:
             if not 0 <= getattr(self, name) < math.inf:  # (NaN passed `< 0`: every rank's planned load NaN or inf)
                 raise ValueError(f"{name}={getattr(self, name)} must be finite and >= 0 (a cost in attention token "
                                  f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")
@@ -111,6 +113,12 @@ class ContextParallelConfig(KnownKeywords):
         with `model_config`: what `ParallelDims.check_model` checks, before the groups are built."""
         mode, heads = self.mode.resolve(self, self.cp_size)
         mode.check_model(model_config, heads)
+
+    @property
+    def plans_documents(self) -> bool:
+        """Whether the sequence is split by the document planner (`cp_sharding='document'`), which reads
+        `PLANNER_FIELDS`."""
+        return self.cp_sharding == "document"
 
     def planner_costs(self) -> PlannerCosts:
         """The document planner's cost model with these flags' weights."""

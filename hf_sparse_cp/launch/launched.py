@@ -44,11 +44,11 @@ from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
 from ..trainer.arguments import did_you_mean, explicit_fields, flag_errors, is_flag_error
 from ..trainer.attach import LAUNCHED
+from ..trainer.plugin_arguments import is_parsing_for_launch
 from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
     SparseTrainerMixin,
-    is_parsing_for_launch,
     sparse_arguments_class,
     sparse_trainer_class,
     with_plugin_arguments,

@@ -59,7 +59,13 @@ def flag_reference() -> str:
              "plus the flags below, so a recipe file, `HfArgumentParser` and `accelerate launch` take them as any "
              "Trainer flag. Every plugin flag starts with `sparse_`, `cp_` or `smet` (`--smet`, `--smet_*`). The "
              "defaults are "
-             "`SparseTrainingArguments`' (`--sparse_attention` is on there: the class is the switch).", "",
+             "`SparseTrainingArguments`' (`--sparse_attention` is on there: the class is the switch). A flag that "
+             "the run's other settings leave unread is refused as the flags parse, naming the flag to drop or the "
+             "one to add (--sparse_estimation_chunk without --sparse_estimation causal_chunks, --cp_planner_* "
+             "without --cp_sharding document, --smet_* without --smet), and so is an attention engine the run's "
+             "device cannot train with; pattern flags with --sparse_attention false, and budget or scoring flags "
+             "on a dense pattern, are taken with a warning that they have no effect (a recipe's dense baseline).",
+             "",
              "## Common flags", "",
              "The few flags a run usually sets (each argument class names its own in `COMMON_FLAGS`). Every other "
              "flag is expert: its default serves unless a measurement says otherwise (CONTRIBUTING.md says how a "

@@ -7,24 +7,35 @@ here, once, before it starts any process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
+import torch
+
+from ..attention.engines import check_engine_trains_on
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types
+from ..config.files import KnownKeywords, check_field_types, typed_flags
 from ..distributed import ContextParallelConfig, check_launched
 from ..smet import SMETConfig
 from ..smet.config import module_names
 from .arguments import (
+    PATTERN_PREFIX,
     SMETArguments,
     SparseAttentionFlags,
     SparseCPArguments,
     copied_fields,
     from_prefixed,
+    unprefixed,
 )
 from .schedule import CurriculumArguments, parse_schedule
+
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # (the arguments of one run are built more than once in a process: warned once)
 
 # The dataclasses whose fields (command-line flags) the generated arguments carry.
 _PARTS = (SparseCPArguments, SparseAttentionFlags, ContextParallelConfig, CurriculumArguments, SMETArguments)
@@ -45,6 +56,28 @@ _MAX_LENGTH = dataclasses.field(default=None, metadata={
 RENAMED_FIELDS = {"max_length": LENGTH_FIELD}
 # The flags a user sets first (`--help` and docs/flags.md list them first): each part's `COMMON_FLAGS`.
 COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_FLAGS))
+
+
+# True while a launcher parses a script's flags once before starting its processes (`parsing_for_launch`).
+_PARSING_FOR_LAUNCH: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_launch", default=False)
+
+
+@contextlib.contextmanager
+def parsing_for_launch() -> Iterator[None]:
+    """Inside the block, training arguments parse as in one of several launched processes: a setting that needs
+    several (--fsdp) is not refused for running alone (the launcher checks a script's flags here, once, before it
+    starts the processes), and a Trainer that a script launched here builds is refused (`hf-sparse-cp launch` runs a
+    script here for its --help alone)."""
+    token = _PARSING_FOR_LAUNCH.set(True)
+    try:
+        yield
+    finally:
+        _PARSING_FOR_LAUNCH.reset(token)
+
+
+def is_parsing_for_launch() -> bool:
+    """Whether a launcher is parsing a script's flags before starting its processes (`parsing_for_launch`)."""
+    return _PARSING_FOR_LAUNCH.get()
 
 
 class PluginArgumentsMixin(KnownKeywords):
@@ -83,6 +116,110 @@ class PluginArgumentsMixin(KnownKeywords):
                 "--sparse_attention false turns off: drop --sparse_attention false (add --sparse_pattern dense for "
                 "exact causal attention under CP), or train without context parallelism (drop --cp_size and "
                 "--cp_schedule).")
+        self._refuse_unread_planner_costs()
+        if not self.sparse_attention:
+            self._note_unread_pattern_flags()
+            return
+        patterns = self._run_patterns()
+        self._check_unread_pattern_flags(patterns)
+        for engine in dict.fromkeys(pattern.attention_engine for pattern in patterns):
+            check_engine_trains_on(engine, self._device_type())
+
+    def _typed(self, flags: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        """The `flags` (name -> value; a flag's name is `prefix + name`) the user typed (`files.typed_flags`)."""
+        explicit = None if self.explicit_flags is None else unprefixed(self.explicit_flags, prefix)
+        return typed_flags(flags, defaults, explicit)
+
+    def _typed_pattern_flags(self) -> dict[str, Any]:
+        """The pattern flags typed, by flat key (`vertical_topk`)."""
+        return self._typed(self.pattern_flags().values(), SparseAttentionConfig.flag_defaults(), PATTERN_PREFIX)
+
+    def _run_patterns(self) -> list[SparseAttentionConfig]:
+        """The patterns the run's layers may train with: each layer's (`layer_configs`) of the pattern and of each
+        `--cp_schedule` stage's (its fields over the pattern)."""
+        pattern = self.sparse_attention_config()
+        stages = [pattern]
+        for stage in parse_schedule(self.cp_schedule) if self.cp_schedule else ():
+            with contextlib.suppress(ValueError):  # (refused, naming the stage, by the schedule's own check)
+                stages.append(pattern.replace(**stage.sparse))
+        configs: list[SparseAttentionConfig] = []
+        for config in (config for stage in stages for config in stage.layer_configs()):
+            if config not in configs:  # (configs compare equal by their fields, and hash by none)
+                configs.append(config)
+        return configs
+
+    def _check_unread_pattern_flags(self, patterns: list[SparseAttentionConfig]) -> None:
+        """Pattern flags typed that no layer of `patterns` reads: where every layer is dense, a warning that they have
+        no effect (a recipe's dense baseline under CP is the recipe with --sparse_pattern dense); else a refusal
+        naming the fix (an estimation chunk without causal-chunk estimation), as they would be ignored without a
+        word."""
+        typed = self._typed_pattern_flags()
+        unread = [key for key in typed if not any(pattern.reads(key) for pattern in patterns)]
+        if not unread:
+            return
+        if all(pattern.pattern == "dense" for pattern in patterns):
+            them = "them" if len(unread) > 1 else "it"
+            self._note_no_effect([f"--{PATTERN_PREFIX}{key}" for key in unread], f"only a vertical_slash pattern "
+                                 f"reads {them}, and every layer of this run is dense (--sparse_pattern dense)")
+            return
+        needed = SparseAttentionConfig.read_only_with(unread[0])
+        # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
+        missing = [(name, value) for name, value in needed.items()
+                   if all(getattr(pattern, name) != value for pattern in patterns)]
+        running = "; ".join(f"{name}={' / '.join(sorted({repr(getattr(pattern, name)) for pattern in patterns}))}"
+                            for name, _ in missing)
+        same = [key for key in unread if SparseAttentionConfig.read_only_with(key) == needed]
+        given = ", ".join(f"--{PATTERN_PREFIX}{key} {typed[key]}" for key in same)
+        them = "them" if len(same) > 1 else "it"
+        settings = " and ".join(f"{name}={setting!r}" for name, setting in needed.items())
+        fix = " ".join(f"--{PATTERN_PREFIX}{name} {value}" for name, value in missing or list(needed.items())[:1])
+        raise ValueError(f"{given} would be ignored: only a layer with {settings} reads {them}, and no layer of this "
+                         f"run has {'it' if len(needed) == 1 else 'them all'}{f' ({running})' if running else ''}: "
+                         f"drop {them}, or add {fix}.")
+
+    def _note_unread_pattern_flags(self) -> None:
+        """Warn that the pattern flags typed have no effect with --sparse_attention false: not refused, so that a
+        recipe's dense baseline is the recipe with --sparse_attention false."""
+        given = [f"--{PATTERN_PREFIX}{key}" for key in self._typed_pattern_flags()]
+        given += ["--sparse_config"] if self.sparse_config is not None else []
+        self._note_no_effect(given, "--sparse_attention false turns the sparse_cp backend off, so the model trains "
+                             "with its own attention")
+
+    @staticmethod
+    def _note_no_effect(flags: list[str], why: str) -> None:
+        """Warn, once per run (the launcher's parse before its processes and ranks other than 0 stay silent), that
+        `flags` (none: nothing to say) have no effect, and `why`."""
+        if not flags or is_parsing_for_launch() or os.environ.get("RANK", "0") != "0":
+            return
+        message = f"{', '.join(flags)} {'have' if len(flags) > 1 else 'has'} no effect: {why}."
+        if message not in _WARNED:
+            _WARNED.add(message)
+            logger.warning(message)
+
+    def _refuse_unread_planner_costs(self) -> None:
+        """Refuse, naming the fix, document-planner weights typed for a run that no stage shards by document."""
+        base = self.context_parallel_config()
+        layouts = [base]
+        for stage in parse_schedule(self.cp_schedule) if self.cp_schedule else ():
+            with contextlib.suppress(ValueError):  # (refused, naming the stage, by the schedule's own check)
+                layouts.append(stage.cp_config(base))
+        if any(layout.plans_documents for layout in layouts):
+            return
+        costs = {name: getattr(base, name) for name in ContextParallelConfig.PLANNER_FIELDS}
+        typed = self._typed(costs, {f.name: f.default for f in dataclasses.fields(ContextParallelConfig)})
+        if typed:
+            given = ", ".join(f"--{name} {value}" for name, value in typed.items())
+            them = "them" if len(typed) > 1 else "it"
+            stages = " (nor does any --cp_schedule stage)" if self.cp_schedule else ""
+            raise ValueError(f"{given} would be ignored: the document planner of --cp_sharding document reads {them}, "
+                             f"and this run shards with --cp_sharding {base.cp_sharding}{stages}: drop {them}, or add "
+                             "--cp_sharding document.")
+
+    def _device_type(self) -> str:
+        """The type of the devices the run trains on: 'cpu' with --use_cpu or without an accelerator."""
+        if getattr(self, "use_cpu", False) or not torch.accelerator.is_available():
+            return "cpu"
+        return torch.accelerator.current_accelerator().type
 
     @property
     def sequence_length(self) -> int | None:

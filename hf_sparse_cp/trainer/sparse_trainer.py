@@ -33,7 +33,6 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import torch
@@ -60,6 +59,7 @@ from .plugin_arguments import (
     PluginArguments,
     PluginArgumentsMixin,
     class_namespace,
+    is_parsing_for_launch,
     plugin_fields,
 )
 from .reference import attend_like_trained_model
@@ -91,28 +91,6 @@ def check_trainer_numbers(args: TrainingArguments) -> None:
         if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and name != "max_grad_norm")):
             raise ValueError(f"--{name} {value} is not a finite number; e.g. --{name} {defaults[name]} (the "
                              "default).")
-
-
-# True while a launcher parses a script's flags once before starting its processes (`parsing_for_launch`).
-_PARSING_FOR_LAUNCH: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_launch", default=False)
-
-
-@contextlib.contextmanager
-def parsing_for_launch() -> Iterator[None]:
-    """Inside the block, training arguments parse as in one of several launched processes: a setting that needs
-    several (--fsdp) is not refused for running alone (the launcher checks a script's flags here, once, before it
-    starts the processes), and a Trainer that a script launched here builds is refused (`hf-sparse-cp launch` runs a
-    script here for its --help alone)."""
-    token = _PARSING_FOR_LAUNCH.set(True)
-    try:
-        yield
-    finally:
-        _PARSING_FOR_LAUNCH.reset(token)
-
-
-def is_parsing_for_launch() -> bool:
-    """Whether a launcher is parsing a script's flags before starting its processes (`parsing_for_launch`)."""
-    return _PARSING_FOR_LAUNCH.get()
 
 
 class SparseArgumentsMixin(PluginArgumentsMixin):

@@ -21,6 +21,7 @@ from hf_sparse_cp.examples import train_long_context as example
 from hf_sparse_cp.examples.train_long_context import (
     DEMO_BUDGET,
     DEMO_DEFAULTS,
+    DEMO_PATTERN,
     ScriptArguments,
     parse_args,
     recipe_flags,
@@ -209,6 +210,32 @@ def test_the_demo_defaults_apply_only_to_the_demo():
     assert pretrained.training.max_steps == -1 and pretrained.training.save_strategy == "steps"
     assert pretrained.sparse.sparse_attention  # the example's backend, in every run (--sparse_attention false: off)
     assert not parse_args(["--model_name_or_path", "m", "--sparse_attention", "false"]).sparse.sparse_attention
+    # the demo's pattern where a layer reads it: its budget not on a dense pattern, none of it without the backend
+    dense = parse_args(["--sparse_pattern", "dense"])
+    assert dense.pattern.sparse_budget_mode is None and dense.pattern.sparse_block_size == 64
+    assert parse_args(["--sparse_attention", "false"]).pattern == parse_args(["--model_name_or_path", "m"]).pattern
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--sparse_attention", "false", "--cp_size", "1"], "--sparse_vertical_topk, --sparse_slash_topk, "
+     "--sparse_dense_first_layers have no effect: --sparse_attention false turns the sparse_cp backend off"),
+    (["--sparse_pattern", "dense"], "--sparse_vertical_topk, --sparse_slash_topk have no effect: only a vertical_slash "
+     "pattern reads them, and every layer of this run is dense"),  # (under the recipe's CP: exact causal attention)
+], ids=["no backend", "dense pattern"])
+def test_a_recipes_dense_baseline_keeps_its_pattern_flags_and_says_once_they_have_no_effect(monkeypatch, caplog,
+                                                                                          flags, why):
+    """`--recipe NAME --sparse_attention false` or `--sparse_pattern dense` (the recipe's dense baseline) keeps the
+    recipe's budget flags, which then do nothing: accepted, with one line naming them (a refusal would break every
+    recipe's baseline). (Those that move a value from its default: the arguments check them as they are built,
+    before the names typed are known.)"""
+    from hf_sparse_cp.trainer import plugin_arguments
+
+    monkeypatch.setattr(plugin_arguments, "_WARNED", set())
+    for _ in range(2):
+        parsed = parse_args(["--recipe", STAGE1.stem, *flags])
+    assert parsed.pattern.sparse_vertical_topk == 1024
+    lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(why), lines
 
 
 def test_the_final_line_says_whose_choice_no_checkpoints_was():
@@ -244,7 +271,7 @@ def test_help_shows_the_defaults_the_command_uses(capsys, monkeypatch, argv):
             if f.name not in given:
                 assert shown[f.name] == str(getattr(config, f.name)), f.name
     if not argv:  # the demo's training settings too
-        for name, value in {**DEMO_DEFAULTS, **DEMO_BUDGET}.items():
+        for name, value in {**DEMO_DEFAULTS, **DEMO_PATTERN, **DEMO_BUDGET}.items():
             assert shown[name] == str(value), name
     # without an accelerator the arguments train on CPU processes, whatever the command line says
     assert parsed.training.use_cpu == (not torch.accelerator.is_available())

@@ -14,7 +14,7 @@ from hf_sparse_cp.launch import accelerate_config, processes
 from hf_sparse_cp.launch.accelerate_config import config_mistake
 from hf_sparse_cp.trainer import sparse_trainer
 from hf_sparse_cp.trainer.arguments import is_flag_error
-from hf_sparse_cp.trainer.sparse_trainer import parsing_for_launch
+from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
 BASE = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0, "use_cpu": False}
 MULTI_GPU = {**BASE, "distributed_type": "MULTI_GPU", "num_processes": 2}

@@ -74,6 +74,28 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--summary_file", "."], "--summary_file . is a folder; give the path of a file"),
         (["--summary_file", f"{__file__}/summary.json"], f"--summary_file {__file__}/summary.json: {__file__} is a "
          "file, not a folder; give a path in a folder."),
+        # flags no layer reads (issue #50): accepted without a word
+        (["--sparse_estimation_chunk", "256"], "--sparse_estimation_chunk 256 would be ignored: only a layer with "
+         "pattern='vertical_slash' and estimation='causal_chunks' reads it, and no layer of this run has them all "
+         "(estimation='last_queries'): drop it, or add --sparse_estimation causal_chunks."),
+        (["--sparse_estimation_chunk", "256", "--sparse_layer_overrides", '{"0": {"pattern": "dense"}}'],
+         "--sparse_estimation_chunk 256 would be ignored"),
+        (["--cp_planner_comm_per_token", "5"], "--cp_planner_comm_per_token 5.0 would be ignored: the document planner "
+         "of --cp_sharding document reads it, and this run shards with --cp_sharding striped: drop it, or add "
+         "--cp_sharding document."),
+        (["--cp_planner_linear_per_token", "8000", "--cp_schedule", "0:256:1,2:512:2:cp_sharding=zigzag",
+          "--max_steps", "4"], "--cp_planner_linear_per_token 8000.0 would be ignored: the document planner of "
+         "--cp_sharding document reads it, and this run shards with --cp_sharding striped (nor does any --cp_schedule "
+         "stage)"),
+        # an engine that cannot train on this run's device: a traceback from every rank at the first step
+        (["--sparse_attention_engine", "triton", "--use_cpu"], "--sparse_attention_engine triton: Triton's kernels "
+         "train on CUDA GPUs (Triton's interpreter, a test tool, runs them elsewhere), and this run trains on the CPU "
+         "(--use_cpu, or no GPU here): use --sparse_attention_engine auto (the PyTorch reference off CUDA) or "
+         "reference, or train on a CUDA GPU."),
+        (["--sparse_attention_engine", "flex", "--use_cpu"], "--sparse_attention_engine flex: FlexAttention trains on "
+         "CUDA only"),
+        (["--sparse_layer_overrides", '{"1": {"attention_engine": "triton"}}', "--use_cpu"],
+         "--sparse_attention_engine triton: Triton's kernels train on CUDA GPUs"),
         # data no machine can build: a MemoryError traceback in every process, after they started
         (["--sparse_max_length", "99999999999"], "a passkey sequence of 99999999999 tokens takes at least 18626 GiB of "
          "memory to build (200 bytes per token), more than this machine's"),
@@ -113,12 +135,55 @@ def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monke
     started = []
     monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
     for flags, named in ((["--sparse_config", "missing.yaml"], "Config file 'missing.yaml' does not exist"),
-                         (["--fsdp", "full_shard", "--fsdp_config", "missing.json"], "'missing.json'")):
+                         (["--fsdp", "full_shard", "--fsdp_config", "missing.json"], "'missing.json'"),
+                         # (a Triton kernel's ValueError in a traceback from every rank at the first step)
+                         (["--sparse_attention_engine", "triton", "--use_cpu"], "Triton's kernels train on CUDA"),
+                         (["--sparse_estimation_chunk", "256"], "--sparse_estimation_chunk 256 would be ignored")):
         with pytest.raises(SystemExit) as stopped:
             cli.main(["train", "--nproc", "2", *flags])
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and err.startswith("train_long_context.py: error: ") and named in err, err
     assert not started
+
+
+@pytest.mark.parametrize("flags", [
+    # a layer override or a curriculum stage that reads the flag
+    ["--sparse_estimation_chunk", "256", "--sparse_layer_overrides", '{"1": {"estimation": "causal_chunks"}}'],
+    ["--sparse_estimation_chunk", "256", "--cp_schedule", "0:512:1,2:1024:1:estimation=causal_chunks", "--max_steps",
+     "4"],
+    ["--sparse_pattern", "dense", "--sparse_vertical_topk", "8", "--sparse_layer_overrides",
+     '{"1": {"pattern": "vertical_slash"}}'],
+    ["--cp_planner_comm_per_token", "5", "--cp_schedule", "0:512:1,2:1024:2:cp_sharding=document", "--max_steps", "4"],
+    ["--cp_planner_comm_per_token", "5", "--cp_sharding", "document"],
+    # the demo's own budget is not refused under a dense pattern, nor warned of without the backend
+    ["--sparse_pattern", "dense"],
+    ["--sparse_attention", "false"],
+])
+def test_the_example_takes_flags_a_layer_or_stage_reads(flags, caplog):
+    parse_args(flags)
+    assert "no effect" not in caplog.text
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--sparse_pattern", "dense", "--sparse_vertical_topk", "8", "--sparse_last_q", "16"],
+     "--sparse_vertical_topk, --sparse_last_q have no effect: only a vertical_slash pattern reads them, and every "
+     "layer of this run is dense (--sparse_pattern dense)."),
+    (["--sparse_pattern", "dense", "--sparse_layer_overrides", '{"0": {"pattern": "dense"}}', "--sparse_budget_mode",
+      "mass"], "--sparse_budget_mode has no effect: only a vertical_slash pattern reads it"),
+    (["--sparse_attention", "false", "--sparse_sink_tokens", "8"], "--sparse_sink_tokens has no effect: "
+     "--sparse_attention false turns the sparse_cp backend off, so the model trains with its own attention."),
+])
+def test_flags_a_dense_run_does_not_read_are_taken_and_said_once_to_have_no_effect(flags, said, caplog, monkeypatch):
+    """A budget on a dense pattern, or any pattern flag without the backend (issue #50): accepted without a word
+    before; taken with one line (not refused: a recipe's dense baseline is the recipe with --sparse_pattern dense, or
+    --sparse_attention false without CP), printed once however often the arguments are built."""
+    from hf_sparse_cp.trainer import plugin_arguments
+
+    monkeypatch.setattr(plugin_arguments, "_WARNED", set())
+    parse_args(flags)
+    parse_args(flags)
+    assert [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()] == [
+        next(r.getMessage() for r in caplog.records if said in r.getMessage())]
 
 
 def test_the_example_takes_packed_documents_that_divide_the_sequence():

@@ -162,6 +162,20 @@ def test_per_layer_overrides():
     nested = SparseAttentionConfig(budget_mode="topk", layer_overrides={"1": {"budget": {"mode": "topp"}},
                                                                         "2": {"scoring": {"sample_groups": 2}}})
     assert nested.for_layer(1).budget == TopP() and nested.for_layer(2).scoring == Scoring(64, 2, 16)
+    # every config a layer runs, whatever the layer count: one per run of layers the ranges bound
+    assert cfg.layer_configs() == [cfg.for_layer(i) for i in (0, 2, 3, 9)]
+
+
+def test_a_config_says_which_flat_keys_its_layers_read():
+    """What the arguments refuse when no layer of a run reads a flag given (issue #50): a budget or scoring key on a
+    dense pattern, estimation_chunk without causal-chunk estimation; other keys always."""
+    dense = SparseAttentionConfig(pattern="dense", layer_overrides={"2": {"pattern": "vertical_slash"}})
+    assert {c.pattern: c.reads("vertical_topk") for c in dense.layer_configs()} == {"dense": False,
+                                                                                     "vertical_slash": True}
+    assert not dense.reads("last_q") and not dense.reads("budget_mode") and dense.reads("block_size")
+    chunks = SparseAttentionConfig(estimation="causal_chunks")
+    assert chunks.reads("estimation_chunk") and not SparseAttentionConfig().reads("estimation_chunk")
+    assert not chunks.replace(pattern="dense").reads("estimation_chunk")
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])

@@ -473,6 +473,8 @@ def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsy
     (["--sparse_config", "{dir}/missing.yaml"], None, "missing.yaml' does not exist"),
     (["--sparse_block_size", "48"], None, "block_size (--sparse_block_size)=48 must be a power of two"),
     (["--sparse_vertical_topk", "8", "--sparse_mass_target", "0.5"], None, "pass --sparse_budget_mode mass"),
+    (["--sparse_estimation_chunk", "256"], None, "--sparse_estimation_chunk 256 would be ignored"),
+    (["--sparse_attention_engine", "triton", "--use_cpu"], None, "Triton's kernels train on CUDA GPUs"),
     (["--smet", "--smet_density", "2"], None, "--smet_density=2.0 must be in (0, 1]"),
     (["--smet", "--smet_update_interval=-1"], None, "--smet_update_interval=-1 must be >= 2"),
     (["--smet", "--smet_config", "{dir}/smet.yaml"], "smet:\n  density: 0\n",
@@ -551,10 +553,11 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
-        cli.main(["launch", "--nproc", "2", "--sparse_block_size", "48", "train.py"])
-    assert refused.value.code == 2 and not started
-    assert "hf-sparse-cp launch: error: " in capsys.readouterr().err
+    for flags in (["--sparse_block_size", "48"], ["--sparse_estimation_chunk", "256"]):
+        with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
+            cli.main(["launch", "--nproc", "2", *flags, "train.py"])
+        assert refused.value.code == 2 and not started
+        assert "hf-sparse-cp launch: error: " in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # the example's own refusal, once, before the processes
         cli.main(["train", "--nproc", "2", "--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
     assert refused.value.code == 2 and not started
