@@ -64,7 +64,8 @@ def _check_language_model_sized(model_type: str, config: PretrainedConfig, hidde
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
-    the window then unused; a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a decoder sized
+    the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`); a
+    mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a decoder sized
     apart from its encoder: `TINY_DECODER`); any field can be overridden. A field the architecture derives from
     others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that names
     it, and so is a config transformers refuses to build from these fields, and a type that keeps its language model
@@ -95,6 +96,8 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
         fields["vocab_size_per_layer_input"] = vocab_size  # 262144 rows by default, GiBs in the tiny model)
     # No attention dropout under any of its names (GPT-2's attn_pdrop is 0.1 by default): sparse_cp refuses it.
     fields.update({name: 0.0 for name in CONFIG_DROPOUTS if _field_of(config_class, name)})
+    if _field_of(config_class, "rotary_dim"):  # (CodeGen, GPT-J: 64 rotary dimensions by default, wider than a head)
+        fields["rotary_dim"] = fields["head_dim"] // 2
     mla = _field_of(config_class, "kv_lora_rank")
     if mla:
         fields.update(TINY_MLA)

@@ -565,3 +565,13 @@ def test_under_autocast_mixed_input_dtypes_compute_like_sdpa():
     out.loss.backward()
     assert rel_rms(out.logits, ref_logits) <= 2 * TOLERANCE[torch.bfloat16]
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in ours.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["codegen", "gptj"])
+def test_tiny_models_of_partial_rotary_families_run(model_type):
+    """CodeGen's and GPT-J's `rotary_dim` (64 by default) was wider than the tiny model's heads (32): their own forward
+    failed (with any attention), and the backend's probe refused them for it. Half of a head is rotary."""
+    config = tiny_config(model_type)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert config.rotary_dim == 16
+    assert model(input_ids=torch.randint(3, 259, (1, 20))).logits.shape == (1, 20, 259)
