@@ -64,12 +64,13 @@ def _check_language_model_sized(model_type: str, config: PretrainedConfig, hidde
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
-    the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`); a
-    mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a decoder sized
-    apart from its encoder: `TINY_DECODER`); any field can be overridden. A field the architecture derives from
-    others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError that names
-    it, and so is a config transformers refuses to build from these fields, and a type that keeps its language model
-    in a sub-config these fields do not reach (a vision-language model's), naming the language model's type."""
+    the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`: CodeGen
+    and GPT-J rotate 16 of 32, interleaved); a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a
+    decoder sized apart from its encoder: `TINY_DECODER`); any field can be overridden. A field the architecture
+    derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError
+    that names it, and so is a config transformers refuses to build from these fields, and a type that keeps its
+    language model in a sub-config these fields do not reach (a vision-language model's), naming the language
+    model's type."""
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,

@@ -33,8 +33,6 @@ OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "
                  "opt", "gpt2", "gpt_bigcode", "biogpt", "bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                  "marian", "pegasus")},
              "ctrl": {"max_position_embeddings": 4 * SEQ, "dff": 256},  # (sinusoidal positions; 8192-wide MLP)
-             # Partial rotary (CodeGen rotates 16 of a head's 32 dimensions, interleaved; the default 64 fits no head)
-             "codegen": {"rotary_dim": 16},
              # Cross-layer KV sharing: Gemma 3n's last two layers attend over the keys and values of earlier layers
              # (Gemma 4's too, whose KV-shared layers the backend hands their inputs whole: `integration/kv_sharing.py`)
              **{t: {"sliding_window": 24, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
