@@ -74,7 +74,7 @@ from hf_sparse_cp.simulator.arguments import check_output_file, write_output
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
-from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS
+from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS, parsing_typed_flags
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +435,8 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     parser.set_defaults(**defaults)
     try:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-        training = SparseTrainingArguments(**vars(first), **vars(rest))
+        with parsing_typed_flags(explicit):  # (a flag typed at its default that no layer reads is refused too)
+            training = SparseTrainingArguments(**vars(first), **vars(rest))
         script.check(training)
     except (OSError, ValueError) as e:  # a value the dataclasses refuse, a file a flag names that is not there: one
         _refuse(parser, str(e))  # line, like argparse's own errors (no usage)

@@ -171,7 +171,7 @@ def _launch(argv: list[str], command: str = "launch") -> int:
     parser = launcher_options(prog, usage)
     leading = leading_options(argv)
     given, _ = parse_launcher_options(parser, leading)  # (a bad process count, named before the slow imports)
-    from hf_sparse_cp.launch.command import check_command, launched_cp_flags, split_command
+    from hf_sparse_cp.launch.command import check_command, launched_flags, split_command
 
     flags, target, is_module, args = split_command(argv, LAUNCHER_OPTIONS)
     check_command(flags, target, is_module, LAUNCHER_OPTIONS, usage=usage, prog=prog, args=args)
@@ -192,20 +192,24 @@ def _launch(argv: list[str], command: str = "launch") -> int:
         return 0
     if processes is not None:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
-        # the flags before the script path, which each parses alone, a CP degree the processes cannot run
+        # the flags before the script path, which each parses alone, those among the script's arguments, which the
+        # script's parser takes, a CP degree the processes cannot run
         from hf_sparse_cp.launch.command import parse_plugin_flags
         from hf_sparse_cp.launch.known_scripts import module_found, script_refusal
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
         with parsing_for_launch():  # (as one of the processes, which say what the flags do themselves)
             plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
-        cp_flags = launched_cp_flags(plugin, args)
-        if cp_flags is not None:
-            refuse_unlaunchable(parser, cp_flags, processes, options.accelerate_config)
+            try:
+                run_flags = launched_flags(plugin, args)
+            except (OSError, ValueError) as e:
+                parser.error(str(e))
+        if run_flags is not None:
+            refuse_unlaunchable(parser, run_flags, processes, options.accelerate_config)
         # and what the script's source says it builds: a TRL trainer CP or this machine cannot run
         if is_module and not module_found(target):  # (`hf_sparse_cp.run` refuses it too, once per launch)
             parser.error(f"no module named {target!r} (of -m {target}): check the name.")
-        cp_size = max(cp_size for _, cp_size in cp_flags.cp_degrees()) if cp_flags is not None else 1
+        cp_size = max(cp_size for _, cp_size in run_flags.cp_degrees()) if run_flags is not None else 1
         refusal = script_refusal(target, is_module, cp_size, plugin, args)
         if refusal is not None:
             parser.error(refusal)

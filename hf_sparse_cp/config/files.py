@@ -3,6 +3,7 @@ check those dataclasses run on their fields."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -11,7 +12,8 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -173,6 +175,34 @@ def typed_flags(flags: Mapping[str, Any], defaults: Mapping[str, Any],
     return {name: value for name, value in flags.items() if name in explicit}
 
 
+def setting(name: str, value: Any) -> str:
+    """A config's setting as its messages name it: `name=value` (`estimation='causal_chunks'`)."""
+    return f"{name}={value!r}"
+
+
+# False inside `unread_fields_checked_by_caller`: configs built there skip their refusal of a value no setting of
+# theirs reads (`checks_unread_fields`).
+_CHECK_UNREAD: ContextVar[bool] = ContextVar("hf_sparse_cp_check_unread_fields", default=True)
+
+
+@contextlib.contextmanager
+def unread_fields_checked_by_caller() -> Iterator[None]:
+    """Inside the block, the configs built do not refuse a field given away from its default that none of their
+    settings reads (`SparseAttentionConfig`'s estimation chunk, `ContextParallelConfig`'s planner costs): for a config
+    derived from one already checked (a layer's, a curriculum stage's), one stored by a model (it loads as it ran),
+    and a run's base config whose `--cp_schedule` stages may read what it does not (the caller checks across them)."""
+    token = _CHECK_UNREAD.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_UNREAD.reset(token)
+
+
+def checks_unread_fields() -> bool:
+    """Whether a config built now refuses fields none of its settings reads (`unread_fields_checked_by_caller`)."""
+    return _CHECK_UNREAD.get()
+
+
 class UnknownKeyError(TypeError, ValueError):
     """A key that a config does not have: a TypeError, as Python's for an unexpected keyword argument, and a
     ValueError, as for an unknown key in a file or mapping."""
@@ -271,7 +301,8 @@ class FileConfig(KnownKeywords):
         source = getattr(holder, "name_or_path", "")
         where = (f"Model config {str(Path(source) / 'config.json')!r}" if source and Path(source).is_dir() else
                  f"The model config ({type(holder).__name__})")
-        return cls.from_section(value, where)
+        with unread_fields_checked_by_caller():  # (a saved model loads as it ran)
+            return cls.from_section(value, where)
 
     @classmethod
     def from_file_and_flags(cls, path: str | Path | None, flags: Mapping[str, Any],

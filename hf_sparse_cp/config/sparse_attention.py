@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .files import FileConfig, check_field_types, read_mapping
+from .files import (
+    FileConfig,
+    check_field_types,
+    checks_unread_fields,
+    read_mapping,
+    setting,
+    unread_fields_checked_by_caller,
+)
 from .flat_keys import nested
 from .sections import (
     BudgetSection,
@@ -167,6 +174,8 @@ class SparseAttentionConfig(FileConfig):
             raise ValueError(f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; "
                              "use 1 for 'diagonal only' or the default 128.")
         self._parsed_overrides()
+        if checks_unread_fields():  # (a layer's config, a stage's, a saved model's: checked by whoever derives them)
+            self.refuse_unread(self.fields_given(), self.layer_configs())
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -253,6 +262,33 @@ class SparseAttentionConfig(FileConfig):
             return vertical_slash
         return {}
 
+    @classmethod
+    def refuse_unread(cls, given: Mapping[str, Any], patterns: Sequence[SparseAttentionConfig],
+                      spell: Callable[[str, Any], str] = setting, scope: str = "this config") -> list[str]:
+        """Raise ValueError, naming the fix, for keys of `given` (flat key -> value) that no config of `patterns` (the
+        layers' configs of a config or of a run, `layer_configs`) reads (`reads`) where some layer is sparse: an
+        estimation chunk without causal-chunk estimation would be ignored without a word. Where every layer is dense,
+        return those keys (they have no effect; a recipe's dense baseline is the recipe with pattern 'dense': the
+        caller may say so). `spell(key, value)` writes a setting as the message names it (`key=value`, or a flag);
+        `scope` names what the patterns run."""
+        unread = [key for key in given if not any(pattern.reads(key) for pattern in patterns)]
+        if not unread or all(pattern.pattern == "dense" for pattern in patterns):
+            return unread
+        needed = cls.read_only_with(unread[0])
+        # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
+        missing = [(name, value) for name, value in needed.items()
+                   if all(getattr(pattern, name) != value for pattern in patterns)]
+        running = "; ".join(f"{name}={' / '.join(sorted({repr(getattr(pattern, name)) for pattern in patterns}))}"
+                            for name, _ in missing)
+        same = [key for key in unread if cls.read_only_with(key) == needed]
+        them = "them" if len(same) > 1 else "it"
+        settings = " and ".join(f"{name}={value!r}" for name, value in needed.items())
+        fix = " ".join(spell(name, value) for name, value in missing or list(needed.items())[:1])
+        has = "it" if len(needed) == 1 else "them all"
+        raise ValueError(f"{', '.join(spell(key, given[key]) for key in same)} would be ignored: only a layer with "
+                         f"{settings} reads {them}, and no layer of {scope} has {has}"
+                         f"{f' ({running})' if running else ''}: drop {them}, or add {fix}.")
+
     def reads(self, key: str) -> bool:
         """Whether a layer that runs this config reads flat key `key` (`read_only_with`)."""
         return all(getattr(self, name) == value for name, value in self.read_only_with(key).items())
@@ -272,8 +308,10 @@ class SparseAttentionConfig(FileConfig):
         return self._layer_config(changes)
 
     def _layer_config(self, changes: dict[str, Any]) -> SparseAttentionConfig:
-        """This config with one layer's changes and no per-layer settings."""
-        return self.replace(layer_overrides=None, dense_first_layers=0, **changes)
+        """This config with one layer's changes and no per-layer settings (a field given for another layer is
+        read there: `refuse_unread` looks at every layer's config)."""
+        with unread_fields_checked_by_caller():
+            return self.replace(layer_overrides=None, dense_first_layers=0, **changes)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SparseAttentionConfig:
@@ -306,6 +344,10 @@ class SparseAttentionConfig(FileConfig):
         lower, upper = nested(lower), nested(upper)
         top = {name: value for name, value in {**lower, **upper}.items() if name not in _SECTIONS}
         return cls(**top, **merged_sections(lower, upper))
+
+    def fields_given(self) -> dict[str, Any]:
+        """The fields (not the sections) that differ from their defaults: those `refuse_unread` looks at."""
+        return {name: value for name, value in self.given().items() if name not in _SECTIONS}
 
     def given(self) -> dict[str, Any]:
         """The values that differ from the defaults (the budget's for its fields and the scoring), as a

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from ..config.files import KnownKeywords, check_field_types
+from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting
 from .modes import CPMode, cp_mode_named, cp_modes
 from .split.documents import PlannerCosts
 
@@ -91,6 +92,10 @@ class ContextParallelConfig(KnownKeywords):
             if not 0 <= getattr(self, name) < math.inf:  # (NaN passed `< 0`: every rank's planned load NaN or inf)
                 raise ValueError(f"{name}={getattr(self, name)} must be finite and >= 0 (a cost in attention token "
                                  f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")
+        if checks_unread_fields():  # (a --cp_schedule's base: its stages may shard by document)
+            defaults = {f.name: f.default for f in fields(self)}
+            self.refuse_unread_planner_costs({name: getattr(self, name) for name in self.PLANNER_FIELDS
+                                              if getattr(self, name) != defaults[name]}, [self])
 
     @property
     def mode(self) -> CPMode:
@@ -119,6 +124,22 @@ class ContextParallelConfig(KnownKeywords):
         """Whether the sequence is split by the document planner (`cp_sharding='document'`), which reads
         `PLANNER_FIELDS`."""
         return self.cp_sharding == "document"
+
+    @staticmethod
+    def refuse_unread_planner_costs(given: Mapping[str, Any], layouts: Sequence[ContextParallelConfig],
+                                    spell: Callable[[str, Any], str] = setting, scope: str = "this config") -> None:
+        """Raise ValueError, naming the fix, for planner weights `given` (name -> value; none: nothing to refuse)
+        where no layout of `layouts` (a config's, or a run's and its `--cp_schedule` stages') plans documents: they
+        would be ignored without a word. `spell(name, value)` writes a setting as the message names it
+        (`name=value`, or a flag); `scope` names what the layouts run."""
+        if not given or any(layout.plans_documents for layout in layouts):
+            return
+        them = "them" if len(given) > 1 else "it"
+        stages = " (nor does any --cp_schedule stage)" if len(layouts) > 1 else ""
+        document = spell("cp_sharding", "document")
+        raise ValueError(f"{', '.join(spell(name, value) for name, value in given.items())} would be ignored: the "
+                         f"document planner of {document} reads {them}, and {scope} shards with "
+                         f"{spell('cp_sharding', layouts[0].cp_sharding)}{stages}: drop {them}, or add {document}.")
 
     def planner_costs(self) -> PlannerCosts:
         """The document planner's cost model with these flags' weights."""

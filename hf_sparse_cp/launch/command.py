@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from transformers import HfArgumentParser
 
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
-from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments
+from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments, parsing_typed_flags
 
 
 class _Refused(Exception):
@@ -27,8 +27,8 @@ class _Refused(Exception):
 class _SplitParser(HfArgumentParser):
     """The plugin's flags, parsed without printing or exiting: which arguments they take (`split_command`)."""
 
-    def __init__(self, options: Sequence[str] = ()) -> None:
-        super().__init__(PluginArguments, add_help=False)
+    def __init__(self, options: Sequence[str] = (), allow_abbrev: bool = True) -> None:
+        super().__init__(PluginArguments, add_help=False, allow_abbrev=allow_abbrev)
         # (a help flag takes no value: the path after it is the script, whose run prints the help)
         self.add_argument("-h", "--help", action="store_true")
         for option in options:  # (options of one value each, e.g. the launcher's --nproc)
@@ -55,18 +55,14 @@ def parse_plugin_flags(flags: Sequence[str], *, prog: str | None = None, usage: 
     common flags first, after `description`)."""
     parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=prog, usage=usage,
                               description=description, formatter_class=_HelpFormatter)
+    explicit = explicit_fields(parser, flags)
     try:
         common, other = parser.parse_args_into_dataclasses(list(flags))
-        plugin = PluginArguments(**vars(common), **vars(other))
+        with parsing_typed_flags(explicit):
+            plugin = PluginArguments(**vars(common), **vars(other))
     except (OSError, ValueError) as e:  # (a --sparse_config / --smet_config file that is not there names it)
         parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
-    plugin.explicit_flags = explicit_fields(parser, flags)
     return plugin
-
-
-class _Quiet(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _Refused(message)
 
 
 def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[list[str], str | None, bool, list[str]]:
@@ -90,20 +86,24 @@ def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[lis
     return list(argv), None, False, []
 
 
-def launched_cp_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArguments | None:
-    """`plugin` (the flags before the script path) with the CP degrees a launched script runs with: `args` (the
-    script's arguments) may give --cp_size or --cp_schedule, which the script's parser takes beside its own (the
-    last one given wins). Read as written, without the script's parser: None where that parser alone can say (a
-    value it will refuse, a schedule it will refuse naming the stage)."""
-    parser = _Quiet(add_help=False, allow_abbrev=False)
-    for action in _SplitParser()._actions:
-        if action.dest in ("cp_size", "cp_schedule"):
-            parser.add_argument(*action.option_strings, dest=action.dest, default=getattr(plugin, action.dest))
+def launched_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArguments | None:
+    """`plugin` (the flags before the script path) with the plugin's flags among `args` (the script's arguments,
+    which the script's parser takes beside its own; the last one given wins), checked as each launched process checks
+    them: raises their ValueError (or OSError: a --sparse_config file not there), naming the fix, before any process
+    starts. Read as written, without the script's parser: only flags spelled whole (a prefix of one may be the
+    script's own flag), the script's own arguments left alone; None where that parser alone can say (a value it
+    refuses)."""
+    parser = _SplitParser(allow_abbrev=False)
     try:
-        given = parser.parse_known_args(list(args))[0]
-        return dataclasses.replace(plugin, cp_size=int(given.cp_size), cp_schedule=given.cp_schedule)
-    except (ValueError, TypeError, _Refused):  # (the script's parser refuses it, naming the flag)
+        after = explicit_fields(parser, args)
+        values = vars(parser.parse_known_args(list(args))[0])
+    except _Refused:  # (the script's parser refuses it, naming the flag)
         return None
+    if not after:
+        return plugin
+    explicit = set(plugin.explicit_flags or ()) | after
+    with parsing_typed_flags(explicit):
+        return dataclasses.replace(plugin, **{name: values[name] for name in after})
 
 
 def _trl_command(target: str, is_module: bool) -> bool:

@@ -44,7 +44,7 @@ from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
 from ..trainer.arguments import did_you_mean, explicit_fields, flag_errors, is_flag_error
 from ..trainer.attach import LAUNCHED
-from ..trainer.plugin_arguments import is_parsing_for_launch
+from ..trainer.plugin_arguments import is_parsing_for_launch, parsing_typed_flags
 from ..trainer.sparse_trainer import (
     PluginArguments,
     SparseArgumentsMixin,
@@ -192,8 +192,12 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 self.set_defaults(**{name: value for name, value in defaults.items() if name in names})
 
         def parse_into_dataclasses(self, args=None, *rest, **kwargs):
+            # the plugin flags given (here, or before the script path), whatever their value: the arguments check them
+            # as they are built (`parsing_typed_flags`), and they beat --sparse_config whatever their value
+            explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
             try:
-                outputs = parse(self, args, *rest, **kwargs)
+                with parsing_typed_flags(explicit):
+                    outputs = parse(self, args, *rest, **kwargs)
             except (ValueError, TypeError, OSError) as e:
                 if is_flag_error(e):  # a plugin flag's value refused, naming the fix: the message, as argparse's
                     exit_refused(f"{self.prog}: error: {e}\n")
@@ -207,7 +211,6 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 exit_refused(f"{self.prog}: error: {e}{did_you_mean(self, unknown)}\n")
             ours = [out for out in outputs if isinstance(out, SparseArgumentsMixin)]
             if ours:
-                explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
                 # the script's --dataset_name (run_clm's, TRL's) names the card's dataset unless the flag does
                 named = [name for out in outputs if not isinstance(out, SparseArgumentsMixin)
                          for name in [getattr(out, "dataset_name", None)] if isinstance(name, str) and name]

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types, closest_names
+from ..config.files import KnownKeywords, check_field_types, closest_names, unread_fields_checked_by_caller
 from ..config.sections import (
     DEFAULT_MODE,
     Scoring,
@@ -268,7 +268,10 @@ class _PatternFlags(KnownKeywords):
     KIND: ClassVar[str] = "sparse attention flag"
 
     def __post_init__(self) -> None:
-        self.to_config()  # the config validates the values, naming the field
+        # the config validates the values, naming the field (what no setting reads: on the pattern they make up with
+        # a --sparse_config file, or the flags alone, `to_config()`)
+        with unread_fields_checked_by_caller():
+            self.to_config()
 
     def values(self) -> dict[str, Any]:
         """The flags by flat key, as given (None: unset)."""

@@ -10,6 +10,7 @@ matching disable call restores exactly that.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
+from ..config.files import unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import compat
@@ -111,7 +113,9 @@ def enable_sparse_attention(
     require_model(model, "enable_sparse_attention(model, ...)")
     require_instance(sparse_args, SparseCPArguments, "enable_sparse_attention(model, sparse_args, ...)",
                      "sparse_args", "SparseCPArguments(sparse_attention=True)")
-    config = sparse_args.attention_config(attention_config, explicit)
+    # (a run's arguments checked their pattern across their --cp_schedule stages, which may read what it does not)
+    with unread_fields_checked_by_caller() if getattr(training_args, "cp_schedule", None) else contextlib.nullcontext():
+        config = sparse_args.attention_config(attention_config, explicit)
     # (a fix under CP drops it: its ring needs this backend)
     cp = max(d for _, d in training_args.cp_degrees()) > 1 if hasattr(training_args, "cp_degrees") else False
     with flag_errors((ValueError,)):  # (what the kernels do not compute, naming the fix: the message alone)

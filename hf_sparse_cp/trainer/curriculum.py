@@ -189,7 +189,7 @@ def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) ->
                          "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
                          "mass_threshold=0.005 or cp_mode=ulysses.")
     try:
-        config = sparse_config.replace(**stage.sparse)
+        config = stage.sparse_config(sparse_config)
     except ValueError as error:
         raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
     unit = config.block_size * stage.cp_size

@@ -19,7 +19,7 @@ import torch
 
 from ..attention.engines import check_engine_trains_on
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types, typed_flags
+from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig, check_launched
 from ..smet import SMETConfig
 from ..smet.config import module_names
@@ -80,6 +80,33 @@ def is_parsing_for_launch() -> bool:
     return _PARSING_FOR_LAUNCH.get()
 
 
+# The flags typed on the command line being parsed (`parsing_typed_flags`).
+_TYPED_FLAGS: ContextVar[frozenset[str] | None] = ContextVar("hf_sparse_cp_typed_flags", default=None)
+
+
+@contextlib.contextmanager
+def parsing_typed_flags(explicit: Collection[str]) -> Iterator[None]:
+    """Inside the block, the plugin's arguments built know the flags `explicit` (`explicit_fields`: those the command
+    line or a recipe typed, whatever their value) as they check themselves, not only once the parser sets their
+    `explicit_flags` after: a flag typed at its default value that no setting of the run reads is refused (or said to
+    have no effect) as the same flag at another value is."""
+    token = _TYPED_FLAGS.set(frozenset(explicit))
+    try:
+        yield
+    finally:
+        _TYPED_FLAGS.reset(token)
+
+
+def _flag(name: str, value: Any) -> str:
+    """A setting as the command line gives it: `--name value`."""
+    return f"--{name} {value}"
+
+
+def _pattern_flag(key: str, value: Any) -> str:
+    """A pattern setting (by flat key) as its flag gives it: `--sparse_key value`."""
+    return _flag(PATTERN_PREFIX + key, value)
+
+
 class PluginArgumentsMixin(KnownKeywords):
     """The plugin's fields on a generated dataclass (`sparse_arguments_class`, `PluginArguments`): their checks
     and the configs they make up. A keyword argument it does not take is refused naming the close one
@@ -101,11 +128,14 @@ class PluginArgumentsMixin(KnownKeywords):
         HfArgumentParser, direct construction), before anything reads them: text in a switch would be true."""
         self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
         check_field_types(self, self._sparse_fields)
+        if self.explicit_flags is None:  # (a parser sets them once the arguments are built: `parsing_typed_flags`)
+            self.explicit_flags = _TYPED_FLAGS.get()
 
     def _validate_plugin_fields(self) -> None:
-        for part in _PARTS:  # each part validates its own fields, naming them
-            from_prefixed(self, part)
-        self.sparse_attention_config()
+        with unread_fields_checked_by_caller():  # (values no setting reads: below, across the run, naming the flags)
+            for part in _PARTS:  # each part validates its own fields, naming them
+                from_prefixed(self, part)
+            pattern, layout = self.sparse_attention_config(), self.context_parallel_config()
         self.smet_optimizer_config()  # (its --smet_config file)
         check_sequence_length(self._length_field, self.sequence_length)
         split = next(((where, degree) for where, degree in self.cp_degrees() if degree > 1), None)
@@ -116,32 +146,35 @@ class PluginArgumentsMixin(KnownKeywords):
                 "--sparse_attention false turns off: drop --sparse_attention false (add --sparse_pattern dense for "
                 "exact causal attention under CP), or train without context parallelism (drop --cp_size and "
                 "--cp_schedule).")
-        self._refuse_unread_planner_costs()
+        self._refuse_unread_planner_costs(layout)
         if not self.sparse_attention:
             self._note_unread_pattern_flags()
             return
-        patterns = self._run_patterns()
+        patterns = self._run_patterns(pattern)
         self._check_unread_pattern_flags(patterns)
+        # and the values of the --sparse_config file that no layer of the run reads
+        SparseAttentionConfig.refuse_unread(pattern.fields_given(), patterns, scope="this run")
         for engine in dict.fromkeys(pattern.attention_engine for pattern in patterns):
             check_engine_trains_on(engine, self._device_type())
 
     def _typed(self, flags: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-        """The `flags` (name -> value; a flag's name is `prefix + name`) the user typed (`files.typed_flags`)."""
-        explicit = None if self.explicit_flags is None else unprefixed(self.explicit_flags, prefix)
-        return typed_flags(flags, defaults, explicit)
+        """The `flags` (name -> value; a flag's name is `prefix + name`) the user gave: those typed (`explicit_flags`:
+        on the command line, in a recipe), whatever their value, and those away from their `defaults` (a script's
+        config file sets them, or code)."""
+        explicit = unprefixed(self.explicit_flags or (), prefix)
+        return {name: value for name, value in flags.items() if name in explicit or value != defaults.get(name)}
 
     def _typed_pattern_flags(self) -> dict[str, Any]:
         """The pattern flags typed, by flat key (`vertical_topk`)."""
         return self._typed(self.pattern_flags().values(), SparseAttentionConfig.flag_defaults(), PATTERN_PREFIX)
 
-    def _run_patterns(self) -> list[SparseAttentionConfig]:
-        """The patterns the run's layers may train with: each layer's (`layer_configs`) of the pattern and of each
-        `--cp_schedule` stage's (its fields over the pattern)."""
-        pattern = self.sparse_attention_config()
+    def _run_patterns(self, pattern: SparseAttentionConfig) -> list[SparseAttentionConfig]:
+        """The patterns the run's layers may train with: each layer's (`layer_configs`) of the run's `pattern` and of
+        each `--cp_schedule` stage's (its fields over the pattern)."""
         stages = [pattern]
         for stage in parse_schedule(self.cp_schedule) if self.cp_schedule else ():
             with contextlib.suppress(ValueError):  # (refused, naming the stage, by the schedule's own check)
-                stages.append(pattern.replace(**stage.sparse))
+                stages.append(stage.sparse_config(pattern))
         configs: list[SparseAttentionConfig] = []
         for config in (config for stage in stages for config in stage.layer_configs()):
             if config not in configs:  # (configs compare equal by their fields, and hash by none)
@@ -151,31 +184,13 @@ class PluginArgumentsMixin(KnownKeywords):
     def _check_unread_pattern_flags(self, patterns: list[SparseAttentionConfig]) -> None:
         """Pattern flags typed that no layer of `patterns` reads: where every layer is dense, a warning that they have
         no effect (a recipe's dense baseline under CP is the recipe with --sparse_pattern dense); else a refusal
-        naming the fix (an estimation chunk without causal-chunk estimation), as they would be ignored without a
-        word."""
-        typed = self._typed_pattern_flags()
-        unread = [key for key in typed if not any(pattern.reads(key) for pattern in patterns)]
-        if not unread:
-            return
-        if all(pattern.pattern == "dense" for pattern in patterns):
+        naming the fix (`SparseAttentionConfig.refuse_unread`: an estimation chunk without causal-chunk estimation),
+        as they would be ignored without a word."""
+        unread = SparseAttentionConfig.refuse_unread(self._typed_pattern_flags(), patterns, _pattern_flag, "this run")
+        if unread:
             them = "them" if len(unread) > 1 else "it"
             self._note_no_effect([f"--{PATTERN_PREFIX}{key}" for key in unread], f"only a vertical_slash pattern "
                                  f"reads {them}, and every layer of this run is dense (--sparse_pattern dense)")
-            return
-        needed = SparseAttentionConfig.read_only_with(unread[0])
-        # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
-        missing = [(name, value) for name, value in needed.items()
-                   if all(getattr(pattern, name) != value for pattern in patterns)]
-        running = "; ".join(f"{name}={' / '.join(sorted({repr(getattr(pattern, name)) for pattern in patterns}))}"
-                            for name, _ in missing)
-        same = [key for key in unread if SparseAttentionConfig.read_only_with(key) == needed]
-        given = ", ".join(f"--{PATTERN_PREFIX}{key} {typed[key]}" for key in same)
-        them = "them" if len(same) > 1 else "it"
-        settings = " and ".join(f"{name}={setting!r}" for name, setting in needed.items())
-        fix = " ".join(f"--{PATTERN_PREFIX}{name} {value}" for name, value in missing or list(needed.items())[:1])
-        raise ValueError(f"{given} would be ignored: only a layer with {settings} reads {them}, and no layer of this "
-                         f"run has {'it' if len(needed) == 1 else 'them all'}{f' ({running})' if running else ''}: "
-                         f"drop {them}, or add {fix}.")
 
     def _note_unread_pattern_flags(self) -> None:
         """Warn that the pattern flags typed have no effect with --sparse_attention false: not refused, so that a
@@ -196,24 +211,16 @@ class PluginArgumentsMixin(KnownKeywords):
             _WARNED.add(message)
             logger.warning(message)
 
-    def _refuse_unread_planner_costs(self) -> None:
-        """Refuse, naming the fix, document-planner weights typed for a run that no stage shards by document."""
-        base = self.context_parallel_config()
+    def _refuse_unread_planner_costs(self, base: ContextParallelConfig) -> None:
+        """Refuse, naming the fix, document-planner weights typed for a run (its CP flags: `base`) that no stage
+        shards by document (`ContextParallelConfig.refuse_unread_planner_costs`)."""
         layouts = [base]
         for stage in parse_schedule(self.cp_schedule) if self.cp_schedule else ():
             with contextlib.suppress(ValueError):  # (refused, naming the stage, by the schedule's own check)
                 layouts.append(stage.cp_config(base))
-        if any(layout.plans_documents for layout in layouts):
-            return
         costs = {name: getattr(base, name) for name in ContextParallelConfig.PLANNER_FIELDS}
         typed = self._typed(costs, {f.name: f.default for f in dataclasses.fields(ContextParallelConfig)})
-        if typed:
-            given = ", ".join(f"--{name} {value}" for name, value in typed.items())
-            them = "them" if len(typed) > 1 else "it"
-            stages = " (nor does any --cp_schedule stage)" if self.cp_schedule else ""
-            raise ValueError(f"{given} would be ignored: the document planner of --cp_sharding document reads {them}, "
-                             f"and this run shards with --cp_sharding {base.cp_sharding}{stages}: drop {them}, or add "
-                             "--cp_sharding document.")
+        ContextParallelConfig.refuse_unread_planner_costs(typed, layouts, _flag, "this run")
 
     def _device_type(self) -> str:
         """The type of the devices the run trains on: 'cpu' with --use_cpu or without an accelerator."""
@@ -235,10 +242,17 @@ class PluginArgumentsMixin(KnownKeywords):
 
     def sparse_attention_config(self) -> SparseAttentionConfig:
         """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
-        return self.plugin_arguments().attention_config(self.pattern_flags(), self.explicit_flags)
+        with self._checked_across_stages():
+            return self.plugin_arguments().attention_config(self.pattern_flags(), self.explicit_flags)
 
     def context_parallel_config(self) -> ContextParallelConfig:
-        return from_prefixed(self, ContextParallelConfig)
+        with self._checked_across_stages():
+            return from_prefixed(self, ContextParallelConfig)
+
+    def _checked_across_stages(self) -> contextlib.AbstractContextManager:
+        """Around building the run's base config: with a `--cp_schedule`, a stage may read what the base does not
+        (an estimation chunk, planner costs), which the arguments checked across the stages as they were built."""
+        return unread_fields_checked_by_caller() if self.cp_schedule else contextlib.nullcontext()
 
     def cp_degrees(self) -> list[tuple[str, int]]:
         """The run's CP degrees, each with where it is set as a message starts: `--cp_size`'s (''), or each

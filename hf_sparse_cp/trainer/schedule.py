@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..config.files import KnownKeywords, check_field_types
+from ..config import SparseAttentionConfig
+from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig
 
 _EPOCH_SUFFIX = "ep"
@@ -48,9 +49,17 @@ class Stage:
         fields += [f"{k}={v}" for k, v in self.cp.items()]
         return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
 
+    # (a stage's configs do not refuse a value of the run's that they do not read: another stage may, which the run's
+    # arguments check across the stages)
     def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
         """The run's CP flags `base` with this stage's degree and CP fields."""
-        return dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
+        with unread_fields_checked_by_caller():
+            return dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
+
+    def sparse_config(self, base: SparseAttentionConfig) -> SparseAttentionConfig:
+        """The run's pattern `base` with this stage's pattern fields."""
+        with unread_fields_checked_by_caller():
+            return base.replace(**self.sparse)
 
 
 def _value(text: str) -> Any:

@@ -217,8 +217,10 @@ def test_the_demo_defaults_apply_only_to_the_demo():
 
 
 @pytest.mark.parametrize("flags, why", [
+    # (every pattern flag the recipe types, those at their default value too: --sparse_block_size 128)
     (["--sparse_attention", "false", "--cp_size", "1"], "--sparse_vertical_topk, --sparse_slash_topk, "
-     "--sparse_dense_first_layers have no effect: --sparse_attention false turns the sparse_cp backend off"),
+     "--sparse_block_size, --sparse_min_seq_len, --sparse_dense_first_layers have no effect: --sparse_attention false "
+     "turns the sparse_cp backend off"),
     (["--sparse_pattern", "dense"], "--sparse_vertical_topk, --sparse_slash_topk have no effect: only a vertical_slash "
      "pattern reads them, and every layer of this run is dense"),  # (under the recipe's CP: exact causal attention)
 ], ids=["no backend", "dense pattern"])
@@ -226,8 +228,7 @@ def test_a_recipes_dense_baseline_keeps_its_pattern_flags_and_says_once_they_hav
                                                                                           flags, why):
     """`--recipe NAME --sparse_attention false` or `--sparse_pattern dense` (the recipe's dense baseline) keeps the
     recipe's budget flags, which then do nothing: accepted, with one line naming them (a refusal would break every
-    recipe's baseline). (Those that move a value from its default: the arguments check them as they are built,
-    before the names typed are known.)"""
+    recipe's baseline)."""
     from hf_sparse_cp.trainer import plugin_arguments
 
     monkeypatch.setattr(plugin_arguments, "_WARNED", set())

@@ -80,6 +80,11 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "(estimation='last_queries'): drop it, or add --sparse_estimation causal_chunks."),
         (["--sparse_estimation_chunk", "256", "--sparse_layer_overrides", '{"0": {"pattern": "dense"}}'],
          "--sparse_estimation_chunk 256 would be ignored"),
+        # typed at their default value: as ignored as at any other
+        (["--sparse_estimation_chunk", "1024"], "--sparse_estimation_chunk 1024 would be ignored: only a layer with "
+         "pattern='vertical_slash' and estimation='causal_chunks' reads it"),
+        (["--cp_planner_comm_per_token", "300"], "--cp_planner_comm_per_token 300.0 would be ignored: the document "
+         "planner of --cp_sharding document reads it"),
         (["--cp_planner_comm_per_token", "5"], "--cp_planner_comm_per_token 5.0 would be ignored: the document planner "
          "of --cp_sharding document reads it, and this run shards with --cp_sharding striped: drop it, or add "
          "--cp_sharding document."),
@@ -158,6 +163,7 @@ def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monke
     # the demo's own budget is not refused under a dense pattern, nor warned of without the backend
     ["--sparse_pattern", "dense"],
     ["--sparse_attention", "false"],
+    [],  # (defaults only: nothing typed)
 ])
 def test_the_example_takes_flags_a_layer_or_stage_reads(flags, caplog):
     parse_args(flags)
@@ -172,6 +178,9 @@ def test_the_example_takes_flags_a_layer_or_stage_reads(flags, caplog):
       "mass"], "--sparse_budget_mode has no effect: only a vertical_slash pattern reads it"),
     (["--sparse_attention", "false", "--sparse_sink_tokens", "8"], "--sparse_sink_tokens has no effect: "
      "--sparse_attention false turns the sparse_cp backend off, so the model trains with its own attention."),
+    # typed at its default value
+    (["--sparse_attention", "false", "--sparse_sink_tokens", "64"], "--sparse_sink_tokens has no effect: "
+     "--sparse_attention false turns the sparse_cp backend off"),
 ])
 def test_flags_a_dense_run_does_not_read_are_taken_and_said_once_to_have_no_effect(flags, said, caplog, monkeypatch):
     """A budget on a dense pattern, or any pattern flag without the backend (issue #50): accepted without a word

@@ -86,6 +86,54 @@ SAVED_TOPK = dict(pattern="vertical_slash", budget_mode="topk", vertical_topk=51
                   min_seq_len=8192, dense_first_layers=1, attention_engine="auto", layer_overrides=None)
 
 
+def test_a_config_built_in_code_refuses_a_value_no_layer_of_it_reads(tmp_path):
+    """estimation_chunk without causal-chunk estimation, document-planner costs without document sharding: refused
+    only by the command line's arguments (issue #50), so that a config built in code, a file and
+    enable_sparse_attention ignored them without a word. A layer override, a dense pattern (no effect, as a dense
+    baseline's), a model that stored one (it loads as it ran) and the derived configs of layers and stages take them."""
+    from hf_sparse_cp.distributed import ContextParallelConfig
+    from hf_sparse_cp.trainer.schedule import parse_schedule
+
+    with pytest.raises(ValueError, match=re.escape(
+            "estimation_chunk=256 would be ignored: only a layer with pattern='vertical_slash' and "
+            "estimation='causal_chunks' reads it, and no layer of this config has them all (estimation="
+            "'last_queries'): drop it, or add estimation='causal_chunks'.")):
+        SparseAttentionConfig(estimation_chunk=256)
+    path = tmp_path / "pattern.yaml"
+    path.write_text("estimation_chunk: 256\nlayer_overrides: {'0': {estimation: causal_chunks}}\n")
+    with pytest.raises(ValueError, match=r"pattern.yaml': estimation_chunk=256 would be ignored"):
+        SparseAttentionConfig.from_file(path)  # (layer 0 is dense: dense_first_layers 1)
+    with pytest.raises(ValueError, match=re.escape(
+            "cp_planner_comm_per_token=5.0 would be ignored: the document planner of cp_sharding='document' reads it, "
+            "and this config shards with cp_sharding='striped': drop it, or add cp_sharding='document'.")):
+        ContextParallelConfig(cp_planner_comm_per_token=5.0)
+    overridden = SparseAttentionConfig(estimation_chunk=256, layer_overrides={
+        "1": {"estimation": "causal_chunks"}, "3": {"budget_mode": "topk", "vertical_topk": 8}})
+    assert [c.estimation for c in overridden.layer_configs()] == ["last_queries", "causal_chunks", "last_queries",
+                                                                   "last_queries"]
+    assert SparseAttentionConfig(pattern="dense", estimation_chunk=256).estimation_chunk == 256
+    stored = type("ModelConfig", (), {"sparse_attention": {"estimation_chunk": 256}})()
+    assert SparseAttentionConfig.stored_on(stored).estimation_chunk == 256
+    first, later = parse_schedule("0:512:1:estimation=last_queries,2:1024:2:cp_sharding=zigzag")
+    assert first.sparse_config(SparseAttentionConfig(estimation="causal_chunks", estimation_chunk=256)).estimation == (
+        "last_queries")
+    documents = ContextParallelConfig(cp_sharding="document", cp_planner_comm_per_token=5.0)
+    assert later.cp_config(documents).cp_planner_comm_per_token == 5.0
+
+
+def test_enable_sparse_attention_refuses_a_pattern_value_no_layer_reads():
+    """The functional API builds its pattern from flags as the Trainer's arguments do: their refusal (issue #50)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+    with pytest.raises(ValueError, match="estimation_chunk=256 would be ignored"):
+        enable_sparse_attention(model, SparseCPArguments(sparse_attention=True),
+                                SparseAttentionFlags(sparse_estimation_chunk=256))
+
+
 def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
     """Model configs and files saved by earlier versions hold every field whatever the mode; they load as
     they ran (their scoring queries and caps kept), the other modes' fields dropped, a warning for a value

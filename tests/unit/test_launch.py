@@ -474,6 +474,8 @@ def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsy
     (["--sparse_block_size", "48"], None, "block_size (--sparse_block_size)=48 must be a power of two"),
     (["--sparse_vertical_topk", "8", "--sparse_mass_target", "0.5"], None, "pass --sparse_budget_mode mass"),
     (["--sparse_estimation_chunk", "256"], None, "--sparse_estimation_chunk 256 would be ignored"),
+    (["--sparse_estimation_chunk", "1024"], None, "--sparse_estimation_chunk 1024 would be ignored"),  # its default
+    (["--cp_planner_comm_per_token", "300"], None, "--cp_planner_comm_per_token 300.0 would be ignored"),
     (["--sparse_attention_engine", "triton", "--use_cpu"], None, "Triton's kernels train on CUDA GPUs"),
     (["--smet", "--smet_density", "2"], None, "--smet_density=2.0 must be in (0, 1]"),
     (["--smet", "--smet_update_interval=-1"], None, "--smet_update_interval=-1 must be >= 2"),
@@ -553,11 +555,18 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    for flags in (["--sparse_block_size", "48"], ["--sparse_estimation_chunk", "256"]):
-        with pytest.raises(SystemExit) as refused:  # a plugin flag before the script path: each process parses it alone
-            cli.main(["launch", "--nproc", "2", *flags, "train.py"])
-        assert refused.value.code == 2 and not started
-        assert "hf-sparse-cp launch: error: " in capsys.readouterr().err
+    refusals = {("--sparse_block_size", "48"): "block_size (--sparse_block_size)=48 must be a power of two",
+                ("--sparse_estimation_chunk", "256"): "--sparse_estimation_chunk 256 would be ignored",
+                ("--sparse_estimation_chunk", "1024"): "--sparse_estimation_chunk 1024 would be ignored",  # (default)
+                ("--cp_planner_comm_per_token=300",): "--cp_planner_comm_per_token 300.0 would be ignored"}
+    for flags, refusal in refusals.items():
+        # a plugin flag before the script path, which each process parses alone, or among the script's arguments,
+        # which each process's parser takes: refused once each process had started, before
+        for argv in ([*flags, "train.py"], ["train.py", "--output_dir", "out", *flags]):
+            with pytest.raises(SystemExit) as refused:
+                cli.main(["launch", "--nproc", "2", *argv])
+            assert refused.value.code == 2 and not started
+            assert f"hf-sparse-cp launch: error: {refusal}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # the example's own refusal, once, before the processes
         cli.main(["train", "--nproc", "2", "--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
     assert refused.value.code == 2 and not started
@@ -565,8 +574,10 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     # what the processes can run starts them; what the script's own parser would read is left to it
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "2", "--cp_size_of_mine", "3"]) == 0
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "abc"]) == 0
+    # (a script's own flag that a flag of ours starts with, or that starts one of ours, is the script's)
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--sparse", "256", "--sparse_estimation_chunks", "8"]) == 0
     assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "--max_steps", "1"]) == 0
-    assert len(started) == 3
+    assert len(started) == 4
 
 
 SETUP_SCRIPT = textwrap.dedent("""
