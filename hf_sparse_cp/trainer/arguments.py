@@ -322,7 +322,7 @@ class SMETArguments(SMETFlags):
         self.smet_target_modules = module_names(self.smet_target_modules)  # (as SMETConfig takes them)
         check_field_types(self)
         if self.smet:  # the values, as the flags name them: refused here, not once the script has built its model
-            check_values(SimpleNamespace(**self._flags()), prefix="--" + FLAG_PREFIX)
+            check_values(SimpleNamespace(**self.values()), prefix="--" + FLAG_PREFIX)
             return
         # Without --smet the Trainer keeps its own optimizer: SMET settings would be ignored without a word.
         if self.smet_config is not None:
@@ -331,14 +331,19 @@ class SMETArguments(SMETFlags):
                 "SMET, or drop --smet_config."
             )
         default = SMETConfig()
-        changed = [name for name, value in self._flags().items() if value != getattr(default, name)]
-        if changed:
+        self.refuse_without_smet([name for name, value in self.values().items() if value != getattr(default, name)])
+
+    @staticmethod
+    def refuse_without_smet(names: Sequence[str]) -> None:
+        """Raise ValueError, naming the fix, for the `--smet_<name>` flags given (`names`: SMETConfig fields; none:
+        nothing to refuse) in a run without --smet, whose Trainer keeps its own optimizer."""
+        if names:
             raise ValueError(
-                f"{', '.join('--' + FLAG_PREFIX + name for name in changed)} given without --smet would be ignored: "
+                f"{', '.join('--' + FLAG_PREFIX + name for name in names)} given without --smet would be ignored: "
                 "add --smet to train with SMET, or drop them."
             )
 
-    def _flags(self) -> dict[str, Any]:
+    def values(self) -> dict[str, Any]:
         """The `--smet_<field>` values by SMETConfig field name."""
         return {f.name: getattr(self, FLAG_PREFIX + f.name) for f in dataclasses.fields(SMETConfig)}
 
@@ -348,7 +353,7 @@ class SMETArguments(SMETFlags):
         `smet_density`, see `explicit_fields`) whatever their value, or without `explicit`, those that
         differ from the defaults (see `FileConfig.from_file_and_flags`)."""
         fields = None if explicit is None else unprefixed(explicit, FLAG_PREFIX)
-        return SMETConfig.from_file_and_flags(self.smet_config, self._flags(), fields)
+        return SMETConfig.from_file_and_flags(self.smet_config, self.values(), fields)
 
 
 def help_groups(cls: type, common: Collection[str]) -> tuple[type, type]:

@@ -62,9 +62,12 @@ def flag_reference() -> str:
              "`SparseTrainingArguments`' (`--sparse_attention` is on there: the class is the switch). A flag that "
              "the run's other settings leave unread is refused as the flags parse, naming the flag to drop or the "
              "one to add (--sparse_estimation_chunk without --sparse_estimation causal_chunks, --cp_planner_* "
-             "without --cp_sharding document, --smet_* without --smet), and so is an attention engine the run's "
-             "device cannot train with; pattern flags with --sparse_attention false, and budget or scoring flags "
-             "on a dense pattern, are taken with a warning that they have no effect (a recipe's dense baseline).",
+             "without --cp_sharding document, --smet_* without --smet; the first two typed at their default value "
+             "too, and in a SparseAttentionConfig or ContextParallelConfig built in code), and so is an attention "
+             "engine the run's device cannot train with; pattern flags with --sparse_attention false, and budget or "
+             "scoring flags on a dense pattern, are taken with a warning that they have no effect (a recipe's dense "
+             "baseline). `hf-sparse-cp launch` checks the plugin flags before and after the script path before it "
+             "starts any process.",
              "",
              "## Common flags", "",
              "The few flags a run usually sets (each argument class names its own in `COMMON_FLAGS`). Every other "

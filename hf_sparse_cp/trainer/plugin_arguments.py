@@ -24,6 +24,7 @@ from ..distributed import ContextParallelConfig, check_launched
 from ..smet import SMETConfig
 from ..smet.config import module_names
 from .arguments import (
+    FLAG_PREFIX,
     PATTERN_PREFIX,
     SMETArguments,
     SparseAttentionFlags,
@@ -137,6 +138,10 @@ class PluginArgumentsMixin(KnownKeywords):
                 from_prefixed(self, part)
             pattern, layout = self.sparse_attention_config(), self.context_parallel_config()
         self.smet_optimizer_config()  # (its --smet_config file)
+        if not self.smet:  # (the flags typed at their default value too: SMETArguments sees the values alone)
+            flags, default = self.smet_arguments().values(), SMETConfig()
+            SMETArguments.refuse_without_smet(list(self._typed(
+                flags, {name: getattr(default, name) for name in flags}, FLAG_PREFIX)))
         check_sequence_length(self._length_field, self.sequence_length)
         split = next(((where, degree) for where, degree in self.cp_degrees() if degree > 1), None)
         if split and not self.sparse_attention:  # (the Trainer refused it only after the script built its data)

@@ -85,6 +85,7 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "pattern='vertical_slash' and estimation='causal_chunks' reads it"),
         (["--cp_planner_comm_per_token", "300"], "--cp_planner_comm_per_token 300.0 would be ignored: the document "
          "planner of --cp_sharding document reads it"),
+        (["--smet_density", "0.25"], "--smet_density given without --smet would be ignored: add --smet"),
         (["--cp_planner_comm_per_token", "5"], "--cp_planner_comm_per_token 5.0 would be ignored: the document planner "
          "of --cp_sharding document reads it, and this run shards with --cp_sharding striped: drop it, or add "
          "--cp_sharding document."),
