@@ -345,6 +345,17 @@ class SparseAttentionConfig(FileConfig):
         top = {name: value for name, value in {**lower, **upper}.items() if name not in _SECTIONS}
         return cls(**top, **merged_sections(lower, upper))
 
+    def replace(self, **changes: Any) -> SparseAttentionConfig:
+        """This config with `changes`, checked. Of the fields no layer reads, only those `changes` give are refused: one
+        this config was given for a setting that `changes` turn off (an estimation chunk, where estimation becomes
+        'last_queries') is kept unread, as a layer's config keeps it."""
+        with unread_fields_checked_by_caller():
+            config = super().replace(**changes)
+        if checks_unread_fields():
+            config.refuse_unread({k: v for k, v in config.fields_given().items() if k in changes},
+                                 config.layer_configs())
+        return config
+
     def fields_given(self) -> dict[str, Any]:
         """The fields (not the sections) that differ from their defaults: those `refuse_unread` looks at."""
         return {name: value for name, value in self.given().items() if name not in _SECTIONS}

@@ -112,8 +112,9 @@ def test_a_document_within_one_chunk_is_dense():
 def test_invalid_estimation_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         CFG.replace(**fields)
-    # the chunk only matters to 'causal_chunks'
-    assert CFG.replace(estimation="last_queries", estimation_chunk=40).estimation_chunk == 40
+    # the chunk only matters to 'causal_chunks': given to another estimation, refused as ignored
+    with pytest.raises(ValueError, match=r"estimation_chunk=128 would be ignored.*add estimation='causal_chunks'"):
+        CFG.replace(estimation="last_queries", estimation_chunk=128)
 
 
 def test_the_model_card_names_the_estimation():
