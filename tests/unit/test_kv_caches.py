@@ -163,9 +163,9 @@ def test_prefix_keys_given_as_a_cache_are_computed_as_sdpa_computes_them():
 
 
 def _mask_of(columns: int) -> torch.Tensor:
-    """A 2D mask of 2 rows and `columns` columns (the tokens seen are 40): row 0 padded at its start, row 1 at its end
-    (read by its last columns, a longer one pads row 1's last tokens and a shorter one row 0's tokens after its
-    first 3; read by its first, as SDPA does, they are not)."""
+    """A 2D mask of 2 rows and `columns` columns over 40 tokens seen: row 0 padded at its start (3 columns of a shorter
+    mask, 4 of a longer one), row 1 in a longer mask's last 4 columns, past the tokens (by its last columns, row 1's
+    last 4 tokens are padding and row 0's first ones are not)."""
     mask = torch.ones(2, columns)
     mask[0, :columns - 40 if columns > 40 else 3] = 0
     mask[1, 40:] = 0
