@@ -157,19 +157,27 @@ class ScriptArguments:
             )
         check_buildable(max_length // self.pack_documents)
         if not self.model_name_or_path:  # (refused here, before any process starts and builds its data)
-            check_tiny_model(self.tiny_model_type, self.tiny_num_layers, training)
+            check_tiny_model(self.tiny_model_type, self.tiny_num_layers, training, max_length // self.pack_documents)
 
 
-def check_tiny_model(model_type: str, num_layers: int, training: SparseTrainingArguments) -> None:
+def check_tiny_model(model_type: str, num_layers: int, training: SparseTrainingArguments, positions: int) -> None:
     """Raise ValueError, naming the types that train here, when the tiny model of `model_type` cannot train under
-    `training`: transformers does not build its config, it has no causal LM (T5, CLIP) or does not build it from the
+    `training`: it takes fewer than `positions` positions (a document's tokens: `tiny_config` lowers its
+    max_position_embeddings where tensors are sized by it; the refusal names the fix), transformers does not build
+    its config, it has no causal LM (T5, CLIP) or does not build it from the
     tiny config (Reformer), or sparse attention or CP refuses it (`registration.check_switchable`: an encoder such as
     BERT, soft-capped logits, an architecture whose attention does not run through the backend such as Mamba or
     BLOOM, under CP a token mixer outside attention). Each but the first was refused only by the processes, once they
     had built the passkey data; the model is built on the meta device here."""
     from hf_sparse_cp.integration.architectures import ARCHITECTURES
 
-    tiny_config(model_type, num_hidden_layers=num_layers)  # (a type transformers does not build: its own message)
+    config = tiny_config(model_type, num_hidden_layers=num_layers)  # (a type transformers does not build: its own
+    held = getattr(config, "max_position_embeddings", None)  # message)
+    if isinstance(held, int) and positions > held:  # (an IndexError in the position table at the first step)
+        raise ValueError(f"--tiny_model_type {model_type}: its tiny model takes {held} positions (max_position_"
+                         f"embeddings, lowered where tensors are sized by it: learned position tables, causal "
+                         f"buffers), fewer than the {positions} tokens of a training document: train at most {held} "
+                         f"(--sparse_max_length), or a type with rotary positions (e.g. qwen2, llama).")
     sparse, cp = training.sparse_attention, max(cp_size for _, cp_size in training.cp_degrees()) > 1
     why = _tiny_model_refusal(model_type, num_layers, sparse, cp)
     if why is None:

@@ -50,11 +50,13 @@ class NonCausalMask(ValueError):
 def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                    attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """The mask function registered with the backend: transformers' flash-attention one, which hands over the 2D
-    padding mask of the tokens seen (None when none is padded); that mask is shorter than the keys when a cache has
-    more key slots than tokens (a StaticCache: `kv_length` counts its slots). Where it would be None there, a mask
-    of ones over the tokens held is returned instead, so that the backend always knows which slots hold none, and
-    wherever the cache gives the keys of earlier tokens (`kv_length` above `q_length`) the mask is returned, and the
-    key length it was built for is kept for the backend (`cache_key_length`).
+    padding mask (None when no token is padded), over the columns SDPA reads (`padding_columns_as_sdpa_reads`:
+    through a cache, a mask longer or shorter than the tokens seen is cut or padded with zeros; a StaticCache's then
+    covers its unfilled slots too, which `kv_length` counts). Where it would be None through a cache that gives more
+    keys than queries, a mask of ones over the tokens held is returned instead, so that the backend always knows
+    which slots hold none; wherever the cache gives the keys of earlier tokens (`kv_length` above `q_length`) the
+    mask is returned, and the key length and the tokens held it was built for are kept for the backend
+    (`cache_key_length`, `cache_slots_held`).
 
     A mask the backend cannot compute raises `NonCausalMask`, naming the fix: one that transformers combines from the
     causal one and a model's own overlay (`or_mask_function` / `and_mask_function`, for which it sets `use_vmap`, or
@@ -78,6 +80,7 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"),
                       kwargs.get("config")):
         raise NonCausalMask(kwargs.get("config"), "next key")
+    attention_mask = padding_columns_as_sdpa_reads(attention_mask, kv_length, kv_offset)
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
     if mask is None and kv_length != q_length:
@@ -88,8 +91,26 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         # sliding layer's mask, and the copy would not be the object recorded here)
         mask = mask.contiguous()
         key = id(mask)
-        _CACHE_KEYS[key] = weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length, q_offset + q_length
+        _CACHE_KEYS[key] = [weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length, q_offset + q_length,
+                            kv_offset]
     return mask
+
+
+def padding_columns_as_sdpa_reads(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int
+                                  ) -> torch.Tensor | None:
+    """The 2D padding mask cut or zero-padded to the `kv_offset + kv_length` columns transformers' SDPA and eager
+    masks read (`prepare_padding_mask`, `padding_mask_function`): column i is the token at position i of the
+    sequence the cache holds, so a mask longer than the tokens seen is read by its first columns, and a shorter one
+    makes the tokens past it padding. Flash-attention's mask function reads the last `kv_length` columns, which are
+    those only for a mask of the tokens' length. Without a cache `kv_length` is the mask's own length (unchanged: a
+    mask of another length than the input's is refused, `tokens.check_padding_mask`); a StaticCache's columns past
+    its tokens are unfilled slots (`cache_slots_held`)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    extra = kv_offset + kv_length - attention_mask.shape[-1]
+    if extra < 0:
+        return attention_mask[:, :kv_offset + kv_length]
+    return torch.nn.functional.pad(attention_mask, (0, extra)) if extra else attention_mask
 
 
 def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset: int,
@@ -197,39 +218,50 @@ def is_bidirectional_mask(attention_mask: torch.Tensor | None) -> bool:
     return ref is not None and ref() is attention_mask
 
 
-# The key length and the tokens held (`cache_tokens_held`: an int, or a StaticCache's offset tensor plus an int, read
-# only when asked for) of each mask `sparse_cp_mask` built for a call through a KV cache, by the mask's id (a weak
-# reference checks that the mask is the same object; the entry goes with it).
-_CACHE_KEYS: dict[int, tuple[weakref.ref, int, object]] = {}
+# The key length, the tokens held (`cache_tokens_held`: an int, or a StaticCache's offset tensor plus an int, read
+# once, when first asked for) and the key offset of each mask `sparse_cp_mask` built for a call through a KV cache, by
+# the mask's id (a weak reference checks that the mask is the same object; the entry goes with it).
+_CACHE_KEYS: dict[int, list] = {}
 
 
 def cache_key_length(attention_mask: torch.Tensor | None) -> int | None:
     """The number of keys the KV cache gives the attention calls that receive `attention_mask` (the `kv_length` that
     transformers built the mask for from the cache), or None when the mask was not built for a call through a cache
     (no cache, or one that holds no earlier token)."""
-    return _cache_entry(attention_mask)[0]
+    entry = _cache_entry(attention_mask)
+    return None if entry is None else entry[1]
 
 
 def cache_tokens_held(attention_mask: torch.Tensor | None) -> int | None:
     """The number of tokens (padding included) the KV cache holds once it has taken the queries of the calls that
     receive `attention_mask` (the queries' offset in the cache plus their number), or None as `cache_key_length`."""
-    held = _cache_entry(attention_mask)[1]
-    return None if held is None else int(held)
+    entry = _cache_entry(attention_mask)
+    if entry is None:
+        return None
+    entry[2] = int(entry[2])  # (a StaticCache's offset is a tensor: read back once per mask, not once per layer)
+    return entry[2]
 
 
-def _cache_entry(attention_mask: torch.Tensor | None) -> tuple:
-    ref, kv_length, held = _CACHE_KEYS.get(id(attention_mask), (None, None, None))
-    return (kv_length, held) if ref is not None and ref() is attention_mask else (None, None)
+def cache_slots_held(attention_mask: torch.Tensor | None) -> int | None:
+    """How many of a cache call's key slots hold tokens (`cache_tokens_held` less the tokens the cache no longer hands
+    the call: a sliding layer's keys start at `kv_offset`), or None as `cache_key_length`. A StaticCache's later slots
+    hold none: its mask covers them too (`padding_columns_as_sdpa_reads`), but they are not tokens."""
+    held = cache_tokens_held(attention_mask)
+    return None if held is None else held - _cache_entry(attention_mask)[3]
 
 
-def cache_slots_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
-    """The 2D mask of a call's `k_len` cache slots: the mask, which the mask function cut to the call's keys
-    (`sparse_cp_mask`), followed by zeros for the slots a StaticCache has not filled yet (the mask covers the tokens it
-    holds)."""
-    if attention_mask is None or attention_mask.shape[-1] >= k_len:
-        return attention_mask
-    unfilled = attention_mask.new_zeros(attention_mask.shape[0], k_len - attention_mask.shape[-1])
-    return torch.cat([attention_mask, unfilled], -1)
+def _cache_entry(attention_mask: torch.Tensor | None) -> list | None:
+    entry = _CACHE_KEYS.get(id(attention_mask))
+    return entry if entry is not None and entry[0]() is attention_mask else None
+
+
+def cache_slots_mask(attention_mask: torch.Tensor | None, held: int, k_len: int) -> torch.Tensor | None:
+    """The 2D mask of a call's `k_len` key slots: the mask's first `held` columns (those of the slots holding tokens,
+    `cache_slots_held`), followed by zeros for the slots a StaticCache has not filled yet."""
+    if attention_mask is None:
+        return None
+    filled = attention_mask[:, :held]
+    return torch.cat([filled, filled.new_zeros(filled.shape[0], k_len - held)], -1) if held < k_len else filled
 
 
 class PerForward:
@@ -276,11 +308,14 @@ def every_key_call(batch: int, q_len: int, k_len: int, device: torch.device, att
     """(q_meta, k_meta, layout) of a call that attends densely over every key block, each pair's visibility from its
     tokens: a call through a KV cache (decoding, a chunk of prefill), or one with padding between a row's tokens,
     which the pattern's documents cannot hold (`padding_between_tokens`). The queries are the last q_len of the
-    tokens the cache holds, its first `held` key slots (`sparse_cp_mask`: a StaticCache's later slots hold none, and
+    tokens the cache holds, its first `held` key slots (`cache_slots_held`: a StaticCache's later slots hold none, and
     are padding here); padding queries see the tokens before them, as SDPA's do (the loss may read them)."""
-    k_meta = token_meta_from_kwargs(batch, k_len, device, cache_slots_mask(attention_mask, k_len),
+    held = cache_slots_held(attention_mask)
+    if held is None:  # (no cache: the keys are the queries' tokens, which the mask covers)
+        held = k_len if attention_mask is None else attention_mask.shape[-1]
+    held = min(held, k_len)
+    k_meta = token_meta_from_kwargs(batch, k_len, device, cache_slots_mask(attention_mask, held, k_len),
                                     kwargs if q_len == k_len else {})
-    held = k_len if attention_mask is None else min(attention_mask.shape[-1], k_len)
     seen = padding_queries_see_prior_tokens(k_meta)
     q_meta = TokenMeta(seen.index[:, held - q_len:held], seen.segment[:, held - q_len:held])
     nqb, nkb = -(-q_len // block_size), -(-k_len // block_size)

@@ -4,9 +4,14 @@ demo's default model (`--tiny_model_type`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import math
+from itertools import chain
 
-from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+import torch
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from ..integration.architectures import CONFIG_DROPOUTS
 
@@ -23,6 +28,11 @@ def _attends(layer_types) -> bool:
     return any("attention" in kind and kind != "linear_attention" for kind in layer_types)
 
 
+# The fields of every tiny config (`vocab_size` besides). max_position_embeddings: rotary models compute their
+# positions, which the long-context demo takes far; `tiny_config` lowers it where tensors are sized by it.
+TINY_FIELDS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 20, rope_theta=10000.0,
+                   tie_word_embeddings=True, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # A mixture of experts' sizes, for the architectures whose config has them (their defaults are a real model's: Qwen3-MoE
 # 128 experts of 768): few, small experts, every one reached by a short sequence.
 TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
@@ -61,7 +71,140 @@ def _check_language_model_sized(model_type: str, config: PretrainedConfig, hidde
                      "or for a vision-language model hf_sparse_cp.testing.tiny_vlms.tiny_vlm_config.")
 
 
+# What a tiny model may hold: in the tensors sized by its max_position_embeddings (learned or sinusoidal position
+# tables, rotary tables, causal buffers of [n, n]), at most a table of 2**16 positions of 128 floats; in all, 256 MiB.
+TINY_POSITION_BYTES = 32 << 20
+TINY_MODEL_BYTES = 256 << 20
+# The fewest positions `tiny_config` gives a model, however large its position-sized tensors (the tests' rows).
+MIN_TINY_POSITIONS = 1024
+
+
+def _meta_tensors(config: PretrainedConfig) -> dict[str, tuple[tuple[int, ...], int]] | None:
+    """name -> (shape, bytes per element) of the parameters and buffers (tied ones once) of the model `config`
+    builds (its causal LM, else its base model), built on the meta device (no memory, no initialization); None where
+    transformers builds none from it (its own error comes when the caller builds it)."""
+    config = copy.deepcopy(config)  # (a build sets fields of the config, e.g. its attention implementation)
+    auto = next((a for a in (AutoModelForCausalLM, AutoModel) if type(config) in a._model_mapping), None)
+    if auto is None:
+        return None
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # (the caller's own build says what the architecture warns)
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config)
+    except Exception:
+        return None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return {name: (tuple(t.shape), t.element_size()) for name, t in chain(model.named_parameters(),
+                                                                          model.named_buffers())}
+
+
+def _nbytes(shape: tuple, element: int) -> int:
+    return math.prod(shape) * element
+
+
+class _ModelSize:
+    """The bytes of a config's model as a function of its max_position_embeddings `n`: its tensors at the config's
+    `n` and at half of it (two builds on the meta device, the second only where a tensor has a dimension of at least
+    half of `n`), each dimension that differs taken as linear in `n` (a table of n rows, or n + 2: OPT's offset; a
+    causal buffer of [n, n])."""
+
+    def __init__(self, config: PretrainedConfig):
+        self.positions = getattr(config, "max_position_embeddings", None)
+        self.tensors = _meta_tensors(config)
+        self.scaling: dict[str, list[tuple[float, float]]] = {}
+        if self.tensors is None or not isinstance(self.positions, int) or self.positions < 2 or not any(
+                max(shape, default=0) >= self.positions // 2 for shape, _ in self.tensors.values()):
+            return
+        half = copy.deepcopy(config)
+        half.max_position_embeddings = self.positions // 2
+        at_half = _meta_tensors(half) or {}
+        step = self.positions - self.positions // 2
+        for name, (shape, _) in self.tensors.items():
+            other = at_half.get(name, (shape,))[0]
+            if other != shape and len(other) == len(shape):
+                slopes = [(d - h) / step for d, h in zip(shape, other)]
+                self.scaling[name] = [(a, d - a * self.positions) for a, d in zip(slopes, shape)]
+
+    def shapes(self, positions: int | None) -> dict[str, tuple[tuple[int, ...], int]]:
+        """name -> (shape, bytes per element) of the model's tensors at `positions`."""
+        return {name: (tuple(round(a * positions + b) for a, b in self.scaling[name]) if name in self.scaling else
+                       shape, element) for name, (shape, element) in (self.tensors or {}).items()}
+
+    def bytes(self, positions: int | None, sized_by_positions: bool = False) -> int:
+        """The model's bytes at `positions`, or of its position-sized tensors only."""
+        return sum(_nbytes(*tensor) for name, tensor in self.shapes(positions).items()
+                   if name in self.scaling or not sized_by_positions)
+
+    def largest(self, positions: int | None, count: int = 3) -> str:
+        """The `count` largest tensors at `positions`, as 'name [shape] (size)'."""
+        sized = sorted(((_nbytes(*tensor), name, tensor[0]) for name, tensor in self.shapes(positions).items()),
+                       reverse=True)
+        return ", ".join(f"{name} {list(shape)} ({_mib(size)})" for size, name, shape in sized[:count])
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.{0 if size >= 10 << 20 else 1}f} MiB"
+
+
+def _positions_given(config_class: type, overrides: dict) -> bool:
+    """Whether `overrides` set the config's max_position_embeddings, under its name or an alias (GPT-2's
+    n_positions)."""
+    alias = getattr(config_class, "attribute_map", {}).get("max_position_embeddings")
+    return bool({"max_position_embeddings", alias} & set(overrides))
+
+
+def _size_fields(config: PretrainedConfig, size: int, overrides: dict) -> list[str]:
+    """The integer fields of `config` (its top level) that neither the tiny model's fields nor `overrides` set, whose
+    halving makes its model (of `size` bytes) a tenth smaller or more, as 'name=value' (a build on the meta device per
+    field of at least 64)."""
+    tiny = {"vocab_size", *TINY_FIELDS, *overrides} | {name for name in (*TINY_EXPERTS, *TINY_MLA, *TINY_DECODER)
+                                                       if _field_of(type(config), name)}
+    tiny |= {getattr(config, "attribute_map", {}).get(name, name) for name in tiny}  # (GPT-2's n_embd: hidden_size)
+    found = []
+    for name, value in config.to_dict().items():
+        if type(value) is not int or value < 64 or name.endswith("_id") or name in tiny:
+            continue
+        halved = copy.deepcopy(config)
+        with contextlib.suppress(Exception):
+            setattr(halved, name, value // 2)
+            tensors = _meta_tensors(halved)
+            if tensors is not None and sum(_nbytes(*t) for t in tensors.values()) <= 0.9 * size:
+                found.append(f"{name}={value}")
+    return found
+
+
 def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -> PretrainedConfig:
+    """A small config of any transformers `model_type` (`_tiny_config`'s fields), of a model that stays tiny: where
+    the tensors sized by max_position_embeddings (1 << 20 by default: rotary models compute their positions, which the
+    long-context demo takes far) would pass `TINY_POSITION_BYTES` (GPT-2's learned table of 2**20 x 128 floats:
+    512 MiB; GPT-BigCode's and OpenAI GPT's causal buffers of [n, n]: 1 to 8 TiB), it is the largest power of two
+    (from `MIN_TINY_POSITIONS`) whose tensors stay within it, unless an override gives it. A model still larger than
+    `TINY_MODEL_BYTES` (measured on the meta device) is a ValueError naming its largest tensors and the fields that
+    size them, to override (LongCat-Flash's 512 experts of 2048, BLT's hash embeddings)."""
+    config = _tiny_config(model_type, vocab_size, overrides)
+    size = _ModelSize(config)
+    positions = size.positions
+    if size.scaling and not _positions_given(type(config), overrides):
+        while positions > MIN_TINY_POSITIONS and size.bytes(positions, sized_by_positions=True) > TINY_POSITION_BYTES:
+            positions //= 2
+        if positions != size.positions:
+            config = _tiny_config(model_type, vocab_size, {**overrides, "max_position_embeddings": positions})
+    total = size.bytes(positions)
+    if total > TINY_MODEL_BYTES:
+        fields = _size_fields(config, total, overrides)
+        raise ValueError(
+            f"tiny model type {model_type!r} builds a model of {_mib(total)} from the tiny model's fields, more than "
+            f"a tiny model's {_mib(TINY_MODEL_BYTES)}: its largest tensors are {size.largest(positions)}. "
+            + (f"Its fields {', '.join(fields)} size them: give smaller values as overrides "
+               f"(tiny_config({model_type!r}, {fields[0].split('=')[0]}=...))" if fields else
+               "Give the fields that size them smaller values as overrides (tiny_config(model_type, field=...))")
+            + ", or train another --tiny_model_type (e.g. qwen2, llama, gpt2).")
+    return config
+
+
+def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> PretrainedConfig:
     """A small config of any transformers `model_type` (GQA 4:2, head_dim 32, 2 layers, no dropout, no sliding
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
     the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`: CodeGen
@@ -71,22 +214,7 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     that names it, and so is a config transformers refuses to build from these fields, and a type that keeps its
     language model in a sub-config these fields do not reach (a vision-language model's), naming the language
     model's type."""
-    fields = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1 << 20,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    fields = dict(TINY_FIELDS, vocab_size=vocab_size)
     fields["sliding_window"] = None
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"tiny model type {model_type!r} is not a transformers model type (the model_type of a "
@@ -103,6 +231,9 @@ def tiny_config(model_type: str = "qwen2", vocab_size: int = 259, **overrides) -
     if mla:
         fields.update(TINY_MLA)
     fields.update(overrides)
+    for name, field in getattr(config_class, "attribute_map", {}).items():  # (an override under the config's own
+        if field in overrides and name not in overrides:  # name, GPT-2's n_positions: it lost to the tiny field's
+            fields[name] = fields.pop(field)  # standard name, max_position_embeddings)
     fields.update({name: fields[source] for name, source in TINY_DECODER.items()
                    if _field_of(config_class, name) and name not in overrides})
     if mla and "head_dim" not in overrides:

@@ -214,6 +214,39 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
     assert "error: tiny model type 'no_such_type' is not a transformers model type" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type, positions", [("gpt2", 1 << 16), ("gpt_bigcode", 1 << 12), ("openai-gpt", 1 << 10),
+                                                   ("qwen2", 1 << 20)])
+def test_a_tiny_model_whose_tensors_are_sized_by_its_positions_stays_tiny(model_type, positions):
+    """Every tiny config took max_position_embeddings=2**20: GPT-2's learned position table of 2**20 x 128 floats
+    (512 MiB) for a 'tiny' model, GPT-BigCode's and OpenAI GPT's causal buffers of [n, n] (1 and 8 TiB: the build
+    failed or hung). Lowered to the largest power of two whose position-sized tensors stay within 32 MiB (counted on
+    the meta device), unless given (GPT-2's own n_positions was overridden by the tiny field's standard name); a
+    rotary model, sized by none, keeps 2**20 for the long-context demo."""
+    config = tiny_config(model_type)
+    assert config.max_position_embeddings == positions
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) <= 48 << 20
+    alias = type(config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    assert tiny_config(model_type, **{alias: 512}).max_position_embeddings == 512
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("longcat_flash", "n_routed_experts=512, zero_expert_num=256, expert_ffn_hidden_size=2048"),
+    ("blt", "encoder_hash_byte_group_vocab=500002")])
+def test_a_tiny_model_that_would_not_be_tiny_is_refused_naming_the_fields_that_size_it(model_type, fields):
+    """LongCat-Flash's 512 experts of 2048 (fields the tiny ones do not reach) built a 2 GiB 'tiny' model, BLT's hash
+    embeddings one of 17 GiB (out of memory); the overrides the refusal names build a tiny one."""
+    with pytest.raises(ValueError, match=rf"tiny model type '{model_type}' builds a model of .* GiB .*more than a tiny "
+                                         rf"model's 256 MiB: its largest tensors are .*Its fields {fields} size them"):
+        tiny_config(model_type)
+    if model_type == "longcat_flash":
+        config = tiny_config(model_type, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=128)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(t.numel() * t.element_size() for t in model.parameters()) <= 4 << 20
+
+
 @pytest.mark.parametrize("model_type, text_type", [("gemma3", "gemma3_text"), ("llama4", "llama4_text"),
                                                    ("qwen3_5", "qwen3_5_text")])
 def test_the_tiny_model_of_a_composite_type_names_its_language_models_type(model_type, text_type, tmp_path, capsys):

@@ -41,6 +41,12 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         (["--tiny_model_type", "reformer"], "--tiny_model_type reformer: transformers does not build its causal "
          "language model from the tiny model's config (AssertionError: If you want to use `ReformerModelWithLMHead`"),
         (["--tiny_model_type", "bert"], "--tiny_model_type bert: BertLMHeadModel has bidirectional attention layers"),
+        # a tiny model with fewer positions than a document's tokens (tiny_config lowers them where they size tensors:
+        # GPT-BigCode's [n, n] causal buffer): an IndexError at the first step
+        (["--tiny_model_type", "gpt_bigcode", "--sparse_max_length", "8192"], "--tiny_model_type gpt_bigcode: its tiny "
+         "model takes 4096 positions (max_position_embeddings, lowered where tensors are sized by it: learned position "
+         "tables, causal buffers), fewer than the 8192 tokens of a training document: train at most 4096 "
+         "(--sparse_max_length), or a type with rotary positions (e.g. qwen2, llama)."),
         # an architecture whose attention does not run through the backend, or under CP mixes tokens outside it:
         # refused by each process only as it built the Trainer, after the data
         (["--tiny_model_type", "mamba"], "--tiny_model_type mamba: MambaForCausalLM (model type 'mamba') does not "

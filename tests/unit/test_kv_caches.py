@@ -71,15 +71,22 @@ def test_prefill_chunks_and_decoding_through_a_cache_match_sdpa(cache, padded, m
     assert rel_rms(logits[0][real], logits[1][real]) <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("mask_columns", [100, 104], ids=["prompt_mask", "mask_longer_than_the_prompt"])
 @pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
-def test_greedy_generation_of_a_left_padded_batch_matches_sdpa(cache_implementation):
+def test_greedy_generation_of_a_left_padded_batch_matches_sdpa(cache_implementation, mask_columns):
+    """A mask 4 columns longer than the prompt (its last ones 0 in row 0) is read by its first columns, as SDPA
+    reads it: by its last, row 0's last prompt tokens were padding, and the logits of every step 0.06 (StaticCache)
+    to 0.5 (DynamicCache) from SDPA's, though the tiny model's greedy tokens stayed SDPA's."""
     ref, ours = _pair()
     prompt = torch.randint(3, 259, (2, 100), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
+    mask = torch.ones(2, mask_columns, dtype=torch.int64)
+    mask[0, 100:] = 0
     mask[1, :30] = 0
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-              cache_implementation=cache_implementation)
-    assert torch.equal(ours.generate(prompt, **kw), ref.generate(prompt, **kw))
+              cache_implementation=cache_implementation, output_logits=True, return_dict_in_generate=True)
+    got, want = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]
 
 
 def test_attention_weights_are_refused_naming_eager_and_eager_gives_them_after_the_switch():
@@ -155,33 +162,46 @@ def test_prefix_keys_given_as_a_cache_are_computed_as_sdpa_computes_them():
     assert rel_rms(logits[0], logits[1]) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("cache", ["none", "empty", "8 held"])
-def test_a_padding_mask_longer_than_the_tokens_seen(cache):
-    """A 2D mask 4 columns longer than the tokens it covers (those a cache holds, then the input's). Without a cache,
-    transformers' SDPA and eager attention fail on its length and flash-attention reads its last columns: refused,
-    naming the input's length (it was read by its last columns: padding at its end made the last 4 tokens padding,
-    logits 1.4 apart from SDPA's). Through a cache its last columns are the tokens' (PEFT's prefix tuning puts its
-    virtual tokens' columns first, which the cache does not count: test_peft), as flash-attention reads them."""
-    ref, ours = _pair("llama")
-    ids = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(5))
-    held = 8 if cache == "8 held" else 0
+def _mask_of(columns: int) -> torch.Tensor:
+    """A 2D mask of 2 rows and `columns` columns over 40 tokens seen: row 0 padded at its start (3 columns of a shorter
+    mask, 4 of a longer one), row 1 in a longer mask's last 4 columns, past the tokens (by its last columns, row 1's
+    last 4 tokens are padding and row 0's first ones are not)."""
+    mask = torch.ones(2, columns)
+    mask[0, :columns - 40 if columns > 40 else 3] = 0
+    mask[1, 40:] = 0
+    return mask
 
-    def step(model) -> dict:  # (a cache of its own per call, holding the first `held` tokens)
-        kv = None if cache == "none" else DynamicCache(config=model.config)
+
+@pytest.mark.parametrize("columns", [44, 34], ids=["longer", "shorter"])
+@pytest.mark.parametrize("cache", ["none", "dynamic", "dynamic, 8 held", "static", "static, 8 held"])
+def test_a_padding_mask_of_another_length_than_the_tokens_seen_is_read_as_sdpa_reads_it(cache, columns):
+    """A 2D mask longer or shorter than the 40 tokens it covers (those a cache holds, then the input's). Without a
+    cache, transformers' SDPA and eager attention fail on its length and flash-attention reads its last columns:
+    refused, naming the input's length. Through a cache SDPA reads column i as the token at position i: a longer mask
+    by its first columns, a shorter one padded with zeros. The backend read a longer mask by its last columns (rows
+    0.6 apart from SDPA's logits), placed the queries of a StaticCache call at the mask's end (past the filled slots:
+    0.36 apart), and the queries of a call through a cache holding tokens after a shorter mask's end (0.32 apart, and
+    'q_meta must hold ... (2, 0)' through an empty StaticCache). Compared on the tokens SDPA reads as real: the
+    padding queries of a call without earlier tokens output 0 (docs/usage.md)."""
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, 259, (2, 40), generator=torch.Generator().manual_seed(5))
+    held = 8 if "8 held" in cache else 0
+    mask = _mask_of(columns)
+
+    def logits(model) -> torch.Tensor:  # (a cache of its own per call, holding the first `held` tokens)
+        kv = None if cache == "none" else DynamicCache(config=model.config) if cache.startswith("dynamic") else \
+            StaticCache(config=model.config, max_cache_len=64)
         if held:
             model(input_ids=ids[:, :held], use_cache=True, **{CACHE: kv})
-        return {"input_ids": ids[:, held:], "use_cache": kv is not None, CACHE: kv}
+        return model(input_ids=ids[:, held:], attention_mask=mask, use_cache=kv is not None, **{CACHE: kv}).logits
 
     if cache == "none":
-        with pytest.raises(ValueError, match=r"^attention_mask has shape \(2, 28\) for a batch of 2 rows of 24 "
-                                             r"tokens: .*pass a mask of the input's length \(\[2, 24\]\)\.$"):
-            ours(attention_mask=torch.cat([torch.ones(2, 24), torch.zeros(2, 4)], 1), **step(ours))
-        logits = []
-    else:
-        logits = [ours(attention_mask=torch.cat([torch.zeros(2, 4), torch.ones(2, 24)], 1), **step(ours)).logits]
-    logits += [model(attention_mask=torch.ones(2, 24), **step(model)).logits for model in (ours, ref)]
-    for got in logits[:-1]:
-        assert rel_rms(got, logits[-1]) <= TOLERANCE[torch.float32]
+        with pytest.raises(ValueError, match=rf"^attention_mask has shape \(2, {columns}\) for a batch of 2 rows of 40 "
+                                             r"tokens: .*pass a mask of the input's length \(\[2, 40\]\)\.$"):
+            logits(ours)
+        return
+    real = torch.nn.functional.pad(mask, (0, max(0, 40 - columns)))[:, held:40].bool()
+    assert rel_rms(logits(ours)[real], logits(ref)[real]) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2],
