@@ -6,16 +6,11 @@ of the same tokens visits (1.0 for a dense call). A block sharding (striped, zig
 sequence's order and pads only at the end, so its global layout is the one-process layout padded: it
 computes what one process computes on the same row, and counts the same.
 
-The document planner computes something else on a packed row whose documents do not start on block
-boundaries: it starts every sparse document on one, so each document's result is the one it has alone, and
-the layers after the first see those hidden states. Its count is that aligned computation's own, with every
-document of the row in blocks of its own (`aligned_order`): the count one process logs on the same documents
-packed with `BlockAlignedFlattening` (`--align_documents`), which pads after every document to the next block
-boundary, at every layer. (A padding run that packing adds, pad tokens without targets, is padding to the
-planner and not counted, as padding is not (`documents.idle_documents_as_padding`); a batch without the labels to
-tell has it a document of its own, counted in a block of its own.) In a batch whose rows hold different
-documents, the planner's runs are the stretches that no row's document crosses (`documents.row_runs`), and every
-run, not every document, is in blocks of its own.
+The document planner re-orders a packed row (its runs in an order of its own, padding between them), keeping
+every sparse document's offset inside a block (`documents.sparse_leads`), so it computes what one process computes
+on the row too; its layout's blocks are not the row's, though (a block the row shares between two documents is two
+blocks of the plan). Its count is taken on the row: the call's kept tokens moved back to their positions in the
+row and laid out there, as one process lays them out (`layout_from_kept`).
 """
 
 from __future__ import annotations
@@ -28,25 +23,10 @@ from ..attention.estimate import Estimate, KeptEntries, estimation_segments, lay
 from ..attention.tokens import PAD_SEGMENT, TokenMeta
 from ..config import SparseAttentionConfig
 from .comm import all_reduce
-from .split.documents import PAD
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
     from .shard import CPShard
-
-
-def aligned_order(lengths: tuple[int, ...], kinds: tuple[str, ...], block_size: int) -> tuple[torch.Tensor, int]:
-    """Where each token of a row (runs of `lengths` tokens and `kinds`, in their order: a document plan's) goes when
-    every run starts on a block boundary and the padding runs are dropped: (positions [sum(lengths)], -1 for
-    padding; the aligned length, a multiple of `block_size`)."""
-    position = torch.full((sum(lengths),), -1, dtype=torch.long)
-    lo = used = 0
-    for n, kind in zip(lengths, kinds):
-        if kind != PAD:
-            position[lo:lo + n] = torch.arange(used, used + n)
-            used += -(-n // block_size) * block_size
-        lo += n
-    return position, used
 
 
 def _to_positions(x: torch.Tensor, source: torch.Tensor, length: int, fill) -> torch.Tensor:
@@ -60,8 +40,8 @@ def _to_positions(x: torch.Tensor, source: torch.Tensor, length: int, fill) -> t
 def reported_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAttentionConfig,
                            sliding_window: int | None = None) -> torch.Tensor:
     """The kept fraction logged for the call whose CP estimate is `estimate` (a 0-d float64 tensor on the
-    layout's device, no host synchronization for a block sharding): one process's on the same row for a block
-    sharding, the block-aligned documents' for the document planner (see the module docstring).
+    layout's device, no host synchronization for a block sharding): one process's on the same row (see the module
+    docstring).
 
     Args:
         estimate: `estimation.estimate_cp`'s result for this call; shard: this rank's `CPShard`.
@@ -72,10 +52,9 @@ def reported_kept_fraction(estimate: Estimate, shard: CPShard, cfg: SparseAttent
         return torch.ones((), dtype=torch.float64, device=estimate.layout.block_cnt.device)
     if plan.keeps_order:
         return estimate.layout.kept_fraction(shard.meta, sliding_window)
-    aligned, length = aligned_order(plan.lengths, plan.kinds, cfg.block_size)
-    source = torch.where(plan.source >= 0, aligned[plan.source.clamp_min(0)], -1)  # split order -> aligned order
+    source, length = plan.source, plan.seq_len  # split order -> the row's
     meta = TokenMeta.from_segments(_to_positions(shard.meta.segment, source, length, PAD_SEGMENT))
-    # (each document is contiguous in every order, so its offsets, kept at its own positions, move with it)
+    # (each document is contiguous in both orders, so its offsets, kept at its own positions, move with it)
     kept = KeptEntries(estimation_segments(long_documents(meta, cfg), cfg),
                        *(_to_positions(x, source, length, False) for x in (estimate.kept.keep_v, estimate.kept.keep_s)))
     return layout_from_kept(meta, cfg, *kept).kept_fraction(meta, sliding_window)

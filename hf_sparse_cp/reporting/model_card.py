@@ -477,15 +477,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
     lines += ["### Kept fraction of attention blocks", ""]
     if means:
         overall = sum(means.values()) / len(means)
-        aligned = (" Under document sharding every document is computed, and counted, in blocks of its own (the "
-                   "planner starts each on a block boundary): the count one process logs on the same documents "
-                   "packed with `BlockAlignedFlattening` (`--align_documents`), not on the unaligned row (in a batch "
-                   "whose rows hold different documents: every stretch that no row's document crosses)."
-                   if parallel is not None and cp_size > 1 and parallel.sharding == "document" else "")
         lines += [f"Computed blocks over the blocks dense attention computes on the same batches (1.0: dense; "
                   "packed documents and sliding windows count only the blocks dense attention visits), logged by "
                   f"the Trainer (`sparse/kept_fraction/layer_NN`) and averaged over the logged steps: "
-                  f"**{overall:.3f}** over all layers.{aligned}", "", "| layer | mean kept fraction |", "|---|---|",
+                  f"**{overall:.3f}** over all layers.", "", "| layer | mean kept fraction |", "|---|---|",
                   *(f"| {layer} | {value:.3f} |" for layer, value in means.items()), "",
                   _draw_plot(trainer, output_dir), ""]
     else:

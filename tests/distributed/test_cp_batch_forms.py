@@ -105,6 +105,11 @@ def _case_error(par, case: dict) -> dict:
 # gradients 1.0 from one process's, dense or sparse, in every mode).
 FOUND = [dict(name=f"packed_mask_of_ones-{layout}", layout=layout, form="packed_mask_of_ones", rows=2, seq=83,
               heads=4, kv_heads=2, head_dim=24, arch="llama", seed=3) for layout in ("striped", "ulysses", "document")]
+# Found by a later sweep (#50): the document planner started every sparse document on a block boundary, where one
+# process has it elsewhere inside a block, so the blocks kept by the same pattern covered other tokens (loss 4.7e-5,
+# gradients 0.13 from one process's); it keeps their offsets inside a block now.
+FOUND.append(dict(name="packed-unaligned-document", layout="document", form="packed", rows=1, seq=150, heads=4,
+                  kv_heads=2, head_dim=24, arch="llama", seed=5))
 
 
 def _drawn(seed: int, n: int) -> list[dict]:
@@ -115,8 +120,6 @@ def _drawn(seed: int, n: int) -> list[dict]:
         kv_heads = rng.choice([1, 2, 3])
         layout = rng.choice(list(LAYOUTS))
         form = rng.choice(["plain", "right_pad", "left_pad", "packed", "packed_mask_of_ones", "flattened", "ignored"])
-        if layout == "document" and form == "packed":  # (unaligned sparse documents: the planner aligns them)
-            form = "right_pad"
         heads = kv_heads * rng.choice([1, 2, 3]) if layout != "ulysses" else kv_heads * rng.choice([2, 3])
         cases.append(dict(name=f"drawn{i}-{layout}-{form}", layout=layout, form=form, rows=rng.choice([1, 2]),
                           seq=rng.randint(35, 110), heads=heads, kv_heads=kv_heads,

@@ -245,12 +245,9 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
     assert all(f"| {layer} | {v:.3f} |" in card for layer, v in means.items())
     assert (tmp_path / KEPT_FRACTION_PLOT).is_file()
     assert _measured_throughput(main["log"]) in card  # (each CP group's tokens counted once: the step metrics)
-    # which count the kept fraction is: the document planner's says it (#51), a block sharding's is one process's
-    aligned = ("Under document sharding every document is computed, and counted, in blocks of its own (the planner "
-               "starts each on a block boundary): the count one process logs on the same documents packed with "
-               "`BlockAlignedFlattening` (`--align_documents`), not on the unaligned row (in a batch whose rows hold "
-               "different documents: every stretch that no row's document crosses).")
-    assert aligned not in card and aligned in runs["cp"]["card"] and "document sharding" in runs["cp"]["card"]
+    # the document planner's count is one process's on the same row, as a block sharding's (#50: it counted the
+    # documents block aligned, which the card then said)
+    assert "document sharding" in runs["cp"]["card"] and "BlockAlignedFlattening" not in runs["cp"]["card"]
     assert set(TAGS) <= set(_front_matter(card)["tags"])
 
 

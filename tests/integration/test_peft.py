@@ -245,8 +245,7 @@ def test_lora_under_cp2_equals_one_process(under_cp2, mode):
 
 
 class _PackedRows(TokenRows):
-    """Rows packing two documents (position_ids restart at 96, a block boundary: the document planner computes packed
-    documents block aligned, as one process does on such rows)."""
+    """Rows packing two documents (position_ids restart at 96)."""
 
     def __getitem__(self, i):
         row = super().__getitem__(i)

@@ -22,10 +22,12 @@ CP group derives the same plan without communicating. A batch of several rows wi
 planned as one row of runs, each a stretch that no row's document crosses (`row_runs`; a padded batch of
 unpacked sequences: one run of text and one of padding at the end). The plan re-orders the row: split
 documents first, then every rank's whole documents, each document contiguous and in order, a
-document with a sparse pattern starting on a block boundary (its pattern then does not depend on
-what else was packed), padding only between documents and never trained on. Attention results do
-not depend on the order of documents: every token keeps its document, its position in it
-(position_ids, so RoPE) and its target (labels are shifted before sharding).
+run with a sparse pattern at the offset inside a block it has in the row (`sparse_leads`: a
+block-sparse layout's kept blocks cover other tokens where a document starts elsewhere inside a
+block), padding only between documents and never trained on. Attention results do not depend on
+the order of documents: every token keeps its document, its position in it (position_ids, so RoPE),
+its offset inside a block and its target (labels are shifted before sharding), so the plan computes
+what one process computes on the row.
 """
 
 from __future__ import annotations
@@ -344,20 +346,22 @@ def plan_documents(
         raise ValueError(f"runs must have >= 1 token and a kind in {(PAD, DENSE, SPARSE)}.")
     costs = PlannerCosts() if costs is None else costs
     w, bs = cp_size, block_size
-    blocks = _Blocks.of_row(lengths, kinds, kept_per_row, bs, costs)
+    leads = sparse_leads(lengths, kinds, bs)
+    spans = [n + lead for n, lead in zip(lengths, leads)]  # the tokens a run takes in the plan
+    blocks = _Blocks.of_row(spans, kinds, kept_per_row, bs, costs)
     work, rotation = blocks.document_work(), blocks.rotation(w)
-    token_cap = costs.max_token_ratio * sum(lengths) / w + bs
+    token_cap = costs.max_token_ratio * sum(spans) / w + bs
     mean = sum(work) / w
     order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
-    must = [(work[i] > mean or lengths[i] > token_cap) and lengths[i] > bs for i in order]  # (a block: not cut)
+    must = [(work[i] > mean or spans[i] > token_cap) and spans[i] > bs for i in order]  # (a block: not cut)
     ring_work = costs.ring_share * sum(work)
-    whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and lengths[i] > bs)
+    whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and spans[i] > bs)
 
     def placement(m: int, n: int) -> _Placement:
         at = _Placement(np.zeros(w), np.zeros(w))
         for i in order[:m]:
             at.spread_over_ring(i, kinds[i], *blocks.of([i]), int(rotation[i]), costs)
-        _fill(at, order[m + n:], lengths, work, token_cap)
+        _fill(at, order[m + n:], spans, work, token_cap)
         if n:  # after the whole documents: the cut brings every rank to one level
             _cut(at, order[m: m + n], blocks, bs, costs, token_cap)
         return at
@@ -368,7 +372,7 @@ def plan_documents(
     tried = []  # in order of more traffic: more documents over the whole ring, then more cut
     for m in range(whole_ring, max(whole_ring, sum(must)) + 1):
         before = min((at.load.max() for at in tried), default=np.inf)
-        cuttable = sum(1 for i in order[m:] if lengths[i] > bs)
+        cuttable = sum(1 for i in order[m:] if spans[i] > bs)
         for n in _split_counts(sum(must[m:]), cuttable, costs.extra_splits):
             tried.append(placement(m, n))
             if balanced(tried[-1], costs.balance_slack):  # more cuts would only add traffic
@@ -379,7 +383,7 @@ def plan_documents(
     lowest = min(at.load.max() for at in tried)
     at = next(at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack))
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
-    return _materialize(at, lengths, kinds, w, bs)
+    return _materialize(at, lengths, leads, kinds, w, bs)
 
 
 def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, block_size: int) -> DocumentPlan:
@@ -394,11 +398,21 @@ def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, blo
         if kind != PAD:
             at.spread_over_ring(i, kind, *blocks.of([i]), int(rotation[i]), costs)
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
-    return _materialize(at, lengths, kinds, cp_size, block_size)
+    return _materialize(at, lengths, [0] * len(lengths), kinds, cp_size, block_size)
 
 
-def _materialize(at: _Placement, lengths, kinds, w: int, bs: int) -> DocumentPlan:
-    """Global order, block owners and segments of a placement."""
+def sparse_leads(lengths: list[int], kinds: list[str], bs: int) -> list[int]:
+    """The padding each run takes before it in the plan: for a sparse run, its start's offset inside a block in the
+    row, so that its documents keep their offsets inside a block (a block-sparse layout's kept blocks cover the other
+    tokens of their blocks, which depend on where a document starts inside one: aligned otherwise, the run would
+    compute something else than one process on the row); 0 for the others (dense attention and padding do not depend
+    on the blocks)."""
+    starts = np.cumsum([0, *lengths[:-1]]) % bs
+    return [int(off) if kind == SPARSE else 0 for off, kind in zip(starts.tolist(), kinds)]
+
+
+def _materialize(at: _Placement, lengths, leads, kinds, w: int, bs: int) -> DocumentPlan:
+    """Global order, block owners and segments of a placement, each run after its lead of padding (`sparse_leads`)."""
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
@@ -411,24 +425,28 @@ def _materialize(at: _Placement, lengths, kinds, w: int, bs: int) -> DocumentPla
             pieces.append((-1, extra))
         return used + extra
 
+    def after_lead(i: int) -> int:
+        if leads[i]:
+            pieces.append((-1, leads[i]))
+        pieces.append((starts[i], lengths[i]))
+        return leads[i] + lengths[i]
+
     split = sorted(at.split)
     for i in split:
-        pieces.append((starts[i], lengths[i]))
-        pad_to_block(lengths[i])
+        pad_to_block(after_lead(i))
         owners.append(torch.from_numpy(at.split[i]))
     split_blocks = np.zeros(w, dtype=np.int64)
     for i in split:
         split_blocks += np.bincount(at.split[i], minlength=w)
     by_rank: list[list[int]] = [[] for _ in range(w)]
     for i, rank in sorted(at.placed.items(), key=lambda t: (kinds[t[0]] != SPARSE, t[0])):
-        by_rank[rank].append(i)  # sparse documents first (block aligned), then in row order
+        by_rank[rank].append(i)  # sparse documents first (from a block boundary, after a lead), then in row order
     for r in range(w):
         used = 0
         for i in by_rank[r]:
             if kinds[i] == SPARSE:
                 used = pad_to_block(used)
-            pieces.append((starts[i], lengths[i]))
-            used += lengths[i]
+            used += after_lead(i)
         used = pad_to_block(used)
         if not used and not split_blocks[r]:  # a rank the row cannot feed still gets a (padding) block: no empty shard
             pieces.append((-1, bs))
@@ -478,9 +496,8 @@ def _from_block_boundaries(starts: np.ndarray, sparse: np.ndarray, padding: np.n
                            bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Start each sparse run that follows padding off a block boundary at the boundary before it, taking the padding
     in between (`padded` [B, S]: `PAD_SEGMENT` in a row, which a run may cut anywhere) into the run; a padding run left
-    empty is dropped. The planner starts a sparse run on a block boundary, and a document's sparse pattern depends on
-    where it starts inside a block: so its documents keep the offsets inside a block they have in the batch, and the
-    run computes what one process computes on the batch (left-padded rows, whose text starts off a boundary after
+    empty is dropped. The planner keeps a sparse run's offset inside a block (`sparse_leads`) with padding before it:
+    the padding the batch already has there serves instead (left-padded rows, whose text starts off a boundary after
     padding every row shares)."""
     starts = starts.copy()
     for i in np.flatnonzero(sparse[1:] & padding[:-1]) + 1:
