@@ -561,8 +561,8 @@ def _kept_fraction_case(par: ParallelDims) -> dict:
     batches = {"unaligned": {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None]},
                "aligned": {name: aligned[name] for name in ("input_ids", "position_ids")}}
     results = {}
-    for estimation in ("last_queries", "causal_chunks"):
-        cfg = CFG.replace(estimation=estimation, estimation_chunk=2 * BS, dense_first_layers=0)
+    for estimation, chunk in (("last_queries", {}), ("causal_chunks", {"estimation_chunk": 2 * BS})):
+        cfg = CFG.replace(estimation=estimation, dense_first_layers=0, **chunk)
         hf_sparse_cp.configure(model, cfg)
         logged = {}
         with torch.no_grad():
