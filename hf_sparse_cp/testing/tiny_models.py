@@ -168,7 +168,7 @@ def _size_fields(config: PretrainedConfig, size: int, overrides: dict) -> list[s
             continue
         halved = copy.deepcopy(config)
         with contextlib.suppress(Exception):
-            setattr(halved, name, value // 2)
+            halved.update({name: value // 2})
             tensors = _meta_tensors(halved)
             if tensors is not None and sum(_nbytes(*t) for t in tensors.values()) <= 0.9 * size:
                 found.append(f"{name}={value}")
