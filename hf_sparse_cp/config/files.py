@@ -12,12 +12,14 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
+
+from ..scoped import scoped
 
 logger = logging.getLogger(__name__)
 
@@ -185,17 +187,12 @@ def setting(name: str, value: Any) -> str:
 _CHECK_UNREAD: ContextVar[bool] = ContextVar("hf_sparse_cp_check_unread_fields", default=True)
 
 
-@contextlib.contextmanager
-def unread_fields_checked_by_caller() -> Iterator[None]:
+def unread_fields_checked_by_caller() -> contextlib.AbstractContextManager[None]:
     """Inside the block, the configs built do not refuse a field given away from its default that none of their
     settings reads (`SparseAttentionConfig`'s estimation chunk, `ContextParallelConfig`'s planner costs): for a config
     derived from one already checked (a layer's, a curriculum stage's), one stored by a model (it loads as it ran),
     and a run's base config whose `--cp_schedule` stages may read what it does not (the caller checks across them)."""
-    token = _CHECK_UNREAD.set(False)
-    try:
-        yield
-    finally:
-        _CHECK_UNREAD.reset(token)
+    return scoped(_CHECK_UNREAD, False)
 
 
 def checks_unread_fields() -> bool:

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
@@ -21,6 +21,7 @@ from ..attention.engines import check_engine_trains_on
 from ..config import SparseAttentionConfig
 from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig, check_launched
+from ..scoped import scoped
 from ..smet import SMETConfig
 from ..smet.config import module_names
 from .arguments import (
@@ -63,17 +64,12 @@ COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_
 _PARSING_FOR_LAUNCH: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_launch", default=False)
 
 
-@contextlib.contextmanager
-def parsing_for_launch() -> Iterator[None]:
+def parsing_for_launch() -> contextlib.AbstractContextManager[None]:
     """Inside the block, training arguments parse as in one of several launched processes: a setting that needs
     several (--fsdp) is not refused for running alone (the launcher checks a script's flags here, once, before it
     starts the processes), and a Trainer that a script launched here builds is refused (`hf-sparse-cp launch` runs a
     script here for its --help alone)."""
-    token = _PARSING_FOR_LAUNCH.set(True)
-    try:
-        yield
-    finally:
-        _PARSING_FOR_LAUNCH.reset(token)
+    return scoped(_PARSING_FOR_LAUNCH, True)
 
 
 def is_parsing_for_launch() -> bool:
@@ -85,17 +81,12 @@ def is_parsing_for_launch() -> bool:
 _TYPED_FLAGS: ContextVar[frozenset[str] | None] = ContextVar("hf_sparse_cp_typed_flags", default=None)
 
 
-@contextlib.contextmanager
-def parsing_typed_flags(explicit: Collection[str]) -> Iterator[None]:
+def parsing_typed_flags(explicit: Collection[str]) -> contextlib.AbstractContextManager[None]:
     """Inside the block, the plugin's arguments built know the flags `explicit` (`explicit_fields`: those the command
     line or a recipe typed, whatever their value) as they check themselves, not only once the parser sets their
     `explicit_flags` after: a flag typed at its default value that no setting of the run reads is refused (or said to
     have no effect) as the same flag at another value is."""
-    token = _TYPED_FLAGS.set(frozenset(explicit))
-    try:
-        yield
-    finally:
-        _TYPED_FLAGS.reset(token)
+    return scoped(_TYPED_FLAGS, frozenset(explicit))
 
 
 def _flag(name: str, value: Any) -> str:

@@ -24,7 +24,7 @@ import contextvars
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from transformers import Trainer
 
 from ..integration.architectures import model_router_loss_modules
 from ..integration.backend import cp_forward_shard
+from ..scoped import scoped
 
 _SHARE: contextvars.ContextVar[float] = contextvars.ContextVar("router_loss_share", default=1.0)
 # (while a wrapper runs the function it wraps: a wrapper of another trainer's CP, under it, passes the tokens through)
@@ -63,11 +64,8 @@ def _over_cp_group(original: Callable) -> Callable:
         whole = shard.whole_sequence(joined).flatten(0, 1)
         bound.arguments["gate_logits"] = whole.split([logits.shape[-1] for logits in layers], dim=-1)
         bound.arguments["attention_mask"] = shard.attention_mask
-        token = _GATHERED.set(True)
-        try:
+        with scoped(_GATHERED, True):
             return original(*bound.args, **bound.kwargs) * _SHARE.get()
-        finally:
-            _GATHERED.reset(token)
 
     return load_balancing_loss_func
 
@@ -92,11 +90,6 @@ def model_loss_share(trainer: Trainer, num_items_in_batch: Any, cp_size: int) ->
     return 1.0 / cp_size if scaled else 1.0
 
 
-@contextlib.contextmanager
-def loss_share(share: float) -> Iterator[None]:
+def loss_share(share: float) -> contextlib.AbstractContextManager[None]:
     """Around a compute_loss under CP: the value of the router loss on each rank, L x `share` (`model_loss_share`)."""
-    token = _SHARE.set(share)
-    try:
-        yield
-    finally:
-        _SHARE.reset(token)
+    return scoped(_SHARE, share)
