@@ -77,6 +77,17 @@ def is_parsing_for_launch() -> bool:
     return _PARSING_FOR_LAUNCH.get()
 
 
+# True inside `parsing_for_cpu`: the script's arguments give --use_cpu, a field the plugin's own arguments lack.
+_PARSING_FOR_CPU: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_cpu", default=False)
+
+
+def parsing_for_cpu(use_cpu: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, with `use_cpu`, the plugin's arguments built check their settings for a run on the CPU (a
+    script's --use_cpu, which the launcher reads among the script's arguments: `PluginArguments` has no such
+    field)."""
+    return scoped(_PARSING_FOR_CPU, use_cpu)
+
+
 # The flags typed on the command line being parsed (`parsing_typed_flags`).
 _TYPED_FLAGS: ContextVar[frozenset[str] | None] = ContextVar("hf_sparse_cp_typed_flags", default=None)
 
@@ -219,8 +230,9 @@ class PluginArgumentsMixin(KnownKeywords):
         ContextParallelConfig.refuse_unread_planner_costs(typed, layouts, _flag, "this run")
 
     def _device_type(self) -> str:
-        """The type of the devices the run trains on: 'cpu' with --use_cpu or without an accelerator."""
-        if getattr(self, "use_cpu", False) or not torch.accelerator.is_available():
+        """The type of the devices the run trains on: 'cpu' with --use_cpu (`parsing_for_cpu`) or without an
+        accelerator."""
+        if getattr(self, "use_cpu", False) or _PARSING_FOR_CPU.get() or not torch.accelerator.is_available():
             return "cpu"
         return torch.accelerator.current_accelerator().type
 

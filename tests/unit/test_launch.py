@@ -535,6 +535,32 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
 
+def test_the_launcher_reads_a_scripts_use_cpu_for_the_device_its_processes_train_on(started, monkeypatch, tmp_path,
+                                                                                      capsys):
+    """A GPU-only engine with the script's --use_cpu on a GPU machine: the launcher checked it for the GPU and started
+    the processes, each refusing it; it reads --use_cpu (and --use_cpu true/false) after the script path."""
+    import torch
+
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # (a GPU machine)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    for engine in (["--sparse_attention_engine", "triton"], []):  # (before the script path, or among its arguments)
+        for use_cpu in (["--use_cpu"], ["--use_cpu", "true"], ["--use_cpu=True"]):
+            after = [] if engine else ["--sparse_attention_engine", "triton"]
+            with pytest.raises(SystemExit) as refused:
+                cli.main(["launch", "--nproc", "2", *engine, "train.py", "--output_dir", "out", *after, *use_cpu])
+            assert refused.value.code == 2 and not started
+            assert "Triton's kernels train on CUDA GPUs" in capsys.readouterr().err
+    assert cli.main(["launch", "--nproc", "2", "--sparse_attention_engine", "triton", "train.py", "--use_cpu",
+                     "false"]) == 0
+    assert len(started) == 1
+
+
 def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(started, monkeypatch, capsys):
     """`--cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, each refusing it once it had built its
     data and model; the launcher's parse of the example's flags refuses it, once, and starts nothing."""
