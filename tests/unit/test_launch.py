@@ -94,6 +94,18 @@ def test_trls_parser_and_its_config_file_take_the_plugins_flags(tmp_path):
     assert config.sparse_block_size == 32 and config.sequence_length == 512 and config.cp_sharding == "zigzag"
 
 
+def test_a_plugin_key_of_trls_config_file_counts_as_typed(tmp_path, monkeypatch, capsys):
+    """A key of TRL's --config file at its default value was not counted as typed (TRL makes the file's values its
+    flags' defaults): --sparse_estimation_chunk 1024 there trained, ignored, where the same flag was refused."""
+    trl = pytest.importorskip("trl")
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\nsparse_estimation_chunk: 1024\n")  # (its default)
+    monkeypatch.setattr(sys, "argv", ["sft.py", "--config", str(recipe)])
+    with launched(PluginArguments()), pytest.raises(SystemExit) as refused:
+        trl.TrlParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)).parse_args_and_config()
+    assert refused.value.code == 2 and "--sparse_estimation_chunk 1024 would be ignored" in capsys.readouterr().err
+
+
 def test_a_script_field_named_like_a_plugin_flag_is_refused_naming_both(tmp_path):
     @dataclass
     class Clashing:
@@ -593,6 +605,13 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
                 cli.main(["launch", "--nproc", "2", *argv])
             assert refused.value.code == 2 and not started
             assert f"hf-sparse-cp launch: error: {refusal}" in capsys.readouterr().err
+    # the plugin's keys of TRL's --config file (its default value too), which each process's TrlParser reads
+    for key, value in {"sparse_estimation_chunk": 1024, "cp_planner_comm_per_token": 300}.items():
+        (tmp_path / "recipe.yaml").write_text(f"output_dir: out\n{key}: {value}\n")
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["launch", "--nproc", "2", "train.py", "--config", "recipe.yaml"])
+        assert refused.value.code == 2 and not started
+        assert f"error: --{key} {value}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # the example's own refusal, once, before the processes
         cli.main(["train", "--nproc", "2", "--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
     assert refused.value.code == 2 and not started
