@@ -108,12 +108,12 @@ def trl_config(args: Sequence[str]) -> dict[str, Any]:
 
 def launched_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArguments | None:
     """`plugin` (the flags before the script path) with the plugin's flags among `args` (the script's arguments,
-    which the script's parser takes beside its own, and TRL's `--config` file's keys, `trl_config`, which those
-    beat; the last one given wins), checked as each launched process checks
-    them (on the CPU with the script's --use_cpu among `args`): raises their ValueError (or OSError: a --sparse_config
-    file not there), naming the fix, before any process starts. Read as written, without the script's parser: only
-    flags spelled whole (a prefix of one may be the script's own flag), the script's own arguments left alone; None
-    where that parser alone can say (a value it refuses)."""
+    which the script's parser takes beside its own, over the keys of TRL's `--config` file, `trl_config`; the last one
+    given wins), checked as each launched process checks them (on the CPU with the script's --use_cpu among `args`):
+    raises their ValueError (or OSError: a --sparse_config file not there), naming the fix, before any process
+    starts. Read as written, without the script's parser: only flags spelled whole (a prefix of one may be the
+    script's own flag), the script's own arguments left alone; None where that parser alone can say (a value it
+    refuses)."""
     parser = _SplitParser(allow_abbrev=False)
     script = training_flags(plugin, args)
     in_file = {name: value for name, value in trl_config(args).items() if name in vars(parser.parse_args([]))}
