@@ -51,6 +51,7 @@ _LAZY = {
     "disable_curriculum": "trainer.curriculum",
     "enable_curriculum": "trainer.curriculum",
     "parse_schedule": "trainer.schedule",
+    "schedule_cp_config": "trainer.schedule",
     "install_smet": "trainer.smet",
     "uninstall_smet": "trainer.smet",
     "SparseTrainer": "trainer.sparse_trainer",

@@ -94,8 +94,12 @@ class ContextParallelConfig(KnownKeywords):
                                  f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")
         if checks_unread_fields():  # (a --cp_schedule's base: its stages may shard by document)
             defaults = {f.name: f.default for f in fields(self)}
-            self.refuse_unread_planner_costs({name: getattr(self, name) for name in self.PLANNER_FIELDS
-                                              if getattr(self, name) != defaults[name]}, [self])
+            try:
+                self.refuse_unread_planner_costs({name: getattr(self, name) for name in self.PLANNER_FIELDS
+                                                  if getattr(self, name) != defaults[name]}, [self])
+            except ValueError as e:  # (a library caller's base of a schedule: the stages are not known here)
+                raise ValueError(f"{str(e).removesuffix('.')} (or, for a --cp_schedule stage that does, build this "
+                                 "base config with hf_sparse_cp.schedule_cp_config(cp_schedule, ...)).") from None
 
     @property
     def mode(self) -> CPMode:

@@ -13,11 +13,15 @@ import os
 import sys
 import zipfile
 from collections.abc import Sequence
+from typing import Any
 
+import yaml
 from transformers import HfArgumentParser
 
 from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
-from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments, parsing_typed_flags
+from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments, parsing_for_cpu, parsing_typed_flags
+
+from .known_scripts import training_flags
 
 
 class _Refused(Exception):
@@ -86,23 +90,45 @@ def split_command(argv: Sequence[str], options: Sequence[str] = ()) -> tuple[lis
     return list(argv), None, False, []
 
 
+def trl_config(args: Sequence[str]) -> dict[str, Any]:
+    """The settings of the YAML file that TRL's parser reads from `--config PATH` among `args`
+    (`TrlParser.parse_args_and_config`: they become its flags' defaults, which the command line's beat), without its
+    `env`; {} without one, or where the file cannot be read (the script's parser says why)."""
+    args = list(args)
+    at = args.index("--config") + 1 if "--config" in args else len(args)
+    if at >= len(args):
+        return {}
+    try:
+        with open(args[at]) as file:
+            config = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {key: value for key, value in config.items() if key != "env"} if isinstance(config, dict) else {}
+
+
 def launched_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArguments | None:
     """`plugin` (the flags before the script path) with the plugin's flags among `args` (the script's arguments,
-    which the script's parser takes beside its own; the last one given wins), checked as each launched process checks
-    them: raises their ValueError (or OSError: a --sparse_config file not there), naming the fix, before any process
+    which the script's parser takes beside its own, over the keys of TRL's `--config` file, `trl_config`; the last one
+    given wins), checked as each launched process checks them (on the CPU with the script's --use_cpu among `args`):
+    raises their ValueError (or OSError: a --sparse_config file not there), naming the fix, before any process
     starts. Read as written, without the script's parser: only flags spelled whole (a prefix of one may be the
     script's own flag), the script's own arguments left alone; None where that parser alone can say (a value it
     refuses)."""
     parser = _SplitParser(allow_abbrev=False)
+    script = training_flags(plugin, args)
+    in_file = {name: value for name, value in trl_config(args).items() if name in vars(parser.parse_args([]))}
+    parser.set_defaults(**in_file)  # (as TRL's parser takes them)
     try:
-        after = explicit_fields(parser, args)
+        after = explicit_fields(parser, args) | set(in_file)
         values = vars(parser.parse_known_args(list(args))[0])
     except _Refused:  # (the script's parser refuses it, naming the flag)
         return None
-    if not after:
+    if script is None:  # (--use_cpu maybe)
+        return None
+    if not after and not script.use_cpu:
         return plugin
     explicit = set(plugin.explicit_flags or ()) | after
-    with parsing_typed_flags(explicit):
+    with parsing_typed_flags(explicit), parsing_for_cpu(script.use_cpu):
         return dataclasses.replace(plugin, **{name: values[name] for name in after})
 
 

@@ -93,7 +93,7 @@ def trl_trainers(target: str, is_module: bool) -> list[type] | None:
     return classes
 
 
-def _training_flags(plugin: PluginArguments, args: Sequence[str]) -> SimpleNamespace | None:
+def training_flags(plugin: PluginArguments, args: Sequence[str]) -> SimpleNamespace | None:
     """--use_liger_kernel, --use_cpu, --sparse_attention and --sparse_fused_ops as a TRL script's parser reads them
     from `args` (the plugin's before the script path, `plugin`, as their defaults); None where that parser alone can
     say (a value it will refuse)."""
@@ -136,7 +136,7 @@ def script_refusal(target: str, is_module: bool, cp_size: int, plugin: PluginArg
     refusal = trainers_refusal(trainers, cp_size)
     if refusal is not None:
         return refusal
-    flags = _training_flags(plugin, args)
+    flags = training_flags(plugin, args)
     if flags is not None and flags.sparse_attention:
         try:
             training_fused_ops(flags.sparse_fused_ops, flags)

@@ -53,6 +53,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+from .command import trl_config
 from .known_scripts import trainers_refusal
 from .refusals import exit_refused
 
@@ -195,6 +196,8 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             # the plugin flags given (here, or before the script path), whatever their value: the arguments check them
             # as they are built (`parsing_typed_flags`), and they beat --sparse_config whatever their value
             explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
+            if hasattr(self, "set_defaults_with_config"):  # (TRL's parser: the keys of the --config file it read from
+                explicit |= set(trl_config(sys.argv[1:])) & plugin_flag_names()  # its command line, as typed)
             try:
                 with parsing_typed_flags(explicit):
                     outputs = parse(self, args, *rest, **kwargs)

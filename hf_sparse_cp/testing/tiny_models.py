@@ -34,9 +34,10 @@ TINY_FIELDS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, 
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 20, rope_theta=10000.0,
                    tie_word_embeddings=True, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # A mixture of experts' sizes, for the architectures whose config has them (their defaults are a real model's: Qwen3-MoE
-# 128 experts of 768): few, small experts, every one reached by a short sequence.
+# 128 experts of 768): few, small experts, every one reached by a short sequence, in one routing group (DeepSeek V3's
+# 8 groups of 256 experts would split 4 into groups of none).
 TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                    shared_expert_intermediate_size=128)
+                    shared_expert_intermediate_size=128, n_group=1, topk_group=1)
 # Multi-head latent attention (DeepSeek V2/V3, MiniCPM3, GLM-4 MoE Lite): small ranks, one key/value head per query
 # head, queries and keys of 48 (16 of them rotary, the config's head_dim) and values of 32.
 TINY_MLA = dict(num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, kv_lora_rank=32,
@@ -50,8 +51,10 @@ TINY_DECODER = dict(decoder_layers="num_hidden_layers", decoder_attention_heads=
 
 
 def _field_of(config_class: type, name: str) -> bool:
-    """Whether `config_class` takes a field `name` (an argument of its constructor)."""
-    return name in inspect.signature(config_class.__init__).parameters
+    """Whether `config_class` takes a field `name`: an argument of its constructor, under that name or the one its
+    `attribute_map` makes it an alias of (LongCat-Flash's num_local_experts: n_routed_experts)."""
+    parameters = inspect.signature(config_class.__init__).parameters
+    return name in parameters or getattr(config_class, "attribute_map", {}).get(name) in parameters
 
 
 def _check_language_model_sized(model_type: str, config: PretrainedConfig, hidden_size: int) -> None:

@@ -66,8 +66,10 @@ def flag_reference() -> str:
              "too, and in a SparseAttentionConfig or ContextParallelConfig built in code), and so is an attention "
              "engine the run's device cannot train with; pattern flags with --sparse_attention false, and budget or "
              "scoring flags on a dense pattern, are taken with a warning that they have no effect (a recipe's dense "
-             "baseline). `hf-sparse-cp launch` checks the plugin flags before and after the script path before it "
-             "starts any process.",
+             "baseline). `hf-sparse-cp launch` checks the plugin flags before and after the script path (and the "
+             "keys of TRL's `--config` file, for the CPU with the script's `--use_cpu`) before it starts any process. "
+             "In code, the base config of a `cp_schedule` whose later stage shards by document takes the planner "
+             "costs through `hf_sparse_cp.schedule_cp_config(cp_schedule, ...)`.",
              "",
              "## Common flags", "",
              "The few flags a run usually sets (each argument class names its own in `COMMON_FLAGS`). Every other "

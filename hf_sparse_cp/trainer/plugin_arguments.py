@@ -34,7 +34,7 @@ from .arguments import (
     from_prefixed,
     unprefixed,
 )
-from .schedule import CurriculumArguments, parse_schedule
+from .schedule import CurriculumArguments, Stage, parse_schedule, stage_layouts
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # (the arguments of one run are built more than once in a process: warned once)
@@ -75,6 +75,17 @@ def parsing_for_launch() -> contextlib.AbstractContextManager[None]:
 def is_parsing_for_launch() -> bool:
     """Whether a launcher is parsing a script's flags before starting its processes (`parsing_for_launch`)."""
     return _PARSING_FOR_LAUNCH.get()
+
+
+# True inside `parsing_for_cpu`: the script's arguments give --use_cpu, a field the plugin's own arguments lack.
+_PARSING_FOR_CPU: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_cpu", default=False)
+
+
+def parsing_for_cpu(use_cpu: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, with `use_cpu`, the plugin's arguments built check their settings for a run on the CPU (a
+    script's --use_cpu, which the launcher reads among the script's arguments: `PluginArguments` has no such
+    field)."""
+    return scoped(_PARSING_FOR_CPU, use_cpu)
 
 
 # The flags typed on the command line being parsed (`parsing_typed_flags`).
@@ -164,11 +175,15 @@ class PluginArgumentsMixin(KnownKeywords):
         """The pattern flags typed, by flat key (`vertical_topk`)."""
         return self._typed(self.pattern_flags().values(), SparseAttentionConfig.flag_defaults(), PATTERN_PREFIX)
 
+    def _stages(self) -> tuple[Stage, ...]:
+        """The run's `--cp_schedule` stages (none without one)."""
+        return parse_schedule(self.cp_schedule) if self.cp_schedule else ()
+
     def _run_patterns(self, pattern: SparseAttentionConfig) -> list[SparseAttentionConfig]:
         """The patterns the run's layers may train with: each layer's (`layer_configs`) of the run's `pattern` and of
         each `--cp_schedule` stage's (its fields over the pattern)."""
         stages = [pattern]
-        for stage in parse_schedule(self.cp_schedule) if self.cp_schedule else ():
+        for stage in self._stages():
             with contextlib.suppress(ValueError):  # (refused, naming the stage, by the schedule's own check)
                 stages.append(stage.sparse_config(pattern))
         configs: list[SparseAttentionConfig] = []
@@ -210,17 +225,15 @@ class PluginArgumentsMixin(KnownKeywords):
     def _refuse_unread_planner_costs(self, base: ContextParallelConfig) -> None:
         """Refuse, naming the fix, document-planner weights typed for a run (its CP flags: `base`) that no stage
         shards by document (`ContextParallelConfig.refuse_unread_planner_costs`)."""
-        layouts = [base]
-        for stage in parse_schedule(self.cp_schedule) if self.cp_schedule else ():
-            with contextlib.suppress(ValueError):  # (refused, naming the stage, by the schedule's own check)
-                layouts.append(stage.cp_config(base))
         costs = {name: getattr(base, name) for name in ContextParallelConfig.PLANNER_FIELDS}
         typed = self._typed(costs, {f.name: f.default for f in dataclasses.fields(ContextParallelConfig)})
-        ContextParallelConfig.refuse_unread_planner_costs(typed, layouts, _flag, "this run")
+        ContextParallelConfig.refuse_unread_planner_costs(typed, stage_layouts(base, self._stages()), _flag,
+                                                          "this run")
 
     def _device_type(self) -> str:
-        """The type of the devices the run trains on: 'cpu' with --use_cpu or without an accelerator."""
-        if getattr(self, "use_cpu", False) or not torch.accelerator.is_available():
+        """The type of the devices the run trains on: 'cpu' with --use_cpu (`parsing_for_cpu`) or without an
+        accelerator."""
+        if getattr(self, "use_cpu", False) or _PARSING_FOR_CPU.get() or not torch.accelerator.is_available():
             return "cpu"
         return torch.accelerator.current_accelerator().type
 

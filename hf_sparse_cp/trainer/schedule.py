@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -124,6 +124,31 @@ def parse_schedule(text: str) -> tuple[Stage, ...]:
         except ValueError as error:  # (which stage, in a schedule of several)
             raise ValueError(f"cp_schedule stage {item!r}: {error}") from None
     return tuple(stages)
+
+
+def stage_layouts(base: ContextParallelConfig, stages: Sequence[Stage]) -> list[ContextParallelConfig]:
+    """The CP layouts of a run with the CP flags `base` and the schedule's `stages`: `base` and each stage's (a stage
+    refused is left out: the schedule's own check refuses it, naming it)."""
+    layouts = [base]
+    for stage in stages:
+        with contextlib.suppress(ValueError):
+            layouts.append(stage.cp_config(base))
+    return layouts
+
+
+def schedule_cp_config(cp_schedule: str, **fields: Any) -> ContextParallelConfig:
+    """`ContextParallelConfig(**fields)` as the base of the `cp_schedule` stages (for `attach_to_trainer(...,
+    cp_config, cp_schedule=cp_schedule)`), whose stages may read what it does not: the document planner's weights it
+    is given are refused only where no stage shards by document either, as --cp_planner_* with --cp_schedule."""
+    if not isinstance(cp_schedule, str):
+        raise TypeError(f"schedule_cp_config(cp_schedule, ...): cp_schedule must be a --cp_schedule string, e.g. "
+                        f"'0:4096:1,100:16384:2:cp_sharding=document', not {type(cp_schedule).__name__}.")
+    stages = parse_schedule(cp_schedule)
+    with unread_fields_checked_by_caller():
+        base = ContextParallelConfig(**fields)
+    given = {name: getattr(base, name) for name in ContextParallelConfig.PLANNER_FIELDS if name in fields}
+    ContextParallelConfig.refuse_unread_planner_costs(given, stage_layouts(base, stages))
+    return base
 
 
 @dataclass

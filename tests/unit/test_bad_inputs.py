@@ -890,6 +890,7 @@ _WRONG_FIRST = {
                                "derived from it"),
     "sparse_trainer_class": (lambda h, x: h.sparse_trainer_class(x), "base must be Trainer or a class derived from"),
     "parse_schedule": (lambda h, x: h.parse_schedule(x), "text must be a --cp_schedule string"),
+    "schedule_cp_config": (lambda h, x: h.schedule_cp_config(x), "cp_schedule must be a --cp_schedule string"),
     "explicit_fields": (lambda h, x: h.explicit_fields(x, []), "takes the parser (an HfArgumentParser)"),
     "estimate_layout": (lambda h, x: h.estimate_layout(x, x, h.SparseAttentionConfig()), "must be torch.Tensors"),
     "block_sparse_attention": (lambda h, x: h.block_sparse_attention(x, x, x, None), "must be torch.Tensors"),
@@ -958,7 +959,7 @@ def test_a_wrong_first_argument_is_a_type_error_naming_what_to_pass(name, wrong)
     import hf_sparse_cp
     from hf_sparse_cp.testing.tiny_models import tiny_config
 
-    if name == "parse_schedule" and wrong == "hub id":
+    if name in ("parse_schedule", "schedule_cp_config") and wrong == "hub id":
         pytest.skip("its argument is a text (a malformed one is a ValueError naming the stage)")
     value = {"hub id": "Qwen/Qwen2.5-0.5B", "None": None, "torch module": torch.nn.Linear(2, 2),
              "model config": tiny_config("llama"), "int": 3}[wrong]

@@ -91,7 +91,10 @@ def test_a_config_built_in_code_refuses_a_value_no_layer_of_it_reads(tmp_path):
     only by the command line's arguments (issue #50), so that a config built in code, a file and
     enable_sparse_attention ignored them without a word. A layer override, a dense pattern (no effect, as a dense
     baseline's), a model that stored one (it loads as it ran) and the derived configs of layers and stages take them."""
+    from hf_sparse_cp import schedule_cp_config
+    from hf_sparse_cp.config.files import setting
     from hf_sparse_cp.distributed import ContextParallelConfig
+    from hf_sparse_cp.distributed.split.documents import PlannerCosts
     from hf_sparse_cp.trainer.schedule import parse_schedule
 
     with pytest.raises(ValueError, match=re.escape(
@@ -105,7 +108,9 @@ def test_a_config_built_in_code_refuses_a_value_no_layer_of_it_reads(tmp_path):
         SparseAttentionConfig.from_file(path)  # (layer 0 is dense: dense_first_layers 1)
     with pytest.raises(ValueError, match=re.escape(
             "cp_planner_comm_per_token=5.0 would be ignored: the document planner of cp_sharding='document' reads it, "
-            "and this config shards with cp_sharding='striped': drop it, or add cp_sharding='document'.")):
+            "and this config shards with cp_sharding='striped': drop it, or add cp_sharding='document' (or, for a "
+            "--cp_schedule stage that does, build this base config with hf_sparse_cp.schedule_cp_config(cp_schedule, "
+            "...)).")):
         ContextParallelConfig(cp_planner_comm_per_token=5.0)
     overridden = SparseAttentionConfig(estimation_chunk=256, layer_overrides={
         "1": {"estimation": "causal_chunks"}, "3": {"budget_mode": "topk", "vertical_topk": 8}})
@@ -119,6 +124,18 @@ def test_a_config_built_in_code_refuses_a_value_no_layer_of_it_reads(tmp_path):
         "last_queries")
     documents = ContextParallelConfig(cp_sharding="document", cp_planner_comm_per_token=5.0)
     assert later.cp_config(documents).cp_planner_comm_per_token == 5.0
+    # a library caller's striped base of a schedule whose later stage shards by document, which reads its costs (the
+    # base's construction refused them); refused where no stage reads them, at any value given
+    schedule = "0:512:1,2:1024:2:cp_sharding=document"
+    base = schedule_cp_config(schedule, cp_planner_comm_per_token=5.0)
+    assert base.cp_sharding == "striped" and parse_schedule(schedule)[1].cp_config(base).planner_costs() == (
+        PlannerCosts(comm_per_token=5.0))
+    for costs in ({"cp_planner_comm_per_token": 5.0}, {"cp_planner_linear_per_token": PlannerCosts.linear_per_token}):
+        with pytest.raises(ValueError, match=re.escape(
+                f"{setting(*next(iter(costs.items())))} would be ignored: the document planner of cp_sharding="
+                "'document' reads it, and this config shards with cp_sharding='striped' (nor does any --cp_schedule "
+                "stage): drop it, or add cp_sharding='document'.")):
+            schedule_cp_config("0:512:1,2:1024:2:cp_sharding=zigzag", **costs)
 
 
 def test_enable_sparse_attention_refuses_a_pattern_value_no_layer_reads():

@@ -94,6 +94,18 @@ def test_trls_parser_and_its_config_file_take_the_plugins_flags(tmp_path):
     assert config.sparse_block_size == 32 and config.sequence_length == 512 and config.cp_sharding == "zigzag"
 
 
+def test_a_plugin_key_of_trls_config_file_counts_as_typed(tmp_path, monkeypatch, capsys):
+    """A key of TRL's --config file at its default value was not counted as typed (TRL makes the file's values its
+    flags' defaults): --sparse_estimation_chunk 1024 there trained, ignored, where the same flag was refused."""
+    trl = pytest.importorskip("trl")
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\nsparse_estimation_chunk: 1024\n")  # (its default)
+    monkeypatch.setattr(sys, "argv", ["sft.py", "--config", str(recipe)])
+    with launched(PluginArguments()), pytest.raises(SystemExit) as refused:
+        trl.TrlParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)).parse_args_and_config()
+    assert refused.value.code == 2 and "--sparse_estimation_chunk 1024 would be ignored" in capsys.readouterr().err
+
+
 def test_a_script_field_named_like_a_plugin_flag_is_refused_naming_both(tmp_path):
     @dataclass
     class Clashing:
@@ -535,6 +547,32 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
 
+def test_the_launcher_reads_a_scripts_use_cpu_for_the_device_its_processes_train_on(started, monkeypatch, tmp_path,
+                                                                                      capsys):
+    """A GPU-only engine with the script's --use_cpu on a GPU machine: the launcher checked it for the GPU and started
+    the processes, each refusing it; it reads --use_cpu (and --use_cpu true/false) after the script path."""
+    import torch
+
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # (a GPU machine)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    for engine in (["--sparse_attention_engine", "triton"], []):  # (before the script path, or among its arguments)
+        for use_cpu in (["--use_cpu"], ["--use_cpu", "true"], ["--use_cpu=True"]):
+            after = [] if engine else ["--sparse_attention_engine", "triton"]
+            with pytest.raises(SystemExit) as refused:
+                cli.main(["launch", "--nproc", "2", *engine, "train.py", "--output_dir", "out", *after, *use_cpu])
+            assert refused.value.code == 2 and not started
+            assert "Triton's kernels train on CUDA GPUs" in capsys.readouterr().err
+    assert cli.main(["launch", "--nproc", "2", "--sparse_attention_engine", "triton", "train.py", "--use_cpu",
+                     "false"]) == 0
+    assert len(started) == 1
+
+
 def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(started, monkeypatch, capsys):
     """`--cp_schedule 0:256:1,4:512:2 --max_steps 4` started both processes, each refusing it once it had built its
     data and model; the launcher's parse of the example's flags refuses it, once, and starts nothing."""
@@ -567,6 +605,13 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
                 cli.main(["launch", "--nproc", "2", *argv])
             assert refused.value.code == 2 and not started
             assert f"hf-sparse-cp launch: error: {refusal}" in capsys.readouterr().err
+    # the plugin's keys of TRL's --config file (its default value too), which each process's TrlParser reads
+    for key, value in {"sparse_estimation_chunk": 1024, "cp_planner_comm_per_token": 300}.items():
+        (tmp_path / "recipe.yaml").write_text(f"output_dir: out\n{key}: {value}\n")
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["launch", "--nproc", "2", "train.py", "--config", "recipe.yaml"])
+        assert refused.value.code == 2 and not started
+        assert f"error: --{key} {value}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # the example's own refusal, once, before the processes
         cli.main(["train", "--nproc", "2", "--recipe", "qwen2.5-3b_32k", "--max_steps", "1"])
     assert refused.value.code == 2 and not started
