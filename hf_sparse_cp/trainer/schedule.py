@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
+from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig
 
 _EPOCH_SUFFIX = "ep"
@@ -49,17 +49,20 @@ class Stage:
         fields += [f"{k}={v}" for k, v in self.cp.items()]
         return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
 
-    # (a stage's configs do not refuse a value of the run's that they do not read: another stage may, which the run's
-    # arguments check across the stages)
+    # (a stage's configs refuse the fields the stage gives that they do not read, not the run's: another stage may
+    # read those, which the run's arguments check across the stages)
     def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
         """The run's CP flags `base` with this stage's degree and CP fields."""
         with unread_fields_checked_by_caller():
-            return dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
+            config = dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
+        if checks_unread_fields():
+            given = {name: value for name, value in self.cp.items() if name in ContextParallelConfig.PLANNER_FIELDS}
+            ContextParallelConfig.refuse_unread_planner_costs(given, [config], scope="this stage")
+        return config
 
     def sparse_config(self, base: SparseAttentionConfig) -> SparseAttentionConfig:
         """The run's pattern `base` with this stage's pattern fields."""
-        with unread_fields_checked_by_caller():
-            return base.replace(**self.sparse)
+        return base.replace(**self.sparse)  # (refuses only the unread fields the stage gives)
 
 
 def _value(text: str) -> Any:
