@@ -256,7 +256,7 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
             if r < w - 1:
                 end = bisect.bisect_right(total, total[start] + level - base_load[r] - comm) - 1
                 most = bisect.bisect_right(held, held[start] + token_cap - base_tokens[r]) - 1
-                end = max(min(end, most, size), start)
+                end = max(min(end, most), start)
                 if 0 < end < size and doc_first[doc_of[end]] != end:  # inside a document: its start if close
                     edge = doc_first[doc_of[end]]
                     if edge >= start and total[end] - total[edge] <= costs.balance_slack * level:
