@@ -67,7 +67,7 @@ class PlannerCosts:
     balance_slack: float = field(
         default=0.02,
         metadata={"help": "Imbalance accepted to save traffic: a cut between ranks within this fraction of a "
-                  "rank's work of a document's edge moves to the edge, keeping the document whole."},
+                  "rank's work of a document's start moves to it, keeping the document whole."},
     )
     max_token_ratio: float = field(
         default=1.25,
@@ -228,11 +228,13 @@ class _Blocks:
 
 def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: PlannerCosts, token_cap: float) -> None:
     """Lay `docs` out in order and cut the sequence into one contiguous range of blocks per rank, in
-    ring order, each bringing its rank to the level of the others (the work left over the ranks
-    left), within `token_cap` tokens. A cut that falls within `balance_slack` of a document's edge
-    moves to it, so that the document stays whole; a document cut anyway is split over consecutive
-    ranks, every piece read only by its own rank and the ranks after it (K/V travel at most one hop
-    per rank it spans, never round the ring). `blocks`: every document's blocks.
+    ring order, at the lowest work level the ranks can share: each rank takes the blocks that bring it
+    up to the level, within `token_cap` tokens, the last one the rest; the level is searched by
+    bisection (a fixed per-rank share would push onto the last ranks the work of those the token cap
+    stops short: the cheap heads of long causal documents). A cut that falls within `balance_slack` of
+    a document's start moves to it, so that the document stays whole; a document cut anyway is split
+    over consecutive ranks, every piece read only by its own rank and the ranks after it (K/V travel at
+    most one hop per rank it spans, never round the ring). `blocks`: every document's blocks.
 
     (Python lists and bisect in the loop over ranks: numpy's per-call cost on scalars dominated.)"""
     w = len(at.load)
@@ -243,33 +245,42 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
     doc_first = [0, *np.cumsum(nb).tolist()]  # block range of each document
     doc_of = np.repeat(np.arange(len(docs)), nb).tolist()
     size = len(doc_of)
-    load, tokens = at.load.tolist(), at.tokens.tolist()
-    owner = np.empty(size, dtype=np.int64)
-    start = 0
-    for r in range(w):
-        received = (start - doc_first[doc_of[start]]) * bs if start < size else 0  # the document's tokens before
-        comm = costs.comm_per_token * received
-        if r == w - 1:
+    base_load, base_tokens = at.load.tolist(), at.tokens.tolist()
+
+    def ends_at(level: float) -> tuple[list[int], list[float]]:
+        """Each rank's end block and its load when every rank but the last takes up to `level`."""
+        ends, loads, start = [], [], 0
+        for r in range(w):
+            comm = costs.comm_per_token * ((start - doc_first[doc_of[start]]) * bs if start < size else 0)
             end = size
+            if r < w - 1:
+                end = bisect.bisect_right(total, total[start] + level - base_load[r] - comm) - 1
+                most = bisect.bisect_right(held, held[start] + token_cap - base_tokens[r]) - 1
+                end = max(min(end, most), start)
+                if 0 < end < size and doc_first[doc_of[end]] != end:  # inside a document: its start if close
+                    edge = doc_first[doc_of[end]]
+                    if edge >= start and total[end] - total[edge] <= costs.balance_slack * level:
+                        end = edge
+            ends.append(end)
+            loads.append(base_load[r] + total[end] - total[start] + comm)
+            start = end
+        return ends, loads
+
+    lo = (total[-1] + sum(base_load)) / w  # no level below the mean fits
+    ends, loads = ends_at(lo)
+    hi = max(loads)  # (the level the first try reached: taking up to it, every rank but the last takes more)
+    while hi - lo > 1e-3 * lo:
+        mid = (lo + hi) / 2
+        try_ends, try_loads = ends_at(mid)
+        if max(try_loads) < max(loads):
+            ends, loads = try_ends, try_loads
+        if try_loads[-1] > mid:  # the last rank took more than the level: too low
+            lo = mid
         else:
-            level = (total[-1] - total[start] + sum(load[r:]) + comm) / (w - r)
-            want = total[start] + max(level - load[r] - comm, 0.0)
-            end = min(bisect.bisect_left(total, want), size)  # total[end] >= want, or the last
-            if end > start and want - total[end - 1] < total[end] - want:
-                end -= 1
-            most = bisect.bisect_right(held, held[start] + token_cap - tokens[r]) - 1
-            end = max(min(end, most), start)
-            if 0 < end < size and doc_first[doc_of[end]] != end:  # inside a document: its edge if close
-                d = doc_of[end]
-                edges = [e for e in (doc_first[d], doc_first[d + 1]) if start <= e <= max(most, start)]
-                near = min(edges, key=lambda e: abs(total[e] - want), default=None)
-                if near is not None and abs(total[near] - want) <= costs.balance_slack * level:
-                    end = near
-        owner[start:end] = r
-        load[r] += total[end] - total[start] + comm
-        tokens[r] += held[end] - held[start]
-        start = end
-    at.load[:], at.tokens[:] = load, tokens
+            hi = mid
+    owner = np.repeat(np.arange(w), np.diff([0, *ends]))
+    at.load[:] = loads
+    at.tokens[:] = [t + held[e] - held[s] for t, s, e in zip(base_tokens, [0, *ends[:-1]], ends)]
     for j, i in enumerate(docs):
         ranks = owner[doc_first[j]: doc_first[j + 1]]
         if ranks[0] == ranks[-1]:
