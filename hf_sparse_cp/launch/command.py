@@ -115,7 +115,9 @@ def launched_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArgume
     script's own flag), the script's own arguments left alone; None where that parser alone can say (a value it
     refuses)."""
     parser = _SplitParser(allow_abbrev=False)
-    script = training_flags(plugin, args)
+    # (--use_cpu read as the script's parser reads it only where given: that parser imports transformers' model code)
+    cpu_given = any(arg.split("=")[0] == "--use_cpu" for arg in args)
+    script = training_flags(plugin, args) if cpu_given else None
     in_file = {name: value for name, value in trl_config(args).items() if name in vars(parser.parse_args([]))}
     parser.set_defaults(**in_file)  # (as TRL's parser takes them)
     try:
@@ -123,12 +125,13 @@ def launched_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArgume
         values = vars(parser.parse_known_args(list(args))[0])
     except _Refused:  # (the script's parser refuses it, naming the flag)
         return None
-    if script is None:  # (--use_cpu maybe)
+    if cpu_given and script is None:  # (--use_cpu maybe)
         return None
-    if not after and not script.use_cpu:
+    use_cpu = bool(script and script.use_cpu)
+    if not after and not use_cpu:
         return plugin
     explicit = set(plugin.explicit_flags or ()) | after
-    with parsing_typed_flags(explicit), parsing_for_cpu(script.use_cpu):
+    with parsing_typed_flags(explicit), parsing_for_cpu(use_cpu):
         return dataclasses.replace(plugin, **{name: values[name] for name in after})
 
 
