@@ -57,12 +57,17 @@ class Stage:
             config = dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
         if checks_unread_fields():
             given = {name: value for name, value in self.cp.items() if name in ContextParallelConfig.PLANNER_FIELDS}
-            ContextParallelConfig.refuse_unread_planner_costs(given, [config], scope="this stage")
+            ContextParallelConfig.refuse_unread_planner_costs(given, [config], _stage_setting, scope="this stage")
         return config
 
     def sparse_config(self, base: SparseAttentionConfig) -> SparseAttentionConfig:
         """The run's pattern `base` with this stage's pattern fields."""
         return base.replace(**self.sparse)  # (refuses only the unread fields the stage gives)
+
+
+def _stage_setting(name: str, value: Any) -> str:
+    """A setting as a stage's field spells it (`cp_sharding=document`): the fix a stage's refusal names."""
+    return f"{name}={value}"
 
 
 def _value(text: str) -> Any:

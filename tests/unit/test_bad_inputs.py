@@ -102,7 +102,7 @@ from hf_sparse_cp.examples.train_long_context import parse_args
         # given in a stage that does not read them (the stage's config alone takes them: no other stage may)
         (["--cp_schedule", "0:256:1,2:512:2:cp_planner_comm_per_token=5", "--max_steps", "4"], "cp_schedule stage 1 "
          "(2:512:2:cp_planner_comm_per_token=5): cp_planner_comm_per_token=5 would be ignored: the document planner of "
-         "cp_sharding='document' reads it, and this stage shards with cp_sharding='striped'"),
+         "cp_sharding=document reads it, and this stage shards with cp_sharding=striped"),  # (in the stage's syntax)
         (["--cp_schedule", "0:256:1,2:512:2:estimation_chunk=128", "--max_steps", "4"], "cp_schedule stage 1 "
          "(2:512:2:estimation_chunk=128): estimation_chunk=128 would be ignored: only a layer with "
          "pattern='vertical_slash' and estimation='causal_chunks' reads it"),
