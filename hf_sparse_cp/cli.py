@@ -195,13 +195,13 @@ def _launch(argv: list[str], command: str = "launch") -> int:
         # the flags before the script path, which each parses alone, those among the script's arguments, which the
         # script's parser takes, a CP degree the processes cannot run
         from hf_sparse_cp.launch.command import parse_plugin_flags
-        from hf_sparse_cp.launch.known_scripts import module_found, script_refusal
+        from hf_sparse_cp.launch.known_scripts import module_found, reads_trl_config, script_refusal
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
         with parsing_for_launch():  # (as one of the processes, which say what the flags do themselves)
             plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
             try:
-                run_flags = launched_flags(plugin, args)
+                run_flags = launched_flags(plugin, args, reads_trl_config(target, is_module))
             except (OSError, ValueError) as e:
                 parser.error(str(e))
         if run_flags is not None:

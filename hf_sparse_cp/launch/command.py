@@ -106,19 +106,20 @@ def trl_config(args: Sequence[str]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key != "env"} if isinstance(config, dict) else {}
 
 
-def launched_flags(plugin: PluginArguments, args: Sequence[str]) -> PluginArguments | None:
+def launched_flags(plugin: PluginArguments, args: Sequence[str], reads_config: bool) -> PluginArguments | None:
     """`plugin` (the flags before the script path) with the plugin's flags among `args` (the script's arguments,
-    which the script's parser takes beside its own, over the keys of TRL's `--config` file, `trl_config`; the last one
-    given wins), checked as each launched process checks them (on the CPU with the script's --use_cpu among `args`):
-    raises their ValueError (or OSError: a --sparse_config file not there), naming the fix, before any process
-    starts. Read as written, without the script's parser: only flags spelled whole (a prefix of one may be the
-    script's own flag), the script's own arguments left alone; None where that parser alone can say (a value it
-    refuses)."""
+    which the script's parser takes beside its own, over the keys of TRL's `--config` file, `trl_config`, where the
+    script reads it, `reads_config`; the last one given wins), checked as each launched process checks them (on the
+    CPU with the script's --use_cpu among `args`): raises their ValueError (or OSError: a --sparse_config file not
+    there), naming the fix, before any process starts. Read as written, without the script's parser: only flags
+    spelled whole (a prefix of one may be the script's own flag), the script's own arguments left alone; None where
+    that parser alone can say (a value it refuses)."""
     parser = _SplitParser(allow_abbrev=False)
     # (--use_cpu read as the script's parser reads it only where given: that parser imports transformers' model code)
     cpu_given = any(arg.split("=")[0] == "--use_cpu" for arg in args)
     script = training_flags(plugin, args) if cpu_given else None
-    in_file = {name: value for name, value in trl_config(args).items() if name in vars(parser.parse_args([]))}
+    in_file = {name: value for name, value in (trl_config(args) if reads_config else {}).items()
+               if name in vars(parser.parse_args([]))}
     parser.set_defaults(**in_file)  # (as TRL's parser takes them)
     try:
         after = explicit_fields(parser, args) | set(in_file)

@@ -4,7 +4,8 @@ name, as TRL's examples/scripts/orpo.py), whose refusals come, without it, only 
 tokenized the script's data: a trainer whose loss CP does not reproduce (`context_parallel.own_loss_refusal`), and
 `--use_liger_kernel` on a machine without CUDA (`attach.training_fused_ops`). Where the source does not say for
 sure (a trainer of another package or of the script's own, one built through an attribute, a name bound twice, no
-source), nothing is refused here, and the processes refuse as before. `module_found`: whether `-m name` is there."""
+source), nothing is refused here, and the processes refuse as before. `module_found`: whether `-m name` is there;
+`reads_trl_config`: whether the script reads TRL's --config file from its command line."""
 
 from __future__ import annotations
 
@@ -91,6 +92,23 @@ def trl_trainers(target: str, is_module: bool) -> list[type] | None:
             return None
         classes.append(found)
     return classes
+
+
+def reads_trl_config(target: str, is_module: bool) -> bool:
+    """Whether the script `target` reads TRL's `--config FILE` from its command line, as its source says: it calls
+    `parse_args_and_config` (TrlParser's), every call without a list of its own (which replaces sys.argv). False
+    where the source does not say so (no such call, one given its args, no source): its processes alone read the
+    file then, if at all."""
+    source = _source(target, is_module)
+    try:
+        tree = ast.parse(source) if source is not None else None
+    except (SyntaxError, ValueError):
+        return False
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "parse_args_and_config"] if tree is not None else []
+    # (a keyword None is `**kwargs`, which may hold args)
+    return bool(calls) and all(not call.args and all(keyword.arg not in ("args", None) for keyword in call.keywords)
+                               for call in calls)
 
 
 def training_flags(plugin: PluginArguments, args: Sequence[str]) -> SimpleNamespace | None:

@@ -53,7 +53,6 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
-from .command import trl_config
 from .known_scripts import trainers_refusal
 from .refusals import exit_refused
 
@@ -184,6 +183,13 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                 raise ValueError(f"{e}: the script's arguments and the plugin's flags (sparse_*, cp_*, smet*) both "
                                  "have it; rename the script's field, or run the script without "
                                  "hf_sparse_cp.run.") from None
+            set_defaults = getattr(self, "set_defaults_with_config", None)
+            if set_defaults is not None:  # TRL's parser (a subclass): the keys of the --config file it reads, as typed
+                def set_config_defaults(**config):
+                    self._sparse_config_keys = getattr(self, "_sparse_config_keys", set()) | set(config)
+                    return set_defaults(**config)
+
+                self.set_defaults_with_config = set_config_defaults
             plugin_types = [t for t in types if isinstance(t, type) and issubclass(t, SparseArgumentsMixin)]
             if plugin_types and kwargs.get("usage") is None:
                 # argparse's errors print the usage of every flag, the plugin's ~60 among them: its prog and --help
@@ -196,8 +202,9 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             # the plugin flags given (here, or before the script path), whatever their value: the arguments check them
             # as they are built (`parsing_typed_flags`), and they beat --sparse_config whatever their value
             explicit = explicit_fields(self, sys.argv[1:] if args is None else list(args)) | given
-            if hasattr(self, "set_defaults_with_config"):  # (TRL's parser: the keys of the --config file it read from
-                explicit |= set(trl_config(sys.argv[1:])) & plugin_flag_names()  # its command line, as typed)
+            # (TRL's parser: the keys of the --config file it read, from the args the script passed or sys.argv, as
+            # typed: it makes their values its flags' defaults, `set_config_defaults` in `init_parser`)
+            explicit |= getattr(self, "_sparse_config_keys", set()) & plugin_flag_names()
             try:
                 with parsing_typed_flags(explicit):
                     outputs = parse(self, args, *rest, **kwargs)

@@ -94,15 +94,20 @@ def test_trls_parser_and_its_config_file_take_the_plugins_flags(tmp_path):
     assert config.sparse_block_size == 32 and config.sequence_length == 512 and config.cp_sharding == "zigzag"
 
 
-def test_a_plugin_key_of_trls_config_file_counts_as_typed(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("script_passes_args", [False, True])
+def test_a_plugin_key_of_trls_config_file_counts_as_typed(tmp_path, monkeypatch, capsys, script_passes_args):
     """A key of TRL's --config file at its default value was not counted as typed (TRL makes the file's values its
-    flags' defaults): --sparse_estimation_chunk 1024 there trained, ignored, where the same flag was refused."""
+    flags' defaults): --sparse_estimation_chunk 1024 there trained, ignored, where the same flag was refused. The
+    same where the script passes its own list (`parse_args_and_config(args=[...])`): the keys were read from
+    sys.argv."""
     trl = pytest.importorskip("trl")
     recipe = tmp_path / "sft.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\nsparse_estimation_chunk: 1024\n")  # (its default)
-    monkeypatch.setattr(sys, "argv", ["sft.py", "--config", str(recipe)])
+    args = ["--config", str(recipe)]
+    monkeypatch.setattr(sys, "argv", ["sft.py"] + ([] if script_passes_args else args))
     with launched(PluginArguments()), pytest.raises(SystemExit) as refused:
-        trl.TrlParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)).parse_args_and_config()
+        trl.TrlParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)).parse_args_and_config(
+            args if script_passes_args else None)
     assert refused.value.code == 2 and "--sparse_estimation_chunk 1024 would be ignored" in capsys.readouterr().err
 
 
@@ -606,10 +611,11 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
             assert refused.value.code == 2 and not started
             assert f"hf-sparse-cp launch: error: {refusal}" in capsys.readouterr().err
     # the plugin's keys of TRL's --config file (its default value too), which each process's TrlParser reads
+    (tmp_path / "trl_train.py").write_text("args = TrlParser(types).parse_args_and_config(fail_with_unknown_args=0)")
     for key, value in {"sparse_estimation_chunk": 1024, "cp_planner_comm_per_token": 300}.items():
         (tmp_path / "recipe.yaml").write_text(f"output_dir: out\n{key}: {value}\n")
         with pytest.raises(SystemExit) as refused:
-            cli.main(["launch", "--nproc", "2", "train.py", "--config", "recipe.yaml"])
+            cli.main(["launch", "--nproc", "2", "trl_train.py", "--config", "recipe.yaml"])
         assert refused.value.code == 2 and not started
         assert f"error: --{key} {value}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # the example's own refusal, once, before the processes
@@ -617,12 +623,17 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
     assert refused.value.code == 2 and not started
     assert "cp_size=8 does not divide the world size 2" in capsys.readouterr().err
     # what the processes can run starts them; what the script's own parser would read is left to it
+    # (TRL's --config keys only where the script reads them: not a script's own --config YAML, nor where it passes
+    # parse_args_and_config a list of its own)
+    (tmp_path / "own_list.py").write_text("args = parser.parse_args_and_config(['--config', 'other.yaml'])")
+    for script in ("train.py", "own_list.py"):
+        assert cli.main(["launch", "--nproc", "2", script, "--config", "recipe.yaml"]) == 0
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "2", "--cp_size_of_mine", "3"]) == 0
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "abc"]) == 0
     # (a script's own flag that a flag of ours starts with, or that starts one of ours, is the script's)
     assert cli.main(["launch", "--nproc", "2", "train.py", "--sparse", "256", "--sparse_estimation_chunks", "8"]) == 0
     assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "--max_steps", "1"]) == 0
-    assert len(started) == 4
+    assert len(started) == 6
 
 
 SETUP_SCRIPT = textwrap.dedent("""
