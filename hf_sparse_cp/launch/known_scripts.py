@@ -46,16 +46,21 @@ def _source(target: str, is_module: bool) -> str | None:
         return None
 
 
+def _tree(target: str, is_module: bool) -> ast.Module | None:
+    """The script's parsed source; None without one, or where python cannot parse it (it says why when it runs)."""
+    source = _source(target, is_module)
+    try:
+        return ast.parse(source) if source is not None else None
+    except (SyntaxError, ValueError):
+        return None
+
+
 def trl_trainers(target: str, is_module: bool) -> list[type] | None:
     """The TRL Trainer classes that the script `target` (a path, or a module's name) builds, read from its source:
     every call of a name ending in `Trainer` is of a class the script imports from `trl` (`from trl import
     RewardTrainer`, `from trl.experimental.orpo import ORPOTrainer`) and binds nowhere else. None when the source
     does not say for sure: no call of a Trainer, one of another origin, or through an attribute (`trl.X(...)`)."""
-    source = _source(target, is_module)
-    try:
-        tree = ast.parse(source) if source is not None else None
-    except (SyntaxError, ValueError):  # (python says why when it runs it)
-        return None
+    tree = _tree(target, is_module)
     if tree is None:
         return None
     imported: dict[str, tuple[str, str]] = {}
@@ -99,11 +104,7 @@ def reads_trl_config(target: str, is_module: bool) -> bool:
     `parse_args_and_config` (TrlParser's), every call without a list of its own (which replaces sys.argv). False
     where the source does not say so (no such call, one given its args, no source): its processes alone read the
     file then, if at all."""
-    source = _source(target, is_module)
-    try:
-        tree = ast.parse(source) if source is not None else None
-    except (SyntaxError, ValueError):
-        return False
+    tree = _tree(target, is_module)
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
              and node.func.attr == "parse_args_and_config"] if tree is not None else []
     # (a keyword None is `**kwargs`, which may hold args)
