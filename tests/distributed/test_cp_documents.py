@@ -3,6 +3,7 @@ attention and models equal to one process (gloo, 2 / 3 / 4 processes)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,6 +154,40 @@ def test_pipelined_ring_time_on_known_cases():
     assert pipelined_time(work, RingTopology(3, 1), outer_send) == 6.0
 
 
+def test_the_planners_ring_time_waits_only_for_neighbours_that_exchange():
+    """The planner's estimate (`split.ring_time`), on the simulator's cases: a rank waits for the ring neighbour it
+    exchanges K/V with at a step, and exchanges at a step only what a rank further on still reads."""
+    from hf_sparse_cp.distributed.split.ring_time import pipelined_ring_time
+
+    assert pipelined_ring_time(np.ones((4, 4))) == 4.0
+    work = np.zeros((4, 4))
+    work[:, 0], work[2, 0] = 1.0, 5.0
+    assert pipelined_ring_time(work) == 5.0  # nobody reads another rank's K/V: no wait
+    work[3, 2] = 1.0  # rank 3 reads rank 1 at step 2, through rank 2 (busy until 5 in step 0)
+    assert pipelined_ring_time(work) == 6.0
+
+
+@pytest.mark.parametrize("cap", [None, 1, 3])
+def test_the_planners_step_work_of_a_split_document_counts_every_pair_once(cap):
+    """A split document's key blocks per query rank and ring step: all causal pairs where dense, each at the step
+    that brings the key's rank to the query's; `cap` blocks a row where sparse, the diagonal on the query's rank."""
+    from hf_sparse_cp.distributed.split.ring_time import split_step_pairs
+
+    w, g = 4, np.random.default_rng(0)
+    owner = g.integers(0, w, 40)
+    pairs = split_step_pairs(owner, cap, w)
+    rows = np.arange(40)
+    assert pairs.sum() == pytest.approx(float(np.minimum(rows + 1, cap or 40).sum()))
+    if cap is None:
+        exact = np.zeros((w, w))
+        for i in rows:
+            for j in range(i + 1):
+                exact[owner[i], (owner[i] - owner[j]) % w] += 1
+        assert np.array_equal(pairs, exact)
+    else:
+        assert (pairs[:, 0] >= np.bincount(owner, minlength=w)).all()
+
+
 def _long_tail(seed: int) -> list[int]:
     """Lognormal document lengths (median ~500, 16 to 8K tokens) filling at least 32K tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -177,6 +212,39 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
     striped = ring_cost(dense_layout(striped_plan.global_meta(_meta(lengths)), 64), striped_plan, kv_heads=1,
                         head_dim=8)
     assert planned.forward_bytes.sum() * 1.5 <= striped.forward_bytes.sum()
+
+
+def _ring_seconds(lengths: list[int], cp: int) -> tuple[float, float]:
+    """(pipelined ring time in token pairs, over the ideal) of the dense ring over the planner's split."""
+    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, 64)
+    cost = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), 64), plan, kv_heads=1, head_dim=8)
+    return pipelined_time(cost.work, cost.topology, cost.sends) * 64**2, cost.pipelined_imbalance
+
+
+@pytest.mark.parametrize("cp", [4, 16, 32])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_planner_estimates_exactly_the_ring_time_of_the_plan_it_picks(monkeypatch, cp, seed):
+    """Dense documents on block boundaries: the planner's estimate of the ring's time (steps' work from the placement
+    alone, the waits of ranks that exchange K/V) is the simulator's, counted from the plan the ring executes."""
+    from hf_sparse_cp.distributed.split import documents
+
+    estimates = []
+    estimate = documents._ring_time
+    monkeypatch.setattr(documents, "_ring_time", lambda *args: estimates.append(estimate(*args)) or estimates[-1])
+    lengths = [-(-n // 64) * 64 for n in _long_tail(seed)]
+    assert _ring_seconds(lengths, cp)[0] == pytest.approx(min(estimates), rel=1e-9)
+
+
+def test_the_planner_picks_the_quickest_ring_among_equally_balanced_plans(monkeypatch):
+    """At CP 32 several plans tie on the busiest rank's work but not on ring time (whose work comes at the steps its
+    neighbours wait for): picking by ring time is never slower than the first of them, and faster on some rows."""
+    from hf_sparse_cp.distributed.split import documents
+
+    rows = [_long_tail(seed) for seed in range(6)]
+    picked = [_ring_seconds(lengths, 32)[1] for lengths in rows]
+    monkeypatch.setattr(documents, "_ring_time", lambda *args: 0.0)  # every plan alike: the first one tried
+    first = [_ring_seconds(lengths, 32)[1] for lengths in rows]
+    assert all(p <= f + 1e-9 for p, f in zip(picked, first)) and sum(first) - sum(picked) > 0.1, (picked, first)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

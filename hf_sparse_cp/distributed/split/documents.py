@@ -14,8 +14,9 @@ although only its own queries read them. The planner instead:
 * balances per rank the estimated attention work (causal token pairs, or the kept blocks of a
   sparse document) plus the linear work of its tokens plus the K/V it receives, within a token
   cap (activation memory): whole documents first, then the cut brings every rank to one level.
-  It sweeps how many documents to cut and to split over the ring, and keeps the plan with the
-  fewest whose busiest rank is within `PlannerCosts.balance_slack` of the best one tried.
+  It sweeps how many documents to cut and to split over the ring and, of the plans whose busiest rank
+  is within `PlannerCosts.balance_slack` of the best one tried, keeps the one whose attention the ring
+  runs in the least time, its ranks waiting for their neighbours (`ring_time`).
 
 It runs on the CPU per batch and is a pure function of the document lengths, so every rank of a
 CP group derives the same plan without communicating. A batch of several rows with different documents is
@@ -43,6 +44,7 @@ import torch
 from ...attention.tokens import PAD_SEGMENT, TokenMeta
 from ...config import SparseAttentionConfig, check_block_size
 from .blocks import BlockSplit
+from .ring_time import pipelined_ring_time, split_step_pairs
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
 
@@ -66,8 +68,9 @@ class PlannerCosts:
     )
     balance_slack: float = field(
         default=0.02,
-        metadata={"help": "Imbalance accepted to save traffic: a cut between ranks within this fraction of a "
-                  "rank's work of a document's start moves to it, keeping the document whole."},
+        metadata={"help": "Imbalance accepted to save traffic or ring time: a cut between ranks within this "
+                  "fraction of a rank's work of a document's start moves to it, keeping the document whole; of the "
+                  "plans whose busiest rank is within it of the best, the one with the quickest ring wins."},
     )
     max_token_ratio: float = field(
         default=1.25,
@@ -161,13 +164,14 @@ def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> np.ndarray:
 
 @dataclass
 class _Placement:
-    """Documents placed whole (`placed`: rank) or split (`split`: owner rank per block), and the
-    estimated work and tokens per rank."""
+    """Documents placed whole (`placed`: rank) or split (`split`: owner rank per block; `over_ring`: those
+    split over every rank), and the estimated work and tokens per rank."""
 
     load: np.ndarray
     tokens: np.ndarray
     placed: dict[int, int] = field(default_factory=dict)
     split: dict[int, np.ndarray] = field(default_factory=dict)
+    over_ring: set[int] = field(default_factory=set)
 
     def spread_over_ring(self, i: int, kind: str, work: np.ndarray, tokens: np.ndarray, rotation: int,
                          costs: PlannerCosts) -> None:
@@ -179,13 +183,14 @@ class _Placement:
         self.load += np.bincount(owner, weights=work, minlength=w) + costs.comm_per_token * (tokens.sum() - held)
         self.tokens += held
         self.split[i] = owner
+        self.over_ring.add(i)
 
 
-def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None, bs: int, costs: PlannerCosts
+def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None, bs: int
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(attention + linear work, tokens) of every block of the documents `lengths`, in order: a query
-    block row's attention is its causal key blocks, capped at `kept_per_row` for a sparse document,
-    of bs^2 token pairs each (0 for padding); its linear work `linear_per_token` per token."""
+    """(attention work, tokens) of every block of the documents `lengths`, in order: a query block row's
+    attention is its causal key blocks, capped at `kept_per_row` for a sparse document, of bs^2 token pairs
+    each (0 for padding)."""
     nb = -(-lengths // bs)
     first = np.repeat(np.cumsum(nb) - nb, nb)
     row = np.arange(int(nb.sum())) - first
@@ -194,23 +199,31 @@ def _block_costs(lengths: np.ndarray, kinds: list[str], kept_per_row: int | None
     tokens[np.cumsum(nb) - 1] = lengths - (nb - 1) * bs
     attention = np.minimum(row + 1, np.repeat(cap, nb)) * float(bs * bs)
     attention[np.repeat(np.array([k == PAD for k in kinds]), nb)] = 0.0
-    return attention + costs.linear_per_token * tokens, tokens
+    return attention, tokens
 
 
 @dataclass
 class _Blocks:
-    """Every document's blocks in row order: their `work` and `tokens` (`_block_costs`), document i
-    holding blocks first[i]:first[i + 1] (flat arrays: the planner runs every step, and a thousand
-    per-document arrays cost more than the plan)."""
+    """Every document's blocks in row order: their `work` (attention + `linear_per_token` per token),
+    `attention` and `tokens` (`_block_costs`), document i holding blocks first[i]:first[i + 1] (flat arrays:
+    the planner runs every step, and a thousand per-document arrays cost more than the plan)."""
 
     work: np.ndarray
+    attention: np.ndarray
     tokens: np.ndarray
     first: np.ndarray
 
     @classmethod
     def of_row(cls, lengths, kinds, kept_per_row: int | None, bs: int, costs: PlannerCosts) -> _Blocks:
         n = np.array(lengths)
-        return cls(*_block_costs(n, kinds, kept_per_row, bs, costs), np.concatenate([[0], np.cumsum(-(-n // bs))]))
+        attention, tokens = _block_costs(n, kinds, kept_per_row, bs)
+        return cls(attention + costs.linear_per_token * tokens, attention, tokens,
+                   np.concatenate([[0], np.cumsum(-(-n // bs))]))
+
+    @functools.cached_property
+    def document_attention(self) -> np.ndarray:
+        """Estimated attention work of each document (token pairs)."""
+        return np.add.reduceat(self.attention, self.first[:-1])
 
     def document_work(self) -> list[float]:
         """Estimated work of each document (attention + linear, token pairs)."""
@@ -289,6 +302,26 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
             at.split[i] = ranks
 
 
+def _ring_time(at: _Placement, blocks: _Blocks, caps: list[int | None], bs: int,
+               over_ring: dict[int, np.ndarray]) -> float:
+    """Estimated time of the attention of `at` over the ring, in token pairs (`ring_time`): a whole document's
+    attention in step 0 of its rank, a split one's spread over the steps by its blocks' owners; `caps`: per
+    document, the key blocks a query block row reads at most (None: dense); `over_ring`: the steps' work of the
+    documents split over every rank, by document, filled as they come (the same split in every placement)."""
+    w = len(at.load)
+    work = np.zeros((w, w))
+    docs = list(at.placed)
+    work[:, 0] = np.bincount([at.placed[i] for i in docs], weights=blocks.document_attention[docs], minlength=w)
+    for i, owner in at.split.items():
+        if i not in at.over_ring:
+            work += split_step_pairs(owner, caps[i], w) * float(bs * bs)
+            continue
+        if i not in over_ring:
+            over_ring[i] = split_step_pairs(owner, caps[i], w) * float(bs * bs)
+        work += over_ring[i]
+    return pipelined_ring_time(work)
+
+
 def _fill(at: _Placement, docs: list[int], lengths, work, token_cap: float) -> None:
     """Place `docs` (costliest first) whole, each on the least loaded rank with room for its tokens
     (else the one with the fewest tokens)."""
@@ -338,8 +371,10 @@ def plan_documents(
     A document holding at least `ring_share` of the row's work is split over the whole ring. Of the
     others, the n costliest are laid out and cut into one contiguous range per rank (`_cut`), and the
     rest placed whole (`_fill`); n is swept from the documents that must be cut (more work than a
-    rank's share, or more tokens than it may hold), and the plan with the smallest n whose busiest
-    rank is within `balance_slack` of the best one tried wins.
+    rank's share, or more tokens than it may hold). Of the plans whose busiest rank is within
+    `balance_slack` of the best one tried, the one whose attention the ring runs in the least time wins
+    (`ring_time`: equal work per rank still waits where it comes at the steps the neighbours wait for);
+    on a tie, the one with the fewest documents cut.
 
     Args:
         lengths: token counts of the row's runs in order (documents and padding runs).
@@ -392,7 +427,10 @@ def plan_documents(
         if balanced(min(tried, key=lambda at: at.load.max()), costs.balance_slack) or best >= before:
             break  # balanced, or one more document over the ring did not help
     lowest = min(at.load.max() for at in tried)
-    at = next(at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack))
+    near = [at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack)]
+    caps = [kept_per_row if k == SPARSE else None for k in kinds]
+    over_ring: dict[int, np.ndarray] = {}
+    at = min(near, key=lambda at: _ring_time(at, blocks, caps, bs, over_ring)) if w > 1 else near[0]  # (ties: first)
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
     return _materialize(at, lengths, leads, kinds, w, bs)
 
