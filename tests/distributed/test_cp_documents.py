@@ -165,6 +165,18 @@ def test_the_planners_ring_time_waits_only_for_neighbours_that_exchange():
     assert pipelined_ring_time(work) == 5.0  # nobody reads another rank's K/V: no wait
     work[3, 2] = 1.0  # rank 3 reads rank 1 at step 2, through rank 2 (busy until 5 in step 0)
     assert pipelined_ring_time(work) == 6.0
+    # a transfer overlaps the step's compute: it delays only where it takes longer
+    assert pipelined_ring_time(np.ones((4, 4)), np.full((4, 4), 0.5)) == 4.0
+    assert pipelined_ring_time(np.ones((4, 4)), np.full((4, 4), 2.0)) == 3 * 2.0 + 1.0
+
+
+def test_the_planner_forwards_a_cut_documents_kv_only_as_far_as_ranks_read_it():
+    from hf_sparse_cp.distributed.split.ring_time import forwarded_tokens, split_step_pairs
+
+    owner = np.array([0, 0, 1, 1, 1, 2])  # cut over ranks 0-2 of 4
+    tokens = np.full(6, 16.0)
+    sent = forwarded_tokens(split_step_pairs(owner, None, 4), owner, tokens, 4)
+    assert sent.tolist() == [[32, 32, 0, 0], [48, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("cap", [None, 1, 3])
@@ -214,9 +226,9 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
     assert planned.forward_bytes.sum() * 1.5 <= striped.forward_bytes.sum()
 
 
-def _ring_seconds(lengths: list[int], cp: int) -> tuple[float, float]:
+def _ring_seconds(lengths: list[int], cp: int, costs: PlannerCosts | None = None) -> tuple[float, float]:
     """(pipelined ring time in token pairs, over the ideal) of the dense ring over the planner's split."""
-    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, 64)
+    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, 64, costs=costs)
     cost = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), 64), plan, kv_heads=1, head_dim=8)
     return pipelined_time(cost.work, cost.topology, cost.sends) * 64**2, cost.pipelined_imbalance
 
@@ -224,15 +236,16 @@ def _ring_seconds(lengths: list[int], cp: int) -> tuple[float, float]:
 @pytest.mark.parametrize("cp", [4, 16, 32])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_the_planner_estimates_exactly_the_ring_time_of_the_plan_it_picks(monkeypatch, cp, seed):
-    """Dense documents on block boundaries: the planner's estimate of the ring's time (steps' work from the placement
-    alone, the waits of ranks that exchange K/V) is the simulator's, counted from the plan the ring executes."""
+    """Dense documents on block boundaries, transfers free: the planner's estimate of the ring's time (steps' work
+    from the placement alone, the waits of ranks that exchange K/V) is the simulator's, counted from the plan the ring
+    executes."""
     from hf_sparse_cp.distributed.split import documents
 
     estimates = []
     estimate = documents._ring_time
-    monkeypatch.setattr(documents, "_ring_time", lambda *args: estimates.append(estimate(*args)) or estimates[-1])
+    monkeypatch.setattr(documents, "_ring_time", lambda *a, **k: estimates.append(estimate(*a, **k)) or estimates[-1])
     lengths = [-(-n // 64) * 64 for n in _long_tail(seed)]
-    assert _ring_seconds(lengths, cp)[0] == pytest.approx(min(estimates), rel=1e-9)
+    assert _ring_seconds(lengths, cp, PlannerCosts(comm_per_token=0.0))[0] == pytest.approx(min(estimates), rel=1e-9)
 
 
 def test_the_planner_picks_the_quickest_ring_among_equally_balanced_plans(monkeypatch):
@@ -242,7 +255,7 @@ def test_the_planner_picks_the_quickest_ring_among_equally_balanced_plans(monkey
 
     rows = [_long_tail(seed) for seed in range(6)]
     picked = [_ring_seconds(lengths, 32)[1] for lengths in rows]
-    monkeypatch.setattr(documents, "_ring_time", lambda *args: 0.0)  # every plan alike: the first one tried
+    monkeypatch.setattr(documents, "_ring_time", lambda *args, **kwargs: 0.0)  # every plan alike: the first one tried
     first = [_ring_seconds(lengths, 32)[1] for lengths in rows]
     assert all(p <= f + 1e-9 for p, f in zip(picked, first)) and sum(first) - sum(picked) > 0.1, (picked, first)
 

@@ -44,7 +44,7 @@ import torch
 from ...attention.tokens import PAD_SEGMENT, TokenMeta
 from ...config import SparseAttentionConfig, check_block_size
 from .blocks import BlockSplit
-from .ring_time import pipelined_ring_time, split_step_pairs
+from .ring_time import forwarded_tokens, pipelined_ring_time, split_step_pairs
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
 
@@ -302,24 +302,28 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
             at.split[i] = ranks
 
 
-def _ring_time(at: _Placement, blocks: _Blocks, caps: list[int | None], bs: int,
-               over_ring: dict[int, np.ndarray]) -> float:
+def _ring_time(at: _Placement, blocks: _Blocks, caps: list[int | None], costs: PlannerCosts, bs: int,
+               over_ring: dict[int, tuple[np.ndarray, np.ndarray]]) -> float:
     """Estimated time of the attention of `at` over the ring, in token pairs (`ring_time`): a whole document's
-    attention in step 0 of its rank, a split one's spread over the steps by its blocks' owners; `caps`: per
-    document, the key blocks a query block row reads at most (None: dense); `over_ring`: the steps' work of the
-    documents split over every rank, by document, filled as they come (the same split in every placement)."""
+    attention in step 0 of its rank, a split one's spread over the steps by its blocks' owners, and its K/V
+    forwarded at `comm_per_token`; `caps`: per document, the key blocks a query block row reads at most (None:
+    dense); `over_ring`: the steps' work and forwarded tokens of the documents split over every rank, by document,
+    filled as they come (the same split in every placement)."""
     w = len(at.load)
-    work = np.zeros((w, w))
+    work, sent = np.zeros((w, w)), np.zeros((w, w))
     docs = list(at.placed)
     work[:, 0] = np.bincount([at.placed[i] for i in docs], weights=blocks.document_attention[docs], minlength=w)
     for i, owner in at.split.items():
-        if i not in at.over_ring:
-            work += split_step_pairs(owner, caps[i], w) * float(bs * bs)
-            continue
-        if i not in over_ring:
-            over_ring[i] = split_step_pairs(owner, caps[i], w) * float(bs * bs)
-        work += over_ring[i]
-    return pipelined_ring_time(work)
+        if i in over_ring:
+            pairs, tokens = over_ring[i]
+        else:
+            pairs = split_step_pairs(owner, caps[i], w) * float(bs * bs)
+            tokens = forwarded_tokens(pairs, owner, blocks.tokens[blocks.first[i]:blocks.first[i + 1]], w)
+            if i in at.over_ring:
+                over_ring[i] = pairs, tokens
+        work += pairs
+        sent += tokens
+    return pipelined_ring_time(work, sent * costs.comm_per_token)
 
 
 def _fill(at: _Placement, docs: list[int], lengths, work, token_cap: float) -> None:
@@ -429,8 +433,9 @@ def plan_documents(
     lowest = min(at.load.max() for at in tried)
     near = [at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack)]
     caps = [kept_per_row if k == SPARSE else None for k in kinds]
-    over_ring: dict[int, np.ndarray] = {}
-    at = min(near, key=lambda at: _ring_time(at, blocks, caps, bs, over_ring)) if w > 1 else near[0]  # (ties: first)
+    over_ring: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    time = functools.partial(_ring_time, blocks=blocks, caps=caps, costs=costs, bs=bs, over_ring=over_ring)
+    at = min(near, key=time) if w > 1 else near[0]  # (ties: the first, fewest documents cut)
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
     return _materialize(at, lengths, leads, kinds, w, bs)
 
