@@ -9,6 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from .files import section_setting, setting
 from .sections import (
     Scoring,
     budget_class,
@@ -81,13 +82,13 @@ def _refuse_given_twice(sections: Mapping[str, Mapping[str, Any]], flat: Mapping
     section's `mode`, or `budget_mode` beside a section holding fields that mode does not have (they would be
     dropped). Across mappings the upper one wins (a flag given beats the file: `merged_sections`)."""
     budget = sections.get("budget", {})
-    twins = [(f"{name}={value!r}", f"budget: {{{name}: {budget[name]!r}}}") for name, value in flat.items()
+    twins = [(setting(name, value), section_setting("budget", name, budget[name])) for name, value in flat.items()
              if name in budget and budget[name] != value]
     if "budget_mode" in flat and budget.get("mode", flat["budget_mode"]) != flat["budget_mode"]:
-        twins.append((f"budget_mode={flat['budget_mode']!r}", f"budget: {{mode: {budget['mode']!r}}}"))
+        twins.append((setting("budget_mode", flat["budget_mode"]), section_setting("budget", "mode", budget["mode"])))
     nested_scoring = sections.get("scoring", {})
-    twins += [(f"{name}={value!r}", f"scoring: {{{name}: {nested_scoring[name]!r}}}") for name, value in scoring.items()
-              if name in nested_scoring and nested_scoring[name] != value]
+    twins += [(setting(name, value), section_setting("scoring", name, nested_scoring[name]))
+              for name, value in scoring.items() if name in nested_scoring and nested_scoring[name] != value]
     if twins:
         first, second = twins[0]
         raise ValueError(f"{first} and {second} give one field two values in one mapping: keep one of them (the "

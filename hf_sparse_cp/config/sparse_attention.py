@@ -22,6 +22,7 @@ from .files import (
     read_mapping,
     setting,
     unread_fields_checked_by_caller,
+    value_text,
 )
 from .flat_keys import nested
 from .sections import (
@@ -235,9 +236,9 @@ class SparseAttentionConfig(FileConfig):
         fix = max(cfg.block_size, seq_len // 2 // cfg.block_size * cfg.block_size)
         raise ValueError(
             f"estimation_chunk={cfg.estimation_chunk} is not shorter than the {seq_len}-token training sequences: with "
-            f"estimation='causal_chunks' the first chunk of a document is dense, so {which} would run dense (kept "
-            f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of {BLOCK_SIZE}={cfg.block_size}, "
-            f"e.g. {fix}), or estimation='last_queries'."
+            f"{setting('estimation', 'causal_chunks')} the first chunk of a document is dense, so {which} would run "
+            f"dense (kept fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of "
+            f"{BLOCK_SIZE}={cfg.block_size}, e.g. {fix}), or {setting('estimation', 'last_queries')}."
         )
 
     def layer_configs(self) -> list[SparseAttentionConfig]:
@@ -278,11 +279,11 @@ class SparseAttentionConfig(FileConfig):
         # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
         missing = [(name, value) for name, value in needed.items()
                    if all(getattr(pattern, name) != value for pattern in patterns)]
-        running = "; ".join(f"{name}={' / '.join(sorted({repr(getattr(pattern, name)) for pattern in patterns}))}"
+        running = "; ".join(f"{name}={' / '.join(sorted({value_text(getattr(pattern, name)) for pattern in patterns}))}"
                             for name, _ in missing)
         same = [key for key in unread if cls.read_only_with(key) == needed]
         them = "them" if len(same) > 1 else "it"
-        settings = " and ".join(f"{name}={value!r}" for name, value in needed.items())
+        settings = " and ".join(setting(name, value) for name, value in needed.items())
         fix = " ".join(spell(name, value) for name, value in missing or list(needed.items())[:1])
         has = "it" if len(needed) == 1 else "them all"
         raise ValueError(f"{', '.join(spell(key, given[key]) for key in same)} would be ignored: only a layer with "
