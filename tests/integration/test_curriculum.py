@@ -133,6 +133,23 @@ def test_a_schedule_needs_max_steps():
         _build("0:128:1", max_steps=-1)
 
 
+def test_a_stages_layout_refused_for_the_model_spells_the_fix_as_the_stage_writes_fields():
+    """As `enable_curriculum` checks each stage's CP layout against the model: its head split's fix named flags."""
+    from types import SimpleNamespace
+
+    from hf_sparse_cp.distributed import ContextParallelConfig
+
+    stage = parse_schedule("0:128:1,2:256:4:cp_mode=ulysses")[1]
+    with pytest.raises(ValueError) as error, stage.refusals(1):
+        stage.cp_config(ContextParallelConfig()).check_model(SimpleNamespace(num_attention_heads=2,
+                                                                             num_key_value_heads=2))
+    message = str(error.value)
+    assert message.startswith("cp_schedule stage 1 (2:256:4:cp_mode=ulysses): a head-parallel degree of 4 needs at "
+                              "least 4 query heads"), message
+    assert "cp_mode=hybrid with cp_ulysses_size among those and the ring over the rest of the CP degree, or " \
+           "cp_mode=ring (no head parallelism" in message, message
+
+
 @pytest.mark.parametrize("flags, match", [
     (dict(cp_schedule="0:256:1,4:512:2"), r"last stage starts at step 4, at or after --max_steps 4"),
     (dict(cp_schedule="0:256:1,2:500:2"), r"stage 1 \(2:500:2\): seq_len=500 does not split into whole blocks of 32 "
