@@ -99,9 +99,10 @@ def _refuse_given_twice(sections: Mapping[str, Mapping[str, Any]], flat: Mapping
         if mode is not None and "mode" not in budget else []
     if others:
         owners = modes_of(others[0])
-        raise ValueError(f"budget_mode={mode!r} and a budget section holding {others[0]} (read only in "
+        raise ValueError(f"{setting('budget_mode', mode)} and a budget section holding {others[0]} (read only in "
                          f"{mode_words(owners)}): the section's field would be dropped. Give the mode once, in the "
-                         f"section (budget: {{mode: {owners[0]}, ...}}) with its own fields, or drop {others[0]}.")
+                         f"section ({section_setting('budget', 'mode', owners[0])}) with its own fields, or drop "
+                         f"{others[0]}.")
 
 
 def _shared_with_overrides(flat: Mapping[str, Any], mode: str, overrides: Any) -> tuple[Any, set[str]]:

@@ -108,6 +108,9 @@ def test_invalid_schedules_name_the_fix(text, match):
     ("2:256:1:mass_threshold=0.01", "mass_threshold=0.01 is read only in budget_mode=mass and would do nothing with "
                                     "budget_mode=topk; pass budget_mode=mass with it"),
     ("2:256:1:budget.mode=mass:budget_mode=topp", "budget_mode=topp and budget.mode=mass give one field two values"),
+    ("2:256:1:budget_mode=topk:budget.mass_threshold=0.1",
+     "budget_mode=topk and a budget section holding mass_threshold (read only in budget_mode=mass): the section's "
+     "field would be dropped. Give the mode once, in the section (budget.mode=mass) with its own fields"),
     ("2:256:2:cp_sharding=random", "cp_sharding=random (str) is not valid: use one of striped, zigzag, contiguous, "
                                    "document."),
     ("2:256:2:cp_mode=hybrid", "cp_mode=hybrid needs cp_ulysses_size: "),
