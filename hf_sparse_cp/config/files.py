@@ -188,10 +188,15 @@ def plain_settings() -> contextlib.AbstractContextManager[None]:
     return scoped(_PLAIN_SETTINGS, True)
 
 
+def spelled_plainly() -> bool:
+    """Whether messages spell settings as a stage's fields now (inside `plain_settings`)."""
+    return _PLAIN_SETTINGS.get()
+
+
 def value_text(value: Any) -> str:
     """A setting's value as config messages write it: Python's repr (`'causal_chunks'`), or in `plain_settings` as
     typed (`causal_chunks`)."""
-    return str(value) if _PLAIN_SETTINGS.get() else repr(value)
+    return str(value) if spelled_plainly() else repr(value)
 
 
 def setting(name: str, value: Any) -> str:
@@ -203,7 +208,7 @@ def flag_setting(name: str, value: Any = None, flag: str | None = None) -> str:
     """A setting as the messages of the flags' configs name it: its flag `--flag value` (`flag` defaults to `name`;
     where it differs, the setting follows: `--sparse_budget_mode topk (budget_mode='topk')`), without a value the
     flag alone; in `plain_settings` the stage's field (`budget_mode=topk`, `cp_ulysses_size`)."""
-    if _PLAIN_SETTINGS.get():
+    if spelled_plainly():
         return name if value is None else setting(name, value)
     if value is None:
         return f"--{flag or name}"
@@ -213,7 +218,7 @@ def flag_setting(name: str, value: Any = None, flag: str | None = None) -> str:
 def section_setting(section: str, name: str, value: Any) -> str:
     """A section's field as config messages name it: as a file nests it (`budget: {mode: 'topk'}`), or in
     `plain_settings` as a stage gives it (`budget.mode=topk`)."""
-    if _PLAIN_SETTINGS.get():
+    if spelled_plainly():
         return setting(f"{section}.{name}", value)
     return f"{section}: {{{name}: {value!r}}}"
 

@@ -101,7 +101,13 @@ def test_invalid_schedules_name_the_fix(text, match):
                                      "and no layer of this config has them all (estimation=last_queries): drop it, or "
                                      "add estimation=causal_chunks."),
     ("2:256:1:estimation=causal_chunks:estimation_chunk=256", "with estimation=causal_chunks the first chunk of a "
-                                                              "document is dense"),  # (check_sparse_at)
+                                                              "document is dense, so every layer would run dense (kept "
+                                                              "fraction 1.0). Use an estimation_chunk below 256 (a "
+                                                              "multiple of block_size=64, e.g. 128), or "
+                                                              "estimation=last_queries."),  # (check_sparse_at)
+    ("2:256:1:estimation=causal_chunks:estimation_chunk=100", "estimation_chunk=100 must be a positive multiple of "
+                                                              "block_size=64"),
+    ("2:256:1:block_size=48", "block_size=48 must be a power of two >= 16; use 64 or 128."),
     ("2:256:1:pattern=sparse", "pattern=sparse (str) is not valid: use one of vertical_slash, dense."),
     ("2:256:1:block_size=abc", "block_size=abc (str) is not valid: use a whole number, e.g. block_size=128"),
     ("2:256:1:budget_mode=greedy", "budget_mode=greedy is not valid: use one of topk, topp, mass."),
@@ -128,7 +134,7 @@ def test_a_stages_refusal_spells_the_fix_as_the_stage_writes_fields(stage, refus
         _build(schedule)  # (the pattern at the stage's length)
     message = str(error.value)
     assert message.startswith(f"cp_schedule stage 1 ({stage}): ") and refused in message, message
-    assert not re.search(r"\w='|--(?:cp|sparse)_\w+ (?!stage)\w", message), message  # (no repr, no flag)
+    assert not re.search(r"\w='|--(?:cp|sparse)_\w+(?:\)| (?!stage))", message), message  # (no repr, no flag)
 
 
 def test_a_schedule_needs_max_steps():
