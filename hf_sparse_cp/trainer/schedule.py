@@ -74,6 +74,7 @@ class Stage:
             config = dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
         if checks_unread_fields():
             given = {name: value for name, value in self.cp.items() if name in ContextParallelConfig.PLANNER_FIELDS}
+            # (spelled as the stage's fields inside `refusals`, where the schedule's checks build it)
             ContextParallelConfig.refuse_unread_planner_costs(given, [config], scope="this stage")
         return config
 
