@@ -91,7 +91,7 @@ def _describe(annotation: Any) -> str:
     """What `_matches` accepts, in words."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
-        return "one of " + ", ".join(map(repr, args))
+        return "one of " + ", ".join(map(value_text, args))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in args)
     if origin is list:
@@ -122,14 +122,14 @@ def check_field_types(config: Any, names: Collection[str] | None = None) -> None
         fix = f"use {_describe(annotation)}"
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if typing.get_origin(annotation) is not Literal and default not in (None, dataclasses.MISSING):
-            fix += f", e.g. {f.name}={default!r} (the default)"
+            fix += f", e.g. {setting(f.name, default)} (the default)"
         if isinstance(value, str) and _is_number(value) and _matches(0, annotation):
             fix += ("; this is a number written as text: write it without quotes"
                     + (" (YAML reads an exponent without a dot and a sign, like 1e-3, as text: write 0.001 or "
                        "1.0e-3)" if "e" in value.lower() else ""))
         elif isinstance(value, str) and _matches(True, annotation):
             fix += "; a switch takes true or false without quotes (quoted, YAML and JSON read them as text)"
-        raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not valid: {fix}.")
+        raise ValueError(f"{setting(f.name, value)} ({type(value).__name__}) is not valid: {fix}.")
 
 
 def _is_number(text: str) -> bool:
@@ -177,9 +177,50 @@ def typed_flags(flags: Mapping[str, Any], defaults: Mapping[str, Any],
     return {name: value for name, value in flags.items() if name in explicit}
 
 
+# True inside `plain_settings`: messages write settings as a --cp_schedule stage's fields.
+_PLAIN_SETTINGS: ContextVar[bool] = ContextVar("hf_sparse_cp_plain_settings", default=False)
+
+
+def plain_settings() -> contextlib.AbstractContextManager[None]:
+    """Inside the block, the configs' messages write the settings they refuse and the fixes they name as a
+    `--cp_schedule` stage's fields give them, `name=value` with the value as typed (`pattern=vertical_slash`): the
+    stage syntax takes neither Python's repr (`pattern='vertical_slash'`) nor a flag (`--cp_mode hybrid`)."""
+    return scoped(_PLAIN_SETTINGS, True)
+
+
+def spelled_plainly() -> bool:
+    """Whether messages spell settings as a stage's fields now (inside `plain_settings`)."""
+    return _PLAIN_SETTINGS.get()
+
+
+def value_text(value: Any) -> str:
+    """A setting's value as config messages write it: Python's repr (`'causal_chunks'`), or in `plain_settings` as
+    typed (`causal_chunks`)."""
+    return str(value) if spelled_plainly() else repr(value)
+
+
 def setting(name: str, value: Any) -> str:
-    """A config's setting as its messages name it: `name=value` (`estimation='causal_chunks'`)."""
-    return f"{name}={value!r}"
+    """A config's setting as its messages name it: `name=value` (`estimation='causal_chunks'`; `value_text`)."""
+    return f"{name}={value_text(value)}"
+
+
+def flag_setting(name: str, value: Any = None, flag: str | None = None) -> str:
+    """A setting as the messages of the flags' configs name it: its flag `--flag value` (`flag` defaults to `name`;
+    where it differs, the setting follows: `--sparse_budget_mode topk (budget_mode='topk')`), without a value the
+    flag alone; in `plain_settings` the stage's field (`budget_mode=topk`, `cp_ulysses_size`)."""
+    if spelled_plainly():
+        return name if value is None else setting(name, value)
+    if value is None:
+        return f"--{flag or name}"
+    return f"--{flag} {value} ({setting(name, value)})" if flag and flag != name else f"--{name} {value}"
+
+
+def section_setting(section: str, name: str, value: Any) -> str:
+    """A section's field as config messages name it: as a file nests it (`budget: {mode: 'topk'}`), or in
+    `plain_settings` as a stage gives it (`budget.mode=topk`)."""
+    if spelled_plainly():
+        return setting(f"{section}.{name}", value)
+    return f"{section}: {{{name}: {value!r}}}"
 
 
 # False inside `unread_fields_checked_by_caller`: configs built there skip their refusal of a value no setting of

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from .files import section_setting, setting
 from .sections import (
     Scoring,
     budget_class,
@@ -81,13 +82,13 @@ def _refuse_given_twice(sections: Mapping[str, Mapping[str, Any]], flat: Mapping
     section's `mode`, or `budget_mode` beside a section holding fields that mode does not have (they would be
     dropped). Across mappings the upper one wins (a flag given beats the file: `merged_sections`)."""
     budget = sections.get("budget", {})
-    twins = [(f"{name}={value!r}", f"budget: {{{name}: {budget[name]!r}}}") for name, value in flat.items()
+    twins = [(setting(name, value), section_setting("budget", name, budget[name])) for name, value in flat.items()
              if name in budget and budget[name] != value]
     if "budget_mode" in flat and budget.get("mode", flat["budget_mode"]) != flat["budget_mode"]:
-        twins.append((f"budget_mode={flat['budget_mode']!r}", f"budget: {{mode: {budget['mode']!r}}}"))
+        twins.append((setting("budget_mode", flat["budget_mode"]), section_setting("budget", "mode", budget["mode"])))
     nested_scoring = sections.get("scoring", {})
-    twins += [(f"{name}={value!r}", f"scoring: {{{name}: {nested_scoring[name]!r}}}") for name, value in scoring.items()
-              if name in nested_scoring and nested_scoring[name] != value]
+    twins += [(setting(name, value), section_setting("scoring", name, nested_scoring[name]))
+              for name, value in scoring.items() if name in nested_scoring and nested_scoring[name] != value]
     if twins:
         first, second = twins[0]
         raise ValueError(f"{first} and {second} give one field two values in one mapping: keep one of them (the "
@@ -98,9 +99,10 @@ def _refuse_given_twice(sections: Mapping[str, Mapping[str, Any]], flat: Mapping
         if mode is not None and "mode" not in budget else []
     if others:
         owners = modes_of(others[0])
-        raise ValueError(f"budget_mode={mode!r} and a budget section holding {others[0]} (read only in "
+        raise ValueError(f"{setting('budget_mode', mode)} and a budget section holding {others[0]} (read only in "
                          f"{mode_words(owners)}): the section's field would be dropped. Give the mode once, in the "
-                         f"section (budget: {{mode: {owners[0]}, ...}}) with its own fields, or drop {others[0]}.")
+                         f"section ({section_setting('budget', 'mode', owners[0])}) with its own fields, or drop "
+                         f"{others[0]}.")
 
 
 def _shared_with_overrides(flat: Mapping[str, Any], mode: str, overrides: Any) -> tuple[Any, set[str]]:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .files import FileConfig, check_field_types, close_keys
+from .files import FileConfig, check_field_types, close_keys, flag_setting, setting, value_text
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
@@ -87,7 +87,8 @@ def budget_modes() -> tuple[str, ...]:
 
 def budget_class(mode: str) -> type[BudgetSection]:
     if not isinstance(mode, str) or mode not in _registered():  # (a list: `in` a TypeError, unhashable)
-        raise ValueError(f"budget_mode={mode!r} is not valid: use one of {', '.join(map(repr, _registered()))}.")
+        raise ValueError(f"{setting('budget_mode', mode)} is not valid: use one of "
+                         f"{', '.join(map(value_text, _registered()))}.")
     return _registered()[mode]
 
 
@@ -115,7 +116,7 @@ def field_names(cls: type) -> tuple[str, ...]:
 
 
 def mode_words(modes: list[str]) -> str:
-    return " or ".join(f"budget_mode={m!r}" for m in modes)
+    return " or ".join(setting("budget_mode", m) for m in modes)
 
 
 def inferred_mode(fields_: Mapping[str, Any]) -> str | None:
@@ -145,10 +146,9 @@ def budget_from(section: Mapping[str, Any] | BudgetSection) -> BudgetSection:
         if name not in field_names(cls):
             refuse_unknown("budget", [name], budget_keys())
             owners = modes_of(name)
-            raise ValueError(
-                f"{name}={value!r} is read only in {mode_words(owners)} and would do nothing with "
-                f"budget_mode={cls.mode!r}; pass --sparse_budget_mode {owners[0]} (budget_mode={owners[0]!r}) with it, "
-                f"or leave {name} unset.")
+            fix = flag_setting("budget_mode", owners[0], "sparse_budget_mode")
+            raise ValueError(f"{setting(name, value)} is read only in {mode_words(owners)} and would do nothing with "
+                             f"{setting('budget_mode', cls.mode)}; pass {fix} with it, or leave {name} unset.")
     return cls(**section)
 
 

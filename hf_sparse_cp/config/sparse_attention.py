@@ -21,7 +21,9 @@ from .files import (
     checks_unread_fields,
     read_mapping,
     setting,
+    spelled_plainly,
     unread_fields_checked_by_caller,
+    value_text,
 )
 from .flat_keys import nested
 from .sections import (
@@ -56,15 +58,19 @@ def pattern_holders(model_config: Any) -> list[Any]:
     text config (`language_config`), which its attention layers read as their own."""
     text = language_config(model_config)
     return [model_config] if text is model_config else [model_config, text]
-# How messages name the pattern's block size: a run_clm-style script has a `--block_size` of its own (its sequence
-# length), so the plugin's flag is named beside the field.
-BLOCK_SIZE = "block_size (--sparse_block_size)"
 
 
-def check_block_size(block_size: int, name: str = BLOCK_SIZE) -> None:
-    """Raise ValueError unless `block_size` is a power of two >= 16 (what the layout and kernels take)."""
+def block_size_name() -> str:
+    """How messages name the pattern's block size: a run_clm-style script has a `--block_size` of its own (its sequence
+    length), so the plugin's flag is named beside the field; a --cp_schedule stage's field alone (`plain_settings`)."""
+    return "block_size" if spelled_plainly() else "block_size (--sparse_block_size)"
+
+
+def check_block_size(block_size: int, name: str | None = None) -> None:
+    """Raise ValueError unless `block_size` is a power of two >= 16 (what the layout and kernels take); `name`: how
+    the message names it (default `block_size_name`)."""
     if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"{name}={block_size} must be a power of two >= 16; use 64 or 128.")
+        raise ValueError(f"{name or block_size_name()}={block_size} must be a power of two >= 16; use 64 or 128.")
 
 
 @dataclass(init=False)
@@ -168,8 +174,8 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
         chunk, bs = self.estimation_chunk, self.block_size
         if self.estimation == "causal_chunks" and (chunk < bs or chunk % bs):
-            raise ValueError(f"estimation_chunk={chunk} must be a positive multiple of {BLOCK_SIZE}={bs} (chunks of "
-                             f"whole query blocks); e.g. {max(1, chunk // bs) * bs}.")
+            raise ValueError(f"estimation_chunk={chunk} must be a positive multiple of {block_size_name()}={bs} "
+                             f"(chunks of whole query blocks); e.g. {max(1, chunk // bs) * bs}.")
         if self.local_window < 1:
             raise ValueError(f"local_window={self.local_window} must be >= 1: every query needs its own diagonal; "
                              "use 1 for 'diagonal only' or the default 128.")
@@ -235,9 +241,9 @@ class SparseAttentionConfig(FileConfig):
         fix = max(cfg.block_size, seq_len // 2 // cfg.block_size * cfg.block_size)
         raise ValueError(
             f"estimation_chunk={cfg.estimation_chunk} is not shorter than the {seq_len}-token training sequences: with "
-            f"estimation='causal_chunks' the first chunk of a document is dense, so {which} would run dense (kept "
-            f"fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of {BLOCK_SIZE}={cfg.block_size}, "
-            f"e.g. {fix}), or estimation='last_queries'."
+            f"{setting('estimation', 'causal_chunks')} the first chunk of a document is dense, so {which} would run "
+            f"dense (kept fraction 1.0). Use an estimation_chunk below {seq_len} (a multiple of "
+            f"{block_size_name()}={cfg.block_size}, e.g. {fix}), or {setting('estimation', 'last_queries')}."
         )
 
     def layer_configs(self) -> list[SparseAttentionConfig]:
@@ -278,11 +284,11 @@ class SparseAttentionConfig(FileConfig):
         # the fix: the settings no layer has (where each is on some layer, but never all on one: the first)
         missing = [(name, value) for name, value in needed.items()
                    if all(getattr(pattern, name) != value for pattern in patterns)]
-        running = "; ".join(f"{name}={' / '.join(sorted({repr(getattr(pattern, name)) for pattern in patterns}))}"
+        running = "; ".join(f"{name}={' / '.join(sorted({value_text(getattr(pattern, name)) for pattern in patterns}))}"
                             for name, _ in missing)
         same = [key for key in unread if cls.read_only_with(key) == needed]
         them = "them" if len(same) > 1 else "it"
-        settings = " and ".join(f"{name}={value!r}" for name, value in needed.items())
+        settings = " and ".join(setting(name, value) for name, value in needed.items())
         fix = " ".join(spell(name, value) for name, value in missing or list(needed.items())[:1])
         has = "it" if len(needed) == 1 else "them all"
         raise ValueError(f"{', '.join(spell(key, given[key]) for key in same)} would be ignored: only a layer with "

@@ -256,11 +256,7 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
             except Exception:  # (not the window: the first cause is the one to name)
                 raise e from None
     except Exception as e:  # transformers' own checks of this architecture's fields
-        cause = str(e).strip().splitlines()
-        raise ValueError(f"tiny model type {model_type!r}: transformers does not build its config from the tiny "
-                         f"model's fields ({type(e).__name__}: {' '.join(line.strip() for line in cause[:2])}); train "
-                         "another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of this type from "
-                         "--model_name_or_path.") from e
+        raise _build_refusal(model_type, vocab_size, overrides, e) from e
     _check_language_model_sized(model_type, config, fields["hidden_size"])
     layer_types = getattr(config, "layer_types", None) or ()
     if layer_types and not _attends(layer_types) and "layer_types" not in overrides:
@@ -290,6 +286,31 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
                              f"it from its other fields ({name}={getattr(config, name)} here); change those instead "
                              "(e.g. hidden_size and num_attention_heads for head_dim).")
     return config
+
+
+def _build_refusal(model_type: str, vocab_size: int, overrides: dict, error: Exception) -> ValueError:
+    """The ValueError for a config transformers refused to build (`error`, its complaint quoted): where the tiny
+    model's fields alone build it, the overrides are at fault, named (those the complaint names, else all) with the
+    fix, their value; else the type cannot be built tiny, and another type is the fix."""
+    cause = str(error).strip().splitlines()
+    complaint = f"{type(error).__name__}: {' '.join(line.strip() for line in cause[:2])}"
+    if overrides and _builds(model_type, vocab_size):
+        named = [name for name in overrides if name in str(error)] or list(overrides)
+        return ValueError(f"tiny model type {model_type!r}: transformers refuses "
+                          f"{', '.join(f'{name}={overrides[name]!r}' for name in named)} ({complaint}): give "
+                          f"{' and '.join(named)} a value its config takes (the tiny model's fields alone build it).")
+    return ValueError(f"tiny model type {model_type!r}: transformers does not build its config from the tiny model's "
+                      f"fields ({complaint}); train another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of "
+                      "this type from --model_name_or_path.")
+
+
+def _builds(model_type: str, vocab_size: int) -> bool:
+    """Whether the tiny model's fields alone, no override, make a config of `model_type`."""
+    try:
+        _tiny_config(model_type, vocab_size, {})
+    except ValueError:
+        return False
+    return True
 
 
 def released_model_types(*model_types: str) -> list:

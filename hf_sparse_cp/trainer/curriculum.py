@@ -124,17 +124,13 @@ def build_schedule(
         raise ValueError("a cp_schedule counts its stages in optimizer steps: set --max_steps.")
     configs = []
     for i, stage in enumerate(stages):
-        try:
+        with stage.refusals(i):
             check_sizes(world_size, stage.cp_size)
-        except ValueError as error:
-            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
         config = _stage_config(i, stage, sparse_config)
-        try:
+        with stage.refusals(i):
             config.check_sparse_at(stage.seq_len, layers)
             if n_layers is not None:
                 config.check_layers(n_layers)
-        except ValueError as error:
-            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
         configs.append(config)
     return Schedule(tuple(stages), _starts(stages, max_steps, samples_per_step, num_samples), tuple(configs))
 
@@ -149,10 +145,8 @@ def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None,
     the data are checked once the run has them."""
     stages = parse_schedule(text)
     for i, stage in enumerate(stages):
-        try:
+        with stage.refusals(i):
             stage.cp_config(cp_config or ContextParallelConfig())
-        except ValueError as error:
-            raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
         if sparse_config is not None:
             _stage_config(i, stage, sparse_config)
     if max_steps > 0 and all(stage.from_step is not None for stage in stages[1:]):
@@ -183,21 +177,18 @@ def _check_given_starts(stages: Sequence[Stage], max_steps: int) -> None:
 def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) -> SparseAttentionConfig:
     """Stage `i`'s pattern: `sparse_config` with its fields. Raises ValueError, naming the stage, for a field that
     is unknown or invalid, or a length that does not split into whole blocks per CP rank."""
-    unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
-    if unknown:
-        raise ValueError(f"cp_schedule stage {i} ({stage.text}): {sorted(unknown)} are not sparse-pattern fields "
-                         "(SparseAttentionConfig) or CP fields (ContextParallelConfig); use e.g. "
-                         "mass_threshold=0.005 or cp_mode=ulysses.")
-    try:
+    with stage.refusals(i):
+        unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not sparse-pattern fields (SparseAttentionConfig) or CP fields "
+                             "(ContextParallelConfig); use e.g. mass_threshold=0.005 or cp_mode=ulysses.")
         config = stage.sparse_config(sparse_config)
-    except ValueError as error:
-        raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
-    unit = config.block_size * stage.cp_size
-    if stage.seq_len % unit:
-        raise ValueError(
-            f"cp_schedule stage {i} ({stage.text}): seq_len={stage.seq_len} does not split into whole blocks of "
-            f"{config.block_size} tokens over {stage.cp_size} CP ranks (a multiple of {unit} does): use "
-            f"{_seq_len_fix(stage.seq_len, unit)}, or another block_size.")
+        unit = config.block_size * stage.cp_size
+        if stage.seq_len % unit:
+            raise ValueError(
+                f"seq_len={stage.seq_len} does not split into whole blocks of {config.block_size} tokens over "
+                f"{stage.cp_size} CP ranks (a multiple of {unit} does): use {_seq_len_fix(stage.seq_len, unit)}, or "
+                "another block_size.")
     return config
 
 
@@ -427,11 +418,9 @@ def enable_curriculum(
             warn_inexact(trainer)
         configs = []
         for i, stage in enumerate(schedule.stages):
-            try:
+            with stage.refusals(i):
                 configs.append(stage.cp_config(cp_config))
                 configs[-1].check_model(model.config)  # the stage's layout, before its groups are built
-            except ValueError as error:
-                raise ValueError(f"cp_schedule stage {i} ({stage.text}): {error}") from None
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:

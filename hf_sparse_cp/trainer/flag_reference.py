@@ -66,8 +66,11 @@ def flag_reference() -> str:
              "too, and in a SparseAttentionConfig or ContextParallelConfig built in code), and so is an attention "
              "engine the run's device cannot train with; pattern flags with --sparse_attention false, and budget or "
              "scoring flags on a dense pattern, are taken with a warning that they have no effect (a recipe's dense "
-             "baseline). `hf-sparse-cp launch` checks the plugin flags before and after the script path (and the "
-             "keys of TRL's `--config` file, for the CPU with the script's `--use_cpu`) before it starts any process. "
+             "baseline). `hf-sparse-cp launch` checks the plugin flags before and after the script path (on the CPU "
+             "with the script's `--use_cpu`) before it starts any process, and the keys of TRL's `--config` file too "
+             "where the script's source calls `parse_args_and_config()` without arguments of its own (so reads the "
+             "file from its command line); for any other script, each process checks the keys its TRL parser read "
+             "from the file, as it parses its arguments. "
              "In code, the base config of a `cp_schedule` whose later stage shards by document takes the planner "
              "costs through `hf_sparse_cp.schedule_cp_config(cp_schedule, ...)`.",
              "",

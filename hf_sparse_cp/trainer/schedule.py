@@ -7,12 +7,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, unread_fields_checked_by_caller
+from ..config.files import (
+    KnownKeywords,
+    check_field_types,
+    checks_unread_fields,
+    plain_settings,
+    unread_fields_checked_by_caller,
+)
 from ..distributed import ContextParallelConfig
 
 _EPOCH_SUFFIX = "ep"
@@ -49,6 +55,17 @@ class Stage:
         fields += [f"{k}={v}" for k, v in self.cp.items()]
         return ":".join([start, str(self.seq_len), str(self.cp_size), *fields])
 
+    @contextlib.contextmanager
+    def refusals(self, index: int) -> Iterator[None]:
+        """Around the checks of this stage, the `index`-th of its schedule: a ValueError names the stage (which, in
+        a schedule of several), and the configs' messages spell settings and fixes as the stage's fields do
+        (`plain_settings`: `pattern=vertical_slash`, `cp_mode=hybrid`), which the stage syntax takes."""
+        try:
+            with plain_settings():
+                yield
+        except ValueError as error:
+            raise ValueError(f"cp_schedule stage {index} ({self.text}): {error}") from None
+
     # (a stage's configs refuse the fields the stage gives that they do not read, not the run's: another stage may
     # read those, which the run's arguments check across the stages)
     def cp_config(self, base: ContextParallelConfig) -> ContextParallelConfig:
@@ -57,17 +74,13 @@ class Stage:
             config = dataclasses.replace(base, cp_size=self.cp_size, **self.cp)
         if checks_unread_fields():
             given = {name: value for name, value in self.cp.items() if name in ContextParallelConfig.PLANNER_FIELDS}
-            ContextParallelConfig.refuse_unread_planner_costs(given, [config], _stage_setting, scope="this stage")
+            # (spelled as the stage's fields inside `refusals`, where the schedule's checks build it)
+            ContextParallelConfig.refuse_unread_planner_costs(given, [config], scope="this stage")
         return config
 
     def sparse_config(self, base: SparseAttentionConfig) -> SparseAttentionConfig:
         """The run's pattern `base` with this stage's pattern fields."""
         return base.replace(**self.sparse)  # (refuses only the unread fields the stage gives)
-
-
-def _stage_setting(name: str, value: Any) -> str:
-    """A setting as a stage's field spells it (`cp_sharding=document`): the fix a stage's refusal names."""
-    return f"{name}={value}"
 
 
 def _value(text: str) -> Any:

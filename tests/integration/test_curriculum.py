@@ -16,7 +16,7 @@ from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER
-from hf_sparse_cp.trainer.curriculum import StageBatchSampler, StageSamples, build_schedule
+from hf_sparse_cp.trainer.curriculum import StageBatchSampler, StageSamples, build_schedule, check_schedule_flags
 from hf_sparse_cp.trainer.schedule import parse_schedule
 
 SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32:cp_mode=hybrid:cp_ulysses_size=2"
@@ -85,17 +85,78 @@ def _build(text, world=4, max_steps=6, **kw):
                                r"section's keys: \['mode', "),
     ("0:128:1:scoring.last_qq=1", r"Unknown scoring key 'last_qq' \(did you mean 'last_q'\?\); the scoring section's "
                                   r"keys: \['last_q', "),
-    ("0:128:1:mass_threshold=0.01:budget.mass_threshold=0.02", r"mass_threshold=0.01 and budget: "
-                                                               r"\{mass_threshold: 0.02\} give one field two values"),
+    ("0:128:1:mass_threshold=0.01:budget.mass_threshold=0.02", r"mass_threshold=0.01 and "
+                                                               r"budget.mass_threshold=0.02 give one field two values"),
 ])
 def test_invalid_schedules_name_the_fix(text, match):
     with pytest.raises(ValueError, match=match):
         _build(text)
 
 
+# A refusal of the configs' own checks that a stage's field triggers spelled the setting and its fix in Python's repr
+# (pattern='vertical_slash') or as a flag (--cp_mode hybrid), neither of which the stage syntax takes: one case per
+# check, each named as the stage writes fields.
+@pytest.mark.parametrize("stage, refused", [
+    ("2:256:2:estimation_chunk=128", "only a layer with pattern=vertical_slash and estimation=causal_chunks reads it, "
+                                     "and no layer of this config has them all (estimation=last_queries): drop it, or "
+                                     "add estimation=causal_chunks."),
+    ("2:256:1:estimation=causal_chunks:estimation_chunk=256", "with estimation=causal_chunks the first chunk of a "
+                                                              "document is dense, so every layer would run dense (kept "
+                                                              "fraction 1.0). Use an estimation_chunk below 256 (a "
+                                                              "multiple of block_size=64, e.g. 128), or "
+                                                              "estimation=last_queries."),  # (check_sparse_at)
+    ("2:256:1:estimation=causal_chunks:estimation_chunk=100", "estimation_chunk=100 must be a positive multiple of "
+                                                              "block_size=64"),
+    ("2:256:1:block_size=48", "block_size=48 must be a power of two >= 16; use 64 or 128."),
+    ("2:256:1:pattern=sparse", "pattern=sparse (str) is not valid: use one of vertical_slash, dense."),
+    ("2:256:1:block_size=abc", "block_size=abc (str) is not valid: use a whole number, e.g. block_size=128"),
+    ("2:256:1:budget_mode=greedy", "budget_mode=greedy is not valid: use one of topk, topp, mass."),
+    ("2:256:1:mass_threshold=0.01", "mass_threshold=0.01 is read only in budget_mode=mass and would do nothing with "
+                                    "budget_mode=topk; pass budget_mode=mass with it"),
+    ("2:256:1:budget.mode=mass:budget_mode=topp", "budget_mode=topp and budget.mode=mass give one field two values"),
+    ("2:256:1:budget_mode=topk:budget.mass_threshold=0.1",
+     "budget_mode=topk and a budget section holding mass_threshold (read only in budget_mode=mass): the section's "
+     "field would be dropped. Give the mode once, in the section (budget.mode=mass) with its own fields"),
+    ("2:256:2:cp_sharding=random", "cp_sharding=random (str) is not valid: use one of striped, zigzag, contiguous, "
+                                   "document."),
+    ("2:256:2:cp_mode=hybrid", "cp_mode=hybrid needs cp_ulysses_size: "),
+    ("2:256:2:cp_ulysses_size=2", "cp_ulysses_size=2 is the head-group size of cp_mode=hybrid; under cp_mode=ring it "
+                                  "would be ignored: drop it, or use cp_mode=hybrid."),
+    ("2:256:2:cp_mode=ulysses:cp_ring=hierarchical", "cp_ring=hierarchical would be ignored under cp_mode=ulysses"),
+    ("2:256:2:cp_mode=ulysses:cp_sharding=zigzag", "cp_sharding=zigzag would be ignored under cp_mode=ulysses"),
+    ("2:256:2:cp_mode=hybrid:cp_ulysses_size=2:cp_sharding=document", "cp_sharding=document is not available under "
+                                                                      "cp_mode=hybrid"),
+])
+def test_a_stages_refusal_spells_the_fix_as_the_stage_writes_fields(stage, refused):
+    schedule = f"0:128:1,{stage}"
+    with pytest.raises(ValueError) as error:
+        check_schedule_flags(schedule, PATTERN, max_steps=6)  # (the stage's pattern and CP layout, as flags parse)
+        _build(schedule)  # (the pattern at the stage's length)
+    message = str(error.value)
+    assert message.startswith(f"cp_schedule stage 1 ({stage}): ") and refused in message, message
+    assert not re.search(r"\w='|--(?:cp|sparse)_\w+(?:\)| (?!stage))", message), message  # (no repr, no flag)
+
+
 def test_a_schedule_needs_max_steps():
     with pytest.raises(ValueError, match="set --max_steps"):
         _build("0:128:1", max_steps=-1)
+
+
+def test_a_stages_layout_refused_for_the_model_spells_the_fix_as_the_stage_writes_fields():
+    """As `enable_curriculum` checks each stage's CP layout against the model: its head split's fix named flags."""
+    from types import SimpleNamespace
+
+    from hf_sparse_cp.distributed import ContextParallelConfig
+
+    stage = parse_schedule("0:128:1,2:256:4:cp_mode=ulysses")[1]
+    with pytest.raises(ValueError) as error, stage.refusals(1):
+        stage.cp_config(ContextParallelConfig()).check_model(SimpleNamespace(num_attention_heads=2,
+                                                                             num_key_value_heads=2))
+    message = str(error.value)
+    assert message.startswith("cp_schedule stage 1 (2:256:4:cp_mode=ulysses): a head-parallel degree of 4 needs at "
+                              "least 4 query heads"), message
+    assert "cp_mode=hybrid with cp_ulysses_size among those and the ring over the rest of the CP degree, or " \
+           "cp_mode=ring (no head parallelism" in message, message
 
 
 @pytest.mark.parametrize("flags, match", [
@@ -105,10 +166,11 @@ def test_a_schedule_needs_max_steps():
     (dict(cp_schedule="0:256:1,2:512:2:vertical_top=4"), r"\['vertical_top'\] are not sparse-pattern fields"),
     # a stage's CP fields, alone or with the run's CP flags (they were refused only once the processes had built
     # their data and model)
-    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=bogus"), r"stage 1 \(2:512:2:cp_mode=bogus\): .*'bogus'"),
+    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=bogus"), r"stage 1 \(2:512:2:cp_mode=bogus\): cp_mode=bogus \(str\) "
+                                                            r"is not valid: use one of ring, ulysses, hybrid"),
     (dict(cp_schedule="0:256:1,2:512:2:cp_mode=ulysses:cp_sharding=zigzag"),
-     r"stage 1 .*--cp_sharding zigzag would be ignored under --cp_mode ulysses"),
-    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=hybrid"), r"stage 1 .*--cp_mode hybrid needs --cp_ulysses_size"),
+     r"stage 1 .*cp_sharding=zigzag would be ignored under cp_mode=ulysses"),
+    (dict(cp_schedule="0:256:1,2:512:2:cp_mode=hybrid"), r"stage 1 .*cp_mode=hybrid needs cp_ulysses_size"),
     # with an epoch start (the data resolve it) what the other starts decide: they were refused only once every
     # process had built its data and model
     (dict(cp_schedule="0:256:1,1ep:512:2,0.5ep:512:1"), re.escape(

@@ -214,6 +214,22 @@ def test_the_tiny_model_builder_leaves_derived_fields_to_the_architecture_and_na
     assert "error: tiny model type 'no_such_type' is not a transformers model type" in capsys.readouterr().err
 
 
+def test_an_override_transformers_refuses_is_named_with_its_complaint():
+    """An override of the wrong type (Gemma 3's query_pre_attn_scalar takes an int) was refused as a type that cannot
+    be built tiny, advising another --tiny_model_type: the fix is the override's value. A type whose tiny fields alone
+    fail keeps that advice, whatever the overrides."""
+    with pytest.raises(ValueError) as refused:
+        tiny_config("gemma3_text", query_pre_attn_scalar=7.0)
+    message = str(refused.value)
+    assert message.startswith("tiny model type 'gemma3_text': transformers refuses query_pre_attn_scalar=7.0 (")
+    assert "expected int, got float" in message and "give query_pre_attn_scalar a value its config takes" in message
+    assert "another --tiny_model_type" not in message
+    assert tiny_config("gemma3_text", query_pre_attn_scalar=7).query_pre_attn_scalar == 7
+    with pytest.raises(ValueError, match="tiny model type 'gpt_neo': transformers does not build its config from the "
+                                         "tiny model's fields .*another --tiny_model_type"):
+        tiny_config("gpt_neo", num_hidden_layers=2)
+
+
 @pytest.mark.parametrize("model_type, positions", [("gpt2", 1 << 16), ("gpt_bigcode", 1 << 12), ("openai-gpt", 1 << 10),
                                                    ("qwen2", 1 << 20)])
 def test_a_tiny_model_whose_tensors_are_sized_by_its_positions_stays_tiny(model_type, positions):

@@ -105,7 +105,7 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "cp_sharding=document reads it, and this stage shards with cp_sharding=striped"),  # (in the stage's syntax)
         (["--cp_schedule", "0:256:1,2:512:2:estimation_chunk=128", "--max_steps", "4"], "cp_schedule stage 1 "
          "(2:512:2:estimation_chunk=128): estimation_chunk=128 would be ignored: only a layer with "
-         "pattern='vertical_slash' and estimation='causal_chunks' reads it"),
+         "pattern=vertical_slash and estimation=causal_chunks reads it"),  # (in the stage's syntax)
         # an engine that cannot train on this run's device: a traceback from every rank at the first step
         (["--sparse_attention_engine", "triton", "--use_cpu"], "--sparse_attention_engine triton: Triton's kernels "
          "train on CUDA GPUs (Triton's interpreter, a test tool, runs them elsewhere), and this run trains on the CPU "

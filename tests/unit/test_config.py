@@ -278,7 +278,8 @@ def test_file_errors(tmp_path):
      r"budget_mode='topk' and budget: \{mode: 'mass'\} give one field two values"),
     ({"budget_mode": "topk", "budget": {"mass_target": 0.8}},
      r"budget_mode='topk' and a budget section holding mass_target \(read only in budget_mode='mass'\): the "
-     r"section's field would be dropped. Give the mode once, in the section \(budget: \{mode: mass"),
+     r"section's field would be dropped. Give the mode once, in the section \(budget: \{mode: 'mass'\}\) "
+     r"with its own fields"),
     ({"last_q": 32, "scoring": {"last_q": 64}}, r"last_q=32 and scoring: \{last_q: 64\} give one field two values"),
     ({"vertical_topk": 10, "budget": TopK(vertical_topk=64)}, r"vertical_topk=10 and budget: \{vertical_topk: 64\}"),
 ], ids=["flat-beside-section", "mode-beside-mode", "mode-beside-fields-of-another", "scoring", "section-object"])

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...config.files import flag_setting
+
 
 @dataclass(frozen=True)
 class HeadSplit:
@@ -34,9 +36,10 @@ class HeadSplit:
             raise ValueError(
                 f"a head-parallel degree of {self.size} needs at least {self.size} query heads, but the model has "
                 f"{self.q_heads} (and {self.kv_heads} key/value heads): every rank must compute at least one head. Use "
-                f"a head-parallel degree of at most {self.q_heads} (balanced: {divisors}): --cp_mode hybrid with "
-                "--cp_ulysses_size among those and the ring over the rest of the CP degree, or --cp_mode ring (no head "
-                "parallelism, any number of heads)."
+                f"a head-parallel degree of at most {self.q_heads} (balanced: {divisors}): "
+                f"{flag_setting('cp_mode', 'hybrid')} with {flag_setting('cp_ulysses_size')} among those and the "
+                f"ring over the rest of the CP degree, or {flag_setting('cp_mode', 'ring')} (no head parallelism, any "
+                "number of heads)."
             )
 
     @property

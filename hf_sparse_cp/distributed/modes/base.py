@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
+from ...config.files import flag_setting
+
 if TYPE_CHECKING:
     from ...attention.layout import SparseLayout
     from ...attention.tokens import TokenMeta
@@ -58,8 +60,10 @@ class CPMode(ABC):
     def check_flags(self, config) -> None:
         """Raise ValueError, naming the fix, for flags this mode cannot run or would ignore."""
         if config.cp_ulysses_size is not None:
-            raise ValueError(f"--cp_ulysses_size {config.cp_ulysses_size} is the head-group size of --cp_mode hybrid; "
-                             f"under --cp_mode {self.name} it would be ignored: drop it, or use --cp_mode hybrid.")
+            hybrid = flag_setting("cp_mode", "hybrid")
+            raise ValueError(f"{flag_setting('cp_ulysses_size', config.cp_ulysses_size)} is the head-group size of "
+                             f"{hybrid}; under {flag_setting('cp_mode', self.name)} it would be ignored: drop it, or "
+                             f"use {hybrid}.")
         self.check_sharding(config.cp_sharding)
 
     def check_sharding(self, sharding: str) -> None:

@@ -5,6 +5,7 @@ it for a share of the heads (`heads/`); the ring runs on it (`ring.RING`)."""
 
 from __future__ import annotations
 
+from ...config.files import flag_setting
 from ..heads.attention import head_parallel_attention
 from ..shard import CPShard
 from ..split.blocks import NestedSplit, ShardPlan
@@ -19,14 +20,16 @@ class HybridMode(HeadGroupMode):
 
     def check_flags(self, config) -> None:
         if config.cp_ulysses_size is None:
-            raise ValueError("--cp_mode hybrid needs --cp_ulysses_size: the ranks of one head group (within a node, "
-                             "e.g. 8 on 8-GPU nodes); the ring spans cp_size / cp_ulysses_size of them.")
+            raise ValueError(f"{flag_setting('cp_mode', self.name)} needs {flag_setting('cp_ulysses_size')}: the ranks "
+                             "of one head group (within a node, e.g. 8 on 8-GPU nodes); the ring spans cp_size / "
+                             "cp_ulysses_size of them.")
         self.check_sharding(config.cp_sharding)
 
     def check_sharding(self, sharding: str) -> None:
         if sharding == "document":
-            raise ValueError("--cp_sharding document is not available under --cp_mode hybrid (the planner's shards do "
-                             "not cut into equal pieces for a head group); use striped, zigzag or contiguous.")
+            raise ValueError(f"{flag_setting('cp_sharding', sharding)} is not available under "
+                             f"{flag_setting('cp_mode', self.name)} (the planner's shards do not cut into equal pieces "
+                             "for a head group); use striped, zigzag or contiguous.")
 
     def head_size(self, config, cp_size: int) -> int:
         if cp_size % config.cp_ulysses_size:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ...attention.sequence import sequence_attention
+from ...config.files import flag_setting
 from ..heads.attention import head_parallel_attention
 from ..split.blocks import NestedSplit, ShardPlan
 from .base import CPAttention
@@ -24,21 +25,23 @@ class UlyssesMode(HeadGroupMode):
     def check_flags(self, config) -> None:
         super().check_flags(config)
         if config.cp_ring != "flat":
-            raise ValueError(f"--cp_ring {config.cp_ring} would be ignored under --cp_mode ulysses: it has no ring "
-                             "(every rank attends the whole sequence for its heads). Drop it, or use --cp_mode hybrid "
-                             "for heads within a node and a ring across nodes.")
+            raise ValueError(f"{flag_setting('cp_ring', config.cp_ring)} would be ignored under "
+                             f"{flag_setting('cp_mode', self.name)}: it has no ring (every rank attends the whole "
+                             f"sequence for its heads). Drop it, or use {flag_setting('cp_mode', 'hybrid')} for heads "
+                             "within a node and a ring across nodes.")
 
     def check_sharding(self, sharding: str) -> None:
         # (zigzag and the document planner balance a ring's causal attention over its ranks; ulysses has none to
         # balance: supporting them would reorder the gathered q, k, v and output at every layer for nothing)
         if sharding not in ("striped", "contiguous"):  # striped: the flag's default
-            raise ValueError(f"--cp_sharding {sharding} would be ignored under --cp_mode ulysses: a sharding "
+            raise ValueError(f"{flag_setting('cp_sharding', sharding)} would be ignored under "
+                             f"{flag_setting('cp_mode', self.name)}: a sharding "
                              "balances a ring's causal attention over its ranks, and ulysses has no ring: every rank "
                              "attends the whole sequence for its share of the heads (the same work whichever tokens it "
                              "holds), and holds one contiguous piece of the sequence for the other layers, which treat "
                              "each token on its own. Drop it (in a --cp_schedule stage that sets cp_mode=ulysses: "
-                             "cp_sharding=contiguous), or use --cp_mode hybrid for heads within a node and a ring "
-                             "across nodes.")
+                             f"cp_sharding=contiguous), or use {flag_setting('cp_mode', 'hybrid')} for heads within a "
+                             "node and a ring across nodes.")
 
     def split(self, parallel, sharding, block_size, meta, *, sparse_config, planner_costs):
         self.check_sharding(sharding)
