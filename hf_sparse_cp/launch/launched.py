@@ -39,10 +39,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
+from ..config.files import did_you_mean
 from ..integration import compat
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
-from ..trainer.arguments import did_you_mean, explicit_fields, flag_errors, is_flag_error
+from ..trainer.arguments import explicit_fields, flag_errors, is_flag_error
 from ..trainer.attach import LAUNCHED
 from ..trainer.plugin_arguments import is_parsing_for_launch, parsing_typed_flags
 from ..trainer.sparse_trainer import (

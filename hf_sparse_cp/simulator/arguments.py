@@ -18,7 +18,7 @@ from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 
-from ..config.files import adapter_base
+from ..config.files import adapter_base, did_you_mean
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
 from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
@@ -79,6 +79,12 @@ class FlagParser(argparse.ArgumentParser):
                 self.error(f"{action.option_strings[0]} {value!r} is empty (an unset shell variable?): give its value, "
                            "or drop the flag.")
         return parsed, rest
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, rest = self.parse_known_args(args, namespace)
+        if rest:  # (argparse's own message, with the flags close to a mistyped one named)
+            self.error(f"unrecognized arguments: {' '.join(rest)}{did_you_mean(self, rest)}")
+        return parsed
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:

@@ -92,7 +92,8 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--usable-fraction", type=fraction, default=0.9,
                    help="Share of the GPU's memory a step may fill; the rest covers the CUDA context and the "
                    "allocator's fragmentation (default 0.9: 72 GB of 80).")
-    p.add_argument("--cp", type=at_least(1), default=1, help="Context-parallel ranks sharing one sequence.")
+    p.add_argument("--cp", "--cp_size", type=at_least(1), default=1,
+                   help="Context-parallel ranks sharing one sequence (training's --cp_size).")
     add_cp_mode_arguments(p)
     p.add_argument("--fsdp", type=at_least(1), default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "

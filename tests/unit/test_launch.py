@@ -450,7 +450,7 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
 def test_an_unknown_flag_is_named_with_every_flag_as_close_as_the_config_keys_are(flag, named):
     """The flags and the config keys had two matchers: a flag got one guess, the last of a tie in the alphabet, and
     none for a flag without its first word, which a config key gets (mode for cp_mode). One matcher serves both."""
-    from hf_sparse_cp.trainer.arguments import did_you_mean
+    from hf_sparse_cp.config.files import did_you_mean
 
     assert did_you_mean(HfArgumentParser(SparseTrainingArguments), [flag]) == f"; did you mean {named}?"
 
