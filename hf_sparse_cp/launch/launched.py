@@ -265,11 +265,12 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             stray = plugin_flags_in(sys.argv[1:])
             if stray:
                 with flag_errors():
+                    one = len(stray) == 1
                     raise ValueError(
-                        f"{', '.join(stray)} reach the script, which builds its {type(args).__name__} in code and "
-                        "so never reads them: give the plugin's flags before the script path (python -m "
-                        f"hf_sparse_cp.run {' '.join(stray)} ... script.py ...), or pattern settings in a "
-                        "--sparse_config file there.")
+                        f"{', '.join(stray)} {'reaches' if one else 'reach'} the script, which builds its "
+                        f"{type(args).__name__} in code and so never reads {'it' if one else 'them'}: give the "
+                        f"plugin's flags before the script path (python -m hf_sparse_cp.run {' '.join(stray)} ... "
+                        "script.py ...), or pattern settings in a --sparse_config file there.")
             args = with_plugin_arguments(args, plugin)
         record_on(self, LAUNCHED).set_attr(self, "__class__", sparse_trainer_class(type(self)))
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)

@@ -270,11 +270,13 @@ def test_a_module_runs_as_python_dash_m_would_run_it(tmp_path, monkeypatch):
 
 
 def test_plugin_flags_that_a_script_building_its_arguments_in_code_never_reads_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["script.py", "--cp_size", "2"])
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    with launched(PluginArguments()), pytest.raises(ValueError, match="--cp_size reach the script, which builds its "
-                                                                       "TrainingArguments in code"):
-        Trainer(model=None, args=args)
+    for stray, says in ((["--cp_size", "2"], "--cp_size reaches"),  # (one flag: 'reaches', not 'reach')
+                        (["--cp_size", "2", "--sparse_config", "trial"], "--cp_size, --sparse_config reach")):
+        monkeypatch.setattr(sys, "argv", ["script.py", *stray])
+        with launched(PluginArguments()), pytest.raises(ValueError, match=f"{says} the script, which builds its "
+                                                                           "TrainingArguments in code"):
+            Trainer(model=None, args=args)
 
 
 def test_arguments_built_in_code_take_the_flags_given_before_the_script_path(tmp_path, monkeypatch):
