@@ -33,12 +33,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 class FlagParser(argparse.ArgumentParser):
     """An `ArgumentParser` that takes every long flag in both spellings, dashes or underscores between its words
     (`--cp-mode` for `--cp_mode`, `--seq_len` for `--seq-len`): the commands' own flags mix the two (the CP flags
-    are training's), so no spelling is wrong. `--help` shows the documented one."""
+    are training's), so no spelling is wrong. `--help` shows the documented one. `aliases`: other names taken for a
+    flag (training's `--cp_size` for `--cp`), read as it, so that its errors name the documented flag alone."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, aliases: dict[str, str] | None = None, **kwargs) -> None:
         kwargs.setdefault("epilog", "Every flag is also taken with underscores for its dashes, or dashes for its "
                           "underscores (--cp-mode for --cp_mode).")
         super().__init__(*args, **kwargs)
+        self.aliases = aliases or {}
 
     def _known(self, flag: str) -> bool:
         """Whether `flag` is a flag of this parser, or the start of one (argparse takes an unambiguous prefix)."""
@@ -49,9 +51,9 @@ class FlagParser(argparse.ArgumentParser):
         flag, sep, value = arg.partition("=")
         if not flag.startswith("--") or self._known(flag):
             return arg
-        for other in (flag[:2] + flag[2:].replace("-", "_"), flag[:2] + flag[2:].replace("_", "-")):
-            if self._known(other):
-                return other + sep + value
+        for other in (flag, flag[:2] + flag[2:].replace("-", "_"), flag[:2] + flag[2:].replace("_", "-")):
+            if other in self.aliases or self._known(other):
+                return self.aliases.get(other, other) + sep + value
         return arg
 
     def _with_dashed_values(self, args: list[str]) -> list[str]:
