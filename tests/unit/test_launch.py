@@ -457,6 +457,20 @@ def test_an_unknown_flag_is_named_with_every_flag_as_close_as_the_config_keys_ar
     assert did_you_mean(HfArgumentParser(SparseTrainingArguments), [flag]) == f"; did you mean {named}?"
 
 
+def test_a_flag_in_the_spelling_a_launcher_option_does_not_take_is_named_with_the_one_it_takes(capsys):
+    """`hf-sparse-cp launch --config-file x.yaml train.py` was refused with no hint: the launcher's own options are
+    plain argparse, `--config_file` only, and the matcher read the dashed name as known and guessed nothing."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.config.files import did_you_mean
+    from hf_sparse_cp.launch.processes import launcher_options
+
+    hint = "did you mean --config_file for --config-file?"
+    assert did_you_mean(launcher_options("p", "u"), ["--config-file"]) == f"; {hint}"
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "--config-file", "x.yaml", "train.py"])
+    assert refused.value.code == 2 and hint in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("trl_parser", [False, True])
 def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsys, trl_parser):
     """`--torch_dtype bfloat16` given to run_clm.py (whose flag is --dtype) or to TRL's sft.py (TRL's own copy of
