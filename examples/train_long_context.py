@@ -62,7 +62,7 @@ from hf_sparse_cp import (
     SparseTrainer,
     SparseTrainingArguments,
 )
-from hf_sparse_cp.config.files import check_field_types, read_mapping
+from hf_sparse_cp.config.files import check_field_types, did_you_mean, read_mapping
 from hf_sparse_cp.config.sections import budget_field_names, modes_of
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
@@ -72,7 +72,7 @@ from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import RECIPE_SUFFIXES, recipe_path
 from hf_sparse_cp.simulator.arguments import check_output_file, write_output
 from hf_sparse_cp.testing.tiny_models import tiny_config
-from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
+from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, LENGTH_FIELD, RENAMED_FIELDS, parsing_typed_flags
 

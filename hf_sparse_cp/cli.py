@@ -305,10 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     recipes = sub.add_parser("recipes", help="List the shipped recipes (training flags and accelerate configs).")
     recipes.add_argument("--path", metavar="NAME", help="Print the file of this recipe (e.g. for accelerate launch "
                          "--config_file) instead of the list.")
-    sub.add_parser("env", help="Print the versions and devices the plugin sees.")
+    env = sub.add_parser("env", help="Print the versions and devices the plugin sees.")
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("env", "recipes", "plot") and rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    own_parser = {"env": env, "recipes": recipes, "plot": plot}.get(args.command)
+    if own_parser is not None and rest:  # (named by the command's own usage, with the flags close to a mistyped one)
+        from hf_sparse_cp.config.files import did_you_mean
+
+        own_parser.error(f"unrecognized arguments: {' '.join(rest)}{did_you_mean(own_parser, rest)}")
     if args.command == "env":
         return _env()
     if args.command == "recipes":

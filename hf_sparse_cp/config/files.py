@@ -3,6 +3,7 @@ check those dataclasses run on their fields."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
@@ -12,7 +13,7 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -166,6 +167,28 @@ def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
         if close:
             guesses.append(f"{close} for {key!r}" if len(unknown) > 1 else close)
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
+def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """'; did you mean --x for --y?' for the flags among `unknown` that are close to one `parser` takes
+    (`closest_names`, dashes read as underscores; those as close as the closest joined by 'or'), '' when none is: the
+    suffix of an "unrecognized arguments" error. A flag in the other spelling of one the parser takes in one
+    spelling only (`--config-file` to a plain argparse `--config_file`) is named with that one."""
+    options: dict[str, str] = {}  # a flag's name with underscores -> how the parser spells it (the '_' one if both)
+    for action in parser._actions:  # (argparse's own list)
+        for option in action.option_strings:
+            name = option[2:].replace("-", "_")
+            if option.startswith("--") and (name not in options or option[2:] == name):
+                options[name] = option
+    spelt = {option for action in parser._actions for option in action.option_strings}
+    guesses = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        name = flag[2:].replace("-", "_")
+        close = closest_names(name, options, prefix="--") if flag.startswith("--") and flag not in spelt else []
+        if close:
+            guesses.append(f"{' or '.join(options[c] for c in close)} for {flag}")
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
 
 def typed_flags(flags: Mapping[str, Any], defaults: Mapping[str, Any],

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from hf_sparse_cp.trainer.arguments import did_you_mean, explicit_fields, help_groups
+from hf_sparse_cp.config.files import did_you_mean
+from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments, parsing_for_cpu, parsing_typed_flags
 
 from .known_scripts import training_flags

@@ -39,10 +39,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
+from ..config.files import did_you_mean
 from ..integration import compat
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
-from ..trainer.arguments import did_you_mean, explicit_fields, flag_errors, is_flag_error
+from ..trainer.arguments import explicit_fields, flag_errors, is_flag_error
 from ..trainer.attach import LAUNCHED
 from ..trainer.plugin_arguments import is_parsing_for_launch, parsing_typed_flags
 from ..trainer.sparse_trainer import (
@@ -264,11 +265,12 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             stray = plugin_flags_in(sys.argv[1:])
             if stray:
                 with flag_errors():
+                    one = len(stray) == 1
                     raise ValueError(
-                        f"{', '.join(stray)} reach the script, which builds its {type(args).__name__} in code and "
-                        "so never reads them: give the plugin's flags before the script path (python -m "
-                        f"hf_sparse_cp.run {' '.join(stray)} ... script.py ...), or pattern settings in a "
-                        "--sparse_config file there.")
+                        f"{', '.join(stray)} {'reaches' if one else 'reach'} the script, which builds its "
+                        f"{type(args).__name__} in code and so never reads {'it' if one else 'them'}: give the "
+                        f"plugin's flags before the script path (python -m hf_sparse_cp.run {' '.join(stray)} ... "
+                        "script.py ...), or pattern settings in a --sparse_config file there.")
             args = with_plugin_arguments(args, plugin)
         record_on(self, LAUNCHED).set_attr(self, "__class__", sparse_trainer_class(type(self)))
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)

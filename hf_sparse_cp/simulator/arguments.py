@@ -18,7 +18,7 @@ from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 
-from ..config.files import adapter_base
+from ..config.files import adapter_base, did_you_mean
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
 from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
@@ -33,12 +33,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 class FlagParser(argparse.ArgumentParser):
     """An `ArgumentParser` that takes every long flag in both spellings, dashes or underscores between its words
     (`--cp-mode` for `--cp_mode`, `--seq_len` for `--seq-len`): the commands' own flags mix the two (the CP flags
-    are training's), so no spelling is wrong. `--help` shows the documented one."""
+    are training's), so no spelling is wrong. `--help` shows the documented one. `aliases`: other names taken for a
+    flag (training's `--cp_size` for `--cp`), read as it, so that its errors name the documented flag alone."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, aliases: dict[str, str] | None = None, **kwargs) -> None:
         kwargs.setdefault("epilog", "Every flag is also taken with underscores for its dashes, or dashes for its "
                           "underscores (--cp-mode for --cp_mode).")
         super().__init__(*args, **kwargs)
+        self.aliases = aliases or {}
 
     def _known(self, flag: str) -> bool:
         """Whether `flag` is a flag of this parser, or the start of one (argparse takes an unambiguous prefix)."""
@@ -49,9 +51,9 @@ class FlagParser(argparse.ArgumentParser):
         flag, sep, value = arg.partition("=")
         if not flag.startswith("--") or self._known(flag):
             return arg
-        for other in (flag[:2] + flag[2:].replace("-", "_"), flag[:2] + flag[2:].replace("_", "-")):
-            if self._known(other):
-                return other + sep + value
+        for other in (flag, flag[:2] + flag[2:].replace("-", "_"), flag[:2] + flag[2:].replace("_", "-")):
+            if other in self.aliases or self._known(other):
+                return self.aliases.get(other, other) + sep + value
         return arg
 
     def _with_dashed_values(self, args: list[str]) -> list[str]:
@@ -79,6 +81,12 @@ class FlagParser(argparse.ArgumentParser):
                 self.error(f"{action.option_strings[0]} {value!r} is empty (an unset shell variable?): give its value, "
                            "or drop the flag.")
         return parsed, rest
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, rest = self.parse_known_args(args, namespace)
+        if rest:  # (argparse's own message, with the flags close to a mistyped one named)
+            self.error(f"unrecognized arguments: {' '.join(rest)}{did_you_mean(self, rest)}")
+        return parsed
 
 
 def positive(kind: type = float) -> Callable[[str], Any]:

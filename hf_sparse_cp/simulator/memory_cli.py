@@ -85,14 +85,15 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases={"--cp_size": "--cp"})
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
     p.add_argument("--usable-fraction", type=fraction, default=0.9,
                    help="Share of the GPU's memory a step may fill; the rest covers the CUDA context and the "
                    "allocator's fragmentation (default 0.9: 72 GB of 80).")
-    p.add_argument("--cp", type=at_least(1), default=1, help="Context-parallel ranks sharing one sequence.")
+    p.add_argument("--cp", type=at_least(1), default=1,
+                   help="Context-parallel ranks sharing one sequence (training's --cp_size, which is taken too).")
     add_cp_mode_arguments(p)
     p.add_argument("--fsdp", type=at_least(1), default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "

@@ -104,15 +104,16 @@ DEFAULT_CONFIGS = ("dense ring", "striped sparse")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter,
+                   aliases={"--cp_size": "--cp", "--seq_len": "--seq"})
     add_model_arguments(p, MODELS, default="qwen2.5-3b")
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
     p.add_argument("--seq", type=at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
                    help="Sequence lengths in tokens (one sequence per CP group per step), each a multiple of 256 x "
-                   "the largest --cp (whole zigzag chunks of 128-token blocks).")
+                   "the largest --cp (whole zigzag chunks of 128-token blocks); `memory`'s --seq-len is taken too.")
     p.add_argument("--cp", type=at_least(1), nargs="+", default=[8, 16, 32, 64],
-                   help="CP sizes: GPUs that split one sequence.")
+                   help="CP sizes: GPUs that split one sequence (training's --cp_size, which is taken too).")
     p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGURATIONS),
                    help="Configurations to predict (default: 'dense ring' and 'striped sparse', the plugin's default "
                    "split and ring; with --all, every one).")

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types, closest_names, unread_fields_checked_by_caller
+from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
 from ..config.sections import (
     DEFAULT_MODE,
     Scoring,
@@ -392,23 +392,3 @@ def explicit_fields(parser: argparse.ArgumentParser, args: Sequence[str]) -> set
     unset = argparse.Namespace(**dict.fromkeys(names, _NOT_GIVEN))
     given = vars(parser.parse_known_args(args, namespace=unset)[0])
     return {name for name, value in given.items() if value is not _NOT_GIVEN}
-
-
-def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
-    """'; did you mean --x for --y?' for the flags among `unknown` that are close to one `parser` takes
-    (`closest_names`, dashes read as underscores; those as close as the closest joined by 'or'), '' when none is: the
-    suffix of an "unrecognized arguments" error."""
-    options: dict[str, str] = {}  # a flag's name with underscores -> how the parser spells it (the '_' one if both)
-    for action in parser._actions:  # (argparse's own list)
-        for option in action.option_strings:
-            name = option[2:].replace("-", "_")
-            if option.startswith("--") and (name not in options or option[2:] == name):
-                options[name] = option
-    guesses = []
-    for arg in unknown:
-        flag = arg.split("=", 1)[0]
-        name = flag[2:].replace("-", "_")
-        close = closest_names(name, options, prefix="--") if flag.startswith("--") and name not in options else []
-        if close:
-            guesses.append(f"{' or '.join(options[c] for c in close)} for {flag}")
-    return f"; did you mean {', '.join(guesses)}?" if guesses else ""

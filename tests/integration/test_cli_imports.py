@@ -23,7 +23,7 @@ print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["recipes"], ["recipes", "--path", "cpu_2proc_cp2"],
-                                  ["launch", "--nproc", "0", "train.py"]], ids=" ".join)
+                                  ["recipes", "--paht", "x"], ["launch", "--nproc", "0", "train.py"]], ids=" ".join)
 def test_light_commands_import_neither_torch_nor_transformers(argv):
     done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=HEAVY)], capture_output=True,
                           text=True, timeout=300)

@@ -195,6 +195,19 @@ def test_plot_refuses_flags_it_would_ignore_or_fail_on_after_drawing(tmp_path, c
     assert f"hf-sparse-cp plot: error: {refused}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, flag, close", [("plot", "--sparse_max_length", "--max_length"),
+                                                   ("recipes", "--paht", "--path")])
+def test_a_mistyped_flag_of_plot_or_recipes_is_named_with_the_close_one_by_that_command(tmp_path, capsys, command,
+                                                                                        flag, close):
+    """`hf-sparse-cp plot RUN --sparse_max_length 1024` (training's name of plot's --max_length) ended in
+    'hf-sparse-cp: error: unrecognized arguments', the top command's usage, with no hint."""
+    with pytest.raises(SystemExit) as refused:
+        main([command, *([str(tmp_path)] if command == "plot" else []), flag, "1024"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"usage: hf-sparse-cp {command} " in err
+    assert f"{command}: error: unrecognized arguments: {flag} 1024; did you mean {close} for {flag}?" in err
+
+
 @pytest.mark.parametrize("layers", ["0,,3", "0,", ""])
 def test_plot_refuses_an_empty_item_of_its_lists(tmp_path, capsys, layers):
     """An empty item of --layers or --heads was dropped ('0,,3' drew layers 0 and 3), and an empty list drew the

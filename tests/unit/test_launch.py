@@ -270,11 +270,13 @@ def test_a_module_runs_as_python_dash_m_would_run_it(tmp_path, monkeypatch):
 
 
 def test_plugin_flags_that_a_script_building_its_arguments_in_code_never_reads_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["script.py", "--cp_size", "2"])
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    with launched(PluginArguments()), pytest.raises(ValueError, match="--cp_size reach the script, which builds its "
-                                                                       "TrainingArguments in code"):
-        Trainer(model=None, args=args)
+    for stray, says in ((["--cp_size", "2"], "--cp_size reaches"),  # (one flag: 'reaches', not 'reach')
+                        (["--cp_size", "2", "--sparse_config", "trial"], "--cp_size, --sparse_config reach")):
+        monkeypatch.setattr(sys, "argv", ["script.py", *stray])
+        with launched(PluginArguments()), pytest.raises(ValueError, match=f"{says} the script, which builds its "
+                                                                           "TrainingArguments in code"):
+            Trainer(model=None, args=args)
 
 
 def test_arguments_built_in_code_take_the_flags_given_before_the_script_path(tmp_path, monkeypatch):
@@ -450,9 +452,23 @@ def test_an_unknown_flag_gets_the_nearest_one_named(tmp_path, capsys):
 def test_an_unknown_flag_is_named_with_every_flag_as_close_as_the_config_keys_are(flag, named):
     """The flags and the config keys had two matchers: a flag got one guess, the last of a tie in the alphabet, and
     none for a flag without its first word, which a config key gets (mode for cp_mode). One matcher serves both."""
-    from hf_sparse_cp.trainer.arguments import did_you_mean
+    from hf_sparse_cp.config.files import did_you_mean
 
     assert did_you_mean(HfArgumentParser(SparseTrainingArguments), [flag]) == f"; did you mean {named}?"
+
+
+def test_a_flag_in_the_spelling_a_launcher_option_does_not_take_is_named_with_the_one_it_takes(capsys):
+    """`hf-sparse-cp launch --config-file x.yaml train.py` was refused with no hint: the launcher's own options are
+    plain argparse, `--config_file` only, and the matcher read the dashed name as known and guessed nothing."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.config.files import did_you_mean
+    from hf_sparse_cp.launch.processes import launcher_options
+
+    hint = "did you mean --config_file for --config-file?"
+    assert did_you_mean(launcher_options("p", "u"), ["--config-file"]) == f"; {hint}"
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "--config-file", "x.yaml", "train.py"])
+    assert refused.value.code == 2 and hint in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("trl_parser", [False, True])

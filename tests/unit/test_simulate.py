@@ -379,3 +379,21 @@ def test_every_flag_is_taken_in_both_spellings_and_help_shows_the_documented_one
         assert answers[0] == answers[1] and int(answers[0]) > 0
     spelt = [["--model", "qwen2.5-0.5b", f"--cp{sep}mode", "ulysses", f"--cp{sep}ulysses{sep}size=2"] for sep in "-_"]
     assert parser.parse_args(spelt[0]) == parser.parse_args(spelt[1])
+
+
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+def test_training_s_cp_size_is_taken_and_a_mistyped_flag_names_the_close_one(command, capsys):
+    """A user who gave `memory` training's `--cp_mode` typed training's `--cp_size` next (and `memory`'s `--seq-len`
+    to `simulate`, whose flag was `--seq`): both were 'unrecognized arguments' with no hint. They are taken now, and an
+    unknown flag names the flags close to it, as training's parser does."""
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    parser = {"memory": memory_cli, "simulate": simulate_cli}[command].build_parser()
+    length = "--seq-len" if command == "memory" else "--seq"
+    model = ["--model", "qwen2.5-0.5b"]
+    assert (parser.parse_args([*model, "--cp_size", "4", "--seq-len", "8192"])
+            == parser.parse_args([*model, "--cp", "4", length, "8192"]))
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args([*model, "--cp_mdoe", "ulysses"])
+    assert refused.value.code == 2
+    assert "unrecognized arguments: --cp_mdoe ulysses; did you mean --cp_mode for --cp_mdoe?" in capsys.readouterr().err
