@@ -33,7 +33,7 @@ from hf_sparse_cp.distributed.split.documents import (
     row_runs,
 )
 from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_cost
-from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import mix_lengths, random_vertical_slash_layout
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
 from oracle import TOLERANCE, column_rows_to_send, rel_rms
@@ -226,26 +226,45 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
     assert planned.forward_bytes.sum() * 1.5 <= striped.forward_bytes.sum()
 
 
-def _ring_seconds(lengths: list[int], cp: int, costs: PlannerCosts | None = None) -> tuple[float, float]:
-    """(pipelined ring time in token pairs, over the ideal) of the dense ring over the planner's split."""
-    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, 64, costs=costs)
-    cost = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), 64), plan, kv_heads=1, head_dim=8)
-    return pipelined_time(cost.work, cost.topology, cost.sends) * 64**2, cost.pipelined_imbalance
+def _ring_seconds(lengths: list[int], cp: int, bs: int = 64, costs: PlannerCosts | None = None
+                  ) -> tuple[float, float, float]:
+    """(pipelined ring time in token pairs, over the ideal, the busiest rank's work in token pairs) of the dense ring
+    over the planner's split."""
+    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, bs, costs=costs)
+    cost = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), bs), plan, kv_heads=1, head_dim=8)
+    busiest = float(cost.work.sum(1).max()) * bs**2
+    return pipelined_time(cost.work, cost.topology, cost.sends) * bs**2, cost.pipelined_imbalance, busiest
+
+
+def _estimate_of_the_pick(monkeypatch, lengths: list[int], cp: int, bs: int) -> tuple[float, float, float]:
+    """(the planner's estimate of the ring time of the plan it picks, `_ring_seconds`'s time and busiest rank) for
+    dense documents, transfers free as the simulator takes them (the planner estimates only where it has a choice:
+    the plan it picks is estimated here)."""
+    from hf_sparse_cp.distributed.split import documents
+
+    picked, free = [], PlannerCosts(comm_per_token=0.0)
+    materialize = documents._materialize
+    monkeypatch.setattr(documents, "_materialize", lambda at, *args: picked.append(at) or materialize(at, *args))
+    exact, _, busiest = _ring_seconds(lengths, cp, bs, free)
+    blocks = documents._Blocks.of_row(lengths, ["dense"] * len(lengths), None, bs, free)
+    return documents._ring_time(picked[0], blocks, [None] * len(lengths), free, bs, {}), exact, busiest
 
 
 @pytest.mark.parametrize("cp", [4, 16, 32])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_the_planner_estimates_exactly_the_ring_time_of_the_plan_it_picks(monkeypatch, cp, seed):
-    """Dense documents on block boundaries, transfers free: the planner's estimate of the ring's time (steps' work
-    from the placement alone, the waits of ranks that exchange K/V) is the simulator's, counted from the plan the ring
-    executes."""
-    from hf_sparse_cp.distributed.split import documents
+    """Dense documents on block boundaries: the planner's estimate of the ring's time (steps' work from the placement
+    alone, the waits of ranks that exchange K/V) is the simulator's, counted from the plan the ring executes."""
+    estimate, exact, _ = _estimate_of_the_pick(monkeypatch, [-(-n // 64) * 64 for n in _long_tail(seed)], cp, 64)
+    assert estimate == pytest.approx(exact, rel=1e-9)
 
-    estimates = []
-    estimate = documents._ring_time
-    monkeypatch.setattr(documents, "_ring_time", lambda *a, **k: estimates.append(estimate(*a, **k)) or estimates[-1])
-    lengths = [-(-n // 64) * 64 for n in _long_tail(seed)]
-    assert _ring_seconds(lengths, cp, PlannerCosts(comm_per_token=0.0))[0] == pytest.approx(min(estimates), rel=1e-9)
+
+def test_the_planners_estimate_counts_the_waits_where_they_bind(monkeypatch):
+    """A 128K long-tail row at CP 32 (the 32K rows above never wait: their ring time is their busiest rank's work):
+    the ring takes longer than its busiest rank's work, and the estimate still equals the simulator's time."""
+    lengths = [-(-n // 128) * 128 for n in mix_lengths("long-tail", 1 << 17, 1)]
+    estimate, exact, busiest = _estimate_of_the_pick(monkeypatch, lengths, 32, 128)
+    assert busiest < 0.97 * exact and estimate == pytest.approx(exact, rel=1e-9)
 
 
 def test_the_planner_picks_the_quickest_ring_among_equally_balanced_plans(monkeypatch):
@@ -258,6 +277,17 @@ def test_the_planner_picks_the_quickest_ring_among_equally_balanced_plans(monkey
     monkeypatch.setattr(documents, "_ring_time", lambda *args, **kwargs: 0.0)  # every plan alike: the first one tried
     first = [_ring_seconds(lengths, 32)[1] for lengths in rows]
     assert all(p <= f + 1e-9 for p, f in zip(picked, first)) and sum(first) - sum(picked) > 0.1, (picked, first)
+
+
+@pytest.mark.parametrize("cp", [8, 32])
+def test_the_planner_estimates_ring_time_only_where_it_has_a_choice(monkeypatch, cp):
+    """One document over the ring is the only plan tried: the estimate (about a ms at CP 32) is not spent on it."""
+    from hf_sparse_cp.distributed.split import documents
+
+    estimates = []
+    monkeypatch.setattr(documents, "_ring_time", lambda *args, **kwargs: estimates.append(args) or 0.0)
+    plan = plan_documents([1 << 16], ["dense"], cp, 64)
+    assert plan.local_len_of(0) == (1 << 16) // cp and estimates == []
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
