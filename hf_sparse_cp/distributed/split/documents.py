@@ -314,7 +314,7 @@ def _ring_time(at: _Placement, blocks: _Blocks, caps: list[int | None], costs: P
     docs = list(at.placed)
     work[:, 0] = np.bincount([at.placed[i] for i in docs], weights=blocks.document_attention[docs], minlength=w)
     for i, owner in at.split.items():
-        if i in over_ring:
+        if i in at.over_ring and i in over_ring:  # (a document cut in one placement may go over the ring in another)
             pairs, tokens = over_ring[i]
         else:
             pairs = split_step_pairs(owner, caps[i], w) * float(bs * bs)
