@@ -33,13 +33,19 @@ def split_step_pairs(owner: np.ndarray, cap: int | None, w: int) -> np.ndarray:
     return by_owner[q, (q - np.arange(w)[None, :]) % w]
 
 
+def _reads(work: np.ndarray) -> np.ndarray:
+    """bool [W origin ranks, W steps] from `work` [W ranks, W steps]: [o, d] where rank o + d reads rank o's K/V at
+    step d (has work there)."""
+    d = np.arange(work.shape[0])
+    return work[(d[:, None] + d[None, :]) % len(d), d[None, :]] > 0
+
+
 def forwarded_tokens(pairs: np.ndarray, owner: np.ndarray, tokens: np.ndarray, w: int) -> np.ndarray:
     """[W origin ranks, W steps] tokens of a split document's K/V forwarded at each step from each origin: an
     origin's tokens travel up to the furthest step at which some rank reads them (`pairs`, `split_step_pairs`;
     `tokens` per block)."""
     d = np.arange(w)
-    reads = pairs[(d[:, None] + d[None, :]) % w, d[None, :]] > 0  # [o, d]: rank o + d reads rank o at step d
-    reach = np.where(reads, d[None, :], 0).max(1)  # [o]: the furthest step that reads it
+    reach = np.where(_reads(pairs), d[None, :], 0).max(1)  # [o]: the furthest step that reads it
     held = np.bincount(owner, weights=tokens, minlength=w)
     return held[:, None] * (reach[:, None] > d[None, :])
 
@@ -51,9 +57,7 @@ def pipelined_ring_time(work: np.ndarray, transfer: np.ndarray | None = None) ->
     takes `transfer` [W origin ranks, W steps] (the forwarded K/V's time; None: free)."""
     w = work.shape[0]
     rank, step = np.arange(w), np.arange(w)
-    read = np.zeros((w, w), dtype=bool)  # [o, d]: rank o + d reads rank o's K/V at step d
-    read[(rank[:, None] - step[None, :]) % w, step[None, :]] = work > 0
-    read_later = np.flip(np.logical_or.accumulate(np.flip(read, 1), 1), 1)  # [o, d]: some step >= d reads o
+    read_later = np.flip(np.logical_or.accumulate(np.flip(_reads(work), 1), 1), 1)  # [o, d]: some step >= d reads o
     ahead, behind = np.roll(rank, -1), np.roll(rank, 1)
     origin = (rank[None, :] - step[:-1, None]) % w  # [t, p]: whose K/V p forwards at step t
     sends = read_later[origin, step[1:, None]]  # [t, p]: p forwards to p + 1 at t
