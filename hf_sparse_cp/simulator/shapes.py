@@ -45,6 +45,11 @@ class ModelShape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 
+    @property
+    def qkv_params(self) -> int:
+        """Weights of the query, key and value projections: the layer's matrix multiplications before attention."""
+        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+
     @classmethod
     def from_config(cls, config: Any, name: str | None = None, where: str | None = None) -> ModelShape:
         """The shape of a decoder from its transformers config (`AutoConfig`; the standard names, which

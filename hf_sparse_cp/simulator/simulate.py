@@ -192,15 +192,16 @@ def _slot(slot, sends, post, reach, cluster: Cluster) -> tuple[torch.Tensor, flo
 
 
 def simulate_ring(step_seconds: torch.Tensor, traffic: PlanTraffic, topology: RingTopology, cluster: Cluster, *,
-                  backward: bool) -> RingTimeline:
+                  backward: bool, start: torch.Tensor | None = None) -> RingTimeline:
     """Play one pass of the ring's schedule (see the module docstring).
 
     step_seconds: float64 [W, steps + 1], compute of every ring step and the bar step (0: none).
+    start: float64 [W], when each rank enters the ring (default: all at 0).
     """
     w, n, l = topology.size, topology.num_nodes, topology.node_size
     sends = traffic.backward if backward else traffic.forward
     bar = step_seconds[:, -1]
-    t = torch.zeros(w, dtype=torch.float64)
+    t = torch.zeros(w, dtype=torch.float64) if start is None else start.to(torch.float64).clone()
     if backward:  # the columns' dK/dV first, then their transfers run beside the ring
         t = t + bar
     columns_post = t.clone()  # forward: the columns' transfers run beside the ring, the bar step after them

@@ -2,12 +2,14 @@
 measurements, cluster presets, and `predict_step`, which adds the layers' other work to the ring
 of `simulate.py`.
 
-Per layer and CP rank: linear layers over the rank's tokens (forward, backward and, with gradient
-checkpointing, a second forward; the busiest rank's tokens, for a split that gives ranks different
-numbers of blocks), the layout estimation of sparse configurations (scoring of the last `last_q`
-queries against the rank's keys, three small all-reduces, the slash sums' reduce-scatter and the
-candidates' all-gather, the index build), and ring attention forward (twice with gradient
-checkpointing) and backward. A step is the layers plus the LM head, one sequence per CP group. Not
+Per layer and CP rank: linear layers over the rank's own tokens (forward, backward and, with gradient
+checkpointing, a second forward), the layout estimation of sparse configurations (scoring of the last
+`last_q` queries against the rank's keys, three small all-reduces, the slash sums' reduce-scatter and
+the candidates' all-gather, the index build), and ring attention forward (twice with gradient
+checkpointing) and backward. The estimation's collectives are where the ranks meet; between them each
+rank runs its ring and its linear layers in order (`layer_time`), so a split that gives one rank more
+tokens and less attention than another is charged as it runs, not as the busiest rank's tokens plus
+the busiest rank's attention. A step is the layers plus the LM head, one sequence per CP group. Not
 modelled: data-parallel / FSDP traffic (it overlaps the layers' compute), the optimizer step, and
 kernel launch gaps.
 
@@ -176,16 +178,50 @@ CLUSTERS = {
 HARDWARE = {"8xH100-IB400": h100, "8xA100-IB200": a100}
 
 
-def ring_attention_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work,
-                        traffic) -> dict:
-    """The ring's forward and backward (`RingTimeline` each) and their compute per step, for `model`'s heads."""
+def ring_step_seconds(setup: RingSetup, model: ModelShape, hw: Hardware, work) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 [W, steps + 1] each: the compute of every ring step forward and backward, for `model`'s heads."""
     scale = model.head_dim / hw.head_dim
     fwd_costs, bwd_costs = (hw.sparse_fwd, hw.sparse_bwd) if setup.sparse else (hw.dense_fwd, hw.dense_bwd)
-    fwd_s = fwd_costs.time(work, model.heads) * scale
-    bwd_s = bwd_costs.time(work, model.heads) * scale
+    return fwd_costs.time(work, model.heads) * scale, bwd_costs.time(work, model.heads) * scale
+
+
+def ring_attention_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work,
+                        traffic) -> dict:
+    """The ring's forward and backward (`RingTimeline` each, all ranks starting at 0) and their compute per
+    step, for `model`'s heads."""
+    fwd_s, bwd_s = ring_step_seconds(setup, model, hw, work)
     fwd = simulate_ring(fwd_s, traffic, setup.topology, cluster, backward=False)
     bwd = simulate_ring(bwd_s, traffic, setup.topology, cluster, backward=True)
     return {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s}
+
+
+def layer_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, work, traffic,
+               linear: torch.Tensor, estimation: float, *, recompute: bool) -> tuple[float, float, dict]:
+    """(forward seconds, backward seconds, the rings as `ring_attention_time`'s) of one layer, every rank with
+    its own linear work.
+
+    linear: float64 [W], seconds of the layer's matrix multiplications forward on each rank (its own tokens:
+    a document split gives ranks different numbers). A sparse layer's estimation ends in collectives over
+    the CP group, the one point where all ranks meet: from it each rank runs the ring, then the output
+    projection and MLP and the next layer's query/key/value projections, so a rank with more tokens and less
+    attention is as quick as one with fewer tokens and more attention (the ring's waits counted). The
+    backward (recomputed forward, estimation included, then the MLP's backward, the ring's, the projections')
+    likewise, each rank entering the backward ring when it gets there. Where nothing meets (no estimation:
+    dense layers, or the backward without recompute) the layer is still charged from a common start: an
+    upper bound."""
+    before = model.qkv_params / model.layer_params  # the share of the layer's weights used before attention
+    backward_linear = 2 * linear  # 4 FLOPs per weight backward, 2 forward
+    fwd_s, bwd_s = ring_step_seconds(setup, model, hw, work)
+    fwd = simulate_ring(fwd_s, traffic, setup.topology, cluster, backward=False)
+    forward = estimation + float((fwd.end + linear).max())
+    if recompute:  # the recomputed forward up to the MLP's backward, then the ring's backward
+        start = fwd.end + (1 - before) * (linear + backward_linear)
+        tail = before * (backward_linear + linear)  # the projections' backward, the layer below's recomputed ones
+    else:
+        start, tail = (1 - before) * backward_linear, before * backward_linear
+    bwd = simulate_ring(bwd_s, traffic, setup.topology, cluster, backward=True, start=start)
+    backward = (estimation if recompute else 0.0) + float((bwd.end + tail).max())
+    return forward, backward, {"fwd": fwd, "bwd": bwd, "fwd_s": fwd_s, "bwd_s": bwd_s, "bwd_start": start}
 
 
 def estimation_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster,
@@ -267,9 +303,13 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
                          f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
     work, traffic = ring_counts(setup, model) if counts is None else counts
-    tokens = setup.plan.max_local_blocks * setup.plan.block_size  # the busiest rank's (uneven splits)
+    plan = setup.plan
+    rank_tokens = torch.tensor([plan.blocks_of(r).numel() * plan.block_size for r in range(plan.cp_size)],
+                               dtype=torch.float64)  # a split by documents gives ranks different numbers
+    rank_linear = 2 * model.layer_params * rank_tokens / hw.linear_flops_per_s  # one forward of a layer
+    tokens = float(rank_tokens.max())
     per_layer_flops, head_flops = model.linear_flops(recompute=recompute)
-    linear = per_layer_flops * tokens / hw.linear_flops_per_s
+    linear = per_layer_flops * tokens / hw.linear_flops_per_s  # reported: the busiest rank's
     head = head_flops * tokens / hw.linear_flops_per_s
     passes = 2 if recompute else 1
     cfg = _DEFAULTS if estimation is None else estimation
@@ -285,16 +325,19 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
     dense_counts = ring_counts(dense, model) if dense_layers else None
 
+    def ring_seconds(att: dict, est: float) -> float:  # a layer's attention: estimation, rings from their start
+        return passes * (est + att["fwd"].time) + float((att["bwd"].end - att["bwd_start"]).max())
+
     def step(c: Cluster) -> tuple[float, dict, float, float]:
-        att = ring_attention_time(setup, model, hw, c, work, traffic)
         est = estimation_time(setup, model, hw, c, cfg)
-        sparse_attention = passes * (est + att["fwd"].time) + att["bwd"].time
-        dense_attention = 0.0
+        fwd, bwd, att = layer_time(setup, model, hw, c, work, traffic, rank_linear, est, recompute=recompute)
+        dense_layer, dense_attention = 0.0, 0.0
         if dense_layers:
-            d = ring_attention_time(dense, model, hw, c, *dense_counts)
-            dense_attention = passes * d["fwd"].time + d["bwd"].time
+            d_fwd, d_bwd, d = layer_time(dense, model, hw, c, *dense_counts, rank_linear, 0.0, recompute=recompute)
+            dense_layer, dense_attention = d_fwd + d_bwd, ring_seconds(d, 0.0)
         sparse_layers = model.layers - dense_layers
-        total = model.layers * linear + sparse_layers * sparse_attention + dense_layers * dense_attention + head
+        total = sparse_layers * (fwd + bwd) + dense_layers * dense_layer + head
+        sparse_attention = ring_seconds(att, est)
         share = dense_layers * dense_attention / (dense_layers * dense_attention + sparse_layers * sparse_attention)
         return total, att, est, share
 
@@ -306,7 +349,8 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     return {
         "step_s": total, "tokens_per_s": setup.plan.seq_len / total,
         "layer_s": (total - head) / model.layers, "linear_s": linear, "estimation_s": est,
-        "attention_fwd_s": fwd.time, "attention_bwd_s": att["bwd"].time, "lm_head_s": head,
+        "attention_fwd_s": fwd.time, "attention_bwd_s": float((att["bwd"].end - att["bwd_start"]).max()),
+        "lm_head_s": head,
         "comm_share": 1.0 - ideal / total, "comm_bound": transfer_only > float(fwd.compute.max()),
         "ring_step_compute_ms": [1e3 * float(x) for x in fwd.step_compute],
         "ring_step_transfer_ms": [1e3 * float(x) for x in fwd.step_transfer],

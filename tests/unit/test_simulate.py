@@ -18,12 +18,20 @@ from hf_sparse_cp.simulator.simulate import (
     Cluster,
     KernelCosts,
     Link,
+    RingSetup,
     Workload,
     plan_work,
     simulate_ring,
 )
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
-from hf_sparse_cp.simulator.traffic import COLUMNS, column_rows, plan_traffic, ring_cost
+from hf_sparse_cp.simulator.step_model import (
+    CLUSTERS,
+    HARDWARE,
+    layer_time,
+    predict_step,
+    ring_counts,
+    ring_step_seconds,
+)
+from hf_sparse_cp.simulator.traffic import COLUMNS, PlanTraffic, column_rows, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
 S, BS = 2048, 32
@@ -163,6 +171,46 @@ def test_the_slowest_rank_decides():
     assert line.time == pytest.approx((W + 2) * c)
     # its ring neighbours wait for it at the next slot (without it they would end at W c)
     assert float(line.end[1]) > W * c + transfer and float(line.end[W - 1]) > W * c + transfer
+
+
+def test_a_rank_entering_the_ring_late_holds_up_its_neighbours():
+    traffic, topo, cluster, transfer = _toy()
+    c = 3 * transfer
+    start = torch.zeros(W, dtype=torch.float64)
+    start[0] = 2 * c
+    line = simulate_ring(_steps(c), traffic, topo, cluster, backward=False, start=start)
+    assert float(line.end[0]) == pytest.approx((W + 2) * c)
+    assert float(line.end[1]) > W * c + transfer  # it waits for rank 0 at the first slot
+    exchange_nothing = simulate_ring(_steps(c), PlanTraffic([{}] * W, [{}] * W, 1), topo, cluster, backward=False,
+                                     start=start)
+    assert torch.allclose(exchange_nothing.end, start + W * c)
+
+
+def test_layer_time_charges_each_rank_its_own_linear_work():
+    """From the estimation's collectives each rank runs its ring, then its own linear layers: linear work that
+    complements the ring's per-rank ends costs no more than the ranks' largest sum (a document split trades one
+    rank's tokens for another's attention), where charging the busiest rank's linear work plus the ring's time
+    would add the two maxima. The backward ring is entered when each rank gets there."""
+    plan, layout, _ = _split("document", W)
+    setup = RingSetup(layout, plan, RingTopology(1, W), True)
+    model, hw = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"]()
+    free = CLUSTERS["8xH100-IB400"].without_network()
+    work, traffic = ring_counts(setup, model)
+    fwd_s, bwd_s = ring_step_seconds(setup, model, hw, work)
+    ends = simulate_ring(fwd_s, traffic, setup.topology, free, backward=False).end
+    assert float(ends.max()) > 1.2 * float(ends.min())  # the ranks leave the ring at different times
+    linear = 1.5 * ends.max() - ends
+    forward, backward, rings = layer_time(setup, model, hw, free, work, traffic, linear, 0.25, recompute=True)
+    assert forward == pytest.approx(0.25 + 1.5 * float(ends.max()))
+    assert forward < 0.25 + float(ends.max() + linear.max()) - 0.1 * float(ends.max())
+    before = model.qkv_params / model.layer_params
+    assert torch.allclose(rings["bwd_start"], ends + (1 - before) * 3 * linear)  # recompute, then the MLP's backward
+    bwd = simulate_ring(bwd_s, traffic, setup.topology, free, backward=True, start=rings["bwd_start"])
+    assert float((bwd.end - rings["bwd_start"]).min()) > 0 and torch.allclose(rings["bwd"].end, bwd.end)
+    assert backward == pytest.approx(0.25 + float((bwd.end + 3 * before * linear).max()))
+    _, no_recompute, rings = layer_time(setup, model, hw, free, work, traffic, linear, 0.25, recompute=False)
+    assert torch.allclose(rings["bwd_start"], (1 - before) * 2 * linear)
+    assert no_recompute == pytest.approx(float((rings["bwd"].end + 2 * before * linear).max()))
 
 
 def test_column_transfers_hide_behind_the_ring_or_not():

@@ -57,8 +57,9 @@ class PlannerCosts:
     linear_per_token: float = field(
         default=9000.0,
         metadata={"help": "Work of the linear layers (projections, MLP) per token, in attention token pairs: "
-                  "2 x (weights per layer) / (4 x heads x head_dim), about 9,000 for Qwen2.5-0.5B and 8,700 for "
-                  "Qwen2.5-7B."},
+                  "2 x (weights per layer) / (4 x heads x head_dim) in FLOPs, about 8,300 for Qwen2.5-0.5B and "
+                  "32,500 for Qwen2.5-7B; in time, times the attention kernel's FLOP/s over the matrix products' "
+                  "(0.57-0.69 in the cluster simulator's H100 calibration)."},
     )
     comm_per_token: float = field(
         default=300.0,
