@@ -67,7 +67,7 @@ from hf_sparse_cp.config.sections import budget_field_names, modes_of
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
+from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS, recipe_kind, wrong_kind
 from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import RECIPE_SUFFIXES, recipe_path
 from hf_sparse_cp.simulator.arguments import check_output_file, write_output
@@ -448,11 +448,11 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
         script.check(training)
     except (OSError, ValueError) as e:  # a value the dataclasses refuse, a file a flag names that is not there: one
         _refuse(parser, str(e))  # line, like argparse's own errors (no usage)
-    if unused:
+    if unused:  # (named with the launcher's options too, which `hf-sparse-cp train` takes among the example's)
         late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
         _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "
                         f"{late[0]})" if late else
-                        f"unrecognized arguments: {' '.join(unused)}{did_you_mean(parser, unused)}")
+                        f"unrecognized arguments: {' '.join(unused)}{did_you_mean(parser, unused, LAUNCHER_OPTIONS)}")
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)

@@ -471,6 +471,28 @@ def test_a_flag_in_the_spelling_a_launcher_option_does_not_take_is_named_with_th
     assert refused.value.code == 2 and hint in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("typed, hint", [
+    ("--nprocs", "did you mean --nproc for --nprocs?"),
+    ("--confg_file", "did you mean --config_file for --confg_file?"),
+    # (it named the example's --sparse_config, --smet_config, ... --fsdp_config)
+    ("--config-file", "did you mean --config_file for --config-file?"),
+])
+def test_a_near_miss_of_a_launcher_option_to_train_is_named_with_the_option(monkeypatch, capsys, typed, hint):
+    """`hf-sparse-cp train` takes the launcher's options anywhere among the example's flags, so a typo of one is left
+    to the example's parser, which does not have them: `--nprocs 2` was refused with no hint."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--nproc", "2", typed, "2", "--max_steps", "1"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"unrecognized arguments: {typed} 2; {hint}" in err, err
+    assert not started
+
+
 @pytest.mark.parametrize("trl_parser", [False, True])
 def test_an_unknown_flag_with_no_near_one_ends_as_a_bad_flag_too(tmp_path, capsys, trl_parser):
     """`--torch_dtype bfloat16` given to run_clm.py (whose flag is --dtype) or to TRL's sft.py (TRL's own copy of
