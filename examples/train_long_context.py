@@ -67,7 +67,7 @@ from hf_sparse_cp.config.sections import budget_field_names, modes_of
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
-from hf_sparse_cp.launch.processes import recipe_kind, wrong_kind
+from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS, recipe_kind, wrong_kind
 from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
 from hf_sparse_cp.recipes import RECIPE_SUFFIXES, recipe_path
 from hf_sparse_cp.simulator.arguments import check_output_file, write_output
@@ -448,11 +448,11 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
         script.check(training)
     except (OSError, ValueError) as e:  # a value the dataclasses refuse, a file a flag names that is not there: one
         _refuse(parser, str(e))  # line, like argparse's own errors (no usage)
-    if unused:
+    if unused:  # (named with the launcher's options too, which `hf-sparse-cp train` takes among the example's)
         late = [arg for arg in unused if arg.endswith(RECIPE_SUFFIXES)]
         _refuse(parser, f"the recipe {late[0]} must come first, before any flag (or anywhere as --recipe "
                         f"{late[0]})" if late else
-                        f"unrecognized arguments: {' '.join(unused)}{did_you_mean(parser, unused)}")
+                        f"unrecognized arguments: {' '.join(unused)}{did_you_mean(parser, unused, LAUNCHER_OPTIONS)}")
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)
@@ -538,18 +538,26 @@ def build_trainer(
 
 
 class LogFirstAndLastStep(TrainerCallback):
-    """Logs the loss of the first and of the last optimizer step too (besides every --logging_steps), so that the
-    run's summary states its real first and last training loss whatever the logging interval."""
+    """Logs the loss of this run's first and last optimizer step too (besides every --logging_steps), so that the
+    run's summary states its real first and last training loss whatever the logging interval. `start_step`: the
+    step the run started from (a resumed checkpoint's, else 0)."""
+
+    def __init__(self) -> None:
+        self.start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step = state.global_step  # (the Trainer has restored a resumed checkpoint's state by now)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1 or state.global_step >= state.max_steps:
+        if state.global_step == self.start_step + 1 or state.global_step >= state.max_steps:
             control.should_log = True
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     script, training, *_ = parse_args(sys.argv[1:] if argv is None else argv)
+    first_and_last = LogFirstAndLastStep()
     try:
-        trainer = build_trainer(script, training, callbacks=[LogFirstAndLastStep()])
+        trainer = build_trainer(script, training, callbacks=[first_and_last])
     except ValueError as e:  # a setting this model or data cannot run with; the message names the fix: as a bad
         end_refused(Path(__file__).name, e)  # flag ends, once (not from every rank), exit status 2, no traceback
     parallel = trainer.parallel
@@ -557,10 +565,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if script.save_final_model:
         trainer.save_model()
 
-    logged = [log for log in trainer.state.log_history if "loss" in log]
+    # this run's logs: a resumed checkpoint's state holds those of the steps before it
+    start = first_and_last.start_step
+    this_run = [log for log in trainer.state.log_history if log.get("step", 0) > start]
+    logged = [log for log in this_run if "loss" in log]
     losses = [log["loss"] for log in logged]
-    kept = [log["sparse/kept_fraction"] for log in trainer.state.log_history if "sparse/kept_fraction" in log]
+    kept = [log["sparse/kept_fraction"] for log in this_run if "sparse/kept_fraction" in log]
     summary = {
+        "steps": trainer.state.global_step - start,  # (this run's)
+        "resumed_from_step": start,
         "first_loss": losses[0] if logged else None,  # (None: no step trained, e.g. a resume at max_steps)
         "final_loss": losses[-1] if logged else None,
         "first_loss_step": logged[0]["step"] if logged else None,
@@ -591,9 +604,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         shape = (f"on {parallel.world_size} process(es), cp_schedule {training.cp_schedule}" if training.cp_schedule
                  else f"at {training.sparse_max_length} tokens on {parallel.world_size} process(es), "
                  f"CP={parallel.cp_size}")
-        steps = trainer.state.global_step
+        steps = summary["steps"]
+        resumed = (f" ({f'steps {start + 1}-{trainer.state.global_step}, ' if steps else ''}resumed from step "
+                   f"{start})" if start else "")
         print(
-            f"done: {steps} step{'s' if steps != 1 else ''} {shape} | {loss} | mean kept fraction "
+            f"done: {steps} step{'s' if steps != 1 else ''}{resumed} {shape} | {loss} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"
         )
     return summary

@@ -169,18 +169,19 @@ def close_keys(unknown: Collection[str], known: Collection[str]) -> str:
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
 
-def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str], also: Sequence[str] = ()) -> str:
     """'; did you mean --x for --y?' for the flags among `unknown` that are close to one `parser` takes
     (`closest_names`, dashes read as underscores; those as close as the closest joined by 'or'), '' when none is: the
     suffix of an "unrecognized arguments" error. A flag in the other spelling of one the parser takes in one
-    spelling only (`--config-file` to a plain argparse `--config_file`) is named with that one."""
+    spelling only (`--config-file` to a plain argparse `--config_file`) is named with that one. `also`: the options
+    that the command running the parser takes besides (the launcher's `--nproc` for `hf-sparse-cp train`'s script)."""
+    spellings = [*(option for action in parser._actions for option in action.option_strings), *also]
     options: dict[str, str] = {}  # a flag's name with underscores -> how the parser spells it (the '_' one if both)
-    for action in parser._actions:  # (argparse's own list)
-        for option in action.option_strings:
-            name = option[2:].replace("-", "_")
-            if option.startswith("--") and (name not in options or option[2:] == name):
-                options[name] = option
-    spelt = {option for action in parser._actions for option in action.option_strings}
+    for option in spellings:  # (argparse's own list, then `also`)
+        name = option[2:].replace("-", "_")
+        if option.startswith("--") and (name not in options or option[2:] == name):
+            options[name] = option
+    spelt = set(spellings)
     guesses = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]

@@ -358,9 +358,14 @@ class SparseAttentionConfig(FileConfig):
         with unread_fields_checked_by_caller():
             config = super().replace(**changes)
         if checks_unread_fields():
-            config.refuse_unread({k: v for k, v in config.fields_given().items() if k in changes},
-                                 config.layer_configs())
+            config.refuse_unread_changes(changes)
         return config
+
+    def refuse_unread_changes(self, changes: Mapping[str, Any], scope: str = "this config") -> None:
+        """`refuse_unread` for the fields of this config that `changes` (those of `replace`) gave; `scope` names
+        what gave them (a `--cp_schedule` stage: "this stage")."""
+        self.refuse_unread({k: v for k, v in self.fields_given().items() if k in changes}, self.layer_configs(),
+                           scope=scope)
 
     def fields_given(self) -> dict[str, Any]:
         """The fields (not the sections) that differ from their defaults: those `refuse_unread` looks at."""

@@ -54,6 +54,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+from .interrupts import record_output_dir
 from .known_scripts import trainers_refusal
 from .refusals import exit_refused
 
@@ -100,6 +101,8 @@ class LaunchedRun:
     # the TRL trainer classes the script builds, read from its source (`known_scripts.trl_trainers`): a CP degree that
     # each of them refuses is refused as the script's flags parse, before its data
     trainers: Sequence[type] | None = None
+    # the output folders of the Trainers built: where a run stopped by Ctrl-C names its last checkpoint
+    output_dirs: list[str] = dataclasses.field(default_factory=list)
 
 
 def flags_given(plugin: PluginArguments, script_args: Sequence[str]) -> list[str]:
@@ -255,6 +258,10 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                              "a parser that reads --help, so it has none to print; nothing was launched.\n")
             sys.exit(2)
         run.trainers_built += 1
+        output_dir = getattr(args, "output_dir", None)
+        if output_dir is not None:
+            run.output_dirs.append(output_dir)
+            record_output_dir(output_dir)
         if isinstance(self, SparseTrainerMixin):  # the plugin's class: named by the script, or given below
             return trainer_init(self, model, args, *rest, **kwargs)
         if not isinstance(args, TrainingArguments):

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
+from .interrupts import INTERRUPTED, interrupted_line, recorded_output_dirs
 from .refusals import REPORTS_ENV
 
 RUN_MODULE = "hf_sparse_cp.run"
@@ -195,7 +196,10 @@ def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[
         here(list(run_args))
         return 0
     with tempfile.TemporaryDirectory(prefix="hf-sparse-cp-reports-") as reports:  # (`refusals.first_to_report`)
-        return run_forwarding_signals([*command, *run_args], env={**os.environ, REPORTS_ENV: reports})
+        status = run_forwarding_signals([*command, *run_args], env={**os.environ, REPORTS_ENV: reports})
+        if status == INTERRUPTED:  # (the processes exit in silence: `interrupts.end_interrupted`)
+            sys.stderr.write(interrupted_line(launched_processes(options) or 1, recorded_output_dirs(reports)))
+        return status
 
 
 def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:

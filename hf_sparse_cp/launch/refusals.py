@@ -12,7 +12,9 @@
   torchrun or accelerate launch as their commands run them, except that a run whose processes ended refused (the
   others stopped by the launcher) ends with `REFUSED` and without their traceback and failure summary, which
   only repeat the message's process's exit status (as torchrun's ChildFailedError, or as the CalledProcessError
-  accelerate launch raises for a config of one process). Any other failure keeps them.
+  accelerate launch raises for a config of one process). Any other failure keeps them. A run stopped by a signal
+  ends with 128 + its number, without the launcher's traceback (and, on Ctrl-C, without torchrun's line per worker:
+  `interrupts.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import importlib
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -104,13 +107,26 @@ def drops_refused_failure(record: logging.LogRecord) -> bool:
     return not (str(record.msg).startswith("failed (exitcode") and bool(record.args) and record.args[0] == REFUSED)
 
 
+def drops_interrupt_shutdown(record: logging.LogRecord) -> bool:
+    """A logging filter: False for torchrun's lines on stopping its workers on Ctrl-C (`Received 2 death signal,
+    shutting down workers`, then `Sending process N closing signal SIGINT` for each), which the launcher's line on
+    the interrupted run says once (`interrupts.interrupted_line`)."""
+    text = str(record.msg)
+    return not (bool(record.args) and (
+        text.startswith("Received %s death signal") and record.args[0] == signal.SIGINT
+        or text.startswith("Sending process %s closing signal") and record.args[-1] == signal.SIGINT.name))
+
+
 def main(argv: list[str]) -> None:
     """Run the launcher `argv[0]` (a key of `LAUNCHERS`) with the arguments `argv[1:]` (see the module's doc)."""
     import subprocess
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(drops_refused_failure)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(drops_interrupt_shutdown)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(drops_interrupt_shutdown)
     name, args = argv[0], argv[1:]
     sys.argv[:] = [name, *args]  # (both launchers parse sys.argv)
     try:
@@ -123,6 +139,10 @@ def main(argv: list[str]) -> None:
         if e.returncode == REFUSED:
             sys.exit(REFUSED)
         raise
+    except SignalException as e:  # (torchrun stopped by the signal `hf-sparse-cp` passed on: it says so, once)
+        sys.exit(128 + e.sigval)
+    except KeyboardInterrupt:  # (accelerate launch's one-process launcher, waiting on its process)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

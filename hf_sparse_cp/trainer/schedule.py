@@ -80,7 +80,11 @@ class Stage:
 
     def sparse_config(self, base: SparseAttentionConfig) -> SparseAttentionConfig:
         """The run's pattern `base` with this stage's pattern fields."""
-        return base.replace(**self.sparse)  # (refuses only the unread fields the stage gives)
+        with unread_fields_checked_by_caller():
+            config = base.replace(**self.sparse)
+        if checks_unread_fields():  # (only the unread fields the stage gives, named as the stage's)
+            config.refuse_unread_changes(self.sparse, scope="this stage")
+        return config
 
 
 def _value(text: str) -> Any:

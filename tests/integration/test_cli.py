@@ -193,3 +193,14 @@ def test_a_dead_worker_ends_the_run(training_run):
     launcher, run, workers, started_s = training_run
     os.kill(workers[1], signal.SIGKILL)
     assert _ended_within_the_bound(launcher, run, started_s) != 0
+
+
+def test_ctrl_c_ends_the_run_with_one_line_and_no_traceback(training_run, tmp_path):
+    """Ctrl-C (SIGINT to the launcher) printed Python's KeyboardInterrupt traceback once per rank, then torchrun's
+    SignalException traceback: it now ends the run with one line, exit status 130."""
+    launcher, run, _, started_s = training_run
+    launcher.send_signal(signal.SIGINT)
+    assert _ended_within_the_bound(launcher, run, started_s) == 128 + signal.SIGINT
+    log = (tmp_path / "log.txt").read_text()
+    assert log.count("hf-sparse-cp: interrupted by the user; 2 ranks stopped; no checkpoint was saved.\n") == 1, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "closing signal" not in log, log[-3000:]

@@ -98,7 +98,7 @@ def test_invalid_schedules_name_the_fix(text, match):
 # check, each named as the stage writes fields.
 @pytest.mark.parametrize("stage, refused", [
     ("2:256:2:estimation_chunk=128", "only a layer with pattern=vertical_slash and estimation=causal_chunks reads it, "
-                                     "and no layer of this config has them all (estimation=last_queries): drop it, or "
+                                     "and no layer of this stage has them all (estimation=last_queries): drop it, or "
                                      "add estimation=causal_chunks."),
     ("2:256:1:estimation=causal_chunks:estimation_chunk=256", "with estimation=causal_chunks the first chunk of a "
                                                               "document is dense, so every layer would run dense (kept "

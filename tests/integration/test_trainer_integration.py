@@ -133,6 +133,24 @@ def test_a_packed_run_whose_layers_all_run_dense_keeps_one_and_the_done_line_sta
     assert "| 0 | 1.000 |" in (tmp_path / "README.md").read_text()
 
 
+def test_the_done_line_of_a_resumed_run_counts_the_steps_it_ran(tmp_path, capsys, single_thread):
+    """A run resumed at step 2 and trained to step 4 said 'done: 4 steps', with the first loss and the mean kept
+    fraction of the steps before the checkpoint (restored with its log history), and did not log its own first
+    step's loss."""
+    from hf_sparse_cp.examples.train_long_context import main
+
+    job = ["--sparse_max_length", "256", "--num_samples", "4", "--tiny_num_layers", "1", "--logging_steps", "50",
+           "--save_steps", "2", "--output_dir", str(tmp_path)]
+    main([*job, "--max_steps", "2"])
+    capsys.readouterr()
+    summary = main([*job, "--max_steps", "4", "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")])
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done: "))
+    assert done.startswith("done: 2 steps (steps 3-4, resumed from step 2) at 256 tokens"), done
+    assert summary["first_loss_step"] == 3 and summary["final_loss_step"] == 4 and len(summary["losses"]) == 2
+    assert summary["steps"] == 2 and summary["resumed_from_step"] == 2
+    assert f"loss {summary['first_loss']:.4f} (step 3) -> {summary['final_loss']:.4f} (step 4)" in done, done
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sparse_layer_overrides", '{"5-10": {"pattern": "dense"}}'], "reaches past the model's 1 layers"),
     (["--cp_size", "2"], "launch it with `torchrun --nproc_per_node N`"),

@@ -304,6 +304,55 @@ def test_arguments_built_in_code_take_the_flags_given_before_the_script_path(tmp
     assert type(later) is OwnTrainer  # outside the run: the script's class as written
 
 
+INTERRUPTED_SCRIPT = """
+import sys
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from hf_sparse_cp.testing.tiny_models import tiny_config
+
+args = TrainingArguments(output_dir=sys.argv[1], report_to="none", use_cpu=True, save_strategy="no")
+Trainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args)
+raise KeyboardInterrupt  # (Ctrl-C, as it lands in every rank mid-training)
+"""
+
+
+@pytest.mark.parametrize("launched_rank", [False, True])
+def test_ctrl_c_ends_a_run_with_one_line_naming_the_last_complete_checkpoint(tmp_path, monkeypatch, capsys,
+                                                                             launched_rank):
+    """Ctrl-C in a run launched on N processes printed Python's KeyboardInterrupt traceback once per rank (and
+    torchrun's own). A rank the launcher started ends in silence, status 130, having noted its Trainer's output
+    folder for the launcher, which prints the one line (`processes.launch`); a run in this process prints it itself.
+    The line names the newest checkpoint there that is complete (not the one being saved when the signal came)."""
+    from hf_sparse_cp.launch.interrupts import interrupted_line, recorded_output_dirs
+    from hf_sparse_cp.launch.refusals import REPORTS_ENV
+    from hf_sparse_cp.trainer.checkpoints import MARKER
+
+    out = tmp_path / "out"
+    for step, complete in ((2, True), (4, False), (10, None)):  # (10: no checkpoint-N folder, a file)
+        if complete is None:
+            out.joinpath(f"checkpoint-{step}").write_text("")
+            continue
+        out.joinpath(f"checkpoint-{step}").mkdir(parents=True)
+        out.joinpath(f"checkpoint-{step}", MARKER).write_text(json.dumps({"complete": complete, "step": step}))
+    (tmp_path / "script.py").write_text(INTERRUPTED_SCRIPT)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    if launched_rank:
+        monkeypatch.setenv(REPORTS_ENV, str(reports))
+        monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as ended:
+        run([str(tmp_path / "script.py"), str(out)])
+    line = (f"hf-sparse-cp: interrupted by the user; 1 rank stopped; the last checkpoint is {out / 'checkpoint-2'} "
+            f"(--resume_from_checkpoint {out / 'checkpoint-2'} continues from it).\n")
+    err = capsys.readouterr().err
+    assert ended.value.code == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    if launched_rank:
+        assert err == "" and recorded_output_dirs(reports) == [str(out)]
+        assert interrupted_line(2, recorded_output_dirs(reports)) == line.replace("1 rank", "2 ranks")
+    else:
+        assert err == line and recorded_output_dirs(reports) == []
+    assert interrupted_line(2, [str(tmp_path / "none")]).endswith("; 2 ranks stopped; no checkpoint was saved.\n")
+
+
 def test_launcher_flags_have_the_defaults_and_help_of_the_switch(tmp_path):
     plugin, switch = PluginArguments(), SparseTrainingArguments(output_dir=str(tmp_path), report_to="none")
     helps = {f.name: f.metadata.get("help") for f in dataclasses.fields(SparseTrainingArguments)}
@@ -469,6 +518,28 @@ def test_a_flag_in_the_spelling_a_launcher_option_does_not_take_is_named_with_th
     with pytest.raises(SystemExit) as refused:
         cli.main(["launch", "--config-file", "x.yaml", "train.py"])
     assert refused.value.code == 2 and hint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed, hint", [
+    ("--nprocs", "did you mean --nproc for --nprocs?"),
+    ("--confg_file", "did you mean --config_file for --confg_file?"),
+    # (it named the example's --sparse_config, --smet_config, ... --fsdp_config)
+    ("--config-file", "did you mean --config_file for --config-file?"),
+])
+def test_a_near_miss_of_a_launcher_option_to_train_is_named_with_the_option(monkeypatch, capsys, typed, hint):
+    """`hf-sparse-cp train` takes the launcher's options anywhere among the example's flags, so a typo of one is left
+    to the example's parser, which does not have them: `--nprocs 2` was refused with no hint."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(processes, "run_forwarding_signals", lambda command, env=None: started.append(command) or 0)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--nproc", "2", typed, "2", "--max_steps", "1"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"unrecognized arguments: {typed} 2; {hint}" in err, err
+    assert not started
 
 
 @pytest.mark.parametrize("trl_parser", [False, True])
