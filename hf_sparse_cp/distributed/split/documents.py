@@ -75,7 +75,8 @@ class PlannerCosts:
     )
     max_token_ratio: float = field(
         default=1.25,
-        metadata={"help": "Most tokens a rank may hold, as a multiple of the mean (activation memory)."},
+        metadata={"help": "Most tokens a rank may hold in its blocks (a document's last block counted whole), as a "
+                  "multiple of the mean, plus one block (activation memory)."},
     )
     extra_splits: int = field(
         default=8,
@@ -166,7 +167,8 @@ def _split_blocks(nb: int, kind: str, w: int, rotation: int) -> np.ndarray:
 @dataclass
 class _Placement:
     """Documents placed whole (`placed`: rank) or split (`split`: owner rank per block; `over_ring`: those
-    split over every rank), and the estimated work and tokens per rank."""
+    split over every rank), and the estimated work per rank and the tokens its blocks hold (the padding of a
+    document's last block included: what the rank's activations take)."""
 
     load: np.ndarray
     tokens: np.ndarray
@@ -175,14 +177,14 @@ class _Placement:
     over_ring: set[int] = field(default_factory=set)
 
     def spread_over_ring(self, i: int, kind: str, work: np.ndarray, tokens: np.ndarray, rotation: int,
-                         costs: PlannerCosts) -> None:
+                         costs: PlannerCosts, bs: int) -> None:
         """Split document i (its blocks' `work` and `tokens`) over every rank (`_split_blocks`); each
         rank receives all its other tokens."""
         w = len(self.load)
         owner = _split_blocks(len(work), kind, w, rotation)
         held = np.bincount(owner, weights=tokens, minlength=w)
         self.load += np.bincount(owner, weights=work, minlength=w) + costs.comm_per_token * (tokens.sum() - held)
-        self.tokens += held
+        self.tokens += np.bincount(owner, minlength=w) * float(bs)
         self.split[i] = owner
         self.over_ring.add(i)
 
@@ -252,14 +254,18 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
 
     (Python lists and bisect in the loop over ranks: numpy's per-call cost on scalars dominated.)"""
     w = len(at.load)
-    work, block_tokens = blocks.of(docs)
+    work, _ = blocks.of(docs)
     nb = [int(blocks.first[i + 1] - blocks.first[i]) for i in docs]
     total = [0.0, *np.cumsum(work).tolist()]
-    held = [0.0, *np.cumsum(block_tokens).tolist()]
+    held = [float(k * bs) for k in range(len(work) + 1)]  # the tokens the first k blocks hold
     doc_first = [0, *np.cumsum(nb).tolist()]  # block range of each document
     doc_of = np.repeat(np.arange(len(docs)), nb).tolist()
     size = len(doc_of)
     base_load, base_tokens = at.load.tolist(), at.tokens.tolist()
+    # tokens the ranks after each rank can still take: a rank stopped short by its level leaves no more to the
+    # last rank than fits (the token cap bounds activation memory, which no balance may trade away)
+    room = [max(0.0, (token_cap - t) // bs * bs) for t in base_tokens]  # (whole blocks)
+    room_after = [sum(room[r + 1:]) for r in range(w)]
 
     def ends_at(level: float) -> tuple[list[int], list[float]]:
         """Each rank's end block and its load when every rank but the last takes up to `level`."""
@@ -270,10 +276,11 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
             if r < w - 1:
                 end = bisect.bisect_right(total, total[start] + level - base_load[r] - comm) - 1
                 most = bisect.bisect_right(held, held[start] + token_cap - base_tokens[r]) - 1
-                end = max(min(end, most), start)
+                least = max(start, bisect.bisect_left(held, held[size] - room_after[r]))
+                end = max(min(end, most), least)
                 if 0 < end < size and doc_first[doc_of[end]] != end:  # inside a document: its start if close
                     edge = doc_first[doc_of[end]]
-                    if edge >= start and total[end] - total[edge] <= costs.balance_slack * level:
+                    if edge >= least and total[end] - total[edge] <= costs.balance_slack * level:
                         end = edge
             ends.append(end)
             loads.append(base_load[r] + total[end] - total[start] + comm)
@@ -327,28 +334,31 @@ def _ring_time(at: _Placement, blocks: _Blocks, caps: list[int | None], costs: P
     return pipelined_ring_time(work, sent * costs.comm_per_token)
 
 
-def _fill(at: _Placement, docs: list[int], lengths, work, token_cap: float) -> None:
-    """Place `docs` (costliest first) whole, each on the least loaded rank with room for its tokens
-    (else the one with the fewest tokens)."""
+def _fill(at: _Placement, docs: list[int], lengths, work, token_cap: float) -> list[int]:
+    """Place `docs` (costliest first) whole, each on the least loaded rank with room for its tokens; return those
+    that no rank has room for (after documents spread over the ring, a document shorter than the cap can still
+    fit nowhere), for the cut to split within the cap."""
     heap = [(float(load), r) for r, load in enumerate(at.load)]
     heapq.heapify(heap)
+    left = []
     for i in docs:
-        skipped = []
-        while True:
-            lo, r = heapq.heappop(heap)
-            if at.tokens[r] + lengths[i] <= token_cap or not heap:
+        skipped, r = [], None
+        while heap:
+            lo, rank = heapq.heappop(heap)
+            if at.tokens[rank] + lengths[i] <= token_cap:
+                r = rank
                 break
-            skipped.append((lo, r))
-        if at.tokens[r] + lengths[i] > token_cap and skipped:
-            skipped.append((lo, r))
-            lo, r = min(skipped, key=lambda t: (at.tokens[t[1]], t[1]))
-            skipped.remove((lo, r))
+            skipped.append((lo, rank))
         for item in skipped:
             heapq.heappush(heap, item)
+        if r is None:
+            left.append(i)
+            continue
         at.placed[i] = r
         at.load[r] += work[i]
         at.tokens[r] += lengths[i]
         heapq.heappush(heap, (float(at.load[r]), r))
+    return left
 
 
 def _split_counts(must: int, most: int, step_by_one: int):
@@ -399,22 +409,23 @@ def plan_documents(
     w, bs = cp_size, block_size
     leads = sparse_leads(lengths, kinds, bs)
     spans = [n + lead for n, lead in zip(lengths, leads)]  # the tokens a run takes in the plan
+    slots = [-(-n // bs) * bs for n in spans]  # and the tokens its blocks hold (a rank's activations)
     blocks = _Blocks.of_row(spans, kinds, kept_per_row, bs, costs)
     work, rotation = blocks.document_work(), blocks.rotation(w)
-    token_cap = costs.max_token_ratio * sum(spans) / w + bs
+    token_cap = costs.max_token_ratio * sum(slots) / w + bs
     mean = sum(work) / w
     order = sorted((i for i, k in enumerate(kinds) if k != PAD), key=lambda i: (-work[i], i))
-    must = [(work[i] > mean or spans[i] > token_cap) and spans[i] > bs for i in order]  # (a block: not cut)
+    must = [(work[i] > mean or slots[i] > token_cap) and spans[i] > bs for i in order]  # (a block: not cut)
     ring_work = costs.ring_share * sum(work)
     whole_ring = sum(1 for i in order if w > 1 and work[i] >= ring_work and spans[i] > bs)
 
     def placement(m: int, n: int) -> _Placement:
         at = _Placement(np.zeros(w), np.zeros(w))
         for i in order[:m]:
-            at.spread_over_ring(i, kinds[i], *blocks.of([i]), int(rotation[i]), costs)
-        _fill(at, order[m + n:], spans, work, token_cap)
-        if n:  # after the whole documents: the cut brings every rank to one level
-            _cut(at, order[m: m + n], blocks, bs, costs, token_cap)
+            at.spread_over_ring(i, kinds[i], *blocks.of([i]), int(rotation[i]), costs, bs)
+        left = _fill(at, order[m + n:], slots, work, token_cap)
+        if n or left:  # after the whole documents: the cut brings every rank to one level
+            _cut(at, order[m: m + n] + left, blocks, bs, costs, token_cap)
         return at
 
     def balanced(at: _Placement, slack: float) -> bool:
