@@ -318,6 +318,19 @@ def test_no_rank_holds_more_blocks_than_the_token_cap(seq, seed):
         assert max(blocks) <= PlannerCosts.max_token_ratio * row_blocks / cp + 1, (cp, blocks)
 
 
+def test_the_per_document_baseline_splits_every_document_over_every_rank():
+    """cp_packing's Per-Doc baseline (WLB-LLM): each document over all ranks, padding kept whole, every token once."""
+    from hf_sparse_cp.distributed.split.documents import split_every_document
+
+    lengths, kinds = [3000, 700, 64, 5000, 100], ["dense", "sparse", "pad", "dense", "dense"]
+    plan = split_every_document(lengths, kinds, 4, 64)
+    holders = {i: {r for r in range(4) for run, _, _ in plan.segments(r) if run == i} for i in range(len(lengths))}
+    assert holders[0] == holders[1] == holders[3] == set(range(4)) and len(holders[2]) == 1
+    assert len(holders[4]) == 2  # 2 blocks: one each on two ranks
+    placed = plan.source[plan.source >= 0]
+    assert torch.equal(placed.sort().values, torch.arange(sum(lengths)))
+
+
 def test_the_split_sweep_reaches_every_document():
     from hf_sparse_cp.distributed.split.documents import _split_counts
 

@@ -464,7 +464,7 @@ def split_every_document(lengths: list[int], kinds: list[str], cp_size: int, blo
     rotation = blocks.rotation(cp_size)
     for i, kind in enumerate(dense):
         if kind != PAD:
-            at.spread_over_ring(i, kind, *blocks.of([i]), int(rotation[i]), costs)
+            at.spread_over_ring(i, kind, *blocks.of([i]), int(rotation[i]), costs, block_size)
     _fill(at, [i for i, k in enumerate(kinds) if k == PAD], lengths, [0.0] * len(lengths), float("inf"))
     return _materialize(at, lengths, [0] * len(lengths), kinds, cp_size, block_size)
 
