@@ -26,7 +26,8 @@ class ContextParallelConfig(KnownKeywords):
     KIND: ClassVar[str] = "context parallel"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_mode", "cp_sharding")
     # The document planner's weights: read only under --cp_sharding document (`plans_documents`).
-    PLANNER_FIELDS: ClassVar[tuple[str, ...]] = ("cp_planner_linear_per_token", "cp_planner_comm_per_token")
+    PLANNER_FIELDS: ClassVar[tuple[str, ...]] = ("cp_planner_linear_per_token", "cp_planner_comm_per_token",
+                                                 "cp_planner_max_token_ratio")
 
     cp_size: int = field(
         default=1,
@@ -72,6 +73,12 @@ class ContextParallelConfig(KnownKeywords):
         metadata={"help": "For --cp_sharding document: cost of receiving one token's K/V, in attention token pairs "
                   "(about 300 for Qwen2.5-0.5B over NVLink; a few times more across nodes)."},
     )
+    cp_planner_max_token_ratio: float = field(
+        default=PlannerCosts.max_token_ratio,
+        metadata={"help": "For --cp_sharding document: most tokens a rank may hold, in its blocks, as a multiple of "
+                  "the mean (plus one block): the bound on its activation memory. A larger one leaves the planner "
+                  "more freedom to balance the work."},
+    )
     cp_allow_untested_model: bool = field(
         default=False,
         metadata={"help": "Deprecated, no effect: every architecture that passes the model checks (shard reach, "
@@ -90,10 +97,13 @@ class ContextParallelConfig(KnownKeywords):
             warnings.warn("--cp_allow_untested_model is no longer needed and has no effect: every architecture that "
                           "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
                           stacklevel=2)
-        for name in self.PLANNER_FIELDS:
+        for name in self.PLANNER_FIELDS[:2]:
             if not 0 <= getattr(self, name) < math.inf:  # (NaN passed `< 0`: every rank's planned load NaN or inf)
                 raise ValueError(f"{name}={getattr(self, name)} must be finite and >= 0 (a cost in attention token "
                                  f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")
+        if not 1 <= self.cp_planner_max_token_ratio < math.inf:
+            raise ValueError(f"cp_planner_max_token_ratio={self.cp_planner_max_token_ratio} must be finite and >= 1 "
+                             f"(a multiple of the mean tokens per rank; default {PlannerCosts.max_token_ratio}).")
         if checks_unread_fields():  # (a --cp_schedule's base: its stages may shard by document)
             defaults = {f.name: f.default for f in fields(self)}
             try:
@@ -150,7 +160,8 @@ class ContextParallelConfig(KnownKeywords):
     def planner_costs(self) -> PlannerCosts:
         """The document planner's cost model with these flags' weights."""
         return PlannerCosts(linear_per_token=self.cp_planner_linear_per_token,
-                            comm_per_token=self.cp_planner_comm_per_token)
+                            comm_per_token=self.cp_planner_comm_per_token,
+                            max_token_ratio=self.cp_planner_max_token_ratio)
 
     def group_settings(self) -> list[str]:
         """The settings of how a CP group shares its sequences that this config moves from their defaults (every

@@ -229,6 +229,10 @@ def test_the_example_takes_packed_documents_that_divide_the_sequence():
                                                         "cost in attention token pairs; default 9000.0)"),
         ({"cp_planner_comm_per_token": float("inf")}, "cp_planner_comm_per_token=inf must be finite and >= 0"),
         ({"cp_planner_comm_per_token": -1.0}, "cp_planner_comm_per_token=-1.0 must be finite and >= 0"),
+        ({"cp_planner_max_token_ratio": 0.9, "cp_sharding": "document"},
+         "cp_planner_max_token_ratio=0.9 must be finite and >= 1 (a multiple of the mean tokens per rank"),
+        ({"cp_planner_max_token_ratio": float("nan"), "cp_sharding": "document"},
+         "cp_planner_max_token_ratio=nan must be finite and >= 1"),
     ],
 )
 def test_context_parallel_config_refuses_wrong_types(kwargs, refused):
