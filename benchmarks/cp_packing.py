@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (bytes per block)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-token-ratio", type=float, default=PlannerCosts.max_token_ratio,
+                   help="the planner's token cap (--cp_planner_max_token_ratio)")
     p.add_argument("--json", default=str(RESULTS / "cp_packing.json"))
     p.add_argument("--plot", default=str(RESULTS / "cp_packing.png"), help="per-rank work plot ('' for none)")
     return p.parse_args(argv)
@@ -83,7 +85,8 @@ def _timed(fn, repeats: int = 7):
     return result, min(times) * 1e3
 
 
-def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: int, padded: int):
+def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: int, padded: int,
+           costs: PlannerCosts):
     """(name, plan, planning ms) of every sharding; the block shardings over one padded length for all
     CP sizes (so they share one layout)."""
     yield "striped", ShardPlan("striped", cp, cfg.block_size, padded), 0.0
@@ -92,7 +95,7 @@ def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: 
     plan, ms = _timed(lambda: split_every_document(run_lengths, kinds, cp, cfg.block_size))
     yield "per-doc", plan, ms
     kept = kept_blocks_per_row(cfg)
-    plan, ms = _timed(lambda: plan_documents(run_lengths, kinds, cp, cfg.block_size, kept_per_row=kept))
+    plan, ms = _timed(lambda: plan_documents(run_lengths, kinds, cp, cfg.block_size, kept_per_row=kept, costs=costs))
     yield "planner", plan, ms
 
 
@@ -123,7 +126,7 @@ def planner_time_1000_documents(row: int, cp: int, cfg: SparseAttentionConfig, s
 
 def run(args) -> dict:
     cfg = SparseAttentionConfig(block_size=args.block_size)
-    costs = PlannerCosts()
+    costs = PlannerCosts(max_token_ratio=args.max_token_ratio)
     rows, seeds = [], {}
     for m, mix in enumerate(args.mixes):
         seeds[mix] = args.seed + m
@@ -137,7 +140,7 @@ def run(args) -> dict:
         in_order = {}  # the layouts of the row as packed (block shardings), the same for every CP size
         padded_meta = meta.pad_to(padded)
         for cp in args.cp:
-            for sharding, plan, ms in _plans(lengths, padded_meta, cfg, cp, padded):
+            for sharding, plan, ms in _plans(lengths, padded_meta, cfg, cp, padded, costs):
                 if sharding in ("striped", "zigzag"):
                     if not in_order:
                         in_order["sparse"] = packed_layout(plan, padded_meta, cfg, torch.nn.functional.pad(
