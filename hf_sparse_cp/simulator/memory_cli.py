@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
 from ..config import SparseAttentionConfig
+from ..distributed.split.documents import PlannerCosts
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
 from .arguments import (
@@ -95,6 +97,12 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--cp", type=at_least(1), default=1,
                    help="Context-parallel ranks sharing one sequence (training's --cp_size, which is taken too).")
     add_cp_mode_arguments(p)
+    p.add_argument("--cp_sharding", default="striped", choices=("striped", "zigzag", "contiguous", "document"),
+                   help="How the sequence is split, as in training: the block shardings give every rank an equal "
+                   "share; 'document' (packed rows) up to --cp_planner_max_token_ratio times it on one rank.")
+    p.add_argument("--cp_planner_max_token_ratio", type=float, default=PlannerCosts.max_token_ratio,
+                   help="With --cp_sharding document: the planner's token cap, as training's flag (the busiest rank "
+                   "holds up to this multiple of the mean of the blocks, plus one block).")
     p.add_argument("--fsdp", type=at_least(1), default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
                    "on 8 GPUs.")
@@ -149,6 +157,7 @@ def settings_for_length(args) -> callable:
     _, head_size = cp_layout(args, args.cp)
     base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
                         smet_density=args.smet_density, cp=args.cp, head_size=head_size, fsdp=args.fsdp,
+                        max_token_ratio=args.cp_planner_max_token_ratio if args.cp_sharding == "document" else None,
                         pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve)
 
     def settings(seq_len: int) -> StepSettings:
@@ -174,6 +183,13 @@ def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern:
     if "smet_density" in given and args.optimizer != "smet":
         parser.error(f"--smet-density {args.smet_density} is SMET's active fraction (--optimizer smet); with "
                      f"--optimizer {args.optimizer} it would be ignored: drop it, or use --optimizer smet.")
+    if "cp_planner_max_token_ratio" in given and args.cp_sharding != "document":
+        parser.error(f"--cp_planner_max_token_ratio {args.cp_planner_max_token_ratio} is the document planner's token "
+                     f"cap; with --cp_sharding {args.cp_sharding} it would be ignored: drop it, or add --cp_sharding "
+                     "document.")
+    if not 1 <= args.cp_planner_max_token_ratio < math.inf:
+        parser.error(f"--cp_planner_max_token_ratio {args.cp_planner_max_token_ratio} must be finite and >= 1 (a "
+                     "multiple of the mean tokens per rank).")
     if "token_tile_size" in given and not args.token_tiling_min_length:
         parser.error(f"--token-tile-size {args.token_tile_size} sizes the tiles of --token-tiling-min-length; with "
                      "--token-tiling-min-length 0 (never tiled) it would be ignored: drop it, or give the length to "

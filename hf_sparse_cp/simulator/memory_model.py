@@ -112,6 +112,11 @@ class StepSettings:
     smet_density: float = field(default=0.25, metadata={"help": "SMET's active fraction of the layer matrices."})
     smet_block_size: int = field(default=16, metadata={"help": "SMET's block of input columns."})
     cp: int = field(default=1, metadata={"help": "Context-parallel ranks sharing one sequence."})
+    max_token_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Under --cp_sharding document: the planner's token cap (--cp_planner_max_token_ratio), the "
+                  "busiest rank holding up to this multiple of the mean of the sequence's blocks plus one block; "
+                  "None: a block sharding's equal shares."})
     head_size: int = field(
         default=1,
         metadata={"help": "Ranks of a head group (the CP mode's: 1 for the ring, cp for ulysses, cp_ulysses_size for "
@@ -141,6 +146,8 @@ class StepSettings:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPE_BYTES)}.")
         if self.cp < 1 or self.fsdp < 1:
             raise ValueError(f"cp={self.cp} and fsdp={self.fsdp} must be >= 1.")
+        if self.max_token_ratio is not None and not 1 <= self.max_token_ratio < math.inf:
+            raise ValueError(f"max_token_ratio={self.max_token_ratio} must be finite and >= 1 (or None).")
         if self.head_size < 1 or self.cp % self.head_size:
             raise ValueError(f"head_size={self.head_size} must divide cp={self.cp} (whole head groups).")
         if not 0.0 < self.smet_density <= 1.0:
@@ -353,14 +360,25 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     return _AttentionGeometry(per_block / bs, construction, estimation, forward, backward, basis)
 
 
+def rank_tokens(seq_len: int, s: StepSettings) -> int:
+    """The tokens of the busiest rank: the sequence itself on one rank, a block sharding's equal share of its
+    blocks, or the document planner's token cap (`max_token_ratio`)."""
+    if s.cp == 1:
+        return seq_len
+    bs = s.pattern.block_size
+    blocks = math.ceil(seq_len / bs)
+    if s.max_token_ratio is None:
+        return math.ceil(blocks / s.cp) * bs
+    return min(blocks, math.floor(s.max_token_ratio * blocks / s.cp) + 1) * bs
+
+
 class _Step:
     """One step of one rank replayed on a tape (see `predict_step_memory`)."""
 
     def __init__(self, arch: Architecture, seq_len: int, s: StepSettings) -> None:
         self.arch, self.s = arch, s
         sh = arch.shape
-        bs = s.pattern.block_size
-        self.t = math.ceil(math.ceil(seq_len / s.cp) / bs) * bs if s.cp > 1 else seq_len  # the rank's tokens
+        self.t = rank_tokens(seq_len, s)
         self.tape = _Tape(self.t)
         self.a = DTYPE_BYTES[s.dtype]
         self.w = 4 if s.master_weights else self.a

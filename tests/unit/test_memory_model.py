@@ -311,6 +311,29 @@ def test_a_peft_adapters_folder_is_refused_naming_its_base_models_config(command
     assert capsys.readouterr().out.strip().isdigit()
 
 
+def test_document_sharding_is_predicted_at_the_planners_token_cap(capsys):
+    """Under --cp_sharding document the busiest rank may hold up to the planner's cap (1.25x the mean of the blocks,
+    plus one block; the planner keeps it: tests/distributed/test_cp_documents.py), which the prediction sizes the
+    step at; the block shardings at their equal shares."""
+    from hf_sparse_cp.simulator.memory_model import rank_tokens
+
+    arch, n = PRESETS["qwen2.5-0.5b"], 1 << 20
+    striped = predict_step_memory(arch, n, StepSettings(cp=8))
+    document = predict_step_memory(arch, n, StepSettings(cp=8, max_token_ratio=1.25))
+    assert striped.tokens_per_rank == n // 8 and document.tokens_per_rank == (1024 * 5 // 4 + 1) * 128
+    assert document.peak_bytes > striped.peak_bytes
+    assert rank_tokens(1000, StepSettings(cp=2, max_token_ratio=4.0)) == 1024  # (at most the whole sequence)
+    argv = ["memory", "--model", "qwen2.5-0.5b", "--cp", "8", "--quiet"]
+    longest = []
+    by_documents = ["--cp_sharding", "document"]
+    for extra in ([], by_documents, [*by_documents, "--cp_planner_max_token_ratio", "2"]):
+        cli_main([*argv, *extra])
+        longest.append(int(capsys.readouterr().out.strip()))
+    assert longest[0] > longest[1] > longest[2]
+    with pytest.raises(ValueError, match="max_token_ratio=0.9 must be finite and >= 1"):
+        StepSettings(cp=8, max_token_ratio=0.9)
+
+
 def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
     """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49), resolved by the mode objects: the answer names
     the mode; the step holds a ring's buffers only where a ring runs (the ring, hybrid's across its head groups; not
@@ -347,6 +370,10 @@ def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
      "width; drop --kept-curve, or give a pattern whose budget bounds no diagonals (budget mode mass)."),
     (["--sparse-config", "trial", "--layout-width", "bound"], "--layout-width bound would not be read: the budget of "
                                                               "--sparse-config trial (topk) bounds the layouts' width"),
+    (["--cp", "8", "--cp_planner_max_token_ratio", "1.5"], "--cp_planner_max_token_ratio 1.5 is the document "
+     "planner's token cap; with --cp_sharding striped it would be ignored: drop it, or add --cp_sharding document."),
+    (["--cp", "8", "--cp_sharding", "document", "--cp_planner_max_token_ratio", "0.5"],
+     "--cp_planner_max_token_ratio 0.5 must be finite and >= 1"),
 ])
 def test_a_flag_that_applies_only_with_another_one_is_refused_without_it(capsys, argv, message):
     """`memory --smet-density 0.5` without `--optimizer smet` answered for AdamW as if the flag were not there: a flag
