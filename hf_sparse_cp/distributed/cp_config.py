@@ -97,7 +97,7 @@ class ContextParallelConfig(KnownKeywords):
             warnings.warn("--cp_allow_untested_model is no longer needed and has no effect: every architecture that "
                           "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
                           stacklevel=2)
-        for name in self.PLANNER_FIELDS[:2]:
+        for name in (name for name in self.PLANNER_FIELDS if name.endswith("_per_token")):  # (costs in token pairs)
             if not 0 <= getattr(self, name) < math.inf:  # (NaN passed `< 0`: every rank's planned load NaN or inf)
                 raise ValueError(f"{name}={getattr(self, name)} must be finite and >= 0 (a cost in attention token "
                                  f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")

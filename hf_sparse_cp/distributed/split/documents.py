@@ -245,7 +245,8 @@ class _Blocks:
 def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: PlannerCosts, token_cap: float) -> None:
     """Lay `docs` out in order and cut the sequence into one contiguous range of blocks per rank, in
     ring order, at the lowest work level the ranks can share: each rank takes the blocks that bring it
-    up to the level, within `token_cap` tokens, the last one the rest; the level is searched by
+    up to the level, within `token_cap` tokens and at least what the ranks after it have no room for, the
+    last one the rest; the level is searched by
     bisection (a fixed per-rank share would push onto the last ranks the work of those the token cap
     stops short: the cheap heads of long causal documents). A cut that falls within `balance_slack` of
     a document's start moves to it, so that the document stays whole; a document cut anyway is split
