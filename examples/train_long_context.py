@@ -580,7 +580,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "final_loss_step": logged[-1]["step"] if logged else None,
         "train_loss": result.training_loss,
         "mean_kept_fraction": sum(kept) / len(kept) if kept else 1.0,
-        "losses": losses,
+        # every logged loss of the run, a resumed checkpoint's earlier ones included (what equal runs compare)
+        "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
         "world_size": parallel.world_size,
         "cp_size": parallel.cp_size,  # (under a curriculum, the first stage's)
         "cp_schedule": training.cp_schedule,

@@ -146,7 +146,8 @@ def test_the_done_line_of_a_resumed_run_counts_the_steps_it_ran(tmp_path, capsys
     summary = main([*job, "--max_steps", "4", "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")])
     done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done: "))
     assert done.startswith("done: 2 steps (steps 3-4, resumed from step 2) at 256 tokens"), done
-    assert summary["first_loss_step"] == 3 and summary["final_loss_step"] == 4 and len(summary["losses"]) == 2
+    assert summary["first_loss_step"] == 3 and summary["final_loss_step"] == 4
+    assert len(summary["losses"]) == 4  # (the whole run's: the checkpoint's steps 1-2 and this run's 3-4)
     assert summary["steps"] == 2 and summary["resumed_from_step"] == 2
     assert f"loss {summary['first_loss']:.4f} (step 3) -> {summary['final_loss']:.4f} (step 4)" in done, done
 
