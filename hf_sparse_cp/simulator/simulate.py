@@ -260,20 +260,20 @@ class Workload:
         return sum(self.lengths)
 
 
-def _block_sharding(sharding: str) -> Callable[[Workload, int, int], BlockSplit]:
-    def split(workload: Workload, cp_size: int, block_size: int) -> BlockSplit:
+def _block_sharding(sharding: str) -> Callable[[Workload, int, int, RingTopology], BlockSplit]:
+    def split(workload: Workload, cp_size: int, block_size: int, topology: RingTopology) -> BlockSplit:
         return ShardPlan(sharding, cp_size, block_size, workload.seq_len)
     return split
 
 
-def _planner(workload: Workload, cp_size: int, block_size: int) -> BlockSplit:
+def _planner(workload: Workload, cp_size: int, block_size: int, topology: RingTopology) -> BlockSplit:
     return plan_documents(list(workload.lengths), list(workload.kinds), cp_size, block_size,
-                          kept_per_row=workload.kept_per_row)
+                          kept_per_row=workload.kept_per_row, topology=topology)
 
 
-def _configuration(split: Callable[[Workload, int, int], BlockSplit], kind: str, *, hierarchical: bool = False):
+def _configuration(split: Callable[[Workload, int, int, RingTopology], BlockSplit], kind: str, *,
+                   hierarchical: bool = False):
     def setup(workload: Workload, cp_size: int, block_size: int, gpus_per_node: int) -> RingSetup:
-        plan = split(workload, cp_size, block_size)
         topology = RingTopology(1, cp_size)
         if hierarchical:
             per_node = min(gpus_per_node, cp_size)
@@ -281,6 +281,7 @@ def _configuration(split: Callable[[Workload, int, int], BlockSplit], kind: str,
                 raise ValueError(f"the hierarchical ring needs whole nodes: cp_size={cp_size} is not a multiple of "
                                  f"{per_node} GPUs per node.")
             topology = RingTopology(cp_size // per_node, per_node)
+        plan = split(workload, cp_size, block_size, topology)
         return RingSetup(workload.layout(kind, plan), plan, topology, kind == "sparse")
     return setup
 

@@ -34,6 +34,7 @@ from hf_sparse_cp.distributed.split.documents import (
     row_runs,
     sparse_leads,
 )
+from hf_sparse_cp.distributed.split.ring_time import RingSteps
 from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import mix_lengths, random_vertical_slash_layout, row_meta
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
@@ -168,28 +169,29 @@ def test_the_planners_ring_time_waits_only_for_neighbours_that_exchange():
     work[3, 2] = 1.0  # rank 3 reads rank 1 at step 2, through rank 2 (busy until 5 in step 0)
     assert pipelined_ring_time(work) == 6.0
     # a transfer overlaps the step's compute: it delays only where it takes longer
-    assert pipelined_ring_time(np.ones((4, 4)), np.full((4, 4), 0.5)) == 4.0
-    assert pipelined_ring_time(np.ones((4, 4)), np.full((4, 4), 2.0)) == 3 * 2.0 + 1.0
+    assert pipelined_ring_time(np.ones((4, 4)), inner=np.full((4, 4), 0.5)) == 4.0
+    assert pipelined_ring_time(np.ones((4, 4)), inner=np.full((4, 4), 2.0)) == 3 * 2.0 + 1.0
 
 
 def test_the_planner_forwards_a_cut_documents_kv_only_as_far_as_ranks_read_it():
-    from hf_sparse_cp.distributed.split.ring_time import forwarded_tokens, split_step_pairs
+    from hf_sparse_cp.distributed.split.ring_time import RingSteps, forwarded_tokens, split_step_pairs
 
     owner = np.array([0, 0, 1, 1, 1, 2])  # cut over ranks 0-2 of 4
     tokens = np.full(6, 16.0)
-    sent = forwarded_tokens(split_step_pairs(owner, None, 4), owner, tokens, 4)
-    assert sent.tolist() == [[32, 32, 0, 0], [48, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    steps = RingSteps.flat(4)
+    inner, outer = forwarded_tokens(split_step_pairs(owner, None, steps), owner, tokens, steps)
+    assert inner.tolist() == [[32, 32, 0, 0], [48, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]] and not outer.any()
 
 
 @pytest.mark.parametrize("cap", [None, 1, 3])
 def test_the_planners_step_work_of_a_split_document_counts_every_pair_once(cap):
     """A split document's key blocks per query rank and ring step: all causal pairs where dense, each at the step
     that brings the key's rank to the query's; `cap` blocks a row where sparse, the diagonal on the query's rank."""
-    from hf_sparse_cp.distributed.split.ring_time import split_step_pairs
+    from hf_sparse_cp.distributed.split.ring_time import RingSteps, split_step_pairs
 
     w, g = 4, np.random.default_rng(0)
     owner = g.integers(0, w, 40)
-    pairs = split_step_pairs(owner, cap, w)
+    pairs = split_step_pairs(owner, cap, RingSteps.flat(w))
     rows = np.arange(40)
     assert pairs.sum() == pytest.approx(float(np.minimum(rows + 1, cap or 40).sum()))
     if cap is None:
@@ -228,17 +230,18 @@ def test_a_long_tail_mix_is_balanced_and_sends_far_less_than_striped(cp):
     assert planned.forward_bytes.sum() * 1.5 <= striped.forward_bytes.sum()
 
 
-def _ring_seconds(lengths: list[int], cp: int, bs: int = 64, costs: PlannerCosts | None = None
-                  ) -> tuple[float, float, float]:
+def _ring_seconds(lengths: list[int], cp: int, bs: int = 64, costs: PlannerCosts | None = None,
+                  topology: RingTopology | None = None) -> tuple[float, float, float]:
     """(pipelined ring time in token pairs, over the ideal, the busiest rank's work in token pairs) of the dense ring
-    over the planner's split."""
-    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, bs, costs=costs)
-    cost = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), bs), plan, kv_heads=1, head_dim=8)
+    over the planner's split (on `topology`'s ring; None: flat)."""
+    plan = plan_documents(lengths, ["dense"] * len(lengths), cp, bs, costs=costs, topology=topology)
+    cost = ring_cost(dense_layout(plan.global_meta(_meta(lengths)), bs), plan, topology, kv_heads=1, head_dim=8)
     busiest = float(cost.work.sum(1).max()) * bs**2
     return pipelined_time(cost.work, cost.topology, cost.sends) * bs**2, cost.pipelined_imbalance, busiest
 
 
-def _estimate_of_the_pick(monkeypatch, lengths: list[int], cp: int, bs: int) -> tuple[float, float, float]:
+def _estimate_of_the_pick(monkeypatch, lengths: list[int], cp: int, bs: int, topology: RingTopology | None = None
+                          ) -> tuple[float, float, float]:
     """(the planner's estimate of the ring time of the plan it picks, `_ring_seconds`'s time and busiest rank) for
     dense documents, transfers free as the simulator takes them (the planner estimates only where it has a choice:
     the plan it picks is estimated here)."""
@@ -247,9 +250,10 @@ def _estimate_of_the_pick(monkeypatch, lengths: list[int], cp: int, bs: int) -> 
     picked, free = [], PlannerCosts(comm_per_token=0.0)
     materialize = documents._materialize
     monkeypatch.setattr(documents, "_materialize", lambda at, *args: picked.append(at) or materialize(at, *args))
-    exact, _, busiest = _ring_seconds(lengths, cp, bs, free)
+    exact, _, busiest = _ring_seconds(lengths, cp, bs, free, topology)
     blocks = documents._Blocks.of_row(lengths, ["dense"] * len(lengths), None, bs, free)
-    return documents._ring_time(picked[0], blocks, [None] * len(lengths), free, bs, {}), exact, busiest
+    steps = RingSteps(RingTopology(1, cp) if topology is None else topology)
+    return documents._ring_time(picked[0], blocks, [None] * len(lengths), free, bs, steps, {}), exact, busiest
 
 
 @pytest.mark.parametrize("cp", [4, 16, 32])
@@ -259,6 +263,39 @@ def test_the_planner_estimates_exactly_the_ring_time_of_the_plan_it_picks(monkey
     alone, the waits of ranks that exchange K/V) is the simulator's, counted from the plan the ring executes."""
     estimate, exact, _ = _estimate_of_the_pick(monkeypatch, [-(-n // 64) * 64 for n in _long_tail(seed)], cp, 64)
     assert estimate == pytest.approx(exact, rel=1e-9)
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 4), (4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_planner_estimates_the_hierarchical_rings_time_exactly(monkeypatch, nodes, per_node, seed):
+    """On a hierarchical ring a rank computes with another node's K/V only after a whole inner ring, and the outer
+    transfer of a node step is awaited before the next: the estimate is the simulator's time on that ring, which
+    differs from the flat ring's for the same plan on some of these rows (the test would pass a flat estimate
+    otherwise)."""
+    lengths = [-(-n // 64) * 64 for n in _long_tail(seed)]
+    topology = RingTopology(nodes, per_node)
+    estimate, exact, _ = _estimate_of_the_pick(monkeypatch, lengths, nodes * per_node, 64, topology)
+    assert estimate == pytest.approx(exact, rel=1e-9)
+
+
+def test_a_hierarchical_rings_estimate_differs_from_the_flat_ones():
+    """A document cut over the last rank of node 0 and the first of node 1: on the flat ring the second reads the
+    first's K/V at step 1; on 2 nodes x 2 ranks only after node 0's inner ring, behind its neighbour's own work."""
+    from hf_sparse_cp.distributed.split.ring_time import forwarded_tokens, pipelined_ring_time, split_step_pairs
+
+    owner = np.array([1, 2])
+    hier, flat = RingSteps(RingTopology(2, 2)), RingSteps.flat(4)
+    pairs_h, pairs_f = split_step_pairs(owner, None, hier), split_step_pairs(owner, None, flat)
+    assert pairs_f[2].tolist() == [1, 1, 0, 0] and pairs_h[2].tolist() == [1, 0, 0, 1]  # step (1, 1): index 3
+    inner, outer = forwarded_tokens(pairs_h, owner, np.ones(2), hier)
+    # rank 1's K/V go to node 1 (rank 3) after node step 0, and on to rank 2 after step (1, 0)
+    assert outer.tolist() == [[0, 0], [1, 0], [0, 0], [0, 0]] and inner.tolist()[1] == [0, 0, 1, 0]
+    assert inner.sum() == 1
+    work = np.zeros((4, 4))
+    work[:, 0] = [1.0, 1.0, 1.0, 4.0]  # rank 3 (rank 2's inner neighbour) is busy until 4 in step 0
+    assert pipelined_ring_time(work + pairs_f) == 4.0  # flat: rank 2 reads rank 1 at step 1, done at 3
+    # hierarchical: rank 2 waits for rank 3 to start step (1, 0) (at 4), then computes its pairs
+    assert pipelined_ring_time(work + pairs_h, hier) == 5.0
 
 
 def test_the_planners_estimate_counts_the_waits_where_they_bind(monkeypatch):
@@ -845,7 +882,8 @@ def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):
 
 
 def test_planner_costs_come_from_the_cp_flags(monkeypatch):
-    """--cp_planner_* reach the planner through ParallelDims; an explicit argument wins; negative costs are refused."""
+    """--cp_planner_* reach the planner through ParallelDims, with the ring's topology; an explicit argument wins;
+    negative costs are refused."""
     import hf_sparse_cp.distributed.modes.ring as ring_mode
     from hf_sparse_cp.distributed import prepare_context_parallel_inputs
 
@@ -853,8 +891,8 @@ def test_planner_costs_come_from_the_cp_flags(monkeypatch):
                                   cp_planner_comm_per_token=1200.0)
     seen = []
     real = ring_mode.plan_row
-    monkeypatch.setattr(ring_mode, "plan_row",
-                        lambda meta, cfg, cp, costs: seen.append(costs) or real(meta, cfg, cp, costs))
+    monkeypatch.setattr(ring_mode, "plan_row", lambda meta, cfg, cp, costs, ring: seen.append((costs, ring))
+                        or real(meta, cfg, cp, costs, ring))
     parallel = ParallelDims(world_size=1, rank=0, cp_ranks=(0,), cp_group=None, topology=RingTopology(1, 1),
                             inner_group=None, outer_group=None, sharding="document",
                             planner_costs=flags.planner_costs())
@@ -864,6 +902,7 @@ def test_planner_costs_come_from_the_cp_flags(monkeypatch):
     mine = PlannerCosts(comm_per_token=1.0)
     prepare_context_parallel_inputs(batch, parallel, block_size=BS, sparse_config=CFG, verify_same_batch=False,
                                     planner_costs=mine)
-    assert (seen[0].linear_per_token, seen[0].comm_per_token) == (5000.0, 1200.0) and seen[1] is mine
+    assert (seen[0][0].linear_per_token, seen[0][0].comm_per_token) == (5000.0, 1200.0) and seen[1][0] is mine
+    assert all(ring is parallel.topology for _, ring in seen)
     with pytest.raises(ValueError, match="cp_planner_comm_per_token"):
         ContextParallelConfig(cp_planner_comm_per_token=-1.0)

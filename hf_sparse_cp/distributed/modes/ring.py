@@ -22,7 +22,7 @@ class RingMode(CPMode):
 
     def split(self, parallel, sharding, block_size, meta, *, sparse_config, planner_costs):
         if sharding == "document":
-            return plan_row(meta.to("cpu"), sparse_config, parallel.cp_size, planner_costs)
+            return plan_row(meta.to("cpu"), sparse_config, parallel.cp_size, planner_costs, parallel.topology)
         return ShardPlan(sharding, parallel.cp_size, block_size, meta.index.shape[1])
 
     def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:

@@ -43,8 +43,9 @@ import torch
 
 from ...attention.tokens import PAD_SEGMENT, TokenMeta
 from ...config import SparseAttentionConfig, check_block_size
+from ..comm import RingTopology
 from .blocks import BlockSplit
-from .ring_time import forwarded_tokens, pipelined_ring_time, split_step_pairs
+from .ring_time import RingSteps, forwarded_tokens, pipelined_ring_time, split_step_pairs
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
 
@@ -312,27 +313,29 @@ def _cut(at: _Placement, docs: list[int], blocks: _Blocks, bs: int, costs: Plann
 
 
 def _ring_time(at: _Placement, blocks: _Blocks, caps: list[int | None], costs: PlannerCosts, bs: int,
-               over_ring: dict[int, tuple[np.ndarray, np.ndarray]]) -> float:
-    """Estimated time of the attention of `at` over the ring, in token pairs (`ring_time`): a whole document's
-    attention in step 0 of its rank, a split one's spread over the steps by its blocks' owners, and its K/V
-    forwarded at `comm_per_token`; `caps`: per document, the key blocks a query block row reads at most (None:
+               steps: RingSteps, over_ring: dict[int, tuple]) -> float:
+    """Estimated time of the attention of `at` over the ring of `steps`, in token pairs (`ring_time`): a whole
+    document's attention in step 0 of its rank, a split one's spread over the steps by its blocks' owners, and its
+    K/V forwarded at `comm_per_token`; `caps`: per document, the key blocks a query block row reads at most (None:
     dense); `over_ring`: the steps' work and forwarded tokens of the documents split over every rank, by document,
     filled as they come (the same split in every placement)."""
     w = len(at.load)
-    work, sent = np.zeros((w, w)), np.zeros((w, w))
+    work, inner, outer = np.zeros((w, w)), np.zeros((w, w)), np.zeros((w, steps.topology.num_nodes))
     docs = list(at.placed)
     work[:, 0] = np.bincount([at.placed[i] for i in docs], weights=blocks.document_attention[docs], minlength=w)
     for i, owner in at.split.items():
         if i in at.over_ring and i in over_ring:  # (a document cut in one placement may go over the ring in another)
-            pairs, tokens = over_ring[i]
+            pairs, (to_inner, to_outer) = over_ring[i]
         else:
-            pairs = split_step_pairs(owner, caps[i], w) * float(bs * bs)
-            tokens = forwarded_tokens(pairs, owner, blocks.tokens[blocks.first[i]:blocks.first[i + 1]], w)
+            pairs = split_step_pairs(owner, caps[i], steps) * float(bs * bs)
+            to_inner, to_outer = forwarded_tokens(pairs, owner, blocks.tokens[blocks.first[i]:blocks.first[i + 1]],
+                                                  steps)
             if i in at.over_ring:
-                over_ring[i] = pairs, tokens
+                over_ring[i] = pairs, (to_inner, to_outer)
         work += pairs
-        sent += tokens
-    return pipelined_ring_time(work, sent * costs.comm_per_token)
+        inner += to_inner
+        outer += to_outer
+    return pipelined_ring_time(work, steps, inner * costs.comm_per_token, outer * costs.comm_per_token)
 
 
 def _fill(at: _Placement, docs: list[int], lengths, work, token_cap: float) -> list[int]:
@@ -381,6 +384,7 @@ def plan_documents(
     *,
     kept_per_row: int | None = None,
     costs: PlannerCosts | None = None,
+    topology: RingTopology | None = None,
 ) -> DocumentPlan:
     """The document-aware split of one packed row (deterministic: the same on every rank).
 
@@ -398,10 +402,15 @@ def plan_documents(
         cp_size, block_size: ranks of the CP group and the attention layout's block.
         kept_per_row: key blocks a query block row of a sparse document lists (`kept_blocks_per_row`).
         costs: the cost model's weights.
+        topology: the ring the plan runs on (its steps order a split document's work; a hierarchical ring reaches
+            another node's K/V only after a whole inner ring); None: a flat ring of `cp_size` ranks.
     """
     check_block_size(block_size)
     if cp_size < 1:
         raise ValueError(f"cp_size={cp_size} must be >= 1.")
+    if topology is not None and topology.size != cp_size:
+        raise ValueError(f"the ring's topology ({topology.num_nodes} x {topology.node_size} ranks) does not hold "
+                         f"cp_size={cp_size} ranks.")
     if len(lengths) != len(kinds) or not lengths:
         raise ValueError("plan_documents needs one kind per run and at least one run.")
     if any(n < 1 for n in lengths) or any(k not in (PAD, DENSE, SPARSE) for k in kinds):
@@ -446,8 +455,10 @@ def plan_documents(
     lowest = min(at.load.max() for at in tried)
     near = [at for at in tried if at.load.max() <= lowest * (1 + costs.balance_slack)]
     caps = [kept_per_row if k == SPARSE else None for k in kinds]
-    over_ring: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    time = functools.partial(_ring_time, blocks=blocks, caps=caps, costs=costs, bs=bs, over_ring=over_ring)
+    over_ring: dict[int, tuple] = {}
+    steps = RingSteps(RingTopology(1, w) if topology is None else topology)
+    time = functools.partial(_ring_time, blocks=blocks, caps=caps, costs=costs, bs=bs, steps=steps,
+                             over_ring=over_ring)
     at = near[0]
     if len(near) > 1:  # (an estimate takes about a ms at CP 32: spent only where there is a choice)
         at = min(near, key=time)  # (ties: the first, fewest documents cut)
@@ -600,12 +611,13 @@ def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted:
     return TokenMeta(meta.index.cpu(), torch.from_numpy(marked.astype(np.int32)))
 
 
-def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None
-             ) -> DocumentPlan:
+def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None,
+             topology: RingTopology | None = None) -> DocumentPlan:
     """`plan_documents` for the runs (`row_runs`) of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
     lengths, kinds = row_runs(meta, cfg)
     kept = kept_blocks_per_row(cfg) if cfg.pattern != "dense" else None
-    return plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs)
+    return plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs,
+                          topology=topology)
 
 
 def balance_ratio(plan: DocumentPlan) -> float:
