@@ -27,13 +27,13 @@ class RingSteps:
 
     def __init__(self, topology: RingTopology) -> None:
         self.topology, self.size = topology, topology.size
-        n, g = topology.num_nodes, topology.node_size
-        p, t = np.arange(self.size)[:, None], np.arange(self.size)[None, :]
-        node, local, outer, inner = p // g, p % g, t // g, t % g
-        self.source = ((node - outer) % n) * g + (local - inner) % g
-        self.holder = ((node + outer) % n) * g + (local + inner) % g
-        self.inner_next = node * g + (local + 1) % g  # [W, 1]: p's inner ring neighbour
-        self.outer_next = ((node + 1) % n) * g + local  # and its outer one
+        w, t = self.size, np.arange(self.size)[None, :]
+        self.holder = topology.holders().reshape(w, w).numpy()
+        self.source = np.empty_like(self.holder)
+        self.source[self.holder, t] = np.arange(w)[:, None]
+        self.inner_next = self.holder[:, 1:2] if topology.node_size > 1 else np.arange(w)[:, None]  # [W, 1]
+        self.outer_next = self.holder[:, topology.node_size:topology.node_size + 1] \
+            if topology.num_nodes > 1 else np.arange(w)[:, None]  # p's inner and outer ring neighbours
 
     @classmethod
     def flat(cls, size: int) -> RingSteps:
