@@ -33,6 +33,7 @@ and the log says it is outside the table.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -116,9 +117,12 @@ def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool
     """(decoder layer class, the call) for every attention call of one forward of `target`, with a probe in
     place of the CP shard when `with_shard`."""
     probe = AttentionProbe()
+    kwargs = {CP_SHARD_KWARG: probe} if with_shard else {}
+    if "use_cache" in inspect.signature(target.forward).parameters:
+        kwargs["use_cache"] = False  # a training forward builds no cache (transformers 5.25's Nemotron-H fails to
+        # start one whose first layer is not attention or Mamba, whatever the backend)
     with probing(probe), torch.no_grad():
-        target(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device),
-               **({CP_SHARD_KWARG: probe} if with_shard else {}))
+        target(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), **kwargs)
     modules = dict(target.named_modules())
     parents = {id(m): type(modules[n.rpartition(".")[0]]).__name__ for n, m in modules.items() if n}
     return [(parents[id(call.module)], call) for call in probe.calls]
