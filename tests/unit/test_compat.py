@@ -42,7 +42,7 @@ def test_a_missing_member_is_named_with_the_versions(monkeypatch):
     problems = compat.check_patches()
     assert len(problems) == 1
     assert "transformers.Trainer._track_num_input_tokens no longer exists" in problems[0]
-    assert "tested 5.15 to 5.24" in problems[0]
+    assert "tested 5.15 to 5.25" in problems[0]
     with pytest.raises(RuntimeError, match="_track_num_input_tokens no longer exists.*tested range"):
         compat.require("transformers.Trainer._track_num_input_tokens")
 
