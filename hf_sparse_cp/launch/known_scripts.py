@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -21,20 +22,39 @@ from transformers import HfArgumentParser
 from ..trainer.plugin_arguments import PluginArguments
 
 
+def _spec(name: str):
+    """The spec python finds for the module `name`, without running its parents' `__init__` where it can: the top
+    package from the import system's finders, each submodule in its parent's search locations (a parent that builds
+    its `__path__` at import is imported, as `-m` would). Raises ImportError or ValueError as `find_spec` does."""
+    parts = name.split(".")
+    spec = importlib.util.find_spec(parts[0])  # (a top-level name: nothing is imported to find it)
+    for i in range(1, len(parts)):
+        if spec is None or spec.submodule_search_locations is None:
+            break
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    else:
+        if spec is not None:
+            return spec
+    return importlib.util.find_spec(name)
+
+
 def module_found(name: str) -> bool:
     """Whether python finds the module `name` (`-m name`; a misspelled one ended each process in runpy's ImportError
-    traceback). Its parents are imported to look: by the launcher, where the script never runs, and by
-    `hf_sparse_cp.run` under the plugin's changes, as running the module imports them."""
+    traceback), without importing its parents where it can (`_spec`)."""
     try:
-        return importlib.util.find_spec(name) is not None
+        return _spec(name) is not None
     except (ImportError, ValueError):
         return False
 
 
 def _source(target: str, is_module: bool) -> str | None:
+    """The source of the script `target` (a path, or with `is_module` a module's name: for a package, its
+    `__main__`, which `-m` runs); None without one."""
     try:
         if is_module:
-            spec = importlib.util.find_spec(target)  # (imports the module's parents: trl's, for trl.scripts.X)
+            spec = _spec(target)
+            if spec is not None and spec.submodule_search_locations is not None:
+                spec = _spec(f"{target}.__main__")
             path = spec.origin if spec is not None else None
         else:
             path = target

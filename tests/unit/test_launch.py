@@ -269,6 +269,28 @@ def test_a_module_runs_as_python_dash_m_would_run_it(tmp_path, monkeypatch):
     assert record["argv"][1:] == ["--output_dir", "out", "--sparse_block_size", "32"] and record["block"] == 32
 
 
+def test_reading_a_modules_source_runs_none_of_its_parents(tmp_path, monkeypatch):
+    """The launcher reads a `-m` module's source (does it read TRL's --config?) and checks it is there before any
+    process starts; finding it imported its parents, running their `__init__` (all of TRL's for trl.scripts.X) in
+    the launcher. Found in the parents' search locations now; a package's source is its `__main__`, what -m runs."""
+    from hf_sparse_cp.launch.known_scripts import module_found, reads_trl_config
+
+    package = tmp_path / "configpkg"
+    (package / "inner").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "inner" / "__init__.py"):
+        init.write_text(f"open({str(tmp_path / 'ran')!r}, 'a').write({str(init)!r})\n")
+    reads = "script, config = TrlParser((A, B)).parse_args_and_config()\n"
+    (package / "inner" / "sft.py").write_text(reads)
+    (package / "inner" / "__main__.py").write_text(reads)
+    (package / "own.py").write_text("TrlParser((A,)).parse_args_and_config(args=['--x'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert reads_trl_config("configpkg.inner.sft", True) and reads_trl_config("configpkg.inner", True)
+    assert not reads_trl_config("configpkg.own", True) and module_found("configpkg.inner.sft")
+    assert not (tmp_path / "ran").exists() and "configpkg" not in sys.modules
+    # a module not in its parents' locations is looked for as python does (a parent may build its __path__ at import)
+    assert not module_found("configpkg.inner.missing") and not reads_trl_config("configpkg.missing", True)
+
+
 def test_plugin_flags_that_a_script_building_its_arguments_in_code_never_reads_are_refused(tmp_path, monkeypatch):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     for stray, says in ((["--cp_size", "2"], "--cp_size reaches"),  # (one flag: 'reaches', not 'reach')
