@@ -98,7 +98,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags, prog=PROG, usage=USAGE, description=__doc__)  # (--help exits here)
     with launched(plugin) as run:
-        # (here: finding a module imports its parents, under the plugin's changes as the script's own import would)
         if is_module and not module_found(target):  # (else runpy's ImportError traceback, in every process)
             exit_refused(f"usage: {USAGE}\n{PROG}: error: no module named {target!r} (of -m {target}): check the "
                          "name.\n")
