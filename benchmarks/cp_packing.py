@@ -85,7 +85,7 @@ def _timed(fn, repeats: int = 7):
     return result, min(times) * 1e3
 
 
-def _plans(lengths: list[int], meta: TokenMeta, cfg: SparseAttentionConfig, cp: int, padded: int,
+def _plans(meta: TokenMeta, cfg: SparseAttentionConfig, cp: int, padded: int,
            costs: PlannerCosts):
     """(name, plan, planning ms) of every sharding; the block shardings over one padded length for all
     CP sizes (so they share one layout)."""
@@ -140,7 +140,7 @@ def run(args) -> dict:
         in_order = {}  # the layouts of the row as packed (block shardings), the same for every CP size
         padded_meta = meta.pad_to(padded)
         for cp in args.cp:
-            for sharding, plan, ms in _plans(lengths, padded_meta, cfg, cp, padded, costs):
+            for sharding, plan, ms in _plans(padded_meta, cfg, cp, padded, costs):
                 if sharding in ("striped", "zigzag"):
                     if not in_order:
                         in_order["sparse"] = packed_layout(plan, padded_meta, cfg, torch.nn.functional.pad(

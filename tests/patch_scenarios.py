@@ -89,7 +89,7 @@ def resharded_loading() -> Iterator:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp)
         yield [(trainer, "_load_from_checkpoint"), (trainer, "_load_optimizer_and_scheduler")]
-        with loading(trainer, tmp):
+        with loading(trainer):
             yield
 
 

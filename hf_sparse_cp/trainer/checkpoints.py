@@ -390,7 +390,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             if folder:
                 resume_step_metrics(trainer, marker)
             if reshard:
-                with resharded_loading(trainer, folder):
+                with resharded_loading(trainer):
                     return train(resume_from_checkpoint, *args, **kwargs)
             return train(resume_from_checkpoint, *args, **kwargs)
         except Exception as e:
