@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting
 from .modes import CPMode, cp_mode_named, cp_modes
-from .split.documents import PlannerCosts
+from .split.documents import ATTENTION_RATE_SHARE, PlannerCosts
 
 CP_MODES = tuple(mode.name for mode in cp_modes())
 
@@ -61,12 +61,13 @@ class ContextParallelConfig(KnownKeywords):
         metadata={"help": "Ranks per node for the hierarchical ring (default: LOCAL_WORLD_SIZE, set by torchrun and "
                   "accelerate launch)."},
     )
-    cp_planner_linear_per_token: float = field(
-        default=PlannerCosts.linear_per_token,
+    cp_planner_linear_per_token: float | None = field(
+        default=None,
         metadata={"help": "For --cp_sharding document: work of the linear layers per token, in attention token pairs "
-                  "(2 x weights per layer / (4 x heads x head_dim) in FLOPs: about 8,300 for Qwen2.5-0.5B, 32,500 for "
-                  "Qwen2.5-7B; in time, times the attention kernel's FLOP/s over the matrix products', 0.57-0.69 in "
-                  "the cluster simulator's H100 calibration)."},
+                  "(default: counted from the model, 2 x the weights a token meets in a layer, the LM head's spread "
+                  "over the layers, / (4 x heads x head_dim), in time: times the attention kernel's FLOP/s over the "
+                  f"matrix products', {ATTENTION_RATE_SHARE}; about 4,600 for Qwen2.5-0.5B, 14,100 for Qwen2.5-7B; "
+                  f"{PlannerCosts.linear_per_token:g} where the model gives no count)."},
     )
     cp_planner_comm_per_token: float = field(
         default=PlannerCosts.comm_per_token,
@@ -98,9 +99,12 @@ class ContextParallelConfig(KnownKeywords):
                           "passes the model checks trains under context parallelism; drop the flag.", FutureWarning,
                           stacklevel=2)
         for name in (name for name in self.PLANNER_FIELDS if name.endswith("_per_token")):  # (costs in token pairs)
-            if not 0 <= getattr(self, name) < math.inf:  # (NaN passed `< 0`: every rank's planned load NaN or inf)
-                raise ValueError(f"{name}={getattr(self, name)} must be finite and >= 0 (a cost in attention token "
-                                 f"pairs; default {getattr(PlannerCosts, name.removeprefix('cp_planner_'))}).")
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:  # (NaN passed `< 0`: every rank's load NaN or inf)
+                default = ("counted from the model" if name == "cp_planner_linear_per_token" else
+                           getattr(PlannerCosts, name.removeprefix("cp_planner_")))
+                raise ValueError(f"{name}={value} must be finite and >= 0 (a cost in attention token pairs; default "
+                                 f"{default}).")
         if not 1 <= self.cp_planner_max_token_ratio < math.inf:
             raise ValueError(f"cp_planner_max_token_ratio={self.cp_planner_max_token_ratio} must be finite and >= 1 "
                              f"(a multiple of the mean tokens per rank; default {PlannerCosts.max_token_ratio}).")
@@ -157,9 +161,12 @@ class ContextParallelConfig(KnownKeywords):
                          f"document planner of {document} reads {them}, and {scope} shards with "
                          f"{spell('cp_sharding', layouts[0].cp_sharding)}{stages}: drop {them}, or add {document}.")
 
-    def planner_costs(self) -> PlannerCosts:
-        """The document planner's cost model with these flags' weights."""
-        return PlannerCosts(linear_per_token=self.cp_planner_linear_per_token,
+    def planner_costs(self, model_linear_per_token: float | None = None) -> PlannerCosts:
+        """The document planner's cost model with these flags' weights; an unset linear weight is
+        `model_linear_per_token` (the model's, `integration.planner_weights`), else `PlannerCosts`' default."""
+        linear = next((w for w in (self.cp_planner_linear_per_token, model_linear_per_token) if w is not None),
+                      PlannerCosts.linear_per_token)
+        return PlannerCosts(linear_per_token=linear,
                             comm_per_token=self.cp_planner_comm_per_token,
                             max_token_ratio=self.cp_planner_max_token_ratio)
 

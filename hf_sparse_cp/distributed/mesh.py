@@ -218,9 +218,11 @@ class ParallelDims:
                    inner_group=None, outer_group=None, sharding=sharding, mode=mode)
 
     @classmethod
-    def from_config(cls, config, *, env: Mapping[str, str] = os.environ) -> ParallelDims:
+    def from_config(cls, config, *, env: Mapping[str, str] = os.environ,
+                    model_linear_per_token: float | None = None) -> ParallelDims:
         """Build from the plugin's own flags (`config`, a `ContextParallelConfig`) over the default process group
-        (gloo on CPU, or any backend).
+        (gloo on CPU, or any backend); `model_linear_per_token`: the document planner's linear weight counted from
+        the model (`integration.planner_weights`), used unless the config sets one.
 
         Call on every rank after `torch.distributed.init_process_group`: it creates the CP groups
         (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups; with
@@ -235,14 +237,16 @@ class ParallelDims:
         check_sizes(world, config.cp_size)
         w = config.cp_size
         groups = [list(range(d * w, (d + 1) * w)) for d in range(world // w)]
-        return cls._build(world, rank, groups, config, env, cp_group=None)
+        return cls._build(world, rank, groups, config, env, cp_group=None,
+                          planner_costs=config.planner_costs(model_linear_per_token))
 
     @classmethod
-    def from_accelerator(cls, accelerator, config, *,
-                         env: Mapping[str, str] = os.environ) -> ParallelDims:
+    def from_accelerator(cls, accelerator, config, *, env: Mapping[str, str] = os.environ,
+                         model_linear_per_token: float | None = None) -> ParallelDims:
         """Build from an `accelerate.Accelerator`: its `ParallelismConfig` (cp_size, device mesh, CP
         group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs). The
-        plugin's --cp_mode decides how the CP group shares attention either way."""
+        plugin's --cp_mode decides how the CP group shares attention either way; `model_linear_per_token`
+        as in `from_config`."""
         pc = getattr(accelerator, "parallelism_config", None)
         if pc is not None and getattr(pc, "sp_size", 1) > 1:
             raise ValueError(
@@ -253,7 +257,7 @@ class ParallelDims:
                 "over accelerate's CP group."
             )
         if pc is None or pc.cp_size == 1:
-            return cls.from_config(config, env=env)
+            return cls.from_config(config, env=env, model_linear_per_token=model_linear_per_token)
         if config.cp_size not in (1, pc.cp_size):
             raise ValueError(
                 f"--cp_size={config.cp_size} disagrees with accelerate's ParallelismConfig(cp_size={pc.cp_size}); "
@@ -267,11 +271,11 @@ class ParallelDims:
         ranks = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, pc.cp_size)
         groups = [[int(r) for r in row] for row in ranks]
         return cls._build(dist.get_world_size(), dist.get_rank(), groups, config, env,
-                          cp_group=mesh["cp"].get_group())
+                          cp_group=mesh["cp"].get_group(), planner_costs=config.planner_costs(model_linear_per_token))
 
     @classmethod
     def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config,
-               env: Mapping[str, str], cp_group) -> ParallelDims:
+               env: Mapping[str, str], cp_group, planner_costs: PlannerCosts) -> ParallelDims:
         w = len(cp_groups[0])
         mode, h = config.mode.resolve(config, w)
         if mode is not config.mode:
@@ -282,7 +286,7 @@ class ParallelDims:
         if cp_group is None and w > 1:
             cp_group = _new_groups(cp_groups, rank)
         created = [cp_group]
-        common = dict(world_size=world, rank=rank, planner_costs=config.planner_costs())
+        common = dict(world_size=world, rank=rank, planner_costs=planner_costs)
         head_group, ring = None, None
         if h == 1:  # the ring is the CP group
             topology, inner, outer = _rings(cp_groups, cp_group, config, env, rank, stride=1)

@@ -46,6 +46,12 @@ class ModelShape:
         return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 
     @property
+    def linear_flop_pairs(self) -> float:
+        """A token's linear work in one layer (its matrix products and a layer's share of the LM head), in
+        attention token pairs by FLOPs: 2 x weights / (4 x heads x head_dim)."""
+        return 2 * (self.layer_params + self.vocab * self.hidden / self.layers) / (4 * self.heads * self.head_dim)
+
+    @property
     def qkv_params(self) -> int:
         """Weights of the query, key and value projections: the layer's matrix multiplications before attention."""
         return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim

@@ -34,7 +34,7 @@ from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
 from ..distributed.ring.plan import check_global_layout
 from ..distributed.split.blocks import BlockSplit, ShardPlan
-from ..distributed.split.documents import plan_documents
+from ..distributed.split.documents import PlannerCosts, plan_documents
 from .traffic import COLUMNS, PlanTraffic
 
 
@@ -247,13 +247,15 @@ class Workload:
     lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `split.documents.row_runs`);
     layout(kind, plan): the global layout of `kind` ('dense': causal within documents, or
     'sparse') over `plan`'s padded sequence, in `plan`'s global order;
-    kept_per_row: key blocks a sparse document's query row lists (the planner's cost model).
+    kept_per_row: key blocks a sparse document's query row lists (the planner's cost model);
+    planner_costs: the planner's weights (None: `PlannerCosts()`; `simulate_cli` gives the model's linear weight).
     """
 
     lengths: tuple[int, ...]
     kinds: tuple[str, ...]
     layout: Callable[[str, BlockSplit], SparseLayout]
     kept_per_row: int | None = None
+    planner_costs: PlannerCosts | None = None
 
     @property
     def seq_len(self) -> int:
@@ -268,7 +270,7 @@ def _block_sharding(sharding: str) -> Callable[[Workload, int, int, RingTopology
 
 def _planner(workload: Workload, cp_size: int, block_size: int, topology: RingTopology) -> BlockSplit:
     return plan_documents(list(workload.lengths), list(workload.kinds), cp_size, block_size,
-                          kept_per_row=workload.kept_per_row, topology=topology)
+                          kept_per_row=workload.kept_per_row, costs=workload.planner_costs, topology=topology)
 
 
 def _configuration(split: Callable[[Workload, int, int, RingTopology], BlockSplit], kind: str, *,

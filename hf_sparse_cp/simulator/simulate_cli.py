@@ -40,6 +40,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from ..backends import PLOT_EXTRA, require_matplotlib
 from ..config import SparseAttentionConfig
 from ..distributed.heads.split import HeadSplit
 from ..distributed.modes import CPMode
-from ..distributed.split.documents import kept_blocks_per_row, row_runs
+from ..distributed.split.documents import PlannerCosts, kept_blocks_per_row, linear_weight, row_runs
 from ..env import environment
 from .arguments import (
     FlagParser,
@@ -300,8 +301,11 @@ def packed_workload(mix: str, seq: int, seed: int) -> Workload:
     return Workload(tuple(runs), tuple(kinds), layout, kept_blocks_per_row(cfg))
 
 
-def workload_for(args, seq: int) -> Workload:
-    return sequence_workload(args, seq) if args.mix is None else packed_workload(args.mix, seq, args.seed)
+def workload_for(args, seq: int, model: ModelShape) -> Workload:
+    """The row of `seq` tokens to simulate; its document planner weighs `model`'s linear layers as training does
+    (`planner_weights`)."""
+    workload = sequence_workload(args, seq) if args.mix is None else packed_workload(args.mix, seq, args.seed)
+    return replace(workload, planner_costs=PlannerCosts(linear_per_token=linear_weight(model.linear_flop_pairs)))
 
 
 def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardware_of, seqs: list[int],
@@ -312,7 +316,7 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
     rows = []
     for seq in seqs:
         check_chunks(seq, cps)  # (the command's are checked as it parses them)
-        workload = workload_for(args, seq)
+        workload = workload_for(args, seq, model)
         target = kept_target(args, seq) if args.mix is None else None
         for cp in cps:
             base = None

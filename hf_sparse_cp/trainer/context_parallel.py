@@ -62,6 +62,7 @@ from ..integration.heads import (
 )
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, temporarily, undo_recorded
+from ..integration.planner_weights import planned_linear_weight
 from .adapter_loss import regularizer_share
 from .arguments import flag_errors
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
@@ -763,7 +764,8 @@ def enable_trainer_context_parallel(
         require_instance(cp_config, ContextParallelConfig, "enable_trainer_context_parallel(trainer, cp_config)",
                          "cp_config", "ContextParallelConfig(cp_size=2)")
     cp_config = cp_config or ContextParallelConfig()
-    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config)
+    parallel = ParallelDims.from_accelerator(trainer.accelerator, cp_config,
+                                             model_linear_per_token=planned_linear_weight(trainer.model, cp_config))
     if parallel.cp_size == 1:
         _refuse_group_settings(cp_config, parallel.world_size)
         return parallel

@@ -46,6 +46,7 @@ from ..integration.given import require_instance, require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
 from ..integration.models import attention_layers, check_model_supports_context_parallel
 from ..integration.patching import PatchSet, record_on, undo_recorded
+from ..integration.planner_weights import planned_linear_weight
 from ..integration.registration import store_pattern
 from ..reporting.model_card import CardStage
 from .arguments import flag_errors
@@ -425,7 +426,8 @@ def enable_curriculum(
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:
         if not any(config == seen for seen, _ in built):
-            built.append((config, ParallelDims.from_config(config)))
+            built.append((config, ParallelDims.from_config(
+                config, model_linear_per_token=planned_linear_weight(model, config))))
     dims = tuple(next(parallel for seen, parallel in built if seen == config) for config in configs)
     pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)

@@ -225,8 +225,9 @@ def test_the_example_takes_packed_documents_that_divide_the_sequence():
                                     "'contiguous'"),
         ({"cp_ring": None}, "cp_ring=None (NoneType) is not valid: use one of 'flat', 'hierarchical'"),
         # (NaN passed the `< 0` check, inf too: every rank's planned load NaN or inf, the document plan arbitrary)
-        ({"cp_planner_linear_per_token": float("nan")}, "cp_planner_linear_per_token=nan must be finite and >= 0 (a "
-                                                        "cost in attention token pairs; default 9000.0)"),
+        ({"cp_planner_linear_per_token": float("nan")},
+         "cp_planner_linear_per_token=nan must be finite and >= 0 (a cost in attention token pairs; default counted "
+         "from the model)"),
         ({"cp_planner_comm_per_token": float("inf")}, "cp_planner_comm_per_token=inf must be finite and >= 0"),
         ({"cp_planner_comm_per_token": -1.0}, "cp_planner_comm_per_token=-1.0 must be finite and >= 0"),
         ({"cp_planner_max_token_ratio": 0.9, "cp_sharding": "document"},

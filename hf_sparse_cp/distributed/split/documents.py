@@ -49,6 +49,18 @@ from .ring_time import RingSteps, forwarded_tokens, pipelined_ring_time, split_s
 
 PAD, DENSE, SPARSE = "pad", "dense", "sparse"
 
+# The attention kernel's FLOP/s on the pairs it computes over the matrix products': a token pair costs more time
+# than its FLOPs' share of the linear layers. About 0.4: our kernels' 284 TFLOP/s on the computed pairs (H100,
+# 128K, 5% kept; 299 on an H200) over the 753 TFLOP/s the cluster simulator's H100 calibration gives the linear
+# layers and LM head (liger-kernel steps of Qwen2.5-0.5B/1.5B).
+ATTENTION_RATE_SHARE = 0.4
+
+
+def linear_weight(flop_pairs: float) -> float:
+    """The planner's `linear_per_token` for linear work per token of `flop_pairs` attention token pairs in FLOPs
+    (2 x weights / (4 x heads x head_dim)): in time, at `ATTENTION_RATE_SHARE`."""
+    return ATTENTION_RATE_SHARE * flop_pairs
+
 
 @dataclass(frozen=True)
 class PlannerCosts:
@@ -57,10 +69,10 @@ class PlannerCosts:
 
     linear_per_token: float = field(
         default=9000.0,
-        metadata={"help": "Work of the linear layers (projections, MLP) per token, in attention token pairs: "
-                  "2 x (weights per layer) / (4 x heads x head_dim) in FLOPs, about 8,300 for Qwen2.5-0.5B and "
-                  "32,500 for Qwen2.5-7B; in time, times the attention kernel's FLOP/s over the matrix products' "
-                  "(0.57-0.69 in the cluster simulator's H100 calibration)."},
+        metadata={"help": "Work of the linear layers (projections, MLP, a layer's share of the LM head) per token, "
+                  "in attention token pairs: 2 x (weights per layer) / (4 x heads x head_dim) in FLOPs, in time "
+                  "(`linear_weight`): about 4,600 for Qwen2.5-0.5B and 14,100 for Qwen2.5-7B. Training counts it "
+                  "from the model (`integration.planner_weights`); this default serves where none is counted."},
     )
     comm_per_token: float = field(
         default=300.0,
