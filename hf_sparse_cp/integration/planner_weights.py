@@ -48,7 +48,8 @@ def linear_flop_pairs(model: torch.nn.Module) -> float | None:
     the LM head's spread over the layers), the mean over the layers, in attention token pairs (`_pair_flops`).
     None where the model has no decoder layers or no head count to measure against."""
     config = model.config.get_text_config() if hasattr(model, "config") else None
-    layers = decoder_layers(model)
+    # (the language model's layers: a vision tower's see image patches, not the text tokens the planner places)
+    layers = decoder_layers(model.get_decoder() if hasattr(model, "get_decoder") else model)
     pair = _pair_flops(config) if layers else None
     if pair is None:
         return None

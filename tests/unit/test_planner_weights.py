@@ -32,6 +32,20 @@ def test_the_count_is_the_layers_matrix_products_and_a_share_of_the_lm_head(tied
     assert round(linear_weight(MODELS["qwen2.5-7b"].linear_flop_pairs)) == 14091
 
 
+@pytest.mark.parametrize("model_type", ["gemma3", "llava"])
+def test_a_vision_language_model_counts_its_language_model_alone(model_type):
+    """The vision tower's layers (image patches) are not counted: the count is its language model's as a causal LM."""
+    from transformers import AutoModelForImageTextToText
+
+    from hf_sparse_cp.testing.tiny_vlms import tiny_vlm_config
+
+    config = tiny_vlm_config(model_type)
+    with torch.device("meta"):
+        vlm = AutoModelForImageTextToText.from_config(config)
+    text = _meta_model(config.get_text_config())
+    assert linear_flop_pairs(vlm) == pytest.approx(linear_flop_pairs(text), rel=1e-12)
+
+
 def test_routed_experts_count_by_the_share_of_tokens_they_see():
     """Twice the experts at the same top-k: a token meets as many expert weights, and only the router grows."""
     small, large = (tiny_config("mixtral", num_hidden_layers=2, num_local_experts=e, num_experts_per_tok=2)
