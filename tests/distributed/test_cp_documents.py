@@ -3,6 +3,8 @@ attention and models equal to one process (gloo, 2 / 3 / 4 processes)."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -29,6 +31,7 @@ from hf_sparse_cp.distributed.split.blocks import shift_labels
 from hf_sparse_cp.distributed.split.documents import (
     idle_documents_as_padding,
     kept_blocks_per_row,
+    linear_weight,
     plan_documents,
     plan_row,
     row_runs,
@@ -772,6 +775,44 @@ def _kept_fraction_case(par: ParallelDims) -> dict:
     return results
 
 
+def _planner_weight_case(tmp: str) -> dict:
+    """The document planner's linear weight the Trainer's layout and each --cp_schedule stage's layout plan with:
+    the model's (`planner_weights`) unless the flag gives one."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hf_sparse_cp
+    from hf_sparse_cp.integration.backend import model_config_for
+    from hf_sparse_cp.integration.planner_weights import linear_flop_pairs
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.curriculum import build_schedule
+
+    hf_sparse_cp.patch()
+
+    def trainer(max_steps: int = -1) -> Trainer:
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+        hf_sparse_cp.configure(model)
+        return Trainer(model=model, args=TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True,
+                                                           max_steps=max_steps))
+
+    first = trainer()
+    counted = linear_weight(linear_flop_pairs(first.model))
+    runs = {}
+    for name, flags in (("model's", {}), ("flag's", {"cp_planner_linear_per_token": 123.0})):
+        t = first if not flags else trainer()
+        parallel = hf_sparse_cp.enable_trainer_context_parallel(
+            t, ContextParallelConfig(cp_size=2, cp_sharding="document", **flags))
+        runs[name] = parallel.planner_costs.linear_per_token
+        hf_sparse_cp.disable_trainer_context_parallel(t)
+    scheduled = trainer(max_steps=4)
+    scheduled.train_dataset = [{"input_ids": torch.arange(3, 515)}] * 8
+    schedule = build_schedule(hf_sparse_cp.parse_schedule("0:256:2,2:512:2:cp_sharding=document"), world_size=2,
+                              sparse_config=model_config_for(scheduled.model), max_steps=4)  # (the gloo world)
+    curriculum = hf_sparse_cp.enable_curriculum(scheduled, schedule)
+    runs["stages"] = [d.planner_costs.linear_per_token for d in curriculum.dims]
+    hf_sparse_cp.disable_curriculum(scheduled)
+    return {"counted": counted, **runs}
+
+
 def _worker(rank: int, world: int) -> dict:
     flat = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_sharding="document"))
     results = {
@@ -785,6 +826,8 @@ def _worker(rank: int, world: int) -> dict:
     if world == 2:
         results["gemma3_text"] = _model_case(flat, rank, "gemma3_text")
         results["kept_fraction"] = _kept_fraction_case(flat)
+        with tempfile.TemporaryDirectory() as tmp:
+            results["planner_weight"] = _planner_weight_case(tmp)
     if world == 4:
         hier = ParallelDims.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2,
                                                               cp_sharding="document"))
@@ -879,6 +922,15 @@ def test_key_columns_go_only_to_the_ranks_that_list_them(spawned, world):
 def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):
     for errs in spawned(4):
         assert errs["hier"]["out"] <= TOL and errs["hier"]["dk"] <= 2 * TOL, errs["hier"]
+
+
+def test_the_trainer_and_a_schedule_plan_documents_with_the_models_linear_weight(spawned):
+    """The layouts a Trainer and a --cp_schedule build plan with the model's linear weight (not PlannerCosts'
+    default), the flag's where one is given."""
+    for got in (r["planner_weight"] for r in spawned(2)):
+        assert got["counted"] != PlannerCosts.linear_per_token
+        assert got["model's"] == pytest.approx(got["counted"]) and got["flag's"] == 123.0, got
+        assert got["stages"][1] == pytest.approx(got["counted"]), got
 
 
 def test_planner_costs_come_from_the_cp_flags(monkeypatch):

@@ -1,6 +1,7 @@
 """The document planner's linear weight counted from the model it plans for (`integration/planner_weights.py`): the
 count against the simulator's shape formula, routed experts by their top-k share, multi-head latent attention's
-wider pairs, which settings take it, and that training and the simulator plan with it."""
+wider pairs, which settings take it, and that the simulator plans with it (training's layouts:
+tests/distributed/test_cp_documents.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims
+from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.distributed.split.documents import ATTENTION_RATE_SHARE, PlannerCosts, linear_weight
 from hf_sparse_cp.integration.planner_weights import linear_flop_pairs, planned_linear_weight
 from hf_sparse_cp.simulator.shapes import MODELS, ModelShape
@@ -83,33 +84,6 @@ def test_the_models_weight_serves_only_where_documents_are_planned_and_no_weight
     with pytest.raises(ValueError, match=r"cp_planner_linear_per_token=-1.0 must be finite and >= 0 \(a cost in "
                                          r"attention token pairs; default counted from the model\)"):
         ContextParallelConfig(cp_sharding="document", cp_planner_linear_per_token=-1.0)
-
-
-def test_the_trainer_builds_its_layout_with_the_models_weight(monkeypatch, tmp_path):
-    """enable_trainer_context_parallel hands the model's weight to the object owning the layout, which plans with
-    it (a stub returns one process's layout, which the run then refuses: what follows needs a CP group)."""
-    from transformers import Trainer, TrainingArguments
-
-    import hf_sparse_cp
-    from hf_sparse_cp.trainer import context_parallel
-
-    hf_sparse_cp.patch()
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
-    hf_sparse_cp.configure(model)
-    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True))
-    seen = {}
-
-    def from_accelerator(accelerator, config, **kwargs):
-        seen.update(kwargs, config=config)
-        return ParallelDims.single()
-
-    monkeypatch.setattr(context_parallel.ParallelDims, "from_accelerator", from_accelerator)
-    with pytest.raises(ValueError, match="no context parallelism"):  # (the one-process layout the stub returned)
-        context_parallel.enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2,
-                                                                                        cp_sharding="document"))
-    counted = ATTENTION_RATE_SHARE * linear_flop_pairs(model)
-    assert seen["model_linear_per_token"] == pytest.approx(counted)
-    assert seen["config"].planner_costs(seen["model_linear_per_token"]).linear_per_token == pytest.approx(counted)
 
 
 def test_the_simulator_plans_with_the_simulated_models_weight():
