@@ -35,9 +35,9 @@ def _pair_flops(config) -> int | None:
     """Forward FLOPs of one attention token pair: 2 x query heads x (query-key width + value width); 4 x heads x
     head_dim, or with multi-head latent attention's wider queries and keys (DeepSeek: qk_head_dim, v_head_dim)."""
     heads = getattr(config, "num_attention_heads", None)
-    if not heads:
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", None) or 0) // (heads or 1)
+    if not heads or not head_dim:
         return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
     qk = getattr(config, "qk_head_dim", None) or (nope + rope if nope and rope else head_dim)
     return 2 * heads * (qk + (getattr(config, "v_head_dim", None) or head_dim))
@@ -49,7 +49,8 @@ def linear_flop_pairs(model: torch.nn.Module) -> float | None:
     None where the model has no decoder layers or no head count to measure against."""
     config = model.config.get_text_config() if hasattr(model, "config") else None
     # (the language model's layers: a vision tower's see image patches, not the text tokens the planner places)
-    layers = decoder_layers(model.get_decoder() if hasattr(model, "get_decoder") else model)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = decoder_layers(decoder if isinstance(decoder, torch.nn.Module) else model)
     pair = _pair_flops(config) if layers else None
     if pair is None:
         return None

@@ -86,6 +86,16 @@ def test_the_models_weight_serves_only_where_documents_are_planned_and_no_weight
         ContextParallelConfig(cp_sharding="document", cp_planner_linear_per_token=-1.0)
 
 
+def test_a_model_without_decoder_layers_or_sizes_leaves_the_default():
+    """No transformers config, or one without head sizes, or no decoder layers: no count, the planner's default."""
+    document = ContextParallelConfig(cp_sharding="document")
+    headless = torch.nn.Module()
+    headless.config = type("Sizes", (), {"num_attention_heads": 4, "get_text_config": lambda self: self})()
+    for model in (torch.nn.Linear(2, 2), headless):
+        assert linear_flop_pairs(model) is None and planned_linear_weight(model, document) is None
+    assert document.planner_costs(None) == PlannerCosts()
+
+
 def test_the_simulator_plans_with_the_simulated_models_weight():
     from hf_sparse_cp.simulator.simulate_cli import parse_args, workload_for
 
