@@ -171,7 +171,7 @@ PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
 CONFIG_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 
 # Config fields that give a mixture of experts its expert count (Mixtral, Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek).
-_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def uses_every_parameter(config) -> bool:
@@ -180,7 +180,7 @@ def uses_every_parameter(config) -> bool:
     no unused parameters (`Support.seq2seq_decoder`)."""
     support = ARCHITECTURES.get(config.model_type)
     return (support is not None and not support.seq2seq_decoder
-            and not any(getattr(config, name, 0) for name in _EXPERT_COUNTS))
+            and not any(getattr(config, name, 0) for name in EXPERT_COUNTS))
 
 
 def computes_unshifted_loss(config) -> bool:

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from ..distributed.split.documents import linear_weight
-from ..simulator.shapes import EXPERT_COUNTS
+from .architectures import EXPERT_COUNTS
 from .memory_savers import decoder_layers
 
 logger = logging.getLogger(__name__)
