@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import typing
 from collections.abc import Collection, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
@@ -37,6 +38,7 @@ from ..config.sections import (
 )
 from ..memory import MemorySavers
 from ..recipes import pattern_path
+from ..scoped import scoped
 from ..smet import SMETConfig
 from ..smet.config import check_values, module_names
 
@@ -262,6 +264,18 @@ def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     return out
 
 
+# False while pattern flags are built to go on top of a --sparse_config file (`flags_over_a_file`): alone, on the
+# library's defaults, a value was refused against a setting the file changes (an estimation chunk of the file's block
+# size, a layer's top-k under the file's top-k budget)
+_CHECK_FLAGS_ALONE: ContextVar[bool] = ContextVar("hf_sparse_cp_check_flags_alone", default=True)
+
+
+def flags_over_a_file() -> contextlib.AbstractContextManager[None]:
+    """Inside the block, the `SparseAttentionFlags` built do not validate themselves alone: they go on top of a
+    `--sparse_config` file, and the config the two make up validates them (`SparseCPArguments.attention_config`)."""
+    return scoped(_CHECK_FLAGS_ALONE, False)
+
+
 class _PatternFlags(KnownKeywords):
     """The methods of `SparseAttentionFlags` (its fields are generated from `SparseAttentionConfig`)."""
 
@@ -270,8 +284,9 @@ class _PatternFlags(KnownKeywords):
     def __post_init__(self) -> None:
         # the config validates the values, naming the field (what no setting reads: on the pattern they make up with
         # a --sparse_config file, or the flags alone, `to_config()`)
-        with unread_fields_checked_by_caller():
-            self.to_config()
+        if _CHECK_FLAGS_ALONE.get():
+            with unread_fields_checked_by_caller():
+                self.to_config()
 
     def values(self) -> dict[str, Any]:
         """The flags by flat key, as given (None: unset)."""

@@ -31,6 +31,7 @@ from .arguments import (
     SparseAttentionFlags,
     SparseCPArguments,
     copied_fields,
+    flags_over_a_file,
     from_prefixed,
     unprefixed,
 )
@@ -136,8 +137,8 @@ class PluginArgumentsMixin(KnownKeywords):
 
     def _validate_plugin_fields(self) -> None:
         with unread_fields_checked_by_caller():  # (values no setting reads: below, across the run, naming the flags)
-            for part in _PARTS:  # each part validates its own fields, naming them
-                from_prefixed(self, part)
+            for part in _PARTS:  # each part validates its own fields, naming them (the pattern's over its file)
+                self.pattern_flags() if part is SparseAttentionFlags else from_prefixed(self, part)
             pattern, layout = self.sparse_attention_config(), self.context_parallel_config()
         self.smet_optimizer_config()  # (its --smet_config file)
         if not self.smet:  # (the flags typed at their default value too: SMETArguments sees the values alone)
@@ -246,8 +247,10 @@ class PluginArgumentsMixin(KnownKeywords):
         return from_prefixed(self, SparseCPArguments)
 
     def pattern_flags(self) -> SparseAttentionFlags:
-        """The pattern flags as given, before `--sparse_config` is read."""
-        return from_prefixed(self, SparseAttentionFlags)
+        """The pattern flags as given, before `--sparse_config` is read (with one, they are validated on top of it:
+        `sparse_attention_config`)."""
+        with flags_over_a_file() if self.sparse_config is not None else contextlib.nullcontext():
+            return from_prefixed(self, SparseAttentionFlags)
 
     def sparse_attention_config(self) -> SparseAttentionConfig:
         """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""

@@ -17,7 +17,7 @@ import logging
 import torch
 from transformers import Trainer
 
-from ..config import BACKEND_NAME
+from ..config import BACKEND_NAME, SparseAttentionConfig
 from ..integration import compat
 from ..integration.backend import model_config_for
 from .arguments import SparseCPArguments
@@ -30,21 +30,29 @@ logger = logging.getLogger(__name__)
 
 def attend_like_trained_model(trainer: Trainer, sparse_args: SparseCPArguments, max_length: int | None) -> None:
     """Switch `trainer.ref_model` (when it has one) to `sparse_cp` with the pattern of the model it trains, when
-    that model runs `sparse_cp` and the reference does not yet; `disable_sparse_attention(trainer.ref_model)` undoes
-    it. `sparse_args`, `max_length`: the plugin's switches and the sequence length of the trained model (the fused
-    ops and token tiles run on the reference alike; its `--sparse_config` is already read into the trained model's
-    pattern, and a model that never runs backward offloads nothing for it)."""
+    that model runs `sparse_cp` and the reference does not yet run it with that pattern (TRL loads it with the trained
+    model's `attn_implementation`, so with `sparse_cp`'s default pattern); `disable_sparse_attention(trainer.ref_model)`
+    undoes it. `sparse_args`, `max_length`: the plugin's switches and the sequence length of the trained model (the
+    fused ops and token tiles run on the reference alike; its `--sparse_config` is already read into the trained
+    model's pattern, and a model that never runs backward offloads nothing for it)."""
     reference = getattr(trainer, REFERENCE_MODEL, None)
     if not isinstance(reference, torch.nn.Module):
         return
     reference, trained = trainer.accelerator.unwrap_model(reference), trainer.accelerator.unwrap_model(trainer.model)
-    if (compat.attn_implementation(getattr(trained, "config", None)) != BACKEND_NAME
-            or compat.attn_implementation(reference.config) == BACKEND_NAME):
+    if compat.attn_implementation(getattr(trained, "config", None)) != BACKEND_NAME:
         return
+    pattern = model_config_for(trained)
     previous = compat.attn_implementation(reference.config)
+    # (TRL loads the reference with the trained model's attn_implementation, so `sparse_cp` without its pattern: the
+    # default one, another block size and budget)
+    stored = SparseAttentionConfig.stored_on(reference.config) if previous == BACKEND_NAME else None
+    if stored is not None and stored.to_dict() == pattern.to_dict():
+        return
     switches = dataclasses.replace(sparse_args, sparse_config=None, sparse_offload_layer_inputs=False)
-    enable_sparse_attention(reference, switches, model_config_for(trained), trainer.args, max_length)
+    enable_sparse_attention(reference, switches, pattern, trainer.args, max_length)
     if trainer.is_world_process_zero():
+        was = (f"{previous!r}" if previous != BACKEND_NAME else
+               "the default pattern it was loaded with" if stored is None else "the pattern it was configured with")
         logger.warning("%s.%s (the frozen reference it compares the trained model with) attends with sparse_cp and "
-                       "the trained model's pattern, not %r: the two are one model before the first step.",
-                       type(trainer).__name__, REFERENCE_MODEL, previous)
+                       "the trained model's pattern, not %s: the two are one model before the first step.",
+                       type(trainer).__name__, REFERENCE_MODEL, was)

@@ -102,14 +102,16 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
 
     def __post_init__(self) -> None:
         if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true" and not _has_accelerator():
-            # (accelerate refuses it on CPU processes only when the Trainer builds its Accelerator, after the data)
-            raise ValueError(
-                "The accelerate config sets a ParallelismConfig (parallelism_config_cp_size "
-                f"{os.environ.get('PARALLELISM_CONFIG_CP_SIZE', '1')}), which accelerate runs only on GPUs, and this "
-                "machine has no GPU: launch CPU processes with `accelerate launch --config_file \"$(hf-sparse-cp "
-                "recipes --path cpu_2proc_cp2)\"` (its num_processes set to N) or `hf-sparse-cp launch --nproc N`, and "
-                "give the CP degree as --cp_size N."
-            )
+            # (accelerate refuses it on CPU processes only when the Trainer builds its Accelerator, after the data;
+            # as a bad flag: the message once, not a traceback through the script from every process)
+            with flag_errors():
+                raise ValueError(
+                    "The accelerate config sets a ParallelismConfig (parallelism_config_cp_size "
+                    f"{os.environ.get('PARALLELISM_CONFIG_CP_SIZE', '1')}), which accelerate runs only on GPUs, and "
+                    "this machine has no GPU: launch CPU processes with `accelerate launch --config_file \"$("
+                    "hf-sparse-cp recipes --path cpu_2proc_cp2)\"` (its num_processes set to N) or `hf-sparse-cp "
+                    "launch --nproc N`, and give the CP degree as --cp_size N."
+                )
         if not self.use_cpu and not _has_accelerator():
             # accelerate joins CPU processes (gloo) only when told: without this, `torchrun --nproc_per_node 2` or
             # `accelerate launch` on a machine without an accelerator would run N unsynchronized single-process jobs
@@ -118,12 +120,12 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
         # (transformers' own error comes later and names no fix; the launcher's parse before starting the processes
         # stands for one of them)
         if self.fsdp and "WORLD_SIZE" not in os.environ and not is_parsing_for_launch():
-            raise ValueError(
-                "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
-                "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp launch --nproc 2 train.py --fsdp "
-                "...`; or "
-                "drop --fsdp."
-            )
+            with flag_errors():
+                raise ValueError(
+                    "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
+                    "`torchrun --nproc_per_node 2 train.py --fsdp ...` or `hf-sparse-cp launch --nproc 2 train.py "
+                    "--fsdp ...`; or drop --fsdp."
+                )
         with flag_errors():
             check_trainer_numbers(self)
             self._check_plugin_fields()

@@ -258,3 +258,32 @@ def test_orpo_and_cpo_train_with_sparse_attention_without_cp(tmp_path, name):
     assert torch.isfinite(torch.tensor(logged["loss"])) and "tokens_per_second" not in logged
     with pytest.raises(ValueError, match=f"{name.upper()}Trainer under context parallelism"):
         check_loss(trainer, 2)
+
+
+def test_a_reference_trl_loads_as_sparse_cp_takes_the_trained_models_pattern(tmp_path):
+    """Without a ref_model, TRL loads the reference from the model's folder with the trained model's
+    attn_implementation, `sparse_cp`, but not its pattern: the reference attended with the default one (dense at these
+    lengths, block 128), so DPO's first rewards were not 0 nor its loss log 2, and under CP its first forward failed on
+    a block size other than the shards'. It attends with the trained model's pattern."""
+    from trl import DPOConfig
+
+    from hf_sparse_cp import SparseAttentionConfig, sparse_arguments_class, sparse_trainer_class
+    from hf_sparse_cp.trainer.reference import attend_like_trained_model
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))).save_pretrained(tmp_path / "m")
+    args = sparse_arguments_class(DPOConfig)(output_dir=str(tmp_path), **{**DPO, "max_steps": 1}, **PATTERN)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")  # (switched before TRL loads the reference)
+    trainer = sparse_trainer_class(trl.DPOTrainer)(model=model, args=args, processing_class=tokenizer,
+                                                   train_dataset=datasets.Dataset.from_dict(_pairs(2)))
+    assert trainer.ref_model.config._attn_implementation == "sparse_cp"  # (as TRL loaded it)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/chosen"] == logged["rewards/rejected"] == 0 and logged["loss"] == pytest.approx(
+        torch.log(torch.tensor(2.0)).item())
+    assert (SparseAttentionConfig.stored_on(trainer.ref_model.config).to_dict()
+            == SparseAttentionConfig.stored_on(trainer.model.config).to_dict())
+    stored = trainer.ref_model.config.sparse_attention
+    attend_like_trained_model(trainer, args.plugin_arguments(), None)  # (once alike, left as it is)
+    assert trainer.ref_model.config.sparse_attention is stored

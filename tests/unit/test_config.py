@@ -370,6 +370,29 @@ def test_file_config_with_flag_overrides(tmp_path):
     assert merged.budget == TopK(99, 5)
 
 
+@pytest.mark.parametrize("flags, check", [
+    (dict(sparse_estimation="causal_chunks", sparse_estimation_chunk=64), lambda c: c.estimation_chunk == 64),
+    (dict(sparse_layer_overrides='{"1": {"slash_topk": 32}}'), lambda c: c.for_layer(1).budget == TopK(64, 32)),
+], ids=["chunk-of-the-files-block", "override-of-the-files-budget"])
+def test_pattern_flags_are_validated_on_top_of_their_file(flags, check):
+    """The pattern flags validated themselves alone, on the library's defaults, before the --sparse_config file went
+    under them: with `trial` (block 64, top-k) an estimation chunk of 64 was refused as not a multiple of block_size
+    128, and a layer's slash_topk as unread under budget_mode 'mass'. They are validated on top of the file, which
+    still refuses what the two together cannot run, naming the file's values."""
+    from hf_sparse_cp import SparseTrainingArguments
+
+    args = SparseTrainingArguments(output_dir="out", use_cpu=True, sparse_config="trial", **flags)
+    assert check(args.sparse_attention_config())
+    chunks = dict(sparse_estimation="causal_chunks", sparse_estimation_chunk=96)
+    with pytest.raises(ValueError, match=r"estimation_chunk=96 must be a positive multiple of .*=64"):
+        SparseTrainingArguments(output_dir="out", use_cpu=True, sparse_config="trial", **chunks)
+    with pytest.raises(ValueError, match=r"layer_overrides\['1'\]: mass_target=0.5 is read only in budget_mode='mass'"):
+        SparseTrainingArguments(output_dir="out", use_cpu=True, sparse_config="trial",
+                                sparse_layer_overrides='{"1": {"mass_target": 0.5}}')
+    with pytest.raises(ValueError, match=r"estimation_chunk=64 must be a positive multiple of .*=128"):  # (no file)
+        SparseTrainingArguments(output_dir="out", use_cpu=True, **{**chunks, "sparse_estimation_chunk": 64})
+
+
 def test_a_config_as_flags_leaves_the_files_budget_alone(tmp_path):
     """A pattern config passed as the flags (SparseTrainingArguments built in code: no parser, no explicit set)
     holds its mode's resolved defaults; at those defaults its fields were not given and the file's stand."""

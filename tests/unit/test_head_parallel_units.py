@@ -136,3 +136,29 @@ def test_every_mode_resolves_a_cp_degree_to_one_layout(flags, cp_size, runs):
     assert [m.name for m in cp_modes()] == ["ring", "ulysses", "hybrid"]
     with pytest.raises(ValueError, match=r"cp_mode='bogus' is unknown; use one of 'ring', 'ulysses', 'hybrid'"):
         cp_mode_named("bogus")
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (dict(cp_mode="ring"), True), (dict(cp_mode="hybrid", cp_ulysses_size=2), True), (dict(cp_mode="ulysses"), False),
+], ids=["ring", "hybrid", "ulysses"])
+def test_layers_of_another_block_size_are_refused_where_a_ring_splits_the_sequence(flags, refused):
+    """A layer_overrides block_size under the ring (or hybrid's ring across head groups) passed every check and failed
+    at the first forward on every rank ('this layer's block_size (32) differs from the block size the sequence was
+    sharded with (64)'): the layout check refuses it, naming the flag and the fixes. Ulysses gives each rank whole
+    sequences, which each layer lays out in its own blocks."""
+    from hf_sparse_cp.config import SparseAttentionConfig
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    config = tiny_config("llama", num_attention_heads=4, num_key_value_heads=2)
+    config.sparse_attention = SparseAttentionConfig(block_size=64, layer_overrides={"1": {"block_size": 32}}).to_dict()
+    layout = ContextParallelConfig(cp_size=4, **flags)
+    if refused:
+        mode = flags["cp_mode"]
+        with pytest.raises(ValueError, match=rf"set block_size 32 on some layers, and under --cp_mode {mode}.*\(64\)"
+                                             r".*Drop block_size from layer_overrides.*--cp_mode ulysses"):
+            layout.check_model(config)
+    else:
+        layout.check_model(config)
+    dense = SparseAttentionConfig(block_size=64, layer_overrides={"1": {"pattern": "dense"}})
+    config.sparse_attention = dense.to_dict()
+    layout.check_model(config)  # (other fields may differ by layer)

@@ -1105,6 +1105,32 @@ def test_use_liger_kernel_on_cpu_is_refused_as_the_scripts_flags_parse(tmp_path,
     SparseTrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, sparse_attention=False)
 
 
+@pytest.mark.parametrize("flags, env, message", [
+    (["--fsdp", "full_shard"], {}, "--fsdp shards the model over processes, and this one runs alone"),
+    ([], {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"},
+     "The accelerate config sets a ParallelismConfig (parallelism_config_cp_size 2), which accelerate runs only on "
+     "GPUs"),
+], ids=["fsdp-alone", "parallelism-config-on-cpu"])
+def test_a_launch_the_arguments_refuse_ends_a_launched_script_as_a_bad_flag(tmp_path, capsys, monkeypatch, flags,
+                                                                             env, message):
+    """`--fsdp` in one process, and an accelerate config's ParallelismConfig on a machine without GPUs (the GPU recipe
+    copied to CPU processes), were refused in a traceback through the script from every process: they end as a bad
+    flag does, the message alone, exit status 2."""
+    from hf_sparse_cp.trainer import sparse_trainer
+
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    script = tmp_path / "train.py"
+    script.write_text(DATA_SCRIPT)
+    with pytest.raises(SystemExit) as refused:
+        run([str(script), "--output_dir", str(tmp_path / "out"), "--report_to", "none", *flags])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"train.py: error: {message}" in err and "Traceback" not in err, err
+
+
 TRL_SCRIPT = textwrap.dedent("""
     from trl import ModelConfig, TrlParser{imports}
 

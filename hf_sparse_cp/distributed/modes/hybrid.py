@@ -11,7 +11,7 @@ from ..shard import CPShard
 from ..split.blocks import NestedSplit, ShardPlan
 from .base import CPAttention
 from .heads import HeadGroupMode
-from .ring import RING, ring_shape
+from .ring import RING, check_one_block_size, ring_shape
 
 
 class HybridMode(HeadGroupMode):
@@ -30,6 +30,10 @@ class HybridMode(HeadGroupMode):
             raise ValueError(f"{flag_setting('cp_sharding', sharding)} is not available under "
                              f"{flag_setting('cp_mode', self.name)} (the planner's shards do not cut into equal pieces "
                              "for a head group); use striped, zigzag or contiguous.")
+
+    def check_model(self, model_config, head_size: int) -> None:
+        super().check_model(model_config, head_size)
+        check_one_block_size(model_config, self.name)  # (the ring across the head groups)
 
     def head_size(self, config, cp_size: int) -> int:
         if cp_size % config.cp_ulysses_size:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...attention.sinks import with_sinks
+from ...config import SparseAttentionConfig
 from ..kept_fraction import reported_kept_fraction
 from ..ring.attention import ring_sparse_attention
 from ..ring.estimation import estimate_cp
@@ -19,6 +20,9 @@ class RingMode(CPMode):
 
     def head_size(self, config, cp_size: int) -> int:
         return 1
+
+    def check_model(self, model_config, head_size: int) -> None:
+        check_one_block_size(model_config, self.name)
 
     def split(self, parallel, sharding, block_size, meta, *, sparse_config, planner_costs):
         if sharding == "document":
@@ -38,6 +42,23 @@ class RingMode(CPMode):
 
     def describe(self, parallel) -> str:
         return f"{parallel.sharding} sharding, {ring_shape(parallel)}"
+
+
+def check_one_block_size(model_config, mode: str) -> None:
+    """Raise ValueError, naming the fix, when the layers of the pattern `model_config` stores differ in block_size:
+    the ring's shards are whole blocks of the sequence's split, one block size for every layer (such layers failed
+    at their first forward, on every rank)."""
+    sparse_config = SparseAttentionConfig.stored_on(model_config)
+    if sparse_config is None:
+        return
+    sizes = sorted({config.block_size for config in sparse_config.layer_configs()} - {sparse_config.block_size})
+    if sizes:
+        raise ValueError(
+            f"layer_overrides (--sparse_layer_overrides, or the --sparse_config file's) set block_size {sizes[0]} on "
+            f"some layers, and under --cp_mode {mode} the sequence is split in blocks of the pattern's block_size "
+            f"({sparse_config.block_size}), which every layer must use. Drop block_size from layer_overrides "
+            "(--sparse_block_size sets it for every layer), or split the heads instead (--cp_mode ulysses), whose "
+            "layers may differ.")
 
 
 def ring_shape(parallel) -> str:
