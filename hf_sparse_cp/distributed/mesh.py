@@ -238,7 +238,7 @@ class ParallelDims:
         w = config.cp_size
         groups = [list(range(d * w, (d + 1) * w)) for d in range(world // w)]
         return cls._build(world, rank, groups, config, env, cp_group=None,
-                          planner_costs=config.planner_costs(model_linear_per_token))
+                          model_linear_per_token=model_linear_per_token)
 
     @classmethod
     def from_accelerator(cls, accelerator, config, *, env: Mapping[str, str] = os.environ,
@@ -271,11 +271,11 @@ class ParallelDims:
         ranks = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, pc.cp_size)
         groups = [[int(r) for r in row] for row in ranks]
         return cls._build(dist.get_world_size(), dist.get_rank(), groups, config, env,
-                          cp_group=mesh["cp"].get_group(), planner_costs=config.planner_costs(model_linear_per_token))
+                          cp_group=mesh["cp"].get_group(), model_linear_per_token=model_linear_per_token)
 
     @classmethod
     def _build(cls, world: int, rank: int, cp_groups: list[list[int]], config,
-               env: Mapping[str, str], cp_group, planner_costs: PlannerCosts) -> ParallelDims:
+               env: Mapping[str, str], cp_group, model_linear_per_token: float | None) -> ParallelDims:
         w = len(cp_groups[0])
         mode, h = config.mode.resolve(config, w)
         if mode is not config.mode:
@@ -286,7 +286,7 @@ class ParallelDims:
         if cp_group is None and w > 1:
             cp_group = _new_groups(cp_groups, rank)
         created = [cp_group]
-        common = dict(world_size=world, rank=rank, planner_costs=planner_costs)
+        common = dict(world_size=world, rank=rank, planner_costs=config.planner_costs(model_linear_per_token))
         head_group, ring = None, None
         if h == 1:  # the ring is the CP group
             topology, inner, outer = _rings(cp_groups, cp_group, config, env, rank, stride=1)

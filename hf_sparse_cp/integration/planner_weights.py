@@ -71,6 +71,7 @@ def planned_linear_weight(model: torch.nn.Module, config) -> float | None:
         logger.info("document planner: no decoder layers or head count to weigh the linear layers by; it takes "
                     "--cp_planner_linear_per_token's default.")
         return None
+    weight = linear_weight(pairs)
     logger.info("document planner: the model's linear layers weigh %.0f attention token pairs per token "
-                "(--cp_planner_linear_per_token sets another weight).", linear_weight(pairs))
-    return linear_weight(pairs)
+                "(--cp_planner_linear_per_token sets another weight).", weight)
+    return weight
