@@ -66,11 +66,15 @@ def block_size_name() -> str:
     return "block_size" if spelled_plainly() else "block_size (--sparse_block_size)"
 
 
+MIN_BLOCK_SIZE = 16  # the smallest block the layout and the kernels take (a tensor-core tile's side)
+
+
 def check_block_size(block_size: int, name: str | None = None) -> None:
     """Raise ValueError unless `block_size` is a power of two >= 16 (what the layout and kernels take); `name`: how
     the message names it (default `block_size_name`)."""
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"{name or block_size_name()}={block_size} must be a power of two >= 16; use 64 or 128.")
+    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"{name or block_size_name()}={block_size} must be a power of two >= {MIN_BLOCK_SIZE}; use 64 "
+                         "or 128.")
 
 
 @dataclass(init=False)

@@ -172,7 +172,8 @@ PATCHES = (
     Patch(_TRAINER, TRAINER_LOAD_OPTIMIZER, "replaces", "while a resume loads the sharded state, the optimizer "
           "comes from it", "the end of `resharded_loading`", ("self", "checkpoint")),
     Patch(_TRAINER, "training_step", "replaces", "each training batch's real tokens are counted for the logged "
-          "tokens_per_second (`StepMetricsCallback`) before the Trainer's own step trains on it",
+          "tokens_per_second (`StepMetricsCallback`), and its row length checked against the memory savers set up "
+          "(`row_length_watch`), before the Trainer's own step trains on it",
           "detach_from_trainer(trainer)", ("self", "model", "inputs", "num_items_in_batch")),
     Patch(_TRAINER, "optimizer_cls_and_kwargs", "sets", "SMET wraps the optimizer the Trainer would build "
           "(TrainingArguments' optim and its settings)", "uninstall_smet(trainer)", on_instances=True),

@@ -118,6 +118,11 @@ def enable_memory_savers(model: torch.nn.Module, savers: MemorySavers) -> None:
         patches.set_attr(layer, "forward", _OffloadingForward(layer, offload))
 
 
+def token_tiles_enabled(model: torch.nn.Module) -> bool:
+    """Whether `enable_memory_savers` put `model`'s MLPs and RMSNorms into token tiles."""
+    return any(isinstance(m.__dict__.get("forward"), _TiledForward) for m in model.modules())
+
+
 def disable_memory_savers(model: torch.nn.Module) -> bool:
     """Undo `enable_memory_savers(model, ...)`; False when they were not enabled."""
     return undo_recorded(model, _FEATURE)

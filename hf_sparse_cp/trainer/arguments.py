@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from ..config import SparseAttentionConfig
-from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
+from ..config.files import KnownKeywords, check_field_types, typed_flags, unread_fields_checked_by_caller
 from ..config.sections import (
     DEFAULT_MODE,
     Scoring,
@@ -36,6 +36,7 @@ from ..config.sections import (
     modes_of,
     scoring_from,
 )
+from ..config.sparse_attention import MIN_BLOCK_SIZE
 from ..memory import MemorySavers
 from ..recipes import pattern_path
 from ..scoped import scoped
@@ -283,10 +284,30 @@ class _PatternFlags(KnownKeywords):
 
     def __post_init__(self) -> None:
         # the config validates the values, naming the field (what no setting reads: on the pattern they make up with
-        # a --sparse_config file, or the flags alone, `to_config()`)
+        # a --sparse_config file, or the flags alone, `to_config()`). Parsed as their own dataclass (HfArgumentParser,
+        # the functional API) the flags cannot know of a --sparse_config file parsed beside them, whose settings may
+        # make valid what the library's defaults do not: refused now only where no file could (`_valid_over_a_file`);
+        # else when the pattern is built (`to_config`, `SparseCPArguments.attention_config` on top of the file).
         if _CHECK_FLAGS_ALONE.get():
             with unread_fields_checked_by_caller():
-                self.to_config()
+                try:
+                    self.to_config()
+                except ValueError:
+                    if not self._valid_over_a_file():
+                        raise
+
+    def _valid_over_a_file(self) -> bool:
+        """Whether the flags given (those off their defaults) make a valid pattern on top of some file: one of each
+        budget mode at the smallest block size (of which every block multiple is a multiple), the settings a cross
+        check of the flags reads."""
+        given = typed_flags(self.values(), SparseAttentionConfig.flag_defaults())
+        for mode in budget_modes():
+            try:
+                SparseAttentionConfig(budget_mode=mode, block_size=MIN_BLOCK_SIZE).replace(**given)
+                return True
+            except ValueError:
+                pass
+        return False
 
     def values(self) -> dict[str, Any]:
         """The flags by flat key, as given (None: unset)."""

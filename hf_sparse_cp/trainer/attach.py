@@ -14,8 +14,9 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from ..integration.fused_ops import (
 from ..integration.given import require_instance, require_model, require_trainer
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
-from ..integration.memory_savers import disable_memory_savers, enable_memory_savers
+from ..integration.memory_savers import disable_memory_savers, enable_memory_savers, token_tiles_enabled
 from ..integration.models import (
     attention_layers,
     check_mask_only_locality,
@@ -277,20 +278,61 @@ def _ranges(layers: list[int]) -> str:
     return ("layers " if len(layers) > 1 else "layer ") + ", ".join(runs)
 
 
-def count_step_metrics(trainer: Trainer, patches: PatchSet) -> StepMetricsCallback:
+def count_step_metrics(trainer: Trainer, patches: PatchSet,
+                       check: Callable[[Any], None] | None = None) -> StepMetricsCallback:
     """Log tokens per second and peak memory with every training log (`StepMetricsCallback`, first among the
-    callbacks, so the reporters see them): the trainer's `training_step` counts each batch's tokens before it
-    trains on it."""
+    callbacks, so the reporters see them): the trainer's `training_step` counts each batch's tokens (and passes it
+    to `check`, e.g. `row_length_watch`) before it trains on it."""
     metrics = StepMetricsCallback()
     patches.insert(trainer.callback_handler, "callbacks", 0, metrics)
     training_step = trainer.training_step
 
     def counting_step(model, inputs, *rest, **kwargs):
         metrics.count(inputs, trainer.get_cp_size())
+        if check is not None:
+            check(inputs)
         return training_step(model, inputs, *rest, **kwargs)
 
     patches.set_attr(trainer, "training_step", counting_step)
     return metrics
+
+
+def savers_left_off(trainer: Trainer, sparse_args: SparseCPArguments, tokens: int) -> list[str]:
+    """The memory savers that rows of `tokens` tokens would have turned on (the thresholds of `sparse_args`) and the
+    trainer's model runs without: set up for shorter rows, or for a length not known."""
+    off = []
+    threshold = sparse_args.sparse_gradient_checkpointing_min_length
+    if threshold and tokens >= threshold and not checkpointing_enabled(trainer.args):
+        off.append(f"gradient checkpointing (--sparse_gradient_checkpointing_min_length {threshold})")
+    if sparse_args.memory_savers(tokens).tiled and not token_tiles_enabled(trainer.model):
+        off.append(f"token tiles (--sparse_token_tiling_min_length {sparse_args.sparse_token_tiling_min_length})")
+    return off
+
+
+def row_length_watch(trainer: Trainer, sparse_args: SparseCPArguments,
+                     max_length: int | None) -> Callable[[Any], None]:
+    """A check of each training batch (`count_step_metrics`) that warns once, naming the fix, at the first whose rows
+    are long enough for a memory saver that the run, set up for rows of `max_length` tokens (None: not known), left
+    off (`savers_left_off`): a --sparse_max_length shorter than the data, or a dataset whose first row is shorter
+    than the others. It reads the batch's shape only (no device sync)."""
+    warned = False
+
+    def check(inputs: Any) -> None:
+        nonlocal warned
+        rows = inputs.get("input_ids", inputs.get("inputs_embeds")) if isinstance(inputs, Mapping) else None
+        tokens = rows.shape[1] if isinstance(rows, torch.Tensor) and rows.dim() >= 2 else 0
+        if warned or (max_length is not None and tokens <= max_length):
+            return
+        off = savers_left_off(trainer, sparse_args, tokens)
+        if off:
+            warned = True
+            set_for = ("a length not known at set-up" if max_length is None else
+                       f"rows of {max_length} tokens (--sparse_max_length / max_length)")
+            logger.warning("A training batch holds rows of %d tokens; the memory savers were set up for %s, and %s "
+                           "stay off: pass --sparse_max_length %d (the longest rows), or cut the rows to the length "
+                           "given.", tokens, set_for, " and ".join(off), tokens)
+
+    return check
 
 
 def attach_to_trainer(
@@ -331,7 +373,9 @@ def attach_to_trainer(
     if attached_patches(trainer, _DDP_TIMEOUT) is None:
         apply_ddp_timeout(trainer, record_on(trainer, _DDP_TIMEOUT))
     if attached_patches(trainer, _STEP_METRICS) is None:
-        count_step_metrics(trainer, record_on(trainer, _STEP_METRICS))
+        sparse = compat.attn_implementation(trainer.model.config) == BACKEND_NAME
+        count_step_metrics(trainer, record_on(trainer, _STEP_METRICS),
+                           row_length_watch(trainer, sparse_args, max_length) if sparse else None)
     callbacks = trainer.callback_handler.callbacks
     if sparse_args.sparse_log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
         logging_callback = SparsityLoggingCallback()

@@ -52,8 +52,10 @@ _EXPLICIT = dataclasses.field(init=False, default=None, repr=False, compare=Fals
 LENGTH_FIELD = "sparse_max_length"
 _MAX_LENGTH = dataclasses.field(default=None, metadata={
     "help": "Tokens per training sequence. Turns gradient checkpointing on at or above "
-            "--sparse_gradient_checkpointing_min_length and decides which documents reach --sparse_min_seq_len; "
-            "default: the length of the training set's first sample (TRL's SFTConfig: its own --max_length)."})
+            "--sparse_gradient_checkpointing_min_length (token tiles at --sparse_token_tiling_min_length) and decides "
+            "which documents reach --sparse_min_seq_len; default: the length of the training set's first sample "
+            "(TRL's SFTConfig: its own --max_length). The first batch of longer rows that would have turned a memory "
+            "saver on is logged, naming the length to pass."})
 # Fields of earlier releases under their names now: arguments saved by them (a checkpoint's training_args.bin)
 # load with the new names.
 RENAMED_FIELDS = {"max_length": LENGTH_FIELD}

@@ -108,6 +108,33 @@ def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
             "on") in caplog.text
 
 
+@pytest.mark.parametrize("given", [None, "128"], ids=["first-row-shorter", "max-length-shorter"])
+def test_rows_longer_than_the_length_set_up_for_name_the_memory_savers_left_off(tmp_path, caplog, given):
+    """The run's length (--sparse_max_length, else the first row's) chooses gradient checkpointing and token tiles
+    at set-up; rows longer than it trained with them off without a word. The first batch long enough for a saver
+    left off is named once, with the length to pass; rows within the length given say nothing."""
+    rows = [{"input_ids": r["input_ids"][:128], "labels": r["labels"][:128]} for r in _rows()[:1]] + _rows()[1:]
+    flags = ["--sparse_gradient_checkpointing_min_length", "200", "--sparse_token_tiling_min_length", "256",
+             "--sparse_token_tile_size", "64"]
+    trainer = SparseTrainer(model=_model(), args=_args(tmp_path, *flags, *(["--sparse_max_length", given] if given
+                                                                           else [])), train_dataset=rows)
+    assert trainer.max_length == 128 and not trainer.args.gradient_checkpointing
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "A training batch holds rows" in r.getMessage()]
+    assert warned == ["A training batch holds rows of 256 tokens; the memory savers were set up for rows of 128 tokens "
+                      "(--sparse_max_length / max_length), and gradient checkpointing "
+                      "(--sparse_gradient_checkpointing_min_length 200) and token tiles "
+                      "(--sparse_token_tiling_min_length 256) stay off: pass --sparse_max_length 256 (the longest "
+                      "rows), or cut the rows to the length given."]
+    caplog.clear()
+    trainer = SparseTrainer(model=_model(), args=_args(tmp_path, *flags, "--sparse_max_length", "256"),
+                            train_dataset=rows)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.args.gradient_checkpointing and "A training batch holds rows" not in caplog.text
+
+
 def _cp2_losses(rank: int, world: int, out: str) -> list[float]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     trainer = SparseTrainer(model=_model(), args=_args(out, *PATTERN, "--cp_size", "2"), train_dataset=_rows(250))

@@ -393,6 +393,30 @@ def test_pattern_flags_are_validated_on_top_of_their_file(flags, check):
         SparseTrainingArguments(output_dir="out", use_cpu=True, **{**chunks, "sparse_estimation_chunk": 64})
 
 
+def test_pattern_flags_parsed_alone_wait_for_a_file_that_could_make_them_valid():
+    """Parsed as their own dataclass (the functional API), the pattern flags cannot know of the --sparse_config file
+    parsed beside them: an estimation chunk of 64, valid over `trial`'s block 64, was refused against the default
+    block 128. Now refused at parse time only where no file could make it valid; else when the pattern is built,
+    on top of the file, or alone without one."""
+    parser = HfArgumentParser((SparseCPArguments, SparseAttentionFlags))
+    chunk = ["--sparse_estimation", "causal_chunks", "--sparse_estimation_chunk", "64"]
+    args, flags = parser.parse_args_into_dataclasses(args=["--sparse_config", "trial", *chunk])
+    assert args.attention_config(flags).estimation_chunk == 64
+    args, flags = parser.parse_args_into_dataclasses(args=chunk)  # no file: refused when the pattern is built
+    with pytest.raises(ValueError, match=r"estimation_chunk=64 must be a positive multiple of .*=128"):
+        args.attention_config(flags)
+    with pytest.raises(ValueError, match=r"estimation_chunk=64 must be a positive multiple"):
+        flags.to_config()
+    overrides = ["--sparse_config", "trial", "--sparse_layer_overrides", '{"1": {"slash_topk": 32}}']
+    args, flags = parser.parse_args_into_dataclasses(args=overrides)  # (trial's top-k budget reads it; mass not)
+    assert args.attention_config(flags).for_layer(1).budget.slash_topk == 32
+    for bad, match in ((["--sparse_estimation_chunk", "24", "--sparse_estimation", "causal_chunks"],
+                        r"estimation_chunk=24 must be a positive multiple"),  # (of no block size)
+                       (["--sparse_layer_overrides", '{"1": {"block_size": 48}}'], r"power of two")):
+        with pytest.raises(ValueError, match=match):
+            parser.parse_args_into_dataclasses(args=["--sparse_config", "trial", *bad])
+
+
 def test_a_config_as_flags_leaves_the_files_budget_alone(tmp_path):
     """A pattern config passed as the flags (SparseTrainingArguments built in code: no parser, no explicit set)
     holds its mode's resolved defaults; at those defaults its fields were not given and the file's stand."""
