@@ -5,7 +5,8 @@
 * `sections.py`: the sections (`Scoring`, `BudgetSection`, the base the budget modes register under);
 * `flat_keys.py`: the flat keys of files, flags and saved configs of every earlier version, put into the tree;
 * `files.py`: `FileConfig`, the YAML / JSON files behind every config (`--sparse_config`), the one merge rule
-  (a flag given beats the file) and the field type checks.
+  (a flag given beats the file) and the field type checks;
+* `model_fields.py`: fields of a transformers model config that training and the predictions both read.
 """
 
 from .files import FileConfig, check_field_types, read_mapping

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config.model_fields import EXPERT_COUNTS
+
 
 @dataclass(frozen=True)
 class Support:
@@ -169,9 +171,6 @@ PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
 # Config fields that set attention dropout (the Llama family's, GPT-2's and GPT-BigCode's, BERT-style), which the
 # backend refuses (it computes attention without dropout) and the tiny models set to 0.
 CONFIG_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
-
-# Config fields that give a mixture of experts its expert count (Mixtral, Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek).
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def uses_every_parameter(config) -> bool:

@@ -15,8 +15,8 @@ import logging
 
 import torch
 
+from ..config.model_fields import EXPERT_COUNTS
 from ..distributed.split.documents import linear_weight
-from .architectures import EXPERT_COUNTS
 from .memory_savers import decoder_layers
 
 logger = logging.getLogger(__name__)

@@ -1,15 +1,14 @@
 """Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
 `memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
-(`ModelShape.from_config`). A leaf: it imports nothing of the package."""
+(`ModelShape.from_config`). A leaf: it imports nothing of the package but the config fields it shares with training
+(`config.model_fields`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-# Config fields that give a mixture of experts its expert count: the predictions count one dense MLP per layer.
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-
+from ..config.model_fields import EXPERT_COUNTS  # (the predictions count one dense MLP per layer: refused)
 
 # The fields of a decoder's config the predictions read (transformers' standard names).
 DECODER_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
