@@ -101,6 +101,7 @@ from hf_sparse_cp.attention.estimate import (
 from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
+from hf_sparse_cp.distributed.split.documents import ATTENTION_RATE_SHARE
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.testing.allocations import AllocationRecorder
 from hf_sparse_cp.testing.benchmarking import (
@@ -152,6 +153,13 @@ class BenchAttentionArguments:
                   "needs `ours` there."},
     )
     dense: bool = field(default=True, metadata={"help": "Also time the dense causal case."})
+    linear_intermediate: int = field(
+        default=11008,
+        metadata={"help": "At each S, also time a decoder MLP's matrix product over the S tokens, forward + backward "
+                  "([S, num_q_heads x head_dim] by [num_q_heads x head_dim, this]; Qwen2.5-3B: 11008): the rate of "
+                  "the linear layers on this GPU, beside which the document planner's ATTENTION_RATE_SHARE is "
+                  "measured. 0: not timed."},
+    )
     num_q_heads: int = field(default=16, metadata={"help": "Query heads (Qwen2.5-3B: 16)."})
     num_kv_heads: int = field(default=2, metadata={"help": "Key/value heads (Qwen2.5-3B: 2)."})
     head_dim: int = field(default=128, metadata={"help": "Head dimension (Qwen2.5-3B: 128)."})
@@ -194,6 +202,8 @@ class BenchAttentionArguments:
         unknown = (set(self.variants) | set(self.estimated_variants or ())) - set(VARIANTS)
         if unknown:
             raise ValueError(f"unknown variants {sorted(unknown)}; use {VARIANTS}.")
+        if self.linear_intermediate < 0:
+            raise ValueError(f"linear_intermediate must be >= 0 (0: not timed); got {self.linear_intermediate}.")
         if any(not 0 < d <= 1 for d in self.densities):
             raise ValueError(f"densities must be in (0, 1]; got {self.densities}.")
         if self.num_q_heads % self.num_kv_heads:
@@ -463,6 +473,7 @@ class Bench:
         # per (S, estimated layout): estimation + layout construction of one attention call (time_estimation)
         self.estimation: list[dict] = []
         self.skipped: list[dict] = []  # sequence lengths whose set-up failed
+        self.linear: list[dict] = []  # per S: the MLP matrix product's rate (`linear_rate`)
 
     def release_memory(self) -> None:
         if self.device == "cuda":
@@ -606,6 +617,32 @@ class Bench:
             self.record(seq_len, "dense", variant, causal_pairs, 1.0, 0.0, functools.partial(_sdpa, backend), expanded,
                         dout)
 
+    def linear_rate(self, seq_len: int) -> None:
+        """Time one matrix product of a decoder's MLP over `seq_len` tokens, forward + backward (y = x W; dx, dW:
+        6 x S x hidden x intermediate FLOPs) in the run's dtype: the linear layers' rate on this device."""
+        a = self.args
+        hidden, wide = a.num_q_heads * a.head_dim, a.linear_intermediate
+        g = torch.Generator(device=self.device).manual_seed(a.seed)
+        dtype = getattr(torch, a.dtype)
+        x, w = (torch.randn(*shape, generator=g, device=self.device).to(dtype).requires_grad_()
+                for shape in ((seq_len, hidden), (hidden, wide)))
+        dy = torch.randn(seq_len, wide, generator=g, device=self.device).to(dtype)
+
+        def forward_backward():
+            x.grad = w.grad = None
+            (x @ w).backward(dy)
+
+        row = {"seq_len": seq_len, "hidden": hidden, "intermediate": wide, "dtype": a.dtype}
+        try:
+            ms = time_ms(forward_backward, a.warmup, a.repeats, self.device)
+            row.update(status="ok", fwd_bwd_ms=ms, fwd_bwd_tflops=6.0 * seq_len * hidden * wide / ms / 1e9)
+            shown = f"fwd+bwd {ms:.2f} ms, {row['fwd_bwd_tflops']:.1f} TFLOP/s"
+        except torch.OutOfMemoryError as e:
+            row.update(status="oom", reason=str(e).splitlines()[0])
+            shown = row["reason"]
+        self.linear.append(row)  # (its tensors freed on return; `run` releases the cache after each S)
+        print(f"[S={seq_len} linear {hidden}x{wide}] {row['status']}: {shown}", flush=True)
+
     def run(self, after_each_seq_len: Callable[[], None] | None = None):
         """The whole sweep. A sequence length whose set-up fails (inputs, layouts, estimation: out of
         memory at 256K, say) is recorded in `skipped` and the next one runs; `after_each_seq_len` is
@@ -654,6 +691,8 @@ class Bench:
             self.sparse_case(seq_len, name, layout, inputs, grad, est_ms.get(name), variants)
         if a.dense:
             self.dense_case(seq_len, tensors, dout)
+        if a.linear_intermediate:
+            self.linear_rate(seq_len)
 
 
 def baseline_ratios(rows: list[dict]) -> list[dict]:
@@ -847,6 +886,26 @@ def engine_table(rows: list[dict], env: dict, args: BenchAttentionArguments, com
             "command": command, "rows": table}
 
 
+def rate_shares(rows: list[dict], linear: list[dict]) -> list[dict]:
+    """Per S and layout of ours: our fwd+bwd TFLOP/s on the computed pairs over the MLP matrix product's
+    (`Bench.linear_rate`) at that S, beside the planner's `ATTENTION_RATE_SHARE`, which weighs a token's linear work
+    against its attention pairs by this share."""
+    rates = {r["seq_len"]: r["fwd_bwd_tflops"] for r in linear if r["status"] == "ok"}
+    return [{"seq_len": r["seq_len"], "layout": r["layout"], "ours_tflops": r["fwd_bwd_tflops"],
+             "linear_tflops": rates[r["seq_len"]], "measured_share": r["fwd_bwd_tflops"] / rates[r["seq_len"]],
+             "planner_share": ATTENTION_RATE_SHARE}
+            for r in rows if r["variant"] == "ours" and r["status"] == "ok" and r["seq_len"] in rates]
+
+
+def format_rate_shares(shares: list[dict]) -> str:
+    lines = ["our attention's rate over the MLP matrix product's (the planner's ATTENTION_RATE_SHARE: "
+             f"{ATTENTION_RATE_SHARE})", f"{'S':>8} {'layout':<14} {'ours TFLOP/s':>13} {'linear TFLOP/s':>15} "
+             f"{'share':>6}"]
+    lines += [f"{s['seq_len']:>8} {s['layout']:<14} {s['ours_tflops']:>13.1f} {s['linear_tflops']:>15.1f} "
+              f"{s['measured_share']:>6.2f}" for s in shares]
+    return "\n".join(lines)
+
+
 def build_report(bench: Bench, env: dict, complete: bool, command: list[str] | None = None) -> dict:
     a = bench.args
     return {
@@ -863,6 +922,8 @@ def build_report(bench: Bench, env: dict, complete: bool, command: list[str] | N
         "estimation": estimation_report(bench.rows, bench.estimation),
         "ratios": baseline_ratios(bench.rows),
         "column_costs": column_costs(bench.rows),
+        "linear": bench.linear,
+        "rate_shares": rate_shares(bench.rows, bench.linear),
         "targets": issue_targets(bench.rows, bench.estimation),
         "engine_targets": engine_targets(bench.rows),
     }
@@ -886,6 +947,9 @@ def print_report(report: dict) -> None:
     if report["estimation"]:
         print()
         print(format_estimation(report["estimation"]))
+    if report["rate_shares"]:
+        print()
+        print(format_rate_shares(report["rate_shares"]))
     print(format_profiles(report["results"], lambda r: f"S={r['seq_len']} {r['layout']} {r['variant']}: one fwd+bwd "
                           f"step by kernel (timed median {r['fwd_bwd_ms']:.2f} ms)"), end="")
     print()

@@ -366,6 +366,7 @@ def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
         "attention_fwd_bwd_ms": _rows(attention, *attention_rows),
         "attention_ratios": attention.get("ratios", []),
         "column_costs": attention.get("column_costs", []),
+        "rate_shares": attention.get("rate_shares", []),
         "estimation": [{k: e.get(k) for k in ("seq_len", "layout", "total_ms", "share_of_fwd_bwd", "peak_mib",
                                               "layout_mib", "peak_over_layout")}
                        for e in attention.get("estimation", [])],
@@ -416,6 +417,10 @@ def format_summary(report: dict) -> str:
                      f"({100 * c['columns_time_share']:.1f}% of the time for {100 * c['column_share']:.1f}% of the "
                      f"pairs); block pairs {c['blocks_tflops']:.0f} TFLOP/s"
                      + (f" (Flex on them {c['flex_tflops']:.0f})" if c["flex_tflops"] is not None else ""))
+    for r in h.get("rate_shares", []):  # (absent from sessions before it was measured)
+        lines.append(f"  rate share {r['seq_len'] // 1024}K {r['layout']}: ours {r['ours_tflops']:.0f} TFLOP/s "
+                     f"over the MLP product's {r['linear_tflops']:.0f} = {r['measured_share']:.2f} (planner: "
+                     f"{r['planner_share']})")
     for e in h["estimation"]:
         share = "-" if e["share_of_fwd_bwd"] is None else f"{100 * e['share_of_fwd_bwd']:.1f}% of our fwd+bwd"
         memory = "" if e.get("peak_mib") is None else (f"; peak {e['peak_mib']:.0f} MiB, {e['peak_over_layout']:.2f}x "

@@ -97,6 +97,8 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(dry_runs):
     assert [(c["against"], c["status"]) for c in attention["checks"]] == [("flex_engine", "pass"), ("flex", "pass")]
     assert {"flex", "flex_flash", "sdpa_cudnn"} <= set(attention["ratios"][0]["over"])
     assert len(attention["engine_targets"]) == 3 and len(attention["targets"]) == 7
+    (linear,) = attention["linear"]  # the MLP product's rate, and ours over it (the planner's rate share)
+    assert linear["status"] == "ok" and {s["layout"] for s in attention["rate_shares"]} >= {"vs@5%", "dense"}
     table = json.loads((tmp_path / "engine_table.json").read_text())
     assert table["kind"] == "hf_sparse_cp engine table" and table["rows"] == []  # no flex fwd+bwd on CPU
 
@@ -128,6 +130,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(dry_runs):
     assert len(headline["attention_fwd_bwd_ms"]) == len(attention["results"])
     assert len(headline["wide_attention_fwd_bwd_ms"]) == len(wide["results"])
     assert headline["estimation"][0]["peak_mib"] == estimation["peak_mib"]
+    assert headline["rate_shares"] == attention["rate_shares"] and "rate share" in stdout
     # the gpu-marked tests at head_dim 160/256 and fp32 ran (skipped without a GPU), their report folded in here
     tests = headline["wide_tests"]
     assert tests["skipped"] == len(tests["tests"]) >= 5 and tests["passed"] == tests["failed"] == 0

@@ -191,6 +191,15 @@ def test_sweep_orchestration_runs_on_cpu(bench):
     assert est["layout"] == "est v16/s4" and est["share_of_fwd_bwd"] > 0
     assert sweep.rows[1]["estimation_ms"] == est["total_ms"]
     assert "est v16/s4" in bench.format_table(sweep.rows)
+    # the MLP matrix product's rate at the S, and ours over it on each of our rows (the planner's rate share)
+    (linear,) = sweep.linear
+    assert linear["status"] == "ok" and linear["fwd_bwd_tflops"] == pytest.approx(
+        6 * 512 * linear["hidden"] * linear["intermediate"] / linear["fwd_bwd_ms"] / 1e9)
+    shares = bench.rate_shares(sweep.rows, sweep.linear)
+    assert [s["layout"] for s in shares] == ["vs@20%", "est v16/s4", "dense"]
+    assert all(s["measured_share"] == pytest.approx(s["ours_tflops"] / linear["fwd_bwd_tflops"]) for s in shares)
+    assert "ATTENTION_RATE_SHARE: 0.4" in bench.format_rate_shares(shares)
+    assert bench.rate_shares(sweep.rows, [{**linear, "status": "oom"}]) == []
 
 
 def test_a_sequence_length_that_fails_to_set_up_is_skipped_and_the_rest_saved(bench, monkeypatch, capsys):

@@ -52,7 +52,8 @@ PAD, DENSE, SPARSE = "pad", "dense", "sparse"
 # The attention kernel's FLOP/s on the pairs it computes over the matrix products': a token pair costs more time
 # than its FLOPs' share of the linear layers. About 0.4: our kernels' 284 TFLOP/s on the computed pairs (H100,
 # 128K, 5% kept; 299 on an H200) over the 753 TFLOP/s the cluster simulator's H100 calibration gives the linear
-# layers and LM head (liger-kernel steps of Qwen2.5-0.5B/1.5B).
+# layers and LM head (liger-kernel steps of Qwen2.5-0.5B/1.5B). benchmarks/bench_attention.py measures both rates on
+# one GPU (its `rate_shares`: ours over an MLP product's, forward + backward); no GPU run has measured it yet.
 ATTENTION_RATE_SHARE = 0.4
 
 
