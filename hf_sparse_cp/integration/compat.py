@@ -43,7 +43,7 @@ from .architectures import (
 # tests (registration, models, loss, patches) on the oldest setup.cfg allows (transformers 5.15, torch 2.6, accelerate
 # 1.10; transformers 5.0-5.3 call the mask function without q_length, 5.4-5.14's LabelSmoother takes no
 # num_items_in_batch).
-TESTED_VERSIONS = {"transformers": ("5.15", "5.25"), "accelerate": ("1.10", "1.15"), "torch": ("2.6", "2.13"),
+TESTED_VERSIONS = {"transformers": ("5.15", "5.25"), "accelerate": ("1.10", "1.16"), "torch": ("2.6", "2.13"),
                    "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "liger_kernel": ("0.8.5", "0.8.5"),
                    "peft": ("0.21", "0.21")}
 
