@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, flash_attention_mask
 
-from ..attention.layout import SparseLayout
+from ..attention.layout import SparseLayout, write_version
 from ..attention.tokens import (
     TokenMeta,
     padding_between_tokens,
@@ -275,7 +275,7 @@ class PerForward:
         self._value = None
 
     def get(self, extra: tuple, tensors: tuple, compute: Callable):
-        key = (extra, tuple(None if t is None else (id(t), t._version) for t in tensors))
+        key = (extra, tuple(None if t is None else (id(t), write_version(t)) for t in tensors))
         if self._key == key and all((ref is None) == (t is None) and (ref is None or ref() is t)
                                     for ref, t in zip(self._refs, tensors)):
             return self._value
