@@ -80,6 +80,12 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"),
                       kwargs.get("config")):
         raise NonCausalMask(kwargs.get("config"), "next key")
+    built = _cache_entry(attention_mask)
+    if built is not None and built[1] == kv_length and built[3] == kv_offset:
+        # (built here already: `generate` builds a compileable cache's mask before the forward, which builds its mask
+        # again from it, as transformers returns a 4D mask as it is; read as a padding mask of the sequence's first
+        # columns, a sliding layer's mask past the window lost its last slots)
+        return attention_mask
     attention_mask = padding_columns_as_sdpa_reads(attention_mask, kv_length, kv_offset)
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
