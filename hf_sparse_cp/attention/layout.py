@@ -44,6 +44,14 @@ def valid_slots(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
     return torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
 
 
+def write_version(tensor: torch.Tensor) -> int | object:
+    """How many in-place writes `tensor` has had (`Tensor._version`, which autograd's own check of saved tensors
+    relies on), for what is kept while its inputs are unchanged. An inference tensor (made under
+    `torch.inference_mode`) counts none and refuses the read: it gets a new object, equal to no other version, so
+    what is kept for it is computed again rather than trusted past a write nobody counted."""
+    return object() if tensor.is_inference() else tensor._version
+
+
 @dataclass(frozen=True)
 class SparseLayout:
     block_idx: torch.Tensor
@@ -69,8 +77,7 @@ class SparseLayout:
             with torch.no_grad():
                 return compute()
         tensors = (*self.tensors(), *inputs)
-        # Tensor._version counts in-place writes (autograd's own check of saved tensors relies on it)
-        versions = tuple(t._version for t in tensors)
+        versions = tuple(map(write_version, tensors))
         entry = self._derived.get(name)
         if (entry is not None and entry[0] == key and len(entry[1]) == len(tensors)
                 and all(a is b for a, b in zip(entry[1], tensors)) and entry[2] == versions):
@@ -84,7 +91,7 @@ class SparseLayout:
               input_versions: tuple[int, ...] | None = None) -> None:
         """Keeps `value` for this layout's tensors as they are and `inputs` at `input_versions` (default: now)."""
         tensors = (*self.tensors(), *inputs)
-        versions = tuple(t._version for t in tensors)
+        versions = tuple(map(write_version, tensors))
         if input_versions is not None:
             versions = versions[:4] + input_versions
         self._derived[name] = (key, tensors, versions, value)
@@ -104,7 +111,7 @@ class SparseLayout:
         tensors, entries = list(self.tensors()), []
         for name, (key, used, versions, value) in () if torch.compiler.is_compiling() else self._derived.items():
             if (isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value)
-                    and versions == tuple(t._version for t in used)):
+                    and versions == tuple(map(write_version, used))):
                 entries.append((name, key, used[4:], versions[4:], type(value), len(value)))
                 tensors.extend(value)
         return tuple(tensors), LayoutSkeleton(self.block_size, tuple(entries))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, flash_attention_mask
 
-from ..attention.layout import SparseLayout
+from ..attention.layout import SparseLayout, write_version
 from ..attention.tokens import (
     TokenMeta,
     padding_between_tokens,
@@ -80,6 +80,12 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"),
                       kwargs.get("config")):
         raise NonCausalMask(kwargs.get("config"), "next key")
+    built = _cache_entry(attention_mask)
+    if built is not None and built[1] == kv_length and built[3] == kv_offset:
+        # (built here already: `generate` builds a compileable cache's mask before the forward, which builds its mask
+        # again from it, as transformers returns a 4D mask as it is; read as a padding mask of the sequence's first
+        # columns, a sliding layer's mask past the window lost its last slots)
+        return attention_mask
     attention_mask = padding_columns_as_sdpa_reads(attention_mask, kv_length, kv_offset)
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
@@ -275,7 +281,7 @@ class PerForward:
         self._value = None
 
     def get(self, extra: tuple, tensors: tuple, compute: Callable):
-        key = (extra, tuple(None if t is None else (id(t), t._version) for t in tensors))
+        key = (extra, tuple(None if t is None else (id(t), write_version(t)) for t in tensors))
         if self._key == key and all((ref is None) == (t is None) and (ref is None or ref() is t)
                                     for ref, t in zip(self._refs, tensors)):
             return self._value

@@ -333,8 +333,9 @@ PATCHES = (
           "model uses (model checks under CP), and each sub-config's, which a composite model's towers keep and the "
           "undo restores (integration/composite.py)"),
     # -- torch and Triton --
-    Patch("torch.Tensor", "_version", "reads", "a layout's derived tensors are reused only while nothing wrote "
-          "its tensors in place (autograd's own saved-tensor check)"),
+    Patch("torch.Tensor", "_version", "reads", "a layout's derived tensors and a forward's token metadata are reused "
+          "only while nothing wrote their tensors in place (autograd's own saved-tensor check); an inference tensor "
+          "has none, and is never reused by (attention/layout.py `write_version`)"),
     Patch("torch.distributed.ProcessGroup", "_get_backend", "calls", "the context-parallel groups take the default "
           "group's timeout (--ddp_timeout; torch gives a new group its backend's default, 30 min for gloo, and has no "
           "public getter: distributed/comm.py `group_timeout`)"),

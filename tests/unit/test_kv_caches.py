@@ -269,3 +269,38 @@ def test_decoding_strategies_through_the_cache_give_sdpas_tokens(mode):
         torch.manual_seed(5)
         tokens.append(model.generate(prompt, **kw))
     assert torch.equal(*tokens)
+
+
+def test_a_left_padded_batch_under_inference_mode_matches_sdpa():
+    """`torch.inference_mode()` (as `torch.no_grad()`, eval's other context) makes inference tensors, which count no
+    in-place writes: reading their `_version` (what the per-forward token metadata and a layout's derived values
+    are kept by) raised "Inference tensors do not track version counter" at the first layer."""
+    ref, ours = _pair()
+    prompt = torch.randint(3, 259, (2, 100), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :30] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.inference_mode():
+        logits = [model(input_ids=prompt, attention_mask=mask).logits for model in (ours, ref)]
+        got, want = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert rel_rms(logits[0][mask.bool()], logits[1][mask.bool()]) <= TOLERANCE[torch.float32]
+    assert torch.equal(got.sequences, want.sequences)
+    assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
+def test_static_cache_generation_past_the_window_of_a_model_without_layer_types_matches_sdpa(padded):
+    """Mistral's config has no `layer_types`: for a StaticCache `generate` builds one mask through the backend's mask
+    function and hands it to the forward, which builds its mask again from it. Read again as a padding mask of the
+    sequence's first columns, a sliding layer's [B, window] mask past the window lost its last slots (5 of 8 seen,
+    then 4 of 8, in the first decoding steps): the tokens stayed SDPA's, the logits were 0.36-0.51 from them."""
+    ref, ours = _pair("mistral", sliding_window=8)
+    prompt = torch.randint(3, 259, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
+              output_logits=True, return_dict_in_generate=True)
+    got, want = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]

@@ -112,6 +112,23 @@ def test_a_restored_layout_keeps_only_derived_values_that_still_hold():
     assert len(calls) == 4
 
 
+def test_derived_values_of_inference_tensors_are_computed_again_not_kept_past_a_write():
+    """A layout built or read under `torch.inference_mode` (the kernels' full/partial split at inference on CUDA) holds
+    inference tensors, which count no in-place writes: reading their `_version` raised "Inference tensors do not
+    track version counter". Nothing can tell whether they were written since, so the value is computed again."""
+    from hf_sparse_cp.testing.layouts import random_layout
+
+    calls = []
+    with torch.inference_mode():
+        tokens = torch.arange(64)
+        layout = random_layout(1, 2, 64, 64, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(3))
+        for _ in range(2):
+            doubled = layout.derived("doubled", (tokens,), None, lambda: calls.append(1) or (tokens * 2,))
+            tokens.add_(1)  # (uncounted)
+        tensors, skeleton = layout.take_apart()
+    assert torch.equal(doubled[0], (tokens - 1) * 2) and len(calls) == 2 and len(tensors) == 4
+
+
 def _bench_shaped_inputs(s: int, bs: int = 64, heads: int = 14, seed: int = 0, columns: int | None = None) -> dict:
     """bench_e2e's pattern for 0.5B scaled to S: 14 query heads, 0.01 * S kept columns per head (or `columns`, and 64
     sinks), about 0.02 * NB kept block diagonals per head, blocks of 64."""
