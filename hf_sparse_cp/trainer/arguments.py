@@ -152,6 +152,12 @@ class SparseCPArguments(KnownKeywords):
                  "datasets": self.sparse_card_datasets, "tags": self.sparse_card_tags}
         return {name: value for name, value in given.items() if value}
 
+    def checkpointing_due(self, max_length: int | None) -> bool:
+        """Whether sequences of `max_length` tokens (None: unknown, no) turn gradient checkpointing on
+        (`--sparse_gradient_checkpointing_min_length`; 0: never)."""
+        threshold = self.sparse_gradient_checkpointing_min_length
+        return bool(threshold) and max_length is not None and max_length >= threshold
+
     def memory_savers(self, max_length: int | None) -> MemorySavers:
         """The memory savers for sequences of `max_length` tokens (None: unknown, no token tiles)."""
         tiled = bool(self.sparse_token_tiling_min_length) and max_length is not None and (

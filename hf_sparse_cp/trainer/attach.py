@@ -158,16 +158,10 @@ def _switch(model: torch.nn.Module, patches: PatchSet, sparse_args: SparseCPArgu
     remove_guard = guard_registration(model)
     if remove_guard is not None:
         patches.on_undo(remove_guard)
-    threshold = sparse_args.sparse_gradient_checkpointing_min_length
-    if (
-        training_args is not None
-        and max_length is not None
-        and threshold
-        and max_length >= threshold
-        and not checkpointing_enabled(training_args)
-    ):
+    if (training_args is not None and sparse_args.checkpointing_due(max_length)
+            and not checkpointing_enabled(training_args)):
         logger.warning("Sequence length %d >= --sparse_gradient_checkpointing_min_length %d: turning gradient "
-                       "checkpointing on.", max_length, threshold)
+                       "checkpointing on.", max_length, sparse_args.sparse_gradient_checkpointing_min_length)
         for name in _CHECKPOINTING_FLAGS:
             if hasattr(training_args, name):
                 patches.set_attr(training_args, name, True, outside=True)
@@ -301,9 +295,9 @@ def savers_left_off(trainer: Trainer, sparse_args: SparseCPArguments, tokens: in
     """The memory savers that rows of `tokens` tokens would have turned on (the thresholds of `sparse_args`) and the
     trainer's model runs without: set up for shorter rows, or for a length not known."""
     off = []
-    threshold = sparse_args.sparse_gradient_checkpointing_min_length
-    if threshold and tokens >= threshold and not checkpointing_enabled(trainer.args):
-        off.append(f"gradient checkpointing (--sparse_gradient_checkpointing_min_length {threshold})")
+    if sparse_args.checkpointing_due(tokens) and not checkpointing_enabled(trainer.args):
+        off.append("gradient checkpointing (--sparse_gradient_checkpointing_min_length "
+                   f"{sparse_args.sparse_gradient_checkpointing_min_length})")
     if sparse_args.memory_savers(tokens).tiled and not token_tiles_enabled(trainer.model):
         off.append(f"token tiles (--sparse_token_tiling_min_length {sparse_args.sparse_token_tiling_min_length})")
     return off
@@ -319,9 +313,11 @@ def row_length_watch(trainer: Trainer, sparse_args: SparseCPArguments,
 
     def check(inputs: Any) -> None:
         nonlocal warned
+        if warned:
+            return
         rows = inputs.get("input_ids", inputs.get("inputs_embeds")) if isinstance(inputs, Mapping) else None
         tokens = rows.shape[1] if isinstance(rows, torch.Tensor) and rows.dim() >= 2 else 0
-        if warned or (max_length is not None and tokens <= max_length):
+        if max_length is not None and tokens <= max_length:
             return
         off = savers_left_off(trainer, sparse_args, tokens)
         if off:
