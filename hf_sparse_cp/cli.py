@@ -198,7 +198,7 @@ def _launch(argv: list[str], command: str = "launch") -> int:
         from hf_sparse_cp.launch.known_scripts import module_found, reads_trl_config, script_refusal
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
-        with parsing_for_launch():  # (as one of the processes, which say what the flags do themselves)
+        with parsing_for_launch(processes):  # (as one of the processes, which say what the flags do themselves)
             plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
             try:
                 run_flags = launched_flags(plugin, args, reads_trl_config(target, is_module))
@@ -259,7 +259,7 @@ def _train(argv: list[str]) -> int:
         from hf_sparse_cp.examples import train_long_context as example
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
-        with parsing_for_launch():
+        with parsing_for_launch(processes):
             parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
         refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
         if parsed.script.model_name_or_path:  # (each process checks it as it loads the model: a folder not there)

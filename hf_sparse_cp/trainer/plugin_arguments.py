@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
@@ -67,17 +67,32 @@ COMMON_FLAGS = (LENGTH_FIELD, *(name for part in _PARTS for name in part.COMMON_
 _PARSING_FOR_LAUNCH: ContextVar[bool] = ContextVar("hf_sparse_cp_parsing_for_launch", default=False)
 
 
-def parsing_for_launch() -> contextlib.AbstractContextManager[None]:
+# The processes the launcher parsing a script's flags will start (`parsing_for_launch`), where it says.
+_LAUNCH_PROCESSES: ContextVar[int | None] = ContextVar("hf_sparse_cp_launch_processes", default=None)
+
+
+@contextlib.contextmanager
+def parsing_for_launch(processes: int | None = None) -> Iterator[None]:
     """Inside the block, training arguments parse as in one of several launched processes: a setting that needs
     several (--fsdp) is not refused for running alone (the launcher checks a script's flags here, once, before it
     starts the processes), and a Trainer that a script launched here builds is refused (`hf-sparse-cp launch` runs a
-    script here for its --help alone)."""
-    return scoped(_PARSING_FOR_LAUNCH, True)
+    script here for its --help alone). `processes`: how many the launcher starts (`launch_world_size`)."""
+    with scoped(_PARSING_FOR_LAUNCH, True), scoped(_LAUNCH_PROCESSES, processes):
+        yield
 
 
 def is_parsing_for_launch() -> bool:
     """Whether a launcher is parsing a script's flags before starting its processes (`parsing_for_launch`)."""
     return _PARSING_FOR_LAUNCH.get()
+
+
+def launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
+    """The processes of the run whose flags parse: the launcher's count as it parses them before starting the
+    processes (`parsing_for_launch`), WORLD_SIZE in a launched process, None where not known (a process alone)."""
+    processes = _LAUNCH_PROCESSES.get() if is_parsing_for_launch() else None
+    if processes is None and "WORLD_SIZE" in env:
+        processes = int(env["WORLD_SIZE"])
+    return processes
 
 
 # True inside `parsing_for_cpu`: the script's arguments give --use_cpu, a field the plugin's own arguments lack.

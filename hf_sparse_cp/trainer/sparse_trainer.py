@@ -60,6 +60,7 @@ from .plugin_arguments import (
     PluginArgumentsMixin,
     class_namespace,
     is_parsing_for_launch,
+    launch_world_size,
     plugin_fields,
 )
 from .reference import attend_like_trained_model
@@ -139,6 +140,11 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             if self.sparse_attention:  # (what the Trainer refuses, once the script has built its data)
                 training_fused_ops(self.sparse_fused_ops, self)
             if self.cp_schedule:
+                world = launch_world_size()
+                if world is not None:
+                    # each stage's CP degree against the processes first: a length refused for its blocks per CP
+                    # rank named other lengths, which the processes then refused for the degree (3:256:3 on 2)
+                    self.check_launch({"WORLD_SIZE": str(world)})
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
                 # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
                 known = self.sparse_attention and self.sparse_config is None

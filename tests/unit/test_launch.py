@@ -138,6 +138,23 @@ def test_a_cp_degree_this_launch_cannot_run_is_refused_at_parse_time(tmp_path, m
     check_launched([1, 2, 4], {"WORLD_SIZE": "4"})
 
 
+def test_a_schedule_stage_s_cp_degree_is_refused_before_its_length(tmp_path, monkeypatch):
+    """`--cp_schedule 0:256:1,5:256:3` parsed for 2 processes was refused for 256 tokens not splitting into whole
+    blocks over 3 CP ranks, naming seq_len=192 or 288, which the processes then refused for the degree."""
+    from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with parsing_for_launch(2), pytest.raises(ValueError, match=re.escape(
+            "--cp_schedule stage 1 (5:256:3): cp_size=3 does not divide the world size 2")):
+        SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=6, sparse_block_size=32,
+                                cp_schedule="0:256:1,5:256:3")
+    # where the world size is not known (a process alone), the length, which the flags alone decide
+    with pytest.raises(ValueError, match=r"seq_len=256 does not split into whole blocks of 32 tokens over 3 CP ranks"):
+        SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=6, sparse_block_size=32,
+                                cp_schedule="0:256:1,5:256:3")
+
+
 def test_the_command_splits_at_the_script_path():
     assert split_command(["--smet", "train.py", "--smet", "x.py"]) == (["--smet"], "train.py", False, ["--smet",
                                                                                                        "x.py"])
@@ -634,6 +651,9 @@ def test_a_bad_plugin_flag_of_a_launched_script_is_refused_with_its_message_alon
     ["launch", "--nproc", "2", "--cp_size", "3", "train.py"],  # before the script path
     ["launch", "--nproc", "2", "train.py", "--output_dir", "out", "--cp_size=3"],  # the script's parser takes it
     ["launch", "--nproc", "2", "train.py", "--cp_schedule", "0:64:1,5:128:3"],  # a curriculum stage's degree
+    # the degree, not what follows from it: 128 tokens do not split into whole blocks over 3 CP ranks either, and the
+    # refusal named other lengths (3:192:3), which the processes then refused for the degree
+    ["train", "--nproc", "2", "--cp_schedule", "0:256:1,5:128:3", "--max_steps", "6"],
     ["launch", "--config_file", "cpu_2proc_cp2", "train.py", "--cp_size", "3"],  # the accelerate config's processes
     ["train", "--nproc", "2", "--cp_size", "3", "--max_steps", "1"],
     ["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "3"],
@@ -656,7 +676,9 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert refused.value.code == 2 and not started
     err = capsys.readouterr().err
     stage = "--cp_schedule stage 1 (5:128:3): " if "--cp_schedule" in argv else ""  # (the stage refused, named)
-    assert (f"hf-sparse-cp {argv[0]}: error: {stage}cp_size=3 does not divide the world size 2 (the number of "
+    # (the example's schedule is refused by its own parse, as its other stage refusals are)
+    prog = "train_long_context.py" if stage and argv[0] == "train" else f"hf-sparse-cp {argv[0]}"
+    assert (f"{prog}: error: {stage}cp_size=3 does not divide the world size 2 (the number of "
             "processes)") in err
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
