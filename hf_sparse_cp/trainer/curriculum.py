@@ -29,6 +29,7 @@ the sampler begins at the resumed step).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ from ..integration.patching import PatchSet, record_on, undo_recorded
 from ..integration.planner_weights import planned_linear_weight
 from ..integration.registration import store_pattern
 from ..reporting.model_card import CardStage
+from ..smet import SMETConfig
 from .arguments import flag_errors
 from .context_parallel import (
     check_loss,
@@ -180,6 +182,12 @@ def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) ->
     is unknown or invalid, or a length that does not split into whole blocks per CP rank."""
     with stage.refusals(i):
         unknown = set(stage.sparse) - set(SparseAttentionConfig.keys())
+        smet = sorted(k for k in unknown if k.removeprefix("smet_") in _SMET_FIELDS and k != "mode")
+        if smet:  # (`mode` alone may be meant as the pattern's budget.mode)
+            flags = " ".join(f"--smet_{k.removeprefix('smet_')} {stage.sparse[k]}" for k in smet)
+            raise ValueError(f"{smet} are SMET settings, which hold for the whole run (a stage changes the sequence "
+                             "length, the CP layout and the sparse-attention pattern only): drop them from the stage "
+                             f"and set them for the run ({flags}).")
         if unknown:
             raise ValueError(f"{sorted(unknown)} are not sparse-pattern fields (SparseAttentionConfig) or CP fields "
                              "(ContextParallelConfig); use e.g. mass_threshold=0.005 or cp_mode=ulysses.")
@@ -218,6 +226,7 @@ def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[
     return tuple(starts)
 
 
+_SMET_FIELDS = frozenset(f.name for f in dataclasses.fields(SMETConfig))
 _ORDER = ("cp_schedule stage {i} ({text}) starts at {unit} {start}, not after stage {j} ({unit} {earlier}): order the "
           "stages by their start.")
 _FIRST_START = "cp_schedule's first stage ({}) must start at 0 (or 0ep)."

@@ -164,6 +164,12 @@ def test_a_stages_layout_refused_for_the_model_spells_the_fix_as_the_stage_write
     (dict(cp_schedule="0:256:1,2:500:2"), r"stage 1 \(2:500:2\): seq_len=500 does not split into whole blocks of 32 "
                                           r"tokens over 2 CP ranks .*use seq_len=448 or 512"),
     (dict(cp_schedule="0:256:1,2:512:2:vertical_top=4"), r"\['vertical_top'\] are not sparse-pattern fields"),
+    # SMET's settings (typed as their flags or their fields) hold for the run: the refusal named pattern fields alone
+    (dict(cp_schedule="0:256:1,2:512:2:smet_density=0.25:update_interval=4"), re.escape(
+        "stage 1 (2:512:2:smet_density=0.25:update_interval=4): ['smet_density', 'update_interval'] are SMET "
+        "settings, which hold for the whole run (a stage changes the sequence length, the CP layout and the "
+        "sparse-attention pattern only): drop them from the stage and set them for the run (--smet_density 0.25 "
+        "--smet_update_interval 4).")),
     # a stage's CP fields, alone or with the run's CP flags (they were refused only once the processes had built
     # their data and model)
     (dict(cp_schedule="0:256:1,2:512:2:cp_mode=bogus"), r"stage 1 \(2:512:2:cp_mode=bogus\): cp_mode=bogus \(str\) "
