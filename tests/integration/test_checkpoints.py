@@ -1,7 +1,8 @@
 """Checkpoints of a plugin run say whether they are complete; a resume checks the checkpoint before
 loading anything: an incomplete, damaged or mismatched one (other CP degree, other SMET settings, other
 global batch) is refused naming the cause, and an intact one continues the run exactly (CP 2 with SMET;
-FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, through the sharded state)."""
+FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, through the sharded state; a
+--cp_schedule with SMET resumed before and between its CP switches)."""
 
 import json
 import os
@@ -499,3 +500,44 @@ def test_every_node_that_saves_marks_its_checkpoint(tmp_path):
     os.remove(tmp_path / "checkpoint-2" / MARKER)
     marker.on_save(args, state, None)
     assert not (tmp_path / "checkpoint-2" / MARKER).exists()
+
+
+def test_a_curriculum_with_smet_resumes_before_and_after_a_cp_switch_as_the_uninterrupted_run(tmp_path):
+    """CP 2 -> CP 1 (128 tokens) from step 3 -> CP 2 from step 5 on 2 processes, with SMET's gradient regrowth and
+    gradient accumulation 2, the first step of the CP 1 stage a topology update (every 2 steps): resumed from its
+    step-2 checkpoint (before the switches) and its step-4 one (between them), each run takes every later step in
+    its stage and continues exactly: the losses and SMET's logs of every step, the final weights and the optimizer
+    state (the masks, Adam's moments, the blocks' step counts) are the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    steps = ("--max_steps", "6", "--cp_schedule", "0:256:2,3:128:1,5:256:2", "--gradient_accumulation_steps", "2",
+             "--smet_regrowth", "gradient")
+    runs = {"full": _cli_forked(tmp_path / "full", 2, *steps)}
+    for saved in (2, 4):
+        runs[saved] = _cli_forked(tmp_path / str(saved), 2, *steps, "--resume_from_checkpoint",
+                                  str(tmp_path / "full" / f"checkpoint-{saved}"))
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-3000:]
+
+    def logged(name):  # what each step logged, less what time measures
+        history = json.loads((tmp_path / name / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+        return [{k: v for k, v in log.items() if k not in ("tokens_per_second", "peak_memory_gib")}
+                for log in history if "loss" in log]
+
+    want = logged("full")
+    assert [log["smet/topology_updates"] for log in want] == [0, 1, 1, 2, 2, 3]
+    for saved in (2, 4):
+        got = logged(str(saved))
+        assert got == want, (saved, got, want)  # (the steps before the resume come with the checkpoint's state)
+        for file in ("model.safetensors", "optimizer.pt"):
+            final, ref = (tmp_path / name / "checkpoint-6" / file for name in (str(saved), "full"))
+            final, ref = ((load_file(f) if file.endswith("safetensors") else torch.load(f, weights_only=False))
+                          for f in (final, ref))
+            if file == "optimizer.pt":
+                assert ref["state"][0].keys() >= {"block_index", "block_step", "exp_avg", "exp_avg_sq"}
+                assert final["param_groups"] == ref["param_groups"]
+                final, ref = ({f"{i}/{k}": v for i, state in o["state"].items() for k, v in state.items()}
+                              for o in (final, ref))
+            assert final.keys() == ref.keys()
+            for key, value in ref.items():
+                assert torch.equal(final[key], value), (saved, file, key)
