@@ -1,8 +1,9 @@
-"""SMET on packed documents under document-sharded CP 2 (`--smet --cp_sharding document`) takes the topology decisions
-one process takes: a float64 tiny Llama trained through the stock Trainer on one flattened row (DataCollatorWithFlattening:
-documents of 1 to 290 tokens, one longer than a rank's shard, sparse and dense ones), gradient regrowth (its scores
-reduced over the ranks that each hold part of the row), a topology update every 2 steps. (In float32 a pruning score
-can tie one process's to the last bit, 1 ulp apart between the two runs: one block of one row then differs.)"""
+"""SMET on packed documents under document-sharded CP 2 (`--smet --cp_sharding document`) takes the topology
+decisions one process takes: a float64 tiny Llama trained through the stock Trainer on one flattened row
+(DataCollatorWithFlattening: documents of 1 to 290 tokens, one longer than a rank's shard, sparse and dense ones),
+gradient regrowth (its scores reduced over the ranks that each hold part of the row), a topology update every 2 steps.
+(In float32 two blocks' pruning scores can lie 1 ulp apart, in another order in each run: one block of one row then
+differs.)"""
 
 import os
 

@@ -1287,9 +1287,9 @@ def test_position_ids_that_restart_inside_a_document_of_the_mask_or_cu_seq_lens_
     mask = torch.ones(1, 64, dtype=torch.long)
     mask[0, 60:] = 0
     ids = torch.randint(3, 259, (1, 64), generator=torch.Generator().manual_seed(0))
-    in_mask = re.escape("position_ids restart at token 20 of row 0 (position 0 after 19), inside a run of tokens that "
-                        "the attention_mask keeps as one sequence: with a padding mask, SDPA and flash-attention attend "
-                        "across such packed documents")
+    in_mask = re.escape("position_ids restart at token 20 of row 0 (position 0 after 19), inside a run of tokens "
+                        "that the attention_mask keeps as one sequence: with a padding mask, SDPA and flash-attention "
+                        "attend across such packed documents")
     with pytest.raises(ValueError, match=in_mask):  # the batch context parallelism splits
         sequence_meta({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
     hf_sparse_cp.patch()  # (one process reads the row as SDPA does: one sequence, as through a cache in generate)
