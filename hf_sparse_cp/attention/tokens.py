@@ -10,8 +10,10 @@ attention function (packing by `cu_seq_lens_k` or restarting `position_ids`, the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy
 import torch
@@ -162,6 +164,25 @@ def padding_between_tokens(attention_mask: torch.Tensor | None) -> int | None:
     return int(rows[0, 0]) if rows.numel() else None
 
 
+def check_positions_inside_mask(attention_mask: torch.Tensor | None, inputs: Mapping[str, Any]) -> None:
+    """Raise ValueError where a batch's `position_ids` restart between two neighbouring tokens of its 2D padding mask
+    and no `cu_seq_lens_k` packs the row (`check_positions_within_documents`, one host read): packed documents that a
+    padding mask makes one sequence, as SDPA and flash-attention read them, where without the mask (or with one of
+    ones) they stay apart. For the batches context parallelism splits (`sequence_meta`); a forward's attention calls
+    read such a row as SDPA does (through a cache, generate counts positions from a mask that SDPA reads otherwise).
+    Positions of another shape are left to `check_position_shape`."""
+    positions = packing_positions(inputs.get("position_ids"))
+    if attention_mask is None or positions is None or inputs.get("cu_seq_lens_k") is not None:
+        return
+    batch, seq_len = attention_mask.shape
+    if positions.dim() == 0 or positions.shape[-1] != seq_len or (
+            positions.dim() == 2 and positions.shape[0] not in (1, batch)):
+        return
+    real = attention_mask.bool()
+    segment = torch.where(real, 0, PAD_SEGMENT)
+    check_positions_within_documents(segment, positions.to(real.device).expand(batch, seq_len), None)
+
+
 def padding_queries_see_prior_tokens(meta: TokenMeta) -> TokenMeta:
     """`meta` with every padding token after a real one in the document of the last real token before it, for use as
     the queries of a dense call: SDPA and eager mask padding keys only, so such a padding query attends to the real
@@ -243,7 +264,43 @@ def token_meta_from_kwargs(
         segment = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
     if attention_mask is not None:
         segment = apply_padding_mask(segment, attention_mask.to(device))
+    if position_ids is not None and cu is not None:  # (with a mask alone: `check_positions_inside_mask`)
+        check_positions_within_documents(segment, position_ids.to(device).expand(batch, seq_len), cu)
     return TokenMeta.from_segments(segment)
+
+
+def check_positions_within_documents(segment: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor | None) -> None:
+    """Raise ValueError where `positions` ([B, S]) restart between two tokens of one document of `segment` (its
+    documents from `cu_seq_lens_k`, given as `cu`, or, `cu` None, one per run of a padding mask's real tokens): the
+    two describe other documents (one host read). flash-attention packs by cu_seq_lens, and attends across restarts
+    inside a padding mask's run, as SDPA does, which packs by restarting positions only without a mask; packed
+    positions with no mask (or an all-ones one) keep their documents apart here, so no choice matches them all."""
+    positions = positions.to(segment.device)
+    restart = positions[:, 1:] != positions[:, :-1] + 1
+    inside = (segment[:, 1:] == segment[:, :-1]) & (segment[:, 1:] != PAD_SEGMENT)
+    bad = restart & inside
+    if not bool(bad.any()):
+        return
+    row, col = (int(i) for i in bad.nonzero()[0])
+    col += 1
+    where = (f"position_ids restart at token {col} of row {row} (position {int(positions[row, col])} after "
+             f"{int(positions[row, col - 1])})")
+    if cu is not None:
+        cu = [int(offset) for offset in cu.tolist()]
+        end = next(e for e in cu[1:] if e > col)
+        start = max(s for s in cu if s < col)
+        raise ValueError(
+            f"{where}, inside the document [{start}, {end}) of cu_seq_lens_k: the two give other documents "
+            "(flash-attention packs by cu_seq_lens, SDPA by the position_ids). Pass the boundaries of one packing in "
+            "both (DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives both), or leave cu_seq_lens_q/k "
+            "out to pack by the position_ids.")
+    raise ValueError(
+        f"{where}, inside a run of tokens that the attention_mask keeps as one sequence: with a padding mask, SDPA "
+        "and flash-attention attend across such packed documents, while without one they keep them apart, so this "
+        "batch has no one meaning. To keep the documents apart, pass cu_seq_lens_q/k with the mask "
+        "(DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or no attention_mask (padding as a run of "
+        "its own restarting position_ids, as DataCollatorWithFlattening and TRL's padding_free give it); for one "
+        "sequence, give position_ids that count on through it.")
 
 
 def mask_positions(

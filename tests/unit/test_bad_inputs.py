@@ -1264,3 +1264,48 @@ def test_the_backend_refuses_a_head_dim_scale_mask_or_positions_it_would_misread
             sparse_cp_attention_forward(layer.self_attn, **call)
     out, _ = sparse_cp_attention_forward(layer.self_attn, q, k, k, None, position_ids=torch.arange(64)[None])
     assert out.shape == (2, 64, 4, 32)
+
+
+def test_position_ids_that_restart_inside_a_document_of_the_mask_or_cu_seq_lens_are_refused():
+    """#50: cu_seq_lens_k whose documents hold a restart of the position_ids (other boundaries than the positions')
+    were followed without a word, where SDPA packs by the positions; and under context parallelism a packed row padded
+    with a mask of zeros had its documents attended across, while the same row with no padding (or an all-ones mask)
+    kept them apart: one padding token changed the documents. Both are refused, naming the token and the fix (the
+    mask's case once per batch that CP splits); boundaries both describe alike pass, as do positions counting on
+    across cu_seq_lens' documents (the rotary embedding reads them relative) and a padded row's positions counted
+    through its tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.attention.tokens import check_positions_inside_mask, token_meta_from_kwargs
+    from hf_sparse_cp.distributed.split.blocks import sequence_meta
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    cpu = torch.device("cpu")
+    pos = torch.cat([torch.arange(20), torch.arange(30), torch.arange(10), torch.arange(4)])[None]  # 3 docs + padding
+    mask = torch.ones(1, 64, dtype=torch.long)
+    mask[0, 60:] = 0
+    ids = torch.randint(3, 259, (1, 64), generator=torch.Generator().manual_seed(0))
+    in_mask = re.escape("position_ids restart at token 20 of row 0 (position 0 after 19), inside a run of tokens "
+                        "that the attention_mask keeps as one sequence: with a padding mask, SDPA and flash-attention "
+                        "attend across such packed documents")
+    with pytest.raises(ValueError, match=in_mask):  # the batch context parallelism splits
+        sequence_meta({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
+    hf_sparse_cp.patch()  # (one process reads the row as SDPA does: one sequence, as through a cache in generate)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+    assert model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.shape == (1, 64, 259)
+    with pytest.raises(ValueError, match=re.escape(
+            "position_ids restart at token 50 of row 0 (position 0 after 29), inside the document [20, 64) of "
+            "cu_seq_lens_k: the two give other documents")):
+        token_meta_from_kwargs(1, 64, cpu, None, {"position_ids": pos, "cu_seq_lens_k": torch.tensor([0, 20, 64])})
+    cu = torch.tensor([0, 20, 50, 60])
+    packed = [0, 0, 1, 1, 2, 2, -1]
+    for attention_mask, kwargs in [(mask, {"position_ids": pos, "cu_seq_lens_k": cu}),
+                                   (None, {"position_ids": pos, "cu_seq_lens_k": cu}),
+                                   (None, {"position_ids": torch.arange(64), "cu_seq_lens_k": cu})]:
+        check_positions_inside_mask(attention_mask, kwargs)
+        segment = token_meta_from_kwargs(1, 64, cpu, attention_mask, kwargs).segment[0]
+        assert segment[[0, 19, 20, 49, 50, 59, 60]].tolist() == packed, kwargs
+    for counted in ((mask.cumsum(-1) - 1).clamp_min(0), torch.arange(64)[None]):
+        assert sequence_meta({"input_ids": ids, "attention_mask": mask, "position_ids": counted}).segment[0, 59] == 0

@@ -32,7 +32,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...attention.tokens import PAD_SEGMENT, TokenMeta, padding_between_tokens, token_meta_from_kwargs
+from ...attention.tokens import (
+    PAD_SEGMENT,
+    TokenMeta,
+    check_positions_inside_mask,
+    padding_between_tokens,
+    token_meta_from_kwargs,
+)
 from ...config import check_block_size
 
 SHARDINGS = ("contiguous", "zigzag", "striped")
@@ -308,13 +314,15 @@ def batch_meta(inputs: Mapping[str, Any]) -> TokenMeta:
 
 
 def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
-    """`batch_meta` of a batch that context parallelism splits, which refuses padding between a row's tokens."""
+    """`batch_meta` of a batch that context parallelism splits, which refuses padding between a row's tokens and
+    position_ids that restart inside a padding mask's run of tokens (`check_positions_inside_mask`)."""
     row = padding_between_tokens(inputs.get("attention_mask"))
     if row is not None:
         raise ValueError(
             f"attention_mask pads between the tokens of row {row} (a 0 between two 1s, e.g. left padding after PEFT "
             "prompt tuning's virtual tokens); context parallelism takes padding at the start or the end of a row "
             "only: pad on one side (tokenizer.padding_side), or train without context parallelism (--cp_size 1).")
+    check_positions_inside_mask(inputs.get("attention_mask"), inputs)
     return batch_meta(inputs)
 
 
