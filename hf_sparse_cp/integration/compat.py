@@ -236,6 +236,13 @@ PATCHES = (
           "iterable dataset's batches over all processes; its collate_fn checks the token ids on the host "
           "(`trainer.token_ids`: an id past the vocabulary failed on one CP rank while the others waited)", _CP_UNDO,
           ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
+    Patch(_ACCELERATOR, "prepare_model", "replaces", "a model the Trainer prepared for evaluation only (evaluate() "
+          "before train(): accelerate marks it prepared, unwrapped) is prepared again for training, so that DDP wraps "
+          "it (before: no DDP, each process stepped with its own gradients, a CP rank with its shard's)",
+          "detach_from_trainer(trainer)", ("self", "model", "device_placement", "evaluation_mode")),
+    Patch(_ACCELERATOR, "_models", "reads", "a model prepared for evaluation only, then again for training, is listed "
+          "once among the accelerator's models (its earlier entry dropped), as in a run that trains first",
+          on_instances=True),
     Patch(_ACCELERATOR, "gather_for_metrics", "replaces", "every rank of a CP group evaluates the same batch: the "
           "gather keeps each CP group's values once, before truncating a short last batch", _CP_UNDO,
           ("self", "input_data", "use_gather_object")),

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from typing import Any
@@ -61,6 +62,7 @@ _SPARSITY_LOGGING = "sparsity_logging"
 _STEP_METRICS = "step_metrics"
 _CHECKPOINTS = "checkpoints"
 _DDP_TIMEOUT = "ddp_timeout"
+_PREPARED_AFTER_EVALUATION = "prepared_after_evaluation"
 # A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name
 # (`hf_sparse_cp.launch.launched`).
 LAUNCHED = "launched"
@@ -331,6 +333,44 @@ def row_length_watch(trainer: Trainer, sparse_args: SparseCPArguments,
     return check
 
 
+def prepare_for_training_after_evaluation(trainer: Trainer, patches: PatchSet) -> None:
+    """Make `train()` after `evaluate()` (or `predict()`) wrap the model for training as a run that trains first does.
+
+    An evaluation before any training prepares the model in accelerate's evaluation mode (no DDP wrapper) and marks
+    it prepared; the training's `accelerator.prepare` then returns it as it is. Without DDP, each process stepped with
+    its own gradients: its own batch's under data parallelism, its shard's share under CP (the ranks' weights
+    diverged from the first step, the step's grad norm a rank's own). A model prepared for evaluation only is
+    prepared again when the Trainer prepares it for training: its mark, its entry among the accelerator's models
+    and its mixed-precision forward are taken back first."""
+    accelerator = trainer.accelerator
+    original = accelerator.prepare_model
+    evaluated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its __dict__ entries before
+
+    def prepare_model(model, device_placement=None, evaluation_mode=False):
+        before = evaluated.pop(model, None) if not evaluation_mode else None
+        if before is not None:
+            for name, value in before.items():
+                if value is _ABSENT:
+                    model.__dict__.pop(name, None)
+                else:
+                    model.__dict__[name] = value
+            accelerator._models[:] = [m for m in accelerator._models if m is not model]
+        fresh = evaluation_mode and not getattr(model, "_is_accelerate_prepared", False)
+        saved = {name: model.__dict__.get(name, _ABSENT) for name in _PREPARED_MEMBERS} if fresh else None
+        prepared = original(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if fresh and prepared is model:
+            evaluated[model] = saved
+        return prepared
+
+    patches.set_attr(accelerator, "prepare_model", prepare_model)
+
+
+_ABSENT = object()
+# What accelerate's `prepare_model` sets on the model itself in evaluation mode: the mark that it was prepared and
+# the mixed-precision forward (autocast, outputs in fp32) with the forward it wraps.
+_PREPARED_MEMBERS = ("_is_accelerate_prepared", "forward", "_original_forward")
+
+
 def attach_to_trainer(
     trainer: Trainer,
     sparse_args: SparseCPArguments,
@@ -368,6 +408,8 @@ def attach_to_trainer(
         check_launch(trainer)
     if attached_patches(trainer, _DDP_TIMEOUT) is None:
         apply_ddp_timeout(trainer, record_on(trainer, _DDP_TIMEOUT))
+    if attached_patches(trainer, _PREPARED_AFTER_EVALUATION) is None:
+        prepare_for_training_after_evaluation(trainer, record_on(trainer, _PREPARED_AFTER_EVALUATION))
     if attached_patches(trainer, _STEP_METRICS) is None:
         sparse = compat.attn_implementation(trainer.model.config) == BACKEND_NAME
         count_step_metrics(trainer, record_on(trainer, _STEP_METRICS),
@@ -411,4 +453,5 @@ def detach_from_trainer(trainer: Trainer) -> None:
     undo_recorded(trainer, _SPARSITY_LOGGING)
     undo_recorded(trainer, _STEP_METRICS)
     undo_recorded(trainer, _DDP_TIMEOUT)
+    undo_recorded(trainer, _PREPARED_AFTER_EVALUATION)
     undo_recorded(trainer, LAUNCHED)

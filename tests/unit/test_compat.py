@@ -57,8 +57,10 @@ def test_instance_members_are_checked_on_an_instance():
     class NoLoaders:
         pass
 
-    (problem,) = compat.check_patches({"accelerate.Accelerator": NoLoaders()})
-    assert "accelerate.Accelerator._dataloaders no longer exists" in problem
+    problems = compat.check_patches({"accelerate.Accelerator": NoLoaders()})
+    # (each member set in the Accelerator's __init__: its data loaders, its models)
+    assert sorted(p.split(" no longer exists")[0] for p in problems) == [
+        "accelerate.Accelerator._dataloaders", "accelerate.Accelerator._models"]
     with pytest.raises(RuntimeError, match="_dataloaders"):
         compat.track_data_loader(NoLoaders(), object())
 
