@@ -43,8 +43,11 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     """
     require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
-    if plugin_args is None and parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        plugin_args = {}  # the plugin reads accelerate's FSDP_* variables itself
+    if plugin_args is None and parse_flag_from_env("ACCELERATE_USE_FSDP") and "FSDP_VERSION" in os.environ:
+        # `accelerate launch` of an FSDP config sets both (the plugin reads its FSDP_* variables itself); an Accelerator
+        # built with an FSDP plugin (an earlier Trainer's --fsdp) sets ACCELERATE_USE_FSDP alone in its process, which
+        # must not turn a later Trainer without --fsdp into FSDP (version 1, which then failed on the CPU device)
+        plugin_args = {}
     if (plugin_args is None or getattr(state, "fsdp_plugin", None) is not None
             or state.distributed_type != DistributedType.MULTI_CPU):
         return False
